@@ -1,0 +1,48 @@
+# lossless_hc: the two commands a new user needs are `make demo` and `make test`.
+# Both create .venv on first use (torch CPU 2.13.0, the package built in editable mode) and are idempotent:
+# a second run only rebuilds the extension when its sources changed.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_VERSION := 2.13.0
+# The stamp records that set-up finished; it depends on the files that define the environment.
+STAMP  := $(VENV)/.setup-done
+EXT_SOURCES := $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h) setup.py
+
+.PHONY: setup build demo test test-fast sanitize bench clean
+
+setup: $(STAMP) build
+
+$(STAMP): requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned, so nothing else can pull a CUDA build of several GB.
+	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
+	$(PIP) install --quiet -r requirements-dev.txt "torch==$(TORCH_VERSION)"
+	touch $@
+
+# Editable install; --no-build-isolation reuses the venv's pybind11/setuptools (no network, no torch re-resolve).
+build: $(STAMP) lossless_hc/_C.stamp
+
+lossless_hc/_C.stamp: $(EXT_SOURCES) $(STAMP)
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+demo: setup
+	$(PY) -m lossless_hc.bench codec --numel 4194304 --density 0.01 --workers 8 --repeat 3
+	$(PY) -m lossless_hc.bench codec --numel 4194304 --density 0.01 --workers 8 --block-size 32 --repeat 3
+
+test: setup
+	$(PY) -m pytest -q tests
+
+sanitize: $(STAMP)
+	# ASan/UBSan build of the extension in a separate build dir, then the codec tests against it.
+	bash scripts/sanitize.sh
+
+bench: setup
+	$(PY) -m lossless_hc.bench codec --numel 67108864 --density 0.01 --workers 8
+
+clean:
+	rm -rf build lossless_hc/_C*.so lossless_hc/_C.stamp *.egg-info

@@ -1,0 +1,51 @@
+// CPU (OpenMP) kernels of the lossless codec. Raw pointers and sizes only: no framework types.
+#pragma once
+
+#include <cstdint>
+
+#include "../lhc_layout.h"
+
+namespace lhc {
+namespace cpu {
+
+struct EncodeStats {
+  uint64_t keys = 0;       // non-zero keys found in the input
+  uint32_t non_finite = 0; // 1 if the input held NaN or Inf
+  uint32_t saturated = 0;  // 1 if an index digit of this rank was capped
+};
+
+// Encode `x` (layout.numel floats) into `payload` (layout.payload_numel floats, overwritten).
+// Writes the header fields that depend on the input; deterministic for a given input.
+EncodeStats encode(const CodecLayout& layout, const float* x, float* payload, int num_threads);
+
+enum DecodeStatus : int32_t {
+  kDecodeOk = 0,
+  kDecodeIndexCorrupt = 1,   // an index word is not a valid packed integer, or digit sums disagree
+  kDecodeIndexPeelFailed = 2,// the Bloom counts could not be peeled to per-key counts
+  kDecodeSketchPeelFailed = 3,// the value sketch could not be peeled completely
+};
+
+struct DecodeStats {
+  int32_t status = kDecodeOk;
+  uint64_t candidates = 0;       // keys the index could not rule out
+  uint64_t false_positives = 0;  // candidates whose exact aggregated count is 0 (Bloom only)
+  uint64_t support_keys = 0;     // keys non-zero on at least one rank
+  uint64_t peeled = 0;           // support keys recovered by peeling
+  uint64_t index_total = 0;      // sum of the decoded index digits
+};
+
+// Inputs of decode that come from the (already validated) header.
+struct DecodeInputs {
+  double scale;          // multiply payload fields by this to get sums (n if averaged, else 1)
+  uint64_t total_keys;   // sum over ranks of their non-zero key counts
+  uint64_t world_size;
+};
+
+// Decode an aggregated payload into `out` (layout.numel floats, overwritten: zeros outside the
+// recovered support). `trace_key`/`trace_cell` (may be null) receive, in peeling order, the key
+// peeled and the cell it was read from; they must hold layout.num_keys entries.
+DecodeStats decode(const CodecLayout& layout, const DecodeInputs& in, const float* payload, float* out,
+                   int64_t* trace_key, int64_t* trace_cell, int num_threads);
+
+}  // namespace cpu
+}  // namespace lhc

@@ -1,0 +1,132 @@
+// lhc_layout.h -- the hash family and the payload layout math of the lossless codec.
+//
+// This is the single definition shared by every backend (C++/OpenMP now, CUDA later) and mirrored
+// by the pure-torch reference (lossless_hc/reference.py). Everything here is a pure function of
+// plain integers, so the same key lands in the same cells with the same signs on every backend.
+//
+// Vocabulary
+//   key      a block of `block` consecutive coordinates (block = 1: one coordinate).
+//   cell     one slot of a segmented table; a value-sketch cell holds `block` floats.
+//   segment  a run of `seg_len` consecutive cells. A key touches exactly three cells, one in each of
+//            three consecutive segments start, start+1, start+2 with start uniform in
+//            [0, seg_count - 2). seg_count == 3 is the classic "3 sub-tables" count sketch; more
+//            segments give the spatially coupled layout whose peeling threshold is lower and whose
+//            memory accesses stay local. The three cells of a key are distinct by construction.
+//   digit    a small non-negative integer counter. `per_word` digits of base `base` are packed into
+//            one float32 word as sum_i digit_i * base^i, kept below 2^22 (see kIntFieldLimit).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define LHC_HD __host__ __device__ __forceinline__
+#else
+#define LHC_HD inline
+#endif
+
+namespace lhc {
+
+// Integer fields of the payload stay below 2^22. Float32 represents every integer below 2^24
+// exactly, so a SUM of non-negative fields whose total stays below 2^22 is exact in any order.
+// An AVERAGE divides that sum by n with at most two roundings (divide, or multiply by a rounded 1/n),
+// a relative error of at most 2^-23; times a value below 2^22 that is an absolute error below 1/2,
+// so round(avg * n) recovers the integer exactly.
+constexpr uint32_t kIntFieldBits = 22;
+constexpr uint32_t kIntFieldLimit = 1u << kIntFieldBits;
+
+// Salts separating the independent hash streams derived from one user seed.
+constexpr uint64_t kSaltSketch = 0x5ce7c4a11ULL;
+constexpr uint64_t kSaltBloom = 0xb100f11ULL;
+
+// Payload header: float32 fields, each an integer that every rank contributes (see codec.py).
+enum HeaderField : uint32_t {
+  kHdrContributors = 0,  // 1 per rank: the sum is the number of ranks that contributed
+  kHdrFingerprintLo = 1, // 11-bit halves of the configuration fingerprint
+  kHdrFingerprintHi = 2,
+  kHdrKeysLo = 3,        // this rank's number of non-zero keys, in three 11-bit chunks
+  kHdrKeysMid = 4,
+  kHdrKeysHi = 5,
+  kHdrOverloaded = 6,    // 1 if this rank had more non-zero keys than the capacity
+  kHdrNonFinite = 7,     // 1 if this rank's input held NaN or Inf
+  kHdrSaturated = 8,     // 1 if one of this rank's index counters hit its per-rank cap
+  kHeaderFields = 9,
+};
+constexpr uint32_t kChunkBits = 11;
+
+// splitmix64's finalizer: a bijective 64-bit mixer with full avalanche.
+LHC_HD uint64_t mix64(uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ULL;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return z;
+}
+
+// Map the low 32 bits of h uniformly onto [0, n) without a division (n < 2^32).
+LHC_HD uint64_t reduce32(uint64_t h, uint64_t n) { return ((h & 0xffffffffULL) * n) >> 32; }
+
+// The per-stream seed: one user seed and a salt give an independent stream.
+LHC_HD uint64_t stream_seed(uint64_t seed, uint64_t salt) { return mix64(seed ^ mix64(salt)); }
+
+struct SegmentedTable {
+  uint64_t seg_len;    // cells per segment (>= 1)
+  uint64_t seg_count;  // segments (>= 3)
+  uint64_t stream;     // stream_seed(user seed, salt)
+  LHC_HD uint64_t cells() const { return seg_len * seg_count; }
+};
+
+// The three cells and signs of `key`. Cell j lies in segment start + j, so cells are distinct.
+// sign is +1 or -1 as an integer so callers pick their own arithmetic type.
+LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], int sign[3]) {
+  const uint64_t h = mix64(key ^ t.stream);
+  const uint64_t start = reduce32(h >> 32, t.seg_count - 2);
+#pragma unroll
+  for (int j = 0; j < 3; ++j) {
+    const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
+    cell[j] = (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);
+    sign[j] = (hj >> 63) ? -1 : 1;
+  }
+}
+
+// Only the segment a key starts in (used to order keys for cache locality).
+LHC_HD uint64_t key_start_segment(const SegmentedTable& t, uint64_t key) {
+  return reduce32(mix64(key ^ t.stream) >> 32, t.seg_count - 2);
+}
+
+// Digit packing: `per_word` digits of base `base` in one word.
+struct DigitPacking {
+  uint32_t base;      // n_max + 1, where n_max is the largest aggregated digit possible
+  uint32_t per_word;  // largest p with base^p <= kIntFieldLimit
+  uint64_t digits;    // number of digits stored
+  LHC_HD uint64_t words() const { return (digits + per_word - 1) / per_word; }
+};
+
+enum IndexKind : int { kIndexDense = 0, kIndexBitmap = 1, kIndexBloom = 2 };
+
+// Everything a kernel needs to know about one codec's payload. Offsets count float32 elements.
+struct CodecLayout {
+  uint64_t numel;         // coordinates of the input
+  uint64_t num_keys;      // ceil(numel / block)
+  uint64_t block;         // coordinates per key
+  int32_t index_kind;     // IndexKind
+  SegmentedTable sketch;  // value sketch: sketch.cells() cells of `block` floats
+  SegmentedTable bloom;   // kIndexBloom only
+  DigitPacking index;     // bitmap: one digit per key; bloom: one digit per bloom cell
+  uint32_t digit_cap;     // largest digit one rank may contribute (bitmap 1, bloom q)
+  uint64_t capacity;      // keys one rank may send before it reports itself overloaded
+  uint32_t fingerprint;   // 22-bit configuration fingerprint, split over two header fields
+  uint64_t index_offset;
+  uint64_t sketch_offset;
+  uint64_t payload_numel;
+};
+
+// Write `value` (< 2^33) as three 11-bit chunks starting at header field `first`.
+LHC_HD void write_chunks(float* header, uint32_t first, uint64_t value) {
+  const uint64_t mask = (1ULL << kChunkBits) - 1;
+  header[first + 0] = (float)(value & mask);
+  header[first + 1] = (float)((value >> kChunkBits) & mask);
+  header[first + 2] = (float)((value >> (2 * kChunkBits)) & mask);
+}
+
+}  // namespace lhc

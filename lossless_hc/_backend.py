@@ -1,0 +1,72 @@
+"""Backend dispatch: hands a validated layout and contiguous float32 tensors to the compiled kernels.
+
+Only this module touches ``lossless_hc._C``. Kernels see raw addresses and sizes (``data_ptr()``),
+so the extension does not depend on the torch C++ ABI.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layout import INDEX_KIND_CODE, PayloadLayout
+
+try:
+    from . import _C
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    _C = None
+    _IMPORT_ERROR = exc
+else:
+    _IMPORT_ERROR = None
+
+
+def require_backend(device: torch.device) -> None:
+    if device.type == "cuda":
+        raise NotImplementedError(
+            "lossless_hc was built without its CUDA backend: LosslessCodec(device='cuda') is not available "
+            "in this build; use device='cpu'")
+    if device.type != "cpu":
+        raise ValueError(f"unsupported device {device}; expected 'cpu'")
+    if _C is None:
+        raise ImportError(
+            "lossless_hc._C (the C++ kernels) is not built; run `make build` or `pip install -e .` "
+            f"({_IMPORT_ERROR})")
+
+
+def _table(src) -> "_C.SegmentedTable":
+    t = _C.SegmentedTable()
+    t.seg_len, t.seg_count, t.stream = src.seg_len, src.seg_count, src.stream
+    return t
+
+
+def native_layout(layout: PayloadLayout) -> "_C.CodecLayout":
+    """The C++ mirror of ``layout`` (built once per codec)."""
+    c = _C.CodecLayout()
+    c.numel, c.num_keys, c.block = layout.numel, layout.num_keys, layout.block
+    c.index_kind = INDEX_KIND_CODE[layout.index_kind]
+    c.sketch = _table(layout.sketch)
+    if layout.bloom is not None:
+        c.bloom = _table(layout.bloom)
+    else:
+        empty = _C.SegmentedTable()
+        empty.seg_len, empty.seg_count, empty.stream = 1, 3, 0
+        c.bloom = empty
+    idx = _C.DigitPacking()
+    idx.base, idx.per_word, idx.digits = layout.index.base, layout.index.per_word, layout.index.digits
+    c.index = idx
+    c.digit_cap = layout.digit_cap
+    c.capacity = layout.capacity
+    c.fingerprint = layout.fingerprint
+    c.index_offset = layout.index_offset
+    c.sketch_offset = layout.sketch_offset
+    c.payload_numel = layout.payload_numel
+    return c
+
+
+def encode(native, x: torch.Tensor, payload: torch.Tensor, num_threads: int = 0):
+    return _C.encode(native, x.data_ptr(), payload.data_ptr(), num_threads)
+
+
+def decode(native, scale: float, total_keys: int, world_size: int, payload: torch.Tensor, out: torch.Tensor,
+           trace_key: torch.Tensor | None = None, trace_cell: torch.Tensor | None = None, num_threads: int = 0):
+    return _C.decode(native, float(scale), int(total_keys), int(world_size), payload.data_ptr(), out.data_ptr(),
+                     trace_key.data_ptr() if trace_key is not None else 0,
+                     trace_cell.data_ptr() if trace_cell is not None else 0, num_threads)

@@ -1,0 +1,302 @@
+"""The lossless homomorphic sparse-sum codec (LHC).
+
+Each rank encodes its (sparse) tensor into a fixed-shape float32 payload; the element-wise SUM (or
+AVERAGE) of all ranks' payloads, computed by any engine in any order, decodes to the sum (or
+average) of the ranks' tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _backend
+from .layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
+                     HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, plan_layout)
+
+_ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_DECODE_STATUS = {
+    0: None,
+    1: "index corrupt: an index word is not a valid packed count, or the counts disagree with the header",
+    2: "index peeling failed: the Bloom counters could not be resolved into per-key counts",
+    3: "sketch peeling failed: more distinct non-zero keys than the sketch can separate",
+}
+
+
+@dataclass
+class DecodeReport:
+    """What ``LosslessCodec.decode`` found.
+
+    ok               True iff the output is the exact aggregate (same non-zero keys as the true sum,
+                     values equal to it up to float rounding). When False the output must not be used;
+                     callers fall back to a dense aggregation.
+    reason           why ok is False (None when ok).
+    contributors     ranks that contributed to the payload (from the header).
+    candidates       keys the index could not rule out (union of supports + false positives).
+    false_positives  candidates the exact count peeling proved absent on every rank (Bloom index).
+    support          keys non-zero on at least one rank.
+    peeled           support keys recovered by peeling the value sketch.
+    overloaded_ranks ranks that had more non-zero keys than the codec's capacity.
+    total_keys       sum over ranks of their non-zero key counts.
+    index_kind       "bitmap", "bloom" or "dense".
+    trace            only with ``decode(..., trace=True)``: (keys, cells) in peeling order.
+    """
+
+    ok: bool
+    reason: Optional[str]
+    contributors: int = 0
+    candidates: int = 0
+    false_positives: int = 0
+    support: int = 0
+    peeled: int = 0
+    overloaded_ranks: int = 0
+    total_keys: int = 0
+    index_kind: str = ""
+    trace: Optional[tuple] = None
+
+    @property
+    def unresolved(self) -> int:
+        return self.support - self.peeled
+
+
+class LosslessCodec:
+    r"""Lossless homomorphic compression of sparse tensors for SUM/AVERAGE aggregation.
+
+    Every rank builds the codec with the same arguments. ``encode(x)`` maps a tensor of ``numel``
+    elements with at most ``max_nnz`` non-zeros to a 1-D float32 payload of ``payload_numel``
+    elements (identical on every rank); the element-wise sum of the ranks' payloads decodes to
+    :math:`\sum_r x_r`.
+
+    Algorithm (per rank, keys are blocks of ``block_size`` consecutive coordinates):
+
+    1. Find the non-zero keys :math:`K_r` (a key is non-zero if any of its coordinates is).
+    2. Index: add 1 to the counter(s) of every :math:`k \in K_r` (one counter per key for the
+       ``bitmap`` index, three Bloom counters for ``bloom``), packed as exact integer digits.
+    3. Values: Count Sketch with three hashes and signs, :math:`S[h_j(k)] \mathrel{+}= s_j(k) x_k`
+       for j = 0, 1, 2, a block-long vector per cell; the three cells of a key are distinct.
+
+    Decoding the aggregate (any summation order):
+
+    1. Enumerate candidate keys from the index; for ``bloom``, peel the integer counters exactly so
+       that every candidate gets the exact number of ranks holding it (false positives get 0).
+    2. Peel the sketch over the exact support: a cell reached by one unresolved key holds
+       :math:`s_j(k) x_k`; subtract it from the key's other two cells and repeat. Peeling is
+       sequential in a fixed order, so the output is bitwise deterministic.
+
+    Guarantees: when ``report.ok`` is True the output has exactly the aggregate's non-zero keys
+    (keys that no rank touched are exact zeros) and values equal to the sum up to float rounding
+    (the engine's float32 summation of each sketch cell, then exact-in-double peeling). ok is False,
+    never a wrong answer, when a rank was over capacity, peeling could not finish, a rank's input
+    held NaN/Inf (which would poison shared cells), the ranks' configurations differ, or the payload
+    is not a plain sum/average of ``world_size`` payloads.
+
+    Args:
+        numel: elements of the tensors to encode (any shape with this many elements).
+        world_size: ranks whose payloads are aggregated (1..1024).
+        max_nnz: non-zero coordinates one rank may send; with ``block_size`` b the capacity is
+            ``ceil(max_nnz / b)`` non-zero blocks.
+        block_size: coordinates hashed as one key (1 for unstructured sparsity; the row length for
+            embedding gradients).
+        seed: hash seed, identical on every rank.
+        device: "cpu" (the CUDA backend is a separate build).
+        index: "auto" (smallest payload), "bitmap", "bloom" or "dense".
+
+    Input dtypes: float32; float16/bfloat16 are encoded exactly in float32 and the decoded sum is
+    rounded back to the input dtype. float64 and integer tensors are rejected (float32 payloads
+    would silently round them).
+
+    Example::
+
+        >>> codec = LosslessCodec(numel=1000, world_size=2, max_nnz=10)
+        >>> xs = [torch.zeros(1000), torch.zeros(1000)]
+        >>> xs[0][3], xs[1][3], xs[1][7] = 1.0, 2.0, -1.0
+        >>> y, report = codec.decode(codec.encode(xs[0]) + codec.encode(xs[1]))
+        >>> report.ok, y[3].item(), y[7].item()
+        (True, 3.0, -1.0)
+    """
+
+    def __init__(self, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+                 device="cpu", index: str = "auto", num_threads: int = 0):
+        self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index)
+        self.device = torch.device(device)
+        _backend.require_backend(self.device)
+        self.num_threads = num_threads
+        self._native = _backend.native_layout(self.layout)
+        self._shape = (numel,)
+        self._dtype = torch.float32
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def index_kind(self) -> str:
+        return self.layout.index_kind
+
+    @property
+    def payload_numel(self) -> int:
+        return self.layout.payload_numel
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one rank sends for this tensor (the float32 payload)."""
+        return self.layout.wire_bytes
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the same tensor sent uncompressed as float32."""
+        return 4 * self.layout.numel
+
+    @property
+    def compression_ratio(self) -> float:
+        """wire_bytes / dense_bytes (below 1 means smaller than dense)."""
+        return self.wire_bytes / max(1, self.dense_bytes)
+
+    def __repr__(self) -> str:
+        L = self.layout
+        return (f"LosslessCodec(numel={L.numel}, world_size={L.world_size}, capacity={L.capacity} keys, "
+                f"block_size={L.block}, index={L.index_kind!r}, sketch_cells={L.sketch.cells}, "
+                f"wire_bytes={self.wire_bytes} ({self.compression_ratio:.3f} of dense))")
+
+    # -- encode --------------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.numel() != self.layout.numel:
+            raise ValueError(f"x has {x.numel()} elements, the codec was built for numel={self.layout.numel}")
+        if x.dtype not in _ACCEPTED_DTYPES:
+            raise TypeError(f"x has dtype {x.dtype}; LosslessCodec encodes float32, float16 and bfloat16 "
+                            "(float64 and integers would be rounded by the float32 payload: cast explicitly)")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the codec on {self.device}")
+        if x.is_sparse:
+            raise TypeError("x is a sparse tensor; pass it dense (e.g. x.to_dense())")
+        return x.reshape(-1).to(torch.float32).contiguous()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode ``x`` (numel elements, any shape) into a new 1-D float32 payload.
+
+        The shape and dtype of ``x`` are remembered as the defaults for ``decode``.
+        """
+        flat = self._check_input(x)
+        self._shape, self._dtype = tuple(x.shape), x.dtype
+        L = self.layout
+        if L.index_kind == "dense":
+            payload = torch.empty(L.payload_numel, dtype=torch.float32, device=self.device)
+            payload[HEADER_FIELDS:] = flat
+            self._write_dense_header(payload, flat)
+            return payload
+        payload = torch.empty(L.payload_numel, dtype=torch.float32, device=self.device)
+        _backend.encode(self._native, flat, payload, self.num_threads)
+        return payload
+
+    def _write_dense_header(self, payload: torch.Tensor, flat: torch.Tensor) -> None:
+        L = self.layout
+        mask = (1 << CHUNK_BITS) - 1
+        header = [0.0] * HEADER_FIELDS
+        header[HDR_CONTRIBUTORS] = 1.0
+        header[HDR_FP_LO] = float(L.fingerprint & mask)
+        header[HDR_FP_HI] = float(L.fingerprint >> CHUNK_BITS)
+        header[HDR_NON_FINITE] = 0.0 if flat.numel() == 0 else float(not bool(torch.isfinite(flat).all()))
+        payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _read_header(self, payload: torch.Tensor, scale: float):
+        """Header fields as exact integers, or (None, reason)."""
+        raw = payload[:HEADER_FIELDS].double().mul(scale).tolist()
+        ints = []
+        for v in raw:
+            r = round(v) if v == v and abs(v) < 2 ** 53 else None
+            if r is None or abs(v - r) > 0.25 or r < 0:
+                return None, ("header fields are not non-negative integers: the payload is corrupted, or not a "
+                              "plain sum/average of this codec's payloads")
+            ints.append(int(r))
+        return ints, None
+
+    def decode(self, payload: torch.Tensor, averaged: bool = False, shape=None, dtype=None,
+               trace: bool = False):
+        """Decode an aggregated payload; returns ``(y, report)``.
+
+        Args:
+            payload: element-wise SUM over ``world_size`` ranks of their ``encode`` outputs, or their
+                AVERAGE if ``averaged=True`` (then ``y`` is the average).
+            shape, dtype: of ``y``; default to those of the last ``encode`` call (else 1-D float32).
+            trace: attach the peeling order to the report (diagnostics and tests).
+
+        ``y`` is the exact aggregate when ``report.ok``; otherwise it must not be used (it holds
+        whatever was recovered, NaN if a rank's input was non-finite).
+        """
+        L = self.layout
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
+        if payload.dim() != 1 or payload.numel() != L.payload_numel:
+            raise ValueError(f"payload must be 1-D with {L.payload_numel} elements (this codec's payload_numel), "
+                             f"got shape {tuple(payload.shape)}")
+        if payload.dtype != torch.float32:
+            raise TypeError(f"payload must be float32, got {payload.dtype}")
+        if payload.device != self.device:
+            raise ValueError(f"payload is on {payload.device}, the codec on {self.device}")
+        payload = payload.contiguous()
+        shape = tuple(shape) if shape is not None else self._shape
+        dtype = dtype if dtype is not None else self._dtype
+        n = L.world_size
+        scale = float(n) if averaged else 1.0
+
+        out = torch.zeros(L.numel, dtype=torch.float32, device=self.device)
+        report = DecodeReport(ok=False, reason=None, index_kind=L.index_kind)
+
+        def finish(ok: bool, reason: Optional[str]):
+            report.ok, report.reason = ok, reason
+            return out.reshape(shape).to(dtype), report
+
+        hdr, reason = self._read_header(payload, scale)
+        if hdr is None:
+            out.fill_(float("nan"))
+            return finish(False, reason)
+        report.contributors = hdr[HDR_CONTRIBUTORS]
+        if hdr[HDR_CONTRIBUTORS] != n:
+            hint = " (an averaged payload? pass averaged=True)" if (not averaged and hdr[HDR_CONTRIBUTORS] == 1) else ""
+            out.fill_(float("nan"))
+            return finish(False, f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected world_size={n}{hint}")
+        mask = (1 << CHUNK_BITS) - 1
+        if hdr[HDR_FP_LO] != n * (L.fingerprint & mask) or hdr[HDR_FP_HI] != n * (L.fingerprint >> CHUNK_BITS):
+            out.fill_(float("nan"))
+            return finish(False, "configuration mismatch: ranks built the codec with different numel/world_size/"
+                                 "max_nnz/block_size/seed/index (fingerprints disagree)")
+        report.total_keys = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << CHUNK_BITS) + (hdr[HDR_KEYS_HI] << (2 * CHUNK_BITS))
+        report.overloaded_ranks = hdr[HDR_OVERLOADED]
+        if hdr[HDR_NON_FINITE]:
+            out.fill_(float("nan"))
+            return finish(False, f"non-finite input (NaN/Inf) on {hdr[HDR_NON_FINITE]} rank(s)")
+        if hdr[HDR_SATURATED]:
+            out.fill_(float("nan"))
+            return finish(False, f"index counter saturated on {hdr[HDR_SATURATED]} rank(s)")
+
+        if L.index_kind == "dense":
+            out.copy_(payload[HEADER_FIELDS:])
+            nz = int(torch.count_nonzero(out))
+            report.candidates = report.support = report.peeled = nz
+            return finish(True, None)
+
+        tk = tc = None
+        if trace:
+            tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
+            tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
+        st = _backend.decode(self._native, scale, report.total_keys, n, payload, out, tk, tc, self.num_threads)
+        report.candidates, report.false_positives = st.candidates, st.false_positives
+        report.support, report.peeled = st.support_keys, st.peeled
+        if trace:
+            m = st.peeled
+            report.trace = (tk[:m].clone(), tc[:m].clone())
+        reason = _DECODE_STATUS.get(st.status, f"unknown decode status {st.status}")
+        if reason is None and report.overloaded_ranks:
+            reason = (f"overloaded: {report.overloaded_ranks} rank(s) had more than capacity={L.capacity} non-zero keys "
+                      f"(recovered {st.peeled}/{st.support_keys}); grow max_nnz")
+        return finish(reason is None, reason)

@@ -20,8 +20,10 @@
 
 #if defined(__CUDACC__)
 #define LHC_HD __host__ __device__ __forceinline__
+#define LHC_UNROLL _Pragma("unroll")
 #else
 #define LHC_HD inline
+#define LHC_UNROLL
 #endif
 
 namespace lhc {
@@ -81,7 +83,7 @@ struct SegmentedTable {
 LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], int sign[3]) {
   const uint64_t h = mix64(key ^ t.stream);
   const uint64_t start = reduce32(h >> 32, t.seg_count - 2);
-#pragma unroll
+LHC_UNROLL
   for (int j = 0; j < 3; ++j) {
     const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
     cell[j] = (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);

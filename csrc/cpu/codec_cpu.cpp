@@ -15,11 +15,16 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 
 namespace lhc {
 namespace cpu {
 namespace {
 
+struct Prof { const char* env = std::getenv("LHC_PROFILE"); std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void mark(const char* what) { if (!env) return; auto n = std::chrono::steady_clock::now(); std::fprintf(stderr, "  %-14s %8.2f ms\n", what, std::chrono::duration<double, std::milli>(n - t).count()); t = n; } };
 int resolve_threads(int num_threads) { return num_threads > 0 ? num_threads : omp_get_max_threads(); }
 
 // [begin, end) of part `tid` when `total` items are split into `parts` contiguous ranges.
@@ -228,69 +233,91 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
   return bad == 0;
 }
 
-struct PeelTables {
-  std::vector<uint32_t> deg;  // unresolved keys per cell
-  std::vector<uint32_t> xr;   // XOR of the list positions of the unresolved keys of a cell
+// Per-cell peeling state: how many unresolved keys the cell holds and the XOR of their ids (when
+// one key is left, the XOR is that key). Interleaved so one cache line serves both.
+struct CellState {
+  uint32_t deg;
+  uint32_t keys;
 };
 
-// Build degree/XOR tables of `keys` over `table`, visiting keys grouped by start segment so that
-// the three cells touched by consecutive keys are close in memory.
-PeelTables build_peel_tables(const SegmentedTable& table, const std::vector<uint64_t>& keys) {
-  PeelTables t;
-  const uint64_t cells = table.cells();
-  t.deg.assign(cells, 0);
-  t.xr.assign(cells, 0);
-  std::vector<uint64_t> bucket_start(table.seg_count + 1, 0);
-  std::vector<uint32_t> start(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    start[i] = (uint32_t)key_start_segment(table, keys[i]);
-    ++bucket_start[start[i] + 1];
-  }
-  for (uint64_t s = 0; s < table.seg_count; ++s) bucket_start[s + 1] += bucket_start[s];
-  std::vector<uint32_t> order(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) order[bucket_start[start[i]]++] = (uint32_t)i;
-  for (uint32_t i : order) {
+inline void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
+
+// Build the cell states of `keys` over `table`. Integer increments and XORs commute, so the result
+// does not depend on the visiting order; cells of keys a few steps ahead are prefetched.
+std::vector<CellState> build_cell_states(const SegmentedTable& table, const std::vector<uint64_t>& keys) {
+  std::vector<CellState> cs(table.cells(), CellState{0, 0});
+  constexpr size_t kAhead = 8;
+  const size_t n = keys.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      uint64_t ahead[3];
+      int sg[3];
+      key_cells(table, keys[i + kAhead], ahead, sg);
+      for (int j = 0; j < 3; ++j) prefetch_write(&cs[ahead[j]]);
+    }
     uint64_t cell[3];
     int sign[3];
     key_cells(table, keys[i], cell, sign);
     for (int j = 0; j < 3; ++j) {
-      ++t.deg[cell[j]];
-      t.xr[cell[j]] ^= i;
+      ++cs[cell[j]].deg;
+      cs[cell[j]].keys ^= (uint32_t)keys[i];
     }
   }
-  return t;
+  return cs;
 }
 
-// Generic peeling over a degree/XOR table. `resolve(i, cell, cells, signs)` is called once per key
-// with the cell it was found pure in and must remove the key from its other cells' payload data;
-// this function keeps degree and XOR up to date. Returns the number of keys resolved.
-template <typename Resolve>
-uint64_t peel(const SegmentedTable& table, const std::vector<uint64_t>& keys, PeelTables& t, Resolve&& resolve) {
+// Breadth-first peeling over cell states. Cells that are pure at the start are queued in increasing
+// order; resolving a key queues the cells it leaves pure. Breadth-first order keeps every key's
+// chain of earlier-peeled dependencies as short as possible, which bounds how far float rounding
+// errors propagate (see layout.sketch_table_for). `resolve(key, pure, cells, signs)` removes the
+// key's contribution from its cells' payload data and returns false to abort; `prefetch(cell)`
+// hints the payload data of a cell that will soon be touched. Returns the number of keys resolved;
+// `*bad` is set if the states are inconsistent (a corrupted payload).
+template <typename Resolve, typename Prefetch>
+uint64_t peel(const SegmentedTable& table, uint64_t num_keys, std::vector<CellState>& cs, uint64_t expected,
+              Resolve&& resolve, Prefetch&& prefetch, bool* bad) {
   const uint64_t cells = table.cells();
-  std::vector<uint64_t> stack;
-  stack.reserve(keys.size() + 16);
+  std::vector<uint64_t> queue;
+  queue.reserve(expected + 16);
   for (uint64_t c = 0; c < cells; ++c)
-    if (t.deg[c] == 1) stack.push_back(c);
+    if (cs[c].deg == 1) queue.push_back(c);
   uint64_t resolved = 0;
-  size_t head = 0;
-  while (head < stack.size()) {
-    const uint64_t c = stack[head++];
-    if (t.deg[c] != 1) continue;
-    const uint32_t i = t.xr[c];
-    if (i >= keys.size()) return resolved;  // inconsistent tables: cannot happen for valid keys
+  constexpr size_t kAhead = 6;
+  for (size_t head = 0; head < queue.size(); ++head) {
+    // Software pipeline: the key of the cell kAhead places ahead is (very likely) known already;
+    // start loading its three cells now so the misses overlap with this iteration's work.
+    if (head + kAhead < queue.size()) {
+      const CellState& a = cs[queue[head + kAhead]];
+      if (a.deg == 1 && a.keys < num_keys) {
+        uint64_t ahead[3];
+        int sg[3];
+        key_cells(table, a.keys, ahead, sg);
+        for (int j = 0; j < 3; ++j) {
+          prefetch_write(&cs[ahead[j]]);
+          prefetch(ahead[j]);
+        }
+      }
+      if (head + 2 * kAhead < queue.size()) prefetch_write(&cs[queue[head + 2 * kAhead]]);
+    }
+    const uint64_t c = queue[head];
+    if (cs[c].deg != 1) continue;
+    const uint64_t key = cs[c].keys;
+    if (key >= num_keys) { *bad = true; return resolved; }
     uint64_t cell[3];
     int sign[3];
-    key_cells(table, keys[i], cell, sign);
+    key_cells(table, key, cell, sign);
     int pure = -1;
     for (int j = 0; j < 3; ++j)
       if (cell[j] == c) pure = j;
-    if (pure < 0) return resolved;
-    if (!resolve(i, pure, cell, sign)) return resolved;
+    if (pure < 0) { *bad = true; return resolved; }
+    if (!resolve(key, pure, cell, sign)) return resolved;
     ++resolved;
     for (int j = 0; j < 3; ++j) {
-      --t.deg[cell[j]];
-      t.xr[cell[j]] ^= i;
-      if (j != pure && t.deg[cell[j]] == 1) stack.push_back(cell[j]);
+      CellState& s = cs[cell[j]];
+      if (s.deg == 0) { *bad = true; return resolved; }
+      --s.deg;
+      s.keys ^= (uint32_t)key;
+      if (j != pure && s.deg == 1) queue.push_back(cell[j]);
     }
   }
   return resolved;
@@ -303,6 +330,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   const int nt = resolve_threads(num_threads);
   DecodeStats st;
   parallel_fill(out, L.numel, 0.0f, nt);
+  Prof prof; prof.mark("zero out");
   const float* index = payload + L.index_offset;
   const uint64_t n = in.world_size;
 
@@ -363,20 +391,27 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     st.candidates = cand.size();
     // Exact integer peeling of the counters: each candidate's count is the number of ranks that
     // hold it; false positives come out as exactly 0.
-    PeelTables t = build_peel_tables(L.bloom, cand);
-    std::vector<uint32_t> key_count(cand.size(), 0);
-    bool consistent = true;
-    const uint64_t resolved = peel(L.bloom, cand, t, [&](uint32_t i, int pure, const uint64_t* cell, const int*) {
-      const uint32_t c = count[cell[pure]];
-      if (c > n) { consistent = false; return false; }
-      for (int j = 0; j < 3; ++j) {
-        if (count[cell[j]] < c) { consistent = false; return false; }
-        count[cell[j]] -= c;
-      }
-      key_count[i] = c;
-      return true;
-    });
-    if (!consistent) {
+    std::vector<CellState> cs = build_cell_states(L.bloom, cand);
+    std::vector<uint32_t> key_count;  // counts of resolved candidates, in peeling order
+    std::vector<uint64_t> resolved_keys;
+    key_count.reserve(cand.size());
+    resolved_keys.reserve(cand.size());
+    bool bad = false;
+    const uint64_t resolved = peel(
+        L.bloom, L.num_keys, cs, cand.size(),
+        [&](uint64_t key, int pure, const uint64_t* cell, const int*) {
+          const uint32_t c = count[cell[pure]];
+          if (c > n) { bad = true; return false; }
+          for (int j = 0; j < 3; ++j) {
+            if (count[cell[j]] < c) { bad = true; return false; }
+            count[cell[j]] -= c;
+          }
+          key_count.push_back(c);
+          resolved_keys.push_back(key);
+          return true;
+        },
+        [&](uint64_t cell) { __builtin_prefetch(&count[cell], 1, 1); }, &bad);
+    if (bad) {
       st.status = kDecodeIndexCorrupt;
       return st;
     }
@@ -386,11 +421,13 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     }
     for (uint64_t c = 0; c < bcells; ++c)
       if (count[c] != 0) { st.status = kDecodeIndexCorrupt; return st; }
-    for (size_t i = 0; i < cand.size(); ++i)
-      if (key_count[i]) support.push_back(cand[i]);
+    for (size_t i = 0; i < resolved_keys.size(); ++i)
+      if (key_count[i]) support.push_back(resolved_keys[i]);
+    std::sort(support.begin(), support.end());
     st.false_positives = cand.size() - support.size();
   }
   st.support_keys = support.size();
+  prof.mark("index");
 
   // 2. Peel the value sketch over the exact support, in double precision.
   const uint64_t B = L.block;
@@ -399,32 +436,42 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   std::vector<double> val(cells * B);
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t i = 0; i < (int64_t)(cells * B); ++i) val[i] = (double)sk[i];
-  PeelTables t = build_peel_tables(L.sketch, support);
+  prof.mark("build");
+  std::vector<CellState> cs = build_cell_states(L.sketch, support);
+  prof.mark("build");
   std::vector<double> v(B);
   uint64_t step = 0;
-  st.peeled = peel(L.sketch, support, t, [&](uint32_t i, int pure, const uint64_t* cell, const int* sign) {
-    const uint64_t k = support[i];
-    const double* src = val.data() + cell[pure] * B;
-    for (uint64_t l = 0; l < B; ++l) v[l] = sign[pure] > 0 ? src[l] : -src[l];
-    for (int j = 0; j < 3; ++j) {
-      if (j == pure) continue;
-      double* dst = val.data() + cell[j] * B;
-      if (sign[j] > 0) {
-        for (uint64_t l = 0; l < B; ++l) dst[l] -= v[l];
-      } else {
-        for (uint64_t l = 0; l < B; ++l) dst[l] += v[l];
-      }
-    }
-    const uint64_t lo = k * B;
-    const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
-    for (uint64_t l = 0; l < len; ++l) out[lo + l] = (float)v[l];
-    if (trace_key) {
-      trace_key[step] = (int64_t)k;
-      trace_cell[step] = (int64_t)cell[pure];
-    }
-    ++step;
-    return true;
-  });
+  bool bad = false;
+  st.peeled = peel(
+      L.sketch, L.num_keys, cs, support.size(),
+      [&](uint64_t k, int pure, const uint64_t* cell, const int* sign) {
+        const double* src = val.data() + cell[pure] * B;
+        for (uint64_t l = 0; l < B; ++l) v[l] = sign[pure] > 0 ? src[l] : -src[l];
+        for (int j = 0; j < 3; ++j) {
+          if (j == pure) continue;
+          double* dst = val.data() + cell[j] * B;
+          if (sign[j] > 0) {
+            for (uint64_t l = 0; l < B; ++l) dst[l] -= v[l];
+          } else {
+            for (uint64_t l = 0; l < B; ++l) dst[l] += v[l];
+          }
+        }
+        const uint64_t lo = k * B;
+        const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
+        for (uint64_t l = 0; l < len; ++l) out[lo + l] = (float)v[l];
+        if (trace_key) {
+          trace_key[step] = (int64_t)k;
+          trace_cell[step] = (int64_t)cell[pure];
+        }
+        ++step;
+        return true;
+      },
+      [&](uint64_t cell) { __builtin_prefetch(val.data() + cell * B, 1, 1); }, &bad);
+  prof.mark("peel");
+  if (bad) {
+    st.status = kDecodeIndexCorrupt;
+    return st;
+  }
   if (st.peeled != support.size()) st.status = kDecodeSketchPeelFailed;
   return st;
 }

@@ -7,11 +7,12 @@
 // Vocabulary
 //   key      a block of `block` consecutive coordinates (block = 1: one coordinate).
 //   cell     one slot of a segmented table; a value-sketch cell holds `block` floats.
-//   segment  a run of `seg_len` consecutive cells. A key touches exactly three cells, one in each of
-//            three consecutive segments start, start+1, start+2 with start uniform in
-//            [0, seg_count - 2). seg_count == 3 is the classic "3 sub-tables" count sketch; more
-//            segments give the spatially coupled layout whose peeling threshold is lower and whose
-//            memory accesses stay local. The three cells of a key are distinct by construction.
+//   segment  a run of `seg_len` consecutive cells. Segments come in groups of three; a key picks one
+//            group g uniformly (by hash) and touches exactly one cell in each of its segments
+//            3g, 3g+1, 3g+2, so the three cells of a key are distinct by construction. One group
+//            (seg_count == 3) is the classic "3 sub-tables" Count Sketch; several groups are
+//            independent small sketches of the same shape, which the decoder peels one at a time
+//            (cache-resident) and in parallel, deterministically.
 //   digit    a small non-negative integer counter. `per_word` digits of base `base` are packed into
 //            one float32 word as sum_i digit_i * base^i, kept below 2^22 (see kIntFieldLimit).
 #pragma once
@@ -73,28 +74,34 @@ LHC_HD uint64_t stream_seed(uint64_t seed, uint64_t salt) { return mix64(seed ^ 
 
 struct SegmentedTable {
   uint64_t seg_len;    // cells per segment (>= 1)
-  uint64_t seg_count;  // segments (>= 3)
+  uint64_t seg_count;  // segments: 3 x groups
   uint64_t stream;     // stream_seed(user seed, salt)
   LHC_HD uint64_t cells() const { return seg_len * seg_count; }
+  LHC_HD uint64_t groups() const { return seg_count / 3; }
+  LHC_HD uint64_t group_cells() const { return 3 * seg_len; }
 };
 
-// The three cells and signs of `key`. Cell j lies in segment start + j, so cells are distinct.
-// sign is +1 or -1 as an integer so callers pick their own arithmetic type.
-LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], int sign[3]) {
-  const uint64_t h = mix64(key ^ t.stream);
-  const uint64_t start = reduce32(h >> 32, t.seg_count - 2);
-LHC_UNROLL
-  for (int j = 0; j < 3; ++j) {
-    const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
-    cell[j] = (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);
-    sign[j] = (hj >> 63) ? -1 : 1;
-  }
+// The first-level hash of a key; every cell and sign of the key derives from it.
+LHC_HD uint64_t key_hash(const SegmentedTable& t, uint64_t key) { return mix64(key ^ t.stream); }
+
+// Cell j (0, 1, 2) of the key with first-level hash h, and its sign (+1 or -1).
+LHC_HD uint64_t key_cell(const SegmentedTable& t, uint64_t h, int j, int* sign) {
+  const uint64_t start = 3 * reduce32(h >> 32, t.groups());
+  const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
+  *sign = (hj >> 63) ? -1 : 1;
+  return (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);
 }
 
-// Only the segment a key starts in (used to order keys for cache locality).
-LHC_HD uint64_t key_start_segment(const SegmentedTable& t, uint64_t key) {
-  return reduce32(mix64(key ^ t.stream) >> 32, t.seg_count - 2);
+// The three cells and signs of `key`. Cell j lies in segment 3g + j, so cells are distinct.
+// sign is +1 or -1 as an integer so callers pick their own arithmetic type.
+LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], int sign[3]) {
+  const uint64_t h = key_hash(t, key);
+  LHC_UNROLL
+  for (int j = 0; j < 3; ++j) cell[j] = key_cell(t, h, j, &sign[j]);
 }
+
+// The group of a key (the decoder buckets keys by group before peeling).
+LHC_HD uint64_t key_group(const SegmentedTable& t, uint64_t key) { return reduce32(key_hash(t, key) >> 32, t.groups()); }
 
 // Digit packing: `per_word` digits of base `base` in one word.
 struct DigitPacking {

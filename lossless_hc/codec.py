@@ -41,7 +41,8 @@ class DecodeReport:
     overloaded_ranks ranks that had more non-zero keys than the codec's capacity.
     total_keys       sum over ranks of their non-zero key counts.
     index_kind       "bitmap", "bloom" or "dense".
-    trace            only with ``decode(..., trace=True)``: (keys, cells) in peeling order.
+    trace            only with ``decode(..., trace=True)``: (keys, cells), each key with the cell it
+                     was read from; within one cell, keys appear in the order they were peeled.
     """
 
     ok: bool
@@ -249,7 +250,8 @@ class LosslessCodec:
         n = L.world_size
         scale = float(n) if averaged else 1.0
 
-        out = torch.zeros(L.numel, dtype=torch.float32, device=self.device)
+        # Every path below writes all of out (NaN on failure paths, the kernel zero-fills first).
+        out = torch.empty(L.numel, dtype=torch.float32, device=self.device)
         report = DecodeReport(ok=False, reason=None, index_kind=L.index_kind)
 
         def finish(ok: bool, reason: Optional[str]):
@@ -293,8 +295,9 @@ class LosslessCodec:
         report.candidates, report.false_positives = st.candidates, st.false_positives
         report.support, report.peeled = st.support_keys, st.peeled
         if trace:
-            m = st.peeled
-            report.trace = (tk[:m].clone(), tc[:m].clone())
+            # Groups fill their own slices; keys a failed group never peeled stay -1.
+            done = tk >= 0
+            report.trace = (tk[done], tc[done])
         reason = _DECODE_STATUS.get(st.status, f"unknown decode status {st.status}")
         if reason is None and report.overloaded_ranks:
             reason = (f"overloaded: {report.overloaded_ranks} rank(s) had more than capacity={L.capacity} non-zero keys "

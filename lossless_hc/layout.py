@@ -54,6 +54,8 @@ PEEL_FAILURE_TARGET = 1e-3
 SATURATION_TARGET = 1e-6
 # Value-sketch cells per candidate key (see sketch_table_for).
 SKETCH_CELLS_PER_KEY = 1.25
+# Keys per group of sub-tables the value sketch aims for (a group's peeling state stays in cache).
+GROUP_KEYS = 1 << 17
 
 _MASK64 = (1 << 64) - 1
 
@@ -75,8 +77,8 @@ def stream_seed(seed: int, salt: int) -> int:
 
 @dataclass(frozen=True)
 class SegmentedTable:
-    """``seg_count`` segments of ``seg_len`` cells; a key hits one cell in each of three
-    consecutive segments (``seg_count == 3``: the classic three sub-tables)."""
+    """``seg_count = 3 * groups`` segments of ``seg_len`` cells; a key hashes to one group and hits
+    one cell in each of its three segments (one group: the classic three sub-tables)."""
 
     seg_len: int
     seg_count: int
@@ -134,19 +136,33 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
       (8 ranks, N(0,1) values): max abs error 2e-5 at 1.23 cells/key, 9e-6 at 1.25, 3e-6 at 1.30.
       We use ``SKETCH_CELLS_PER_KEY`` = 1.25.
 
-    A spatially coupled layout (three consecutive segments of many) peels down to ~1.13 cells/key,
-    but its peeling advances as a slow wave whose long dependency chains amplify rounding errors by
-    orders of magnitude (measured: max error 0.08 at 1.23, 744 at 1.15): not acceptable for a
-    lossless codec, so the value sketch uses three independent sub-tables. (The segmented table in
-    csrc/lhc_layout.h keeps the general form; ``seg_count == 3`` here.)
+    Groups. Peeling jumps between random cells, so a sketch much larger than the CPU caches is
+    peeled at DRAM latency. Above ``GROUP_KEYS`` keys the table is split into ``G`` groups of three
+    sub-tables; a key hashes to one group, and the decoder peels the groups one by one (each fits in
+    cache) and in parallel. A group receives Binomial(N, 1/G) keys, so it is sized for
+    ``N/G + 4 sqrt(N/G)`` keys. Groups multiply the small-stopping-set term: with ``G`` groups of
+    ``n = N/G`` keys the pair probability is ``G * 13.5 n**2 / cells_g**3``, which caps ``G`` at
+    about ``sqrt(target * N / 7)`` for the 1.25 load.
+
+    A spatially coupled layout (keys spread over three *consecutive* segments of many) would peel
+    down to ~1.13 cells/key, but its peeling advances as a slow wave whose long dependency chains
+    amplify rounding errors by orders of magnitude (measured: max error 0.08 at 1.23, 744 at 1.15):
+    not acceptable for a lossless codec.
     """
     if keys < 0:
         raise ValueError(f"keys must be >= 0, got {keys}")
     if keys == 0:
         return SegmentedTable(seg_len=1, seg_count=3, stream=stream)
-    pair_bound = (13.5 * keys * keys / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
-    cells = max(SKETCH_CELLS_PER_KEY * keys + 3.0 * math.sqrt(keys) + 8, pair_bound)
-    return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3, stream=stream)
+    groups = 1
+    if keys > 2 * GROUP_KEYS:
+        groups = max(1, min(math.ceil(keys / GROUP_KEYS),
+                            int(math.sqrt(PEEL_FAILURE_TARGET * keys / 7.0))))
+    per_group = keys / groups
+    if groups > 1:
+        per_group += 4.0 * math.sqrt(per_group)
+    pair_bound = (13.5 * groups * per_group * per_group / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
+    cells = max(SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8, pair_bound)
+    return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
 
 
 def _poisson_tail(lam: float, q: int) -> float:

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #include <chrono>
 #include <cstdio>
@@ -204,123 +205,302 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
 
 namespace {
 
-// Unpack every index word into digits; calls on_digit(position, digit) for non-zero digits, in
-// increasing position per thread range. Returns false if a word is not a valid packed integer.
-template <typename PerThread>
-bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, PerThread&& per_thread) {
+// Splits a packed word into its digits with two small lookup tables instead of per_word divisions:
+// word = hi * base^lo_digits + lo, and each half indexes a table of its digits.
+struct DigitDecoder {
+  uint32_t per_word, lo_digits;
+  int64_t limit;            // base^per_word: valid words are below it
+  SmallDivider lo_div;      // divides by base^lo_digits
+  std::vector<uint16_t> lut;  // lut[v * lo_digits + i] = digit i of v, for v < base^lo_digits
+
+  explicit DigitDecoder(const DigitPacking& P)
+      : per_word(P.per_word), lo_digits((P.per_word + 1) / 2), limit(1), lo_div(1) {
+    int64_t lo_mod = 1;
+    for (uint32_t i = 0; i < per_word; ++i) limit *= P.base;
+    for (uint32_t i = 0; i < lo_digits; ++i) lo_mod *= P.base;
+    lo_div = SmallDivider((uint32_t)lo_mod);
+    lut.resize((size_t)lo_mod * lo_digits);
+    for (int64_t v = 0; v < lo_mod; ++v) {
+      int64_t u = v;
+      for (uint32_t i = 0; i < lo_digits; ++i, u /= P.base) lut[(size_t)v * lo_digits + i] = (uint16_t)(u % P.base);
+    }
+  }
+};
+
+// Unpack every index word into digits: thread t calls sinks[t](position, digit) for the non-zero
+// digits of its contiguous word range, in increasing position (on a private copy of the sink,
+// moved back at the end). Returns false if a word is not a valid packed integer or a sink rejects
+// a digit.
+template <typename Sink>
+bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks) {
   const uint64_t words = L.index.words();
-  int64_t limit = 1;
-  for (uint32_t i = 0; i < L.index.per_word; ++i) limit *= L.index.base;
-  const SmallDivider div(L.index.base);
+  const DigitDecoder dec(L.index);
+  const uint32_t* raw = reinterpret_cast<const uint32_t*>(index);
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad)
   {
     const int tid = omp_get_thread_num();
     uint64_t wb, we;
     split_range(words, omp_get_num_threads(), tid, &wb, &we);
-    auto sink = per_thread(tid);
+    Sink sink = std::move(sinks[tid]);  // thread-private while unpacking (no false sharing)
     for (uint64_t w = wb; w < we && !bad; ++w) {
-      int64_t u = read_word(index + w, scale, limit);
+      if (raw[w] == 0) continue;  // +0.0f: no digits (most words at low density)
+      const int64_t u = read_word(index + w, scale, dec.limit);
       if (u < 0) { bad = 1; break; }
-      for (uint64_t pos = w * L.index.per_word; u != 0; ++pos) {
-        int64_t q, r;
-        div.divmod(u, &q, &r);
-        u = q;
-        if (r != 0 && !sink(pos, (uint64_t)r)) { bad = 1; break; }
-      }
+      int64_t hi, lo;
+      dec.lo_div.divmod(u, &hi, &lo);
+      const uint64_t pos = w * dec.per_word;
+      const uint16_t* dl = &dec.lut[(size_t)lo * dec.lo_digits];
+      for (uint32_t i = 0; i < dec.lo_digits; ++i)
+        if (dl[i] && !sink(pos + i, dl[i])) { bad = 1; break; }
+      const uint16_t* dh = &dec.lut[(size_t)hi * dec.lo_digits];
+      for (uint32_t i = 0; i + dec.lo_digits < dec.per_word; ++i)
+        if (dh[i] && !sink(pos + dec.lo_digits + i, dh[i])) { bad = 1; break; }
     }
+    sinks[tid] = std::move(sink);
   }
   return bad == 0;
 }
 
-// Per-cell peeling state: how many unresolved keys the cell holds and the XOR of their ids (when
-// one key is left, the XOR is that key). Interleaved so one cache line serves both.
+// Per-cell peeling state: how many unresolved keys the cell holds and XORs identifying them (when
+// one key is left, the XORs are that key). Interleaved so one cache line serves all.
 struct CellState {
   uint32_t deg;
-  uint32_t keys;
+  uint32_t pos;  // XOR of the positions (in the peeled key list) of the unresolved keys
+  uint32_t key;  // XOR of their key ids: no list lookup is needed to find a pure cell's key
+  uint32_t pad;
 };
 
 inline void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
 
-// Build the cell states of `keys` over `table`. Integer increments and XORs commute, so the result
-// does not depend on the visiting order; cells of keys a few steps ahead are prefetched.
-std::vector<CellState> build_cell_states(const SegmentedTable& table, const std::vector<uint64_t>& keys) {
-  std::vector<CellState> cs(table.cells(), CellState{0, 0});
-  constexpr size_t kAhead = 8;
-  const size_t n = keys.size();
-  for (size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
+// Add the keys keys[0, count) to the cell states of cells [base, base + table cells of the group):
+// cs[c - base] gets deg + 1 and its XOR of *positions* in `keys` updated. Integer increments and
+// XORs commute, so the result does not depend on the visiting order.
+void build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs,
+                       uint64_t base) {
+  constexpr uint32_t kAhead = 8;
+  for (uint32_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) {
       uint64_t ahead[3];
       int sg[3];
       key_cells(table, keys[i + kAhead], ahead, sg);
-      for (int j = 0; j < 3; ++j) prefetch_write(&cs[ahead[j]]);
+      for (int j = 0; j < 3; ++j) prefetch_write(&cs[ahead[j] - base]);
     }
     uint64_t cell[3];
     int sign[3];
     key_cells(table, keys[i], cell, sign);
     for (int j = 0; j < 3; ++j) {
-      ++cs[cell[j]].deg;
-      cs[cell[j]].keys ^= (uint32_t)keys[i];
+      CellState& st = cs[cell[j] - base];
+      ++st.deg;
+      st.pos ^= i;
+      st.key ^= keys[i];
     }
   }
-  return cs;
 }
 
-// Breadth-first peeling over cell states. Cells that are pure at the start are queued in increasing
-// order; resolving a key queues the cells it leaves pure. Breadth-first order keeps every key's
-// chain of earlier-peeled dependencies as short as possible, which bounds how far float rounding
-// errors propagate (see layout.sketch_table_for). `resolve(key, pure, cells, signs)` removes the
-// key's contribution from its cells' payload data and returns false to abort; `prefetch(cell)`
-// hints the payload data of a cell that will soon be touched. Returns the number of keys resolved;
-// `*bad` is set if the states are inconsistent (a corrupted payload).
+// Breadth-first peeling of keys[0, count), whose cells all lie in [base, base + span); cs holds
+// their states (index c - base). Cells pure at the start are queued in increasing order; resolving
+// a key queues the cells it leaves pure. Breadth-first order keeps each key's chain of
+// earlier-peeled dependencies as short as the hypergraph allows, which bounds how far float
+// rounding errors propagate (see layout.sketch_table_for).
+// `resolve(pos, key, pure, cells, signs)` removes the key's contribution from its cells' payload
+// data (false aborts); `prefetch(cell)` hints payload data soon needed. Returns the number of keys
+// resolved; sets `*bad` if the states are inconsistent (a corrupted payload).
 template <typename Resolve, typename Prefetch>
-uint64_t peel(const SegmentedTable& table, uint64_t num_keys, std::vector<CellState>& cs, uint64_t expected,
-              Resolve&& resolve, Prefetch&& prefetch, bool* bad) {
-  const uint64_t cells = table.cells();
-  std::vector<uint64_t> queue;
-  queue.reserve(expected + 16);
-  for (uint64_t c = 0; c < cells; ++c)
-    if (cs[c].deg == 1) queue.push_back(c);
-  uint64_t resolved = 0;
+uint32_t peel(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs, uint64_t base,
+              uint64_t span, std::vector<uint32_t>& queue, Resolve&& resolve, Prefetch&& prefetch, bool* bad) {
+  queue.clear();
+  queue.reserve(count + 16);
+  for (uint64_t c = 0; c < span; ++c)
+    if (cs[c].deg == 1) queue.push_back((uint32_t)c);
+  uint32_t resolved = 0;
   constexpr size_t kAhead = 6;
   for (size_t head = 0; head < queue.size(); ++head) {
     // Software pipeline: the key of the cell kAhead places ahead is (very likely) known already;
     // start loading its three cells now so the misses overlap with this iteration's work.
     if (head + kAhead < queue.size()) {
       const CellState& a = cs[queue[head + kAhead]];
-      if (a.deg == 1 && a.keys < num_keys) {
+      if (a.deg == 1) {
         uint64_t ahead[3];
         int sg[3];
-        key_cells(table, a.keys, ahead, sg);
+        key_cells(table, a.key, ahead, sg);
         for (int j = 0; j < 3; ++j) {
-          prefetch_write(&cs[ahead[j]]);
+          prefetch_write(&cs[ahead[j] - base]);
           prefetch(ahead[j]);
         }
       }
-      if (head + 2 * kAhead < queue.size()) prefetch_write(&cs[queue[head + 2 * kAhead]]);
     }
     const uint64_t c = queue[head];
     if (cs[c].deg != 1) continue;
-    const uint64_t key = cs[c].keys;
-    if (key >= num_keys) { *bad = true; return resolved; }
+    const uint32_t pos = cs[c].pos;
+    const uint64_t key = cs[c].key;
+    if (pos >= count) { *bad = true; return resolved; }
     uint64_t cell[3];
     int sign[3];
     key_cells(table, key, cell, sign);
-    int pure = -1;
-    for (int j = 0; j < 3; ++j)
-      if (cell[j] == c) pure = j;
-    if (pure < 0) { *bad = true; return resolved; }
-    if (!resolve(key, pure, cell, sign)) return resolved;
+    const uint64_t here = c + base;
+    const int pure = (int)(cell[1] == here) + 2 * (int)(cell[2] == here);
+    if (cell[pure] != here) { *bad = true; return resolved; }
+    if (!resolve(pos, key, pure, cell, sign)) return resolved;
     ++resolved;
     for (int j = 0; j < 3; ++j) {
-      CellState& s = cs[cell[j]];
-      if (s.deg == 0) { *bad = true; return resolved; }
-      --s.deg;
-      s.keys ^= (uint32_t)key;
-      if (j != pure && s.deg == 1) queue.push_back(cell[j]);
+      CellState& st = cs[cell[j] - base];
+      if (st.deg == 0) { *bad = true; return resolved; }
+      --st.deg;
+      st.pos ^= pos;
+      st.key ^= (uint32_t)key;
+      if (j != pure && st.deg == 1) queue.push_back((uint32_t)(cell[j] - base));
     }
   }
   return resolved;
+}
+
+// A sorted key list held as consecutive parts (one per unpacking thread), so that building it
+// needs no concatenation copy. Element i of part p has global index offset[p] + i.
+struct KeyParts {
+  std::vector<std::vector<uint32_t>> parts;
+  std::vector<uint64_t> offset;
+  uint64_t size() const { return offset.empty() ? 0 : offset.back(); }
+  void finish() {
+    offset.assign(parts.size() + 1, 0);
+    for (size_t p = 0; p < parts.size(); ++p) offset[p + 1] = offset[p] + parts[p].size();
+  }
+};
+
+// Bloom index: candidates, then exact integer peeling of the counters. Returns a DecodeStatus and
+// the keys whose aggregated count is >= 1, in increasing order.
+int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, KeyParts* support,
+                      DecodeStats* st) {
+  const uint64_t n = in.world_size;
+  const uint64_t bcells = L.bloom.cells();
+  std::vector<uint32_t> count(bcells, 0);
+  const uint64_t digit_max = n * (uint64_t)L.digit_cap;
+  struct CountSink {
+    uint32_t* count;
+    uint64_t cells, digit_max, sum;
+    bool operator()(uint64_t pos, uint64_t digit) {
+      if (pos >= cells || digit > digit_max) return false;
+      count[pos] = (uint32_t)digit;
+      sum += digit;
+      return true;
+    }
+  };
+  std::vector<CountSink> sinks(nt, CountSink{count.data(), bcells, digit_max, 0});
+  const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
+  for (const auto& k : sinks) st->index_total += k.sum;
+  if (!valid || st->index_total != 3 * in.total_keys) return kDecodeIndexCorrupt;
+
+  // Candidates: keys whose three counters are all non-zero (a superset of the true support).
+  std::vector<std::vector<uint32_t>> local(nt);
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t kb, ke;
+    split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
+    auto& mine = local[omp_get_thread_num()];
+    for (uint64_t k = kb; k < ke; ++k) {
+      // Most keys fail at the first counter at the densities where the Bloom index is chosen.
+      const uint64_t h = key_hash(L.bloom, k);
+      int sign;
+      if (count[key_cell(L.bloom, h, 0, &sign)] && count[key_cell(L.bloom, h, 1, &sign)] &&
+          count[key_cell(L.bloom, h, 2, &sign)])
+        mine.push_back((uint32_t)k);
+    }
+  }
+  std::vector<uint32_t> cand;
+  for (auto& v : local) cand.insert(cand.end(), v.begin(), v.end());
+  st->candidates = cand.size();
+
+  // Each candidate's count is the number of ranks holding it; false positives come out exactly 0.
+  std::vector<CellState> cs(bcells, CellState{0, 0, 0, 0});
+  build_cell_states(L.bloom, cand.data(), (uint32_t)cand.size(), cs.data(), 0);
+  std::vector<uint32_t> found, queue;
+  found.reserve(cand.size());
+  bool bad = false;
+  const uint32_t resolved = peel(
+      L.bloom, cand.data(), (uint32_t)cand.size(), cs.data(), 0, bcells, queue,
+      [&](uint32_t, uint64_t key, int pure, const uint64_t* cell, const int*) {
+        const uint32_t c = count[cell[pure]];
+        if (c > n) { bad = true; return false; }
+        for (int j = 0; j < 3; ++j) {
+          if (count[cell[j]] < c) { bad = true; return false; }
+          count[cell[j]] -= c;
+        }
+        if (c) found.push_back((uint32_t)key);
+        return true;
+      },
+      [&](uint64_t cell) { __builtin_prefetch(&count[cell], 1, 1); }, &bad);
+  if (bad) return kDecodeIndexCorrupt;
+  if (resolved != cand.size()) return kDecodeIndexPeelFailed;
+  for (uint64_t c = 0; c < bcells; ++c)
+    if (count[c] != 0) return kDecodeIndexCorrupt;
+  std::sort(found.begin(), found.end());
+  st->false_positives = cand.size() - found.size();
+  support->parts.assign(1, std::move(found));
+  support->finish();
+  return kDecodeOk;
+}
+
+// Bitmap index: the keys with a non-zero counter, in increasing order. Returns a DecodeStatus.
+int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, KeyParts* support,
+                       DecodeStats* st) {
+  struct KeySink {
+    std::vector<uint32_t> keys;
+    uint64_t num_keys, world_size, sum;
+    bool operator()(uint64_t pos, uint64_t digit) {
+      if (pos >= num_keys || digit > world_size) return false;
+      keys.push_back((uint32_t)pos);
+      sum += digit;
+      return true;
+    }
+  };
+  std::vector<KeySink> sinks(nt, KeySink{{}, L.num_keys, in.world_size, 0});
+  for (auto& k : sinks) k.keys.reserve(std::min<uint64_t>(in.total_keys, L.num_keys) / nt + 64);
+  const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
+  support->parts.clear();
+  for (auto& k : sinks) {
+    st->index_total += k.sum;
+    support->parts.push_back(std::move(k.keys));
+  }
+  support->finish();
+  st->candidates = support->size();
+  if (!valid || st->index_total != in.total_keys) return kDecodeIndexCorrupt;
+  return kDecodeOk;
+}
+
+// Stable parallel bucketing of the support by sketch group: keys of group g land in
+// [group_offset[g], group_offset[g+1]) of `keys` in increasing key order, with their global
+// support index in `index`.
+void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, std::vector<uint32_t>* keys,
+                     std::vector<uint32_t>* index, std::vector<uint64_t>* group_offset) {
+  const uint64_t groups = T.groups();
+  const size_t parts = support.parts.size();
+  keys->resize(support.size());
+  index->resize(support.size());
+  group_offset->assign(groups + 1, 0);
+  std::vector<std::vector<uint64_t>> hist(parts, std::vector<uint64_t>(groups, 0));
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int64_t p = 0; p < (int64_t)parts; ++p)
+    for (uint32_t k : support.parts[p]) ++hist[p][key_group(T, k)];
+  // Write cursor of (part, group): groups in order, parts in order within a group.
+  uint64_t run = 0;
+  for (uint64_t g = 0; g < groups; ++g) {
+    (*group_offset)[g] = run;
+    for (size_t p = 0; p < parts; ++p) {
+      const uint64_t c = hist[p][g];
+      hist[p][g] = run;
+      run += c;
+    }
+  }
+  (*group_offset)[groups] = run;
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int64_t p = 0; p < (int64_t)parts; ++p) {
+    const auto& part = support.parts[p];
+    for (size_t i = 0; i < part.size(); ++i) {
+      const uint64_t at = hist[p][key_group(T, part[i])]++;
+      (*keys)[at] = part[i];
+      (*index)[at] = (uint32_t)(support.offset[p] + i);
+    }
+  }
 }
 
 }  // namespace
@@ -329,150 +509,110 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                    int64_t* trace_key, int64_t* trace_cell, int num_threads) {
   const int nt = resolve_threads(num_threads);
   DecodeStats st;
-  parallel_fill(out, L.numel, 0.0f, nt);
-  Prof prof; prof.mark("zero out");
+  Prof prof;
   const float* index = payload + L.index_offset;
-  const uint64_t n = in.world_size;
 
-  // 1. Candidates from the index, with exact per-key counts (ranks holding the key non-zero).
-  std::vector<uint64_t> support;
-  if (L.index_kind == kIndexBitmap) {
-    std::vector<std::vector<uint64_t>> local(nt);
-    std::vector<uint64_t> sums(nt, 0);
-    const bool valid = unpack_digits(L, index, in.scale, nt, [&](int tid) {
-      return [&, tid](uint64_t pos, uint64_t digit) {
-        if (pos >= L.num_keys || digit > n) return false;
-        local[tid].push_back(pos);
-        sums[tid] += digit;
-        return true;
-      };
-    });
-    for (auto& v : local) support.insert(support.end(), v.begin(), v.end());
-    for (uint64_t s : sums) st.index_total += s;
-    st.candidates = support.size();
-    if (!valid || st.index_total != in.total_keys) {
-      st.status = kDecodeIndexCorrupt;
-      return st;
-    }
-  } else {
-    const uint64_t bcells = L.bloom.cells();
-    std::vector<uint32_t> count(bcells, 0);
-    std::vector<uint64_t> sums(nt, 0);
-    const uint64_t digit_max = n * (uint64_t)L.digit_cap;
-    const bool valid = unpack_digits(L, index, in.scale, nt, [&](int tid) {
-      return [&, tid](uint64_t pos, uint64_t digit) {
-        if (pos >= bcells || digit > digit_max) return false;
-        count[pos] = (uint32_t)digit;
-        sums[tid] += digit;
-        return true;
-      };
-    });
-    for (uint64_t s : sums) st.index_total += s;
-    if (!valid || st.index_total != 3 * in.total_keys) {
-      st.status = kDecodeIndexCorrupt;
-      return st;
-    }
-    // Candidates: keys whose three counters are all non-zero (a superset of the true support).
-    std::vector<std::vector<uint64_t>> local(nt);
-#pragma omp parallel num_threads(nt)
-    {
-      uint64_t kb, ke;
-      split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
-      auto& mine = local[omp_get_thread_num()];
-      for (uint64_t k = kb; k < ke; ++k) {
-        uint64_t cell[3];
-        int sign[3];
-        key_cells(L.bloom, k, cell, sign);
-        if (count[cell[0]] && count[cell[1]] && count[cell[2]]) mine.push_back(k);
-      }
-    }
-    std::vector<uint64_t> cand;
-    for (auto& v : local) cand.insert(cand.end(), v.begin(), v.end());
-    st.candidates = cand.size();
-    // Exact integer peeling of the counters: each candidate's count is the number of ranks that
-    // hold it; false positives come out as exactly 0.
-    std::vector<CellState> cs = build_cell_states(L.bloom, cand);
-    std::vector<uint32_t> key_count;  // counts of resolved candidates, in peeling order
-    std::vector<uint64_t> resolved_keys;
-    key_count.reserve(cand.size());
-    resolved_keys.reserve(cand.size());
-    bool bad = false;
-    const uint64_t resolved = peel(
-        L.bloom, L.num_keys, cs, cand.size(),
-        [&](uint64_t key, int pure, const uint64_t* cell, const int*) {
-          const uint32_t c = count[cell[pure]];
-          if (c > n) { bad = true; return false; }
-          for (int j = 0; j < 3; ++j) {
-            if (count[cell[j]] < c) { bad = true; return false; }
-            count[cell[j]] -= c;
-          }
-          key_count.push_back(c);
-          resolved_keys.push_back(key);
-          return true;
-        },
-        [&](uint64_t cell) { __builtin_prefetch(&count[cell], 1, 1); }, &bad);
-    if (bad) {
-      st.status = kDecodeIndexCorrupt;
-      return st;
-    }
-    if (resolved != cand.size()) {
-      st.status = kDecodeIndexPeelFailed;
-      return st;
-    }
-    for (uint64_t c = 0; c < bcells; ++c)
-      if (count[c] != 0) { st.status = kDecodeIndexCorrupt; return st; }
-    for (size_t i = 0; i < resolved_keys.size(); ++i)
-      if (key_count[i]) support.push_back(resolved_keys[i]);
-    std::sort(support.begin(), support.end());
-    st.false_positives = cand.size() - support.size();
+  // 1. The exact support: keys non-zero on at least one rank.
+  KeyParts support;
+  st.status = L.index_kind == kIndexBitmap ? bitmap_support(L, in, index, nt, &support, &st)
+                                           : bloom_support(L, in, index, nt, &support, &st);
+  if (st.status != kDecodeOk) {
+    parallel_fill(out, L.numel, 0.0f, nt);
+    return st;
   }
   st.support_keys = support.size();
   prof.mark("index");
 
-  // 2. Peel the value sketch over the exact support, in double precision.
+  // 2. Peel the value sketch over the support one group at a time (groups share no cells), in
+  //    double precision, into a staging array in support order. A group's working set is private
+  //    to the thread peeling it and sized to stay in cache; each group is peeled sequentially in a
+  //    fixed order, so the output does not depend on the number of threads or their scheduling.
   const uint64_t B = L.block;
-  const uint64_t cells = L.sketch.cells();
+  const SegmentedTable& T = L.sketch;
+  const uint64_t groups = T.groups(), gcells = T.group_cells();
   const float* sk = payload + L.sketch_offset;
-  std::vector<double> val(cells * B);
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t i = 0; i < (int64_t)(cells * B); ++i) val[i] = (double)sk[i];
-  prof.mark("build");
-  std::vector<CellState> cs = build_cell_states(L.sketch, support);
-  prof.mark("build");
-  std::vector<double> v(B);
-  uint64_t step = 0;
-  bool bad = false;
-  st.peeled = peel(
-      L.sketch, L.num_keys, cs, support.size(),
-      [&](uint64_t k, int pure, const uint64_t* cell, const int* sign) {
-        const double* src = val.data() + cell[pure] * B;
-        for (uint64_t l = 0; l < B; ++l) v[l] = sign[pure] > 0 ? src[l] : -src[l];
-        for (int j = 0; j < 3; ++j) {
-          if (j == pure) continue;
-          double* dst = val.data() + cell[j] * B;
-          if (sign[j] > 0) {
-            for (uint64_t l = 0; l < B; ++l) dst[l] -= v[l];
-          } else {
-            for (uint64_t l = 0; l < B; ++l) dst[l] += v[l];
-          }
-        }
-        const uint64_t lo = k * B;
-        const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
-        for (uint64_t l = 0; l < len; ++l) out[lo + l] = (float)v[l];
-        if (trace_key) {
-          trace_key[step] = (int64_t)k;
-          trace_cell[step] = (int64_t)cell[pure];
-        }
-        ++step;
-        return true;
-      },
-      [&](uint64_t cell) { __builtin_prefetch(val.data() + cell * B, 1, 1); }, &bad);
-  prof.mark("peel");
-  if (bad) {
-    st.status = kDecodeIndexCorrupt;
-    return st;
+  std::vector<uint32_t> keys, where;
+  std::vector<uint64_t> goff;
+  bucket_by_group(T, support, nt, &keys, &where, &goff);
+  std::unique_ptr<float[]> stage(new float[st.support_keys * B]);
+  prof.mark("bucket");
+
+  std::vector<uint64_t> peeled(groups, 0);
+  std::vector<char> bad(groups, 0);
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<double> v(B), val(gcells * B);
+    std::vector<CellState> cs(gcells);
+    std::vector<float> vals;  // the group's recovered values, by position in its key list
+    std::vector<uint32_t> queue;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < (int64_t)groups; ++g) {
+      const uint64_t base = (uint64_t)g * gcells;
+      const uint64_t kb = goff[g];
+      const uint32_t kn = (uint32_t)(goff[g + 1] - goff[g]);
+      for (uint64_t i = 0; i < gcells * B; ++i) val[i] = (double)sk[base * B + i];
+      std::fill(cs.begin(), cs.end(), CellState{0, 0, 0, 0});
+      vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
+      build_cell_states(T, keys.data() + kb, kn, cs.data(), base);
+      uint64_t step = kb;
+      bool group_bad = false;
+      peeled[g] = peel(
+          T, keys.data() + kb, kn, cs.data(), base, gcells, queue,
+          [&](uint32_t pos, uint64_t k, int pure, const uint64_t* cell, const int* sign) {
+            // Branch-free: signs are multiplied in (exact), so mispredictions do not stall the
+            // memory pipeline.
+            const double* src = val.data() + (cell[pure] - base) * B;
+            const double sp = (double)sign[pure];
+            for (uint64_t l = 0; l < B; ++l) v[l] = sp * src[l];
+            const int j1 = pure == 0 ? 1 : 0, j2 = pure == 2 ? 1 : 2;
+            double* d1 = val.data() + (cell[j1] - base) * B;
+            double* d2 = val.data() + (cell[j2] - base) * B;
+            const double s1 = (double)sign[j1], s2 = (double)sign[j2];
+            for (uint64_t l = 0; l < B; ++l) {
+              d1[l] -= s1 * v[l];
+              d2[l] -= s2 * v[l];
+            }
+            float* o = vals.data() + (uint64_t)pos * B;
+            for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
+            if (trace_key) {
+              trace_key[step] = (int64_t)k;
+              trace_cell[step] = (int64_t)cell[pure];
+            }
+            ++step;
+            return true;
+          },
+          [&](uint64_t cell) { __builtin_prefetch(val.data() + (cell - base) * B, 1, 1); }, &group_bad);
+      bad[g] = group_bad;
+      // Unresolved keys (a failed group) keep NaN, never stale memory. Independent stores: cheap.
+      for (uint32_t i = 0; i < kn; ++i) {
+        float* o = stage.get() + (uint64_t)where[kb + i] * B;
+        for (uint64_t l = 0; l < B; ++l) o[l] = vals[(uint64_t)i * B + l];
+      }
+    }
   }
-  if (st.peeled != support.size()) st.status = kDecodeSketchPeelFailed;
+  prof.mark("peel");
+  for (uint64_t g = 0; g < groups; ++g) {
+    st.peeled += peeled[g];
+    if (bad[g]) st.status = kDecodeIndexCorrupt;
+  }
+  if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
+
+  // 3. The dense output: zeros, and the staged values at the support (each thread writes the keys
+  //    of its own part, an increasing run of positions).
+  parallel_fill(out, L.numel, 0.0f, nt);
+  prof.mark("zero out");
+  const size_t parts = support.parts.size();
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int64_t p = 0; p < (int64_t)parts; ++p) {
+    const auto& part = support.parts[p];
+    const float* src = stage.get() + support.offset[p] * B;
+    for (size_t i = 0; i < part.size(); ++i) {
+      const uint64_t lo = (uint64_t)part[i] * B;
+      const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
+      for (uint64_t l = 0; l < len; ++l) out[lo + l] = src[i * B + l];
+    }
+  }
+  prof.mark("scatter");
   return st;
 }
 

@@ -24,8 +24,18 @@ namespace lhc {
 namespace cpu {
 namespace {
 
-struct Prof { const char* env = std::getenv("LHC_PROFILE"); std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
-  void mark(const char* what) { if (!env) return; auto n = std::chrono::steady_clock::now(); std::fprintf(stderr, "  %-14s %8.2f ms\n", what, std::chrono::duration<double, std::milli>(n - t).count()); t = n; } };
+// Phase timings on stderr when LHC_PROFILE is set (a diagnostic for performance work).
+struct Prof {
+  const char* env = std::getenv("LHC_PROFILE");
+  std::chrono::steady_clock::time_point t = std::chrono::steady_clock::now();
+  void mark(const char* what) {
+    if (!env) return;
+    const auto now = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "  lhc %-10s %8.2f ms\n", what, std::chrono::duration<double, std::milli>(now - t).count());
+    t = now;
+  }
+};
+
 int resolve_threads(int num_threads) { return num_threads > 0 ? num_threads : omp_get_max_threads(); }
 
 // [begin, end) of part `tid` when `total` items are split into `parts` contiguous ranges.
@@ -65,23 +75,25 @@ inline int64_t read_word(const float* p, double scale, int64_t limit) {
   return (int64_t)r;
 }
 
-// Non-zero keys of x in increasing order, and whether x held NaN/Inf. -0.0 counts as zero.
-std::vector<uint64_t> find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_t* non_finite) {
-  std::vector<std::vector<uint64_t>> local(nt);
+// Non-zero keys of x, per thread in increasing order (concatenated: sorted), and whether x held
+// NaN/Inf. -0.0 counts as zero.
+std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const float* x, int nt,
+                                                     uint32_t* non_finite) {
+  std::vector<std::vector<uint32_t>> local(nt);
   std::vector<uint32_t> bad(nt, 0);
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
     uint64_t kb, ke;
     split_range(L.num_keys, nt, tid, &kb, &ke);
-    std::vector<uint64_t>& mine = local[tid];
+    std::vector<uint32_t> mine;  // private while scanning (no false sharing on the vector header)
     uint32_t nf = 0;
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
     if (L.block == 1) {
       for (uint64_t k = kb; k < ke; ++k) {
         const uint32_t u = bits[k];
         nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-        if (u << 1) mine.push_back(k);
+        if (u << 1) mine.push_back((uint32_t)k);
       }
     } else {
       for (uint64_t k = kb; k < ke; ++k) {
@@ -92,19 +104,15 @@ std::vector<uint64_t> find_nonzero_keys(const CodecLayout& L, const float* x, in
           nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
           any |= u << 1;
         }
-        if (any) mine.push_back(k);
+        if (any) mine.push_back((uint32_t)k);
       }
     }
+    local[tid] = std::move(mine);
     bad[tid] = nf;
   }
-  size_t total = 0;
-  for (auto& v : local) total += v.size();
-  std::vector<uint64_t> keys;
-  keys.reserve(total);
-  for (auto& v : local) keys.insert(keys.end(), v.begin(), v.end());
   *non_finite = 0;
   for (uint32_t b : bad) *non_finite |= b;
-  return keys;
+  return local;
 }
 
 // Powers base^i for i < per_word, as floats (exact: all below 2^22).
@@ -115,20 +123,19 @@ std::vector<float> digit_powers(const DigitPacking& P) {
   return pw;
 }
 
-// Add sign * x[key block] into the value sketch, for keys in order; only cells in [c0, c1).
-void scatter_keys(const CodecLayout& L, const float* x, const std::vector<uint64_t>& keys, float* sketch,
-                  uint64_t c0, uint64_t c1) {
+// Add sign * x[key block] into the value sketch for keys[0, count), in that order.
+void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, float* sketch) {
   const uint64_t B = L.block;
-  for (uint64_t k : keys) {
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t k = keys[i];
     uint64_t cell[3];
     int sign[3];
     key_cells(L.sketch, k, cell, sign);
     const uint64_t lo = k * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
+    const float* src = x + lo;
     for (int j = 0; j < 3; ++j) {
-      if (cell[j] < c0 || cell[j] >= c1) continue;
       float* dst = sketch + cell[j] * B;
-      const float* src = x + lo;
       if (sign[j] > 0) {
         for (uint64_t l = 0; l < len; ++l) dst[l] += src[l];
       } else {
@@ -139,69 +146,6 @@ void scatter_keys(const CodecLayout& L, const float* x, const std::vector<uint64
 }
 
 }  // namespace
-
-EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
-  const int nt = resolve_threads(num_threads);
-  EncodeStats st;
-  parallel_fill(payload, L.payload_numel, 0.0f, nt);
-  std::vector<uint64_t> keys = find_nonzero_keys(L, x, nt, &st.non_finite);
-  st.keys = keys.size();
-
-  float* index = payload + L.index_offset;
-  const std::vector<float> pw = digit_powers(L.index);
-  if (L.index_kind == kIndexBitmap) {
-    for (uint64_t k : keys) index[k / L.index.per_word] += pw[k % L.index.per_word];
-  } else if (L.index_kind == kIndexBloom) {
-    const uint64_t cells = L.bloom.cells();
-    std::vector<uint32_t> count(cells, 0);
-    for (uint64_t k : keys) {
-      uint64_t cell[3];
-      int sign[3];
-      key_cells(L.bloom, k, cell, sign);
-      for (int j = 0; j < 3; ++j) ++count[cell[j]];
-    }
-    const uint64_t words = L.index.words();
-    uint32_t saturated = 0;
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : saturated)
-    for (int64_t w = 0; w < (int64_t)words; ++w) {
-      float acc = 0.0f;
-      for (uint32_t d = 0; d < L.index.per_word; ++d) {
-        const uint64_t c = (uint64_t)w * L.index.per_word + d;
-        if (c >= cells) break;
-        uint32_t v = count[c];
-        if (v > L.digit_cap) { v = L.digit_cap; saturated = 1; }
-        acc += (float)v * pw[d];
-      }
-      index[w] = acc;
-    }
-    st.saturated = saturated;
-  }
-
-  float* sketch = payload + L.sketch_offset;
-  const uint64_t cells = L.sketch.cells();
-  if (nt > 1 && keys.size() * L.block > (1u << 16)) {
-    // Each thread owns a contiguous range of cells and walks all keys in order: no races, and
-    // every cell is summed in increasing key order whatever the thread count.
-#pragma omp parallel num_threads(nt)
-    {
-      uint64_t c0, c1;
-      split_range(cells, omp_get_num_threads(), omp_get_thread_num(), &c0, &c1);
-      scatter_keys(L, x, keys, sketch, c0, c1);
-    }
-  } else {
-    scatter_keys(L, x, keys, sketch, 0, cells);
-  }
-
-  float* header = payload;
-  header[kHdrContributors] = 1.0f;
-  header[kHdrFingerprintLo] = (float)(L.fingerprint & ((1u << kChunkBits) - 1));
-  header[kHdrFingerprintHi] = (float)(L.fingerprint >> kChunkBits);
-  write_chunks(header, kHdrKeysLo, st.keys);
-  header[kHdrOverloaded] = st.keys > L.capacity ? 1.0f : 0.0f;
-  header[kHdrNonFinite] = (float)st.non_finite;
-  header[kHdrSaturated] = (float)st.saturated;
-  return st;
-}
 
 namespace {
 
@@ -613,6 +557,74 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     }
   }
   prof.mark("scatter");
+  return st;
+}
+
+EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
+  const int nt = resolve_threads(num_threads);
+  EncodeStats st;
+  parallel_fill(payload, L.payload_numel, 0.0f, nt);
+  KeyParts keys;
+  keys.parts = find_nonzero_keys(L, x, nt, &st.non_finite);
+  keys.finish();
+  st.keys = keys.size();
+
+  float* index = payload + L.index_offset;
+  const std::vector<float> pw = digit_powers(L.index);
+  if (L.index_kind == kIndexBitmap) {
+    for (const auto& part : keys.parts)
+      for (uint64_t k : part) index[k / L.index.per_word] += pw[k % L.index.per_word];
+  } else if (L.index_kind == kIndexBloom) {
+    const uint64_t cells = L.bloom.cells();
+    std::vector<uint32_t> count(cells, 0);
+    for (const auto& part : keys.parts)
+      for (uint64_t k : part) {
+        uint64_t cell[3];
+        int sign[3];
+        key_cells(L.bloom, k, cell, sign);
+        for (int j = 0; j < 3; ++j) ++count[cell[j]];
+      }
+    const uint64_t words = L.index.words();
+    uint32_t saturated = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : saturated)
+    for (int64_t w = 0; w < (int64_t)words; ++w) {
+      float acc = 0.0f;
+      for (uint32_t d = 0; d < L.index.per_word; ++d) {
+        const uint64_t c = (uint64_t)w * L.index.per_word + d;
+        if (c >= cells) break;
+        uint32_t v = count[c];
+        if (v > L.digit_cap) { v = L.digit_cap; saturated = 1; }
+        acc += (float)v * pw[d];
+      }
+      index[w] = acc;
+    }
+    st.saturated = saturated;
+  }
+
+  // Values: every cell is summed in increasing key order, whatever the thread count. With several
+  // groups, keys are bucketed by group (stably) and each thread scatters whole groups, whose cells
+  // stay in cache; with one group the scatter is sequential.
+  float* sketch = payload + L.sketch_offset;
+  const SegmentedTable& T = L.sketch;
+  if (nt > 1 && T.groups() > 1) {
+    std::vector<uint32_t> gkeys, where;
+    std::vector<uint64_t> goff;
+    bucket_by_group(T, keys, nt, &gkeys, &where, &goff);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
+      scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], sketch);
+  } else {
+    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), sketch);
+  }
+
+  float* header = payload;
+  header[kHdrContributors] = 1.0f;
+  header[kHdrFingerprintLo] = (float)(L.fingerprint & ((1u << kChunkBits) - 1));
+  header[kHdrFingerprintHi] = (float)(L.fingerprint >> kChunkBits);
+  write_chunks(header, kHdrKeysLo, st.keys);
+  header[kHdrOverloaded] = st.keys > L.capacity ? 1.0f : 0.0f;
+  header[kHdrNonFinite] = (float)st.non_finite;
+  header[kHdrSaturated] = (float)st.saturated;
   return st;
 }
 

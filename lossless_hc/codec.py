@@ -22,6 +22,8 @@ _DECODE_STATUS = {
     1: "index corrupt: an index word is not a valid packed count, or the counts disagree with the header",
     2: "index peeling failed: the Bloom counters could not be resolved into per-key counts",
     3: "sketch peeling failed: more distinct non-zero keys than the sketch can separate",
+    4: ("sketch overflow: a float32 sketch cell is NaN/Inf although every rank's input was finite (values near "
+        "the float32 limit summed in one cell, or a corrupted payload)"),
 }
 
 

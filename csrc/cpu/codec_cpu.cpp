@@ -482,7 +482,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   prof.mark("bucket");
 
   std::vector<uint64_t> peeled(groups, 0);
-  std::vector<char> bad(groups, 0);
+  std::vector<char> bad(groups, 0), non_finite(groups, 0);
 #pragma omp parallel num_threads(nt)
   {
     std::vector<double> v(B), val(gcells * B);
@@ -494,7 +494,12 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       const uint64_t base = (uint64_t)g * gcells;
       const uint64_t kb = goff[g];
       const uint32_t kn = (uint32_t)(goff[g + 1] - goff[g]);
-      for (uint64_t i = 0; i < gcells * B; ++i) val[i] = (double)sk[base * B + i];
+      bool finite = true;
+      for (uint64_t i = 0; i < gcells * B; ++i) {
+        val[i] = (double)sk[base * B + i];
+        finite &= std::isfinite(val[i]);
+      }
+      if (!finite) non_finite[g] = 1;
       std::fill(cs.begin(), cs.end(), CellState{0, 0, 0, 0});
       vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
       build_cell_states(T, keys.data() + kb, kn, cs.data(), base);
@@ -538,6 +543,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   for (uint64_t g = 0; g < groups; ++g) {
     st.peeled += peeled[g];
     if (bad[g]) st.status = kDecodeIndexCorrupt;
+    if (non_finite[g] && st.status == kDecodeOk) st.status = kDecodeSketchNonFinite;
   }
   if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
 

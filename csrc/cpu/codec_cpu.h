@@ -23,6 +23,7 @@ enum DecodeStatus : int32_t {
   kDecodeIndexCorrupt = 1,   // an index word is not a valid packed integer, or digit sums disagree
   kDecodeIndexPeelFailed = 2,// the Bloom counts could not be peeled to per-key counts
   kDecodeSketchPeelFailed = 3,// the value sketch could not be peeled completely
+  kDecodeSketchNonFinite = 4, // a sketch cell is NaN/Inf although every rank's input was finite
 };
 
 struct DecodeStats {

@@ -1,0 +1,385 @@
+"""Pure-torch reference implementation of the lossless codec: the test oracle.
+
+Nothing here runs inside ``LosslessCodec``; the tests compare the C++ kernels against it. It is
+written to be obviously correct rather than fast: whole-tensor integer operations for the hash
+family, explicit per-rank digit arithmetic for the index, and round-based peeling.
+
+What is reproduced bit for bit (given the same :class:`~lossless_hc.layout.PayloadLayout`):
+
+* :func:`key_cells` -- ``lhc::key_cells`` / ``mix64`` / ``reduce32`` of ``csrc/lhc_layout.h``, on
+  int64 tensors: the multiplications wrap modulo 2**64 exactly like ``uint64_t``; right shifts are
+  made logical by masking off the sign-extended bits; 64-bit constants above 2**63 are converted
+  to their two's-complement int64 value.
+* :func:`encode` -- the whole payload of ``lhc::cpu::encode`` (and of the dense path in
+  ``codec.py``): header, index words, and **the value sketch, bit for bit**. The C++ adds the
+  contributions of a cell in increasing key order, each addition rounded to float32, starting from
+  +0.0. The reference reproduces that exactly without a Python loop over keys: it sorts the
+  (cell, key) contributions by cell, keeping key order, and then performs "round r" = the r-th
+  addition of every cell at once (a cell appears at most once per round), so every cell sees the
+  same sequence of float32 roundings as in C++. (``dst -= src`` in C++ equals ``dst + (-src)`` in
+  IEEE-754, signed zeros included.)
+
+What is *not* bit-exact by design:
+
+* :func:`decode` peels in rounds (every key pure at the start of a round is resolved in that round),
+  in float64, reading each key from the lowest of its pure cells. The C++ decoder peels each group
+  of sub-tables sequentially from a FIFO queue, so the order in which a cell's estimates are
+  subtracted differs and the decoded values agree only up to float rounding. The *integer* parts --
+  candidates, the exact Bloom counts, false positives, support, the ok/failure verdict -- are order
+  independent (peeling always ends at the 2-core) and must agree exactly.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
+                     HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, SegmentedTable)
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX_C1 = 0xBF58476D1CE4E5B9
+_MIX_C2 = 0x94D049BB133111EB
+
+
+def _s64(v: int) -> int:
+    """The int64 with the same 64 bits as the unsigned value ``v`` (mod 2**64)."""
+    v &= _MASK64
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of the 64-bit pattern held in an int64 tensor (``>>`` is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """``lhc::mix64`` (splitmix64 finalizer) on int64 tensors holding uint64 bit patterns."""
+    z = z ^ _lsr(z, 30)
+    z = z * _s64(_MIX_C1)
+    z = z ^ _lsr(z, 27)
+    z = z * _s64(_MIX_C2)
+    z = z ^ _lsr(z, 31)
+    return z
+
+
+def reduce32(h: torch.Tensor, n: int) -> torch.Tensor:
+    """``lhc::reduce32``: ``((h & 0xffffffff) * n) >> 32`` for ``0 <= n < 2**32``.
+
+    The product is below 2**64, so its int64 wrap-around keeps the exact bit pattern and a logical
+    shift recovers the unsigned quotient.
+    """
+    if not 0 <= n < (1 << 32):
+        raise ValueError(f"reduce32 needs 0 <= n < 2**32, got {n}")
+    return _lsr((h & 0xFFFFFFFF) * n, 32)
+
+
+def key_cells(table: SegmentedTable, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The three cells and signs of every key: ``(cells [N, 3] int64, signs [N, 3] int64 of +-1)``.
+
+    Mirrors ``lhc::key_cells``: ``h = mix64(key ^ stream)``; the key's group
+    ``g = reduce32(h >> 32, seg_count // 3)``; for j = 0, 1, 2 ``hj = mix64(h + golden * (j + 1))``,
+    cell ``(3 g + j) * seg_len + reduce32(hj, seg_len)`` and sign ``-1`` iff the top bit of hj is set.
+    """
+    keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
+    if table.seg_count < 3 or table.seg_count % 3:
+        raise ValueError(f"seg_count must be a positive multiple of 3, got {table.seg_count}")
+    h = mix64(keys ^ _s64(table.stream))
+    start = 3 * reduce32(_lsr(h, 32), table.seg_count // 3)
+    cells, signs = [], []
+    for j in range(3):
+        hj = mix64(h + _s64(_GOLDEN * (j + 1)))
+        cells.append((start + j) * table.seg_len + reduce32(hj, table.seg_len))
+        signs.append(torch.where(hj < 0, -1, 1).to(torch.int64))
+    return torch.stack(cells, dim=1), torch.stack(signs, dim=1)
+
+
+# -- encode ------------------------------------------------------------------------------------------
+
+def _flat_float32(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.numel() != layout.numel:
+        raise ValueError(f"x has {x.numel()} elements, the layout is for numel={layout.numel}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    return x.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def nonzero_keys(layout: PayloadLayout, flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Increasing keys with a coordinate that is not +-0 (NaN/Inf count as non-zero), and whether
+    ``flat`` holds a NaN or Inf."""
+    bits = flat.view(torch.int32)
+    nonzero = (bits & 0x7FFFFFFF) != 0
+    non_finite = bool(((bits & 0x7F800000) == 0x7F800000).any())
+    pad = layout.num_keys * layout.block - layout.numel
+    nonzero = torch.cat([nonzero, torch.zeros(pad, dtype=torch.bool)])
+    keys = nonzero.reshape(layout.num_keys, layout.block).any(dim=1).nonzero().reshape(-1)
+    return keys, non_finite
+
+
+def pack_digits(layout: PayloadLayout, digits: torch.Tensor) -> torch.Tensor:
+    """Pack int64 digits (each < base) as float32 words ``sum_i digit_i * base**i`` (exact: < 2**22)."""
+    P = layout.index
+    padded = torch.zeros(P.words * P.per_word, dtype=torch.int64)
+    padded[: digits.numel()] = digits
+    powers = torch.tensor([P.base ** i for i in range(P.per_word)], dtype=torch.int64)
+    words = (padded.reshape(P.words, P.per_word) * powers).sum(dim=1)
+    if words.numel() and int(words.max()) >= (1 << 24):
+        raise ValueError("index word does not fit float32 exactly: digits >= base?")
+    return words.to(torch.float32)
+
+
+def sketch_cells_float32(layout: PayloadLayout, flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The value sketch ``[cells, block]`` float32, accumulated exactly as the C++ does: per cell,
+    the keys' signed blocks added in increasing key order, each addition rounded to float32."""
+    B, C = layout.block, layout.sketch.cells
+    sketch = torch.zeros(C, B, dtype=torch.float32)
+    if keys.numel() == 0:
+        return sketch
+    padded = torch.zeros(layout.num_keys * B, dtype=torch.float32)
+    padded[: layout.numel] = flat
+    blocks = padded.reshape(layout.num_keys, B)[keys]                       # [K, B]
+    cells, signs = key_cells(layout.sketch, keys)                          # [K, 3]
+    cell = cells.reshape(-1)                                               # key-major: key order kept
+    val = (blocks.unsqueeze(1) * signs.unsqueeze(2).to(torch.float32)).reshape(-1, B)
+    order = torch.sort(cell, stable=True).indices                          # by cell, then key
+    cell, val = cell[order], val[order]
+    first = torch.searchsorted(cell, cell, right=False)                    # first entry of its cell
+    rank = torch.arange(cell.numel()) - first                              # position within the cell
+    for r in range(int(rank.max()) + 1):
+        m = rank == r
+        c = cell[m]
+        sketch[c] = sketch[c] + val[m]                                     # one float32 rounding each
+    return sketch
+
+
+def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
+    """The float32 payload ``lhc::cpu::encode`` (or the dense path of ``LosslessCodec.encode``)
+    writes for ``x``; bit-for-bit identical to it."""
+    flat = _flat_float32(layout, x)
+    L = layout
+    payload = torch.zeros(L.payload_numel, dtype=torch.float32)
+    mask = (1 << CHUNK_BITS) - 1
+    header = [0] * HEADER_FIELDS
+    header[HDR_CONTRIBUTORS] = 1
+    header[HDR_FP_LO] = L.fingerprint & mask
+    header[HDR_FP_HI] = L.fingerprint >> CHUNK_BITS
+    if L.index_kind == "dense":
+        header[HDR_NON_FINITE] = int(not bool(torch.isfinite(flat).all())) if flat.numel() else 0
+        payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
+        payload[HEADER_FIELDS:] = flat
+        return payload
+
+    keys, non_finite = nonzero_keys(L, flat)
+    nkeys = keys.numel()
+    header[HDR_KEYS_LO] = nkeys & mask
+    header[HDR_KEYS_MID] = (nkeys >> CHUNK_BITS) & mask
+    header[HDR_KEYS_HI] = (nkeys >> (2 * CHUNK_BITS)) & mask
+    header[HDR_OVERLOADED] = int(nkeys > L.capacity)
+    header[HDR_NON_FINITE] = int(non_finite)
+
+    if L.index_kind == "bitmap":
+        digits = torch.zeros(L.num_keys, dtype=torch.int64)
+        digits[keys] = 1
+    elif L.index_kind == "bloom":
+        bcells, _ = key_cells(L.bloom, keys)
+        digits = torch.bincount(bcells.reshape(-1), minlength=L.bloom.cells).to(torch.int64)
+        if bool((digits > L.digit_cap).any()):
+            header[HDR_SATURATED] = 1
+        digits = digits.clamp(max=L.digit_cap)
+    else:
+        raise ValueError(f"unknown index kind {L.index_kind!r}")
+    payload[L.index_offset: L.sketch_offset] = pack_digits(L, digits)
+    payload[L.sketch_offset:] = sketch_cells_float32(L, flat, keys).reshape(-1)
+    payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
+    return payload
+
+
+# -- decode ------------------------------------------------------------------------------------------
+
+def peel_rounds(cells: torch.Tensor, num_cells: int):
+    """Round-based peeling of the 3-hypergraph whose edge i is ``cells[i]`` (three distinct cells).
+
+    Each round resolves every unresolved key that is alone in one of its cells at the start of the
+    round. Returns ``(rounds, resolved)``: ``rounds`` a list of ``(keys, pure_j)`` (indices into
+    ``cells``, increasing, and which of their three cells was pure, the lowest such j), ``resolved``
+    a bool mask. Peeling stops at the 2-core, so ``resolved`` does not depend on the order.
+
+    Per cell it keeps the number of unresolved keys and the *sum* of their indices: where the count
+    is 1 the sum is the index of the cell's only key.
+    """
+    cells = cells.to(torch.int64)
+    K = cells.shape[0]
+    flat = cells.reshape(-1)
+    idx3 = torch.arange(K, dtype=torch.int64).repeat_interleave(3)
+    deg = torch.bincount(flat, minlength=num_cells)
+    ksum = torch.zeros(num_cells, dtype=torch.int64).index_add_(0, flat, idx3)
+    resolved = torch.zeros(K, dtype=torch.bool)
+    rounds = []
+    while True:
+        pure_cells = (deg == 1).nonzero().reshape(-1)
+        if pure_cells.numel() == 0:
+            break
+        keys = torch.unique(ksum[pure_cells])                  # sorted, each key once
+        kc = cells[keys]
+        pure_j = (deg[kc] == 1).to(torch.int8).argmax(dim=1).to(torch.int64)
+        rounds.append((keys, pure_j))
+        resolved[keys] = True
+        kf = kc.reshape(-1)
+        deg.index_add_(0, kf, torch.full_like(kf, -1))
+        ksum.index_add_(0, kf, -keys.repeat_interleave(3))
+    return rounds, resolved
+
+
+def _fail(info: dict, reason: str):
+    info["ok"], info["reason"] = False, reason
+    return info
+
+
+def _read_int_fields(values: torch.Tensor, scale: float, limit: Optional[int] = None) -> Optional[torch.Tensor]:
+    """float32 fields times ``scale`` as exact non-negative integers (within 1/4), or None."""
+    v = values.to(torch.float64) * scale
+    if not bool(torch.isfinite(v).all()):
+        return None
+    r = torch.round(v)
+    if bool(((v - r).abs() > 0.25).any()) or bool((r < 0).any()):
+        return None
+    if bool((r.abs() >= 2.0 ** 53).any()) or (limit is not None and bool((r >= limit).any())):
+        return None
+    return r.to(torch.int64)
+
+
+def unpack_digits(layout: PayloadLayout, words: torch.Tensor) -> torch.Tensor:
+    """The digits (int64, ``words * per_word`` of them) of exact integer index words."""
+    P = layout.index
+    powers = torch.tensor([P.base ** i for i in range(P.per_word)], dtype=torch.int64)
+    return ((words.unsqueeze(1) // powers) % P.base).reshape(-1)
+
+
+def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False):
+    """Decode an aggregated payload: ``(y, info)``, y a float64 tensor of ``numel`` values (the sum,
+    or the average if ``averaged``), info a dict with ok, reason, contributors, total_keys,
+    overloaded_ranks, candidates, false_positives, support (number of keys), support_keys (the
+    keys), peeled, and trace = (keys, cells): the support keys in peeling order (round by round)
+    and the cell each was read from, like ``DecodeReport.trace``.
+
+    Peeling is round based in float64 (see the module docstring). A Bloom index is first peeled
+    exactly in integers, so every false-positive candidate gets count 0 and is dropped before the
+    value sketch is peeled.
+    """
+    L = layout
+    if not isinstance(payload, torch.Tensor):
+        raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
+    if payload.dtype != torch.float32:
+        raise TypeError(f"payload must be float32, got {payload.dtype}")
+    if payload.dim() != 1 or payload.numel() != L.payload_numel:
+        raise ValueError(f"payload must be 1-D with {L.payload_numel} elements, got {tuple(payload.shape)}")
+    n = L.world_size
+    scale = float(n) if averaged else 1.0
+    y = torch.zeros(L.numel, dtype=torch.float64)
+    info = dict(ok=False, reason=None, contributors=0, total_keys=0, overloaded_ranks=0, candidates=0,
+                false_positives=0, support=0, support_keys=torch.zeros(0, dtype=torch.int64), peeled=0,
+                trace=None)
+
+    hdr = _read_int_fields(payload[:HEADER_FIELDS], scale)
+    if hdr is None:
+        return y, _fail(info, "header fields are not non-negative integers")
+    hdr = [int(v) for v in hdr]
+    info["contributors"] = hdr[HDR_CONTRIBUTORS]
+    if hdr[HDR_CONTRIBUTORS] != n:
+        return y, _fail(info, f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected {n}")
+    mask = (1 << CHUNK_BITS) - 1
+    if hdr[HDR_FP_LO] != n * (L.fingerprint & mask) or hdr[HDR_FP_HI] != n * (L.fingerprint >> CHUNK_BITS):
+        return y, _fail(info, "configuration mismatch")
+    total = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << CHUNK_BITS) + (hdr[HDR_KEYS_HI] << (2 * CHUNK_BITS))
+    info["total_keys"], info["overloaded_ranks"] = total, hdr[HDR_OVERLOADED]
+    if hdr[HDR_NON_FINITE]:
+        return y, _fail(info, "non-finite input")
+    if hdr[HDR_SATURATED]:
+        return y, _fail(info, "index counter saturated")
+
+    if L.index_kind == "dense":
+        y = payload[HEADER_FIELDS:].to(torch.float64)
+        nz = int(torch.count_nonzero(y))
+        info.update(candidates=nz, support=nz, peeled=nz, ok=True)
+        return y, info
+
+    limit = L.index.base ** L.index.per_word
+    words = _read_int_fields(payload[L.index_offset: L.sketch_offset], scale, limit)
+    if words is None:
+        return y, _fail(info, "index corrupt: a word is not a valid packed count")
+    digits = unpack_digits(L, words)
+    if L.index_kind == "bitmap":
+        if bool((digits[L.num_keys:] != 0).any()) or bool((digits > n).any()):
+            return y, _fail(info, "index corrupt: digit out of range")
+        if int(digits.sum()) != total:
+            return y, _fail(info, "index corrupt: counts disagree with the header")
+        support = digits[: L.num_keys].nonzero().reshape(-1)
+        info["candidates"] = support.numel()
+    elif L.index_kind == "bloom":
+        bc = L.bloom.cells
+        if bool((digits[bc:] != 0).any()) or bool((digits > n * L.digit_cap).any()):
+            return y, _fail(info, "index corrupt: digit out of range")
+        count = digits[:bc].clone()
+        if int(count.sum()) != 3 * total:
+            return y, _fail(info, "index corrupt: counts disagree with the header")
+        all_keys = torch.arange(L.num_keys, dtype=torch.int64)
+        kc, _ = key_cells(L.bloom, all_keys)
+        cand = all_keys[(count[kc] != 0).all(dim=1)]
+        info["candidates"] = cand.numel()
+        cc = kc[cand]
+        rounds, resolved = peel_rounds(cc, bc)
+        key_count = torch.zeros(cand.numel(), dtype=torch.int64)
+        for idx, pj in rounds:
+            c = count[cc[idx, pj]]
+            if bool((c > n).any()):
+                return y, _fail(info, "index corrupt: a key held by more than world_size ranks")
+            count.index_add_(0, cc[idx].reshape(-1), (-c).repeat_interleave(3))
+            if bool((count < 0).any()):
+                return y, _fail(info, "index corrupt: negative counter while peeling")
+            key_count[idx] = c
+        if not bool(resolved.all()):
+            return y, _fail(info, "index peeling failed")
+        if bool((count != 0).any()):
+            return y, _fail(info, "index corrupt: counters left after peeling")
+        support = cand[key_count > 0]
+        info["false_positives"] = int((key_count == 0).sum())
+    else:
+        raise ValueError(f"unknown index kind {L.index_kind!r}")
+    info["support"], info["support_keys"] = support.numel(), support
+
+    B = L.block
+    val = payload[L.sketch_offset:].to(torch.float64).reshape(L.sketch.cells, B).clone()
+    if not bool(torch.isfinite(val).all()):
+        # every rank's input was finite (header), so the float32 aggregate overflowed or was corrupted
+        return y, _fail(info, "sketch overflow: a sketch cell is NaN/Inf")
+    sc, ss = key_cells(L.sketch, support)
+    rounds, resolved = peel_rounds(sc, L.sketch.cells)
+    blocks = torch.zeros(support.numel(), B, dtype=torch.float64)
+    trace_keys, trace_cells = [], []
+    for idx, pj in rounds:
+        pure_cell = sc[idx, pj]
+        trace_keys.append(support[idx])
+        trace_cells.append(pure_cell)
+        v = val[pure_cell] * ss[idx, pj].unsqueeze(1).to(torch.float64)    # [R, B]
+        blocks[idx] = v
+        other = torch.ones(idx.numel(), 3, dtype=torch.bool)
+        other[torch.arange(idx.numel()), pj] = False
+        oc = sc[idx][other]                                                 # [2R]
+        os_ = ss[idx][other].to(torch.float64)
+        val.index_add_(0, oc, -(os_.unsqueeze(1) * v.repeat_interleave(2, dim=0)))
+    info["peeled"] = int(resolved.sum())
+    info["trace"] = (torch.cat(trace_keys) if trace_keys else torch.zeros(0, dtype=torch.int64),
+                     torch.cat(trace_cells) if trace_cells else torch.zeros(0, dtype=torch.int64))
+    padded = torch.zeros(L.num_keys * B, dtype=torch.float64)
+    pv = padded.reshape(L.num_keys, B)
+    pv[support[resolved]] = blocks[resolved]
+    y = padded[: L.numel].clone()
+    if not bool(resolved.all()):
+        return y, _fail(info, "sketch peeling failed")
+    if info["overloaded_ranks"]:
+        return y, _fail(info, f"overloaded: {info['overloaded_ranks']} rank(s) over capacity")
+    info["ok"] = True
+    return y, info

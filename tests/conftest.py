@@ -1,0 +1,45 @@
+"""pytest configuration shared by the codec tests.
+
+* A hypothesis profile that CI can reproduce: derandomized (the examples are a function of the test),
+  no per-example deadline (the first call of a test pays for imports), modest example counts.
+* A watchdog: a test that runs for more than ``LHC_TEST_TIMEOUT`` seconds (default 300) dumps every
+  thread's stack and exits, so a hang inside the C++ kernels (which hold no GIL) fails loudly instead
+  of blocking CI forever.
+* With ``LHC_EXPECT_SANITIZED`` set (scripts/sanitize.sh), refuse to run against the repository's
+  regular build: the sanitized extension must be the one imported.
+"""
+import faulthandler
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from every test module
+
+settings.register_profile(
+    "lhc",
+    deadline=None,
+    derandomize=True,
+    max_examples=40,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("LHC_HYPOTHESIS_PROFILE", "lhc"))
+
+_TIMEOUT = float(os.environ.get("LHC_TEST_TIMEOUT", "300"))
+
+
+def pytest_configure(config):
+    if os.environ.get("LHC_EXPECT_SANITIZED"):
+        import lossless_hc._C as ext
+        repo_pkg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lossless_hc")
+        if os.path.dirname(os.path.abspath(ext.__file__)) == repo_pkg:
+            raise pytest.UsageError(f"LHC_EXPECT_SANITIZED is set but the regular build {ext.__file__} was imported")
+
+
+@pytest.fixture(autouse=True)
+def _hang_watchdog():
+    faulthandler.dump_traceback_later(_TIMEOUT, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

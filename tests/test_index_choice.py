@@ -1,0 +1,80 @@
+"""index="auto" picks the smallest payload; wire sizes are what the payload really is; tensors too
+dense to compress go dense."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from lossless_hc import LosslessCodec, plan_layout
+from lossless_hc.layout import HEADER_FIELDS, INDEX_KINDS
+
+GRID = list(itertools.product(
+    [1, 10, 100, 1000, 10_000, 1_000_000],       # numel
+    [1, 2, 8, 64, 1024],                          # world size
+    [0.0, 0.001, 0.01, 0.1, 0.5, 1.0],             # max_nnz / numel
+    [1, 4, 32],                                   # block size
+))
+
+
+def explicit_layouts(numel, n, max_nnz, block):
+    out = {}
+    for kind in INDEX_KINDS:
+        L = plan_layout(numel, n, max_nnz, block, 0, kind)
+        if L.index_kind == kind:              # a kind that does not apply falls back to dense
+            out[kind] = L
+    return out
+
+
+@pytest.mark.parametrize("numel,n,frac,block", GRID)
+def test_auto_is_the_smallest(numel, n, frac, block):
+    max_nnz = int(frac * numel)
+    auto = plan_layout(numel, n, max_nnz, block, 0, "auto")
+    layouts = explicit_layouts(numel, n, max_nnz, block)
+    assert "dense" in layouts
+    best = min(L.payload_numel for L in layouts.values())
+    assert auto.payload_numel == best
+    # ties go to the cheaper decoder: dense, then bitmap, then bloom
+    tied = [k for k in INDEX_KINDS if k in layouts and layouts[k].payload_numel == best]
+    assert auto.index_kind == tied[0]
+    assert layouts[auto.index_kind].fingerprint == auto.fingerprint
+    assert auto.wire_bytes == 4 * auto.payload_numel
+    assert auto.payload_numel <= numel + HEADER_FIELDS          # never worse than dense + header
+
+
+@pytest.mark.parametrize("index", ["auto", "bitmap", "bloom", "dense"])
+@pytest.mark.parametrize("numel,n,max_nnz,block", [(1000, 4, 10, 1), (5000, 16, 50, 5), (7, 2, 7, 3), (0, 3, 0, 1)])
+def test_wire_bytes_match_the_payload(index, numel, n, max_nnz, block):
+    codec = LosslessCodec(numel, n, max_nnz, block_size=block, index=index)
+    p = codec.encode(torch.zeros(numel))
+    assert p.dtype == torch.float32 and p.dim() == 1
+    assert p.numel() == codec.payload_numel == codec.layout.payload_numel
+    assert codec.wire_bytes == 4 * p.numel()
+    assert codec.dense_bytes == 4 * numel
+    if numel:
+        assert codec.compression_ratio == pytest.approx(codec.wire_bytes / codec.dense_bytes)
+    assert repr(codec).startswith("LosslessCodec(")
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 128])
+def test_too_dense_goes_dense(n):
+    numel = 4096
+    codec = LosslessCodec(numel, n, numel)               # every coordinate may be non-zero
+    assert codec.index_kind == "dense"
+    assert codec.wire_bytes <= codec.dense_bytes + 4 * HEADER_FIELDS
+    rng = np.random.default_rng(n)
+    xs = [torch.from_numpy(helpers.values(rng, "normal", numel)) for _ in range(min(n, 8))]
+    if len(xs) < n:
+        xs += [torch.zeros(numel)] * (n - len(xs))
+    y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng))
+    helpers.assert_lossless(codec.layout, xs, y, rep)
+
+
+def test_sparse_tensors_compress():
+    """The point of the codec: at 1% density and 8 ranks the payload is far below dense."""
+    codec = LosslessCodec(1 << 20, 8, (1 << 20) // 100)
+    assert codec.index_kind in ("bitmap", "bloom")
+    assert codec.compression_ratio < 0.35, codec
+    emb = LosslessCodec(1 << 20, 8, (1 << 20) // 100, block_size=64)     # row-sparse embedding gradient
+    assert emb.compression_ratio < 0.2, emb

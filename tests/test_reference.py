@@ -1,0 +1,128 @@
+"""The oracle itself: the torch reference hash family against an independent pure-Python-int mirror,
+and the reference encoder/decoder round trip."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from lossless_hc import layout as lay
+from lossless_hc import reference
+from lossless_hc.layout import SegmentedTable, plan_layout
+
+M64 = (1 << 64) - 1
+
+
+def py_key_cells(t: SegmentedTable, key: int):
+    """lhc::key_cells written with unbounded Python ints and explicit masks (independent of torch)."""
+    h = lay.mix64(key ^ t.stream)
+    r32 = lambda v, n: ((v & 0xFFFFFFFF) * n) >> 32
+    start = 3 * r32(h >> 32, t.seg_count // 3)
+    out = []
+    for j in range(3):
+        hj = lay.mix64((h + 0x9E3779B97F4A7C15 * (j + 1)) & M64)
+        out.append(((start + j) * t.seg_len + r32(hj, t.seg_len), -1 if hj >> 63 else 1))
+    return out
+
+
+def to_i64(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def test_mix64_known_vector():
+    # splitmix64 seeded with 0: the first output is mix64(0x9e3779b97f4a7c15) = 0xe220a8397b1dcdaf.
+    assert lay.mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    z = torch.tensor([to_i64(0x9E3779B97F4A7C15), 0, -1], dtype=torch.int64)
+    got = [v & M64 for v in reference.mix64(z).tolist()]
+    assert got == [0xE220A8397B1DCDAF, lay.mix64(0), lay.mix64(M64)]
+
+
+@pytest.mark.parametrize("table", [
+    SegmentedTable(seg_len=7, seg_count=3, stream=12345),
+    SegmentedTable(seg_len=1, seg_count=3, stream=0),
+    SegmentedTable(seg_len=(1 << 32) - 1, seg_count=3, stream=M64 - 4),      # reduce32 product near 2**64
+    SegmentedTable(seg_len=1000, seg_count=12, stream=(1 << 63) + 7),      # 4 groups of 3 sub-tables
+    SegmentedTable(seg_len=3, seg_count=3 * (1 << 20), stream=lay.stream_seed(3, lay.SALT_BLOOM)),
+])
+def test_key_cells_matches_python_ints(table):
+    rng = np.random.default_rng(0)
+    keys = [int(k) for k in rng.integers(0, 1 << 63, size=300, dtype=np.uint64)]
+    keys += [int(k) | (1 << 63) for k in rng.integers(0, 1 << 63, size=100, dtype=np.uint64)]
+    keys += list(range(64)) + [M64, (1 << 63), (1 << 32) - 1, 1 << 32]
+    cells, signs = reference.key_cells(table, torch.tensor([to_i64(k) for k in keys], dtype=torch.int64))
+    assert cells.shape == (len(keys), 3) and signs.shape == (len(keys), 3)
+    for i, k in enumerate(keys):
+        assert [(int(cells[i, j]), int(signs[i, j])) for j in range(3)] == py_key_cells(table, k), k
+    # the documented invariants: cell j in segment 3 g + j of the key's group g, all cells in range,
+    # signs +-1, and with several groups every group used
+    seg = cells // table.seg_len
+    assert bool((seg[:, 0] % 3 == 0).all())
+    assert bool((seg[:, 1] == seg[:, 0] + 1).all()) and bool((seg[:, 2] == seg[:, 0] + 2).all())
+    groups_hit = seg[:, 0].unique().numel()
+    assert groups_hit == table.seg_count // 3 if table.seg_count <= 12 else groups_hit > 100
+    assert int(cells.min()) >= 0 and int(cells.max()) < table.cells
+    assert set(signs.unique().tolist()) == {-1, 1}
+
+
+def test_key_cells_rejects_bad_table():
+    with pytest.raises(ValueError):
+        reference.key_cells(SegmentedTable(seg_len=1 << 32, seg_count=3, stream=0), torch.arange(3))
+    with pytest.raises(ValueError):
+        reference.key_cells(SegmentedTable(seg_len=5, seg_count=10, stream=0), torch.arange(3))
+
+
+def test_peel_rounds_stops_at_two_core():
+    # keys 0 and 1 share all three cells (a 2-core); key 2 is free and peels; key 3 hangs off key 2
+    cells = torch.tensor([[0, 1, 2], [0, 1, 2], [3, 4, 5], [5, 6, 7]])
+    rounds, resolved = reference.peel_rounds(cells, 8)
+    assert resolved.tolist() == [False, False, True, True]
+    assert sum(r[0].numel() for r in rounds) == 2
+
+
+def ref_report(info):
+    return SimpleNamespace(ok=info["ok"], reason=info["reason"], trace=info["trace"], support=info["support"])
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "dense"])
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("pattern", helpers.PATTERNS)
+def test_reference_round_trip(index, block, pattern):
+    rng = np.random.default_rng(helpers.stable_seed(index, block, pattern))
+    n, numel, k = 5, 997, 12
+    L = plan_layout(numel, n, k * block, block, seed=11, index=index)
+    assert L.index_kind == index
+    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal", zero_lanes=0.3)
+    summed = helpers.sum_payloads([reference.encode(L, x) for x in xs], rng, "tree")
+    y, info = reference.decode(L, summed)
+    helpers.assert_lossless(L, xs, y, ref_report(info))
+
+
+def test_reference_bloom_false_positives_are_exact_zeros():
+    # a Bloom filter sized for 16 ranks x 40 keys but holding only one rank's 40 keys at high
+    # load: plenty of candidates are false positives; each must get count 0 and output exactly 0.
+    rng = np.random.default_rng(5)
+    n, numel, k = 16, 20000, 40
+    L = plan_layout(numel, n, k, 1, seed=1, index="bloom")
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    y, info = reference.decode(L, helpers.sum_payloads([reference.encode(L, x) for x in xs], rng))
+    assert info["ok"], info["reason"]
+    assert info["false_positives"] == info["candidates"] - info["support"]
+    truth = helpers.dense_sum64(xs)
+    assert info["support"] == int((truth != 0).sum())
+    assert bool((y[truth == 0] == 0).all())
+
+
+def test_reference_detects_config_and_count_errors():
+    L = plan_layout(500, 3, 20, 1, seed=0, index="bitmap")
+    x = torch.zeros(500)
+    x[[3, 99, 400]] = 1.0
+    p = reference.encode(L, x)
+    assert not reference.decode(L, p)[1]["ok"]                         # 1 contributor, expected 3
+    assert reference.decode(L, p * 3)[1]["ok"]
+    bad = p * 3
+    bad[L.index_offset] += 1.0                                         # one key counted once more
+    assert not reference.decode(L, bad)[1]["ok"]
+    other = plan_layout(500, 3, 20, 1, seed=1, index="bitmap")
+    mixed = reference.encode(L, x) * 2 + reference.encode(other, x)
+    assert "mismatch" in reference.decode(L, mixed)[1]["reason"]

@@ -1,0 +1,467 @@
+"""Failure is never silent: overload, configuration mismatches, corrupted or fuzzed payloads and bad
+inputs give ``report.ok == False`` (with a reason) or a clear exception -- never a crash, a hang or
+a wrong answer reported as exact."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import helpers
+from lossless_hc import LosslessCodec, plan_layout, reference
+from lossless_hc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
+                                HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS)
+
+INDEXES = ["bitmap", "bloom", "dense"]
+
+
+def summed_case(index, n=4, numel=800, k=25, block=1, seed=0, data_seed=0):
+    rng = np.random.default_rng(data_seed)
+    codec = LosslessCodec(numel, n, k * block, block_size=block, seed=seed, index=index)
+    xs = helpers.make_inputs(rng, numel, block, n, k, "random", "normal")
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    return codec, xs, summed
+
+
+# -- overload ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("block", [1, 4])
+def test_one_key_over_capacity_is_reported(index, block):
+    n, numel, cap = 3, 1200, 20
+    codec = LosslessCodec(numel, n, cap * block, block_size=block, index=index)
+    rng = np.random.default_rng(helpers.stable_seed(index, block))
+    xs = helpers.make_inputs(rng, numel, block, n, cap, "random", "normal")
+    xs[1] = helpers.make_inputs(rng, numel, block, 1, cap + 1, "random", "normal")[0]
+    y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng))
+    assert not rep.ok
+    assert rep.overloaded_ranks == 1
+    assert "overload" in rep.reason, rep.reason
+
+
+@pytest.mark.xfail(strict=True, reason="codec.py reports a sketch-peeling failure or a saturated Bloom counter "
+                                       "instead of the overload that caused it (overload is only checked when "
+                                       "decoding otherwise succeeded)")
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_heavy_overload_reason_names_overload(index):
+    codec = LosslessCodec(1000, 2, 10, index=index)
+    x = torch.zeros(1000)
+    x[:200] = 1.0
+    y, rep = codec.decode(codec.encode(x) * 2)
+    assert not rep.ok and rep.overloaded_ranks == 2
+    assert "overload" in rep.reason, rep.reason
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_over_capacity_is_never_ok(index):
+    """Hundreds of random cases with per-rank key counts around and far above capacity: an overloaded
+    payload is never reported ok, and an ok report is always exact."""
+    rng = np.random.default_rng(helpers.stable_seed("overload", index))
+    seen_ok = seen_over = 0
+    for trial in range(150):
+        n = int(rng.integers(1, 9))
+        block = int(rng.choice([1, 1, 3]))
+        numel = int(rng.integers(100, 2000))
+        num_keys = -(-numel // block)
+        cap = int(rng.integers(1, max(2, num_keys // (2 * n))))
+        codec = LosslessCodec(numel, n, cap * block, block_size=block, seed=trial, index=index)
+        counts = [int(rng.integers(max(0, cap - 3), cap + 1)) for _ in range(n)]
+        over = int(rng.integers(0, n + 1))                  # ranks pushed over capacity
+        for w in range(over):
+            counts[w] = min(num_keys, cap + int(rng.choice([1, 2, cap, 10 * cap])))
+        pattern = str(rng.choice(helpers.PATTERNS))
+        xs = [helpers.make_inputs(rng, numel, block, 1, c, pattern, "normal")[0] for c in counts]
+        n_over = sum(len(helpers.nonzero_keys(x, block)) > codec.layout.capacity for x in xs)
+        y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng), trace=True)
+        assert rep.overloaded_ranks == n_over
+        if n_over:
+            seen_over += 1
+            assert not rep.ok, f"trial {trial}: {n_over} overloaded ranks but ok"
+        if rep.ok:
+            seen_ok += 1
+            helpers.assert_lossless(codec.layout, xs, y, rep)
+    assert seen_ok > 20 and seen_over > 20  # both branches really exercised
+
+
+# -- configuration mismatch -------------------------------------------------------------------------
+
+def _variants(name):
+    """Candidate (base, other) configurations differing in ``name`` (and possibly max_nnz/world_size,
+    which is what it takes for some pairs to share a payload length), first match wins."""
+    base = dict(numel=60, world_size=4, max_nnz=20, block_size=1, seed=0)
+    if name == "seed":
+        for s in (1, 2, 12345):
+            yield base, {**base, "seed": s}
+    elif name == "max_nnz":
+        for m in range(1, 200):
+            yield base, {**base, "max_nnz": m}
+    elif name == "world_size":
+        for w in range(1, 33):
+            for m in range(1, 80):
+                yield base, {**base, "world_size": w, "max_nnz": m}
+    elif name == "block_size":
+        for numel in (60, 200, 64):
+            b0 = {**base, "numel": numel}
+            for b in range(2, 5):
+                for w in (4, 3, 1, 2, 5, 6, 7, 8):
+                    for m in range(1, 80):
+                        yield b0, {**b0, "block_size": b, "world_size": w, "max_nnz": m}
+
+
+def same_length_pair(index, name):
+    for a, b in _variants(name):
+        a, b = {**a, "index": index}, {**b, "index": index}
+        if a != b and plan_layout(**a).payload_numel == plan_layout(**b).payload_numel:
+            return a, b
+    pytest.fail(f"no {name} variant gives the same payload length")  # never silently vacuous
+
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("name", ["seed", "max_nnz", "world_size", "block_size"])
+def test_config_mismatch_same_length_is_detected(index, name):
+    # small tensors: the union saturates at num_keys, so many configurations share a payload length
+    a_kw, b_kw = same_length_pair(index, name)
+    a, b = LosslessCodec(**a_kw), LosslessCodec(**b_kw)
+    assert a.payload_numel == b.payload_numel and a.layout.fingerprint != b.layout.fingerprint
+    n, numel = a.world_size, a.numel
+    rng = np.random.default_rng(0)
+    xs = helpers.make_inputs(rng, numel, 1, n, 5, "random", "normal")
+    for odd in range(n):      # rank `odd` built the codec differently
+        payloads = [(b if w == odd else a).encode(x) for w, x in enumerate(xs)]
+        y, rep = a.decode(helpers.sum_payloads(payloads, rng))
+        assert not rep.ok
+        assert "mismatch" in rep.reason, rep.reason
+    # every rank on the other configuration, decoded with this one
+    y, rep = a.decode(helpers.sum_payloads([b.encode(x) for x in xs], rng))
+    assert not rep.ok, rep
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_missing_or_extra_contributions_are_detected(index):
+    codec, xs, summed = summed_case(index)
+    one = codec.encode(xs[0])
+    for payload in (summed - one, summed + one, one):
+        y, rep = codec.decode(payload)
+        assert not rep.ok and "contributions" in rep.reason, rep.reason
+
+
+# -- fuzzed payloads ------------------------------------------------------------------------------
+
+SPECIAL = [float("nan"), float("inf"), -float("inf"), -1.0, -0.5, 0.5, 1.5, 2.0 ** 22, 2.0 ** 30, 2.0 ** 60,
+           3.0e38, -3.0e38, 1e-30]
+CODECS = {index: summed_case(index, n=3, numel=500, k=20, data_seed=7) for index in INDEXES}
+
+
+def decode_no_crash(codec, payload, averaged=False):
+    y, rep = codec.decode(payload, averaged=averaged)
+    assert y.shape == (codec.numel,) and isinstance(rep.ok, bool)
+    assert rep.ok or rep.reason
+    return y, rep
+
+
+@settings(max_examples=50)
+@given(index=st.sampled_from(INDEXES), seed=st.integers(0, 2 ** 32 - 1), keep_header=st.booleans(),
+       specials=st.floats(0.0, 0.5), averaged=st.booleans())
+def test_random_bits_are_rejected(index, seed, keep_header, specials, averaged):
+    """Uniformly random 32-bit words (all NaN payloads, Infs, subnormals, huge values included), some
+    replaced by special values; optionally with the valid header kept so the index is what fails."""
+    codec, _, summed = CODECS[index]
+    rng = np.random.default_rng(seed)
+    payload = torch.from_numpy(rng.integers(0, 2 ** 32, summed.numel(), dtype=np.uint32).view(np.float32).copy())
+    mask = torch.from_numpy(rng.random(summed.numel()) < specials)
+    payload[mask] = torch.from_numpy(rng.choice(SPECIAL, int(mask.sum())).astype(np.float32))
+    if keep_header:
+        payload[:HEADER_FIELDS] = summed[:HEADER_FIELDS] / (codec.world_size if averaged else 1)
+        if index == "dense":
+            return  # a valid header with arbitrary values is a valid dense payload
+    y, rep = decode_no_crash(codec, payload, averaged)
+    assert not rep.ok
+
+
+@settings(max_examples=60)
+@given(index=st.sampled_from(["bitmap", "bloom"]), data=st.data())
+def test_corrupted_integer_fields_are_rejected_or_harmless(index, data):
+    """Overwrite header / index words: a header field that changes value, or an index word that is not a
+    valid packed count (NaN, Inf, negative, fractional, too large), must give ok False. A valid-looking
+    index word may decode (a digit swap keeping the counts is undetectable) but must not crash."""
+    codec, xs, summed = CODECS[index]
+    L = codec.layout
+    payload = summed.clone()
+    positions = data.draw(st.lists(st.integers(0, L.sketch_offset - 1), min_size=1, max_size=4, unique=True))
+    header_changed = index_invalid = False
+    limit = L.index.base ** L.index.per_word
+    for pos in positions:
+        v = data.draw(st.sampled_from(SPECIAL) | st.floats(width=32) | st.integers(-5, 5).map(float))
+        old = float(payload[pos])
+        payload[pos] = v
+        v = float(payload[pos])                      # as stored in float32
+        if pos < HEADER_FIELDS:
+            header_changed |= not (abs(v - old) <= 0.25)
+        else:
+            index_invalid |= not (math.isfinite(v) and v >= -0.25 and abs(v - round(v)) <= 0.25
+                                  and round(v) < limit)
+    y, rep = decode_no_crash(codec, payload)
+    if header_changed or index_invalid:
+        assert not rep.ok, (positions, payload[positions].tolist())
+    # differential check: the reference reaches the same verdict on the same (corrupted) counts
+    yr, info = reference.decode(L, payload)
+    assert rep.ok == info["ok"], (rep.reason, info["reason"])
+    if rep.ok:
+        assert rep.support == info["support"]
+        assert bool(((y.double() - yr).abs() <= 1e-4 * (1 + yr.abs())).all())
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("value", [-1.0, -2.0, -1e6])
+def test_negative_counters_are_rejected(index, value):
+    codec, xs, summed = CODECS[index]
+    L = codec.layout
+    for w in range(L.index_offset, L.sketch_offset, max(1, (L.sketch_offset - L.index_offset) // 7)):
+        payload = summed.clone()
+        payload[w] = value
+        assert not decode_no_crash(codec, payload)[1].ok
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_counts_disagreeing_with_the_header_are_rejected(index):
+    codec, xs, summed = CODECS[index]
+    for field, delta in ((HDR_KEYS_LO, 1.0), (HDR_KEYS_LO, -1.0), (HDR_KEYS_MID, 1.0), (HDR_KEYS_HI, 1.0)):
+        payload = summed.clone()
+        payload[field] += delta
+        y, rep = decode_no_crash(codec, payload)
+        assert not rep.ok and "index" in rep.reason, rep.reason
+
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("field", range(HEADER_FIELDS))
+@pytest.mark.parametrize("value", [2.0 ** 30, 2.0 ** 40, 2.0 ** 52, 2.0 ** 60, 1e38])
+def test_huge_header_fields_are_rejected(index, field, value):
+    """No header field can legitimately exceed world_size * 2047. The fields a decoder relies on must
+    make it fail; a field it ignores (the dense decoder ignores the key counts and the overload flag)
+    may leave it ok only with the untouched, exact answer."""
+    if index != "dense" and field == HDR_KEYS_HI and value >= 2.0 ** 42:
+        pytest.skip("total_keys overflows uint64: see test_huge_key_count_header_is_rejected (known bug)")
+    codec, xs, summed = CODECS[index]
+    clean, _ = codec.decode(summed)
+    payload = summed.clone()
+    payload[field] = value
+    y, rep = decode_no_crash(codec, payload)
+    if index != "dense" or field in (HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_NON_FINITE, HDR_SATURATED):
+        assert not rep.ok
+    else:
+        assert not rep.ok or torch.equal(y, clean)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError,
+                   reason="codec.py passes total_keys = keys_lo + keys_mid<<11 + keys_hi<<22 unchecked to the C++ "
+                          "decode; a header keys field >= 2**42 overflows uint64 and pybind11 raises "
+                          "'incompatible function arguments'")
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_huge_key_count_header_is_rejected(index):
+    codec, xs, summed = CODECS[index]
+    payload = summed.clone()
+    payload[HDR_KEYS_HI] = 2.0 ** 50
+    assert not decode_no_crash(codec, payload)[1].ok
+
+
+@settings(max_examples=40)
+@given(index=st.sampled_from(INDEXES), sigma=st.floats(2.0, 1e30), seed=st.integers(0, 2 ** 32 - 1))
+def test_noisy_payloads_are_rejected(index, sigma, seed):
+    codec, xs, summed = CODECS[index]
+    g = torch.Generator().manual_seed(seed)
+    noisy = summed + (torch.randn(summed.numel(), generator=g, dtype=torch.float64) * sigma).to(torch.float32)
+    assert not decode_no_crash(codec, noisy)[1].ok
+
+
+@settings(max_examples=30)
+@given(index=st.sampled_from(INDEXES), rel=st.floats(1e-9, 1e-2), seed=st.integers(0, 2 ** 32 - 1))
+def test_small_sketch_noise_never_crashes(index, rel, seed):
+    # Value noise is indistinguishable from other values (the sketch has no checksum): only no crash.
+    codec, xs, summed = CODECS[index]
+    g = torch.Generator().manual_seed(seed)
+    noisy = summed.clone()
+    start = HEADER_FIELDS if index == "dense" else codec.layout.sketch_offset
+    noisy[start:] *= 1 + rel * torch.randn(summed.numel() - start, generator=g)
+    decode_no_crash(codec, noisy)
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_sketch_cell_is_rejected(index, value):
+    codec, xs, summed = CODECS[index]
+    L = codec.layout
+    tk, tc = codec.decode(summed, trace=True)[1].trace
+    payload = summed.clone()
+    payload[L.sketch_offset + int(tc[0]) * L.block] = value       # a cell the decoder reads
+    y, rep = decode_no_crash(codec, payload)
+    assert not rep.ok and ("NaN" in rep.reason or "overflow" in rep.reason), rep.reason
+
+
+def test_aggregate_overflow_is_not_silent():
+    """Two ranks each send 3e38 at one key: the float32 aggregate overflows to Inf there (as a dense
+    float32 allreduce would). Keys whose true sum is finite must not come out NaN/Inf with ok=True."""
+    bad = []
+    for seed in range(60):
+        rng = np.random.default_rng(seed)
+        numel, k = 400, 60
+        codec = LosslessCodec(numel, 2, k, seed=seed, index="bitmap")
+        x = helpers.make_inputs(rng, numel, 1, 1, k, "random", "normal")[0]
+        x[helpers.nonzero_keys(x, 1)[0]] = 3e38
+        y, rep = codec.decode(codec.encode(x) * 2)
+        dense = x * 2                                   # float32 dense sum: Inf at the huge key only
+        if rep.ok and not bool(((y == dense) | ((y - dense).abs() <= 1e-5 * dense.abs().clamp(min=1))).all()):
+            bad.append(seed)
+        if not rep.ok:
+            assert "overflow" in rep.reason, rep.reason
+    assert not bad, f"ok=True with non-finite/wrong outputs for seeds {bad}"
+
+
+# -- wrong payload shape / dtype ------------------------------------------------------------------
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_wrong_payload_length_dtype_or_shape_raise(index):
+    codec, xs, summed = CODECS[index]
+    P = summed.numel()
+    for bad in (summed[:-1], torch.cat([summed, summed[:1]]), torch.zeros(0), summed.reshape(1, P)):
+        with pytest.raises(ValueError, match="payload"):
+            codec.decode(bad)
+    for dt in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        with pytest.raises(TypeError, match="float32"):
+            codec.decode(summed.to(dt))
+    with pytest.raises(TypeError):
+        codec.decode(summed.numpy())
+    # non-contiguous but right length: accepted
+    wide = torch.stack([summed, summed], dim=1)[:, 0]
+    assert not wide.is_contiguous()
+    assert codec.decode(wide)[1].ok
+
+
+# -- bad inputs to encode ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(index, dtype):
+    rng = np.random.default_rng(0)
+    n, numel, k = 4, 300, 15
+    codec = LosslessCodec(numel, n, k, index=index)
+    xs = [x.to(dtype) for x in helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")]
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    y, rep = codec.decode(summed, trace=True)
+    assert rep.ok and y.dtype == dtype and y.shape == (numel,)
+    xs32 = [x.float() for x in xs]                         # half -> float32 is exact
+    y32, _ = codec.decode(summed, dtype=torch.float32, trace=True)
+    helpers.assert_lossless(codec.layout, xs32, y32, rep)
+    assert torch.equal(y, y32.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.int8, torch.bool,
+                                   torch.complex64])
+def test_rejected_input_dtypes(dtype):
+    codec = LosslessCodec(10, 2, 3)
+    with pytest.raises(TypeError, match="dtype"):
+        codec.encode(torch.zeros(10, dtype=dtype))
+
+
+def test_non_tensor_and_wrong_size_inputs():
+    codec = LosslessCodec(10, 2, 3)
+    with pytest.raises(TypeError):
+        codec.encode([0.0] * 10)
+    with pytest.raises(ValueError, match="numel"):
+        codec.encode(torch.zeros(11))
+
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_reported(index, bad):
+    rng = np.random.default_rng(0)
+    codec = LosslessCodec(200, 3, 10, index=index)
+    xs = helpers.make_inputs(rng, 200, 1, 3, 10, "random", "normal")
+    xs[2][17] = bad
+    y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng))
+    assert not rep.ok and "non-finite" in rep.reason, rep.reason
+
+
+@pytest.mark.parametrize("index", INDEXES)
+@pytest.mark.parametrize("block", [1, 5])
+def test_non_contiguous_and_multidimensional_inputs(index, block):
+    rng = np.random.default_rng(1)
+    n, rows, cols = 3, 20, 15
+    codec = LosslessCodec(rows * cols, n, 8 * block, block_size=block, index=index)
+    base = helpers.make_inputs(rng, rows * cols, block, n, 8, "random", "normal")
+    xs = [b.reshape(rows, cols).t().contiguous().t() for b in base]   # same values, column-major storage
+    assert not xs[0].is_contiguous()
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    y, rep = codec.decode(summed, trace=True)
+    assert rep.ok and y.shape == (rows, cols)
+    flat = [x.reshape(-1) for x in xs]                      # the codec's coordinate order: x.reshape(-1)
+    helpers.assert_lossless(codec.layout, flat, y.reshape(-1), rep)
+    # and a 3-D one
+    codec3 = LosslessCodec(2 * 3 * 50, 2, 20, block_size=block, index=index)
+    x3 = torch.zeros(2, 3, 50)
+    x3[1, 2, 7] = 3.0
+    x3[0, 0, 0] = -1.0
+    y3, rep3 = codec3.decode(codec3.encode(x3) + codec3.encode(x3))
+    assert rep3.ok and y3.shape == (2, 3, 50) and torch.equal(y3, 2 * x3)
+
+
+@pytest.mark.parametrize("index", ["auto", "bitmap", "bloom", "dense"])
+def test_empty_and_single_element(index):
+    codec = LosslessCodec(0, 4, 0, index=index)
+    p = codec.encode(torch.zeros(0))
+    y, rep = codec.decode(p * 4)
+    assert rep.ok and y.shape == (0,)
+    codec = LosslessCodec(1, 4, 1, index=index)
+    xs = [torch.tensor([v]) for v in (1.5, 0.0, -0.25, 2.0)]
+    y, rep = codec.decode(sum(codec.encode(x) for x in xs))
+    assert rep.ok and y.item() == 3.25
+    y, rep = codec.decode(sum(codec.encode(torch.zeros(1)) for _ in range(4)))
+    assert rep.ok and y.item() == 0.0
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_max_nnz_above_numel_and_fully_dense_input(index):
+    rng = np.random.default_rng(2)
+    codec = LosslessCodec(50, 3, 10_000, index=index)
+    assert codec.layout.capacity == 50
+    xs = [torch.from_numpy(helpers.values(rng, "normal", 50)) for _ in range(3)]
+    y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng), trace=True)
+    helpers.assert_lossless(codec.layout, xs, y, rep)
+
+
+def test_world_size_and_block_size_limits():
+    LosslessCodec(100, 1, 10)
+    c = LosslessCodec(100, 1024, 10)
+    assert c.world_size == 1024
+    for ws in (0, 1025, -1):
+        with pytest.raises(ValueError, match="world_size"):
+            LosslessCodec(100, ws, 10)
+    for bs in (0, -3):
+        with pytest.raises(ValueError, match="block_size"):
+            LosslessCodec(100, 2, 10, block_size=bs)
+    with pytest.raises(ValueError, match="numel"):
+        LosslessCodec(-1, 2, 10)
+    with pytest.raises(ValueError, match="max_nnz"):
+        LosslessCodec(100, 2, -1)
+    with pytest.raises(ValueError, match="index"):
+        LosslessCodec(100, 2, 10, index="bitmapp")
+    with pytest.raises(TypeError):
+        LosslessCodec(100.0, 2, 10)
+
+
+def test_world_size_1024_round_trip():
+    rng = np.random.default_rng(3)
+    n, numel = 1024, 4096
+    codec = LosslessCodec(numel, n, 2, index="bitmap")
+    xs = helpers.make_inputs(rng, numel, 1, n, 2, "random", "normal")
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng, "stack")
+    y, rep = codec.decode(summed, trace=True)
+    helpers.assert_lossless(codec.layout, xs, y, rep)
+    y, rep = codec.decode(helpers.average_payloads(summed, n), averaged=True, trace=True)
+    helpers.assert_lossless(codec.layout, xs, y, rep, averaged=True)
+
+
+def test_cuda_device_is_a_clear_error():
+    with pytest.raises((NotImplementedError, RuntimeError, ValueError)):
+        LosslessCodec(100, 2, 10, device="cuda")

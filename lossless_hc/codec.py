@@ -212,16 +212,26 @@ class LosslessCodec:
 
     # -- decode --------------------------------------------------------------------------------
     def _read_header(self, payload: torch.Tensor, scale: float):
-        """Header fields as exact integers, or (None, reason)."""
-        raw = payload[:HEADER_FIELDS].double().mul(scale).tolist()
-        ints = []
-        for v in raw:
-            r = round(v) if v == v and abs(v) < 2 ** 53 else None
-            if r is None or abs(v - r) > 0.25 or r < 0:
-                return None, ("header fields are not non-negative integers: the payload is corrupted, or not a "
-                              "plain sum/average of this codec's payloads")
+        """Header fields as exact integers (None where a field is not one), and whether every field
+        is within what world_size ranks can write.
+
+        A summed field must be an exact integer (float32 sums of integers below 2**22 are exact); an
+        averaged field is within 1/2 of one after scaling back (see layout.INT_FIELD_BITS).
+        """
+        n = self.layout.world_size
+        chunk_max = (1 << CHUNK_BITS) - 1
+        per_rank_max = [1, chunk_max, chunk_max, chunk_max, chunk_max, chunk_max, 1, 1, 1]
+        tolerance = 0.0 if scale == 1.0 else 0.5
+        ints, in_range = [], True
+        for v, hi in zip(payload[:HEADER_FIELDS].double().mul(scale).tolist(), per_rank_max):
+            r = round(v) if abs(v) < 2.0 ** 53 else None  # also None for NaN/Inf
+            if r is None or abs(v - r) > tolerance:
+                ints.append(None)
+                in_range = False
+                continue
             ints.append(int(r))
-        return ints, None
+            in_range &= 0 <= r <= n * hi
+        return ints, in_range
 
     def decode(self, payload: torch.Tensor, averaged: bool = False, shape=None, dtype=None,
                trace: bool = False):
@@ -260,15 +270,24 @@ class LosslessCodec:
             report.ok, report.reason = ok, reason
             return out.reshape(shape).to(dtype), report
 
-        hdr, reason = self._read_header(payload, scale)
-        if hdr is None:
+        hdr, in_range = self._read_header(payload, scale)
+        corrupted = ("header fields are not the integers world_size ranks write: the payload is corrupted, or not a "
+                     "plain sum/average of this codec's payloads")
+        if hdr[HDR_CONTRIBUTORS] is None:
             out.fill_(float("nan"))
-            return finish(False, reason)
+            return finish(False, corrupted)
         report.contributors = hdr[HDR_CONTRIBUTORS]
         if hdr[HDR_CONTRIBUTORS] != n:
-            hint = " (an averaged payload? pass averaged=True)" if (not averaged and hdr[HDR_CONTRIBUTORS] == 1) else ""
+            hint = ""
+            if not averaged and hdr[HDR_CONTRIBUTORS] == 1 and n > 1:
+                hint = " (an averaged payload? pass averaged=True)"
+            elif averaged and hdr[HDR_CONTRIBUTORS] == n * n and n > 1:
+                hint = " (a summed payload? pass averaged=False)"
             out.fill_(float("nan"))
             return finish(False, f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected world_size={n}{hint}")
+        if not in_range:
+            out.fill_(float("nan"))
+            return finish(False, corrupted)
         mask = (1 << CHUNK_BITS) - 1
         if hdr[HDR_FP_LO] != n * (L.fingerprint & mask) or hdr[HDR_FP_HI] != n * (L.fingerprint >> CHUNK_BITS):
             out.fill_(float("nan"))
@@ -276,12 +295,20 @@ class LosslessCodec:
                                  "max_nnz/block_size/seed/index (fingerprints disagree)")
         report.total_keys = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << CHUNK_BITS) + (hdr[HDR_KEYS_HI] << (2 * CHUNK_BITS))
         report.overloaded_ranks = hdr[HDR_OVERLOADED]
+        # Overload is the root cause of most other failures (peeling, saturation): name it first.
+        overload = (f"overloaded: {report.overloaded_ranks} rank(s) had more than capacity={L.capacity} non-zero keys; "
+                    "grow max_nnz") if report.overloaded_ranks else None
+
+        def fail(reason: str):
+            out.fill_(float("nan"))
+            return finish(False, f"{overload} ({reason})" if overload else reason)
+
         if hdr[HDR_NON_FINITE]:
-            out.fill_(float("nan"))
-            return finish(False, f"non-finite input (NaN/Inf) on {hdr[HDR_NON_FINITE]} rank(s)")
+            return fail(f"non-finite input (NaN/Inf) on {hdr[HDR_NON_FINITE]} rank(s)")
         if hdr[HDR_SATURATED]:
-            out.fill_(float("nan"))
-            return finish(False, f"index counter saturated on {hdr[HDR_SATURATED]} rank(s)")
+            return fail(f"index counter saturated on {hdr[HDR_SATURATED]} rank(s)")
+        if report.total_keys > n * L.num_keys:
+            return fail("index corrupt: the header's key count exceeds world_size * num_keys")
 
         if L.index_kind == "dense":
             out.copy_(payload[HEADER_FIELDS:])
@@ -301,7 +328,6 @@ class LosslessCodec:
             done = tk >= 0
             report.trace = (tk[done], tc[done])
         reason = _DECODE_STATUS.get(st.status, f"unknown decode status {st.status}")
-        if reason is None and report.overloaded_ranks:
-            reason = (f"overloaded: {report.overloaded_ranks} rank(s) had more than capacity={L.capacity} non-zero keys "
-                      f"(recovered {st.peeled}/{st.support_keys}); grow max_nnz")
+        if overload:
+            reason = f"{overload} ({reason or f'recovered {st.peeled}/{st.support_keys} keys'})"
         return finish(reason is None, reason)

@@ -197,6 +197,10 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
       ``E[FP] = (num_keys - U) (1 - exp(-U/t))**3``. We keep ``E[FP] <= max(U/4, 16)`` so candidate
       enumeration and count peeling stay linear in the union, and the table large enough to peel
       ``U + FP`` candidates (``sketch_table_for``).
+    * Twins: a key whose three cells equal those of a true key (or of another candidate) is a
+      candidate that can never be separated from it, so count peeling fails. That happens with
+      probability ``~ (U (num_keys - U) + (U + FP)**2 / 2) / t**3``, kept below
+      ``PEEL_FAILURE_TARGET``; at small sizes this term, not the false-positive rate, sets ``t``.
     * Counters: one rank's counter is Poisson(capacity/t) in the worst case; it is capped at ``q``
       with ``world_size * cells * P(Poisson > q) <= SATURATION_TARGET``; a capped counter is flagged
       in the header (decode reports it, never a wrong answer). The aggregate then stays below
@@ -211,7 +215,10 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
 
     def ok(cells: int) -> bool:
         e = fp(cells)
-        return e <= max(u / 4.0, 16.0) and cells >= sketch_table_for(u + math.ceil(e + 4 * math.sqrt(e))).cells
+        t = cells / 3.0
+        twins = (u * others + (u + e) ** 2 / 2.0) / t ** 3
+        return (e <= max(u / 4.0, 16.0) and twins <= PEEL_FAILURE_TARGET
+                and cells >= sketch_table_for(u + math.ceil(e + 4 * math.sqrt(e))).cells)
 
     lo, hi = 3, 3 * max(1, u)
     while not ok(hi):

@@ -130,14 +130,10 @@ def test_exact_cancellation_stays_within_the_bound(index):
 
 # Integer words near the 2**22 field limit, averaged by multiplying with fl(1/n): the two roundings
 # move avg * n by up to ~0.3 (found by exhaustive search over n <= 1024 and the top 1.5M words of each
-# packing), more than the 0.25 the decoder tolerates -- although lhc_layout.h argues "an absolute
-# error below 1/2" is what makes averages invertible.
+# packing). lhc_layout.h bounds the error below 1/2, and the decoder must accept these averages.
 RECIPROCAL_WORDS = [(41, 3040895), (44, 3670027), (158, 3961331), (159, 4052669)]
 
 
-@pytest.mark.xfail(strict=True, reason="codec_cpu.cpp read_word() accepts |avg*n - round| <= 0.25, but an "
-                                       "AVERAGE by multiplication with fl(1/n) can be off by up to ~0.3 near 2**22: "
-                                       "a valid averaged payload is rejected as 'index corrupt'")
 @pytest.mark.parametrize("n,word", RECIPROCAL_WORDS)
 def test_reciprocal_average_of_a_full_index_word(n, word):
     codec = LosslessCodec(16, n, 16, index="bitmap")

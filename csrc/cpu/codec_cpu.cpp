@@ -2,10 +2,10 @@
 // (index unpacking, candidate enumeration, exact count peeling for the Bloom index, value peeling).
 //
 // Determinism: every floating-point accumulation happens in a fixed order that does not depend on
-// the number of threads (sketch cells are summed in increasing key order; peeling is sequential
-// over a LIFO stack seeded in increasing cell order). Parallel loops only do integer work or write
-// disjoint outputs, so the same payload decodes to the same bits on every run and every machine
-// with IEEE-754 doubles.
+// the number of threads (sketch cells are summed in increasing key order; each group of the sketch
+// is peeled sequentially, breadth-first from a queue seeded in increasing cell order). Parallel
+// loops only do integer work or write disjoint outputs, so the same payload decodes to the same
+// bits on every run and every machine with IEEE-754 doubles.
 #include "codec_cpu.h"
 
 #include <omp.h>
@@ -67,11 +67,15 @@ struct SmallDivider {
 };
 
 // Read an index word as an exact integer in [0, base^per_word). Returns -1 if it is not one.
+// A SUM of integer fields below 2^22 is exact in float32, so a summed word (scale 1) must be an
+// integer. An AVERAGE is off by less than 1/2 after scaling back (see kIntFieldBits), so an averaged
+// word is rounded to the nearest integer.
 inline int64_t read_word(const float* p, double scale, int64_t limit) {
   const double v = (double)(*p) * scale;
-  if (!(v >= -0.25 && v < (double)limit)) return -1;  // also rejects NaN
+  if (!(v > -0.5 && v < (double)limit)) return -1;  // also rejects NaN
   const double r = std::nearbyint(v);
-  if (std::fabs(v - r) > 0.25 || r < 0.0 || r >= (double)limit) return -1;
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5;
+  if (std::fabs(v - r) > tolerance || r < 0.0 || r >= (double)limit) return -1;
   return (int64_t)r;
 }
 
@@ -155,7 +159,7 @@ struct DigitDecoder {
   uint32_t per_word, lo_digits;
   int64_t limit;            // base^per_word: valid words are below it
   SmallDivider lo_div;      // divides by base^lo_digits
-  std::vector<uint16_t> lut;  // lut[v * lo_digits + i] = digit i of v, for v < base^lo_digits
+  std::vector<uint32_t> lut;  // lut[v * lo_digits + i] = digit i of v, for v < base^lo_digits
 
   explicit DigitDecoder(const DigitPacking& P)
       : per_word(P.per_word), lo_digits((P.per_word + 1) / 2), limit(1), lo_div(1) {
@@ -166,7 +170,7 @@ struct DigitDecoder {
     lut.resize((size_t)lo_mod * lo_digits);
     for (int64_t v = 0; v < lo_mod; ++v) {
       int64_t u = v;
-      for (uint32_t i = 0; i < lo_digits; ++i, u /= P.base) lut[(size_t)v * lo_digits + i] = (uint16_t)(u % P.base);
+      for (uint32_t i = 0; i < lo_digits; ++i, u /= P.base) lut[(size_t)v * lo_digits + i] = (uint32_t)(u % P.base);
     }
   }
 };
@@ -194,10 +198,10 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
       int64_t hi, lo;
       dec.lo_div.divmod(u, &hi, &lo);
       const uint64_t pos = w * dec.per_word;
-      const uint16_t* dl = &dec.lut[(size_t)lo * dec.lo_digits];
+      const uint32_t* dl = &dec.lut[(size_t)lo * dec.lo_digits];
       for (uint32_t i = 0; i < dec.lo_digits; ++i)
         if (dl[i] && !sink(pos + i, dl[i])) { bad = 1; break; }
-      const uint16_t* dh = &dec.lut[(size_t)hi * dec.lo_digits];
+      const uint32_t* dh = &dec.lut[(size_t)hi * dec.lo_digits];
       for (uint32_t i = 0; i + dec.lo_digits < dec.per_word; ++i)
         if (dh[i] && !sink(pos + dec.lo_digits + i, dh[i])) { bad = 1; break; }
     }

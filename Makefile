@@ -34,8 +34,10 @@ demo: setup
 	$(PY) -m lossless_hc.bench codec --numel 4194304 --density 0.01 --workers 8 --repeat 3
 	$(PY) -m lossless_hc.bench codec --numel 4194304 --density 0.01 --workers 8 --block-size 32 --repeat 3
 
+# The whole suite, then the codec tests again against an ASan/UBSan build of the kernels.
 test: setup
 	$(PY) -m pytest -q tests
+	bash scripts/sanitize.sh
 
 sanitize: $(STAMP)
 	# ASan/UBSan build of the extension in a separate build dir, then the codec tests against it.

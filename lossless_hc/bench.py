@@ -13,7 +13,7 @@ float64 dense sum, and compares the wire size with dense float32 and with the in
 the aggregate's actual support.
 
 The ``codec`` command exits with status 1 when the decode is not exact (report not ok, or the
-decoded support differs from the float64 sum's), so it can gate CI.
+decoded support differs from the float64 sum's beyond rounding scale), so it can gate CI.
 
 ``peel`` measures the sizing rule ``layout.sketch_table_for``: peeling failure rate, max abs error
 against float64 truth, and decode time per key (one worker, bitmap index, numel = 20 * keys).
@@ -267,13 +267,18 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     t_dec = time_fn(lambda: codec.decode(summed), repeat)
     y, report = codec.decode(summed)
 
-    # correctness
+    # correctness. A support mismatch is only possible at rounding size (a sum that cancels to a few
+    # ulps, or a value ~2^24 smaller than its cell-mates): count those apart from real errors, using
+    # 2^-20 of the largest |sum| as the rounding scale (tests/ check the rigorous per-key bound).
     true_nz = truth != 0
     got_nz = y != 0
     u = int(true_nz.sum())
-    support_mismatch = int((true_nz ^ got_nz).sum())
-    del true_nz, got_nz
     max_abs_sum = float(truth.abs().max()) if numel else 0.0
+    mismatch = true_nz ^ got_nz
+    support_mismatch = int(mismatch.sum())
+    tau = 2.0 ** -20 * max_abs_sum
+    significant_mismatch = int((mismatch & ((truth.abs() > tau) | (y.abs() > tau))).sum()) if support_mismatch else 0
+    del true_nz, got_nz, mismatch
     err = (y.double() - truth).abs_()
     max_abs_err = float(err.max()) if numel else 0.0
     del err, y, truth
@@ -315,6 +320,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
             "overloaded_ranks": report.overloaded_ranks,
             "true_nonzero_coords": u, "support_mismatch_coords": support_mismatch,
             "support_exact": support_mismatch == 0,
+            "support_mismatch_beyond_rounding": significant_mismatch,
             "max_abs_sum": max_abs_sum, "max_abs_err": max_abs_err, "max_rel_err": max_rel_err,
         },
         "wire": {
@@ -371,7 +377,8 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
         ("candidates / false positives", f"{cor['candidates']:,} / {cor['false_positives']:,}"),
         ("support keys / peeled", f"{cor['support_keys']:,} / {cor['peeled_keys']:,}"),
         ("true non-zero coords (u)", f"{cor['true_nonzero_coords']:,}"),
-        ("support equal", f"{cor['support_exact']} ({cor['support_mismatch_coords']:,} mismatched coords)"),
+        ("support equal", f"{cor['support_exact']} ({cor['support_mismatch_coords']:,} mismatched coords, "
+                          f"{cor['support_mismatch_beyond_rounding']:,} beyond 2^-20 of max |sum|)"),
         ("max |sum|", f"{cor['max_abs_sum']:.4g}"),
         ("max abs error", fmt_sci(cor["max_abs_err"])),
         ("max rel error (/ max |sum|)", fmt_sci(cor["max_rel_err"])),
@@ -591,7 +598,8 @@ def _cmd_codec(args) -> int:
     machine = machine_info(args.threads)
     print(render_codec(res, machine, cmd))
     _write_json(args.json, {"command": cmd, "machine": machine, **res})
-    return 0 if res["correctness"]["ok"] and res["correctness"]["support_exact"] else 1
+    cor = res["correctness"]
+    return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 else 1
 
 
 def _cmd_peel(args) -> int:

@@ -89,11 +89,18 @@ class LosslessCodec:
        sequential in a fixed order, so the output is bitwise deterministic.
 
     Guarantees: when ``report.ok`` is True the output has exactly the aggregate's non-zero keys
-    (keys that no rank touched are exact zeros) and values equal to the sum up to float rounding
-    (the engine's float32 summation of each sketch cell, then exact-in-double peeling). ok is False,
-    never a wrong answer, when a rank was over capacity, peeling could not finish, a rank's input
-    held NaN/Inf (which would poison shared cells), the ranks' configurations differ, or the payload
-    is not a plain sum/average of ``world_size`` payloads.
+    (keys that no rank touched are exact zeros) and values equal to the sum up to float rounding.
+    Precisely: a key is read from one cell after the keys peeled before it were subtracted there, so
+    its error is the float32 rounding of the cells it depends on:
+    :math:`E(k) = (deg(c_k) + n + 2)\, 2^{-24} M(c_k) + \sum_{j} E(j)` over the keys j peeled
+    from its cell :math:`c_k` before it, with :math:`M(c)` the absolute mass summed into cell c and
+    deg(c) the keys hashed there (``tests/helpers.py: peel_error_bound`` asserts exactly this).
+    Breadth-first peeling keeps these dependency chains short. Two consequences of float sums: ranks whose values cancel exactly (+a, -a) may
+    leave a rounding-size residue instead of 0, and a value ~2^24 times smaller than another in
+    the same cell may come out as 0. ok is False, never a wrong answer, when a rank was over
+    capacity, peeling could not finish, a rank's input held NaN/Inf (which would poison shared
+    cells), a sketch cell overflowed float32, the ranks' configurations differ, or the payload is
+    not a plain sum/average of ``world_size`` payloads.
 
     Args:
         numel: elements of the tensors to encode (any shape with this many elements).

@@ -14,6 +14,12 @@ mkdir -p "$OUT/lib/lossless_hc/plugins"
 cp plugins/*.py "$OUT/lib/lossless_hc/plugins/"
 ASAN_LIB=$(gcc -print-file-name=libasan.so)
 UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
+for lib in "$ASAN_LIB" "$UBSAN_LIB"; do
+  if [ ! -e "$lib" ]; then
+    echo "sanitize: $lib not found (install gcc's libasan/libubsan); cannot run the sanitizer build" >&2
+    exit 1
+  fi
+done
 export LD_PRELOAD="$ASAN_LIB $UBSAN_LIB"
 # Python's allocator and torch are not instrumented; leaks in the interpreter are not ours.
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1

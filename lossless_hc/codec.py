@@ -277,12 +277,15 @@ class LosslessCodec:
             report.ok, report.reason = ok, reason
             return out.reshape(shape).to(dtype), report
 
+        def reject(reason: str):
+            out.fill_(float("nan"))
+            return finish(False, reason)
+
         hdr, in_range = self._read_header(payload, scale)
         corrupted = ("header fields are not the integers world_size ranks write: the payload is corrupted, or not a "
                      "plain sum/average of this codec's payloads")
         if hdr[HDR_CONTRIBUTORS] is None:
-            out.fill_(float("nan"))
-            return finish(False, corrupted)
+            return reject(corrupted)
         report.contributors = hdr[HDR_CONTRIBUTORS]
         if hdr[HDR_CONTRIBUTORS] != n:
             hint = ""
@@ -290,16 +293,13 @@ class LosslessCodec:
                 hint = " (an averaged payload? pass averaged=True)"
             elif averaged and hdr[HDR_CONTRIBUTORS] == n * n and n > 1:
                 hint = " (a summed payload? pass averaged=False)"
-            out.fill_(float("nan"))
-            return finish(False, f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected world_size={n}{hint}")
+            return reject(f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected world_size={n}{hint}")
         if not in_range:
-            out.fill_(float("nan"))
-            return finish(False, corrupted)
+            return reject(corrupted)
         mask = (1 << CHUNK_BITS) - 1
         if hdr[HDR_FP_LO] != n * (L.fingerprint & mask) or hdr[HDR_FP_HI] != n * (L.fingerprint >> CHUNK_BITS):
-            out.fill_(float("nan"))
-            return finish(False, "configuration mismatch: ranks built the codec with different numel/world_size/"
-                                 "max_nnz/block_size/seed/index (fingerprints disagree)")
+            return reject("configuration mismatch: ranks built the codec with different numel/world_size/"
+                          "max_nnz/block_size/seed/index (fingerprints disagree)")
         report.total_keys = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << CHUNK_BITS) + (hdr[HDR_KEYS_HI] << (2 * CHUNK_BITS))
         report.overloaded_ranks = hdr[HDR_OVERLOADED]
         # Overload is the root cause of most other failures (peeling, saturation): name it first.
@@ -307,8 +307,7 @@ class LosslessCodec:
                     "grow max_nnz") if report.overloaded_ranks else None
 
         def fail(reason: str):
-            out.fill_(float("nan"))
-            return finish(False, f"{overload} ({reason})" if overload else reason)
+            return reject(f"{overload} ({reason})" if overload else reason)
 
         if hdr[HDR_NON_FINITE]:
             return fail(f"non-finite input (NaN/Inf) on {hdr[HDR_NON_FINITE]} rank(s)")

@@ -50,8 +50,8 @@ void parallel_fill(float* p, uint64_t n, float value, int nt) {
   for (int64_t i = 0; i < (int64_t)n; ++i) p[i] = value;
 }
 
-// Exact division of a small non-negative integer by a fixed small base, via a double reciprocal
-// with one correction step (u < 2^22, base < 2^11: the estimate is off by at most one).
+// Exact division of a non-negative integer below 2^22 by a fixed divisor below 2^22, via a double
+// reciprocal with one correction step (the estimate is off by at most one).
 struct SmallDivider {
   int64_t base;
   double inv;

@@ -246,16 +246,17 @@ void build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32
   }
 }
 
-// Breadth-first peeling of keys[0, count), whose cells all lie in [base, base + span); cs holds
+// Breadth-first peeling of `count` keys whose cells all lie in [base, base + span); cs holds
 // their states (index c - base). Cells pure at the start are queued in increasing order; resolving
 // a key queues the cells it leaves pure. Breadth-first order keeps each key's chain of
 // earlier-peeled dependencies as short as the hypergraph allows, which bounds how far float
 // rounding errors propagate (see layout.sketch_table_for).
 // `resolve(pos, key, pure, cells, signs)` removes the key's contribution from its cells' payload
 // data (false aborts); `prefetch(cell)` hints payload data soon needed. Returns the number of keys
-// resolved; sets `*bad` if the states are inconsistent (a corrupted payload).
+// resolved; sets `*bad` if the states are inconsistent (a guard: states built by
+// build_cell_states are consistent whatever the payload holds).
 template <typename Resolve, typename Prefetch>
-uint32_t peel(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs, uint64_t base,
+uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64_t base,
               uint64_t span, std::vector<uint32_t>& queue, Resolve&& resolve, Prefetch&& prefetch, bool* bad) {
   queue.clear();
   queue.reserve(count + 16);
@@ -365,7 +366,7 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   found.reserve(cand.size());
   bool bad = false;
   const uint32_t resolved = peel(
-      L.bloom, cand.data(), (uint32_t)cand.size(), cs.data(), 0, bcells, queue,
+      L.bloom, (uint32_t)cand.size(), cs.data(), 0, bcells, queue,
       [&](uint32_t, uint64_t key, int pure, const uint64_t* cell, const int*) {
         const uint32_t c = count[cell[pure]];
         if (c > n) { bad = true; return false; }
@@ -510,7 +511,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       uint64_t step = kb;
       bool group_bad = false;
       peeled[g] = peel(
-          T, keys.data() + kb, kn, cs.data(), base, gcells, queue,
+          T, kn, cs.data(), base, gcells, queue,
           [&](uint32_t pos, uint64_t k, int pure, const uint64_t* cell, const int* sign) {
             // Branch-free: signs are multiplied in (exact), so mispredictions do not stall the
             // memory pipeline.

@@ -212,19 +212,25 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
 
 // Per-cell peeling state: how many unresolved keys the cell holds and XORs identifying them (when
 // one key is left, the XORs are that key). Interleaved so one cache line serves all.
+// 8 bytes, so a group's states stay cache-resident: the low 8 bits of `tag` count the keys (build
+// refuses a 256th), the high 24 bits XOR their positions (a group peels fewer than 2^24 keys).
 struct CellState {
-  uint32_t deg;
-  uint32_t pos;  // XOR of the positions (in the peeled key list) of the unresolved keys
-  uint32_t key;  // XOR of their key ids: no list lookup is needed to find a pure cell's key
-  uint32_t pad;
+  uint32_t key;  // XOR of the unresolved keys' ids: no list lookup is needed to find a pure cell's key
+  uint32_t tag;  // (XOR of their positions) << 8 | their count
+  uint32_t deg() const { return tag & 0xffu; }
+  uint32_t pos() const { return tag >> 8; }
 };
+constexpr uint32_t kMaxCellDegree = 0xffu;
+constexpr uint32_t kMaxPeelKeys = 1u << 24;
 
 inline void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
 
 // Add the keys keys[0, count) to the cell states of cells [base, base + table cells of the group):
-// cs[c - base] gets deg + 1 and its XOR of *positions* in `keys` updated. Integer increments and
-// XORs commute, so the result does not depend on the visiting order.
-void build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs,
+// cs[c - base] counts one more key and XORs in its id and its position in `keys` (positions wrap
+// at 2^24; only the value peel uses them, for groups below that). Integer increments and XORs
+// commute, so the result does not depend on the visiting order. Returns false if a cell would hold
+// more than kMaxCellDegree keys (not peelable anyway; then the caller reports a peeling failure).
+bool build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs,
                        uint64_t base) {
   constexpr uint32_t kAhead = 8;
   for (uint32_t i = 0; i < count; ++i) {
@@ -239,11 +245,12 @@ void build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32
     key_cells(table, keys[i], cell, sign);
     for (int j = 0; j < 3; ++j) {
       CellState& st = cs[cell[j] - base];
-      ++st.deg;
-      st.pos ^= i;
+      if (st.deg() == kMaxCellDegree) return false;
+      st.tag = (st.tag + 1) ^ ((i & (kMaxPeelKeys - 1)) << 8);
       st.key ^= keys[i];
     }
   }
+  return true;
 }
 
 // Breadth-first peeling of `count` keys whose cells all lie in [base, base + span); cs holds
@@ -261,7 +268,7 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
   queue.clear();
   queue.reserve(count + 16);
   for (uint64_t c = 0; c < span; ++c)
-    if (cs[c].deg == 1) queue.push_back((uint32_t)c);
+    if (cs[c].deg() == 1) queue.push_back((uint32_t)c);
   uint32_t resolved = 0;
   constexpr size_t kAhead = 6;
   for (size_t head = 0; head < queue.size(); ++head) {
@@ -269,7 +276,7 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
     // start loading its three cells now so the misses overlap with this iteration's work.
     if (head + kAhead < queue.size()) {
       const CellState& a = cs[queue[head + kAhead]];
-      if (a.deg == 1) {
+      if (a.deg() == 1) {
         uint64_t ahead[3];
         int sg[3];
         key_cells(table, a.key, ahead, sg);
@@ -280,8 +287,8 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
       }
     }
     const uint64_t c = queue[head];
-    if (cs[c].deg != 1) continue;
-    const uint32_t pos = cs[c].pos;
+    if (cs[c].deg() != 1) continue;
+    const uint32_t pos = cs[c].pos();
     const uint64_t key = cs[c].key;
     if (pos >= count) { *bad = true; return resolved; }
     uint64_t cell[3];
@@ -294,11 +301,10 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
     ++resolved;
     for (int j = 0; j < 3; ++j) {
       CellState& st = cs[cell[j] - base];
-      if (st.deg == 0) { *bad = true; return resolved; }
-      --st.deg;
-      st.pos ^= pos;
+      if (st.deg() == 0) { *bad = true; return resolved; }
+      st.tag = (st.tag - 1) ^ (pos << 8);
       st.key ^= (uint32_t)key;
-      if (j != pure && st.deg == 1) queue.push_back((uint32_t)(cell[j] - base));
+      if (j != pure && st.deg() == 1) queue.push_back((uint32_t)(cell[j] - base));
     }
   }
   return resolved;
@@ -360,8 +366,8 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   st->candidates = cand.size();
 
   // Each candidate's count is the number of ranks holding it; false positives come out exactly 0.
-  std::vector<CellState> cs(bcells, CellState{0, 0, 0, 0});
-  build_cell_states(L.bloom, cand.data(), (uint32_t)cand.size(), cs.data(), 0);
+  std::vector<CellState> cs(bcells, CellState{0, 0});
+  if (!build_cell_states(L.bloom, cand.data(), (uint32_t)cand.size(), cs.data(), 0)) return kDecodeIndexPeelFailed;
   std::vector<uint32_t> found, queue;
   found.reserve(cand.size());
   bool bad = false;
@@ -505,9 +511,12 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
         finite &= std::isfinite(val[i]);
       }
       if (!finite) non_finite[g] = 1;
-      std::fill(cs.begin(), cs.end(), CellState{0, 0, 0, 0});
+      std::fill(cs.begin(), cs.end(), CellState{0, 0});
       vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
-      build_cell_states(T, keys.data() + kb, kn, cs.data(), base);
+      if (kn >= kMaxPeelKeys || !build_cell_states(T, keys.data() + kb, kn, cs.data(), base)) {
+        // Unpeelable as sized (a rank far over capacity): every key of the group stays NaN.
+        std::fill(cs.begin(), cs.end(), CellState{0, 0});
+      }
       uint64_t step = kb;
       bool group_bad = false;
       peeled[g] = peel(

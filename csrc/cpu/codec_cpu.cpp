@@ -343,9 +343,28 @@ struct KeyParts {
   }
 };
 
+// Support keys bucketed by sketch group as they are found: by[p][g] holds, in increasing order, the
+// keys of group g found by part p (one unpacking thread); parts cover increasing key ranges, so the
+// parts of one group concatenated are its keys in increasing order. Bucketing while unpacking
+// saves a pass over the support and its global-position bookkeeping.
+struct GroupedKeys {
+  std::vector<std::vector<std::vector<uint32_t>>> by;
+  uint64_t group_size(uint64_t g) const {
+    uint64_t n = 0;
+    for (const auto& part : by) n += part[g].size();
+    return n;
+  }
+  uint64_t total() const {
+    uint64_t n = 0;
+    for (const auto& part : by)
+      for (const auto& v : part) n += v.size();
+    return n;
+  }
+};
+
 // Bloom index: candidates, then exact integer peeling of the counters. Returns a DecodeStatus and
 // the keys whose aggregated count is >= 1, in increasing order.
-int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, KeyParts* support,
+int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, GroupedKeys* support,
                       DecodeStats* st) {
   const uint64_t n = in.world_size;
   const uint64_t bcells = L.bloom.cells();
@@ -411,34 +430,39 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
     if (count[c] != 0) return kDecodeIndexCorrupt;
   std::sort(found.begin(), found.end());
   st->false_positives = cand.size() - found.size();
-  support->parts.assign(1, std::move(found));
-  support->finish();
+  const SegmentedTable& T = L.sketch;
+  support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
+  for (uint32_t k : found) support->by[0][key_group(T, k)].push_back(k);
   return kDecodeOk;
 }
 
 // Bitmap index: the keys with a non-zero counter, in increasing order. Returns a DecodeStatus.
-int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, KeyParts* support,
-                       DecodeStats* st) {
+int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt,
+                       GroupedKeys* support, DecodeStats* st) {
+  const SegmentedTable& T = L.sketch;
+  const uint64_t groups = T.groups();
   struct KeySink {
-    std::vector<uint32_t> keys;
+    const SegmentedTable* table;
+    std::vector<std::vector<uint32_t>> groups;
     uint64_t num_keys, world_size, sum;
     bool operator()(uint64_t pos, uint64_t digit) {
       if (pos >= num_keys || digit > world_size) return false;
-      keys.push_back((uint32_t)pos);
+      groups[table->groups() == 1 ? 0 : key_group(*table, pos)].push_back((uint32_t)pos);
       sum += digit;
       return true;
     }
   };
-  std::vector<KeySink> sinks(nt, KeySink{{}, L.num_keys, in.world_size, 0});
-  for (auto& k : sinks) k.keys.reserve(std::min<uint64_t>(in.total_keys, L.num_keys) / nt + 64);
+  const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups) + 64;
+  std::vector<KeySink> sinks(nt, KeySink{&T, std::vector<std::vector<uint32_t>>(groups), L.num_keys, in.world_size, 0});
+  for (auto& k : sinks)
+    for (auto& v : k.groups) v.reserve(expect + expect / 8);
   const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
-  support->parts.clear();
+  support->by.clear();
   for (auto& k : sinks) {
     st->index_total += k.sum;
-    support->parts.push_back(std::move(k.keys));
+    support->by.push_back(std::move(k.groups));
   }
-  support->finish();
-  st->candidates = support->size();
+  st->candidates = support->total();
   if (!valid || st->index_total != in.total_keys) return kDecodeIndexCorrupt;
   return kDecodeOk;
 }
@@ -488,30 +512,30 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   Prof prof;
   const float* index = payload + L.index_offset;
 
-  // 1. The exact support: keys non-zero on at least one rank.
-  KeyParts support;
+  // 1. The exact support: keys non-zero on at least one rank, bucketed by sketch group.
+  GroupedKeys support;
   st.status = L.index_kind == kIndexBitmap ? bitmap_support(L, in, index, nt, &support, &st)
                                            : bloom_support(L, in, index, nt, &support, &st);
   if (st.status != kDecodeOk) {
     parallel_fill(out, L.numel, 0.0f, nt);
     return st;
   }
-  st.support_keys = support.size();
+  st.support_keys = support.total();
   prof.mark("index");
+  parallel_fill(out, L.numel, 0.0f, nt);
+  prof.mark("zero out");
 
   // 2. Peel the value sketch over the support one group at a time (groups share no cells), in
-  //    double precision, into a staging array in support order. A group's working set is private
-  //    to the thread peeling it and sized to stay in cache; each group is peeled sequentially in a
-  //    fixed order, so the output does not depend on the number of threads or their scheduling.
+  //    double precision, and write each group's keys into the output. A group's working set is
+  //    private to the thread peeling it and sized to stay in cache; each group is peeled
+  //    sequentially in a fixed order, so the output does not depend on the number of threads or
+  //    their scheduling.
   const uint64_t B = L.block;
   const SegmentedTable& T = L.sketch;
   const uint64_t groups = T.groups(), gcells = T.group_cells();
   const float* sk = payload + L.sketch_offset;
-  std::vector<uint32_t> keys, where;
-  std::vector<uint64_t> goff;
-  bucket_by_group(T, support, nt, &keys, &where, &goff);
-  std::unique_ptr<float[]> stage(new float[st.support_keys * B]);
-  prof.mark("bucket");
+  std::vector<uint64_t> goff(groups + 1, 0);  // trace positions: groups in order
+  for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
 
   std::vector<uint64_t> peeled(groups, 0);
   std::vector<char> bad(groups, 0), non_finite(groups, 0);
@@ -520,12 +544,14 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     std::vector<double> v(B), val(gcells * B);
     std::vector<CellState> cs(gcells);
     std::vector<float> vals;  // the group's recovered values, by position in its key list
-    std::vector<uint32_t> queue;
+    std::vector<uint32_t> queue, keys;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
       const uint64_t base = (uint64_t)g * gcells;
       const uint64_t kb = goff[g];
-      const uint32_t kn = (uint32_t)(goff[g + 1] - goff[g]);
+      keys.clear();
+      for (const auto& part : support.by) keys.insert(keys.end(), part[g].begin(), part[g].end());
+      const uint32_t kn = (uint32_t)keys.size();
       bool finite = true;
       for (uint64_t i = 0; i < gcells * B; ++i) {
         val[i] = (double)sk[base * B + i];
@@ -534,7 +560,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       if (!finite) non_finite[g] = 1;
       std::fill(cs.begin(), cs.end(), CellState{0, 0});
       vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
-      if (kn >= kMaxPeelKeys || !build_cell_states(T, keys.data() + kb, kn, cs.data(), base)) {
+      if (kn >= kMaxPeelKeys || !build_cell_states(T, keys.data(), kn, cs.data(), base)) {
         // Unpeelable as sized (a rank far over capacity): every key of the group stays NaN.
         std::fill(cs.begin(), cs.end(), CellState{0, 0});
       }
@@ -567,10 +593,11 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           },
           [&](uint64_t cell) { __builtin_prefetch(val.data() + (cell - base) * B, 1, 1); }, &group_bad);
       bad[g] = group_bad;
-      // Unresolved keys (a failed group) keep NaN, never stale memory. Independent stores: cheap.
+      // Keys of a failed group keep NaN, never stale memory. Keys increase: the stores stream.
       for (uint32_t i = 0; i < kn; ++i) {
-        float* o = stage.get() + (uint64_t)where[kb + i] * B;
-        for (uint64_t l = 0; l < B; ++l) o[l] = vals[(uint64_t)i * B + l];
+        const uint64_t lo = (uint64_t)keys[i] * B;
+        const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
+        for (uint64_t l = 0; l < len; ++l) out[lo + l] = vals[(uint64_t)i * B + l];
       }
     }
   }
@@ -582,22 +609,6 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   }
   if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
 
-  // 3. The dense output: zeros, and the staged values at the support (each thread writes the keys
-  //    of its own part, an increasing run of positions).
-  parallel_fill(out, L.numel, 0.0f, nt);
-  prof.mark("zero out");
-  const size_t parts = support.parts.size();
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int64_t p = 0; p < (int64_t)parts; ++p) {
-    const auto& part = support.parts[p];
-    const float* src = stage.get() + support.offset[p] * B;
-    for (size_t i = 0; i < part.size(); ++i) {
-      const uint64_t lo = (uint64_t)part[i] * B;
-      const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
-      for (uint64_t l = 0; l < len; ++l) out[lo + l] = src[i * B + l];
-    }
-  }
-  prof.mark("scatter");
   return st;
 }
 

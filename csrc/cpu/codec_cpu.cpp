@@ -252,7 +252,7 @@ inline void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
 // commute, so the result does not depend on the visiting order. Returns false if a cell would hold
 // more than kMaxCellDegree keys (not peelable anyway; then the caller reports a peeling failure).
 bool build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs,
-                       uint64_t base) {
+                       uint64_t base, uint32_t* kc = nullptr) {
   constexpr uint32_t kAhead = 8;
   for (uint32_t i = 0; i < count; ++i) {
     if (i + kAhead < count) {
@@ -269,6 +269,7 @@ bool build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32
       if (st.deg() == kMaxCellDegree) return false;
       st.tag = (st.tag + 1) ^ ((i & (kMaxPeelKeys - 1)) << 8);
       st.key ^= keys[i];
+      if (kc) kc[3 * (uint64_t)i + j] = (uint32_t)((cell[j] - base) << 1) | (uint32_t)(sign[j] < 0);
     }
   }
   return true;
@@ -285,7 +286,20 @@ bool build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32
 // build_cell_states are consistent whatever the payload holds).
 template <typename Resolve, typename Prefetch>
 uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64_t base,
-              uint64_t span, std::vector<uint32_t>& queue, Resolve&& resolve, Prefetch&& prefetch, bool* bad) {
+              uint64_t span, std::vector<uint32_t>& queue, Resolve&& resolve, Prefetch&& prefetch, bool* bad,
+              const uint32_t* kc = nullptr) {
+  // A key's cells and signs: from the cache `kc` filled by build_cell_states, else by hashing.
+  auto cells_of = [&](uint32_t pos, uint64_t key, uint64_t cell[3], int sign[3]) {
+    if (kc) {
+      for (int j = 0; j < 3; ++j) {
+        const uint32_t e = kc[3 * (uint64_t)pos + j];
+        cell[j] = base + (e >> 1);
+        sign[j] = (e & 1u) ? -1 : 1;
+      }
+    } else {
+      key_cells(table, key, cell, sign);
+    }
+  };
   queue.clear();
   queue.reserve(count + 16);
   for (uint64_t c = 0; c < span; ++c)
@@ -297,14 +311,19 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
     // start loading its three cells now so the misses overlap with this iteration's work.
     if (head + kAhead < queue.size()) {
       const CellState& a = cs[queue[head + kAhead]];
-      if (a.deg() == 1) {
+      if (a.deg() == 1 && a.pos() < count) {
         uint64_t ahead[3];
         int sg[3];
-        key_cells(table, a.key, ahead, sg);
+        cells_of(a.pos(), a.key, ahead, sg);
         for (int j = 0; j < 3; ++j) {
           prefetch_write(&cs[ahead[j] - base]);
           prefetch(ahead[j]);
         }
+      }
+      if (kc && head + 2 * kAhead < queue.size()) {
+        const CellState& b = cs[queue[head + 2 * kAhead]];
+        if (b.pos() < count) __builtin_prefetch(&kc[3 * (uint64_t)b.pos()], 0, 1);
+        if (head + 3 * kAhead < queue.size()) __builtin_prefetch(&cs[queue[head + 3 * kAhead]], 0, 1);
       }
     }
     const uint64_t c = queue[head];
@@ -314,7 +333,7 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
     if (pos >= count) { *bad = true; return resolved; }
     uint64_t cell[3];
     int sign[3];
-    key_cells(table, key, cell, sign);
+    cells_of(pos, key, cell, sign);
     const uint64_t here = c + base;
     const int pure = (int)(cell[1] == here) + 2 * (int)(cell[2] == here);
     if (cell[pure] != here) { *bad = true; return resolved; }
@@ -544,7 +563,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     std::vector<double> v(B), val(gcells * B);
     std::vector<CellState> cs(gcells);
     std::vector<float> vals;  // the group's recovered values, by position in its key list
-    std::vector<uint32_t> queue, keys;
+    std::vector<uint32_t> queue, keys, kc;  // kc: each key's three cells, cached by the build
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
       const uint64_t base = (uint64_t)g * gcells;
@@ -560,7 +579,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       if (!finite) non_finite[g] = 1;
       std::fill(cs.begin(), cs.end(), CellState{0, 0});
       vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
-      if (kn >= kMaxPeelKeys || !build_cell_states(T, keys.data(), kn, cs.data(), base)) {
+      kc.resize(3 * (uint64_t)kn);
+      if (kn >= kMaxPeelKeys || !build_cell_states(T, keys.data(), kn, cs.data(), base, kc.data())) {
         // Unpeelable as sized (a rank far over capacity): every key of the group stays NaN.
         std::fill(cs.begin(), cs.end(), CellState{0, 0});
       }
@@ -591,7 +611,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
             ++step;
             return true;
           },
-          [&](uint64_t cell) { __builtin_prefetch(val.data() + (cell - base) * B, 1, 1); }, &group_bad);
+          [&](uint64_t cell) { __builtin_prefetch(val.data() + (cell - base) * B, 1, 1); }, &group_bad, kc.data());
       bad[g] = group_bad;
       // Keys of a failed group keep NaN, never stale memory. Keys increase: the stores stream.
       for (uint32_t i = 0; i < kn; ++i) {

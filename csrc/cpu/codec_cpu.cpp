@@ -181,6 +181,7 @@ struct DigitDecoder {
   int64_t limit;            // base^per_word: valid words are below it
   SmallDivider lo_div;      // divides by base^lo_digits
   std::vector<uint32_t> lut;  // lut[v * lo_digits + i] = digit i of v, for v < base^lo_digits
+  std::vector<uint32_t> nonzero;  // nonzero[v]: bit i set iff digit i of v is non-zero
 
   explicit DigitDecoder(const DigitPacking& P)
       : per_word(P.per_word), lo_digits((P.per_word + 1) / 2), limit(1), lo_div(1) {
@@ -189,9 +190,13 @@ struct DigitDecoder {
     for (uint32_t i = 0; i < lo_digits; ++i) lo_mod *= P.base;
     lo_div = SmallDivider((uint32_t)lo_mod);
     lut.resize((size_t)lo_mod * lo_digits);
+    nonzero.assign((size_t)lo_mod, 0);
     for (int64_t v = 0; v < lo_mod; ++v) {
       int64_t u = v;
-      for (uint32_t i = 0; i < lo_digits; ++i, u /= P.base) lut[(size_t)v * lo_digits + i] = (uint32_t)(u % P.base);
+      for (uint32_t i = 0; i < lo_digits; ++i, u /= P.base) {
+        lut[(size_t)v * lo_digits + i] = (uint32_t)(u % P.base);
+        if (u % P.base) nonzero[(size_t)v] |= 1u << i;
+      }
     }
   }
 };
@@ -219,12 +224,17 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
       int64_t hi, lo;
       dec.lo_div.divmod(u, &hi, &lo);
       const uint64_t pos = w * dec.per_word;
+      // Visit only the non-zero digits (set bits of the masks): no per-digit branch to mispredict.
       const uint32_t* dl = &dec.lut[(size_t)lo * dec.lo_digits];
-      for (uint32_t i = 0; i < dec.lo_digits; ++i)
-        if (dl[i] && !sink(pos + i, dl[i])) { bad = 1; break; }
+      for (uint32_t m = dec.nonzero[(size_t)lo]; m; m &= m - 1) {
+        const uint32_t i = (uint32_t)__builtin_ctz(m);
+        if (!sink(pos + i, dl[i])) { bad = 1; break; }
+      }
       const uint32_t* dh = &dec.lut[(size_t)hi * dec.lo_digits];
-      for (uint32_t i = 0; i + dec.lo_digits < dec.per_word; ++i)
-        if (dh[i] && !sink(pos + dec.lo_digits + i, dh[i])) { bad = 1; break; }
+      for (uint32_t m = dec.nonzero[(size_t)hi]; m; m &= m - 1) {
+        const uint32_t i = (uint32_t)__builtin_ctz(m);
+        if (!sink(pos + dec.lo_digits + i, dh[i])) { bad = 1; break; }
+      }
     }
     sinks[tid] = std::move(sink);
   }

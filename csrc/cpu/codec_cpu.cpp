@@ -360,8 +360,8 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
   return resolved;
 }
 
-// A sorted key list held as consecutive parts (one per unpacking thread), so that building it
-// needs no concatenation copy. Element i of part p has global index offset[p] + i.
+// A sorted key list held as consecutive parts (one per scanning thread), so that building it
+// needs no concatenation copy.
 struct KeyParts {
   std::vector<std::vector<uint32_t>> parts;
   std::vector<uint64_t> offset;
@@ -496,15 +496,13 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   return kDecodeOk;
 }
 
-// Stable parallel bucketing of the support by sketch group: keys of group g land in
-// [group_offset[g], group_offset[g+1]) of `keys` in increasing key order, with their global
-// support index in `index`.
+// Stable parallel bucketing of sorted keys by sketch group: keys of group g land in
+// [group_offset[g], group_offset[g+1]) of `keys`, in increasing order.
 void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, std::vector<uint32_t>* keys,
-                     std::vector<uint32_t>* index, std::vector<uint64_t>* group_offset) {
+                     std::vector<uint64_t>* group_offset) {
   const uint64_t groups = T.groups();
   const size_t parts = support.parts.size();
   keys->resize(support.size());
-  index->resize(support.size());
   group_offset->assign(groups + 1, 0);
   std::vector<std::vector<uint64_t>> hist(parts, std::vector<uint64_t>(groups, 0));
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
@@ -525,9 +523,7 @@ void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, s
   for (int64_t p = 0; p < (int64_t)parts; ++p) {
     const auto& part = support.parts[p];
     for (size_t i = 0; i < part.size(); ++i) {
-      const uint64_t at = hist[p][key_group(T, part[i])]++;
-      (*keys)[at] = part[i];
-      (*index)[at] = (uint32_t)(support.offset[p] + i);
+      (*keys)[hist[p][key_group(T, part[i])]++] = part[i];
     }
   }
 }
@@ -689,9 +685,9 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   float* sketch = payload + L.sketch_offset;
   const SegmentedTable& T = L.sketch;
   if (nt > 1 && T.groups() > 1) {
-    std::vector<uint32_t> gkeys, where;
+    std::vector<uint32_t> gkeys;
     std::vector<uint64_t> goff;
-    bucket_by_group(T, keys, nt, &gkeys, &where, &goff);
+    bucket_by_group(T, keys, nt, &gkeys, &goff);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
       scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], sketch);

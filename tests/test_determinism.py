@@ -80,3 +80,34 @@ def test_repeated_decode_and_fresh_instances_are_bitwise_identical(index, block)
     before = summed.clone()
     codec.decode(summed)
     assert same_bits(before, summed)
+
+
+def test_fewer_threads_than_requested_still_encode_everything(tmp_path):
+    """OpenMP may grant fewer threads than a codec asks for (OMP_THREAD_LIMIT, nested regions). Work
+    must be split over the threads actually running: the payload and the decode must not change."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "limited.py"
+    script.write_text(
+        "import torch, lossless_hc as lhc\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.zeros(300_000); i = torch.randperm(300_000, generator=g)[:3000]\n"
+        "x[i] = torch.randn(3000, generator=g)\n"
+        "c = lhc.LosslessCodec(numel=300_000, world_size=1, max_nnz=3000, num_threads=4)\n"
+        "p = c.encode(x); y, r = c.decode(p)\n"
+        "torch.save({'p': p, 'y': y, 'ok': r.ok}, %r)\n" % str(tmp_path / "out.pt"))
+    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    subprocess.run([sys.executable, str(script)], check=True, env=env, timeout=300)
+    got = torch.load(tmp_path / "out.pt")
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(300_000)
+    i = torch.randperm(300_000, generator=g)[:3000]
+    x[i] = torch.randn(3000, generator=g)
+    c = LosslessCodec(numel=300_000, world_size=1, max_nnz=3000, num_threads=4)
+    payload = c.encode(x)
+    y, report = c.decode(payload)
+    assert got["ok"] and report.ok
+    assert torch.equal(got["p"], payload)
+    assert torch.equal(got["y"], y)
+    assert torch.equal(y != 0, x != 0)

@@ -11,14 +11,12 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <vector>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
+#include <vector>
 
 namespace lhc {
 namespace cpu {
@@ -89,7 +87,9 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
   {
     const int tid = omp_get_thread_num();
     uint64_t kb, ke;
-    split_range(L.num_keys, nt, tid, &kb, &ke);
+    // The runtime may grant fewer threads than asked (nested regions, OMP_DYNAMIC): split by the
+    // team actually running, or some keys would never be scanned.
+    split_range(L.num_keys, omp_get_num_threads(), tid, &kb, &ke);
     std::vector<uint32_t> mine;  // private while scanning (no false sharing on the vector header)
     uint32_t nf = 0;
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);

@@ -170,10 +170,6 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
   }
 }
 
-}  // namespace
-
-namespace {
-
 // Splits a packed word into its digits with two small lookup tables instead of per_word divisions:
 // word = hi * base^lo_digits + lo, and each half indexes a table of its digits.
 struct DigitDecoder {
@@ -576,6 +572,13 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       const uint64_t kb = goff[g];
       keys.clear();
       for (const auto& part : support.by) keys.insert(keys.end(), part[g].begin(), part[g].end());
+      if (keys.size() >= kMaxPeelKeys) {
+        // Far beyond any sized capacity (a rank grossly overloaded): report, never allocate for it.
+        for (uint32_t k : keys)
+          for (uint64_t l = 0; l < B && (uint64_t)k * B + l < L.numel; ++l)
+            out[(uint64_t)k * B + l] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       const uint32_t kn = (uint32_t)keys.size();
       bool finite = true;
       for (uint64_t i = 0; i < gcells * B; ++i) {
@@ -586,7 +589,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       std::fill(cs.begin(), cs.end(), CellState{0, 0});
       vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
       kc.resize(3 * (uint64_t)kn);
-      if (kn >= kMaxPeelKeys || !build_cell_states(T, keys.data(), kn, cs.data(), base, kc.data())) {
+      if (!build_cell_states(T, keys.data(), kn, cs.data(), base, kc.data())) {
         // Unpeelable as sized (a rank far over capacity): every key of the group stays NaN.
         std::fill(cs.begin(), cs.end(), CellState{0, 0});
       }

@@ -26,7 +26,7 @@ stays below ``2**22``, where float32 sums are exact and an average is invertible
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 HEADER_FIELDS = 9
@@ -329,11 +329,14 @@ def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, 
         chosen = min(candidates.values(), key=lambda c: (c.payload_numel, INDEX_KINDS.index(c.index_kind)))
     elif index in candidates:
         chosen = candidates[index]
-    else:
+    elif num_keys == 0:
         # An empty tensor has nothing to index: every kind degenerates to the header alone.
         chosen = candidates["dense"]
+    else:
+        raise ValueError(f"index={index!r} cannot be built for world_size={world_size}: its counters would not "
+                         f"fit an exact float32 field; use index='bitmap' or 'auto'")
     bloom = chosen.bloom
     fp = _fingerprint(LAYOUT_VERSION, numel, block_size, world_size, capacity, INDEX_KIND_CODE[chosen.index_kind],
                       seed, chosen.sketch.seg_len, chosen.sketch.seg_count,
                       bloom.cells if bloom else 0, chosen.index.base, chosen.digit_cap)
-    return PayloadLayout(**{**chosen.__dict__, "fingerprint": fp})
+    return replace(chosen, fingerprint=fp)

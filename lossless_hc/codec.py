@@ -241,7 +241,7 @@ class LosslessCodec:
         return ints, in_range
 
     def decode(self, payload: torch.Tensor, averaged: bool = False, shape=None, dtype=None,
-               trace: bool = False):
+               trace: bool = False, out: Optional[torch.Tensor] = None):
         """Decode an aggregated payload; returns ``(y, report)``.
 
         Args:
@@ -249,6 +249,10 @@ class LosslessCodec:
                 AVERAGE if ``averaged=True`` (then ``y`` is the average).
             shape, dtype: of ``y``; default to those of the last ``encode`` call (else 1-D float32).
             trace: attach the peeling order to the report (diagnostics and tests).
+            out: optional contiguous float32 tensor of ``numel`` elements on the codec's device to
+                decode into (every element is overwritten). Reusing one buffer across steps avoids
+                the page faults of a fresh allocation; ``y`` is then a view of it when ``dtype`` is
+                float32.
 
         ``y`` is the exact aggregate when ``report.ok``; otherwise it must not be used (it holds
         whatever was recovered, NaN if a rank's input was non-finite).
@@ -270,7 +274,12 @@ class LosslessCodec:
         scale = float(n) if averaged else 1.0
 
         # Every path below writes all of out (NaN on failure paths, the kernel zero-fills first).
-        out = torch.empty(L.numel, dtype=torch.float32, device=self.device)
+        if out is None:
+            out = torch.empty(L.numel, dtype=torch.float32, device=self.device)
+        elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != L.numel
+              or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous float32 tensor of {L.numel} elements on {self.device}")
+        out = out.view(-1)
         report = DecodeReport(ok=False, reason=None, index_kind=L.index_kind)
 
         def finish(ok: bool, reason: Optional[str]):

@@ -456,3 +456,24 @@ def test_world_size_1024_round_trip():
 def test_cuda_device_is_a_clear_error():
     with pytest.raises((NotImplementedError, RuntimeError, ValueError)):
         LosslessCodec(100, 2, 10, device="cuda")
+
+
+def test_decode_into_a_reused_buffer():
+    """decode(out=buf) overwrites every element of buf (stale values must not leak into zeros) and
+    returns the same values as a fresh decode; a wrong buffer is rejected clearly."""
+    codec = LosslessCodec(5000, 2, 50)
+    g = torch.Generator().manual_seed(3)
+    xs = []
+    for _ in range(2):
+        x = torch.zeros(5000)
+        x[torch.randperm(5000, generator=g)[:50]] = torch.randn(50, generator=g)
+        xs.append(x)
+    summed = codec.encode(xs[0]) + codec.encode(xs[1])
+    fresh, rep = codec.decode(summed)
+    buf = torch.full((5000,), 7.0)
+    y, rep2 = codec.decode(summed, out=buf)
+    assert rep.ok and rep2.ok
+    assert torch.equal(y, fresh) and y.data_ptr() == buf.data_ptr()
+    for bad in (torch.zeros(4999), torch.zeros(5000, dtype=torch.float64), torch.zeros(10000)[::2]):
+        with pytest.raises(ValueError, match="out must be"):
+            codec.decode(summed, out=bad)

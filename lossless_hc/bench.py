@@ -253,6 +253,9 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
 
     # encode: timed on worker 0, then every worker's payload summed (float32, in rank order).
     t_enc = time_fn(lambda: codec.encode(x0), repeat)
+    reuse_payload = torch.empty(L.payload_numel, dtype=torch.float32)
+    t_enc_reuse = time_fn(lambda: codec.encode(x0, out=reuse_payload), repeat)
+    del reuse_payload
     summed = torch.zeros(L.payload_numel, dtype=torch.float32)
     for x in xs:
         summed += codec.encode(x)
@@ -312,7 +315,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
                    "payload_numel": L.payload_numel},
         "timing": {
             "clone": t_clone, "copy_prealloc": t_copy, "encode": t_enc, "decode": t_dec,
-            "decode_reused_out": t_dec_reuse,
+            "decode_reused_out": t_dec_reuse, "encode_reused_out": t_enc_reuse,
             "decode_reused_out_over_copy": t_dec_reuse["median_s"] / t_copy["median_s"] if numel else 0.0,
             "clone_ms": clone_s * 1e3, "encode_ms": t_enc["median_s"] * 1e3, "decode_ms": t_dec["median_s"] * 1e3,
             "encode_over_clone": t_enc["median_s"] / clone_s,
@@ -373,6 +376,9 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
          fmt_ms(t["decode"]["max_s"]), f"{t['decode_over_clone']:.3f}"),
         ("encode + decode", fmt_ms(t["encode"]["median_s"] + t["decode"]["median_s"]), "", "",
          f"{t['encode_plus_decode_over_clone']:.3f}"),
+        ("encode into a reused out=", fmt_ms(t["encode_reused_out"]["median_s"]),
+         fmt_ms(t["encode_reused_out"]["min_s"]), fmt_ms(t["encode_reused_out"]["max_s"]),
+         f"{t['encode_reused_out']['median_s'] / clone:.3f}"),
         ("decode into a reused out=", fmt_ms(t["decode_reused_out"]["median_s"]),
          fmt_ms(t["decode_reused_out"]["min_s"]), fmt_ms(t["decode_reused_out"]["max_s"]),
          f"{t['decode_reused_out']['median_s'] / clone:.3f}"),

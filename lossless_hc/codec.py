@@ -190,20 +190,30 @@ class LosslessCodec:
             raise TypeError("x is a sparse tensor; pass it dense (e.g. x.to_dense())")
         return x.reshape(-1).to(torch.float32).contiguous()
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode ``x`` (numel elements, any shape) into a new 1-D float32 payload.
+    def _buffer(self, out: Optional[torch.Tensor], numel: int) -> torch.Tensor:
+        """``out`` checked (contiguous float32, ``numel`` elements, the codec's device) and viewed
+        1-D, or a new buffer."""
+        if out is None:
+            return torch.empty(numel, dtype=torch.float32, device=self.device)
+        if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
+                or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
+        return out.view(-1)
+
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode ``x`` (numel elements, any shape) into a 1-D float32 payload of ``payload_numel``
+        elements: a new tensor, or ``out`` (contiguous float32, overwritten) to reuse a buffer.
 
         The shape and dtype of ``x`` are remembered as the defaults for ``decode``.
         """
         flat = self._check_input(x)
         self._shape, self._dtype = tuple(x.shape), x.dtype
         L = self.layout
+        payload = self._buffer(out, L.payload_numel)
         if L.index_kind == "dense":
-            payload = torch.empty(L.payload_numel, dtype=torch.float32, device=self.device)
             payload[HEADER_FIELDS:] = flat
             self._write_dense_header(payload, flat)
             return payload
-        payload = torch.empty(L.payload_numel, dtype=torch.float32, device=self.device)
         _backend.encode(self._native, flat, payload, self.num_threads)
         return payload
 
@@ -274,12 +284,7 @@ class LosslessCodec:
         scale = float(n) if averaged else 1.0
 
         # Every path below writes all of out (NaN on failure paths, the kernel zero-fills first).
-        if out is None:
-            out = torch.empty(L.numel, dtype=torch.float32, device=self.device)
-        elif (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != L.numel
-              or not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous float32 tensor of {L.numel} elements on {self.device}")
-        out = out.view(-1)
+        out = self._buffer(out, L.numel)
         report = DecodeReport(ok=False, reason=None, index_kind=L.index_kind)
 
         def finish(ok: bool, reason: Optional[str]):

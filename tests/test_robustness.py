@@ -477,3 +477,18 @@ def test_decode_into_a_reused_buffer():
     for bad in (torch.zeros(4999), torch.zeros(5000, dtype=torch.float64), torch.zeros(10000)[::2]):
         with pytest.raises(ValueError, match="out must be"):
             codec.decode(summed, out=bad)
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_encode_into_a_reused_buffer(index):
+    """encode(x, out=buf) overwrites all of buf (stale values must not leak into the payload) and
+    equals a fresh encode; a wrong buffer is rejected clearly."""
+    codec = LosslessCodec(5000, 2, 50, index=index)
+    x = torch.zeros(5000)
+    x[::97] = 1.5
+    buf = torch.full((codec.payload_numel,), 3.0)
+    payload = codec.encode(x, out=buf)
+    assert payload.data_ptr() == buf.data_ptr()
+    assert torch.equal(payload, codec.encode(x))
+    with pytest.raises(ValueError, match="out must be"):
+        codec.encode(x, out=torch.zeros(codec.payload_numel + 1))

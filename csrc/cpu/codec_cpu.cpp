@@ -148,27 +148,6 @@ std::vector<float> digit_powers(const DigitPacking& P) {
   return pw;
 }
 
-// Add sign * x[key block] into the value sketch for keys[0, count), in that order.
-void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, float* sketch) {
-  const uint64_t B = L.block;
-  for (size_t i = 0; i < count; ++i) {
-    const uint64_t k = keys[i];
-    uint64_t cell[3];
-    int sign[3];
-    key_cells(L.sketch, k, cell, sign);
-    const uint64_t lo = k * B;
-    const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
-    const float* src = x + lo;
-    for (int j = 0; j < 3; ++j) {
-      float* dst = sketch + cell[j] * B;
-      if (sign[j] > 0) {
-        for (uint64_t l = 0; l < len; ++l) dst[l] += src[l];
-      } else {
-        for (uint64_t l = 0; l < len; ++l) dst[l] -= src[l];
-      }
-    }
-  }
-}
 
 // Splits a packed word into its digits with two small lookup tables instead of per_word divisions:
 // word = hi * base^lo_digits + lo, and each half indexes a table of its digits.
@@ -269,6 +248,30 @@ void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t coun
       int sign;
       const uint64_t cell = key_cell(t, h, j, &sign);
       kc[3 * (uint64_t)i + j] = (uint32_t)((cell - base) << 1) | (uint32_t)(sign < 0);
+    }
+  }
+}
+
+// Add sign * x[key block] into the value sketch for keys[0, count), in that order; all their cells
+// lie at or after cell `base` (a group's first cell). `kc` is scratch for the keys' cells, hashed in
+// one vectorisable pass.
+void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
+                  float* sketch, std::vector<uint32_t>& kc) {
+  const uint64_t B = L.block;
+  kc.resize(3 * count);
+  hash_cells(L.sketch, keys, (uint32_t)count, base, kc.data());
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t lo = (uint64_t)keys[i] * B;
+    const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
+    const float* src = x + lo;
+    for (int j = 0; j < 3; ++j) {
+      const uint32_t e = kc[3 * i + j];
+      float* dst = sketch + (base + (e >> 1)) * B;
+      if (e & 1u) {
+        for (uint64_t l = 0; l < len; ++l) dst[l] -= src[l];
+      } else {
+        for (uint64_t l = 0; l < len; ++l) dst[l] += src[l];
+      }
     }
   }
 }
@@ -705,11 +708,17 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     std::vector<uint32_t> gkeys;
     std::vector<uint64_t> goff;
     bucket_by_group(T, keys, nt, &gkeys, &goff);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
-    for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
-      scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], sketch);
+#pragma omp parallel num_threads(nt)
+    {
+      std::vector<uint32_t> kc;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
+        scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], (uint64_t)g * T.group_cells(), sketch, kc);
+    }
   } else {
-    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), sketch);
+    // One group: its cell indices (below 2^31 at the sizes that use one group) fit the cache.
+    std::vector<uint32_t> kc;
+    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, kc);
   }
 
   float* header = payload;

@@ -84,9 +84,12 @@ struct SegmentedTable {
 // The first-level hash of a key; every cell and sign of the key derives from it.
 LHC_HD uint64_t key_hash(const SegmentedTable& t, uint64_t key) { return mix64(key ^ t.stream); }
 
+// The group of the key with first-level hash h.
+LHC_HD uint64_t hash_group(const SegmentedTable& t, uint64_t h) { return reduce32(h >> 32, t.groups()); }
+
 // Cell j (0, 1, 2) of the key with first-level hash h, and its sign (+1 or -1).
 LHC_HD uint64_t key_cell(const SegmentedTable& t, uint64_t h, int j, int* sign) {
-  const uint64_t start = 3 * reduce32(h >> 32, t.groups());
+  const uint64_t start = 3 * hash_group(t, h);
   const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
   *sign = (hj >> 63) ? -1 : 1;
   return (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);
@@ -101,7 +104,7 @@ LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], i
 }
 
 // The group of a key (the decoder buckets keys by group before peeling).
-LHC_HD uint64_t key_group(const SegmentedTable& t, uint64_t key) { return reduce32(key_hash(t, key) >> 32, t.groups()); }
+LHC_HD uint64_t key_group(const SegmentedTable& t, uint64_t key) { return hash_group(t, key_hash(t, key)); }
 
 // Digit packing: `per_word` digits of base `base` in one word.
 struct DigitPacking {

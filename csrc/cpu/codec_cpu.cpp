@@ -372,11 +372,10 @@ uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64
 // needs no concatenation copy.
 struct KeyParts {
   std::vector<std::vector<uint32_t>> parts;
-  std::vector<uint64_t> offset;
-  uint64_t size() const { return offset.empty() ? 0 : offset.back(); }
-  void finish() {
-    offset.assign(parts.size() + 1, 0);
-    for (size_t p = 0; p < parts.size(); ++p) offset[p + 1] = offset[p] + parts[p].size();
+  uint64_t size() const {
+    uint64_t n = 0;
+    for (const auto& p : parts) n += p.size();
+    return n;
   }
 };
 
@@ -664,7 +663,6 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   parallel_fill(payload, L.payload_numel, 0.0f, nt);
   KeyParts keys;
   keys.parts = find_nonzero_keys(L, x, nt, &st.non_finite);
-  keys.finish();
   st.keys = keys.size();
 
   float* index = payload + L.index_offset;

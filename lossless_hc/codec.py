@@ -95,9 +95,9 @@ class LosslessCodec:
     :math:`E(k) = (deg(c_k) + n + 2)\, 2^{-24} M(c_k) + \sum_{j} E(j)` over the keys j peeled
     from its cell :math:`c_k` before it, with :math:`M(c)` the absolute mass summed into cell c and
     deg(c) the keys hashed there (``tests/helpers.py: peel_error_bound`` asserts exactly this).
-    Breadth-first peeling keeps these dependency chains short. Two consequences of float sums: ranks whose values cancel exactly (+a, -a) may
-    leave a rounding-size residue instead of 0, and a value ~2^24 times smaller than another in
-    the same cell may come out as 0. ok is False, never a wrong answer, when a rank was over
+    Breadth-first peeling keeps these dependency chains short. Two consequences of float sums:
+    ranks whose values cancel exactly (+a, -a) may leave a rounding-size residue instead of 0, and
+    a value ~2^24 times smaller than another in the same cell may come out as 0. ok is False, never a wrong answer, when a rank was over
     capacity, peeling could not finish, a rank's input held NaN/Inf (which would poison shared
     cells), a sketch cell overflowed float32, the ranks' configurations differ, or the payload is
     not a plain sum/average of ``world_size`` payloads.

@@ -1,0 +1,292 @@
+"""Per-tensor aggregation policy shared by the framework adapters (Horovod, BytePS, DDP).
+
+An adapter hands each gradient to :meth:`TensorAggregator.encode`, lets its engine SUM or AVERAGE
+the payload (a ring allreduce, a parameter server), and hands the result to
+:meth:`TensorAggregator.decode`. The adapters hold no algorithm; this module decides, per tensor:
+
+* **dense or compressed.** A tensor goes through :class:`~lossless_hc.LosslessCodec` only while the
+  codec's payload is smaller than the dense tensor; otherwise the dense tensor itself is the
+  payload, so we are never worse than dense by more than the codec's header.
+* **capacity.** Each rank may send at most ``capacity`` non-zero coordinates. When a decode fails
+  (a rank was over capacity, or peeling could not finish) the adapter aggregates that tensor again,
+  densely and exactly, and the capacity grows for later steps.
+
+Every decision above is a function of the configuration and of the *aggregated* payload, which every
+rank holds bit for bit, so all ranks take the same decision at the same step and payload shapes
+always match. Nothing here needs a collective of its own.
+
+Two gradient transformations sit in front of the codec:
+
+* :class:`TensorAggregator` (``Compression.lossless``): the gradient as it is, for naturally
+  sparse gradients (embedding tables). The aggregate equals the dense allreduce up to float rounding
+  of the sum.
+* :class:`TopKAggregator` (``Compression.topk``): top-k sparsification with error feedback for dense
+  gradients; the selected values are then aggregated losslessly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from .codec import DecodeReport, LosslessCodec
+from .layout import HDR_CONTRIBUTORS
+
+_CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ConfigurationMismatch(RuntimeError):
+    """Ranks aggregated payloads built with different codec configurations."""
+
+
+@dataclass
+class AggregationStats:
+    """Counters over every tensor one compressor (or DDP hook state) aggregated.
+
+    payload_bytes / dense_bytes is the fraction of the uncompressed traffic this rank sent (both count
+    the bytes one rank contributes; the engine's own factor, e.g. 2(n-1)/n for a ring, cancels).
+    """
+
+    tensors: int = 0            # encode/decode pairs
+    compressed: int = 0         # ... of which went through the codec
+    sent_dense: int = 0         # ... of which were sent dense (the codec would not have been smaller)
+    fallbacks: int = 0          # codec payloads that failed to decode and were re-sent dense
+    capacity_growths: int = 0   # times a tensor's capacity grew after a failure
+    payload_bytes: int = 0      # bytes this rank sent, fallbacks included
+    dense_bytes: int = 0        # bytes the uncompressed allreduce sends for the same tensors
+    encode_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    last_failure: Optional[str] = None
+
+    @property
+    def wire_ratio(self) -> float:
+        """payload_bytes / dense_bytes (1.0 before anything was sent)."""
+        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 1.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["wire_ratio"] = self.wire_ratio
+        return d
+
+
+@dataclass
+class EncodeContext:
+    """What :meth:`TensorAggregator.decode` needs about one encoded tensor."""
+
+    shape: tuple
+    dtype: torch.dtype
+    compressed: bool
+    dense_value: torch.Tensor   # what an exact dense fallback aggregates (the tensor the payload encodes)
+    codec: Optional[LosslessCodec] = None
+
+
+@dataclass
+class DecodeOutcome:
+    """Result of :meth:`TensorAggregator.decode`.
+
+    value      the aggregate (sum, or average when ``averaged``) in the tensor's shape and dtype, or
+               None when the codec failed: the adapter must then aggregate ``ctx.dense_value``
+               densely (with SUM) and pass the result to :meth:`TensorAggregator.finish_fallback`.
+    averaged   whether the engine averaged the payload (read from the payload itself).
+    report     the codec's report (None for tensors sent dense).
+    """
+
+    value: Optional[torch.Tensor]
+    averaged: bool
+    report: Optional[DecodeReport] = None
+
+    @property
+    def needs_fallback(self) -> bool:
+        return self.value is None
+
+
+def default_block_size(shape) -> int:
+    """Coordinates hashed as one key: the row length of a 2-D tensor (an embedding table's
+    gradient is non-zero in whole rows), else 1."""
+    return int(shape[-1]) if len(shape) == 2 and shape[-1] > 0 else 1
+
+
+class TensorAggregator:
+    r"""Lossless aggregation of one tensor across steps (``Compression.lossless``).
+
+    Args:
+        name: the tensor's name, identical on every rank (used in messages only).
+        shape, dtype: of the gradient.
+        world_size: ranks whose payloads the engine aggregates.
+        max_density: initial capacity as a fraction of the tensor's coordinates: each rank may send
+            ``ceil(max_density * numel)`` non-zero coordinates (rounded up to whole blocks).
+        block_size: coordinates hashed as one key; ``None`` picks :func:`default_block_size`.
+        seed: hash seed, identical on every rank.
+        index: the codec's index kind ("auto" picks the smallest payload).
+        stats: counters shared with the compressor that owns this aggregator.
+
+    Capacity growth after a failed decode (identical on every rank: it reads only the aggregated
+    header): :math:`c \leftarrow \max(2c,\ \lceil 1.25\, K / n \rceil\, b)` with K the total of the
+    ranks' non-zero key counts, so a tensor that is really dense reaches the dense mode after one
+    fallback instead of doubling many times.
+    """
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
+                 block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
+                 stats: Optional[AggregationStats] = None):
+        if not 0.0 < max_density <= 1.0:
+            raise ValueError(f"max_density must be in (0, 1], got {max_density}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.numel = math.prod(self.shape)
+        self.world_size = int(world_size)
+        self.block_size = int(block_size) if block_size else default_block_size(self.shape)
+        self.seed = int(seed)
+        self.index = index
+        self.stats = stats if stats is not None else AggregationStats()
+        self.capacity = self._round_to_blocks(math.ceil(max_density * self.numel))
+        self._codec: Optional[LosslessCodec] = None
+        self._decide_codec()
+
+    # -- the per-tensor decisions ------------------------------------------------------------------
+    def _round_to_blocks(self, coords: int) -> int:
+        b = self.block_size
+        return max(b, -(-coords // b) * b)
+
+    def _decide_codec(self) -> None:
+        """Build the codec for the current capacity, or go dense when it would not be smaller."""
+        self._codec = None
+        if self.dtype not in _CODEC_DTYPES or self.numel == 0 or self.capacity >= self.numel:
+            return
+        codec = LosslessCodec(self.numel, self.world_size, self.capacity, self.block_size, self.seed)
+        if codec.wire_bytes < self.numel * self.dtype.itemsize:
+            self._codec = codec
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the next encode goes through the codec (False: the tensor is sent dense)."""
+        return self._codec is not None
+
+    @property
+    def codec(self) -> Optional[LosslessCodec]:
+        return self._codec
+
+    def _grow(self, report: DecodeReport) -> None:
+        keys_per_rank = math.ceil(1.25 * report.total_keys / self.world_size)
+        self.capacity = self._round_to_blocks(max(2 * self.capacity, keys_per_rank * self.block_size))
+        self.stats.capacity_growths += 1
+        self._decide_codec()
+
+    # -- what an adapter calls ---------------------------------------------------------------------
+    def _check(self, x: torch.Tensor) -> None:
+        if x.is_sparse:
+            raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
+        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, this aggregator "
+                             f"was built for {self.dtype} {self.shape}")
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """The tensor to aggregate for gradient ``x`` (``x`` itself here; top-k overrides)."""
+        return x
+
+    def encode(self, x: torch.Tensor):
+        """``(payload, ctx)``: the payload every rank hands to the engine, and the context for
+        :meth:`decode`. The payload of a tensor sent dense is the tensor itself."""
+        self._check(x)
+        t0 = time.perf_counter()
+        value = self.select(x)
+        codec = self._codec
+        ctx = EncodeContext(self.shape, self.dtype, codec is not None, value, codec)
+        payload = codec.encode(value) if codec is not None else value
+        st = self.stats
+        st.tensors += 1
+        st.dense_bytes += self.numel * self.dtype.itemsize
+        st.payload_bytes += payload.numel() * payload.element_size()
+        if codec is not None:
+            st.compressed += 1
+        else:
+            st.sent_dense += 1
+        st.encode_seconds += time.perf_counter() - t0
+        return payload, ctx
+
+    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
+        """Decode the engine's SUM or AVERAGE of every rank's payload.
+
+        Raises :class:`ConfigurationMismatch` when the ranks' codecs disagree (a configuration error,
+        not something a fallback can fix).
+        """
+        if not ctx.compressed:
+            return DecodeOutcome(aggregated, averaged=False)
+        t0 = time.perf_counter()
+        codec = ctx.codec
+        averaged = payload_is_averaged(aggregated, codec.world_size)
+        y, report = codec.decode(aggregated, averaged=averaged, shape=ctx.shape, dtype=ctx.dtype)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        if report.ok:
+            return DecodeOutcome(y, averaged, report)
+        if report.reason and report.reason.startswith("configuration mismatch"):
+            raise ConfigurationMismatch(f"{self.name}: {report.reason}")
+        st = self.stats
+        st.fallbacks += 1
+        st.payload_bytes += self.numel * self.dtype.itemsize
+        st.last_failure = f"{self.name}: {report.reason}"
+        if codec is self._codec:  # grow once per failed step, even if a caller decodes twice
+            self._grow(report)
+        return DecodeOutcome(None, averaged, report)
+
+    def finish_fallback(self, summed: torch.Tensor, outcome: DecodeOutcome) -> torch.Tensor:
+        """The aggregate from the exact dense SUM of ``ctx.dense_value``, scaled as the engine scaled
+        the payload (divided by world_size when it averaged)."""
+        return summed.div_(self.world_size) if outcome.averaged else summed
+
+
+class TopKAggregator(TensorAggregator):
+    r"""Top-k sparsification with error feedback, aggregated losslessly (``Compression.topk``).
+
+    Per step, with residual :math:`e` (zero at first):
+
+    .. math:: a = g + e, \quad s = \mathrm{top}_k(|a|) \text{ entries of } a, \quad e \leftarrow a - s
+
+    and :math:`\sum_r s_r` is aggregated exactly (the codec's capacity is k, so no rank can overload
+    it). The residual keeps what was not sent, so every gradient coordinate is eventually applied
+    (error feedback, Karimireddy et al. 2019). It lives here, keyed by the parameter, so it
+    survives ``zero_grad(set_to_none=True)``.
+    """
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, ratio: float, seed: int = 0,
+                 index: str = "auto", stats: Optional[AggregationStats] = None):
+        super().__init__(name, shape, dtype, world_size, max_density=ratio, block_size=1, seed=seed,
+                         index=index, stats=stats)
+        self.k = min(self.numel, max(1, math.ceil(ratio * self.numel)))
+        self.residual: Optional[torch.Tensor] = None
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.compressed:
+            # Sent dense: everything goes, including what earlier steps left over.
+            if self.residual is None:
+                return x
+            x = (x.detach().reshape(-1).float() + self.residual).reshape(self.shape).to(self.dtype)
+            self.residual = None
+            return x
+        acc = x.detach().reshape(-1).to(torch.float32)
+        if self.residual is not None:
+            acc = acc + self.residual
+        idx = torch.topk(acc.abs(), self.k, sorted=False).indices
+        sparse = torch.zeros_like(acc)
+        sparse[idx] = acc[idx]
+        acc[idx] = 0.0
+        self.residual = acc
+        return sparse.reshape(self.shape).to(self.dtype)
+
+
+def payload_is_averaged(payload: torch.Tensor, world_size: int) -> bool:
+    """Whether an engine averaged (True) or summed (False) a codec payload, read from the payload.
+
+    Every rank writes 1 into the header's contributor field, so the aggregate holds ``world_size``
+    after a SUM and 1 after an AVERAGE. Anything else is left for the codec to report as corrupt.
+    """
+    if world_size == 1:
+        return False
+    v = float(payload[HDR_CONTRIBUTORS])
+    return abs(v - 1.0) < 0.5

@@ -1,0 +1,91 @@
+"""torch.distributed (Gloo) worker for tests/test_plugins_ddp.py, started by torch.multiprocessing.
+
+Each scenario trains the same model twice from the same seed on the same per-rank batches, once with
+DDP's default allreduce and once with the lossless hook; every rank writes
+OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import EmbeddingModel, batch, loss_fn, max_param_diff  # noqa: E402
+
+from lossless_hc.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook  # noqa: E402
+
+STEPS = 6
+
+
+def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None):
+    torch.manual_seed(0)
+    model = EmbeddingModel(sparse=sparse)
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **kw)
+    if state is not None:
+        ddp.register_comm_hook(state, lossless_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp, batch(step, dist.get_rank())).backward()
+        opt.step()
+    return model
+
+
+def compare(state, **kw):
+    ref = train(None, **kw)
+    got = train(state, **kw)
+    return {"max_diff": max_param_diff(ref, got), "stats": state.stats(),
+            "capacity": [a.capacity for a in state._aggregators.values()]}
+
+
+def expect_error(fn, exc):
+    try:
+        fn()
+    except exc as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    except Exception as e:  # errors raised in a hook's future come back wrapped
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def scenario(name):
+    if name == "average":
+        return compare(LosslessHookState(max_density=0.05))
+    if name == "small_buckets":  # several buckets, each with its own fallback group
+        return compare(LosslessHookState(max_density=0.001), bucket_cap_mb=0.05)
+    if name == "fallback":
+        return compare(LosslessHookState(max_density=0.001))
+    if name == "topk":
+        state = LosslessHookState(topk_ratio=0.05)
+        train(state, steps=4)
+        return {"stats": state.stats(),
+                "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values()
+                                   if a.residual is not None]}
+    if name == "config_mismatch":
+        return expect_error(lambda: train(LosslessHookState(max_density=0.05 if dist.get_rank() else 0.02), steps=1),
+                            ConfigurationMismatch)
+    if name == "sparse":
+        return expect_error(lambda: train(LosslessHookState(), sparse=True, steps=1), TypeError)
+    raise ValueError(f"unknown scenario {name}")
+
+
+def worker(rank, size, port, out_dir, names):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    for name in names:
+        result = scenario(name)
+        result["size"] = size
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    size, port, out_dir, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    torch.multiprocessing.spawn(worker, args=(size, port, out_dir, names), nprocs=size)

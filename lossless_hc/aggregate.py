@@ -269,9 +269,10 @@ class TopKAggregator(TensorAggregator):
             x = (x.detach().reshape(-1).float() + self.residual).reshape(self.shape).to(self.dtype)
             self.residual = None
             return x
-        acc = x.detach().reshape(-1).to(torch.float32)
+        # A new tensor in every case: the residual update below must not write into the gradient.
+        acc = x.detach().reshape(-1).to(torch.float32, copy=True)
         if self.residual is not None:
-            acc = acc + self.residual
+            acc += self.residual
         idx = torch.topk(acc.abs(), self.k, sorted=False).indices
         sparse = torch.zeros_like(acc)
         sparse[idx] = acc[idx]

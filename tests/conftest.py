@@ -31,6 +31,7 @@ _TIMEOUT = float(os.environ.get("LHC_TEST_TIMEOUT", "300"))
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "multiprocess: starts real worker processes (Horovod, torch.distributed)")
     if os.environ.get("LHC_EXPECT_SANITIZED"):
         import lossless_hc._C as ext
         repo_pkg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lossless_hc")

@@ -122,11 +122,13 @@ class DigitsWorkload(Workload):
 
 
 WORKLOADS = {w.name: w for w in (NCFWorkload, LSTMWorkload, DigitsWorkload)}
-DEFAULTS = {  # per model: batch, lr, steps
-    "ncf": dict(batch=512, lr=0.05, steps=150),
-    "lstm": dict(batch=16, lr=1.0, steps=100),
-    "digits": dict(batch=32, lr=0.05, steps=300),
+DEFAULTS = {  # per model: batch, optimizer, lr, steps
+    "ncf": dict(batch=512, optimizer="sgd", lr=0.3, steps=300),
+    "lstm": dict(batch=16, optimizer="adam", lr=0.002, steps=100),
+    "digits": dict(batch=32, optimizer="sgd", lr=0.05, steps=300),
 }
+OPTIMIZERS = {"sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+              "adam": lambda params, lr: torch.optim.Adam(params, lr=lr)}
 
 
 # -- frameworks ------------------------------------------------------------------------------------
@@ -199,13 +201,14 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--compression", choices=COMPRESSIONS, default="lossless")
     p.add_argument("--steps", type=int, help="training steps (default per model)")
     p.add_argument("--batch", type=int, help="per-rank batch (default per model)")
-    p.add_argument("--lr", type=float, help="SGD learning rate (default per model)")
-    p.add_argument("--max-density", type=float, default=0.02, help="lossless: initial capacity per tensor")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="default per model")
+    p.add_argument("--lr", type=float, help="learning rate (default per model)")
+    p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
     p.add_argument("--sparse-embeddings", action="store_true",
                    help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True)")
-    p.add_argument("--users", type=int, default=100_000)
-    p.add_argument("--items", type=int, default=100_000)
+    p.add_argument("--users", type=int, default=50_000)
+    p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=20_000)
     p.add_argument("--seed", type=int, default=0)
@@ -231,7 +234,7 @@ def main(argv=None, default_model="ncf") -> dict:
     torch.manual_seed(args.seed)
     work = WORKLOADS[args.model](args, fw.rank)
     model = work.model
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
     wrapped, opt = fw.wrap(model, opt, args)
     say = print if fw.rank == 0 else (lambda *a, **k: None)
     dense_bytes = dense_grad_bytes(model)
@@ -248,7 +251,7 @@ def main(argv=None, default_model="ncf") -> dict:
         loss.backward()
         opt.step()
         step_times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % args.log_every == 0 or step == args.steps:
             say(f"step {step:5d}  loss {statistics.fmean(losses[-args.log_every:]):.4f}  "
                 f"step {1e3 * statistics.median(step_times[-args.log_every:]):.1f} ms")

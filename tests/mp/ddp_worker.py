@@ -21,9 +21,9 @@ from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook  # noqa: E4
 STEPS = 6
 
 
-def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None):
+def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16):
     torch.manual_seed(0)
-    model = EmbeddingModel(sparse=sparse)
+    model = EmbeddingModel(sparse=sparse, hidden=hidden)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DistributedDataParallel(model, **kw)
     if state is not None:
@@ -62,7 +62,7 @@ def scenario(name):
         return compare(LosslessHookState(max_density=0.001))
     if name == "topk":
         state = LosslessHookState(topk_ratio=0.05)
-        train(state, steps=4)
+        train(state, steps=4, hidden=512)  # a dense layer large enough that top-k beats dense
         return {"stats": state.stats(),
                 "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values()
                                    if a.residual is not None]}

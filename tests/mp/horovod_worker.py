@@ -21,14 +21,18 @@ from lossless_hc.aggregate import ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.horovod import Compression  # noqa: E402
 
 STEPS = 6
+RUNS = [0]  # training runs so far: a per-run prefix keeps Horovod operation names unique, so the
+            # operations an error scenario leaves in flight can never pair with a later run's
 PAIR = hvd.ProcessSet([0, 1])  # ranks 0 and 1 only (registered at init)
 
 
 def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, process_set=None, lr=0.1,
-          model=None):
+          hidden=16):
     torch.manual_seed(0)
-    model = model or EmbeddingModel(sparse=sparse)
-    kwargs = dict(named_parameters=model.named_parameters(), compression=compression,
+    model = EmbeddingModel(sparse=sparse, hidden=hidden)
+    RUNS[0] += 1
+    named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters()]
+    kwargs = dict(named_parameters=named, compression=compression,
                   op=hvd.Average if op is None else op, sparse_as_dense=sparse, backward_passes_per_step=bpps)
     if groups is not None:
         kwargs["groups"] = groups
@@ -76,13 +80,19 @@ def scenario(name):
         return compare(Compression.lossless(max_density=0.001))
     if name == "topk":
         comp = Compression.topk(ratio=0.05)
-        model = train(comp, steps=4)
+        # A dense layer large enough that top-k beats sending it dense.
+        train(comp, steps=4, hidden=512)
         return {"stats": comp.stats(), "residual_norms": {n: float(a.residual.norm()) if a.residual is not None
                                                           else None for n, a in comp.aggregators().items()}}
     if name == "process_set":
+        if hvd.size() <= 2:
+            raise ValueError("the process_set scenario needs 3 or more ranks")
         out = {"included": PAIR.included()}
         if PAIR.included():
             out.update(compare(Compression.lossless(max_density=0.05), process_set=PAIR))
+        # The ranks outside the set wait: Horovod stalls when they start global operations (or shut
+        # down) while the set is still working.
+        hvd.barrier()
         return out
     if name == "adasum":
         return expect_error(lambda: train(Compression.lossless(), op=hvd.Adasum, steps=1), ValueError)
@@ -90,8 +100,10 @@ def scenario(name):
         def run():
             torch.manual_seed(0)
             model = EmbeddingModel(sparse=True)
+            RUNS[0] += 1
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           named_parameters=model.named_parameters(),
+                                           named_parameters=[(f"run{RUNS[0]}.{n}", p)
+                                                             for n, p in model.named_parameters()],
                                            compression=Compression.lossless())
             loss_fn(model, batch(0, hvd.rank())).backward()
             opt.step()
@@ -104,7 +116,9 @@ def scenario(name):
 
 def main():
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
-    hvd.init(process_sets=[PAIR])
+    # With two ranks the pair is the global set, which Horovod's MPI controller refuses to add twice.
+    size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0)
+    hvd.init(process_sets=[PAIR] if size > 2 else None)
     torch.set_num_threads(1)
     for name in names:
         result = scenario(name)

@@ -6,12 +6,12 @@ from torch import nn
 class EmbeddingModel(nn.Module):
     """Two embedding tables (row-sparse gradients) and dense layers (dense gradients)."""
 
-    def __init__(self, sparse: bool = False, users: int = 5000, items: int = 3000, dim: int = 8):
+    def __init__(self, sparse: bool = False, users: int = 5000, items: int = 3000, dim: int = 8, hidden: int = 16):
         super().__init__()
         self.users = nn.Embedding(users, dim, sparse=sparse)
         self.items = nn.Embedding(items, dim)
-        self.fc1 = nn.Linear(2 * dim, 16)
-        self.fc2 = nn.Linear(16, 1)
+        self.fc1 = nn.Linear(2 * dim, hidden)
+        self.fc2 = nn.Linear(hidden, 1)
 
     def forward(self, u, i):
         h = torch.relu(self.fc1(torch.cat([self.users(u), self.items(i)], dim=-1)))

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Start NP torch.distributed workers on this machine with torchrun (the training script picks Gloo on
+# CPU; NCCL when it trains on GPUs).
+#
+#   scripts/launch_torchrun.sh NP SCRIPT_OR_-m_MODULE [ARGS...]
+#   scripts/launch_torchrun.sh 2 -m lossless_hc.workloads.train --framework ddp --model ncf
+#
+# Several machines: NNODES=2 NODE_RANK=0|1 MASTER=host1:29500 on each machine.
+set -euo pipefail
+source "$(dirname "$0")/_env.sh"
+NP=${1:?usage: launch_torchrun.sh NP SCRIPT [ARGS...]}
+shift
+if [ -n "${MASTER:-}" ]; then
+  rdzv=(--nnodes "${NNODES:?set NNODES}" --node-rank "${NODE_RANK:?set NODE_RANK}" --rdzv-backend c10d
+        --rdzv-endpoint "$MASTER")
+else
+  rdzv=(--standalone)
+fi
+exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$NP" "$@"

@@ -1,0 +1,150 @@
+"""The per-tensor aggregation policy (lossless_hc.aggregate), in one process: ranks are simulated by
+summing their payloads, as any engine would."""
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lossless_hc.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator,
+                                   default_block_size, payload_is_averaged)
+
+
+def row_sparse(rows, cols, touched, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(rows, cols)
+    idx = torch.randperm(rows, generator=g)[:touched]
+    x[idx] = torch.randn(touched, cols, generator=g)
+    return x
+
+
+def aggregate(aggs, xs, average=False):
+    """Every rank encodes, the 'engine' sums (and averages), every rank decodes: outcomes per rank."""
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    total = sum(p for p, _ in encoded)
+    if average:
+        total = total / len(xs)
+    return [a.decode(total.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
+
+
+def ranks(n, **kw):
+    return [TensorAggregator("t", (1000, 16), torch.float32, n, **kw) for _ in range(n)]
+
+
+def test_block_size_defaults_to_rows_of_a_matrix():
+    assert default_block_size((1000, 16)) == 16
+    assert default_block_size((1000,)) == 1
+    assert default_block_size((4, 4, 3)) == 1
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_row_sparse_tensors_aggregate_exactly(average):
+    n = 3
+    aggs = ranks(n, max_density=0.05)
+    assert aggs[0].compressed and aggs[0].block_size == 16
+    xs = [row_sparse(1000, 16, 40, seed) for seed in range(n)]
+    want = torch.stack(xs).double().sum(0) / (n if average else 1)
+    for out in aggregate(aggs, xs, average):
+        assert out.value is not None and out.averaged == average
+        assert torch.equal(out.value != 0, want != 0)
+        torch.testing.assert_close(out.value.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_overload_falls_back_and_grows_identically_on_every_rank():
+    n = 2
+    aggs = ranks(n, max_density=0.01)
+    cap0 = aggs[0].capacity
+    xs = [row_sparse(1000, 16, 200, seed) for seed in range(n)]  # 20% of rows, capacity is 1%
+    outs = aggregate(aggs, xs)
+    assert all(o.needs_fallback for o in outs)
+    assert "overloaded" in outs[0].report.reason
+    # The dense fallback is the exact sum of what each rank encoded, scaled like the engine scaled it.
+    summed = sum(o_ctx for o_ctx in xs)
+    assert torch.equal(aggs[0].finish_fallback(summed.clone(), outs[0]), summed)
+    caps = {a.capacity for a in aggs}
+    assert len(caps) == 1 and caps.pop() >= math.ceil(1.25 * 400 / n) * 16 > cap0
+    assert aggs[0].stats.fallbacks == 1 and aggs[0].stats.capacity_growths == 1
+    # After growing, the same load goes through the codec.
+    outs = aggregate(aggs, xs)
+    assert all(not o.needs_fallback for o in outs)
+
+
+def test_dense_gradients_switch_to_dense_after_one_fallback():
+    n = 2
+    aggs = ranks(n, max_density=0.01)
+    xs = [torch.randn(1000, 16) for _ in range(n)]
+    assert all(o.needs_fallback for o in aggregate(aggs, xs))
+    assert not aggs[0].compressed  # the codec would now be larger than the tensor
+    outs = aggregate(aggs, xs)
+    assert torch.equal(outs[0].value, xs[0] + xs[1])
+    st = aggs[0].stats
+    assert st.sent_dense == 1 and st.compressed == 1
+
+
+def test_never_larger_than_dense():
+    # A capacity that makes the codec bigger than the tensor sends the tensor itself.
+    agg = TensorAggregator("t", (100,), torch.float32, 8, max_density=0.9)
+    assert not agg.compressed
+    x = torch.randn(100)
+    payload, _ = agg.encode(x)
+    assert payload is x
+
+
+def test_float64_and_empty_tensors_go_dense():
+    assert not TensorAggregator("t", (1000,), torch.float64, 2, max_density=0.01).compressed
+    assert not TensorAggregator("t", (0,), torch.float32, 2, max_density=0.01).compressed
+
+
+def test_configuration_mismatch_is_an_error_not_a_fallback():
+    a = TensorAggregator("t", (1000, 16), torch.float32, 2, max_density=0.05, seed=0)
+    b = TensorAggregator("t", (1000, 16), torch.float32, 2, max_density=0.05, seed=1)
+    xs = [row_sparse(1000, 16, 10, s) for s in range(2)]
+    (pa, ca), (pb, _) = a.encode(xs[0]), b.encode(xs[1])
+    with pytest.raises(ConfigurationMismatch, match="configuration mismatch"):
+        a.decode(pa + pb, ca)
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="max_density"):
+        TensorAggregator("t", (10,), torch.float32, 2, max_density=0.0)
+    agg = TensorAggregator("t", (1000, 16), torch.float32, 2, max_density=0.05)
+    with pytest.raises(ValueError, match="shape"):
+        agg.encode(torch.zeros(16, 1000))
+    with pytest.raises(TypeError, match="sparse"):
+        agg.encode(torch.zeros(1000, 16).to_sparse())
+
+
+def test_payload_reveals_sum_or_average():
+    agg = TensorAggregator("t", (1000, 16), torch.float32, 4, max_density=0.05)
+    p, _ = agg.encode(row_sparse(1000, 16, 5, 0))
+    assert not payload_is_averaged(4 * p, 4)
+    assert payload_is_averaged(4 * p / 4, 4)
+    assert not payload_is_averaged(p, 1)
+
+
+@given(st.integers(2, 4), st.integers(1, 6), st.floats(0.01, 0.2), st.integers(0, 2**16))
+def test_topk_error_feedback_conserves_every_coordinate(n, steps, ratio, seed):
+    """What was sent plus what is left equals everything that was fed in (up to float addition),
+    on every rank; and the aggregate of what was sent is exact."""
+    g = torch.Generator().manual_seed(seed)
+    aggs = [TopKAggregator("w", (64, 8), torch.float32, n, ratio, stats=AggregationStats()) for _ in range(n)]
+    fed = torch.zeros(n, 64, 8, dtype=torch.float64)
+    sent = torch.zeros(n, 64, 8, dtype=torch.float64)
+    for _ in range(steps):
+        xs = [torch.randn(64, 8, generator=g) for _ in range(n)]
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        total = sum(p for p, _ in encoded)
+        for r, (a, (_, ctx)) in enumerate(zip(aggs, encoded)):
+            fed[r] += xs[r].double()
+            sent[r] += ctx.dense_value.double()
+            if a.compressed:
+                assert int((ctx.dense_value != 0).sum()) <= a.k
+            out = a.decode(total.clone(), ctx)
+            if out.needs_fallback:
+                continue
+            want = sum(c.dense_value.double() for _, c in encoded)
+            torch.testing.assert_close(out.value.double(), want, rtol=1e-6, atol=1e-6)
+    for r, a in enumerate(aggs):
+        left = a.residual.double().reshape(64, 8) if a.residual is not None else 0
+        torch.testing.assert_close(sent[r] + left, fed[r], rtol=1e-5, atol=1e-5)

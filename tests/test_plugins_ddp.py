@@ -1,0 +1,83 @@
+"""DDP communication hook with real torch.distributed (Gloo, world size 2 and 3, real processes and
+sockets). Each launch runs every scenario of tests/mp/ddp_worker.py: the same training with DDP's
+default allreduce and with the lossless hook, from the same seed on the same batches."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "mp", "ddp_worker.py")
+EXACT = ["average", "small_buckets", "fallback"]
+ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError"}
+TOL = 1e-6
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def ddp_run(request, tmp_path_factory):
+    size = request.param
+    out = tmp_path_factory.mktemp(f"ddp{size}")
+    run([sys.executable, WORKER, str(size), str(free_port()), str(out), ",".join(EXACT + ["topk"] + list(ERRORS))])
+    return out, size
+
+
+def results(out, name, size):
+    return [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(size)]
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_lossless_hook_matches_default_allreduce(ddp_run, name):
+    out, size = ddp_run
+    rs = results(out, name, size)
+    for r in rs:
+        assert r["max_diff"] <= TOL, r
+        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
+    assert len({json.dumps([r["capacity"], r["stats"]["fallbacks"]]) for r in rs}) == 1
+    if name == "average":
+        assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
+    else:  # capacity 0.1%: the embedding tables overload, fall back exactly, and grow
+        assert rs[0]["stats"]["fallbacks"] >= 1 and rs[0]["stats"]["capacity_growths"] >= 1
+
+
+def test_topk_hook_keeps_error_feedback(ddp_run):
+    out, size = ddp_run
+    for r in results(out, "topk", size):
+        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
+        assert r["residual_norms"] and max(r["residual_norms"]) > 0
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_misuse_is_a_clear_error_on_every_rank(ddp_run, name):
+    out, size = ddp_run
+    for r in results(out, name, size):
+        assert r["error"] == ERRORS[name], r
+
+
+def test_digits_cnn_converges_with_topk_under_torchrun(tmp_path):
+    """scripts/launch_torchrun.sh with the DDP top-k hook reaches the uncompressed accuracy."""
+    acc = {}
+    for comp in ("none", "topk"):
+        out = tmp_path / f"{comp}.json"
+        run(["bash", os.path.join(ROOT, "scripts", "launch_torchrun.sh"), "2", "-m", "lossless_hc.workloads.train",
+             "--framework", "ddp", "--model", "digits", "--compression", comp, "--json", str(out)])
+        acc[comp] = json.load(open(out))
+    assert acc["none"]["value"] > 0.9
+    assert acc["topk"]["value"] >= acc["none"]["value"] - 0.05, acc
+    assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]

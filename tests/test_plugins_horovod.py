@@ -1,0 +1,116 @@
+"""Horovod plugin with real Horovod: horovodrun (Gloo) with 2 and 3 workers, and mpirun once.
+
+Each launch runs every scenario of tests/mp/horovod_worker.py: the same training with Horovod's own
+uncompressed allreduce and with our compressor, from the same seed on the same batches."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "mp", "horovod_worker.py")
+EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes"]
+ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "seed_mismatch": "ConfigurationMismatch"}
+# Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
+TOL = 1e-6
+
+
+def _horovod_bin(name):
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.exists(path):
+        pytest.fail(f"{name} not found beside {sys.executable}: run `make setup` (scripts/setup_horovod.sh)")
+    return path
+
+
+def launch(cmd, out_dir, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+def results(out_dir, name, size):
+    return [json.load(open(os.path.join(out_dir, f"{name}.rank{r}.json"))) for r in range(size)]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def horovod_run(request, tmp_path_factory):
+    size = request.param
+    out = tmp_path_factory.mktemp(f"hvd{size}")
+    # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
+    names = EXACT + ["fallback", "topk"] + list(ERRORS)
+    launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
+            sys.executable, WORKER, str(out), ",".join(names)], out)
+    return out, size
+
+
+@pytest.mark.parametrize("name", EXACT + ["fallback"])
+def test_lossless_training_matches_uncompressed(horovod_run, name):
+    out, size = horovod_run
+    rs = results(out, name, size)
+    for r in rs:
+        assert r["size"] == size
+        assert r["max_diff"] <= TOL, r
+        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
+    # Every rank took the same decisions (capacities, fallbacks, dense/compressed per tensor).
+    assert len({json.dumps([r["capacity"], r["compressed"], r["stats"]["fallbacks"]]) for r in rs}) == 1
+    if name == "fallback":
+        assert rs[0]["stats"]["fallbacks"] >= 1 and rs[0]["stats"]["capacity_growths"] >= 1
+        assert "overloaded" in rs[0]["stats"]["last_failure"]
+    else:
+        assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
+
+
+def test_topk_keeps_error_feedback_per_parameter(horovod_run):
+    out, size = horovod_run
+    for r in results(out, "topk", size):
+        assert r["stats"]["compressed"] > 0
+        assert r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
+        # Tensors sent through top-k keep what was not sent (zero for a table whose few non-zero
+        # rows all fit in k); a dense layer with more than k non-zeros always leaves something.
+        norms = [v for v in r["residual_norms"].values() if v is not None]
+        assert norms and max(norms) > 0
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_misuse_is_a_clear_error_on_every_rank(horovod_run, name):
+    out, size = horovod_run
+    for r in results(out, name, size):
+        assert r["error"] == ERRORS[name], r
+
+
+def test_process_set(tmp_path):
+    """Ranks 0 and 1 of 3 train in a process set. Its own launch: after a process set, Horovod
+    0.28.1 stalls a later sparse (allgather) allreduce of the global set."""
+    size = 3
+    launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
+            sys.executable, WORKER, str(tmp_path), "process_set"], tmp_path)
+    rs = results(tmp_path, "process_set", size)
+    assert [r["included"] for r in rs] == [True, True] + [False] * (size - 2)
+    for r in rs[:2]:
+        assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0
+
+
+def test_mpirun_launcher(tmp_path):
+    """scripts/launch_mpirun.sh starts the MPI build of Horovod (as root too)."""
+    launch(["bash", os.path.join(ROOT, "scripts", "launch_mpirun.sh"), "2", WORKER, str(tmp_path), "average"],
+           tmp_path)
+    for r in results(tmp_path, "average", 2):
+        assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0
+
+
+def test_digits_cnn_converges_with_topk(tmp_path):
+    """Top-k (1%) with error feedback reaches the uncompressed accuracy within noise."""
+    acc = {}
+    for comp in ("none", "topk"):
+        out = tmp_path / f"{comp}.json"
+        launch([_horovod_bin("horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
+                "lossless_hc.workloads.train", "--model", "digits", "--compression", comp, "--json", str(out)],
+               tmp_path)
+        acc[comp] = json.load(open(out))
+    assert acc["none"]["value"] > 0.9
+    assert acc["topk"]["value"] >= acc["none"]["value"] - 0.05, acc
+    assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]

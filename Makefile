@@ -1,6 +1,7 @@
 # lossless_hc: the two commands a new user needs are `make demo` and `make test`.
-# Both create .venv on first use (torch CPU 2.13.0, the package built in editable mode) and are idempotent:
-# a second run only rebuilds the extension when its sources changed.
+# Both create .venv on first use (torch CPU 2.13.0, Horovod 0.28.1 built with Gloo and MPI, the package
+# built in editable mode) and are idempotent: a second run only rebuilds the extension when its sources
+# changed. The Horovod wheel is cached in $(LHC_CACHE) (default ~/.cache/lossless_hc), outside the repo.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -15,12 +16,14 @@ EXT_SOURCES := $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h) setup
 
 setup: $(STAMP) build
 
-$(STAMP): requirements-dev.txt
+$(STAMP): requirements-dev.txt scripts/setup_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first and pinned, so nothing else can pull a CUDA build of several GB.
 	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
 	$(PIP) install --quiet -r requirements-dev.txt "torch==$(TORCH_VERSION)"
+	# Horovod 0.28.1 patched to C++17 (PyTorch, Gloo, MPI); minutes the first time, then from the cache.
+	bash scripts/setup_horovod.sh $(PY)
 	touch $@
 
 # Editable install; --no-build-isolation reuses the venv's pybind11/setuptools (no network, no torch re-resolve).
@@ -30,9 +33,9 @@ lossless_hc/_C.stamp: $(EXT_SOURCES) $(STAMP)
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 
+# Two Horovod workers train the NCF recommender with and without Compression.lossless, side by side.
 demo: setup
-	$(PY) -m lossless_hc.bench codec --numel 4194304 --density 0.01 --workers 8 --repeat 3
-	$(PY) -m lossless_hc.bench codec --numel 4194304 --density 0.01 --workers 8 --block-size 32 --repeat 3
+	$(PY) -m lossless_hc.workloads.demo
 
 # The whole suite, then the codec tests again against an ASan/UBSan build of the kernels.
 test: setup

@@ -123,7 +123,7 @@ class DigitsWorkload(Workload):
 
 WORKLOADS = {w.name: w for w in (NCFWorkload, LSTMWorkload, DigitsWorkload)}
 DEFAULTS = {  # per model: batch, optimizer, lr, steps
-    "ncf": dict(batch=512, optimizer="sgd", lr=0.3, steps=300),
+    "ncf": dict(batch=512, optimizer="sgd", lr=0.3, steps=150),
     "lstm": dict(batch=16, optimizer="adam", lr=0.002, steps=100),
     "digits": dict(batch=32, optimizer="sgd", lr=0.05, steps=300),
 }

@@ -114,3 +114,12 @@ def test_digits_cnn_converges_with_topk(tmp_path):
     assert acc["none"]["value"] > 0.9
     assert acc["topk"]["value"] >= acc["none"]["value"] - 0.05, acc
     assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
+
+
+def test_horovod_build_has_gloo_and_mpi():
+    out = subprocess.run([_horovod_bin("horovodrun"), "--check-build"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    controllers = lines[lines.index("Available Controllers:") + 1:]
+    assert "[X] MPI" in controllers[0] and "[X] Gloo" in controllers[1], out.stdout
+    assert any("[X] PyTorch" in line for line in lines), out.stdout

@@ -35,7 +35,7 @@ lossless_hc/_C.stamp: $(EXT_SOURCES) $(STAMP)
 
 # Two Horovod workers train the NCF recommender with and without Compression.lossless, side by side.
 demo: setup
-	$(PY) -m lossless_hc.workloads.demo
+	$(PY) -m lossless_hc.bench train
 
 # The whole suite, then the codec tests again against an ASan/UBSan build of the kernels.
 test: setup

@@ -15,13 +15,15 @@ Every decision above is a function of the configuration and of the *aggregated* 
 rank holds bit for bit, so all ranks take the same decision at the same step and payload shapes
 always match. Nothing here needs a collective of its own.
 
-Two gradient transformations sit in front of the codec:
+The aggregators:
 
 * :class:`TensorAggregator` (``Compression.lossless``): the gradient as it is, for naturally
   sparse gradients (embedding tables). The aggregate equals the dense allreduce up to float rounding
   of the sum.
 * :class:`TopKAggregator` (``Compression.topk``): top-k sparsification with error feedback for dense
   gradients; the selected values are then aggregated losslessly.
+* :class:`THCAggregator` (``Compression.thc``): THC quantization for dense gradients (lossy,
+  unbiased, with error feedback); it cannot fail, so it never falls back.
 """
 from __future__ import annotations
 
@@ -281,11 +283,78 @@ class TopKAggregator(TensorAggregator):
         return sparse.reshape(self.shape).to(self.dtype)
 
 
+class THCAggregator:
+    r"""THC quantization of one dense tensor across steps (``Compression.thc``).
+
+    Wraps one :class:`~lossless_hc.THCCodec` per tensor and rank (it carries the step counter, the
+    agreed norm and the error-feedback memory; see its docstring for the math and the norm-only first
+    step). Like :class:`TensorAggregator` it sends a tensor dense when THC's payload would not be
+    smaller (tiny tensors: biases), decided from the configuration alone. THC cannot fail to decode,
+    so there is no fallback; ranks configured differently raise :class:`ConfigurationMismatch`.
+    """
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
+                 granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+                 stats: Optional[AggregationStats] = None):
+        from .thc import THCCodec
+
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.numel = math.prod(self.shape)
+        self.world_size = int(world_size)
+        self.stats = stats if stats is not None else AggregationStats()
+        self._codec = None
+        if dtype in _CODEC_DTYPES and self.numel > 0:
+            codec = THCCodec(self.numel, world_size, rank, bits=bits, granularity=granularity,
+                             overflow_freq=overflow_freq, seed=seed)
+            if codec.wire_bytes < self.numel * dtype.itemsize:
+                self._codec = codec
+
+    @property
+    def compressed(self) -> bool:
+        return self._codec is not None
+
+    @property
+    def codec(self):
+        return self._codec
+
+    def encode(self, x: torch.Tensor):
+        t0 = time.perf_counter()
+        if x.is_sparse:
+            raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
+        codec = self._codec
+        payload = codec.encode(x) if codec is not None else x
+        st = self.stats
+        st.tensors += 1
+        st.dense_bytes += self.numel * self.dtype.itemsize
+        st.payload_bytes += payload.numel() * payload.element_size()
+        if codec is not None:
+            st.compressed += 1
+        else:
+            st.sent_dense += 1
+        st.encode_seconds += time.perf_counter() - t0
+        return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
+
+    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
+        if not ctx.compressed:
+            return DecodeOutcome(aggregated, averaged=False)
+        t0 = time.perf_counter()
+        averaged = payload_is_averaged(aggregated, self.world_size)
+        try:
+            y = ctx.codec.decode(aggregated, averaged=averaged)
+        except ValueError as e:
+            raise ConfigurationMismatch(f"{self.name}: {e}") from e
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return DecodeOutcome(y, averaged)
+
+
 def payload_is_averaged(payload: torch.Tensor, world_size: int) -> bool:
     """Whether an engine averaged (True) or summed (False) a codec payload, read from the payload.
 
-    Every rank writes 1 into the header's contributor field, so the aggregate holds ``world_size``
-    after a SUM and 1 after an AVERAGE. Anything else is left for the codec to report as corrupt.
+    Every rank writes 1 into the header's contributor field (the first element of both codecs'
+    payloads), so the aggregate holds ``world_size`` after a SUM and 1 after an AVERAGE. Anything
+    else is left for the codec to report as corrupt.
     """
     if world_size == 1:
         return False

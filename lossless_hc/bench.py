@@ -577,6 +577,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threads", type=int, default=0)
     q.add_argument("--json", metavar="PATH")
     q.set_defaults(func=_cmd_peel)
+
+    t = sub.add_parser("train", add_help=False,
+                       help="uncompressed vs lossless training side by side on local workers (`make demo`); "
+                            "`train --help` for its options")
+    t.set_defaults(func=None)
     return p
 
 
@@ -629,6 +634,10 @@ def _cmd_peel(args) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # its own parser: lossless_hc.workloads.demo
+        from .workloads import demo
+        return demo.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -3,6 +3,7 @@
     from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook
     state = LosslessHookState(process_group=None, max_density=0.01)   # or topk_ratio=0.01
     ddp_model.register_comm_hook(state, lossless_hook)
+    # dense models, lossy but unbiased: LosslessHookState(codec="thc", bits=4) with thc_hook
     ...
     state.stats()
 
@@ -26,7 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lossless_hc.aggregate import AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator
+from lossless_hc.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, THCAggregator,
+                                   TopKAggregator)
 
 
 class LosslessHookState:
@@ -41,17 +43,25 @@ class LosslessHookState:
         block_size: coordinates hashed as one key; None: a 2-D gradient's row length, else 1.
         seed: hash seed, identical on every rank.
         index: the codec's index kind ("auto" picks the smallest payload).
+        codec: "lossless" (default: the gradients, or their top-k, aggregated exactly) or "thc"
+            (THC quantization with ``bits``, ``granularity``, ``overflow_freq``; see THCCodec).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, max_density: float = 0.01,
                  topk_ratio: Optional[float] = None, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto"):
+                 index: str = "auto", codec: str = "lossless", bits: int = 4, granularity: int = 30,
+                 overflow_freq: float = 32):
+        if codec not in ("lossless", "thc"):
+            raise ValueError(f"codec must be 'lossless' or 'thc', got {codec!r}")
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         if topk_ratio is not None and not 0.0 < topk_ratio <= 1.0:
             raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.codec = codec
+        self.thc_options = dict(bits=bits, granularity=granularity, overflow_freq=overflow_freq)
         self.max_density = max_density
         self.topk_ratio = topk_ratio
         self.block_size = block_size
@@ -71,7 +81,10 @@ class LosslessHookState:
         agg = self._aggregators.get(p)
         if agg is None:
             name = f"param{len(self._aggregators)}{tuple(grad.shape)}"
-            if self.topk_ratio is not None:
+            if self.codec == "thc":
+                agg = THCAggregator(name, grad.shape, grad.dtype, self.world_size, self.rank, seed=self.seed,
+                                    stats=self._stats, **self.thc_options)
+            elif self.topk_ratio is not None:
                 agg = TopKAggregator(name, grad.shape, grad.dtype, self.world_size, self.topk_ratio,
                                      seed=self.seed, index=self.index, stats=self._stats)
             else:
@@ -87,13 +100,14 @@ class LosslessHookState:
         One blocking MAX allreduce of (h, -h) for a hash h of the configuration, on the first call,
         from the main thread: all ranks agree iff both maxima equal their own values."""
         self._config_checked = True
-        cfg = f"{self.world_size}|{self.max_density!r}|{self.topk_ratio!r}|{self.block_size}|{self.seed}|{self.index}"
+        cfg = (f"{self.world_size}|{self.max_density!r}|{self.topk_ratio!r}|{self.block_size}|{self.seed}|{self.index}|"
+               f"{self.codec}|{sorted(self.thc_options.items())}")
         h = int.from_bytes(hashlib.sha256(cfg.encode()).digest()[:6], "little")
         t = torch.tensor([h, -h], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         if t.tolist() != [h, -h]:
             raise ConfigurationMismatch("LosslessHookState differs across ranks (world size, max_density, "
-                                        f"topk_ratio, block_size, seed or index); this rank has {cfg}")
+                                        f"topk_ratio, block_size, seed, index or codec options); this rank has {cfg}")
 
     def _fallback_group(self, bucket_index: int):
         group = self._fallback_groups.get(bucket_index)
@@ -119,7 +133,10 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
     encoded = [agg.encode(g) for agg, g in zip(aggs, bucket.gradients())]
-    message = torch.cat([payload.reshape(-1).to(torch.float32) for payload, _ in encoded])
+    # One message per bucket, in the widest payload dtype (THC's float64 words must stay exact; float32
+    # payloads widen exactly and sum at least as accurately).
+    wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in encoded) else torch.float32
+    message = torch.cat([payload.reshape(-1).to(wide) for payload, _ in encoded])
     n = state.world_size
     fut = dist.all_reduce(message, group=state.process_group, async_op=True).get_future()
 
@@ -128,7 +145,7 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
         results, failed = [], []
         offset = 0
         for agg, (payload, ctx) in zip(aggs, encoded):
-            segment = summed[offset:offset + payload.numel()]
+            segment = summed[offset:offset + payload.numel()].to(payload.dtype)
             offset += payload.numel()
             outcome = agg.decode(segment, ctx)
             results.append(outcome.value)
@@ -150,3 +167,10 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
         return buffer
 
     return fut.then(decode)
+
+
+def thc_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook for THC: :func:`lossless_hook` with a state built with ``codec="thc"``."""
+    if state.codec != "thc":
+        raise ValueError("thc_hook needs LosslessHookState(codec='thc', ...)")
+    return lossless_hook(state, bucket)

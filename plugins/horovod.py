@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.aggregate import AggregationStats, TensorAggregator, TopKAggregator
+from lossless_hc.aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAggregator
 
 try:
     import horovod.torch as hvd
@@ -117,7 +117,7 @@ class _LosslessCompressor:
                 self._optimizer = opt
             name = opt._parameter_names.get(p) or f"param{len(self._aggregators)}"
             self._process_set = getattr(opt, "process_set", hvd.global_process_set)
-            agg = self._make(name, tensor, self._process_set.size())
+            agg = self._make(name, tensor, self._process_set.size(), self._process_set.rank())
             self._aggregators[p] = agg
         return agg
 
@@ -132,7 +132,7 @@ class _LosslessCompressor:
                     raise ValueError(f"parameter {opt._parameter_names.get(q)!r} has a sparse gradient, which Horovod "
                                      "sends uncompressed; pass sparse_as_dense=True to hvd.DistributedOptimizer")
 
-    def _make(self, name: str, tensor: torch.Tensor, world_size: int):
+    def _make(self, name: str, tensor: torch.Tensor, world_size: int, rank: int):
         raise NotImplementedError
 
     def stats(self) -> dict:
@@ -155,7 +155,7 @@ class LosslessCompressor(_LosslessCompressor):
         self.max_density = max_density
         self.block_size = block_size
 
-    def _make(self, name, tensor, world_size):
+    def _make(self, name, tensor, world_size, rank):
         return TensorAggregator(name, tensor.shape, tensor.dtype, world_size, self.max_density,
                                 block_size=self.block_size, seed=self.seed, index=self.index, stats=self._stats)
 
@@ -169,9 +169,21 @@ class TopKCompressor(_LosslessCompressor):
             raise ValueError(f"ratio must be in (0, 1], got {ratio}")
         self.ratio = ratio
 
-    def _make(self, name, tensor, world_size):
+    def _make(self, name, tensor, world_size, rank):
         return TopKAggregator(name, tensor.shape, tensor.dtype, world_size, self.ratio, seed=self.seed,
                               index=self.index, stats=self._stats)
+
+
+class THCCompressor(_LosslessCompressor):
+    """``Compression.thc``: THC quantization of dense gradients (lossy, unbiased, error feedback)."""
+
+    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0):
+        super().__init__(seed, "auto")
+        self.bits, self.granularity, self.overflow_freq = bits, granularity, overflow_freq
+
+    def _make(self, name, tensor, world_size, rank):
+        return THCAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.bits, self.granularity,
+                             self.overflow_freq, seed=self.seed, stats=self._stats)
 
 
 class Compression:
@@ -193,3 +205,10 @@ class Compression:
     def topk(ratio: float = 0.01, seed: int = 0, index: str = "auto") -> TopKCompressor:
         """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly."""
         return TopKCompressor(ratio, seed, index)
+
+    @staticmethod
+    def thc(bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0) -> THCCompressor:
+        """THC: each coordinate quantized to ``bits`` onto integer levels in [0, granularity] after a
+        shared random rotation, summed as integers by the engine; unbiased, with error feedback.
+        The first step only agrees on a norm (its gradient goes out at the second step)."""
+        return THCCompressor(bits, granularity, overflow_freq, seed)

@@ -1,7 +1,7 @@
 """`make demo`: two local Horovod workers train the NCF recommender with and without
 ``Compression.lossless`` and print the two runs side by side.
 
-    python -m lossless_hc.workloads.demo [--workers 2] [--steps 300] [--framework horovod|ddp]
+    python -m lossless_hc.bench train [--workers 2] [--steps N] [--framework horovod|ddp] [--model ncf|lstm]
 """
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ import tempfile
 
 import torch
 
+from .train import DEFAULTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHERS = {"horovod": "launch_horovod.sh", "ddp": "launch_torchrun.sh"}
 
 
-def run(framework: str, workers: int, compression: str, steps: int, tmp: str) -> dict:
+def run(framework: str, model: str, workers: int, compression: str, steps: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{compression}.json")
     params = os.path.join(tmp, f"{compression}.pt")
     cmd = ["bash", os.path.join(ROOT, "scripts", LAUNCHERS[framework]), str(workers), "-m",
-           "lossless_hc.workloads.train", "--model", "ncf", "--framework", framework, "--compression", compression,
+           "lossless_hc.workloads.train", "--model", model, "--framework", framework, "--compression", compression,
            "--steps", str(steps), "--log-every", str(max(1, steps // 4)), "--json", out, "--save-params", params]
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, PY=sys.executable)
@@ -40,16 +42,18 @@ def run(framework: str, workers: int, compression: str, steps: int, tmp: str) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lossless_hc.bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, help="default: the model's (150 for ncf)")
     p.add_argument("--framework", choices=sorted(LAUNCHERS), default="horovod")
+    p.add_argument("--model", choices=("ncf", "lstm"), default="ncf", help="models with embedding tables")
     args = p.parse_args(argv)
-    print(f"lossless_hc demo: {args.workers} {args.framework} workers train an NCF recommender "
-          f"(embedding tables with row-sparse gradients) for {args.steps} steps, twice.")
+    steps = args.steps or DEFAULTS[args.model]["steps"]
+    print(f"lossless_hc demo: {args.workers} {args.framework} workers train the {args.model} model "
+          f"(embedding tables with row-sparse gradients) for {steps} steps, twice.")
     with tempfile.TemporaryDirectory() as tmp:
-        base = run(args.framework, args.workers, "none", args.steps, tmp)
-        ours = run(args.framework, args.workers, "lossless", args.steps, tmp)
+        base = run(args.framework, args.model, args.workers, "none", steps, tmp)
+        ours = run(args.framework, args.model, args.workers, "lossless", steps, tmp)
     diff = max(float((base["params"][k] - ours["params"][k]).abs().max()) for k in base["params"])
     scale = max(float(v.abs().max()) for v in base["params"].values())
     mib = 2 ** 20
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
          f"{ours['bytes_per_step'] / mib:.2f} MiB ({ours['bytes_per_step'] / base['bytes_per_step']:.3f}x)"),
         ("median step time", f"{base['step_ms_median']:.1f} ms",
          f"{ours['step_ms_median']:.1f} ms ({base['step_ms_median'] / ours['step_ms_median']:.2f}x faster)"),
-        ("final hit rate@10", f"{base['value']:.4f}", f"{ours['value']:.4f}"),
+        (f"final {base['metric']}", f"{base['value']:.4f}", f"{ours['value']:.4f}"),
         ("final training loss", f"{base['final_loss']:.5f}", f"{ours['final_loss']:.5f}"),
         ("dense fallbacks", "-", str(ours["fallbacks"])),
     ]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from . import data, models
 
-COMPRESSIONS = ("none", "fp16", "lossless", "topk")
+COMPRESSIONS = ("none", "fp16", "lossless", "topk", "thc")
 
 
 # -- workloads: model, batches, loss, evaluation ---------------------------------------------------
@@ -149,6 +149,8 @@ class Horovod:
             self.compressor = Compression.lossless(max_density=args.max_density)
         elif args.compression == "topk":
             self.compressor = Compression.topk(ratio=args.topk_ratio)
+        elif args.compression == "thc":
+            self.compressor = Compression.thc(bits=args.thc_bits)
         comp = {"none": Compression.none, "fp16": Compression.fp16}.get(args.compression, self.compressor)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
@@ -175,7 +177,7 @@ class DDP:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
-        from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook
+        from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook, thc_hook
 
         ddp = DistributedDataParallel(model)
         if args.compression == "fp16":
@@ -184,6 +186,9 @@ class DDP:
             topk = args.topk_ratio if args.compression == "topk" else None
             self.state = LosslessHookState(max_density=args.max_density, topk_ratio=topk)
             ddp.register_comm_hook(self.state, lossless_hook)
+        elif args.compression == "thc":
+            self.state = LosslessHookState(codec="thc", bits=args.thc_bits)
+            ddp.register_comm_hook(self.state, thc_hook)
         return ddp, opt
 
     def stats(self):
@@ -205,6 +210,7 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--lr", type=float, help="learning rate (default per model)")
     p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
+    p.add_argument("--thc-bits", type=int, default=4, help="thc: bits per coordinate (table of 2^bits levels)")
     p.add_argument("--sparse-embeddings", action="store_true",
                    help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True)")
     p.add_argument("--users", type=int, default=50_000)

@@ -56,7 +56,7 @@ def test_rht_signs_depend_on_seed_and_step():
 # ------------------------------------------------------------------------------------------------
 # unbiasedness and the variance the table predicts
 # ------------------------------------------------------------------------------------------------
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(n=st.integers(1, 6), numel=st.sampled_from([1024, 3000, 4096]), bits=st.sampled_from([2, 3, 4]),
        granularity=st.sampled_from([15, 30]), seed=st.integers(0, 2 ** 32))
 def test_unbiased_and_variance_as_predicted(n, numel, bits, granularity, seed):
@@ -66,7 +66,7 @@ def test_unbiased_and_variance_as_predicted(n, numel, bits, granularity, seed):
     # Scale with 3x headroom: z has std <= 1/3, so clipping at T >= 2.15 (6.4 sigma) never happens and
     # the decode is unbiased for the exact sum.
     M = 3 * max(float(x.norm()) for x in xs)
-    trials = 48
+    trials = 32
     acc = torch.zeros(numel, dtype=torch.float64)
     predicted_total = 0.0
     for t in range(trials):

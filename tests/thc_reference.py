@@ -3,13 +3,17 @@
 It recomputes what the kernels must compute -- the randomized Hadamard transform with the shared
 signs, and the rounding variance the table predicts -- from the definitions, so tests can compare.
 """
+import functools
 import math
+
+import numpy as np
 
 import torch
 
 from lossless_hc import _C
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard(n: int) -> torch.Tensor:
     """Sylvester-order Walsh-Hadamard matrix H_n (entries +-1, float64)."""
     H = torch.ones(1, 1, dtype=torch.float64)
@@ -18,14 +22,12 @@ def hadamard(n: int) -> torch.Tensor:
     return H
 
 
+@functools.lru_cache(maxsize=256)
 def signs(sign_stream: int, count: int) -> torch.Tensor:
     """+-1 (float64) of coordinates [0, count): bit j of thc_sign_bits(stream, k) negates 64 k + j."""
-    out = torch.empty(count, dtype=torch.float64)
-    for k in range(-(-count // 64)):
-        bits = _C.thc_sign_bits(sign_stream, k)
-        for j in range(min(64, count - 64 * k)):
-            out[64 * k + j] = -1.0 if (bits >> j) & 1 else 1.0
-    return out
+    words = np.array([_C.thc_sign_bits(sign_stream, k) for k in range(-(-count // 64))], dtype="<u8")
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:count]
+    return torch.from_numpy(1.0 - 2.0 * bits.astype(np.float64))
 
 
 def rht(x: torch.Tensor, layout, sign_stream: int) -> torch.Tensor:

@@ -172,8 +172,13 @@ LHC_HD uint32_t thc_uniform24(uint64_t round_stream, uint64_t i) {
 }
 
 // Shape of a THC payload's quantized part: `padded` coordinates (numel rounded up to whole
-// Hadamard blocks of `block` = 2^log2_block), stored as digits of base `base` = n g + 1, `per_word`
-// digits per 64-bit word, the digit of coordinate i at position i % per_word of word i / per_word.
+// Hadamard blocks of `block` = 2^k coordinates), stored as digits of base `base` = n g + 1, `per_word`
+// digits per 64-bit word. Blocks are packed in groups of `group_blocks` consecutive blocks (the
+// fewest whose coordinates fill whole words, e.g. 3 blocks of 1024 = 512 words of 6 digits), so a
+// group is encoded and decoded in one cache-resident pass without touching its neighbours: the
+// coordinate c of group G (c counted from the group's first coordinate) is digit c % per_word
+// (weight base^(c % per_word)) of word thc_group_first_word(L, G) + c / per_word. The last group
+// may hold fewer blocks; digits past a group's coordinates are 0.
 struct ThcLayout {
   uint64_t numel;
   uint64_t padded;
@@ -181,8 +186,23 @@ struct ThcLayout {
   uint32_t granularity;
   uint32_t base;
   uint32_t per_word;
+  uint32_t group_blocks;
   uint64_t words;
 };
+
+LHC_HD uint64_t thc_words_for(const ThcLayout& L, uint64_t coords) { return (coords + L.per_word - 1) / L.per_word; }
+LHC_HD uint64_t thc_groups(const ThcLayout& L) {
+  const uint64_t blocks = L.padded / L.block;
+  return (blocks + L.group_blocks - 1) / L.group_blocks;
+}
+LHC_HD uint64_t thc_group_first_word(const ThcLayout& L, uint64_t group) {
+  return group * thc_words_for(L, (uint64_t)L.group_blocks * L.block);
+}
+// Blocks in group `group` (group_blocks, or fewer for the last one).
+LHC_HD uint64_t thc_group_size(const ThcLayout& L, uint64_t group) {
+  const uint64_t blocks = L.padded / L.block, first = group * L.group_blocks;
+  return blocks - first < L.group_blocks ? blocks - first : L.group_blocks;
+}
 
 // Write `value` (< 2^33) as three 11-bit chunks starting at header field `first`.
 LHC_HD void write_chunks(float* header, uint32_t first, uint64_t value) {

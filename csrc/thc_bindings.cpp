@@ -22,7 +22,12 @@ void bind_thc(py::module_& m) {
       .def_readwrite("granularity", &ThcLayout::granularity)
       .def_readwrite("base", &ThcLayout::base)
       .def_readwrite("per_word", &ThcLayout::per_word)
+      .def_readwrite("group_blocks", &ThcLayout::group_blocks)
       .def_readwrite("words", &ThcLayout::words);
+
+  py::class_<cpu::ThcEncodeStats>(m, "ThcEncodeStats")
+      .def_readonly("sum_squares", &cpu::ThcEncodeStats::sum_squares)
+      .def_readonly("non_finite", &cpu::ThcEncodeStats::non_finite);
 
   py::class_<cpu::ThcForwardStats>(m, "ThcForwardStats")
       .def_readonly("sum_squares", &cpu::ThcForwardStats::sum_squares)
@@ -56,28 +61,47 @@ void bind_thc(py::module_& m) {
       "out (numel floats) = RHT^-1(y), or (plus_a + plus_b) - RHT^-1(y); y is destroyed.");
 
   m.def(
-      "thc_quantize_pack",
-      [](const ThcLayout& L, uintptr_t lo, uintptr_t width, uintptr_t inv_width, float scale, float threshold,
-         float dequant_a, float dequant_b, uint64_t round_stream, uintptr_t y, bool write_back, int32_t word_kind,
-         uintptr_t words, int num_threads) {
+      "thc_encode",
+      [](const ThcLayout& L, bool quantize, uintptr_t lo, uintptr_t width, uintptr_t inv_width, float scale,
+         float threshold, float dequant_a, float dequant_b, uint64_t sign_stream, uint64_t round_stream, uintptr_t x,
+         uintptr_t e, int32_t word_kind, uintptr_t words, int num_threads) {
         py::gil_scoped_release release;
         cpu::ThcQuantizer q{at<const float>(lo), at<const float>(width), at<const float>(inv_width), scale, threshold,
                             dequant_a, dequant_b};
-        cpu::thc_quantize_pack(L, q, round_stream, at<float>(y), write_back, word_kind, at<void>(words), num_threads);
+        return cpu::thc_encode(L, quantize ? &q : nullptr, sign_stream, round_stream, at<const float>(x), at<float>(e),
+                               word_kind, at<void>(words), num_threads);
       },
-      py::arg("layout"), py::arg("lo"), py::arg("width"), py::arg("inv_width"), py::arg("scale"),
-      py::arg("threshold"), py::arg("dequant_a"), py::arg("dequant_b"), py::arg("round_stream"), py::arg("y"),
-      py::arg("write_back"), py::arg("word_kind"), py::arg("words"), py::arg("num_threads") = 0,
-      "Stochastically round y onto the table and pack the levels into layout.words words.");
+      py::arg("layout"), py::arg("quantize"), py::arg("lo"), py::arg("width"), py::arg("inv_width"), py::arg("scale"),
+      py::arg("threshold"), py::arg("dequant_a"), py::arg("dequant_b"), py::arg("sign_stream"),
+      py::arg("round_stream"), py::arg("x"), py::arg("e"), py::arg("word_kind"), py::arg("words"),
+      py::arg("num_threads") = 0,
+      "RHT, stochastic rounding and packing of x + e into layout.words words; error feedback into e (may be 0).");
 
   m.def(
-      "thc_unpack",
-      [](const ThcLayout& L, int32_t word_kind, uintptr_t words, double multiplier, double a, double b, uintptr_t y,
-         int num_threads) {
+      "thc_decode",
+      [](const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, uintptr_t words, double multiplier, double a,
+         double b, uintptr_t out, int num_threads) {
         py::gil_scoped_release release;
-        return cpu::thc_unpack(L, word_kind, at<const void>(words), multiplier, a, b, at<float>(y), num_threads);
+        return cpu::thc_decode(L, sign_stream, word_kind, at<const void>(words), multiplier, a, b, at<float>(out),
+                               num_threads);
       },
-      py::arg("layout"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"), py::arg("a"), py::arg("b"),
-      py::arg("y"), py::arg("num_threads") = 0,
-      "y[i] = digit_i * a + b for the digits of the aggregated words; returns the number of invalid words.");
+      py::arg("layout"), py::arg("sign_stream"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"),
+      py::arg("a"), py::arg("b"), py::arg("out"), py::arg("num_threads") = 0,
+      "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words.");
+
+  m.def(
+      "thc_pack_levels",
+      [](const ThcLayout& L, uintptr_t levels, int32_t word_kind, uintptr_t words) {
+        py::gil_scoped_release release;
+        cpu::thc_pack_levels(L, at<const uint32_t>(levels), word_kind, at<void>(words));
+      },
+      py::arg("layout"), py::arg("levels"), py::arg("word_kind"), py::arg("words"));
+
+  m.def(
+      "thc_unpack_levels",
+      [](const ThcLayout& L, int32_t word_kind, uintptr_t words, double multiplier, uintptr_t sums) {
+        py::gil_scoped_release release;
+        return cpu::thc_unpack_levels(L, word_kind, at<const void>(words), multiplier, at<float>(sums));
+      },
+      py::arg("layout"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"), py::arg("sums"));
 }

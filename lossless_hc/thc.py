@@ -33,6 +33,7 @@ LAYOUT_VERSION = 1
 
 WORD_KINDS = {torch.float64: 0, torch.int64: 1}
 MAX_HADAMARD_BLOCK = 1 << 20
+MAX_GROUP_BLOCKS = 16     # blocks packed together (bounded: a group's floats stay in L2)
 
 # Integers an aggregated float64 word may reach and still be recovered exactly from an AVERAGE.
 # An engine averages a sum S of n words as fl(S / n), fl(S * fl(1/n)), or divides each word by n
@@ -107,7 +108,11 @@ class THCLayout:
     padded     numel rounded up to whole blocks; every padded coordinate is transmitted.
     base       n g + 1: one more than the largest aggregated level, so digit sums never carry.
     per_word   digits of base ``base`` per word (base**per_word - 1 within the exact range).
-    words      ceil(padded / per_word).
+    group_blocks  blocks packed together: the fewest whose coordinates fill whole words
+               (per_word / gcd(per_word, block), e.g. 3 blocks of 1024 for 6 digits per word; 1 if
+               that exceeds MAX_GROUP_BLOCKS). A group is encoded and decoded in one cache-resident
+               pass; only the last group's last word may be partly unused.
+    words      ceil(group coordinates / per_word) summed over the groups.
     """
 
     numel: int
@@ -117,6 +122,7 @@ class THCLayout:
     padded: int
     base: int
     per_word: int
+    group_blocks: int
     words: int
     payload_dtype: torch.dtype
 
@@ -172,8 +178,14 @@ def plan_thc_layout(numel: int, world_size: int, granularity: int, hadamard_bloc
     padded = -(-numel // block) * block
     base = world_size * granularity + 1
     per_word = digits_per_word or _digits_per_word(base, _exact_limit(world_size, payload_dtype))
-    words = -(-padded // per_word)
-    return THCLayout(numel, world_size, granularity, block, padded, base, per_word, words, payload_dtype)
+    group_blocks = per_word // math.gcd(per_word, block)
+    if group_blocks > MAX_GROUP_BLOCKS:
+        group_blocks = 1
+    blocks = padded // block
+    full, rest = divmod(blocks, group_blocks)
+    words = full * -(-group_blocks * block // per_word) + -(-rest * block // per_word)
+    return THCLayout(numel, world_size, granularity, block, padded, base, per_word, group_blocks, words,
+                     payload_dtype)
 
 
 class THCCodec:
@@ -253,7 +265,8 @@ class THCCodec:
         initial_norm: M_0; None means a norm-only first step.
         non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
             ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
-            GradScaler, which then skips the step). That rank sends zeros and keeps its e.
+            GradScaler, which then skips the step). That rank sends only the header and keeps its e
+            (if x is finite but x + e overflows float32, e is reset to zero instead).
         num_threads: OpenMP threads of the kernels (0: the OpenMP default).
 
     Example (one process emulating two ranks; the adds stand for the engine's SUM)::
@@ -269,7 +282,7 @@ class THCCodec:
 
     __slots__ = ("layout", "table", "rank", "seed", "overflow_freq", "threshold", "device", "error_feedback",
                  "non_finite", "num_threads", "_native", "_lo", "_width", "_inv_width", "_norm", "_step",
-                 "_pending", "_error", "_work", "_shape", "_dtype", "_last_norms", "_fingerprint_used")
+                 "_pending", "_error", "_shape", "_dtype", "_last_norms", "_fingerprint_used")
 
     def __init__(self, numel: int, world_size: int, rank: int = 0, bits: int = 4, granularity: int = 30,
                  overflow_freq: float = 32, seed: int = 0, device="cpu", *, levels: Optional[Sequence[int]] = None,
@@ -318,7 +331,6 @@ class THCCodec:
         self._step = 0
         self._pending = False
         self._error = torch.zeros(numel, dtype=torch.float32) if self.error_feedback else None
-        self._work = torch.empty(self.layout.padded, dtype=torch.float32)
         self._shape, self._dtype = (numel,), torch.float32
         self._last_norms: Optional[torch.Tensor] = None
         self._fingerprint_used = 0
@@ -426,7 +438,14 @@ class THCCodec:
         L = self.layout
         payload = torch.zeros(L.payload_numel, dtype=L.payload_dtype)
         e = self._error
-        st = _backend.thc_rht_forward(self._native, self._sign_stream(), flat, e, self._work, self.num_threads)
+        M = self._norm
+        g, T, D = L.granularity, self.threshold, L.padded
+        quantize = M > 0.0   # M == 0: the norm-only round, all of x + e stays owed
+        unit = M / math.sqrt(D) if quantize else 0.0   # one unit of z in the rotated domain
+        st = _backend.thc_encode(self._native, quantize, self._lo, self._width, self._inv_width,
+                                 math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit, -T * unit,
+                                 self._sign_stream(), self._round_stream(), flat, e, WORD_KINDS[L.payload_dtype],
+                                 payload[L.words_offset:], self.num_threads)
         fingerprint = self._fingerprint()
         header = payload[:HEADER_FIELDS]
         header[HDR_CONTRIBUTORS] = 1
@@ -434,29 +453,16 @@ class THCCodec:
         self._fingerprint_used = fingerprint
         self._pending = True
         if st.non_finite:
-            header[HDR_NON_FINITE] = 1   # nothing else is sent; e keeps its previous value
+            # x held NaN/Inf (e untouched), or x + e overflowed float32 (e was reset to 0): send only
+            # the header; every rank's decode sees the flag.
+            payload[HEADER_FIELDS:] = 0
+            header[HDR_NON_FINITE] = 1
             return payload
-        norm = math.sqrt(st.sum_squares)
         slot = payload[L.norm_offset + self.rank:L.norm_offset + self.rank + 1]
         if L.payload_dtype == torch.float64:
-            slot[0] = norm
+            slot[0] = math.sqrt(st.sum_squares)
         else:  # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly
-            slot.view(torch.float64)[0] = norm
-        M = self._norm
-        if M == 0.0:
-            # Norm-only round: keep all of v in the error memory (e <- x + e), send no levels.
-            if e is not None:
-                e.add_(flat)
-            return payload
-        g, T, D = L.granularity, self.threshold, L.padded
-        unit = M / math.sqrt(D)  # one unit of z in the rotated domain
-        dequant_a, dequant_b = (2.0 * T / g) * unit, -T * unit
-        _backend.thc_quantize_pack(self._native, self._lo, self._width, self._inv_width, math.sqrt(D) / M, T,
-                                   dequant_a, dequant_b, self._round_stream(), self._work, e is not None,
-                                   WORD_KINDS[L.payload_dtype], payload[L.words_offset:], self.num_threads)
-        if e is not None:
-            # e <- (x + e) - RHT^{-1}(own dequantized levels), in place.
-            _backend.thc_rht_inverse(self._native, self._sign_stream(), self._work, e, flat, e, self.num_threads)
+            slot.view(torch.float64)[0] = math.sqrt(st.sum_squares)
         return payload
 
     def _sign_stream(self) -> int:
@@ -556,15 +562,12 @@ class THCCodec:
             a /= n          # average = S a / n + b
         else:
             b *= n          # sum = S a + n b
-        work = self._work
-        bad = _backend.thc_unpack(self._native, WORD_KINDS[L.payload_dtype], payload[L.words_offset:], mult, a, b,
-                                  work, self.num_threads)
+        bad = _backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
+                                  payload[L.words_offset:], mult, a, b, y, self.num_threads)
         if bad:
             raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
                              f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "
                              "or not a plain SUM/AVERAGE of world_size payloads")
-        _backend.thc_rht_inverse(self._native, self._sign_stream_of(self._step - 1), work, y, None, None,
-                                 self.num_threads)
         return result(y)
 
     def _sign_stream_of(self, step: int) -> int:

@@ -114,18 +114,21 @@ def test_int64_payload_sums_to_the_same_levels():
 # ------------------------------------------------------------------------------------------------
 # lane packing: no carry at the largest world size, a clear error past it
 # ------------------------------------------------------------------------------------------------
-def pack(codec, y):
-    """Quantize y with scale 1 into words (levels written back into y via dequant a=1, b=0)."""
-    L = codec.layout
-    words = torch.zeros(L.words, dtype=L.payload_dtype)
-    _backend.thc_quantize_pack(codec._native, codec._lo, codec._width, codec._inv_width, 1.0, codec.threshold,
-                               1.0, 0.0, 12345, y, True, 0 if L.payload_dtype == torch.float64 else 1, words)
+def word_kind(codec):
+    return 0 if codec.layout.payload_dtype == torch.float64 else 1
+
+
+def pack(codec, levels):
+    """Pack integer levels (padded of them) into this codec's words (the encode kernel's packing)."""
+    words = torch.zeros(codec.layout.words, dtype=codec.layout.payload_dtype)
+    _backend.thc_pack_levels(codec._native, levels.to(torch.int32).contiguous(), word_kind(codec), words)
     return words
 
 
 def unpack(codec, words, multiplier):
+    """(invalid words, digit sums as float32) of aggregated words."""
     y = torch.empty(codec.layout.padded, dtype=torch.float32)
-    bad = _backend.thc_unpack(codec._native, 0 if words.dtype == torch.float64 else 1, words, multiplier, 1.0, 0.0, y)
+    bad = _backend.thc_unpack_levels(codec._native, word_kind(codec), words, multiplier, y)
     return bad, y
 
 
@@ -137,7 +140,7 @@ def test_worst_case_sum_never_carries_at_max_world_size(granularity, digits, dty
     assume(1 <= n <= 3000)
     codec = lhc.THCCodec(numel, n, granularity=granularity, bits=3, payload_dtype=dtype, digits_per_word=digits,
                          initial_norm=1.0)
-    top = pack(codec, torch.full((codec.layout.padded,), 1e30))        # every coordinate at level g
+    top = pack(codec, torch.full((codec.layout.padded,), granularity))  # every coordinate at level g
     assert codec.layout.per_word == digits
     total = torch.zeros_like(top)
     for _ in range(n):                                                  # the engine's sum, rank by rank
@@ -157,12 +160,23 @@ def test_mixed_levels_sum_exactly():
     codec = lhc.THCCodec(numel, n)
     total = torch.zeros(codec.layout.words, dtype=torch.float64)
     levels = torch.zeros(codec.layout.padded, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
     for r in range(n):
-        y = torch.randn(codec.layout.padded, generator=torch.Generator().manual_seed(r)) * 2.0
-        total += pack(codec, y)
-        levels += y.double()   # y now holds this rank's levels
+        q = torch.randint(0, codec.granularity + 1, (codec.layout.padded,), generator=gen)
+        total += pack(codec, q)
+        levels += q
     bad, got = unpack(codec, total, 1.0)
     assert bad == 0 and torch.equal(got.double(), levels)
+    bad, got = unpack(codec, total / n, float(n))
+    assert bad == 0 and torch.equal(got.double(), levels)
+
+
+def test_padding_digits_must_be_zero():
+    codec = lhc.THCCodec(1024, 8)               # 1024 = 170 * 6 + 4: each block's last word has 4 digits
+    words = pack(codec, torch.zeros(1024))
+    assert unpack(codec, words, 1.0)[0] == 0
+    words[-1] = float(codec.layout.base ** 4)    # a fifth digit
+    assert unpack(codec, words, 1.0)[0] == 1
 
 
 def test_wire_size_at_eight_workers():

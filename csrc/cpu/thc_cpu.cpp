@@ -145,106 +145,265 @@ void thc_rht_inverse(const ThcLayout& L, uint64_t sign_stream, float* y, float* 
 
 namespace {
 
-constexpr uint64_t kWordsPerChunk = 1024;
+// Sum of squares of a[0, n) in 16 float lanes (vectorisable; a fixed order, so deterministic),
+// finished in double.
+inline double sum_squares(const float* __restrict a, uint64_t n) {
+  float lanes[16] = {0};
+  uint64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * a[i + l];
+  double total = 0.0;
+  for (; i < n; ++i) total += (double)a[i] * (double)a[i];
+  for (int l = 0; l < 16; ++l) total += (double)lanes[l];
+  return total;
+}
 
-// Levels of coords [first, first + count) into q (see thc_quantize_pack). Cloned so the table
-// gathers and the 32-bit hashing vectorise.
+// Levels of the block's coords [0, B) (global index start + i) into q, and, with WriteBack, the
+// rank's own dequantized value into y. All 32-bit lane arithmetic: the high half of the global index
+// is constant within a block (blocks are aligned powers of two below 2^32).
+template <bool WriteBack>
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void quantize_run(const ThcQuantizer& Q, uint32_t g, uint64_t round_stream, float* __restrict y, uint64_t first,
-                  uint64_t count, bool write_back, uint32_t* __restrict q) {
+void quantize_block(const ThcQuantizer& Q, uint32_t g, uint64_t round_stream, uint64_t start, uint64_t count,
+                    float* __restrict y, uint32_t* __restrict q) {
   const float T = Q.threshold, to_level = (float)g / (2.0f * Q.threshold), scale = Q.scale;
-  const float gf = (float)g;
+  const float gf = (float)g, da = Q.dequant_a, db = Q.dequant_b;
   const int32_t kmax = (int32_t)g - 1;
+  const float* __restrict lo_t = Q.lo;
+  const float* __restrict width_t = Q.width;
+  const float* __restrict inv_t = Q.inv_width;
+  const uint32_t key_lo = (uint32_t)round_stream;
+  const uint32_t key_hi = (uint32_t)(round_stream >> 32) ^ ((uint32_t)(start >> 32) * 0x9e3779b9u);
+  const uint32_t first = (uint32_t)start;
   for (uint64_t i = 0; i < count; ++i) {
-    float z = y[first + i] * scale;
+    float z = y[i] * scale;
     z = std::min(std::max(z, -T), T);
     const float u = std::min(std::max((z + T) * to_level, 0.0f), gf);
     const int32_t k = std::min((int32_t)u, kmax);
-    const float lo = Q.lo[k], width = Q.width[k];
-    const float p_up = (u - lo) * Q.inv_width[k];
-    const float draw = (float)thc_uniform24(round_stream, first + i) * (1.0f / 16777216.0f);
-    const float level = lo + (draw < p_up ? width : 0.0f);
+    const float lo = lo_t[k];
+    const float p_up = (u - lo) * inv_t[k];
+    // thc_uniform24 with the per-block halves of the key hoisted (same bits).
+    const uint32_t h = fmix32((first + (uint32_t)i) ^ key_lo);
+    const float draw = (float)(fmix32(h + key_hi) >> 8) * (1.0f / 16777216.0f);
+    const float level = draw < p_up ? lo + width_t[k] : lo;
     q[i] = (uint32_t)level;
-    if (write_back) y[first + i] = level * Q.dequant_a + Q.dequant_b;
+    if (WriteBack) y[i] = level * da + db;
   }
 }
 
-}  // namespace
-
-void thc_quantize_pack(const ThcLayout& L, const ThcQuantizer& Q, uint64_t round_stream, float* y, bool write_back,
-                       int32_t word_kind, void* words, int num_threads) {
-  const int nt = thc_threads(num_threads);
-  const uint64_t pw = L.per_word, base = L.base;
-  const uint64_t nchunks = (L.words + kWordsPerChunk - 1) / kWordsPerChunk;
-#pragma omp parallel num_threads(nt)
-  {
-    std::vector<uint32_t> q(kWordsPerChunk * pw);
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < (int64_t)nchunks; ++c) {
-      const uint64_t w0 = (uint64_t)c * kWordsPerChunk, w1 = std::min(L.words, w0 + kWordsPerChunk);
-      const uint64_t first = w0 * pw, last = std::min(L.padded, w1 * pw);
-      quantize_run(Q, L.granularity, round_stream, y, first, last - first, write_back, q.data());
-      std::fill(q.begin() + (last - first), q.begin() + (w1 - w0) * pw, 0u);  // digits past `padded`
-      for (uint64_t w = w0; w < w1; ++w) {
-        const uint32_t* d = q.data() + (w - w0) * pw;
-        uint64_t acc = 0;
-        for (uint64_t j = pw; j-- > 0;) acc = acc * base + d[j];
-        if (word_kind == kThcWordFloat64)
-          static_cast<double*>(words)[w] = (double)acc;  // exact: acc < 2^53 by the layout rule
-        else
-          static_cast<int64_t*>(words)[w] = (int64_t)acc;
-      }
+// Digits q[0, count) (count <= words * per_word; missing digits are 0) into `words` words.
+// Horner in doubles while base^per_word <= 2^53 (exact, vectorisable across words), else uint64.
+void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t base, bool fits_double,
+                int32_t word_kind, uint64_t nwords, void* words) {
+  for (uint64_t w = 0; w < nwords; ++w) {
+    const uint64_t first = w * per_word;
+    const uint64_t have = first >= count ? 0 : std::min<uint64_t>(per_word, count - first);
+    uint64_t acc = 0;
+    if (fits_double) {
+      double a = 0.0;
+      for (uint64_t j = have; j-- > 0;) a = a * (double)base + (double)q[first + j];
+      acc = (uint64_t)a;
+    } else {
+      for (uint64_t j = have; j-- > 0;) acc = acc * base + q[first + j];
     }
+    if (word_kind == kThcWordFloat64)
+      static_cast<double*>(words)[w] = (double)acc;  // exact: acc < 2^53 by the layout rule
+    else
+      static_cast<int64_t*>(words)[w] = (int64_t)acc;
   }
 }
 
-uint64_t thc_unpack(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, double a, double b,
-                    float* y, int num_threads) {
-  const int nt = thc_threads(num_threads);
-  const uint64_t pw = L.per_word, base = L.base;
-  // Largest valid aggregated word: every digit n g = base - 1, i.e. base^per_word - 1.
-  uint64_t limit = 1;
-  for (uint64_t j = 0; j < pw; ++j) limit *= base;
-  const uint64_t max_word = limit - 1;
-  const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
-  const double base_d = (double)base, inv_base = 1.0 / base_d;
+// Aggregated words -> digit * a + b into y[0, count). Returns the number of invalid words: not an
+// integer (within `tolerance` after multiplying), negative, or above the largest aggregate of the
+// digits the word holds (base^have - 1; the padding digits of a block's last word must be 0).
+uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwords, uint64_t count, uint64_t per_word,
+                      uint64_t base, double multiplier, double tolerance, double a, double b, float* __restrict y) {
   uint64_t bad = 0;
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : bad)
-  for (int64_t w = 0; w < (int64_t)L.words; ++w) {
-    const uint64_t first = (uint64_t)w * pw;
+  const double base_d = (double)base, inv_base = 1.0 / base_d;
+  for (uint64_t w = 0; w < nwords; ++w) {
+    const uint64_t first = w * per_word;
+    const uint64_t have = std::min<uint64_t>(per_word, count - first);
+    uint64_t limit = 1;
+    for (uint64_t j = 0; j < have; ++j) limit *= base;
     if (word_kind == kThcWordFloat64) {
       const double t = static_cast<const double*>(words)[w] * multiplier;
       double s = std::nearbyint(t);
-      if (!(std::fabs(t - s) <= tolerance) || !(s >= 0.0) || s > (double)max_word) {
+      if (!(std::fabs(t - s) <= tolerance) || !(s >= 0.0) || !(s <= (double)(limit - 1))) {
         ++bad;
         s = 0.0;
       }
-      // s < 2^53: digit extraction in doubles is exact (q base <= s + base < 2^53), one correction.
-      for (uint64_t j = 0; j < pw; ++j) {
+      // s < 2^53: digit extraction in doubles is exact (quot * base <= s + base < 2^53), one correction.
+      for (uint64_t j = 0; j < have; ++j) {
         double quot = std::floor(s * inv_base);
         double digit = s - quot * base_d;
-        if (digit < 0) { quot -= 1; digit += base_d; }
-        else if (digit >= base_d) { quot += 1; digit -= base_d; }
+        quot = digit < 0 ? quot - 1 : (digit >= base_d ? quot + 1 : quot);
+        digit = s - quot * base_d;
         s = quot;
-        const uint64_t idx = first + j;
-        if (idx < L.padded) y[idx] = (float)(digit * a + b);
-        else if (digit != 0) ++bad;
+        y[first + j] = (float)(digit * a + b);
       }
     } else {
       const int64_t v = static_cast<const int64_t*>(words)[w];
       uint64_t s = (uint64_t)v;
-      if (v < 0 || s > max_word) {
+      if (v < 0 || s > limit - 1) {
         ++bad;
         s = 0;
       }
-      for (uint64_t j = 0; j < pw; ++j) {
-        const uint64_t digit = s % base;
+      for (uint64_t j = 0; j < have; ++j) {
+        y[first + j] = (float)((double)(s % base) * a + b);
         s /= base;
-        const uint64_t idx = first + j;
-        if (idx < L.padded) y[idx] = (float)((double)digit * a + b);
-        else if (digit != 0) ++bad;
       }
     }
+  }
+  return bad;
+}
+
+inline void* word_at(void* words, int32_t word_kind, uint64_t w) {
+  return word_kind == kThcWordFloat64 ? (void*)(static_cast<double*>(words) + w) : (void*)(static_cast<int64_t*>(words) + w);
+}
+inline const void* word_at(const void* words, int32_t word_kind, uint64_t w) {
+  return word_at(const_cast<void*>(words), word_kind, w);
+}
+
+inline bool horner_fits_double(const ThcLayout& L) {
+  double p = 1.0;
+  for (uint32_t j = 0; j < L.per_word; ++j) p *= (double)L.base;
+  return p <= 9007199254740992.0;  // 2^53
+}
+
+// NaN/Inf anywhere in x[0, n)? (x * 0 is NaN exactly for non-finite x; vectorisable.)
+bool any_non_finite(const float* x, uint64_t n, int nt) {
+  int bad = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : bad)
+  for (int64_t c = 0; c < (int64_t)((n + 4095) / 4096); ++c) {
+    const uint64_t lo = (uint64_t)c * 4096, hi = std::min<uint64_t>(n, lo + 4096);
+    float acc = 0.0f;
+    for (uint64_t i = lo; i < hi; ++i) acc += x[i] * 0.0f;
+    bad |= acc != 0.0f;  // NaN compares unequal
+  }
+  return bad != 0;
+}
+
+}  // namespace
+
+ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
+                          const float* x, float* e, int32_t word_kind, void* words, int num_threads) {
+  const int nt = thc_threads(num_threads);
+  ThcEncodeStats st;
+  if (any_non_finite(x, L.numel, nt)) {
+    st.non_finite = 1;  // nothing written: e keeps its value
+    return st;
+  }
+  const uint64_t B = L.block, nblocks = L.padded / L.block, ngroups = thc_groups(L), GB = L.group_blocks;
+  const float inv_sqrt = (float)(1.0 / std::sqrt((double)B));
+  const bool fits_double = horner_fits_double(L);
+  std::vector<double> partial(nblocks, 0.0);
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> buf(GB * B);
+    std::vector<uint32_t> bit(GB * B), q(GB * B + L.per_word, 0u);
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) {
+      const uint64_t blocks = thc_group_size(L, (uint64_t)gi);
+      for (uint64_t j = 0; j < blocks; ++j) {
+        const uint64_t bi = (uint64_t)gi * GB + j, start = bi * B;
+        const uint64_t valid = start >= L.numel ? 0 : std::min<uint64_t>(B, L.numel - start);
+        float* __restrict y = buf.data() + j * B;
+        const float* __restrict xb = x + start;
+        float* __restrict eb = e ? e + start : nullptr;
+        if (eb) {
+          for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i] + eb[i];
+        } else {
+          for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i];
+        }
+        partial[bi] = sum_squares(y, valid);
+        if (!Q) {  // norm-only round: the whole of v stays owed
+          if (eb) std::copy(y, y + valid, eb);
+          continue;
+        }
+        uint32_t* sb = bit.data() + j * B;
+        sign_bits(sign_stream, start, B, sb);
+        for (uint64_t i = 0; i < valid; ++i) y[i] = flip_sign(y[i] * inv_sqrt, sb[i]);
+        for (uint64_t i = valid; i < B; ++i) y[i] = 0.0f;
+        fwht_inplace(y, B);
+        if (eb) quantize_block<true>(*Q, L.granularity, round_stream, start, B, y, q.data() + j * B);
+        else quantize_block<false>(*Q, L.granularity, round_stream, start, B, y, q.data() + j * B);
+      }
+      if (!Q) continue;
+      pack_block(q.data(), blocks * B, L.per_word, L.base, fits_double, word_kind, thc_words_for(L, blocks * B),
+                 word_at(words, word_kind, thc_group_first_word(L, (uint64_t)gi)));
+      if (!e) continue;
+      for (uint64_t j = 0; j < blocks; ++j) {
+        // e <- (x + e) - RHT^{-1}(own dequantized levels), the block still in cache.
+        const uint64_t start = ((uint64_t)gi * GB + j) * B;
+        const uint64_t valid = start >= L.numel ? 0 : std::min<uint64_t>(B, L.numel - start);
+        if (!valid) continue;
+        float* __restrict y = buf.data() + j * B;
+        const uint32_t* sb = bit.data() + j * B;
+        const float* __restrict xb = x + start;
+        float* __restrict eb = e + start;
+        fwht_inplace(y, B);
+        for (uint64_t i = 0; i < valid; ++i) eb[i] = (xb[i] + eb[i]) - flip_sign(y[i] * inv_sqrt, sb[i]);
+      }
+    }
+  }
+  for (uint64_t b = 0; b < nblocks; ++b) st.sum_squares += partial[b];  // block order: deterministic
+  if (!std::isfinite(st.sum_squares)) {
+    // x was finite but x + e (or its square) overflowed float32: the memory is unusable.
+    st.non_finite = 2;
+    if (e) std::fill(e, e + L.numel, 0.0f);
+  }
+  return st;
+}
+
+uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, const void* words,
+                    double multiplier, double a, double b, float* out, int num_threads) {
+  const int nt = thc_threads(num_threads);
+  const uint64_t B = L.block, ngroups = thc_groups(L), GB = L.group_blocks;
+  const float inv_sqrt = (float)(1.0 / std::sqrt((double)B));
+  const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
+  uint64_t bad = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : bad)
+  {
+    std::vector<float> buf(GB * B);
+    std::vector<uint32_t> bit(B);
+#pragma omp for schedule(static)
+    for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) {
+      const uint64_t blocks = thc_group_size(L, (uint64_t)gi);
+      bad += unpack_block(word_at(words, word_kind, thc_group_first_word(L, (uint64_t)gi)), word_kind,
+                          thc_words_for(L, blocks * B), blocks * B, L.per_word, L.base, multiplier, tolerance, a, b,
+                          buf.data());
+      for (uint64_t j = 0; j < blocks; ++j) {
+        const uint64_t start = ((uint64_t)gi * GB + j) * B;
+        if (start >= L.numel) break;  // padding-only blocks: checked above, not needed
+        const uint64_t valid = std::min<uint64_t>(B, L.numel - start);
+        float* y = buf.data() + j * B;
+        fwht_inplace(y, B);
+        sign_bits(sign_stream, start, B, bit.data());
+        float* o = out + start;
+        for (uint64_t i = 0; i < valid; ++i) o[i] = flip_sign(y[i] * inv_sqrt, bit[i]);
+      }
+    }
+  }
+  return bad;
+}
+
+void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words) {
+  const bool fits_double = horner_fits_double(L);
+  const uint64_t coords = (uint64_t)L.group_blocks * L.block;
+  for (uint64_t gi = 0; gi < thc_groups(L); ++gi) {
+    const uint64_t count = thc_group_size(L, gi) * L.block;
+    pack_block(levels + gi * coords, count, L.per_word, L.base, fits_double, word_kind, thc_words_for(L, count),
+               word_at(words, word_kind, thc_group_first_word(L, gi)));
+  }
+}
+
+uint64_t thc_unpack_levels(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, float* sums) {
+  const uint64_t coords = (uint64_t)L.group_blocks * L.block;
+  uint64_t bad = 0;
+  for (uint64_t gi = 0; gi < thc_groups(L); ++gi) {
+    const uint64_t count = thc_group_size(L, gi) * L.block;
+    bad += unpack_block(word_at(words, word_kind, thc_group_first_word(L, gi)), word_kind, thc_words_for(L, count),
+                        count, L.per_word, L.base, multiplier, multiplier == 1.0 ? 0.0 : 0.5, 1.0, 0.0,
+                        sums + gi * coords);
   }
   return bad;
 }

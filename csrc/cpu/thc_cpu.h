@@ -41,23 +41,36 @@ struct ThcQuantizer {
   const float* inv_width;
   float scale;          // sqrt(padded) / M: y -> z
   float threshold;      // T: z is clipped to [-T, T]
-  float dequant_a;      // own dequantized value = level * dequant_a + dequant_b (written back to y)
+  float dequant_a;      // own dequantized value = level * dequant_a + dequant_b (error feedback)
   float dequant_b;
 };
 
-// Quantize y (padded floats) and pack the levels into L.words words of kind `word_kind` at `words`:
-// z = clamp(y * scale, -T, T), u = (z + T) g / (2T), level = lo + width * [draw < (u - lo)/width] with
-// draw uniform in [0, 1) at 2^-24 resolution (unbiased up to 2^-24 of a level gap). With
-// write_back, y[i] becomes the rank's own dequantized value (for error feedback).
-void thc_quantize_pack(const ThcLayout& L, const ThcQuantizer& Q, uint64_t round_stream, float* y,
-                       bool write_back, int32_t word_kind, void* words, int num_threads);
+struct ThcEncodeStats {
+  double sum_squares = 0;  // ||x + e||^2 over the numel input coordinates
+  uint32_t non_finite = 0; // 1: x holds NaN/Inf (nothing written); 2: x + e overflowed (e zeroed)
+};
 
-// Unpack aggregated words: S = word * multiplier (multiplier = n for an averaged float64 payload, else
-// 1) must be an integer (within 1/2 when averaged, exactly when summed) in [0, base^per_word), and
-// the digits past `padded` must be 0. Writes y[i] = digit_i * a + b for i < padded. Returns the
-// number of words that fail these checks (the payload is then corrupted or not a plain SUM/AVERAGE).
-uint64_t thc_unpack(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, double a, double b,
-                    float* y, int num_threads);
+// One pass per Hadamard block (the block stays in cache):
+//   v = x + e (e may be null); y = H (s * v) / sqrt(block) over the zero-padded block;
+//   z = clamp(y * scale, -T, T), u = (z + T) g / (2T), level = lo + width * [draw < (u - lo)/width]
+//   with draw = thc_uniform24(round_stream, i) / 2^24 (unbiased up to 2^-24 of a level gap);
+//   levels packed into the block's words (see ThcLayout); with e:
+//   e <- v - RHT^{-1}(level * dequant_a + dequant_b).
+// With Q null (a norm-only round) nothing is quantized, `words` is not touched and e <- x + e.
+// Returns ||v||^2 (block partials summed in block order).
+ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
+                          const float* x, float* e, int32_t word_kind, void* words, int num_threads);
+
+// out[0, numel) = RHT^{-1}(digit * a + b) of the aggregated words, where each word times
+// `multiplier` (n for an averaged float64 payload, else 1) must be an integer (within 1/2 when
+// averaged, exactly when summed) in [0, base^digits) -- digits past the block's end are 0. Returns
+// the number of words failing that (the payload is corrupted or not a plain SUM/AVERAGE).
+uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, const void* words,
+                    double multiplier, double a, double b, float* out, int num_threads);
+
+// The packing alone (tests): levels[0, padded) -> words, and words -> digit sums (returns invalid words).
+void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words);
+uint64_t thc_unpack_levels(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, float* sums);
 
 }  // namespace cpu
 }  // namespace lhc

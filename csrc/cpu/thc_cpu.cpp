@@ -179,13 +179,14 @@ void quantize_block(const ThcQuantizer& Q, uint32_t g, uint64_t round_stream, ui
     z = std::min(std::max(z, -T), T);
     const float u = std::min(std::max((z + T) * to_level, 0.0f), gf);
     const int32_t k = std::min((int32_t)u, kmax);
-    const float lo = lo_t[k];
+    // Unconditional table loads (gathers) and a select: no control flow, so the loop vectorises.
+    const float lo = lo_t[k], width = width_t[k];
     const float p_up = (u - lo) * inv_t[k];
     // thc_uniform24 with the per-block halves of the key hoisted (same bits).
     const uint32_t h = fmix32((first + (uint32_t)i) ^ key_lo);
-    const float draw = (float)(fmix32(h + key_hi) >> 8) * (1.0f / 16777216.0f);
-    const float level = draw < p_up ? lo + width_t[k] : lo;
-    q[i] = (uint32_t)level;
+    const float draw = (float)(int32_t)(fmix32(h + key_hi) >> 8) * (1.0f / 16777216.0f);
+    const float level = lo + (draw < p_up ? width : 0.0f);
+    q[i] = (uint32_t)(int32_t)level;
     if (WriteBack) y[i] = level * da + db;
   }
 }

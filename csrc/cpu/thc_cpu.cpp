@@ -213,6 +213,37 @@ void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t b
   }
 }
 
+// The float64 words whose digits all lie inside the group (the common case), vectorised across
+// words: validity first, then one digit position at a time for all words. s is scratch (nwords).
+// floor(t + 1/2) is round-to-nearest here: t < 2^52, so t + 1/2 is exact.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t nwords, uint64_t per_word, double base_d,
+                               double max_word, double multiplier, double tolerance, double a, double b,
+                               float* __restrict y, double* __restrict s) {
+  uint64_t bad = 0;
+  for (uint64_t w = 0; w < nwords; ++w) {
+    const double t = words[w] * multiplier;
+    const double r = std::floor(t + 0.5);
+    // Non-short-circuit & keeps the loop free of branches; every comparison is false for NaN.
+    const bool ok = (std::fabs(t - r) <= tolerance) & (r >= 0.0) & (r <= max_word);
+    bad += (uint64_t)!ok;
+    s[w] = ok ? r : 0.0;
+  }
+  const double inv_base = 1.0 / base_d;
+  for (uint64_t j = 0; j < per_word; ++j) {
+    for (uint64_t w = 0; w < nwords; ++w) {
+      const double v = s[w];
+      double quot = std::floor(v * inv_base);
+      const double rem = v - quot * base_d;   // exact; off by one base at most
+      quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
+      const double digit = v - quot * base_d;
+      s[w] = quot;
+      y[w * per_word + j] = (float)(digit * a + b);
+    }
+  }
+  return bad;
+}
+
 // Aggregated words -> digit * a + b into y[0, count). Returns the number of invalid words: not an
 // integer (within `tolerance` after multiplying), negative, or above the largest aggregate of the
 // digits the word holds (base^have - 1; the padding digits of a block's last word must be 0).
@@ -220,7 +251,18 @@ uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwords, uin
                       uint64_t base, double multiplier, double tolerance, double a, double b, float* __restrict y) {
   uint64_t bad = 0;
   const double base_d = (double)base, inv_base = 1.0 / base_d;
-  for (uint64_t w = 0; w < nwords; ++w) {
+  uint64_t w = 0;
+  if (word_kind == kThcWordFloat64) {
+    const uint64_t full = count / per_word;
+    double max_word = 1.0;
+    for (uint64_t j = 0; j < per_word; ++j) max_word *= base_d;
+    thread_local std::vector<double> scratch;
+    if (scratch.size() < full) scratch.resize(full);
+    bad += unpack_full_words_f64(static_cast<const double*>(words), full, per_word, base_d, max_word - 1.0,
+                                 multiplier, tolerance, a, b, y, scratch.data());
+    w = full;
+  }
+  for (; w < nwords; ++w) {
     const uint64_t first = w * per_word;
     const uint64_t have = std::min<uint64_t>(per_word, count - first);
     uint64_t limit = 1;

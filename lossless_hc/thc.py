@@ -426,22 +426,34 @@ class THCCodec:
             raise ValueError(f"x is on {x.device}, the codec on {self.device}")
         return x.reshape(-1).to(torch.float32).contiguous()
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Encode ``x`` (numel elements, any shape) into a new 1-D payload of ``payload_numel``
-        elements of ``payload_dtype``. No communication. Must be followed by ``decode`` of the
-        aggregate before the next ``encode``. Remembers the shape and dtype of ``x`` for ``decode``."""
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode ``x`` (numel elements, any shape) into a 1-D payload of ``payload_numel`` elements
+        of ``payload_dtype``: a new tensor, or ``out`` (contiguous, that dtype and size; every
+        element is overwritten) to reuse a buffer across steps. No communication. Must be followed
+        by ``decode`` of the aggregate before the next ``encode``. Remembers the shape and dtype of
+        ``x`` for ``decode``."""
         if self._pending:
             raise RuntimeError("THCCodec.encode called twice without decode: decode the aggregate of the previous "
                                "step first (every rank must run encode -> aggregate -> decode once per step)")
         flat = self._check_input(x)
         self._shape, self._dtype = tuple(x.shape), x.dtype
         L = self.layout
-        payload = torch.zeros(L.payload_numel, dtype=L.payload_dtype)
+        if out is None:
+            payload = torch.empty(L.payload_numel, dtype=L.payload_dtype, device=self.device)
+        elif (not isinstance(out, torch.Tensor) or out.dtype != L.payload_dtype or out.numel() != L.payload_numel
+              or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous {L.payload_dtype} tensor of {L.payload_numel} elements on "
+                             f"{self.device}")
+        else:
+            payload = out.view(-1)
+        payload[:L.words_offset] = 0   # header and norm slots; the kernel writes every level word
         e = self._error
         M = self._norm
         g, T, D = L.granularity, self.threshold, L.padded
         quantize = M > 0.0   # M == 0: the norm-only round, all of x + e stays owed
         unit = M / math.sqrt(D) if quantize else 0.0   # one unit of z in the rotated domain
+        if not quantize:
+            payload[L.words_offset:] = 0
         st = _backend.thc_encode(self._native, quantize, self._lo, self._width, self._inv_width,
                                  math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit, -T * unit,
                                  self._sign_stream(), self._round_stream(), flat, e, WORD_KINDS[L.payload_dtype],

@@ -191,11 +191,95 @@ void quantize_block(const ThcQuantizer& Q, uint32_t g, uint64_t round_stream, ui
   }
 }
 
+// Round to the nearest integer for |x| < 2^51 with two additions (2^52 + x has no fraction bits),
+// which vectorise on every x86 level, unlike floor/nearbyint before SSE4.1. The digit loops below
+// only need an estimate within one of the true quotient; they correct it.
+inline double round_small(double x) {
+  constexpr double kShift = 4503599627370496.0;  // 2^52
+  return (x + kShift) - kShift;
+}
+
+// Full words with a compile-time digit count: the strided digit accesses become fixed
+// interleaving patterns the compiler vectorises across words. Horner in doubles (exact below 2^53).
+template <int PW>
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void pack_full_words_f64(const uint32_t* __restrict q, uint64_t nwords, double base, double* __restrict out) {
+  for (uint64_t w = 0; w < nwords; ++w) {
+    double a = 0.0;
+    for (int j = PW - 1; j >= 0; --j) a = a * base + (double)(int32_t)q[w * PW + j];
+    out[w] = a;
+  }
+}
+
+// Digits of full words, 16 words at a time: the arithmetic runs across the 16 words of a tile
+// (contiguous, vectorised), then the tile's digits are written out in coordinate order.
+template <int PW>
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void digits_full_words_f64(double* __restrict s, uint64_t nwords, double base_d, double a, double b,
+                           float* __restrict y) {
+  constexpr int kTile = 16;
+  const double inv_base = 1.0 / base_d;
+  uint64_t w0 = 0;
+  for (; w0 + kTile <= nwords; w0 += kTile) {
+    double v[kTile];
+    float out[PW][kTile];
+    for (int l = 0; l < kTile; ++l) v[l] = s[w0 + l];
+    for (int j = 0; j < PW; ++j) {
+      for (int l = 0; l < kTile; ++l) {
+        double quot = round_small(v[l] * inv_base);
+        const double rem = v[l] - quot * base_d;   // exact; off by one base at most
+        quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
+        out[j][l] = (float)((v[l] - quot * base_d) * a + b);
+        v[l] = quot;
+      }
+    }
+    float* __restrict yt = y + w0 * PW;
+    for (int l = 0; l < kTile; ++l)
+      for (int j = 0; j < PW; ++j) yt[l * PW + j] = out[j][l];
+  }
+  for (; w0 < nwords; ++w0) {
+    double v = s[w0];
+    for (int j = 0; j < PW; ++j) {
+      double quot = round_small(v * inv_base);
+      const double rem = v - quot * base_d;
+      quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
+      y[w0 * PW + j] = (float)((v - quot * base_d) * a + b);
+      v = quot;
+    }
+  }
+}
+
+// Dispatch on the digit count (1..12 cover granularity 30 up to ~10^3 ranks); false: not handled.
+bool pack_full_dispatch(uint64_t pw, const uint32_t* q, uint64_t nwords, double base, double* out) {
+  switch (pw) {
+#define LHC_PACK_CASE(P) case P: pack_full_words_f64<P>(q, nwords, base, out); return true;
+    LHC_PACK_CASE(1) LHC_PACK_CASE(2) LHC_PACK_CASE(3) LHC_PACK_CASE(4) LHC_PACK_CASE(5) LHC_PACK_CASE(6)
+    LHC_PACK_CASE(7) LHC_PACK_CASE(8) LHC_PACK_CASE(9) LHC_PACK_CASE(10) LHC_PACK_CASE(11) LHC_PACK_CASE(12)
+#undef LHC_PACK_CASE
+    default: return false;
+  }
+}
+
+bool digits_full_dispatch(uint64_t pw, double* s, uint64_t nwords, double base, double a, double b, float* y) {
+  switch (pw) {
+#define LHC_DIGITS_CASE(P) case P: digits_full_words_f64<P>(s, nwords, base, a, b, y); return true;
+    LHC_DIGITS_CASE(1) LHC_DIGITS_CASE(2) LHC_DIGITS_CASE(3) LHC_DIGITS_CASE(4) LHC_DIGITS_CASE(5)
+    LHC_DIGITS_CASE(6) LHC_DIGITS_CASE(7) LHC_DIGITS_CASE(8) LHC_DIGITS_CASE(9) LHC_DIGITS_CASE(10)
+    LHC_DIGITS_CASE(11) LHC_DIGITS_CASE(12)
+#undef LHC_DIGITS_CASE
+    default: return false;
+  }
+}
+
 // Digits q[0, count) (count <= words * per_word; missing digits are 0) into `words` words.
 // Horner in doubles while base^per_word <= 2^53 (exact, vectorisable across words), else uint64.
 void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t base, bool fits_double,
                 int32_t word_kind, uint64_t nwords, void* words) {
-  for (uint64_t w = 0; w < nwords; ++w) {
+  uint64_t w = 0;
+  if (fits_double && word_kind == kThcWordFloat64 &&
+      pack_full_dispatch(per_word, q, count / per_word, (double)base, static_cast<double*>(words)))
+    w = count / per_word;
+  for (; w < nwords; ++w) {
     const uint64_t first = w * per_word;
     const uint64_t have = first >= count ? 0 : std::min<uint64_t>(per_word, count - first);
     uint64_t acc = 0;
@@ -215,7 +299,7 @@ void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t b
 
 // The float64 words whose digits all lie inside the group (the common case), vectorised across
 // words: validity first, then one digit position at a time for all words. s is scratch (nwords).
-// floor(t + 1/2) is round-to-nearest here: t < 2^52, so t + 1/2 is exact.
+// round_small is round-to-nearest for |t| < 2^51; anything larger fails the range check.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t nwords, uint64_t per_word, double base_d,
                                double max_word, double multiplier, double tolerance, double a, double b,
@@ -223,17 +307,18 @@ uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t nwords, 
   uint64_t bad = 0;
   for (uint64_t w = 0; w < nwords; ++w) {
     const double t = words[w] * multiplier;
-    const double r = std::floor(t + 0.5);
+    const double r = round_small(t);
     // Non-short-circuit & keeps the loop free of branches; every comparison is false for NaN.
     const bool ok = (std::fabs(t - r) <= tolerance) & (r >= 0.0) & (r <= max_word);
     bad += (uint64_t)!ok;
     s[w] = ok ? r : 0.0;
   }
+  if (digits_full_dispatch(per_word, s, nwords, base_d, a, b, y)) return bad;
   const double inv_base = 1.0 / base_d;
   for (uint64_t j = 0; j < per_word; ++j) {
     for (uint64_t w = 0; w < nwords; ++w) {
       const double v = s[w];
-      double quot = std::floor(v * inv_base);
+      double quot = round_small(v * inv_base);
       const double rem = v - quot * base_d;   // exact; off by one base at most
       quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
       const double digit = v - quot * base_d;

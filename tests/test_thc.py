@@ -354,3 +354,13 @@ def test_state_dict_round_trip():
     clone = lhc.THCCodec(300, 2, rank=0)
     clone.load_state_dict(state)
     assert clone.step == 1 and clone.norm == codecs[0].norm and torch.equal(clone.error, codecs[0].error)
+
+
+def test_bench_thc_command_runs_and_reports():
+    from lossless_hc.bench import main
+    from lossless_hc.bench_thc import run_thc_bench
+    res = run_thc_bench(numel=8192, workers=8, repeat=1, warmup=2)
+    assert res["wire"]["lane_bits_per_coordinate"] == pytest.approx(64 / 6)
+    # One step of compression error of partly shared N(0,1) gradients: below the per-rank model.
+    assert 0 < res["accuracy"]["nmse"] < res["accuracy"]["predicted_nmse_iid_normal"]
+    assert main(["thc", "--numel", "4096", "--workers", "2", "--repeat", "1", "--averaged"]) == 0

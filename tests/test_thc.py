@@ -364,3 +364,30 @@ def test_bench_thc_command_runs_and_reports():
     # One step of compression error of partly shared N(0,1) gradients: below the per-rank model.
     assert 0 < res["accuracy"]["nmse"] < res["accuracy"]["predicted_nmse_iid_normal"]
     assert main(["thc", "--numel", "4096", "--workers", "2", "--repeat", "1", "--averaged"]) == 0
+
+
+@pytest.mark.parametrize("numel,n", [(3000, 2), (5000, 4), (1024, 8), (37, 3)])
+def test_fused_kernels_match_the_dense_oracle(numel, n):
+    """decode = RHT^{-1} of the dequantized digit sums, and the error memory = x - RHT^{-1}(own
+    dequantized levels), both against the dense-Hadamard oracle (ties the fused encode/decode
+    transforms to the definition, beyond the unbiasedness statistics)."""
+    gen = torch.Generator().manual_seed(numel)
+    xs = [torch.randn(numel, generator=gen) for _ in range(n)]
+    M = max(float(x.norm()) for x in xs)
+    codecs = make_ranks(n, numel, initial_norm=M, seed=21)
+    payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+    L, c0 = codecs[0].layout, codecs[0]
+    stream = _backend.thc_sign_stream(21, 0)
+    unit = M / math.sqrt(L.padded)
+    a, b = 2 * c0.threshold / L.granularity * unit, -c0.threshold * unit
+    tol = 1e-5 * M
+    for c, x, p in zip(codecs, xs, payloads):
+        bad, levels = unpack(c, p[L.words_offset:], 1.0)
+        assert bad == 0 and set(levels.unique().tolist()) <= set(c.table.levels)
+        own = ref.inverse_rht(levels.double() * a + b, L, stream)
+        assert float((c.error.double() - (x.double() - own)).abs().max()) <= tol
+    summed = sum(payloads)
+    bad, sums = unpack(c0, summed[L.words_offset:], 1.0)
+    want = ref.inverse_rht(sums.double() * a + n * b, L, stream)
+    got = c0.decode(summed).double()
+    assert bad == 0 and float((got - want).abs().max()) <= n * tol

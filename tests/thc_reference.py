@@ -64,3 +64,10 @@ def predicted_sq_error(xs, codecs, norm: float) -> float:
 
 def L_g(codec) -> int:
     return codec.layout.granularity
+
+
+def inverse_rht(y: torch.Tensor, layout, sign_stream: int) -> torch.Tensor:
+    """RHT^{-1}(y) on the numel coordinates: per block, s * (H y) / sqrt(block) (H is symmetric)."""
+    H = hadamard(layout.block) / math.sqrt(layout.block)
+    r = (y.double().view(-1, layout.block) @ H.T).reshape(-1) * signs(sign_stream, layout.padded)
+    return r[:layout.numel]

@@ -25,7 +25,8 @@ if sanitize:
 
 ext = Pybind11Extension(
     "lossless_hc._C",
-    sources=["csrc/bindings.cpp", "csrc/cpu/codec_cpu.cpp"],
+    sources=["csrc/bindings.cpp", "csrc/cpu/codec_cpu.cpp",
+             "csrc/thc_bindings.cpp", "csrc/cpu/thc_cpu.cpp"],
     include_dirs=["csrc"],
     cxx_std=17,
     extra_compile_args=compile_args,
@@ -37,6 +38,7 @@ setup(
     version="0.1.0",
     description="Homomorphic (lossless) gradient compression for data-parallel PyTorch training",
     packages=["lossless_hc", "lossless_hc.plugins"],
+    package_data={"lossless_hc": ["thc_tables.json"]},
     package_dir={"lossless_hc": "lossless_hc", "lossless_hc.plugins": "plugins"},
     ext_modules=[ext],
     cmdclass={"build_ext": build_ext},

@@ -9,6 +9,8 @@
 namespace py = pybind11;
 using namespace lhc;
 
+void bind_thc(py::module_& m);  // thc_bindings.cpp
+
 namespace {
 template <typename T>
 T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
@@ -82,4 +84,6 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("HEADER_FIELDS") = (int)kHeaderFields;
   m.attr("INT_FIELD_BITS") = (int)kIntFieldBits;
+
+  bind_thc(m);
 }

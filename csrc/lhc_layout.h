@@ -133,6 +133,77 @@ struct CodecLayout {
   uint64_t payload_numel;
 };
 
+// ---- THC (tensor homomorphic compression): the randomness every backend must reproduce ----------
+//
+// Two streams per step, both derived from the user seed: the RHT sign stream, shared by all ranks
+// (the rotation must be the same everywhere for the sum to be the rotated sum), and the rounding
+// stream, distinct per rank (independent rounding errors average out across ranks).
+constexpr uint64_t kSaltThcSign = 0x7c5165e5ULL;
+constexpr uint64_t kSaltThcRound = 0x7c520d17ULL;
+
+LHC_HD uint64_t thc_sign_stream(uint64_t seed, uint64_t step) {
+  return mix64(stream_seed(seed, kSaltThcSign) + 0x9e3779b97f4a7c15ULL * (step + 1));
+}
+
+LHC_HD uint64_t thc_round_stream(uint64_t seed, uint64_t rank, uint64_t step) {
+  return mix64(mix64(stream_seed(seed, kSaltThcRound) + 0x9e3779b97f4a7c15ULL * (step + 1)) ^ rank);
+}
+
+// The RHT signs of coordinates [64 k, 64 k + 64): bit j set means coordinate 64 k + j is negated.
+LHC_HD uint64_t thc_sign_bits(uint64_t sign_stream, uint64_t k) {
+  return mix64(sign_stream ^ (0xd1b54a32d192ed03ULL * (k + 1)));
+}
+
+// murmur3's 32-bit finalizer: a bijection with full avalanche, cheap in 32-bit vector lanes.
+LHC_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// The rounding draw of coordinate i: a uniform integer in [0, 2^24) (two fmix32 rounds keyed by
+// the 64-bit stream; the high half of i enters the second round so indices past 2^32 stay distinct).
+LHC_HD uint32_t thc_uniform24(uint64_t round_stream, uint64_t i) {
+  const uint32_t h = fmix32((uint32_t)i ^ (uint32_t)round_stream);
+  return fmix32(h + ((uint32_t)(round_stream >> 32) ^ (uint32_t)(i >> 32) * 0x9e3779b9u)) >> 8;
+}
+
+// Shape of a THC payload's quantized part: `padded` coordinates (numel rounded up to whole
+// Hadamard blocks of `block` = 2^k coordinates), stored as digits of base `base` = n g + 1, `per_word`
+// digits per 64-bit word. Blocks are packed in groups of `group_blocks` consecutive blocks (the
+// fewest whose coordinates fill whole words, e.g. 3 blocks of 1024 = 512 words of 6 digits), so a
+// group is encoded and decoded in one cache-resident pass without touching its neighbours: the
+// coordinate c of group G (c counted from the group's first coordinate) is digit c % per_word
+// (weight base^(c % per_word)) of word thc_group_first_word(L, G) + c / per_word. The last group
+// may hold fewer blocks; digits past a group's coordinates are 0.
+struct ThcLayout {
+  uint64_t numel;
+  uint64_t padded;
+  uint64_t block;
+  uint32_t granularity;
+  uint32_t base;
+  uint32_t per_word;
+  uint32_t group_blocks;
+  uint64_t words;
+};
+
+LHC_HD uint64_t thc_words_for(const ThcLayout& L, uint64_t coords) { return (coords + L.per_word - 1) / L.per_word; }
+LHC_HD uint64_t thc_groups(const ThcLayout& L) {
+  const uint64_t blocks = L.padded / L.block;
+  return (blocks + L.group_blocks - 1) / L.group_blocks;
+}
+LHC_HD uint64_t thc_group_first_word(const ThcLayout& L, uint64_t group) {
+  return group * thc_words_for(L, (uint64_t)L.group_blocks * L.block);
+}
+// Blocks in group `group` (group_blocks, or fewer for the last one).
+LHC_HD uint64_t thc_group_size(const ThcLayout& L, uint64_t group) {
+  const uint64_t blocks = L.padded / L.block, first = group * L.group_blocks;
+  return blocks - first < L.group_blocks ? blocks - first : L.group_blocks;
+}
+
 // Write `value` (< 2^33) as three 11-bit chunks starting at header field `first`.
 LHC_HD void write_chunks(float* header, uint32_t first, uint64_t value) {
   const uint64_t mask = (1ULL << kChunkBits) - 1;

@@ -70,3 +70,56 @@ def decode(native, scale: float, total_keys: int, world_size: int, payload: torc
     return _C.decode(native, float(scale), int(total_keys), int(world_size), payload.data_ptr(), out.data_ptr(),
                      trace_key.data_ptr() if trace_key is not None else 0,
                      trace_cell.data_ptr() if trace_cell is not None else 0, num_threads)
+
+
+# -- THC kernels (lossless_hc/thc.py validates every tensor before calling these) -----------------
+def thc_native_layout(layout) -> "_C.ThcLayout":
+    c = _C.ThcLayout()
+    c.numel, c.padded, c.block = layout.numel, layout.padded, layout.block
+    c.granularity, c.base, c.per_word, c.words = layout.granularity, layout.base, layout.per_word, layout.words
+    c.group_blocks = layout.group_blocks
+    return c
+
+
+def thc_sign_stream(seed: int, step: int) -> int:
+    return _C.thc_sign_stream(seed, step)
+
+
+def thc_round_stream(seed: int, rank: int, step: int) -> int:
+    return _C.thc_round_stream(seed, rank, step)
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def thc_rht_forward(native, sign_stream: int, x: torch.Tensor, e: torch.Tensor | None, y: torch.Tensor,
+                    num_threads: int = 0):
+    return _C.thc_rht_forward(native, sign_stream, x.data_ptr(), _addr(e), y.data_ptr(), num_threads)
+
+
+def thc_rht_inverse(native, sign_stream: int, y: torch.Tensor, out: torch.Tensor, plus_a: torch.Tensor | None,
+                    plus_b: torch.Tensor | None, num_threads: int = 0) -> None:
+    _C.thc_rht_inverse(native, sign_stream, y.data_ptr(), out.data_ptr(), _addr(plus_a), _addr(plus_b), num_threads)
+
+
+def thc_encode(native, quantize: bool, lo, width, inv_width, scale: float, threshold: float, dequant_a: float,
+               dequant_b: float, sign_stream: int, round_stream: int, x: torch.Tensor, e: torch.Tensor | None,
+               word_kind: int, words: torch.Tensor, num_threads: int = 0):
+    return _C.thc_encode(native, bool(quantize), lo.data_ptr(), width.data_ptr(), inv_width.data_ptr(), float(scale),
+                         float(threshold), float(dequant_a), float(dequant_b), sign_stream, round_stream,
+                         x.data_ptr(), _addr(e), int(word_kind), words.data_ptr(), num_threads)
+
+
+def thc_decode(native, sign_stream: int, word_kind: int, words: torch.Tensor, multiplier: float, a: float, b: float,
+               out: torch.Tensor, num_threads: int = 0) -> int:
+    return _C.thc_decode(native, sign_stream, int(word_kind), words.data_ptr(), float(multiplier), float(a), float(b),
+                         out.data_ptr(), num_threads)
+
+
+def thc_pack_levels(native, levels: torch.Tensor, word_kind: int, words: torch.Tensor) -> None:
+    _C.thc_pack_levels(native, levels.data_ptr(), int(word_kind), words.data_ptr())
+
+
+def thc_unpack_levels(native, word_kind: int, words: torch.Tensor, multiplier: float, sums: torch.Tensor) -> int:
+    return _C.thc_unpack_levels(native, int(word_kind), words.data_ptr(), float(multiplier), sums.data_ptr())

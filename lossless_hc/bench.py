@@ -6,6 +6,8 @@ Usage::
         [--index auto|bitmap|bloom|dense] [--support random|identical|disjoint|clustered]
         [--repeat 5] [--seed 0] [--threads 0] [--json PATH]
     python -m lossless_hc.bench peel --keys 1000,10000,100000,1000000 --trials 20 [--json PATH]
+    python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
+        [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
 
 ``codec`` times encode (one worker) and decode (the SUM of all workers' payloads) against a
 ``torch.clone`` of one dense input measured in the same process, checks the decoded sum against the
@@ -17,6 +19,10 @@ decoded support differs from the float64 sum's beyond rounding scale), so it can
 
 ``peel`` measures the sizing rule ``layout.sketch_table_for``: peeling failure rate, max abs error
 against float64 truth, and decode time per key (one worker, bitmap index, numel = 20 * keys).
+
+``thc`` times THCCodec encode (one worker, error feedback on) and decode (the aggregate of all
+workers' payloads) against ``torch.clone`` of one input, and reports wire bits per coordinate and the
+normalized mean squared error of one step against the true average.
 
 Importing this module has no side effects; the CLI lives in ``main``.
 """
@@ -578,10 +584,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", metavar="PATH")
     q.set_defaults(func=_cmd_peel)
 
-    t = sub.add_parser("train", add_help=False,
+    t = sub.add_parser("thc", help="THCCodec encode/decode time vs torch.clone, bits/coordinate, NMSE")
+    t.add_argument("--numel", type=_positive_int, default=1 << 24, help="elements per tensor (default 2**24)")
+    t.add_argument("--workers", type=_positive_int, default=8)
+    t.add_argument("--bits", type=_positive_int, default=4)
+    t.add_argument("--granularity", type=_positive_int, default=30)
+    t.add_argument("--overflow-freq", type=float, default=32)
+    t.add_argument("--symmetric-table", action="store_true", help="the symmetric (published-shape) table")
+    t.add_argument("--averaged", action="store_true", help="aggregate by AVERAGE instead of SUM")
+    t.add_argument("--repeat", type=_positive_int, default=5)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--json", metavar="PATH")
+    t.set_defaults(func=_cmd_thc)
+
+    tr = sub.add_parser("train", add_help=False,
                        help="uncompressed vs lossless training side by side on local workers (`make demo`); "
                             "`train --help` for its options")
-    t.set_defaults(func=None)
+    tr.set_defaults(func=None)
     return p
 
 
@@ -629,6 +649,20 @@ def _cmd_peel(args) -> int:
     res = run_peel_bench(args.keys, args.trials, args.numel_factor, args.seed, args.threads, args.index, log=_log)
     machine = machine_info(args.threads)
     print(render_peel(res, machine, cmd))
+    _write_json(args.json, {"command": cmd, "machine": machine, **res})
+    return 0
+
+
+def _cmd_thc(args) -> int:
+    from .bench_thc import render_thc, run_thc_bench
+    cmd = command_line()
+    try:
+        res = run_thc_bench(args.numel, args.workers, args.bits, args.granularity, args.overflow_freq,
+                            args.symmetric_table, args.averaged, args.repeat, args.seed, args.threads, log=_log)
+    except ValueError as exc:
+        raise SystemExit(f"python -m lossless_hc.bench thc: error: {exc}")
+    machine = machine_info(args.threads)
+    print(render_thc(res, machine, cmd))
     _write_json(args.json, {"command": cmd, "machine": machine, **res})
     return 0
 

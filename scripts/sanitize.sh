@@ -9,7 +9,7 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 LHC_SANITIZE=1 "$PY" setup.py -q build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" >/dev/null
 # A self-contained package tree: the python sources beside the sanitized extension.
-cp lossless_hc/*.py "$OUT/lib/lossless_hc/"
+cp lossless_hc/*.py lossless_hc/*.json "$OUT/lib/lossless_hc/"
 mkdir -p "$OUT/lib/lossless_hc/plugins"
 cp plugins/*.py "$OUT/lib/lossless_hc/plugins/"
 ASAN_LIB=$(gcc -print-file-name=libasan.so)

@@ -1,0 +1,76 @@
+// CPU (OpenMP) kernels of the THC codec: randomized Hadamard transform, stochastic rounding onto an
+// integer table with digit packing, unpacking with exactness checks. Raw pointers and sizes only.
+//
+// Every kernel is deterministic: parallel loops write disjoint outputs, and the one reduction (the
+// squared norm) sums per-block partials in block order, so results do not depend on thread count.
+#pragma once
+
+#include <cstdint>
+
+#include "../lhc_layout.h"
+
+namespace lhc {
+namespace cpu {
+
+// How payload words are stored: float64 (exact under SUM and AVERAGE) or int64 (SUM only).
+enum ThcWordKind : int32_t { kThcWordFloat64 = 0, kThcWordInt64 = 1 };
+
+struct ThcForwardStats {
+  double sum_squares = 0;  // ||x + e||^2 over the numel input coordinates
+  uint32_t non_finite = 0; // 1 if some x[i] + e[i] is NaN/Inf (y is then unspecified)
+};
+
+// y[0, padded) = RHT(v) with v = x + e (e may be null; both numel floats, v zero-padded):
+// per block of L.block coordinates, y = H (s * v) / sqrt(block), s the +-1 signs of sign_stream and
+// H the (unnormalised, Sylvester-order) Walsh-Hadamard matrix.
+ThcForwardStats thc_rht_forward(const ThcLayout& L, uint64_t sign_stream, const float* x, const float* e, float* y,
+                                int num_threads);
+
+// The inverse of thc_rht_forward on y (padded floats; destroyed), restricted to numel coordinates:
+// r = s * H y / sqrt(block). Writes out[i] = r[i], or (with plus_a, plus_b non-null)
+// out[i] = (plus_a[i] + plus_b[i]) - r[i] -- the error-feedback update e <- x + e - RHT^-1(own).
+// plus_b may be null (then out = plus_a - r). out may alias plus_a or plus_b.
+void thc_rht_inverse(const ThcLayout& L, uint64_t sign_stream, float* y, float* out, const float* plus_a,
+                     const float* plus_b, int num_threads);
+
+// The quantization table as the kernels see it: for integer k in [0, g), the neighbouring levels
+// lo[k] <= k < k + 1 <= lo[k] + width[k] that bracket every u in [k, k + 1].
+struct ThcQuantizer {
+  const float* lo;      // g entries
+  const float* width;   // g entries
+  const float* inv_width;
+  float scale;          // sqrt(padded) / M: y -> z
+  float threshold;      // T: z is clipped to [-T, T]
+  float dequant_a;      // own dequantized value = level * dequant_a + dequant_b (error feedback)
+  float dequant_b;
+};
+
+struct ThcEncodeStats {
+  double sum_squares = 0;  // ||x + e||^2 over the numel input coordinates
+  uint32_t non_finite = 0; // 1: x holds NaN/Inf (nothing written); 2: x + e overflowed (e zeroed)
+};
+
+// One pass per Hadamard block (the block stays in cache):
+//   v = x + e (e may be null); y = H (s * v) / sqrt(block) over the zero-padded block;
+//   z = clamp(y * scale, -T, T), u = (z + T) g / (2T), level = lo + width * [draw < (u - lo)/width]
+//   with draw = thc_uniform24(round_stream, i) / 2^24 (unbiased up to 2^-24 of a level gap);
+//   levels packed into the block's words (see ThcLayout); with e:
+//   e <- v - RHT^{-1}(level * dequant_a + dequant_b).
+// With Q null (a norm-only round) nothing is quantized, `words` is not touched and e <- x + e.
+// Returns ||v||^2 (block partials summed in block order).
+ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
+                          const float* x, float* e, int32_t word_kind, void* words, int num_threads);
+
+// out[0, numel) = RHT^{-1}(digit * a + b) of the aggregated words, where each word times
+// `multiplier` (n for an averaged float64 payload, else 1) must be an integer (within 1/2 when
+// averaged, exactly when summed) in [0, base^digits) -- digits past the block's end are 0. Returns
+// the number of words failing that (the payload is corrupted or not a plain SUM/AVERAGE).
+uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, const void* words,
+                    double multiplier, double a, double b, float* out, int num_threads);
+
+// The packing alone (tests): levels[0, padded) -> words, and words -> digit sums (returns invalid words).
+void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words);
+uint64_t thc_unpack_levels(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, float* sums);
+
+}  // namespace cpu
+}  // namespace lhc

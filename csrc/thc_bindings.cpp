@@ -1,0 +1,107 @@
+// pybind11 bindings of the THC CPU kernels (registered into lossless_hc._C by bindings.cpp).
+// Tensors cross as raw addresses; lossless_hc/thc.py checks dtype, device, contiguity and sizes.
+#include <pybind11/pybind11.h>
+
+#include "cpu/thc_cpu.h"
+#include "lhc_layout.h"
+
+namespace py = pybind11;
+using namespace lhc;
+
+namespace {
+template <typename T>
+T* at(uintptr_t address) { return reinterpret_cast<T*>(address); }
+}  // namespace
+
+void bind_thc(py::module_& m) {
+  py::class_<ThcLayout>(m, "ThcLayout")
+      .def(py::init<>())
+      .def_readwrite("numel", &ThcLayout::numel)
+      .def_readwrite("padded", &ThcLayout::padded)
+      .def_readwrite("block", &ThcLayout::block)
+      .def_readwrite("granularity", &ThcLayout::granularity)
+      .def_readwrite("base", &ThcLayout::base)
+      .def_readwrite("per_word", &ThcLayout::per_word)
+      .def_readwrite("group_blocks", &ThcLayout::group_blocks)
+      .def_readwrite("words", &ThcLayout::words);
+
+  py::class_<cpu::ThcEncodeStats>(m, "ThcEncodeStats")
+      .def_readonly("sum_squares", &cpu::ThcEncodeStats::sum_squares)
+      .def_readonly("non_finite", &cpu::ThcEncodeStats::non_finite);
+
+  py::class_<cpu::ThcForwardStats>(m, "ThcForwardStats")
+      .def_readonly("sum_squares", &cpu::ThcForwardStats::sum_squares)
+      .def_readonly("non_finite", &cpu::ThcForwardStats::non_finite);
+
+  m.def("thc_sign_stream", &thc_sign_stream, py::arg("seed"), py::arg("step"));
+  m.def("thc_round_stream", &thc_round_stream, py::arg("seed"), py::arg("rank"), py::arg("step"));
+  m.def("thc_sign_bits", &thc_sign_bits, py::arg("sign_stream"), py::arg("k"),
+        "Sign bits of coordinates [64 k, 64 k + 64): bit j set = coordinate 64 k + j negated.");
+
+  m.def(
+      "thc_rht_forward",
+      [](const ThcLayout& L, uint64_t sign_stream, uintptr_t x, uintptr_t e, uintptr_t y, int num_threads) {
+        py::gil_scoped_release release;
+        return cpu::thc_rht_forward(L, sign_stream, at<const float>(x), at<const float>(e), at<float>(y),
+                                    num_threads);
+      },
+      py::arg("layout"), py::arg("sign_stream"), py::arg("x"), py::arg("e"), py::arg("y"), py::arg("num_threads") = 0,
+      "y (padded floats) = RHT(x + e); e may be 0 (null). Returns the squared norm and a non-finite flag.");
+
+  m.def(
+      "thc_rht_inverse",
+      [](const ThcLayout& L, uint64_t sign_stream, uintptr_t y, uintptr_t out, uintptr_t plus_a, uintptr_t plus_b,
+         int num_threads) {
+        py::gil_scoped_release release;
+        cpu::thc_rht_inverse(L, sign_stream, at<float>(y), at<float>(out), at<const float>(plus_a),
+                             at<const float>(plus_b), num_threads);
+      },
+      py::arg("layout"), py::arg("sign_stream"), py::arg("y"), py::arg("out"), py::arg("plus_a") = 0,
+      py::arg("plus_b") = 0, py::arg("num_threads") = 0,
+      "out (numel floats) = RHT^-1(y), or (plus_a + plus_b) - RHT^-1(y); y is destroyed.");
+
+  m.def(
+      "thc_encode",
+      [](const ThcLayout& L, bool quantize, uintptr_t lo, uintptr_t width, uintptr_t inv_width, float scale,
+         float threshold, float dequant_a, float dequant_b, uint64_t sign_stream, uint64_t round_stream, uintptr_t x,
+         uintptr_t e, int32_t word_kind, uintptr_t words, int num_threads) {
+        py::gil_scoped_release release;
+        cpu::ThcQuantizer q{at<const float>(lo), at<const float>(width), at<const float>(inv_width), scale, threshold,
+                            dequant_a, dequant_b};
+        return cpu::thc_encode(L, quantize ? &q : nullptr, sign_stream, round_stream, at<const float>(x), at<float>(e),
+                               word_kind, at<void>(words), num_threads);
+      },
+      py::arg("layout"), py::arg("quantize"), py::arg("lo"), py::arg("width"), py::arg("inv_width"), py::arg("scale"),
+      py::arg("threshold"), py::arg("dequant_a"), py::arg("dequant_b"), py::arg("sign_stream"),
+      py::arg("round_stream"), py::arg("x"), py::arg("e"), py::arg("word_kind"), py::arg("words"),
+      py::arg("num_threads") = 0,
+      "RHT, stochastic rounding and packing of x + e into layout.words words; error feedback into e (may be 0).");
+
+  m.def(
+      "thc_decode",
+      [](const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, uintptr_t words, double multiplier, double a,
+         double b, uintptr_t out, int num_threads) {
+        py::gil_scoped_release release;
+        return cpu::thc_decode(L, sign_stream, word_kind, at<const void>(words), multiplier, a, b, at<float>(out),
+                               num_threads);
+      },
+      py::arg("layout"), py::arg("sign_stream"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"),
+      py::arg("a"), py::arg("b"), py::arg("out"), py::arg("num_threads") = 0,
+      "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words.");
+
+  m.def(
+      "thc_pack_levels",
+      [](const ThcLayout& L, uintptr_t levels, int32_t word_kind, uintptr_t words) {
+        py::gil_scoped_release release;
+        cpu::thc_pack_levels(L, at<const uint32_t>(levels), word_kind, at<void>(words));
+      },
+      py::arg("layout"), py::arg("levels"), py::arg("word_kind"), py::arg("words"));
+
+  m.def(
+      "thc_unpack_levels",
+      [](const ThcLayout& L, int32_t word_kind, uintptr_t words, double multiplier, uintptr_t sums) {
+        py::gil_scoped_release release;
+        return cpu::thc_unpack_levels(L, word_kind, at<const void>(words), multiplier, at<float>(sums));
+      },
+      py::arg("layout"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"), py::arg("sums"));
+}

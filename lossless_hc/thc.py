@@ -1,0 +1,601 @@
+r"""THC: tensor homomorphic compression of dense gradients (Li et al., NSDI 2024), CPU backend.
+
+Every rank maps its gradient to a fixed-shape payload of small integers packed into 64-bit words;
+the element-wise SUM (or AVERAGE) of the payloads, computed by any engine without decoding, decodes
+to an unbiased estimate of the sum (or average) of the gradients. See :class:`THCCodec`.
+
+Also here: :func:`build_table` (the minimum-variance table optimizer) and :func:`table_for`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import _backend
+from .thc_table import (PUBLISHED_TABLE_4BIT_G30_P32, THCTable, build_table, clip_threshold, table_for,
+                        table_variance)
+
+__all__ = ["THCCodec", "THCLayout", "THCTable", "build_table", "table_for", "table_variance", "clip_threshold",
+           "PUBLISHED_TABLE_4BIT_G30_P32", "max_world_size"]
+
+# Payload header fields (one 64-bit word each), before the norm slots and the packed levels.
+HDR_CONTRIBUTORS = 0   # 1 per rank: the aggregate says how many ranks contributed (and SUM vs AVERAGE)
+HDR_FINGERPRINT = 1    # a 20-bit hash of the configuration, the step and the scale M every rank used
+HDR_NON_FINITE = 2     # 1 if this rank's x + e held NaN/Inf
+HEADER_FIELDS = 3
+FINGERPRINT_BITS = 20
+LAYOUT_VERSION = 1
+
+WORD_KINDS = {torch.float64: 0, torch.int64: 1}
+MAX_HADAMARD_BLOCK = 1 << 20
+MAX_GROUP_BLOCKS = 16     # blocks packed together (bounded: a group's floats stay in L2)
+
+# Integers an aggregated float64 word may reach and still be recovered exactly from an AVERAGE.
+# An engine averages a sum S of n words as fl(S / n), fl(S * fl(1/n)), or divides each word by n
+# before summing (Horovod's gradient_predivide_factor); the decoder computes fl(avg * n). The
+# accumulated error is at most (n + 2) u S (u = 2^-53; n - 1 additions and three roundings), so
+# S <= 2^52 / (n + 4) keeps it below 1/2 with margin, and rounding recovers S exactly. A plain SUM
+# is exact anyway (integers below 2^53, in any order).
+def _exact_limit(world_size: int, payload_dtype: torch.dtype) -> int:
+    if payload_dtype == torch.int64:
+        return (1 << 63) - 1          # SUM only; no partial sum of non-negative terms exceeds the total
+    return (1 << 52) // (world_size + 4)
+
+
+def _digits_per_word(base: int, limit: int) -> int:
+    """Largest p with base**p - 1 <= limit (0 if not even one digit fits)."""
+    p, power = 0, 1
+    while power * base - 1 <= limit:
+        power *= base
+        p += 1
+    return p
+
+
+def _layout_error(world_size: int, granularity: int, payload_dtype: torch.dtype,
+                  digits_per_word: Optional[int]) -> Optional[str]:
+    """Why (world_size, granularity, payload_dtype, digits_per_word) cannot be exact, or None."""
+    limit = _exact_limit(world_size, payload_dtype)
+    base = world_size * granularity + 1
+    if world_size * ((1 << FINGERPRINT_BITS) - 1) > limit:
+        return "the header's fingerprint sum would not stay exact"
+    if digits_per_word is None:
+        if _digits_per_word(base, limit) < 1:
+            return f"a single digit of base n*g+1 = {base} exceeds the exact range {limit}"
+        return None
+    if base ** digits_per_word - 1 > limit:
+        return (f"{digits_per_word} digits of base n*g+1 = {base} reach {base ** digits_per_word - 1:.4g}, past the "
+                f"exact range {limit:.4g} of a {payload_dtype} word")
+    return None
+
+
+def max_world_size(granularity: int = 30, payload_dtype: torch.dtype = torch.float64,
+                   digits_per_word: Optional[int] = None) -> int:
+    """The largest world size for which the payload stays exact (no digit carries into the next,
+    every word recoverable after SUM, and after AVERAGE for float64). With ``digits_per_word=None``
+    the codec picks as many digits per word as fit, so the limit is far away (header and one digit);
+    pinning ``digits_per_word`` (a fixed wire size) gives the limit of that lane width, e.g.
+    granularity 30 with 6 digits per float64 word allows 8 ranks."""
+    if _layout_error(1, granularity, payload_dtype, digits_per_word) is not None:
+        return 0
+    lo, hi = 1, 1
+    while _layout_error(hi * 2, granularity, payload_dtype, digits_per_word) is None and hi < (1 << 40):
+        hi *= 2
+    hi *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _layout_error(mid, granularity, payload_dtype, digits_per_word) is None:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class THCLayout:
+    """The payload layout, a pure function of the configuration (identical on every rank).
+
+    Payload: ``payload_numel`` words of ``payload_dtype``::
+
+        [ header: 3 words ][ norm slots: world_size words ][ levels: words ]
+
+    numel      coordinates of the input.
+    block      Hadamard block (a power of two): min(hadamard_block, next power of two >= numel).
+    padded     numel rounded up to whole blocks; every padded coordinate is transmitted.
+    base       n g + 1: one more than the largest aggregated level, so digit sums never carry.
+    per_word   digits of base ``base`` per word (base**per_word - 1 within the exact range).
+    group_blocks  blocks packed together: the fewest whose coordinates fill whole words
+               (per_word / gcd(per_word, block), e.g. 3 blocks of 1024 for 6 digits per word; 1 if
+               that exceeds MAX_GROUP_BLOCKS). A group is encoded and decoded in one cache-resident
+               pass; only the last group's last word may be partly unused.
+    words      ceil(group coordinates / per_word) summed over the groups.
+    """
+
+    numel: int
+    world_size: int
+    granularity: int
+    block: int
+    padded: int
+    base: int
+    per_word: int
+    group_blocks: int
+    words: int
+    payload_dtype: torch.dtype
+
+    @property
+    def norm_offset(self) -> int:
+        return HEADER_FIELDS
+
+    @property
+    def words_offset(self) -> int:
+        return HEADER_FIELDS + self.world_size
+
+    @property
+    def payload_numel(self) -> int:
+        return HEADER_FIELDS + self.world_size + self.words
+
+    @property
+    def wire_bytes(self) -> int:
+        return 8 * self.payload_numel
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """Payload bits per input coordinate, header, norm slots and padding included."""
+        return 8.0 * self.wire_bytes / self.numel
+
+    @property
+    def lane_bits_per_coordinate(self) -> float:
+        """64 / per_word: the cost of the packed levels alone."""
+        return 64.0 / self.per_word
+
+
+def plan_thc_layout(numel: int, world_size: int, granularity: int, hadamard_block: int = 1024,
+                    payload_dtype: torch.dtype = torch.float64, digits_per_word: Optional[int] = None) -> THCLayout:
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
+        raise ValueError(f"numel must be a positive integer (an empty tensor has nothing to compress), got {numel!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if payload_dtype not in WORD_KINDS:
+        raise ValueError(f"payload_dtype must be torch.float64 (SUM and AVERAGE) or torch.int64 (SUM only), "
+                         f"got {payload_dtype}")
+    if (not isinstance(hadamard_block, int) or hadamard_block < 1 or hadamard_block > MAX_HADAMARD_BLOCK
+            or hadamard_block & (hadamard_block - 1)):
+        raise ValueError(f"hadamard_block must be a power of two in [1, {MAX_HADAMARD_BLOCK}], got {hadamard_block!r}")
+    if digits_per_word is not None and (not isinstance(digits_per_word, int) or digits_per_word < 1):
+        raise ValueError(f"digits_per_word must be None (as many as fit) or a positive integer, got {digits_per_word!r}")
+    why = _layout_error(world_size, granularity, payload_dtype, digits_per_word)
+    if why is not None:
+        limit = max_world_size(granularity, payload_dtype, digits_per_word)
+        raise ValueError(f"world_size={world_size} is too large for granularity={granularity} with "
+                         f"{'as many digits as fit' if digits_per_word is None else f'digits_per_word={digits_per_word}'}"
+                         f" in {payload_dtype} words: {why}. This configuration allows at most {limit} ranks; "
+                         "lower granularity or digits_per_word")
+    block = min(hadamard_block, 1 << (numel - 1).bit_length())
+    padded = -(-numel // block) * block
+    base = world_size * granularity + 1
+    per_word = digits_per_word or _digits_per_word(base, _exact_limit(world_size, payload_dtype))
+    group_blocks = per_word // math.gcd(per_word, block)
+    if group_blocks > MAX_GROUP_BLOCKS:
+        group_blocks = 1
+    blocks = padded // block
+    full, rest = divmod(blocks, group_blocks)
+    words = full * -(-group_blocks * block // per_word) + -(-rest * block // per_word)
+    return THCLayout(numel, world_size, granularity, block, padded, base, per_word, group_blocks, words,
+                     payload_dtype)
+
+
+class THCCodec:
+    r"""THC for one tensor on one rank: encode, (engine SUM/AVERAGE), decode, error feedback.
+
+    Every rank builds the codec with the same arguments except ``rank``, and calls ``encode`` then
+    ``decode`` once per step, in the same order as the others. The object is stateful (the step
+    counter, the agreed scale M, the error-feedback memory), so a plugin keeps one per tensor (per
+    parameter, or per DDP bucket index).
+
+    Encode (rank r, step t; v = x + e, the gradient plus the error-feedback memory):
+
+    1. Randomized Hadamard transform, the same on every rank: pad v to whole blocks of
+       ``block`` = 2^k coordinates (``hadamard_block``, smaller for small tensors), flip signs with a
+       step-dependent +-1 diagonal drawn from ``seed`` (shared), then ``y = H v / sqrt(block)`` per
+       block (orthonormal). The coordinates of y are close to N(0, ||v||^2 / padded).
+    2. Scale by the agreed norm and clip: ``z = clamp(y sqrt(padded) / M_t, -T, T)`` with
+       ``T = PhiInv(1 - p/2)``, ``p = 1/overflow_freq``. M_t is the largest ||v|| among the ranks at
+       step t - 1 (below), so z is close to a standard normal clipped at T (mass p clipped).
+    3. Map to ``u = (z + T) g / (2T)`` in [0, g] and round without bias to a neighbouring level of the
+       table (2^bits integer levels in [0, g], :func:`build_table`): ``a <= u <= b`` goes up with
+       probability (u - a)/(b - a), drawn from a per-rank, per-step stream. (THC rounds in two
+       stages, first to a 1001-point grid, to make the neighbour search a lookup; with integer levels
+       ``floor(u)`` indexes the neighbours directly, so one unbiased stage suffices and has less
+       variance.)
+    4. Pack the levels as digits of base ``n g + 1`` into 64-bit words (``per_word`` per word);
+       write the header and this rank's ||v|| into norm slot r (0 in the other slots).
+    5. Error feedback: ``e <- v - RHT^{-1}(own dequantized levels)`` (clipping and rounding error of
+       this step, carried into the next; :attr:`error`).
+
+    Aggregation: any engine sums the payloads element-wise (or averages them in float64). A digit of
+    the sum is at most n g < base, so lanes never carry; words stay within the exact range of the
+    dtype, so the integers survive any summation order and an average (see ``max_world_size``).
+
+    Decode (identical on every rank, since every rank holds the same aggregated bits): recover the
+    digit sums S_i, ``y_sum_i = (S_i 2T/g - n T) M_t / sqrt(padded)``, output ``RHT^{-1}(y_sum)``
+    (or / n for an average). Then ``M_{t+1} = max_r slot_r``: every rank learns every rank's norm
+    from the same payload, so no extra collective and no blocking norm round is needed.
+
+    Unbiasedness: given the clipped z, the decoded sum is unbiased (E over the rounding draws), with
+    variance per transformed coordinate ``(u - a)(b - u) (2T/g)^2 (M / sqrt(padded))^2`` summed over
+    ranks; the rotation is orthonormal, so the expected squared error of the output is the sum of
+    those variances over the ``numel`` coordinates' share. Clipping is the bias; error feedback
+    returns the clipped mass at later steps.
+
+    The first step (bootstrap): M_0 is unknown unless ``initial_norm`` is given. Then step 0 is a
+    norm-only round: the payload still has its full shape (so every engine call is the same), but
+    no levels are quantized, ``decode`` returns zeros, and (with error feedback) the whole step-0
+    gradient stays in :attr:`error` and is sent at step 1, when M_1 = max_r ||v_r^0|| is known.
+    Without error feedback the step-0 gradient is lost: pass ``initial_norm`` (any value every rank
+    agrees on, e.g. a bound on the gradient norm) to quantize from step 0. The same rule applies
+    whenever the agreed M is 0 (every rank sent zeros at the previous step).
+
+    Effect of the one-step lag on clipping: M_t is last step's largest norm, not this step's. When
+    ||v|| grows, z has a standard deviation above 1 and more than a fraction p of the coordinates
+    clip; the clipped mass goes to error feedback (so ``e`` and hence the next norm grow, and M
+    catches up one step later). When ||v|| shrinks, fewer coordinates clip and the levels are used
+    less finely (more variance relative to ||v||).
+
+    Args:
+        numel: elements of the tensor (any shape with this many elements), >= 1.
+        world_size: ranks whose payloads are aggregated.
+        rank: this rank (selects the norm slot and the rounding stream), 0 <= rank < world_size.
+        bits: the table has 2^bits levels (all g + 1 integers when 2^bits > g).
+        granularity: g, levels are integers in [0, g].
+        overflow_freq: 1/p, the expected fraction of clipped coordinates for a normal input.
+        seed: seeds the shared rotation and the rounding streams; identical on every rank.
+        device: "cpu" (the CUDA backend is a separate build).
+        levels: an explicit table (e.g. ``PUBLISHED_TABLE_4BIT_G30_P32``) instead of ``table_for``.
+        symmetric_table: use the best table symmetric under l -> g - l (the published shape).
+        hadamard_block: largest Hadamard block (power of two; 1024 as in THC's code).
+        payload_dtype: torch.float64 (default; exact under SUM and AVERAGE) or torch.int64 (SUM
+            only, e.g. torch.distributed with ReduceOp.SUM; one more digit per word when it fits).
+        digits_per_word: pin the lane count (then ``world_size`` is limited, see ``max_world_size``);
+            None packs as many as stay exact.
+        error_feedback: keep the error memory e (recommended; needed for the bootstrap step).
+        initial_norm: M_0; None means a norm-only first step.
+        non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
+            ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
+            GradScaler, which then skips the step). That rank sends only the header and keeps its e
+            (if x is finite but x + e overflows float32, e is reset to zero instead).
+        num_threads: OpenMP threads of the kernels (0: the OpenMP default).
+
+    Example (one process emulating two ranks; the adds stand for the engine's SUM)::
+
+        >>> codecs = [THCCodec(numel=4096, world_size=2, rank=r, seed=7) for r in range(2)]
+        >>> for step in range(3):
+        ...     grads = [torch.randn(4096) for _ in range(2)]
+        ...     summed = codecs[0].encode(grads[0]) + codecs[1].encode(grads[1])
+        ...     outs = [c.decode(summed) for c in codecs]   # step 0: zeros (norm-only round)
+        >>> torch.equal(outs[0], outs[1])
+        True
+    """
+
+    __slots__ = ("layout", "table", "rank", "seed", "overflow_freq", "threshold", "device", "error_feedback",
+                 "non_finite", "num_threads", "_native", "_lo", "_width", "_inv_width", "_norm", "_step",
+                 "_pending", "_error", "_shape", "_dtype", "_last_norms", "_fingerprint_used")
+
+    def __init__(self, numel: int, world_size: int, rank: int = 0, bits: int = 4, granularity: int = 30,
+                 overflow_freq: float = 32, seed: int = 0, device="cpu", *, levels: Optional[Sequence[int]] = None,
+                 symmetric_table: bool = False, hadamard_block: int = 1024,
+                 payload_dtype: torch.dtype = torch.float64, digits_per_word: Optional[int] = None,
+                 error_feedback: bool = True, initial_norm: Optional[float] = None, non_finite: str = "raise",
+                 num_threads: int = 0):
+        if levels is None:
+            self.table: THCTable = table_for(bits, granularity, overflow_freq, symmetric_table)
+        else:
+            lv = tuple(int(v) for v in levels)
+            self.table = THCTable(lv, bits, granularity, float(overflow_freq), clip_threshold(overflow_freq),
+                                  table_variance(lv, granularity, overflow_freq))
+        self.layout = plan_thc_layout(numel, world_size, granularity, hadamard_block, payload_dtype, digits_per_word)
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+        if not isinstance(seed, int) or not 0 <= seed < (1 << 64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        if non_finite not in ("raise", "propagate"):
+            raise ValueError(f"non_finite must be 'raise' or 'propagate', got {non_finite!r}")
+        if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
+            raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
+        self.device = torch.device(device)
+        _backend.require_backend(self.device)
+        self.rank, self.seed = rank, seed
+        self.overflow_freq = float(overflow_freq)
+        self.threshold = self.table.threshold
+        self.error_feedback = bool(error_feedback)
+        self.non_finite = non_finite
+        self.num_threads = num_threads
+        self._native = _backend.thc_native_layout(self.layout)
+        # Neighbour lookup: for integer k in [0, g), the levels lo[k] <= k < k + 1 <= lo[k] + width[k].
+        g = granularity
+        lo, width = [], []
+        lv = self.table.levels
+        j = 0
+        for k in range(g):
+            while lv[j + 1] <= k:
+                j += 1
+            lo.append(float(lv[j]))
+            width.append(float(lv[j + 1] - lv[j]))
+        self._lo = torch.tensor(lo, dtype=torch.float32)
+        self._width = torch.tensor(width, dtype=torch.float32)
+        self._inv_width = 1.0 / self._width
+        self._norm = float(initial_norm) if initial_norm is not None else 0.0
+        self._step = 0
+        self._pending = False
+        self._error = torch.zeros(numel, dtype=torch.float32) if self.error_feedback else None
+        self._shape, self._dtype = (numel,), torch.float32
+        self._last_norms: Optional[torch.Tensor] = None
+        self._fingerprint_used = 0
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def granularity(self) -> int:
+        return self.layout.granularity
+
+    @property
+    def payload_numel(self) -> int:
+        return self.layout.payload_numel
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        return self.layout.payload_dtype
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one rank sends for this tensor (the whole payload)."""
+        return self.layout.wire_bytes
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """Wire bits per input coordinate, all included (32 for dense float32)."""
+        return self.layout.bits_per_coordinate
+
+    @property
+    def step(self) -> int:
+        """Steps completed (decodes done)."""
+        return self._step
+
+    @property
+    def norm(self) -> float:
+        """M for the next encode: the largest ||x + e|| any rank reported at the previous step
+        (or ``initial_norm``); 0 means the next step is a norm-only round."""
+        return self._norm
+
+    @property
+    def error(self) -> Optional[torch.Tensor]:
+        """The error-feedback memory e (numel float32, 1-D): what this rank has not yet transmitted.
+        After ``encode``: ``e = x + e_prev - RHT^{-1}(own dequantized levels)``. None when disabled."""
+        return self._error
+
+    @property
+    def last_norms(self) -> Optional[torch.Tensor]:
+        """Every rank's ||x + e|| at the last decoded step (float64, world_size), read from the payload."""
+        return self._last_norms
+
+    def reset(self) -> None:
+        """Forget the error memory and the agreed norm (the next step is a norm-only round unless the
+        codec was built with ``initial_norm``, which is not remembered). Call on every rank."""
+        if self._error is not None:
+            self._error.zero_()
+        self._norm, self._step, self._pending = 0.0, 0, False
+
+    def __repr__(self) -> str:
+        L = self.layout
+        return (f"THCCodec(numel={L.numel}, world_size={L.world_size}, rank={self.rank}, levels={len(self.table.levels)}"
+                f", granularity={L.granularity}, overflow_freq={self.overflow_freq:g}, block={L.block}, "
+                f"{L.per_word} digits of base {L.base} per {L.payload_dtype} word, "
+                f"{self.bits_per_coordinate:.2f} bits/coordinate)")
+
+    # -- streams and the consistency fingerprint ------------------------------------------------
+    def _fingerprint(self) -> int:
+        """20-bit hash of everything the ranks must agree on at this step (configuration, step, M)."""
+        L = self.layout
+        msg = struct.pack("<8q2d", LAYOUT_VERSION, L.numel, L.world_size, L.granularity, L.block, L.per_word,
+                          WORD_KINDS[L.payload_dtype], self.seed & ((1 << 63) - 1), self.overflow_freq, self._norm)
+        msg += struct.pack(f"<{len(self.table.levels)}q", *self.table.levels) + struct.pack("<q", self._step)
+        return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << FINGERPRINT_BITS) - 1)
+
+    # -- encode --------------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_sparse:
+            raise TypeError("x is a sparse tensor; pass it dense (e.g. x.to_dense())")
+        if x.numel() != self.layout.numel:
+            raise ValueError(f"x has {x.numel()} elements, the codec was built for numel={self.layout.numel}")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise TypeError(f"x has dtype {x.dtype}; THCCodec encodes floating-point gradients "
+                            "(float32, float16, bfloat16, float64)")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the codec on {self.device}")
+        return x.reshape(-1).to(torch.float32).contiguous()
+
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode ``x`` (numel elements, any shape) into a 1-D payload of ``payload_numel`` elements
+        of ``payload_dtype``: a new tensor, or ``out`` (contiguous, that dtype and size; every
+        element is overwritten) to reuse a buffer across steps. No communication. Must be followed
+        by ``decode`` of the aggregate before the next ``encode``. Remembers the shape and dtype of
+        ``x`` for ``decode``."""
+        if self._pending:
+            raise RuntimeError("THCCodec.encode called twice without decode: decode the aggregate of the previous "
+                               "step first (every rank must run encode -> aggregate -> decode once per step)")
+        flat = self._check_input(x)
+        self._shape, self._dtype = tuple(x.shape), x.dtype
+        L = self.layout
+        if out is None:
+            payload = torch.empty(L.payload_numel, dtype=L.payload_dtype, device=self.device)
+        elif (not isinstance(out, torch.Tensor) or out.dtype != L.payload_dtype or out.numel() != L.payload_numel
+              or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous {L.payload_dtype} tensor of {L.payload_numel} elements on "
+                             f"{self.device}")
+        else:
+            payload = out.view(-1)
+        payload[:L.words_offset] = 0   # header and norm slots; the kernel writes every level word
+        e = self._error
+        M = self._norm
+        g, T, D = L.granularity, self.threshold, L.padded
+        quantize = M > 0.0   # M == 0: the norm-only round, all of x + e stays owed
+        unit = M / math.sqrt(D) if quantize else 0.0   # one unit of z in the rotated domain
+        if not quantize:
+            payload[L.words_offset:] = 0
+        st = _backend.thc_encode(self._native, quantize, self._lo, self._width, self._inv_width,
+                                 math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit, -T * unit,
+                                 self._sign_stream(), self._round_stream(), flat, e, WORD_KINDS[L.payload_dtype],
+                                 payload[L.words_offset:], self.num_threads)
+        fingerprint = self._fingerprint()
+        header = payload[:HEADER_FIELDS]
+        header[HDR_CONTRIBUTORS] = 1
+        header[HDR_FINGERPRINT] = fingerprint
+        self._fingerprint_used = fingerprint
+        self._pending = True
+        if st.non_finite:
+            # x held NaN/Inf (e untouched), or x + e overflowed float32 (e was reset to 0): send only
+            # the header; every rank's decode sees the flag.
+            payload[HEADER_FIELDS:] = 0
+            header[HDR_NON_FINITE] = 1
+            return payload
+        slot = payload[L.norm_offset + self.rank:L.norm_offset + self.rank + 1]
+        if L.payload_dtype == torch.float64:
+            slot[0] = math.sqrt(st.sum_squares)
+        else:  # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly
+            slot.view(torch.float64)[0] = math.sqrt(st.sum_squares)
+        return payload
+
+    def _sign_stream(self) -> int:
+        return _backend.thc_sign_stream(self.seed, self._step)
+
+    def _round_stream(self) -> int:
+        return _backend.thc_round_stream(self.seed, self.rank, self._step)
+
+    # -- decode --------------------------------------------------------------------------------
+    def decode(self, payload: torch.Tensor, averaged: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Decode an aggregated payload into the sum of the ranks' inputs, or their average with
+        ``averaged=True`` (the payload is then the engine's element-wise AVERAGE). Returns a tensor
+        with the shape and dtype of the last encoded ``x`` (``out``, a contiguous float32 tensor of
+        numel elements, is filled and returned when given and the input dtype is float32).
+
+        Every rank computes the same bits from the same payload, and updates the same state: the step
+        counter and ``norm`` (M for the next step, the largest norm slot).
+
+        Raises ValueError when the payload is not the SUM/AVERAGE of ``world_size`` payloads of this
+        configuration at this step (wrong ``averaged``, ranks built with different arguments, ranks
+        out of step, corrupted words), and FloatingPointError when a rank's input was non-finite
+        (unless ``non_finite="propagate"``). In both cases the state still advances by one step,
+        identically on every rank.
+        """
+        L = self.layout
+        if not self._pending:
+            raise RuntimeError("THCCodec.decode called without a preceding encode on this rank")
+        if not isinstance(payload, torch.Tensor):
+            raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
+        if payload.dtype != L.payload_dtype:
+            raise TypeError(f"payload must be {L.payload_dtype} (this codec's payload_dtype), got {payload.dtype}")
+        if payload.dim() != 1 or payload.numel() != L.payload_numel:
+            raise ValueError(f"payload must be 1-D with {L.payload_numel} elements (this codec's payload_numel), "
+                             f"got shape {tuple(payload.shape)}")
+        if payload.device != self.device:
+            raise ValueError(f"payload is on {payload.device}, the codec on {self.device}")
+        if averaged and L.payload_dtype == torch.int64:
+            raise ValueError("an int64 payload cannot be averaged exactly (integer averages truncate); aggregate it "
+                             "with SUM and decode with averaged=False, or use payload_dtype=torch.float64")
+        payload = payload.contiguous()
+        n = L.world_size
+        mult = float(n) if averaged else 1.0
+        M = self._norm
+        # The state advances identically on every rank whatever happens below.
+        self._pending = False
+        self._step += 1
+
+        header = payload[:HEADER_FIELDS].double().mul(mult).tolist()
+        ints = []
+        for v in header:
+            r = round(v) if math.isfinite(v) else None
+            ints.append(r if r is not None and abs(v - r) <= (0.5 if averaged else 0.0) else None)
+        if L.payload_dtype == torch.float64:
+            norms = payload[L.norm_offset:L.words_offset].mul(mult)
+        else:
+            norms = payload[L.norm_offset:L.words_offset].view(torch.float64).clone()
+        contributors, fingerprint, non_finite = ints
+        if contributors != n:
+            hint = ""
+            if not averaged and contributors == 1 and n > 1:
+                hint = " (an averaged payload? pass averaged=True)"
+            elif averaged and contributors == n * n and n > 1:
+                hint = " (a summed payload? pass averaged=False)"
+            raise ValueError(f"payload aggregates {header[HDR_CONTRIBUTORS]:g} contributions, expected "
+                             f"world_size={n}{hint}")
+        if fingerprint != n * self._fingerprint_used:
+            raise ValueError("THC configuration or step mismatch: the ranks' fingerprints disagree (different "
+                             "numel/world_size/bits/granularity/overflow_freq/seed/table/payload dtype, or ranks at "
+                             "different steps or with different agreed norms). Build every rank's codec with the "
+                             "same arguments and run encode -> aggregate -> decode once per step on every rank")
+        if non_finite is None or not 0 <= non_finite <= n:
+            raise ValueError("payload header is corrupted (non-finite flag count is not an integer in [0, n])")
+        if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
+            raise ValueError("payload norm slots are corrupted (negative or non-finite)")
+        self._last_norms = norms
+        self._norm = float(norms.max())
+
+        def result(y: torch.Tensor) -> torch.Tensor:
+            return y.reshape(self._shape).to(self._dtype)
+
+        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
+                                or out.numel() != L.numel or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous float32 tensor of {L.numel} elements on {self.device}")
+        y = out.view(-1) if out is not None else torch.empty(L.numel, dtype=torch.float32)
+        if non_finite:
+            if self.non_finite == "raise":
+                raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")
+            y.fill_(float("nan"))
+            return result(y)
+        if M == 0.0:
+            y.zero_()  # norm-only round: nothing was quantized
+            return result(y)
+        g, T = L.granularity, self.threshold
+        unit = M / math.sqrt(L.padded)
+        a, b = (2.0 * T / g) * unit, -T * unit
+        if averaged:
+            a /= n          # average = S a / n + b
+        else:
+            b *= n          # sum = S a + n b
+        bad = _backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
+                                  payload[L.words_offset:], mult, a, b, y, self.num_threads)
+        if bad:
+            raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
+                             f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "
+                             "or not a plain SUM/AVERAGE of world_size payloads")
+        return result(y)
+
+    def _sign_stream_of(self, step: int) -> int:
+        return _backend.thc_sign_stream(self.seed, step)
+
+    # -- checkpointing -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The state to checkpoint (step, agreed norm, error memory); restore with load_state_dict."""
+        return {"step": self._step, "norm": self._norm,
+                "error": None if self._error is None else self._error.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._pending:
+            raise RuntimeError("load_state_dict between encode and decode")
+        self._step, self._norm = int(state["step"]), float(state["norm"])
+        if self._error is not None:
+            if state["error"] is None or state["error"].numel() != self.numel:
+                raise ValueError("state has no error memory of this codec's numel")
+            self._error.copy_(state["error"].reshape(-1))

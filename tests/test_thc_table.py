@@ -1,0 +1,90 @@
+"""The THC table optimizer: exact optimum (vs brute force), the published table, the shipped file."""
+import importlib.util
+import itertools
+import math
+import os
+
+import numpy as np
+import pytest
+
+from lossless_hc import thc
+from lossless_hc.thc_table import TABLES_FILE, _normal_pdf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def brute_force(bits, g, p, symmetric=False):
+    best = None
+    for inner in itertools.combinations(range(1, g), (1 << bits) - 2):
+        levels = (0,) + inner + (g,)
+        if symmetric and set(levels) != {g - v for v in levels}:
+            continue
+        v = thc.table_variance(levels, g, p)
+        if best is None or v < best[0] - 1e-12:
+            best = (v, levels)
+    return best
+
+
+@pytest.mark.parametrize("bits,g,p", [(2, 10, 32), (2, 13, 1024), (3, 12, 32), (3, 14, 64), (2, 30, 32)])
+def test_dynamic_program_finds_the_brute_force_optimum(bits, g, p):
+    v, _ = brute_force(bits, g, p)
+    table = thc.build_table(bits, g, p)
+    assert table.variance == pytest.approx(v, rel=1e-12)
+    assert thc.table_variance(table.levels, g, p) == pytest.approx(v, rel=1e-12)
+    vs, _ = brute_force(bits, g, p, symmetric=True)
+    assert thc.build_table(bits, g, p, symmetric=True).variance == pytest.approx(vs, rel=1e-12)
+
+
+def test_published_table_is_the_symmetric_optimum_and_ours_is_lower():
+    published = thc.PUBLISHED_TABLE_4BIT_G30_P32
+    sym = thc.build_table(4, 30, 32, symmetric=True)
+    assert sym.levels == published
+    best = thc.build_table(4, 30, 32)
+    assert best.levels == (0, 3, 5, 7, 9, 11, 13, 14, 15, 17, 19, 21, 23, 25, 27, 30)
+    v_pub = thc.table_variance(published, 30, 32)
+    assert best.variance < v_pub
+    assert best.variance == pytest.approx(0.633533, abs=1e-6) and v_pub == pytest.approx(0.634118, abs=1e-6)
+
+
+def test_variance_matches_numerical_integration():
+    # Midpoint rule over the clipped normal, independent of the closed-form moments.
+    levels, g, p = (0, 4, 9, 15, 20, 26, 30), 30, 128
+    T = thc.clip_threshold(p)
+    z = np.linspace(-T, T, 400001)
+    zm, dz = (z[1:] + z[:-1]) / 2, z[1] - z[0]
+    u = (zm + T) * g / (2 * T)
+    lv = np.array(levels)
+    idx = np.clip(np.searchsorted(lv, u, side="right"), 1, len(lv) - 1)
+    integrand = (u - lv[idx - 1]) * (lv[idx] - u) * np.exp(-zm ** 2 / 2) / math.sqrt(2 * math.pi)
+    assert thc.table_variance(levels, g, p) == pytest.approx(float(integrand.sum() * dz), rel=1e-6)
+
+
+def test_clip_threshold():
+    assert thc.clip_threshold(32) == pytest.approx(2.1538746940614546, rel=1e-12)
+    assert thc.clip_threshold(1024) == pytest.approx(3.2971933456919633, rel=1e-12)
+    assert _normal_pdf(0.0) == pytest.approx(1 / math.sqrt(2 * math.pi))
+
+
+def test_full_grid_when_bits_cover_every_integer():
+    assert thc.build_table(5, 30, 32).levels == tuple(range(31))
+
+
+def test_shipped_tables_equal_a_fresh_build():
+    spec = importlib.util.spec_from_file_location("build_thc_tables", os.path.join(ROOT, "scripts",
+                                                                                   "build_thc_tables.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(TABLES_FILE) as f:
+        assert f.read() == mod.render(mod.build_all())
+    assert thc.table_for(4, 30, 32, symmetric=True).levels == thc.PUBLISHED_TABLE_4BIT_G30_P32
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="bits"):
+        thc.build_table(0, 30)
+    with pytest.raises(ValueError, match="granularity"):
+        thc.build_table(4, 0)
+    with pytest.raises(ValueError, match="overflow_freq"):
+        thc.build_table(4, 30, 0.5)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        thc.table_variance((0, 5, 5, 30), 30, 32)

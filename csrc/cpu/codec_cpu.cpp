@@ -404,9 +404,28 @@ struct KeyParts {
   }
 };
 
+// Support keys bucketed by sketch group as they are found: by[p][g] holds, in increasing order, the
+// keys of group g found by part p (one unpacking thread); parts cover increasing key ranges, so the
+// parts of one group concatenated are its keys in increasing order. Bucketing while unpacking saves
+// a pass over the support and a copy of it.
+struct GroupedKeys {
+  std::vector<std::vector<std::vector<uint32_t>>> by;
+  uint64_t group_size(uint64_t g) const {
+    uint64_t n = 0;
+    for (const auto& part : by) n += part[g].size();
+    return n;
+  }
+  uint64_t total() const {
+    uint64_t n = 0;
+    for (const auto& part : by)
+      for (const auto& v : part) n += v.size();
+    return n;
+  }
+};
+
 // Bloom index: candidates, then exact integer peeling of the counters. Returns a DecodeStatus and
-// the keys whose aggregated count is >= 1, in increasing order (one part).
-int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, KeyParts* support,
+// the keys whose aggregated count is >= 1, bucketed by sketch group (one part).
+int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, GroupedKeys* support,
                       DecodeStats* st) {
   const uint64_t n = in.world_size;
   const uint64_t bcells = L.bloom.cells();
@@ -487,26 +506,35 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
     if (t.values(c)[0] != 0.0) return kDecodeIndexCorrupt;
   std::sort(found.begin(), found.end());
   st->false_positives = cand.size() - found.size();
-  support->parts.assign(1, std::move(found));
+  const SegmentedTable& T = L.sketch;
+  support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
+  for (uint32_t k : found) support->by[0][key_group(T, k)].push_back(k);
   return kDecodeOk;
 }
 
-// Bitmap index: the keys with a non-zero counter, in increasing order (one part per unpacking
-// thread). Returns a DecodeStatus.
-int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, KeyParts* support,
-                       DecodeStats* st) {
+// Bitmap index: the keys with a non-zero counter, in increasing order, bucketed by sketch group.
+// Returns a DecodeStatus.
+int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt,
+                       GroupedKeys* support, DecodeStats* st) {
+  const SegmentedTable& T = L.sketch;
+  const uint64_t groups = T.groups();
+  // A group's keys and how many are set: the vector is sized ahead, so filling it is a plain store.
+  struct Bucket {
+    std::vector<uint32_t> keys;
+    uint64_t size = 0;
+  };
   struct KeySink {
-    std::vector<uint32_t> keys;  // keys[0, count) found so far; the rest is room for the next block
-    uint64_t count, sum;
+    const SegmentedTable* table;
+    std::vector<Bucket> buckets;
+    std::vector<uint32_t> found, group;  // one block's keys and their groups
+    uint64_t num_keys, sum;
     uint32_t per_word, world_size;
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
-      const uint64_t room = count + (uint64_t)words * per_word + 8;  // + the 8 stores past the last key
-      if (keys.size() < room) keys.resize(2 * room);
-      uint32_t* out = keys.data() + count;
       // Branch-free: for each 8 digits of a word, store the positions of all 8 from the table of set
       // bits and advance by the number of non-zero ones.
+      uint32_t* out = found.data();
       for (uint32_t w = 0; w < words; ++w) {
         const uint32_t first = (uint32_t)((first_word + w) * per_word);
         for (uint32_t s = 0; s < per_word; s += 8) {
@@ -515,26 +543,44 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
           out += kSetBit.count[m];
         }
       }
-      count = (uint64_t)(out - keys.data());
+      const uint32_t n = (uint32_t)(out - found.data());
+      if (n == 0) return true;
+      if (found[n - 1] >= num_keys) return false;  // a digit past the last key (in the last word)
+      for (Bucket& b : buckets)
+        if (b.keys.size() < b.size + n) b.keys.resize(2 * (b.size + n));
+      if (buckets.size() == 1) {
+        std::copy(found.data(), found.data() + n, buckets[0].keys.data() + buckets[0].size);
+        buckets[0].size += n;
+        return true;
+      }
+      hash_groups(*table, found.data(), n, group.data());
+      for (uint32_t i = 0; i < n; ++i) {
+        Bucket& b = buckets[group[i]];
+        b.keys[b.size++] = found[i];
+      }
       return true;
     }
   };
-  // Each thread's share of the keys, with room to spare: no reallocation for a valid payload.
-  const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / (uint64_t)nt;
-  std::vector<KeySink> sinks(nt, KeySink{{}, 0, 0, L.index.per_word, (uint32_t)in.world_size});
-  for (auto& k : sinks) k.keys.resize(expect + expect / 8 + 1024);
+  // Each thread's share of a group's keys, with room to spare: no reallocation for a valid payload.
+  const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
+  const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
+  KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
+                L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size};
+  for (Bucket& b : proto.buckets) b.keys.resize(expect + expect / 8 + 64);
+  std::vector<KeySink> sinks(nt, proto);
   const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
-  support->parts.clear();
-  bool in_range = true;
+  support->by.clear();
   for (auto& k : sinks) {
     st->index_total += k.sum;
-    k.keys.resize(k.count);
-    // Keys increase, so only the last one can be a digit past the last key (in the last word).
-    if (k.count && k.keys.back() >= L.num_keys) in_range = false;
-    support->parts.push_back(std::move(k.keys));
+    std::vector<std::vector<uint32_t>> part;
+    for (Bucket& b : k.buckets) {
+      b.keys.resize(b.size);
+      part.push_back(std::move(b.keys));
+    }
+    support->by.push_back(std::move(part));
   }
-  st->candidates = support->size();
-  if (!valid || !in_range || st->index_total != in.total_keys) return kDecodeIndexCorrupt;
+  st->candidates = support->total();
+  if (!valid || st->index_total != in.total_keys) return kDecodeIndexCorrupt;
   return kDecodeOk;
 }
 
@@ -583,33 +629,40 @@ void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, s
   }
 }
 
-// out = the recovered values of the support keys and zeros elsewhere, written in one pass in
-// increasing address order (each thread a contiguous range) by merging the groups' sorted key lists:
-// no separate zero-fill of the output and no random stores into it.
-void write_output(const CodecLayout& L, const std::vector<uint32_t>& keys, const std::vector<uint64_t>& goff,
-                  const float* vals, float* out, int nt) {
-  const uint64_t B = L.block, groups = goff.size() - 1;
+// Keys in increasing order and their values (block floats each).
+struct KeyRun {
+  const uint32_t* keys;
+  uint64_t count;
+  const float* vals;
+};
+
+// out = the values of the keys of `runs` and zeros elsewhere, written in one pass in increasing
+// address order (each thread a contiguous range) by merging the runs: no separate zero-fill of the
+// output and no random stores into it.
+void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* out, int nt) {
+  const uint64_t B = L.block;
   const uint64_t chunk = std::max<uint64_t>(1, 4096 / B);  // keys zeroed, then filled, while in L1
 #pragma omp parallel num_threads(nt)
   {
     uint64_t kb, ke;
     split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
-    std::vector<uint64_t> cursor(groups);
-    for (uint64_t g = 0; g < groups; ++g)
-      cursor[g] = (uint64_t)(std::lower_bound(keys.begin() + goff[g], keys.begin() + goff[g + 1], kb) - keys.begin());
+    std::vector<uint64_t> cursor(runs.size());
+    for (size_t r = 0; r < runs.size(); ++r)
+      cursor[r] = (uint64_t)(std::lower_bound(runs[r].keys, runs[r].keys + runs[r].count, kb) - runs[r].keys);
     for (uint64_t c0 = kb; c0 < ke; c0 += chunk) {
       const uint64_t c1 = std::min(c0 + chunk, ke);
       std::fill(out + c0 * B, out + std::min(c1 * B, L.numel), 0.0f);
-      for (uint64_t g = 0; g < groups; ++g) {
-        uint64_t i = cursor[g];
-        for (; i < goff[g + 1] && keys[i] < c1; ++i) {
-          const uint64_t lo = (uint64_t)keys[i] * B;
+      for (size_t r = 0; r < runs.size(); ++r) {
+        const KeyRun& run = runs[r];
+        uint64_t i = cursor[r];
+        for (; i < run.count && run.keys[i] < c1; ++i) {
+          const uint64_t lo = (uint64_t)run.keys[i] * B;
           if (B == 1)
-            out[lo] = vals[i];  // one store, not a call to memcpy
+            out[lo] = run.vals[i];  // one store, not a call to memcpy
           else
-            std::memcpy(out + lo, vals + i * B, 4 * std::min<uint64_t>(B, L.numel - lo));
+            std::memcpy(out + lo, run.vals + i * B, 4 * std::min<uint64_t>(B, L.numel - lo));
         }
-        cursor[g] = i;
+        cursor[r] = i;
       }
     }
   }
@@ -625,42 +678,41 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   const float* index = payload + L.index_offset;
 
   // 1. The exact support: keys non-zero on at least one rank, bucketed by sketch group.
-  KeyParts support;
+  GroupedKeys support;
   st.status = L.index_kind == kIndexBitmap ? bitmap_support(L, in, index, nt, &support, &st)
                                            : bloom_support(L, in, index, nt, &support, &st);
   if (st.status != kDecodeOk) {
     parallel_fill(out, L.numel, 0.0f, nt);
     return st;
   }
-  st.support_keys = support.size();
+  st.support_keys = support.total();
   prof.mark("index");
-  const SegmentedTable& T = L.sketch;
-  std::vector<uint32_t> keys;   // the support, group by group, increasing within a group
-  std::vector<uint64_t> goff;   // group g's keys: [goff[g], goff[g + 1])
-  bucket_by_group(T, support, nt, &keys, &goff);
-  KeyParts().parts.swap(support.parts);
-  prof.mark("bucket");
 
   // 2. Peel the value sketch over the support one group at a time (groups share no cells), in
-  //    double precision, into vals (by position in keys). A group's working set is private to the
+  //    double precision, into vals. A key's position: its group's keys (parts concatenated) come
+  //    after those of the groups before, in increasing order. A group's working set is private to the
   //    thread peeling it and sized to stay in cache; each group is peeled sequentially in a fixed
   //    order, so the values do not depend on the number of threads or their scheduling.
   const uint64_t B = L.block;
+  const SegmentedTable& T = L.sketch;
   const uint64_t groups = T.groups(), gcells = T.group_cells();
   const float* sk = payload + L.sketch_offset;
-  std::vector<float> vals(keys.size() * B);
+  std::vector<uint64_t> goff(groups + 1, 0);  // group g's keys: positions [goff[g], goff[g + 1])
+  for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
+  std::vector<float> vals(goff[groups] * B);  // by key position
   std::vector<uint64_t> peeled(groups, 0);
   std::vector<char> bad(groups, 0), non_finite(groups, 0);
 #pragma omp parallel num_threads(nt)
   {
     PeelTable t;
     std::vector<double> v(B);
-    std::vector<uint32_t> scratch;  // hashed cells while building, then the peeling queue
+    std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building, then the queue
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
       const uint64_t base = (uint64_t)g * gcells, kb = goff[g];
-      const uint32_t kn = (uint32_t)(goff[g + 1] - kb);
-      const uint32_t* gkeys = keys.data() + kb;
+      gkeys.clear();
+      for (const auto& part : support.by) gkeys.insert(gkeys.end(), part[g].begin(), part[g].end());
+      const uint32_t kn = (uint32_t)gkeys.size();
       float* gvals = vals.data() + kb * B;
       // Keys the peel does not reach (a failed group) keep NaN, never stale memory.
       std::fill(gvals, gvals + (uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
@@ -675,7 +727,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
         }
       }
       if (!finite) non_finite[g] = 1;
-      build_states(t, T, gkeys, kn, scratch);
+      build_states(t, T, gkeys.data(), kn, scratch);
       uint64_t step = kb;
       bool group_bad = false;
       peeled[g] = peel(
@@ -705,7 +757,15 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     }
   }
   prof.mark("peel");
-  write_output(L, keys, goff, vals.data(), out, nt);
+  std::vector<KeyRun> runs;
+  for (uint64_t g = 0; g < groups; ++g) {
+    uint64_t pos = goff[g];
+    for (const auto& part : support.by) {
+      runs.push_back(KeyRun{part[g].data(), part[g].size(), vals.data() + pos * B});
+      pos += part[g].size();
+    }
+  }
+  write_output(L, runs, out, nt);
   prof.mark("write");
   for (uint64_t g = 0; g < groups; ++g) {
     st.peeled += peeled[g];

@@ -239,7 +239,6 @@ class PeelTable {
     stride_ = kStateSlots + block;
     slots_.resize(cells() * stride_);
   }
-  uint64_t seg_len() const { return seg_len_; }
   uint64_t cells() const { return 3 * seg_len_; }
   uint32_t& deg(uint64_t c) { return slots_[c * stride_].word[0]; }
   uint32_t& pos(uint64_t c) { return slots_[c * stride_].word[1]; }
@@ -248,7 +247,7 @@ class PeelTable {
   void clear_state(uint64_t c) {
     for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
   }
-  // Cell j of the key with packed cells e, and its sign.
+  // The cell a packed cell e of segment j names, and the sign it carries.
   uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> 1); }
   static double sign(uint32_t e) { return (e & 1u) ? -1.0 : 1.0; }
   // Put the key at position p, with packed cells e[3], into cell c (delta 1) or take it out (delta

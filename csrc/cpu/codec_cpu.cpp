@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -46,35 +47,6 @@ inline void split_range(uint64_t total, int parts, int tid, uint64_t* begin, uin
 void parallel_fill(float* p, uint64_t n, float value, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t i = 0; i < (int64_t)n; ++i) p[i] = value;
-}
-
-// Exact division of a non-negative integer below 2^22 by a fixed divisor below 2^22, via a double
-// reciprocal with one correction step (the estimate is off by at most one).
-struct SmallDivider {
-  int64_t base;
-  double inv;
-  explicit SmallDivider(uint32_t b) : base((int64_t)b), inv(1.0 / (double)b) {}
-  inline void divmod(int64_t u, int64_t* q, int64_t* r) const {
-    int64_t qq = (int64_t)((double)u * inv);
-    int64_t rr = u - qq * base;
-    if (rr >= base) { ++qq; rr -= base; }
-    if (rr < 0) { --qq; rr += base; }
-    *q = qq;
-    *r = rr;
-  }
-};
-
-// Read an index word as an exact integer in [0, base^per_word). Returns -1 if it is not one.
-// A SUM of integer fields below 2^22 is exact in float32, so a summed word (scale 1) must be an
-// integer. An AVERAGE is off by less than 1/2 after scaling back (see kIntFieldBits), so an averaged
-// word is rounded to the nearest integer.
-inline int64_t read_word(const float* p, double scale, int64_t limit) {
-  const double v = (double)(*p) * scale;
-  if (!(v > -0.5 && v < (double)limit)) return -1;  // also rejects NaN
-  const double r = std::nearbyint(v);
-  const double tolerance = scale == 1.0 ? 0.0 : 0.5;
-  if (std::fabs(v - r) > tolerance || r < 0.0 || r >= (double)limit) return -1;
-  return (int64_t)r;
 }
 
 // Non-zero keys of x, per thread in increasing order (concatenated: sorted), and whether x held
@@ -148,125 +120,194 @@ std::vector<float> digit_powers(const DigitPacking& P) {
   return pw;
 }
 
+// Index words are split into digits kWordBlock words at a time, by loops over words that the
+// compiler vectorises.
+constexpr uint32_t kWordBlock = 64;
+constexpr uint32_t kMaxPerWord = kIntFieldBits;  // base >= 2 and base^per_word <= 2^22
 
-// Splits a packed word into its digits with two small lookup tables instead of per_word divisions:
-// word = hi * base^lo_digits + lo, and each half indexes a table of its digits.
-struct DigitDecoder {
-  uint32_t per_word, lo_digits;
-  int64_t limit;            // base^per_word: valid words are below it
-  SmallDivider lo_div;      // divides by base^lo_digits
-  std::vector<uint32_t> lut;  // lut[v * lo_digits + i] = digit i of v, for v < base^lo_digits
-  std::vector<uint32_t> nonzero;  // nonzero[v]: bit i set iff digit i of v is non-zero
-
-  explicit DigitDecoder(const DigitPacking& P)
-      : per_word(P.per_word), lo_digits((P.per_word + 1) / 2), limit(1), lo_div(1) {
-    int64_t lo_mod = 1;
-    for (uint32_t i = 0; i < per_word; ++i) limit *= P.base;
-    for (uint32_t i = 0; i < lo_digits; ++i) lo_mod *= P.base;
-    lo_div = SmallDivider((uint32_t)lo_mod);
-    lut.resize((size_t)lo_mod * lo_digits);
-    nonzero.assign((size_t)lo_mod, 0);
-    for (int64_t v = 0; v < lo_mod; ++v) {
-      int64_t u = v;
-      for (uint32_t i = 0; i < lo_digits; ++i, u /= P.base) {
-        lut[(size_t)v * lo_digits + i] = (uint32_t)(u % P.base);
-        if (u % P.base) nonzero[(size_t)v] |= 1u << i;
-      }
-    }
-  }
+// The digits of up to kWordBlock consecutive index words: digit[i][w] is digit i of word w, and bit i
+// of nonzero[w] is set iff that digit is not zero.
+struct WordDigits {
+  uint32_t digit[kMaxPerWord][kWordBlock];
+  uint32_t nonzero[kWordBlock];
+  uint64_t sum;  // of all the digits
+  uint32_t max;  // the largest digit
 };
 
-// Unpack every index word into digits: thread t calls sinks[t](position, digit) for the non-zero
-// digits of its contiguous word range, in increasing position (on a private copy of the sink,
-// moved back at the end). Returns false if a word is not a valid packed integer or a sink rejects
-// a digit.
+// Split words[0, n) (n <= kWordBlock) into digits. Returns false if a word is not a valid packed
+// integer in [0, base^per_word): a SUM of integer fields below 2^22 is exact in float32, so a summed
+// word (scale 1) must be an integer; an AVERAGE is within 1/2 of one after scaling back (see
+// kIntFieldBits), so an averaged word is rounded to the nearest integer.
+// Branch-free over words, so it vectorises (cloned for AVX-512 and AVX2, chosen at load time):
+// - adding and subtracting 1.5 * 2^52 rounds |v| < 2^51 to the nearest integer, ties to even, as
+//   nearbyint does in the default rounding mode;
+// - floor((u + 0.5) / base) computed as a double product with the rounded reciprocal is the exact
+//   quotient: for u < 2^22, (u + 0.5) / base is at least 0.5 / base > 2^-23 from an integer, and the
+//   product is off by less than 2^22 * 2^-52. (std::floor would not vectorise without
+//   -fno-trapping-math; the conversion to int does.)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+bool split_words(const float* words, uint32_t n, double scale, const DigitPacking& P, WordDigits* d) {
+  const double base = P.base, inv = 1.0 / base, tolerance = scale == 1.0 ? 0.0 : 0.5;
+  const double round_magic = 6755399441055744.0;  // 1.5 * 2^52
+  double limit = 1.0;
+  for (uint32_t i = 0; i < P.per_word; ++i) limit *= base;
+  double u[kWordBlock];
+  uint32_t bad = 0;
+  for (uint32_t w = 0; w < n; ++w) {
+    const double v = (double)words[w] * scale;
+    const double r = (v + round_magic) - round_magic;
+    // Also false for NaN.
+    const bool ok = v > -0.5 && v < limit && std::fabs(v - r) <= tolerance && r >= 0.0 && r < limit;
+    bad |= (uint32_t)!ok;
+    u[w] = ok ? r : 0.0;
+    d->nonzero[w] = 0;
+  }
+  uint64_t sum = 0;
+  uint32_t max = 0;
+  for (uint32_t i = 0; i < P.per_word; ++i) {
+    for (uint32_t w = 0; w < n; ++w) {
+      const double q = (double)(int32_t)((u[w] + 0.5) * inv);  // truncation: floor, as it is positive
+      const uint32_t digit = (uint32_t)(int32_t)(u[w] - q * base);
+      u[w] = q;
+      d->digit[i][w] = digit;
+      d->nonzero[w] |= (uint32_t)(digit != 0) << i;
+      sum += digit;
+      max = std::max(max, digit);
+    }
+  }
+  d->sum = sum;
+  d->max = max;
+  return bad == 0;
+}
+
+// Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
+// of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
+// of them at low density); on a private copy of the sink, moved back at the end. Returns false if a
+// word is not a valid packed integer or a sink rejects a block.
 template <typename Sink>
 bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks) {
   const uint64_t words = L.index.words();
-  const DigitDecoder dec(L.index);
   const uint32_t* raw = reinterpret_cast<const uint32_t*>(index);
   int bad = 0;
 #pragma omp parallel num_threads(nt) reduction(| : bad)
   {
-    const int tid = omp_get_thread_num();
     uint64_t wb, we;
-    split_range(words, omp_get_num_threads(), tid, &wb, &we);
-    Sink sink = std::move(sinks[tid]);  // thread-private while unpacking (no false sharing)
-    for (uint64_t w = wb; w < we && !bad; ++w) {
-      if (raw[w] == 0) continue;  // +0.0f: no digits (most words at low density)
-      const int64_t u = read_word(index + w, scale, dec.limit);
-      if (u < 0) { bad = 1; break; }
-      int64_t hi, lo;
-      dec.lo_div.divmod(u, &hi, &lo);
-      const uint64_t pos = w * dec.per_word;
-      // Visit only the non-zero digits (set bits of the masks): no per-digit branch to mispredict.
-      const uint32_t* dl = &dec.lut[(size_t)lo * dec.lo_digits];
-      for (uint32_t m = dec.nonzero[(size_t)lo]; m; m &= m - 1) {
-        const uint32_t i = (uint32_t)__builtin_ctz(m);
-        if (!sink(pos + i, dl[i])) { bad = 1; break; }
-      }
-      const uint32_t* dh = &dec.lut[(size_t)hi * dec.lo_digits];
-      for (uint32_t m = dec.nonzero[(size_t)hi]; m; m &= m - 1) {
-        const uint32_t i = (uint32_t)__builtin_ctz(m);
-        if (!sink(pos + dec.lo_digits + i, dh[i])) { bad = 1; break; }
-      }
+    split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
+    Sink sink = std::move(sinks[omp_get_thread_num()]);  // thread-private (no false sharing)
+    WordDigits d;
+    for (uint64_t w = wb; w < we && !bad; w += kWordBlock) {
+      const uint32_t n = (uint32_t)std::min<uint64_t>(kWordBlock, we - w);
+      uint32_t any = 0;
+      for (uint32_t i = 0; i < n; ++i) any |= raw[w + i];
+      if (!any) continue;
+      if (!split_words(index + w, n, scale, L.index, &d) || !sink(w, n, d)) bad = 1;
     }
-    sinks[tid] = std::move(sink);
+    sinks[omp_get_thread_num()] = std::move(sink);
   }
   return bad == 0;
 }
 
-// Per-cell peeling state: how many unresolved keys the cell holds and XORs identifying them (when
-// one key is left, the XORs are that key). Interleaved so one cache line serves all.
-// 8 bytes, so a group's states stay cache-resident: the low 8 bits of `tag` count the keys (build
-// refuses a 256th), the high 24 bits XOR their positions (a group peels fewer than 2^24 keys).
-struct CellState {
-  uint32_t key;  // XOR of the unresolved keys' ids: no list lookup is needed to find a pure cell's key
-  uint32_t tag;  // (XOR of their positions) << 8 | their count
-  uint32_t deg() const { return tag & 0xffu; }
-  uint32_t pos() const { return tag >> 8; }
+// at[m][j]: the position of the j-th lowest set bit of the byte m (j < count[m] = popcount(m); a
+// table, as the baseline x86-64 target has no popcount instruction).
+struct SetBitTable {
+  uint8_t at[256][8] = {};
+  uint8_t count[256] = {};
+  constexpr SetBitTable() {
+    for (int m = 0; m < 256; ++m)
+      for (int b = 0; b < 8; ++b)
+        if (m >> b & 1) at[m][count[m]++] = (uint8_t)b;
+  }
 };
-constexpr uint32_t kMaxCellDegree = 0xffu;
-constexpr uint32_t kMaxPeelKeys = 1u << 24;
+constexpr SetBitTable kSetBit;
 
-inline void prefetch_write(const void* p) { __builtin_prefetch(p, 1, 1); }
+// Peeling state of one group of a segmented table (three segments of seg_len cells; cell j*seg_len + o
+// is offset o of segment j). Per cell: how many unresolved keys it holds, and the XOR of their
+// records -- position in the key list and packed cells -- so that when one key is left the state
+// holds that key's record and peeling needs no lookup; then the cell's `block` values. For block 1
+// that is 32 bytes, one cache line for everything a cell needs.
+// A packed cell is (offset << 1) | (sign < 0): below 2^32 as seg_len < 2^31 for any layout (cells are
+// about 1.25 per key, keys < 2^32).
+union CellSlot {
+  uint32_t word[2];
+  double value;
+};  // each slot is only ever used as the member it was written as
 
-// Add the keys keys[0, count) to the cell states of cells [base, base + table cells of the group):
-// cs[c - base] counts one more key and XORs in its id and its position in `keys` (positions wrap
-// at 2^24; only the value peel uses them, for groups below that). Integer increments and XORs
-// commute, so the result does not depend on the visiting order. Returns false if a cell would hold
-// more than kMaxCellDegree keys (not peelable anyway; then the caller reports a peeling failure).
-// kc[3i + j] = ((cell_j(keys[i]) - base) << 1) | (sign_j < 0), for i < count. A pure function of
-// each key, written as a flat loop so the compiler can vectorise the 64-bit hashing; cloned for
-// AVX-512 (64-bit multiplies in vector registers) and AVX2, chosen at load time.
+class PeelTable {
+ public:
+  void reset(uint64_t seg_len, uint64_t block) {
+    seg_len_ = seg_len;
+    stride_ = kStateSlots + block;
+    slots_.resize(cells() * stride_);
+  }
+  uint64_t cells() const { return 3 * seg_len_; }
+  uint32_t& deg(uint64_t c) { return slots_[c * stride_].word[0]; }
+  uint32_t& pos(uint64_t c) { return slots_[c * stride_].word[1]; }
+  uint32_t& packed(uint64_t c, int j) { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
+  double* values(uint64_t c) { return &slots_[c * stride_ + kStateSlots].value; }
+  void clear_state(uint64_t c) {
+    for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
+  }
+  // The cell a packed cell e of segment j names, and the sign it carries.
+  uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> 1); }
+  static double sign(uint32_t e) { return (e & 1u) ? -1.0 : 1.0; }
+  // Put the key at position p, with packed cells e[3], into cell c (delta 1) or take it out (delta
+  // -1). Integer additions and XORs commute: states do not depend on the order of the updates.
+  void update(uint64_t c, uint32_t p, const uint32_t e[3], uint32_t delta) {
+    deg(c) += delta;
+    pos(c) ^= p;
+    for (int i = 0; i < 3; ++i) packed(c, i) ^= e[i];
+  }
+  void prefetch(uint64_t c) {
+    __builtin_prefetch(&slots_[c * stride_], 1, 3);
+    __builtin_prefetch(&slots_[c * stride_ + stride_ - 1], 1, 3);  // the last value (block > 1)
+  }
+
+ private:
+  static constexpr uint64_t kStateSlots = 3;  // degree, position, 3 packed cells, padding
+  std::vector<CellSlot> slots_;
+  uint64_t seg_len_ = 0, stride_ = kStateSlots + 1;
+};
+
+// kc[3i + j] = (offset of cell j of keys[i] in its segment << 1) | (sign_j < 0), for i < count: the
+// packed cells of PeelTable. A pure function of each key, written as a flat loop so the compiler can
+// vectorise the 64-bit hashing; cloned for AVX-512 (64-bit multiplies in vector registers) and AVX2,
+// chosen at load time.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t base, uint32_t* kc) {
+void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint32_t* kc) {
   const SegmentedTable t = table;
   for (uint32_t i = 0; i < count; ++i) {
     const uint64_t h = key_hash(t, keys[i]);
+    const uint64_t first = 3 * hash_group(t, h);  // the key's first segment
     for (int j = 0; j < 3; ++j) {
       int sign;
-      const uint64_t cell = key_cell(t, h, j, &sign);
-      kc[3 * (uint64_t)i + j] = (uint32_t)((cell - base) << 1) | (uint32_t)(sign < 0);
+      const uint64_t offset = key_cell(t, h, j, &sign) - (first + (uint64_t)j) * t.seg_len;
+      kc[3 * (uint64_t)i + j] = (uint32_t)(offset << 1) | (uint32_t)(sign < 0);
     }
   }
 }
 
-// Add sign * x[key block] into the value sketch for keys[0, count), in that order; all their cells
-// lie at or after cell `base` (a group's first cell). `kc` is scratch for the keys' cells, hashed in
-// one vectorisable pass.
+// group[i] = the sketch group of keys[i], for i < count; vectorised like hash_cells.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count, uint32_t* group) {
+  const SegmentedTable t = table;
+  for (size_t i = 0; i < count; ++i) group[i] = (uint32_t)key_group(t, keys[i]);
+}
+
+// Add sign * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
+// group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
+// pass.
 void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
                   float* sketch, std::vector<uint32_t>& kc) {
   const uint64_t B = L.block;
   kc.resize(3 * count);
-  hash_cells(L.sketch, keys, (uint32_t)count, base, kc.data());
+  hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
   for (size_t i = 0; i < count; ++i) {
     const uint64_t lo = (uint64_t)keys[i] * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;
     for (int j = 0; j < 3; ++j) {
       const uint32_t e = kc[3 * i + j];
-      float* dst = sketch + (base + (e >> 1)) * B;
+      float* dst = sketch + (base + (uint64_t)j * L.sketch.seg_len + (e >> 1)) * B;
       if (e & 1u) {
         for (uint64_t l = 0; l < len; ++l) dst[l] -= src[l];
       } else {
@@ -276,93 +317,76 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
   }
 }
 
-bool build_cell_states(const SegmentedTable& table, const uint32_t* keys, uint32_t count, CellState* cs,
-                       uint64_t base, uint32_t* kc) {
-  hash_cells(table, keys, count, base, kc);
-  constexpr uint32_t kAhead = 8;
-  for (uint32_t i = 0; i < count; ++i) {
-    if (i + kAhead < count)
-      for (int j = 0; j < 3; ++j) prefetch_write(&cs[kc[3 * (uint64_t)(i + kAhead) + j] >> 1]);
-    for (int j = 0; j < 3; ++j) {
-      CellState& st = cs[kc[3 * (uint64_t)i + j] >> 1];
-      if (st.deg() == kMaxCellDegree) return false;
-      st.tag = (st.tag + 1) ^ ((i & (kMaxPeelKeys - 1)) << 8);
-      st.key ^= keys[i];
+// Count keys[0, count), all of one group of `table`, into the states of t (cleared before): each
+// key's cells are hashed a chunk at a time (vectorised; kc is scratch) and its cells' lines are
+// prefetched well ahead, as each key costs only a few instructions.
+void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
+                  std::vector<uint32_t>& kc) {
+  constexpr uint32_t kChunk = 4096, kAhead = 32;
+  kc.resize(3 * kChunk);
+  for (uint32_t first = 0; first < count; first += kChunk) {
+    const uint32_t n = std::min(kChunk, count - first);
+    hash_cells(table, keys + first, n, kc.data());
+    for (uint32_t i = 0; i < n; ++i) {
+      if (i + kAhead < n)
+        for (int j = 0; j < 3; ++j) t.prefetch(t.cell(j, kc[3 * (i + kAhead) + j]));
+      const uint32_t* e = &kc[3 * i];
+      for (int j = 0; j < 3; ++j) t.update(t.cell(j, e[j]), first + i, e, 1);
     }
   }
-  return true;
 }
 
-// Breadth-first peeling of `count` keys whose cells all lie in [base, base + span); cs holds
-// their states (index c - base). Cells pure at the start are queued in increasing order; resolving
-// a key queues the cells it leaves pure. Breadth-first order keeps each key's chain of
-// earlier-peeled dependencies as short as the hypergraph allows, which bounds how far float
-// rounding errors propagate (see layout.sketch_table_for).
-// `resolve(pos, key, pure, cells, signs)` removes the key's contribution from its cells' payload
-// data (false aborts); `prefetch(cell)` hints payload data soon needed. Returns the number of keys
-// resolved; sets `*bad` if the states are inconsistent (a guard: states built by
-// build_cell_states are consistent whatever the payload holds).
-template <typename Resolve, typename Prefetch>
-uint32_t peel(const SegmentedTable& table, uint32_t count, CellState* cs, uint64_t base,
-              uint64_t span, std::vector<uint32_t>& queue, Resolve&& resolve, Prefetch&& prefetch, bool* bad,
-              const uint32_t* kc = nullptr) {
-  // A key's cells and signs: from the cache `kc` filled by build_cell_states, else by hashing.
-  auto cells_of = [&](uint32_t pos, uint64_t key, uint64_t cell[3], int sign[3]) {
-    if (kc) {
-      for (int j = 0; j < 3; ++j) {
-        const uint32_t e = kc[3 * (uint64_t)pos + j];
-        cell[j] = base + (e >> 1);
-        sign[j] = (e & 1u) ? -1 : 1;
-      }
-    } else {
-      key_cells(table, key, cell, sign);
-    }
-  };
-  queue.clear();
-  queue.reserve(count + 16);
-  for (uint64_t c = 0; c < span; ++c)
-    if (cs[c].deg() == 1) queue.push_back((uint32_t)c);
+// Breadth-first peeling of the keys at positions [0, count) whose states build_states put in t.
+// Cells pure at the start are queued in increasing order; resolving a key queues the cells it leaves
+// pure. Breadth-first order keeps each key's chain of earlier-peeled dependencies as short as the
+// hypergraph allows, which bounds how far float rounding errors propagate (see
+// layout.sketch_table_for).
+// `resolve(pos, cell, sign)` removes the key's contribution from its cells' values; cell[0] is the
+// pure cell it is read from, cell[1] and cell[2] the others (false aborts). Returns the number of
+// keys resolved; sets `*bad` if the states are inconsistent (a guard: states built by build_states
+// are consistent whatever the payload holds).
+template <typename Resolve>
+uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolve&& resolve, bool* bad) {
+  const uint64_t cells = t.cells();
+  // A cell enters the queue once at most: pure at the start, or when its count drops to 1 (counts
+  // only decrease, and a cell pure at the start only drops to 0).
+  queue.resize(cells);
+  uint64_t tail = 0;
+  for (uint64_t c = 0; c < cells; ++c) {
+    queue[tail] = (uint32_t)c;
+    tail += t.deg(c) == 1;
+  }
   uint32_t resolved = 0;
-  constexpr size_t kAhead = 6;
-  for (size_t head = 0; head < queue.size(); ++head) {
-    // Software pipeline: the key of the cell kAhead places ahead is (very likely) known already;
-    // start loading its three cells now so the misses overlap with this iteration's work.
-    if (head + kAhead < queue.size()) {
-      const CellState& a = cs[queue[head + kAhead]];
-      if (a.deg() == 1 && a.pos() < count) {
-        uint64_t ahead[3];
-        int sg[3];
-        cells_of(a.pos(), a.key, ahead, sg);
-        for (int j = 0; j < 3; ++j) {
-          prefetch_write(&cs[ahead[j] - base]);
-          prefetch(ahead[j]);
-        }
-      }
-      if (kc && head + 2 * kAhead < queue.size()) {
-        const CellState& b = cs[queue[head + 2 * kAhead]];
-        if (b.pos() < count) __builtin_prefetch(&kc[3 * (uint64_t)b.pos()], 0, 1);
-        if (head + 3 * kAhead < queue.size()) __builtin_prefetch(&cs[queue[head + 3 * kAhead]], 0, 1);
-      }
+  constexpr uint64_t kAhead = 8;
+  for (uint64_t head = 0; head < tail; ++head) {
+    // Software pipeline: load the state of the cell queued 2 * kAhead ahead; kAhead ahead, its state
+    // names its key's other cells (if it is still pure then, it stays so): load those too.
+    if (head + kAhead < tail) {
+      const uint64_t c = queue[head + kAhead];
+      if (t.deg(c) == 1)
+        for (int j = 0; j < 3; ++j) t.prefetch(t.cell(j, t.packed(c, j)));
+      if (head + 2 * kAhead < tail) t.prefetch(queue[head + 2 * kAhead]);
     }
     const uint64_t c = queue[head];
-    if (cs[c].deg() != 1) continue;
-    const uint32_t pos = cs[c].pos();
-    const uint64_t key = cs[c].key;
-    if (pos >= count) { *bad = true; return resolved; }
-    uint64_t cell[3];
-    int sign[3];
-    cells_of(pos, key, cell, sign);
-    const uint64_t here = c + base;
-    const int pure = (int)(cell[1] == here) + 2 * (int)(cell[2] == here);
-    if (cell[pure] != here) { *bad = true; return resolved; }
-    if (!resolve(pos, key, pure, cell, sign)) return resolved;
+    if (t.deg(c) != 1) continue;  // its last key was resolved through another cell meanwhile
+    const uint32_t pos = t.pos(c);
+    const uint32_t e[3] = {t.packed(c, 0), t.packed(c, 1), t.packed(c, 2)};
+    const uint64_t cell[3] = {t.cell(0, e[0]), t.cell(1, e[1]), t.cell(2, e[2])};
+    const int pure = (int)(cell[1] == c) + 2 * (int)(cell[2] == c);
+    if (cell[pure] != c || pos >= count) { *bad = true; return resolved; }
+    // The pure cell first, then the other two in their order (which fixes the queue order).
+    const int j1 = pure == 0 ? 1 : 0, j2 = pure == 2 ? 1 : 2;
+    const uint64_t ordered[3] = {c, cell[j1], cell[j2]};
+    const double sign[3] = {PeelTable::sign(e[pure]), PeelTable::sign(e[j1]), PeelTable::sign(e[j2])};
+    if (!resolve(pos, ordered, sign)) return resolved;
     ++resolved;
-    for (int j = 0; j < 3; ++j) {
-      CellState& st = cs[cell[j] - base];
-      if (st.deg() == 0) { *bad = true; return resolved; }
-      st.tag = (st.tag - 1) ^ (pos << 8);
-      st.key ^= (uint32_t)key;
-      if (j != pure && st.deg() == 1) queue.push_back((uint32_t)(cell[j] - base));
+    // The pure cell is left with no key; nothing reads its state again (it is dequeued already).
+    for (int j = 1; j < 3; ++j) {
+      const uint64_t d = ordered[j];
+      if (t.deg(d) == 0) { *bad = true; return resolved; }
+      t.update(d, pos, e, (uint32_t)-1);
+      queue[tail] = (uint32_t)d;
+      tail += t.deg(d) == 1;
     }
   }
   return resolved;
@@ -381,8 +405,8 @@ struct KeyParts {
 
 // Support keys bucketed by sketch group as they are found: by[p][g] holds, in increasing order, the
 // keys of group g found by part p (one unpacking thread); parts cover increasing key ranges, so the
-// parts of one group concatenated are its keys in increasing order. Bucketing while unpacking
-// saves a pass over the support and its global-position bookkeeping.
+// parts of one group concatenated are its keys in increasing order. Bucketing while unpacking saves
+// a pass over the support and a copy of it.
 struct GroupedKeys {
   std::vector<std::vector<std::vector<uint32_t>>> by;
   uint64_t group_size(uint64_t g) const {
@@ -399,24 +423,31 @@ struct GroupedKeys {
 };
 
 // Bloom index: candidates, then exact integer peeling of the counters. Returns a DecodeStatus and
-// the keys whose aggregated count is >= 1, in increasing order.
+// the keys whose aggregated count is >= 1, bucketed by sketch group (one part).
 int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, GroupedKeys* support,
                       DecodeStats* st) {
   const uint64_t n = in.world_size;
   const uint64_t bcells = L.bloom.cells();
   std::vector<uint32_t> count(bcells, 0);
-  const uint64_t digit_max = n * (uint64_t)L.digit_cap;
   struct CountSink {
     uint32_t* count;
     uint64_t cells, digit_max, sum;
-    bool operator()(uint64_t pos, uint64_t digit) {
-      if (pos >= cells || digit > digit_max) return false;
-      count[pos] = (uint32_t)digit;
-      sum += digit;
+    uint32_t per_word;
+    bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
+      if (d.max > digit_max) return false;
+      sum += d.sum;
+      for (uint32_t w = 0; w < words; ++w)
+        for (uint32_t i = 0; i < per_word; ++i) {
+          const uint64_t pos = (first_word + w) * per_word + i;
+          if (pos < cells)
+            count[pos] = d.digit[i][w];
+          else if (d.digit[i][w])
+            return false;  // a digit beyond the last counter
+        }
       return true;
     }
   };
-  std::vector<CountSink> sinks(nt, CountSink{count.data(), bcells, digit_max, 0});
+  std::vector<CountSink> sinks(nt, CountSink{count.data(), bcells, n * (uint64_t)L.digit_cap, 0, L.index.per_word});
   const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
   for (const auto& k : sinks) st->index_total += k.sum;
   if (!valid || st->index_total != 3 * in.total_keys) return kDecodeIndexCorrupt;
@@ -442,33 +473,36 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   st->candidates = cand.size();
 
   // Each candidate's count is the number of ranks holding it; false positives come out exactly 0.
-  std::vector<CellState> cs(bcells, CellState{0, 0});
-  // Positions wrap beyond 2^24 candidates; count peeling identifies keys by id, not position, so
-  // the wrap is harmless here (and peel() hashes instead of reading the cell cache).
-  std::vector<uint32_t> kc(3 * cand.size());
-  if (!build_cell_states(L.bloom, cand.data(), (uint32_t)cand.size(), cs.data(), 0, kc.data()))
-    return kDecodeIndexPeelFailed;
-  std::vector<uint32_t>().swap(kc);
-  std::vector<uint32_t> found, queue;
+  // Counts are integers below 2^22, exact in the table's doubles.
+  PeelTable t;
+  t.reset(L.bloom.seg_len, 1);
+  for (uint64_t c = 0; c < bcells; ++c) {
+    t.clear_state(c);
+    t.values(c)[0] = count[c];
+  }
+  std::vector<uint32_t>().swap(count);
+  std::vector<uint32_t> found, scratch;
+  build_states(t, L.bloom, cand.data(), (uint32_t)cand.size(), scratch);
   found.reserve(cand.size());
   bool bad = false;
   const uint32_t resolved = peel(
-      L.bloom, (uint32_t)cand.size(), cs.data(), 0, bcells, queue,
-      [&](uint32_t, uint64_t key, int pure, const uint64_t* cell, const int*) {
-        const uint32_t c = count[cell[pure]];
-        if (c > n) { bad = true; return false; }
+      t, (uint32_t)cand.size(), scratch,
+      [&](uint32_t pos, const uint64_t* cell, const double*) {
+        const double c = t.values(cell[0])[0];
+        if (c > (double)n) { bad = true; return false; }
         for (int j = 0; j < 3; ++j) {
-          if (count[cell[j]] < c) { bad = true; return false; }
-          count[cell[j]] -= c;
+          double& v = t.values(cell[j])[0];
+          if (v < c) { bad = true; return false; }
+          v -= c;
         }
-        if (c) found.push_back((uint32_t)key);
+        if (c != 0.0) found.push_back(cand[pos]);
         return true;
       },
-      [&](uint64_t cell) { __builtin_prefetch(&count[cell], 1, 1); }, &bad);
+      &bad);
   if (bad) return kDecodeIndexCorrupt;
   if (resolved != cand.size()) return kDecodeIndexPeelFailed;
   for (uint64_t c = 0; c < bcells; ++c)
-    if (count[c] != 0) return kDecodeIndexCorrupt;
+    if (t.values(c)[0] != 0.0) return kDecodeIndexCorrupt;
   std::sort(found.begin(), found.end());
   st->false_positives = cand.size() - found.size();
   const SegmentedTable& T = L.sketch;
@@ -477,31 +511,72 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   return kDecodeOk;
 }
 
-// Bitmap index: the keys with a non-zero counter, in increasing order. Returns a DecodeStatus.
+// Bitmap index: the keys with a non-zero counter, in increasing order, bucketed by sketch group.
+// Returns a DecodeStatus.
 int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt,
                        GroupedKeys* support, DecodeStats* st) {
   const SegmentedTable& T = L.sketch;
   const uint64_t groups = T.groups();
+  // A group's keys and how many are set: the vector is sized ahead, so filling it is a plain store.
+  struct Bucket {
+    std::vector<uint32_t> keys;
+    uint64_t size = 0;
+  };
   struct KeySink {
     const SegmentedTable* table;
-    std::vector<std::vector<uint32_t>> groups;
-    uint64_t num_keys, world_size, sum;
-    bool operator()(uint64_t pos, uint64_t digit) {
-      if (pos >= num_keys || digit > world_size) return false;
-      groups[table->groups() == 1 ? 0 : key_group(*table, pos)].push_back((uint32_t)pos);
-      sum += digit;
+    std::vector<Bucket> buckets;
+    std::vector<uint32_t> found, group;  // one block's keys and their groups
+    uint64_t num_keys, sum;
+    uint32_t per_word, world_size;
+    bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
+      if (d.max > world_size) return false;
+      sum += d.sum;
+      // Branch-free: for each 8 digits of a word, store the positions of all 8 from the table of set
+      // bits and advance by the number of non-zero ones.
+      uint32_t* out = found.data();
+      for (uint32_t w = 0; w < words; ++w) {
+        const uint32_t first = (uint32_t)((first_word + w) * per_word);
+        for (uint32_t s = 0; s < per_word; s += 8) {
+          const uint32_t m = (d.nonzero[w] >> s) & 0xffu;
+          for (int j = 0; j < 8; ++j) out[j] = first + s + kSetBit.at[m][j];
+          out += kSetBit.count[m];
+        }
+      }
+      const uint32_t n = (uint32_t)(out - found.data());
+      if (n == 0) return true;
+      if (found[n - 1] >= num_keys) return false;  // a digit past the last key (in the last word)
+      for (Bucket& b : buckets)
+        if (b.keys.size() < b.size + n) b.keys.resize(2 * (b.size + n));
+      if (buckets.size() == 1) {
+        std::copy(found.data(), found.data() + n, buckets[0].keys.data() + buckets[0].size);
+        buckets[0].size += n;
+        return true;
+      }
+      hash_groups(*table, found.data(), n, group.data());
+      for (uint32_t i = 0; i < n; ++i) {
+        Bucket& b = buckets[group[i]];
+        b.keys[b.size++] = found[i];
+      }
       return true;
     }
   };
-  const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups) + 64;
-  std::vector<KeySink> sinks(nt, KeySink{&T, std::vector<std::vector<uint32_t>>(groups), L.num_keys, in.world_size, 0});
-  for (auto& k : sinks)
-    for (auto& v : k.groups) v.reserve(expect + expect / 8);
+  // Each thread's share of a group's keys, with room to spare: no reallocation for a valid payload.
+  const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
+  const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
+  KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
+                L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size};
+  for (Bucket& b : proto.buckets) b.keys.resize(expect + expect / 8 + 64);
+  std::vector<KeySink> sinks(nt, proto);
   const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
   support->by.clear();
   for (auto& k : sinks) {
     st->index_total += k.sum;
-    support->by.push_back(std::move(k.groups));
+    std::vector<std::vector<uint32_t>> part;
+    for (Bucket& b : k.buckets) {
+      b.keys.resize(b.size);
+      part.push_back(std::move(b.keys));
+    }
+    support->by.push_back(std::move(part));
   }
   st->candidates = support->total();
   if (!valid || st->index_total != in.total_keys) return kDecodeIndexCorrupt;
@@ -509,17 +584,26 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
 }
 
 // Stable parallel bucketing of sorted keys by sketch group: keys of group g land in
-// [group_offset[g], group_offset[g+1]) of `keys`, in increasing order.
+// [group_offset[g], group_offset[g+1]) of `keys`, in increasing order. Groups are hashed a chunk at
+// a time (vectorised, and cheaper to redo than to store) in both passes.
 void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, std::vector<uint32_t>* keys,
                      std::vector<uint64_t>* group_offset) {
   const uint64_t groups = T.groups();
   const size_t parts = support.parts.size();
+  constexpr size_t kChunk = 2048;
   keys->resize(support.size());
   group_offset->assign(groups + 1, 0);
   std::vector<std::vector<uint64_t>> hist(parts, std::vector<uint64_t>(groups, 0));
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int64_t p = 0; p < (int64_t)parts; ++p)
-    for (uint32_t k : support.parts[p]) ++hist[p][key_group(T, k)];
+  for (int64_t p = 0; p < (int64_t)parts; ++p) {
+    const auto& part = support.parts[p];
+    uint32_t group[kChunk];
+    for (size_t i = 0; i < part.size(); i += kChunk) {
+      const size_t n = std::min(kChunk, part.size() - i);
+      hash_groups(T, part.data() + i, n, group);
+      for (size_t j = 0; j < n; ++j) ++hist[p][group[j]];
+    }
+  }
   // Write cursor of (part, group): groups in order, parts in order within a group.
   uint64_t run = 0;
   for (uint64_t g = 0; g < groups; ++g) {
@@ -534,8 +618,51 @@ void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, s
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int64_t p = 0; p < (int64_t)parts; ++p) {
     const auto& part = support.parts[p];
-    for (size_t i = 0; i < part.size(); ++i) {
-      (*keys)[hist[p][key_group(T, part[i])]++] = part[i];
+    uint64_t* cursor = hist[p].data();
+    uint32_t group[kChunk];
+    for (size_t i = 0; i < part.size(); i += kChunk) {
+      const size_t n = std::min(kChunk, part.size() - i);
+      hash_groups(T, part.data() + i, n, group);
+      for (size_t j = 0; j < n; ++j) (*keys)[cursor[group[j]]++] = part[i + j];
+    }
+  }
+}
+
+// Keys in increasing order and their values (block floats each).
+struct KeyRun {
+  const uint32_t* keys;
+  uint64_t count;
+  const float* vals;
+};
+
+// out = the values of the keys of `runs` and zeros elsewhere, written in one pass in increasing
+// address order (each thread a contiguous range) by merging the runs: no separate zero-fill of the
+// output and no random stores into it.
+void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* out, int nt) {
+  const uint64_t B = L.block;
+  const uint64_t chunk = std::max<uint64_t>(1, 4096 / B);  // keys zeroed, then filled, while in L1
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t kb, ke;
+    split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
+    std::vector<uint64_t> cursor(runs.size());
+    for (size_t r = 0; r < runs.size(); ++r)
+      cursor[r] = (uint64_t)(std::lower_bound(runs[r].keys, runs[r].keys + runs[r].count, kb) - runs[r].keys);
+    for (uint64_t c0 = kb; c0 < ke; c0 += chunk) {
+      const uint64_t c1 = std::min(c0 + chunk, ke);
+      std::fill(out + c0 * B, out + std::min(c1 * B, L.numel), 0.0f);
+      for (size_t r = 0; r < runs.size(); ++r) {
+        const KeyRun& run = runs[r];
+        uint64_t i = cursor[r];
+        for (; i < run.count && run.keys[i] < c1; ++i) {
+          const uint64_t lo = (uint64_t)run.keys[i] * B;
+          if (B == 1)
+            out[lo] = run.vals[i];  // one store, not a call to memcpy
+          else
+            std::memcpy(out + lo, run.vals + i * B, 4 * std::min<uint64_t>(B, L.numel - lo));
+        }
+        cursor[r] = i;
+      }
     }
   }
 }
@@ -559,94 +686,86 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   }
   st.support_keys = support.total();
   prof.mark("index");
-  parallel_fill(out, L.numel, 0.0f, nt);
-  prof.mark("zero out");
 
   // 2. Peel the value sketch over the support one group at a time (groups share no cells), in
-  //    double precision, and write each group's keys into the output. A group's working set is
-  //    private to the thread peeling it and sized to stay in cache; each group is peeled
-  //    sequentially in a fixed order, so the output does not depend on the number of threads or
-  //    their scheduling.
+  //    double precision, into vals. A key's position: its group's keys (parts concatenated) come
+  //    after those of the groups before, in increasing order. A group's working set is private to the
+  //    thread peeling it and sized to stay in cache; each group is peeled sequentially in a fixed
+  //    order, so the values do not depend on the number of threads or their scheduling.
   const uint64_t B = L.block;
   const SegmentedTable& T = L.sketch;
   const uint64_t groups = T.groups(), gcells = T.group_cells();
   const float* sk = payload + L.sketch_offset;
-  std::vector<uint64_t> goff(groups + 1, 0);  // trace positions: groups in order
+  std::vector<uint64_t> goff(groups + 1, 0);  // group g's keys: positions [goff[g], goff[g + 1])
   for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
-
+  std::vector<float> vals(goff[groups] * B);  // by key position
   std::vector<uint64_t> peeled(groups, 0);
   std::vector<char> bad(groups, 0), non_finite(groups, 0);
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<double> v(B), val(gcells * B);
-    std::vector<CellState> cs(gcells);
-    std::vector<float> vals;  // the group's recovered values, by position in its key list
-    std::vector<uint32_t> queue, keys, kc;  // kc: each key's three cells, cached by the build
+    PeelTable t;
+    std::vector<double> v(B);
+    std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building, then the queue
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
-      const uint64_t base = (uint64_t)g * gcells;
-      const uint64_t kb = goff[g];
-      keys.clear();
-      for (const auto& part : support.by) keys.insert(keys.end(), part[g].begin(), part[g].end());
-      if (keys.size() >= kMaxPeelKeys) {
-        // Far beyond any sized capacity (a rank grossly overloaded): report, never allocate for it.
-        for (uint32_t k : keys)
-          for (uint64_t l = 0; l < B && (uint64_t)k * B + l < L.numel; ++l)
-            out[(uint64_t)k * B + l] = std::numeric_limits<float>::quiet_NaN();
-        continue;
-      }
-      const uint32_t kn = (uint32_t)keys.size();
+      const uint64_t base = (uint64_t)g * gcells, kb = goff[g];
+      gkeys.clear();
+      for (const auto& part : support.by) gkeys.insert(gkeys.end(), part[g].begin(), part[g].end());
+      const uint32_t kn = (uint32_t)gkeys.size();
+      float* gvals = vals.data() + kb * B;
+      // Keys the peel does not reach (a failed group) keep NaN, never stale memory.
+      std::fill(gvals, gvals + (uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
+      t.reset(T.seg_len, B);
       bool finite = true;
-      for (uint64_t i = 0; i < gcells * B; ++i) {
-        val[i] = (double)sk[base * B + i];
-        finite &= std::isfinite(val[i]);
+      for (uint64_t c = 0; c < gcells; ++c) {
+        t.clear_state(c);
+        double* dst = t.values(c);
+        for (uint64_t l = 0; l < B; ++l) {
+          dst[l] = (double)sk[(base + c) * B + l];
+          finite &= std::isfinite(dst[l]);
+        }
       }
       if (!finite) non_finite[g] = 1;
-      std::fill(cs.begin(), cs.end(), CellState{0, 0});
-      vals.assign((uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
-      kc.resize(3 * (uint64_t)kn);
-      if (!build_cell_states(T, keys.data(), kn, cs.data(), base, kc.data())) {
-        // Unpeelable as sized (a rank far over capacity): every key of the group stays NaN.
-        std::fill(cs.begin(), cs.end(), CellState{0, 0});
-      }
+      build_states(t, T, gkeys.data(), kn, scratch);
       uint64_t step = kb;
       bool group_bad = false;
       peeled[g] = peel(
-          T, kn, cs.data(), base, gcells, queue,
-          [&](uint32_t pos, uint64_t k, int pure, const uint64_t* cell, const int* sign) {
+          t, kn, scratch,
+          [&](uint32_t pos, const uint64_t* cell, const double* sign) {
             // Branch-free: signs are multiplied in (exact), so mispredictions do not stall the
             // memory pipeline.
-            const double* src = val.data() + (cell[pure] - base) * B;
-            const double sp = (double)sign[pure];
-            for (uint64_t l = 0; l < B; ++l) v[l] = sp * src[l];
-            const int j1 = pure == 0 ? 1 : 0, j2 = pure == 2 ? 1 : 2;
-            double* d1 = val.data() + (cell[j1] - base) * B;
-            double* d2 = val.data() + (cell[j2] - base) * B;
-            const double s1 = (double)sign[j1], s2 = (double)sign[j2];
+            const double* src = t.values(cell[0]);
+            for (uint64_t l = 0; l < B; ++l) v[l] = sign[0] * src[l];
+            double* d1 = t.values(cell[1]);
+            double* d2 = t.values(cell[2]);
             for (uint64_t l = 0; l < B; ++l) {
-              d1[l] -= s1 * v[l];
-              d2[l] -= s2 * v[l];
+              d1[l] -= sign[1] * v[l];
+              d2[l] -= sign[2] * v[l];
             }
-            float* o = vals.data() + (uint64_t)pos * B;
+            float* o = gvals + (uint64_t)pos * B;
             for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
             if (trace_key) {
-              trace_key[step] = (int64_t)k;
-              trace_cell[step] = (int64_t)cell[pure];
+              trace_key[step] = (int64_t)gkeys[pos];
+              trace_cell[step] = (int64_t)(base + cell[0]);
             }
             ++step;
             return true;
           },
-          [&](uint64_t cell) { __builtin_prefetch(val.data() + (cell - base) * B, 1, 1); }, &group_bad, kc.data());
+          &group_bad);
       bad[g] = group_bad;
-      // Keys of a failed group keep NaN, never stale memory. Keys increase: the stores stream.
-      for (uint32_t i = 0; i < kn; ++i) {
-        const uint64_t lo = (uint64_t)keys[i] * B;
-        const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
-        for (uint64_t l = 0; l < len; ++l) out[lo + l] = vals[(uint64_t)i * B + l];
-      }
     }
   }
   prof.mark("peel");
+  std::vector<KeyRun> runs;
+  for (uint64_t g = 0; g < groups; ++g) {
+    uint64_t pos = goff[g];
+    for (const auto& part : support.by) {
+      runs.push_back(KeyRun{part[g].data(), part[g].size(), vals.data() + pos * B});
+      pos += part[g].size();
+    }
+  }
+  write_output(L, runs, out, nt);
+  prof.mark("write");
   for (uint64_t g = 0; g < groups; ++g) {
     st.peeled += peeled[g];
     if (bad[g]) st.status = kDecodeIndexCorrupt;
@@ -702,7 +821,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   // stay in cache; with one group the scatter is sequential.
   float* sketch = payload + L.sketch_offset;
   const SegmentedTable& T = L.sketch;
-  if (nt > 1 && T.groups() > 1) {
+  if (T.groups() > 1) {
     std::vector<uint32_t> gkeys;
     std::vector<uint64_t> goff;
     bucket_by_group(T, keys, nt, &gkeys, &goff);
@@ -714,7 +833,6 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
         scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], (uint64_t)g * T.group_cells(), sketch, kc);
     }
   } else {
-    // One group: its cell indices (below 2^31 at the sizes that use one group) fit the cache.
     std::vector<uint32_t> kc;
     for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, kc);
   }

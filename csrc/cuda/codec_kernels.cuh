@@ -100,6 +100,11 @@ struct PeelControl {
   unsigned int pad;
 };
 
+// The host (lossless_hc/_cuda.py) allocates and reads these structs by these sizes.
+static_assert(sizeof(EncodeCounters) == 16, "EncodeCounters: 16 bytes");
+static_assert(sizeof(DecodeCounters) == 64, "DecodeCounters: 64 bytes");
+static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
+
 constexpr unsigned int kNotPeeled = 0xffffffffu;
 constexpr unsigned int kNoCell = 0xffffffffu;
 constexpr unsigned int kMaxCellDegree = 255;   // as the CPU backend: a denser cell cannot peel
@@ -822,7 +827,7 @@ extern "C" __global__ void lhc_fill_adjacency(const uint64_t* table_words, const
   t.seg_len = table_words[0];
   t.seg_count = table_words[1];
   t.stream = table_words[2];
-  const uint32_t n = list_length(counters);
+  const uint32_t n = (uint32_t)counters->support;  // list_count now holds the degree scan's total
   for (uint64_t p = global_thread(); p < n; p += grid_threads()) {
     uint64_t cells[3];
     int signs[3];

@@ -71,6 +71,18 @@ def _f64_bits(x: float) -> int:
     return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
 
 
+def header_kernels(path: pathlib.Path = CSRC / "cuda" / "codec_kernels.cuh") -> dict:
+    """``{name: parameter count}`` of the extern "C" kernels declared in the kernels header (the CuPy
+    path checks argument counts against it; the compiled module checks against its own table)."""
+    import re
+    text = path.read_text()
+    out = {}
+    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
+        params = [p for p in m.group(2).split(",") if p.strip()]
+        out[m.group(1)] = len(params)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # launchers
 # ------------------------------------------------------------------------------------------------
@@ -103,6 +115,7 @@ class _CupyLauncher:
         self._modules = {}
         self._functions = {}
         self._blocks = {}
+        self._arity = None
         self._cuda = ctypes.CDLL("libcuda.so.1")
         self._cuda.cuLaunchKernel.restype = ctypes.c_int
         self._cuda.cuLaunchCooperativeKernel.restype = ctypes.c_int
@@ -124,6 +137,11 @@ class _CupyLauncher:
         return fn
 
     def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
+        if self._arity is None:
+            self._arity = header_kernels()
+        if self._arity.get(kernel) != len(args):
+            raise RuntimeError(f"lossless_hc CUDA launch failed: {kernel} takes {self._arity.get(kernel)} arguments, "
+                               f"got {len(args)}")
         if grid <= 0:
             return
         fn = self._function(kernel)
@@ -179,6 +197,14 @@ def launcher():
         _LAUNCHER_ERROR = "; ".join(reasons)
         raise ImportError("lossless_hc has no CUDA kernels available: " + _LAUNCHER_ERROR +
                           ". Build with nvcc (LHC_CUDA=1 pip install -e .) or install CuPy.")
+
+
+def reset_launcher() -> None:
+    """Forget the chosen launcher, so the next call of ``launcher`` chooses again (tests switch
+    between the compiled and the CuPy path with LHC_CUDA_BACKEND)."""
+    global _LAUNCHER, _LAUNCHER_ERROR
+    with _LOCK:
+        _LAUNCHER, _LAUNCHER_ERROR = None, None
 
 
 def backend_name() -> str:

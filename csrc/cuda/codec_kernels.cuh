@@ -918,6 +918,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       uint64_t cells[3];
       int signs[3];
       const int slot = cell_slot(t, keys[p], c, cells, signs);
+      if (slot < 0) { bad = true; continue; }  // a guard: propose checked c is one of p's cells
       key_val[(uint64_t)p * block + lane] = (double)signs[slot] * load_cg(val + (uint64_t)c * block + lane);
       if (lane == 0) {
         peeled_round[p] = r;

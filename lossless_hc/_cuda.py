@@ -16,8 +16,8 @@ kernels' counters together (``DecodeRun.finish``).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import math
 import os
 import pathlib
 import struct
@@ -199,12 +199,24 @@ def launcher():
                           ". Build with nvcc (LHC_CUDA=1 pip install -e .) or install CuPy.")
 
 
-def reset_launcher() -> None:
+def reset_launcher(replacement=None) -> None:
     """Forget the chosen launcher, so the next call of ``launcher`` chooses again (tests switch
-    between the compiled and the CuPy path with LHC_CUDA_BACKEND)."""
+    between the compiled and the CuPy path with LHC_CUDA_BACKEND); or install ``replacement``, an
+    object with the launchers' interface (tests/test_cuda_emulated.py runs the kernels on host
+    threads through one, with CPU tensors)."""
     global _LAUNCHER, _LAUNCHER_ERROR
     with _LOCK:
-        _LAUNCHER, _LAUNCHER_ERROR = None, None
+        _LAUNCHER, _LAUNCHER_ERROR = replacement, None
+
+
+def _device_scope(device: torch.device):
+    """Make ``device`` current (CUDA); a CPU device is only seen by the host emulation of the tests."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _stream_handle(device: torch.device) -> int:
+    """The current torch stream of ``device`` as a cudaStream_t integer (0 for the host emulation)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def backend_name() -> str:
@@ -239,7 +251,7 @@ class CudaLayout:
     is_cuda_layout = True
 
     def __init__(self, layout: PayloadLayout, device: torch.device):
-        if device.index is None:
+        if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.layout = layout
         self.device = device
@@ -265,7 +277,8 @@ class CudaLayout:
         signed = [(words[name] & _MASK64) - (1 << 64) if (words[name] & _MASK64) >= 1 << 63 else words[name]
                   for name in LAYOUT_WORDS]
         self.words = torch.tensor(signed, dtype=torch.int64, device=device)
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # The host emulation (a CPU device) runs every CUDA thread as a host thread: keep grids small.
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
     @property
     def words_ptr(self) -> int:
@@ -348,8 +361,8 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
     (contiguous float32, layout.payload_numel). Asynchronous on the current stream."""
     L = native.layout
     launch = launcher()
-    with torch.cuda.device(native.device):
-        stream = torch.cuda.current_stream().cuda_stream
+    with _device_scope(native.device):
+        stream = _stream_handle(native.device)
         sms = native.sms
         sizes = {"counters": _ENCODE_COUNTERS_BYTES}
         if L.index_kind == "bloom":
@@ -460,10 +473,13 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
     the layout, so any payload (corrupted, fuzzed) is safe to decode."""
     L = native.layout
     launch = launcher()
-    with torch.cuda.device(native.device):
-        stream = torch.cuda.current_stream().cuda_stream
+    with _device_scope(native.device):
+        stream = _stream_handle(native.device)
         sms = native.sms
         a = _Arena(decode_scratch_sizes(native), native.device)
+        # lhc_scan_tiles runs as one block of any multiple of 32 threads up to 1024; a launcher may ask
+        # for fewer (the host emulation of the tests, where every thread is an OS thread).
+        scan_threads = getattr(launch, "scan_threads", SCAN_THREADS)
         P = lambda name: a.ptr(name)  # noqa: E731
         a.view("counters").zero_()
         a.view("control_count").zero_()
@@ -478,7 +494,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         if L.index_kind == "bitmap":
             tiles = _tiles(L.index.words)
             launch.launch("lhc_bitmap_count", tiles, THREADS, [lay, pp, s, n, P("tiles"), cnt], stream)
-            launch.launch("lhc_scan_tiles", 1, SCAN_THREADS, [P("tiles"), tiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 1],
+            launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), tiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 1],
                           stream)
             launch.launch("lhc_bitmap_write", tiles, THREADS, [lay, pp, s, n, P("tiles"), P("keys"), kcap, cnt], stream)
             launch.launch("lhc_support_ready", 1, 32, [cnt, 1], stream)
@@ -489,7 +505,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                           stream)
             tiles = _tiles(L.num_keys)
             launch.launch("lhc_bloom_cand_count", tiles, THREADS, [lay, P("bcount"), P("tiles")], stream)
-            launch.launch("lhc_scan_tiles", 1, SCAN_THREADS, [P("tiles"), tiles, ccap, FLAG_CAND_OVERFLOW, cnt, 1],
+            launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), tiles, ccap, FLAG_CAND_OVERFLOW, cnt, 1],
                           stream)
             launch.launch("lhc_bloom_cand_write", tiles, THREADS, [lay, P("bcount"), P("tiles"), P("cand"), ccap, cnt],
                           stream)
@@ -512,7 +528,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
             launch.launch("lhc_count_verdict", 1, 32, [cnt], stream)
             ftiles = _tiles(ccap)
             launch.launch("lhc_found_count", ftiles, THREADS, [P("ccount"), P("tiles"), cnt], stream)
-            launch.launch("lhc_scan_tiles", 1, SCAN_THREADS, [P("tiles"), ftiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 0],
+            launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), ftiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 0],
                           stream)
             launch.launch("lhc_found_write", ftiles, THREADS,
                           [P("cand"), P("ccount"), P("tiles"), P("keys"), kcap, cnt], stream)
@@ -533,7 +549,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         launch.launch("lhc_abort_if", 1, 32, [cnt, FLAG_DEGREE_OVERFLOW], stream)
         dtiles = _tiles(cells)
         launch.launch("lhc_degree_tiles", dtiles, THREADS, [P("deg"), cells, P("tiles")], stream)
-        launch.launch("lhc_scan_tiles", 1, SCAN_THREADS, [P("tiles"), dtiles, _MASK64, 0, cnt, 0], stream)
+        launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), dtiles, _MASK64, 0, cnt, 0], stream)
         launch.launch("lhc_degree_offsets", dtiles, THREADS, [P("deg"), cells, P("tiles"), P("offsets"), cnt], stream)
         launch.launch("lhc_fill_adjacency", _grid(kcap, sms), THREADS,
                       [tbl, P("keys"), P("offsets"), P("cursor"), P("adj"), cnt], stream)

@@ -10,7 +10,8 @@ import pytest
 from lossless_hc import _cuda
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HEADER = (ROOT / "csrc" / "cuda" / "codec_kernels.cuh").read_text()
+HEADER_PATH = ROOT / "csrc" / "cuda" / "codec_kernels.cuh"
+HEADER = HEADER_PATH.read_text()
 
 
 def enum_names(name: str) -> list:
@@ -46,7 +47,7 @@ def launches():
 
 
 def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
-    kernels = _cuda.header_kernels()
+    kernels = _cuda.header_kernels(HEADER_PATH)
     calls = launches()
     assert len(calls) >= 20
     for name, nargs, line in calls:
@@ -64,7 +65,7 @@ def test_every_kernel_parameter_is_eight_bytes():
 
 def test_compiled_module_holds_every_header_kernel():
     mod = pytest.importorskip("lossless_hc._C_cuda", reason="lossless_hc._C_cuda not built (no nvcc at build time)")
-    kernels = _cuda.header_kernels()
+    kernels = _cuda.header_kernels(HEADER_PATH)
     assert sorted(mod.kernel_names()) == sorted(kernels)
     for name, arity in kernels.items():
         assert mod.kernel_arity(name) == arity, name

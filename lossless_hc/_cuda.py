@@ -103,6 +103,17 @@ class _CompiledLauncher:
         return self._blocks[key]
 
 
+def _nvrtc_source() -> str:
+    """The translation unit NVRTC compiles: the kernels header, included from csrc/, under a comment
+    holding a digest of the headers' text. CuPy caches compiled modules by source text and options,
+    not by the files a source includes, so the digest makes an edited header compile afresh."""
+    import hashlib
+    digest = hashlib.sha256()
+    for path in (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "lhc_layout.h"):
+        digest.update(path.read_bytes())
+    return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n#include "cuda/codec_kernels.cuh"\n'
+
+
 class _CupyLauncher:
     """Kernels compiled by NVRTC through CuPy; launched with the driver API on torch's stream (so
     no CuPy stream or context juggling: CuPy and torch both use the device's primary context)."""
@@ -129,10 +140,12 @@ class _CupyLauncher:
             with self._cupy.cuda.Device(dev):
                 module = self._modules.get(dev)
                 if module is None:
-                    module = self._cupy.RawModule(code='#include "cuda/codec_kernels.cuh"\n',
-                                                  options=("-std=c++17", f"-I{CSRC}"))
+                    module = self._cupy.RawModule(code=_nvrtc_source(), options=("-std=c++17", f"-I{CSRC}"))
                     self._modules[dev] = module
-                fn = module.get_function(kernel)
+                found = module.get_function(kernel)
+                # Recent CuPy returns a RawKernel wrapping the cupy.cuda.Function, older CuPy the
+                # Function itself; its `ptr` is the CUfunction handle.
+                fn = int(getattr(found, "kernel", found).ptr)
             self._functions[key] = fn
         return fn
 
@@ -149,7 +162,7 @@ class _CupyLauncher:
         params = (ctypes.c_void_p * len(words))(*[ctypes.cast(ctypes.byref(w), ctypes.c_void_p) for w in words])
         launch = self._cuda.cuLaunchCooperativeKernel if cooperative else self._cuda.cuLaunchKernel
         extra = () if cooperative else (None,)
-        rc = launch(ctypes.c_void_p(fn.ptr), ctypes.c_uint(grid), ctypes.c_uint(1), ctypes.c_uint(1),
+        rc = launch(ctypes.c_void_p(fn), ctypes.c_uint(grid), ctypes.c_uint(1), ctypes.c_uint(1),
                     ctypes.c_uint(block), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0),
                     ctypes.c_void_p(stream), params, *extra)
         if rc != 0:
@@ -160,7 +173,7 @@ class _CupyLauncher:
         if key not in self._blocks:
             n = ctypes.c_int(0)
             rc = self._cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(n), ctypes.c_void_p(self._function(kernel).ptr), ctypes.c_int(block), ctypes.c_size_t(0))
+                ctypes.byref(n), ctypes.c_void_p(self._function(kernel)), ctypes.c_int(block), ctypes.c_size_t(0))
             self._blocks[key] = n.value if rc == 0 else 1
         return self._blocks[key]
 

@@ -28,6 +28,9 @@ SUMMARY="$OUT/summary.txt"
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build test bench1 sanitize bench5)
 FAILED=0
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+  2>/dev/null | head -1)
+SANITIZER=${SANITIZER:-compute-sanitizer}
 
 # step NAME LOG LIMIT CMD...: run CMD with at most LIMIT seconds (less if the deadline is nearer),
 # appending its output to $OUT/LOG and one line to the summary.
@@ -75,10 +78,10 @@ for s in "${STEPS[@]}"; do
       step "source consistency" test.log 60 "$PY" -m pytest -q tests/test_cuda_sources.py tests/test_header_cuda.py -p no:cacheprovider
       ;;
     sanitize)
-      step "memcheck" sanitize.log 150 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      step "memcheck" sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
         -k "fuzz or every_key or wide_blocks or failure_reports or (bitwise and compiled and bloom and 16)"
-      step "racecheck" sanitize.log 90 compute-sanitizer --tool racecheck --error-exitcode 99 --print-limit 20 \
+      step "racecheck" sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_blocks or (encode_matches_cpu and bloom-b1 and float32 and compiled)"
       ;;
     bench1) bench 0.01 ;;

@@ -178,6 +178,64 @@ class _CupyLauncher:
         return self._blocks[key]
 
 
+class KernelProfile:
+    """Per-kernel device time of the launches made while it is active (``with profile() as p``):
+    each launch is bracketed by CUDA events and waited for, so the profiled run is slower than a
+    plain one and synchronises after every kernel. A diagnostic for performance work only."""
+
+    def __init__(self):
+        self.ms = {}
+        self.calls = {}
+
+    def record(self, kernel: str, ms: float) -> None:
+        self.ms[kernel] = self.ms.get(kernel, 0.0) + ms
+        self.calls[kernel] = self.calls.get(kernel, 0) + 1
+
+    def table(self) -> str:
+        total = sum(self.ms.values()) or 1.0
+        rows = sorted(self.ms.items(), key=lambda kv: -kv[1])
+        return "\n".join(f"{name:28s} {ms:9.3f} ms {100 * ms / total:5.1f}%  x{self.calls[name]}" for name, ms in rows)
+
+
+_PROFILE: Optional[KernelProfile] = None
+
+
+@contextlib.contextmanager
+def profile():
+    """Time every kernel launched inside the block (see KernelProfile)."""
+    global _PROFILE
+    previous, _PROFILE = _PROFILE, KernelProfile()
+    try:
+        yield _PROFILE
+    finally:
+        _PROFILE = previous
+
+
+class _ProfiledLauncher:
+    """A launcher whose launches are timed into the active KernelProfile."""
+
+    def __init__(self, inner, prof: KernelProfile):
+        self._inner, self._prof = inner, prof
+        self.name = inner.name
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._inner.launch(kernel, grid, block, args, stream, cooperative)
+        end.record()
+        end.synchronize()
+        self._prof.record(kernel, start.elapsed_time(end))
+
+
+def _active_launcher():
+    """The launcher, wrapped for timing while a profile is active."""
+    launch = launcher()
+    return _ProfiledLauncher(launch, _PROFILE) if _PROFILE is not None else launch
+
+
 _LOCK = threading.Lock()
 _LAUNCHER = None
 _LAUNCHER_ERROR: Optional[str] = None
@@ -373,7 +431,7 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
     """Encode ``x`` (contiguous float32, layout.numel, on the codec's device) into ``payload``
     (contiguous float32, layout.payload_numel). Asynchronous on the current stream."""
     L = native.layout
-    launch = launcher()
+    launch = _active_launcher()
     with _device_scope(native.device):
         stream = _stream_handle(native.device)
         sms = native.sms
@@ -485,7 +543,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
     does, once. The kernels never read the header's claims as sizes: every buffer is planned from
     the layout, so any payload (corrupted, fuzzed) is safe to decode."""
     L = native.layout
-    launch = launcher()
+    launch = _active_launcher()
     with _device_scope(native.device):
         stream = _stream_handle(native.device)
         sms = native.sms

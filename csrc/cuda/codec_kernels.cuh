@@ -393,16 +393,17 @@ __device__ __forceinline__ long long digit_limit(const DigitPacking& P) {
   return limit;
 }
 
-// Bitmap word w: the non-zero digits' count, and (when `emit`) their key positions written from
-// out[0]. Flags invalid words and digits (a digit above world_size, a position past num_keys).
+// Bitmap word w: the non-zero digits' count, and (when `out` is given) their key positions written
+// to out[at], out[at + 1], ... below out[cap]. Flags invalid words and digits (a digit above
+// world_size, a position past num_keys).
 struct BitmapWord {
   const CodecLayout* L;
   const float* index;
   double scale;
   long long limit;
   uint64_t world_size;
-  __device__ __forceinline__ unsigned int visit(uint64_t w, uint32_t* out, unsigned long long* digit_sum,
-                                                bool* bad) const {
+  __device__ __forceinline__ unsigned int visit(uint64_t w, uint32_t* out, unsigned long long at, uint64_t cap,
+                                                unsigned long long* digit_sum, bool* bad) const {
     const float f = index[w];
     if (__float_as_uint(f) == 0u) return 0;
     const long long u = read_word(f, scale, limit);
@@ -416,7 +417,7 @@ struct BitmapWord {
       if (!digit) continue;
       const uint64_t pos = w * L->index.per_word + i;
       if (pos >= L->num_keys || digit > world_size) { *bad = true; continue; }
-      if (out) out[count] = (uint32_t)pos;
+      if (out && at + count < cap) out[at + count] = (uint32_t)pos;
       ++count;
       *digit_sum += digit;
     }
@@ -532,7 +533,7 @@ extern "C" __global__ void lhc_bitmap_count(const uint64_t* layout, const float*
   const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size};
   unsigned long long digit_sum = 0;
   bool bad = false;
-  tile_count(L.index.words(), tile_sum, [&](uint64_t w) { return word.visit(w, nullptr, &digit_sum, &bad); });
+  tile_count(L.index.words(), tile_sum, [&](uint64_t w) { return word.visit(w, nullptr, 0, 0, &digit_sum, &bad); });
   if (digit_sum) atomicAdd(&counters->index_total, digit_sum);
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
   if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
@@ -548,13 +549,8 @@ extern "C" __global__ void lhc_bitmap_write(const uint64_t* layout, const float*
   unsigned long long ignored = 0;
   bool bad = false;
   tile_emit(
-      L.index.words(), tile_offset, [&](uint64_t w) { return word.visit(w, nullptr, &ignored, &bad); },
-      [&](uint64_t w, unsigned long long at) {
-        uint32_t pos[kMaxPerWord];
-        const unsigned int c = word.visit(w, pos, &ignored, &bad);
-        for (unsigned int i = 0; i < c; ++i)
-          if (at + i < cap) keys[at + i] = pos[i];
-      });
+      L.index.words(), tile_offset, [&](uint64_t w) { return word.visit(w, nullptr, 0, 0, &ignored, &bad); },
+      [&](uint64_t w, unsigned long long at) { word.visit(w, keys, at, cap, &ignored, &bad); });
 }
 
 // Bloom decode, step 1: unpack every word into the aggregated counters (bcount, bloom cells).
@@ -699,12 +695,14 @@ extern "C" __global__ void lhc_peel_counts(const uint64_t* table_words, const ui
   t.seg_count = table_words[1];
   t.stream = table_words[2];
   const uint32_t nkeys = (uint32_t)counters->candidates;
-  unsigned int* pure[2] = {pure0, pure1};
-  unsigned int* list[2] = {list0, list1};
   volatile PeelControl* vc = control;
   bool bad = false;
   for (unsigned int r = 0;; ++r) {
     const unsigned int par = r & 1u;
+    // Queues by round parity, selected without indexing a local array (which would live in local memory).
+    unsigned int* const pure_now = par ? pure1 : pure0;
+    unsigned int* const pure_next = par ? pure0 : pure1;
+    unsigned int* const list_now = par ? list1 : list0;
     const unsigned int npure = vc->pure[par];
     if (npure == 0 || r > nkeys) break;
     if (global_thread() == 0) {
@@ -712,11 +710,11 @@ extern "C" __global__ void lhc_peel_counts(const uint64_t* table_words, const ui
       control->keys[par ^ 1u] = 0;
       control->rounds = r + 1;
     }
-    propose(t, keys, nkeys, deg, xr, peeled_round, src, pure[par], npure, list[par], &control->keys[par], &bad);
+    propose(t, keys, nkeys, deg, xr, peeled_round, src, pure_now, npure, list_now, &control->keys[par], &bad);
     grid_barrier(control->barrier);
     const unsigned int nlist = vc->keys[par];
     for (uint64_t i = global_thread(); i < nlist; i += grid_threads()) {
-      const unsigned int p = load_cg(list[par] + i);
+      const unsigned int p = load_cg(list_now + i);
       const unsigned int c = load_cg(src + p);
       const int count = load_cg(counts + c);
       if (count < 0 || (uint64_t)count > world_size) bad = true;
@@ -729,7 +727,7 @@ extern "C" __global__ void lhc_peel_counts(const uint64_t* table_words, const ui
       for (int j = 0; j < 3; ++j) {
         atomicSub(counts + cells[j], count);
         atomicXor(xr + cells[j], p);
-        if (atomicSub(deg + cells[j], 1u) == 2u) queue_push(pure[par ^ 1u], &control->pure[par ^ 1u], (unsigned)cells[j]);
+        if (atomicSub(deg + cells[j], 1u) == 2u) queue_push(pure_next, &control->pure[par ^ 1u], (unsigned)cells[j]);
       }
     }
     grid_barrier(control->barrier);
@@ -891,13 +889,14 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
   t.seg_count = table_words[1];
   t.stream = table_words[2];
   const uint32_t nkeys = (uint32_t)counters->support;
-  unsigned int* pure[2] = {pure0, pure1};
-  unsigned int* list[2] = {list0, list1};
-  unsigned int* dirty[2] = {dirty0, dirty1};
   volatile PeelControl* vc = control;
   bool bad = false;
   for (unsigned int r = 0;; ++r) {
     const unsigned int par = r & 1u;
+    unsigned int* const pure_now = par ? pure1 : pure0;
+    unsigned int* const pure_next = par ? pure0 : pure1;
+    unsigned int* const list_now = par ? list1 : list0;
+    unsigned int* const dirty_now = par ? dirty1 : dirty0;
     const unsigned int npure = vc->pure[par];
     if (npure == 0 || r > nkeys) break;
     if (global_thread() == 0) {
@@ -907,19 +906,20 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       control->rounds = r + 1;
     }
     // A: propose.
-    propose(t, keys, nkeys, deg, xr, peeled_round, src, pure[par], npure, list[par], &control->keys[par], &bad);
+    propose(t, keys, nkeys, deg, xr, peeled_round, src, pure_now, npure, list_now, &control->keys[par], &bad);
     grid_barrier(control->barrier);
     // B: each listed key reads its value from its source cell (exclusively its own: degree 1).
     const unsigned int nlist = vc->keys[par];
     for (uint64_t item = global_thread(); item < (uint64_t)nlist * block; item += grid_threads()) {
       const uint64_t i = item / block, lane = item - i * block;
-      const unsigned int p = load_cg(list[par] + i);
+      const unsigned int p = load_cg(list_now + i);
       const unsigned int c = load_cg(src + p);
       uint64_t cells[3];
       int signs[3];
       const int slot = cell_slot(t, keys[p], c, cells, signs);
       if (slot < 0) { bad = true; continue; }  // a guard: propose checked c is one of p's cells
-      key_val[(uint64_t)p * block + lane] = (double)signs[slot] * load_cg(val + (uint64_t)c * block + lane);
+      const int sign = slot == 0 ? signs[0] : slot == 1 ? signs[1] : signs[2];  // no local-memory indexing
+      key_val[(uint64_t)p * block + lane] = (double)sign * load_cg(val + (uint64_t)c * block + lane);
       if (lane == 0) {
         peeled_round[p] = r;
         deg[c] = 0;
@@ -928,7 +928,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
         for (int j = 0; j < 3; ++j) {
           if (j == slot) continue;
           const unsigned int cj = (unsigned int)cells[j];
-          if (atomicExch(stamp + cj, r) != r) queue_push(dirty[par], &control->dirty[par], cj);
+          if (atomicExch(stamp + cj, r) != r) queue_push(dirty_now, &control->dirty[par], cj);
         }
       }
     }
@@ -937,7 +937,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
     const unsigned int ndirty = vc->dirty[par];
     for (uint64_t item = global_thread(); item < (uint64_t)ndirty * block; item += grid_threads()) {
       const uint64_t i = item / block, lane = item - i * block;
-      const unsigned int c = load_cg(dirty[par] + i);
+      const unsigned int c = load_cg(dirty_now + i);
       const unsigned int begin = offsets[c], end = offsets[c + 1];
       double v = load_cg(val + (uint64_t)c * block + lane);
       unsigned int removed = 0, removed_xor = 0;
@@ -956,7 +956,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
         if (removed > d) { bad = true; continue; }
         deg[c] = d - removed;
         xr[c] = load_cg(xr + c) ^ removed_xor;
-        if (d != 1u && d - removed == 1u) queue_push(pure[par ^ 1u], &control->pure[par ^ 1u], c);
+        if (d != 1u && d - removed == 1u) queue_push(pure_next, &control->pure[par ^ 1u], c);
       }
     }
     grid_barrier(control->barrier);

@@ -587,7 +587,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
             a.view("cround").fill_(255)
             a.view("ccount").zero_()
             launch.launch("lhc_build_states", _grid(ccap, sms), THREADS,
-                          [native.bloom_table_ptr, P("cand"), P("bdeg"), P("bxr"), cnt, FLAG_COUNT_UNRESOLVED], stream)
+                          [native.bloom_table_ptr, P("cand"), P("bdeg"), P("bxr"), cnt, FLAG_COUNT_UNRESOLVED, 1], stream)
             launch.launch("lhc_seed_pure", _grid(bcells, sms), THREADS,
                           [P("bdeg"), bcells, P("bpure0"), P("control_count"), cnt], stream)
             launch.launch("lhc_peel_counts", _peel_grid(launch, "lhc_peel_counts", sms), THREADS,
@@ -608,15 +608,14 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
             raise ValueError(f"the CUDA decode kernels handle bitmap and bloom indexes, not {L.index_kind!r}")
 
         # 2. The value peel over the support.
-        a.view("deg").zero_()
-        a.view("xr").zero_()
+        a.view("deg").zero_()   # (xr needs no zeroing: lhc_sort_adjacency writes it for every cell)
         a.view("cursor").zero_()
         a.view("stamp").fill_(255)
         a.view("src").fill_(255)
         a.view("round").fill_(255)
         tbl = native.sketch_table_ptr
         launch.launch("lhc_build_states", _grid(kcap, sms), THREADS,
-                      [tbl, P("keys"), P("deg"), P("xr"), cnt, FLAG_DEGREE_OVERFLOW], stream)
+                      [tbl, P("keys"), P("deg"), P("xr"), cnt, FLAG_DEGREE_OVERFLOW, 0], stream)
         launch.launch("lhc_abort_if", 1, 32, [cnt, FLAG_DEGREE_OVERFLOW], stream)
         dtiles = _tiles(cells)
         launch.launch("lhc_degree_tiles", dtiles, THREADS, [P("deg"), cells, P("tiles")], stream)
@@ -624,8 +623,8 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         launch.launch("lhc_degree_offsets", dtiles, THREADS, [P("deg"), cells, P("tiles"), P("offsets"), cnt], stream)
         launch.launch("lhc_fill_adjacency", _grid(kcap, sms), THREADS,
                       [tbl, P("keys"), P("offsets"), P("cursor"), P("adj"), cnt], stream)
-        launch.launch("lhc_sort_adjacency", _grid(cells, sms), THREADS, [P("offsets"), P("deg"), cells, P("adj"), cnt],
-                      stream)
+        launch.launch("lhc_sort_adjacency", _grid(cells, sms), THREADS,
+                      [P("offsets"), P("deg"), cells, P("adj"), P("xr"), cnt], stream)
         launch.launch("lhc_load_cells", _grid(cells * B, sms), THREADS, [lay, pp, P("val"), cnt], stream)
         launch.launch("lhc_seed_pure", _grid(cells, sms), THREADS, [P("deg"), cells, P("pure0"), P("control_value"), cnt],
                       stream)

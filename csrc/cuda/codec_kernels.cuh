@@ -620,11 +620,14 @@ __device__ __forceinline__ uint32_t list_length(const DecodeCounters* counters) 
   return (uint32_t)counters->list_count;
 }
 
-// Per-cell states of a key list: deg[c] keys, xr[c] = XOR of their positions (both zeroed by the
-// caller). Integer atomics commute: the states do not depend on the order. A cell past
-// kMaxCellDegree raises `degree_flag` (the value peel cannot succeed; the CPU backend gives up too).
+// Per-cell states of a key list: deg[c] keys and, with `with_xor`, xr[c] = XOR of their positions
+// (zeroed by the caller; the value peel derives xr from its sorted adjacency instead, saving one
+// atomic per key and cell). Integer atomics commute: the states do not depend on the order. A cell
+// past kMaxCellDegree raises `degree_flag` (the value peel cannot succeed; the CPU backend gives up
+// too).
 extern "C" __global__ void lhc_build_states(const uint64_t* table_words, const uint32_t* keys, unsigned int* deg,
-                                            unsigned int* xr, DecodeCounters* counters, uint64_t degree_flag) {
+                                            unsigned int* xr, DecodeCounters* counters, uint64_t degree_flag,
+                                            uint64_t with_xor) {
   if (counters->abort) return;
   SegmentedTable t;
   t.seg_len = table_words[0];
@@ -639,7 +642,7 @@ extern "C" __global__ void lhc_build_states(const uint64_t* table_words, const u
       int sign;
       const uint64_t c = key_cell(t, h, j, &sign);
       over |= atomicAdd(deg + c, 1u) >= kMaxCellDegree;
-      atomicXor(xr + c, (unsigned int)p);
+      if (with_xor) atomicXor(xr + c, (unsigned int)p);
     }
   }
   if (over && degree_flag) atomicOr(&counters->flags, (unsigned int)degree_flag);
@@ -839,20 +842,23 @@ extern "C" __global__ void lhc_fill_adjacency(const uint64_t* table_words, const
 }
 
 // Sort each cell's adjacency by key position (insertion sort: at most kMaxCellDegree entries, ~2.4
-// on average), so phase C subtracts in a fixed order.
+// on average), so phase C subtracts in a fixed order; and set xr[c] to the XOR of the cell's key
+// positions (every cell: 0 when empty), the state the peel's phase A reads a pure cell's key from.
 extern "C" __global__ void lhc_sort_adjacency(const unsigned int* offsets, const unsigned int* deg, uint64_t cells,
-                                              unsigned int* adj, const DecodeCounters* counters) {
+                                              unsigned int* adj, unsigned int* xr, const DecodeCounters* counters) {
   if (counters->abort) return;
   for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
     const unsigned int d = deg[c];
-    if (d < 2) continue;
     unsigned int* a = adj + offsets[c];
-    for (unsigned int i = 1; i < d; ++i) {
+    unsigned int x = 0;
+    for (unsigned int i = 0; i < d; ++i) {
       const unsigned int v = a[i];
+      x ^= v >> 1;
       unsigned int j = i;
       for (; j > 0 && a[j - 1] > v; --j) a[j] = a[j - 1];
       a[j] = v;
     }
+    xr[c] = x;
   }
 }
 

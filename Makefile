@@ -10,9 +10,12 @@ PIP    := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 # The stamp records that set-up finished; it depends on the files that define the environment.
 STAMP  := $(VENV)/.setup-done
-EXT_SOURCES := $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h) setup.py
+EXT_SOURCES := $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h \
+                 csrc/cuda/*.cpp) setup.py
+# nvcc present: `make build` also builds lossless_hc._C_cuda, and `make test` compiles the CUDA sources.
+NVCC := $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))
 
-.PHONY: setup build demo test test-fast sanitize bench clean
+.PHONY: setup build demo test test-fast sanitize cuda-check bench clean
 
 setup: $(STAMP) build
 
@@ -37,10 +40,20 @@ lossless_hc/_C.stamp: $(EXT_SOURCES) $(STAMP)
 demo: setup
 	$(PY) -m lossless_hc.bench train
 
-# The whole suite, then the codec tests again against an ASan/UBSan build of the kernels.
+# The whole suite, then the codec tests again against an ASan/UBSan build of the kernels, then (when
+# nvcc is present) the compile check of the CUDA sources. The GPU tests skip here: run `pytest -m gpu`
+# on a GPU machine (scripts/gpu_session.sh).
 test: setup
 	$(PY) -m pytest -q tests
 	bash scripts/sanitize.sh
+ifneq ($(NVCC),)
+	bash scripts/cuda_check.sh
+endif
+
+# Compile every CUDA source for sm_80 and sm_90 (nvcc), the CUDA bindings, and the kernels through
+# NVRTC (the CuPy path). Needs no GPU.
+cuda-check: $(STAMP)
+	bash scripts/cuda_check.sh
 
 sanitize: $(STAMP)
 	# ASan/UBSan build of the extension in a separate build dir, then the codec tests against it.
@@ -50,4 +63,4 @@ bench: setup
 	$(PY) -m lossless_hc.bench codec --numel 67108864 --density 0.01 --workers 8
 
 clean:
-	rm -rf build lossless_hc/_C*.so lossless_hc/_C.stamp *.egg-info
+	rm -rf build build-cuda-check lossless_hc/_C*.so lossless_hc/_C.stamp *.egg-info

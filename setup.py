@@ -1,11 +1,18 @@
-"""Build lossless_hc and its C++ extension lossless_hc._C (pybind11, C++17, OpenMP).
+"""Build lossless_hc and its C++ extension lossless_hc._C (pybind11, C++17, OpenMP), plus the CUDA
+extension lossless_hc._C_cuda when nvcc is available.
 
-The extension exchanges raw addresses and sizes with Python, so it needs neither torch's C++ headers
-nor its ABI. Environment:
+The extensions exchange raw addresses and sizes with Python, so they need neither torch's C++
+headers nor its ABI. Environment:
   LHC_SANITIZE=1   build with -fsanitize=address,undefined (see scripts/sanitize.sh)
   LHC_DEBUG=1      -O0 -g
+  LHC_CUDA=0       never build _C_cuda; LHC_CUDA=1: build it, and fail if nvcc is missing;
+                   unset: build it when nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin)
+  LHC_CUDA_ARCHS   compute capabilities for _C_cuda (default "80;90": sm_80 and sm_90 machine code
+                   plus compute_90 PTX for newer GPUs)
 """
 import os
+import shutil
+import subprocess
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
@@ -33,6 +40,100 @@ ext = Pybind11Extension(
     extra_link_args=link_args,
 )
 
+
+def find_nvcc():
+    """nvcc's path, or None."""
+    candidates = [shutil.which("nvcc")]
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(os.path.join(root, "bin", "nvcc"))
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def cuda_home(nvcc):
+    """The toolkit root of nvcc: $CUDA_HOME/$CUDA_PATH, else two levels above the real nvcc binary, else
+    /usr/local/cuda (nvcc may be a wrapper script outside the toolkit)."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and os.path.isdir(os.path.join(root, "include")):
+            return root
+    real = os.path.realpath(nvcc)
+    root = os.path.dirname(os.path.dirname(real))
+    if os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+        return root
+    return "/usr/local/cuda"
+
+
+CUDA_SOURCES = ["csrc/cuda/codec_cuda.cu"]
+CUDA_DEPENDS = ["csrc/cuda/codec_kernels.cuh", "csrc/cuda/codec_cuda.h", "csrc/lhc_layout.h"]
+
+
+def nvcc_arch_flags():
+    archs = [a.strip() for a in os.environ.get("LHC_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+    return flags
+
+
+class BuildExtWithCuda(build_ext):
+    """build_ext that compiles the .cu sources of _C_cuda with nvcc and links them (static cudart)."""
+
+    def build_extension(self, ext):
+        if ext.name != "lossless_hc._C_cuda":
+            return super().build_extension(ext)
+        if lhc_cuda == "1":
+            return self._build_cuda(ext)
+        # Found nvcc without being asked for CUDA: a toolkit that cannot build the module must not
+        # break the CPU build (device="cuda" then falls back to CuPy, or says what is missing).
+        try:
+            return self._build_cuda(ext)
+        except Exception as exc:  # noqa: BLE001 -- any compiler or linker failure
+            print(f"warning: lossless_hc._C_cuda not built ({exc}); set LHC_CUDA=1 to make this an error")
+
+    def _build_cuda(self, ext):
+        nvcc = ext.nvcc
+        objects = []
+        tmp = os.path.join(self.build_temp, "cuda")
+        os.makedirs(tmp, exist_ok=True)
+        for src in CUDA_SOURCES:
+            obj = os.path.join(tmp, os.path.basename(src) + ".o")
+            cmd = [nvcc, "-std=c++17", "-O3", "-Icsrc", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+                   *nvcc_arch_flags(), "-c", src, "-o", obj]
+            if debug:
+                cmd += ["-g", "-lineinfo"]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            objects.append(obj)
+        ext.extra_objects = objects
+        return super().build_extension(ext)
+
+
+ext_modules = [ext]
+lhc_cuda = os.environ.get("LHC_CUDA", "")
+nvcc = find_nvcc() if lhc_cuda != "0" else None
+if lhc_cuda == "1" and nvcc is None:
+    raise RuntimeError("LHC_CUDA=1 but nvcc was not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): "
+                       "install the CUDA toolkit or unset LHC_CUDA")
+if nvcc is not None and not sanitize:
+    home = cuda_home(nvcc)
+    lib_dirs = [d for d in (os.path.join(home, "lib64"), os.path.join(home, "lib")) if os.path.isdir(d)]
+    cuda_ext = Pybind11Extension(
+        "lossless_hc._C_cuda",
+        sources=["csrc/cuda/bindings_cuda.cpp"],
+        include_dirs=["csrc", "csrc/cuda"],
+        cxx_std=17,
+        extra_compile_args=["-Wall", "-Wextra", "-O2"],
+        # Static cudart: the module needs only the driver at run time, not a libcudart of the
+        # version torch happens to ship.
+        library_dirs=lib_dirs,
+        libraries=["cudart_static", "dl", "rt", "pthread"],
+        depends=CUDA_SOURCES + CUDA_DEPENDS,
+    )
+    cuda_ext.nvcc = nvcc
+    ext_modules.append(cuda_ext)
+
 setup(
     name="lossless_hc",
     version="0.1.0",
@@ -40,8 +141,8 @@ setup(
     packages=["lossless_hc", "lossless_hc.plugins"],
     package_data={"lossless_hc": ["thc_tables.json"]},
     package_dir={"lossless_hc": "lossless_hc", "lossless_hc.plugins": "plugins"},
-    ext_modules=[ext],
-    cmdclass={"build_ext": build_ext},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtWithCuda},
     python_requires=">=3.9",
     install_requires=["torch>=2.0", "numpy"],
 )

@@ -17,7 +17,17 @@
 //            one float32 word as sum_i digit_i * base^i, kept below 2^22 (see kIntFieldLimit).
 #pragma once
 
+#if defined(__CUDACC_RTC__)
+// NVRTC (the CuPy run-time path of the CUDA backend) ships no <cstdint>: the same fixed-width types
+// from the builtin ones (LP64: long long is 64-bit).
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uintptr_t;
+#else
 #include <cstdint>
+#endif
 
 #if defined(__CUDACC__)
 #define LHC_HD __host__ __device__ __forceinline__

@@ -1,7 +1,11 @@
-"""Backend dispatch: hands a validated layout and contiguous float32 tensors to the compiled kernels.
+"""Backend dispatch: hands a validated layout and contiguous float32 tensors to the kernels of the
+codec's device.
 
-Only this module touches ``lossless_hc._C``. Kernels see raw addresses and sizes (``data_ptr()``),
-so the extension does not depend on the torch C++ ABI.
+* CPU: ``lossless_hc._C`` (C++/OpenMP). Only this module touches it.
+* CUDA: ``lossless_hc._cuda``, which runs the kernels of ``csrc/cuda/`` either from the compiled
+  module ``lossless_hc._C_cuda`` or, where that is absent, compiled at run time through CuPy.
+
+Kernels see raw addresses and sizes (``data_ptr()``), so no extension depends on the torch C++ ABI.
 """
 from __future__ import annotations
 
@@ -19,12 +23,13 @@ else:
 
 
 def require_backend(device: torch.device) -> None:
+    """Raise a clear error unless kernels for ``device`` can run here."""
     if device.type == "cuda":
-        raise NotImplementedError(
-            "lossless_hc was built without its CUDA backend: LosslessCodec(device='cuda') is not available "
-            "in this build; use device='cpu'")
+        from . import _cuda
+        _cuda.require(device)
+        return
     if device.type != "cpu":
-        raise ValueError(f"unsupported device {device}; expected 'cpu'")
+        raise ValueError(f"unsupported device {device}; expected 'cpu' or 'cuda'")
     if _C is None:
         raise ImportError(
             "lossless_hc._C (the C++ kernels) is not built; run `make build` or `pip install -e .` "
@@ -37,8 +42,12 @@ def _table(src) -> "_C.SegmentedTable":
     return t
 
 
-def native_layout(layout: PayloadLayout) -> "_C.CodecLayout":
-    """The C++ mirror of ``layout`` (built once per codec)."""
+def native_layout(layout: PayloadLayout, device: torch.device = torch.device("cpu")):
+    """The kernels' mirror of ``layout`` on ``device`` (built once per codec): a ``_C.CodecLayout``
+    for the CPU, a ``_cuda.CudaLayout`` (layout words in device memory) for CUDA."""
+    if device.type == "cuda":
+        from . import _cuda
+        return _cuda.CudaLayout(layout, device)
     c = _C.CodecLayout()
     c.numel, c.num_keys, c.block = layout.numel, layout.num_keys, layout.block
     c.index_kind = INDEX_KIND_CODE[layout.index_kind]
@@ -61,8 +70,24 @@ def native_layout(layout: PayloadLayout) -> "_C.CodecLayout":
     return c
 
 
+def is_cuda(native) -> bool:
+    """Whether ``native`` (from native_layout) belongs to the CUDA backend."""
+    return getattr(native, "is_cuda_layout", False)
+
+
 def encode(native, x: torch.Tensor, payload: torch.Tensor, num_threads: int = 0):
+    """Encode ``x`` into ``payload`` (both contiguous float32 on the codec's device). On CUDA this
+    only queues kernels on the current stream and returns None."""
+    if is_cuda(native):
+        from . import _cuda
+        return _cuda.encode(native, x, payload)
     return _C.encode(native, x.data_ptr(), payload.data_ptr(), num_threads)
+
+
+def decode_cuda(native, scale: float, world_size: int, payload: torch.Tensor, out: torch.Tensor):
+    """Queue a CUDA decode; returns a ``_cuda.DecodeRun`` whose ``finish()`` synchronises once."""
+    from . import _cuda
+    return _cuda.decode(native, scale, world_size, payload, out)
 
 
 def decode(native, scale: float, total_keys: int, world_size: int, payload: torch.Tensor, out: torch.Tensor,

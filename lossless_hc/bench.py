@@ -4,7 +4,7 @@ Usage::
 
     python -m lossless_hc.bench codec --numel 67108864 --density 0.01 --workers 8 [--block-size 32]
         [--index auto|bitmap|bloom|dense] [--support random|identical|disjoint|clustered]
-        [--repeat 5] [--seed 0] [--threads 0] [--json PATH]
+        [--repeat 5] [--seed 0] [--threads 0] [--device cpu|cuda] [--json PATH]
     python -m lossless_hc.bench peel --keys 1000,10000,100000,1000000 --trials 20 [--json PATH]
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
@@ -13,6 +13,11 @@ Usage::
 ``torch.clone`` of one dense input measured in the same process, checks the decoded sum against the
 float64 dense sum, and compares the wire size with dense float32 and with the information bound of
 the aggregate's actual support.
+
+With ``--device cuda`` the codec runs on the current GPU (at least 10 timed runs, CUDA events, after
+warm-up), encode and decode into reused buffers, and the baseline is a device-to-device copy of one
+dense input in the same run; throughput is reported in GB/s of dense float32 gradient and as a
+fraction of that copy.
 
 The ``codec`` command exits with status 1 when the decode is not exact (report not ok, or the
 decoded support differs from the float64 sum's beyond rounding scale), so it can gate CI.
@@ -349,6 +354,160 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     }
 
 
+# ------------------------------------------------------------------------------------------------
+# codec benchmark on a CUDA device
+# ------------------------------------------------------------------------------------------------
+def time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 2) -> dict:
+    """Median / min / max device time of ``fn`` in seconds, measured with CUDA events on the current
+    stream around each call (after ``warmup`` calls), so host-side overhead that overlaps the device
+    work is not counted, but a call that waits for the device (decode's one sync) is."""
+    for _ in range(warmup):
+        r = fn()
+        del r
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(1, repeat)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        r = fn()
+        end.record()
+        end.synchronize()
+        del r
+        times.append(start.elapsed_time(end) / 1e3)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}
+
+
+def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: int = 1, index: str = "auto",
+                         support: str = "random", repeat: int = 20, seed: int = 0,
+                         log: Callable[[str], None] = lambda s: None) -> dict:
+    """Encode (one worker) and decode (the SUM of all workers' payloads) on the current CUDA device,
+    against a device-to-device copy of one dense input measured in the same run; both into reused
+    buffers (``out=``), as a training loop would. Throughput is GB/s of dense float32 gradient
+    (4 * numel bytes per call); ``*_over_copy`` is the copy's time over the operation's time (1.0:
+    as fast as copying the gradient once)."""
+    from . import _cuda
+    from .codec import LosslessCodec
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    xs_cpu, k_blocks = make_inputs(numel, density, workers, block_size, support, seed)
+    max_nnz = max(int(torch.count_nonzero(x)) for x in xs_cpu) if xs_cpu else 0
+    truth = torch.zeros(numel, dtype=torch.float64)
+    for x in xs_cpu:
+        truth += x
+    xs = [x.to(dev) for x in xs_cpu]
+    del xs_cpu
+    log(f"inputs: {workers} x {numel} float32 on {torch.cuda.get_device_name(dev)}, {k_blocks} non-zero blocks each "
+        f"({time.perf_counter() - t0:.1f} s)")
+    codec = LosslessCodec(numel=numel, world_size=workers, max_nnz=max_nnz, block_size=block_size, seed=seed,
+                          device=dev, index=index)
+    L = codec.layout
+    log(repr(codec) + f"; kernels: {_cuda.backend_name()}")
+
+    x0 = xs[0]
+    dst = torch.empty_like(x0)
+    t_copy = time_cuda(lambda: dst.copy_(x0), repeat)
+    payload = torch.empty(L.payload_numel, dtype=torch.float32, device=dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    base_mem = torch.cuda.memory_allocated(dev)
+    t_enc = time_cuda(lambda: codec.encode(x0, out=payload), repeat)
+    enc_peak = torch.cuda.max_memory_allocated(dev) - base_mem
+    summed = torch.zeros(L.payload_numel, dtype=torch.float32, device=dev)
+    for x in xs:
+        summed += codec.encode(x)
+    xs0_again = xs[0]
+    del x0, xs
+    out = dst
+    torch.cuda.reset_peak_memory_stats(dev)
+    base_mem = torch.cuda.memory_allocated(dev)
+    t_dec = time_cuda(lambda: codec.decode(summed, out=out), repeat)
+    dec_peak = torch.cuda.max_memory_allocated(dev) - base_mem
+    # determinism: two more decodes of the same payload, bit for bit
+    y1, report = codec.decode(summed)
+    y2, _ = codec.decode(summed)
+    deterministic = bool(torch.equal(y1.view(torch.int32), y2.view(torch.int32)))
+    y = y1.cpu()
+    del y1, y2
+    # Where the time goes: one more encode and decode with every kernel timed (synchronising).
+    with _cuda.profile() as enc_prof:
+        codec.encode(xs0_again, out=payload)
+    with _cuda.profile() as dec_prof:
+        codec.decode(summed, out=out)
+
+    true_nz, got_nz = truth != 0, y != 0
+    mismatch = int((true_nz ^ got_nz).sum())
+    max_abs_sum = float(truth.abs().max()) if numel else 0.0
+    max_abs_err = float((y.double() - truth).abs().max()) if numel else 0.0
+    tau = 2.0 ** -20 * max_abs_sum
+    beyond = int(((true_nz ^ got_nz) & ((truth.abs() > tau) | (y.abs() > tau))).sum()) if mismatch else 0
+    dense_bytes = 4 * numel
+    copy_s = t_copy["median_s"]
+    return {
+        "config": {"numel": numel, "density": density, "workers": workers, "block_size": block_size, "index": index,
+                   "support": support, "repeat": repeat, "seed": seed, "device": str(dev)},
+        "device": {"name": torch.cuda.get_device_name(dev), "kernels": _cuda.backend_name(),
+                   "multiprocessors": torch.cuda.get_device_properties(dev).multi_processor_count,
+                   "torch_cuda": torch.version.cuda},
+        "layout": {"index_kind": L.index_kind, "num_keys": L.num_keys, "capacity_keys": L.capacity,
+                   "union_keys": L.union_keys, "sketch_cells": L.sketch.cells, "payload_numel": L.payload_numel,
+                   "wire_over_dense": codec.wire_bytes / max(1, dense_bytes)},
+        "timing": {
+            "copy": t_copy, "encode": t_enc, "decode": t_dec,
+            "copy_GBps_of_gradient": dense_bytes / copy_s / 1e9,
+            "copy_GBps_read_plus_write": 2 * dense_bytes / copy_s / 1e9,
+            "encode_GBps_of_gradient": dense_bytes / t_enc["median_s"] / 1e9,
+            "decode_GBps_of_gradient": dense_bytes / t_dec["median_s"] / 1e9,
+            "encode_over_copy": copy_s / t_enc["median_s"], "decode_over_copy": copy_s / t_dec["median_s"],
+            "encode_scratch_bytes": enc_peak, "decode_scratch_bytes": dec_peak,
+            "encode_kernels_ms": enc_prof.ms, "decode_kernels_ms": dec_prof.ms,
+            "encode_kernels_table": enc_prof.table(), "decode_kernels_table": dec_prof.table(),
+        },
+        "correctness": {"ok": report.ok, "reason": report.reason, "candidates": report.candidates,
+                        "false_positives": report.false_positives, "support_keys": report.support,
+                        "peeled_keys": report.peeled, "support_mismatch_coords": mismatch,
+                        "support_mismatch_beyond_rounding": beyond, "max_abs_sum": max_abs_sum,
+                        "max_abs_err": max_abs_err, "deterministic": deterministic},
+    }
+
+
+def render_codec_cuda(res: dict, cmd: str) -> str:
+    c, d, lay, t, cor = (res[k] for k in ("config", "device", "layout", "timing", "correctness"))
+    out = [section("lossless_hc codec benchmark (CUDA)", format_table([
+        ("command", cmd),
+        ("device", f"{d['name']} ({d['multiprocessors']} SMs), torch CUDA {d['torch_cuda']}, kernels: {d['kernels']}"),
+        ("config", f"numel {c['numel']:,}, {c['workers']} workers, density {c['density']:g}, block {c['block_size']}, "
+                   f"index {lay['index_kind']} (requested {c['index']}), {c['repeat']} timed runs (median)"),
+        ("layout", f"union {lay['union_keys']:,} keys, sketch {lay['sketch_cells']:,} cells, "
+                   f"wire/dense {lay['wire_over_dense']:.4f}"),
+    ], align="ll"))]
+    rows = []
+    for name, key, gbps in (("device-to-device copy", "copy", t["copy_GBps_of_gradient"]),
+                            ("encode (1 worker, out=)", "encode", t["encode_GBps_of_gradient"]),
+                            (f"decode (sum of {c['workers']}, out=)", "decode", t["decode_GBps_of_gradient"])):
+        tm = t[key]
+        frac = 1.0 if key == "copy" else t[f"{key}_over_copy"]
+        rows.append((name, fmt_ms(tm["median_s"]), fmt_ms(tm["min_s"]), fmt_ms(tm["max_s"]), f"{gbps:.1f}",
+                     f"{frac:.3f}"))
+    body = format_table(rows, header=("operation", "median ms", "min ms", "max ms", "GB/s of gradient",
+                                      "fraction of copy"))
+    body += (f"\ncopy moves {t['copy_GBps_read_plus_write']:.0f} GB/s counting read + write; targets: encode >= 0.50, "
+             f"decode >= 0.25 of copy. Scratch: encode {fmt_bytes(t['encode_scratch_bytes'])}, "
+             f"decode {fmt_bytes(t['decode_scratch_bytes'])}")
+    out.append(section("time", body))
+    out.append(section("kernels (one profiled run each; every launch waited for)",
+                       "encode:\n" + t["encode_kernels_table"] + "\ndecode:\n" + t["decode_kernels_table"]))
+    out.append(section("correctness (vs float64 dense sum)", format_table([
+        ("decode ok", f"{cor['ok']}" + (f" ({cor['reason']})" if cor["reason"] else "")),
+        ("candidates / false positives", f"{cor['candidates']:,} / {cor['false_positives']:,}"),
+        ("support keys / peeled", f"{cor['support_keys']:,} / {cor['peeled_keys']:,}"),
+        ("support mismatch (coords)", f"{cor['support_mismatch_coords']:,} "
+                                      f"({cor['support_mismatch_beyond_rounding']:,} beyond 2^-20 of max |sum|)"),
+        ("max abs error", f"{fmt_sci(cor['max_abs_err'])} (max |sum| {cor['max_abs_sum']:.4g})"),
+        ("bitwise deterministic (2 decodes)", cor["deterministic"]),
+    ], align="ll")))
+    return "\n".join(out)
+
+
 def render_codec(res: dict, machine: dict, cmd: str) -> str:
     c, inp, lay, t, cor, w = (res[k] for k in ("config", "inputs", "layout", "timing", "correctness", "wire"))
     out = []
@@ -570,6 +729,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeat", type=_positive_int, default=5, help="timed runs (median reported)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--threads", type=int, default=0, help="codec (and torch) threads; 0 = default")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: time the CUDA kernels with CUDA events against a device-to-device copy")
     c.add_argument("--json", metavar="PATH", help="write all numbers to this JSON file")
     c.set_defaults(func=_cmd_codec)
 
@@ -632,6 +793,18 @@ def _cmd_codec(args) -> int:
     if not 0.0 <= args.density <= 1.0:
         raise SystemExit(f"--density must be in [0, 1], got {args.density}")
     cmd = command_line()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("python -m lossless_hc.bench codec --device cuda: no CUDA device")
+        try:
+            res = run_codec_bench_cuda(args.numel, args.density, args.workers, args.block_size, args.index,
+                                       args.support, max(args.repeat, 10), args.seed, log=_log)
+        except ValueError as exc:
+            raise SystemExit(f"python -m lossless_hc.bench codec: error: {exc}")
+        print(render_codec_cuda(res, cmd))
+        _write_json(args.json, {"command": cmd, "machine": machine_info(0), **res})
+        cor = res["correctness"]
+        return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 and cor["deterministic"] else 1
     try:
         res = run_codec_bench(args.numel, args.density, args.workers, args.block_size, args.index, args.support,
                               args.repeat, args.seed, args.threads, log=_log)

@@ -110,7 +110,10 @@ class LosslessCodec:
         block_size: coordinates hashed as one key (1 for unstructured sparsity; the row length for
             embedding gradients).
         seed: hash seed, identical on every rank.
-        device: "cpu" (the CUDA backend is a separate build).
+        device: "cpu", or "cuda" / "cuda:N" (the kernels of ``csrc/cuda``, compiled into
+            ``lossless_hc._C_cuda`` or compiled at run time through CuPy; the same payloads as the
+            CPU backend, so CPU and GPU ranks interoperate). On CUDA everything runs on the current
+            torch stream: encode never synchronises, decode synchronises once.
         index: "auto" (smallest payload), "bitmap", "bloom" or "dense".
 
     Input dtypes: float32; float16/bfloat16 are encoded exactly in float32 and the decoded sum is
@@ -132,8 +135,11 @@ class LosslessCodec:
         self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index)
         self.device = torch.device(device)
         _backend.require_backend(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Tensors report their device with an index: pin the codec to the current one.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_threads = num_threads
-        self._native = _backend.native_layout(self.layout)
+        self._native = _backend.native_layout(self.layout, self.device)
         self._shape = (numel,)
         self._dtype = torch.float32
 
@@ -220,6 +226,15 @@ class LosslessCodec:
     def _write_dense_header(self, payload: torch.Tensor, flat: torch.Tensor) -> None:
         L = self.layout
         mask = (1 << CHUNK_BITS) - 1
+        if payload.is_cuda:
+            # Device-side fills only: reading isfinite() back would synchronise the stream.
+            payload[:HEADER_FIELDS].zero_()
+            payload[HDR_CONTRIBUTORS].fill_(1.0)
+            payload[HDR_FP_LO].fill_(float(L.fingerprint & mask))
+            payload[HDR_FP_HI].fill_(float(L.fingerprint >> CHUNK_BITS))
+            if flat.numel():
+                payload[HDR_NON_FINITE:HDR_NON_FINITE + 1].copy_((~torch.isfinite(flat)).any().reshape(1))
+            return
         header = [0.0] * HEADER_FIELDS
         header[HDR_CONTRIBUTORS] = 1.0
         header[HDR_FP_LO] = float(L.fingerprint & mask)
@@ -228,9 +243,10 @@ class LosslessCodec:
         payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
 
     # -- decode --------------------------------------------------------------------------------
-    def _read_header(self, payload: torch.Tensor, scale: float):
-        """Header fields as exact integers (None where a field is not one), and whether every field
-        is within what world_size ranks can write.
+    def _read_header(self, fields: list, scale: float):
+        """Header fields (``fields``: the payload's first HEADER_FIELDS values as floats) as exact
+        integers (None where a field is not one), and whether every field is within what world_size
+        ranks can write.
 
         A summed field must be an exact integer (float32 sums of integers below 2**22 are exact); an
         averaged field is within 1/2 of one after scaling back (see layout.INT_FIELD_BITS).
@@ -240,7 +256,7 @@ class LosslessCodec:
         per_rank_max = [1, chunk_max, chunk_max, chunk_max, chunk_max, chunk_max, 1, 1, 1]
         tolerance = 0.0 if scale == 1.0 else 0.5
         ints, in_range = [], True
-        for v, hi in zip(payload[:HEADER_FIELDS].double().mul(scale).tolist(), per_rank_max):
+        for v, hi in zip((float(f) * scale for f in fields), per_rank_max):
             r = round(v) if abs(v) < 2.0 ** 53 else None  # also None for NaN/Inf
             if r is None or abs(v - r) > tolerance:
                 ints.append(None)
@@ -295,7 +311,20 @@ class LosslessCodec:
             out.fill_(float("nan"))
             return finish(False, reason)
 
-        hdr, in_range = self._read_header(payload, scale)
+        # CUDA: queue the whole decode first, then read the header and the kernels' counters with one
+        # synchronisation. The kernels plan every buffer from the layout, never from the header, so
+        # decoding a payload the header checks below reject is safe (its output is then replaced).
+        cuda_run = dense_nonzero = None
+        if self.device.type == "cuda" and L.index_kind != "dense":
+            cuda_run = _backend.decode_cuda(self._native, scale, n, payload, out)
+            header_fields, cuda_stats = cuda_run.finish()
+        elif self.device.type == "cuda":
+            values = torch.cat([payload[:HEADER_FIELDS].to(torch.float64),
+                                torch.count_nonzero(payload[HEADER_FIELDS:]).to(torch.float64).reshape(1)]).tolist()
+            header_fields, dense_nonzero = values[:HEADER_FIELDS], int(values[HEADER_FIELDS])
+        else:
+            header_fields = payload[:HEADER_FIELDS].double().tolist()
+        hdr, in_range = self._read_header(header_fields, scale)
         corrupted = ("header fields are not the integers world_size ranks write: the payload is corrupted, or not a "
                      "plain sum/average of this codec's payloads")
         if hdr[HDR_CONTRIBUTORS] is None:
@@ -332,21 +361,26 @@ class LosslessCodec:
 
         if L.index_kind == "dense":
             out.copy_(payload[HEADER_FIELDS:])
-            nz = int(torch.count_nonzero(out))
+            nz = dense_nonzero if dense_nonzero is not None else int(torch.count_nonzero(out))
             report.candidates = report.support = report.peeled = nz
             return finish(True, None)
 
-        tk = tc = None
-        if trace:
-            tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
-            tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
-        st = _backend.decode(self._native, scale, report.total_keys, n, payload, out, tk, tc, self.num_threads)
+        if cuda_run is not None:
+            st = cuda_stats
+            if trace:
+                report.trace = cuda_run.trace(st.support_keys)
+        else:
+            tk = tc = None
+            if trace:
+                tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
+                tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
+            st = _backend.decode(self._native, scale, report.total_keys, n, payload, out, tk, tc, self.num_threads)
+            if trace:
+                # Groups fill their own slices; keys a failed group never peeled stay -1.
+                done = tk >= 0
+                report.trace = (tk[done], tc[done])
         report.candidates, report.false_positives = st.candidates, st.false_positives
         report.support, report.peeled = st.support_keys, st.peeled
-        if trace:
-            # Groups fill their own slices; keys a failed group never peeled stay -1.
-            done = tk >= 0
-            report.trace = (tk[done], tc[done])
         reason = _DECODE_STATUS.get(st.status, f"unknown decode status {st.status}")
         if overload:
             reason = f"{overload} ({reason or f'recovered {st.peeled}/{st.support_keys} keys'})"

@@ -5,6 +5,7 @@
 * A watchdog: a test that runs for more than ``LHC_TEST_TIMEOUT`` seconds (default 300) dumps every
   thread's stack and exits, so a hang inside the C++ kernels (which hold no GIL) fails loudly instead
   of blocking CI forever.
+* The ``gpu`` marker (tests that need a CUDA device; ``pytest -m gpu`` selects them).
 * With ``LHC_EXPECT_SANITIZED`` set (scripts/sanitize.sh), refuse to run against the repository's
   regular build: the sanitized extension must be the one imported.
 """
@@ -32,6 +33,8 @@ _TIMEOUT = float(os.environ.get("LHC_TEST_TIMEOUT", "300"))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: starts real worker processes (Horovod, torch.distributed)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_cuda.py); skipped, visibly, without one. "
+                                       "Run only these with `pytest -m gpu`.")
     if os.environ.get("LHC_EXPECT_SANITIZED"):
         import lossless_hc._C as ext
         repo_pkg = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lossless_hc")

@@ -453,9 +453,15 @@ def test_world_size_1024_round_trip():
     helpers.assert_lossless(codec.layout, xs, y, rep, averaged=True)
 
 
-def test_cuda_device_is_a_clear_error():
-    with pytest.raises((NotImplementedError, RuntimeError, ValueError)):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: device='cuda' works (tests/test_cuda.py)")
+def test_cuda_device_without_a_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="CUDA device"):
         LosslessCodec(100, 2, 10, device="cuda")
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="unsupported device"):
+        LosslessCodec(100, 2, 10, device="meta")
 
 
 def test_decode_into_a_reused_buffer():

@@ -1,0 +1,637 @@
+"""CUDA backend of the lossless codec: the launch sequence of the kernels in
+``csrc/cuda/codec_kernels.cuh``, shared by the two ways of loading them.
+
+* ``compiled``: the extension ``lossless_hc._C_cuda`` (built by setup.py where nvcc is found).
+* ``cupy``: where that extension is absent but CuPy is importable, the same header is compiled at
+  run time through NVRTC (``cupy.RawModule``, cached on disk by CuPy), and the kernels are launched
+  through the CUDA driver API (``libcuda``) on torch's current stream.
+
+``LHC_CUDA_BACKEND`` forces one (``compiled`` or ``cupy``); unset or ``auto`` prefers the compiled
+module.
+
+Everything is stream-ordered on ``torch.cuda.current_stream()``: scratch memory comes from torch's
+caching allocator, memsets are torch ops, kernels take raw addresses (``data_ptr()``) and 64-bit
+argument words. Encode never synchronises; decode synchronises once, to read the header and the
+kernels' counters together (``DecodeRun.finish``).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pathlib
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .layout import HEADER_FIELDS, INDEX_KIND_CODE, PayloadLayout
+
+CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+
+# Order of lhc::gpu::LayoutWord in codec_kernels.cuh.
+LAYOUT_WORDS = ("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
+                "bloom_seg_len", "bloom_seg_count", "bloom_stream", "index_base", "index_per_word", "index_digits",
+                "digit_cap", "capacity", "fingerprint", "index_offset", "sketch_offset", "payload_numel")
+_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")  # seg_len, seg_count, stream follow
+_BLOOM_TABLE_WORD = LAYOUT_WORDS.index("bloom_seg_len")
+
+THREADS = 256               # block size of the grid-stride kernels and of the tile kernels
+TILE_ITEMS = 256 * 8        # kTileItems
+SCAN_THREADS = 1024         # lhc_scan_tiles runs as one block of this size
+NOT_PEELED = 0xFFFFFFFF
+MAX_POSITIONS = (1 << 32) // 3 - 1   # key positions: 31 bits in the adjacency, 3 x count < 2^32 offsets
+
+# lhc::gpu::DecodeFlag
+FLAG_INDEX_WORD = 1 << 0
+FLAG_INDEX_TOTAL = 1 << 1
+FLAG_CAND_OVERFLOW = 1 << 2
+FLAG_COUNT_BAD = 1 << 3
+FLAG_COUNT_UNRESOLVED = 1 << 4
+FLAG_COUNT_LEFTOVER = 1 << 5
+FLAG_SUPPORT_OVERFLOW = 1 << 6
+FLAG_DEGREE_OVERFLOW = 1 << 7
+FLAG_VALUE_BAD = 1 << 8
+FLAG_NON_FINITE = 1 << 9
+
+# lhc::gpu::DecodeCounters: 7 uint64 fields, then flags and abort (uint32 each) = 64 bytes.
+_DECODE_COUNTERS = ("index_total", "expected_total", "candidates", "support", "peeled", "count_resolved",
+                    "list_count", "flags_abort")
+_DECODE_COUNTERS_BYTES = 64
+_ENCODE_COUNTERS_BYTES = 16   # lhc::gpu::EncodeCounters
+_PEEL_CONTROL_BYTES = 64      # lhc::gpu::PeelControl (40 bytes, padded)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _f64_bits(x: float) -> int:
+    """The 64-bit pattern of a double: how a double kernel parameter travels in an argument word."""
+    return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
+
+
+def header_kernels(path: pathlib.Path = CSRC / "cuda" / "codec_kernels.cuh") -> dict:
+    """``{name: parameter count}`` of the extern "C" kernels declared in the kernels header (the CuPy
+    path checks argument counts against it; the compiled module checks against its own table)."""
+    import re
+    text = path.read_text()
+    out = {}
+    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
+        params = [p for p in m.group(2).split(",") if p.strip()]
+        out[m.group(1)] = len(params)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------------
+class _CompiledLauncher:
+    name = "compiled"
+
+    def __init__(self, module):
+        self._m = module
+        self._blocks = {}
+
+    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
+        self._m.launch(kernel, int(grid), int(block), [int(a) & _MASK64 for a in args], int(stream), cooperative)
+
+    def resident_blocks(self, kernel: str, block: int) -> int:
+        key = (torch.cuda.current_device(), kernel, block)
+        if key not in self._blocks:
+            self._blocks[key] = self._m.max_active_blocks(kernel, block)
+        return self._blocks[key]
+
+
+def _nvrtc_source() -> str:
+    """The translation unit NVRTC compiles: the kernels header, included from csrc/, under a comment
+    holding a digest of the headers' text. CuPy caches compiled modules by source text and options,
+    not by the files a source includes, so the digest makes an edited header compile afresh."""
+    import hashlib
+    digest = hashlib.sha256()
+    for path in (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "lhc_layout.h"):
+        digest.update(path.read_bytes())
+    return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n#include "cuda/codec_kernels.cuh"\n'
+
+
+class _CupyLauncher:
+    """Kernels compiled by NVRTC through CuPy; launched with the driver API on torch's stream (so
+    no CuPy stream or context juggling: CuPy and torch both use the device's primary context)."""
+
+    name = "cupy"
+
+    def __init__(self):
+        import cupy  # noqa: F401  (ImportError tells the caller this path is unavailable)
+        self._cupy = cupy
+        self._modules = {}
+        self._functions = {}
+        self._blocks = {}
+        self._arity = None
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self._cuda.cuLaunchKernel.restype = ctypes.c_int
+        self._cuda.cuLaunchCooperativeKernel.restype = ctypes.c_int
+        self._cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor.restype = ctypes.c_int
+
+    def _function(self, kernel: str):
+        dev = torch.cuda.current_device()
+        key = (dev, kernel)
+        fn = self._functions.get(key)
+        if fn is None:
+            with self._cupy.cuda.Device(dev):
+                module = self._modules.get(dev)
+                if module is None:
+                    module = self._cupy.RawModule(code=_nvrtc_source(), options=("-std=c++17", f"-I{CSRC}"))
+                    self._modules[dev] = module
+                found = module.get_function(kernel)
+                # Recent CuPy returns a RawKernel wrapping the cupy.cuda.Function, older CuPy the
+                # Function itself; its `ptr` is the CUfunction handle.
+                fn = int(getattr(found, "kernel", found).ptr)
+            self._functions[key] = fn
+        return fn
+
+    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
+        if self._arity is None:
+            self._arity = header_kernels()
+        if self._arity.get(kernel) != len(args):
+            raise RuntimeError(f"lossless_hc CUDA launch failed: {kernel} takes {self._arity.get(kernel)} arguments, "
+                               f"got {len(args)}")
+        if grid <= 0:
+            return
+        fn = self._function(kernel)
+        words = [ctypes.c_uint64(int(a) & _MASK64) for a in args]
+        params = (ctypes.c_void_p * len(words))(*[ctypes.cast(ctypes.byref(w), ctypes.c_void_p) for w in words])
+        launch = self._cuda.cuLaunchCooperativeKernel if cooperative else self._cuda.cuLaunchKernel
+        extra = () if cooperative else (None,)
+        rc = launch(ctypes.c_void_p(fn), ctypes.c_uint(grid), ctypes.c_uint(1), ctypes.c_uint(1),
+                    ctypes.c_uint(block), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0),
+                    ctypes.c_void_p(stream), params, *extra)
+        if rc != 0:
+            raise RuntimeError(f"lossless_hc CUDA launch failed: {kernel}: CUresult {rc}")
+
+    def resident_blocks(self, kernel: str, block: int) -> int:
+        key = (torch.cuda.current_device(), kernel, block)
+        if key not in self._blocks:
+            n = ctypes.c_int(0)
+            rc = self._cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(n), ctypes.c_void_p(self._function(kernel)), ctypes.c_int(block), ctypes.c_size_t(0))
+            self._blocks[key] = n.value if rc == 0 else 1
+        return self._blocks[key]
+
+
+class KernelProfile:
+    """Per-kernel device time of the launches made while it is active (``with profile() as p``):
+    each launch is bracketed by CUDA events and waited for, so the profiled run is slower than a
+    plain one and synchronises after every kernel. A diagnostic for performance work only."""
+
+    def __init__(self):
+        self.ms = {}
+        self.calls = {}
+
+    def record(self, kernel: str, ms: float) -> None:
+        self.ms[kernel] = self.ms.get(kernel, 0.0) + ms
+        self.calls[kernel] = self.calls.get(kernel, 0) + 1
+
+    def table(self) -> str:
+        total = sum(self.ms.values()) or 1.0
+        rows = sorted(self.ms.items(), key=lambda kv: -kv[1])
+        return "\n".join(f"{name:28s} {ms:9.3f} ms {100 * ms / total:5.1f}%  x{self.calls[name]}" for name, ms in rows)
+
+
+_PROFILE: Optional[KernelProfile] = None
+
+
+@contextlib.contextmanager
+def profile():
+    """Time every kernel launched inside the block (see KernelProfile)."""
+    global _PROFILE
+    previous, _PROFILE = _PROFILE, KernelProfile()
+    try:
+        yield _PROFILE
+    finally:
+        _PROFILE = previous
+
+
+class _ProfiledLauncher:
+    """A launcher whose launches are timed into the active KernelProfile."""
+
+    def __init__(self, inner, prof: KernelProfile):
+        self._inner, self._prof = inner, prof
+        self.name = inner.name
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._inner.launch(kernel, grid, block, args, stream, cooperative)
+        end.record()
+        end.synchronize()
+        self._prof.record(kernel, start.elapsed_time(end))
+
+
+def _active_launcher():
+    """The launcher, wrapped for timing while a profile is active."""
+    launch = launcher()
+    return _ProfiledLauncher(launch, _PROFILE) if _PROFILE is not None else launch
+
+
+_LOCK = threading.Lock()
+_LAUNCHER = None
+_LAUNCHER_ERROR: Optional[str] = None
+
+
+def launcher():
+    """The kernel launcher (compiled module or CuPy/NVRTC), chosen once per process; raises
+    ImportError with the reasons when neither is available."""
+    global _LAUNCHER, _LAUNCHER_ERROR
+    with _LOCK:
+        if _LAUNCHER is not None:
+            return _LAUNCHER
+        choice = os.environ.get("LHC_CUDA_BACKEND", "auto").lower()
+        if choice not in ("auto", "compiled", "cupy"):
+            raise ValueError(f"LHC_CUDA_BACKEND must be auto, compiled or cupy, got {choice!r}")
+        reasons = []
+        if choice in ("auto", "compiled"):
+            try:
+                from . import _C_cuda
+                _LAUNCHER = _CompiledLauncher(_C_cuda)
+                return _LAUNCHER
+            except ImportError as exc:
+                reasons.append(f"lossless_hc._C_cuda is not built ({exc})")
+        if choice in ("auto", "cupy"):
+            try:
+                _LAUNCHER = _CupyLauncher()
+                return _LAUNCHER
+            except (ImportError, OSError) as exc:
+                reasons.append(f"CuPy run-time compilation is unavailable ({exc})")
+        _LAUNCHER_ERROR = "; ".join(reasons)
+        raise ImportError("lossless_hc has no CUDA kernels available: " + _LAUNCHER_ERROR +
+                          ". Build with nvcc (LHC_CUDA=1 pip install -e .) or install CuPy.")
+
+
+def reset_launcher(replacement=None) -> None:
+    """Forget the chosen launcher, so the next call of ``launcher`` chooses again (tests switch
+    between the compiled and the CuPy path with LHC_CUDA_BACKEND); or install ``replacement``, an
+    object with the launchers' interface (tests/test_cuda_emulated.py runs the kernels on host
+    threads through one, with CPU tensors)."""
+    global _LAUNCHER, _LAUNCHER_ERROR
+    with _LOCK:
+        _LAUNCHER, _LAUNCHER_ERROR = replacement, None
+
+
+def _device_scope(device: torch.device):
+    """Make ``device`` current (CUDA); a CPU device is only seen by the host emulation of the tests."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _stream_handle(device: torch.device) -> int:
+    """The current torch stream of ``device`` as a cudaStream_t integer (0 for the host emulation)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def backend_name() -> str:
+    """``compiled`` or ``cupy``: which way the kernels were loaded (loads them if needed)."""
+    return launcher().name
+
+
+def require(device: torch.device) -> None:
+    """Raise a clear error unless CUDA kernels can run on ``device``."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("LosslessCodec(device='cuda') needs a CUDA device, and torch sees none "
+                           "(torch.cuda.is_available() is False)")
+    launcher()
+
+
+# ------------------------------------------------------------------------------------------------
+# layout and scratch
+# ------------------------------------------------------------------------------------------------
+def _grid(items: int, sms: int) -> int:
+    """Blocks of THREADS for a grid-stride loop over ``items``: enough to fill the GPU, no more."""
+    return max(1, min(-(-items // THREADS), 16 * sms))
+
+
+def _tiles(items: int) -> int:
+    return max(1, -(-items // TILE_ITEMS))
+
+
+class CudaLayout:
+    """A codec layout on one CUDA device: the layout words (device, uint64) and the sizes that the
+    kernels' scratch buffers are planned from."""
+
+    is_cuda_layout = True
+
+    def __init__(self, layout: PayloadLayout, device: torch.device):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.layout = layout
+        self.device = device
+        L = layout
+        self.sketch_cells = L.sketch.cells
+        self.bloom_cells = L.bloom.cells if L.bloom is not None else 0
+        if max(self.sketch_cells, self.bloom_cells) >= (1 << 32) - 1:
+            raise ValueError("the CUDA backend indexes table cells with 32 bits; this layout has more cells")
+        # Keys one decode can hold: the value peel cannot resolve more keys than it has cells (each
+        # peel step consumes a pure cell), the count peel likewise.
+        self.key_cap = min(L.num_keys, self.sketch_cells, MAX_POSITIONS)
+        self.cand_cap = min(L.num_keys, self.bloom_cells, MAX_POSITIONS)
+        words = {
+            "numel": L.numel, "num_keys": L.num_keys, "block": L.block, "index_kind": INDEX_KIND_CODE[L.index_kind],
+            "sketch_seg_len": L.sketch.seg_len, "sketch_seg_count": L.sketch.seg_count,
+            "sketch_stream": L.sketch.stream,
+            "bloom_seg_len": L.bloom.seg_len if L.bloom else 1, "bloom_seg_count": L.bloom.seg_count if L.bloom else 3,
+            "bloom_stream": L.bloom.stream if L.bloom else 0,
+            "index_base": L.index.base, "index_per_word": L.index.per_word, "index_digits": L.index.digits,
+            "digit_cap": L.digit_cap, "capacity": L.capacity, "fingerprint": L.fingerprint,
+            "index_offset": L.index_offset, "sketch_offset": L.sketch_offset, "payload_numel": L.payload_numel,
+        }
+        signed = [(words[name] & _MASK64) - (1 << 64) if (words[name] & _MASK64) >= 1 << 63 else words[name]
+                  for name in LAYOUT_WORDS]
+        self.words = torch.tensor(signed, dtype=torch.int64, device=device)
+        # The host emulation (a CPU device) runs every CUDA thread as a host thread: keep grids small.
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+    @property
+    def words_ptr(self) -> int:
+        return self.words.data_ptr()
+
+    @property
+    def sketch_table_ptr(self) -> int:
+        return self.words.data_ptr() + 8 * _SKETCH_TABLE_WORD
+
+    @property
+    def bloom_table_ptr(self) -> int:
+        return self.words.data_ptr() + 8 * _BLOOM_TABLE_WORD
+
+
+class _Arena:
+    """Named slices of one uint8 scratch tensor, each 256-byte aligned."""
+
+    def __init__(self, sizes: dict, device):
+        self.offsets = {}
+        total = 0
+        for name, nbytes in sizes.items():
+            self.offsets[name] = (total, nbytes)
+            total += -(-max(nbytes, 1) // 256) * 256
+        self.total = total
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def view(self, name: str, dtype=torch.uint8) -> torch.Tensor:
+        off, nbytes = self.offsets[name]
+        return self.buffer[off:off + nbytes].view(dtype)
+
+    def ptr(self, name: str) -> int:
+        return self.buffer.data_ptr() + self.offsets[name][0]
+
+
+def decode_scratch_sizes(native: CudaLayout) -> dict:
+    """Bytes of every scratch buffer of one decode (see decode)."""
+    L = native.layout
+    B = L.block
+    cells, kcap = native.sketch_cells, native.key_cap
+    sizes = {"counters": _DECODE_COUNTERS_BYTES, "control_count": _PEEL_CONTROL_BYTES,
+             "control_value": _PEEL_CONTROL_BYTES, "keys": 4 * kcap}
+    tiles = [_tiles(cells), _tiles(L.index.words)]
+    if L.index_kind == "bloom":
+        bcells, ccap = native.bloom_cells, native.cand_cap
+        tiles += [_tiles(L.num_keys), _tiles(ccap)]
+        for name in ("bcount", "bdeg", "bxr", "bpure0", "bpure1"):
+            sizes[name] = 4 * bcells
+        for name in ("cand", "csrc", "cround", "ccount", "clist0", "clist1"):
+            sizes[name] = 4 * ccap
+    sizes["tiles"] = 8 * max(tiles)
+    for name in ("deg", "xr", "cursor", "stamp", "pure0", "pure1", "dirty0", "dirty1"):
+        sizes[name] = 4 * cells
+    sizes["offsets"] = 4 * (cells + 1)
+    for name in ("src", "round", "list0", "list1"):
+        sizes[name] = 4 * kcap
+    sizes["adj"] = 4 * 3 * kcap
+    sizes["key_val"] = 8 * kcap * B
+    sizes["val"] = 8 * cells * B
+    return sizes
+
+
+def decode_scratch_bytes(native: CudaLayout) -> int:
+    """Device memory one decode borrows from torch's caching allocator."""
+    return sum(-(-max(n, 1) // 256) * 256 for n in decode_scratch_sizes(native).values())
+
+
+def _peel_grid(launch, kernel: str, sms: int) -> int:
+    """Blocks of a cooperative (grid-barrier) kernel: all resident at once. A few per SM: enough
+    memory parallelism, few enough that a barrier stays cheap. LHC_PEEL_BLOCKS_PER_SM overrides."""
+    resident = max(1, launch.resident_blocks(kernel, THREADS))
+    wanted = int(os.environ.get("LHC_PEEL_BLOCKS_PER_SM", "4"))
+    return sms * max(1, min(resident, wanted))
+
+
+# ------------------------------------------------------------------------------------------------
+# encode
+# ------------------------------------------------------------------------------------------------
+def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
+    """Encode ``x`` (contiguous float32, layout.numel, on the codec's device) into ``payload``
+    (contiguous float32, layout.payload_numel). Asynchronous on the current stream."""
+    L = native.layout
+    launch = _active_launcher()
+    with _device_scope(native.device):
+        stream = _stream_handle(native.device)
+        sms = native.sms
+        sizes = {"counters": _ENCODE_COUNTERS_BYTES}
+        if L.index_kind == "bloom":
+            sizes["bloom_count"] = 4 * native.bloom_cells
+        if L.block > 1:
+            sizes["key_flag"] = 4 * L.num_keys
+        arena = _Arena(sizes, native.device)
+        arena.view("counters").zero_()
+        payload.zero_()
+        bloom = 0
+        if L.index_kind == "bloom":
+            arena.view("bloom_count").zero_()
+            bloom = arena.ptr("bloom_count")
+        lay, xp, pp, cnt = native.words_ptr, x.data_ptr(), payload.data_ptr(), arena.ptr("counters")
+        if L.block == 1:
+            launch.launch("lhc_encode_scan_b1", _grid(-(-L.numel // 4), sms), THREADS, [lay, xp, pp, bloom, cnt], stream)
+        else:
+            arena.view("key_flag").zero_()
+            flags = arena.ptr("key_flag")
+            launch.launch("lhc_encode_flag_blocks", _grid(L.numel, sms), THREADS, [lay, xp, flags, cnt], stream)
+            launch.launch("lhc_encode_keys", _grid(L.num_keys, sms), THREADS, [lay, flags, pp, bloom, cnt], stream)
+            launch.launch("lhc_encode_scatter_blocks", _grid(L.numel, sms), THREADS, [lay, xp, flags, pp], stream)
+        if L.index_kind == "bloom":
+            launch.launch("lhc_encode_bloom_pack", _grid(L.index.words, sms), THREADS, [lay, bloom, pp, cnt], stream)
+        launch.launch("lhc_encode_header", 1, 32, [lay, pp, cnt], stream)
+
+
+# ------------------------------------------------------------------------------------------------
+# decode
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class DecodeStats:
+    """What the CUDA decode found (the fields of the CPU backend's DecodeStats)."""
+
+    status: int
+    candidates: int
+    false_positives: int
+    support_keys: int
+    peeled: int
+    index_total: int
+    flags: int
+
+
+def decode_status(index_kind: str, flags: int, support: int, peeled: int) -> int:
+    """The CPU backend's status code for the kernels' flags, with its precedence: index corrupt (1),
+    index peel failed (2), value states inconsistent (1), non-finite sketch (4), sketch peel
+    failed (3)."""
+    if flags & (FLAG_INDEX_WORD | FLAG_INDEX_TOTAL):
+        return 1
+    if index_kind == "bloom":
+        if flags & FLAG_CAND_OVERFLOW:
+            return 2
+        if flags & FLAG_COUNT_BAD:
+            return 1
+        if flags & FLAG_COUNT_UNRESOLVED:
+            return 2
+        if flags & FLAG_COUNT_LEFTOVER:
+            return 1
+    if flags & FLAG_VALUE_BAD:
+        return 1
+    if flags & FLAG_NON_FINITE:
+        return 4
+    if flags & (FLAG_SUPPORT_OVERFLOW | FLAG_DEGREE_OVERFLOW) or peeled != support:
+        return 3
+    return 0
+
+
+class DecodeRun:
+    """A decode whose kernels are queued; ``finish`` reads header and counters with one sync."""
+
+    def __init__(self, native: CudaLayout, payload: torch.Tensor, arena: _Arena):
+        self.native, self.payload, self.arena = native, payload, arena
+
+    def finish(self):
+        """(header field values as floats, DecodeStats). Synchronises the stream once."""
+        counters = self.arena.view("counters", torch.int64)
+        summary = torch.cat([self.payload[:HEADER_FIELDS].to(torch.float64), counters.to(torch.float64)]).tolist()
+        header = summary[:HEADER_FIELDS]
+        c = dict(zip(_DECODE_COUNTERS, (int(v) for v in summary[HEADER_FIELDS:])))
+        flags = c["flags_abort"] & 0xFFFFFFFF
+        support, peeled = c["support"], c["peeled"]
+        kind = self.native.layout.index_kind
+        candidates = c["candidates"]
+        st = DecodeStats(status=decode_status(kind, flags, support, peeled), candidates=candidates,
+                         false_positives=max(0, candidates - support) if kind == "bloom" else 0,
+                         support_keys=support, peeled=peeled, index_total=c["index_total"], flags=flags)
+        return header, st
+
+    def trace(self, support: int):
+        """(keys, cells) of the peeled keys, in an order in which they can be peeled: by round, then
+        key. A key read in round r from cell c had every other key of c peeled in an earlier round."""
+        a = self.arena
+        n = min(support, self.native.key_cap)
+        keys = a.view("keys", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
+        rounds = a.view("round", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
+        cells = a.view("src", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
+        done = rounds != NOT_PEELED
+        keys, rounds, cells = keys[done], rounds[done], cells[done]
+        order = torch.argsort(rounds * (1 << 32) + keys)
+        return keys[order].cpu(), cells[order].cpu()
+
+
+def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Tensor, out: torch.Tensor) -> DecodeRun:
+    """Queue the decode of ``payload`` (contiguous float32 on the codec's device) into ``out``
+    (contiguous float32, numel; overwritten: zeros outside the recovered support, NaN for support
+    keys the peel could not recover). Nothing here waits for the device; ``DecodeRun.finish``
+    does, once. The kernels never read the header's claims as sizes: every buffer is planned from
+    the layout, so any payload (corrupted, fuzzed) is safe to decode."""
+    L = native.layout
+    launch = _active_launcher()
+    with _device_scope(native.device):
+        stream = _stream_handle(native.device)
+        sms = native.sms
+        a = _Arena(decode_scratch_sizes(native), native.device)
+        # lhc_scan_tiles runs as one block of any multiple of 32 threads up to 1024; a launcher may ask
+        # for fewer (the host emulation of the tests, where every thread is an OS thread).
+        scan_threads = getattr(launch, "scan_threads", SCAN_THREADS)
+        P = lambda name: a.ptr(name)  # noqa: E731
+        a.view("counters").zero_()
+        a.view("control_count").zero_()
+        a.view("control_value").zero_()
+        out.zero_()
+        lay, pp, cnt = native.words_ptr, payload.data_ptr(), P("counters")
+        n = int(world_size)
+        s = _f64_bits(scale)
+        kcap, cells, B = native.key_cap, native.sketch_cells, L.block
+
+        # 1. The support: keys non-zero on at least one rank, in increasing order, in `keys`.
+        if L.index_kind == "bitmap":
+            tiles = _tiles(L.index.words)
+            launch.launch("lhc_bitmap_count", tiles, THREADS, [lay, pp, s, n, P("tiles"), cnt], stream)
+            launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), tiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 1],
+                          stream)
+            launch.launch("lhc_bitmap_write", tiles, THREADS, [lay, pp, s, n, P("tiles"), P("keys"), kcap, cnt], stream)
+            launch.launch("lhc_support_ready", 1, 32, [cnt, 1], stream)
+        elif L.index_kind == "bloom":
+            bcells, ccap = native.bloom_cells, native.cand_cap
+            a.view("bcount").zero_()
+            launch.launch("lhc_bloom_unpack", _grid(L.index.words, sms), THREADS, [lay, pp, s, n, P("bcount"), cnt],
+                          stream)
+            tiles = _tiles(L.num_keys)
+            launch.launch("lhc_bloom_cand_count", tiles, THREADS, [lay, P("bcount"), P("tiles")], stream)
+            launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), tiles, ccap, FLAG_CAND_OVERFLOW, cnt, 1],
+                          stream)
+            launch.launch("lhc_bloom_cand_write", tiles, THREADS, [lay, P("bcount"), P("tiles"), P("cand"), ccap, cnt],
+                          stream)
+            # Exact integer peel of the counters: every candidate's count (false positives: 0).
+            a.view("bdeg").zero_()
+            a.view("bxr").zero_()
+            a.view("csrc").fill_(255)
+            a.view("cround").fill_(255)
+            a.view("ccount").zero_()
+            launch.launch("lhc_build_states", _grid(ccap, sms), THREADS,
+                          [native.bloom_table_ptr, P("cand"), P("bdeg"), P("bxr"), cnt, FLAG_COUNT_UNRESOLVED, 1], stream)
+            launch.launch("lhc_seed_pure", _grid(bcells, sms), THREADS,
+                          [P("bdeg"), bcells, P("bpure0"), P("control_count"), cnt], stream)
+            launch.launch("lhc_peel_counts", _peel_grid(launch, "lhc_peel_counts", sms), THREADS,
+                          [native.bloom_table_ptr, P("cand"), P("bcount"), P("bdeg"), P("bxr"), P("csrc"), P("cround"),
+                           P("ccount"), P("bpure0"), P("bpure1"), P("clist0"), P("clist1"), P("control_count"), cnt, n],
+                          stream, cooperative=True)
+            launch.launch("lhc_count_check", _grid(max(ccap, bcells), sms), THREADS,
+                          [P("bcount"), bcells, P("cround"), cnt], stream)
+            launch.launch("lhc_count_verdict", 1, 32, [cnt], stream)
+            ftiles = _tiles(ccap)
+            launch.launch("lhc_found_count", ftiles, THREADS, [P("ccount"), P("tiles"), cnt], stream)
+            launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), ftiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 0],
+                          stream)
+            launch.launch("lhc_found_write", ftiles, THREADS,
+                          [P("cand"), P("ccount"), P("tiles"), P("keys"), kcap, cnt], stream)
+            launch.launch("lhc_support_ready", 1, 32, [cnt, 0], stream)
+        else:
+            raise ValueError(f"the CUDA decode kernels handle bitmap and bloom indexes, not {L.index_kind!r}")
+
+        # 2. The value peel over the support.
+        a.view("deg").zero_()   # (xr needs no zeroing: lhc_sort_adjacency writes it for every cell)
+        a.view("cursor").zero_()
+        a.view("stamp").fill_(255)
+        a.view("src").fill_(255)
+        a.view("round").fill_(255)
+        tbl = native.sketch_table_ptr
+        launch.launch("lhc_build_states", _grid(kcap, sms), THREADS,
+                      [tbl, P("keys"), P("deg"), P("xr"), cnt, FLAG_DEGREE_OVERFLOW, 0], stream)
+        launch.launch("lhc_abort_if", 1, 32, [cnt, FLAG_DEGREE_OVERFLOW], stream)
+        dtiles = _tiles(cells)
+        launch.launch("lhc_degree_tiles", dtiles, THREADS, [P("deg"), cells, P("tiles")], stream)
+        launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), dtiles, _MASK64, 0, cnt, 0], stream)
+        launch.launch("lhc_degree_offsets", dtiles, THREADS, [P("deg"), cells, P("tiles"), P("offsets"), cnt], stream)
+        launch.launch("lhc_fill_adjacency", _grid(kcap, sms), THREADS,
+                      [tbl, P("keys"), P("offsets"), P("cursor"), P("adj"), cnt], stream)
+        launch.launch("lhc_sort_adjacency", _grid(cells, sms), THREADS,
+                      [P("offsets"), P("deg"), cells, P("adj"), P("xr"), cnt], stream)
+        launch.launch("lhc_load_cells", _grid(cells * B, sms), THREADS, [lay, pp, P("val"), cnt], stream)
+        launch.launch("lhc_seed_pure", _grid(cells, sms), THREADS, [P("deg"), cells, P("pure0"), P("control_value"), cnt],
+                      stream)
+        launch.launch("lhc_peel_values", _peel_grid(launch, "lhc_peel_values", sms), THREADS,
+                      [tbl, B, P("keys"), P("val"), P("deg"), P("xr"), P("src"), P("round"), P("key_val"), P("offsets"),
+                       P("adj"), P("stamp"), P("pure0"), P("pure1"), P("list0"), P("list1"), P("dirty0"), P("dirty1"),
+                       P("control_value"), cnt], stream, cooperative=True)
+        launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
+                      [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
+        return DecodeRun(native, payload, a)

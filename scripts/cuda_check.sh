@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `make cuda-check`: compile every CUDA source of the project without a GPU.
+#  1. csrc/cuda/codec_cuda.cu (the kernels and their launcher) with nvcc for sm_80 and sm_90,
+#     warnings as errors (the host pass ignores the device-only `#pragma unroll`), and the resource report (registers, spills) of every kernel kept in the log;
+#  2. csrc/cuda/bindings_cuda.cpp (the pybind11 module) with the host compiler;
+#  3. csrc/cuda/codec_kernels.cuh through NVRTC, as the CuPy run-time path compiles it
+#     (libnvrtc from the nvidia-cuda-nvrtc wheel, installed into .venv on first use when PyPI is
+#     reachable; without it this step says SKIPPED).
+# Exits 0 with a SKIPPED line when nvcc is absent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-$PWD/.venv/bin/python}
+NVCC=${NVCC:-$(command -v nvcc || true)}
+if [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+if [ -z "$NVCC" ]; then
+  echo "cuda-check: SKIPPED: nvcc not found (the CUDA sources were not compiled)"
+  exit 0
+fi
+OUT=build-cuda-check
+mkdir -p "$OUT"
+# Under `make sanitize` the sanitizer runtimes may be preloaded; the compilers must not inherit them.
+unset LD_PRELOAD
+for arch in 80 90; do
+  "$NVCC" -std=c++17 -O3 -Icsrc -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unknown-pragmas --Werror all-warnings -Xptxas -v \
+    -gencode=arch=compute_${arch},code=sm_${arch} -c csrc/cuda/codec_cuda.cu -o "$OUT/codec_cuda_sm${arch}.o" \
+    2> "$OUT/ptxas_sm${arch}.log" || { cat "$OUT/ptxas_sm${arch}.log"; echo "cuda-check: nvcc sm_${arch} FAILED"; exit 1; }
+  if grep -E "bytes spill (stores|loads)" "$OUT/ptxas_sm${arch}.log" | grep -vq " 0 bytes spill stores, 0 bytes spill loads"; then
+    echo "cuda-check: note: register spills for sm_${arch} (see $OUT/ptxas_sm${arch}.log)"
+  fi
+  echo "cuda-check: nvcc sm_${arch}: ok"
+done
+c++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -Icsrc/cuda $("$PY" -m pybind11 --includes) \
+  csrc/cuda/bindings_cuda.cpp
+echo "cuda-check: bindings (host compiler): ok"
+
+# NVRTC: find libnvrtc, else install the wheel matching nvcc's release into the venv (best effort).
+set +e
+"$PY" scripts/nvrtc_check.py --arch 80 --arch 90
+rc=$?
+if [ $rc -eq 2 ]; then
+  release=$("$NVCC" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+  echo "cuda-check: installing nvidia-cuda-nvrtc==${release}.* into the venv for the NVRTC check"
+  "$PY" -m pip install --quiet "nvidia-cuda-nvrtc==${release}.*" && "$PY" scripts/nvrtc_check.py --arch 80 --arch 90
+  rc=$?
+  [ $rc -eq 2 ] && rc=0   # still no libnvrtc: SKIPPED was printed
+fi
+set -e
+exit $rc

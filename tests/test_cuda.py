@@ -1,0 +1,356 @@
+"""The CUDA backend (csrc/cuda, lossless_hc/_cuda.py) against the CPU backend and the float64 truth.
+
+Every test here is marked ``gpu`` and skipped, visibly, where torch sees no CUDA device; run them with
+``pytest -m gpu`` on a GPU machine (scripts/gpu_session.sh). Tests parametrised over ``backend`` run
+once per available way of loading the kernels: ``compiled`` (lossless_hc._C_cuda) and ``cupy``
+(NVRTC at run time); a backend that is not available is skipped with the reason.
+
+What must hold:
+* encode: the same header and index words as the CPU backend, bit for bit, and sketch cells equal
+  within the float rounding of their (differently ordered) sums;
+* decode: lossless within the rigorous per-key error bound of its own peeling order (the trace),
+  the same verdicts (ok, reason, candidates, support) as the CPU backend, and bitwise deterministic;
+* any payload, however corrupted, decodes without a crash or an out-of-bounds access (run under
+  compute-sanitizer by scripts/gpu_session.sh) and is never reported ok when the CPU says it is not;
+* encode never synchronises with the host; decode synchronises once.
+"""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import helpers
+from lossless_hc import LosslessCodec, reference
+from lossless_hc.layout import HEADER_FIELDS
+
+HAVE_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device: the GPU tests of the CUDA backend did not run")]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["compiled", "cupy"])
+def backend(request, monkeypatch):
+    """Force one way of loading the kernels for the test (skipped if unavailable)."""
+    from lossless_hc import _cuda
+    monkeypatch.setenv("LHC_CUDA_BACKEND", request.param)
+    _cuda.reset_launcher()
+    try:
+        _cuda.launcher()
+    except ImportError as exc:
+        _cuda.reset_launcher()
+        pytest.skip(f"CUDA backend {request.param!r} unavailable: {exc}")
+    yield request.param
+    _cuda.reset_launcher()
+
+
+def codecs(numel, n, k, block=1, index="auto", seed=0):
+    """The same codec on the CPU and on the GPU."""
+    cpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index)
+    gpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index, device="cuda")
+    assert cpu.layout == gpu.layout
+    return cpu, gpu
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    b = t.detach().cpu().contiguous().view(torch.int32).clone()
+    b[torch.isnan(t.detach().cpu())] = 0x7FC00000
+    return b
+
+
+def cell_bound(layout, x: torch.Tensor) -> torch.Tensor:
+    """|difference| allowed between two float32 sums of one rank's terms in a cell, summed in
+    different orders: 2 (deg - 1) u M(c) per lane, M the absolute mass of the cell's terms."""
+    B = layout.block
+    flat = x.reshape(-1).to(torch.float64).numpy()
+    num_keys = layout.num_keys
+    pad = np.zeros(num_keys * B)
+    pad[:flat.size] = np.abs(flat)
+    absx = pad.reshape(num_keys, B)
+    keys = helpers.nonzero_keys(x.float(), B)
+    C = layout.sketch.cells
+    M = np.zeros((C, B))
+    deg = np.zeros(C)
+    if len(keys):
+        cells, _ = reference.key_cells(layout.sketch, torch.from_numpy(keys))
+        cells = cells.numpy()
+        for j in range(3):
+            np.add.at(M, cells[:, j], absx[keys])
+            np.add.at(deg, cells[:, j], 1)
+    bound = 2 * np.maximum(deg - 1, 0)[:, None] * helpers.U32 * M
+    return torch.from_numpy(bound.reshape(-1))
+
+
+def assert_same_payload(layout, p_cpu: torch.Tensor, p_gpu: torch.Tensor, x: torch.Tensor) -> None:
+    p_gpu = p_gpu.cpu()
+    assert p_gpu.shape == p_cpu.shape
+    assert torch.equal(bits(p_gpu[:HEADER_FIELDS]), bits(p_cpu[:HEADER_FIELDS])), \
+        f"header differs: {p_gpu[:HEADER_FIELDS].tolist()} vs {p_cpu[:HEADER_FIELDS].tolist()}"
+    if layout.index_kind == "dense":
+        assert torch.equal(bits(p_gpu), bits(p_cpu))
+        return
+    io, so = layout.index_offset, layout.sketch_offset
+    diff = (bits(p_gpu[io:so]) != bits(p_cpu[io:so])).nonzero().reshape(-1)
+    assert diff.numel() == 0, f"index words differ at {diff[:10].tolist()}"
+    g, c = p_gpu[so:].double(), p_cpu[so:].double()
+    err = (g - c).abs()
+    tol = cell_bound(layout, x.float())
+    bad = err > tol
+    assert not bool(bad.any()), (f"{int(bad.sum())} sketch floats differ beyond rounding; first at "
+                                 f"{bad.nonzero()[:5].reshape(-1).tolist()}")
+
+
+CONFIGS = [
+    pytest.param(dict(numel=5000, n=3, k=200, block=1, index="bitmap"), id="bitmap-b1"),
+    pytest.param(dict(numel=5000, n=3, k=200, block=1, index="bloom"), id="bloom-b1"),
+    pytest.param(dict(numel=32 * 300 - 7, n=4, k=40 * 32, block=32, index="bitmap"), id="bitmap-b32-partial"),
+    pytest.param(dict(numel=32 * 300 - 7, n=4, k=40 * 32, block=32, index="bloom"), id="bloom-b32-partial"),
+    pytest.param(dict(numel=1 << 20, n=4, k=70_000, block=1, index="bitmap"), id="bitmap-grouped"),
+    pytest.param(dict(numel=1 << 20, n=4, k=70_000, block=1, index="bloom"), id="bloom-grouped"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_encode_matches_cpu(backend, cfg, dtype):
+    rng = np.random.default_rng(helpers.stable_seed("enc", cfg, str(dtype)))
+    cpu, gpu = codecs(cfg["numel"], cfg["n"], cfg["k"], cfg["block"], cfg["index"])
+    assert gpu.index_kind == cfg["index"]
+    xs = helpers.make_inputs(rng, cfg["numel"], cfg["block"], cfg["n"], cfg["k"] // cfg["block"], "random", "normal",
+                             zero_lanes=0.3)
+    for x in xs:
+        x = x.to(dtype)
+        assert_same_payload(cpu.layout, cpu.encode(x), gpu.encode(x.cuda()), x)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_decode_is_lossless_and_agrees_with_cpu(backend, cfg):
+    rng = np.random.default_rng(helpers.stable_seed("dec", cfg))
+    cpu, gpu = codecs(cfg["numel"], cfg["n"], cfg["k"], cfg["block"], cfg["index"])
+    xs = helpers.make_inputs(rng, cfg["numel"], cfg["block"], cfg["n"], cfg["k"] // cfg["block"], "random", "wide")
+    summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    y_gpu, r_gpu = gpu.decode(summed.cuda(), trace=True)
+    helpers.assert_lossless(gpu.layout, xs, y_gpu.cpu(), r_gpu, strict_support=False)
+    _, r_cpu = cpu.decode(summed)
+    for field in ("ok", "reason", "contributors", "candidates", "false_positives", "support", "peeled", "total_keys"):
+        assert getattr(r_gpu, field) == getattr(r_cpu, field), field
+
+
+@given(seed=st.integers(0, 2**32 - 1), index=st.sampled_from(["bitmap", "bloom"]), block=st.sampled_from([1, 3, 8]),
+       pattern=st.sampled_from(helpers.PATTERNS), dist=st.sampled_from(helpers.DISTS),
+       averaged=st.booleans())
+def test_lossless_on_random_inputs(seed, index, block, pattern, dist, averaged):
+    rng = np.random.default_rng(seed)
+    n, numel, density = helpers.draw_sizes(rng, max_n=12, max_numel=4000)
+    k = max(1, int(density * numel / block))
+    try:
+        gpu = LosslessCodec(numel, n, k * block, block_size=block, seed=seed % 1000, index=index, device="cuda")
+    except ValueError:
+        return  # an index kind that cannot be built for this world size (tested elsewhere)
+    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, dist)
+    payloads = [gpu.encode(x.cuda()) for x in xs]
+    summed = helpers.sum_payloads(payloads, rng)
+    if averaged:
+        summed = helpers.average_payloads(summed, n)
+    y, report = gpu.decode(summed, averaged=averaged, trace=True)
+    if not report.ok:
+        # Only a peeling failure is legitimate here (probability < 1e-3 per decode at capacity), and
+        # the CPU backend must reach the same verdict on the same payload.
+        cpu = LosslessCodec(numel, n, k * block, block_size=block, seed=seed % 1000, index=index)
+        _, r_cpu = cpu.decode(summed.cpu(), averaged=averaged)
+        assert not r_cpu.ok and "peeling failed" in report.reason, (report.reason, r_cpu.reason)
+        return
+    helpers.assert_lossless(gpu.layout, xs, y.cpu(), report, averaged=averaged, strict_support=dist == "normal")
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("block", [1, 16])
+def test_decode_is_bitwise_deterministic(backend, index, block):
+    rng = np.random.default_rng(helpers.stable_seed("det", index, block))
+    numel, n = 200_000, 6
+    keys = 6_000 // block   # non-zero keys per rank
+    _, gpu = codecs(numel, n, keys * block, block, index)
+    xs = helpers.make_inputs(rng, numel, block, n, keys, "random", "wide")
+    summed = helpers.sum_payloads([gpu.encode(x.cuda()) for x in xs], rng)
+    y0, r0 = gpu.decode(summed, trace=True)
+    assert r0.ok, r0.reason
+    other = LosslessCodec(numel, n, keys * block, block_size=block, seed=0, index=index, device="cuda")
+    for codec in (gpu, gpu, gpu, other):
+        y, r = codec.decode(summed.clone(), trace=True)
+        assert torch.equal(bits(y), bits(y0)), "decode of the same payload gave different bits"
+        assert torch.equal(r.trace[0], r0.trace[0]) and torch.equal(r.trace[1], r0.trace[1])
+
+
+def test_cpu_and_gpu_ranks_interoperate():
+    rng = np.random.default_rng(7)
+    numel, n, k = 50_000, 4, 1_000
+    cpu, gpu = codecs(numel, n, k)
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    payloads = [cpu.encode(x) if r % 2 else gpu.encode(x.cuda()).cpu() for r, x in enumerate(xs)]
+    summed = helpers.sum_payloads(payloads, rng)
+    y_cpu, r_cpu = cpu.decode(summed, trace=True)
+    y_gpu, r_gpu = gpu.decode(summed.cuda(), trace=True)
+    helpers.assert_lossless(cpu.layout, xs, y_cpu, r_cpu)
+    helpers.assert_lossless(gpu.layout, xs, y_gpu.cpu(), r_gpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_decode_returns_input_dtype_and_shape(dtype):
+    _, gpu = codecs(4096, 2, 64)
+    x = torch.zeros(64, 64, dtype=dtype, device="cuda")
+    x[3, 5], x[60, 1] = 1.5, -2.0
+    y, report = gpu.decode(gpu.encode(x) * 2)
+    assert report.ok, report.reason
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert torch.equal(y, 2 * x)
+
+
+FAILURES = ["overloaded", "nan", "mismatch", "wrong_world", "averaged_as_sum", "dense_index"]
+
+
+@pytest.mark.parametrize("case", FAILURES)
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_failure_reports_match_cpu(case, index):
+    rng = np.random.default_rng(helpers.stable_seed("fail", case, index))
+    numel, n, k = 20_000, 3, 200
+    cpu, gpu = codecs(numel, n, k, index=index if case != "dense_index" else "dense")
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    averaged = False
+    if case == "overloaded":
+        xs[0] = torch.from_numpy(rng.standard_normal(numel).astype(np.float32))  # far over capacity
+    elif case == "nan":
+        xs[1][int(np.nonzero(xs[1].numpy())[0][0])] = float("nan")
+    payloads = [cpu.encode(x) for x in xs]
+    if case == "mismatch":
+        other = LosslessCodec(numel, n, k, seed=1, index=index)
+        payloads[2] = other.encode(xs[2])
+    elif case == "wrong_world":
+        payloads = payloads[:2]
+    summed = helpers.sum_payloads(payloads, rng)
+    if case == "averaged_as_sum":
+        summed = helpers.average_payloads(summed, n)
+    _, r_cpu = cpu.decode(summed, averaged=averaged)
+    y, r_gpu = gpu.decode(summed.cuda(), averaged=averaged)
+    assert r_gpu.ok == r_cpu.ok
+    if case == "overloaded":
+        # The root cause is named first on both; the consequence (which stage failed) may differ.
+        assert r_gpu.reason.split(" (")[0] == r_cpu.reason.split(" (")[0]
+    else:
+        assert r_gpu.reason == r_cpu.reason
+    assert (r_gpu.contributors, r_gpu.overloaded_ranks, r_gpu.total_keys) == \
+        (r_cpu.contributors, r_cpu.overloaded_ranks, r_cpu.total_keys)
+    assert r_gpu.ok == (case == "dense_index")
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_fuzzed_payloads_never_crash(index):
+    """Corrupt a valid aggregate in many ways: the GPU decode must finish, and must not call ok a
+    payload the CPU backend rejects (a value-only corruption may decode ok on both)."""
+    rng = np.random.default_rng(helpers.stable_seed("fuzz", index))
+    numel, n, k = 30_000, 3, 600
+    cpu, gpu = codecs(numel, n, k, index=index)
+    L = cpu.layout
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    base = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.5, 1e30, -1.0, 2.0 ** 22, 3.0], dtype=np.float32)
+    for trial in range(60):
+        p = base.clone()
+        region = rng.integers(0, 4)
+        lo, hi = [(0, HEADER_FIELDS), (L.index_offset, L.sketch_offset), (L.sketch_offset, L.payload_numel),
+                  (0, L.payload_numel)][region]
+        where = rng.integers(lo, hi, size=int(rng.integers(1, 50)))
+        how = rng.integers(0, 3)
+        if how == 0:
+            p[where] = torch.from_numpy(rng.choice(specials, size=where.size))
+        elif how == 1:
+            p[where] = torch.from_numpy(rng.integers(0, 2 ** 22, size=where.size).astype(np.float32))
+        else:
+            raw = p.view(torch.int32)
+            raw[where] = torch.from_numpy(rng.integers(-2 ** 31, 2 ** 31, size=where.size, dtype=np.int64)
+                                          .astype(np.int32))
+        _, r_cpu = cpu.decode(p)
+        y, r_gpu = gpu.decode(p.cuda())
+        torch.cuda.synchronize()
+        assert y.shape == (numel,)
+        if r_gpu.ok:
+            assert r_cpu.ok, f"trial {trial}: GPU says ok, CPU says {r_cpu.reason}"
+
+
+def test_an_index_claiming_every_key_is_reported_without_overflowing_scratch():
+    """A consistent bitmap index (and header) claiming every key non-zero: more support keys than
+    the sketch has cells, so more than the decode's buffers hold. Reported as a peeling failure by
+    both backends; the GPU writes nothing out of bounds (compute-sanitizer runs this test)."""
+    numel, n = 100_000, 2
+    cpu, gpu = codecs(numel, n, 100, index="bitmap")
+    L = gpu.layout
+    x = torch.zeros(numel)
+    x[:100] = 1.0
+    p = cpu.encode(x) * n
+    pos = torch.arange(L.index.words * L.index.per_word).reshape(L.index.words, L.index.per_word)
+    powers = torch.tensor([float(L.index.base ** i) for i in range(L.index.per_word)], dtype=torch.float64)
+    p[L.index_offset:L.sketch_offset] = ((pos < L.num_keys).double() * powers).sum(1).float()
+    mask = (1 << 11) - 1
+    p[3:6] = torch.tensor([L.num_keys & mask, (L.num_keys >> 11) & mask, L.num_keys >> 22], dtype=torch.float32)
+    _, r_cpu = cpu.decode(p)
+    y, r_gpu = gpu.decode(p.cuda())
+    torch.cuda.synchronize()
+    assert not r_gpu.ok and not r_cpu.ok
+    assert r_gpu.reason == r_cpu.reason, (r_gpu.reason, r_cpu.reason)
+    assert r_gpu.support == L.num_keys or r_gpu.support == gpu._native.key_cap
+
+
+def test_encode_does_not_synchronise_and_decode_synchronises_once():
+    _, gpu = codecs(100_000, 2, 2_000)
+    x = torch.zeros(100_000, device="cuda")
+    x[::50] = 1.0
+    payload = gpu.encode(x)
+    gpu.decode(payload)  # warm-up: kernel loading may synchronise
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        gpu.encode(x, out=payload)       # raises if any torch op in encode synchronises
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, report = gpu.decode(payload)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert report.ok
+
+
+def test_encode_and_decode_run_on_the_current_stream():
+    _, gpu = codecs(100_000, 2, 2_000)
+    x = torch.zeros(100_000, device="cuda")
+    x[::70] = 3.0
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        payload = gpu.encode(x) * 2
+        y, report = gpu.decode(payload)
+    s.synchronize()
+    assert report.ok and torch.equal(y, 2 * x)
+
+
+def test_wide_blocks_and_empty_inputs():
+    _, gpu = codecs(64 * 500, 2, 64 * 20, block=64)
+    x = torch.zeros(64 * 500, device="cuda")
+    y, report = gpu.decode(gpu.encode(x) * 2)
+    assert report.ok and report.support == 0 and torch.equal(y, x)
+    x[64 * 7: 64 * 8] = torch.arange(64, device="cuda", dtype=torch.float32) - 10
+    y, report = gpu.decode(gpu.encode(x) + gpu.encode(-x))
+    assert report.ok and report.support == 1
+
+
+def test_cuda_bench_runs_and_checks_itself():
+    from lossless_hc.bench import render_codec_cuda, run_codec_bench_cuda
+    res = run_codec_bench_cuda(1 << 20, 0.01, 4, repeat=3)
+    cor = res["correctness"]
+    assert cor["ok"] and cor["deterministic"] and cor["support_mismatch_beyond_rounding"] == 0, cor
+    assert res["timing"]["encode_over_copy"] > 0 and res["timing"]["decode_over_copy"] > 0
+    assert "fraction of copy" in render_codec_cuda(res, "test")

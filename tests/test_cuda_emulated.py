@@ -1,0 +1,184 @@
+"""The CUDA kernels and their launch sequence, run on host threads (no GPU needed).
+
+tests/cuda_emulation/ builds csrc/cuda/codec_kernels.cuh with the host compiler against a small
+emulation of the CUDA builtins (every CUDA thread a std::thread; barriers, warp exchanges and
+atomics emulated), behind the launch interface of lossless_hc._C_cuda. lossless_hc/_cuda.py then
+runs its real launch sequence on CPU tensors through it. This checks the kernels' logic, the
+arguments and sizes of every launch, the ordered compactions, the round-based peeling and its
+determinism under real thread interleavings, and agreement with the CPU backend. It cannot check
+performance or a real GPU's memory model: tests/test_cuda.py does that on a GPU.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import helpers
+from lossless_hc import LosslessCodec, _cuda
+from lossless_hc.codec import _DECODE_STATUS
+from lossless_hc.layout import HEADER_FIELDS
+from test_cuda import assert_same_payload, bits
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The host-thread launcher, installed for the module's tests."""
+    if CXX is None:
+        pytest.skip("no C++ compiler: the host emulation of the CUDA kernels was not built")
+    import pybind11
+    out = tmp_path_factory.mktemp("cuda_emulation")
+    target = out / ("_lhc_cuda_emulated" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{HERE}/cuda_emulation",
+           f"-I{os.path.dirname(HERE)}/csrc", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+           os.path.join(HERE, "cuda_emulation", "emulated_kernels.cpp"), "-o", str(target), "-lpthread"]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not the sanitizer runtimes
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    sys.path.insert(0, str(out))
+    try:
+        import _lhc_cuda_emulated as module
+    finally:
+        sys.path.remove(str(out))
+
+    class EmulatedLauncher:
+        name = "emulated"
+        scan_threads = 64   # every emulated thread is an OS thread: keep the one-block scan small
+
+        def launch(self, kernel, grid, block, args, stream, cooperative=False):
+            module.launch(kernel, int(grid), int(block), [int(a) & ((1 << 64) - 1) for a in args], int(stream),
+                          cooperative)
+
+        def resident_blocks(self, kernel, block):
+            return 1
+
+    _cuda.reset_launcher(EmulatedLauncher())
+    yield module
+    _cuda.reset_launcher()
+
+
+def host_codecs(numel, n, k, block=1, index="auto", seed=0):
+    cpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index)
+    return cpu, _cuda.CudaLayout(cpu.layout, torch.device("cpu"))
+
+
+def emulated_encode(native, x):
+    payload = torch.full((native.layout.payload_numel,), 7.0)  # poisoned: encode must overwrite all of it
+    _cuda.encode(native, x.reshape(-1).float().contiguous(), payload)
+    return payload
+
+
+def emulated_decode(native, payload, averaged=False):
+    L = native.layout
+    out = torch.full((L.numel,), 7.0)  # poisoned
+    scale = float(L.world_size) if averaged else 1.0
+    run = _cuda.decode(native, scale, L.world_size, payload.contiguous(), out)
+    header, st = run.finish()
+    report = SimpleNamespace(ok=st.status == 0, reason=_DECODE_STATUS.get(st.status), support=st.support_keys,
+                             peeled=st.peeled, candidates=st.candidates, false_positives=st.false_positives,
+                             status=st.status, trace=run.trace(st.support_keys))
+    return out, report, header
+
+
+CONFIGS = [
+    pytest.param(dict(numel=3000, n=3, k=60, block=1, index="bitmap"), id="bitmap-b1"),
+    pytest.param(dict(numel=3000, n=3, k=60, block=1, index="bloom"), id="bloom-b1"),
+    pytest.param(dict(numel=8 * 200 - 3, n=4, k=12 * 8, block=8, index="bitmap"), id="bitmap-b8-partial"),
+    pytest.param(dict(numel=8 * 200 - 3, n=4, k=12 * 8, block=8, index="bloom"), id="bloom-b8-partial"),
+]
+
+
+def inputs(cfg, tag, dist="normal"):
+    rng = np.random.default_rng(helpers.stable_seed(tag, cfg))
+    return rng, helpers.make_inputs(rng, cfg["numel"], cfg["block"], cfg["n"], cfg["k"] // cfg["block"], "random",
+                                    dist, zero_lanes=0.3)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_emulated_encode_matches_cpu(emulated, cfg):
+    _, xs = inputs(cfg, "emu-enc")
+    cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], cfg["block"], cfg["index"])
+    assert cpu.index_kind == cfg["index"]
+    for x in xs:
+        assert_same_payload(cpu.layout, cpu.encode(x), emulated_encode(native, x), x)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("averaged", [False, True])
+def test_emulated_decode_is_lossless_and_agrees_with_cpu(emulated, cfg, averaged):
+    rng, xs = inputs(cfg, "emu-dec", "wide")
+    cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], cfg["block"], cfg["index"])
+    summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    if averaged:
+        summed = helpers.average_payloads(summed, cfg["n"])
+    y, report, header = emulated_decode(native, summed, averaged)
+    assert header == summed[:HEADER_FIELDS].double().tolist()
+    helpers.assert_lossless(cpu.layout, xs, y, report, averaged=averaged, strict_support=False)
+    _, r_cpu = cpu.decode(summed, averaged=averaged)
+    assert (report.ok, report.support, report.peeled, report.candidates, report.false_positives) == \
+        (r_cpu.ok, r_cpu.support, r_cpu.peeled, r_cpu.candidates, r_cpu.false_positives)
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_emulated_decode_is_bitwise_deterministic(emulated, index):
+    """Host threads interleave differently on every run: the output bits must not change."""
+    cfg = dict(numel=4000, n=5, k=120, block=1, index=index)
+    rng, xs = inputs(cfg, "emu-det", "wide")
+    cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], 1, index)
+    summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    y0, r0, _ = emulated_decode(native, summed)
+    assert r0.ok, r0.reason
+    for _ in range(2):
+        y, r, _ = emulated_decode(native, summed)
+        assert torch.equal(bits(y), bits(y0))
+        assert torch.equal(r.trace[0], r0.trace[0]) and torch.equal(r.trace[1], r0.trace[1])
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_emulated_corrupted_payloads_are_never_ok_when_cpu_rejects_them(emulated, index):
+    cfg = dict(numel=2000, n=3, k=40, block=1, index=index)
+    rng, xs = inputs(cfg, "emu-fuzz")
+    cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], 1, index)
+    L = cpu.layout
+    base = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    rejected = 0
+    for trial in range(6):
+        p = base.clone()
+        lo, hi = (L.index_offset, L.sketch_offset) if trial % 2 else (L.sketch_offset, L.payload_numel)
+        where = rng.integers(lo, hi, size=int(rng.integers(1, 6)))
+        p[where] = torch.from_numpy(rng.choice(np.array([np.nan, -1.0, 0.5, 3.0, 1e30, 2.0 ** 21],
+                                                        dtype=np.float32), size=where.size))
+        _, r_cpu = cpu.decode(p)
+        y, r, _ = emulated_decode(native, p)
+        if r.ok:
+            assert r_cpu.ok, f"trial {trial}: emulated GPU decode ok, CPU: {r_cpu.reason}"
+        else:
+            rejected += 1
+            assert not torch.equal(y, torch.full_like(y, 7.0)), "out was never written"
+    assert rejected > 0
+
+
+def test_emulated_index_claiming_every_key_is_reported(emulated):
+    numel, n = 3000, 2
+    cpu, native = host_codecs(numel, n, 20, index="bitmap")
+    L = cpu.layout
+    x = torch.zeros(numel)
+    x[:20] = 1.0
+    p = cpu.encode(x) * n
+    pos = torch.arange(L.index.words * L.index.per_word).reshape(L.index.words, L.index.per_word)
+    powers = torch.tensor([float(L.index.base ** i) for i in range(L.index.per_word)], dtype=torch.float64)
+    p[L.index_offset:L.sketch_offset] = ((pos < L.num_keys).double() * powers).sum(1).float()
+    mask = (1 << 11) - 1
+    p[3:6] = torch.tensor([L.num_keys & mask, (L.num_keys >> 11) & mask, L.num_keys >> 22], dtype=torch.float32)
+    _, r_cpu = cpu.decode(p)
+    _, r, _ = emulated_decode(native, p)
+    assert not r.ok and not r_cpu.ok
+    assert r.status == 3 and "sketch peeling failed" in r_cpu.reason

@@ -34,7 +34,7 @@ def run(args, timeout=600):
 def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
-    run([sys.executable, WORKER, str(size), str(free_port()), str(out), ",".join(EXACT + ["topk"] + list(ERRORS))])
+    run([sys.executable, WORKER, str(size), str(free_port()), str(out), ",".join(EXACT + ["topk", "thc"] + list(ERRORS))])
     return out, size
 
 
@@ -63,6 +63,15 @@ def test_topk_hook_keeps_error_feedback(ddp_run):
         assert r["residual_norms"] and max(r["residual_norms"]) > 0
 
 
+def test_thc_hook_replicas_stay_identical_and_train(ddp_run):
+    out, size = ddp_run
+    rs = results(out, "thc", size)
+    assert len({r["digest"] for r in rs}) == 1
+    assert rs[0]["stats"]["compressed"] > 0
+    assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"]
+    assert rs[0]["cosine"] > 0.9, rs[0]["cosine"]
+
+
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_misuse_is_a_clear_error_on_every_rank(ddp_run, name):
     out, size = ddp_run
@@ -70,10 +79,10 @@ def test_misuse_is_a_clear_error_on_every_rank(ddp_run, name):
         assert r["error"] == ERRORS[name], r
 
 
-def test_digits_cnn_converges_with_topk_under_torchrun(tmp_path):
-    """scripts/launch_torchrun.sh with the DDP top-k hook reaches the uncompressed accuracy."""
+def test_digits_cnn_converges_with_topk_and_thc_under_torchrun(tmp_path):
+    """scripts/launch_torchrun.sh with the DDP top-k and THC hooks reaches the uncompressed accuracy."""
     acc = {}
-    for comp in ("none", "topk"):
+    for comp in ("none", "topk", "thc"):
         out = tmp_path / f"{comp}.json"
         run(["bash", os.path.join(ROOT, "scripts", "launch_torchrun.sh"), "2", "-m", "lossless_hc.workloads.train",
              "--framework", "ddp", "--model", "digits", "--compression", comp, "--json", str(out)])
@@ -81,3 +90,5 @@ def test_digits_cnn_converges_with_topk_under_torchrun(tmp_path):
     assert acc["none"]["value"] > 0.9
     assert acc["topk"]["value"] >= acc["none"]["value"] - 0.05, acc
     assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
+    assert acc["thc"]["value"] >= acc["none"]["value"] - 0.05, acc
+    assert acc["thc"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]

@@ -41,7 +41,7 @@ def horovod_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
-    names = EXACT + ["fallback", "topk"] + list(ERRORS)
+    names = EXACT + ["fallback", "topk", "thc", "thc_sum"] + list(ERRORS)
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
@@ -75,6 +75,20 @@ def test_topk_keeps_error_feedback_per_parameter(horovod_run):
         assert norms and max(norms) > 0
 
 
+@pytest.mark.parametrize("name", ["thc", "thc_sum"])
+def test_thc_replicas_stay_identical_and_train(horovod_run, name):
+    """Compression.thc under op=Average and op=Sum: every rank decodes the same bits (so parameters
+    stay bit-identical across ranks), the large layers go at a third of dense or less, and the
+    parameters move the way the uncompressed run moves them."""
+    out, size = horovod_run
+    rs = results(out, name, size)
+    assert len({r["digest"] for r in rs}) == 1
+    r = rs[0]
+    assert any(r["compressed"].values())
+    assert r["stats"]["payload_bytes"] < 0.5 * r["stats"]["dense_bytes"]
+    assert r["cosine"] > 0.9, r["cosine"]
+
+
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_misuse_is_a_clear_error_on_every_rank(horovod_run, name):
     out, size = horovod_run
@@ -102,10 +116,10 @@ def test_mpirun_launcher(tmp_path):
         assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0
 
 
-def test_digits_cnn_converges_with_topk(tmp_path):
-    """Top-k (1%) with error feedback reaches the uncompressed accuracy within noise."""
+def test_digits_cnn_converges_with_topk_and_thc(tmp_path):
+    """Top-k (1%) with error feedback, and THC (4 bits), reach the uncompressed accuracy within noise."""
     acc = {}
-    for comp in ("none", "topk"):
+    for comp in ("none", "topk", "thc"):
         out = tmp_path / f"{comp}.json"
         launch([_horovod_bin("horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
                 "lossless_hc.workloads.train", "--model", "digits", "--compression", comp, "--json", str(out)],
@@ -114,6 +128,8 @@ def test_digits_cnn_converges_with_topk(tmp_path):
     assert acc["none"]["value"] > 0.9
     assert acc["topk"]["value"] >= acc["none"]["value"] - 0.05, acc
     assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
+    assert acc["thc"]["value"] >= acc["none"]["value"] - 0.05, acc
+    assert acc["thc"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
 
 
 def test_horovod_build_has_gloo_and_mpi():

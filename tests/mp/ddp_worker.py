@@ -13,22 +13,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import EmbeddingModel, batch, loss_fn, max_param_diff  # noqa: E402
+from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
 from lossless_hc.aggregate import ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook  # noqa: E402
+from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook, thc_hook  # noqa: E402
 
 STEPS = 6
 
 
-def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16):
+def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1):
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DistributedDataParallel(model, **kw)
     if state is not None:
-        ddp.register_comm_hook(state, lossless_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss_fn(ddp, batch(step, dist.get_rank())).backward()
@@ -66,6 +66,16 @@ def scenario(name):
         return {"stats": state.stats(),
                 "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values()
                                    if a.residual is not None]}
+    if name == "thc":
+        state = LosslessHookState(codec="thc", bits=4)
+        ref = train(None, steps=16, hidden=512, lr=0.02)
+        got = train(state, steps=16, hidden=512, hook=thc_hook, lr=0.02)
+        torch.manual_seed(0)
+        start = EmbeddingModel(hidden=512)
+        moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(m.parameters(), start.parameters())]).detach()
+                 for m in (ref, got)]
+        return {"stats": state.stats(), "digest": param_digest(got),
+                "cosine": float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))}
     if name == "config_mismatch":
         return expect_error(lambda: train(LosslessHookState(max_density=0.05 if dist.get_rank() else 0.02), steps=1),
                             ConfigurationMismatch)

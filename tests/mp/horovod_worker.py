@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import EmbeddingModel, batch, loss_fn, max_param_diff  # noqa: E402
+from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
 from lossless_hc.aggregate import ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.horovod import Compression  # noqa: E402
@@ -84,6 +84,21 @@ def scenario(name):
         train(comp, steps=4, hidden=512)
         return {"stats": comp.stats(), "residual_norms": {n: float(a.residual.norm()) if a.residual is not None
                                                           else None for n, a in comp.aggregators().items()}}
+    if name in ("thc", "thc_sum"):
+        # Lossy but unbiased: replicas must stay bit-identical and training must move like the
+        # uncompressed run (same direction), with a third of the bytes for the large layers.
+        comp = Compression.thc(bits=4)
+        op = hvd.Sum if name == "thc_sum" else hvd.Average
+        lr = 0.02 / hvd.size() if name == "thc_sum" else 0.02  # the same step size under both ops
+        ref = train(Compression.none, steps=16, hidden=512, op=op, lr=lr)
+        got = train(comp, steps=16, hidden=512, op=op, lr=lr)
+        torch.manual_seed(0)
+        start = EmbeddingModel(hidden=512)
+        moved_ref = torch.cat([(p - q).reshape(-1) for p, q in zip(ref.parameters(), start.parameters())]).detach()
+        moved_got = torch.cat([(p - q).reshape(-1) for p, q in zip(got.parameters(), start.parameters())]).detach()
+        cosine = float(torch.nn.functional.cosine_similarity(moved_ref, moved_got, dim=0))
+        return {"stats": comp.stats(), "digest": param_digest(got), "cosine": cosine,
+                "compressed": {n: a.compressed for n, a in comp.aggregators().items()}}
     if name == "process_set":
         if hvd.size() <= 2:
             raise ValueError("the process_set scenario needs 3 or more ranks")

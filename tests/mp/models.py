@@ -30,5 +30,15 @@ def loss_fn(model, b):
     return torch.nn.functional.mse_loss(model(u, i), y)
 
 
+def param_digest(model: nn.Module) -> str:
+    """Hash of the parameters' bits: replicas that decode identically stay bit-identical."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))

@@ -11,6 +11,7 @@ accuracy, bytes sent per step vs dense, step time and fallbacks, and optionally 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -169,7 +170,8 @@ class DDP:
         import torch.distributed as dist
 
         self.dist = dist
-        dist.init_process_group("gloo")
+        # Gloo between CPU workers; NCCL when each worker trains on its own GPU.
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.state = None
 
@@ -179,7 +181,7 @@ class DDP:
 
         from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook, thc_hook
 
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if args.device == "cuda" else None)
         if args.compression == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif args.compression in ("lossless", "topk"):
@@ -217,6 +219,8 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=20_000)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per worker (LOCAL_RANK), NCCL for DDP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--json", help="rank 0 writes the results here")
@@ -234,23 +238,28 @@ def dense_grad_bytes(model) -> int:
 
 def main(argv=None, default_model="ncf") -> dict:
     args = parse_args(argv, default_model)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", "0"))))
     fw = Horovod(args) if args.framework == "horovod" else DDP(args)
     # Leave each rank its share of the cores: oversubscribed intra-op threads swamp step times.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // fw.size))
     torch.manual_seed(args.seed)
     work = WORKLOADS[args.model](args, fw.rank)
-    model = work.model
+    model = work.model.to(args.device)
+
+    def evaluate() -> float:  # the data sets live on the CPU
+        return work.evaluate(model if args.device == "cpu" else copy.deepcopy(model).cpu())
     opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
     wrapped, opt = fw.wrap(model, opt, args)
     say = print if fw.rank == 0 else (lambda *a, **k: None)
     dense_bytes = dense_grad_bytes(model)
     say(f"{args.model} on {fw.size} {args.framework} worker(s), compression={args.compression}: "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {dense_bytes / 2**20:.1f} MiB of gradients "
-        f"per step; {work.metric} before training {work.evaluate(model):.4f}")
+        f"per step; {work.metric} before training {evaluate():.4f}")
 
     step_times, losses = [], []
     for step in range(1, args.steps + 1):
-        batch = next(work.batches)
+        batch = tuple(t.to(args.device) for t in next(work.batches))
         t0 = time.perf_counter()
         opt.zero_grad()  # set_to_none=True, torch 2.x default (Horovod 0.28 takes no arguments)
         loss = work.loss(wrapped, batch)
@@ -269,7 +278,7 @@ def main(argv=None, default_model="ncf") -> dict:
     result = {
         "model": args.model, "framework": args.framework, "compression": args.compression,
         "workers": fw.size, "steps": args.steps, "final_loss": statistics.fmean(losses[-10:]),
-        "metric": work.metric, "value": work.evaluate(model),
+        "metric": work.metric, "value": evaluate(),
         "bytes_per_step": sent, "dense_bytes_per_step": dense_bytes,
         "step_ms_median": 1e3 * statistics.median(step_times[1:] or step_times),
         "fallbacks": stats["fallbacks"] if stats else 0, "stats": stats,

@@ -68,6 +68,17 @@ class AggregationStats:
         """payload_bytes / dense_bytes (1.0 before anything was sent)."""
         return self.payload_bytes / self.dense_bytes if self.dense_bytes else 1.0
 
+    def count_encode(self, dense_bytes: int, payload: torch.Tensor, compressed: bool, started: float) -> None:
+        """Account for one encoded tensor (``started``: its ``time.perf_counter()`` at the start)."""
+        self.tensors += 1
+        self.dense_bytes += dense_bytes
+        self.payload_bytes += payload.numel() * payload.element_size()
+        if compressed:
+            self.compressed += 1
+        else:
+            self.sent_dense += 1
+        self.encode_seconds += time.perf_counter() - started
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["wire_ratio"] = self.wire_ratio
@@ -201,15 +212,7 @@ class TensorAggregator:
         codec = self._codec
         ctx = EncodeContext(self.shape, self.dtype, codec is not None, value, codec)
         payload = codec.encode(value) if codec is not None else value
-        st = self.stats
-        st.tensors += 1
-        st.dense_bytes += self.numel * self.dtype.itemsize
-        st.payload_bytes += payload.numel() * payload.element_size()
-        if codec is not None:
-            st.compressed += 1
-        else:
-            st.sent_dense += 1
-        st.encode_seconds += time.perf_counter() - t0
+        self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, ctx
 
     def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
@@ -325,15 +328,7 @@ class THCAggregator:
             raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
         codec = self._codec
         payload = codec.encode(x) if codec is not None else x
-        st = self.stats
-        st.tensors += 1
-        st.dense_bytes += self.numel * self.dtype.itemsize
-        st.payload_bytes += payload.numel() * payload.element_size()
-        if codec is not None:
-            st.compressed += 1
-        else:
-            st.sent_dense += 1
-        st.encode_seconds += time.perf_counter() - t0
+        self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
 
     def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossless_hc.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator,
+from lossless_hc.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, THCAggregator,
+                                   TopKAggregator,
                                    default_block_size, payload_is_averaged)
 
 
@@ -148,3 +149,32 @@ def test_topk_error_feedback_conserves_every_coordinate(n, steps, ratio, seed):
     for r, a in enumerate(aggs):
         left = a.residual.double().reshape(64, 8) if a.residual is not None else 0
         torch.testing.assert_close(sent[r] + left, fed[r], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_thc_aggregator_agrees_across_ranks_and_conserves_the_sum(average):
+    """Every rank decodes the same bits, and error feedback telescopes: what was decoded so far plus
+    what the ranks still hold in their error memories is everything they were given."""
+    n = 3
+    aggs = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]
+    assert aggs[0].compressed
+    g = torch.Generator().manual_seed(0)
+    fed = torch.zeros(256, 64, dtype=torch.float64)
+    decoded = torch.zeros(256, 64, dtype=torch.float64)
+    for step in range(4):
+        xs = [torch.randn(256, 64, generator=g) for _ in range(n)]
+        outs = aggregate(aggs, xs, average)
+        assert all(torch.equal(o.value, outs[0].value) for o in outs) and outs[0].averaged == average
+        if step == 0:
+            assert torch.count_nonzero(outs[0].value) == 0  # the norm-only round
+        fed += sum(xs).double()
+        decoded += outs[0].value.double() * (n if average else 1)
+    held = sum(a.codec.error.double().reshape(256, 64) for a in aggs)
+    torch.testing.assert_close(decoded + held, fed, rtol=0, atol=1e-3)
+
+
+def test_thc_aggregator_sends_tiny_tensors_dense():
+    agg = THCAggregator("bias", (4,), torch.float32, 8, rank=0)
+    assert not agg.compressed
+    x = torch.randn(4)
+    assert agg.encode(x)[0] is x

@@ -330,13 +330,16 @@ void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count
 
 // Add sign * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
 // group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
-// pass.
+// pass. The group's cells stay in cache, but a group's keys are spread over all of x: each key's
+// values are a miss to memory, so they are prefetched well ahead.
 void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
                   float* sketch, std::vector<uint32_t>& kc) {
+  constexpr size_t kAhead = 16;
   const uint64_t B = L.block;
   kc.resize(3 * count);
   hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
   for (size_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
     const uint64_t lo = (uint64_t)keys[i] * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;

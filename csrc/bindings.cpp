@@ -82,6 +82,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out"), py::arg("trace_key") = 0, py::arg("trace_cell") = 0, py::arg("num_threads") = 0,
       "Decode an aggregated payload into layout.numel float32 values at out.");
 
+  m.def(
+      "advise_huge_pages", [](uintptr_t address, uint64_t bytes) { cpu::advise_huge_pages(ptr<void>(address), bytes); },
+      py::arg("address"), py::arg("bytes"),
+      "Advise that the whole 2 MiB pages of a buffer not written yet be backed by transparent huge pages.");
+
   m.attr("HEADER_FIELDS") = (int)kHeaderFields;
   m.attr("INT_FIELD_BITS") = (int)kIntFieldBits;
 

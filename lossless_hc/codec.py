@@ -200,7 +200,7 @@ class LosslessCodec:
         """``out`` checked (contiguous float32, ``numel`` elements, the codec's device) and viewed
         1-D, or a new buffer."""
         if out is None:
-            return torch.empty(numel, dtype=torch.float32, device=self.device)
+            return _backend.empty(numel, self.device)
         if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
                 or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")

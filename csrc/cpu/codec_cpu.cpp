@@ -9,6 +9,7 @@
 #include "codec_cpu.h"
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <vector>
 
 namespace lhc {
@@ -34,6 +36,39 @@ struct Prof {
     t = now;
   }
 };
+
+constexpr uint64_t kHugePage = 2u << 20;
+
+// Allocator of the decoder's large scratch arrays: a block of kHugePage bytes or more is aligned to
+// a huge page and advised to be backed by huge pages (see advise_huge_pages); smaller ones come from
+// operator new.
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kHugePage) return static_cast<T*>(::operator new(bytes));
+    void* p = std::aligned_alloc(kHugePage, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+    if (!p) throw std::bad_alloc();
+    advise_huge_pages(p, bytes);
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    if (n * sizeof(T) < kHugePage)
+      ::operator delete(p);
+    else
+      std::free(p);
+  }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const HugePageAllocator<U>&) const { return false; }
+};
+template <typename T>
+using HugeVector = std::vector<T, HugePageAllocator<T>>;
 
 int resolve_threads(int num_threads) { return num_threads > 0 ? num_threads : omp_get_max_threads(); }
 
@@ -264,7 +299,7 @@ class PeelTable {
 
  private:
   static constexpr uint64_t kStateSlots = 3;  // degree, position, 3 packed cells, padding
-  std::vector<CellSlot> slots_;
+  HugeVector<CellSlot> slots_;
   uint64_t seg_len_ = 0, stride_ = kStateSlots + 1;
 };
 
@@ -295,13 +330,16 @@ void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count
 
 // Add sign * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
 // group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
-// pass.
+// pass. The group's cells stay in cache, but a group's keys are spread over all of x: each key's
+// values are a miss to memory, so they are prefetched well ahead.
 void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
                   float* sketch, std::vector<uint32_t>& kc) {
+  constexpr size_t kAhead = 16;
   const uint64_t B = L.block;
   kc.resize(3 * count);
   hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
   for (size_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
     const uint64_t lo = (uint64_t)keys[i] * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;
@@ -698,7 +736,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   const float* sk = payload + L.sketch_offset;
   std::vector<uint64_t> goff(groups + 1, 0);  // group g's keys: positions [goff[g], goff[g + 1])
   for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
-  std::vector<float> vals(goff[groups] * B);  // by key position
+  HugeVector<float> vals(goff[groups] * B);  // by key position
   std::vector<uint64_t> peeled(groups, 0);
   std::vector<char> bad(groups, 0), non_finite(groups, 0);
 #pragma omp parallel num_threads(nt)
@@ -846,6 +884,18 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   header[kHdrNonFinite] = (float)st.non_finite;
   header[kHdrSaturated] = (float)st.saturated;
   return st;
+}
+
+void advise_huge_pages(void* p, uint64_t bytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t first = ((uintptr_t)p + kHugePage - 1) & ~(uintptr_t)(kHugePage - 1);
+  const uintptr_t last = ((uintptr_t)p + bytes) & ~(uintptr_t)(kHugePage - 1);
+  // Advice only: a kernel without THP refuses it and the memory keeps its small pages.
+  if (last > first) (void)madvise((void*)first, last - first, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 }  // namespace cpu

@@ -69,7 +69,7 @@ def test_summarize_and_relative_ratios():
     assert rows[1]["speedup_vs_none"] == pytest.approx(2.0)
     assert rows[1]["throughput_vs_none"] == pytest.approx(4.0)  # 0.2 s vs 0.05 s of communication
     assert rows[1]["wire_vs_none"] == pytest.approx(100 / 1500)
-    md = cluster.render_markdown({"rows": rows, "skipped": [], "compute_s": 0.1,
+    md = cluster.render_markdown({"rows": rows, "compute_s": 0.1,
                                   "shaping": {"qdisc": "tbf", "latency_applied": False}}, "t")
     assert "| horovod | lossless | 150.0 (150.0–150.0) | 2.00x" in md
     assert "latency was NOT added" in md and "3.00e-09 (lossless)" in md

@@ -759,6 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", metavar="PATH")
     t.set_defaults(func=_cmd_thc)
 
+    cl = sub.add_parser("cluster", help="emulated cluster (network namespaces, shaped links): step time, wire "
+                                        "bytes and aggregation throughput per compression; needs root")
+    from .cluster import add_arguments as add_cluster_arguments
+    add_cluster_arguments(cl)
+
     tr = sub.add_parser("train", add_help=False,
                        help="uncompressed vs lossless training side by side on local workers (`make demo`); "
                             "`train --help` for its options")

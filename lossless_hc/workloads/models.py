@@ -62,3 +62,43 @@ class DigitsCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+
+class SmallVGG(nn.Module):
+    """A small VGG-style CNN for 32x32 RGB inputs (stacks of 3x3 convolutions and max-pooling, then
+    a wide fully connected classifier that holds most of the parameters): dense gradients."""
+
+    def __init__(self, classes: int = 10, widths: tuple = (32, 64, 128), hidden: int = 512):
+        super().__init__()
+        layers, cin = [], 3
+        for w in widths:
+            layers += [nn.Conv2d(cin, w, 3, padding=1), nn.ReLU(), nn.Conv2d(w, w, 3, padding=1), nn.ReLU(),
+                       nn.MaxPool2d(2)]
+            cin = w
+        self.features = nn.Sequential(*layers)
+        side = 32 // 2 ** len(widths)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(cin * side * side, hidden), nn.ReLU(),
+                                        nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class SmallBERT(nn.Module):
+    """A small BERT-style encoder (token + position embeddings, ``torch.nn.TransformerEncoder``, a
+    masked-token prediction head). The token embedding's gradient is row-sparse (the batch's
+    tokens); the encoder's and the head's are dense."""
+
+    def __init__(self, vocab: int = 30_000, dim: int = 256, heads: int = 4, layers: int = 4,
+                 max_len: int = 128, sparse: bool = False):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim, sparse=sparse)
+        self.positions = nn.Parameter(torch.zeros(max_len, dim))
+        block = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        nn.init.normal_(self.positions, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens) + self.positions[: tokens.shape[1]]
+        return self.head(self.encoder(h))

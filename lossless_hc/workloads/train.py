@@ -24,7 +24,10 @@ import torch.nn.functional as F
 
 from . import data, models
 
-COMPRESSIONS = ("none", "fp16", "lossless", "topk", "thc")
+# sparse: nn.Embedding(sparse=True) aggregated by the framework's own sparse path (Horovod: allgather
+# of values and indices, no sparse_as_dense; DDP/Gloo: sparse allreduce, itself an allgather).
+# topk-allgather: the baseline of lossless_hc.workloads.topk_allgather; topk: ours (top-k + lossless).
+COMPRESSIONS = ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc")
 
 
 # -- workloads: model, batches, loss, evaluation ---------------------------------------------------
@@ -122,11 +125,76 @@ class DigitsWorkload(Workload):
         return float((model(x).argmax(dim=1) == y).float().mean())
 
 
-WORKLOADS = {w.name: w for w in (NCFWorkload, LSTMWorkload, DigitsWorkload)}
+class VGGWorkload(Workload):
+    name, metric = "vgg", "accuracy"
+
+    def __init__(self, args, rank):
+        super().__init__(args, rank)
+        self.model = models.SmallVGG()
+        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
+        # Random images labelled by a fixed random linear teacher: learnable, nothing downloaded.
+        self.teacher = torch.randn(3 * 32 * 32, 10, generator=torch.Generator().manual_seed(args.seed))
+        self.batches = self._batches()
+
+    def _batch(self, n, gen):
+        x = torch.randn(n, 3, 32, 32, generator=gen)
+        return x, (x.flatten(1) @ self.teacher).argmax(dim=1)
+
+    def _batches(self):
+        while True:
+            yield self._batch(self.args.batch, self.gen)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        x, y = self._batch(256, torch.Generator().manual_seed(12345))
+        return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+class BERTWorkload(Workload):
+    """Masked-token prediction on random tokens drawn from a Zipf-like distribution (the loss can
+    fall to the distribution's entropy: that is what there is to learn)."""
+    name, metric = "bert", "mlm_loss"
+    seq, mask_fraction = 64, 0.15
+
+    def __init__(self, args, rank):
+        super().__init__(args, rank)
+        self.vocab = args.vocab
+        self.model = models.SmallBERT(vocab=self.vocab, max_len=self.seq, sparse=args.sparse_embeddings)
+        self.weights = (1.0 + torch.arange(self.vocab, dtype=torch.float64)) ** -1.0
+        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
+        self.batches = self._batches()
+
+    def _batch(self, n, gen):
+        tokens = torch.multinomial(self.weights, n * self.seq, replacement=True, generator=gen).view(n, self.seq)
+        masked = torch.rand(n, self.seq, generator=gen) < self.mask_fraction
+        inputs = tokens.masked_fill(masked, 0)  # token 0 doubles as [MASK]
+        return inputs, tokens.masked_fill(~masked, -100)
+
+    def _batches(self):
+        while True:
+            yield self._batch(self.args.batch, self.gen)
+
+    def loss(self, model, batch):
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        return float(self.loss(model, self._batch(32, torch.Generator().manual_seed(12345))))
+
+
+WORKLOADS = {w.name: w for w in (NCFWorkload, LSTMWorkload, DigitsWorkload, VGGWorkload, BERTWorkload)}
 DEFAULTS = {  # per model: batch, optimizer, lr, steps
     "ncf": dict(batch=512, optimizer="sgd", lr=0.3, steps=150),
     "lstm": dict(batch=16, optimizer="adam", lr=0.002, steps=100),
     "digits": dict(batch=32, optimizer="sgd", lr=0.05, steps=300),
+    "vgg": dict(batch=32, optimizer="sgd", lr=0.02, steps=100),
+    "bert": dict(batch=16, optimizer="adam", lr=0.0005, steps=100),
 }
 OPTIMIZERS = {"sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
               "adam": lambda params, lr: torch.optim.Adam(params, lr=lr)}
@@ -152,11 +220,23 @@ class Horovod:
             self.compressor = Compression.topk(ratio=args.topk_ratio)
         elif args.compression == "thc":
             self.compressor = Compression.thc(bits=args.thc_bits)
-        comp = {"none": Compression.none, "fp16": Compression.fp16}.get(args.compression, self.compressor)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if args.compression == "topk-allgather":
+            from .topk_allgather import HorovodTopKAllgatherOptimizer
+            wrapped = HorovodTopKAllgatherOptimizer(opt, model.named_parameters(), args.topk_ratio, hvd)
+            self.compressor = wrapped.codec
+            return model, wrapped
+        comp = {"none": Compression.none, "fp16": Compression.fp16,
+                "sparse": Compression.none}.get(args.compression, self.compressor)
+        # "sparse" leaves sparse embedding gradients to Horovod's allgather path; the other modes
+        # densify them (sparse_as_dense) so that an allreduce compressor sees them.
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp,
-                                       op=hvd.Average, sparse_as_dense=args.sparse_embeddings)
+                                       op=hvd.Average,
+                                       sparse_as_dense=args.sparse_embeddings and args.compression != "sparse")
         return model, opt
+
+    def barrier(self):
+        self.hvd.allreduce(torch.zeros(1), name="train.barrier")
 
     def stats(self):
         return self.compressor.stats() if self.compressor else None
@@ -191,7 +271,14 @@ class DDP:
         elif args.compression == "thc":
             self.state = LosslessHookState(codec="thc", bits=args.thc_bits)
             ddp.register_comm_hook(self.state, thc_hook)
+        elif args.compression == "topk-allgather":
+            from .topk_allgather import TopKAllgather, ddp_topk_allgather_hook
+            self.state = TopKAllgather(args.topk_ratio)
+            ddp.register_comm_hook(self.state, ddp_topk_allgather_hook)
         return ddp, opt
+
+    def barrier(self):
+        self.dist.barrier()
 
     def stats(self):
         return self.state.stats() if self.state else None
@@ -200,11 +287,57 @@ class DDP:
         self.dist.destroy_process_group()
 
 
+class NoCommunication:
+    """Each rank trains on its own, nothing aggregated: the compute-only reference of the cluster
+    benchmark. Rank and world size come from RANK / WORLD_SIZE so that the thread split matches
+    the distributed runs."""
+
+    def __init__(self, args):
+        self.rank, self.size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+    def wrap(self, model, opt, args):
+        return model, opt
+
+    def stats(self):
+        return None
+
+    def barrier(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+FRAMEWORKS = {"horovod": Horovod, "ddp": DDP, "local": NoCommunication}
+
+
+def interface_bytes(iface: str) -> dict:
+    """Bytes sent and received so far on network interface ``iface`` (this network namespace)."""
+    out = {}
+    for key in ("tx_bytes", "rx_bytes"):
+        try:
+            with open(f"/sys/class/net/{iface}/statistics/{key}") as f:
+                out[key] = int(f.read())
+        except FileNotFoundError:
+            raise SystemExit(f"--net-iface {iface}: no such network interface in this namespace") from None
+    return out
+
+
+def stats_delta(after, before):
+    """Per-window statistics: the numeric fields of ``after`` minus those of ``before``."""
+    if after is None:
+        return None
+    if before is None:
+        return dict(after)
+    return {k: (v - before.get(k, 0) if isinstance(v, (int, float)) else v) for k, v in after.items()}
+
+
 # -- the loop --------------------------------------------------------------------------------------
 def parse_args(argv=None, default_model="ncf"):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(WORKLOADS), default=default_model)
-    p.add_argument("--framework", choices=("horovod", "ddp"), default="horovod")
+    p.add_argument("--framework", choices=sorted(FRAMEWORKS), default="horovod",
+                   help="local: no aggregation at all (compute-only reference)")
     p.add_argument("--compression", choices=COMPRESSIONS, default="lossless")
     p.add_argument("--steps", type=int, help="training steps (default per model)")
     p.add_argument("--batch", type=int, help="per-rank batch (default per model)")
@@ -223,12 +356,19 @@ def parse_args(argv=None, default_model="ncf"):
                    help="cuda: one GPU per worker (LOCAL_RANK), NCCL for DDP")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--json", help="rank 0 writes the results here")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="steps before the timed window (excluded from timings, statistics and wire bytes)")
+    p.add_argument("--net-iface", help="report bytes sent/received on this interface during the timed window")
+    p.add_argument("--json", help="rank 0 writes the results here; with '{rank}' in the path every rank writes")
     p.add_argument("--save-params", help="rank 0 saves the final parameters here (torch.save)")
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.compression == "sparse":
+        args.sparse_embeddings = True
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be in [0, steps={args.steps}), got {args.warmup}")
     return args
 
 
@@ -240,7 +380,7 @@ def main(argv=None, default_model="ncf") -> dict:
     args = parse_args(argv, default_model)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", "0"))))
-    fw = Horovod(args) if args.framework == "horovod" else DDP(args)
+    fw = FRAMEWORKS[args.framework](args)
     # Leave each rank its share of the cores: oversubscribed intra-op threads swamp step times.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // fw.size))
     torch.manual_seed(args.seed)
@@ -258,6 +398,14 @@ def main(argv=None, default_model="ncf") -> dict:
         f"per step; {work.metric} before training {evaluate():.4f}")
 
     step_times, losses = [], []
+    window_start = {"stats": fw.stats(), "net": None}  # the timed window starts after the warm-up
+
+    def start_window():
+        fw.barrier()  # every rank has finished the warm-up, its traffic included
+        window_start["stats"] = fw.stats()
+        window_start["net"] = interface_bytes(args.net_iface) if args.net_iface else None
+    if args.warmup == 0:
+        start_window()
     for step in range(1, args.steps + 1):
         batch = tuple(t.to(args.device) for t in next(work.batches))
         t0 = time.perf_counter()
@@ -267,29 +415,40 @@ def main(argv=None, default_model="ncf") -> dict:
         opt.step()
         step_times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
+        if step == args.warmup:
+            start_window()
         if step % args.log_every == 0 or step == args.steps:
             say(f"step {step:5d}  loss {statistics.fmean(losses[-args.log_every:]):.4f}  "
                 f"step {1e3 * statistics.median(step_times[-args.log_every:]):.1f} ms")
 
-    stats = fw.stats()
+    fw.barrier()  # the last step's traffic has left every rank before the counters are read
+    net = None
+    if args.net_iface:
+        end = interface_bytes(args.net_iface)
+        net = {k: end[k] - window_start["net"][k] for k in end}
+    timed = args.steps - args.warmup
+    stats = stats_delta(fw.stats(), window_start["stats"])
     sent = {"none": dense_bytes, "fp16": dense_bytes / 2}.get(args.compression)
     if sent is None:
-        sent = stats["payload_bytes"] / args.steps
+        sent = stats["payload_bytes"] / timed if stats else float("nan")
     result = {
         "model": args.model, "framework": args.framework, "compression": args.compression,
         "workers": fw.size, "steps": args.steps, "final_loss": statistics.fmean(losses[-10:]),
         "metric": work.metric, "value": evaluate(),
         "bytes_per_step": sent, "dense_bytes_per_step": dense_bytes,
-        "step_ms_median": 1e3 * statistics.median(step_times[1:] or step_times),
+        "step_ms_median": 1e3 * statistics.median(step_times[args.warmup:] if args.warmup else
+                                                   (step_times[1:] or step_times)),
         "fallbacks": stats["fallbacks"] if stats else 0, "stats": stats,
+        "rank": fw.rank, "warmup": args.warmup, "timed_steps": timed,
+        "step_seconds": step_times[args.warmup:], "net_bytes": net,
     }
     say(f"{work.metric} {result['value']:.4f}; sent {sent / 2**20:.2f} MiB per step "
         f"({sent / dense_bytes:.3f} of dense); median step {result['step_ms_median']:.1f} ms; "
         f"fallbacks {result['fallbacks']}")
+    if args.json and (fw.rank == 0 or "{rank}" in args.json):
+        with open(args.json.format(rank=fw.rank), "w") as f:
+            json.dump(result, f, indent=2)
     if fw.rank == 0:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
         if args.save_params:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.save_params)
     fw.shutdown()

@@ -1,0 +1,166 @@
+"""The emulated cluster benchmark (lossless_hc.cluster).
+
+Unit tests of the parsing, statistics, leftover detection and the top-k allgather baseline's
+packing need nothing special. The end-to-end test builds real network namespaces and runs real
+Horovod and DDP workers over Gloo: it needs root and a kernel that allows `ip netns add`, and is
+skipped, with the reason, otherwise.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lossless_hc import cluster
+from lossless_hc.workloads.topk_allgather import TopKAllgather, topk_count
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- no root needed --------------------------------------------------------------------------------
+def test_parse_rate_and_delay():
+    assert cluster.parse_rate("1gbit") == 10**9
+    assert cluster.parse_rate("10gbit") == 10**10
+    assert cluster.parse_rate("500mbit") == 5 * 10**8
+    assert cluster.parse_delay("100us") == pytest.approx(1e-4)
+    assert cluster.parse_delay("2ms") == pytest.approx(2e-3)
+    assert cluster.rate_label(10**10) == "10gbit"
+    for bad in ("fast", "1tbit", "-1gbit", "1kbit"):
+        with pytest.raises(ValueError, match="bandwidth"):
+            cluster.parse_rate(bad)
+    with pytest.raises(ValueError, match="latency"):
+        cluster.parse_delay("soon")
+    with pytest.raises(ValueError, match="unknown"):
+        cluster.parse_list("none,zip", cluster.COMPRESSIONS, "--compression")
+
+
+def test_percentile_and_throughput():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert cluster.percentile(xs, 50) == 3.0
+    assert cluster.percentile(xs, 10) == pytest.approx(1.4)
+    assert cluster.percentile(xs, 90) == pytest.approx(4.6)
+    # 100 MB in a 0.3 s step of which 0.1 s is compute: 0.2 s of communication.
+    assert cluster.aggregation_throughput(100e6, 0.3, 0.1) == pytest.approx(500e6)
+    assert cluster.aggregation_throughput(100e6, 0.1, 0.1) is None
+
+
+def _report(rank, steps, tx, stats=None, dense=1000):
+    return {"rank": rank, "step_seconds": steps, "dense_bytes_per_step": dense, "timed_steps": len(steps),
+            "net_bytes": {"tx_bytes": tx, "rx_bytes": tx}, "stats": stats, "final_loss": 0.5,
+            "metric": "m", "value": 0.1}
+
+
+def test_summarize_and_relative_ratios():
+    none = cluster.summarize("horovod", "none", [_report(1, [0.4] * 4, 8000), _report(0, [0.3, 0.3, 0.5, 0.3], 4000)],
+                             compute_s=0.1)
+    assert none["step_s_median"] == pytest.approx(0.3)
+    assert none["wire_bytes_per_step_per_host"] == pytest.approx((4000 / 4 + 8000 / 4) / 2)
+    assert none["aggregation_bytes_per_s"] == pytest.approx(1000 / 0.2)
+    stats = {"encode_seconds": 0.04, "decode_seconds": 0.04, "payload_bytes": 1, "dense_bytes": 1, "fallbacks": 2}
+    ours = cluster.summarize("horovod", "lossless", [_report(0, [0.15] * 4, 400, stats), _report(1, [0.2] * 4, 400)],
+                             compute_s=0.1)
+    assert ours["codec_share"] == pytest.approx(0.02 / 0.15)
+    assert ours["fallbacks"] == 2
+    none.update(max_param_diff_vs_none=None, lossless_mode=False)
+    ours.update(max_param_diff_vs_none=3e-9, lossless_mode=True)
+    rows = cluster.add_relative([none, ours])
+    assert rows[1]["speedup_vs_none"] == pytest.approx(2.0)
+    assert rows[1]["throughput_vs_none"] == pytest.approx(4.0)  # 0.2 s vs 0.05 s of communication
+    assert rows[1]["wire_vs_none"] == pytest.approx(100 / 1500)
+    md = cluster.render_markdown({"rows": rows, "compute_s": 0.1,
+                                  "shaping": {"qdisc": "tbf", "latency_applied": False}}, "t")
+    assert "| horovod | lossless | 150.0 (150.0–150.0) | 2.00x" in md
+    assert "latency was NOT added" in md and "3.00e-09 (lossless)" in md
+
+
+def test_stale_names_only_of_dead_owners():
+    names = ["lhcc123h0", "lhcc123v1", "lhcc123br", "lhcc456h0", "eth0", "lhccXh0", "lhcc123h0x", "docker0"]
+    alive = {456}.__contains__
+    assert cluster.stale_names(names, alive) == ["lhcc123h0", "lhcc123v1", "lhcc123br"]
+    assert cluster.owner_pid("lhcc99br") == 99 and cluster.owner_pid("eth0") is None
+
+
+def test_cluster_names_fit_the_kernel_limit():
+    c = cluster.EmulatedCluster(hosts=64, rate_bits=10**9, delay_s=1e-4, tag=4_194_303)  # largest pid_max
+    assert all(len(n) <= 15 for n in c.bridge_ports + [c.bridge])
+    assert len({c.host_address(i) for i in range(64)} | {c.bridge_address}) == 65
+
+
+def test_topk_allgather_packs_and_averages_exactly():
+    codec = TopKAllgather(ratio=0.25)
+    grads = [torch.tensor([0.0, 4.0, -1.0, 0.5, 0.0, 0.0, -3.0, 0.1]), torch.tensor([2.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0])]
+    packed = [codec.encode(("t", r), g) for r, g in enumerate(grads)]
+    assert topk_count(8, 0.25) == 2 and all(p.numel() == 4 for p in packed)
+    out = codec.decode(torch.cat(packed), 2, torch.empty(8))
+    assert out.tolist() == [1.0, 2.0, 0.0, 0.0, 0.0, 2.5, -1.5, 0.0]
+    # what was not sent stays in the residual and goes out next time
+    again = codec.encode(("t", 0), torch.zeros(8))
+    vals, idx = again[:2], again[2:].view(torch.int32)
+    assert sorted(zip(idx.tolist(), vals.tolist())) == [(2, -1.0), (3, 0.5)]
+    with pytest.raises(ValueError, match="ratio"):
+        TopKAllgather(ratio=0.0)
+
+
+def test_refuses_without_root(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    rc = cluster.cmd_cluster(_args(hosts=2))
+    assert rc == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def _args(**kw):
+    import argparse
+    p = argparse.ArgumentParser()
+    cluster.add_arguments(p)
+    return p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+# -- real namespaces, real workers -----------------------------------------------------------------
+def _netns_reason():
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, tc)"
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        return "needs Horovod"
+    name = f"lhcc{os.getpid()}h99"
+    res = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if res.returncode != 0:
+        return f"`ip netns add` fails here: {res.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_two_hosts_end_to_end(tmp_path):
+    reason = _netns_reason()
+    if reason:
+        pytest.skip(f"emulated cluster: {reason}")
+    plot = tmp_path / "plot.png"
+    cmd = [sys.executable, "-m", "lossless_hc.bench", "cluster", "--hosts", "2", "--bandwidth", "200mbit",
+           "--latency", "0", "--model", "ncf", "--compression", "none,lossless", "--framework", "horovod,ddp",
+           "--steps", "5", "--warmup", "1", "--train-args", "--users 20000 --items 20000 --dim 16 --batch 128",
+           "--out", str(tmp_path), "--plot", str(plot)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    with open(tmp_path / "cluster_ncf_200mbit_2hosts.json") as f:
+        result = json.load(f)
+    rows = {(r["framework"], r["compression"]): r for r in result["rows"]}
+    assert set(rows) == {("horovod", "none"), ("horovod", "lossless"), ("ddp", "none"), ("ddp", "lossless")}
+    for (fw, comp), r in rows.items():
+        dense = r["dense_bytes_per_step"]
+        # the kernel's counters saw the gradients go out: a ring allreduce of 2 sends about the
+        # dense size; the lossless payload of NCF's sparse embedding rows is far smaller
+        if comp == "none":
+            assert 0.8 * dense < r["wire_bytes_per_step_per_host"] < 1.5 * dense
+        else:
+            assert r["wire_bytes_per_step_per_host"] < 0.8 * rows[(fw, "none")]["wire_bytes_per_step_per_host"]
+            assert r["max_param_diff_vs_none"] < 1e-5
+    assert plot.stat().st_size > 0
+    # nothing of that run's cluster is left behind (names carry the benchmark process's id)
+    mine = [n for n in cluster.list_namespaces() + cluster.list_links() if cluster.owner_pid(n) == proc.pid]
+    assert mine == []
+    assert not os.path.exists(os.path.join(cluster.NETNS_ETC, f"{cluster.PREFIX}{proc.pid}h0"))

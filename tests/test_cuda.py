@@ -308,7 +308,8 @@ def test_encode_does_not_synchronise_and_decode_synchronises_once():
     x = torch.zeros(100_000, device="cuda")
     x[::50] = 1.0
     payload = gpu.encode(x)
-    gpu.decode(payload)  # warm-up: kernel loading may synchronise
+    summed = payload * 2  # both ranks sent this payload: the world_size=2 aggregate
+    gpu.decode(summed)  # warm-up: kernel loading may synchronise
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     try:
@@ -317,7 +318,7 @@ def test_encode_does_not_synchronise_and_decode_synchronises_once():
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, report = gpu.decode(payload)
+            _, report = gpu.decode(summed)
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         assert len(syncs) == 1, [str(w.message) for w in syncs]
     finally:

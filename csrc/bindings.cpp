@@ -45,7 +45,12 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("fingerprint", &CodecLayout::fingerprint)
       .def_readwrite("index_offset", &CodecLayout::index_offset)
       .def_readwrite("sketch_offset", &CodecLayout::sketch_offset)
-      .def_readwrite("payload_numel", &CodecLayout::payload_numel);
+      .def_readwrite("payload_numel", &CodecLayout::payload_numel)
+      .def_readwrite("fine", &CodecLayout::fine)
+      .def_readwrite("group_keys", &CodecLayout::group_keys)
+      .def_readwrite("fine_digits", &CodecLayout::fine_digits)
+      .def_readwrite("fine_words", &CodecLayout::fine_words)
+      .def_readwrite("fine_offset", &CodecLayout::fine_offset);
 
   py::class_<cpu::EncodeStats>(m, "EncodeStats")
       .def_readonly("keys", &cpu::EncodeStats::keys)

@@ -50,6 +50,7 @@ constexpr uint32_t kIntFieldLimit = 1u << kIntFieldBits;
 // Salts separating the independent hash streams derived from one user seed.
 constexpr uint64_t kSaltSketch = 0x5ce7c4a11ULL;
 constexpr uint64_t kSaltBloom = 0xb100f11ULL;
+constexpr uint64_t kSaltFine = 0xf1e7ab1eULL;  // the multilevel index's fine table
 
 // Payload header: float32 fields, each an integer that every rank contributes (see codec.py).
 enum HeaderField : uint32_t {
@@ -124,7 +125,7 @@ struct DigitPacking {
   LHC_HD uint64_t words() const { return (digits + per_word - 1) / per_word; }
 };
 
-enum IndexKind : int { kIndexDense = 0, kIndexBitmap = 1, kIndexBloom = 2 };
+enum IndexKind : int { kIndexDense = 0, kIndexBitmap = 1, kIndexBloom = 2, kIndexMultilevel = 3 };
 
 // Everything a kernel needs to know about one codec's payload. Offsets count float32 elements.
 struct CodecLayout {
@@ -141,7 +142,25 @@ struct CodecLayout {
   uint64_t index_offset;
   uint64_t sketch_offset;
   uint64_t payload_numel;
+  // kIndexMultilevel only (the CPU backend; CUDA kernels never read these). `index` packs the coarse
+  // level: one digit per group of `group_keys` consecutive keys, the number of ranks with a non-zero
+  // key in the group. The fine table (`fine`, hashed by group id, all signs +1) starts at
+  // `fine_offset`; each of its cells is `fine_words` words, and a group's pattern is key
+  // g * group_keys + w * fine_digits + j  ->  digit j (weight index.base^j) of word w.
+  SegmentedTable fine;
+  uint64_t group_keys;
+  uint32_t fine_digits;
+  uint32_t fine_words;
+  uint64_t fine_offset;
 };
+
+// The multilevel group of a key and its word / digit inside the group's pattern.
+LHC_HD uint64_t ml_group(const CodecLayout& L, uint64_t key) { return key / L.group_keys; }
+LHC_HD void ml_word_digit(const CodecLayout& L, uint64_t key, uint64_t* word, uint64_t* digit) {
+  const uint64_t o = key % L.group_keys;
+  *word = o / L.fine_digits;
+  *digit = o % L.fine_digits;
+}
 
 // ---- THC (tensor homomorphic compression): the randomness every backend must reproduce ----------
 //

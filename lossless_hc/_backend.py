@@ -67,6 +67,16 @@ def native_layout(layout: PayloadLayout, device: torch.device = torch.device("cp
     c.index_offset = layout.index_offset
     c.sketch_offset = layout.sketch_offset
     c.payload_numel = layout.payload_numel
+    m = layout.multilevel
+    if m is not None:
+        c.fine = _table(m.fine)
+        c.group_keys, c.fine_digits, c.fine_words = m.group_keys, m.digits_per_word, m.words_per_group
+    else:
+        empty = _C.SegmentedTable()
+        empty.seg_len, empty.seg_count, empty.stream = 1, 3, 0
+        c.fine = empty
+        c.group_keys, c.fine_digits, c.fine_words = 1, 1, 1
+    c.fine_offset = layout.fine_offset
     return c
 
 

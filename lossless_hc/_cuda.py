@@ -324,6 +324,9 @@ class CudaLayout:
     def __init__(self, layout: PayloadLayout, device: torch.device):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if layout.index_kind == "multilevel":
+            raise NotImplementedError("the CUDA backend has no multilevel-index kernels: use index='bitmap', 'bloom' "
+                                      "or 'dense' on CUDA (index='auto' never picks multilevel there)")
         self.layout = layout
         self.device = device
         L = layout

@@ -20,10 +20,13 @@ _ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DECODE_STATUS = {
     0: None,
     1: "index corrupt: an index word is not a valid packed count, or the counts disagree with the header",
-    2: "index peeling failed: the Bloom counters could not be resolved into per-key counts",
+    2: ("index peeling failed: the Bloom counters (or the multilevel fine table) could not be resolved into "
+        "per-key counts"),
     3: "sketch peeling failed: more distinct non-zero keys than the sketch can separate",
     4: ("sketch overflow: a float32 sketch cell is NaN/Inf although every rank's input was finite (values near "
         "the float32 limit summed in one cell, or a corrupted payload)"),
+    5: ("index overflow: a multilevel fine-table cell summed to 2**22 or more (more non-zero groups in one cell "
+        "than the layout was sized for, or a corrupted payload)"),
 }
 
 
@@ -42,7 +45,7 @@ class DecodeReport:
     peeled           support keys recovered by peeling the value sketch.
     overloaded_ranks ranks that had more non-zero keys than the codec's capacity.
     total_keys       sum over ranks of their non-zero key counts.
-    index_kind       "bitmap", "bloom" or "dense".
+    index_kind       "bitmap", "bloom", "multilevel" or "dense".
     trace            only with ``decode(..., trace=True)``: (keys, cells), each key with the cell it
                      was read from; within one cell, keys appear in the order they were peeled.
     """
@@ -114,7 +117,10 @@ class LosslessCodec:
             ``lossless_hc._C_cuda`` or compiled at run time through CuPy; the same payloads as the
             CPU backend, so CPU and GPU ranks interoperate). On CUDA everything runs on the current
             torch stream: encode never synchronises, decode synchronises once.
-        index: "auto" (smallest payload), "bitmap", "bloom" or "dense".
+        index: "auto" (smallest payload, see :mod:`lossless_hc.cost_model`), "bitmap", "bloom",
+            "multilevel" (CPU only) or "dense".
+        union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);
+            sizes the value sketch and the index. More than that in a decode is reported, not wrong.
 
     Input dtypes: float32; float16/bfloat16 are encoded exactly in float32 and the decoded sum is
     rounded back to the input dtype. float64 and integer tensors are rejected (float32 payloads
@@ -131,9 +137,15 @@ class LosslessCodec:
     """
 
     def __init__(self, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-                 device="cpu", index: str = "auto", num_threads: int = 0):
-        self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index)
+                 device="cpu", index: str = "auto", num_threads: int = 0, union_nnz: Optional[int] = None):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and index == "multilevel":
+            raise NotImplementedError("index='multilevel' has no CUDA kernels yet; use 'bitmap', 'bloom', 'dense' or "
+                                      "'auto' on CUDA")
+        # The CUDA backend has no multilevel kernels, so "auto" picks among the others there. Ranks that
+        # mix CPU and CUDA devices must then pass the same explicit index (payload shapes must match).
+        self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz,
+                                                 allow_multilevel=self.device.type != "cuda")
         _backend.require_backend(self.device)
         if self.device.type == "cuda" and self.device.index is None:
             # Tensors report their device with an index: pin the codec to the current one.

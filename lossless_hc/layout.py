@@ -41,17 +41,23 @@ LAYOUT_VERSION = 1
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
 HDR_OVERLOADED, HDR_NON_FINITE, HDR_SATURATED = 6, 7, 8
 
-INDEX_KINDS = ("dense", "bitmap", "bloom")
-INDEX_KIND_CODE = {"dense": 0, "bitmap": 1, "bloom": 2}
+INDEX_KINDS = ("dense", "bitmap", "bloom", "multilevel")
+INDEX_KIND_CODE = {"dense": 0, "bitmap": 1, "bloom": 2, "multilevel": 3}
 
 SALT_SKETCH = 0x5CE7C4A11
 SALT_BLOOM = 0xB100F11
+SALT_FINE = 0xF1E7AB1E
 
 # Target probability that peeling a correctly sized sketch fails (then the caller falls back to an
 # exact dense aggregation for that step, so this trades wire size against rare extra traffic).
 PEEL_FAILURE_TARGET = 1e-3
 # Target probability that some rank's Bloom counter exceeds its per-rank cap (reported, not silent).
 SATURATION_TARGET = 1e-6
+# Bloom false positives allowed per true key. A false positive's three counters are all occupied by
+# true keys, so false positives crowd the occupied counters and the count peel fails well before the
+# random-hypergraph threshold of all the counters: measured, E[FP] = 0.94 U with 1.28 counters per
+# candidate fails to peel. Keep them few (see bloom_table_for).
+BLOOM_FP_PER_KEY = 0.25
 # Value-sketch cells per candidate key (see sketch_table_for).
 SKETCH_CELLS_PER_KEY = 1.25
 # Keys per group of sub-tables the value sketch aims for (a group's peeling state stays in cache).
@@ -160,9 +166,14 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     per_group = keys / groups
     if groups > 1:
         per_group += 4.0 * math.sqrt(per_group)
-    pair_bound = (13.5 * groups * per_group * per_group / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
-    cells = max(SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8, pair_bound)
+    cells = _group_cells(per_group, groups)
     return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
+
+
+def _group_cells(per_group: float, groups: int = 1) -> float:
+    """Cells of one group of three segments that peels ``per_group`` keys (see sketch_table_for)."""
+    pair_bound = (13.5 * groups * per_group * per_group / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
+    return max(SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8, pair_bound)
 
 
 def _poisson_tail(lam: float, q: int) -> float:
@@ -194,9 +205,12 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
     wire or exactness.
 
     * A non-member is a candidate with probability ``(1 - exp(-U/t))**3`` (U = union keys), so
-      ``E[FP] = (num_keys - U) (1 - exp(-U/t))**3``. We keep ``E[FP] <= max(U/4, 16)`` so candidate
-      enumeration and count peeling stay linear in the union, and the table large enough to peel
-      ``U + FP`` candidates (``sketch_table_for``).
+      ``E[FP] = (num_keys - U) (1 - exp(-U/t))**3``. We keep ``E[FP] <= max(BLOOM_FP_PER_KEY U, 16)``
+      (false positives sit on occupied counters only, so many of them stop the count peel even
+      with 1.25 counters per candidate), and the table large enough to peel ``U + FP`` candidates
+      (``sketch_table_for``).
+    * Wire words, not counters, are what is sent: among the smallest feasible table and a few
+      larger ones, the one whose smaller per-rank cap ``q`` packs into the fewest words wins.
     * Twins: a key whose three cells equal those of a true key (or of another candidate) is a
       candidate that can never be separated from it, so count peeling fails. That happens with
       probability ``~ (U (num_keys - U) + (U + FP)**2 / 2) / t**3``, kept below
@@ -217,7 +231,7 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
         e = fp(cells)
         t = cells / 3.0
         twins = (u * others + (u + e) ** 2 / 2.0) / t ** 3
-        return (e <= max(u / 4.0, 16.0) and twins <= PEEL_FAILURE_TARGET
+        return (e <= max(BLOOM_FP_PER_KEY * u, 16.0) and twins <= PEEL_FAILURE_TARGET
                 and cells >= sketch_table_for(u + math.ceil(e + 4 * math.sqrt(e))).cells)
 
     lo, hi = 3, 3 * max(1, u)
@@ -229,12 +243,109 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
             hi = mid
         else:
             lo = mid + 1
-    t = -(-lo // 3)
-    lam = max(1, capacity) / t
-    q = 1
-    while world_size * 3 * t * _poisson_tail(lam, q) > SATURATION_TARGET:
-        q += 1
-    return SegmentedTable(seg_len=t, seg_count=3, stream=stream), q
+
+    def cap_for(t: int) -> int:
+        lam = max(1, capacity) / t
+        q = 1
+        while world_size * 3 * t * _poisson_tail(lam, q) > SATURATION_TARGET:
+            q += 1
+        return q
+
+    def words(t: int) -> float:
+        q = cap_for(t)
+        if world_size * q >= INT_FIELD_LIMIT:
+            return math.inf
+        return digit_packing(world_size * q, 3 * t).words
+
+    # The smallest feasible table, or a larger one whose smaller per-rank cap packs more counters
+    # per word (the wire counts words, not counters).
+    t = min((-(-int(lo * f) // 3) for f in (1.0, 1.25, 1.5, 2.0)), key=lambda t: (words(t), t))
+    return SegmentedTable(seg_len=t, seg_count=3, stream=stream), cap_for(t)
+
+
+# Target probability that a cell of the multilevel fine table sums past the exact float32 range
+# (then decode reports it; see multilevel_plan).
+FINE_OVERFLOW_TARGET = PEEL_FAILURE_TARGET / 10
+
+
+@dataclass(frozen=True)
+class MultilevelPlan:
+    """Shape of a multilevel index (see :func:`multilevel_plan`)."""
+
+    group_keys: int          # G: keys per group, = digits_per_word * words_per_group
+    digits_per_word: int     # w: pattern digits (base world_size + 1) per fine word
+    words_per_group: int     # fine words per cell (one group's pattern)
+    num_groups: int          # ceil(num_keys / G): digits of the coarse counting bitmap
+    planned_groups: int      # non-zero groups the fine table is sized for
+    load_cap: int            # non-zero groups per fine cell the word headroom allows
+    coarse: DigitPacking
+    fine: SegmentedTable
+
+
+def expected_nonzero_groups(num_groups: int, union_keys: int) -> int:
+    """Non-zero groups to size the fine table for: the mean number of groups hit when ``union_keys``
+    keys fall uniformly at random into ``num_groups`` groups, plus 4 standard deviations (the count
+    is a sum of negatively correlated indicators, so its variance is below its mean), capped by the
+    number of groups and of keys. Supports spread more evenly than random (exactly one key every G)
+    hit more groups: decode then reports a failed fine peel, never a wrong answer."""
+    if num_groups <= 0 or union_keys <= 0:
+        return 0
+    u = min(union_keys, MAX_KEYS)
+    mean = num_groups * -math.expm1(u * math.log1p(-1.0 / num_groups)) if num_groups > 1 else 1.0
+    return int(min(num_groups, u, math.ceil(mean + 4.0 * math.sqrt(mean) + 2)))
+
+
+def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_group: int,
+                    stream: int = 0) -> Optional[MultilevelPlan]:
+    """The multilevel index for ``union_keys`` aggregate non-zero keys among ``num_keys``, with
+    ``words_per_group`` fine words per group; None where it cannot be built.
+
+    Two levels, both summable by plain SUM/AVERAGE:
+
+    * coarse: keys are cut into groups of ``G`` consecutive keys; a counting bitmap holds, per
+      group, the number of ranks with a non-zero key in it (base ``n + 1`` digits, packed like the
+      bitmap index). The decoder learns the exact set of non-zero groups.
+    * fine: each rank forms, for each of its non-zero groups, the group's *pattern* --
+      ``words_per_group`` integers ``sum_j c_j (n+1)^j`` over the group's ``w`` keys per word, with
+      ``c_j`` = 1 for its non-zero keys -- and adds it into three cells of a table hashed by *group*
+      (cells of ``words_per_group`` words; all signs +1). The aggregate of a cell is the sum of the
+      aggregate patterns of the non-zero groups hashed there; the decoder knows those groups (the
+      coarse level), so it peels the table exactly in integers: a cell reached by one unresolved
+      group holds that group's aggregate pattern, whose base-(n+1) digits are the per-key counts.
+
+    Word headroom. A digit of a *pure* cell never exceeds ``n``, so no digit needs room for sums of
+    several groups: only the whole word must stay exact. A cell holding ``l`` groups sums to at most
+    ``l ((n+1)^w - 1)``; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
+    ``load_cap`` bounds the groups per cell (Binomial(planned groups, 1/seg_len)) except with
+    probability ``FINE_OVERFLOW_TARGET`` over the whole table. A larger load is detected (the word
+    reads at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per
+    *word* instead of per digit, so base-(n+1) digits pack almost as densely as in the bitmap.
+    """
+    n = world_size
+    base = n + 1
+    if num_keys <= 0 or words_per_group < 1 or base > INT_FIELD_LIMIT:
+        return None
+    w_max = 0
+    while base ** (w_max + 1) <= INT_FIELD_LIMIT:
+        w_max += 1
+    for w in range(w_max, 0, -1):
+        G = w * words_per_group
+        num_groups = -(-num_keys // G)
+        M = expected_nonzero_groups(num_groups, union_keys)
+        if M == 0:
+            fine = SegmentedTable(seg_len=1, seg_count=3, stream=stream)
+            load_cap = 0
+        else:
+            seg_len = max(1, math.ceil(_group_cells(M) / 3))
+            fine = SegmentedTable(seg_len=seg_len, seg_count=3, stream=stream)
+            lam = M / seg_len
+            load_cap = 1
+            while load_cap < M and 3 * seg_len * _poisson_tail(lam, load_cap) > FINE_OVERFLOW_TARGET:
+                load_cap += 1
+        if max(1, load_cap) * (base ** w - 1) < INT_FIELD_LIMIT:
+            return MultilevelPlan(G, w, words_per_group, num_groups, M, load_cap,
+                                  digit_packing(n, num_groups), fine)
+    return None
 
 
 @dataclass(frozen=True)
@@ -254,14 +365,25 @@ class PayloadLayout:
     index: DigitPacking
     digit_cap: int
     fingerprint: int = field(default=0)
+    multilevel: Optional[MultilevelPlan] = None   # index_kind "multilevel" only (index = its coarse level)
 
     @property
     def index_offset(self) -> int:
         return HEADER_FIELDS
 
     @property
-    def sketch_offset(self) -> int:
+    def fine_offset(self) -> int:
+        """First word of the multilevel fine table (= sketch_offset for the other kinds)."""
         return HEADER_FIELDS + self.index.words
+
+    @property
+    def fine_numel(self) -> int:
+        m = self.multilevel
+        return m.fine.cells * m.words_per_group if m is not None else 0
+
+    @property
+    def sketch_offset(self) -> int:
+        return HEADER_FIELDS + self.index.words + self.fine_numel
 
     @property
     def payload_numel(self) -> int:
@@ -281,62 +403,106 @@ def _fingerprint(*values: int) -> int:
     return h & ((1 << (2 * CHUNK_BITS)) - 1)
 
 
-def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-                index: str = "auto") -> PayloadLayout:
-    """The payload layout for a tensor of ``numel`` coordinates aggregated over ``world_size``
-    ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
-    ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"dense"`` or ``"auto"`` (the smallest
-    payload; ties prefer the cheaper decoder: dense, bitmap, bloom).
+def _layout_fingerprint(L: PayloadLayout) -> int:
+    bloom, m = L.bloom, L.multilevel
+    values = [LAYOUT_VERSION, L.numel, L.block, L.world_size, L.capacity, INDEX_KIND_CODE[L.index_kind], L.seed,
+              L.sketch.seg_len, L.sketch.seg_count, bloom.cells if bloom else 0, L.index.base, L.digit_cap]
+    if m is not None:  # the multilevel shape joins the hash (other kinds keep their fingerprints)
+        values += [m.group_keys, m.digits_per_word, m.words_per_group, m.fine.seg_len, L.union_keys]
+    return _fingerprint(*values)
 
-    Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,
-    i.e. ``max_nnz`` assumes non-zeros come in whole blocks (embedding rows). A rank with more
-    non-zero blocks than that is *overloaded*: decode reports it.
-    """
+
+def _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
     for name, value in (("numel", numel), ("world_size", world_size), ("max_nnz", max_nnz),
                         ("block_size", block_size), ("seed", seed)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if union_nnz is not None and (not isinstance(union_nnz, int) or isinstance(union_nnz, bool)):
+        raise TypeError(f"union_nnz must be an int or None, got {type(union_nnz).__name__}")
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     if max_nnz < 0:
         raise ValueError(f"max_nnz must be >= 0, got {max_nnz}")
+    if union_nnz is not None and union_nnz < 0:
+        raise ValueError(f"union_nnz must be >= 0, got {union_nnz}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if index not in INDEX_KINDS + ("auto",):
-        raise ValueError(f"index must be one of {INDEX_KINDS + ('auto',)}, got {index!r}")
     num_keys = -(-numel // block_size)
     if num_keys > MAX_KEYS:
         raise ValueError(f"numel / block_size = {num_keys} keys exceeds the supported {MAX_KEYS}")
+
+
+def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+                 union_nnz: Optional[int] = None, words_per_group: int = 1) -> Optional[PayloadLayout]:
+    """The layout of one index ``kind`` (with its fingerprint), or None where that kind cannot be
+    built for this configuration. Arguments as :func:`plan_layout`; ``words_per_group`` is the
+    multilevel group size in fine words (the cost model searches it)."""
+    _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    num_keys = -(-numel // block_size)
     capacity = min(num_keys, -(-max_nnz // block_size))
     union = min(num_keys, world_size * capacity)
+    if union_nnz is not None:
+        union = min(num_keys, -(-union_nnz // block_size))
     sketch = sketch_table_for(union, stream_seed(seed, SALT_SKETCH))
-
-    candidates = {}
-    candidates["dense"] = PayloadLayout(numel, block_size, num_keys, world_size, capacity, union, "dense",
-                                        seed, sketch, None, DigitPacking(1, 1, 0), 0)
-    if num_keys > 0:
-        candidates["bitmap"] = PayloadLayout(numel, block_size, num_keys, world_size, capacity, union,
-                                             "bitmap", seed, sketch, None,
-                                             digit_packing(world_size, num_keys), 1)
+    common = (numel, block_size, num_keys, world_size, capacity, union)
+    L = None
+    if kind == "dense":
+        L = PayloadLayout(*common, "dense", seed, sketch, None, DigitPacking(1, 1, 0), 0)
+    elif num_keys == 0:
+        return None
+    elif kind == "bitmap":
+        L = PayloadLayout(*common, "bitmap", seed, sketch, None, digit_packing(world_size, num_keys), 1)
+    elif kind == "bloom":
         bloom, q = bloom_table_for(num_keys, union, capacity, world_size, stream_seed(seed, SALT_BLOOM))
         if world_size * q < INT_FIELD_LIMIT:
-            candidates["bloom"] = PayloadLayout(numel, block_size, num_keys, world_size, capacity, union,
-                                                "bloom", seed, sketch, bloom,
-                                                digit_packing(world_size * q, bloom.cells), q)
-    if index == "auto":
-        chosen = min(candidates.values(), key=lambda c: (c.payload_numel, INDEX_KINDS.index(c.index_kind)))
-    elif index in candidates:
-        chosen = candidates[index]
-    elif num_keys == 0:
-        # An empty tensor has nothing to index: every kind degenerates to the header alone.
-        chosen = candidates["dense"]
+            L = PayloadLayout(*common, "bloom", seed, sketch, bloom, digit_packing(world_size * q, bloom.cells), q)
+    elif kind == "multilevel":
+        m = multilevel_plan(num_keys, union, world_size, words_per_group, stream_seed(seed, SALT_FINE))
+        if m is not None:
+            L = PayloadLayout(*common, "multilevel", seed, sketch, None, m.coarse, 1, multilevel=m)
     else:
-        raise ValueError(f"index={index!r} cannot be built for world_size={world_size}: its counters would not "
-                         f"fit an exact float32 field; use index='bitmap' or 'auto'")
-    bloom = chosen.bloom
-    fp = _fingerprint(LAYOUT_VERSION, numel, block_size, world_size, capacity, INDEX_KIND_CODE[chosen.index_kind],
-                      seed, chosen.sketch.seg_len, chosen.sketch.seg_count,
-                      bloom.cells if bloom else 0, chosen.index.base, chosen.digit_cap)
-    return replace(chosen, fingerprint=fp)
+        raise ValueError(f"index must be one of {INDEX_KINDS}, got {kind!r}")
+    return replace(L, fingerprint=_layout_fingerprint(L)) if L is not None else None
+
+
+def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+                index: str = "auto", union_nnz: Optional[int] = None,
+                allow_multilevel: bool = True) -> PayloadLayout:
+    """The payload layout for a tensor of ``numel`` coordinates aggregated over ``world_size``
+    ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
+    ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"multilevel"``, ``"dense"`` or
+    ``"auto"`` (the smallest payload, chosen by :mod:`lossless_hc.cost_model`; ties prefer the
+    cheaper decoder: dense, bitmap, bloom, multilevel). ``allow_multilevel=False`` keeps ``"auto"``
+    off the multilevel index (the CUDA backend has no multilevel kernels).
+
+    Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,
+    i.e. ``max_nnz`` assumes non-zeros come in whole blocks (embedding rows). A rank with more
+    non-zero blocks than that is *overloaded*: decode reports it.
+
+    ``union_nnz`` sizes the value sketch (and the index) for that many non-zero coordinates in the
+    *aggregate* (default ``world_size * max_nnz``, every rank's support disjoint). Ranks whose
+    supports overlap (top-k of similar gradients, popular embedding rows) need far less; an aggregate
+    with more non-zero keys than planned fails to peel and decode reports it (never a wrong answer).
+    """
+    _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    if index not in INDEX_KINDS + ("auto",):
+        raise ValueError(f"index must be one of {INDEX_KINDS + ('auto',)}, got {index!r}")
+    from . import cost_model  # the cost model builds on this module
+
+    num_keys = -(-numel // block_size)
+    if index == "auto":
+        return cost_model.choose(numel, world_size, max_nnz, block_size, seed, union_nnz,
+                                 allow_multilevel=allow_multilevel)
+    if index == "multilevel":
+        chosen = cost_model.best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    else:
+        chosen = build_layout(index, numel, world_size, max_nnz, block_size, seed, union_nnz)
+    if chosen is not None:
+        return chosen
+    if num_keys == 0:
+        # An empty tensor has nothing to index: every kind degenerates to the header alone.
+        return build_layout("dense", numel, world_size, max_nnz, block_size, seed, union_nnz)
+    raise ValueError(f"index={index!r} cannot be built for world_size={world_size}: its counters would not "
+                     f"fit an exact float32 field; use index='bitmap' or 'auto'")

@@ -155,6 +155,35 @@ def sketch_cells_float32(layout: PayloadLayout, flat: torch.Tensor, keys: torch.
     return sketch
 
 
+def group_patterns(layout: PayloadLayout, keys: torch.Tensor, counts: Optional[torch.Tensor] = None):
+    """``(groups, words)``: the increasing non-zero groups of ``keys`` and each group's pattern
+    words ``[len(groups), words_per_group]`` int64: key ``g G + i w + j`` adds ``count * base**j`` to
+    word i of group g (count 1 per key unless ``counts`` is given)."""
+    m = layout.multilevel
+    keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
+    g = keys // m.group_keys
+    o = keys % m.group_keys
+    groups, inv = torch.unique(g, return_inverse=True)
+    powers = torch.tensor([layout.index.base ** j for j in range(m.digits_per_word)], dtype=torch.int64)
+    c = torch.ones_like(keys) if counts is None else torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+    words = torch.zeros(groups.numel() * m.words_per_group, dtype=torch.int64)
+    words.index_add_(0, inv * m.words_per_group + o // m.digits_per_word, c * powers[o % m.digits_per_word])
+    return groups, words.reshape(groups.numel(), m.words_per_group)
+
+
+def multilevel_fine_words(layout: PayloadLayout, keys: torch.Tensor) -> torch.Tensor:
+    """The multilevel fine table one rank writes (float32, ``fine.cells * words_per_group``): each
+    non-zero group's pattern added (as an integer, converted once) into its three cells."""
+    m = layout.multilevel
+    acc = torch.zeros(m.fine.cells, m.words_per_group, dtype=torch.int64)
+    if keys.numel():
+        groups, words = group_patterns(layout, keys)
+        cells, _ = key_cells(m.fine, groups)
+        for j in range(3):
+            acc.index_add_(0, cells[:, j], words)
+    return acc.reshape(-1).to(torch.float32)
+
+
 def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
     """The float32 payload ``lhc::cpu::encode`` (or the dense path of ``LosslessCodec.encode``)
     writes for ``x``; bit-for-bit identical to it."""
@@ -189,9 +218,13 @@ def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
         if bool((digits > L.digit_cap).any()):
             header[HDR_SATURATED] = 1
         digits = digits.clamp(max=L.digit_cap)
+    elif L.index_kind == "multilevel":
+        payload[L.fine_offset: L.sketch_offset] = multilevel_fine_words(L, keys)
+        digits = torch.zeros(L.index.digits, dtype=torch.int64)
+        digits[torch.unique(keys // L.multilevel.group_keys)] = 1
     else:
         raise ValueError(f"unknown index kind {L.index_kind!r}")
-    payload[L.index_offset: L.sketch_offset] = pack_digits(L, digits)
+    payload[L.index_offset: L.fine_offset] = pack_digits(L, digits)
     payload[L.sketch_offset:] = sketch_cells_float32(L, flat, keys).reshape(-1)
     payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
     return payload
@@ -258,6 +291,60 @@ def unpack_digits(layout: PayloadLayout, words: torch.Tensor) -> torch.Tensor:
     return ((words.unsqueeze(1) // powers) % P.base).reshape(-1)
 
 
+def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.Tensor, scale: float, n: int,
+                        total: int):
+    """``(support keys, None)`` or ``(None, reason)``: the coarse digits give the non-zero groups
+    exactly; the fine table is peeled in integers over them (round based); each group's pattern
+    digits are its keys' counts."""
+    m = L.multilevel
+    ng = L.index.digits
+    if bool((digits[ng:] != 0).any()) or bool((digits > n).any()):
+        return None, "index corrupt: coarse digit out of range"
+    coarse = digits[:ng]
+    if int(coarse.sum()) > total:
+        return None, "index corrupt: more non-zero groups than keys"
+    groups = coarse.nonzero().reshape(-1)
+    gcount = coarse[groups]
+    raw = payload[L.fine_offset: L.sketch_offset].to(torch.float64) * scale
+    if not bool(torch.isfinite(raw).all()):
+        return None, "index corrupt: a fine word is not finite"
+    r = torch.round(raw)
+    tol = 0.0 if scale == 1.0 else 0.5
+    if bool(((raw - r).abs() > tol).any()) or bool((r < 0).any()):
+        return None, "index corrupt: a fine word is not a non-negative integer"
+    if bool((r >= (1 << 22)).any()):
+        return None, "index overflow: a fine word reached 2**22"
+    val = r.to(torch.int64).reshape(m.fine.cells, m.words_per_group).clone()
+    fc, _ = key_cells(m.fine, groups)
+    rounds, resolved = peel_rounds(fc, m.fine.cells)
+    word_limit = L.index.base ** m.digits_per_word
+    pattern = torch.zeros(groups.numel(), m.words_per_group, dtype=torch.int64)
+    for idx, pj in rounds:
+        pat = val[fc[idx, pj]]                                        # [R, wpg]
+        if bool((pat >= word_limit).any()):
+            return None, "index corrupt: a pure fine cell is not a group pattern"
+        pattern[idx] = pat
+        val.index_add_(0, fc[idx].reshape(-1), -pat.repeat_interleave(3, dim=0))
+        if bool((val < 0).any()):
+            return None, "index corrupt: negative fine word while peeling"
+    if not bool(resolved.all()):
+        return None, "index peeling failed"
+    if bool((val != 0).any()):
+        return None, "index corrupt: fine words left after peeling"
+    powers = torch.tensor([L.index.base ** j for j in range(m.digits_per_word)], dtype=torch.int64)
+    cnt = (pattern.unsqueeze(2) // powers) % L.index.base                  # [M, wpg, w]
+    cnt = cnt.reshape(groups.numel(), m.group_keys)
+    if bool((cnt > gcount.unsqueeze(1)).any()) or bool((cnt.sum(dim=1) < gcount).any()):
+        return None, "index corrupt: key counts disagree with the coarse counts"
+    gi, off = cnt.nonzero(as_tuple=True)
+    keys = groups[gi] * m.group_keys + off
+    if bool((keys >= L.num_keys).any()):
+        return None, "index corrupt: a key past the last"
+    if int(cnt.sum()) != total:
+        return None, "index corrupt: counts disagree with the header"
+    return torch.sort(keys).values, None
+
+
 def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False):
     """Decode an aggregated payload: ``(y, info)``, y a float64 tensor of ``numel`` values (the sum,
     or the average if ``averaged``), info a dict with ok, reason, contributors, total_keys,
@@ -307,7 +394,7 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
         return y, info
 
     limit = L.index.base ** L.index.per_word
-    words = _read_int_fields(payload[L.index_offset: L.sketch_offset], scale, limit)
+    words = _read_int_fields(payload[L.index_offset: L.fine_offset], scale, limit)
     if words is None:
         return y, _fail(info, "index corrupt: a word is not a valid packed count")
     digits = unpack_digits(L, words)
@@ -346,6 +433,11 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
             return y, _fail(info, "index corrupt: counters left after peeling")
         support = cand[key_count > 0]
         info["false_positives"] = int((key_count == 0).sum())
+    elif L.index_kind == "multilevel":
+        support, reason = _multilevel_support(L, digits, payload, scale, n, total)
+        if reason is not None:
+            return y, _fail(info, reason)
+        info["candidates"] = support.numel()
     else:
         raise ValueError(f"unknown index kind {L.index_kind!r}")
     info["support"], info["support_keys"] = support.numel(), support

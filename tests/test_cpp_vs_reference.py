@@ -55,7 +55,7 @@ def ref_report(info):
 
 # -- the hash family seen through the payload -------------------------------------------------------
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_one_hot_keys_land_in_reference_cells(index):
     """Encode single keys: the C++ sketch holds +-value exactly in the reference's three cells with the
     reference's signs (and the Bloom index +1 exactly in the reference's three counters)."""
@@ -80,7 +80,7 @@ def test_one_hot_keys_land_in_reference_cells(index):
 
 # -- encode: bit-exact ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom", "dense"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel", "dense"])
 @pytest.mark.parametrize("block,numel", [(1, 1000), (1, 1), (3, 1000), (3, 998), (32, 1024), (32, 1000), (32, 17)])
 @pytest.mark.parametrize("dist", helpers.DISTS)
 def test_encode_identical(index, block, numel, dist):
@@ -103,7 +103,7 @@ def test_encode_identical(index, block, numel, dist):
     assert_payload_identical(codec, x)
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom", "dense"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel", "dense"])
 def test_encode_identical_flags(index):
     """Overloaded, non-finite and (Bloom) saturated inputs: the flags and everything else bit-exact."""
     numel = 2000
@@ -124,7 +124,7 @@ def test_encode_identical_flags(index):
 
 
 @settings(max_examples=60)
-@given(block=st.sampled_from([1, 2, 3, 5, 32]), index=st.sampled_from(["bitmap", "bloom", "dense"]),
+@given(block=st.sampled_from([1, 2, 3, 5, 32]), index=st.sampled_from(["bitmap", "bloom", "multilevel", "dense"]),
        pattern=st.sampled_from(helpers.PATTERNS), dist=st.sampled_from(helpers.DISTS),
        seed=st.integers(0, 2 ** 64 - 1), data_seed=st.integers(0, 2 ** 32 - 1))
 def test_encode_identical_hypothesis(block, index, pattern, dist, seed, data_seed):
@@ -140,7 +140,7 @@ def test_encode_identical_hypothesis(block, index, pattern, dist, seed, data_see
 # -- decode: same verdict and support, both within the bound ----------------------------------------
 
 @settings(max_examples=50)
-@given(block=st.sampled_from([1, 3, 32]), index=st.sampled_from(["bitmap", "bloom"]),
+@given(block=st.sampled_from([1, 3, 32]), index=st.sampled_from(["bitmap", "bloom", "multilevel"]),
        pattern=st.sampled_from(helpers.PATTERNS), seed=st.integers(0, 1000), data_seed=st.integers(0, 2 ** 32 - 1))
 def test_decode_agrees_with_reference(block, index, pattern, seed, data_seed):
     rng = np.random.default_rng(data_seed)
@@ -162,7 +162,7 @@ def test_decode_agrees_with_reference(block, index, pattern, seed, data_seed):
         helpers.assert_lossless(codec.layout, xs, yr, ref_report(info))
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_grouped_sketch_matches_reference(index):
     """Above 2 * GROUP_KEYS candidate keys the value sketch splits into groups of three sub-tables
     (encoded by a group-bucketed parallel scatter, peeled group by group). Encode stays bit-exact

@@ -15,7 +15,7 @@ from lossless_hc import LosslessCodec
 workloads = dict(
     block=st.sampled_from([1, 2, 3, 32]),
     slack=st.sampled_from([1.0, 1.5, 4.0]),             # capacity / keys actually sent per rank
-    index=st.sampled_from(["auto", "bitmap", "bloom"]),
+    index=st.sampled_from(["auto", "bitmap", "bloom", "multilevel"]),
     pattern=st.sampled_from(helpers.PATTERNS),
     dist=st.sampled_from(helpers.DISTS),
     zero_lanes=st.sampled_from([0.0, 0.5]),
@@ -75,7 +75,7 @@ def test_average_is_lossless(avg, **kw):
     helpers.assert_lossless(codec.layout, xs, y, report, averaged=True, strict_support=kw["dist"] == "normal")
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom", "dense"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel", "dense"])
 @pytest.mark.parametrize("n", [2, 3, 7, 16])
 def test_averaged_flag_mismatch_is_reported(index, n):
     rng = np.random.default_rng(helpers.stable_seed(index, n))
@@ -102,7 +102,7 @@ def test_world_size_one_sum_and_average_coincide():
         assert rep.ok and torch.equal(y, x)
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_exact_cancellation_stays_within_the_bound(index):
     """Two ranks hold opposite values on shared keys: the dense sum is exactly 0 there, the codec's
     peeled value is only guaranteed to be within the rounding bound of 0 (it may be a tiny residue:

@@ -14,7 +14,7 @@ from lossless_hc import LosslessCodec, plan_layout, reference
 from lossless_hc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
                                 HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS)
 
-INDEXES = ["bitmap", "bloom", "dense"]
+INDEXES = ["bitmap", "bloom", "multilevel", "dense"]
 
 
 def summed_case(index, n=4, numel=800, k=25, block=1, seed=0, data_seed=0):
@@ -27,7 +27,7 @@ def summed_case(index, n=4, numel=800, k=25, block=1, seed=0, data_seed=0):
 
 # -- overload ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("block", [1, 4])
 def test_one_key_over_capacity_is_reported(index, block):
     n, numel, cap = 3, 1200, 20
@@ -41,7 +41,7 @@ def test_one_key_over_capacity_is_reported(index, block):
     assert "overload" in rep.reason, rep.reason
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_heavy_overload_reason_names_overload(index):
     codec = LosslessCodec(1000, 2, 10, index=index)
     x = torch.zeros(1000)
@@ -51,7 +51,7 @@ def test_heavy_overload_reason_names_overload(index):
     assert "overload" in rep.reason, rep.reason
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_over_capacity_is_never_ok(index):
     """Hundreds of random cases with per-rank key counts around and far above capacity: an overloaded
     payload is never reported ok, and an ok report is always exact."""
@@ -178,7 +178,7 @@ def test_random_bits_are_rejected(index, seed, keep_header, specials, averaged):
 
 
 @settings(max_examples=60)
-@given(index=st.sampled_from(["bitmap", "bloom"]), data=st.data())
+@given(index=st.sampled_from(["bitmap", "bloom", "multilevel"]), data=st.data())
 def test_corrupted_integer_fields_are_rejected_or_harmless(index, data):
     """Overwrite header / index words: a header field that changes value, or an index word that is not a
     valid packed count (NaN, Inf, negative, fractional, too large), must give ok False. A valid-looking
@@ -210,7 +210,7 @@ def test_corrupted_integer_fields_are_rejected_or_harmless(index, data):
         assert bool(((y.double() - yr).abs() <= 1e-4 * (1 + yr.abs())).all())
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("value", [-1.0, -2.0, -1e6])
 def test_negative_counters_are_rejected(index, value):
     codec, xs, summed = CODECS[index]
@@ -221,7 +221,7 @@ def test_negative_counters_are_rejected(index, value):
         assert not decode_no_crash(codec, payload)[1].ok
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_counts_disagreeing_with_the_header_are_rejected(index):
     codec, xs, summed = CODECS[index]
     for field, delta in ((HDR_KEYS_LO, 1.0), (HDR_KEYS_LO, -1.0), (HDR_KEYS_MID, 1.0), (HDR_KEYS_HI, 1.0)):
@@ -249,7 +249,7 @@ def test_huge_header_fields_are_rejected(index, field, value):
         assert not rep.ok or torch.equal(y, clean)
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_huge_key_count_header_is_rejected(index):
     codec, xs, summed = CODECS[index]
     payload = summed.clone()
@@ -278,7 +278,7 @@ def test_small_sketch_noise_never_crashes(index, rel, seed):
     decode_no_crash(codec, noisy)
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_sketch_cell_is_rejected(index, value):
     codec, xs, summed = CODECS[index]

@@ -549,6 +549,136 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   return kDecodeOk;
 }
 
+// Multilevel index: the non-zero groups from the coarse counting bitmap, then exact integer peeling
+// of the fine table (hashed by group) over exactly those groups; a pure cell holds one group's
+// aggregate pattern, whose base-(n+1) digits are its keys' counts. Returns a DecodeStatus and the
+// keys with a count >= 1, in increasing order, bucketed by sketch group (one part).
+int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const float* payload, int nt,
+                           GroupedKeys* support, DecodeStats* st) {
+  const uint64_t n = in.world_size;
+  const uint64_t num_groups = L.index.digits, base = L.index.base;
+  const uint64_t G = L.group_keys, w = L.fine_digits, wpg = L.fine_words;
+  if (G == 0 || w == 0 || wpg == 0 || G != w * wpg) return kDecodeIndexCorrupt;  // a layout guard
+  // 1. Coarse level: the non-zero groups (increasing) and how many ranks hold each.
+  struct GroupSink {
+    std::vector<uint32_t> groups, counts;
+    uint64_t num_groups, sum;
+    uint32_t per_word, world_size;
+    bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
+      if (d.max > world_size) return false;
+      sum += d.sum;
+      for (uint32_t v = 0; v < words; ++v)
+        for (uint32_t i = 0; i < per_word; ++i) {
+          const uint32_t c = d.digit[i][v];
+          if (!c) continue;
+          const uint64_t pos = (first_word + v) * per_word + i;
+          if (pos >= num_groups) return false;  // a digit past the last group
+          groups.push_back((uint32_t)pos);
+          counts.push_back(c);
+        }
+      return true;
+    }
+  };
+  std::vector<GroupSink> sinks(nt, GroupSink{{}, {}, num_groups, 0, L.index.per_word, (uint32_t)n});
+  const bool valid = unpack_digits(L, payload + L.index_offset, in.scale, nt, sinks);
+  std::vector<uint32_t> groups, counts;
+  uint64_t coarse_sum = 0;
+  for (auto& k : sinks) {
+    groups.insert(groups.end(), k.groups.begin(), k.groups.end());
+    counts.insert(counts.end(), k.counts.begin(), k.counts.end());
+    coarse_sum += k.sum;
+  }
+  // Every rank's non-zero groups are at most its non-zero keys.
+  if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
+  const uint32_t M = (uint32_t)groups.size();
+
+  // 2. The fine table's words as exact integers below 2^22 (a SUM of integers below 2^22 is exact;
+  //    an AVERAGE is within 1/2 of one after scaling back). A word at or above 2^22 means more groups
+  //    summed into one cell than the layout was sized for: reported, never decoded.
+  const uint64_t fcells = L.fine.cells();
+  const float* fine = payload + L.fine_offset;
+  const double tolerance = in.scale == 1.0 ? 0.0 : 0.5, limit = (double)kIntFieldLimit;
+  PeelTable t;
+  t.reset(L.fine.seg_len, wpg);
+  int32_t word_status = kDecodeOk;
+  for (uint64_t c = 0; c < fcells; ++c) {
+    t.clear_state(c);
+    double* dst = t.values(c);
+    for (uint64_t i = 0; i < wpg; ++i) {
+      const double v = (double)fine[c * wpg + i] * in.scale;
+      const double r = std::nearbyint(v);
+      if (!(v > -0.5) || std::fabs(v - r) > tolerance || r < 0.0) {
+        word_status = kDecodeIndexCorrupt;  // also NaN
+        dst[i] = 0.0;
+      } else if (r >= limit) {
+        if (word_status == kDecodeOk) word_status = kDecodeIndexOverflow;
+        dst[i] = 0.0;
+      } else {
+        dst[i] = r;
+      }
+    }
+  }
+  if (word_status != kDecodeOk) return word_status;
+
+  // 3. Peel the groups' patterns exactly (integers below 2^22 in doubles).
+  double word_limit = 1.0;
+  for (uint64_t i = 0; i < w; ++i) word_limit *= (double)base;
+  std::vector<uint32_t> pattern((uint64_t)M * wpg, 0), scratch;
+  build_states(t, L.fine, groups.data(), M, scratch);
+  bool bad = false;
+  const uint32_t resolved = peel(
+      t, M, scratch,
+      [&](uint32_t pos, const uint64_t* cell, const double*) {
+        const double* src = t.values(cell[0]);
+        uint32_t* pat = pattern.data() + (uint64_t)pos * wpg;
+        for (uint64_t i = 0; i < wpg; ++i) {
+          if (src[i] >= word_limit) { bad = true; return false; }
+          pat[i] = (uint32_t)src[i];
+        }
+        for (int j = 0; j < 3; ++j) {
+          double* d = t.values(cell[j]);
+          for (uint64_t i = 0; i < wpg; ++i) {
+            if (d[i] < (double)pat[i]) { bad = true; return false; }
+            d[i] -= (double)pat[i];
+          }
+        }
+        return true;
+      },
+      &bad);
+  if (bad) return kDecodeIndexCorrupt;
+  if (resolved != M) return kDecodeIndexPeelFailed;
+  for (uint64_t c = 0; c < fcells; ++c)
+    for (uint64_t i = 0; i < wpg; ++i)
+      if (t.values(c)[i] != 0.0) return kDecodeIndexCorrupt;
+
+  // 4. Keys and their counts. A group's key counts are at most its coarse count (a key's ranks all
+  //    hold the group) and add up to at least it (each of those ranks holds a key of the group).
+  const SegmentedTable& T = L.sketch;
+  support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
+  uint64_t total = 0;
+  for (uint32_t p = 0; p < M; ++p) {
+    const uint64_t g = groups[p];
+    uint64_t gsum = 0;
+    for (uint64_t i = 0; i < wpg; ++i) {
+      uint64_t v = pattern[(uint64_t)p * wpg + i];
+      for (uint64_t j = 0; v && j < w; ++j, v /= base) {
+        const uint64_t c = v % base;
+        if (!c) continue;
+        const uint64_t key = g * G + i * w + j;
+        if (c > counts[p] || key >= L.num_keys) return kDecodeIndexCorrupt;
+        gsum += c;
+        support->by[0][key_group(T, key)].push_back((uint32_t)key);
+      }
+    }
+    if (gsum < counts[p]) return kDecodeIndexCorrupt;
+    total += gsum;
+  }
+  st->index_total = total;
+  st->candidates = support->total();
+  if (total != in.total_keys) return kDecodeIndexCorrupt;
+  return kDecodeOk;
+}
+
 // Bitmap index: the keys with a non-zero counter, in increasing order, bucketed by sketch group.
 // Returns a DecodeStatus.
 int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt,
@@ -716,8 +846,14 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
 
   // 1. The exact support: keys non-zero on at least one rank, bucketed by sketch group.
   GroupedKeys support;
-  st.status = L.index_kind == kIndexBitmap ? bitmap_support(L, in, index, nt, &support, &st)
-                                           : bloom_support(L, in, index, nt, &support, &st);
+  if (L.index_kind == kIndexBitmap)
+    st.status = bitmap_support(L, in, index, nt, &support, &st);
+  else if (L.index_kind == kIndexBloom)
+    st.status = bloom_support(L, in, index, nt, &support, &st);
+  else if (L.index_kind == kIndexMultilevel)
+    st.status = multilevel_support(L, in, payload, nt, &support, &st);
+  else
+    st.status = kDecodeIndexCorrupt;
   if (st.status != kDecodeOk) {
     parallel_fill(out, L.numel, 0.0f, nt);
     return st;
@@ -852,6 +988,38 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
       index[w] = acc;
     }
     st.saturated = saturated;
+  } else if (L.index_kind == kIndexMultilevel) {
+    // Coarse digit 1 per non-zero group; the group's pattern (base^digit per non-zero key) added to
+    // its three fine cells. Integer accumulation, converted once: bit-identical to the reference.
+    const uint64_t wpg = L.fine_words, fcells = L.fine.cells(), base = L.index.base;
+    std::vector<uint64_t> acc(fcells * wpg, 0), pattern(wpg, 0), dpow(L.fine_digits, 1);
+    for (uint64_t j = 1; j < L.fine_digits; ++j) dpow[j] = dpow[j - 1] * base;
+    uint64_t cur = ~0ULL;
+    auto flush = [&]() {
+      if (cur == ~0ULL) return;
+      index[cur / L.index.per_word] += pw[cur % L.index.per_word];
+      uint64_t cell[3];
+      int sign[3];
+      key_cells(L.fine, cur, cell, sign);
+      for (int j = 0; j < 3; ++j)
+        for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += pattern[i];
+      std::fill(pattern.begin(), pattern.end(), 0);
+    };
+    for (const auto& part : keys.parts)
+      for (uint64_t k : part) {
+        const uint64_t g = ml_group(L, k);
+        if (g != cur) {
+          flush();
+          cur = g;
+        }
+        uint64_t word, digit;
+        ml_word_digit(L, k, &word, &digit);
+        pattern[word] += dpow[digit];
+      }
+    flush();
+    float* fine = payload + L.fine_offset;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < (int64_t)(fcells * wpg); ++i) fine[i] = (float)acc[i];
   }
 
   // Values: every cell is summed in increasing key order, whatever the thread count. With several

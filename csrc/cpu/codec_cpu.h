@@ -24,6 +24,7 @@ enum DecodeStatus : int32_t {
   kDecodeIndexPeelFailed = 2,// the Bloom counts could not be peeled to per-key counts
   kDecodeSketchPeelFailed = 3,// the value sketch could not be peeled completely
   kDecodeSketchNonFinite = 4, // a sketch cell is NaN/Inf although every rank's input was finite
+  kDecodeIndexOverflow = 5,   // a multilevel fine-table word reached 2^22 (more groups in a cell than sized for)
 };
 
 struct DecodeStats {

@@ -1,0 +1,174 @@
+r"""Cost model: which index (dense, bitmap, Bloom, multilevel) and which sizes, per tensor.
+
+Every rank calls :func:`choose` with the same arguments (numel, world size, block size, capacity,
+expected aggregate support), and it is a pure function of them, so every rank picks the same layout
+and payload shapes always match. It minimises wire bytes subject to the failure-probability bounds
+that :mod:`lossless_hc.layout` builds every table with (``PEEL_FAILURE_TARGET`` = 1e-3 per table for
+peeling, ``SATURATION_TARGET`` for Bloom counters, ``FINE_OVERFLOW_TARGET`` for multilevel words). A
+failure is never silent: decode reports it and the plugins fall back to an exact dense aggregation.
+
+What the wire carries, for ``d`` keys (blocks of ``b`` coordinates), ``n`` ranks, ``u`` keys
+non-zero in the aggregate (density ``p = u/d``)::
+
+    header    9 words
+    index     dense: none | bitmap: d digits of base n+1 | bloom: counting Bloom filter |
+              multilevel: d/G coarse digits + fine table of ~1.25 M cells x words_per_group words
+    sketch    ~1.25 u cells of b floats (none for dense, which sends the d*b floats themselves)
+
+The information bound
+---------------------
+A decoder that recovers the aggregate exactly must learn *which* ``u`` of the ``d`` keys are
+non-zero and their values. There are :math:`\binom{d}{u}` supports, so any encoding needs
+:math:`\log_2\binom{d}{u}` bits for the support, and with values that are arbitrary float32 numbers
+:math:`32 u b` bits for the values (no redundancy to exploit without a value model):
+
+.. math:: B(d, u) = \log_2 \binom{d}{u} + 32\,u\,b \;\approx\; u \left(\log_2 \frac{d}{u} + \log_2 e\right) + 32 u b
+   \quad (u \ll d).
+
+(The benchmark, ``python -m lossless_hc.bench wire``, states the bound over coordinates,
+:math:`\log_2\binom{d b}{u b} + 32 u b`, which for b > 1 is looser than the block form above.)
+
+What keeps a summable code above the bound
+------------------------------------------
+1. **Exact integer fields cost 32 bits per 22.** A payload word is a float32 that every engine sums
+   (ring, parameter server, switch) and may average. Sums of integers are exact and an average is
+   invertible only below :math:`2^{22}` (``layout.INT_FIELD_BITS``), so an integer field carries at
+   most 22 bits per 32 sent: a factor 32/22 = 1.45 on every index bit.
+2. **Summable counters need** :math:`\log_2(n+1)` **bits.** Ranks cannot OR, only add: a key's
+   aggregate indicator is a count in ``0..n`` (the number of ranks holding it), so a per-key counter
+   needs base ``n + 1``. The counting bitmap therefore costs :math:`\frac{32}{\lfloor 22/\log_2(n+1)\rfloor}`
+   bits per *key* (n = 2: 2.46, n = 16: 6.4, n = 64: 10.7), i.e. that divided by ``p`` per
+   non-zero, against :math:`\log_2(1/p) + 1.44` in the bound: the bitmap is near the bound only where
+   :math:`p` is large. Any exact summable index pays at least :math:`\log_2 n` extra bits per
+   non-zero over the bound in the worst case, because the sum exposes multiplicities.
+3. **The value sketch needs ~1.23 float32 cells per key.** Peeling a 3-hash count sketch succeeds
+   w.h.p. only above the 3-hypergraph 2-core threshold (1.222 cells per key); with the finite-size
+   margins of ``layout.sketch_table_for`` it is ~1.25 + 3/sqrt(u) cells. Values alone thus cost
+   ``>= 1.23 * 32 = 39.1`` bits per non-zero (block 1) against 32 in the bound: a floor of
+   1.22x on the value part, whatever the index. For block ``b`` the factor applies to ``32 b`` bits,
+   and the index is paid once per block, so blocks approach 1.25x of the bound.
+4. **Candidates cost cells.** A Bloom index admits false-positive candidates; each must be peeled
+   (to an exact count of 0) by the index table, which needs ~1.23 counters per candidate, and the
+   counters need base :math:`n q + 1` (``q``: the per-rank cap of a counter). Keeping false positives
+   few at density ``p`` needs :math:`\sim(3/x)^3 (1/p) \lesssim 1` with ``x`` counters per key, i.e.
+   ``x`` grows like :math:`p^{-1/3}` (x ~ 24 at p = 1e-4): the Bloom index is linear in ``u`` but
+   with a large constant.
+5. **Every peeled item costs a whole word.** The multilevel fine table peels *groups*, ~1.25 cells
+   of ``words_per_group`` words per non-zero group. A group with one non-zero key still costs a
+   full word, so the multilevel index wins where non-zero groups hold several keys (densities
+   ~1e-3..0.2 for small n) and the coarse level (``d/G`` digits) is cheap.
+
+Together: with ``p`` = 1e-2 and n = 2 the bound is ~40 bits per non-zero; the sketch alone is ~40,
+and the best index here costs ~35-60 more. These limits, not the search below, set the achieved
+ratios reported in docs/BENCHMARKS.md.
+
+The choice
+----------
+:func:`candidates` builds every layout that applies (multilevel for each group size in
+``WORDS_PER_GROUP_CHOICES``) with :func:`lossless_hc.layout.build_layout`; :func:`choose` returns the
+smallest payload, ties to the cheaper decoder (dense, bitmap, bloom, multilevel). Dense is always a
+candidate, so the choice never exceeds dense plus the 9-word header. Sizes are exact (the layouts
+themselves), not estimates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, build_layout
+
+# Multilevel group sizes tried, in fine words per group (G = words * digits per word keys).
+WORDS_PER_GROUP_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+
+
+def log2_binomial(n: int, k: int) -> float:
+    """log2 C(n, k) (0 outside 0 <= k <= n)."""
+    if k <= 0 or k >= n:
+        return 0.0
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+
+
+def information_bound_bits(numel: int, nnz: int) -> float:
+    """The information bound of an exact aggregate with ``nnz`` non-zero coordinates among
+    ``numel``: log2 C(numel, nnz) + 32 nnz bits (see the module docstring)."""
+    return log2_binomial(numel, nnz) + 32.0 * nnz
+
+
+def best_multilevel(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+                    union_nnz: Optional[int] = None) -> Optional[PayloadLayout]:
+    """The smallest multilevel layout over ``WORDS_PER_GROUP_CHOICES`` (None if none applies)."""
+    best = None
+    for wpg in WORDS_PER_GROUP_CHOICES:
+        L = build_layout("multilevel", numel, world_size, max_nnz, block_size, seed, union_nnz, wpg)
+        if L is None:
+            continue
+        if best is None or L.payload_numel < best.payload_numel:
+            best = L
+        if L.multilevel.group_keys >= L.num_keys:
+            break  # one group already covers every key: larger groups are the same layout
+    return best
+
+
+def candidates(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+               union_nnz: Optional[int] = None, allow_multilevel: bool = True) -> dict:
+    """Every layout that applies, by index kind (dense always)."""
+    out = {}
+    for kind in INDEX_KINDS:
+        if kind == "multilevel":
+            if not allow_multilevel:
+                continue
+            L = best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
+        else:
+            L = build_layout(kind, numel, world_size, max_nnz, block_size, seed, union_nnz)
+        if L is not None:
+            out[kind] = L
+    return out
+
+
+def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+           union_nnz: Optional[int] = None, allow_multilevel: bool = True) -> PayloadLayout:
+    """The layout with the fewest wire bytes (ties: dense, bitmap, bloom, multilevel)."""
+    cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz, allow_multilevel)
+    return min(cands.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan_for_density` decided for one tensor."""
+
+    index: str
+    max_nnz: int          # per-rank capacity (coordinates)
+    union_nnz: int        # aggregate non-zeros the sketch is sized for (coordinates)
+    layout: PayloadLayout
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.layout.wire_bytes
+
+
+def plan_for_density(numel: int, world_size: int, density: float, block_size: int = 1, seed: int = 0,
+                     rank_density: Optional[float] = None, allow_multilevel: bool = True) -> Plan:
+    """The layout for an expected *aggregate* density (non-zero coordinates of the sum / numel).
+
+    ``rank_density`` is the per-rank capacity as a fraction of numel (default: the aggregate
+    density, i.e. any rank may hold the whole aggregate support). Both are rounded up to whole
+    blocks; the payload never exceeds dense plus the header.
+    """
+    if not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be in [0, 1], got {density}")
+    rd = density if rank_density is None else rank_density
+    union = min(numel, math.ceil(density * numel))
+    cap = min(numel, math.ceil(rd * numel))
+    L = choose(numel, world_size, cap, block_size, seed, union, allow_multilevel)
+    return Plan(L.index_kind, cap, union, L)
+
+
+def wire_bits_per_nonzero(layout: PayloadLayout, nnz: int) -> float:
+    """Wire bits of one rank's payload per non-zero coordinate of the aggregate."""
+    return 32.0 * layout.payload_numel / max(1, nnz)
+
+
+def dense_limit_words(numel: int) -> int:
+    """The most any choice sends: the dense tensor plus the header."""
+    return numel + HEADER_FIELDS

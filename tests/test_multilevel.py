@@ -1,0 +1,176 @@
+"""The multilevel index (coarse counting bitmap over groups + a peeled fine table of group patterns):
+exact when ok, failures reported (never a wrong answer), deterministic, bit-exact with the reference,
+robust to fuzzed payloads."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import helpers
+from lossless_hc import LosslessCodec, plan_layout, reference
+from lossless_hc.layout import INT_FIELD_LIMIT, multilevel_plan
+
+
+def bits(t):
+    b = t.contiguous().view(torch.int32).clone()
+    b[torch.isnan(t)] = 0x7FC00000
+    return b
+
+
+def case(numel, n, k, block=1, pattern="random", seed=0, data_seed=0, union_nnz=None, threads=0):
+    rng = np.random.default_rng(data_seed)
+    codec = LosslessCodec(numel, n, k * block, block_size=block, seed=seed, index="multilevel",
+                          union_nnz=union_nnz, num_threads=threads)
+    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
+    return codec, xs, rng
+
+
+@pytest.mark.parametrize("pattern", helpers.PATTERNS)
+@pytest.mark.parametrize("numel,n,k,block", [(20_000, 2, 200, 1), (50_000, 8, 300, 1), (9_999, 16, 40, 1),
+                                             (32 * 700 + 7, 4, 30, 32), (3_000, 64, 10, 1)])
+def test_exact_when_ok(pattern, numel, n, k, block):
+    codec, xs, rng = case(numel, n, k, block, pattern, data_seed=helpers.stable_seed(pattern, numel, n))
+    assert codec.index_kind == "multilevel"
+    payloads = [codec.encode(x) for x in xs]
+    summed = helpers.sum_payloads(payloads, rng)
+    y, rep = codec.decode(summed, trace=True)
+    helpers.assert_lossless(codec.layout, xs, y, rep)
+    assert rep.false_positives == 0 and rep.candidates == rep.support
+    ya, repa = codec.decode(helpers.average_payloads(summed, n), averaged=True, trace=True)
+    helpers.assert_lossless(codec.layout, xs, ya, repa, averaged=True)
+
+
+def test_cpp_encode_is_bit_exact_with_reference_and_decode_agrees():
+    for numel, n, k, block, seed in [(30_000, 3, 500, 1, 1), (4_001, 16, 100, 1, 2), (32 * 300 + 5, 5, 20, 32, 3),
+                                     (100, 2, 100, 1, 4), (1, 1, 1, 1, 5)]:
+        codec, xs, rng = case(numel, n, k, block, seed=seed, data_seed=seed)
+        for x in xs[:3]:
+            assert torch.equal(bits(codec.encode(x)), bits(reference.encode(codec.layout, x)))
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        y, rep = codec.decode(summed)
+        yr, info = reference.decode(codec.layout, summed)
+        assert rep.ok == info["ok"], (rep.reason, info["reason"])
+        assert (rep.candidates, rep.support, rep.false_positives) == \
+            (info["candidates"], info["support"], info["false_positives"])
+        if rep.ok:
+            assert torch.equal(y != 0, yr.to(torch.float32) != 0)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 31 - 1), pattern=st.sampled_from(helpers.PATTERNS),
+       block=st.sampled_from([1, 1, 3, 32]), averaged=st.booleans())
+def test_property_round_trip_and_reference(seed, pattern, block, averaged):
+    rng = np.random.default_rng(seed)
+    n, numel, density = helpers.draw_sizes(rng, max_n=16, max_numel=4000)
+    num_keys = -(-numel // block)
+    k = max(0, int(density * num_keys))
+    codec = LosslessCodec(numel, n, max(1, k) * block, block_size=block, seed=seed % 1000, index="multilevel")
+    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
+    for x in xs[:2]:
+        assert torch.equal(bits(codec.encode(x)), bits(reference.encode(codec.layout, x)))
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    payload = helpers.average_payloads(summed, n) if averaged else summed
+    y, rep = codec.decode(payload, averaged=averaged, trace=True)
+    yr, info = reference.decode(codec.layout, payload, averaged=averaged)
+    assert rep.ok == info["ok"] and rep.support == info["support"]
+    if rep.ok:
+        helpers.assert_lossless(codec.layout, xs, y, rep, averaged=averaged)
+    else:  # sized for the worst case union: only a rare peeling failure is acceptable
+        assert "peeling" in rep.reason, rep.reason
+
+
+def test_more_support_than_planned_is_reported():
+    """union_nnz too small for the real aggregate: the fine table or the sketch cannot peel, and decode
+    says so (many trials, never ok with a wrong support)."""
+    rng = np.random.default_rng(7)
+    failures = 0
+    for trial in range(40):
+        codec = LosslessCodec(20_000, 4, 400, seed=trial, index="multilevel", union_nnz=200)
+        xs = helpers.make_inputs(rng, 20_000, 1, 4, 400, "disjoint", "normal")
+        y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng), trace=True)
+        if rep.ok:
+            helpers.assert_lossless(codec.layout, xs, y, rep)
+        else:
+            failures += 1
+            assert "peeling" in rep.reason or "overflow" in rep.reason, rep.reason
+    assert failures == 40
+
+
+def test_overload_is_reported():
+    codec, xs, rng = case(5_000, 3, 20)
+    xs[0] = helpers.make_inputs(rng, 5_000, 1, 1, 200, "random", "normal")[0]
+    y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng))
+    assert not rep.ok and rep.overloaded_ranks == 1 and "overload" in rep.reason
+
+
+def test_fine_word_overflow_is_reported_not_decoded():
+    codec, xs, rng = case(20_000, 4, 100)
+    L = codec.layout
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    bad = summed.clone()
+    cell = int(torch.nonzero(bad[L.fine_offset:L.sketch_offset])[0]) + L.fine_offset
+    bad[cell] += float(INT_FIELD_LIMIT)
+    y, rep = codec.decode(bad)
+    assert not rep.ok and "overflow" in rep.reason, rep.reason
+    assert not reference.decode(L, bad)[1]["ok"]
+
+
+def test_load_cap_headroom_is_respected():
+    """The word headroom really covers load_cap groups of full patterns."""
+    for n in (1, 2, 7, 16, 64, 255):
+        for wpg in (1, 4, 32):
+            m = multilevel_plan(1 << 22, 40_000, n, wpg)
+            assert m is not None
+            assert max(1, m.load_cap) * ((n + 1) ** m.digits_per_word - 1) < INT_FIELD_LIMIT
+            assert m.group_keys == m.digits_per_word * wpg
+            assert m.coarse.base == n + 1
+
+
+def test_deterministic_across_threads_and_runs():
+    codec1, xs, rng = case(200_000, 4, 3_000, threads=1)
+    codec2 = LosslessCodec(200_000, 4, 3_000, index="multilevel", num_threads=2)
+    p1 = [codec1.encode(x) for x in xs]
+    p2 = [codec2.encode(x) for x in xs]
+    for a, b in zip(p1, p2):
+        assert torch.equal(bits(a), bits(b))
+    summed = helpers.sum_payloads(p1, rng)
+    outs = [c.decode(summed)[0] for c in (codec1, codec2, codec1)]
+    assert all(torch.equal(bits(outs[0]), bits(o)) for o in outs[1:])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 31 - 1), where=st.sampled_from(["coarse", "fine", "all"]),
+       specials=st.booleans(), averaged=st.booleans())
+def test_fuzzed_index_never_crashes_or_lies(seed, where, specials, averaged):
+    codec, xs, rng = case(6_000, 5, 60, data_seed=seed % 97)
+    L = codec.layout
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    lo, hi = {"coarse": (L.index_offset, L.fine_offset), "fine": (L.fine_offset, L.sketch_offset),
+              "all": (0, L.payload_numel)}[where]
+    bad = summed.clone()
+    m = max(1, (hi - lo) // 20)
+    pos = torch.from_numpy(rng.integers(lo, hi, size=m))
+    vals = rng.choice([0.0, 1.0, 2.0, 5.0, 1e6, 0.5, -1.0, 4194303.0], size=m).astype(np.float32)
+    if specials:
+        vals[0] = rng.choice([np.nan, np.inf, -np.inf])
+    bad[pos] = torch.from_numpy(vals)
+    if averaged:
+        bad = bad / 5
+    y, rep = codec.decode(bad, averaged=averaged)
+    _, info = reference.decode(L, bad, averaged=averaged)
+    if rep.ok:  # only possible if the changes kept a consistent aggregate: then it decodes something exact
+        assert info["ok"]
+        assert rep.support == info["support"]
+    # random float noise anywhere
+    noise = summed + torch.from_numpy(rng.standard_normal(L.payload_numel).astype(np.float32))
+    assert not codec.decode(noise)[1].ok
+
+
+def test_cuda_multilevel_is_a_clear_error_and_auto_avoids_it():
+    with pytest.raises(NotImplementedError, match="multilevel"):
+        LosslessCodec(1000, 2, 10, device="cuda", index="multilevel")
+    for numel, n, k in [(1 << 20, 2, 10_000), (1 << 22, 16, 40_000), (100_000, 8, 1000)]:
+        assert plan_layout(numel, n, k, 1, 0, "auto", allow_multilevel=False).index_kind != "multilevel"
+    # and it does pick multilevel on the CPU where that is smallest
+    assert plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000).index_kind == "multilevel"

@@ -116,6 +116,101 @@ class DecodeOutcome:
         return self.value is None
 
 
+class CapacityPolicy:
+    r"""Adaptive capacity: size each tensor's codec from the densities its aggregates show.
+
+    Options shared by every tensor of a compressor (or DDP hook state); each
+    :class:`TensorAggregator` keeps its own :class:`DensityTracker` from :meth:`tracker`.
+
+    Per decoded step the tracker observes, from the *aggregate* (identical bits on every rank): the
+    union support ``U`` (keys non-zero in the sum: the codec's report, or the non-zeros of a dense
+    or fallback aggregate) and the mean per-rank key count ``K / n`` (the header's total). It keeps
+    exponentially weighted averages :math:`ar U \leftarrow (1-lpha)ar U + lpha U` (and likewise
+    for the per-rank count and its running maximum). Every ``interval`` decoded steps -- a step
+    count all ranks share -- it proposes
+
+    * union capacity :math:`\lceil h_U \max(ar U, U_{\max}) ceil` and per-rank capacity
+      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) ceil` (``U_max``, ``(K/n)_max``: the largest
+      seen in the last interval, so a spiky tensor keeps room for its spikes);
+
+    and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.cost_model`)
+    only if the proposal leaves the hysteresis band: it grows when the proposal exceeds the current
+    capacity, and shrinks only below ``(1 - hysteresis)`` of it. Decisions are pure functions of
+    aggregated values evaluated in the same order on every rank, so every rank switches at the same
+    step to the same layout and payload shapes always match. A failed decode still grows the capacity
+    at once (see :class:`TensorAggregator`).
+
+    Args:
+        interval: decoded steps between decisions (16).
+        alpha: EWMA weight of the newest step (0.25).
+        union_headroom: ``h_U`` (1.25): margin of the union capacity over the observed union.
+        rank_headroom: ``h_K`` (1.5): margin of the per-rank capacity over the observed mean.
+        hysteresis: shrink only when the proposal is below ``(1 - hysteresis)`` of the current
+            capacity (0.25).
+        warmup: decisions begin after this many decoded steps (``interval`` by default).
+    """
+
+    def __init__(self, interval: int = 16, alpha: float = 0.25, union_headroom: float = 1.25,
+                 rank_headroom: float = 1.5, hysteresis: float = 0.25, warmup: Optional[int] = None):
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if union_headroom < 1.0 or rank_headroom < 1.0:
+            raise ValueError("headrooms must be >= 1")
+        if not 0.0 <= hysteresis < 1.0:
+            raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
+        self.interval = int(interval)
+        self.alpha = float(alpha)
+        self.union_headroom = float(union_headroom)
+        self.rank_headroom = float(rank_headroom)
+        self.hysteresis = float(hysteresis)
+        self.warmup = self.interval if warmup is None else int(warmup)
+
+    def tracker(self) -> "DensityTracker":
+        return DensityTracker(self)
+
+    def __repr__(self) -> str:
+        return (f"CapacityPolicy(interval={self.interval}, alpha={self.alpha}, union_headroom={self.union_headroom}, "
+                f"rank_headroom={self.rank_headroom}, hysteresis={self.hysteresis}, warmup={self.warmup})")
+
+
+class DensityTracker:
+    """One tensor's observed densities under a :class:`CapacityPolicy` (see there)."""
+
+    def __init__(self, policy: CapacityPolicy):
+        self.policy = policy
+        self.steps = 0                  # decoded steps observed
+        self.union = None               # EWMA of the aggregate's non-zero keys
+        self.per_rank = None            # EWMA of the mean per-rank non-zero keys
+        self.peak_union = 0             # maxima since the last decision
+        self.peak_rank = 0.0
+        self.changes = 0                # decisions that rebuilt the codec
+        self.history: list = []         # (step, capacity keys, union keys, index kind) per rebuild
+
+    def observe(self, union_keys: int, per_rank_keys: float) -> bool:
+        """Record one decoded step; True when a decision is due (every ``interval`` steps)."""
+        a = self.policy.alpha
+        self.union = float(union_keys) if self.union is None else (1 - a) * self.union + a * union_keys
+        self.per_rank = float(per_rank_keys) if self.per_rank is None else (1 - a) * self.per_rank + a * per_rank_keys
+        self.peak_union = max(self.peak_union, int(union_keys))
+        self.peak_rank = max(self.peak_rank, float(per_rank_keys))
+        self.steps += 1
+        return self.steps >= self.policy.warmup and self.steps % self.policy.interval == 0
+
+    def propose(self) -> tuple:
+        """``(per-rank capacity keys, union keys)`` for the next interval; resets the peaks."""
+        p = self.policy
+        rank = math.ceil(p.rank_headroom * max(self.per_rank, self.peak_rank))
+        union = math.ceil(p.union_headroom * max(self.union, self.peak_union))
+        self.peak_union, self.peak_rank = 0, 0.0
+        return max(1, rank), max(1, union)
+
+    def accept(self, current: int, proposed: int) -> bool:
+        """Whether ``proposed`` leaves the hysteresis band around ``current``."""
+        return proposed > current or proposed < (1.0 - self.policy.hysteresis) * current
+
+
 def default_block_size(shape) -> int:
     """Coordinates hashed as one key: the row length of a 2-D tensor (an embedding table's
     gradient is non-zero in whole rows), else 1."""
@@ -135,6 +230,9 @@ class TensorAggregator:
         seed: hash seed, identical on every rank.
         index: the codec's index kind ("auto" picks the smallest payload).
         stats: counters shared with the compressor that owns this aggregator.
+        policy: a :class:`CapacityPolicy` to adapt the capacity (per rank and of the aggregate's
+            union) to the densities the aggregates show; None keeps ``max_density`` (grown only
+            after failures) and sizes the sketch for ``world_size`` disjoint supports.
 
     Capacity growth after a failed decode (identical on every rank: it reads only the aggregated
     header): :math:`c \leftarrow \max(2c,\ \lceil 1.25\, K / n \rceil\, b)` with K the total of the
@@ -144,7 +242,7 @@ class TensorAggregator:
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
-                 stats: Optional[AggregationStats] = None):
+                 stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None):
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         if world_size < 1:
@@ -159,6 +257,9 @@ class TensorAggregator:
         self.index = index
         self.stats = stats if stats is not None else AggregationStats()
         self.capacity = self._round_to_blocks(math.ceil(max_density * self.numel))
+        self.union_capacity: Optional[int] = None   # aggregate non-zeros the codec is sized for (None: n x capacity)
+        self.min_capacity = 0                       # the policy never goes below this (top-k: k)
+        self.tracker = policy.tracker() if policy is not None else None
         self._codec: Optional[LosslessCodec] = None
         self._decide_codec()
 
@@ -172,9 +273,49 @@ class TensorAggregator:
         self._codec = None
         if self.dtype not in _CODEC_DTYPES or self.numel == 0 or self.capacity >= self.numel:
             return
-        codec = LosslessCodec(self.numel, self.world_size, self.capacity, self.block_size, self.seed)
+        union = self.union_capacity
+        if union is not None:
+            union = min(self.numel, max(union, self.capacity))
+        codec = LosslessCodec(self.numel, self.world_size, self.capacity, self.block_size, self.seed,
+                              index=self.index, union_nnz=union)
         if codec.wire_bytes < self.numel * self.dtype.itemsize:
             self._codec = codec
+
+    def _observe(self, union_keys: int, total_keys: Optional[int]) -> None:
+        """Feed one decoded step's aggregate to the policy (same values, same order on every rank);
+        rebuild the codec when a decision is due and leaves the hysteresis band."""
+        tr = self.tracker
+        if tr is None:
+            return
+        per_rank = union_keys if total_keys is None else total_keys / self.world_size
+        if not tr.observe(union_keys, per_rank):
+            return
+        rank_keys, union_keys = tr.propose()
+        b = self.block_size
+        capacity = self._round_to_blocks(max(self.min_capacity, rank_keys * b))
+        union = max(capacity, union_keys * b)
+        current_union = self.union_capacity if self.union_capacity is not None else self.world_size * self.capacity
+        if tr.accept(self.capacity, capacity) or tr.accept(current_union, union):
+            self.capacity, self.union_capacity = capacity, union
+            before = self._codec
+            self._decide_codec()
+            tr.changes += 1
+            tr.history.append((tr.steps, self.capacity, self.union_capacity,
+                               self._codec.index_kind if self._codec is not None else "dense"))
+            if before is not None and self._codec is not None and before.layout == self._codec.layout:
+                tr.changes -= 1
+                tr.history.pop()
+
+    def _key_support(self, value: torch.Tensor) -> int:
+        """Non-zero keys of an aggregated dense tensor (identical on every rank)."""
+        flat = value.detach().reshape(-1)
+        b = self.block_size
+        if b == 1:
+            return int(torch.count_nonzero(flat))
+        pad = (-flat.numel()) % b
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return int((flat.reshape(-1, b) != 0).any(dim=1).sum())
 
     @property
     def compressed(self) -> bool:
@@ -188,6 +329,9 @@ class TensorAggregator:
     def _grow(self, report: DecodeReport) -> None:
         keys_per_rank = math.ceil(1.25 * report.total_keys / self.world_size)
         self.capacity = self._round_to_blocks(max(2 * self.capacity, keys_per_rank * self.block_size))
+        if self.union_capacity is not None:
+            self.union_capacity = max(2 * self.union_capacity, self.capacity,
+                                      math.ceil(1.25 * report.total_keys) * self.block_size)
         self.stats.capacity_growths += 1
         self._decide_codec()
 
@@ -222,6 +366,8 @@ class TensorAggregator:
         not something a fallback can fix).
         """
         if not ctx.compressed:
+            if self.tracker is not None:
+                self._observe(self._key_support(aggregated), None)
             return DecodeOutcome(aggregated, averaged=False)
         t0 = time.perf_counter()
         codec = ctx.codec
@@ -229,6 +375,8 @@ class TensorAggregator:
         y, report = codec.decode(aggregated, averaged=averaged, shape=ctx.shape, dtype=ctx.dtype)
         self.stats.decode_seconds += time.perf_counter() - t0
         if report.ok:
+            if codec is self._codec:
+                self._observe(report.support, report.total_keys)
             return DecodeOutcome(y, averaged, report)
         if report.reason and report.reason.startswith("configuration mismatch"):
             raise ConfigurationMismatch(f"{self.name}: {report.reason}")
@@ -243,6 +391,8 @@ class TensorAggregator:
     def finish_fallback(self, summed: torch.Tensor, outcome: DecodeOutcome) -> torch.Tensor:
         """The aggregate from the exact dense SUM of ``ctx.dense_value``, scaled as the engine scaled
         the payload (divided by world_size when it averaged)."""
+        if self.tracker is not None and outcome.report is not None:
+            self._observe(self._key_support(summed), outcome.report.total_keys)
         return summed.div_(self.world_size) if outcome.averaged else summed
 
 
@@ -260,10 +410,12 @@ class TopKAggregator(TensorAggregator):
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, ratio: float, seed: int = 0,
-                 index: str = "auto", stats: Optional[AggregationStats] = None):
+                 index: str = "auto", stats: Optional[AggregationStats] = None,
+                 policy: Optional[CapacityPolicy] = None):
         super().__init__(name, shape, dtype, world_size, max_density=ratio, block_size=1, seed=seed,
-                         index=index, stats=stats)
+                         index=index, stats=stats, policy=policy)
         self.k = min(self.numel, max(1, math.ceil(ratio * self.numel)))
+        self.min_capacity = self.k  # every rank sends exactly k: only the union adapts
         self.residual: Optional[torch.Tensor] = None
 
     def select(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ Usage::
         [--index auto|bitmap|bloom|dense] [--support random|identical|disjoint|clustered]
         [--repeat 5] [--seed 0] [--threads 0] [--device cpu|cuda] [--json PATH]
     python -m lossless_hc.bench peel --keys 1000,10000,100000,1000000 --trials 20 [--json PATH]
+    python -m lossless_hc.bench wire [--numel 67108864] [--densities 1e-5,...,0.5] [--workers 2,8,16,64]
+        [--block-sizes 1,32] [--plot docs/wire_bits.png] [--verify-numel N] [--json PATH]
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
 
@@ -722,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--density", type=float, default=0.01, help="fraction of non-zero coordinates per worker")
     c.add_argument("--workers", type=_positive_int, default=8, help="ranks whose payloads are summed")
     c.add_argument("--block-size", type=_positive_int, default=1, help="coordinates per key")
-    c.add_argument("--index", choices=("auto", "bitmap", "bloom", "dense"), default="auto")
+    c.add_argument("--index", choices=("auto", "bitmap", "bloom", "multilevel", "dense"), default="auto")
     c.add_argument("--support", choices=SUPPORTS, default="random",
                    help="random: independent per worker; identical; disjoint; clustered: each worker's "
                         f"blocks in a random window ~{CLUSTER_WINDOW}x their count")
@@ -758,6 +760,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads", type=int, default=0)
     t.add_argument("--json", metavar="PATH")
     t.set_defaults(func=_cmd_thc)
+
+    w = sub.add_parser("wire", help="wire bits per aggregate non-zero of every index kind and of the automatic "
+                                    "choice vs the information bound; table and plot")
+    w.add_argument("--numel", type=_positive_int, default=1 << 26, help="elements per tensor (default 2**26)")
+    w.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=None,
+                   help="comma-separated aggregate densities (default 1e-5..0.5)")
+    w.add_argument("--workers", type=_int_list, default=None, help="comma-separated world sizes (default 2,8,16,64)")
+    w.add_argument("--block-sizes", type=_int_list, default=None, help="comma-separated block sizes (default 1,32)")
+    w.add_argument("--plot", metavar="PATH", default="docs/wire_bits.png", help="PNG path ('' for none)")
+    w.add_argument("--verify-numel", type=int, default=0,
+                   help="also encode/decode one instance per point at this numel and check it is exact")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--json", metavar="PATH")
+    w.set_defaults(func=_cmd_wire)
 
     cl = sub.add_parser("cluster", help="emulated cluster (network namespaces, shaped links): step time, wire "
                                         "bytes and aggregation throughput per compression; needs root")
@@ -827,6 +843,23 @@ def _cmd_peel(args) -> int:
     res = run_peel_bench(args.keys, args.trials, args.numel_factor, args.seed, args.threads, args.index, log=_log)
     machine = machine_info(args.threads)
     print(render_peel(res, machine, cmd))
+    _write_json(args.json, {"command": cmd, "machine": machine, **res})
+    return 0
+
+
+def _cmd_wire(args) -> int:
+    from . import bench_wire
+    cmd = command_line()
+    res = bench_wire.run_wire_bench(args.numel, args.densities or bench_wire.DEFAULT_DENSITIES,
+                                    args.workers or bench_wire.DEFAULT_WORKERS,
+                                    args.block_sizes or bench_wire.DEFAULT_BLOCKS, args.verify_numel, args.seed,
+                                    log=_log)
+    machine = machine_info(0)
+    print(bench_wire.render_wire(res, cmd, machine))
+    if args.plot:
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        bench_wire.plot_wire(res, args.plot)
+        _log(f"wrote {args.plot}")
     _write_json(args.json, {"command": cmd, "machine": machine, **res})
     return 0
 

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lossless_hc.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, THCAggregator,
-                                   TopKAggregator)
+from lossless_hc.aggregate import (AggregationStats, CapacityPolicy, ConfigurationMismatch, TensorAggregator,
+                                   THCAggregator, TopKAggregator)
 
 
 class LosslessHookState:
@@ -45,12 +45,14 @@ class LosslessHookState:
         index: the codec's index kind ("auto" picks the smallest payload).
         codec: "lossless" (default: the gradients, or their top-k, aggregated exactly) or "thc"
             (THC quantization with ``bits``, ``granularity``, ``overflow_freq``; see THCCodec).
+        policy: a :class:`lossless_hc.aggregate.CapacityPolicy` adapting each gradient's capacity
+            and index to the densities its aggregates show (None: fixed ``max_density``).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, max_density: float = 0.01,
                  topk_ratio: Optional[float] = None, block_size: Optional[int] = None, seed: int = 0,
                  index: str = "auto", codec: str = "lossless", bits: int = 4, granularity: int = 30,
-                 overflow_freq: float = 32):
+                 overflow_freq: float = 32, policy: Optional[CapacityPolicy] = None):
         if codec not in ("lossless", "thc"):
             raise ValueError(f"codec must be 'lossless' or 'thc', got {codec!r}")
         if not 0.0 < max_density <= 1.0:
@@ -67,6 +69,7 @@ class LosslessHookState:
         self.block_size = block_size
         self.seed = seed
         self.index = index
+        self.policy = policy
         self._stats = AggregationStats()
         self._aggregators: dict = {}
         self._fallback_groups: dict = {}
@@ -86,11 +89,11 @@ class LosslessHookState:
                                     stats=self._stats, **self.thc_options)
             elif self.topk_ratio is not None:
                 agg = TopKAggregator(name, grad.shape, grad.dtype, self.world_size, self.topk_ratio,
-                                     seed=self.seed, index=self.index, stats=self._stats)
+                                     seed=self.seed, index=self.index, stats=self._stats, policy=self.policy)
             else:
                 agg = TensorAggregator(name, grad.shape, grad.dtype, self.world_size, self.max_density,
                                        block_size=self.block_size, seed=self.seed, index=self.index,
-                                       stats=self._stats)
+                                       stats=self._stats, policy=self.policy)
             self._aggregators[p] = agg
         return agg
 
@@ -101,7 +104,7 @@ class LosslessHookState:
         from the main thread: all ranks agree iff both maxima equal their own values."""
         self._config_checked = True
         cfg = (f"{self.world_size}|{self.max_density!r}|{self.topk_ratio!r}|{self.block_size}|{self.seed}|{self.index}|"
-               f"{self.codec}|{sorted(self.thc_options.items())}")
+               f"{self.codec}|{sorted(self.thc_options.items())}|{self.policy!r}")
         h = int.from_bytes(hashlib.sha256(cfg.encode()).digest()[:6], "little")
         t = torch.tensor([h, -h], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -142,12 +145,13 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         summed = fut.value()[0]
-        results, failed = [], []
+        results, failed, outcomes = [], [], []
         offset = 0
         for agg, (payload, ctx) in zip(aggs, encoded):
             segment = summed[offset:offset + payload.numel()].to(payload.dtype)
             offset += payload.numel()
             outcome = agg.decode(segment, ctx)
+            outcomes.append(outcome)
             results.append(outcome.value)
             if outcome.needs_fallback:
                 failed.append(len(results) - 1)
@@ -157,7 +161,7 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
             offset = 0
             for i in failed:
                 m = math.prod(encoded[i][1].shape)
-                results[i] = dense[offset:offset + m]
+                results[i] = aggs[i].finish_fallback(dense[offset:offset + m], outcomes[i])
                 offset += m
         offset = 0
         for value in results:

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAggregator
+from lossless_hc.aggregate import AggregationStats, CapacityPolicy, TensorAggregator, THCAggregator, TopKAggregator
 
 try:
     import horovod.torch as hvd
@@ -148,8 +148,9 @@ class LosslessCompressor(_LosslessCompressor):
     """``Compression.lossless``: naturally sparse gradients, aggregated exactly."""
 
     def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto"):
+                 index: str = "auto", policy: Optional[CapacityPolicy] = None):
         super().__init__(seed, index)
+        self.policy = policy
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         self.max_density = max_density
@@ -157,21 +158,24 @@ class LosslessCompressor(_LosslessCompressor):
 
     def _make(self, name, tensor, world_size, rank):
         return TensorAggregator(name, tensor.shape, tensor.dtype, world_size, self.max_density,
-                                block_size=self.block_size, seed=self.seed, index=self.index, stats=self._stats)
+                                block_size=self.block_size, seed=self.seed, index=self.index, stats=self._stats,
+                                policy=self.policy)
 
 
 class TopKCompressor(_LosslessCompressor):
     """``Compression.topk``: top-k with error feedback, the selected values aggregated exactly."""
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto"):
+    def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto",
+                 policy: Optional[CapacityPolicy] = None):
         super().__init__(seed, index)
+        self.policy = policy
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio must be in (0, 1], got {ratio}")
         self.ratio = ratio
 
     def _make(self, name, tensor, world_size, rank):
         return TopKAggregator(name, tensor.shape, tensor.dtype, world_size, self.ratio, seed=self.seed,
-                              index=self.index, stats=self._stats)
+                              index=self.index, stats=self._stats, policy=self.policy)
 
 
 class THCCompressor(_LosslessCompressor):
@@ -195,16 +199,20 @@ class Compression:
 
     @staticmethod
     def lossless(max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto") -> LosslessCompressor:
+                 index: str = "auto", policy: Optional[CapacityPolicy] = None) -> LosslessCompressor:
         """Exact aggregation of sparse gradients; each rank may send ``max_density`` of a tensor's
         coordinates before that tensor falls back (and grows). ``block_size`` None: a 2-D
-        tensor's row length (embedding rows), else 1."""
-        return LosslessCompressor(max_density, block_size, seed, index)
+        tensor's row length (embedding rows), else 1. ``policy``: a
+        :class:`lossless_hc.aggregate.CapacityPolicy` adapting capacity and index to the observed
+        aggregate densities."""
+        return LosslessCompressor(max_density, block_size, seed, index, policy)
 
     @staticmethod
-    def topk(ratio: float = 0.01, seed: int = 0, index: str = "auto") -> TopKCompressor:
-        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly."""
-        return TopKCompressor(ratio, seed, index)
+    def topk(ratio: float = 0.01, seed: int = 0, index: str = "auto",
+             policy: Optional[CapacityPolicy] = None) -> TopKCompressor:
+        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly; ``policy`` sizes
+        the sketch for the observed union of the ranks' selections."""
+        return TopKCompressor(ratio, seed, index, policy)
 
     @staticmethod
     def thc(bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0) -> THCCompressor:

@@ -34,7 +34,8 @@ def run(args, timeout=600):
 def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
-    run([sys.executable, WORKER, str(size), str(free_port()), str(out), ",".join(EXACT + ["topk", "thc"] + list(ERRORS))])
+    run([sys.executable, WORKER, str(size), str(free_port()), str(out),
+         ",".join(EXACT + ["policy", "topk", "thc"] + list(ERRORS))])
     return out, size
 
 
@@ -54,6 +55,24 @@ def test_lossless_hook_matches_default_allreduce(ddp_run, name):
         assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
     else:  # capacity 0.1%: the embedding tables overload, fall back exactly, and grow
         assert rs[0]["stats"]["fallbacks"] >= 1 and rs[0]["stats"]["capacity_growths"] >= 1
+
+
+def test_capacity_policy_adapts_identically_and_stays_exact(ddp_run):
+    """CapacityPolicy: every rank rebuilds the same codecs at the same steps (payload shapes match,
+    or the allreduce would fail), the embedding tables' capacity shrinks from 5% to what the batches
+    use, and training equals DDP's default allreduce."""
+    out, size = ddp_run
+    rs = results(out, "policy", size)
+    for r in rs:
+        assert r["max_diff"] <= TOL, r
+    assert len({json.dumps([r["history"], r["capacity"], r["union_capacity"], r["index"]]) for r in rs}) == 1
+    hist = rs[0]["history"]
+    assert any(len(h) >= 1 for h in hist), hist
+    # the embedding tables (first two aggregators: 5000 and 3000 rows) shrank below the initial 5%
+    for h, rows in zip(hist[:2], (5000, 3000)):
+        assert h and h[-1][1] < 0.05 * rows * 8, h
+    fixed = results(out, "average", size)[0]["stats"]
+    assert rs[0]["stats"]["wire_ratio"] < fixed["wire_ratio"], (rs[0]["stats"], fixed)
 
 
 def test_topk_hook_keeps_error_feedback(ddp_run):

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(__file__))
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
-from lossless_hc.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook, thc_hook  # noqa: E402
 
 STEPS = 6
@@ -60,6 +60,14 @@ def scenario(name):
         return compare(LosslessHookState(max_density=0.001), bucket_cap_mb=0.05)
     if name == "fallback":
         return compare(LosslessHookState(max_density=0.001))
+    if name == "policy":  # adaptive capacity: shrinks from 5% to what the batches use, identically on all ranks
+        state = LosslessHookState(max_density=0.05, policy=CapacityPolicy(interval=4))
+        r = compare(state, steps=24)
+        aggs = [a for a in state._aggregators.values() if getattr(a, "tracker", None) is not None]
+        r["history"] = [a.tracker.history for a in aggs]
+        r["union_capacity"] = [a.union_capacity for a in aggs]
+        r["index"] = [a.codec.index_kind if a.codec is not None else "dense" for a in aggs]
+        return r
     if name == "topk":
         state = LosslessHookState(topk_ratio=0.05)
         train(state, steps=4, hidden=512)  # a dense layer large enough that top-k beats dense

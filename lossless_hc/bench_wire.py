@@ -1,0 +1,189 @@
+"""``python -m lossless_hc.bench wire``: wire bits per aggregate non-zero for every index kind and for
+the automatic choice, against the information bound, over aggregate densities, world sizes and
+block sizes.
+
+The figures are the exact payload sizes of the layouts (``layout.build_layout`` /
+``cost_model``), which are deterministic functions of the configuration, so no tensors are encoded.
+Assumptions, stated in the output: ``numel`` coordinates, an aggregate with ``ceil(density * keys)``
+non-zero keys (whole blocks of ``b`` coordinates), the codec sized for exactly that union
+(``union_nnz``), and a per-rank capacity equal to the union (any rank may hold all of it: the
+Bloom counters' cap is then the largest). ``--verify`` also encodes and decodes one random instance
+per kind at a smaller numel and checks that the decode is exact.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional, Sequence
+
+KINDS = ("dense", "bitmap", "bloom", "multilevel")
+DEFAULT_DENSITIES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.2, 0.5)
+DEFAULT_WORKERS = (2, 8, 16, 64)
+DEFAULT_BLOCKS = (1, 32)
+TARGET_RANGE = (1e-4, 0.1)
+TARGET_RATIO = 1.5
+
+
+def wire_point(numel: int, workers: int, density: float, block: int, seed: int = 0) -> dict:
+    from .cost_model import candidates, information_bound_bits
+
+    num_keys = -(-numel // block)
+    u_keys = max(1, math.ceil(density * num_keys))
+    nnz = min(numel, u_keys * block)
+    cands = candidates(numel, workers, nnz, block, seed, nnz)
+    auto = min(cands.values(), key=lambda L: (L.payload_numel, KINDS.index(L.index_kind)))
+    bound = information_bound_bits(numel, nnz)
+    bits = {k: 32.0 * L.payload_numel / nnz for k, L in cands.items()}
+    point = {"numel": numel, "workers": workers, "density": density, "block": block, "union_keys": u_keys,
+             "nnz": nnz, "bound_bits_per_nz": bound / nnz, "bits_per_nz": bits,
+             "auto_kind": auto.index_kind, "auto_bits_per_nz": 32.0 * auto.payload_numel / nnz,
+             "auto_over_bound": 32.0 * auto.payload_numel / bound}
+    if auto.multilevel is not None:
+        m = auto.multilevel
+        point["auto_multilevel"] = {"group_keys": m.group_keys, "digits_per_word": m.digits_per_word,
+                                    "words_per_group": m.words_per_group, "load_cap": m.load_cap}
+    return point
+
+
+def verify_point(workers: int, density: float, block: int, numel: int, seed: int = 0) -> dict:
+    """Encode/decode one random instance per kind (aggregate density as given, ranks' supports drawn
+    from the union) and check exactness."""
+    import torch
+
+    from .codec import LosslessCodec
+
+    num_keys = -(-numel // block)
+    u = max(1, math.ceil(density * num_keys))
+    g = torch.Generator().manual_seed(seed)
+    union = torch.randperm(num_keys, generator=g)[:u]
+    xs = []
+    for r in range(workers):
+        mine = union[torch.rand(u, generator=g) < 0.5] if workers > 1 else union
+        if r == 0:
+            mine = union  # rank 0 covers the union, so the aggregate's support is exactly it
+        x = torch.zeros(num_keys * block)
+        idx = (mine.unsqueeze(1) * block + torch.arange(block)).reshape(-1)
+        x[idx] = torch.randn(idx.numel(), generator=g)
+        xs.append(x[:numel].clone())
+    truth = sum(x.double() for x in xs)
+    out = {}
+    for kind in KINDS:
+        try:
+            c = LosslessCodec(numel, workers, u * block, block_size=block, seed=seed, index=kind, union_nnz=u * block)
+        except ValueError:
+            continue
+        y, rep = c.decode(sum(c.encode(x) for x in xs))
+        exact = rep.ok and bool(((y.double() != 0) == (truth != 0)).all()) and \
+            float((y.double() - truth).abs().max()) <= 1e-4 * float(truth.abs().max() + 1)
+        out[kind] = {"ok": rep.ok, "exact": exact, "reason": rep.reason}
+    return out
+
+
+def run_wire_bench(numel: int = 1 << 26, densities: Sequence[float] = DEFAULT_DENSITIES,
+                   workers: Sequence[int] = DEFAULT_WORKERS, blocks: Sequence[int] = DEFAULT_BLOCKS,
+                   verify_numel: int = 0, seed: int = 0, log: Callable[[str], None] = lambda s: None) -> dict:
+    t0 = time.perf_counter()
+    points = []
+    for b in blocks:
+        for n in workers:
+            for p in densities:
+                points.append(wire_point(numel, n, p, b, seed))
+            log(f"block {b}, {n} workers done ({time.perf_counter() - t0:.1f} s)")
+    verified = []
+    if verify_numel:
+        for b in blocks:
+            for n in workers:
+                for p in densities:
+                    if p * verify_numel / b < 5:
+                        continue
+                    verified.append({"workers": n, "density": p, "block": b, "numel": verify_numel,
+                                     "result": verify_point(n, p, b, verify_numel, seed)})
+        log(f"verified {len(verified)} instances ({time.perf_counter() - t0:.1f} s)")
+    return {"numel": numel, "points": points, "verified": verified, "summary": summarize(points)}
+
+
+def summarize(points: list) -> list:
+    """auto/bound over the target density range, per block size and world size."""
+    out = []
+    for b in sorted({p["block"] for p in points}):
+        for n in sorted({p["workers"] for p in points}):
+            sel = [p for p in points if p["block"] == b and p["workers"] == n
+                   and TARGET_RANGE[0] <= p["density"] <= TARGET_RANGE[1]]
+            if not sel:
+                continue
+            ratios = [p["auto_over_bound"] for p in sel]
+            out.append({"block": b, "workers": n, "min_ratio": min(ratios), "max_ratio": max(ratios),
+                        "meets_target": max(ratios) <= TARGET_RATIO})
+    return out
+
+
+def render_wire(res: dict, cmd: str, machine: Optional[dict] = None) -> str:
+    from .bench import format_table
+
+    lines = [f"$ {cmd}", ""]
+    if machine:
+        lines.append(f"machine: {machine.get('cpu')} ({machine.get('cores_available')} cores available)")
+    lines += [f"wire bits per aggregate non-zero coordinate, numel = {res['numel']}; bound = "
+              "(log2 C(numel, nnz) + 32 nnz) / nnz; codec sized for the aggregate's union, per-rank capacity = union",
+              ""]
+    for b in sorted({p["block"] for p in res["points"]}):
+        rows = []
+        for p in res["points"]:
+            if p["block"] != b:
+                continue
+            bits = p["bits_per_nz"]
+            rows.append([p["workers"], f"{p['density']:g}", f"{p['bound_bits_per_nz']:.1f}"]
+                        + [f"{bits[k]:.1f}" if k in bits else "-" for k in KINDS]
+                        + [p["auto_kind"], f"{p['auto_bits_per_nz']:.1f}", f"{p['auto_over_bound']:.2f}"])
+        lines.append(f"block size {b}")
+        lines.append(format_table(rows, ["n", "density", "bound", *KINDS, "auto", "auto bits", "auto/bound"]))
+        lines.append("")
+    lo, hi = TARGET_RANGE
+    lines.append(f"auto / bound for densities {lo:g}..{hi:g} (target <= {TARGET_RATIO} for n <= 16):")
+    lines.append(format_table([[s["block"], s["workers"], f"{s['min_ratio']:.2f}", f"{s['max_ratio']:.2f}",
+                                "yes" if s["meets_target"] else "no"] for s in res["summary"]],
+                              ["block", "n", "min", "max", "<= target"]))
+    if res["verified"]:
+        bad = [v for v in res["verified"] if not all(r["exact"] for r in v["result"].values())]
+        lines.append("")
+        lines.append(f"verify: {len(res['verified'])} encode/decode instances at numel {res['verified'][0]['numel']}, "
+                     f"{len(bad)} not exact" + (f": {bad[:3]}" if bad else ""))
+    return "\n".join(lines)
+
+
+def plot_wire(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = sorted({p["block"] for p in res["points"]})
+    workers = sorted({p["workers"] for p in res["points"]})
+    fig, axes = plt.subplots(len(blocks), len(workers), figsize=(4 * len(workers), 3.4 * len(blocks)),
+                             squeeze=False, sharex=True)
+    styles = {"dense": ("0.6", ":"), "bitmap": ("C0", "-"), "bloom": ("C1", "-"), "multilevel": ("C2", "-")}
+    for i, b in enumerate(blocks):
+        for j, n in enumerate(workers):
+            ax = axes[i][j]
+            pts = [p for p in res["points"] if p["block"] == b and p["workers"] == n]
+            xs = [p["density"] for p in pts]
+            for k in KINDS:
+                ys = [p["bits_per_nz"].get(k, math.nan) for p in pts]
+                ax.plot(xs, ys, color=styles[k][0], linestyle=styles[k][1], label=k, linewidth=1.2)
+            ax.plot(xs, [p["auto_bits_per_nz"] for p in pts], "k.", label="auto", markersize=6)
+            ax.plot(xs, [p["bound_bits_per_nz"] for p in pts], "r--", label="bound", linewidth=1.5)
+            ax.plot(xs, [TARGET_RATIO * p["bound_bits_per_nz"] for p in pts], "r:", label="1.5 x bound",
+                    linewidth=1)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_ylim(20, 5e3)
+            ax.set_title(f"block {b}, n = {n}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            if i == len(blocks) - 1:
+                ax.set_xlabel("aggregate density")
+            if j == 0:
+                ax.set_ylabel("wire bits / non-zero")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"lossless_hc wire cost per aggregate non-zero (numel {res['numel']})", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,139 @@
+"""CapacityPolicy / DensityTracker: decisions only every `interval` steps, hysteresis, growth and
+shrinking, identical decisions for identical observations, payload shapes that always match."""
+import pytest
+import torch
+
+from lossless_hc.aggregate import CapacityPolicy, TensorAggregator, TopKAggregator
+
+
+def test_decisions_only_at_interval_steps():
+    tr = CapacityPolicy(interval=4).tracker()
+    due = [tr.observe(10, 5.0) for _ in range(12)]
+    assert due == [False, False, False, True] * 3
+
+
+def test_warmup_and_validation():
+    tr = CapacityPolicy(interval=2, warmup=5).tracker()
+    assert [tr.observe(1, 1.0) for _ in range(8)] == [False, False, False, False, False, True, False, True]
+    for bad in (dict(interval=0), dict(alpha=0.0), dict(alpha=1.5), dict(union_headroom=0.5), dict(hysteresis=1.0)):
+        with pytest.raises(ValueError):
+            CapacityPolicy(**bad)
+
+
+def test_ewma_peaks_and_hysteresis():
+    p = CapacityPolicy(interval=4, alpha=0.5, union_headroom=1.25, rank_headroom=1.5, hysteresis=0.25)
+    tr = p.tracker()
+    for u, k in [(100, 40), (100, 40), (200, 80), (100, 40)]:
+        tr.observe(u, k)
+    rank, union = tr.propose()
+    assert union == 250 and rank == 120          # the peak of the interval wins over the EWMA
+    assert tr.peak_union == 0 and tr.peak_rank == 0.0
+    assert tr.accept(100, 101) and not tr.accept(100, 80) and tr.accept(100, 74)
+
+
+def make(policy, numel=20_000, n=4, density=0.05, name="t"):
+    return TensorAggregator(name, (numel,), torch.float32, n, density, seed=3, policy=policy)
+
+
+def sparse_sum(numel, keys, n):
+    """The aggregated payload of n ranks that each hold `keys` (value 1) -- what every rank decodes."""
+    x = torch.zeros(numel)
+    x[keys] = 1.0
+    return x
+
+
+def run_steps(agg, n, steps, per_rank, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = []
+    for s in range(steps):
+        xs = []
+        for r in range(n):
+            x = torch.zeros(agg.numel)
+            x[torch.randperm(agg.numel, generator=g)[:per_rank]] = torch.randn(per_rank, generator=g)
+            xs.append(x)
+        encoded = [agg.encode(x) for x in xs]            # one aggregator stands in for every rank's replica
+        payload = sum(p for p, _ in encoded)
+        out = agg.decode(payload, encoded[0][1])
+        if out.needs_fallback:
+            agg.finish_fallback(sum(xs), out)
+        else:
+            assert torch.allclose(out.value, sum(xs), atol=1e-5)
+        shapes.append(encoded[0][0].numel())
+    return shapes
+
+
+def test_capacity_shrinks_to_the_observed_density_and_stays_exact():
+    agg = make(CapacityPolicy(interval=4))
+    start = agg.codec.wire_bytes
+    shapes = run_steps(agg, 4, 16, per_rank=50)
+    assert agg.tracker.changes >= 1
+    assert agg.capacity < 1000 and agg.codec.wire_bytes < start / 4
+    # shapes change only at decision steps (after steps 4, 8, ...), never in between
+    for i in range(1, len(shapes)):
+        if shapes[i] != shapes[i - 1]:
+            assert i % 4 == 0, shapes
+
+
+def test_capacity_grows_when_density_rises():
+    agg = make(CapacityPolicy(interval=4), density=0.002)
+    run_steps(agg, 4, 8, per_rank=30)
+    small = agg.capacity
+    run_steps(agg, 4, 12, per_rank=300, seed=1)
+    assert agg.capacity > small
+    assert agg.stats.fallbacks >= 1 or agg.tracker.changes >= 2
+
+
+def test_replicas_take_identical_decisions():
+    """Two replicas fed the same aggregates (as every rank is) keep identical layouts at every step."""
+    a, b = make(CapacityPolicy(interval=3)), make(CapacityPolicy(interval=3))
+    g = torch.Generator().manual_seed(5)
+    for step in range(15):
+        per_rank = 20 + 40 * (step // 5)
+        xs = [torch.zeros(20_000) for _ in range(4)]
+        for x in xs:
+            x[torch.randperm(20_000, generator=g)[:per_rank]] = 1.0
+        outs = []
+        for agg in (a, b):
+            enc = [agg.encode(x) for x in xs]
+            outs.append((agg.decode(sum(p for p, _ in enc), enc[0][1]), enc))
+        for agg, (out, enc) in zip((a, b), outs):
+            if out.needs_fallback:
+                agg.finish_fallback(sum(xs), out)
+        assert (a.capacity, a.union_capacity) == (b.capacity, b.union_capacity)
+        assert (a.codec.layout if a.codec else None) == (b.codec.layout if b.codec else None)
+    assert a.tracker.history == b.tracker.history and a.tracker.changes >= 1
+
+
+def test_topk_keeps_capacity_k_and_adapts_the_union():
+    """One TopKAggregator per rank (each keeps its own residual), all decoding the same aggregate."""
+    n = 8
+    aggs = [TopKAggregator("w", (50_000,), torch.float32, n, 0.01, policy=CapacityPolicy(interval=2))
+            for _ in range(n)]
+    k = aggs[0].k
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(50_000, generator=g)
+    for step in range(6):   # ranks' gradients are similar: their top-k overlap heavily
+        xs = [base + 0.01 * torch.randn(50_000, generator=g) for _ in range(n)]
+        enc = [a.encode(x) for a, x in zip(aggs, xs)]
+        payload = sum(p for p, _ in enc)
+        outs = [a.decode(payload, e[1]) for a, e in zip(aggs, enc)]
+        for a, out in zip(aggs, outs):
+            if out.needs_fallback:
+                a.finish_fallback(sum(e[1].dense_value for e in enc), out)
+            else:
+                assert torch.allclose(out.value, sum(e[1].dense_value for e in enc), atol=1e-4)
+    assert len({(a.capacity, a.union_capacity, a.codec.layout) for a in aggs}) == 1
+    assert aggs[0].capacity >= k
+    assert aggs[0].union_capacity is not None and aggs[0].union_capacity < n * k
+
+
+def test_dense_tensor_can_become_compressed():
+    """A tensor sent dense (codec not smaller) is observed too: when it turns sparse it compresses."""
+    agg = make(CapacityPolicy(interval=2), numel=4000, density=0.9)
+    assert not agg.compressed
+    for _ in range(4):
+        x = torch.zeros(4000)
+        x[:10] = 1.0
+        payload, ctx = agg.encode(x)
+        agg.decode(payload * 4, ctx)
+    assert agg.compressed

@@ -3,6 +3,8 @@
 // checks dtype, device, contiguity and sizes before calling in.
 #include <pybind11/pybind11.h>
 
+#include <stdexcept>
+
 #include "cpu/codec_cpu.h"
 #include "lhc_layout.h"
 
@@ -46,11 +48,19 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("index_offset", &CodecLayout::index_offset)
       .def_readwrite("sketch_offset", &CodecLayout::sketch_offset)
       .def_readwrite("payload_numel", &CodecLayout::payload_numel)
-      .def_readwrite("fine", &CodecLayout::fine)
-      .def_readwrite("group_keys", &CodecLayout::group_keys)
-      .def_readwrite("fine_digits", &CodecLayout::fine_digits)
-      .def_readwrite("fine_words", &CodecLayout::fine_words)
-      .def_readwrite("fine_offset", &CodecLayout::fine_offset);
+      .def_readwrite("fine_levels", &CodecLayout::fine_levels)
+      .def(
+          "set_fine_level",
+          [](CodecLayout& L, uint32_t l, const SegmentedTable& table, uint64_t span, uint32_t digits, uint32_t words,
+             uint64_t offset) {
+            if (l >= kMaxFineLevels) throw std::out_of_range("fine level index");
+            L.fine[l] = table;
+            L.span[l] = span;
+            L.fine_digits[l] = digits;
+            L.fine_words[l] = words;
+            L.fine_offset[l] = offset;
+          },
+          py::arg("level"), py::arg("table"), py::arg("span"), py::arg("digits"), py::arg("words"), py::arg("offset"));
 
   py::class_<cpu::EncodeStats>(m, "EncodeStats")
       .def_readonly("keys", &cpu::EncodeStats::keys)

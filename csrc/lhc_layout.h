@@ -143,23 +143,25 @@ struct CodecLayout {
   uint64_t sketch_offset;
   uint64_t payload_numel;
   // kIndexMultilevel only (the CPU backend; CUDA kernels never read these). `index` packs the coarse
-  // level: one digit per group of `group_keys` consecutive keys, the number of ranks with a non-zero
-  // key in the group. The fine table (`fine`, hashed by group id, all signs +1) starts at
-  // `fine_offset`; each of its cells is `fine_words` words, and a group's pattern is key
-  // g * group_keys + w * fine_digits + j  ->  digit j (weight index.base^j) of word w.
-  SegmentedTable fine;
-  uint64_t group_keys;
-  uint32_t fine_digits;
-  uint32_t fine_words;
-  uint64_t fine_offset;
+  // level: one digit per node of fine level 0, the number of ranks with a non-zero key under it.
+  // Fine level l (0 = coarsest) has a table `fine[l]` hashed by node id (all signs +1) at
+  // `fine_offset[l]`; a node covers `span[l]` consecutive keys; each cell is `fine_words[l]` words
+  // of `fine_digits[l]` base-(index.base) digits, one per child (a node of level l + 1, or a key at
+  // the finest level): child c of node v is digit c % fine_digits of word c / fine_digits.
+  uint32_t fine_levels;
+  SegmentedTable fine[4];
+  uint64_t span[4];
+  uint32_t fine_digits[4];
+  uint32_t fine_words[4];
+  uint64_t fine_offset[4];
 };
+constexpr uint32_t kMaxFineLevels = 4;
 
-// The multilevel group of a key and its word / digit inside the group's pattern.
-LHC_HD uint64_t ml_group(const CodecLayout& L, uint64_t key) { return key / L.group_keys; }
-LHC_HD void ml_word_digit(const CodecLayout& L, uint64_t key, uint64_t* word, uint64_t* digit) {
-  const uint64_t o = key % L.group_keys;
-  *word = o / L.fine_digits;
-  *digit = o % L.fine_digits;
+// Node of fine level l holding `key`, and the child of that node the key lies under.
+LHC_HD uint64_t ml_node(const CodecLayout& L, uint32_t l, uint64_t key) { return key / L.span[l]; }
+LHC_HD uint64_t ml_child(const CodecLayout& L, uint32_t l, uint64_t key) {
+  const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
+  return (key % L.span[l]) / below;
 }
 
 // ---- THC (tensor homomorphic compression): the randomness every backend must reproduce ----------

@@ -68,15 +68,17 @@ def native_layout(layout: PayloadLayout, device: torch.device = torch.device("cp
     c.sketch_offset = layout.sketch_offset
     c.payload_numel = layout.payload_numel
     m = layout.multilevel
-    if m is not None:
-        c.fine = _table(m.fine)
-        c.group_keys, c.fine_digits, c.fine_words = m.group_keys, m.digits_per_word, m.words_per_group
-    else:
-        empty = _C.SegmentedTable()
-        empty.seg_len, empty.seg_count, empty.stream = 1, 3, 0
-        c.fine = empty
-        c.group_keys, c.fine_digits, c.fine_words = 1, 1, 1
-    c.fine_offset = layout.fine_offset
+    empty = _C.SegmentedTable()
+    empty.seg_len, empty.seg_count, empty.stream = 1, 3, 0
+    levels = m.levels if m is not None else ()
+    c.fine_levels = len(levels)
+    for i in range(4):
+        if i < len(levels):
+            lv = levels[i]
+            c.set_fine_level(i, _table(lv.table), lv.span, lv.digits_per_word, lv.words_per_group,
+                             layout.level_offsets[i])
+        else:
+            c.set_fine_level(i, empty, 1, 1, 1, layout.sketch_offset)
     return c
 
 

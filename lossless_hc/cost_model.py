@@ -53,10 +53,15 @@ What keeps a summable code above the bound
    few at density ``p`` needs :math:`\sim(3/x)^3 (1/p) \lesssim 1` with ``x`` counters per key, i.e.
    ``x`` grows like :math:`p^{-1/3}` (x ~ 24 at p = 1e-4): the Bloom index is linear in ``u`` but
    with a large constant.
-5. **Every peeled item costs a whole word.** The multilevel fine table peels *groups*, ~1.25 cells
-   of ``words_per_group`` words per non-zero group. A group with one non-zero key still costs a
-   full word, so the multilevel index wins where non-zero groups hold several keys (densities
-   ~1e-3..0.2 for small n) and the coarse level (``d/G`` digits) is cheap.
+5. **Every peeled item costs a whole word.** A multilevel fine table peels *nodes*, ~1.25 cells of
+   ``words_per_group`` words per non-zero node. A node with one non-zero key under it still costs a
+   full word, so at density ``p`` each fine level costs ~1.25 x 32 = 40 bits per non-zero key once
+   nodes are sparse, and the coarse bitmap ``32/(floor(22/log2(n+1)) p S)`` bits per non-zero for
+   a coarsest node span ``S``. With ``L`` fine levels of ``w`` children, ``S ~ w^L``: the index
+   costs ~``40 L + 2.5/(p w^L)`` (n = 2), e.g. ~100 bits at p = 1e-3 and ~150 at 1e-4, against
+   ``log2(1/p) + 1.44`` in the bound. That, plus the 1.23 x 32 of the sketch, is why the achieved
+   ratio grows toward low densities; only where nodes hold several keys (p >~ 1e-2) does the
+   index approach a few bits per non-zero.
 
 Together: with ``p`` = 1e-2 and n = 2 the bound is ~40 bits per non-zero; the sketch alone is ~40,
 and the best index here costs ~35-60 more. These limits, not the search below, set the achieved
@@ -72,14 +77,27 @@ themselves), not estimates.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, build_layout
 
-# Multilevel group sizes tried, in fine words per group (G = words * digits per word keys).
+# Multilevel shapes tried: the finest level's words per node (G = words * digits per word keys),
+# and for the levels above it (up to MAX_EXTRA_LEVELS more) the words per node of each.
 WORDS_PER_GROUP_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+UPPER_WORDS_CHOICES = (1, 2, 4)
+MAX_EXTRA_LEVELS = 3            # up to 4 fine levels (layout.MAX_FINE_LEVELS)
+
+
+def multilevel_shapes(extra: int):
+    """Every ``words_per_group`` tuple (coarsest level first) with ``extra`` levels above the finest."""
+    import itertools
+
+    for upper in itertools.product(UPPER_WORDS_CHOICES, repeat=extra):
+        for fine in WORDS_PER_GROUP_CHOICES:
+            yield tuple(upper) + (fine,)
 
 
 def log2_binomial(n: int, k: int) -> float:
@@ -97,16 +115,29 @@ def information_bound_bits(numel: int, nnz: int) -> float:
 
 def best_multilevel(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
                     union_nnz: Optional[int] = None) -> Optional[PayloadLayout]:
-    """The smallest multilevel layout over ``WORDS_PER_GROUP_CHOICES`` (None if none applies)."""
+    """The smallest multilevel layout over :func:`multilevel_shapes` (None if none applies); ties
+    keep the first found (fewer levels, smaller nodes). Depths are tried in increasing order and
+    the search stops at the first depth that does not improve on the one before (a deeper tree
+    only pays where the coarse bitmap dominates)."""
+    return _best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz):
     best = None
-    for wpg in WORDS_PER_GROUP_CHOICES:
-        L = build_layout("multilevel", numel, world_size, max_nnz, block_size, seed, union_nnz, wpg)
-        if L is None:
-            continue
-        if best is None or L.payload_numel < best.payload_numel:
-            best = L
-        if L.multilevel.group_keys >= L.num_keys:
-            break  # one group already covers every key: larger groups are the same layout
+    for extra in range(MAX_EXTRA_LEVELS + 1):
+        depth_best = None
+        for shape in multilevel_shapes(extra):
+            L = build_layout("multilevel", numel, world_size, max_nnz, block_size, seed, union_nnz, shape)
+            if L is None:
+                continue
+            if depth_best is None or L.payload_numel < depth_best.payload_numel:
+                depth_best = L
+        if depth_best is None or (best is not None and depth_best.payload_numel >= best.payload_numel):
+            break
+        best = depth_best
+        if best.multilevel.levels[0].span >= best.num_keys:
+            break  # the coarsest node already spans every key
     return best
 
 

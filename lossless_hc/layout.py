@@ -268,22 +268,72 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
 FINE_OVERFLOW_TARGET = PEEL_FAILURE_TARGET / 10
 
 
+MAX_FINE_LEVELS = 4             # fine tables of a multilevel index (mirrors lhc::kMaxFineLevels)
+
+
+@dataclass(frozen=True)
+class FineLevel:
+    """One fine table of a multilevel index: a node covers ``span`` consecutive keys and has
+    ``digits_per_word * words_per_group`` children (keys at the finest level, else nodes of the next
+    finer level), one base-(n+1) digit each."""
+
+    digits_per_word: int     # w: pattern digits per fine word
+    words_per_group: int     # fine words per cell (one node's pattern)
+    span: int                # keys under one node
+    num_nodes: int           # ceil(num_keys / span)
+    planned_nodes: int       # non-zero nodes the table is sized for
+    load_cap: int            # non-zero nodes per cell the word headroom allows
+    table: SegmentedTable
+
+    @property
+    def children(self) -> int:
+        return self.digits_per_word * self.words_per_group
+
+    @property
+    def numel(self) -> int:
+        return self.table.cells * self.words_per_group
+
+
 @dataclass(frozen=True)
 class MultilevelPlan:
-    """Shape of a multilevel index (see :func:`multilevel_plan`)."""
+    """Shape of a multilevel index (see :func:`multilevel_plan`): a coarse counting bitmap over the
+    nodes of ``levels[0]``, then the fine tables, coarsest first; the last one's children are keys."""
 
-    group_keys: int          # G: keys per group, = digits_per_word * words_per_group
-    digits_per_word: int     # w: pattern digits (base world_size + 1) per fine word
-    words_per_group: int     # fine words per cell (one group's pattern)
-    num_groups: int          # ceil(num_keys / G): digits of the coarse counting bitmap
-    planned_groups: int      # non-zero groups the fine table is sized for
-    load_cap: int            # non-zero groups per fine cell the word headroom allows
+    levels: tuple
     coarse: DigitPacking
-    fine: SegmentedTable
+
+    # The finest level's shape (the common one-level case reads these).
+    @property
+    def group_keys(self) -> int:
+        return self.levels[-1].children
+
+    @property
+    def digits_per_word(self) -> int:
+        return self.levels[-1].digits_per_word
+
+    @property
+    def words_per_group(self) -> int:
+        return self.levels[-1].words_per_group
+
+    @property
+    def load_cap(self) -> int:
+        return self.levels[-1].load_cap
+
+    @property
+    def fine(self) -> SegmentedTable:
+        return self.levels[-1].table
+
+    @property
+    def num_groups(self) -> int:
+        return self.coarse.digits
+
+    @property
+    def fine_numel(self) -> int:
+        return sum(lv.numel for lv in self.levels)
 
 
 def expected_nonzero_groups(num_groups: int, union_keys: int) -> int:
-    """Non-zero groups to size the fine table for: the mean number of groups hit when ``union_keys``
+    """Non-zero groups to size a fine table for: the mean number of groups hit when ``union_keys``
     keys fall uniformly at random into ``num_groups`` groups, plus 4 standard deviations (the count
     is a sum of negatively correlated indicators, so its variance is below its mean), capped by the
     number of groups and of keys. Supports spread more evenly than random (exactly one key every G)
@@ -295,57 +345,80 @@ def expected_nonzero_groups(num_groups: int, union_keys: int) -> int:
     return int(min(num_groups, u, math.ceil(mean + 4.0 * math.sqrt(mean) + 2)))
 
 
-def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_group: int,
-                    stream: int = 0) -> Optional[MultilevelPlan]:
-    """The multilevel index for ``union_keys`` aggregate non-zero keys among ``num_keys``, with
-    ``words_per_group`` fine words per group; None where it cannot be built.
-
-    Two levels, both summable by plain SUM/AVERAGE:
-
-    * coarse: keys are cut into groups of ``G`` consecutive keys; a counting bitmap holds, per
-      group, the number of ranks with a non-zero key in it (base ``n + 1`` digits, packed like the
-      bitmap index). The decoder learns the exact set of non-zero groups.
-    * fine: each rank forms, for each of its non-zero groups, the group's *pattern* --
-      ``words_per_group`` integers ``sum_j c_j (n+1)^j`` over the group's ``w`` keys per word, with
-      ``c_j`` = 1 for its non-zero keys -- and adds it into three cells of a table hashed by *group*
-      (cells of ``words_per_group`` words; all signs +1). The aggregate of a cell is the sum of the
-      aggregate patterns of the non-zero groups hashed there; the decoder knows those groups (the
-      coarse level), so it peels the table exactly in integers: a cell reached by one unresolved
-      group holds that group's aggregate pattern, whose base-(n+1) digits are the per-key counts.
-
-    Word headroom. A digit of a *pure* cell never exceeds ``n``, so no digit needs room for sums of
-    several groups: only the whole word must stay exact. A cell holding ``l`` groups sums to at most
-    ``l ((n+1)^w - 1)``; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
-    ``load_cap`` bounds the groups per cell (Binomial(planned groups, 1/seg_len)) except with
-    probability ``FINE_OVERFLOW_TARGET`` over the whole table. A larger load is detected (the word
-    reads at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per
-    *word* instead of per digit, so base-(n+1) digits pack almost as densely as in the bitmap.
-    """
-    n = world_size
-    base = n + 1
-    if num_keys <= 0 or words_per_group < 1 or base > INT_FIELD_LIMIT:
-        return None
+def _fine_level(num_keys: int, union_keys: int, base: int, words_per_group: int, below_span: int,
+                stream: int) -> Optional[FineLevel]:
+    """The fine level whose children each cover ``below_span`` keys, with the most digits per word
+    its headroom allows (see multilevel_plan)."""
     w_max = 0
     while base ** (w_max + 1) <= INT_FIELD_LIMIT:
         w_max += 1
     for w in range(w_max, 0, -1):
-        G = w * words_per_group
-        num_groups = -(-num_keys // G)
-        M = expected_nonzero_groups(num_groups, union_keys)
+        span = below_span * w * words_per_group
+        num_nodes = -(-num_keys // span)
+        M = expected_nonzero_groups(num_nodes, union_keys)
         if M == 0:
-            fine = SegmentedTable(seg_len=1, seg_count=3, stream=stream)
-            load_cap = 0
+            table, load_cap = SegmentedTable(seg_len=1, seg_count=3, stream=stream), 0
         else:
             seg_len = max(1, math.ceil(_group_cells(M) / 3))
-            fine = SegmentedTable(seg_len=seg_len, seg_count=3, stream=stream)
+            table = SegmentedTable(seg_len=seg_len, seg_count=3, stream=stream)
             lam = M / seg_len
             load_cap = 1
             while load_cap < M and 3 * seg_len * _poisson_tail(lam, load_cap) > FINE_OVERFLOW_TARGET:
                 load_cap += 1
         if max(1, load_cap) * (base ** w - 1) < INT_FIELD_LIMIT:
-            return MultilevelPlan(G, w, words_per_group, num_groups, M, load_cap,
-                                  digit_packing(n, num_groups), fine)
+            return FineLevel(w, words_per_group, span, num_nodes, M, load_cap, table)
     return None
+
+
+def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_group, seed_stream: int = 0
+                    ) -> Optional[MultilevelPlan]:
+    """The multilevel index for ``union_keys`` aggregate non-zero keys among ``num_keys``;
+    ``words_per_group`` is an int (one fine level) or a tuple, coarsest level first. None where it
+    cannot be built.
+
+    Levels, all summable by plain SUM/AVERAGE:
+
+    * coarse: a counting bitmap over the nodes of the coarsest fine level (each covering ``span``
+      consecutive keys): per node, the number of ranks with a non-zero key under it (base ``n + 1``
+      digits, packed like the bitmap index). The decoder learns the exact set of non-zero nodes.
+    * fine tables, coarsest first: each rank forms, for each of its non-zero nodes, the node's
+      *pattern* -- ``words_per_group`` integers ``sum_j c_j (n+1)^j`` over its children, ``w`` per
+      word, with ``c_j = 1`` for the children holding one of its non-zero keys -- and adds it into
+      three cells of the level's table hashed by node id (cells of ``words_per_group`` words, all
+      signs +1). The aggregate of a cell is the sum of the aggregate patterns of the non-zero nodes
+      hashed there; the decoder knows those nodes (from the level above), so it peels the table
+      exactly in integers: a cell reached by one unresolved node holds that node's aggregate
+      pattern, whose base-(n+1) digits are the per-child counts. The non-zero children are the
+      next level's non-zero nodes; at the finest level they are the support keys.
+
+    Word headroom. A digit of a *pure* cell never exceeds ``n``, so no digit needs room for sums of
+    several nodes: only the whole word must stay exact. A cell holding ``l`` nodes sums to at most
+    ``l ((n+1)^w - 1)``; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
+    ``load_cap`` bounds the nodes per cell (Binomial(planned nodes, 1/seg_len)) except with
+    probability ``FINE_OVERFLOW_TARGET`` over the table. A larger load is detected (the word reads
+    at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per *word*
+    instead of per digit, so base-(n+1) digits pack almost as densely as in the bitmap.
+
+    Several fine levels pay off at low density: each peeled node costs ~1.25 cells of its words,
+    and the coarse bitmap costs ``num_keys / span`` digits, so stacking levels grows the span
+    geometrically while every level costs about one word per non-zero key.
+    """
+    wpgs = (words_per_group,) if isinstance(words_per_group, int) else tuple(words_per_group)
+    n = world_size
+    base = n + 1
+    if (num_keys <= 0 or not 1 <= len(wpgs) <= MAX_FINE_LEVELS or min(wpgs) < 1
+            or base > INT_FIELD_LIMIT):
+        return None
+    levels = []
+    below = 1
+    for depth, wpg in enumerate(reversed(wpgs)):       # finest level first
+        lv = _fine_level(num_keys, union_keys, base, wpg, below, mix64(seed_stream + depth))
+        if lv is None:
+            return None
+        levels.append(lv)
+        below = lv.span
+    levels.reverse()
+    return MultilevelPlan(tuple(levels), digit_packing(n, levels[0].num_nodes))
 
 
 @dataclass(frozen=True)
@@ -378,8 +451,16 @@ class PayloadLayout:
 
     @property
     def fine_numel(self) -> int:
-        m = self.multilevel
-        return m.fine.cells * m.words_per_group if m is not None else 0
+        return self.multilevel.fine_numel if self.multilevel is not None else 0
+
+    @property
+    def level_offsets(self) -> tuple:
+        """First word of each multilevel fine table (coarsest first)."""
+        out, off = [], self.fine_offset
+        for lv in (self.multilevel.levels if self.multilevel is not None else ()):
+            out.append(off)
+            off += lv.numel
+        return tuple(out)
 
     @property
     def sketch_offset(self) -> int:
@@ -408,7 +489,9 @@ def _layout_fingerprint(L: PayloadLayout) -> int:
     values = [LAYOUT_VERSION, L.numel, L.block, L.world_size, L.capacity, INDEX_KIND_CODE[L.index_kind], L.seed,
               L.sketch.seg_len, L.sketch.seg_count, bloom.cells if bloom else 0, L.index.base, L.digit_cap]
     if m is not None:  # the multilevel shape joins the hash (other kinds keep their fingerprints)
-        values += [m.group_keys, m.digits_per_word, m.words_per_group, m.fine.seg_len, L.union_keys]
+        values += [L.union_keys, len(m.levels)]
+        for lv in m.levels:
+            values += [lv.span, lv.digits_per_word, lv.words_per_group, lv.table.seg_len]
     return _fingerprint(*values)
 
 
@@ -435,10 +518,11 @@ def _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None
 
 
 def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-                 union_nnz: Optional[int] = None, words_per_group: int = 1) -> Optional[PayloadLayout]:
+                 union_nnz: Optional[int] = None, words_per_group=1) -> Optional[PayloadLayout]:
     """The layout of one index ``kind`` (with its fingerprint), or None where that kind cannot be
     built for this configuration. Arguments as :func:`plan_layout`; ``words_per_group`` is the
-    multilevel group size in fine words (the cost model searches it)."""
+    multilevel group size in fine words, an int or a tuple per fine level, coarsest first (the cost
+    model searches it)."""
     _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
     num_keys = -(-numel // block_size)
     capacity = min(num_keys, -(-max_nnz // block_size))

@@ -155,33 +155,38 @@ def sketch_cells_float32(layout: PayloadLayout, flat: torch.Tensor, keys: torch.
     return sketch
 
 
-def group_patterns(layout: PayloadLayout, keys: torch.Tensor, counts: Optional[torch.Tensor] = None):
-    """``(groups, words)``: the increasing non-zero groups of ``keys`` and each group's pattern
-    words ``[len(groups), words_per_group]`` int64: key ``g G + i w + j`` adds ``count * base**j`` to
-    word i of group g (count 1 per key unless ``counts`` is given)."""
+def node_patterns(layout: PayloadLayout, level: int, keys: torch.Tensor, counts: Optional[torch.Tensor] = None):
+    """``(nodes, words)`` of multilevel fine level ``level`` for increasing ``keys``: the non-zero
+    nodes (increasing) and each node's pattern words ``[len(nodes), words_per_group]`` int64 -- child
+    ``c`` holding a key adds ``count * base**(c % w)`` to word ``c // w`` once (count 1 unless
+    ``counts``, per distinct child, is given)."""
     m = layout.multilevel
+    lv = m.levels[level]
+    below = m.levels[level + 1].span if level + 1 < len(m.levels) else 1
     keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
-    g = keys // m.group_keys
-    o = keys % m.group_keys
-    groups, inv = torch.unique(g, return_inverse=True)
-    powers = torch.tensor([layout.index.base ** j for j in range(m.digits_per_word)], dtype=torch.int64)
-    c = torch.ones_like(keys) if counts is None else torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
-    words = torch.zeros(groups.numel() * m.words_per_group, dtype=torch.int64)
-    words.index_add_(0, inv * m.words_per_group + o // m.digits_per_word, c * powers[o % m.digits_per_word])
-    return groups, words.reshape(groups.numel(), m.words_per_group)
+    child_ids = torch.unique(keys // below)                                 # distinct children, increasing
+    nodes, inv = torch.unique(child_ids // lv.children, return_inverse=True)
+    c = child_ids % lv.children
+    powers = torch.tensor([layout.index.base ** j for j in range(lv.digits_per_word)], dtype=torch.int64)
+    cnt = torch.ones_like(c) if counts is None else torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+    words = torch.zeros(nodes.numel() * lv.words_per_group, dtype=torch.int64)
+    words.index_add_(0, inv * lv.words_per_group + c // lv.digits_per_word, cnt * powers[c % lv.digits_per_word])
+    return nodes, words.reshape(nodes.numel(), lv.words_per_group)
 
 
 def multilevel_fine_words(layout: PayloadLayout, keys: torch.Tensor) -> torch.Tensor:
-    """The multilevel fine table one rank writes (float32, ``fine.cells * words_per_group``): each
-    non-zero group's pattern added (as an integer, converted once) into its three cells."""
-    m = layout.multilevel
-    acc = torch.zeros(m.fine.cells, m.words_per_group, dtype=torch.int64)
-    if keys.numel():
-        groups, words = group_patterns(layout, keys)
-        cells, _ = key_cells(m.fine, groups)
-        for j in range(3):
-            acc.index_add_(0, cells[:, j], words)
-    return acc.reshape(-1).to(torch.float32)
+    """The multilevel fine tables one rank writes (float32, coarsest level first): each non-zero
+    node's pattern added (as an integer, converted once) into its three cells."""
+    out = []
+    for level, lv in enumerate(layout.multilevel.levels):
+        acc = torch.zeros(lv.table.cells, lv.words_per_group, dtype=torch.int64)
+        if keys.numel():
+            nodes, words = node_patterns(layout, level, keys)
+            cells, _ = key_cells(lv.table, nodes)
+            for j in range(3):
+                acc.index_add_(0, cells[:, j], words)
+        out.append(acc.reshape(-1))
+    return torch.cat(out).to(torch.float32)
 
 
 def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +226,7 @@ def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
     elif L.index_kind == "multilevel":
         payload[L.fine_offset: L.sketch_offset] = multilevel_fine_words(L, keys)
         digits = torch.zeros(L.index.digits, dtype=torch.int64)
-        digits[torch.unique(keys // L.multilevel.group_keys)] = 1
+        digits[torch.unique(keys // L.multilevel.levels[0].span)] = 1
     else:
         raise ValueError(f"unknown index kind {L.index_kind!r}")
     payload[L.index_offset: L.fine_offset] = pack_digits(L, digits)
@@ -293,56 +298,61 @@ def unpack_digits(layout: PayloadLayout, words: torch.Tensor) -> torch.Tensor:
 
 def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.Tensor, scale: float, n: int,
                         total: int):
-    """``(support keys, None)`` or ``(None, reason)``: the coarse digits give the non-zero groups
-    exactly; the fine table is peeled in integers over them (round based); each group's pattern
-    digits are its keys' counts."""
+    """``(support keys, None)`` or ``(None, reason)``: the coarse digits give the non-zero nodes of
+    the coarsest fine level exactly; each fine table is peeled in integers (round based) over the
+    non-zero nodes found above it; a node's pattern digits are its children's counts."""
     m = L.multilevel
-    ng = L.index.digits
-    if bool((digits[ng:] != 0).any()) or bool((digits > n).any()):
+    nn = L.index.digits
+    if bool((digits[nn:] != 0).any()) or bool((digits > n).any()):
         return None, "index corrupt: coarse digit out of range"
-    coarse = digits[:ng]
+    coarse = digits[:nn]
     if int(coarse.sum()) > total:
-        return None, "index corrupt: more non-zero groups than keys"
-    groups = coarse.nonzero().reshape(-1)
-    gcount = coarse[groups]
-    raw = payload[L.fine_offset: L.sketch_offset].to(torch.float64) * scale
-    if not bool(torch.isfinite(raw).all()):
-        return None, "index corrupt: a fine word is not finite"
-    r = torch.round(raw)
-    tol = 0.0 if scale == 1.0 else 0.5
-    if bool(((raw - r).abs() > tol).any()) or bool((r < 0).any()):
-        return None, "index corrupt: a fine word is not a non-negative integer"
-    if bool((r >= (1 << 22)).any()):
-        return None, "index overflow: a fine word reached 2**22"
-    val = r.to(torch.int64).reshape(m.fine.cells, m.words_per_group).clone()
-    fc, _ = key_cells(m.fine, groups)
-    rounds, resolved = peel_rounds(fc, m.fine.cells)
-    word_limit = L.index.base ** m.digits_per_word
-    pattern = torch.zeros(groups.numel(), m.words_per_group, dtype=torch.int64)
-    for idx, pj in rounds:
-        pat = val[fc[idx, pj]]                                        # [R, wpg]
-        if bool((pat >= word_limit).any()):
-            return None, "index corrupt: a pure fine cell is not a group pattern"
-        pattern[idx] = pat
-        val.index_add_(0, fc[idx].reshape(-1), -pat.repeat_interleave(3, dim=0))
-        if bool((val < 0).any()):
-            return None, "index corrupt: negative fine word while peeling"
-    if not bool(resolved.all()):
-        return None, "index peeling failed"
-    if bool((val != 0).any()):
-        return None, "index corrupt: fine words left after peeling"
-    powers = torch.tensor([L.index.base ** j for j in range(m.digits_per_word)], dtype=torch.int64)
-    cnt = (pattern.unsqueeze(2) // powers) % L.index.base                  # [M, wpg, w]
-    cnt = cnt.reshape(groups.numel(), m.group_keys)
-    if bool((cnt > gcount.unsqueeze(1)).any()) or bool((cnt.sum(dim=1) < gcount).any()):
-        return None, "index corrupt: key counts disagree with the coarse counts"
-    gi, off = cnt.nonzero(as_tuple=True)
-    keys = groups[gi] * m.group_keys + off
-    if bool((keys >= L.num_keys).any()):
-        return None, "index corrupt: a key past the last"
-    if int(cnt.sum()) != total:
+        return None, "index corrupt: more non-zero nodes than keys"
+    nodes = coarse.nonzero().reshape(-1)
+    counts = coarse[nodes]
+    offsets = L.level_offsets
+    for level, lv in enumerate(m.levels):
+        raw = payload[offsets[level]: offsets[level] + lv.numel].to(torch.float64) * scale
+        if not bool(torch.isfinite(raw).all()):
+            return None, "index corrupt: a fine word is not finite"
+        r = torch.round(raw)
+        tol = 0.0 if scale == 1.0 else 0.5
+        if bool(((raw - r).abs() > tol).any()) or bool((r < 0).any()):
+            return None, "index corrupt: a fine word is not a non-negative integer"
+        if bool((r >= (1 << 22)).any()):
+            return None, "index overflow: a fine word reached 2**22"
+        val = r.to(torch.int64).reshape(lv.table.cells, lv.words_per_group).clone()
+        fc, _ = key_cells(lv.table, nodes)
+        rounds, resolved = peel_rounds(fc, lv.table.cells)
+        word_limit = L.index.base ** lv.digits_per_word
+        pattern = torch.zeros(nodes.numel(), lv.words_per_group, dtype=torch.int64)
+        for idx, pj in rounds:
+            pat = val[fc[idx, pj]]                                        # [R, wpg]
+            if bool((pat >= word_limit).any()):
+                return None, "index corrupt: a pure fine cell is not a node pattern"
+            pattern[idx] = pat
+            val.index_add_(0, fc[idx].reshape(-1), -pat.repeat_interleave(3, dim=0))
+            if bool((val < 0).any()):
+                return None, "index corrupt: negative fine word while peeling"
+        if not bool(resolved.all()):
+            return None, "index peeling failed"
+        if bool((val != 0).any()):
+            return None, "index corrupt: fine words left after peeling"
+        powers = torch.tensor([L.index.base ** j for j in range(lv.digits_per_word)], dtype=torch.int64)
+        cnt = ((pattern.unsqueeze(2) // powers) % L.index.base).reshape(nodes.numel(), lv.children)
+        if bool((cnt > counts.unsqueeze(1)).any()) or bool((cnt.sum(dim=1) < counts).any()):
+            return None, "index corrupt: child counts disagree with their node's count"
+        below = m.levels[level + 1].span if level + 1 < len(m.levels) else 1
+        ni, c = cnt.nonzero(as_tuple=True)
+        children = nodes[ni] * lv.children + c
+        if bool((children >= -(-L.num_keys // below)).any()):
+            return None, "index corrupt: a child past the last"
+        if int(cnt.sum()) > total:
+            return None, "index corrupt: more non-zero children than keys"
+        nodes, counts = children, cnt[ni, c]
+    if int(counts.sum()) != total:
         return None, "index corrupt: counts disagree with the header"
-    return torch.sort(keys).values, None
+    return nodes, None
 
 
 def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False):

@@ -121,6 +121,7 @@ def test_load_cap_headroom_is_respected():
     for n in (1, 2, 7, 16, 64, 255):
         for wpg in (1, 4, 32):
             m = multilevel_plan(1 << 22, 40_000, n, wpg)
+            assert len(m.levels) == 1
             assert m is not None
             assert max(1, m.load_cap) * ((n + 1) ** m.digits_per_word - 1) < INT_FIELD_LIMIT
             assert m.group_keys == m.digits_per_word * wpg
@@ -174,3 +175,49 @@ def test_cuda_multilevel_is_a_clear_error_and_auto_avoids_it():
         assert plan_layout(numel, n, k, 1, 0, "auto", allow_multilevel=False).index_kind != "multilevel"
     # and it does pick multilevel on the CPU where that is smallest
     assert plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000).index_kind == "multilevel"
+
+
+def codec_for(layout):
+    """A LosslessCodec running an explicit (e.g. several-level) multilevel layout."""
+    from lossless_hc import _backend
+    c = LosslessCodec(layout.numel, layout.world_size, layout.capacity * layout.block, block_size=layout.block,
+                      seed=layout.seed, index="bitmap")
+    c.layout = layout
+    c._native = _backend.native_layout(layout)
+    return c
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 1, 1), (1, 2, 4), (4, 1, 1, 2)])
+@pytest.mark.parametrize("numel,n,k,block,pattern", [(300_000, 2, 60, 1, "random"), (100_000, 16, 30, 1, "clustered"),
+                                                     (32 * 5000 + 3, 5, 12, 32, "random"), (50_000, 3, 2_000, 1, "identical")])
+def test_several_fine_levels(shape, numel, n, k, block, pattern):
+    from lossless_hc.layout import build_layout
+    rng = np.random.default_rng(helpers.stable_seed(shape, numel, n))
+    L = build_layout("multilevel", numel, n, k * block, block, 9, None, shape)
+    assert L is not None and len(L.multilevel.levels) == len(shape)
+    spans = [lv.span for lv in L.multilevel.levels]
+    assert spans == sorted(spans, reverse=True) and L.multilevel.coarse.digits == -(-L.num_keys // spans[0])
+    codec = codec_for(L)
+    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
+    for x in xs[:2]:
+        assert torch.equal(bits(codec.encode(x)), bits(reference.encode(L, x)))
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    for averaged in (False, True):
+        payload = helpers.average_payloads(summed, n) if averaged else summed
+        y, rep = codec.decode(payload, averaged=averaged, trace=True)
+        yr, info = reference.decode(L, payload, averaged=averaged)
+        assert rep.ok == info["ok"] and rep.support == info["support"], (rep.reason, info["reason"])
+        helpers.assert_lossless(L, xs, y, rep, averaged=averaged)
+    # fuzz every level's table: never a crash, never ok unless the reference agrees
+    for off, lv in zip(L.level_offsets, L.multilevel.levels):
+        bad = summed.clone()
+        pos = torch.from_numpy(rng.integers(off, off + lv.numel, size=3))
+        bad[pos] += torch.tensor([1.0, 3.0, 7.0])
+        _, rep = codec.decode(bad)
+        assert rep.ok == reference.decode(L, bad)[1]["ok"]
+        assert not rep.ok
+
+
+def test_low_density_auto_uses_several_levels():
+    L = plan_layout(1 << 24, 2, 1700, 1, 0, "multilevel", union_nnz=1700)
+    assert len(L.multilevel.levels) >= 2

@@ -549,57 +549,26 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   return kDecodeOk;
 }
 
-// Multilevel index: the non-zero groups from the coarse counting bitmap, then exact integer peeling
-// of the fine table (hashed by group) over exactly those groups; a pure cell holds one group's
-// aggregate pattern, whose base-(n+1) digits are its keys' counts. Returns a DecodeStatus and the
-// keys with a count >= 1, in increasing order, bucketed by sketch group (one part).
-int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const float* payload, int nt,
-                           GroupedKeys* support, DecodeStats* st) {
-  const uint64_t n = in.world_size;
-  const uint64_t num_groups = L.index.digits, base = L.index.base;
-  const uint64_t G = L.group_keys, w = L.fine_digits, wpg = L.fine_words;
-  if (G == 0 || w == 0 || wpg == 0 || G != w * wpg) return kDecodeIndexCorrupt;  // a layout guard
-  // 1. Coarse level: the non-zero groups (increasing) and how many ranks hold each.
-  struct GroupSink {
-    std::vector<uint32_t> groups, counts;
-    uint64_t num_groups, sum;
-    uint32_t per_word, world_size;
-    bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
-      if (d.max > world_size) return false;
-      sum += d.sum;
-      for (uint32_t v = 0; v < words; ++v)
-        for (uint32_t i = 0; i < per_word; ++i) {
-          const uint32_t c = d.digit[i][v];
-          if (!c) continue;
-          const uint64_t pos = (first_word + v) * per_word + i;
-          if (pos >= num_groups) return false;  // a digit past the last group
-          groups.push_back((uint32_t)pos);
-          counts.push_back(c);
-        }
-      return true;
-    }
-  };
-  std::vector<GroupSink> sinks(nt, GroupSink{{}, {}, num_groups, 0, L.index.per_word, (uint32_t)n});
-  const bool valid = unpack_digits(L, payload + L.index_offset, in.scale, nt, sinks);
-  std::vector<uint32_t> groups, counts;
-  uint64_t coarse_sum = 0;
-  for (auto& k : sinks) {
-    groups.insert(groups.end(), k.groups.begin(), k.groups.end());
-    counts.insert(counts.end(), k.counts.begin(), k.counts.end());
-    coarse_sum += k.sum;
-  }
-  // Every rank's non-zero groups are at most its non-zero keys.
-  if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
-  const uint32_t M = (uint32_t)groups.size();
-
-  // 2. The fine table's words as exact integers below 2^22 (a SUM of integers below 2^22 is exact;
-  //    an AVERAGE is within 1/2 of one after scaling back). A word at or above 2^22 means more groups
-  //    summed into one cell than the layout was sized for: reported, never decoded.
-  const uint64_t fcells = L.fine.cells();
-  const float* fine = payload + L.fine_offset;
+// One fine level of a multilevel index: exact integer peeling of its table over the known non-zero
+// `nodes` (increasing, with `counts`: the ranks holding a key under each); a pure cell holds one
+// node's aggregate pattern, whose base-(n+1) digits are its children's counts. On success, replaces
+// nodes/counts by the non-zero children (increasing) and their counts. Returns a DecodeStatus.
+int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in, const float* payload,
+                        std::vector<uint32_t>* nodes, std::vector<uint32_t>* counts) {
+  const uint64_t base = L.index.base, w = L.fine_digits[l], wpg = L.fine_words[l];
+  const SegmentedTable& table = L.fine[l];
+  const uint64_t fcells = table.cells();
+  const uint64_t children = w * wpg;
+  const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
+  if (w == 0 || wpg == 0 || L.span[l] != children * below) return kDecodeIndexCorrupt;  // a layout guard
+  const uint64_t child_limit = (L.num_keys + below - 1) / below;
+  // The table's words as exact integers below 2^22 (a SUM of integers below 2^22 is exact; an
+  // AVERAGE is within 1/2 of one after scaling back). A word at or above 2^22 means more nodes
+  // summed into one cell than the layout was sized for: reported, never decoded.
+  const float* fine = payload + L.fine_offset[l];
   const double tolerance = in.scale == 1.0 ? 0.0 : 0.5, limit = (double)kIntFieldLimit;
   PeelTable t;
-  t.reset(L.fine.seg_len, wpg);
+  t.reset(table.seg_len, wpg);
   int32_t word_status = kDecodeOk;
   for (uint64_t c = 0; c < fcells; ++c) {
     t.clear_state(c);
@@ -620,11 +589,11 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   }
   if (word_status != kDecodeOk) return word_status;
 
-  // 3. Peel the groups' patterns exactly (integers below 2^22 in doubles).
   double word_limit = 1.0;
   for (uint64_t i = 0; i < w; ++i) word_limit *= (double)base;
+  const uint32_t M = (uint32_t)nodes->size();
   std::vector<uint32_t> pattern((uint64_t)M * wpg, 0), scratch;
-  build_states(t, L.fine, groups.data(), M, scratch);
+  build_states(t, table, nodes->data(), M, scratch);
   bool bad = false;
   const uint32_t resolved = peel(
       t, M, scratch,
@@ -651,29 +620,83 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
     for (uint64_t i = 0; i < wpg; ++i)
       if (t.values(c)[i] != 0.0) return kDecodeIndexCorrupt;
 
-  // 4. Keys and their counts. A group's key counts are at most its coarse count (a key's ranks all
-  //    hold the group) and add up to at least it (each of those ranks holds a key of the group).
-  const SegmentedTable& T = L.sketch;
-  support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
+  // Children and their counts: each at most its node's count (a child's ranks all hold the node),
+  // together at least it (each of those ranks holds a key under some child).
+  std::vector<uint32_t> next, next_counts;
   uint64_t total = 0;
   for (uint32_t p = 0; p < M; ++p) {
-    const uint64_t g = groups[p];
-    uint64_t gsum = 0;
+    const uint64_t v = (*nodes)[p];
+    uint64_t sum = 0;
     for (uint64_t i = 0; i < wpg; ++i) {
-      uint64_t v = pattern[(uint64_t)p * wpg + i];
-      for (uint64_t j = 0; v && j < w; ++j, v /= base) {
-        const uint64_t c = v % base;
+      uint64_t word = pattern[(uint64_t)p * wpg + i];
+      for (uint64_t j = 0; word && j < w; ++j, word /= base) {
+        const uint64_t c = word % base;
         if (!c) continue;
-        const uint64_t key = g * G + i * w + j;
-        if (c > counts[p] || key >= L.num_keys) return kDecodeIndexCorrupt;
-        gsum += c;
-        support->by[0][key_group(T, key)].push_back((uint32_t)key);
+        const uint64_t child = v * children + i * w + j;
+        if (c > (*counts)[p] || child >= child_limit) return kDecodeIndexCorrupt;
+        sum += c;
+        next.push_back((uint32_t)child);
+        next_counts.push_back((uint32_t)c);
       }
     }
-    if (gsum < counts[p]) return kDecodeIndexCorrupt;
-    total += gsum;
+    if (sum < (*counts)[p]) return kDecodeIndexCorrupt;
+    total += sum;
   }
+  // Each rank's non-zero children at any level are at most its non-zero keys.
+  if (total > in.total_keys) return kDecodeIndexCorrupt;
+  nodes->swap(next);
+  counts->swap(next_counts);
+  return kDecodeOk;
+}
+
+// Multilevel index: the non-zero nodes of the coarsest fine level from the coarse counting bitmap,
+// then each fine level peeled over exactly the non-zero nodes found above it. Returns a
+// DecodeStatus and the keys with a count >= 1, in increasing order, bucketed by sketch group.
+int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const float* payload, int nt,
+                           GroupedKeys* support, DecodeStats* st) {
+  const uint64_t n = in.world_size;
+  if (L.fine_levels == 0 || L.fine_levels > kMaxFineLevels) return kDecodeIndexCorrupt;  // a layout guard
+  const uint64_t num_nodes = L.index.digits;
+  struct NodeSink {
+    std::vector<uint32_t> nodes, counts;
+    uint64_t num_nodes, sum;
+    uint32_t per_word, world_size;
+    bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
+      if (d.max > world_size) return false;
+      sum += d.sum;
+      for (uint32_t v = 0; v < words; ++v)
+        for (uint32_t i = 0; i < per_word; ++i) {
+          const uint32_t c = d.digit[i][v];
+          if (!c) continue;
+          const uint64_t pos = (first_word + v) * per_word + i;
+          if (pos >= num_nodes) return false;  // a digit past the last node
+          nodes.push_back((uint32_t)pos);
+          counts.push_back(c);
+        }
+      return true;
+    }
+  };
+  std::vector<NodeSink> sinks(nt, NodeSink{{}, {}, num_nodes, 0, L.index.per_word, (uint32_t)n});
+  const bool valid = unpack_digits(L, payload + L.index_offset, in.scale, nt, sinks);
+  std::vector<uint32_t> nodes, counts;
+  uint64_t coarse_sum = 0;
+  for (auto& k : sinks) {
+    nodes.insert(nodes.end(), k.nodes.begin(), k.nodes.end());
+    counts.insert(counts.end(), k.counts.begin(), k.counts.end());
+    coarse_sum += k.sum;
+  }
+  // Every rank's non-zero nodes are at most its non-zero keys.
+  if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
+  for (uint32_t l = 0; l < L.fine_levels; ++l) {
+    const int32_t status = peel_fine_level(L, l, in, payload, &nodes, &counts);
+    if (status != kDecodeOk) return status;
+  }
+  uint64_t total = 0;
+  for (uint32_t c : counts) total += c;
   st->index_total = total;
+  const SegmentedTable& T = L.sketch;
+  support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
+  for (uint32_t k : nodes) support->by[0][key_group(T, k)].push_back(k);
   st->candidates = support->total();
   if (total != in.total_keys) return kDecodeIndexCorrupt;
   return kDecodeOk;
@@ -989,37 +1012,48 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     }
     st.saturated = saturated;
   } else if (L.index_kind == kIndexMultilevel) {
-    // Coarse digit 1 per non-zero group; the group's pattern (base^digit per non-zero key) added to
-    // its three fine cells. Integer accumulation, converted once: bit-identical to the reference.
-    const uint64_t wpg = L.fine_words, fcells = L.fine.cells(), base = L.index.base;
-    std::vector<uint64_t> acc(fcells * wpg, 0), pattern(wpg, 0), dpow(L.fine_digits, 1);
-    for (uint64_t j = 1; j < L.fine_digits; ++j) dpow[j] = dpow[j - 1] * base;
-    uint64_t cur = ~0ULL;
-    auto flush = [&]() {
-      if (cur == ~0ULL) return;
-      index[cur / L.index.per_word] += pw[cur % L.index.per_word];
-      uint64_t cell[3];
-      int sign[3];
-      key_cells(L.fine, cur, cell, sign);
-      for (int j = 0; j < 3; ++j)
-        for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += pattern[i];
-      std::fill(pattern.begin(), pattern.end(), 0);
-    };
+    // Coarse digit 1 per non-zero node of fine level 0. Per fine level, each non-zero node's pattern
+    // (base^digit for each child holding a non-zero key) added to its three cells. Integer
+    // accumulation, converted once: bit-identical to the reference.
+    const uint64_t base = L.index.base;
+    uint64_t last = ~0ULL;
     for (const auto& part : keys.parts)
       for (uint64_t k : part) {
-        const uint64_t g = ml_group(L, k);
-        if (g != cur) {
-          flush();
-          cur = g;
-        }
-        uint64_t word, digit;
-        ml_word_digit(L, k, &word, &digit);
-        pattern[word] += dpow[digit];
+        const uint64_t v = ml_node(L, 0, k);
+        if (v != last) index[v / L.index.per_word] += pw[v % L.index.per_word];
+        last = v;
       }
-    flush();
-    float* fine = payload + L.fine_offset;
+    for (uint32_t l = 0; l < L.fine_levels; ++l) {
+      const uint64_t wpg = L.fine_words[l], w = L.fine_digits[l], fcells = L.fine[l].cells();
+      std::vector<uint64_t> acc(fcells * wpg, 0), pattern(wpg, 0), dpow(w, 1);
+      for (uint64_t j = 1; j < w; ++j) dpow[j] = dpow[j - 1] * base;
+      uint64_t cur = ~0ULL, last_child = ~0ULL;
+      auto flush = [&]() {
+        if (cur == ~0ULL) return;
+        uint64_t cell[3];
+        int sign[3];
+        key_cells(L.fine[l], cur, cell, sign);
+        for (int j = 0; j < 3; ++j)
+          for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += pattern[i];
+        std::fill(pattern.begin(), pattern.end(), 0);
+      };
+      for (const auto& part : keys.parts)
+        for (uint64_t k : part) {
+          const uint64_t v = ml_node(L, l, k);
+          if (v != cur) {
+            flush();
+            cur = v;
+            last_child = ~0ULL;
+          }
+          const uint64_t c = ml_child(L, l, k);
+          if (c != last_child) pattern[c / w] += dpow[c % w];  // keys are increasing: a child's keys are adjacent
+          last_child = c;
+        }
+      flush();
+      float* fine = payload + L.fine_offset[l];
 #pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t i = 0; i < (int64_t)(fcells * wpg); ++i) fine[i] = (float)acc[i];
+      for (int64_t i = 0; i < (int64_t)(fcells * wpg); ++i) fine[i] = (float)acc[i];
+    }
   }
 
   // Values: every cell is summed in increasing key order, whatever the thread count. With several

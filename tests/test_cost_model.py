@@ -1,0 +1,89 @@
+"""lossless_hc.cost_model: the automatic choice is the smallest candidate, never above dense plus
+the header, deterministic and independent of the process/rank that evaluates it."""
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lossless_hc import LosslessCodec, cost_model, plan_layout
+from lossless_hc.layout import HEADER_FIELDS, INDEX_KINDS
+
+GRID = list(itertools.product([1000, 100_000, 1 << 22], [1, 2, 8, 16, 64], [1e-4, 1e-3, 1e-2, 0.1, 0.5], [1, 32]))
+
+
+@pytest.mark.parametrize("numel,n,density,block", GRID)
+def test_auto_is_never_worse_than_any_kind_nor_dense(numel, n, density, block):
+    plan = cost_model.plan_for_density(numel, n, density, block)
+    cands = cost_model.candidates(numel, n, plan.max_nnz, block, 0, plan.union_nnz)
+    assert set(cands) <= set(INDEX_KINDS) and "dense" in cands
+    best = min(L.payload_numel for L in cands.values())
+    assert plan.layout.payload_numel == best
+    for L in cands.values():
+        assert plan.layout.payload_numel <= L.payload_numel
+    assert plan.layout.payload_numel <= numel + HEADER_FIELDS
+    assert cost_model.dense_limit_words(numel) == numel + HEADER_FIELDS
+
+
+def test_explicit_kinds_still_work_and_match_the_candidates():
+    for kind in INDEX_KINDS:
+        c = LosslessCodec(1 << 20, 4, 5000, index=kind)
+        assert c.index_kind == kind
+    cands = cost_model.candidates(1 << 20, 4, 5000)
+    for kind, L in cands.items():
+        assert plan_layout(1 << 20, 4, 5000, index=kind) == L
+
+
+def test_auto_without_multilevel_picks_among_the_others():
+    for args in [(1 << 20, 2, 10_000), (1 << 22, 8, 4_000), (50_000, 16, 5_000)]:
+        L = plan_layout(*args, index="auto", allow_multilevel=False)
+        others = cost_model.candidates(*args, allow_multilevel=False)
+        assert L.index_kind != "multilevel" and L.payload_numel == min(x.payload_numel for x in others.values())
+
+
+def test_multilevel_beats_the_flat_kinds_at_middle_densities():
+    """Where the multilevel index is meant to help: 1e-3..1e-1 aggregate density, small world sizes."""
+    for n in (2, 8):
+        for p in (1e-3, 1e-2, 3e-2):
+            plan = cost_model.plan_for_density(1 << 24, n, p)
+            assert plan.index == "multilevel", (n, p, plan.index)
+
+
+def test_information_bound():
+    assert cost_model.information_bound_bits(100, 0) == 0.0
+    assert cost_model.information_bound_bits(100, 100) == pytest.approx(3200.0)
+    d, u = 1 << 20, 1000
+    b = cost_model.information_bound_bits(d, u)
+    assert b == pytest.approx(math.log2(math.comb(d, u)) + 32 * u, rel=1e-9)
+    assert cost_model.log2_binomial(10, 3) == pytest.approx(math.log2(120))
+
+
+def test_choices_are_deterministic():
+    a = [cost_model.plan_for_density(1 << 22, n, p).layout for n in (2, 16) for p in (1e-4, 1e-2)]
+    cost_model._best_multilevel.cache_clear()
+    b = [cost_model.plan_for_density(1 << 22, n, p).layout for n in (2, 16) for p in (1e-4, 1e-2)]
+    assert a == b
+
+
+def test_choices_are_rank_and_process_independent():
+    """Another interpreter (another hash seed, as another rank would be) picks the same layouts."""
+    code = ("import json; from lossless_hc import cost_model as c; "
+            "print(json.dumps([[c.plan_for_density(1 << 22, n, p, b).layout.fingerprint, "
+            "c.plan_for_density(1 << 22, n, p, b).layout.payload_numel] "
+            "for n in (2, 16) for p in (1e-4, 1e-2, 0.2) for b in (1, 32)]))")
+    here = [[cost_model.plan_for_density(1 << 22, n, p, b).layout.fingerprint,
+             cost_model.plan_for_density(1 << 22, n, p, b).layout.payload_numel]
+            for n in (2, 16) for p in (1e-4, 1e-2, 0.2) for b in (1, 32)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == here
+
+
+def test_docstring_derives_the_bound_and_its_limits():
+    doc = cost_model.__doc__
+    for needle in ("log_2", "32 u", "n+1", "1.23", "22", "false positive", "Candidates"):
+        assert needle.lower() in doc.lower(), needle

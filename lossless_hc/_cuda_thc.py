@@ -115,7 +115,7 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
         levels = a.ptr("levels") if quantize else 0
         lb = native.level_bytes
         table = native.table.data_ptr()
-        q = [_f64(scale), _f64(threshold), _f64(dequant_a), _f64(dequant_b)]
+        sc, th, da, db = _f64(scale), _f64(threshold), _f64(dequant_a), _f64(dequant_b)
         launch.launch("thc_check_finite", _grid(L.numel, sms), THREADS, [xp, L.numel, st], stream)
         if native.in_shared:
             in_blocks = L.block >= NORM_CHUNK
@@ -123,7 +123,7 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
                 launch.launch("thc_norm_chunks", _blocks(nchunks, sms), THREADS, [lay, xp, ep, a.ptr("partials"), st],
                               stream)
             launch.launch("thc_encode_blocks", _blocks(native.nblocks, sms), THREADS,
-                          [lay, xp, ep, table, *q, sign_stream, round_stream, int(bool(quantize)), levels, lb,
+                          [lay, xp, ep, table, sc, th, da, db, sign_stream, round_stream, int(bool(quantize)), levels, lb,
                            a.ptr("partials") if in_blocks else 0, st], stream)
         else:
             y = a.ptr("y")
@@ -134,7 +134,7 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
                 launch.launch("thc_rht_tiles", _blocks(tiles, sms), THREADS, [lay, xp, ep, sign_stream, y, st], stream)
                 launch.launch("thc_fwht_columns", _blocks(tiles, sms), THREADS, [lay, y], stream)
                 launch.launch("thc_quantize_coords", _grid(L.padded, sms), THREADS,
-                              [lay, y, table, *q, round_stream, levels, lb, int(e is not None), st], stream)
+                              [lay, y, table, sc, th, da, db, round_stream, levels, lb, int(e is not None), st], stream)
                 if e is not None:
                     launch.launch("thc_fwht_tiles", _blocks(tiles, sms), THREADS, [y, L.padded], stream)
                     launch.launch("thc_fwht_columns", _blocks(tiles, sms), THREADS, [lay, y], stream)
@@ -175,14 +175,14 @@ def decode(native: ThcCudaLayout, sign_stream: int, word_kind: int, words: torch
         ar = _cuda._Arena(sizes, native.device)
         ar.view("state").zero_()
         st, lay, wp, op = ar.ptr("state"), native.words.data_ptr(), words.data_ptr(), out.data_ptr()
-        args = [int(word_kind), _f64(multiplier), _f64(a), _f64(b)]
+        kind, mult, fa, fb = int(word_kind), _f64(multiplier), _f64(a), _f64(b)
         if native.in_shared:
             launch.launch("thc_decode_blocks", _blocks(native.nblocks, sms), THREADS,
-                          [lay, wp, *args, sign_stream, op, st], stream)
+                          [lay, wp, kind, mult, fa, fb, sign_stream, op, st], stream)
         else:
             y = ar.ptr("y")
             tiles = L.padded // TILE
-            launch.launch("thc_unpack_words", _grid(L.words, sms), THREADS, [lay, wp, *args, y, st], stream)
+            launch.launch("thc_unpack_words", _grid(L.words, sms), THREADS, [lay, wp, kind, mult, fa, fb, y, st], stream)
             launch.launch("thc_fwht_tiles", _blocks(tiles, sms), THREADS, [y, L.padded], stream)
             launch.launch("thc_fwht_columns", _blocks(tiles, sms), THREADS, [lay, y], stream)
             launch.launch("thc_rht_output", _grid(L.numel, sms), THREADS, [lay, y, sign_stream, op], stream)

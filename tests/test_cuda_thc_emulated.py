@@ -315,3 +315,21 @@ def test_emulated_unbiased_smoke(emulated):  # noqa: F811
         acc += y
     mean_err = float((acc / trials - truth).pow(2).sum())
     assert mean_err <= 2.0 * (sum(errs) / trials) / trials
+
+
+# -- errors where no CUDA kernels can run (no GPU needed) -------------------------------------------
+def test_cuda_device_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"THCCodec\(device='cuda'\) needs a CUDA device"):
+        lhc.THCCodec(100, 2, device="cuda")
+
+
+def test_missing_cuda_kernels_is_a_clear_error(monkeypatch):
+    from lossless_hc import _cuda
+
+    def unavailable():
+        raise ImportError("lossless_hc has no CUDA kernels available: lossless_hc._C_cuda is not built")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_cuda, "launcher", unavailable)
+    with pytest.raises(ImportError, match=r"THCCodec\(device='cuda'\): lossless_hc has no CUDA kernels"):
+        lhc.THCCodec(100, 2, device="cuda")

@@ -294,6 +294,8 @@ class THCAggregator:
     step). Like :class:`TensorAggregator` it sends a tensor dense when THC's payload would not be
     smaller (tiny tensors: biases), decided from the configuration alone. THC cannot fail to decode,
     so there is no fallback; ranks configured differently raise :class:`ConfigurationMismatch`.
+    The codec follows the gradient's device: built on the CPU, it moves (with its state) to the device of
+    the first gradient it sees elsewhere, e.g. CUDA (THCCodec's CUDA kernels).
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
@@ -309,8 +311,9 @@ class THCAggregator:
         self.stats = stats if stats is not None else AggregationStats()
         self._codec = None
         if dtype in _CODEC_DTYPES and self.numel > 0:
-            codec = THCCodec(self.numel, world_size, rank, bits=bits, granularity=granularity,
-                             overflow_freq=overflow_freq, seed=seed)
+            self._codec_args = dict(numel=self.numel, world_size=world_size, rank=rank, bits=bits,
+                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed)
+            codec = THCCodec(**self._codec_args)
             if codec.wire_bytes < self.numel * dtype.itemsize:
                 self._codec = codec
 
@@ -327,9 +330,19 @@ class THCAggregator:
         if x.is_sparse:
             raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
         codec = self._codec
+        if codec is not None and x.device != codec.device:
+            codec = self._codec_on(x.device)
         payload = codec.encode(x) if codec is not None else x
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
+
+    def _codec_on(self, device: torch.device):
+        """The codec rebuilt on ``device`` with the same configuration and state (step, norm, memory)."""
+        from .thc import THCCodec
+        codec = THCCodec(**self._codec_args, device=device)
+        codec.load_state_dict(self._codec.state_dict())
+        self._codec = codec
+        return codec
 
     def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
         if not ctx.compressed:

@@ -333,3 +333,12 @@ def test_missing_cuda_kernels_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_cuda, "launcher", unavailable)
     with pytest.raises(ImportError, match=r"THCCodec\(device='cuda'\): lossless_hc has no CUDA kernels"):
         lhc.THCCodec(100, 2, device="cuda")
+
+
+def test_bench_thc_lockstep_check_runs():
+    """The CPU lockstep of `bench thc --device cuda`, exercised on the CPU (cpu_check="force")."""
+    from lossless_hc.bench_thc import render_thc, run_thc_bench
+    from lossless_hc.bench import machine_info
+    res = run_thc_bench(numel=4096, workers=2, repeat=1, warmup=2, cpu_check="force")
+    assert res["cpu_equal"] == {"ok": True, "steps": 3, "mismatches": []}
+    assert "same bits as the CPU backend" in render_thc(res, machine_info(), "cmd")

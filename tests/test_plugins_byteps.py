@@ -490,8 +490,9 @@ def byteps_run(tmp_path_factory):
     cmd = ["bash", os.path.join(ROOT, "scripts", "launch_byteps.sh"), "--workers", "2", "--servers", "1", "--",
            sys.executable, os.path.join(HERE, "mp", "byteps_worker.py"), str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
-    with open(os.path.join(logs, "launch.out"), "w") as f:
-        f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        with open(os.path.join(logs, "launch.out"), "w") as f:
+            f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (logs in {logs}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out, logs
 

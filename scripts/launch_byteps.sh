@@ -12,8 +12,8 @@
 #   ... DMLC_WORKER_ID=<i> scripts/launch_byteps.sh --role worker -- COMMAND [ARGS...]
 #
 # Each local worker is its own BytePS "machine" (DMLC_WORKER_ID=i, BYTEPS_LOCAL_SIZE=1), so two of them
-# can share one GPU; BYTEPS_SHM_PREFIX (added by scripts/setup_byteps.sh's patches) keeps their
-# shared-memory buffers apart. Logs: $LHC_BYTEPS_LOG_DIR (default ./byteps-logs): scheduler.log,
+# can share one GPU; BYTEPS_SHM_PREFIX (added by scripts/setup_byteps.sh's patches) and
+# BYTEPS_SOCKET_PATH keep their shared-memory buffers and local sockets apart. Logs: $LHC_BYTEPS_LOG_DIR (default ./byteps-logs): scheduler.log,
 # server<i>.log, worker<i>.log. Exit status: the first failing worker's, 124 on timeout
 # (LHC_BYTEPS_TIMEOUT seconds, default 600). Scheduler and servers are stopped when the workers end.
 set -euo pipefail
@@ -81,7 +81,9 @@ for ((s = 0; s < SERVERS; s++)); do
 done
 workers=()
 for ((w = 0; w < WORKERS; w++)); do
+  mkdir -p "/tmp/lhc-byteps-$PORT-w$w"
   DMLC_ROLE=worker DMLC_WORKER_ID=$w BYTEPS_LOCAL_RANK=0 BYTEPS_LOCAL_SIZE=1 BYTEPS_SHM_PREFIX="lhc${PORT}w${w}_" \
+  BYTEPS_SOCKET_PATH="/tmp/lhc-byteps-$PORT-w$w" \
   CUDA_VISIBLE_DEVICES=${GPUS[$((w % ${#GPUS[@]}))]} \
     timeout --kill-after=10 "${LHC_BYTEPS_TIMEOUT:-600}" "$@" > "$LOGS/worker$w.log" 2>&1 &
   workers+=($!)

@@ -66,6 +66,8 @@ PUSHPULL_H(torch_cuda_DoubleTensor, THCudaDoubleTensor)
     ("byteps/torch/cuda_util.cc", "#include <THC/THC.h>\n", "#include <c10/cuda/CUDAException.h>\n",
      "THC removed: C10_CUDA_CHECK replaces THCudaCheck"),
     ("byteps/torch/cuda_util.cc", "THCudaCheck(", "C10_CUDA_CHECK(", "THCudaCheck removed (every occurrence)"),
+    ("byteps/common/communicator.h", "#include <mutex>\n", "#include <memory>\n#include <mutex>\n",
+     "std::shared_ptr used without <memory> (older libstdc++ pulled it in through other headers)"),
     ("byteps/torch/ops.py", "from distutils.version import LooseVersion\n", "",
      "unused import; Python 3.12 has no distutils"),
     ("byteps/common/shared_memory.cc", "  std::string shm_name(prefix);\n",

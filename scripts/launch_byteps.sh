@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED=1
 
 case "$ROLE" in
   scheduler|server)
-    : "${DMLC_PS_ROOT_URI:?set DMLC_PS_ROOT_URI (the scheduler's address)}" "${DMLC_NUM_WORKER:?}" "${DMLC_NUM_SERVER:?}"
+    : "${DMLC_PS_ROOT_URI:?set DMLC_PS_ROOT_URI to the address of the scheduler}" "${DMLC_NUM_WORKER:?}" "${DMLC_NUM_SERVER:?}"
     export DMLC_ROLE=$ROLE DMLC_PS_ROOT_PORT=$PORT
     exec "${SERVER_CMD[@]}"
     ;;
@@ -90,8 +90,9 @@ for ((w = 0; w < WORKERS; w++)); do
 done
 rc=0
 for ((w = 0; w < WORKERS; w++)); do
-  if ! wait "${workers[$w]}"; then
-    st=$?
+  st=0
+  wait "${workers[$w]}" || st=$?
+  if [ $st -ne 0 ]; then
     echo "launch_byteps: worker $w exited with $st (log: $LOGS/worker$w.log)" >&2
     tail -20 "$LOGS/worker$w.log" >&2
     [ $rc -eq 0 ] && rc=$st

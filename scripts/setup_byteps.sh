@@ -45,7 +45,7 @@ CACHE=${LHC_CACHE:-$HOME/.cache/lossless_hc}
 JOBS=${MAX_JOBS:-$(nproc)}
 
 if "$PY" -c "import byteps.torch" 2>/dev/null \
-   && [ "$("$PY" -c 'import byteps; print(byteps.__version__)' 2>/dev/null)" = "$BPS_VERSION" ]; then
+   && [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("byteps"))' 2>/dev/null)" = "$BPS_VERSION" ]; then
   echo "setup_byteps: byteps $BPS_VERSION already importable"
   exit 0
 fi
@@ -137,5 +137,5 @@ print(20 if "202002L" in h else 17)')
 fi
 
 "$PY" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
-"$PY" -c "import byteps.torch, byteps; print('setup_byteps: byteps', byteps.__version__, 'imports')" \
+"$PY" -c "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')" \
   || { echo "setup_byteps: byteps.torch does not import" >&2; exit 1; }

@@ -502,6 +502,7 @@ def test_byteps_gpu_lossless_matches_uncompressed(byteps_run):
     out, _ = byteps_run
     rs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     for r in rs:
+        assert "error" not in r, r.get("traceback")
         assert r["size"] == 2 and r["device"].startswith("cuda")
         assert r["max_diff"] <= 1e-5, r
         assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]

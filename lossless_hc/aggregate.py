@@ -135,6 +135,7 @@ class TensorAggregator:
         seed: hash seed, identical on every rank.
         index: the codec's index kind ("auto" picks the smallest payload).
         stats: counters shared with the compressor that owns this aggregator.
+        device: where the codec runs and its payloads live (the gradient's device).
 
     Capacity growth after a failed decode (identical on every rank: it reads only the aggregated
     header): :math:`c \leftarrow \max(2c,\ \lceil 1.25\, K / n \rceil\, b)` with K the total of the
@@ -144,7 +145,7 @@ class TensorAggregator:
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
-                 stats: Optional[AggregationStats] = None):
+                 stats: Optional[AggregationStats] = None, device="cpu"):
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         if world_size < 1:
@@ -157,6 +158,7 @@ class TensorAggregator:
         self.block_size = int(block_size) if block_size else default_block_size(self.shape)
         self.seed = int(seed)
         self.index = index
+        self.device = torch.device(device)
         self.stats = stats if stats is not None else AggregationStats()
         self.capacity = self._round_to_blocks(math.ceil(max_density * self.numel))
         self._codec: Optional[LosslessCodec] = None
@@ -172,7 +174,8 @@ class TensorAggregator:
         self._codec = None
         if self.dtype not in _CODEC_DTYPES or self.numel == 0 or self.capacity >= self.numel:
             return
-        codec = LosslessCodec(self.numel, self.world_size, self.capacity, self.block_size, self.seed)
+        codec = LosslessCodec(self.numel, self.world_size, self.capacity, self.block_size, self.seed,
+                              device=self.device)
         if codec.wire_bytes < self.numel * self.dtype.itemsize:
             self._codec = codec
 
@@ -260,9 +263,9 @@ class TopKAggregator(TensorAggregator):
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, ratio: float, seed: int = 0,
-                 index: str = "auto", stats: Optional[AggregationStats] = None):
+                 index: str = "auto", stats: Optional[AggregationStats] = None, device="cpu"):
         super().__init__(name, shape, dtype, world_size, max_density=ratio, block_size=1, seed=seed,
-                         index=index, stats=stats)
+                         index=index, stats=stats, device=device)
         self.k = min(self.numel, max(1, math.ceil(ratio * self.numel)))
         self.residual: Optional[torch.Tensor] = None
 

@@ -9,8 +9,8 @@ the aggregated gradient. Everything in that loop that does not depend on the eng
   one aggregator (:mod:`lossless_hc.aggregate`) per parameter. Keyword arguments a spec does not
   know are passed through to the aggregator's constructor unchanged.
 * :class:`CompressorAdapter`: the per-parameter aggregator map, encode/decode, the bookkeeping of
-  dense fallbacks within a step, the statistics, and staging through the CPU for aggregators that
-  have no CUDA kernels (THC).
+  dense fallbacks within a step, the statistics, and staging through the CPU for any aggregator
+  kind whose spec says it has no CUDA kernels (all three kinds have them today).
 * :func:`find_optimizer_frame`: which parameter a gradient belongs to. Neither Horovod's nor
   BytePS's compressor interface passes the parameter, but both optimizers call ``compress`` from a
   method whose frame holds the optimizer (``self``, with ``_parameter_names``) and the parameter
@@ -154,11 +154,11 @@ class TopKSpec(AggregatorSpec):
 
 
 class THCSpec(AggregatorSpec):
-    """``Compression.thc``: see :class:`lossless_hc.aggregate.THCAggregator` (CPU kernels only:
-    CUDA gradients are staged through the CPU)."""
+    """``Compression.thc``: see :class:`lossless_hc.aggregate.THCAggregator` (the aggregator moves its
+    codec to the gradient's device, CUDA kernels included)."""
 
     kind = "thc"
-    cuda = False
+    cuda = True
 
     def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **extra):
         from .thc_table import _check_args, clip_threshold

@@ -71,11 +71,17 @@ def _f64_bits(x: float) -> int:
     return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
 
 
-def header_kernels(path: pathlib.Path = CSRC / "cuda" / "codec_kernels.cuh") -> dict:
-    """``{name: parameter count}`` of the extern "C" kernels declared in the kernels header (the CuPy
-    path checks argument counts against it; the compiled module checks against its own table)."""
+# The kernel headers of the CUDA module (the lossless codec's and THC's): compiled together by nvcc into
+# lossless_hc._C_cuda and by NVRTC on the CuPy path.
+KERNEL_HEADERS = (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "cuda" / "thc_kernels.cuh")
+
+
+def header_kernels(path: Optional[pathlib.Path] = None) -> dict:
+    """``{name: parameter count}`` of the extern "C" kernels declared in a kernels header, or in all of
+    KERNEL_HEADERS (the CuPy path checks argument counts against it; the compiled module checks
+    against its own table)."""
     import re
-    text = path.read_text()
+    text = "\n".join(p.read_text() for p in ([path] if path is not None else KERNEL_HEADERS))
     out = {}
     for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
         params = [p for p in m.group(2).split(",") if p.strip()]
@@ -109,9 +115,10 @@ def _nvrtc_source() -> str:
     not by the files a source includes, so the digest makes an edited header compile afresh."""
     import hashlib
     digest = hashlib.sha256()
-    for path in (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "lhc_layout.h"):
+    for path in (*KERNEL_HEADERS, CSRC / "lhc_layout.h", CSRC / "thc_math.h"):
         digest.update(path.read_bytes())
-    return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n#include "cuda/codec_kernels.cuh"\n'
+    includes = "".join(f'#include "cuda/{p.name}"\n' for p in KERNEL_HEADERS)
+    return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n{includes}'
 
 
 class _CupyLauncher:

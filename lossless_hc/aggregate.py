@@ -129,8 +129,10 @@ class CapacityPolicy:
     for the per-rank count and its running maximum). Every ``interval`` decoded steps -- a step
     count all ranks share -- it proposes
 
-    * union capacity :math:`\lceil h_U \max(ar U, U_{\max}) ceil` and per-rank capacity
-      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) ceil` (``U_max``, ``(K/n)_max``: the largest
+    * union capacity :math:`\lceil h_U \max(ar U, U_{\max}) 
+ceil` and per-rank capacity
+      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) 
+ceil` (``U_max``, ``(K/n)_max``: the largest
       seen in the last interval, so a spiky tensor keeps room for its spikes);
 
     and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.cost_model`)
@@ -233,6 +235,7 @@ class TensorAggregator:
         policy: a :class:`CapacityPolicy` to adapt the capacity (per rank and of the aggregate's
             union) to the densities the aggregates show; None keeps ``max_density`` (grown only
             after failures) and sizes the sketch for ``world_size`` disjoint supports.
+        device: where the codec runs and its payloads live (the gradient's device).
 
     Capacity growth after a failed decode (identical on every rank: it reads only the aggregated
     header): :math:`c \leftarrow \max(2c,\ \lceil 1.25\, K / n \rceil\, b)` with K the total of the
@@ -242,7 +245,8 @@ class TensorAggregator:
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
-                 stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None):
+                 stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None,
+                 device="cpu"):
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         if world_size < 1:
@@ -255,6 +259,7 @@ class TensorAggregator:
         self.block_size = int(block_size) if block_size else default_block_size(self.shape)
         self.seed = int(seed)
         self.index = index
+        self.device = torch.device(device)
         self.stats = stats if stats is not None else AggregationStats()
         self.capacity = self._round_to_blocks(math.ceil(max_density * self.numel))
         self.union_capacity: Optional[int] = None   # aggregate non-zeros the codec is sized for (None: n x capacity)
@@ -277,7 +282,7 @@ class TensorAggregator:
         if union is not None:
             union = min(self.numel, max(union, self.capacity))
         codec = LosslessCodec(self.numel, self.world_size, self.capacity, self.block_size, self.seed,
-                              index=self.index, union_nnz=union)
+                              index=self.index, union_nnz=union, device=self.device)
         if codec.wire_bytes < self.numel * self.dtype.itemsize:
             self._codec = codec
 
@@ -411,9 +416,9 @@ class TopKAggregator(TensorAggregator):
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, ratio: float, seed: int = 0,
                  index: str = "auto", stats: Optional[AggregationStats] = None,
-                 policy: Optional[CapacityPolicy] = None):
+                 policy: Optional[CapacityPolicy] = None, device="cpu"):
         super().__init__(name, shape, dtype, world_size, max_density=ratio, block_size=1, seed=seed,
-                         index=index, stats=stats, policy=policy)
+                         index=index, stats=stats, policy=policy, device=device)
         self.k = min(self.numel, max(1, math.ceil(ratio * self.numel)))
         self.min_capacity = self.k  # every rank sends exactly k: only the union adapts
         self.residual: Optional[torch.Tensor] = None
@@ -446,6 +451,8 @@ class THCAggregator:
     step). Like :class:`TensorAggregator` it sends a tensor dense when THC's payload would not be
     smaller (tiny tensors: biases), decided from the configuration alone. THC cannot fail to decode,
     so there is no fallback; ranks configured differently raise :class:`ConfigurationMismatch`.
+    The codec follows the gradient's device: built on the CPU, it moves (with its state) to the device of
+    the first gradient it sees elsewhere, e.g. CUDA (THCCodec's CUDA kernels).
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
@@ -461,8 +468,9 @@ class THCAggregator:
         self.stats = stats if stats is not None else AggregationStats()
         self._codec = None
         if dtype in _CODEC_DTYPES and self.numel > 0:
-            codec = THCCodec(self.numel, world_size, rank, bits=bits, granularity=granularity,
-                             overflow_freq=overflow_freq, seed=seed)
+            self._codec_args = dict(numel=self.numel, world_size=world_size, rank=rank, bits=bits,
+                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed)
+            codec = THCCodec(**self._codec_args)
             if codec.wire_bytes < self.numel * dtype.itemsize:
                 self._codec = codec
 
@@ -479,9 +487,19 @@ class THCAggregator:
         if x.is_sparse:
             raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
         codec = self._codec
+        if codec is not None and x.device != codec.device:
+            codec = self._codec_on(x.device)
         payload = codec.encode(x) if codec is not None else x
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
+
+    def _codec_on(self, device: torch.device):
+        """The codec rebuilt on ``device`` with the same configuration and state (step, norm, memory)."""
+        from .thc import THCCodec
+        codec = THCCodec(**self._codec_args, device=device)
+        codec.load_state_dict(self._codec.state_dict())
+        self._codec = codec
+        return codec
 
     def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
         if not ctx.compressed:

@@ -758,6 +758,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeat", type=_positive_int, default=5)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the CUDA kernels, checked bit for bit against CPU codecs run in lockstep")
+    t.add_argument("--no-cpu-check", action="store_true", help="with --device cuda: skip the CPU lockstep check")
     t.add_argument("--json", metavar="PATH")
     t.set_defaults(func=_cmd_thc)
 
@@ -867,15 +870,18 @@ def _cmd_wire(args) -> int:
 def _cmd_thc(args) -> int:
     from .bench_thc import render_thc, run_thc_bench
     cmd = command_line()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("python -m lossless_hc.bench thc --device cuda: no CUDA device")
     try:
         res = run_thc_bench(args.numel, args.workers, args.bits, args.granularity, args.overflow_freq,
-                            args.symmetric_table, args.averaged, args.repeat, args.seed, args.threads, log=_log)
+                            args.symmetric_table, args.averaged, args.repeat, args.seed, args.threads, log=_log,
+                            device=args.device, cpu_check=not args.no_cpu_check)
     except ValueError as exc:
         raise SystemExit(f"python -m lossless_hc.bench thc: error: {exc}")
     machine = machine_info(args.threads)
     print(render_thc(res, machine, cmd))
     _write_json(args.json, {"command": cmd, "machine": machine, **res})
-    return 0
+    return 0 if res.get("cpu_equal") is None or res["cpu_equal"]["ok"] else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

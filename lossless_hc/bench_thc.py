@@ -7,6 +7,10 @@ against float64 truth, for two truths: the sum of what the workers encoded (x + 
 compression error) and the sum of the step's inputs x (what the optimizer wanted; error feedback
 moves error between steps). The model line is the table's rounding variance plus the clipped mass of
 a standard normal, the per-rank NMSE when ||x + e|| equals M.
+
+``--device cuda`` runs the codecs on the GPU (timings synchronise the device around each call) and, in
+lockstep, CPU codecs on the same inputs: every rank's payload and the decoded output of every step
+must be the same bits on both backends (reported as ``cpu_equal``; the exit status fails otherwise).
 """
 from __future__ import annotations
 
@@ -21,16 +25,46 @@ from .bench import fmt_bytes, format_table, section, time_fn
 
 def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
                   symmetric_table: bool = False, averaged: bool = False, repeat: int = 5, seed: int = 0,
-                  threads: int = 0, warmup: int = 4, log: Callable[[str], None] = lambda s: None) -> dict:
+                  threads: int = 0, warmup: int = 4, log: Callable[[str], None] = lambda s: None,
+                  device: str = "cpu", cpu_check: bool = True) -> dict:
     from .thc import THCCodec
 
     if threads > 0:
         torch.set_num_threads(threads)
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
     gen = torch.Generator().manual_seed(seed)
     common = torch.randn(numel, generator=gen)
-    codecs = [THCCodec(numel, workers, rank=r, bits=bits, granularity=granularity, overflow_freq=overflow_freq,
-                       seed=seed, symmetric_table=symmetric_table, num_threads=threads) for r in range(workers)]
-    log(repr(codecs[0]))
+    config = dict(bits=bits, granularity=granularity, overflow_freq=overflow_freq, seed=seed,
+                  symmetric_table=symmetric_table, num_threads=threads)
+    codecs = [THCCodec(numel, workers, rank=r, device=dev, **config) for r in range(workers)]
+    log(repr(codecs[0]) + (f" on {torch.cuda.get_device_name(dev)}" if on_gpu else ""))
+    # CUDA: CPU codecs in lockstep, every payload and output compared bit for bit.
+    # (cpu_check="force" runs the lockstep on the CPU too: tests exercise it without a GPU.)
+    lockstep = (on_gpu and bool(cpu_check)) or cpu_check == "force"
+    ref = [THCCodec(numel, workers, rank=r, **config) for r in range(workers)] if lockstep else None
+    mismatches = []
+
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+        view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return a.shape == b.shape and bool(torch.equal(a.view(view), b.view(view)))
+
+    def step_all(xs, decode_all=True):
+        """One step on every rank (and on the CPU reference): returns (aggregate, rank 0's output)."""
+        payloads = [c.encode(x.to(dev)) for c, x in zip(codecs, xs)]
+        agg = aggregate(payloads)
+        outs = [c.decode(agg, averaged=averaged) for c in (codecs if decode_all else codecs[:1])]
+        if ref is not None:
+            rp = [c.encode(x) for c, x in zip(ref, xs)]
+            ragg = aggregate(rp)
+            routs = [c.decode(ragg, averaged=averaged) for c in (ref if decode_all else ref[:1])]
+            for r, (p, q) in enumerate(zip(payloads, rp)):
+                if not same_bits(p, q):
+                    mismatches.append(f"step {codecs[0].step - 1} rank {r} payload")
+            if not same_bits(outs[0], routs[0]):
+                mismatches.append(f"step {codecs[0].step - 1} decode")
+        return agg, outs[0]
 
     def aggregate(payloads):
         total = torch.zeros_like(payloads[0])
@@ -41,10 +75,7 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
     # Step 0 is the norm-only round (agrees on M; the inputs stay in error feedback); steps 1..warmup
     # reach the steady state of error feedback; the last step is measured.
     for _ in range(warmup):
-        xs = [common + torch.randn(numel, generator=gen) for _ in range(workers)]
-        agg = aggregate([c.encode(x) for c, x in zip(codecs, xs)])
-        for c in codecs:
-            c.decode(agg, averaged=averaged)
+        step_all([common + torch.randn(numel, generator=gen) for _ in range(workers)])
 
     xs = [common + torch.randn(numel, generator=gen) for _ in range(workers)]
     state = [c.state_dict() for c in codecs]
@@ -52,9 +83,9 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
     step_in = torch.zeros(numel, dtype=torch.float64)    # sum of x: the step's true gradient sum
     for x, s_ in zip(xs, state):
         step_in += x
-        encoded += x.double() + s_["error"].double()
-    agg = aggregate([c.encode(x) for c, x in zip(codecs, xs)])
-    y = codecs[0].decode(agg, averaged=averaged).double()
+        encoded += x.double() + s_["error"].double().cpu()
+    agg, y = step_all(xs, decode_all=False)
+    y = y.double().cpu()
     if averaged:
         encoded /= workers
         step_in /= workers
@@ -64,10 +95,10 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
 
     # Timing on rank 0 at the measured step: rewind its step counter and scale before each call so
     # every run does the same work (the error memory evolves, which does not change the work).
-    c0, x0 = codecs[0], xs[0]
+    c0, x0 = codecs[0], xs[0].to(dev)
     pre = state[0]
-    payload_buf = torch.empty(c0.payload_numel, dtype=c0.payload_dtype)
-    out_buf = torch.empty(numel, dtype=torch.float32)
+    payload_buf = torch.empty(c0.payload_numel, dtype=c0.payload_dtype, device=dev)
+    out_buf = torch.empty(numel, dtype=torch.float32, device=dev)
 
     def rewind(pending: bool) -> None:
         c0._pending, c0._step, c0._norm = pending, pre["step"], pre["norm"]
@@ -80,13 +111,24 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
         rewind(True)
         return c0.decode(agg, averaged=averaged, out=out)
 
-    t_clone = time_fn(lambda: torch.clone(x0), repeat)
-    t_enc = time_fn(encode_once, repeat)
-    t_dec = time_fn(decode_once, repeat)
-    t_enc_reuse = time_fn(lambda: encode_once(payload_buf), repeat)
-    t_dec_reuse = time_fn(lambda: decode_once(out_buf), repeat)
+    def timed(fn):
+        if not on_gpu:
+            return time_fn(fn, repeat)
+
+        def synced():   # the device's time of the call, not only its launches
+            r = fn()
+            torch.cuda.synchronize(dev)
+            return r
+        torch.cuda.synchronize(dev)
+        return time_fn(synced, repeat, warmup=2)
+
+    t_clone = timed(lambda: torch.clone(x0))
+    t_enc = timed(encode_once)
+    t_dec = timed(decode_once)
+    t_enc_reuse = timed(lambda: encode_once(payload_buf))
+    t_dec_reuse = timed(lambda: decode_once(out_buf))
     dst = torch.empty_like(x0)
-    t_copy = time_fn(lambda: dst.copy_(x0), repeat)
+    t_copy = timed(lambda: dst.copy_(x0))
 
     table = c0.table
     T = table.threshold
@@ -96,13 +138,16 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
     return {
         "config": {"numel": numel, "workers": workers, "bits": bits, "granularity": granularity,
                    "overflow_freq": overflow_freq, "symmetric_table": symmetric_table, "averaged": averaged,
-                   "repeat": repeat, "seed": seed, "threads": threads},
+                   "repeat": repeat, "seed": seed, "threads": threads, "device": str(dev),
+                   "device_name": torch.cuda.get_device_name(dev) if on_gpu else None},
         "layout": {"block": L.block, "padded": L.padded, "base": L.base, "digits_per_word": L.per_word,
                    "words": L.words, "payload_numel": L.payload_numel, "levels": list(table.levels),
                    "table_variance_levels": table.variance, "table_variance_z": table.variance_z},
         "wire": {"wire_bytes": L.wire_bytes, "dense_fp32_bytes": 4 * numel,
                  "bits_per_coordinate": L.bits_per_coordinate, "lane_bits_per_coordinate": L.lane_bits_per_coordinate,
                  "wire_over_dense_fp32": L.wire_bytes / (4 * numel)},
+        "cpu_equal": None if ref is None else {"ok": not mismatches, "steps": warmup + 1,
+                                               "mismatches": mismatches[:20]},
         "accuracy": {"nmse": nmse, "nmse_vs_step_input": nmse_step, "predicted_nmse_iid_normal": table.variance_z + clipped,
                      "clipped_mass_normal": clipped},
         "timing": {"clone": t_clone, "encode": t_enc, "decode": t_dec, "copy_prealloc": t_copy,
@@ -117,6 +162,7 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
     c, L, w, a, t = res["config"], res["layout"], res["wire"], res["accuracy"], res["timing"]
     out = [section("lossless_hc THC benchmark", format_table([
         ("command", cmd),
+        ("device", c["device"] + (f" ({c['device_name']})" if c.get("device_name") else "")),
         ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
         ("torch", f"{machine['torch']} (codec threads {machine['codec_threads']})"),
         ("setup", f"{c['workers']} workers x {c['numel']:,} float32, shared N(0,1) + own N(0,1); "
@@ -137,6 +183,9 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
         ("bits per coordinate", f"{w['bits_per_coordinate']:.3f} (levels alone {w['lane_bits_per_coordinate']:.3f})"),
         ("NMSE vs the encoded sum (x + e)", f"{a['nmse']:.4e}  (one step of compression error)"),
         ("NMSE vs the step's input sum", f"{a['nmse_vs_step_input']:.4e}  (includes e carried in and out)"),
+        ("same bits as the CPU backend", "not checked" if res.get("cpu_equal") is None else
+         (f"yes (every payload and output of {res['cpu_equal']['steps']} steps)" if res["cpu_equal"]["ok"] else
+          f"NO: {', '.join(res['cpu_equal']['mismatches'][:4])}")),
         ("  model: rounding + clipping", f"{a['predicted_nmse_iid_normal']:.4e} "
                                          f"({L['table_variance_z']:.4e} + {a['clipped_mass_normal']:.4e})"),
     ], align="ll")))

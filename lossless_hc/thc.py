@@ -253,7 +253,8 @@ class THCCodec:
         granularity: g, levels are integers in [0, g].
         overflow_freq: 1/p, the expected fraction of clipped coordinates for a normal input.
         seed: seeds the shared rotation and the rounding streams; identical on every rank.
-        device: "cpu" (the CUDA backend is a separate build).
+        device: "cpu" (C++/OpenMP kernels) or "cuda" (the CUDA kernels of csrc/cuda/thc_kernels.cuh, from
+            lossless_hc._C_cuda or compiled at run time through CuPy; the same payload bits as "cpu").
         levels: an explicit table (e.g. ``PUBLISHED_TABLE_4BIT_G30_P32``) instead of ``table_for``.
         symmetric_table: use the best table symmetric under l -> g - l (the published shape).
         hadamard_block: largest Hadamard block (power of two; 1024 as in THC's code).
@@ -306,7 +307,13 @@ class THCCodec:
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
         self.device = torch.device(device)
-        _backend.require_backend(self.device)
+        if self.device.type == "cuda":
+            from . import _cuda_thc
+            _cuda_thc.require(self.device)
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            _backend.require_backend(self.device)
         self.rank, self.seed = rank, seed
         self.overflow_freq = float(overflow_freq)
         self.threshold = self.table.threshold
@@ -327,10 +334,13 @@ class THCCodec:
         self._lo = torch.tensor(lo, dtype=torch.float32)
         self._width = torch.tensor(width, dtype=torch.float32)
         self._inv_width = 1.0 / self._width
+        if self.device.type == "cuda":   # the kernels of csrc/cuda/thc_kernels.cuh (lossless_hc/_cuda_thc.py)
+            from . import _cuda_thc
+            self._native = _cuda_thc.ThcCudaLayout(self.layout, self.device, self._lo, self._width, self._inv_width)
         self._norm = float(initial_norm) if initial_norm is not None else 0.0
         self._step = 0
         self._pending = False
-        self._error = torch.zeros(numel, dtype=torch.float32) if self.error_feedback else None
+        self._error = torch.zeros(numel, dtype=torch.float32, device=self.device) if self.error_feedback else None
         self._shape, self._dtype = (numel,), torch.float32
         self._last_norms: Optional[torch.Tensor] = None
         self._fingerprint_used = 0
@@ -454,6 +464,19 @@ class THCCodec:
         unit = M / math.sqrt(D) if quantize else 0.0   # one unit of z in the rotated domain
         if not quantize:
             payload[L.words_offset:] = 0
+        if self._on_cuda:
+            # Queued on the current stream: the kernels write the norm slot, or the non-finite flag
+            # (zeroing what follows the header), as the CPU path below does from its stats.
+            from . import _cuda_thc
+            _cuda_thc.encode(self._native, quantize, math.sqrt(D) / M if quantize else 0.0, T,
+                             (2.0 * T / g) * unit, -T * unit, self._sign_stream(), self._round_stream(), flat, e,
+                             WORD_KINDS[L.payload_dtype], payload, L.words_offset, L.norm_offset + self.rank)
+            fingerprint = self._fingerprint()
+            payload[HDR_CONTRIBUTORS] = 1
+            payload[HDR_FINGERPRINT] = fingerprint
+            self._fingerprint_used = fingerprint
+            self._pending = True
+            return payload
         st = _backend.thc_encode(self._native, quantize, self._lo, self._width, self._inv_width,
                                  math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit, -T * unit,
                                  self._sign_stream(), self._round_stream(), flat, e, WORD_KINDS[L.payload_dtype],
@@ -476,6 +499,11 @@ class THCCodec:
         else:  # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly
             slot.view(torch.float64)[0] = math.sqrt(st.sum_squares)
         return payload
+
+    @property
+    def _on_cuda(self) -> bool:
+        """Whether the kernels are the CUDA backend's (a CUDA device, or the host emulation of the tests)."""
+        return getattr(self._native, "is_cuda_thc", False)
 
     def _sign_stream(self) -> int:
         return _backend.thc_sign_stream(self.seed, self._step)
@@ -522,15 +550,18 @@ class THCCodec:
         self._pending = False
         self._step += 1
 
-        header = payload[:HEADER_FIELDS].double().mul(mult).tolist()
+        head = payload[:L.words_offset]
+        if head.device.type != "cpu":
+            head = head.cpu()   # one copy (and sync) for the header and the norm slots
+        header = head[:HEADER_FIELDS].double().mul(mult).tolist()
         ints = []
         for v in header:
             r = round(v) if math.isfinite(v) else None
             ints.append(r if r is not None and abs(v - r) <= (0.5 if averaged else 0.0) else None)
         if L.payload_dtype == torch.float64:
-            norms = payload[L.norm_offset:L.words_offset].mul(mult)
+            norms = head[L.norm_offset:L.words_offset].mul(mult)
         else:
-            norms = payload[L.norm_offset:L.words_offset].view(torch.float64).clone()
+            norms = head[L.norm_offset:L.words_offset].view(torch.float64).clone()
         contributors, fingerprint, non_finite = ints
         if contributors != n:
             hint = ""
@@ -558,7 +589,7 @@ class THCCodec:
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
                                 or out.numel() != L.numel or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous float32 tensor of {L.numel} elements on {self.device}")
-        y = out.view(-1) if out is not None else torch.empty(L.numel, dtype=torch.float32)
+        y = out.view(-1) if out is not None else torch.empty(L.numel, dtype=torch.float32, device=self.device)
         if non_finite:
             if self.non_finite == "raise":
                 raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")
@@ -574,8 +605,13 @@ class THCCodec:
             a /= n          # average = S a / n + b
         else:
             b *= n          # sum = S a + n b
-        bad = _backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
-                                  payload[L.words_offset:], mult, a, b, y, self.num_threads)
+        if self._on_cuda:
+            from . import _cuda_thc
+            bad = _cuda_thc.decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
+                                   payload[L.words_offset:], mult, a, b, y)
+        else:
+            bad = _backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
+                                      payload[L.words_offset:], mult, a, b, y, self.num_threads)
         if bad:
             raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
                              f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `make cuda-check`: compile every CUDA source of the project without a GPU.
-#  1. csrc/cuda/codec_cuda.cu (the kernels and their launcher) with nvcc for sm_80 and sm_90,
+#  1. csrc/cuda/codec_cuda.cu (the kernels of codec_kernels.cuh and THC's thc_kernels.cuh, and their
+#     launcher) with nvcc for sm_80 and sm_90,
 #     warnings as errors (the host pass ignores the device-only `#pragma unroll`), and the resource report (registers, spills) of every kernel kept in the log;
 #  2. csrc/cuda/bindings_cuda.cpp (the pybind11 module) with the host compiler;
-#  3. csrc/cuda/codec_kernels.cuh through NVRTC, as the CuPy run-time path compiles it
+#  3. csrc/cuda/codec_kernels.cuh and thc_kernels.cuh through NVRTC, as the CuPy run-time path compiles them
 #     (libnvrtc from the nvidia-cuda-nvrtc wheel, installed into .venv on first use when PyPI is
 #     reachable; without it this step says SKIPPED).
 # Exits 0 with a SKIPPED line when nvcc is absent.
@@ -27,7 +28,10 @@ for arch in 80 90; do
   if grep -E "bytes spill (stores|loads)" "$OUT/ptxas_sm${arch}.log" | grep -vq " 0 bytes spill stores, 0 bytes spill loads"; then
     echo "cuda-check: note: register spills for sm_${arch} (see $OUT/ptxas_sm${arch}.log)"
   fi
-  echo "cuda-check: nvcc sm_${arch}: ok"
+  for k in thc_encode_blocks thc_decode_blocks thc_fwht_columns lhc_peel_values; do
+    grep -q "entry function '$k'" "$OUT/ptxas_sm${arch}.log" || { echo "cuda-check: kernel $k missing from sm_${arch}"; exit 1; }
+  done
+  echo "cuda-check: nvcc sm_${arch}: ok (lossless codec and THC kernels)"
 done
 c++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -Icsrc/cuda $("$PY" -m pybind11 --includes) \
   csrc/cuda/bindings_cuda.cpp

@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: everything the CUDA backend needs checked and measured there.
 #
-#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test bench1 sanitize bench5 (default: all, in order)
+#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench bench1 sanitize bench5 thcsanitize
+#                                               (default: build test thcbench bench1 sanitize bench5, in order)
+#   THC's CUDA backend in one call: bash scripts/gpu_session.sh build test thcbench thcsanitize
 #
 # Run from the repository root on the GPU machine (the device tool: `run` with this command; the
 # machine has python3 with torch (CUDA), CuPy, pybind11, pytest, hypothesis and nvcc, no network).
 #   build     LHC_CUDA=1 python3 setup.py build_ext --inplace: lossless_hc._C and _C_cuda (nvcc missing
 #             is an error), and a look at the GPU (nvidia-smi, versions)
-#   test      pytest -m gpu (tests/test_cuda.py, both the compiled and the CuPy/NVRTC kernels) and the
-#             source-consistency tests
+#   test      pytest -m gpu (tests/test_cuda.py and tests/test_cuda_thc.py, both the compiled and the
+#             CuPy/NVRTC kernels) and the source-consistency tests
+#   thcbench  python -m lossless_hc.bench thc --device cuda --numel 67108864 --workers 8: THC encode/decode
+#             time on the GPU, NMSE, and every payload and output checked bit for bit against CPU codecs
+#             run in lockstep (exit status 1 if any differs)
+#   thcsanitize  compute-sanitizer memcheck and racecheck on THC's CUDA tests (both kernel paths)
 #   bench1    python -m lossless_hc.bench codec --device cuda --numel 134217728 --density 0.01 --workers 8
 #   sanitize  compute-sanitizer memcheck (and racecheck) on the fuzzing and overflow tests
 #   bench5    the same benchmark at density 0.05
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset), at most 8 files:
-# summary.txt, build.log, test.log, sanitize.log, bench.log, bench-0.01.json, bench-0.05.json.
+# summary.txt, build.log, test.log, sanitize.log, bench.log, bench-0.01.json, bench-0.05.json, thc-bench.json
+# (thcbench writes its text to bench.log).
 # The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit):
 # a step that would not fit is skipped and says so; run the remaining steps in a second call.
 set -uo pipefail
@@ -26,7 +33,7 @@ START=$(date +%s)
 DEADLINE=$((START + ${LHC_SESSION_SECONDS:-560}))
 SUMMARY="$OUT/summary.txt"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test bench1 sanitize bench5)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test thcbench bench1 sanitize bench5)
 FAILED=0
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
   2>/dev/null | head -1)
@@ -84,9 +91,20 @@ for s in "${STEPS[@]}"; do
       step "racecheck" sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_blocks or (encode_matches_cpu and bloom-b1 and float32 and compiled)"
       ;;
+    thcbench)
+      step "thc bench" bench.log 240 "$PY" -m lossless_hc.bench thc --device cuda --numel 67108864 --workers 8 \
+        --json "$OUT/thc-bench.json"
+      ;;
+    thcsanitize)
+      step "thc memcheck" sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
+        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_thc.py \
+        -k "compiled and (b32 or tiny or b65536 or int64 or corrupted or worst_case or non_finite)"
+      step "thc racecheck" sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
+        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_thc.py -k "compiled and steps and (b1024 or b4096 or b65536)"
+      ;;
     bench1) bench 0.01 ;;
     bench5) bench 0.05 ;;
-    *) echo "unknown step $s (build test bench1 sanitize bench5)" | tee -a "$SUMMARY"; FAILED=1 ;;
+    *) echo "unknown step $s (build test thcbench bench1 sanitize bench5 thcsanitize)" | tee -a "$SUMMARY"; FAILED=1 ;;
   esac
 done
 
@@ -97,5 +115,7 @@ cat "$SUMMARY"
 grep -hE "passed|failed|error" "$OUT/test.log" 2>/dev/null | tail -4
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log" 2>/dev/null
 grep -hE "^(command|device|device-to-device|encode \(|decode \(|decode ok|support keys|max abs error|bitwise)" \
+  "$OUT/bench.log" 2>/dev/null
+grep -hE "^(encode, one worker|decode of the aggregate|encode\(out=\)|bits per coordinate|NMSE vs the encoded|same bits as the CPU)" \
   "$OUT/bench.log" 2>/dev/null
 exit $FAILED

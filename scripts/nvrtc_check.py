@@ -1,4 +1,4 @@
-"""Compile csrc/cuda/codec_kernels.cuh with NVRTC, as the CuPy run-time path does, without a GPU.
+"""Compile csrc/cuda/codec_kernels.cuh and thc_kernels.cuh with NVRTC, as the CuPy run-time path does, without a GPU.
 
 Usage: python scripts/nvrtc_check.py [--arch 80 --arch 90]
 
@@ -17,8 +17,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-# What lossless_hc/_cuda.py hands NVRTC: the kernels header included from csrc/, C++17.
-SOURCE = '#include "cuda/codec_kernels.cuh"\n'
+# What lossless_hc/_cuda.py hands NVRTC: the kernels headers included from csrc/, C++17.
+SOURCE = '#include "cuda/codec_kernels.cuh"\n#include "cuda/thc_kernels.cuh"\n'
 
 
 def find_libnvrtc() -> str | None:

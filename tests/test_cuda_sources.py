@@ -12,10 +12,12 @@ from lossless_hc import _cuda
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER_PATH = ROOT / "csrc" / "cuda" / "codec_kernels.cuh"
 HEADER = HEADER_PATH.read_text()
+THC_HEADER_PATH = ROOT / "csrc" / "cuda" / "thc_kernels.cuh"
+THC_HEADER = THC_HEADER_PATH.read_text()
 
 
-def enum_names(name: str) -> list:
-    body = re.search(r"enum\s+" + name + r"\s*:\s*\w+\s*\{(.*?)\};", HEADER, re.S).group(1)
+def enum_names(name: str, header: str = HEADER) -> list:
+    body = re.search(r"enum\s+" + name + r"\s*:\s*\w+\s*\{(.*?)\};", header, re.S).group(1)
     return [m.group(1) for m in re.finditer(r"^\s*(k\w+)", body, re.M)]
 
 
@@ -34,9 +36,9 @@ def test_decode_flags_follow_the_header_enum():
     assert as_camel == flags
 
 
-def launches():
-    """(kernel name, argument count, line) of every launch.launch(...) call in _cuda.py."""
-    tree = ast.parse(pathlib.Path(_cuda.__file__).read_text())
+def launches(module=_cuda):
+    """(kernel name, argument count, line) of every launch.launch(...) call in _cuda.py (or module)."""
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
     out = []
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "launch"
@@ -57,7 +59,7 @@ def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
 
 def test_every_kernel_parameter_is_eight_bytes():
     """The launchers pass 64-bit words: a 4-byte parameter would be read misaligned."""
-    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', HEADER):
+    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', HEADER + THC_HEADER):
         for param in (p.strip() for p in m.group(2).split(",") if p.strip()):
             ok = "*" in param or re.match(r"(const\s+)?(uint64_t|double)\s+\w+$", param)
             assert ok, f"{m.group(1)}: parameter {param!r} is not a pointer, uint64_t or double"
@@ -65,7 +67,43 @@ def test_every_kernel_parameter_is_eight_bytes():
 
 def test_compiled_module_holds_every_header_kernel():
     mod = pytest.importorskip("lossless_hc._C_cuda", reason="lossless_hc._C_cuda not built (no nvcc at build time)")
-    kernels = _cuda.header_kernels(HEADER_PATH)
+    kernels = _cuda.header_kernels()   # every header of the module: the lossless codec's and THC's
+    assert set(_cuda.header_kernels(HEADER_PATH)) | set(_cuda.header_kernels(THC_HEADER_PATH)) == set(kernels)
     assert sorted(mod.kernel_names()) == sorted(kernels)
     for name, arity in kernels.items():
         assert mod.kernel_arity(name) == arity, name
+
+
+# -- THC (csrc/cuda/thc_kernels.cuh, lossless_hc/_cuda_thc.py) ------------------------------------
+def test_thc_layout_words_follow_the_header_enum():
+    from lossless_hc import _cuda_thc
+    names = enum_names("ThcLayoutWord", THC_HEADER)
+    assert names[-1] == "kThcLayoutWords"
+    camel = ["kTl" + "".join(part.capitalize() for part in w.split("_")) for w in _cuda_thc.LAYOUT_WORDS]
+    assert camel == names[:-1]
+
+
+def test_thc_constants_follow_the_headers():
+    from lossless_hc import _cuda_thc
+    const = lambda name, text: int(re.search(name + r"\s*=\s*(\d+)", text).group(1))  # noqa: E731
+    math_h = (ROOT / "csrc" / "thc_math.h").read_text()
+    assert const("kThcThreads", THC_HEADER) == _cuda_thc.THREADS
+    assert const("kThcTile", THC_HEADER) == _cuda_thc.TILE
+    assert const("kThcNormChunk", math_h) == _cuda_thc.NORM_CHUNK
+    assert const("kThcTreeWidth", math_h) == _cuda_thc.TREE_WIDTH
+    assert re.search(r"sizeof\(ThcState\) == (\d+)", THC_HEADER).group(1) == str(_cuda_thc.STATE_BYTES)
+
+
+def test_every_thc_launch_passes_as_many_arguments_as_the_kernel_takes():
+    from lossless_hc import _cuda_thc
+    kernels = _cuda.header_kernels(THC_HEADER_PATH)
+    calls = launches(_cuda_thc)
+    assert {name for name, _, _ in calls} == set(kernels), "every THC kernel is launched, and only those"
+    for name, nargs, line in calls:
+        assert kernels[name] == nargs, f"_cuda_thc.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
+
+
+def test_nvrtc_source_includes_every_kernel_header():
+    src = _cuda._nvrtc_source()
+    for path in _cuda.KERNEL_HEADERS:
+        assert f'#include "cuda/{path.name}"' in src

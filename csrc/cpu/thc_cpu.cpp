@@ -1,6 +1,8 @@
 // CPU kernels of the THC codec (see thc_cpu.h for the contracts).
 #include "thc_cpu.h"
 
+#include "../thc_math.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -14,14 +16,7 @@ namespace {
 
 int thc_threads(int num_threads) { return num_threads > 0 ? num_threads : omp_get_max_threads(); }
 
-// Flip the IEEE sign bit of v when bit is 1: multiplying by +-1 without a branch or a multiply.
-inline float flip_sign(float v, uint32_t bit) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  u ^= bit << 31;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
+inline float flip_sign(float v, uint32_t bit) { return thc_flip_sign(v, bit); }
 
 // In-place unnormalised Walsh-Hadamard transform of n = 2^k floats (Sylvester order):
 // a <- H_n a with H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]]. Cloned for AVX-512 and AVX2: the
@@ -145,17 +140,22 @@ void thc_rht_inverse(const ThcLayout& L, uint64_t sign_stream, float* y, float* 
 
 namespace {
 
-// Sum of squares of a[0, n) in 16 float lanes (vectorisable; a fixed order, so deterministic),
-// finished in double.
-inline double sum_squares(const float* __restrict a, uint64_t n) {
-  float lanes[16] = {0};
-  uint64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * a[i + l];
-  double total = 0.0;
-  for (; i < n; ++i) total += (double)a[i] * (double)a[i];
-  for (int l = 0; l < 16; ++l) total += (double)lanes[l];
-  return total;
+// The squared norm's chunk partials (thc_chunk_sum_squares, thc_math.h), compiled per ISA level so its
+// fused multiply-adds are instructions, not library calls.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+double chunk_sum_squares(const float* x, const float* e, uint64_t count) {
+  return thc_chunk_sum_squares(x, e, count);
+}
+
+// Every chunk partial from x + e directly (used when the Hadamard block is smaller than a chunk).
+void chunk_partials(const ThcLayout& L, const float* x, const float* e, double* partial, int nt) {
+  const uint64_t nchunks = (L.padded + kThcNormChunk - 1) / kThcNormChunk;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t c = 0; c < (int64_t)nchunks; ++c) {
+    const uint64_t start = (uint64_t)c * kThcNormChunk;
+    const uint64_t count = start >= L.numel ? 0 : std::min<uint64_t>(kThcNormChunk, L.numel - start);
+    partial[c] = chunk_sum_squares(x + start, e ? e + start : nullptr, count);
+  }
 }
 
 // Levels of the block's coords [0, B) (global index start + i) into q, and, with WriteBack, the
@@ -165,29 +165,18 @@ template <bool WriteBack>
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void quantize_block(const ThcQuantizer& Q, uint32_t g, uint64_t round_stream, uint64_t start, uint64_t count,
                     float* __restrict y, uint32_t* __restrict q) {
-  const float T = Q.threshold, to_level = (float)g / (2.0f * Q.threshold), scale = Q.scale;
-  const float gf = (float)g, da = Q.dequant_a, db = Q.dequant_b;
-  const int32_t kmax = (int32_t)g - 1;
-  const float* __restrict lo_t = Q.lo;
-  const float* __restrict width_t = Q.width;
-  const float* __restrict inv_t = Q.inv_width;
+  // thc_level / thc_dequantize (thc_math.h): the same operations as the CUDA kernels.
+  const ThcRounding R = thc_rounding(Q.lo, Q.width, Q.inv_width, Q.scale, Q.threshold, g);
+  const float da = Q.dequant_a, db = Q.dequant_b;
   const uint32_t key_lo = (uint32_t)round_stream;
   const uint32_t key_hi = (uint32_t)(round_stream >> 32) ^ ((uint32_t)(start >> 32) * 0x9e3779b9u);
   const uint32_t first = (uint32_t)start;
   for (uint64_t i = 0; i < count; ++i) {
-    float z = y[i] * scale;
-    z = std::min(std::max(z, -T), T);
-    const float u = std::min(std::max((z + T) * to_level, 0.0f), gf);
-    const int32_t k = std::min((int32_t)u, kmax);
-    // Unconditional table loads (gathers) and a select: no control flow, so the loop vectorises.
-    const float lo = lo_t[k], width = width_t[k];
-    const float p_up = (u - lo) * inv_t[k];
-    // thc_uniform24 with the per-block halves of the key hoisted (same bits).
+    // thc_uniform24(round_stream, start + i) with the per-block halves of the key hoisted (same bits).
     const uint32_t h = fmix32((first + (uint32_t)i) ^ key_lo);
-    const float draw = (float)(int32_t)(fmix32(h + key_hi) >> 8) * (1.0f / 16777216.0f);
-    const float level = lo + (draw < p_up ? width : 0.0f);
+    const float level = thc_level(R, y[i], thc_draw(fmix32(h + key_hi) >> 8));
     q[i] = (uint32_t)(int32_t)level;
-    if (WriteBack) y[i] = level * da + db;
+    if (WriteBack) y[i] = thc_dequantize(level, da, db);
   }
 }
 
@@ -229,7 +218,7 @@ void digits_full_words_f64(double* __restrict s, uint64_t nwords, double base_d,
         double quot = round_small(v[l] * inv_base);
         const double rem = v[l] - quot * base_d;   // exact; off by one base at most
         quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
-        out[j][l] = (float)((v[l] - quot * base_d) * a + b);
+        out[j][l] = thc_digit_value(v[l] - quot * base_d, a, b);
         v[l] = quot;
       }
     }
@@ -243,7 +232,7 @@ void digits_full_words_f64(double* __restrict s, uint64_t nwords, double base_d,
       double quot = round_small(v * inv_base);
       const double rem = v - quot * base_d;
       quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
-      y[w0 * PW + j] = (float)((v - quot * base_d) * a + b);
+      y[w0 * PW + j] = thc_digit_value(v - quot * base_d, a, b);
       v = quot;
     }
   }
@@ -323,7 +312,7 @@ uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t nwords, 
       quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
       const double digit = v - quot * base_d;
       s[w] = quot;
-      y[w * per_word + j] = (float)(digit * a + b);
+      y[w * per_word + j] = thc_digit_value(digit, a, b);
     }
   }
   return bad;
@@ -366,7 +355,7 @@ uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwords, uin
         quot = digit < 0 ? quot - 1 : (digit >= base_d ? quot + 1 : quot);
         digit = s - quot * base_d;
         s = quot;
-        y[first + j] = (float)(digit * a + b);
+        y[first + j] = thc_digit_value(digit, a, b);
       }
     } else {
       const int64_t v = static_cast<const int64_t*>(words)[w];
@@ -376,7 +365,7 @@ uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwords, uin
         s = 0;
       }
       for (uint64_t j = 0; j < have; ++j) {
-        y[first + j] = (float)((double)(s % base) * a + b);
+        y[first + j] = thc_digit_value((double)(s % base), a, b);
         s /= base;
       }
     }
@@ -420,10 +409,14 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
     st.non_finite = 1;  // nothing written: e keeps its value
     return st;
   }
-  const uint64_t B = L.block, nblocks = L.padded / L.block, ngroups = thc_groups(L), GB = L.group_blocks;
+  const uint64_t B = L.block, ngroups = thc_groups(L), GB = L.group_blocks;
   const float inv_sqrt = (float)(1.0 / std::sqrt((double)B));
   const bool fits_double = horner_fits_double(L);
-  std::vector<double> partial(nblocks, 0.0);
+  // ||x + e||^2 in the fixed order of thc_math.h: chunk partials, then the tree.
+  const uint64_t nchunks = (L.padded + kThcNormChunk - 1) / kThcNormChunk;
+  const bool chunks_in_blocks = B >= kThcNormChunk;   // else computed here, before the blocks
+  std::vector<double> partial(nchunks, 0.0);
+  if (!chunks_in_blocks) chunk_partials(L, x, e, partial.data(), nt);
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> buf(GB * B);
@@ -442,7 +435,12 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
         } else {
           for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i];
         }
-        partial[bi] = sum_squares(y, valid);
+        if (chunks_in_blocks)
+          for (uint64_t c = 0; c < B / kThcNormChunk; ++c) {
+            const uint64_t off = c * kThcNormChunk;
+            partial[(start + off) / kThcNormChunk] =
+                chunk_sum_squares(y + off, nullptr, valid > off ? std::min<uint64_t>(kThcNormChunk, valid - off) : 0);
+          }
         if (!Q) {  // norm-only round: the whole of v stays owed
           if (eb) std::copy(y, y + valid, eb);
           continue;
@@ -473,7 +471,7 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
       }
     }
   }
-  for (uint64_t b = 0; b < nblocks; ++b) st.sum_squares += partial[b];  // block order: deterministic
+  st.sum_squares = thc_tree_sum(partial.data(), nchunks);
   if (!std::isfinite(st.sum_squares)) {
     // x was finite but x + e (or its square) overflowed float32: the memory is unusable.
     st.non_finite = 2;

@@ -2,7 +2,9 @@
 // integer table with digit packing, unpacking with exactness checks. Raw pointers and sizes only.
 //
 // Every kernel is deterministic: parallel loops write disjoint outputs, and the one reduction (the
-// squared norm) sums per-block partials in block order, so results do not depend on thread count.
+// squared norm) runs in the fixed order of thc_math.h, so results do not depend on thread count. The
+// per-coordinate arithmetic (levels, dequantization, digits, norm) is thc_math.h's, shared with the
+// CUDA kernels (csrc/cuda/thc_kernels.cuh), which therefore produce the same payload bits.
 #pragma once
 
 #include <cstdint>
@@ -57,7 +59,7 @@ struct ThcEncodeStats {
 //   levels packed into the block's words (see ThcLayout); with e:
 //   e <- v - RHT^{-1}(level * dequant_a + dequant_b).
 // With Q null (a norm-only round) nothing is quantized, `words` is not touched and e <- x + e.
-// Returns ||v||^2 (block partials summed in block order).
+// Returns ||v||^2 (chunk partials and tree of thc_math.h: independent of block size and threads).
 ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
                           const float* x, float* e, int32_t word_kind, void* words, int num_threads);
 

@@ -1,5 +1,5 @@
 // The kernel table and launcher of lossless_hc._C_cuda (see codec_cuda.h). The kernels themselves
-// live in codec_kernels.cuh, which the CuPy run-time path compiles unchanged through NVRTC.
+// live in codec_kernels.cuh (and thc_kernels.cuh for THC), which the CuPy run-time path compiles unchanged through NVRTC.
 #include "codec_cuda.h"
 
 #include <cuda_runtime.h>
@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "codec_kernels.cuh"
+#include "thc_kernels.cuh"
 
 namespace lhc {
 namespace cuda {
@@ -37,6 +38,12 @@ const KernelEntry kKernels[] = {
     LHC_KERNEL(lhc_degree_tiles),     LHC_KERNEL(lhc_degree_offsets),     LHC_KERNEL(lhc_fill_adjacency),
     LHC_KERNEL(lhc_sort_adjacency),   LHC_KERNEL(lhc_load_cells),         LHC_KERNEL(lhc_peel_values),
     LHC_KERNEL(lhc_write_output),
+    // THC (thc_kernels.cuh)
+    LHC_KERNEL(thc_check_finite),  LHC_KERNEL(thc_norm_chunks),  LHC_KERNEL(thc_tree_pass),
+    LHC_KERNEL(thc_pack_words),  LHC_KERNEL(thc_encode_finish),  LHC_KERNEL(thc_accumulate),
+    LHC_KERNEL(thc_encode_blocks),  LHC_KERNEL(thc_decode_blocks),  LHC_KERNEL(thc_rht_tiles),
+    LHC_KERNEL(thc_fwht_tiles),  LHC_KERNEL(thc_fwht_columns),  LHC_KERNEL(thc_quantize_coords),
+    LHC_KERNEL(thc_feedback_coords),  LHC_KERNEL(thc_unpack_words),  LHC_KERNEL(thc_rht_output),
 };
 
 const KernelEntry* find(const std::string& name) {

@@ -1,5 +1,5 @@
 // A Python module (built by tests/test_cuda_emulated.py) that runs the CUDA kernels of
-// csrc/cuda/codec_kernels.cuh on host threads through cuda_emulation.h, with the launch interface of
+// csrc/cuda/codec_kernels.cuh and thc_kernels.cuh on host threads through cuda_emulation.h, with the launch interface of
 // lossless_hc._C_cuda: launch(name, grid, block, args, stream, cooperative).
 #include "cuda_emulation.h"
 
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/codec_kernels.cuh"
+#include "cuda/thc_kernels.cuh"
 
 thread_local EmuThread emu_thread;
 
@@ -51,6 +52,12 @@ const std::vector<Entry>& table() {
       EMU_KERNEL(lhc_degree_tiles),       EMU_KERNEL(lhc_degree_offsets),     EMU_KERNEL(lhc_fill_adjacency),
       EMU_KERNEL(lhc_sort_adjacency),     EMU_KERNEL(lhc_load_cells),         EMU_KERNEL(lhc_peel_values),
       EMU_KERNEL(lhc_write_output),
+      // THC (csrc/cuda/thc_kernels.cuh)
+      EMU_KERNEL(thc_check_finite),  EMU_KERNEL(thc_norm_chunks),  EMU_KERNEL(thc_tree_pass),
+      EMU_KERNEL(thc_pack_words),  EMU_KERNEL(thc_encode_finish),  EMU_KERNEL(thc_accumulate),
+      EMU_KERNEL(thc_encode_blocks),  EMU_KERNEL(thc_decode_blocks),  EMU_KERNEL(thc_rht_tiles),
+      EMU_KERNEL(thc_fwht_tiles),  EMU_KERNEL(thc_fwht_columns),  EMU_KERNEL(thc_quantize_coords),
+      EMU_KERNEL(thc_feedback_coords),  EMU_KERNEL(thc_unpack_words),  EMU_KERNEL(thc_rht_output),
   };
   return t;
 }

@@ -1,0 +1,509 @@
+// thc_kernels.cuh -- CUDA kernels of the THC codec (lossless_hc/thc.py, device="cuda").
+//
+// Device code only, like codec_kernels.cuh: compiled by nvcc into lossless_hc._C_cuda (codec_cuda.cu
+// holds the kernel table), by NVRTC on the CuPy path, and by the host compiler against
+// tests/cuda_emulation/cuda_emulation.h in tests/test_cuda_thc_emulated.py. The launch sequence
+// lives in lossless_hc/_cuda_thc.py. Every parameter is 8 bytes (a pointer, a uint64_t or a double
+// whose float value is what the CPU backend receives as a float).
+//
+// Agreement with the CPU backend (csrc/cpu/thc_cpu.cpp): every per-coordinate operation comes from
+// csrc/thc_math.h, the signs and draws from csrc/lhc_layout.h, the squared norm runs in the same fixed
+// chunk + tree order, and the Walsh-Hadamard butterflies run stage by stage (h = 1, 2, 4, ...) with
+// the same additions, so payload words, the norm slot, the error memory and the decoded output are
+// the same bits as the CPU's for the same inputs and streams.
+//
+// Two paths, chosen by the Hadamard block B (the layout's `block`):
+//  * B <= kThcTile (the default 1024): one CUDA block per Hadamard block, in shared memory:
+//    thc_encode_blocks (x + e, norm partials, signs, FWHT, levels, dequantization, inverse FWHT,
+//    error feedback) and thc_decode_blocks (digits of the block's words, FWHT, signs, output).
+//  * B > kThcTile (hadamard_block up to 2^20): the transform in passes over a padded float scratch y:
+//    thc_rht_tiles / thc_fwht_tiles (stages h < kThcTile, one tile per CUDA block in shared memory),
+//    thc_fwht_columns (stages h >= kThcTile: columns of the block seen as a (B / kThcTile) x kThcTile
+//    matrix), and the elementwise thc_quantize_coords, thc_feedback_coords, thc_unpack_words,
+//    thc_rht_output.
+// Shared by both: thc_check_finite, thc_norm_chunks, thc_pack_words, thc_tree_pass,
+// thc_encode_finish, thc_accumulate.
+#pragma once
+
+#include "../lhc_layout.h"
+#include "../thc_math.h"
+
+namespace lhc {
+namespace gpu {
+
+// Order of the uint64 words describing a ThcLayout (mirrored by lossless_hc/_cuda_thc.py LAYOUT_WORDS).
+enum ThcLayoutWord : int {
+  kTlNumel = 0,
+  kTlPadded,
+  kTlBlock,
+  kTlGranularity,
+  kTlBase,
+  kTlPerWord,
+  kTlGroupBlocks,
+  kTlWords,
+  kThcLayoutWords,
+};
+
+// Device state of one encode or decode (zeroed by the host first; read back by the host after decode).
+struct ThcState {
+  unsigned int non_finite;       // encode: 1 if x held NaN/Inf (then no kernel touches e or the words)
+  unsigned int pad;
+  double sum_squares;            // encode: ||x + e||^2 (the last thc_tree_pass writes it)
+  unsigned long long bad_words;  // decode: words that are not valid aggregates
+  unsigned long long pad2;
+};
+static_assert(sizeof(ThcState) == 32, "ThcState: 32 bytes (lossless_hc/_cuda_thc.py STATE_BYTES)");
+
+constexpr unsigned int kThcThreads = 256;  // block size of every THC kernel (kThcNormLanes lanes)
+constexpr uint64_t kThcTile = 4096;        // Hadamard blocks up to this size are done in shared memory
+static_assert(kThcThreads == kThcNormLanes, "one thread per norm lane");
+
+__device__ __forceinline__ ThcLayout thc_load_layout(const uint64_t* w) {
+  ThcLayout L;
+  L.numel = w[kTlNumel];
+  L.padded = w[kTlPadded];
+  L.block = w[kTlBlock];
+  L.granularity = (uint32_t)w[kTlGranularity];
+  L.base = (uint32_t)w[kTlBase];
+  L.per_word = (uint32_t)w[kTlPerWord];
+  L.group_blocks = (uint32_t)w[kTlGroupBlocks];
+  L.words = w[kTlWords];
+  return L;
+}
+
+__device__ __forceinline__ uint64_t thc_min(uint64_t a, uint64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint64_t thc_valid(const ThcLayout& L, uint64_t start, uint64_t count) {
+  return start >= L.numel ? 0 : thc_min(count, L.numel - start);
+}
+__device__ __forceinline__ bool thc_is_finite(float v) { return fabsf(v) <= 3.402823466e38f; }
+__device__ __forceinline__ bool thc_is_finite(double v) { return fabs(v) <= 1.7976931348623157e308; }
+__device__ __forceinline__ double thc_dmul(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);  // never fused into a following subtraction
+#else
+  return a * b;
+#endif
+}
+
+// In-place unnormalised Walsh-Hadamard transform of y[0, n) in shared memory (n a power of two), the
+// CPU's stages in the CPU's order: for h = 1, 2, ..., n/2, (y[i], y[i + h]) <- (y[i] + y[i + h],
+// y[i] - y[i + h]). The caller synchronises before (y written by other threads); this returns synchronised.
+__device__ __forceinline__ void thc_fwht_shared(float* y, uint32_t n) {
+  for (uint32_t h = 1; h < n; h <<= 1) {
+    for (uint32_t p = threadIdx.x; p < n / 2; p += blockDim.x) {
+      const uint32_t i = ((p & ~(h - 1)) << 1) | (p & (h - 1));
+      const float u = y[i], v = y[i + h];
+      y[i] = thc_add(u, v);
+      y[i + h] = thc_sub(u, v);
+    }
+    __syncthreads();
+  }
+}
+
+// d[0, n) (n a power of two, shared): the tree of thc_tree_pow2. Synchronised before and after.
+__device__ __forceinline__ void thc_tree_shared(double* d, uint32_t n) {
+  for (uint32_t s = n >> 1; s > 0; s >>= 1) {
+    for (uint32_t i = threadIdx.x; i < s; i += blockDim.x) d[i] = thc_dadd(d[i], d[i + s]);
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ void thc_store_level(void* levels, uint64_t level_bytes, uint64_t i, float level) {
+  if (level_bytes == 1)
+    static_cast<unsigned char*>(levels)[i] = (unsigned char)(int32_t)level;
+  else
+    static_cast<uint32_t*>(levels)[i] = (uint32_t)(int32_t)level;
+}
+__device__ __forceinline__ uint64_t thc_load_level(const void* levels, uint64_t level_bytes, uint64_t i) {
+  return level_bytes == 1 ? (uint64_t) static_cast<const unsigned char*>(levels)[i]
+                          : (uint64_t) static_cast<const uint32_t*>(levels)[i];
+}
+
+__device__ __forceinline__ ThcRounding thc_load_rounding(const float* table, uint32_t g, double scale,
+                                                         double threshold) {
+  // table: lo[g], width[g], inv_width[g] (float32), as lossless_hc/thc.py builds them.
+  return thc_rounding(table, table + g, table + 2 * g, (float)scale, (float)threshold, g);
+}
+
+// An aggregated word -> its validity and value. Float64 words: word * multiplier must be within
+// `tolerance` of an integer in [0, base^have - 1]; int64 words: in that range. Invalid words read as 0.
+struct ThcWord {
+  bool ok;
+  double f;     // float64 kind: the integer value, exact (< 2^53)
+  uint64_t u;   // int64 kind
+};
+__device__ __forceinline__ ThcWord thc_read_word(const void* words, uint64_t word_kind, uint64_t w, double multiplier,
+                                                 double tolerance, uint64_t base, uint32_t have) {
+  ThcWord r;
+  const uint64_t limit = thc_pow(base, have) - 1;
+  if (word_kind == 0) {
+    const double t = thc_dmul(static_cast<const double*>(words)[w], multiplier);
+    const double s = rint(t);
+    r.ok = (fabs(t - s) <= tolerance) && (s >= 0.0) && (s <= (double)limit);
+    r.f = r.ok ? s : 0.0;
+    r.u = 0;
+  } else {
+    const long long v = static_cast<const long long*>(words)[w];
+    r.ok = v >= 0 && (uint64_t)v <= limit;
+    r.u = r.ok ? (uint64_t)v : 0;
+    r.f = 0.0;
+  }
+  return r;
+}
+
+// Digit j (0 = least significant) of every digit of a word, in order, through `emit(j, digit)`.
+template <typename Emit>
+__device__ __forceinline__ void thc_word_digits(const ThcWord& wd, uint64_t word_kind, uint64_t base, uint32_t have,
+                                                Emit emit) {
+  if (word_kind == 0) {
+    // Exact in doubles: s < 2^53 and quot * base <= s + base < 2^53; one correction of the estimate.
+    const double base_d = (double)base, inv_base = 1.0 / base_d;
+    double s = wd.f;
+    for (uint32_t j = 0; j < have; ++j) {
+      double quot = floor(s * inv_base);
+      double digit = s - quot * base_d;
+      quot = digit < 0 ? quot - 1 : (digit >= base_d ? quot + 1 : quot);
+      digit = s - quot * base_d;
+      s = quot;
+      emit(j, digit);
+    }
+  } else {
+    uint64_t s = wd.u;
+    for (uint32_t j = 0; j < have; ++j) {
+      emit(j, (double)(s % base));
+      s /= base;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// shared by both paths
+// ------------------------------------------------------------------------------------------------
+
+// state->non_finite |= 1 if any x[0, n) is NaN or Inf.
+extern "C" __global__ void thc_check_finite(const float* x, uint64_t n, ThcState* state) {
+  bool bad = false;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    bad |= !thc_is_finite(x[i]);
+  if (bad) atomicOr(&state->non_finite, 1u);
+}
+
+// partials[c] = the squared norm of chunk c of x + e (e may be null), the order of thc_chunk_sum_squares.
+extern "C" __global__ void thc_norm_chunks(const uint64_t* lay, const float* x, const float* e, double* partials,
+                                           ThcState* state) {
+  if (state->non_finite) return;
+  const ThcLayout L = thc_load_layout(lay);
+  const uint64_t nchunks = (L.padded + kThcNormChunk - 1) / kThcNormChunk;
+  __shared__ double red[kThcNormLanes];
+  const uint32_t t = threadIdx.x;
+  for (uint64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const uint64_t start = c * kThcNormChunk, count = thc_valid(L, start, kThcNormChunk);
+    float acc = 0.0f;
+    for (uint64_t i = t; i < count; i += kThcNormLanes) {
+      const float v = e ? thc_add(x[start + i], e[start + i]) : x[start + i];
+      acc = thc_fmaf(v, v, acc);
+    }
+    red[t] = (double)acc;
+    __syncthreads();
+    thc_tree_shared(red, kThcNormLanes);
+    if (t == 0) partials[c] = red[0];
+    __syncthreads();
+  }
+}
+
+// One level of the tree of thc_tree_sum: out[g] = the 1024-wide tree of in[1024 g, 1024 g + 1024)
+// (zero-padded past n).
+extern "C" __global__ void thc_tree_pass(const double* in, uint64_t n, double* out) {
+  __shared__ double d[kThcTreeWidth];
+  const uint64_t groups = (n + kThcTreeWidth - 1) / kThcTreeWidth;
+  for (uint64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    for (uint32_t i = threadIdx.x; i < kThcTreeWidth; i += blockDim.x) {
+      const uint64_t j = g * kThcTreeWidth + i;
+      d[i] = j < n ? in[j] : 0.0;
+    }
+    __syncthreads();
+    thc_tree_shared(d, kThcTreeWidth);
+    if (threadIdx.x == 0) out[g] = d[0];
+    __syncthreads();
+  }
+}
+
+// Levels (one per padded coordinate) -> the layout's words: digit c % per_word of word
+// thc_group_first_word(group) + c / per_word is the level of the group's coordinate c.
+extern "C" __global__ void thc_pack_words(const uint64_t* lay, const void* levels, uint64_t level_bytes,
+                                          uint64_t word_kind, void* words, ThcState* state) {
+  if (state->non_finite) return;
+  const ThcLayout L = thc_load_layout(lay);
+  const uint64_t coords = (uint64_t)L.group_blocks * L.block, per_group = thc_words_for(L, coords);
+  for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < L.words;
+       w += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t group = w / per_group, first = (w - group * per_group) * L.per_word;
+    const uint64_t count = thc_group_size(L, group) * L.block;
+    const uint32_t have = (uint32_t)thc_min(L.per_word, count - first);
+    const uint64_t c0 = group * coords + first;
+    uint64_t acc = 0;
+    for (uint32_t j = have; j-- > 0;) acc = acc * L.base + thc_load_level(levels, level_bytes, c0 + j);
+    if (word_kind == 0)
+      static_cast<double*>(words)[w] = (double)acc;  // exact: acc < 2^53 by the layout rule
+    else
+      static_cast<long long*>(words)[w] = (long long)acc;
+  }
+}
+
+// The end of an encode: the norm slot, or (x non-finite, or ||x + e||^2 overflowed) the non-finite
+// header flag with every word after the header zeroed, and e zeroed when it overflowed -- what
+// lossless_hc/thc.py does with the CPU backend's ThcEncodeStats.
+extern "C" __global__ void thc_encode_finish(void* payload, uint64_t payload_numel, uint64_t norm_slot,
+                                             uint64_t word_kind, float* e, uint64_t numel, ThcState* state) {
+  unsigned int flag = state->non_finite;
+  const double total = state->sum_squares;
+  if (!flag && !thc_is_finite(total)) flag = 2;
+  const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (uint64_t)gridDim.x * blockDim.x;
+  if (!flag) {
+    if (tid == 0) static_cast<double*>(payload)[norm_slot] = sqrt(total);  // int64 payload: the float64 bits
+    return;
+  }
+  // Header field 2 is the non-finite flag; fields 0 and 1 are the host's.
+  for (uint64_t i = 3 + tid; i < payload_numel; i += stride) static_cast<unsigned long long*>(payload)[i] = 0;
+  if (tid == 0) {
+    if (word_kind == 0)
+      static_cast<double*>(payload)[2] = 1.0;
+    else
+      static_cast<long long*>(payload)[2] = 1;
+  }
+  if (flag == 2 && e)
+    for (uint64_t i = tid; i < numel; i += stride) e[i] = 0.0f;
+}
+
+// The norm-only round of the transform-in-passes path: e <- x + e.
+extern "C" __global__ void thc_accumulate(const float* x, float* e, uint64_t numel, ThcState* state) {
+  if (state->non_finite) return;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += (uint64_t)gridDim.x * blockDim.x)
+    e[i] = thc_add(x[i], e[i]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// B <= kThcTile: one CUDA block per Hadamard block
+// ------------------------------------------------------------------------------------------------
+
+// Encode of every Hadamard block: v = x + e (e may be null); with partials non-null (B >= 1024) the
+// norm partials of the block's chunks; quantize == 0 (the norm-only round): e <- v; else y = H(s v)
+// / sqrt(B), levels (level_bytes 1 or 4 per padded coordinate) and, with e,
+// e <- v - s H(dequantized levels) / sqrt(B).
+extern "C" __global__ void thc_encode_blocks(const uint64_t* lay, const float* x, float* e, const float* table,
+                                             double scale, double threshold, double dequant_a, double dequant_b,
+                                             uint64_t sign_stream, uint64_t round_stream, uint64_t quantize,
+                                             void* levels, uint64_t level_bytes, double* partials, ThcState* state) {
+  if (state->non_finite) return;
+  const ThcLayout L = thc_load_layout(lay);
+  const uint64_t B = L.block, nblocks = L.padded / B;
+  __shared__ float y[kThcTile];
+  __shared__ double red[kThcNormLanes];
+  const float inv_sqrt = thc_inv_sqrt_block(B);
+  const ThcRounding R = thc_load_rounding(table, L.granularity, scale, threshold);
+  const float da = (float)dequant_a, db = (float)dequant_b;
+  const uint32_t t = threadIdx.x, nt = blockDim.x;
+  for (uint64_t bi = blockIdx.x; bi < nblocks; bi += gridDim.x) {
+    const uint64_t start = bi * B, valid = thc_valid(L, start, B);
+    for (uint32_t i = t; i < B; i += nt) y[i] = i < valid ? (e ? thc_add(x[start + i], e[start + i]) : x[start + i]) : 0.0f;
+    __syncthreads();
+    if (partials && B >= kThcNormChunk) {
+      for (uint64_t off = 0; off < B; off += kThcNormChunk) {
+        red[t] = (double)thc_norm_lane(y + off, valid > off ? thc_min(kThcNormChunk, valid - off) : 0, t);
+        __syncthreads();
+        thc_tree_shared(red, kThcNormLanes);
+        if (t == 0) partials[(start + off) / kThcNormChunk] = red[0];
+        __syncthreads();
+      }
+    }
+    if (!quantize) {
+      if (e)
+        for (uint32_t i = t; i < valid; i += nt) e[start + i] = y[i];
+      __syncthreads();
+      continue;
+    }
+    for (uint32_t i = t; i < B; i += nt)
+      y[i] = i < valid ? thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i)) : 0.0f;
+    __syncthreads();
+    thc_fwht_shared(y, (uint32_t)B);
+    for (uint32_t i = t; i < B; i += nt) {
+      const float level = thc_level(R, y[i], thc_draw(thc_uniform24(round_stream, start + i)));
+      thc_store_level(levels, level_bytes, start + i, level);
+      if (e) y[i] = thc_dequantize(level, da, db);
+    }
+    if (e) {
+      __syncthreads();
+      thc_fwht_shared(y, (uint32_t)B);
+      for (uint32_t i = t; i < valid; i += nt)
+        e[start + i] = thc_sub(thc_add(x[start + i], e[start + i]),
+                               thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i)));
+    }
+    __syncthreads();
+  }
+}
+
+// Decode of every Hadamard block: the digits of the words overlapping the block (a word may straddle
+// two blocks of a group; each block reads its own digits, and the block holding a word's first digit
+// checks it) -> digit * a + b -> FWHT -> signs / sqrt(B) -> out[0, numel).
+extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* words, uint64_t word_kind,
+                                             double multiplier, double a, double b, uint64_t sign_stream, float* out,
+                                             ThcState* state) {
+  const ThcLayout L = thc_load_layout(lay);
+  const uint64_t B = L.block, nblocks = L.padded / B, GB = L.group_blocks, pw = L.per_word, base = L.base;
+  const uint64_t per_group = thc_words_for(L, GB * B);
+  const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
+  const float inv_sqrt = thc_inv_sqrt_block(B);
+  __shared__ float y[kThcTile];
+  const uint32_t t = threadIdx.x, nt = blockDim.x;
+  unsigned long long bad = 0;
+  for (uint64_t bi = blockIdx.x; bi < nblocks; bi += gridDim.x) {
+    const uint64_t group = bi / GB, count = thc_group_size(L, group) * B;
+    const uint64_t cstart = (bi - group * GB) * B, cend = cstart + B;
+    const uint64_t w0 = cstart / pw, w1 = (cend - 1) / pw, first_word = group * per_group;
+    for (uint64_t w = w0 + t; w <= w1; w += nt) {
+      const uint64_t first = w * pw;
+      const uint32_t have = (uint32_t)thc_min(pw, count - first);
+      const ThcWord wd = thc_read_word(words, word_kind, first_word + w, multiplier, tolerance, base, have);
+      if (!wd.ok && first >= cstart) ++bad;
+      thc_word_digits(wd, word_kind, base, have, [&](uint32_t j, double digit) {
+        const uint64_t c = first + j;
+        if (c >= cstart && c < cend) y[c - cstart] = thc_digit_value(digit, a, b);
+      });
+    }
+    __syncthreads();
+    thc_fwht_shared(y, (uint32_t)B);
+    const uint64_t start = bi * B, valid = thc_valid(L, start, B);
+    for (uint32_t i = t; i < valid; i += nt)
+      out[start + i] = thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i));
+    __syncthreads();
+  }
+  if (bad) atomicAdd(&state->bad_words, bad);
+}
+
+// ------------------------------------------------------------------------------------------------
+// B > kThcTile: the transform in passes over y (padded floats)
+// ------------------------------------------------------------------------------------------------
+
+// y = s (x + e) / sqrt(B) (0 past numel), then the stages h < kThcTile of every tile.
+extern "C" __global__ void thc_rht_tiles(const uint64_t* lay, const float* x, const float* e, uint64_t sign_stream,
+                                         float* y, ThcState* state) {
+  if (state->non_finite) return;
+  const ThcLayout L = thc_load_layout(lay);
+  const float inv_sqrt = thc_inv_sqrt_block(L.block);
+  __shared__ float s[kThcTile];
+  for (uint64_t tile = blockIdx.x; tile < L.padded / kThcTile; tile += gridDim.x) {
+    const uint64_t start = tile * kThcTile, valid = thc_valid(L, start, kThcTile);
+    for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) {
+      float v = 0.0f;
+      if (i < valid) {
+        v = e ? thc_add(x[start + i], e[start + i]) : x[start + i];
+        v = thc_flip_sign(thc_mul(v, inv_sqrt), thc_sign_bit(sign_stream, start + i));
+      }
+      s[i] = v;
+    }
+    __syncthreads();
+    thc_fwht_shared(s, (uint32_t)kThcTile);
+    for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) y[start + i] = s[i];
+    __syncthreads();
+  }
+}
+
+// The stages h < kThcTile of every tile of y[0, padded).
+extern "C" __global__ void thc_fwht_tiles(float* y, uint64_t padded) {
+  __shared__ float s[kThcTile];
+  for (uint64_t tile = blockIdx.x; tile < padded / kThcTile; tile += gridDim.x) {
+    float* p = y + tile * kThcTile;
+    for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) s[i] = p[i];
+    __syncthreads();
+    thc_fwht_shared(s, (uint32_t)kThcTile);
+    for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) p[i] = s[i];
+    __syncthreads();
+  }
+}
+
+// The stages h = kThcTile, ..., B/2 of every Hadamard block: the block as R = B / kThcTile rows of
+// kThcTile; those stages are an R-point transform of every column. A CUDA block takes W = kThcTile / R
+// adjacent columns (R x W floats in shared memory; rows read as runs of W).
+extern "C" __global__ void thc_fwht_columns(const uint64_t* lay, float* y) {
+  const ThcLayout L = thc_load_layout(lay);
+  const uint32_t R = (uint32_t)(L.block / kThcTile), W = (uint32_t)(kThcTile / R);
+  const uint64_t items = L.padded / kThcTile;  // (blocks) x (kThcTile / W column strips)
+  __shared__ float s[kThcTile];
+  for (uint64_t it = blockIdx.x; it < items; it += gridDim.x) {
+    const uint64_t block = it / R, strip = it - block * R;
+    float* p = y + block * L.block + strip * W;
+    for (uint32_t i = threadIdx.x; i < R * W; i += blockDim.x) s[i] = p[(uint64_t)(i / W) * kThcTile + i % W];
+    __syncthreads();
+    for (uint32_t h = 1; h < R; h <<= 1) {
+      for (uint32_t q = threadIdx.x; q < (R / 2) * W; q += blockDim.x) {
+        const uint32_t col = q % W, pr = q / W;
+        const uint32_t r = ((pr & ~(h - 1)) << 1) | (pr & (h - 1));
+        const float u = s[r * W + col], v = s[(r + h) * W + col];
+        s[r * W + col] = thc_add(u, v);
+        s[(r + h) * W + col] = thc_sub(u, v);
+      }
+      __syncthreads();
+    }
+    for (uint32_t i = threadIdx.x; i < R * W; i += blockDim.x) p[(uint64_t)(i / W) * kThcTile + i % W] = s[i];
+    __syncthreads();
+  }
+}
+
+// Levels of every padded coordinate of y; with writeback, y <- the dequantized levels.
+extern "C" __global__ void thc_quantize_coords(const uint64_t* lay, float* y, const float* table, double scale,
+                                               double threshold, double dequant_a, double dequant_b,
+                                               uint64_t round_stream, void* levels, uint64_t level_bytes,
+                                               uint64_t writeback, ThcState* state) {
+  if (state->non_finite) return;
+  const ThcLayout L = thc_load_layout(lay);
+  const ThcRounding R = thc_load_rounding(table, L.granularity, scale, threshold);
+  const float da = (float)dequant_a, db = (float)dequant_b;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < L.padded;
+       i += (uint64_t)gridDim.x * blockDim.x) {
+    const float level = thc_level(R, y[i], thc_draw(thc_uniform24(round_stream, i)));
+    thc_store_level(levels, level_bytes, i, level);
+    if (writeback) y[i] = thc_dequantize(level, da, db);
+  }
+}
+
+// e <- (x + e) - s y / sqrt(B) on the numel coordinates (y: the transformed dequantized levels).
+extern "C" __global__ void thc_feedback_coords(const uint64_t* lay, const float* x, float* e, const float* y,
+                                               uint64_t sign_stream, ThcState* state) {
+  if (state->non_finite) return;
+  const ThcLayout L = thc_load_layout(lay);
+  const float inv_sqrt = thc_inv_sqrt_block(L.block);
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < L.numel;
+       i += (uint64_t)gridDim.x * blockDim.x)
+    e[i] = thc_sub(thc_add(x[i], e[i]), thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, i)));
+}
+
+// Every word -> validity (counted) and digit * a + b into y at its coordinates.
+extern "C" __global__ void thc_unpack_words(const uint64_t* lay, const void* words, uint64_t word_kind,
+                                            double multiplier, double a, double b, float* y, ThcState* state) {
+  const ThcLayout L = thc_load_layout(lay);
+  const uint64_t coords = (uint64_t)L.group_blocks * L.block, per_group = thc_words_for(L, coords);
+  const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
+  unsigned long long bad = 0;
+  for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < L.words;
+       w += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t group = w / per_group, first = (w - group * per_group) * L.per_word;
+    const uint32_t have = (uint32_t)thc_min(L.per_word, thc_group_size(L, group) * L.block - first);
+    const ThcWord wd = thc_read_word(words, word_kind, w, multiplier, tolerance, L.base, have);
+    bad += !wd.ok;
+    float* p = y + group * coords + first;
+    thc_word_digits(wd, word_kind, L.base, have, [&](uint32_t j, double digit) { p[j] = thc_digit_value(digit, a, b); });
+  }
+  if (bad) atomicAdd(&state->bad_words, bad);
+}
+
+// out[0, numel) = s y / sqrt(B).
+extern "C" __global__ void thc_rht_output(const uint64_t* lay, const float* y, uint64_t sign_stream, float* out) {
+  const ThcLayout L = thc_load_layout(lay);
+  const float inv_sqrt = thc_inv_sqrt_block(L.block);
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < L.numel;
+       i += (uint64_t)gridDim.x * blockDim.x)
+    out[i] = thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, i));
+}
+
+}  // namespace gpu
+}  // namespace lhc

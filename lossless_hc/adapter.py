@@ -1,0 +1,296 @@
+"""The framework-independent half of the compressor plugins (Horovod, BytePS).
+
+A plugin's compressor is called by its engine's optimizer as ``compress(grad) -> (payload, ctx)``,
+the engine SUMs or AVERAGEs the payload across ranks, and ``decompress(aggregated, ctx)`` returns
+the aggregated gradient. Everything in that loop that does not depend on the engine lives here:
+
+* :class:`AggregatorSpec` and its kinds (:class:`LosslessSpec`, :class:`TopKSpec`,
+  :class:`THCSpec`): the validated configuration of ``Compression.lossless/topk/thc``, which builds
+  one aggregator (:mod:`lossless_hc.aggregate`) per parameter. Keyword arguments a spec does not
+  know are passed through to the aggregator's constructor unchanged.
+* :class:`CompressorAdapter`: the per-parameter aggregator map, encode/decode, the bookkeeping of
+  dense fallbacks within a step, the statistics, and staging through the CPU for any aggregator
+  kind whose spec says it has no CUDA kernels (all three kinds have them today).
+* :func:`find_optimizer_frame`: which parameter a gradient belongs to. Neither Horovod's nor
+  BytePS's compressor interface passes the parameter, but both optimizers call ``compress`` from a
+  method whose frame holds the optimizer (``self``, with ``_parameter_names``) and the parameter
+  (``p``).
+
+An engine plugin subclasses :class:`CompressorAdapter`, implements ``compress``/``decompress`` in
+terms of :meth:`~CompressorAdapter.aggregator`, :meth:`~CompressorAdapter.encode` and
+:meth:`~CompressorAdapter.decode`, and supplies the one collective this module needs: an exact
+dense SUM of a tensor that failed to decode (:meth:`~CompressorAdapter._start_fallback` and
+:meth:`~CompressorAdapter._wait_fallback`).
+
+Fallbacks without deadlock: a payload that fails to decode is re-aggregated densely with an
+*asynchronous* engine operation issued from ``decompress``; the adapter waits for all of them when
+the last outstanding tensor of the step has been decoded. Every rank decodes the same aggregate, so
+every rank issues the same fallbacks; the engines match asynchronous operations by name.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Optional
+
+import torch
+
+from .aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAggregator
+
+INDEX_CHOICES = ("auto", "dense", "bitmap", "bloom")
+
+
+def find_optimizer_frame(depth_limit: int = 4):
+    """``(parameter, optimizer)`` from the engine optimizer's frame that called ``compress``, or None.
+
+    To be called directly from ``compress``: the search starts at ``compress``'s caller and looks
+    ``depth_limit`` frames up for locals ``self`` (an object with ``_parameter_names``: Horovod's and
+    BytePS's optimizers both have one) and ``p`` (a tensor)."""
+    frame = sys._getframe(2)
+    for _ in range(depth_limit):
+        if frame is None:
+            break
+        loc = frame.f_locals
+        opt = loc.get("self")
+        p = loc.get("p")
+        if opt is not None and hasattr(opt, "_parameter_names") and isinstance(p, torch.Tensor):
+            return p, opt
+        frame = frame.f_back
+    return None
+
+
+# -- configuration: one spec per Compression factory ------------------------------------------------
+
+def _check_seed(seed) -> int:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < (1 << 64):
+        raise ValueError(f"seed must be an integer in [0, 2**64), identical on every rank; got {seed!r}")
+    return seed
+
+
+def _check_fraction(what: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        raise ValueError(f"{what} must be in (0, 1], got {v!r}")
+    return float(v)
+
+
+def _check_index(index) -> str:
+    if index not in INDEX_CHOICES:
+        raise ValueError(f"index must be one of {', '.join(INDEX_CHOICES)}; got {index!r}")
+    return index
+
+
+class AggregatorSpec:
+    """Validated configuration of one compression kind; :meth:`make` builds a parameter's aggregator.
+
+    ``cuda``: whether the aggregator's codec runs on CUDA tensors. When it does not, the adapter
+    encodes and decodes a CPU copy and hands the engine a payload on the gradient's device.
+    ``extra``: keyword arguments passed to the aggregator's constructor as they are.
+    """
+
+    kind = ""
+    cuda = False
+
+    def __init__(self, seed: int = 0, **extra):
+        self.seed = _check_seed(seed)
+        self.extra = dict(extra)
+
+    def make(self, name: str, tensor: torch.Tensor, world_size: int, rank: int, stats: AggregationStats,
+             device: torch.device):
+        raise NotImplementedError
+
+    def options(self) -> dict:
+        """The configuration as keyword arguments of the ``Compression`` factory."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in {**self.options(), **self.extra}.items())
+        return f"{self.kind}({args})"
+
+
+class LosslessSpec(AggregatorSpec):
+    """``Compression.lossless``: see :class:`lossless_hc.aggregate.TensorAggregator`."""
+
+    kind = "lossless"
+    cuda = True
+
+    def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
+                 index: str = "auto", **extra):
+        super().__init__(seed, **extra)
+        self.max_density = _check_fraction("max_density", max_density)
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                       or block_size < 1):
+            raise ValueError(f"block_size must be a positive integer or None (a 2-D tensor's row length), "
+                             f"got {block_size!r}")
+        self.block_size = block_size
+        self.index = _check_index(index)
+
+    def options(self) -> dict:
+        return {"max_density": self.max_density, "block_size": self.block_size, "seed": self.seed,
+                "index": self.index}
+
+    def make(self, name, tensor, world_size, rank, stats, device):
+        return TensorAggregator(name, tensor.shape, tensor.dtype, world_size, self.max_density,
+                                block_size=self.block_size, seed=self.seed, index=self.index, stats=stats,
+                                device=device, **self.extra)
+
+
+class TopKSpec(AggregatorSpec):
+    """``Compression.topk``: see :class:`lossless_hc.aggregate.TopKAggregator`."""
+
+    kind = "topk"
+    cuda = True
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", **extra):
+        super().__init__(seed, **extra)
+        self.ratio = _check_fraction("ratio", ratio)
+        self.index = _check_index(index)
+
+    def options(self) -> dict:
+        return {"ratio": self.ratio, "seed": self.seed, "index": self.index}
+
+    def make(self, name, tensor, world_size, rank, stats, device):
+        return TopKAggregator(name, tensor.shape, tensor.dtype, world_size, self.ratio, seed=self.seed,
+                              index=self.index, stats=stats, device=device, **self.extra)
+
+
+class THCSpec(AggregatorSpec):
+    """``Compression.thc``: see :class:`lossless_hc.aggregate.THCAggregator` (the aggregator moves its
+    codec to the gradient's device, CUDA kernels included)."""
+
+    kind = "thc"
+    cuda = True
+
+    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **extra):
+        from .thc_table import _check_args, clip_threshold
+
+        super().__init__(seed, **extra)
+        _check_args(bits, granularity)
+        clip_threshold(overflow_freq)
+        self.bits, self.granularity, self.overflow_freq = bits, granularity, overflow_freq
+
+    def options(self) -> dict:
+        return {"bits": self.bits, "granularity": self.granularity, "overflow_freq": self.overflow_freq,
+                "seed": self.seed}
+
+    def make(self, name, tensor, world_size, rank, stats, device):
+        return THCAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.bits, self.granularity,
+                             self.overflow_freq, seed=self.seed, stats=stats, **self.extra)
+
+
+# -- the engine-independent compressor -----------------------------------------------------------------
+
+class EncodedTensor:
+    """What ``decompress`` needs about one compressed gradient (the adapter's half of ``ctx``)."""
+
+    __slots__ = ("aggregator", "ctx", "device")
+
+    def __init__(self, aggregator, ctx, device: Optional[torch.device]):
+        self.aggregator = aggregator
+        self.ctx = ctx
+        self.device = device   # the gradient's device when the codec ran on a CPU copy, else None
+
+
+class CompressorAdapter:
+    """Per-parameter aggregators, dense-fallback bookkeeping and statistics for one compressor.
+
+    The attributes of the spec (``max_density``, ``ratio``, ``bits``, ``seed``, ...) read as the
+    compressor's own."""
+
+    def __init__(self, spec: AggregatorSpec):
+        self.spec = spec
+        self._aggregators: dict = {}   # key (the parameter) -> aggregator
+        self._stats = AggregationStats()
+        self._pending = 0              # compressed tensors of this step not yet decoded
+        self._fallbacks: list = []     # (handle, dense, outcome, aggregator) issued this step
+
+    def __getattr__(self, name):
+        spec = self.__dict__.get("spec")
+        if spec is not None and not name.startswith("_"):
+            if name in spec.__dict__:
+                return spec.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+    # -- what an engine plugin calls -------------------------------------------------------------
+    def aggregator(self, key, name: str, tensor: torch.Tensor, world_size: int, rank: int):
+        """The aggregator of parameter ``key`` (built from ``tensor`` on first use)."""
+        agg = self._aggregators.get(key)
+        if agg is None:
+            device = tensor.device if self.spec.cuda else torch.device("cpu")
+            agg = self.spec.make(name, tensor, world_size, rank, self._stats, device)
+            self._aggregators[key] = agg
+        return agg
+
+    def encode(self, agg, tensor: torch.Tensor):
+        """``(payload, EncodedTensor)``: the payload (on ``tensor``'s device) for the engine."""
+        staged = tensor.device.type != "cpu" and not self.spec.cuda
+        payload, ctx = agg.encode(tensor.detach().cpu() if staged else tensor)
+        if staged:
+            payload = payload.to(tensor.device)
+        self._pending += 1
+        return payload, EncodedTensor(agg, ctx, tensor.device if staged else None)
+
+    def decode(self, aggregated: torch.Tensor, enc: EncodedTensor) -> torch.Tensor:
+        """The aggregated gradient from the engine's SUM or AVERAGE of every rank's payload.
+
+        A payload that failed to decode starts an exact dense fallback and returns the tensor that
+        fallback fills in place; all of the step's fallbacks are waited for (and scaled) when its
+        last outstanding tensor has been decoded. Raises
+        :class:`~lossless_hc.aggregate.ConfigurationMismatch` when ranks are configured differently.
+        """
+        agg = enc.aggregator
+        self._pending -= 1
+        try:
+            outcome = agg.decode(aggregated.cpu() if enc.device is not None else aggregated, enc.ctx)
+        except Exception:
+            self._pending = max(self._pending, 0)
+            raise
+        if outcome.needs_fallback:
+            dense = enc.ctx.dense_value.detach().clone()
+            if enc.device is not None:
+                dense = dense.to(enc.device)
+            handle = self._start_fallback(agg, dense)
+            self._fallbacks.append((handle, dense, outcome, agg))
+            result = dense   # filled in place by the engine; waited for below
+        else:
+            result = outcome.value if enc.device is None else outcome.value.to(enc.device)
+        if self._pending <= 0:
+            self._pending = 0
+            self._finish_step()
+        return result
+
+    def _finish_step(self) -> None:
+        fallbacks, self._fallbacks = self._fallbacks, []
+        for handle, dense, outcome, agg in fallbacks:
+            self._wait_fallback(handle)
+            agg.finish_fallback(dense, outcome)
+        self._after_step()
+
+    # -- what an engine plugin supplies ------------------------------------------------------------
+    def _start_fallback(self, agg, dense: torch.Tensor):
+        """Start an exact dense SUM of ``dense`` across ranks, in place, under a name unique to
+        ``agg``; return a handle for :meth:`_wait_fallback`."""
+        raise NotImplementedError
+
+    def _wait_fallback(self, handle) -> None:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        """Called once the last tensor of a step is decoded and its fallbacks are done."""
+
+    # -- inspection --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters over all tensors so far (see :class:`lossless_hc.aggregate.AggregationStats`)."""
+        return self._stats.as_dict()
+
+    def aggregators(self) -> dict:
+        """Per-parameter aggregators by name (capacity, block size, whether compressed)."""
+        return {a.name: a for a in self._aggregators.values()}
+
+
+def wire_numel(agg) -> int:
+    """Elements of the payload ``agg`` sends at its next encode (the codec's, or the dense tensor's)."""
+    codec = agg.codec
+    return codec.payload_numel if codec is not None else math.prod(agg.shape)

@@ -1,0 +1,410 @@
+"""BytePS adapter: compressors for ``byteps.torch.DistributedOptimizer(compression=...)``.
+
+    import byteps.torch as bps
+    from lossless_hc.plugins.byteps import Compression
+    comp = Compression.lossless(max_density=0.01)      # or Compression.from_env()
+    opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+    ...
+    comp.stats()   # bytes sent vs dense, fallbacks, encode/decode time
+
+How BytePS (0.2.5) drives a compressor: the optimizer's gradient hook calls
+``_push_pull_grad_async(self, p)``, which calls ``compress(p.grad)`` and pushes the returned tensor
+with ``push_pull_async_inplace(payload, average=True, name="Gradient." + name)``; ``step()`` waits
+for each handle and sets ``p.grad`` to ``decompress(output, ctx)``. The server sums what the
+workers push in the pushed dtype and the worker divides the result by the number of workers
+(integer tensors are floor-divided). So:
+
+* **Averaging.** BytePS always averages. Every payload here is floating point (the lossless codec's
+  float32, THC's float64, or the dense gradient itself), so the average is a float division, and
+  the decoders read the payload's header to know it was averaged (``averaged=True``): the header's
+  integer fields come back within 1/2 of an integer after scaling by the world size, and the
+  decoded values are the average. No payload is ever an integer tensor, so floor division never
+  applies to one; an integer gradient (never compressed) is averaged as plain BytePS would.
+* **The server only sums.** The payload pushed under ``Gradient.<name>`` is a fixed-shape sketch;
+  the server adds it like any gradient. No server patch and no decompression on the server.
+* **A name's size is fixed by its first push.** BytePS sizes a tensor's keys, partitions and server
+  buffers at the first ``push_pull`` of a name. A parameter's payload can change size later (the
+  capacity grows after a fallback, or the tensor goes dense), so the payload is fitted to the first
+  one's size (the *slot*): a smaller payload is zero-padded (zeros add nothing to the sum), a
+  larger one sends its first slot elements under ``Gradient.<name>`` and the rest under
+  ``lhc.tail.<name>.<elements>``. The average is element-wise, so the two halves put together are
+  the average of the whole payload.
+* **Names are declared in the same order on every rank.** BytePS numbers its keys in the order
+  names are declared, so every rank must declare extra names in the same order. The dense fallback
+  names (``lhc.fallback.<name>``) are declared for all of the optimizer's parameters, sorted, at the
+  first ``compress``; a tail name is declared, in sorted order, at the end of the step whose decode
+  made a payload outgrow its slot (every rank decodes the same aggregate, so every rank declares
+  the same names then).
+* **Dense fallback.** A payload that fails to decode is aggregated again exactly: an asynchronous
+  BytePS ``push_pull`` (sum) of the dense gradient under ``lhc.fallback.<name>``, waited for when
+  the step's last gradient is decompressed (:mod:`lossless_hc.adapter`). Every rank decodes the same
+  aggregate, so every rank takes the same decision.
+* **Which parameter?** ``compress`` receives only the tensor; the caller's frame
+  (``_push_pull_grad_async(self, p)``) holds the parameter and the optimizer, whose
+  ``_parameter_names`` give its name (keyed by ``p.__hash__()`` when named_parameters were given).
+
+Not supported, with a clear error: BytePS's asynchronous mode (``BYTEPS_ENABLE_ASYNC=1`` pushes
+parameter deltas, not gradients, and never calls ``decompress``), and sparse gradients (BytePS
+pushes dense tensors only: use ``nn.Embedding(sparse=False)``).
+
+This module imports without BytePS (configuration and tests); BytePS is needed at the first
+``compress``. ``scripts/setup_byteps.sh`` installs it, patched for current PyTorch (docs/BYTEPS.md).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Mapping, Optional
+
+import torch
+
+from lossless_hc.adapter import (CompressorAdapter, EncodedTensor, LosslessSpec, THCSpec, TopKSpec,
+                                 find_optimizer_frame, wire_numel)
+
+try:
+    import byteps.torch as bps
+    _IMPORT_ERROR: Optional[BaseException] = None
+except ImportError as e:  # BytePS is optional until a compressor is used
+    bps = None
+    _IMPORT_ERROR = e
+
+
+class BytePSEngine:
+    """The BytePS operations the compressors use, in one place (tests substitute a simulated engine)."""
+
+    def __init__(self):
+        if bps is None:
+            raise ImportError("lossless_hc.plugins.byteps needs BytePS (scripts/setup_byteps.sh installs it): "
+                              f"{_IMPORT_ERROR}")
+        from byteps.torch import ops
+        self._ops = ops
+
+    def size(self) -> int:
+        return self._ops.size()
+
+    def rank(self) -> int:
+        return self._ops.rank()
+
+    def declare(self, name: str) -> None:
+        self._ops.declare(name)
+
+    def push_pull_async_inplace(self, tensor: torch.Tensor, average: bool, name: str):
+        return self._ops.push_pull_async_inplace(tensor, average=average, name=name)
+
+    def synchronize(self, handle) -> None:
+        self._ops.synchronize(handle)
+
+
+def _parameter_name(opt, p) -> Optional[str]:
+    names = opt._parameter_names
+    if getattr(opt, "_is_tensor_instance", False):
+        return names.get(p.__hash__())
+    return names.get(p)
+
+
+class _Sent:
+    """The BytePS half of a compressed gradient's ``ctx``: how the payload was fitted to its slot."""
+
+    __slots__ = ("enc", "flat", "head", "shape", "dtype", "numel", "tail")
+
+    def __init__(self, enc: EncodedTensor, flat: torch.Tensor, head: torch.Tensor, shape, dtype, numel: int, tail):
+        self.enc = enc
+        self.flat = flat      # the 1-D wire tensor BytePS averages in place
+        self.head = head      # what went to the optimizer's push_pull (flat, or its first slot elements)
+        self.shape = shape    # of the payload the aggregator made
+        self.dtype = dtype
+        self.numel = numel
+        self.tail = tail      # handle of the tail's push_pull, or None
+
+
+class _BytePSCompressor(CompressorAdapter):
+    """BytePS's compressor interface over :class:`~lossless_hc.adapter.CompressorAdapter`."""
+
+    def __init__(self, spec, engine=None):
+        super().__init__(spec)
+        self._engine = engine
+        self._slots: dict = {}        # aggregator name -> (numel, dtype) of its first push
+        self._declared: set = set()   # names this compressor declared to BytePS
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = BytePSEngine()
+        return self._engine
+
+    # -- BytePS's Compressor interface ----------------------------------------------------------
+    def compress(self, tensor: torch.Tensor):
+        found = find_optimizer_frame()
+        if found is None:
+            raise RuntimeError(f"{type(self).__name__} must be used as byteps.torch.DistributedOptimizer("
+                               "compression=...): it keeps per-parameter state and finds the parameter from the "
+                               "optimizer's call")
+        p, opt = found
+        if getattr(opt, "_enable_async", False) or tensor is p:
+            raise ValueError("BytePS asynchronous training (BYTEPS_ENABLE_ASYNC=1) pushes parameter deltas and never "
+                             "decompresses; lossless_hc compression needs synchronous training")
+        if tensor.is_sparse:
+            raise ValueError(f"parameter {_parameter_name(opt, p)!r} has a sparse gradient; BytePS pushes dense "
+                             "tensors only (use nn.Embedding(sparse=False))")
+        eng = self.engine
+        if not self._aggregators:
+            self._declare_fallbacks(opt)
+        name = _parameter_name(opt, p) or f"param{len(self._aggregators)}"
+        agg = self.aggregator(p, name, tensor, eng.size(), eng.rank())
+        payload, enc = self.encode(agg, tensor)
+        return self._fit(agg.name, payload, enc)
+
+    def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
+        sent: _Sent = ctx
+        if sent.tail is not None:
+            self.engine.synchronize(sent.tail)
+        flat = sent.flat
+        if tensor.data_ptr() != sent.head.data_ptr():   # an engine that did not aggregate in place
+            flat[:sent.head.numel()].copy_(tensor.reshape(-1))
+        if flat.numel() != sent.numel:
+            flat = flat[:sent.numel]
+        if flat.dtype != sent.dtype:
+            flat = flat.to(sent.dtype)
+        return self.decode(flat.reshape(sent.shape), sent.enc)
+
+    # -- fitting payloads to BytePS's fixed-size keys -------------------------------------------
+    def _fit(self, name: str, payload: torch.Tensor, enc: EncodedTensor):
+        slot = self._slots.get(name)
+        if slot is None:
+            self._slots[name] = (payload.numel(), payload.dtype)
+            return payload, _Sent(enc, payload.reshape(-1), payload, payload.shape, payload.dtype, payload.numel(), None)
+        slot_numel, slot_dtype = slot
+        numel = payload.numel()
+        flat = payload.reshape(-1)
+        if payload.dtype != slot_dtype:
+            if torch.promote_types(payload.dtype, slot_dtype) != slot_dtype:
+                raise RuntimeError(f"{name}: the payload changed dtype from {slot_dtype} to {payload.dtype}, which the "
+                                   "first push_pull of this name (BytePS fixes its dtype) cannot carry exactly")
+            flat = flat.to(slot_dtype)
+        tail = None
+        if numel < slot_numel:
+            padded = torch.zeros(slot_numel, dtype=slot_dtype, device=flat.device)
+            padded[:numel] = flat
+            flat, head = padded, padded
+        elif numel > slot_numel:
+            head = flat[:slot_numel]
+            tail_name = f"lhc.tail.{name}.{numel - slot_numel}"
+            if tail_name not in self._declared:
+                warnings.warn(f"{tail_name} was not declared at the end of a step; declaring it now relies on every "
+                              "rank compressing in the same order", RuntimeWarning, stacklevel=3)
+                self._declare(tail_name)
+            tail = self.engine.push_pull_async_inplace(flat[slot_numel:], average=True, name=tail_name)
+        else:
+            head = flat
+        # Bytes beyond what the aggregator counted: padding, and widening to the slot's dtype.
+        extra = flat.numel() * flat.element_size() - numel * payload.element_size()
+        if extra > 0:
+            self._stats.payload_bytes += extra
+        return head, _Sent(enc, flat, head, payload.shape, payload.dtype, numel, tail)
+
+    def _declare(self, name: str) -> None:
+        self.engine.declare(name)
+        self._declared.add(name)
+
+    def _declare_fallbacks(self, opt) -> None:
+        names = sorted(n for n in opt._parameter_names.values() if isinstance(n, str))
+        for n in names:
+            self._declare(f"lhc.fallback.{n}")
+
+    def _after_step(self) -> None:
+        # Tails for the payloads that outgrew their slot this step, in the same order on every rank.
+        for agg in sorted(self._aggregators.values(), key=lambda a: a.name):
+            slot = self._slots.get(agg.name)
+            if slot is None:
+                continue
+            extra = wire_numel(agg) - slot[0]
+            if extra > 0 and f"lhc.tail.{agg.name}.{extra}" not in self._declared:
+                self._declare(f"lhc.tail.{agg.name}.{extra}")
+
+    # -- the dense fallback on BytePS ------------------------------------------------------------
+    def _start_fallback(self, agg, dense):
+        name = f"lhc.fallback.{agg.name}"
+        if name not in self._declared:
+            self._declare(name)
+        return self.engine.push_pull_async_inplace(dense, average=False, name=name)
+
+    def _wait_fallback(self, handle) -> None:
+        self.engine.synchronize(handle)
+
+
+class LosslessCompressor(_BytePSCompressor):
+    """``Compression.lossless``: naturally sparse gradients, aggregated exactly."""
+
+    def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
+                 index: str = "auto", engine=None, **kwargs):
+        super().__init__(LosslessSpec(max_density, block_size, seed, index, **kwargs), engine)
+
+
+class TopKCompressor(_BytePSCompressor):
+    """``Compression.topk``: top-k with error feedback, the selected values aggregated exactly."""
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", engine=None, **kwargs):
+        super().__init__(TopKSpec(ratio, seed, index, **kwargs), engine)
+
+
+class THCCompressor(_BytePSCompressor):
+    """``Compression.thc``: THC quantization of dense gradients (lossy, unbiased, error feedback)."""
+
+    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+                 engine=None, **kwargs):
+        super().__init__(THCSpec(bits, granularity, overflow_freq, seed, **kwargs), engine)
+
+
+class _NoneCompressor:
+    """BytePS's ``Compression.none`` where BytePS is not installed (the same no-op)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class _FP16Compressor:
+    """BytePS's ``Compression.fp16`` where BytePS is not installed (the same cast)."""
+
+    @staticmethod
+    def compress(tensor):
+        return (tensor.to(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx) if ctx.is_floating_point else tensor
+
+
+# -- configuration from the environment ---------------------------------------------------------------
+
+ENV_PREFIX = "BYTEPS_LHC_"
+# flag -> (keyword, parser name, the compressors it applies to)
+ENV_FLAGS = {
+    "BYTEPS_LHC_COMPRESSOR": ("compressor", "choice", ("lossless", "topk", "thc", "none")),
+    "BYTEPS_LHC_MAX_DENSITY": ("max_density", "fraction", ("lossless",)),
+    "BYTEPS_LHC_BLOCK_SIZE": ("block_size", "block", ("lossless",)),
+    "BYTEPS_LHC_INDEX": ("index", "index", ("lossless", "topk")),
+    "BYTEPS_LHC_RATIO": ("ratio", "fraction", ("topk",)),
+    "BYTEPS_LHC_BITS": ("bits", "int", ("thc",)),
+    "BYTEPS_LHC_GRANULARITY": ("granularity", "int", ("thc",)),
+    "BYTEPS_LHC_OVERFLOW_FREQ": ("overflow_freq", "float", ("thc",)),
+    "BYTEPS_LHC_SEED": ("seed", "int", ("lossless", "topk", "thc")),
+}
+
+
+def _parse(flag: str, kind: str, raw: str):
+    text = raw.strip()
+    try:
+        if kind == "int":
+            return int(text, 10)
+        if kind == "float":
+            v = float(text)
+            if not math.isfinite(v):
+                raise ValueError
+            return v
+        if kind == "fraction":
+            v = float(text)
+            if not 0.0 < v <= 1.0:
+                raise ValueError
+            return v
+        if kind == "block":
+            if text.lower() in ("auto", ""):
+                return None
+            v = int(text, 10)
+            if v < 1:
+                raise ValueError
+            return v
+    except ValueError:
+        expect = {"int": "an integer", "float": "a finite number", "fraction": "a number in (0, 1]",
+                  "block": "a positive integer or 'auto'"}[kind]
+        raise ValueError(f"{flag}={raw!r}: expected {expect}") from None
+    if kind == "index":
+        from lossless_hc.adapter import INDEX_CHOICES
+        if text not in INDEX_CHOICES:
+            raise ValueError(f"{flag}={raw!r}: expected one of {', '.join(INDEX_CHOICES)}")
+        return text
+    if kind == "choice":
+        choices = ENV_FLAGS[flag][2]
+        if text.lower() not in choices:
+            raise ValueError(f"{flag}={raw!r}: expected one of {', '.join(choices)}")
+        return text.lower()
+    raise AssertionError(kind)
+
+
+def options_from_env(env: Optional[Mapping[str, str]] = None) -> tuple:
+    """``(compressor, kwargs)`` from the ``BYTEPS_LHC_*`` variables of ``env`` (default
+    ``os.environ``); raises ValueError naming the variable for unknown flags, unparsable values and
+    flags that do not apply to the chosen compressor. Unset compressor: ``none``."""
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    unknown = sorted(set(flags) - set(ENV_FLAGS))
+    if unknown:
+        raise ValueError(f"unknown variable(s) {', '.join(unknown)}; lossless_hc reads {', '.join(ENV_FLAGS)}")
+    compressor = _parse("BYTEPS_LHC_COMPRESSOR", "choice", flags.pop("BYTEPS_LHC_COMPRESSOR", "none"))
+    kwargs = {}
+    for flag, raw in sorted(flags.items()):
+        key, kind, applies = ENV_FLAGS[flag]
+        if compressor not in applies:
+            raise ValueError(f"{flag} applies to BYTEPS_LHC_COMPRESSOR={'|'.join(applies)}, "
+                             f"not BYTEPS_LHC_COMPRESSOR={compressor}")
+        kwargs[key] = _parse(flag, kind, raw)
+    return compressor, kwargs
+
+
+class Compression:
+    """Factories for ``byteps.torch.DistributedOptimizer(compression=...)``; BytePS's own ``none`` and
+    ``fp16`` are re-exported so examples can switch with one name. Keyword arguments beyond those
+    listed go to the per-tensor aggregators (:mod:`lossless_hc.aggregate`) unchanged."""
+
+    none = bps.Compression.none if bps is not None else _NoneCompressor
+    fp16 = bps.Compression.fp16 if bps is not None else _FP16Compressor
+
+    @staticmethod
+    def lossless(max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
+                 index: str = "auto", **kwargs) -> LosslessCompressor:
+        """Exact aggregation of sparse gradients; each rank may send ``max_density`` of a tensor's
+        coordinates before that tensor falls back (and grows). ``block_size`` None: a 2-D
+        tensor's row length (embedding rows), else 1."""
+        return LosslessCompressor(max_density, block_size, seed, index, **kwargs)
+
+    @staticmethod
+    def topk(ratio: float = 0.01, seed: int = 0, index: str = "auto", **kwargs) -> TopKCompressor:
+        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly."""
+        return TopKCompressor(ratio, seed, index, **kwargs)
+
+    @staticmethod
+    def thc(bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+            **kwargs) -> THCCompressor:
+        """THC quantization (lossy, unbiased, error feedback); the first step only agrees on a norm."""
+        return THCCompressor(bits, granularity, overflow_freq, seed, **kwargs)
+
+    @staticmethod
+    def from_env(env: Optional[Mapping[str, str]] = None, **kwargs):
+        """The compressor the ``BYTEPS_LHC_*`` variables choose, so a training script can switch
+        without code changes::
+
+            BYTEPS_LHC_COMPRESSOR   lossless | topk | thc | none (default: none, BytePS's own)
+            BYTEPS_LHC_MAX_DENSITY  lossless: per-rank capacity as a fraction of a tensor (0.01)
+            BYTEPS_LHC_BLOCK_SIZE   lossless: coordinates per key, or auto (a 2-D tensor's row)
+            BYTEPS_LHC_INDEX        lossless, topk: auto | bitmap | bloom | dense
+            BYTEPS_LHC_RATIO        topk: fraction of each tensor sent (0.01)
+            BYTEPS_LHC_BITS         thc: bits per coordinate (4)
+            BYTEPS_LHC_GRANULARITY  thc: integer levels (30)
+            BYTEPS_LHC_OVERFLOW_FREQ thc: clipping (32)
+            BYTEPS_LHC_SEED         lossless, topk, thc: hash seed, the same on every rank (0)
+
+        ``kwargs`` are added to (and override) what the variables give, e.g. aggregator options.
+        """
+        compressor, options = options_from_env(env)
+        options.update(kwargs)
+        if compressor == "none":
+            if options:
+                raise ValueError(f"BYTEPS_LHC_COMPRESSOR=none takes no options, got {sorted(options)}")
+            return Compression.none
+        return {"lossless": Compression.lossless, "topk": Compression.topk, "thc": Compression.thc}[compressor](
+            **options)

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: install BytePS with the patched recipe and run the BytePS tests.
+#
+#   bash scripts/byteps_gpu_session.sh          (from the repository root; the device tool's `run`,
+#                                                with carry: [".byteps-carry"])
+#
+# The GPU machine has python3 (3.12) with a CUDA build of torch (2.11, CUDA 13), nvcc and the
+# nvidia-nccl wheel, and no network: fill .byteps-carry/ here first (scripts/setup_byteps.sh
+# --fill-carry: the BytePS sdist, libnuma debs). Steps, each logged to $OUT (the tool's output folder;
+# ./byteps-session-out when unset), at most 8 files:
+#   build     lossless_hc's extension with CUDA (LHC_CUDA=1 setup.py build_ext --inplace)   build.log
+#   byteps    scripts/setup_byteps.sh python3 (patch + build + install BytePS)   build.log, byteps-build.log
+#   test      pytest tests/test_plugins_byteps.py: the CPU tests and the GPU run (1 scheduler,
+#             1 server, 2 workers on the one GPU; lossless vs uncompressed; server logs)     test.log
+#             BytePS's own logs of the run: bps-logs/{scheduler,server0,worker0,worker1}.log
+# summary.txt has one line per step. The whole call keeps within LHC_SESSION_SECONDS (default 570).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/byteps-session-out}
+mkdir -p "$OUT" "$OUT/bps-logs"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
+DEADLINE=$((START + ${LHC_SESSION_SECONDS:-570}))
+SUMMARY="$OUT/summary.txt"
+FAILED=0
+
+step() {   # step NAME LOG LIMIT CMD...
+  local name=$1 log=$2 limit=$3
+  shift 3
+  local left=$((DEADLINE - $(date +%s) - 5))
+  if [ "$left" -lt 20 ]; then
+    echo "$name: SKIPPED (no time left)" | tee -a "$SUMMARY"; FAILED=1; return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$(date +%s)
+  echo "=== $name: $* (limit ${limit}s)" >> "$OUT/$log"
+  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
+  local rc=$?
+  local verdict=ok
+  [ $rc -ne 0 ] && verdict="FAILED (rc=$rc$([ $rc -eq 124 ] && echo ', timed out'))" && FAILED=1
+  echo "$name: $verdict in $(( $(date +%s) - t0 ))s (log: $log)" | tee -a "$SUMMARY"
+  return $rc
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  nvcc --version | tail -2 || true
+  "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  ls -la .byteps-carry || echo "no .byteps-carry: run scripts/setup_byteps.sh --fill-carry here and carry it"
+} >> "$OUT/build.log" 2>&1
+
+# lossless_hc.plugins is plugins/ (setup.py maps it when installed); without installing, a link does it.
+[ -e lossless_hc/plugins ] || ln -s ../plugins lossless_hc/plugins
+step "build lossless_hc (CUDA)" build.log 200 env LHC_CUDA=1 "$PY" setup.py build_ext --inplace --parallel 8
+step "build + install BytePS" build.log 300 env BYTEPS_BUILD_DIR=/tmp/byteps-build \
+  BYTEPS_BUILD_LOG="$OUT/byteps-build.log" bash scripts/setup_byteps.sh "$PY"
+if "$PY" -c "import byteps.torch" >/dev/null 2>&1; then
+  step "pytest tests/test_plugins_byteps.py" test.log 240 env PYTHONPATH="$PWD" LHC_BYTEPS_LOG_DIR="$OUT/bps-logs" \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_plugins_byteps.py
+else
+  echo "pytest: SKIPPED (byteps.torch does not import; see byteps-build.log)" | tee -a "$SUMMARY"; FAILED=1
+fi
+
+echo
+echo "== summary ($(( $(date +%s) - START ))s)"
+cat "$SUMMARY"
+grep -hE "passed|failed|error|SKIPPED" "$OUT/test.log" 2>/dev/null | tail -6
+exit $FAILED

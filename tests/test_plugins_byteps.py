@@ -1,0 +1,538 @@
+"""BytePS plugin: configuration, averaging semantics and the optimizer loop on real codec payloads.
+
+CPU tests (no BytePS needed): several simulated workers (threads) push real payloads through
+tests/byteps_sim.py, which sums them in their dtype in a chosen server order and divides (floats) or
+floor-divides (integers) by the number of workers, as BytePS does; the compressors are driven with
+the call structure of byteps.torch.DistributedOptimizer.
+
+GPU tests (``-m gpu``): a real BytePS run (1 scheduler, 1 server, 2 workers sharing one GPU) through
+scripts/launch_byteps.sh and tests/mp/byteps_worker.py; skipped, visibly, without CUDA or BytePS.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+from byteps_sim import BytePSLikeOptimizer, SimulatedBytePS, run_workers
+from lossless_hc.adapter import wire_numel
+from lossless_hc.aggregate import ConfigurationMismatch, TensorAggregator, THCAggregator, TopKAggregator
+from lossless_hc.plugins import byteps as plugin
+from lossless_hc.plugins.byteps import Compression, options_from_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TOL = 1e-6
+_INIT_LOCK = threading.Lock()
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+class EmbeddingModel(torch.nn.Module):
+    """An embedding table (row-sparse gradients: compressed) and a small dense head (sent dense)."""
+
+    def __init__(self, rows=2000, dim=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(rows, dim)
+        self.fc = torch.nn.Linear(dim, 1)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx).mean(dim=1)).squeeze(-1)
+
+
+def batch(rank, step, rows=2000, size=8, hot=None):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    idx = torch.randint(0, rows, (size, 4), generator=g)
+    if hot is not None:   # many rows at once: overloads a small capacity
+        idx = torch.randint(0, rows, (size, hot), generator=g)
+    return idx, torch.randn(size, generator=g)
+
+
+def train(compression_for_rank, world=2, steps=4, order=None, lr=0.5, hot=None, bpps=1, model_fn=EmbeddingModel):
+    """Train one model per simulated worker; returns per-rank (params, compressor) and the simulator."""
+    sim = SimulatedBytePS(world, order=order)
+
+    def worker(rank, engine):
+        with _INIT_LOCK:   # the global RNG is shared by the worker threads
+            torch.manual_seed(0)
+            model = model_fn()
+        comp = compression_for_rank(rank, engine)
+        opt = BytePSLikeOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model.named_parameters(), comp,
+                                  engine, backward_passes_per_step=bpps)
+        for step in range(steps):
+            opt.zero_grad()
+            for micro in range(bpps):
+                idx, y = batch(rank, step * bpps + micro, hot=hot)
+                torch.nn.functional.mse_loss(model(idx), y).backward()
+            opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, comp
+
+    return run_workers(sim, worker), sim
+
+
+def none_for(rank, engine):
+    return Compression.none
+
+
+def lossless_for(**kw):
+    return lambda rank, engine: Compression.lossless(engine=engine, **kw)
+
+
+def max_diff(a, b):
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def assert_replicas_identical(results):
+    first = results[0][0]
+    for params, _ in results[1:]:
+        for n in first:
+            assert torch.equal(first[n], params[n]), f"replicas drifted in {n}"
+
+
+def byteps_average(payloads, order=None):
+    """What BytePS hands every worker for these per-worker tensors: the server's sum in the payload's
+    dtype (in the order given), divided by the number of workers, floor-divided for integers."""
+    order = order or list(range(len(payloads)))
+    acc = payloads[order[0]].clone()
+    for q in order[1:]:
+        acc += payloads[q]
+    return acc.div_(len(payloads)) if acc.dtype.is_floating_point else acc.floor_divide_(len(payloads))
+
+
+# -- configuration from the environment -----------------------------------------------------------------
+
+def test_from_env_default_is_bytePS_own_none():
+    assert Compression.from_env({}) is Compression.none
+    assert Compression.from_env({"BYTEPS_LHC_COMPRESSOR": "none", "PATH": "/bin"}) is Compression.none
+
+
+@pytest.mark.parametrize("env, cls, attrs", [
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless"}, plugin.LosslessCompressor,
+     {"max_density": 0.01, "block_size": None, "seed": 0, "index": "auto"}),
+    ({"BYTEPS_LHC_COMPRESSOR": "LOSSLESS", "BYTEPS_LHC_MAX_DENSITY": "0.05", "BYTEPS_LHC_SEED": "7",
+      "BYTEPS_LHC_BLOCK_SIZE": "16", "BYTEPS_LHC_INDEX": "bloom"}, plugin.LosslessCompressor,
+     {"max_density": 0.05, "block_size": 16, "seed": 7, "index": "bloom"}),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_BLOCK_SIZE": "auto"}, plugin.LosslessCompressor,
+     {"block_size": None}),
+    ({"BYTEPS_LHC_COMPRESSOR": "topk", "BYTEPS_LHC_RATIO": " 0.1 ", "BYTEPS_LHC_SEED": "3"}, plugin.TopKCompressor,
+     {"ratio": 0.1, "seed": 3}),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "2", "BYTEPS_LHC_GRANULARITY": "12",
+      "BYTEPS_LHC_OVERFLOW_FREQ": "64", "BYTEPS_LHC_SEED": "5"}, plugin.THCCompressor,
+     {"bits": 2, "granularity": 12, "overflow_freq": 64.0, "seed": 5}),
+])
+def test_from_env_builds_the_configured_compressor(env, cls, attrs):
+    comp = Compression.from_env(env)
+    assert type(comp) is cls
+    for k, v in attrs.items():
+        assert getattr(comp, k) == v, k
+
+
+def test_from_env_reads_os_environ_and_passes_keywords(monkeypatch):
+    monkeypatch.setenv("BYTEPS_LHC_COMPRESSOR", "lossless")
+    monkeypatch.setenv("BYTEPS_LHC_MAX_DENSITY", "0.2")
+    comp = Compression.from_env(seed=9)
+    assert comp.max_density == 0.2 and comp.seed == 9
+    # Options the factory does not know go to the aggregators unchanged (here: rejected by them).
+    comp = Compression.from_env(some_policy="x")
+    assert comp.spec.extra == {"some_policy": "x"}
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"BYTEPS_LHC_COMPRESSOR": "zip"}, r"BYTEPS_LHC_COMPRESSOR='zip': expected one of lossless, topk, thc, none"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_MAX_DENSITY": "1%"},
+     r"BYTEPS_LHC_MAX_DENSITY='1%': expected a number in \(0, 1\]"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_MAX_DENSITY": "0"}, r"BYTEPS_LHC_MAX_DENSITY='0'"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_MAX_DENSITY": "1.5"}, r"BYTEPS_LHC_MAX_DENSITY='1.5'"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_SEED": "1.5"}, r"BYTEPS_LHC_SEED='1.5': expected an integer"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_SEED": "-1"}, r"seed must be an integer in \[0, 2\*\*64\)"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_BLOCK_SIZE": "0"}, r"BYTEPS_LHC_BLOCK_SIZE='0'"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_INDEX": "tree"}, r"BYTEPS_LHC_INDEX='tree': expected one of"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_RATIO": "0.1"},
+     r"BYTEPS_LHC_RATIO applies to BYTEPS_LHC_COMPRESSOR=topk, not BYTEPS_LHC_COMPRESSOR=lossless"),
+    ({"BYTEPS_LHC_COMPRESSOR": "topk", "BYTEPS_LHC_BITS": "4"}, r"BYTEPS_LHC_BITS applies to .*=thc"),
+    ({"BYTEPS_LHC_MAX_DENSITY": "0.1"}, r"BYTEPS_LHC_MAX_DENSITY applies to .*=lossless, not .*=none"),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "four"}, r"BYTEPS_LHC_BITS='four': expected an integer"),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "0"}, r"bits must be an integer in \[1, 16\]"),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_OVERFLOW_FREQ": "inf"}, r"BYTEPS_LHC_OVERFLOW_FREQ='inf'"),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_OVERFLOW_FREQ": "1"}, r"overflow_freq must be a finite number > 1"),
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_MAX_DENSTY": "0.1"},
+     r"unknown variable\(s\) BYTEPS_LHC_MAX_DENSTY; lossless_hc reads BYTEPS_LHC_COMPRESSOR"),
+])
+def test_from_env_rejects_bad_values_naming_the_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        Compression.from_env(env)
+
+
+def test_factories_validate_like_horovod():
+    with pytest.raises(ValueError, match="max_density must be in"):
+        Compression.lossless(max_density=0)
+    with pytest.raises(ValueError, match="ratio must be in"):
+        Compression.topk(ratio=2)
+    with pytest.raises(ValueError, match="index must be one of"):
+        Compression.lossless(index="tree")
+    with pytest.raises(ValueError, match="block_size"):
+        Compression.lossless(block_size=0)
+    assert options_from_env({"BYTEPS_LHC_COMPRESSOR": "topk"}) == ("topk", {})
+
+
+# -- payloads survive BytePS's averaging ----------------------------------------------------------------
+
+def _sparse_rows(rank, rows, dim, k, seed):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.zeros(rows, dim)
+    r = torch.randperm(rows, generator=g)[:k]
+    x[r] = torch.randn(k, dim, generator=g)
+    return x
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 7])
+@pytest.mark.parametrize("reverse", [False, True], ids=["rank-order", "reverse-order"])
+def test_lossless_payload_survives_byteps_average(world, reverse):
+    rows, dim, k = 4000, 8, 20
+    xs = [_sparse_rows(r, rows, dim, k, world) for r in range(world)]
+    aggs = [TensorAggregator("emb", (rows, dim), torch.float32, world, max_density=0.01) for _ in range(world)]
+    assert aggs[0].compressed
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    payloads = [p for p, _ in encoded]
+    assert all(p.dtype == torch.float32 for p in payloads), "a float payload: BytePS divides, never floor-divides"
+    order = list(range(world))[::-1] if reverse else None
+    avg = byteps_average(payloads, order)
+    truth = torch.stack([x.double() for x in xs]).mean(0)
+    outs = [a.decode(avg.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
+    for out in outs:
+        assert out.averaged and out.report.ok, out.report
+        assert torch.equal(out.value != 0, truth != 0), "the support is exact"
+        assert float((out.value.double() - truth).abs().max()) <= 1e-6 * max(1.0, float(truth.abs().max()))
+        assert torch.equal(out.value, outs[0].value), "every rank decodes the same bits"
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_topk_payload_survives_byteps_average(world):
+    g = torch.Generator().manual_seed(world)
+    xs = [torch.randn(5000, generator=g) for _ in range(world)]
+    aggs = [TopKAggregator("w", (5000,), torch.float32, world, ratio=0.01) for _ in range(world)]
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    sent = [ctx.dense_value for _, ctx in encoded]   # what top-k selected on each rank
+    avg = byteps_average([p for p, _ in encoded])
+    truth = torch.stack([s.double() for s in sent]).mean(0)
+    for a, (_, ctx) in zip(aggs, encoded):
+        out = a.decode(avg.clone(), ctx)
+        assert out.averaged and out.report.ok
+        assert torch.equal(out.value != 0, truth != 0)
+        assert float((out.value.double() - truth).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_thc_payload_survives_byteps_average(world):
+    """THC's float64 payload, averaged by BytePS, decodes on every rank alike to the average of what a
+    twin world of ranks decodes from the plain sum of the same gradients. (The agreed norm read back from
+    an average can differ from the sum's in its last bits, so later steps may round a few coordinates to
+    the neighbouring level: the comparison is relative.)"""
+    g = torch.Generator().manual_seed(world)
+    ranks = [THCAggregator("w", (8192,), torch.float32, world, r) for r in range(world)]
+    twins = [THCAggregator("w", (8192,), torch.float32, world, r) for r in range(world)]
+    assert ranks[0].compressed
+    for step in range(4):
+        xs = [torch.randn(8192, generator=g) for _ in range(world)]
+        encoded = [a.encode(x) for a, x in zip(ranks, xs)]
+        twin_enc = [a.encode(x) for a, x in zip(twins, xs)]
+        assert all(p.dtype == torch.float64 for p, _ in encoded), "a float payload: BytePS divides it"
+        avg = byteps_average([p for p, _ in encoded])
+        summed = torch.stack([p for p, _ in twin_enc]).sum(0)
+        outs = [a.decode(avg.clone(), ctx) for a, (_, ctx) in zip(ranks, encoded)]
+        ref = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(twins, twin_enc)][0]
+        for out in outs:
+            assert out.averaged
+            assert torch.equal(out.value, outs[0].value), "replicas decode the same bits"
+        assert not ref.averaged
+        diff = float((outs[0].value.double() * world - ref.value.double()).norm())
+        assert diff <= 1e-3 * max(float(ref.value.double().norm()), 1e-12), (step, diff)
+
+
+def test_integer_tensors_are_floor_divided_as_plain_byteps_does():
+    """Integer tensors never go through a codec (no payload is ever integer); they are averaged exactly as
+    uncompressed BytePS averages them: floor division of the sum."""
+    world = 3
+    xs = [torch.tensor([1, 2, -4, 7], dtype=torch.int64) * (r + 1) for r in range(world)]
+    aggs = [TensorAggregator("count", (4,), torch.int64, world, max_density=0.5) for _ in range(world)]
+    assert not aggs[0].compressed
+    encoded = [a.encode(x.clone()) for a, x in zip(aggs, xs)]
+    avg = byteps_average([p for p, _ in encoded])
+    out = aggs[0].decode(avg, encoded[0][1])
+    assert torch.equal(out.value, torch.tensor([2, 4, -8, 14]))   # floor((1+2+3) * v / 3)
+    # and the float payloads do not depend on the floor: their header reads back the number of workers
+    lossless = TensorAggregator("e", (1000, 8), torch.float32, world, max_density=0.01)
+    assert lossless.compressed and lossless.encode(torch.zeros(1000, 8))[0].dtype.is_floating_point
+
+
+# -- the optimizer loop through simulated BytePS ------------------------------------------------------
+
+@pytest.mark.parametrize("world, order", [(2, None), (2, [1, 0]), (3, None), (3, [2, 0, 1])])
+def test_lossless_training_matches_uncompressed(world, order):
+    ref, _ = train(none_for, world=world, order=order)
+    got, sim = train(lossless_for(max_density=0.05), world=world, order=order)
+    assert_replicas_identical(got)
+    for (p_ref, _), (p_got, comp) in zip(ref, got):
+        assert max_diff(p_ref, p_got) <= TOL
+        st = comp.stats()
+        assert st["compressed"] > 0 and st["sent_dense"] > 0 and st["fallbacks"] == 0
+        assert st["payload_bytes"] < st["dense_bytes"]
+        assert comp.aggregators()["emb.weight"].compressed and not comp.aggregators()["fc.weight"].compressed
+    # The embedding's payload, not its gradient, is what the server summed under its name.
+    codec = got[0][1].aggregators()["emb.weight"].codec
+    assert {numel for numel, _, _ in sim.pushes["Gradient.emb.weight"]} == {codec.payload_numel}
+    steps, dense_bytes = 4, 2000 * 16 * 4
+    assert sim.server_bytes["Gradient.emb.weight"] == steps * world * codec.payload_numel * 4 < steps * world * dense_bytes
+    assert not any(sim.lazily_declared)
+
+
+def test_fallback_growth_and_tail_keep_training_exact():
+    """A capacity far too small: the first step falls back to the dense sum, the capacity grows, and the
+    grown payload no longer fits the size BytePS fixed for the name at its first push: its head goes
+    under Gradient.<name>, the rest under a tail name declared at the end of the step on every rank."""
+    world = 2
+    ref, _ = train(none_for, world=world, hot=64, steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a tail declared lazily would warn
+        got, sim = train(lossless_for(max_density=0.0005), world=world, hot=64, steps=4)
+    assert_replicas_identical(got)
+    for (p_ref, _), (p_got, comp) in zip(ref, got):
+        assert max_diff(p_ref, p_got) <= TOL
+        st = comp.stats()
+        assert st["fallbacks"] >= 1 and st["capacity_growths"] >= 1, st
+        assert "overloaded" in st["last_failure"]
+    tails = [n for n in sim.pushes if n.startswith("lhc.tail.emb.weight.")]
+    assert tails, sorted(sim.pushes)
+    assert sim.pushes["lhc.fallback.emb.weight"] and all(not avg for _, _, avg in sim.pushes["lhc.fallback.emb.weight"])
+    agg = got[0][1].aggregators()["emb.weight"]
+    first = sim.pushes["Gradient.emb.weight"][0][0]
+    if agg.compressed:
+        assert f"lhc.tail.emb.weight.{wire_numel(agg) - first}" in sim.pushes
+    assert not any(n.startswith("lhc.") for names in sim.lazily_declared for n in names)
+    # Every rank declared the extra names at the same keys (the simulator checks each aggregation).
+    assert sim.keys[0] == sim.keys[1]
+
+
+def test_backward_passes_per_step_and_three_workers():
+    ref, _ = train(none_for, world=3, bpps=2, steps=3)
+    got, _ = train(lossless_for(max_density=0.05), world=3, bpps=2, steps=3)
+    assert_replicas_identical(got)
+    for (p_ref, _), (p_got, _) in zip(ref, got):
+        assert max_diff(p_ref, p_got) <= TOL
+
+
+def test_topk_trains_with_error_feedback():
+    def big():
+        return torch.nn.Sequential(torch.nn.Embedding(2000, 16), _Mean(), torch.nn.Linear(16, 64),
+                                   torch.nn.Linear(64, 1), _Squeeze())
+    got, _ = train(lambda r, e: Compression.topk(ratio=0.05, engine=e), world=2, model_fn=big, steps=3)
+    ref, _ = train(none_for, world=2, model_fn=big, steps=3)
+    assert_replicas_identical(got)
+    comp = got[0][1]
+    st = comp.stats()
+    assert st["compressed"] > 0 and st["payload_bytes"] < st["dense_bytes"]
+    assert any(a.residual is not None for a in comp.aggregators().values())
+    moved_ref = torch.cat([(ref[0][0][n]).flatten() for n in ref[0][0]])
+    moved_got = torch.cat([(got[0][0][n]).flatten() for n in ref[0][0]])
+    assert torch.isfinite(moved_got).all()
+    assert float((moved_got - moved_ref).abs().max()) < 1.0
+
+
+class _Mean(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(dim=1)
+
+
+class _Squeeze(torch.nn.Module):
+    def forward(self, x):
+        return x.squeeze(-1)
+
+
+def test_thc_replicas_identical_and_direction():
+    def wide():
+        return torch.nn.Sequential(torch.nn.Embedding(2000, 16), _Mean(), torch.nn.Linear(16, 512),
+                                   torch.nn.Linear(512, 1), _Squeeze())
+    with _INIT_LOCK:
+        torch.manual_seed(0)
+        init = {n: p.detach().clone() for n, p in wide().named_parameters()}
+    ref, _ = train(none_for, world=2, model_fn=wide, steps=6, lr=0.05)
+    got, _ = train(lambda r, e: Compression.thc(bits=4, engine=e), world=2, model_fn=wide, steps=6, lr=0.05)
+    assert_replicas_identical(got)
+    st = got[0][1].stats()
+    assert st["compressed"] > 0 and st["payload_bytes"] < st["dense_bytes"]
+    d_ref = torch.cat([(ref[0][0][n] - init[n]).flatten() for n in init])
+    d_got = torch.cat([(got[0][0][n] - init[n]).flatten() for n in init])
+    cos = torch.nn.functional.cosine_similarity(d_ref, d_got, dim=0)
+    assert cos > 0.7, float(cos)
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+def test_seed_mismatch_is_a_configuration_error():
+    with pytest.raises(ConfigurationMismatch, match="fingerprints disagree"):
+        train(lambda r, e: Compression.lossless(max_density=0.05, seed=r, engine=e), world=2, steps=1)
+
+
+def test_sparse_gradients_are_refused():
+    """BytePS pre-fills p.grad densely, so a sparse embedding's gradient reaches compress sparse only after
+    zero_grad(set_to_none=True); then it is refused, not pushed."""
+    comp = Compression.lossless(engine=SimulatedBytePS(2).engine(0))
+    p = torch.nn.Parameter(torch.zeros(100, 4))
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[3]]), torch.ones(1, 4), (100, 4), check_invariants=True)
+    with pytest.raises(ValueError, match="'emb' has a sparse gradient; BytePS pushes dense tensors only"):
+        _Opt([("emb", p)], None)._push_pull_grad_async(p, comp)
+
+
+def test_async_mode_is_refused():
+    comp = Compression.lossless(engine=SimulatedBytePS(2).engine(0))
+
+    class AsyncOptimizer:   # BytePS's step() in async mode: compress(p) on the parameter itself
+        _parameter_names = {}
+        _enable_async = True
+
+        def step(self, p):
+            return comp.compress(p)
+
+    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
+        AsyncOptimizer().step(torch.nn.Parameter(torch.zeros(3)))
+
+
+def test_compress_outside_the_optimizer_is_refused():
+    with pytest.raises(RuntimeError, match="must be used as byteps.torch.DistributedOptimizer"):
+        Compression.lossless().compress(torch.zeros(10))
+
+
+def test_engine_needs_byteps_when_missing():
+    if plugin.bps is not None:
+        pytest.skip("BytePS is installed here")
+    with pytest.raises(ImportError, match="scripts/setup_byteps.sh"):
+        plugin.BytePSEngine()
+    assert Compression.none.compress(torch.ones(2))[1] is None
+
+
+# -- fitting payloads to BytePS's fixed key sizes ----------------------------------------------------------
+
+class _Opt:
+    """A caller frame that looks like the optimizer's ``_push_pull_grad_async(self, p)``."""
+
+    def __init__(self, named, engine):
+        self._parameter_names = {p.__hash__(): n for n, p in named}
+        self._is_tensor_instance = True
+        self.engine = engine
+
+    def _push_pull_grad_async(self, p, comp):
+        payload, ctx = comp.compress(p.grad)
+        return payload, ctx
+
+
+def test_fit_pads_smaller_payloads_and_widens_dtypes():
+    sim = SimulatedBytePS(1)
+    eng = sim.engine(0)
+    comp = Compression.lossless(engine=eng)
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    opt = _Opt([("w", p)], eng)
+    p.grad = torch.arange(6, dtype=torch.float16)
+    head, ctx = opt._push_pull_grad_async(p, comp)          # the first push fixes the slot
+    assert head.numel() == 6 and head.dtype == torch.float16
+    comp._slots["w"] = (10, torch.float32)                  # as if the first push had been wider and longer
+    comp._pending = 0
+    head, ctx = opt._push_pull_grad_async(p, comp)
+    assert head.numel() == 10 and head.dtype == torch.float32 and ctx.tail is None
+    assert torch.equal(head[:6], torch.arange(6, dtype=torch.float32)) and not head[6:].any()
+    out = comp.decompress(head, ctx)
+    assert out.dtype == torch.float16 and torch.equal(out, torch.arange(6, dtype=torch.float16))
+    comp._slots["w"] = (6, torch.float16)
+    p.grad = torch.arange(6, dtype=torch.float16)
+    comp2 = Compression.lossless(engine=eng)
+    comp2._slots["w"] = (6, torch.int32)
+    with pytest.raises(RuntimeError, match="changed dtype"):
+        _Opt([("w", p)], eng)._push_pull_grad_async(p, comp2)
+
+
+# -- GPU: a real BytePS run --------------------------------------------------------------------------------
+
+def _emb_key() -> int:
+    """The BytePS key of Gradient.lhc.items.weight in tests/mp/byteps_worker.py: its optimizer is the
+    first, and declares its Gradient.* names sorted, so the key is that name's position << 16."""
+    sys.path.insert(0, os.path.join(HERE, "mp"))
+    from models import EmbeddingModel as WorkerModel
+
+    names = sorted(n for n, _ in WorkerModel().named_parameters())
+    return names.index("items.weight") << 16
+
+
+def _byteps_available() -> bool:
+    return importlib.util.find_spec("byteps") is not None
+
+
+@pytest.fixture(scope="module")
+def byteps_run(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (BytePS workers need a GPU): run on the GPU machine, scripts/byteps_gpu_session.sh")
+    if not _byteps_available():
+        pytest.skip("needs BytePS: scripts/setup_byteps.sh (docs/BYTEPS.md)")
+    out = tmp_path_factory.mktemp("byteps")
+    logs = os.environ.get("LHC_BYTEPS_LOG_DIR") or str(out / "logs")
+    os.makedirs(logs, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="2",
+               LHC_BYTEPS_LOG_DIR=logs, PS_KEY_LOG="1", BYTEPS_LOG_LEVEL="DEBUG",
+               BYTEPS_SERVER_DEBUG="1", BYTEPS_SERVER_DEBUG_KEY=str(_emb_key()))
+    cmd = ["bash", os.path.join(ROOT, "scripts", "launch_byteps.sh"), "--workers", "2", "--servers", "1", "--",
+           sys.executable, os.path.join(HERE, "mp", "byteps_worker.py"), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    if proc.returncode != 0:
+        with open(os.path.join(logs, "launch.out"), "w") as f:
+            f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed (logs in {logs}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return out, logs
+
+
+@pytest.mark.gpu
+def test_byteps_gpu_lossless_matches_uncompressed(byteps_run):
+    out, _ = byteps_run
+    rs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    for r in rs:
+        assert "error" not in r, r.get("traceback")
+        assert r["size"] == 2 and r["device"].startswith("cuda")
+        assert r["max_diff"] <= 1e-5, r
+        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
+        assert r["fallback_max_diff"] <= 1e-5 and r["fallback_stats"]["fallbacks"] >= 1, r
+    assert rs[0]["digest"] == rs[1]["digest"], "replicas drifted"
+
+
+@pytest.mark.gpu
+def test_byteps_gpu_server_summed_the_payloads(byteps_run):
+    """Server-side evidence: the server's own log (PS_KEY_LOG=1) shows each worker pushing the payload's
+    bytes (not the gradient's) for the embedding's key, through the ordinary push handler (no C++
+    compressor registered), and BYTEPS_SERVER_DEBUG shows it adding the payloads' first elements (the
+    header's contributor field, 1 per worker) into 2."""
+    out, logs = byteps_run
+    r0 = json.load(open(os.path.join(out, "rank0.json")))
+    server = open(os.path.join(logs, "server0.log")).read()
+    worker = open(os.path.join(logs, "worker0.log")).read()
+    name = r0["emb_tensor_name"]
+    m = re.search(rf"{re.escape(name)} partitioned to (\d+) part\(s\), total_len=(\d+), key_range=\[(\d+), (\d+)\]",
+                  worker)
+    assert m, f"no partition line for {name} in worker0.log (BYTEPS_LOG_LEVEL=DEBUG)"
+    total_len, k0 = int(m.group(2)), int(m.group(3))
+    assert total_len == r0["emb_payload_bytes"] < r0["emb_dense_bytes"]
+    assert k0 == _emb_key(), (k0, _emb_key())
+    pushes = [int(s) for k, s in re.findall(r"push key=(\d+)\s+sender=\d+\s+size=(\d+)", server) if int(k) == k0]
+    assert pushes and set(pushes) == {min(total_len, r0["partition_bytes"])}, pushes[:10]
+    assert "register compressor" not in server
+    # BYTEPS_SERVER_DEBUG_KEY=k0: the server prints the first element of what it stores and receives for
+    # this key, i.e. the payload header's contributor count: 1 from each worker, 2 once summed.
+    merged = [float(v) for v in re.findall(r"COPY_MERGED_TO_STORE.*?merged: ([-\d.e+]+)", server)]
+    recved = [float(v) for v in re.findall(r"(?:FIRST_WORKER_RECV|OTHER_WORKER_SUM).*?recved: ([-\d.e+]+)", server)]
+    assert merged and recved, "no BYTEPS_SERVER_DEBUG lines in server0.log"
+    assert set(recved) == {1.0} and 2.0 in merged, (recved[:10], merged[:10])

@@ -10,6 +10,7 @@ per-parameter capacities, errors raised).
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -140,6 +141,14 @@ def main():
         result["size"] = hvd.size()
         with open(os.path.join(out_dir, f"{name}.rank{hvd.rank()}.json"), "w") as f:
             json.dump(result, f)
+    # A file barrier before shutting down: an error scenario lets a rank leave while another is still
+    # issuing the same step's allreduces (it raises at its first decode); Horovod's shutdown would turn
+    # the slower rank's expected error into "Horovod has been shut down". No collective can be used here
+    # (the error scenarios leave operations in flight).
+    expected = [os.path.join(out_dir, f"{names[-1]}.rank{r}.json") for r in range(hvd.size())]
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(p) for p in expected) and time.monotonic() < deadline:
+        time.sleep(0.05)
     hvd.shutdown()
 
 

@@ -25,23 +25,8 @@ DEADLINE=$((START + ${LHC_SESSION_SECONDS:-570}))
 SUMMARY="$OUT/summary.txt"
 FAILED=0
 
-step() {   # step NAME LOG LIMIT CMD...
-  local name=$1 log=$2 limit=$3
-  shift 3
-  local left=$((DEADLINE - $(date +%s) - 5))
-  if [ "$left" -lt 20 ]; then
-    echo "$name: SKIPPED (no time left)" | tee -a "$SUMMARY"; FAILED=1; return 1
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0=$(date +%s)
-  echo "=== $name: $* (limit ${limit}s)" >> "$OUT/$log"
-  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
-  local rc=$?
-  local verdict=ok
-  [ $rc -ne 0 ] && verdict="FAILED (rc=$rc$([ $rc -eq 124 ] && echo ', timed out'))" && FAILED=1
-  echo "$name: $verdict in $(( $(date +%s) - t0 ))s (log: $log)" | tee -a "$SUMMARY"
-  return $rc
-}
+# shellcheck source=scripts/_session_step.sh
+source scripts/_session_step.sh   # the working directory is the repository root (cd above)
 
 {
   date -u

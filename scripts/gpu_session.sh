@@ -39,26 +39,9 @@ SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanit
   2>/dev/null | head -1)
 SANITIZER=${SANITIZER:-compute-sanitizer}
 
-# step NAME LOG LIMIT CMD...: run CMD with at most LIMIT seconds (less if the deadline is nearer),
-# appending its output to $OUT/LOG and one line to the summary.
-step() {
-  local name=$1 log=$2 limit=$3
-  shift 3
-  local left=$((DEADLINE - $(date +%s) - 5))
-  if [ "$left" -lt 20 ]; then
-    echo "$name: SKIPPED (no time left in this call; run: bash scripts/gpu_session.sh $name)" | tee -a "$SUMMARY"
-    FAILED=1
-    return 0
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local t0=$(date +%s)
-  echo "=== $name: $* (limit ${limit}s)" >> "$OUT/$log"
-  timeout --kill-after=10 "$limit" "$@" >> "$OUT/$log" 2>&1
-  local rc=$?
-  local verdict=ok
-  [ $rc -ne 0 ] && verdict="FAILED (rc=$rc$([ $rc -eq 124 ] && echo ', timed out'))" && FAILED=1
-  echo "$name: $verdict in $(( $(date +%s) - t0 ))s (log: $log)" | tee -a "$SUMMARY"
-}
+SKIP_HINT='bash scripts/gpu_session.sh $name'
+# shellcheck source=scripts/_session_step.sh
+source scripts/_session_step.sh   # the working directory is the repository root (cd above)
 
 bench() {
   local density=$1

@@ -47,3 +47,19 @@ def _hang_watchdog():
     faulthandler.dump_traceback_later(_TIMEOUT, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(params=["compiled", "cupy"])
+def backend(request, monkeypatch):
+    """The GPU tests' CUDA kernels, loaded one way per parameter: the compiled ``_C_cuda`` module or
+    CuPy/NVRTC (skipped when that way is unavailable)."""
+    from lossless_hc import _cuda
+    monkeypatch.setenv("LHC_CUDA_BACKEND", request.param)
+    _cuda.reset_launcher()
+    try:
+        _cuda.launcher()
+    except ImportError as exc:
+        _cuda.reset_launcher()
+        pytest.skip(f"CUDA backend {request.param!r} unavailable: {exc}")
+    yield request.param
+    _cuda.reset_launcher()

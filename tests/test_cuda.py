@@ -33,21 +33,6 @@ pytestmark = [pytest.mark.gpu,
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["compiled", "cupy"])
-def backend(request, monkeypatch):
-    """Force one way of loading the kernels for the test (skipped if unavailable)."""
-    from lossless_hc import _cuda
-    monkeypatch.setenv("LHC_CUDA_BACKEND", request.param)
-    _cuda.reset_launcher()
-    try:
-        _cuda.launcher()
-    except ImportError as exc:
-        _cuda.reset_launcher()
-        pytest.skip(f"CUDA backend {request.param!r} unavailable: {exc}")
-    yield request.param
-    _cuda.reset_launcher()
-
-
 def codecs(numel, n, k, block=1, index="auto", seed=0):
     """The same codec on the CPU and on the GPU."""
     cpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index)

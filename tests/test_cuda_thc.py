@@ -25,21 +25,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device: the GPU tests of THC's CUDA backend did not run")]
 
 
-@pytest.fixture(params=["compiled", "cupy"])
-def backend(request, monkeypatch):
-    """Force one way of loading the kernels for the test (skipped if unavailable)."""
-    from lossless_hc import _cuda
-    monkeypatch.setenv("LHC_CUDA_BACKEND", request.param)
-    _cuda.reset_launcher()
-    try:
-        _cuda.launcher()
-    except ImportError as exc:
-        _cuda.reset_launcher()
-        pytest.skip(f"CUDA backend {request.param!r} unavailable: {exc}")
-    yield request.param
-    _cuda.reset_launcher()
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu().contiguous()
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

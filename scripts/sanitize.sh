@@ -12,6 +12,8 @@ LHC_SANITIZE=1 "$PY" setup.py -q build_ext --build-temp "$OUT/tmp" --build-lib "
 cp lossless_hc/*.py lossless_hc/*.json "$OUT/lib/lossless_hc/"
 mkdir -p "$OUT/lib/lossless_hc/plugins"
 cp plugins/*.py "$OUT/lib/lossless_hc/plugins/"
+# The CUDA sources beside the package, as in the repo (the CUDA module and NVRTC path read the headers).
+cp -r csrc "$OUT/lib/"
 ASAN_LIB=$(gcc -print-file-name=libasan.so)
 UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
 for lib in "$ASAN_LIB" "$UBSAN_LIB"; do

@@ -41,10 +41,26 @@ def horovod_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
-    names = EXACT + ["fallback", "topk", "thc", "thc_sum"] + list(ERRORS)
+    names = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum"] + list(ERRORS)
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
+
+
+def test_capacity_policy_adapts_identically_and_stays_exact(horovod_run):
+    """CapacityPolicy under Horovod: every rank rebuilds the same codecs at the same steps (payload
+    shapes match, or the allreduce would fail), the embedding tables' capacity shrinks from 5% to
+    what the batches use, and training equals the uncompressed run."""
+    out, size = horovod_run
+    rs = results(out, "policy", size)
+    for r in rs:
+        assert r["max_diff"] <= TOL, r
+        assert r["stats"]["fallbacks"] == 0, r["stats"]["last_failure"]
+    assert len({json.dumps([r["history"], r["capacity"], r["union_capacity"], r["index"]]) for r in rs}) == 1
+    hist = rs[0]["history"]
+    assert any(len(h) >= 1 for h in hist), hist
+    fixed = results(out, "average", size)[0]["stats"]
+    assert rs[0]["stats"]["wire_ratio"] < fixed["wire_ratio"], (rs[0]["stats"], fixed)
 
 
 @pytest.mark.parametrize("name", EXACT + ["fallback"])

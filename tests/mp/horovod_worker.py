@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
-from lossless_hc.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.horovod import Compression  # noqa: E402
 
 STEPS = 6
@@ -79,6 +79,14 @@ def scenario(name):
     if name == "fallback":
         # Capacity 0.1% of a table: every rank overloads the embeddings at the first step.
         return compare(Compression.lossless(max_density=0.001))
+    if name == "policy":  # adaptive capacity: shrinks from 5% to what the batches use, identically on all ranks
+        comp = Compression.lossless(max_density=0.05, policy=CapacityPolicy(interval=4))
+        r = compare(comp, steps=24)
+        aggs = [a for a in comp.aggregators().values() if getattr(a, "tracker", None) is not None]
+        r["history"] = [a.tracker.history for a in aggs]
+        r["union_capacity"] = [a.union_capacity for a in aggs]
+        r["index"] = [a.codec.index_kind if a.codec is not None else "dense" for a in aggs]
+        return r
     if name == "topk":
         comp = Compression.topk(ratio=0.05)
         # A dense layer large enough that top-k beats sending it dense.

@@ -25,13 +25,13 @@ TARGET_RATIO = 1.5
 
 
 def wire_point(numel: int, workers: int, density: float, block: int, seed: int = 0) -> dict:
-    from .cost_model import candidates, information_bound_bits
+    from .cost_model import candidates, choose, information_bound_bits
 
     num_keys = -(-numel // block)
     u_keys = max(1, math.ceil(density * num_keys))
     nnz = min(numel, u_keys * block)
     cands = candidates(numel, workers, nnz, block, seed, nnz)
-    auto = min(cands.values(), key=lambda L: (L.payload_numel, KINDS.index(L.index_kind)))
+    auto = choose(numel, workers, nnz, block, seed, nnz)
     bound = information_bound_bits(numel, nnz)
     bits = {k: 32.0 * L.payload_numel / nnz for k, L in cands.items()}
     point = {"numel": numel, "workers": workers, "density": density, "block": block, "union_keys": u_keys,

@@ -1,4 +1,4 @@
-"""index="auto" picks the smallest payload; wire sizes are what the payload really is; tensors too
+"""index="auto" picks the smallest payload (multilevel only when it is much smaller: cost_model); wire sizes are what the payload really is; tensors too
 dense to compress go dense."""
 import itertools
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import LosslessCodec, plan_layout
+from lossless_hc import LosslessCodec, cost_model, plan_layout
 from lossless_hc.layout import HEADER_FIELDS, INDEX_KINDS
 
 GRID = list(itertools.product(
@@ -33,11 +33,17 @@ def test_auto_is_the_smallest(numel, n, frac, block):
     auto = plan_layout(numel, n, max_nnz, block, 0, "auto")
     layouts = explicit_layouts(numel, n, max_nnz, block)
     assert "dense" in layouts
-    best = min(L.payload_numel for L in layouts.values())
-    assert auto.payload_numel == best
-    # ties go to the cheaper decoder: dense, then bitmap, then bloom, then multilevel
-    tied = [k for k in INDEX_KINDS if k in layouts and layouts[k].payload_numel == best]
-    assert auto.index_kind == tied[0]
+    flat = {k: L for k, L in layouts.items() if k != "multilevel"}
+    best = min(L.payload_numel for L in flat.values())
+    ml = layouts.get("multilevel")
+    if ml is not None and best >= cost_model.MULTILEVEL_MIN_GAIN * ml.payload_numel:
+        # the slower multilevel decoder only where it is MULTILEVEL_MIN_GAIN times smaller
+        assert auto.index_kind == "multilevel" and auto.payload_numel == ml.payload_numel
+    else:
+        assert auto.payload_numel == best
+        # ties go to the cheaper decoder: dense, then bitmap, then bloom
+        tied = [k for k in INDEX_KINDS if k in flat and flat[k].payload_numel == best]
+        assert auto.index_kind == tied[0]
     assert layouts[auto.index_kind].fingerprint == auto.fingerprint
     assert auto.wire_bytes == 4 * auto.payload_numel
     assert auto.payload_numel <= numel + HEADER_FIELDS          # never worse than dense + header

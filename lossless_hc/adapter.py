@@ -9,8 +9,8 @@ the aggregated gradient. Everything in that loop that does not depend on the eng
   one aggregator (:mod:`lossless_hc.aggregate`) per parameter. Keyword arguments a spec does not
   know are passed through to the aggregator's constructor unchanged.
 * :class:`CompressorAdapter`: the per-parameter aggregator map, encode/decode, the bookkeeping of
-  dense fallbacks within a step, the statistics, and staging through the CPU for any aggregator
-  kind whose spec says it has no CUDA kernels (all three kinds have them today).
+  dense fallbacks within a step, and the statistics. Every aggregator kind runs on the gradient's
+  device (CPU or CUDA kernels), so payloads never leave it.
 * :func:`find_optimizer_frame`: which parameter a gradient belongs to. Neither Horovod's nor
   BytePS's compressor interface passes the parameter, but both optimizers call ``compress`` from a
   method whose frame holds the optimizer (``self``, with ``_parameter_names``) and the parameter
@@ -82,13 +82,10 @@ def _check_index(index) -> str:
 class AggregatorSpec:
     """Validated configuration of one compression kind; :meth:`make` builds a parameter's aggregator.
 
-    ``cuda``: whether the aggregator's codec runs on CUDA tensors. When it does not, the adapter
-    encodes and decodes a CPU copy and hands the engine a payload on the gradient's device.
     ``extra``: keyword arguments passed to the aggregator's constructor as they are.
     """
 
     kind = ""
-    cuda = False
 
     def __init__(self, seed: int = 0, **extra):
         self.seed = _check_seed(seed)
@@ -111,7 +108,6 @@ class LosslessSpec(AggregatorSpec):
     """``Compression.lossless``: see :class:`lossless_hc.aggregate.TensorAggregator`."""
 
     kind = "lossless"
-    cuda = True
 
     def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
                  index: str = "auto", **extra):
@@ -138,7 +134,6 @@ class TopKSpec(AggregatorSpec):
     """``Compression.topk``: see :class:`lossless_hc.aggregate.TopKAggregator`."""
 
     kind = "topk"
-    cuda = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", **extra):
         super().__init__(seed, **extra)
@@ -158,7 +153,6 @@ class THCSpec(AggregatorSpec):
     codec to the gradient's device, CUDA kernels included)."""
 
     kind = "thc"
-    cuda = True
 
     def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **extra):
         from .thc_table import _check_args, clip_threshold
@@ -182,12 +176,11 @@ class THCSpec(AggregatorSpec):
 class EncodedTensor:
     """What ``decompress`` needs about one compressed gradient (the adapter's half of ``ctx``)."""
 
-    __slots__ = ("aggregator", "ctx", "device")
+    __slots__ = ("aggregator", "ctx")
 
-    def __init__(self, aggregator, ctx, device: Optional[torch.device]):
+    def __init__(self, aggregator, ctx):
         self.aggregator = aggregator
         self.ctx = ctx
-        self.device = device   # the gradient's device when the codec ran on a CPU copy, else None
 
 
 class CompressorAdapter:
@@ -218,19 +211,15 @@ class CompressorAdapter:
         """The aggregator of parameter ``key`` (built from ``tensor`` on first use)."""
         agg = self._aggregators.get(key)
         if agg is None:
-            device = tensor.device if self.spec.cuda else torch.device("cpu")
-            agg = self.spec.make(name, tensor, world_size, rank, self._stats, device)
+            agg = self.spec.make(name, tensor, world_size, rank, self._stats, tensor.device)
             self._aggregators[key] = agg
         return agg
 
     def encode(self, agg, tensor: torch.Tensor):
         """``(payload, EncodedTensor)``: the payload (on ``tensor``'s device) for the engine."""
-        staged = tensor.device.type != "cpu" and not self.spec.cuda
-        payload, ctx = agg.encode(tensor.detach().cpu() if staged else tensor)
-        if staged:
-            payload = payload.to(tensor.device)
+        payload, ctx = agg.encode(tensor)
         self._pending += 1
-        return payload, EncodedTensor(agg, ctx, tensor.device if staged else None)
+        return payload, EncodedTensor(agg, ctx)
 
     def decode(self, aggregated: torch.Tensor, enc: EncodedTensor) -> torch.Tensor:
         """The aggregated gradient from the engine's SUM or AVERAGE of every rank's payload.
@@ -243,19 +232,17 @@ class CompressorAdapter:
         agg = enc.aggregator
         self._pending -= 1
         try:
-            outcome = agg.decode(aggregated.cpu() if enc.device is not None else aggregated, enc.ctx)
+            outcome = agg.decode(aggregated, enc.ctx)
         except Exception:
             self._pending = max(self._pending, 0)
             raise
         if outcome.needs_fallback:
             dense = enc.ctx.dense_value.detach().clone()
-            if enc.device is not None:
-                dense = dense.to(enc.device)
             handle = self._start_fallback(agg, dense)
             self._fallbacks.append((handle, dense, outcome, agg))
             result = dense   # filled in place by the engine; waited for below
         else:
-            result = outcome.value if enc.device is None else outcome.value.to(enc.device)
+            result = outcome.value
         if self._pending <= 0:
             self._pending = 0
             self._finish_step()

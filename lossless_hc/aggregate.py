@@ -187,7 +187,6 @@ class DensityTracker:
         self.per_rank = None            # EWMA of the mean per-rank non-zero keys
         self.peak_union = 0             # maxima since the last decision
         self.peak_rank = 0.0
-        self.changes = 0                # decisions that rebuilt the codec
         self.history: list = []         # (step, capacity keys, union keys, index kind) per rebuild
 
     def observe(self, union_keys: int, per_rank_keys: float) -> bool:
@@ -207,6 +206,11 @@ class DensityTracker:
         union = math.ceil(p.union_headroom * max(self.union, self.peak_union))
         self.peak_union, self.peak_rank = 0, 0.0
         return max(1, rank), max(1, union)
+
+    @property
+    def changes(self) -> int:
+        """Decisions that rebuilt the codec with a different layout."""
+        return len(self.history)
 
     def accept(self, current: int, proposed: int) -> bool:
         """Whether ``proposed`` leaves the hysteresis band around ``current``."""
@@ -304,12 +308,10 @@ class TensorAggregator:
             self.capacity, self.union_capacity = capacity, union
             before = self._codec
             self._decide_codec()
-            tr.changes += 1
-            tr.history.append((tr.steps, self.capacity, self.union_capacity,
-                               self._codec.index_kind if self._codec is not None else "dense"))
-            if before is not None and self._codec is not None and before.layout == self._codec.layout:
-                tr.changes -= 1
-                tr.history.pop()
+            after = self._codec
+            if before is None or after is None or before.layout != after.layout:
+                tr.history.append((tr.steps, self.capacity, self.union_capacity,
+                                   after.index_kind if after is not None else "dense"))
 
     def _key_support(self, value: torch.Tensor) -> int:
         """Non-zero keys of an aggregated dense tensor (identical on every rank)."""

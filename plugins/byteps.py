@@ -103,6 +103,16 @@ def _parameter_name(opt, p) -> Optional[str]:
     return names.get(p)
 
 
+def _tail_name(name: str, extra: int) -> str:
+    """BytePS key of the ``extra`` elements by which a payload outgrew its first push's size."""
+    return f"lhc.tail.{name}.{extra}"
+
+
+def _fallback_name(name: str) -> str:
+    """BytePS key of a parameter's dense fallback."""
+    return f"lhc.fallback.{name}"
+
+
 class _Sent:
     """The BytePS half of a compressed gradient's ``ctx``: how the payload was fitted to its slot."""
 
@@ -189,7 +199,7 @@ class _BytePSCompressor(CompressorAdapter):
             flat, head = padded, padded
         elif numel > slot_numel:
             head = flat[:slot_numel]
-            tail_name = f"lhc.tail.{name}.{numel - slot_numel}"
+            tail_name = _tail_name(name, numel - slot_numel)
             if tail_name not in self._declared:
                 warnings.warn(f"{tail_name} was not declared at the end of a step; declaring it now relies on every "
                               "rank compressing in the same order", RuntimeWarning, stacklevel=3)
@@ -210,7 +220,7 @@ class _BytePSCompressor(CompressorAdapter):
     def _declare_fallbacks(self, opt) -> None:
         names = sorted(n for n in opt._parameter_names.values() if isinstance(n, str))
         for n in names:
-            self._declare(f"lhc.fallback.{n}")
+            self._declare(_fallback_name(n))
 
     def _after_step(self) -> None:
         # Tails for the payloads that outgrew their slot this step, in the same order on every rank.
@@ -219,12 +229,12 @@ class _BytePSCompressor(CompressorAdapter):
             if slot is None:
                 continue
             extra = wire_numel(agg) - slot[0]
-            if extra > 0 and f"lhc.tail.{agg.name}.{extra}" not in self._declared:
-                self._declare(f"lhc.tail.{agg.name}.{extra}")
+            if extra > 0 and _tail_name(agg.name, extra) not in self._declared:
+                self._declare(_tail_name(agg.name, extra))
 
     # -- the dense fallback on BytePS ------------------------------------------------------------
     def _start_fallback(self, agg, dense):
-        name = f"lhc.fallback.{agg.name}"
+        name = _fallback_name(agg.name)
         if name not in self._declared:
             self._declare(name)
         return self.engine.push_pull_async_inplace(dense, average=False, name=name)

@@ -42,6 +42,7 @@ THREADS = 256               # block size of the grid-stride kernels and of the t
 TILE_ITEMS = 256 * 8        # kTileItems
 SCAN_THREADS = 1024         # lhc_scan_tiles runs as one block of this size
 NOT_PEELED = 0xFFFFFFFF
+PAIR_ROUND = 0xFFFFFFFE          # kPairRound: a key solved as part of a two-key stopping set
 MAX_POSITIONS = (1 << 32) // 3 - 1   # key positions: 31 bits in the adjacency, 3 x count < 2^32 offsets
 
 # lhc::gpu::DecodeFlag
@@ -534,7 +535,8 @@ class DecodeRun:
 
     def trace(self, support: int):
         """(keys, cells) of the peeled keys, in an order in which they can be peeled: by round, then
-        key. A key read in round r from cell c had every other key of c peeled in an earlier round."""
+        key. A key read in round r from cell c had every other key of c peeled in an earlier round;
+        the keys of solved pairs (round ``PAIR_ROUND``) come last, with their first cell."""
         a = self.arena
         n = min(support, self.native.key_cap)
         keys = a.view("keys", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
@@ -642,6 +644,10 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                       [tbl, B, P("keys"), P("val"), P("deg"), P("xr"), P("src"), P("round"), P("key_val"), P("offsets"),
                        P("adj"), P("stamp"), P("pure0"), P("pure1"), P("list0"), P("list1"), P("dirty0"), P("dirty1"),
                        P("control_value"), cnt], stream, cooperative=True)
+        # Peeling stalled or not: the two-key stopping sets it leaves are solved here.
+        launch.launch("lhc_solve_pairs", _grid(cells, sms), THREADS,
+                      [tbl, B, P("keys"), P("val"), P("deg"), P("src"), P("round"), P("key_val"), P("offsets"),
+                       P("adj"), cnt], stream)
         launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
                       [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
         return DecodeRun(native, payload, a)

@@ -47,7 +47,10 @@ class DecodeReport:
     total_keys       sum over ranks of their non-zero key counts.
     index_kind       "bitmap", "bloom", "multilevel" or "dense".
     trace            only with ``decode(..., trace=True)``: (keys, cells), each key with the cell it
-                     was read from; within one cell, keys appear in the order they were peeled.
+                     was read from; within one cell, keys appear in the order they were peeled. The
+                     two keys of a solved pair (they share all three cells; see
+                     ``layout.sketch_table_for``) both list their first cell, after every key peeled
+                     from those cells.
     """
 
     ok: bool

@@ -35,7 +35,7 @@ INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2             # 2: value sketches sized for the decoder's pair solving
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
@@ -58,6 +58,10 @@ SATURATION_TARGET = 1e-6
 # random-hypergraph threshold of all the counters: measured, E[FP] = 0.94 U with 1.28 counters per
 # candidate fails to peel. Keep them few (see bloom_table_for).
 BLOOM_FP_PER_KEY = 0.25
+# The share of two-key stopping sets of the value sketch that its decoder cannot solve: the two keys
+# share all three cells, and the pair is solvable unless their relative signs agree in all three
+# (2 of 8 sign patterns; see sketch_table_for).
+PAIR_UNSOLVABLE_SHARE = 0.25
 # Value-sketch cells per candidate key (see sketch_table_for).
 SKETCH_CELLS_PER_KEY = 1.25
 # Keys per group of sub-tables the value sketch aims for (a group's peeling state stays in cache).
@@ -148,7 +152,17 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     cache) and in parallel. A group receives Binomial(N, 1/G) keys, so it is sized for
     ``N/G + 4 sqrt(N/G)`` keys. Groups multiply the small-stopping-set term: with ``G`` groups of
     ``n = N/G`` keys the pair probability is ``G * 13.5 n**2 / cells_g**3``, which caps ``G`` at
-    about ``sqrt(target * N / 7)`` for the 1.25 load.
+    about ``sqrt(target * N / 7)`` for the 1.25 load (before the pair share below).
+
+    Pairs the decoder solves. A value sketch's pair is not always a failure: its two keys ``a, b``
+    leave three cells holding ``s_j(a) v_a + s_j(b) v_b`` (j = 0, 1, 2), three equations in two
+    unknowns. Unless the relative signs ``t_j = s_j(a) s_j(b)`` are all equal (2 of the 8 equally
+    likely patterns), two cells with ``t_p != t_q`` give ``v_a = (s_p(a) R_p + s_q(a) R_q) / 2`` and
+    ``v_b = t_p (s_p(a) R_p - s_q(a) R_q) / 2``, as exact as reading a pure cell (see
+    ``PAIR_UNSOLVABLE_SHARE``). Only a quarter of the pairs fail, so the pair term above shrinks by
+    ``4**(1/3)`` = 1.59x in cells, and the cap on ``G`` grows by 2. (The integer tables of the Bloom
+    and multilevel indexes add +1 counts, so all their pairs are proportional: they keep the full
+    pair term.)
 
     A spatially coupled layout (keys spread over three *consecutive* segments of many) would peel
     down to ~1.13 cells/key, but its peeling advances as a slow wave whose long dependency chains
@@ -162,17 +176,19 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     groups = 1
     if keys > 2 * GROUP_KEYS:
         groups = max(1, min(math.ceil(keys / GROUP_KEYS),
-                            int(math.sqrt(PEEL_FAILURE_TARGET * keys / 7.0))))
+                            int(math.sqrt(PEEL_FAILURE_TARGET * keys / (7.0 * PAIR_UNSOLVABLE_SHARE)))))
     per_group = keys / groups
     if groups > 1:
         per_group += 4.0 * math.sqrt(per_group)
-    cells = _group_cells(per_group, groups)
+    cells = _group_cells(per_group, groups, PAIR_UNSOLVABLE_SHARE)
     return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
 
 
-def _group_cells(per_group: float, groups: int = 1) -> float:
-    """Cells of one group of three segments that peels ``per_group`` keys (see sketch_table_for)."""
-    pair_bound = (13.5 * groups * per_group * per_group / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
+def _group_cells(per_group: float, groups: int = 1, pair_share: float = 1.0) -> float:
+    """Cells of one group of three segments that peels ``per_group`` keys (see sketch_table_for);
+    ``pair_share``: the fraction of two-key stopping sets the decoder cannot solve (1 for the
+    integer index tables, ``PAIR_UNSOLVABLE_SHARE`` for the value sketch)."""
+    pair_bound = (13.5 * pair_share * groups * per_group * per_group / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
     return max(SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8, pair_bound)
 
 

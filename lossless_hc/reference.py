@@ -22,7 +22,8 @@ What is reproduced bit for bit (given the same :class:`~lossless_hc.layout.Paylo
 What is *not* bit-exact by design:
 
 * :func:`decode` peels in rounds (every key pure at the start of a round is resolved in that round),
-  in float64, reading each key from the lowest of its pure cells. The C++ decoder peels each group
+  in float64, reading each key from the lowest of its pure cells, then solves the two-key stopping
+  sets left (:func:`solvable_pairs`). The C++ decoder peels each group
   of sub-tables sequentially from a FIFO queue, so the order in which a cell's estimates are
   subtracted differs and the decoded values agree only up to float rounding. The *integer* parts --
   candidates, the exact Bloom counts, false positives, support, the ok/failure verdict -- are order
@@ -271,6 +272,44 @@ def peel_rounds(cells: torch.Tensor, num_cells: int):
     return rounds, resolved
 
 
+def solvable_pairs(cells: torch.Tensor, signs: torch.Tensor, resolved: torch.Tensor) -> torch.Tensor:
+    """The two-key stopping sets left after peeling that the value decoder solves: pairs ``a < b``
+    of unresolved keys with the same three cells, no other unresolved key in those cells, and
+    relative signs ``s_j(a) s_j(b)`` not all equal (see ``layout.sketch_table_for``). Returns an
+    ``[P, 2]`` tensor of key indices, ordered by the pair's first cell.
+    """
+    cells = cells.to(torch.int64)
+    left = (~resolved).nonzero().reshape(-1)
+    if left.numel() < 2:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    lc = cells[left]
+    deg = torch.bincount(lc.reshape(-1), minlength=int(cells.max()) + 1)
+    triples, inverse, counts = torch.unique(lc, dim=0, return_inverse=True, return_counts=True)
+    pairs = []
+    for t in (counts == 2).nonzero().reshape(-1).tolist():
+        if not bool((deg[triples[t]] == 2).all()):
+            continue
+        a, b = left[(inverse == t).nonzero().reshape(-1)].tolist()
+        rel = signs[a].to(torch.int64) * signs[b].to(torch.int64)
+        if bool((rel == rel[0]).all()):
+            continue      # proportional: unsolvable
+        pairs.append((int(triples[t][0]), min(a, b), max(a, b)))
+    pairs.sort()
+    return torch.tensor([[a, b] for _, a, b in pairs], dtype=torch.int64).reshape(-1, 2)
+
+
+def solve_pair(val: torch.Tensor, cells3: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor):
+    """The values of a solvable pair from its three residual cells ``val[cells3]`` ([3, B] float64),
+    as the C++ decoder computes them: with ``A_j = s_j(a) R_j`` and ``t_j = s_j(a) s_j(b)``, the
+    cells p = 0 and q = the first with ``t_q != t_0``: ``v_a = (A_p + A_q) / 2`` and
+    ``v_b = t_p (A_p - A_q) / 2``."""
+    rel = (sa.to(torch.int64) * sb.to(torch.int64)).tolist()
+    q = 1 if rel[0] != rel[1] else 2
+    A_p = float(sa[0]) * val[cells3[0]]
+    A_q = float(sa[q]) * val[cells3[q]]
+    return 0.5 * (A_p + A_q), rel[0] * (0.5 * (A_p - A_q))
+
+
 def _fail(info: dict, reason: str):
     info["ok"], info["reason"] = False, reason
     return info
@@ -472,6 +511,12 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
         oc = sc[idx][other]                                                 # [2R]
         os_ = ss[idx][other].to(torch.float64)
         val.index_add_(0, oc, -(os_.unsqueeze(1) * v.repeat_interleave(2, dim=0)))
+    # Peeling stalled: solve the two-key stopping sets (each pair's cells hold just the pair).
+    for a, b in solvable_pairs(sc, ss, resolved).tolist():
+        blocks[a], blocks[b] = solve_pair(val, sc[a], ss[a], ss[b])
+        resolved[a] = resolved[b] = True
+        trace_keys.append(support[[a, b]])
+        trace_cells.append(sc[[a, b], 0])
     info["peeled"] = int(resolved.sum())
     info["trace"] = (torch.cat(trace_keys) if trace_keys else torch.zeros(0, dtype=torch.int64),
                      torch.cat(trace_cells) if trace_cells else torch.zeros(0, dtype=torch.int64))

@@ -181,7 +181,13 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
     A key k peeled from cell c reads c minus the (already peeled) estimates of the other support keys
     of c, so ``E(k) = eps_c + sum_{B in c, B != k} E(B)``. This function *requires* every such B to
     have been peeled before k (otherwise the decoder's trace is not a valid peeling order) and that
-    c is one of k's cells. Returns the bound per coordinate (float64, numel), 0 outside the support.
+    c is one of k's cells.
+
+    A key of a solved pair (its partner shares all three cells and was unresolved when the pair was
+    solved; see ``layout.sketch_table_for``) is half the sum or difference of two of those cells,
+    so its error is at most the larger of their bounds ``eps_x + sum_{B in x, B not in pair} E(B)``;
+    we take the largest over the three cells, again requiring every such B peeled before.
+    Returns the bound per coordinate (float64, numel), 0 outside the support.
     """
     L = layout
     B = L.block
@@ -209,10 +215,29 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
 
     tk, tc = trace
     E: dict[int, np.ndarray] = {}
+    partner: dict[int, int] = {}
     for key, cell in zip(tk.tolist(), tc.tolist()):
         assert key in key_cells_of, f"trace peels key {key}, which no worker holds"
         assert key not in E, f"trace peels key {key} twice"
         assert cell in key_cells_of[key], f"key {key} peeled from cell {cell}, not one of its cells"
+        twin = [o for o in members[cell] if o != key and key_cells_of[o] == key_cells_of[key]
+                and (o not in E or partner.get(o) == key)]
+        if twin:
+            # a solved pair: the partner shares all three cells and was not peeled before it
+            assert len(twin) == 1, f"key {key} shares its cells with {twin}: not a pair"
+            partner[key] = twin[0]
+            e = np.zeros(B)
+            for x in key_cells_of[key]:
+                ex = eps[x].copy()
+                for other in members[x]:
+                    if other in (key, twin[0]):
+                        continue
+                    assert other in E, (f"pair ({key}, {twin[0]}) solved while key {other} of cell {x} was "
+                                        "still unresolved")
+                    ex += E[other]
+                e = np.maximum(e, ex)
+            E[key] = e
+            continue
         e = eps[cell].copy()
         for other in members[cell]:
             if other == key:

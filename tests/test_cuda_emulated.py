@@ -182,3 +182,28 @@ def test_emulated_index_claiming_every_key_is_reported(emulated):
     _, r, _ = emulated_decode(native, p)
     assert not r.ok and not r_cpu.ok
     assert r.status == 3 and "sketch peeling failed" in r_cpu.reason
+
+
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_emulated_pairs_agree_with_cpu(emulated, block, index):
+    """Two-key stopping sets (tests/test_pairs.py): lhc_solve_pairs solves the solvable ones exactly
+    and leaves proportional ones unresolved, as the CPU backend does."""
+    from test_pairs import colliding_pairs, pair_inputs
+
+    n = 3
+    cpu, native = host_codecs(2000 * block, n, 8 * block, block, index, seed=11)
+    solvable, proportional = colliding_pairs(cpu.layout)
+    rng = np.random.default_rng(helpers.stable_seed("emu-pair", block, index))
+    for pair, expect_ok in ((solvable[0], True), (proportional[0], False)):
+        xs = pair_inputs(rng, cpu.layout, pair, n, others=3)
+        summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+        y, report, _ = emulated_decode(native, summed)
+        y_cpu, r_cpu = cpu.decode(summed)
+        assert (report.ok, report.peeled, report.support) == (r_cpu.ok, r_cpu.peeled, r_cpu.support)
+        assert report.ok == expect_ok
+        if expect_ok:
+            helpers.assert_lossless(cpu.layout, xs, y, report, strict_support=False)
+            assert pair[0] in report.trace[0].tolist() and pair[1] in report.trace[0].tolist()
+        else:
+            assert torch.equal(torch.isnan(y), torch.isnan(y_cpu))

@@ -32,15 +32,18 @@ def test_hypergraph_peels(keys):
     assert C >= 1.2 * keys
     g = torch.Generator().manual_seed(keys)
     per_batch = max(1, 200_000 // keys)
-    failures = done = 0
+    failures = done = stalled_pairs = 0
     while done < trials:
         b = min(per_batch, trials - done)
         # distinct random keys per trial (collisions among 62-bit draws are negligible and harmless:
         # a duplicate key would only make peeling harder)
         k = torch.randint(0, 2 ** 62, (b * keys,), generator=g)
-        cells, _ = reference.key_cells(table, k)
+        cells, signs = reference.key_cells(table, k)
         cells = cells + (torch.arange(b).repeat_interleave(keys) * C).unsqueeze(1)   # disjoint copies
         _, resolved = reference.peel_rounds(cells, b * C)
+        pairs = reference.solvable_pairs(cells, signs, resolved)    # what the decoder solves after a stall
+        stalled_pairs += int(pairs.shape[0])
+        resolved[pairs.reshape(-1)] = True
         failures += int((~resolved.reshape(b, keys).all(dim=1)).sum())
         done += b
     assert trials - failures >= 0.99 * trials, f"{failures}/{trials} failed"

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <utility>
 #include <vector>
 
 namespace lhc {
@@ -860,6 +861,82 @@ void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* 
 
 }  // namespace
 
+// The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
+// share all three cells, each cell holding just the two of them. Cell j holds
+// R_j = s_j(a) v_a + s_j(b) v_b, so with A_j = s_j(a) R_j = v_a + t_j v_b (t_j = s_j(a) s_j(b)) and
+// the first cells p < q with t_p != t_q:
+//     v_a = (A_p + A_q) / 2,    v_b = t_p (A_p - A_q) / 2,
+// each the half of a sum of two cells (as exact as reading a pure cell). A pair whose relative
+// signs agree in all three cells (a quarter of them) is unsolvable and stays unresolved.
+// `solve(pos_a, pos_b, cells, va, vb)` receives each solved pair, in increasing order of its cell in
+// the group's first segment; the states are left as they are (the pair's cells are not read again).
+// Runs only after a stalled peel: it hashes every key of the group once. Returns the keys solved.
+template <typename Solve>
+uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
+                     std::vector<uint32_t>& kc, Solve&& solve) {
+  const uint64_t seg_len = t.cells() / 3;
+  // Candidate cells of the first segment: two keys left, and the XOR of their packed cells names the
+  // same offset in every segment (only the sign bits may differ).
+  std::vector<char> candidate(seg_len, 0);
+  bool any = false;
+  for (uint64_t o = 0; o < seg_len; ++o) {
+    if (t.deg(o) != 2) continue;
+    bool same = true;
+    for (int j = 0; j < 3; ++j) same &= (t.packed(o, j) >> 1) == 0;
+    candidate[o] = same;
+    any |= same;
+  }
+  if (!any) return 0;
+  // Every key whose first cell is a candidate, peeled or not, by cell then position. A peeled key
+  // never has the same three cells as an unresolved one (it could not have been alone in any of
+  // them), so within a cell the pair is the two keys with equal cells whose positions XOR to the
+  // state's.
+  kc.resize(3 * (uint64_t)count);
+  hash_cells(table, keys, count, kc.data());
+  std::vector<std::pair<uint32_t, uint32_t>> members;  // (first cell, position)
+  for (uint32_t p = 0; p < count; ++p)
+    if (candidate[kc[3 * (uint64_t)p] >> 1]) members.emplace_back(kc[3 * (uint64_t)p] >> 1, p);
+  std::sort(members.begin(), members.end());
+  uint32_t solved = 0;
+  std::vector<double> va(block), vb(block);
+  for (size_t i = 0; i < members.size();) {
+    size_t e = i;
+    while (e < members.size() && members[e].first == members[i].first) ++e;
+    const uint64_t o = members[i].first;
+    for (size_t x = i; x < e; ++x)
+      for (size_t y = x + 1; y < e; ++y) {
+        const uint32_t a = members[x].second, b = members[y].second;
+        if ((a ^ b) != t.pos(o)) continue;
+        const uint32_t* ea = &kc[3 * (uint64_t)a];
+        const uint32_t* eb = &kc[3 * (uint64_t)b];
+        uint64_t cell[3];
+        bool pair = true;
+        for (int j = 0; j < 3; ++j) {
+          cell[j] = t.cell(j, ea[j]);
+          pair &= (ea[j] >> 1) == (eb[j] >> 1) && t.deg(cell[j]) == 2 && t.pos(cell[j]) == (a ^ b);
+        }
+        if (!pair) continue;
+        double rel[3];
+        for (int j = 0; j < 3; ++j) rel[j] = PeelTable::sign(ea[j]) * PeelTable::sign(eb[j]);
+        if (rel[0] == rel[1] && rel[0] == rel[2]) continue;  // proportional signs: unsolvable
+        const int q = rel[0] != rel[1] ? 1 : 2;
+        const double* R0 = t.values(cell[0]);
+        const double* Rq = t.values(cell[q]);
+        const double s0 = PeelTable::sign(ea[0]), sq = PeelTable::sign(ea[q]);
+        for (uint64_t l = 0; l < block; ++l) {
+          const double A0 = s0 * R0[l], Aq = sq * Rq[l];
+          va[l] = 0.5 * (A0 + Aq);
+          vb[l] = rel[0] * (0.5 * (A0 - Aq));
+        }
+        for (int j = 0; j < 3; ++j) t.deg(cell[j]) = 0;
+        solve(a, b, cell, va.data(), vb.data());
+        solved += 2;
+      }
+    i = e;
+  }
+  return solved;
+}
+
 DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
                    int64_t* trace_key, int64_t* trace_cell, int num_threads) {
   const int nt = resolve_threads(num_threads);
@@ -949,6 +1026,21 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
             return true;
           },
           &group_bad);
+      if (!group_bad && peeled[g] < kn)
+        peeled[g] += solve_pairs(t, T, gkeys.data(), kn, B, scratch,
+                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const double* va, const double* vb) {
+                                   for (uint64_t l = 0; l < B; ++l) {
+                                     gvals[(uint64_t)pa * B + l] = (float)va[l];
+                                     gvals[(uint64_t)pb * B + l] = (float)vb[l];
+                                   }
+                                   if (trace_key) {
+                                     for (const uint32_t p : {pa, pb}) {
+                                       trace_key[step] = (int64_t)gkeys[p];
+                                       trace_cell[step] = (int64_t)(base + cell[0]);
+                                       ++step;
+                                     }
+                                   }
+                                 });
       bad[g] = group_bad;
     }
   }

@@ -37,7 +37,7 @@ const KernelEntry kKernels[] = {
     LHC_KERNEL(lhc_found_write),      LHC_KERNEL(lhc_support_ready),      LHC_KERNEL(lhc_abort_if),
     LHC_KERNEL(lhc_degree_tiles),     LHC_KERNEL(lhc_degree_offsets),     LHC_KERNEL(lhc_fill_adjacency),
     LHC_KERNEL(lhc_sort_adjacency),   LHC_KERNEL(lhc_load_cells),         LHC_KERNEL(lhc_peel_values),
-    LHC_KERNEL(lhc_write_output),
+    LHC_KERNEL(lhc_write_output),  LHC_KERNEL(lhc_solve_pairs),
     // THC (thc_kernels.cuh)
     LHC_KERNEL(thc_check_finite),  LHC_KERNEL(thc_norm_chunks),  LHC_KERNEL(thc_tree_pass),
     LHC_KERNEL(thc_pack_words),  LHC_KERNEL(thc_encode_finish),  LHC_KERNEL(thc_accumulate),

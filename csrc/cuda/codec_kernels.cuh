@@ -106,6 +106,7 @@ static_assert(sizeof(DecodeCounters) == 64, "DecodeCounters: 64 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
 
 constexpr unsigned int kNotPeeled = 0xffffffffu;
+constexpr unsigned int kPairRound = 0xfffffffeu;  // peeled_round of a key solved as part of a pair
 constexpr unsigned int kNoCell = 0xffffffffu;
 constexpr unsigned int kMaxCellDegree = 255;   // as the CPU backend: a denser cell cannot peel
 constexpr int kTileThreads = 256;              // threads of the ordered-compaction kernels
@@ -972,6 +973,57 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
     grid_barrier(control->barrier);
   }
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagValueBad);
+}
+
+// After the value peel stalls: the two-key stopping sets (see the CPU backend's solve_pairs). One
+// thread per cell of a group's first segment holding two unresolved keys a < b: if they have the
+// same three cells, each holding just the two of them, and relative signs t_j = s_j(a) s_j(b) not
+// all equal, then with A_j = s_j(a) R_j and q the first cell with t_q != t_0,
+//     v_a = (A_0 + A_q) / 2,    v_b = t_0 (A_0 - A_q) / 2.
+// Pairs are disjoint (their cells hold nothing else), so threads never touch the same key or cell;
+// each writes its keys' values, source cell (their first cell) and round kPairRound.
+extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
+                                           const double* val, const unsigned int* deg, unsigned int* src,
+                                           unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
+                                           const unsigned int* adj, DecodeCounters* counters) {
+  if (counters->abort) return;
+  SegmentedTable t;
+  t.seg_len = table_words[0];
+  t.seg_count = table_words[1];
+  t.stream = table_words[2];
+  const uint64_t first_cells = t.groups() * t.seg_len;  // cells of the groups' first segments
+  for (uint64_t i = global_thread(); i < first_cells; i += grid_threads()) {
+    const uint64_t c = (i / t.seg_len) * t.group_cells() + i % t.seg_len;
+    if (deg[c] != 2u) continue;
+    // The cell's two unresolved keys, in position order (the adjacency is sorted).
+    unsigned int ab[2], found = 0;
+    for (unsigned int e = offsets[c]; e < offsets[c + 1]; ++e) {
+      const unsigned int p = adj[e] >> 1;
+      if (peeled_round[p] != kNotPeeled) continue;
+      if (found < 2) ab[found] = p;
+      ++found;
+    }
+    if (found != 2) continue;
+    uint64_t ca[3], cb[3];
+    int sa[3], sb[3];
+    key_cells(t, keys[ab[0]], ca, sa);
+    key_cells(t, keys[ab[1]], cb, sb);
+    if (ca[0] != c || ca[0] != cb[0] || ca[1] != cb[1] || ca[2] != cb[2] || deg[ca[1]] != 2u || deg[ca[2]] != 2u)
+      continue;
+    const int t0 = sa[0] * sb[0], t1 = sa[1] * sb[1], t2 = sa[2] * sb[2];
+    if (t0 == t1 && t0 == t2) continue;  // proportional signs: unsolvable
+    const uint64_t cq = t0 != t1 ? ca[1] : ca[2];
+    const double s0 = (double)sa[0], sq = (double)(t0 != t1 ? sa[1] : sa[2]);
+    for (uint64_t lane = 0; lane < block; ++lane) {
+      const double A0 = s0 * val[c * block + lane], Aq = sq * val[cq * block + lane];
+      key_val[(uint64_t)ab[0] * block + lane] = 0.5 * (A0 + Aq);
+      key_val[(uint64_t)ab[1] * block + lane] = (double)t0 * (0.5 * (A0 - Aq));
+    }
+    for (int k = 0; k < 2; ++k) {
+      src[ab[k]] = (unsigned int)c;
+      peeled_round[ab[k]] = kPairRound;
+    }
+  }
 }
 
 // Output: every recovered key's block (float), NaN for keys the peel could not recover; `out` was

@@ -51,7 +51,7 @@ const std::vector<Entry>& table() {
       EMU_KERNEL(lhc_found_write),        EMU_KERNEL(lhc_support_ready),      EMU_KERNEL(lhc_abort_if),
       EMU_KERNEL(lhc_degree_tiles),       EMU_KERNEL(lhc_degree_offsets),     EMU_KERNEL(lhc_fill_adjacency),
       EMU_KERNEL(lhc_sort_adjacency),     EMU_KERNEL(lhc_load_cells),         EMU_KERNEL(lhc_peel_values),
-      EMU_KERNEL(lhc_write_output),
+      EMU_KERNEL(lhc_write_output),  EMU_KERNEL(lhc_solve_pairs),
       // THC (csrc/cuda/thc_kernels.cuh)
       EMU_KERNEL(thc_check_finite),  EMU_KERNEL(thc_norm_chunks),  EMU_KERNEL(thc_tree_pass),
       EMU_KERNEL(thc_pack_words),  EMU_KERNEL(thc_encode_finish),  EMU_KERNEL(thc_accumulate),

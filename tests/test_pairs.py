@@ -1,0 +1,137 @@
+"""Two-key stopping sets of the value sketch: two support keys whose three cells coincide.
+
+Peeling never resolves them (neither is ever alone in a cell); the decoder solves the pair from two
+of its cells unless the keys' relative signs agree in all three (then the pair is unsolvable and
+decode reports ok=False). ``layout.sketch_table_for`` sizes small sketches on that promise
+(``PAIR_UNSOLVABLE_SHARE``), so both outcomes are pinned here on real colliding keys, found by
+hashing every key of small layouts: exact (within the trace bound) when solvable, a reported
+failure -- never a wrong answer -- when not, the C++ decoder and the reference agreeing on which.
+"""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import helpers
+from lossless_hc import LosslessCodec, reference
+from lossless_hc.layout import PAIR_UNSOLVABLE_SHARE
+
+
+def colliding_pairs(layout):
+    """(solvable, proportional): lists of key pairs (a < b) with the same three sketch cells."""
+    cells, signs = reference.key_cells(layout.sketch, torch.arange(layout.num_keys))
+    triples, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
+    solvable, proportional = [], []
+    for t in (counts == 2).nonzero().reshape(-1).tolist():
+        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
+        rel = signs[a] * signs[b]
+        (proportional if bool((rel == rel[0]).all()) else solvable).append((a, b))
+    return solvable, proportional
+
+
+def pair_inputs(rng, layout, pair, n, others, dist="wide"):
+    """n ranks; both keys of ``pair`` held by rank 0 and the second also by the last rank (so the
+    pair's values are sums), plus ``others`` random keys per rank whose cells avoid the pair's."""
+    L = layout
+    cells, _ = reference.key_cells(L.sketch, torch.arange(L.num_keys))
+    pair_cells = set(cells[pair[0]].tolist())
+    free = [k for k in range(L.num_keys) if k not in pair and not pair_cells & set(cells[k].tolist())]
+    xs = []
+    for r in range(n):
+        keys = list(rng.choice(free, others, replace=False)) if others else []
+        if r == 0:
+            keys += list(pair)
+        if r == n - 1:
+            keys.append(pair[1])
+        x = torch.zeros(L.numel)
+        for k in set(keys):
+            lo, hi = k * L.block, min(L.numel, (k + 1) * L.block)
+            x[lo:hi] = torch.from_numpy(helpers.values(rng, dist, hi - lo)).float()
+        xs.append(x)
+    return xs
+
+
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("averaged", [False, True])
+def test_solvable_pair_decodes_exactly(block, n, averaged):
+    codec = LosslessCodec(4000 * block - (block > 1), n, 8 * block, block_size=block, index="bitmap", seed=11)
+    solvable, _ = colliding_pairs(codec.layout)
+    assert solvable, "the layout has no colliding pair: pick another seed"
+    rng = np.random.default_rng(helpers.stable_seed("pair", block, n, averaged))
+    for pair in solvable[:3]:
+        xs = pair_inputs(rng, codec.layout, pair, n, others=4)
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        if averaged:
+            summed = helpers.average_payloads(summed, n)
+        y, rep = codec.decode(summed, averaged=averaged, trace=True)
+        helpers.assert_lossless(codec.layout, xs, y, rep, averaged=averaged, strict_support=False)
+        assert set(pair) <= set((rep.trace[0] // 1).tolist())
+        yr, info = reference.decode(codec.layout, summed, averaged=averaged)
+        assert info["ok"] and info["peeled"] == rep.peeled == rep.support
+        assert torch.allclose(yr, y.double(), rtol=1e-6, atol=1e-6 * float(yr.abs().max()))
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_proportional_pair_is_reported_never_wrong(block):
+    codec = LosslessCodec(4000 * block, 3, 8 * block, block_size=block, index="bitmap", seed=11)
+    _, proportional = colliding_pairs(codec.layout)
+    assert proportional, "the layout has no proportional pair: pick another seed"
+    rng = np.random.default_rng(helpers.stable_seed("prop", block))
+    for pair in proportional[:3]:
+        xs = pair_inputs(rng, codec.layout, pair, 3, others=4)
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        y, rep = codec.decode(summed)
+        assert not rep.ok and "sketch peeling failed" in rep.reason
+        assert rep.peeled == rep.support - 2
+        _, info = reference.decode(codec.layout, summed)
+        assert not info["ok"] and info["peeled"] == rep.peeled
+        # the keys peeled are still exact; the pair's coordinates are NaN, never a plausible value
+        for k in pair:
+            assert bool(torch.isnan(y[k * codec.layout.block:(k + 1) * codec.layout.block]).all())
+
+
+def test_bloom_index_then_pair():
+    """A pair among the Bloom index's candidates is solved in the value peel too."""
+    codec = LosslessCodec(6000, 2, 10, index="bloom", seed=5)
+    solvable, _ = colliding_pairs(codec.layout)
+    rng = np.random.default_rng(5)
+    xs = pair_inputs(rng, codec.layout, solvable[0], 2, others=3)
+    y, rep = codec.decode(sum(codec.encode(x) for x in xs), trace=True)
+    helpers.assert_lossless(codec.layout, xs, y, rep, strict_support=False)
+
+
+def test_unsolvable_share_matches_sign_patterns():
+    """Over many colliding pairs, the share with proportional signs is the 2/8 the sizing assumes."""
+    codec = LosslessCodec(200_000, 2, 40, index="bitmap", seed=1)
+    solvable, proportional = colliding_pairs(codec.layout)
+    total = len(solvable) + len(proportional)
+    assert total > 2000
+    share = len(proportional) / total
+    assert abs(share - PAIR_UNSOLVABLE_SHARE) < 5 * np.sqrt(0.25 * 0.75 / total)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5), block=st.sampled_from([1, 2, 5]),
+       others=st.integers(0, 6), dist=st.sampled_from(["normal", "wide"]))
+def test_pairs_property(seed, n, block, others, dist):
+    """Random small layouts, a random colliding pair (solvable or not) among random keys: the C++
+    decoder and the reference agree on ok and on what was peeled; ok means lossless."""
+    rng = np.random.default_rng(seed)
+    numel = int(rng.integers(500, 3000)) * block
+    codec = LosslessCodec(numel, n, (others + 2) * block, block_size=block, index="bitmap", seed=seed)
+    solvable, proportional = colliding_pairs(codec.layout)
+    pool = solvable + proportional
+    if not pool:
+        return
+    pair = pool[int(rng.integers(len(pool)))]
+    xs = pair_inputs(rng, codec.layout, pair, n, others=others, dist=dist)
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    y, rep = codec.decode(summed, trace=True)
+    _, info = reference.decode(codec.layout, summed)
+    assert (rep.ok, rep.peeled) == (info["ok"], info["peeled"])
+    if pair in proportional:
+        assert not rep.ok
+    if rep.ok:
+        helpers.assert_lossless(codec.layout, xs, y, rep, strict_support=False)

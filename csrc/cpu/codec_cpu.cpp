@@ -562,6 +562,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
   if (w == 0 || wpg == 0 || L.span[l] != children * below) return kDecodeIndexCorrupt;  // a layout guard
   const uint64_t child_limit = (L.num_keys + below - 1) / below;
+  Prof prof;
   // The table's words as exact integers below 2^22 (a SUM of integers below 2^22 is exact; an
   // AVERAGE is within 1/2 of one after scaling back). A word at or above 2^22 means more nodes
   // summed into one cell than the layout was sized for: reported, never decoded.
@@ -588,6 +589,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
     }
   }
   if (word_status != kDecodeOk) return word_status;
+  prof.mark("ml load");
 
   double word_limit = 1.0;
   for (uint64_t i = 0; i < w; ++i) word_limit *= (double)base;
@@ -619,6 +621,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   for (uint64_t c = 0; c < fcells; ++c)
     for (uint64_t i = 0; i < wpg; ++i)
       if (t.values(c)[i] != 0.0) return kDecodeIndexCorrupt;
+  prof.mark("ml peel");
 
   // Children and their counts: each at most its node's count (a child's ranks all hold the node),
   // together at least it (each of those ranks holds a key under some child).
@@ -644,6 +647,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   }
   // Each rank's non-zero children at any level are at most its non-zero keys.
   if (total > in.total_keys) return kDecodeIndexCorrupt;
+  prof.mark("ml expand");
   nodes->swap(next);
   counts->swap(next_counts);
   return kDecodeOk;
@@ -656,6 +660,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
                            GroupedKeys* support, DecodeStats* st) {
   const uint64_t n = in.world_size;
   if (L.fine_levels == 0 || L.fine_levels > kMaxFineLevels) return kDecodeIndexCorrupt;  // a layout guard
+  Prof prof;
   const uint64_t num_nodes = L.index.digits;
   struct NodeSink {
     std::vector<uint32_t> nodes, counts;
@@ -687,9 +692,11 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   }
   // Every rank's non-zero nodes are at most its non-zero keys.
   if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
+  prof.mark("ml coarse");
   for (uint32_t l = 0; l < L.fine_levels; ++l) {
     const int32_t status = peel_fine_level(L, l, in, payload, &nodes, &counts);
     if (status != kDecodeOk) return status;
+    prof.mark("ml fine");
   }
   uint64_t total = 0;
   for (uint32_t c : counts) total += c;
@@ -698,6 +705,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
   for (uint32_t k : nodes) support->by[0][key_group(T, k)].push_back(k);
   st->candidates = support->total();
+  prof.mark("ml bucket");
   if (total != in.total_keys) return kDecodeIndexCorrupt;
   return kDecodeOk;
 }

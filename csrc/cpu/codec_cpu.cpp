@@ -560,14 +560,16 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
 // and every output lands at a position fixed by the node order, so nothing depends on the number of
 // threads or their scheduling.
 
-// Positions [0, count) of the increasing `keys`, bucketed (stably) by their group of `table`: group g's
-// positions are order[goff[g], goff[g + 1]), increasing. Two parallel passes over contiguous ranges
-// (a histogram, then the scatter); groups are hashed a chunk at a time (vectorised) in both.
-void bucket_positions(const SegmentedTable& table, const uint32_t* keys, uint64_t count, int nt,
-                      std::vector<uint32_t>* order, std::vector<uint64_t>* goff) {
+// The increasing `keys` [0, count), bucketed (stably) by their group of `table`: group g's keys are
+// bucketed[goff[g], goff[g + 1]), increasing, and the key at position i went to bucketed[slot[i]].
+// Two parallel passes over contiguous ranges (a histogram, then the scatter: one sequential stream
+// per group); groups are hashed a chunk at a time (vectorised) in both.
+void bucket_keys(const SegmentedTable& table, const uint32_t* keys, uint64_t count, int nt,
+                 std::vector<uint32_t>* bucketed, std::vector<uint32_t>* slot, std::vector<uint64_t>* goff) {
   const uint64_t groups = table.groups();
   constexpr size_t kChunk = 2048;
-  order->resize(count);
+  bucketed->resize(count);
+  slot->resize(count);
   goff->assign(groups + 1, 0);
   std::vector<std::vector<uint64_t>> hist(nt, std::vector<uint64_t>(groups, 0));
   auto pass = [&](int part, bool scatter) {
@@ -578,10 +580,15 @@ void bucket_positions(const SegmentedTable& table, const uint32_t* keys, uint64_
     for (uint64_t i = b; i < e; i += kChunk) {
       const size_t n = (size_t)std::min<uint64_t>(kChunk, e - i);
       hash_groups(table, keys + i, n, group);
-      if (scatter)
-        for (size_t j = 0; j < n; ++j) (*order)[h[group[j]]++] = (uint32_t)(i + j);
-      else
+      if (scatter) {
+        for (size_t j = 0; j < n; ++j) {
+          const uint64_t at = h[group[j]]++;
+          (*bucketed)[at] = keys[i + j];
+          (*slot)[i + j] = (uint32_t)at;
+        }
+      } else {
         for (size_t j = 0; j < n; ++j) ++h[group[j]];
+      }
     }
   };
   // Parts are fixed ranges (nt of them, whatever the team size), processed by whichever thread.
@@ -628,12 +635,15 @@ int32_t read_fine_words(const float* src, uint64_t n, double scale, double* dst,
 
 // One fine level of a multilevel index: exact integer peeling of its table over the known non-zero
 // `nodes` (increasing). A pure cell holds one node's aggregate pattern, whose base-(n+1) digits are its
-// children's counts; node p's pattern words go to pattern[p * words, (p + 1) * words). Groups of the
-// table are peeled in parallel (see above). Returns a DecodeStatus with the precedence of a whole-table
-// peel: a malformed word (corrupt, then overflow) anywhere; then an inconsistent peel (a pure cell that
-// is no pattern, a word driven negative); then a node left unpeeled; then words left over.
+// children's counts. Groups of the table are peeled in parallel (see above); the patterns are stored
+// by group, node p's at pattern[slot[p] * words, (slot[p] + 1) * words) (slot empty: one group, slot[p]
+// = p). Reading them back in node order reads one sequential stream per group. Returns a DecodeStatus
+// with the precedence of a whole-table peel: a malformed word (corrupt, then overflow) anywhere; then
+// an inconsistent peel (a pure cell that is no pattern, a word driven negative); then a node left
+// unpeeled; then words left over.
 int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in, const float* payload, int nt,
-                        const std::vector<uint32_t>& nodes, std::vector<uint32_t>* pattern) {
+                        const std::vector<uint32_t>& nodes, std::vector<uint32_t>* pattern,
+                        std::vector<uint32_t>* slot) {
   const uint64_t base = L.index.base, w = L.fine_digits[l], wpg = L.fine_words[l];
   const SegmentedTable& table = L.fine[l];
   const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
@@ -644,17 +654,19 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   double word_limit = 1.0;
   for (uint64_t i = 0; i < w; ++i) word_limit *= (double)base;
   const uint64_t M = nodes.size();
-  pattern->assign(M * wpg, 0);
-  std::vector<uint32_t> order;
+  pattern->resize(M * wpg);
+  std::vector<uint32_t> bucketed;
   std::vector<uint64_t> goff{0, M};
-  if (groups > 1) bucket_positions(table, nodes.data(), M, nt, &order, &goff);
+  slot->clear();
+  if (groups > 1) bucket_keys(table, nodes.data(), M, nt, &bucketed, slot, &goff);
+  const uint32_t* gnodes = groups > 1 ? bucketed.data() : nodes.data();
   // Per group: word status, and whether its peel was inconsistent, incomplete, or left words over.
   std::vector<int32_t> word_status(groups, kDecodeOk);
   std::vector<char> bad(groups, 0), failed(groups, 0), leftover(groups, 0);
 #pragma omp parallel num_threads(nt)
   {
     PeelTable t;
-    std::vector<uint32_t> gkeys, gpat, scratch;
+    std::vector<uint32_t> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
       t.reset(table.seg_len, wpg);
@@ -667,19 +679,14 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
       word_status[g] = ws;
       if (ws != kDecodeOk) continue;
       const uint64_t kb = goff[g], kn = goff[g + 1] - kb;
-      const uint32_t* gpos = groups > 1 ? order.data() + kb : nullptr;  // one group: positions 0, 1, ...
-      gkeys.resize(kn);
-      for (uint64_t i = 0; i < kn; ++i) gkeys[i] = nodes[gpos ? gpos[i] : i];
-      build_states(t, table, gkeys.data(), (uint32_t)kn, scratch);
-      // Patterns by position in the group (cache-resident while peeling), then scattered to the
-      // nodes' positions in one pass whose stores do not wait on each other.
-      gpat.resize(kn * wpg);
+      build_states(t, table, gnodes + kb, (uint32_t)kn, scratch);
+      uint32_t* gpat = pattern->data() + kb * wpg;
       bool group_bad = false;
       const uint32_t resolved = peel(
           t, (uint32_t)kn, scratch,
           [&](uint32_t pos, const uint64_t* cell, const double*) {
             const double* src = t.values(cell[0]);
-            uint32_t* pat = gpat.data() + (uint64_t)pos * wpg;
+            uint32_t* pat = gpat + (uint64_t)pos * wpg;
             for (uint64_t i = 0; i < wpg; ++i) {
               if (src[i] >= word_limit) { group_bad = true; return false; }
               pat[i] = (uint32_t)src[i];
@@ -700,12 +707,6 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
       for (uint64_t c = 0; c < gcells && !leftover[g]; ++c)
         for (uint64_t i = 0; i < wpg; ++i)
           if (t.values(c)[i] != 0.0) leftover[g] = 1;
-      uint32_t* out = pattern->data();
-      if (wpg == 1)
-        for (uint64_t i = 0; i < kn; ++i) out[gpos ? gpos[i] : i] = gpat[i];
-      else
-        for (uint64_t i = 0; i < kn; ++i)
-          std::copy(&gpat[i * wpg], &gpat[i * wpg] + wpg, out + (uint64_t)(gpos ? gpos[i] : i) * wpg);
     }
   }
   int32_t ws = kDecodeOk;
@@ -720,50 +721,64 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
 
 // Children of the nodes of fine level l from their patterns, in parallel over contiguous ranges of
 // node positions: each child's count is at most its node's count (a child's ranks all hold the node)
-// and together at least it (each of those ranks holds a key under some child). Calls
-// emit(part, child, count) for the non-zero children of part `part`'s range (parts cover increasing
-// ranges, children increase within a part), on the thread processing that part. Adds the children's
-// counts to *total. Returns false on an inconsistent pattern.
-template <typename Emit>
+// and together at least it (each of those ranks holds a key under some child). Part p (of nt, fixed
+// ranges whatever the team size) calls sinks[p](child, count) for the non-zero children of its range
+// in increasing order, on a private copy of the sink (no false sharing), moved back at the end. Adds
+// the children's counts to *total. Returns false on an inconsistent pattern.
+template <typename Sink>
 bool expand_children(const CodecLayout& L, uint32_t l, int nt, const std::vector<uint32_t>& nodes,
-                     const std::vector<uint32_t>& counts, const std::vector<uint32_t>& pattern, Emit&& emit,
-                     uint64_t* total) {
+                     const std::vector<uint32_t>& counts, const std::vector<uint32_t>& pattern,
+                     const std::vector<uint32_t>& slot, std::vector<Sink>& sinks, uint64_t* total) {
   const uint32_t base = L.index.base, w = L.fine_digits[l], wpg = L.fine_words[l];
   const uint64_t children = (uint64_t)w * wpg;
   const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
   const uint64_t child_limit = (L.num_keys + below - 1) / below;
-  // Digits of a word below 2^22: floor((u + 0.5) / base) as a double product with the rounded
-  // reciprocal is the exact quotient (see split_words).
-  const double inv = 1.0 / base;
+  // Digit j of a word u < base^w <= 2^22 is q_j - base q_{j+1} with q_j = floor(u / base^j), each
+  // computed independently (no chain of divisions) as floor((u + 0.5) / base^j): a double product with
+  // the rounded reciprocal is the exact quotient (see split_words; the argument holds for any divisor
+  // up to 2^22).
+  if (w > kMaxPerWord) return false;  // a layout guard
+  double inv[kMaxPerWord + 1];
+  double pw = 1.0;
+  for (uint32_t j = 0; j <= w; ++j, pw *= base) inv[j] = 1.0 / pw;
   const uint64_t M = nodes.size();
   std::vector<uint64_t> sums(nt, 0);
   std::vector<char> bad(nt, 0);
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int part = 0; part < nt; ++part) {
+    Sink sink = std::move(sinks[part]);
     uint64_t pb, pe, sum = 0;
     split_range(M, nt, part, &pb, &pe);
     bool ok = true;
+    constexpr uint64_t kAhead = 16;  // the patterns are read from one stream per fine group
     for (uint64_t p = pb; p < pe && ok; ++p) {
-      const uint32_t* pat = pattern.data() + p * wpg;
+      if (!slot.empty() && p + kAhead < pe) __builtin_prefetch(pattern.data() + slot[p + kAhead] * (uint64_t)wpg, 0, 0);
+      const uint32_t* pat = pattern.data() + (slot.empty() ? p : slot[p]) * (uint64_t)wpg;
       const uint64_t first = (uint64_t)nodes[p] * children;
       const uint32_t cap = counts[p];
       uint64_t node_sum = 0;
       for (uint32_t i = 0; i < wpg; ++i) {
-        uint32_t u = pat[i];
-        for (uint32_t j = 0; u; ++j) {
-          const uint32_t q = (uint32_t)(int32_t)((u + 0.5) * inv);
-          const uint32_t c = u - q * base;
-          u = q;
-          if (!c) continue;
-          const uint64_t child = first + (uint64_t)i * w + j;
-          if (c > cap || child >= child_limit || j >= w) { ok = false; break; }
+        const double u = pat[i];
+        if (u == 0.0) continue;
+        uint32_t q[kMaxPerWord + 1];
+        for (uint32_t j = 0; j <= w; ++j) q[j] = (uint32_t)(int32_t)((u + 0.5) * inv[j]);
+        // Branch-free (the zero digits are unpredictable): every digit is offered to the sink, which
+        // keeps the non-zero ones.
+        const uint64_t first_child = first + (uint64_t)i * w;
+        uint32_t wrong = q[w] != 0;  // not below base^w (peel_fine_level rules that out)
+        for (uint32_t j = 0; j < w; ++j) {
+          const uint32_t c = q[j] - base * q[j + 1];
+          wrong |= (uint32_t)(c > cap) | ((uint32_t)(first_child + j >= child_limit) & (uint32_t)(c != 0));
           node_sum += c;
-          emit(part, (uint32_t)child, c);
+          sink.offer((uint32_t)(first_child + j), c);
         }
+        if (wrong) { ok = false; break; }
       }
       if (node_sum < cap) ok = false;
       sum += node_sum;
     }
+    sink.finish();
+    sinks[part] = std::move(sink);
     sums[part] = sum;
     bad[part] = !ok;
   }
@@ -773,6 +788,64 @@ bool expand_children(const CodecLayout& L, uint32_t l, int nt, const std::vector
   }
   return true;
 }
+
+// The children of a level above the finest: the next level's nodes and their counts. offer() keeps
+// a child with a non-zero count (stored unconditionally, kept by advancing the size).
+struct ChildSink {
+  std::vector<uint32_t> nodes, counts;
+  uint64_t size = 0;
+  void offer(uint32_t child, uint32_t c) {
+    if (nodes.size() < size + 1) {
+      nodes.resize(2 * size + 64);
+      counts.resize(2 * size + 64);
+    }
+    nodes[size] = child;
+    counts[size] = c;
+    size += c != 0;
+  }
+  void finish() {
+    nodes.resize(size);
+    counts.resize(size);
+  }
+};
+
+// The children of the finest level, the support keys, bucketed by sketch group: a chunk of keys at a
+// time is hashed (vectorised) and appended to its groups' buckets (sized ahead: plain stores).
+struct SupportSink {
+  static constexpr uint32_t kChunk = 2048;
+  struct Bucket {
+    std::vector<uint32_t> keys;
+    uint64_t size = 0;
+  };
+  const SegmentedTable* table;
+  std::vector<Bucket> buckets;
+  std::vector<uint32_t> keys, group;  // a chunk of keys and their groups (+1: the offer past the last)
+  uint32_t size = 0;
+  void offer(uint32_t key, uint32_t c) {
+    keys[size] = key;
+    size += c != 0;
+    if (size == kChunk) flush();
+  }
+  void flush() {
+    for (Bucket& b : buckets)
+      if (b.keys.size() < b.size + size) b.keys.resize(2 * (b.size + size));
+    if (buckets.size() == 1) {
+      std::copy(keys.data(), keys.data() + size, buckets[0].keys.data() + buckets[0].size);
+      buckets[0].size += size;
+    } else {
+      hash_groups(*table, keys.data(), size, group.data());
+      for (uint32_t i = 0; i < size; ++i) {
+        Bucket& b = buckets[group[i]];
+        b.keys[b.size++] = keys[i];
+      }
+    }
+    size = 0;
+  }
+  void finish() {
+    flush();
+    for (Bucket& b : buckets) b.keys.resize(b.size);
+  }
+};
 
 // Multilevel index: the non-zero nodes of the coarsest fine level from the coarse counting bitmap,
 // then each fine level peeled over exactly the non-zero nodes found above it. Returns a
@@ -818,7 +891,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   }
   // Every rank's non-zero nodes are at most its non-zero keys.
   if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
-  std::vector<uint32_t> nodes(at[nt]), counts(at[nt]), pattern;
+  std::vector<uint32_t> nodes(at[nt]), counts(at[nt]), pattern, slot;
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int p = 0; p < nt; ++p) {
     std::copy(sinks[p].nodes.begin(), sinks[p].nodes.end(), nodes.begin() + at[p]);
@@ -830,55 +903,42 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   const SegmentedTable& T = L.sketch;
   const uint64_t sgroups = T.groups();
   for (uint32_t l = 0; l < L.fine_levels; ++l) {
-    const int32_t status = peel_fine_level(L, l, in, payload, nt, nodes, &pattern);
+    const int32_t status = peel_fine_level(L, l, in, payload, nt, nodes, &pattern, &slot);
     if (status != kDecodeOk) return status;
     prof.mark("ml peel");
     uint64_t total = 0;
     if (l + 1 < L.fine_levels) {
       // The next level's nodes: each part's children, then concatenated in part order.
-      std::vector<std::vector<uint32_t>> kids(nt), kid_counts(nt);
-      const bool ok = expand_children(L, l, nt, nodes, counts, pattern,
-                                      [&](int part, uint32_t child, uint32_t c) {
-                                        kids[part].push_back(child);
-                                        kid_counts[part].push_back(c);
-                                      },
-                                      &total);
+      std::vector<ChildSink> sinks(nt);
+      const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
       // Each rank's non-zero children at any level are at most its non-zero keys.
       if (!ok || total > in.total_keys) return kDecodeIndexCorrupt;
-      for (int p = 0; p < nt; ++p) at[p + 1] = at[p] + kids[p].size();
+      for (int p = 0; p < nt; ++p) at[p + 1] = at[p] + sinks[p].nodes.size();
       nodes.resize(at[nt]);
       counts.resize(at[nt]);
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
       for (int p = 0; p < nt; ++p) {
-        std::copy(kids[p].begin(), kids[p].end(), nodes.begin() + at[p]);
-        std::copy(kid_counts[p].begin(), kid_counts[p].end(), counts.begin() + at[p]);
+        std::copy(sinks[p].nodes.begin(), sinks[p].nodes.end(), nodes.begin() + at[p]);
+        std::copy(sinks[p].counts.begin(), sinks[p].counts.end(), counts.begin() + at[p]);
       }
     } else {
-      // The support keys, each part's bucketed by sketch group: a chunk of keys at a time is hashed
-      // (vectorised) and appended to its groups.
-      constexpr uint32_t kChunk = 2048;
-      std::vector<std::vector<uint32_t>> chunk(nt), group(nt, std::vector<uint32_t>(kChunk));
-      support->by.assign(nt, std::vector<std::vector<uint32_t>>(sgroups));
-      auto flush = [&](int part) {
-        std::vector<uint32_t>& keys = chunk[part];
-        auto& by = support->by[part];
-        if (sgroups == 1) {
-          by[0].insert(by[0].end(), keys.begin(), keys.end());
-        } else {
-          hash_groups(T, keys.data(), keys.size(), group[part].data());
-          for (size_t i = 0; i < keys.size(); ++i) by[group[part][i]].push_back(keys[i]);
-        }
-        keys.clear();
-      };
-      for (auto& c : chunk) c.reserve(kChunk);
-      const bool ok = expand_children(L, l, nt, nodes, counts, pattern,
-                                      [&](int part, uint32_t key, uint32_t) {
-                                        chunk[part].push_back(key);
-                                        if (chunk[part].size() == kChunk) flush(part);
-                                      },
-                                      &total);
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-      for (int p = 0; p < nt; ++p) flush(p);
+      // The support keys, each part's bucketed by sketch group (a part of GroupedKeys per range).
+      // Buckets have room for a part's share of a group's keys (at most total_keys of them, and the
+      // nodes' children): no reallocation in the common case.
+      SupportSink proto{&T, std::vector<SupportSink::Bucket>(sgroups), std::vector<uint32_t>(SupportSink::kChunk + 1),
+                        std::vector<uint32_t>(SupportSink::kChunk + 1)};
+      const uint64_t most = std::min<uint64_t>(std::min<uint64_t>(in.total_keys, L.num_keys),
+                                               nodes.size() * (uint64_t)L.fine_digits[l] * L.fine_words[l]);
+      const uint64_t expect = most / ((uint64_t)nt * sgroups);
+      for (auto& b : proto.buckets) b.keys.resize(expect + expect / 8 + 64);
+      std::vector<SupportSink> sinks(nt, proto);
+      const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
+      support->by.clear();
+      for (SupportSink& k : sinks) {
+        std::vector<std::vector<uint32_t>> part;
+        for (auto& b : k.buckets) part.push_back(std::move(b.keys));
+        support->by.push_back(std::move(part));
+      }
       if (!ok || total > in.total_keys) return kDecodeIndexCorrupt;
       st->index_total = total;
     }

@@ -856,46 +856,56 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   if (L.fine_levels == 0 || L.fine_levels > kMaxFineLevels) return kDecodeIndexCorrupt;  // a layout guard
   Prof prof;
   const uint64_t num_nodes = L.index.digits;
-  // The coarse digits: each unpacking thread appends its (increasing) non-zero nodes and counts.
+  // The coarse digits: each unpacking thread appends its (increasing) non-zero nodes and counts,
+  // branch-free: for each 8 digits of a word, the positions of all 8 from the table of set bits are
+  // stored and the end advances by the number of non-zero ones (room for 8 past the end is kept).
   struct NodeSink {
     std::vector<uint32_t> nodes, counts;
-    uint64_t num_nodes, sum;
+    uint64_t size, num_nodes, sum;
     uint32_t per_word, world_size;
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
+      const uint64_t room = size + (uint64_t)words * per_word + 8;
+      if (nodes.size() < room) {
+        nodes.resize(2 * room);
+        counts.resize(2 * room);
+      }
+      const uint64_t start = size;
       for (uint32_t v = 0; v < words; ++v) {
-        const uint64_t first = (first_word + v) * per_word;
-        for (uint32_t m = d.nonzero[v]; m; m &= m - 1) {
-          const uint32_t i = (uint32_t)__builtin_ctz(m);
-          if (first + i >= num_nodes) return false;  // a digit past the last node
-          nodes.push_back((uint32_t)(first + i));
-          counts.push_back(d.digit[i][v]);
+        const uint32_t first = (uint32_t)((first_word + v) * per_word);
+        for (uint32_t s = 0; s < per_word; s += 8) {
+          const uint32_t m = (d.nonzero[v] >> s) & 0xffu;
+          for (int j = 0; j < 8; ++j) {
+            nodes[size + j] = first + s + kSetBit.at[m][j];
+            counts[size + j] = d.digit[s + kSetBit.at[m][j]][v];
+          }
+          size += kSetBit.count[m];
         }
       }
-      return true;
+      return size == start || nodes[size - 1] < num_nodes;  // else a digit past the last node
     }
   };
-  std::vector<NodeSink> sinks(nt, NodeSink{{}, {}, num_nodes, 0, L.index.per_word, (uint32_t)n});
+  std::vector<NodeSink> sinks(nt, NodeSink{{}, {}, 0, num_nodes, 0, L.index.per_word, (uint32_t)n});
   for (NodeSink& k : sinks) {
     const uint64_t expect = std::min<uint64_t>(num_nodes, in.total_keys) / nt + 64;
-    k.nodes.reserve(expect);
-    k.counts.reserve(expect);
+    k.nodes.resize(expect);
+    k.counts.resize(expect);
   }
   const bool valid = unpack_digits(L, payload + L.index_offset, in.scale, nt, sinks);
   uint64_t coarse_sum = 0;
   std::vector<uint64_t> at(nt + 1, 0);
   for (int p = 0; p < nt; ++p) {
     coarse_sum += sinks[p].sum;
-    at[p + 1] = at[p] + sinks[p].nodes.size();
+    at[p + 1] = at[p] + sinks[p].size;
   }
   // Every rank's non-zero nodes are at most its non-zero keys.
   if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
   std::vector<uint32_t> nodes(at[nt]), counts(at[nt]), pattern, slot;
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int p = 0; p < nt; ++p) {
-    std::copy(sinks[p].nodes.begin(), sinks[p].nodes.end(), nodes.begin() + at[p]);
-    std::copy(sinks[p].counts.begin(), sinks[p].counts.end(), counts.begin() + at[p]);
+    std::copy(sinks[p].nodes.begin(), sinks[p].nodes.begin() + sinks[p].size, nodes.begin() + at[p]);
+    std::copy(sinks[p].counts.begin(), sinks[p].counts.begin() + sinks[p].size, counts.begin() + at[p]);
   }
   std::vector<NodeSink>().swap(sinks);
   prof.mark("ml coarse");

@@ -407,12 +407,14 @@ def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_g
       hashed there; the decoder knows those nodes (from the level above), so it peels the table
       exactly in integers: a cell reached by one unresolved node holds that node's aggregate
       pattern, whose base-(n+1) digits are the per-child counts. The non-zero children are the
-      next level's non-zero nodes; at the finest level they are the support keys.
+      next level's non-zero nodes; at the finest level they are the support keys. A large table is
+      split into groups like the value sketch (``fine_table_for``): a node hits three cells of one
+      group, and the decoder peels the groups in parallel, each in cache.
 
     Word headroom. A digit of a *pure* cell never exceeds ``n``, so no digit needs room for sums of
     several nodes: only the whole word must stay exact. A cell holding ``l`` nodes sums to at most
     ``l ((n+1)^w - 1)``; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
-    ``load_cap`` bounds the nodes per cell (Binomial(planned nodes, 1/seg_len)) except with
+    ``load_cap`` bounds the nodes per cell (Binomial(planned nodes, 1/(groups seg_len))) except with
     probability ``FINE_OVERFLOW_TARGET`` over the table. A larger load is detected (the word reads
     at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per *word*
     instead of per digit, so base-(n+1) digits pack almost as densely as in the bitmap.

@@ -553,12 +553,12 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
 //
 // Per level: the level's known non-zero nodes (increasing, a flat array) are bucketed by the group of
 // the level's fine table; each group (three segments, sized to stay in cache) is loaded, checked and
-// peeled in integers by one thread; the pure cells give each node's aggregate pattern, stored at the
-// node's position in the flat array. Then the nodes are expanded into their non-zero children by
-// contiguous ranges of positions, one per thread, so the children come out increasing (at the finest
-// level: the support keys, bucketed by sketch group as they are produced). Integer peeling is exact
-// and every output lands at a position fixed by the node order, so nothing depends on the number of
-// threads or their scheduling.
+// peeled in integers by one thread; the pure cells give each node's aggregate pattern, stored by
+// group (each node's slot is recorded while bucketing). Then the nodes are expanded into their
+// non-zero children by contiguous ranges of positions, one per thread, so the children come out
+// increasing (at the finest level: the support keys, bucketed by sketch group as they are produced).
+// Integer peeling is exact and every output lands at a place fixed by the node order, so nothing
+// depends on the number of threads or their scheduling.
 
 // The increasing `keys` [0, count), bucketed (stably) by their group of `table`: group g's keys are
 // bucketed[goff[g], goff[g + 1]), increasing, and the key at position i went to bucketed[slot[i]].
@@ -613,13 +613,13 @@ void bucket_keys(const SegmentedTable& table, const uint32_t* keys, uint64_t cou
 // word that is not a non-negative integer (or NaN), else kDecodeIndexOverflow for one at or above
 // 2^22 (more nodes summed into one cell than the layout was sized for: reported, never decoded), else
 // kDecodeOk. A bad word is stored as 0.
-int32_t read_fine_words(const float* src, uint64_t n, double scale, double* dst, uint64_t stride) {
+int32_t read_fine_words(const float* src, uint64_t n, double scale, double* dst) {
   const double tolerance = scale == 1.0 ? 0.0 : 0.5, limit = (double)kIntFieldLimit;
   int32_t status = kDecodeOk;
   for (uint64_t i = 0; i < n; ++i) {
     const double v = (double)src[i] * scale;
     const double r = std::nearbyint(v);
-    double& d = dst[i * stride];
+    double& d = dst[i];
     if (!(v > -0.5) || std::fabs(v - r) > tolerance || r < 0.0) {
       status = kDecodeIndexCorrupt;
       d = 0.0;
@@ -673,7 +673,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
       int32_t ws = kDecodeOk;
       for (uint64_t c = 0; c < gcells; ++c) {
         t.clear_state(c);
-        const int32_t s = read_fine_words(fine + ((uint64_t)g * gcells + c) * wpg, wpg, in.scale, t.values(c), 1);
+        const int32_t s = read_fine_words(fine + ((uint64_t)g * gcells + c) * wpg, wpg, in.scale, t.values(c));
         if (s == kDecodeIndexCorrupt || (s != kDecodeOk && ws == kDecodeOk)) ws = s;
       }
       word_status[g] = ws;

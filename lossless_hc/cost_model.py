@@ -79,12 +79,20 @@ The choice
 :func:`candidates` builds every layout that applies (multilevel for each group size in
 ``WORDS_PER_GROUP_CHOICES``) with :func:`lossless_hc.layout.build_layout`. :func:`choose` returns the
 smallest *single-level* payload (dense, bitmap, Bloom; ties to the cheaper decoder in that order),
-unless the multilevel payload is at least ``MULTILEVEL_MIN_GAIN`` (1.5) times smaller. The reason
-is decode time: the multilevel decoder peels every fine level and counts in a single-threaded
-pass, and on the issue #2 reference case (2^26 coordinates, 8 ranks at 1% each, 7.7% aggregate
-density, 2-core VM) it decoded in ~2.0 s against ~0.24 s for the bitmap, to save 1.23x of wire
-(55.7 vs 68.6 MiB). Where the index dominates (low densities, e.g. 1e-4: 3.8x smaller than Bloom at
-n = 2) the gain is far above the threshold and multilevel is chosen. ``index="multilevel"`` forces it.
+unless the multilevel payload is at least ``MULTILEVEL_MIN_GAIN`` (1.25) times smaller. The reason
+is decode time. The multilevel decoder peels its fine tables group by group in parallel (as the
+value sketch), but that is a second peel of about as many nodes as there are keys, so where nodes
+hold few keys it costs about one more value-sketch peel. Measured on the issue #2 reference case
+(2^26 coordinates, 8 ranks at 1% each, 7.7% aggregate density, 2-core AMD EPYC VM, interleaved
+decodes, minimum of 9): 0.50 s wall / 0.98 s CPU against 0.27 s / 0.53 s for the bitmap (1.9x; the
+single-threaded decoder before took 1.66 s / 1.95 s), to save 1.23x of wire (56.0 vs 68.6 MiB).
+That is ~18 ms of 2-core decode per MiB saved; a ring all-reduce at 1 Gbit/s moves each MiB of a
+payload ~1.75 times per rank (15 ms), so on 2 cores multilevel pays off from a gain of ~1.3, and
+with 4 cores from ~1.13 if the decode scales (it is parallel throughout); at 10 Gbit/s a much larger gain is
+needed. 1.25 sits between: the reference case keeps the bitmap, while at low densities, where the
+index dominates, the gain is far above it (e.g. 8.4x at 5e-4 aggregate density, n = 8: 85 ms vs
+68 ms for the bitmap to decode 1.37 M instead of 11.5 M words) and multilevel is chosen.
+``index="multilevel"`` forces it.
 Dense is always a candidate, so the choice never exceeds dense plus the 9-word header. Sizes are
 exact (the layouts themselves), not estimates.
 """
@@ -103,8 +111,8 @@ WORDS_PER_GROUP_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 UPPER_WORDS_CHOICES = (1, 2, 4)
 MAX_EXTRA_LEVELS = 3            # up to 4 fine levels (layout.MAX_FINE_LEVELS)
 # ``auto`` takes the multilevel index only when its payload is this many times smaller than the best
-# single-level one: its decoder is several times slower (see "The choice" above).
-MULTILEVEL_MIN_GAIN = 1.5
+# single-level one: its decoder is ~1.9x slower where nodes hold few keys (see "The choice" above).
+MULTILEVEL_MIN_GAIN = 1.25
 
 
 def multilevel_shapes(extra: int):

@@ -35,7 +35,7 @@ INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 2             # 2: value sketches sized for the decoder's pair solving
+LAYOUT_VERSION = 3             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
@@ -361,6 +361,24 @@ def expected_nonzero_groups(num_groups: int, union_keys: int) -> int:
     return int(min(num_groups, u, math.ceil(mean + 4.0 * math.sqrt(mean) + 2)))
 
 
+def fine_table_for(nodes: int, words_per_group: int, stream: int = 0) -> SegmentedTable:
+    """The fine table that peels ``nodes`` non-zero nodes of ``words_per_group`` words each: grouped
+    like the value sketch (see sketch_table_for), so that the decoder peels each group in cache and
+    the groups in parallel. A group's peeling state is ``3 + words_per_group`` 8-byte slots per cell
+    against 4 for the value sketch of block 1, so a group aims at ``GROUP_KEYS * 4 / (3 +
+    words_per_group)`` nodes. Each group is sized for its Binomial(N, 1/G) share with the same
+    ``4 sqrt`` margin, and the pair bound caps G as for the sketch."""
+    target = max(1, GROUP_KEYS * 4 // (3 + words_per_group))
+    groups = 1
+    if nodes > 2 * target:
+        groups = max(1, min(math.ceil(nodes / target), int(math.sqrt(PEEL_FAILURE_TARGET * nodes / 7.0))))
+    per_group = nodes / groups
+    if groups > 1:
+        per_group += 4.0 * math.sqrt(per_group)
+    cells = _group_cells(per_group, groups)
+    return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
+
+
 def _fine_level(num_keys: int, union_keys: int, base: int, words_per_group: int, below_span: int,
                 stream: int) -> Optional[FineLevel]:
     """The fine level whose children each cover ``below_span`` keys, with the most digits per word
@@ -375,11 +393,11 @@ def _fine_level(num_keys: int, union_keys: int, base: int, words_per_group: int,
         if M == 0:
             table, load_cap = SegmentedTable(seg_len=1, seg_count=3, stream=stream), 0
         else:
-            seg_len = max(1, math.ceil(_group_cells(M) / 3))
-            table = SegmentedTable(seg_len=seg_len, seg_count=3, stream=stream)
-            lam = M / seg_len
+            table = fine_table_for(M, words_per_group, stream)
+            # A cell's load is Binomial(M, 1 / (groups * seg_len)); union bound over every cell.
+            lam = M / (table.seg_count // 3 * table.seg_len)
             load_cap = 1
-            while load_cap < M and 3 * seg_len * _poisson_tail(lam, load_cap) > FINE_OVERFLOW_TARGET:
+            while load_cap < M and table.cells * _poisson_tail(lam, load_cap) > FINE_OVERFLOW_TARGET:
                 load_cap += 1
         if max(1, load_cap) * (base ** w - 1) < INT_FIELD_LIMIT:
             return FineLevel(w, words_per_group, span, num_nodes, M, load_cap, table)
@@ -405,12 +423,14 @@ def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_g
       hashed there; the decoder knows those nodes (from the level above), so it peels the table
       exactly in integers: a cell reached by one unresolved node holds that node's aggregate
       pattern, whose base-(n+1) digits are the per-child counts. The non-zero children are the
-      next level's non-zero nodes; at the finest level they are the support keys.
+      next level's non-zero nodes; at the finest level they are the support keys. A large table is
+      split into groups like the value sketch (``fine_table_for``): a node hits three cells of one
+      group, and the decoder peels the groups in parallel, each in cache.
 
     Word headroom. A digit of a *pure* cell never exceeds ``n``, so no digit needs room for sums of
     several nodes: only the whole word must stay exact. A cell holding ``l`` nodes sums to at most
     ``l ((n+1)^w - 1)``; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
-    ``load_cap`` bounds the nodes per cell (Binomial(planned nodes, 1/seg_len)) except with
+    ``load_cap`` bounds the nodes per cell (Binomial(planned nodes, 1/(groups seg_len))) except with
     probability ``FINE_OVERFLOW_TARGET`` over the table. A larger load is detected (the word reads
     at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per *word*
     instead of per digit, so base-(n+1) digits pack almost as densely as in the bitmap.
@@ -507,7 +527,7 @@ def _layout_fingerprint(L: PayloadLayout) -> int:
     if m is not None:  # the multilevel shape joins the hash (other kinds keep their fingerprints)
         values += [L.union_keys, len(m.levels)]
         for lv in m.levels:
-            values += [lv.span, lv.digits_per_word, lv.words_per_group, lv.table.seg_len]
+            values += [lv.span, lv.digits_per_word, lv.words_per_group, lv.table.seg_len, lv.table.seg_count]
     return _fingerprint(*values)
 
 

@@ -79,20 +79,23 @@ The choice
 :func:`candidates` builds every layout that applies (multilevel for each group size in
 ``WORDS_PER_GROUP_CHOICES``) with :func:`lossless_hc.layout.build_layout`. :func:`choose` returns the
 smallest *single-level* payload (dense, bitmap, Bloom; ties to the cheaper decoder in that order),
-unless the multilevel payload is at least ``MULTILEVEL_MIN_GAIN`` (1.25) times smaller. The reason
-is decode time. The multilevel decoder peels its fine tables group by group in parallel (as the
-value sketch), but that is a second peel of about as many nodes as there are keys, so where nodes
-hold few keys it costs about one more value-sketch peel. Measured on the issue #2 reference case
-(2^26 coordinates, 8 ranks at 1% each, 7.7% aggregate density, 2-core AMD EPYC VM, interleaved
-decodes, minimum of 9): 0.50 s wall / 0.98 s CPU against 0.27 s / 0.53 s for the bitmap (1.9x; the
-single-threaded decoder before took 1.66 s / 1.95 s), to save 1.23x of wire (56.0 vs 68.6 MiB).
-That is ~18 ms of 2-core decode per MiB saved; a ring all-reduce at 1 Gbit/s moves each MiB of a
-payload ~1.75 times per rank (15 ms), so on 2 cores multilevel pays off from a gain of ~1.3, and
-with 4 cores from ~1.13 if the decode scales (it is parallel throughout); at 10 Gbit/s a much larger gain is
-needed. 1.25 sits between: the reference case keeps the bitmap, while at low densities, where the
-index dominates, the gain is far above it (e.g. 8.4x at 5e-4 aggregate density, n = 8: 85 ms vs
-68 ms for the bitmap to decode 1.37 M instead of 11.5 M words) and multilevel is chosen.
-``index="multilevel"`` forces it.
+unless the multilevel payload saves at least ``MULTILEVEL_BYTES_PER_NODE`` (4) bytes per node its
+fine tables peel (:func:`multilevel_pays_off`). The reason is decode time, and it is counted per
+node because that is what the multilevel decoder adds: it peels its fine tables group by group in
+parallel, like the value sketch, so each non-zero node costs about what a key of the value peel
+costs, whatever the block size. Measured on the issue #2 reference case (2^26 coordinates, 8 ranks
+at 1% each, 7.7% aggregate density, 2-core AMD EPYC VM, interleaved decodes, minimum of 9):
+0.50 s wall / 0.98 s CPU against 0.27 s / 0.53 s for the bitmap, i.e. ~0.23 s more for ~4.4 M
+fine nodes, ~52 ns of 2-core wall time per node. A ring all-reduce sends each payload byte about
+2(n-1)/n ~ 1.75 times per rank, ~14 ns per byte at 1 Gbit/s, so a node must save ~3.7 bytes of
+wire to pay for itself there (at 10 Gbit/s ~37, with more cores proportionally fewer): 4 bytes
+per node is the 1 Gbit/s break-even, the networks this library is for. On the reference case
+multilevel would save 12.7 MiB (1.23x) = ~3 bytes per node, so the bitmap is kept. Where the index
+dominates (low densities) a node saves tens to hundreds of bytes (e.g. 8.4x less wire at 5e-4
+aggregate density, n = 8) and multilevel is chosen; so it is for blocks of 32 below ~1e-3, where
+the index is small beside the sketch but each of the few nodes still saves tens of bytes.
+``index="multilevel"`` forces it. (Before the decoder was parallel it was ~4.7x the bitmap's and
+``auto`` required a 1.5x smaller payload; in between, a 1.25x ratio.)
 Dense is always a candidate, so the choice never exceeds dense plus the 9-word header. Sizes are
 exact (the layouts themselves), not estimates.
 """
@@ -110,9 +113,9 @@ from .layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, build_layout
 WORDS_PER_GROUP_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 UPPER_WORDS_CHOICES = (1, 2, 4)
 MAX_EXTRA_LEVELS = 3            # up to 4 fine levels (layout.MAX_FINE_LEVELS)
-# ``auto`` takes the multilevel index only when its payload is this many times smaller than the best
-# single-level one: its decoder is ~1.9x slower where nodes hold few keys (see "The choice" above).
-MULTILEVEL_MIN_GAIN = 1.25
+# ``auto`` takes the multilevel index only where it saves this many wire bytes per fine-table node
+# its decoder peels (the 1 Gbit/s break-even of its extra decode time; see "The choice" above).
+MULTILEVEL_BYTES_PER_NODE = 4.0
 
 
 def multilevel_shapes(extra: int):
@@ -181,14 +184,26 @@ def candidates(numel: int, world_size: int, max_nnz: int, block_size: int = 1, s
     return out
 
 
+def multilevel_nodes(layout: PayloadLayout) -> int:
+    """Nodes the fine tables of a multilevel layout are sized to peel (all levels)."""
+    return sum(lv.planned_nodes for lv in layout.multilevel.levels)
+
+
+def multilevel_pays_off(flat: PayloadLayout, multilevel: PayloadLayout) -> bool:
+    """Whether ``multilevel`` saves at least ``MULTILEVEL_BYTES_PER_NODE`` wire bytes per node its
+    decoder peels, against the single-level layout ``flat`` (see "The choice")."""
+    saved = flat.wire_bytes - multilevel.wire_bytes
+    return saved > 0 and saved >= MULTILEVEL_BYTES_PER_NODE * multilevel_nodes(multilevel)
+
+
 def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
            union_nnz: Optional[int] = None, allow_multilevel: bool = True) -> PayloadLayout:
     """The single-level layout with the fewest wire bytes (ties: dense, bitmap, bloom), or the
-    multilevel one when it is at least ``MULTILEVEL_MIN_GAIN`` times smaller than that."""
+    multilevel one where it saves enough wire per node it peels (:func:`multilevel_pays_off`)."""
     cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz, allow_multilevel)
     multilevel = cands.pop("multilevel", None)
     flat = min(cands.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
-    if multilevel is not None and flat.payload_numel >= MULTILEVEL_MIN_GAIN * multilevel.payload_numel:
+    if multilevel is not None and multilevel_pays_off(flat, multilevel):
         return multilevel
     return flat
 

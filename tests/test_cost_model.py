@@ -22,15 +22,21 @@ def test_auto_is_never_worse_than_any_kind_nor_dense(numel, n, density, block):
     assert set(cands) <= set(INDEX_KINDS) and "dense" in cands
     flat = {k: L for k, L in cands.items() if k != "multilevel"}
     best_flat = min(L.payload_numel for L in flat.values())
-    if plan.index == "multilevel":  # only when it is MULTILEVEL_MIN_GAIN times smaller than every flat kind
+    best_flat_layout = min(flat.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
+    if plan.index == "multilevel":  # only where it saves MULTILEVEL_BYTES_PER_NODE per node it peels
         assert plan.layout == cands["multilevel"]
-        assert best_flat >= cost_model.MULTILEVEL_MIN_GAIN * plan.layout.payload_numel
+        saved = 4 * (best_flat - plan.layout.payload_numel)
+        assert saved >= cost_model.MULTILEVEL_BYTES_PER_NODE * cost_model.multilevel_nodes(plan.layout) > 0
     else:
         assert plan.layout.payload_numel == best_flat
         if "multilevel" in cands:
-            assert best_flat < cost_model.MULTILEVEL_MIN_GAIN * cands["multilevel"].payload_numel
-    for L in cands.values():
-        assert plan.layout.payload_numel <= cost_model.MULTILEVEL_MIN_GAIN * L.payload_numel
+            assert not cost_model.multilevel_pays_off(best_flat_layout, cands["multilevel"])
+    for L in cands.values():     # never more than any kind, except a multilevel that was not worth its decode
+        if L.index_kind == "multilevel" and plan.index != "multilevel":
+            assert 4 * (plan.layout.payload_numel - L.payload_numel) < \
+                cost_model.MULTILEVEL_BYTES_PER_NODE * cost_model.multilevel_nodes(L)
+        else:
+            assert plan.layout.payload_numel <= L.payload_numel
     assert plan.layout.payload_numel <= numel + HEADER_FIELDS
     assert cost_model.dense_limit_words(numel) == numel + HEADER_FIELDS
 
@@ -61,11 +67,23 @@ def test_multilevel_is_chosen_where_the_index_dominates():
 
 def test_the_faster_bitmap_is_kept_where_multilevel_saves_little():
     """The issue #2 reference case (8 ranks at 1% each of 2^26, 7.7% aggregate): multilevel would be
-    only ~1.23x smaller and decodes ~1.9x slower, so auto keeps the bitmap."""
+    only ~1.23x smaller, ~3 bytes per node it peels, and decodes ~1.9x slower: auto keeps the bitmap."""
     L = plan_layout(1 << 26, 8, (1 << 26) // 100, index="auto")
     assert L.index_kind == "bitmap"
     ml = cost_model.candidates(1 << 26, 8, (1 << 26) // 100)["multilevel"]
-    assert ml.payload_numel < L.payload_numel < cost_model.MULTILEVEL_MIN_GAIN * ml.payload_numel
+    assert ml.payload_numel < L.payload_numel
+    per_node = (L.wire_bytes - ml.wire_bytes) / cost_model.multilevel_nodes(ml)
+    assert 1.0 < per_node < cost_model.MULTILEVEL_BYTES_PER_NODE
+
+
+def test_multilevel_is_chosen_for_sparse_rows():
+    """Blocks of 32 at low density: the index is small beside the sketch, but each of the few nodes
+    saves far more than its decode costs, so the multilevel index is chosen."""
+    plan = cost_model.plan_for_density(1 << 26, 16, 3e-4, 32)
+    assert plan.index == "multilevel"
+    flat = min((L for k, L in cost_model.candidates(1 << 26, 16, plan.max_nnz, 32, 0, plan.union_nnz).items()
+                if k != "multilevel"), key=lambda L: L.payload_numel)
+    assert flat.payload_numel < 1.25 * plan.layout.payload_numel     # a small ratio, a large saving per node
 
 
 def test_information_bound():

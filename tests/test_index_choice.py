@@ -35,9 +35,10 @@ def test_auto_is_the_smallest(numel, n, frac, block):
     assert "dense" in layouts
     flat = {k: L for k, L in layouts.items() if k != "multilevel"}
     best = min(L.payload_numel for L in flat.values())
+    best_layout = min(flat.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
     ml = layouts.get("multilevel")
-    if ml is not None and best >= cost_model.MULTILEVEL_MIN_GAIN * ml.payload_numel:
-        # the slower multilevel decoder only where it is MULTILEVEL_MIN_GAIN times smaller
+    if ml is not None and cost_model.multilevel_pays_off(best_layout, ml):
+        # the slower multilevel decoder only where it saves enough wire per node it peels
         assert auto.index_kind == "multilevel" and auto.payload_numel == ml.payload_numel
     else:
         assert auto.payload_numel == best

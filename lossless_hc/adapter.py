@@ -40,13 +40,14 @@ from .aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAg
 INDEX_CHOICES = ("auto", "dense", "bitmap", "bloom")
 
 
-def find_optimizer_frame(depth_limit: int = 4):
+def find_optimizer_frame(depth_limit: int = 4, _skip: int = 0):
     """``(parameter, optimizer)`` from the engine optimizer's frame that called ``compress``, or None.
 
     To be called directly from ``compress``: the search starts at ``compress``'s caller and looks
     ``depth_limit`` frames up for locals ``self`` (an object with ``_parameter_names``: Horovod's and
-    BytePS's optimizers both have one) and ``p`` (a tensor)."""
-    frame = sys._getframe(2)
+    BytePS's optimizers both have one) and ``p`` (a tensor). ``_skip``: frames between ``compress``
+    and this call (:func:`require_optimizer_frame`)."""
+    frame = sys._getframe(2 + _skip)
     for _ in range(depth_limit):
         if frame is None:
             break
@@ -57,6 +58,16 @@ def find_optimizer_frame(depth_limit: int = 4):
             return p, opt
         frame = frame.f_back
     return None
+
+
+def require_optimizer_frame(compressor, usage: str):
+    """:func:`find_optimizer_frame` for ``compressor.compress`` (call it directly from there), or a
+    RuntimeError saying the compressor must be used as ``usage`` (the engine's optimizer call)."""
+    found = find_optimizer_frame(_skip=1)
+    if found is None:
+        raise RuntimeError(f"{type(compressor).__name__} must be used as {usage}: it keeps per-parameter state "
+                           "and finds the parameter from the optimizer's call")
+    return found
 
 
 # -- configuration: one spec per Compression factory ------------------------------------------------

@@ -60,7 +60,7 @@ from typing import Mapping, Optional
 import torch
 
 from lossless_hc.adapter import (CompressorAdapter, EncodedTensor, LosslessSpec, THCSpec, TopKSpec,
-                                 find_optimizer_frame, wire_numel)
+                                 require_optimizer_frame, wire_numel)
 
 try:
     import byteps.torch as bps
@@ -145,12 +145,7 @@ class _BytePSCompressor(CompressorAdapter):
 
     # -- BytePS's Compressor interface ----------------------------------------------------------
     def compress(self, tensor: torch.Tensor):
-        found = find_optimizer_frame()
-        if found is None:
-            raise RuntimeError(f"{type(self).__name__} must be used as byteps.torch.DistributedOptimizer("
-                               "compression=...): it keeps per-parameter state and finds the parameter from the "
-                               "optimizer's call")
-        p, opt = found
+        p, opt = require_optimizer_frame(self, "byteps.torch.DistributedOptimizer(compression=...)")
         if getattr(opt, "_enable_async", False) or tensor is p:
             raise ValueError("BytePS asynchronous training (BYTEPS_ENABLE_ASYNC=1) pushes parameter deltas and never "
                              "decompresses; lossless_hc compression needs synchronous training")

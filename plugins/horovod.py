@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.adapter import CompressorAdapter, LosslessSpec, THCSpec, TopKSpec, find_optimizer_frame
+from lossless_hc.adapter import CompressorAdapter, LosslessSpec, THCSpec, TopKSpec, require_optimizer_frame
 from lossless_hc.aggregate import CapacityPolicy
 
 try:
@@ -53,11 +53,7 @@ class _LosslessCompressor(CompressorAdapter):
 
     # -- Horovod's Compressor interface --------------------------------------------------------
     def compress(self, tensor: torch.Tensor):
-        found = find_optimizer_frame()
-        if found is None:
-            raise RuntimeError(f"{type(self).__name__} must be used as hvd.DistributedOptimizer(compression=...): "
-                               "it keeps per-parameter state and finds the parameter from the optimizer's call")
-        p, opt = found
+        p, opt = require_optimizer_frame(self, "hvd.DistributedOptimizer(compression=...)")
         if tensor.requires_grad or tensor is p:
             raise ValueError("Adasum is non-linear (it is not a sum), so a homomorphic sketch cannot pass through it; "
                              "use op=hvd.Average or op=hvd.Sum with lossless_hc compression")

@@ -302,3 +302,18 @@ def assert_lossless(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tens
         # an all-zero decode is only acceptable where the bound allows every lane to be zero
         could_be_zero = (pad(ref).abs() <= pad(tol)).all(dim=1)
         assert not bool((missing & ~could_be_zero).any()), "a key decoded to zeros although the bound forbids it"
+
+
+def assert_mean_of_decodes_unbiased(decode_once, truth: torch.Tensor, trials: int) -> None:
+    """Unbiasedness smoke test of a randomised codec: ``decode_once(t)`` decodes the same inputs with
+    independent randomness (seed t) and returns the estimate of ``truth``. If the estimator is
+    unbiased with per-trial squared error E, the mean of ``trials`` estimates has expected squared
+    error E / trials; allow twice that."""
+    acc = torch.zeros_like(truth, dtype=torch.float64)
+    errs = []
+    for t in range(trials):
+        y = decode_once(t).double().cpu()
+        errs.append(float((y - truth).pow(2).sum()))
+        acc += y
+    mean_err = float((acc / trials - truth).pow(2).sum())
+    assert mean_err <= 2.0 * (sum(errs) / trials) / trials

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+import helpers
+
 import lossless_hc as lhc
 from lossless_hc import _backend
 from lossless_hc.thc import HEADER_FIELDS, max_world_size
@@ -106,17 +108,13 @@ def test_cuda_unbiased_smoke(backend):
     n, numel, trials = 4, 4096, 24
     gen = torch.Generator().manual_seed(8)
     xs = [torch.randn(numel, generator=gen) for _ in range(n)]
-    truth = sum(x.double() for x in xs)
     M = 3 * max(float(x.norm()) for x in xs)
-    acc = torch.zeros(numel, dtype=torch.float64)
-    errs = []
-    for t in range(trials):
+
+    def decode_once(t):
         gpu = ranks(n, numel, device="cuda", seed=100 + t, initial_norm=M, error_feedback=False)
-        y = gpu[0].decode(sum(c.encode(x.cuda()) for c, x in zip(gpu, xs))).double().cpu()
-        errs.append(float((y - truth).pow(2).sum()))
-        acc += y
-    mean_err = float((acc / trials - truth).pow(2).sum())
-    assert mean_err <= 2.0 * (sum(errs) / trials) / trials
+        return gpu[0].decode(sum(c.encode(x.cuda()) for c, x in zip(gpu, xs)))
+
+    helpers.assert_mean_of_decodes_unbiased(decode_once, sum(x.double() for x in xs), trials)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+import helpers
+
 import lossless_hc as lhc
 from lossless_hc import _backend, _cuda_thc
 from lossless_hc.thc import HEADER_FIELDS, max_world_size
@@ -304,17 +306,13 @@ def test_emulated_unbiased_smoke(emulated):  # noqa: F811
     n, numel, trials = 2, 1024, 12
     gen = torch.Generator().manual_seed(8)
     xs = [torch.randn(numel, generator=gen) for _ in range(n)]
-    truth = sum(x.double() for x in xs)
     M = 3 * max(float(x.norm()) for x in xs)
-    acc = torch.zeros(numel, dtype=torch.float64)
-    errs = []
-    for t in range(trials):
+
+    def decode_once(t):
         gpu = [to_emulated_cuda(c) for c in ranks(n, numel, seed=100 + t, initial_norm=M, error_feedback=False)]
-        y = gpu[0].decode(sum(c.encode(x) for c, x in zip(gpu, xs))).double()
-        errs.append(float((y - truth).pow(2).sum()))
-        acc += y
-    mean_err = float((acc / trials - truth).pow(2).sum())
-    assert mean_err <= 2.0 * (sum(errs) / trials) / trials
+        return gpu[0].decode(sum(c.encode(x) for c, x in zip(gpu, xs)))
+
+    helpers.assert_mean_of_decodes_unbiased(decode_once, sum(x.double() for x in xs), trials)
 
 
 # -- errors where no CUDA kernels can run (no GPU needed) -------------------------------------------

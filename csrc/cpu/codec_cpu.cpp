@@ -561,6 +561,22 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
 // Integer peeling is exact and every output lands at a place fixed by the node order, so nothing
 // depends on the number of threads or their scheduling.
 
+// Turn per-part group histograms into write cursors: hist[p][g] becomes where part p's first key of
+// group g goes (groups in order, parts in order within a group), and offsets[g] the first position of
+// group g (offsets[groups] = the total). Stable bucketing of parts that cover increasing key ranges.
+void histogram_to_cursors(std::vector<std::vector<uint64_t>>& hist, uint64_t groups, std::vector<uint64_t>* offsets) {
+  uint64_t run = 0;
+  for (uint64_t g = 0; g < groups; ++g) {
+    (*offsets)[g] = run;
+    for (auto& h : hist) {
+      const uint64_t c = h[g];
+      h[g] = run;
+      run += c;
+    }
+  }
+  (*offsets)[groups] = run;
+}
+
 // The increasing `keys` [0, count), bucketed (stably) by their group of `table`: group g's keys are
 // bucketed[goff[g], goff[g + 1]), increasing, and the key at position i went to bucketed[slot[i]].
 // Two parallel passes over contiguous ranges (a histogram, then the scatter: one sequential stream
@@ -595,16 +611,7 @@ void bucket_keys(const SegmentedTable& table, const uint32_t* keys, uint64_t cou
   // Parts are fixed ranges (nt of them, whatever the team size), processed by whichever thread.
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int p = 0; p < nt; ++p) pass(p, false);
-  uint64_t run = 0;
-  for (uint64_t g = 0; g < groups; ++g) {
-    (*goff)[g] = run;
-    for (int p = 0; p < nt; ++p) {
-      const uint64_t c = hist[p][g];
-      hist[p][g] = run;
-      run += c;
-    }
-  }
-  (*goff)[groups] = run;
+  histogram_to_cursors(hist, groups, goff);
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int p = 0; p < nt; ++p) pass(p, true);
 }
@@ -1053,17 +1060,7 @@ void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, s
       for (size_t j = 0; j < n; ++j) ++hist[p][group[j]];
     }
   }
-  // Write cursor of (part, group): groups in order, parts in order within a group.
-  uint64_t run = 0;
-  for (uint64_t g = 0; g < groups; ++g) {
-    (*group_offset)[g] = run;
-    for (size_t p = 0; p < parts; ++p) {
-      const uint64_t c = hist[p][g];
-      hist[p][g] = run;
-      run += c;
-    }
-  }
-  (*group_offset)[groups] = run;
+  histogram_to_cursors(hist, groups, group_offset);
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int64_t p = 0; p < (int64_t)parts; ++p) {
     const auto& part = support.parts[p];

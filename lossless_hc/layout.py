@@ -173,14 +173,22 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
         raise ValueError(f"keys must be >= 0, got {keys}")
     if keys == 0:
         return SegmentedTable(seg_len=1, seg_count=3, stream=stream)
+    return _grouped_table(keys, GROUP_KEYS, PAIR_UNSOLVABLE_SHARE, stream)
+
+
+def _grouped_table(keys: int, group_keys: int, pair_share: float, stream: int) -> SegmentedTable:
+    """The segmented table that peels ``keys`` keys (> 0), split into groups of about ``group_keys``
+    above twice that, as derived in sketch_table_for: the number of groups is capped by the pair
+    bound (for ``pair_share`` of the pairs unsolvable), and each group is sized for its
+    Binomial(N, 1/G) share with a ``4 sqrt`` margin."""
     groups = 1
-    if keys > 2 * GROUP_KEYS:
-        groups = max(1, min(math.ceil(keys / GROUP_KEYS),
-                            int(math.sqrt(PEEL_FAILURE_TARGET * keys / (7.0 * PAIR_UNSOLVABLE_SHARE)))))
+    if keys > 2 * group_keys:
+        groups = max(1, min(math.ceil(keys / group_keys),
+                            int(math.sqrt(PEEL_FAILURE_TARGET * keys / (7.0 * pair_share)))))
     per_group = keys / groups
     if groups > 1:
         per_group += 4.0 * math.sqrt(per_group)
-    cells = _group_cells(per_group, groups, PAIR_UNSOLVABLE_SHARE)
+    cells = _group_cells(per_group, groups, pair_share)
     return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
 
 
@@ -368,15 +376,8 @@ def fine_table_for(nodes: int, words_per_group: int, stream: int = 0) -> Segment
     against 4 for the value sketch of block 1, so a group aims at ``GROUP_KEYS * 4 / (3 +
     words_per_group)`` nodes. Each group is sized for its Binomial(N, 1/G) share with the same
     ``4 sqrt`` margin, and the pair bound caps G as for the sketch."""
-    target = max(1, GROUP_KEYS * 4 // (3 + words_per_group))
-    groups = 1
-    if nodes > 2 * target:
-        groups = max(1, min(math.ceil(nodes / target), int(math.sqrt(PEEL_FAILURE_TARGET * nodes / 7.0))))
-    per_group = nodes / groups
-    if groups > 1:
-        per_group += 4.0 * math.sqrt(per_group)
-    cells = _group_cells(per_group, groups)
-    return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
+    # Integer tables: every pair of nodes sharing three cells is unsolvable (pair share 1).
+    return _grouped_table(nodes, max(1, GROUP_KEYS * 4 // (3 + words_per_group)), 1.0, stream)
 
 
 def _fine_level(num_keys: int, union_keys: int, base: int, words_per_group: int, below_span: int,

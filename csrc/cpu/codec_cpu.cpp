@@ -641,6 +641,11 @@ int32_t read_fine_words(const float* src, uint64_t n, double scale, double* dst)
   return status;
 }
 
+// The more severe of two read_fine_words statuses: corrupt over overflow over ok.
+inline int32_t worse_word_status(int32_t a, int32_t b) {
+  return (b == kDecodeIndexCorrupt || (b != kDecodeOk && a == kDecodeOk)) ? b : a;
+}
+
 // One fine level of a multilevel index: exact integer peeling of its table over the known non-zero
 // `nodes` (increasing). A pure cell holds one node's aggregate pattern, whose base-(n+1) digits are its
 // children's counts. Groups of the table are peeled in parallel (see above); the patterns are stored
@@ -681,8 +686,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
       int32_t ws = kDecodeOk;
       for (uint64_t c = 0; c < gcells; ++c) {
         t.clear_state(c);
-        const int32_t s = read_fine_words(fine + ((uint64_t)g * gcells + c) * wpg, wpg, in.scale, t.values(c));
-        if (s == kDecodeIndexCorrupt || (s != kDecodeOk && ws == kDecodeOk)) ws = s;
+        ws = worse_word_status(ws, read_fine_words(fine + ((uint64_t)g * gcells + c) * wpg, wpg, in.scale, t.values(c)));
       }
       word_status[g] = ws;
       if (ws != kDecodeOk) continue;
@@ -718,8 +722,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
     }
   }
   int32_t ws = kDecodeOk;
-  for (int32_t s : word_status)
-    if (s == kDecodeIndexCorrupt || (s != kDecodeOk && ws == kDecodeOk)) ws = s;
+  for (int32_t s : word_status) ws = worse_word_status(ws, s);
   if (ws != kDecodeOk) return ws;
   if (std::find(bad.begin(), bad.end(), 1) != bad.end()) return kDecodeIndexCorrupt;
   if (std::find(failed.begin(), failed.end(), 1) != failed.end()) return kDecodeIndexPeelFailed;
@@ -855,6 +858,20 @@ struct SupportSink {
   }
 };
 
+// nodes/counts = the parts' first `size` nodes and counts, concatenated in part order (in parallel).
+template <typename Sink>
+void concat_parts(const std::vector<Sink>& sinks, int nt, std::vector<uint32_t>* nodes, std::vector<uint32_t>* counts) {
+  std::vector<uint64_t> at(sinks.size() + 1, 0);
+  for (size_t p = 0; p < sinks.size(); ++p) at[p + 1] = at[p] + sinks[p].size;
+  nodes->resize(at.back());
+  counts->resize(at.back());
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int64_t p = 0; p < (int64_t)sinks.size(); ++p) {
+    std::copy(sinks[p].nodes.begin(), sinks[p].nodes.begin() + sinks[p].size, nodes->begin() + at[p]);
+    std::copy(sinks[p].counts.begin(), sinks[p].counts.begin() + sinks[p].size, counts->begin() + at[p]);
+  }
+}
+
 // Multilevel index: the non-zero nodes of the coarsest fine level from the coarse counting bitmap,
 // then each fine level peeled over exactly the non-zero nodes found above it. Returns a
 // DecodeStatus and the keys with a count >= 1, in increasing order, bucketed by sketch group.
@@ -902,19 +919,11 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   }
   const bool valid = unpack_digits(L, payload + L.index_offset, in.scale, nt, sinks);
   uint64_t coarse_sum = 0;
-  std::vector<uint64_t> at(nt + 1, 0);
-  for (int p = 0; p < nt; ++p) {
-    coarse_sum += sinks[p].sum;
-    at[p + 1] = at[p] + sinks[p].size;
-  }
+  for (const NodeSink& k : sinks) coarse_sum += k.sum;
   // Every rank's non-zero nodes are at most its non-zero keys.
   if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
-  std::vector<uint32_t> nodes(at[nt]), counts(at[nt]), pattern, slot;
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-  for (int p = 0; p < nt; ++p) {
-    std::copy(sinks[p].nodes.begin(), sinks[p].nodes.begin() + sinks[p].size, nodes.begin() + at[p]);
-    std::copy(sinks[p].counts.begin(), sinks[p].counts.begin() + sinks[p].size, counts.begin() + at[p]);
-  }
+  std::vector<uint32_t> nodes, counts, pattern, slot;
+  concat_parts(sinks, nt, &nodes, &counts);
   std::vector<NodeSink>().swap(sinks);
   prof.mark("ml coarse");
 
@@ -931,14 +940,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
       // Each rank's non-zero children at any level are at most its non-zero keys.
       if (!ok || total > in.total_keys) return kDecodeIndexCorrupt;
-      for (int p = 0; p < nt; ++p) at[p + 1] = at[p] + sinks[p].nodes.size();
-      nodes.resize(at[nt]);
-      counts.resize(at[nt]);
-#pragma omp parallel for num_threads(nt) schedule(static, 1)
-      for (int p = 0; p < nt; ++p) {
-        std::copy(sinks[p].nodes.begin(), sinks[p].nodes.end(), nodes.begin() + at[p]);
-        std::copy(sinks[p].counts.begin(), sinks[p].counts.end(), counts.begin() + at[p]);
-      }
+      concat_parts(sinks, nt, &nodes, &counts);
     } else {
       // The support keys, each part's bucketed by sketch group (a part of GroupedKeys per range).
       // Buckets have room for a part's share of a group's keys (at most total_keys of them, and the
@@ -1118,8 +1120,8 @@ void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* 
 // The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
 // share all three cells, each cell holding just the two of them. Cell j holds
 // R_j = s_j(a) v_a + s_j(b) v_b, so with A_j = s_j(a) R_j = v_a + t_j v_b (t_j = s_j(a) s_j(b)) and
-// the first cells p < q with t_p != t_q:
-//     v_a = (A_p + A_q) / 2,    v_b = t_p (A_p - A_q) / 2,
+// q the first cell with t_q != t_0:
+//     v_a = (A_0 + A_q) / 2,    v_b = t_0 (A_0 - A_q) / 2,
 // each the half of a sum of two cells (as exact as reading a pure cell). A pair whose relative
 // signs agree in all three cells (a quarter of them) is unsolvable and stays unresolved.
 // `solve(pos_a, pos_b, cells, va, vb)` receives each solved pair, in increasing order of its cell in

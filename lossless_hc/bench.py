@@ -147,7 +147,32 @@ def time_fn(fn: Callable[[], object], repeat: int, warmup: int = 1) -> dict:
         t1 = time.perf_counter()
         del r
         times.append(t1 - t0)
+    return _timing_stats(times)
+
+
+def _timing_stats(times: Sequence[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}
+
+
+def time_interleaved(fns: dict, repeat: int, warmup: int = 1) -> dict:
+    """Like time_fn for several functions, run round-robin: each repetition calls every function once,
+    in the given order. A drift of the machine (a kernel reclaiming memory after a large free, a
+    neighbour on the host) then lands on all of them alike, so ratios between them stay fair; timed
+    one after the other, a clone measured just after gigabytes were freed took 2-5x longer than the
+    same clone a few seconds later. Returns {name: stats}."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            r = fn()
+            del r
+    times = {name: [] for name in fns}
+    for _ in range(max(1, repeat)):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            r = fn()
+            t1 = time.perf_counter()
+            del r
+            times[name].append(t1 - t0)
+    return {name: _timing_stats(ts) for name, ts in times.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,37 +280,37 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     L = codec.layout
     log(repr(codec))
 
-    # baseline: clone of one dense input; and a pre-allocated copy for raw memcpy bandwidth.
-    x0 = xs[0]
-    t_clone = time_fn(lambda: torch.clone(x0), repeat)
-    dst = torch.empty_like(x0)
-    t_copy = time_fn(lambda: dst.copy_(x0), repeat)
-    del dst
-    memcpy_gbps = 4 * numel / t_copy["median_s"] / 1e9 if numel else 0.0
-    clone_gbps = 4 * numel / t_clone["median_s"] / 1e9 if numel else 0.0
-
-    # encode: timed on worker 0, then every worker's payload summed (float32, in rank order).
-    t_enc = time_fn(lambda: codec.encode(x0), repeat)
-    reuse_payload = torch.empty(L.payload_numel, dtype=torch.float32)
-    t_enc_reuse = time_fn(lambda: codec.encode(x0, out=reuse_payload), repeat)
-    del reuse_payload
+    # Every worker's payload summed (float32, in rank order), and the float64 truth (accumulated in
+    # place: one extra 8*numel buffer); then every input but worker 0's is released.
     summed = torch.zeros(L.payload_numel, dtype=torch.float32)
     for x in xs:
         summed += codec.encode(x)
-
-    # float64 truth (accumulated in place: one extra 8*numel buffer), then the inputs are released.
     truth = torch.zeros(numel, dtype=torch.float64)
     for x in xs:
         truth += x
-    del x0
+    x0 = xs[0]
     xs.clear()
 
-    t_dec = time_fn(lambda: codec.decode(summed), repeat)
-    # The same decode into a buffer reused across calls (what a training loop can do): no page
-    # faults; its baseline is the copy_ into a pre-allocated buffer.
+    # Timed round-robin (see time_interleaved): the baseline, a clone of one dense input (allocation
+    # and copy, as a fresh encode or decode output also allocates), and a copy_ into a pre-allocated
+    # buffer (raw memcpy bandwidth); encode of worker 0 and decode of the sum, each into a fresh
+    # tensor and into a buffer reused across calls (what a training loop can do: no page faults).
+    dst = torch.empty_like(x0)
+    reuse_payload = torch.empty(L.payload_numel, dtype=torch.float32)
     reuse = torch.empty(numel, dtype=torch.float32)
-    t_dec_reuse = time_fn(lambda: codec.decode(summed, out=reuse), repeat)
-    del reuse
+    t = time_interleaved({
+        "clone": lambda: torch.clone(x0),
+        "copy_prealloc": lambda: dst.copy_(x0),
+        "encode": lambda: codec.encode(x0),
+        "encode_reused_out": lambda: codec.encode(x0, out=reuse_payload),
+        "decode": lambda: codec.decode(summed),
+        "decode_reused_out": lambda: codec.decode(summed, out=reuse),
+    }, repeat)
+    del dst, reuse_payload, reuse, x0
+    t_clone, t_copy, t_enc, t_dec = t["clone"], t["copy_prealloc"], t["encode"], t["decode"]
+    t_enc_reuse, t_dec_reuse = t["encode_reused_out"], t["decode_reused_out"]
+    memcpy_gbps = 4 * numel / t_copy["median_s"] / 1e9 if numel else 0.0
+    clone_gbps = 4 * numel / t_clone["median_s"] / 1e9 if numel else 0.0
     y, report = codec.decode(summed)
 
     # correctness. A support mismatch is only possible at rounding size (a sum that cancels to a few
@@ -532,7 +557,7 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
         ("keys / capacity / union", f"{lay['num_keys']:,} / {lay['capacity_keys']:,} / {lay['union_keys']:,}"),
         ("sketch cells", f"{lay['sketch_cells']:,} ({lay['sketch_cells_per_union_key']:.3f} per union key)"),
         ("payload numel", f"{lay['payload_numel']:,}"),
-        ("repeat", f"{c['repeat']} (median, after 1 warm-up)"),
+        ("repeat", f"{c['repeat']} (median, after 1 warm-up; all timings round-robin)"),
     ], align="ll")))
     clone = t["clone"]["median_s"]
     rows = [

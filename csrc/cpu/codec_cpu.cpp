@@ -10,6 +10,9 @@
 
 #include <omp.h>
 #include <sys/mman.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -19,6 +22,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -40,9 +44,10 @@ struct Prof {
 
 constexpr uint64_t kHugePage = 2u << 20;
 
-// Allocator of the decoder's large scratch arrays: a block of kHugePage bytes or more is aligned to
-// a huge page and advised to be backed by huge pages (see advise_huge_pages); smaller ones come from
-// operator new.
+// Allocator of the decoder's scratch arrays: a block of kHugePage bytes or more is aligned to a huge
+// page and advised to be backed by huge pages (see advise_huge_pages); smaller ones come from
+// operator new. Elements a resize adds are default-initialised (left unwritten for plain types):
+// every user writes them before reading, and zeroing tens of MiB first would be a pass for nothing.
 template <typename T>
 struct HugePageAllocator {
   using value_type = T;
@@ -62,6 +67,14 @@ struct HugePageAllocator {
       ::operator delete(p);
     else
       std::free(p);
+  }
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
+    ::new ((void*)p) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new ((void*)p) U(std::forward<Args>(args)...);
   }
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const { return true; }
@@ -85,6 +98,26 @@ void parallel_fill(float* p, uint64_t n, float value, int nt) {
   for (int64_t i = 0; i < (int64_t)n; ++i) p[i] = value;
 }
 
+// Bit i set iff p[i] is not +-0.0, for i < 64. SSE2 (baseline x86-64): four lanes per compare and
+// movemask, about a third of the instructions of a branch-free scalar loop, which compilers do not
+// vectorise.
+inline uint64_t nonzero_mask64(const uint32_t* p) {
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  uint64_t m = 0;
+  for (int i = 0; i < 64; i += 4) {
+    const __m128i v = _mm_slli_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)), 1);
+    const uint32_t is_zero = (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(v, zero)));
+    m |= (uint64_t)(~is_zero & 0xfu) << i;
+  }
+  return m;
+#else
+  uint64_t m = 0;
+  for (int i = 0; i < 64; ++i) m |= (uint64_t)((p[i] << 1) != 0) << i;
+  return m;
+#endif
+}
+
 // Non-zero keys of x, per thread in increasing order (concatenated: sorted), and whether x held
 // NaN/Inf. -0.0 counts as zero.
 std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const float* x, int nt,
@@ -103,9 +136,8 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
     if (L.block == 1) {
       // Chunks of 64: a vectorisable OR-reduction skips all-zero chunks (about half of them at 1%
-      // density), and non-empty chunks are compacted without branches.
+      // density), and a non-empty chunk's keys are read off the bit mask of its non-zero lanes.
       constexpr uint64_t kChunk = 64;
-      uint32_t buf[kChunk];
       uint64_t k = kb;
       for (; k + kChunk <= ke; k += kChunk) {
         uint32_t any = 0, inf_nan = 0;
@@ -116,12 +148,7 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
         }
         nf |= inf_nan;
         if (!any) continue;
-        uint32_t count = 0;
-        for (uint64_t i = 0; i < kChunk; ++i) {
-          buf[count] = (uint32_t)(k + i);
-          count += (bits[k + i] << 1) != 0;
-        }
-        mine.insert(mine.end(), buf, buf + count);
+        for (uint64_t m = nonzero_mask64(bits + k); m; m &= m - 1) mine.push_back((uint32_t)(k + __builtin_ctzll(m)));
       }
       for (; k < ke; ++k) {
         const uint32_t u = bits[k];
@@ -216,12 +243,79 @@ bool split_words(const float* words, uint32_t n, double scale, const DigitPackin
   return bad == 0;
 }
 
+// Which digits of a word are non-zero, their sum and their largest, by table instead of digit by
+// digit (the bitmap index needs no more): a word u < base^per_word is split once into
+// hi = floor(u / base^h) and lo = u - hi * base^h, h = per_word / 2, and each half is looked up in
+// a table of all base^(per_word - h) <= 2^11 * base values of a half (a few KiB: in L1).
+// Entry: bits [0, 22) the non-zero mask, [22, 44) the digit sum, [44, 64) the largest digit.
+struct DigitMaskTable {
+  uint32_t lo_digits = 0;
+  double lo_power = 1.0;  // base^lo_digits
+  std::vector<uint64_t> entry;
+  explicit DigitMaskTable(const DigitPacking& P) {
+    lo_digits = P.per_word / 2;
+    uint64_t size = 1;
+    for (uint32_t i = 0; i < P.per_word - lo_digits; ++i) size *= P.base;
+    for (uint32_t i = 0; i < lo_digits; ++i) lo_power *= P.base;
+    entry.resize(size);
+    for (uint64_t v = 0; v < size; ++v) {
+      uint64_t mask = 0, sum = 0, max = 0, r = v;
+      for (uint32_t i = 0; r; ++i, r /= P.base) {
+        const uint64_t digit = r % P.base;
+        mask |= (uint64_t)(digit != 0) << i;
+        sum += digit;
+        max = std::max(max, digit);
+      }
+      entry[v] = mask | sum << 22 | max << 44;
+    }
+  }
+};
+
+// As split_words, but only the non-zero masks, sum and largest digit of d (not its digits).
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
+                      WordDigits* d) {
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5, round_magic = 6755399441055744.0;  // as in split_words
+  const double inv = 1.0 / M.lo_power, lo_power = M.lo_power;
+  double limit = 1.0;
+  for (uint32_t i = 0; i < P.per_word; ++i) limit *= P.base;
+  double u[kWordBlock];
+  int32_t hi[kWordBlock], lo[kWordBlock];
+  uint32_t bad = 0;
+  for (uint32_t w = 0; w < n; ++w) {  // vectorised (as in split_words)
+    const double v = (double)words[w] * scale;
+    const double r = (v + round_magic) - round_magic;
+    const bool ok = v > -0.5 && v < limit && std::fabs(v - r) <= tolerance && r >= 0.0 && r < limit;
+    bad |= (uint32_t)!ok;
+    u[w] = ok ? r : 0.0;
+  }
+  for (uint32_t w = 0; w < n; ++w) {  // vectorised
+    const double q = (double)(int32_t)((u[w] + 0.5) * inv);  // exact floor, as in split_words
+    hi[w] = (int32_t)q;
+    lo[w] = (int32_t)(u[w] - q * lo_power);
+  }
+  const uint64_t* E = M.entry.data();
+  const uint32_t shift = M.lo_digits;
+  uint64_t sum = 0, max = 0;
+  for (uint32_t w = 0; w < n; ++w) {
+    const uint64_t a = E[lo[w]], b = E[hi[w]];
+    d->nonzero[w] = (uint32_t)((a & 0x3fffffu) | (b & 0x3fffffu) << shift);
+    sum += (a >> 22 & 0x3fffffu) + (b >> 22 & 0x3fffffu);
+    max = std::max(max, std::max(a >> 44, b >> 44));
+  }
+  d->sum = sum;
+  d->max = (uint32_t)max;
+  return bad == 0;
+}
+
 // Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
 // of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
 // of them at low density); on a private copy of the sink, moved back at the end. Returns false if a
-// word is not a valid packed integer or a sink rejects a block.
+// word is not a valid packed integer or a sink rejects a block. With `masks`, only the digits' non-zero
+// masks, sum and largest are filled in (split_word_masks), not the digits.
 template <typename Sink>
-bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks) {
+bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks,
+                   const DigitMaskTable* masks = nullptr) {
   const uint64_t words = L.index.words();
   const uint32_t* raw = reinterpret_cast<const uint32_t*>(index);
   int bad = 0;
@@ -236,7 +330,9 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
       uint32_t any = 0;
       for (uint32_t i = 0; i < n; ++i) any |= raw[w + i];
       if (!any) continue;
-      if (!split_words(index + w, n, scale, L.index, &d) || !sink(w, n, d)) bad = 1;
+      const bool valid = masks ? split_word_masks(index + w, n, scale, L.index, *masks, &d)
+                               : split_words(index + w, n, scale, L.index, &d);
+      if (!valid || !sink(w, n, d)) bad = 1;
     }
     sinks[omp_get_thread_num()] = std::move(sink);
   }
@@ -340,7 +436,12 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
   kc.resize(3 * count);
   hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
   for (size_t i = 0; i < count; ++i) {
-    if (i + kAhead < count) __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
+    if (i + kAhead < count) {
+      __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
+      // The group's cells were zero-filled with the whole payload, so they are not in cache either.
+      for (int j = 0; j < 3; ++j)
+        __builtin_prefetch(sketch + (base + (uint64_t)j * L.sketch.seg_len + (kc[3 * (i + kAhead) + j] >> 1)) * B, 1, 3);
+    }
     const uint64_t lo = (uint64_t)keys[i] * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;
@@ -447,7 +548,7 @@ struct KeyParts {
 // parts of one group concatenated are its keys in increasing order. Bucketing while unpacking saves
 // a pass over the support and a copy of it.
 struct GroupedKeys {
-  std::vector<std::vector<std::vector<uint32_t>>> by;
+  std::vector<std::vector<HugeVector<uint32_t>>> by;
   uint64_t group_size(uint64_t g) const {
     uint64_t n = 0;
     for (const auto& part : by) n += part[g].size();
@@ -545,7 +646,7 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   std::sort(found.begin(), found.end());
   st->false_positives = cand.size() - found.size();
   const SegmentedTable& T = L.sketch;
-  support->by.assign(1, std::vector<std::vector<uint32_t>>(T.groups()));
+  support->by.assign(1, std::vector<HugeVector<uint32_t>>(T.groups()));
   for (uint32_t k : found) support->by[0][key_group(T, k)].push_back(k);
   return kDecodeOk;
 }
@@ -825,7 +926,7 @@ struct ChildSink {
 struct SupportSink {
   static constexpr uint32_t kChunk = 2048;
   struct Bucket {
-    std::vector<uint32_t> keys;
+    HugeVector<uint32_t> keys;
     uint64_t size = 0;
   };
   const SegmentedTable* table;
@@ -950,12 +1051,13 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       const uint64_t most = std::min<uint64_t>(std::min<uint64_t>(in.total_keys, L.num_keys),
                                                nodes.size() * (uint64_t)L.fine_digits[l] * L.fine_words[l]);
       const uint64_t expect = most / ((uint64_t)nt * sgroups);
-      for (auto& b : proto.buckets) b.keys.resize(expect + expect / 8 + 64);
       std::vector<SupportSink> sinks(nt, proto);
+      for (SupportSink& sink : sinks)
+        for (auto& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);
       const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
       support->by.clear();
       for (SupportSink& k : sinks) {
-        std::vector<std::vector<uint32_t>> part;
+        std::vector<HugeVector<uint32_t>> part;
         for (auto& b : k.buckets) part.push_back(std::move(b.keys));
         support->by.push_back(std::move(part));
       }
@@ -977,7 +1079,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t groups = T.groups();
   // A group's keys and how many are set: the vector is sized ahead, so filling it is a plain store.
   struct Bucket {
-    std::vector<uint32_t> keys;
+    HugeVector<uint32_t> keys;
     uint64_t size = 0;
   };
   struct KeySink {
@@ -1023,13 +1125,15 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size};
-  for (Bucket& b : proto.buckets) b.keys.resize(expect + expect / 8 + 64);
   std::vector<KeySink> sinks(nt, proto);
-  const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
+  for (KeySink& sink : sinks)
+    for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);
+  const DigitMaskTable masks(L.index);
+  const bool valid = unpack_digits(L, index, in.scale, nt, sinks, &masks);
   support->by.clear();
   for (auto& k : sinks) {
     st->index_total += k.sum;
-    std::vector<std::vector<uint32_t>> part;
+    std::vector<HugeVector<uint32_t>> part;
     for (Bucket& b : k.buckets) {
       b.keys.resize(b.size);
       part.push_back(std::move(b.keys));
@@ -1088,7 +1192,7 @@ struct KeyRun {
 // output and no random stores into it.
 void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* out, int nt) {
   const uint64_t B = L.block;
-  const uint64_t chunk = std::max<uint64_t>(1, 4096 / B);  // keys zeroed, then filled, while in L1
+  const uint64_t chunk = std::max<uint64_t>(1, 16384 / B);  // keys zeroed, then filled, while in L2
 #pragma omp parallel num_threads(nt)
   {
     uint64_t kb, ke;
@@ -1231,6 +1335,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   HugeVector<float> vals(goff[groups] * B);  // by key position
   std::vector<uint64_t> peeled(groups, 0);
   std::vector<char> bad(groups, 0), non_finite(groups, 0);
+  double group_ms[3] = {0, 0, 0};  // LHC_PROFILE: the groups' load, build and peel times, summed over threads
+  std::chrono::steady_clock clock;
 #pragma omp parallel num_threads(nt)
   {
     PeelTable t;
@@ -1239,6 +1345,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
       const uint64_t base = (uint64_t)g * gcells, kb = goff[g];
+      const auto t0 = clock.now();
       gkeys.clear();
       for (const auto& part : support.by) gkeys.insert(gkeys.end(), part[g].begin(), part[g].end());
       const uint32_t kn = (uint32_t)gkeys.size();
@@ -1256,7 +1363,9 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
         }
       }
       if (!finite) non_finite[g] = 1;
+      const auto t1 = clock.now();
       build_states(t, T, gkeys.data(), kn, scratch);
+      const auto t2 = clock.now();
       uint64_t step = kb;
       bool group_bad = false;
       peeled[g] = peel(
@@ -1264,16 +1373,23 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           [&](uint32_t pos, const uint64_t* cell, const double* sign) {
             // Branch-free: signs are multiplied in (exact), so mispredictions do not stall the
             // memory pipeline.
-            const double* src = t.values(cell[0]);
-            for (uint64_t l = 0; l < B; ++l) v[l] = sign[0] * src[l];
-            double* d1 = t.values(cell[1]);
-            double* d2 = t.values(cell[2]);
-            for (uint64_t l = 0; l < B; ++l) {
-              d1[l] -= sign[1] * v[l];
-              d2[l] -= sign[2] * v[l];
+            if (B == 1) {  // unstructured keys: no loops over one value
+              const double x = sign[0] * *t.values(cell[0]);
+              *t.values(cell[1]) -= sign[1] * x;
+              *t.values(cell[2]) -= sign[2] * x;
+              gvals[pos] = (float)x;
+            } else {
+              const double* src = t.values(cell[0]);
+              for (uint64_t l = 0; l < B; ++l) v[l] = sign[0] * src[l];
+              double* d1 = t.values(cell[1]);
+              double* d2 = t.values(cell[2]);
+              for (uint64_t l = 0; l < B; ++l) {
+                d1[l] -= sign[1] * v[l];
+                d2[l] -= sign[2] * v[l];
+              }
+              float* o = gvals + (uint64_t)pos * B;
+              for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
             }
-            float* o = gvals + (uint64_t)pos * B;
-            for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
             if (trace_key) {
               trace_key[step] = (int64_t)gkeys[pos];
               trace_cell[step] = (int64_t)(base + cell[0]);
@@ -1298,8 +1414,20 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    }
                                  });
       bad[g] = group_bad;
+      if (prof.env) {
+        const auto t3 = clock.now();
+#pragma omp critical(lhc_profile)
+        {
+          group_ms[0] += std::chrono::duration<double, std::milli>(t1 - t0).count();
+          group_ms[1] += std::chrono::duration<double, std::milli>(t2 - t1).count();
+          group_ms[2] += std::chrono::duration<double, std::milli>(t3 - t2).count();
+        }
+      }
     }
   }
+  if (prof.env)
+    std::fprintf(stderr, "  lhc (threads' sum: load %.1f ms, build %.1f ms, peel %.1f ms)\n", group_ms[0], group_ms[1],
+                 group_ms[2]);
   prof.mark("peel");
   std::vector<KeyRun> runs;
   for (uint64_t g = 0; g < groups; ++g) {
@@ -1324,10 +1452,13 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
 EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
   const int nt = resolve_threads(num_threads);
   EncodeStats st;
+  Prof prof;
   parallel_fill(payload, L.payload_numel, 0.0f, nt);
+  prof.mark("enc zero");
   KeyParts keys;
   keys.parts = find_nonzero_keys(L, x, nt, &st.non_finite);
   st.keys = keys.size();
+  prof.mark("enc find");
 
   float* index = payload + L.index_offset;
   const std::vector<float> pw = digit_powers(L.index);
@@ -1404,6 +1535,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     }
   }
 
+  prof.mark("enc index");
   // Values: every cell is summed in increasing key order, whatever the thread count. With several
   // groups, keys are bucketed by group (stably) and each thread scatters whole groups, whose cells
   // stay in cache; with one group the scatter is sequential.
@@ -1413,6 +1545,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     std::vector<uint32_t> gkeys;
     std::vector<uint64_t> goff;
     bucket_by_group(T, keys, nt, &gkeys, &goff);
+    prof.mark("enc bucket");
 #pragma omp parallel num_threads(nt)
     {
       std::vector<uint32_t> kc;
@@ -1425,6 +1558,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, kc);
   }
 
+  prof.mark("enc values");
   float* header = payload;
   header[kHdrContributors] = 1.0f;
   header[kHdrFingerprintLo] = (float)(L.fingerprint & ((1u << kChunkBits) - 1));

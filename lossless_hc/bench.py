@@ -12,7 +12,8 @@ Usage::
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
 
 ``codec`` times encode (one worker) and decode (the SUM of all workers' payloads) against a
-``torch.clone`` of one dense input measured in the same process, checks the decoded sum against the
+``torch.clone`` of one dense input measured in the same process, round-robin with them (see
+``time_interleaved``), checks the decoded sum against the
 float64 dense sum, and compares the wire size with dense float32 and with the information bound of
 the aggregate's actual support.
 

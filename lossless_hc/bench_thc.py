@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .bench import fmt_bytes, format_table, section, time_fn
+from .bench import fmt_bytes, format_table, section, time_interleaved
 
 
 def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
@@ -111,24 +111,30 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
         rewind(True)
         return c0.decode(agg, averaged=averaged, out=out)
 
-    def timed(fn):
-        if not on_gpu:
-            return time_fn(fn, repeat)
-
-        def synced():   # the device's time of the call, not only its launches
-            r = fn()
-            torch.cuda.synchronize(dev)
-            return r
-        torch.cuda.synchronize(dev)
-        return time_fn(synced, repeat, warmup=2)
-
-    t_clone = timed(lambda: torch.clone(x0))
-    t_enc = timed(encode_once)
-    t_dec = timed(decode_once)
-    t_enc_reuse = timed(lambda: encode_once(payload_buf))
-    t_dec_reuse = timed(lambda: decode_once(out_buf))
+    # Timed round-robin (bench.time_interleaved), so a drift of the machine lands on the baseline and
+    # the codec alike; on a GPU each call is timed to its completion, not only its launches.
     dst = torch.empty_like(x0)
-    t_copy = timed(lambda: dst.copy_(x0))
+    fns = {
+        "clone": lambda: torch.clone(x0),
+        "encode": encode_once,
+        "decode": decode_once,
+        "encode_reuse": lambda: encode_once(payload_buf),
+        "decode_reuse": lambda: decode_once(out_buf),
+        "copy": lambda: dst.copy_(x0),
+    }
+    if on_gpu:
+        def synced(fn):
+            def call():
+                r = fn()
+                torch.cuda.synchronize(dev)
+                return r
+            return call
+        torch.cuda.synchronize(dev)
+        t = time_interleaved({name: synced(fn) for name, fn in fns.items()}, repeat, warmup=2)
+    else:
+        t = time_interleaved(fns, repeat)
+    t_clone, t_enc, t_dec, t_copy = t["clone"], t["encode"], t["decode"], t["copy"]
+    t_enc_reuse, t_dec_reuse = t["encode_reuse"], t["decode_reuse"]
 
     table = c0.table
     T = table.threshold

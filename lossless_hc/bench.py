@@ -135,32 +135,14 @@ def fmt_sci(v: float) -> str:
 # ------------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------------
-def time_fn(fn: Callable[[], object], repeat: int, warmup: int = 1) -> dict:
-    """Median / min / max wall time of ``fn`` over ``repeat`` runs after ``warmup`` runs. The result of
-    each call is dropped before the next one starts (so allocations are not held twice)."""
-    for _ in range(warmup):
-        r = fn()
-        del r
-    times = []
-    for _ in range(max(1, repeat)):
-        t0 = time.perf_counter()
-        r = fn()
-        t1 = time.perf_counter()
-        del r
-        times.append(t1 - t0)
-    return _timing_stats(times)
-
-
-def _timing_stats(times: Sequence[float]) -> dict:
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}
-
-
 def time_interleaved(fns: dict, repeat: int, warmup: int = 1) -> dict:
-    """Like time_fn for several functions, run round-robin: each repetition calls every function once,
-    in the given order. A drift of the machine (a kernel reclaiming memory after a large free, a
-    neighbour on the host) then lands on all of them alike, so ratios between them stay fair; timed
-    one after the other, a clone measured just after gigabytes were freed took 2-5x longer than the
-    same clone a few seconds later. Returns {name: stats}."""
+    """Median / min / max wall time of each of ``fns`` over ``repeat`` runs after ``warmup`` runs,
+    returned as {name: stats}. The functions run round-robin: each repetition calls every function
+    once, in the given order, and the result of each call is dropped before the next one starts (so
+    allocations are not held twice). A drift of the machine (a kernel reclaiming memory after a large
+    free, a neighbour on the host) then lands on all of them alike, so ratios between them stay fair;
+    timed one after the other, a clone measured just after gigabytes were freed took 2-5x longer than
+    the same clone a few seconds later."""
     for _ in range(warmup):
         for fn in fns.values():
             r = fn()
@@ -173,7 +155,8 @@ def time_interleaved(fns: dict, repeat: int, warmup: int = 1) -> dict:
             t1 = time.perf_counter()
             del r
             times[name].append(t1 - t0)
-    return {name: _timing_stats(ts) for name, ts in times.items()}
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
+            for name, ts in times.items()}
 
 
 # ------------------------------------------------------------------------------------------------

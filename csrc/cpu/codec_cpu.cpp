@@ -197,24 +197,17 @@ struct WordDigits {
   uint32_t max;  // the largest digit
 };
 
-// Split words[0, n) (n <= kWordBlock) into digits. Returns false if a word is not a valid packed
-// integer in [0, base^per_word): a SUM of integer fields below 2^22 is exact in float32, so a summed
-// word (scale 1) must be an integer; an AVERAGE is within 1/2 of one after scaling back (see
-// kIntFieldBits), so an averaged word is rounded to the nearest integer.
-// Branch-free over words, so it vectorises (cloned for AVX-512 and AVX2, chosen at load time):
-// - adding and subtracting 1.5 * 2^52 rounds |v| < 2^51 to the nearest integer, ties to even, as
-//   nearbyint does in the default rounding mode;
-// - floor((u + 0.5) / base) computed as a double product with the rounded reciprocal is the exact
-//   quotient: for u < 2^22, (u + 0.5) / base is at least 0.5 / base > 2^-23 from an integer, and the
-//   product is off by less than 2^22 * 2^-52. (std::floor would not vectorise without
-//   -fno-trapping-math; the conversion to int does.)
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-bool split_words(const float* words, uint32_t n, double scale, const DigitPacking& P, WordDigits* d) {
-  const double base = P.base, inv = 1.0 / base, tolerance = scale == 1.0 ? 0.0 : 0.5;
-  const double round_magic = 6755399441055744.0;  // 1.5 * 2^52
+// u[w] = words[w] * scale as the packed integer it must be, for w < n (n <= kWordBlock); returns false
+// if a word is not a valid packed integer in [0, base^per_word) (its u is then 0): a SUM of integer
+// fields below 2^22 is exact in float32, so a summed word (scale 1) must be an integer; an AVERAGE is
+// within 1/2 of one after scaling back (see kIntFieldBits), so an averaged word is rounded to the
+// nearest integer. Adding and subtracting 1.5 * 2^52 rounds |v| < 2^51 to the nearest integer, ties
+// to even, as nearbyint does in the default rounding mode. Branch-free over words, so it vectorises
+// in the (cloned) splitters it is inlined into.
+inline bool word_integers(const float* words, uint32_t n, double scale, const DigitPacking& P, double* u) {
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5, round_magic = 6755399441055744.0;  // 1.5 * 2^52
   double limit = 1.0;
-  for (uint32_t i = 0; i < P.per_word; ++i) limit *= base;
-  double u[kWordBlock];
+  for (uint32_t i = 0; i < P.per_word; ++i) limit *= P.base;
   uint32_t bad = 0;
   for (uint32_t w = 0; w < n; ++w) {
     const double v = (double)words[w] * scale;
@@ -223,8 +216,22 @@ bool split_words(const float* words, uint32_t n, double scale, const DigitPackin
     const bool ok = v > -0.5 && v < limit && std::fabs(v - r) <= tolerance && r >= 0.0 && r < limit;
     bad |= (uint32_t)!ok;
     u[w] = ok ? r : 0.0;
-    d->nonzero[w] = 0;
   }
+  return bad == 0;
+}
+
+// Split words[0, n) (n <= kWordBlock) into digits; false if a word is not a valid packed integer (see
+// word_integers). Branch-free over words, so it vectorises (cloned for AVX-512 and AVX2, chosen at
+// load time). floor((u + 0.5) / base) computed as a double product with the rounded reciprocal is the
+// exact quotient: for u < 2^22, (u + 0.5) / base is at least 0.5 / base > 2^-23 from an integer, and
+// the product is off by less than 2^22 * 2^-52. (std::floor would not vectorise without
+// -fno-trapping-math; the conversion to int does.)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+bool split_words(const float* words, uint32_t n, double scale, const DigitPacking& P, WordDigits* d) {
+  const double base = P.base, inv = 1.0 / base;
+  double u[kWordBlock];
+  const bool valid = word_integers(words, n, scale, P, u);
+  for (uint32_t w = 0; w < n; ++w) d->nonzero[w] = 0;
   uint64_t sum = 0;
   uint32_t max = 0;
   for (uint32_t i = 0; i < P.per_word; ++i) {
@@ -240,13 +247,14 @@ bool split_words(const float* words, uint32_t n, double scale, const DigitPackin
   }
   d->sum = sum;
   d->max = max;
-  return bad == 0;
+  return valid;
 }
 
 // Which digits of a word are non-zero, their sum and their largest, by table instead of digit by
 // digit (the bitmap index needs no more): a word u < base^per_word is split once into
 // hi = floor(u / base^h) and lo = u - hi * base^h, h = per_word / 2, and each half is looked up in
-// a table of all base^(per_word - h) <= 2^11 * base values of a half (a few KiB: in L1).
+// a table of all base^(per_word - h) <= 2^11 * base values of a half (a few KiB, in L1, for most
+// world sizes; 130 KiB at the most, for base 129).
 // Entry: bits [0, 22) the non-zero mask, [22, 44) the digit sum, [44, 64) the largest digit.
 struct DigitMaskTable {
   uint32_t lo_digits = 0;
@@ -275,20 +283,10 @@ struct DigitMaskTable {
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
                       WordDigits* d) {
-  const double tolerance = scale == 1.0 ? 0.0 : 0.5, round_magic = 6755399441055744.0;  // as in split_words
   const double inv = 1.0 / M.lo_power, lo_power = M.lo_power;
-  double limit = 1.0;
-  for (uint32_t i = 0; i < P.per_word; ++i) limit *= P.base;
   double u[kWordBlock];
   int32_t hi[kWordBlock], lo[kWordBlock];
-  uint32_t bad = 0;
-  for (uint32_t w = 0; w < n; ++w) {  // vectorised (as in split_words)
-    const double v = (double)words[w] * scale;
-    const double r = (v + round_magic) - round_magic;
-    const bool ok = v > -0.5 && v < limit && std::fabs(v - r) <= tolerance && r >= 0.0 && r < limit;
-    bad |= (uint32_t)!ok;
-    u[w] = ok ? r : 0.0;
-  }
+  const bool valid = word_integers(words, n, scale, P, u);
   for (uint32_t w = 0; w < n; ++w) {  // vectorised
     const double q = (double)(int32_t)((u[w] + 0.5) * inv);  // exact floor, as in split_words
     hi[w] = (int32_t)q;
@@ -305,7 +303,7 @@ bool split_word_masks(const float* words, uint32_t n, double scale, const DigitP
   }
   d->sum = sum;
   d->max = (uint32_t)max;
-  return bad == 0;
+  return valid;
 }
 
 // Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
@@ -435,20 +433,21 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
   const uint64_t B = L.block;
   kc.resize(3 * count);
   hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
+  auto cell_values = [&](size_t i, int j) {  // the values of cell j of keys[i]
+    return sketch + (base + (uint64_t)j * L.sketch.seg_len + (kc[3 * i + j] >> 1)) * B;
+  };
   for (size_t i = 0; i < count; ++i) {
     if (i + kAhead < count) {
       __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
       // The group's cells were zero-filled with the whole payload, so they are not in cache either.
-      for (int j = 0; j < 3; ++j)
-        __builtin_prefetch(sketch + (base + (uint64_t)j * L.sketch.seg_len + (kc[3 * (i + kAhead) + j] >> 1)) * B, 1, 3);
+      for (int j = 0; j < 3; ++j) __builtin_prefetch(cell_values(i + kAhead, j), 1, 3);
     }
     const uint64_t lo = (uint64_t)keys[i] * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;
     for (int j = 0; j < 3; ++j) {
-      const uint32_t e = kc[3 * i + j];
-      float* dst = sketch + (base + (uint64_t)j * L.sketch.seg_len + (e >> 1)) * B;
-      if (e & 1u) {
+      float* dst = cell_values(i, j);
+      if (kc[3 * i + j] & 1u) {
         for (uint64_t l = 0; l < len; ++l) dst[l] -= src[l];
       } else {
         for (uint64_t l = 0; l < len; ++l) dst[l] += src[l];

@@ -1458,22 +1458,54 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   return st;
 }
 
+// The bitmap index: word w = sum of base^(k mod per_word) over the non-zero keys k of the word, each
+// thread writing a contiguous range of words once, a cache-sized chunk at a time (zeroed, then its
+// keys added in increasing order: the same integer sums, exact, as any order). `keys` is sorted.
+void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::vector<float>& pw, float* index,
+                        int nt) {
+  const uint64_t words = L.index.words(), per_word = L.index.per_word;
+  constexpr uint64_t kChunkWords = 4096;
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t wb, we;
+    split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
+    // The first key at or past `first_key` in each part (parts cover increasing key ranges).
+    std::vector<const uint32_t*> at, end;
+    for (const auto& part : keys.parts) {
+      at.push_back(std::lower_bound(part.data(), part.data() + part.size(), (uint64_t)wb * per_word));
+      end.push_back(part.data() + part.size());
+    }
+    for (uint64_t c0 = wb; c0 < we; c0 += kChunkWords) {
+      const uint64_t c1 = std::min(c0 + kChunkWords, we);
+      std::fill(index + c0, index + c1, 0.0f);
+      const uint64_t key_end = c1 * per_word;
+      for (size_t p = 0; p < at.size(); ++p) {
+        const uint32_t* k = at[p];
+        for (; k < end[p] && *k < key_end; ++k) index[*k / per_word] += pw[*k % per_word];
+        at[p] = k;
+      }
+    }
+  }
+}
+
 EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
   const int nt = resolve_threads(num_threads);
   EncodeStats st;
   Prof prof;
-  parallel_fill(payload, L.payload_numel, 0.0f, nt);
+  // Zero what is accumulated into: the sketch, and the coarse index of the multilevel kind. The
+  // bitmap and Bloom index words and the fine tables are each written once below; the header last.
+  float* index = payload + L.index_offset;
+  if (L.index_kind == kIndexMultilevel) parallel_fill(index, L.index.words(), 0.0f, nt);
+  parallel_fill(payload + L.sketch_offset, L.payload_numel - L.sketch_offset, 0.0f, nt);
   prof.mark("enc zero");
   KeyParts keys;
   keys.parts = find_nonzero_keys(L, x, nt, &st.non_finite);
   st.keys = keys.size();
   prof.mark("enc find");
 
-  float* index = payload + L.index_offset;
   const std::vector<float> pw = digit_powers(L.index);
   if (L.index_kind == kIndexBitmap) {
-    for (const auto& part : keys.parts)
-      for (uint64_t k : part) index[k / L.index.per_word] += pw[k % L.index.per_word];
+    write_bitmap_words(L, keys, pw, index, nt);
   } else if (L.index_kind == kIndexBloom) {
     const uint64_t cells = L.bloom.cells();
     std::vector<uint32_t> count(cells, 0);

@@ -485,12 +485,13 @@ def test_decode_into_a_reused_buffer():
             codec.decode(summed, out=bad)
 
 
+@pytest.mark.parametrize("numel", [5000, 400_000])  # 400k: every thread writes several chunks of index words
 @pytest.mark.parametrize("index", INDEXES)
-def test_encode_into_a_reused_buffer(index):
+def test_encode_into_a_reused_buffer(index, numel):
     """encode(x, out=buf) overwrites all of buf (stale values must not leak into the payload) and
     equals a fresh encode; a wrong buffer is rejected clearly."""
-    codec = LosslessCodec(5000, 2, 50, index=index)
-    x = torch.zeros(5000)
+    codec = LosslessCodec(numel, 2, numel // 97 + 1, index=index)
+    x = torch.zeros(numel)
     x[::97] = 1.5
     buf = torch.full((codec.payload_numel,), 3.0)
     payload = codec.encode(x, out=buf)

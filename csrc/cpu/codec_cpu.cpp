@@ -46,8 +46,10 @@ constexpr uint64_t kHugePage = 2u << 20;
 
 // Allocator of the decoder's scratch arrays: a block of kHugePage bytes or more is aligned to a huge
 // page and advised to be backed by huge pages (see advise_huge_pages); smaller ones come from
-// operator new. Elements a resize adds are default-initialised (left unwritten for plain types):
+// operator new, aligned to a cache line (so a 32-byte peeling cell never straddles two). Elements a resize adds are default-initialised (left unwritten for plain types):
 // every user writes them before reading, and zeroing tens of MiB first would be a pass for nothing.
+constexpr size_t kCacheLine = 64;
+
 template <typename T>
 struct HugePageAllocator {
   using value_type = T;
@@ -56,7 +58,7 @@ struct HugePageAllocator {
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t n) {
     const size_t bytes = n * sizeof(T);
-    if (bytes < kHugePage) return static_cast<T*>(::operator new(bytes));
+    if (bytes < kHugePage) return static_cast<T*>(::operator new(bytes, std::align_val_t(kCacheLine)));
     void* p = std::aligned_alloc(kHugePage, (bytes + kHugePage - 1) / kHugePage * kHugePage);
     if (!p) throw std::bad_alloc();
     advise_huge_pages(p, bytes);
@@ -64,7 +66,7 @@ struct HugePageAllocator {
   }
   void deallocate(T* p, size_t n) {
     if (n * sizeof(T) < kHugePage)
-      ::operator delete(p);
+      ::operator delete(p, std::align_val_t(kCacheLine));
     else
       std::free(p);
   }
@@ -361,9 +363,10 @@ constexpr SetBitTable kSetBit;
 constexpr double kSigns[2] = {1.0, -1.0};
 
 union CellSlot {
-  uint32_t word[2];
+  uint32_t word[2];  // word[0] the low half of bits (x86-64 is little-endian)
+  uint64_t bits;     // the state slots, updated two words at a time
   double value;
-};  // each slot is only ever used as the member it was written as
+};  // value slots are only ever used as value; state slots as word or bits (GCC defines union punning)
 
 class PeelTable {
  public:
@@ -387,12 +390,23 @@ class PeelTable {
   static double sign(uint32_t e) { return kSigns[e & 1u]; }
   // The segment (0, 1, 2) of a group cell, without a branch.
   int segment(uint64_t c) const { return (int)(c >= seg_len_) + (int)(c >= 2 * seg_len_); }
-  // Put the key at position p, with packed cells e[3], into cell c (delta 1) or take it out (delta
-  // -1). Integer additions and XORs commute: states do not depend on the order of the updates.
-  void update(uint64_t c, uint32_t p, const uint32_t e[3], uint32_t delta) {
-    deg(c) += delta;
-    pos(c) ^= p;
-    for (int i = 0; i < 3; ++i) packed(c, i) ^= e[i];
+  // A key's record as the state slots hold it: its position p in the high half of slot 0 (above the
+  // degree), its packed cells e[3] in slots 1 and 2.
+  struct Record {
+    uint64_t pos, cells01, cells2;
+  };
+  static Record record(uint32_t p, const uint32_t e[3]) {
+    return {(uint64_t)p << 32, (uint64_t)e[0] | (uint64_t)e[1] << 32, (uint64_t)e[2]};
+  }
+  // Put a key into cell c (delta 1) or take it out (delta -1). Integer additions and XORs commute:
+  // states do not depend on the order of the updates. One 64-bit operation per slot: the degree (low
+  // half) never carries into the position (high half), as it stays below 2^32 and is never
+  // decremented below 0 (callers check).
+  void update(uint64_t c, const Record& k, uint32_t delta) {
+    CellSlot* s = &slots_[c * stride_];
+    s[0].bits = (s[0].bits ^ k.pos) + (uint64_t)(int64_t)(int32_t)delta;
+    s[1].bits ^= k.cells01;
+    s[2].bits ^= k.cells2;  // the high half is padding
   }
   // Prefetch the cell a packed cell of segment j names, clamped into the table: the packed value may
   // be a stale XOR (a cell that is no longer pure), and a prefetch needs no branch to skip it.
@@ -479,7 +493,8 @@ void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* key
       if (i + kAhead < n)
         for (int j = 0; j < 3; ++j) t.prefetch(t.cell(j, kc[3 * (i + kAhead) + j]));
       const uint32_t* e = &kc[3 * i];
-      for (int j = 0; j < 3; ++j) t.update(t.cell(j, e[j]), first + i, e, 1);
+      const PeelTable::Record k = PeelTable::record(first + i, e);
+      for (int j = 0; j < 3; ++j) t.update(t.cell(j, e[j]), k, 1);
     }
   }
 }
@@ -530,10 +545,11 @@ uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolv
     if (!resolve(pos, ordered, sign)) return resolved;
     ++resolved;
     // The pure cell is left with no key; nothing reads its state again (it is dequeued already).
+    const PeelTable::Record k = PeelTable::record(pos, e);
     for (int j = 1; j < 3; ++j) {
       const uint64_t d = ordered[j];
       if (t.deg(d) == 0) { *bad = true; return resolved; }
-      t.update(d, pos, e, (uint32_t)-1);
+      t.update(d, k, (uint32_t)-1);
       queue[tail] = (uint32_t)d;
       tail += t.deg(d) == 1;
     }

@@ -454,6 +454,8 @@ def decode_scratch_sizes(native: CudaLayout) -> dict:
         for name in ("ml_deg", "ml_xr", "ml_pure0", "ml_pure1"):
             sizes[name] = 4 * fcells
         sizes["ml_val"] = 8 * max(lv.table.cells * lv.words_per_group for lv in levels)
+        # A claim bit per node, for a level whose non-zero nodes outnumber its cells (peeled by id).
+        sizes["ml_claim"] = 4 * max(-(-lv.num_nodes // 32) if lv.num_nodes > lv.table.cells else 0 for lv in levels)
     sizes["tiles"] = 8 * max(tiles)
     for name in ("deg", "xr", "cursor", "stamp", "pure0", "pure1", "dirty0", "dirty1"):
         sizes[name] = 4 * cells
@@ -755,7 +757,7 @@ def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: i
         nodes, counts, pat = P(f"ml_nodes{cur}"), P(f"ml_counts{cur}"), P(f"ml_pat{cur}")
         launch.launch("lhc_ml_peel_level", _peel_grid(launch, "lhc_ml_peel_level", sms), THREADS,
                       [lay, level, pp, s, nodes, P("ml_val"), P("ml_deg"), P("ml_xr"), P("ml_src"), P("ml_round"), pat,
-                       P("ml_pure0"), P("ml_pure1"), P("ml_list0"), P("ml_list1"), ctl, cnt, ml,
+                       P("ml_pure0"), P("ml_pure1"), P("ml_list0"), P("ml_list1"), P("ml_claim"), ctl, cnt, ml,
                        P(f"ml_nodes{up}"), P(f"ml_pat{up}")], stream, cooperative=True)
         etiles = _tiles(caps[level])
         launch.launch("lhc_ml_expand_count", etiles, THREADS,

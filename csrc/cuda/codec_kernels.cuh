@@ -1011,11 +1011,13 @@ extern "C" __global__ void lhc_found_write(const uint32_t* cand, const int* key_
 //        Only a stall together with an inconsistency leaves the CPU's answer (corrupt if some group
 //        meets a bad step in the CPU's own order, else peel failed) to its exact peeling order:
 //     d. then the CPU's order is replayed (ml_replay_group): one thread per group, breadth-first from
-//        a queue seeded with the group's pure cells in increasing order, as lhc::cpu::peel does. The
-//        same replay decides a level with more non-zero nodes than cells (its list would overflow;
-//        such a table stalls in any order). Cell states there XOR node ids, not list positions, so
-//        they are built straight from the level's source (coarse words or the parents' patterns).
-//     Corrupt payloads that stall are the only ones that take this sequential path.
+//        a queue seeded with the group's pure cells in increasing order, as lhc::cpu::peel does. Its
+//        cell states XOR node ids, not list positions, so they are built straight from the level's
+//        source (coarse words or the parents' patterns).
+//     A level with more non-zero nodes than cells (a stall in any order; its list would overflow) is
+//     peeled the same parallel way by node id, with a claim bit per node instead of a list, for the
+//     inconsistency check alone; it is then peel failed, or replayed.
+//     Corrupt payloads that stall are the only ones that take the sequential path.
 //  3. Expansion (lhc_ml_expand_count / _write): each node's pattern digits are its children's counts;
 //     the non-zero ones, in increasing order, are the next level's nodes (at the finest level: the
 //     support keys, handed to the value peel). A child count above its node's count, a non-zero child
@@ -1023,8 +1025,8 @@ extern "C" __global__ void lhc_found_write(const uint32_t* cand, const int* key_
 //     count: corrupt; at the finest level, children not summing to the header's key count: corrupt.
 //
 // Every buffer is planned from the layout: level l's node list holds min(nodes of the level, cells of
-// its table) entries (a level with more non-zero nodes stalls, and is decided by the replay), so any
-// payload decodes within bounds.
+// its table) entries (a level with more non-zero nodes stalls, and is peeled by node id instead), so
+// any payload decodes within bounds.
 
 // DecodeStatus codes of the CPU backend (csrc/cpu/codec_cpu.h) that the multilevel stages report.
 constexpr unsigned int kMlCorrupt = 1;     // kDecodeIndexCorrupt
@@ -1034,9 +1036,8 @@ constexpr unsigned int kMlOverflow = 5;    // kDecodeIndexOverflow
 // MlState::mode of the current level.
 enum MlMode : unsigned int {
   kMlList = 0,      // its non-zero nodes fit their list: peel in parallel
-  kMlTooMany = 1,   // more non-zero nodes than its table has cells: it stalls; the replay decides
-  kMlReplay = 2,    // set by the level's verdict: the replay decides (a parallel peel that stalled on an
-                    // inconsistent table, or too many nodes)
+  kMlTooMany = 1,   // more non-zero nodes than its table has cells (it stalls): peel by node id, no list
+  kMlReplay = 2,    // set by the level's verdict: a stalled peel met an inconsistency; the replay decides
 };
 
 // read_fine_word's results (bits of MlState::word_flags).
@@ -1198,6 +1199,38 @@ __device__ __forceinline__ void ml_replay_add(const SegmentedTable& T, uint64_t 
   }
 }
 
+// Cell states of level l's table by node id (degree, XOR of ids), every node streamed from the level's
+// source: the coarse words at level 0 (they passed stage 1: valid packed integers, digits at real
+// nodes), else the parents' patterns (they passed their expansion: every non-zero digit is a child
+// below the limit). For the levels whose nodes do not fit a list, and for the replay.
+__device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint64_t* layout, uint32_t l,
+                                                const SegmentedTable& T, const float* payload, double scale,
+                                                const uint32_t* parent_nodes, const uint32_t* parent_pattern,
+                                                uint64_t parents, unsigned int* deg, unsigned int* xr) {
+  if (l == 0) {
+    const float* index = payload + L.index_offset;
+    const long long limit = digit_limit(L.index);
+    const uint32_t base = L.index.base, per_word = L.index.per_word;
+    for (uint64_t w = global_thread(); w < L.index.words(); w += grid_threads()) {
+      const long long u = read_word(index[w], scale, limit);
+      if (u <= 0) continue;
+      unsigned long long rest = (unsigned long long)u;
+      for (uint32_t i = 0; i < per_word && rest; ++i, rest /= base)
+        if (rest % base && w * per_word + i < L.index.digits) ml_replay_add(T, w * per_word + i, deg, xr);
+    }
+  } else {
+    const MlLevel up = ml_level(layout, l - 1);
+    const uint32_t base = L.index.base;
+    for (uint64_t item = global_thread(); item < parents * up.words; item += grid_threads()) {
+      const uint64_t p = item / up.words, i = item - p * up.words;
+      uint32_t u = parent_pattern[item];
+      const uint64_t first = (uint64_t)parent_nodes[p] * up.children + i * up.digits;
+      for (uint32_t j = 0; j < up.digits && u; ++j, u /= base)
+        if (u % base) ml_replay_add(T, first + j, deg, xr);
+    }
+  }
+}
+
 // The CPU backend's peel of one group g of a fine table, step by step (lhc::cpu::peel with
 // peel_fine_level's resolve): a queue seeded with the group's pure cells in increasing order; a
 // dequeued cell still pure gives its node (the XOR of ids of a one-node cell is that node), whose
@@ -1250,19 +1283,46 @@ __device__ bool ml_replay_group(const SegmentedTable& T, uint64_t g, uint64_t wp
   return false;
 }
 
+// What the parallel peel of a level found in its cells once it stopped: a negative word anywhere, or a
+// word left in a cell whose nodes were all resolved, is an inconsistency (never on a plain sum).
+__device__ __forceinline__ bool ml_cells_inconsistent(const long long* val, const unsigned int* deg, uint64_t words,
+                                                      uint64_t wpg) {
+  bool inconsistent = false;
+  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
+    const long long v = load_cg(val + i);
+    inconsistent |= v < 0 || (v != 0 && load_cg(deg + i / wpg) == 0u);
+  }
+  return inconsistent;
+}
+
+// Reads word k of the pattern of a node peeled from cell c (only that node is left there, so nothing
+// else writes the cell this round), flags a word no pattern can be, and subtracts it from the node's
+// three cells (the source becomes 0). Returns the word.
+__device__ __forceinline__ long long ml_take_pattern_word(long long* val, uint64_t c, const uint64_t cell[3],
+                                                          uint64_t wpg, uint64_t k, long long word_limit,
+                                                          bool* inconsistent) {
+  const long long word = load_cg(val + c * wpg + k);
+  *inconsistent |= word < 0 || word >= word_limit;
+#pragma unroll
+  for (int j = 0; j < 3; ++j)
+    atomicAdd(reinterpret_cast<unsigned long long*>(val + cell[j] * wpg + k), (unsigned long long)(-word));
+  return word;
+}
+
 // One fine level (cooperative launch: every block resident; grid barriers between the phases of
-// step 2 above). `nodes` (ml->nodes of them, increasing) are the level's non-zero nodes; the peel
-// writes each node's pattern (wpg words) to pattern[position * wpg, ...). parent_nodes/parent_pattern:
-// the level above's (the replay's node source for l >= 1; level 0's source is the coarse words).
-// Scratch: val (cells x wpg integers), deg, xr, pure0/pure1 (cells), src, rnd, list0/list1 (the list's
-// capacity), control (zeroed by lhc_ml_verdict).
+// step 2 above). `nodes` (ml->nodes of them, increasing) are the level's non-zero nodes when they fit
+// their list; the peel writes each node's pattern (wpg words) to pattern[position * wpg, ...).
+// parent_nodes/parent_pattern: the level above's (the node source by id for l >= 1; level 0's is the
+// coarse words). Scratch: val (cells x wpg integers), deg, xr, pure0/pure1 (cells), src, rnd,
+// list0/list1 (the list's capacity, at least the cells when the nodes do not fit), claimed (a bit per
+// node of the level), control (zeroed by lhc_ml_verdict).
 extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t level, const float* payload,
                                              double scale, const uint32_t* nodes, long long* val, unsigned int* deg,
                                              unsigned int* xr, unsigned int* src, unsigned int* rnd,
                                              uint32_t* pattern, unsigned int* pure0, unsigned int* pure1,
-                                             unsigned int* list0, unsigned int* list1, PeelControl* control,
-                                             DecodeCounters* counters, MlState* ml, const uint32_t* parent_nodes,
-                                             const uint32_t* parent_pattern) {
+                                             unsigned int* list0, unsigned int* list1, unsigned int* claimed,
+                                             PeelControl* control, DecodeCounters* counters, MlState* ml,
+                                             const uint32_t* parent_nodes, const uint32_t* parent_pattern) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
   const CodecLayout L = load_layout(layout);
   const uint32_t l = (uint32_t)level;
@@ -1291,21 +1351,28 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
     src[p] = kNoCell;
     rnd[p] = kNotPeeled;
   }
+  if (mode == kMlTooMany)
+    for (uint64_t i = global_thread(); i < (lv.nodes + 31) / 32; i += grid_threads()) claimed[i] = 0;
   if (word_flags) atomicOr(&ml->word_flags, word_flags);
   grid_barrier(control->barrier);
   const bool words_ok = vml->word_flags == 0u;  // uniform after the barrier
 
-  if (words_ok && mode == kMlList) {
-    // b. Cell states of the node list (degree, XOR of positions), the pure cells, then rounds.
-    for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) {
-      const uint64_t h = key_hash(T, nodes[p]);
+  if (words_ok) {
+    // b. Cell states (degree, XOR of list positions, or of node ids when the nodes do not fit their
+    //    list), the pure cells, then rounds.
+    if (mode == kMlList) {
+      for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) {
+        const uint64_t h = key_hash(T, nodes[p]);
 #pragma unroll
-      for (int j = 0; j < 3; ++j) {
-        int sign;
-        const uint64_t c = key_cell(T, h, j, &sign);
-        atomicAdd(deg + c, 1u);
-        atomicXor(xr + c, (unsigned int)p);
+        for (int j = 0; j < 3; ++j) {
+          int sign;
+          const uint64_t c = key_cell(T, h, j, &sign);
+          atomicAdd(deg + c, 1u);
+          atomicXor(xr + c, (unsigned int)p);
+        }
       }
+    } else {
+      ml_states_by_id(L, layout, l, T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
     }
     grid_barrier(control->barrier);
     for (uint64_t c = global_thread(); c < cells; c += grid_threads())
@@ -1318,51 +1385,61 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
       unsigned int* const pure_next = par ? pure0 : pure1;
       unsigned int* const list_now = par ? list1 : list0;
       const unsigned int npure = vc->pure[par];
-      if (npure == 0 || r > nkeys) break;
+      if (npure == 0 || r > cells) break;
       if (global_thread() == 0) {
         control->pure[par ^ 1u] = 0;
         control->keys[par ^ 1u] = 0;
         control->rounds = r + 1;
       }
-      propose(T, nodes, nkeys, deg, xr, rnd, src, pure_now, npure, list_now, &control->keys[par], &guard);
+      if (mode == kMlList) {
+        // A: every pure cell proposes its node, which keeps the smallest proposing cell.
+        propose(T, nodes, nkeys, deg, xr, rnd, src, pure_now, npure, list_now, &control->keys[par], &guard);
+      } else {
+        // A, by id: the first pure cell to claim a node takes it (which one does not matter: only
+        //    whether the table is consistent is wanted here, and that does not depend on the cells the
+        //    patterns are read from; see the section comment). src[c] records the cell's node.
+        for (uint64_t i = global_thread(); i < npure; i += grid_threads()) {
+          const unsigned int c = load_cg(pure_now + i);
+          if (load_cg(deg + c) != 1u) continue;
+          const unsigned int v = load_cg(xr + c);
+          uint64_t cell[3];
+          int sign[3];
+          if (v >= lv.nodes || cell_slot(T, v, c, cell, sign) < 0) { guard = true; continue; }
+          if (atomicOr(claimed + v / 32, 1u << (v % 32)) & (1u << (v % 32))) continue;
+          src[c] = v;
+          queue_push(list_now, &control->keys[par], c);
+        }
+      }
       grid_barrier(control->barrier);
-      // Each proposed node reads its pattern word by word from its source cell (only that node is left
-      // there, so nothing else writes it this round) and subtracts it from its three cells (the source
-      // becomes 0). Work items are (node, word) pairs, so wide patterns spread over threads.
+      // B: each listed node reads its pattern word by word and subtracts it (ml_take_pattern_word);
+      //    the first word's item updates the cell states. Work items are (node, word) pairs, so wide
+      //    patterns spread over threads.
       const unsigned int nlist = vc->keys[par];
       for (uint64_t item = global_thread(); item < (uint64_t)nlist * wpg; item += grid_threads()) {
         const uint64_t i = item / wpg, k = item - i * wpg;
-        const unsigned int p = load_cg(list_now + i);
-        const unsigned int c = load_cg(src + p);
+        const unsigned int entry = load_cg(list_now + i);  // a node position, or a cell when by id
+        const unsigned int c = mode == kMlList ? load_cg(src + entry) : entry;
+        const unsigned int key = mode == kMlList ? entry : load_cg(src + entry);
         uint64_t cell[3];
         int sign[3];
-        key_cells(T, nodes[p], cell, sign);
-        const long long word = load_cg(val + (uint64_t)c * wpg + k);
-        const bool valid = word >= 0 && word < word_limit;
-        inconsistent |= !valid;
-        pattern[(uint64_t)p * wpg + k] = valid ? (uint32_t)word : 0u;
-#pragma unroll
-        for (int j = 0; j < 3; ++j)
-          atomicAdd(reinterpret_cast<unsigned long long*>(val + cell[j] * wpg + k), (unsigned long long)(-word));
+        key_cells(T, mode == kMlList ? nodes[key] : key, cell, sign);
+        const long long word = ml_take_pattern_word(val, c, cell, wpg, k, word_limit, &inconsistent);
+        if (mode == kMlList) pattern[(uint64_t)key * wpg + k] = word >= 0 && word < word_limit ? (uint32_t)word : 0u;
         if (k == 0) {
-          rnd[p] = r;
+          if (mode == kMlList) rnd[key] = r;
 #pragma unroll
           for (int j = 0; j < 3; ++j) {
-            atomicXor(xr + cell[j], p);
+            atomicXor(xr + cell[j], key);
             if (atomicSub(deg + cell[j], 1u) == 2u) queue_push(pure_next, &control->pure[par ^ 1u], (unsigned)cell[j]);
           }
         }
       }
       grid_barrier(control->barrier);
     }
-    // c. Resolved nodes, and what is left in the cells: a negative word, or a word in a cell whose
-    //    nodes were all resolved, is an inconsistency (never seen on a plain sum of payloads).
+    // c. Resolved nodes (a level with too many nodes stalls: not counted), and what the cells hold.
     unsigned int resolved = 0;
     for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) resolved += load_cg(rnd + p) != kNotPeeled;
-    for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
-      const long long v = load_cg(val + i);
-      inconsistent |= v < 0 || (v != 0 && load_cg(deg + i / wpg) == 0u);
-    }
+    inconsistent |= ml_cells_inconsistent(val, deg, words, wpg);
     warp_add(&ml->resolved, resolved);
     if (inconsistent || guard) atomicOr(&ml->inconsistent, 1u);
   }
@@ -1371,18 +1448,14 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
   // Verdict (see the section comment): one thread decides, every thread then reads the mode.
   if (global_thread() == 0) {
     unsigned int status = 0;
-    bool replay = false;
     if (vml->word_flags)
       status = (vml->word_flags & kMlWordCorrupt) ? kMlCorrupt : kMlOverflow;
-    else if (mode == kMlTooMany)
-      replay = true;
-    else if (vml->resolved == nkeys)
+    else if (mode == kMlList && vml->resolved == nkeys)
       status = vml->inconsistent ? kMlCorrupt : 0u;
     else if (!vml->inconsistent)
-      status = kMlPeelFailed;
+      status = kMlPeelFailed;  // stalled (too many nodes always stall), and no order meets a bad step
     else
-      replay = true;
-    if (replay) vml->mode = kMlReplay;
+      vml->mode = kMlReplay;   // stalled and inconsistent: the CPU's order decides
     if (status) {
       vml->status = status;
       *(volatile unsigned int*)&counters->abort = 1;
@@ -1402,31 +1475,7 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
     val[i] = v;
   }
   grid_barrier(control->barrier);
-  if (l == 0) {
-    // The coarse words passed stage 1: valid packed integers, digits at real nodes.
-    const float* index = payload + L.index_offset;
-    const long long limit = digit_limit(L.index);
-    const uint32_t base = L.index.base, per_word = L.index.per_word;
-    for (uint64_t w = global_thread(); w < L.index.words(); w += grid_threads()) {
-      const long long u = read_word(index[w], scale, limit);
-      if (u <= 0) continue;
-      unsigned long long rest = (unsigned long long)u;
-      for (uint32_t i = 0; i < per_word && rest; ++i, rest /= base)
-        if (rest % base && w * per_word + i < L.index.digits) ml_replay_add(T, w * per_word + i, deg, xr);
-    }
-  } else {
-    // The parents' patterns passed their expansion: every non-zero digit is a child below the limit.
-    const MlLevel up = ml_level(layout, l - 1);
-    const uint32_t pw = up.digits, pwpg = up.words, base = L.index.base;
-    const uint64_t children = up.children, parents = vml->prev_nodes;
-    for (uint64_t item = global_thread(); item < parents * pwpg; item += grid_threads()) {
-      const uint64_t p = item / pwpg, i = item - p * pwpg;
-      uint32_t u = parent_pattern[item];
-      const uint64_t first = (uint64_t)parent_nodes[p] * children + i * pw;
-      for (uint32_t j = 0; j < pw && u; ++j, u /= base)
-        if (u % base) ml_replay_add(T, first + j, deg, xr);
-    }
-  }
+  ml_states_by_id(L, layout, l, T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
   grid_barrier(control->barrier);
   // One group per warp (its first lane): groups in one warp would take turns, not run side by side.
   bool bad = false;

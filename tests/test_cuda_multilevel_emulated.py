@@ -25,7 +25,8 @@ import torch
 import helpers
 from lossless_hc import _cuda
 from lossless_hc.layout import HDR_KEYS_LO, INT_FIELD_LIMIT, build_layout
-from test_cuda import assert_same_payload, bits, index_verdicts_agree
+from test_cuda import (ML_STALLS, assert_same_payload, bits, corrupt_fine_words, index_verdicts_agree,
+                       stalled_table_corruptions)
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 from test_multilevel import codec_for
 
@@ -68,6 +69,10 @@ def report_of(st, run):
                            peeled=st.peeled, trace=run.trace(st.support_keys))
 
 
+def test_emulation_holds_every_codec_kernel(emulated):
+    assert set(_cuda.header_kernels(_cuda.KERNEL_HEADERS[0])) <= set(emulated.kernel_names())
+
+
 CONFIGS = [
     pytest.param(dict(numel=3000, n=2, k=40, block=1, shape=(1,), pattern="random"), id="1level-n2"),
     pytest.param(dict(numel=6000, n=5, k=30, block=1, shape=(2, 1), pattern="clustered"), id="2levels-n5-clustered"),
@@ -97,14 +102,7 @@ def test_encode_and_decode_agree_with_cpu(emulated, cfg):
         helpers.assert_lossless(case.L, case.xs, out, report_of(st, run), averaged=averaged)
 
 
-# An aggregate over capacity whose level-0 fine table stalls with fewer nodes than cells (peeled in
-# parallel), one with more nodes than cells (too many for the node list), and one whose level 1 has
-# too many: all honest sums, "index peeling failed" on both backends.
-STALLS = {
-    "list": dict(numel=6000, n=3, k=150, block=1, shape=(1,), union=60, data_seed=150),
-    "too-many": dict(numel=6000, n=3, k=240, block=1, shape=(1,), union=60, data_seed=240),
-    "level1": dict(numel=30000, n=2, k=240, block=1, shape=(1, 1), union=60, data_seed=240),
-}
+STALLS = ML_STALLS   # aggregates over capacity whose fine peel stalls (tests/test_cuda.py)
 
 
 @pytest.mark.parametrize("name", list(STALLS))
@@ -112,37 +110,27 @@ def test_overloaded_aggregate_that_stalls_the_fine_peel(emulated, name):
     case = setup(**STALLS[name])
     status, _, _, mode = agree(case, helpers.sum_payloads(case.payloads, case.rng))
     assert status == 2
-    # Only a table with more nodes than cells goes through the CPU-order replay (honest tables never
-    # meet an inconsistency, so a stall needs no replay to be called "peel failed").
-    assert mode == (MODE_LIST if name == "list" else MODE_REPLAYED)
+    # Honest tables never meet an inconsistency, so a stall needs no replay to be called "peel failed";
+    # a level with more nodes than cells is peeled by node id.
+    assert mode == (MODE_LIST if name == "list" else MODE_TOO_MANY)
 
 
-def test_stalled_and_inconsistent_tables_follow_the_cpu_order(emulated):
+@pytest.mark.parametrize("name", list(STALLS))
+def test_stalled_and_inconsistent_tables_follow_the_cpu_order(emulated, name):
     """A stalled table with corrupted words: whether the CPU calls it corrupt (a bad step met in its
-    own peeling order) or peel failed depends on that order, which the replay reproduces. Both
-    outcomes occur here, and each matches the CPU."""
-    seen = set()
-    for name, trials in (("list", 10), ("level1", 4)):
-        case = setup(**STALLS[name])
-        base = helpers.sum_payloads(case.payloads, case.rng)
-        L = case.L
-        level = len(L.multilevel.levels) - 1
-        lo, size = L.level_offsets[level], L.multilevel.levels[level].numel
-        nz = (base[lo:lo + size] != 0).nonzero().reshape(-1) + lo
-        rng = np.random.default_rng(helpers.stable_seed("replay", name))
-        for t in range(trials):
-            p = base.clone()
-            pos = nz[torch.from_numpy(rng.integers(0, nz.numel(), size=2))]
-            if t % 3 == 0:
-                p[pos] -= 1.0                                             # a pattern read short
-            elif t % 3 == 1:
-                p[pos] += torch.from_numpy(rng.integers(1, 40, size=2).astype(np.float32))
-            else:
-                p[pos] = torch.from_numpy(rng.integers(0, INT_FIELD_LIMIT, size=2).astype(np.float32))
-            status, _, _, mode = agree(case, p)
-            if mode == MODE_REPLAYED:
-                seen.add(status)
-    assert seen == {1, 2}, seen
+    own peeling order) or peel failed depends on that order, which the replay reproduces: both
+    outcomes by construction (stalled_table_corruptions), then random damage, each as the CPU."""
+    case = setup(**STALLS[name])
+    base = helpers.sum_payloads(case.payloads, case.rng)
+    level = len(case.L.multilevel.levels) - 1
+    corruptions = stalled_table_corruptions(base, case.L, case.xs, level)
+    assert len(corruptions) == 2
+    for what, (p, want) in corruptions.items():
+        status, _, _, mode = agree(case, p)
+        assert (status, mode) == (want, MODE_REPLAYED), what
+    rng = np.random.default_rng(helpers.stable_seed("replay", name))
+    for t in range(4):
+        agree(case, corrupt_fine_words(base, case.L, level, rng, t))
 
 
 @pytest.mark.parametrize("word,status,level", [(float("nan"), 1, 0), (-1.0, 1, 1), (0.5, 1, 0), (float("-inf"), 1, 1),
@@ -283,14 +271,8 @@ def test_grouped_fine_tables(emulated, monkeypatch):
     assert stalled.L.multilevel.levels[0].table.seg_count // 3 > 1
     base = helpers.sum_payloads(stalled.payloads, stalled.rng)
     assert agree(stalled, base)[0] == 2
-    lo = stalled.L.level_offsets[0]
-    nz = (base[lo:stalled.L.sketch_offset] != 0).nonzero().reshape(-1) + lo
-    rng = np.random.default_rng(7)
-    replayed = []
-    for t in range(3):
-        p = base.clone()
-        p[nz[torch.from_numpy(rng.integers(0, nz.numel(), size=2))]] -= 1.0 if t % 2 else -5.0
+    corruptions = stalled_table_corruptions(base, stalled.L, stalled.xs, 0)
+    assert len(corruptions) == 2
+    for what, (p, want) in corruptions.items():
         status, _, _, mode = agree(stalled, p)
-        if mode == MODE_REPLAYED:
-            replayed.append(status)
-    assert replayed, "no corrupted table was replayed group by group"
+        assert (status, mode) == (want, MODE_REPLAYED), what

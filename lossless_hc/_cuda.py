@@ -396,10 +396,12 @@ class CudaLayout:
 
     @property
     def ml_encode_scratch_bytes(self) -> int:
-        """The multilevel encode's scratch (lhc::gpu::ml_encode_key_flags / _acc / _flags): a byte per
-        key (rounded up to 8), a uint64 per fine word, then a byte per node of every level."""
+        """The multilevel encode's scratch (lhc::gpu::ml_encode_key_bits / _acc / _flags): a bit per key
+        (32-bit words, rounded up to 8 bytes), a uint64 per fine word, then a byte per node of every
+        level."""
         L = self.layout
-        return -(-L.num_keys // 8) * 8 + 8 * L.fine_numel + sum(lv.num_nodes for lv in L.multilevel.levels)
+        key_words = -(-L.num_keys // 32)
+        return 4 * (-(-key_words // 2) * 2) + 8 * L.fine_numel + sum(lv.num_nodes for lv in L.multilevel.levels)
 
 
 class _Arena:
@@ -522,7 +524,7 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
             launch.launch("lhc_encode_bloom_pack", _grid(L.index.words, sms), THREADS, [lay, scratch, pp, cnt], stream)
         elif L.index_kind == "multilevel":
             nodes = sum(lv.num_nodes for lv in L.multilevel.levels)
-            launch.launch("lhc_ml_encode_keys", _grid(L.num_keys, sms), THREADS, [lay, scratch], stream)
+            launch.launch("lhc_ml_encode_keys", _grid(-(-L.num_keys // 32), sms), THREADS, [lay, scratch], stream)
             launch.launch("lhc_ml_encode_nodes", _grid(nodes, sms), THREADS, [lay, scratch, pp], stream)
             launch.launch("lhc_ml_encode_pack", _grid(L.fine_numel, sms), THREADS, [lay, scratch, pp], stream)
         launch.launch("lhc_encode_header", 1, 32, [lay, pp, cnt], stream)

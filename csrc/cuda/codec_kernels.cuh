@@ -320,15 +320,14 @@ __device__ __forceinline__ MlLevel ml_level(const uint64_t* w, uint32_t l) {
 // Words of every fine table together (they sit between the coarse words and the value sketch).
 __device__ __forceinline__ uint64_t ml_fine_numel(const uint64_t* w) { return w[kLwSketchOffset] - w[kLwFine0Offset]; }
 
-// The multilevel encode's scratch (zeroed by the caller): a byte per key set when the key is non-zero
-// (num_keys bytes, rounded up to 8), ml_fine_numel uint64 accumulators of the fine words, then a byte
-// per node of every level (levels back to back) set when the node holds a non-zero key. Integer
-// accumulation converted once gives the CPU backend's exact words.
-__device__ __forceinline__ unsigned char* ml_encode_key_flags(unsigned int* scratch) {
-  return reinterpret_cast<unsigned char*>(scratch);
-}
+// The multilevel encode's scratch (zeroed by the caller): a bit per key set when the key is non-zero
+// (ceil(num_keys / 32) words, rounded up to 8 bytes), ml_fine_numel uint64 accumulators of the fine
+// words, then a byte per node of every level (levels back to back) set when the node holds a non-zero
+// key. Integer accumulation converted once gives the CPU backend's exact words.
+__device__ __forceinline__ unsigned int* ml_encode_key_bits(unsigned int* scratch) { return scratch; }
+__device__ __forceinline__ uint64_t ml_encode_key_words(const uint64_t* w) { return (w[kLwNumKeys] + 31) / 32; }
 __device__ __forceinline__ unsigned long long* ml_encode_acc(const uint64_t* w, unsigned int* scratch) {
-  return reinterpret_cast<unsigned long long*>(ml_encode_key_flags(scratch) + (w[kLwNumKeys] + 7) / 8 * 8);
+  return reinterpret_cast<unsigned long long*>(scratch + (ml_encode_key_words(w) + 1) / 2 * 2);
 }
 __device__ __forceinline__ unsigned char* ml_encode_flags(const uint64_t* w, unsigned int* scratch) {
   return reinterpret_cast<unsigned char*>(ml_encode_acc(w, scratch) + ml_fine_numel(w));
@@ -352,7 +351,7 @@ __device__ __forceinline__ void ml_add_child(const MlLevel& lv, uint64_t node, u
 // -------------------------------------------------------------------------------------------------
 
 // Everything a non-zero key contributes except its values: count, index digit(s). `index_scratch`:
-// Bloom: the per-cell counters; multilevel: the scratch above, whose key flag is all this sets (the
+// Bloom: the per-cell counters; multilevel: the scratch above, whose key bit is all this sets (the
 // index words follow in lhc_ml_encode_keys: inlined here, that work would cost the bitmap and Bloom
 // paths of the encode kernels registers).
 __device__ __forceinline__ void encode_key_index(const CodecLayout& L, uint32_t key, float* payload,
@@ -366,7 +365,7 @@ __device__ __forceinline__ void encode_key_index(const CodecLayout& L, uint32_t 
 #pragma unroll
     for (int j = 0; j < 3; ++j) atomicAdd(index_scratch + key_cell(L.bloom, h, j, &sign), 1u);
   } else if (L.index_kind == kIndexMultilevel) {
-    ml_encode_key_flags(index_scratch)[key] = 1;  // every writer stores the same 1: a benign race
+    atomicOr(ml_encode_key_bits(index_scratch) + key / 32, 1u << (key % 32));
   }
 }
 
@@ -500,19 +499,21 @@ extern "C" __global__ void lhc_ml_encode_keys(const uint64_t* layout, unsigned i
   load_powers(L.index, pw);
   const uint32_t levels = ml_levels(layout);
   if (levels < 1 || levels > kMaxFineLevels) return;  // a layout guard (uniform)
-  const unsigned char* keys = ml_encode_key_flags(index_scratch);
+  const unsigned int* keys = ml_encode_key_bits(index_scratch);
   unsigned char* flags = ml_encode_flags(layout, index_scratch);
   unsigned long long* acc = ml_encode_acc(layout, index_scratch);
   const MlLevel finest = ml_level(layout, levels - 1);
-  for (uint64_t key = global_thread(); key < L.num_keys; key += grid_threads()) {
-    if (!keys[key]) continue;
-    uint64_t first = 0;
-    for (uint32_t l = 0; l < levels; ++l) {
-      const uint64_t span = layout[kLwFine0Span + kLwFineStride * l];
-      flags[first + key / span] = 1;
-      first += (L.num_keys + span - 1) / span;
+  for (uint64_t word = global_thread(); word < ml_encode_key_words(layout); word += grid_threads()) {
+    for (unsigned int bits = keys[word]; bits; bits &= bits - 1) {
+      const uint64_t key = word * 32 + (uint64_t)(__ffs(bits) - 1);
+      uint64_t first = 0;
+      for (uint32_t l = 0; l < levels; ++l) {
+        const uint64_t span = layout[kLwFine0Span + kLwFineStride * l];
+        flags[first + key / span] = 1;
+        first += (L.num_keys + span - 1) / span;
+      }
+      ml_add_child(finest, key / finest.span, key % finest.span, acc, pw);
     }
-    ml_add_child(finest, key / finest.span, key % finest.span, acc, pw);
   }
 }
 

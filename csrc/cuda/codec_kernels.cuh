@@ -11,7 +11,8 @@
 // a device array of uint64 words (LayoutWord below, mirrored by _cuda.LAYOUT_WORDS).
 //
 // Agreement with the CPU backend: cells, signs, groups and digit packing come from lhc_layout.h, so
-// the index words and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are
+// the index words (the multilevel index's fine tables included: exact integer sums converted once)
+// and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are
 // float sums of the same terms (atomicAdd order differs, so values agree within float rounding).
 //
 // Determinism of decode (the payload alone decides the output bits):
@@ -24,6 +25,10 @@
 //    touched this round subtracts the keys peeled this round in increasing key position, walking its
 //    own adjacency list (built once, sorted by key position). Each cell is written by one thread in a
 //    fixed order, so the double-precision arithmetic is the same on every run.
+//  * The multilevel index's fine tables are peeled in exact integers (every order gives the same
+//    patterns when consistent ones exist), and its verdicts follow the CPU backend's, failures
+//    included, replaying the CPU's own peeling order where that order decides ("Decode: multilevel
+//    index" below).
 #pragma once
 
 #include "../lhc_layout.h"

@@ -142,7 +142,8 @@ struct CodecLayout {
   uint64_t index_offset;
   uint64_t sketch_offset;
   uint64_t payload_numel;
-  // kIndexMultilevel only (the CPU backend; CUDA kernels never read these). `index` packs the coarse
+  // kIndexMultilevel only (the CPU backend; the CUDA kernels read the same shape from their layout
+  // words, csrc/cuda/codec_kernels.cuh LayoutWord). `index` packs the coarse
   // level: one digit per node of fine level 0, the number of ranks with a non-zero key under it.
   // Fine level l (0 = coarsest) has a table `fine[l]` hashed by node id (all signs +1) at
   // `fine_offset[l]`; a node covers `span[l]` consecutive keys; each cell is `fine_words[l]` words

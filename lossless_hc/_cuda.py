@@ -27,14 +27,18 @@ from typing import Optional
 
 import torch
 
-from .layout import HEADER_FIELDS, INDEX_KIND_CODE, PayloadLayout
+from .layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
 
 CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 
-# Order of lhc::gpu::LayoutWord in codec_kernels.cuh.
-LAYOUT_WORDS = ("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
-                "bloom_seg_len", "bloom_seg_count", "bloom_stream", "index_base", "index_per_word", "index_digits",
-                "digit_cap", "capacity", "fingerprint", "index_offset", "sketch_offset", "payload_numel")
+# Order of lhc::gpu::LayoutWord in codec_kernels.cuh: the codec's words, then the multilevel index's
+# fine levels (kLwFineStride words per level, MAX_FINE_LEVELS levels; placeholders past fine_levels).
+FINE_LEVEL_WORDS = ("seg_len", "seg_count", "stream", "span", "digits", "words", "offset")
+LAYOUT_WORDS = (("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
+                 "bloom_seg_len", "bloom_seg_count", "bloom_stream", "index_base", "index_per_word", "index_digits",
+                 "digit_cap", "capacity", "fingerprint", "index_offset", "sketch_offset", "payload_numel",
+                 "fine_levels")
+                + tuple(f"fine{level}_{word}" for level in range(MAX_FINE_LEVELS) for word in FINE_LEVEL_WORDS))
 _SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")  # seg_len, seg_count, stream follow
 _BLOOM_TABLE_WORD = LAYOUT_WORDS.index("bloom_seg_len")
 
@@ -61,6 +65,10 @@ FLAG_NON_FINITE = 1 << 9
 _DECODE_COUNTERS = ("index_total", "expected_total", "candidates", "support", "peeled", "count_resolved",
                     "list_count", "flags_abort")
 _DECODE_COUNTERS_BYTES = 64
+# lhc::gpu::MlState: 7 uint64 fields, then 6 uint32 (paired into int64 words as the host reads them).
+_ML_STATE = ("coarse_sum", "child_total", "nodes", "prev_nodes", "resolved", "support", "candidates",
+             "status_mode", "words_inconsistent", "expand_replay")
+_ML_STATE_BYTES = 80
 _ENCODE_COUNTERS_BYTES = 16   # lhc::gpu::EncodeCounters
 _PEEL_CONTROL_BYTES = 64      # lhc::gpu::PeelControl (40 bytes, padded)
 
@@ -332,20 +340,22 @@ class CudaLayout:
     def __init__(self, layout: PayloadLayout, device: torch.device):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if layout.index_kind == "multilevel":
-            raise NotImplementedError("the CUDA backend has no multilevel-index kernels: use index='bitmap', 'bloom' "
-                                      "or 'dense' on CUDA (index='auto' never picks multilevel there)")
         self.layout = layout
         self.device = device
         L = layout
         self.sketch_cells = L.sketch.cells
         self.bloom_cells = L.bloom.cells if L.bloom is not None else 0
-        if max(self.sketch_cells, self.bloom_cells) >= (1 << 32) - 1:
+        levels = L.multilevel.levels if L.multilevel is not None else ()
+        self.fine_cells = [lv.table.cells for lv in levels]
+        if max(self.sketch_cells, self.bloom_cells, *self.fine_cells) >= (1 << 32) - 1:
             raise ValueError("the CUDA backend indexes table cells with 32 bits; this layout has more cells")
         # Keys one decode can hold: the value peel cannot resolve more keys than it has cells (each
         # peel step consumes a pure cell), the count peel likewise.
         self.key_cap = min(L.num_keys, self.sketch_cells, MAX_POSITIONS)
         self.cand_cap = min(L.num_keys, self.bloom_cells, MAX_POSITIONS)
+        # Multilevel: the node list of each fine level, likewise bounded by its table's cells (a level
+        # with more non-zero nodes cannot peel; the kernels decide its status without the list).
+        self.node_caps = [min(lv.num_nodes, lv.table.cells) for lv in levels]
         words = {
             "numel": L.numel, "num_keys": L.num_keys, "block": L.block, "index_kind": INDEX_KIND_CODE[L.index_kind],
             "sketch_seg_len": L.sketch.seg_len, "sketch_seg_count": L.sketch.seg_count,
@@ -355,7 +365,17 @@ class CudaLayout:
             "index_base": L.index.base, "index_per_word": L.index.per_word, "index_digits": L.index.digits,
             "digit_cap": L.digit_cap, "capacity": L.capacity, "fingerprint": L.fingerprint,
             "index_offset": L.index_offset, "sketch_offset": L.sketch_offset, "payload_numel": L.payload_numel,
+            "fine_levels": len(levels),
         }
+        for i in range(MAX_FINE_LEVELS):
+            # Levels past the last hold the CPU backend's placeholder shape (never read by a kernel).
+            if i < len(levels):
+                lv = levels[i]
+                shape = (lv.table.seg_len, lv.table.seg_count, lv.table.stream, lv.span, lv.digits_per_word,
+                         lv.words_per_group, L.level_offsets[i])
+            else:
+                shape = (1, 3, 0, 1, 1, 1, L.sketch_offset)
+            words.update({f"fine{i}_{name}": v for name, v in zip(FINE_LEVEL_WORDS, shape)})
         signed = [(words[name] & _MASK64) - (1 << 64) if (words[name] & _MASK64) >= 1 << 63 else words[name]
                   for name in LAYOUT_WORDS]
         self.words = torch.tensor(signed, dtype=torch.int64, device=device)
@@ -373,6 +393,15 @@ class CudaLayout:
     @property
     def bloom_table_ptr(self) -> int:
         return self.words.data_ptr() + 8 * _BLOOM_TABLE_WORD
+
+    @property
+    def ml_encode_scratch_bytes(self) -> int:
+        """The multilevel encode's scratch (lhc::gpu::ml_encode_key_bits / _acc / _flags): a bit per key
+        (32-bit words, rounded up to 8 bytes), a uint64 per fine word, then a byte per node of every
+        level."""
+        L = self.layout
+        key_words = -(-L.num_keys // 32)
+        return 4 * (-(-key_words // 2) * 2) + 8 * L.fine_numel + sum(lv.num_nodes for lv in L.multilevel.levels)
 
 
 class _Arena:
@@ -410,6 +439,25 @@ def decode_scratch_sizes(native: CudaLayout) -> dict:
             sizes[name] = 4 * bcells
         for name in ("cand", "csrc", "cround", "ccount", "clist0", "clist1"):
             sizes[name] = 4 * ccap
+    elif L.index_kind == "multilevel":
+        levels = L.multilevel.levels
+        ncap = max(native.node_caps)
+        fcells = max(native.fine_cells)
+        tiles += [_tiles(ncap)]
+        sizes["ml_state"] = _ML_STATE_BYTES
+        sizes["ml_control"] = _PEEL_CONTROL_BYTES
+        # Two node lists (a level's and its parents'), alternating by level parity.
+        for b in (0, 1):
+            sizes[f"ml_nodes{b}"] = 4 * ncap
+            sizes[f"ml_counts{b}"] = 4 * ncap
+            sizes[f"ml_pat{b}"] = 4 * max(c * lv.words_per_group for c, lv in zip(native.node_caps, levels))
+        for name in ("ml_src", "ml_round", "ml_list0", "ml_list1"):
+            sizes[name] = 4 * ncap
+        for name in ("ml_deg", "ml_xr", "ml_pure0", "ml_pure1"):
+            sizes[name] = 4 * fcells
+        sizes["ml_val"] = 8 * max(lv.table.cells * lv.words_per_group for lv in levels)
+        # A claim bit per node, for a level whose non-zero nodes outnumber its cells (peeled by id).
+        sizes["ml_claim"] = 4 * max(-(-lv.num_nodes // 32) if lv.num_nodes > lv.table.cells else 0 for lv in levels)
     sizes["tiles"] = 8 * max(tiles)
     for name in ("deg", "xr", "cursor", "stamp", "pure0", "pure1", "dirty0", "dirty1"):
         sizes[name] = 4 * cells
@@ -447,28 +495,38 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
         stream = _stream_handle(native.device)
         sms = native.sms
         sizes = {"counters": _ENCODE_COUNTERS_BYTES}
+        # The index's own scratch: Bloom's per-rank counters, or the multilevel index's key flags,
+        # fine-word accumulators and node flags.
         if L.index_kind == "bloom":
-            sizes["bloom_count"] = 4 * native.bloom_cells
+            sizes["index_scratch"] = 4 * native.bloom_cells
+        elif L.index_kind == "multilevel":
+            sizes["index_scratch"] = native.ml_encode_scratch_bytes
         if L.block > 1:
             sizes["key_flag"] = 4 * L.num_keys
         arena = _Arena(sizes, native.device)
         arena.view("counters").zero_()
         payload.zero_()
-        bloom = 0
-        if L.index_kind == "bloom":
-            arena.view("bloom_count").zero_()
-            bloom = arena.ptr("bloom_count")
+        scratch = 0
+        if "index_scratch" in sizes:
+            arena.view("index_scratch").zero_()
+            scratch = arena.ptr("index_scratch")
         lay, xp, pp, cnt = native.words_ptr, x.data_ptr(), payload.data_ptr(), arena.ptr("counters")
         if L.block == 1:
-            launch.launch("lhc_encode_scan_b1", _grid(-(-L.numel // 4), sms), THREADS, [lay, xp, pp, bloom, cnt], stream)
+            launch.launch("lhc_encode_scan_b1", _grid(-(-L.numel // 4), sms), THREADS, [lay, xp, pp, scratch, cnt],
+                          stream)
         else:
             arena.view("key_flag").zero_()
             flags = arena.ptr("key_flag")
             launch.launch("lhc_encode_flag_blocks", _grid(L.numel, sms), THREADS, [lay, xp, flags, cnt], stream)
-            launch.launch("lhc_encode_keys", _grid(L.num_keys, sms), THREADS, [lay, flags, pp, bloom, cnt], stream)
+            launch.launch("lhc_encode_keys", _grid(L.num_keys, sms), THREADS, [lay, flags, pp, scratch, cnt], stream)
             launch.launch("lhc_encode_scatter_blocks", _grid(L.numel, sms), THREADS, [lay, xp, flags, pp], stream)
         if L.index_kind == "bloom":
-            launch.launch("lhc_encode_bloom_pack", _grid(L.index.words, sms), THREADS, [lay, bloom, pp, cnt], stream)
+            launch.launch("lhc_encode_bloom_pack", _grid(L.index.words, sms), THREADS, [lay, scratch, pp, cnt], stream)
+        elif L.index_kind == "multilevel":
+            nodes = sum(lv.num_nodes for lv in L.multilevel.levels)
+            launch.launch("lhc_ml_encode_keys", _grid(-(-L.num_keys // 32), sms), THREADS, [lay, scratch], stream)
+            launch.launch("lhc_ml_encode_nodes", _grid(nodes, sms), THREADS, [lay, scratch, pp], stream)
+            launch.launch("lhc_ml_encode_pack", _grid(L.fine_numel, sms), THREADS, [lay, scratch, pp], stream)
         launch.launch("lhc_encode_header", 1, 32, [lay, pp, cnt], stream)
 
 
@@ -488,10 +546,13 @@ class DecodeStats:
     flags: int
 
 
-def decode_status(index_kind: str, flags: int, support: int, peeled: int) -> int:
+def decode_status(index_kind: str, flags: int, support: int, peeled: int, index_status: int = 0) -> int:
     """The CPU backend's status code for the kernels' flags, with its precedence: index corrupt (1),
     index peel failed (2), value states inconsistent (1), non-finite sketch (4), sketch peel
-    failed (3)."""
+    failed (3). ``index_status``: the multilevel index's own verdict (lhc::gpu::MlState::status: 1,
+    2 or 5, the CPU's code of its first failing stage), which comes first."""
+    if index_status:
+        return index_status
     if flags & (FLAG_INDEX_WORD | FLAG_INDEX_TOTAL):
         return 1
     if index_kind == "bloom":
@@ -520,15 +581,29 @@ class DecodeRun:
 
     def finish(self):
         """(header field values as floats, DecodeStats). Synchronises the stream once."""
-        counters = self.arena.view("counters", torch.int64)
-        summary = torch.cat([self.payload[:HEADER_FIELDS].to(torch.float64), counters.to(torch.float64)]).tolist()
+        kind = self.native.layout.index_kind
+        parts = [self.payload[:HEADER_FIELDS].to(torch.float64), self.arena.view("counters", torch.int64)]
+        if kind == "multilevel":
+            parts.append(self.arena.view("ml_state", torch.int64))
+        # Every counter is below 2^53: exact as float64, and one transfer.
+        summary = torch.cat([t.to(torch.float64) for t in parts]).tolist()
         header = summary[:HEADER_FIELDS]
-        c = dict(zip(_DECODE_COUNTERS, (int(v) for v in summary[HEADER_FIELDS:])))
+        values = [int(v) for v in summary[HEADER_FIELDS:]]
+        c = dict(zip(_DECODE_COUNTERS, values))
         flags = c["flags_abort"] & 0xFFFFFFFF
         support, peeled = c["support"], c["peeled"]
-        kind = self.native.layout.index_kind
         candidates = c["candidates"]
-        st = DecodeStats(status=decode_status(kind, flags, support, peeled), candidates=candidates,
+        index_status = 0
+        if kind == "multilevel":
+            ml = dict(zip(_ML_STATE, values[len(_DECODE_COUNTERS):]))
+            index_status = ml["status_mode"] & 0xFFFFFFFF
+            # As the CPU backend: a failed index reports no support (and candidates only once the
+            # support is known, i.e. for the last check, the key total); the support count is exact
+            # even where the value peel's list overflowed.
+            candidates = ml["candidates"]
+            support = 0 if index_status else ml["support"]
+            peeled = 0 if index_status else peeled
+        st = DecodeStats(status=decode_status(kind, flags, support, peeled, index_status), candidates=candidates,
                          false_positives=max(0, candidates - support) if kind == "bloom" else 0,
                          support_keys=support, peeled=peeled, index_total=c["index_total"], flags=flags)
         return header, st
@@ -616,8 +691,11 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
             launch.launch("lhc_found_write", ftiles, THREADS,
                           [P("cand"), P("ccount"), P("tiles"), P("keys"), kcap, cnt], stream)
             launch.launch("lhc_support_ready", 1, 32, [cnt, 0], stream)
+        elif L.index_kind == "multilevel":
+            _decode_multilevel(native, launch, stream, a, pp, s, n, scan_threads)
         else:
-            raise ValueError(f"the CUDA decode kernels handle bitmap and bloom indexes, not {L.index_kind!r}")
+            raise ValueError(f"the CUDA decode kernels handle bitmap, Bloom and multilevel indexes, not "
+                             f"{L.index_kind!r}")
 
         # 2. The value peel over the support.
         a.view("deg").zero_()   # (xr needs no zeroing: lhc_sort_adjacency writes it for every cell)
@@ -650,4 +728,46 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                        P("adj"), cnt], stream)
         launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
                       [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
+        if L.index_kind == "multilevel":
+            launch.launch("lhc_ml_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
         return DecodeRun(native, payload, a)
+
+
+def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: int, s: int, n: int,
+                       scan_threads: int) -> None:
+    """Queue the multilevel index's stages (see "Decode: multilevel index" in codec_kernels.cuh): the
+    coarse level's nodes, then per fine level its peel (one cooperative launch, which also decides the
+    level's status) and the expansion of its nodes into the next level's (at the finest level: the
+    support keys, into ``keys``). Every stage skips its work once an earlier one failed."""
+    L = native.layout
+    levels = L.multilevel.levels
+    sms = native.sms
+    P = a.ptr
+    lay, cnt, ml, ctl = native.words_ptr, P("counters"), P("ml_state"), P("ml_control")
+    a.view("ml_state").zero_()
+    caps = native.node_caps
+    words = L.index.words
+    tiles = _tiles(words)
+    launch.launch("lhc_ml_coarse_count", tiles, THREADS, [lay, pp, s, n, P("tiles"), cnt, ml], stream)
+    # Uncapped scan: the verdict compares the exact node count with the list's capacity.
+    launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), tiles, _MASK64, 0, cnt, 0], stream)
+    launch.launch("lhc_ml_verdict", 1, 32, [1, 0, caps[0], cnt, ml, ctl], stream)
+    launch.launch("lhc_ml_coarse_write", tiles, THREADS,
+                  [lay, pp, s, n, P("tiles"), P("ml_nodes0"), P("ml_counts0"), caps[0], cnt], stream)
+    for level in range(len(levels)):
+        cur, up = level % 2, 1 - level % 2   # this level's list, and its parents' (then its children's)
+        nodes, counts, pat = P(f"ml_nodes{cur}"), P(f"ml_counts{cur}"), P(f"ml_pat{cur}")
+        launch.launch("lhc_ml_peel_level", _peel_grid(launch, "lhc_ml_peel_level", sms), THREADS,
+                      [lay, level, pp, s, nodes, P("ml_val"), P("ml_deg"), P("ml_xr"), P("ml_src"), P("ml_round"), pat,
+                       P("ml_pure0"), P("ml_pure1"), P("ml_list0"), P("ml_list1"), P("ml_claim"), ctl, cnt, ml,
+                       P(f"ml_nodes{up}"), P(f"ml_pat{up}")], stream, cooperative=True)
+        etiles = _tiles(caps[level])
+        launch.launch("lhc_ml_expand_count", etiles, THREADS,
+                      [lay, level, nodes, counts, pat, P("tiles"), cnt, ml], stream)
+        launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), etiles, _MASK64, 0, cnt, 0], stream)
+        finest = level == len(levels) - 1
+        next_cap = native.key_cap if finest else caps[level + 1]
+        launch.launch("lhc_ml_verdict", 1, 32, [0, int(finest), next_cap, cnt, ml, ctl], stream)
+        out_nodes, out_counts = (P("keys"), 0) if finest else (P(f"ml_nodes{up}"), P(f"ml_counts{up}"))
+        launch.launch("lhc_ml_expand_write", etiles, THREADS,
+                      [lay, level, nodes, counts, pat, P("tiles"), out_nodes, out_counts, next_cap, cnt, ml], stream)

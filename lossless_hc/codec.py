@@ -121,7 +121,7 @@ class LosslessCodec:
             CPU backend, so CPU and GPU ranks interoperate). On CUDA everything runs on the current
             torch stream: encode never synchronises, decode synchronises once.
         index: "auto" (smallest payload, see :mod:`lossless_hc.cost_model`), "bitmap", "bloom",
-            "multilevel" (CPU only) or "dense".
+            "multilevel" or "dense" (every kind on every device).
         union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);
             sizes the value sketch and the index. More than that in a decode is reported, not wrong.
 
@@ -142,13 +142,9 @@ class LosslessCodec:
     def __init__(self, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
                  device="cpu", index: str = "auto", num_threads: int = 0, union_nnz: Optional[int] = None):
         self.device = torch.device(device)
-        if self.device.type == "cuda" and index == "multilevel":
-            raise NotImplementedError("index='multilevel' has no CUDA kernels yet; use 'bitmap', 'bloom', 'dense' or "
-                                      "'auto' on CUDA")
-        # The CUDA backend has no multilevel kernels, so "auto" picks among the others there. Ranks that
-        # mix CPU and CUDA devices must then pass the same explicit index (payload shapes must match).
-        self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz,
-                                                 allow_multilevel=self.device.type != "cuda")
+        # Every backend has every index kind, so the layout depends on the arguments alone: CPU and CUDA
+        # ranks plan the same payload (also for "auto") and interoperate.
+        self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz)
         _backend.require_backend(self.device)
         if self.device.type == "cuda" and self.device.index is None:
             # Tensors report their device with an index: pin the codec to the current one.

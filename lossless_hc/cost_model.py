@@ -169,13 +169,11 @@ def _best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz):
 
 
 def candidates(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-               union_nnz: Optional[int] = None, allow_multilevel: bool = True) -> dict:
+               union_nnz: Optional[int] = None) -> dict:
     """Every layout that applies, by index kind (dense always)."""
     out = {}
     for kind in INDEX_KINDS:
         if kind == "multilevel":
-            if not allow_multilevel:
-                continue
             L = best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
         else:
             L = build_layout(kind, numel, world_size, max_nnz, block_size, seed, union_nnz)
@@ -197,10 +195,11 @@ def multilevel_pays_off(flat: PayloadLayout, multilevel: PayloadLayout) -> bool:
 
 
 def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-           union_nnz: Optional[int] = None, allow_multilevel: bool = True) -> PayloadLayout:
+           union_nnz: Optional[int] = None) -> PayloadLayout:
     """The single-level layout with the fewest wire bytes (ties: dense, bitmap, bloom), or the
-    multilevel one where it saves enough wire per node it peels (:func:`multilevel_pays_off`)."""
-    cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz, allow_multilevel)
+    multilevel one where it saves enough wire per node it peels (:func:`multilevel_pays_off`).
+    The same on every device (the CPU and CUDA backends both decode every kind)."""
+    cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz)
     multilevel = cands.pop("multilevel", None)
     flat = min(cands.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
     if multilevel is not None and multilevel_pays_off(flat, multilevel):
@@ -223,7 +222,7 @@ class Plan:
 
 
 def plan_for_density(numel: int, world_size: int, density: float, block_size: int = 1, seed: int = 0,
-                     rank_density: Optional[float] = None, allow_multilevel: bool = True) -> Plan:
+                     rank_density: Optional[float] = None) -> Plan:
     """The layout for an expected *aggregate* density (non-zero coordinates of the sum / numel).
 
     ``rank_density`` is the per-rank capacity as a fraction of numel (default: the aggregate
@@ -235,7 +234,7 @@ def plan_for_density(numel: int, world_size: int, density: float, block_size: in
     rd = density if rank_density is None else rank_density
     union = min(numel, math.ceil(density * numel))
     cap = min(numel, math.ceil(rd * numel))
-    L = choose(numel, world_size, cap, block_size, seed, union, allow_multilevel)
+    L = choose(numel, world_size, cap, block_size, seed, union)
     return Plan(L.index_kind, cap, union, L)
 
 

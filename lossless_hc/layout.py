@@ -589,14 +589,13 @@ def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_siz
 
 
 def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-                index: str = "auto", union_nnz: Optional[int] = None,
-                allow_multilevel: bool = True) -> PayloadLayout:
+                index: str = "auto", union_nnz: Optional[int] = None) -> PayloadLayout:
     """The payload layout for a tensor of ``numel`` coordinates aggregated over ``world_size``
     ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
     ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"multilevel"``, ``"dense"`` or
     ``"auto"`` (the smallest payload, chosen by :mod:`lossless_hc.cost_model`; ties prefer the
-    cheaper decoder: dense, bitmap, bloom, multilevel). ``allow_multilevel=False`` keeps ``"auto"``
-    off the multilevel index (the CUDA backend has no multilevel kernels).
+    cheaper decoder: dense, bitmap, bloom, multilevel). The layout depends on these arguments only,
+    never on the device: CPU and CUDA ranks (both have every index kind) plan the same payload.
 
     Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,
     i.e. ``max_nnz`` assumes non-zeros come in whole blocks (embedding rows). A rank with more
@@ -614,8 +613,7 @@ def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, 
 
     num_keys = -(-numel // block_size)
     if index == "auto":
-        return cost_model.choose(numel, world_size, max_nnz, block_size, seed, union_nnz,
-                                 allow_multilevel=allow_multilevel)
+        return cost_model.choose(numel, world_size, max_nnz, block_size, seed, union_nnz)
     if index == "multilevel":
         chosen = cost_model.best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
     else:

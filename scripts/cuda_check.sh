@@ -28,7 +28,7 @@ for arch in 80 90; do
   if grep -E "bytes spill (stores|loads)" "$OUT/ptxas_sm${arch}.log" | grep -vq " 0 bytes spill stores, 0 bytes spill loads"; then
     echo "cuda-check: note: register spills for sm_${arch} (see $OUT/ptxas_sm${arch}.log)"
   fi
-  for k in thc_encode_blocks thc_decode_blocks thc_fwht_columns lhc_peel_values; do
+  for k in thc_encode_blocks thc_decode_blocks thc_fwht_columns lhc_peel_values lhc_ml_peel_level; do
     grep -q "entry function '$k'" "$OUT/ptxas_sm${arch}.log" || { echo "cuda-check: kernel $k missing from sm_${arch}"; exit 1; }
   done
   echo "cuda-check: nvcc sm_${arch}: ok (lossless codec and THC kernels)"

@@ -50,13 +50,6 @@ def test_explicit_kinds_still_work_and_match_the_candidates():
         assert plan_layout(1 << 20, 4, 5000, index=kind) == L
 
 
-def test_auto_without_multilevel_picks_among_the_others():
-    for args in [(1 << 20, 2, 10_000), (1 << 22, 8, 4_000), (50_000, 16, 5_000)]:
-        L = plan_layout(*args, index="auto", allow_multilevel=False)
-        others = cost_model.candidates(*args, allow_multilevel=False)
-        assert L.index_kind != "multilevel" and L.payload_numel == min(x.payload_numel for x in others.values())
-
-
 def test_multilevel_is_chosen_where_the_index_dominates():
     """Low aggregate densities, where the flat indexes cost many times the sketch."""
     for n in (2, 8):

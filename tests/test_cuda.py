@@ -89,6 +89,40 @@ def assert_same_payload(layout, p_cpu: torch.Tensor, p_gpu: torch.Tensor, x: tor
                                  f"{bad.nonzero()[:5].reshape(-1).tolist()}")
 
 
+def index_verdicts_agree(cpu: LosslessCodec, native, payload: torch.Tensor, averaged: bool = False):
+    """Decode ``payload`` with the CPU backend and with the CUDA kernels of ``native`` (a GPU codec's
+    ``_cuda.CudaLayout``, or the host emulation's on CPU tensors), below LosslessCodec's header checks,
+    and require the CPU's raw verdict exactly: status (with its precedence), candidates, support,
+    false positives; peeled and the output's zero/NaN pattern too unless the support overflowed the
+    value peel's list (then the GPU skips the value peel: see tests/test_cuda_multilevel_emulated.py);
+    and when the index failed, the same all-zero output. Returns (status, GPU output on the CPU, the
+    GPU DecodeRun, the multilevel mode of the last level decoded: 0 list, 1 too many nodes, 2 replayed).
+    """
+    from lossless_hc import _backend, _cuda
+    from lossless_hc.layout import HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID
+    L = cpu.layout
+    scale = float(L.world_size) if averaged else 1.0
+    host = payload.detach().cpu().contiguous()
+    hdr, _ = cpu._read_header(host[:HEADER_FIELDS].double().tolist(), scale)
+    total = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << 11) + (hdr[HDR_KEYS_HI] << 22)
+    y = torch.full((L.numel,), 7.0)
+    c = _backend.decode(cpu._native, scale, total, L.world_size, host, y)
+    out = torch.full((L.numel,), 7.0, device=native.device)   # poisoned: decode writes all of it
+    run = _cuda.decode(native, scale, L.world_size, host.to(native.device), out)
+    _, g = run.finish()
+    mode = run.arena.view("ml_state", torch.int64)[7].item() >> 32 if L.index_kind == "multilevel" else 0
+    out = out.cpu()
+    want = (c.status, c.candidates, c.support_keys, c.false_positives)
+    got = (g.status, g.candidates, g.support_keys, g.false_positives)
+    assert got == want, f"GPU (status, candidates, support, false positives) {got}, CPU {want}"
+    if g.support_keys <= native.key_cap:
+        assert g.peeled == c.peeled, (g.peeled, c.peeled)
+        assert torch.equal(torch.isnan(out), torch.isnan(y)) and torch.equal(out == 0, y == 0), "supports differ"
+    if c.status in (1, 2, 5):   # the index failed: both outputs are all zeros
+        assert torch.equal(bits(out), bits(y))
+    return c.status, out, run, mode
+
+
 CONFIGS = [
     pytest.param(dict(numel=5000, n=3, k=200, block=1, index="bitmap"), id="bitmap-b1"),
     pytest.param(dict(numel=5000, n=3, k=200, block=1, index="bloom"), id="bloom-b1"),
@@ -96,6 +130,9 @@ CONFIGS = [
     pytest.param(dict(numel=32 * 300 - 7, n=4, k=40 * 32, block=32, index="bloom"), id="bloom-b32-partial"),
     pytest.param(dict(numel=1 << 20, n=4, k=70_000, block=1, index="bitmap"), id="bitmap-grouped"),
     pytest.param(dict(numel=1 << 20, n=4, k=70_000, block=1, index="bloom"), id="bloom-grouped"),
+    pytest.param(dict(numel=1 << 20, n=4, k=8_000, block=1, index="multilevel"), id="multilevel-b1"),
+    pytest.param(dict(numel=32 * 3000 - 7, n=4, k=40 * 32, block=32, index="multilevel"), id="multilevel-b32-partial"),
+    pytest.param(dict(numel=1 << 22, n=4, k=300_000, block=1, index="multilevel"), id="multilevel-grouped"),
 ]
 
 
@@ -125,7 +162,8 @@ def test_decode_is_lossless_and_agrees_with_cpu(backend, cfg):
         assert getattr(r_gpu, field) == getattr(r_cpu, field), field
 
 
-@given(seed=st.integers(0, 2**32 - 1), index=st.sampled_from(["bitmap", "bloom"]), block=st.sampled_from([1, 3, 8]),
+@given(seed=st.integers(0, 2**32 - 1), index=st.sampled_from(["bitmap", "bloom", "multilevel"]),
+       block=st.sampled_from([1, 3, 8]),
        pattern=st.sampled_from(helpers.PATTERNS), dist=st.sampled_from(helpers.DISTS),
        averaged=st.booleans())
 def test_lossless_on_random_inputs(seed, index, block, pattern, dist, averaged):
@@ -152,7 +190,7 @@ def test_lossless_on_random_inputs(seed, index, block, pattern, dist, averaged):
     helpers.assert_lossless(gpu.layout, xs, y.cpu(), report, averaged=averaged, strict_support=dist == "normal")
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("block", [1, 16])
 def test_decode_is_bitwise_deterministic(backend, index, block):
     rng = np.random.default_rng(helpers.stable_seed("det", index, block))
@@ -198,7 +236,7 @@ FAILURES = ["overloaded", "nan", "mismatch", "wrong_world", "averaged_as_sum", "
 
 
 @pytest.mark.parametrize("case", FAILURES)
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_failure_reports_match_cpu(case, index):
     rng = np.random.default_rng(helpers.stable_seed("fail", case, index))
     numel, n, k = 20_000, 3, 200
@@ -231,7 +269,7 @@ def test_failure_reports_match_cpu(case, index):
     assert r_gpu.ok == (case == "dense_index")
 
 
-@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_fuzzed_payloads_never_crash(index):
     """Corrupt a valid aggregate in many ways: the GPU decode must finish, and must not call ok a
     payload the CPU backend rejects (a value-only corruption may decode ok on both)."""
@@ -263,6 +301,9 @@ def test_fuzzed_payloads_never_crash(index):
         assert y.shape == (numel,)
         if r_gpu.ok:
             assert r_cpu.ok, f"trial {trial}: GPU says ok, CPU says {r_cpu.reason}"
+        if index == "multilevel":   # its index verdict is exact, failures included
+            assert (r_gpu.ok, r_gpu.reason, r_gpu.candidates, r_gpu.support) == \
+                (r_cpu.ok, r_cpu.reason, r_cpu.candidates, r_cpu.support), trial
 
 
 def test_an_index_claiming_every_key_is_reported_without_overflowing_scratch():
@@ -340,3 +381,150 @@ def test_cuda_bench_runs_and_checks_itself():
     assert cor["ok"] and cor["deterministic"] and cor["support_mismatch_beyond_rounding"] == 0, cor
     assert res["timing"]["encode_over_copy"] > 0 and res["timing"]["decode_over_copy"] > 0
     assert "fraction of copy" in render_codec_cuda(res, "test")
+
+
+# -- the multilevel index ----------------------------------------------------------------------------
+# tests/test_cuda_multilevel_emulated.py runs the same checks on host threads at small sizes; these run
+# them on a GPU at realistic sizes, where the kernels' memory model and occupancy are real.
+
+# Small aggregates over capacity whose fine peel stalls: level 0 with fewer non-zero nodes than cells
+# (peeled from its node list), with more (peeled by node id), and a level 1 with more
+# (tests/test_cuda_multilevel_emulated.py; layout seed 3, "normal" values, as its setup()).
+ML_STALLS = {
+    "list": dict(numel=6000, n=3, k=150, block=1, shape=(1,), union=60, data_seed=150),
+    "too-many": dict(numel=6000, n=3, k=240, block=1, shape=(1,), union=60, data_seed=240),
+    "level1": dict(numel=30000, n=2, k=240, block=1, shape=(1, 1), union=60, data_seed=240),
+}
+
+
+def corrupt_fine_words(base: torch.Tensor, layout, level: int, rng, trial: int) -> torch.Tensor:
+    """A copy of ``base`` with two non-zero words of fine table ``level`` read short by 1, raised by up
+    to 40, or replaced by a valid word (by ``trial`` % 3): inconsistent tables, each word still valid."""
+    from lossless_hc.layout import INT_FIELD_LIMIT
+    lo, size = layout.level_offsets[level], layout.multilevel.levels[level].numel
+    nz = (base[lo:lo + size] != 0).nonzero().reshape(-1) + lo
+    p = base.clone()
+    pos = nz[torch.from_numpy(rng.integers(0, nz.numel(), size=2))]
+    if trial % 3 == 0:
+        p[pos] -= 1.0
+    elif trial % 3 == 1:
+        p[pos] += torch.from_numpy(rng.integers(1, 40, size=2).astype(np.float32))
+    else:
+        p[pos] = torch.from_numpy(rng.integers(0, INT_FIELD_LIMIT, size=2).astype(np.float32))
+    return p
+
+
+def stalled_table_corruptions(base: torch.Tensor, layout, xs, level: int) -> dict:
+    """Two corruptions of ``base`` (an honest aggregate whose fine table ``level`` stalls) that the
+    CPU decides differently, by its own peeling order, and the GPU only by replaying that order:
+    ``"empty cell"``: +1 in a cell no node hashes to -- an inconsistency, but no step of any order
+    touches that cell, so the stalled table is "peel failed" (2); ``"first pure cell"``: 2^22 - 1 (a
+    valid word, no pattern) in the smallest cell holding one node -- the CPU dequeues it first and
+    reads it as a pattern: corrupt (1). Returns {name: (payload, CPU status)}, without "empty cell"
+    where every cell holds a node (tables far over capacity)."""
+    from lossless_hc.layout import INT_FIELD_LIMIT
+    lv = layout.multilevel.levels[level]
+    keys = np.unique(np.concatenate([helpers.nonzero_keys(x, layout.block) for x in xs]))
+    nodes = torch.from_numpy(np.unique(keys // lv.span))
+    cells, _ = reference.key_cells(lv.table, nodes)
+    deg = torch.bincount(cells.reshape(-1), minlength=lv.table.cells)
+    word = lambda c: layout.level_offsets[level] + int(c) * lv.words_per_group  # noqa: E731  first word of cell c
+    out = {}
+    if bool((deg == 0).any()):
+        empty = base.clone()
+        empty[word((deg == 0).nonzero()[0])] += 1.0
+        out["empty cell"] = (empty, 2)
+    pure = base.clone()
+    pure[word((deg == 1).nonzero()[0])] = float(INT_FIELD_LIMIT - 1)
+    out["first pure cell"] = (pure, 1)
+    return out
+
+
+def multilevel_case(numel, n, k, block=1, shape=(1,), pattern="random", union=None, seed=0, data_seed=0,
+                    dist="wide"):
+    """A multilevel layout of the given shape (coarsest level first) as a CPU codec and a GPU codec,
+    with the ranks' inputs and CPU payloads."""
+    from lossless_hc import _backend
+    from lossless_hc.layout import build_layout
+    L = build_layout("multilevel", numel, n, max(1, k) * block, block, seed, union, shape)
+    assert L is not None
+    cpu, gpu = codecs(numel, n, max(1, k) * block, block, "multilevel", seed)
+    for c, dev in ((cpu, torch.device("cpu")), (gpu, gpu.device)):
+        c.layout = L
+        c._native = _backend.native_layout(L, dev)
+    rng = np.random.default_rng(data_seed)
+    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, dist)
+    return cpu, gpu, xs, [cpu.encode(x) for x in xs], rng
+
+
+@pytest.mark.parametrize("shape,numel,n,k,block,pattern", [
+    ((1,), 1 << 21, 2, 20_000, 1, "random"),
+    ((2, 1), 1 << 22, 8, 5_000, 1, "clustered"),
+    ((1, 1, 1), 1 << 23, 1, 3_000, 1, "random"),
+    ((4, 1, 1, 2), 1 << 23, 5, 2_000, 1, "random"),
+    ((1, 3), 64 * 20_000 - 5, 4, 300, 64, "random"),
+    ((2, 1), 1 << 22, 2, 400_000, 1, "random"),     # level 1 in 3 groups
+])
+def test_multilevel_encode_and_verdicts_match_cpu(backend, shape, numel, n, k, block, pattern):
+    cpu, gpu, xs, payloads, rng = multilevel_case(numel, n, k, block, shape, pattern)
+    L = cpu.layout
+    for x, p in list(zip(xs, payloads))[:2]:
+        g = gpu.encode(x.cuda()).cpu()
+        assert_same_payload(L, p, g, x)
+        assert torch.equal(bits(g[:L.sketch_offset]), bits(p[:L.sketch_offset])), "index words differ"
+    summed = helpers.sum_payloads(payloads, rng)
+    for averaged in (False, True):
+        payload = helpers.average_payloads(summed, n) if averaged else summed
+        status, *_ = index_verdicts_agree(cpu, gpu._native, payload, averaged)
+        assert status == 0
+        y, report = gpu.decode(payload.cuda(), averaged=averaged, trace=True)
+        helpers.assert_lossless(L, xs, y.cpu(), report, averaged=averaged, strict_support=False)
+
+
+def test_multilevel_failures_match_cpu(backend):
+    """Stalled fine tables at realistic sizes (fewer non-zero nodes than cells, and more: peeled by
+    node id), corrupted so that the CPU's order decides (replayed: both outcomes), or at random;
+    corrupted and overflowing words; wrong key counts."""
+    from lossless_hc.layout import INT_FIELD_LIMIT
+    cases = {"list": dict(numel=1 << 20, n=4, k=6_000, union=20_000, data_seed=1),
+             "too-many": dict(numel=1 << 20, n=4, k=30_000, union=20_000, data_seed=2)}
+    replayed = set()
+    for name, cfg in cases.items():
+        cpu, gpu, xs, payloads, rng = multilevel_case(**cfg)
+        base = helpers.sum_payloads(payloads, rng)
+        status, _, _, mode = index_verdicts_agree(cpu, gpu._native, base)
+        assert status == 2 and mode == (0 if name == "list" else 1)
+        for what, (p, want) in stalled_table_corruptions(base, cpu.layout, xs, 0).items():
+            status, _, _, mode = index_verdicts_agree(cpu, gpu._native, p)
+            assert (status, mode) == (want, 2), (name, what)
+            replayed.add(status)
+        for t in range(6):
+            index_verdicts_agree(cpu, gpu._native, corrupt_fine_words(base, cpu.layout, 0, rng, t))
+        lo = cpu.layout.level_offsets[0]
+        first = lo + int((base[lo:cpu.layout.sketch_offset] != 0).nonzero()[0])
+        for word, want in ((float("nan"), 1), (-1.0, 1), (0.5, 1), (float(INT_FIELD_LIMIT), 5), (float("inf"), 5)):
+            p = base.clone()
+            p[first] = word
+            assert index_verdicts_agree(cpu, gpu._native, p)[0] == want
+    assert replayed == {1, 2}
+    cpu, gpu, xs, payloads, rng = multilevel_case(1 << 21, 3, 10_000, shape=(1, 1))
+    for delta in (1.0, -1.0):
+        p = helpers.sum_payloads(payloads, rng)
+        p[3] += delta
+        assert index_verdicts_agree(cpu, gpu._native, p)[0] == 1
+
+
+def test_multilevel_auto_is_the_same_on_cpu_and_gpu_and_ranks_interoperate():
+    """``auto`` plans without regard to the device (multilevel here), and CPU- and GPU-encoded payloads
+    sum to one aggregate that both backends decode exactly."""
+    rng = np.random.default_rng(11)
+    numel, n, k = 1 << 20, 4, 2_000
+    cpu, gpu = codecs(numel, n, k)          # asserts equal layouts
+    assert gpu.index_kind == "multilevel"
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    payloads = [cpu.encode(x) if r % 2 else gpu.encode(x.cuda()).cpu() for r, x in enumerate(xs)]
+    summed = helpers.sum_payloads(payloads, rng)
+    y_cpu, r_cpu = cpu.decode(summed, trace=True)
+    y_gpu, r_gpu = gpu.decode(summed.cuda(), trace=True)
+    helpers.assert_lossless(cpu.layout, xs, y_cpu, r_cpu)
+    helpers.assert_lossless(gpu.layout, xs, y_gpu.cpu(), r_gpu)

@@ -32,22 +32,28 @@ CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """The host-thread launcher, installed for the module's tests."""
-    if CXX is None:
-        pytest.skip("no C++ compiler: the host emulation of the CUDA kernels was not built")
-    import pybind11
-    out = tmp_path_factory.mktemp("cuda_emulation")
-    target = out / ("_lhc_cuda_emulated" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{HERE}/cuda_emulation",
-           f"-I{os.path.dirname(HERE)}/csrc", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
-           os.path.join(HERE, "cuda_emulation", "emulated_kernels.cpp"), "-o", str(target), "-lpthread"]
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not the sanitizer runtimes
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-4000:]
-    sys.path.insert(0, str(out))
-    try:
-        import _lhc_cuda_emulated as module
-    finally:
-        sys.path.remove(str(out))
+    if "_lhc_cuda_emulated" in sys.modules:
+        # Built by an earlier test module of this session (from the same sources): a second build
+        # could not be imported under the same name anyway.
+        module = sys.modules["_lhc_cuda_emulated"]
+    else:
+        if CXX is None:
+            pytest.skip("no C++ compiler: the host emulation of the CUDA kernels was not built")
+        import pybind11
+        out = tmp_path_factory.mktemp("cuda_emulation")
+        target = out / ("_lhc_cuda_emulated" + sysconfig.get_config_var("EXT_SUFFIX"))
+        cmd = [CXX, "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{HERE}/cuda_emulation",
+               f"-I{os.path.dirname(HERE)}/csrc", f"-I{pybind11.get_include()}",
+               f"-I{sysconfig.get_paths()['include']}", os.path.join(HERE, "cuda_emulation", "emulated_kernels.cpp"),
+               "-o", str(target), "-lpthread"]
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not the sanitizer runtimes
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert res.returncode == 0, res.stderr[-4000:]
+        sys.path.insert(0, str(out))
+        try:
+            import _lhc_cuda_emulated as module
+        finally:
+            sys.path.remove(str(out))
 
     class EmulatedLauncher:
         name = "emulated"

@@ -57,6 +57,25 @@ def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
         assert kernels[name] == nargs, f"_cuda.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
 
 
+def test_every_codec_kernel_is_launched():
+    """Every kernel of codec_kernels.cuh (the multilevel index's included) has a launch in _cuda.py."""
+    kernels = set(_cuda.header_kernels(HEADER_PATH))
+    assert {k for k in kernels if k.startswith("lhc_ml_")}, "the multilevel kernels are missing from the header"
+    assert kernels == {name for name, _, _ in launches()}
+
+
+def test_layout_words_describe_every_fine_level():
+    """The multilevel fine levels travel as kLwFineStride words each (LayoutWord), one block per level
+    up to lhc::kMaxFineLevels, in _cuda.FINE_LEVEL_WORDS order."""
+    from lossless_hc.layout import MAX_FINE_LEVELS
+    stride = int(re.search(r"kLwFineStride == (\d+)", HEADER).group(1))
+    assert stride == len(_cuda.FINE_LEVEL_WORDS)
+    first = _cuda.LAYOUT_WORDS.index("fine0_seg_len")
+    assert len(_cuda.LAYOUT_WORDS) == first + MAX_FINE_LEVELS * stride
+    layout_h = (ROOT / "csrc" / "lhc_layout.h").read_text()
+    assert int(re.search(r"kMaxFineLevels = (\d+)", layout_h).group(1)) == MAX_FINE_LEVELS
+
+
 def test_every_kernel_parameter_is_eight_bytes():
     """The launchers pass 64-bit words: a 4-byte parameter would be read misaligned."""
     for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', HEADER + THC_HEADER):

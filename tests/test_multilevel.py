@@ -168,13 +168,17 @@ def test_fuzzed_index_never_crashes_or_lies(seed, where, specials, averaged):
     assert not codec.decode(noise)[1].ok
 
 
-def test_cuda_multilevel_is_a_clear_error_and_auto_avoids_it():
-    with pytest.raises(NotImplementedError, match="multilevel"):
-        LosslessCodec(1000, 2, 10, device="cuda", index="multilevel")
-    for numel, n, k in [(1 << 20, 2, 10_000), (1 << 22, 16, 40_000), (100_000, 8, 1000)]:
-        assert plan_layout(numel, n, k, 1, 0, "auto", allow_multilevel=False).index_kind != "multilevel"
-    # and it does pick multilevel on the CPU where that is smallest
-    assert plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000).index_kind == "multilevel"
+def test_auto_plans_multilevel_for_every_device():
+    """Both backends decode the multilevel index, so ``auto`` picks it where it is smallest whatever the
+    device (ranks on CPUs and GPUs then plan the same payload), and the CUDA backend takes its layout."""
+    from lossless_hc import _cuda
+    L = plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000)
+    assert L.index_kind == "multilevel"
+    native = _cuda.CudaLayout(L, torch.device("cpu"))   # the kernels' layout words (no GPU needed)
+    assert native.words.numel() == len(_cuda.LAYOUT_WORDS) and native.node_caps
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            LosslessCodec(1000, 2, 10, device="cuda", index="multilevel")
 
 
 def codec_for(layout):

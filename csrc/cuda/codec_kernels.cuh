@@ -11,7 +11,8 @@
 // a device array of uint64 words (LayoutWord below, mirrored by _cuda.LAYOUT_WORDS).
 //
 // Agreement with the CPU backend: cells, signs, groups and digit packing come from lhc_layout.h, so
-// the index words and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are
+// the index words (the multilevel index's fine tables included: exact integer sums converted once)
+// and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are
 // float sums of the same terms (atomicAdd order differs, so values agree within float rounding).
 //
 // Determinism of decode (the payload alone decides the output bits):
@@ -24,6 +25,10 @@
 //    touched this round subtracts the keys peeled this round in increasing key position, walking its
 //    own adjacency list (built once, sorted by key position). Each cell is written by one thread in a
 //    fixed order, so the double-precision arithmetic is the same on every run.
+//  * The multilevel index's fine tables are peeled in exact integers (every order gives the same
+//    patterns when consistent ones exist), and its verdicts follow the CPU backend's, failures
+//    included, replaying the CPU's own peeling order where that order decides ("Decode: multilevel
+//    index" below).
 #pragma once
 
 #include "../lhc_layout.h"
@@ -52,8 +57,43 @@ enum LayoutWord : int {
   kLwIndexOffset,
   kLwSketchOffset,
   kLwPayloadNumel,
+  // Multilevel index (kIndexMultilevel; other kinds: 0 levels): the number of fine levels, then per
+  // level l (coarsest first) kLwFineStride words from kLwFine0SegLen + kLwFineStride * l: its table
+  // (seg_len, seg_count, stream: usable as a table-words pointer), span, digits per word, words per
+  // cell, and the payload offset of its table.
+  kLwFineLevels,
+  kLwFine0SegLen,
+  kLwFine0SegCount,
+  kLwFine0Stream,
+  kLwFine0Span,
+  kLwFine0Digits,
+  kLwFine0Words,
+  kLwFine0Offset,
+  kLwFine1SegLen,
+  kLwFine1SegCount,
+  kLwFine1Stream,
+  kLwFine1Span,
+  kLwFine1Digits,
+  kLwFine1Words,
+  kLwFine1Offset,
+  kLwFine2SegLen,
+  kLwFine2SegCount,
+  kLwFine2Stream,
+  kLwFine2Span,
+  kLwFine2Digits,
+  kLwFine2Words,
+  kLwFine2Offset,
+  kLwFine3SegLen,
+  kLwFine3SegCount,
+  kLwFine3Stream,
+  kLwFine3Span,
+  kLwFine3Digits,
+  kLwFine3Words,
+  kLwFine3Offset,
   kLayoutWords,
 };
+constexpr int kLwFineStride = kLwFine1SegLen - kLwFine0SegLen;
+static_assert(kLwFineStride == 7 && kLayoutWords == kLwFine0SegLen + 4 * kLwFineStride, "fine-level words");
 
 // Encode statistics (device, zeroed by the caller before encode).
 struct EncodeCounters {
@@ -100,10 +140,30 @@ struct PeelControl {
   unsigned int pad;
 };
 
+// Multilevel decode state (device, zeroed by the caller before decode; read by the host with the
+// DecodeCounters). The index stages set `status` to the CPU backend's DecodeStatus of the first stage
+// that fails (and raise DecodeCounters::abort), so the host needs no precedence rules of its own.
+struct MlState {
+  unsigned long long coarse_sum;   // sum of the coarse digits
+  unsigned long long child_total;  // sum of the child digits of the current level's expansion
+  unsigned long long nodes;        // non-zero nodes of the current level (exact: may exceed its list)
+  unsigned long long prev_nodes;   // non-zero nodes of the level above it
+  unsigned long long resolved;     // nodes of the current level resolved by the parallel peel
+  unsigned long long support;      // non-zero children of the finest level: the support keys (exact)
+  unsigned long long candidates;   // the CPU backend's `candidates` (0 until the support is known)
+  unsigned int status;             // DecodeStatus of the index: 0 while every stage passed
+  unsigned int mode;               // MlMode of the current level
+  unsigned int word_flags;         // current level: kMlWordCorrupt / kMlWordOverflow seen in its table
+  unsigned int inconsistent;       // current level: the parallel peel met an inconsistency (see below)
+  unsigned int expand_bad;         // current expansion: a child count disagrees with its node's
+  unsigned int replay_bad;         // current level: the CPU-order replay met a failing step
+};
+
 // The host (lossless_hc/_cuda.py) allocates and reads these structs by these sizes.
 static_assert(sizeof(EncodeCounters) == 16, "EncodeCounters: 16 bytes");
 static_assert(sizeof(DecodeCounters) == 64, "DecodeCounters: 64 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
+static_assert(sizeof(MlState) == 80, "MlState: 80 bytes");
 
 constexpr unsigned int kNotPeeled = 0xffffffffu;
 constexpr unsigned int kPairRound = 0xfffffffeu;  // peeled_round of a key solved as part of a pair
@@ -225,12 +285,82 @@ __device__ __forceinline__ void load_powers(const DigitPacking& P, float* pw) {
 }
 
 // -------------------------------------------------------------------------------------------------
+// Multilevel index: shape helpers (csrc/lhc_layout.h ml_node / ml_child, per level)
+// -------------------------------------------------------------------------------------------------
+
+// One fine level's shape. Read from the layout words themselves (a dynamic index into global memory):
+// a copy of per-level arrays in a struct indexed by a run-time level would live in local memory, and
+// would put a stack frame into every kernel that shares code with the multilevel path.
+struct MlLevel {
+  SegmentedTable table;  // hashed by node id, all signs +1
+  uint64_t span;         // keys under one node
+  uint64_t below;        // keys under one child (1 at the finest level)
+  uint64_t nodes;        // nodes of the level: ceil(num_keys / span)
+  uint64_t children;     // children of one node: digits * words, one pattern digit each
+  uint64_t offset;       // payload offset of its table
+  uint64_t acc_offset;   // its first word among the fine words of every level (back to back)
+  uint32_t digits;       // w: pattern digits per word
+  uint32_t words;        // words per cell (one node's pattern)
+};
+
+__device__ __forceinline__ uint32_t ml_levels(const uint64_t* w) { return (uint32_t)w[kLwFineLevels]; }
+
+__device__ __forceinline__ MlLevel ml_level(const uint64_t* w, uint32_t l) {
+  const uint64_t* f = w + kLwFine0SegLen + kLwFineStride * l;
+  MlLevel v;
+  v.table.seg_len = f[0];
+  v.table.seg_count = f[1];
+  v.table.stream = f[2];
+  v.span = f[3];
+  v.digits = (uint32_t)f[4];
+  v.words = (uint32_t)f[5];
+  v.offset = f[6];
+  v.below = l + 1 < ml_levels(w) ? f[kLwFineStride + 3] : 1;
+  v.nodes = (w[kLwNumKeys] + v.span - 1) / v.span;
+  v.children = (uint64_t)v.digits * v.words;
+  v.acc_offset = v.offset - w[kLwFine0Offset];
+  return v;
+}
+
+// Words of every fine table together (they sit between the coarse words and the value sketch).
+__device__ __forceinline__ uint64_t ml_fine_numel(const uint64_t* w) { return w[kLwSketchOffset] - w[kLwFine0Offset]; }
+
+// The multilevel encode's scratch (zeroed by the caller): a bit per key set when the key is non-zero
+// (ceil(num_keys / 32) words, rounded up to 8 bytes), ml_fine_numel uint64 accumulators of the fine
+// words, then a byte per node of every level (levels back to back) set when the node holds a non-zero
+// key. Integer accumulation converted once gives the CPU backend's exact words.
+__device__ __forceinline__ unsigned int* ml_encode_key_bits(unsigned int* scratch) { return scratch; }
+__device__ __forceinline__ uint64_t ml_encode_key_words(const uint64_t* w) { return (w[kLwNumKeys] + 31) / 32; }
+__device__ __forceinline__ unsigned long long* ml_encode_acc(const uint64_t* w, unsigned int* scratch) {
+  return reinterpret_cast<unsigned long long*>(scratch + (ml_encode_key_words(w) + 1) / 2 * 2);
+}
+__device__ __forceinline__ unsigned char* ml_encode_flags(const uint64_t* w, unsigned int* scratch) {
+  return reinterpret_cast<unsigned char*>(ml_encode_acc(w, scratch) + ml_fine_numel(w));
+}
+
+// Add base^digit (digit = child % w) to word child / w of `node`'s three cells of level `lv` (a node's
+// pattern is the sum of these over its non-zero children; all signs +1).
+__device__ __forceinline__ void ml_add_child(const MlLevel& lv, uint64_t node, uint64_t child,
+                                             unsigned long long* acc, const float* pw) {
+  const unsigned long long power = (unsigned long long)pw[child % lv.digits];  // exact: base^digit < 2^22
+  const uint64_t word = child / lv.digits;
+  const uint64_t h = key_hash(lv.table, node);
+  int sign;
+#pragma unroll
+  for (int j = 0; j < 3; ++j)
+    atomicAdd(acc + lv.acc_offset + key_cell(lv.table, h, j, &sign) * lv.words + word, power);
+}
+
+// -------------------------------------------------------------------------------------------------
 // Encode
 // -------------------------------------------------------------------------------------------------
 
-// Everything a non-zero key contributes except its values: count, index digit(s).
+// Everything a non-zero key contributes except its values: count, index digit(s). `index_scratch`:
+// Bloom: the per-cell counters; multilevel: the scratch above, whose key bit is all this sets (the
+// index words follow in lhc_ml_encode_keys: inlined here, that work would cost the bitmap and Bloom
+// paths of the encode kernels registers).
 __device__ __forceinline__ void encode_key_index(const CodecLayout& L, uint32_t key, float* payload,
-                                                 unsigned int* bloom_count, const float* pw) {
+                                                 unsigned int* index_scratch, const float* pw) {
   if (L.index_kind == kIndexBitmap) {
     const uint32_t per_word = L.index.per_word;
     atomicAdd(payload + L.index_offset + key / per_word, pw[key % per_word]);
@@ -238,14 +368,16 @@ __device__ __forceinline__ void encode_key_index(const CodecLayout& L, uint32_t 
     const uint64_t h = key_hash(L.bloom, key);
     int sign;
 #pragma unroll
-    for (int j = 0; j < 3; ++j) atomicAdd(bloom_count + key_cell(L.bloom, h, j, &sign), 1u);
+    for (int j = 0; j < 3; ++j) atomicAdd(index_scratch + key_cell(L.bloom, h, j, &sign), 1u);
+  } else if (L.index_kind == kIndexMultilevel) {
+    atomicOr(ml_encode_key_bits(index_scratch) + key / 32, 1u << (key % 32));
   }
 }
 
 // block == 1: one pass over x finds the non-zero keys, adds their index digits and scatters their
 // values into the sketch. -0.0 counts as zero (as on the CPU). Grid-stride over 4-element groups.
 extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const float* x, float* payload,
-                                              unsigned int* bloom_count, EncodeCounters* counters) {
+                                              unsigned int* index_scratch, EncodeCounters* counters) {
   __shared__ float pw[kMaxPerWord];
   const CodecLayout L = load_layout(layout);
   load_powers(L.index, pw);
@@ -274,7 +406,7 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
       if (u[e] << 1) {
         ++found;
         const uint32_t key = (uint32_t)(i0 + e);
-        encode_key_index(L, key, payload, bloom_count, pw);
+        encode_key_index(L, key, payload, index_scratch, pw);
         const float value = __uint_as_float(u[e]);
         const uint64_t h = key_hash(L.sketch, key);
 #pragma unroll
@@ -307,14 +439,14 @@ extern "C" __global__ void lhc_encode_flag_blocks(const uint64_t* layout, const 
 
 // block > 1, pass 2: count the flagged keys and add their index digits.
 extern "C" __global__ void lhc_encode_keys(const uint64_t* layout, const unsigned int* key_flag, float* payload,
-                                           unsigned int* bloom_count, EncodeCounters* counters) {
+                                           unsigned int* index_scratch, EncodeCounters* counters) {
   __shared__ float pw[kMaxPerWord];
   const CodecLayout L = load_layout(layout);
   load_powers(L.index, pw);
   unsigned int found = 0;  // one counter atomic per warp, as in lhc_encode_scan_b1
   for (uint64_t k = global_thread(); k < L.num_keys; k += grid_threads()) {
     const unsigned int on = key_flag[k];
-    if (on) encode_key_index(L, (uint32_t)k, payload, bloom_count, pw);
+    if (on) encode_key_index(L, (uint32_t)k, payload, index_scratch, pw);
     found += on;
   }
   warp_add(&counters->keys, found);
@@ -363,6 +495,77 @@ extern "C" __global__ void lhc_encode_bloom_pack(const uint64_t* layout, const u
   if (saturated) atomicOr(&counters->saturated, 1u);
 }
 
+// Multilevel index, after the keys were flagged (lhc_encode_scan_b1 / lhc_encode_keys): each non-zero
+// key flags its node at every level (every writer stores the same 1: a benign race) and, a child of
+// its finest node, adds its digit to that node's three cells (keys are distinct children: no dedup).
+extern "C" __global__ void lhc_ml_encode_keys(const uint64_t* layout, unsigned int* index_scratch) {
+  __shared__ float pw[kMaxPerWord];
+  const CodecLayout L = load_layout(layout);
+  load_powers(L.index, pw);
+  const uint32_t levels = ml_levels(layout);
+  if (levels < 1 || levels > kMaxFineLevels) return;  // a layout guard (uniform)
+  const unsigned int* keys = ml_encode_key_bits(index_scratch);
+  unsigned char* flags = ml_encode_flags(layout, index_scratch);
+  unsigned long long* acc = ml_encode_acc(layout, index_scratch);
+  const MlLevel finest = ml_level(layout, levels - 1);
+  for (uint64_t word = global_thread(); word < ml_encode_key_words(layout); word += grid_threads()) {
+    for (unsigned int bits = keys[word]; bits; bits &= bits - 1) {
+      const uint64_t key = word * 32 + (uint64_t)(__ffs(bits) - 1);
+      uint64_t first = 0;
+      for (uint32_t l = 0; l < levels; ++l) {
+        const uint64_t span = layout[kLwFine0Span + kLwFineStride * l];
+        flags[first + key / span] = 1;
+        first += (L.num_keys + span - 1) / span;
+      }
+      ml_add_child(finest, key / finest.span, key % finest.span, acc, pw);
+    }
+  }
+}
+
+// Multilevel index, after lhc_ml_encode_keys: every flagged node of every level, in one grid-stride
+// pass over the flag bytes. A node of level 0 adds its coarse
+// digit (1 at its position: exact float adds, the word stays below 2^22); a node of level l >= 1 is a
+// child of a node of level l - 1 and adds its digit to that parent's three cells. Each node is
+// flagged once however many keys it holds, as the CPU backend counts each child once.
+extern "C" __global__ void lhc_ml_encode_nodes(const uint64_t* layout, unsigned int* index_scratch, float* payload) {
+  __shared__ float pw[kMaxPerWord];
+  const CodecLayout L = load_layout(layout);
+  load_powers(L.index, pw);
+  const uint32_t levels = ml_levels(layout);
+  if (levels < 1 || levels > kMaxFineLevels) return;  // a layout guard (uniform)
+  const unsigned char* flags = ml_encode_flags(layout, index_scratch);
+  unsigned long long* acc = ml_encode_acc(layout, index_scratch);
+  uint64_t total = 0;
+  for (uint32_t l = 0; l < levels; ++l) total += ml_level(layout, l).nodes;
+  const uint32_t per_word = L.index.per_word;
+  for (uint64_t i = global_thread(); i < total; i += grid_threads()) {
+    if (!flags[i]) continue;
+    uint32_t l = 0;
+    uint64_t node = i;
+    for (uint64_t n = ml_level(layout, 0).nodes; node >= n; n = ml_level(layout, l).nodes) {
+      node -= n;
+      ++l;
+    }
+    if (l == 0) {
+      atomicAdd(payload + L.index_offset + node / per_word, pw[node % per_word]);
+    } else {
+      const MlLevel parent = ml_level(layout, l - 1);
+      ml_add_child(parent, node / parent.children, node % parent.children, acc, pw);
+    }
+  }
+}
+
+// Multilevel index: the fine words from their exact integer sums (one rounding-free conversion each,
+// as the CPU backend converts its accumulators).
+extern "C" __global__ void lhc_ml_encode_pack(const uint64_t* layout, unsigned int* index_scratch, float* payload) {
+  const uint32_t levels = ml_levels(layout);
+  if (levels < 1 || levels > kMaxFineLevels) return;
+  const unsigned long long* acc = ml_encode_acc(layout, index_scratch);
+  float* fine = payload + layout[kLwFine0Offset];
+  const uint64_t n = ml_fine_numel(layout);
+  for (uint64_t i = global_thread(); i < n; i += grid_threads()) fine[i] = (float)acc[i];
+}
+
 // The header fields of this rank (one thread), as lhc::cpu::encode writes them.
 extern "C" __global__ void lhc_encode_header(const uint64_t* layout, float* payload, const EncodeCounters* counters) {
   if (global_thread() != 0) return;
@@ -398,17 +601,19 @@ __device__ __forceinline__ long long digit_limit(const DigitPacking& P) {
   return limit;
 }
 
-// Bitmap word w: the non-zero digits' count, and (when `out` is given) their key positions written
-// to out[at], out[at + 1], ... below out[cap]. Flags invalid words and digits (a digit above
-// world_size, a position past num_keys).
+// Counting-bitmap word w (the bitmap index, or the multilevel index's coarse level): the non-zero
+// digits' count, and (when `out` is given) their positions written to out[at], out[at + 1], ... below
+// out[cap], with their digits in counts[...] when `counts` is given. Flags invalid words and digits
+// (a digit above world_size, a non-zero digit at a position past `positions`).
 struct BitmapWord {
   const CodecLayout* L;
   const float* index;
   double scale;
   long long limit;
   uint64_t world_size;
-  __device__ __forceinline__ unsigned int visit(uint64_t w, uint32_t* out, unsigned long long at, uint64_t cap,
-                                                unsigned long long* digit_sum, bool* bad) const {
+  uint64_t positions;  // digits that may be non-zero: num_keys (bitmap), the level-0 nodes (multilevel)
+  __device__ __forceinline__ unsigned int visit(uint64_t w, uint32_t* out, uint32_t* counts, unsigned long long at,
+                                                uint64_t cap, unsigned long long* digit_sum, bool* bad) const {
     const float f = index[w];
     if (__float_as_uint(f) == 0u) return 0;
     const long long u = read_word(f, scale, limit);
@@ -421,8 +626,11 @@ struct BitmapWord {
       rest /= base;
       if (!digit) continue;
       const uint64_t pos = w * L->index.per_word + i;
-      if (pos >= L->num_keys || digit > world_size) { *bad = true; continue; }
-      if (out && at + count < cap) out[at + count] = (uint32_t)pos;
+      if (pos >= positions || digit > world_size) { *bad = true; continue; }
+      if (out && at + count < cap) {
+        out[at + count] = (uint32_t)pos;
+        if (counts) counts[at + count] = digit;
+      }
       ++count;
       *digit_sum += digit;
     }
@@ -535,10 +743,11 @@ extern "C" __global__ void lhc_bitmap_count(const uint64_t* layout, const float*
                                             uint64_t world_size, unsigned long long* tile_sum,
                                             DecodeCounters* counters) {
   const CodecLayout L = load_layout(layout);
-  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size};
+  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.num_keys};
   unsigned long long digit_sum = 0;
   bool bad = false;
-  tile_count(L.index.words(), tile_sum, [&](uint64_t w) { return word.visit(w, nullptr, 0, 0, &digit_sum, &bad); });
+  tile_count(L.index.words(), tile_sum,
+             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad); });
   if (digit_sum) atomicAdd(&counters->index_total, digit_sum);
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
   if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
@@ -550,12 +759,13 @@ extern "C" __global__ void lhc_bitmap_write(const uint64_t* layout, const float*
                                             uint32_t* keys, uint64_t cap, const DecodeCounters* counters) {
   if (counters->abort) return;
   const CodecLayout L = load_layout(layout);
-  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size};
+  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.num_keys};
   unsigned long long ignored = 0;
   bool bad = false;
   tile_emit(
-      L.index.words(), tile_offset, [&](uint64_t w) { return word.visit(w, nullptr, 0, 0, &ignored, &bad); },
-      [&](uint64_t w, unsigned long long at) { word.visit(w, keys, at, cap, &ignored, &bad); });
+      L.index.words(), tile_offset,
+      [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &ignored, &bad); },
+      [&](uint64_t w, unsigned long long at) { word.visit(w, keys, nullptr, at, cap, &ignored, &bad); });
 }
 
 // Bloom decode, step 1: unpack every word into the aggregated counters (bcount, bloom cells).
@@ -780,6 +990,560 @@ extern "C" __global__ void lhc_found_write(const uint32_t* cand, const int* key_
       [&](uint64_t p, unsigned long long at) {
         if (at < cap) keys[at] = cand[p];
       });
+}
+
+// -------------------------------------------------------------------------------------------------
+// Decode: multilevel index
+// -------------------------------------------------------------------------------------------------
+//
+// The CPU backend's multilevel_support (csrc/cpu/codec_cpu.cpp), stage by stage, with its statuses and
+// their precedence (the first failing stage decides; MlState::status records it):
+//  1. Coarse (lhc_ml_coarse_count / _write): the non-zero nodes of level 0, increasing, with their
+//     counts, by the bitmap index's ordered compaction. A word that is no packed integer, a digit
+//     above world_size or past the last node, or digits summing past the header's key count: corrupt.
+//  2. Each fine level, coarsest first (lhc_ml_peel_level, one cooperative launch):
+//     a. every word of the table as an exact integer (read_fine_word): a corrupt word anywhere gives
+//        corrupt, else a word at or above 2^22 gives overflow -- the CPU's whole-table word status;
+//     b. a round-based exact integer peel over the level's known non-zero nodes: pure cells propose
+//        their node (the smallest cell wins, as in the value peel); each peeled node reads its pattern
+//        from that cell and subtracts it from its three cells with integer atomics (sums commute, so
+//        the states after a round do not depend on thread order);
+//     c. the verdict. Peeling succeeds or stalls whatever the order (the 2-core of the hypergraph is
+//        order-free), and when it succeeds without meeting an inconsistency (a pattern word outside
+//        [0, base^w), a word driven negative, a word left in a cell with no node) the patterns are the
+//        unique consistent ones, the CPU's included. So: every node resolved and consistent -> ok;
+//        resolved but inconsistent -> corrupt (the CPU ends in a bad step or leftover words, both
+//        corrupt); stalled and consistent -> peel failed (no order can meet a bad step then).
+//        Only a stall together with an inconsistency leaves the CPU's answer (corrupt if some group
+//        meets a bad step in the CPU's own order, else peel failed) to its exact peeling order:
+//     d. then the CPU's order is replayed (ml_replay_group): one thread per group, breadth-first from
+//        a queue seeded with the group's pure cells in increasing order, as lhc::cpu::peel does. Its
+//        cell states XOR node ids, not list positions, so they are built straight from the level's
+//        source (coarse words or the parents' patterns).
+//     A level with more non-zero nodes than cells (a stall in any order; its list would overflow) is
+//     peeled the same parallel way by node id, with a claim bit per node instead of a list, for the
+//     inconsistency check alone; it is then peel failed, or replayed.
+//     Corrupt payloads that stall are the only ones that take the sequential path.
+//  3. Expansion (lhc_ml_expand_count / _write): each node's pattern digits are its children's counts;
+//     the non-zero ones, in increasing order, are the next level's nodes (at the finest level: the
+//     support keys, handed to the value peel). A child count above its node's count, a non-zero child
+//     past the last, counts summing below the node's count, or children summing past the header's key
+//     count: corrupt; at the finest level, children not summing to the header's key count: corrupt.
+//
+// Every buffer is planned from the layout: level l's node list holds min(nodes of the level, cells of
+// its table) entries (a level with more non-zero nodes stalls, and is peeled by node id instead), so
+// any payload decodes within bounds.
+
+// DecodeStatus codes of the CPU backend (csrc/cpu/codec_cpu.h) that the multilevel stages report.
+constexpr unsigned int kMlCorrupt = 1;     // kDecodeIndexCorrupt
+constexpr unsigned int kMlPeelFailed = 2;  // kDecodeIndexPeelFailed
+constexpr unsigned int kMlOverflow = 5;    // kDecodeIndexOverflow
+
+// MlState::mode of the current level.
+enum MlMode : unsigned int {
+  kMlList = 0,      // its non-zero nodes fit their list: peel in parallel
+  kMlTooMany = 1,   // more non-zero nodes than its table has cells (it stalls): peel by node id, no list
+  kMlReplay = 2,    // set by the level's verdict: a stalled peel met an inconsistency; the replay decides
+};
+
+// read_fine_word's results (bits of MlState::word_flags).
+constexpr unsigned int kMlWordCorrupt = 1u;
+constexpr unsigned int kMlWordOverflow = 2u;
+
+// A fine-table word times `scale` as the exact integer it must be (*out; 0 for a bad word), exactly as
+// the CPU backend's read_fine_words: a SUM of integer words is exact, an AVERAGE is within 1/2 of one
+// after scaling back. Returns 0, kMlWordCorrupt for a word that is no non-negative integer (NaN, -Inf
+// included), or kMlWordOverflow for one at or above 2^22 (+Inf included).
+__device__ __forceinline__ unsigned int read_fine_word(float f, double scale, long long* out) {
+  const double v = (double)f * scale;
+  const double r = rint(v);  // round half to even, as nearbyint in the default rounding mode
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5;
+  *out = 0;
+  if (!(v > -0.5) || fabs(v - r) > tolerance || r < 0.0) return kMlWordCorrupt;
+  if (r >= (double)kIntFieldLimit) return kMlWordOverflow;
+  *out = (long long)r;
+  return 0;
+}
+
+__device__ __forceinline__ long long load_cg(const long long* p) { return __ldcg(p); }
+
+// base^w: the bound of a pattern word of a level (w digits of base n + 1).
+__device__ __forceinline__ long long ml_word_limit(const CodecLayout& L, const MlLevel& lv) {
+  long long limit = 1;
+  for (uint32_t i = 0; i < lv.digits && i < (uint32_t)kMaxPerWord; ++i) limit *= L.index.base;
+  return limit;
+}
+
+// The non-zero children of node position p of level `lv` (pattern words pattern[p * words, ...)):
+// their number, and when `out` is given their ids written to out[at], ... below out[cap] (digits to
+// out_counts when given). Adds the digits to *sum; sets *bad where the CPU's expand_children rejects
+// the node: a digit above the node's count, a non-zero digit past the last child, a word at or above
+// base^w, or digits summing below the node's count.
+__device__ __forceinline__ unsigned int ml_node_children(const CodecLayout& L, const MlLevel& lv, const uint32_t* nodes,
+                                                         const uint32_t* counts, const uint32_t* pattern, uint64_t p,
+                                                         uint32_t* out, uint32_t* out_counts, unsigned long long at,
+                                                         uint64_t cap, unsigned long long* sum, bool* bad) {
+  const uint32_t base = L.index.base, w = lv.digits, wpg = lv.words;
+  const uint64_t child_limit = (L.num_keys + lv.below - 1) / lv.below;
+  const uint64_t first = (uint64_t)nodes[p] * lv.children;
+  const uint32_t node_count = counts[p];
+  unsigned long long node_sum = 0;
+  unsigned int found = 0;
+  for (uint32_t i = 0; i < wpg; ++i) {
+    uint32_t u = pattern[p * wpg + i];
+    for (uint32_t j = 0; j < w && u; ++j) {
+      const uint32_t digit = u % base;
+      u /= base;
+      if (!digit) continue;
+      const uint64_t child = first + (uint64_t)i * w + j;
+      if (digit > node_count || child >= child_limit) *bad = true;
+      node_sum += digit;
+      if (out && at + found < cap) {
+        out[at + found] = (uint32_t)child;
+        if (out_counts) out_counts[at + found] = digit;
+      }
+      ++found;
+    }
+    if (u) *bad = true;
+  }
+  if (node_sum < node_count) *bad = true;
+  *sum += node_sum;
+  return found;
+}
+
+// Coarse step 1: count each tile's non-zero level-0 nodes, validate the coarse words, sum the digits.
+extern "C" __global__ void lhc_ml_coarse_count(const uint64_t* layout, const float* payload, double scale,
+                                               uint64_t world_size, unsigned long long* tile_sum,
+                                               DecodeCounters* counters, MlState* ml) {
+  const CodecLayout L = load_layout(layout);
+  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.index.digits};
+  unsigned long long digit_sum = 0;
+  bool bad = false;
+  tile_count(L.index.words(), tile_sum,
+             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad); });
+  if (digit_sum) atomicAdd(&ml->coarse_sum, digit_sum);
+  if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
+  if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
+}
+
+// Coarse step 3 (after lhc_scan_tiles and lhc_ml_verdict): the level-0 nodes in increasing order and
+// their counts, nodes[0, cap) and counts[0, cap).
+extern "C" __global__ void lhc_ml_coarse_write(const uint64_t* layout, const float* payload, double scale,
+                                               uint64_t world_size, const unsigned long long* tile_offset,
+                                               uint32_t* nodes, uint32_t* counts, uint64_t cap,
+                                               const DecodeCounters* counters) {
+  if (counters->abort) return;
+  const CodecLayout L = load_layout(layout);
+  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.index.digits};
+  unsigned long long ignored = 0;
+  bool bad = false;
+  tile_emit(
+      L.index.words(), tile_offset,
+      [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &ignored, &bad); },
+      [&](uint64_t w, unsigned long long at) { word.visit(w, nodes, counts, at, cap, &ignored, &bad); });
+}
+
+// One thread, between stages: the checks of the stage that just ended (the coarse level with
+// `after_coarse`, else a level's expansion; its list's exact length is the last scan's total) and the
+// set-up of the next (a level's node count, mode, cleared per-level state and peel control). After
+// the finest expansion (`finest`): the support keys' count (exact for the report; the value peel's
+// list holds at most `next_cap` of them, more is a support overflow as for the other indexes).
+extern "C" __global__ void lhc_ml_verdict(uint64_t after_coarse, uint64_t finest, uint64_t next_cap,
+                                          DecodeCounters* counters, MlState* ml, PeelControl* control) {
+  if (global_thread() != 0) return;
+  auto fail = [&](unsigned int status) {
+    ml->status = status;
+    counters->abort = 1;
+  };
+  const unsigned long long total = counters->list_count;  // lhc_scan_tiles ran uncapped
+  if (after_coarse) {
+    // (the scan raised abort for a bad coarse word: that is this stage's failure)
+    if ((counters->flags & kFlagIndexWord) || ml->coarse_sum > counters->expected_total) return fail(kMlCorrupt);
+  } else {
+    if (counters->abort) return;  // an earlier stage failed and said why
+    ml->prev_nodes = ml->nodes;   // the level just expanded: lhc_ml_expand_write walks its nodes
+    if (ml->expand_bad || ml->child_total > counters->expected_total) return fail(kMlCorrupt);
+    if (finest) {
+      // As the CPU backend: the candidates are the support keys, counted before the final check.
+      ml->support = total;
+      ml->candidates = total;
+      counters->index_total = ml->child_total;
+      if (ml->child_total != counters->expected_total) return fail(kMlCorrupt);
+      const unsigned long long kept = total < next_cap ? total : next_cap;
+      counters->list_count = kept;
+      counters->support = kept;
+      counters->candidates = total;
+      if (total > next_cap) {
+        counters->flags |= kFlagSupportOverflow;
+        counters->abort = 1;
+      }
+      return;
+    }
+  }
+  ml->nodes = total;
+  ml->mode = total > next_cap ? kMlTooMany : kMlList;
+  ml->resolved = 0;
+  ml->child_total = 0;
+  ml->word_flags = 0;
+  ml->inconsistent = 0;
+  ml->expand_bad = 0;
+  ml->replay_bad = 0;
+  unsigned int* c = reinterpret_cast<unsigned int*>(control);
+  for (unsigned int i = 0; i < sizeof(PeelControl) / sizeof(unsigned int); ++i) c[i] = 0;
+}
+
+// Adds node `v` (an id) to the cell states of table T: one more node, XORed into the cell's id.
+__device__ __forceinline__ void ml_replay_add(const SegmentedTable& T, uint64_t v, unsigned int* deg,
+                                              unsigned int* xr) {
+  const uint64_t h = key_hash(T, v);
+#pragma unroll
+  for (int j = 0; j < 3; ++j) {
+    int sign;
+    const uint64_t c = key_cell(T, h, j, &sign);
+    atomicAdd(deg + c, 1u);
+    atomicXor(xr + c, (unsigned int)v);
+  }
+}
+
+// Cell states of level l's table by node id (degree, XOR of ids), every node streamed from the level's
+// source: the coarse words at level 0 (they passed stage 1: valid packed integers, digits at real
+// nodes), else the parents' patterns (they passed their expansion: every non-zero digit is a child
+// below the limit). For the levels whose nodes do not fit a list, and for the replay.
+__device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint64_t* layout, uint32_t l,
+                                                const SegmentedTable& T, const float* payload, double scale,
+                                                const uint32_t* parent_nodes, const uint32_t* parent_pattern,
+                                                uint64_t parents, unsigned int* deg, unsigned int* xr) {
+  if (l == 0) {
+    const float* index = payload + L.index_offset;
+    const long long limit = digit_limit(L.index);
+    const uint32_t base = L.index.base, per_word = L.index.per_word;
+    for (uint64_t w = global_thread(); w < L.index.words(); w += grid_threads()) {
+      const long long u = read_word(index[w], scale, limit);
+      if (u <= 0) continue;
+      unsigned long long rest = (unsigned long long)u;
+      for (uint32_t i = 0; i < per_word && rest; ++i, rest /= base)
+        if (rest % base && w * per_word + i < L.index.digits) ml_replay_add(T, w * per_word + i, deg, xr);
+    }
+  } else {
+    const MlLevel up = ml_level(layout, l - 1);
+    const uint32_t base = L.index.base;
+    for (uint64_t item = global_thread(); item < parents * up.words; item += grid_threads()) {
+      const uint64_t p = item / up.words, i = item - p * up.words;
+      uint32_t u = parent_pattern[item];
+      const uint64_t first = (uint64_t)parent_nodes[p] * up.children + i * up.digits;
+      for (uint32_t j = 0; j < up.digits && u; ++j, u /= base)
+        if (u % base) ml_replay_add(T, first + j, deg, xr);
+    }
+  }
+}
+
+// The CPU backend's peel of one group g of a fine table, step by step (lhc::cpu::peel with
+// peel_fine_level's resolve): a queue seeded with the group's pure cells in increasing order; a
+// dequeued cell still pure gives its node (the XOR of ids of a one-node cell is that node), whose
+// pattern is read there (a word at or above base^w fails) and subtracted from its three cells (a word
+// driven negative fails); then its other two cells, in segment order, lose the node and join the queue
+// when left with one. Returns true if a step fails (the CPU's `bad`). Volatile accesses: the states
+// were written by other blocks of this launch, and this thread rewrites them as it goes.
+__device__ bool ml_replay_group(const SegmentedTable& T, uint64_t g, uint64_t wpg, long long word_limit,
+                                volatile long long* val, volatile unsigned int* deg, volatile unsigned int* xr,
+                                unsigned int* queue) {
+  const uint64_t gcells = T.group_cells(), first = g * gcells;
+  unsigned int* q = queue + first;
+  uint64_t tail = 0;
+  for (uint64_t c = 0; c < gcells; ++c)
+    if (deg[first + c] == 1u) q[tail++] = (unsigned int)c;
+  for (uint64_t head = 0; head < tail; ++head) {
+    const uint64_t c = first + q[head];
+    if (deg[c] != 1u) continue;  // its node was resolved through another cell meanwhile
+    const uint64_t v = xr[c];
+    uint64_t cell[3];
+    int sign[3];
+    key_cells(T, v, cell, sign);
+    const int pure = cell[0] == c ? 0 : cell[1] == c ? 1 : cell[2] == c ? 2 : -1;
+    if (pure < 0) return true;  // a guard: states built from the node ids always name a node of the cell
+    for (int j = 0; j < 3; ++j)
+      if (cell[j] < first || cell[j] >= first + gcells) return true;  // a guard, likewise
+    // The pure cell first, then the other two in segment order (which fixes the queue order).
+    const uint64_t src = cell[pure], c1 = cell[pure == 0 ? 1 : 0], c2 = cell[pure == 2 ? 1 : 2];
+    for (uint64_t k = 0; k < wpg; ++k)
+      if (val[src * wpg + k] >= word_limit) return true;
+    for (uint64_t k = 0; k < wpg; ++k) {
+      const long long pk = val[src * wpg + k];
+      if (val[c1 * wpg + k] < pk || val[c2 * wpg + k] < pk) return true;
+      val[c1 * wpg + k] = val[c1 * wpg + k] - pk;
+      val[c2 * wpg + k] = val[c2 * wpg + k] - pk;
+      val[src * wpg + k] = 0;
+    }
+    const uint64_t others[2] = {c1, c2};
+    for (int t = 0; t < 2; ++t) {
+      const uint64_t d = others[t];
+      if (deg[d] == 0u) return true;  // a guard
+      deg[d] = deg[d] - 1u;
+      xr[d] = xr[d] ^ (unsigned int)v;
+      if (deg[d] == 1u) {
+        if (tail >= gcells) return true;  // a guard: a cell joins the queue once at most
+        q[tail++] = (unsigned int)(d - first);
+      }
+    }
+  }
+  return false;
+}
+
+// What the parallel peel of a level found in its cells once it stopped: a negative word anywhere, or a
+// word left in a cell whose nodes were all resolved, is an inconsistency (never on a plain sum).
+__device__ __forceinline__ bool ml_cells_inconsistent(const long long* val, const unsigned int* deg, uint64_t words,
+                                                      uint64_t wpg) {
+  bool inconsistent = false;
+  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
+    const long long v = load_cg(val + i);
+    inconsistent |= v < 0 || (v != 0 && load_cg(deg + i / wpg) == 0u);
+  }
+  return inconsistent;
+}
+
+// Reads word k of the pattern of a node peeled from cell c (only that node is left there, so nothing
+// else writes the cell this round), flags a word no pattern can be, and subtracts it from the node's
+// three cells (the source becomes 0). Returns the word.
+__device__ __forceinline__ long long ml_take_pattern_word(long long* val, uint64_t c, const uint64_t cell[3],
+                                                          uint64_t wpg, uint64_t k, long long word_limit,
+                                                          bool* inconsistent) {
+  const long long word = load_cg(val + c * wpg + k);
+  *inconsistent |= word < 0 || word >= word_limit;
+#pragma unroll
+  for (int j = 0; j < 3; ++j)
+    atomicAdd(reinterpret_cast<unsigned long long*>(val + cell[j] * wpg + k), (unsigned long long)(-word));
+  return word;
+}
+
+// One fine level (cooperative launch: every block resident; grid barriers between the phases of
+// step 2 above). `nodes` (ml->nodes of them, increasing) are the level's non-zero nodes when they fit
+// their list; the peel writes each node's pattern (wpg words) to pattern[position * wpg, ...).
+// parent_nodes/parent_pattern: the level above's (the node source by id for l >= 1; level 0's is the
+// coarse words). Scratch: val (cells x wpg integers), deg, xr, pure0/pure1 (cells), src, rnd,
+// list0/list1 (the list's capacity, at least the cells when the nodes do not fit), claimed (a bit per
+// node of the level), control (zeroed by lhc_ml_verdict).
+extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t level, const float* payload,
+                                             double scale, const uint32_t* nodes, long long* val, unsigned int* deg,
+                                             unsigned int* xr, unsigned int* src, unsigned int* rnd,
+                                             uint32_t* pattern, unsigned int* pure0, unsigned int* pure1,
+                                             unsigned int* list0, unsigned int* list1, unsigned int* claimed,
+                                             PeelControl* control, DecodeCounters* counters, MlState* ml,
+                                             const uint32_t* parent_nodes, const uint32_t* parent_pattern) {
+  if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
+  const CodecLayout L = load_layout(layout);
+  const uint32_t l = (uint32_t)level;
+  const MlLevel lv = ml_level(layout, l);
+  const SegmentedTable T = lv.table;
+  const uint64_t wpg = lv.words, cells = T.cells(), words = cells * wpg;
+  const long long word_limit = ml_word_limit(L, lv);
+  const float* fine = payload + lv.offset;
+  volatile MlState* vml = ml;
+  volatile PeelControl* vc = control;
+  const unsigned int mode = vml->mode;  // set by lhc_ml_verdict before this launch
+  const uint32_t nkeys = mode == kMlList ? (uint32_t)vml->nodes : 0u;
+
+  // a. The table's words as exact integers; fresh cell states and node states.
+  unsigned int word_flags = 0;
+  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
+    long long v;
+    word_flags |= read_fine_word(fine[i], scale, &v);
+    val[i] = v;
+  }
+  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
+    deg[c] = 0;
+    xr[c] = 0;
+  }
+  for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) {
+    src[p] = kNoCell;
+    rnd[p] = kNotPeeled;
+  }
+  if (mode == kMlTooMany)
+    for (uint64_t i = global_thread(); i < (lv.nodes + 31) / 32; i += grid_threads()) claimed[i] = 0;
+  if (word_flags) atomicOr(&ml->word_flags, word_flags);
+  grid_barrier(control->barrier);
+  const bool words_ok = vml->word_flags == 0u;  // uniform after the barrier
+
+  if (words_ok) {
+    // b. Cell states (degree, XOR of list positions, or of node ids when the nodes do not fit their
+    //    list), the pure cells, then rounds.
+    if (mode == kMlList) {
+      for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) {
+        const uint64_t h = key_hash(T, nodes[p]);
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          int sign;
+          const uint64_t c = key_cell(T, h, j, &sign);
+          atomicAdd(deg + c, 1u);
+          atomicXor(xr + c, (unsigned int)p);
+        }
+      }
+    } else {
+      ml_states_by_id(L, layout, l, T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
+    }
+    grid_barrier(control->barrier);
+    for (uint64_t c = global_thread(); c < cells; c += grid_threads())
+      if (load_cg(deg + c) == 1u) queue_push(pure0, &control->pure[0], (unsigned int)c);
+    grid_barrier(control->barrier);
+    bool guard = false, inconsistent = false;
+    for (unsigned int r = 0;; ++r) {
+      const unsigned int par = r & 1u;
+      unsigned int* const pure_now = par ? pure1 : pure0;
+      unsigned int* const pure_next = par ? pure0 : pure1;
+      unsigned int* const list_now = par ? list1 : list0;
+      const unsigned int npure = vc->pure[par];
+      if (npure == 0 || r > cells) break;
+      if (global_thread() == 0) {
+        control->pure[par ^ 1u] = 0;
+        control->keys[par ^ 1u] = 0;
+        control->rounds = r + 1;
+      }
+      if (mode == kMlList) {
+        // A: every pure cell proposes its node, which keeps the smallest proposing cell.
+        propose(T, nodes, nkeys, deg, xr, rnd, src, pure_now, npure, list_now, &control->keys[par], &guard);
+      } else {
+        // A, by id: the first pure cell to claim a node takes it (which one does not matter: only
+        //    whether the table is consistent is wanted here, and that does not depend on the cells the
+        //    patterns are read from; see the section comment). src[c] records the cell's node.
+        for (uint64_t i = global_thread(); i < npure; i += grid_threads()) {
+          const unsigned int c = load_cg(pure_now + i);
+          if (load_cg(deg + c) != 1u) continue;
+          const unsigned int v = load_cg(xr + c);
+          uint64_t cell[3];
+          int sign[3];
+          if (v >= lv.nodes || cell_slot(T, v, c, cell, sign) < 0) { guard = true; continue; }
+          if (atomicOr(claimed + v / 32, 1u << (v % 32)) & (1u << (v % 32))) continue;
+          src[c] = v;
+          queue_push(list_now, &control->keys[par], c);
+        }
+      }
+      grid_barrier(control->barrier);
+      // B: each listed node reads its pattern word by word and subtracts it (ml_take_pattern_word);
+      //    the first word's item updates the cell states. Work items are (node, word) pairs, so wide
+      //    patterns spread over threads.
+      const unsigned int nlist = vc->keys[par];
+      for (uint64_t item = global_thread(); item < (uint64_t)nlist * wpg; item += grid_threads()) {
+        const uint64_t i = item / wpg, k = item - i * wpg;
+        const unsigned int entry = load_cg(list_now + i);  // a node position, or a cell when by id
+        const unsigned int c = mode == kMlList ? load_cg(src + entry) : entry;
+        const unsigned int key = mode == kMlList ? entry : load_cg(src + entry);
+        uint64_t cell[3];
+        int sign[3];
+        key_cells(T, mode == kMlList ? nodes[key] : key, cell, sign);
+        const long long word = ml_take_pattern_word(val, c, cell, wpg, k, word_limit, &inconsistent);
+        if (mode == kMlList) pattern[(uint64_t)key * wpg + k] = word >= 0 && word < word_limit ? (uint32_t)word : 0u;
+        if (k == 0) {
+          if (mode == kMlList) rnd[key] = r;
+#pragma unroll
+          for (int j = 0; j < 3; ++j) {
+            atomicXor(xr + cell[j], key);
+            if (atomicSub(deg + cell[j], 1u) == 2u) queue_push(pure_next, &control->pure[par ^ 1u], (unsigned)cell[j]);
+          }
+        }
+      }
+      grid_barrier(control->barrier);
+    }
+    // c. Resolved nodes (a level with too many nodes stalls: not counted), and what the cells hold.
+    unsigned int resolved = 0;
+    for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) resolved += load_cg(rnd + p) != kNotPeeled;
+    inconsistent |= ml_cells_inconsistent(val, deg, words, wpg);
+    warp_add(&ml->resolved, resolved);
+    if (inconsistent || guard) atomicOr(&ml->inconsistent, 1u);
+  }
+  grid_barrier(control->barrier);
+
+  // Verdict (see the section comment): one thread decides, every thread then reads the mode.
+  if (global_thread() == 0) {
+    unsigned int status = 0;
+    if (vml->word_flags)
+      status = (vml->word_flags & kMlWordCorrupt) ? kMlCorrupt : kMlOverflow;
+    else if (mode == kMlList && vml->resolved == nkeys)
+      status = vml->inconsistent ? kMlCorrupt : 0u;
+    else if (!vml->inconsistent)
+      status = kMlPeelFailed;  // stalled (too many nodes always stall), and no order meets a bad step
+    else
+      vml->mode = kMlReplay;   // stalled and inconsistent: the CPU's order decides
+    if (status) {
+      vml->status = status;
+      *(volatile unsigned int*)&counters->abort = 1;
+    }
+  }
+  grid_barrier(control->barrier);
+  if (vml->mode != kMlReplay) return;  // uniform
+
+  // d. The CPU-order replay. Fresh states from the level's node source, by node id.
+  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
+    deg[c] = 0;
+    xr[c] = 0;
+  }
+  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
+    long long v;
+    read_fine_word(fine[i], scale, &v);  // every word is valid here
+    val[i] = v;
+  }
+  grid_barrier(control->barrier);
+  ml_states_by_id(L, layout, l, T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
+  grid_barrier(control->barrier);
+  // One group per warp (its first lane): groups in one warp would take turns, not run side by side.
+  bool bad = false;
+  if ((threadIdx.x & 31) == 0)
+    for (uint64_t g = global_thread() / 32; g < T.groups(); g += grid_threads() / 32)
+      bad |= ml_replay_group(T, g, wpg, word_limit, val, deg, xr, pure0);
+  if (bad) atomicOr(&ml->replay_bad, 1u);
+  grid_barrier(control->barrier);
+  if (global_thread() == 0) {
+    // A stalled table (in the CPU's order too): corrupt if a group met a bad step, else peel failed.
+    vml->status = vml->replay_bad ? kMlCorrupt : kMlPeelFailed;
+    *(volatile unsigned int*)&counters->abort = 1;
+  }
+}
+
+// Expansion step 1: count each tile's non-zero children of the level's nodes and check them.
+extern "C" __global__ void lhc_ml_expand_count(const uint64_t* layout, uint64_t level, const uint32_t* nodes,
+                                               const uint32_t* counts, const uint32_t* pattern,
+                                               unsigned long long* tile_sum, DecodeCounters* counters, MlState* ml) {
+  if (counters->abort) return;  // uniform
+  const CodecLayout L = load_layout(layout);
+  const MlLevel lv = ml_level(layout, (uint32_t)level);
+  unsigned long long sum = 0;
+  bool bad = false;
+  tile_count(ml->nodes, tile_sum, [&](uint64_t p) {
+    return ml_node_children(L, lv, nodes, counts, pattern, p, nullptr, nullptr, 0, 0, &sum, &bad);
+  });
+  if (sum) atomicAdd(&ml->child_total, sum);
+  if (bad) atomicOr(&ml->expand_bad, 1u);
+}
+
+// Expansion step 3 (after lhc_scan_tiles and lhc_ml_verdict): the children in increasing order,
+// out_nodes[0, cap) (and their counts to out_counts, when given: levels above the finest).
+extern "C" __global__ void lhc_ml_expand_write(const uint64_t* layout, uint64_t level, const uint32_t* nodes,
+                                               const uint32_t* counts, const uint32_t* pattern,
+                                               const unsigned long long* tile_offset, uint32_t* out_nodes,
+                                               uint32_t* out_counts, uint64_t cap, const DecodeCounters* counters,
+                                               const MlState* ml) {
+  if (counters->abort) return;
+  const CodecLayout L = load_layout(layout);
+  const MlLevel lv = ml_level(layout, (uint32_t)level);
+  unsigned long long ignored = 0;
+  bool bad = false;
+  tile_emit(
+      ml->prev_nodes, tile_offset,
+      [&](uint64_t p) { return ml_node_children(L, lv, nodes, counts, pattern, p, nullptr, nullptr, 0, 0, &ignored, &bad); },
+      [&](uint64_t p, unsigned long long at) {
+        ml_node_children(L, lv, nodes, counts, pattern, p, out_nodes, out_counts, at, cap, &ignored, &bad);
+      });
+}
+
+// After a support overflow (more support keys than the value peel holds; it is skipped): a NaN/Inf
+// sketch cell still takes precedence, as in the CPU backend's status order.
+extern "C" __global__ void lhc_ml_overflow_finite(const uint64_t* layout, const float* payload,
+                                                  DecodeCounters* counters) {
+  if (!(counters->flags & kFlagSupportOverflow)) return;
+  const CodecLayout L = load_layout(layout);
+  const float* sketch = payload + L.sketch_offset;
+  bool non_finite = false;
+  for (uint64_t i = global_thread(); i < L.sketch.cells() * L.block; i += grid_threads())
+    non_finite |= (__float_as_uint(sketch[i]) & 0x7f800000u) == 0x7f800000u;
+  if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }
 
 // -------------------------------------------------------------------------------------------------

@@ -52,6 +52,11 @@ const std::vector<Entry>& table() {
       EMU_KERNEL(lhc_degree_tiles),       EMU_KERNEL(lhc_degree_offsets),     EMU_KERNEL(lhc_fill_adjacency),
       EMU_KERNEL(lhc_sort_adjacency),     EMU_KERNEL(lhc_load_cells),         EMU_KERNEL(lhc_peel_values),
       EMU_KERNEL(lhc_write_output),  EMU_KERNEL(lhc_solve_pairs),
+      // multilevel index
+      EMU_KERNEL(lhc_ml_encode_keys),  EMU_KERNEL(lhc_ml_encode_nodes),  EMU_KERNEL(lhc_ml_encode_pack),
+      EMU_KERNEL(lhc_ml_coarse_count),  EMU_KERNEL(lhc_ml_coarse_write),  EMU_KERNEL(lhc_ml_verdict),
+      EMU_KERNEL(lhc_ml_peel_level),  EMU_KERNEL(lhc_ml_expand_count),  EMU_KERNEL(lhc_ml_expand_write),
+      EMU_KERNEL(lhc_ml_overflow_finite),
       // THC (csrc/cuda/thc_kernels.cuh)
       EMU_KERNEL(thc_check_finite),  EMU_KERNEL(thc_norm_chunks),  EMU_KERNEL(thc_tree_pass),
       EMU_KERNEL(thc_pack_words),  EMU_KERNEL(thc_encode_finish),  EMU_KERNEL(thc_accumulate),

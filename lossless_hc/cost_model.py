@@ -89,7 +89,11 @@ at 1% each, 7.7% aggregate density, 2-core AMD EPYC VM, interleaved decodes, min
 fine nodes, ~52 ns of 2-core wall time per node. A ring all-reduce sends each payload byte about
 2(n-1)/n ~ 1.75 times per rank, ~14 ns per byte at 1 Gbit/s, so a node must save ~3.7 bytes of
 wire to pay for itself there (at 10 Gbit/s ~37, with more cores proportionally fewer): 4 bytes
-per node is the 1 Gbit/s break-even, the networks this library is for. On the reference case
+per node is the 1 Gbit/s break-even, the networks this library is for. (Re-measured 2026-11-24
+after the branch-free value peel, which sped up both decoders: decode into a reused buffer
+0.31-0.35 s for multilevel against 0.13-0.15 s for the bitmap, ~0.19 s more, ~43 ns per node, a
+~3.1-byte break-even. 4 is kept: multilevel's decode time spreads widely, 0.32-0.51 s with fresh
+outputs, and the rule should err toward the faster decoder.) On the reference case
 multilevel would save 12.7 MiB (1.23x) = ~3 bytes per node, so the bitmap is kept. Where the index
 dominates (low densities) a node saves tens to hundreds of bytes (e.g. 8.4x less wire at 5e-4
 aggregate density, n = 8) and multilevel is chosen; so it is for blocks of 32 below ~1e-3, where

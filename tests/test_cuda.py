@@ -208,10 +208,15 @@ def test_decode_is_bitwise_deterministic(backend, index, block):
         assert torch.equal(r.trace[0], r0.trace[0]) and torch.equal(r.trace[1], r0.trace[1])
 
 
-def test_cpu_and_gpu_ranks_interoperate():
-    rng = np.random.default_rng(7)
-    numel, n, k = 50_000, 4, 1_000
+@pytest.mark.parametrize("numel, k, auto_kind, seed", [(50_000, 1_000, None, 7), (1 << 20, 2_000, "multilevel", 11)])
+def test_cpu_and_gpu_ranks_interoperate(numel, k, auto_kind, seed):
+    """CPU- and GPU-encoded payloads sum to one aggregate that both backends decode exactly. ``auto``
+    plans without regard to the device (``codecs`` asserts equal layouts), multilevel included."""
+    rng = np.random.default_rng(seed)
+    n = 4
     cpu, gpu = codecs(numel, n, k)
+    if auto_kind is not None:
+        assert gpu.index_kind == auto_kind
     xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
     payloads = [cpu.encode(x) if r % 2 else gpu.encode(x.cuda()).cpu() for r, x in enumerate(xs)]
     summed = helpers.sum_payloads(payloads, rng)
@@ -512,19 +517,3 @@ def test_multilevel_failures_match_cpu(backend):
         p = helpers.sum_payloads(payloads, rng)
         p[3] += delta
         assert index_verdicts_agree(cpu, gpu._native, p)[0] == 1
-
-
-def test_multilevel_auto_is_the_same_on_cpu_and_gpu_and_ranks_interoperate():
-    """``auto`` plans without regard to the device (multilevel here), and CPU- and GPU-encoded payloads
-    sum to one aggregate that both backends decode exactly."""
-    rng = np.random.default_rng(11)
-    numel, n, k = 1 << 20, 4, 2_000
-    cpu, gpu = codecs(numel, n, k)          # asserts equal layouts
-    assert gpu.index_kind == "multilevel"
-    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
-    payloads = [cpu.encode(x) if r % 2 else gpu.encode(x.cuda()).cpu() for r, x in enumerate(xs)]
-    summed = helpers.sum_payloads(payloads, rng)
-    y_cpu, r_cpu = cpu.decode(summed, trace=True)
-    y_gpu, r_gpu = gpu.decode(summed.cuda(), trace=True)
-    helpers.assert_lossless(cpu.layout, xs, y_cpu, r_cpu)
-    helpers.assert_lossless(gpu.layout, xs, y_gpu.cpu(), r_gpu)

@@ -228,6 +228,36 @@ __device__ __forceinline__ void grid_barrier(unsigned int* bar) {
   __syncthreads();
 }
 
+// The start of round r of a round-based peel inside a cooperative kernel: the round's queues by its
+// parity, selected without indexing a local array (which would live in local memory), and, by thread
+// 0, the next round's queue lengths cleared. Returns the number of this round's pure cells; 0 ends
+// the peel, as does a round past `limit` (a guard: each round peels at least one item). With
+// `clear_dirty` (the value peel) the next round's touched-cell list is cleared too.
+struct PeelRound {
+  unsigned int par;
+  unsigned int* pure_now;
+  unsigned int* pure_next;
+  unsigned int* list_now;
+};
+__device__ __forceinline__ unsigned int begin_round(unsigned int r, uint64_t limit, PeelControl* control,
+                                                    unsigned int* pure0, unsigned int* pure1, unsigned int* list0,
+                                                    unsigned int* list1, PeelRound* q, bool clear_dirty = false) {
+  const volatile PeelControl* vc = control;
+  q->par = r & 1u;
+  q->pure_now = q->par ? pure1 : pure0;
+  q->pure_next = q->par ? pure0 : pure1;
+  q->list_now = q->par ? list1 : list0;
+  const unsigned int npure = vc->pure[q->par];
+  if (npure == 0 || r > limit) return 0;
+  if (global_thread() == 0) {
+    control->pure[q->par ^ 1u] = 0;
+    control->keys[q->par ^ 1u] = 0;
+    if (clear_dirty) control->dirty[q->par ^ 1u] = 0;
+    control->rounds = r + 1;
+  }
+  return npure;
+}
+
 // Warp-aggregated atomic increment of a 64-bit counter by a per-thread amount.
 __device__ __forceinline__ void warp_add(unsigned long long* counter, unsigned int amount) {
   const unsigned int mask = __activemask();
@@ -738,19 +768,43 @@ __device__ __forceinline__ unsigned long long header_index_total(const CodecLayo
   return L.index_kind == kIndexBloom ? 3ull * keys : keys;
 }
 
+// The two passes over a counting bitmap of `positions` digits: the bitmap index (a digit per key)
+// and the multilevel index's coarse level (a digit per level-0 node) share them.
+// Pass 1: count each tile's non-zero digits, validate the words, add the digits' sum to *digit_total.
+__device__ inline void count_bitmap_tiles(const CodecLayout& L, const float* payload, double scale,
+                                          uint64_t world_size, uint64_t positions, unsigned long long* tile_sum,
+                                          unsigned long long* digit_total, DecodeCounters* counters) {
+  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, positions};
+  unsigned long long digit_sum = 0;
+  bool bad = false;
+  tile_count(L.index.words(), tile_sum,
+             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad); });
+  if (digit_sum) atomicAdd(digit_total, digit_sum);
+  if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
+  if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
+}
+
+// Pass 2 (after the scan of the tile counts): the non-zero positions in increasing order into
+// out[0, cap), and their digits into counts[0, cap) when counts is not null.
+__device__ inline void write_bitmap_tiles(const CodecLayout& L, const float* payload, double scale,
+                                          uint64_t world_size, uint64_t positions,
+                                          const unsigned long long* tile_offset, uint32_t* out, uint32_t* counts,
+                                          uint64_t cap) {
+  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, positions};
+  unsigned long long ignored = 0;
+  bool bad = false;
+  tile_emit(
+      L.index.words(), tile_offset,
+      [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &ignored, &bad); },
+      [&](uint64_t w, unsigned long long at) { word.visit(w, out, counts, at, cap, &ignored, &bad); });
+}
+
 // Bitmap decode, step 1: count each tile's support keys, validate words, sum the digits.
 extern "C" __global__ void lhc_bitmap_count(const uint64_t* layout, const float* payload, double scale,
                                             uint64_t world_size, unsigned long long* tile_sum,
                                             DecodeCounters* counters) {
   const CodecLayout L = load_layout(layout);
-  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.num_keys};
-  unsigned long long digit_sum = 0;
-  bool bad = false;
-  tile_count(L.index.words(), tile_sum,
-             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad); });
-  if (digit_sum) atomicAdd(&counters->index_total, digit_sum);
-  if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
-  if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
+  count_bitmap_tiles(L, payload, scale, world_size, L.num_keys, tile_sum, &counters->index_total, counters);
 }
 
 // Bitmap decode, step 3: write the support keys in increasing order (keys[0, cap)).
@@ -759,13 +813,7 @@ extern "C" __global__ void lhc_bitmap_write(const uint64_t* layout, const float*
                                             uint32_t* keys, uint64_t cap, const DecodeCounters* counters) {
   if (counters->abort) return;
   const CodecLayout L = load_layout(layout);
-  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.num_keys};
-  unsigned long long ignored = 0;
-  bool bad = false;
-  tile_emit(
-      L.index.words(), tile_offset,
-      [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &ignored, &bad); },
-      [&](uint64_t w, unsigned long long at) { word.visit(w, keys, nullptr, at, cap, &ignored, &bad); });
+  write_bitmap_tiles(L, payload, scale, world_size, L.num_keys, tile_offset, keys, nullptr, cap);
 }
 
 // Bloom decode, step 1: unpack every word into the aggregated counters (bcount, bloom cells).
@@ -916,18 +964,13 @@ extern "C" __global__ void lhc_peel_counts(const uint64_t* table_words, const ui
   volatile PeelControl* vc = control;
   bool bad = false;
   for (unsigned int r = 0;; ++r) {
-    const unsigned int par = r & 1u;
-    // Queues by round parity, selected without indexing a local array (which would live in local memory).
-    unsigned int* const pure_now = par ? pure1 : pure0;
-    unsigned int* const pure_next = par ? pure0 : pure1;
-    unsigned int* const list_now = par ? list1 : list0;
-    const unsigned int npure = vc->pure[par];
-    if (npure == 0 || r > nkeys) break;
-    if (global_thread() == 0) {
-      control->pure[par ^ 1u] = 0;
-      control->keys[par ^ 1u] = 0;
-      control->rounds = r + 1;
-    }
+    PeelRound q;
+    const unsigned int npure = begin_round(r, nkeys, control, pure0, pure1, list0, list1, &q);
+    if (npure == 0) break;
+    const unsigned int par = q.par;
+    unsigned int* const pure_now = q.pure_now;
+    unsigned int* const pure_next = q.pure_next;
+    unsigned int* const list_now = q.list_now;
     propose(t, keys, nkeys, deg, xr, peeled_round, src, pure_now, npure, list_now, &control->keys[par], &bad);
     grid_barrier(control->barrier);
     const unsigned int nlist = vc->keys[par];
@@ -1116,14 +1159,7 @@ extern "C" __global__ void lhc_ml_coarse_count(const uint64_t* layout, const flo
                                                uint64_t world_size, unsigned long long* tile_sum,
                                                DecodeCounters* counters, MlState* ml) {
   const CodecLayout L = load_layout(layout);
-  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.index.digits};
-  unsigned long long digit_sum = 0;
-  bool bad = false;
-  tile_count(L.index.words(), tile_sum,
-             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad); });
-  if (digit_sum) atomicAdd(&ml->coarse_sum, digit_sum);
-  if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
-  if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
+  count_bitmap_tiles(L, payload, scale, world_size, L.index.digits, tile_sum, &ml->coarse_sum, counters);
 }
 
 // Coarse step 3 (after lhc_scan_tiles and lhc_ml_verdict): the level-0 nodes in increasing order and
@@ -1134,13 +1170,7 @@ extern "C" __global__ void lhc_ml_coarse_write(const uint64_t* layout, const flo
                                                const DecodeCounters* counters) {
   if (counters->abort) return;
   const CodecLayout L = load_layout(layout);
-  const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, L.index.digits};
-  unsigned long long ignored = 0;
-  bool bad = false;
-  tile_emit(
-      L.index.words(), tile_offset,
-      [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &ignored, &bad); },
-      [&](uint64_t w, unsigned long long at) { word.visit(w, nodes, counts, at, cap, &ignored, &bad); });
+  write_bitmap_tiles(L, payload, scale, world_size, L.index.digits, tile_offset, nodes, counts, cap);
 }
 
 // One thread, between stages: the checks of the stage that just ended (the coarse level with
@@ -1386,17 +1416,13 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
     grid_barrier(control->barrier);
     bool guard = false, inconsistent = false;
     for (unsigned int r = 0;; ++r) {
-      const unsigned int par = r & 1u;
-      unsigned int* const pure_now = par ? pure1 : pure0;
-      unsigned int* const pure_next = par ? pure0 : pure1;
-      unsigned int* const list_now = par ? list1 : list0;
-      const unsigned int npure = vc->pure[par];
-      if (npure == 0 || r > cells) break;
-      if (global_thread() == 0) {
-        control->pure[par ^ 1u] = 0;
-        control->keys[par ^ 1u] = 0;
-        control->rounds = r + 1;
-      }
+      PeelRound q;
+      const unsigned int npure = begin_round(r, cells, control, pure0, pure1, list0, list1, &q);
+      if (npure == 0) break;
+      const unsigned int par = q.par;
+      unsigned int* const pure_now = q.pure_now;
+      unsigned int* const pure_next = q.pure_next;
+      unsigned int* const list_now = q.list_now;
       if (mode == kMlList) {
         // A: every pure cell proposes its node, which keeps the smallest proposing cell.
         propose(T, nodes, nkeys, deg, xr, rnd, src, pure_now, npure, list_now, &control->keys[par], &guard);
@@ -1667,19 +1693,14 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
   volatile PeelControl* vc = control;
   bool bad = false;
   for (unsigned int r = 0;; ++r) {
-    const unsigned int par = r & 1u;
-    unsigned int* const pure_now = par ? pure1 : pure0;
-    unsigned int* const pure_next = par ? pure0 : pure1;
-    unsigned int* const list_now = par ? list1 : list0;
+    PeelRound q;
+    const unsigned int npure = begin_round(r, nkeys, control, pure0, pure1, list0, list1, &q, true);
+    if (npure == 0) break;
+    const unsigned int par = q.par;
+    unsigned int* const pure_now = q.pure_now;
+    unsigned int* const pure_next = q.pure_next;
+    unsigned int* const list_now = q.list_now;
     unsigned int* const dirty_now = par ? dirty1 : dirty0;
-    const unsigned int npure = vc->pure[par];
-    if (npure == 0 || r > nkeys) break;
-    if (global_thread() == 0) {
-      control->pure[par ^ 1u] = 0;
-      control->keys[par ^ 1u] = 0;
-      control->dirty[par ^ 1u] = 0;
-      control->rounds = r + 1;
-    }
     // A: propose.
     propose(t, keys, nkeys, deg, xr, peeled_round, src, pure_now, npure, list_now, &control->keys[par], &bad);
     grid_barrier(control->barrier);

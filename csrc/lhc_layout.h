@@ -26,6 +26,7 @@ typedef unsigned int uint32_t;
 typedef int int32_t;
 typedef unsigned long long uintptr_t;
 #else
+#include <math.h>  // rint, fabs (NVRTC has them built in)
 #include <cstdint>
 #endif
 
@@ -46,6 +47,23 @@ namespace lhc {
 // so round(avg * n) recovers the integer exactly.
 constexpr uint32_t kIntFieldBits = 22;
 constexpr uint32_t kIntFieldLimit = 1u << kIntFieldBits;
+
+// A multilevel fine-table word (a sum of node patterns, checked whole: its digits may exceed their
+// base in an impure cell) read back as an exact integer: a SUM of integer words is exact, an AVERAGE
+// (scale != 1) is within 1/2 of one after scaling back. kFineWordCorrupt for a word that is no
+// non-negative integer (NaN and -Inf included), kFineWordOverflow for one at or above 2^22 (+Inf
+// included: more nodes summed into the cell than the layout was sized for); *out is 0 for either.
+enum FineWordStatus : uint32_t { kFineWordOk = 0, kFineWordCorrupt = 1, kFineWordOverflow = 2 };
+LHC_HD uint32_t read_fine_word(float f, double scale, long long* out) {
+  const double v = (double)f * scale;
+  const double r = rint(v);  // round half to even (the default rounding mode)
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5;
+  *out = 0;
+  if (!(v > -0.5) || fabs(v - r) > tolerance || r < 0.0) return kFineWordCorrupt;
+  if (r >= (double)kIntFieldLimit) return kFineWordOverflow;
+  *out = (long long)r;
+  return kFineWordOk;
+}
 
 // Salts separating the independent hash streams derived from one user seed.
 constexpr uint64_t kSaltSketch = 0x5ce7c4a11ULL;

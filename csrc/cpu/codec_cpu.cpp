@@ -46,8 +46,9 @@ constexpr uint64_t kHugePage = 2u << 20;
 
 // Allocator of the decoder's scratch arrays: a block of kHugePage bytes or more is aligned to a huge
 // page and advised to be backed by huge pages (see advise_huge_pages); smaller ones come from
-// operator new, aligned to a cache line (so a 32-byte peeling cell never straddles two). Elements a resize adds are default-initialised (left unwritten for plain types):
-// every user writes them before reading, and zeroing tens of MiB first would be a pass for nothing.
+// operator new, aligned to a cache line (so a 32-byte peeling cell never straddles two). Elements a
+// resize adds are default-initialised (left unwritten for plain types): every user writes them before
+// reading, and zeroing tens of MiB first would be a pass for nothing.
 constexpr size_t kCacheLine = 64;
 
 template <typename T>
@@ -352,6 +353,9 @@ struct SetBitTable {
 };
 constexpr SetBitTable kSetBit;
 
+// +1 and -1 by the sign bit of a packed cell (a table lookup: see PeelTable::sign).
+constexpr double kSigns[2] = {1.0, -1.0};
+
 // Peeling state of one group of a segmented table (three segments of seg_len cells; cell j*seg_len + o
 // is offset o of segment j). Per cell: how many unresolved keys it holds, and the XOR of their
 // records -- position in the key list and packed cells -- so that when one key is left the state
@@ -359,9 +363,6 @@ constexpr SetBitTable kSetBit;
 // that is 32 bytes, one cache line for everything a cell needs.
 // A packed cell is (offset << 1) | (sign < 0): below 2^32 as seg_len < 2^31 for any layout (cells are
 // about 1.25 per key, keys < 2^32).
-// +1 and -1 by the sign bit of a packed cell (a table lookup: see PeelTable::sign).
-constexpr double kSigns[2] = {1.0, -1.0};
-
 union CellSlot {
   uint32_t word[2];  // word[0] the low half of bits (x86-64 is little-endian)
   uint64_t bits;     // the state slots, updated two words at a time
@@ -748,23 +749,14 @@ void bucket_keys(const SegmentedTable& table, const uint32_t* keys, uint64_t cou
 // 2^22 (more nodes summed into one cell than the layout was sized for: reported, never decoded), else
 // kDecodeOk. A bad word is stored as 0.
 int32_t read_fine_words(const float* src, uint64_t n, double scale, double* dst) {
-  const double tolerance = scale == 1.0 ? 0.0 : 0.5, limit = (double)kIntFieldLimit;
-  int32_t status = kDecodeOk;
+  uint32_t seen = kFineWordOk;
   for (uint64_t i = 0; i < n; ++i) {
-    const double v = (double)src[i] * scale;
-    const double r = std::nearbyint(v);
-    double& d = dst[i];
-    if (!(v > -0.5) || std::fabs(v - r) > tolerance || r < 0.0) {
-      status = kDecodeIndexCorrupt;
-      d = 0.0;
-    } else if (r >= limit) {
-      if (status == kDecodeOk) status = kDecodeIndexOverflow;
-      d = 0.0;
-    } else {
-      d = r;
-    }
+    long long v;
+    seen |= read_fine_word(src[i], scale, &v);  // lhc_layout.h, shared with the CUDA kernels
+    dst[i] = (double)v;
   }
-  return status;
+  if (seen & kFineWordCorrupt) return kDecodeIndexCorrupt;
+  return (seen & kFineWordOverflow) ? kDecodeIndexOverflow : kDecodeOk;
 }
 
 // The more severe of two read_fine_words statuses: corrupt over overflow over ok.
@@ -1212,6 +1204,27 @@ struct KeyRun {
   const float* vals;
 };
 
+// The keys of the sorted `runs` that fall in [kb, ke), a chunk of at most `chunk` keys at a time: for
+// each chunk [c0, c1), begin(c0, c1), then visit(run, i) for each of its keys, run after run. A chunk
+// is done before the next starts, so `begin` can zero what `visit` then writes while it is in cache.
+template <typename Begin, typename Visit>
+void walk_runs_by_chunk(const std::vector<KeyRun>& runs, uint64_t kb, uint64_t ke, uint64_t chunk, Begin&& begin,
+                        Visit&& visit) {
+  std::vector<uint64_t> cursor(runs.size());
+  for (size_t r = 0; r < runs.size(); ++r)
+    cursor[r] = (uint64_t)(std::lower_bound(runs[r].keys, runs[r].keys + runs[r].count, kb) - runs[r].keys);
+  for (uint64_t c0 = kb; c0 < ke; c0 += chunk) {
+    const uint64_t c1 = std::min(c0 + chunk, ke);
+    begin(c0, c1);
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const KeyRun& run = runs[r];
+      uint64_t i = cursor[r];
+      for (; i < run.count && run.keys[i] < c1; ++i) visit(run, i);
+      cursor[r] = i;
+    }
+  }
+}
+
 // out = the values of the keys of `runs` and zeros elsewhere, written in one pass in increasing
 // address order (each thread a contiguous range) by merging the runs: no separate zero-fill of the
 // output and no random stores into it.
@@ -1222,25 +1235,39 @@ void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* 
   {
     uint64_t kb, ke;
     split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
-    std::vector<uint64_t> cursor(runs.size());
-    for (size_t r = 0; r < runs.size(); ++r)
-      cursor[r] = (uint64_t)(std::lower_bound(runs[r].keys, runs[r].keys + runs[r].count, kb) - runs[r].keys);
-    for (uint64_t c0 = kb; c0 < ke; c0 += chunk) {
-      const uint64_t c1 = std::min(c0 + chunk, ke);
-      std::fill(out + c0 * B, out + std::min(c1 * B, L.numel), 0.0f);
-      for (size_t r = 0; r < runs.size(); ++r) {
-        const KeyRun& run = runs[r];
-        uint64_t i = cursor[r];
-        for (; i < run.count && run.keys[i] < c1; ++i) {
+    walk_runs_by_chunk(
+        runs, kb, ke, chunk,
+        [&](uint64_t c0, uint64_t c1) { std::fill(out + c0 * B, out + std::min(c1 * B, L.numel), 0.0f); },
+        [&](const KeyRun& run, uint64_t i) {
           const uint64_t lo = (uint64_t)run.keys[i] * B;
           if (B == 1)
             out[lo] = run.vals[i];  // one store, not a call to memcpy
           else
             std::memcpy(out + lo, run.vals + i * B, 4 * std::min<uint64_t>(B, L.numel - lo));
-        }
-        cursor[r] = i;
-      }
-    }
+        });
+  }
+}
+
+// The bitmap index: word w = sum of base^(k mod per_word) over the non-zero keys k of the word, each
+// thread writing a contiguous range of words once, a cache-sized chunk at a time (zeroed, then its
+// keys added in increasing order: the same exact integer sums as any order). `keys` is sorted.
+void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::vector<float>& pw, float* index,
+                        int nt) {
+  const uint64_t words = L.index.words(), per_word = L.index.per_word;
+  constexpr uint64_t kChunkWords = 4096;
+  std::vector<KeyRun> runs;
+  for (const auto& part : keys.parts) runs.push_back(KeyRun{part.data(), part.size(), nullptr});
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t wb, we;  // whole words per thread: a word's keys are added by one thread
+    split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
+    walk_runs_by_chunk(
+        runs, wb * per_word, we * per_word, kChunkWords * per_word,
+        [&](uint64_t c0, uint64_t c1) { std::fill(index + c0 / per_word, index + c1 / per_word, 0.0f); },
+        [&](const KeyRun& run, uint64_t i) {
+          const uint32_t k = run.keys[i];
+          index[k / per_word] += pw[k % per_word];
+        });
   }
 }
 
@@ -1472,36 +1499,6 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
 
   return st;
-}
-
-// The bitmap index: word w = sum of base^(k mod per_word) over the non-zero keys k of the word, each
-// thread writing a contiguous range of words once, a cache-sized chunk at a time (zeroed, then its
-// keys added in increasing order: the same integer sums, exact, as any order). `keys` is sorted.
-void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::vector<float>& pw, float* index,
-                        int nt) {
-  const uint64_t words = L.index.words(), per_word = L.index.per_word;
-  constexpr uint64_t kChunkWords = 4096;
-#pragma omp parallel num_threads(nt)
-  {
-    uint64_t wb, we;
-    split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
-    // The first key at or past `first_key` in each part (parts cover increasing key ranges).
-    std::vector<const uint32_t*> at, end;
-    for (const auto& part : keys.parts) {
-      at.push_back(std::lower_bound(part.data(), part.data() + part.size(), (uint64_t)wb * per_word));
-      end.push_back(part.data() + part.size());
-    }
-    for (uint64_t c0 = wb; c0 < we; c0 += kChunkWords) {
-      const uint64_t c1 = std::min(c0 + kChunkWords, we);
-      std::fill(index + c0, index + c1, 0.0f);
-      const uint64_t key_end = c1 * per_word;
-      for (size_t p = 0; p < at.size(); ++p) {
-        const uint32_t* k = at[p];
-        for (; k < end[p] && *k < key_end; ++k) index[*k / per_word] += pw[*k % per_word];
-        at[p] = k;
-      }
-    }
-  }
 }
 
 EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {

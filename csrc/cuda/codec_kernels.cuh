@@ -1045,7 +1045,7 @@ extern "C" __global__ void lhc_found_write(const uint32_t* cand, const int* key_
 //     counts, by the bitmap index's ordered compaction. A word that is no packed integer, a digit
 //     above world_size or past the last node, or digits summing past the header's key count: corrupt.
 //  2. Each fine level, coarsest first (lhc_ml_peel_level, one cooperative launch):
-//     a. every word of the table as an exact integer (read_fine_word): a corrupt word anywhere gives
+//     a. every word of the table as an exact integer (lhc_layout.h read_fine_word): a corrupt word anywhere gives
 //        corrupt, else a word at or above 2^22 gives overflow -- the CPU's whole-table word status;
 //     b. a round-based exact integer peel over the level's known non-zero nodes: pure cells propose
 //        their node (the smallest cell wins, as in the value peel); each peeled node reads its pattern
@@ -1089,24 +1089,10 @@ enum MlMode : unsigned int {
   kMlReplay = 2,    // set by the level's verdict: a stalled peel met an inconsistency; the replay decides
 };
 
-// read_fine_word's results (bits of MlState::word_flags).
-constexpr unsigned int kMlWordCorrupt = 1u;
-constexpr unsigned int kMlWordOverflow = 2u;
-
-// A fine-table word times `scale` as the exact integer it must be (*out; 0 for a bad word), exactly as
-// the CPU backend's read_fine_words: a SUM of integer words is exact, an AVERAGE is within 1/2 of one
-// after scaling back. Returns 0, kMlWordCorrupt for a word that is no non-negative integer (NaN, -Inf
-// included), or kMlWordOverflow for one at or above 2^22 (+Inf included).
-__device__ __forceinline__ unsigned int read_fine_word(float f, double scale, long long* out) {
-  const double v = (double)f * scale;
-  const double r = rint(v);  // round half to even, as nearbyint in the default rounding mode
-  const double tolerance = scale == 1.0 ? 0.0 : 0.5;
-  *out = 0;
-  if (!(v > -0.5) || fabs(v - r) > tolerance || r < 0.0) return kMlWordCorrupt;
-  if (r >= (double)kIntFieldLimit) return kMlWordOverflow;
-  *out = (long long)r;
-  return 0;
-}
+// read_fine_word's results (lhc_layout.h), as bits of MlState::word_flags.
+constexpr unsigned int kMlWordCorrupt = kFineWordCorrupt;
+constexpr unsigned int kMlWordOverflow = kFineWordOverflow;
+static_assert((kMlWordCorrupt & kMlWordOverflow) == 0, "word flags are distinct bits");
 
 __device__ __forceinline__ long long load_cg(const long long* p) { return __ldcg(p); }
 

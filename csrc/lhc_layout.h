@@ -2,7 +2,7 @@
 //
 // This is the single definition shared by every backend (C++/OpenMP now, CUDA later) and mirrored
 // by the pure-torch reference (lossless_hc/reference.py). Everything here is a pure function of
-// plain integers, so the same key lands in the same cells with the same signs on every backend.
+// plain integers, so the same key lands in the same cells with the same weights on every backend.
 //
 // Vocabulary
 //   key      a block of `block` consecutive coordinates (block = 1: one coordinate).
@@ -110,27 +110,75 @@ struct SegmentedTable {
   LHC_HD uint64_t group_cells() const { return 3 * seg_len; }
 };
 
-// The first-level hash of a key; every cell and sign of the key derives from it.
+// The first-level hash of a key; every cell and weight of the key derives from it.
 LHC_HD uint64_t key_hash(const SegmentedTable& t, uint64_t key) { return mix64(key ^ t.stream); }
 
 // The group of the key with first-level hash h.
 LHC_HD uint64_t hash_group(const SegmentedTable& t, uint64_t h) { return reduce32(h >> 32, t.groups()); }
 
-// Cell j (0, 1, 2) of the key with first-level hash h, and its sign (+1 or -1).
-LHC_HD uint64_t key_cell(const SegmentedTable& t, uint64_t h, int j, int* sign) {
+// Key weights. The value sketch adds w_j(k) * v_k into cell j of key k, with w_j(k) one of
+// {+1, +2, -1, -2}, chosen by the top two bits of the cell's hash hj (the offset uses the low 32):
+// the weight code hj >> 62 has bit 1 = negative (bit 63, the sign the codec used before weights)
+// and bit 0 = magnitude 2. Powers of two keep encode and decode arithmetic exact (a product with
+// +-2 or +-1/2 only moves the exponent). Magnitudes of 1 and 2 make a two-key stopping set
+// unsolvable only when its three weight ratios agree: 5/128 of them instead of the 1/4 of +-1 signs
+// (see layout.sketch_table_for). The integer index tables ignore weights (they add counts).
+constexpr int kWeightCodeBits = 2;
+LHC_HD int weight_of_code(uint32_t code) {
+  const int magnitude = 1 + (int)(code & 1u);
+  return (code & 2u) ? -magnitude : magnitude;
+}
+
+// Cell j (0, 1, 2) of the key with first-level hash h; its weight code (0..3, see weight_of_code).
+LHC_HD uint64_t key_cell_code(const SegmentedTable& t, uint64_t h, int j, uint32_t* code) {
   const uint64_t start = 3 * hash_group(t, h);
   const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
-  *sign = (hj >> 63) ? -1 : 1;
+  *code = (uint32_t)(hj >> 62);
   return (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);
 }
 
-// The three cells and signs of `key`. Cell j lies in segment 3g + j, so cells are distinct.
-// sign is +1 or -1 as an integer so callers pick their own arithmetic type.
-LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], int sign[3]) {
+// Cell j (0, 1, 2) of the key with first-level hash h, and its weight (+-1 or +-2).
+LHC_HD uint64_t key_cell(const SegmentedTable& t, uint64_t h, int j, int* weight) {
+  uint32_t code;
+  const uint64_t cell = key_cell_code(t, h, j, &code);
+  *weight = weight_of_code(code);
+  return cell;
+}
+
+// The three cells and weights of `key`. Cell j lies in segment 3g + j, so cells are distinct.
+// weight is +-1 or +-2 as an integer so callers pick their own arithmetic type.
+LHC_HD void key_cells(const SegmentedTable& t, uint64_t key, uint64_t cell[3], int weight[3]) {
   const uint64_t h = key_hash(t, key);
   LHC_UNROLL
-  for (int j = 0; j < 3; ++j) cell[j] = key_cell(t, h, j, &sign[j]);
+  for (int j = 0; j < 3; ++j) cell[j] = key_cell(t, h, j, &weight[j]);
 }
+
+// A two-key stopping set of the value sketch: keys a and b share all three cells and nothing else is
+// left in them, so cell j holds R_j = wa[j] v_a + wb[j] v_b. Any two cells p < q whose 2x2 system has
+// det = wa[p] wb[q] - wa[q] wb[p] != 0 give
+//     v_a = (wb[q] R_p - wb[p] R_q) / det,    v_b = (wa[p] R_q - wa[q] R_p) / det.
+// The pair of cells with the largest |det| is taken (the first of (0,1), (0,2), (1,2) on ties), as
+// it amplifies the cells' rounding least. det == 0 for all three (the columns are proportional) means
+// the pair cannot be solved. For +-1 weights this is the rule the decoders used before weights:
+// q = the first cell whose relative sign differs from cell 0's, det = +-2.
+struct PairCells {
+  int p, q, det;  // det == 0: unsolvable
+};
+LHC_HD PairCells pair_cells(const int wa[3], const int wb[3]) {
+  PairCells best = {0, 1, 0};
+  const int ps[3] = {0, 0, 1}, qs[3] = {1, 2, 2};
+  LHC_UNROLL
+  for (int i = 0; i < 3; ++i) {
+    const int det = wa[ps[i]] * wb[qs[i]] - wa[qs[i]] * wb[ps[i]];
+    const int mag = det < 0 ? -det : det, best_mag = best.det < 0 ? -best.det : best.det;
+    if (mag > best_mag) best = {ps[i], qs[i], det};
+  }
+  return best;
+}
+
+// Segments longer than this cannot pack an offset and a weight code into 32 bits (the decoders'
+// packed cells); layout.py never builds one (its tables are split into groups long before).
+constexpr uint64_t kMaxSegLen = 1ULL << (32 - kWeightCodeBits);
 
 // The group of a key (the decoder buckets keys by group before peeling).
 LHC_HD uint64_t key_group(const SegmentedTable& t, uint64_t key) { return hash_group(t, key_hash(t, key)); }

@@ -35,7 +35,8 @@ INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 3             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups
+LAYOUT_VERSION = 4             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups;
+                               # 4: value-sketch weights +-1, +-2, tables sized for 4- and 6-key stopping sets
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
@@ -59,9 +60,13 @@ SATURATION_TARGET = 1e-6
 # candidate fails to peel. Keep them few (see bloom_table_for).
 BLOOM_FP_PER_KEY = 0.25
 # The share of two-key stopping sets of the value sketch that its decoder cannot solve: the two keys
-# share all three cells, and the pair is solvable unless their relative signs agree in all three
-# (2 of 8 sign patterns; see sketch_table_for).
-PAIR_UNSOLVABLE_SHARE = 0.25
+# share all three cells, and the pair is solvable unless their weight ratios w_j(a) / w_j(b) agree in
+# all three (weights uniform on {+1, +2, -1, -2}: a ratio is +-1 with probability 1/4 each and
+# +-2, +-1/2 with 1/8 each, so 2 (1/4)^3 + 4 (1/8)^3 = 5/128; see sketch_table_for).
+PAIR_UNSOLVABLE_SHARE = 5.0 / 128.0
+# Segments are at most this long: the decoders pack a cell's offset and its 2-bit weight code into
+# 32 bits (lhc::kMaxSegLen).
+MAX_SEG_LEN = 1 << 30
 # Value-sketch cells per candidate key (see sketch_table_for).
 SKETCH_CELLS_PER_KEY = 1.25
 # Keys per group of sub-tables the value sketch aims for (a group's peeling state stays in cache).
@@ -135,7 +140,11 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     * small stopping sets: two keys that share all three cells form a 2-core by themselves. With
       ``t = cells/3`` cells per table that happens with probability ~ ``keys**2 / (2 t**3)`` =
       ``13.5 keys**2 / cells**3``; keeping it below the target needs
-      ``cells >= (13.5 keys**2 / target)**(1/3)``, which dominates below ~6000 keys.
+      ``cells >= (13.5 keys**2 / target)**(1/3)``, which dominates below ~6000 keys. Four keys
+      that every segment pairs up (two cells of two keys each; ~``1.125 keys**4 / t**6``) and six
+      likewise (~``4.7 keys**6 / t**9``) are the next terms; they matter once most pairs are
+      solved (below). :func:`small_stopping_sets` sums the three, and the table is the smallest
+      whose sum (times the groups) is below the target.
     * the threshold window: fluctuations of order ``sqrt(keys)`` around the threshold, covered by a
       ``3 sqrt(keys)`` margin.
 
@@ -152,17 +161,23 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     cache) and in parallel. A group receives Binomial(N, 1/G) keys, so it is sized for
     ``N/G + 4 sqrt(N/G)`` keys. Groups multiply the small-stopping-set term: with ``G`` groups of
     ``n = N/G`` keys the pair probability is ``G * 13.5 n**2 / cells_g**3``, which caps ``G`` at
-    about ``sqrt(target * N / 7)`` for the 1.25 load (before the pair share below).
+    about ``sqrt(target * N / 7)`` for the 1.25 load (divided by the pair share below).
 
     Pairs the decoder solves. A value sketch's pair is not always a failure: its two keys ``a, b``
-    leave three cells holding ``s_j(a) v_a + s_j(b) v_b`` (j = 0, 1, 2), three equations in two
-    unknowns. Unless the relative signs ``t_j = s_j(a) s_j(b)`` are all equal (2 of the 8 equally
-    likely patterns), two cells with ``t_p != t_q`` give ``v_a = (s_p(a) R_p + s_q(a) R_q) / 2`` and
-    ``v_b = t_p (s_p(a) R_p - s_q(a) R_q) / 2``, as exact as reading a pure cell (see
-    ``PAIR_UNSOLVABLE_SHARE``). Only a quarter of the pairs fail, so the pair term above shrinks by
-    ``4**(1/3)`` = 1.59x in cells, and the cap on ``G`` grows by 2. (The integer tables of the Bloom
-    and multilevel indexes add +1 counts, so all their pairs are proportional: they keep the full
-    pair term.)
+    leave three cells holding ``w_j(a) v_a + w_j(b) v_b`` (j = 0, 1, 2), three equations in two
+    unknowns, where ``w_j`` is the key's weight in cell j, uniform on {+1, +2, -1, -2}
+    (``lhc::weight_of_code``). Unless the columns are proportional (the ratios ``w_j(a) / w_j(b)``
+    all equal: 5/128 of the pairs, ``PAIR_UNSOLVABLE_SHARE``), two cells p, q with
+    ``det = w_p(a) w_q(b) - w_q(a) w_p(b) != 0`` give ``v_a = (w_q(b) R_p - w_p(b) R_q) / det`` and
+    ``v_b = (w_p(a) R_q - w_q(a) R_p) / det`` (``lhc::pair_cells`` picks the pair of cells with the
+    largest ``|det|``): one subtraction and one division in double, about as exact as reading a pure
+    cell. Weights of magnitude 1 and 2 are exact to multiply in and divide out (powers of two), and
+    they cost accuracy only through the float32 sums of the cells, whose terms are up to twice as
+    large as with +-1 signs. With +-1 signs a quarter of the pairs were unsolvable; with the weights
+    the pair term shrinks 6.4x and the 4-key sets above size the table below ~1000 keys: at 210 keys
+    (blocks of 32 at density 1e-4 of 2^26 coordinates) 1.81 cells per key instead of 2.53. (The
+    integer tables of the Bloom and multilevel indexes add +1 counts, so all their pairs are
+    proportional: they keep the full pair term.)
 
     A spatially coupled layout (keys spread over three *consecutive* segments of many) would peel
     down to ~1.13 cells/key, but its peeling advances as a slow wave whose long dependency chains
@@ -192,12 +207,47 @@ def _grouped_table(keys: int, group_keys: int, pair_share: float, stream: int) -
     return SegmentedTable(seg_len=max(1, math.ceil(cells / 3)), seg_count=3 * groups, stream=stream)
 
 
+def small_stopping_sets(keys: float, seg_len: float, pair_share: float = 1.0) -> float:
+    """Expected number of the small stopping sets the decoder cannot solve, for ``keys`` keys in one
+    group of three segments of ``seg_len`` cells (see sketch_table_for): the pairs (a
+    ``pair_share`` of them), and the 4- and 6-key sets in which every segment pairs the keys up.
+
+    ``k`` keys (k even) form such a set when, in each segment, they fall into k/2 cells two by two:
+    (k-1)!! pairings, each with probability ~ ``seg_len**(-k/2)``, so the expected number is
+    ``C(keys, k) ((k-1)!! / seg_len**(k/2))**3``: ``keys**2 / (2 t**3)``, ``27 keys**4 / (24 t**6)``,
+    ``3375 keys**6 / (720 t**9)`` for k = 2, 4, 6 (``t = seg_len``). Sets of odd size, or with a
+    segment holding three or more of their keys in one cell, are rarer by a factor ~1/t. Checked by
+    simulation (``u`` = 210, +-1/+-2 weights, 2e5 trials): at t = 114, 5.2e-4 failures from pairs and
+    1.1e-3 from larger sets, against 5.8e-4 and 1.1e-3 here; at t = 177 with +-1 signs, 9.7e-4 from
+    pairs against 9.7e-4.
+    """
+    u, t = float(keys), float(seg_len)
+    return (pair_share * u * u / (2.0 * t ** 3) + 27.0 * u ** 4 / (24.0 * t ** 6)
+            + 3375.0 * u ** 6 / (720.0 * t ** 9))
+
+
 def _group_cells(per_group: float, groups: int = 1, pair_share: float = 1.0) -> float:
     """Cells of one group of three segments that peels ``per_group`` keys (see sketch_table_for);
     ``pair_share``: the fraction of two-key stopping sets the decoder cannot solve (1 for the
-    integer index tables, ``PAIR_UNSOLVABLE_SHARE`` for the value sketch)."""
-    pair_bound = (13.5 * pair_share * groups * per_group * per_group / PEEL_FAILURE_TARGET) ** (1.0 / 3.0)
-    return max(SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8, pair_bound)
+    integer index tables, ``PAIR_UNSOLVABLE_SHARE`` for the value sketch). The groups' small
+    stopping sets together stay below ``PEEL_FAILURE_TARGET``."""
+    cells = SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8
+    seg = max(1, math.ceil(cells / 3))
+    if groups * small_stopping_sets(per_group, seg, pair_share) <= PEEL_FAILURE_TARGET:
+        return cells
+    # The expected count falls monotonically in seg_len: find the smallest passing one by doubling,
+    # then bisection.
+    hi = seg
+    while groups * small_stopping_sets(per_group, hi, pair_share) > PEEL_FAILURE_TARGET:
+        hi *= 2
+    lo = max(seg, hi // 2)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if groups * small_stopping_sets(per_group, mid, pair_share) <= PEEL_FAILURE_TARGET:
+            hi = mid
+        else:
+            lo = mid + 1
+    return 3.0 * hi
 
 
 def _poisson_tail(lam: float, q: int) -> float:
@@ -585,7 +635,13 @@ def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_siz
             L = PayloadLayout(*common, "multilevel", seed, sketch, None, m.coarse, 1, multilevel=m)
     else:
         raise ValueError(f"index must be one of {INDEX_KINDS}, got {kind!r}")
-    return replace(L, fingerprint=_layout_fingerprint(L)) if L is not None else None
+    if L is None:
+        return None
+    tables = [L.sketch] + ([L.bloom] if L.bloom is not None else [])
+    tables += [lv.table for lv in L.multilevel.levels] if L.multilevel is not None else []
+    if max(t.seg_len for t in tables) > MAX_SEG_LEN:  # not reached: tables split into groups long before
+        raise ValueError(f"a table segment exceeds {MAX_SEG_LEN} cells (the decoders' packed-cell limit)")
+    return replace(L, fingerprint=_layout_fingerprint(L))
 
 
 def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,

@@ -77,23 +77,26 @@ def reduce32(h: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def key_cells(table: SegmentedTable, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The three cells and signs of every key: ``(cells [N, 3] int64, signs [N, 3] int64 of +-1)``.
+    """The three cells and weights of every key: ``(cells [N, 3] int64, weights [N, 3] int64 in
+    {+1, +2, -1, -2})``.
 
     Mirrors ``lhc::key_cells``: ``h = mix64(key ^ stream)``; the key's group
     ``g = reduce32(h >> 32, seg_count // 3)``; for j = 0, 1, 2 ``hj = mix64(h + golden * (j + 1))``,
-    cell ``(3 g + j) * seg_len + reduce32(hj, seg_len)`` and sign ``-1`` iff the top bit of hj is set.
+    cell ``(3 g + j) * seg_len + reduce32(hj, seg_len)`` and weight ``+-(1 + bit 62 of hj)``,
+    negative iff the top bit of hj is set.
     """
     keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
     if table.seg_count < 3 or table.seg_count % 3:
         raise ValueError(f"seg_count must be a positive multiple of 3, got {table.seg_count}")
     h = mix64(keys ^ _s64(table.stream))
     start = 3 * reduce32(_lsr(h, 32), table.seg_count // 3)
-    cells, signs = [], []
+    cells, weights = [], []
     for j in range(3):
         hj = mix64(h + _s64(_GOLDEN * (j + 1)))
         cells.append((start + j) * table.seg_len + reduce32(hj, table.seg_len))
-        signs.append(torch.where(hj < 0, -1, 1).to(torch.int64))
-    return torch.stack(cells, dim=1), torch.stack(signs, dim=1)
+        magnitude = 1 + _lsr(hj, 62) % 2
+        weights.append(torch.where(hj < 0, -magnitude, magnitude).to(torch.int64))
+    return torch.stack(cells, dim=1), torch.stack(weights, dim=1)
 
 
 # -- encode ------------------------------------------------------------------------------------------
@@ -134,7 +137,8 @@ def pack_digits(layout: PayloadLayout, digits: torch.Tensor) -> torch.Tensor:
 
 def sketch_cells_float32(layout: PayloadLayout, flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The value sketch ``[cells, block]`` float32, accumulated exactly as the C++ does: per cell,
-    the keys' signed blocks added in increasing key order, each addition rounded to float32."""
+    the keys' weighted blocks added in increasing key order, each addition rounded to float32 (the
+    products with weights +-1, +-2 are exact)."""
     B, C = layout.block, layout.sketch.cells
     sketch = torch.zeros(C, B, dtype=torch.float32)
     if keys.numel() == 0:
@@ -142,9 +146,9 @@ def sketch_cells_float32(layout: PayloadLayout, flat: torch.Tensor, keys: torch.
     padded = torch.zeros(layout.num_keys * B, dtype=torch.float32)
     padded[: layout.numel] = flat
     blocks = padded.reshape(layout.num_keys, B)[keys]                       # [K, B]
-    cells, signs = key_cells(layout.sketch, keys)                          # [K, 3]
+    cells, weights = key_cells(layout.sketch, keys)                        # [K, 3]
     cell = cells.reshape(-1)                                               # key-major: key order kept
-    val = (blocks.unsqueeze(1) * signs.unsqueeze(2).to(torch.float32)).reshape(-1, B)
+    val = (blocks.unsqueeze(1) * weights.unsqueeze(2).to(torch.float32)).reshape(-1, B)
     order = torch.sort(cell, stable=True).indices                          # by cell, then key
     cell, val = cell[order], val[order]
     first = torch.searchsorted(cell, cell, right=False)                    # first entry of its cell
@@ -272,11 +276,23 @@ def peel_rounds(cells: torch.Tensor, num_cells: int):
     return rounds, resolved
 
 
-def solvable_pairs(cells: torch.Tensor, signs: torch.Tensor, resolved: torch.Tensor) -> torch.Tensor:
+def pair_cells(wa, wb) -> tuple[int, int, int]:
+    """``lhc::pair_cells``: the two cells ``p < q`` of a two-key stopping set with weights ``wa``,
+    ``wb`` (three ints each) whose determinant ``wa[p] wb[q] - wa[q] wb[p]`` is largest in magnitude
+    (the first of (0, 1), (0, 2), (1, 2) on ties), and that determinant (0: unsolvable)."""
+    best = (0, 1, 0)
+    for p, q in ((0, 1), (0, 2), (1, 2)):
+        det = int(wa[p]) * int(wb[q]) - int(wa[q]) * int(wb[p])
+        if abs(det) > abs(best[2]):
+            best = (p, q, det)
+    return best
+
+
+def solvable_pairs(cells: torch.Tensor, weights: torch.Tensor, resolved: torch.Tensor) -> torch.Tensor:
     """The two-key stopping sets left after peeling that the value decoder solves: pairs ``a < b``
     of unresolved keys with the same three cells, no other unresolved key in those cells, and
-    relative signs ``s_j(a) s_j(b)`` not all equal (see ``layout.sketch_table_for``). Returns an
-    ``[P, 2]`` tensor of key indices, ordered by the pair's first cell.
+    weight columns not proportional (:func:`pair_cells`; see ``layout.sketch_table_for``). Returns
+    an ``[P, 2]`` tensor of key indices, ordered by the pair's first cell.
     """
     cells = cells.to(torch.int64)
     left = (~resolved).nonzero().reshape(-1)
@@ -290,24 +306,21 @@ def solvable_pairs(cells: torch.Tensor, signs: torch.Tensor, resolved: torch.Ten
         if not bool((deg[triples[t]] == 2).all()):
             continue
         a, b = left[(inverse == t).nonzero().reshape(-1)].tolist()
-        rel = signs[a].to(torch.int64) * signs[b].to(torch.int64)
-        if bool((rel == rel[0]).all()):
+        if pair_cells(weights[a].tolist(), weights[b].tolist())[2] == 0:
             continue      # proportional: unsolvable
         pairs.append((int(triples[t][0]), min(a, b), max(a, b)))
     pairs.sort()
     return torch.tensor([[a, b] for _, a, b in pairs], dtype=torch.int64).reshape(-1, 2)
 
 
-def solve_pair(val: torch.Tensor, cells3: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor):
+def solve_pair(val: torch.Tensor, cells3: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor):
     """The values of a solvable pair from its three residual cells ``val[cells3]`` ([3, B] float64),
-    as the C++ decoder computes them: with ``A_j = s_j(a) R_j`` and ``t_j = s_j(a) s_j(b)``, the
-    cells p = 0 and q = the first with ``t_q != t_0``: ``v_a = (A_p + A_q) / 2`` and
-    ``v_b = t_p (A_p - A_q) / 2``."""
-    rel = (sa.to(torch.int64) * sb.to(torch.int64)).tolist()
-    q = 1 if rel[0] != rel[1] else 2
-    A_p = float(sa[0]) * val[cells3[0]]
-    A_q = float(sa[q]) * val[cells3[q]]
-    return 0.5 * (A_p + A_q), rel[0] * (0.5 * (A_p - A_q))
+    as the C++ decoder computes them: with cells p, q and ``det`` from :func:`pair_cells`,
+    ``v_a = (w_q(b) R_p - w_p(b) R_q) / det`` and ``v_b = (w_p(a) R_q - w_q(a) R_p) / det``."""
+    wa, wb = wa.tolist(), wb.tolist()
+    p, q, det = pair_cells(wa, wb)
+    R_p, R_q = val[cells3[p]], val[cells3[q]]
+    return (float(wb[q]) * R_p - float(wb[p]) * R_q) / det, (float(wa[p]) * R_q - float(wa[q]) * R_p) / det
 
 
 def _fail(info: dict, reason: str):
@@ -504,7 +517,7 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
         pure_cell = sc[idx, pj]
         trace_keys.append(support[idx])
         trace_cells.append(pure_cell)
-        v = val[pure_cell] * ss[idx, pj].unsqueeze(1).to(torch.float64)    # [R, B]
+        v = val[pure_cell] / ss[idx, pj].unsqueeze(1).to(torch.float64)    # [R, B]; exact (w = +-1, +-2)
         blocks[idx] = v
         other = torch.ones(idx.numel(), 3, dtype=torch.bool)
         other[torch.arange(idx.numel()), pj] = False

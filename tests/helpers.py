@@ -171,22 +171,26 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
     output to float32), following the decoder's actual peeling order.
 
     A sketch cell c of the aggregated payload is a float32 sum: each worker adds its deg_w(c) <= deg(c)
-    terms sequentially (deg_w - 1 roundings), then the engine adds n worker cells in some order
-    (a summation tree of height <= n - 1). With M(c) = sum over workers and over support keys in c of
-    |x_w[key]| (per lane), the cell's error is at most gamma_{deg + n - 2} M(c) (Higham, Thm 4.4 applied
-    twice; gamma_m = m u / (1 - m u)). We use ``eps_c = (deg + n + 2) u M(c)``: the extra 4 u M covers
-    the second-order terms, an AVERAGE's division or reciprocal multiplication (<= 2 u + u^2 relative),
-    and the float64 peeling arithmetic (relative 2^-53 per operation, << u).
+    terms w_key(c) x_w[key] sequentially (exact products: weights +-1, +-2; deg_w - 1 roundings), then
+    the engine adds n worker cells in some order (a summation tree of height <= n - 1). With M(c) = sum
+    over workers and over support keys in c of |w_key(c)| |x_w[key]| (per lane), the cell's error is
+    at most gamma_{deg + n - 2} M(c) (Higham, Thm 4.4 applied twice; gamma_m = m u / (1 - m u)). We use
+    ``eps_c = (deg + n + 2) u M(c)``: the extra 4 u M covers the second-order terms, an AVERAGE's
+    division or reciprocal multiplication (<= 2 u + u^2 relative), and the float64 peeling arithmetic
+    (relative 2^-53 per operation, << u).
 
-    A key k peeled from cell c reads c minus the (already peeled) estimates of the other support keys
-    of c, so ``E(k) = eps_c + sum_{B in c, B != k} E(B)``. This function *requires* every such B to
-    have been peeled before k (otherwise the decoder's trace is not a valid peeling order) and that
-    c is one of k's cells.
+    A key k peeled from cell c reads c minus the (already peeled) weighted estimates of the other
+    support keys of c, divided by its own weight (exact), so
+    ``E(k) = (eps_c + sum_{B in c, B != k} |w_B(c)| E(B)) / |w_k(c)|``. This function *requires* every
+    such B to have been peeled before k (otherwise the decoder's trace is not a valid peeling order)
+    and that c is one of k's cells.
 
-    A key of a solved pair (its partner shares all three cells and was unresolved when the pair was
-    solved; see ``layout.sketch_table_for``) is half the sum or difference of two of those cells,
-    so its error is at most the larger of their bounds ``eps_x + sum_{B in x, B not in pair} E(B)``;
-    we take the largest over the three cells, again requiring every such B peeled before.
+    A key of a solved pair (its partner o shares all three cells and was unresolved when the pair was
+    solved; see ``layout.sketch_table_for``) is ``(w_q(o) R_p - w_p(o) R_q) / det`` up to sign, with
+    cells p, q and det from ``reference.pair_cells``, so its error is at most
+    ``(|w_q(o)| ex_p + |w_p(o)| ex_q) / |det|`` with ``ex_x = eps_x + sum_{B in x, B not in pair}
+    |w_B(x)| E(B)``, again requiring every such B peeled before (the division's own rounding is in
+    float64, covered by the margin of eps).
     Returns the bound per coordinate (float64, numel), 0 outside the support.
     """
     L = layout
@@ -198,20 +202,24 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
         a[: L.numel] = np.abs(x.reshape(-1).to(torch.float64).numpy())
         absx += a.reshape(num_keys, B)
     support = np.nonzero((absx != 0).any(axis=1))[0]
-    cells, _ = reference.key_cells(L.sketch, torch.from_numpy(support))
-    cells = cells.numpy()
+    cells, weights = reference.key_cells(L.sketch, torch.from_numpy(support))
+    cells, weights = cells.numpy(), weights.numpy()
     C = L.sketch.cells
     M = np.zeros((C, B))
     deg = np.zeros(C, dtype=np.int64)
     members: dict[int, list[int]] = {}
     for j in range(3):
-        np.add.at(M, cells[:, j], absx[support])
+        np.add.at(M, cells[:, j], np.abs(weights[:, j:j + 1]) * absx[support])
         np.add.at(deg, cells[:, j], 1)
     for i, key in enumerate(support):
         for c in cells[i]:
             members.setdefault(int(c), []).append(int(key))
     eps = (deg + n_payloads + 2)[:, None] * U32 * M
     key_cells_of = {int(k): set(int(c) for c in cells[i]) for i, k in enumerate(support)}
+    # |weight| of key k in cell c, and k's weights in segment order (cells[i] is in segment order)
+    wabs = {(int(k), int(cells[i, j])): abs(int(weights[i, j])) for i, k in enumerate(support) for j in range(3)}
+    key_weights = {int(k): [int(w) for w in weights[i]] for i, k in enumerate(support)}
+    key_cell_list = {int(k): [int(c) for c in cells[i]] for i, k in enumerate(support)}
 
     tk, tc = trace
     E: dict[int, np.ndarray] = {}
@@ -225,18 +233,22 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
         if twin:
             # a solved pair: the partner shares all three cells and was not peeled before it
             assert len(twin) == 1, f"key {key} shares its cells with {twin}: not a pair"
-            partner[key] = twin[0]
-            e = np.zeros(B)
-            for x in key_cells_of[key]:
-                ex = eps[x].copy()
+            o = twin[0]
+            partner[key] = o
+            ex = []
+            for x in key_cell_list[key]:
+                e = eps[x].copy()
                 for other in members[x]:
-                    if other in (key, twin[0]):
+                    if other in (key, o):
                         continue
-                    assert other in E, (f"pair ({key}, {twin[0]}) solved while key {other} of cell {x} was "
+                    assert other in E, (f"pair ({key}, {o}) solved while key {other} of cell {x} was "
                                         "still unresolved")
-                    ex += E[other]
-                e = np.maximum(e, ex)
-            E[key] = e
+                    e += wabs[(other, x)] * E[other]
+                ex.append(e)
+            p, q, det = reference.pair_cells(key_weights[key], key_weights[o])
+            assert det != 0, f"pair ({key}, {o}) has proportional weights: it cannot have been solved"
+            wo = key_weights[o]
+            E[key] = (abs(wo[q]) * ex[p] + abs(wo[p]) * ex[q]) / abs(det)
             continue
         e = eps[cell].copy()
         for other in members[cell]:
@@ -244,8 +256,8 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
                 continue
             assert other in E, (f"key {key} peeled from cell {cell} while key {other} of that cell was "
                                 "still unresolved: the cell was not pure")
-            e += E[other]
-        E[key] = e
+            e += wabs[(other, cell)] * E[other]
+        E[key] = e / wabs[(key, cell)]
     out = np.zeros((num_keys, B))
     for key, e in E.items():
         out[key] = e

@@ -3,7 +3,7 @@
 Encode: the whole payload must be bit-identical -- header, index words and the value sketch. The
 sketch comparison is bit-exact too, not a tolerance: the reference replays the C++ float32
 accumulation order exactly (per cell, contributions in increasing key order; see reference.py), so
-any difference is a real divergence (different cells, signs, order or arithmetic).
+any difference is a real divergence (different cells, weights, order or arithmetic).
 
 Decode: the reference peels in rounds, the C++ from a FIFO queue, so decoded values differ in
 rounding only; everything integer (verdict, candidates, support, false positives) must agree exactly
@@ -57,8 +57,8 @@ def ref_report(info):
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_one_hot_keys_land_in_reference_cells(index):
-    """Encode single keys: the C++ sketch holds +-value exactly in the reference's three cells with the
-    reference's signs (and the Bloom index +1 exactly in the reference's three counters)."""
+    """Encode single keys: the C++ sketch holds weight * value exactly in the reference's three cells
+    with the reference's weights (and the Bloom index +1 exactly in the reference's three counters)."""
     numel = 5000
     codec = LosslessCodec(numel, 4, 50, seed=12345, index=index)
     L = codec.layout
@@ -67,9 +67,9 @@ def test_one_hot_keys_land_in_reference_cells(index):
         x = torch.zeros(numel)
         x[k] = 1.5
         p = codec.encode(x)
-        cells, signs = reference.key_cells(L.sketch, torch.tensor([k]))
+        cells, weights = reference.key_cells(L.sketch, torch.tensor([k]))
         expect = torch.zeros(L.sketch.cells)
-        expect[cells[0]] = 1.5 * signs[0].float()
+        expect[cells[0]] = 1.5 * weights[0].float()
         assert torch.equal(p[L.sketch_offset:], expect), f"key {k}"
         if index == "bloom":
             bc, _ = reference.key_cells(L.bloom, torch.tensor([k]))

@@ -13,13 +13,13 @@ NVCC = shutil.which("nvcc")
 KERNEL = r"""
 #include "lhc_layout.h"
 __global__ void cells_kernel(lhc::SegmentedTable t, const unsigned long long* keys, unsigned long long* cells,
-                             int* signs, int n) {
+                             int* weights, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   uint64_t c[3];
   int s[3];
   lhc::key_cells(t, keys[i], c, s);
-  for (int j = 0; j < 3; ++j) { cells[3 * i + j] = c[j]; signs[3 * i + j] = s[j]; }
+  for (int j = 0; j < 3; ++j) { cells[3 * i + j] = c[j]; weights[3 * i + j] = s[j]; }
   if (i == 0) lhc::write_chunks(reinterpret_cast<float*>(cells), 0, lhc::key_group(t, keys[0]));
 }
 """

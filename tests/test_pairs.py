@@ -1,7 +1,7 @@
 """Two-key stopping sets of the value sketch: two support keys whose three cells coincide.
 
 Peeling never resolves them (neither is ever alone in a cell); the decoder solves the pair from two
-of its cells unless the keys' relative signs agree in all three (then the pair is unsolvable and
+of its cells unless the keys' weight ratios agree in all three (then the pair is unsolvable and
 decode reports ok=False). ``layout.sketch_table_for`` sizes small sketches on that promise
 (``PAIR_UNSOLVABLE_SHARE``), so both outcomes are pinned here on real colliding keys, found by
 hashing every key of small layouts: exact (within the trace bound) when solvable, a reported
@@ -20,13 +20,16 @@ from lossless_hc.layout import PAIR_UNSOLVABLE_SHARE
 
 def colliding_pairs(layout):
     """(solvable, proportional): lists of key pairs (a < b) with the same three sketch cells."""
-    cells, signs = reference.key_cells(layout.sketch, torch.arange(layout.num_keys))
+    cells, weights = reference.key_cells(layout.sketch, torch.arange(layout.num_keys))
     triples, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
     solvable, proportional = [], []
     for t in (counts == 2).nonzero().reshape(-1).tolist():
         a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
-        rel = signs[a] * signs[b]
-        (proportional if bool((rel == rel[0]).all()) else solvable).append((a, b))
+        wa, wb = weights[a].tolist(), weights[b].tolist()
+        # proportional columns: wa[j] wb[0] == wa[0] wb[j] for every j (integer test, independent
+        # of reference.pair_cells)
+        prop = all(wa[j] * wb[0] == wa[0] * wb[j] for j in (1, 2))
+        (proportional if prop else solvable).append((a, b))
     return solvable, proportional
 
 
@@ -102,14 +105,15 @@ def test_bloom_index_then_pair():
     helpers.assert_lossless(codec.layout, xs, y, rep, strict_support=False)
 
 
-def test_unsolvable_share_matches_sign_patterns():
-    """Over many colliding pairs, the share with proportional signs is the 2/8 the sizing assumes."""
+def test_unsolvable_share_matches_weight_patterns():
+    """Over many colliding pairs, the share with proportional weights is the 5/128 the sizing assumes."""
     codec = LosslessCodec(200_000, 2, 40, index="bitmap", seed=1)
     solvable, proportional = colliding_pairs(codec.layout)
     total = len(solvable) + len(proportional)
     assert total > 2000
     share = len(proportional) / total
-    assert abs(share - PAIR_UNSOLVABLE_SHARE) < 5 * np.sqrt(0.25 * 0.75 / total)
+    p = PAIR_UNSOLVABLE_SHARE
+    assert abs(share - p) < 5 * np.sqrt(p * (1 - p) / total)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,7 +22,8 @@ def py_key_cells(t: SegmentedTable, key: int):
     out = []
     for j in range(3):
         hj = lay.mix64((h + 0x9E3779B97F4A7C15 * (j + 1)) & M64)
-        out.append(((start + j) * t.seg_len + r32(hj, t.seg_len), -1 if hj >> 63 else 1))
+        magnitude = 1 + (hj >> 62 & 1)
+        out.append(((start + j) * t.seg_len + r32(hj, t.seg_len), -magnitude if hj >> 63 else magnitude))
     return out
 
 
@@ -50,19 +51,19 @@ def test_key_cells_matches_python_ints(table):
     keys = [int(k) for k in rng.integers(0, 1 << 63, size=300, dtype=np.uint64)]
     keys += [int(k) | (1 << 63) for k in rng.integers(0, 1 << 63, size=100, dtype=np.uint64)]
     keys += list(range(64)) + [M64, (1 << 63), (1 << 32) - 1, 1 << 32]
-    cells, signs = reference.key_cells(table, torch.tensor([to_i64(k) for k in keys], dtype=torch.int64))
-    assert cells.shape == (len(keys), 3) and signs.shape == (len(keys), 3)
+    cells, weights = reference.key_cells(table, torch.tensor([to_i64(k) for k in keys], dtype=torch.int64))
+    assert cells.shape == (len(keys), 3) and weights.shape == (len(keys), 3)
     for i, k in enumerate(keys):
-        assert [(int(cells[i, j]), int(signs[i, j])) for j in range(3)] == py_key_cells(table, k), k
+        assert [(int(cells[i, j]), int(weights[i, j])) for j in range(3)] == py_key_cells(table, k), k
     # the documented invariants: cell j in segment 3 g + j of the key's group g, all cells in range,
-    # signs +-1, and with several groups every group used
+    # weights +-1, +-2 (all four), and with several groups every group used
     seg = cells // table.seg_len
     assert bool((seg[:, 0] % 3 == 0).all())
     assert bool((seg[:, 1] == seg[:, 0] + 1).all()) and bool((seg[:, 2] == seg[:, 0] + 2).all())
     groups_hit = seg[:, 0].unique().numel()
     assert groups_hit == table.seg_count // 3 if table.seg_count <= 12 else groups_hit > 100
     assert int(cells.min()) >= 0 and int(cells.max()) < table.cells
-    assert set(signs.unique().tolist()) == {-1, 1}
+    assert set(weights.unique().tolist()) == {-2, -1, 1, 2}
 
 
 def test_key_cells_rejects_bad_table():

@@ -38,10 +38,10 @@ def test_hypergraph_peels(keys):
         # distinct random keys per trial (collisions among 62-bit draws are negligible and harmless:
         # a duplicate key would only make peeling harder)
         k = torch.randint(0, 2 ** 62, (b * keys,), generator=g)
-        cells, signs = reference.key_cells(table, k)
+        cells, weights = reference.key_cells(table, k)
         cells = cells + (torch.arange(b).repeat_interleave(keys) * C).unsqueeze(1)   # disjoint copies
         _, resolved = reference.peel_rounds(cells, b * C)
-        pairs = reference.solvable_pairs(cells, signs, resolved)    # what the decoder solves after a stall
+        pairs = reference.solvable_pairs(cells, weights, resolved)    # what the decoder solves after a stall
         stalled_pairs += int(pairs.shape[0])
         resolved[pairs.reshape(-1)] = True
         failures += int((~resolved.reshape(b, keys).all(dim=1)).sum())

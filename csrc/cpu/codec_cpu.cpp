@@ -353,16 +353,19 @@ struct SetBitTable {
 };
 constexpr SetBitTable kSetBit;
 
-// +1 and -1 by the sign bit of a packed cell (a table lookup: see PeelTable::sign).
-constexpr double kSigns[2] = {1.0, -1.0};
+// The weight of a weight code (lhc::weight_of_code) and its exact inverse, by table: see
+// PeelTable::weight.
+constexpr double kWeights[4] = {1.0, 2.0, -1.0, -2.0};
+constexpr double kInverseWeights[4] = {1.0, 0.5, -1.0, -0.5};
+constexpr uint32_t kCodeMask = (1u << kWeightCodeBits) - 1;
 
 // Peeling state of one group of a segmented table (three segments of seg_len cells; cell j*seg_len + o
 // is offset o of segment j). Per cell: how many unresolved keys it holds, and the XOR of their
 // records -- position in the key list and packed cells -- so that when one key is left the state
 // holds that key's record and peeling needs no lookup; then the cell's `block` values. For block 1
 // that is 32 bytes, one cache line for everything a cell needs.
-// A packed cell is (offset << 1) | (sign < 0): below 2^32 as seg_len < 2^31 for any layout (cells are
-// about 1.25 per key, keys < 2^32).
+// A packed cell is (offset << kWeightCodeBits) | weight code: below 2^32 as seg_len <= kMaxSegLen
+// (checked when a layout is built).
 union CellSlot {
   uint32_t word[2];  // word[0] the low half of bits (x86-64 is little-endian)
   uint64_t bits;     // the state slots, updated two words at a time
@@ -384,11 +387,13 @@ class PeelTable {
   void clear_state(uint64_t c) {
     for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
   }
-  // The cell a packed cell e of segment j names, and the sign it carries.
-  uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> 1); }
-  // The sign bit of a packed cell as +-1.0, by table: a conditional here compiles to a branch that a
-  // random sign mispredicts half the time (measured: 1.5 mispredictions per peeled key).
-  static double sign(uint32_t e) { return kSigns[e & 1u]; }
+  // The cell a packed cell e of segment j names.
+  uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> kWeightCodeBits); }
+  // The weight a packed cell carries (+-1, +-2) and its inverse, by table: a conditional here
+  // compiles to a branch that a random sign mispredicts half the time (measured with +-1 signs: 1.5
+  // mispredictions per peeled key).
+  static double weight(uint32_t e) { return kWeights[e & kCodeMask]; }
+  static double inverse_weight(uint32_t e) { return kInverseWeights[e & kCodeMask]; }
   // The segment (0, 1, 2) of a group cell, without a branch.
   int segment(uint64_t c) const { return (int)(c >= seg_len_) + (int)(c >= 2 * seg_len_); }
   // A key's record as the state slots hold it: its position p in the high half of slot 0 (above the
@@ -411,7 +416,7 @@ class PeelTable {
   }
   // Prefetch the cell a packed cell of segment j names, clamped into the table: the packed value may
   // be a stale XOR (a cell that is no longer pure), and a prefetch needs no branch to skip it.
-  void prefetch_packed(int j, uint32_t e) { prefetch((uint64_t)j * seg_len_ + std::min<uint64_t>(e >> 1, seg_len_ - 1)); }
+  void prefetch_packed(int j, uint32_t e) { prefetch((uint64_t)j * seg_len_ + std::min<uint64_t>(e >> kWeightCodeBits, seg_len_ - 1)); }
   void prefetch(uint64_t c) {
     __builtin_prefetch(&slots_[c * stride_], 1, 3);
     __builtin_prefetch(&slots_[c * stride_ + stride_ - 1], 1, 3);  // the last value (block > 1)
@@ -423,7 +428,7 @@ class PeelTable {
   uint64_t seg_len_ = 0, stride_ = kStateSlots + 1;
 };
 
-// kc[3i + j] = (offset of cell j of keys[i] in its segment << 1) | (sign_j < 0), for i < count: the
+// kc[3i + j] = (offset of cell j of keys[i] in its segment << kWeightCodeBits) | its weight code, for i < count: the
 // packed cells of PeelTable. A pure function of each key, written as a flat loop so the compiler can
 // vectorise the 64-bit hashing; cloned for AVX-512 (64-bit multiplies in vector registers) and AVX2,
 // chosen at load time.
@@ -434,9 +439,9 @@ void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t coun
     const uint64_t h = key_hash(t, keys[i]);
     const uint64_t first = 3 * hash_group(t, h);  // the key's first segment
     for (int j = 0; j < 3; ++j) {
-      int sign;
-      const uint64_t offset = key_cell(t, h, j, &sign) - (first + (uint64_t)j) * t.seg_len;
-      kc[3 * (uint64_t)i + j] = (uint32_t)(offset << 1) | (uint32_t)(sign < 0);
+      uint32_t code;
+      const uint64_t offset = key_cell_code(t, h, j, &code) - (first + (uint64_t)j) * t.seg_len;
+      kc[3 * (uint64_t)i + j] = (uint32_t)(offset << kWeightCodeBits) | code;
     }
   }
 }
@@ -448,7 +453,7 @@ void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count
   for (size_t i = 0; i < count; ++i) group[i] = (uint32_t)key_group(t, keys[i]);
 }
 
-// Add sign * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
+// Add weight * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
 // group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
 // pass. The group's cells stay in cache, but a group's keys are spread over all of x: each key's
 // values are a miss to memory, so they are prefetched well ahead.
@@ -459,7 +464,7 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
   kc.resize(3 * count);
   hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
   auto cell_values = [&](size_t i, int j) {  // the values of cell j of keys[i]
-    return sketch + (base + (uint64_t)j * L.sketch.seg_len + (kc[3 * i + j] >> 1)) * B;
+    return sketch + (base + (uint64_t)j * L.sketch.seg_len + (kc[3 * i + j] >> kWeightCodeBits)) * B;
   };
   for (size_t i = 0; i < count; ++i) {
     if (i + kAhead < count) {
@@ -471,11 +476,12 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;
     for (int j = 0; j < 3; ++j) {
-      // dst + (-1 * v) is dst - v bit for bit (IEEE subtraction is addition of the negation), and a
-      // multiplied-in sign needs no branch: a random sign mispredicts half the time.
+      // w * v is exact (w = +-1, +-2), and dst + (-1 * v) is dst - v bit for bit (IEEE subtraction is
+      // addition of the negation); a multiplied-in weight needs no branch: a random sign mispredicts
+      // half the time.
       float* dst = cell_values(i, j);
-      const float s = (float)kSigns[kc[3 * i + j] & 1u];
-      for (uint64_t l = 0; l < len; ++l) dst[l] += s * src[l];
+      const float w = (float)PeelTable::weight(kc[3 * i + j]);
+      for (uint64_t l = 0; l < len; ++l) dst[l] += w * src[l];
     }
   }
 }
@@ -505,8 +511,10 @@ void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* key
 // pure. Breadth-first order keeps each key's chain of earlier-peeled dependencies as short as the
 // hypergraph allows, which bounds how far float rounding errors propagate (see
 // layout.sketch_table_for).
-// `resolve(pos, cell, sign)` removes the key's contribution from its cells' values; cell[0] is the
-// pure cell it is read from, cell[1] and cell[2] the others (false aborts). Returns the number of
+// `resolve(pos, cell, coef)` removes the key's contribution from its cells' values; cell[0] is the
+// pure cell it is read from, cell[1] and cell[2] the others (false aborts); coef[0] is the inverse of
+// the key's weight in cell[0] (its value is coef[0] times that cell), coef[1] and coef[2] its weights
+// in the other two. Returns the number of
 // keys resolved; sets `*bad` if the states are inconsistent (a guard: states built by build_states
 // are consistent whatever the payload holds).
 template <typename Resolve>
@@ -525,7 +533,7 @@ uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolv
   for (uint64_t head = 0; head < tail; ++head) {
     // Software pipeline: load the state of the cell queued 2 * kAhead ahead; kAhead ahead, its state
     // names its key's other cells (if it is still pure then, it stays so): load those too.
-    // Branch-free apart from the stale-entry test: the signs of random keys and which of its three
+    // Branch-free apart from the stale-entry test: the weights of random keys and which of its three
     // cells a key is read from are coin flips to a branch predictor.
     if (head + kAhead < tail) {
       const uint64_t c = queue[head + kAhead];
@@ -542,8 +550,8 @@ uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolv
     // The pure cell first, then the other two in their order (which fixes the queue order).
     const int j1 = (int)(pure == 0), j2 = 2 - (int)(pure == 2);
     const uint64_t ordered[3] = {c, cell[j1], cell[j2]};
-    const double sign[3] = {PeelTable::sign(e[pure]), PeelTable::sign(e[j1]), PeelTable::sign(e[j2])};
-    if (!resolve(pos, ordered, sign)) return resolved;
+    const double coef[3] = {PeelTable::inverse_weight(e[pure]), PeelTable::weight(e[j1]), PeelTable::weight(e[j2])};
+    if (!resolve(pos, ordered, coef)) return resolved;
     ++resolved;
     // The pure cell is left with no key; nothing reads its state again (it is dequeued already).
     const PeelTable::Record k = PeelTable::record(pos, e);
@@ -628,9 +636,9 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
     for (uint64_t k = kb; k < ke; ++k) {
       // Most keys fail at the first counter at the densities where the Bloom index is chosen.
       const uint64_t h = key_hash(L.bloom, k);
-      int sign;
-      if (count[key_cell(L.bloom, h, 0, &sign)] && count[key_cell(L.bloom, h, 1, &sign)] &&
-          count[key_cell(L.bloom, h, 2, &sign)])
+      int weight;  // unused: index tables add counts
+      if (count[key_cell(L.bloom, h, 0, &weight)] && count[key_cell(L.bloom, h, 1, &weight)] &&
+          count[key_cell(L.bloom, h, 2, &weight)])
         mine.push_back((uint32_t)k);
     }
   }
@@ -1275,11 +1283,9 @@ void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::v
 
 // The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
 // share all three cells, each cell holding just the two of them. Cell j holds
-// R_j = s_j(a) v_a + s_j(b) v_b, so with A_j = s_j(a) R_j = v_a + t_j v_b (t_j = s_j(a) s_j(b)) and
-// q the first cell with t_q != t_0:
-//     v_a = (A_0 + A_q) / 2,    v_b = t_0 (A_0 - A_q) / 2,
-// each the half of a sum of two cells (as exact as reading a pure cell). A pair whose relative
-// signs agree in all three cells (a quarter of them) is unsolvable and stays unresolved.
+// R_j = w_j(a) v_a + w_j(b) v_b; two of the cells solve the pair as lhc::pair_cells states (one
+// subtraction and one division, about as exact as reading a pure cell). A pair whose weight ratios
+// w_j(a) / w_j(b) agree in all three cells (5/128 of them) is unsolvable and stays unresolved.
 // `solve(pos_a, pos_b, cells, va, vb)` receives each solved pair, in increasing order of its cell in
 // the group's first segment; the states are left as they are (the pair's cells are not read again).
 // Runs only after a stalled peel: it hashes every key of the group once. Returns the keys solved.
@@ -1288,13 +1294,13 @@ uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* 
                      std::vector<uint32_t>& kc, Solve&& solve) {
   const uint64_t seg_len = t.cells() / 3;
   // Candidate cells of the first segment: two keys left, and the XOR of their packed cells names the
-  // same offset in every segment (only the sign bits may differ).
+  // same offset in every segment (only the weight codes may differ).
   std::vector<char> candidate(seg_len, 0);
   bool any = false;
   for (uint64_t o = 0; o < seg_len; ++o) {
     if (t.deg(o) != 2) continue;
     bool same = true;
-    for (int j = 0; j < 3; ++j) same &= (t.packed(o, j) >> 1) == 0;
+    for (int j = 0; j < 3; ++j) same &= (t.packed(o, j) >> kWeightCodeBits) == 0;
     candidate[o] = same;
     any |= same;
   }
@@ -1306,8 +1312,10 @@ uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* 
   kc.resize(3 * (uint64_t)count);
   hash_cells(table, keys, count, kc.data());
   std::vector<std::pair<uint32_t, uint32_t>> members;  // (first cell, position)
-  for (uint32_t p = 0; p < count; ++p)
-    if (candidate[kc[3 * (uint64_t)p] >> 1]) members.emplace_back(kc[3 * (uint64_t)p] >> 1, p);
+  for (uint32_t p = 0; p < count; ++p) {
+    const uint32_t first = kc[3 * (uint64_t)p] >> kWeightCodeBits;
+    if (candidate[first]) members.emplace_back(first, p);
+  }
   std::sort(members.begin(), members.end());
   uint32_t solved = 0;
   std::vector<double> va(block), vb(block);
@@ -1325,20 +1333,24 @@ uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* 
         bool pair = true;
         for (int j = 0; j < 3; ++j) {
           cell[j] = t.cell(j, ea[j]);
-          pair &= (ea[j] >> 1) == (eb[j] >> 1) && t.deg(cell[j]) == 2 && t.pos(cell[j]) == (a ^ b);
+          pair &= (ea[j] >> kWeightCodeBits) == (eb[j] >> kWeightCodeBits) && t.deg(cell[j]) == 2 &&
+                  t.pos(cell[j]) == (a ^ b);
         }
         if (!pair) continue;
-        double rel[3];
-        for (int j = 0; j < 3; ++j) rel[j] = PeelTable::sign(ea[j]) * PeelTable::sign(eb[j]);
-        if (rel[0] == rel[1] && rel[0] == rel[2]) continue;  // proportional signs: unsolvable
-        const int q = rel[0] != rel[1] ? 1 : 2;
-        const double* R0 = t.values(cell[0]);
-        const double* Rq = t.values(cell[q]);
-        const double s0 = PeelTable::sign(ea[0]), sq = PeelTable::sign(ea[q]);
+        int wa[3], wb[3];
+        for (int j = 0; j < 3; ++j) {
+          wa[j] = weight_of_code(ea[j] & kCodeMask);
+          wb[j] = weight_of_code(eb[j] & kCodeMask);
+        }
+        const PairCells pc = pair_cells(wa, wb);
+        if (pc.det == 0) continue;  // proportional weights: unsolvable
+        const double* Rp = t.values(cell[pc.p]);
+        const double* Rq = t.values(cell[pc.q]);
+        const double det = pc.det;
+        const double wap = wa[pc.p], waq = wa[pc.q], wbp = wb[pc.p], wbq = wb[pc.q];
         for (uint64_t l = 0; l < block; ++l) {
-          const double A0 = s0 * R0[l], Aq = sq * Rq[l];
-          va[l] = 0.5 * (A0 + Aq);
-          vb[l] = rel[0] * (0.5 * (A0 - Aq));
+          va[l] = (wbq * Rp[l] - wbp * Rq[l]) / det;
+          vb[l] = (wap * Rq[l] - waq * Rp[l]) / det;
         }
         for (int j = 0; j < 3; ++j) t.deg(cell[j]) = 0;
         solve(a, b, cell, va.data(), vb.data());
@@ -1422,22 +1434,22 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       bool group_bad = false;
       peeled[g] = peel(
           t, kn, scratch,
-          [&](uint32_t pos, const uint64_t* cell, const double* sign) {
-            // Branch-free: signs are multiplied in (exact), so mispredictions do not stall the
-            // memory pipeline.
+          [&](uint32_t pos, const uint64_t* cell, const double* coef) {
+            // Branch-free: weights and their inverses are multiplied in (exact: powers of two), so
+            // mispredictions do not stall the memory pipeline.
             if (B == 1) {  // unstructured keys: no loops over one value
-              const double x = sign[0] * *t.values(cell[0]);
-              *t.values(cell[1]) -= sign[1] * x;
-              *t.values(cell[2]) -= sign[2] * x;
+              const double x = coef[0] * *t.values(cell[0]);
+              *t.values(cell[1]) -= coef[1] * x;
+              *t.values(cell[2]) -= coef[2] * x;
               gvals[pos] = (float)x;
             } else {
               const double* src = t.values(cell[0]);
-              for (uint64_t l = 0; l < B; ++l) v[l] = sign[0] * src[l];
+              for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src[l];
               double* d1 = t.values(cell[1]);
               double* d2 = t.values(cell[2]);
               for (uint64_t l = 0; l < B; ++l) {
-                d1[l] -= sign[1] * v[l];
-                d2[l] -= sign[2] * v[l];
+                d1[l] -= coef[1] * v[l];
+                d2[l] -= coef[2] * v[l];
               }
               float* o = gvals + (uint64_t)pos * B;
               for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
@@ -1525,8 +1537,8 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     for (const auto& part : keys.parts)
       for (uint64_t k : part) {
         uint64_t cell[3];
-        int sign[3];
-        key_cells(L.bloom, k, cell, sign);
+        int weight[3];  // unused: index tables add counts
+        key_cells(L.bloom, k, cell, weight);
         for (int j = 0; j < 3; ++j) ++count[cell[j]];
       }
     const uint64_t words = L.index.words();
@@ -1564,8 +1576,8 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
       auto flush = [&]() {
         if (cur == ~0ULL) return;
         uint64_t cell[3];
-        int sign[3];
-        key_cells(L.fine[l], cur, cell, sign);
+        int weight[3];  // unused: index tables add counts
+        key_cells(L.fine[l], cur, cell, weight);
         for (int j = 0; j < 3; ++j)
           for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += pattern[i];
         std::fill(pattern.begin(), pattern.end(), 0);

@@ -25,7 +25,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("seg_len", &SegmentedTable::seg_len)
       .def_readwrite("seg_count", &SegmentedTable::seg_count)
-      .def_readwrite("stream", &SegmentedTable::stream);
+      .def_readwrite("stream", &SegmentedTable::stream)
+      .def_readwrite("weighted", &SegmentedTable::weighted);
 
   py::class_<DigitPacking>(m, "DigitPacking")
       .def(py::init<>())

@@ -102,9 +102,10 @@ LHC_HD uint64_t reduce32(uint64_t h, uint64_t n) { return ((h & 0xffffffffULL) *
 LHC_HD uint64_t stream_seed(uint64_t seed, uint64_t salt) { return mix64(seed ^ mix64(salt)); }
 
 struct SegmentedTable {
-  uint64_t seg_len;    // cells per segment (>= 1)
-  uint64_t seg_count;  // segments: 3 x groups
-  uint64_t stream;     // stream_seed(user seed, salt)
+  uint64_t seg_len;       // cells per segment (>= 1)
+  uint64_t seg_count;     // segments: 3 x groups
+  uint64_t stream;        // stream_seed(user seed, salt)
+  uint64_t weighted = 0;  // 1: weights +-1, +-2; 0: signs +-1 only (see weight_of_code)
   LHC_HD uint64_t cells() const { return seg_len * seg_count; }
   LHC_HD uint64_t groups() const { return seg_count / 3; }
   LHC_HD uint64_t group_cells() const { return 3 * seg_len; }
@@ -116,13 +117,16 @@ LHC_HD uint64_t key_hash(const SegmentedTable& t, uint64_t key) { return mix64(k
 // The group of the key with first-level hash h.
 LHC_HD uint64_t hash_group(const SegmentedTable& t, uint64_t h) { return reduce32(h >> 32, t.groups()); }
 
-// Key weights. The value sketch adds w_j(k) * v_k into cell j of key k, with w_j(k) one of
-// {+1, +2, -1, -2}, chosen by the top two bits of the cell's hash hj (the offset uses the low 32):
-// the weight code hj >> 62 has bit 1 = negative (bit 63, the sign the codec used before weights)
-// and bit 0 = magnitude 2. Powers of two keep encode and decode arithmetic exact (a product with
-// +-2 or +-1/2 only moves the exponent). Magnitudes of 1 and 2 make a two-key stopping set
-// unsolvable only when its three weight ratios agree: 5/128 of them instead of the 1/4 of +-1 signs
-// (see layout.sketch_table_for). The integer index tables ignore weights (they add counts).
+// Key weights. The value sketch adds w_j(k) * v_k into cell j of key k. In a weighted table w_j(k)
+// is one of {+1, +2, -1, -2}, chosen by the top two bits of the cell's hash hj (the offset uses the
+// low 32): the weight code hj >> 62 has bit 1 = negative (bit 63) and bit 0 = magnitude 2. In an
+// unweighted table bit 0 is masked off: signs +-1 only. Powers of two keep encode and decode
+// arithmetic exact (a product with +-2 or +-1/2 only moves the exponent). Magnitudes of 1 and 2
+// make a two-key stopping set unsolvable only when its three weight ratios agree: 5/128 of them
+// instead of the 1/4 of signs; but a key read from a cell whose other keys weigh more carries their
+// errors doubled, so weights cost accuracy where peeling chains are long (near the threshold), and
+// layout.sketch_table_for weights only small, lightly loaded tables. The integer index tables
+// are never weighted (they add counts and ignore the weight).
 constexpr int kWeightCodeBits = 2;
 LHC_HD int weight_of_code(uint32_t code) {
   const int magnitude = 1 + (int)(code & 1u);
@@ -133,7 +137,7 @@ LHC_HD int weight_of_code(uint32_t code) {
 LHC_HD uint64_t key_cell_code(const SegmentedTable& t, uint64_t h, int j, uint32_t* code) {
   const uint64_t start = 3 * hash_group(t, h);
   const uint64_t hj = mix64(h + 0x9e3779b97f4a7c15ULL * (uint64_t)(j + 1));
-  *code = (uint32_t)(hj >> 62);
+  *code = (uint32_t)(hj >> 62) & (t.weighted ? 3u : 2u);
   return (start + (uint64_t)j) * t.seg_len + reduce32(hj, t.seg_len);
 }
 

@@ -39,6 +39,7 @@ def require_backend(device: torch.device) -> None:
 def _table(src) -> "_C.SegmentedTable":
     t = _C.SegmentedTable()
     t.seg_len, t.seg_count, t.stream = src.seg_len, src.seg_count, src.stream
+    t.weighted = int(src.weighted)
     return t
 
 

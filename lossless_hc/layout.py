@@ -61,9 +61,13 @@ SATURATION_TARGET = 1e-6
 BLOOM_FP_PER_KEY = 0.25
 # The share of two-key stopping sets of the value sketch that its decoder cannot solve: the two keys
 # share all three cells, and the pair is solvable unless their weight ratios w_j(a) / w_j(b) agree in
-# all three (weights uniform on {+1, +2, -1, -2}: a ratio is +-1 with probability 1/4 each and
-# +-2, +-1/2 with 1/8 each, so 2 (1/4)^3 + 4 (1/8)^3 = 5/128; see sketch_table_for).
-PAIR_UNSOLVABLE_SHARE = 5.0 / 128.0
+# all three. With signs +-1 that is 2 of the 8 sign patterns; with weights uniform on
+# {+1, +2, -1, -2} a ratio is +-1 with probability 1/4 each and +-2, +-1/2 with 1/8 each, so
+# 2 (1/4)^3 + 4 (1/8)^3 = 5/128 (see sketch_table_for).
+PAIR_UNSOLVABLE_SHARE_SIGNS = 0.25
+PAIR_UNSOLVABLE_SHARE_WEIGHTS = 5.0 / 128.0
+# A weighted value sketch is never loaded above 1 / this (cells per key): see sketch_table_for.
+WEIGHTED_MIN_CELLS_PER_KEY = 1.6
 # Segments are at most this long: the decoders pack a cell's offset and its 2-bit weight code into
 # 32 bits (lhc::kMaxSegLen).
 MAX_SEG_LEN = 1 << 30
@@ -98,6 +102,7 @@ class SegmentedTable:
     seg_len: int
     seg_count: int
     stream: int
+    weighted: bool = False   # value sketch only: weights +-1, +-2 instead of signs (sketch_table_for)
 
     @property
     def cells(self) -> int:
@@ -165,19 +170,38 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
 
     Pairs the decoder solves. A value sketch's pair is not always a failure: its two keys ``a, b``
     leave three cells holding ``w_j(a) v_a + w_j(b) v_b`` (j = 0, 1, 2), three equations in two
-    unknowns, where ``w_j`` is the key's weight in cell j, uniform on {+1, +2, -1, -2}
-    (``lhc::weight_of_code``). Unless the columns are proportional (the ratios ``w_j(a) / w_j(b)``
-    all equal: 5/128 of the pairs, ``PAIR_UNSOLVABLE_SHARE``), two cells p, q with
+    unknowns, where ``w_j`` is the key's weight in cell j (``lhc::weight_of_code``). Unless the
+    columns are proportional (the ratios ``w_j(a) / w_j(b)`` all equal), two cells p, q with
     ``det = w_p(a) w_q(b) - w_q(a) w_p(b) != 0`` give ``v_a = (w_q(b) R_p - w_p(b) R_q) / det`` and
     ``v_b = (w_p(a) R_q - w_q(a) R_p) / det`` (``lhc::pair_cells`` picks the pair of cells with the
     largest ``|det|``): one subtraction and one division in double, about as exact as reading a pure
-    cell. Weights of magnitude 1 and 2 are exact to multiply in and divide out (powers of two), and
-    they cost accuracy only through the float32 sums of the cells, whose terms are up to twice as
-    large as with +-1 signs. With +-1 signs a quarter of the pairs were unsolvable; with the weights
-    the pair term shrinks 6.4x and the 4-key sets above size the table below ~1000 keys: at 210 keys
-    (blocks of 32 at density 1e-4 of 2^26 coordinates) 1.81 cells per key instead of 2.53. (The
-    integer tables of the Bloom and multilevel indexes add +1 counts, so all their pairs are
-    proportional: they keep the full pair term.)
+    cell. With signs (``w`` = +-1) a quarter of the pairs are proportional
+    (``PAIR_UNSOLVABLE_SHARE_SIGNS``), so the pair term shrinks by ``4**(1/3)`` = 1.59x in cells, and
+    the cap on ``G`` grows by 2. (The integer tables of the Bloom and multilevel indexes add +1
+    counts, so all their pairs are proportional: they keep the full pair term.)
+
+    Weights. With weights uniform on {+1, +2, -1, -2} only 5/128 of the pairs are proportional
+    (``PAIR_UNSOLVABLE_SHARE_WEIGHTS``) and the 4-key sets size a small table: 210 keys (blocks of
+    32 at density 1e-4 of 2^26 coordinates) need 1.81 cells per key instead of 2.53. Multiplying by
+    +-2 and dividing by it are exact, but a key read from a cell whose other keys weigh 2 when it
+    weighs 1 takes their errors doubled, so along a peeling chain errors grow by ~1.125x per step
+    more than with signs. Measured (1 rank, N(0,1) values, ~180 decodes per point, max abs error;
+    median in brackets):
+
+    ==========  ==================  ==================  ==================
+    cells/key   210 keys s / w      500 keys s / w      1000 keys s / w
+    ==========  ==================  ==================  ==================
+    1.3         4.5e-6 / 1.7e-4     6.9e-6 / 3.8e-4     5.3e-6 / 2.6e-4
+    1.5         1.4e-6 / 5.0e-6     1.7e-6 / 1.6e-5     1.3e-6 / 1.2e-5
+                (4.8e-7 / 1.0e-6)   (6.4e-7 / 1.7e-6)   (7.2e-7 / 2.1e-6)
+    1.8         7.2e-7 / 1.9e-6     1.0e-6 / 2.2e-6     8.9e-7 / 3.6e-6
+    ==========  ==================  ==================  ==================
+
+    and with the threshold-sized tables of 1e4-1e5 keys errors grew 50-100x (to ~1e-3). Tables are
+    therefore weighted only where that buys cells and stays accurate: a single group, loaded at
+    most 1/``WEIGHTED_MIN_CELLS_PER_KEY`` (1.6 cells per key, where the errors stay within those
+    of the large signed tables, ~1e-5), and only if that is smaller than the signed table. In
+    practice: below ~600 keys.
 
     A spatially coupled layout (keys spread over three *consecutive* segments of many) would peel
     down to ~1.13 cells/key, but its peeling advances as a slow wave whose long dependency chains
@@ -188,7 +212,13 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
         raise ValueError(f"keys must be >= 0, got {keys}")
     if keys == 0:
         return SegmentedTable(seg_len=1, seg_count=3, stream=stream)
-    return _grouped_table(keys, GROUP_KEYS, PAIR_UNSOLVABLE_SHARE, stream)
+    signs = _grouped_table(keys, GROUP_KEYS, PAIR_UNSOLVABLE_SHARE_SIGNS, stream)
+    if signs.seg_count == 3:
+        cells = max(_group_cells(keys, 1, PAIR_UNSOLVABLE_SHARE_WEIGHTS), WEIGHTED_MIN_CELLS_PER_KEY * keys)
+        seg_len = max(1, math.ceil(cells / 3))
+        if seg_len < signs.seg_len:
+            return SegmentedTable(seg_len=seg_len, seg_count=3, stream=stream, weighted=True)
+    return signs
 
 
 def _grouped_table(keys: int, group_keys: int, pair_share: float, stream: int) -> SegmentedTable:
@@ -229,7 +259,7 @@ def small_stopping_sets(keys: float, seg_len: float, pair_share: float = 1.0) ->
 def _group_cells(per_group: float, groups: int = 1, pair_share: float = 1.0) -> float:
     """Cells of one group of three segments that peels ``per_group`` keys (see sketch_table_for);
     ``pair_share``: the fraction of two-key stopping sets the decoder cannot solve (1 for the
-    integer index tables, ``PAIR_UNSOLVABLE_SHARE`` for the value sketch). The groups' small
+    integer index tables, ``PAIR_UNSOLVABLE_SHARE_SIGNS`` or ``_WEIGHTS`` for the value sketch). The groups' small
     stopping sets together stay below ``PEEL_FAILURE_TARGET``."""
     cells = SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8
     seg = max(1, math.ceil(cells / 3))
@@ -574,7 +604,8 @@ def _fingerprint(*values: int) -> int:
 def _layout_fingerprint(L: PayloadLayout) -> int:
     bloom, m = L.bloom, L.multilevel
     values = [LAYOUT_VERSION, L.numel, L.block, L.world_size, L.capacity, INDEX_KIND_CODE[L.index_kind], L.seed,
-              L.sketch.seg_len, L.sketch.seg_count, bloom.cells if bloom else 0, L.index.base, L.digit_cap]
+              L.sketch.seg_len, L.sketch.seg_count, bloom.cells if bloom else 0, L.index.base, L.digit_cap,
+              int(L.sketch.weighted)]
     if m is not None:  # the multilevel shape joins the hash (other kinds keep their fingerprints)
         values += [L.union_keys, len(m.levels)]
         for lv in m.levels:

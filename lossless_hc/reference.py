@@ -82,8 +82,8 @@ def key_cells(table: SegmentedTable, keys: torch.Tensor) -> tuple[torch.Tensor, 
 
     Mirrors ``lhc::key_cells``: ``h = mix64(key ^ stream)``; the key's group
     ``g = reduce32(h >> 32, seg_count // 3)``; for j = 0, 1, 2 ``hj = mix64(h + golden * (j + 1))``,
-    cell ``(3 g + j) * seg_len + reduce32(hj, seg_len)`` and weight ``+-(1 + bit 62 of hj)``,
-    negative iff the top bit of hj is set.
+    cell ``(3 g + j) * seg_len + reduce32(hj, seg_len)`` and weight ``+-(1 + bit 62 of hj)`` in a
+    weighted table (``+-1`` otherwise), negative iff the top bit of hj is set.
     """
     keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
     if table.seg_count < 3 or table.seg_count % 3:
@@ -94,7 +94,7 @@ def key_cells(table: SegmentedTable, keys: torch.Tensor) -> tuple[torch.Tensor, 
     for j in range(3):
         hj = mix64(h + _s64(_GOLDEN * (j + 1)))
         cells.append((start + j) * table.seg_len + reduce32(hj, table.seg_len))
-        magnitude = 1 + _lsr(hj, 62) % 2
+        magnitude = 1 + _lsr(hj, 62) % 2 if table.weighted else torch.ones_like(hj)
         weights.append(torch.where(hj < 0, -magnitude, magnitude).to(torch.int64))
     return torch.stack(cells, dim=1), torch.stack(weights, dim=1)
 

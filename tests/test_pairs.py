@@ -3,10 +3,12 @@
 Peeling never resolves them (neither is ever alone in a cell); the decoder solves the pair from two
 of its cells unless the keys' weight ratios agree in all three (then the pair is unsolvable and
 decode reports ok=False). ``layout.sketch_table_for`` sizes small sketches on that promise
-(``PAIR_UNSOLVABLE_SHARE``), so both outcomes are pinned here on real colliding keys, found by
+(``PAIR_UNSOLVABLE_SHARE_SIGNS`` / ``_WEIGHTS``), so both outcomes are pinned here on real colliding keys, found by
 hashing every key of small layouts: exact (within the trace bound) when solvable, a reported
 failure -- never a wrong answer -- when not, the C++ decoder and the reference agreeing on which.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 
 import helpers
 from lossless_hc import LosslessCodec, reference
-from lossless_hc.layout import PAIR_UNSOLVABLE_SHARE
+from lossless_hc.layout import PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS
 
 
 def colliding_pairs(layout):
@@ -105,14 +107,18 @@ def test_bloom_index_then_pair():
     helpers.assert_lossless(codec.layout, xs, y, rep, strict_support=False)
 
 
-def test_unsolvable_share_matches_weight_patterns():
-    """Over many colliding pairs, the share with proportional weights is the 5/128 the sizing assumes."""
+@pytest.mark.parametrize("weighted", [True, False])
+def test_unsolvable_share_matches_weight_patterns(weighted):
+    """Over many colliding pairs, the share with proportional columns is what the sizing assumes:
+    5/128 with weights +-1, +-2, 2/8 with signs."""
     codec = LosslessCodec(200_000, 2, 40, index="bitmap", seed=1)
-    solvable, proportional = colliding_pairs(codec.layout)
+    assert codec.layout.sketch.weighted  # 80 keys: a small table is weighted
+    layout = codec.layout if weighted else replace(codec.layout, sketch=replace(codec.layout.sketch, weighted=False))
+    solvable, proportional = colliding_pairs(layout)
     total = len(solvable) + len(proportional)
     assert total > 2000
     share = len(proportional) / total
-    p = PAIR_UNSOLVABLE_SHARE
+    p = PAIR_UNSOLVABLE_SHARE_WEIGHTS if weighted else PAIR_UNSOLVABLE_SHARE_SIGNS
     assert abs(share - p) < 5 * np.sqrt(p * (1 - p) / total)
 
 

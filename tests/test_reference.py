@@ -22,7 +22,7 @@ def py_key_cells(t: SegmentedTable, key: int):
     out = []
     for j in range(3):
         hj = lay.mix64((h + 0x9E3779B97F4A7C15 * (j + 1)) & M64)
-        magnitude = 1 + (hj >> 62 & 1)
+        magnitude = 1 + (hj >> 62 & 1) if t.weighted else 1
         out.append(((start + j) * t.seg_len + r32(hj, t.seg_len), -magnitude if hj >> 63 else magnitude))
     return out
 
@@ -41,9 +41,11 @@ def test_mix64_known_vector():
 
 @pytest.mark.parametrize("table", [
     SegmentedTable(seg_len=7, seg_count=3, stream=12345),
+    SegmentedTable(seg_len=7, seg_count=3, stream=12345, weighted=True),
     SegmentedTable(seg_len=1, seg_count=3, stream=0),
     SegmentedTable(seg_len=(1 << 32) - 1, seg_count=3, stream=M64 - 4),      # reduce32 product near 2**64
     SegmentedTable(seg_len=1000, seg_count=12, stream=(1 << 63) + 7),      # 4 groups of 3 sub-tables
+    SegmentedTable(seg_len=1000, seg_count=12, stream=(1 << 63) + 7, weighted=True),
     SegmentedTable(seg_len=3, seg_count=3 * (1 << 20), stream=lay.stream_seed(3, lay.SALT_BLOOM)),
 ])
 def test_key_cells_matches_python_ints(table):
@@ -56,14 +58,14 @@ def test_key_cells_matches_python_ints(table):
     for i, k in enumerate(keys):
         assert [(int(cells[i, j]), int(weights[i, j])) for j in range(3)] == py_key_cells(table, k), k
     # the documented invariants: cell j in segment 3 g + j of the key's group g, all cells in range,
-    # weights +-1, +-2 (all four), and with several groups every group used
+    # weights +-1, +-2 (all four; signs +-1 unweighted), and with several groups every group used
     seg = cells // table.seg_len
     assert bool((seg[:, 0] % 3 == 0).all())
     assert bool((seg[:, 1] == seg[:, 0] + 1).all()) and bool((seg[:, 2] == seg[:, 0] + 2).all())
     groups_hit = seg[:, 0].unique().numel()
     assert groups_hit == table.seg_count // 3 if table.seg_count <= 12 else groups_hit > 100
     assert int(cells.min()) >= 0 and int(cells.max()) < table.cells
-    assert set(weights.unique().tolist()) == {-2, -1, 1, 2}
+    assert set(weights.unique().tolist()) == ({-2, -1, 1, 2} if table.weighted else {-1, 1})
 
 
 def test_key_cells_rejects_bad_table():

@@ -35,11 +35,11 @@ CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 # fine levels (kLwFineStride words per level, MAX_FINE_LEVELS levels; placeholders past fine_levels).
 FINE_LEVEL_WORDS = ("seg_len", "seg_count", "stream", "span", "digits", "words", "offset")
 LAYOUT_WORDS = (("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
-                 "bloom_seg_len", "bloom_seg_count", "bloom_stream", "index_base", "index_per_word", "index_digits",
-                 "digit_cap", "capacity", "fingerprint", "index_offset", "sketch_offset", "payload_numel",
-                 "fine_levels")
+                 "sketch_weighted", "bloom_seg_len", "bloom_seg_count", "bloom_stream", "bloom_weighted",
+                 "index_base", "index_per_word", "index_digits", "digit_cap", "capacity", "fingerprint",
+                 "index_offset", "sketch_offset", "payload_numel", "fine_levels")
                 + tuple(f"fine{level}_{word}" for level in range(MAX_FINE_LEVELS) for word in FINE_LEVEL_WORDS))
-_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")  # seg_len, seg_count, stream follow
+_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")  # seg_len, seg_count, stream, weighted follow
 _BLOOM_TABLE_WORD = LAYOUT_WORDS.index("bloom_seg_len")
 
 THREADS = 256               # block size of the grid-stride kernels and of the tile kernels
@@ -47,7 +47,11 @@ TILE_ITEMS = 256 * 8        # kTileItems
 SCAN_THREADS = 1024         # lhc_scan_tiles runs as one block of this size
 NOT_PEELED = 0xFFFFFFFF
 PAIR_ROUND = 0xFFFFFFFE          # kPairRound: a key solved as part of a two-key stopping set
-MAX_POSITIONS = (1 << 32) // 3 - 1   # key positions: 31 bits in the adjacency, 3 x count < 2^32 offsets
+MAX_POSITIONS = (1 << 32) // 3 - 1   # Bloom candidate positions: 32-bit, 3 x count < 2^32
+WEIGHT_CODE_BITS = 2                 # lhc::kWeightCodeBits
+# Support key positions of the value peel: its adjacency packs (position << WEIGHT_CODE_BITS) | weight
+# code into 32 bits (lhc::gpu::kAdjCodeMask), so positions stay below 2^30 (and 3 x count < 2^32).
+MAX_PEEL_POSITIONS = 1 << (32 - WEIGHT_CODE_BITS)
 
 # lhc::gpu::DecodeFlag
 FLAG_INDEX_WORD = 1 << 0
@@ -350,8 +354,14 @@ class CudaLayout:
         if max(self.sketch_cells, self.bloom_cells, *self.fine_cells) >= (1 << 32) - 1:
             raise ValueError("the CUDA backend indexes table cells with 32 bits; this layout has more cells")
         # Keys one decode can hold: the value peel cannot resolve more keys than it has cells (each
-        # peel step consumes a pure cell), the count peel likewise.
-        self.key_cap = min(L.num_keys, self.sketch_cells, MAX_POSITIONS)
+        # peel step consumes a pure cell), the count peel likewise. The value peel's adjacency packs a
+        # key position with its 2-bit weight code: a sketch that could peel more keys than 2^30
+        # positions is refused here rather than failing its decodes at its design load.
+        if min(L.num_keys, self.sketch_cells) > MAX_PEEL_POSITIONS:
+            raise ValueError(f"the CUDA backend's value peel holds at most {MAX_PEEL_POSITIONS} support keys (key "
+                             f"positions packed with a {WEIGHT_CODE_BITS}-bit weight code in 32 bits); this layout's "
+                             f"sketch has {self.sketch_cells} cells for {L.num_keys} keys")
+        self.key_cap = min(L.num_keys, self.sketch_cells, MAX_PEEL_POSITIONS)
         self.cand_cap = min(L.num_keys, self.bloom_cells, MAX_POSITIONS)
         # Multilevel: the node list of each fine level, likewise bounded by its table's cells (a level
         # with more non-zero nodes cannot peel; the kernels decide its status without the list).
@@ -359,9 +369,9 @@ class CudaLayout:
         words = {
             "numel": L.numel, "num_keys": L.num_keys, "block": L.block, "index_kind": INDEX_KIND_CODE[L.index_kind],
             "sketch_seg_len": L.sketch.seg_len, "sketch_seg_count": L.sketch.seg_count,
-            "sketch_stream": L.sketch.stream,
+            "sketch_stream": L.sketch.stream, "sketch_weighted": int(L.sketch.weighted),
             "bloom_seg_len": L.bloom.seg_len if L.bloom else 1, "bloom_seg_count": L.bloom.seg_count if L.bloom else 3,
-            "bloom_stream": L.bloom.stream if L.bloom else 0,
+            "bloom_stream": L.bloom.stream if L.bloom else 0, "bloom_weighted": int(L.bloom.weighted) if L.bloom else 0,
             "index_base": L.index.base, "index_per_word": L.index.per_word, "index_digits": L.index.digits,
             "digit_cap": L.digit_cap, "capacity": L.capacity, "fingerprint": L.fingerprint,
             "index_offset": L.index_offset, "sketch_offset": L.sketch_offset, "payload_numel": L.payload_numel,
@@ -619,6 +629,10 @@ class DecodeRun:
         cells = a.view("src", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
         done = rounds != NOT_PEELED
         keys, rounds, cells = keys[done], rounds[done], cells[done]
+        # By round, then key: one int64 sort key, round * 2^32 + key. PAIR_ROUND (0xFFFFFFFE) would
+        # overflow it and sort the pairs first; rounds stay below 2^30 (at most one per support key),
+        # so the pairs' round becomes 2^31 - 1, above them and within int64.
+        rounds = torch.where(rounds == PAIR_ROUND, torch.full_like(rounds, (1 << 31) - 1), rounds)
         order = torch.argsort(rounds * (1 << 32) + keys)
         return keys[order].cpu(), cells[order].cpu()
 

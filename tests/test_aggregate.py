@@ -145,7 +145,10 @@ def test_topk_error_feedback_conserves_every_coordinate(n, steps, ratio, seed):
             if out.needs_fallback:
                 continue
             want = sum(c.dense_value.double() for _, c in encoded)
-            torch.testing.assert_close(out.value.double(), want, rtol=1e-6, atol=1e-6)
+            # float rounding of the value sketch only (~1e-7 relative per cell, carried along the
+            # peeling chains; a small weighted sketch carries up to ~3x that of a signed one:
+            # layout.sketch_table_for): measured worst ~1.6e-6 relative
+            torch.testing.assert_close(out.value.double(), want, rtol=5e-6, atol=5e-6)
     for r, a in enumerate(aggs):
         left = a.residual.double().reshape(64, 8) if a.residual is not None else 0
         torch.testing.assert_close(sent[r] + left, fed[r], rtol=1e-5, atol=1e-5)

@@ -49,7 +49,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def cell_bound(layout, x: torch.Tensor) -> torch.Tensor:
     """|difference| allowed between two float32 sums of one rank's terms in a cell, summed in
-    different orders: 2 (deg - 1) u M(c) per lane, M the absolute mass of the cell's terms."""
+    different orders: 2 (deg - 1) u M(c) per lane, M the absolute mass of the cell's terms w * v
+    (weights of magnitude 1 or 2)."""
     B = layout.block
     flat = x.reshape(-1).to(torch.float64).numpy()
     num_keys = layout.num_keys
@@ -61,10 +62,10 @@ def cell_bound(layout, x: torch.Tensor) -> torch.Tensor:
     M = np.zeros((C, B))
     deg = np.zeros(C)
     if len(keys):
-        cells, _ = reference.key_cells(layout.sketch, torch.from_numpy(keys))
-        cells = cells.numpy()
+        cells, weights = reference.key_cells(layout.sketch, torch.from_numpy(keys))
+        cells, magnitudes = cells.numpy(), weights.abs().numpy().astype(np.float64)
         for j in range(3):
-            np.add.at(M, cells[:, j], absx[keys])
+            np.add.at(M, cells[:, j], absx[keys] * magnitudes[:, j:j + 1])
             np.add.at(deg, cells[:, j], 1)
     bound = 2 * np.maximum(deg - 1, 0)[:, None] * helpers.U32 * M
     return torch.from_numpy(bound.reshape(-1))

@@ -117,6 +117,38 @@ def test_emulated_encode_matches_cpu(emulated, cfg):
         assert_same_payload(cpu.layout, cpu.encode(x), emulated_encode(native, x), x)
 
 
+@pytest.mark.parametrize("block", [1, 3])
+def test_emulated_encode_adds_weighted_values(emulated, block):
+    """A key alone in its cells leaves w_j * v there, bit for bit: the weights +1, +2, -1, -2 of a
+    weighted sketch (lhc_layout.h, reference.key_cells; this small one is weighted), multiplied in
+    exactly (lhc_encode_scan_b1 for blocks of 1, lhc_encode_scatter_blocks above)."""
+    from lossless_hc import reference
+    cpu, native = host_codecs(3000 * block, 2, 60 * block, block, "bitmap")
+    L = cpu.layout
+    assert L.sketch.weighted, "a sketch this small is weighted (layout.sketch_table_for): pick a smaller one"
+    cells, weights = reference.key_cells(L.sketch, torch.arange(L.num_keys))
+    chosen, used = [], set()
+    for k in range(L.num_keys):   # keys whose cells no other chosen key touches
+        if len(chosen) == 24:
+            break
+        if not used & set(cells[k].tolist()):
+            chosen.append(k)
+            used |= set(cells[k].tolist())
+    assert set(weights[chosen].reshape(-1).tolist()) == {1, 2, -1, -2}
+    x = torch.zeros(L.numel)
+    rng = np.random.default_rng(helpers.stable_seed("emu-weights", block))
+    for k in chosen:   # odd mantissas, and magnitudes near the top and bottom of float32
+        x[k * block:(k + 1) * block] = torch.from_numpy(
+            (rng.choice([-1.0, 1.0], block) * rng.choice([1.0 + 2.0 ** -23, 3.0e38 / 2, 1.5e-38, 0.1], block))
+            .astype(np.float32))
+    sketch = emulated_encode(native, x)[L.sketch_offset:].reshape(-1, block)
+    for k in chosen:
+        for j in range(3):
+            want = x[k * block:(k + 1) * block] * float(weights[k, j])
+            assert torch.equal(bits(sketch[cells[k, j]]), bits(want)), (k, j, int(weights[k, j]))
+    assert_same_payload(L, cpu.encode(x), emulated_encode(native, x), x)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("averaged", [False, True])
 def test_emulated_decode_is_lossless_and_agrees_with_cpu(emulated, cfg, averaged):
@@ -210,6 +242,37 @@ def test_emulated_pairs_agree_with_cpu(emulated, block, index):
         assert report.ok == expect_ok
         if expect_ok:
             helpers.assert_lossless(cpu.layout, xs, y, report, strict_support=False)
-            assert pair[0] in report.trace[0].tolist() and pair[1] in report.trace[0].tolist()
+            # the solved pair comes last in the trace (round kPairRound, after every peeling round)
+            assert sorted(report.trace[0][-2:].tolist()) == sorted(pair)
         else:
             assert torch.equal(torch.isnan(y), torch.isnan(y_cpu))
+
+
+def test_emulated_pair_values_match_cpu_bitwise(emulated):
+    """lhc_solve_pairs evaluates lhc::pair_cells' formula as the CPU backend does (exact products, one
+    subtraction, one division in double): with nothing else in the pair's cells (pair_inputs keeps the
+    other keys out), both read the same residuals, so the pair's outputs agree bit for bit, for every
+    |det| among the layout's colliding pairs (1, 2, 3, 4, 5, 6 and 8 here: divisions exact or not)."""
+    from lossless_hc import reference
+    from test_pairs import colliding_pairs, pair_inputs
+
+    n = 2
+    cpu, native = host_codecs(4000, n, 8, 1, "bitmap", seed=11)
+    L = cpu.layout
+    solvable, _ = colliding_pairs(L)
+    _, weights = reference.key_cells(L.sketch, torch.arange(L.num_keys))
+    by_det = {}
+    for a, b in solvable:
+        by_det.setdefault(abs(reference.pair_cells(weights[a].tolist(), weights[b].tolist())[2]), (a, b))
+    assert by_det, "the layout has no solvable colliding pair: pick another seed"
+    rng = np.random.default_rng(helpers.stable_seed("emu-pair-bits"))
+    assert len(by_det) >= 3, sorted(by_det)
+    for det, pair in sorted(by_det.items()):
+        xs = pair_inputs(rng, L, pair, n, others=2)
+        summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+        y, report, _ = emulated_decode(native, summed)
+        y_cpu, r_cpu = cpu.decode(summed)
+        assert report.ok and r_cpu.ok, (det, report.reason, r_cpu.reason)
+        keys = torch.tensor(pair)
+        assert torch.equal(bits(y[keys]), bits(y_cpu[keys])), (det, pair, y[keys].tolist(), y_cpu[keys].tolist())
+

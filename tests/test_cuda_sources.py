@@ -126,3 +126,23 @@ def test_nvrtc_source_includes_every_kernel_header():
     src = _cuda._nvrtc_source()
     for path in _cuda.KERNEL_HEADERS:
         assert f'#include "cuda/{path.name}"' in src
+
+
+def test_value_peel_positions_leave_room_for_the_weight_codes():
+    """The value peel's adjacency packs (key position << kWeightCodeBits) | weight code in 32 bits:
+    _cuda caps the support list below 2^(32 - kWeightCodeBits) positions, and refuses a layout whose
+    sketch could peel more keys than that (a clear error, not failing decodes at its design load)."""
+    import torch
+    from lossless_hc.layout import build_layout
+    layout_h = (ROOT / "csrc" / "lhc_layout.h").read_text()
+    bits = int(re.search(r"kWeightCodeBits = (\d+)", layout_h).group(1))
+    assert _cuda.WEIGHT_CODE_BITS == bits
+    assert _cuda.MAX_PEEL_POSITIONS == 1 << (32 - bits)
+    assert re.search(r"kAdjCodeMask = \(1u << kWeightCodeBits\) - 1u", HEADER)
+    fits = build_layout("bitmap", 3 << 30, 1, 800_000_000)   # layouts only: nothing of this size is allocated
+    native = _cuda.CudaLayout(fits, torch.device("cpu"))
+    assert native.key_cap == min(fits.num_keys, fits.sketch.cells) <= _cuda.MAX_PEEL_POSITIONS
+    too_big = build_layout("bitmap", 3 << 30, 1, 1 << 30)
+    assert too_big.sketch.cells > _cuda.MAX_PEEL_POSITIONS
+    with pytest.raises(ValueError, match="support keys"):
+        _cuda.CudaLayout(too_big, torch.device("cpu"))

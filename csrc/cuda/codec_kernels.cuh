@@ -10,10 +10,11 @@
 // launcher can pass any kernel's arguments as an array of 64-bit words. The codec layout travels as
 // a device array of uint64 words (LayoutWord below, mirrored by _cuda.LAYOUT_WORDS).
 //
-// Agreement with the CPU backend: cells, signs, groups and digit packing come from lhc_layout.h, so
+// Agreement with the CPU backend: cells, weights, groups and digit packing come from lhc_layout.h, so
 // the index words (the multilevel index's fine tables included: exact integer sums converted once)
-// and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are
-// float sums of the same terms (atomicAdd order differs, so values agree within float rounding).
+// and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are float sums of
+// the same terms w * v (exact: w is +-1 or +-2), in atomicAdd order rather than the CPU's key order,
+// so values agree within float rounding.
 //
 // Determinism of decode (the payload alone decides the output bits):
 //  * Integer work (counts, degrees, XORs, index totals) uses atomics: integer sums commute.
@@ -37,6 +38,8 @@ namespace lhc {
 namespace gpu {
 
 // Order of the uint64 words describing a CodecLayout (mirrored by lossless_hc/_cuda.py LAYOUT_WORDS).
+// The value sketch's and the Bloom table's words (seg_len, seg_count, stream, weighted) are each a
+// table-words pointer (load_table), as the peeling kernels take them.
 enum LayoutWord : int {
   kLwNumel = 0,
   kLwNumKeys,
@@ -45,9 +48,11 @@ enum LayoutWord : int {
   kLwSketchSegLen,
   kLwSketchSegCount,
   kLwSketchStream,
+  kLwSketchWeighted,
   kLwBloomSegLen,
   kLwBloomSegCount,
   kLwBloomStream,
+  kLwBloomWeighted,
   kLwIndexBase,
   kLwIndexPerWord,
   kLwIndexDigits,
@@ -59,7 +64,7 @@ enum LayoutWord : int {
   kLwPayloadNumel,
   // Multilevel index (kIndexMultilevel; other kinds: 0 levels): the number of fine levels, then per
   // level l (coarsest first) kLwFineStride words from kLwFine0SegLen + kLwFineStride * l: its table
-  // (seg_len, seg_count, stream: usable as a table-words pointer), span, digits per word, words per
+  // (seg_len, seg_count, stream; never weighted: read by ml_level), span, digits per word, words per
   // cell, and the payload offset of its table.
   kLwFineLevels,
   kLwFine0SegLen,
@@ -94,6 +99,7 @@ enum LayoutWord : int {
 };
 constexpr int kLwFineStride = kLwFine1SegLen - kLwFine0SegLen;
 static_assert(kLwFineStride == 7 && kLayoutWords == kLwFine0SegLen + 4 * kLwFineStride, "fine-level words");
+static_assert(kLwSketchWeighted == kLwSketchSegLen + 3 && kLwBloomWeighted == kLwBloomSegLen + 3, "table words");
 
 // Encode statistics (device, zeroed by the caller before encode).
 struct EncodeCounters {
@@ -174,6 +180,17 @@ constexpr int kTileRounds = 8;                 // items per thread and tile
 constexpr int kTileItems = kTileThreads * kTileRounds;
 constexpr int kMaxPerWord = 22;                // base >= 2 and base^per_word <= 2^22
 
+// A segmented table from its table words: seg_len, seg_count, stream, weighted (the value sketch's
+// kLwSketchSegLen.., the Bloom table's kLwBloomSegLen..; the launcher passes their address).
+__device__ __forceinline__ SegmentedTable load_table(const uint64_t* w) {
+  SegmentedTable t;
+  t.seg_len = w[0];
+  t.seg_count = w[1];
+  t.stream = w[2];
+  t.weighted = w[3];
+  return t;
+}
+
 __device__ __forceinline__ CodecLayout load_layout(const uint64_t* w) {
   CodecLayout L;
   L.numel = w[kLwNumel];
@@ -183,9 +200,11 @@ __device__ __forceinline__ CodecLayout load_layout(const uint64_t* w) {
   L.sketch.seg_len = w[kLwSketchSegLen];
   L.sketch.seg_count = w[kLwSketchSegCount];
   L.sketch.stream = w[kLwSketchStream];
+  L.sketch.weighted = w[kLwSketchWeighted];
   L.bloom.seg_len = w[kLwBloomSegLen];
   L.bloom.seg_count = w[kLwBloomSegCount];
   L.bloom.stream = w[kLwBloomStream];
+  L.bloom.weighted = w[kLwBloomWeighted];
   L.index.base = (uint32_t)w[kLwIndexBase];
   L.index.per_word = (uint32_t)w[kLwIndexPerWord];
   L.index.digits = w[kLwIndexDigits];
@@ -322,7 +341,7 @@ __device__ __forceinline__ void load_powers(const DigitPacking& P, float* pw) {
 // a copy of per-level arrays in a struct indexed by a run-time level would live in local memory, and
 // would put a stack frame into every kernel that shares code with the multilevel path.
 struct MlLevel {
-  SegmentedTable table;  // hashed by node id, all signs +1
+  SegmentedTable table;  // hashed by node id (weights ignored: patterns add with +1)
   uint64_t span;         // keys under one node
   uint64_t below;        // keys under one child (1 at the finest level)
   uint64_t nodes;        // nodes of the level: ceil(num_keys / span)
@@ -341,6 +360,7 @@ __device__ __forceinline__ MlLevel ml_level(const uint64_t* w, uint32_t l) {
   v.table.seg_len = f[0];
   v.table.seg_count = f[1];
   v.table.stream = f[2];
+  v.table.weighted = 0;  // an index table: never weighted
   v.span = f[3];
   v.digits = (uint32_t)f[4];
   v.words = (uint32_t)f[5];
@@ -369,16 +389,16 @@ __device__ __forceinline__ unsigned char* ml_encode_flags(const uint64_t* w, uns
 }
 
 // Add base^digit (digit = child % w) to word child / w of `node`'s three cells of level `lv` (a node's
-// pattern is the sum of these over its non-zero children; all signs +1).
+// pattern is the sum of these over its non-zero children; weights ignored: every term adds +1).
 __device__ __forceinline__ void ml_add_child(const MlLevel& lv, uint64_t node, uint64_t child,
                                              unsigned long long* acc, const float* pw) {
   const unsigned long long power = (unsigned long long)pw[child % lv.digits];  // exact: base^digit < 2^22
   const uint64_t word = child / lv.digits;
   const uint64_t h = key_hash(lv.table, node);
-  int sign;
+  int weight;  // ignored (an index table)
 #pragma unroll
   for (int j = 0; j < 3; ++j)
-    atomicAdd(acc + lv.acc_offset + key_cell(lv.table, h, j, &sign) * lv.words + word, power);
+    atomicAdd(acc + lv.acc_offset + key_cell(lv.table, h, j, &weight) * lv.words + word, power);
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -396,16 +416,17 @@ __device__ __forceinline__ void encode_key_index(const CodecLayout& L, uint32_t 
     atomicAdd(payload + L.index_offset + key / per_word, pw[key % per_word]);
   } else if (L.index_kind == kIndexBloom) {
     const uint64_t h = key_hash(L.bloom, key);
-    int sign;
+    int weight;  // ignored: the Bloom counters add 1
 #pragma unroll
-    for (int j = 0; j < 3; ++j) atomicAdd(index_scratch + key_cell(L.bloom, h, j, &sign), 1u);
+    for (int j = 0; j < 3; ++j) atomicAdd(index_scratch + key_cell(L.bloom, h, j, &weight), 1u);
   } else if (L.index_kind == kIndexMultilevel) {
     atomicOr(ml_encode_key_bits(index_scratch) + key / 32, 1u << (key % 32));
   }
 }
 
 // block == 1: one pass over x finds the non-zero keys, adds their index digits and scatters their
-// values into the sketch. -0.0 counts as zero (as on the CPU). Grid-stride over 4-element groups.
+// weighted values w_j * v into the sketch (exact in float32: w is +-1 or +-2; the CPU backend adds
+// the same (float)w * v). -0.0 counts as zero (as on the CPU). Grid-stride over 4-element groups.
 extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const float* x, float* payload,
                                               unsigned int* index_scratch, EncodeCounters* counters) {
   __shared__ float pw[kMaxPerWord];
@@ -441,9 +462,9 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
         const uint64_t h = key_hash(L.sketch, key);
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
-          int sign;
-          const uint64_t cell = key_cell(L.sketch, h, j, &sign);
-          atomicAdd(sketch + cell, sign < 0 ? -value : value);
+          int weight;
+          const uint64_t cell = key_cell(L.sketch, h, j, &weight);
+          atomicAdd(sketch + cell, (float)weight * value);
         }
       }
     }
@@ -482,7 +503,8 @@ extern "C" __global__ void lhc_encode_keys(const uint64_t* layout, const unsigne
   warp_add(&counters->keys, found);
 }
 
-// block > 1, pass 3: scatter every coordinate of a flagged key into its three cells.
+// block > 1, pass 3: scatter every coordinate of a flagged key, times the cell's weight, into its
+// three cells.
 extern "C" __global__ void lhc_encode_scatter_blocks(const uint64_t* layout, const float* x,
                                                      const unsigned int* key_flag, float* payload) {
   const CodecLayout L = load_layout(layout);
@@ -495,9 +517,9 @@ extern "C" __global__ void lhc_encode_scatter_blocks(const uint64_t* layout, con
     const uint64_t h = key_hash(L.sketch, key);
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      int sign;
-      const uint64_t cell = key_cell(L.sketch, h, j, &sign);
-      atomicAdd(sketch + cell * L.block + lane, sign < 0 ? -value : value);
+      int weight;
+      const uint64_t cell = key_cell(L.sketch, h, j, &weight);
+      atomicAdd(sketch + cell * L.block + lane, (float)weight * value);
     }
   }
 }
@@ -850,9 +872,9 @@ extern "C" __global__ void lhc_bloom_unpack(const uint64_t* layout, const float*
 // Bloom candidates: keys whose three counters are non-zero (a superset of the aggregate support).
 __device__ __forceinline__ unsigned int bloom_candidate(const CodecLayout& L, const int* bcount, uint64_t key) {
   const uint64_t h = key_hash(L.bloom, key);
-  int sign;
-  return bcount[key_cell(L.bloom, h, 0, &sign)] && bcount[key_cell(L.bloom, h, 1, &sign)] &&
-         bcount[key_cell(L.bloom, h, 2, &sign)];
+  int weight;  // ignored (an index table)
+  return bcount[key_cell(L.bloom, h, 0, &weight)] && bcount[key_cell(L.bloom, h, 1, &weight)] &&
+         bcount[key_cell(L.bloom, h, 2, &weight)];
 }
 
 extern "C" __global__ void lhc_bloom_cand_count(const uint64_t* layout, const int* bcount,
@@ -892,18 +914,15 @@ extern "C" __global__ void lhc_build_states(const uint64_t* table_words, const u
                                             unsigned int* xr, DecodeCounters* counters, uint64_t degree_flag,
                                             uint64_t with_xor) {
   if (counters->abort) return;
-  SegmentedTable t;
-  t.seg_len = table_words[0];
-  t.seg_count = table_words[1];
-  t.stream = table_words[2];
+  const SegmentedTable t = load_table(table_words);
   const uint32_t n = list_length(counters);
   bool over = false;
   for (uint64_t p = global_thread(); p < n; p += grid_threads()) {
     const uint64_t h = key_hash(t, keys[p]);
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      int sign;
-      const uint64_t c = key_cell(t, h, j, &sign);
+      int weight;  // not needed: states count keys
+      const uint64_t c = key_cell(t, h, j, &weight);
       over |= atomicAdd(deg + c, 1u) >= kMaxCellDegree;
       if (with_xor) atomicXor(xr + c, (unsigned int)p);
     }
@@ -921,8 +940,8 @@ extern "C" __global__ void lhc_seed_pure(const unsigned int* deg, uint64_t cells
 
 // Which of its three cells a key was proposed from (-1 if none: inconsistent states).
 __device__ __forceinline__ int cell_slot(const SegmentedTable& t, uint64_t key, uint64_t cell, uint64_t cells[3],
-                                         int signs[3]) {
-  key_cells(t, key, cells, signs);
+                                         int weights[3]) {
+  key_cells(t, key, cells, weights);
   return cells[0] == cell ? 0 : cells[1] == cell ? 1 : cells[2] == cell ? 2 : -1;
 }
 
@@ -940,8 +959,8 @@ __device__ __forceinline__ void propose(const SegmentedTable& t, const uint32_t*
     const unsigned int p = load_cg(xr + c);
     if (p >= nkeys || load_cg(peeled_round + p) != kNotPeeled) { *bad = true; continue; }
     uint64_t cells[3];
-    int signs[3];
-    if (cell_slot(t, keys[p], c, cells, signs) < 0) { *bad = true; continue; }
+    int weights[3];
+    if (cell_slot(t, keys[p], c, cells, weights) < 0) { *bad = true; continue; }
     if (atomicMin(src + p, c) == kNoCell) queue_push(list, list_len, p);
   }
 }
@@ -956,10 +975,7 @@ extern "C" __global__ void lhc_peel_counts(const uint64_t* table_words, const ui
                                            unsigned int* pure1, unsigned int* list0, unsigned int* list1,
                                            PeelControl* control, DecodeCounters* counters, uint64_t world_size) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
-  SegmentedTable t;
-  t.seg_len = table_words[0];
-  t.seg_count = table_words[1];
-  t.stream = table_words[2];
+  const SegmentedTable t = load_table(table_words);
   const uint32_t nkeys = (uint32_t)counters->candidates;
   volatile PeelControl* vc = control;
   bool bad = false;
@@ -982,8 +998,8 @@ extern "C" __global__ void lhc_peel_counts(const uint64_t* table_words, const ui
       key_count[p] = count;
       peeled_round[p] = r;
       uint64_t cells[3];
-      int signs[3];
-      key_cells(t, keys[p], cells, signs);
+      int weights[3];  // ignored: the counters add counts
+      key_cells(t, keys[p], cells, weights);
 #pragma unroll
       for (int j = 0; j < 3; ++j) {
         atomicSub(counts + cells[j], count);
@@ -1214,8 +1230,8 @@ __device__ __forceinline__ void ml_replay_add(const SegmentedTable& T, uint64_t 
   const uint64_t h = key_hash(T, v);
 #pragma unroll
   for (int j = 0; j < 3; ++j) {
-    int sign;
-    const uint64_t c = key_cell(T, h, j, &sign);
+    int weight;  // ignored (an index table)
+    const uint64_t c = key_cell(T, h, j, &weight);
     atomicAdd(deg + c, 1u);
     atomicXor(xr + c, (unsigned int)v);
   }
@@ -1273,8 +1289,8 @@ __device__ bool ml_replay_group(const SegmentedTable& T, uint64_t g, uint64_t wp
     if (deg[c] != 1u) continue;  // its node was resolved through another cell meanwhile
     const uint64_t v = xr[c];
     uint64_t cell[3];
-    int sign[3];
-    key_cells(T, v, cell, sign);
+    int weight[3];  // ignored (an index table)
+    key_cells(T, v, cell, weight);
     const int pure = cell[0] == c ? 0 : cell[1] == c ? 1 : cell[2] == c ? 2 : -1;
     if (pure < 0) return true;  // a guard: states built from the node ids always name a node of the cell
     for (int j = 0; j < 3; ++j)
@@ -1387,8 +1403,8 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
         const uint64_t h = key_hash(T, nodes[p]);
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
-          int sign;
-          const uint64_t c = key_cell(T, h, j, &sign);
+          int weight;  // ignored (an index table)
+          const uint64_t c = key_cell(T, h, j, &weight);
           atomicAdd(deg + c, 1u);
           atomicXor(xr + c, (unsigned int)p);
         }
@@ -1421,8 +1437,8 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
           if (load_cg(deg + c) != 1u) continue;
           const unsigned int v = load_cg(xr + c);
           uint64_t cell[3];
-          int sign[3];
-          if (v >= lv.nodes || cell_slot(T, v, c, cell, sign) < 0) { guard = true; continue; }
+          int weight[3];
+          if (v >= lv.nodes || cell_slot(T, v, c, cell, weight) < 0) { guard = true; continue; }
           if (atomicOr(claimed + v / 32, 1u << (v % 32)) & (1u << (v % 32))) continue;
           src[c] = v;
           queue_push(list_now, &control->keys[par], c);
@@ -1439,8 +1455,8 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
         const unsigned int c = mode == kMlList ? load_cg(src + entry) : entry;
         const unsigned int key = mode == kMlList ? entry : load_cg(src + entry);
         uint64_t cell[3];
-        int sign[3];
-        key_cells(T, mode == kMlList ? nodes[key] : key, cell, sign);
+        int weight[3];  // ignored (an index table)
+        key_cells(T, mode == kMlList ? nodes[key] : key, cell, weight);
         const long long word = ml_take_pattern_word(val, c, cell, wpg, k, word_limit, &inconsistent);
         if (mode == kMlList) pattern[(uint64_t)key * wpg + k] = word >= 0 && word < word_limit ? (uint32_t)word : 0u;
         if (k == 0) {
@@ -1599,31 +1615,38 @@ extern "C" __global__ void lhc_degree_offsets(const unsigned int* deg, uint64_t 
   }
 }
 
-// Fill the adjacency: adj[offsets[c] + slot] = (position << 1) | (sign < 0) for each key in c.
-// The slot order depends on scheduling; lhc_sort_adjacency fixes it.
+// A value-peel adjacency entry: (key position << kWeightCodeBits) | the key's weight code in the
+// cell (lhc_layout.h key_cell_code). Positions stay below 2^(32 - kWeightCodeBits): the host caps
+// the support list there (lossless_hc/_cuda.py MAX_PEEL_POSITIONS).
+constexpr unsigned int kAdjCodeMask = (1u << kWeightCodeBits) - 1u;
+__device__ __forceinline__ unsigned int adj_position(unsigned int entry) { return entry >> kWeightCodeBits; }
+
+// 1 / w for a weight w of +-1 or +-2, exactly: a key read from its pure cell is R * (1 / w).
+__device__ __forceinline__ double inverse_weight(int w) { return (double)w * ((w & 1) ? 1.0 : 0.25); }
+
+// Fill the adjacency: adj[offsets[c] + slot] = (position << kWeightCodeBits) | code for each key in
+// c. The slot order depends on scheduling; lhc_sort_adjacency fixes it.
 extern "C" __global__ void lhc_fill_adjacency(const uint64_t* table_words, const uint32_t* keys,
                                               const unsigned int* offsets, unsigned int* cursor, unsigned int* adj,
                                               const DecodeCounters* counters) {
   if (counters->abort) return;
-  SegmentedTable t;
-  t.seg_len = table_words[0];
-  t.seg_count = table_words[1];
-  t.stream = table_words[2];
+  const SegmentedTable t = load_table(table_words);
   const uint32_t n = (uint32_t)counters->support;  // list_count now holds the degree scan's total
   for (uint64_t p = global_thread(); p < n; p += grid_threads()) {
-    uint64_t cells[3];
-    int signs[3];
-    key_cells(t, keys[p], cells, signs);
+    const uint64_t h = key_hash(t, keys[p]);
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      const unsigned int slot = atomicAdd(cursor + cells[j], 1u);
-      adj[offsets[cells[j]] + slot] = ((unsigned int)p << 1) | (unsigned int)(signs[j] < 0);
+      uint32_t code;
+      const uint64_t c = key_cell_code(t, h, j, &code);
+      const unsigned int slot = atomicAdd(cursor + c, 1u);
+      adj[offsets[c] + slot] = ((unsigned int)p << kWeightCodeBits) | code;
     }
   }
 }
 
 // Sort each cell's adjacency by key position (insertion sort: at most kMaxCellDegree entries, ~2.4
-// on average), so phase C subtracts in a fixed order; and set xr[c] to the XOR of the cell's key
+// on average; a key is in a cell once, so entries sort as their positions), so phase C subtracts in
+// a fixed order; and set xr[c] to the XOR of the cell's key
 // positions (every cell: 0 when empty), the state the peel's phase A reads a pure cell's key from.
 extern "C" __global__ void lhc_sort_adjacency(const unsigned int* offsets, const unsigned int* deg, uint64_t cells,
                                               unsigned int* adj, unsigned int* xr, const DecodeCounters* counters) {
@@ -1634,7 +1657,7 @@ extern "C" __global__ void lhc_sort_adjacency(const unsigned int* offsets, const
     unsigned int x = 0;
     for (unsigned int i = 0; i < d; ++i) {
       const unsigned int v = a[i];
-      x ^= v >> 1;
+      x ^= adj_position(v);
       unsigned int j = i;
       for (; j > 0 && a[j - 1] > v; --j) a[j] = a[j - 1];
       a[j] = v;
@@ -1660,8 +1683,10 @@ extern "C" __global__ void lhc_load_cells(const uint64_t* layout, const float* p
 }
 
 // The value peel (cooperative launch): rounds of A) propose, B) read each proposed key's value from
-// its cell, C) every touched cell subtracts, in increasing key position, the keys peeled this round
-// (walking its sorted adjacency), updates its degree and queues itself if left with one key.
+// its cell (R / w, as R times the exact inverse of the key's weight there), C) every touched cell
+// subtracts w * v, in increasing key position, for the keys peeled this round (walking its sorted
+// adjacency, which carries their weight codes), updates its degree and queues itself if left with
+// one key. Products by +-1, +-2 and their inverses are exact, so each step rounds once.
 // Work items of B and C are (entry, lane) pairs, so wide blocks spread over threads.
 extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                            double* val, unsigned int* deg, unsigned int* xr, unsigned int* src,
@@ -1671,10 +1696,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
                                            unsigned int* dirty0, unsigned int* dirty1, PeelControl* control,
                                            DecodeCounters* counters) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
-  SegmentedTable t;
-  t.seg_len = table_words[0];
-  t.seg_count = table_words[1];
-  t.stream = table_words[2];
+  const SegmentedTable t = load_table(table_words);
   const uint32_t nkeys = (uint32_t)counters->support;
   volatile PeelControl* vc = control;
   bool bad = false;
@@ -1697,11 +1719,11 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       const unsigned int p = load_cg(list_now + i);
       const unsigned int c = load_cg(src + p);
       uint64_t cells[3];
-      int signs[3];
-      const int slot = cell_slot(t, keys[p], c, cells, signs);
+      int weights[3];
+      const int slot = cell_slot(t, keys[p], c, cells, weights);
       if (slot < 0) { bad = true; continue; }  // a guard: propose checked c is one of p's cells
-      const int sign = slot == 0 ? signs[0] : slot == 1 ? signs[1] : signs[2];  // no local-memory indexing
-      key_val[(uint64_t)p * block + lane] = (double)sign * load_cg(val + (uint64_t)c * block + lane);
+      const int w = slot == 0 ? weights[0] : slot == 1 ? weights[1] : weights[2];  // no local-memory indexing
+      key_val[(uint64_t)p * block + lane] = inverse_weight(w) * load_cg(val + (uint64_t)c * block + lane);
       if (lane == 0) {
         peeled_round[p] = r;
         deg[c] = 0;
@@ -1715,7 +1737,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       }
     }
     grid_barrier(control->barrier);
-    // C: touched cells subtract this round's keys in adjacency (key position) order.
+    // C: touched cells subtract this round's keys (w * v) in adjacency (key position) order.
     const unsigned int ndirty = vc->dirty[par];
     for (uint64_t item = global_thread(); item < (uint64_t)ndirty * block; item += grid_threads()) {
       const uint64_t i = item / block, lane = item - i * block;
@@ -1725,10 +1747,12 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       unsigned int removed = 0, removed_xor = 0;
       for (unsigned int e = begin; e < end; ++e) {
         const unsigned int entry = adj[e];
-        const unsigned int p = entry >> 1;
+        const unsigned int p = adj_position(entry);
         if (load_cg(peeled_round + p) != r) continue;
         const double kv = load_cg(key_val + (uint64_t)p * block + lane);
-        v = (entry & 1u) ? v + kv : v - kv;
+        // v - w * kv (weight_of_code), exactly: kv doubled for magnitude 2, added for a negative w.
+        const double m = (entry & 1u) ? kv + kv : kv;
+        v = (entry & 2u) ? v + m : v - m;
         ++removed;
         removed_xor ^= p;
       }
@@ -1748,9 +1772,11 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
 
 // After the value peel stalls: the two-key stopping sets (see the CPU backend's solve_pairs). One
 // thread per cell of a group's first segment holding two unresolved keys a < b: if they have the
-// same three cells, each holding just the two of them, and relative signs t_j = s_j(a) s_j(b) not
-// all equal, then with A_j = s_j(a) R_j and q the first cell with t_q != t_0,
-//     v_a = (A_0 + A_q) / 2,    v_b = t_0 (A_0 - A_q) / 2.
+// same three cells, each holding just the two of them, cell j holds R_j = wa_j v_a + wb_j v_b, and
+// lhc_layout.h pair_cells picks two cells p < q with det = wa_p wb_q - wa_q wb_p != 0 (det == 0:
+// proportional weights, unsolvable); then, exactly in this form (exact products, one subtraction,
+// one division, as every backend computes it),
+//     v_a = (wb_q R_p - wb_p R_q) / det,    v_b = (wa_p R_q - wa_q R_p) / det.
 // Pairs are disjoint (their cells hold nothing else), so threads never touch the same key or cell;
 // each writes its keys' values, source cell (their first cell) and round kPairRound.
 extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
@@ -1758,10 +1784,7 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
                                            const unsigned int* adj, DecodeCounters* counters) {
   if (counters->abort) return;
-  SegmentedTable t;
-  t.seg_len = table_words[0];
-  t.seg_count = table_words[1];
-  t.stream = table_words[2];
+  const SegmentedTable t = load_table(table_words);
   const uint64_t first_cells = t.groups() * t.seg_len;  // cells of the groups' first segments
   for (uint64_t i = global_thread(); i < first_cells; i += grid_threads()) {
     const uint64_t c = (i / t.seg_len) * t.group_cells() + i % t.seg_len;
@@ -1769,26 +1792,29 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
     // The cell's two unresolved keys, in position order (the adjacency is sorted).
     unsigned int ab[2], found = 0;
     for (unsigned int e = offsets[c]; e < offsets[c + 1]; ++e) {
-      const unsigned int p = adj[e] >> 1;
+      const unsigned int p = adj_position(adj[e]);
       if (peeled_round[p] != kNotPeeled) continue;
       if (found < 2) ab[found] = p;
       ++found;
     }
     if (found != 2) continue;
     uint64_t ca[3], cb[3];
-    int sa[3], sb[3];
-    key_cells(t, keys[ab[0]], ca, sa);
-    key_cells(t, keys[ab[1]], cb, sb);
+    int wa[3], wb[3];
+    key_cells(t, keys[ab[0]], ca, wa);
+    key_cells(t, keys[ab[1]], cb, wb);
     if (ca[0] != c || ca[0] != cb[0] || ca[1] != cb[1] || ca[2] != cb[2] || deg[ca[1]] != 2u || deg[ca[2]] != 2u)
       continue;
-    const int t0 = sa[0] * sb[0], t1 = sa[1] * sb[1], t2 = sa[2] * sb[2];
-    if (t0 == t1 && t0 == t2) continue;  // proportional signs: unsolvable
-    const uint64_t cq = t0 != t1 ? ca[1] : ca[2];
-    const double s0 = (double)sa[0], sq = (double)(t0 != t1 ? sa[1] : sa[2]);
+    const PairCells pc = pair_cells(wa, wb);
+    if (pc.det == 0) continue;  // proportional weights: unsolvable
+    // p is 0 or 1, q is 1 or 2: selected without indexing the local arrays (no local memory).
+    const uint64_t cp = pc.p == 0 ? ca[0] : ca[1], cq = pc.q == 1 ? ca[1] : ca[2];
+    const double wap = pc.p == 0 ? wa[0] : wa[1], waq = pc.q == 1 ? wa[1] : wa[2];
+    const double wbp = pc.p == 0 ? wb[0] : wb[1], wbq = pc.q == 1 ? wb[1] : wb[2];
+    const double det = (double)pc.det;
     for (uint64_t lane = 0; lane < block; ++lane) {
-      const double A0 = s0 * val[c * block + lane], Aq = sq * val[cq * block + lane];
-      key_val[(uint64_t)ab[0] * block + lane] = 0.5 * (A0 + Aq);
-      key_val[(uint64_t)ab[1] * block + lane] = (double)t0 * (0.5 * (A0 - Aq));
+      const double Rp = val[cp * block + lane], Rq = val[cq * block + lane];
+      key_val[(uint64_t)ab[0] * block + lane] = (wbq * Rp - wbp * Rq) / det;
+      key_val[(uint64_t)ab[1] * block + lane] = (wap * Rq - waq * Rp) / det;
     }
     for (int k = 0; k < 2; ++k) {
       src[ab[k]] = (unsigned int)c;

@@ -40,27 +40,29 @@ typedef unsigned long long uintptr_t;
 
 namespace lhc {
 
-// Integer fields of the payload stay below 2^22. Float32 represents every integer below 2^24
-// exactly, so a SUM of non-negative fields whose total stays below 2^22 is exact in any order.
-// An AVERAGE divides that sum by n with at most two roundings (divide, or multiply by a rounded 1/n),
-// a relative error of at most 2^-23; times a value below 2^22 that is an absolute error below 1/2,
-// so round(avg * n) recovers the integer exactly.
+// Integer fields of the payload stay below 2^22 in magnitude. Float32 represents every integer below
+// 2^24 exactly, so a SUM of integer fields whose absolute values total below 2^22 is exact in any
+// order (every partial sum is such an integer). An AVERAGE divides that sum by n with at most two
+// roundings (divide, or multiply by a rounded 1/n), a relative error of at most 2^-23; times a value
+// below 2^22 that is an absolute error below 1/2, so round(avg * n) recovers the integer exactly.
 constexpr uint32_t kIntFieldBits = 22;
 constexpr uint32_t kIntFieldLimit = 1u << kIntFieldBits;
 
-// A multilevel fine-table word (a sum of node patterns, checked whole: its digits may exceed their
-// base in an impure cell) read back as an exact integer: a SUM of integer words is exact, an AVERAGE
-// (scale != 1) is within 1/2 of one after scaling back. kFineWordCorrupt for a word that is no
-// non-negative integer (NaN and -Inf included), kFineWordOverflow for one at or above 2^22 (+Inf
-// included: more nodes summed into the cell than the layout was sized for); *out is 0 for either.
+// A multilevel fine-table word (a signed sum of node patterns, +-1 per cell: see CodecLayout::fine;
+// checked whole, as its digits mean nothing in an impure cell) read back as an exact integer: a SUM
+// of integer words is exact, an AVERAGE (scale != 1) is within 1/2 of one after scaling back.
+// kFineWordCorrupt for a word that is NaN or not an integer, kFineWordOverflow for one of magnitude
+// 2^22 or more (+-Inf included: more nodes summed into the cell than the layout was sized for); *out
+// is 0 for either.
 enum FineWordStatus : uint32_t { kFineWordOk = 0, kFineWordCorrupt = 1, kFineWordOverflow = 2 };
 LHC_HD uint32_t read_fine_word(float f, double scale, long long* out) {
   const double v = (double)f * scale;
   const double r = rint(v);  // round half to even (the default rounding mode)
   const double tolerance = scale == 1.0 ? 0.0 : 0.5;
+  const bool finite = (v - v) == 0.0;  // false for +-Inf and NaN
   *out = 0;
-  if (!(v > -0.5) || fabs(v - r) > tolerance || r < 0.0) return kFineWordCorrupt;
-  if (r >= (double)kIntFieldLimit) return kFineWordOverflow;
+  if (v != v || (finite && fabs(v - r) > tolerance)) return kFineWordCorrupt;
+  if (fabs(r) >= (double)kIntFieldLimit) return kFineWordOverflow;
   *out = (long long)r;
   return kFineWordOk;
 }
@@ -215,8 +217,10 @@ struct CodecLayout {
   // kIndexMultilevel only (the CPU backend; the CUDA kernels read the same shape from their layout
   // words, csrc/cuda/codec_kernels.cuh LayoutWord). `index` packs the coarse
   // level: one digit per node of fine level 0, the number of ranks with a non-zero key under it.
-  // Fine level l (0 = coarsest) has a table `fine[l]` hashed by node id (all signs +1) at
-  // `fine_offset[l]`; a node covers `span[l]` consecutive keys; each cell is `fine_words[l]` words
+  // Fine level l (0 = coarsest) has a table `fine[l]` hashed by node id at `fine_offset[l]`: node v
+  // adds s_j(v) * its pattern into its cell j, s_j the +-1 key_cell gives (signed, never weighted),
+  // so that two nodes sharing all three cells can be solved (pair_cells) unless their signs are
+  // proportional; a node covers `span[l]` consecutive keys; each cell is `fine_words[l]` words
   // of `fine_digits[l]` base-(index.base) digits, one per child (a node of level l + 1, or a key at
   // the finest level): child c of node v is digit c % fine_digits of word c / fine_digits.
   uint32_t fine_levels;

@@ -35,8 +35,9 @@ INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 4             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups;
-                               # 4: value-sketch weights +-1, +-2, tables sized for 4- and 6-key stopping sets
+LAYOUT_VERSION = 5             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups;
+                               # 4: value-sketch weights +-1, +-2, tables sized for 4- and 6-key stopping sets;
+                               # 5: signed multilevel fine tables (their pairs solved)
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
@@ -178,7 +179,8 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     cell. With signs (``w`` = +-1) a quarter of the pairs are proportional
     (``PAIR_UNSOLVABLE_SHARE_SIGNS``), so the pair term shrinks by ``4**(1/3)`` = 1.59x in cells, and
     the cap on ``G`` grows by 2. (The integer tables of the Bloom and multilevel indexes add +1
-    counts, so all their pairs are proportional: they keep the full pair term.)
+    counts, so all their pairs are proportional: they keep the full pair term. The multilevel fine
+    tables are signed and solve their pairs: see fine_table_for.)
 
     Weights. With weights uniform on {+1, +2, -1, -2} only 5/128 of the pairs are proportional
     (``PAIR_UNSOLVABLE_SHARE_WEIGHTS``) and the 4-key sets size a small table: 210 keys (blocks of
@@ -455,9 +457,17 @@ def fine_table_for(nodes: int, words_per_group: int, stream: int = 0) -> Segment
     the groups in parallel. A group's peeling state is ``3 + words_per_group`` 8-byte slots per cell
     against 4 for the value sketch of block 1, so a group aims at ``GROUP_KEYS * 4 / (3 +
     words_per_group)`` nodes. Each group is sized for its Binomial(N, 1/G) share with the same
-    ``4 sqrt`` margin, and the pair bound caps G as for the sketch."""
-    # Integer tables: every pair of nodes sharing three cells is unsolvable (pair share 1).
-    return _grouped_table(nodes, max(1, GROUP_KEYS * 4 // (3 + words_per_group)), 1.0, stream)
+    ``4 sqrt`` margin, and the pair bound caps G as for the sketch.
+
+    A node adds its pattern times its sign in each cell (+-1 from the hash, as the value sketch's
+    signs), so the decoder solves two nodes sharing all three cells like the value sketch's pairs
+    (exactly: the patterns are integers) unless their signs are proportional, a quarter of the
+    pairs: ``PAIR_UNSOLVABLE_SHARE_SIGNS``. Signs cost no range: a cell's magnitude is at most the
+    sum of its patterns, which the overflow sizing already bounds. (Unsigned, as before layout
+    version 5, every such pair failed: where few nodes are non-zero the tables needed 1.59x more
+    cells.)"""
+    return _grouped_table(nodes, max(1, GROUP_KEYS * 4 // (3 + words_per_group)), PAIR_UNSOLVABLE_SHARE_SIGNS,
+                          stream)
 
 
 def _fine_level(num_keys: int, union_keys: int, base: int, words_per_group: int, below_span: int,

@@ -181,15 +181,16 @@ def node_patterns(layout: PayloadLayout, level: int, keys: torch.Tensor, counts:
 
 def multilevel_fine_words(layout: PayloadLayout, keys: torch.Tensor) -> torch.Tensor:
     """The multilevel fine tables one rank writes (float32, coarsest level first): each non-zero
-    node's pattern added (as an integer, converted once) into its three cells."""
+    node's pattern times its sign in the cell (+-1; fine tables are never weighted) added (as an
+    integer, converted once) into its three cells."""
     out = []
     for level, lv in enumerate(layout.multilevel.levels):
         acc = torch.zeros(lv.table.cells, lv.words_per_group, dtype=torch.int64)
         if keys.numel():
             nodes, words = node_patterns(layout, level, keys)
-            cells, _ = key_cells(lv.table, nodes)
+            cells, signs = key_cells(lv.table, nodes)
             for j in range(3):
-                acc.index_add_(0, cells[:, j], words)
+                acc.index_add_(0, cells[:, j], signs[:, j:j + 1] * words)
         out.append(acc.reshape(-1))
     return torch.cat(out).to(torch.float32)
 
@@ -352,7 +353,9 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
                         total: int):
     """``(support keys, None)`` or ``(None, reason)``: the coarse digits give the non-zero nodes of
     the coarsest fine level exactly; each fine table is peeled in integers (round based) over the
-    non-zero nodes found above it; a node's pattern digits are its children's counts."""
+    non-zero nodes found above it, a pure cell holding its node's pattern times the node's sign
+    there, then its two-node stopping sets are solved as the value sketch's pairs are
+    (:func:`pair_cells`); a node's pattern digits are its children's counts."""
     m = L.multilevel
     nn = L.index.digits
     if bool((digits[nn:] != 0).any()) or bool((digits > n).any()):
@@ -369,23 +372,37 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
             return None, "index corrupt: a fine word is not finite"
         r = torch.round(raw)
         tol = 0.0 if scale == 1.0 else 0.5
-        if bool(((raw - r).abs() > tol).any()) or bool((r < 0).any()):
-            return None, "index corrupt: a fine word is not a non-negative integer"
-        if bool((r >= (1 << 22)).any()):
-            return None, "index overflow: a fine word reached 2**22"
+        if bool(((raw - r).abs() > tol).any()):
+            return None, "index corrupt: a fine word is not an integer"
+        if bool((r.abs() >= (1 << 22)).any()):
+            return None, "index overflow: a fine word reached 2**22 in magnitude"
         val = r.to(torch.int64).reshape(lv.table.cells, lv.words_per_group).clone()
-        fc, _ = key_cells(lv.table, nodes)
+        fc, fs = key_cells(lv.table, nodes)
         rounds, resolved = peel_rounds(fc, lv.table.cells)
         word_limit = L.index.base ** lv.digits_per_word
         pattern = torch.zeros(nodes.numel(), lv.words_per_group, dtype=torch.int64)
         for idx, pj in rounds:
-            pat = val[fc[idx, pj]]                                        # [R, wpg]
-            if bool((pat >= word_limit).any()):
+            pat = val[fc[idx, pj]] * fs[idx, pj].unsqueeze(1)             # [R, wpg]
+            if bool((pat < 0).any()) or bool((pat >= word_limit).any()):
                 return None, "index corrupt: a pure fine cell is not a node pattern"
             pattern[idx] = pat
-            val.index_add_(0, fc[idx].reshape(-1), -pat.repeat_interleave(3, dim=0))
-            if bool((val < 0).any()):
-                return None, "index corrupt: negative fine word while peeling"
+            val.index_add_(0, fc[idx].reshape(-1), -(fs[idx].reshape(-1, 1) * pat.repeat_interleave(3, dim=0)))
+        for a, b in solvable_pairs(fc, fs, resolved).tolist():
+            p, q, det = pair_cells(fs[a].tolist(), fs[b].tolist())
+            Rp, Rq = val[fc[a, p]], val[fc[a, q]]
+            num_a = fs[b, q] * Rp - fs[b, p] * Rq
+            num_b = fs[a, p] * Rq - fs[a, q] * Rp
+            pa, pb = torch.div(num_a, det, rounding_mode="floor"), torch.div(num_b, det, rounding_mode="floor")
+            consistent = bool((pa * det == num_a).all()) and bool((pb * det == num_b).all())
+            for x in (pa, pb):
+                consistent &= bool((x >= 0).all()) and bool((x < word_limit).all())
+            for j in range(3):
+                consistent &= bool((val[fc[a, j]] == fs[a, j] * pa + fs[b, j] * pb).all())
+            if not consistent:
+                return None, "index corrupt: a solved fine pair is not a pair of node patterns"
+            pattern[a], pattern[b] = pa, pb
+            val[fc[a]] = 0
+            resolved[a] = resolved[b] = True
         if not bool(resolved.all()):
             return None, "index peeling failed"
         if bool((val != 0).any()):

@@ -278,3 +278,79 @@ def test_grouped_fine_tables_match_reference(monkeypatch, shape, n, k, pattern):
             bad[off + lv.numel - 1 - int(rng.integers(0, 3 * lv.table.seg_len * lv.words_per_group))] += delta
             _, rep = codec.decode(bad)
             assert not rep.ok and not reference.decode(L, bad)[1]["ok"]
+
+
+def fine_node_pairs(L):
+    """(solvable, proportional): pairs of node ids of the single fine level of ``L`` with the same
+    three cells, split by whether their signs are proportional (s_j(a) s_j(b) equal for all j)."""
+    lv = L.multilevel.levels[0]
+    nodes = torch.arange(-(-L.num_keys // lv.span))
+    cells, signs = reference.key_cells(lv.table, nodes)
+    _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
+    solvable, proportional = [], []
+    for t in (counts == 2).nonzero().reshape(-1).tolist():
+        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
+        rel = (signs[a] * signs[b]).tolist()
+        (proportional if rel.count(rel[0]) == 3 else solvable).append((a, b))
+    return solvable, proportional
+
+
+def pair_node_inputs(L, pair, n, rng):
+    """n ranks: every rank holds keys under both nodes of ``pair`` (a random child of each, so the
+    patterns differ), rank 0 also under one more node whose cells avoid the pair's."""
+    lv = L.multilevel.levels[0]
+    num_nodes = -(-L.num_keys // lv.span)
+    cells, _ = reference.key_cells(lv.table, torch.arange(num_nodes))
+    pc = set(cells[pair[0]].tolist())
+    other = next(v for v in range(num_nodes) if v not in pair and not pc & set(cells[v].tolist()))
+    xs = []
+    for r in range(n):
+        x = torch.zeros(L.numel)
+        for v in list(pair) + ([other] if r == 0 else []):
+            lo, hi = v * lv.span, min(L.numel, (v + 1) * lv.span)
+            k = int(rng.integers(lo, hi))
+            x[k] = float(rng.standard_normal()) + 3.0
+        xs.append(x)
+    return xs
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_fine_table_pairs_solved_or_reported(n):
+    """Two non-zero nodes sharing all three cells of a fine table: solved exactly (C++ and the
+    reference agree) unless their signs are proportional, then 'index peeling failed' on both; a
+    solved pair's cells, corrupted, are reported, never decoded."""
+    from lossless_hc.layout import build_layout
+    L = build_layout("multilevel", 400_000, n, 40, 1, 3, None, (1,))
+    assert L is not None and len(L.multilevel.levels) == 1
+    solvable, proportional = fine_node_pairs(L)
+    assert solvable and proportional, "no colliding node pairs of both kinds: pick another seed"
+    codec = codec_for(L)
+    rng = np.random.default_rng(helpers.stable_seed("finepair", n))
+    for pair in solvable[:4]:
+        xs = pair_node_inputs(L, pair, n, rng)
+        payloads = [codec.encode(x) for x in xs]
+        assert torch.equal(bits(payloads[0]), bits(reference.encode(L, xs[0])))
+        summed = helpers.sum_payloads(payloads, rng)
+        for averaged in (False, True):
+            payload = helpers.average_payloads(summed, n) if averaged else summed
+            y, rep = codec.decode(payload, averaged=averaged, trace=True)
+            _, info = reference.decode(L, payload, averaged=averaged)
+            assert rep.ok and info["ok"], (rep.reason, info["reason"])
+            helpers.assert_lossless(L, xs, y, rep, averaged=averaged)
+        # corrupt one word of the pair's first cell by an even amount (still an integer, still
+        # solvable arithmetic): the third cell disagrees, or a pattern leaves its range
+        lv = L.multilevel.levels[0]
+        cell = int(reference.key_cells(lv.table, torch.tensor([pair[0]]))[0][0, 0])
+        bad = summed.clone()
+        bad[L.level_offsets[0] + cell * lv.words_per_group] += 2.0
+        _, rep = codec.decode(bad)
+        _, info = reference.decode(L, bad)
+        assert not rep.ok and not info["ok"]
+        assert "index corrupt" in rep.reason and "index corrupt" in info["reason"], (rep.reason, info["reason"])
+    for pair in proportional[:2]:
+        xs = pair_node_inputs(L, pair, n, rng)
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        _, rep = codec.decode(summed)
+        _, info = reference.decode(L, summed)
+        assert not rep.ok and rep.reason.startswith("index peeling failed"), rep.reason
+        assert info["reason"] == "index peeling failed"

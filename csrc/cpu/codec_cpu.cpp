@@ -751,10 +751,92 @@ void bucket_keys(const SegmentedTable& table, const uint32_t* keys, uint64_t cou
   for (int p = 0; p < nt; ++p) pass(p, true);
 }
 
-// Fine words [0, n) times `scale` as exact integers below 2^22 into dst (a SUM of integers below 2^22
-// is exact; an AVERAGE is within 1/2 of one after scaling back). Returns kDecodeIndexCorrupt for a
-// word that is not a non-negative integer (or NaN), else kDecodeIndexOverflow for one at or above
-// 2^22 (more nodes summed into one cell than the layout was sized for: reported, never decoded), else
+// The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
+// share all three cells, each cell holding just the two of them. Cell j holds
+// R_j = w_j(a) v_a + w_j(b) v_b; two of the cells solve the pair as lhc::pair_cells states (one
+// subtraction and one division, about as exact as reading a pure cell). A pair whose weight ratios
+// w_j(a) / w_j(b) agree in all three cells (5/128 of them) is unsolvable and stays unresolved.
+// `solve(pos_a, pos_b, cells, wa, wb, va, vb)` receives each solved pair (its cells, its keys'
+// weights there, its values), in increasing order of its cell in the group's first segment; the
+// states are left as they are (the pair's cells are not read again). The value sketch and the
+// multilevel fine tables (signed integer patterns, checked by their caller) share it.
+// Runs only after a stalled peel: it hashes every key of the group once. Returns the keys solved.
+template <typename Solve>
+uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
+                     std::vector<uint32_t>& kc, Solve&& solve) {
+  const uint64_t seg_len = t.cells() / 3;
+  // Candidate cells of the first segment: two keys left, and the XOR of their packed cells names the
+  // same offset in every segment (only the weight codes may differ).
+  std::vector<char> candidate(seg_len, 0);
+  bool any = false;
+  for (uint64_t o = 0; o < seg_len; ++o) {
+    if (t.deg(o) != 2) continue;
+    bool same = true;
+    for (int j = 0; j < 3; ++j) same &= (t.packed(o, j) >> kWeightCodeBits) == 0;
+    candidate[o] = same;
+    any |= same;
+  }
+  if (!any) return 0;
+  // Every key whose first cell is a candidate, peeled or not, by cell then position. A peeled key
+  // never has the same three cells as an unresolved one (it could not have been alone in any of
+  // them), so within a cell the pair is the two keys with equal cells whose positions XOR to the
+  // state's.
+  kc.resize(3 * (uint64_t)count);
+  hash_cells(table, keys, count, kc.data());
+  std::vector<std::pair<uint32_t, uint32_t>> members;  // (first cell, position)
+  for (uint32_t p = 0; p < count; ++p) {
+    const uint32_t first = kc[3 * (uint64_t)p] >> kWeightCodeBits;
+    if (candidate[first]) members.emplace_back(first, p);
+  }
+  std::sort(members.begin(), members.end());
+  uint32_t solved = 0;
+  std::vector<double> va(block), vb(block);
+  for (size_t i = 0; i < members.size();) {
+    size_t e = i;
+    while (e < members.size() && members[e].first == members[i].first) ++e;
+    const uint64_t o = members[i].first;
+    for (size_t x = i; x < e; ++x)
+      for (size_t y = x + 1; y < e; ++y) {
+        const uint32_t a = members[x].second, b = members[y].second;
+        if ((a ^ b) != t.pos(o)) continue;
+        const uint32_t* ea = &kc[3 * (uint64_t)a];
+        const uint32_t* eb = &kc[3 * (uint64_t)b];
+        uint64_t cell[3];
+        bool pair = true;
+        for (int j = 0; j < 3; ++j) {
+          cell[j] = t.cell(j, ea[j]);
+          pair &= (ea[j] >> kWeightCodeBits) == (eb[j] >> kWeightCodeBits) && t.deg(cell[j]) == 2 &&
+                  t.pos(cell[j]) == (a ^ b);
+        }
+        if (!pair) continue;
+        int wa[3], wb[3];
+        for (int j = 0; j < 3; ++j) {
+          wa[j] = weight_of_code(ea[j] & kCodeMask);
+          wb[j] = weight_of_code(eb[j] & kCodeMask);
+        }
+        const PairCells pc = pair_cells(wa, wb);
+        if (pc.det == 0) continue;  // proportional weights: unsolvable
+        const double* Rp = t.values(cell[pc.p]);
+        const double* Rq = t.values(cell[pc.q]);
+        const double det = pc.det;
+        const double wap = wa[pc.p], waq = wa[pc.q], wbp = wb[pc.p], wbq = wb[pc.q];
+        for (uint64_t l = 0; l < block; ++l) {
+          va[l] = (wbq * Rp[l] - wbp * Rq[l]) / det;
+          vb[l] = (wap * Rq[l] - waq * Rp[l]) / det;
+        }
+        for (int j = 0; j < 3; ++j) t.deg(cell[j]) = 0;
+        solve(a, b, cell, wa, wb, va.data(), vb.data());
+        solved += 2;
+      }
+    i = e;
+  }
+  return solved;
+}
+
+// Fine words [0, n) times `scale` as exact integers of magnitude below 2^22 into dst (a SUM of such
+// integers is exact; an AVERAGE is within 1/2 of one after scaling back). Returns kDecodeIndexCorrupt
+// for a word that is not an integer (or NaN), else kDecodeIndexOverflow for one of magnitude 2^22 or
+// more (more nodes summed into one cell than the layout was sized for: reported, never decoded), else
 // kDecodeOk. A bad word is stored as 0.
 int32_t read_fine_words(const float* src, uint64_t n, double scale, double* dst) {
   uint32_t seen = kFineWordOk;
@@ -773,13 +855,14 @@ inline int32_t worse_word_status(int32_t a, int32_t b) {
 }
 
 // One fine level of a multilevel index: exact integer peeling of its table over the known non-zero
-// `nodes` (increasing). A pure cell holds one node's aggregate pattern, whose base-(n+1) digits are its
-// children's counts. Groups of the table are peeled in parallel (see above); the patterns are stored
+// `nodes` (increasing). A pure cell holds one node's aggregate pattern times the node's sign there,
+// whose base-(n+1) digits are its children's counts; where peeling stalls, two nodes sharing all three
+// cells are solved from two of them (solve_pairs) unless their signs are proportional. Groups of the table are peeled in parallel (see above); the patterns are stored
 // by group, node p's at pattern[slot[p] * words, (slot[p] + 1) * words) (slot empty: one group, slot[p]
 // = p). Reading them back in node order reads one sequential stream per group. Returns a DecodeStatus
 // with the precedence of a whole-table peel: a malformed word (corrupt, then overflow) anywhere; then
-// an inconsistent peel (a pure cell that is no pattern, a word driven negative); then a node left
-// unpeeled; then words left over.
+// an inconsistent peel (a pure cell that is no pattern; a solved pair that is no pair of patterns or
+// disagrees with its third cell); then a node left unpeeled; then words left over.
 int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in, const float* payload, int nt,
                         const std::vector<uint32_t>& nodes, std::vector<uint32_t>* pattern,
                         std::vector<uint32_t>* slot) {
@@ -820,25 +903,48 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
       build_states(t, table, gnodes + kb, (uint32_t)kn, scratch);
       uint32_t* gpat = pattern->data() + kb * wpg;
       bool group_bad = false;
-      const uint32_t resolved = peel(
+      // Words are exact integers of magnitude below 2^22 held in doubles, so every product by a sign
+      // and every sum below is exact.
+      uint32_t resolved = peel(
           t, (uint32_t)kn, scratch,
-          [&](uint32_t pos, const uint64_t* cell, const double*) {
+          [&](uint32_t pos, const uint64_t* cell, const double* coef) {
             const double* src = t.values(cell[0]);
             uint32_t* pat = gpat + (uint64_t)pos * wpg;
             for (uint64_t i = 0; i < wpg; ++i) {
-              if (src[i] >= word_limit) { group_bad = true; return false; }
-              pat[i] = (uint32_t)src[i];
+              const double u = coef[0] * src[i];  // the node's pattern word: its sign there times the cell
+              if (!(u >= 0.0 && u < word_limit)) { group_bad = true; return false; }
+              pat[i] = (uint32_t)u;
             }
-            for (int j = 0; j < 3; ++j) {
+            double* d0 = t.values(cell[0]);
+            for (uint64_t i = 0; i < wpg; ++i) d0[i] = 0.0;
+            for (int j = 1; j < 3; ++j) {
               double* d = t.values(cell[j]);
-              for (uint64_t i = 0; i < wpg; ++i) {
-                if (d[i] < (double)pat[i]) { group_bad = true; return false; }
-                d[i] -= (double)pat[i];
-              }
+              for (uint64_t i = 0; i < wpg; ++i) d[i] -= coef[j] * (double)pat[i];
             }
             return true;
           },
           &group_bad);
+      if (!group_bad && resolved < kn)
+        resolved += solve_pairs(t, table, gnodes + kb, (uint32_t)kn, wpg, scratch,
+                                [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int* wa, const int* wb,
+                                    const double* va, const double* vb) {
+                                  if (group_bad) return;
+                                  uint32_t* pat_a = gpat + (uint64_t)pa * wpg;
+                                  uint32_t* pat_b = gpat + (uint64_t)pb * wpg;
+                                  for (uint64_t i = 0; i < wpg; ++i) {
+                                    // Integer patterns (a division by det = +-2 that leaves a half is
+                                    // no pair of patterns) that explain all three cells.
+                                    const double a = va[i], b = vb[i];
+                                    bool ok = a >= 0.0 && a < word_limit && a == std::floor(a) && b >= 0.0 &&
+                                              b < word_limit && b == std::floor(b);
+                                    for (int j = 0; j < 3; ++j) ok &= t.values(cell[j])[i] == wa[j] * a + wb[j] * b;
+                                    if (!ok) { group_bad = true; return; }
+                                    pat_a[i] = (uint32_t)a;
+                                    pat_b[i] = (uint32_t)b;
+                                  }
+                                  for (int j = 0; j < 3; ++j)
+                                    for (uint64_t i = 0; i < wpg; ++i) t.values(cell[j])[i] = 0.0;
+                                });
       bad[g] = group_bad;
       if (group_bad) continue;
       if (resolved != kn) { failed[g] = 1; continue; }
@@ -1281,86 +1387,6 @@ void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::v
 
 }  // namespace
 
-// The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
-// share all three cells, each cell holding just the two of them. Cell j holds
-// R_j = w_j(a) v_a + w_j(b) v_b; two of the cells solve the pair as lhc::pair_cells states (one
-// subtraction and one division, about as exact as reading a pure cell). A pair whose weight ratios
-// w_j(a) / w_j(b) agree in all three cells (5/128 of them) is unsolvable and stays unresolved.
-// `solve(pos_a, pos_b, cells, va, vb)` receives each solved pair, in increasing order of its cell in
-// the group's first segment; the states are left as they are (the pair's cells are not read again).
-// Runs only after a stalled peel: it hashes every key of the group once. Returns the keys solved.
-template <typename Solve>
-uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
-                     std::vector<uint32_t>& kc, Solve&& solve) {
-  const uint64_t seg_len = t.cells() / 3;
-  // Candidate cells of the first segment: two keys left, and the XOR of their packed cells names the
-  // same offset in every segment (only the weight codes may differ).
-  std::vector<char> candidate(seg_len, 0);
-  bool any = false;
-  for (uint64_t o = 0; o < seg_len; ++o) {
-    if (t.deg(o) != 2) continue;
-    bool same = true;
-    for (int j = 0; j < 3; ++j) same &= (t.packed(o, j) >> kWeightCodeBits) == 0;
-    candidate[o] = same;
-    any |= same;
-  }
-  if (!any) return 0;
-  // Every key whose first cell is a candidate, peeled or not, by cell then position. A peeled key
-  // never has the same three cells as an unresolved one (it could not have been alone in any of
-  // them), so within a cell the pair is the two keys with equal cells whose positions XOR to the
-  // state's.
-  kc.resize(3 * (uint64_t)count);
-  hash_cells(table, keys, count, kc.data());
-  std::vector<std::pair<uint32_t, uint32_t>> members;  // (first cell, position)
-  for (uint32_t p = 0; p < count; ++p) {
-    const uint32_t first = kc[3 * (uint64_t)p] >> kWeightCodeBits;
-    if (candidate[first]) members.emplace_back(first, p);
-  }
-  std::sort(members.begin(), members.end());
-  uint32_t solved = 0;
-  std::vector<double> va(block), vb(block);
-  for (size_t i = 0; i < members.size();) {
-    size_t e = i;
-    while (e < members.size() && members[e].first == members[i].first) ++e;
-    const uint64_t o = members[i].first;
-    for (size_t x = i; x < e; ++x)
-      for (size_t y = x + 1; y < e; ++y) {
-        const uint32_t a = members[x].second, b = members[y].second;
-        if ((a ^ b) != t.pos(o)) continue;
-        const uint32_t* ea = &kc[3 * (uint64_t)a];
-        const uint32_t* eb = &kc[3 * (uint64_t)b];
-        uint64_t cell[3];
-        bool pair = true;
-        for (int j = 0; j < 3; ++j) {
-          cell[j] = t.cell(j, ea[j]);
-          pair &= (ea[j] >> kWeightCodeBits) == (eb[j] >> kWeightCodeBits) && t.deg(cell[j]) == 2 &&
-                  t.pos(cell[j]) == (a ^ b);
-        }
-        if (!pair) continue;
-        int wa[3], wb[3];
-        for (int j = 0; j < 3; ++j) {
-          wa[j] = weight_of_code(ea[j] & kCodeMask);
-          wb[j] = weight_of_code(eb[j] & kCodeMask);
-        }
-        const PairCells pc = pair_cells(wa, wb);
-        if (pc.det == 0) continue;  // proportional weights: unsolvable
-        const double* Rp = t.values(cell[pc.p]);
-        const double* Rq = t.values(cell[pc.q]);
-        const double det = pc.det;
-        const double wap = wa[pc.p], waq = wa[pc.q], wbp = wb[pc.p], wbq = wb[pc.q];
-        for (uint64_t l = 0; l < block; ++l) {
-          va[l] = (wbq * Rp[l] - wbp * Rq[l]) / det;
-          vb[l] = (wap * Rq[l] - waq * Rp[l]) / det;
-        }
-        for (int j = 0; j < 3; ++j) t.deg(cell[j]) = 0;
-        solve(a, b, cell, va.data(), vb.data());
-        solved += 2;
-      }
-    i = e;
-  }
-  return solved;
-}
-
 DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
                    int64_t* trace_key, int64_t* trace_cell, int num_threads) {
   const int nt = resolve_threads(num_threads);
@@ -1464,7 +1490,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           &group_bad);
       if (!group_bad && peeled[g] < kn)
         peeled[g] += solve_pairs(t, T, gkeys.data(), kn, B, scratch,
-                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const double* va, const double* vb) {
+                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int*, const int*,
+                                     const double* va, const double* vb) {
                                    for (uint64_t l = 0; l < B; ++l) {
                                      gvals[(uint64_t)pa * B + l] = (float)va[l];
                                      gvals[(uint64_t)pb * B + l] = (float)vb[l];
@@ -1558,8 +1585,8 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     st.saturated = saturated;
   } else if (L.index_kind == kIndexMultilevel) {
     // Coarse digit 1 per non-zero node of fine level 0. Per fine level, each non-zero node's pattern
-    // (base^digit for each child holding a non-zero key) added to its three cells. Integer
-    // accumulation, converted once: bit-identical to the reference.
+    // (base^digit for each child holding a non-zero key) added to its three cells with the cells'
+    // signs. Integer accumulation, converted once: bit-identical to the reference.
     const uint64_t base = L.index.base;
     uint64_t last = ~0ULL;
     for (const auto& part : keys.parts)
@@ -1570,16 +1597,17 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
       }
     for (uint32_t l = 0; l < L.fine_levels; ++l) {
       const uint64_t wpg = L.fine_words[l], w = L.fine_digits[l], fcells = L.fine[l].cells();
-      std::vector<uint64_t> acc(fcells * wpg, 0), pattern(wpg, 0), dpow(w, 1);
+      std::vector<int64_t> acc(fcells * wpg, 0);
+      std::vector<uint64_t> pattern(wpg, 0), dpow(w, 1);
       for (uint64_t j = 1; j < w; ++j) dpow[j] = dpow[j - 1] * base;
       uint64_t cur = ~0ULL, last_child = ~0ULL;
       auto flush = [&]() {
         if (cur == ~0ULL) return;
         uint64_t cell[3];
-        int weight[3];  // unused: index tables add counts
-        key_cells(L.fine[l], cur, cell, weight);
+        int sign[3];  // +-1: fine tables are signed, never weighted
+        key_cells(L.fine[l], cur, cell, sign);
         for (int j = 0; j < 3; ++j)
-          for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += pattern[i];
+          for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += sign[j] * (int64_t)pattern[i];
         std::fill(pattern.begin(), pattern.end(), 0);
       };
       for (const auto& part : keys.parts)

@@ -48,12 +48,17 @@ What keeps a summable code above the bound
    1.22x on the value part, whatever the index. For block ``b`` the factor applies to ``32 b`` bits,
    and the index is paid once per block, so blocks approach 1.25x of the bound.
    Below a few thousand keys the threshold is not what sizes the sketch: two keys sharing all
-   three cells (probability ~13.5 u^2 / cells^3) cannot be peeled, and the decoder solves such a
-   pair unless its relative signs agree in all three cells (a quarter of them), so the sketch needs
-   ``cells >= (13.5 u^2 / (4 * 1e-3))^(1/3)``: 2.5 cells per key at u = 210 (block 32 at density
-   1e-4 of 2^26 coordinates), 1.5 at u = 1000. This is what keeps block 32 above 1.5x of the bound
-   below densities of ~3e-4 (n = 2) to ~1e-3 (n = 16). Without the pair solving it was 1.59x more
-   cells there (>1.5x of the bound below 3e-3).
+   three cells (probability ~13.5 u^2 / cells^3) cannot be peeled. The decoder solves such a pair
+   unless its weight ratios agree in all three cells: a quarter of them with +-1 signs, 5/128 with
+   the weights +-1, +-2 of small sketches (``layout.sketch_table_for``), which then are sized by
+   four keys paired up in every segment (``layout.small_stopping_sets``): 1.81 cells per key at
+   u = 210 (block 32 at density 1e-4 of 2^26 coordinates; 2.53 with signs), 1.54 at u = 1000.
+   Weights are kept to single-group tables loaded at >= 1.6 cells per key, because they amplify
+   rounding along peeling chains. The multilevel fine tables (integers, signed, their pairs
+   solved) are sized the same way with the signs' quarter. These small-set terms are what keep
+   block 32 above 1.5x of the bound at density 1e-4 for n >= 8 (1.52 at n = 8, 1.60 at n = 16);
+   n = 2 is within 1.42. Solving small stopping sets in general (a few keys left when peeling
+   stalls, an exact-rank linear solve) would reach the threshold term, ~1.5 cells per key.
 4. **Candidates cost cells.** A Bloom index admits false-positive candidates; each must be peeled
    (to an exact count of 0) by the index table, which needs ~1.23 counters per candidate, and the
    counters need base :math:`n q + 1` (``q``: the per-rank cap of a counter). Keeping false positives

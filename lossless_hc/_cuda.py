@@ -407,8 +407,8 @@ class CudaLayout:
     @property
     def ml_encode_scratch_bytes(self) -> int:
         """The multilevel encode's scratch (lhc::gpu::ml_encode_key_bits / _acc / _flags): a bit per key
-        (32-bit words, rounded up to 8 bytes), a uint64 per fine word, then a byte per node of every
-        level."""
+        (32-bit words, rounded up to 8 bytes), a 64-bit accumulator per fine word (signed sums, two's
+        complement), then a byte per node of every level."""
         L = self.layout
         key_words = -(-L.num_keys // 32)
         return 4 * (-(-key_words // 2) * 2) + 8 * L.fine_numel + sum(lv.num_nodes for lv in L.multilevel.levels)
@@ -750,8 +750,8 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
 def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: int, s: int, n: int,
                        scan_threads: int) -> None:
     """Queue the multilevel index's stages (see "Decode: multilevel index" in codec_kernels.cuh): the
-    coarse level's nodes, then per fine level its peel (one cooperative launch, which also decides the
-    level's status) and the expansion of its nodes into the next level's (at the finest level: the
+    coarse level's nodes, then per fine level its peel (two cooperative launches: the peel's rounds, then
+    its pairs and the level's status, replaying the CPU's order where that decides) and the expansion of its nodes into the next level's (at the finest level: the
     support keys, into ``keys``). Every stage skips its work once an earlier one failed."""
     L = native.layout
     levels = L.multilevel.levels
@@ -775,6 +775,11 @@ def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: i
                       [lay, level, pp, s, nodes, P("ml_val"), P("ml_deg"), P("ml_xr"), P("ml_src"), P("ml_round"), pat,
                        P("ml_pure0"), P("ml_pure1"), P("ml_list0"), P("ml_list1"), P("ml_claim"), ctl, cnt, ml,
                        P(f"ml_nodes{up}"), P(f"ml_pat{up}")], stream, cooperative=True)
+        # The pairs the peel left, the level's verdict, and the CPU-order replay where it decides.
+        launch.launch("lhc_ml_settle_level", _peel_grid(launch, "lhc_ml_settle_level", sms), THREADS,
+                      [lay, level, pp, s, nodes, P("ml_val"), P("ml_deg"), P("ml_xr"), P("ml_round"), pat,
+                       P("ml_pure0"), P("ml_claim"), ctl, cnt, ml, P(f"ml_nodes{up}"), P(f"ml_pat{up}")], stream,
+                      cooperative=True)
         etiles = _tiles(caps[level])
         launch.launch("lhc_ml_expand_count", etiles, THREADS,
                       [lay, level, nodes, counts, pat, P("tiles"), cnt, ml], stream)

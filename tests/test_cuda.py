@@ -397,9 +397,9 @@ def test_cuda_bench_runs_and_checks_itself():
 # (peeled from its node list), with more (peeled by node id), and a level 1 with more
 # (tests/test_cuda_multilevel_emulated.py; layout seed 3, "normal" values, as its setup()).
 ML_STALLS = {
-    "list": dict(numel=6000, n=3, k=150, block=1, shape=(1,), union=60, data_seed=150),
-    "too-many": dict(numel=6000, n=3, k=240, block=1, shape=(1,), union=60, data_seed=240),
-    "level1": dict(numel=30000, n=2, k=240, block=1, shape=(1, 1), union=60, data_seed=240),
+    "list": dict(numel=6000, n=3, k=80, block=1, shape=(1,), union=60, data_seed=0),
+    "too-many": dict(numel=6000, n=3, k=100, block=1, shape=(1,), union=60, data_seed=1),
+    "level1": dict(numel=30000, n=2, k=130, block=1, shape=(1, 1), union=60, data_seed=1),
 }
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import _cuda
+from lossless_hc import _cuda, reference
 from lossless_hc.layout import HDR_KEYS_LO, INT_FIELD_LIMIT, build_layout
 from test_cuda import (ML_STALLS, assert_same_payload, bits, corrupt_fine_words, index_verdicts_agree,
                        stalled_table_corruptions)
@@ -133,12 +133,15 @@ def test_stalled_and_inconsistent_tables_follow_the_cpu_order(emulated, name):
         agree(case, corrupt_fine_words(base, case.L, level, rng, t))
 
 
-@pytest.mark.parametrize("word,status,level", [(float("nan"), 1, 0), (-1.0, 1, 1), (0.5, 1, 0), (float("-inf"), 1, 1),
-                                               (float(INT_FIELD_LIMIT), 5, 0), (float("inf"), 5, 1),
-                                               (float(INT_FIELD_LIMIT - 1), 1, 1)])
+@pytest.mark.parametrize("word,status,level", [(float("nan"), 1, 0), (0.5, 1, 0), (-2.5, 1, 1),
+                                               (float(INT_FIELD_LIMIT), 5, 0), (float(-INT_FIELD_LIMIT), 5, 1),
+                                               (float("inf"), 5, 1), (float("-inf"), 5, 0),
+                                               (float(INT_FIELD_LIMIT - 1), 1, 1), (-1.0, 1, 1),
+                                               (float(1 - INT_FIELD_LIMIT), 1, 0)])
 def test_corrupted_fine_word(emulated, word, status, level):
-    """NaN, negative, non-integer: corrupt; at or above 2^22: overflow (the CPU's read_fine_words,
-    +Inf included); a valid word no pattern can be: corrupt once peeled. In either fine table."""
+    """NaN, non-integer: corrupt; magnitude at or above 2^22: overflow (the CPU's read_fine_words,
+    +-Inf included); a valid (signed) word that leaves the table no consistent set of patterns:
+    corrupt once peeled. In either fine table."""
     case = setup(numel=6000, n=3, k=40, block=1, shape=(1, 2), pattern="random")
     summed = helpers.sum_payloads(case.payloads, case.rng)
     L = case.L
@@ -219,7 +222,7 @@ def test_fuzzed_index_agrees_with_cpu(emulated):
 def test_support_overflow_reports_as_the_cpu(emulated):
     """More support keys than the value sketch has cells (an aggregate far over capacity that the
     index still resolves): status 3 on both, 4 with a NaN sketch cell; support and candidates exact."""
-    case = setup(numel=6000, n=3, k=90, block=1, shape=(1,), union=60, data_seed=90)
+    case = setup(numel=6000, n=3, k=60, block=1, shape=(1,), union=60, data_seed=0)
     summed = helpers.sum_payloads(case.payloads, case.rng)
     status, _, run, _ = agree(case, summed)
     assert status == 3 and run.finish()[1].support_keys > case.native.key_cap
@@ -276,3 +279,209 @@ def test_grouped_fine_tables(emulated, monkeypatch):
     for what, (p, want) in corruptions.items():
         status, _, _, mode = agree(stalled, p)
         assert (status, mode) == (want, MODE_REPLAYED), what
+
+
+# -- two-node stopping sets of the signed fine tables (pairs) --------------------------------------
+# Fine tables add s_j(v) * pattern(v) into cell j (s_j = +-1), so two nodes sharing all three cells are
+# solved from two of them (lhc::pair_cells, checked against the third) unless their signs are
+# proportional. The layouts below are small enough for colliding nodes to be common.
+PAIR_LAYOUTS = {
+    "1level": (20000, 2, 10, 1, 3, None, (1,)),       # level 0: 1667 nodes in 3 x 38 cells
+    "2levels": (60000, 2, 10, 1, 3, None, (1, 1)),    # level 1: 5000 nodes in 3 x 38 cells
+}
+
+
+def pair_setup(name):
+    """The layout, CPU codec and emulated CUDA layout of PAIR_LAYOUTS[name]; the pairs of its finest
+    level: (solvable, proportional) lists of (a, b) node ids (a < b) with the same three cells; and that
+    level's cells and signs of every node."""
+    L = build_layout("multilevel", *PAIR_LAYOUTS[name])
+    level = len(L.multilevel.levels) - 1
+    lv = L.multilevel.levels[level]
+    cells, signs = reference.key_cells(lv.table, torch.arange(lv.num_nodes))
+    _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
+    solvable, proportional = [], []
+    for t in (counts == 2).nonzero().reshape(-1).tolist():
+        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
+        det = reference.pair_cells(signs[a].tolist(), signs[b].tolist())[2]
+        (solvable if det else proportional).append((a, b))
+    assert solvable and proportional, "no colliding node pairs of both kinds: pick another layout"
+    return SimpleNamespace(L=L, cpu=codec_for(L), native=_cuda.CudaLayout(L, torch.device("cpu")), level=level,
+                           lv=lv, cells=cells, signs=signs, solvable=solvable, proportional=proportional)
+
+
+def pair_inputs(case, pairs, rng, extra=2, fill=0):
+    """Two ranks' inputs: each holds a key (a random child) under every node of ``pairs``, rank 0 also
+    under ``extra`` nodes of the finest level whose cells avoid the pairs' (they peel), and ``fill``
+    more such nodes are spread over the ranks (to give the level more non-zero nodes than cells). Nodes
+    of the levels above are few: they peel. Returns the inputs and the extra nodes."""
+    L, lv, cells = case.L, case.lv, case.cells
+    taken = {c for p in pairs for v in p for c in cells[v].tolist()}
+    pool = [v for v in rng.permutation(lv.num_nodes).tolist()
+            if not taken & set(cells[v].tolist()) and v * lv.span < L.num_keys]
+    if case.level > 0:   # keep the levels above small: extra nodes under the pairs' parents first
+        up = case.L.multilevel.levels[case.level - 1]
+        parents = {v * lv.span // up.span for p in pairs for v in p} | {0, 1}
+        near = {v for v in pool if v * lv.span // up.span in parents}
+        pool = [v for v in pool if v in near] + [v for v in pool if v not in near]
+    others = pool[:extra + fill]
+    xs = [torch.zeros(L.numel) for _ in range(2)]
+    for r, x in enumerate(xs):
+        mine = [v for p in pairs for v in p] + (others[:extra] if r == 0 else []) + others[extra + r::2]
+        for v in mine:
+            lo, hi = v * lv.span, min(L.numel, (v + 1) * lv.span)
+            x[int(rng.integers(lo, hi))] = float(rng.standard_normal()) + 3.0
+    return xs, others
+
+
+def pair_words(case, summed, pair):
+    """The payload positions of word 0 of the pair's three cells, their words there, and the pair's
+    pattern words 0 solved from them (only the pair lives in those cells)."""
+    lv, L = case.lv, case.L
+    cell = case.cells[pair[0]].tolist()
+    pos = [L.level_offsets[case.level] + c * lv.words_per_group for c in cell]
+    R = [int(summed[p]) for p in pos]
+    sa, sb = case.signs[pair[0]].tolist(), case.signs[pair[1]].tolist()
+    p, q, det = reference.pair_cells(sa, sb)
+    pa, pb = (sb[q] * R[p] - sb[p] * R[q]) // det, (sa[p] * R[q] - sa[q] * R[p]) // det
+    assert all(R[j] == sa[j] * pa + sb[j] * pb for j in range(3))
+    return pos, R, sa, sb, pa, pb
+
+
+@pytest.mark.parametrize("name", list(PAIR_LAYOUTS))
+def test_fine_pair_solved_as_the_cpu(emulated, name):
+    """Two non-zero nodes sharing all three cells of the finest table, signs not proportional: the
+    GPU encodes the signed words bit for bit as the CPU and solves the pair as the CPU does: lossless,
+    summed and averaged."""
+    case = pair_setup(name)
+    rng = np.random.default_rng(helpers.stable_seed("gpu-finepair", name))
+    for pair in case.solvable[:3]:
+        xs, _ = pair_inputs(case, [pair], rng)
+        payloads = [case.cpu.encode(x) for x in xs]
+        g = torch.full((case.L.payload_numel,), 7.0)
+        _cuda.encode(case.native, xs[0], g)
+        assert torch.equal(bits(g[:case.L.sketch_offset]), bits(payloads[0][:case.L.sketch_offset]))
+        lo = case.L.level_offsets[case.level]
+        assert bool((g[lo:case.L.sketch_offset] < 0).any()) or bool((g[lo:case.L.sketch_offset] > 0).any())
+        summed = helpers.sum_payloads(payloads, rng)
+        for averaged in (False, True):
+            payload = helpers.average_payloads(summed, 2) if averaged else summed
+            status, out, run, mode = agree(case, payload, averaged)
+            assert (status, mode) == (0, MODE_LIST)
+            _, st = run.finish()
+            helpers.assert_lossless(case.L, xs, out, report_of(st, run), averaged=averaged)
+
+
+@pytest.mark.parametrize("name", list(PAIR_LAYOUTS))
+def test_proportional_fine_pair_fails_as_the_cpu(emulated, name):
+    """A pair whose signs are proportional cannot be solved: 'index peeling failed' on both, without a
+    replay (an honest table meets no inconsistency); a corrupted word in its cells changes nothing
+    (an unsolvable pair's cells are never read)."""
+    case = pair_setup(name)
+    rng = np.random.default_rng(helpers.stable_seed("gpu-proppair", name))
+    for pair in case.proportional[:2]:
+        xs, _ = pair_inputs(case, [pair], rng)
+        summed = helpers.sum_payloads([case.cpu.encode(x) for x in xs], rng)
+        assert agree(case, summed)[0::3] == (2, MODE_LIST)
+        cell = case.cells[pair[0]].tolist()
+        p = summed.clone()
+        p[case.L.level_offsets[case.level] + cell[1] * case.lv.words_per_group] += 1.0
+        assert agree(case, p)[0::3] == (2, MODE_LIST)
+
+
+@pytest.mark.parametrize("name", list(PAIR_LAYOUTS))
+def test_corrupted_fine_pair_as_the_cpu(emulated, name):
+    """Words of a solvable pair's cells changed: an odd change (a division by det = +-2 that leaves a
+    half, or a third cell that disagrees), a pattern driven negative or to base^w with all three cells
+    consistent, a malformed word (NaN, magnitude 2^22): the CPU's status every time; and changes the
+    pair check need not see (an even change of one cell, which the third cell misses where its relative
+    sign matches the other solving cell's; a consistent pair of valid patterns): whatever the CPU says."""
+    case = pair_setup(name)
+    rng = np.random.default_rng(helpers.stable_seed("gpu-badpair", name))
+    pair = case.solvable[0]
+    xs, _ = pair_inputs(case, [pair], rng)
+    summed = helpers.sum_payloads([case.cpu.encode(x) for x in xs], rng)
+    pos, R, sa, sb, pa, pb = pair_words(case, summed, pair)
+    limit = case.L.index.base ** case.lv.digits_per_word
+    want = {}
+    for j in range(3):
+        for delta in (1.0, -1.0, 3.0):
+            p = summed.clone()
+            p[pos[j]] += delta
+            want[f"cell {j} {delta:+}"] = (p, 1)
+    for what, new_a in (("negative", -1), ("base^w", limit)):
+        p = summed.clone()
+        for j in range(3):
+            p[pos[j]] = float(R[j] + sa[j] * (new_a - pa))
+        want[what] = (p, 1)
+    for what, word, status in (("nan", float("nan"), 1), ("-2^22", float(-INT_FIELD_LIMIT), 5)):
+        p = summed.clone()
+        p[pos[2]] = word
+        want[what] = (p, status)
+    for what, (p, status) in want.items():
+        assert agree(case, p)[0::3] == (status, MODE_LIST), what
+    for j in range(3):
+        p = summed.clone()
+        p[pos[j]] += 2.0
+        agree(case, p)
+    # Consistent cells: pattern words a digit apart.
+    for delta_a, delta_b in ((1, 0), (0, 1), (case.L.index.base, -1)):
+        p = summed.clone()
+        for j in range(3):
+            p[pos[j]] = float(R[j] + sa[j] * delta_a + sb[j] * delta_b)
+        agree(case, p)
+
+
+def test_stalled_table_with_pairs_replays_the_cpu_order(emulated):
+    """A table holding a solvable and an unsolvable pair stalls ('index peeling failed', no replay);
+    corrupted, the verdict is the CPU's after replaying its order, pairs included: a bad solvable pair
+    is corrupt, an inconsistency no step meets (a word in an empty cell) is not."""
+    case = pair_setup("1level")
+    rng = np.random.default_rng(helpers.stable_seed("gpu-stalledpairs"))
+    good = case.solvable[0]
+    bad_cells = set(case.cells[good[0]].tolist())
+    prop = next(p for p in case.proportional if not bad_cells & set(case.cells[p[0]].tolist()))
+    xs, others = pair_inputs(case, [good, prop], rng, extra=3)
+    summed = helpers.sum_payloads([case.cpu.encode(x) for x in xs], rng)
+    assert agree(case, summed)[0::3] == (2, MODE_LIST)
+    pos, R, sa, _, pa, _ = pair_words(case, summed, good)
+    nodes = [v for p in (good, prop) for v in p] + others
+    deg = torch.bincount(case.cells[nodes].reshape(-1), minlength=case.lv.table.cells)
+    lo, wpg = case.L.level_offsets[0], case.lv.words_per_group
+    p = summed.clone()
+    p[pos[0]] += 1.0
+    assert agree(case, p)[0::3] == (1, MODE_REPLAYED), "bad solvable pair"
+    p = summed.clone()
+    for j in range(3):
+        p[pos[j]] = float(R[j] - sa[j] * (pa + 1))   # consistent cells, pattern -1
+    assert agree(case, p)[0::3] == (1, MODE_REPLAYED), "negative pattern"
+    p = summed.clone()
+    p[lo + int((deg == 0).nonzero()[0]) * wpg] += 1.0
+    assert agree(case, p)[0::3] == (2, MODE_REPLAYED), "empty cell"
+    p = summed.clone()
+    p[lo + int((deg == 1).nonzero()[0]) * wpg] = float(INT_FIELD_LIMIT - 1)
+    assert agree(case, p)[0] == 1, "first pure cell"
+
+
+def test_pairs_in_a_level_with_more_nodes_than_cells(emulated):
+    """A level with more non-zero nodes than cells (peeled by node id) holding a solvable pair: peel
+    failed when honest; its pair corrupted, corrupt (the pair is found by streaming the nodes by id,
+    then in the replay), as on the CPU."""
+    case = pair_setup("1level")
+    rng = np.random.default_rng(helpers.stable_seed("gpu-toomanypairs"))
+    pair = case.solvable[0]
+    xs, _ = pair_inputs(case, [pair], rng, extra=0, fill=case.lv.table.cells + 4)
+    summed = helpers.sum_payloads([case.cpu.encode(x) for x in xs], rng)
+    assert agree(case, summed)[0::3] == (2, MODE_TOO_MANY)
+    pos, R, sa, _, pa, _ = pair_words(case, summed, pair)
+    for j, delta in ((0, 1.0), (2, -1.0), (1, 3.0)):
+        p = summed.clone()
+        p[pos[j]] += delta
+        assert agree(case, p)[0::3] == (1, MODE_REPLAYED), (j, delta)
+    p = summed.clone()
+    for j in range(3):
+        p[pos[j]] = float(R[j] - sa[j] * (pa + 1))   # consistent cells, pattern -1
+    assert agree(case, p)[0::3] == (1, MODE_REPLAYED), "negative pattern"
+    p = summed.clone()
+    p[pos[0]] += 2.0   # the third cell may or may not see it: whatever the CPU says
+    agree(case, p)

@@ -337,12 +337,17 @@ def test_fine_table_pairs_solved_or_reported(n):
             _, info = reference.decode(L, payload, averaged=averaged)
             assert rep.ok and info["ok"], (rep.reason, info["reason"])
             helpers.assert_lossless(L, xs, y, rep, averaged=averaged)
-        # corrupt one word of the pair's first cell by an even amount (still an integer, still
-        # solvable arithmetic): the third cell disagrees, or a pattern leaves its range
+        # Corrupt one word by an even amount (still an integer, still divisible by det = +-2) in a
+        # cell whose relative sign s_j(a) s_j(b) another of the pair's cells shares: the two cells
+        # then disagree, whichever two of the three solve the pair. (The one cell with the other
+        # relative sign is the pair's only equation of its kind: a change there shifts both patterns
+        # consistently, and only the range or the expansion checks can catch it, as for a pure cell.)
         lv = L.multilevel.levels[0]
-        cell = int(reference.key_cells(lv.table, torch.tensor([pair[0]]))[0][0, 0])
+        cells, signs = reference.key_cells(lv.table, torch.tensor(list(pair)))
+        rel = (signs[0] * signs[1]).tolist()
+        j = next(j for j in range(3) if rel.count(rel[j]) == 2)
         bad = summed.clone()
-        bad[L.level_offsets[0] + cell * lv.words_per_group] += 2.0
+        bad[L.level_offsets[0] + int(cells[0, j]) * lv.words_per_group] += 2.0
         _, rep = codec.decode(bad)
         _, info = reference.decode(L, bad)
         assert not rep.ok and not info["ok"]

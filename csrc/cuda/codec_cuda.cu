@@ -41,8 +41,8 @@ const KernelEntry kKernels[] = {
     // multilevel index
     LHC_KERNEL(lhc_ml_encode_keys),  LHC_KERNEL(lhc_ml_encode_nodes),  LHC_KERNEL(lhc_ml_encode_pack),
     LHC_KERNEL(lhc_ml_coarse_count),  LHC_KERNEL(lhc_ml_coarse_write),  LHC_KERNEL(lhc_ml_verdict),
-    LHC_KERNEL(lhc_ml_peel_level),  LHC_KERNEL(lhc_ml_expand_count),  LHC_KERNEL(lhc_ml_expand_write),
-    LHC_KERNEL(lhc_ml_overflow_finite),
+    LHC_KERNEL(lhc_ml_peel_level),  LHC_KERNEL(lhc_ml_settle_level),  LHC_KERNEL(lhc_ml_expand_count),
+    LHC_KERNEL(lhc_ml_expand_write),  LHC_KERNEL(lhc_ml_overflow_finite),
     // THC (thc_kernels.cuh)
     LHC_KERNEL(thc_check_finite),  LHC_KERNEL(thc_norm_chunks),  LHC_KERNEL(thc_tree_pass),
     LHC_KERNEL(thc_pack_words),  LHC_KERNEL(thc_encode_finish),  LHC_KERNEL(thc_accumulate),

@@ -11,8 +11,8 @@
 // a device array of uint64 words (LayoutWord below, mirrored by _cuda.LAYOUT_WORDS).
 //
 // Agreement with the CPU backend: cells, weights, groups and digit packing come from lhc_layout.h, so
-// the index words (the multilevel index's fine tables included: exact integer sums converted once)
-// and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are float sums of
+// the index words (the multilevel index's fine tables included: exact signed integer sums converted
+// once) and header fields are bitwise equal to csrc/cpu/codec_cpu.cpp's; sketch cells are float sums of
 // the same terms w * v (exact: w is +-1 or +-2), in atomicAdd order rather than the CPU's key order,
 // so values agree within float rounding.
 //
@@ -154,7 +154,7 @@ struct MlState {
   unsigned long long child_total;  // sum of the child digits of the current level's expansion
   unsigned long long nodes;        // non-zero nodes of the current level (exact: may exceed its list)
   unsigned long long prev_nodes;   // non-zero nodes of the level above it
-  unsigned long long resolved;     // nodes of the current level resolved by the parallel peel
+  unsigned long long resolved;     // nodes of the current level resolved by the parallel peel and its pairs
   unsigned long long support;      // non-zero children of the finest level: the support keys (exact)
   unsigned long long candidates;   // the CPU backend's `candidates` (0 until the support is known)
   unsigned int status;             // DecodeStatus of the index: 0 while every stage passed
@@ -162,7 +162,7 @@ struct MlState {
   unsigned int word_flags;         // current level: kMlWordCorrupt / kMlWordOverflow seen in its table
   unsigned int inconsistent;       // current level: the parallel peel met an inconsistency (see below)
   unsigned int expand_bad;         // current expansion: a child count disagrees with its node's
-  unsigned int replay_bad;         // current level: the CPU-order replay met a failing step
+  unsigned int replay_bad;         // current level: the CPU-order replay met a failing step or a bad pair
 };
 
 // The host (lossless_hc/_cuda.py) allocates and reads these structs by these sizes.
@@ -341,7 +341,7 @@ __device__ __forceinline__ void load_powers(const DigitPacking& P, float* pw) {
 // a copy of per-level arrays in a struct indexed by a run-time level would live in local memory, and
 // would put a stack frame into every kernel that shares code with the multilevel path.
 struct MlLevel {
-  SegmentedTable table;  // hashed by node id (weights ignored: patterns add with +1)
+  SegmentedTable table;  // hashed by node id; never weighted: a node adds its pattern times +-1 per cell
   uint64_t span;         // keys under one node
   uint64_t below;        // keys under one child (1 at the finest level)
   uint64_t nodes;        // nodes of the level: ceil(num_keys / span)
@@ -376,9 +376,10 @@ __device__ __forceinline__ MlLevel ml_level(const uint64_t* w, uint32_t l) {
 __device__ __forceinline__ uint64_t ml_fine_numel(const uint64_t* w) { return w[kLwSketchOffset] - w[kLwFine0Offset]; }
 
 // The multilevel encode's scratch (zeroed by the caller): a bit per key set when the key is non-zero
-// (ceil(num_keys / 32) words, rounded up to 8 bytes), ml_fine_numel uint64 accumulators of the fine
-// words, then a byte per node of every level (levels back to back) set when the node holds a non-zero
-// key. Integer accumulation converted once gives the CPU backend's exact words.
+// (ceil(num_keys / 32) words, rounded up to 8 bytes), ml_fine_numel 64-bit accumulators of the fine
+// words (signed sums held in two's complement: unsigned atomic adds wrap exactly as signed ones), then
+// a byte per node of every level (levels back to back) set when the node holds a non-zero key.
+// Integer accumulation converted once gives the CPU backend's exact words.
 __device__ __forceinline__ unsigned int* ml_encode_key_bits(unsigned int* scratch) { return scratch; }
 __device__ __forceinline__ uint64_t ml_encode_key_words(const uint64_t* w) { return (w[kLwNumKeys] + 31) / 32; }
 __device__ __forceinline__ unsigned long long* ml_encode_acc(const uint64_t* w, unsigned int* scratch) {
@@ -388,17 +389,20 @@ __device__ __forceinline__ unsigned char* ml_encode_flags(const uint64_t* w, uns
   return reinterpret_cast<unsigned char*>(ml_encode_acc(w, scratch) + ml_fine_numel(w));
 }
 
-// Add base^digit (digit = child % w) to word child / w of `node`'s three cells of level `lv` (a node's
-// pattern is the sum of these over its non-zero children; weights ignored: every term adds +1).
+// Add s_j * base^digit (digit = child % w) to word child / w of `node`'s cell j of level `lv`, s_j its
+// sign there (+-1: a fine table is never weighted). A node's pattern is the sum of base^digit over its
+// non-zero children, so its cell j receives s_j times its pattern.
 __device__ __forceinline__ void ml_add_child(const MlLevel& lv, uint64_t node, uint64_t child,
                                              unsigned long long* acc, const float* pw) {
   const unsigned long long power = (unsigned long long)pw[child % lv.digits];  // exact: base^digit < 2^22
   const uint64_t word = child / lv.digits;
   const uint64_t h = key_hash(lv.table, node);
-  int weight;  // ignored (an index table)
 #pragma unroll
-  for (int j = 0; j < 3; ++j)
-    atomicAdd(acc + lv.acc_offset + key_cell(lv.table, h, j, &weight) * lv.words + word, power);
+  for (int j = 0; j < 3; ++j) {
+    int sign;
+    const uint64_t c = key_cell(lv.table, h, j, &sign);
+    atomicAdd(acc + lv.acc_offset + c * lv.words + word, sign < 0 ? 0ull - power : power);
+  }
 }
 
 // -------------------------------------------------------------------------------------------------
@@ -607,15 +611,15 @@ extern "C" __global__ void lhc_ml_encode_nodes(const uint64_t* layout, unsigned 
   }
 }
 
-// Multilevel index: the fine words from their exact integer sums (one rounding-free conversion each,
-// as the CPU backend converts its accumulators).
+// Multilevel index: the fine words from their exact signed integer sums (one rounding-free conversion
+// each, as the CPU backend converts its accumulators: |word| < 2^22 by the layout's sizing).
 extern "C" __global__ void lhc_ml_encode_pack(const uint64_t* layout, unsigned int* index_scratch, float* payload) {
   const uint32_t levels = ml_levels(layout);
   if (levels < 1 || levels > kMaxFineLevels) return;
   const unsigned long long* acc = ml_encode_acc(layout, index_scratch);
   float* fine = payload + layout[kLwFine0Offset];
   const uint64_t n = ml_fine_numel(layout);
-  for (uint64_t i = global_thread(); i < n; i += grid_threads()) fine[i] = (float)acc[i];
+  for (uint64_t i = global_thread(); i < n; i += grid_threads()) fine[i] = (float)(long long)acc[i];
 }
 
 // The header fields of this rank (one thread), as lhc::cpu::encode writes them.
@@ -1060,28 +1064,38 @@ extern "C" __global__ void lhc_found_write(const uint32_t* cand, const int* key_
 //  1. Coarse (lhc_ml_coarse_count / _write): the non-zero nodes of level 0, increasing, with their
 //     counts, by the bitmap index's ordered compaction. A word that is no packed integer, a digit
 //     above world_size or past the last node, or digits summing past the header's key count: corrupt.
-//  2. Each fine level, coarsest first (lhc_ml_peel_level, one cooperative launch):
+//  2. Each fine level, coarsest first (two cooperative launches: lhc_ml_peel_level, a and the rounds of
+//     b; lhc_ml_settle_level, the pairs of b, then c and d). Node v adds s_j(v) * pattern(v) into its
+//     cell j (s_j = +-1, the fine table's key_cell sign), so cell words are signed:
 //     a. every word of the table as an exact integer (lhc_layout.h read_fine_word): a corrupt word anywhere gives
-//        corrupt, else a word at or above 2^22 gives overflow -- the CPU's whole-table word status;
+//        corrupt, else a word of magnitude 2^22 or more gives overflow -- the CPU's whole-table word status;
 //     b. a round-based exact integer peel over the level's known non-zero nodes: pure cells propose
 //        their node (the smallest cell wins, as in the value peel); each peeled node reads its pattern
-//        from that cell and subtracts it from its three cells with integer atomics (sums commute, so
-//        the states after a round do not depend on thread order);
-//     c. the verdict. Peeling succeeds or stalls whatever the order (the 2-core of the hypergraph is
-//        order-free), and when it succeeds without meeting an inconsistency (a pattern word outside
-//        [0, base^w), a word driven negative, a word left in a cell with no node) the patterns are the
-//        unique consistent ones, the CPU's included. So: every node resolved and consistent -> ok;
-//        resolved but inconsistent -> corrupt (the CPU ends in a bad step or leftover words, both
-//        corrupt); stalled and consistent -> peel failed (no order can meet a bad step then).
-//        Only a stall together with an inconsistency leaves the CPU's answer (corrupt if some group
-//        meets a bad step in the CPU's own order, else peel failed) to its exact peeling order:
+//        from that cell (s_j times the cell) and subtracts s_i times it from its cells i with integer
+//        atomics (sums commute, so the states after a round do not depend on thread order); then the
+//        two-node stopping sets left are solved (the pairs: two nodes sharing all three cells, nothing
+//        else left in them, from two cells by lhc::pair_cells, checked against the third; proportional
+//        signs, det == 0, stay unresolved), each by the thread of its smaller node;
+//     c. the verdict. Peeling and the pairs reach the same nodes whatever the order (the 2-core of the
+//        hypergraph is order-free, and its two-node components with it), and when they finish without
+//        meeting an inconsistency (a pattern word outside [0, base^w), a pair that is no pair of
+//        patterns, a word left in a cell with no node) the patterns are the unique consistent ones,
+//        the CPU's included. So: every node resolved and consistent -> ok; resolved but inconsistent ->
+//        corrupt (the CPU ends in a bad step, a bad pair or leftover words, all corrupt); stalled and
+//        consistent -> peel failed (the CPU reads the same patterns in its order, so it meets no bad
+//        step, and its pairs see the same cells). Only a stall together with an inconsistency leaves
+//        the CPU's answer (corrupt if some group meets a bad step or a bad pair in the CPU's own
+//        order, else peel failed) to its exact peeling order:
 //     d. then the CPU's order is replayed (ml_replay_group): one thread per group, breadth-first from
 //        a queue seeded with the group's pure cells in increasing order, as lhc::cpu::peel does. Its
 //        cell states XOR node ids, not list positions, so they are built straight from the level's
-//        source (coarse words or the parents' patterns).
+//        source (coarse words or the parents' patterns). Then, if no group met a bad step, the pairs
+//        left by that order are checked in parallel (their order cannot change a verdict: they are
+//        disjoint).
 //     A level with more non-zero nodes than cells (a stall in any order; its list would overflow) is
-//     peeled the same parallel way by node id, with a claim bit per node instead of a list, for the
-//     inconsistency check alone; it is then peel failed, or replayed.
+//     peeled the same parallel way by node id, with a claim bit per node instead of a list, and its
+//     pairs found by streaming its nodes from their source, for the inconsistency check alone; it is
+//     then peel failed, or replayed.
 //     Corrupt payloads that stall are the only ones that take the sequential path.
 //  3. Expansion (lhc_ml_expand_count / _write): each node's pattern digits are its children's counts;
 //     the non-zero ones, in increasing order, are the next level's nodes (at the finest level: the
@@ -1237,14 +1251,14 @@ __device__ __forceinline__ void ml_replay_add(const SegmentedTable& T, uint64_t 
   }
 }
 
-// Cell states of level l's table by node id (degree, XOR of ids), every node streamed from the level's
-// source: the coarse words at level 0 (they passed stage 1: valid packed integers, digits at real
-// nodes), else the parents' patterns (they passed their expansion: every non-zero digit is a child
-// below the limit). For the levels whose nodes do not fit a list, and for the replay.
-__device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint64_t* layout, uint32_t l,
-                                                const SegmentedTable& T, const float* payload, double scale,
-                                                const uint32_t* parent_nodes, const uint32_t* parent_pattern,
-                                                uint64_t parents, unsigned int* deg, unsigned int* xr) {
+// Calls visit(v) for every non-zero node v (an id) of level l, streamed from the level's source:
+// the coarse words at level 0 (they passed stage 1: valid packed integers, digits at real nodes),
+// else the parents' patterns (they passed their expansion: every non-zero digit is a child below the
+// limit). Grid-stride: each node is visited once, by some thread.
+template <typename Visit>
+__device__ __forceinline__ void ml_for_each_node(const CodecLayout& L, const uint64_t* layout, uint32_t l,
+                                                 const float* payload, double scale, const uint32_t* parent_nodes,
+                                                 const uint32_t* parent_pattern, uint64_t parents, Visit visit) {
   if (l == 0) {
     const float* index = payload + L.index_offset;
     const long long limit = digit_limit(L.index);
@@ -1254,7 +1268,7 @@ __device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint
       if (u <= 0) continue;
       unsigned long long rest = (unsigned long long)u;
       for (uint32_t i = 0; i < per_word && rest; ++i, rest /= base)
-        if (rest % base && w * per_word + i < L.index.digits) ml_replay_add(T, w * per_word + i, deg, xr);
+        if (rest % base && w * per_word + i < L.index.digits) visit(w * per_word + i);
     }
   } else {
     const MlLevel up = ml_level(layout, l - 1);
@@ -1264,18 +1278,29 @@ __device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint
       uint32_t u = parent_pattern[item];
       const uint64_t first = (uint64_t)parent_nodes[p] * up.children + i * up.digits;
       for (uint32_t j = 0; j < up.digits && u; ++j, u /= base)
-        if (u % base) ml_replay_add(T, first + j, deg, xr);
+        if (u % base) visit(first + j);
     }
   }
+}
+
+// Cell states of level l's table by node id (degree, XOR of ids), every node streamed from the level's
+// source (ml_for_each_node). For the levels whose nodes do not fit a list, and for the replay.
+__device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint64_t* layout, uint32_t l,
+                                                const SegmentedTable& T, const float* payload, double scale,
+                                                const uint32_t* parent_nodes, const uint32_t* parent_pattern,
+                                                uint64_t parents, unsigned int* deg, unsigned int* xr) {
+  ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, parents,
+                   [&](uint64_t v) { ml_replay_add(T, v, deg, xr); });
 }
 
 // The CPU backend's peel of one group g of a fine table, step by step (lhc::cpu::peel with
 // peel_fine_level's resolve): a queue seeded with the group's pure cells in increasing order; a
 // dequeued cell still pure gives its node (the XOR of ids of a one-node cell is that node), whose
-// pattern is read there (a word at or above base^w fails) and subtracted from its three cells (a word
-// driven negative fails); then its other two cells, in segment order, lose the node and join the queue
-// when left with one. Returns true if a step fails (the CPU's `bad`). Volatile accesses: the states
-// were written by other blocks of this launch, and this thread rewrites them as it goes.
+// pattern is read there (its sign there times the cell; a word outside [0, base^w) fails) and
+// subtracted, times its sign, from its three cells (the pure one becomes 0); then its other two cells,
+// in segment order, lose the node and join the queue when left with one. Returns true if a step fails
+// (the CPU's `bad`). Volatile accesses: the states were written by other blocks of this launch, and
+// this thread rewrites them as it goes.
 __device__ bool ml_replay_group(const SegmentedTable& T, uint64_t g, uint64_t wpg, long long word_limit,
                                 volatile long long* val, volatile unsigned int* deg, volatile unsigned int* xr,
                                 unsigned int* queue) {
@@ -1289,22 +1314,26 @@ __device__ bool ml_replay_group(const SegmentedTable& T, uint64_t g, uint64_t wp
     if (deg[c] != 1u) continue;  // its node was resolved through another cell meanwhile
     const uint64_t v = xr[c];
     uint64_t cell[3];
-    int weight[3];  // ignored (an index table)
-    key_cells(T, v, cell, weight);
+    int sign[3];  // +-1: a fine table is never weighted
+    key_cells(T, v, cell, sign);
     const int pure = cell[0] == c ? 0 : cell[1] == c ? 1 : cell[2] == c ? 2 : -1;
     if (pure < 0) return true;  // a guard: states built from the node ids always name a node of the cell
     for (int j = 0; j < 3; ++j)
       if (cell[j] < first || cell[j] >= first + gcells) return true;  // a guard, likewise
-    // The pure cell first, then the other two in segment order (which fixes the queue order).
-    const uint64_t src = cell[pure], c1 = cell[pure == 0 ? 1 : 0], c2 = cell[pure == 2 ? 1 : 2];
-    for (uint64_t k = 0; k < wpg; ++k)
-      if (val[src * wpg + k] >= word_limit) return true;
+    // The pure cell first, then the other two in segment order (which fixes the queue order); selected
+    // without indexing the local arrays.
+    const uint64_t c1 = pure == 0 ? cell[1] : cell[0], c2 = pure == 2 ? cell[1] : cell[2];
+    const long long s0 = pure == 0 ? sign[0] : pure == 1 ? sign[1] : sign[2];
+    const long long s1 = pure == 0 ? sign[1] : sign[0], s2 = pure == 2 ? sign[1] : sign[2];
     for (uint64_t k = 0; k < wpg; ++k) {
-      const long long pk = val[src * wpg + k];
-      if (val[c1 * wpg + k] < pk || val[c2 * wpg + k] < pk) return true;
-      val[c1 * wpg + k] = val[c1 * wpg + k] - pk;
-      val[c2 * wpg + k] = val[c2 * wpg + k] - pk;
-      val[src * wpg + k] = 0;
+      const long long u = s0 * val[c * wpg + k];
+      if (u < 0 || u >= word_limit) return true;
+    }
+    for (uint64_t k = 0; k < wpg; ++k) {
+      const long long u = s0 * val[c * wpg + k];
+      val[c1 * wpg + k] = val[c1 * wpg + k] - s1 * u;
+      val[c2 * wpg + k] = val[c2 * wpg + k] - s2 * u;
+      val[c * wpg + k] = 0;
     }
     const uint64_t others[2] = {c1, c2};
     for (int t = 0; t < 2; ++t) {
@@ -1321,35 +1350,90 @@ __device__ bool ml_replay_group(const SegmentedTable& T, uint64_t g, uint64_t wp
   return false;
 }
 
-// What the parallel peel of a level found in its cells once it stopped: a negative word anywhere, or a
-// word left in a cell whose nodes were all resolved, is an inconsistency (never on a plain sum).
+// What the parallel peel of a level found in its cells once it stopped: a word left in a cell whose
+// nodes were all resolved by peeling is an inconsistency (never on a plain sum; words may be negative,
+// as cells sum signed patterns). A solved pair's cells keep their degree 2: ml_solve_pair checked them.
 __device__ __forceinline__ bool ml_cells_inconsistent(const long long* val, const unsigned int* deg, uint64_t words,
                                                       uint64_t wpg) {
   bool inconsistent = false;
-  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
-    const long long v = load_cg(val + i);
-    inconsistent |= v < 0 || (v != 0 && load_cg(deg + i / wpg) == 0u);
-  }
+  for (uint64_t i = global_thread(); i < words; i += grid_threads())
+    inconsistent |= load_cg(val + i) != 0 && load_cg(deg + i / wpg) == 0u;
   return inconsistent;
 }
 
 // Reads word k of the pattern of a node peeled from cell c (only that node is left there, so nothing
-// else writes the cell this round), flags a word no pattern can be, and subtracts it from the node's
-// three cells (the source becomes 0). Returns the word.
+// else writes the cell this round): the node's sign in c times the cell. Flags a word no pattern can
+// be, and subtracts the word times the node's sign from each of its three cells (the source becomes
+// 0). Returns the word.
 __device__ __forceinline__ long long ml_take_pattern_word(long long* val, uint64_t c, const uint64_t cell[3],
-                                                          uint64_t wpg, uint64_t k, long long word_limit,
-                                                          bool* inconsistent) {
-  const long long word = load_cg(val + c * wpg + k);
+                                                          const int sign[3], uint64_t wpg, uint64_t k,
+                                                          long long word_limit, bool* inconsistent) {
+  const long long s = c == cell[0] ? sign[0] : c == cell[1] ? sign[1] : sign[2];
+  const long long word = s * load_cg(val + c * wpg + k);
   *inconsistent |= word < 0 || word >= word_limit;
 #pragma unroll
   for (int j = 0; j < 3; ++j)
-    atomicAdd(reinterpret_cast<unsigned long long*>(val + cell[j] * wpg + k), (unsigned long long)(-word));
+    atomicAdd(reinterpret_cast<unsigned long long*>(val + cell[j] * wpg + k),
+              (unsigned long long)(-(long long)sign[j] * word));
   return word;
 }
 
-// One fine level (cooperative launch: every block resident; grid barriers between the phases of
-// step 2 above). `nodes` (ml->nodes of them, increasing) are the level's non-zero nodes when they fit
-// their list; the peel writes each node's pattern (wpg words) to pattern[position * wpg, ...).
+// A two-node stopping set left after peeling, seen from node `a` (its XOR-state reference: a list
+// position, or a node id where the states XOR ids) with cells cell[3]: each cell holds two unresolved
+// nodes, the same two (equal XOR states), a the smaller. Returns the other node's reference, or
+// kNoPartner. (A resolved node never passes: it was alone in one of its cells when it was peeled, and
+// an unresolved pair filling all three would have been there too.)
+constexpr uint64_t kNoPartner = ~0ull;
+__device__ __forceinline__ uint64_t ml_pair_partner(uint64_t a, const uint64_t cell[3], const unsigned int* deg,
+                                                    const unsigned int* xr) {
+  if (load_cg(deg + cell[0]) != 2u || load_cg(deg + cell[1]) != 2u || load_cg(deg + cell[2]) != 2u) return kNoPartner;
+  const unsigned int x = load_cg(xr + cell[0]);
+  if (load_cg(xr + cell[1]) != x || load_cg(xr + cell[2]) != x) return kNoPartner;
+  const uint64_t b = (uint64_t)(x ^ (unsigned int)a);
+  return b > a ? b : kNoPartner;
+}
+
+// Solves the pair (a, b) of ml_pair_partner from its cells cell[3] (both nodes'), sa and sb their
+// signs there, as the CPU backend's solve_pairs: lhc::pair_cells picks cells p, q with det != 0 (0:
+// proportional signs, unsolvable: returns false), and per pattern word, from residuals R_p, R_q,
+//     P_a = (sb[q] R_p - sb[p] R_q) / det,    P_b = (sa[p] R_q - sa[q] R_p) / det,
+// flagged inconsistent unless both divisions are exact, both words lie in [0, base^w), and the third
+// cell r holds sa[r] P_a + sb[r] P_b. Writes the words to pat_a / pat_b when given (0 where
+// inconsistent). The pair's cells hold no other node: no other thread reads or writes them.
+__device__ __forceinline__ bool ml_solve_pair(const long long* val, const uint64_t cell[3], const int sa[3],
+                                              const int sb[3], uint64_t wpg, long long word_limit, uint32_t* pat_a,
+                                              uint32_t* pat_b, bool* inconsistent) {
+  const PairCells pc = pair_cells(sa, sb);
+  if (pc.det == 0) return false;
+  // p is 0 or 1, q is 1 or 2, r the third: selected without indexing the local arrays.
+  const int r = 3 - pc.p - pc.q;
+  const uint64_t cp = pc.p == 0 ? cell[0] : cell[1], cq = pc.q == 1 ? cell[1] : cell[2];
+  const uint64_t cr = r == 0 ? cell[0] : r == 1 ? cell[1] : cell[2];
+  const long long sap = pc.p == 0 ? sa[0] : sa[1], saq = pc.q == 1 ? sa[1] : sa[2];
+  const long long sbp = pc.p == 0 ? sb[0] : sb[1], sbq = pc.q == 1 ? sb[1] : sb[2];
+  const long long sar = r == 0 ? sa[0] : r == 1 ? sa[1] : sa[2];
+  const long long sbr = r == 0 ? sb[0] : r == 1 ? sb[1] : sb[2];
+  const long long det = pc.det;
+  for (uint64_t k = 0; k < wpg; ++k) {
+    const long long Rp = load_cg(val + cp * wpg + k), Rq = load_cg(val + cq * wpg + k);
+    const long long Rr = load_cg(val + cr * wpg + k);
+    const long long num_a = sbq * Rp - sbp * Rq, num_b = sap * Rq - saq * Rp;
+    const long long Pa = num_a / det, Pb = num_b / det;
+    const bool ok = num_a % det == 0 && num_b % det == 0 && Pa >= 0 && Pa < word_limit && Pb >= 0 &&
+                    Pb < word_limit && Rr == sar * Pa + sbr * Pb;
+    *inconsistent |= !ok;
+    if (pat_a) {
+      pat_a[k] = ok ? (uint32_t)Pa : 0u;
+      pat_b[k] = ok ? (uint32_t)Pb : 0u;
+    }
+  }
+  return true;
+}
+
+// One fine level's peel, steps 2a-b above up to the pairs (cooperative launch: every block resident;
+// grid barriers between the phases); lhc_ml_settle_level follows. `nodes` (ml->nodes of them,
+// increasing) are the level's non-zero nodes when they fit their list; the peel writes each node's
+// pattern (wpg words) to pattern[position * wpg, ...) and its round to rnd[position].
 // parent_nodes/parent_pattern: the level above's (the node source by id for l >= 1; level 0's is the
 // coarse words). Scratch: val (cells x wpg integers), deg, xr, pure0/pure1 (cells), src, rnd,
 // list0/list1 (the list's capacity, at least the cells when the nodes do not fit), claimed (a bit per
@@ -1455,9 +1539,9 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
         const unsigned int c = mode == kMlList ? load_cg(src + entry) : entry;
         const unsigned int key = mode == kMlList ? entry : load_cg(src + entry);
         uint64_t cell[3];
-        int weight[3];  // ignored (an index table)
-        key_cells(T, mode == kMlList ? nodes[key] : key, cell, weight);
-        const long long word = ml_take_pattern_word(val, c, cell, wpg, k, word_limit, &inconsistent);
+        int sign[3];  // +-1: a fine table is never weighted
+        key_cells(T, mode == kMlList ? nodes[key] : key, cell, sign);
+        const long long word = ml_take_pattern_word(val, c, cell, sign, wpg, k, word_limit, &inconsistent);
         if (mode == kMlList) pattern[(uint64_t)key * wpg + k] = word >= 0 && word < word_limit ? (uint32_t)word : 0u;
         if (k == 0) {
           if (mode == kMlList) rnd[key] = r;
@@ -1470,6 +1554,71 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
       }
       grid_barrier(control->barrier);
     }
+    if (inconsistent || guard) atomicOr(&ml->inconsistent, 1u);
+  }
+}
+
+// One fine level, after lhc_ml_peel_level (cooperative launch, same scratch; a kernel of its own so that
+// the rarely busy work below does not cost the peel's rounds registers, and with them resident blocks):
+// the pairs the peel left, what the cells hold (step 2b-c above), the level's verdict, and the replay
+// where the verdict asks for it (step 2d).
+extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t level, const float* payload,
+                                               double scale, const uint32_t* nodes, long long* val, unsigned int* deg,
+                                               unsigned int* xr, unsigned int* rnd, uint32_t* pattern,
+                                               unsigned int* queue, const unsigned int* claimed, PeelControl* control,
+                                               DecodeCounters* counters, MlState* ml, const uint32_t* parent_nodes,
+                                               const uint32_t* parent_pattern) {
+  if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
+  const CodecLayout L = load_layout(layout);
+  const uint32_t l = (uint32_t)level;
+  const MlLevel lv = ml_level(layout, l);
+  const SegmentedTable T = lv.table;
+  const uint64_t wpg = lv.words, cells = T.cells(), words = cells * wpg;
+  const long long word_limit = ml_word_limit(L, lv);
+  const float* fine = payload + lv.offset;
+  volatile MlState* vml = ml;
+  const unsigned int mode = vml->mode;  // set by lhc_ml_verdict before the peel
+  const uint32_t nkeys = mode == kMlList ? (uint32_t)vml->nodes : 0u;
+
+  if (vml->word_flags == 0u) {  // uniform: set by lhc_ml_peel_level
+    bool guard = false, inconsistent = false;
+    // The pairs the peel left, each by the thread of its smaller node: listed nodes by position (a
+    // solved pair's round is kPairRound), else every node of the level streamed from its source by id,
+    // unclaimed ones only, for the inconsistency check.
+    if (mode == kMlList) {
+      for (uint64_t a = global_thread(); a < nkeys; a += grid_threads()) {
+        if (load_cg(rnd + a) != kNotPeeled) continue;
+        uint64_t cell[3];
+        int sa[3];
+        key_cells(T, nodes[a], cell, sa);
+        const uint64_t b = ml_pair_partner(a, cell, deg, xr);
+        if (b == kNoPartner) continue;
+        uint64_t cb[3];
+        int sb[3];
+        if (b >= nkeys || load_cg(rnd + b) != kNotPeeled) { guard = true; continue; }
+        key_cells(T, nodes[b], cb, sb);
+        if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { guard = true; continue; }
+        if (ml_solve_pair(val, cell, sa, sb, wpg, word_limit, pattern + a * wpg, pattern + b * wpg, &inconsistent)) {
+          rnd[a] = kPairRound;
+          rnd[b] = kPairRound;
+        }
+      }
+    } else {
+      ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, [&](uint64_t a) {
+        if (load_cg(claimed + a / 32) & (1u << (a % 32))) return;
+        uint64_t cell[3];
+        int sa[3];
+        key_cells(T, a, cell, sa);
+        const uint64_t b = ml_pair_partner(a, cell, deg, xr);
+        if (b == kNoPartner) return;
+        uint64_t cb[3];
+        int sb[3];
+        key_cells(T, b, cb, sb);
+        if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { guard = true; return; }
+        ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &inconsistent);
+      });
+    }
+    grid_barrier(control->barrier);
     // c. Resolved nodes (a level with too many nodes stalls: not counted), and what the cells hold.
     unsigned int resolved = 0;
     for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) resolved += load_cg(rnd + p) != kNotPeeled;
@@ -1515,11 +1664,32 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
   bool bad = false;
   if ((threadIdx.x & 31) == 0)
     for (uint64_t g = global_thread() / 32; g < T.groups(); g += grid_threads() / 32)
-      bad |= ml_replay_group(T, g, wpg, word_limit, val, deg, xr, pure0);
+      bad |= ml_replay_group(T, g, wpg, word_limit, val, deg, xr, queue);
   if (bad) atomicOr(&ml->replay_bad, 1u);
   grid_barrier(control->barrier);
+  // The pairs that order left (only where no group met a bad step: states are consistent then), by
+  // node id; disjoint, so the CPU's order of them cannot change the verdict. (replay_bad may be raised
+  // by a faster thread's pair meanwhile: a thread that then skips its pairs changes nothing.)
+  if (!vml->replay_bad) {
+    bad = false;
+    ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, [&](uint64_t a) {
+      uint64_t cell[3];
+      int sa[3];
+      key_cells(T, a, cell, sa);
+      const uint64_t b = ml_pair_partner(a, cell, deg, xr);
+      if (b == kNoPartner) return;
+      uint64_t cb[3];
+      int sb[3];
+      key_cells(T, b, cb, sb);
+      if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { bad = true; return; }  // a guard
+      ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &bad);
+    });
+    if (bad) atomicOr(&ml->replay_bad, 1u);
+  }
+  grid_barrier(control->barrier);
   if (global_thread() == 0) {
-    // A stalled table (in the CPU's order too): corrupt if a group met a bad step, else peel failed.
+    // A stalled table (in the CPU's order too): corrupt if a group met a bad step or a bad pair, else
+    // peel failed.
     vml->status = vml->replay_bad ? kMlCorrupt : kMlPeelFailed;
     *(volatile unsigned int*)&counters->abort = 1;
   }

@@ -55,8 +55,8 @@ const std::vector<Entry>& table() {
       // multilevel index
       EMU_KERNEL(lhc_ml_encode_keys),  EMU_KERNEL(lhc_ml_encode_nodes),  EMU_KERNEL(lhc_ml_encode_pack),
       EMU_KERNEL(lhc_ml_coarse_count),  EMU_KERNEL(lhc_ml_coarse_write),  EMU_KERNEL(lhc_ml_verdict),
-      EMU_KERNEL(lhc_ml_peel_level),  EMU_KERNEL(lhc_ml_expand_count),  EMU_KERNEL(lhc_ml_expand_write),
-      EMU_KERNEL(lhc_ml_overflow_finite),
+      EMU_KERNEL(lhc_ml_peel_level),  EMU_KERNEL(lhc_ml_settle_level),  EMU_KERNEL(lhc_ml_expand_count),
+      EMU_KERNEL(lhc_ml_expand_write),  EMU_KERNEL(lhc_ml_overflow_finite),
       // THC (csrc/cuda/thc_kernels.cuh)
       EMU_KERNEL(thc_check_finite),  EMU_KERNEL(thc_norm_chunks),  EMU_KERNEL(thc_tree_pass),
       EMU_KERNEL(thc_pack_words),  EMU_KERNEL(thc_encode_finish),  EMU_KERNEL(thc_accumulate),

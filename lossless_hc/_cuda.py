@@ -750,9 +750,10 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
 def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: int, s: int, n: int,
                        scan_threads: int) -> None:
     """Queue the multilevel index's stages (see "Decode: multilevel index" in codec_kernels.cuh): the
-    coarse level's nodes, then per fine level its peel (two cooperative launches: the peel's rounds, then
-    its pairs and the level's status, replaying the CPU's order where that decides) and the expansion of its nodes into the next level's (at the finest level: the
-    support keys, into ``keys``). Every stage skips its work once an earlier one failed."""
+    coarse level's nodes, then per fine level its peel (two cooperative launches: the peel's rounds,
+    then its pairs and the level's status, replaying the CPU's order where that decides) and the
+    expansion of its nodes into the next level's (at the finest level: the support keys, into
+    ``keys``). Every stage skips its work once an earlier one failed."""
     L = native.layout
     levels = L.multilevel.levels
     sms = native.sms

@@ -314,14 +314,22 @@ def solvable_pairs(cells: torch.Tensor, weights: torch.Tensor, resolved: torch.T
     return torch.tensor([[a, b] for _, a, b in pairs], dtype=torch.int64).reshape(-1, 2)
 
 
-def solve_pair(val: torch.Tensor, cells3: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor):
-    """The values of a solvable pair from its three residual cells ``val[cells3]`` ([3, B] float64),
-    as the C++ decoder computes them: with cells p, q and ``det`` from :func:`pair_cells`,
-    ``v_a = (w_q(b) R_p - w_p(b) R_q) / det`` and ``v_b = (w_p(a) R_q - w_q(a) R_p) / det``."""
+def pair_numerators(val: torch.Tensor, cells3: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor):
+    """``(num_a, num_b, det)`` of a solvable pair from its three residual cells ``val[cells3]`` (in
+    ``val``'s dtype: float64 values, or int64 fine words): with cells p, q and ``det`` from
+    :func:`pair_cells`, ``num_a = w_q(b) R_p - w_p(b) R_q`` and ``num_b = w_p(a) R_q - w_q(a) R_p``,
+    so that ``v_a = num_a / det`` and ``v_b = num_b / det`` (products by the weights are exact)."""
     wa, wb = wa.tolist(), wb.tolist()
     p, q, det = pair_cells(wa, wb)
     R_p, R_q = val[cells3[p]], val[cells3[q]]
-    return (float(wb[q]) * R_p - float(wb[p]) * R_q) / det, (float(wa[p]) * R_q - float(wa[q]) * R_p) / det
+    return wb[q] * R_p - wb[p] * R_q, wa[p] * R_q - wa[q] * R_p, det
+
+
+def solve_pair(val: torch.Tensor, cells3: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor):
+    """The values of a solvable pair from its three residual cells ``val[cells3]`` ([3, B] float64),
+    as the C++ decoder computes them: :func:`pair_numerators` divided by ``det``."""
+    num_a, num_b, det = pair_numerators(val, cells3, wa, wb)
+    return num_a / det, num_b / det
 
 
 def _fail(info: dict, reason: str):
@@ -388,10 +396,7 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
             pattern[idx] = pat
             val.index_add_(0, fc[idx].reshape(-1), -(fs[idx].reshape(-1, 1) * pat.repeat_interleave(3, dim=0)))
         for a, b in solvable_pairs(fc, fs, resolved).tolist():
-            p, q, det = pair_cells(fs[a].tolist(), fs[b].tolist())
-            Rp, Rq = val[fc[a, p]], val[fc[a, q]]
-            num_a = fs[b, q] * Rp - fs[b, p] * Rq
-            num_b = fs[a, p] * Rq - fs[a, q] * Rp
+            num_a, num_b, det = pair_numerators(val, fc[a], fs[a], fs[b])
             pa, pb = torch.div(num_a, det, rounding_mode="floor"), torch.div(num_b, det, rounding_mode="floor")
             consistent = bool((pa * det == num_a).all()) and bool((pb * det == num_b).all())
             for x in (pa, pb):

@@ -111,6 +111,22 @@ def draw_sizes(rng: np.random.Generator, max_n: int = 16, max_numel: int = 1500,
     return n, numel, density
 
 
+def colliding_pairs(table, count: int) -> tuple[list, list]:
+    """``(solvable, proportional)``: the pairs ``(a, b)``, ``a < b``, of ids in ``[0, count)`` that
+    ``table`` hashes to the same three cells, split by whether their weight columns are proportional
+    (``wa[j] wb[0] == wa[0] wb[j]`` for every j: an integer test, independent of
+    ``reference.pair_cells``). Such a pair cannot be peeled; the decoders solve the solvable ones."""
+    cells, weights = reference.key_cells(table, torch.arange(count))
+    _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
+    solvable, proportional = [], []
+    for t in (counts == 2).nonzero().reshape(-1).tolist():
+        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
+        wa, wb = weights[a].tolist(), weights[b].tolist()
+        prop = all(wa[j] * wb[0] == wa[0] * wb[j] for j in (1, 2))
+        (proportional if prop else solvable).append((a, b))
+    return solvable, proportional
+
+
 def nonzero_keys(x: torch.Tensor, block: int) -> np.ndarray:
     """Keys (blocks) of ``x`` with a non-zero coordinate, as a sorted int64 array."""
     flat = x.reshape(-1).to(torch.float64).numpy()

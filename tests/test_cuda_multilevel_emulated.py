@@ -299,12 +299,7 @@ def pair_setup(name):
     level = len(L.multilevel.levels) - 1
     lv = L.multilevel.levels[level]
     cells, signs = reference.key_cells(lv.table, torch.arange(lv.num_nodes))
-    _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
-    solvable, proportional = [], []
-    for t in (counts == 2).nonzero().reshape(-1).tolist():
-        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
-        det = reference.pair_cells(signs[a].tolist(), signs[b].tolist())[2]
-        (solvable if det else proportional).append((a, b))
+    solvable, proportional = helpers.colliding_pairs(lv.table, lv.num_nodes)
     assert solvable and proportional, "no colliding node pairs of both kinds: pick another layout"
     return SimpleNamespace(L=L, cpu=codec_for(L), native=_cuda.CudaLayout(L, torch.device("cpu")), level=level,
                            lv=lv, cells=cells, signs=signs, solvable=solvable, proportional=proportional)

@@ -280,29 +280,13 @@ def test_grouped_fine_tables_match_reference(monkeypatch, shape, n, k, pattern):
             assert not rep.ok and not reference.decode(L, bad)[1]["ok"]
 
 
-def fine_node_pairs(L):
-    """(solvable, proportional): pairs of node ids of the single fine level of ``L`` with the same
-    three cells, split by whether their signs are proportional (s_j(a) s_j(b) equal for all j)."""
-    lv = L.multilevel.levels[0]
-    nodes = torch.arange(-(-L.num_keys // lv.span))
-    cells, signs = reference.key_cells(lv.table, nodes)
-    _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
-    solvable, proportional = [], []
-    for t in (counts == 2).nonzero().reshape(-1).tolist():
-        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
-        rel = (signs[a] * signs[b]).tolist()
-        (proportional if rel.count(rel[0]) == 3 else solvable).append((a, b))
-    return solvable, proportional
-
-
 def pair_node_inputs(L, pair, n, rng):
     """n ranks: every rank holds keys under both nodes of ``pair`` (a random child of each, so the
     patterns differ), rank 0 also under one more node whose cells avoid the pair's."""
     lv = L.multilevel.levels[0]
-    num_nodes = -(-L.num_keys // lv.span)
-    cells, _ = reference.key_cells(lv.table, torch.arange(num_nodes))
+    cells, _ = reference.key_cells(lv.table, torch.arange(lv.num_nodes))
     pc = set(cells[pair[0]].tolist())
-    other = next(v for v in range(num_nodes) if v not in pair and not pc & set(cells[v].tolist()))
+    other = next(v for v in range(lv.num_nodes) if v not in pair and not pc & set(cells[v].tolist()))
     xs = []
     for r in range(n):
         x = torch.zeros(L.numel)
@@ -322,7 +306,7 @@ def test_fine_table_pairs_solved_or_reported(n):
     from lossless_hc.layout import build_layout
     L = build_layout("multilevel", 400_000, n, 40, 1, 3, None, (1,))
     assert L is not None and len(L.multilevel.levels) == 1
-    solvable, proportional = fine_node_pairs(L)
+    solvable, proportional = helpers.colliding_pairs(L.multilevel.levels[0].table, L.multilevel.levels[0].num_nodes)
     assert solvable and proportional, "no colliding node pairs of both kinds: pick another seed"
     codec = codec_for(L)
     rng = np.random.default_rng(helpers.stable_seed("finepair", n))

@@ -22,17 +22,7 @@ from lossless_hc.layout import PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHAR
 
 def colliding_pairs(layout):
     """(solvable, proportional): lists of key pairs (a < b) with the same three sketch cells."""
-    cells, weights = reference.key_cells(layout.sketch, torch.arange(layout.num_keys))
-    triples, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
-    solvable, proportional = [], []
-    for t in (counts == 2).nonzero().reshape(-1).tolist():
-        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
-        wa, wb = weights[a].tolist(), weights[b].tolist()
-        # proportional columns: wa[j] wb[0] == wa[0] wb[j] for every j (integer test, independent
-        # of reference.pair_cells)
-        prop = all(wa[j] * wb[0] == wa[0] * wb[j] for j in (1, 2))
-        (proportional if prop else solvable).append((a, b))
-    return solvable, proportional
+    return helpers.colliding_pairs(layout.sketch, layout.num_keys)
 
 
 def pair_inputs(rng, layout, pair, n, others, dist="wide"):

@@ -1400,6 +1400,26 @@ __device__ __forceinline__ uint64_t ml_pair_partner(uint64_t a, const uint64_t c
 // flagged inconsistent unless both divisions are exact, both words lie in [0, base^w), and the third
 // cell r holds sa[r] P_a + sb[r] P_b. Writes the words to pat_a / pat_b when given (0 where
 // inconsistent). The pair's cells hold no other node: no other thread reads or writes them.
+// Node a's two-node stopping set, found from a's XOR-state reference a and node id id_a
+// (ml_pair_partner); id_of maps the partner's reference to its node id (nodes[ref] for a list, the
+// reference itself where states XOR ids; kNoPartner where the reference names no unresolved node). Fills a's cells and both nodes' signs there and returns
+// the partner's reference, or kNoPartner; sets *guard where the states name a partner that is no
+// unresolved node with the same three cells (inconsistent states).
+template <typename IdOf>
+__device__ __forceinline__ uint64_t ml_find_pair(const SegmentedTable& T, uint64_t a, uint64_t id_a, IdOf id_of,
+                                                 const unsigned int* deg, const unsigned int* xr, uint64_t cell[3],
+                                                 int sa[3], int sb[3], bool* guard) {
+  key_cells(T, id_a, cell, sa);
+  const uint64_t b = ml_pair_partner(a, cell, deg, xr);
+  if (b == kNoPartner) return kNoPartner;
+  const uint64_t id_b = id_of(b);
+  if (id_b == kNoPartner) { *guard = true; return kNoPartner; }
+  uint64_t cb[3];
+  key_cells(T, id_b, cb, sb);
+  if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { *guard = true; return kNoPartner; }
+  return b;
+}
+
 __device__ __forceinline__ bool ml_solve_pair(const long long* val, const uint64_t cell[3], const int sa[3],
                                               const int sb[3], uint64_t wpg, long long word_limit, uint32_t* pat_a,
                                               uint32_t* pat_b, bool* inconsistent) {
@@ -1586,36 +1606,26 @@ extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t 
     // solved pair's round is kPairRound), else every node of the level streamed from its source by id,
     // unclaimed ones only, for the inconsistency check.
     if (mode == kMlList) {
+      const auto listed = [&](uint64_t p) { return p < nkeys && load_cg(rnd + p) == kNotPeeled ? nodes[p] : kNoPartner; };
       for (uint64_t a = global_thread(); a < nkeys; a += grid_threads()) {
         if (load_cg(rnd + a) != kNotPeeled) continue;
         uint64_t cell[3];
-        int sa[3];
-        key_cells(T, nodes[a], cell, sa);
-        const uint64_t b = ml_pair_partner(a, cell, deg, xr);
+        int sa[3], sb[3];
+        const uint64_t b = ml_find_pair(T, a, nodes[a], listed, deg, xr, cell, sa, sb, &guard);
         if (b == kNoPartner) continue;
-        uint64_t cb[3];
-        int sb[3];
-        if (b >= nkeys || load_cg(rnd + b) != kNotPeeled) { guard = true; continue; }
-        key_cells(T, nodes[b], cb, sb);
-        if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { guard = true; continue; }
         if (ml_solve_pair(val, cell, sa, sb, wpg, word_limit, pattern + a * wpg, pattern + b * wpg, &inconsistent)) {
           rnd[a] = kPairRound;
           rnd[b] = kPairRound;
         }
       }
     } else {
+      const auto by_id = [](uint64_t v) { return v; };
       ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, [&](uint64_t a) {
         if (load_cg(claimed + a / 32) & (1u << (a % 32))) return;
         uint64_t cell[3];
-        int sa[3];
-        key_cells(T, a, cell, sa);
-        const uint64_t b = ml_pair_partner(a, cell, deg, xr);
-        if (b == kNoPartner) return;
-        uint64_t cb[3];
-        int sb[3];
-        key_cells(T, b, cb, sb);
-        if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { guard = true; return; }
-        ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &inconsistent);
+        int sa[3], sb[3];
+        if (ml_find_pair(T, a, a, by_id, deg, xr, cell, sa, sb, &guard) != kNoPartner)
+          ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &inconsistent);
       });
     }
     grid_barrier(control->barrier);
@@ -1672,17 +1682,13 @@ extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t 
   // by a faster thread's pair meanwhile: a thread that then skips its pairs changes nothing.)
   if (!vml->replay_bad) {
     bad = false;
+    const auto by_id = [](uint64_t v) { return v; };
     ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, [&](uint64_t a) {
       uint64_t cell[3];
-      int sa[3];
-      key_cells(T, a, cell, sa);
-      const uint64_t b = ml_pair_partner(a, cell, deg, xr);
-      if (b == kNoPartner) return;
-      uint64_t cb[3];
-      int sb[3];
-      key_cells(T, b, cb, sb);
-      if (cb[0] != cell[0] || cb[1] != cell[1] || cb[2] != cell[2]) { bad = true; return; }  // a guard
-      ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &bad);
+      int sa[3], sb[3];
+      // a guard (inconsistent states) counts as bad, like a bad pair
+      if (ml_find_pair(T, a, a, by_id, deg, xr, cell, sa, sb, &bad) != kNoPartner)
+        ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &bad);
     });
     if (bad) atomicOr(&ml->replay_bad, 1u);
   }

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 sanitize = os.environ.get("LHC_SANITIZE") == "1"
 debug = os.environ.get("LHC_DEBUG") == "1" or sanitize
@@ -138,8 +138,8 @@ setup(
     name="lossless_hc",
     version="0.1.0",
     description="Homomorphic (lossless) gradient compression for data-parallel PyTorch training",
-    packages=["lossless_hc", "lossless_hc.plugins"],
-    package_data={"lossless_hc": ["thc_tables.json"]},
+    packages=find_packages(include=["lossless_hc", "lossless_hc.*"]) + ["lossless_hc.plugins"],
+    package_data={"lossless_hc.thc": ["tables.json"]},
     package_dir={"lossless_hc": "lossless_hc", "lossless_hc.plugins": "plugins"},
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtWithCuda},

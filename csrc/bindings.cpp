@@ -1,5 +1,5 @@
 // pybind11 bindings of the CPU kernels: tensors cross as raw addresses (uintptr_t) and sizes, so the
-// module does not depend on the torch C++ ABI it runs beside. Python (lossless_hc/_backend.py)
+// module does not depend on the torch C++ ABI it runs beside. Python (lossless_hc/backends/cpu.py)
 // checks dtype, device, contiguity and sizes before calling in.
 #include <pybind11/pybind11.h>
 
@@ -7,6 +7,7 @@
 
 #include "cpu/codec_cpu.h"
 #include "lhc_layout.h"
+#include "lhc_status.h"
 
 namespace py = pybind11;
 using namespace lhc;
@@ -20,6 +21,13 @@ T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lossless_hc CPU kernels (OpenMP). Internal: use lossless_hc.LosslessCodec.";
+
+  // The decode statuses of lhc_status.h as (name, code, message): lossless_hc.lhc.status.DecodeStatus.
+  py::list statuses;
+#define LHC_STATUS_ROW(cpp, code, py_name, msg) statuses.append(py::make_tuple(py_name, code, msg));
+  LHC_DECODE_STATUSES(LHC_STATUS_ROW)
+#undef LHC_STATUS_ROW
+  m.attr("DECODE_STATUSES") = statuses;
 
   py::class_<SegmentedTable>(m, "SegmentedTable")
       .def(py::init<>())

@@ -1,7 +1,7 @@
 // lhc_layout.h -- the hash family and the payload layout math of the lossless codec.
 //
 // This is the single definition shared by every backend (C++/OpenMP now, CUDA later) and mirrored
-// by the pure-torch reference (lossless_hc/reference.py). Everything here is a pure function of
+// by the pure-torch reference (lossless_hc/lhc/reference.py). Everything here is a pure function of
 // plain integers, so the same key lands in the same cells with the same weights on every backend.
 //
 // Vocabulary

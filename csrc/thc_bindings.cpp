@@ -1,5 +1,5 @@
 // pybind11 bindings of the THC CPU kernels (registered into lossless_hc._C by bindings.cpp).
-// Tensors cross as raw addresses; lossless_hc/thc.py checks dtype, device, contiguity and sizes.
+// Tensors cross as raw addresses; lossless_hc/thc/codec.py checks dtype, device, contiguity and sizes.
 #include <pybind11/pybind11.h>
 
 #include "cpu/thc_cpu.h"

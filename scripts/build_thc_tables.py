@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate lossless_hc/thc_tables.json: the precomputed THC quantization tables.
+"""Regenerate lossless_hc/thc/tables.json: the precomputed THC quantization tables.
 
     python scripts/build_thc_tables.py           # rewrite the file
     python scripts/build_thc_tables.py --check   # exit 1 if the file differs from a fresh build
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lossless_hc.thc_table import TABLES_FILE, _key, build_table  # noqa: E402
+from lossless_hc.thc.table import TABLES_FILE, _key, build_table  # noqa: E402
 
 BITS = (2, 3, 4, 5)
 GRANULARITIES = (15, 16, 30, 31, 60, 62, 120, 126, 255)

@@ -10,7 +10,7 @@ loss and hit rate, bytes sent per step vs dense, step time and fallbacks.
 """
 import sys
 
-from lossless_hc.workloads.train import main
+from lossless_hc.bench.workloads.train import main
 
 if __name__ == "__main__":
     main(sys.argv[1:], default_model="ncf")

@@ -53,13 +53,14 @@ def _hang_watchdog():
 def backend(request, monkeypatch):
     """The GPU tests' CUDA kernels, loaded one way per parameter: the compiled ``_C_cuda`` module or
     CuPy/NVRTC (skipped when that way is unavailable)."""
-    from lossless_hc import _cuda
+    from lossless_hc.backends import cuda as _cuda
+    from lossless_hc.backends import cuda_runtime
     monkeypatch.setenv("LHC_CUDA_BACKEND", request.param)
-    _cuda.reset_launcher()
+    cuda_runtime.reset_launcher()
     try:
-        _cuda.launcher()
+        cuda_runtime.launcher()
     except ImportError as exc:
-        _cuda.reset_launcher()
+        cuda_runtime.reset_launcher()
         pytest.skip(f"CUDA backend {request.param!r} unavailable: {exc}")
     yield request.param
-    _cuda.reset_launcher()
+    cuda_runtime.reset_launcher()

@@ -11,8 +11,8 @@ import zlib
 import numpy as np
 import torch
 
-from lossless_hc import reference
-from lossless_hc.layout import PayloadLayout
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import PayloadLayout
 
 U32 = 2.0 ** -24          # unit roundoff of float32 (round to nearest)
 PATTERNS = ("random", "identical", "disjoint", "clustered")
@@ -202,7 +202,7 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
     and that c is one of k's cells.
 
     A key of a solved pair (its partner o shares all three cells and was unresolved when the pair was
-    solved; see ``layout.sketch_table_for``) is ``(w_q(o) R_p - w_p(o) R_q) / det`` up to sign, with
+    solved; see ``sizing.sketch_table_for``) is ``(w_q(o) R_p - w_p(o) R_q) / det`` up to sign, with
     cells p, q and det from ``reference.pair_cells``, so its error is at most
     ``(|w_q(o)| ex_p + |w_p(o)| ex_q) / |det|`` with ``ex_x = eps_x + sum_{B in x, B not in pair}
     |w_B(x)| E(B)``, again requiring every such B peeled before (the division's own rounding is in

@@ -1,4 +1,4 @@
-"""The per-tensor aggregation policy (lossless_hc.aggregate), in one process: ranks are simulated by
+"""The per-tensor aggregation policy (lossless_hc.training.aggregate), in one process: ranks are simulated by
 summing their payloads, as any engine would."""
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossless_hc.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, THCAggregator,
+from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, THCAggregator,
                                    TopKAggregator,
                                    default_block_size, payload_is_averaged)
 
@@ -147,7 +147,7 @@ def test_topk_error_feedback_conserves_every_coordinate(n, steps, ratio, seed):
             want = sum(c.dense_value.double() for _, c in encoded)
             # float rounding of the value sketch only (~1e-7 relative per cell, carried along the
             # peeling chains; a small weighted sketch carries up to ~3x that of a signed one:
-            # layout.sketch_table_for): measured worst ~1.6e-6 relative
+            # sizing.sketch_table_for): measured worst ~1.6e-6 relative
             torch.testing.assert_close(out.value.double(), want, rtol=5e-6, atol=5e-6)
     for r, a in enumerate(aggs):
         left = a.residual.double().reshape(64, 8) if a.residual is not None else 0

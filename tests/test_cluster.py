@@ -1,4 +1,4 @@
-"""The emulated cluster benchmark (lossless_hc.cluster).
+"""The emulated cluster benchmark (lossless_hc.bench.cluster).
 
 Unit tests of the parsing, statistics, leftover detection and the top-k allgather baseline's
 packing need nothing special. The end-to-end test builds real network namespaces and runs real
@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from lossless_hc import cluster
-from lossless_hc.workloads.topk_allgather import TopKAllgather, topk_count
+from lossless_hc.bench import cluster
+from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, topk_count
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

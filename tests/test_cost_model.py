@@ -1,4 +1,4 @@
-"""lossless_hc.cost_model: the automatic choice is the smallest candidate, never above dense plus
+"""lossless_hc.lhc.cost_model: the automatic choice is the smallest candidate, never above dense plus
 the header, deterministic and independent of the process/rank that evaluates it."""
 import itertools
 import json
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from lossless_hc import LosslessCodec, cost_model, plan_layout
-from lossless_hc.layout import HEADER_FIELDS, INDEX_KINDS
+from lossless_hc import LosslessCodec, plan_layout
+from lossless_hc.lhc import cost_model as cost_model
+from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KINDS
 
 GRID = list(itertools.product([1000, 100_000, 1 << 22], [1, 2, 8, 16, 64], [1e-4, 1e-3, 1e-2, 0.1, 0.5], [1, 32]))
 

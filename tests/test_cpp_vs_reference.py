@@ -1,4 +1,4 @@
-"""The C++ kernels against the pure-torch reference (lossless_hc/reference.py).
+"""The C++ kernels against the pure-torch reference (lossless_hc/lhc/reference.py).
 
 Encode: the whole payload must be bit-identical -- header, index words and the value sketch. The
 sketch comparison is bit-exact too, not a tolerance: the reference replays the C++ float32
@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helpers
-from lossless_hc import LosslessCodec, reference
-from lossless_hc.layout import HEADER_FIELDS, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import HEADER_FIELDS, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The CUDA backend (csrc/cuda, lossless_hc/_cuda.py) against the CPU backend and the float64 truth.
+"""The CUDA backend (csrc/cuda, lossless_hc/backends/cuda.py) against the CPU backend and the float64 truth.
 
 Every test here is marked ``gpu`` and skipped, visibly, where torch sees no CUDA device; run them with
 ``pytest -m gpu`` on a GPU machine (scripts/gpu_session.sh). Tests parametrised over ``backend`` run
@@ -23,8 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import helpers
-from lossless_hc import LosslessCodec, reference
-from lossless_hc.layout import HEADER_FIELDS
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import HEADER_FIELDS
 
 HAVE_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu,
@@ -99,15 +100,16 @@ def index_verdicts_agree(cpu: LosslessCodec, native, payload: torch.Tensor, aver
     and when the index failed, the same all-zero output. Returns (status, GPU output on the CPU, the
     GPU DecodeRun, the multilevel mode of the last level decoded: 0 list, 1 too many nodes, 2 replayed).
     """
-    from lossless_hc import _backend, _cuda
-    from lossless_hc.layout import HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID
+    from lossless_hc.backends import cpu as _backend
+    from lossless_hc.backends import cuda as _cuda
+    from lossless_hc.lhc.layout import HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID
     L = cpu.layout
     scale = float(L.world_size) if averaged else 1.0
     host = payload.detach().cpu().contiguous()
     hdr, _ = cpu._read_header(host[:HEADER_FIELDS].double().tolist(), scale)
     total = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << 11) + (hdr[HDR_KEYS_HI] << 22)
     y = torch.full((L.numel,), 7.0)
-    c = _backend.decode(cpu._native, scale, total, L.world_size, host, y)
+    c, _ = _backend.CPU.lhc_decode(cpu._native, host, y, scale, L.world_size).finish(total)
     out = torch.full((L.numel,), 7.0, device=native.device)   # poisoned: decode writes all of it
     run = _cuda.decode(native, scale, L.world_size, host.to(native.device), out)
     _, g = run.finish()
@@ -381,7 +383,7 @@ def test_wide_blocks_and_empty_inputs():
 
 
 def test_cuda_bench_runs_and_checks_itself():
-    from lossless_hc.bench import render_codec_cuda, run_codec_bench_cuda
+    from lossless_hc.bench.codec import render_codec_cuda, run_codec_bench_cuda
     res = run_codec_bench_cuda(1 << 20, 0.01, 4, repeat=3)
     cor = res["correctness"]
     assert cor["ok"] and cor["deterministic"] and cor["support_mismatch_beyond_rounding"] == 0, cor
@@ -406,7 +408,7 @@ ML_STALLS = {
 def corrupt_fine_words(base: torch.Tensor, layout, level: int, rng, trial: int) -> torch.Tensor:
     """A copy of ``base`` with two non-zero words of fine table ``level`` read short by 1, raised by up
     to 40, or replaced by a valid word (by ``trial`` % 3): inconsistent tables, each word still valid."""
-    from lossless_hc.layout import INT_FIELD_LIMIT
+    from lossless_hc.lhc.layout import INT_FIELD_LIMIT
     lo, size = layout.level_offsets[level], layout.multilevel.levels[level].numel
     nz = (base[lo:lo + size] != 0).nonzero().reshape(-1) + lo
     p = base.clone()
@@ -428,7 +430,7 @@ def stalled_table_corruptions(base: torch.Tensor, layout, xs, level: int) -> dic
     valid word, no pattern) in the smallest cell holding one node -- the CPU dequeues it first and
     reads it as a pattern: corrupt (1). Returns {name: (payload, CPU status)}, without "empty cell"
     where every cell holds a node (tables far over capacity)."""
-    from lossless_hc.layout import INT_FIELD_LIMIT
+    from lossless_hc.lhc.layout import INT_FIELD_LIMIT
     lv = layout.multilevel.levels[level]
     keys = np.unique(np.concatenate([helpers.nonzero_keys(x, layout.block) for x in xs]))
     nodes = torch.from_numpy(np.unique(keys // lv.span))
@@ -450,14 +452,14 @@ def multilevel_case(numel, n, k, block=1, shape=(1,), pattern="random", union=No
                     dist="wide"):
     """A multilevel layout of the given shape (coarsest level first) as a CPU codec and a GPU codec,
     with the ranks' inputs and CPU payloads."""
-    from lossless_hc import _backend
-    from lossless_hc.layout import build_layout
+    from lossless_hc.backends import cpu as _backend
+    from lossless_hc.lhc.sizing import build_layout
     L = build_layout("multilevel", numel, n, max(1, k) * block, block, seed, union, shape)
     assert L is not None
     cpu, gpu = codecs(numel, n, max(1, k) * block, block, "multilevel", seed)
     for c, dev in ((cpu, torch.device("cpu")), (gpu, gpu.device)):
         c.layout = L
-        c._native = _backend.native_layout(L, dev)
+        c._native = c._backend.lhc_layout(L, dev)
     rng = np.random.default_rng(data_seed)
     xs = helpers.make_inputs(rng, numel, block, n, k, pattern, dist)
     return cpu, gpu, xs, [cpu.encode(x) for x in xs], rng
@@ -491,7 +493,7 @@ def test_multilevel_failures_match_cpu(backend):
     """Stalled fine tables at realistic sizes (fewer non-zero nodes than cells, and more: peeled by
     node id), corrupted so that the CPU's order decides (replayed: both outcomes), or at random;
     corrupted and overflowing words; wrong key counts."""
-    from lossless_hc.layout import INT_FIELD_LIMIT
+    from lossless_hc.lhc.layout import INT_FIELD_LIMIT
     cases = {"list": dict(numel=1 << 20, n=4, k=6_000, union=20_000, data_seed=1),
              "too-many": dict(numel=1 << 20, n=4, k=30_000, union=20_000, data_seed=2)}
     replayed = set()

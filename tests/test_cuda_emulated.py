@@ -2,7 +2,7 @@
 
 tests/cuda_emulation/ builds csrc/cuda/codec_kernels.cuh with the host compiler against a small
 emulation of the CUDA builtins (every CUDA thread a std::thread; barriers, warp exchanges and
-atomics emulated), behind the launch interface of lossless_hc._C_cuda. lossless_hc/_cuda.py then
+atomics emulated), behind the launch interface of lossless_hc._C_cuda. lossless_hc/backends/cuda.py then
 runs its real launch sequence on CPU tensors through it. This checks the kernels' logic, the
 arguments and sizes of every launch, the ordered compactions, the round-based peeling and its
 determinism under real thread interleavings, and agreement with the CPU backend. It cannot check
@@ -20,9 +20,11 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import LosslessCodec, _cuda
-from lossless_hc.codec import _DECODE_STATUS
-from lossless_hc.layout import HEADER_FIELDS
+from lossless_hc import LosslessCodec
+from lossless_hc.backends import cuda as _cuda
+from lossless_hc.backends import cuda_runtime
+from lossless_hc.lhc.status import message
+from lossless_hc.lhc.layout import HEADER_FIELDS
 from test_cuda import assert_same_payload, bits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,9 +68,9 @@ def emulated(tmp_path_factory):
         def resident_blocks(self, kernel, block):
             return 1
 
-    _cuda.reset_launcher(EmulatedLauncher())
+    cuda_runtime.reset_launcher(EmulatedLauncher())
     yield module
-    _cuda.reset_launcher()
+    cuda_runtime.reset_launcher()
 
 
 def host_codecs(numel, n, k, block=1, index="auto", seed=0):
@@ -88,7 +90,7 @@ def emulated_decode(native, payload, averaged=False):
     scale = float(L.world_size) if averaged else 1.0
     run = _cuda.decode(native, scale, L.world_size, payload.contiguous(), out)
     header, st = run.finish()
-    report = SimpleNamespace(ok=st.status == 0, reason=_DECODE_STATUS.get(st.status), support=st.support_keys,
+    report = SimpleNamespace(ok=st.status == 0, reason=message(st.status) or None, support=st.support_keys,
                              peeled=st.peeled, candidates=st.candidates, false_positives=st.false_positives,
                              status=st.status, trace=run.trace(st.support_keys))
     return out, report, header
@@ -122,10 +124,10 @@ def test_emulated_encode_adds_weighted_values(emulated, block):
     """A key alone in its cells leaves w_j * v there, bit for bit: the weights +1, +2, -1, -2 of a
     weighted sketch (lhc_layout.h, reference.key_cells; this small one is weighted), multiplied in
     exactly (lhc_encode_scan_b1 for blocks of 1, lhc_encode_scatter_blocks above)."""
-    from lossless_hc import reference
+    from lossless_hc.lhc import reference as reference
     cpu, native = host_codecs(3000 * block, 2, 60 * block, block, "bitmap")
     L = cpu.layout
-    assert L.sketch.weighted, "a sketch this small is weighted (layout.sketch_table_for): pick a smaller one"
+    assert L.sketch.weighted, "a sketch this small is weighted (sizing.sketch_table_for): pick a smaller one"
     cells, weights = reference.key_cells(L.sketch, torch.arange(L.num_keys))
     chosen, used = [], set()
     for k in range(L.num_keys):   # keys whose cells no other chosen key touches
@@ -253,7 +255,7 @@ def test_emulated_pair_values_match_cpu_bitwise(emulated):
     subtraction, one division in double): with nothing else in the pair's cells (pair_inputs keeps the
     other keys out), both read the same residuals, so the pair's outputs agree bit for bit, for every
     |det| among the layout's colliding pairs (1, 2, 3, 4, 5, 6 and 8 here: divisions exact or not)."""
-    from lossless_hc import reference
+    from lossless_hc.lhc import reference as reference
     from test_pairs import colliding_pairs, pair_inputs
 
     n = 2

@@ -1,5 +1,5 @@
 """The multilevel index's CUDA kernels (csrc/cuda/codec_kernels.cuh, "multilevel index") and their
-launch sequence (lossless_hc/_cuda.py), run on host threads through tests/cuda_emulation (the fixture
+launch sequence (lossless_hc/backends/cuda.py), run on host threads through tests/cuda_emulation (the fixture
 of tests/test_cuda_emulated.py): no GPU needed.
 
 What must hold, against the CPU backend on the same payload:
@@ -23,8 +23,11 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import _cuda, reference
-from lossless_hc.layout import HDR_KEYS_LO, INT_FIELD_LIMIT, build_layout
+from lossless_hc.backends import cuda as _cuda
+from lossless_hc.backends import cuda_runtime
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import HDR_KEYS_LO, INT_FIELD_LIMIT
+from lossless_hc.lhc.sizing import build_layout
 from test_cuda import (ML_STALLS, assert_same_payload, bits, corrupt_fine_words, index_verdicts_agree,
                        stalled_table_corruptions)
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
@@ -70,7 +73,7 @@ def report_of(st, run):
 
 
 def test_emulation_holds_every_codec_kernel(emulated):
-    assert set(_cuda.header_kernels(_cuda.KERNEL_HEADERS[0])) <= set(emulated.kernel_names())
+    assert set(cuda_runtime.header_kernels(cuda_runtime.KERNEL_HEADERS[0])) <= set(emulated.kernel_names())
 
 
 CONFIGS = [
@@ -154,7 +157,7 @@ def test_corrupted_fine_word(emulated, word, status, level):
 def test_child_count_above_its_node_count(emulated):
     """A consistent fine table whose pattern claims a child count above its node's count (the coarse
     level says fewer ranks hold the node): corrupt at the expansion, as on the CPU."""
-    from lossless_hc import reference
+    from lossless_hc.lhc import reference as reference
     case = setup(numel=3000, n=3, k=30, block=1, shape=(1,), pattern="random")
     L, lv = case.L, case.L.multilevel.levels[0]
     summed = helpers.sum_payloads(case.payloads, case.rng)
@@ -256,7 +259,7 @@ def test_decode_is_bitwise_deterministic(emulated):
 def test_grouped_fine_tables(emulated, monkeypatch):
     """Fine tables split into groups (made small here: the decoder's groups and the replay's per-group
     queues): encode and verdicts as the CPU, on a valid aggregate and on stalled, corrupted ones."""
-    from lossless_hc import layout as lay
+    from lossless_hc.lhc import sizing as lay
     monkeypatch.setattr(lay, "GROUP_KEYS", 64)
     monkeypatch.setattr(lay, "PEEL_FAILURE_TARGET", 0.5)   # lifts the pair bound's cap on the groups
     case = setup(numel=30000, n=2, k=600, block=1, shape=(1,), pattern="random", data_seed=1)

@@ -1,5 +1,5 @@
 """Consistency of the CUDA backend's sources, checked without a GPU: the Python launch sequence
-(lossless_hc/_cuda.py) against the kernels header (csrc/cuda/codec_kernels.cuh) and the compiled
+(lossless_hc/backends/cuda.py) against the kernels header (csrc/cuda/codec_kernels.cuh) and the compiled
 module's kernel table. A mismatch here would be undefined behaviour at launch time on a GPU."""
 import ast
 import pathlib
@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from lossless_hc import _cuda
+from lossless_hc.backends import cuda as _cuda
+
+from lossless_hc.backends import cuda_runtime
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER_PATH = ROOT / "csrc" / "cuda" / "codec_kernels.cuh"
@@ -49,7 +51,7 @@ def launches(module=_cuda):
 
 
 def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
-    kernels = _cuda.header_kernels(HEADER_PATH)
+    kernels = cuda_runtime.header_kernels(HEADER_PATH)
     calls = launches()
     assert len(calls) >= 20
     for name, nargs, line in calls:
@@ -59,7 +61,7 @@ def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
 
 def test_every_codec_kernel_is_launched():
     """Every kernel of codec_kernels.cuh (the multilevel index's included) has a launch in _cuda.py."""
-    kernels = set(_cuda.header_kernels(HEADER_PATH))
+    kernels = set(cuda_runtime.header_kernels(HEADER_PATH))
     assert {k for k in kernels if k.startswith("lhc_ml_")}, "the multilevel kernels are missing from the header"
     assert kernels == {name for name, _, _ in launches()}
 
@@ -67,7 +69,7 @@ def test_every_codec_kernel_is_launched():
 def test_layout_words_describe_every_fine_level():
     """The multilevel fine levels travel as kLwFineStride words each (LayoutWord), one block per level
     up to lhc::kMaxFineLevels, in _cuda.FINE_LEVEL_WORDS order."""
-    from lossless_hc.layout import MAX_FINE_LEVELS
+    from lossless_hc.lhc.layout import MAX_FINE_LEVELS
     stride = int(re.search(r"kLwFineStride == (\d+)", HEADER).group(1))
     assert stride == len(_cuda.FINE_LEVEL_WORDS)
     first = _cuda.LAYOUT_WORDS.index("fine0_seg_len")
@@ -86,16 +88,16 @@ def test_every_kernel_parameter_is_eight_bytes():
 
 def test_compiled_module_holds_every_header_kernel():
     mod = pytest.importorskip("lossless_hc._C_cuda", reason="lossless_hc._C_cuda not built (no nvcc at build time)")
-    kernels = _cuda.header_kernels()   # every header of the module: the lossless codec's and THC's
-    assert set(_cuda.header_kernels(HEADER_PATH)) | set(_cuda.header_kernels(THC_HEADER_PATH)) == set(kernels)
+    kernels = cuda_runtime.header_kernels()   # every header of the module: the lossless codec's and THC's
+    assert set(cuda_runtime.header_kernels(HEADER_PATH)) | set(cuda_runtime.header_kernels(THC_HEADER_PATH)) == set(kernels)
     assert sorted(mod.kernel_names()) == sorted(kernels)
     for name, arity in kernels.items():
         assert mod.kernel_arity(name) == arity, name
 
 
-# -- THC (csrc/cuda/thc_kernels.cuh, lossless_hc/_cuda_thc.py) ------------------------------------
+# -- THC (csrc/cuda/thc_kernels.cuh, lossless_hc/backends/cuda_thc.py) ------------------------------------
 def test_thc_layout_words_follow_the_header_enum():
-    from lossless_hc import _cuda_thc
+    from lossless_hc.backends import cuda_thc as _cuda_thc
     names = enum_names("ThcLayoutWord", THC_HEADER)
     assert names[-1] == "kThcLayoutWords"
     camel = ["kTl" + "".join(part.capitalize() for part in w.split("_")) for w in _cuda_thc.LAYOUT_WORDS]
@@ -103,7 +105,7 @@ def test_thc_layout_words_follow_the_header_enum():
 
 
 def test_thc_constants_follow_the_headers():
-    from lossless_hc import _cuda_thc
+    from lossless_hc.backends import cuda_thc as _cuda_thc
     const = lambda name, text: int(re.search(name + r"\s*=\s*(\d+)", text).group(1))  # noqa: E731
     math_h = (ROOT / "csrc" / "thc_math.h").read_text()
     assert const("kThcThreads", THC_HEADER) == _cuda_thc.THREADS
@@ -114,8 +116,8 @@ def test_thc_constants_follow_the_headers():
 
 
 def test_every_thc_launch_passes_as_many_arguments_as_the_kernel_takes():
-    from lossless_hc import _cuda_thc
-    kernels = _cuda.header_kernels(THC_HEADER_PATH)
+    from lossless_hc.backends import cuda_thc as _cuda_thc
+    kernels = cuda_runtime.header_kernels(THC_HEADER_PATH)
     calls = launches(_cuda_thc)
     assert {name for name, _, _ in calls} == set(kernels), "every THC kernel is launched, and only those"
     for name, nargs, line in calls:
@@ -123,8 +125,8 @@ def test_every_thc_launch_passes_as_many_arguments_as_the_kernel_takes():
 
 
 def test_nvrtc_source_includes_every_kernel_header():
-    src = _cuda._nvrtc_source()
-    for path in _cuda.KERNEL_HEADERS:
+    src = cuda_runtime._nvrtc_source()
+    for path in cuda_runtime.KERNEL_HEADERS:
         assert f'#include "cuda/{path.name}"' in src
 
 
@@ -133,7 +135,7 @@ def test_value_peel_positions_leave_room_for_the_weight_codes():
     _cuda caps the support list below 2^(32 - kWeightCodeBits) positions, and refuses a layout whose
     sketch could peel more keys than that (a clear error, not failing decodes at its design load)."""
     import torch
-    from lossless_hc.layout import build_layout
+    from lossless_hc.lhc.sizing import build_layout
     layout_h = (ROOT / "csrc" / "lhc_layout.h").read_text()
     bits = int(re.search(r"kWeightCodeBits = (\d+)", layout_h).group(1))
     assert _cuda.WEIGHT_CODE_BITS == bits

@@ -1,4 +1,4 @@
-"""THCCodec(device="cuda") (csrc/cuda/thc_kernels.cuh, lossless_hc/_cuda_thc.py) against the CPU backend.
+"""THCCodec(device="cuda") (csrc/cuda/thc_kernels.cuh, lossless_hc/backends/cuda_thc.py) against the CPU backend.
 
 Marked ``gpu`` and skipped, visibly, where torch sees no CUDA device: run with ``pytest -m gpu`` on a GPU
 machine (scripts/gpu_session.sh, step ``test``). Tests taking ``backend`` run once per way of loading
@@ -19,8 +19,8 @@ import torch
 import helpers
 
 import lossless_hc as lhc
-from lossless_hc import _backend
-from lossless_hc.thc import HEADER_FIELDS, max_world_size
+from lossless_hc.backends import cpu as _backend
+from lossless_hc.thc.layout import HEADER_FIELDS, max_world_size
 
 HAVE_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu,
@@ -125,7 +125,7 @@ def test_cuda_worst_case_digits_at_max_world_size(backend, dtype):
     cpu, gpu = lhc.THCCodec(numel, n, **kw), lhc.THCCodec(numel, n, device="cuda", **kw)
     L = cpu.layout
     top = torch.zeros(L.words, dtype=dtype)
-    _backend.thc_pack_levels(cpu._native, torch.full((L.padded,), g, dtype=torch.int32),
+    _backend.CPU.thc_pack_levels(cpu._native, torch.full((L.padded,), g, dtype=torch.int32),
                              0 if dtype == torch.float64 else 1, top)
     x = torch.randn(numel)
     agg = cpu.encode(x) * n
@@ -238,7 +238,7 @@ def test_cuda_codec_input_checks(backend):
 def test_thc_aggregator_follows_the_gradient_device(backend):
     """Compression.thc on CUDA gradients: the aggregator's codec moves to the GPU (with its state) and
     every rank decodes the same bits as a CPU aggregator would."""
-    from lossless_hc.aggregate import THCAggregator
+    from lossless_hc.training.aggregate import THCAggregator
     n = 2
     cpu = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]
     gpu = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]

@@ -1,4 +1,4 @@
-"""THC's CUDA kernels (csrc/cuda/thc_kernels.cuh) and their launch sequence (lossless_hc/_cuda_thc.py),
+"""THC's CUDA kernels (csrc/cuda/thc_kernels.cuh) and their launch sequence (lossless_hc/backends/cuda_thc.py),
 run on host threads: no GPU needed.
 
 The kernels are compiled with the host compiler against tests/cuda_emulation/cuda_emulation.h (every
@@ -19,17 +19,19 @@ import torch
 import helpers
 
 import lossless_hc as lhc
-from lossless_hc import _backend, _cuda_thc
-from lossless_hc.thc import HEADER_FIELDS, max_world_size
+from lossless_hc.backends import cpu as _backend
+from lossless_hc.backends import cuda_thc as _cuda_thc
+from lossless_hc.thc.layout import HEADER_FIELDS, max_world_size
 
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 
 
 def to_emulated_cuda(codec):
     """Switch a CPU-built codec to the CUDA kernels (run by the emulation on its CPU tensors)."""
+    from lossless_hc.backends.cuda import CUDA
+    codec._backend = CUDA
     codec._native = _cuda_thc.ThcCudaLayout(codec.layout, torch.device("cpu"), codec._lo, codec._width,
                                             codec._inv_width)
-    assert codec._on_cuda
     return codec
 
 
@@ -153,7 +155,7 @@ def test_emulated_kernels_match_the_dense_oracle(emulated, numel, n, kw):  # noq
 
     def unpack(words):
         y = torch.empty(L.padded, dtype=torch.float32)
-        assert _backend.thc_unpack_levels(cpu0._native, 0, words.contiguous(), 1.0, y) == 0
+        assert _backend.CPU.thc_unpack_levels(cpu0._native, 0, words.contiguous(), 1.0, y) == 0
         return y.double()
     for c, x, p in zip(gpu, xs, payloads):
         levels = unpack(p[L.words_offset:])
@@ -248,7 +250,7 @@ def test_emulated_worst_case_digits_at_max_world_size(emulated, dtype):  # noqa:
                                         initial_norm=1.0))
     L = cpu.layout
     top = torch.zeros(L.words, dtype=dtype)
-    _backend.thc_pack_levels(cpu._native, torch.full((L.padded,), g, dtype=torch.int32), 0 if dtype == torch.float64
+    _backend.CPU.thc_pack_levels(cpu._native, torch.full((L.padded,), g, dtype=torch.int32), 0 if dtype == torch.float64
                              else 1, top)
     x = torch.randn(numel)
     pc = cpu.encode(x)
@@ -323,7 +325,7 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(monkeypatch):
 
 
 def test_missing_cuda_kernels_is_a_clear_error(monkeypatch):
-    from lossless_hc import _cuda
+    from lossless_hc.backends import cuda as _cuda
 
     def unavailable():
         raise ImportError("lossless_hc has no CUDA kernels available: lossless_hc._C_cuda is not built")
@@ -335,8 +337,8 @@ def test_missing_cuda_kernels_is_a_clear_error(monkeypatch):
 
 def test_bench_thc_lockstep_check_runs():
     """The CPU lockstep of `bench thc --device cuda`, exercised on the CPU (cpu_check="force")."""
-    from lossless_hc.bench_thc import render_thc, run_thc_bench
-    from lossless_hc.bench import machine_info
+    from lossless_hc.bench.thc import render_thc, run_thc_bench
+    from lossless_hc.bench.common import machine_info
     res = run_thc_bench(numel=4096, workers=2, repeat=1, warmup=2, cpu_check="force")
     assert res["cpu_equal"] == {"ok": True, "steps": 3, "mismatches": []}
     assert "same bits as the CPU backend" in render_thc(res, machine_info(), "cmd")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import LosslessCodec, reference
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference as reference
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import LosslessCodec, cost_model, plan_layout
-from lossless_hc.layout import HEADER_FIELDS, INDEX_KINDS
+from lossless_hc import LosslessCodec, plan_layout
+from lossless_hc.lhc import cost_model as cost_model
+from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KINDS
 
 GRID = list(itertools.product(
     [1, 10, 100, 1000, 10_000, 1_000_000],       # numel

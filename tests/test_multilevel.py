@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helpers
-from lossless_hc import LosslessCodec, plan_layout, reference
-from lossless_hc.layout import INT_FIELD_LIMIT, multilevel_plan
+from lossless_hc import LosslessCodec, plan_layout
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import INT_FIELD_LIMIT
+from lossless_hc.lhc.sizing import multilevel_plan
 
 
 def bits(t):
@@ -171,7 +173,7 @@ def test_fuzzed_index_never_crashes_or_lies(seed, where, specials, averaged):
 def test_auto_plans_multilevel_for_every_device():
     """Both backends decode the multilevel index, so ``auto`` picks it where it is smallest whatever the
     device (ranks on CPUs and GPUs then plan the same payload), and the CUDA backend takes its layout."""
-    from lossless_hc import _cuda
+    from lossless_hc.backends import cuda as _cuda
     L = plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000)
     assert L.index_kind == "multilevel"
     native = _cuda.CudaLayout(L, torch.device("cpu"))   # the kernels' layout words (no GPU needed)
@@ -183,11 +185,11 @@ def test_auto_plans_multilevel_for_every_device():
 
 def codec_for(layout):
     """A LosslessCodec running an explicit (e.g. several-level) multilevel layout."""
-    from lossless_hc import _backend
+    from lossless_hc.backends import cpu as _backend
     c = LosslessCodec(layout.numel, layout.world_size, layout.capacity * layout.block, block_size=layout.block,
                       seed=layout.seed, index="bitmap")
     c.layout = layout
-    c._native = _backend.native_layout(layout)
+    c._native = _backend.CpuLhcLayout(layout)
     return c
 
 
@@ -195,7 +197,7 @@ def codec_for(layout):
 @pytest.mark.parametrize("numel,n,k,block,pattern", [(300_000, 2, 60, 1, "random"), (100_000, 16, 30, 1, "clustered"),
                                                      (32 * 5000 + 3, 5, 12, 32, "random"), (50_000, 3, 2_000, 1, "identical")])
 def test_several_fine_levels(shape, numel, n, k, block, pattern):
-    from lossless_hc.layout import build_layout
+    from lossless_hc.lhc.sizing import build_layout
     rng = np.random.default_rng(helpers.stable_seed(shape, numel, n))
     L = build_layout("multilevel", numel, n, k * block, block, 9, None, shape)
     assert L is not None and len(L.multilevel.levels) == len(shape)
@@ -230,7 +232,7 @@ def test_low_density_auto_uses_several_levels():
 def test_large_fine_tables_are_grouped():
     """Fine tables past 2 * GROUP_KEYS nodes are split into groups like the value sketch; the word
     headroom still covers load_cap nodes per cell."""
-    from lossless_hc import layout as lay
+    from lossless_hc.lhc import layout as lay
     m = multilevel_plan(1 << 26, 5_368_712, 8, 1)
     lv = m.levels[0]
     assert lv.table.seg_count > 3 and lv.table.seg_count % 3 == 0
@@ -248,8 +250,8 @@ def test_large_fine_tables_are_grouped():
 def test_grouped_fine_tables_match_reference(monkeypatch, shape, n, k, pattern):
     """Grouped fine tables (made small here) decode exactly, bit-exact with the reference, the same
     with 1 and 2 threads; a fuzzed group is reported, never decoded."""
-    from lossless_hc import _backend
-    from lossless_hc import layout as lay
+    from lossless_hc.backends import cpu as _backend
+    from lossless_hc.lhc import sizing as lay
     monkeypatch.setattr(lay, "GROUP_KEYS", 2048)
     numel = 1 << 21
     L = lay.build_layout("multilevel", numel, n, k, 1, 5, None, shape)
@@ -303,7 +305,7 @@ def test_fine_table_pairs_solved_or_reported(n):
     """Two non-zero nodes sharing all three cells of a fine table: solved exactly (C++ and the
     reference agree) unless their signs are proportional, then 'index peeling failed' on both; a
     solved pair's cells, corrupted, are reported, never decoded."""
-    from lossless_hc.layout import build_layout
+    from lossless_hc.lhc.sizing import build_layout
     L = build_layout("multilevel", 400_000, n, 40, 1, 3, None, (1,))
     assert L is not None and len(L.multilevel.levels) == 1
     solvable, proportional = helpers.colliding_pairs(L.multilevel.levels[0].table, L.multilevel.levels[0].num_nodes)

@@ -2,7 +2,7 @@
 
 Peeling never resolves them (neither is ever alone in a cell); the decoder solves the pair from two
 of its cells unless the keys' weight ratios agree in all three (then the pair is unsolvable and
-decode reports ok=False). ``layout.sketch_table_for`` sizes small sketches on that promise
+decode reports ok=False). ``sizing.sketch_table_for`` sizes small sketches on that promise
 (``PAIR_UNSOLVABLE_SHARE_SIGNS`` / ``_WEIGHTS``), so both outcomes are pinned here on real colliding keys, found by
 hashing every key of small layouts: exact (within the trace bound) when solvable, a reported
 failure -- never a wrong answer -- when not, the C++ decoder and the reference agreeing on which.
@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import helpers
-from lossless_hc import LosslessCodec, reference
-from lossless_hc.layout import PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.sizing import PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS
 
 
 def colliding_pairs(layout):

@@ -142,7 +142,7 @@ def test_digits_cnn_converges_with_topk_and_thc(tmp_path):
     for comp in ("none", "topk", "thc"):
         out = tmp_path / f"{comp}.json"
         launch([_horovod_bin("horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
-                "lossless_hc.workloads.train", "--model", "digits", "--compression", comp, "--json", str(out)],
+                "lossless_hc.bench.workloads.train", "--model", "digits", "--compression", comp, "--json", str(out)],
                tmp_path)
         acc[comp] = json.load(open(out))
     assert acc["none"]["value"] > 0.9

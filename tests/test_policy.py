@@ -3,7 +3,7 @@ shrinking, identical decisions for identical observations, payload shapes that a
 import pytest
 import torch
 
-from lossless_hc.aggregate import CapacityPolicy, TensorAggregator, TopKAggregator
+from lossless_hc.training.aggregate import CapacityPolicy, TensorAggregator, TopKAggregator
 
 
 def test_decisions_only_at_interval_steps():

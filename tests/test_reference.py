@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import layout as lay
-from lossless_hc import reference
-from lossless_hc.layout import SegmentedTable, plan_layout
+from lossless_hc.lhc import layout as lay
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import SegmentedTable
+from lossless_hc.lhc.cost_model import plan_layout
 
 M64 = (1 << 64) - 1
 

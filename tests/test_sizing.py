@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import LosslessCodec, reference
-from lossless_hc.layout import PEEL_FAILURE_TARGET, sketch_table_for, stream_seed
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.layout import stream_seed
+from lossless_hc.lhc.sizing import PEEL_FAILURE_TARGET, sketch_table_for
 
 # keys -> trials. Failures are Binomial(trials, p) with p <= PEEL_FAILURE_TARGET if the sizing is right.
 HYPERGRAPH_TRIALS = {10: 20000, 100: 5000, 1000: 2000, 10_000: 200, 100_000: 30}

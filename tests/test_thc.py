@@ -7,8 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import lossless_hc as lhc
-from lossless_hc import _backend
-from lossless_hc.thc import HEADER_FIELDS, max_world_size, plan_thc_layout
+from lossless_hc.backends import cpu as _backend
+from lossless_hc.thc.layout import HEADER_FIELDS, max_world_size, plan_thc_layout
 
 import thc_reference as ref
 
@@ -34,7 +34,7 @@ def test_rht_matches_dense_hadamard(numel, block):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     stream = _backend.thc_sign_stream(11, 0)
     y = torch.empty(L.padded, dtype=torch.float32)
-    st_ = _backend.thc_rht_forward(codec._native, stream, x, None, y)
+    st_ = _backend.CPU.thc_rht_forward(codec._native, stream, x, None, y)
     want = ref.rht(x, L, stream)
     # float32 butterflies: log2(block) roundings of values bounded by ||block of x||.
     tol = 4 * max(1, int(math.log2(L.block))) * 2.0 ** -24 * float(x.abs().max()) * math.sqrt(L.block)
@@ -42,7 +42,7 @@ def test_rht_matches_dense_hadamard(numel, block):
     assert st_.sum_squares == pytest.approx(float(x.double().pow(2).sum()), rel=1e-6)
     # The inverse restores x on the numel coordinates.
     back = torch.empty(numel, dtype=torch.float32)
-    _backend.thc_rht_inverse(codec._native, stream, y, back, None, None)
+    _backend.CPU.thc_rht_inverse(codec._native, stream, y, back, None, None)
     assert float((back.double() - x.double()).abs().max()) <= 2 * tol
 
 
@@ -121,14 +121,14 @@ def word_kind(codec):
 def pack(codec, levels):
     """Pack integer levels (padded of them) into this codec's words (the encode kernel's packing)."""
     words = torch.zeros(codec.layout.words, dtype=codec.layout.payload_dtype)
-    _backend.thc_pack_levels(codec._native, levels.to(torch.int32).contiguous(), word_kind(codec), words)
+    _backend.CPU.thc_pack_levels(codec._native, levels.to(torch.int32).contiguous(), word_kind(codec), words)
     return words
 
 
 def unpack(codec, words, multiplier):
     """(invalid words, digit sums as float32) of aggregated words."""
     y = torch.empty(codec.layout.padded, dtype=torch.float32)
-    bad = _backend.thc_unpack_levels(codec._native, word_kind(codec), words, multiplier, y)
+    bad = _backend.CPU.thc_unpack_levels(codec._native, word_kind(codec), words, multiplier, y)
     return bad, y
 
 
@@ -357,8 +357,8 @@ def test_state_dict_round_trip():
 
 
 def test_bench_thc_command_runs_and_reports():
-    from lossless_hc.bench import main
-    from lossless_hc.bench_thc import run_thc_bench
+    from lossless_hc.bench.cli import main
+    from lossless_hc.bench.thc import run_thc_bench
     res = run_thc_bench(numel=8192, workers=8, repeat=1, warmup=2)
     assert res["wire"]["lane_bits_per_coordinate"] == pytest.approx(64 / 6)
     # One step of compression error of partly shared N(0,1) gradients: below the per-rank model.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lossless_hc import thc
-from lossless_hc.thc_table import TABLES_FILE, _normal_pdf
+from lossless_hc.thc.table import TABLES_FILE, _normal_pdf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../lhc_layout.h"
+#include "../lhc_status.h"
 
 namespace lhc {
 namespace cpu {
@@ -18,14 +19,7 @@ struct EncodeStats {
 // Writes the header fields that depend on the input; deterministic for a given input.
 EncodeStats encode(const CodecLayout& layout, const float* x, float* payload, int num_threads);
 
-enum DecodeStatus : int32_t {
-  kDecodeOk = 0,
-  kDecodeIndexCorrupt = 1,   // an index word is not a valid packed integer, or digit sums disagree
-  kDecodeIndexPeelFailed = 2,// the Bloom counts could not be peeled to per-key counts
-  kDecodeSketchPeelFailed = 3,// the value sketch could not be peeled completely
-  kDecodeSketchNonFinite = 4, // a sketch cell is NaN/Inf although every rank's input was finite
-  kDecodeIndexOverflow = 5,   // a multilevel fine-table word reached 2^22 (more groups in a cell than sized for)
-};
+// DecodeStatus: lhc_status.h (one list for CPU, CUDA and Python).
 
 struct DecodeStats {
   int32_t status = kDecodeOk;

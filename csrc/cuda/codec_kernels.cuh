@@ -2,8 +2,8 @@
 //
 // Device code only: this file compiles under nvcc (included by codec_cuda.cu, which adds the host
 // launcher of the compiled module lossless_hc._C_cuda) and under NVRTC (loaded at run time through
-// CuPy by lossless_hc/_cuda.py), so it includes nothing but csrc/lhc_layout.h and uses no host API.
-// The launch sequence (which kernel, grid, scratch buffers) lives in one place, lossless_hc/_cuda.py,
+// CuPy by lossless_hc/backends/cuda.py), so it includes nothing but csrc/lhc_layout.h and uses no host API.
+// The launch sequence (which kernel, grid, scratch buffers) lives in one place, lossless_hc/backends/cuda.py,
 // shared by both ways of loading these kernels.
 //
 // Calling convention: every kernel parameter is 8 bytes (a pointer, a uint64_t or a double), so a
@@ -37,7 +37,7 @@
 namespace lhc {
 namespace gpu {
 
-// Order of the uint64 words describing a CodecLayout (mirrored by lossless_hc/_cuda.py LAYOUT_WORDS).
+// Order of the uint64 words describing a CodecLayout (mirrored by lossless_hc/backends/cuda.py LAYOUT_WORDS).
 // The value sketch's and the Bloom table's words (seg_len, seg_count, stream, weighted) are each a
 // table-words pointer (load_table), as the peeling kernels take them.
 enum LayoutWord : int {
@@ -110,7 +110,7 @@ struct EncodeCounters {
 
 // Decode statistics and failure flags (device, zeroed by the caller before decode). The host reads
 // this struct once at the end of decode and turns the flags into a status with the CPU backend's
-// precedence (lossless_hc/_cuda.py decode_status).
+// precedence (lossless_hc/backends/cuda.py decode_status).
 struct DecodeCounters {
   unsigned long long index_total;      // sum of the decoded index digits
   unsigned long long expected_total;   // what the header says the index must sum to
@@ -165,7 +165,7 @@ struct MlState {
   unsigned int replay_bad;         // current level: the CPU-order replay met a failing step or a bad pair
 };
 
-// The host (lossless_hc/_cuda.py) allocates and reads these structs by these sizes.
+// The host (lossless_hc/backends/cuda.py) allocates and reads these structs by these sizes.
 static_assert(sizeof(EncodeCounters) == 16, "EncodeCounters: 16 bytes");
 static_assert(sizeof(DecodeCounters) == 64, "DecodeCounters: 64 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
@@ -1793,7 +1793,7 @@ extern "C" __global__ void lhc_degree_offsets(const unsigned int* deg, uint64_t 
 
 // A value-peel adjacency entry: (key position << kWeightCodeBits) | the key's weight code in the
 // cell (lhc_layout.h key_cell_code). Positions stay below 2^(32 - kWeightCodeBits): the host caps
-// the support list there (lossless_hc/_cuda.py MAX_PEEL_POSITIONS).
+// the support list there (lossless_hc/backends/cuda.py MAX_PEEL_POSITIONS).
 constexpr unsigned int kAdjCodeMask = (1u << kWeightCodeBits) - 1u;
 __device__ __forceinline__ unsigned int adj_position(unsigned int entry) { return entry >> kWeightCodeBits; }
 

@@ -1,9 +1,9 @@
-// thc_kernels.cuh -- CUDA kernels of the THC codec (lossless_hc/thc.py, device="cuda").
+// thc_kernels.cuh -- CUDA kernels of the THC codec (lossless_hc/thc/codec.py, device="cuda").
 //
 // Device code only, like codec_kernels.cuh: compiled by nvcc into lossless_hc._C_cuda (codec_cuda.cu
 // holds the kernel table), by NVRTC on the CuPy path, and by the host compiler against
 // tests/cuda_emulation/cuda_emulation.h in tests/test_cuda_thc_emulated.py. The launch sequence
-// lives in lossless_hc/_cuda_thc.py. Every parameter is 8 bytes (a pointer, a uint64_t or a double
+// lives in lossless_hc/backends/cuda_thc.py. Every parameter is 8 bytes (a pointer, a uint64_t or a double
 // whose float value is what the CPU backend receives as a float).
 //
 // Agreement with the CPU backend (csrc/cpu/thc_cpu.cpp): every per-coordinate operation comes from
@@ -31,7 +31,7 @@
 namespace lhc {
 namespace gpu {
 
-// Order of the uint64 words describing a ThcLayout (mirrored by lossless_hc/_cuda_thc.py LAYOUT_WORDS).
+// Order of the uint64 words describing a ThcLayout (mirrored by lossless_hc/backends/cuda_thc.py LAYOUT_WORDS).
 enum ThcLayoutWord : int {
   kTlNumel = 0,
   kTlPadded,
@@ -52,7 +52,7 @@ struct ThcState {
   unsigned long long bad_words;  // decode: words that are not valid aggregates
   unsigned long long pad2;
 };
-static_assert(sizeof(ThcState) == 32, "ThcState: 32 bytes (lossless_hc/_cuda_thc.py STATE_BYTES)");
+static_assert(sizeof(ThcState) == 32, "ThcState: 32 bytes (lossless_hc/backends/cuda_thc.py STATE_BYTES)");
 
 constexpr unsigned int kThcThreads = 256;  // block size of every THC kernel (kThcNormLanes lanes)
 constexpr uint64_t kThcTile = 4096;        // Hadamard blocks up to this size are done in shared memory
@@ -121,7 +121,7 @@ __device__ __forceinline__ uint64_t thc_load_level(const void* levels, uint64_t 
 
 __device__ __forceinline__ ThcRounding thc_load_rounding(const float* table, uint32_t g, double scale,
                                                          double threshold) {
-  // table: lo[g], width[g], inv_width[g] (float32), as lossless_hc/thc.py builds them.
+  // table: lo[g], width[g], inv_width[g] (float32), as lossless_hc/thc/codec.py builds them.
   return thc_rounding(table, table + g, table + 2 * g, (float)scale, (float)threshold, g);
 }
 
@@ -252,7 +252,7 @@ extern "C" __global__ void thc_pack_words(const uint64_t* lay, const void* level
 
 // The end of an encode: the norm slot, or (x non-finite, or ||x + e||^2 overflowed) the non-finite
 // header flag with every word after the header zeroed, and e zeroed when it overflowed -- what
-// lossless_hc/thc.py does with the CPU backend's ThcEncodeStats.
+// lossless_hc/thc/codec.py does with the CPU backend's ThcEncodeStats.
 extern "C" __global__ void thc_encode_finish(void* payload, uint64_t payload_numel, uint64_t norm_slot,
                                              uint64_t word_kind, float* e, uint64_t numel, ThcState* state) {
   unsigned int flag = state->non_finite;

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
-from lossless_hc.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
+from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.horovod import Compression  # noqa: E402
 
 STEPS = 6

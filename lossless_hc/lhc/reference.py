@@ -4,7 +4,7 @@ Nothing here runs inside ``LosslessCodec``; the tests compare the C++ kernels ag
 written to be obviously correct rather than fast: whole-tensor integer operations for the hash
 family, explicit per-rank digit arithmetic for the index, and round-based peeling.
 
-What is reproduced bit for bit (given the same :class:`~lossless_hc.layout.PayloadLayout`):
+What is reproduced bit for bit (given the same :class:`~lossless_hc.lhc.layout.PayloadLayout`):
 
 * :func:`key_cells` -- ``lhc::key_cells`` / ``mix64`` / ``reduce32`` of ``csrc/lhc_layout.h``, on
   int64 tensors: the multiplications wrap modulo 2**64 exactly like ``uint64_t``; right shifts are
@@ -35,8 +35,7 @@ from typing import Optional
 
 import torch
 
-from .layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
-                     HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, SegmentedTable)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, SegmentedTable)
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -292,7 +291,7 @@ def pair_cells(wa, wb) -> tuple[int, int, int]:
 def solvable_pairs(cells: torch.Tensor, weights: torch.Tensor, resolved: torch.Tensor) -> torch.Tensor:
     """The two-key stopping sets left after peeling that the value decoder solves: pairs ``a < b``
     of unresolved keys with the same three cells, no other unresolved key in those cells, and
-    weight columns not proportional (:func:`pair_cells`; see ``layout.sketch_table_for``). Returns
+    weight columns not proportional (:func:`pair_cells`; see ``sizing.sketch_table_for``). Returns
     an ``[P, 2]`` tensor of key indices, ordered by the pair's first cell.
     """
     cells = cells.to(torch.int64)

@@ -3,7 +3,7 @@ r"""Cost model: which index (dense, bitmap, Bloom, multilevel) and which sizes, 
 Every rank calls :func:`choose` with the same arguments (numel, world size, block size, capacity,
 expected aggregate support), and it is a pure function of them, so every rank picks the same layout
 and payload shapes always match. It minimises wire bytes subject to the failure-probability bounds
-that :mod:`lossless_hc.layout` builds every table with (``PEEL_FAILURE_TARGET`` = 1e-3 per table for
+that :mod:`lossless_hc.lhc.layout` builds every table with (``PEEL_FAILURE_TARGET`` = 1e-3 per table for
 peeling, ``SATURATION_TARGET`` for Bloom counters, ``FINE_OVERFLOW_TARGET`` for multilevel words). A
 failure is never silent: decode reports it and the plugins fall back to an exact dense aggregation.
 
@@ -43,14 +43,14 @@ What keeps a summable code above the bound
    non-zero over the bound in the worst case, because the sum exposes multiplicities.
 3. **The value sketch needs ~1.23 float32 cells per key.** Peeling a 3-hash count sketch succeeds
    w.h.p. only above the 3-hypergraph 2-core threshold (1.222 cells per key); with the finite-size
-   margins of ``layout.sketch_table_for`` it is ~1.25 + 3/sqrt(u) cells. Values alone thus cost
+   margins of ``sizing.sketch_table_for`` it is ~1.25 + 3/sqrt(u) cells. Values alone thus cost
    ``>= 1.23 * 32 = 39.1`` bits per non-zero (block 1) against 32 in the bound: a floor of
    1.22x on the value part, whatever the index. For block ``b`` the factor applies to ``32 b`` bits,
    and the index is paid once per block, so blocks approach 1.25x of the bound.
    Below a few thousand keys the threshold is not what sizes the sketch: two keys sharing all
    three cells (probability ~13.5 u^2 / cells^3) cannot be peeled. The decoder solves such a pair
    unless its weight ratios agree in all three cells: a quarter of them with +-1 signs, 5/128 with
-   the weights +-1, +-2 of small sketches (``layout.sketch_table_for``), which then are sized by
+   the weights +-1, +-2 of small sketches (``sizing.sketch_table_for``), which then are sized by
    four keys paired up in every segment (``layout.small_stopping_sets``): 1.81 cells per key at
    u = 210 (block 32 at density 1e-4 of 2^26 coordinates; 2.53 with signs), 1.54 at u = 1000.
    Weights are kept to single-group tables loaded at >= 1.6 cells per key, because they amplify
@@ -82,7 +82,7 @@ ratios reported in docs/BENCHMARKS.md.
 The choice
 ----------
 :func:`candidates` builds every layout that applies (multilevel for each group size in
-``WORDS_PER_GROUP_CHOICES``) with :func:`lossless_hc.layout.build_layout`. :func:`choose` returns the
+``WORDS_PER_GROUP_CHOICES``) with :func:`lossless_hc.lhc.sizing.build_layout`. :func:`choose` returns the
 smallest *single-level* payload (dense, bitmap, Bloom; ties to the cheaper decoder in that order),
 unless the multilevel payload saves at least ``MULTILEVEL_BYTES_PER_NODE`` (4) bytes per node its
 fine tables peel (:func:`multilevel_pays_off`). The reason is decode time, and it is counted per
@@ -115,7 +115,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, build_layout
+from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, check_args
+from lossless_hc.lhc.sizing import build_layout
 
 # Multilevel shapes tried: the finest level's words per node (G = words * digits per word keys),
 # and for the levels above it (up to MAX_EXTRA_LEVELS more) the words per node of each.
@@ -255,3 +256,40 @@ def wire_bits_per_nonzero(layout: PayloadLayout, nnz: int) -> float:
 def dense_limit_words(numel: int) -> int:
     """The most any choice sends: the dense tensor plus the header."""
     return numel + HEADER_FIELDS
+
+
+def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
+                index: str = "auto", union_nnz: Optional[int] = None) -> PayloadLayout:
+    """The payload layout for a tensor of ``numel`` coordinates aggregated over ``world_size``
+    ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
+    ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"multilevel"``, ``"dense"`` or
+    ``"auto"`` (the smallest payload, chosen by :func:`choose`; ties prefer the
+    cheaper decoder: dense, bitmap, bloom, multilevel). The layout depends on these arguments only,
+    never on the device: CPU and CUDA ranks (both have every index kind) plan the same payload.
+
+    Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,
+    i.e. ``max_nnz`` assumes non-zeros come in whole blocks (embedding rows). A rank with more
+    non-zero blocks than that is *overloaded*: decode reports it.
+
+    ``union_nnz`` sizes the value sketch (and the index) for that many non-zero coordinates in the
+    *aggregate* (default ``world_size * max_nnz``, every rank's support disjoint). Ranks whose
+    supports overlap (top-k of similar gradients, popular embedding rows) need far less; an aggregate
+    with more non-zero keys than planned fails to peel and decode reports it (never a wrong answer).
+    """
+    check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    if index not in INDEX_KINDS + ("auto",):
+        raise ValueError(f"index must be one of {INDEX_KINDS + ('auto',)}, got {index!r}")
+    num_keys = -(-numel // block_size)
+    if index == "auto":
+        return choose(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    if index == "multilevel":
+        chosen = best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    else:
+        chosen = build_layout(index, numel, world_size, max_nnz, block_size, seed, union_nnz)
+    if chosen is not None:
+        return chosen
+    if num_keys == 0:
+        # An empty tensor has nothing to index: every kind degenerates to the header alone.
+        return build_layout("dense", numel, world_size, max_nnz, block_size, seed, union_nnz)
+    raise ValueError(f"index={index!r} cannot be built for world_size={world_size}: its counters would not "
+                     f"fit an exact float32 field; use index='bitmap' or 'auto'")

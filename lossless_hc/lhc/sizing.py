@@ -1,54 +1,19 @@
-"""Sizing rules and the payload layout of the lossless codec.
+"""Sizing rules of the lossless codec: how big each table is for a failure-probability target.
 
-Everything that decides *how big* a payload is lives here, as pure functions of the configuration
-(numel, world size, capacity, block size, seed). Every rank evaluates them on the same inputs, so
-every rank derives the same layout and the same payload shape without communicating.
-
-Payload (float32, ``payload_numel`` elements)::
-
-    [ header: HEADER_FIELDS ints ][ index words ][ value sketch: cells x block floats ]
-
-* header -- small integers each rank contributes (contributor count 1, configuration fingerprint,
-  its number of non-zero keys, overload/non-finite/saturation flags). Their SUM tells the decoder
-  how many ranks contributed and whether they agree on the configuration.
-* index -- which keys are non-zero on at least one rank, summable by plain SUM:
-  ``bitmap``: one counter per key; ``bloom``: a counting Bloom filter whose counters are peeled
-  exactly (see ``bloom_table_for``); ``dense``: no index, the raw values follow the header.
-* sketch -- a Count Sketch of the values: key ``k`` adds ``s_j(k) * x[k]`` into cell ``h_j(k)`` for
-  j = 0, 1, 2 (see csrc/lhc_layout.h for the hash family and the segmented table).
-
-Integer fields are packed as digits, ``per_word`` digits of base ``base`` per float32 word with
-``base ** per_word <= 2**22``: the sum over ranks of a digit never reaches ``base`` (the base is
-one more than the largest possible aggregate), so no digit carries into the next, and the whole word
-stays below ``2**22``, where float32 sums are exact and an average is invertible (see
-``INT_FIELD_BITS``).
+Every function here is a pure function of the configuration, evaluated identically on every rank:
+the value sketch (:func:`sketch_table_for`), the counting Bloom filter (:func:`bloom_table_for`), the
+multilevel index (:func:`multilevel_plan`), and :func:`build_layout`, which assembles one index
+kind's :class:`~lossless_hc.lhc.layout.PayloadLayout`. Which kind to build is the cost model's choice
+(:func:`lossless_hc.lhc.cost_model.plan_layout`). The derivations and measurements behind the
+constants are in docs/DESIGN.md ("Sizing").
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
-HEADER_FIELDS = 9
-INT_FIELD_BITS = 22
-INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
-CHUNK_BITS = 11
-MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
-MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 5             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups;
-                               # 4: value-sketch weights +-1, +-2, tables sized for 4- and 6-key stopping sets;
-                               # 5: signed multilevel fine tables (their pairs solved)
-
-# Header field positions (mirror csrc/lhc_layout.h).
-HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
-HDR_OVERLOADED, HDR_NON_FINITE, HDR_SATURATED = 6, 7, 8
-
-INDEX_KINDS = ("dense", "bitmap", "bloom", "multilevel")
-INDEX_KIND_CODE = {"dense": 0, "bitmap": 1, "bloom": 2, "multilevel": 3}
-
-SALT_SKETCH = 0x5CE7C4A11
-SALT_BLOOM = 0xB100F11
-SALT_FINE = 0xF1E7AB1E
+from lossless_hc.lhc.layout import (INDEX_KINDS, INT_FIELD_LIMIT, MAX_FINE_LEVELS, MAX_KEYS, MAX_SEG_LEN, SALT_BLOOM, SALT_FINE, SALT_SKETCH, DigitPacking, FineLevel, MultilevelPlan, PayloadLayout, SegmentedTable, check_args, digit_packing, layout_fingerprint, mix64, stream_seed)
 
 # Target probability that peeling a correctly sized sketch fails (then the caller falls back to an
 # exact dense aggregation for that step, so this trades wire size against rare extra traffic).
@@ -69,69 +34,10 @@ PAIR_UNSOLVABLE_SHARE_SIGNS = 0.25
 PAIR_UNSOLVABLE_SHARE_WEIGHTS = 5.0 / 128.0
 # A weighted value sketch is never loaded above 1 / this (cells per key): see sketch_table_for.
 WEIGHTED_MIN_CELLS_PER_KEY = 1.6
-# Segments are at most this long: the decoders pack a cell's offset and its 2-bit weight code into
-# 32 bits (lhc::kMaxSegLen).
-MAX_SEG_LEN = 1 << 30
 # Value-sketch cells per candidate key (see sketch_table_for).
 SKETCH_CELLS_PER_KEY = 1.25
 # Keys per group of sub-tables the value sketch aims for (a group's peeling state stays in cache).
 GROUP_KEYS = 1 << 17
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix64(z: int) -> int:
-    """splitmix64's finalizer on Python ints; identical to ``lhc::mix64``."""
-    z &= _MASK64
-    z ^= z >> 30
-    z = (z * 0xBF58476D1CE4E5B9) & _MASK64
-    z ^= z >> 27
-    z = (z * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return z
-
-
-def stream_seed(seed: int, salt: int) -> int:
-    return mix64((seed & _MASK64) ^ mix64(salt))
-
-
-@dataclass(frozen=True)
-class SegmentedTable:
-    """``seg_count = 3 * groups`` segments of ``seg_len`` cells; a key hashes to one group and hits
-    one cell in each of its three segments (one group: the classic three sub-tables)."""
-
-    seg_len: int
-    seg_count: int
-    stream: int
-    weighted: bool = False   # value sketch only: weights +-1, +-2 instead of signs (sketch_table_for)
-
-    @property
-    def cells(self) -> int:
-        return self.seg_len * self.seg_count
-
-
-@dataclass(frozen=True)
-class DigitPacking:
-    """``digits`` counters of base ``base``, ``per_word`` of them per float32 word."""
-
-    base: int
-    per_word: int
-    digits: int
-
-    @property
-    def words(self) -> int:
-        return -(-self.digits // self.per_word) if self.digits else 0
-
-
-def digit_packing(max_aggregate: int, digits: int) -> DigitPacking:
-    """Pack counters whose aggregate never exceeds ``max_aggregate`` as densely as exactness allows."""
-    base = max_aggregate + 1
-    if base > INT_FIELD_LIMIT:
-        raise ValueError(f"a counter of up to {max_aggregate} does not fit an exact float32 field")
-    per_word = 0
-    while base ** (per_word + 1) <= INT_FIELD_LIMIT:
-        per_word += 1
-    return DigitPacking(base=base, per_word=per_word, digits=digits)
 
 
 def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
@@ -373,71 +279,6 @@ def bloom_table_for(num_keys: int, union_keys: int, capacity: int, world_size: i
 # (then decode reports it; see multilevel_plan).
 FINE_OVERFLOW_TARGET = PEEL_FAILURE_TARGET / 10
 
-
-MAX_FINE_LEVELS = 4             # fine tables of a multilevel index (mirrors lhc::kMaxFineLevels)
-
-
-@dataclass(frozen=True)
-class FineLevel:
-    """One fine table of a multilevel index: a node covers ``span`` consecutive keys and has
-    ``digits_per_word * words_per_group`` children (keys at the finest level, else nodes of the next
-    finer level), one base-(n+1) digit each."""
-
-    digits_per_word: int     # w: pattern digits per fine word
-    words_per_group: int     # fine words per cell (one node's pattern)
-    span: int                # keys under one node
-    num_nodes: int           # ceil(num_keys / span)
-    planned_nodes: int       # non-zero nodes the table is sized for
-    load_cap: int            # non-zero nodes per cell the word headroom allows
-    table: SegmentedTable
-
-    @property
-    def children(self) -> int:
-        return self.digits_per_word * self.words_per_group
-
-    @property
-    def numel(self) -> int:
-        return self.table.cells * self.words_per_group
-
-
-@dataclass(frozen=True)
-class MultilevelPlan:
-    """Shape of a multilevel index (see :func:`multilevel_plan`): a coarse counting bitmap over the
-    nodes of ``levels[0]``, then the fine tables, coarsest first; the last one's children are keys."""
-
-    levels: tuple
-    coarse: DigitPacking
-
-    # The finest level's shape (the common one-level case reads these).
-    @property
-    def group_keys(self) -> int:
-        return self.levels[-1].children
-
-    @property
-    def digits_per_word(self) -> int:
-        return self.levels[-1].digits_per_word
-
-    @property
-    def words_per_group(self) -> int:
-        return self.levels[-1].words_per_group
-
-    @property
-    def load_cap(self) -> int:
-        return self.levels[-1].load_cap
-
-    @property
-    def fine(self) -> SegmentedTable:
-        return self.levels[-1].table
-
-    @property
-    def num_groups(self) -> int:
-        return self.coarse.digits
-
-    @property
-    def fine_numel(self) -> int:
-        return sum(lv.numel for lv in self.levels)
-
-
 def expected_nonzero_groups(num_groups: int, union_keys: int) -> int:
     """Non-zero groups to size a fine table for: the mean number of groups hit when ``union_keys``
     keys fall uniformly at random into ``num_groups`` groups, plus 4 standard deviations (the count
@@ -547,111 +388,13 @@ def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_g
     levels.reverse()
     return MultilevelPlan(tuple(levels), digit_packing(n, levels[0].num_nodes))
 
-
-@dataclass(frozen=True)
-class PayloadLayout:
-    """The complete, rank-independent description of one codec's payload."""
-
-    numel: int
-    block: int
-    num_keys: int
-    world_size: int
-    capacity: int            # non-zero keys per rank the codec is sized for
-    union_keys: int          # keys the sketch is sized for: min(num_keys, world_size * capacity)
-    index_kind: str
-    seed: int
-    sketch: SegmentedTable
-    bloom: Optional[SegmentedTable]
-    index: DigitPacking
-    digit_cap: int
-    fingerprint: int = field(default=0)
-    multilevel: Optional[MultilevelPlan] = None   # index_kind "multilevel" only (index = its coarse level)
-
-    @property
-    def index_offset(self) -> int:
-        return HEADER_FIELDS
-
-    @property
-    def fine_offset(self) -> int:
-        """First word of the multilevel fine table (= sketch_offset for the other kinds)."""
-        return HEADER_FIELDS + self.index.words
-
-    @property
-    def fine_numel(self) -> int:
-        return self.multilevel.fine_numel if self.multilevel is not None else 0
-
-    @property
-    def level_offsets(self) -> tuple:
-        """First word of each multilevel fine table (coarsest first)."""
-        out, off = [], self.fine_offset
-        for lv in (self.multilevel.levels if self.multilevel is not None else ()):
-            out.append(off)
-            off += lv.numel
-        return tuple(out)
-
-    @property
-    def sketch_offset(self) -> int:
-        return HEADER_FIELDS + self.index.words + self.fine_numel
-
-    @property
-    def payload_numel(self) -> int:
-        if self.index_kind == "dense":
-            return HEADER_FIELDS + self.numel
-        return self.sketch_offset + self.sketch.cells * self.block
-
-    @property
-    def wire_bytes(self) -> int:
-        return 4 * self.payload_numel
-
-
-def _fingerprint(*values: int) -> int:
-    h = 0x1A5E_55_C0DEC
-    for v in values:
-        h = mix64(h ^ (v & _MASK64))
-    return h & ((1 << (2 * CHUNK_BITS)) - 1)
-
-
-def _layout_fingerprint(L: PayloadLayout) -> int:
-    bloom, m = L.bloom, L.multilevel
-    values = [LAYOUT_VERSION, L.numel, L.block, L.world_size, L.capacity, INDEX_KIND_CODE[L.index_kind], L.seed,
-              L.sketch.seg_len, L.sketch.seg_count, bloom.cells if bloom else 0, L.index.base, L.digit_cap,
-              int(L.sketch.weighted)]
-    if m is not None:  # the multilevel shape joins the hash (other kinds keep their fingerprints)
-        values += [L.union_keys, len(m.levels)]
-        for lv in m.levels:
-            values += [lv.span, lv.digits_per_word, lv.words_per_group, lv.table.seg_len, lv.table.seg_count]
-    return _fingerprint(*values)
-
-
-def _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
-    for name, value in (("numel", numel), ("world_size", world_size), ("max_nnz", max_nnz),
-                        ("block_size", block_size), ("seed", seed)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if union_nnz is not None and (not isinstance(union_nnz, int) or isinstance(union_nnz, bool)):
-        raise TypeError(f"union_nnz must be an int or None, got {type(union_nnz).__name__}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
-    if max_nnz < 0:
-        raise ValueError(f"max_nnz must be >= 0, got {max_nnz}")
-    if union_nnz is not None and union_nnz < 0:
-        raise ValueError(f"union_nnz must be >= 0, got {union_nnz}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    num_keys = -(-numel // block_size)
-    if num_keys > MAX_KEYS:
-        raise ValueError(f"numel / block_size = {num_keys} keys exceeds the supported {MAX_KEYS}")
-
-
 def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
                  union_nnz: Optional[int] = None, words_per_group=1) -> Optional[PayloadLayout]:
     """The layout of one index ``kind`` (with its fingerprint), or None where that kind cannot be
     built for this configuration. Arguments as :func:`plan_layout`; ``words_per_group`` is the
     multilevel group size in fine words, an int or a tuple per fine level, coarsest first (the cost
     model searches it)."""
-    _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
+    check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
     num_keys = -(-numel // block_size)
     capacity = min(num_keys, -(-max_nnz // block_size))
     union = min(num_keys, world_size * capacity)
@@ -682,43 +425,4 @@ def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_siz
     tables += [lv.table for lv in L.multilevel.levels] if L.multilevel is not None else []
     if max(t.seg_len for t in tables) > MAX_SEG_LEN:  # not reached: tables split into groups long before
         raise ValueError(f"a table segment exceeds {MAX_SEG_LEN} cells (the decoders' packed-cell limit)")
-    return replace(L, fingerprint=_layout_fingerprint(L))
-
-
-def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-                index: str = "auto", union_nnz: Optional[int] = None) -> PayloadLayout:
-    """The payload layout for a tensor of ``numel`` coordinates aggregated over ``world_size``
-    ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
-    ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"multilevel"``, ``"dense"`` or
-    ``"auto"`` (the smallest payload, chosen by :mod:`lossless_hc.cost_model`; ties prefer the
-    cheaper decoder: dense, bitmap, bloom, multilevel). The layout depends on these arguments only,
-    never on the device: CPU and CUDA ranks (both have every index kind) plan the same payload.
-
-    Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,
-    i.e. ``max_nnz`` assumes non-zeros come in whole blocks (embedding rows). A rank with more
-    non-zero blocks than that is *overloaded*: decode reports it.
-
-    ``union_nnz`` sizes the value sketch (and the index) for that many non-zero coordinates in the
-    *aggregate* (default ``world_size * max_nnz``, every rank's support disjoint). Ranks whose
-    supports overlap (top-k of similar gradients, popular embedding rows) need far less; an aggregate
-    with more non-zero keys than planned fails to peel and decode reports it (never a wrong answer).
-    """
-    _check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
-    if index not in INDEX_KINDS + ("auto",):
-        raise ValueError(f"index must be one of {INDEX_KINDS + ('auto',)}, got {index!r}")
-    from . import cost_model  # the cost model builds on this module
-
-    num_keys = -(-numel // block_size)
-    if index == "auto":
-        return cost_model.choose(numel, world_size, max_nnz, block_size, seed, union_nnz)
-    if index == "multilevel":
-        chosen = cost_model.best_multilevel(numel, world_size, max_nnz, block_size, seed, union_nnz)
-    else:
-        chosen = build_layout(index, numel, world_size, max_nnz, block_size, seed, union_nnz)
-    if chosen is not None:
-        return chosen
-    if num_keys == 0:
-        # An empty tensor has nothing to index: every kind degenerates to the header alone.
-        return build_layout("dense", numel, world_size, max_nnz, block_size, seed, union_nnz)
-    raise ValueError(f"index={index!r} cannot be built for world_size={world_size}: its counters would not "
-                     f"fit an exact float32 field; use index='bitmap' or 'auto'")
+    return replace(L, fingerprint=layout_fingerprint(L))

@@ -15,20 +15,18 @@ must be the same bits on both backends (reported as ``cpu_equal``; the exit stat
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
 
-from .bench import fmt_bytes, format_table, section, time_interleaved
+from lossless_hc.bench.common import fmt_bytes, format_table, section, time_interleaved
+from lossless_hc.thc import THCCodec
 
 
 def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
                   symmetric_table: bool = False, averaged: bool = False, repeat: int = 5, seed: int = 0,
                   threads: int = 0, warmup: int = 4, log: Callable[[str], None] = lambda s: None,
                   device: str = "cpu", cpu_check: bool = True) -> dict:
-    from .thc import THCCodec
-
     if threads > 0:
         torch.set_num_threads(threads)
     dev = torch.device(device)

@@ -1,191 +1,23 @@
-r"""THC: tensor homomorphic compression of dense gradients (Li et al., NSDI 2024), CPU backend.
+r"""THC: tensor homomorphic compression of dense gradients (Li et al., NSDI 2024).
 
 Every rank maps its gradient to a fixed-shape payload of small integers packed into 64-bit words;
 the element-wise SUM (or AVERAGE) of the payloads, computed by any engine without decoding, decodes
 to an unbiased estimate of the sum (or average) of the gradients. See :class:`THCCodec`.
-
-Also here: :func:`build_table` (the minimum-variance table optimizer) and :func:`table_for`.
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import struct
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from . import _backend
-from .thc_table import (PUBLISHED_TABLE_4BIT_G30_P32, THCTable, build_table, clip_threshold, table_for,
-                        table_variance)
-
-__all__ = ["THCCodec", "THCLayout", "THCTable", "build_table", "table_for", "table_variance", "clip_threshold",
-           "PUBLISHED_TABLE_4BIT_G30_P32", "max_world_size"]
-
-# Payload header fields (one 64-bit word each), before the norm slots and the packed levels.
-HDR_CONTRIBUTORS = 0   # 1 per rank: the aggregate says how many ranks contributed (and SUM vs AVERAGE)
-HDR_FINGERPRINT = 1    # a 20-bit hash of the configuration, the step and the scale M every rank used
-HDR_NON_FINITE = 2     # 1 if this rank's x + e held NaN/Inf
-HEADER_FIELDS = 3
-FINGERPRINT_BITS = 20
-LAYOUT_VERSION = 1
-
-WORD_KINDS = {torch.float64: 0, torch.int64: 1}
-MAX_HADAMARD_BLOCK = 1 << 20
-MAX_GROUP_BLOCKS = 16     # blocks packed together (bounded: a group's floats stay in L2)
-
-# Integers an aggregated float64 word may reach and still be recovered exactly from an AVERAGE.
-# An engine averages a sum S of n words as fl(S / n), fl(S * fl(1/n)), or divides each word by n
-# before summing (Horovod's gradient_predivide_factor); the decoder computes fl(avg * n). The
-# accumulated error is at most (n + 2) u S (u = 2^-53; n - 1 additions and three roundings), so
-# S <= 2^52 / (n + 4) keeps it below 1/2 with margin, and rounding recovers S exactly. A plain SUM
-# is exact anyway (integers below 2^53, in any order).
-def _exact_limit(world_size: int, payload_dtype: torch.dtype) -> int:
-    if payload_dtype == torch.int64:
-        return (1 << 63) - 1          # SUM only; no partial sum of non-negative terms exceeds the total
-    return (1 << 52) // (world_size + 4)
-
-
-def _digits_per_word(base: int, limit: int) -> int:
-    """Largest p with base**p - 1 <= limit (0 if not even one digit fits)."""
-    p, power = 0, 1
-    while power * base - 1 <= limit:
-        power *= base
-        p += 1
-    return p
-
-
-def _layout_error(world_size: int, granularity: int, payload_dtype: torch.dtype,
-                  digits_per_word: Optional[int]) -> Optional[str]:
-    """Why (world_size, granularity, payload_dtype, digits_per_word) cannot be exact, or None."""
-    limit = _exact_limit(world_size, payload_dtype)
-    base = world_size * granularity + 1
-    if world_size * ((1 << FINGERPRINT_BITS) - 1) > limit:
-        return "the header's fingerprint sum would not stay exact"
-    if digits_per_word is None:
-        if _digits_per_word(base, limit) < 1:
-            return f"a single digit of base n*g+1 = {base} exceeds the exact range {limit}"
-        return None
-    if base ** digits_per_word - 1 > limit:
-        return (f"{digits_per_word} digits of base n*g+1 = {base} reach {base ** digits_per_word - 1:.4g}, past the "
-                f"exact range {limit:.4g} of a {payload_dtype} word")
-    return None
-
-
-def max_world_size(granularity: int = 30, payload_dtype: torch.dtype = torch.float64,
-                   digits_per_word: Optional[int] = None) -> int:
-    """The largest world size for which the payload stays exact (no digit carries into the next,
-    every word recoverable after SUM, and after AVERAGE for float64). With ``digits_per_word=None``
-    the codec picks as many digits per word as fit, so the limit is far away (header and one digit);
-    pinning ``digits_per_word`` (a fixed wire size) gives the limit of that lane width, e.g.
-    granularity 30 with 6 digits per float64 word allows 8 ranks."""
-    if _layout_error(1, granularity, payload_dtype, digits_per_word) is not None:
-        return 0
-    lo, hi = 1, 1
-    while _layout_error(hi * 2, granularity, payload_dtype, digits_per_word) is None and hi < (1 << 40):
-        hi *= 2
-    hi *= 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _layout_error(mid, granularity, payload_dtype, digits_per_word) is None:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@dataclass(frozen=True)
-class THCLayout:
-    """The payload layout, a pure function of the configuration (identical on every rank).
-
-    Payload: ``payload_numel`` words of ``payload_dtype``::
-
-        [ header: 3 words ][ norm slots: world_size words ][ levels: words ]
-
-    numel      coordinates of the input.
-    block      Hadamard block (a power of two): min(hadamard_block, next power of two >= numel).
-    padded     numel rounded up to whole blocks; every padded coordinate is transmitted.
-    base       n g + 1: one more than the largest aggregated level, so digit sums never carry.
-    per_word   digits of base ``base`` per word (base**per_word - 1 within the exact range).
-    group_blocks  blocks packed together: the fewest whose coordinates fill whole words
-               (per_word / gcd(per_word, block), e.g. 3 blocks of 1024 for 6 digits per word; 1 if
-               that exceeds MAX_GROUP_BLOCKS). A group is encoded and decoded in one cache-resident
-               pass; only the last group's last word may be partly unused.
-    words      ceil(group coordinates / per_word) summed over the groups.
-    """
-
-    numel: int
-    world_size: int
-    granularity: int
-    block: int
-    padded: int
-    base: int
-    per_word: int
-    group_blocks: int
-    words: int
-    payload_dtype: torch.dtype
-
-    @property
-    def norm_offset(self) -> int:
-        return HEADER_FIELDS
-
-    @property
-    def words_offset(self) -> int:
-        return HEADER_FIELDS + self.world_size
-
-    @property
-    def payload_numel(self) -> int:
-        return HEADER_FIELDS + self.world_size + self.words
-
-    @property
-    def wire_bytes(self) -> int:
-        return 8 * self.payload_numel
-
-    @property
-    def bits_per_coordinate(self) -> float:
-        """Payload bits per input coordinate, header, norm slots and padding included."""
-        return 8.0 * self.wire_bytes / self.numel
-
-    @property
-    def lane_bits_per_coordinate(self) -> float:
-        """64 / per_word: the cost of the packed levels alone."""
-        return 64.0 / self.per_word
-
-
-def plan_thc_layout(numel: int, world_size: int, granularity: int, hadamard_block: int = 1024,
-                    payload_dtype: torch.dtype = torch.float64, digits_per_word: Optional[int] = None) -> THCLayout:
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
-        raise ValueError(f"numel must be a positive integer (an empty tensor has nothing to compress), got {numel!r}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if payload_dtype not in WORD_KINDS:
-        raise ValueError(f"payload_dtype must be torch.float64 (SUM and AVERAGE) or torch.int64 (SUM only), "
-                         f"got {payload_dtype}")
-    if (not isinstance(hadamard_block, int) or hadamard_block < 1 or hadamard_block > MAX_HADAMARD_BLOCK
-            or hadamard_block & (hadamard_block - 1)):
-        raise ValueError(f"hadamard_block must be a power of two in [1, {MAX_HADAMARD_BLOCK}], got {hadamard_block!r}")
-    if digits_per_word is not None and (not isinstance(digits_per_word, int) or digits_per_word < 1):
-        raise ValueError(f"digits_per_word must be None (as many as fit) or a positive integer, got {digits_per_word!r}")
-    why = _layout_error(world_size, granularity, payload_dtype, digits_per_word)
-    if why is not None:
-        limit = max_world_size(granularity, payload_dtype, digits_per_word)
-        raise ValueError(f"world_size={world_size} is too large for granularity={granularity} with "
-                         f"{'as many digits as fit' if digits_per_word is None else f'digits_per_word={digits_per_word}'}"
-                         f" in {payload_dtype} words: {why}. This configuration allows at most {limit} ranks; "
-                         "lower granularity or digits_per_word")
-    block = min(hadamard_block, 1 << (numel - 1).bit_length())
-    padded = -(-numel // block) * block
-    base = world_size * granularity + 1
-    per_word = digits_per_word or _digits_per_word(base, _exact_limit(world_size, payload_dtype))
-    group_blocks = per_word // math.gcd(per_word, block)
-    if group_blocks > MAX_GROUP_BLOCKS:
-        group_blocks = 1
-    blocks = padded // block
-    full, rest = divmod(blocks, group_blocks)
-    words = full * -(-group_blocks * block // per_word) + -(-rest * block // per_word)
-    return THCLayout(numel, world_size, granularity, block, padded, base, per_word, group_blocks, words,
-                     payload_dtype)
+from lossless_hc.backends import backend_for
+from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
+from lossless_hc.thc.layout import (HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS, LAYOUT_VERSION,
+                                    WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
+from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
 
 
 class THCCodec:
@@ -281,7 +113,7 @@ class THCCodec:
         True
     """
 
-    __slots__ = ("layout", "table", "rank", "seed", "overflow_freq", "threshold", "device", "error_feedback",
+    __slots__ = ("_backend", "layout", "table", "rank", "seed", "overflow_freq", "threshold", "device", "error_feedback",
                  "non_finite", "num_threads", "_native", "_lo", "_width", "_inv_width", "_norm", "_step",
                  "_pending", "_error", "_shape", "_dtype", "_last_norms", "_fingerprint_used")
 
@@ -306,21 +138,14 @@ class THCCodec:
             raise ValueError(f"non_finite must be 'raise' or 'propagate', got {non_finite!r}")
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            from . import _cuda_thc
-            _cuda_thc.require(self.device)
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            _backend.require_backend(self.device)
+        self._backend = backend_for(device)
+        self.device = self._backend.require(torch.device(device))
         self.rank, self.seed = rank, seed
         self.overflow_freq = float(overflow_freq)
         self.threshold = self.table.threshold
         self.error_feedback = bool(error_feedback)
         self.non_finite = non_finite
         self.num_threads = num_threads
-        self._native = _backend.thc_native_layout(self.layout)
         # Neighbour lookup: for integer k in [0, g), the levels lo[k] <= k < k + 1 <= lo[k] + width[k].
         g = granularity
         lo, width = [], []
@@ -334,9 +159,7 @@ class THCCodec:
         self._lo = torch.tensor(lo, dtype=torch.float32)
         self._width = torch.tensor(width, dtype=torch.float32)
         self._inv_width = 1.0 / self._width
-        if self.device.type == "cuda":   # the kernels of csrc/cuda/thc_kernels.cuh (lossless_hc/_cuda_thc.py)
-            from . import _cuda_thc
-            self._native = _cuda_thc.ThcCudaLayout(self.layout, self.device, self._lo, self._width, self._inv_width)
+        self._native = self._backend.thc_layout(self.layout, self.device, self._lo, self._width, self._inv_width)
         self._norm = float(initial_norm) if initial_norm is not None else 0.0
         self._step = 0
         self._pending = False
@@ -464,52 +287,22 @@ class THCCodec:
         unit = M / math.sqrt(D) if quantize else 0.0   # one unit of z in the rotated domain
         if not quantize:
             payload[L.words_offset:] = 0
-        if self._on_cuda:
-            # Queued on the current stream: the kernels write the norm slot, or the non-finite flag
-            # (zeroing what follows the header), as the CPU path below does from its stats.
-            from . import _cuda_thc
-            _cuda_thc.encode(self._native, quantize, math.sqrt(D) / M if quantize else 0.0, T,
-                             (2.0 * T / g) * unit, -T * unit, self._sign_stream(), self._round_stream(), flat, e,
-                             WORD_KINDS[L.payload_dtype], payload, L.words_offset, L.norm_offset + self.rank)
-            fingerprint = self._fingerprint()
-            payload[HDR_CONTRIBUTORS] = 1
-            payload[HDR_FINGERPRINT] = fingerprint
-            self._fingerprint_used = fingerprint
-            self._pending = True
-            return payload
-        st = _backend.thc_encode(self._native, quantize, self._lo, self._width, self._inv_width,
-                                 math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit, -T * unit,
-                                 self._sign_stream(), self._round_stream(), flat, e, WORD_KINDS[L.payload_dtype],
-                                 payload[L.words_offset:], self.num_threads)
+        self._backend.thc_encode(self._native, quantize, math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit,
+                                 -T * unit, self._sign_stream(), self._round_stream(), flat, e,
+                                 WORD_KINDS[L.payload_dtype], payload, L.words_offset, L.norm_offset + self.rank,
+                                 HDR_NON_FINITE, self.num_threads)
         fingerprint = self._fingerprint()
-        header = payload[:HEADER_FIELDS]
-        header[HDR_CONTRIBUTORS] = 1
-        header[HDR_FINGERPRINT] = fingerprint
+        payload[HDR_CONTRIBUTORS] = 1
+        payload[HDR_FINGERPRINT] = fingerprint
         self._fingerprint_used = fingerprint
         self._pending = True
-        if st.non_finite:
-            # x held NaN/Inf (e untouched), or x + e overflowed float32 (e was reset to 0): send only
-            # the header; every rank's decode sees the flag.
-            payload[HEADER_FIELDS:] = 0
-            header[HDR_NON_FINITE] = 1
-            return payload
-        slot = payload[L.norm_offset + self.rank:L.norm_offset + self.rank + 1]
-        if L.payload_dtype == torch.float64:
-            slot[0] = math.sqrt(st.sum_squares)
-        else:  # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly
-            slot.view(torch.float64)[0] = math.sqrt(st.sum_squares)
         return payload
 
-    @property
-    def _on_cuda(self) -> bool:
-        """Whether the kernels are the CUDA backend's (a CUDA device, or the host emulation of the tests)."""
-        return getattr(self._native, "is_cuda_thc", False)
-
     def _sign_stream(self) -> int:
-        return _backend.thc_sign_stream(self.seed, self._step)
+        return thc_sign_stream(self.seed, self._step)
 
     def _round_stream(self) -> int:
-        return _backend.thc_round_stream(self.seed, self.rank, self._step)
+        return thc_round_stream(self.seed, self.rank, self._step)
 
     # -- decode --------------------------------------------------------------------------------
     def decode(self, payload: torch.Tensor, averaged: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -605,13 +398,8 @@ class THCCodec:
             a /= n          # average = S a / n + b
         else:
             b *= n          # sum = S a + n b
-        if self._on_cuda:
-            from . import _cuda_thc
-            bad = _cuda_thc.decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
-                                   payload[L.words_offset:], mult, a, b, y)
-        else:
-            bad = _backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
-                                      payload[L.words_offset:], mult, a, b, y, self.num_threads)
+        bad = self._backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
+                                       payload[L.words_offset:], mult, a, b, y, self.num_threads)
         if bad:
             raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
                              f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "
@@ -619,7 +407,17 @@ class THCCodec:
         return result(y)
 
     def _sign_stream_of(self, step: int) -> int:
-        return _backend.thc_sign_stream(self.seed, step)
+        return thc_sign_stream(self.seed, step)
+
+    # Pickled without the kernels' view of the layout (rebuilt from the layout on load).
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self.__slots__ if k not in ("_native", "_backend") and hasattr(self, k)}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            setattr(self, k, v)
+        self._backend = backend_for(self.device)
+        self._native = self._backend.thc_layout(self.layout, self.device, self._lo, self._width, self._inv_width)
 
     # -- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 
-from .codec import DecodeReport, LosslessCodec
-from .layout import HDR_CONTRIBUTORS
+from lossless_hc.lhc.codec import DecodeReport, LosslessCodec
+from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
+from lossless_hc.thc import THCCodec
 
 _CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -135,7 +137,7 @@ ceil` and per-rank capacity
 ceil` (``U_max``, ``(K/n)_max``: the largest
       seen in the last interval, so a spiky tensor keeps room for its spikes);
 
-    and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.cost_model`)
+    and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.lhc.cost_model`)
     only if the proposal leaves the hysteresis band: it grows when the proposal exceeds the current
     capacity, and shrinks only below ``(1 - hysteresis)`` of it. Decisions are pure functions of
     aggregated values evaluated in the same order on every rank, so every rank switches at the same
@@ -385,7 +387,7 @@ class TensorAggregator:
             if codec is self._codec:
                 self._observe(report.support, report.total_keys)
             return DecodeOutcome(y, averaged, report)
-        if report.reason and report.reason.startswith("configuration mismatch"):
+        if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
             raise ConfigurationMismatch(f"{self.name}: {report.reason}")
         st = self.stats
         st.fallbacks += 1
@@ -460,7 +462,7 @@ class THCAggregator:
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
                  granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
                  stats: Optional[AggregationStats] = None):
-        from .thc import THCCodec
+
 
         self.name = name
         self.shape = tuple(shape)
@@ -497,7 +499,7 @@ class THCAggregator:
 
     def _codec_on(self, device: torch.device):
         """The codec rebuilt on ``device`` with the same configuration and state (step, norm, memory)."""
-        from .thc import THCCodec
+
         codec = THCCodec(**self._codec_args, device=device)
         codec.load_state_dict(self._codec.state_dict())
         self._codec = codec

@@ -1,8 +1,8 @@
 """Data-parallel training driver for the examples, `make demo` and the tests.
 
-    horovodrun -np 2 -H localhost:2 --gloo python -m lossless_hc.workloads.train --model ncf \
+    horovodrun -np 2 -H localhost:2 --gloo python -m lossless_hc.bench.workloads.train --model ncf \
         --framework horovod --compression lossless
-    torchrun --standalone --nproc_per_node 2 -m lossless_hc.workloads.train --model ncf --framework ddp ...
+    torchrun --standalone --nproc_per_node 2 -m lossless_hc.bench.workloads.train --model ncf --framework ddp ...
 
 Every rank builds the same model from the same seed and draws its own batches; rank 0 prints loss,
 accuracy, bytes sent per step vs dense, step time and fallbacks, and optionally writes them as JSON
@@ -22,11 +22,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import data, models
+from lossless_hc.bench.workloads import data, models
 
 # sparse: nn.Embedding(sparse=True) aggregated by the framework's own sparse path (Horovod: allgather
 # of values and indices, no sparse_as_dense; DDP/Gloo: sparse allreduce, itself an allgather).
-# topk-allgather: the baseline of lossless_hc.workloads.topk_allgather; topk: ours (top-k + lossless).
+# topk-allgather: the baseline of lossless_hc.bench.workloads.topk_allgather; topk: ours (top-k + lossless).
 COMPRESSIONS = ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc")
 
 
@@ -222,7 +222,7 @@ class Horovod:
             self.compressor = Compression.thc(bits=args.thc_bits)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if args.compression == "topk-allgather":
-            from .topk_allgather import HorovodTopKAllgatherOptimizer
+            from lossless_hc.bench.workloads.topk_allgather import HorovodTopKAllgatherOptimizer
             wrapped = HorovodTopKAllgatherOptimizer(opt, model.named_parameters(), args.topk_ratio, hvd)
             self.compressor = wrapped.codec
             return model, wrapped
@@ -259,20 +259,23 @@ class DDP:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
-        from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook, thc_hook
+        from lossless_hc.plugins.ddp import (LosslessHookState, THCHookState, TopKHookState, lossless_hook, thc_hook,
+                                             topk_hook)
 
         ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if args.device == "cuda" else None)
         if args.compression == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif args.compression in ("lossless", "topk"):
-            topk = args.topk_ratio if args.compression == "topk" else None
-            self.state = LosslessHookState(max_density=args.max_density, topk_ratio=topk)
+        elif args.compression == "lossless":
+            self.state = LosslessHookState(max_density=args.max_density)
             ddp.register_comm_hook(self.state, lossless_hook)
+        elif args.compression == "topk":
+            self.state = TopKHookState(ratio=args.topk_ratio)
+            ddp.register_comm_hook(self.state, topk_hook)
         elif args.compression == "thc":
-            self.state = LosslessHookState(codec="thc", bits=args.thc_bits)
+            self.state = THCHookState(bits=args.thc_bits)
             ddp.register_comm_hook(self.state, thc_hook)
         elif args.compression == "topk-allgather":
-            from .topk_allgather import TopKAllgather, ddp_topk_allgather_hook
+            from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, ddp_topk_allgather_hook
             self.state = TopKAllgather(args.topk_ratio)
             ddp.register_comm_hook(self.state, ddp_topk_allgather_hook)
         return ddp, opt

@@ -2,7 +2,7 @@
 the automatic choice, against the information bound, over aggregate densities, world sizes and
 block sizes.
 
-The figures are the exact payload sizes of the layouts (``layout.build_layout`` /
+The figures are the exact payload sizes of the layouts (``sizing.build_layout`` /
 ``cost_model``), which are deterministic functions of the configuration, so no tensors are encoded.
 Assumptions, stated in the output: ``numel`` coordinates, an aggregate with ``ceil(density * keys)``
 non-zero keys (whole blocks of ``b`` coordinates), the codec sized for exactly that union
@@ -16,6 +16,12 @@ import math
 import time
 from typing import Callable, Optional, Sequence
 
+import torch
+
+from lossless_hc.bench.common import format_table
+from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.cost_model import candidates, choose, information_bound_bits
+
 KINDS = ("dense", "bitmap", "bloom", "multilevel")
 DEFAULT_DENSITIES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.2, 0.5)
 DEFAULT_WORKERS = (2, 8, 16, 64)
@@ -25,8 +31,6 @@ TARGET_RATIO = 1.5
 
 
 def wire_point(numel: int, workers: int, density: float, block: int, seed: int = 0) -> dict:
-    from .cost_model import candidates, choose, information_bound_bits
-
     num_keys = -(-numel // block)
     u_keys = max(1, math.ceil(density * num_keys))
     nnz = min(numel, u_keys * block)
@@ -48,10 +52,6 @@ def wire_point(numel: int, workers: int, density: float, block: int, seed: int =
 def verify_point(workers: int, density: float, block: int, numel: int, seed: int = 0) -> dict:
     """Encode/decode one random instance per kind (aggregate density as given, ranks' supports drawn
     from the union) and check exactness."""
-    import torch
-
-    from .codec import LosslessCodec
-
     num_keys = -(-numel // block)
     u = max(1, math.ceil(density * num_keys))
     g = torch.Generator().manual_seed(seed)
@@ -118,8 +118,6 @@ def summarize(points: list) -> list:
 
 
 def render_wire(res: dict, cmd: str, machine: Optional[dict] = None) -> str:
-    from .bench import format_table
-
     lines = [f"$ {cmd}", ""]
     if machine:
         lines.append(f"machine: {machine.get('cpu')} ({machine.get('cores_available')} cores available)")

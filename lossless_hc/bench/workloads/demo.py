@@ -14,9 +14,9 @@ import tempfile
 
 import torch
 
-from .train import DEFAULTS
+from lossless_hc.bench.workloads.train import DEFAULTS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LAUNCHERS = {"horovod": "launch_horovod.sh", "ddp": "launch_torchrun.sh"}
 
 
@@ -24,7 +24,7 @@ def run(framework: str, model: str, workers: int, compression: str, steps: int, 
     out = os.path.join(tmp, f"{compression}.json")
     params = os.path.join(tmp, f"{compression}.pt")
     cmd = ["bash", os.path.join(ROOT, "scripts", LAUNCHERS[framework]), str(workers), "-m",
-           "lossless_hc.workloads.train", "--model", model, "--framework", framework, "--compression", compression,
+           "lossless_hc.bench.workloads.train", "--model", model, "--framework", framework, "--compression", compression,
            "--steps", str(steps), "--log-every", str(max(1, steps // 4)), "--json", out, "--save-params", params]
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, PY=sys.executable)

@@ -6,7 +6,7 @@ the aggregated gradient. Everything in that loop that does not depend on the eng
 
 * :class:`AggregatorSpec` and its kinds (:class:`LosslessSpec`, :class:`TopKSpec`,
   :class:`THCSpec`): the validated configuration of ``Compression.lossless/topk/thc``, which builds
-  one aggregator (:mod:`lossless_hc.aggregate`) per parameter. Keyword arguments a spec does not
+  one aggregator (:mod:`lossless_hc.training.aggregate`) per parameter. Keyword arguments a spec does not
   know are passed through to the aggregator's constructor unchanged.
 * :class:`CompressorAdapter`: the per-parameter aggregator map, encode/decode, the bookkeeping of
   dense fallbacks within a step, and the statistics. Every aggregator kind runs on the gradient's
@@ -35,9 +35,11 @@ from typing import Optional
 
 import torch
 
-from .aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAggregator
+from lossless_hc.lhc.layout import INDEX_KINDS
+from lossless_hc.thc.table import check_table_args, clip_threshold
+from lossless_hc.training.aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAggregator
 
-INDEX_CHOICES = ("auto", "dense", "bitmap", "bloom")
+INDEX_CHOICES = ("auto",) + INDEX_KINDS
 
 
 def find_optimizer_frame(depth_limit: int = 4, _skip: int = 0):
@@ -116,7 +118,7 @@ class AggregatorSpec:
 
 
 class LosslessSpec(AggregatorSpec):
-    """``Compression.lossless``: see :class:`lossless_hc.aggregate.TensorAggregator`."""
+    """``Compression.lossless``: see :class:`lossless_hc.training.aggregate.TensorAggregator`."""
 
     kind = "lossless"
 
@@ -142,7 +144,7 @@ class LosslessSpec(AggregatorSpec):
 
 
 class TopKSpec(AggregatorSpec):
-    """``Compression.topk``: see :class:`lossless_hc.aggregate.TopKAggregator`."""
+    """``Compression.topk``: see :class:`lossless_hc.training.aggregate.TopKAggregator`."""
 
     kind = "topk"
 
@@ -160,16 +162,14 @@ class TopKSpec(AggregatorSpec):
 
 
 class THCSpec(AggregatorSpec):
-    """``Compression.thc``: see :class:`lossless_hc.aggregate.THCAggregator` (the aggregator moves its
+    """``Compression.thc``: see :class:`lossless_hc.training.aggregate.THCAggregator` (the aggregator moves its
     codec to the gradient's device, CUDA kernels included)."""
 
     kind = "thc"
 
     def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **extra):
-        from .thc_table import _check_args, clip_threshold
-
         super().__init__(seed, **extra)
-        _check_args(bits, granularity)
+        check_table_args(bits, granularity)
         clip_threshold(overflow_freq)
         self.bits, self.granularity, self.overflow_freq = bits, granularity, overflow_freq
 
@@ -238,7 +238,7 @@ class CompressorAdapter:
         A payload that failed to decode starts an exact dense fallback and returns the tensor that
         fallback fills in place; all of the step's fallbacks are waited for (and scaled) when its
         last outstanding tensor has been decoded. Raises
-        :class:`~lossless_hc.aggregate.ConfigurationMismatch` when ranks are configured differently.
+        :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks are configured differently.
         """
         agg = enc.aggregator
         self._pending -= 1
@@ -280,7 +280,7 @@ class CompressorAdapter:
 
     # -- inspection --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters over all tensors so far (see :class:`lossless_hc.aggregate.AggregationStats`)."""
+        """Counters over all tensors so far (see :class:`lossless_hc.training.aggregate.AggregationStats`)."""
         return self._stats.as_dict()
 
     def aggregators(self) -> dict:
@@ -292,3 +292,49 @@ def wire_numel(agg) -> int:
     """Elements of the payload ``agg`` sends at its next encode (the codec's, or the dense tensor's)."""
     codec = agg.codec
     return codec.payload_numel if codec is not None else math.prod(agg.shape)
+
+
+def _with_policy(policy, kwargs: dict) -> dict:
+    # Only a given policy joins the aggregator options (and the spec's repr).
+    return {**kwargs, "policy": policy} if policy is not None else kwargs
+
+
+class CompressionFactory:
+    """The ``Compression`` namespace of an engine adapter, defined once for every engine.
+
+    An adapter subclasses it and sets ``compressor`` to its :class:`CompressorAdapter` subclass
+    (built from one spec); ``lossless``, ``topk`` and ``thc`` then validate their arguments into a
+    spec and build that compressor. Keyword arguments beyond those listed go to the per-tensor
+    aggregators (:mod:`lossless_hc.training.aggregate`) unchanged.
+    """
+
+    compressor: type = CompressorAdapter
+    compressor_options: tuple = ()   # keyword arguments the engine's compressor takes itself (not the spec)
+
+    @classmethod
+    def _build(cls, spec_type, *args, **kwargs):
+        own = {k: kwargs.pop(k) for k in cls.compressor_options if k in kwargs}
+        return cls.compressor(spec_type(*args, **kwargs), **own)
+
+    @classmethod
+    def lossless(cls, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
+                 index: str = "auto", policy=None, **kwargs):
+        """Exact aggregation of sparse gradients; each rank may send ``max_density`` of a tensor's
+        coordinates before that tensor falls back (and grows). ``block_size`` None: a 2-D tensor's
+        row length (embedding rows), else 1. ``policy``: a
+        :class:`lossless_hc.training.aggregate.CapacityPolicy` adapting capacity and index to the
+        observed aggregate densities (None: fixed capacity, grown only after a failure)."""
+        return cls._build(LosslessSpec, max_density, block_size, seed, index, **_with_policy(policy, kwargs))
+
+    @classmethod
+    def topk(cls, ratio: float = 0.01, seed: int = 0, index: str = "auto", policy=None, **kwargs):
+        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly; ``policy`` sizes
+        the sketch for the observed union of the ranks' selections."""
+        return cls._build(TopKSpec, ratio, seed, index, **_with_policy(policy, kwargs))
+
+    @classmethod
+    def thc(cls, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **kwargs):
+        """THC: each coordinate quantized to ``bits`` onto integer levels in [0, granularity] after a
+        shared random rotation, summed as integers by the engine; unbiased, with error feedback.
+        The first step only agrees on a norm (its gradient goes out at the second step)."""
+        return cls._build(THCSpec, bits, granularity, overflow_freq, seed, **kwargs)

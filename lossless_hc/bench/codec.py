@@ -1,162 +1,23 @@
-"""Benchmarks for the lossless codec.
-
-Usage::
-
-    python -m lossless_hc.bench codec --numel 67108864 --density 0.01 --workers 8 [--block-size 32]
-        [--index auto|bitmap|bloom|dense] [--support random|identical|disjoint|clustered]
-        [--repeat 5] [--seed 0] [--threads 0] [--device cpu|cuda] [--json PATH]
-    python -m lossless_hc.bench peel --keys 1000,10000,100000,1000000 --trials 20 [--json PATH]
-    python -m lossless_hc.bench wire [--numel 67108864] [--densities 1e-5,...,0.5] [--workers 2,8,16,64]
-        [--block-sizes 1,32] [--plot docs/wire_bits.png] [--verify-numel N] [--json PATH]
-    python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
-        [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
-
-``codec`` times encode (one worker) and decode (the SUM of all workers' payloads) against a
-``torch.clone`` of one dense input measured in the same process, round-robin with them (see
-``time_interleaved``), checks the decoded sum against the
-float64 dense sum, and compares the wire size with dense float32 and with the information bound of
-the aggregate's actual support.
-
-With ``--device cuda`` the codec runs on the current GPU (at least 10 timed runs, CUDA events, after
-warm-up), encode and decode into reused buffers, and the baseline is a device-to-device copy of one
-dense input in the same run; throughput is reported in GB/s of dense float32 gradient and as a
-fraction of that copy.
-
-The ``codec`` command exits with status 1 when the decode is not exact (report not ok, or the
-decoded support differs from the float64 sum's beyond rounding scale), so it can gate CI.
-
-``peel`` measures the sizing rule ``layout.sketch_table_for``: peeling failure rate, max abs error
-against float64 truth, and decode time per key (one worker, bitmap index, numel = 20 * keys).
-
-``thc`` times THCCodec encode (one worker, error feedback on) and decode (the aggregate of all
-workers' payloads) against ``torch.clone`` of one input, and reports wire bits per coordinate and the
-normalized mean squared error of one step against the true average.
-
-Importing this module has no side effects; the CLI lives in ``main``.
-"""
+"""``python -m lossless_hc.bench codec``: LosslessCodec encode/decode time against a clone (CPU) or a
+device-to-device copy (CUDA) of the same bytes in the same run, exactness against the float64 sum,
+and wire size against dense float32 and the information bound."""
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
 import torch
 
+from lossless_hc.bench.common import fmt_bytes, fmt_ms, fmt_sci, format_table, section, time_interleaved
+from lossless_hc.backends import cuda as _cuda
+from lossless_hc.backends import cuda_runtime
+from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.cost_model import information_bound_bits
+from lossless_hc.lhc.layout import HEADER_FIELDS
+
 SUPPORTS = ("random", "identical", "disjoint", "clustered")
 CLUSTER_WINDOW = 4   # clustered support: a worker's keys lie in a random window of ~4x their count
-
-
-# ------------------------------------------------------------------------------------------------
-# machine / formatting helpers
-# ------------------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def machine_info(codec_threads: int = 0) -> dict:
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = os.cpu_count() or 0
-    return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count() or 0,
-        "cores_available": affinity,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "codec_threads": codec_threads if codec_threads > 0 else
-        f"auto (OMP default{', OMP_NUM_THREADS=' + os.environ['OMP_NUM_THREADS'] if 'OMP_NUM_THREADS' in os.environ else ''})",
-        "platform": platform.platform(),
-    }
-
-
-def command_line() -> str:
-    prog = "python -m lossless_hc.bench" if sys.argv and sys.argv[0].endswith("bench.py") else \
-        (shlex.quote(sys.argv[0]) if sys.argv else "python -m lossless_hc.bench")
-    return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
-
-
-def format_table(rows: Sequence[Sequence], header: Optional[Sequence[str]] = None,
-                 align: Optional[str] = None) -> str:
-    """Plain-text aligned table; ``align`` is one char per column, 'l' or 'r' (default: first column
-    left, the others right)."""
-    cells = [[str(c) for c in r] for r in rows]
-    if header is not None:
-        cells = [[str(h) for h in header]] + cells
-    if not cells:
-        return ""
-    ncol = max(len(r) for r in cells)
-    cells = [r + [""] * (ncol - len(r)) for r in cells]
-    widths = [max(len(r[i]) for r in cells) for i in range(ncol)]
-    align = align or ("l" + "r" * (ncol - 1))
-    lines = []
-    for j, r in enumerate(cells):
-        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)]
-        lines.append("  ".join(parts).rstrip())
-        if header is not None and j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def section(title: str, body: str) -> str:
-    return f"{title}\n{'=' * len(title)}\n{body}\n"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_ms(s: float) -> str:
-    return f"{s * 1e3:.3f}"
-
-
-def fmt_sci(v: float) -> str:
-    return f"{v:.3e}"
-
-
-# ------------------------------------------------------------------------------------------------
-# timing
-# ------------------------------------------------------------------------------------------------
-def time_interleaved(fns: dict, repeat: int, warmup: int = 1) -> dict:
-    """Median / min / max wall time of each of ``fns`` over ``repeat`` runs after ``warmup`` runs,
-    returned as {name: stats}. The functions run round-robin: each repetition calls every function
-    once, in the given order, and the result of each call is dropped before the next one starts (so
-    allocations are not held twice). A drift of the machine (a kernel reclaiming memory after a large
-    free, a neighbour on the host) then lands on all of them alike, so ratios between them stay fair;
-    timed one after the other, a clone measured just after gigabytes were freed took 2-5x longer than
-    the same clone a few seconds later."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            r = fn()
-            del r
-    times = {name: [] for name in fns}
-    for _ in range(max(1, repeat)):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            r = fn()
-            t1 = time.perf_counter()
-            del r
-            times[name].append(t1 - t0)
-    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
-            for name, ts in times.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,20 +96,12 @@ def make_inputs(numel: int, density: float, workers: int, block: int, support: s
     return xs, k
 
 
-def log2_binomial(n: int, k: int) -> float:
-    if k < 0 or k > n:
-        return float("-inf")
-    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
-
-
 # ------------------------------------------------------------------------------------------------
 # codec benchmark
 # ------------------------------------------------------------------------------------------------
 def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 1, index: str = "auto",
                     support: str = "random", repeat: int = 5, seed: int = 0, threads: int = 0,
                     log: Callable[[str], None] = lambda s: None) -> dict:
-    from .codec import LosslessCodec
-    from .layout import HEADER_FIELDS
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -316,7 +169,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
 
     # wire
     dense_bytes = 4 * numel
-    bound_bits = log2_binomial(numel, u) + 32 * u
+    bound_bits = information_bound_bits(numel, u)
     bound_bytes = bound_bits / 8
     header_bytes = 4 * HEADER_FIELDS
     index_bytes = 4 * (L.index.words if L.index_kind != "dense" else 0)
@@ -396,8 +249,6 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     buffers (``out=``), as a training loop would. Throughput is GB/s of dense float32 gradient
     (4 * numel bytes per call); ``*_over_copy`` is the copy's time over the operation's time (1.0:
     as fast as copying the gradient once)."""
-    from . import _cuda
-    from .codec import LosslessCodec
 
     dev = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
@@ -413,7 +264,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     codec = LosslessCodec(numel=numel, world_size=workers, max_nnz=max_nnz, block_size=block_size, seed=seed,
                           device=dev, index=index)
     L = codec.layout
-    log(repr(codec) + f"; kernels: {_cuda.backend_name()}")
+    log(repr(codec) + f"; kernels: {cuda_runtime.backend_name()}")
 
     x0 = xs[0]
     dst = torch.empty_like(x0)
@@ -440,9 +291,9 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     y = y1.cpu()
     del y1, y2
     # Where the time goes: one more encode and decode with every kernel timed (synchronising).
-    with _cuda.profile() as enc_prof:
+    with cuda_runtime.profile() as enc_prof:
         codec.encode(xs0_again, out=payload)
-    with _cuda.profile() as dec_prof:
+    with cuda_runtime.profile() as dec_prof:
         codec.decode(summed, out=out)
 
     true_nz, got_nz = truth != 0, y != 0
@@ -456,7 +307,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     return {
         "config": {"numel": numel, "density": density, "workers": workers, "block_size": block_size, "index": index,
                    "support": support, "repeat": repeat, "seed": seed, "device": str(dev)},
-        "device": {"name": torch.cuda.get_device_name(dev), "kernels": _cuda.backend_name(),
+        "device": {"name": torch.cuda.get_device_name(dev), "kernels": cuda_runtime.backend_name(),
                    "multiprocessors": torch.cuda.get_device_properties(dev).multi_processor_count,
                    "torch_cuda": torch.version.cuda},
         "layout": {"index_kind": L.index_kind, "num_keys": L.num_keys, "capacity_keys": L.capacity,
@@ -595,312 +446,3 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # peeling benchmark
 # ------------------------------------------------------------------------------------------------
-def run_peel_bench(keys_list: Sequence[int], trials: int = 20, numel_factor: int = 20, seed: int = 0,
-                   threads: int = 0, index: str = "bitmap",
-                   log: Callable[[str], None] = lambda s: None) -> dict:
-    from .codec import LosslessCodec
-    from .layout import PEEL_FAILURE_TARGET, sketch_table_for
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-    rows = []
-    for keys in keys_list:
-        numel = numel_factor * keys
-        table = sketch_table_for(keys)
-        failures, errors, dec_times = 0, [], []
-        reasons = {}
-        unresolved = []
-        t_start = time.perf_counter()
-        for trial in range(trials):
-            trial_seed = seed * 1_000_003 + trial
-            gen = torch.Generator().manual_seed(trial_seed ^ (keys * 0x9E3779B1))
-            x = torch.zeros(numel, dtype=torch.float32)
-            fill_blocks(x, sample_distinct(numel, keys, gen), 1, gen)
-            codec = LosslessCodec(numel=numel, world_size=1, max_nnz=keys, block_size=1, seed=trial_seed,
-                                  device="cpu", index=index, num_threads=threads)
-            payload = codec.encode(x)
-            codec.decode(payload)   # warm-up (allocations, thread pool)
-            t0 = time.perf_counter()
-            y, report = codec.decode(payload)
-            dec_times.append(time.perf_counter() - t0)
-            if report.ok:
-                errors.append(float((y.double() - x.double()).abs().max()))
-            else:
-                failures += 1
-                reasons[report.reason] = reasons.get(report.reason, 0) + 1
-                unresolved.append(report.unresolved)
-            del x, y, payload
-        med = statistics.median(dec_times)
-        row = {
-            "keys": keys, "numel": numel, "trials": trials, "sketch_cells": table.cells,
-            "cells_per_key": table.cells / max(1, keys), "index": index,
-            "failures": failures, "failure_rate": failures / trials,
-            # one-sided 95% upper bound on the failure probability (exact binomial for 0 failures)
-            "failure_rate_95_upper": _binomial_upper(failures, trials),
-            "failure_target": PEEL_FAILURE_TARGET, "failure_reasons": reasons, "unresolved_keys": unresolved,
-            "max_abs_err": max(errors) if errors else float("nan"),
-            "median_abs_err": statistics.median(errors) if errors else float("nan"),
-            "decode_ms_median": med * 1e3, "decode_ns_per_key": med / max(1, keys) * 1e9,
-            "wall_s": time.perf_counter() - t_start,
-        }
-        rows.append(row)
-        log(f"keys={keys}: {failures}/{trials} failures, max abs err {row['max_abs_err']:.3e}, "
-            f"{row['decode_ns_per_key']:.1f} ns/key")
-    return {"config": {"keys": list(keys_list), "trials": trials, "numel_factor": numel_factor, "seed": seed,
-                       "threads": threads, "index": index, "world_size": 1, "values": "N(0,1)"},
-            "rows": rows}
-
-
-def _binomial_upper(failures: int, trials: int, conf: float = 0.95) -> float:
-    """One-sided Clopper-Pearson upper bound on a failure probability (bisection on the binomial CDF)."""
-    if trials <= 0:
-        return 1.0
-    if failures >= trials:
-        return 1.0
-
-    def cdf(p: float) -> float:
-        total, term = 0.0, (1 - p) ** trials
-        for i in range(failures + 1):
-            total += term
-            term *= (trials - i) / (i + 1) * p / (1 - p) if p < 1 else 0.0
-        return total
-
-    lo, hi = failures / trials, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if cdf(mid) > 1 - conf:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-def render_peel(res: dict, machine: dict, cmd: str) -> str:
-    c = res["config"]
-    out = [section("lossless_hc peeling benchmark (sketch_table_for)", format_table([
-        ("command", cmd),
-        ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
-        ("torch", f"{machine['torch']} (torch threads {machine['torch_threads']}, codec threads "
-                  f"{machine['codec_threads']})"),
-        ("setup", f"1 worker, N(0,1) values, numel = {c['numel_factor']} x keys, {c['index']} index, "
-                  f"{c['trials']} trials (codec seed varies per trial)"),
-    ], align="ll"))]
-    rows = []
-    for r in res["rows"]:
-        rows.append((f"{r['keys']:,}", f"{r['sketch_cells']:,}", f"{r['cells_per_key']:.3f}",
-                     f"{r['failures']}/{r['trials']}", f"{r['failure_rate_95_upper']:.3f}",
-                     fmt_sci(r["max_abs_err"]), fmt_sci(r["median_abs_err"]),
-                     f"{r['decode_ms_median']:.3f}", f"{r['decode_ns_per_key']:.1f}"))
-    body = format_table(rows, header=("keys", "cells", "cells/key", "failed", "95% upper", "max abs err",
-                                      "median max err", "decode ms", "ns/key"))
-    target = res["rows"][0]["failure_target"] if res["rows"] else None
-    if target is not None:
-        body += f"\nsizing target: peel failure probability < {target:g} per decode"
-    for r in res["rows"]:
-        if r["failure_reasons"]:
-            body += f"\nkeys={r['keys']}: " + "; ".join(f"{n}x {why}" for why, n in r["failure_reasons"].items())
-    out.append(section("results", body))
-    return "\n".join(out)
-
-
-# ------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s}")
-    return v
-
-
-def _int_list(s: str) -> list:
-    try:
-        vals = [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return vals
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lossless_hc.bench", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    c = sub.add_parser("codec", help="encode/decode time vs torch.clone, exactness, and wire size")
-    c.add_argument("--numel", type=_positive_int, default=1 << 26, help="elements per tensor (default 2**26)")
-    c.add_argument("--density", type=float, default=0.01, help="fraction of non-zero coordinates per worker")
-    c.add_argument("--workers", type=_positive_int, default=8, help="ranks whose payloads are summed")
-    c.add_argument("--block-size", type=_positive_int, default=1, help="coordinates per key")
-    c.add_argument("--index", choices=("auto", "bitmap", "bloom", "multilevel", "dense"), default="auto")
-    c.add_argument("--support", choices=SUPPORTS, default="random",
-                   help="random: independent per worker; identical; disjoint; clustered: each worker's "
-                        f"blocks in a random window ~{CLUSTER_WINDOW}x their count")
-    c.add_argument("--repeat", type=_positive_int, default=5, help="timed runs (median reported)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--threads", type=int, default=0, help="codec (and torch) threads; 0 = default")
-    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: time the CUDA kernels with CUDA events against a device-to-device copy")
-    c.add_argument("--json", metavar="PATH", help="write all numbers to this JSON file")
-    c.set_defaults(func=_cmd_codec)
-
-    q = sub.add_parser("peel", help="peeling failure rate / accuracy / speed of sketch_table_for")
-    q.add_argument("--keys", type=_int_list, default=[1000, 10000, 100000, 1000000],
-                   help="comma-separated key counts")
-    q.add_argument("--trials", type=_positive_int, default=20)
-    q.add_argument("--numel-factor", type=_positive_int, default=20, help="numel = factor * keys")
-    q.add_argument("--index", choices=("bitmap", "bloom"), default="bitmap")
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=int, default=0)
-    q.add_argument("--json", metavar="PATH")
-    q.set_defaults(func=_cmd_peel)
-
-    t = sub.add_parser("thc", help="THCCodec encode/decode time vs torch.clone, bits/coordinate, NMSE")
-    t.add_argument("--numel", type=_positive_int, default=1 << 24, help="elements per tensor (default 2**24)")
-    t.add_argument("--workers", type=_positive_int, default=8)
-    t.add_argument("--bits", type=_positive_int, default=4)
-    t.add_argument("--granularity", type=_positive_int, default=30)
-    t.add_argument("--overflow-freq", type=float, default=32)
-    t.add_argument("--symmetric-table", action="store_true", help="the symmetric (published-shape) table")
-    t.add_argument("--averaged", action="store_true", help="aggregate by AVERAGE instead of SUM")
-    t.add_argument("--repeat", type=_positive_int, default=5)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=0)
-    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the CUDA kernels, checked bit for bit against CPU codecs run in lockstep")
-    t.add_argument("--no-cpu-check", action="store_true", help="with --device cuda: skip the CPU lockstep check")
-    t.add_argument("--json", metavar="PATH")
-    t.set_defaults(func=_cmd_thc)
-
-    w = sub.add_parser("wire", help="wire bits per aggregate non-zero of every index kind and of the automatic "
-                                    "choice vs the information bound; table and plot")
-    w.add_argument("--numel", type=_positive_int, default=1 << 26, help="elements per tensor (default 2**26)")
-    w.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=None,
-                   help="comma-separated aggregate densities (default 1e-5..0.5)")
-    w.add_argument("--workers", type=_int_list, default=None, help="comma-separated world sizes (default 2,8,16,64)")
-    w.add_argument("--block-sizes", type=_int_list, default=None, help="comma-separated block sizes (default 1,32)")
-    w.add_argument("--plot", metavar="PATH", default="docs/wire_bits.png", help="PNG path ('' for none)")
-    w.add_argument("--verify-numel", type=int, default=0,
-                   help="also encode/decode one instance per point at this numel and check it is exact")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--json", metavar="PATH")
-    w.set_defaults(func=_cmd_wire)
-
-    cl = sub.add_parser("cluster", help="emulated cluster (network namespaces, shaped links): step time, wire "
-                                        "bytes and aggregation throughput per compression; needs root")
-    from .cluster import add_arguments as add_cluster_arguments
-    add_cluster_arguments(cl)
-
-    tr = sub.add_parser("train", add_help=False,
-                       help="uncompressed vs lossless training side by side on local workers (`make demo`); "
-                            "`train --help` for its options")
-    tr.set_defaults(func=None)
-    return p
-
-
-def _log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def _json_safe(obj):
-    """NaN/Inf -> None (strict JSON); tuples -> lists."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def _write_json(path: Optional[str], obj: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(_json_safe(obj), f, indent=2, default=str, allow_nan=False)
-            f.write("\n")
-        _log(f"wrote {path}")
-
-
-def _cmd_codec(args) -> int:
-    if not 0.0 <= args.density <= 1.0:
-        raise SystemExit(f"--density must be in [0, 1], got {args.density}")
-    cmd = command_line()
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("python -m lossless_hc.bench codec --device cuda: no CUDA device")
-        try:
-            res = run_codec_bench_cuda(args.numel, args.density, args.workers, args.block_size, args.index,
-                                       args.support, max(args.repeat, 10), args.seed, log=_log)
-        except ValueError as exc:
-            raise SystemExit(f"python -m lossless_hc.bench codec: error: {exc}")
-        print(render_codec_cuda(res, cmd))
-        _write_json(args.json, {"command": cmd, "machine": machine_info(0), **res})
-        cor = res["correctness"]
-        return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 and cor["deterministic"] else 1
-    try:
-        res = run_codec_bench(args.numel, args.density, args.workers, args.block_size, args.index, args.support,
-                              args.repeat, args.seed, args.threads, log=_log)
-    except ValueError as exc:
-        raise SystemExit(f"python -m lossless_hc.bench codec: error: {exc}")
-    machine = machine_info(args.threads)
-    print(render_codec(res, machine, cmd))
-    _write_json(args.json, {"command": cmd, "machine": machine, **res})
-    cor = res["correctness"]
-    return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 else 1
-
-
-def _cmd_peel(args) -> int:
-    cmd = command_line()
-    res = run_peel_bench(args.keys, args.trials, args.numel_factor, args.seed, args.threads, args.index, log=_log)
-    machine = machine_info(args.threads)
-    print(render_peel(res, machine, cmd))
-    _write_json(args.json, {"command": cmd, "machine": machine, **res})
-    return 0
-
-
-def _cmd_wire(args) -> int:
-    from . import bench_wire
-    cmd = command_line()
-    res = bench_wire.run_wire_bench(args.numel, args.densities or bench_wire.DEFAULT_DENSITIES,
-                                    args.workers or bench_wire.DEFAULT_WORKERS,
-                                    args.block_sizes or bench_wire.DEFAULT_BLOCKS, args.verify_numel, args.seed,
-                                    log=_log)
-    machine = machine_info(0)
-    print(bench_wire.render_wire(res, cmd, machine))
-    if args.plot:
-        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
-        bench_wire.plot_wire(res, args.plot)
-        _log(f"wrote {args.plot}")
-    _write_json(args.json, {"command": cmd, "machine": machine, **res})
-    return 0
-
-
-def _cmd_thc(args) -> int:
-    from .bench_thc import render_thc, run_thc_bench
-    cmd = command_line()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("python -m lossless_hc.bench thc --device cuda: no CUDA device")
-    try:
-        res = run_thc_bench(args.numel, args.workers, args.bits, args.granularity, args.overflow_freq,
-                            args.symmetric_table, args.averaged, args.repeat, args.seed, args.threads, log=_log,
-                            device=args.device, cpu_check=not args.no_cpu_check)
-    except ValueError as exc:
-        raise SystemExit(f"python -m lossless_hc.bench thc: error: {exc}")
-    machine = machine_info(args.threads)
-    print(render_thc(res, machine, cmd))
-    _write_json(args.json, {"command": cmd, "machine": machine, **res})
-    return 0 if res.get("cpu_equal") is None or res["cpu_equal"]["ok"] else 1
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # its own parser: lossless_hc.workloads.demo
-        from .workloads import demo
-        return demo.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ the rate and the one-way delay, the bridge port's egress (its downlink) the rate
 has an address in the root namespace, where Horovod's rendezvous server listens.
 
 Per configuration (framework x compression) one real worker process per namespace runs
-:mod:`lossless_hc.workloads.train` (Horovod over Gloo, rendezvous without ssh or horovodrun; or DDP
+:mod:`lossless_hc.bench.workloads.train` (Horovod over Gloo, rendezvous without ssh or horovodrun; or DDP
 over Gloo), a warm-up, then timed steps; each rank reports its step times, its interface's byte
 counters over the timed window and its compressor's statistics. A compute-only run (same number of
 worker processes, no aggregation) gives the compute part of a step.
@@ -48,6 +48,8 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
+from lossless_hc.bench.common import command_line, machine_info
+
 PREFIX = "lhcc"
 HOST_IFACE = "eth0"
 NETNS_ETC = "/etc/netns"  # per-namespace files that `ip netns exec` mounts over /etc
@@ -55,7 +57,7 @@ BASELINE = "none"
 COMPRESSIONS = ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc")
 LOSSLESS = ("lossless",)  # modes whose result must equal the uncompressed run up to float rounding
 FRAMEWORKS = ("horovod", "ddp")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class ClusterError(RuntimeError):
@@ -120,7 +122,7 @@ def aggregation_throughput(dense_bytes: float, step_s: float, compute_s: float) 
 
 
 def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float]) -> dict:
-    """One result row from the per-rank JSON reports of :mod:`lossless_hc.workloads.train`."""
+    """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`."""
     if not ranks:
         raise ValueError("summarize: no rank reports")
     ranks = sorted(ranks, key=lambda r: r["rank"])
@@ -433,7 +435,7 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
 
     name = f"{framework}-{compression}"
     report = os.path.join(workdir, f"{name}.rank{{rank}}.json")
-    argv = [sys.executable, "-m", "lossless_hc.workloads.train", "--model", spec.model, "--framework", framework,
+    argv = [sys.executable, "-m", "lossless_hc.bench.workloads.train", "--model", spec.model, "--framework", framework,
             "--compression", compression, "--steps", str(spec.steps), "--warmup", str(spec.warmup),
             "--net-iface", HOST_IFACE, "--log-every", str(spec.steps), "--json", report, *spec.train_args]
     if save_params:
@@ -619,7 +621,6 @@ def cmd_cluster(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; the emulated cluster was removed", file=sys.stderr)
         return 130
-    from .bench import command_line, machine_info
     result.update(command=command_line(), machine=machine_info(0), title=title, bandwidth_bits=rate,
                   latency_s=delay, hosts=args.hosts, model=args.model, steps=args.steps, warmup=args.warmup,
                   wall_s=time.monotonic() - t0)
@@ -646,7 +647,7 @@ def add_arguments(p) -> None:
     p.add_argument("--framework", default="horovod,ddp", help="comma-separated: horovod, ddp")
     p.add_argument("--steps", type=int, default=30, help="steps per configuration, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start")
-    p.add_argument("--train-args", default="", help="extra options for lossless_hc.workloads.train, quoted")
+    p.add_argument("--train-args", default="", help="extra options for lossless_hc.bench.workloads.train, quoted")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     p.add_argument("--out", help="directory for the table (Markdown, JSON), the plot and worker logs")
     p.add_argument("--plot", help="PNG path for the plot (default: in --out)")

@@ -1,6 +1,6 @@
 """CUDA backend of the THC codec: the launch sequence of the kernels in ``csrc/cuda/thc_kernels.cuh``.
 
-The kernels are loaded the way the lossless codec's are (:mod:`lossless_hc._cuda`): from the compiled
+The kernels are loaded the way the lossless codec's are (:mod:`lossless_hc.backends.cuda`): from the compiled
 module ``lossless_hc._C_cuda``, whose kernel table holds them, or compiled at run time by NVRTC through
 CuPy. Everything runs stream-ordered on ``torch.cuda.current_stream()``; scratch comes from torch's
 caching allocator. Encode never synchronises (the norm slot and the non-finite flag are written by a
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _cuda
+from lossless_hc.backends import cuda_runtime
 
 # Order of lhc::gpu::ThcLayoutWord in thc_kernels.cuh.
 LAYOUT_WORDS = ("numel", "padded", "block", "granularity", "base", "per_word", "group_blocks", "words")
@@ -34,7 +34,7 @@ def require(device: torch.device) -> None:
         raise RuntimeError("THCCodec(device='cuda') needs a CUDA device, and torch sees none "
                            "(torch.cuda.is_available() is False)")
     try:
-        _cuda.launcher()
+        cuda_runtime.launcher()
     except ImportError as exc:
         raise ImportError(f"THCCodec(device='cuda'): {exc}") from None
 
@@ -84,7 +84,7 @@ def _blocks(items: int, sms: int) -> int:
 
 
 def _f64(x: float) -> int:
-    return _cuda._f64_bits(x)
+    return cuda_runtime.f64_bits(x)
 
 
 def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float, dequant_a: float, dequant_b: float,
@@ -97,9 +97,9 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
     The scalars are those the CPU backend's ``thc_encode`` takes (as float32 there, converted the same
     way here). Asynchronous on the current stream."""
     L = native.layout
-    launch = _cuda._active_launcher()
-    with _cuda._device_scope(native.device):
-        stream = _cuda._stream_handle(native.device)
+    launch = cuda_runtime.active_launcher()
+    with cuda_runtime.device_scope(native.device):
+        stream = cuda_runtime.stream_handle(native.device)
         sms = native.sms
         nchunks = native.nchunks
         tree = -(-nchunks // TREE_WIDTH)
@@ -108,7 +108,7 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
             sizes["levels"] = native.level_bytes * L.padded
         if not native.in_shared:
             sizes["y"] = 4 * L.padded
-        a = _cuda._Arena(sizes, native.device)
+        a = cuda_runtime.Arena(sizes, native.device)
         a.view("state").zero_()
         st, lay, xp = a.ptr("state"), native.words.data_ptr(), x.data_ptr()
         ep = e.data_ptr() if e is not None else 0
@@ -165,14 +165,14 @@ def decode(native: ThcCudaLayout, sign_stream: int, word_kind: int, words: torch
     words, contiguous, on the device), as the CPU backend's ``thc_decode``. Returns the number of
     invalid words (synchronises once)."""
     L = native.layout
-    launch = _cuda._active_launcher()
-    with _cuda._device_scope(native.device):
-        stream = _cuda._stream_handle(native.device)
+    launch = cuda_runtime.active_launcher()
+    with cuda_runtime.device_scope(native.device):
+        stream = cuda_runtime.stream_handle(native.device)
         sms = native.sms
         sizes = {"state": STATE_BYTES}
         if not native.in_shared:
             sizes["y"] = 4 * L.padded
-        ar = _cuda._Arena(sizes, native.device)
+        ar = cuda_runtime.Arena(sizes, native.device)
         ar.view("state").zero_()
         st, lay, wp, op = ar.ptr("state"), native.words.data_ptr(), words.data_ptr(), out.data_ptr()
         kind, mult, fa, fb = int(word_kind), _f64(multiplier), _f64(a), _f64(b)

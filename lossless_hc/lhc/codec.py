@@ -11,24 +11,12 @@ from typing import Optional
 
 import torch
 
-from . import _backend
-from .layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
-                     HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, plan_layout)
+from lossless_hc.backends import backend_for
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout)
+from lossless_hc.lhc.cost_model import plan_layout
+from lossless_hc.lhc.status import DecodeStatus, message
 
 _ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-_DECODE_STATUS = {
-    0: None,
-    1: "index corrupt: an index word is not a valid packed count, or the counts disagree with the header",
-    2: ("index peeling failed: the Bloom counters (or the multilevel fine table) could not be resolved into "
-        "per-key counts"),
-    3: "sketch peeling failed: more distinct non-zero keys than the sketch can separate",
-    4: ("sketch overflow: a float32 sketch cell is NaN/Inf although every rank's input was finite (values near "
-        "the float32 limit summed in one cell, or a corrupted payload)"),
-    5: ("index overflow: a multilevel fine-table cell summed to 2**22 or more (more non-zero groups in one cell "
-        "than the layout was sized for, or a corrupted payload)"),
-}
-
 
 @dataclass
 class DecodeReport:
@@ -38,6 +26,9 @@ class DecodeReport:
                      values equal to it up to float rounding). When False the output must not be used;
                      callers fall back to a dense aggregation.
     reason           why ok is False (None when ok).
+    status           the :class:`~lossless_hc.lhc.status.DecodeStatus`: OK exactly when ok, else the
+                     first failure found (OVERLOADED when ranks were over capacity and nothing else
+                     failed; ``overloaded_ranks`` says how many).
     contributors     ranks that contributed to the payload (from the header).
     candidates       keys the index could not rule out (union of supports + false positives).
     false_positives  candidates the exact count peeling proved absent on every rank (Bloom index).
@@ -49,12 +40,13 @@ class DecodeReport:
     trace            only with ``decode(..., trace=True)``: (keys, cells), each key with the cell it
                      was read from; within one cell, keys appear in the order they were peeled. The
                      two keys of a solved pair (they share all three cells; see
-                     ``layout.sketch_table_for``) both list their first cell, after every key peeled
+                     ``sizing.sketch_table_for``) both list their first cell, after every key peeled
                      from those cells.
     """
 
     ok: bool
     reason: Optional[str]
+    status: DecodeStatus = DecodeStatus.OK
     contributors: int = 0
     candidates: int = 0
     false_positives: int = 0
@@ -120,7 +112,7 @@ class LosslessCodec:
             ``lossless_hc._C_cuda`` or compiled at run time through CuPy; the same payloads as the
             CPU backend, so CPU and GPU ranks interoperate). On CUDA everything runs on the current
             torch stream: encode never synchronises, decode synchronises once.
-        index: "auto" (smallest payload, see :mod:`lossless_hc.cost_model`), "bitmap", "bloom",
+        index: "auto" (smallest payload, see :mod:`lossless_hc.lhc.cost_model`), "bitmap", "bloom",
             "multilevel" or "dense" (every kind on every device).
         union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);
             sizes the value sketch and the index. More than that in a decode is reported, not wrong.
@@ -145,14 +137,21 @@ class LosslessCodec:
         # Every backend has every index kind, so the layout depends on the arguments alone: CPU and CUDA
         # ranks plan the same payload (also for "auto") and interoperate.
         self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz)
-        _backend.require_backend(self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            # Tensors report their device with an index: pin the codec to the current one.
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._backend = backend_for(self.device)
+        self.device = self._backend.require(self.device)
         self.num_threads = num_threads
-        self._native = _backend.native_layout(self.layout, self.device)
+        self._native = self._backend.lhc_layout(self.layout, self.device)
         self._shape = (numel,)
         self._dtype = torch.float32
+
+    # Pickled without the kernels' view of the layout (rebuilt from the layout on load).
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_native", "_backend")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._backend = backend_for(self.device)
+        self._native = self._backend.lhc_layout(self.layout, self.device)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -211,7 +210,7 @@ class LosslessCodec:
         """``out`` checked (contiguous float32, ``numel`` elements, the codec's device) and viewed
         1-D, or a new buffer."""
         if out is None:
-            return _backend.empty(numel, self.device)
+            return self._backend.empty(numel, self.device)
         if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
                 or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
@@ -231,27 +230,19 @@ class LosslessCodec:
             payload[HEADER_FIELDS:] = flat
             self._write_dense_header(payload, flat)
             return payload
-        _backend.encode(self._native, flat, payload, self.num_threads)
+        self._backend.lhc_encode(self._native, flat, payload, self.num_threads)
         return payload
 
     def _write_dense_header(self, payload: torch.Tensor, flat: torch.Tensor) -> None:
+        # Fills and a device-side copy only: reading isfinite() back would synchronise a CUDA stream.
         L = self.layout
         mask = (1 << CHUNK_BITS) - 1
-        if payload.is_cuda:
-            # Device-side fills only: reading isfinite() back would synchronise the stream.
-            payload[:HEADER_FIELDS].zero_()
-            payload[HDR_CONTRIBUTORS].fill_(1.0)
-            payload[HDR_FP_LO].fill_(float(L.fingerprint & mask))
-            payload[HDR_FP_HI].fill_(float(L.fingerprint >> CHUNK_BITS))
-            if flat.numel():
-                payload[HDR_NON_FINITE:HDR_NON_FINITE + 1].copy_((~torch.isfinite(flat)).any().reshape(1))
-            return
-        header = [0.0] * HEADER_FIELDS
-        header[HDR_CONTRIBUTORS] = 1.0
-        header[HDR_FP_LO] = float(L.fingerprint & mask)
-        header[HDR_FP_HI] = float(L.fingerprint >> CHUNK_BITS)
-        header[HDR_NON_FINITE] = 0.0 if flat.numel() == 0 else float(not bool(torch.isfinite(flat).all()))
-        payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
+        payload[:HEADER_FIELDS].zero_()
+        payload[HDR_CONTRIBUTORS].fill_(1.0)
+        payload[HDR_FP_LO].fill_(float(L.fingerprint & mask))
+        payload[HDR_FP_HI].fill_(float(L.fingerprint >> CHUNK_BITS))
+        if flat.numel():
+            payload[HDR_NON_FINITE:HDR_NON_FINITE + 1].copy_((~torch.isfinite(flat)).any().reshape(1))
 
     # -- decode --------------------------------------------------------------------------------
     def _read_header(self, fields: list, scale: float):
@@ -310,36 +301,31 @@ class LosslessCodec:
         n = L.world_size
         scale = float(n) if averaged else 1.0
 
-        # Every path below writes all of out (NaN on failure paths, the kernel zero-fills first).
+        # Every path below writes all of out (NaN on failure paths, the kernels zero-fill first).
         out = self._buffer(out, L.numel)
         report = DecodeReport(ok=False, reason=None, index_kind=L.index_kind)
 
-        def finish(ok: bool, reason: Optional[str]):
-            report.ok, report.reason = ok, reason
+        def finish(status: DecodeStatus, reason: Optional[str] = None):
+            report.status = status
+            report.ok, report.reason = status == DecodeStatus.OK, (reason or message(status) or None)
             return out.reshape(shape).to(dtype), report
 
-        def reject(reason: str):
+        def reject(status: DecodeStatus, reason: Optional[str] = None):
             out.fill_(float("nan"))
-            return finish(False, reason)
+            return finish(status, reason)
 
-        # CUDA: queue the whole decode first, then read the header and the kernels' counters with one
-        # synchronisation. The kernels plan every buffer from the layout, never from the header, so
-        # decoding a payload the header checks below reject is safe (its output is then replaced).
-        cuda_run = dense_nonzero = None
-        if self.device.type == "cuda" and L.index_kind != "dense":
-            cuda_run = _backend.decode_cuda(self._native, scale, n, payload, out)
-            header_fields, cuda_stats = cuda_run.finish()
-        elif self.device.type == "cuda":
+        dense_nonzero = pending = None
+        if L.index_kind == "dense":
+            # The header and the non-zero count in one transfer (one synchronisation on CUDA).
             values = torch.cat([payload[:HEADER_FIELDS].to(torch.float64),
                                 torch.count_nonzero(payload[HEADER_FIELDS:]).to(torch.float64).reshape(1)]).tolist()
             header_fields, dense_nonzero = values[:HEADER_FIELDS], int(values[HEADER_FIELDS])
         else:
-            header_fields = payload[:HEADER_FIELDS].double().tolist()
+            pending = self._backend.lhc_decode(self._native, payload, out, scale, n, self.num_threads)
+            header_fields = pending.header
         hdr, in_range = self._read_header(header_fields, scale)
-        corrupted = ("header fields are not the integers world_size ranks write: the payload is corrupted, or not a "
-                     "plain sum/average of this codec's payloads")
         if hdr[HDR_CONTRIBUTORS] is None:
-            return reject(corrupted)
+            return reject(DecodeStatus.HEADER_CORRUPT)
         report.contributors = hdr[HDR_CONTRIBUTORS]
         if hdr[HDR_CONTRIBUTORS] != n:
             hint = ""
@@ -347,52 +333,44 @@ class LosslessCodec:
                 hint = " (an averaged payload? pass averaged=True)"
             elif averaged and hdr[HDR_CONTRIBUTORS] == n * n and n > 1:
                 hint = " (a summed payload? pass averaged=False)"
-            return reject(f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected world_size={n}{hint}")
+            return reject(DecodeStatus.WRONG_CONTRIBUTORS,
+                          f"payload aggregates {hdr[HDR_CONTRIBUTORS]} contributions, expected world_size={n}{hint}")
         if not in_range:
-            return reject(corrupted)
+            return reject(DecodeStatus.HEADER_CORRUPT)
         mask = (1 << CHUNK_BITS) - 1
         if hdr[HDR_FP_LO] != n * (L.fingerprint & mask) or hdr[HDR_FP_HI] != n * (L.fingerprint >> CHUNK_BITS):
-            return reject("configuration mismatch: ranks built the codec with different numel/world_size/"
-                          "max_nnz/block_size/seed/index (fingerprints disagree)")
+            return reject(DecodeStatus.CONFIGURATION_MISMATCH)
         report.total_keys = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << CHUNK_BITS) + (hdr[HDR_KEYS_HI] << (2 * CHUNK_BITS))
         report.overloaded_ranks = hdr[HDR_OVERLOADED]
         # Overload is the root cause of most other failures (peeling, saturation): name it first.
         overload = (f"overloaded: {report.overloaded_ranks} rank(s) had more than capacity={L.capacity} non-zero keys; "
                     "grow max_nnz") if report.overloaded_ranks else None
 
-        def fail(reason: str):
-            return reject(f"{overload} ({reason})" if overload else reason)
+        def fail(status: DecodeStatus, reason: Optional[str] = None):
+            reason = reason or message(status)
+            return reject(status, f"{overload} ({reason})" if overload else reason)
 
         if hdr[HDR_NON_FINITE]:
-            return fail(f"non-finite input (NaN/Inf) on {hdr[HDR_NON_FINITE]} rank(s)")
+            return fail(DecodeStatus.NON_FINITE_INPUT, f"non-finite input (NaN/Inf) on {hdr[HDR_NON_FINITE]} rank(s)")
         if hdr[HDR_SATURATED]:
-            return fail(f"index counter saturated on {hdr[HDR_SATURATED]} rank(s)")
+            return fail(DecodeStatus.INDEX_SATURATED, f"index counter saturated on {hdr[HDR_SATURATED]} rank(s)")
         if report.total_keys > n * L.num_keys:
-            return fail("index corrupt: the header's key count exceeds world_size * num_keys")
+            return fail(DecodeStatus.KEY_COUNT_CORRUPT)
 
-        if L.index_kind == "dense":
+        if pending is None:
             out.copy_(payload[HEADER_FIELDS:])
-            nz = dense_nonzero if dense_nonzero is not None else int(torch.count_nonzero(out))
-            report.candidates = report.support = report.peeled = nz
-            return finish(True, None)
+            report.candidates = report.support = report.peeled = dense_nonzero
+            return finish(DecodeStatus.OK)
 
-        if cuda_run is not None:
-            st = cuda_stats
-            if trace:
-                report.trace = cuda_run.trace(st.support_keys)
-        else:
-            tk = tc = None
-            if trace:
-                tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
-                tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
-            st = _backend.decode(self._native, scale, report.total_keys, n, payload, out, tk, tc, self.num_threads)
-            if trace:
-                # Groups fill their own slices; keys a failed group never peeled stay -1.
-                done = tk >= 0
-                report.trace = (tk[done], tc[done])
+        st, report.trace = pending.finish(report.total_keys, trace)
         report.candidates, report.false_positives = st.candidates, st.false_positives
         report.support, report.peeled = st.support_keys, st.peeled
-        reason = _DECODE_STATUS.get(st.status, f"unknown decode status {st.status}")
+        status = DecodeStatus(st.status)
+        reason = message(status) or None
         if overload:
+            # The kernels may still have recovered every key of a truncated aggregate: never ok.
             reason = f"{overload} ({reason or f'recovered {st.peeled}/{st.support_keys} keys'})"
-        return finish(reason is None, reason)
+            status = status if status != DecodeStatus.OK else DecodeStatus.OVERLOADED
+        report.status = status
+        report.ok, report.reason = reason is None, reason
+        return out.reshape(shape).to(dtype), report

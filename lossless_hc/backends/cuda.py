@@ -1,13 +1,5 @@
 """CUDA backend of the lossless codec: the launch sequence of the kernels in
-``csrc/cuda/codec_kernels.cuh``, shared by the two ways of loading them.
-
-* ``compiled``: the extension ``lossless_hc._C_cuda`` (built by setup.py where nvcc is found).
-* ``cupy``: where that extension is absent but CuPy is importable, the same header is compiled at
-  run time through NVRTC (``cupy.RawModule``, cached on disk by CuPy), and the kernels are launched
-  through the CUDA driver API (``libcuda``) on torch's current stream.
-
-``LHC_CUDA_BACKEND`` forces one (``compiled`` or ``cupy``); unset or ``auto`` prefers the compiled
-module.
+``csrc/cuda/codec_kernels.cuh``, loaded and launched by :mod:`.cuda_runtime`.
 
 Everything is stream-ordered on ``torch.cuda.current_stream()``: scratch memory comes from torch's
 caching allocator, memsets are torch ops, kernels take raw addresses (``data_ptr()``) and 64-bit
@@ -16,20 +8,15 @@ kernels' counters together (``DecodeRun.finish``).
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import pathlib
-import struct
-import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
-from .layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
+from lossless_hc.backends import cuda_runtime, cuda_thc
+from lossless_hc.backends.cuda_runtime import Arena, active_launcher, device_scope, f64_bits, stream_handle
+from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
 
-CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
 
 # Order of lhc::gpu::LayoutWord in codec_kernels.cuh: the codec's words, then the multilevel index's
 # fine levels (kLwFineStride words per level, MAX_FINE_LEVELS levels; placeholders past fine_levels).
@@ -77,250 +64,6 @@ _ENCODE_COUNTERS_BYTES = 16   # lhc::gpu::EncodeCounters
 _PEEL_CONTROL_BYTES = 64      # lhc::gpu::PeelControl (40 bytes, padded)
 
 _MASK64 = (1 << 64) - 1
-
-
-def _f64_bits(x: float) -> int:
-    """The 64-bit pattern of a double: how a double kernel parameter travels in an argument word."""
-    return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
-
-
-# The kernel headers of the CUDA module (the lossless codec's and THC's): compiled together by nvcc into
-# lossless_hc._C_cuda and by NVRTC on the CuPy path.
-KERNEL_HEADERS = (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "cuda" / "thc_kernels.cuh")
-
-
-def header_kernels(path: Optional[pathlib.Path] = None) -> dict:
-    """``{name: parameter count}`` of the extern "C" kernels declared in a kernels header, or in all of
-    KERNEL_HEADERS (the CuPy path checks argument counts against it; the compiled module checks
-    against its own table)."""
-    import re
-    text = "\n".join(p.read_text() for p in ([path] if path is not None else KERNEL_HEADERS))
-    out = {}
-    for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
-        params = [p for p in m.group(2).split(",") if p.strip()]
-        out[m.group(1)] = len(params)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# launchers
-# ------------------------------------------------------------------------------------------------
-class _CompiledLauncher:
-    name = "compiled"
-
-    def __init__(self, module):
-        self._m = module
-        self._blocks = {}
-
-    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
-        self._m.launch(kernel, int(grid), int(block), [int(a) & _MASK64 for a in args], int(stream), cooperative)
-
-    def resident_blocks(self, kernel: str, block: int) -> int:
-        key = (torch.cuda.current_device(), kernel, block)
-        if key not in self._blocks:
-            self._blocks[key] = self._m.max_active_blocks(kernel, block)
-        return self._blocks[key]
-
-
-def _nvrtc_source() -> str:
-    """The translation unit NVRTC compiles: the kernels header, included from csrc/, under a comment
-    holding a digest of the headers' text. CuPy caches compiled modules by source text and options,
-    not by the files a source includes, so the digest makes an edited header compile afresh."""
-    import hashlib
-    digest = hashlib.sha256()
-    for path in (*KERNEL_HEADERS, CSRC / "lhc_layout.h", CSRC / "thc_math.h"):
-        digest.update(path.read_bytes())
-    includes = "".join(f'#include "cuda/{p.name}"\n' for p in KERNEL_HEADERS)
-    return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n{includes}'
-
-
-class _CupyLauncher:
-    """Kernels compiled by NVRTC through CuPy; launched with the driver API on torch's stream (so
-    no CuPy stream or context juggling: CuPy and torch both use the device's primary context)."""
-
-    name = "cupy"
-
-    def __init__(self):
-        import cupy  # noqa: F401  (ImportError tells the caller this path is unavailable)
-        self._cupy = cupy
-        self._modules = {}
-        self._functions = {}
-        self._blocks = {}
-        self._arity = None
-        self._cuda = ctypes.CDLL("libcuda.so.1")
-        self._cuda.cuLaunchKernel.restype = ctypes.c_int
-        self._cuda.cuLaunchCooperativeKernel.restype = ctypes.c_int
-        self._cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor.restype = ctypes.c_int
-
-    def _function(self, kernel: str):
-        dev = torch.cuda.current_device()
-        key = (dev, kernel)
-        fn = self._functions.get(key)
-        if fn is None:
-            with self._cupy.cuda.Device(dev):
-                module = self._modules.get(dev)
-                if module is None:
-                    module = self._cupy.RawModule(code=_nvrtc_source(), options=("-std=c++17", f"-I{CSRC}"))
-                    self._modules[dev] = module
-                found = module.get_function(kernel)
-                # Recent CuPy returns a RawKernel wrapping the cupy.cuda.Function, older CuPy the
-                # Function itself; its `ptr` is the CUfunction handle.
-                fn = int(getattr(found, "kernel", found).ptr)
-            self._functions[key] = fn
-        return fn
-
-    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
-        if self._arity is None:
-            self._arity = header_kernels()
-        if self._arity.get(kernel) != len(args):
-            raise RuntimeError(f"lossless_hc CUDA launch failed: {kernel} takes {self._arity.get(kernel)} arguments, "
-                               f"got {len(args)}")
-        if grid <= 0:
-            return
-        fn = self._function(kernel)
-        words = [ctypes.c_uint64(int(a) & _MASK64) for a in args]
-        params = (ctypes.c_void_p * len(words))(*[ctypes.cast(ctypes.byref(w), ctypes.c_void_p) for w in words])
-        launch = self._cuda.cuLaunchCooperativeKernel if cooperative else self._cuda.cuLaunchKernel
-        extra = () if cooperative else (None,)
-        rc = launch(ctypes.c_void_p(fn), ctypes.c_uint(grid), ctypes.c_uint(1), ctypes.c_uint(1),
-                    ctypes.c_uint(block), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0),
-                    ctypes.c_void_p(stream), params, *extra)
-        if rc != 0:
-            raise RuntimeError(f"lossless_hc CUDA launch failed: {kernel}: CUresult {rc}")
-
-    def resident_blocks(self, kernel: str, block: int) -> int:
-        key = (torch.cuda.current_device(), kernel, block)
-        if key not in self._blocks:
-            n = ctypes.c_int(0)
-            rc = self._cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(n), ctypes.c_void_p(self._function(kernel)), ctypes.c_int(block), ctypes.c_size_t(0))
-            self._blocks[key] = n.value if rc == 0 else 1
-        return self._blocks[key]
-
-
-class KernelProfile:
-    """Per-kernel device time of the launches made while it is active (``with profile() as p``):
-    each launch is bracketed by CUDA events and waited for, so the profiled run is slower than a
-    plain one and synchronises after every kernel. A diagnostic for performance work only."""
-
-    def __init__(self):
-        self.ms = {}
-        self.calls = {}
-
-    def record(self, kernel: str, ms: float) -> None:
-        self.ms[kernel] = self.ms.get(kernel, 0.0) + ms
-        self.calls[kernel] = self.calls.get(kernel, 0) + 1
-
-    def table(self) -> str:
-        total = sum(self.ms.values()) or 1.0
-        rows = sorted(self.ms.items(), key=lambda kv: -kv[1])
-        return "\n".join(f"{name:28s} {ms:9.3f} ms {100 * ms / total:5.1f}%  x{self.calls[name]}" for name, ms in rows)
-
-
-_PROFILE: Optional[KernelProfile] = None
-
-
-@contextlib.contextmanager
-def profile():
-    """Time every kernel launched inside the block (see KernelProfile)."""
-    global _PROFILE
-    previous, _PROFILE = _PROFILE, KernelProfile()
-    try:
-        yield _PROFILE
-    finally:
-        _PROFILE = previous
-
-
-class _ProfiledLauncher:
-    """A launcher whose launches are timed into the active KernelProfile."""
-
-    def __init__(self, inner, prof: KernelProfile):
-        self._inner, self._prof = inner, prof
-        self.name = inner.name
-
-    def __getattr__(self, attr):
-        return getattr(self._inner, attr)
-
-    def launch(self, kernel: str, grid: int, block: int, args, stream: int, cooperative: bool = False) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self._inner.launch(kernel, grid, block, args, stream, cooperative)
-        end.record()
-        end.synchronize()
-        self._prof.record(kernel, start.elapsed_time(end))
-
-
-def _active_launcher():
-    """The launcher, wrapped for timing while a profile is active."""
-    launch = launcher()
-    return _ProfiledLauncher(launch, _PROFILE) if _PROFILE is not None else launch
-
-
-_LOCK = threading.Lock()
-_LAUNCHER = None
-_LAUNCHER_ERROR: Optional[str] = None
-
-
-def launcher():
-    """The kernel launcher (compiled module or CuPy/NVRTC), chosen once per process; raises
-    ImportError with the reasons when neither is available."""
-    global _LAUNCHER, _LAUNCHER_ERROR
-    with _LOCK:
-        if _LAUNCHER is not None:
-            return _LAUNCHER
-        choice = os.environ.get("LHC_CUDA_BACKEND", "auto").lower()
-        if choice not in ("auto", "compiled", "cupy"):
-            raise ValueError(f"LHC_CUDA_BACKEND must be auto, compiled or cupy, got {choice!r}")
-        reasons = []
-        if choice in ("auto", "compiled"):
-            try:
-                from . import _C_cuda
-                _LAUNCHER = _CompiledLauncher(_C_cuda)
-                return _LAUNCHER
-            except ImportError as exc:
-                reasons.append(f"lossless_hc._C_cuda is not built ({exc})")
-        if choice in ("auto", "cupy"):
-            try:
-                _LAUNCHER = _CupyLauncher()
-                return _LAUNCHER
-            except (ImportError, OSError) as exc:
-                reasons.append(f"CuPy run-time compilation is unavailable ({exc})")
-        _LAUNCHER_ERROR = "; ".join(reasons)
-        raise ImportError("lossless_hc has no CUDA kernels available: " + _LAUNCHER_ERROR +
-                          ". Build with nvcc (LHC_CUDA=1 pip install -e .) or install CuPy.")
-
-
-def reset_launcher(replacement=None) -> None:
-    """Forget the chosen launcher, so the next call of ``launcher`` chooses again (tests switch
-    between the compiled and the CuPy path with LHC_CUDA_BACKEND); or install ``replacement``, an
-    object with the launchers' interface (tests/test_cuda_emulated.py runs the kernels on host
-    threads through one, with CPU tensors)."""
-    global _LAUNCHER, _LAUNCHER_ERROR
-    with _LOCK:
-        _LAUNCHER, _LAUNCHER_ERROR = replacement, None
-
-
-def _device_scope(device: torch.device):
-    """Make ``device`` current (CUDA); a CPU device is only seen by the host emulation of the tests."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _stream_handle(device: torch.device) -> int:
-    """The current torch stream of ``device`` as a cudaStream_t integer (0 for the host emulation)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
-def backend_name() -> str:
-    """``compiled`` or ``cupy``: which way the kernels were loaded (loads them if needed)."""
-    return launcher().name
-
-
-def require(device: torch.device) -> None:
-    """Raise a clear error unless CUDA kernels can run on ``device``."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("LosslessCodec(device='cuda') needs a CUDA device, and torch sees none "
-                           "(torch.cuda.is_available() is False)")
-    launcher()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -414,26 +157,6 @@ class CudaLayout:
         return 4 * (-(-key_words // 2) * 2) + 8 * L.fine_numel + sum(lv.num_nodes for lv in L.multilevel.levels)
 
 
-class _Arena:
-    """Named slices of one uint8 scratch tensor, each 256-byte aligned."""
-
-    def __init__(self, sizes: dict, device):
-        self.offsets = {}
-        total = 0
-        for name, nbytes in sizes.items():
-            self.offsets[name] = (total, nbytes)
-            total += -(-max(nbytes, 1) // 256) * 256
-        self.total = total
-        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
-
-    def view(self, name: str, dtype=torch.uint8) -> torch.Tensor:
-        off, nbytes = self.offsets[name]
-        return self.buffer[off:off + nbytes].view(dtype)
-
-    def ptr(self, name: str) -> int:
-        return self.buffer.data_ptr() + self.offsets[name][0]
-
-
 def decode_scratch_sizes(native: CudaLayout) -> dict:
     """Bytes of every scratch buffer of one decode (see decode)."""
     L = native.layout
@@ -500,9 +223,9 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
     """Encode ``x`` (contiguous float32, layout.numel, on the codec's device) into ``payload``
     (contiguous float32, layout.payload_numel). Asynchronous on the current stream."""
     L = native.layout
-    launch = _active_launcher()
-    with _device_scope(native.device):
-        stream = _stream_handle(native.device)
+    launch = active_launcher()
+    with device_scope(native.device):
+        stream = stream_handle(native.device)
         sms = native.sms
         sizes = {"counters": _ENCODE_COUNTERS_BYTES}
         # The index's own scratch: Bloom's per-rank counters, or the multilevel index's key flags,
@@ -513,7 +236,7 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
             sizes["index_scratch"] = native.ml_encode_scratch_bytes
         if L.block > 1:
             sizes["key_flag"] = 4 * L.num_keys
-        arena = _Arena(sizes, native.device)
+        arena = Arena(sizes, native.device)
         arena.view("counters").zero_()
         payload.zero_()
         scratch = 0
@@ -586,7 +309,7 @@ def decode_status(index_kind: str, flags: int, support: int, peeled: int, index_
 class DecodeRun:
     """A decode whose kernels are queued; ``finish`` reads header and counters with one sync."""
 
-    def __init__(self, native: CudaLayout, payload: torch.Tensor, arena: _Arena):
+    def __init__(self, native: CudaLayout, payload: torch.Tensor, arena: Arena):
         self.native, self.payload, self.arena = native, payload, arena
 
     def finish(self):
@@ -644,11 +367,11 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
     does, once. The kernels never read the header's claims as sizes: every buffer is planned from
     the layout, so any payload (corrupted, fuzzed) is safe to decode."""
     L = native.layout
-    launch = _active_launcher()
-    with _device_scope(native.device):
-        stream = _stream_handle(native.device)
+    launch = active_launcher()
+    with device_scope(native.device):
+        stream = stream_handle(native.device)
         sms = native.sms
-        a = _Arena(decode_scratch_sizes(native), native.device)
+        a = Arena(decode_scratch_sizes(native), native.device)
         # lhc_scan_tiles runs as one block of any multiple of 32 threads up to 1024; a launcher may ask
         # for fewer (the host emulation of the tests, where every thread is an OS thread).
         scan_threads = getattr(launch, "scan_threads", SCAN_THREADS)
@@ -659,7 +382,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         out.zero_()
         lay, pp, cnt = native.words_ptr, payload.data_ptr(), P("counters")
         n = int(world_size)
-        s = _f64_bits(scale)
+        s = f64_bits(scale)
         kcap, cells, B = native.key_cap, native.sketch_cells, L.block
 
         # 1. The support: keys non-zero on at least one rank, in increasing order, in `keys`.
@@ -747,7 +470,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         return DecodeRun(native, payload, a)
 
 
-def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: int, s: int, n: int,
+def _decode_multilevel(native: CudaLayout, launch, stream: int, a: Arena, pp: int, s: int, n: int,
                        scan_threads: int) -> None:
     """Queue the multilevel index's stages (see "Decode: multilevel index" in codec_kernels.cuh): the
     coarse level's nodes, then per fine level its peel (two cooperative launches: the peel's rounds,
@@ -791,3 +514,62 @@ def _decode_multilevel(native: CudaLayout, launch, stream: int, a: _Arena, pp: i
         out_nodes, out_counts = (P("keys"), 0) if finest else (P(f"ml_nodes{up}"), P(f"ml_counts{up}"))
         launch.launch("lhc_ml_expand_write", etiles, THREADS,
                       [lay, level, nodes, counts, pat, P("tiles"), out_nodes, out_counts, next_cap, cnt, ml], stream)
+
+
+class PendingDecode:
+    """A queued CUDA decode (the backend interface's pending decode): ``header`` and the kernels'
+    counters were read with one synchronisation; ``finish`` only reports them."""
+
+    def __init__(self, run: DecodeRun):
+        self.run = run
+        self.header, self.stats = run.finish()
+
+    def finish(self, total_keys: int, trace: bool = False):
+        # The kernels read the key total from the header themselves; the codec has checked it.
+        return self.stats, (self.run.trace(self.stats.support_keys) if trace else None)
+
+
+class CudaBackend:
+    """The backend interface on CUDA devices (see :mod:`lossless_hc.backends` for the contract).
+    Everything runs on the current torch stream: encode never synchronises, decode synchronises once."""
+
+    name = "cuda"
+
+    def require(self, device: torch.device) -> torch.device:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device} needs a CUDA device, and torch sees none "
+                               "(torch.cuda.is_available() is False)")
+        cuda_runtime.launcher()
+        # Tensors report their device with an index: pin to the current one.
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def empty(self, numel: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
+        return CudaLayout(layout, device)
+
+    def lhc_encode(self, native: CudaLayout, x: torch.Tensor, payload: torch.Tensor, num_threads: int = 0) -> None:
+        encode(native, x, payload)
+
+    def lhc_decode(self, native: CudaLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
+                   world_size: int, num_threads: int = 0) -> PendingDecode:
+        return PendingDecode(decode(native, scale, world_size, payload, out))
+
+    def thc_layout(self, layout, device: torch.device, lo, width, inv_width):
+        return cuda_thc.ThcCudaLayout(layout, device, lo, width, inv_width)
+
+    def thc_encode(self, native, quantize: bool, scale: float, threshold: float, dequant_a: float, dequant_b: float,
+                   sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int, payload: torch.Tensor,
+                   words_offset: int, norm_slot: int, non_finite_field: int, num_threads: int = 0) -> None:
+        # The kernels write the norm slot, or the non-finite flag (a fixed header field of
+        # csrc/cuda/thc_kernels.cuh) with everything after the header zeroed.
+        cuda_thc.encode(native, quantize, scale, threshold, dequant_a, dequant_b, sign_stream, round_stream, x, e,
+                        word_kind, payload, words_offset, norm_slot)
+
+    def thc_decode(self, native, sign_stream: int, word_kind: int, words: torch.Tensor, multiplier: float, a: float,
+                   b: float, out: torch.Tensor, num_threads: int = 0) -> int:
+        return cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, out)
+
+
+CUDA = CudaBackend()

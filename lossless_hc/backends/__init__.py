@@ -1,0 +1,42 @@
+"""Device backends: one seam, the same interface on every device.
+
+    cpu           the C++/OpenMP kernels (lossless_hc._C)
+    cuda_runtime  loading and launching the CUDA kernels (compiled lossless_hc._C_cuda, or NVRTC via CuPy)
+    cuda          the lossless codec's CUDA launch sequence;  cuda_thc: THC's
+
+:func:`backend_for` returns the backend of a device; the codecs (``lossless_hc.lhc``,
+``lossless_hc.thc``) call only its methods and hold no device branches. Every backend implements:
+
+* ``require(device) -> device``: raise a clear error unless its kernels can run there; returns the
+  device pinned to an index (CUDA).
+* ``empty(numel, device)``: a float32 output buffer.
+* ``lhc_layout(layout, device)``, ``lhc_encode(native, x, payload, num_threads)`` and
+  ``lhc_decode(native, payload, out, scale, world_size, num_threads) -> pending`` with
+  ``pending.header`` (the payload's header fields as floats) and ``pending.finish(total_keys,
+  trace) -> (stats, trace)``; stats carry ``status`` (csrc/lhc_status.h), ``candidates``,
+  ``false_positives``, ``support_keys``, ``peeled``. CPU reads the header first and runs its
+  kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
+  synchronisation. Either way the codec validates the header before it trusts the kernels' verdict,
+  and the kernels size every buffer from the layout, never from the header.
+* ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields) and
+  ``thc_decode -> invalid word count``.
+
+Every backend writes the same payload bits and decodes to the same output bits (the tests check
+CPU, emulated CUDA and the pure-torch reference against each other).
+"""
+from __future__ import annotations
+
+import torch
+
+from lossless_hc.backends.cpu import CPU
+
+
+def backend_for(device: torch.device):
+    """The backend of ``device`` ("cpu" or "cuda"/"cuda:N")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from lossless_hc.backends.cuda import CUDA   # CUDA-only imports stay off the CPU path
+        return CUDA
+    if device.type != "cpu":
+        raise ValueError(f"unsupported device {device}; expected 'cpu' or 'cuda'")
+    return CPU

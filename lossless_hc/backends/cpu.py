@@ -1,0 +1,221 @@
+"""The CPU backend: the C++/OpenMP kernels of ``lossless_hc._C`` (``csrc/cpu``) behind the backend
+interface (:mod:`lossless_hc.backends`). Only this module touches ``_C``.
+
+Kernels see raw addresses and sizes (``data_ptr()``), so no extension depends on the torch C++ ABI;
+the codecs validate every tensor (dtype, device, contiguity, size) before calling in.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, PayloadLayout
+
+try:
+    from lossless_hc import _C
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    _C = None
+    _IMPORT_ERROR = exc
+else:
+    _IMPORT_ERROR = None
+
+
+def _require_module() -> None:
+    if _C is None:
+        raise ImportError(
+            "lossless_hc._C (the C++ kernels) is not built; run `make build` or `pip install -e .` "
+            f"({_IMPORT_ERROR})")
+
+
+def decode_statuses() -> list:
+    """``(name, code, message)`` of every decode status, from csrc/lhc_status.h."""
+    _require_module()
+    return list(_C.DECODE_STATUSES)
+
+
+def thc_sign_stream(seed: int, step: int) -> int:
+    """THC's shared rotation stream of ``step`` (csrc/thc_math.h): the same on every device."""
+    return _C.thc_sign_stream(seed, step)
+
+
+def thc_round_stream(seed: int, rank: int, step: int) -> int:
+    """THC's per-rank rounding stream of ``step`` (csrc/thc_math.h)."""
+    return _C.thc_round_stream(seed, rank, step)
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+def _table(src) -> "_C.SegmentedTable":
+    t = _C.SegmentedTable()
+    t.seg_len, t.seg_count, t.stream = src.seg_len, src.seg_count, src.stream
+    t.weighted = int(src.weighted)
+    return t
+
+
+def _empty_table() -> "_C.SegmentedTable":
+    t = _C.SegmentedTable()
+    t.seg_len, t.seg_count, t.stream = 1, 3, 0
+    return t
+
+
+def codec_layout(layout: PayloadLayout) -> "_C.CodecLayout":
+    """The C++ kernels' view of ``layout`` (built once per codec)."""
+    c = _C.CodecLayout()
+    c.numel, c.num_keys, c.block = layout.numel, layout.num_keys, layout.block
+    c.index_kind = INDEX_KIND_CODE[layout.index_kind]
+    c.sketch = _table(layout.sketch)
+    c.bloom = _table(layout.bloom) if layout.bloom is not None else _empty_table()
+    idx = _C.DigitPacking()
+    idx.base, idx.per_word, idx.digits = layout.index.base, layout.index.per_word, layout.index.digits
+    c.index = idx
+    c.digit_cap = layout.digit_cap
+    c.capacity = layout.capacity
+    c.fingerprint = layout.fingerprint
+    c.index_offset = layout.index_offset
+    c.sketch_offset = layout.sketch_offset
+    c.payload_numel = layout.payload_numel
+    levels = layout.multilevel.levels if layout.multilevel is not None else ()
+    c.fine_levels = len(levels)
+    for i in range(4):
+        if i < len(levels):
+            lv = levels[i]
+            c.set_fine_level(i, _table(lv.table), lv.span, lv.digits_per_word, lv.words_per_group,
+                             layout.level_offsets[i])
+        else:
+            c.set_fine_level(i, _empty_table(), 1, 1, 1, layout.sketch_offset)
+    return c
+
+
+class PendingDecode:
+    """A CPU decode: ``header`` (the payload's header fields as floats) is read at once; ``finish``
+    runs the kernels with the key total the codec read from the validated header."""
+
+    def __init__(self, native, payload: torch.Tensor, out: torch.Tensor, scale: float, world_size: int,
+                 num_threads: int):
+        self.native, self.payload, self.out = native, payload, out
+        self.scale, self.world_size, self.num_threads = scale, world_size, num_threads
+        self.header = payload[:HEADER_FIELDS].double().tolist()
+
+    def finish(self, total_keys: int, trace: bool = False):
+        """Run the kernels: ``(stats, trace)`` with stats as ``_C.DecodeStats`` (status from
+        csrc/lhc_status.h, candidates, false_positives, support_keys, peeled) and trace the
+        ``(keys, cells)`` of the peeled keys in peeling order, or None."""
+        L = self.native.layout
+        tk = tc = None
+        if trace:
+            tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
+            tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
+        st = _C.decode(self.native.c, float(self.scale), int(total_keys), int(self.world_size),
+                       self.payload.data_ptr(), self.out.data_ptr(), _addr(tk), _addr(tc), self.num_threads)
+        if not trace:
+            return st, None
+        done = tk >= 0      # groups fill their own slices; keys a failed group never peeled stay -1
+        return st, (tk[done], tc[done])
+
+
+class CpuLhcLayout:
+    """A LosslessCodec layout on the CPU: the PayloadLayout and its C++ mirror."""
+
+    def __init__(self, layout: PayloadLayout):
+        self.layout = layout
+        self.c = codec_layout(layout)
+
+
+class CpuThcLayout:
+    """A THCCodec layout on the CPU: the THCLayout, its C++ mirror and the rounding table."""
+
+    def __init__(self, layout, lo: torch.Tensor, width: torch.Tensor, inv_width: torch.Tensor):
+        self.layout = layout
+        self.lo, self.width, self.inv_width = lo, width, inv_width
+        c = _C.ThcLayout()
+        c.numel, c.padded, c.block = layout.numel, layout.padded, layout.block
+        c.granularity, c.base, c.per_word, c.words = layout.granularity, layout.base, layout.per_word, layout.words
+        c.group_blocks = layout.group_blocks
+        self.c = c
+
+
+class CpuBackend:
+    """The backend interface on the CPU (see :mod:`lossless_hc.backends` for the contract)."""
+
+    name = "cpu"
+
+    def require(self, device: torch.device) -> torch.device:
+        _require_module()
+        return device
+
+    def empty(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A new float32 buffer, its memory advised to be backed by transparent huge pages before
+        anything touches it: writing a fresh buffer of hundreds of MiB then takes one page fault per
+        2 MiB instead of one per 4 KiB, which is most of the cost of that first write."""
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        if numel:
+            _C.advise_huge_pages(buf.data_ptr(), 4 * numel)
+        return buf
+
+    # -- LHC -------------------------------------------------------------------------------------
+    def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CpuLhcLayout:
+        return CpuLhcLayout(layout)
+
+    def lhc_encode(self, native: CpuLhcLayout, x: torch.Tensor, payload: torch.Tensor, num_threads: int = 0) -> None:
+        _C.encode(native.c, x.data_ptr(), payload.data_ptr(), num_threads)
+
+    def lhc_decode(self, native: CpuLhcLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
+                   world_size: int, num_threads: int = 0) -> PendingDecode:
+        return PendingDecode(native, payload, out, scale, world_size, num_threads)
+
+    # -- THC -------------------------------------------------------------------------------------
+    def thc_layout(self, layout, device: torch.device, lo, width, inv_width) -> CpuThcLayout:
+        return CpuThcLayout(layout, lo, width, inv_width)
+
+    def thc_encode(self, native: CpuThcLayout, quantize: bool, scale: float, threshold: float, dequant_a: float,
+                   dequant_b: float, sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int,
+                   payload: torch.Tensor, words_offset: int, norm_slot: int, non_finite_field: int,
+                   num_threads: int = 0) -> None:
+        """Encode into ``payload``: the level words, then the norm slot ``norm_slot`` (the float64
+        bits of sqrt(sum of squares) for an int64 payload), or, for a non-finite input, the flag
+        ``non_finite_field`` with everything after the header zeroed."""
+        st = _C.thc_encode(native.c, bool(quantize), native.lo.data_ptr(), native.width.data_ptr(),
+                           native.inv_width.data_ptr(), float(scale), float(threshold), float(dequant_a),
+                           float(dequant_b), sign_stream, round_stream, x.data_ptr(), _addr(e), int(word_kind),
+                           payload[words_offset:].data_ptr(), num_threads)
+        if st.non_finite:
+            # x held NaN/Inf (e untouched), or x + e overflowed float32 (e was reset to 0): send only
+            # the header; every rank's decode sees the flag.
+            payload[non_finite_field + 1:] = 0
+            payload[non_finite_field] = 1
+            return
+        slot = payload[norm_slot:norm_slot + 1]
+        if payload.dtype == torch.float64:
+            slot[0] = math.sqrt(st.sum_squares)
+        else:  # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly
+            slot.view(torch.float64)[0] = math.sqrt(st.sum_squares)
+
+    def thc_decode(self, native: CpuThcLayout, sign_stream: int, word_kind: int, words: torch.Tensor,
+                   multiplier: float, a: float, b: float, out: torch.Tensor, num_threads: int = 0) -> int:
+        return _C.thc_decode(native.c, sign_stream, int(word_kind), words.data_ptr(), float(multiplier), float(a),
+                             float(b), out.data_ptr(), num_threads)
+
+    # THC's stages alone (the tests check each against the reference through these).
+    def thc_rht_forward(self, native: CpuThcLayout, sign_stream: int, x: torch.Tensor, e, y: torch.Tensor,
+                        num_threads: int = 0):
+        return _C.thc_rht_forward(native.c, sign_stream, x.data_ptr(), _addr(e), y.data_ptr(), num_threads)
+
+    def thc_rht_inverse(self, native: CpuThcLayout, sign_stream: int, y: torch.Tensor, out: torch.Tensor, plus_a,
+                        plus_b, num_threads: int = 0) -> None:
+        _C.thc_rht_inverse(native.c, sign_stream, y.data_ptr(), out.data_ptr(), _addr(plus_a), _addr(plus_b),
+                           num_threads)
+
+    def thc_pack_levels(self, native: CpuThcLayout, levels: torch.Tensor, word_kind: int,
+                        words: torch.Tensor) -> None:
+        _C.thc_pack_levels(native.c, levels.data_ptr(), int(word_kind), words.data_ptr())
+
+    def thc_unpack_levels(self, native: CpuThcLayout, word_kind: int, words: torch.Tensor, multiplier: float,
+                          sums: torch.Tensor) -> int:
+        return _C.thc_unpack_levels(native.c, int(word_kind), words.data_ptr(), float(multiplier), sums.data_ptr())
+
+
+CPU = CpuBackend()

@@ -1,0 +1,5 @@
+import sys
+
+from lossless_hc.bench.cli import main
+
+sys.exit(main())

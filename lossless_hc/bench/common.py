@@ -1,0 +1,145 @@
+"""What every benchmark shares: the machine description, the command line, table formatting,
+round-robin timing against a baseline, and strict JSON output."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+
+# ------------------------------------------------------------------------------------------------
+# machine / formatting helpers
+# ------------------------------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(codec_threads: int = 0) -> dict:
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count() or 0
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count() or 0,
+        "cores_available": affinity,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "codec_threads": codec_threads if codec_threads > 0 else
+        f"auto (OMP default{', OMP_NUM_THREADS=' + os.environ['OMP_NUM_THREADS'] if 'OMP_NUM_THREADS' in os.environ else ''})",
+        "platform": platform.platform(),
+    }
+
+
+def command_line() -> str:
+    prog = "python -m lossless_hc.bench" if sys.argv and sys.argv[0].endswith("bench.py") else \
+        (shlex.quote(sys.argv[0]) if sys.argv else "python -m lossless_hc.bench")
+    return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+def format_table(rows: Sequence[Sequence], header: Optional[Sequence[str]] = None,
+                 align: Optional[str] = None) -> str:
+    """Plain-text aligned table; ``align`` is one char per column, 'l' or 'r' (default: first column
+    left, the others right)."""
+    cells = [[str(c) for c in r] for r in rows]
+    if header is not None:
+        cells = [[str(h) for h in header]] + cells
+    if not cells:
+        return ""
+    ncol = max(len(r) for r in cells)
+    cells = [r + [""] * (ncol - len(r)) for r in cells]
+    widths = [max(len(r[i]) for r in cells) for i in range(ncol)]
+    align = align or ("l" + "r" * (ncol - 1))
+    lines = []
+    for j, r in enumerate(cells):
+        parts = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(r, widths, align)]
+        lines.append("  ".join(parts).rstrip())
+        if header is not None and j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def section(title: str, body: str) -> str:
+    return f"{title}\n{'=' * len(title)}\n{body}\n"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.3f}"
+
+
+def fmt_sci(v: float) -> str:
+    return f"{v:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+def time_interleaved(fns: dict, repeat: int, warmup: int = 1) -> dict:
+    """Median / min / max wall time of each of ``fns`` over ``repeat`` runs after ``warmup`` runs,
+    returned as {name: stats}. The functions run round-robin: each repetition calls every function
+    once, in the given order, and the result of each call is dropped before the next one starts (so
+    allocations are not held twice). A drift of the machine (a kernel reclaiming memory after a large
+    free, a neighbour on the host) then lands on all of them alike, so ratios between them stay fair;
+    timed one after the other, a clone measured just after gigabytes were freed took 2-5x longer than
+    the same clone a few seconds later."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            r = fn()
+            del r
+    times = {name: [] for name in fns}
+    for _ in range(max(1, repeat)):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            r = fn()
+            t1 = time.perf_counter()
+            del r
+            times[name].append(t1 - t0)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
+            for name, ts in times.items()}
+
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def json_safe(obj):
+    """NaN/Inf -> None (strict JSON); tuples -> lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Optional[str], obj: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(json_safe(obj), f, indent=2, default=str, allow_nan=False)
+            f.write("\n")
+        log(f"wrote {path}")
+

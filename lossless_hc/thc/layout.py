@@ -1,0 +1,175 @@
+"""The THC payload layout: header words, per-rank norm slots, and the integer levels of the rotated
+blocks packed as digits into 64-bit words (``plan_thc_layout``), with the exactness limits of SUM and
+AVERAGE aggregation (``max_world_size``). Pure functions of the configuration, identical on every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# Payload header fields (one 64-bit word each), before the norm slots and the packed levels.
+HDR_CONTRIBUTORS = 0   # 1 per rank: the aggregate says how many ranks contributed (and SUM vs AVERAGE)
+HDR_FINGERPRINT = 1    # a 20-bit hash of the configuration, the step and the scale M every rank used
+HDR_NON_FINITE = 2     # 1 if this rank's x + e held NaN/Inf
+HEADER_FIELDS = 3
+FINGERPRINT_BITS = 20
+LAYOUT_VERSION = 1
+
+WORD_KINDS = {torch.float64: 0, torch.int64: 1}
+MAX_HADAMARD_BLOCK = 1 << 20
+MAX_GROUP_BLOCKS = 16     # blocks packed together (bounded: a group's floats stay in L2)
+
+# Integers an aggregated float64 word may reach and still be recovered exactly from an AVERAGE.
+# An engine averages a sum S of n words as fl(S / n), fl(S * fl(1/n)), or divides each word by n
+# before summing (Horovod's gradient_predivide_factor); the decoder computes fl(avg * n). The
+# accumulated error is at most (n + 2) u S (u = 2^-53; n - 1 additions and three roundings), so
+# S <= 2^52 / (n + 4) keeps it below 1/2 with margin, and rounding recovers S exactly. A plain SUM
+# is exact anyway (integers below 2^53, in any order).
+def _exact_limit(world_size: int, payload_dtype: torch.dtype) -> int:
+    if payload_dtype == torch.int64:
+        return (1 << 63) - 1          # SUM only; no partial sum of non-negative terms exceeds the total
+    return (1 << 52) // (world_size + 4)
+
+
+def _digits_per_word(base: int, limit: int) -> int:
+    """Largest p with base**p - 1 <= limit (0 if not even one digit fits)."""
+    p, power = 0, 1
+    while power * base - 1 <= limit:
+        power *= base
+        p += 1
+    return p
+
+
+def _layout_error(world_size: int, granularity: int, payload_dtype: torch.dtype,
+                  digits_per_word: Optional[int]) -> Optional[str]:
+    """Why (world_size, granularity, payload_dtype, digits_per_word) cannot be exact, or None."""
+    limit = _exact_limit(world_size, payload_dtype)
+    base = world_size * granularity + 1
+    if world_size * ((1 << FINGERPRINT_BITS) - 1) > limit:
+        return "the header's fingerprint sum would not stay exact"
+    if digits_per_word is None:
+        if _digits_per_word(base, limit) < 1:
+            return f"a single digit of base n*g+1 = {base} exceeds the exact range {limit}"
+        return None
+    if base ** digits_per_word - 1 > limit:
+        return (f"{digits_per_word} digits of base n*g+1 = {base} reach {base ** digits_per_word - 1:.4g}, past the "
+                f"exact range {limit:.4g} of a {payload_dtype} word")
+    return None
+
+
+def max_world_size(granularity: int = 30, payload_dtype: torch.dtype = torch.float64,
+                   digits_per_word: Optional[int] = None) -> int:
+    """The largest world size for which the payload stays exact (no digit carries into the next,
+    every word recoverable after SUM, and after AVERAGE for float64). With ``digits_per_word=None``
+    the codec picks as many digits per word as fit, so the limit is far away (header and one digit);
+    pinning ``digits_per_word`` (a fixed wire size) gives the limit of that lane width, e.g.
+    granularity 30 with 6 digits per float64 word allows 8 ranks."""
+    if _layout_error(1, granularity, payload_dtype, digits_per_word) is not None:
+        return 0
+    lo, hi = 1, 1
+    while _layout_error(hi * 2, granularity, payload_dtype, digits_per_word) is None and hi < (1 << 40):
+        hi *= 2
+    hi *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _layout_error(mid, granularity, payload_dtype, digits_per_word) is None:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True)
+class THCLayout:
+    """The payload layout, a pure function of the configuration (identical on every rank).
+
+    Payload: ``payload_numel`` words of ``payload_dtype``::
+
+        [ header: 3 words ][ norm slots: world_size words ][ levels: words ]
+
+    numel      coordinates of the input.
+    block      Hadamard block (a power of two): min(hadamard_block, next power of two >= numel).
+    padded     numel rounded up to whole blocks; every padded coordinate is transmitted.
+    base       n g + 1: one more than the largest aggregated level, so digit sums never carry.
+    per_word   digits of base ``base`` per word (base**per_word - 1 within the exact range).
+    group_blocks  blocks packed together: the fewest whose coordinates fill whole words
+               (per_word / gcd(per_word, block), e.g. 3 blocks of 1024 for 6 digits per word; 1 if
+               that exceeds MAX_GROUP_BLOCKS). A group is encoded and decoded in one cache-resident
+               pass; only the last group's last word may be partly unused.
+    words      ceil(group coordinates / per_word) summed over the groups.
+    """
+
+    numel: int
+    world_size: int
+    granularity: int
+    block: int
+    padded: int
+    base: int
+    per_word: int
+    group_blocks: int
+    words: int
+    payload_dtype: torch.dtype
+
+    @property
+    def norm_offset(self) -> int:
+        return HEADER_FIELDS
+
+    @property
+    def words_offset(self) -> int:
+        return HEADER_FIELDS + self.world_size
+
+    @property
+    def payload_numel(self) -> int:
+        return HEADER_FIELDS + self.world_size + self.words
+
+    @property
+    def wire_bytes(self) -> int:
+        return 8 * self.payload_numel
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """Payload bits per input coordinate, header, norm slots and padding included."""
+        return 8.0 * self.wire_bytes / self.numel
+
+    @property
+    def lane_bits_per_coordinate(self) -> float:
+        """64 / per_word: the cost of the packed levels alone."""
+        return 64.0 / self.per_word
+
+
+def plan_thc_layout(numel: int, world_size: int, granularity: int, hadamard_block: int = 1024,
+                    payload_dtype: torch.dtype = torch.float64, digits_per_word: Optional[int] = None) -> THCLayout:
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 1:
+        raise ValueError(f"numel must be a positive integer (an empty tensor has nothing to compress), got {numel!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if payload_dtype not in WORD_KINDS:
+        raise ValueError(f"payload_dtype must be torch.float64 (SUM and AVERAGE) or torch.int64 (SUM only), "
+                         f"got {payload_dtype}")
+    if (not isinstance(hadamard_block, int) or hadamard_block < 1 or hadamard_block > MAX_HADAMARD_BLOCK
+            or hadamard_block & (hadamard_block - 1)):
+        raise ValueError(f"hadamard_block must be a power of two in [1, {MAX_HADAMARD_BLOCK}], got {hadamard_block!r}")
+    if digits_per_word is not None and (not isinstance(digits_per_word, int) or digits_per_word < 1):
+        raise ValueError(f"digits_per_word must be None (as many as fit) or a positive integer, got {digits_per_word!r}")
+    why = _layout_error(world_size, granularity, payload_dtype, digits_per_word)
+    if why is not None:
+        limit = max_world_size(granularity, payload_dtype, digits_per_word)
+        raise ValueError(f"world_size={world_size} is too large for granularity={granularity} with "
+                         f"{'as many digits as fit' if digits_per_word is None else f'digits_per_word={digits_per_word}'}"
+                         f" in {payload_dtype} words: {why}. This configuration allows at most {limit} ranks; "
+                         "lower granularity or digits_per_word")
+    block = min(hadamard_block, 1 << (numel - 1).bit_length())
+    padded = -(-numel // block) * block
+    base = world_size * granularity + 1
+    per_word = digits_per_word or _digits_per_word(base, _exact_limit(world_size, payload_dtype))
+    group_blocks = per_word // math.gcd(per_word, block)
+    if group_blocks > MAX_GROUP_BLOCKS:
+        group_blocks = 1
+    blocks = padded // block
+    full, rest = divmod(blocks, group_blocks)
+    words = full * -(-group_blocks * block // per_word) + -(-rest * block // per_word)
+    return THCLayout(numel, world_size, granularity, block, padded, base, per_word, group_blocks, words,
+                     payload_dtype)

@@ -37,7 +37,7 @@ workers push in the pushed dtype and the worker divides the result by the number
   the same names then).
 * **Dense fallback.** A payload that fails to decode is aggregated again exactly: an asynchronous
   BytePS ``push_pull`` (sum) of the dense gradient under ``lhc.fallback.<name>``, waited for when
-  the step's last gradient is decompressed (:mod:`lossless_hc.adapter`). Every rank decodes the same
+  the step's last gradient is decompressed (:mod:`lossless_hc.training.adapter`). Every rank decodes the same
   aggregate, so every rank takes the same decision.
 * **Which parameter?** ``compress`` receives only the tensor; the caller's frame
   (``_push_pull_grad_async(self, p)``) holds the parameter and the optimizer, whose
@@ -59,8 +59,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from lossless_hc.adapter import (CompressorAdapter, EncodedTensor, LosslessSpec, THCSpec, TopKSpec,
-                                 require_optimizer_frame, wire_numel)
+from lossless_hc.training.adapter import (INDEX_CHOICES, CompressionFactory, CompressorAdapter, EncodedTensor,
+                                          require_optimizer_frame, wire_numel)
 
 try:
     import byteps.torch as bps
@@ -128,8 +128,9 @@ class _Sent:
         self.tail = tail      # handle of the tail's push_pull, or None
 
 
-class _BytePSCompressor(CompressorAdapter):
-    """BytePS's compressor interface over :class:`~lossless_hc.adapter.CompressorAdapter`."""
+class BytePSCompressor(CompressorAdapter):
+    """BytePS's compressor interface over :class:`~lossless_hc.training.adapter.CompressorAdapter` (one per
+    ``Compression`` factory call; ``engine``: the BytePS engine, default the real one on first use)."""
 
     def __init__(self, spec, engine=None):
         super().__init__(spec)
@@ -238,29 +239,6 @@ class _BytePSCompressor(CompressorAdapter):
         self.engine.synchronize(handle)
 
 
-class LosslessCompressor(_BytePSCompressor):
-    """``Compression.lossless``: naturally sparse gradients, aggregated exactly."""
-
-    def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto", engine=None, **kwargs):
-        super().__init__(LosslessSpec(max_density, block_size, seed, index, **kwargs), engine)
-
-
-class TopKCompressor(_BytePSCompressor):
-    """``Compression.topk``: top-k with error feedback, the selected values aggregated exactly."""
-
-    def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", engine=None, **kwargs):
-        super().__init__(TopKSpec(ratio, seed, index, **kwargs), engine)
-
-
-class THCCompressor(_BytePSCompressor):
-    """``Compression.thc``: THC quantization of dense gradients (lossy, unbiased, error feedback)."""
-
-    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
-                 engine=None, **kwargs):
-        super().__init__(THCSpec(bits, granularity, overflow_freq, seed, **kwargs), engine)
-
-
 class _NoneCompressor:
     """BytePS's ``Compression.none`` where BytePS is not installed (the same no-op)."""
 
@@ -329,7 +307,6 @@ def _parse(flag: str, kind: str, raw: str):
                   "block": "a positive integer or 'auto'"}[kind]
         raise ValueError(f"{flag}={raw!r}: expected {expect}") from None
     if kind == "index":
-        from lossless_hc.adapter import INDEX_CHOICES
         if text not in INDEX_CHOICES:
             raise ValueError(f"{flag}={raw!r}: expected one of {', '.join(INDEX_CHOICES)}")
         return text
@@ -361,32 +338,15 @@ def options_from_env(env: Optional[Mapping[str, str]] = None) -> tuple:
     return compressor, kwargs
 
 
-class Compression:
-    """Factories for ``byteps.torch.DistributedOptimizer(compression=...)``; BytePS's own ``none`` and
-    ``fp16`` are re-exported so examples can switch with one name. Keyword arguments beyond those
-    listed go to the per-tensor aggregators (:mod:`lossless_hc.aggregate`) unchanged."""
+class Compression(CompressionFactory):
+    """Factories for ``byteps.torch.DistributedOptimizer(compression=...)`` (:class:`CompressionFactory`:
+    ``lossless``, ``topk``, ``thc``, each also taking ``engine=``); BytePS's own ``none`` and ``fp16``
+    are re-exported so examples can switch with one name."""
 
+    compressor = BytePSCompressor
+    compressor_options = ("engine",)
     none = bps.Compression.none if bps is not None else _NoneCompressor
     fp16 = bps.Compression.fp16 if bps is not None else _FP16Compressor
-
-    @staticmethod
-    def lossless(max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto", **kwargs) -> LosslessCompressor:
-        """Exact aggregation of sparse gradients; each rank may send ``max_density`` of a tensor's
-        coordinates before that tensor falls back (and grows). ``block_size`` None: a 2-D
-        tensor's row length (embedding rows), else 1."""
-        return LosslessCompressor(max_density, block_size, seed, index, **kwargs)
-
-    @staticmethod
-    def topk(ratio: float = 0.01, seed: int = 0, index: str = "auto", **kwargs) -> TopKCompressor:
-        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly."""
-        return TopKCompressor(ratio, seed, index, **kwargs)
-
-    @staticmethod
-    def thc(bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
-            **kwargs) -> THCCompressor:
-        """THC quantization (lossy, unbiased, error feedback); the first step only agrees on a norm."""
-        return THCCompressor(bits, granularity, overflow_freq, seed, **kwargs)
 
     @staticmethod
     def from_env(env: Optional[Mapping[str, str]] = None, **kwargs):
@@ -396,7 +356,7 @@ class Compression:
             BYTEPS_LHC_COMPRESSOR   lossless | topk | thc | none (default: none, BytePS's own)
             BYTEPS_LHC_MAX_DENSITY  lossless: per-rank capacity as a fraction of a tensor (0.01)
             BYTEPS_LHC_BLOCK_SIZE   lossless: coordinates per key, or auto (a 2-D tensor's row)
-            BYTEPS_LHC_INDEX        lossless, topk: auto | bitmap | bloom | dense
+            BYTEPS_LHC_INDEX        lossless, topk: auto | dense | bitmap | bloom | multilevel
             BYTEPS_LHC_RATIO        topk: fraction of each tensor sent (0.01)
             BYTEPS_LHC_BITS         thc: bits per coordinate (4)
             BYTEPS_LHC_GRANULARITY  thc: integer levels (30)
@@ -411,5 +371,4 @@ class Compression:
             if options:
                 raise ValueError(f"BYTEPS_LHC_COMPRESSOR=none takes no options, got {sorted(options)}")
             return Compression.none
-        return {"lossless": Compression.lossless, "topk": Compression.topk, "thc": Compression.thc}[compressor](
-            **options)
+        return getattr(Compression, compressor)(**options)

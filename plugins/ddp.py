@@ -1,16 +1,17 @@
-"""torch.distributed adapter: a DDP communication hook.
+"""torch.distributed adapter: DDP communication hooks, one state class per algorithm.
 
     from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook
-    state = LosslessHookState(process_group=None, max_density=0.01)   # or topk_ratio=0.01
+    state = LosslessHookState(process_group=None, max_density=0.01)
     ddp_model.register_comm_hook(state, lossless_hook)
-    # dense models, lossy but unbiased: LosslessHookState(codec="thc", bits=4) with thc_hook
+    # dense models: TopKHookState(ratio=0.01) with topk_hook (exact aggregation of the top-k),
+    # or THCHookState(bits=4) with thc_hook (lossy, unbiased)
     ...
     state.stats()
 
 For each gradient bucket the hook encodes every parameter's gradient separately (each parameter has
-its own :class:`~lossless_hc.aggregate.TensorAggregator`, keyed by the parameter itself, so state
-survives DDP's bucket rebuild), concatenates the payloads into one float32 message, allreduces it
-with SUM, decodes each segment and returns the averaged bucket, as DDP expects.
+its own aggregator, built from the state's spec and keyed by the parameter itself, so state survives
+DDP's bucket rebuild), concatenates the payloads into one message, allreduces it with SUM, decodes
+each segment and returns the averaged bucket, as DDP expects.
 
 Fallback without mismatched collectives: a segment that fails to decode is re-aggregated densely from
 the future's callback, which may run on a communication thread while the main thread issues the next
@@ -18,6 +19,10 @@ bucket's allreduce. Issued on the main process group, the two could reach ranks 
 and be paired wrongly. So each bucket index gets its own fallback process group, created in the hook
 (on the main thread, in bucket order on every rank); on it, collectives are issued one step at a
 time, and every rank issues the same ones because every rank decodes the same aggregate.
+
+The states pickle with the model (``torch.save(ddp_model)``) as torch's ``PowerSGDState`` does: the
+process groups are left out (a restored state uses the default group, re-created lazily), the
+aggregators' error feedback and capacities are kept.
 """
 
 import hashlib
@@ -27,73 +32,53 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lossless_hc.aggregate import (AggregationStats, CapacityPolicy, ConfigurationMismatch, TensorAggregator,
-                                   THCAggregator, TopKAggregator)
+from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
+from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 
 
-class LosslessHookState:
-    """State of :func:`lossless_hook` (one per DDP model).
+class _HookState:
+    """What every hook state holds: the spec, the per-parameter aggregators, the fallback groups."""
 
-    Args:
-        process_group: the group DDP reduces over (None: the default group).
-        max_density: each rank may send this fraction of a gradient's coordinates before that
-            gradient falls back to dense (and its capacity grows). For naturally sparse gradients.
-        topk_ratio: if set, top-k sparsification with error feedback (for dense models) instead of
-            sending gradients as they are; ``max_density`` is then unused.
-        block_size: coordinates hashed as one key; None: a 2-D gradient's row length, else 1.
-        seed: hash seed, identical on every rank.
-        index: the codec's index kind ("auto" picks the smallest payload).
-        codec: "lossless" (default: the gradients, or their top-k, aggregated exactly) or "thc"
-            (THC quantization with ``bits``, ``granularity``, ``overflow_freq``; see THCCodec).
-        policy: a :class:`lossless_hc.aggregate.CapacityPolicy` adapting each gradient's capacity
-            and index to the densities its aggregates show (None: fixed ``max_density``).
-    """
-
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, max_density: float = 0.01,
-                 topk_ratio: Optional[float] = None, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto", codec: str = "lossless", bits: int = 4, granularity: int = 30,
-                 overflow_freq: float = 32, policy: Optional[CapacityPolicy] = None):
-        if codec not in ("lossless", "thc"):
-            raise ValueError(f"codec must be 'lossless' or 'thc', got {codec!r}")
-        if not 0.0 < max_density <= 1.0:
-            raise ValueError(f"max_density must be in (0, 1], got {max_density}")
-        if topk_ratio is not None and not 0.0 < topk_ratio <= 1.0:
-            raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio}")
+    def __init__(self, spec: AggregatorSpec, process_group: Optional[dist.ProcessGroup] = None):
+        self.spec = spec
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.codec = codec
-        self.thc_options = dict(bits=bits, granularity=granularity, overflow_freq=overflow_freq)
-        self.max_density = max_density
-        self.topk_ratio = topk_ratio
-        self.block_size = block_size
-        self.seed = seed
-        self.index = index
-        self.policy = policy
         self._stats = AggregationStats()
         self._aggregators: dict = {}
         self._fallback_groups: dict = {}
         self._config_checked = False
 
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
     def stats(self) -> dict:
-        """Counters over all gradients so far (see :class:`lossless_hc.aggregate.AggregationStats`)."""
+        """Counters over all gradients so far (see :class:`lossless_hc.training.aggregate.AggregationStats`)."""
         return self._stats.as_dict()
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+    # Process groups cannot be pickled (DDP pickles its comm-hook state with the module).
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["_fallback_groups"] = {}
+        state["_config_checked"] = False
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
     # -- helpers -------------------------------------------------------------------------------
-    def _aggregator(self, p: torch.nn.Parameter, grad: torch.Tensor) -> TensorAggregator:
+    def _aggregator(self, p: torch.nn.Parameter, grad: torch.Tensor):
         agg = self._aggregators.get(p)
         if agg is None:
             name = f"param{len(self._aggregators)}{tuple(grad.shape)}"
-            if self.codec == "thc":
-                agg = THCAggregator(name, grad.shape, grad.dtype, self.world_size, self.rank, seed=self.seed,
-                                    stats=self._stats, **self.thc_options)
-            elif self.topk_ratio is not None:
-                agg = TopKAggregator(name, grad.shape, grad.dtype, self.world_size, self.topk_ratio,
-                                     seed=self.seed, index=self.index, stats=self._stats, policy=self.policy)
-            else:
-                agg = TensorAggregator(name, grad.shape, grad.dtype, self.world_size, self.max_density,
-                                       block_size=self.block_size, seed=self.seed, index=self.index,
-                                       stats=self._stats, policy=self.policy)
+            agg = self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device)
             self._aggregators[p] = agg
         return agg
 
@@ -103,14 +88,13 @@ class LosslessHookState:
         One blocking MAX allreduce of (h, -h) for a hash h of the configuration, on the first call,
         from the main thread: all ranks agree iff both maxima equal their own values."""
         self._config_checked = True
-        cfg = (f"{self.world_size}|{self.max_density!r}|{self.topk_ratio!r}|{self.block_size}|{self.seed}|{self.index}|"
-               f"{self.codec}|{sorted(self.thc_options.items())}|{self.policy!r}")
+        cfg = f"{type(self).__name__}|{self.world_size}|{self.spec!r}"
         h = int.from_bytes(hashlib.sha256(cfg.encode()).digest()[:6], "little")
         t = torch.tensor([h, -h], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         if t.tolist() != [h, -h]:
-            raise ConfigurationMismatch("LosslessHookState differs across ranks (world size, max_density, "
-                                        f"topk_ratio, block_size, seed, index or codec options); this rank has {cfg}")
+            raise ConfigurationMismatch(f"{type(self).__name__} differs across ranks (world size or options); this "
+                                        f"rank has {cfg}")
 
     def _fallback_group(self, bucket_index: int):
         group = self._fallback_groups.get(bucket_index)
@@ -121,16 +105,75 @@ class LosslessHookState:
         return group
 
 
-def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: lossless (or top-k + lossless) aggregation of one bucket.
+class LosslessHookState(_HookState):
+    """State of :func:`lossless_hook`: naturally sparse gradients (embeddings), aggregated exactly.
 
-    Returns a future of the bucket's averaged gradients (same shape as ``bucket.buffer()``). The
-    average equals DDP's default allreduce up to float rounding of the sum; top-k averages the
-    ranks' selected values (the rest stays in each rank's error feedback).
+    Args:
+        process_group: the group DDP reduces over (None: the default group).
+        max_density: each rank may send this fraction of a gradient's coordinates before that
+            gradient falls back to dense (and its capacity grows).
+        block_size: coordinates hashed as one key; None: a 2-D gradient's row length, else 1.
+        seed: hash seed, identical on every rank.
+        index: the codec's index kind ("auto" picks the smallest payload).
+        policy: a :class:`lossless_hc.CapacityPolicy` adapting each gradient's capacity and index to
+            the densities its aggregates show (None: fixed ``max_density``).
     """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, max_density: float = 0.01,
+                 block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
+                 policy: Optional[CapacityPolicy] = None):
+        super().__init__(LosslessSpec(max_density, block_size, seed, index, policy=policy), process_group)
+
+
+class TopKHookState(_HookState):
+    """State of :func:`topk_hook`: each rank's top ``ratio`` of every gradient (error feedback keeps
+    the rest), the selections aggregated exactly. ``policy`` sizes the sketch for the observed union."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, ratio: float = 0.01, seed: int = 0,
+                 index: str = "auto", policy: Optional[CapacityPolicy] = None):
+        super().__init__(TopKSpec(ratio, seed, index, policy=policy), process_group)
+
+
+class THCHookState(_HookState):
+    """State of :func:`thc_hook`: THC quantization (lossy, unbiased, error feedback) with ``bits``,
+    ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`)."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,
+                 overflow_freq: float = 32, seed: int = 0):
+        super().__init__(THCSpec(bits, granularity, overflow_freq, seed), process_group)
+
+
+def _require_state(state, kind: type, hook: str) -> None:
+    if not isinstance(state, kind):
+        raise TypeError(f"{hook} needs a {kind.__name__}, got {type(state).__name__}")
+
+
+def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: lossless aggregation of one bucket.
+
+    Returns a future of the bucket's averaged gradients (same shape as ``bucket.buffer()``), equal
+    to DDP's default allreduce up to float rounding of the sum.
+    """
+    _require_state(state, LosslessHookState, "lossless_hook")
+    return _compressed_allreduce(state, bucket, "lossless_hook")
+
+
+def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: top-k with error feedback, the ranks' selections averaged exactly."""
+    _require_state(state, TopKHookState, "topk_hook")
+    return _compressed_allreduce(state, bucket, "topk_hook")
+
+
+def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: THC, an unbiased estimate of the bucket's average."""
+    _require_state(state, THCHookState, "thc_hook")
+    return _compressed_allreduce(state, bucket, "thc_hook")
+
+
+def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
     buffer = bucket.buffer()
     if buffer.is_sparse:
-        raise TypeError("lossless_hook got a sparse gradient bucket; use dense gradients (nn.Embedding(sparse=False))")
+        raise TypeError(f"{hook} got a sparse gradient bucket; use dense gradients (nn.Embedding(sparse=False))")
     if not state._config_checked:
         state._check_configuration()
     fallback_group = state._fallback_group(bucket.index())
@@ -172,9 +215,3 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
 
     return fut.then(decode)
 
-
-def thc_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook for THC: :func:`lossless_hook` with a state built with ``codec="thc"``."""
-    if state.codec != "thc":
-        raise ValueError("thc_hook needs LosslessHookState(codec='thc', ...)")
-    return lossless_hook(state, bucket)

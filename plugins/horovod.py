@@ -10,15 +10,15 @@
 
 Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces the returned payload
 in place (SUM or AVERAGE), and calls ``decompress(payload, ctx)`` from ``optimizer.step()``. The
-policy (dense or compressed, capacity, error feedback) is :mod:`lossless_hc.aggregate`, and the
-per-parameter bookkeeping shared with the BytePS plugin is :mod:`lossless_hc.adapter`; this module
+policy (dense or compressed, capacity, error feedback) is :mod:`lossless_hc.training.aggregate`, and the
+per-parameter bookkeeping shared with the BytePS plugin is :mod:`lossless_hc.training.adapter`; this module
 only adds what is Horovod's: process sets, the Adasum and sparse-gradient checks, and the dense
 fallback as a Horovod allreduce.
 
 Which parameter? ``compress`` receives only the tensor. The optimizer's hook calls it from
 ``_allreduce_grad_async(self, p)`` (or a comprehension over ``ps`` for ``groups=``), so the caller's
 frame holds the parameter ``p`` and the optimizer, whose ``_parameter_names`` give its name
-(:func:`lossless_hc.adapter.find_optimizer_frame`). That
+(:func:`lossless_hc.training.adapter.find_optimizer_frame`). That
 keeps error feedback attached to the parameter whatever happens to ``p.grad`` (``set_to_none``,
 ``sparse_as_dense`` copies).
 
@@ -30,12 +30,11 @@ the order in which ranks reach them does not matter.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
-from lossless_hc.adapter import CompressorAdapter, LosslessSpec, THCSpec, TopKSpec, require_optimizer_frame
-from lossless_hc.aggregate import CapacityPolicy
+from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
+from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
 
 try:
     import horovod.torch as hvd
@@ -43,8 +42,8 @@ except ImportError as e:  # pragma: no cover - exercised only without Horovod
     raise ImportError("lossless_hc.plugins.horovod needs Horovod (scripts/setup_horovod.sh builds it)") from e
 
 
-class _LosslessCompressor(CompressorAdapter):
-    """Base of the compressors: Horovod's Compressor interface over :class:`CompressorAdapter`."""
+class HorovodCompressor(CompressorAdapter):
+    """Horovod's Compressor interface over :class:`CompressorAdapter` (one per ``Compression`` factory call)."""
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -61,6 +60,11 @@ class _LosslessCompressor(CompressorAdapter):
         return self.encode(agg, tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
+        if ctx is None:
+            # Horovod sends a sparse gradient around compress() (an allgather) and still calls
+            # decompress(output, None): a model whose gradients are all sparse gets here first.
+            raise ValueError("a sparse gradient reached the compressor, which Horovod sends uncompressed; pass "
+                             "sparse_as_dense=True to hvd.DistributedOptimizer")
         if self._optimizer is not None:
             # Every gradient exists by now; a sparse one went around the compressor.
             self._check_sparse_gradients(self._optimizer)
@@ -96,57 +100,11 @@ class _LosslessCompressor(CompressorAdapter):
                                      "sends uncompressed; pass sparse_as_dense=True to hvd.DistributedOptimizer")
 
 
-class LosslessCompressor(_LosslessCompressor):
-    """``Compression.lossless``: naturally sparse gradients, aggregated exactly."""
+class Compression(CompressionFactory):
+    """Factories for ``hvd.DistributedOptimizer(compression=...)`` (:class:`CompressionFactory`:
+    ``lossless``, ``topk``, ``thc``); Horovod's own ``none`` and ``fp16`` are re-exported so examples
+    can switch with one name."""
 
-    def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto", **kwargs):
-        super().__init__(LosslessSpec(max_density, block_size, seed, index, **kwargs))
-
-
-class TopKCompressor(_LosslessCompressor):
-    """``Compression.topk``: top-k with error feedback, the selected values aggregated exactly."""
-
-    def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", **kwargs):
-        super().__init__(TopKSpec(ratio, seed, index, **kwargs))
-
-
-class THCCompressor(_LosslessCompressor):
-    """``Compression.thc``: THC quantization of dense gradients (lossy, unbiased, error feedback)."""
-
-    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **kwargs):
-        super().__init__(THCSpec(bits, granularity, overflow_freq, seed, **kwargs))
-
-
-class Compression:
-    """Factories for ``hvd.DistributedOptimizer(compression=...)``; Horovod's own ``none`` and
-    ``fp16`` are re-exported so examples can switch with one name. Keyword arguments beyond those
-    listed go to the per-tensor aggregators (:mod:`lossless_hc.aggregate`) unchanged."""
-
+    compressor = HorovodCompressor
     none = hvd.Compression.none
     fp16 = hvd.Compression.fp16
-
-    @staticmethod
-    def lossless(max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
-                 index: str = "auto", policy: Optional[CapacityPolicy] = None, **kwargs) -> LosslessCompressor:
-        """Exact aggregation of sparse gradients; each rank may send ``max_density`` of a tensor's
-        coordinates before that tensor falls back (and grows). ``block_size`` None: a 2-D
-        tensor's row length (embedding rows), else 1. ``policy``: a
-        :class:`lossless_hc.aggregate.CapacityPolicy` adapting capacity and index to the observed
-        aggregate densities (None: fixed capacity, grown only after a failure)."""
-        return LosslessCompressor(max_density, block_size, seed, index, policy=policy, **kwargs)
-
-    @staticmethod
-    def topk(ratio: float = 0.01, seed: int = 0, index: str = "auto", policy: Optional[CapacityPolicy] = None,
-             **kwargs) -> TopKCompressor:
-        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly; ``policy`` sizes
-        the sketch for the observed union of the ranks' selections."""
-        return TopKCompressor(ratio, seed, index, policy=policy, **kwargs)
-
-    @staticmethod
-    def thc(bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
-            **kwargs) -> THCCompressor:
-        """THC: each coordinate quantized to ``bits`` onto integer levels in [0, granularity] after a
-        shared random rotation, summed as integers by the engine; unbiased, with error feedback.
-        The first step only agrees on a norm (its gradient goes out at the second step)."""
-        return THCCompressor(bits, granularity, overflow_freq, seed, **kwargs)

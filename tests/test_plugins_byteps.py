@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from byteps_sim import BytePSLikeOptimizer, SimulatedBytePS, run_workers
-from lossless_hc.adapter import wire_numel
-from lossless_hc.aggregate import ConfigurationMismatch, TensorAggregator, THCAggregator, TopKAggregator
+from lossless_hc.training.adapter import wire_numel
+from lossless_hc.training.aggregate import ConfigurationMismatch, TensorAggregator, THCAggregator, TopKAggregator
 from lossless_hc.plugins import byteps as plugin
 from lossless_hc.plugins.byteps import Compression, options_from_env
 
@@ -116,23 +116,23 @@ def test_from_env_default_is_bytePS_own_none():
     assert Compression.from_env({"BYTEPS_LHC_COMPRESSOR": "none", "PATH": "/bin"}) is Compression.none
 
 
-@pytest.mark.parametrize("env, cls, attrs", [
-    ({"BYTEPS_LHC_COMPRESSOR": "lossless"}, plugin.LosslessCompressor,
+@pytest.mark.parametrize("env, kind, attrs", [
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless"}, "lossless",
      {"max_density": 0.01, "block_size": None, "seed": 0, "index": "auto"}),
     ({"BYTEPS_LHC_COMPRESSOR": "LOSSLESS", "BYTEPS_LHC_MAX_DENSITY": "0.05", "BYTEPS_LHC_SEED": "7",
-      "BYTEPS_LHC_BLOCK_SIZE": "16", "BYTEPS_LHC_INDEX": "bloom"}, plugin.LosslessCompressor,
+      "BYTEPS_LHC_BLOCK_SIZE": "16", "BYTEPS_LHC_INDEX": "bloom"}, "lossless",
      {"max_density": 0.05, "block_size": 16, "seed": 7, "index": "bloom"}),
-    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_BLOCK_SIZE": "auto"}, plugin.LosslessCompressor,
+    ({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_BLOCK_SIZE": "auto"}, "lossless",
      {"block_size": None}),
-    ({"BYTEPS_LHC_COMPRESSOR": "topk", "BYTEPS_LHC_RATIO": " 0.1 ", "BYTEPS_LHC_SEED": "3"}, plugin.TopKCompressor,
+    ({"BYTEPS_LHC_COMPRESSOR": "topk", "BYTEPS_LHC_RATIO": " 0.1 ", "BYTEPS_LHC_SEED": "3"}, "topk",
      {"ratio": 0.1, "seed": 3}),
     ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "2", "BYTEPS_LHC_GRANULARITY": "12",
-      "BYTEPS_LHC_OVERFLOW_FREQ": "64", "BYTEPS_LHC_SEED": "5"}, plugin.THCCompressor,
+      "BYTEPS_LHC_OVERFLOW_FREQ": "64", "BYTEPS_LHC_SEED": "5"}, "thc",
      {"bits": 2, "granularity": 12, "overflow_freq": 64.0, "seed": 5}),
 ])
-def test_from_env_builds_the_configured_compressor(env, cls, attrs):
+def test_from_env_builds_the_configured_compressor(env, kind, attrs):
     comp = Compression.from_env(env)
-    assert type(comp) is cls
+    assert type(comp) is plugin.BytePSCompressor and comp.spec.kind == kind
     for k, v in attrs.items():
         assert getattr(comp, k) == v, k
 

@@ -15,8 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(__file__))
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
-from lossless_hc.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook, thc_hook  # noqa: E402
+from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
+from lossless_hc.plugins.ddp import (LosslessHookState, THCHookState, TopKHookState, lossless_hook, thc_hook,  # noqa: E402
+                                     topk_hook)
 
 STEPS = 6
 
@@ -69,13 +70,13 @@ def scenario(name):
         r["index"] = [a.codec.index_kind if a.codec is not None else "dense" for a in aggs]
         return r
     if name == "topk":
-        state = LosslessHookState(topk_ratio=0.05)
-        train(state, steps=4, hidden=512)  # a dense layer large enough that top-k beats dense
+        state = TopKHookState(ratio=0.05)
+        train(state, steps=4, hidden=512, hook=topk_hook)  # a dense layer large enough that top-k beats dense
         return {"stats": state.stats(),
                 "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values()
                                    if a.residual is not None]}
     if name == "thc":
-        state = LosslessHookState(codec="thc", bits=4)
+        state = THCHookState(bits=4)
         ref = train(None, steps=16, hidden=512, lr=0.02)
         got = train(state, steps=16, hidden=512, hook=thc_hook, lr=0.02)
         torch.manual_seed(0)
@@ -84,6 +85,29 @@ def scenario(name):
                  for m in (ref, got)]
         return {"stats": state.stats(), "digest": param_digest(got),
                 "cosine": float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))}
+    if name == "pickle":  # torch.save(ddp_model) with our hook registered (DDP pickles the hook state)
+        import io
+        torch.manual_seed(0)
+        model = EmbeddingModel()
+        ddp = DistributedDataParallel(model)
+        state = LosslessHookState(max_density=0.05)
+        ddp.register_comm_hook(state, lossless_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(ddp, batch(step, dist.get_rank())).backward()
+            opt.step()
+        buf = io.BytesIO()
+        torch.save(ddp, buf)
+        buf.seek(0)
+        restored = torch.load(buf, weights_only=False)
+        hooks = getattr(restored, "_comm_hooks", None) or [(None, None)]   # DDP's (hook, state) pairs
+        hook_state = hooks[0][1]
+        return {"error": None, "restored_state": type(hook_state).__name__,
+                "aggregators": len(hook_state._aggregators) if hook_state is not None else -1,
+                "group_dropped": hook_state is not None and hook_state.process_group is None
+                and not hook_state._fallback_groups,
+                "world_size": hook_state.world_size if hook_state is not None else -1}
     if name == "config_mismatch":
         return expect_error(lambda: train(LosslessHookState(max_density=0.05 if dist.get_rank() else 0.02), steps=1),
                             ConfigurationMismatch)

@@ -1,112 +1,14 @@
-r"""Cost model: which index (dense, bitmap, Bloom, multilevel) and which sizes, per tensor.
+"""Cost model: which index (dense, bitmap, Bloom, multilevel) and which sizes, per tensor.
 
-Every rank calls :func:`choose` with the same arguments (numel, world size, block size, capacity,
-expected aggregate support), and it is a pure function of them, so every rank picks the same layout
-and payload shapes always match. It minimises wire bytes subject to the failure-probability bounds
-that :mod:`lossless_hc.lhc.layout` builds every table with (``PEEL_FAILURE_TARGET`` = 1e-3 per table for
-peeling, ``SATURATION_TARGET`` for Bloom counters, ``FINE_OVERFLOW_TARGET`` for multilevel words). A
-failure is never silent: decode reports it and the plugins fall back to an exact dense aggregation.
-
-What the wire carries, for ``d`` keys (blocks of ``b`` coordinates), ``n`` ranks, ``u`` keys
-non-zero in the aggregate (density ``p = u/d``)::
-
-    header    9 words
-    index     dense: none | bitmap: d digits of base n+1 | bloom: counting Bloom filter |
-              multilevel: d/G coarse digits + fine table of ~1.25 M cells x words_per_group words
-    sketch    ~1.25 u cells of b floats (none for dense, which sends the d*b floats themselves)
-
-The information bound
----------------------
-A decoder that recovers the aggregate exactly must learn *which* ``u`` of the ``d`` keys are
-non-zero and their values. There are :math:`\binom{d}{u}` supports, so any encoding needs
-:math:`\log_2\binom{d}{u}` bits for the support, and with values that are arbitrary float32 numbers
-:math:`32 u b` bits for the values (no redundancy to exploit without a value model):
-
-.. math:: B(d, u) = \log_2 \binom{d}{u} + 32\,u\,b \;\approx\; u \left(\log_2 \frac{d}{u} + \log_2 e\right) + 32 u b
-   \quad (u \ll d).
-
-(The benchmark, ``python -m lossless_hc.bench wire``, states the bound over coordinates,
-:math:`\log_2\binom{d b}{u b} + 32 u b`, which for b > 1 is looser than the block form above.)
-
-What keeps a summable code above the bound
-------------------------------------------
-1. **Exact integer fields cost 32 bits per 22.** A payload word is a float32 that every engine sums
-   (ring, parameter server, switch) and may average. Sums of integers are exact and an average is
-   invertible only below :math:`2^{22}` (``layout.INT_FIELD_BITS``), so an integer field carries at
-   most 22 bits per 32 sent: a factor 32/22 = 1.45 on every index bit.
-2. **Summable counters need** :math:`\log_2(n+1)` **bits.** Ranks cannot OR, only add: a key's
-   aggregate indicator is a count in ``0..n`` (the number of ranks holding it), so a per-key counter
-   needs base ``n + 1``. The counting bitmap therefore costs :math:`\frac{32}{\lfloor 22/\log_2(n+1)\rfloor}`
-   bits per *key* (n = 2: 2.46, n = 16: 6.4, n = 64: 10.7), i.e. that divided by ``p`` per
-   non-zero, against :math:`\log_2(1/p) + 1.44` in the bound: the bitmap is near the bound only where
-   :math:`p` is large. Any exact summable index pays at least :math:`\log_2 n` extra bits per
-   non-zero over the bound in the worst case, because the sum exposes multiplicities.
-3. **The value sketch needs ~1.23 float32 cells per key.** Peeling a 3-hash count sketch succeeds
-   w.h.p. only above the 3-hypergraph 2-core threshold (1.222 cells per key); with the finite-size
-   margins of ``sizing.sketch_table_for`` it is ~1.25 + 3/sqrt(u) cells. Values alone thus cost
-   ``>= 1.23 * 32 = 39.1`` bits per non-zero (block 1) against 32 in the bound: a floor of
-   1.22x on the value part, whatever the index. For block ``b`` the factor applies to ``32 b`` bits,
-   and the index is paid once per block, so blocks approach 1.25x of the bound.
-   Below a few thousand keys the threshold is not what sizes the sketch: two keys sharing all
-   three cells (probability ~13.5 u^2 / cells^3) cannot be peeled. The decoder solves such a pair
-   unless its weight ratios agree in all three cells: a quarter of them with +-1 signs, 5/128 with
-   the weights +-1, +-2 of small sketches (``sizing.sketch_table_for``), which then are sized by
-   four keys paired up in every segment (``layout.small_stopping_sets``): 1.81 cells per key at
-   u = 210 (block 32 at density 1e-4 of 2^26 coordinates; 2.53 with signs), 1.54 at u = 1000.
-   Weights are kept to single-group tables loaded at >= 1.6 cells per key, because they amplify
-   rounding along peeling chains. The multilevel fine tables (integers, signed, their pairs
-   solved) are sized the same way with the signs' quarter. These small-set terms are what keep
-   block 32 above 1.5x of the bound at density 1e-4 for n >= 8 (1.52 at n = 8, 1.60 at n = 16);
-   n = 2 is within 1.42. Solving small stopping sets in general (a few keys left when peeling
-   stalls, an exact-rank linear solve) would reach the threshold term, ~1.5 cells per key.
-4. **Candidates cost cells.** A Bloom index admits false-positive candidates; each must be peeled
-   (to an exact count of 0) by the index table, which needs ~1.23 counters per candidate, and the
-   counters need base :math:`n q + 1` (``q``: the per-rank cap of a counter). Keeping false positives
-   few at density ``p`` needs :math:`\sim(3/x)^3 (1/p) \lesssim 1` with ``x`` counters per key, i.e.
-   ``x`` grows like :math:`p^{-1/3}` (x ~ 24 at p = 1e-4): the Bloom index is linear in ``u`` but
-   with a large constant.
-5. **Every peeled item costs a whole word.** A multilevel fine table peels *nodes*, ~1.25 cells of
-   ``words_per_group`` words per non-zero node. A node with one non-zero key under it still costs a
-   full word, so at density ``p`` each fine level costs ~1.25 x 32 = 40 bits per non-zero key once
-   nodes are sparse, and the coarse bitmap ``32/(floor(22/log2(n+1)) p S)`` bits per non-zero for
-   a coarsest node span ``S``. With ``L`` fine levels of ``w`` children, ``S ~ w^L``: the index
-   costs ~``40 L + 2.5/(p w^L)`` (n = 2), e.g. ~100 bits at p = 1e-3 and ~150 at 1e-4, against
-   ``log2(1/p) + 1.44`` in the bound. That, plus the 1.23 x 32 of the sketch, is why the achieved
-   ratio grows toward low densities; only where nodes hold several keys (p >~ 1e-2) does the
-   index approach a few bits per non-zero.
-
-Together: with ``p`` = 1e-2 and n = 2 the bound is ~40 bits per non-zero; the sketch alone is ~40,
-and the best index here costs ~35-60 more. These limits, not the search below, set the achieved
-ratios reported in docs/BENCHMARKS.md.
-
-The choice
-----------
-:func:`candidates` builds every layout that applies (multilevel for each group size in
-``WORDS_PER_GROUP_CHOICES``) with :func:`lossless_hc.lhc.sizing.build_layout`. :func:`choose` returns the
-smallest *single-level* payload (dense, bitmap, Bloom; ties to the cheaper decoder in that order),
-unless the multilevel payload saves at least ``MULTILEVEL_BYTES_PER_NODE`` (4) bytes per node its
-fine tables peel (:func:`multilevel_pays_off`). The reason is decode time, and it is counted per
-node because that is what the multilevel decoder adds: it peels its fine tables group by group in
-parallel, like the value sketch, so each non-zero node costs about what a key of the value peel
-costs, whatever the block size. Measured on the issue #2 reference case (2^26 coordinates, 8 ranks
-at 1% each, 7.7% aggregate density, 2-core AMD EPYC VM, interleaved decodes, minimum of 9):
-0.50 s wall / 0.98 s CPU against 0.27 s / 0.53 s for the bitmap, i.e. ~0.23 s more for ~4.4 M
-fine nodes, ~52 ns of 2-core wall time per node. A ring all-reduce sends each payload byte about
-2(n-1)/n ~ 1.75 times per rank, ~14 ns per byte at 1 Gbit/s, so a node must save ~3.7 bytes of
-wire to pay for itself there (at 10 Gbit/s ~37, with more cores proportionally fewer): 4 bytes
-per node is the 1 Gbit/s break-even, the networks this library is for. (Re-measured 2026-11-24
-after the branch-free value peel, which sped up both decoders: decode into a reused buffer
-0.31-0.35 s for multilevel against 0.13-0.15 s for the bitmap, ~0.19 s more, ~43 ns per node, a
-~3.1-byte break-even. 4 is kept: multilevel's decode time spreads widely, 0.32-0.51 s with fresh
-outputs, and the rule should err toward the faster decoder.) On the reference case
-multilevel would save 12.7 MiB (1.23x) = ~3 bytes per node, so the bitmap is kept. Where the index
-dominates (low densities) a node saves tens to hundreds of bytes (e.g. 8.4x less wire at 5e-4
-aggregate density, n = 8) and multilevel is chosen; so it is for blocks of 32 below ~1e-3, where
-the index is small beside the sketch but each of the few nodes still saves tens of bytes.
-``index="multilevel"`` forces it. (Before the decoder was parallel it was ~4.7x the bitmap's and
-``auto`` required a 1.5x smaller payload; in between, a 1.25x ratio.)
-Dense is always a candidate, so the choice never exceeds dense plus the 9-word header. Sizes are
-exact (the layouts themselves), not estimates.
+Every rank calls :func:`plan_layout` / :func:`choose` with the same arguments (numel, world size,
+block size, capacity, expected aggregate support); they are pure functions of them, so every rank
+picks the same layout and payload shapes always match. :func:`choose` returns the layout with the
+fewest wire bytes among the kinds :mod:`lossless_hc.lhc.sizing` can build within its
+failure-probability targets; ties prefer the cheaper decoder (dense, bitmap, bloom, multilevel), and
+the multilevel index must save ``MULTILEVEL_BYTES_PER_NODE`` bytes per fine-table node it peels.
+Dense is always a candidate, so the choice never exceeds dense plus the header. Sizes are exact
+(the layouts themselves), not estimates. The derivation (wire formulas, the information bound, the
+multilevel break-even) is in docs/DESIGN.md, "Cost model".
 """
 from __future__ import annotations
 

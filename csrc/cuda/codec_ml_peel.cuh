@@ -219,6 +219,35 @@ __device__ __forceinline__ bool ml_solve_pair(const long long* val, const uint64
   return true;
 }
 
+// What both kernels of a fine level (lhc_ml_peel_level, lhc_ml_settle_level) read first: the codec
+// layout, level l's shape and table, the table's sizes and words in the payload, and how the level's
+// nodes are held (MlState::mode and node count, set by lhc_ml_verdict before the peel).
+struct MlLevelView {
+  CodecLayout L;
+  uint32_t l;
+  MlLevel lv;
+  SegmentedTable T;      // lv.table
+  uint64_t wpg;          // words per cell: one node's pattern
+  uint64_t cells, words; // of the whole table
+  long long word_limit;  // base^w: the bound of a pattern word
+  const float* fine;     // the table's words in the payload
+  unsigned int mode;     // MlMode
+  uint32_t nkeys;        // listed nodes (kMlList), else 0
+  __device__ __forceinline__ MlLevelView(const uint64_t* layout, uint64_t level, const float* payload,
+                                         const volatile MlState* ml)
+      : L(load_layout(layout)),
+        l((uint32_t)level),
+        lv(ml_level(layout, l)),
+        T(lv.table),
+        wpg(lv.words),
+        cells(T.cells()),
+        words(cells * wpg),
+        word_limit(ml_word_limit(L, lv)),
+        fine(payload + lv.offset),
+        mode(ml->mode),
+        nkeys(mode == kMlList ? (uint32_t)ml->nodes : 0u) {}
+};
+
 // One fine level's peel, steps 2a-b above up to the pairs (cooperative launch: every block resident;
 // grid barriers between the phases); lhc_ml_settle_level follows. `nodes` (ml->nodes of them,
 // increasing) are the level's non-zero nodes when they fit their list; the peel writes each node's
@@ -235,35 +264,27 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
                                              PeelControl* control, DecodeCounters* counters, MlState* ml,
                                              const uint32_t* parent_nodes, const uint32_t* parent_pattern) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
-  const CodecLayout L = load_layout(layout);
-  const uint32_t l = (uint32_t)level;
-  const MlLevel lv = ml_level(layout, l);
-  const SegmentedTable T = lv.table;
-  const uint64_t wpg = lv.words, cells = T.cells(), words = cells * wpg;
-  const long long word_limit = ml_word_limit(L, lv);
-  const float* fine = payload + lv.offset;
+  const MlLevelView fl(layout, level, payload, ml);
   volatile MlState* vml = ml;
   volatile PeelControl* vc = control;
-  const unsigned int mode = vml->mode;  // set by lhc_ml_verdict before this launch
-  const uint32_t nkeys = mode == kMlList ? (uint32_t)vml->nodes : 0u;
 
   // a. The table's words as exact integers; fresh cell states and node states.
   unsigned int word_flags = 0;
-  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
+  for (uint64_t i = global_thread(); i < fl.words; i += grid_threads()) {
     long long v;
-    word_flags |= read_fine_word(fine[i], scale, &v);
+    word_flags |= read_fine_word(fl.fine[i], scale, &v);
     val[i] = v;
   }
-  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
+  for (uint64_t c = global_thread(); c < fl.cells; c += grid_threads()) {
     deg[c] = 0;
     xr[c] = 0;
   }
-  for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) {
+  for (uint64_t p = global_thread(); p < fl.nkeys; p += grid_threads()) {
     src[p] = kNoCell;
     rnd[p] = kNotPeeled;
   }
-  if (mode == kMlTooMany)
-    for (uint64_t i = global_thread(); i < (lv.nodes + 31) / 32; i += grid_threads()) claimed[i] = 0;
+  if (fl.mode == kMlTooMany)
+    for (uint64_t i = global_thread(); i < (fl.lv.nodes + 31) / 32; i += grid_threads()) claimed[i] = 0;
   if (word_flags) atomicOr(&ml->word_flags, word_flags);
   grid_barrier(control->barrier);
   const bool words_ok = vml->word_flags == 0u;  // uniform after the barrier
@@ -271,36 +292,36 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
   if (words_ok) {
     // b. Cell states (degree, XOR of list positions, or of node ids when the nodes do not fit their
     //    list), the pure cells, then rounds.
-    if (mode == kMlList) {
-      for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) {
-        const uint64_t h = key_hash(T, nodes[p]);
+    if (fl.mode == kMlList) {
+      for (uint64_t p = global_thread(); p < fl.nkeys; p += grid_threads()) {
+        const uint64_t h = key_hash(fl.T, nodes[p]);
 #pragma unroll
         for (int j = 0; j < 3; ++j) {
           int weight;  // ignored (an index table)
-          const uint64_t c = key_cell(T, h, j, &weight);
+          const uint64_t c = key_cell(fl.T, h, j, &weight);
           atomicAdd(deg + c, 1u);
           atomicXor(xr + c, (unsigned int)p);
         }
       }
     } else {
-      ml_states_by_id(L, layout, l, T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
+      ml_states_by_id(fl.L, layout, fl.l, fl.T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
     }
     grid_barrier(control->barrier);
-    for (uint64_t c = global_thread(); c < cells; c += grid_threads())
+    for (uint64_t c = global_thread(); c < fl.cells; c += grid_threads())
       if (load_cg(deg + c) == 1u) queue_push(pure0, &control->pure[0], (unsigned int)c);
     grid_barrier(control->barrier);
     bool guard = false, inconsistent = false;
     for (unsigned int r = 0;; ++r) {
       PeelRound q;
-      const unsigned int npure = begin_round(r, cells, control, pure0, pure1, list0, list1, &q);
+      const unsigned int npure = begin_round(r, fl.cells, control, pure0, pure1, list0, list1, &q);
       if (npure == 0) break;
       const unsigned int par = q.par;
       unsigned int* const pure_now = q.pure_now;
       unsigned int* const pure_next = q.pure_next;
       unsigned int* const list_now = q.list_now;
-      if (mode == kMlList) {
+      if (fl.mode == kMlList) {
         // A: every pure cell proposes its node, which keeps the smallest proposing cell.
-        propose(T, nodes, nkeys, deg, xr, rnd, src, pure_now, npure, list_now, &control->keys[par], &guard);
+        propose(fl.T, nodes, fl.nkeys, deg, xr, rnd, src, pure_now, npure, list_now, &control->keys[par], &guard);
       } else {
         // A, by id: the first pure cell to claim a node takes it (which one does not matter: only
         //    whether the table is consistent is wanted here, and that does not depend on the cells the
@@ -311,7 +332,7 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
           const unsigned int v = load_cg(xr + c);
           uint64_t cell[3];
           int weight[3];
-          if (v >= lv.nodes || cell_slot(T, v, c, cell, weight) < 0) { guard = true; continue; }
+          if (v >= fl.lv.nodes || cell_slot(fl.T, v, c, cell, weight) < 0) { guard = true; continue; }
           if (atomicOr(claimed + v / 32, 1u << (v % 32)) & (1u << (v % 32))) continue;
           src[c] = v;
           queue_push(list_now, &control->keys[par], c);
@@ -322,18 +343,19 @@ extern "C" __global__ void lhc_ml_peel_level(const uint64_t* layout, uint64_t le
       //    the first word's item updates the cell states. Work items are (node, word) pairs, so wide
       //    patterns spread over threads.
       const unsigned int nlist = vc->keys[par];
-      for (uint64_t item = global_thread(); item < (uint64_t)nlist * wpg; item += grid_threads()) {
-        const uint64_t i = item / wpg, k = item - i * wpg;
+      for (uint64_t item = global_thread(); item < (uint64_t)nlist * fl.wpg; item += grid_threads()) {
+        const uint64_t i = item / fl.wpg, k = item - i * fl.wpg;
         const unsigned int entry = load_cg(list_now + i);  // a node position, or a cell when by id
-        const unsigned int c = mode == kMlList ? load_cg(src + entry) : entry;
-        const unsigned int key = mode == kMlList ? entry : load_cg(src + entry);
+        const unsigned int c = fl.mode == kMlList ? load_cg(src + entry) : entry;
+        const unsigned int key = fl.mode == kMlList ? entry : load_cg(src + entry);
         uint64_t cell[3];
         int sign[3];  // +-1: a fine table is never weighted
-        key_cells(T, mode == kMlList ? nodes[key] : key, cell, sign);
-        const long long word = ml_take_pattern_word(val, c, cell, sign, wpg, k, word_limit, &inconsistent);
-        if (mode == kMlList) pattern[(uint64_t)key * wpg + k] = word >= 0 && word < word_limit ? (uint32_t)word : 0u;
+        key_cells(fl.T, fl.mode == kMlList ? nodes[key] : key, cell, sign);
+        const long long word = ml_take_pattern_word(val, c, cell, sign, fl.wpg, k, fl.word_limit, &inconsistent);
+        if (fl.mode == kMlList)
+          pattern[(uint64_t)key * fl.wpg + k] = word >= 0 && word < fl.word_limit ? (uint32_t)word : 0u;
         if (k == 0) {
-          if (mode == kMlList) rnd[key] = r;
+          if (fl.mode == kMlList) rnd[key] = r;
 #pragma unroll
           for (int j = 0; j < 3; ++j) {
             atomicXor(xr + cell[j], key);
@@ -358,50 +380,46 @@ extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t 
                                                DecodeCounters* counters, MlState* ml, const uint32_t* parent_nodes,
                                                const uint32_t* parent_pattern) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
-  const CodecLayout L = load_layout(layout);
-  const uint32_t l = (uint32_t)level;
-  const MlLevel lv = ml_level(layout, l);
-  const SegmentedTable T = lv.table;
-  const uint64_t wpg = lv.words, cells = T.cells(), words = cells * wpg;
-  const long long word_limit = ml_word_limit(L, lv);
-  const float* fine = payload + lv.offset;
+  const MlLevelView fl(layout, level, payload, ml);
   volatile MlState* vml = ml;
-  const unsigned int mode = vml->mode;  // set by lhc_ml_verdict before the peel
-  const uint32_t nkeys = mode == kMlList ? (uint32_t)vml->nodes : 0u;
 
   if (vml->word_flags == 0u) {  // uniform: set by lhc_ml_peel_level
     bool guard = false, inconsistent = false;
     // The pairs the peel left, each by the thread of its smaller node: listed nodes by position (a
     // solved pair's round is kPairRound), else every node of the level streamed from its source by id,
     // unclaimed ones only, for the inconsistency check.
-    if (mode == kMlList) {
-      const auto listed = [&](uint64_t p) { return p < nkeys && load_cg(rnd + p) == kNotPeeled ? nodes[p] : kNoPartner; };
-      for (uint64_t a = global_thread(); a < nkeys; a += grid_threads()) {
+    if (fl.mode == kMlList) {
+      const auto listed = [&](uint64_t p) {
+        return p < fl.nkeys && load_cg(rnd + p) == kNotPeeled ? nodes[p] : kNoPartner;
+      };
+      for (uint64_t a = global_thread(); a < fl.nkeys; a += grid_threads()) {
         if (load_cg(rnd + a) != kNotPeeled) continue;
         uint64_t cell[3];
         int sa[3], sb[3];
-        const uint64_t b = ml_find_pair(T, a, nodes[a], listed, deg, xr, cell, sa, sb, &guard);
+        const uint64_t b = ml_find_pair(fl.T, a, nodes[a], listed, deg, xr, cell, sa, sb, &guard);
         if (b == kNoPartner) continue;
-        if (ml_solve_pair(val, cell, sa, sb, wpg, word_limit, pattern + a * wpg, pattern + b * wpg, &inconsistent)) {
+        if (ml_solve_pair(val, cell, sa, sb, fl.wpg, fl.word_limit, pattern + a * fl.wpg, pattern + b * fl.wpg,
+                          &inconsistent)) {
           rnd[a] = kPairRound;
           rnd[b] = kPairRound;
         }
       }
     } else {
       const auto by_id = [](uint64_t v) { return v; };
-      ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, [&](uint64_t a) {
+      ml_for_each_node(fl.L, layout, fl.l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes,
+                       [&](uint64_t a) {
         if (load_cg(claimed + a / 32) & (1u << (a % 32))) return;
         uint64_t cell[3];
         int sa[3], sb[3];
-        if (ml_find_pair(T, a, a, by_id, deg, xr, cell, sa, sb, &guard) != kNoPartner)
-          ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &inconsistent);
+        if (ml_find_pair(fl.T, a, a, by_id, deg, xr, cell, sa, sb, &guard) != kNoPartner)
+          ml_solve_pair(val, cell, sa, sb, fl.wpg, fl.word_limit, nullptr, nullptr, &inconsistent);
       });
     }
     grid_barrier(control->barrier);
     // c. Resolved nodes (a level with too many nodes stalls: not counted), and what the cells hold.
     unsigned int resolved = 0;
-    for (uint64_t p = global_thread(); p < nkeys; p += grid_threads()) resolved += load_cg(rnd + p) != kNotPeeled;
-    inconsistent |= ml_cells_inconsistent(val, deg, words, wpg);
+    for (uint64_t p = global_thread(); p < fl.nkeys; p += grid_threads()) resolved += load_cg(rnd + p) != kNotPeeled;
+    inconsistent |= ml_cells_inconsistent(val, deg, fl.words, fl.wpg);
     warp_add(&ml->resolved, resolved);
     if (inconsistent || guard) atomicOr(&ml->inconsistent, 1u);
   }
@@ -412,7 +430,7 @@ extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t 
     unsigned int status = 0;
     if (vml->word_flags)
       status = (vml->word_flags & kMlWordCorrupt) ? kMlCorrupt : kMlOverflow;
-    else if (mode == kMlList && vml->resolved == nkeys)
+    else if (fl.mode == kMlList && vml->resolved == fl.nkeys)
       status = vml->inconsistent ? kMlCorrupt : 0u;
     else if (!vml->inconsistent)
       status = kMlPeelFailed;  // stalled (too many nodes always stall), and no order meets a bad step
@@ -427,23 +445,23 @@ extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t 
   if (vml->mode != kMlReplay) return;  // uniform
 
   // d. The CPU-order replay. Fresh states from the level's node source, by node id.
-  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
+  for (uint64_t c = global_thread(); c < fl.cells; c += grid_threads()) {
     deg[c] = 0;
     xr[c] = 0;
   }
-  for (uint64_t i = global_thread(); i < words; i += grid_threads()) {
+  for (uint64_t i = global_thread(); i < fl.words; i += grid_threads()) {
     long long v;
-    read_fine_word(fine[i], scale, &v);  // every word is valid here
+    read_fine_word(fl.fine[i], scale, &v);  // every word is valid here
     val[i] = v;
   }
   grid_barrier(control->barrier);
-  ml_states_by_id(L, layout, l, T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
+  ml_states_by_id(fl.L, layout, fl.l, fl.T, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, deg, xr);
   grid_barrier(control->barrier);
   // One group per warp (its first lane): groups in one warp would take turns, not run side by side.
   bool bad = false;
   if ((threadIdx.x & 31) == 0)
-    for (uint64_t g = global_thread() / 32; g < T.groups(); g += grid_threads() / 32)
-      bad |= ml_replay_group(T, g, wpg, word_limit, val, deg, xr, queue);
+    for (uint64_t g = global_thread() / 32; g < fl.T.groups(); g += grid_threads() / 32)
+      bad |= ml_replay_group(fl.T, g, fl.wpg, fl.word_limit, val, deg, xr, queue);
   if (bad) atomicOr(&ml->replay_bad, 1u);
   grid_barrier(control->barrier);
   // The pairs that order left (only where no group met a bad step: states are consistent then), by
@@ -452,12 +470,13 @@ extern "C" __global__ void lhc_ml_settle_level(const uint64_t* layout, uint64_t 
   if (!vml->replay_bad) {
     bad = false;
     const auto by_id = [](uint64_t v) { return v; };
-    ml_for_each_node(L, layout, l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes, [&](uint64_t a) {
+    ml_for_each_node(fl.L, layout, fl.l, payload, scale, parent_nodes, parent_pattern, vml->prev_nodes,
+                     [&](uint64_t a) {
       uint64_t cell[3];
       int sa[3], sb[3];
       // a guard (inconsistent states) counts as bad, like a bad pair
-      if (ml_find_pair(T, a, a, by_id, deg, xr, cell, sa, sb, &bad) != kNoPartner)
-        ml_solve_pair(val, cell, sa, sb, wpg, word_limit, nullptr, nullptr, &bad);
+      if (ml_find_pair(fl.T, a, a, by_id, deg, xr, cell, sa, sb, &bad) != kNoPartner)
+        ml_solve_pair(val, cell, sa, sb, fl.wpg, fl.word_limit, nullptr, nullptr, &bad);
     });
     if (bad) atomicOr(&ml->replay_bad, 1u);
   }

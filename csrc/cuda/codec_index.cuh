@@ -11,8 +11,9 @@ namespace gpu {
 // Decode: index
 // -------------------------------------------------------------------------------------------------
 
-// An index word as an exact integer in [0, limit), or -1 (the CPU backend's read_word): a summed
-// word must be an integer, an averaged one (scale != 1) is within 1/2 of one.
+// An index word as an exact integer in [0, limit), or -1 (the CPU backend's word_integers,
+// csrc/cpu/digits.h): a summed word must be an integer, an averaged one (scale != 1) is within 1/2 of
+// one.
 __device__ __forceinline__ long long read_word(float f, double scale, long long limit) {
   const double v = (double)f * scale;
   if (!(v > -0.5 && v < (double)limit)) return -1;

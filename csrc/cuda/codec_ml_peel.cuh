@@ -62,7 +62,7 @@ __device__ __forceinline__ void ml_states_by_id(const CodecLayout& L, const uint
                    [&](uint64_t v) { ml_replay_add(T, v, deg, xr); });
 }
 
-// The CPU backend's peel of one group g of a fine table, step by step (lhc::cpu::peel with
+// The CPU backend's peel of one group g of a fine table, step by step (lhc::cpu::detail::peel with
 // peel_fine_level's resolve): a queue seeded with the group's pure cells in increasing order; a
 // dequeued cell still pure gives its node (the XOR of ids of a one-node cell is that node), whose
 // pattern is read there (its sign there times the cell; a word outside [0, base^w) fails) and

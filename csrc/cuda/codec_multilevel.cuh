@@ -40,11 +40,11 @@ namespace gpu {
 //        the CPU's answer (corrupt if some group meets a bad step or a bad pair in the CPU's own
 //        order, else peel failed) to its exact peeling order:
 //     d. then the CPU's order is replayed (ml_replay_group): one thread per group, breadth-first from
-//        a queue seeded with the group's pure cells in increasing order, as lhc::cpu::peel does. Its
-//        cell states XOR node ids, not list positions, so they are built straight from the level's
-//        source (coarse words or the parents' patterns). Then, if no group met a bad step, the pairs
-//        left by that order are checked in parallel (their order cannot change a verdict: they are
-//        disjoint).
+//        a queue seeded with the group's pure cells in increasing order, as lhc::cpu::detail::peel
+//        does. Its cell states XOR node ids, not list positions, so they are built straight from the
+//        level's source (coarse words or the parents' patterns). Then, if no group met a bad step,
+//        the pairs left by that order are checked in parallel (their order cannot change a verdict:
+//        they are disjoint).
 //     A level with more non-zero nodes than cells (a stall in any order; its list would overflow) is
 //     peeled the same parallel way by node id, with a claim bit per node instead of a list, and its
 //     pairs found by streaming its nodes from their source, for the inconsistency check alone; it is

@@ -8,7 +8,10 @@
 
 namespace lhc {
 namespace cpu {
-namespace detail {
+
+using namespace detail;
+
+namespace {
 
 // out = the values of the keys of `runs` and zeros elsewhere, written in one pass in increasing
 // address order (each thread a contiguous range) by merging the runs: no separate zero-fill of the
@@ -33,9 +36,7 @@ void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* 
   }
 }
 
-}  // namespace detail
-
-using namespace detail;
+}  // namespace
 
 DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
                    int64_t* trace_key, int64_t* trace_cell, int num_threads) {

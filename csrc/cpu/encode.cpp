@@ -8,7 +8,10 @@
 
 namespace lhc {
 namespace cpu {
-namespace detail {
+
+using namespace detail;
+
+namespace {
 
 // Bit i set iff p[i] is not +-0.0, for i < 64. SSE2 (baseline x86-64): four lanes per compare and
 // movemask, about a third of the instructions of a branch-free scalar loop, which compilers do not
@@ -178,9 +181,7 @@ void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::v
   }
 }
 
-}  // namespace detail
-
-using namespace detail;
+}  // namespace
 
 EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
   const int nt = resolve_threads(num_threads);

@@ -6,6 +6,7 @@
 namespace lhc {
 namespace cpu {
 namespace detail {
+namespace {
 
 // ---- Multilevel index decoding --------------------------------------------------------------------
 //
@@ -327,6 +328,8 @@ void concat_parts(const std::vector<Sink>& sinks, int nt, std::vector<uint32_t>*
     std::copy(sinks[p].counts.begin(), sinks[p].counts.begin() + sinks[p].size, counts->begin() + at[p]);
   }
 }
+
+}  // namespace
 
 // Multilevel index: the non-zero nodes of the coarsest fine level from the coarse counting bitmap,
 // then each fine level peeled over exactly the non-zero nodes found above it. Returns a

@@ -10,6 +10,7 @@ headers nor its ABI. Environment:
   LHC_CUDA_ARCHS   compute capabilities for _C_cuda (default "80;90": sm_80 and sm_90 machine code
                    plus compute_90 PTX for newer GPUs)
 """
+import glob
 import os
 import shutil
 import subprocess
@@ -30,11 +31,15 @@ if sanitize:
     compile_args += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     link_args += ["-fsanitize=address,undefined"]
 
+# Every header and source under csrc/: a change to any of them rebuilds the extensions.
+CSRC_FILES = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True) +
+                    glob.glob("csrc/**/*.cpp", recursive=True) + glob.glob("csrc/**/*.cu", recursive=True))
+
 ext = Pybind11Extension(
     "lossless_hc._C",
-    sources=["csrc/bindings.cpp", "csrc/cpu/codec_cpu.cpp",
-             "csrc/thc_bindings.cpp", "csrc/cpu/thc_cpu.cpp"],
+    sources=["csrc/bindings.cpp", "csrc/thc_bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))],
     include_dirs=["csrc"],
+    depends=CSRC_FILES,
     cxx_std=17,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
@@ -67,7 +72,7 @@ def cuda_home(nvcc):
 
 
 CUDA_SOURCES = ["csrc/cuda/codec_cuda.cu"]
-CUDA_DEPENDS = ["csrc/cuda/codec_kernels.cuh", "csrc/cuda/codec_cuda.h", "csrc/lhc_layout.h"]
+CUDA_DEPENDS = [f for f in CSRC_FILES if f not in CUDA_SOURCES]
 
 
 def nvcc_arch_flags():
@@ -138,7 +143,8 @@ setup(
     name="lossless_hc",
     version="0.1.0",
     description="Homomorphic (lossless) gradient compression for data-parallel PyTorch training",
-    packages=find_packages(include=["lossless_hc", "lossless_hc.*"]) + ["lossless_hc.plugins"],
+    # Every subpackage of lossless_hc (lossless_hc.plugins comes from plugins/, see package_dir).
+    packages=sorted(set(find_packages(include=["lossless_hc", "lossless_hc.*"])) | {"lossless_hc.plugins"}),
     package_data={"lossless_hc.thc": ["tables.json"]},
     package_dir={"lossless_hc": "lossless_hc", "lossless_hc.plugins": "plugins"},
     ext_modules=ext_modules,

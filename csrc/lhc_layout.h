@@ -1,8 +1,9 @@
 // lhc_layout.h -- the hash family and the payload layout math of the lossless codec.
 //
-// This is the single definition shared by every backend (C++/OpenMP now, CUDA later) and mirrored
-// by the pure-torch reference (lossless_hc/lhc/reference.py). Everything here is a pure function of
-// plain integers, so the same key lands in the same cells with the same weights on every backend.
+// This is the single definition shared by every backend (the C++/OpenMP kernels of csrc/cpu/, the
+// CUDA kernels of csrc/cuda/) and mirrored by the pure-torch reference (lossless_hc/lhc/reference.py).
+// Everything here is a pure function of plain integers, so the same key lands in the same cells with
+// the same weights on every backend.
 //
 // Vocabulary
 //   key      a block of `block` consecutive coordinates (block = 1: one coordinate).
@@ -215,7 +216,7 @@ struct CodecLayout {
   uint64_t sketch_offset;
   uint64_t payload_numel;
   // kIndexMultilevel only (the CPU backend; the CUDA kernels read the same shape from their layout
-  // words, csrc/cuda/codec_kernels.cuh LayoutWord). `index` packs the coarse
+  // words, csrc/cuda/codec_common.cuh LayoutWord). `index` packs the coarse
   // level: one digit per node of fine level 0, the number of ranks with a non-zero key under it.
   // Fine level l (0 = coarsest) has a table `fine[l]` hashed by node id at `fine_offset[l]`: node v
   // adds s_j(v) * its pattern into its cell j, s_j the +-1 key_cell gives (signed, never weighted),

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `make cuda-check`: compile every CUDA source of the project without a GPU.
-#  1. csrc/cuda/codec_cuda.cu (the kernels of codec_kernels.cuh and THC's thc_kernels.cuh, and their
-#     launcher) with nvcc for sm_80 and sm_90,
-#     warnings as errors (the host pass ignores the device-only `#pragma unroll`), and the resource report (registers, spills) of every kernel kept in the log;
+#  1. csrc/cuda/codec_cuda.cu (the kernels of codec_kernels.cuh -- the entry header of the codec's stage
+#     headers codec_*.cuh -- and THC's thc_kernels.cuh, and their launcher) with nvcc for sm_80 and
+#     sm_90, warnings as errors (the host pass ignores the device-only `#pragma unroll`), every kernel of
+#     csrc/cuda/kernel_list.h present, and the resource report (registers, spills) of every kernel kept
+#     in the log;
 #  2. csrc/cuda/bindings_cuda.cpp (the pybind11 module) with the host compiler;
 #  3. csrc/cuda/codec_kernels.cuh and thc_kernels.cuh through NVRTC, as the CuPy run-time path compiles them
 #     (libnvrtc from the nvidia-cuda-nvrtc wheel, installed into .venv on first use when PyPI is
@@ -28,7 +30,7 @@ for arch in 80 90; do
   if grep -E "bytes spill (stores|loads)" "$OUT/ptxas_sm${arch}.log" | grep -vq " 0 bytes spill stores, 0 bytes spill loads"; then
     echo "cuda-check: note: register spills for sm_${arch} (see $OUT/ptxas_sm${arch}.log)"
   fi
-  for k in thc_encode_blocks thc_decode_blocks thc_fwht_columns lhc_peel_values lhc_ml_peel_level; do
+  for k in $(sed -n 's/^LHC_KERNEL(\([a-z0-9_]*\))$/\1/p' csrc/cuda/kernel_list.h); do
     grep -q "entry function '$k'" "$OUT/ptxas_sm${arch}.log" || { echo "cuda-check: kernel $k missing from sm_${arch}"; exit 1; }
   done
   echo "cuda-check: nvcc sm_${arch}: ok (lossless codec and THC kernels)"

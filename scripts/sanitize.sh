@@ -8,8 +8,9 @@ OUT=build-sanitize
 rm -rf "$OUT"
 mkdir -p "$OUT"
 LHC_SANITIZE=1 "$PY" setup.py -q build_ext --build-temp "$OUT/tmp" --build-lib "$OUT/lib" >/dev/null
-# A self-contained package tree: the python sources beside the sanitized extension.
-cp lossless_hc/*.py lossless_hc/*.json "$OUT/lib/lossless_hc/"
+# A self-contained package tree: the python sources (subpackages included) beside the sanitized extension.
+(cd lossless_hc && find . -path ./plugins -prune -o -name __pycache__ -prune -o \( -name '*.py' -o -name '*.json' \) \
+  -print | xargs cp --parents -t "../$OUT/lib/lossless_hc/")
 mkdir -p "$OUT/lib/lossless_hc/plugins"
 cp plugins/*.py "$OUT/lib/lossless_hc/plugins/"
 # The CUDA sources beside the package, as in the repo (the CUDA module and NVRTC path read the headers).

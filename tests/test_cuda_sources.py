@@ -1,6 +1,8 @@
 """Consistency of the CUDA backend's sources, checked without a GPU: the Python launch sequence
-(lossless_hc/backends/cuda.py) against the kernels header (csrc/cuda/codec_kernels.cuh) and the compiled
-module's kernel table. A mismatch here would be undefined behaviour at launch time on a GPU."""
+(lossless_hc/backends/cuda.py and cuda_runtime.py) against the kernels headers (csrc/cuda/codec_kernels.cuh and the stage headers
+it includes), the kernel list (csrc/cuda/kernel_list.h, which the compiled module's table and the host
+emulation expand) and the compiled module's kernel table. A mismatch here would be undefined
+behaviour at launch time on a GPU."""
 import ast
 import pathlib
 import re
@@ -13,7 +15,8 @@ from lossless_hc.backends import cuda_runtime
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER_PATH = ROOT / "csrc" / "cuda" / "codec_kernels.cuh"
-HEADER = HEADER_PATH.read_text()
+HEADER = cuda_runtime.header_text(HEADER_PATH)   # the entry header with its stage headers in place
+KERNEL_LIST = (ROOT / "csrc" / "cuda" / "kernel_list.h").read_text()
 THC_HEADER_PATH = ROOT / "csrc" / "cuda" / "thc_kernels.cuh"
 THC_HEADER = THC_HEADER_PATH.read_text()
 
@@ -84,6 +87,28 @@ def test_every_kernel_parameter_is_eight_bytes():
         for param in (p.strip() for p in m.group(2).split(",") if p.strip()):
             ok = "*" in param or re.match(r"(const\s+)?(uint64_t|double)\s+\w+$", param)
             assert ok, f"{m.group(1)}: parameter {param!r} is not a pointer, uint64_t or double"
+
+
+def test_entry_header_includes_every_stage_header():
+    """codec_kernels.cuh is the one header NVRTC and codec_cuda.cu include: every codec_*.cuh must be
+    reached from it (else its kernels would be missing from both, and from header_kernels)."""
+    stages = {p.name for p in (ROOT / "csrc" / "cuda").glob("codec_*.cuh")} - {HEADER_PATH.name}
+    included = set(re.findall(r'^#include "(codec_\w+\.cuh)"', HEADER_PATH.read_text(), re.M))
+    assert stages and included == stages
+    kernels = set(cuda_runtime.header_kernels(HEADER_PATH))
+    for name in stages:
+        assert set(cuda_runtime.header_kernels(ROOT / "csrc" / "cuda" / name)) <= kernels, name
+
+
+def test_kernel_list_names_every_header_kernel_once():
+    """csrc/cuda/kernel_list.h, the one list the compiled module's launch table and the host emulation
+    expand, names exactly the kernels the headers declare (the lossless codec's and THC's), once each."""
+    listed = re.findall(r"^LHC_KERNEL\((\w+)\)", KERNEL_LIST, re.M)
+    assert len(listed) == len(set(listed))
+    assert set(listed) == set(cuda_runtime.header_kernels())
+    for source in ("csrc/cuda/codec_cuda.cu", "tests/cuda_emulation/emulated_kernels.cpp"):
+        text = (ROOT / source).read_text()
+        assert "kernel_list.h" in text and "LHC_KERNEL(lhc_" not in text, f"{source} must expand kernel_list.h"
 
 
 def test_compiled_module_holds_every_header_kernel():

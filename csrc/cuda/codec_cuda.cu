@@ -25,31 +25,12 @@ struct KernelEntry {
   int arity;
 };
 
-#define LHC_KERNEL(k) KernelEntry{#k, reinterpret_cast<const void*>(&gpu::k), arity(&gpu::k)}
+#define LHC_KERNEL(k) KernelEntry{#k, reinterpret_cast<const void*>(&gpu::k), arity(&gpu::k)},
 
 const KernelEntry kKernels[] = {
-    LHC_KERNEL(lhc_encode_scan_b1),   LHC_KERNEL(lhc_encode_flag_blocks), LHC_KERNEL(lhc_encode_keys),
-    LHC_KERNEL(lhc_encode_scatter_blocks), LHC_KERNEL(lhc_encode_bloom_pack), LHC_KERNEL(lhc_encode_header),
-    LHC_KERNEL(lhc_scan_tiles),       LHC_KERNEL(lhc_bitmap_count),       LHC_KERNEL(lhc_bitmap_write),
-    LHC_KERNEL(lhc_bloom_unpack),     LHC_KERNEL(lhc_bloom_cand_count),   LHC_KERNEL(lhc_bloom_cand_write),
-    LHC_KERNEL(lhc_build_states),     LHC_KERNEL(lhc_seed_pure),          LHC_KERNEL(lhc_peel_counts),
-    LHC_KERNEL(lhc_count_check),      LHC_KERNEL(lhc_count_verdict),      LHC_KERNEL(lhc_found_count),
-    LHC_KERNEL(lhc_found_write),      LHC_KERNEL(lhc_support_ready),      LHC_KERNEL(lhc_abort_if),
-    LHC_KERNEL(lhc_degree_tiles),     LHC_KERNEL(lhc_degree_offsets),     LHC_KERNEL(lhc_fill_adjacency),
-    LHC_KERNEL(lhc_sort_adjacency),   LHC_KERNEL(lhc_load_cells),         LHC_KERNEL(lhc_peel_values),
-    LHC_KERNEL(lhc_write_output),  LHC_KERNEL(lhc_solve_pairs),
-    // multilevel index
-    LHC_KERNEL(lhc_ml_encode_keys),  LHC_KERNEL(lhc_ml_encode_nodes),  LHC_KERNEL(lhc_ml_encode_pack),
-    LHC_KERNEL(lhc_ml_coarse_count),  LHC_KERNEL(lhc_ml_coarse_write),  LHC_KERNEL(lhc_ml_verdict),
-    LHC_KERNEL(lhc_ml_peel_level),  LHC_KERNEL(lhc_ml_settle_level),  LHC_KERNEL(lhc_ml_expand_count),
-    LHC_KERNEL(lhc_ml_expand_write),  LHC_KERNEL(lhc_ml_overflow_finite),
-    // THC (thc_kernels.cuh)
-    LHC_KERNEL(thc_check_finite),  LHC_KERNEL(thc_norm_chunks),  LHC_KERNEL(thc_tree_pass),
-    LHC_KERNEL(thc_pack_words),  LHC_KERNEL(thc_encode_finish),  LHC_KERNEL(thc_accumulate),
-    LHC_KERNEL(thc_encode_blocks),  LHC_KERNEL(thc_decode_blocks),  LHC_KERNEL(thc_rht_tiles),
-    LHC_KERNEL(thc_fwht_tiles),  LHC_KERNEL(thc_fwht_columns),  LHC_KERNEL(thc_quantize_coords),
-    LHC_KERNEL(thc_feedback_coords),  LHC_KERNEL(thc_unpack_words),  LHC_KERNEL(thc_rht_output),
+#include "kernel_list.h"
 };
+#undef LHC_KERNEL
 
 const KernelEntry* find(const std::string& name) {
   for (const auto& k : kKernels)

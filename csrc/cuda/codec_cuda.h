@@ -1,5 +1,5 @@
-// Host-side launcher of the CUDA kernels (csrc/cuda/codec_kernels.cuh), compiled by nvcc into
-// lossless_hc._C_cuda. A plain C++ interface (no CUDA headers, no framework types) so the pybind11
+// Host-side launcher of the CUDA kernels (csrc/cuda/codec_kernels.cuh and thc_kernels.cuh), compiled
+// by nvcc into lossless_hc._C_cuda. A plain C++ interface (no CUDA headers, no framework types) so the pybind11
 // bindings compile with the host compiler. Kernels are named by their extern "C" name; each takes
 // only 8-byte parameters, passed here as an array of 64-bit words.
 #pragma once

@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import os
 import pathlib
+import re
 import struct
 import threading
 from typing import Optional
@@ -35,12 +36,22 @@ def f64_bits(x: float) -> int:
 KERNEL_HEADERS = (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "cuda" / "thc_kernels.cuh")
 
 
+def header_text(path: pathlib.Path, seen: Optional[set] = None) -> str:
+    """A kernels header's text with the kernel headers it includes (``#include "x.cuh"``, relative to
+    it: codec_kernels.cuh includes its stage headers) put in place, each once."""
+    seen = set() if seen is None else seen
+    if path in seen:
+        return ""
+    seen.add(path)
+    return re.sub(r'^#include "([^"]+\.cuh)"', lambda m: header_text((path.parent / m.group(1)).resolve(), seen),
+                  path.read_text(), flags=re.M)
+
+
 def header_kernels(path: Optional[pathlib.Path] = None) -> dict:
     """``{name: parameter count}`` of the extern "C" kernels declared in a kernels header, or in all of
     KERNEL_HEADERS (the CuPy path checks argument counts against it; the compiled module checks
     against its own table)."""
-    import re
-    text = "\n".join(p.read_text() for p in ([path] if path is not None else KERNEL_HEADERS))
+    text = "\n".join(header_text(p) for p in ([path] if path is not None else KERNEL_HEADERS))
     out = {}
     for m in re.finditer(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', text):
         params = [p for p in m.group(2).split(",") if p.strip()]
@@ -74,8 +85,8 @@ def _nvrtc_source() -> str:
     not by the files a source includes, so the digest makes an edited header compile afresh."""
     import hashlib
     digest = hashlib.sha256()
-    for path in (*KERNEL_HEADERS, CSRC / "lhc_layout.h", CSRC / "thc_math.h"):
-        digest.update(path.read_bytes())
+    for path in (*KERNEL_HEADERS, CSRC / "lhc_layout.h", CSRC / "lhc_status.h", CSRC / "thc_math.h"):
+        digest.update(header_text(path.resolve()).encode())
     includes = "".join(f'#include "cuda/{p.name}"\n' for p in KERNEL_HEADERS)
     return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n{includes}'
 

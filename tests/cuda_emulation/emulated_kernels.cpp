@@ -34,38 +34,19 @@ struct Entry {
   int arity;
 };
 
-#define EMU_KERNEL(k)                                                                                   \
+#define LHC_KERNEL(k)                                                                                   \
   Entry {                                                                                               \
     #k, [](const uint64_t* w) { invoke(&lhc::gpu::k, w, std::make_index_sequence<arity_of(&lhc::gpu::k)>{}); }, \
         arity_of(&lhc::gpu::k)                                                                          \
-  }
+  },
 
 const std::vector<Entry>& table() {
   static const std::vector<Entry> t = {
-      EMU_KERNEL(lhc_encode_scan_b1),     EMU_KERNEL(lhc_encode_flag_blocks), EMU_KERNEL(lhc_encode_keys),
-      EMU_KERNEL(lhc_encode_scatter_blocks), EMU_KERNEL(lhc_encode_bloom_pack), EMU_KERNEL(lhc_encode_header),
-      EMU_KERNEL(lhc_scan_tiles),         EMU_KERNEL(lhc_bitmap_count),       EMU_KERNEL(lhc_bitmap_write),
-      EMU_KERNEL(lhc_bloom_unpack),       EMU_KERNEL(lhc_bloom_cand_count),   EMU_KERNEL(lhc_bloom_cand_write),
-      EMU_KERNEL(lhc_build_states),       EMU_KERNEL(lhc_seed_pure),          EMU_KERNEL(lhc_peel_counts),
-      EMU_KERNEL(lhc_count_check),        EMU_KERNEL(lhc_count_verdict),      EMU_KERNEL(lhc_found_count),
-      EMU_KERNEL(lhc_found_write),        EMU_KERNEL(lhc_support_ready),      EMU_KERNEL(lhc_abort_if),
-      EMU_KERNEL(lhc_degree_tiles),       EMU_KERNEL(lhc_degree_offsets),     EMU_KERNEL(lhc_fill_adjacency),
-      EMU_KERNEL(lhc_sort_adjacency),     EMU_KERNEL(lhc_load_cells),         EMU_KERNEL(lhc_peel_values),
-      EMU_KERNEL(lhc_write_output),  EMU_KERNEL(lhc_solve_pairs),
-      // multilevel index
-      EMU_KERNEL(lhc_ml_encode_keys),  EMU_KERNEL(lhc_ml_encode_nodes),  EMU_KERNEL(lhc_ml_encode_pack),
-      EMU_KERNEL(lhc_ml_coarse_count),  EMU_KERNEL(lhc_ml_coarse_write),  EMU_KERNEL(lhc_ml_verdict),
-      EMU_KERNEL(lhc_ml_peel_level),  EMU_KERNEL(lhc_ml_settle_level),  EMU_KERNEL(lhc_ml_expand_count),
-      EMU_KERNEL(lhc_ml_expand_write),  EMU_KERNEL(lhc_ml_overflow_finite),
-      // THC (csrc/cuda/thc_kernels.cuh)
-      EMU_KERNEL(thc_check_finite),  EMU_KERNEL(thc_norm_chunks),  EMU_KERNEL(thc_tree_pass),
-      EMU_KERNEL(thc_pack_words),  EMU_KERNEL(thc_encode_finish),  EMU_KERNEL(thc_accumulate),
-      EMU_KERNEL(thc_encode_blocks),  EMU_KERNEL(thc_decode_blocks),  EMU_KERNEL(thc_rht_tiles),
-      EMU_KERNEL(thc_fwht_tiles),  EMU_KERNEL(thc_fwht_columns),  EMU_KERNEL(thc_quantize_coords),
-      EMU_KERNEL(thc_feedback_coords),  EMU_KERNEL(thc_unpack_words),  EMU_KERNEL(thc_rht_output),
+#include "cuda/kernel_list.h"
   };
   return t;
 }
+#undef LHC_KERNEL
 
 // Run blocks [first, first + count) of a grid of `grid` blocks concurrently, each on `block` threads.
 void run_blocks(const Entry& e, unsigned first, unsigned count, unsigned grid, unsigned block,

@@ -1,0 +1,195 @@
+// lhc::cpu::decode: the support from the index, then the value sketch peeled over it group by group,
+// and the output.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "peel.h"
+
+namespace lhc {
+namespace cpu {
+
+using namespace detail;
+
+namespace {
+
+// out = the values of the keys of `runs` and zeros elsewhere, written in one pass in increasing
+// address order (each thread a contiguous range) by merging the runs: no separate zero-fill of the
+// output and no random stores into it.
+void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* out, int nt) {
+  const uint64_t B = L.block;
+  const uint64_t chunk = std::max<uint64_t>(1, 16384 / B);  // keys zeroed, then filled, while in L2
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t kb, ke;
+    split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
+    walk_runs_by_chunk(
+        runs, kb, ke, chunk,
+        [&](uint64_t c0, uint64_t c1) { std::fill(out + c0 * B, out + std::min(c1 * B, L.numel), 0.0f); },
+        [&](const KeyRun& run, uint64_t i) {
+          const uint64_t lo = (uint64_t)run.keys[i] * B;
+          if (B == 1)
+            out[lo] = run.vals[i];  // one store, not a call to memcpy
+          else
+            std::memcpy(out + lo, run.vals + i * B, 4 * std::min<uint64_t>(B, L.numel - lo));
+        });
+  }
+}
+
+}  // namespace
+
+DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
+                   int64_t* trace_key, int64_t* trace_cell, int num_threads) {
+  const int nt = resolve_threads(num_threads);
+  DecodeStats st;
+  Prof prof;
+  const float* index = payload + L.index_offset;
+
+  // 1. The exact support: keys non-zero on at least one rank, bucketed by sketch group.
+  GroupedKeys support;
+  if (L.index_kind == kIndexBitmap)
+    st.status = bitmap_support(L, in, index, nt, &support, &st);
+  else if (L.index_kind == kIndexBloom)
+    st.status = bloom_support(L, in, index, nt, &support, &st);
+  else if (L.index_kind == kIndexMultilevel)
+    st.status = multilevel_support(L, in, payload, nt, &support, &st);
+  else
+    st.status = kDecodeIndexCorrupt;
+  if (st.status != kDecodeOk) {
+    parallel_fill(out, L.numel, 0.0f, nt);
+    return st;
+  }
+  st.support_keys = support.total();
+  prof.mark("index");
+
+  // 2. Peel the value sketch over the support one group at a time (groups share no cells), in
+  //    double precision, into vals. A key's position: its group's keys (parts concatenated) come
+  //    after those of the groups before, in increasing order. A group's working set is private to the
+  //    thread peeling it and sized to stay in cache; each group is peeled sequentially in a fixed
+  //    order, so the values do not depend on the number of threads or their scheduling.
+  const uint64_t B = L.block;
+  const SegmentedTable& T = L.sketch;
+  const uint64_t groups = T.groups(), gcells = T.group_cells();
+  const float* sk = payload + L.sketch_offset;
+  std::vector<uint64_t> goff(groups + 1, 0);  // group g's keys: positions [goff[g], goff[g + 1])
+  for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
+  HugeVector<float> vals(goff[groups] * B);  // by key position
+  std::vector<uint64_t> peeled(groups, 0);
+  std::vector<char> bad(groups, 0), non_finite(groups, 0);
+  double group_ms[3] = {0, 0, 0};  // LHC_PROFILE: the groups' load, build and peel times, summed over threads
+  std::chrono::steady_clock clock;
+#pragma omp parallel num_threads(nt)
+  {
+    PeelTable t;
+    std::vector<double> v(B);
+    std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building, then the queue
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < (int64_t)groups; ++g) {
+      const uint64_t base = (uint64_t)g * gcells, kb = goff[g];
+      const auto t0 = clock.now();
+      gkeys.clear();
+      for (const auto& part : support.by) gkeys.insert(gkeys.end(), part[g].begin(), part[g].end());
+      const uint32_t kn = (uint32_t)gkeys.size();
+      float* gvals = vals.data() + kb * B;
+      // Keys the peel does not reach (a failed group) keep NaN, never stale memory.
+      std::fill(gvals, gvals + (uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
+      t.reset(T.seg_len, B);
+      bool finite = true;
+      for (uint64_t c = 0; c < gcells; ++c) {
+        t.clear_state(c);
+        double* dst = t.values(c);
+        for (uint64_t l = 0; l < B; ++l) {
+          dst[l] = (double)sk[(base + c) * B + l];
+          finite &= std::isfinite(dst[l]);
+        }
+      }
+      if (!finite) non_finite[g] = 1;
+      const auto t1 = clock.now();
+      build_states(t, T, gkeys.data(), kn, scratch);
+      const auto t2 = clock.now();
+      uint64_t step = kb;
+      bool group_bad = false;
+      peeled[g] = peel(
+          t, kn, scratch,
+          [&](uint32_t pos, const uint64_t* cell, const double* coef) {
+            // Branch-free: weights and their inverses are multiplied in (exact: powers of two), so
+            // mispredictions do not stall the memory pipeline.
+            if (B == 1) {  // unstructured keys: no loops over one value
+              const double x = coef[0] * *t.values(cell[0]);
+              *t.values(cell[1]) -= coef[1] * x;
+              *t.values(cell[2]) -= coef[2] * x;
+              gvals[pos] = (float)x;
+            } else {
+              const double* src = t.values(cell[0]);
+              for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src[l];
+              double* d1 = t.values(cell[1]);
+              double* d2 = t.values(cell[2]);
+              for (uint64_t l = 0; l < B; ++l) {
+                d1[l] -= coef[1] * v[l];
+                d2[l] -= coef[2] * v[l];
+              }
+              float* o = gvals + (uint64_t)pos * B;
+              for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
+            }
+            if (trace_key) {
+              trace_key[step] = (int64_t)gkeys[pos];
+              trace_cell[step] = (int64_t)(base + cell[0]);
+            }
+            ++step;
+            return true;
+          },
+          &group_bad);
+      if (!group_bad && peeled[g] < kn)
+        peeled[g] += solve_pairs(t, T, gkeys.data(), kn, B, scratch,
+                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int*, const int*,
+                                     const double* va, const double* vb) {
+                                   for (uint64_t l = 0; l < B; ++l) {
+                                     gvals[(uint64_t)pa * B + l] = (float)va[l];
+                                     gvals[(uint64_t)pb * B + l] = (float)vb[l];
+                                   }
+                                   if (trace_key) {
+                                     for (const uint32_t p : {pa, pb}) {
+                                       trace_key[step] = (int64_t)gkeys[p];
+                                       trace_cell[step] = (int64_t)(base + cell[0]);
+                                       ++step;
+                                     }
+                                   }
+                                 });
+      bad[g] = group_bad;
+      if (prof.env) {
+        const auto t3 = clock.now();
+#pragma omp critical(lhc_profile)
+        {
+          group_ms[0] += std::chrono::duration<double, std::milli>(t1 - t0).count();
+          group_ms[1] += std::chrono::duration<double, std::milli>(t2 - t1).count();
+          group_ms[2] += std::chrono::duration<double, std::milli>(t3 - t2).count();
+        }
+      }
+    }
+  }
+  if (prof.env)
+    std::fprintf(stderr, "  lhc (threads' sum: load %.1f ms, build %.1f ms, peel %.1f ms)\n", group_ms[0], group_ms[1],
+                 group_ms[2]);
+  prof.mark("peel");
+  std::vector<KeyRun> runs;
+  for (uint64_t g = 0; g < groups; ++g) {
+    uint64_t pos = goff[g];
+    for (const auto& part : support.by) {
+      runs.push_back(KeyRun{part[g].data(), part[g].size(), vals.data() + pos * B});
+      pos += part[g].size();
+    }
+  }
+  write_output(L, runs, out, nt);
+  prof.mark("write");
+  for (uint64_t g = 0; g < groups; ++g) {
+    st.peeled += peeled[g];
+    if (bad[g]) st.status = kDecodeIndexCorrupt;
+    if (non_finite[g] && st.status == kDecodeOk) st.status = kDecodeSketchNonFinite;
+  }
+  if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
+
+  return st;
+}
+
+}  // namespace cpu
+}  // namespace lhc

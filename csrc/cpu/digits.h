@@ -1,0 +1,140 @@
+// Index words as packed digits: splitting words into their base-(n+1) digits, a block of words at a
+// time (vectorised), and the parallel unpacking of a whole index into per-thread sinks.
+#pragma once
+
+#include <cmath>
+
+#include "codec_cpu_internal.h"
+
+namespace lhc {
+namespace cpu {
+namespace detail {
+
+// Powers base^i for i < per_word, as floats (exact: all below 2^22).
+std::vector<float> digit_powers(const DigitPacking& P);
+
+// Index words are split into digits kWordBlock words at a time, by loops over words that the
+// compiler vectorises.
+constexpr uint32_t kWordBlock = 64;
+constexpr uint32_t kMaxPerWord = kIntFieldBits;  // base >= 2 and base^per_word <= 2^22
+
+// The digits of up to kWordBlock consecutive index words: digit[i][w] is digit i of word w, and bit i
+// of nonzero[w] is set iff that digit is not zero.
+struct WordDigits {
+  uint32_t digit[kMaxPerWord][kWordBlock];
+  uint32_t nonzero[kWordBlock];
+  uint64_t sum;  // of all the digits
+  uint32_t max;  // the largest digit
+};
+
+// u[w] = words[w] * scale as the packed integer it must be, for w < n (n <= kWordBlock); returns false
+// if a word is not a valid packed integer in [0, base^per_word) (its u is then 0): a SUM of integer
+// fields below 2^22 is exact in float32, so a summed word (scale 1) must be an integer; an AVERAGE is
+// within 1/2 of one after scaling back (see kIntFieldBits), so an averaged word is rounded to the
+// nearest integer. Adding and subtracting 1.5 * 2^52 rounds |v| < 2^51 to the nearest integer, ties
+// to even, as nearbyint does in the default rounding mode. Branch-free over words, so it vectorises
+// in the (cloned) splitters it is inlined into.
+inline bool word_integers(const float* words, uint32_t n, double scale, const DigitPacking& P, double* u) {
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5, round_magic = 6755399441055744.0;  // 1.5 * 2^52
+  double limit = 1.0;
+  for (uint32_t i = 0; i < P.per_word; ++i) limit *= P.base;
+  uint32_t bad = 0;
+  for (uint32_t w = 0; w < n; ++w) {
+    const double v = (double)words[w] * scale;
+    const double r = (v + round_magic) - round_magic;
+    // Also false for NaN.
+    const bool ok = v > -0.5 && v < limit && std::fabs(v - r) <= tolerance && r >= 0.0 && r < limit;
+    bad |= (uint32_t)!ok;
+    u[w] = ok ? r : 0.0;
+  }
+  return bad == 0;
+}
+
+// Split words[0, n) (n <= kWordBlock) into digits; false if a word is not a valid packed integer (see
+// word_integers). Branch-free over words, so it vectorises (cloned for AVX-512 and AVX2, chosen at
+// load time). floor((u + 0.5) / base) computed as a double product with the rounded reciprocal is the
+// exact quotient: for u < 2^22, (u + 0.5) / base is at least 0.5 / base > 2^-23 from an integer, and
+// the product is off by less than 2^22 * 2^-52. (std::floor would not vectorise without
+// -fno-trapping-math; the conversion to int does.)
+bool split_words(const float* words, uint32_t n, double scale, const DigitPacking& P, WordDigits* d);
+
+// Which digits of a word are non-zero, their sum and their largest, by table instead of digit by
+// digit (the bitmap index needs no more): a word u < base^per_word is split once into
+// hi = floor(u / base^h) and lo = u - hi * base^h, h = per_word / 2, and each half is looked up in
+// a table of all base^(per_word - h) <= 2^11 * base values of a half (a few KiB, in L1, for most
+// world sizes; 130 KiB at the most, for base 129).
+// Entry: bits [0, 22) the non-zero mask, [22, 44) the digit sum, [44, 64) the largest digit.
+struct DigitMaskTable {
+  uint32_t lo_digits = 0;
+  double lo_power = 1.0;  // base^lo_digits
+  std::vector<uint64_t> entry;
+  explicit DigitMaskTable(const DigitPacking& P) {
+    lo_digits = P.per_word / 2;
+    uint64_t size = 1;
+    for (uint32_t i = 0; i < P.per_word - lo_digits; ++i) size *= P.base;
+    for (uint32_t i = 0; i < lo_digits; ++i) lo_power *= P.base;
+    entry.resize(size);
+    for (uint64_t v = 0; v < size; ++v) {
+      uint64_t mask = 0, sum = 0, max = 0, r = v;
+      for (uint32_t i = 0; r; ++i, r /= P.base) {
+        const uint64_t digit = r % P.base;
+        mask |= (uint64_t)(digit != 0) << i;
+        sum += digit;
+        max = std::max(max, digit);
+      }
+      entry[v] = mask | sum << 22 | max << 44;
+    }
+  }
+};
+
+// As split_words, but only the non-zero masks, sum and largest digit of d (not its digits).
+bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
+                      WordDigits* d);
+
+// Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
+// of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
+// of them at low density); on a private copy of the sink, moved back at the end. Returns false if a
+// word is not a valid packed integer or a sink rejects a block. With `masks`, only the digits' non-zero
+// masks, sum and largest are filled in (split_word_masks), not the digits.
+template <typename Sink>
+bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks,
+                   const DigitMaskTable* masks = nullptr) {
+  const uint64_t words = L.index.words();
+  const uint32_t* raw = reinterpret_cast<const uint32_t*>(index);
+  int bad = 0;
+#pragma omp parallel num_threads(nt) reduction(| : bad)
+  {
+    uint64_t wb, we;
+    split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
+    Sink sink = std::move(sinks[omp_get_thread_num()]);  // thread-private (no false sharing)
+    WordDigits d;
+    for (uint64_t w = wb; w < we && !bad; w += kWordBlock) {
+      const uint32_t n = (uint32_t)std::min<uint64_t>(kWordBlock, we - w);
+      uint32_t any = 0;
+      for (uint32_t i = 0; i < n; ++i) any |= raw[w + i];
+      if (!any) continue;
+      const bool valid = masks ? split_word_masks(index + w, n, scale, L.index, *masks, &d)
+                               : split_words(index + w, n, scale, L.index, &d);
+      if (!valid || !sink(w, n, d)) bad = 1;
+    }
+    sinks[omp_get_thread_num()] = std::move(sink);
+  }
+  return bad == 0;
+}
+
+// at[m][j]: the position of the j-th lowest set bit of the byte m (j < count[m] = popcount(m); a
+// table, as the baseline x86-64 target has no popcount instruction).
+struct SetBitTable {
+  uint8_t at[256][8] = {};
+  uint8_t count[256] = {};
+  constexpr SetBitTable() {
+    for (int m = 0; m < 256; ++m)
+      for (int b = 0; b < 8; ++b)
+        if (m >> b & 1) at[m][count[m]++] = (uint8_t)b;
+  }
+};
+constexpr SetBitTable kSetBit;
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace lhc

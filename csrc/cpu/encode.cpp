@@ -1,0 +1,311 @@
+// lhc::cpu::encode: the non-zero keys, the index and the value sketch of one rank's input.
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "digits.h"
+#include "peel.h"
+
+namespace lhc {
+namespace cpu {
+
+using namespace detail;
+
+namespace {
+
+// Bit i set iff p[i] is not +-0.0, for i < 64. SSE2 (baseline x86-64): four lanes per compare and
+// movemask, about a third of the instructions of a branch-free scalar loop, which compilers do not
+// vectorise.
+inline uint64_t nonzero_mask64(const uint32_t* p) {
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  uint64_t m = 0;
+  for (int i = 0; i < 64; i += 4) {
+    const __m128i v = _mm_slli_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)), 1);
+    const uint32_t is_zero = (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(v, zero)));
+    m |= (uint64_t)(~is_zero & 0xfu) << i;
+  }
+  return m;
+#else
+  uint64_t m = 0;
+  for (int i = 0; i < 64; ++i) m |= (uint64_t)((p[i] << 1) != 0) << i;
+  return m;
+#endif
+}
+
+// Non-zero keys of x, per thread in increasing order (concatenated: sorted), and whether x held
+// NaN/Inf. -0.0 counts as zero.
+std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const float* x, int nt,
+                                                     uint32_t* non_finite) {
+  std::vector<std::vector<uint32_t>> local(nt);
+  std::vector<uint32_t> bad(nt, 0);
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    uint64_t kb, ke;
+    // The runtime may grant fewer threads than asked (nested regions, OMP_DYNAMIC): split by the
+    // team actually running, or some keys would never be scanned.
+    split_range(L.num_keys, omp_get_num_threads(), tid, &kb, &ke);
+    std::vector<uint32_t> mine;  // private while scanning (no false sharing on the vector header)
+    uint32_t nf = 0;
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
+    if (L.block == 1) {
+      // Chunks of 64: a vectorisable OR-reduction skips all-zero chunks (about half of them at 1%
+      // density), and a non-empty chunk's keys are read off the bit mask of its non-zero lanes.
+      constexpr uint64_t kChunk = 64;
+      uint64_t k = kb;
+      for (; k + kChunk <= ke; k += kChunk) {
+        uint32_t any = 0, inf_nan = 0;
+        for (uint64_t i = 0; i < kChunk; ++i) {
+          const uint32_t u = bits[k + i];
+          any |= u << 1;
+          inf_nan |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+        }
+        nf |= inf_nan;
+        if (!any) continue;
+        for (uint64_t m = nonzero_mask64(bits + k); m; m &= m - 1) mine.push_back((uint32_t)(k + __builtin_ctzll(m)));
+      }
+      for (; k < ke; ++k) {
+        const uint32_t u = bits[k];
+        nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+        if (u << 1) mine.push_back((uint32_t)k);
+      }
+    } else {
+      for (uint64_t k = kb; k < ke; ++k) {
+        const uint64_t lo = k * L.block, hi = std::min<uint64_t>(lo + L.block, L.numel);
+        uint32_t any = 0;
+        for (uint64_t i = lo; i < hi; ++i) {
+          const uint32_t u = bits[i];
+          nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+          any |= u << 1;
+        }
+        if (any) mine.push_back((uint32_t)k);
+      }
+    }
+    local[tid] = std::move(mine);
+    bad[tid] = nf;
+  }
+  *non_finite = 0;
+  for (uint32_t b : bad) *non_finite |= b;
+  return local;
+}
+
+// Add weight * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
+// group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
+// pass. The group's cells stay in cache, but a group's keys are spread over all of x: each key's
+// values are a miss to memory, so they are prefetched well ahead.
+void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
+                  float* sketch, std::vector<uint32_t>& kc) {
+  constexpr size_t kAhead = 16;
+  const uint64_t B = L.block;
+  kc.resize(3 * count);
+  hash_cells(L.sketch, keys, (uint32_t)count, kc.data());
+  auto cell_values = [&](size_t i, int j) {  // the values of cell j of keys[i]
+    return sketch + (base + (uint64_t)j * L.sketch.seg_len + (kc[3 * i + j] >> kWeightCodeBits)) * B;
+  };
+  for (size_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) {
+      __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
+      // The group's cells were zero-filled with the whole payload, so they are not in cache either.
+      for (int j = 0; j < 3; ++j) __builtin_prefetch(cell_values(i + kAhead, j), 1, 3);
+    }
+    const uint64_t lo = (uint64_t)keys[i] * B;
+    const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
+    const float* src = x + lo;
+    for (int j = 0; j < 3; ++j) {
+      // w * v is exact (w = +-1, +-2), and dst + (-1 * v) is dst - v bit for bit (IEEE subtraction is
+      // addition of the negation); a multiplied-in weight needs no branch: a random sign mispredicts
+      // half the time.
+      float* dst = cell_values(i, j);
+      const float w = (float)PeelTable::weight(kc[3 * i + j]);
+      for (uint64_t l = 0; l < len; ++l) dst[l] += w * src[l];
+    }
+  }
+}
+
+// Stable parallel bucketing of sorted keys by sketch group: keys of group g land in
+// [group_offset[g], group_offset[g+1]) of `keys`, in increasing order. Groups are hashed a chunk at
+// a time (vectorised, and cheaper to redo than to store) in both passes.
+void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, std::vector<uint32_t>* keys,
+                     std::vector<uint64_t>* group_offset) {
+  const uint64_t groups = T.groups();
+  const size_t parts = support.parts.size();
+  constexpr size_t kChunk = 2048;
+  keys->resize(support.size());
+  group_offset->assign(groups + 1, 0);
+  std::vector<std::vector<uint64_t>> hist(parts, std::vector<uint64_t>(groups, 0));
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int64_t p = 0; p < (int64_t)parts; ++p) {
+    const auto& part = support.parts[p];
+    uint32_t group[kChunk];
+    for (size_t i = 0; i < part.size(); i += kChunk) {
+      const size_t n = std::min(kChunk, part.size() - i);
+      hash_groups(T, part.data() + i, n, group);
+      for (size_t j = 0; j < n; ++j) ++hist[p][group[j]];
+    }
+  }
+  histogram_to_cursors(hist, groups, group_offset);
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+  for (int64_t p = 0; p < (int64_t)parts; ++p) {
+    const auto& part = support.parts[p];
+    uint64_t* cursor = hist[p].data();
+    uint32_t group[kChunk];
+    for (size_t i = 0; i < part.size(); i += kChunk) {
+      const size_t n = std::min(kChunk, part.size() - i);
+      hash_groups(T, part.data() + i, n, group);
+      for (size_t j = 0; j < n; ++j) (*keys)[cursor[group[j]]++] = part[i + j];
+    }
+  }
+}
+
+// The bitmap index: word w = sum of base^(k mod per_word) over the non-zero keys k of the word, each
+// thread writing a contiguous range of words once, a cache-sized chunk at a time (zeroed, then its
+// keys added in increasing order: the same exact integer sums as any order). `keys` is sorted.
+void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::vector<float>& pw, float* index,
+                        int nt) {
+  const uint64_t words = L.index.words(), per_word = L.index.per_word;
+  constexpr uint64_t kChunkWords = 4096;
+  std::vector<KeyRun> runs;
+  for (const auto& part : keys.parts) runs.push_back(KeyRun{part.data(), part.size(), nullptr});
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t wb, we;  // whole words per thread: a word's keys are added by one thread
+    split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
+    walk_runs_by_chunk(
+        runs, wb * per_word, we * per_word, kChunkWords * per_word,
+        [&](uint64_t c0, uint64_t c1) { std::fill(index + c0 / per_word, index + c1 / per_word, 0.0f); },
+        [&](const KeyRun& run, uint64_t i) {
+          const uint32_t k = run.keys[i];
+          index[k / per_word] += pw[k % per_word];
+        });
+  }
+}
+
+}  // namespace
+
+EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
+  const int nt = resolve_threads(num_threads);
+  EncodeStats st;
+  Prof prof;
+  // Zero what is accumulated into: the sketch, and the coarse index of the multilevel kind. The
+  // bitmap and Bloom index words and the fine tables are each written once below; the header last.
+  float* index = payload + L.index_offset;
+  if (L.index_kind == kIndexMultilevel) parallel_fill(index, L.index.words(), 0.0f, nt);
+  parallel_fill(payload + L.sketch_offset, L.payload_numel - L.sketch_offset, 0.0f, nt);
+  prof.mark("enc zero");
+  KeyParts keys;
+  keys.parts = find_nonzero_keys(L, x, nt, &st.non_finite);
+  st.keys = keys.size();
+  prof.mark("enc find");
+
+  const std::vector<float> pw = digit_powers(L.index);
+  if (L.index_kind == kIndexBitmap) {
+    write_bitmap_words(L, keys, pw, index, nt);
+  } else if (L.index_kind == kIndexBloom) {
+    const uint64_t cells = L.bloom.cells();
+    std::vector<uint32_t> count(cells, 0);
+    for (const auto& part : keys.parts)
+      for (uint64_t k : part) {
+        uint64_t cell[3];
+        int weight[3];  // unused: index tables add counts
+        key_cells(L.bloom, k, cell, weight);
+        for (int j = 0; j < 3; ++j) ++count[cell[j]];
+      }
+    const uint64_t words = L.index.words();
+    uint32_t saturated = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : saturated)
+    for (int64_t w = 0; w < (int64_t)words; ++w) {
+      float acc = 0.0f;
+      for (uint32_t d = 0; d < L.index.per_word; ++d) {
+        const uint64_t c = (uint64_t)w * L.index.per_word + d;
+        if (c >= cells) break;
+        uint32_t v = count[c];
+        if (v > L.digit_cap) { v = L.digit_cap; saturated = 1; }
+        acc += (float)v * pw[d];
+      }
+      index[w] = acc;
+    }
+    st.saturated = saturated;
+  } else if (L.index_kind == kIndexMultilevel) {
+    // Coarse digit 1 per non-zero node of fine level 0. Per fine level, each non-zero node's pattern
+    // (base^digit for each child holding a non-zero key) added to its three cells with the cells'
+    // signs. Integer accumulation, converted once: bit-identical to the reference.
+    const uint64_t base = L.index.base;
+    uint64_t last = ~0ULL;
+    for (const auto& part : keys.parts)
+      for (uint64_t k : part) {
+        const uint64_t v = ml_node(L, 0, k);
+        if (v != last) index[v / L.index.per_word] += pw[v % L.index.per_word];
+        last = v;
+      }
+    for (uint32_t l = 0; l < L.fine_levels; ++l) {
+      const uint64_t wpg = L.fine_words[l], w = L.fine_digits[l], fcells = L.fine[l].cells();
+      std::vector<int64_t> acc(fcells * wpg, 0);
+      std::vector<uint64_t> pattern(wpg, 0), dpow(w, 1);
+      for (uint64_t j = 1; j < w; ++j) dpow[j] = dpow[j - 1] * base;
+      uint64_t cur = ~0ULL, last_child = ~0ULL;
+      auto flush = [&]() {
+        if (cur == ~0ULL) return;
+        uint64_t cell[3];
+        int sign[3];  // +-1: fine tables are signed, never weighted
+        key_cells(L.fine[l], cur, cell, sign);
+        for (int j = 0; j < 3; ++j)
+          for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += sign[j] * (int64_t)pattern[i];
+        std::fill(pattern.begin(), pattern.end(), 0);
+      };
+      for (const auto& part : keys.parts)
+        for (uint64_t k : part) {
+          const uint64_t v = ml_node(L, l, k);
+          if (v != cur) {
+            flush();
+            cur = v;
+            last_child = ~0ULL;
+          }
+          const uint64_t c = ml_child(L, l, k);
+          if (c != last_child) pattern[c / w] += dpow[c % w];  // keys are increasing: a child's keys are adjacent
+          last_child = c;
+        }
+      flush();
+      float* fine = payload + L.fine_offset[l];
+#pragma omp parallel for num_threads(nt) schedule(static)
+      for (int64_t i = 0; i < (int64_t)(fcells * wpg); ++i) fine[i] = (float)acc[i];
+    }
+  }
+
+  prof.mark("enc index");
+  // Values: every cell is summed in increasing key order, whatever the thread count. With several
+  // groups, keys are bucketed by group (stably) and each thread scatters whole groups, whose cells
+  // stay in cache; with one group the scatter is sequential.
+  float* sketch = payload + L.sketch_offset;
+  const SegmentedTable& T = L.sketch;
+  if (T.groups() > 1) {
+    std::vector<uint32_t> gkeys;
+    std::vector<uint64_t> goff;
+    bucket_by_group(T, keys, nt, &gkeys, &goff);
+    prof.mark("enc bucket");
+#pragma omp parallel num_threads(nt)
+    {
+      std::vector<uint32_t> kc;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
+        scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], (uint64_t)g * T.group_cells(), sketch, kc);
+    }
+  } else {
+    std::vector<uint32_t> kc;
+    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, kc);
+  }
+
+  prof.mark("enc values");
+  float* header = payload;
+  header[kHdrContributors] = 1.0f;
+  header[kHdrFingerprintLo] = (float)(L.fingerprint & ((1u << kChunkBits) - 1));
+  header[kHdrFingerprintHi] = (float)(L.fingerprint >> kChunkBits);
+  write_chunks(header, kHdrKeysLo, st.keys);
+  header[kHdrOverloaded] = st.keys > L.capacity ? 1.0f : 0.0f;
+  header[kHdrNonFinite] = (float)st.non_finite;
+  header[kHdrSaturated] = (float)st.saturated;
+  return st;
+}
+
+}  // namespace cpu
+}  // namespace lhc

@@ -1,0 +1,251 @@
+// Peeling a group of a segmented table: the per-cell states (PeelTable), the breadth-first peel and
+// the two-key stopping sets it leaves (solve_pairs). The value sketch, the Bloom counters and the
+// multilevel fine tables share them.
+#pragma once
+
+#include "codec_cpu_internal.h"
+
+namespace lhc {
+namespace cpu {
+namespace detail {
+
+// The weight of a weight code (lhc::weight_of_code) and its exact inverse, by table: see
+// PeelTable::weight.
+constexpr double kWeights[4] = {1.0, 2.0, -1.0, -2.0};
+constexpr double kInverseWeights[4] = {1.0, 0.5, -1.0, -0.5};
+constexpr uint32_t kCodeMask = (1u << kWeightCodeBits) - 1;
+
+// Peeling state of one group of a segmented table (three segments of seg_len cells; cell j*seg_len + o
+// is offset o of segment j). Per cell: how many unresolved keys it holds, and the XOR of their
+// records -- position in the key list and packed cells -- so that when one key is left the state
+// holds that key's record and peeling needs no lookup; then the cell's `block` values. For block 1
+// that is 32 bytes, one cache line for everything a cell needs.
+// A packed cell is (offset << kWeightCodeBits) | weight code: below 2^32 as seg_len <= kMaxSegLen
+// (checked when a layout is built).
+union CellSlot {
+  uint32_t word[2];  // word[0] the low half of bits (x86-64 is little-endian)
+  uint64_t bits;     // the state slots, updated two words at a time
+  double value;
+};  // value slots are only ever used as value; state slots as word or bits (GCC defines union punning)
+
+class PeelTable {
+ public:
+  void reset(uint64_t seg_len, uint64_t block) {
+    seg_len_ = seg_len;
+    stride_ = kStateSlots + block;
+    slots_.resize(cells() * stride_);
+  }
+  uint64_t cells() const { return 3 * seg_len_; }
+  uint32_t& deg(uint64_t c) { return slots_[c * stride_].word[0]; }
+  uint32_t& pos(uint64_t c) { return slots_[c * stride_].word[1]; }
+  uint32_t& packed(uint64_t c, int j) { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
+  double* values(uint64_t c) { return &slots_[c * stride_ + kStateSlots].value; }
+  void clear_state(uint64_t c) {
+    for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
+  }
+  // The cell a packed cell e of segment j names.
+  uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> kWeightCodeBits); }
+  // The weight a packed cell carries (+-1, +-2) and its inverse, by table: a conditional here
+  // compiles to a branch that a random sign mispredicts half the time (measured with +-1 signs: 1.5
+  // mispredictions per peeled key).
+  static double weight(uint32_t e) { return kWeights[e & kCodeMask]; }
+  static double inverse_weight(uint32_t e) { return kInverseWeights[e & kCodeMask]; }
+  // The segment (0, 1, 2) of a group cell, without a branch.
+  int segment(uint64_t c) const { return (int)(c >= seg_len_) + (int)(c >= 2 * seg_len_); }
+  // A key's record as the state slots hold it: its position p in the high half of slot 0 (above the
+  // degree), its packed cells e[3] in slots 1 and 2.
+  struct Record {
+    uint64_t pos, cells01, cells2;
+  };
+  static Record record(uint32_t p, const uint32_t e[3]) {
+    return {(uint64_t)p << 32, (uint64_t)e[0] | (uint64_t)e[1] << 32, (uint64_t)e[2]};
+  }
+  // Put a key into cell c (delta 1) or take it out (delta -1). Integer additions and XORs commute:
+  // states do not depend on the order of the updates. One 64-bit operation per slot: the degree (low
+  // half) never carries into the position (high half), as it stays below 2^32 and is never
+  // decremented below 0 (callers check).
+  void update(uint64_t c, const Record& k, uint32_t delta) {
+    CellSlot* s = &slots_[c * stride_];
+    s[0].bits = (s[0].bits ^ k.pos) + (uint64_t)(int64_t)(int32_t)delta;
+    s[1].bits ^= k.cells01;
+    s[2].bits ^= k.cells2;  // the high half is padding
+  }
+  // Prefetch the cell a packed cell of segment j names, clamped into the table: the packed value may
+  // be a stale XOR (a cell that is no longer pure), and a prefetch needs no branch to skip it.
+  void prefetch_packed(int j, uint32_t e) { prefetch((uint64_t)j * seg_len_ + std::min<uint64_t>(e >> kWeightCodeBits, seg_len_ - 1)); }
+  void prefetch(uint64_t c) {
+    __builtin_prefetch(&slots_[c * stride_], 1, 3);
+    __builtin_prefetch(&slots_[c * stride_ + stride_ - 1], 1, 3);  // the last value (block > 1)
+  }
+
+ private:
+  static constexpr uint64_t kStateSlots = 3;  // degree, position, 3 packed cells, padding
+  HugeVector<CellSlot> slots_;
+  uint64_t seg_len_ = 0, stride_ = kStateSlots + 1;
+};
+
+// kc[3i + j] = (offset of cell j of keys[i] in its segment << kWeightCodeBits) | its weight code, for i < count: the
+// packed cells of PeelTable. A pure function of each key, written as a flat loop so the compiler can
+// vectorise the 64-bit hashing; cloned for AVX-512 (64-bit multiplies in vector registers) and AVX2,
+// chosen at load time.
+void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint32_t* kc);
+
+// group[i] = the sketch group of keys[i], for i < count; vectorised like hash_cells.
+void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count, uint32_t* group);
+
+// Count keys[0, count), all of one group of `table`, into the states of t (cleared before): each
+// key's cells are hashed a chunk at a time (vectorised; kc is scratch) and its cells' lines are
+// prefetched well ahead, as each key costs only a few instructions.
+void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
+                  std::vector<uint32_t>& kc);
+
+// Turn per-part group histograms into write cursors: hist[p][g] becomes where part p's first key of
+// group g goes (groups in order, parts in order within a group), and offsets[g] the first position of
+// group g (offsets[groups] = the total). Stable bucketing of parts that cover increasing key ranges.
+void histogram_to_cursors(std::vector<std::vector<uint64_t>>& hist, uint64_t groups, std::vector<uint64_t>* offsets);
+
+// Breadth-first peeling of the keys at positions [0, count) whose states build_states put in t.
+// Cells pure at the start are queued in increasing order; resolving a key queues the cells it leaves
+// pure. Breadth-first order keeps each key's chain of earlier-peeled dependencies as short as the
+// hypergraph allows, which bounds how far float rounding errors propagate (see
+// layout.sketch_table_for).
+// `resolve(pos, cell, coef)` removes the key's contribution from its cells' values; cell[0] is the
+// pure cell it is read from, cell[1] and cell[2] the others (false aborts); coef[0] is the inverse of
+// the key's weight in cell[0] (its value is coef[0] times that cell), coef[1] and coef[2] its weights
+// in the other two. Returns the number of
+// keys resolved; sets `*bad` if the states are inconsistent (a guard: states built by build_states
+// are consistent whatever the payload holds).
+template <typename Resolve>
+uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolve&& resolve, bool* bad) {
+  const uint64_t cells = t.cells();
+  // A cell enters the queue once at most: pure at the start, or when its count drops to 1 (counts
+  // only decrease, and a cell pure at the start only drops to 0).
+  queue.resize(cells);
+  uint64_t tail = 0;
+  for (uint64_t c = 0; c < cells; ++c) {
+    queue[tail] = (uint32_t)c;
+    tail += t.deg(c) == 1;
+  }
+  uint32_t resolved = 0;
+  constexpr uint64_t kAhead = 8;
+  for (uint64_t head = 0; head < tail; ++head) {
+    // Software pipeline: load the state of the cell queued 2 * kAhead ahead; kAhead ahead, its state
+    // names its key's other cells (if it is still pure then, it stays so): load those too.
+    // Branch-free apart from the stale-entry test: the weights of random keys and which of its three
+    // cells a key is read from are coin flips to a branch predictor.
+    if (head + kAhead < tail) {
+      const uint64_t c = queue[head + kAhead];
+      for (int j = 0; j < 3; ++j) t.prefetch_packed(j, t.packed(c, j));
+      if (head + 2 * kAhead < tail) t.prefetch(queue[head + 2 * kAhead]);
+    }
+    const uint64_t c = queue[head];
+    if (t.deg(c) != 1) continue;  // its last key was resolved through another cell meanwhile
+    const uint32_t pos = t.pos(c);
+    const uint32_t e[3] = {t.packed(c, 0), t.packed(c, 1), t.packed(c, 2)};
+    const uint64_t cell[3] = {t.cell(0, e[0]), t.cell(1, e[1]), t.cell(2, e[2])};
+    const int pure = t.segment(c);  // the key's cell in c's segment is c, if the state is consistent
+    if (cell[pure] != c || pos >= count) { *bad = true; return resolved; }
+    // The pure cell first, then the other two in their order (which fixes the queue order).
+    const int j1 = (int)(pure == 0), j2 = 2 - (int)(pure == 2);
+    const uint64_t ordered[3] = {c, cell[j1], cell[j2]};
+    const double coef[3] = {PeelTable::inverse_weight(e[pure]), PeelTable::weight(e[j1]), PeelTable::weight(e[j2])};
+    if (!resolve(pos, ordered, coef)) return resolved;
+    ++resolved;
+    // The pure cell is left with no key; nothing reads its state again (it is dequeued already).
+    const PeelTable::Record k = PeelTable::record(pos, e);
+    for (int j = 1; j < 3; ++j) {
+      const uint64_t d = ordered[j];
+      if (t.deg(d) == 0) { *bad = true; return resolved; }
+      t.update(d, k, (uint32_t)-1);
+      queue[tail] = (uint32_t)d;
+      tail += t.deg(d) == 1;
+    }
+  }
+  return resolved;
+}
+
+// The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
+// share all three cells, each cell holding just the two of them. Cell j holds
+// R_j = w_j(a) v_a + w_j(b) v_b; two of the cells solve the pair as lhc::pair_cells states (one
+// subtraction and one division, about as exact as reading a pure cell). A pair whose weight ratios
+// w_j(a) / w_j(b) agree in all three cells (5/128 of them) is unsolvable and stays unresolved.
+// `solve(pos_a, pos_b, cells, wa, wb, va, vb)` receives each solved pair (its cells, its keys'
+// weights there, its values), in increasing order of its cell in the group's first segment; the
+// states are left as they are (the pair's cells are not read again). The value sketch and the
+// multilevel fine tables (signed integer patterns, checked by their caller) share it.
+// Runs only after a stalled peel: it hashes every key of the group once. Returns the keys solved.
+template <typename Solve>
+uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
+                     std::vector<uint32_t>& kc, Solve&& solve) {
+  const uint64_t seg_len = t.cells() / 3;
+  // Candidate cells of the first segment: two keys left, and the XOR of their packed cells names the
+  // same offset in every segment (only the weight codes may differ).
+  std::vector<char> candidate(seg_len, 0);
+  bool any = false;
+  for (uint64_t o = 0; o < seg_len; ++o) {
+    if (t.deg(o) != 2) continue;
+    bool same = true;
+    for (int j = 0; j < 3; ++j) same &= (t.packed(o, j) >> kWeightCodeBits) == 0;
+    candidate[o] = same;
+    any |= same;
+  }
+  if (!any) return 0;
+  // Every key whose first cell is a candidate, peeled or not, by cell then position. A peeled key
+  // never has the same three cells as an unresolved one (it could not have been alone in any of
+  // them), so within a cell the pair is the two keys with equal cells whose positions XOR to the
+  // state's.
+  kc.resize(3 * (uint64_t)count);
+  hash_cells(table, keys, count, kc.data());
+  std::vector<std::pair<uint32_t, uint32_t>> members;  // (first cell, position)
+  for (uint32_t p = 0; p < count; ++p) {
+    const uint32_t first = kc[3 * (uint64_t)p] >> kWeightCodeBits;
+    if (candidate[first]) members.emplace_back(first, p);
+  }
+  std::sort(members.begin(), members.end());
+  uint32_t solved = 0;
+  std::vector<double> va(block), vb(block);
+  for (size_t i = 0; i < members.size();) {
+    size_t e = i;
+    while (e < members.size() && members[e].first == members[i].first) ++e;
+    const uint64_t o = members[i].first;
+    for (size_t x = i; x < e; ++x)
+      for (size_t y = x + 1; y < e; ++y) {
+        const uint32_t a = members[x].second, b = members[y].second;
+        if ((a ^ b) != t.pos(o)) continue;
+        const uint32_t* ea = &kc[3 * (uint64_t)a];
+        const uint32_t* eb = &kc[3 * (uint64_t)b];
+        uint64_t cell[3];
+        bool pair = true;
+        for (int j = 0; j < 3; ++j) {
+          cell[j] = t.cell(j, ea[j]);
+          pair &= (ea[j] >> kWeightCodeBits) == (eb[j] >> kWeightCodeBits) && t.deg(cell[j]) == 2 &&
+                  t.pos(cell[j]) == (a ^ b);
+        }
+        if (!pair) continue;
+        int wa[3], wb[3];
+        for (int j = 0; j < 3; ++j) {
+          wa[j] = weight_of_code(ea[j] & kCodeMask);
+          wb[j] = weight_of_code(eb[j] & kCodeMask);
+        }
+        const PairCells pc = pair_cells(wa, wb);
+        if (pc.det == 0) continue;  // proportional weights: unsolvable
+        const double* Rp = t.values(cell[pc.p]);
+        const double* Rq = t.values(cell[pc.q]);
+        const double det = pc.det;
+        const double wap = wa[pc.p], waq = wa[pc.q], wbp = wb[pc.p], wbq = wb[pc.q];
+        for (uint64_t l = 0; l < block; ++l) {
+          va[l] = (wbq * Rp[l] - wbp * Rq[l]) / det;
+          vb[l] = (wap * Rq[l] - waq * Rp[l]) / det;
+        }
+        for (int j = 0; j < 3; ++j) t.deg(cell[j]) = 0;
+        solve(a, b, cell, wa, wb, va.data(), vb.data());
+        solved += 2;
+      }
+    i = e;
+  }
+  return solved;
+}
+
+}  // namespace detail
+}  // namespace cpu
+}  // namespace lhc

@@ -1,0 +1,280 @@
+// The lossless codec's CUDA kernels (see codec_kernels.cuh): decode's value peel over the support, the
+// two-key pairs it leaves, and the output.
+#pragma once
+
+#include "codec_index.cuh"
+
+namespace lhc {
+namespace gpu {
+
+// -------------------------------------------------------------------------------------------------
+// Decode: value peel
+// -------------------------------------------------------------------------------------------------
+
+// Support size known (after the last compaction): record it, and abort on a degree overflow.
+extern "C" __global__ void lhc_support_ready(DecodeCounters* counters, uint64_t support_is_candidates) {
+  if (global_thread() != 0) return;
+  counters->support = counters->list_count;
+  if (support_is_candidates) counters->candidates = counters->list_count;
+}
+
+// Raise abort if any flag of `mask` is set (one thread, between two stages).
+extern "C" __global__ void lhc_abort_if(DecodeCounters* counters, uint64_t mask) {
+  if (global_thread() == 0 && (counters->flags & (unsigned int)mask)) counters->abort = 1;
+}
+
+// Exclusive scan of deg over cells (CSR offsets of the cell -> key adjacency), tile by tile.
+extern "C" __global__ void lhc_degree_tiles(const unsigned int* deg, uint64_t cells, unsigned long long* tile_sum) {
+  tile_count(cells, tile_sum, [&](uint64_t c) { return deg[c]; });
+}
+
+// offsets[c] = keys in the cells before c (every cell, empty or not); offsets[cells] = the total.
+extern "C" __global__ void lhc_degree_offsets(const unsigned int* deg, uint64_t cells,
+                                              const unsigned long long* tile_offset, unsigned int* offsets,
+                                              const DecodeCounters* counters) {
+  if (counters->abort) return;  // uniform over the grid
+  const uint64_t first = (uint64_t)blockIdx.x * kTileItems;
+  unsigned long long running = tile_offset[blockIdx.x];
+  for (int r = 0; r < kTileRounds; ++r) {
+    const uint64_t c = first + (uint64_t)r * kTileThreads + threadIdx.x;
+    const unsigned int d = c < cells ? deg[c] : 0u;
+    unsigned int total;
+    const unsigned int before = block_exclusive_scan(d, &total);
+    if (c < cells) {
+      offsets[c] = (unsigned int)(running + before);
+      if (c == cells - 1) offsets[cells] = (unsigned int)(running + before + d);
+    }
+    running += total;
+  }
+}
+
+// A value-peel adjacency entry: (key position << kWeightCodeBits) | the key's weight code in the
+// cell (lhc_layout.h key_cell_code). Positions stay below 2^(32 - kWeightCodeBits): the host caps
+// the support list there (lossless_hc/backends/cuda.py MAX_PEEL_POSITIONS).
+constexpr unsigned int kAdjCodeMask = (1u << kWeightCodeBits) - 1u;
+__device__ __forceinline__ unsigned int adj_position(unsigned int entry) { return entry >> kWeightCodeBits; }
+
+// 1 / w for a weight w of +-1 or +-2, exactly: a key read from its pure cell is R * (1 / w).
+__device__ __forceinline__ double inverse_weight(int w) { return (double)w * ((w & 1) ? 1.0 : 0.25); }
+
+// Fill the adjacency: adj[offsets[c] + slot] = (position << kWeightCodeBits) | code for each key in
+// c. The slot order depends on scheduling; lhc_sort_adjacency fixes it.
+extern "C" __global__ void lhc_fill_adjacency(const uint64_t* table_words, const uint32_t* keys,
+                                              const unsigned int* offsets, unsigned int* cursor, unsigned int* adj,
+                                              const DecodeCounters* counters) {
+  if (counters->abort) return;
+  const SegmentedTable t = load_table(table_words);
+  const uint32_t n = (uint32_t)counters->support;  // list_count now holds the degree scan's total
+  for (uint64_t p = global_thread(); p < n; p += grid_threads()) {
+    const uint64_t h = key_hash(t, keys[p]);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      uint32_t code;
+      const uint64_t c = key_cell_code(t, h, j, &code);
+      const unsigned int slot = atomicAdd(cursor + c, 1u);
+      adj[offsets[c] + slot] = ((unsigned int)p << kWeightCodeBits) | code;
+    }
+  }
+}
+
+// Sort each cell's adjacency by key position (insertion sort: at most kMaxCellDegree entries, ~2.4
+// on average; a key is in a cell once, so entries sort as their positions), so phase C subtracts in
+// a fixed order; and set xr[c] to the XOR of the cell's key
+// positions (every cell: 0 when empty), the state the peel's phase A reads a pure cell's key from.
+extern "C" __global__ void lhc_sort_adjacency(const unsigned int* offsets, const unsigned int* deg, uint64_t cells,
+                                              unsigned int* adj, unsigned int* xr, const DecodeCounters* counters) {
+  if (counters->abort) return;
+  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
+    const unsigned int d = deg[c];
+    unsigned int* a = adj + offsets[c];
+    unsigned int x = 0;
+    for (unsigned int i = 0; i < d; ++i) {
+      const unsigned int v = a[i];
+      x ^= adj_position(v);
+      unsigned int j = i;
+      for (; j > 0 && a[j - 1] > v; --j) a[j] = a[j - 1];
+      a[j] = v;
+    }
+    xr[c] = x;
+  }
+}
+
+// Cell values in double precision (cells x block), flagging NaN/Inf cells.
+extern "C" __global__ void lhc_load_cells(const uint64_t* layout, const float* payload, double* val,
+                                          DecodeCounters* counters) {
+  if (counters->abort) return;
+  const CodecLayout L = load_layout(layout);
+  const float* sketch = payload + L.sketch_offset;
+  const uint64_t n = L.sketch.cells() * L.block;
+  bool non_finite = false;
+  for (uint64_t i = global_thread(); i < n; i += grid_threads()) {
+    const float f = sketch[i];
+    non_finite |= (__float_as_uint(f) & 0x7f800000u) == 0x7f800000u;
+    val[i] = (double)f;
+  }
+  if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
+}
+
+// The value peel (cooperative launch): rounds of A) propose, B) read each proposed key's value from
+// its cell (R / w, as R times the exact inverse of the key's weight there), C) every touched cell
+// subtracts w * v, in increasing key position, for the keys peeled this round (walking its sorted
+// adjacency, which carries their weight codes), updates its degree and queues itself if left with
+// one key. Products by +-1, +-2 and their inverses are exact, so each step rounds once.
+// Work items of B and C are (entry, lane) pairs, so wide blocks spread over threads.
+extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
+                                           double* val, unsigned int* deg, unsigned int* xr, unsigned int* src,
+                                           unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
+                                           const unsigned int* adj, unsigned int* stamp, unsigned int* pure0,
+                                           unsigned int* pure1, unsigned int* list0, unsigned int* list1,
+                                           unsigned int* dirty0, unsigned int* dirty1, PeelControl* control,
+                                           DecodeCounters* counters) {
+  if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
+  const SegmentedTable t = load_table(table_words);
+  const uint32_t nkeys = (uint32_t)counters->support;
+  volatile PeelControl* vc = control;
+  bool bad = false;
+  for (unsigned int r = 0;; ++r) {
+    PeelRound q;
+    const unsigned int npure = begin_round(r, nkeys, control, pure0, pure1, list0, list1, &q, true);
+    if (npure == 0) break;
+    const unsigned int par = q.par;
+    unsigned int* const pure_now = q.pure_now;
+    unsigned int* const pure_next = q.pure_next;
+    unsigned int* const list_now = q.list_now;
+    unsigned int* const dirty_now = par ? dirty1 : dirty0;
+    // A: propose.
+    propose(t, keys, nkeys, deg, xr, peeled_round, src, pure_now, npure, list_now, &control->keys[par], &bad);
+    grid_barrier(control->barrier);
+    // B: each listed key reads its value from its source cell (exclusively its own: degree 1).
+    const unsigned int nlist = vc->keys[par];
+    for (uint64_t item = global_thread(); item < (uint64_t)nlist * block; item += grid_threads()) {
+      const uint64_t i = item / block, lane = item - i * block;
+      const unsigned int p = load_cg(list_now + i);
+      const unsigned int c = load_cg(src + p);
+      uint64_t cells[3];
+      int weights[3];
+      const int slot = cell_slot(t, keys[p], c, cells, weights);
+      if (slot < 0) { bad = true; continue; }  // a guard: propose checked c is one of p's cells
+      const int w = slot == 0 ? weights[0] : slot == 1 ? weights[1] : weights[2];  // no local-memory indexing
+      key_val[(uint64_t)p * block + lane] = inverse_weight(w) * load_cg(val + (uint64_t)c * block + lane);
+      if (lane == 0) {
+        peeled_round[p] = r;
+        deg[c] = 0;
+        xr[c] = 0;
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          if (j == slot) continue;
+          const unsigned int cj = (unsigned int)cells[j];
+          if (atomicExch(stamp + cj, r) != r) queue_push(dirty_now, &control->dirty[par], cj);
+        }
+      }
+    }
+    grid_barrier(control->barrier);
+    // C: touched cells subtract this round's keys (w * v) in adjacency (key position) order.
+    const unsigned int ndirty = vc->dirty[par];
+    for (uint64_t item = global_thread(); item < (uint64_t)ndirty * block; item += grid_threads()) {
+      const uint64_t i = item / block, lane = item - i * block;
+      const unsigned int c = load_cg(dirty_now + i);
+      const unsigned int begin = offsets[c], end = offsets[c + 1];
+      double v = load_cg(val + (uint64_t)c * block + lane);
+      unsigned int removed = 0, removed_xor = 0;
+      for (unsigned int e = begin; e < end; ++e) {
+        const unsigned int entry = adj[e];
+        const unsigned int p = adj_position(entry);
+        if (load_cg(peeled_round + p) != r) continue;
+        const double kv = load_cg(key_val + (uint64_t)p * block + lane);
+        // v - w * kv (weight_of_code), exactly: kv doubled for magnitude 2, added for a negative w.
+        const double m = (entry & 1u) ? kv + kv : kv;
+        v = (entry & 2u) ? v + m : v - m;
+        ++removed;
+        removed_xor ^= p;
+      }
+      val[(uint64_t)c * block + lane] = v;
+      if (lane == 0) {
+        const unsigned int d = load_cg(deg + c);
+        if (removed > d) { bad = true; continue; }
+        deg[c] = d - removed;
+        xr[c] = load_cg(xr + c) ^ removed_xor;
+        if (d != 1u && d - removed == 1u) queue_push(pure_next, &control->pure[par ^ 1u], c);
+      }
+    }
+    grid_barrier(control->barrier);
+  }
+  if (bad) atomicOr(&counters->flags, (unsigned int)kFlagValueBad);
+}
+
+// After the value peel stalls: the two-key stopping sets (see the CPU backend's solve_pairs). One
+// thread per cell of a group's first segment holding two unresolved keys a < b: if they have the
+// same three cells, each holding just the two of them, cell j holds R_j = wa_j v_a + wb_j v_b, and
+// lhc_layout.h pair_cells picks two cells p < q with det = wa_p wb_q - wa_q wb_p != 0 (det == 0:
+// proportional weights, unsolvable); then, exactly in this form (exact products, one subtraction,
+// one division, as every backend computes it),
+//     v_a = (wb_q R_p - wb_p R_q) / det,    v_b = (wa_p R_q - wa_q R_p) / det.
+// Pairs are disjoint (their cells hold nothing else), so threads never touch the same key or cell;
+// each writes its keys' values, source cell (their first cell) and round kPairRound.
+extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
+                                           const double* val, const unsigned int* deg, unsigned int* src,
+                                           unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
+                                           const unsigned int* adj, DecodeCounters* counters) {
+  if (counters->abort) return;
+  const SegmentedTable t = load_table(table_words);
+  const uint64_t first_cells = t.groups() * t.seg_len;  // cells of the groups' first segments
+  for (uint64_t i = global_thread(); i < first_cells; i += grid_threads()) {
+    const uint64_t c = (i / t.seg_len) * t.group_cells() + i % t.seg_len;
+    if (deg[c] != 2u) continue;
+    // The cell's two unresolved keys, in position order (the adjacency is sorted).
+    unsigned int ab[2], found = 0;
+    for (unsigned int e = offsets[c]; e < offsets[c + 1]; ++e) {
+      const unsigned int p = adj_position(adj[e]);
+      if (peeled_round[p] != kNotPeeled) continue;
+      if (found < 2) ab[found] = p;
+      ++found;
+    }
+    if (found != 2) continue;
+    uint64_t ca[3], cb[3];
+    int wa[3], wb[3];
+    key_cells(t, keys[ab[0]], ca, wa);
+    key_cells(t, keys[ab[1]], cb, wb);
+    if (ca[0] != c || ca[0] != cb[0] || ca[1] != cb[1] || ca[2] != cb[2] || deg[ca[1]] != 2u || deg[ca[2]] != 2u)
+      continue;
+    const PairCells pc = pair_cells(wa, wb);
+    if (pc.det == 0) continue;  // proportional weights: unsolvable
+    // p is 0 or 1, q is 1 or 2: selected without indexing the local arrays (no local memory).
+    const uint64_t cp = pc.p == 0 ? ca[0] : ca[1], cq = pc.q == 1 ? ca[1] : ca[2];
+    const double wap = pc.p == 0 ? wa[0] : wa[1], waq = pc.q == 1 ? wa[1] : wa[2];
+    const double wbp = pc.p == 0 ? wb[0] : wb[1], wbq = pc.q == 1 ? wb[1] : wb[2];
+    const double det = (double)pc.det;
+    for (uint64_t lane = 0; lane < block; ++lane) {
+      const double Rp = val[cp * block + lane], Rq = val[cq * block + lane];
+      key_val[(uint64_t)ab[0] * block + lane] = (wbq * Rp - wbp * Rq) / det;
+      key_val[(uint64_t)ab[1] * block + lane] = (wap * Rq - waq * Rp) / det;
+    }
+    for (int k = 0; k < 2; ++k) {
+      src[ab[k]] = (unsigned int)c;
+      peeled_round[ab[k]] = kPairRound;
+    }
+  }
+}
+
+// Output: every recovered key's block (float), NaN for keys the peel could not recover; `out` was
+// zeroed by the caller, so keys outside the support stay exact zeros. Counts the peeled keys.
+extern "C" __global__ void lhc_write_output(const uint64_t* layout, const uint32_t* keys,
+                                            const unsigned int* peeled_round, const double* key_val, float* out,
+                                            DecodeCounters* counters) {
+  if (counters->abort) return;
+  const CodecLayout L = load_layout(layout);
+  const uint32_t n = (uint32_t)counters->support;
+  const uint64_t B = L.block;
+  unsigned int peeled = 0;  // one counter atomic per warp, as in lhc_encode_scan_b1
+  for (uint64_t item = global_thread(); item < (uint64_t)n * B; item += grid_threads()) {
+    const uint64_t p = item / B, lane = item - p * B;
+    const uint64_t at = (uint64_t)keys[p] * B + lane;
+    const bool done = peeled_round[p] != kNotPeeled;
+    peeled += (lane == 0 && done) ? 1u : 0u;
+    if (at < L.numel) out[at] = done ? (float)key_val[p * B + lane] : __int_as_float(0x7fc00000);
+  }
+  warp_add(&counters->peeled, peeled);
+}
+
+}  // namespace gpu
+}  // namespace lhc

@@ -127,14 +127,12 @@ class CapacityPolicy:
     Per decoded step the tracker observes, from the *aggregate* (identical bits on every rank): the
     union support ``U`` (keys non-zero in the sum: the codec's report, or the non-zeros of a dense
     or fallback aggregate) and the mean per-rank key count ``K / n`` (the header's total). It keeps
-    exponentially weighted averages :math:`ar U \leftarrow (1-lpha)ar U + lpha U` (and likewise
+    exponentially weighted averages :math:`\bar U \leftarrow (1-\alpha)\bar U + \alpha U` (and likewise
     for the per-rank count and its running maximum). Every ``interval`` decoded steps -- a step
     count all ranks share -- it proposes
 
-    * union capacity :math:`\lceil h_U \max(ar U, U_{\max}) 
-ceil` and per-rank capacity
-      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) 
-ceil` (``U_max``, ``(K/n)_max``: the largest
+    * union capacity :math:`\lceil h_U \max(\bar U, U_{\max}) \rceil` and per-rank capacity
+      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) \rceil` (``U_max``, ``(K/n)_max``: the largest
       seen in the last interval, so a spiky tensor keeps room for its spikes);
 
     and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.lhc.cost_model`)

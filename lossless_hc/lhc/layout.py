@@ -34,9 +34,7 @@ INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 5             # 2: value sketches sized for the decoder's pair solving; 3: multilevel fine tables in groups;
-                               # 4: value-sketch weights +-1, +-2, tables sized for 4- and 6-key stopping sets;
-                               # 5: signed multilevel fine tables (their pairs solved)
+LAYOUT_VERSION = 5             # joins every fingerprint; history in docs/DESIGN.md ("Layout versions")
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)

@@ -41,80 +41,21 @@ GROUP_KEYS = 1 << 17
 
 
 def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
-    """Size the value sketch so that peeling ``keys`` candidate keys fails with probability
-    below ``PEEL_FAILURE_TARGET``.
+    """The value sketch for ``keys`` candidate keys: the smallest segmented table whose peeling
+    fails with probability below ``PEEL_FAILURE_TARGET``.
 
-    Derivation. Peeling a 3-uniform random hypergraph (keys = edges, cells = vertices) removes every
-    edge iff the hypergraph has an empty 2-core. For three independent tables this happens w.h.p.
-    when cells/keys > 1/0.8185 ~= 1.222 (the 2-core threshold for k = 3). Two finite-size effects
-    matter on top of the asymptotic threshold:
+    * Cells: ``SKETCH_CELLS_PER_KEY`` (1.25) per key plus a ``3 sqrt(keys)`` margin over the 2-core
+      threshold of a 3-uniform hypergraph (1.222), and at least what keeps the small stopping sets
+      (two keys sharing all three cells, and the 4- and 6-key sets; :func:`small_stopping_sets`)
+      below the target, counting only the pairs the decoder cannot solve (``pair_share``).
+    * Groups: above ``2 * GROUP_KEYS`` keys the table is split into G groups of three segments,
+      each sized for its Binomial(keys, 1/G) share plus ``4 sqrt`` (peeled in cache, in parallel);
+      the pair bound caps G.
+    * Weights: a single-group table loaded at most 1/``WEIGHTED_MIN_CELLS_PER_KEY`` uses weights
+      +-1, +-2 (``weighted``) when that is smaller than the signed table (in practice below ~600
+      keys); its pairs are then unsolvable only ``PAIR_UNSOLVABLE_SHARE_WEIGHTS`` of the time.
 
-    * small stopping sets: two keys that share all three cells form a 2-core by themselves. With
-      ``t = cells/3`` cells per table that happens with probability ~ ``keys**2 / (2 t**3)`` =
-      ``13.5 keys**2 / cells**3``; keeping it below the target needs
-      ``cells >= (13.5 keys**2 / target)**(1/3)``, which dominates below ~6000 keys. Four keys
-      that every segment pairs up (two cells of two keys each; ~``1.125 keys**4 / t**6``) and six
-      likewise (~``4.7 keys**6 / t**9``) are the next terms; they matter once most pairs are
-      solved (below). :func:`small_stopping_sets` sums the three, and the table is the smallest
-      whose sum (times the groups) is below the target.
-    * the threshold window: fluctuations of order ``sqrt(keys)`` around the threshold, covered by a
-      ``3 sqrt(keys)`` margin.
-
-    * accuracy: the decoder reads a key from one cell after subtracting keys peeled before it,
-      so a cell's float32 rounding error reaches every key peeled after it through that cell.
-      Peeling breadth-first (in rounds) keeps those chains as short as the hypergraph allows, and
-      the chains shorten quickly as the load moves away from the threshold. Measured with 320k keys
-      (8 ranks, N(0,1) values): max abs error 2e-5 at 1.23 cells/key, 9e-6 at 1.25, 3e-6 at 1.30.
-      We use ``SKETCH_CELLS_PER_KEY`` = 1.25.
-
-    Groups. Peeling jumps between random cells, so a sketch much larger than the CPU caches is
-    peeled at DRAM latency. Above ``GROUP_KEYS`` keys the table is split into ``G`` groups of three
-    sub-tables; a key hashes to one group, and the decoder peels the groups one by one (each fits in
-    cache) and in parallel. A group receives Binomial(N, 1/G) keys, so it is sized for
-    ``N/G + 4 sqrt(N/G)`` keys. Groups multiply the small-stopping-set term: with ``G`` groups of
-    ``n = N/G`` keys the pair probability is ``G * 13.5 n**2 / cells_g**3``, which caps ``G`` at
-    about ``sqrt(target * N / 7)`` for the 1.25 load (divided by the pair share below).
-
-    Pairs the decoder solves. A value sketch's pair is not always a failure: its two keys ``a, b``
-    leave three cells holding ``w_j(a) v_a + w_j(b) v_b`` (j = 0, 1, 2), three equations in two
-    unknowns, where ``w_j`` is the key's weight in cell j (``lhc::weight_of_code``). Unless the
-    columns are proportional (the ratios ``w_j(a) / w_j(b)`` all equal), two cells p, q with
-    ``det = w_p(a) w_q(b) - w_q(a) w_p(b) != 0`` give ``v_a = (w_q(b) R_p - w_p(b) R_q) / det`` and
-    ``v_b = (w_p(a) R_q - w_q(a) R_p) / det`` (``lhc::pair_cells`` picks the pair of cells with the
-    largest ``|det|``): one subtraction and one division in double, about as exact as reading a pure
-    cell. With signs (``w`` = +-1) a quarter of the pairs are proportional
-    (``PAIR_UNSOLVABLE_SHARE_SIGNS``), so the pair term shrinks by ``4**(1/3)`` = 1.59x in cells, and
-    the cap on ``G`` grows by 2. (The integer tables of the Bloom and multilevel indexes add +1
-    counts, so all their pairs are proportional: they keep the full pair term. The multilevel fine
-    tables are signed and solve their pairs: see fine_table_for.)
-
-    Weights. With weights uniform on {+1, +2, -1, -2} only 5/128 of the pairs are proportional
-    (``PAIR_UNSOLVABLE_SHARE_WEIGHTS``) and the 4-key sets size a small table: 210 keys (blocks of
-    32 at density 1e-4 of 2^26 coordinates) need 1.81 cells per key instead of 2.53. Multiplying by
-    +-2 and dividing by it are exact, but a key read from a cell whose other keys weigh 2 when it
-    weighs 1 takes their errors doubled, so along a peeling chain errors grow by ~1.125x per step
-    more than with signs. Measured (1 rank, N(0,1) values, ~180 decodes per point, max abs error;
-    median in brackets):
-
-    ==========  ==================  ==================  ==================
-    cells/key   210 keys s / w      500 keys s / w      1000 keys s / w
-    ==========  ==================  ==================  ==================
-    1.3         4.5e-6 / 1.7e-4     6.9e-6 / 3.8e-4     5.3e-6 / 2.6e-4
-    1.5         1.4e-6 / 5.0e-6     1.7e-6 / 1.6e-5     1.3e-6 / 1.2e-5
-                (4.8e-7 / 1.0e-6)   (6.4e-7 / 1.7e-6)   (7.2e-7 / 2.1e-6)
-    1.8         7.2e-7 / 1.9e-6     1.0e-6 / 2.2e-6     8.9e-7 / 3.6e-6
-    ==========  ==================  ==================  ==================
-
-    and with the threshold-sized tables of 1e4-1e5 keys errors grew 50-100x (to ~1e-3). Tables are
-    therefore weighted only where that buys cells and stays accurate: a single group, loaded at
-    most 1/``WEIGHTED_MIN_CELLS_PER_KEY`` (1.6 cells per key, where the errors stay within those
-    of the large signed tables, ~1e-5), and only if that is smaller than the signed table. In
-    practice: below ~600 keys.
-
-    A spatially coupled layout (keys spread over three *consecutive* segments of many) would peel
-    down to ~1.13 cells/key, but its peeling advances as a slow wave whose long dependency chains
-    amplify rounding errors by orders of magnitude (measured: max error 0.08 at 1.23, 744 at 1.15):
-    not acceptable for a lossless codec.
+    The derivation and the error measurements behind these rules: docs/DESIGN.md, "Sizing".
     """
     if keys < 0:
         raise ValueError(f"keys must be >= 0, got {keys}")

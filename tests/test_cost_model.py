@@ -98,7 +98,7 @@ def test_choices_are_deterministic():
 
 def test_choices_are_rank_and_process_independent():
     """Another interpreter (another hash seed, as another rank would be) picks the same layouts."""
-    code = ("import json; from lossless_hc import cost_model as c; "
+    code = ("import json; from lossless_hc.lhc import cost_model as c; "
             "print(json.dumps([[c.plan_for_density(1 << 22, n, p, b).layout.fingerprint, "
             "c.plan_for_density(1 << 22, n, p, b).layout.payload_numel] "
             "for n in (2, 16) for p in (1e-4, 1e-2, 0.2) for b in (1, 32)]))")
@@ -111,7 +111,10 @@ def test_choices_are_rank_and_process_independent():
     assert json.loads(out.stdout) == here
 
 
-def test_docstring_derives_the_bound_and_its_limits():
-    doc = cost_model.__doc__
+def test_design_notes_derive_the_bound_and_its_limits():
+    """docs/DESIGN.md ("Cost model") holds the derivation the module's docstring points to."""
+    design = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "DESIGN.md")).read()
+    doc = design[design.index("## Cost model"):]
+    assert "docs/DESIGN.md" in cost_model.__doc__
     for needle in ("log_2", "32 u", "n+1", "1.23", "22", "false positive", "Candidates"):
         assert needle.lower() in doc.lower(), needle

@@ -325,12 +325,12 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(monkeypatch):
 
 
 def test_missing_cuda_kernels_is_a_clear_error(monkeypatch):
-    from lossless_hc.backends import cuda as _cuda
+    from lossless_hc.backends import cuda_runtime
 
     def unavailable():
         raise ImportError("lossless_hc has no CUDA kernels available: lossless_hc._C_cuda is not built")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_cuda, "launcher", unavailable)
+    monkeypatch.setattr(cuda_runtime, "launcher", unavailable)
     with pytest.raises(ImportError, match=r"THCCodec\(device='cuda'\): lossless_hc has no CUDA kernels"):
         lhc.THCCodec(100, 2, device="cuda")
 

@@ -232,7 +232,7 @@ def test_low_density_auto_uses_several_levels():
 def test_large_fine_tables_are_grouped():
     """Fine tables past 2 * GROUP_KEYS nodes are split into groups like the value sketch; the word
     headroom still covers load_cap nodes per cell."""
-    from lossless_hc.lhc import layout as lay
+    from lossless_hc.lhc import sizing as lay
     m = multilevel_plan(1 << 26, 5_368_712, 8, 1)
     lv = m.levels[0]
     assert lv.table.seg_count > 3 and lv.table.seg_count % 3 == 0

@@ -14,7 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "mp", "horovod_worker.py")
 EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes"]
-ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "seed_mismatch": "ConfigurationMismatch"}
+ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_only": "ValueError",
+          "seed_mismatch": "ConfigurationMismatch"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
 TOL = 1e-6
 

@@ -177,10 +177,6 @@ def test_random_bits_are_rejected(index, seed, keep_header, specials, averaged):
     assert not rep.ok
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue #19: a valid-looking corrupted index word (bitmap word 31: 5120 -> 2 moves counts between keys) "
-    "decodes ok=True on CPU and in the reference, with different values at key 454; no residual check after "
-    "peeling catches the wrong support yet"))
 @settings(max_examples=60)
 @given(index=st.sampled_from(["bitmap", "bloom", "multilevel"]), data=st.data())
 def test_corrupted_integer_fields_are_rejected_or_harmless(index, data):
@@ -211,7 +207,25 @@ def test_corrupted_integer_fields_are_rejected_or_harmless(index, data):
     assert rep.ok == info["ok"], (rep.reason, info["reason"])
     if rep.ok:
         assert rep.support == info["support"]
-        assert bool(((y.double() - yr).abs() <= 1e-4 * (1 + yr.abs())).all())
+        if not bool(((y.double() - yr).abs() <= 1e-4 * (1 + yr.abs())).all()):
+            # Only a valid-looking corruption gets here: both decoders accepted a wrong support.
+            pytest.xfail(KNOWN_UNDETECTED)
+
+
+KNOWN_UNDETECTED = ("issue #19: a valid-looking corrupted index word moves counts between keys; CPU and reference both "
+                    "decode ok=True (differently) because nothing checks the sketch's residual after peeling")
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_UNDETECTED)
+def test_valid_looking_index_corruption_is_caught():
+    """The case the property test above found (bitmap word 31: 5120 -> 2): a decode must reject it,
+    or at least agree with the reference. Fails until issue #19's residual check lands."""
+    codec, xs, summed = CODECS["bitmap"]
+    payload = summed.clone()
+    payload[31] = 2.0
+    y, rep = decode_no_crash(codec, payload)
+    yr, info = reference.decode(codec.layout, payload)
+    assert not rep.ok or bool(((y.double() - yr).abs() <= 1e-4 * (1 + yr.abs())).all())
 
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])

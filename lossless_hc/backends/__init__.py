@@ -7,8 +7,8 @@
 :func:`backend_for` returns the backend of a device; the codecs (``lossless_hc.lhc``,
 ``lossless_hc.thc``) call only its methods and hold no device branches. Every backend implements:
 
-* ``require(device) -> device``: raise a clear error unless its kernels can run there; returns the
-  device pinned to an index (CUDA).
+* ``require(device, user) -> device``: raise a clear error (naming ``user``, the codec) unless its
+  kernels can run there; returns the device pinned to an index (CUDA).
 * ``empty(numel, device)``: a float32 output buffer.
 * ``lhc_layout(layout, device)``, ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads) -> pending`` with

@@ -143,7 +143,7 @@ class CpuBackend:
 
     name = "cpu"
 
-    def require(self, device: torch.device) -> torch.device:
+    def require(self, device: torch.device, user: str) -> torch.device:
         _require_module()
         return device
 

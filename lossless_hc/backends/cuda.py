@@ -535,11 +535,14 @@ class CudaBackend:
 
     name = "cuda"
 
-    def require(self, device: torch.device) -> torch.device:
+    def require(self, device: torch.device, user: str) -> torch.device:
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device {device} needs a CUDA device, and torch sees none "
+            raise RuntimeError(f"{user}(device='cuda') needs a CUDA device, and torch sees none "
                                "(torch.cuda.is_available() is False)")
-        cuda_runtime.launcher()
+        try:
+            cuda_runtime.launcher()
+        except ImportError as exc:
+            raise ImportError(f"{user}(device='cuda'): {exc}") from None
         # Tensors report their device with an index: pin to the current one.
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 

@@ -272,12 +272,6 @@ def backend_name() -> str:
     return launcher().name
 
 
-def require(device: torch.device) -> None:
-    """Raise a clear error unless CUDA kernels can run on ``device``."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("LosslessCodec(device='cuda') needs a CUDA device, and torch sees none "
-                           "(torch.cuda.is_available() is False)")
-    launcher()
 
 
 class Arena:

@@ -28,15 +28,6 @@ _STATE_SUM_OFFSET = 8  # ThcState::sum_squares
 _STATE_BAD_INDEX = 2   # ThcState::bad_words as an int64 index
 
 
-def require(device: torch.device) -> None:
-    """Raise a clear error unless THC's CUDA kernels can run on ``device``."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("THCCodec(device='cuda') needs a CUDA device, and torch sees none "
-                           "(torch.cuda.is_available() is False)")
-    try:
-        cuda_runtime.launcher()
-    except ImportError as exc:
-        raise ImportError(f"THCCodec(device='cuda'): {exc}") from None
 
 
 def is_cuda_thc(native) -> bool:

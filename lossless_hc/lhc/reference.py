@@ -337,12 +337,15 @@ def _fail(info: dict, reason: str):
 
 
 def _read_int_fields(values: torch.Tensor, scale: float, limit: Optional[int] = None) -> Optional[torch.Tensor]:
-    """float32 fields times ``scale`` as exact non-negative integers (within 1/4), or None."""
+    """float32 fields times ``scale`` as exact non-negative integers, or None: a summed field must be
+    an integer, an averaged one within 1/2 of one after scaling back (as lhc::read_word and
+    LosslessCodec._read_header)."""
     v = values.to(torch.float64) * scale
     if not bool(torch.isfinite(v).all()):
         return None
     r = torch.round(v)
-    if bool(((v - r).abs() > 0.25).any()) or bool((r < 0).any()):
+    tolerance = 0.0 if scale == 1.0 else 0.5
+    if bool(((v - r).abs() > tolerance).any()) or bool((r < 0).any()):
         return None
     if bool((r.abs() >= 2.0 ** 53).any()) or (limit is not None and bool((r >= limit).any())):
         return None

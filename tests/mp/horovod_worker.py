@@ -132,6 +132,18 @@ def scenario(name):
             loss_fn(model, batch(0, hvd.rank())).backward()
             opt.step()
         return expect_error(run, ValueError)
+    if name == "sparse_only":  # Horovod's own test_sparse_embeddings: every gradient sparse, SparseAdam
+        def run():
+            torch.manual_seed(0)
+            emb = torch.nn.Embedding(1000, 8, sparse=True)
+            RUNS[0] += 1
+            opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                           named_parameters=[(f"run{RUNS[0]}.emb", emb.weight)],
+                                           compression=Compression.lossless())
+            ids = torch.randint(0, 1000, (16,), generator=torch.Generator().manual_seed(hvd.rank()))
+            emb(ids).sum().backward()
+            opt.step()
+        return expect_error(run, ValueError)
     if name == "seed_mismatch":
         return expect_error(lambda: train(Compression.lossless(max_density=0.05, seed=hvd.rank()), steps=1),
                             ConfigurationMismatch)

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "mp", "horovod_worker.py")
-EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes"]
+# Horovod's own test suite (not shipped in its sdist) exercises these too: 2-D-only (Muon-style)
+# optimizers, broadcast_optimizer_state, groups=, backward_passes_per_step, sparse gradients.
+EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes", "matrices_only", "broadcast_state"]
 ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_only": "ValueError",
           "seed_mismatch": "ConfigurationMismatch"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.

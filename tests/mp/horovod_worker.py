@@ -28,18 +28,24 @@ PAIR = hvd.ProcessSet([0, 1])  # ranks 0 and 1 only (registered at init)
 
 
 def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, process_set=None, lr=0.1,
-          hidden=16):
+          hidden=16, matrices_only=False, broadcast=False):
+    """``matrices_only``: the optimizer takes the 2-D parameters only (as Muon-style optimizers do);
+    ``broadcast``: SGD with momentum, parameters and optimizer state broadcast from rank 0 first."""
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden)
     RUNS[0] += 1
-    named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters()]
+    named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters() if not matrices_only or p.dim() == 2]
     kwargs = dict(named_parameters=named, compression=compression,
                   op=hvd.Average if op is None else op, sparse_as_dense=sparse, backward_passes_per_step=bpps)
     if groups is not None:
         kwargs["groups"] = groups
     if process_set is not None:
         kwargs["process_set"] = process_set
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), **kwargs)
+    inner = torch.optim.SGD([p for _, p in named], lr=lr, momentum=0.9 if broadcast else 0.0)
+    opt = hvd.DistributedOptimizer(inner, **kwargs)
+    if broadcast:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
     rank = hvd.rank()
     for step in range(steps):
         opt.zero_grad()
@@ -72,6 +78,10 @@ def scenario(name):
         return compare(Compression.lossless(max_density=0.05), op=hvd.Sum, lr=0.02)
     if name == "sparse_as_dense":
         return compare(Compression.lossless(max_density=0.05), sparse=True)
+    if name == "matrices_only":
+        return compare(Compression.lossless(max_density=0.05), matrices_only=True)
+    if name == "broadcast_state":
+        return compare(Compression.lossless(max_density=0.05), broadcast=True)
     if name == "groups":
         return compare(Compression.lossless(max_density=0.05), groups=2)
     if name == "backward_passes":

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from lossless_hc.bench import cluster
+from lossless_hc.bench import cluster, netns
 from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, topk_count
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,12 +78,12 @@ def test_summarize_and_relative_ratios():
 def test_stale_names_only_of_dead_owners():
     names = ["lhcc123h0", "lhcc123v1", "lhcc123br", "lhcc456h0", "eth0", "lhccXh0", "lhcc123h0x", "docker0"]
     alive = {456}.__contains__
-    assert cluster.stale_names(names, alive) == ["lhcc123h0", "lhcc123v1", "lhcc123br"]
-    assert cluster.owner_pid("lhcc99br") == 99 and cluster.owner_pid("eth0") is None
+    assert netns.stale_names(names, alive) == ["lhcc123h0", "lhcc123v1", "lhcc123br"]
+    assert netns.owner_pid("lhcc99br") == 99 and netns.owner_pid("eth0") is None
 
 
 def test_cluster_names_fit_the_kernel_limit():
-    c = cluster.EmulatedCluster(hosts=64, rate_bits=10**9, delay_s=1e-4, tag=4_194_303)  # largest pid_max
+    c = netns.EmulatedCluster(hosts=64, rate_bits=10**9, delay_s=1e-4, tag=4_194_303)  # largest pid_max
     assert all(len(n) <= 15 for n in c.bridge_ports + [c.bridge])
     assert len({c.host_address(i) for i in range(64)} | {c.bridge_address}) == 65
 
@@ -161,6 +161,6 @@ def test_two_hosts_end_to_end(tmp_path):
             assert r["max_param_diff_vs_none"] < 1e-5
     assert plot.stat().st_size > 0
     # nothing of that run's cluster is left behind (names carry the benchmark process's id)
-    mine = [n for n in cluster.list_namespaces() + cluster.list_links() if cluster.owner_pid(n) == proc.pid]
+    mine = [n for n in netns.list_namespaces() + netns.list_links() if netns.owner_pid(n) == proc.pid]
     assert mine == []
-    assert not os.path.exists(os.path.join(cluster.NETNS_ETC, f"{cluster.PREFIX}{proc.pid}h0"))
+    assert not os.path.exists(os.path.join(netns.NETNS_ETC, f"{netns.PREFIX}{proc.pid}h0"))

@@ -2,7 +2,7 @@
 # Start NP Horovod workers with horovodrun over Gloo (no MPI, no ssh for local runs).
 #
 #   scripts/launch_horovod.sh NP SCRIPT_OR_-m_MODULE [ARGS...]
-#   scripts/launch_horovod.sh 2 -m lossless_hc.workloads.train --model ncf --compression lossless
+#   scripts/launch_horovod.sh 2 -m lossless_hc.bench.workloads.train --model ncf --compression lossless
 #
 # Several machines: HOSTS="host1:2,host2:2" (horovodrun -H syntax; passwordless ssh between them,
 # the same venv path on each, and optionally NICS=eth0 to pick the interface).

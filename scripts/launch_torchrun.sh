@@ -3,7 +3,7 @@
 # CPU; NCCL when it trains on GPUs).
 #
 #   scripts/launch_torchrun.sh NP SCRIPT_OR_-m_MODULE [ARGS...]
-#   scripts/launch_torchrun.sh 2 -m lossless_hc.workloads.train --framework ddp --model ncf
+#   scripts/launch_torchrun.sh 2 -m lossless_hc.bench.workloads.train --framework ddp --model ncf
 #
 # Several machines: NNODES=2 NODE_RANK=0|1 MASTER=host1:29500 on each machine.
 set -euo pipefail

@@ -8,14 +8,21 @@ import torch.distributed as dist
 from lossless_hc.training.aggregate import ConfigurationMismatch
 
 
-def check_same_configuration(config: str, group: Optional[dist.ProcessGroup], who: str) -> None:
-    """Raise :class:`ConfigurationMismatch` on every rank of ``group`` unless all of them pass the same
-    ``config`` string (payload sizes would not match).
+def check_same_configuration(config: str, groups, who: str) -> None:
+    """Raise :class:`ConfigurationMismatch` on every rank unless all of them pass the same ``config``
+    string (payload sizes would not match).
 
-    One blocking MAX allreduce of ``(h, -h)`` for a 48-bit hash ``h`` of ``config``: all ranks agree
-    iff both maxima equal their own values. Every rank of ``group`` must call it at the same point."""
+    ``groups``: one process group (None: the default group), or a sequence of groups that together
+    connect the ranks like the dimensions of a device mesh (every rank calls with the same sequence).
+    A MAX allreduce of ``(h, -h)`` for a 48-bit hash ``h`` of ``config``, over each group in turn:
+    after the last one every rank holds the maxima over all ranks (a max over the rows, then over the
+    columns, of a grid is the max of the grid), so all ranks agree iff both maxima equal their own
+    values, and every rank sees the same verdict. Blocking; every rank must call it at the same point."""
+    if groups is None or isinstance(groups, dist.ProcessGroup):
+        groups = [groups]
     h = int.from_bytes(hashlib.sha256(config.encode()).digest()[:6], "little")
     t = torch.tensor([h, -h], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    for group in groups:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if t.tolist() != [h, -h]:
         raise ConfigurationMismatch(f"{who} differs across ranks (world size or options); this rank has {config}")

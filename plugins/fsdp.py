@@ -150,6 +150,12 @@ class _FSDPState:
         """Counters over all gradients so far (see :class:`lossless_hc.training.aggregate.AggregationStats`)."""
         return self._stats.as_dict()
 
+    def _device(self) -> torch.device:
+        """Where small control tensors go: the mesh's device (NCCL reduces CUDA tensors only)."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
     def _config(self) -> str:
         return f"{type(self).__name__}|replicas={self.replicas}|shards={self.shards}|{self.spec!r}"
 
@@ -204,7 +210,7 @@ class _FSDPState:
         cfg = (f"{self._config()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
                f"modules={[n for n, _ in modules]}|{structure}")
         groups = [g for g in (self.replicate_group, self.shard_group) if g is not None]
-        check_same_configuration(cfg, groups, type(self).__name__)
+        check_same_configuration(cfg, groups, type(self).__name__, device=self._device())
 
     # -- aggregators -------------------------------------------------------------------------------
     def _aggregator(self, key: str, tensor: torch.Tensor, world_size: int, rank: int):
@@ -299,12 +305,12 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
         except ConfigurationMismatch as e:   # raised below on every rank, after the table
             reason = str(e)
         params = len(self.slots.fqns)
-        table = torch.zeros(n, params, 2, dtype=torch.int64)
+        table = torch.zeros(n, params, 2, dtype=torch.int64, device=st._device())
         for i in range(params):
             if outcomes is None:
                 table[me, i, 0] = _MISMATCH
             elif outcomes[i].needs_fallback:
-                table[me, i] = torch.tensor([_FAILED, int(outcomes[i].report.total_keys)])
+                table[me, i, 0], table[me, i, 1] = _FAILED, int(outcomes[i].report.total_keys)
         dist.all_reduce(table, group=group)
         if bool((table[:, :, 0] == _MISMATCH).any()):
             bad = sorted({int(r) for r in (table[:, :, 0] == _MISMATCH).nonzero()[:, 0]})

@@ -25,15 +25,16 @@ process groups are left out (a restored state uses the default group, re-created
 aggregators' error feedback and capacities are kept.
 """
 
-import hashlib
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
+from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
+from lossless_hc.training.message import decode_message, encode_message
+
+from lossless_hc.plugins._torch_dist import check_same_configuration
 
 
 class _HookState:
@@ -83,18 +84,11 @@ class _HookState:
         return agg
 
     def _check_configuration(self) -> None:
-        """Refuse to run when ranks were configured differently (payload sizes would not match).
-
-        One blocking MAX allreduce of (h, -h) for a hash h of the configuration, on the first call,
-        from the main thread: all ranks agree iff both maxima equal their own values."""
+        """Refuse to run when ranks were configured differently (payload sizes would not match):
+        :func:`check_same_configuration`, on the first call, from the main thread."""
         self._config_checked = True
         cfg = f"{type(self).__name__}|{self.world_size}|{self.spec!r}"
-        h = int.from_bytes(hashlib.sha256(cfg.encode()).digest()[:6], "little")
-        t = torch.tensor([h, -h], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        if t.tolist() != [h, -h]:
-            raise ConfigurationMismatch(f"{type(self).__name__} differs across ranks (world size or options); this "
-                                        f"rank has {cfg}")
+        check_same_configuration(cfg, self.process_group, type(self).__name__)
 
     def _fallback_group(self, bucket_index: int):
         group = self._fallback_groups.get(bucket_index)
@@ -178,34 +172,12 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
         state._check_configuration()
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-    encoded = [agg.encode(g) for agg, g in zip(aggs, bucket.gradients())]
-    # One message per bucket, in the widest payload dtype (THC's float64 words must stay exact; float32
-    # payloads widen exactly and sum at least as accurately).
-    wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in encoded) else torch.float32
-    message = torch.cat([payload.reshape(-1).to(wide) for payload, _ in encoded])
+    message = encode_message(aggs, bucket.gradients())
     n = state.world_size
-    fut = dist.all_reduce(message, group=state.process_group, async_op=True).get_future()
+    fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
-        summed = fut.value()[0]
-        results, failed, outcomes = [], [], []
-        offset = 0
-        for agg, (payload, ctx) in zip(aggs, encoded):
-            segment = summed[offset:offset + payload.numel()].to(payload.dtype)
-            offset += payload.numel()
-            outcome = agg.decode(segment, ctx)
-            outcomes.append(outcome)
-            results.append(outcome.value)
-            if outcome.needs_fallback:
-                failed.append(len(results) - 1)
-        if failed:
-            dense = torch.cat([encoded[i][1].dense_value.reshape(-1).to(torch.float32) for i in failed])
-            dist.all_reduce(dense, group=fallback_group)
-            offset = 0
-            for i in failed:
-                m = math.prod(encoded[i][1].shape)
-                results[i] = aggs[i].finish_fallback(dense[offset:offset + m], outcomes[i])
-                offset += m
+        results = decode_message(message, fut.value()[0], lambda dense: dist.all_reduce(dense, group=fallback_group))
         offset = 0
         for value in results:
             m = value.numel()

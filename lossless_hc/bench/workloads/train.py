@@ -3,6 +3,8 @@
     horovodrun -np 2 -H localhost:2 --gloo python -m lossless_hc.bench.workloads.train --model ncf \
         --framework horovod --compression lossless
     torchrun --standalone --nproc_per_node 2 -m lossless_hc.bench.workloads.train --model ncf --framework ddp ...
+    torchrun --standalone --nproc_per_node 4 -m lossless_hc.bench.workloads.train --model ncf --framework fsdp \
+        --shards 2 --compression lossless     # 2 replicas x 2 shards, the replica all-reduce compressed
 
 Every rank builds the same model from the same seed and draws its own batches; rank 0 prints loss,
 accuracy, bytes sent per step vs dense, step time and fallbacks, and optionally writes them as JSON
@@ -290,6 +292,72 @@ class DDP:
         self.dist.destroy_process_group()
 
 
+class FSDP:
+    """FSDP2 (``fully_shard``) over a ``(replicate, shard)`` mesh of ``--shards`` ranks per replica
+    (default: all ranks, i.e. FSDP without replicas). Every child module with parameters and the root
+    are sharded. ``none``: native FSDP2/HSDP on the mesh. ``lossless``/``topk``/``thc``:
+    ``lossless_hc.plugins.fsdp`` -- the replica all-reduce compressed (custom HSDP), and the
+    reduce-scatter too when there is a single replica or with ``--compress-reduce-scatter``."""
+
+    def __init__(self, args):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.dist = dist
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        shards = args.shards or self.size
+        if self.size % shards:
+            raise SystemExit(f"--shards {shards} must divide the world size {self.size}")
+        if args.compression not in ("none", "lossless", "topk", "thc") or args.sparse_embeddings:
+            raise SystemExit(f"--framework fsdp takes --compression none|lossless|topk|thc and dense embeddings, "
+                             f"got {args.compression}{' with --sparse-embeddings' if args.sparse_embeddings else ''}")
+        replicas = self.size // shards
+        if replicas > 1:
+            self.mesh = init_device_mesh(args.device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        else:
+            self.mesh = init_device_mesh(args.device, (shards,), mesh_dim_names=("shard",))
+        self.state = None
+
+    def wrap(self, model, opt, args):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState, TopKFSDPState
+
+        native = args.compression == "none"
+        on = self.mesh if native or self.mesh.ndim == 1 else self.mesh["shard"]
+        for child in model.children():
+            if any(p.requires_grad for p in child.parameters()):
+                fully_shard(child, mesh=on)
+        fully_shard(model, mesh=on)
+        if native:
+            if args.device != "cuda":   # Gloo has no AVG: sum, and let FSDP divide
+                for m in model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.set_force_sum_reduction_for_comms(True)
+        else:
+            make = {"lossless": lambda: LosslessFSDPState(self.mesh, max_density=args.max_density),
+                    "topk": lambda: TopKFSDPState(self.mesh, ratio=args.topk_ratio),
+                    "thc": lambda: THCFSDPState(self.mesh, bits=args.thc_bits)}[args.compression]
+            self.state = make()
+            self.state.register(model, reduce_scatter=self.mesh.ndim == 1 or args.compress_reduce_scatter)
+        # fully_shard replaced the parameters with DTensors: the optimizer must see those
+        return model, type(opt)(model.parameters(), **opt.defaults)
+
+    def full_state_dict(self, model) -> dict:
+        """The unsharded parameters (a collective: every rank calls it)."""
+        return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+
+    def barrier(self):
+        self.dist.barrier()
+
+    def stats(self):
+        return self.state.stats() if self.state else None
+
+    def shutdown(self):
+        self.dist.destroy_process_group()
+
+
 class NoCommunication:
     """Each rank trains on its own, nothing aggregated: the compute-only reference of the cluster
     benchmark. Rank and world size come from RANK / WORLD_SIZE so that the thread split matches
@@ -311,7 +379,7 @@ class NoCommunication:
         pass
 
 
-FRAMEWORKS = {"horovod": Horovod, "ddp": DDP, "local": NoCommunication}
+FRAMEWORKS = {"horovod": Horovod, "ddp": DDP, "fsdp": FSDP, "local": NoCommunication}
 
 
 def interface_bytes(iface: str) -> dict:
@@ -349,6 +417,9 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
     p.add_argument("--thc-bits", type=int, default=4, help="thc: bits per coordinate (table of 2^bits levels)")
+    p.add_argument("--shards", type=int, help="fsdp: ranks per replica (default: all; fewer: custom HSDP)")
+    p.add_argument("--compress-reduce-scatter", action="store_true",
+                   help="fsdp with replicas: compress the reduce-scatter too (lossless, topk)")
     p.add_argument("--sparse-embeddings", action="store_true",
                    help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True)")
     p.add_argument("--users", type=int, default=50_000)
@@ -451,9 +522,11 @@ def main(argv=None, default_model="ncf") -> dict:
     if args.json and (fw.rank == 0 or "{rank}" in args.json):
         with open(args.json.format(rank=fw.rank), "w") as f:
             json.dump(result, f, indent=2)
-    if fw.rank == 0:
-        if args.save_params:
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.save_params)
+    if args.save_params:
+        full = getattr(fw, "full_state_dict", None)   # FSDP: gathering the shards is a collective
+        params = full(model) if full else {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if fw.rank == 0:
+            torch.save(params, args.save_params)
     fw.shutdown()
     return result
 

@@ -1,0 +1,78 @@
+"""Checkpointing an aggregator's state, so that a resumed run continues bit-identically.
+
+What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to step, and what
+:func:`aggregator_state_dict` therefore saves:
+
+* :class:`~lossless_hc.training.aggregate.TensorAggregator`: the capacity and the union capacity
+  (they size the codec: payload shapes and which tensors are compressed) and, with a
+  :class:`~lossless_hc.training.aggregate.CapacityPolicy`, the density tracker (its averages, peaks,
+  step count and history);
+* :class:`~lossless_hc.training.aggregate.TopKAggregator`: the above and the error-feedback residual;
+* :class:`~lossless_hc.training.aggregate.THCAggregator`: the codec's step, agreed norm and error memory.
+
+The result holds only Python numbers and CPU tensors (``torch.save`` with ``weights_only=True``
+loads it). :func:`load_aggregator_state_dict` restores it into an aggregator built with the same
+configuration (shape, dtype, world size, options) and raises ``ValueError`` otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from lossless_hc.training.aggregate import DensityTracker, THCAggregator, TopKAggregator
+
+_TRACKER_FIELDS = ("steps", "union", "per_rank", "peak_union", "peak_rank")
+
+
+def _kind(agg) -> str:
+    if isinstance(agg, THCAggregator):
+        return "thc"
+    return "topk" if isinstance(agg, TopKAggregator) else "lossless"
+
+
+def aggregator_state_dict(agg) -> dict:
+    """The state ``agg`` carries between steps (see the module doc)."""
+    state = {"kind": _kind(agg), "shape": list(agg.shape), "dtype": str(agg.dtype)}
+    if isinstance(agg, THCAggregator):
+        codec = agg.codec
+        if codec is not None:
+            state["codec"] = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                              for k, v in codec.state_dict().items()}
+        return state
+    state["capacity"] = int(agg.capacity)
+    state["union_capacity"] = None if agg.union_capacity is None else int(agg.union_capacity)
+    tracker: DensityTracker = agg.tracker
+    if tracker is not None:
+        state["tracker"] = {f: getattr(tracker, f) for f in _TRACKER_FIELDS}
+        state["tracker"]["history"] = [list(h) for h in tracker.history]
+    if isinstance(agg, TopKAggregator):
+        state["residual"] = None if agg.residual is None else agg.residual.detach().cpu().clone()
+    return state
+
+
+def load_aggregator_state_dict(agg, state: dict) -> None:
+    """Restore :func:`aggregator_state_dict`'s ``state`` into ``agg`` (same configuration)."""
+    expected = (_kind(agg), list(agg.shape), str(agg.dtype))
+    got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
+    if got != expected:
+        raise ValueError(f"{agg.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, this one is "
+                         f"a {expected[0]} aggregator of {expected[2]} {expected[1]}")
+    if isinstance(agg, THCAggregator):
+        if ("codec" in state) != (agg.codec is not None):
+            raise ValueError(f"{agg.name}: the saved state and this aggregator disagree on whether THC compresses it")
+        if agg.codec is not None:
+            device = agg.codec.device
+            agg.codec.load_state_dict({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                                       for k, v in state["codec"].items()})
+        return
+    if ("tracker" in state) != (agg.tracker is not None):
+        raise ValueError(f"{agg.name}: the saved state and this aggregator disagree on the capacity policy")
+    agg.capacity = int(state["capacity"])
+    agg.union_capacity = state["union_capacity"]
+    if agg.tracker is not None:
+        for f in _TRACKER_FIELDS:
+            setattr(agg.tracker, f, state["tracker"][f])
+        agg.tracker.history = [tuple(h) for h in state["tracker"]["history"]]
+    agg._decide_codec()   # the codec is a pure function of the configuration and the capacities
+    if isinstance(agg, TopKAggregator):
+        residual = state["residual"]
+        agg.residual = None if residual is None else residual.to(agg.device, torch.float32).clone()

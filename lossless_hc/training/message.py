@@ -1,0 +1,119 @@
+"""Many tensors in one message: what the torch.distributed adapters (DDP, FSDP2) share.
+
+An adapter that reduces several gradients with one collective (a DDP bucket, an FSDP2 parameter
+group's shard) does, per step:
+
+1. :func:`encode_message`: encode every tensor with its aggregator (:mod:`lossless_hc.training.aggregate`)
+   and concatenate the payloads into one flat tensor, in the widest payload dtype (THC's float64 words
+   must stay exact; float32 payloads widen exactly and sum at least as accurately);
+2. SUM that tensor across ranks with its engine (allreduce, or a reduce-scatter of one message per
+   destination);
+3. :func:`decode_segments`: decode each tensor's segment of the sum, or :func:`decode_message`, which
+   also re-aggregates every segment that failed to decode densely (one more SUM, supplied by the
+   adapter as ``dense_sum``) and returns the exact sums.
+
+The adapter owns the collectives (and so the ordering that keeps them deadlock-free); everything here
+is local. Every rank that decodes the same summed message takes the same decisions (fallback,
+capacity growth), so every rank issues the same fallback collective. A rank that did not decode a
+message (a reduce-scatter's non-owners) applies the owner's decision with :func:`replay_failure`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Sequence
+
+import torch
+
+from lossless_hc.training.aggregate import DecodeOutcome
+
+
+@dataclass
+class Message:
+    """One encoded message: ``tensor`` is what the engine sums; ``encoded`` the ``(payload, ctx)``
+    of each tensor, in order, with ``aggregators`` the aggregators that made them."""
+
+    aggregators: list
+    encoded: list
+    tensor: torch.Tensor
+
+    @property
+    def segment_numels(self) -> List[int]:
+        return [payload.numel() for payload, _ in self.encoded]
+
+
+def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
+    """Encode ``tensors[i]`` with ``aggregators[i]`` and concatenate the payloads (see the module doc)."""
+    encoded = [agg.encode(t) for agg, t in zip(aggregators, tensors)]
+    wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in encoded) else torch.float32
+    if encoded:
+        tensor = torch.cat([payload.reshape(-1).to(wide) for payload, _ in encoded])
+    else:
+        tensor = torch.empty(0, dtype=wide)
+    return Message(list(aggregators), encoded, tensor)
+
+
+def decode_segments(message: Message, summed: torch.Tensor) -> List[DecodeOutcome]:
+    """Decode each tensor's segment of ``summed`` (the engine's SUM of every rank's ``message.tensor``).
+
+    Raises :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks were configured
+    differently; an outcome with ``needs_fallback`` must be completed with an exact dense SUM."""
+    outcomes, offset = [], 0
+    for agg, (payload, ctx) in zip(message.aggregators, message.encoded):
+        segment = summed[offset:offset + payload.numel()].to(payload.dtype)
+        offset += payload.numel()
+        outcomes.append(agg.decode(segment, ctx))
+    return outcomes
+
+
+def dense_values(message: Message, indices: Sequence[int]) -> torch.Tensor:
+    """The tensors ``indices`` of ``message`` as the exact dense fallback sums them: one flat float32
+    tensor (what the payloads encoded, top-k selections included)."""
+    if not indices:
+        return torch.empty(0, dtype=torch.float32, device=message.tensor.device)
+    return torch.cat([message.encoded[i][1].dense_value.reshape(-1).to(torch.float32) for i in indices])
+
+
+def finish_fallbacks(message: Message, outcomes: List[DecodeOutcome], indices: Sequence[int],
+                     summed_dense: torch.Tensor) -> List[torch.Tensor]:
+    """The results of the fallbacks ``indices`` from ``summed_dense`` (the SUM of :func:`dense_values`)."""
+    results, offset = [], 0
+    for i in indices:
+        m = math.prod(message.encoded[i][1].shape)
+        results.append(message.aggregators[i].finish_fallback(summed_dense[offset:offset + m], outcomes[i]))
+        offset += m
+    return results
+
+
+def decode_message(message: Message, summed: torch.Tensor,
+                   dense_sum: Callable[[torch.Tensor], None]) -> List[torch.Tensor]:
+    """Every tensor's aggregate from ``summed``; segments that fail to decode are re-aggregated by
+    ``dense_sum(t)``, which must SUM ``t`` across the same ranks *in place* (blocking), and which is
+    called at most once, identically on every rank (or not at all)."""
+    outcomes = decode_segments(message, summed)
+    results = [o.value for o in outcomes]
+    failed = [i for i, o in enumerate(outcomes) if o.needs_fallback]
+    if failed:
+        dense = dense_values(message, failed)
+        dense_sum(dense)
+        for i, value in zip(failed, finish_fallbacks(message, outcomes, failed, dense)):
+            results[i] = value
+    return results
+
+
+def replay_failure(aggregator, total_keys: int) -> None:
+    """Apply, on a rank that did not decode, the capacity growth that a failed decode caused on the rank
+    that did (the owner of a reduce-scatter destination): ``total_keys`` is the owner's
+    ``DecodeReport.total_keys``. Afterwards the aggregator builds the same codec as the owner's, so
+    payload sizes keep matching. THC never fails, so it has nothing to replay."""
+    grow = getattr(aggregator, "_grow", None)
+    if grow is None:
+        raise TypeError(f"{type(aggregator).__name__} cannot fail to decode; nothing to replay")
+    grow(_OwnerReport(int(total_keys)))
+
+
+@dataclass(frozen=True)
+class _OwnerReport:
+    """The part of a :class:`~lossless_hc.lhc.codec.DecodeReport` capacity growth reads."""
+
+    total_keys: int

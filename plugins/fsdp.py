@@ -1,0 +1,379 @@
+"""torch.distributed FSDP2 (``fully_shard``) adapter: compressed replica all-reduce for HSDP and a
+homomorphic reduce-scatter, one state class per algorithm.
+
+FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills both:
+
+* **the replica all-reduce (HSDP).** "Custom HSDP": ``fully_shard`` shards each module over the
+  *shard* dimension of a 2-D ``(replicate, shard)`` device mesh only, and the all-reduce hook
+  (``FSDPModule.set_all_reduce_hook``), called with each parameter group's reduce-scattered shard,
+  sums that shard across the *replicate* dimension -- the inter-node link, where compression pays.
+  Per parameter the hook encodes its slot of the shard, concatenates the payloads into one message,
+  SUMs it across replicas and decodes it (:mod:`lossless_hc.training.message`, shared with the DDP
+  hook).
+* **the reduce-scatter** (``FSDPModule.set_custom_reduce_scatter``, ``reduce_scatter=True``). Every
+  rank encodes each destination's chunk separately (one aggregator per parameter and destination),
+  pads the S messages to one length, and a SUM reduce-scatter hands destination ``d`` the sum of
+  every rank's message for ``d``: the payloads are homomorphic, so that sum is a payload of the
+  summed chunk, and ``d`` decodes it. Only ``d`` knows whether its decode failed, so the owners then
+  share a small table (per parameter: failed or not, and the codec's key count; one int64 SUM
+  all-reduce); every rank grows the same capacities, and the failed parameters are reduce-scattered
+  again, densely and exactly -- identically on every rank. THC is not offered here: its codec agrees
+  on a norm from the decoded aggregate, which a reduce-scatter gives to the owner alone.
+
+Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
+(``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so
+FSDP divides each reduced shard once, after our hooks, exactly as uncompressed HSDP over the same
+mesh does. With ``lossless`` the gradients therefore equal uncompressed FSDP2's up to float rounding
+of the sums (and bit for bit where every decode gives the sum in the order the dense collective
+adds).
+
+Usage::
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from lossless_hc.plugins.fsdp import LosslessFSDPState
+
+    mesh = init_device_mesh("cuda", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])        # the shard dimension only ("custom HSDP")
+    fully_shard(model, mesh=mesh["shard"])
+    state = LosslessFSDPState(mesh, max_density=0.01)   # TopKFSDPState(mesh, ratio=0.01), THCFSDPState(mesh, bits=4)
+    state.register(model)                               # reduce_scatter=True: also the homomorphic reduce-scatter
+    ...                                                 # train as usual; state.stats()
+    torch.save(state.state_dict(), f"lhc.rank{dist.get_rank()}.pt")   # with the model/optimizer checkpoint
+
+Checkpointing: error feedback (top-k residuals, THC memories) and capacities are kept per parameter
+(by FQN) and, for the reduce-scatter, per destination; they describe *this rank's* shard, so save
+:meth:`~_FSDPState.state_dict` per rank (``torch.save`` as above; ``torch.distributed.checkpoint``
+would keep one copy of a plain tensor for all ranks) next to the model and optimizer checkpoint,
+and restore it with :meth:`~_FSDPState.load_state_dict` on the same mesh before the first backward
+of the resumed run: the run then continues bit for bit as if it had not stopped.
+
+Deadlock freedom: every collective here is blocking and issued from FSDP's post-backward, which
+reduces parameter groups in the same order on every rank; the fallback and the owners' table are
+issued by all ranks of the group or by none (each rank decides from aggregates all of them hold).
+Ranks configured differently raise :class:`ConfigurationMismatch` from :meth:`~_FSDPState.register`
+on every rank. ``auto`` (the planner) is not offered yet.
+
+Limits: one parameter group per ``fully_shard`` call (no per-parameter meshes: torch refuses custom
+hooks there); even ``Shard(0)`` placements (FSDP2's default); native HSDP (``fully_shard`` on the
+2-D mesh) is refused, since its hook would see the already all-reduced shard. The parameter slots are
+read from FSDP2's parameter group (private attributes, checked on first use: ``fsdp_params``,
+``_param_fqn``, ``padded_sharded_param_size``).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
+from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
+from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
+from lossless_hc.training.message import (decode_message, decode_segments, dense_values, encode_message,
+                                          finish_fallbacks, replay_failure)
+from lossless_hc.plugins._torch_dist import check_same_configuration
+
+try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - older torch: register(reduce_scatter=True) says so
+    _ReduceScatterBase = object
+
+__all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "ConfigurationMismatch"]
+
+_OK, _FAILED, _MISMATCH = 0, 1, 2
+
+
+class _Slots:
+    """Where each parameter lies in an FSDP2 parameter group's flat reduce-scatter output: in
+    ``fsdp_params`` order, a slot of ``padded_sharded_param_size`` (zero padding included, so a slot
+    has the same shape on every rank and for every destination)."""
+
+    def __init__(self, module: FSDPModule):
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1:
+            raise ValueError(f"{type(module).__name__}: lossless_hc.plugins.fsdp needs exactly one FSDP parameter group "
+                             f"per fully_shard module, got {len(groups)}")
+        self.fqns, self.shapes = [], []
+        for i, fp in enumerate(groups[0].fsdp_params):
+            fqn = getattr(fp, "_param_fqn", None) or f"{type(module).__name__}.param{i}"
+            self.fqns.append(fqn)
+            self.shapes.append(tuple(fp.padded_sharded_param_size))
+        self.numel = sum(math.prod(s) for s in self.shapes)
+
+    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        if flat.numel() != self.numel:
+            raise RuntimeError(f"FSDP2 handed a reduce buffer of {flat.numel()} elements; its parameters' padded shards "
+                               f"{self.shapes} hold {self.numel} (uneven Shard(i>0) placements are not supported)")
+        out, offset = [], 0
+        for shape in self.shapes:
+            m = math.prod(shape)
+            out.append(flat[offset:offset + m].view(shape))
+            offset += m
+        return out
+
+
+class _FSDPState:
+    """What every FSDP2 state holds: the spec, the mesh's groups, the per-parameter aggregators.
+
+    Args:
+        spec: the aggregators' configuration (:mod:`lossless_hc.training.adapter`).
+        mesh: a 2-D :class:`DeviceMesh` ``(replicate, shard)`` (custom HSDP: ``fully_shard`` on
+            ``mesh[<shard dim>]``) or a 1-D one (FSDP only: the reduce-scatter is all there is to
+            compress, ``register(..., reduce_scatter=True)``).
+    """
+
+    supports_reduce_scatter = True
+
+    def __init__(self, spec: AggregatorSpec, mesh: DeviceMesh):
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+            raise ValueError(f"mesh must be a 1-D (shard) or 2-D (replicate, shard) DeviceMesh, got {mesh!r}")
+        self.spec = spec
+        self.mesh = mesh
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicas = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        self.shards = dist.get_world_size(self.shard_group)
+        self.reduce_scatter = False
+        self._stats = AggregationStats()
+        self._aggregators: dict = {}    # "replicate:<fqn>" | "shard:<fqn>-><d>" -> aggregator
+        self._saved: dict = {}          # states loaded before their aggregator was built
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r}, replicas={self.replicas}, shards={self.shards})"
+
+    def stats(self) -> dict:
+        """Counters over all gradients so far (see :class:`lossless_hc.training.aggregate.AggregationStats`)."""
+        return self._stats.as_dict()
+
+    def _device(self) -> torch.device:
+        """Where small control tensors go: the mesh's device (NCCL reduces CUDA tensors only)."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+    def _config(self) -> str:
+        return f"{type(self).__name__}|replicas={self.replicas}|shards={self.shards}|{self.spec!r}"
+
+    # -- registration ----------------------------------------------------------------------------
+    def register(self, model: torch.nn.Module, reduce_scatter: bool = False,
+                 gradient_divide_factor: Optional[float] = None) -> None:
+        """Install the hooks on every ``fully_shard`` module of ``model`` (call on every rank, after
+        ``fully_shard`` and before the first backward).
+
+        * the replica all-reduce hook, when the mesh has a replicate dimension of more than one rank;
+        * with ``reduce_scatter``, the homomorphic reduce-scatter (shard dimension of more than one rank);
+        * sum-only collectives and ``set_gradient_divide_factor(gradient_divide_factor)``, by default
+          the data-parallel world size (replicas x shards), so gradients are averaged as uncompressed
+          FSDP2 averages them.
+
+        Then checks, with one small all-reduce per mesh dimension, that every rank has the same
+        configuration and model structure (hashed); raises :class:`ConfigurationMismatch` on every rank if not.
+        """
+        if reduce_scatter and not self.supports_reduce_scatter:
+            raise ValueError(f"{type(self).__name__} cannot compress the reduce-scatter: its codec agrees on a norm "
+                             "from the decoded aggregate, which a reduce-scatter gives to the owner alone; use "
+                             "reduce_scatter=False (the replica all-reduce)")
+        if reduce_scatter and _ReduceScatterBase is object:
+            raise RuntimeError("this torch has no FSDPModule.set_custom_reduce_scatter (torch >= 2.8 needed)")
+        if reduce_scatter and getattr(self.spec, "extra", {}).get("policy") is not None:
+            raise ValueError("a CapacityPolicy reads every decoded aggregate, which a reduce-scatter gives to the owner "
+                             "alone; use policy=None with reduce_scatter=True")
+        if self.replicas == 1 and not reduce_scatter:
+            raise ValueError("a 1-D mesh has no replica all-reduce to compress; pass reduce_scatter=True, or a 2-D "
+                             "(replicate, shard) mesh")
+        factor = float(gradient_divide_factor) if gradient_divide_factor is not None else float(self.replicas * self.shards)
+        modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if not modules:
+            raise ValueError("register needs a model with fully_shard applied (no FSDPModule found)")
+        self.reduce_scatter = bool(reduce_scatter)
+        for name, module in modules:
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                info = group.mesh_info
+                if hasattr(info, "replicate_process_group") or getattr(info, "shard_mesh_size", None) != self.shards:
+                    raise ValueError(f"module {name or '<root>'!r}: fully_shard it on the shard dimension of the mesh "
+                                     f"(mesh[<shard dim>], {self.shards} ranks), not natively on the 2-D mesh: native "
+                                     "HSDP all-reduces before the hook runs")
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(factor)
+            if not module._get_fsdp_state()._fsdp_param_groups:
+                continue
+            if self.replicas > 1:
+                module.set_all_reduce_hook(_ReplicaAllReduce(self, module))
+            if reduce_scatter and self.shards > 1:
+                module.set_custom_reduce_scatter(_HomomorphicReduceScatter(self, module))
+        structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
+        cfg = (f"{self._config()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
+               f"modules={[n for n, _ in modules]}|{structure}")
+        groups = [g for g in (self.replicate_group, self.shard_group) if g is not None]
+        check_same_configuration(cfg, groups, type(self).__name__, device=self._device())
+
+    # -- aggregators -------------------------------------------------------------------------------
+    def _aggregator(self, key: str, tensor: torch.Tensor, world_size: int, rank: int):
+        agg = self._aggregators.get(key)
+        if agg is None:
+            agg = self.spec.make(key, tensor, world_size, rank, self._stats, tensor.device)
+            saved = self._saved.pop(key, None)
+            if saved is not None:
+                load_aggregator_state_dict(agg, saved)
+            self._aggregators[key] = agg
+        return agg
+
+    # -- checkpointing ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's aggregator states (error feedback, capacities, THC norms), keyed by
+        ``"replicate:<param FQN>"`` and ``"shard:<param FQN>-><destination>"``; plain numbers and CPU
+        tensors. Save it per rank with the model and optimizer (see the module doc)."""
+        aggs = {k: aggregator_state_dict(a) for k, a in self._aggregators.items()}
+        return {"config": self._config(), "aggregators": {**self._saved, **aggs}, "stats": self.stats()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (same configuration and mesh shape; ``ValueError`` otherwise). States of
+        parameters not seen yet are applied when their aggregator is built at the first backward."""
+        if state.get("config") != self._config():
+            raise ValueError(f"the saved state was made by {state.get('config')!r}, this state is {self._config()!r}")
+        self._saved = {}
+        for key, saved in state["aggregators"].items():
+            agg = self._aggregators.get(key)
+            if agg is not None:
+                load_aggregator_state_dict(agg, saved)
+            else:
+                self._saved[key] = saved
+
+
+class _ReplicaAllReduce:
+    """The all-reduce hook of one ``fully_shard`` module: SUM of its reduce-scattered shard across
+    replicas, compressed; the result replaces the shard in place (FSDP divides it afterwards)."""
+
+    def __init__(self, state: _FSDPState, module: FSDPModule):
+        self.state, self.module, self.slots = state, module, None
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        st = self.state
+        if self.slots is None:
+            self.slots = _Slots(self.module)
+        views = self.slots.views(reduce_output)
+        rank = dist.get_rank(st.replicate_group)
+        aggs = [st._aggregator(f"replicate:{fqn}", v, st.replicas, rank) for fqn, v in zip(self.slots.fqns, views)]
+        message = encode_message(aggs, views)
+        dist.all_reduce(message.tensor, group=st.replicate_group)
+        results = decode_message(message, message.tensor, lambda dense: dist.all_reduce(dense, group=st.replicate_group))
+        for view, value in zip(views, results):
+            view.copy_(value.reshape(view.shape))
+
+
+class _HomomorphicReduceScatter(_ReduceScatterBase):
+    """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module: a SUM reduce-scatter
+    of encoded chunks (see the module doc). Synchronous: returns None."""
+
+    def __init__(self, state: _FSDPState, module: FSDPModule):
+        self.state, self.module, self.slots = state, module, None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the homomorphic reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
+                             "reductions: do not undo set_force_sum_reduction_for_comms)")
+        st = self.state
+        if self.slots is None:
+            self.slots = _Slots(self.module)
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        chunks = input_tensor.view(n, -1)
+        messages = []
+        for d in range(n):
+            views = self.slots.views(chunks[d])
+            aggs = [st._aggregator(f"shard:{fqn}->{d}", v, n, me) for fqn, v in zip(self.slots.fqns, views)]
+            messages.append(encode_message(aggs, views))
+        width = max(m.tensor.numel() for m in messages)
+        send = torch.zeros(n, width, dtype=messages[0].tensor.dtype, device=input_tensor.device)
+        for d, m in enumerate(messages):
+            send[d, :m.tensor.numel()] = m.tensor
+        summed = torch.empty(width, dtype=send.dtype, device=send.device)
+        dist.reduce_scatter_tensor(summed, send.view(-1), group=group)
+
+        own = messages[me]
+        outcomes, reason = None, None
+        try:
+            outcomes = decode_segments(own, summed[:own.tensor.numel()])
+        except ConfigurationMismatch as e:   # raised below on every rank, after the table
+            reason = str(e)
+        params = len(self.slots.fqns)
+        table = torch.zeros(n, params, 2, dtype=torch.int64, device=st._device())
+        for i in range(params):
+            if outcomes is None:
+                table[me, i, 0] = _MISMATCH
+            elif outcomes[i].needs_fallback:
+                table[me, i, 0], table[me, i, 1] = _FAILED, int(outcomes[i].report.total_keys)
+        dist.all_reduce(table, group=group)
+        if bool((table[:, :, 0] == _MISMATCH).any()):
+            bad = sorted({int(r) for r in (table[:, :, 0] == _MISMATCH).nonzero()[:, 0]})
+            raise ConfigurationMismatch(reason or f"ranks {bad} of the shard group could not decode their reduce-scatter "
+                                                  "payloads: ranks are configured differently")
+        for d in range(n):
+            for i in range(params):
+                if d != me and int(table[d, i, 0]) == _FAILED:
+                    replay_failure(messages[d].aggregators[i], int(table[d, i, 1]))
+        results = [o.value for o in outcomes]
+        failed = [i for i in range(params) if bool((table[:, i, 0] == _FAILED).any())]
+        if failed:   # every rank: dense chunks of the failed parameters, reduce-scattered exactly
+            dense = torch.stack([dense_values(m, failed) for m in messages])
+            out = torch.empty(dense.shape[1], dtype=dense.dtype, device=dense.device)
+            dist.reduce_scatter_tensor(out, dense.view(-1), group=group)
+            pieces = dict(zip(failed, out.split([math.prod(own.encoded[i][1].shape) for i in failed])))
+            mine = [i for i in failed if outcomes[i].needs_fallback]   # the others decoded here: kept
+            if mine:
+                part = torch.cat([pieces[i] for i in mine])
+                for i, value in zip(mine, finish_fallbacks(own, outcomes, mine, part)):
+                    results[i] = value
+        for view, value in zip(self.slots.views(output_tensor), results):
+            view.copy_(value.reshape(view.shape))
+        return None
+
+
+class LosslessFSDPState(_FSDPState):
+    """Lossless aggregation of naturally sparse gradients (embedding tables) under FSDP2.
+
+    Args:
+        mesh: see :class:`_FSDPState`.
+        max_density: each rank may send this fraction of a shard's coordinates before that shard falls
+            back to dense (and its capacity grows).
+        block_size: coordinates hashed as one key; None: a 2-D shard's row length, else 1.
+        seed: hash seed, identical on every rank.
+        index: the codec's index kind ("auto" picks the smallest payload).
+        policy: a :class:`lossless_hc.CapacityPolicy` for the replica all-reduce (not with
+            ``reduce_scatter=True``).
+    """
+
+    def __init__(self, mesh: DeviceMesh, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
+                 index: str = "auto", policy: Optional[CapacityPolicy] = None):
+        extra = {"policy": policy} if policy is not None else {}
+        super().__init__(LosslessSpec(max_density, block_size, seed, index, **extra), mesh)
+
+
+class TopKFSDPState(_FSDPState):
+    """Each rank's top ``ratio`` of every shard (error feedback keeps the rest, per parameter and, in
+    the reduce-scatter, per destination), the selections aggregated exactly."""
+
+    def __init__(self, mesh: DeviceMesh, ratio: float = 0.01, seed: int = 0, index: str = "auto",
+                 policy: Optional[CapacityPolicy] = None):
+        extra = {"policy": policy} if policy is not None else {}
+        super().__init__(TopKSpec(ratio, seed, index, **extra), mesh)
+
+
+class THCFSDPState(_FSDPState):
+    """THC quantization (lossy, unbiased, error feedback) of the replica all-reduce, with ``bits``,
+    ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`). The reduce-scatter
+    stays uncompressed (see the module doc)."""
+
+    supports_reduce_scatter = False
+
+    def __init__(self, mesh: DeviceMesh, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
+                 seed: int = 0):
+        super().__init__(THCSpec(bits, granularity, overflow_freq, seed), mesh)

@@ -1,0 +1,171 @@
+"""torch.distributed (Gloo) worker for tests/test_plugins_fsdp.py, started by torch.multiprocessing.
+
+Usage: fsdp_worker.py REPLICAS SHARDS PORT OUT_DIR SCENARIOS. The ranks form a (replicate, shard)
+device mesh. Each scenario trains the same model from the same seed on the same per-rank batches,
+once with uncompressed FSDP2 (native HSDP on the 2-D mesh, or FSDP on the 1-D one) and once with a
+state of lossless_hc.plugins.fsdp; every rank writes OUT_DIR/<scenario>.rank<r>.json.
+"""
+import hashlib
+import io
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import EmbeddingModel, batch, loss_fn  # noqa: E402
+
+from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
+
+STEPS = 5
+
+
+def build(mesh, native: bool, hidden: int = 16):
+    """The test model, fully_shard per table and at the root: natively on the whole mesh (the reference)
+    or on its shard dimension only (custom HSDP, for our hooks)."""
+    torch.manual_seed(0)
+    model = EmbeddingModel(hidden=hidden)
+    on = mesh if native or mesh.ndim == 1 else mesh["shard"]
+    for m in (model.users, model.items, model.fc1):
+        fully_shard(m, mesh=on)
+    fully_shard(model, mesh=on)
+    if native:   # Gloo has no AVG: the reference sums and divides by the world size, as our hooks do
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def local(model):
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    rank = dist.get_rank()
+    for step in range(start, start + steps):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model, batch(step, rank)).backward()
+        opt.step()
+    return opt
+
+
+def max_diff(a, b):
+    return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
+
+
+def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1):
+    ref = build(mesh, native=True, hidden=hidden)
+    train(ref, steps, lr=lr)
+    got = build(mesh, native=False, hidden=hidden)
+    start = local(got)
+    state.register(got, reduce_scatter=reduce_scatter)
+    train(got, steps, lr=lr)
+    aggs = state._aggregators
+    moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(local(m), start)]) for m in (ref, got)]
+    cosine = float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))
+    digest = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in local(got))).hexdigest()
+    return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "digest": digest,
+            "cosine": cosine,
+            "capacity": {k: getattr(a, "capacity", None) for k, a in sorted(aggs.items())}}
+
+
+def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
+    """Train ``steps`` at once; then half, checkpoint (model, optimizer, hook state) through torch.save,
+    rebuild everything, load, and train the other half. Both must end bit for bit equal."""
+    kw = dict(lr=0.02, momentum=0.9)
+    straight = build(mesh, native=False, hidden=hidden)
+    s0 = make_state()
+    s0.register(straight, reduce_scatter=reduce_scatter)
+    train(straight, steps, **kw)
+
+    first = build(mesh, native=False, hidden=hidden)
+    s1 = make_state()
+    s1.register(first, reduce_scatter=reduce_scatter)
+    opt = train(first, steps // 2, **kw)
+    buf = io.BytesIO()
+    torch.save({"model": {k: v.to_local() for k, v in first.state_dict().items()},
+                "optim": opt.state_dict(), "lhc": s1.state_dict()}, buf)
+    saved_keys = len(s1.state_dict()["aggregators"])
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+
+    second = build(mesh, native=False, hidden=hidden)
+    s2 = make_state()
+    s2.register(second, reduce_scatter=reduce_scatter)
+    s2.load_state_dict(ckpt["lhc"])
+    with torch.no_grad():
+        for k, v in second.state_dict().items():
+            v.to_local().copy_(ckpt["model"][k])
+    opt2 = torch.optim.SGD(second.parameters(), **kw)
+    opt2.load_state_dict(ckpt["optim"])
+    train(second, steps - steps // 2, start=steps // 2, opt=opt2)
+    return {"max_diff": max_diff(local(straight), local(second)), "saved_keys": saved_keys,
+            "stats": s0.stats(), "bitwise": all(torch.equal(x, y) for x, y in zip(local(straight), local(second)))}
+
+
+def expect_error(fn, exc):
+    try:
+        fn()
+    except exc as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+def scenario(name, mesh):
+    rs = mesh.ndim == 1 or name.endswith("_rs")   # the 1-D mesh has only the reduce-scatter to compress
+    base = name[:-3] if name.endswith("_rs") else name
+    if base == "lossless":
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
+    if base == "fallback":    # capacity 0.1%: the tables overload, fall back exactly (identically), grow
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.001), rs)
+    if base == "topk":
+        state = TopKFSDPState(mesh, ratio=0.05)
+        r = compare(mesh, state, rs, steps=16, hidden=512, lr=0.02)
+        r["residual_norms"] = [float(a.residual.norm()) for a in state._aggregators.values() if a.residual is not None]
+        return r
+    if base == "thc":   # lossy: replicas of one shard must stay bit-identical, and stay near the reference
+        return compare(mesh, THCFSDPState(mesh, bits=4), False, steps=16, hidden=512, lr=0.02)
+    if base == "resume":
+        return resume(mesh, lambda: TopKFSDPState(mesh, ratio=0.05), rs)
+    if base == "resume_lossless":
+        return resume(mesh, lambda: LosslessFSDPState(mesh, max_density=0.001), rs, hidden=16)
+    if base == "config_mismatch":
+        state = LosslessFSDPState(mesh, max_density=0.05 if dist.get_rank() == 1 else 0.02)
+        return expect_error(lambda: state.register(build(mesh, native=False), reduce_scatter=rs), ConfigurationMismatch)
+    if base == "thc_reduce_scatter":
+        return expect_error(lambda: THCFSDPState(mesh).register(build(mesh, native=False), reduce_scatter=True),
+                            ValueError)
+    if base == "native_hsdp":
+        return expect_error(lambda: LosslessFSDPState(mesh).register(build(mesh, native=True)), ValueError)
+    raise ValueError(f"unknown scenario {name}")
+
+
+def worker(rank, replicas, shards, port, out_dir, names):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=replicas * shards)
+    torch.set_num_threads(1)
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",))
+    for name in names:
+        result = scenario(name, mesh)
+        result.update(rank=rank, replicas=replicas, shards=shards)
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    dist.barrier()   # no rank tears Gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    replicas, shards, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    names = sys.argv[5].split(",")
+    torch.multiprocessing.spawn(worker, args=(replicas, shards, port, out_dir, names), nprocs=replicas * shards)

@@ -54,6 +54,7 @@ def test_saving_the_ddp_model_keeps_a_usable_hook_state(ddp_run):
             pytest.skip("this torch's DDP does not pickle the comm-hook state")
         assert r["restored_state"] == "LosslessHookState" and r["aggregators"] > 0 and r["group_dropped"], r
         assert r["world_size"] == size
+        assert r["tensors_after_restore"] > 0, r   # the restored model's step went through the hook
 
 
 @pytest.mark.parametrize("name", EXACT)

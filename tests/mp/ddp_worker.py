@@ -103,11 +103,21 @@ def scenario(name):
         restored = torch.load(buf, weights_only=False)
         hooks = getattr(restored, "_comm_hooks", None) or [(None, None)]   # DDP's (hook, state) pairs
         hook_state = hooks[0][1]
+        group_dropped = hook_state is not None and hook_state.process_group is None and not hook_state._fallback_groups
+        # torch rebuilds a loaded DDP's reducer without its hook: registered again, the restored state
+        # carries on (its fallback groups re-created on the default group).
+        before = hook_state.stats()["tensors"] if hook_state is not None else 0
+        if hook_state is not None:
+            restored.register_comm_hook(hook_state, lossless_hook)
+        opt2 = torch.optim.SGD(restored.module.parameters(), lr=0.1)
+        loss_fn(restored, batch(2, dist.get_rank())).backward()
+        opt2.step()
+        after = hook_state.stats()["tensors"] if hook_state is not None else 0
         return {"error": None, "restored_state": type(hook_state).__name__,
                 "aggregators": len(hook_state._aggregators) if hook_state is not None else -1,
-                "group_dropped": hook_state is not None and hook_state.process_group is None
-                and not hook_state._fallback_groups,
-                "world_size": hook_state.world_size if hook_state is not None else -1}
+                "group_dropped": group_dropped,
+                "world_size": hook_state.world_size if hook_state is not None else -1,
+                "tensors_after_restore": after - before}
     if name == "config_mismatch":
         return expect_error(lambda: train(LosslessHookState(max_density=0.05 if dist.get_rank() else 0.02), steps=1),
                             ConfigurationMismatch)

@@ -23,22 +23,19 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 
-LHC_TGT_INLINE vf16 load16(const float* p) {
-  vf16 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-LHC_TGT_INLINE void store16(float* p, vf16 v) { __builtin_memcpy(p, &v, sizeof v); }
+// Vectors cross helpers by reference only (a 64-byte vector passed by value has an ISA-dependent ABI).
+#define LHC_LOAD16(v, p) __builtin_memcpy(&(v), (p), 64)
+#define LHC_STORE16(p, v) __builtin_memcpy((p), &(v), 64)
 
 // ---- Walsh-Hadamard transform ------------------------------------------------------------------
 // Stage h < 16 inside one vector of 16 lanes: a lane with bit h clear gets u + v (itself plus its
 // partner), a lane with bit h set gets u - v (its partner minus itself): the scalar butterfly.
-LHC_TGT_INLINE vf16 stage_in(vf16 x, vi16 swap, vi16 pick) {
+LHC_TGT_INLINE void stage_in(vf16& x, const vi16& swap, const vi16& pick) {
   const vf16 s = __builtin_shuffle(x, swap);
-  return __builtin_shuffle(x + s, s - x, pick);
+  x = __builtin_shuffle(x + s, s - x, pick);
 }
 
-LHC_TGT_INLINE vf16 stages_1_to_8(vf16 x) {
+LHC_TGT_INLINE void stages_1_to_8(float* p) {
   const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
   const vi16 p1 = {0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31};
   const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
@@ -47,7 +44,13 @@ LHC_TGT_INLINE vf16 stages_1_to_8(vf16 x) {
   const vi16 p4 = {0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31};
   const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
   const vi16 p8 = {0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31};
-  return stage_in(stage_in(stage_in(stage_in(x, s1, p1), s2, p2), s4, p4), s8, p8);
+  vf16 x;
+  LHC_LOAD16(x, p);
+  stage_in(x, s1, p1);
+  stage_in(x, s2, p2);
+  stage_in(x, s4, p4);
+  stage_in(x, s8, p8);
+  LHC_STORE16(p, x);
 }
 
 // Blocks below 16 coordinates: the scalar stages.
@@ -68,44 +71,70 @@ LHC_TGT void fwht(float* __restrict a, uint64_t n) {
     fwht_small(a, n);
     return;
   }
-  for (uint64_t i = 0; i < n; i += 16) store16(a + i, stages_1_to_8(load16(a + i)));
+  for (uint64_t i = 0; i < n; i += 16) stages_1_to_8(a + i);
   uint64_t h = 16;
   for (; 8 * h <= n; h *= 8)
     for (uint64_t i = 0; i < n; i += 8 * h)
       for (uint64_t j = i; j < i + h; j += 16) {
         float* p = a + j;
-        const vf16 r0 = load16(p), r1 = load16(p + h), r2 = load16(p + 2 * h), r3 = load16(p + 3 * h);
-        const vf16 r4 = load16(p + 4 * h), r5 = load16(p + 5 * h), r6 = load16(p + 6 * h), r7 = load16(p + 7 * h);
+        vf16 r0, r1, r2, r3, r4, r5, r6, r7;
+        LHC_LOAD16(r0, p);
+        LHC_LOAD16(r1, p + h);
+        LHC_LOAD16(r2, p + 2 * h);
+        LHC_LOAD16(r3, p + 3 * h);
+        LHC_LOAD16(r4, p + 4 * h);
+        LHC_LOAD16(r5, p + 5 * h);
+        LHC_LOAD16(r6, p + 6 * h);
+        LHC_LOAD16(r7, p + 7 * h);
         const vf16 a0 = r0 + r1, a1 = r0 - r1, a2 = r2 + r3, a3 = r2 - r3;   // stage h
         const vf16 a4 = r4 + r5, a5 = r4 - r5, a6 = r6 + r7, a7 = r6 - r7;
         const vf16 b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;   // stage 2h
         const vf16 b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
-        store16(p, b0 + b4);                                                 // stage 4h
-        store16(p + 4 * h, b0 - b4);
-        store16(p + h, b1 + b5);
-        store16(p + 5 * h, b1 - b5);
-        store16(p + 2 * h, b2 + b6);
-        store16(p + 6 * h, b2 - b6);
-        store16(p + 3 * h, b3 + b7);
-        store16(p + 7 * h, b3 - b7);
+        r0 = b0 + b4;                                                        // stage 4h
+        r4 = b0 - b4;
+        r1 = b1 + b5;
+        r5 = b1 - b5;
+        r2 = b2 + b6;
+        r6 = b2 - b6;
+        r3 = b3 + b7;
+        r7 = b3 - b7;
+        LHC_STORE16(p, r0);
+        LHC_STORE16(p + h, r1);
+        LHC_STORE16(p + 2 * h, r2);
+        LHC_STORE16(p + 3 * h, r3);
+        LHC_STORE16(p + 4 * h, r4);
+        LHC_STORE16(p + 5 * h, r5);
+        LHC_STORE16(p + 6 * h, r6);
+        LHC_STORE16(p + 7 * h, r7);
       }
   for (; 4 * h <= n; h *= 4)
     for (uint64_t i = 0; i < n; i += 4 * h)
       for (uint64_t j = i; j < i + h; j += 16) {
         float* p = a + j;
-        const vf16 r0 = load16(p), r1 = load16(p + h), r2 = load16(p + 2 * h), r3 = load16(p + 3 * h);
+        vf16 r0, r1, r2, r3;
+        LHC_LOAD16(r0, p);
+        LHC_LOAD16(r1, p + h);
+        LHC_LOAD16(r2, p + 2 * h);
+        LHC_LOAD16(r3, p + 3 * h);
         const vf16 a0 = r0 + r1, a1 = r0 - r1, a2 = r2 + r3, a3 = r2 - r3;
-        store16(p, a0 + a2);
-        store16(p + 2 * h, a0 - a2);
-        store16(p + h, a1 + a3);
-        store16(p + 3 * h, a1 - a3);
+        r0 = a0 + a2;
+        r2 = a0 - a2;
+        r1 = a1 + a3;
+        r3 = a1 - a3;
+        LHC_STORE16(p, r0);
+        LHC_STORE16(p + h, r1);
+        LHC_STORE16(p + 2 * h, r2);
+        LHC_STORE16(p + 3 * h, r3);
       }
   for (; 2 * h <= n; h *= 2)
     for (uint64_t i = 0; i < n; i += 2 * h)
       for (uint64_t j = i; j < i + h; j += 16) {
-        const vf16 u = load16(a + j), v = load16(a + j + h);
-        store16(a + j, u + v);
-        store16(a + j + h, u - v);
+        vf16 u, v;
+        LHC_LOAD16(u, a + j);
+        LHC_LOAD16(v, a + j + h);
+        const vf16 s = u + v, d = u - v;
+        LHC_STORE16(a + j, s);
+        LHC_STORE16(a + j + h, d);
       }
 }
 
@@ -193,7 +222,9 @@ LHC_TGT void quantize(const ThcRounding& R, uint64_t round_stream, uint64_t star
       h += key_hi;
       h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
       const vf16 draw = __builtin_convertvector((vi16)(h >> 8), vf16) * (1.0f / 16777216.0f);
-      vf16 z = load16(y + i) * sc;
+      vf16 z;
+      LHC_LOAD16(z, y + i);
+      z *= sc;
       z = z < negT ? negT : z;
       z = T < z ? T : z;
       vf16 u = (z + T) * to_level;
@@ -206,7 +237,7 @@ LHC_TGT void quantize(const ThcRounding& R, uint64_t round_stream, uint64_t star
       const vf16 inv_width = __builtin_shuffle(tab[2][0], tab[2][1], k);
       const vf16 p_up = (u - lo) * inv_width;
       const vf16 level = lo + (draw < p_up ? width : zero);
-      store16(y + i, level);
+      LHC_STORE16(y + i, level);
       const vu16 digit = (vu16)__builtin_convertvector(level, vi16);
       __builtin_memcpy(q + i, &digit, sizeof digit);
     }
@@ -479,4 +510,6 @@ constexpr ThcKernels kKernels = {LHC_THC_ISA_NAME, fwht, chunk_sum_squares, max_
 
 #undef LHC_TGT
 #undef LHC_TGT_INLINE
+#undef LHC_LOAD16
+#undef LHC_STORE16
 }  // namespace LHC_THC_ISA

@@ -164,6 +164,38 @@ LHC_TGT_INLINE void scale_flip(const float* v, float s, const uint32_t* __restri
   }
 }
 
+// The pairwise tree of thc_math.h over the lanes of one chunk, widened to double.
+LHC_TGT_INLINE double lanes_sum(const float* lane) {
+  double d[kThcNormLanes];
+  for (uint32_t t = 0; t < kThcNormLanes; ++t) d[t] = (double)lane[t];
+  for (uint32_t s = kThcNormLanes >> 1; s > 0; s >>= 1)
+    for (uint32_t i = 0; i < s; ++i) d[i] = d[i] + d[i + s];
+  return d[0];
+}
+
+// A whole block of whole chunks in one pass: v = x + e (e may be null), the chunk partials of
+// ||v||^2 (thc_chunk_sum_squares's lanes and tree) into partial[0, B / kThcNormChunk), and
+// y = thc_flip_sign(v * s, m).
+LHC_TGT_INLINE void block_input(const float* __restrict x, const float* __restrict e, float s,
+                                const uint32_t* __restrict m, uint64_t B, float* __restrict y, double* partial) {
+  for (uint64_t c = 0; c < B; c += kThcNormChunk) {
+    float lane[kThcNormLanes];
+    for (uint32_t t = 0; t < kThcNormLanes; ++t) lane[t] = 0.0f;
+    for (uint64_t k = c; k < c + kThcNormChunk; k += kThcNormLanes)
+      for (uint32_t t = 0; t < kThcNormLanes; ++t) {
+        const uint64_t i = k + t;
+        const float v = e ? x[i] + e[i] : x[i];
+        lane[t] = __builtin_fmaf(v, v, lane[t]);
+        const float r = v * s;
+        uint32_t u;
+        __builtin_memcpy(&u, &r, 4);
+        u ^= m[i];
+        __builtin_memcpy(y + i, &u, 4);
+      }
+    partial[c / kThcNormChunk] = lanes_sum(lane);
+  }
+}
+
 // thc_chunk_sum_squares of thc_math.h (lanes of fmas, then the pairwise tree), on v[0, count).
 LHC_TGT double chunk_sum_squares(const float* __restrict v, uint64_t count) {
   float lane[kThcNormLanes];
@@ -174,11 +206,7 @@ LHC_TGT double chunk_sum_squares(const float* __restrict v, uint64_t count) {
   } else {
     for (uint64_t i = 0; i < count; ++i) lane[i % kThcNormLanes] = __builtin_fmaf(v[i], v[i], lane[i % kThcNormLanes]);
   }
-  double d[kThcNormLanes];
-  for (uint32_t t = 0; t < kThcNormLanes; ++t) d[t] = (double)lane[t];
-  for (uint32_t s = kThcNormLanes >> 1; s > 0; s >>= 1)
-    for (uint32_t i = 0; i < s; ++i) d[i] = d[i] + d[i + s];
-  return d[0];
+  return lanes_sum(lane);
 }
 
 // The largest IEEE exponent field among x[0, n) (0x7f800000: some x[i] is NaN or Inf).
@@ -194,10 +222,11 @@ LHC_TGT uint32_t max_exponent(const float* __restrict x, uint64_t n) {
 }
 
 // ---- stochastic rounding -------------------------------------------------------------------------
-// Levels of coords [0, count) (global index start + i) as floats over y and as digits into q:
+// Levels of coords [0, count) (global index start + i) as digits into q and, over y, the rank's own
+// dequantized value thc_dequantize(level, da, db) (error feedback):
 // thc_level of thc_math.h with the draw thc_uniform24(round_stream, start + i), the per-block halves
 // of its key hoisted (blocks are aligned powers of two below 2^32, so start's high half is constant).
-LHC_TGT void quantize(const ThcRounding& R, uint64_t round_stream, uint64_t start, uint64_t count,
+LHC_TGT void quantize(const ThcRounding& R, float da, float db, uint64_t round_stream, uint64_t start, uint64_t count,
                       float* __restrict y, uint32_t* __restrict q) {
   const uint32_t key_lo = (uint32_t)round_stream;
   const uint32_t key_hi = (uint32_t)(round_stream >> 32) ^ ((uint32_t)(start >> 32) * 0x9e3779b9u);
@@ -237,7 +266,9 @@ LHC_TGT void quantize(const ThcRounding& R, uint64_t round_stream, uint64_t star
       const vf16 inv_width = __builtin_shuffle(tab[2][0], tab[2][1], k);
       const vf16 p_up = (u - lo) * inv_width;
       const vf16 level = lo + (draw < p_up ? width : zero);
-      LHC_STORE16(y + i, level);
+      vf16 own;
+      for (int l = 0; l < 16; ++l) own[l] = __builtin_fmaf(level[l], da, db);
+      LHC_STORE16(y + i, own);
       const vu16 digit = (vu16)__builtin_convertvector(level, vi16);
       __builtin_memcpy(q + i, &digit, sizeof digit);
     }
@@ -246,14 +277,9 @@ LHC_TGT void quantize(const ThcRounding& R, uint64_t round_stream, uint64_t star
   for (; i < count; ++i) {
     const uint32_t h = fmix32((first + (uint32_t)i) ^ key_lo);
     const float level = thc_level(R, y[i], thc_draw(fmix32(h + key_hi) >> 8));
-    y[i] = level;
+    y[i] = thc_dequantize(level, da, db);
     q[i] = (uint32_t)(int32_t)level;
   }
-}
-
-// y[i] = thc_dequantize(y[i], a, b): the rank's own dequantized levels (error feedback).
-LHC_TGT_INLINE void dequantize(float* __restrict y, uint64_t n, float a, float b) {
-  for (uint64_t i = 0; i < n; ++i) y[i] = __builtin_fmaf(y[i], a, b);
 }
 
 // ---- digit packing -------------------------------------------------------------------------------
@@ -454,30 +480,41 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
     float* __restrict y = S.y + j * B;
     const float* __restrict xb = x + start;
     float* __restrict eb = e ? e + start : nullptr;
-    if (eb) {
-      for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i] + eb[i];
+    if (A.Q) sign_masks(A.sign_stream, start, B, S.m);
+    if (A.Q && valid == B && A.chunks_in_blocks) {
+      // The common case, fused: v = x + e, the norm's chunks, signs and scale in one pass.
+      block_input(xb, eb, A.inv_sqrt, S.m, B, y, A.partial + start / kThcNormChunk);
     } else {
-      for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i];
+      if (eb) {
+        for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i] + eb[i];
+      } else {
+        for (uint64_t i = 0; i < valid; ++i) y[i] = xb[i];
+      }
+      for (uint64_t i = valid; i < B; ++i) y[i] = 0.0f;
+      if (A.chunks_in_blocks)
+        for (uint64_t off = 0; off < B; off += kThcNormChunk)
+          A.partial[(start + off) / kThcNormChunk] =
+              chunk_sum_squares(y + off, valid > off ? std::min<uint64_t>(kThcNormChunk, valid - off) : 0);
+      if (!A.Q) {  // norm-only round: the whole of v stays owed
+        if (eb) std::copy(y, y + valid, eb);
+        continue;
+      }
+      scale_flip(y, A.inv_sqrt, S.m, valid, y);
     }
-    for (uint64_t i = valid; i < B; ++i) y[i] = 0.0f;
-    if (A.chunks_in_blocks)
-      for (uint64_t off = 0; off < B; off += kThcNormChunk)
-        A.partial[(start + off) / kThcNormChunk] =
-            chunk_sum_squares(y + off, valid > off ? std::min<uint64_t>(kThcNormChunk, valid - off) : 0);
-    if (!A.Q) {  // norm-only round: the whole of v stays owed
-      if (eb) std::copy(y, y + valid, eb);
-      continue;
-    }
-    sign_masks(A.sign_stream, start, B, S.m);
-    scale_flip(y, A.inv_sqrt, S.m, valid, y);
     fwht(y, B);
-    quantize(A.R, A.round_stream, start, B, y, S.q + j * B);
+    quantize(A.R, A.Q->dequant_a, A.Q->dequant_b, A.round_stream, start, B, y, S.q + j * B);
     if (!eb || !valid) continue;
     // e <- (x + e) - RHT^{-1}(own dequantized levels), the block still in cache.
-    dequantize(y, B, A.Q->dequant_a, A.Q->dequant_b);
     fwht(y, B);
-    scale_flip(y, A.inv_sqrt, S.m, valid, y);
-    for (uint64_t i = 0; i < valid; ++i) eb[i] = (xb[i] + eb[i]) - y[i];
+    for (uint64_t i = 0; i < valid; ++i) {
+      const float r = y[i] * A.inv_sqrt;
+      uint32_t u;
+      __builtin_memcpy(&u, &r, 4);
+      u ^= S.m[i];
+      float own;
+      __builtin_memcpy(&own, &u, 4);
+      eb[i] = (xb[i] + eb[i]) - own;
+    }
   }
   if (A.Q)
     pack_block(S.q, blocks * B, L.per_word, L.base, A.fits_double, A.word_kind, thc_words_for(L, blocks * B),

@@ -9,7 +9,8 @@
 
 * ``require(device) -> device``: raise a clear error unless its kernels can run there; returns the
   device pinned to an index (CUDA).
-* ``empty(numel, device)``: a float32 output buffer.
+* ``empty(numel, device, dtype=float32)``: an output buffer (CPU: backed by huge pages where the kernel
+  allows).
 * ``lhc_layout(layout, device)``, ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads) -> pending`` with
   ``pending.header`` (the payload's header fields as floats) and ``pending.finish(total_keys,

@@ -167,13 +167,13 @@ class CpuBackend:
         _require_module()
         return device
 
-    def empty(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A new float32 buffer, its memory advised to be backed by transparent huge pages before
-        anything touches it: writing a fresh buffer of hundreds of MiB then takes one page fault per
-        2 MiB instead of one per 4 KiB, which is most of the cost of that first write."""
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
+    def empty(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new buffer (float32 unless ``dtype``), its memory advised to be backed by transparent huge
+        pages before anything touches it: writing a fresh buffer of hundreds of MiB then takes one page
+        fault per 2 MiB instead of one per 4 KiB, which is most of the cost of that first write."""
+        buf = torch.empty(numel, dtype=dtype, device=device)
         if numel:
-            _C.advise_huge_pages(buf.data_ptr(), 4 * numel)
+            _C.advise_huge_pages(buf.data_ptr(), buf.element_size() * numel)
         return buf
 
     # -- LHC -------------------------------------------------------------------------------------

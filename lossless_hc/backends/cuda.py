@@ -543,8 +543,8 @@ class CudaBackend:
         # Tensors report their device with an index: pin to the current one.
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
-    def empty(self, numel: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(numel, dtype=torch.float32, device=device)
+    def empty(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
         return CudaLayout(layout, device)

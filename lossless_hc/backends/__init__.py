@@ -2,7 +2,7 @@
 
     cpu           the C++/OpenMP kernels (lossless_hc._C)
     cuda_runtime  loading and launching the CUDA kernels (compiled lossless_hc._C_cuda, or NVRTC via CuPy)
-    cuda          the lossless codec's CUDA launch sequence;  cuda_thc: THC's
+    cuda          the lossless codec's CUDA launch sequence;  cuda_thc: THC's;  cuda_topk: top-k's
 
 :func:`backend_for` returns the backend of a device; the codecs (``lossless_hc.lhc``,
 ``lossless_hc.thc``) call only its methods and hold no device branches. Every backend implements:
@@ -19,6 +19,8 @@
   kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
   synchronisation. Either way the codec validates the header before it trusts the kernels' verdict,
   and the kernels size every buffer from the layout, never from the header.
+* ``topk_select(x, k, out=None, num_threads=0) -> indices``: the ``min(k, numel)`` largest ``|x|``, ties
+  to the lower index, ascending int64 (csrc/cpu/topk_cpu.h), identical on every backend.
 * ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields) and
   ``thc_decode -> invalid word count``.
 

@@ -43,6 +43,7 @@ struct ThcGroupArgs {
   const ThcLayout* layout;
   const ThcQuantizer* Q;   // null: norm-only round
   ThcRounding R;
+  float table[3][32];      // lo, width, inv_width padded to 32 entries (when g <= 32: vector lookups)
   uint64_t sign_stream, round_stream;
   const float* x;
   float* e;                // null: no error feedback
@@ -86,11 +87,13 @@ struct ThcKernels {
 #define LHC_THC_ISA_NAME "portable"
 #define LHC_THC_TARGET
 #define LHC_THC_PERMUTE 0
+#define LHC_THC_VW 4
 #include "thc_cpu_isa.h"
 #undef LHC_THC_ISA
 #undef LHC_THC_ISA_NAME
 #undef LHC_THC_TARGET
 #undef LHC_THC_PERMUTE
+#undef LHC_THC_VW
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LHC_THC_X86_LEVELS 1
@@ -98,21 +101,25 @@ struct ThcKernels {
 #define LHC_THC_ISA_NAME "x86-64-v3"
 #define LHC_THC_TARGET __attribute__((target("arch=x86-64-v3")))
 #define LHC_THC_PERMUTE 0
+#define LHC_THC_VW 8
 #include "thc_cpu_isa.h"
 #undef LHC_THC_ISA
 #undef LHC_THC_ISA_NAME
 #undef LHC_THC_TARGET
 #undef LHC_THC_PERMUTE
+#undef LHC_THC_VW
 
 #define LHC_THC_ISA isa_avx512
 #define LHC_THC_ISA_NAME "x86-64-v4"
 #define LHC_THC_TARGET __attribute__((target("arch=x86-64-v4")))
 #define LHC_THC_PERMUTE 1
+#define LHC_THC_VW 16
 #include "thc_cpu_isa.h"
 #undef LHC_THC_ISA
 #undef LHC_THC_ISA_NAME
 #undef LHC_THC_TARGET
 #undef LHC_THC_PERMUTE
+#undef LHC_THC_VW
 #else
 #define LHC_THC_X86_LEVELS 0
 #endif
@@ -170,7 +177,7 @@ inline bool horner_fits_double(const ThcLayout& L) {
 bool any_non_finite(const ThcKernels& K, const float* x, uint64_t n, int nt) {
   constexpr uint64_t kSlice = 1 << 16;
   int bad = 0;
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : bad)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 4) reduction(| : bad)
   for (int64_t c = 0; c < (int64_t)((n + kSlice - 1) / kSlice); ++c) {
     const uint64_t lo = (uint64_t)c * kSlice, hi = std::min<uint64_t>(n, lo + kSlice);
     bad |= K.max_exponent(x + lo, hi - lo) == 0x7f800000u;
@@ -316,7 +323,12 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
   ThcGroupArgs A{};
   A.layout = &L;
   A.Q = Q;
-  if (Q) A.R = thc_rounding(Q->lo, Q->width, Q->inv_width, Q->scale, Q->threshold, L.granularity);
+  if (Q) {
+    A.R = thc_rounding(Q->lo, Q->width, Q->inv_width, Q->scale, Q->threshold, L.granularity);
+    const float* src[3] = {Q->lo, Q->width, Q->inv_width};
+    for (int t = 0; t < 3; ++t)
+      for (uint32_t l = 0; l < 32; ++l) A.table[t][l] = l < L.granularity ? src[t][l] : 0.0f;
+  }
   A.sign_stream = sign_stream;
   A.round_stream = round_stream;
   A.x = x;
@@ -331,7 +343,9 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
 #pragma omp parallel num_threads(nt)
   {
     ScratchBuffers S(L);
-#pragma omp for schedule(static)
+    // Dynamic chunks of groups: on a shared machine a descheduled thread does not hold the others up.
+    // Every group writes its own words, error memory and norm partials, so no result depends on it.
+#pragma omp for schedule(dynamic, 16)
     for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) K.encode_group(A, (uint64_t)gi, S.view);
   }
   st.sum_squares = thc_tree_sum(partial.data(), nchunks);
@@ -353,7 +367,7 @@ uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind,
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
     ScratchBuffers S(L);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16)
     for (int64_t gi = 0; gi < (int64_t)thc_groups(L); ++gi) bad += K.decode_group(A, (uint64_t)gi, S.view);
   }
   return bad;

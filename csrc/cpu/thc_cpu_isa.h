@@ -28,32 +28,39 @@ typedef uint32_t vu16 __attribute__((vector_size(64)));
 #define LHC_STORE16(p, v) __builtin_memcpy((p), &(v), 64)
 
 // ---- Walsh-Hadamard transform ------------------------------------------------------------------
-// Stage h < 16 inside one vector of 16 lanes: a lane with bit h clear gets u + v (itself plus its
-// partner), a lane with bit h set gets u - v (its partner minus itself): the scalar butterfly.
-LHC_TGT_INLINE void stage_in(vf16& x, const vi16& swap, const vi16& pick) {
-  const vf16 s = __builtin_shuffle(x, swap);
+// Vectors of W = LHC_THC_VW lanes for the transform: the register width of the level (16 with
+// AVX-512, 8 with AVX2, 4 with SSE2), so every shuffle below is one native instruction.
+constexpr int W = LHC_THC_VW;
+typedef float vfw __attribute__((vector_size(4 * LHC_THC_VW)));
+typedef int32_t viw __attribute__((vector_size(4 * LHC_THC_VW)));
+#define LHC_LOADW(v, p) __builtin_memcpy(&(v), (p), sizeof(vfw))
+#define LHC_STOREW(p, v) __builtin_memcpy((p), &(v), sizeof(vfw))
+
+// Stage H < W inside one vector: a lane with bit H clear gets u + v (itself plus its partner), a lane
+// with bit H set gets u - v (its partner minus itself): the scalar butterfly.
+template <int H>
+LHC_TGT_INLINE void stage_in(vfw& x) {
+  viw swap, pick;
+  for (int l = 0; l < W; ++l) {
+    swap[l] = l ^ H;
+    pick[l] = (l & H) ? W + l : l;
+  }
+  const vfw s = __builtin_shuffle(x, swap);
   x = __builtin_shuffle(x + s, s - x, pick);
 }
 
-LHC_TGT_INLINE void stages_1_to_8(float* p) {
-  const vi16 s1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
-  const vi16 p1 = {0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31};
-  const vi16 s2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-  const vi16 p2 = {0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13, 30, 31};
-  const vi16 s4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-  const vi16 p4 = {0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31};
-  const vi16 s8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-  const vi16 p8 = {0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31};
-  vf16 x;
-  LHC_LOAD16(x, p);
-  stage_in(x, s1, p1);
-  stage_in(x, s2, p2);
-  stage_in(x, s4, p4);
-  stage_in(x, s8, p8);
-  LHC_STORE16(p, x);
+// Stages 1 .. W/2 of the W coordinates at p.
+LHC_TGT_INLINE void stages_in_vector(float* p) {
+  vfw x;
+  LHC_LOADW(x, p);
+  stage_in<1>(x);
+  stage_in<2>(x);
+  if (W > 4) stage_in<(W > 4 ? 4 : 1)>(x);
+  if (W > 8) stage_in<(W > 8 ? 8 : 1)>(x);
+  LHC_STOREW(p, x);
 }
 
-// Blocks below 16 coordinates: the scalar stages.
+// Blocks below W coordinates: the scalar stages.
 LHC_TGT_INLINE void fwht_small(float* __restrict a, uint64_t n) {
   for (uint64_t h = 1; h < n; h <<= 1)
     for (uint64_t i = 0; i < n; i += 2 * h)
@@ -64,32 +71,32 @@ LHC_TGT_INLINE void fwht_small(float* __restrict a, uint64_t n) {
       }
 }
 
-// In place, a <- H_n a (unnormalised, Sylvester order), n = 2^k: stages 1..8 in registers, then the
-// stages h >= 16 three at a time (8 vectors h apart: stages h, 2h, 4h), then two, then one.
+// In place, a <- H_n a (unnormalised, Sylvester order), n = 2^k: stages h < W in registers, then the
+// stages h >= W three at a time (8 vectors h apart: stages h, 2h, 4h), then two, then one.
 LHC_TGT void fwht(float* __restrict a, uint64_t n) {
-  if (n < 16) {
+  if (n < (uint64_t)W) {
     fwht_small(a, n);
     return;
   }
-  for (uint64_t i = 0; i < n; i += 16) stages_1_to_8(a + i);
-  uint64_t h = 16;
+  for (uint64_t i = 0; i < n; i += W) stages_in_vector(a + i);
+  uint64_t h = W;
   for (; 8 * h <= n; h *= 8)
     for (uint64_t i = 0; i < n; i += 8 * h)
-      for (uint64_t j = i; j < i + h; j += 16) {
+      for (uint64_t j = i; j < i + h; j += W) {
         float* p = a + j;
-        vf16 r0, r1, r2, r3, r4, r5, r6, r7;
-        LHC_LOAD16(r0, p);
-        LHC_LOAD16(r1, p + h);
-        LHC_LOAD16(r2, p + 2 * h);
-        LHC_LOAD16(r3, p + 3 * h);
-        LHC_LOAD16(r4, p + 4 * h);
-        LHC_LOAD16(r5, p + 5 * h);
-        LHC_LOAD16(r6, p + 6 * h);
-        LHC_LOAD16(r7, p + 7 * h);
-        const vf16 a0 = r0 + r1, a1 = r0 - r1, a2 = r2 + r3, a3 = r2 - r3;   // stage h
-        const vf16 a4 = r4 + r5, a5 = r4 - r5, a6 = r6 + r7, a7 = r6 - r7;
-        const vf16 b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;   // stage 2h
-        const vf16 b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
+        vfw r0, r1, r2, r3, r4, r5, r6, r7;
+        LHC_LOADW(r0, p);
+        LHC_LOADW(r1, p + h);
+        LHC_LOADW(r2, p + 2 * h);
+        LHC_LOADW(r3, p + 3 * h);
+        LHC_LOADW(r4, p + 4 * h);
+        LHC_LOADW(r5, p + 5 * h);
+        LHC_LOADW(r6, p + 6 * h);
+        LHC_LOADW(r7, p + 7 * h);
+        const vfw a0 = r0 + r1, a1 = r0 - r1, a2 = r2 + r3, a3 = r2 - r3;   // stage h
+        const vfw a4 = r4 + r5, a5 = r4 - r5, a6 = r6 + r7, a7 = r6 - r7;
+        const vfw b0 = a0 + a2, b2 = a0 - a2, b1 = a1 + a3, b3 = a1 - a3;   // stage 2h
+        const vfw b4 = a4 + a6, b6 = a4 - a6, b5 = a5 + a7, b7 = a5 - a7;
         r0 = b0 + b4;                                                        // stage 4h
         r4 = b0 - b4;
         r1 = b1 + b5;
@@ -98,43 +105,43 @@ LHC_TGT void fwht(float* __restrict a, uint64_t n) {
         r6 = b2 - b6;
         r3 = b3 + b7;
         r7 = b3 - b7;
-        LHC_STORE16(p, r0);
-        LHC_STORE16(p + h, r1);
-        LHC_STORE16(p + 2 * h, r2);
-        LHC_STORE16(p + 3 * h, r3);
-        LHC_STORE16(p + 4 * h, r4);
-        LHC_STORE16(p + 5 * h, r5);
-        LHC_STORE16(p + 6 * h, r6);
-        LHC_STORE16(p + 7 * h, r7);
+        LHC_STOREW(p, r0);
+        LHC_STOREW(p + h, r1);
+        LHC_STOREW(p + 2 * h, r2);
+        LHC_STOREW(p + 3 * h, r3);
+        LHC_STOREW(p + 4 * h, r4);
+        LHC_STOREW(p + 5 * h, r5);
+        LHC_STOREW(p + 6 * h, r6);
+        LHC_STOREW(p + 7 * h, r7);
       }
   for (; 4 * h <= n; h *= 4)
     for (uint64_t i = 0; i < n; i += 4 * h)
-      for (uint64_t j = i; j < i + h; j += 16) {
+      for (uint64_t j = i; j < i + h; j += W) {
         float* p = a + j;
-        vf16 r0, r1, r2, r3;
-        LHC_LOAD16(r0, p);
-        LHC_LOAD16(r1, p + h);
-        LHC_LOAD16(r2, p + 2 * h);
-        LHC_LOAD16(r3, p + 3 * h);
-        const vf16 a0 = r0 + r1, a1 = r0 - r1, a2 = r2 + r3, a3 = r2 - r3;
+        vfw r0, r1, r2, r3;
+        LHC_LOADW(r0, p);
+        LHC_LOADW(r1, p + h);
+        LHC_LOADW(r2, p + 2 * h);
+        LHC_LOADW(r3, p + 3 * h);
+        const vfw a0 = r0 + r1, a1 = r0 - r1, a2 = r2 + r3, a3 = r2 - r3;
         r0 = a0 + a2;
         r2 = a0 - a2;
         r1 = a1 + a3;
         r3 = a1 - a3;
-        LHC_STORE16(p, r0);
-        LHC_STORE16(p + h, r1);
-        LHC_STORE16(p + 2 * h, r2);
-        LHC_STORE16(p + 3 * h, r3);
+        LHC_STOREW(p, r0);
+        LHC_STOREW(p + h, r1);
+        LHC_STOREW(p + 2 * h, r2);
+        LHC_STOREW(p + 3 * h, r3);
       }
   for (; 2 * h <= n; h *= 2)
     for (uint64_t i = 0; i < n; i += 2 * h)
-      for (uint64_t j = i; j < i + h; j += 16) {
-        vf16 u, v;
-        LHC_LOAD16(u, a + j);
-        LHC_LOAD16(v, a + j + h);
-        const vf16 s = u + v, d = u - v;
-        LHC_STORE16(a + j, s);
-        LHC_STORE16(a + j + h, d);
+      for (uint64_t j = i; j < i + h; j += W) {
+        vfw u, v;
+        LHC_LOADW(u, a + j);
+        LHC_LOADW(v, a + j + h);
+        const vfw s = u + v, d = u - v;
+        LHC_STOREW(a + j, s);
+        LHC_STOREW(a + j + h, d);
       }
 }
 
@@ -226,20 +233,23 @@ LHC_TGT uint32_t max_exponent(const float* __restrict x, uint64_t n) {
 // dequantized value thc_dequantize(level, da, db) (error feedback):
 // thc_level of thc_math.h with the draw thc_uniform24(round_stream, start + i), the per-block halves
 // of its key hoisted (blocks are aligned powers of two below 2^32, so start's high half is constant).
-LHC_TGT void quantize(const ThcRounding& R, float da, float db, uint64_t round_stream, uint64_t start, uint64_t count,
-                      float* __restrict y, uint32_t* __restrict q) {
+// `table` holds lo, width and inv_width padded to 32 entries (used when g <= 32).
+LHC_TGT void quantize(const ThcRounding& R, const float (*table)[32], float da, float db, uint64_t round_stream,
+                      uint64_t start, uint64_t count, float* __restrict y, uint32_t* __restrict q) {
   const uint32_t key_lo = (uint32_t)round_stream;
   const uint32_t key_hi = (uint32_t)(round_stream >> 32) ^ ((uint32_t)(start >> 32) * 0x9e3779b9u);
   const uint32_t first = (uint32_t)start;
   uint64_t i = 0;
+  (void)table;
 #if LHC_THC_PERMUTE
   // Tables of at most 32 entries: the three lookups are two-register permutes (vpermt2ps), not
   // element-by-element loads. The same operations as thc_level, lane by lane.
   if (R.kmax < 32) {
     vf16 tab[3][2];
-    const float* src[3] = {R.lo, R.width, R.inv_width};
-    for (int t = 0; t < 3; ++t)
-      for (int l = 0; l < 32; ++l) tab[t][l >> 4][l & 15] = l <= R.kmax ? src[t][l] : 0.0f;
+    for (int t = 0; t < 3; ++t) {
+      LHC_LOAD16(tab[t][0], table[t]);
+      LHC_LOAD16(tab[t][1], table[t] + 16);
+    }
     const vf16 T = R.threshold - vf16{}, negT = -R.threshold - vf16{}, sc = R.scale - vf16{};
     const vf16 to_level = R.to_level - vf16{}, gf = R.gf - vf16{}, zero = vf16{};
     const vi16 kmax = R.kmax - vi16{};
@@ -502,7 +512,7 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
       scale_flip(y, A.inv_sqrt, S.m, valid, y);
     }
     fwht(y, B);
-    quantize(A.R, A.Q->dequant_a, A.Q->dequant_b, A.round_stream, start, B, y, S.q + j * B);
+    quantize(A.R, A.table, A.Q->dequant_a, A.Q->dequant_b, A.round_stream, start, B, y, S.q + j * B);
     if (!eb || !valid) continue;
     // e <- (x + e) - RHT^{-1}(own dequantized levels), the block still in cache.
     fwht(y, B);
@@ -549,4 +559,6 @@ constexpr ThcKernels kKernels = {LHC_THC_ISA_NAME, fwht, chunk_sum_squares, max_
 #undef LHC_TGT_INLINE
 #undef LHC_LOAD16
 #undef LHC_STORE16
+#undef LHC_LOADW
+#undef LHC_STOREW
 }  // namespace LHC_THC_ISA

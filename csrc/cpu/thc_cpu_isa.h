@@ -1,9 +1,10 @@
 // thc_cpu_isa.h -- the THC CPU block kernels, compiled once per x86-64 level.
 //
 // No include guard: thc_cpu.cpp includes this file once per instruction-set level, each time with
-// LHC_THC_ISA (the namespace of that copy), LHC_THC_TARGET (a function attribute such as
-// __attribute__((target("arch=x86-64-v4"))), or nothing for the portable copy) and LHC_THC_PERMUTE
-// (1 where a two-register variable permute is one instruction, i.e. AVX-512) defined, and picks one
+// LHC_THC_ISA (the namespace of that copy), LHC_THC_ISA_NAME, LHC_THC_TARGET (a function attribute such
+// as __attribute__((target("arch=x86-64-v4"))), or nothing for the portable copy), LHC_THC_PERMUTE
+// (1 where a two-register variable permute is one instruction, i.e. AVX-512) and LHC_THC_VW (the
+// register width in floats: 16, 8 or 4) defined, and picks one
 // copy at run time (__builtin_cpu_supports; LHC_CPU_ISA or lossless_hc._C.thc_cpu_isa to force one).
 // Per-function target attributes rather than target_clones: GCC vectorises the inlined helpers of
 // thc_math.h inside a target("arch=...") function, not inside a clone.

@@ -19,6 +19,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace lhc {
 namespace cpu {
 namespace {
@@ -367,8 +371,11 @@ uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind,
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
     ScratchBuffers S(L);
-#pragma omp for schedule(dynamic, 16)
+#pragma omp for schedule(dynamic, 16) nowait
     for (int64_t gi = 0; gi < (int64_t)thc_groups(L); ++gi) bad += K.decode_group(A, (uint64_t)gi, S.view);
+#if LHC_THC_X86_LEVELS
+    _mm_sfence();   // the output's non-temporal stores are visible before the caller reads it
+#endif
   }
   return bad;
 }

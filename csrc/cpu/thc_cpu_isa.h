@@ -532,6 +532,24 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
                thc_word_at(A.words, A.word_kind, thc_group_first_word(L, gi)));
 }
 
+// dst[0, n) = src[0, n) with non-temporal stores where the level has them (dst 64-byte aligned, n a
+// multiple of 16): a decoded output is written once and read later by someone else, so its lines are
+// neither read for ownership nor kept in cache. The caller fences (thc_decode, after its loop).
+LHC_TGT_INLINE void stream_out(float* __restrict dst, const float* __restrict src, uint64_t n) {
+#if LHC_THC_VW == 16 && defined(__x86_64__)
+  if (((uintptr_t)dst & 63) == 0 && (n & 15) == 0) {
+    for (uint64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+    return;
+  }
+#elif LHC_THC_VW == 8 && defined(__x86_64__)
+  if (((uintptr_t)dst & 31) == 0 && (n & 7) == 0) {
+    for (uint64_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, 4 * n);
+}
+
 // Decode group gi: digits -> digit * a + b, then per block the inverse transform into out.
 // Returns the group's invalid words.
 LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S) {
@@ -548,7 +566,8 @@ LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S
     float* y = S.y + j * B;
     fwht(y, B);
     sign_masks(A.sign_stream, start, B, S.m);
-    scale_flip(y, A.inv_sqrt, S.m, valid, A.out + start);
+    scale_flip(y, A.inv_sqrt, S.m, valid, y);
+    stream_out(A.out + start, y, valid);
   }
   return bad;
 }

@@ -485,6 +485,14 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
   const uint64_t B = L.block, GB = L.group_blocks, blocks = thc_group_size(L, gi);
   const float* __restrict x = A.x;
   float* __restrict e = A.e;
+  {
+    // Prefetch the next group's x and e (the loads of this one then overlap its compute).
+    const uint64_t next = (gi + 1) * GB * B, end = std::min<uint64_t>(L.numel, next + GB * B);
+    for (uint64_t i = next; i < end; i += 16) {
+      __builtin_prefetch(x + i, 0, 1);
+      if (e) __builtin_prefetch(e + i, 1, 1);
+    }
+  }
   for (uint64_t j = 0; j < blocks; ++j) {
     const uint64_t start = (gi * GB + j) * B;
     const uint64_t valid = start >= L.numel ? 0 : std::min<uint64_t>(B, L.numel - start);

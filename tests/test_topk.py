@@ -137,3 +137,15 @@ def test_emulated_cuda_edge_counts(emulated):  # noqa: F811
 
 def test_cpu_module_reports_the_kernel_copies():
     assert _cpu.thc_cpu_isas()[-1] == "portable"
+
+
+# -- on a GPU (skipped, visibly, without one) -------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU top-k test did not run")
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_equals_cpu(kind):
+    from lossless_hc.backends import backend_for
+    x = inputs(kind, 3_000_000, seed=11)
+    for k in (1, 30_000, 2_999_999):
+        got = backend_for("cuda").topk_select(x.cuda(), k).cpu()
+        assert torch.equal(got, CPU.topk_select(x, k))

@@ -7,8 +7,8 @@
 :func:`backend_for` returns the backend of a device; the codecs (``lossless_hc.lhc``,
 ``lossless_hc.thc``) call only its methods and hold no device branches. Every backend implements:
 
-* ``require(device, who) -> device``: raise a clear error (naming ``who``, the calling codec) unless its
-  kernels can run there; returns the device pinned to an index (CUDA).
+* ``require(device) -> device``: raise a clear error unless its kernels can run there; returns the
+  device pinned to an index (CUDA).
 * ``empty(numel, device, dtype=float32)``: an output buffer (CPU: backed by huge pages where the kernel
   allows).
 * ``lhc_layout(layout, device)``, ``lhc_encode(native, x, payload, num_threads)`` and

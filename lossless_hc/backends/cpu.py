@@ -163,7 +163,7 @@ class CpuBackend:
 
     name = "cpu"
 
-    def require(self, device: torch.device, who: str = "lossless_hc") -> torch.device:
+    def require(self, device: torch.device) -> torch.device:
         _require_module()
         return device
 

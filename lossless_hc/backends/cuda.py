@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk
-from lossless_hc.backends.cuda_runtime import Arena, active_launcher, device_scope, f64_bits, launcher, stream_handle
+from lossless_hc.backends.cuda_runtime import Arena, active_launcher, device_scope, f64_bits, stream_handle
 from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
 
 
@@ -536,15 +536,11 @@ class CudaBackend:
 
     name = "cuda"
 
-    def require(self, device: torch.device, who: str = "lossless_hc") -> torch.device:
-        """``who`` (e.g. "THCCodec") names the caller in the errors."""
+    def require(self, device: torch.device) -> torch.device:
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{who}(device='{device}') needs a CUDA device, and torch sees none "
+            raise RuntimeError(f"device {device} needs a CUDA device, and torch sees none "
                                "(torch.cuda.is_available() is False)")
-        try:
-            launcher()
-        except ImportError as exc:
-            raise ImportError(f"{who}(device='{device}'): {exc}") from None
+        cuda_runtime.launcher()
         # Tensors report their device with an index: pin to the current one.
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 

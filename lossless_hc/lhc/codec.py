@@ -138,7 +138,7 @@ class LosslessCodec:
         # ranks plan the same payload (also for "auto") and interoperate.
         self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz)
         self._backend = backend_for(self.device)
-        self.device = self._backend.require(self.device, "LosslessCodec")
+        self.device = self._backend.require(self.device)
         self.num_threads = num_threads
         self._native = self._backend.lhc_layout(self.layout, self.device)
         self._shape = (numel,)

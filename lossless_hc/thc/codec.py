@@ -139,7 +139,7 @@ class THCCodec:
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
         self._backend = backend_for(device)
-        self.device = self._backend.require(torch.device(device), "THCCodec")
+        self.device = self._backend.require(torch.device(device))
         self.rank, self.seed = rank, seed
         self.overflow_freq = float(overflow_freq)
         self.threshold = self.table.threshold

@@ -37,7 +37,7 @@ CSRC_FILES = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/*
 
 ext = Pybind11Extension(
     "lossless_hc._C",
-    sources=["csrc/bindings.cpp", "csrc/thc_bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))],
+    sources=["csrc/bindings.cpp", "csrc/thc_bindings.cpp", "csrc/topk_bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))],
     include_dirs=["csrc"],
     depends=CSRC_FILES,
     cxx_std=17,

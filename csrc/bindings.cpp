@@ -12,7 +12,8 @@
 namespace py = pybind11;
 using namespace lhc;
 
-void bind_thc(py::module_& m);  // thc_bindings.cpp
+void bind_thc(py::module_& m);   // thc_bindings.cpp
+void bind_topk(py::module_& m);  // topk_bindings.cpp
 
 namespace {
 template <typename T>
@@ -115,4 +116,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("INT_FIELD_BITS") = (int)kIntFieldBits;
 
   bind_thc(m);
+  bind_topk(m);
 }

@@ -1,6 +1,9 @@
 // pybind11 bindings of the THC CPU kernels (registered into lossless_hc._C by bindings.cpp).
 // Tensors cross as raw addresses; lossless_hc/thc/codec.py checks dtype, device, contiguity and sizes.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
 
 #include "cpu/thc_cpu.h"
 #include "lhc_layout.h"
@@ -32,6 +35,18 @@ void bind_thc(py::module_& m) {
   py::class_<cpu::ThcForwardStats>(m, "ThcForwardStats")
       .def_readonly("sum_squares", &cpu::ThcForwardStats::sum_squares)
       .def_readonly("non_finite", &cpu::ThcForwardStats::non_finite);
+
+  m.def(
+      "thc_cpu_isa",
+      [](const std::string& request) {
+        if (!request.empty() && !cpu::thc_set_cpu_isa(request == "default" ? "" : request.c_str()))
+          throw py::value_error("this CPU cannot run the THC kernels for '" + request + "'");
+        return std::string(cpu::thc_cpu_isa());
+      },
+      py::arg("request") = "",
+      "The copy of the THC CPU kernels in use: 'x86-64-v4', 'x86-64-v3' or 'portable' (the same bits). With "
+      "request, switch to that copy first ('default': the best one, or LHC_CPU_ISA).");
+  m.def("thc_cpu_isas", &cpu::thc_cpu_isas, "The copies of the THC CPU kernels this CPU runs, best first.");
 
   m.def("thc_sign_stream", &thc_sign_stream, py::arg("seed"), py::arg("step"));
   m.def("thc_round_stream", &thc_round_stream, py::arg("seed"), py::arg("rank"), py::arg("step"));

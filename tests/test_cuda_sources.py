@@ -19,6 +19,7 @@ HEADER = cuda_runtime.header_text(HEADER_PATH)   # the entry header with its sta
 KERNEL_LIST = (ROOT / "csrc" / "cuda" / "kernel_list.h").read_text()
 THC_HEADER_PATH = ROOT / "csrc" / "cuda" / "thc_kernels.cuh"
 THC_HEADER = THC_HEADER_PATH.read_text()
+TOPK_HEADER_PATH = ROOT / "csrc" / "cuda" / "topk_kernels.cuh"
 
 
 def enum_names(name: str, header: str = HEADER) -> list:
@@ -114,7 +115,8 @@ def test_kernel_list_names_every_header_kernel_once():
 def test_compiled_module_holds_every_header_kernel():
     mod = pytest.importorskip("lossless_hc._C_cuda", reason="lossless_hc._C_cuda not built (no nvcc at build time)")
     kernels = cuda_runtime.header_kernels()   # every header of the module: the lossless codec's and THC's
-    assert set(cuda_runtime.header_kernels(HEADER_PATH)) | set(cuda_runtime.header_kernels(THC_HEADER_PATH)) == set(kernels)
+    assert (set(cuda_runtime.header_kernels(HEADER_PATH)) | set(cuda_runtime.header_kernels(THC_HEADER_PATH))
+            | set(cuda_runtime.header_kernels(TOPK_HEADER_PATH))) == set(kernels)
     assert sorted(mod.kernel_names()) == sorted(kernels)
     for name, arity in kernels.items():
         assert mod.kernel_arity(name) == arity, name
@@ -147,6 +149,19 @@ def test_every_thc_launch_passes_as_many_arguments_as_the_kernel_takes():
     assert {name for name, _, _ in calls} == set(kernels), "every THC kernel is launched, and only those"
     for name, nargs, line in calls:
         assert kernels[name] == nargs, f"_cuda_thc.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
+
+
+def test_every_topk_launch_passes_as_many_arguments_as_the_kernel_takes():
+    from lossless_hc.backends import cuda_topk as _cuda_topk
+    kernels = cuda_runtime.header_kernels(TOPK_HEADER_PATH)
+    calls = launches(_cuda_topk)
+    assert {name for name, _, _ in calls} == set(kernels), "every top-k kernel is launched, and only those"
+    for name, nargs, line in calls:
+        assert kernels[name] == nargs, f"cuda_topk.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
+    text = TOPK_HEADER_PATH.read_text()
+    assert int(re.search(r"kTopkThreads\s*=\s*(\d+)", text).group(1)) == _cuda_topk.THREADS
+    assert int(re.search(r"kTopkBins\s*=\s*(\d+)", text).group(1)) == _cuda_topk.BINS
+    assert re.search(r"sizeof\(TopkState\) == (\d+)", text).group(1) == str(_cuda_topk.STATE_BYTES)
 
 
 def test_nvrtc_source_includes_every_kernel_header():

@@ -218,6 +218,37 @@ def test_decode_is_identical_on_every_rank_and_thread_count():
     assert all(torch.equal(a, b) for a, b in zip(outs[1][2], outs[2][2]))
 
 
+@pytest.mark.parametrize("numel,block", [(20000, 1024), (3001, 1024), (5000, 64), (700, 8), (9000, 4096)])
+def test_every_compiled_kernel_copy_gives_the_same_bits(numel, block):
+    """csrc/cpu/thc_cpu_isa.h is compiled per x86-64 level (AVX-512, AVX2, portable) and one copy is
+    chosen at run time: every copy this CPU runs writes the same payloads, error memories and outputs."""
+    isas = _backend.thc_cpu_isas()
+    assert isas[-1] == "portable" and _backend.thc_cpu_isa() in isas
+    n = 3
+    gen = torch.Generator().manual_seed(numel)
+    steps = [[torch.randn(numel, generator=gen) * (1 + r) for r in range(n)] for _ in range(3)]
+    results = {}
+    try:
+        for isa in isas:
+            assert _backend.thc_cpu_isa(isa) == isa
+            codecs = make_ranks(n, numel, seed=5, hadamard_block=block)
+            got = []
+            for xs in steps:
+                payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+                y = [c.decode(sum(payloads)) for c in codecs][0]
+                got += payloads + [y] + [c.error.clone() for c in codecs]
+            results[isa] = got
+    finally:
+        _backend.thc_cpu_isa("default")
+    first = results[isas[0]]
+    for isa in isas[1:]:
+        for a, b in zip(first, results[isa]):
+            assert torch.equal(a.view(torch.int64 if a.element_size() == 8 else torch.int32),
+                               b.view(torch.int64 if b.element_size() == 8 else torch.int32)), isa
+    with pytest.raises(ValueError, match="cannot run"):
+        _backend.thc_cpu_isa("no-such-level")
+
+
 def test_bootstrap_step_sends_norms_only():
     n, numel = 3, 1500
     codecs = make_ranks(n, numel)

@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "../lhc_layout.h"
 
@@ -73,6 +75,15 @@ uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind,
 // The packing alone (tests): levels[0, padded) -> words, and words -> digit sums (returns invalid words).
 void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words);
 uint64_t thc_unpack_levels(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, float* sums);
+
+// Which compiled copy of the block kernels runs (csrc/cpu/thc_cpu_isa.h): "x86-64-v4" (AVX-512),
+// "x86-64-v3" (AVX2 + FMA) or "portable"; every copy computes the same bits. The best one this CPU
+// runs is chosen at first use, or the one the environment variable LHC_CPU_ISA names.
+const char* thc_cpu_isa();
+// Switch to the copy `name` ("" = the default choice); false (nothing changed) if this CPU cannot run it.
+bool thc_set_cpu_isa(const char* name);
+// The copies this CPU runs, best first.
+std::vector<std::string> thc_cpu_isas();
 
 }  // namespace cpu
 }  // namespace lhc

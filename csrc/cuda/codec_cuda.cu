@@ -8,6 +8,7 @@
 
 #include "codec_kernels.cuh"
 #include "thc_kernels.cuh"
+#include "topk_kernels.cuh"
 
 namespace lhc {
 namespace cuda {

@@ -1,5 +1,5 @@
 // The CUDA kernels of lossless_hc._C_cuda, listed once: codec_kernels.cuh's (the lossless codec) and
-// thc_kernels.cuh's (THC), every one an extern "C" __global__ function of lhc::gpu. An X-macro: the
+// thc_kernels.cuh's (THC) and topk_kernels.cuh's (top-k selection), every one an extern "C" __global__ function of lhc::gpu. An X-macro: the
 // includer defines LHC_KERNEL(name) and includes this file where the list goes (the launch table of
 // codec_cuda.cu, the host emulation's of tests/cuda_emulation/emulated_kernels.cpp);
 // tests/test_cuda_sources.py checks it against the kernels the headers declare and Python launches.
@@ -67,3 +67,9 @@ LHC_KERNEL(thc_quantize_coords)
 LHC_KERNEL(thc_feedback_coords)
 LHC_KERNEL(thc_unpack_words)
 LHC_KERNEL(thc_rht_output)
+// top-k selection (topk_kernels.cuh)
+LHC_KERNEL(topk_hist)
+LHC_KERNEL(topk_pick)
+LHC_KERNEL(topk_count)
+LHC_KERNEL(topk_offsets)
+LHC_KERNEL(topk_write)

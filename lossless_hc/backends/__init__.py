@@ -2,14 +2,15 @@
 
     cpu           the C++/OpenMP kernels (lossless_hc._C)
     cuda_runtime  loading and launching the CUDA kernels (compiled lossless_hc._C_cuda, or NVRTC via CuPy)
-    cuda          the lossless codec's CUDA launch sequence;  cuda_thc: THC's
+    cuda          the lossless codec's CUDA launch sequence;  cuda_thc: THC's;  cuda_topk: top-k's
 
 :func:`backend_for` returns the backend of a device; the codecs (``lossless_hc.lhc``,
 ``lossless_hc.thc``) call only its methods and hold no device branches. Every backend implements:
 
 * ``require(device, user) -> device``: raise a clear error (naming ``user``, the codec) unless its
   kernels can run there; returns the device pinned to an index (CUDA).
-* ``empty(numel, device)``: a float32 output buffer.
+* ``empty(numel, device, dtype=float32)``: an output buffer (CPU: backed by huge pages where the kernel
+  allows).
 * ``lhc_layout(layout, device)``, ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads) -> pending`` with
   ``pending.header`` (the payload's header fields as floats) and ``pending.finish(total_keys,
@@ -18,6 +19,8 @@
   kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
   synchronisation. Either way the codec validates the header before it trusts the kernels' verdict,
   and the kernels size every buffer from the layout, never from the header.
+* ``topk_select(x, k, out=None, num_threads=0) -> indices``: the ``min(k, numel)`` largest ``|x|``, ties
+  to the lower index, ascending int64 (csrc/cpu/topk_cpu.h), identical on every backend.
 * ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields) and
   ``thc_decode -> invalid word count``.
 

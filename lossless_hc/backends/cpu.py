@@ -35,6 +35,26 @@ def decode_statuses() -> list:
     return list(_C.DECODE_STATUSES)
 
 
+def _check_topk_input(x: torch.Tensor, k: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous():
+        raise TypeError("topk_select takes a contiguous float32 tensor")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an integer >= 0, got {k!r}")
+
+
+def thc_cpu_isa(request: str = "") -> str:
+    """The compiled copy of THC's CPU kernels in use ("x86-64-v4", "x86-64-v3" or "portable"; the same
+    bits from each); ``request`` switches to another first ("default": the best this CPU runs)."""
+    _require_module()
+    return _C.thc_cpu_isa(request)
+
+
+def thc_cpu_isas() -> list:
+    """The copies of THC's CPU kernels this CPU runs, best first."""
+    _require_module()
+    return list(_C.thc_cpu_isas())
+
+
 def thc_sign_stream(seed: int, step: int) -> int:
     """THC's shared rotation stream of ``step`` (csrc/thc_math.h): the same on every device."""
     return _C.thc_sign_stream(seed, step)
@@ -147,13 +167,13 @@ class CpuBackend:
         _require_module()
         return device
 
-    def empty(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A new float32 buffer, its memory advised to be backed by transparent huge pages before
-        anything touches it: writing a fresh buffer of hundreds of MiB then takes one page fault per
-        2 MiB instead of one per 4 KiB, which is most of the cost of that first write."""
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
+    def empty(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new buffer (float32 unless ``dtype``), its memory advised to be backed by transparent huge
+        pages before anything touches it: writing a fresh buffer of hundreds of MiB then takes one page
+        fault per 2 MiB instead of one per 4 KiB, which is most of the cost of that first write."""
+        buf = torch.empty(numel, dtype=dtype, device=device)
         if numel:
-            _C.advise_huge_pages(buf.data_ptr(), 4 * numel)
+            _C.advise_huge_pages(buf.data_ptr(), buf.element_size() * numel)
         return buf
 
     # -- LHC -------------------------------------------------------------------------------------
@@ -166,6 +186,24 @@ class CpuBackend:
     def lhc_decode(self, native: CpuLhcLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
                    world_size: int, num_threads: int = 0) -> PendingDecode:
         return PendingDecode(native, payload, out, scale, world_size, num_threads)
+
+    # -- top-k -----------------------------------------------------------------------------------
+    def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
+                    num_threads: int = 0) -> torch.Tensor:
+        """Indices (int64, ascending) of the ``min(k, numel)`` coordinates of ``x`` (contiguous float32)
+        largest in magnitude, ties to the lower index (NaN counts as larger than every number): exactly
+        the first ``min(k, numel)`` of a stable sort by ``|x|`` descending, on every backend and thread
+        count (csrc/cpu/topk_cpu.h). O(numel): a sampled threshold, one filtering pass, and an exact
+        fallback when the sample misses. ``out`` (int64, at least that many elements) is reused when given."""
+        _check_topk_input(x, k)
+        count = min(int(k), x.numel())
+        if out is None:
+            out = torch.empty(count, dtype=torch.int64)
+        elif out.dtype != torch.int64 or not out.is_contiguous() or out.numel() < count or out.device.type != "cpu":
+            raise ValueError(f"out must be a contiguous CPU int64 tensor of at least {count} elements")
+        st = _C.topk_select(x.data_ptr(), x.numel(), count, out.data_ptr(), num_threads)
+        assert st.count == count, (st.count, count)   # exact by construction (topk_cpu.h)
+        return out[:count]
 
     # -- THC -------------------------------------------------------------------------------------
     def thc_layout(self, layout, device: torch.device, lo, width, inv_width) -> CpuThcLayout:

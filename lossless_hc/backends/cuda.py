@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from lossless_hc.backends import cuda_runtime, cuda_thc
+from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk
 from lossless_hc.backends.cuda_runtime import Arena, active_launcher, device_scope, f64_bits, stream_handle
 from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
 
@@ -546,8 +547,8 @@ class CudaBackend:
         # Tensors report their device with an index: pin to the current one.
         return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
-    def empty(self, numel: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(numel, dtype=torch.float32, device=device)
+    def empty(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
         return CudaLayout(layout, device)
@@ -558,6 +559,15 @@ class CudaBackend:
     def lhc_decode(self, native: CudaLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
                    world_size: int, num_threads: int = 0) -> PendingDecode:
         return PendingDecode(decode(native, scale, world_size, payload, out))
+
+    def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
+                    num_threads: int = 0) -> torch.Tensor:
+        """The CPU backend's ``topk_select`` on the device (the same indices; csrc/cuda/topk_kernels.cuh)."""
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous():
+            raise TypeError("topk_select takes a contiguous float32 tensor")
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        return cuda_topk.topk_select(x, k, out)
 
     def thc_layout(self, layout, device: torch.device, lo, width, inv_width):
         return cuda_thc.ThcCudaLayout(layout, device, lo, width, inv_width)

@@ -31,9 +31,10 @@ def f64_bits(x: float) -> int:
     return struct.unpack("<Q", struct.pack("<d", float(x)))[0]
 
 
-# The kernel headers of the CUDA module (the lossless codec's and THC's): compiled together by nvcc into
+# The kernel headers of the CUDA module (the lossless codec's, THC's and the top-k selection's): compiled together by nvcc into
 # lossless_hc._C_cuda and by NVRTC on the CuPy path.
-KERNEL_HEADERS = (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "cuda" / "thc_kernels.cuh")
+KERNEL_HEADERS = (CSRC / "cuda" / "codec_kernels.cuh", CSRC / "cuda" / "thc_kernels.cuh",
+                  CSRC / "cuda" / "topk_kernels.cuh")
 
 
 def header_text(path: pathlib.Path, seen: Optional[set] = None) -> str:

@@ -10,6 +10,7 @@ Usage::
         [--block-sizes 1,32] [--plot docs/wire_bits.png] [--verify-numel N] [--json PATH]
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
+    python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--repeat 5] [--json PATH]
 
 ``codec`` times encode (one worker) and decode (the SUM of all workers' payloads) against a
 ``torch.clone`` of one dense input measured in the same process, round-robin with them (see
@@ -32,6 +33,9 @@ against float64 truth, and decode time per key (one worker, bitmap index, numel 
 workers' payloads) against ``torch.clone`` of one input, and reports wire bits per coordinate and the
 normalized mean squared error of one step against the true average.
 
+``topk`` times the O(numel) top-k selection (the backend's ``topk_select``) against ``torch.clone``
+and ``torch.topk`` of the same tensor in the same run, and checks it against a stable sort.
+
 Importing this module has no side effects; the CLI lives in ``main``.
 """
 from __future__ import annotations
@@ -50,6 +54,7 @@ from lossless_hc.bench import wire as bench_wire
 from lossless_hc.bench.cluster import add_arguments as add_cluster_arguments
 from lossless_hc.bench.peel import render_peel, run_peel_bench
 from lossless_hc.bench.thc import render_thc, run_thc_bench
+from lossless_hc.bench.topk import render_topk, run_topk_bench
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-cpu-check", action="store_true", help="with --device cuda: skip the CPU lockstep check")
     t.add_argument("--json", metavar="PATH")
     t.set_defaults(func=_cmd_thc)
+
+    k = sub.add_parser("topk", help="top-k selection (O(numel)) time vs torch.clone and torch.topk")
+    k.add_argument("--numel", type=_positive_int, default=25_000_000)
+    k.add_argument("--ratio", type=float, default=0.01, help="k = ceil(ratio * numel)")
+    k.add_argument("--repeat", type=_positive_int, default=5)
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--threads", type=int, default=0)
+    k.add_argument("--no-check", action="store_true", help="skip the check against a stable sort")
+    k.add_argument("--json", metavar="PATH")
+    k.set_defaults(func=_cmd_topk)
 
     w = sub.add_parser("wire", help="wire bits per aggregate non-zero of every index kind and of the automatic "
                                     "choice vs the information bound; table and plot")
@@ -215,6 +230,18 @@ def _cmd_thc(args) -> int:
     print(render_thc(res, machine, cmd))
     write_json(args.json, {"command": cmd, "machine": machine, **res})
     return 0 if res.get("cpu_equal") is None or res["cpu_equal"]["ok"] else 1
+
+
+def _cmd_topk(args) -> int:
+    cmd = command_line()
+    try:
+        res = run_topk_bench(args.numel, args.ratio, args.repeat, args.seed, args.threads, check=not args.no_check)
+    except ValueError as exc:
+        raise SystemExit(f"python -m lossless_hc.bench topk: error: {exc}")
+    machine = machine_info(args.threads)
+    print(render_topk(res, machine, cmd))
+    write_json(args.json, {"command": cmd, "machine": machine, **res})
+    return 0 if res["exact"] in (None, True) else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

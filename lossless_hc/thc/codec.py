@@ -272,7 +272,7 @@ class THCCodec:
         self._shape, self._dtype = tuple(x.shape), x.dtype
         L = self.layout
         if out is None:
-            payload = torch.empty(L.payload_numel, dtype=L.payload_dtype, device=self.device)
+            payload = self._backend.empty(L.payload_numel, self.device, L.payload_dtype)
         elif (not isinstance(out, torch.Tensor) or out.dtype != L.payload_dtype or out.numel() != L.payload_numel
               or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous {L.payload_dtype} tensor of {L.payload_numel} elements on "
@@ -382,7 +382,7 @@ class THCCodec:
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
                                 or out.numel() != L.numel or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous float32 tensor of {L.numel} elements on {self.device}")
-        y = out.view(-1) if out is not None else torch.empty(L.numel, dtype=torch.float32, device=self.device)
+        y = out.view(-1) if out is not None else self._backend.empty(L.numel, self.device)
         if non_finite:
             if self.non_finite == "raise":
                 raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.backends import backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
@@ -434,10 +435,15 @@ class TopKAggregator(TensorAggregator):
             self.residual = None
             return x
         # A new tensor in every case: the residual update below must not write into the gradient.
-        acc = x.detach().reshape(-1).to(torch.float32, copy=True)
+        flat = x.detach().reshape(-1)
         if self.residual is not None:
-            acc += self.residual
-        idx = torch.topk(acc.abs(), self.k, sorted=False).indices
+            acc = torch.add(flat.to(torch.float32), self.residual)   # a new float32 tensor, one pass
+        else:
+            acc = flat.to(torch.float32, copy=True)
+        # Exactly k indices (k <= numel): the k largest |acc|, ties to the lower index, the same on
+        # every rank, thread count and device (O(numel): backends' topk_select), so the codec's
+        # capacity k is never exceeded.
+        idx = backend_for(acc.device).topk_select(acc, self.k)
         sparse = torch.zeros_like(acc)
         sparse[idx] = acc[idx]
         acc[idx] = 0.0

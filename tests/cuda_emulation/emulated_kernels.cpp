@@ -1,5 +1,5 @@
 // A Python module (built by tests/test_cuda_emulated.py) that runs the CUDA kernels of
-// csrc/cuda/codec_kernels.cuh and thc_kernels.cuh on host threads through cuda_emulation.h, with the launch interface of
+// csrc/cuda/codec_kernels.cuh, thc_kernels.cuh and topk_kernels.cuh on host threads through cuda_emulation.h, with the launch interface of
 // lossless_hc._C_cuda: launch(name, grid, block, args, stream, cooperative).
 #include "cuda_emulation.h"
 
@@ -15,6 +15,7 @@
 
 #include "cuda/codec_kernels.cuh"
 #include "cuda/thc_kernels.cuh"
+#include "cuda/topk_kernels.cuh"
 
 thread_local EmuThread emu_thread;
 

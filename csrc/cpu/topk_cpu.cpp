@@ -1,0 +1,269 @@
+// Top-k selection by magnitude (see topk_cpu.h for the definition of the result).
+#include "topk_cpu.h"
+
+#include "../lhc_layout.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+namespace lhc {
+namespace cpu {
+namespace {
+
+// The order key of a coordinate: the IEEE bits of |x| (monotone in |x|; NaN above +Inf).
+inline uint32_t key_of(const float* x, uint64_t i) {
+  uint32_t u;
+  std::memcpy(&u, x + i, 4);
+  return u & 0x7fffffffu;
+}
+
+constexpr uint64_t kSample = 1 << 16;       // sampled keys
+constexpr uint64_t kSmall = 1 << 18;        // below this, select directly among all keys
+constexpr double kSigmas = 4.0;             // margin of the sampled threshold, in standard deviations
+
+struct Range {
+  uint64_t lo, hi;
+};
+inline Range thread_range(uint64_t n, int t, int nt) {
+  return Range{n * (uint64_t)t / (uint64_t)nt, n * (uint64_t)(t + 1) / (uint64_t)nt};
+}
+
+// Candidates: indices in ascending order and their keys.
+struct Candidates {
+  std::vector<int64_t> idx;
+  std::vector<uint32_t> key;
+  void clear() {
+    idx.clear();
+    key.clear();
+  }
+};
+
+// Writes, in ascending order, every candidate whose key exceeds T, and the first `ties` whose key
+// equals T. Returns the count written.
+uint64_t write_selected(const Candidates& c, uint32_t T, uint64_t ties, int64_t* out) {
+  uint64_t n = 0;
+  for (uint64_t j = 0; j < c.idx.size(); ++j) {
+    const uint32_t key = c.key[j];
+    if (key > T || (key == T && ties > 0)) {
+      ties -= key == T;
+      out[n++] = c.idx[j];
+    }
+  }
+  return n;
+}
+
+// The k-th largest key among the candidates (1 <= k <= their count) and how many of the k lie
+// strictly above it.
+void kth_key(const Candidates& c, uint64_t k, uint32_t* T, uint64_t* above) {
+  std::vector<uint32_t> keys(c.key);
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+  *T = keys[k - 1];
+  uint64_t a = 0;
+  for (uint64_t j = 0; j < k - 1; ++j) a += keys[j] > *T;   // nth_element: keys[0, k-1) are >= T
+  *above = a;
+}
+
+// Exact selection over the whole input: the k-th largest key by three histogram passes (11, 11 and
+// 10 bits, most significant first), then the ordered write with per-thread counts.
+void exact_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int nt, TopkStats* st) {
+  uint32_t prefix = 0;       // the key bits fixed so far
+  uint64_t remaining = k;    // how many of the k still lie among keys with this prefix
+  const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+  std::vector<uint64_t> hist((size_t)nt << 11);
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = shifts[pass], bins = 1 << widths[pass];
+    const int fixed = shift + widths[pass];   // bits above this pass's digit are fixed
+    std::fill(hist.begin(), hist.end(), 0);
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num();
+      const Range r = thread_range(n, t, nt);
+      uint64_t* h = hist.data() + ((size_t)t << 11);
+      for (uint64_t i = r.lo; i < r.hi; ++i) {
+        const uint32_t key = key_of(x, i);
+        if (fixed >= 32 || (key >> fixed) == (prefix >> fixed)) ++h[(key >> shift) & (uint32_t)(bins - 1)];
+      }
+    }
+    uint64_t above = 0;
+    for (int b = bins - 1; b >= 0; --b) {
+      uint64_t c = 0;
+      for (int t = 0; t < nt; ++t) c += hist[((size_t)t << 11) + (size_t)b];
+      if (above + c >= remaining) {
+        prefix |= (uint32_t)b << shift;
+        remaining -= above;
+        break;
+      }
+      above += c;
+    }
+  }
+  const uint32_t T = prefix;   // the k-th largest key; `remaining` of its ties are taken
+  std::vector<uint64_t> gt(nt), eq(nt);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    const Range r = thread_range(n, t, nt);
+    uint64_t g = 0, e = 0;
+    for (uint64_t i = r.lo; i < r.hi; ++i) {
+      const uint32_t key = key_of(x, i);
+      g += key > T;
+      e += key == T;
+    }
+    gt[t] = g;
+    eq[t] = e;
+  }
+  std::vector<uint64_t> offset(nt), take(nt);
+  uint64_t off = 0, ties = remaining;
+  for (int t = 0; t < nt; ++t) {
+    take[t] = std::min(eq[t], ties);
+    ties -= take[t];
+    offset[t] = off;
+    off += gt[t] + take[t];
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    const Range r = thread_range(n, t, nt);
+    uint64_t c = offset[t], left = take[t];
+    for (uint64_t i = r.lo; i < r.hi; ++i) {
+      const uint32_t key = key_of(x, i);
+      if (key > T || (key == T && left > 0)) {
+        left -= key == T;
+        out[c++] = (int64_t)i;
+      }
+    }
+  }
+  st->count = off;
+  st->threshold = T;
+  st->fallback = 1;
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef int64_t vl8 __attribute__((vector_size(64)));
+
+// Every coordinate of [lo, hi) whose key is >= t_lo, 16 at a time (one vector test; keys are below
+// 2^31, so signed lanes compare them), appended to c; *next is where the 16-wide loop stopped. False
+// as soon as c holds more than cap. Compiled per x86-64 level (a wide compare is what makes the pass
+// run at memory speed); called from inside the parallel region, whose outlined body has no clones.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+bool collect16(const float* x, uint64_t lo, uint64_t hi, uint32_t t_lo, uint64_t cap, Candidates& c, uint64_t* next) {
+  const vi16 mask = 0x7fffffff - vi16{}, low = (int32_t)t_lo - vi16{};
+  uint64_t i = lo;
+  bool ok = true;
+  for (; i + 16 <= hi; i += 16) {
+    vi16 v;
+    std::memcpy(&v, x + i, 64);
+    v &= mask;
+    const vi16 hit = v >= low;
+    vl8 h;
+    std::memcpy(&h, &hit, 64);
+    if (!(h[0] | h[1] | h[2] | h[3] | h[4] | h[5] | h[6] | h[7])) continue;
+    for (int j = 0; j < 16; ++j)
+      if (hit[j]) {
+        c.idx.push_back((int64_t)(i + j));
+        c.key.push_back((uint32_t)v[j]);
+      }
+    if (c.idx.size() > cap) {
+      ok = false;
+      break;
+    }
+  }
+  *next = i;
+  return ok;
+}
+
+// Every coordinate with key >= t_lo, in ascending order, into cand; false (cand unspecified) if more
+// than `cap` qualify.
+bool filter_at_least(const float* x, uint64_t n, uint32_t t_lo, uint64_t cap, int nt, Candidates& cand) {
+  std::vector<Candidates> part(nt);
+  int overflow = 0;
+#pragma omp parallel num_threads(nt) reduction(| : overflow)
+  {
+    const int t = omp_get_thread_num();
+    const Range r = thread_range(n, t, nt);
+    Candidates& c = part[t];
+    const uint64_t expect = std::min<uint64_t>(cap, (uint64_t)((double)cap * (double)(r.hi - r.lo) / (double)n) + 64);
+    c.idx.reserve(expect);
+    c.key.reserve(expect);
+    uint64_t i = r.lo;
+    if (!collect16(x, r.lo, r.hi, t_lo, cap, c, &i)) overflow = 1;
+    if (!overflow)
+      for (; i < r.hi; ++i) {
+        const uint32_t key = key_of(x, i);
+        if (key >= t_lo) {
+          c.idx.push_back((int64_t)i);
+          c.key.push_back(key);
+        }
+      }
+  }
+  if (overflow) return false;
+  uint64_t total = 0;
+  for (const auto& c : part) total += c.idx.size();
+  if (total > cap) return false;
+  cand.clear();
+  cand.idx.reserve(total);
+  cand.key.reserve(total);
+  for (const auto& c : part) {
+    cand.idx.insert(cand.idx.end(), c.idx.begin(), c.idx.end());
+    cand.key.insert(cand.key.end(), c.key.begin(), c.key.end());
+  }
+  return true;
+}
+
+}  // namespace
+
+TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int num_threads) {
+  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+  TopkStats st;
+  if (k == 0 || n == 0) return st;
+  if (k >= n) {
+    for (uint64_t i = 0; i < n; ++i) out[i] = (int64_t)i;
+    st.count = n;
+    return st;
+  }
+  Candidates cand;
+  if (n <= kSmall) {
+    cand.idx.resize(n);
+    cand.key.resize(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      cand.idx[i] = (int64_t)i;
+      cand.key[i] = key_of(x, i);
+    }
+  } else {
+    // Sample one key per stride, at a hashed offset inside it (deterministic: a function of n alone).
+    const uint64_t stride = n / kSample;
+    std::vector<uint32_t> sample(kSample);
+    for (uint64_t j = 0; j < kSample; ++j)
+      sample[j] = key_of(x, j * stride + mix64(j ^ 0x70b5e1ec7ULL) % stride);
+    // Rank of the threshold in the sample: the expected count m of the top k plus kSigmas deviations,
+    // so that at least k keys lie at or above it with high probability.
+    const double m = (double)kSample * (double)k / (double)n;
+    const uint64_t r = (uint64_t)std::ceil(m + kSigmas * std::sqrt(m) + 4.0);
+    if (r < kSample) {
+      std::nth_element(sample.begin(), sample.begin() + (r - 1), sample.end(), std::greater<uint32_t>());
+      const uint32_t t_lo = sample[r - 1];
+      // More than twice the expected candidates (plus slack): the sample misled; go exact.
+      const uint64_t cap = 2 * (uint64_t)((double)n * (double)r / (double)kSample) + 4096;
+      if (t_lo > 0 && !filter_at_least(x, n, t_lo, cap, nt, cand)) cand.clear();
+      if (t_lo == 0) cand.clear();
+    }
+    if (cand.idx.size() < k) {   // the threshold missed (or was never set): exact selection
+      exact_select(x, n, k, out, nt, &st);
+      return st;
+    }
+    st.candidates = cand.idx.size();
+  }
+  uint32_t T;
+  uint64_t above;
+  kth_key(cand, k, &T, &above);
+  st.count = write_selected(cand, T, k - above, out);
+  st.threshold = T;
+  return st;
+}
+
+}  // namespace cpu
+}  // namespace lhc

@@ -1,0 +1,30 @@
+// Top-k selection by magnitude in O(n) (csrc/cpu/topk_cpu.cpp; CUDA twin: csrc/cuda/topk_kernels.cuh).
+//
+// The selection is defined without reference to any algorithm, so every backend, thread count and
+// machine returns the same indices: order the coordinates by |x| descending (compared as the IEEE bits
+// of |x|, so NaN > +Inf > every finite value and -0 == +0), ties by index ascending, and take the
+// first min(k, n); the indices are written in ascending order.
+#pragma once
+
+#include <cstdint>
+
+namespace lhc {
+namespace cpu {
+
+struct TopkStats {
+  uint64_t count = 0;       // indices written: min(k, n), exactly
+  uint64_t candidates = 0;  // coordinates the filtering pass kept (0 when the exact fallback ran)
+  uint32_t threshold = 0;   // the bits of |x| of the last coordinate taken (the k-th largest)
+  uint32_t fallback = 0;    // 1: the sampled threshold missed, the exact histogram passes ran
+};
+
+// Writes the selection (see above) into out[0, min(k, n)). Sampled threshold, refined: a deterministic
+// sample of the keys gives a threshold that keeps a little more than k coordinates with high
+// probability; one filtering pass collects those (in index order, per thread range); the exact k-th
+// key among them settles the threshold and its ties. Should the sample miss (fewer than k kept, or far
+// more), an exact radix selection over the whole input (three histogram passes) replaces it, so the
+// result never depends on the sample.
+TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int num_threads);
+
+}  // namespace cpu
+}  // namespace lhc

@@ -1,0 +1,82 @@
+"""The ``topk`` command of ``python -m lossless_hc.bench``: top-k selection by magnitude against a clone.
+
+Times the backend's ``topk_select`` (O(numel): a sampled threshold, one filtering pass, an exact
+fallback; exactly k indices, ties to the lower index) on one N(0,1) float32 tensor, round-robin with a
+``torch.clone`` of it and with ``torch.topk(x.abs(), k, sorted=False)`` (see ``time_interleaved``), and
+with the whole of ``TopKAggregator.select`` (residual add, selection, sparse output, residual update).
+The selection is checked against a stable sort (the same indices, exactly k).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lossless_hc.backends import backend_for
+from lossless_hc.bench.common import format_table, section, time_interleaved
+
+
+def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, threads: int = 0,
+                   check: bool = True) -> dict:
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"--ratio must be in (0, 1], got {ratio}")
+    if threads > 0:
+        torch.set_num_threads(threads)
+    from lossless_hc.training.aggregate import TopKAggregator
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=gen)
+    k = min(numel, max(1, math.ceil(ratio * numel)))
+    backend = backend_for(x.device)
+    out = torch.empty(k, dtype=torch.int64)
+    idx = backend.topk_select(x, k, num_threads=threads)
+    exact = None
+    if check:
+        key = x.view(torch.int32) & 0x7FFFFFFF
+        order = torch.sort(key, descending=True, stable=True).indices[:k]
+        exact = bool(torch.equal(idx, torch.sort(order).values))
+        del key, order
+    agg = TopKAggregator("bench", (numel,), torch.float32, 2, ratio)
+    if not agg.compressed:
+        raise ValueError(f"at ratio {ratio} the aggregator sends this tensor dense: no selection to time")
+    agg.residual = 0.01 * torch.randn(numel, generator=gen)
+    residual0 = agg.residual.clone()
+
+    def select_step():
+        agg.residual = residual0   # the same work every run (select replaces the residual)
+        return agg.select(x)
+
+    fns = {
+        "clone": lambda: torch.clone(x),
+        "topk_select": lambda: backend.topk_select(x, k, out=out, num_threads=threads),
+        "torch_topk": lambda: torch.topk(x.abs(), k, sorted=False),
+        "aggregator_select": select_step,
+    }
+    t = time_interleaved(fns, repeat)
+    clone_s = t["clone"]["median_s"]
+    return {"config": {"numel": numel, "ratio": ratio, "k": k, "repeat": repeat, "seed": seed, "threads": threads},
+            "exact": exact, "timing": t,
+            "ratios": {name: t[name]["median_s"] / clone_s for name in ("topk_select", "torch_topk",
+                                                                          "aggregator_select")},
+            "select_over_torch_topk": t["topk_select"]["median_s"] / t["torch_topk"]["median_s"]}
+
+
+def render_topk(res: dict, machine: dict, cmd: str) -> str:
+    c, t, r = res["config"], res["timing"], res["ratios"]
+    out = [section("lossless_hc top-k selection benchmark", format_table([
+        ("command", cmd),
+        ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
+        ("torch", f"{machine['torch']} (codec threads {machine['codec_threads']})"),
+        ("setup", f"{c['numel']:,} float32 N(0,1), k = {c['k']:,} ({c['ratio']:g})"),
+    ], align="ll"))]
+    ms = lambda d: f"{d['median_s'] * 1e3:.1f}"  # noqa: E731
+    out.append(section("results", format_table([
+        ("clone of the input (ms, median)", ms(t["clone"])),
+        ("topk_select (ms)", f"{ms(t['topk_select'])}  = {r['topk_select']:.2f}x clone, "
+                             f"{res['select_over_torch_topk']:.3f}x torch.topk"),
+        ("torch.topk(|x|, k, sorted=False) (ms)", f"{ms(t['torch_topk'])}  = {r['torch_topk']:.2f}x clone"),
+        ("TopKAggregator.select, whole step (ms)", f"{ms(t['aggregator_select'])}  = {r['aggregator_select']:.2f}x "
+                                                   "clone (residual add, selection, sparse output, residual update)"),
+        ("same indices as a stable sort", "not checked" if res["exact"] is None else
+         ("yes (exactly k)" if res["exact"] else "NO")),
+    ], align="ll")))
+    return "\n".join(out)

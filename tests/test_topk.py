@@ -1,0 +1,151 @@
+"""Top-k selection by magnitude (csrc/cpu/topk_cpu.h; CUDA twin csrc/cuda/topk_kernels.cuh).
+
+The result is defined by a stable sort: the min(k, n) coordinates largest by the IEEE bits of |x|
+(NaN above +Inf, -0 == +0), ties to the lower index, in ascending order. Checked against that sort on
+random inputs with many ties, across thread counts, through both the sampled path and the exact
+fallback, and the emulated CUDA kernels against the CPU.
+"""
+import math
+
+import pytest
+import torch
+
+from lossless_hc.backends import cpu as _cpu
+from lossless_hc.backends import cuda_topk
+from lossless_hc.backends.cpu import CPU
+
+from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
+
+
+def reference(x: torch.Tensor, k: int) -> torch.Tensor:
+    key = x.view(torch.int32) & 0x7FFFFFFF
+    order = torch.sort(key, descending=True, stable=True).indices[:min(k, x.numel())]
+    return torch.sort(order).values
+
+
+def inputs(kind: str, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        return torch.randn(n, generator=g)
+    if kind == "ties":           # a handful of distinct magnitudes, signs mixed
+        return torch.randint(-4, 5, (n,), generator=g).float()
+    if kind == "sparse":         # mostly zeros (+0 and -0): fewer non-zeros than k for large k
+        x = torch.zeros(n)
+        x[torch.randperm(n, generator=g)[: n // 50]] = torch.randn(n // 50, generator=g)
+        x[::3] = -0.0
+        return x
+    if kind == "special":        # NaN, +-Inf, denormals among normals
+        x = torch.randn(n, generator=g)
+        x[::997] = float("nan")
+        x[5::1009] = float("-inf")
+        x[7::1013] = float("inf")
+        x[11::101] = 1e-40
+        return x
+    if kind == "heavy":          # heavy tail: the sample sees few of the largest
+        return torch.randn(n, generator=g) ** 5
+    raise ValueError(kind)
+
+
+KINDS = ("normal", "ties", "sparse", "special", "heavy")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (5000, 4999), (100_000, 1000), (300_000, 3000),
+                                 (300_000, 1), (600_000, 60_000)])
+def test_selection_is_the_stable_sort_prefix(kind, n, k):
+    x = inputs(kind, n, seed=n + k)
+    want = reference(x, k)
+    got = CPU.topk_select(x, k)
+    assert got.dtype == torch.int64 and got.numel() == min(k, n)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_indices_on_every_thread_count(kind):
+    n, k = 400_000, 4000
+    x = inputs(kind, n, seed=7)
+    first = CPU.topk_select(x, k, num_threads=1)
+    for threads in (2, 3, 5):
+        assert torch.equal(CPU.topk_select(x, k, num_threads=threads), first)
+
+
+def test_count_is_exactly_k_and_never_more():
+    """The bound the aggregator relies on (the codec's capacity is k): exactly min(k, n), for every k."""
+    x = inputs("ties", 300_000, seed=1)
+    for k in (0, 1, 2, 17, 1000, 299_999, 300_000, 400_000):
+        got = CPU.topk_select(x, k)
+        assert got.numel() == min(k, x.numel())
+        if got.numel() > 1:
+            assert bool((got[1:] > got[:-1]).all())   # ascending, no duplicates
+
+
+def test_reuses_out_and_rejects_bad_input():
+    x = torch.randn(1000)
+    out = torch.full((50,), -1, dtype=torch.int64)
+    got = CPU.topk_select(x, 40, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, reference(x, 40))
+    with pytest.raises(TypeError):
+        CPU.topk_select(x.double(), 3)
+    with pytest.raises(TypeError):
+        CPU.topk_select(torch.randn(10, 2).t(), 3)
+    with pytest.raises(ValueError):
+        CPU.topk_select(x, -1)
+    with pytest.raises(ValueError):
+        CPU.topk_select(x, 40, out=torch.empty(10, dtype=torch.int64))
+
+
+def test_sampled_threshold_and_exact_fallback_agree():
+    """Normal data takes the sampled threshold (a filtering pass); integer-valued data, whose sampled
+    threshold lands on a huge tie, takes the exact histogram fallback. Both equal the sort."""
+    from lossless_hc import _C
+    for kind, fallback in (("normal", 0), ("ties", 1)):
+        x = inputs(kind, 1 << 20, seed=3)
+        k = 10_000
+        out = torch.empty(k, dtype=torch.int64)
+        st = _C.topk_select(x.data_ptr(), x.numel(), k, out.data_ptr(), 0)
+        assert st.count == k and st.fallback == fallback
+        if not fallback:
+            assert k <= st.candidates <= 2 * k   # one filtering pass kept a little more than k
+        assert torch.equal(out, reference(x, k))
+
+
+def test_aggregator_sends_exactly_k_and_keeps_the_rest():
+    from lossless_hc.training.aggregate import TopKAggregator
+    agg = TopKAggregator("w", (50_000,), torch.float32, 2, 0.01)
+    x = inputs("ties", 50_000, seed=4)
+    sent = agg.select(x)
+    assert int((sent != 0).sum()) == agg.k == math.ceil(0.01 * 50_000)
+    assert torch.equal(sent + agg.residual, x)   # every coordinate either sent or kept
+    assert torch.equal(torch.nonzero(sent).reshape(-1), reference(x, agg.k))
+
+
+# -- the CUDA kernels on host threads ------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(3000, 30), (20_000, 1000), (7000, 6999), (4096, 1)])
+def test_emulated_cuda_equals_cpu(emulated, kind, n, k):  # noqa: F811
+    x = inputs(kind, n, seed=n ^ k)
+    assert torch.equal(cuda_topk.topk_select(x, k), CPU.topk_select(x, k))
+
+
+def test_emulated_cuda_edge_counts(emulated):  # noqa: F811
+    x = inputs("normal", 2000, seed=9)
+    assert cuda_topk.topk_select(x, 0).numel() == 0
+    assert torch.equal(cuda_topk.topk_select(x, 5000), torch.arange(2000))
+    out = torch.empty(10, dtype=torch.int64)
+    assert torch.equal(cuda_topk.topk_select(x, 10, out=out), reference(x, 10))
+
+
+def test_cpu_module_reports_the_kernel_copies():
+    assert _cpu.thc_cpu_isas()[-1] == "portable"
+
+
+# -- on a GPU (skipped, visibly, without one) -------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU top-k test did not run")
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_equals_cpu(kind):
+    from lossless_hc.backends import backend_for
+    x = inputs(kind, 3_000_000, seed=11)
+    for k in (1, 30_000, 2_999_999):
+        got = backend_for("cuda").topk_select(x.cuda(), k).cpu()
+        assert torch.equal(got, CPU.topk_select(x, k))

@@ -1,6 +1,5 @@
 """What the torch.distributed adapters (``ddp``, ``fsdp``) share beyond :mod:`lossless_hc.training`."""
 import hashlib
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -10,7 +10,6 @@ from typing import Callable
 import torch
 
 from lossless_hc.bench.common import fmt_bytes, fmt_ms, fmt_sci, format_table, section, time_interleaved
-from lossless_hc.backends import cuda as _cuda
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.cost_model import information_bound_bits

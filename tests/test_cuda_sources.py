@@ -19,6 +19,7 @@ HEADER = cuda_runtime.header_text(HEADER_PATH)   # the entry header with its sta
 KERNEL_LIST = (ROOT / "csrc" / "cuda" / "kernel_list.h").read_text()
 THC_HEADER_PATH = ROOT / "csrc" / "cuda" / "thc_kernels.cuh"
 THC_HEADER = THC_HEADER_PATH.read_text()
+LAYOUT_H = (ROOT / "csrc" / "lhc_layout.h").read_text()
 
 
 def enum_names(name: str, header: str = HEADER) -> list:
@@ -27,10 +28,18 @@ def enum_names(name: str, header: str = HEADER) -> list:
 
 
 def test_layout_words_follow_the_header_enum():
-    names = enum_names("LayoutWord")
+    """The layout ABI: lossless_hc.lhc.layout's LAYOUT_WORDS name lhc::LayoutWord (csrc/lhc_layout.h) in
+    order, and layout_words gives one word per name."""
+    from lossless_hc.lhc import layout
+    from lossless_hc.lhc.sizing import build_layout
+    names = enum_names("LayoutWord", LAYOUT_H)
     assert names[-1] == "kLayoutWords"
-    camel = ["kLw" + "".join(part.capitalize() for part in w.split("_")) for w in _cuda.LAYOUT_WORDS]
+    camel = ["kLw" + "".join(part.capitalize() for part in w.split("_")) for w in layout.LAYOUT_WORDS]
     assert camel == names[:-1]
+    assert "enum LayoutWord" not in HEADER.replace(LAYOUT_H, ""), "one definition: csrc/lhc_layout.h"
+    for kind in ("bitmap", "bloom", "multilevel", "dense"):
+        words = layout.layout_words(build_layout(kind, 1 << 16, 4, 200))
+        assert len(words) == len(layout.LAYOUT_WORDS) and all(-(1 << 63) <= w < 1 << 63 for w in words)
 
 
 def test_decode_flags_follow_the_header_enum():
@@ -71,14 +80,13 @@ def test_every_codec_kernel_is_launched():
 
 def test_layout_words_describe_every_fine_level():
     """The multilevel fine levels travel as kLwFineStride words each (LayoutWord), one block per level
-    up to lhc::kMaxFineLevels, in _cuda.FINE_LEVEL_WORDS order."""
-    from lossless_hc.lhc.layout import MAX_FINE_LEVELS
-    stride = int(re.search(r"kLwFineStride == (\d+)", HEADER).group(1))
-    assert stride == len(_cuda.FINE_LEVEL_WORDS)
-    first = _cuda.LAYOUT_WORDS.index("fine0_seg_len")
-    assert len(_cuda.LAYOUT_WORDS) == first + MAX_FINE_LEVELS * stride
-    layout_h = (ROOT / "csrc" / "lhc_layout.h").read_text()
-    assert int(re.search(r"kMaxFineLevels = (\d+)", layout_h).group(1)) == MAX_FINE_LEVELS
+    up to lhc::kMaxFineLevels, in FINE_LEVEL_WORDS order."""
+    from lossless_hc.lhc.layout import FINE_LEVEL_WORDS, LAYOUT_WORDS, MAX_FINE_LEVELS
+    stride = int(re.search(r"kLwFineStride == (\d+)", LAYOUT_H).group(1))
+    assert stride == len(FINE_LEVEL_WORDS)
+    first = LAYOUT_WORDS.index("fine0_seg_len")
+    assert len(LAYOUT_WORDS) == first + MAX_FINE_LEVELS * stride
+    assert int(re.search(r"kMaxFineLevels = (\d+)", LAYOUT_H).group(1)) == MAX_FINE_LEVELS
 
 
 def test_every_kernel_parameter_is_eight_bytes():

@@ -8,70 +8,6 @@
 namespace lhc {
 namespace gpu {
 
-// Order of the uint64 words describing a CodecLayout (mirrored by lossless_hc/backends/cuda.py LAYOUT_WORDS).
-// The value sketch's and the Bloom table's words (seg_len, seg_count, stream, weighted) are each a
-// table-words pointer (load_table), as the peeling kernels take them.
-enum LayoutWord : int {
-  kLwNumel = 0,
-  kLwNumKeys,
-  kLwBlock,
-  kLwIndexKind,
-  kLwSketchSegLen,
-  kLwSketchSegCount,
-  kLwSketchStream,
-  kLwSketchWeighted,
-  kLwBloomSegLen,
-  kLwBloomSegCount,
-  kLwBloomStream,
-  kLwBloomWeighted,
-  kLwIndexBase,
-  kLwIndexPerWord,
-  kLwIndexDigits,
-  kLwDigitCap,
-  kLwCapacity,
-  kLwFingerprint,
-  kLwIndexOffset,
-  kLwSketchOffset,
-  kLwPayloadNumel,
-  // Multilevel index (kIndexMultilevel; other kinds: 0 levels): the number of fine levels, then per
-  // level l (coarsest first) kLwFineStride words from kLwFine0SegLen + kLwFineStride * l: its table
-  // (seg_len, seg_count, stream; never weighted: read by ml_level), span, digits per word, words per
-  // cell, and the payload offset of its table.
-  kLwFineLevels,
-  kLwFine0SegLen,
-  kLwFine0SegCount,
-  kLwFine0Stream,
-  kLwFine0Span,
-  kLwFine0Digits,
-  kLwFine0Words,
-  kLwFine0Offset,
-  kLwFine1SegLen,
-  kLwFine1SegCount,
-  kLwFine1Stream,
-  kLwFine1Span,
-  kLwFine1Digits,
-  kLwFine1Words,
-  kLwFine1Offset,
-  kLwFine2SegLen,
-  kLwFine2SegCount,
-  kLwFine2Stream,
-  kLwFine2Span,
-  kLwFine2Digits,
-  kLwFine2Words,
-  kLwFine2Offset,
-  kLwFine3SegLen,
-  kLwFine3SegCount,
-  kLwFine3Stream,
-  kLwFine3Span,
-  kLwFine3Digits,
-  kLwFine3Words,
-  kLwFine3Offset,
-  kLayoutWords,
-};
-constexpr int kLwFineStride = kLwFine1SegLen - kLwFine0SegLen;
-static_assert(kLwFineStride == 7 && kLayoutWords == kLwFine0SegLen + 4 * kLwFineStride, "fine-level words");
-static_assert(kLwSketchWeighted == kLwSketchSegLen + 3 && kLwBloomWeighted == kLwBloomSegLen + 3, "table words");
-
 // Encode statistics (device, zeroed by the caller before encode).
 struct EncodeCounters {
   unsigned long long keys;  // non-zero keys of this rank
@@ -151,42 +87,11 @@ constexpr int kTileRounds = 8;                 // items per thread and tile
 constexpr int kTileItems = kTileThreads * kTileRounds;
 constexpr int kMaxPerWord = 22;                // base >= 2 and base^per_word <= 2^22
 
-// A segmented table from its table words: seg_len, seg_count, stream, weighted (the value sketch's
-// kLwSketchSegLen.., the Bloom table's kLwBloomSegLen..; the launcher passes their address).
-__device__ __forceinline__ SegmentedTable load_table(const uint64_t* w) {
-  SegmentedTable t;
-  t.seg_len = w[0];
-  t.seg_count = w[1];
-  t.stream = w[2];
-  t.weighted = w[3];
-  return t;
-}
-
-__device__ __forceinline__ CodecLayout load_layout(const uint64_t* w) {
-  CodecLayout L;
-  L.numel = w[kLwNumel];
-  L.num_keys = w[kLwNumKeys];
-  L.block = w[kLwBlock];
-  L.index_kind = (int32_t)w[kLwIndexKind];
-  L.sketch.seg_len = w[kLwSketchSegLen];
-  L.sketch.seg_count = w[kLwSketchSegCount];
-  L.sketch.stream = w[kLwSketchStream];
-  L.sketch.weighted = w[kLwSketchWeighted];
-  L.bloom.seg_len = w[kLwBloomSegLen];
-  L.bloom.seg_count = w[kLwBloomSegCount];
-  L.bloom.stream = w[kLwBloomStream];
-  L.bloom.weighted = w[kLwBloomWeighted];
-  L.index.base = (uint32_t)w[kLwIndexBase];
-  L.index.per_word = (uint32_t)w[kLwIndexPerWord];
-  L.index.digits = w[kLwIndexDigits];
-  L.digit_cap = (uint32_t)w[kLwDigitCap];
-  L.capacity = w[kLwCapacity];
-  L.fingerprint = (uint32_t)w[kLwFingerprint];
-  L.index_offset = w[kLwIndexOffset];
-  L.sketch_offset = w[kLwSketchOffset];
-  L.payload_numel = w[kLwPayloadNumel];
-  return L;
-}
+// The layout words (LayoutWord, csrc/lhc_layout.h) as the kernels read them: a table from its four
+// words (the launcher passes the value sketch's or the Bloom table's address), and the codec's scalar
+// fields (a fine level's words are read by ml_level, where a kernel needs one).
+__device__ __forceinline__ SegmentedTable load_table(const uint64_t* w) { return table_from_words(w); }
+__device__ __forceinline__ CodecLayout load_layout(const uint64_t* w) { return layout_from_words(w, false); }
 
 __device__ __forceinline__ uint64_t global_thread() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ uint64_t grid_threads() { return (uint64_t)gridDim.x * blockDim.x; }

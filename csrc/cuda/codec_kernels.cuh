@@ -18,7 +18,8 @@
 //
 // Calling convention: every kernel parameter is 8 bytes (a pointer, a uint64_t or a double), so a
 // launcher can pass any kernel's arguments as an array of 64-bit words. The codec layout travels as
-// a device array of uint64 words (LayoutWord below, mirrored by _cuda.LAYOUT_WORDS).
+// a device array of uint64 words: the layout ABI of every backend (lhc_layout.h LayoutWord, built by
+// lossless_hc/lhc/layout.py layout_words).
 //
 // Agreement with the CPU backend: cells, weights, groups and digit packing come from lhc_layout.h, so
 // the index words (the multilevel index's fine tables included: exact signed integer sums converted

@@ -10,7 +10,8 @@
 * ``require(device) -> device``: raise a clear error unless its kernels can run there; returns the
   device pinned to an index (CUDA).
 * ``empty(numel, device)``: a float32 output buffer.
-* ``lhc_layout(layout, device)``, ``lhc_encode(native, x, payload, num_threads)`` and
+* ``lhc_layout(layout, device)`` (the kernels receive it as the layout ABI, the words of
+  :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads) -> pending`` with
   ``pending.header`` (the payload's header fields as floats) and ``pending.finish(total_keys,
   trace) -> (stats, trace)``; stats carry ``status`` (csrc/lhc_status.h), ``candidates``,

@@ -15,18 +15,12 @@ import torch
 
 from lossless_hc.backends import cuda_runtime, cuda_thc
 from lossless_hc.backends.cuda_runtime import Arena, active_launcher, device_scope, f64_bits, stream_handle
-from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
+from lossless_hc.lhc.layout import HEADER_FIELDS, LAYOUT_WORDS, PayloadLayout, layout_words
 
 
-# Order of lhc::gpu::LayoutWord in codec_kernels.cuh: the codec's words, then the multilevel index's
-# fine levels (kLwFineStride words per level, MAX_FINE_LEVELS levels; placeholders past fine_levels).
-FINE_LEVEL_WORDS = ("seg_len", "seg_count", "stream", "span", "digits", "words", "offset")
-LAYOUT_WORDS = (("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
-                 "sketch_weighted", "bloom_seg_len", "bloom_seg_count", "bloom_stream", "bloom_weighted",
-                 "index_base", "index_per_word", "index_digits", "digit_cap", "capacity", "fingerprint",
-                 "index_offset", "sketch_offset", "payload_numel", "fine_levels")
-                + tuple(f"fine{level}_{word}" for level in range(MAX_FINE_LEVELS) for word in FINE_LEVEL_WORDS))
-_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")  # seg_len, seg_count, stream, weighted follow
+# The value sketch's and the Bloom table's four words (seg_len, seg_count, stream, weighted) are a
+# table of their own to the peeling kernels: they take the first word's address.
+_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")
 _BLOOM_TABLE_WORD = LAYOUT_WORDS.index("bloom_seg_len")
 
 THREADS = 256               # block size of the grid-stride kernels and of the tile kernels
@@ -79,8 +73,9 @@ def _tiles(items: int) -> int:
 
 
 class CudaLayout:
-    """A codec layout on one CUDA device: the layout words (device, uint64) and the sizes that the
-    kernels' scratch buffers are planned from."""
+    """A codec layout on one CUDA device: its layout words (the layout ABI,
+    :func:`lossless_hc.lhc.layout.layout_words`) in device memory, and the sizes that the kernels'
+    scratch buffers are planned from."""
 
     is_cuda_layout = True
 
@@ -109,29 +104,7 @@ class CudaLayout:
         # Multilevel: the node list of each fine level, likewise bounded by its table's cells (a level
         # with more non-zero nodes cannot peel; the kernels decide its status without the list).
         self.node_caps = [min(lv.num_nodes, lv.table.cells) for lv in levels]
-        words = {
-            "numel": L.numel, "num_keys": L.num_keys, "block": L.block, "index_kind": INDEX_KIND_CODE[L.index_kind],
-            "sketch_seg_len": L.sketch.seg_len, "sketch_seg_count": L.sketch.seg_count,
-            "sketch_stream": L.sketch.stream, "sketch_weighted": int(L.sketch.weighted),
-            "bloom_seg_len": L.bloom.seg_len if L.bloom else 1, "bloom_seg_count": L.bloom.seg_count if L.bloom else 3,
-            "bloom_stream": L.bloom.stream if L.bloom else 0, "bloom_weighted": int(L.bloom.weighted) if L.bloom else 0,
-            "index_base": L.index.base, "index_per_word": L.index.per_word, "index_digits": L.index.digits,
-            "digit_cap": L.digit_cap, "capacity": L.capacity, "fingerprint": L.fingerprint,
-            "index_offset": L.index_offset, "sketch_offset": L.sketch_offset, "payload_numel": L.payload_numel,
-            "fine_levels": len(levels),
-        }
-        for i in range(MAX_FINE_LEVELS):
-            # Levels past the last hold the CPU backend's placeholder shape (never read by a kernel).
-            if i < len(levels):
-                lv = levels[i]
-                shape = (lv.table.seg_len, lv.table.seg_count, lv.table.stream, lv.span, lv.digits_per_word,
-                         lv.words_per_group, L.level_offsets[i])
-            else:
-                shape = (1, 3, 0, 1, 1, 1, L.sketch_offset)
-            words.update({f"fine{i}_{name}": v for name, v in zip(FINE_LEVEL_WORDS, shape)})
-        signed = [(words[name] & _MASK64) - (1 << 64) if (words[name] & _MASK64) >= 1 << 63 else words[name]
-                  for name in LAYOUT_WORDS]
-        self.words = torch.tensor(signed, dtype=torch.int64, device=device)
+        self.words = torch.tensor(layout_words(L), dtype=torch.int64, device=device)
         # The host emulation (a CPU device) runs every CUDA thread as a host thread: keep grids small.
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "../lhc_layout.h"
+#include "../lhc_status.h"
 
 namespace lhc {
 namespace gpu {
@@ -15,9 +16,9 @@ struct EncodeCounters {
   unsigned int saturated;   // 1 if a Bloom counter hit its per-rank cap
 };
 
-// Decode statistics and failure flags (device, zeroed by the caller before decode). The host reads
-// this struct once at the end of decode and turns the flags into a status with the CPU backend's
-// precedence (lossless_hc/backends/cuda.py decode_status).
+// Decode statistics and failure flags (device, zeroed by the caller before decode). The last kernel
+// of decode (lhc_decode_status) turns the flags into `status`; the host reads this struct once, at
+// the end of decode.
 struct DecodeCounters {
   unsigned long long index_total;      // sum of the decoded index digits
   unsigned long long expected_total;   // what the header says the index must sum to
@@ -28,6 +29,8 @@ struct DecodeCounters {
   unsigned long long list_count;       // scratch: length of the list a compaction just produced
   unsigned int flags;                  // DecodeFlag bits
   unsigned int abort;                  // non-zero: a later stage cannot succeed, kernels skip work
+  unsigned int status;                 // DecodeStatus (lhc_status.h), written by lhc_decode_status
+  unsigned int pad;
 };
 
 enum DecodeFlag : unsigned int {
@@ -42,6 +45,27 @@ enum DecodeFlag : unsigned int {
   kFlagValueBad = 1u << 8,         // value peel states inconsistent (a guard)
   kFlagNonFinite = 1u << 9,        // a sketch cell is NaN/Inf
 };
+
+// The DecodeStatus of a decode's flags, with the CPU backend's precedence (csrc/cpu/: the first
+// failing stage decides): the multilevel index's own verdict `index_status` (MlState::status, 0 if
+// it passed); an index word or total wrong; the Bloom count peel's failures; inconsistent value
+// states; a non-finite sketch cell; and last, support keys the value peel did not recover (a support
+// or cell-degree overflow among them).
+__device__ __forceinline__ unsigned int decode_status(int index_kind, unsigned int flags, unsigned long long support,
+                                                      unsigned long long peeled, unsigned int index_status) {
+  if (index_status) return index_status;
+  if (flags & (kFlagIndexWord | kFlagIndexTotal)) return kDecodeIndexCorrupt;
+  if (index_kind == kIndexBloom) {
+    if (flags & kFlagCandOverflow) return kDecodeIndexPeelFailed;
+    if (flags & kFlagCountBad) return kDecodeIndexCorrupt;
+    if (flags & kFlagCountUnresolved) return kDecodeIndexPeelFailed;
+    if (flags & kFlagCountLeftover) return kDecodeIndexCorrupt;
+  }
+  if (flags & kFlagValueBad) return kDecodeIndexCorrupt;
+  if (flags & kFlagNonFinite) return kDecodeSketchNonFinite;
+  if ((flags & (kFlagSupportOverflow | kFlagDegreeOverflow)) || peeled != support) return kDecodeSketchPeelFailed;
+  return kDecodeOk;
+}
 
 // Peeling control block (device, zeroed by the caller before each peel launch).
 struct PeelControl {
@@ -74,7 +98,7 @@ struct MlState {
 
 // The host (lossless_hc/backends/cuda.py) allocates and reads these structs by these sizes.
 static_assert(sizeof(EncodeCounters) == 16, "EncodeCounters: 16 bytes");
-static_assert(sizeof(DecodeCounters) == 64, "DecodeCounters: 64 bytes");
+static_assert(sizeof(DecodeCounters) == 72, "DecodeCounters: 72 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
 static_assert(sizeof(MlState) == 80, "MlState: 80 bytes");
 

@@ -11,8 +11,8 @@
 //
 // Device code only: these headers compile under nvcc (included by codec_cuda.cu, which adds the host
 // launcher of the compiled module lossless_hc._C_cuda) and under NVRTC (loaded at run time through
-// CuPy by lossless_hc/backends/cuda.py), so they include nothing but csrc/lhc_layout.h and each other and use
-// no host API.
+// CuPy by lossless_hc/backends/cuda.py), so they include nothing but csrc/lhc_layout.h, csrc/lhc_status.h
+// and each other and use no host API.
 // The launch sequence (which kernel, grid, scratch buffers) lives in one place, lossless_hc/backends/cuda.py,
 // shared by both ways of loading these kernels.
 //

@@ -34,22 +34,18 @@ WEIGHT_CODE_BITS = 2                 # lhc::kWeightCodeBits
 # code into 32 bits (lhc::gpu::kAdjCodeMask), so positions stay below 2^30 (and 3 x count < 2^32).
 MAX_PEEL_POSITIONS = 1 << (32 - WEIGHT_CODE_BITS)
 
-# lhc::gpu::DecodeFlag
-FLAG_INDEX_WORD = 1 << 0
-FLAG_INDEX_TOTAL = 1 << 1
+# The lhc::gpu::DecodeFlag bits some kernels take as an argument (the flag they raise). The flags'
+# meaning, the status, is decided on the device (lhc_decode_status).
 FLAG_CAND_OVERFLOW = 1 << 2
-FLAG_COUNT_BAD = 1 << 3
 FLAG_COUNT_UNRESOLVED = 1 << 4
-FLAG_COUNT_LEFTOVER = 1 << 5
 FLAG_SUPPORT_OVERFLOW = 1 << 6
 FLAG_DEGREE_OVERFLOW = 1 << 7
-FLAG_VALUE_BAD = 1 << 8
-FLAG_NON_FINITE = 1 << 9
 
-# lhc::gpu::DecodeCounters: 7 uint64 fields, then flags and abort (uint32 each) = 64 bytes.
+# lhc::gpu::DecodeCounters: 7 uint64 fields, then flags, abort, status and padding (uint32 each, paired
+# into int64 words as the host reads them) = 72 bytes.
 _DECODE_COUNTERS = ("index_total", "expected_total", "candidates", "support", "peeled", "count_resolved",
-                    "list_count", "flags_abort")
-_DECODE_COUNTERS_BYTES = 64
+                    "list_count", "flags_abort", "status_pad")
+_DECODE_COUNTERS_BYTES = 72
 # lhc::gpu::MlState: 7 uint64 fields, then 6 uint32 (paired into int64 words as the host reads them).
 _ML_STATE = ("coarse_sum", "child_total", "nodes", "prev_nodes", "resolved", "support", "candidates",
              "status_mode", "words_inconsistent", "expand_replay")
@@ -252,33 +248,6 @@ class DecodeStats:
     flags: int
 
 
-def decode_status(index_kind: str, flags: int, support: int, peeled: int, index_status: int = 0) -> int:
-    """The CPU backend's status code for the kernels' flags, with its precedence: index corrupt (1),
-    index peel failed (2), value states inconsistent (1), non-finite sketch (4), sketch peel
-    failed (3). ``index_status``: the multilevel index's own verdict (lhc::gpu::MlState::status: 1,
-    2 or 5, the CPU's code of its first failing stage), which comes first."""
-    if index_status:
-        return index_status
-    if flags & (FLAG_INDEX_WORD | FLAG_INDEX_TOTAL):
-        return 1
-    if index_kind == "bloom":
-        if flags & FLAG_CAND_OVERFLOW:
-            return 2
-        if flags & FLAG_COUNT_BAD:
-            return 1
-        if flags & FLAG_COUNT_UNRESOLVED:
-            return 2
-        if flags & FLAG_COUNT_LEFTOVER:
-            return 1
-    if flags & FLAG_VALUE_BAD:
-        return 1
-    if flags & FLAG_NON_FINITE:
-        return 4
-    if flags & (FLAG_SUPPORT_OVERFLOW | FLAG_DEGREE_OVERFLOW) or peeled != support:
-        return 3
-    return 0
-
-
 class DecodeRun:
     """A decode whose kernels are queued; ``finish`` reads header and counters with one sync."""
 
@@ -297,19 +266,19 @@ class DecodeRun:
         values = [int(v) for v in summary[HEADER_FIELDS:]]
         c = dict(zip(_DECODE_COUNTERS, values))
         flags = c["flags_abort"] & 0xFFFFFFFF
+        status = c["status_pad"] & 0xFFFFFFFF     # lhc_decode_status's verdict
         support, peeled = c["support"], c["peeled"]
         candidates = c["candidates"]
-        index_status = 0
         if kind == "multilevel":
             ml = dict(zip(_ML_STATE, values[len(_DECODE_COUNTERS):]))
-            index_status = ml["status_mode"] & 0xFFFFFFFF
+            failed = ml["status_mode"] & 0xFFFFFFFF
             # As the CPU backend: a failed index reports no support (and candidates only once the
             # support is known, i.e. for the last check, the key total); the support count is exact
             # even where the value peel's list overflowed.
             candidates = ml["candidates"]
-            support = 0 if index_status else ml["support"]
-            peeled = 0 if index_status else peeled
-        st = DecodeStats(status=decode_status(kind, flags, support, peeled, index_status), candidates=candidates,
+            support = 0 if failed else ml["support"]
+            peeled = 0 if failed else peeled
+        st = DecodeStats(status=status, candidates=candidates,
                          false_positives=max(0, candidates - support) if kind == "bloom" else 0,
                          support_keys=support, peeled=peeled, index_total=c["index_total"], flags=flags)
         return header, st
@@ -438,8 +407,12 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                        P("adj"), cnt], stream)
         launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
                       [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
+        ml = 0
         if L.index_kind == "multilevel":
             launch.launch("lhc_ml_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
+            ml = P("ml_state")
+        # Last: the status, from every stage's flags (the CPU backend's precedence, on the device).
+        launch.launch("lhc_decode_status", 1, 32, [lay, cnt, ml], stream)
         return DecodeRun(native, payload, a)
 
 

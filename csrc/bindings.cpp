@@ -18,6 +18,14 @@ void bind_topk(py::module_& m);  // topk_bindings.cpp
 namespace {
 template <typename T>
 T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
+
+// The CodecLayout of the layout words at `words` (lhc_layout.h LayoutWord; the CPU backend keeps them
+// in a CPU int64 tensor), read with the GIL held so that a bad one raises.
+CodecLayout layout_at(uintptr_t words) {
+  const CodecLayout L = layout_from_words(ptr<const uint64_t>(words));
+  if (L.fine_levels > kMaxFineLevels) throw std::out_of_range("layout words: more fine levels than kMaxFineLevels");
+  return L;
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -29,48 +37,6 @@ PYBIND11_MODULE(_C, m) {
   LHC_DECODE_STATUSES(LHC_STATUS_ROW)
 #undef LHC_STATUS_ROW
   m.attr("DECODE_STATUSES") = statuses;
-
-  py::class_<SegmentedTable>(m, "SegmentedTable")
-      .def(py::init<>())
-      .def_readwrite("seg_len", &SegmentedTable::seg_len)
-      .def_readwrite("seg_count", &SegmentedTable::seg_count)
-      .def_readwrite("stream", &SegmentedTable::stream)
-      .def_readwrite("weighted", &SegmentedTable::weighted);
-
-  py::class_<DigitPacking>(m, "DigitPacking")
-      .def(py::init<>())
-      .def_readwrite("base", &DigitPacking::base)
-      .def_readwrite("per_word", &DigitPacking::per_word)
-      .def_readwrite("digits", &DigitPacking::digits);
-
-  py::class_<CodecLayout>(m, "CodecLayout")
-      .def(py::init<>())
-      .def_readwrite("numel", &CodecLayout::numel)
-      .def_readwrite("num_keys", &CodecLayout::num_keys)
-      .def_readwrite("block", &CodecLayout::block)
-      .def_readwrite("index_kind", &CodecLayout::index_kind)
-      .def_readwrite("sketch", &CodecLayout::sketch)
-      .def_readwrite("bloom", &CodecLayout::bloom)
-      .def_readwrite("index", &CodecLayout::index)
-      .def_readwrite("digit_cap", &CodecLayout::digit_cap)
-      .def_readwrite("capacity", &CodecLayout::capacity)
-      .def_readwrite("fingerprint", &CodecLayout::fingerprint)
-      .def_readwrite("index_offset", &CodecLayout::index_offset)
-      .def_readwrite("sketch_offset", &CodecLayout::sketch_offset)
-      .def_readwrite("payload_numel", &CodecLayout::payload_numel)
-      .def_readwrite("fine_levels", &CodecLayout::fine_levels)
-      .def(
-          "set_fine_level",
-          [](CodecLayout& L, uint32_t l, const SegmentedTable& table, uint64_t span, uint32_t digits, uint32_t words,
-             uint64_t offset) {
-            if (l >= kMaxFineLevels) throw std::out_of_range("fine level index");
-            L.fine[l] = table;
-            L.span[l] = span;
-            L.fine_digits[l] = digits;
-            L.fine_words[l] = words;
-            L.fine_offset[l] = offset;
-          },
-          py::arg("level"), py::arg("table"), py::arg("span"), py::arg("digits"), py::arg("words"), py::arg("offset"));
 
   py::class_<cpu::EncodeStats>(m, "EncodeStats")
       .def_readonly("keys", &cpu::EncodeStats::keys)
@@ -87,25 +53,28 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "encode",
-      [](const CodecLayout& layout, uintptr_t x, uintptr_t payload, int num_threads) {
+      [](uintptr_t words, uintptr_t x, uintptr_t payload, int num_threads) {
+        const CodecLayout layout = layout_at(words);
         py::gil_scoped_release release;
         return cpu::encode(layout, ptr<const float>(x), ptr<float>(payload), num_threads);
       },
-      py::arg("layout"), py::arg("x"), py::arg("payload"), py::arg("num_threads") = 0,
-      "Encode layout.numel float32 values at address x into layout.payload_numel floats at payload.");
+      py::arg("words"), py::arg("x"), py::arg("payload"), py::arg("num_threads") = 0,
+      "Encode numel float32 values at address x into payload_numel floats at payload (the layout: the\n"
+      "layout words at address `words`).");
 
   m.def(
       "decode",
-      [](const CodecLayout& layout, double scale, uint64_t total_keys, uint64_t world_size, uintptr_t payload,
-         uintptr_t out, uintptr_t trace_key, uintptr_t trace_cell, int num_threads) {
+      [](uintptr_t words, double scale, uint64_t total_keys, uint64_t world_size, uintptr_t payload, uintptr_t out,
+         uintptr_t trace_key, uintptr_t trace_cell, int num_threads) {
+        const CodecLayout layout = layout_at(words);
         py::gil_scoped_release release;
         cpu::DecodeInputs in{scale, total_keys, world_size};
         return cpu::decode(layout, in, ptr<const float>(payload), ptr<float>(out), ptr<int64_t>(trace_key),
                            ptr<int64_t>(trace_cell), num_threads);
       },
-      py::arg("layout"), py::arg("scale"), py::arg("total_keys"), py::arg("world_size"), py::arg("payload"),
+      py::arg("words"), py::arg("scale"), py::arg("total_keys"), py::arg("world_size"), py::arg("payload"),
       py::arg("out"), py::arg("trace_key") = 0, py::arg("trace_cell") = 0, py::arg("num_threads") = 0,
-      "Decode an aggregated payload into layout.numel float32 values at out.");
+      "Decode an aggregated payload into numel float32 values at out (the layout: the layout words at `words`).");
 
   m.def(
       "advise_huge_pages", [](uintptr_t address, uint64_t bytes) { cpu::advise_huge_pages(ptr<void>(address), bytes); },

@@ -215,8 +215,8 @@ struct CodecLayout {
   uint64_t index_offset;
   uint64_t sketch_offset;
   uint64_t payload_numel;
-  // kIndexMultilevel only (the CPU backend; the CUDA kernels read the same shape from their layout
-  // words, csrc/cuda/codec_common.cuh LayoutWord). `index` packs the coarse
+  // kIndexMultilevel only (the CPU backend; the CUDA kernels read the same shape from the layout
+  // words, LayoutWord below). `index` packs the coarse
   // level: one digit per node of fine level 0, the number of ranks with a non-zero key under it.
   // Fine level l (0 = coarsest) has a table `fine[l]` hashed by node id at `fine_offset[l]`: node v
   // adds s_j(v) * its pattern into its cell j, s_j the +-1 key_cell gives (signed, never weighted),
@@ -232,6 +232,121 @@ struct CodecLayout {
   uint64_t fine_offset[4];
 };
 constexpr uint32_t kMaxFineLevels = 4;
+
+// ---- The layout ABI: a CodecLayout as an array of uint64 words --------------------------------------
+//
+// Every backend receives a codec's layout as these words, in this order (built once per codec by
+// lossless_hc/lhc/layout.py layout_words, whose LAYOUT_WORDS name them): the CPU kernels through
+// layout_from_words, the CUDA kernels reading the words where they need them. A table's four words
+// (seg_len, seg_count, stream, weighted) are consecutive, so their address is a table of its own
+// (table_from_words; the peeling kernels take the value sketch's and the Bloom table's that way).
+enum LayoutWord : int {
+  kLwNumel = 0,
+  kLwNumKeys,
+  kLwBlock,
+  kLwIndexKind,
+  kLwSketchSegLen,
+  kLwSketchSegCount,
+  kLwSketchStream,
+  kLwSketchWeighted,
+  kLwBloomSegLen,
+  kLwBloomSegCount,
+  kLwBloomStream,
+  kLwBloomWeighted,
+  kLwIndexBase,
+  kLwIndexPerWord,
+  kLwIndexDigits,
+  kLwDigitCap,
+  kLwCapacity,
+  kLwFingerprint,
+  kLwIndexOffset,
+  kLwSketchOffset,
+  kLwPayloadNumel,
+  // Multilevel index (kIndexMultilevel; other kinds: 0 levels): the number of fine levels, then per
+  // level l (coarsest first) kLwFineStride words from kLwFine0SegLen + kLwFineStride * l: its table
+  // (seg_len, seg_count, stream; never weighted), span, digits per word, words per cell, and the
+  // payload offset of its table. Levels past fine_levels hold a placeholder shape no kernel reads.
+  kLwFineLevels,
+  kLwFine0SegLen,
+  kLwFine0SegCount,
+  kLwFine0Stream,
+  kLwFine0Span,
+  kLwFine0Digits,
+  kLwFine0Words,
+  kLwFine0Offset,
+  kLwFine1SegLen,
+  kLwFine1SegCount,
+  kLwFine1Stream,
+  kLwFine1Span,
+  kLwFine1Digits,
+  kLwFine1Words,
+  kLwFine1Offset,
+  kLwFine2SegLen,
+  kLwFine2SegCount,
+  kLwFine2Stream,
+  kLwFine2Span,
+  kLwFine2Digits,
+  kLwFine2Words,
+  kLwFine2Offset,
+  kLwFine3SegLen,
+  kLwFine3SegCount,
+  kLwFine3Stream,
+  kLwFine3Span,
+  kLwFine3Digits,
+  kLwFine3Words,
+  kLwFine3Offset,
+  kLayoutWords,
+};
+constexpr int kLwFineStride = kLwFine1SegLen - kLwFine0SegLen;
+static_assert(kLwFineStride == 7 && kLayoutWords == kLwFine0SegLen + (int)kMaxFineLevels * kLwFineStride,
+              "fine-level words");
+static_assert(kLwSketchWeighted == kLwSketchSegLen + 3 && kLwBloomWeighted == kLwBloomSegLen + 3, "table words");
+
+// A segmented table from its four words (seg_len, seg_count, stream, weighted).
+LHC_HD SegmentedTable table_from_words(const uint64_t* w) {
+  SegmentedTable t;
+  t.seg_len = w[0];
+  t.seg_count = w[1];
+  t.stream = w[2];
+  t.weighted = w[3];
+  return t;
+}
+
+// The CodecLayout of layout words `w`. Without `fine_levels` the multilevel fields stay unset: the
+// CUDA kernels read a fine level's words themselves (a struct of per-level arrays indexed at run
+// time would live in local memory).
+LHC_HD CodecLayout layout_from_words(const uint64_t* w, bool fine_levels = true) {
+  CodecLayout L;
+  L.numel = w[kLwNumel];
+  L.num_keys = w[kLwNumKeys];
+  L.block = w[kLwBlock];
+  L.index_kind = (int32_t)w[kLwIndexKind];
+  L.sketch = table_from_words(w + kLwSketchSegLen);
+  L.bloom = table_from_words(w + kLwBloomSegLen);
+  L.index.base = (uint32_t)w[kLwIndexBase];
+  L.index.per_word = (uint32_t)w[kLwIndexPerWord];
+  L.index.digits = w[kLwIndexDigits];
+  L.digit_cap = (uint32_t)w[kLwDigitCap];
+  L.capacity = w[kLwCapacity];
+  L.fingerprint = (uint32_t)w[kLwFingerprint];
+  L.index_offset = w[kLwIndexOffset];
+  L.sketch_offset = w[kLwSketchOffset];
+  L.payload_numel = w[kLwPayloadNumel];
+  if (!fine_levels) return L;
+  L.fine_levels = (uint32_t)w[kLwFineLevels];
+  for (uint32_t l = 0; l < kMaxFineLevels; ++l) {
+    const uint64_t* f = w + kLwFine0SegLen + kLwFineStride * l;
+    L.fine[l].seg_len = f[0];
+    L.fine[l].seg_count = f[1];
+    L.fine[l].stream = f[2];
+    L.fine[l].weighted = 0;  // an index table: never weighted
+    L.span[l] = f[3];
+    L.fine_digits[l] = (uint32_t)f[4];
+    L.fine_words[l] = (uint32_t)f[5];
+    L.fine_offset[l] = f[6];
+  }
+  return L;
+}
 
 // Node of fine level l holding `key`, and the child of that node the key lies under.
 LHC_HD uint64_t ml_node(const CodecLayout& L, uint32_t l, uint64_t key) { return key / L.span[l]; }

@@ -20,6 +20,7 @@ KERNEL_LIST = (ROOT / "csrc" / "cuda" / "kernel_list.h").read_text()
 THC_HEADER_PATH = ROOT / "csrc" / "cuda" / "thc_kernels.cuh"
 THC_HEADER = THC_HEADER_PATH.read_text()
 TOPK_HEADER_PATH = ROOT / "csrc" / "cuda" / "topk_kernels.cuh"
+LAYOUT_H = (ROOT / "csrc" / "lhc_layout.h").read_text()
 
 
 def enum_names(name: str, header: str = HEADER) -> list:
@@ -28,18 +29,28 @@ def enum_names(name: str, header: str = HEADER) -> list:
 
 
 def test_layout_words_follow_the_header_enum():
-    names = enum_names("LayoutWord")
+    """The layout ABI: lossless_hc.lhc.layout's LAYOUT_WORDS name lhc::LayoutWord (csrc/lhc_layout.h) in
+    order, and layout_words gives one word per name."""
+    from lossless_hc.lhc import layout
+    from lossless_hc.lhc.sizing import build_layout
+    names = enum_names("LayoutWord", LAYOUT_H)
     assert names[-1] == "kLayoutWords"
-    camel = ["kLw" + "".join(part.capitalize() for part in w.split("_")) for w in _cuda.LAYOUT_WORDS]
+    camel = ["kLw" + "".join(part.capitalize() for part in w.split("_")) for w in layout.LAYOUT_WORDS]
     assert camel == names[:-1]
+    assert "enum LayoutWord" not in HEADER.replace(LAYOUT_H, ""), "one definition: csrc/lhc_layout.h"
+    for kind in ("bitmap", "bloom", "multilevel", "dense"):
+        words = layout.layout_words(build_layout(kind, 1 << 16, 4, 200))
+        assert len(words) == len(layout.LAYOUT_WORDS) and all(-(1 << 63) <= w < 1 << 63 for w in words)
 
 
-def test_decode_flags_follow_the_header_enum():
+def test_decode_flag_arguments_follow_the_header_enum():
+    """The DecodeFlag bits Python passes to kernels (the status itself is decided on the device)."""
     flags = {m.group(1): int(m.group(2)) for m in re.finditer(r"(kFlag\w+)\s*=\s*1u\s*<<\s*(\d+)", HEADER)}
     python = {name: value for name, value in vars(_cuda).items() if name.startswith("FLAG_")}
     as_camel = {"kFlag" + "".join(p.capitalize() for p in name[5:].split("_")): v.bit_length() - 1
                 for name, v in python.items()}
-    assert as_camel == flags
+    assert python and as_camel.items() <= flags.items()
+    assert not hasattr(_cuda, "decode_status")
 
 
 def launches(module=_cuda):
@@ -72,14 +83,13 @@ def test_every_codec_kernel_is_launched():
 
 def test_layout_words_describe_every_fine_level():
     """The multilevel fine levels travel as kLwFineStride words each (LayoutWord), one block per level
-    up to lhc::kMaxFineLevels, in _cuda.FINE_LEVEL_WORDS order."""
-    from lossless_hc.lhc.layout import MAX_FINE_LEVELS
-    stride = int(re.search(r"kLwFineStride == (\d+)", HEADER).group(1))
-    assert stride == len(_cuda.FINE_LEVEL_WORDS)
-    first = _cuda.LAYOUT_WORDS.index("fine0_seg_len")
-    assert len(_cuda.LAYOUT_WORDS) == first + MAX_FINE_LEVELS * stride
-    layout_h = (ROOT / "csrc" / "lhc_layout.h").read_text()
-    assert int(re.search(r"kMaxFineLevels = (\d+)", layout_h).group(1)) == MAX_FINE_LEVELS
+    up to lhc::kMaxFineLevels, in FINE_LEVEL_WORDS order."""
+    from lossless_hc.lhc.layout import FINE_LEVEL_WORDS, LAYOUT_WORDS, MAX_FINE_LEVELS
+    stride = int(re.search(r"kLwFineStride == (\d+)", LAYOUT_H).group(1))
+    assert stride == len(FINE_LEVEL_WORDS)
+    first = LAYOUT_WORDS.index("fine0_seg_len")
+    assert len(LAYOUT_WORDS) == first + MAX_FINE_LEVELS * stride
+    assert int(re.search(r"kMaxFineLevels = (\d+)", LAYOUT_H).group(1)) == MAX_FINE_LEVELS
 
 
 def test_every_kernel_parameter_is_eight_bytes():

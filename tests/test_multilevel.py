@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import helpers
 from lossless_hc import LosslessCodec, plan_layout
 from lossless_hc.lhc import reference as reference
-from lossless_hc.lhc.layout import INT_FIELD_LIMIT
+from lossless_hc.lhc.layout import INT_FIELD_LIMIT, LAYOUT_WORDS
 from lossless_hc.lhc.sizing import multilevel_plan
 
 
@@ -177,7 +177,7 @@ def test_auto_plans_multilevel_for_every_device():
     L = plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000)
     assert L.index_kind == "multilevel"
     native = _cuda.CudaLayout(L, torch.device("cpu"))   # the kernels' layout words (no GPU needed)
-    assert native.words.numel() == len(_cuda.LAYOUT_WORDS) and native.node_caps
+    assert native.words.numel() == len(LAYOUT_WORDS) and native.node_caps
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA device"):
             LosslessCodec(1000, 2, 10, device="cuda", index="multilevel")

@@ -4,73 +4,10 @@
 #pragma once
 
 #include "../lhc_layout.h"
+#include "../lhc_status.h"
 
 namespace lhc {
 namespace gpu {
-
-// Order of the uint64 words describing a CodecLayout (mirrored by lossless_hc/backends/cuda.py LAYOUT_WORDS).
-// The value sketch's and the Bloom table's words (seg_len, seg_count, stream, weighted) are each a
-// table-words pointer (load_table), as the peeling kernels take them.
-enum LayoutWord : int {
-  kLwNumel = 0,
-  kLwNumKeys,
-  kLwBlock,
-  kLwIndexKind,
-  kLwSketchSegLen,
-  kLwSketchSegCount,
-  kLwSketchStream,
-  kLwSketchWeighted,
-  kLwBloomSegLen,
-  kLwBloomSegCount,
-  kLwBloomStream,
-  kLwBloomWeighted,
-  kLwIndexBase,
-  kLwIndexPerWord,
-  kLwIndexDigits,
-  kLwDigitCap,
-  kLwCapacity,
-  kLwFingerprint,
-  kLwIndexOffset,
-  kLwSketchOffset,
-  kLwPayloadNumel,
-  // Multilevel index (kIndexMultilevel; other kinds: 0 levels): the number of fine levels, then per
-  // level l (coarsest first) kLwFineStride words from kLwFine0SegLen + kLwFineStride * l: its table
-  // (seg_len, seg_count, stream; never weighted: read by ml_level), span, digits per word, words per
-  // cell, and the payload offset of its table.
-  kLwFineLevels,
-  kLwFine0SegLen,
-  kLwFine0SegCount,
-  kLwFine0Stream,
-  kLwFine0Span,
-  kLwFine0Digits,
-  kLwFine0Words,
-  kLwFine0Offset,
-  kLwFine1SegLen,
-  kLwFine1SegCount,
-  kLwFine1Stream,
-  kLwFine1Span,
-  kLwFine1Digits,
-  kLwFine1Words,
-  kLwFine1Offset,
-  kLwFine2SegLen,
-  kLwFine2SegCount,
-  kLwFine2Stream,
-  kLwFine2Span,
-  kLwFine2Digits,
-  kLwFine2Words,
-  kLwFine2Offset,
-  kLwFine3SegLen,
-  kLwFine3SegCount,
-  kLwFine3Stream,
-  kLwFine3Span,
-  kLwFine3Digits,
-  kLwFine3Words,
-  kLwFine3Offset,
-  kLayoutWords,
-};
-constexpr int kLwFineStride = kLwFine1SegLen - kLwFine0SegLen;
-static_assert(kLwFineStride == 7 && kLayoutWords == kLwFine0SegLen + 4 * kLwFineStride, "fine-level words");
-static_assert(kLwSketchWeighted == kLwSketchSegLen + 3 && kLwBloomWeighted == kLwBloomSegLen + 3, "table words");
 
 // Encode statistics (device, zeroed by the caller before encode).
 struct EncodeCounters {
@@ -79,9 +16,9 @@ struct EncodeCounters {
   unsigned int saturated;   // 1 if a Bloom counter hit its per-rank cap
 };
 
-// Decode statistics and failure flags (device, zeroed by the caller before decode). The host reads
-// this struct once at the end of decode and turns the flags into a status with the CPU backend's
-// precedence (lossless_hc/backends/cuda.py decode_status).
+// Decode statistics and failure flags (device, zeroed by the caller before decode). The last kernel
+// of decode (lhc_decode_status) turns the flags into `status`; the host reads this struct once, at
+// the end of decode.
 struct DecodeCounters {
   unsigned long long index_total;      // sum of the decoded index digits
   unsigned long long expected_total;   // what the header says the index must sum to
@@ -92,6 +29,8 @@ struct DecodeCounters {
   unsigned long long list_count;       // scratch: length of the list a compaction just produced
   unsigned int flags;                  // DecodeFlag bits
   unsigned int abort;                  // non-zero: a later stage cannot succeed, kernels skip work
+  unsigned int status;                 // DecodeStatus (lhc_status.h), written by lhc_decode_status
+  unsigned int pad;
 };
 
 enum DecodeFlag : unsigned int {
@@ -106,6 +45,27 @@ enum DecodeFlag : unsigned int {
   kFlagValueBad = 1u << 8,         // value peel states inconsistent (a guard)
   kFlagNonFinite = 1u << 9,        // a sketch cell is NaN/Inf
 };
+
+// The DecodeStatus of a decode's flags, with the CPU backend's precedence (csrc/cpu/: the first
+// failing stage decides): the multilevel index's own verdict `index_status` (MlState::status, 0 if
+// it passed); an index word or total wrong; the Bloom count peel's failures; inconsistent value
+// states; a non-finite sketch cell; and last, support keys the value peel did not recover (a support
+// or cell-degree overflow among them).
+__device__ __forceinline__ unsigned int decode_status(int index_kind, unsigned int flags, unsigned long long support,
+                                                      unsigned long long peeled, unsigned int index_status) {
+  if (index_status) return index_status;
+  if (flags & (kFlagIndexWord | kFlagIndexTotal)) return kDecodeIndexCorrupt;
+  if (index_kind == kIndexBloom) {
+    if (flags & kFlagCandOverflow) return kDecodeIndexPeelFailed;
+    if (flags & kFlagCountBad) return kDecodeIndexCorrupt;
+    if (flags & kFlagCountUnresolved) return kDecodeIndexPeelFailed;
+    if (flags & kFlagCountLeftover) return kDecodeIndexCorrupt;
+  }
+  if (flags & kFlagValueBad) return kDecodeIndexCorrupt;
+  if (flags & kFlagNonFinite) return kDecodeSketchNonFinite;
+  if ((flags & (kFlagSupportOverflow | kFlagDegreeOverflow)) || peeled != support) return kDecodeSketchPeelFailed;
+  return kDecodeOk;
+}
 
 // Peeling control block (device, zeroed by the caller before each peel launch).
 struct PeelControl {
@@ -138,7 +98,7 @@ struct MlState {
 
 // The host (lossless_hc/backends/cuda.py) allocates and reads these structs by these sizes.
 static_assert(sizeof(EncodeCounters) == 16, "EncodeCounters: 16 bytes");
-static_assert(sizeof(DecodeCounters) == 64, "DecodeCounters: 64 bytes");
+static_assert(sizeof(DecodeCounters) == 72, "DecodeCounters: 72 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
 static_assert(sizeof(MlState) == 80, "MlState: 80 bytes");
 
@@ -151,42 +111,11 @@ constexpr int kTileRounds = 8;                 // items per thread and tile
 constexpr int kTileItems = kTileThreads * kTileRounds;
 constexpr int kMaxPerWord = 22;                // base >= 2 and base^per_word <= 2^22
 
-// A segmented table from its table words: seg_len, seg_count, stream, weighted (the value sketch's
-// kLwSketchSegLen.., the Bloom table's kLwBloomSegLen..; the launcher passes their address).
-__device__ __forceinline__ SegmentedTable load_table(const uint64_t* w) {
-  SegmentedTable t;
-  t.seg_len = w[0];
-  t.seg_count = w[1];
-  t.stream = w[2];
-  t.weighted = w[3];
-  return t;
-}
-
-__device__ __forceinline__ CodecLayout load_layout(const uint64_t* w) {
-  CodecLayout L;
-  L.numel = w[kLwNumel];
-  L.num_keys = w[kLwNumKeys];
-  L.block = w[kLwBlock];
-  L.index_kind = (int32_t)w[kLwIndexKind];
-  L.sketch.seg_len = w[kLwSketchSegLen];
-  L.sketch.seg_count = w[kLwSketchSegCount];
-  L.sketch.stream = w[kLwSketchStream];
-  L.sketch.weighted = w[kLwSketchWeighted];
-  L.bloom.seg_len = w[kLwBloomSegLen];
-  L.bloom.seg_count = w[kLwBloomSegCount];
-  L.bloom.stream = w[kLwBloomStream];
-  L.bloom.weighted = w[kLwBloomWeighted];
-  L.index.base = (uint32_t)w[kLwIndexBase];
-  L.index.per_word = (uint32_t)w[kLwIndexPerWord];
-  L.index.digits = w[kLwIndexDigits];
-  L.digit_cap = (uint32_t)w[kLwDigitCap];
-  L.capacity = w[kLwCapacity];
-  L.fingerprint = (uint32_t)w[kLwFingerprint];
-  L.index_offset = w[kLwIndexOffset];
-  L.sketch_offset = w[kLwSketchOffset];
-  L.payload_numel = w[kLwPayloadNumel];
-  return L;
-}
+// The layout words (LayoutWord, csrc/lhc_layout.h) as the kernels read them: a table from its four
+// words (the launcher passes the value sketch's or the Bloom table's address), and the codec's scalar
+// fields (a fine level's words are read by ml_level, where a kernel needs one).
+__device__ __forceinline__ SegmentedTable load_table(const uint64_t* w) { return table_from_words(w); }
+__device__ __forceinline__ CodecLayout load_layout(const uint64_t* w) { return layout_from_words(w, false); }
 
 __device__ __forceinline__ uint64_t global_thread() { return (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ uint64_t grid_threads() { return (uint64_t)gridDim.x * blockDim.x; }

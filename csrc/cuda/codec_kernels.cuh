@@ -11,14 +11,15 @@
 //
 // Device code only: these headers compile under nvcc (included by codec_cuda.cu, which adds the host
 // launcher of the compiled module lossless_hc._C_cuda) and under NVRTC (loaded at run time through
-// CuPy by lossless_hc/backends/cuda.py), so they include nothing but csrc/lhc_layout.h and each other and use
-// no host API.
+// CuPy by lossless_hc/backends/cuda.py), so they include nothing but csrc/lhc_layout.h, csrc/lhc_status.h
+// and each other and use no host API.
 // The launch sequence (which kernel, grid, scratch buffers) lives in one place, lossless_hc/backends/cuda.py,
 // shared by both ways of loading these kernels.
 //
 // Calling convention: every kernel parameter is 8 bytes (a pointer, a uint64_t or a double), so a
 // launcher can pass any kernel's arguments as an array of 64-bit words. The codec layout travels as
-// a device array of uint64 words (LayoutWord below, mirrored by _cuda.LAYOUT_WORDS).
+// a device array of uint64 words: the layout ABI of every backend (lhc_layout.h LayoutWord, built by
+// lossless_hc/lhc/layout.py layout_words).
 //
 // Agreement with the CPU backend: cells, weights, groups and digit packing come from lhc_layout.h, so
 // the index words (the multilevel index's fine tables included: exact signed integer sums converted

@@ -60,10 +60,10 @@ namespace gpu {
 // its table) entries (a level with more non-zero nodes stalls, and is peeled by node id instead), so
 // any payload decodes within bounds.
 
-// DecodeStatus codes of the CPU backend (csrc/cpu/codec_cpu.h) that the multilevel stages report.
-constexpr unsigned int kMlCorrupt = 1;     // kDecodeIndexCorrupt
-constexpr unsigned int kMlPeelFailed = 2;  // kDecodeIndexPeelFailed
-constexpr unsigned int kMlOverflow = 5;    // kDecodeIndexOverflow
+// The DecodeStatus codes (lhc_status.h) that the multilevel stages report.
+constexpr unsigned int kMlCorrupt = kDecodeIndexCorrupt;
+constexpr unsigned int kMlPeelFailed = kDecodeIndexPeelFailed;
+constexpr unsigned int kMlOverflow = kDecodeIndexOverflow;
 
 // MlState::mode of the current level.
 enum MlMode : unsigned int {

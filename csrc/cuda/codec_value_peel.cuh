@@ -276,5 +276,15 @@ extern "C" __global__ void lhc_write_output(const uint64_t* layout, const uint32
   warp_add(&counters->peeled, peeled);
 }
 
+// Last of the decode sequence (one thread): the decode's status, into counters->status. `ml` is the
+// multilevel index's state (null for the other kinds): its verdict comes first, and its support count
+// is exact where the support list overflowed.
+extern "C" __global__ void lhc_decode_status(const uint64_t* layout, DecodeCounters* counters, const MlState* ml) {
+  if (global_thread() != 0) return;
+  const unsigned long long support = ml ? ml->support : counters->support;
+  counters->status = decode_status((int)layout[kLwIndexKind], counters->flags, support, counters->peeled,
+                                   ml ? ml->status : 0u);
+}
+
 }  // namespace gpu
 }  // namespace lhc

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, PayloadLayout
+from lossless_hc.lhc.layout import HEADER_FIELDS, PayloadLayout, layout_words
 
 try:
     from lossless_hc import _C
@@ -69,47 +69,6 @@ def _addr(t: Optional[torch.Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-def _table(src) -> "_C.SegmentedTable":
-    t = _C.SegmentedTable()
-    t.seg_len, t.seg_count, t.stream = src.seg_len, src.seg_count, src.stream
-    t.weighted = int(src.weighted)
-    return t
-
-
-def _empty_table() -> "_C.SegmentedTable":
-    t = _C.SegmentedTable()
-    t.seg_len, t.seg_count, t.stream = 1, 3, 0
-    return t
-
-
-def codec_layout(layout: PayloadLayout) -> "_C.CodecLayout":
-    """The C++ kernels' view of ``layout`` (built once per codec)."""
-    c = _C.CodecLayout()
-    c.numel, c.num_keys, c.block = layout.numel, layout.num_keys, layout.block
-    c.index_kind = INDEX_KIND_CODE[layout.index_kind]
-    c.sketch = _table(layout.sketch)
-    c.bloom = _table(layout.bloom) if layout.bloom is not None else _empty_table()
-    idx = _C.DigitPacking()
-    idx.base, idx.per_word, idx.digits = layout.index.base, layout.index.per_word, layout.index.digits
-    c.index = idx
-    c.digit_cap = layout.digit_cap
-    c.capacity = layout.capacity
-    c.fingerprint = layout.fingerprint
-    c.index_offset = layout.index_offset
-    c.sketch_offset = layout.sketch_offset
-    c.payload_numel = layout.payload_numel
-    levels = layout.multilevel.levels if layout.multilevel is not None else ()
-    c.fine_levels = len(levels)
-    for i in range(4):
-        if i < len(levels):
-            lv = levels[i]
-            c.set_fine_level(i, _table(lv.table), lv.span, lv.digits_per_word, lv.words_per_group,
-                             layout.level_offsets[i])
-        else:
-            c.set_fine_level(i, _empty_table(), 1, 1, 1, layout.sketch_offset)
-    return c
-
-
 class PendingDecode:
     """A CPU decode: ``header`` (the payload's header fields as floats) is read at once; ``finish``
     runs the kernels with the key total the codec read from the validated header."""
@@ -129,7 +88,7 @@ class PendingDecode:
         if trace:
             tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
             tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
-        st = _C.decode(self.native.c, float(self.scale), int(total_keys), int(self.world_size),
+        st = _C.decode(self.native.words_ptr, float(self.scale), int(total_keys), int(self.world_size),
                        self.payload.data_ptr(), self.out.data_ptr(), _addr(tk), _addr(tc), self.num_threads)
         if not trace:
             return st, None
@@ -138,11 +97,16 @@ class PendingDecode:
 
 
 class CpuLhcLayout:
-    """A LosslessCodec layout on the CPU: the PayloadLayout and its C++ mirror."""
+    """A LosslessCodec layout on the CPU: the PayloadLayout and its layout words (the layout ABI,
+    :func:`lossless_hc.lhc.layout.layout_words`) in a CPU int64 tensor the kernels read."""
 
     def __init__(self, layout: PayloadLayout):
         self.layout = layout
-        self.c = codec_layout(layout)
+        self.words = torch.tensor(layout_words(layout), dtype=torch.int64)
+
+    @property
+    def words_ptr(self) -> int:
+        return self.words.data_ptr()
 
 
 class CpuThcLayout:
@@ -181,7 +145,7 @@ class CpuBackend:
         return CpuLhcLayout(layout)
 
     def lhc_encode(self, native: CpuLhcLayout, x: torch.Tensor, payload: torch.Tensor, num_threads: int = 0) -> None:
-        _C.encode(native.c, x.data_ptr(), payload.data_ptr(), num_threads)
+        _C.encode(native.words_ptr, x.data_ptr(), payload.data_ptr(), num_threads)
 
     def lhc_decode(self, native: CpuLhcLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
                    world_size: int, num_threads: int = 0) -> PendingDecode:

@@ -16,18 +16,12 @@ import torch
 
 from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk
 from lossless_hc.backends.cuda_runtime import Arena, active_launcher, device_scope, f64_bits, stream_handle
-from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KIND_CODE, MAX_FINE_LEVELS, PayloadLayout
+from lossless_hc.lhc.layout import HEADER_FIELDS, LAYOUT_WORDS, PayloadLayout, layout_words
 
 
-# Order of lhc::gpu::LayoutWord in codec_kernels.cuh: the codec's words, then the multilevel index's
-# fine levels (kLwFineStride words per level, MAX_FINE_LEVELS levels; placeholders past fine_levels).
-FINE_LEVEL_WORDS = ("seg_len", "seg_count", "stream", "span", "digits", "words", "offset")
-LAYOUT_WORDS = (("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
-                 "sketch_weighted", "bloom_seg_len", "bloom_seg_count", "bloom_stream", "bloom_weighted",
-                 "index_base", "index_per_word", "index_digits", "digit_cap", "capacity", "fingerprint",
-                 "index_offset", "sketch_offset", "payload_numel", "fine_levels")
-                + tuple(f"fine{level}_{word}" for level in range(MAX_FINE_LEVELS) for word in FINE_LEVEL_WORDS))
-_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")  # seg_len, seg_count, stream, weighted follow
+# The value sketch's and the Bloom table's four words (seg_len, seg_count, stream, weighted) are a
+# table of their own to the peeling kernels: they take the first word's address.
+_SKETCH_TABLE_WORD = LAYOUT_WORDS.index("sketch_seg_len")
 _BLOOM_TABLE_WORD = LAYOUT_WORDS.index("bloom_seg_len")
 
 THREADS = 256               # block size of the grid-stride kernels and of the tile kernels
@@ -41,22 +35,18 @@ WEIGHT_CODE_BITS = 2                 # lhc::kWeightCodeBits
 # code into 32 bits (lhc::gpu::kAdjCodeMask), so positions stay below 2^30 (and 3 x count < 2^32).
 MAX_PEEL_POSITIONS = 1 << (32 - WEIGHT_CODE_BITS)
 
-# lhc::gpu::DecodeFlag
-FLAG_INDEX_WORD = 1 << 0
-FLAG_INDEX_TOTAL = 1 << 1
+# The lhc::gpu::DecodeFlag bits some kernels take as an argument (the flag they raise). The flags'
+# meaning, the status, is decided on the device (lhc_decode_status).
 FLAG_CAND_OVERFLOW = 1 << 2
-FLAG_COUNT_BAD = 1 << 3
 FLAG_COUNT_UNRESOLVED = 1 << 4
-FLAG_COUNT_LEFTOVER = 1 << 5
 FLAG_SUPPORT_OVERFLOW = 1 << 6
 FLAG_DEGREE_OVERFLOW = 1 << 7
-FLAG_VALUE_BAD = 1 << 8
-FLAG_NON_FINITE = 1 << 9
 
-# lhc::gpu::DecodeCounters: 7 uint64 fields, then flags and abort (uint32 each) = 64 bytes.
+# lhc::gpu::DecodeCounters: 7 uint64 fields, then flags, abort, status and padding (uint32 each, paired
+# into int64 words as the host reads them) = 72 bytes.
 _DECODE_COUNTERS = ("index_total", "expected_total", "candidates", "support", "peeled", "count_resolved",
-                    "list_count", "flags_abort")
-_DECODE_COUNTERS_BYTES = 64
+                    "list_count", "flags_abort", "status_pad")
+_DECODE_COUNTERS_BYTES = 72
 # lhc::gpu::MlState: 7 uint64 fields, then 6 uint32 (paired into int64 words as the host reads them).
 _ML_STATE = ("coarse_sum", "child_total", "nodes", "prev_nodes", "resolved", "support", "candidates",
              "status_mode", "words_inconsistent", "expand_replay")
@@ -80,8 +70,9 @@ def _tiles(items: int) -> int:
 
 
 class CudaLayout:
-    """A codec layout on one CUDA device: the layout words (device, uint64) and the sizes that the
-    kernels' scratch buffers are planned from."""
+    """A codec layout on one CUDA device: its layout words (the layout ABI,
+    :func:`lossless_hc.lhc.layout.layout_words`) in device memory, and the sizes that the kernels'
+    scratch buffers are planned from."""
 
     is_cuda_layout = True
 
@@ -110,29 +101,7 @@ class CudaLayout:
         # Multilevel: the node list of each fine level, likewise bounded by its table's cells (a level
         # with more non-zero nodes cannot peel; the kernels decide its status without the list).
         self.node_caps = [min(lv.num_nodes, lv.table.cells) for lv in levels]
-        words = {
-            "numel": L.numel, "num_keys": L.num_keys, "block": L.block, "index_kind": INDEX_KIND_CODE[L.index_kind],
-            "sketch_seg_len": L.sketch.seg_len, "sketch_seg_count": L.sketch.seg_count,
-            "sketch_stream": L.sketch.stream, "sketch_weighted": int(L.sketch.weighted),
-            "bloom_seg_len": L.bloom.seg_len if L.bloom else 1, "bloom_seg_count": L.bloom.seg_count if L.bloom else 3,
-            "bloom_stream": L.bloom.stream if L.bloom else 0, "bloom_weighted": int(L.bloom.weighted) if L.bloom else 0,
-            "index_base": L.index.base, "index_per_word": L.index.per_word, "index_digits": L.index.digits,
-            "digit_cap": L.digit_cap, "capacity": L.capacity, "fingerprint": L.fingerprint,
-            "index_offset": L.index_offset, "sketch_offset": L.sketch_offset, "payload_numel": L.payload_numel,
-            "fine_levels": len(levels),
-        }
-        for i in range(MAX_FINE_LEVELS):
-            # Levels past the last hold the CPU backend's placeholder shape (never read by a kernel).
-            if i < len(levels):
-                lv = levels[i]
-                shape = (lv.table.seg_len, lv.table.seg_count, lv.table.stream, lv.span, lv.digits_per_word,
-                         lv.words_per_group, L.level_offsets[i])
-            else:
-                shape = (1, 3, 0, 1, 1, 1, L.sketch_offset)
-            words.update({f"fine{i}_{name}": v for name, v in zip(FINE_LEVEL_WORDS, shape)})
-        signed = [(words[name] & _MASK64) - (1 << 64) if (words[name] & _MASK64) >= 1 << 63 else words[name]
-                  for name in LAYOUT_WORDS]
-        self.words = torch.tensor(signed, dtype=torch.int64, device=device)
+        self.words = torch.tensor(layout_words(L), dtype=torch.int64, device=device)
         # The host emulation (a CPU device) runs every CUDA thread as a host thread: keep grids small.
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
@@ -280,33 +249,6 @@ class DecodeStats:
     flags: int
 
 
-def decode_status(index_kind: str, flags: int, support: int, peeled: int, index_status: int = 0) -> int:
-    """The CPU backend's status code for the kernels' flags, with its precedence: index corrupt (1),
-    index peel failed (2), value states inconsistent (1), non-finite sketch (4), sketch peel
-    failed (3). ``index_status``: the multilevel index's own verdict (lhc::gpu::MlState::status: 1,
-    2 or 5, the CPU's code of its first failing stage), which comes first."""
-    if index_status:
-        return index_status
-    if flags & (FLAG_INDEX_WORD | FLAG_INDEX_TOTAL):
-        return 1
-    if index_kind == "bloom":
-        if flags & FLAG_CAND_OVERFLOW:
-            return 2
-        if flags & FLAG_COUNT_BAD:
-            return 1
-        if flags & FLAG_COUNT_UNRESOLVED:
-            return 2
-        if flags & FLAG_COUNT_LEFTOVER:
-            return 1
-    if flags & FLAG_VALUE_BAD:
-        return 1
-    if flags & FLAG_NON_FINITE:
-        return 4
-    if flags & (FLAG_SUPPORT_OVERFLOW | FLAG_DEGREE_OVERFLOW) or peeled != support:
-        return 3
-    return 0
-
-
 class DecodeRun:
     """A decode whose kernels are queued; ``finish`` reads header and counters with one sync."""
 
@@ -325,19 +267,19 @@ class DecodeRun:
         values = [int(v) for v in summary[HEADER_FIELDS:]]
         c = dict(zip(_DECODE_COUNTERS, values))
         flags = c["flags_abort"] & 0xFFFFFFFF
+        status = c["status_pad"] & 0xFFFFFFFF     # lhc_decode_status's verdict
         support, peeled = c["support"], c["peeled"]
         candidates = c["candidates"]
-        index_status = 0
         if kind == "multilevel":
             ml = dict(zip(_ML_STATE, values[len(_DECODE_COUNTERS):]))
-            index_status = ml["status_mode"] & 0xFFFFFFFF
+            failed = ml["status_mode"] & 0xFFFFFFFF
             # As the CPU backend: a failed index reports no support (and candidates only once the
             # support is known, i.e. for the last check, the key total); the support count is exact
             # even where the value peel's list overflowed.
             candidates = ml["candidates"]
-            support = 0 if index_status else ml["support"]
-            peeled = 0 if index_status else peeled
-        st = DecodeStats(status=decode_status(kind, flags, support, peeled, index_status), candidates=candidates,
+            support = 0 if failed else ml["support"]
+            peeled = 0 if failed else peeled
+        st = DecodeStats(status=status, candidates=candidates,
                          false_positives=max(0, candidates - support) if kind == "bloom" else 0,
                          support_keys=support, peeled=peeled, index_total=c["index_total"], flags=flags)
         return header, st
@@ -466,8 +408,12 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                        P("adj"), cnt], stream)
         launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
                       [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
+        ml = 0
         if L.index_kind == "multilevel":
             launch.launch("lhc_ml_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
+            ml = P("ml_state")
+        # Last: the status, from every stage's flags (the CPU backend's precedence, on the device).
+        launch.launch("lhc_decode_status", 1, 32, [lay, cnt, ml], stream)
         return DecodeRun(native, payload, a)
 
 

@@ -264,3 +264,37 @@ def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
     num_keys = -(-numel // block_size)
     if num_keys > MAX_KEYS:
         raise ValueError(f"numel / block_size = {num_keys} keys exceeds the supported {MAX_KEYS}")
+
+
+# The layout ABI (lhc::LayoutWord, csrc/lhc_layout.h): every backend's kernels receive a layout as
+# these uint64 words, in this order -- the codec's, then FINE_LEVEL_WORDS per multilevel fine level
+# for MAX_FINE_LEVELS levels.
+FINE_LEVEL_WORDS = ("seg_len", "seg_count", "stream", "span", "digits", "words", "offset")
+LAYOUT_WORDS = (("numel", "num_keys", "block", "index_kind", "sketch_seg_len", "sketch_seg_count", "sketch_stream",
+                 "sketch_weighted", "bloom_seg_len", "bloom_seg_count", "bloom_stream", "bloom_weighted",
+                 "index_base", "index_per_word", "index_digits", "digit_cap", "capacity", "fingerprint",
+                 "index_offset", "sketch_offset", "payload_numel", "fine_levels")
+                + tuple(f"fine{level}_{word}" for level in range(MAX_FINE_LEVELS) for word in FINE_LEVEL_WORDS))
+
+
+def _table_words(t: Optional[SegmentedTable]) -> tuple:
+    # A missing table (no Bloom filter) is the shape (1, 3, 0, unweighted), which no kernel reads.
+    return (t.seg_len, t.seg_count, t.stream, int(t.weighted)) if t is not None else (1, 3, 0, 0)
+
+
+def layout_words(L: PayloadLayout) -> list:
+    """``L`` as the layout ABI: one uint64 word per name of LAYOUT_WORDS, each given as its int64 bit
+    pattern (two's complement), so that a torch.int64 tensor carries it to the kernels unchanged."""
+    levels = L.multilevel.levels if L.multilevel is not None else ()
+    words = [L.numel, L.num_keys, L.block, INDEX_KIND_CODE[L.index_kind], *_table_words(L.sketch),
+             *_table_words(L.bloom), L.index.base, L.index.per_word, L.index.digits, L.digit_cap, L.capacity,
+             L.fingerprint, L.index_offset, L.sketch_offset, L.payload_numel, len(levels)]
+    for i in range(MAX_FINE_LEVELS):
+        if i < len(levels):
+            lv = levels[i]
+            words += [*_table_words(lv.table)[:3], lv.span, lv.digits_per_word, lv.words_per_group,
+                      L.level_offsets[i]]
+        else:   # placeholder levels: never read
+            words += [1, 3, 0, 1, 1, 1, L.sketch_offset]
+    assert len(words) == len(LAYOUT_WORDS)
+    return [w - (1 << 64) if w >= 1 << 63 else w for w in (w & _MASK64 for w in words)]

@@ -292,7 +292,7 @@ class DDP:
         self.dist.destroy_process_group()
 
 
-class FSDP:
+class FSDP(DDP):
     """FSDP2 (``fully_shard``) over a ``(replicate, shard)`` mesh of ``--shards`` ranks per replica
     (default: all ranks, i.e. FSDP without replicas). Every child module with parameters and the root
     are sharded. ``none``: native FSDP2/HSDP on the mesh. ``lossless``/``topk``/``thc``:
@@ -300,12 +300,9 @@ class FSDP:
     reduce-scatter too when there is a single replica or with ``--compress-reduce-scatter``."""
 
     def __init__(self, args):
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.dist = dist
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        super().__init__(args)   # the process group (Gloo, or NCCL on GPUs), rank and size
         shards = args.shards or self.size
         if self.size % shards:
             raise SystemExit(f"--shards {shards} must divide the world size {self.size}")
@@ -317,7 +314,6 @@ class FSDP:
             self.mesh = init_device_mesh(args.device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
         else:
             self.mesh = init_device_mesh(args.device, (shards,), mesh_dim_names=("shard",))
-        self.state = None
 
     def wrap(self, model, opt, args):
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -347,15 +343,6 @@ class FSDP:
     def full_state_dict(self, model) -> dict:
         """The unsharded parameters (a collective: every rank calls it)."""
         return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-
-    def barrier(self):
-        self.dist.barrier()
-
-    def stats(self):
-        return self.state.stats() if self.state else None
-
-    def shutdown(self):
-        self.dist.destroy_process_group()
 
 
 class NoCommunication:

@@ -4,6 +4,7 @@ it includes), the kernel list (csrc/cuda/kernel_list.h, which the compiled modul
 emulation expand) and the compiled module's kernel table. A mismatch here would be undefined
 behaviour at launch time on a GPU."""
 import ast
+import importlib
 import pathlib
 import re
 
@@ -152,22 +153,19 @@ def test_thc_constants_follow_the_headers():
     assert re.search(r"sizeof\(ThcState\) == (\d+)", THC_HEADER).group(1) == str(_cuda_thc.STATE_BYTES)
 
 
-def test_every_thc_launch_passes_as_many_arguments_as_the_kernel_takes():
-    from lossless_hc.backends import cuda_thc as _cuda_thc
-    kernels = cuda_runtime.header_kernels(THC_HEADER_PATH)
-    calls = launches(_cuda_thc)
-    assert {name for name, _, _ in calls} == set(kernels), "every THC kernel is launched, and only those"
+@pytest.mark.parametrize("module, header", [("cuda_thc", THC_HEADER_PATH), ("cuda_topk", TOPK_HEADER_PATH)])
+def test_every_launch_passes_as_many_arguments_as_the_kernel_takes(module, header):
+    """THC's and top-k's launch sequences against their kernels headers: every kernel launched, and only those."""
+    launcher = importlib.import_module(f"lossless_hc.backends.{module}")
+    kernels = cuda_runtime.header_kernels(header)
+    calls = launches(launcher)
+    assert {name for name, _, _ in calls} == set(kernels), f"every kernel of {header.name} is launched, and only those"
     for name, nargs, line in calls:
-        assert kernels[name] == nargs, f"_cuda_thc.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
+        assert kernels[name] == nargs, f"{module}.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
 
 
-def test_every_topk_launch_passes_as_many_arguments_as_the_kernel_takes():
+def test_topk_block_size_matches_the_kernels():
     from lossless_hc.backends import cuda_topk as _cuda_topk
-    kernels = cuda_runtime.header_kernels(TOPK_HEADER_PATH)
-    calls = launches(_cuda_topk)
-    assert {name for name, _, _ in calls} == set(kernels), "every top-k kernel is launched, and only those"
-    for name, nargs, line in calls:
-        assert kernels[name] == nargs, f"cuda_topk.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
     text = TOPK_HEADER_PATH.read_text()
     assert int(re.search(r"kTopkThreads\s*=\s*(\d+)", text).group(1)) == _cuda_topk.THREADS
     assert int(re.search(r"kTopkBins\s*=\s*(\d+)", text).group(1)) == _cuda_topk.BINS

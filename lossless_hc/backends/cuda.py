@@ -74,8 +74,6 @@ class CudaLayout:
     :func:`lossless_hc.lhc.layout.layout_words`) in device memory, and the sizes that the kernels'
     scratch buffers are planned from."""
 
-    is_cuda_layout = True
-
     def __init__(self, layout: PayloadLayout, device: torch.device):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

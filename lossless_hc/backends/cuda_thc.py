@@ -30,16 +30,9 @@ _STATE_BAD_INDEX = 2   # ThcState::bad_words as an int64 index
 
 
 
-def is_cuda_thc(native) -> bool:
-    """Whether a codec's native layout belongs to this backend."""
-    return getattr(native, "is_cuda_thc", False)
-
-
 class ThcCudaLayout:
     """A THC layout on one device: the layout words and the rounding table in device memory. The
     device may be a CPU device only under the host emulation of the tests (tests/cuda_emulation)."""
-
-    is_cuda_thc = True
 
     def __init__(self, layout, device: torch.device, lo: torch.Tensor, width: torch.Tensor, inv_width: torch.Tensor):
         if device.type == "cuda" and device.index is None:

@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from lossless_hc.bench.common import fmt_bytes, fmt_ms, fmt_sci, format_table, section, time_interleaved
+from lossless_hc.bench.common import (fmt_bytes, fmt_ms, fmt_sci, format_table, machine_rows, section,
+                                      time_interleaved)
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.cost_model import information_bound_bits
@@ -374,9 +375,7 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
     out = []
     out.append(section("lossless_hc codec benchmark", format_table([
         ("command", cmd),
-        ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
-        ("torch", f"{machine['torch']} (torch threads {machine['torch_threads']}, codec threads "
-                  f"{machine['codec_threads']})"),
+        *machine_rows(machine),
         ("python", machine["python"]),
     ], align="ll")))
     out.append(section("configuration", format_table([

@@ -47,8 +47,9 @@ def machine_info(codec_threads: int = 0) -> dict:
 
 
 def command_line() -> str:
-    prog = "python -m lossless_hc.bench" if sys.argv and sys.argv[0].endswith("bench.py") else \
-        (shlex.quote(sys.argv[0]) if sys.argv else "python -m lossless_hc.bench")
+    # `python -m lossless_hc.bench` runs the package's __main__.py as argv[0].
+    as_module = sys.argv and sys.argv[0].endswith(os.path.join("bench", "__main__.py"))
+    prog = "python -m lossless_hc.bench" if as_module or not sys.argv else shlex.quote(sys.argv[0])
     return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
@@ -83,6 +84,15 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def machine_rows(machine: dict, torch_threads: bool = True) -> list:
+    """The cpu and torch rows of a report's header table (``torch_threads``: name torch's own thread
+    count beside the codec's)."""
+    threads = (f"torch threads {machine['torch_threads']}, codec threads {machine['codec_threads']}" if torch_threads
+               else f"codec threads {machine['codec_threads']}")
+    return [("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
+            ("torch", f"{machine['torch']} ({threads})")]
 
 
 def fmt_ms(s: float) -> str:

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from lossless_hc.bench.codec import fill_blocks, sample_distinct
-from lossless_hc.bench.common import fmt_sci, format_table, section
+from lossless_hc.bench.common import fmt_sci, format_table, machine_rows, section
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.sizing import PEEL_FAILURE_TARGET, sketch_table_for
 
@@ -98,9 +98,7 @@ def render_peel(res: dict, machine: dict, cmd: str) -> str:
     c = res["config"]
     out = [section("lossless_hc peeling benchmark (sketch_table_for)", format_table([
         ("command", cmd),
-        ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
-        ("torch", f"{machine['torch']} (torch threads {machine['torch_threads']}, codec threads "
-                  f"{machine['codec_threads']})"),
+        *machine_rows(machine),
         ("setup", f"1 worker, N(0,1) values, numel = {c['numel_factor']} x keys, {c['index']} index, "
                   f"{c['trials']} trials (codec seed varies per trial)"),
     ], align="ll"))]

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from lossless_hc.bench.common import fmt_bytes, format_table, section, time_interleaved
+from lossless_hc.bench.common import fmt_bytes, format_table, machine_rows, section, time_interleaved
 from lossless_hc.thc import THCCodec
 
 
@@ -167,8 +167,7 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
     out = [section("lossless_hc THC benchmark", format_table([
         ("command", cmd),
         ("device", c["device"] + (f" ({c['device_name']})" if c.get("device_name") else "")),
-        ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
-        ("torch", f"{machine['torch']} (codec threads {machine['codec_threads']})"),
+        *machine_rows(machine, torch_threads=False),
         ("setup", f"{c['workers']} workers x {c['numel']:,} float32, shared N(0,1) + own N(0,1); "
                   f"{'AVERAGE' if c['averaged'] else 'SUM'} of the payloads"),
         ("table", f"{len(L['levels'])} levels {L['levels']}"),

@@ -13,7 +13,7 @@ import math
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.bench.common import format_table, section, time_interleaved
+from lossless_hc.bench.common import format_table, machine_rows, section, time_interleaved
 
 
 def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, threads: int = 0,
@@ -64,8 +64,7 @@ def render_topk(res: dict, machine: dict, cmd: str) -> str:
     c, t, r = res["config"], res["timing"], res["ratios"]
     out = [section("lossless_hc top-k selection benchmark", format_table([
         ("command", cmd),
-        ("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
-        ("torch", f"{machine['torch']} (codec threads {machine['codec_threads']})"),
+        *machine_rows(machine, torch_threads=False),
         ("setup", f"{c['numel']:,} float32 N(0,1), k = {c['k']:,} ({c['ratio']:g})"),
     ], align="ll"))]
     ms = lambda d: f"{d['median_s'] * 1e3:.1f}"  # noqa: E731

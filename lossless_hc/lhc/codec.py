@@ -365,12 +365,9 @@ class LosslessCodec:
         st, report.trace = pending.finish(report.total_keys, trace)
         report.candidates, report.false_positives = st.candidates, st.false_positives
         report.support, report.peeled = st.support_keys, st.peeled
-        status = DecodeStatus(st.status)
-        reason = message(status) or None
+        status, reason = DecodeStatus(st.status), None
         if overload:
             # The kernels may still have recovered every key of a truncated aggregate: never ok.
-            reason = f"{overload} ({reason or f'recovered {st.peeled}/{st.support_keys} keys'})"
+            reason = f"{overload} ({message(status) or f'recovered {st.peeled}/{st.support_keys} keys'})"
             status = status if status != DecodeStatus.OK else DecodeStatus.OVERLOADED
-        report.status = status
-        report.ok, report.reason = reason is None, reason
-        return out.reshape(shape).to(dtype), report
+        return finish(status, reason)

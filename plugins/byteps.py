@@ -39,6 +39,11 @@ workers push in the pushed dtype and the worker divides the result by the number
   BytePS ``push_pull`` (sum) of the dense gradient under ``lhc.fallback.<name>``, waited for when
   the step's last gradient is decompressed (:mod:`lossless_hc.training.adapter`). Every rank decodes the same
   aggregate, so every rank takes the same decision.
+* **Inexact keys.** A decode that reports a few inexact keys is completed by a ``push_pull`` (sum)
+  of just their coordinates, issued when the step's last gradient has been decompressed, in the
+  order of the parameters' names (so every rank declares new names in the same order). Their count
+  changes from step to step, so they are zero-padded to a power of two and pushed under
+  ``lhc.partial.<name>.<that size>``: a name keeps one size, as BytePS requires.
 * **Which parameter?** ``compress`` receives only the tensor; the caller's frame
   (``_push_pull_grad_async(self, p)``) holds the parameter and the optimizer, whose
   ``_parameter_names`` give its name (keyed by ``p.__hash__()`` when named_parameters were given).
@@ -111,6 +116,20 @@ def _tail_name(name: str, extra: int) -> str:
 def _fallback_name(name: str) -> str:
     """BytePS key of a parameter's dense fallback."""
     return f"lhc.fallback.{name}"
+
+
+def _partial_name(name: str, slot: int) -> str:
+    """BytePS key of a parameter's re-aggregation of up to ``slot`` inexact coordinates."""
+    return f"lhc.partial.{name}.{slot}"
+
+
+class _PaddedPush:
+    """Handle of a partial re-aggregation: ``values`` pushed zero-padded as ``padded``."""
+
+    __slots__ = ("handle", "padded", "values")
+
+    def __init__(self, handle, padded: torch.Tensor, values: torch.Tensor):
+        self.handle, self.padded, self.values = handle, padded, values
 
 
 class _Sent:
@@ -235,7 +254,21 @@ class BytePSCompressor(CompressorAdapter):
             self._declare(name)
         return self.engine.push_pull_async_inplace(dense, average=False, name=name)
 
+    def _start_partial(self, agg, values):
+        slot = 1 << max(0, values.numel() - 1).bit_length()   # the next power of two
+        name = _partial_name(agg.name, slot)
+        if name not in self._declared:
+            self._declare(name)
+        padded = torch.zeros(slot, dtype=values.dtype, device=values.device)
+        padded[:values.numel()] = values
+        self._stats.payload_bytes += (slot - values.numel()) * values.element_size()
+        return _PaddedPush(self.engine.push_pull_async_inplace(padded, average=False, name=name), padded, values)
+
     def _wait_fallback(self, handle) -> None:
+        if isinstance(handle, _PaddedPush):
+            self.engine.synchronize(handle.handle)
+            handle.values.copy_(handle.padded[:handle.values.numel()])
+            return
         self.engine.synchronize(handle)
 
 

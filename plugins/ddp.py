@@ -18,7 +18,9 @@ the future's callback, which may run on a communication thread while the main th
 bucket's allreduce. Issued on the main process group, the two could reach ranks in different orders
 and be paired wrongly. So each bucket index gets its own fallback process group, created in the hook
 (on the main thread, in bucket order on every rank); on it, collectives are issued one step at a
-time, and every rank issues the same ones because every rank decodes the same aggregate.
+time, and every rank issues the same ones because every rank decodes the same aggregate. The same
+collective re-aggregates the coordinates of keys a decode reported inexact (one SUM per bucket
+for both; see :func:`lossless_hc.training.message.decode_message`).
 
 The states pickle with the model (``torch.save(ddp_model)``) as torch's ``PowerSGDState`` does: the
 process groups are left out (a restored state uses the default group, re-created lazily), the

@@ -26,7 +26,9 @@ Fallback without deadlock: a payload that fails to decode is re-aggregated dense
 *asynchronous* Horovod allreduce issued from ``decompress``; the compressor waits for all of them
 when the last outstanding tensor of the step has been decompressed. Every rank issues the same
 fallbacks (they decode the same aggregate), and Horovod matches asynchronous operations by name, so
-the order in which ranks reach them does not matter.
+the order in which ranks reach them does not matter. A tensor whose decode reported a few inexact
+keys is completed the same way with a Horovod allreduce of just those keys' coordinates
+(``lhc.partial.<name>``), issued when the step's last tensor has been decompressed.
 """
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ class HorovodCompressor(CompressorAdapter):
     # -- the dense fallback on Horovod -----------------------------------------------------------
     def _start_fallback(self, agg, dense):
         return hvd.allreduce_async_(dense, name=f"lhc.fallback.{agg.name}", op=hvd.Sum,
+                                    process_set=self._process_set)
+
+    def _start_partial(self, agg, values):
+        return hvd.allreduce_async_(values, name=f"lhc.partial.{agg.name}", op=hvd.Sum,
                                     process_set=self._process_set)
 
     def _wait_fallback(self, handle) -> None:

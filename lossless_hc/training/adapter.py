@@ -20,12 +20,16 @@ An engine plugin subclasses :class:`CompressorAdapter`, implements ``compress``/
 terms of :meth:`~CompressorAdapter.aggregator`, :meth:`~CompressorAdapter.encode` and
 :meth:`~CompressorAdapter.decode`, and supplies the one collective this module needs: an exact
 dense SUM of a tensor that failed to decode (:meth:`~CompressorAdapter._start_fallback` and
-:meth:`~CompressorAdapter._wait_fallback`).
+:meth:`~CompressorAdapter._wait_fallback`), and the same SUM of a few coordinates of a tensor whose
+decode reported inexact keys (:meth:`~CompressorAdapter._start_partial`).
 
 Fallbacks without deadlock: a payload that fails to decode is re-aggregated densely with an
 *asynchronous* engine operation issued from ``decompress``; the adapter waits for all of them when
 the last outstanding tensor of the step has been decoded. Every rank decodes the same aggregate, so
-every rank issues the same fallbacks; the engines match asynchronous operations by name.
+every rank issues the same fallbacks; the engines match asynchronous operations by name. The
+re-aggregations of inexact keys (the same key set on every rank, for the same reason) are issued
+when the step's last tensor has been decoded, in the order of the aggregators' names, so an engine
+that numbers names as it first sees them (BytePS) sees them in the same order on every rank.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ import torch
 
 from lossless_hc.lhc.layout import INDEX_KINDS
 from lossless_hc.thc.table import check_table_args, clip_threshold
-from lossless_hc.training.aggregate import AggregationStats, TensorAggregator, THCAggregator, TopKAggregator
+from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, THCAggregator, TopKAggregator,
+                                            partial_values)
 
 INDEX_CHOICES = ("auto",) + INDEX_KINDS
 
@@ -206,6 +211,7 @@ class CompressorAdapter:
         self._stats = AggregationStats()
         self._pending = 0              # compressed tensors of this step not yet decoded
         self._fallbacks: list = []     # (handle, dense, outcome, aggregator) issued this step
+        self._partials: list = []      # (aggregator, values, outcome) to re-aggregate at the step's end
 
     def __getattr__(self, name):
         spec = self.__dict__.get("spec")
@@ -236,8 +242,9 @@ class CompressorAdapter:
         """The aggregated gradient from the engine's SUM or AVERAGE of every rank's payload.
 
         A payload that failed to decode starts an exact dense fallback and returns the tensor that
-        fallback fills in place; all of the step's fallbacks are waited for (and scaled) when its
-        last outstanding tensor has been decoded. Raises
+        fallback fills in place; a decode with inexact keys returns its output, whose inexact
+        coordinates are re-aggregated in place at the step's end. All of the step's fallbacks are
+        waited for (and scaled) when its last outstanding tensor has been decoded. Raises
         :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks are configured differently.
         """
         agg = enc.aggregator
@@ -254,6 +261,8 @@ class CompressorAdapter:
             result = dense   # filled in place by the engine; waited for below
         else:
             result = outcome.value
+            if outcome.needs_partial:   # completed in place in _finish_step
+                self._partials.append((agg, partial_values(enc.ctx, outcome).contiguous(), outcome))
         if self._pending <= 0:
             self._pending = 0
             self._finish_step()
@@ -261,9 +270,14 @@ class CompressorAdapter:
 
     def _finish_step(self) -> None:
         fallbacks, self._fallbacks = self._fallbacks, []
+        partials, self._partials = sorted(self._partials, key=lambda p: p[0].name), []
+        handles = [self._start_partial(agg, values) for agg, values, _ in partials]
         for handle, dense, outcome, agg in fallbacks:
             self._wait_fallback(handle)
             agg.finish_fallback(dense, outcome)
+        for handle, (agg, values, outcome) in zip(handles, partials):
+            self._wait_fallback(handle)
+            agg.finish_partial(values, outcome)
         self._after_step()
 
     # -- what an engine plugin supplies ------------------------------------------------------------
@@ -273,6 +287,12 @@ class CompressorAdapter:
         raise NotImplementedError
 
     def _wait_fallback(self, handle) -> None:
+        """Wait for a handle of :meth:`_start_fallback` or :meth:`_start_partial`."""
+        raise NotImplementedError
+
+    def _start_partial(self, agg, values: torch.Tensor):
+        """Start an exact SUM of ``values`` (a 1-D tensor, the same size on every rank) across ranks,
+        in place, under a name unique to ``agg``; return a handle for :meth:`_wait_fallback`."""
         raise NotImplementedError
 
     def _after_step(self) -> None:

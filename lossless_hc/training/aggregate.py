@@ -10,6 +10,11 @@ the payload (a ring allreduce, a parameter server), and hands the result to
 * **capacity.** Each rank may send at most ``capacity`` non-zero coordinates. When a decode fails
   (a rank was over capacity, or peeling could not finish) the adapter aggregates that tensor again,
   densely and exactly, and the capacity grows for later steps.
+* **inexact keys.** A decode that is exact except at a few keys (``DecodeStatus.INEXACT``: their
+  error bound exceeds the codec's tolerance, typically small values sharing sketch cells with large
+  ones) keeps its output, and the adapter re-aggregates just those keys' coordinates with a dense
+  SUM (:meth:`TensorAggregator.finish_partial`); only when they are more than
+  ``partial_max_fraction`` of the tensor does it fall back densely (and grow) as after a failure.
 
 Every decision above is a function of the configuration and of the *aggregated* payload, which every
 rank holds bit for bit, so all ranks take the same decision at the same step and payload shapes
@@ -59,6 +64,9 @@ class AggregationStats:
     compressed: int = 0         # ... of which went through the codec
     sent_dense: int = 0         # ... of which were sent dense (the codec would not have been smaller)
     fallbacks: int = 0          # codec payloads that failed to decode and were re-sent dense
+    inexact_decodes: int = 0    # decodes that reported inexact keys (DecodeStatus.INEXACT)
+    partial_fallbacks: int = 0  # ... of which only those keys were re-aggregated (the rest: in fallbacks)
+    inexact_keys: int = 0       # keys re-aggregated by those partial fallbacks
     capacity_growths: int = 0   # times a tensor's capacity grew after a failure
     payload_bytes: int = 0      # bytes this rank sent, fallbacks included
     dense_bytes: int = 0        # bytes the uncompressed allreduce sends for the same tensors
@@ -108,15 +116,24 @@ class DecodeOutcome:
                densely (with SUM) and pass the result to :meth:`TensorAggregator.finish_fallback`.
     averaged   whether the engine averaged the payload (read from the payload itself).
     report     the codec's report (None for tensors sent dense).
+    partial    None, or the flat coordinates (int64, sorted, on the tensor's device; the same on every
+               rank) of the keys the codec reported inexact: ``value`` is right everywhere else, and
+               the adapter must SUM :func:`partial_values` across ranks and pass the result to
+               :meth:`TensorAggregator.finish_partial` before ``value`` is used.
     """
 
     value: Optional[torch.Tensor]
     averaged: bool
     report: Optional[DecodeReport] = None
+    partial: Optional[torch.Tensor] = None
 
     @property
     def needs_fallback(self) -> bool:
         return self.value is None
+
+    @property
+    def needs_partial(self) -> bool:
+        return self.partial is not None
 
 
 class CapacityPolicy:
@@ -241,6 +258,9 @@ class TensorAggregator:
             union) to the densities the aggregates show; None keeps ``max_density`` (grown only
             after failures) and sizes the sketch for ``world_size`` disjoint supports.
         device: where the codec runs and its payloads live (the gradient's device).
+        partial_max_fraction: the largest share of the tensor's coordinates that a decode's inexact
+            keys may cover and still be re-aggregated alone (:data:`PARTIAL_MAX_FRACTION`); above it
+            the whole tensor falls back densely.
 
     Capacity growth after a failed decode (identical on every rank: it reads only the aggregated
     header): :math:`c \leftarrow \max(2c,\ \lceil 1.25\, K / n \rceil\, b)` with K the total of the
@@ -251,7 +271,7 @@ class TensorAggregator:
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
                  stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None,
-                 device="cpu"):
+                 device="cpu", partial_max_fraction: float = None):
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         if world_size < 1:
@@ -270,6 +290,7 @@ class TensorAggregator:
         self.union_capacity: Optional[int] = None   # aggregate non-zeros the codec is sized for (None: n x capacity)
         self.min_capacity = 0                       # the policy never goes below this (top-k: k)
         self.tracker = policy.tracker() if policy is not None else None
+        self.partial_max_fraction = _check_partial_fraction(partial_max_fraction)
         self._codec: Optional[LosslessCodec] = None
         self._decide_codec()
 
@@ -367,11 +388,13 @@ class TensorAggregator:
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, ctx
 
-    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
+    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext, partial: bool = True) -> DecodeOutcome:
         """Decode the engine's SUM or AVERAGE of every rank's payload.
 
-        Raises :class:`ConfigurationMismatch` when the ranks' codecs disagree (a configuration error,
-        not something a fallback can fix).
+        ``partial``: whether the adapter can re-aggregate a decode's inexact keys alone (see
+        :class:`DecodeOutcome`); False (a reduce-scatter, whose other ranks never see the keys) makes
+        such a decode fall back densely. Raises :class:`ConfigurationMismatch` when the ranks'
+        codecs disagree (a configuration error, not something a fallback can fix).
         """
         if not ctx.compressed:
             if self.tracker is not None:
@@ -382,10 +405,11 @@ class TensorAggregator:
         averaged = payload_is_averaged(aggregated, codec.world_size)
         y, report = codec.decode(aggregated, averaged=averaged, shape=ctx.shape, dtype=ctx.dtype)
         self.stats.decode_seconds += time.perf_counter() - t0
-        if report.ok:
+        coords = self._inexact_coords(report, partial)
+        if report.ok or coords is not None:
             if codec is self._codec:
                 self._observe(report.support, report.total_keys)
-            return DecodeOutcome(y, averaged, report)
+            return DecodeOutcome(y, averaged, report, partial=coords)
         if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
             raise ConfigurationMismatch(f"{self.name}: {report.reason}")
         st = self.stats
@@ -396,12 +420,68 @@ class TensorAggregator:
             self._grow(report)
         return DecodeOutcome(None, averaged, report)
 
+    def _inexact_coords(self, report: DecodeReport, partial: bool) -> Optional[torch.Tensor]:
+        """The flat coordinates of ``report``'s inexact keys (key k covers coordinates
+        ``[k b, min((k+1) b, numel))``) when they are to be re-aggregated alone, else None; counts
+        the decode in the stats. A payload some rank overloaded is truncated, so its keys are
+        never re-aggregated alone."""
+        if report.status != _INEXACT:
+            return None
+        st = self.stats
+        st.inexact_decodes += 1
+        if not partial or report.overloaded_ranks:
+            return None
+        b = self.block_size
+        keys = report.inexact_keys.to(device=self.device, dtype=torch.int64)
+        coords = (keys.reshape(-1, 1) * b + torch.arange(b, device=self.device)).reshape(-1)
+        if b > 1 and self.numel % b:
+            coords = coords[coords < self.numel]
+        if coords.numel() > self.partial_max_fraction * self.numel:
+            return None
+        st.partial_fallbacks += 1
+        st.inexact_keys += keys.numel()
+        st.payload_bytes += coords.numel() * self.dtype.itemsize
+        return coords
+
     def finish_fallback(self, summed: torch.Tensor, outcome: DecodeOutcome) -> torch.Tensor:
         """The aggregate from the exact dense SUM of ``ctx.dense_value``, scaled as the engine scaled
         the payload (divided by world_size when it averaged)."""
         if self.tracker is not None and outcome.report is not None:
             self._observe(self._key_support(summed), outcome.report.total_keys)
         return summed.div_(self.world_size) if outcome.averaged else summed
+
+    def finish_partial(self, summed: torch.Tensor, outcome: DecodeOutcome) -> torch.Tensor:
+        """``outcome.value`` with the coordinates ``outcome.partial`` set from ``summed``, the dense SUM
+        across ranks of :func:`partial_values` (divided by world_size when the engine averaged), so
+        they hold what the dense fallback would give there; written in place and returned."""
+        if outcome.averaged:
+            summed = summed / self.world_size
+        outcome.value.view(-1)[outcome.partial] = summed.to(outcome.value.dtype)
+        return outcome.value
+
+
+PARTIAL_MAX_FRACTION = 0.5
+"""Default :attr:`TensorAggregator.partial_max_fraction`. A partial re-aggregation of m coordinates
+sends m values (no indices: every rank derives them from the same aggregate) where the dense fallback
+sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access);
+past half of the tensor that costs about as much as the contiguous dense fallback, and an inexact set
+that large says the sketch does not suit the tensor, so it falls back densely and grows."""
+
+_INEXACT = getattr(DecodeStatus, "INEXACT", None)
+
+
+def _check_partial_fraction(fraction) -> float:
+    if fraction is None:
+        return PARTIAL_MAX_FRACTION
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"partial_max_fraction must be in [0, 1], got {fraction!r}")
+    return float(fraction)
+
+
+def partial_values(ctx: EncodeContext, outcome: DecodeOutcome) -> torch.Tensor:
+    """What every rank SUMs for ``outcome``'s partial re-aggregation: its own ``ctx.dense_value`` at the
+    coordinates ``outcome.partial`` (a new 1-D tensor in the value's dtype)."""
+    return ctx.dense_value.detach().reshape(-1)[outcome.partial]
 
 
 class TopKAggregator(TensorAggregator):

@@ -9,8 +9,9 @@ group's shard) does, per step:
 2. SUM that tensor across ranks with its engine (allreduce, or a reduce-scatter of one message per
    destination);
 3. :func:`decode_segments`: decode each tensor's segment of the sum, or :func:`decode_message`, which
-   also re-aggregates every segment that failed to decode densely (one more SUM, supplied by the
-   adapter as ``dense_sum``) and returns the exact sums.
+   also re-aggregates every segment that failed to decode densely, and just the inexact keys'
+   coordinates of every segment that reported some (one more SUM for both, supplied by the adapter
+   as ``dense_sum``), and returns the exact sums.
 
 The adapter owns the collectives (and so the ordering that keeps them deadlock-free); everything here
 is local. Every rank that decodes the same summed message takes the same decisions (fallback,
@@ -25,7 +26,7 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from lossless_hc.training.aggregate import DecodeOutcome
+from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
 
 @dataclass
@@ -53,16 +54,20 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Me
     return Message(list(aggregators), encoded, tensor)
 
 
-def decode_segments(message: Message, summed: torch.Tensor) -> List[DecodeOutcome]:
+def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True) -> List[DecodeOutcome]:
     """Decode each tensor's segment of ``summed`` (the engine's SUM of every rank's ``message.tensor``).
 
     Raises :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks were configured
-    differently; an outcome with ``needs_fallback`` must be completed with an exact dense SUM."""
+    differently; an outcome with ``needs_fallback`` must be completed with an exact dense SUM, one
+    with ``needs_partial`` with the SUM of its :func:`~lossless_hc.training.aggregate.partial_values`
+    (``partial=False``: inexact keys fall back densely instead, for a caller whose other ranks did not
+    decode the segment)."""
+    kw = {} if partial else {"partial": False}   # only lossless aggregators can be inexact
     outcomes, offset = [], 0
     for agg, (payload, ctx) in zip(message.aggregators, message.encoded):
         segment = summed[offset:offset + payload.numel()].to(payload.dtype)
         offset += payload.numel()
-        outcomes.append(agg.decode(segment, ctx))
+        outcomes.append(agg.decode(segment, ctx, **kw))
     return outcomes
 
 
@@ -87,17 +92,27 @@ def finish_fallbacks(message: Message, outcomes: List[DecodeOutcome], indices: S
 
 def decode_message(message: Message, summed: torch.Tensor,
                    dense_sum: Callable[[torch.Tensor], None]) -> List[torch.Tensor]:
-    """Every tensor's aggregate from ``summed``; segments that fail to decode are re-aggregated by
-    ``dense_sum(t)``, which must SUM ``t`` across the same ranks *in place* (blocking), and which is
-    called at most once, identically on every rank (or not at all)."""
+    """Every tensor's aggregate from ``summed``; segments that fail to decode, and the inexact keys'
+    coordinates of segments that reported some, are re-aggregated by ``dense_sum(t)``, which must SUM
+    ``t`` (float32: the dense values of the failed segments, then the partial values, in segment
+    order) across the same ranks *in place* (blocking), and which is called at most once,
+    identically on every rank (or not at all)."""
     outcomes = decode_segments(message, summed)
     results = [o.value for o in outcomes]
     failed = [i for i, o in enumerate(outcomes) if o.needs_fallback]
-    if failed:
+    partial = [i for i, o in enumerate(outcomes) if o.needs_partial]
+    if failed or partial:
         dense = dense_values(message, failed)
-        dense_sum(dense)
+        parts = [partial_values(message.encoded[i][1], outcomes[i]).to(torch.float32) for i in partial]
+        both = torch.cat([dense] + parts) if parts else dense
+        dense_sum(both)
+        dense, offset = both[:dense.numel()], dense.numel()
         for i, value in zip(failed, finish_fallbacks(message, outcomes, failed, dense)):
             results[i] = value
+        for i in partial:
+            m = outcomes[i].partial.numel()
+            results[i] = message.aggregators[i].finish_partial(both[offset:offset + m], outcomes[i])
+            offset += m
     return results
 
 

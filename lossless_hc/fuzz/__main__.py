@@ -1,0 +1,40 @@
+"""``python -m lossless_hc.fuzz``: see :mod:`lossless_hc.fuzz`. Exit status 1 when any case was wrong."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lossless_hc.fuzz.cases import draw_group, run_group
+from lossless_hc.fuzz.runner import run
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lossless_hc.fuzz", description=__doc__)
+    ap.add_argument("--cases", type=int, default=100_000, help="decodes to judge (4 per group)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=None, help="processes (default: every CPU this process may use)")
+    ap.add_argument("--rtol", type=float, default=None, help="the contract's tolerance (default: the codec's)")
+    ap.add_argument("--device", default="cpu", help="where the codec runs (cpu, cuda)")
+    ap.add_argument("--first-group", type=int, default=0)
+    ap.add_argument("--group", type=int, default=None, help="replay one group and print its cases")
+    args = ap.parse_args(argv)
+    if args.group is not None:
+        print(draw_group(args.seed, args.group).describe())
+        for v in run_group(args.seed, args.group, args.rtol, args.device):
+            print(f"  case {v.case} {v.how:16s} {v.status:24s} {v.wrong or ''} {v.detail}")
+        return 0
+    t = run(args.cases, args.seed, args.workers, args.rtol, args.device, args.first_group)
+    print(f"lossless_hc.fuzz: {t.cases} cases (seed {args.seed}, groups {args.first_group}.."
+          f"{args.first_group + t.cases // 4 - 1}) in {t.seconds:.1f} s: {t.cases / max(t.seconds, 1e-9):.0f} cases/s")
+    print(f"{'':8s}{'status':28s}{'cases':>10s}")
+    for (where, status), count in sorted(t.statuses.items()):
+        print(f"{where:8s}{status:28s}{count:10d}")
+    print(f"ok-but-wrong: {t.ok_but_wrong}" + "".join(f"  {w}/{k}={c}" for (w, k), c in sorted(t.wrong.items())))
+    for v in t.examples:
+        print(f"  replay: python -m lossless_hc.fuzz --seed {args.seed} --group {v.group}   "
+              f"(case {v.case}, {v.how}, {v.status}: {v.detail})")
+    return 1 if t.ok_but_wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

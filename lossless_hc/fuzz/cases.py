@@ -1,0 +1,264 @@
+"""Random cases for the lossless codec, and their verdicts against the contract.
+
+A *group* is one configuration and one set of per-rank inputs, drawn from ``(seed, group)`` alone
+(so any group can be replayed by its number, whatever the process that ran it); it yields
+:data:`CASES_PER_GROUP` decodes, the *cases*:
+
+0. the plain SUM of the payloads, in a random order of ranks (any engine's order);
+1. the same payloads aggregated another way: an AVERAGE (SUM then divide, as BytePS and Horovod's
+   Average do), or a pairwise-tree SUM (a ring/tree allreduce's order);
+2. and 3. the SUM corrupted once each: a bit flipped in an index word or a sketch word, the sketch
+   zeroed, a sketch word off by a value (a wrong sum), or a header field off by one. A ``dense``
+   payload carries its values raw, with nothing redundant to check them by (exactly like a dense
+   allreduce), so its corruptions are confined to the header.
+
+Configurations cover every index kind (``bitmap``, ``bloom``, ``multilevel``, ``dense``, and
+``auto``), block sizes 1 to 32, world sizes 2 to 64 (log-uniform), capacities met and exceeded,
+supports independent, shared, hot or disjoint, and values: Gaussian, log-uniform over dynamic
+ranges up to 1e30 with random signs, small integers, many small values plus a few huge ones in the
+same tensor (the cross-key rounding case), exact cancellation (+v and -v on two ranks) and
+near-cancellation, float16/bfloat16 inputs, and now and then a NaN or Inf.
+
+Verdicts (:func:`run_group`, one per case): the decode's status name, and whether it broke the
+contract (:mod:`lossless_hc.fuzz.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the
+contract) or ``inexact_but_wrong`` (INEXACT with a coordinate outside the contract at a key it did
+not report). Any other refusal (ok=False) is never wrong.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.layout import HDR_KEYS_LO, HEADER_FIELDS
+from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.fuzz.contract import outside_contract, truth
+
+CASES_PER_GROUP = 4
+INDEX_CHOICES = ("bitmap", "bloom", "multilevel", "dense", "auto")
+BLOCKS = (1, 1, 1, 2, 3, 4, 8, 16, 32)
+SUPPORTS = ("independent", "shared", "hot", "disjoint")
+VALUES = ("normal", "range", "integers", "big_small", "cancel", "near_cancel")
+CORRUPTIONS = ("index_bit", "sketch_bit", "zero_sketch", "wrong_sum", "header_keys")
+DENSE_CORRUPTIONS = ("header_keys", "header_bit")
+
+
+@dataclass
+class Verdict:
+    """One case: what was decoded and what the decoder said."""
+
+    group: int
+    case: int
+    how: str                 # "sum", "average", "tree", or the corruption
+    status: str              # DecodeStatus name
+    wrong: Optional[str]     # None, "ok_but_wrong" or "inexact_but_wrong"
+    detail: str = ""
+
+
+@dataclass
+class Group:
+    """One configuration and its inputs (everything a case needs, drawn from ``(seed, group)``)."""
+
+    seed: int
+    group: int
+    numel: int
+    block: int
+    world_size: int
+    index: str
+    max_nnz: int
+    keys_per_rank: int
+    support: str
+    values: str
+    dtype: torch.dtype
+    non_finite: bool
+    range_decades: float
+    xs: List[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def describe(self) -> str:
+        return (f"group {self.group} (seed {self.seed}): numel={self.numel} block={self.block} n={self.world_size} "
+                f"index={self.index} max_nnz={self.max_nnz} keys/rank={self.keys_per_rank} support={self.support} "
+                f"values={self.values} range=1e{self.range_decades:.0f} dtype={self.dtype} non_finite={self.non_finite}")
+
+
+def group_rng(seed: int, group: int) -> random.Random:
+    """The group's generator: a function of ``(seed, group)`` only."""
+    return random.Random(f"lossless_hc.fuzz/{seed}/{group}")
+
+
+def draw_group(seed: int, group: int) -> Group:
+    rng = group_rng(seed, group)
+    n = min(64, int(math.exp(rng.uniform(math.log(2), math.log(65)))))
+    block = rng.choice(BLOCKS)
+    numel = rng.randint(1, 4096 if n <= 16 else 1024)
+    num_keys = -(-numel // block)
+    cap_keys = rng.randint(1, max(1, min(num_keys, int(rng.choice((0.02, 0.1, 0.3, 1.0)) * num_keys) or 1)))
+    overload = rng.random() < 0.05
+    k = min(num_keys, cap_keys + rng.randint(1, 1 + cap_keys) if overload else rng.randint(0, cap_keys))
+    g = Group(seed, group, numel, block, n, rng.choice(INDEX_CHOICES), cap_keys * block, k, rng.choice(SUPPORTS),
+              rng.choice(VALUES), rng.choices((torch.float32, torch.float16, torch.bfloat16), (8, 1, 1))[0],
+              rng.random() < 0.01, rng.uniform(0.0, 30.0))
+    g.xs = _inputs(g, rng, num_keys)
+    return g
+
+
+def _supports(g: Group, rng: random.Random, num_keys: int) -> List[List[int]]:
+    k, n = g.keys_per_rank, g.world_size
+    if g.support == "shared":
+        keys = rng.sample(range(num_keys), k)
+        return [keys] * n
+    if g.support == "hot":   # drawn from a pool twice the per-rank count: heavy overlap
+        pool = rng.sample(range(num_keys), min(num_keys, 2 * k))
+        return [rng.sample(pool, k) for _ in range(n)]
+    if g.support == "disjoint":
+        perm = rng.sample(range(num_keys), num_keys)
+        per = min(k, num_keys // n)
+        return [perm[r * per:(r + 1) * per] for r in range(n)]
+    return [rng.sample(range(num_keys), k) for _ in range(n)]
+
+
+def _values(g: Group, rng: random.Random, size: int, gen: torch.Generator) -> torch.Tensor:
+    kind = g.values
+    if kind == "normal":
+        return torch.randn(size, generator=gen, dtype=torch.float64)
+    if kind == "integers":
+        return torch.randint(-8, 9, (size,), generator=gen).to(torch.float64)
+    signs = torch.randint(0, 2, (size,), generator=gen).to(torch.float64) * 2 - 1
+    if kind == "big_small":   # ones everywhere, a few huge values: small keys share cells with them
+        v = torch.ones(size, dtype=torch.float64) * signs
+        big = torch.rand(size, generator=gen, dtype=torch.float64) < 0.02
+        return torch.where(big, signs * 10.0 ** (4 + g.range_decades / 2), v)
+    # "range", and the base values of the cancelling kinds: log-uniform over range_decades decades
+    lo = -g.range_decades / 2
+    exps = lo + g.range_decades * torch.rand(size, generator=gen, dtype=torch.float64)
+    return signs * 10.0 ** exps
+
+
+def _inputs(g: Group, rng: random.Random, num_keys: int) -> List[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rng.getrandbits(63))
+    b, numel = g.block, g.numel
+    xs = []
+    for keys in _supports(g, rng, num_keys):
+        x = torch.zeros(numel, dtype=torch.float64)
+        if keys:
+            idx = (torch.tensor(keys, dtype=torch.int64).reshape(-1, 1) * b + torch.arange(b)).reshape(-1)
+            idx = idx[idx < numel]
+            x[idx] = _values(g, rng, idx.numel(), gen)
+        xs.append(x)
+    if g.values in ("cancel", "near_cancel") and g.world_size >= 2:
+        # Rank 1 holds minus rank 0 on rank 0's support (exactly, or off by a relative 2^-20).
+        factor = 1.0 if g.values == "cancel" else 1.0 + 2.0 ** -20
+        mask = xs[0] != 0
+        xs[1] = torch.where(mask, -factor * xs[0], xs[1])
+    # float32 (or the chosen dtype) values; float32's range caps the magnitudes
+    out = [x.clamp(-1e30, 1e30).to(g.dtype) for x in xs]
+    if g.non_finite:
+        r, i = rng.randrange(g.world_size), rng.randrange(numel)
+        out[r][i] = rng.choice((float("nan"), float("inf"), float("-inf")))
+    return out
+
+
+# -- aggregation and corruption ----------------------------------------------------------------------
+
+def _sum(payloads: List[torch.Tensor], rng: random.Random) -> torch.Tensor:
+    order = rng.sample(range(len(payloads)), len(payloads))
+    acc = payloads[order[0]].clone()
+    for r in order[1:]:
+        acc += payloads[r]
+    return acc
+
+
+def _tree_sum(payloads: List[torch.Tensor]) -> torch.Tensor:
+    level = list(payloads)
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] if i + 1 < len(level) else level[i] for i in range(0, len(level), 2)]
+    return level[0].clone()
+
+
+def _flip(payload: torch.Tensor, i: int, bit: int) -> None:
+    words = payload.view(torch.int32)
+    words[i] ^= (1 << bit) if bit < 31 else -(1 << 31)
+
+
+def _corrupt(how: str, summed: torch.Tensor, codec: LosslessCodec, rng: random.Random) -> torch.Tensor:
+    L = codec.layout
+    p = summed.clone()
+    lo, hi = (HEADER_FIELDS, L.sketch_offset) if how == "index_bit" else (L.sketch_offset, L.payload_numel)
+    if how == "header_bit":
+        _flip(p, rng.randrange(HEADER_FIELDS), rng.randrange(32))
+    elif hi <= lo:
+        pass
+    elif how in ("index_bit", "sketch_bit"):
+        _flip(p, rng.randrange(lo, hi), rng.randrange(32))
+    elif how == "zero_sketch":
+        p[lo:hi] = 0.0
+    elif how == "wrong_sum":
+        i = rng.randrange(lo, hi)
+        p[i] += rng.choice((1.0, -1.0)) * 10.0 ** rng.uniform(-6, 6) * max(1.0, float(p[i].abs()))
+    if how == "header_keys":
+        p[HDR_KEYS_LO] += rng.choice((1.0, -1.0))
+    return p
+
+
+# -- one group ------------------------------------------------------------------------------------------
+
+def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch.Tensor, averaged: bool,
+             s: torch.Tensor, a: torch.Tensor, rtol: float) -> Verdict:
+    y, report = codec.decode(payload, averaged=averaged, shape=(g.numel,), dtype=g.dtype)
+    status = DecodeStatus(report.status)
+    if averaged:
+        s, a = s / g.world_size, a / g.world_size
+    wrong, detail = None, ""
+    if report.ok:
+        bad = outside_contract(y, s, a, g.world_size, rtol, averaged)
+        if bool(bad.any()):
+            wrong = "ok_but_wrong"
+    elif status.name == "INEXACT":
+        bad = outside_contract(y, s, a, g.world_size, rtol, averaged)
+        b = g.block
+        keys = report.inexact_keys.to(torch.int64)
+        reported = torch.zeros(g.numel, dtype=torch.bool)
+        idx = (keys.reshape(-1, 1) * b + torch.arange(b)).reshape(-1)
+        reported[idx[idx < g.numel]] = True
+        bad &= ~reported
+        if bool(bad.any()):
+            wrong = "inexact_but_wrong"
+    if wrong is not None:
+        i = int(bad.nonzero()[0])
+        detail = f"coordinate {i}: decoded {float(y.reshape(-1)[i])!r}, true sum {float(s[i])!r}, mass {float(a[i])!r}"
+    return Verdict(g.group, case, how, status.name, wrong, detail)
+
+
+def codec_rtol(codec: LosslessCodec, rtol: Optional[float]) -> float:
+    """The tolerance the contract is checked with: ``rtol`` if given, else the codec's own."""
+    if rtol is not None:
+        return float(rtol)
+    own = getattr(codec, "rtol", None)
+    if own is None:
+        raise RuntimeError("this LosslessCodec states no rtol; pass --rtol")
+    return float(own)
+
+
+def run_group(seed: int, group: int, rtol: Optional[float] = None, device: str = "cpu") -> List[Verdict]:
+    """The :data:`CASES_PER_GROUP` verdicts of group ``group`` (see the module doc)."""
+    g = draw_group(seed, group)
+    rng = group_rng(seed, group + (1 << 40))   # the aggregation's choices, apart from the inputs'
+    codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, seed=rng.getrandbits(64), index=g.index,
+                          device=device)
+    tol = codec_rtol(codec, rtol)
+    payloads = [codec.encode(x.to(device)).cpu() for x in g.xs]
+    s, a = truth(g.xs)
+    on = (lambda t: t.to(device))
+    summed = _sum(payloads, rng)
+    verdicts = [_verdict(g, 0, "sum", codec, on(summed), False, s, a, tol)]
+    if rng.random() < 0.5:
+        verdicts.append(_verdict(g, 1, "average", codec, on(summed / g.world_size), True, s, a, tol))
+    else:
+        verdicts.append(_verdict(g, 1, "tree", codec, on(_tree_sum(payloads)), False, s, a, tol))
+    for case in (2, 3):
+        how = rng.choice(DENSE_CORRUPTIONS if codec.index_kind == "dense" else CORRUPTIONS)
+        verdicts.append(_verdict(g, case, how, codec, on(_corrupt(how, summed, codec, rng)), False, s, a, tol))
+    return verdicts

@@ -1,0 +1,67 @@
+r"""The exactness contract of a decode, stated once (the fuzzer and the tests check this function).
+
+For a coordinate i with float32 inputs :math:`x_{r,i}` on n ranks, true sum
+:math:`s_i = \sum_r x_{r,i}` and absolute mass :math:`a_i = \sum_r |x_{r,i}|`, a decoded value
+:math:`y_i` (``report.ok``, or any key a decode did not report inexact) is within the contract iff
+
+.. math:: |y_i - s_i| \le \max\big(\mathrm{rtol}\,|s_i|,\ \gamma_{n-1} a_i\big) + u_{out} |s_i|,
+   \qquad \gamma_m = \frac{m u}{1 - m u},\ u = 2^{-24}
+
+* :math:`\mathrm{rtol}\,|s_i|`: the codec's relative tolerance (``rtol``);
+* :math:`\gamma_{n-1} a_i`: what a dense float32 allreduce of the same tensors could be off at that
+  coordinate, in any summation order (n - 1 float32 additions, each rounding by at most u of a
+  partial sum bounded by :math:`a_i`; Higham, *Accuracy and Stability*, 2nd ed., (4.4)) -- built
+  from the coordinate's own magnitudes, not the tensor's largest value;
+* :math:`u_{out} |s_i|`: rounding the result to the output dtype (0 for float32, whose rounding
+  :math:`\gamma_{n-1}` already covers; :math:`2^{-11}` for float16, :math:`2^{-8}` for bfloat16),
+  plus :math:`u |s_i|` for an average (the division by n rounds once more), plus half the output
+  dtype's smallest subnormal (rounding below its normal range is absolute, not relative).
+
+For an average, :math:`s_i` and :math:`a_i` are the sum's divided by n.
+
+So a coordinate no rank touched (:math:`a_i = 0`) must decode to exactly 0, a non-finite output is
+never within it, and a small value next to a large one in the same sketch cell must keep its own
+relative accuracy. The truth is computed in float64 (:func:`truth`), whose own rounding
+(:math:`\le n\,2^{-53} a_i`) is added to the allowance so that it never decides a verdict.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+HALF_SUBNORMAL = {torch.float32: 2.0 ** -150, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
+
+
+def truth(xs: Sequence[torch.Tensor]) -> tuple:
+    """``(s, a)``: the float64 sum and absolute mass of the ranks' tensors, flattened."""
+    s = torch.zeros(xs[0].numel(), dtype=torch.float64)
+    a = torch.zeros_like(s)
+    for x in xs:
+        v = x.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+        s += v
+        a += v.abs()
+    return s, a
+
+
+def allowed_error(s: torch.Tensor, a: torch.Tensor, world_size: int, rtol: float,
+                  dtype: torch.dtype = torch.float32, averaged: bool = False) -> torch.Tensor:
+    """The contract's per-coordinate bound on ``|y - s|`` (float64, see the module doc)."""
+    u = UNIT_ROUNDOFF[torch.float32]
+    m = max(world_size - 1, 0)
+    gamma = m * u / (1.0 - m * u)
+    u_out = (0.0 if dtype == torch.float32 else UNIT_ROUNDOFF[dtype]) + (u if averaged else 0.0)
+    reference_rounding = (world_size + 1) * 2.0 ** -53 * a
+    return torch.maximum(rtol * s.abs(), gamma * a) + u_out * s.abs() + HALF_SUBNORMAL[dtype] + reference_rounding
+
+
+def outside_contract(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_size: int, rtol: float,
+                     averaged: bool = False) -> torch.Tensor:
+    """Boolean mask (flat, CPU) of the coordinates of ``y`` outside the contract for truth ``(s, a)``
+    (:func:`truth`; divided by n for an average); a non-finite output or input is always outside (a
+    decode of non-finite inputs must not claim to be exact)."""
+    yd = y.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+    err = (yd - s).abs()
+    bad = err > allowed_error(s, a, world_size, rtol, y.dtype, averaged)
+    return bad | ~torch.isfinite(yd) | ~torch.isfinite(a)

@@ -14,7 +14,8 @@ LAYERS = {
     "lossless_hc.backends": 1, "lossless_hc._C": 1, "lossless_hc._C_cuda": 1,
     "lossless_hc.lhc.codec": 2, "lossless_hc.lhc.status": 2, "lossless_hc.lhc.reference": 2,
     "lossless_hc.thc.codec": 2, "lossless_hc.thc": 2, "lossless_hc.lhc": 2,
-    "lossless_hc.training": 3, "lossless_hc": 3.5, "lossless_hc.plugins": 4, "lossless_hc.bench": 5,
+    "lossless_hc.training": 3, "lossless_hc": 3.5, "lossless_hc.fuzz": 3.6, "lossless_hc.plugins": 4,
+    "lossless_hc.bench": 5,
 }
 
 

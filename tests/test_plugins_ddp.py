@@ -35,7 +35,7 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["policy", "topk", "thc", "pickle"] + list(ERRORS))])
+         ",".join(EXACT + ["policy", "topk", "thc", "pickle", "inexact"] + list(ERRORS))])
     return out, size
 
 
@@ -55,6 +55,21 @@ def test_saving_the_ddp_model_keeps_a_usable_hook_state(ddp_run):
         assert r["restored_state"] == "LosslessHookState" and r["aggregators"] > 0 and r["group_dropped"], r
         assert r["world_size"] == size
         assert r["tensors_after_restore"] > 0, r   # the restored model's step went through the hook
+
+
+def test_inexact_keys_are_reaggregated_alone_and_exactly(ddp_run):
+    """Gradients whose small keys share sketch cells with 2**30 (tests/mp/inexact_case.py): the decoder
+    reports those keys inexact, the hook re-aggregates just their coordinates (in the bucket's fallback
+    SUM, not densely), and every gradient equals the exact dense average bit for bit at every
+    coordinate, identically on every rank, at every step."""
+    out, size = ddp_run
+    rs = results(out, "inexact", size)
+    for r in rs:
+        assert [s["differing"] for s in r["steps"]] == [0] * len(r["steps"]), r["steps"]
+        st = r["stats"]
+        assert st["partial_fallbacks"] >= 1 and st["inexact_keys"] >= st["partial_fallbacks"], st
+        assert st["fallbacks"] == 0 and st["inexact_decodes"] == st["partial_fallbacks"], st
+    assert len({json.dumps([s["digest"] for s in r["steps"]]) for r in rs}) == 1
 
 
 @pytest.mark.parametrize("name", EXACT)

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.ddp import (LosslessHookState, THCHookState, TopKHookState, lossless_hook, thc_hook,  # noqa: E402
@@ -118,12 +119,30 @@ def scenario(name):
                 "group_dropped": group_dropped,
                 "world_size": hook_state.world_size if hook_state is not None else -1,
                 "tensors_after_restore": after - before}
+    if name == "inexact":   # keys the decoder reports inexact, re-aggregated alone (tests/mp/inexact_case.py)
+        return inexact()
     if name == "config_mismatch":
         return expect_error(lambda: train(LosslessHookState(max_density=0.05 if dist.get_rank() else 0.02), steps=1),
                             ConfigurationMismatch)
     if name == "sparse":
         return expect_error(lambda: train(LosslessHookState(), sparse=True, steps=1), TypeError)
     raise ValueError(f"unknown scenario {name}")
+
+
+def inexact():
+    """Per step, the lossless hook aggregates constructed gradients; compared with their exact dense average."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    got = DistributedDataParallel(inexact_case.InexactModel())
+    state = LosslessHookState(max_density=0.05)
+    got.register_comm_hook(state, lossless_hook)
+    steps = []
+    for step in range(inexact_case.STEPS):
+        got.zero_grad(set_to_none=True)
+        got(*inexact_case.gradients(step, rank)).backward()
+        grads = [p.grad.clone() for p in got.module.parameters()]
+        ref = inexact_case.dense_reference(step, size, average=True)
+        steps.append({**inexact_case.compare(ref, grads), "digest": inexact_case.digest(grads)})
+    return {"steps": steps, "stats": state.stats()}
 
 
 def worker(rank, size, port, out_dir, names):

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.horovod import Compression  # noqa: E402
@@ -118,6 +119,8 @@ def scenario(name):
         cosine = float(torch.nn.functional.cosine_similarity(moved_ref, moved_got, dim=0))
         return {"stats": comp.stats(), "digest": param_digest(got), "cosine": cosine,
                 "compressed": {n: a.compressed for n, a in comp.aggregators().items()}}
+    if name == "inexact":   # keys the decoder reports inexact, re-aggregated alone (tests/mp/inexact_case.py)
+        return inexact()
     if name == "process_set":
         if hvd.size() <= 2:
             raise ValueError("the process_set scenario needs 3 or more ranks")
@@ -158,6 +161,30 @@ def scenario(name):
         return expect_error(lambda: train(Compression.lossless(max_density=0.05, seed=hvd.rank()), steps=1),
                             ConfigurationMismatch)
     raise ValueError(f"unknown scenario {name}")
+
+
+def inexact():
+    """Per step, Compression.lossless aggregates constructed gradients; compared with their exact dense sum
+    (Average with 2 ranks: the sum divided by 2, exact; Sum otherwise)."""
+    rank, op = hvd.rank(), (hvd.Average if hvd.size() == 2 else hvd.Sum)
+    RUNS[0] += 1
+    model = inexact_case.InexactModel()
+    named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters()]
+    comp = Compression.lossless(max_density=0.05)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=named,
+                                   compression=comp, op=op)
+    steps = []
+    for step in range(inexact_case.STEPS):
+        opt.zero_grad()
+        gt, gv = inexact_case.gradients(step, rank)
+        model(gt, gv).backward()
+        opt.synchronize()
+        got = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()
+        ref = inexact_case.dense_reference(step, hvd.size(), average=op == hvd.Average)
+        steps.append({**inexact_case.compare(ref, got), "digest": inexact_case.digest(got)})
+    return {"steps": steps, "stats": comp.stats()}
 
 
 def main():

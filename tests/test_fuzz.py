@@ -1,0 +1,44 @@
+"""A fast slice of ``python -m lossless_hc.fuzz`` (the same cases as the first groups of a full run),
+and the fuzzer's own checks: its contract catches what it must, and its tally does not depend on how
+many processes ran it."""
+import torch
+
+from lossless_hc.fuzz import allowed_error, outside_contract, run, truth
+from lossless_hc.fuzz.cases import CASES_PER_GROUP, run_group
+
+SLICE = 3000
+
+
+def test_fast_slice_has_no_ok_but_wrong_case():
+    """Every decode that claims exactness (ok, or exact outside its reported inexact keys) is within
+    the contract, over every index kind, block size, world size, value kind and corruption drawn."""
+    t = run(SLICE, seed=0, workers=1)
+    assert t.cases >= SLICE
+    assert t.ok_but_wrong == 0, [f"group {v.group} case {v.case} {v.how} {v.status}: {v.detail}" for v in t.examples]
+    clean_ok = sum(c for (where, status), c in t.statuses.items() if where == "clean" and status == "OK")
+    assert clean_ok > SLICE // 4   # the slice exercises decodes that succeed, not only refusals
+
+
+def test_tally_is_a_function_of_the_seed_only():
+    one = run(200, seed=3, workers=1, chunk=10)
+    two = run(200, seed=3, workers=2, chunk=10)
+    assert (one.cases, one.statuses, one.wrong) == (two.cases, two.statuses, two.wrong)
+    assert [(v.how, v.status) for v in run_group(3, 7)] == [(v.how, v.status) for v in run_group(3, 7)]
+    assert len(run_group(3, 7)) == CASES_PER_GROUP
+
+
+def test_contract_is_the_coordinates_own_bound():
+    """Zero where no rank wrote, the dense allreduce's bound from the coordinate's own magnitudes (not
+    the tensor's largest value), rtol relative to the sum, and never a non-finite value."""
+    xs = [torch.tensor([0.0, 1.0, 5e7, 1.0, 1.0]), torch.tensor([0.0, 1.0, 5e7, -1.0, 1.0])]
+    s, a = truth(xs)
+    rtol = 1e-6
+    exact = s.to(torch.float32)
+    assert not outside_contract(exact, s, a, 2, rtol).any()
+    y = exact.clone()
+    y[0] = 1e-30          # a key no rank touched must stay exactly zero
+    y[1] = -2.0           # a small key with the wrong sign, next to a large one
+    y[3] = 2.0 ** -20     # cancellation: within 2^-24 of the mass 2, not more
+    y[4] = float("nan")
+    assert outside_contract(y, s, a, 2, rtol).tolist() == [True, True, False, True, True]
+    assert float(allowed_error(s, a, 2, rtol)[2]) >= rtol * 1e8

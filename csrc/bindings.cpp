@@ -49,7 +49,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("false_positives", &cpu::DecodeStats::false_positives)
       .def_readonly("support_keys", &cpu::DecodeStats::support_keys)
       .def_readonly("peeled", &cpu::DecodeStats::peeled)
-      .def_readonly("index_total", &cpu::DecodeStats::index_total);
+      .def_readonly("index_total", &cpu::DecodeStats::index_total)
+      // The sorted keys failing rtol, as the bytes of little-endian int64s (torch.frombuffer reads them).
+      .def_property_readonly("inexact_keys_bytes", [](const cpu::DecodeStats& st) {
+        return py::bytes(reinterpret_cast<const char*>(st.inexact_keys.data()), 8 * st.inexact_keys.size());
+      });
 
   m.def(
       "encode",
@@ -65,15 +69,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "decode",
       [](uintptr_t words, double scale, uint64_t total_keys, uint64_t world_size, uintptr_t payload, uintptr_t out,
-         uintptr_t trace_key, uintptr_t trace_cell, int num_threads) {
+         uintptr_t trace_key, uintptr_t trace_cell, int num_threads, double rtol) {
         const CodecLayout layout = layout_at(words);
         py::gil_scoped_release release;
-        cpu::DecodeInputs in{scale, total_keys, world_size};
+        cpu::DecodeInputs in{scale, total_keys, world_size, rtol};
         return cpu::decode(layout, in, ptr<const float>(payload), ptr<float>(out), ptr<int64_t>(trace_key),
                            ptr<int64_t>(trace_cell), num_threads);
       },
       py::arg("words"), py::arg("scale"), py::arg("total_keys"), py::arg("world_size"), py::arg("payload"),
       py::arg("out"), py::arg("trace_key") = 0, py::arg("trace_cell") = 0, py::arg("num_threads") = 0,
+      py::arg("rtol") = 0.0,
       "Decode an aggregated payload into numel float32 values at out (the layout: the layout words at `words`).");
 
   m.def(

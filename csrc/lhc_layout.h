@@ -233,6 +233,35 @@ struct CodecLayout {
 };
 constexpr uint32_t kMaxFineLevels = 4;
 
+// The mass channel (layout version 6): one float per value-sketch cell right after the sketch, where
+// key k adds |w_j(k)| * max_l |x[k, l]|. Its aggregate bounds the absolute mass every coordinate of the
+// cell summed, which the decoders' per-key error bound (cell_error_bound) is built on.
+LHC_HD uint64_t mass_offset(const CodecLayout& L) { return L.sketch_offset + L.sketch.cells() * L.block; }
+
+// Unit roundoff of float32.
+constexpr double kUnitRoundoff = 1.0 / 16777216.0;  // 2^-24
+
+// The rounding error of the aggregated value cell c, at every coordinate: with deg support keys in c
+// and n ranks, each rank adds at most deg terms (deg - 1 roundings) and the engine adds n rank cells
+// (n - 1 roundings), so the error is at most gamma_{deg + n - 2} M(c) (Higham, Thm 4.4 twice), M(c)
+// the cell's true absolute mass. We take (deg + n + 2) u M: the extra 4 u covers second-order terms,
+// an AVERAGE's division and scaling back, and the float64 peeling arithmetic (2^-53 per operation).
+// `mass` is the aggregated mass cell times the payload's scale: itself a float sum of non-negative
+// terms, below M(c) by at most a relative gamma_{deg + n}, so it is inflated by (1 + 2 (deg + n + 2) u)
+// (valid while (deg + n + 2) u < 1/4: deg <= kMaxCellDegree-ish and n <= 1024 keep it below 2^-13).
+LHC_HD double cell_error_bound(double mass, uint64_t deg, uint64_t n) {
+  const double m = (double)(deg + n + 2) * kUnitRoundoff;
+  return m * mass * (1.0 + 2.0 * m);
+}
+
+// Whether a decoded value v of a key with error bound err (before its rounding to float32) meets the
+// contract |y - t| <= rtol |t| for the float32 output y = fl(v) and the true sum t: |y - v| <= u |v| and
+// |t| >= |v| - err, so err + u |v| <= rtol (|v| - err) suffices. NaN never passes.
+LHC_HD bool within_rtol(double v, double err, double rtol) {
+  const double a = v < 0 ? -v : v;
+  return err * (1.0 + rtol) + kUnitRoundoff * a <= rtol * a;
+}
+
 // ---- The layout ABI: a CodecLayout as an array of uint64 words --------------------------------------
 //
 // Every backend receives a codec's layout as these words, in this order (built once per codec by

@@ -2,7 +2,7 @@
 // and Python (lossless_hc.lhc.status builds its DecodeStatus enum from this list through the _C
 // module, so the three can never drift apart).
 //
-// Codes 0..5 are what the decode kernels return; codes from 16 on are found by the codec from the
+// Codes 0..7 are what the decode kernels return; codes from 16 on are found by the codec from the
 // payload header before the kernels' verdict is read (lossless_hc/lhc/codec.py). Each entry is
 // X(CppName, code, PythonName, message); the message is the whole reason a report gives for that
 // status (the codec may prefix the overload it found, or append counts).
@@ -23,6 +23,12 @@
   X(IndexOverflow, 5, "INDEX_OVERFLOW",                                                               \
     "index overflow: a multilevel fine-table cell summed to 2**22 or more (more non-zero groups in "  \
     "one cell than the layout was sized for, or a corrupted payload)")                                \
+  X(Inexact, 6, "INEXACT",                                                                            \
+    "inexact: the error bound of some keys exceeds rtol (DecodeReport.inexact_keys lists them; every " \
+    "other key is within the contract)")                                                              \
+  X(SketchCorrupt, 7, "SKETCH_CORRUPT",                                                               \
+    "sketch corrupt: after peeling, a value or mass cell is not what the recovered keys account for " \
+    "within its rounding bound (a corrupted payload, or one that is not a plain sum/average)")        \
   X(HeaderCorrupt, 16, "HEADER_CORRUPT",                                                              \
     "header fields are not the integers world_size ranks write: the payload is corrupted, or not a "  \
     "plain sum/average of this codec's payloads")                                                     \

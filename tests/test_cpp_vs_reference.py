@@ -51,7 +51,8 @@ def assert_payload_identical(codec: LosslessCodec, x: torch.Tensor) -> torch.Ten
 
 
 def ref_report(info):
-    return SimpleNamespace(ok=info["ok"], reason=info["reason"], trace=info["trace"], support=info["support"])
+    return SimpleNamespace(ok=info["ok"], reason=info["reason"], trace=info["trace"], support=info["support"],
+                           inexact_keys=info["inexact_keys"])
 
 
 # -- the hash family seen through the payload -------------------------------------------------------
@@ -71,7 +72,7 @@ def test_one_hot_keys_land_in_reference_cells(index):
         cells, weights = reference.key_cells(L.sketch, torch.tensor([k]))
         expect = torch.zeros(L.sketch.cells)
         expect[cells[0]] = 1.5 * weights[0].float()
-        assert torch.equal(p[L.sketch_offset:], expect), f"key {k}"
+        assert torch.equal(p[L.sketch_offset:L.mass_offset], expect), f"key {k}"
         if index == "bloom":
             bc, _ = reference.key_cells(L.bloom, torch.tensor([k]))
             digits = reference.unpack_digits(L, p[L.index_offset:L.sketch_offset].to(torch.int64))
@@ -153,14 +154,18 @@ def test_decode_agrees_with_reference(block, index, pattern, seed, data_seed):
     summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng, "sequential")
     y, rep = codec.decode(summed, trace=True)
     yr, info = reference.decode(codec.layout, summed)
-    assert rep.ok == info["ok"], (rep.reason, info["reason"])
+    # Which keys fail rtol depends on the cell each key was read from (the reference peels in rounds
+    # from the lowest pure cell, the C++ from a queue), so OK and INEXACT are one verdict here; each
+    # decoder's inexact keys must then cover the keys it got outside rtol.
+    assert helpers.peeled_ok(rep) == helpers.peeled_ok(info), (rep.reason, info["reason"])
     assert (rep.candidates, rep.support, rep.false_positives, rep.peeled) == \
         (info["candidates"], info["support"], info["false_positives"], info["peeled"])
     if info["trace"] is not None:        # the reference got as far as peeling the value sketch
         assert sorted(rep.trace[0].tolist()) == sorted(info["trace"][0].tolist())
-    if rep.ok:
+    if helpers.peeled_ok(rep):
         helpers.assert_lossless(codec.layout, xs, y, rep)
         helpers.assert_lossless(codec.layout, xs, yr, ref_report(info))
+        helpers.assert_contract(codec.layout, xs, yr, info["inexact_keys"], codec.rtol)
 
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])

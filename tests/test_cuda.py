@@ -72,6 +72,25 @@ def cell_bound(layout, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(bound.reshape(-1))
 
 
+def mass_bound(layout, x: torch.Tensor):
+    """(exact mass channel in float64, |float32 mass - exact| allowed): each cell sums its keys'
+    |w| max |block| (non-negative terms, deg - 1 roundings: at most 1.01 (deg - 1) u of the sum)."""
+    B = layout.block
+    pad = np.zeros(layout.num_keys * B)
+    pad[:x.numel()] = np.abs(x.reshape(-1).to(torch.float64).numpy())
+    block_max = pad.reshape(layout.num_keys, B).max(axis=1)
+    keys = helpers.nonzero_keys(x.float(), B)
+    C = layout.sketch.cells
+    exact, deg = np.zeros(C), np.zeros(C)
+    if len(keys):
+        cells, weights = reference.key_cells(layout.sketch, torch.from_numpy(keys))
+        cells, magnitudes = cells.numpy(), weights.abs().numpy().astype(np.float64)
+        for j in range(3):
+            np.add.at(exact, cells[:, j], block_max[keys] * magnitudes[:, j])
+            np.add.at(deg, cells[:, j], 1)
+    return torch.from_numpy(exact), torch.from_numpy(1.01 * np.maximum(deg - 1, 0) * helpers.U32 * exact)
+
+
 def assert_same_payload(layout, p_cpu: torch.Tensor, p_gpu: torch.Tensor, x: torch.Tensor) -> None:
     p_gpu = p_gpu.cpu()
     assert p_gpu.shape == p_cpu.shape
@@ -83,12 +102,17 @@ def assert_same_payload(layout, p_cpu: torch.Tensor, p_gpu: torch.Tensor, x: tor
     io, so = layout.index_offset, layout.sketch_offset
     diff = (bits(p_gpu[io:so]) != bits(p_cpu[io:so])).nonzero().reshape(-1)
     assert diff.numel() == 0, f"index words differ at {diff[:10].tolist()}"
-    g, c = p_gpu[so:].double(), p_cpu[so:].double()
+    mo = layout.mass_offset
+    g, c = p_gpu[so:mo].double(), p_cpu[so:mo].double()
     err = (g - c).abs()
     tol = cell_bound(layout, x.float())
     bad = err > tol
     assert not bool(bad.any()), (f"{int(bad.sum())} sketch floats differ beyond rounding; first at "
                                  f"{bad.nonzero()[:5].reshape(-1).tolist()}")
+    exact, mtol = mass_bound(layout, x.float())
+    for name, p in (("GPU", p_gpu), ("CPU", p_cpu)):
+        bad = (p[mo:].double() - exact).abs() > mtol
+        assert not bool(bad.any()), f"{name} mass channel off at cells {bad.nonzero()[:5].reshape(-1).tolist()}"
 
 
 def index_verdicts_agree(cpu: LosslessCodec, native, payload: torch.Tensor, averaged: bool = False):

@@ -143,7 +143,7 @@ def test_emulated_encode_adds_weighted_values(emulated, block):
         x[k * block:(k + 1) * block] = torch.from_numpy(
             (rng.choice([-1.0, 1.0], block) * rng.choice([1.0 + 2.0 ** -23, 3.0e38 / 2, 1.5e-38, 0.1], block))
             .astype(np.float32))
-    sketch = emulated_encode(native, x)[L.sketch_offset:].reshape(-1, block)
+    sketch = emulated_encode(native, x)[L.sketch_offset:L.mass_offset].reshape(-1, block)
     for k in chosen:
         for j in range(3):
             want = x[k * block:(k + 1) * block] * float(weights[k, j])

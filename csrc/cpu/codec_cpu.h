@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "../lhc_layout.h"
 #include "../lhc_status.h"
@@ -28,6 +29,7 @@ struct DecodeStats {
   uint64_t support_keys = 0;     // keys non-zero on at least one rank
   uint64_t peeled = 0;           // support keys recovered by peeling
   uint64_t index_total = 0;      // sum of the decoded index digits
+  std::vector<uint64_t> inexact_keys;  // keys whose error bound exceeds rtol (status kDecodeInexact), sorted
 };
 
 // Inputs of decode that come from the (already validated) header.
@@ -35,6 +37,7 @@ struct DecodeInputs {
   double scale;          // multiply payload fields by this to get sums (n if averaged, else 1)
   uint64_t total_keys;   // sum over ranks of their non-zero key counts
   uint64_t world_size;
+  double rtol;           // the relative tolerance a key's error bound must meet (else kDecodeInexact)
 };
 
 // Decode an aggregated payload into `out` (layout.numel floats, overwritten: zeros outside the

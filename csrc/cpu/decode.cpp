@@ -71,11 +71,14 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   const SegmentedTable& T = L.sketch;
   const uint64_t groups = T.groups(), gcells = T.group_cells();
   const float* sk = payload + L.sketch_offset;
+  const float* mk = payload + mass_offset(L);
+  const uint64_t n = in.world_size;
   std::vector<uint64_t> goff(groups + 1, 0);  // group g's keys: positions [goff[g], goff[g + 1])
   for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
   HugeVector<float> vals(goff[groups] * B);  // by key position
   std::vector<uint64_t> peeled(groups, 0);
-  std::vector<char> bad(groups, 0), non_finite(groups, 0);
+  std::vector<char> bad(groups, 0), non_finite(groups, 0), corrupt(groups, 0);
+  std::vector<std::vector<uint32_t>> inexact(groups);  // per group: positions of keys failing rtol
   double group_ms[3] = {0, 0, 0};  // LHC_PROFILE: the groups' load, build and peel times, summed over threads
   std::chrono::steady_clock clock;
 #pragma omp parallel num_threads(nt)
@@ -103,15 +106,33 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           finite &= std::isfinite(dst[l]);
         }
       }
+      for (uint64_t c = 0; c < gcells; ++c) finite &= std::isfinite(mk[base + c]);
       if (!finite) non_finite[g] = 1;
       const auto t1 = clock.now();
       build_states(t, T, gkeys.data(), kn, scratch);
+      // Each cell's own rounding bound from its mass and degree (cell_error_bound). A cell holds
+      // support keys exactly when its mass is positive (a support key is non-zero on some rank, and a
+      // float sum of non-negative terms is 0 only if they all are): anything else is corruption (an
+      // all-zero sketch under a valid index, a flipped mass word).
+      bool cells_bad = false;
+      for (uint64_t c = 0; c < gcells; ++c) {
+        const double m = (double)mk[base + c] * in.scale;
+        cells_bad |= (t.deg(c) > 0) != (m > 0.0);
+        t.set_acc(c, cell_error_bound(m, t.deg(c), n));
+      }
+      corrupt[g] = cells_bad;
       const auto t2 = clock.now();
       uint64_t step = kb;
       bool group_bad = false;
       peeled[g] = peel(
           t, kn, scratch,
           [&](uint32_t pos, const uint64_t* cell, const double* coef) {
+            // The key's error bound: its cell's, every other key of which was subtracted already
+            // (rounded up where it is stored), times 1/|w|; it joins the bounds of its other cells.
+            const double err = std::fabs(coef[0]) * (double)t.acc(cell[0]);
+            t.set_acc(cell[0], PeelTable::kReadCell);
+            t.set_acc(cell[1], (double)t.acc(cell[1]) + std::fabs(coef[1]) * err);
+            t.set_acc(cell[2], (double)t.acc(cell[2]) + std::fabs(coef[2]) * err);
             // Branch-free: weights and their inverses are multiplied in (exact: powers of two), so
             // mispredictions do not stall the memory pipeline.
             if (B == 1) {  // unstructured keys: no loops over one value
@@ -119,6 +140,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
               *t.values(cell[1]) -= coef[1] * x;
               *t.values(cell[2]) -= coef[2] * x;
               gvals[pos] = (float)x;
+              if (!within_rtol(x, err, in.rtol)) inexact[g].push_back(pos);
             } else {
               const double* src = t.values(cell[0]);
               for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src[l];
@@ -129,7 +151,12 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                 d2[l] -= coef[2] * v[l];
               }
               float* o = gvals + (uint64_t)pos * B;
-              for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
+              bool within = true;
+              for (uint64_t l = 0; l < B; ++l) {
+                o[l] = (float)v[l];
+                within &= within_rtol(v[l], err, in.rtol);
+              }
+              if (!within) inexact[g].push_back(pos);
             }
             if (trace_key) {
               trace_key[step] = (int64_t)gkeys[pos];
@@ -141,12 +168,31 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           &group_bad);
       if (!group_bad && peeled[g] < kn)
         peeled[g] += solve_pairs(t, T, gkeys.data(), kn, B, scratch,
-                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int*, const int*,
+                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int* wa, const int* wb,
                                      const double* va, const double* vb) {
+                                   // Bounds as for a peeled key (tests/helpers.py peel_error_bound);
+                                   // the third cell r must then hold the pair's w_r(a) v_a + w_r(b) v_b:
+                                   // it is subtracted and left to the residual check.
+                                   const PairCells pc = pair_cells(wa, wb);
+                                   const int r = 3 - pc.p - pc.q;
+                                   const double ap = t.acc(cell[pc.p]), aq = t.acc(cell[pc.q]);
+                                   const double det = std::abs(pc.det);
+                                   const double ea = (std::abs(wb[pc.q]) * ap + std::abs(wb[pc.p]) * aq) / det;
+                                   const double eb = (std::abs(wa[pc.p]) * aq + std::abs(wa[pc.q]) * ap) / det;
+                                   t.set_acc(cell[pc.p], PeelTable::kReadCell);
+                                   t.set_acc(cell[pc.q], PeelTable::kReadCell);
+                                   t.set_acc(cell[r], (double)t.acc(cell[r]) + std::abs(wa[r]) * ea + std::abs(wb[r]) * eb);
+                                   double* Rr = t.values(cell[r]);
+                                   bool within_a = true, within_b = true;
                                    for (uint64_t l = 0; l < B; ++l) {
                                      gvals[(uint64_t)pa * B + l] = (float)va[l];
                                      gvals[(uint64_t)pb * B + l] = (float)vb[l];
+                                     Rr[l] -= wa[r] * va[l] + wb[r] * vb[l];
+                                     within_a &= within_rtol(va[l], ea, in.rtol);
+                                     within_b &= within_rtol(vb[l], eb, in.rtol);
                                    }
+                                   if (!within_a) inexact[g].push_back(pa);
+                                   if (!within_b) inexact[g].push_back(pb);
                                    if (trace_key) {
                                      for (const uint32_t p : {pa, pb}) {
                                        trace_key[step] = (int64_t)gkeys[p];
@@ -156,6 +202,16 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    }
                                  });
       bad[g] = group_bad;
+      // The residual check: with every key recovered, each cell no key was read from must be 0
+      // within its bound (its own rounding plus the bounds of the keys subtracted from it).
+      if (!group_bad && peeled[g] == kn)
+        for (uint64_t c = 0; c < gcells && !corrupt[g]; ++c) {
+          const double a = t.acc(c);
+          if (a < 0.0) continue;
+          const double* r = t.values(c);
+          for (uint64_t l = 0; l < B; ++l) corrupt[g] |= !(std::fabs(r[l]) <= a);
+        }
+      for (uint32_t& p : inexact[g]) p = gkeys[p];  // positions -> keys
       if (prof.env) {
         const auto t3 = clock.now();
 #pragma omp critical(lhc_profile)
@@ -181,12 +237,18 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   }
   write_output(L, runs, out, nt);
   prof.mark("write");
+  bool any_corrupt = false;
   for (uint64_t g = 0; g < groups; ++g) {
     st.peeled += peeled[g];
     if (bad[g]) st.status = kDecodeIndexCorrupt;
     if (non_finite[g] && st.status == kDecodeOk) st.status = kDecodeSketchNonFinite;
+    any_corrupt |= corrupt[g];
+    st.inexact_keys.insert(st.inexact_keys.end(), inexact[g].begin(), inexact[g].end());
   }
   if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
+  if (st.status == kDecodeOk && any_corrupt) st.status = kDecodeSketchCorrupt;
+  std::sort(st.inexact_keys.begin(), st.inexact_keys.end());
+  if (st.status == kDecodeOk && !st.inexact_keys.empty()) st.status = kDecodeInexact;
 
   return st;
 }

@@ -3,6 +3,8 @@
 #include <emmintrin.h>
 #endif
 
+#include <cmath>
+
 #include "digits.h"
 #include "peel.h"
 
@@ -90,12 +92,13 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
   return local;
 }
 
-// Add weight * x[key block] into the value sketch for keys[0, count), in that order; all of them in the
+// Add weight * x[key block] into the value sketch and |weight| * max |x[key block]| into the mass
+// channel for keys[0, count), in that order; all of them in the
 // group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
 // pass. The group's cells stay in cache, but a group's keys are spread over all of x: each key's
 // values are a miss to memory, so they are prefetched well ahead.
 void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
-                  float* sketch, std::vector<uint32_t>& kc) {
+                  float* sketch, float* mass, std::vector<uint32_t>& kc) {
   constexpr size_t kAhead = 16;
   const uint64_t B = L.block;
   kc.resize(3 * count);
@@ -112,6 +115,8 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
     const uint64_t lo = (uint64_t)keys[i] * B;
     const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
     const float* src = x + lo;
+    float m = 0.0f;  // the block's largest magnitude: its mass (exact, as every |w| * m below)
+    for (uint64_t l = 0; l < len; ++l) m = std::max(m, std::fabs(src[l]));
     for (int j = 0; j < 3; ++j) {
       // w * v is exact (w = +-1, +-2), and dst + (-1 * v) is dst - v bit for bit (IEEE subtraction is
       // addition of the negation); a multiplied-in weight needs no branch: a random sign mispredicts
@@ -119,6 +124,7 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
       float* dst = cell_values(i, j);
       const float w = (float)PeelTable::weight(kc[3 * i + j]);
       for (uint64_t l = 0; l < len; ++l) dst[l] += w * src[l];
+      mass[(cell_values(i, j) - sketch) / B] += std::fabs(w) * m;
     }
   }
 }
@@ -277,6 +283,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   // groups, keys are bucketed by group (stably) and each thread scatters whole groups, whose cells
   // stay in cache; with one group the scatter is sequential.
   float* sketch = payload + L.sketch_offset;
+  float* mass = payload + mass_offset(L);
   const SegmentedTable& T = L.sketch;
   if (T.groups() > 1) {
     std::vector<uint32_t> gkeys;
@@ -288,11 +295,11 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
       std::vector<uint32_t> kc;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
-        scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], (uint64_t)g * T.group_cells(), sketch, kc);
+        scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], (uint64_t)g * T.group_cells(), sketch, mass, kc);
     }
   } else {
     std::vector<uint32_t> kc;
-    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, kc);
+    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, mass, kc);
   }
 
   prof.mark("enc values");

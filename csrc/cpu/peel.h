@@ -3,6 +3,10 @@
 // multilevel fine tables share them.
 #pragma once
 
+#include <cmath>
+#include <cstring>
+#include <limits>
+
 #include "codec_cpu_internal.h"
 
 namespace lhc {
@@ -40,6 +44,20 @@ class PeelTable {
   uint32_t& pos(uint64_t c) { return slots_[c * stride_].word[1]; }
   uint32_t& packed(uint64_t c, int j) { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
   double* values(uint64_t c) { return &slots_[c * stride_ + kStateSlots].value; }
+  // The value peel's error bound of cell c (see decode.cpp), kept in the padding half of the third
+  // state slot (zeroed by clear_state, never touched by update): a float, so every store rounds up.
+  // Negative (kReadCell) once a key was read from the cell.
+  float acc(uint64_t c) const {
+    float f;
+    std::memcpy(&f, &slots_[c * stride_ + 2].word[1], sizeof f);
+    return f;
+  }
+  void set_acc(uint64_t c, double bound) {
+    float f = (float)bound;
+    if ((double)f < bound) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+    std::memcpy(&slots_[c * stride_ + 2].word[1], &f, sizeof f);
+  }
+  static constexpr double kReadCell = -1.0;
   void clear_state(uint64_t c) {
     for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
   }

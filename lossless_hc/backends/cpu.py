@@ -74,10 +74,11 @@ class PendingDecode:
     runs the kernels with the key total the codec read from the validated header."""
 
     def __init__(self, native, payload: torch.Tensor, out: torch.Tensor, scale: float, world_size: int,
-                 num_threads: int):
+                 num_threads: int, rtol: float):
         self.native, self.payload, self.out = native, payload, out
-        self.scale, self.world_size, self.num_threads = scale, world_size, num_threads
+        self.scale, self.world_size, self.num_threads, self.rtol = scale, world_size, num_threads, rtol
         self.header = payload[:HEADER_FIELDS].double().tolist()
+        self._stats = None
 
     def finish(self, total_keys: int, trace: bool = False):
         """Run the kernels: ``(stats, trace)`` with stats as ``_C.DecodeStats`` (status from
@@ -89,11 +90,20 @@ class PendingDecode:
             tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
             tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
         st = _C.decode(self.native.words_ptr, float(self.scale), int(total_keys), int(self.world_size),
-                       self.payload.data_ptr(), self.out.data_ptr(), _addr(tk), _addr(tc), self.num_threads)
+                       self.payload.data_ptr(), self.out.data_ptr(), _addr(tk), _addr(tc), self.num_threads,
+                       float(self.rtol))
+        self._stats = st
         if not trace:
             return st, None
         done = tk >= 0      # groups fill their own slices; keys a failed group never peeled stay -1
         return st, (tk[done], tc[done])
+
+    def inexact_keys(self) -> torch.Tensor:
+        """After ``finish``: the keys whose error bound exceeds rtol (sorted int64, CPU)."""
+        raw = self._stats.inexact_keys_bytes if self._stats is not None else b""
+        if not raw:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(bytearray(raw), dtype=torch.int64)
 
 
 class CpuLhcLayout:
@@ -148,8 +158,8 @@ class CpuBackend:
         _C.encode(native.words_ptr, x.data_ptr(), payload.data_ptr(), num_threads)
 
     def lhc_decode(self, native: CpuLhcLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
-                   world_size: int, num_threads: int = 0) -> PendingDecode:
-        return PendingDecode(native, payload, out, scale, world_size, num_threads)
+                   world_size: int, num_threads: int = 0, rtol: float = 0.0) -> PendingDecode:
+        return PendingDecode(native, payload, out, scale, world_size, num_threads, rtol)
 
     # -- top-k -----------------------------------------------------------------------------------
     def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,

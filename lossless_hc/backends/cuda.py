@@ -501,8 +501,8 @@ class CudaBackend:
         encode(native, x, payload)
 
     def lhc_decode(self, native: CudaLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
-                   world_size: int, num_threads: int = 0) -> PendingDecode:
-        return PendingDecode(decode(native, scale, world_size, payload, out))
+                   world_size: int, num_threads: int = 0, rtol: float = 0.0) -> PendingDecode:
+        return PendingDecode(decode(native, scale, world_size, payload, out, rtol))
 
     def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
                     num_threads: int = 0) -> torch.Tensor:

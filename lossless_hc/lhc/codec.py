@@ -6,7 +6,7 @@ average) of the ranks' tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -17,6 +17,11 @@ from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
 
 _ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEFAULT_RTOL = 2.0 ** -10
+
+
+def _no_keys() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64)
 
 @dataclass
 class DecodeReport:
@@ -56,6 +61,7 @@ class DecodeReport:
     total_keys: int = 0
     index_kind: str = ""
     trace: Optional[tuple] = None
+    inexact_keys: torch.Tensor = field(default_factory=_no_keys)
 
     @property
     def unresolved(self) -> int:
@@ -132,7 +138,11 @@ class LosslessCodec:
     """
 
     def __init__(self, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
-                 device="cpu", index: str = "auto", num_threads: int = 0, union_nnz: Optional[int] = None):
+                 device="cpu", index: str = "auto", num_threads: int = 0, union_nnz: Optional[int] = None,
+                 rtol: float = DEFAULT_RTOL):
+        if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0.0 <= rtol < 1.0:
+            raise ValueError(f"rtol must be a number in [0, 1), got {rtol!r}")
+        self.rtol = float(rtol)
         self.device = torch.device(device)
         # Every backend has every index kind, so the layout depends on the arguments alone: CPU and CUDA
         # ranks plan the same payload (also for "auto") and interoperate.
@@ -298,6 +308,10 @@ class LosslessCodec:
         payload = payload.contiguous()
         shape = tuple(shape) if shape is not None else self._shape
         dtype = dtype if dtype is not None else self._dtype
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"decode(dtype={dtype}): the decoded sum is a float32 tensor (rounded to the input's "
+                            "float16/bfloat16 where that was encoded); integer dtypes would truncate it silently: "
+                            "decode to a float dtype and convert explicitly")
         n = L.world_size
         scale = float(n) if averaged else 1.0
 
@@ -317,11 +331,16 @@ class LosslessCodec:
         dense_nonzero = pending = None
         if L.index_kind == "dense":
             # The header and the non-zero count in one transfer (one synchronisation on CUDA).
+            # The header, the non-zero count and the non-finite count in one transfer (one
+            # synchronisation on CUDA).
+            body = payload[HEADER_FIELDS:]
             values = torch.cat([payload[:HEADER_FIELDS].to(torch.float64),
-                                torch.count_nonzero(payload[HEADER_FIELDS:]).to(torch.float64).reshape(1)]).tolist()
+                                torch.count_nonzero(body).to(torch.float64).reshape(1),
+                                (~torch.isfinite(body)).sum().to(torch.float64).reshape(1)]).tolist()
             header_fields, dense_nonzero = values[:HEADER_FIELDS], int(values[HEADER_FIELDS])
+            dense_non_finite = int(values[HEADER_FIELDS + 1])
         else:
-            pending = self._backend.lhc_decode(self._native, payload, out, scale, n, self.num_threads)
+            pending = self._backend.lhc_decode(self._native, payload, out, scale, n, self.num_threads, self.rtol)
             header_fields = pending.header
         hdr, in_range = self._read_header(header_fields, scale)
         if hdr[HDR_CONTRIBUTORS] is None:
@@ -358,6 +377,9 @@ class LosslessCodec:
             return fail(DecodeStatus.KEY_COUNT_CORRUPT)
 
         if pending is None:
+            if dense_non_finite:   # a NaN word, or finite inputs whose sum overflowed float32
+                return fail(DecodeStatus.SKETCH_OVERFLOW,
+                            f"{message(DecodeStatus.SKETCH_OVERFLOW)} ({dense_non_finite} dense value(s))")
             out.copy_(payload[HEADER_FIELDS:])
             report.candidates = report.support = report.peeled = dense_nonzero
             return finish(DecodeStatus.OK)
@@ -367,7 +389,12 @@ class LosslessCodec:
         report.support, report.peeled = st.support_keys, st.peeled
         status, reason = DecodeStatus(st.status), None
         if overload:
-            # The kernels may still have recovered every key of a truncated aggregate: never ok.
+            # The kernels may still have recovered every key of a truncated aggregate: never ok (and
+            # not INEXACT either: the keys within rtol are not the aggregate's).
             reason = f"{overload} ({message(status) or f'recovered {st.peeled}/{st.support_keys} keys'})"
-            status = status if status != DecodeStatus.OK else DecodeStatus.OVERLOADED
+            status = status if status not in (DecodeStatus.OK, DecodeStatus.INEXACT) else DecodeStatus.OVERLOADED
+        elif status == DecodeStatus.INEXACT:
+            report.inexact_keys = pending.inexact_keys()
+            reason = (f"{message(status)}: {report.inexact_keys.numel()} of {st.support_keys} keys "
+                      f"(rtol={self.rtol:g})")
         return finish(status, reason)

@@ -6,7 +6,7 @@ same layout and the same payload shape without communicating.
 
 Payload (float32, ``payload_numel`` elements)::
 
-    [ header: HEADER_FIELDS ints ][ index words ][ value sketch: cells x block floats ]
+    [ header: HEADER_FIELDS ints ][ index words ][ value sketch: cells x block floats ][ mass: cells floats ]
 
 * header -- small integers each rank contributes (contributor count 1, configuration fingerprint,
   its number of non-zero keys, overload/non-finite/saturation flags). Their SUM tells the decoder
@@ -16,6 +16,11 @@ Payload (float32, ``payload_numel`` elements)::
   exactly (see ``bloom_table_for``); ``dense``: no index, the raw values follow the header.
 * sketch -- a Count Sketch of the values: key ``k`` adds ``s_j(k) * x[k]`` into cell ``h_j(k)`` for
   j = 0, 1, 2 (see csrc/lhc_layout.h for the hash family and the segmented table).
+* mass -- one float per sketch cell: key ``k`` adds ``|s_j(k)| * max_l |x[k, l]|`` (its block's largest
+  magnitude) into cell ``h_j(k)``. Sums of non-negative terms do not cancel, so the aggregated mass
+  is an upper bound (up to a relative ``(deg + n) 2^-24``) on what every coordinate of the cell
+  summed in absolute value: the decoder's per-key error bound and residual check are built on it
+  (see ``LosslessCodec``). The ``dense`` kind has none.
 
 Integer fields are packed as digits, ``per_word`` digits of base ``base`` per float32 word with
 ``base ** per_word <= 2**22``: the sum over ranks of a digit never reaches ``base`` (the base is
@@ -34,7 +39,7 @@ INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 5             # joins every fingerprint; history in docs/DESIGN.md ("Layout versions")
+LAYOUT_VERSION = 6             # joins every fingerprint; history in docs/DESIGN.md ("Layout versions")
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
@@ -215,10 +220,15 @@ class PayloadLayout:
         return HEADER_FIELDS + self.index.words + self.fine_numel
 
     @property
+    def mass_offset(self) -> int:
+        """First word of the mass channel: one float per sketch cell, after the value sketch."""
+        return self.sketch_offset + self.sketch.cells * self.block
+
+    @property
     def payload_numel(self) -> int:
         if self.index_kind == "dense":
             return HEADER_FIELDS + self.numel
-        return self.sketch_offset + self.sketch.cells * self.block
+        return self.mass_offset + self.sketch.cells
 
     @property
     def wire_bytes(self) -> int:

@@ -194,6 +194,32 @@ def multilevel_fine_words(layout: PayloadLayout, keys: torch.Tensor) -> torch.Te
     return torch.cat(out).to(torch.float32)
 
 
+def mass_cells_float32(layout: PayloadLayout, flat: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The mass channel ``[cells]`` float32 as the C++ accumulates it: per cell, ``|w| * max |block|``
+    of its keys added in increasing key order, each addition rounded to float32 (the max and the
+    products by |w| = 1, 2 are exact; NaN lanes do not count)."""
+    B = layout.block
+    padded = torch.zeros(layout.num_keys * B, dtype=torch.float32)
+    padded[: layout.numel] = flat
+    # NaN lanes are skipped, as std::max(m, NaN) and fmaxf do (such a rank is flagged non-finite).
+    mag = padded.abs().nan_to_num(nan=0.0, posinf=float("inf"))
+    block_max = mag.reshape(layout.num_keys, B).amax(dim=1, keepdim=True)
+    sketch = torch.zeros(layout.sketch.cells, dtype=torch.float32)
+    if keys.numel() == 0:
+        return sketch
+    cells, weights = key_cells(layout.sketch, keys)
+    cell = cells.reshape(-1)
+    val = (block_max[keys] * weights.abs().to(torch.float32)).reshape(-1)
+    order = torch.sort(cell, stable=True).indices
+    cell, val = cell[order], val[order]
+    first = torch.searchsorted(cell, cell, right=False)
+    rank = torch.arange(cell.numel()) - first
+    for r in range(int(rank.max()) + 1):
+        m = rank == r
+        sketch[cell[m]] = sketch[cell[m]] + val[m]
+    return sketch
+
+
 def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
     """The float32 payload ``lhc::cpu::encode`` (or the dense path of ``LosslessCodec.encode``)
     writes for ``x``; bit-for-bit identical to it."""
@@ -235,7 +261,8 @@ def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
     else:
         raise ValueError(f"unknown index kind {L.index_kind!r}")
     payload[L.index_offset: L.fine_offset] = pack_digits(L, digits)
-    payload[L.sketch_offset:] = sketch_cells_float32(L, flat, keys).reshape(-1)
+    payload[L.sketch_offset:L.mass_offset] = sketch_cells_float32(L, flat, keys).reshape(-1)
+    payload[L.mass_offset:] = mass_cells_float32(L, flat, keys)
     payload[:HEADER_FIELDS] = torch.tensor(header, dtype=torch.float32)
     return payload
 
@@ -431,12 +458,33 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
     return nodes, None
 
 
-def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False):
+UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def cell_error_bound(mass: torch.Tensor, deg: torch.Tensor, n: int) -> torch.Tensor:
+    """``lhc::cell_error_bound``: the rounding bound ``(deg + n + 2) u M (1 + 2 (deg + n + 2) u)`` of
+    each value cell, from its (scaled) aggregated mass and its number of support keys (float64)."""
+    m = (deg.to(torch.float64) + n + 2) * UNIT_ROUNDOFF
+    return m * mass * (1.0 + 2.0 * m)
+
+
+def within_rtol(v: torch.Tensor, err: torch.Tensor, rtol: float) -> torch.Tensor:
+    """``lhc::within_rtol``: ``err (1 + rtol) + u |v| <= rtol |v|``, which makes the float32 output
+    within ``rtol`` of the true sum."""
+    a = v.abs()
+    return err * (1.0 + rtol) + UNIT_ROUNDOFF * a <= rtol * a
+
+
+def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False, rtol: float = 2.0 ** -10):
     """Decode an aggregated payload: ``(y, info)``, y a float64 tensor of ``numel`` values (the sum,
     or the average if ``averaged``), info a dict with ok, reason, contributors, total_keys,
     overloaded_ranks, candidates, false_positives, support (number of keys), support_keys (the
     keys), peeled, and trace = (keys, cells): the support keys in peeling order (round by round)
-    and the cell each was read from, like ``DecodeReport.trace``.
+    and the cell each was read from, like ``DecodeReport.trace``; once peeled, error_bound (per
+    support key, in support order: the rigorous bound on its float64 value's error, built from
+    the mass channel along the peel as ``LosslessCodec`` states) and inexact_keys (sorted keys whose
+    bound exceeds ``rtol``: then ok is False with reason "inexact"). A cell left non-zero beyond its
+    bound after peeling fails with "sketch corrupt".
 
     Peeling is round based in float64 (see the module docstring). A Bloom index is first peeled
     exactly in integers, so every false-positive candidate gets count 0 and is dropped before the
@@ -454,7 +502,7 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
     y = torch.zeros(L.numel, dtype=torch.float64)
     info = dict(ok=False, reason=None, contributors=0, total_keys=0, overloaded_ranks=0, candidates=0,
                 false_positives=0, support=0, support_keys=torch.zeros(0, dtype=torch.int64), peeled=0,
-                trace=None)
+                trace=None, inexact_keys=torch.zeros(0, dtype=torch.int64), error_bound=None)
 
     hdr = _read_int_fields(payload[:HEADER_FIELDS], scale)
     if hdr is None:
@@ -475,6 +523,8 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
 
     if L.index_kind == "dense":
         y = payload[HEADER_FIELDS:].to(torch.float64)
+        if not bool(torch.isfinite(y).all()):
+            return y, _fail(info, "sketch overflow: a dense value is NaN/Inf")
         nz = int(torch.count_nonzero(y))
         info.update(candidates=nz, support=nz, peeled=nz, ok=True)
         return y, info
@@ -529,28 +579,49 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
     info["support"], info["support_keys"] = support.numel(), support
 
     B = L.block
-    val = payload[L.sketch_offset:].to(torch.float64).reshape(L.sketch.cells, B).clone()
-    if not bool(torch.isfinite(val).all()):
+    val = payload[L.sketch_offset:L.mass_offset].to(torch.float64).reshape(L.sketch.cells, B).clone()
+    mass = payload[L.mass_offset:].to(torch.float64) * scale
+    if not bool(torch.isfinite(val).all()) or not bool(torch.isfinite(mass).all()):
         # every rank's input was finite (header), so the float32 aggregate overflowed or was corrupted
         return y, _fail(info, "sketch overflow: a sketch cell is NaN/Inf")
     sc, ss = key_cells(L.sketch, support)
+    deg = torch.bincount(sc.reshape(-1), minlength=L.sketch.cells)
+    # Each cell's error bound (lhc::cell_error_bound), then, along the peel, the bounds of the keys
+    # subtracted from it; -1 marks a cell a key was read from (nothing left to check there).
+    acc = cell_error_bound(mass, deg, n)
+    mass_bad = bool(((deg > 0) != (mass > 0)).any())
     rounds, resolved = peel_rounds(sc, L.sketch.cells)
     blocks = torch.zeros(support.numel(), B, dtype=torch.float64)
+    err = torch.zeros(support.numel(), dtype=torch.float64)
     trace_keys, trace_cells = [], []
     for idx, pj in rounds:
         pure_cell = sc[idx, pj]
         trace_keys.append(support[idx])
         trace_cells.append(pure_cell)
-        v = val[pure_cell] / ss[idx, pj].unsqueeze(1).to(torch.float64)    # [R, B]; exact (w = +-1, +-2)
+        w = ss[idx, pj].to(torch.float64)
+        v = val[pure_cell] / w.unsqueeze(1)                                 # [R, B]; exact (w = +-1, +-2)
         blocks[idx] = v
+        err[idx] = acc[pure_cell] / w.abs()
+        acc[pure_cell] = -1.0
         other = torch.ones(idx.numel(), 3, dtype=torch.bool)
         other[torch.arange(idx.numel()), pj] = False
         oc = sc[idx][other]                                                 # [2R]
         os_ = ss[idx][other].to(torch.float64)
         val.index_add_(0, oc, -(os_.unsqueeze(1) * v.repeat_interleave(2, dim=0)))
-    # Peeling stalled: solve the two-key stopping sets (each pair's cells hold just the pair).
+        acc.index_add_(0, oc, os_.abs() * err[idx].repeat_interleave(2))
+    # Peeling stalled: solve the two-key stopping sets (each pair's cells hold just the pair); the
+    # third cell keeps w_r(a) v_a + w_r(b) v_b, subtracted for the residual check.
     for a, b in solvable_pairs(sc, ss, resolved).tolist():
         blocks[a], blocks[b] = solve_pair(val, sc[a], ss[a], ss[b])
+        wa, wb = ss[a].tolist(), ss[b].tolist()
+        p, q, det = pair_cells(wa, wb)
+        r = 3 - p - q
+        ap, aq = float(acc[sc[a, p]]), float(acc[sc[a, q]])
+        err[a] = (abs(wb[q]) * ap + abs(wb[p]) * aq) / abs(det)
+        err[b] = (abs(wa[p]) * aq + abs(wa[q]) * ap) / abs(det)
+        acc[sc[a, p]] = acc[sc[a, q]] = -1.0
+        acc[sc[a, r]] += abs(wa[r]) * err[a] + abs(wb[r]) * err[b]
+        val[sc[a, r]] -= wa[r] * blocks[a] + wb[r] * blocks[b]
         resolved[a] = resolved[b] = True
         trace_keys.append(support[[a, b]])
         trace_cells.append(sc[[a, b], 0])
@@ -565,5 +636,13 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False)
         return y, _fail(info, "sketch peeling failed")
     if info["overloaded_ranks"]:
         return y, _fail(info, f"overloaded: {info['overloaded_ranks']} rank(s) over capacity")
+    checked = acc >= 0
+    if mass_bad or bool((val[checked].abs() > acc[checked].unsqueeze(1)).any()):
+        return y, _fail(info, "sketch corrupt: a cell is not zero within its bound after peeling")
+    info["error_bound"] = err
+    inexact = ~within_rtol(blocks, err.unsqueeze(1), rtol).all(dim=1)
+    info["inexact_keys"] = torch.sort(support[inexact]).values
+    if bool(inexact.any()):
+        return y, _fail(info, "inexact")
     info["ok"] = True
     return y, info

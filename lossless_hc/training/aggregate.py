@@ -425,7 +425,7 @@ class TensorAggregator:
         ``[k b, min((k+1) b, numel))``) when they are to be re-aggregated alone, else None; counts
         the decode in the stats. A payload some rank overloaded is truncated, so its keys are
         never re-aggregated alone."""
-        if report.status != _INEXACT:
+        if report.status != DecodeStatus.INEXACT:
             return None
         st = self.stats
         st.inexact_decodes += 1
@@ -466,9 +466,6 @@ sends m values (no indices: every rank derives them from the same aggregate) whe
 sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access);
 past half of the tensor that costs about as much as the contiguous dense fallback, and an inexact set
 that large says the sketch does not suit the tensor, so it falls back densely and grows."""
-
-_INEXACT = getattr(DecodeStatus, "INEXACT", None)
-
 
 def _check_partial_fraction(fraction) -> float:
     if fraction is None:

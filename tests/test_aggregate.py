@@ -181,3 +181,74 @@ def test_thc_aggregator_sends_tiny_tensors_dense():
     assert not agg.compressed
     x = torch.randn(4)
     assert agg.encode(x)[0] is x
+
+
+# -- inexact keys: re-aggregated alone, or densely when they are many ---------------------------------
+
+def inexact_inputs(n, step=0):
+    """Each rank's (2000, 4) gradient of tests/mp/inexact_case.py: small rows sharing sketch cells with rows of 2**30."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "mp"))
+    import inexact_case
+    return [inexact_case.gradients(step, r)[0] for r in range(n)]
+
+
+def first_inexact(n, average=False, **kw):
+    """``(aggregators, inputs, outcomes)`` of the first step whose decode reports inexact keys."""
+    for step in range(16):
+        aggs = [TensorAggregator("t", (2000, 4), torch.float32, n, 0.05, **kw) for _ in range(n)]
+        xs = inexact_inputs(n, step)
+        outcomes = aggregate(aggs, xs, average)
+        if outcomes[0].report.status.name == "INEXACT":
+            return aggs, xs, outcomes
+    raise AssertionError("no step of tests/mp/inexact_case.py reported inexact keys")
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_inexact_keys_are_completed_by_their_own_sum(average):
+    """The outcome keeps the decoded tensor and names the inexact keys' coordinates (whole blocks, the
+    same on every rank); the SUM of every rank's values there, through finish_partial, makes every
+    coordinate equal to the dense aggregate, bit for bit."""
+    n = 2
+    aggs, xs, outcomes = first_inexact(n, average)
+    keys = outcomes[0].report.inexact_keys
+    coords = (keys.reshape(-1, 1) * 4 + torch.arange(4)).reshape(-1)
+    dense = sum(xs[1:], xs[0].clone())
+    for agg, o in zip(aggs, outcomes):
+        assert o.needs_partial and not o.needs_fallback
+        assert torch.equal(o.partial, coords)
+    assert not torch.equal(outcomes[0].value, dense / n if average else dense)   # the decode alone is off there
+    summed = sum(xs[r].reshape(-1)[coords] for r in range(n))
+    for agg, o in zip(aggs, outcomes):
+        got = agg.finish_partial(summed.clone(), o)
+        assert torch.equal(got, dense / n if average else dense)
+        st = agg.stats
+        assert (st.inexact_decodes, st.partial_fallbacks, st.inexact_keys, st.fallbacks) == (1, 1, keys.numel(), 0)
+        assert agg.capacity == aggs[0].capacity   # nothing failed: no growth
+
+
+def test_many_inexact_keys_fall_back_densely_and_grow():
+    """Above partial_max_fraction of the tensor (0 here: any inexact key), and wherever the caller cannot
+    re-aggregate keys alone (partial=False: a reduce-scatter), the decode falls back as a failure does."""
+    aggs, _, outcomes = first_inexact(2, partial_max_fraction=0.0)
+    for agg, o in zip(aggs, outcomes):
+        assert o.needs_fallback and not o.needs_partial
+        st = agg.stats
+        assert (st.inexact_decodes, st.partial_fallbacks, st.fallbacks, st.capacity_growths) == (1, 0, 1, 1)
+    aggs = [TensorAggregator("t", (2000, 4), torch.float32, 2, 0.05) for _ in range(2)]
+    for step in range(16):
+        xs = inexact_inputs(2, step)
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        total = encoded[0][0] + encoded[1][0]
+        o = aggs[0].decode(total, encoded[0][1], partial=False)
+        if o.report.status.name == "INEXACT":
+            assert o.needs_fallback and aggs[0].stats.partial_fallbacks == 0
+            return
+    raise AssertionError("no inexact decode")
+
+
+def test_partial_max_fraction_is_checked():
+    for bad in (-0.1, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match="partial_max_fraction"):
+            TensorAggregator("t", (100,), torch.float32, 2, 0.1, partial_max_fraction=bad)

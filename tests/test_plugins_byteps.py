@@ -323,6 +323,43 @@ def test_fallback_growth_and_tail_keep_training_exact():
     assert sim.keys[0] == sim.keys[1]
 
 
+def test_inexact_keys_are_reaggregated_alone_under_padded_names():
+    """Gradients whose small keys share sketch cells with 2**30 (tests/mp/inexact_case.py): the decoder
+    reports those keys inexact; each is re-aggregated by a sum push_pull of just their coordinates,
+    zero-padded to a power of two under ``lhc.partial.<name>.<size>`` (a name keeps one size, as
+    BytePS requires), declared at the step's end in the same order on every rank; the gradients equal
+    the exact dense average bit for bit (2 workers: the division by 2 is exact)."""
+    sys.path.insert(0, os.path.join(HERE, "mp"))
+    import inexact_case
+
+    world = 2
+    sim = SimulatedBytePS(world)
+
+    def worker(rank, engine):
+        model = inexact_case.InexactModel()
+        comp = Compression.lossless(max_density=0.05, engine=engine)
+        opt = BytePSLikeOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), comp, engine)
+        differing = []
+        for step in range(inexact_case.STEPS):
+            opt.zero_grad()
+            model(*inexact_case.gradients(step, rank)).backward()
+            opt.synchronize()
+            got = [p.grad.clone() for p in model.parameters()]
+            differing.append(inexact_case.compare(inexact_case.dense_reference(step, world, average=True), got)["differing"])
+        return differing, comp.stats()
+
+    results = run_workers(sim, worker)
+    for differing, st in results:
+        assert differing == [0] * inexact_case.STEPS
+        assert st["partial_fallbacks"] >= 1 and st["fallbacks"] == 0 and st["inexact_decodes"] == st["partial_fallbacks"]
+    partial = {n: pushes for n, pushes in sim.pushes.items() if n.startswith("lhc.partial.")}
+    assert partial, sorted(sim.pushes)
+    for name, pushes in partial.items():
+        size = int(name.rsplit(".", 1)[1])
+        assert size & (size - 1) == 0 and all(numel == size and not avg for numel, _, avg in pushes), (name, pushes)
+    assert sim.keys[0] == sim.keys[1] and not any(sim.lazily_declared)
+
+
 def test_backward_passes_per_step_and_three_workers():
     ref, _ = train(none_for, world=3, bpps=2, steps=3)
     got, _ = train(lossless_for(max_density=0.05), world=3, bpps=2, steps=3)

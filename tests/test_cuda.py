@@ -133,9 +133,10 @@ def index_verdicts_agree(cpu: LosslessCodec, native, payload: torch.Tensor, aver
     hdr, _ = cpu._read_header(host[:HEADER_FIELDS].double().tolist(), scale)
     total = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << 11) + (hdr[HDR_KEYS_HI] << 22)
     y = torch.full((L.numel,), 7.0)
-    c, _ = _backend.CPU.lhc_decode(cpu._native, host, y, scale, L.world_size).finish(total)
+    pending = _backend.CPU.lhc_decode(cpu._native, host, y, scale, L.world_size, rtol=cpu.rtol)
+    c, _ = pending.finish(total)
     out = torch.full((L.numel,), 7.0, device=native.device)   # poisoned: decode writes all of it
-    run = _cuda.decode(native, scale, L.world_size, host.to(native.device), out)
+    run = _cuda.decode(native, scale, L.world_size, host.to(native.device), out, cpu.rtol)
     _, g = run.finish()
     mode = run.arena.view("ml_state", torch.int64)[7].item() >> 32 if L.index_kind == "multilevel" else 0
     out = out.cpu()
@@ -147,6 +148,8 @@ def index_verdicts_agree(cpu: LosslessCodec, native, payload: torch.Tensor, aver
         assert torch.equal(torch.isnan(out), torch.isnan(y)) and torch.equal(out == 0, y == 0), "supports differ"
     if c.status in (1, 2, 5):   # the index failed: both outputs are all zeros
         assert torch.equal(bits(out), bits(y))
+    if c.status == helpers.INEXACT:   # the same keys fail rtol on both
+        assert torch.equal(run.inexact_keys(g.support_keys), pending.inexact_keys())
     return c.status, out, run, mode
 
 

@@ -69,7 +69,9 @@ MODE_LIST, MODE_TOO_MANY, MODE_REPLAYED = 0, 1, 2
 
 def report_of(st, run):
     return SimpleNamespace(ok=st.status == 0, reason=f"status {st.status}", support=st.support_keys,
-                           peeled=st.peeled, trace=run.trace(st.support_keys))
+                           peeled=st.peeled, trace=run.trace(st.support_keys), status=st.status,
+                           inexact_keys=run.inexact_keys(st.support_keys) if st.status == helpers.INEXACT
+                           else torch.zeros(0, dtype=torch.int64))
 
 
 def test_emulation_holds_every_codec_kernel(emulated):
@@ -100,7 +102,7 @@ def test_encode_and_decode_agree_with_cpu(emulated, cfg):
     for averaged in (False, True):
         payload = helpers.average_payloads(summed, cfg["n"]) if averaged else summed
         status, out, run, _ = agree(case, payload, averaged)
-        assert status == 0
+        assert status in (0, helpers.INEXACT)
         _, st = run.finish()
         helpers.assert_lossless(case.L, case.xs, out, report_of(st, run), averaged=averaged)
 
@@ -245,7 +247,7 @@ def test_decode_is_bitwise_deterministic(emulated):
         trace = run.trace(st.support_keys)
         if first is None:
             first = (st, out, trace)
-            assert st.status == 0
+            assert st.status in (0, helpers.INEXACT)
             continue
         assert torch.equal(bits(out), bits(first[1]))
         assert torch.equal(trace[0], first[2][0]) and torch.equal(trace[1], first[2][1])

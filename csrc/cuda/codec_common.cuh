@@ -44,13 +44,16 @@ enum DecodeFlag : unsigned int {
   kFlagDegreeOverflow = 1u << 7,   // a sketch cell holds more keys than kMaxCellDegree
   kFlagValueBad = 1u << 8,         // value peel states inconsistent (a guard)
   kFlagNonFinite = 1u << 9,        // a sketch cell is NaN/Inf
+  kFlagSketchCorrupt = 1u << 10,   // a mass cell disagrees with its degree, or a residual exceeds its bound
+  kFlagInexact = 1u << 11,         // some key's error bound exceeds rtol
 };
 
 // The DecodeStatus of a decode's flags, with the CPU backend's precedence (csrc/cpu/: the first
 // failing stage decides): the multilevel index's own verdict `index_status` (MlState::status, 0 if
 // it passed); an index word or total wrong; the Bloom count peel's failures; inconsistent value
-// states; a non-finite sketch cell; and last, support keys the value peel did not recover (a support
-// or cell-degree overflow among them).
+// states; a non-finite sketch cell; support keys the value peel did not recover (a support or
+// cell-degree overflow among them); a corrupt sketch (mass or residual check); and last, keys
+// whose error bound exceeds rtol.
 __device__ __forceinline__ unsigned int decode_status(int index_kind, unsigned int flags, unsigned long long support,
                                                       unsigned long long peeled, unsigned int index_status) {
   if (index_status) return index_status;
@@ -64,6 +67,8 @@ __device__ __forceinline__ unsigned int decode_status(int index_kind, unsigned i
   if (flags & kFlagValueBad) return kDecodeIndexCorrupt;
   if (flags & kFlagNonFinite) return kDecodeSketchNonFinite;
   if ((flags & (kFlagSupportOverflow | kFlagDegreeOverflow)) || peeled != support) return kDecodeSketchPeelFailed;
+  if (flags & kFlagSketchCorrupt) return kDecodeSketchCorrupt;
+  if (flags & kFlagInexact) return kDecodeInexact;
   return kDecodeOk;
 }
 

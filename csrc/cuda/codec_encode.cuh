@@ -42,6 +42,7 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
   const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
   const uint64_t groups = (n + 3) / 4;
   float* sketch = payload + L.sketch_offset;
+  float* mass = payload + mass_offset(L);
   unsigned int bad = 0;
   // Counted per thread and added once at the end: an add per loop iteration puts ~10^6 atomics on
   // one address at 1% density, which serialises in L2 and dominated the kernel (2.7 ms of 2.8 ms).
@@ -70,6 +71,8 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
           int weight;
           const uint64_t cell = key_cell(L.sketch, h, j, &weight);
           atomicAdd(sketch + cell, (float)weight * value);
+          // The mass channel: |w| |v| (fmaxf turns a NaN into 0, as std::max does on the CPU).
+          atomicAdd(mass + cell, fabsf((float)weight) * fmaxf(0.0f, fabsf(value)));
         }
       }
     }
@@ -93,16 +96,31 @@ extern "C" __global__ void lhc_encode_flag_blocks(const uint64_t* layout, const 
   if (bad) atomicOr(&counters->non_finite, 1u);
 }
 
-// block > 1, pass 2: count the flagged keys and add their index digits.
-extern "C" __global__ void lhc_encode_keys(const uint64_t* layout, const unsigned int* key_flag, float* payload,
-                                           unsigned int* index_scratch, EncodeCounters* counters) {
+// block > 1, pass 2: count the flagged keys, add their index digits and their mass: |w| times the
+// block's largest magnitude (fmaxf skips NaN lanes, as std::max on the CPU) into each of the
+// key's three mass cells.
+extern "C" __global__ void lhc_encode_keys(const uint64_t* layout, const float* x, const unsigned int* key_flag,
+                                           float* payload, unsigned int* index_scratch, EncodeCounters* counters) {
   __shared__ float pw[kMaxPerWord];
   const CodecLayout L = load_layout(layout);
   load_powers(L.index, pw);
+  float* mass = payload + mass_offset(L);
   unsigned int found = 0;  // one counter atomic per warp, as in lhc_encode_scan_b1
   for (uint64_t k = global_thread(); k < L.num_keys; k += grid_threads()) {
     const unsigned int on = key_flag[k];
-    if (on) encode_key_index(L, (uint32_t)k, payload, index_scratch, pw);
+    if (on) {
+      encode_key_index(L, (uint32_t)k, payload, index_scratch, pw);
+      const uint64_t lo = k * L.block, hi = lo + L.block < L.numel ? lo + L.block : L.numel;
+      float m = 0.0f;
+      for (uint64_t i = lo; i < hi; ++i) m = fmaxf(m, fabsf(x[i]));
+      const uint64_t h = key_hash(L.sketch, k);
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        int weight;
+        const uint64_t cell = key_cell(L.sketch, h, j, &weight);
+        atomicAdd(mass + cell, fabsf((float)weight) * m);
+      }
+    }
     found += on;
   }
   warp_add(&counters->keys, found);

@@ -228,14 +228,15 @@ extern "C" __global__ void lhc_ml_expand_write(const uint64_t* layout, uint64_t 
 }
 
 // After a support overflow (more support keys than the value peel holds; it is skipped): a NaN/Inf
-// sketch cell still takes precedence, as in the CPU backend's status order.
+// sketch or mass cell still takes precedence, as in the CPU backend's status order (the mass channel
+// follows the value sketch: one pass over both).
 extern "C" __global__ void lhc_ml_overflow_finite(const uint64_t* layout, const float* payload,
                                                   DecodeCounters* counters) {
   if (!(counters->flags & kFlagSupportOverflow)) return;
   const CodecLayout L = load_layout(layout);
   const float* sketch = payload + L.sketch_offset;
   bool non_finite = false;
-  for (uint64_t i = global_thread(); i < L.sketch.cells() * L.block; i += grid_threads())
+  for (uint64_t i = global_thread(); i < L.sketch.cells() * (L.block + 1); i += grid_threads())
     non_finite |= (__float_as_uint(sketch[i]) & 0x7f800000u) == 0x7f800000u;
   if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }

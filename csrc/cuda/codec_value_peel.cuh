@@ -115,24 +115,50 @@ extern "C" __global__ void lhc_load_cells(const uint64_t* layout, const float* p
   if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }
 
+// Each cell's own rounding bound acc[c] = cell_error_bound(mass * scale, deg, n) (lhc_layout.h), and
+// the mass check: a cell holds support keys exactly when its mass is positive (else the sketch is
+// corrupt: an all-zero sketch under a valid index, a flipped mass word); a NaN/Inf mass is flagged as
+// a non-finite cell. After lhc_build_states (deg is final).
+extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* payload, const unsigned int* deg,
+                                           double scale, uint64_t world_size, double* acc, DecodeCounters* counters) {
+  if (counters->abort) return;
+  const CodecLayout L = load_layout(layout);
+  const float* mass = payload + mass_offset(L);
+  const uint64_t cells = L.sketch.cells();
+  unsigned int flags = 0;
+  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
+    const float f = mass[c];
+    if ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u) flags |= kFlagNonFinite;
+    const double m = (double)f * scale;
+    if ((deg[c] > 0u) != (m > 0.0)) flags |= kFlagSketchCorrupt;
+    acc[c] = cell_error_bound(m, deg[c], world_size);
+  }
+  if (flags) atomicOr(&counters->flags, flags);
+}
+
 // The value peel (cooperative launch): rounds of A) propose, B) read each proposed key's value from
 // its cell (R / w, as R times the exact inverse of the key's weight there), C) every touched cell
 // subtracts w * v, in increasing key position, for the keys peeled this round (walking its sorted
 // adjacency, which carries their weight codes), updates its degree and queues itself if left with
 // one key. Products by +-1, +-2 and their inverses are exact, so each step rounds once.
 // Work items of B and C are (entry, lane) pairs, so wide blocks spread over threads.
+// Error bounds ride along: B gives a key the bound of its cell (acc, which C of earlier rounds made
+// the cell's own bound plus |w| E of every other key of the cell) over |w|, in key_err, and flags it
+// in `inexact` where a lane misses rtol (lhc_layout.h within_rtol); C adds |w| E of this round's keys
+// to the bounds of their other cells, in adjacency order (deterministic).
 extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                            double* val, unsigned int* deg, unsigned int* xr, unsigned int* src,
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
                                            const unsigned int* adj, unsigned int* stamp, unsigned int* pure0,
                                            unsigned int* pure1, unsigned int* list0, unsigned int* list1,
                                            unsigned int* dirty0, unsigned int* dirty1, PeelControl* control,
-                                           DecodeCounters* counters) {
+                                           DecodeCounters* counters, double* acc, double* key_err,
+                                           unsigned int* inexact, double rtol) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
   const SegmentedTable t = load_table(table_words);
   const uint32_t nkeys = (uint32_t)counters->support;
   volatile PeelControl* vc = control;
-  bool bad = false;
+  bool bad = false, any_inexact = false;
   for (unsigned int r = 0;; ++r) {
     PeelRound q;
     const unsigned int npure = begin_round(r, nkeys, control, pure0, pure1, list0, list1, &q, true);
@@ -156,8 +182,15 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       const int slot = cell_slot(t, keys[p], c, cells, weights);
       if (slot < 0) { bad = true; continue; }  // a guard: propose checked c is one of p's cells
       const int w = slot == 0 ? weights[0] : slot == 1 ? weights[1] : weights[2];  // no local-memory indexing
-      key_val[(uint64_t)p * block + lane] = inverse_weight(w) * load_cg(val + (uint64_t)c * block + lane);
+      const double v = inverse_weight(w) * load_cg(val + (uint64_t)c * block + lane);
+      const double err = fabs(inverse_weight(w)) * load_cg(acc + c);  // acc is read-only in B
+      key_val[(uint64_t)p * block + lane] = v;
+      if (!within_rtol(v, err, rtol)) {
+        inexact[p] = 1u;  // every writer stores 1
+        any_inexact = true;
+      }
       if (lane == 0) {
+        key_err[p] = err;
         peeled_round[p] = r;
         deg[c] = 0;
         xr[c] = 0;
@@ -177,6 +210,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       const unsigned int c = load_cg(dirty_now + i);
       const unsigned int begin = offsets[c], end = offsets[c + 1];
       double v = load_cg(val + (uint64_t)c * block + lane);
+      double a = lane == 0 ? load_cg(acc + c) : 0.0;
       unsigned int removed = 0, removed_xor = 0;
       for (unsigned int e = begin; e < end; ++e) {
         const unsigned int entry = adj[e];
@@ -186,11 +220,16 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
         // v - w * kv (weight_of_code), exactly: kv doubled for magnitude 2, added for a negative w.
         const double m = (entry & 1u) ? kv + kv : kv;
         v = (entry & 2u) ? v + m : v - m;
+        if (lane == 0) {
+          const double ke = load_cg(key_err + p);
+          a += (entry & 1u) ? ke + ke : ke;  // |w| E
+        }
         ++removed;
         removed_xor ^= p;
       }
       val[(uint64_t)c * block + lane] = v;
       if (lane == 0) {
+        acc[c] = a;
         const unsigned int d = load_cg(deg + c);
         if (removed > d) { bad = true; continue; }
         deg[c] = d - removed;
@@ -201,6 +240,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
     grid_barrier(control->barrier);
   }
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagValueBad);
+  if (any_inexact) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
 }
 
 // After the value peel stalls: the two-key stopping sets (see the CPU backend's solve_pairs). One
@@ -212,12 +252,17 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
 //     v_a = (wb_q R_p - wb_p R_q) / det,    v_b = (wa_p R_q - wa_q R_p) / det.
 // Pairs are disjoint (their cells hold nothing else), so threads never touch the same key or cell;
 // each writes its keys' values, source cell (their first cell) and round kPairRound.
+// Bounds as for a peeled key (the CPU backend's solve_pairs callback): the pair's cells p, q are
+// marked read (acc = -1); the third cell r gets w_r(a) v_a + w_r(b) v_b subtracted and their
+// bounds added, for the residual check.
 extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
-                                           const double* val, const unsigned int* deg, unsigned int* src,
+                                           double* val, const unsigned int* deg, unsigned int* src,
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
-                                           const unsigned int* adj, DecodeCounters* counters) {
+                                           const unsigned int* adj, DecodeCounters* counters, double* acc,
+                                           double* key_err, unsigned int* inexact, double rtol) {
   if (counters->abort) return;
   const SegmentedTable t = load_table(table_words);
+  bool any_inexact = false;
   const uint64_t first_cells = t.groups() * t.seg_len;  // cells of the groups' first segments
   for (uint64_t i = global_thread(); i < first_cells; i += grid_threads()) {
     const uint64_t c = (i / t.seg_len) * t.group_cells() + i % t.seg_len;
@@ -244,16 +289,74 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
     const double wap = pc.p == 0 ? wa[0] : wa[1], waq = pc.q == 1 ? wa[1] : wa[2];
     const double wbp = pc.p == 0 ? wb[0] : wb[1], wbq = pc.q == 1 ? wb[1] : wb[2];
     const double det = (double)pc.det;
+    const int r = 3 - pc.p - pc.q;
+    const uint64_t cr = r == 0 ? ca[0] : r == 1 ? ca[1] : ca[2];
+    const double war = r == 0 ? wa[0] : r == 1 ? wa[1] : wa[2], wbr = r == 0 ? wb[0] : r == 1 ? wb[1] : wb[2];
+    const double ap = acc[cp], aq = acc[cq];
+    const double ea = (fabs(wbq) * ap + fabs(wbp) * aq) / fabs(det), eb = (fabs(wap) * aq + fabs(waq) * ap) / fabs(det);
+    bool in_a = true, in_b = true;
     for (uint64_t lane = 0; lane < block; ++lane) {
       const double Rp = val[cp * block + lane], Rq = val[cq * block + lane];
-      key_val[(uint64_t)ab[0] * block + lane] = (wbq * Rp - wbp * Rq) / det;
-      key_val[(uint64_t)ab[1] * block + lane] = (wap * Rq - waq * Rp) / det;
+      const double va = (wbq * Rp - wbp * Rq) / det, vb = (wap * Rq - waq * Rp) / det;
+      key_val[(uint64_t)ab[0] * block + lane] = va;
+      key_val[(uint64_t)ab[1] * block + lane] = vb;
+      val[cr * block + lane] -= war * va + wbr * vb;
+      in_a &= within_rtol(va, ea, rtol);
+      in_b &= within_rtol(vb, eb, rtol);
     }
+    acc[cp] = -1.0;
+    acc[cq] = -1.0;
+    acc[cr] += fabs(war) * ea + fabs(wbr) * eb;
+    key_err[ab[0]] = ea;
+    key_err[ab[1]] = eb;
+    if (!in_a) inexact[ab[0]] = 1u;
+    if (!in_b) inexact[ab[1]] = 1u;
+    any_inexact |= !in_a || !in_b;
     for (int k = 0; k < 2; ++k) {
       src[ab[k]] = (unsigned int)c;
       peeled_round[ab[k]] = kPairRound;
     }
   }
+  if (any_inexact) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
+}
+
+// After the pairs: the cell each peeled key was read from is marked read (acc = -1: nothing is left
+// to check there), and a pair's three cells get degree 0 (its third cell is checked).
+extern "C" __global__ void lhc_mark_read(const uint64_t* table_words, const uint32_t* keys, const unsigned int* src,
+                                         const unsigned int* peeled_round, unsigned int* deg, double* acc,
+                                         const DecodeCounters* counters) {
+  if (counters->abort) return;
+  const SegmentedTable t = load_table(table_words);
+  const uint32_t n = (uint32_t)counters->support;
+  for (uint64_t p = global_thread(); p < n; p += grid_threads()) {
+    const unsigned int r = peeled_round[p];
+    if (r == kNotPeeled) continue;
+    if (r != kPairRound) {
+      acc[src[p]] = -1.0;
+      continue;
+    }
+    uint64_t cells[3];
+    int weights[3];
+    key_cells(t, keys[p], cells, weights);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) deg[cells[j]] = 0u;  // both keys of the pair store the same 0
+  }
+}
+
+// The residual check: every cell left with no key and not read from must be 0 within its bound
+// (its own rounding plus the bounds of the keys subtracted from it), else the sketch is corrupt.
+// Cells still holding keys (a failed peel, reported as such) are skipped.
+extern "C" __global__ void lhc_residual_check(uint64_t block, uint64_t cells, const double* val,
+                                              const unsigned int* deg, const double* acc, DecodeCounters* counters) {
+  if (counters->abort) return;
+  bool corrupt = false;
+  for (uint64_t item = global_thread(); item < cells * block; item += grid_threads()) {
+    const uint64_t c = item / block;
+    const double a = acc[c];
+    if (deg[c] != 0u || a < 0.0) continue;
+    corrupt |= !(fabs(val[item]) <= a);
+  }
+  if (corrupt) atomicOr(&counters->flags, (unsigned int)kFlagSketchCorrupt);
 }
 
 // Output: every recovered key's block (float), NaN for keys the peel could not recover; `out` was

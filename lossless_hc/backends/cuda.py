@@ -168,6 +168,10 @@ def decode_scratch_sizes(native: CudaLayout) -> dict:
     sizes["adj"] = 4 * 3 * kcap
     sizes["key_val"] = 8 * kcap * B
     sizes["val"] = 8 * cells * B
+    # The error bounds: per cell (acc), per key (key_err), and the keys failing rtol (inexact flags).
+    sizes["acc"] = 8 * cells
+    sizes["key_err"] = 8 * kcap
+    sizes["inexact"] = 4 * kcap
     return sizes
 
 
@@ -219,7 +223,8 @@ def encode(native: CudaLayout, x: torch.Tensor, payload: torch.Tensor) -> None:
             arena.view("key_flag").zero_()
             flags = arena.ptr("key_flag")
             launch.launch("lhc_encode_flag_blocks", _grid(L.numel, sms), THREADS, [lay, xp, flags, cnt], stream)
-            launch.launch("lhc_encode_keys", _grid(L.num_keys, sms), THREADS, [lay, flags, pp, scratch, cnt], stream)
+            launch.launch("lhc_encode_keys", _grid(L.num_keys, sms), THREADS, [lay, xp, flags, pp, scratch, cnt],
+                          stream)
             launch.launch("lhc_encode_scatter_blocks", _grid(L.numel, sms), THREADS, [lay, xp, flags, pp], stream)
         if L.index_kind == "bloom":
             launch.launch("lhc_encode_bloom_pack", _grid(L.index.words, sms), THREADS, [lay, scratch, pp, cnt], stream)
@@ -282,6 +287,14 @@ class DecodeRun:
                          support_keys=support, peeled=peeled, index_total=c["index_total"], flags=flags)
         return header, st
 
+    def inexact_keys(self, support: int) -> torch.Tensor:
+        """The keys whose error bound exceeds rtol (sorted int64, on the CPU); synchronises."""
+        a = self.arena
+        n = min(support, self.native.key_cap)
+        keys = a.view("keys", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
+        flagged = a.view("inexact", torch.int32)[:n] != 0
+        return torch.sort(keys[flagged]).values.cpu()
+
     def trace(self, support: int):
         """(keys, cells) of the peeled keys, in an order in which they can be peeled: by round, then
         key. A key read in round r from cell c had every other key of c peeled in an earlier round;
@@ -301,7 +314,8 @@ class DecodeRun:
         return keys[order].cpu(), cells[order].cpu()
 
 
-def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Tensor, out: torch.Tensor) -> DecodeRun:
+def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Tensor, out: torch.Tensor,
+           rtol: float = 0.0) -> DecodeRun:
     """Queue the decode of ``payload`` (contiguous float32 on the codec's device) into ``out``
     (contiguous float32, numel; overwritten: zeros outside the recovered support, NaN for support
     keys the peel could not recover). Nothing here waits for the device; ``DecodeRun.finish``
@@ -394,18 +408,25 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         launch.launch("lhc_sort_adjacency", _grid(cells, sms), THREADS,
                       [P("offsets"), P("deg"), cells, P("adj"), P("xr"), cnt], stream)
         launch.launch("lhc_load_cells", _grid(cells * B, sms), THREADS, [lay, pp, P("val"), cnt], stream)
+        launch.launch("lhc_load_bounds", _grid(cells, sms), THREADS, [lay, pp, P("deg"), s, n, P("acc"), cnt], stream)
+        a.view("inexact").zero_()
+        rt = f64_bits(rtol)
         launch.launch("lhc_seed_pure", _grid(cells, sms), THREADS, [P("deg"), cells, P("pure0"), P("control_value"), cnt],
                       stream)
         launch.launch("lhc_peel_values", _peel_grid(launch, "lhc_peel_values", sms), THREADS,
                       [tbl, B, P("keys"), P("val"), P("deg"), P("xr"), P("src"), P("round"), P("key_val"), P("offsets"),
                        P("adj"), P("stamp"), P("pure0"), P("pure1"), P("list0"), P("list1"), P("dirty0"), P("dirty1"),
-                       P("control_value"), cnt], stream, cooperative=True)
+                       P("control_value"), cnt, P("acc"), P("key_err"), P("inexact"), rt], stream, cooperative=True)
         # Peeling stalled or not: the two-key stopping sets it leaves are solved here.
         launch.launch("lhc_solve_pairs", _grid(cells, sms), THREADS,
                       [tbl, B, P("keys"), P("val"), P("deg"), P("src"), P("round"), P("key_val"), P("offsets"),
-                       P("adj"), cnt], stream)
+                       P("adj"), cnt, P("acc"), P("key_err"), P("inexact"), rt], stream)
+        launch.launch("lhc_mark_read", _grid(kcap, sms), THREADS,
+                      [tbl, P("keys"), P("src"), P("round"), P("deg"), P("acc"), cnt], stream)
         launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
                       [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
+        launch.launch("lhc_residual_check", _grid(cells * B, sms), THREADS,
+                      [B, cells, P("val"), P("deg"), P("acc"), cnt], stream)
         ml = 0
         if L.index_kind == "multilevel":
             launch.launch("lhc_ml_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
@@ -472,6 +493,9 @@ class PendingDecode:
     def finish(self, total_keys: int, trace: bool = False):
         # The kernels read the key total from the header themselves; the codec has checked it.
         return self.stats, (self.run.trace(self.stats.support_keys) if trace else None)
+
+    def inexact_keys(self) -> torch.Tensor:
+        return self.run.inexact_keys(self.stats.support_keys)
 
 
 class CudaBackend:

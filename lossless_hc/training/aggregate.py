@@ -271,7 +271,7 @@ class TensorAggregator:
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
                  stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None,
-                 device="cpu", partial_max_fraction: float = None):
+                 device="cpu", partial_max_fraction: Optional[float] = None):
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         if world_size < 1:

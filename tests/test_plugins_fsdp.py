@@ -27,8 +27,9 @@ WORKER = os.path.join(HERE, "mp", "fsdp_worker.py")
 TOL = 1e-6
 MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "thc", "resume",
-                   "resume_rs", "resume_lossless_rs", "config_mismatch", "thc_reduce_scatter", "native_hsdp"]),
-    "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "config_mismatch"]),
+                   "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
+                   "thc_reduce_scatter", "native_hsdp"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
 
@@ -92,6 +93,24 @@ def test_lossless_matches_uncompressed_fsdp2(launch, mesh, name):
         assert fallbacks == 0, [r["stats"]["last_failure"] for r in rs]
     else:   # capacity 0.1%: the embedding shards overload, fall back exactly, and grow
         assert fallbacks >= 1 and all(r["stats"]["capacity_growths"] >= 1 for r in rs), [r["stats"] for r in rs]
+
+
+@pytest.mark.parametrize("mesh,name", cases("inexact", "inexact_rs"))
+def test_inexact_keys_are_reaggregated_exactly(launch, mesh, name):
+    """Gradients whose small keys share sketch cells with 2**30 (tests/mp/inexact_case.py): the decoder
+    reports those keys inexact. The replica all-reduce re-aggregates just their coordinates in its
+    fallback SUM; the reduce-scatter, where only the owner sees the keys, falls back densely (and every
+    rank grows alike). Either way every gradient equals the exact dense average bit for bit."""
+    rs = results(launch, mesh, name)
+    for r in rs:
+        assert [s["differing"] for s in r["steps"]] == [0] * len(r["steps"]), r["steps"]
+    st = [r["stats"] for r in rs]
+    if name == "inexact" and mesh == "2x2":   # the replica all-reduce only: every inexact decode re-aggregated alone
+        assert sum(s["partial_fallbacks"] for s in st) >= 1, st
+        assert all(s["partial_fallbacks"] == s["inexact_decodes"] for s in st), st
+    else:   # with the reduce-scatter: its inexact decodes fall back densely
+        assert sum(s["inexact_decodes"] - s["partial_fallbacks"] for s in st) >= 1, st
+        assert all(s["fallbacks"] >= s["inexact_decodes"] - s["partial_fallbacks"] for s in st), st
 
 
 @pytest.mark.parametrize("mesh,name", cases("topk", "topk_rs"))

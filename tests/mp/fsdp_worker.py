@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import EmbeddingModel, batch, loss_fn  # noqa: E402
+import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
 from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
@@ -119,6 +120,24 @@ def expect_error(fn, exc):
     return {"error": None}
 
 
+def inexact(mesh, reduce_scatter: bool):
+    """Per step, constructed gradients (tests/mp/inexact_case.py) through the hooks; compared with their
+    exact dense average over every rank (4 or 2 ranks: a division by a power of two, exact)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = inexact_case.InexactModel()
+    fully_shard(model, mesh=mesh if mesh.ndim == 1 else mesh["shard"])
+    state = LosslessFSDPState(mesh, max_density=0.05)
+    state.register(model, reduce_scatter=reduce_scatter)
+    steps = []
+    for step in range(inexact_case.STEPS):
+        model.zero_grad(set_to_none=True)
+        model(*inexact_case.gradients(step, rank)).backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        ref = inexact_case.dense_reference(step, size, average=True)
+        steps.append(inexact_case.compare(ref, grads))
+    return {"steps": steps, "stats": state.stats()}
+
+
 def scenario(name, mesh):
     rs = mesh.ndim == 1 or name.endswith("_rs")   # the 1-D mesh has only the reduce-scatter to compress
     base = name[:-3] if name.endswith("_rs") else name
@@ -137,6 +156,8 @@ def scenario(name, mesh):
         return resume(mesh, lambda: TopKFSDPState(mesh, ratio=0.05), rs)
     if base == "resume_lossless":
         return resume(mesh, lambda: LosslessFSDPState(mesh, max_density=0.001), rs, hidden=16)
+    if base == "inexact":
+        return inexact(mesh, rs)
     if base == "config_mismatch":
         state = LosslessFSDPState(mesh, max_density=0.05 if dist.get_rank() == 1 else 0.02)
         return expect_error(lambda: state.register(build(mesh, native=False), reduce_scatter=rs), ConfigurationMismatch)

@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     for (where, status), count in sorted(t.statuses.items()):
         print(f"{where:8s}{status:28s}{count:10d}")
     print(f"ok-but-wrong: {t.ok_but_wrong}" + "".join(f"  {w}/{k}={c}" for (w, k), c in sorted(t.wrong.items())))
+    if t.wrong_groups:
+        print(f"groups with a wrong case: {t.wrong_groups}")
     for v in t.examples:
         print(f"  replay: python -m lossless_hc.fuzz --seed {args.seed} --group {v.group}   "
               f"(case {v.case}, {v.how}, {v.status}: {v.detail})")

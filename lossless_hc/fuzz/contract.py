@@ -20,7 +20,8 @@ For a coordinate i with float32 inputs :math:`x_{r,i}` on n ranks, true sum
 For an average, :math:`s_i` and :math:`a_i` are the sum's divided by n.
 
 So a coordinate no rank touched (:math:`a_i = 0`) must decode to exactly 0, a non-finite output is
-never within it, and a small value next to a large one in the same sketch cell must keep its own
+never within it (except the infinity of :math:`s_i`'s sign where :math:`s_i` is, within the bound,
+beyond the output dtype's largest finite value: the dense sum in that dtype overflows too), and a small value next to a large one in the same sketch cell must keep its own
 relative accuracy. The truth is computed in float64 (:func:`truth`), whose own rounding
 (:math:`\le n\,2^{-53} a_i`) is added to the allowance so that it never decides a verdict.
 """
@@ -62,6 +63,7 @@ def outside_contract(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_si
     (:func:`truth`; divided by n for an average); a non-finite output or input is always outside (a
     decode of non-finite inputs must not claim to be exact)."""
     yd = y.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
-    err = (yd - s).abs()
-    bad = err > allowed_error(s, a, world_size, rtol, y.dtype, averaged)
-    return bad | ~torch.isfinite(yd) | ~torch.isfinite(a)
+    allowed = allowed_error(s, a, world_size, rtol, y.dtype, averaged)
+    bad = ((yd - s).abs() > allowed) | ~torch.isfinite(yd) | ~torch.isfinite(a)
+    overflow = torch.isinf(yd) & (torch.sign(yd) == torch.sign(s)) & (s.abs() + allowed >= torch.finfo(y.dtype).max)
+    return bad & ~overflow

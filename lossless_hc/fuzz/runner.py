@@ -22,7 +22,8 @@ class Tally:
     cases: int = 0
     statuses: Counter = field(default_factory=Counter)   # ("clean" | "corrupt", status name) -> cases
     wrong: Counter = field(default_factory=Counter)      # (how, "ok_but_wrong" | "inexact_but_wrong") -> cases
-    examples: List[Verdict] = field(default_factory=list)
+    examples: List[Verdict] = field(default_factory=list)   # the first MAX_EXAMPLES wrong verdicts
+    wrong_groups: List[int] = field(default_factory=list)    # every group with a wrong verdict
     seconds: float = 0.0
 
     @property
@@ -39,12 +40,15 @@ class Tally:
                 self.wrong[(v.how, v.wrong)] += 1
                 if len(self.examples) < MAX_EXAMPLES:
                     self.examples.append(v)
+                if not self.wrong_groups or self.wrong_groups[-1] != v.group:
+                    self.wrong_groups.append(v.group)
 
     def merge(self, other: "Tally") -> None:
         self.cases += other.cases
         self.statuses.update(other.statuses)
         self.wrong.update(other.wrong)
         self.examples.extend(other.examples[:MAX_EXAMPLES - len(self.examples)])
+        self.wrong_groups.extend(other.wrong_groups)
 
 
 def _run_chunk(args) -> Tally:

@@ -463,9 +463,10 @@ class TensorAggregator:
 PARTIAL_MAX_FRACTION = 0.5
 """Default :attr:`TensorAggregator.partial_max_fraction`. A partial re-aggregation of m coordinates
 sends m values (no indices: every rank derives them from the same aggregate) where the dense fallback
-sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access);
-past half of the tensor that costs about as much as the contiguous dense fallback, and an inexact set
-that large says the sketch does not suit the tensor, so it falls back densely and grows."""
+sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access).
+Past half of the tensor it still sends half the dense bytes or more, and an inexact set that large
+says the sketch does not suit the tensor, which the dense fallback's capacity growth answers."""
+
 
 def _check_partial_fraction(fraction) -> float:
     if fraction is None:

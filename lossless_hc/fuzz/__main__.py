@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from lossless_hc.fuzz.cases import draw_group, run_group
+from lossless_hc.fuzz.thc_cases import run_thc_group
 from lossless_hc.fuzz.runner import run
 
 
@@ -16,16 +17,22 @@ def main(argv=None) -> int:
     ap.add_argument("--rtol", type=float, default=None, help="the contract's tolerance (default: the codec's)")
     ap.add_argument("--device", default="cpu", help="where the codec runs (cpu, cuda)")
     ap.add_argument("--first-group", type=int, default=0)
+    ap.add_argument("--kinds", default="lhc,thc", help="codecs to fuzz: lhc, thc or both (THC: every 8th group)")
     ap.add_argument("--group", type=int, default=None, help="replay one group and print its cases")
+    ap.add_argument("--thc-group", type=int, default=None, help="replay one THC group and print its cases")
     args = ap.parse_args(argv)
+    if args.thc_group is not None:
+        for v in run_thc_group(args.seed, args.thc_group, args.device):
+            print(f"  case {v.case} {v.how:16s} {v.status:24s} {v.wrong or ''} {v.detail}")
+        return 0
     if args.group is not None:
         print(draw_group(args.seed, args.group).describe())
         for v in run_group(args.seed, args.group, args.rtol, args.device):
             print(f"  case {v.case} {v.how:16s} {v.status:24s} {v.wrong or ''} {v.detail}")
         return 0
-    t = run(args.cases, args.seed, args.workers, args.rtol, args.device, args.first_group)
-    print(f"lossless_hc.fuzz: {t.cases} cases (seed {args.seed}, groups {args.first_group}.."
-          f"{args.first_group + t.cases // 4 - 1}) in {t.seconds:.1f} s: {t.cases / max(t.seconds, 1e-9):.0f} cases/s")
+    t = run(args.cases, args.seed, args.workers, args.rtol, args.device, args.first_group,
+            kinds=tuple(k for k in args.kinds.split(",") if k))
+    print(f"lossless_hc.fuzz: {t.cases} cases (seed {args.seed}, {args.kinds}, from group {args.first_group}) in {t.seconds:.1f} s: {t.cases / max(t.seconds, 1e-9):.0f} cases/s")
     print(f"{'':8s}{'status':28s}{'cases':>10s}")
     for (where, status), count in sorted(t.statuses.items()):
         print(f"{where:8s}{status:28s}{count:10d}")
@@ -33,7 +40,8 @@ def main(argv=None) -> int:
     if t.wrong_groups:
         print(f"groups with a wrong case: {t.wrong_groups}")
     for v in t.examples:
-        print(f"  replay: python -m lossless_hc.fuzz --seed {args.seed} --group {v.group}   "
+        flag = "--thc-group" if v.how.startswith("thc_") else "--group"
+        print(f"  replay: python -m lossless_hc.fuzz --seed {args.seed} {flag} {v.group}   "
               f"(case {v.case}, {v.how}, {v.status}: {v.detail})")
     return 1 if t.ok_but_wrong else 0
 

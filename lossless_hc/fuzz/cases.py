@@ -55,8 +55,9 @@ class Verdict:
     case: int
     how: str                 # "sum", "average", "tree", or the corruption
     status: str              # DecodeStatus name
-    wrong: Optional[str]     # None, "ok_but_wrong" or "inexact_but_wrong"
+    wrong: Optional[str]     # None, "ok_but_wrong", "inexact_but_wrong" (THC: "refused_clean" too)
     detail: str = ""
+    clean: bool = True       # a plain aggregate (False: a corrupted one)
 
 
 @dataclass
@@ -229,7 +230,7 @@ def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch
     if wrong is not None:
         i = int(bad.nonzero()[0])
         detail = f"coordinate {i}: decoded {float(y.reshape(-1)[i])!r}, true sum {float(s[i])!r}, mass {float(a[i])!r}"
-    return Verdict(g.group, case, how, status.name, wrong, detail)
+    return Verdict(g.group, case, how, status.name, wrong, detail, clean=how in ("sum", "average", "tree"))
 
 
 def codec_rtol(codec: LosslessCodec, rtol: Optional[float]) -> float:

@@ -11,6 +11,10 @@ from typing import List, Optional
 import torch
 
 from lossless_hc.fuzz.cases import CASES_PER_GROUP, Verdict, run_group
+from lossless_hc.fuzz.thc_cases import run_thc_group
+
+THC_EVERY = 8   # one THC group beside every 8th LHC group (``kinds`` with "thc")
+KINDS = ("lhc", "thc")
 
 MAX_EXAMPLES = 20   # wrong verdicts kept (with what replays them); all are counted
 
@@ -23,7 +27,7 @@ class Tally:
     statuses: Counter = field(default_factory=Counter)   # ("clean" | "corrupt", status name) -> cases
     wrong: Counter = field(default_factory=Counter)      # (how, "ok_but_wrong" | "inexact_but_wrong") -> cases
     examples: List[Verdict] = field(default_factory=list)   # the first MAX_EXAMPLES wrong verdicts
-    wrong_groups: List[int] = field(default_factory=list)    # every group with a wrong verdict
+    wrong_groups: List[str] = field(default_factory=list)    # every group with a wrong verdict ("thc:<g>" for THC)
     seconds: float = 0.0
 
     @property
@@ -33,15 +37,16 @@ class Tally:
 
     def add(self, verdicts: List[Verdict]) -> None:
         for v in verdicts:
-            where = "clean" if v.how in ("sum", "average", "tree") else "corrupt"
+            where = "clean" if v.clean else "corrupt"
             self.cases += 1
             self.statuses[(where, v.status)] += 1
             if v.wrong is not None:
                 self.wrong[(v.how, v.wrong)] += 1
                 if len(self.examples) < MAX_EXAMPLES:
                     self.examples.append(v)
-                if not self.wrong_groups or self.wrong_groups[-1] != v.group:
-                    self.wrong_groups.append(v.group)
+                label = f"thc:{v.group}" if v.how.startswith("thc_") else str(v.group)
+                if not self.wrong_groups or self.wrong_groups[-1] != label:
+                    self.wrong_groups.append(label)
 
     def merge(self, other: "Tally") -> None:
         self.cases += other.cases
@@ -52,23 +57,31 @@ class Tally:
 
 
 def _run_chunk(args) -> Tally:
-    seed, start, stop, rtol, device = args
+    seed, start, stop, rtol, device, kinds = args
     torch.set_num_threads(1)
     tally = Tally()
     for group in range(start, stop):
-        tally.add(run_group(seed, group, rtol, device))
+        if "lhc" in kinds:
+            tally.add(run_group(seed, group, rtol, device))
+        if "thc" in kinds and group % THC_EVERY == 0:
+            tally.add(run_thc_group(seed, group // THC_EVERY, device))
     return tally
 
 
 def run(cases: int, seed: int = 0, workers: Optional[int] = None, rtol: Optional[float] = None,
-        device: str = "cpu", first_group: int = 0, chunk: int = 250) -> Tally:
-    """Run groups ``first_group ..`` until at least ``cases`` cases (``CASES_PER_GROUP`` per group),
-    over ``workers`` processes (default: the CPUs this process may use; 1 runs in this process).
-    The tally depends on ``seed``, ``cases`` and ``first_group`` only, never on ``workers``."""
+        device: str = "cpu", first_group: int = 0, chunk: int = 250, kinds=KINDS) -> Tally:
+    """Run LHC groups ``first_group ..`` (``CASES_PER_GROUP`` cases each) until ``cases`` cases, and with
+    ``kinds`` holding "thc" a THC group (:mod:`lossless_hc.fuzz.thc_cases`, numbered apart) beside every
+    ``THC_EVERY``-th, over ``workers`` processes (default: the CPUs this process may use; 1 runs in
+    this process). The tally depends on ``seed``, ``cases``, ``first_group`` and ``kinds`` only,
+    never on ``workers``."""
     groups = -(-cases // CASES_PER_GROUP)
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    chunks = [(seed, g, min(g + chunk, first_group + groups), rtol, device)
+    unknown = set(kinds) - set(KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be some of {KINDS}, got {kinds!r}")
+    chunks = [(seed, g, min(g + chunk, first_group + groups), rtol, device, tuple(kinds))
               for g in range(first_group, first_group + groups, chunk)]
     t0 = time.perf_counter()
     total = Tally()

@@ -246,7 +246,8 @@ constexpr double kUnitRoundoff = 1.0 / 16777216.0;  // 2^-24
 // (n - 1 roundings), so the error is at most gamma_{deg + n - 2} M(c) (Higham, Thm 4.4 twice), M(c)
 // the cell's true absolute mass. We take (deg + n + 2) u M: the extra 4 u covers second-order terms,
 // an AVERAGE's division and scaling back, and the float64 peeling arithmetic (2^-53 per operation).
-// `mass` is the aggregated mass cell times the payload's scale: itself a float sum of non-negative
+// `mass` is the aggregated mass cell as the payload holds it (for an AVERAGE, the average of the masses:
+// the bound is then on the average, in the units of its values): itself a float sum of non-negative
 // terms, below M(c) by at most a relative gamma_{deg + n}, so it is inflated by (1 + 2 (deg + n + 2) u)
 // (valid while (deg + n + 2) u < 1/4: deg <= kMaxCellDegree-ish and n <= 1024 keep it below 2^-13).
 LHC_HD double cell_error_bound(double mass, uint64_t deg, uint64_t n) {

@@ -89,7 +89,7 @@ def test_averaged_flag_mismatch_is_reported(index, n):
     y, rep = codec.decode(avg, averaged=False)
     assert not rep.ok and "averaged=True" in rep.reason, rep.reason
     # and the matching flags decode
-    assert codec.decode(summed)[1].ok and codec.decode(avg, averaged=True)[1].ok
+    assert helpers.peeled_ok(codec.decode(summed)[1]) and helpers.peeled_ok(codec.decode(avg, averaged=True)[1])
 
 
 def test_world_size_one_sum_and_average_coincide():
@@ -117,7 +117,7 @@ def test_exact_cancellation_stays_within_the_bound(index):
         xs[1][helpers.nonzero_keys(xs[1], 1)[:10]] = 0.0
         xs[1][shared] = -xs[0][shared]
         y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng), trace=True)
-        assert rep.ok, rep.reason
+        assert helpers.peeled_ok(rep), rep.reason   # a cancelled key is 0 within its bound: often INEXACT
         truth = helpers.dense_sum64(xs)
         assert bool((truth[shared] == 0).all())
         bound = helpers.peel_error_bound(codec.layout, xs, rep.trace, n)

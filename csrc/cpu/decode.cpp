@@ -116,7 +116,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       // all-zero sketch under a valid index, a flipped mass word).
       bool cells_bad = false;
       for (uint64_t c = 0; c < gcells; ++c) {
-        const double m = (double)mk[base + c] * in.scale;
+        const double m = (double)mk[base + c];
         cells_bad |= (t.deg(c) > 0) != (m > 0.0);
         t.set_acc(c, cell_error_bound(m, t.deg(c), n));
       }

@@ -115,12 +115,12 @@ extern "C" __global__ void lhc_load_cells(const uint64_t* layout, const float* p
   if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }
 
-// Each cell's own rounding bound acc[c] = cell_error_bound(mass * scale, deg, n) (lhc_layout.h), and
+// Each cell's own rounding bound acc[c] = cell_error_bound(mass, deg, n) (lhc_layout.h), and
 // the mass check: a cell holds support keys exactly when its mass is positive (else the sketch is
 // corrupt: an all-zero sketch under a valid index, a flipped mass word); a NaN/Inf mass is flagged as
 // a non-finite cell. After lhc_build_states (deg is final).
 extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* payload, const unsigned int* deg,
-                                           double scale, uint64_t world_size, double* acc, DecodeCounters* counters) {
+                                           uint64_t world_size, double* acc, DecodeCounters* counters) {
   if (counters->abort) return;
   const CodecLayout L = load_layout(layout);
   const float* mass = payload + mass_offset(L);
@@ -129,7 +129,7 @@ extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* 
   for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
     const float f = mass[c];
     if ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u) flags |= kFlagNonFinite;
-    const double m = (double)f * scale;
+    const double m = (double)f;
     if ((deg[c] > 0u) != (m > 0.0)) flags |= kFlagSketchCorrupt;
     acc[c] = cell_error_bound(m, deg[c], world_size);
   }

@@ -408,7 +408,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         launch.launch("lhc_sort_adjacency", _grid(cells, sms), THREADS,
                       [P("offsets"), P("deg"), cells, P("adj"), P("xr"), cnt], stream)
         launch.launch("lhc_load_cells", _grid(cells * B, sms), THREADS, [lay, pp, P("val"), cnt], stream)
-        launch.launch("lhc_load_bounds", _grid(cells, sms), THREADS, [lay, pp, P("deg"), s, n, P("acc"), cnt], stream)
+        launch.launch("lhc_load_bounds", _grid(cells, sms), THREADS, [lay, pp, P("deg"), n, P("acc"), cnt], stream)
         a.view("inexact").zero_()
         rt = f64_bits(rtol)
         launch.launch("lhc_seed_pure", _grid(cells, sms), THREADS, [P("deg"), cells, P("pure0"), P("control_value"), cnt],

@@ -580,7 +580,7 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
 
     B = L.block
     val = payload[L.sketch_offset:L.mass_offset].to(torch.float64).reshape(L.sketch.cells, B).clone()
-    mass = payload[L.mass_offset:].to(torch.float64) * scale
+    mass = payload[L.mass_offset:].to(torch.float64)   # an average's mass bounds the average's rounding
     if not bool(torch.isfinite(val).all()) or not bool(torch.isfinite(mass).all()):
         # every rank's input was finite (header), so the float32 aggregate overflowed or was corrupted
         return y, _fail(info, "sketch overflow: a sketch cell is NaN/Inf")

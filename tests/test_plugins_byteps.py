@@ -26,7 +26,8 @@ import torch
 
 from byteps_sim import BytePSLikeOptimizer, SimulatedBytePS, run_workers
 from lossless_hc.training.adapter import wire_numel
-from lossless_hc.training.aggregate import ConfigurationMismatch, TensorAggregator, THCAggregator, TopKAggregator
+from lossless_hc.training.aggregate import (ConfigurationMismatch, TensorAggregator, THCAggregator, TopKAggregator,
+                                            partial_values)
 from lossless_hc.plugins import byteps as plugin
 from lossless_hc.plugins.byteps import Compression, options_from_env
 
@@ -209,8 +210,10 @@ def test_lossless_payload_survives_byteps_average(world, reverse):
     avg = byteps_average(payloads, order)
     truth = torch.stack([x.double() for x in xs]).mean(0)
     outs = [a.decode(avg.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
-    for out in outs:
-        assert out.averaged and out.report.ok, out.report
+    for a, out in zip(aggs, outs):
+        assert out.averaged and (out.report.ok or out.needs_partial), out.report
+        if out.needs_partial:   # inexact keys: completed by the SUM of every rank's values there
+            a.finish_partial(sum(partial_values(ctx, out) for _, ctx in encoded), out)
         assert torch.equal(out.value != 0, truth != 0), "the support is exact"
         assert float((out.value.double() - truth).abs().max()) <= 1e-6 * max(1.0, float(truth.abs().max()))
         assert torch.equal(out.value, outs[0].value), "every rank decodes the same bits"

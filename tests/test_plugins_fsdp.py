@@ -89,8 +89,9 @@ def test_lossless_matches_uncompressed_fsdp2(launch, mesh, name):
         assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"], r["stats"]
     assert_identical_decisions(rs)
     fallbacks = sum(r["stats"]["fallbacks"] for r in rs)
-    if name.startswith("lossless"):
-        assert fallbacks == 0, [r["stats"]["last_failure"] for r in rs]
+    if name.startswith("lossless"):   # no failure; the reduce-scatter's inexact decodes go dense (see inexact_rs)
+        dense_inexact = sum(r["stats"]["inexact_decodes"] - r["stats"]["partial_fallbacks"] for r in rs)
+        assert fallbacks == dense_inexact, [r["stats"]["last_failure"] for r in rs]
     else:   # capacity 0.1%: the embedding shards overload, fall back exactly, and grow
         assert fallbacks >= 1 and all(r["stats"]["capacity_growths"] >= 1 for r in rs), [r["stats"] for r in rs]
 

@@ -38,7 +38,8 @@ def main(argv=None) -> int:
         print(f"{where:8s}{status:28s}{count:10d}")
     print(f"ok-but-wrong: {t.ok_but_wrong}" + "".join(f"  {w}/{k}={c}" for (w, k), c in sorted(t.wrong.items())))
     if t.wrong_groups:
-        print(f"groups with a wrong case: {t.wrong_groups}")
+        more = f" and {len(t.wrong_groups) - 40} more" if len(t.wrong_groups) > 40 else ""
+        print(f"groups with a wrong case: {' '.join(t.wrong_groups[:40])}{more}")
     for v in t.examples:
         flag = "--thc-group" if v.how.startswith("thc_") else "--group"
         print(f"  replay: python -m lossless_hc.fuzz --seed {args.seed} {flag} {v.group}   "

@@ -25,7 +25,7 @@ def _no_keys() -> torch.Tensor:
 
 @dataclass
 class DecodeReport:
-    """What ``LosslessCodec.decode`` found.
+    r"""What ``LosslessCodec.decode`` found.
 
     ok               True iff the output is the exact aggregate: the same non-zero keys as the true
                      sum t, and every coordinate y_i with :math:`|y_i - t_i| \le rtol\,|t_i|`

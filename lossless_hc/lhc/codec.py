@@ -25,15 +25,24 @@ def _no_keys() -> torch.Tensor:
 
 @dataclass
 class DecodeReport:
-    """What ``LosslessCodec.decode`` found.
+    r"""What ``LosslessCodec.decode`` found.
 
-    ok               True iff the output is the exact aggregate (same non-zero keys as the true sum,
-                     values equal to it up to float rounding). When False the output must not be used;
-                     callers fall back to a dense aggregation.
+    ok               True iff the output is the exact aggregate: the same non-zero keys as the true
+                     sum t, and every coordinate y_i with :math:`|y_i - t_i| \le rtol\,|t_i|`
+                     (``rtol`` the codec's; proven per key, see ``LosslessCodec``). When False the
+                     output must not be used, except under INEXACT (below); callers fall back to a
+                     dense aggregation.
     reason           why ok is False (None when ok).
     status           the :class:`~lossless_hc.lhc.status.DecodeStatus`: OK exactly when ok, else the
                      first failure found (OVERLOADED when ranks were over capacity and nothing else
-                     failed; ``overloaded_ranks`` says how many).
+                     failed; ``overloaded_ranks`` says how many). INEXACT: every key was recovered
+                     and the sketch is consistent, but some keys' error bounds exceed rtol: those are
+                     ``inexact_keys``; every other coordinate of the output is within rtol of the true
+                     sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
+                     not zero within its bound (nothing usable).
+    inexact_keys     under INEXACT, the keys (blocks) whose bound exceeds rtol: a sorted int64 CPU
+                     tensor (key k covers coordinates ``k*block_size .. (k+1)*block_size - 1`` of the
+                     flattened tensor); empty otherwise.
     contributors     ranks that contributed to the payload (from the header).
     candidates       keys the index could not rule out (union of supports + false positives).
     false_positives  candidates the exact count peeling proved absent on every rank (Bloom index).
@@ -93,15 +102,21 @@ class LosslessCodec:
        sequential in a fixed order, so the output is bitwise deterministic.
 
     Guarantees: when ``report.ok`` is True the output has exactly the aggregate's non-zero keys
-    (keys that no rank touched are exact zeros) and values equal to the sum up to float rounding.
-    Precisely: a key is read from one cell after the keys peeled before it were subtracted there, so
-    its error is the float32 rounding of the cells it depends on:
-    :math:`E(k) = (deg(c_k) + n + 2)\, 2^{-24} M(c_k) + \sum_{j} E(j)` over the keys j peeled
-    from its cell :math:`c_k` before it, with :math:`M(c)` the absolute mass summed into cell c and
-    deg(c) the keys hashed there (``tests/helpers.py: peel_error_bound`` asserts exactly this).
-    Breadth-first peeling keeps these dependency chains short. Two consequences of float sums:
-    ranks whose values cancel exactly (+a, -a) may leave a rounding-size residue instead of 0, and
-    a value ~2^24 times smaller than another in the same cell may come out as 0. ok is False, never a wrong answer, when a rank was over
+    (keys that no rank touched are exact zeros) and every coordinate within ``rtol`` (relative) of
+    the true sum. The decoder proves it key by key. A mass channel (one float per sketch cell, where
+    key k adds :math:`|w_j(k)| \max_l |x_{k,l}|`; sums of non-negative terms do not cancel) gives
+    each cell's absolute mass :math:`M(c)`, and along the peel a key read from cell :math:`c_k`
+    gets the bound
+    :math:`E(k) = \big((deg(c_k) + n + 2)\, 2^{-24} M(c_k) + \sum_j |w_j| E(j)\big) / |w_k|`
+    over the keys j subtracted from :math:`c_k` before it (deg(c) the support keys hashed to c; the
+    mass is inflated by its own relative rounding; ``tests/helpers.py: peel_error_bound`` asserts
+    that the decoded values meet this bound). A key passes if every coordinate v has
+    :math:`E(1 + rtol) + 2^{-24}|v| \le rtol\,|v|`; the others are reported as INEXACT with
+    ``report.inexact_keys`` (typically values tiny beside a cell-mate, sums that cancel to ~0, and
+    with blocks, coordinates far below their block's largest: the mass is per key). After peeling,
+    every cell no key was read from must be 0 within its bound, and a cell must have positive mass
+    exactly when it holds keys; otherwise SKETCH_CORRUPT (a corrupted or not-summed payload). ok is
+    False, never a wrong answer, when a rank was over
     capacity, peeling could not finish, a rank's input held NaN/Inf (which would poison shared
     cells), a sketch cell overflowed float32, the ranks' configurations differ, or the payload is
     not a plain sum/average of ``world_size`` payloads.
@@ -122,6 +137,9 @@ class LosslessCodec:
             "multilevel" or "dense" (every kind on every device).
         union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);
             sizes the value sketch and the index. More than that in a decode is reported, not wrong.
+        rtol: relative tolerance every decoded coordinate is proven to meet when ``report.ok``
+            (default ``2**-10``; in [0, 1)); keys that cannot be proven are INEXACT. Decode-side
+            only, but it must be equal on every rank, as it decides the verdict every rank acts on.
 
     Input dtypes: float32; float16/bfloat16 are encoded exactly in float32 and the decoded sum is
     rounded back to the input dtype. float64 and integer tensors are rejected (float32 payloads
@@ -292,8 +310,10 @@ class LosslessCodec:
                 the page faults of a fresh allocation; ``y`` is then a view of it when ``dtype`` is
                 float32.
 
-        ``y`` is the exact aggregate when ``report.ok``; otherwise it must not be used (it holds
-        whatever was recovered, NaN if a rank's input was non-finite).
+        ``y`` is the exact aggregate (within rtol) when ``report.ok``; under INEXACT it is that at
+        every key outside ``report.inexact_keys``; otherwise it must not be used (it holds whatever
+        was recovered, NaN if a rank's input was non-finite). ``dtype`` must be a floating dtype
+        (an integer one would truncate the sum silently: TypeError).
         """
         L = self.layout
         if not isinstance(payload, torch.Tensor):

@@ -52,9 +52,12 @@ from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, 
                                     terminate_on_signals)
 
 BASELINE = "none"
-COMPRESSIONS = ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc")
-LOSSLESS = ("lossless",)  # modes whose result must equal the uncompressed run up to float rounding
-FRAMEWORKS = ("horovod", "ddp")
+# the training driver's modes (none, fp16, bf16, powersgd, sparse, topk-allgather, lossless, topk, thc,
+# auto, auto-lossy) and which framework implements which
+from lossless_hc.bench.workloads.train import COMPRESSIONS, SUPPORTED  # noqa: E402
+LOSSLESS = ("lossless", "auto")  # modes whose result must equal the uncompressed run up to float rounding
+AUTO = ("auto", "auto-lossy")    # the planner's modes: marked in the tables
+FRAMEWORKS = ("horovod", "ddp", "fsdp")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -97,6 +100,24 @@ def parse_list(text: str, allowed: Sequence[str], what: str) -> list:
     return vals
 
 
+# -- CPU-fair time dilation ------------------------------------------------------------------------
+def cpu_fair_scaling(workers: int, cores: int) -> dict:
+    """Time dilation that makes ``workers`` processes sharing ``cores`` cores behave like a cluster
+    with one core per worker.
+
+    Each worker runs one intra-op thread. With ``workers <= cores`` every worker has a core of its
+    own (``share`` = 1): nothing changes. With more workers than cores each gets ``share`` =
+    cores / workers of a core, so its compute takes 1/share times as long as on its own core; the
+    network is slowed by the same factor -- link rate x share, one-way delay / share -- so that
+    compute and communication keep the ratio they would have with one core per host. Times
+    measured under dilation are this machine's seconds: compare them as ratios within one run."""
+    if workers < 1 or cores < 1:
+        raise ValueError(f"cpu_fair_scaling needs workers >= 1 and cores >= 1, got {workers}, {cores}")
+    share = min(1.0, cores / workers)
+    return {"workers": workers, "cores": cores, "threads_per_worker": 1, "share": share,
+            "rate_factor": share, "delay_factor": 1.0 / share}
+
+
 # -- statistics ------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
@@ -115,7 +136,8 @@ def aggregation_throughput(dense_bytes: float, step_s: float, compute_s: float) 
     return dense_bytes / comm if comm > 0 else None
 
 
-def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float]) -> dict:
+def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float],
+              hosts: Optional[int] = None) -> dict:
     """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`."""
     if not ranks:
         raise ValueError("summarize: no rank reports")
@@ -130,9 +152,11 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
     stats = ranks[0].get("stats") or {}
     codec_s = (stats.get("encode_seconds", 0.0) + stats.get("decode_seconds", 0.0)) / timed if stats else 0.0
     return {
-        "framework": framework, "compression": compression, "hosts": len(ranks), "timed_steps": timed,
+        "framework": framework, "compression": compression, "hosts": hosts or len(ranks), "workers": len(ranks),
+        "timed_steps": timed,
         "step_s_median": median, "step_s_p10": percentile(steps, 10), "step_s_p90": percentile(steps, 90),
         "compute_s": compute_s, "dense_bytes_per_step": dense,
+        "aggregation_s": median - compute_s if compute_s is not None else None,
         "wire_bytes_per_step_per_host": statistics.fmean(wire) if wire else None,
         "aggregation_bytes_per_s": (aggregation_throughput(dense, median, compute_s)
                                     if compute_s is not None else None),
@@ -196,10 +220,14 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec: RunSpec, workdir: str,
-                timeout_s: float, save_params: Optional[str] = None) -> list:
-    """Runs one configuration on every host; returns the per-rank reports (raises ClusterError
-    with the failing rank's log tail when a worker fails or the timeout passes)."""
-    n = cluster.hosts
+                timeout_s: float, save_params: Optional[str] = None, per_host: int = 1) -> list:
+    """Runs one configuration, ``per_host`` worker processes on every host (rank = host x
+    per_host + local rank; FSDP's shard group is a host's processes, whose traffic stays inside the
+    host's namespace, unshaped); returns the per-rank reports (raises ClusterError with the failing
+    rank's log tail when a worker fails or the timeout passes)."""
+    if per_host != 1 and framework not in ("fsdp", "local"):
+        raise ValueError(f"{framework}: one worker per host (per_host={per_host} is for fsdp)")
+    n = cluster.hosts * per_host
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, base_env.get("PYTHONPATH")]))
     base_env["PYTHONUNBUFFERED"] = "1"
@@ -222,12 +250,12 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
                          "HOROVOD_HOSTNAME": s.hostname, "HOROVOD_RANK": str(s.rank), "HOROVOD_SIZE": str(n),
                          "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
                          "HOROVOD_CROSS_RANK": str(s.rank), "HOROVOD_CROSS_SIZE": str(n)})
-    elif framework == "ddp":
+    elif framework in ("ddp", "fsdp"):
         port = _free_port()  # host 0's namespace has all ports free; any number will do
         for i in range(n):
             envs.append({"MASTER_ADDR": cluster.host_address(0), "MASTER_PORT": str(port), "RANK": str(i),
-                         "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                         "GLOO_SOCKET_IFNAME": HOST_IFACE})
+                         "WORLD_SIZE": str(n), "LOCAL_RANK": str(i % per_host),
+                         "LOCAL_WORLD_SIZE": str(per_host), "GLOO_SOCKET_IFNAME": HOST_IFACE})
     elif framework == "local":
         envs = [{"RANK": str(i), "WORLD_SIZE": str(n)} for i in range(n)]
     else:
@@ -245,7 +273,7 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
         for i in range(n):
             log = open(os.path.join(workdir, f"{name}.rank{i}.log"), "w")
             logs.append(log)
-            procs.append(cluster.popen(i, argv, {**base_env, **envs[i]}, log))
+            procs.append(cluster.popen(i // per_host, argv, {**base_env, **envs[i]}, log))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
@@ -296,42 +324,70 @@ class Progress:
             self.stream.write("\n")
 
 
-def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> list:
-    """(framework, compression) pairs to run. The uncompressed run comes first in each framework:
-    the other runs' parameters are compared with it. (DDP needs no exception for "sparse": Gloo
-    allreduces sparse gradients by allgather, the counterpart of Horovod's sparse path.)"""
+def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> tuple:
+    """((framework, compression) pairs to run, pairs skipped because that framework does not
+    implement the mode: e.g. bf16 and powersgd are DDP hooks). The uncompressed run comes first in
+    each framework: the other runs' parameters are compared with it. (DDP needs no exception for
+    "sparse": Gloo allreduces sparse gradients by allgather, the counterpart of Horovod's sparse
+    path.)"""
     comps = [BASELINE] + [c for c in compressions if c != BASELINE]
-    return [(fw, c) for fw in frameworks for c in comps]
+    pairs = [(fw, c) for fw in frameworks for c in comps]
+    return [p for p in pairs if p[1] in SUPPORTED[p[0]]], [p for p in pairs if p[1] not in SUPPORTED[p[0]]]
 
 
 def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, frameworks: Sequence[str],
                   compressions: Sequence[str], steps: int, warmup: int, train_args: Sequence[str],
-                  timeout_s: float, workdir: str, progress: Optional[Progress] = None) -> dict:
+                  timeout_s: float, workdir: str, progress: Optional[Progress] = None, cpu_fair: bool = False,
+                  shards: int = 2, cores: Optional[int] = None) -> dict:
     """Builds the cluster, runs the compute-only reference and every configuration, tears down.
-    Returns {"rows": [...], "compute_s": ..., "shaping": {"qdisc": ..., "latency_applied": ...}}."""
-    spec = RunSpec(model, steps, warmup, list(train_args))
-    runs = plan(frameworks, compressions)
-    progress = progress or Progress(len(runs) + 1)
-    rows = []
+
+    ``fsdp`` runs ``shards`` processes per host (HSDP: ``hosts`` replicas x ``shards`` shards; the
+    replica all-reduce crosses the shaped links, the shard group's traffic stays in the host).
+    ``cpu_fair``: links dilated by :func:`cpu_fair_scaling` for this machine's ``cores`` (default:
+    all) and one thread per worker. Returns {"rows": [...], "compute_s": {workers per host: s},
+    "shaping": {...}, "cpu_fair": {...} or None, "skipped": [[framework, compression], ...]}."""
+    runs, skipped = plan(frameworks, compressions)
+    per_host = {fw: shards if fw == "fsdp" else 1 for fw in frameworks}
+    layouts = sorted(set(per_host.values()))
+    train_args = list(train_args)
+    fair = None
+    if cpu_fair:
+        if len(layouts) > 1:
+            raise ValueError("--cpu-fair: fsdp runs a different number of workers per host than "
+                             f"{', '.join(f for f in frameworks if f != 'fsdp')}; run it separately")
+        fair = cpu_fair_scaling(hosts * layouts[0], cores or os.cpu_count() or 1)
+        rate_bits = max(8_000, int(round(rate_bits * fair["rate_factor"])))
+        delay_s = delay_s * fair["delay_factor"]
+        fair.update(applied_rate_bits=rate_bits, applied_delay_s=delay_s)
+        train_args += ["--threads", "1"]
+    spec = RunSpec(model, steps, warmup, train_args)
+    progress = progress or Progress(len(runs) + len(layouts))
+    rows, compute = [], {}
     with terminate_on_signals(), EmulatedCluster(hosts, rate_bits, delay_s) as cluster:
-        progress.show("compute-only reference")
-        ref = run_workers(cluster, "local", BASELINE, spec, workdir, timeout_s)
-        compute_s = statistics.median(ref[0]["step_seconds"])
-        progress.advance("compute-only reference")
+        for ppn in layouts:
+            progress.show(f"compute-only reference x{ppn}")
+            ref = run_workers(cluster, "local", BASELINE, spec, workdir, timeout_s, per_host=ppn)
+            compute[ppn] = statistics.median(ref[0]["step_seconds"])
+            progress.advance(f"compute-only reference x{ppn}")
         params = {}
         for fw, comp in runs:
             progress.show(f"{fw} {comp}")
             path = os.path.join(workdir, f"{fw}-{comp}.params.pt")
-            reports = run_workers(cluster, fw, comp, spec, workdir, timeout_s, save_params=path)
+            fw_spec = dataclasses.replace(spec, train_args=spec.train_args + (
+                ["--shards", str(shards)] if fw == "fsdp" else []))
+            reports = run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s, save_params=path,
+                                  per_host=per_host[fw])
             params[(fw, comp)] = path
-            row = summarize(fw, comp, reports, compute_s)
+            row = summarize(fw, comp, reports, compute[per_host[fw]], hosts=hosts)
             base = params.get((fw, BASELINE))
             row["max_param_diff_vs_none"] = max_param_diff(path, base) if base and comp != BASELINE else None
             row["lossless_mode"] = comp in LOSSLESS
             rows.append(row)
             progress.advance(f"{fw} {comp}")
-        shaping = {"qdisc": cluster.qdisc, "latency_applied": cluster.latency_applied}
-    return {"rows": add_relative(rows), "compute_s": compute_s, "shaping": shaping}
+        shaping = {"qdisc": cluster.qdisc, "latency_applied": cluster.latency_applied,
+                   "rate_bits": rate_bits, "delay_s": delay_s}
+    return {"rows": add_relative(rows), "compute_s": compute, "shaping": shaping, "cpu_fair": fair,
+            "skipped": [list(p) for p in skipped]}
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -339,27 +395,69 @@ def _f(v, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
 
+def _computes(result: dict) -> dict:
+    c = result["compute_s"]
+    return {1: c} if isinstance(c, (int, float)) else {int(k): v for k, v in c.items()}
+
+
+def answer_line(rows: Sequence[dict]) -> str:
+    """The user's question first: which mode makes the step fastest, exact and overall, and where
+    the planner's choice (auto) lands against them."""
+    if not rows:
+        return ""
+    exact = [r for r in rows if r["compression"] in (BASELINE, "sparse", *LOSSLESS)]
+    best_exact = min(exact or rows, key=lambda r: r["step_s_median"])
+    best = min(rows, key=lambda r: r["step_s_median"])
+    parts = [f"fastest exact: {best_exact['framework']} {best_exact['compression']} "
+             f"({1e3 * best_exact['step_s_median']:.1f} ms, {_f(best_exact['speedup_vs_none'], '.2f')}x none)",
+             f"fastest overall: {best['framework']} {best['compression']} "
+             f"({1e3 * best['step_s_median']:.1f} ms, {_f(best['speedup_vs_none'], '.2f')}x none)"]
+    for r in rows:
+        if r["compression"] in AUTO:
+            ref = best_exact if r["compression"] == "auto" else best
+            parts.append(f"{r['framework']} {r['compression']}: {r['step_s_median'] / ref['step_s_median']:.2f}x "
+                         f"the fastest {'exact' if r['compression'] == 'auto' else 'overall'}")
+    return "Is the step faster? " + "; ".join(parts) + "."
+
+
 def render_markdown(result: dict, title: str) -> str:
     sh = result.get("shaping", {})
     note = ("" if sh.get("latency_applied", True) else
             " The kernel has no netem: links are rate-limited by tbf and the requested latency was NOT added.")
-    lines = [f"### {title}", "",
+    fair = result.get("cpu_fair")
+    fair_line = ("" if not fair else
+                 f"CPU-fair: {fair['workers']} workers on {fair['cores']} cores, one thread each, share "
+                 f"{fair['share']:.3g} of a core: links dilated to {rate_label(fair['applied_rate_bits'])} and "
+                 f"{1e6 * fair['applied_delay_s']:.0f} us one-way (times are this machine's seconds).\n")
+    computes = ", ".join(f"{1e3 * v:.1f} ms ({k} worker{'s' if k > 1 else ''}/host)"
+                         for k, v in sorted(_computes(result).items()))
+    skipped = result.get("skipped") or []
+    lines = [f"### {title}", "", answer_line(result["rows"]), "",
              f"Shaping: {sh.get('qdisc', '?')} on every host's uplink and downlink.{note}",
-             f"Compute-only step (same workers, no aggregation): {1e3 * result['compute_s']:.1f} ms.", "",
-             "| framework | compression | step ms median (p10–p90) | speed-up vs none | wire MiB/step/host "
-             "| wire vs none | aggregation GB/s | x none | enc+dec share | max abs param diff vs none | fallbacks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{fair_line}Compute-only step (same workers, no aggregation): {computes}."]
+    if result.get("settings"):
+        lines.append(f"Settings: {result['settings']}.")
+    if skipped:
+        lines.append("Not run (the framework does not implement the mode): "
+                     + ", ".join(f"{fw} {c}" for fw, c in skipped) + ".")
+    lines += ["",
+              "| framework | compression | step ms median (p10–p90) | speed-up vs none | wire MiB/step/host "
+              "| wire vs none | aggregation GB/s | x none | enc+dec share | max abs param diff vs none | fallbacks "
+              "| aggregation ms/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         wire = r["wire_bytes_per_step_per_host"]
         diff = r["max_param_diff_vs_none"]
+        mode = f"**{r['compression']}** (planner)" if r["compression"] in AUTO else r["compression"]
+        agg = r.get("aggregation_s")
         lines.append(
-            f"| {r['framework']} | {r['compression']} | {1e3 * r['step_s_median']:.1f} "
+            f"| {r['framework']} | {mode} | {1e3 * r['step_s_median']:.1f} "
             f"({1e3 * r['step_s_p10']:.1f}–{1e3 * r['step_s_p90']:.1f}) | {_f(r['speedup_vs_none'], '.2f')}x "
             f"| {_f(wire and wire / 2**20, '.2f')} | {_f(r['wire_vs_none'], '.3f')} "
             f"| {_f(r['aggregation_bytes_per_s'] and r['aggregation_bytes_per_s'] / 1e9, '.3f')} "
             f"| {_f(r['throughput_vs_none'], '.2f')} | {_f(r['codec_share'] and 100 * r['codec_share'], '.1f')}% "
             f"| {_f(diff, '.2e')}{' (lossless)' if r['lossless_mode'] and diff is not None else ''} "
-            f"| {r['fallbacks']} |")
+            f"| {r['fallbacks']} | {_f(agg and 1e3 * agg, '.1f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -371,13 +469,14 @@ def plot(result: dict, title: str, path: str) -> None:
 
     rows = result["rows"]
     labels = [f"{r['framework']}\n{r['compression']}" for r in rows]
-    colors = ["#4c72b0" if r["framework"] == "horovod" else "#dd8452" for r in rows]
+    colors = [{"horovod": "#4c72b0", "ddp": "#dd8452", "fsdp": "#55a868"}[r["framework"]] for r in rows]
     x = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
     med = [1e3 * r["step_s_median"] for r in rows]
     err = [[m - 1e3 * r["step_s_p10"] for m, r in zip(med, rows)], [1e3 * r["step_s_p90"] - m for m, r in zip(med, rows)]]
     ax1.bar(x, med, yerr=err, color=colors, capsize=3)
-    ax1.axhline(1e3 * result["compute_s"], color="gray", ls="--", lw=1, label="compute only")
+    for k, v in sorted(_computes(result).items()):
+        ax1.axhline(1e3 * v, color="gray", ls="--" if k == 1 else ":", lw=1, label=f"compute only ({k}/host)")
     ax1.set_ylabel("step time, ms (median, p10–p90)")
     ax1.legend(loc="upper right")
     ax1.set_title(title)
@@ -389,8 +488,60 @@ def plot(result: dict, title: str, path: str) -> None:
     plt.close(fig)
 
 
+def planner_missing(frameworks: Sequence[str]) -> list:
+    """The planner adapters the auto modes need that this checkout lacks (checked before the
+    cluster is built, so that a missing one is an error up front, not a failed worker)."""
+    import importlib
+
+    need = {"horovod": ("horovod", "Compression"), "ddp": ("ddp", "AutoHookState"), "fsdp": ("fsdp", "AutoFSDPState")}
+    out = []
+    for fw in frameworks:
+        module, name = need[fw]
+        try:
+            obj = getattr(importlib.import_module(f"lossless_hc.plugins.{module}"), name)
+        except (ImportError, AttributeError):
+            obj = None
+        if obj is None or (fw == "horovod" and not hasattr(obj, "auto")):
+            out.append(f"lossless_hc.plugins.{module}.{name}{'.auto' if fw == 'horovod' else ''}")
+    return out
+
+
+def worker_args(args) -> list:
+    """The training driver's options this command implies: --train-args, then --skew and --replay."""
+    extra = args.train_args.split() if args.train_args else []
+    if args.skew:
+        extra += ["--skew", str(args.skew)]
+    if args.replay:
+        extra += ["--replay-dir", os.path.abspath(args.replay)]
+    return extra
+
+
+def settings_line(model: str, train_args: Sequence[str], compressions: Sequence[str]) -> str:
+    """The baselines' and our modes' parameters as the workers will use them (the driver's defaults
+    unless --train-args overrode them)."""
+    from lossless_hc.bench.workloads.train import parse_args
+
+    a = parse_args(["--model", model, "--framework", "local", "--compression", "none", *train_args])
+    out = []
+    if "powersgd" in compressions:
+        out.append(f"powersgd: torch PowerSGDState rank {a.powersgd_rank}, plain allreduce for the first "
+                   f"{a.powersgd_start} iterations, error feedback and warm start on")
+    if "bf16" in compressions:
+        out.append("bf16: torch bf16_compress_hook")
+    if {"topk", "topk-allgather"} & set(compressions):
+        out.append(f"top-k ratio {a.topk_ratio} with error feedback")
+    if "thc" in compressions:
+        out.append(f"thc {a.thc_bits} bits")
+    if "lossless" in compressions:
+        out.append(f"lossless initial capacity {a.max_density} of each tensor")
+    if model == "ncf":
+        out.append(f"NCF skew {a.skew} ({'uniform ids' if not a.skew else 'Zipf users and negatives'})")
+    return "; ".join(out)
+
+
 def cmd_cluster(args) -> int:
     """``python -m lossless_hc.bench cluster``: builds, runs, tears down, prints and writes."""
+    model = "replay" if args.replay else args.model
     try:
         rate = parse_rate(args.bandwidth)
         delay = parse_delay(args.latency)
@@ -400,33 +551,63 @@ def cmd_cluster(args) -> int:
             raise ValueError(f"--hosts must be at least 2, got {args.hosts}")
         if not 0 <= args.warmup < args.steps:
             raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup}")
+        if args.shards < 1 or args.skew < 0:
+            raise ValueError("--shards must be >= 1 and --skew >= 0")
+        missing = planner_missing(frameworks) if set(AUTO) & set(compressions) else []
+        if missing:
+            raise ValueError(f"--compression auto needs the planner's adapters; missing: {', '.join(missing)}")
+        if args.replay:
+            from lossless_hc.bench.workloads.replay import load_meta
+
+            recorded = load_meta(args.replay)
+            if recorded["ranks"] < args.hosts * (args.shards if "fsdp" in frameworks else 1):
+                raise ValueError(f"--replay {args.replay} holds {recorded['ranks']} ranks, fewer than the workers")
         require_root()
     except (ValueError, ClusterError) as exc:
+        print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # the replay directory's own message
         print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 2
     removed = remove_leftovers()
     if removed:
         print(f"[cluster] removed leftovers of an earlier run: {', '.join(removed)}", file=sys.stderr)
-    title = f"{args.model}, {args.hosts} hosts, {rate_label(rate)}, {args.latency} one-way"
+    what = f"replay of {recorded['model']}" if args.replay else args.model
+    skew = recorded["options"].get("skew") if args.replay else args.skew
+    title = (f"{what}{f' (Zipf skew {skew})' if skew else ''}, {args.hosts} hosts, {rate_label(rate)}, "
+             f"{args.latency} one-way{', CPU-fair' if args.cpu_fair else ''}")
     workdir = args.out or tempfile.mkdtemp(prefix="lhc-cluster-")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.monotonic()
+    train_args = worker_args(args)
     try:
-        result = run_benchmark(args.hosts, rate, delay, args.model, frameworks, compressions, args.steps,
-                               args.warmup, args.train_args.split() if args.train_args else [],
-                               args.timeout, workdir)
+        result = run_benchmark(args.hosts, rate, delay, model, frameworks, compressions, args.steps,
+                               args.warmup, train_args, args.timeout, workdir, cpu_fair=args.cpu_fair,
+                               shards=args.shards, cores=args.cores)
+    except ValueError as exc:
+        print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
+        return 2
     except ClusterError as exc:
         print(f"\npython -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; the emulated cluster was removed", file=sys.stderr)
         return 130
+    if result["cpu_fair"]:
+        f = result["cpu_fair"]
+        print(f"[cluster] --cpu-fair: {f['workers']} workers on {f['cores']} cores, share {f['share']:.3g}: "
+              f"rate x{f['rate_factor']:.3g} -> {rate_label(f['applied_rate_bits'])}, delay x{f['delay_factor']:.3g} "
+              f"-> {1e6 * f['applied_delay_s']:.0f} us, 1 thread per worker", file=sys.stderr)
     result.update(command=command_line(), machine=machine_info(0), title=title, bandwidth_bits=rate,
-                  latency_s=delay, hosts=args.hosts, model=args.model, steps=args.steps, warmup=args.warmup,
+                  latency_s=delay, hosts=args.hosts, model=model, steps=args.steps, warmup=args.warmup,
+                  skew=skew, replay=args.replay, settings=settings_line(
+                      recorded["model"] if args.replay else model,
+                      [] if args.replay else train_args, compressions),
                   wall_s=time.monotonic() - t0)
     md = render_markdown(result, title)
     print(md)
-    stem = f"cluster_{args.model}_{rate_label(rate)}_{args.hosts}hosts"
+    stem = (f"cluster_{'replay_' if args.replay else ''}{what.split()[-1]}{f'_zipf{skew}' if skew else ''}_"
+            f"{rate_label(rate)}_{args.hosts}hosts{'_fsdp' if frameworks == ['fsdp'] else ''}")
     with open(os.path.join(workdir, stem + ".md"), "w") as f:
         f.write(f"`{result['command']}`\n\n{md}")
     with open(os.path.join(workdir, stem + ".json"), "w") as f:
@@ -438,15 +619,25 @@ def cmd_cluster(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one worker each (default 4)")
+    p.add_argument("--hosts", type=int, default=4, help="emulated hosts (default 4); fsdp: replicas")
     p.add_argument("--bandwidth", default="1gbit", help="link rate, e.g. 1gbit, 10gbit (both directions)")
     p.add_argument("--latency", default="100us", help="one-way delay added on each host's uplink")
     p.add_argument("--model", default="ncf", choices=("ncf", "lstm", "vgg", "bert", "digits"))
-    p.add_argument("--compression", default="none,fp16,sparse,topk-allgather,lossless,topk",
-                   help=f"comma-separated, from {', '.join(COMPRESSIONS)} (none always runs: the reference)")
-    p.add_argument("--framework", default="horovod,ddp", help="comma-separated: horovod, ddp")
+    p.add_argument("--compression", default="none,fp16,bf16,powersgd,sparse,topk-allgather,lossless,topk",
+                   help=f"comma-separated, from {', '.join(COMPRESSIONS)} (none always runs: the reference; a "
+                        f"mode a framework does not implement is skipped and listed)")
+    p.add_argument("--framework", default="horovod,ddp",
+                   help="comma-separated: horovod, ddp, fsdp (HSDP: --hosts replicas x --shards processes per host)")
+    p.add_argument("--shards", type=int, default=2, help="fsdp: processes (shards) per host (default 2)")
     p.add_argument("--steps", type=int, default=30, help="steps per configuration, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start")
+    p.add_argument("--skew", type=float, default=0.0, help="ncf: Zipf exponent of user and negative-item ids (0: uniform)")
+    p.add_argument("--cpu-fair", action="store_true",
+                   help="one thread per worker and links dilated by the workers' share of this machine's cores")
+    p.add_argument("--cores", type=int, help="--cpu-fair: cores to assume (default: this machine's)")
+    p.add_argument("--replay", metavar="DIR",
+                   help="collective-only: replay gradients recorded by `python -m lossless_hc.bench replay` instead "
+                        "of training --model")
     p.add_argument("--train-args", default="", help="extra options for lossless_hc.bench.workloads.train, quoted")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     p.add_argument("--out", help="directory for the table (Markdown, JSON), the plot and worker logs")

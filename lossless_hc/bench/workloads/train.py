@@ -134,16 +134,17 @@ class DDP:
         if args.compression == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif args.compression == "bf16":
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            from lossless_hc.bench.workloads.baselines import bf16_hook
+            ddp.register_comm_hook(None, bf16_hook)
         elif args.compression == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+            from lossless_hc.bench.workloads.baselines import PowerSGDPerBucket, powersgd_hook
 
             # error feedback and warm start on (torch's defaults); plain allreduce for the first
             # --powersgd-start iterations, as torch recommends
-            self.powersgd = powersgd.PowerSGDState(
-                process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                start_powerSGD_iter=args.powersgd_start, min_compression_rate=2, seed=args.seed)
-            ddp.register_comm_hook(self.powersgd, powersgd.powerSGD_hook)
+            self.powersgd = PowerSGDPerBucket(matrix_approximation_rank=args.powersgd_rank,
+                                              start_powerSGD_iter=args.powersgd_start, min_compression_rate=2,
+                                              random_seed=args.seed)
+            ddp.register_comm_hook(self.powersgd, powersgd_hook)
         elif args.compression in ("auto", "auto-lossy"):
             auto_state, auto_hook = _planner_api("ddp", "AutoHookState", "auto_hook")
             self.state = auto_state(lossy=args.compression == "auto-lossy")

@@ -16,7 +16,7 @@ It writes, under a directory:
 Replaying (:class:`ReplayWorkload`, ``--model replay --replay-dir DIR`` of
 :mod:`lossless_hc.bench.workloads.train`) builds a module with parameters of the recorded shapes
 whose loss is ``sum_p <p, g_p>`` (for row-sparse parameters ``sum <W[idx], rows>``, through
-``F.embedding``), so backward produces exactly the recorded gradient (d/dp <p, g> = g; distinct
+an ``nn.Embedding``), so backward produces exactly the recorded gradient (d/dp <p, g> = g; distinct
 indices, so no row is summed twice) and the framework aggregates it as it would the real one: same
 tensors, same buckets, dense or sparse as the real model's. The compute left is a few
 elementwise passes over the parameters.
@@ -24,11 +24,11 @@ elementwise passes over the parameters.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lossless_hc.bench.workloads.tasks import OPTIMIZERS, WORKLOADS, Workload
@@ -121,28 +121,41 @@ def load_rank(replay_dir: str, rank: int, steps: Optional[int] = None) -> list:
     return [torch.load(os.path.join(replay_dir, f"rank{rank}.step{s}.pt")) for s in range(n)]
 
 
+class _Dense(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape))
+
+
 class ReplayModel(nn.Module):
     """Parameters of the recorded shapes; ``forward(*flat_batch)`` returns ``sum_p <p, g_p>`` so that
-    backward leaves exactly the recorded gradient in each parameter (sparse for row-sparse
-    parameters when ``sparse``)."""
+    backward leaves exactly the recorded gradient in each parameter. A row-sparse parameter is the
+    weight of an ``nn.Embedding`` (``sparse`` as asked: DDP decides from the module whether to
+    expect a sparse gradient), every other one of a holder module; one child per parameter, in the
+    recorded order, so that parameter order (and DDP's buckets) follow the real model's."""
 
     def __init__(self, names, shapes, row_sparse, sparse: bool = False):
         super().__init__()
-        self.names = [n.replace(".", "__") for n in names]  # parameter names may not contain dots
-        self.row_sparse, self.sparse = list(row_sparse), sparse
-        for n, s in zip(self.names, shapes):  # in the recorded order: DDP buckets follow it
-            self.register_parameter(n, nn.Parameter(torch.zeros(s)))
+        self.names = [n.replace(".", "__") for n in names]  # module names may not contain dots
+        self.row_sparse = list(row_sparse)
+        for n, shape, rows in zip(self.names, shapes, self.row_sparse):
+            if rows:
+                emb = nn.Embedding(shape[0], int(math.prod(shape[1:])), sparse=sparse)
+                nn.init.zeros_(emb.weight)
+                self.add_module(n, emb)
+            else:
+                self.add_module(n, _Dense(shape))
 
     def forward(self, *flat):
         total, i = 0.0, 0
         for name, rows in zip(self.names, self.row_sparse):
-            p = getattr(self, name)
+            child = getattr(self, name)
             if rows:
                 idx, vals = flat[i], flat[i + 1]
-                total = total + (F.embedding(idx, p, sparse=self.sparse) * vals).sum()
+                total = total + (child(idx) * vals.reshape(idx.numel(), -1)).sum()
                 i += 2
             else:
-                total = total + (p * flat[i]).sum()
+                total = total + (child.weight * flat[i]).sum()
                 i += 1
         return total
 

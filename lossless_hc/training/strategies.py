@@ -129,6 +129,7 @@ class AutoAggregator:
         self.steps = 0
         self.fallbacks = 0
         self._codec: Optional[LosslessCodec] = None   # the sketch's, sized at the last plan
+        self._sketch_stats: Optional[TensorStats] = None   # ... from these statistics
         self._thc: Optional[THCAggregator] = None
         self._topk: Optional[TopKAggregator] = None
         if first == "sketch":   # no statistics yet: sized for FIRST_SKETCH_DENSITY of the rows per rank
@@ -148,6 +149,7 @@ class AutoAggregator:
             self.strategy = best
 
     def _size_sketch(self, s: TensorStats) -> None:
+        self._sketch_stats = s
         cap, union = sketch_capacity(s)
         self._codec = LosslessCodec(self.numel, self.world_size, cap, self.row, self.seed, device=self.device,
                                     union_nnz=union)
@@ -381,6 +383,49 @@ class AutoAggregator:
         slots[:m, 0] = idx.to(torch.int32).view(torch.float32)
         slots[:m, 1:] = rows.index_select(0, idx)
         return slots.reshape(-1)
+
+    # -- checkpointing --------------------------------------------------------------------------------
+    _TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force")
+
+    def state_dict(self) -> dict:
+        """What this aggregator carries between steps: the plan (strategy, statistics, the sketch's
+        sizing) and the lossy strategies' error feedback; Python numbers and CPU tensors."""
+        sk = self._sketch_stats
+        thc = self._thc.codec if self._thc is not None else None
+        return {"kind": "auto", "shape": list(self.shape), "dtype": str(self.dtype), "strategy": self.strategy,
+                "history": [list(h) for h in self.history], "steps": self.steps,
+                "tracker": {f: getattr(self.tracker, f) for f in self._TRACKER_FIELDS},
+                "sketch_stats": None if sk is None else [sk.numel, sk.row, sk.world_size, list(sk.rank_keys),
+                                                         sk.union_keys, sk.element_bytes],
+                "topk_residual": None if self._topk is None or self._topk.residual is None
+                else self._topk.residual.detach().cpu().clone(),
+                "thc": None if thc is None else {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                                                 for k, v in thc.state_dict().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into an aggregator built with the same configuration."""
+        got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
+        if got != ("auto", list(self.shape), str(self.dtype)):
+            raise ValueError(f"{self.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, this one "
+                             f"is an auto aggregator of {self.dtype} {list(self.shape)}")
+        if state["strategy"] not in self.allowed:
+            raise ValueError(f"{self.name}: the saved strategy {state['strategy']!r} is not allowed here ({self.allowed})")
+        self.strategy, self.steps = state["strategy"], int(state["steps"])
+        self.history = [tuple(h) for h in state["history"]]
+        for f in self._TRACKER_FIELDS:
+            setattr(self.tracker, f, state["tracker"][f])
+        if state["sketch_stats"] is not None:
+            numel, row, n, ranks, union, eb = state["sketch_stats"]
+            self._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
+        if state["topk_residual"] is not None:
+            self._topk = self._topk or TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size,
+                                                      self.topk_ratio, seed=self.seed, stats=AggregationStats(),
+                                                      device=self.device)
+            self._topk.residual = state["topk_residual"].to(self.device, torch.float32).clone()
+        if state["thc"] is not None:
+            self._thc = self._thc or THCAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.rank,
+                                                   bits=self.thc_bits, seed=self.seed, stats=AggregationStats())
+            self._thc.codec.load_state_dict(state["thc"])
 
     # -- inspection -----------------------------------------------------------------------------------
     def plan_stats(self) -> dict:

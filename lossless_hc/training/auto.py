@@ -170,8 +170,8 @@ class AutoCompressorAdapter(CompressorAdapter):
     An engine plugin supplies :meth:`_start_request` / :meth:`_wait_request` and calibrates the spec
     (:meth:`AutoSpec.set_calibration`) before the first step."""
 
-    def __init__(self, spec: AutoSpec):
-        super().__init__(spec)
+    def __init__(self, spec: AutoSpec, **engine_options):
+        super().__init__(spec, **engine_options)
         self._requests: list = []   # (handle, out, ctx, aggregator) issued this step
 
     def decode(self, aggregated: torch.Tensor, enc: EncodedTensor) -> torch.Tensor:

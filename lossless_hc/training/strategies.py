@@ -384,6 +384,22 @@ class AutoAggregator:
         slots[:m, 1:] = rows.index_select(0, idx)
         return slots.reshape(-1)
 
+    def payload_numel(self) -> int:
+        """Elements of the first payload the next :meth:`encode` returns (header + body)."""
+        s, H = self.strategy, stats_header_words(self.world_size)
+        if s == "dense":
+            return H + self.numel
+        if s == "two_phase":
+            return H + digit_packing(self.world_size, self.keys).words
+        if s == "sketch":
+            return H + self._codec.payload_numel
+        if s in ("thc", "topk"):
+            agg = self._thc if s == "thc" else self._topk
+            if agg is None:
+                raise RuntimeError(f"{self.name}: the {s} payload's size is known after its first encode")
+            return H + (agg.codec.payload_numel if agg.codec is not None else self.numel)
+        return H
+
     # -- checkpointing --------------------------------------------------------------------------------
     _TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force")
 

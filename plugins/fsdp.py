@@ -403,7 +403,8 @@ class THCFSDPState(_FSDPState):
     stays uncompressed (see the module doc)."""
 
     supports_reduce_scatter = False
-    no_reduce_scatter = "its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the owner alone"
+    no_reduce_scatter = ("its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the "
+                         "owner alone")
 
     def __init__(self, mesh: DeviceMesh, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
                  seed: int = 0):

@@ -62,7 +62,8 @@ class AutoSpec(AggregatorSpec):
         if strategies is not None:
             bad = [s for s in strategies if s not in STRATEGIES]
             if bad or not strategies:
-                raise ValueError(f"strategies must be a non-empty subset of {', '.join(STRATEGIES)}; got {strategies!r}")
+                raise ValueError(f"strategies must be a non-empty subset of {', '.join(STRATEGIES)}; "
+                                 f"got {strategies!r}")
             strategies = tuple(strategies)
         if calibration is not None and not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a planner.Calibration, got {type(calibration).__name__}")
@@ -136,7 +137,8 @@ def decode_message(message: AutoMessage, summed: torch.Tensor,
     results = [o.value for o in outcomes]
     pending = [i for i, o in enumerate(outcomes) if o.request is not None]
     for dtype in _DTYPE_ORDER:
-        group = [i for i in pending if outcomes[i].request.kind == "allreduce" and outcomes[i].request.tensor.dtype == dtype]
+        group = [i for i in pending
+                 if outcomes[i].request.kind == "allreduce" and outcomes[i].request.tensor.dtype == dtype]
         if group:
             flat = torch.cat([outcomes[i].request.tensor.reshape(-1) for i in group])
             allreduce(flat)

@@ -19,8 +19,9 @@ and, only when the user allows loss, ``fp16``, ``bf16`` (the tensor allreduced i
 aggregated exactly by the sketch).
 
 Every strategy's first collective is a SUM allreduce of a payload that starts with the statistics
-header of ``1 + n`` float32 words: a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
-a one-hot slot vector in which rank r writes its non-zero row count ``k_r``. So every rank learns
+header of ``1 + 2n`` float32 words: a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
+a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
+fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
 ``k_0..k_{n-1}`` from every step of every strategy; the union ``u`` (rows non-zero on some rank) comes
 from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the
 bitmap; sketch: the decode report).
@@ -33,7 +34,7 @@ collectives::
     allreduce(B) = 2(n-1) alpha + 2(n-1)/n B beta          (B: bytes each rank contributes)
     allgather(B) =  (n-1) alpha +  (n-1)   B beta          (B: bytes each rank contributes)
 
-Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = 4(1+n)`` header bytes::
+Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = 4(1+2n)`` header bytes::
 
     dense      allreduce(H + d e)
     allgather  allreduce(H) + allgather(K (4 + b e))                 (int32 index + row per slot)
@@ -169,9 +170,12 @@ class TensorStats:
         return int(max(self.rank_keys)) if self.rank_keys else 0
 
 
+COUNT_FIELD_BITS = 21   # a per-rank count is sent as two fields: its low 21 bits, and the rest
+
+
 def stats_header_words(world_size: int) -> int:
-    """Words of the statistics header every first payload starts with: contributors + n slots."""
-    return 1 + int(world_size)
+    """Words of the statistics header every first payload starts with: contributors + 2 per rank."""
+    return 1 + 2 * int(world_size)
 
 
 def bitmap_words(keys: int, world_size: int) -> int:

@@ -8,8 +8,9 @@ A step of any strategy is, for every rank (the engine supplies the collectives):
     value = agg.finish(ctx, result)          # only after a request: result = its SUM (allreduce) or
                                              # the ranks' tensors stacked in rank order (allgather)
 
-The first payload (:mod:`lossless_hc.training.planner`, "statistics header") is ``1 + n`` words -- a
-contributor count and the one-hot slot vector of per-rank non-zero row counts -- and then the body::
+The first payload (:mod:`lossless_hc.training.planner`, "statistics header") is ``1 + 2n`` words -- a
+contributor count and the one-hot slot vector of per-rank non-zero row counts (two exact fields each)
+-- and then the body::
 
     dense      the tensor (float32; float64 tensors keep float64 and are always dense)
     allgather  nothing; request: allgather of K slots (int32 row index bit-cast to float32, then the
@@ -43,7 +44,8 @@ from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, THCAggregator, TopKAggregator,
                                             default_block_size)
-from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel, PlanTracker, TensorStats,
+from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
+                                          PlanTracker, TensorStats,
                                           sketch_capacity, stats_header_words)
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
@@ -231,7 +233,8 @@ class AutoAggregator:
         header = torch.zeros(stats_header_words(n), dtype=body.dtype if body.numel() else self.wire_dtype,
                              device=flat.device)
         header[0] = 1.0
-        header[1 + self.rank] = float(rank_key_count)
+        header[1 + 2 * self.rank] = float(rank_key_count % (1 << COUNT_FIELD_BITS))
+        header[2 + 2 * self.rank] = float(rank_key_count >> COUNT_FIELD_BITS)
         payload = torch.cat([header, body.to(header.dtype)])
         ctx.payload_bytes = payload.numel() * payload.element_size()
         self.bytes_sent += ctx.payload_bytes
@@ -255,7 +258,8 @@ class AutoAggregator:
             raise ConfigurationMismatch(f"{self.name}: the first payload has {contributors} contributors, "
                                         f"expected {n} (ranks built different plans?)")
         ctx.averaged = averaged
-        ctx.rank_keys = tuple(self._integers(summed[1:H], averaged).tolist())
+        fields = self._integers(summed[1:H], averaged).reshape(n, 2)
+        ctx.rank_keys = tuple((fields[:, 0] + (fields[:, 1] << COUNT_FIELD_BITS)).tolist())
         body = summed[H:]
         s = ctx.strategy
         try:
@@ -303,6 +307,7 @@ class AutoAggregator:
                 if out.needs_fallback:
                     ctx.topk_outcome = out
                     self.fallbacks += 1
+                    self.agg_stats.fallbacks += 1
                     return AutoOutcome(None, Request("allreduce",
                                                      ctx.inner.dense_value.reshape(-1).to(torch.float32).clone()))
                 value = out.value.reshape(-1).to(torch.float32)
@@ -422,10 +427,11 @@ class AutoAggregator:
         """Restore :meth:`state_dict` into an aggregator built with the same configuration."""
         got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
         if got != ("auto", list(self.shape), str(self.dtype)):
-            raise ValueError(f"{self.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, this one "
-                             f"is an auto aggregator of {self.dtype} {list(self.shape)}")
+            raise ValueError(f"{self.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, "
+                             f"this one is an auto aggregator of {self.dtype} {list(self.shape)}")
         if state["strategy"] not in self.allowed:
-            raise ValueError(f"{self.name}: the saved strategy {state['strategy']!r} is not allowed here ({self.allowed})")
+            raise ValueError(f"{self.name}: the saved strategy {state['strategy']!r} is not allowed here "
+                             f"({self.allowed})")
         self.strategy, self.steps = state["strategy"], int(state["steps"])
         self.history = [tuple(h) for h in state["history"]]
         for f in self._TRACKER_FIELDS:

@@ -219,7 +219,7 @@ class CostModel:
         if strategy == "two_phase":
             return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * e)]
         if strategy == "sketch":
-            return [("allreduce", H + 4 * sketch_payload_numel(s))]
+            return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))]
         if strategy in ("fp16", "bf16"):
             return [("allreduce", H), ("allreduce", 2 * s.numel)]
         if strategy == "thc":

@@ -187,14 +187,15 @@ class AutoAggregator:
 
     def _flush_lossy_memory(self, flat: torch.Tensor) -> torch.Tensor:
         """Leaving THC or top-k: what their error feedback still holds goes out with this gradient."""
-        if self.strategy != "thc" and self._thc is not None and self._thc.codec is not None:
-            err = self._thc.codec.error
-            if err is not None and bool(err.any()):
+        if self.strategy != "thc" and self._thc is not None:
+            err = self._thc.codec.error if self._thc.codec is not None else None
+            if err is not None:
                 flat = flat.to(torch.float32) + err.to(flat.device)
-            self._thc.codec.reset()
-        if self.strategy != "topk" and self._topk is not None and self._topk.residual is not None:
-            flat = flat.to(torch.float32) + self._topk.residual
-            self._topk.residual = None
+            self._thc = None   # a later THC plan starts afresh (its first step agrees on a norm)
+        if self.strategy != "topk" and self._topk is not None:
+            if self._topk.residual is not None:
+                flat = flat.to(torch.float32) + self._topk.residual
+            self._topk = None
         return flat
 
     # -- a step --------------------------------------------------------------------------------------

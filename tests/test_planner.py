@@ -191,3 +191,26 @@ def test_float64_tensors_stay_dense_and_exact():
     for y in run_step(aggs, xs):
         assert y.dtype == torch.float64 and torch.equal(y, xs[0] + xs[1])
     assert aggs[0].allowed == ("dense",)
+
+
+@pytest.mark.parametrize("lossy", ["topk", "thc"])
+def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
+    """Error feedback holds back part of each gradient; when the plan leaves top-k or THC for an exact
+    strategy, the next step sends it, so everything sent adds up to everything computed."""
+    n, numel = 2, 2048
+    rng = torch.Generator().manual_seed(4)
+    slow = CostModel(Calibration.default(bandwidth_bits=1e6))   # a slow link: the lossy payload wins
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, slow, lossy=True, first=lossy, interval=1000,
+                           allowed=("dense", lossy)) for r in range(n)]
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    for step in range(4):
+        if step == 3:
+            assert all(a.strategy == lossy for a in aggs)
+            for a in aggs:
+                a.strategy = "dense"   # what a re-plan does
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        total_in += sum(x.double() for x in xs)
+        total_out += run_step(aggs, xs)[0].double()
+    assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4)
+    assert all(a._topk is None and a._thc is None for a in aggs)

@@ -162,8 +162,17 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
                                     if compute_s is not None else None),
         "codec_share": codec_s / median if median > 0 else None,
         "fallbacks": stats.get("fallbacks", 0) if stats else 0,
+        "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
         "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
     }
+
+
+def auto_choice(plan: dict) -> dict:
+    """{strategy: tensors} from the planner's ``stats()["plan"]`` (rank 0's last choices)."""
+    out: dict = {}
+    for name, p in sorted(plan.items()):
+        out.setdefault(p.get("strategy"), []).append(name)
+    return out
 
 
 def add_relative(rows: list) -> list:
@@ -458,6 +467,11 @@ def render_markdown(result: dict, title: str) -> str:
             f"| {_f(r['throughput_vs_none'], '.2f')} | {_f(r['codec_share'] and 100 * r['codec_share'], '.1f')}% "
             f"| {_f(diff, '.2e')}{' (lossless)' if r['lossless_mode'] and diff is not None else ''} "
             f"| {r['fallbacks']} | {_f(agg and 1e3 * agg, '.1f')} |")
+    for r in result["rows"]:
+        if r.get("auto_choice"):
+            lines.append(f"\n{r['framework']} {r['compression']} chose (rank 0, last plan): " + "; ".join(
+                f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
     return "\n".join(lines) + "\n"
 
 

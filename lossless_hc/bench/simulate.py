@@ -5,9 +5,9 @@ the model is from measured collective-only replay points.
     python -m lossless_hc.bench simulate --hosts 2,4,8,16,32,64,128,256 --skews 0,0.8,1.1,1.5 \\
         --bandwidth 1gbit --plot docs/simulate_ncf.png [--measured results/replay_ncf_zipf1.1.json]
 
-The model is :class:`lossless_hc.training.planner.CostModel` with a calibration whose link is the
-emulated one (``--bandwidth``; per-message latency ``--alpha``) and whose codec constants are
-the planner's defaults (``Calibration.default()``): no timing happens here.
+The model is :class:`lossless_hc.training.planner.CostModel` with ``Calibration.default(bandwidth,
+latency)``: the emulated link (``--bandwidth``; per-message hop latency ``--alpha``, default the
+planner's) and the planner's default codec constants: no timing happens here.
 
 Tensors (one step of NCF, per rank): four embedding tables -- user GMF/MLP (``--users`` rows) and
 item GMF/MLP (``--items`` rows), ``--dim`` columns -- and the dense MLP. Rows touched per rank and
@@ -30,6 +30,8 @@ import statistics
 import sys
 from typing import Optional, Sequence
 
+# the planner's strategy names (lossless_hc.training.planner.EXACT_STRATEGIES, LOSSY_STRATEGIES), in
+# its order; repeated here so that this module imports without the planner
 EXACT = ("dense", "allgather", "two_phase", "sketch")
 LOSSY = ("fp16", "bf16", "thc", "topk")
 STRATEGIES = EXACT + LOSSY
@@ -48,12 +50,10 @@ def planner():
 
 
 def calibration(rate_bits: float, alpha_s: Optional[float] = None):
-    """The planner's default calibration with its link replaced by ``rate_bits`` bit/s and a
-    per-message latency ``alpha_s`` (None: the default calibration's)."""
+    """The planner's default calibration (its default codec constants) for a link of ``rate_bits``
+    bit/s and ``alpha_s`` seconds per message hop (None: the planner's default latency)."""
     pl = planner()
-    base = pl.Calibration.default()
-    alpha = base.link.alpha_s if alpha_s is None else alpha_s
-    return pl.Calibration(link=pl.LinkModel(alpha, 8.0 / rate_bits), codec_seconds=dict(base.codec_seconds))
+    return pl.Calibration.default(rate_bits, pl.DEFAULT_LATENCY_S if alpha_s is None else alpha_s)
 
 
 # -- the tensors of one NCF step ---------------------------------------------------------------------

@@ -391,24 +391,6 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
             "skipped": [list(p) for p in skipped]}
 
 
-def planner_missing(frameworks: Sequence[str]) -> list:
-    """The planner adapters the auto modes need that this checkout lacks (checked before the
-    cluster is built, so that a missing one is an error up front, not a failed worker)."""
-    import importlib
-
-    need = {"horovod": ("horovod", "Compression"), "ddp": ("ddp", "AutoHookState"), "fsdp": ("fsdp", "AutoFSDPState")}
-    out = []
-    for fw in frameworks:
-        module, name = need[fw]
-        try:
-            obj = getattr(importlib.import_module(f"lossless_hc.plugins.{module}"), name)
-        except (ImportError, AttributeError):
-            obj = None
-        if obj is None or (fw == "horovod" and not hasattr(obj, "auto")):
-            out.append(f"lossless_hc.plugins.{module}.{name}{'.auto' if fw == 'horovod' else ''}")
-    return out
-
-
 def worker_args(args) -> list:
     """The training driver's options this command implies: --train-args, then --skew and --replay."""
     extra = args.train_args.split() if args.train_args else []
@@ -456,9 +438,6 @@ def cmd_cluster(args) -> int:
             raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup}")
         if args.shards < 1 or args.skew < 0:
             raise ValueError("--shards must be >= 1 and --skew >= 0")
-        missing = planner_missing(frameworks) if set(AUTO) & set(compressions) else []
-        if missing:
-            raise ValueError(f"--compression auto needs the planner's adapters; missing: {', '.join(missing)}")
         if args.replay:
             from lossless_hc.bench.workloads.replay import load_meta
 

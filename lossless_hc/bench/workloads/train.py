@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from lossless_hc.bench.workloads.replay import ReplayWorkload
 from lossless_hc.bench.workloads.tasks import DEFAULTS as TASK_DEFAULTS
@@ -50,19 +48,6 @@ SUPPORTED = {  # compressions each framework implements here
 }
 
 
-def _planner_api(module: str, *names: str):
-    """``names`` from ``lossless_hc.plugins.<module>``, or a clear error when the planner's adapters
-    are not there (the auto modes need lossless_hc.training.planner and its plugin classes)."""
-    import importlib
-
-    mod = importlib.import_module(f"lossless_hc.plugins.{module}")
-    missing = [n for n in names if not hasattr(mod, n)]
-    if missing:
-        raise SystemExit(f"--compression auto needs lossless_hc.plugins.{module}.{', '.join(missing)} "
-                         f"(the planner); this checkout does not have it")
-    return [getattr(mod, n) for n in names]
-
-
 # -- frameworks ------------------------------------------------------------------------------------
 class Horovod:
     def __init__(self, args):
@@ -84,9 +69,6 @@ class Horovod:
         elif args.compression == "thc":
             self.compressor = Compression.thc(bits=args.thc_bits)
         elif args.compression in ("auto", "auto-lossy"):
-            if not hasattr(Compression, "auto"):
-                raise SystemExit("--compression auto needs lossless_hc.plugins.horovod.Compression.auto "
-                                 "(the planner); this checkout does not have it")
             self.compressor = Compression.auto(lossy=args.compression == "auto-lossy")
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if args.compression == "topk-allgather":
@@ -127,8 +109,8 @@ class DDP:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
-        from lossless_hc.plugins.ddp import (LosslessHookState, THCHookState, TopKHookState, lossless_hook, thc_hook,
-                                             topk_hook)
+        from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
+                                             lossless_hook, thc_hook, topk_hook)
 
         ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if args.device == "cuda" else None)
         if args.compression == "fp16":
@@ -146,8 +128,7 @@ class DDP:
                                               random_seed=args.seed)
             ddp.register_comm_hook(self.powersgd, powersgd_hook)
         elif args.compression in ("auto", "auto-lossy"):
-            auto_state, auto_hook = _planner_api("ddp", "AutoHookState", "auto_hook")
-            self.state = auto_state(lossy=args.compression == "auto-lossy")
+            self.state = AutoHookState(lossy=args.compression == "auto-lossy")
             ddp.register_comm_hook(self.state, auto_hook)
         elif args.compression == "lossless":
             self.state = LosslessHookState(max_density=args.max_density)
@@ -200,7 +181,7 @@ class FSDP(DDP):
     def wrap(self, model, opt, args):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState, TopKFSDPState
+        from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState
 
         native = args.compression == "none"
         on = self.mesh if native or self.mesh.ndim == 1 else self.mesh["shard"]
@@ -214,9 +195,8 @@ class FSDP(DDP):
                     if isinstance(m, FSDPModule):
                         m.set_force_sum_reduction_for_comms(True)
         else:
-            if args.compression in ("auto", "auto-lossy"):
-                auto = _planner_api("fsdp", "AutoFSDPState")[0]
-            make = {"auto": lambda: auto(self.mesh, lossy=False), "auto-lossy": lambda: auto(self.mesh, lossy=True),
+            make = {"auto": lambda: AutoFSDPState(self.mesh, lossy=False),
+                    "auto-lossy": lambda: AutoFSDPState(self.mesh, lossy=True),
                     "lossless": lambda: LosslessFSDPState(self.mesh, max_density=args.max_density),
                     "topk": lambda: TopKFSDPState(self.mesh, ratio=args.topk_ratio),
                     "thc": lambda: THCFSDPState(self.mesh, bits=args.thc_bits)}[args.compression]

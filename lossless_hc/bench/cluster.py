@@ -1,7 +1,10 @@
 """Emulated cluster benchmark: real workers in network namespaces joined by shaped links.
 
-    sudo .venv/bin/python -m lossless_hc.bench cluster --hosts 4 --bandwidth 1gbit --latency 100us \\
-        --model ncf --compression none,fp16,sparse,topk-allgather,lossless,topk --framework horovod,ddp
+    sudo .venv/bin/python -m lossless_hc.bench cluster --hosts 4 --bandwidth 1gbit --latency 100us --cpu-fair \\
+        --model ncf --skew 1.1 --compression none,fp16,bf16,powersgd,sparse,topk-allgather,lossless,auto,auto-lossy \\
+        --framework horovod,ddp
+    ... --framework fsdp --shards 2 --compression none,lossless,topk,thc,auto      (HSDP: hosts x 2 shards)
+    ... --replay DIR      (collective-only: gradients recorded by `python -m lossless_hc.bench replay`)
 
 The topology: one network namespace per "host", each with an interface ``eth0`` that is one end of
 a veth pair whose other end is a port of a Linux bridge in the root namespace (a non-blocking
@@ -9,7 +12,7 @@ switch). Every link is shaped with netem in both directions: the host's egress (
 the rate and the one-way delay, the bridge port's egress (its downlink) the rate. The bridge itself
 has an address in the root namespace, where Horovod's rendezvous server listens.
 
-Per configuration (framework x compression) one real worker process per namespace runs
+Per configuration (framework x compression) one real worker process per namespace (FSDP: ``--shards``) runs
 :mod:`lossless_hc.bench.workloads.train` (Horovod over Gloo, rendezvous without ssh or horovodrun; or DDP
 over Gloo), a warm-up, then timed steps; each rank reports its step times, its interface's byte
 counters over the timed window and its compressor's statistics. A compute-only run (same number of

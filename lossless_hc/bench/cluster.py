@@ -339,6 +339,11 @@ def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> tuple:
     return [p for p in pairs if p[1] in SUPPORTED[p[0]]], [p for p in pairs if p[1] not in SUPPORTED[p[0]]]
 
 
+def compute_label(per_host: int, sparse: bool) -> str:
+    """Key of a compute-only reference: workers per host, and whether embedding gradients are sparse."""
+    return f"{per_host} worker{'s' if per_host > 1 else ''}/host{', sparse embeddings' if sparse else ''}"
+
+
 def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, frameworks: Sequence[str],
                   compressions: Sequence[str], steps: int, warmup: int, train_args: Sequence[str],
                   timeout_s: float, workdir: str, progress: Optional[Progress] = None, cpu_fair: bool = False,
@@ -365,14 +370,20 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
         fair.update(applied_rate_bits=rate_bits, applied_delay_s=delay_s)
         train_args += ["--threads", "1"]
     spec = RunSpec(model, steps, warmup, train_args)
-    progress = progress or Progress(len(runs) + len(layouts))
+    # compute-only references: per workers-per-host layout, and with sparse embedding gradients
+    # when the sparse mode runs (its backward and optimizer step skip the untouched rows)
+    refs = [(ppn, sparse) for ppn in layouts for sparse in (False, True)
+            if not sparse or any(c == "sparse" and per_host[f] == ppn for f, c in runs)]
+    progress = progress or Progress(len(runs) + len(refs))
     rows, compute = [], {}
     with terminate_on_signals(), EmulatedCluster(hosts, rate_bits, delay_s) as cluster:
-        for ppn in layouts:
-            progress.show(f"compute-only reference x{ppn}")
-            ref = run_workers(cluster, "local", BASELINE, spec, workdir, timeout_s, per_host=ppn)
-            compute[ppn] = statistics.median(ref[0]["step_seconds"])
-            progress.advance(f"compute-only reference x{ppn}")
+        for ppn, sparse in refs:
+            label = compute_label(ppn, sparse)
+            progress.show(f"compute-only reference {label}")
+            ref = run_workers(cluster, "local", "sparse" if sparse else BASELINE, spec, workdir, timeout_s,
+                              per_host=ppn)
+            compute[label] = statistics.median(ref[0]["step_seconds"])
+            progress.advance(f"compute-only reference {label}")
         params = {}
         for fw, comp in runs:
             progress.show(f"{fw} {comp}")
@@ -382,7 +393,7 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
             reports = run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s, save_params=path,
                                   per_host=per_host[fw])
             params[(fw, comp)] = path
-            row = summarize(fw, comp, reports, compute[per_host[fw]], hosts=hosts)
+            row = summarize(fw, comp, reports, compute[compute_label(per_host[fw], comp == "sparse")], hosts=hosts)
             base = params.get((fw, BASELINE))
             row["max_param_diff_vs_none"] = max_param_diff(path, base) if base and comp != BASELINE else None
             row["lossless_mode"] = comp in LOSSLESS
@@ -487,7 +498,7 @@ def cmd_cluster(args) -> int:
                   latency_s=delay, hosts=args.hosts, model=model, steps=args.steps, warmup=args.warmup,
                   skew=skew, replay=args.replay, settings=settings_line(
                       recorded["model"] if args.replay else model,
-                      [] if args.replay else train_args, compressions),
+                      (["--skew", str(skew)] if skew else []) if args.replay else train_args, compressions),
                   wall_s=time.monotonic() - t0)
     md = render_markdown(result, title)
     print(md)

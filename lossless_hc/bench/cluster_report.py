@@ -23,8 +23,9 @@ def _f(v, fmt: str, none: str = "-") -> str:
 
 
 def _computes(result: dict) -> dict:
+    """{label: compute-only seconds} (one unlabelled float in results of before the labels)."""
     c = result["compute_s"]
-    return {1: c} if isinstance(c, (int, float)) else {int(k): v for k, v in c.items()}
+    return {"1 worker/host": c} if isinstance(c, (int, float)) else {str(k): v for k, v in c.items()}
 
 
 def answer_line(rows: Sequence[dict]) -> str:
@@ -56,8 +57,7 @@ def render_markdown(result: dict, title: str) -> str:
                  f"CPU-fair: {fair['workers']} workers on {fair['cores']} cores, one thread each, share "
                  f"{fair['share']:.3g} of a core: links dilated to {rate_label(fair['applied_rate_bits'])} and "
                  f"{1e6 * fair['applied_delay_s']:.0f} us one-way (times are this machine's seconds).\n")
-    computes = ", ".join(f"{1e3 * v:.1f} ms ({k} worker{'s' if k > 1 else ''}/host)"
-                         for k, v in sorted(_computes(result).items()))
+    computes = ", ".join(f"{1e3 * v:.1f} ms ({k})" for k, v in sorted(_computes(result).items()))
     skipped = result.get("skipped") or []
     lines = [f"### {title}", "", answer_line(result["rows"]), "",
              f"Shaping: {sh.get('qdisc', '?')} on every host's uplink and downlink.{note}",
@@ -107,8 +107,8 @@ def plot(result: dict, title: str, path: str) -> None:
     med = [1e3 * r["step_s_median"] for r in rows]
     err = [[m - 1e3 * r["step_s_p10"] for m, r in zip(med, rows)], [1e3 * r["step_s_p90"] - m for m, r in zip(med, rows)]]
     ax1.bar(x, med, yerr=err, color=colors, capsize=3)
-    for k, v in sorted(_computes(result).items()):
-        ax1.axhline(1e3 * v, color="gray", ls="--" if k == 1 else ":", lw=1, label=f"compute only ({k}/host)")
+    for i, (k, v) in enumerate(sorted(_computes(result).items())):
+        ax1.axhline(1e3 * v, color="gray", ls=("--", ":", "-.", "-")[i % 4], lw=1, label=f"compute only ({k})")
     ax1.set_ylabel("step time, ms (median, p10–p90)")
     ax1.legend(loc="upper right")
     ax1.set_title(title)

@@ -48,6 +48,16 @@ workers push in the pushed dtype and the worker divides the result by the number
   (``_push_pull_grad_async(self, p)``) holds the parameter and the optimizer, whose
   ``_parameter_names`` give its name (keyed by ``p.__hash__()`` when named_parameters were given).
 
+``Compression.auto`` (the planner, :mod:`lossless_hc.training.auto`) where the fixed-shape push
+allows it: every strategy must be one push of the payload (any size: it is fitted to the slot as
+above) plus, at most, the dense fallback under its declared name. So the candidates are ``dense`` and
+``sketch`` (exact), plus ``topk`` with ``lossy=True``; allgather has no BytePS operation, and two_phase,
+fp16/bf16 would need a second key whose size changes every step. THC is left out too: its float64
+payload cannot share a float32 slot. The first step is the sketch (sized for 1% of the rows per
+rank), so the slot BytePS fixes is the small payload; a later dense plan sends the head and a tail.
+BytePS has no allgather to time the link with, so ``auto`` plans with ``Calibration.default()`` unless
+a ``calibration`` is given (the dense/sketch choice is mostly one of wire bytes).
+
 Not supported, with a clear error: BytePS's asynchronous mode (``BYTEPS_ENABLE_ASYNC=1`` pushes
 parameter deltas, not gradients, and never calls ``decompress``), and sparse gradients (BytePS
 pushes dense tensors only: use ``nn.Embedding(sparse=False)``).
@@ -66,6 +76,8 @@ import torch
 
 from lossless_hc.training.adapter import (INDEX_CHOICES, CompressionFactory, CompressorAdapter, EncodedTensor,
                                           require_optimizer_frame, wire_numel)
+from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+from lossless_hc.training.planner import Calibration
 
 try:
     import byteps.torch as bps
@@ -272,6 +284,27 @@ class BytePSCompressor(CompressorAdapter):
         self.engine.synchronize(handle)
 
 
+BYTEPS_STRATEGIES = ("dense", "sketch")   # exact strategies one fixed-shape push can carry
+BYTEPS_LOSSY_STRATEGIES = ("topk",)
+
+
+class AutoBytePSCompressor(AutoCompressorAdapter, BytePSCompressor):
+    """``Compression.auto`` over BytePS: the request a strategy can make here is the exact dense
+    fallback, pushed (summed) under the parameter's declared fallback name."""
+
+    def _start_request(self, agg, request):
+        if request.kind != "allreduce" or request.tensor.numel() != agg.numel:
+            raise RuntimeError(f"{agg.name}: BytePS can carry only the dense fallback, not a {request.kind} of "
+                               f"{request.tensor.numel()} elements")
+        tensor = request.tensor
+        return tensor, self._start_fallback(agg, tensor)
+
+    def _wait_request(self, handle):
+        tensor, h = handle
+        self._wait_fallback(h)
+        return tensor
+
+
 class _NoneCompressor:
     """BytePS's ``Compression.none`` where BytePS is not installed (the same no-op)."""
 
@@ -380,6 +413,18 @@ class Compression(CompressionFactory):
     compressor_options = ("engine",)
     none = bps.Compression.none if bps is not None else _NoneCompressor
     fp16 = bps.Compression.fp16 if bps is not None else _FP16Compressor
+
+    @classmethod
+    def auto(cls, lossy: bool = False, engine=None, calibration: Optional[Calibration] = None, **options):
+        """The planner where BytePS's fixed-shape push allows (module doc): per tensor, dense or the
+        sketch (and top-k with ``lossy``). ``options``: :class:`lossless_hc.training.auto.AutoSpec`."""
+        allowed = BYTEPS_STRATEGIES + (BYTEPS_LOSSY_STRATEGIES if lossy else ())
+        strategies = tuple(options.pop("strategies", None) or allowed)
+        if any(s not in allowed for s in strategies):
+            raise ValueError(f"BytePS can run only {', '.join(allowed)} under auto; got {strategies!r}")
+        options.setdefault("first", "sketch")
+        spec = AutoSpec(lossy=lossy, strategies=strategies, calibration=calibration or Calibration.default(), **options)
+        return AutoBytePSCompressor(spec, engine=engine)
 
     @staticmethod
     def from_env(env: Optional[Mapping[str, str]] = None, **kwargs):

@@ -8,6 +8,21 @@
     ...
     state.stats()
 
+    # recommended: the planner picks each parameter's cheapest exact strategy
+    from lossless_hc.plugins.ddp import AutoHookState, auto_hook
+    state = AutoHookState(process_group=None, lossy=False)
+    ddp_model.register_comm_hook(state, auto_hook)
+
+``auto_hook`` (:mod:`lossless_hc.training.auto`, :mod:`lossless_hc.training.strategies`): per parameter
+inside the bucket message, the strategy the cost model predicts cheapest. Its first call (on the main
+thread, in bucket order on every rank) checks the configuration and calibrates the cost model on the
+process group (a few allreduce and allgather sizes; rank 0's fit and codec timings broadcast), unless
+a ``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
+and body) with one allreduce; the parameters whose strategy needs a second collective (allgather,
+two_phase's values, fp16/bf16, a sketch's exact fallback) get it from the future's callback on the
+bucket's own process group, like the fallback below: at most one allreduce per payload dtype and one
+allgather per bucket and step, the same on every rank.
+
 For each gradient bucket the hook encodes every parameter's gradient separately (each parameter has
 its own aggregator, built from the state's spec and keyed by the parameter itself, so state survives
 DDP's bucket rebuild), concatenates the payloads into one message, allreduces it with SUM, decodes
@@ -33,6 +48,10 @@ import torch
 import torch.distributed as dist
 
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
+from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
+from lossless_hc.training.auto import decode_message as decode_auto_message
+from lossless_hc.training.calibration import calibrate
+from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
 from lossless_hc.training.message import decode_message, encode_message
 
@@ -139,6 +158,47 @@ class THCHookState(_HookState):
         super().__init__(THCSpec(bits, granularity, overflow_freq, seed), process_group)
 
 
+class AutoHookState(_HookState):
+    """State of :func:`auto_hook`: per parameter, the cheapest strategy the planner predicts.
+
+    Args:
+        process_group: the group DDP reduces over (None: the default group).
+        lossy: also consider fp16, bf16, THC and top-k (else only exact strategies: dense, allgather,
+            two_phase, sketch).
+        **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
+            ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``).
+
+    ``stats()["plan"]``: per parameter, the chosen strategy, predicted seconds of every candidate,
+    measured seconds and bytes sent.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, lossy: bool = False, **options):
+        super().__init__(AutoSpec(lossy=lossy, **options), process_group)
+
+    def stats(self) -> dict:
+        d = super().stats()
+        d["plan"] = plan_stats(self._aggregators.values())
+        return d
+
+    def _calibrate(self) -> None:
+        """Rank 0's calibration on every rank (blocking collectives: the first hook call only)."""
+        if self.spec.calibration is not None:
+            return
+        group, n = self.process_group, self.world_size
+        device = torch.device("cpu")
+        if dist.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+
+        def gather(t):
+            out = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(out, t, group=group)
+
+        root = dist.get_global_rank(group, 0) if group is not None else 0
+        self.spec.set_calibration(calibrate(lambda t: dist.all_reduce(t, group=group), gather,
+                                            lambda t: dist.broadcast(t, src=root, group=group),
+                                            self.rank, n, device))
+
+
 def _require_state(state, kind: type, hook: str) -> None:
     if not isinstance(state, kind):
         raise TypeError(f"{hook} needs a {kind.__name__}, got {type(state).__name__}")
@@ -189,3 +249,39 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
 
     return fut.then(decode)
 
+
+
+def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the planner's strategy per parameter (exact unless ``lossy``).
+
+    Returns a future of the bucket's averaged gradients; with exact strategies they equal DDP's default
+    allreduce up to float rounding of the sum."""
+    _require_state(state, AutoHookState, "auto_hook")
+    buffer = bucket.buffer()
+    if buffer.is_sparse:
+        raise TypeError("auto_hook got a sparse gradient bucket; use dense gradients (nn.Embedding(sparse=False))")
+    if not state._config_checked:
+        state._check_configuration()
+        state._calibrate()
+    fallback_group = state._fallback_group(bucket.index())
+    aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+    message = AutoMessage(aggs, bucket.gradients())
+    n = state.world_size
+    fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        out = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(out, t, group=fallback_group)
+        return torch.stack(out)
+
+    def decode(fut: torch.futures.Future) -> torch.Tensor:
+        results = decode_auto_message(message, fut.value()[0],
+                                      lambda t: dist.all_reduce(t, group=fallback_group), gather)
+        offset = 0
+        for value in results:
+            m = value.numel()
+            buffer[offset:offset + m].copy_(value.reshape(-1)).div_(n)
+            offset += m
+        return buffer
+
+    return fut.then(decode)

@@ -56,7 +56,15 @@ Deadlock freedom: every collective here is blocking and issued from FSDP's post-
 reduces parameter groups in the same order on every rank; the fallback and the owners' table are
 issued by all ranks of the group or by none (each rank decides from aggregates all of them hold).
 Ranks configured differently raise :class:`ConfigurationMismatch` from :meth:`~_FSDPState.register`
-on every rank. ``auto`` (the planner) is not offered yet.
+on every rank.
+
+``AutoFSDPState(mesh, lossy=False)`` (the planner, :mod:`lossless_hc.training.auto`): per parameter of
+the replica all-reduce, the strategy the cost model predicts cheapest; calibrated in
+:meth:`~_FSDPState.register` on the replicate group (blocking; every rank calls ``register`` at the same
+point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
+values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
+every rank. The reduce-scatter stays lossless-only (``reduce_scatter=True`` is refused): a planner
+there would need every destination's statistics on every rank, which a reduce-scatter does not give.
 
 Limits: one parameter group per ``fully_shard`` call (no per-parameter meshes: torch refuses custom
 hooks there); even ``Shard(0)`` placements (FSDP2's default); native HSDP (``fully_shard`` on the
@@ -75,6 +83,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
+from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
+from lossless_hc.training.auto import decode_message as decode_auto_message
+from lossless_hc.training.calibration import calibrate
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.message import (decode_message, decode_segments, dense_values, encode_message,
@@ -86,7 +97,7 @@ try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
 except ImportError:  # pragma: no cover - older torch: register(reduce_scatter=True) says so
     _ReduceScatterBase = object
 
-__all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "ConfigurationMismatch"]
+__all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "AutoFSDPState", "ConfigurationMismatch"]
 
 _OK, _FAILED, _MISMATCH = 0, 1, 2
 
@@ -131,6 +142,7 @@ class _FSDPState:
     """
 
     supports_reduce_scatter = True
+    no_reduce_scatter = ""
 
     def __init__(self, spec: AggregatorSpec, mesh: DeviceMesh):
         if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
@@ -178,9 +190,8 @@ class _FSDPState:
         configuration and model structure (hashed); raises :class:`ConfigurationMismatch` on every rank if not.
         """
         if reduce_scatter and not self.supports_reduce_scatter:
-            raise ValueError(f"{type(self).__name__} cannot compress the reduce-scatter: its codec agrees on a norm "
-                             "from the decoded aggregate, which a reduce-scatter gives to the owner alone; use "
-                             "reduce_scatter=False (the replica all-reduce)")
+            raise ValueError(f"{type(self).__name__} cannot compress the reduce-scatter: {self.no_reduce_scatter}; "
+                             "use reduce_scatter=False (the replica all-reduce)")
         if reduce_scatter and _ReduceScatterBase is object:
             raise RuntimeError("this torch has no FSDPModule.set_custom_reduce_scatter (torch >= 2.8 needed)")
         if reduce_scatter and getattr(self.spec, "extra", {}).get("policy") is not None:
@@ -214,6 +225,10 @@ class _FSDPState:
                f"modules={[n for n, _ in modules]}|{structure}")
         groups = [g for g in (self.replicate_group, self.shard_group) if g is not None]
         check_same_configuration(cfg, groups, type(self).__name__, device=self._device())
+        self._after_register()
+
+    def _after_register(self) -> None:
+        """Called on every rank at the end of :meth:`register` (after the configuration check)."""
 
     # -- aggregators -------------------------------------------------------------------------------
     def _aggregator(self, key: str, tensor: torch.Tensor, world_size: int, rank: int):
@@ -262,11 +277,26 @@ class _ReplicaAllReduce:
         views = self.slots.views(reduce_output)
         rank = dist.get_rank(st.replicate_group)
         aggs = [st._aggregator(f"replicate:{fqn}", v, st.replicas, rank) for fqn, v in zip(self.slots.fqns, views)]
+        if isinstance(st.spec, AutoSpec):
+            message = AutoMessage(aggs, views)
+            dist.all_reduce(message.tensor, group=st.replicate_group)
+            results = decode_auto_message(message, message.tensor,
+                                          lambda t: dist.all_reduce(t, group=st.replicate_group),
+                                          lambda t: _all_gather(t, st.replicate_group, st.replicas))
+            for view, value in zip(views, results):
+                view.copy_(value.reshape(view.shape))
+            return
         message = encode_message(aggs, views)
         dist.all_reduce(message.tensor, group=st.replicate_group)
         results = decode_message(message, message.tensor, lambda dense: dist.all_reduce(dense, group=st.replicate_group))
         for view, value in zip(views, results):
             view.copy_(value.reshape(view.shape))
+
+
+def _all_gather(t: torch.Tensor, group, n: int) -> torch.Tensor:
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out)
 
 
 class _HomomorphicReduceScatter(_ReduceScatterBase):
@@ -377,7 +407,38 @@ class THCFSDPState(_FSDPState):
     stays uncompressed (see the module doc)."""
 
     supports_reduce_scatter = False
+    no_reduce_scatter = ("its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the "
+                         "owner alone")
 
     def __init__(self, mesh: DeviceMesh, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
                  seed: int = 0):
         super().__init__(THCSpec(bits, granularity, overflow_freq, seed), mesh)
+
+
+class AutoFSDPState(_FSDPState):
+    """The planner for the replica all-reduce (HSDP): per parameter, the cheapest exact strategy (dense,
+    allgather, two_phase, sketch), or of every strategy with ``lossy``. ``options``:
+    :class:`lossless_hc.training.auto.AutoSpec`. The reduce-scatter is not planned (module doc).
+    ``stats()["plan"]``: per parameter, the chosen strategy, predicted and measured seconds, bytes sent."""
+
+    supports_reduce_scatter = False
+    no_reduce_scatter = ("the planner needs every destination's statistics on every rank, which a reduce-scatter gives "
+                         "to the owner alone (LosslessFSDPState and TopKFSDPState compress it)")
+
+    def __init__(self, mesh: DeviceMesh, lossy: bool = False, **options):
+        super().__init__(AutoSpec(lossy=lossy, **options), mesh)
+
+    def stats(self) -> dict:
+        d = super().stats()
+        d["plan"] = plan_stats(self._aggregators.values())
+        return d
+
+    def _after_register(self) -> None:
+        if self.spec.calibration is not None or self.replicate_group is None:
+            return
+        group, device = self.replicate_group, self._device()
+        root = dist.get_global_rank(group, 0)
+        self.spec.set_calibration(calibrate(lambda t: dist.all_reduce(t, group=group),
+                                            lambda t: _all_gather(t, group, self.replicas),
+                                            lambda t: dist.broadcast(t, src=root, group=group),
+                                            dist.get_rank(group), self.replicas, device))

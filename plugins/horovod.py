@@ -8,6 +8,16 @@
     ...
     comp.stats()   # bytes sent vs dense, fallbacks, encode/decode time
 
+    comp = Compression.auto(lossy=False)   # recommended: the planner picks each tensor's strategy
+
+``Compression.auto`` (:mod:`lossless_hc.training.auto`): per tensor, the strategy the cost model
+predicts cheapest. It calibrates when it is constructed -- blocking Horovod collectives, so every rank
+must construct it at the same program point, after ``hvd.init()`` -- and never issues a blocking
+collective from ``compress``/``decompress``: a strategy's second collective (allgather, two_phase's
+values, fp16/bf16, a sketch's exact fallback) is an asynchronous Horovod operation named after the
+tensor, started from ``decompress`` and waited for when the step's last tensor is decompressed
+(as the dense fallback below); the tensor ``decompress`` returned is filled in place then.
+
 Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces the returned payload
 in place (SUM or AVERAGE), and calls ``decompress(payload, ctx)`` from ``optimizer.step()``. The
 policy (dense or compressed, capacity, error feedback) is :mod:`lossless_hc.training.aggregate`, and the
@@ -35,7 +45,13 @@ from __future__ import annotations
 
 import torch
 
+import hashlib
+
 from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
+from lossless_hc.training.aggregate import ConfigurationMismatch
+from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+from lossless_hc.training.calibration import calibrate
+from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
 
 try:
@@ -106,6 +122,50 @@ class HorovodCompressor(CompressorAdapter):
                                      "sends uncompressed; pass sparse_as_dense=True to hvd.DistributedOptimizer")
 
 
+class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
+    """``Compression.auto``: the planner over Horovod (second collectives as named async operations)."""
+
+    _constructed = 0   # per process: names the calibration's operations (every rank counts alike)
+
+    def calibrate(self, process_set) -> None:
+        """Check the configuration and calibrate on ``process_set`` (blocking; every rank, same point)."""
+        type(self)._constructed += 1
+        prefix = f"lhc.auto{type(self)._constructed}.calibrate"
+        n, rank = process_set.size(), process_set.rank()
+        h = int.from_bytes(hashlib.sha256(repr(self.spec).encode()).digest()[:6], "little")
+        mine = torch.tensor([float(h)], dtype=torch.float64)   # 48 bits: exact in float64
+        root = hvd.broadcast(mine, 0, name=f"{prefix}.config", process_set=process_set)
+        differs = hvd.allreduce(torch.tensor([float(not torch.equal(root, mine))]), op=hvd.Sum,
+                                name=f"{prefix}.verdict", process_set=process_set)
+        if float(differs) > 0:
+            raise ConfigurationMismatch(f"Compression.auto differs across ranks; this rank has {self.spec!r}")
+        if self.spec.calibration is not None:
+            return
+        count = [0]
+
+        def name(kind):
+            count[0] += 1
+            return f"{prefix}.{kind}{count[0]}"
+
+        self.spec.set_calibration(calibrate(
+            lambda t: hvd.allreduce_(t, op=hvd.Sum, name=name("ar"), process_set=process_set),
+            lambda t: hvd.allgather(t, name=name("ag"), process_set=process_set),
+            lambda t: t.copy_(hvd.broadcast(t, 0, name=name("bc"), process_set=process_set)),
+            rank, n, "cpu"))
+
+    def _start_request(self, agg, request):
+        name = f"lhc.auto.{request.kind}.{agg.name}"
+        if request.kind == "allgather":
+            return request.kind, hvd.allgather_async(request.tensor.reshape(1, -1), name=name,
+                                                     process_set=self._process_set)
+        return request.kind, hvd.allreduce_async_(request.tensor, name=name, op=hvd.Sum,
+                                                  process_set=self._process_set)
+
+    def _wait_request(self, handle):
+        kind, h = handle
+        return hvd.synchronize(h)
+
+
 class Compression(CompressionFactory):
     """Factories for ``hvd.DistributedOptimizer(compression=...)`` (:class:`CompressionFactory`:
     ``lossless``, ``topk``, ``thc``); Horovod's own ``none`` and ``fp16`` are re-exported so examples
@@ -114,3 +174,14 @@ class Compression(CompressionFactory):
     compressor = HorovodCompressor
     none = hvd.Compression.none
     fp16 = hvd.Compression.fp16
+
+    @classmethod
+    def auto(cls, lossy: bool = False, process_set=None, **options):
+        """The planner (recommended): per tensor, the cheapest exact strategy (dense, allgather,
+        two_phase, sketch), or of every strategy with ``lossy`` (fp16, bf16, THC, top-k too).
+        ``options``: :class:`lossless_hc.training.auto.AutoSpec`. Calibrates on ``process_set`` (None:
+        every rank) at construction: call it on every rank at the same point, after ``hvd.init()``.
+        ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent."""
+        comp = AutoHorovodCompressor(AutoSpec(lossy=lossy, **options))
+        comp.calibrate(process_set if process_set is not None else hvd.global_process_set)
+        return comp

@@ -576,3 +576,30 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     recved = [float(v) for v in re.findall(r"(?:FIRST_WORKER_RECV|OTHER_WORKER_SUM).*?recved: ([-\d.e+]+)", server)]
     assert merged and recved, "no BYTEPS_SERVER_DEBUG lines in server0.log"
     assert set(recved) == {1.0} and 2.0 in merged, (recved[:10], merged[:10])
+
+
+# -- auto (the planner) -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world, order", [(2, None), (3, [2, 0, 1])])
+def test_auto_training_matches_uncompressed_with_identical_plans(world, order):
+    """``Compression.auto``: the sketch first (the slot BytePS fixes is the small payload), then the
+    planner's choice between dense and the sketch per tensor; exact, the same plan on every worker, and
+    the dense head's plan switches without a lazily declared name."""
+    ref, _ = train(none_for, world=world, order=order, steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, sim = train(lambda r, e: Compression.auto(engine=e, interval=2), world=world, order=order, steps=5)
+    assert_replicas_identical(got)
+    plans = [{n: v["strategy"] for n, v in comp.stats()["plan"].items()} for _, comp in got]
+    assert all(p == plans[0] for p in plans)
+    assert plans[0]["emb.weight"] == "sketch" and plans[0]["fc.bias"] == "dense", plans[0]
+    for (p_ref, _), (p_got, _) in zip(ref, got):
+        assert max_diff(p_ref, p_got) <= TOL
+    assert sim.keys[0] == sim.keys[1]
+
+
+def test_auto_offers_only_what_one_push_can_carry():
+    with pytest.raises(ValueError, match="BytePS can run only"):
+        Compression.auto(strategies=("allgather",), engine=SimulatedBytePS(2).engine(0))
+    comp = Compression.auto(lossy=True, engine=SimulatedBytePS(2).engine(0))
+    assert comp.spec.strategies == ("dense", "sketch", "topk")

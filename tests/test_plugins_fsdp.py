@@ -28,7 +28,7 @@ TOL = 1e-6
 MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "thc", "resume",
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
-                   "thc_reduce_scatter", "native_hsdp"]),
+                   "thc_reduce_scatter", "native_hsdp", "auto", "auto_resume", "auto_reduce_scatter"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
@@ -154,3 +154,28 @@ def test_misuse_is_a_clear_error_on_every_rank(launch, mesh, name):
     rank, not a hang; THC asked to compress the reduce-scatter, or hooks on native HSDP: ValueError."""
     for r in results(launch, mesh, name):
         assert r["error"] == ERRORS[name], r
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto"))
+def test_auto_matches_uncompressed_fsdp2(launch, mesh, name):
+    rs = results(launch, mesh, name)
+    for r in rs:
+        assert r["max_diff"] <= TOL, r
+    by_shard = defaultdict(list)
+    for r in rs:
+        by_shard[r["rank"] % r["shards"]].append(r["plan"])
+    for plans in by_shard.values():
+        assert all(p == plans[0] for p in plans), plans
+    assert any(v[0] != "dense" for r in rs for v in r["plan"].values()), rs[0]["plan"]
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_resume"))
+def test_auto_resumed_run_continues_bit_identically(launch, mesh, name):
+    for r in results(launch, mesh, name):
+        assert r["bitwise"] and r["saved_keys"] > 0, r
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_reduce_scatter"))
+def test_auto_refuses_the_reduce_scatter(launch, mesh, name):
+    for r in results(launch, mesh, name):
+        assert r["error"] == "ValueError" and "reduce-scatter" in r["message"], r

@@ -11,6 +11,9 @@ Usage::
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
     python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--repeat 5] [--json PATH]
+    python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
+    python -m lossless_hc.bench replay ...     (collective-only replay; needs root: lossless_hc.bench.replay)
+    python -m lossless_hc.bench simulate ...   (the planner's cost model to 256 hosts: lossless_hc.bench.simulate)
 
 ``codec`` times encode (one worker) and decode (the SUM of all workers' payloads) against a
 ``torch.clone`` of one dense input measured in the same process, round-robin with them (see
@@ -53,6 +56,8 @@ from lossless_hc.bench.common import command_line, log, machine_info, write_json
 from lossless_hc.bench import wire as bench_wire
 from lossless_hc.bench.cluster import add_arguments as add_cluster_arguments
 from lossless_hc.bench.peel import render_peel, run_peel_bench
+from lossless_hc.bench.replay import add_arguments as add_replay_arguments
+from lossless_hc.bench.simulate import add_arguments as add_simulate_arguments
 from lossless_hc.bench.thc import render_thc, run_thc_bench
 from lossless_hc.bench.topk import render_topk, run_topk_bench
 
@@ -154,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("cluster", help="emulated cluster (network namespaces, shaped links): step time, wire "
                                         "bytes and aggregation throughput per compression; needs root")
     add_cluster_arguments(cl)
+
+    rp = sub.add_parser("replay", help="collective-only: recorded per-rank gradients replayed through the real "
+                                       "collectives on 8/16 emulated hosts; needs root")
+    add_replay_arguments(rp)
+
+    sm = sub.add_parser("simulate", help="the planner's cost model from 2 to 256 hosts (uniform and Zipf supports), "
+                                         "plot, and its error against measured replay points")
+    add_simulate_arguments(sm)
 
     tr = sub.add_parser("train", add_help=False,
                        help="uncompressed vs lossless training side by side on local workers (`make demo`); "

@@ -1,7 +1,10 @@
 """Emulated cluster benchmark: real workers in network namespaces joined by shaped links.
 
-    sudo .venv/bin/python -m lossless_hc.bench cluster --hosts 4 --bandwidth 1gbit --latency 100us \\
-        --model ncf --compression none,fp16,sparse,topk-allgather,lossless,topk --framework horovod,ddp
+    sudo .venv/bin/python -m lossless_hc.bench cluster --hosts 4 --bandwidth 1gbit --latency 100us --cpu-fair \\
+        --model ncf --skew 1.1 --compression none,fp16,bf16,powersgd,sparse,topk-allgather,lossless,auto,auto-lossy \\
+        --framework horovod,ddp
+    ... --framework fsdp --shards 2 --compression none,lossless,topk,thc,auto      (HSDP: hosts x 2 shards)
+    ... --replay DIR      (collective-only: gradients recorded by `python -m lossless_hc.bench replay`)
 
 The topology: one network namespace per "host", each with an interface ``eth0`` that is one end of
 a veth pair whose other end is a port of a Linux bridge in the root namespace (a non-blocking
@@ -9,7 +12,7 @@ switch). Every link is shaped with netem in both directions: the host's egress (
 the rate and the one-way delay, the bridge port's egress (its downlink) the rate. The bridge itself
 has an address in the root namespace, where Horovod's rendezvous server listens.
 
-Per configuration (framework x compression) one real worker process per namespace runs
+Per configuration (framework x compression) one real worker process per namespace (FSDP: ``--shards``) runs
 :mod:`lossless_hc.bench.workloads.train` (Horovod over Gloo, rendezvous without ssh or horovodrun; or DDP
 over Gloo), a warm-up, then timed steps; each rank reports its step times, its interface's byte
 counters over the timed window and its compressor's statistics. A compute-only run (same number of
@@ -51,10 +54,12 @@ from lossless_hc.bench.common import command_line, machine_info
 from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, remove_leftovers, require_root,
                                     terminate_on_signals)
 
-BASELINE = "none"
-COMPRESSIONS = ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc")
-LOSSLESS = ("lossless",)  # modes whose result must equal the uncompressed run up to float rounding
-FRAMEWORKS = ("horovod", "ddp")
+# BASELINE, LOSSLESS (modes whose result must equal the uncompressed run up to float rounding), AUTO
+# (the planner's modes); the training driver's modes and which framework implements which
+from lossless_hc.bench.cluster_report import (AUTO, BASELINE, LOSSLESS, answer_line, plot,  # noqa: E402,F401
+                                              rate_label, render_markdown)
+from lossless_hc.bench.workloads.train import COMPRESSIONS, SUPPORTED  # noqa: E402
+FRAMEWORKS = ("horovod", "ddp", "fsdp")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -82,19 +87,30 @@ def parse_delay(text: str) -> float:
     return float(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
 
 
-def rate_label(bits: int) -> str:
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits % scale == 0:
-            return f"{bits // scale}{unit}"
-    return f"{bits}bit"
-
-
 def parse_list(text: str, allowed: Sequence[str], what: str) -> list:
     vals = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in vals if v not in allowed]
     if not vals or bad:
         raise ValueError(f"{what}: unknown {bad or text!r}; choose from {', '.join(allowed)}")
     return vals
+
+
+# -- CPU-fair time dilation ------------------------------------------------------------------------
+def cpu_fair_scaling(workers: int, cores: int) -> dict:
+    """Time dilation that makes ``workers`` processes sharing ``cores`` cores behave like a cluster
+    with one core per worker.
+
+    Each worker runs one intra-op thread. With ``workers <= cores`` every worker has a core of its
+    own (``share`` = 1): nothing changes. With more workers than cores each gets ``share`` =
+    cores / workers of a core, so its compute takes 1/share times as long as on its own core; the
+    network is slowed by the same factor -- link rate x share, one-way delay / share -- so that
+    compute and communication keep the ratio they would have with one core per host. Times
+    measured under dilation are this machine's seconds: compare them as ratios within one run."""
+    if workers < 1 or cores < 1:
+        raise ValueError(f"cpu_fair_scaling needs workers >= 1 and cores >= 1, got {workers}, {cores}")
+    share = min(1.0, cores / workers)
+    return {"workers": workers, "cores": cores, "threads_per_worker": 1, "share": share,
+            "rate_factor": share, "delay_factor": 1.0 / share}
 
 
 # -- statistics ------------------------------------------------------------------------------------
@@ -115,7 +131,8 @@ def aggregation_throughput(dense_bytes: float, step_s: float, compute_s: float) 
     return dense_bytes / comm if comm > 0 else None
 
 
-def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float]) -> dict:
+def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float],
+              hosts: Optional[int] = None) -> dict:
     """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`."""
     if not ranks:
         raise ValueError("summarize: no rank reports")
@@ -130,16 +147,27 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
     stats = ranks[0].get("stats") or {}
     codec_s = (stats.get("encode_seconds", 0.0) + stats.get("decode_seconds", 0.0)) / timed if stats else 0.0
     return {
-        "framework": framework, "compression": compression, "hosts": len(ranks), "timed_steps": timed,
+        "framework": framework, "compression": compression, "hosts": hosts or len(ranks), "workers": len(ranks),
+        "timed_steps": timed,
         "step_s_median": median, "step_s_p10": percentile(steps, 10), "step_s_p90": percentile(steps, 90),
         "compute_s": compute_s, "dense_bytes_per_step": dense,
+        "aggregation_s": median - compute_s if compute_s is not None else None,
         "wire_bytes_per_step_per_host": statistics.fmean(wire) if wire else None,
         "aggregation_bytes_per_s": (aggregation_throughput(dense, median, compute_s)
                                     if compute_s is not None else None),
         "codec_share": codec_s / median if median > 0 else None,
         "fallbacks": stats.get("fallbacks", 0) if stats else 0,
+        "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
         "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
     }
+
+
+def auto_choice(plan: dict) -> dict:
+    """{strategy: tensors} from the planner's ``stats()["plan"]`` (rank 0's last choices)."""
+    out: dict = {}
+    for name, p in sorted(plan.items()):
+        out.setdefault(p.get("strategy"), []).append(name)
+    return out
 
 
 def add_relative(rows: list) -> list:
@@ -196,10 +224,14 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec: RunSpec, workdir: str,
-                timeout_s: float, save_params: Optional[str] = None) -> list:
-    """Runs one configuration on every host; returns the per-rank reports (raises ClusterError
-    with the failing rank's log tail when a worker fails or the timeout passes)."""
-    n = cluster.hosts
+                timeout_s: float, save_params: Optional[str] = None, per_host: int = 1) -> list:
+    """Runs one configuration, ``per_host`` worker processes on every host (rank = host x
+    per_host + local rank; FSDP's shard group is a host's processes, whose traffic stays inside the
+    host's namespace, unshaped); returns the per-rank reports (raises ClusterError with the failing
+    rank's log tail when a worker fails or the timeout passes)."""
+    if per_host != 1 and framework not in ("fsdp", "local"):
+        raise ValueError(f"{framework}: one worker per host (per_host={per_host} is for fsdp)")
+    n = cluster.hosts * per_host
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, base_env.get("PYTHONPATH")]))
     base_env["PYTHONUNBUFFERED"] = "1"
@@ -222,12 +254,12 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
                          "HOROVOD_HOSTNAME": s.hostname, "HOROVOD_RANK": str(s.rank), "HOROVOD_SIZE": str(n),
                          "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
                          "HOROVOD_CROSS_RANK": str(s.rank), "HOROVOD_CROSS_SIZE": str(n)})
-    elif framework == "ddp":
+    elif framework in ("ddp", "fsdp"):
         port = _free_port()  # host 0's namespace has all ports free; any number will do
         for i in range(n):
             envs.append({"MASTER_ADDR": cluster.host_address(0), "MASTER_PORT": str(port), "RANK": str(i),
-                         "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                         "GLOO_SOCKET_IFNAME": HOST_IFACE})
+                         "WORLD_SIZE": str(n), "LOCAL_RANK": str(i % per_host),
+                         "LOCAL_WORLD_SIZE": str(per_host), "GLOO_SOCKET_IFNAME": HOST_IFACE})
     elif framework == "local":
         envs = [{"RANK": str(i), "WORLD_SIZE": str(n)} for i in range(n)]
     else:
@@ -245,7 +277,7 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
         for i in range(n):
             log = open(os.path.join(workdir, f"{name}.rank{i}.log"), "w")
             logs.append(log)
-            procs.append(cluster.popen(i, argv, {**base_env, **envs[i]}, log))
+            procs.append(cluster.popen(i // per_host, argv, {**base_env, **envs[i]}, log))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
             failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
@@ -296,101 +328,119 @@ class Progress:
             self.stream.write("\n")
 
 
-def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> list:
-    """(framework, compression) pairs to run. The uncompressed run comes first in each framework:
-    the other runs' parameters are compared with it. (DDP needs no exception for "sparse": Gloo
-    allreduces sparse gradients by allgather, the counterpart of Horovod's sparse path.)"""
+def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> tuple:
+    """((framework, compression) pairs to run, pairs skipped because that framework does not
+    implement the mode: e.g. bf16 and powersgd are DDP hooks). The uncompressed run comes first in
+    each framework: the other runs' parameters are compared with it. (DDP needs no exception for
+    "sparse": Gloo allreduces sparse gradients by allgather, the counterpart of Horovod's sparse
+    path.)"""
     comps = [BASELINE] + [c for c in compressions if c != BASELINE]
-    return [(fw, c) for fw in frameworks for c in comps]
+    pairs = [(fw, c) for fw in frameworks for c in comps]
+    return [p for p in pairs if p[1] in SUPPORTED[p[0]]], [p for p in pairs if p[1] not in SUPPORTED[p[0]]]
+
+
+def compute_label(per_host: int, sparse: bool) -> str:
+    """Key of a compute-only reference: workers per host, and whether embedding gradients are sparse."""
+    return f"{per_host} worker{'s' if per_host > 1 else ''}/host{', sparse embeddings' if sparse else ''}"
 
 
 def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, frameworks: Sequence[str],
                   compressions: Sequence[str], steps: int, warmup: int, train_args: Sequence[str],
-                  timeout_s: float, workdir: str, progress: Optional[Progress] = None) -> dict:
+                  timeout_s: float, workdir: str, progress: Optional[Progress] = None, cpu_fair: bool = False,
+                  shards: int = 2, cores: Optional[int] = None) -> dict:
     """Builds the cluster, runs the compute-only reference and every configuration, tears down.
-    Returns {"rows": [...], "compute_s": ..., "shaping": {"qdisc": ..., "latency_applied": ...}}."""
-    spec = RunSpec(model, steps, warmup, list(train_args))
-    runs = plan(frameworks, compressions)
-    progress = progress or Progress(len(runs) + 1)
-    rows = []
+
+    ``fsdp`` runs ``shards`` processes per host (HSDP: ``hosts`` replicas x ``shards`` shards; the
+    replica all-reduce crosses the shaped links, the shard group's traffic stays in the host).
+    ``cpu_fair``: links dilated by :func:`cpu_fair_scaling` for this machine's ``cores`` (default:
+    all) and one thread per worker. Returns {"rows": [...], "compute_s": {workers per host: s},
+    "shaping": {...}, "cpu_fair": {...} or None, "skipped": [[framework, compression], ...]}."""
+    runs, skipped = plan(frameworks, compressions)
+    per_host = {fw: shards if fw == "fsdp" else 1 for fw in frameworks}
+    layouts = sorted(set(per_host.values()))
+    train_args = list(train_args)
+    fair = None
+    if cpu_fair:
+        if len(layouts) > 1:
+            raise ValueError("--cpu-fair: fsdp runs a different number of workers per host than "
+                             f"{', '.join(f for f in frameworks if f != 'fsdp')}; run it separately")
+        fair = cpu_fair_scaling(hosts * layouts[0], cores or os.cpu_count() or 1)
+        rate_bits = max(8_000, int(round(rate_bits * fair["rate_factor"])))
+        delay_s = delay_s * fair["delay_factor"]
+        fair.update(applied_rate_bits=rate_bits, applied_delay_s=delay_s)
+        train_args += ["--threads", "1"]
+    spec = RunSpec(model, steps, warmup, train_args)
+    # compute-only references: per workers-per-host layout, and with sparse embedding gradients
+    # when the sparse mode runs (its backward and optimizer step skip the untouched rows)
+    refs = [(ppn, sparse) for ppn in layouts for sparse in (False, True)
+            if not sparse or any(c == "sparse" and per_host[f] == ppn for f, c in runs)]
+    progress = progress or Progress(len(runs) + len(refs))
+    rows, compute = [], {}
     with terminate_on_signals(), EmulatedCluster(hosts, rate_bits, delay_s) as cluster:
-        progress.show("compute-only reference")
-        ref = run_workers(cluster, "local", BASELINE, spec, workdir, timeout_s)
-        compute_s = statistics.median(ref[0]["step_seconds"])
-        progress.advance("compute-only reference")
+        for ppn, sparse in refs:
+            label = compute_label(ppn, sparse)
+            progress.show(f"compute-only reference {label}")
+            ref = run_workers(cluster, "local", "sparse" if sparse else BASELINE, spec, workdir, timeout_s,
+                              per_host=ppn)
+            compute[label] = statistics.median(ref[0]["step_seconds"])
+            progress.advance(f"compute-only reference {label}")
         params = {}
         for fw, comp in runs:
             progress.show(f"{fw} {comp}")
             path = os.path.join(workdir, f"{fw}-{comp}.params.pt")
-            reports = run_workers(cluster, fw, comp, spec, workdir, timeout_s, save_params=path)
+            fw_spec = dataclasses.replace(spec, train_args=spec.train_args + (
+                ["--shards", str(shards)] if fw == "fsdp" else []))
+            reports = run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s, save_params=path,
+                                  per_host=per_host[fw])
             params[(fw, comp)] = path
-            row = summarize(fw, comp, reports, compute_s)
+            row = summarize(fw, comp, reports, compute[compute_label(per_host[fw], comp == "sparse")], hosts=hosts)
             base = params.get((fw, BASELINE))
             row["max_param_diff_vs_none"] = max_param_diff(path, base) if base and comp != BASELINE else None
             row["lossless_mode"] = comp in LOSSLESS
             rows.append(row)
             progress.advance(f"{fw} {comp}")
-        shaping = {"qdisc": cluster.qdisc, "latency_applied": cluster.latency_applied}
-    return {"rows": add_relative(rows), "compute_s": compute_s, "shaping": shaping}
+        shaping = {"qdisc": cluster.qdisc, "latency_applied": cluster.latency_applied,
+                   "rate_bits": rate_bits, "delay_s": delay_s}
+    return {"rows": add_relative(rows), "compute_s": compute, "shaping": shaping, "cpu_fair": fair,
+            "skipped": [list(p) for p in skipped]}
 
 
-# -- output ----------------------------------------------------------------------------------------
-def _f(v, fmt: str, none: str = "-") -> str:
-    return none if v is None else format(v, fmt)
+def worker_args(args) -> list:
+    """The training driver's options this command implies: --train-args, then --skew and --replay."""
+    extra = args.train_args.split() if args.train_args else []
+    if args.skew:
+        extra += ["--skew", str(args.skew)]
+    if args.replay:
+        extra += ["--replay-dir", os.path.abspath(args.replay)]
+    return extra
 
 
-def render_markdown(result: dict, title: str) -> str:
-    sh = result.get("shaping", {})
-    note = ("" if sh.get("latency_applied", True) else
-            " The kernel has no netem: links are rate-limited by tbf and the requested latency was NOT added.")
-    lines = [f"### {title}", "",
-             f"Shaping: {sh.get('qdisc', '?')} on every host's uplink and downlink.{note}",
-             f"Compute-only step (same workers, no aggregation): {1e3 * result['compute_s']:.1f} ms.", "",
-             "| framework | compression | step ms median (p10–p90) | speed-up vs none | wire MiB/step/host "
-             "| wire vs none | aggregation GB/s | x none | enc+dec share | max abs param diff vs none | fallbacks |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        wire = r["wire_bytes_per_step_per_host"]
-        diff = r["max_param_diff_vs_none"]
-        lines.append(
-            f"| {r['framework']} | {r['compression']} | {1e3 * r['step_s_median']:.1f} "
-            f"({1e3 * r['step_s_p10']:.1f}–{1e3 * r['step_s_p90']:.1f}) | {_f(r['speedup_vs_none'], '.2f')}x "
-            f"| {_f(wire and wire / 2**20, '.2f')} | {_f(r['wire_vs_none'], '.3f')} "
-            f"| {_f(r['aggregation_bytes_per_s'] and r['aggregation_bytes_per_s'] / 1e9, '.3f')} "
-            f"| {_f(r['throughput_vs_none'], '.2f')} | {_f(r['codec_share'] and 100 * r['codec_share'], '.1f')}% "
-            f"| {_f(diff, '.2e')}{' (lossless)' if r['lossless_mode'] and diff is not None else ''} "
-            f"| {r['fallbacks']} |")
-    return "\n".join(lines) + "\n"
+def settings_line(model: str, train_args: Sequence[str], compressions: Sequence[str]) -> str:
+    """The baselines' and our modes' parameters as the workers will use them (the driver's defaults
+    unless --train-args overrode them)."""
+    from lossless_hc.bench.workloads.train import parse_args
 
-
-def plot(result: dict, title: str, path: str) -> None:
-    """Two panels: median step time (p10–p90 whiskers) and wire bytes per configuration."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    labels = [f"{r['framework']}\n{r['compression']}" for r in rows]
-    colors = ["#4c72b0" if r["framework"] == "horovod" else "#dd8452" for r in rows]
-    x = range(len(rows))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
-    med = [1e3 * r["step_s_median"] for r in rows]
-    err = [[m - 1e3 * r["step_s_p10"] for m, r in zip(med, rows)], [1e3 * r["step_s_p90"] - m for m, r in zip(med, rows)]]
-    ax1.bar(x, med, yerr=err, color=colors, capsize=3)
-    ax1.axhline(1e3 * result["compute_s"], color="gray", ls="--", lw=1, label="compute only")
-    ax1.set_ylabel("step time, ms (median, p10–p90)")
-    ax1.legend(loc="upper right")
-    ax1.set_title(title)
-    ax2.bar(x, [(r["wire_bytes_per_step_per_host"] or 0) / 2**20 for r in rows], color=colors)
-    ax2.set_ylabel("wire MiB / step / host")
-    ax2.set_xticks(list(x), labels, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    a = parse_args(["--model", model, "--framework", "local", "--compression", "none", *train_args])
+    out = []
+    if "powersgd" in compressions:
+        out.append(f"powersgd: torch PowerSGDState rank {a.powersgd_rank}, plain allreduce for the first "
+                   f"{a.powersgd_start} iterations, error feedback and warm start on")
+    if "bf16" in compressions:
+        out.append("bf16: torch bf16_compress_hook")
+    if {"topk", "topk-allgather"} & set(compressions):
+        out.append(f"top-k ratio {a.topk_ratio} with error feedback")
+    if "thc" in compressions:
+        out.append(f"thc {a.thc_bits} bits")
+    if "lossless" in compressions:
+        out.append(f"lossless initial capacity {a.max_density} of each tensor")
+    if model == "ncf":
+        out.append(f"NCF skew {a.skew} ({'uniform ids' if not a.skew else 'Zipf users and negatives'})")
+    return "; ".join(out)
 
 
 def cmd_cluster(args) -> int:
     """``python -m lossless_hc.bench cluster``: builds, runs, tears down, prints and writes."""
+    model = "replay" if args.replay else args.model
     try:
         rate = parse_rate(args.bandwidth)
         delay = parse_delay(args.latency)
@@ -400,33 +450,60 @@ def cmd_cluster(args) -> int:
             raise ValueError(f"--hosts must be at least 2, got {args.hosts}")
         if not 0 <= args.warmup < args.steps:
             raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup}")
+        if args.shards < 1 or args.skew < 0:
+            raise ValueError("--shards must be >= 1 and --skew >= 0")
+        if args.replay:
+            from lossless_hc.bench.workloads.replay import load_meta
+
+            recorded = load_meta(args.replay)
+            if recorded["ranks"] < args.hosts * (args.shards if "fsdp" in frameworks else 1):
+                raise ValueError(f"--replay {args.replay} holds {recorded['ranks']} ranks, fewer than the workers")
         require_root()
     except (ValueError, ClusterError) as exc:
+        print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # the replay directory's own message
         print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 2
     removed = remove_leftovers()
     if removed:
         print(f"[cluster] removed leftovers of an earlier run: {', '.join(removed)}", file=sys.stderr)
-    title = f"{args.model}, {args.hosts} hosts, {rate_label(rate)}, {args.latency} one-way"
+    what = f"replay of {recorded['model']}" if args.replay else args.model
+    skew = recorded["options"].get("skew") if args.replay else args.skew
+    title = (f"{what}{f' (Zipf skew {skew})' if skew else ''}, {args.hosts} hosts, {rate_label(rate)}, "
+             f"{args.latency} one-way{', CPU-fair' if args.cpu_fair else ''}")
     workdir = args.out or tempfile.mkdtemp(prefix="lhc-cluster-")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.monotonic()
+    train_args = worker_args(args)
     try:
-        result = run_benchmark(args.hosts, rate, delay, args.model, frameworks, compressions, args.steps,
-                               args.warmup, args.train_args.split() if args.train_args else [],
-                               args.timeout, workdir)
+        result = run_benchmark(args.hosts, rate, delay, model, frameworks, compressions, args.steps,
+                               args.warmup, train_args, args.timeout, workdir, cpu_fair=args.cpu_fair,
+                               shards=args.shards, cores=args.cores)
+    except ValueError as exc:
+        print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
+        return 2
     except ClusterError as exc:
         print(f"\npython -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; the emulated cluster was removed", file=sys.stderr)
         return 130
+    if result["cpu_fair"]:
+        f = result["cpu_fair"]
+        print(f"[cluster] --cpu-fair: {f['workers']} workers on {f['cores']} cores, share {f['share']:.3g}: "
+              f"rate x{f['rate_factor']:.3g} -> {rate_label(f['applied_rate_bits'])}, delay x{f['delay_factor']:.3g} "
+              f"-> {1e6 * f['applied_delay_s']:.0f} us, 1 thread per worker", file=sys.stderr)
     result.update(command=command_line(), machine=machine_info(0), title=title, bandwidth_bits=rate,
-                  latency_s=delay, hosts=args.hosts, model=args.model, steps=args.steps, warmup=args.warmup,
+                  latency_s=delay, hosts=args.hosts, model=model, steps=args.steps, warmup=args.warmup,
+                  skew=skew, replay=args.replay, settings=settings_line(
+                      recorded["model"] if args.replay else model,
+                      (["--skew", str(skew)] if skew else []) if args.replay else train_args, compressions),
                   wall_s=time.monotonic() - t0)
     md = render_markdown(result, title)
     print(md)
-    stem = f"cluster_{args.model}_{rate_label(rate)}_{args.hosts}hosts"
+    stem = (f"cluster_{'replay_' if args.replay else ''}{what.split()[-1]}{f'_zipf{skew}' if skew else ''}_"
+            f"{rate_label(rate)}_{args.hosts}hosts{'_fsdp' if frameworks == ['fsdp'] else ''}")
     with open(os.path.join(workdir, stem + ".md"), "w") as f:
         f.write(f"`{result['command']}`\n\n{md}")
     with open(os.path.join(workdir, stem + ".json"), "w") as f:
@@ -438,15 +515,25 @@ def cmd_cluster(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one worker each (default 4)")
+    p.add_argument("--hosts", type=int, default=4, help="emulated hosts (default 4); fsdp: replicas")
     p.add_argument("--bandwidth", default="1gbit", help="link rate, e.g. 1gbit, 10gbit (both directions)")
     p.add_argument("--latency", default="100us", help="one-way delay added on each host's uplink")
     p.add_argument("--model", default="ncf", choices=("ncf", "lstm", "vgg", "bert", "digits"))
-    p.add_argument("--compression", default="none,fp16,sparse,topk-allgather,lossless,topk",
-                   help=f"comma-separated, from {', '.join(COMPRESSIONS)} (none always runs: the reference)")
-    p.add_argument("--framework", default="horovod,ddp", help="comma-separated: horovod, ddp")
+    p.add_argument("--compression", default="none,fp16,bf16,powersgd,sparse,topk-allgather,lossless,topk",
+                   help=f"comma-separated, from {', '.join(COMPRESSIONS)} (none always runs: the reference; a "
+                        f"mode a framework does not implement is skipped and listed)")
+    p.add_argument("--framework", default="horovod,ddp",
+                   help="comma-separated: horovod, ddp, fsdp (HSDP: --hosts replicas x --shards processes per host)")
+    p.add_argument("--shards", type=int, default=2, help="fsdp: processes (shards) per host (default 2)")
     p.add_argument("--steps", type=int, default=30, help="steps per configuration, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start")
+    p.add_argument("--skew", type=float, default=0.0, help="ncf: Zipf exponent of user and negative-item ids (0: uniform)")
+    p.add_argument("--cpu-fair", action="store_true",
+                   help="one thread per worker and links dilated by the workers' share of this machine's cores")
+    p.add_argument("--cores", type=int, help="--cpu-fair: cores to assume (default: this machine's)")
+    p.add_argument("--replay", metavar="DIR",
+                   help="collective-only: replay gradients recorded by `python -m lossless_hc.bench replay` instead "
+                        "of training --model")
     p.add_argument("--train-args", default="", help="extra options for lossless_hc.bench.workloads.train, quoted")
     p.add_argument("--timeout", type=float, default=600, help="seconds per configuration")
     p.add_argument("--out", help="directory for the table (Markdown, JSON), the plot and worker logs")

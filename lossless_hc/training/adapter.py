@@ -310,6 +310,8 @@ class CompressorAdapter:
 
 def wire_numel(agg) -> int:
     """Elements of the payload ``agg`` sends at its next encode (the codec's, or the dense tensor's)."""
+    if hasattr(agg, "payload_numel"):   # auto (training.strategies.AutoAggregator): its first payload
+        return agg.payload_numel()
     codec = agg.codec
     return codec.payload_numel if codec is not None else math.prod(agg.shape)
 

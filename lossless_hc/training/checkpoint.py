@@ -8,7 +8,9 @@ What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to 
   :class:`~lossless_hc.training.aggregate.CapacityPolicy`, the density tracker (its averages, peaks,
   step count and history);
 * :class:`~lossless_hc.training.aggregate.TopKAggregator`: the above and the error-feedback residual;
-* :class:`~lossless_hc.training.aggregate.THCAggregator`: the codec's step, agreed norm and error memory.
+* :class:`~lossless_hc.training.aggregate.THCAggregator`: the codec's step, agreed norm and error memory;
+* :class:`~lossless_hc.training.strategies.AutoAggregator` (``auto``): its own
+  ``state_dict()`` (the plan, the statistics, the lossy strategies' error feedback).
 
 The result holds only Python numbers and CPU tensors (``torch.save`` with ``weights_only=True``
 loads it). :func:`load_aggregator_state_dict` restores it into an aggregator built with the same
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from lossless_hc.training.aggregate import DensityTracker, THCAggregator, TopKAggregator
+from lossless_hc.training.strategies import AutoAggregator
 
 _TRACKER_FIELDS = ("steps", "union", "per_rank", "peak_union", "peak_rank")
 
@@ -31,6 +34,8 @@ def _kind(agg) -> str:
 
 def aggregator_state_dict(agg) -> dict:
     """The state ``agg`` carries between steps (see the module doc)."""
+    if isinstance(agg, AutoAggregator):
+        return agg.state_dict()
     state = {"kind": _kind(agg), "shape": list(agg.shape), "dtype": str(agg.dtype)}
     if isinstance(agg, THCAggregator):
         codec = agg.codec
@@ -51,6 +56,9 @@ def aggregator_state_dict(agg) -> dict:
 
 def load_aggregator_state_dict(agg, state: dict) -> None:
     """Restore :func:`aggregator_state_dict`'s ``state`` into ``agg`` (same configuration)."""
+    if isinstance(agg, AutoAggregator):
+        agg.load_state_dict(state)
+        return
     expected = (_kind(agg), list(agg.shape), str(agg.dtype))
     got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
     if got != expected:

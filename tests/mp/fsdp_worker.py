@@ -21,7 +21,8 @@ from models import EmbeddingModel, batch, loss_fn  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
+from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
+from lossless_hc.training.planner import Calibration  # noqa: E402
 
 STEPS = 5
 
@@ -152,6 +153,17 @@ def scenario(name, mesh):
         return r
     if base == "thc":   # lossy: replicas of one shard must stay bit-identical, and stay near the reference
         return compare(mesh, THCFSDPState(mesh, bits=4), False, steps=16, hidden=512, lr=0.02)
+    if base == "auto":   # the planner on the replica all-reduce, calibrated in register()
+        state = AutoFSDPState(mesh, interval=2)
+        r = compare(mesh, state, False)
+        r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
+        return r
+    if base == "auto_resume":   # a given calibration: the resumed plans are the straight run's
+        return resume(mesh, lambda: AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False,
+                      hidden=16)
+    if base == "auto_reduce_scatter":
+        return expect_error(lambda: AutoFSDPState(mesh).register(build(mesh, native=False), reduce_scatter=True),
+                            ValueError)
     if base == "resume":
         return resume(mesh, lambda: TopKFSDPState(mesh, ratio=0.05), rs)
     if base == "resume_lossless":

@@ -9,6 +9,20 @@ import sysconfig
 import torch
 
 
+def zipf_weights(n: int, s: float) -> torch.Tensor:
+    """Normalized Zipf(s) probabilities of ranks 0..n-1: ``(1 + r) ** -s / sum``, float64."""
+    if n < 1 or s < 0:
+        raise ValueError(f"zipf_weights needs n >= 1 and s >= 0, got n={n}, s={s}")
+    w = (1.0 + torch.arange(n, dtype=torch.float64)) ** -s
+    return w / w.sum()
+
+
+def expected_distinct(weights: torch.Tensor, draws: int) -> float:
+    """Expected number of distinct categories among ``draws`` independent draws from the
+    probabilities ``weights``: sum_i 1 - (1 - p_i) ** draws."""
+    return float((1.0 - torch.exp(draws * torch.log1p(-weights.clamp(max=1 - 1e-16)))).sum())
+
+
 class ImplicitFeedback:
     """Synthetic implicit feedback with planted structure, for the NCF recommender.
 
@@ -45,15 +59,34 @@ class ImplicitFeedback:
                 items[rows] = members[pick]
         return items
 
-    def batches(self, batch: int, negatives: int, seed: int):
-        """Endless (users, items, labels) batches: ``batch`` interactions and ``negatives`` uniformly
-        sampled non-interactions per interaction, from a rank-specific stream."""
+    def batches(self, batch: int, negatives: int, seed: int, skew: float = 0.0):
+        """Endless (users, items, labels) batches: ``batch`` interactions and ``negatives`` sampled
+        non-interactions per interaction, from a rank-specific stream (``seed``).
+
+        ``skew`` = 0: interactions uniformly (every user equally often), negatives uniform over
+        the items. ``skew`` = s > 0: a user is picked with probability proportional to
+        ``(1 + r) ** -s`` where r is its place in a fixed random order of the users (the same on
+        every rank), then one of its interactions uniformly; negatives are picked with
+        probability proportional to ``(1 + i) ** -s`` for item i (popular items first)."""
+        if skew < 0:
+            raise ValueError(f"skew must be >= 0, got {skew}")
         g = torch.Generator().manual_seed(seed)
         n = self.train_users.numel()
+        per_user = n // self.num_users
+        if skew > 0:
+            user_order = torch.randperm(self.num_users, generator=torch.Generator().manual_seed(0x5eed))
+            user_w = torch.empty(self.num_users, dtype=torch.float64)
+            user_w[user_order] = zipf_weights(self.num_users, skew)
+            item_w = zipf_weights(self.num_items, skew)
         while True:
-            pick = torch.randint(0, n, (batch,), generator=g)
+            if skew > 0:
+                users = torch.multinomial(user_w, batch, replacement=True, generator=g)
+                pick = users * per_user + torch.randint(0, per_user, (batch,), generator=g)
+                neg_items = torch.multinomial(item_w, batch * negatives, replacement=True, generator=g)
+            else:
+                pick = torch.randint(0, n, (batch,), generator=g)
+                neg_items = torch.randint(0, self.num_items, (batch * negatives,), generator=g)
             users = self.train_users[pick]
-            neg_items = torch.randint(0, self.num_items, (batch * negatives,), generator=g)
             yield (torch.cat([users, users.repeat(negatives)]),
                    torch.cat([self.train_items[pick], neg_items]),
                    torch.cat([torch.ones(batch), torch.zeros(batch * negatives)]))

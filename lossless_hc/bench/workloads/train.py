@@ -15,191 +15,37 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from lossless_hc.bench.workloads import data, models
+from lossless_hc.bench.workloads.replay import ReplayWorkload
+from lossless_hc.bench.workloads.tasks import DEFAULTS as TASK_DEFAULTS
+from lossless_hc.bench.workloads.tasks import OPTIMIZERS
+from lossless_hc.bench.workloads.tasks import WORKLOADS as TASKS
+
+WORKLOADS = {**TASKS, "replay": ReplayWorkload}
+# replay: plain SGD (the optimizer's cost is not what a replay measures) at a small step
+DEFAULTS = {**TASK_DEFAULTS, "replay": dict(batch=1, optimizer="sgd", lr=0.01, steps=20)}
 
 # sparse: nn.Embedding(sparse=True) aggregated by the framework's own sparse path (Horovod: allgather
 # of values and indices, no sparse_as_dense; DDP/Gloo: sparse allreduce, itself an allgather).
 # topk-allgather: the baseline of lossless_hc.bench.workloads.topk_allgather; topk: ours (top-k + lossless).
-COMPRESSIONS = ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc")
-
-
-# -- workloads: model, batches, loss, evaluation ---------------------------------------------------
-class Workload:
-    name = ""
-    metric = ""
-
-    def __init__(self, args, rank: int):
-        self.args, self.rank = args, rank
-
-    def loss(self, model, batch) -> torch.Tensor:
-        raise NotImplementedError
-
-    def evaluate(self, model) -> float:
-        raise NotImplementedError
-
-
-class NCFWorkload(Workload):
-    name, metric = "ncf", "hit_rate@10"
-    sparse_grads = True
-
-    def __init__(self, args, rank):
-        super().__init__(args, rank)
-        self.data = data.ImplicitFeedback(args.users, args.items, seed=args.seed)
-        self.model = models.NCF(args.users, args.items, dim=args.dim, sparse=args.sparse_embeddings)
-        self.batches = self.data.batches(args.batch, negatives=1, seed=args.seed * 1000 + rank + 1)
-
-    def loss(self, model, batch):
-        users, items, labels = batch
-        return F.binary_cross_entropy_with_logits(model(users, items), labels)
-
-    def evaluate(self, model):
-        return self.data.hit_rate(model)
-
-
-class LSTMWorkload(Workload):
-    name, metric = "lstm", "perplexity"
-
-    def __init__(self, args, rank):
-        super().__init__(args, rank)
-        ids, vocab = data.python_source_corpus(vocab=args.vocab)
-        split = int(0.95 * ids.numel())
-        self.train_ids, self.test_ids = ids[:split], ids[split:]
-        self.model = models.LSTMLanguageModel(len(vocab), sparse=args.sparse_embeddings)
-        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
-        self.seq = 35
-        self.batches = self._batches()
-
-    def _batches(self):
-        while True:
-            start = torch.randint(0, self.train_ids.numel() - self.seq - 1, (self.args.batch,), generator=self.gen)
-            window = torch.stack([self.train_ids[s:s + self.seq + 1] for s in start.tolist()])
-            yield window[:, :-1], window[:, 1:]
-
-    def loss(self, model, batch):
-        x, y = batch
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    @torch.no_grad()
-    def evaluate(self, model):
-        n = (self.test_ids.numel() - 1) // self.seq * self.seq
-        x = self.test_ids[:n].reshape(-1, self.seq)[:64]
-        y = self.test_ids[1:n + 1].reshape(-1, self.seq)[:64]
-        return float(math.exp(self.loss(model, (x, y))))
-
-
-class DigitsWorkload(Workload):
-    name, metric = "digits", "accuracy"
-
-    def __init__(self, args, rank):
-        super().__init__(args, rank)
-        x, y = data.digits()
-        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
-        test, train = perm[:360], perm[360:]
-        self.test = x[test], y[test]
-        self.train = x[train], y[train]
-        self.model = models.DigitsCNN()
-        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
-        self.batches = self._batches()
-
-    def _batches(self):
-        x, y = self.train
-        while True:
-            pick = torch.randint(0, x.shape[0], (self.args.batch,), generator=self.gen)
-            yield x[pick], y[pick]
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def evaluate(self, model):
-        x, y = self.test
-        return float((model(x).argmax(dim=1) == y).float().mean())
-
-
-class VGGWorkload(Workload):
-    name, metric = "vgg", "accuracy"
-
-    def __init__(self, args, rank):
-        super().__init__(args, rank)
-        self.model = models.SmallVGG()
-        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
-        # Random images labelled by a fixed random linear teacher: learnable, nothing downloaded.
-        self.teacher = torch.randn(3 * 32 * 32, 10, generator=torch.Generator().manual_seed(args.seed))
-        self.batches = self._batches()
-
-    def _batch(self, n, gen):
-        x = torch.randn(n, 3, 32, 32, generator=gen)
-        return x, (x.flatten(1) @ self.teacher).argmax(dim=1)
-
-    def _batches(self):
-        while True:
-            yield self._batch(self.args.batch, self.gen)
-
-    def loss(self, model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def evaluate(self, model):
-        x, y = self._batch(256, torch.Generator().manual_seed(12345))
-        return float((model(x).argmax(dim=1) == y).float().mean())
-
-
-class BERTWorkload(Workload):
-    """Masked-token prediction on random tokens drawn from a Zipf-like distribution (the loss can
-    fall to the distribution's entropy: that is what there is to learn)."""
-    name, metric = "bert", "mlm_loss"
-    seq, mask_fraction = 64, 0.15
-
-    def __init__(self, args, rank):
-        super().__init__(args, rank)
-        self.vocab = args.vocab
-        self.model = models.SmallBERT(vocab=self.vocab, max_len=self.seq, sparse=args.sparse_embeddings)
-        self.weights = (1.0 + torch.arange(self.vocab, dtype=torch.float64)) ** -1.0
-        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
-        self.batches = self._batches()
-
-    def _batch(self, n, gen):
-        tokens = torch.multinomial(self.weights, n * self.seq, replacement=True, generator=gen).view(n, self.seq)
-        masked = torch.rand(n, self.seq, generator=gen) < self.mask_fraction
-        inputs = tokens.masked_fill(masked, 0)  # token 0 doubles as [MASK]
-        return inputs, tokens.masked_fill(~masked, -100)
-
-    def _batches(self):
-        while True:
-            yield self._batch(self.args.batch, self.gen)
-
-    def loss(self, model, batch):
-        x, y = batch
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-
-    @torch.no_grad()
-    def evaluate(self, model):
-        return float(self.loss(model, self._batch(32, torch.Generator().manual_seed(12345))))
-
-
-WORKLOADS = {w.name: w for w in (NCFWorkload, LSTMWorkload, DigitsWorkload, VGGWorkload, BERTWorkload)}
-DEFAULTS = {  # per model: batch, optimizer, lr, steps
-    "ncf": dict(batch=512, optimizer="sgd", lr=0.3, steps=150),
-    "lstm": dict(batch=16, optimizer="adam", lr=0.002, steps=100),
-    "digits": dict(batch=32, optimizer="sgd", lr=0.05, steps=300),
-    "vgg": dict(batch=32, optimizer="sgd", lr=0.02, steps=100),
-    "bert": dict(batch=16, optimizer="adam", lr=0.0005, steps=100),
+# bf16, powersgd: torch's own DDP hooks (bf16_compress_hook; PowerSGDState + powerSGD_hook with
+# --powersgd-rank and --powersgd-start); DDP only (Horovod cannot reduce bfloat16 tensors and has
+# no low-rank compressor). auto, auto-lossy: the planner (lossless_hc.training.planner) picks per
+# tensor among the exact strategies, or among all of them.
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "sparse", "topk-allgather", "lossless", "topk", "thc",
+                "auto", "auto-lossy")
+SUPPORTED = {  # compressions each framework implements here
+    "horovod": ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc", "auto", "auto-lossy"),
+    "ddp": COMPRESSIONS,
+    "fsdp": ("none", "lossless", "topk", "thc", "auto", "auto-lossy"),
+    "local": COMPRESSIONS,
 }
-OPTIMIZERS = {"sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
-              "adam": lambda params, lr: torch.optim.Adam(params, lr=lr)}
 
 
 # -- frameworks ------------------------------------------------------------------------------------
@@ -222,6 +68,8 @@ class Horovod:
             self.compressor = Compression.topk(ratio=args.topk_ratio)
         elif args.compression == "thc":
             self.compressor = Compression.thc(bits=args.thc_bits)
+        elif args.compression in ("auto", "auto-lossy"):
+            self.compressor = Compression.auto(lossy=args.compression == "auto-lossy")
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if args.compression == "topk-allgather":
             from lossless_hc.bench.workloads.topk_allgather import HorovodTopKAllgatherOptimizer
@@ -261,12 +109,27 @@ class DDP:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
-        from lossless_hc.plugins.ddp import (LosslessHookState, THCHookState, TopKHookState, lossless_hook, thc_hook,
-                                             topk_hook)
+        from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
+                                             lossless_hook, thc_hook, topk_hook)
 
         ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if args.device == "cuda" else None)
         if args.compression == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif args.compression == "bf16":
+            from lossless_hc.bench.workloads.baselines import bf16_hook
+            ddp.register_comm_hook(None, bf16_hook)
+        elif args.compression == "powersgd":
+            from lossless_hc.bench.workloads.baselines import PowerSGDPerBucket, powersgd_hook
+
+            # error feedback and warm start on (torch's defaults); plain allreduce for the first
+            # --powersgd-start iterations, as torch recommends
+            self.powersgd = PowerSGDPerBucket(matrix_approximation_rank=args.powersgd_rank,
+                                              start_powerSGD_iter=args.powersgd_start, min_compression_rate=2,
+                                              random_seed=args.seed)
+            ddp.register_comm_hook(self.powersgd, powersgd_hook)
+        elif args.compression in ("auto", "auto-lossy"):
+            self.state = AutoHookState(lossy=args.compression == "auto-lossy")
+            ddp.register_comm_hook(self.state, auto_hook)
         elif args.compression == "lossless":
             self.state = LosslessHookState(max_density=args.max_density)
             ddp.register_comm_hook(self.state, lossless_hook)
@@ -306,8 +169,8 @@ class FSDP(DDP):
         shards = args.shards or self.size
         if self.size % shards:
             raise SystemExit(f"--shards {shards} must divide the world size {self.size}")
-        if args.compression not in ("none", "lossless", "topk", "thc") or args.sparse_embeddings:
-            raise SystemExit(f"--framework fsdp takes --compression none|lossless|topk|thc and dense embeddings, "
+        if args.compression not in SUPPORTED["fsdp"] or args.sparse_embeddings:
+            raise SystemExit(f"--framework fsdp takes --compression {'|'.join(SUPPORTED['fsdp'])} and dense embeddings, "
                              f"got {args.compression}{' with --sparse-embeddings' if args.sparse_embeddings else ''}")
         replicas = self.size // shards
         if replicas > 1:
@@ -318,7 +181,7 @@ class FSDP(DDP):
     def wrap(self, model, opt, args):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState, TopKFSDPState
+        from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState
 
         native = args.compression == "none"
         on = self.mesh if native or self.mesh.ndim == 1 else self.mesh["shard"]
@@ -332,7 +195,9 @@ class FSDP(DDP):
                     if isinstance(m, FSDPModule):
                         m.set_force_sum_reduction_for_comms(True)
         else:
-            make = {"lossless": lambda: LosslessFSDPState(self.mesh, max_density=args.max_density),
+            make = {"auto": lambda: AutoFSDPState(self.mesh, lossy=False),
+                    "auto-lossy": lambda: AutoFSDPState(self.mesh, lossy=True),
+                    "lossless": lambda: LosslessFSDPState(self.mesh, max_density=args.max_density),
                     "topk": lambda: TopKFSDPState(self.mesh, ratio=args.topk_ratio),
                     "thc": lambda: THCFSDPState(self.mesh, bits=args.thc_bits)}[args.compression]
             self.state = make()
@@ -404,6 +269,9 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
     p.add_argument("--thc-bits", type=int, default=4, help="thc: bits per coordinate (table of 2^bits levels)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
+    p.add_argument("--powersgd-start", type=int, default=2,
+                   help="powersgd: iterations of plain allreduce before PowerSGD starts (torch's start_powerSGD_iter)")
     p.add_argument("--shards", type=int, help="fsdp: ranks per replica (default: all; fewer: custom HSDP)")
     p.add_argument("--compress-reduce-scatter", action="store_true",
                    help="fsdp with replicas: compress the reduce-scatter too (lossless, topk)")
@@ -413,6 +281,11 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--vocab", type=int, default=20_000)
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="ncf: Zipf exponent of the batches' users and negative items (0: uniform)")
+    p.add_argument("--replay-dir", help="--model replay: recorded gradients (python -m lossless_hc.bench replay)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads per worker (0: this machine's cores / workers)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per worker (LOCAL_RANK), NCCL for DDP")
     p.add_argument("--seed", type=int, default=0)
@@ -428,6 +301,11 @@ def parse_args(argv=None, default_model="ncf"):
             setattr(args, key, value)
     if args.compression == "sparse":
         args.sparse_embeddings = True
+    if args.compression not in SUPPORTED[args.framework]:
+        p.error(f"--framework {args.framework} does not implement --compression {args.compression} "
+                f"(it implements {', '.join(SUPPORTED[args.framework])})")
+    if args.skew < 0 or args.threads < 0:
+        p.error("--skew and --threads must not be negative")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, steps={args.steps}), got {args.warmup}")
     return args
@@ -443,7 +321,7 @@ def main(argv=None, default_model="ncf") -> dict:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", "0"))))
     fw = FRAMEWORKS[args.framework](args)
     # Leave each rank its share of the cores: oversubscribed intra-op threads swamp step times.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // fw.size))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // fw.size))
     torch.manual_seed(args.seed)
     work = WORKLOADS[args.model](args, fw.rank)
     model = work.model.to(args.device)
@@ -489,7 +367,7 @@ def main(argv=None, default_model="ncf") -> dict:
         net = {k: end[k] - window_start["net"][k] for k in end}
     timed = args.steps - args.warmup
     stats = stats_delta(fw.stats(), window_start["stats"])
-    sent = {"none": dense_bytes, "fp16": dense_bytes / 2}.get(args.compression)
+    sent = {"none": dense_bytes, "fp16": dense_bytes / 2, "bf16": dense_bytes / 2}.get(args.compression)
     if sent is None:
         sent = stats["payload_bytes"] / timed if stats else float("nan")
     result = {

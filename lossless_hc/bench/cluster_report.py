@@ -1,0 +1,120 @@
+"""The emulated cluster benchmark's output: the Markdown table (the user's question first) and the
+plot. Results are the dicts of :func:`lossless_hc.bench.cluster.run_benchmark`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+BASELINE = "none"
+LOSSLESS = ("lossless", "auto")  # modes whose result must equal the uncompressed run up to float rounding
+AUTO = ("auto", "auto-lossy")    # the planner's modes: marked in the tables
+
+
+def rate_label(bits: int) -> str:
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits % scale == 0:
+            return f"{bits // scale}{unit}"
+    return f"{bits}bit"
+
+
+
+# -- tables and plots ----------------------------------------------------------------------------------------
+def _f(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def _computes(result: dict) -> dict:
+    """{label: compute-only seconds} (one unlabelled float in results of before the labels)."""
+    c = result["compute_s"]
+    return {"1 worker/host": c} if isinstance(c, (int, float)) else {str(k): v for k, v in c.items()}
+
+
+def answer_line(rows: Sequence[dict]) -> str:
+    """The user's question first: which mode makes the step fastest, exact and overall, and where
+    the planner's choice (auto) lands against them."""
+    if not rows:
+        return ""
+    exact = [r for r in rows if r["compression"] in (BASELINE, "sparse", *LOSSLESS)]
+    best_exact = min(exact or rows, key=lambda r: r["step_s_median"])
+    best = min(rows, key=lambda r: r["step_s_median"])
+    parts = [f"fastest exact: {best_exact['framework']} {best_exact['compression']} "
+             f"({1e3 * best_exact['step_s_median']:.1f} ms, {_f(best_exact['speedup_vs_none'], '.2f')}x none)",
+             f"fastest overall: {best['framework']} {best['compression']} "
+             f"({1e3 * best['step_s_median']:.1f} ms, {_f(best['speedup_vs_none'], '.2f')}x none)"]
+    for r in rows:
+        if r["compression"] in AUTO:
+            ref = best_exact if r["compression"] == "auto" else best
+            parts.append(f"{r['framework']} {r['compression']}: {r['step_s_median'] / ref['step_s_median']:.2f}x "
+                         f"the fastest {'exact' if r['compression'] == 'auto' else 'overall'}")
+    return "Is the step faster? " + "; ".join(parts) + "."
+
+
+def render_markdown(result: dict, title: str) -> str:
+    sh = result.get("shaping", {})
+    note = ("" if sh.get("latency_applied", True) else
+            " The kernel has no netem: links are rate-limited by tbf and the requested latency was NOT added.")
+    fair = result.get("cpu_fair")
+    fair_line = ("" if not fair else
+                 f"CPU-fair: {fair['workers']} workers on {fair['cores']} cores, one thread each, share "
+                 f"{fair['share']:.3g} of a core: links dilated to {rate_label(fair['applied_rate_bits'])} and "
+                 f"{1e6 * fair['applied_delay_s']:.0f} us one-way (times are this machine's seconds).\n")
+    computes = ", ".join(f"{1e3 * v:.1f} ms ({k})" for k, v in sorted(_computes(result).items()))
+    skipped = result.get("skipped") or []
+    lines = [f"### {title}", "", answer_line(result["rows"]), "",
+             f"Shaping: {sh.get('qdisc', '?')} on every host's uplink and downlink.{note}",
+             f"{fair_line}Compute-only step (same workers, no aggregation): {computes}."]
+    if result.get("settings"):
+        lines.append(f"Settings: {result['settings']}.")
+    if skipped:
+        lines.append("Not run (the framework does not implement the mode): "
+                     + ", ".join(f"{fw} {c}" for fw, c in skipped) + ".")
+    lines += ["",
+              "| framework | compression | step ms median (p10–p90) | speed-up vs none | wire MiB/step/host "
+              "| wire vs none | aggregation GB/s | x none | enc+dec share | max abs param diff vs none | fallbacks "
+              "| aggregation ms/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        wire = r["wire_bytes_per_step_per_host"]
+        diff = r["max_param_diff_vs_none"]
+        mode = f"**{r['compression']}** (planner)" if r["compression"] in AUTO else r["compression"]
+        agg = r.get("aggregation_s")
+        lines.append(
+            f"| {r['framework']} | {mode} | {1e3 * r['step_s_median']:.1f} "
+            f"({1e3 * r['step_s_p10']:.1f}–{1e3 * r['step_s_p90']:.1f}) | {_f(r['speedup_vs_none'], '.2f')}x "
+            f"| {_f(wire and wire / 2**20, '.2f')} | {_f(r['wire_vs_none'], '.3f')} "
+            f"| {_f(r['aggregation_bytes_per_s'] and r['aggregation_bytes_per_s'] / 1e9, '.3f')} "
+            f"| {_f(r['throughput_vs_none'], '.2f')} | {_f(r['codec_share'] and 100 * r['codec_share'], '.1f')}% "
+            f"| {_f(diff, '.2e')}{' (lossless)' if r['lossless_mode'] and diff is not None else ''} "
+            f"| {r['fallbacks']} | {_f(agg and 1e3 * agg, '.1f')} |")
+    for r in result["rows"]:
+        if r.get("auto_choice"):
+            lines.append(f"\n{r['framework']} {r['compression']} chose (rank 0, last plan): " + "; ".join(
+                f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, title: str, path: str) -> None:
+    """Two panels: median step time (p10–p90 whiskers) and wire bytes per configuration."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['framework']}\n{r['compression']}" for r in rows]
+    colors = [{"horovod": "#4c72b0", "ddp": "#dd8452", "fsdp": "#55a868"}[r["framework"]] for r in rows]
+    x = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows)), 7), sharex=True)
+    med = [1e3 * r["step_s_median"] for r in rows]
+    err = [[m - 1e3 * r["step_s_p10"] for m, r in zip(med, rows)], [1e3 * r["step_s_p90"] - m for m, r in zip(med, rows)]]
+    ax1.bar(x, med, yerr=err, color=colors, capsize=3)
+    for i, (k, v) in enumerate(sorted(_computes(result).items())):
+        ax1.axhline(1e3 * v, color="gray", ls=("--", ":", "-.", "-")[i % 4], lw=1, label=f"compute only ({k})")
+    ax1.set_ylabel("step time, ms (median, p10–p90)")
+    ax1.legend(loc="upper right")
+    ax1.set_title(title)
+    ax2.bar(x, [(r["wire_bytes_per_step_per_host"] or 0) / 2**20 for r in rows], color=colors)
+    ax2.set_ylabel("wire MiB / step / host")
+    ax2.set_xticks(list(x), labels, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

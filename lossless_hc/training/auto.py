@@ -1,0 +1,219 @@
+"""``auto``: the planner's configuration and the engine-independent halves of its adapters.
+
+* :class:`AutoSpec` (``Compression.auto``, ``AutoHookState``, ``AutoFSDPState``): validated options;
+  builds one :class:`~lossless_hc.training.strategies.AutoAggregator` per parameter on the calibration
+  every rank shares (:mod:`lossless_hc.training.calibration`).
+* :func:`encode_message` / :func:`decode_message`: many tensors in one message (a DDP bucket, an FSDP2
+  shard): the first payloads concatenated into one SUM, then at most one more allreduce per payload
+  dtype and one allgather for all the tensors whose strategy needs a second collective.
+* :class:`AutoCompressorAdapter`: the per-tensor compressor of the Horovod (and BytePS) plugins; a
+  second collective is issued as an asynchronous *named* engine operation from ``decompress`` and
+  waited for when the step's last tensor has been decompressed (as the dense fallback of
+  :class:`~lossless_hc.training.adapter.CompressorAdapter`); the tensor ``decompress`` returned is then
+  filled in place, before the optimizer reads it.
+
+Deadlock freedom: which tensors make a second collective, and its size, are functions of the summed
+first payloads, which every rank holds bit for bit; :func:`decode_message` issues its collectives in
+a fixed order (allreduce per dtype in :data:`_DTYPE_ORDER`, then the allgather), and the named
+operations of the adapter are matched by name, so the order in which ranks reach them is free.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, _check_seed
+from lossless_hc.training.planner import STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
+from lossless_hc.training.strategies import AutoAggregator
+
+_DTYPE_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+class AutoSpec(AggregatorSpec):
+    """``auto``: per tensor, the cheapest strategy the cost model predicts (exact ones unless ``lossy``).
+
+    Args:
+        lossy: also consider fp16, bf16, THC and top-k (error feedback).
+        interval: steps between re-plans (each tensor is first planned after its first step).
+        alpha: EWMA weight of the newest step's statistics.
+        first: the first step's strategy ("dense": exact and measures the statistics).
+        strategies: restrict the candidates (None: all that ``lossy`` allows).
+        calibration: a :class:`~lossless_hc.training.planner.Calibration` identical on every rank (skips
+            the start-up measurement; e.g. ``Calibration.default(bandwidth_bits=1e9)``).
+        topk_ratio, thc_bits: the lossy strategies' parameters.
+        seed: hash seed of the sketch codecs, identical on every rank.
+    """
+
+    kind = "auto"
+
+    def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: str = "dense",
+                 strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
+                 topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, **extra):
+        super().__init__(_check_seed(seed), **extra)
+        if not isinstance(lossy, bool):
+            raise ValueError(f"lossy must be True or False, got {lossy!r}")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval must be a positive integer, got {interval!r}")
+        if not 0.0 < float(alpha) <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        if first not in STRATEGIES:
+            raise ValueError(f"first must be one of {', '.join(STRATEGIES)}; got {first!r}")
+        if strategies is not None:
+            bad = [s for s in strategies if s not in STRATEGIES]
+            if bad or not strategies:
+                raise ValueError(f"strategies must be a non-empty subset of {', '.join(STRATEGIES)}; "
+                                 f"got {strategies!r}")
+            strategies = tuple(strategies)
+        if calibration is not None and not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a planner.Calibration, got {type(calibration).__name__}")
+        if not 0.0 < float(topk_ratio) <= 1.0:
+            raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
+        self.lossy, self.interval, self.alpha, self.first = lossy, interval, float(alpha), first
+        self.strategies = strategies
+        self.topk_ratio, self.thc_bits = float(topk_ratio), int(thc_bits)
+        self.given_calibration = calibration is not None
+        self.calibration: Optional[Calibration] = calibration
+        self._cost_model: Optional[CostModel] = None
+
+    def options(self) -> dict:
+        return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
+                "strategies": self.strategies, "calibration": "given" if self.given_calibration else "measured",
+                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed}
+
+    def set_calibration(self, calibration: Calibration) -> None:
+        """The broadcast calibration (identical on every rank); aggregators built later plan with it."""
+        self.calibration = calibration
+        self._cost_model = None
+
+    @property
+    def cost_model(self) -> CostModel:
+        if self.calibration is None:
+            raise RuntimeError("auto: not calibrated yet (the adapter calibrates before the first step)")
+        if self._cost_model is None:
+            self._cost_model = CostModel(self.calibration, self.topk_ratio, self.thc_bits)
+        return self._cost_model
+
+    def make(self, name, tensor, world_size, rank, stats, device):
+        return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.cost_model, lossy=self.lossy,
+                              interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
+                              seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
+                              device=device, **self.extra)
+
+
+def plan_stats(aggregators) -> dict:
+    """``{tensor name: AutoAggregator.plan_stats()}`` (chosen strategy, predicted and measured seconds,
+    bytes sent)."""
+    return {a.name: a.plan_stats() for a in aggregators if isinstance(a, AutoAggregator)}
+
+
+# -- many tensors in one message (DDP bucket, FSDP2 shard) -------------------------------------------------
+
+class AutoMessage:
+    """One message's first payloads, concatenated in the widest dtype (float64 words stay exact)."""
+
+    def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor]):
+        self.aggregators = list(aggregators)
+        self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
+        wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in self.encoded) else torch.float32
+        if self.encoded:
+            self.tensor = torch.cat([p.reshape(-1).to(wide) for p, _ in self.encoded])
+        else:
+            self.tensor = torch.empty(0, dtype=wide)
+
+
+def decode_message(message: AutoMessage, summed: torch.Tensor,
+                   allreduce: Callable[[torch.Tensor], None],
+                   allgather: Callable[[torch.Tensor], torch.Tensor]) -> list:
+    """Every tensor's aggregate (in the engine's scale: the SUM here) from ``summed``, the SUM of every
+    rank's ``message.tensor``. ``allreduce(t)`` must SUM ``t`` in place across the same ranks;
+    ``allgather(t)`` must return the ranks' ``t`` stacked in rank order (``(n, t.numel())``). Both are
+    blocking and called in the same order on every rank (module doc), at most once per dtype."""
+    outcomes, offset = [], 0
+    for agg, (payload, ctx) in zip(message.aggregators, message.encoded):
+        segment = summed[offset:offset + payload.numel()].to(payload.dtype)
+        offset += payload.numel()
+        outcomes.append(agg.decode(segment, ctx))
+    results = [o.value for o in outcomes]
+    pending = [i for i, o in enumerate(outcomes) if o.request is not None]
+    for dtype in _DTYPE_ORDER:
+        group = [i for i in pending
+                 if outcomes[i].request.kind == "allreduce" and outcomes[i].request.tensor.dtype == dtype]
+        if group:
+            flat = torch.cat([outcomes[i].request.tensor.reshape(-1) for i in group])
+            allreduce(flat)
+            for i, part in zip(group, _split(flat, [outcomes[i].request.tensor.numel() for i in group])):
+                results[i] = message.aggregators[i].finish(message.encoded[i][1], part)
+    group = [i for i in pending if outcomes[i].request.kind == "allgather"]
+    if group:
+        sizes = [outcomes[i].request.tensor.numel() for i in group]
+        gathered = allgather(torch.cat([outcomes[i].request.tensor.reshape(-1) for i in group]))
+        offset = 0
+        for i, m in zip(group, sizes):
+            results[i] = message.aggregators[i].finish(message.encoded[i][1], gathered[:, offset:offset + m])
+            offset += m
+    return results
+
+
+def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list:
+    out, offset = [], 0
+    for m in sizes:
+        out.append(flat[offset:offset + m])
+        offset += m
+    return out
+
+
+# -- one tensor per engine call (Horovod, BytePS) ------------------------------------------------------------
+
+class AutoCompressorAdapter(CompressorAdapter):
+    """:class:`CompressorAdapter` for ``auto``: a second collective is an asynchronous named operation
+    (:meth:`_start_request`), waited for when the step's last tensor is decompressed (module doc).
+
+    An engine plugin supplies :meth:`_start_request` / :meth:`_wait_request` and calibrates the spec
+    (:meth:`AutoSpec.set_calibration`) before the first step."""
+
+    def __init__(self, spec: AutoSpec, **engine_options):
+        super().__init__(spec, **engine_options)
+        self._requests: list = []   # (handle, out, ctx, aggregator) issued this step
+
+    def decode(self, aggregated: torch.Tensor, enc: EncodedTensor) -> torch.Tensor:
+        agg = enc.aggregator
+        self._pending -= 1
+        try:
+            outcome = agg.decode(aggregated, enc.ctx)
+        except Exception:
+            self._pending = max(self._pending, 0)
+            raise
+        if outcome.request is not None:
+            out = torch.zeros(agg.shape, dtype=agg.dtype, device=aggregated.device)
+            handle = self._start_request(agg, outcome.request)
+            self._requests.append((handle, out, enc.ctx, agg))
+            result = out   # filled in place below, before the optimizer reads it
+        else:
+            result = outcome.value
+        if self._pending <= 0:
+            self._pending = 0
+            self._finish_step()
+        return result
+
+    def _finish_step(self) -> None:
+        requests, self._requests = self._requests, []
+        for handle, out, ctx, agg in requests:
+            out.copy_(agg.finish(ctx, self._wait_request(handle)))
+        self._after_step()
+
+    def _start_request(self, agg: AutoAggregator, request) -> object:
+        """Start ``request`` (a :class:`~lossless_hc.training.strategies.Request`) as an asynchronous
+        operation named after ``agg`` (allreduce: SUM; allgather: every rank's tensor, in rank order)."""
+        raise NotImplementedError
+
+    def _wait_request(self, handle) -> torch.Tensor:
+        """The request's result: the summed tensor, or the gathered ``(n, numel)`` tensor."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        """The counters of :meth:`CompressorAdapter.stats` and, under ``"plan"``, per tensor: the
+        chosen strategy, the predicted seconds of every candidate, measured seconds and bytes sent."""
+        d = super().stats()
+        d["plan"] = plan_stats(self._aggregators.values())
+        return d

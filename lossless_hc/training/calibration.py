@@ -1,0 +1,138 @@
+r"""Start-up calibration of the planner's cost model (:mod:`lossless_hc.training.planner`).
+
+:func:`calibrate` times a few collective sizes on the real process group and each strategy's local
+work on the real device, fits the link, and broadcasts rank 0's result, so every rank plans with the
+same numbers (the plans are deterministic functions of them and of aggregated statistics).
+
+Link fit. For every size ``B`` in :data:`LINK_SIZES` rank 0 keeps the fastest of ``repeats`` runs of a
+SUM allreduce and of an allgather (of B bytes per rank) and solves the least-squares problem
+
+.. math:: \min_{\alpha,\beta}\ \sum_i \left(x_i \alpha + y_i \beta - t_i\right)^2,\qquad
+          (x, y) = (2(n-1),\ 2\tfrac{n-1}{n}B) \text{ (allreduce)},\ ((n-1),\ (n-1)B) \text{ (allgather)}
+
+(:func:`fit_link`; ``alpha`` clamped at 0, and ``beta`` refitted alone if the joint fit makes it
+non-positive).
+
+Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense,
+fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's
+encode + decode of a sparse tensor beyond its scan. THC and top-k keep their
+:data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
+
+The callers supply the collectives, and with them the deadlock freedom: every rank must call
+:func:`calibrate` at the same program point (DDP: the first hook call, on the main thread; Horovod:
+``Compression.auto()``, after ``hvd.init()``; FSDP2: ``AutoFSDPState.register``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel
+
+LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20)   # bytes per rank
+CODEC_NUMEL = 1 << 18
+CODEC_DENSITY = 0.01
+
+
+def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> LinkModel:
+    """Least-squares ``LinkModel`` from ``(kind, bytes_per_rank, seconds)`` samples (see the module doc);
+    ``fallback`` for one rank or too few samples."""
+    n = world_size
+    rows = []
+    for kind, nbytes, seconds in samples:
+        if kind == "allreduce":
+            rows.append((2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes, seconds))
+        elif kind == "allgather":
+            rows.append((float(n - 1), float(n - 1) * nbytes, seconds))
+        else:
+            raise ValueError(f"unknown collective {kind!r}")
+    if n <= 1 or len(rows) < 2:
+        return fallback
+    sxx = sum(x * x for x, _, _ in rows)
+    sxy = sum(x * y for x, y, _ in rows)
+    syy = sum(y * y for _, y, _ in rows)
+    sxt = sum(x * t for x, _, t in rows)
+    syt = sum(y * t for _, y, t in rows)
+    det = sxx * syy - sxy * sxy
+    alpha, beta = (0.0, 0.0) if det == 0 else ((sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det)
+    if alpha < 0 or beta <= 0:
+        alpha = max(0.0, alpha)
+        beta = sum(y * (t - x * alpha) for x, y, t in rows) / syy if syy else 0.0
+    if beta <= 0:
+        return fallback
+    return LinkModel(float(alpha), float(beta))
+
+
+def _best_time(fn: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
+                 device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3) -> list:
+    """``[(kind, bytes per rank, seconds)]``: the fastest of ``repeats`` blocking collectives per size.
+    Collective: every rank must call it with the same arguments."""
+    samples = []
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        allreduce(t)   # warm-up (connection set-up, allocations)
+        samples.append(("allreduce", nbytes, _best_time(lambda: allreduce(t), repeats)))
+        allgather(t)
+        samples.append(("allgather", nbytes, _best_time(lambda: allgather(t), repeats)))
+    return samples
+
+
+def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: float = CODEC_DENSITY,
+                   repeats: int = 3) -> dict:
+    """Local costs ``{strategy: (per_coordinate_s, per_key_s)}`` measured on ``device`` (module doc)."""
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.zeros(numel)
+    k = max(1, int(density * numel))
+    x[torch.randperm(numel, generator=g)[:k]] = torch.randn(k, generator=g)
+    x = x.to(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn):
+        def run():
+            fn()
+            sync()
+        run()
+        return _best_time(run, repeats)
+
+    copy = timed(lambda: torch.cat([x.new_zeros(4), x.to(torch.float32)])) / numel
+    scan = timed(lambda: torch.nonzero(x != 0)) / numel
+    half = timed(lambda: x.to(torch.float16).to(torch.float32)) / numel
+    codec = LosslessCodec(numel, 1, k, 1, 0, device=device)
+    sketch = timed(lambda: codec.decode(codec.encode(x))[1])
+    per_key = max(0.0, (sketch - scan * numel) / k)
+    out = dict(DEFAULT_CODEC_SECONDS)
+    out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
+                "sketch": (scan, per_key), "fp16": (half, 0.0), "bf16": (half, 0.0)})
+    return out
+
+
+def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
+              broadcast: Callable[[torch.Tensor], None], rank: int, world_size: int, device="cpu",
+              default: Calibration = None, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3) -> Calibration:
+    """Rank 0's calibration on every rank (collective: every rank calls it at the same point).
+
+    ``allreduce(t)``: blocking in-place SUM of ``t``; ``allgather(t)``: blocking allgather of ``t`` (the
+    result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0."""
+    default = default or Calibration.default()
+    samples = measure_link(allreduce, allgather, device, sizes, repeats) if world_size > 1 else []
+    values = torch.zeros(len(default.as_list()), dtype=torch.float64)
+    if rank == 0:
+        link = fit_link(samples, world_size, default.link)
+        values = torch.tensor(Calibration(link, measure_codecs(device, world_size)).as_list(), dtype=torch.float64)
+    if world_size > 1:
+        values = values.to(device)
+        broadcast(values)
+    return Calibration.from_list(values.cpu().tolist())

@@ -1,0 +1,321 @@
+r"""The per-tensor aggregation planner: a cost model over every strategy, and the choice.
+
+Pure functions of their arguments (no collectives, no clocks): every rank evaluates them on the same
+calibration (decided on rank 0 and broadcast, :mod:`lossless_hc.training.calibration`) and the same
+aggregated statistics, so every rank takes the same decision at the same step. The strategies'
+mechanics are :mod:`lossless_hc.training.strategies`; this module only prices them.
+
+Strategies. Exact ones (the aggregate equals the dense sum up to float rounding)::
+
+    dense      allreduce the tensor
+    allgather  allgather (row index, row values) of each rank's non-zero rows, padded to the largest
+               rank's count (what DDP/Gloo and Horovod do for sparse gradients)
+    two_phase  allreduce a counting bitmap of the rows (phase 1), then allreduce the values compacted
+               onto the union of the supports (phase 2); no peeling
+    sketch     the LHC one-pass codec (index and sizes from lossless_hc.lhc.cost_model.plan_layout)
+
+and, only when the user allows loss, ``fp16``, ``bf16`` (the tensor allreduced in half precision),
+``thc`` (THC quantization, error feedback) and ``topk`` (top-k with error feedback, the selections
+aggregated exactly by the sketch).
+
+Every strategy's first collective is a SUM allreduce of a payload that starts with the statistics
+header of ``1 + 2n`` float32 words: a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
+a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
+fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
+``k_0..k_{n-1}`` from every step of every strategy; the union ``u`` (rows non-zero on some rank) comes
+from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the
+bitmap; sketch: the decode report).
+
+The cost model. A tensor of ``d`` coordinates in rows (keys) of ``b`` coordinates (``D = ceil(d/b)``
+keys), ``n`` ranks, per-rank key counts ``k_r`` (``K = max k_r``), union ``u`` keys, ``e`` bytes per
+value. Links: latency ``alpha`` and ``beta`` seconds per byte (:class:`LinkModel`), ring
+collectives::
+
+    allreduce(B) = 2(n-1) alpha + 2(n-1)/n B beta          (B: bytes each rank contributes)
+    allgather(B) =  (n-1) alpha +  (n-1)   B beta          (B: bytes each rank contributes)
+
+Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = 4(1+2n)`` header bytes::
+
+    dense      allreduce(H + d e)
+    allgather  allreduce(H) + allgather(K (4 + b e))                 (int32 index + row per slot)
+    two_phase  allreduce(H + 4 ceil(D / q)) + allreduce(u b e)      (q digits of base n+1 per word,
+                                                                     lossless_hc.lhc.layout.digit_packing)
+    sketch     allreduce(H + 4 L)       L = plan_layout(d, n, h_K K b, b, union = h_U u b).payload_numel
+    fp16/bf16  allreduce(H) + allreduce(2 d)
+    thc        allreduce(H + 8 THC payload words)                   (lossless_hc.thc.layout)
+    topk       allreduce(H + 4 L)       L sized for k = ceil(r d) per rank and min(n k, d) in the union
+
+(``h_K`` = :data:`RANK_HEADROOM`, ``h_U`` = :data:`UNION_HEADROOM`: the margins the sketch is sized with
+over the observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with.)
+The predicted time is the sum of the collectives' times plus the local work,
+``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
+tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
+allgather, ``u`` for two_phase and sketch, 0 otherwise). :meth:`CostModel.choose` returns the
+cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`).
+
+The model neglects what does not scale with the tensor: a DDP bucket shares each collective's
+latency among its parameters, and a sketch that fails to decode costs one more dense allreduce
+(the sketch's sizing keeps that below ~1e-3 per step). Its inputs are the EWMAs of the statistics
+(:class:`PlanTracker`), so a tensor whose density drifts is re-planned within ``interval`` steps.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lossless_hc.lhc.cost_model import plan_layout
+from lossless_hc.lhc.layout import digit_packing
+
+EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
+LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk")
+STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
+
+RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
+UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
+TOPK_RATIO = 0.01       # the lossy top-k's share of each tensor (CostModel(topk_ratio=...))
+THC_BITS, THC_GRANULARITY = 4, 30
+
+# Default link and local costs (Calibration.default): a 1 Gbit/s Ethernet link with ~50 us per
+# message, and local work measured on a 2-core x86 VM (order of magnitude; calibrate() replaces them).
+DEFAULT_LATENCY_S = 50e-6
+DEFAULT_CODEC_SECONDS = {
+    "dense": (0.5e-9, 0.0),        # copy into the message and out
+    "allgather": (0.5e-9, 2e-9),   # scan for non-zero rows; scatter-add of the gathered rows
+    "two_phase": (1.0e-9, 2e-9),   # scan, pack/unpack the bitmap; gather/scatter the union's rows
+    "sketch": (1.5e-9, 15e-9),     # index encode/decode per coordinate; hash, sketch and peel per row coordinate
+    "fp16": (1.0e-9, 0.0),
+    "bf16": (1.0e-9, 0.0),
+    "thc": (30e-9, 0.0),           # rotation, quantization, error feedback
+    "topk": (15e-9, 15e-9),        # selection and error feedback; the sketch of the selection
+}
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A ring's link: ``alpha_s`` seconds per message hop, ``seconds_per_byte`` per byte."""
+
+    alpha_s: float
+    seconds_per_byte: float
+
+    def allreduce(self, nbytes: float, n: int) -> float:
+        """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes * self.seconds_per_byte
+
+    def allgather(self, nbytes: float, n: int) -> float:
+        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return (n - 1) * self.alpha_s + (n - 1) * nbytes * self.seconds_per_byte
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Machine constants: the link and each strategy's local costs ``(per_coordinate_s, per_key_s)``
+    (``per_key_s``: seconds per coordinate of the rows the strategy touches; see the module doc)."""
+
+    link: LinkModel
+    codec_seconds: dict = field(default_factory=lambda: dict(DEFAULT_CODEC_SECONDS))
+
+    @classmethod
+    def default(cls, bandwidth_bits: float = 1e9, latency_s: float = DEFAULT_LATENCY_S) -> "Calibration":
+        """``bandwidth_bits`` bit/s and ``latency_s`` per hop, and :data:`DEFAULT_CODEC_SECONDS`."""
+        if bandwidth_bits <= 0 or latency_s < 0:
+            raise ValueError("bandwidth_bits must be > 0 and latency_s >= 0")
+        return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
+
+    def as_list(self) -> list:
+        """Flat floats (alpha, beta, then per strategy in :data:`STRATEGIES` order) for a broadcast."""
+        out = [self.link.alpha_s, self.link.seconds_per_byte]
+        for s in STRATEGIES:
+            out += list(self.codec_seconds.get(s, DEFAULT_CODEC_SECONDS[s]))
+        return out
+
+    @classmethod
+    def from_list(cls, values) -> "Calibration":
+        v = [float(x) for x in values]
+        if len(v) != 2 + 2 * len(STRATEGIES):
+            raise ValueError(f"a calibration has {2 + 2 * len(STRATEGIES)} numbers, got {len(v)}")
+        codec = {s: (v[2 + 2 * i], v[3 + 2 * i]) for i, s in enumerate(STRATEGIES)}
+        return cls(LinkModel(v[0], v[1]), codec)
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """What the planner knows about one tensor: ``numel`` coordinates in rows of ``row``,
+    ``rank_keys[r]`` non-zero rows on rank r (``world_size`` entries), ``union_keys`` rows non-zero
+    on some rank, ``element_bytes`` per value on the wire (4: float32)."""
+
+    numel: int
+    row: int
+    world_size: int
+    rank_keys: tuple
+    union_keys: int
+    element_bytes: int = 4
+
+    def __post_init__(self):
+        if self.numel < 0 or self.row < 1 or self.world_size < 1:
+            raise ValueError(f"bad TensorStats: numel={self.numel}, row={self.row}, world_size={self.world_size}")
+        if len(self.rank_keys) != self.world_size:
+            raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
+
+    @property
+    def keys(self) -> int:
+        return -(-self.numel // self.row)
+
+    @property
+    def max_rank_keys(self) -> int:
+        return int(max(self.rank_keys)) if self.rank_keys else 0
+
+
+COUNT_FIELD_BITS = 21   # a per-rank count is sent as two fields: its low 21 bits, and the rest
+
+
+def stats_header_words(world_size: int) -> int:
+    """Words of the statistics header every first payload starts with: contributors + 2 per rank."""
+    return 1 + 2 * int(world_size)
+
+
+def bitmap_words(keys: int, world_size: int) -> int:
+    """Float32 words of the two-phase counting bitmap: ``keys`` digits of base n+1."""
+    return digit_packing(world_size, keys).words if keys else 0
+
+
+def sketch_capacity(stats: TensorStats) -> tuple:
+    """``(per-rank capacity, union capacity)`` in coordinates the sketch is sized with for ``stats``."""
+    b, D = stats.row, stats.keys
+    rank = min(D, max(1, math.ceil(RANK_HEADROOM * stats.max_rank_keys)))
+    union = min(D, max(rank, math.ceil(UNION_HEADROOM * max(stats.union_keys, stats.max_rank_keys))))
+    return min(stats.numel, rank * b), min(stats.numel, union * b)
+
+
+def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
+    """Float32 words of the LHC payload sized for ``stats`` (the real layout)."""
+    cap, union = sketch_capacity(stats)
+    return plan_layout(stats.numel, stats.world_size, cap, stats.row, seed, union_nnz=union).payload_numel
+
+
+class CostModel:
+    """Predicted seconds and wire bytes of every strategy for a tensor (see the module docstring).
+
+    ``topk_ratio``, ``thc_bits``: the lossy top-k's share and THC's bits, as the strategies use them."""
+
+    def __init__(self, calibration: Calibration, topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS,
+                 thc_granularity: int = THC_GRANULARITY):
+        self.calibration = calibration
+        self.topk_ratio = float(topk_ratio)
+        self.thc_bits, self.thc_granularity = int(thc_bits), int(thc_granularity)
+
+    # -- the collectives each strategy issues: [("allreduce"|"allgather", bytes per rank), ...] --------
+    def collectives(self, strategy: str, s: TensorStats) -> list:
+        n, e, b = s.world_size, s.element_bytes, s.row
+        H = 4 * stats_header_words(n)
+        if strategy == "dense":
+            return [("allreduce", H + s.numel * e)]
+        if strategy == "allgather":
+            return [("allreduce", H), ("allgather", s.max_rank_keys * (4 + b * e))]
+        if strategy == "two_phase":
+            return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * e)]
+        if strategy == "sketch":
+            return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))]
+        if strategy in ("fp16", "bf16"):
+            return [("allreduce", H), ("allreduce", 2 * s.numel)]
+        if strategy == "thc":
+            return [("allreduce", H + 8 * self._thc_words(s))]
+        if strategy == "topk":
+            k = max(1, math.ceil(self.topk_ratio * s.numel))
+            union = min(s.numel, n * k)
+            words = plan_layout(s.numel, n, k, 1, 0, union_nnz=union).payload_numel if s.numel else 0
+            return [("allreduce", H + 4 * words)]
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+
+    def _thc_words(self, s: TensorStats) -> int:
+        from lossless_hc.thc.layout import plan_thc_layout
+        if s.numel == 0:
+            return 0
+        return plan_thc_layout(s.numel, s.world_size, self.thc_granularity).payload_numel
+
+    def wire_bytes(self, strategy: str, stats: TensorStats) -> int:
+        """Bytes one rank contributes over all of the strategy's collectives."""
+        return int(sum(nbytes for _, nbytes in self.collectives(strategy, stats)))
+
+    def touched_coordinates(self, strategy: str, s: TensorStats) -> int:
+        if strategy == "allgather":
+            return s.world_size * s.max_rank_keys * s.row
+        if strategy in ("two_phase", "sketch"):
+            return s.union_keys * s.row
+        if strategy == "topk":
+            return s.world_size * max(1, math.ceil(self.topk_ratio * s.numel))
+        return 0
+
+    def predict(self, strategy: str, stats: TensorStats) -> float:
+        """Predicted seconds of one step of ``strategy`` for ``stats``."""
+        link, n = self.calibration.link, stats.world_size
+        t = 0.0
+        for kind, nbytes in self.collectives(strategy, stats):
+            t += link.allreduce(nbytes, n) if kind == "allreduce" else link.allgather(nbytes, n)
+        per_coord, per_key = self.calibration.codec_seconds.get(strategy, DEFAULT_CODEC_SECONDS[strategy])
+        return t + per_coord * stats.numel + per_key * self.touched_coordinates(strategy, stats)
+
+    def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None) -> tuple:
+        """``(strategy, {strategy: predicted seconds})``: the cheapest exact strategy, or of every
+        strategy when ``lossy``; ``allowed`` narrows the candidates (ties: listed order)."""
+        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy else ())
+        if allowed is not None:
+            names = tuple(s for s in names if s in allowed)
+            if not names:
+                raise ValueError(f"no strategy left among {allowed!r}")
+        predicted = {s: self.predict(s, stats) for s in names}
+        best = min(names, key=lambda s: (predicted[s], names.index(s)))
+        return best, predicted
+
+
+class PlanTracker:
+    r"""One tensor's statistics across steps and its re-planning schedule (identical on every rank).
+
+    Each observed step feeds the per-rank counts ``k_r`` and the union ``u`` (from the aggregate) into
+    EWMAs :math:`\bar x \leftarrow (1-a)\bar x + a x` (the first step sets them). A decision is due after
+    the first observed step and then every ``interval`` steps, or at once after a sketch failed to
+    decode (``force``); :meth:`stats` rounds the EWMAs up, taking the per-rank maximum over the steps
+    since the last decision so that a spiky tensor keeps room for its spikes.
+    """
+
+    def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25):
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.numel, self.row, self.world_size = int(numel), int(row), int(world_size)
+        self.interval, self.alpha = int(interval), float(alpha)
+        self.steps = 0
+        self.rank_keys: Optional[list] = None
+        self.union: Optional[float] = None
+        self.peak_rank = 0
+        self.force = False
+
+    def observe(self, rank_keys, union_keys: int) -> bool:
+        """Record one step; True when a decision is due."""
+        a = self.alpha
+        ks = [float(k) for k in rank_keys]
+        if self.rank_keys is None:
+            self.rank_keys, self.union = ks, float(union_keys)
+        else:
+            self.rank_keys = [(1 - a) * m + a * k for m, k in zip(self.rank_keys, ks)]
+            self.union = (1 - a) * self.union + a * union_keys
+        self.peak_rank = max(self.peak_rank, int(max(ks)) if ks else 0)
+        self.steps += 1
+        due = self.force or self.steps == 1 or self.steps % self.interval == 0
+        return due
+
+    def stats(self, element_bytes: int = 4) -> TensorStats:
+        """The statistics a decision uses (and resets the per-interval peak and ``force``)."""
+        keys = -(-self.numel // self.row) if self.numel else 0
+        ranks = [min(keys, math.ceil(k)) for k in self.rank_keys]
+        top = max(ranks) if ranks else 0
+        if self.peak_rank > top:   # the largest rank keeps its recent peak
+            ranks[ranks.index(top)] = min(keys, self.peak_rank)
+        union = min(keys, max(math.ceil(self.union), max(ranks) if ranks else 0))
+        self.peak_rank, self.force = 0, False
+        return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes)

@@ -1,0 +1,87 @@
+"""torch.distributed (Gloo) worker for tests/test_planner_mp.py: DDP with ``auto_hook``.
+
+Each scenario trains the same model from the same seed on the same per-rank batches, once with DDP's
+default allreduce and once with the planner; ranks draw batches of different sizes (different local
+sparsity). Every rank writes OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+
+from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
+from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
+
+
+def rank_batch(step, rank, burst_from=None):
+    """Rank r draws 8 (r + 1) samples; from step ``burst_from`` on, 3000 (most rows of both tables)."""
+    size = 3000 if burst_from is not None and step >= burst_from else 8 * (rank + 1)
+    return batch(step, rank, size=size)
+
+
+def train(state=None, steps=6, bucket_cap_mb=None, burst_from=None):
+    torch.manual_seed(0)
+    model = EmbeddingModel()
+    kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **kw)
+    if state is not None:
+        ddp.register_comm_hook(state, auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp, rank_batch(step, dist.get_rank(), burst_from)).backward()
+        opt.step()
+    return model
+
+
+def compare(state, **kw):
+    ref = train(None, **kw)
+    got = train(state, **kw)
+    st = state.stats()
+    return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "stats": st,
+            "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
+            "calibration": state.spec.calibration.as_list()}
+
+
+def scenario(name):
+    if name == "measured":   # the start-up calibration on the process group, then exact training
+        return compare(AutoHookState(interval=2), steps=6)
+    if name == "replan":     # sparse, then a burst of density: the plan changes mid-training
+        return compare(AutoHookState(interval=2, calibration=Calibration.default(1e9)), steps=10, burst_from=5)
+    if name == "small_buckets":  # several buckets, each parameter planned inside its bucket's message
+        return compare(AutoHookState(interval=2, calibration=Calibration.default(1e8)), steps=6, bucket_cap_mb=0.05)
+    if name == "lossy":
+        state = AutoHookState(lossy=True, interval=2, calibration=Calibration.default(1e8))
+        got = train(state, steps=6)
+        st = state.stats()
+        return {"digest": param_digest(got), "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}}
+    if name == "config_mismatch":
+        try:
+            train(AutoHookState(lossy=dist.get_rank() == 1), steps=1)
+        except Exception as e:   # errors raised in a hook come back wrapped
+            return {"error": type(e).__name__, "message": str(e)}
+        return {"error": None}
+    raise ValueError(f"unknown scenario {name}")
+
+
+def worker(rank, size, port, out_dir, names):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    for name in names:
+        result = scenario(name)
+        result["size"] = size
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    size, port, out_dir, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    torch.multiprocessing.spawn(worker, args=(size, port, out_dir, names), nprocs=size)

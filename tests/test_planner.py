@@ -1,0 +1,216 @@
+"""The planner (lossless_hc.training.planner): the cost model's decisions over synthetic statistics,
+its wire sizes against the real layouts, the calibration fit; and every strategy
+(lossless_hc.training.strategies) exact against a float64 dense sum, with the collectives done
+in-process (SUM of payloads, rank-ordered stacking for allgather)."""
+import math
+
+import pytest
+import torch
+
+from lossless_hc.lhc.cost_model import plan_layout
+from lossless_hc.training.calibration import fit_link
+from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_STRATEGIES, Calibration, CostModel, LinkModel,
+                                          PlanTracker, TensorStats, bitmap_words, sketch_capacity,
+                                          stats_header_words)
+from lossless_hc.training.strategies import AutoAggregator
+
+MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
+
+
+def stats(numel, row, n, k, union):
+    return TensorStats(numel, row, n, (k,) * n, union)
+
+
+# -- the cost model ------------------------------------------------------------------------------------
+
+def test_disjoint_supports_on_few_hosts_pick_allgather():
+    # NCF-like: 1M rows of 64, 2 hosts, 512 rows each, barely overlapping.
+    choice, predicted = MODEL.choose(stats(64 << 20, 64, 2, 512, 1020))
+    assert choice == "allgather", predicted
+    assert set(predicted) == set(EXACT_STRATEGIES)
+
+
+def test_high_overlap_and_many_hosts_pick_an_allreduce_strategy():
+    # Zipf-like: 16 hosts of 16384 rows each whose union is only 20000 rows.
+    choice, predicted = MODEL.choose(stats(64 << 20, 64, 16, 16384, 20000))
+    assert choice in ("two_phase", "sketch"), predicted
+    assert predicted[choice] < predicted["allgather"] / 3
+
+
+def test_dense_tensor_picks_dense_and_lossy_picks_a_lossy_strategy():
+    s = stats(1 << 20, 1, 4, 1 << 20, 1 << 20)
+    assert MODEL.choose(s)[0] == "dense"
+    choice, predicted = MODEL.choose(s, lossy=True)
+    assert choice in LOSSY_STRATEGIES and set(predicted) == set(EXACT_STRATEGIES + LOSSY_STRATEGIES)
+
+
+def test_choose_is_deterministic_and_allowed_narrows():
+    s = stats(1 << 16, 16, 3, 40, 100)
+    assert MODEL.choose(s) == MODEL.choose(s)
+    assert MODEL.choose(s, allowed=("dense", "sketch"))[0] in ("dense", "sketch")
+    with pytest.raises(ValueError):
+        MODEL.choose(s, allowed=("nonsense",))
+
+
+def test_wire_bytes_come_from_the_real_layouts():
+    s = stats(1 << 16, 16, 3, 40, 100)
+    H = 4 * stats_header_words(3)
+    assert MODEL.wire_bytes("dense", s) == H + 4 * (1 << 16)
+    assert MODEL.wire_bytes("allgather", s) == H + 40 * (4 + 16 * 4)
+    assert MODEL.wire_bytes("two_phase", s) == H + 4 * bitmap_words(4096, 3) + 100 * 16 * 4
+    cap, union = sketch_capacity(s)
+    assert MODEL.wire_bytes("sketch", s) == H + plan_layout(1 << 16, 3, cap, 16, 0, union_nnz=union).wire_bytes
+
+
+def test_link_model_formulas_and_fit():
+    link = LinkModel(1e-4, 8e-9)
+    assert link.allreduce(1000, 4) == pytest.approx(6e-4 + 1.5 * 1000 * 8e-9)
+    assert link.allgather(1000, 4) == pytest.approx(3e-4 + 3 * 1000 * 8e-9)
+    assert link.allreduce(1000, 1) == 0.0
+    samples = [(k, b, (link.allreduce if k == "allreduce" else link.allgather)(b, 4))
+               for b in (1 << 10, 1 << 16, 1 << 20) for k in ("allreduce", "allgather")]
+    fit = fit_link(samples, 4, LinkModel(0, 1))
+    assert fit.alpha_s == pytest.approx(1e-4, rel=1e-6) and fit.seconds_per_byte == pytest.approx(8e-9, rel=1e-6)
+    assert fit_link(samples, 1, LinkModel(0, 1)) == LinkModel(0, 1)
+
+
+def test_calibration_round_trips_through_a_flat_list():
+    c = Calibration.default(bandwidth_bits=1e10, latency_s=1e-5)
+    assert Calibration.from_list(c.as_list()) == c
+    with pytest.raises(ValueError):
+        Calibration.from_list([1.0, 2.0])
+
+
+def test_tracker_replans_after_the_first_step_and_every_interval():
+    tr = PlanTracker(1000, 10, 2, interval=4)
+    due = [tr.observe((5, 7), 10) for _ in range(8)]
+    assert due == [True, False, False, True, False, False, False, True]
+    s = tr.stats()
+    assert s.rank_keys == (5, 7) and s.union_keys == 10
+    tr.force = True
+    assert tr.observe((50, 7), 55)
+    assert tr.stats().max_rank_keys == 50   # the spike is kept
+
+
+# -- the strategies, exact ----------------------------------------------------------------------------
+
+def run_step(aggs, xs, average=False):
+    """One step of every rank's aggregator with in-process collectives; the per-rank results."""
+    n = len(aggs)
+    enc = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
+    if average:
+        summed = summed / n
+    outs = [a.decode(summed.to(enc[0][0].dtype), ctx) for a, (_, ctx) in zip(aggs, enc)]
+    if outs[0].request is None:
+        assert all(o.request is None for o in outs)
+        return [o.value for o in outs]
+    kinds = {o.request.kind for o in outs}
+    assert len(kinds) == 1
+    if outs[0].request.kind == "allreduce":
+        res = torch.stack([o.request.tensor.to(torch.float64) for o in outs]).sum(0).to(outs[0].request.tensor.dtype)
+        return [a.finish(ctx, res.clone()) for a, (_, ctx) in zip(aggs, enc)]
+    assert len({o.request.tensor.numel() for o in outs}) == 1
+    res = torch.stack([o.request.tensor for o in outs])
+    return [a.finish(ctx, res.clone()) for a, (_, ctx) in zip(aggs, enc)]
+
+
+def sparse_rows(rng, rows, dim, k, hot=0):
+    x = torch.zeros(rows, dim)
+    idx = torch.randperm(rows, generator=rng)[:k]
+    if hot:
+        idx = torch.cat([torch.arange(hot), idx])
+    x[idx] = torch.randn(idx.numel(), dim, generator=rng)
+    return x
+
+
+@pytest.mark.parametrize("strategy", EXACT_STRATEGIES)
+@pytest.mark.parametrize("average", [False, True])
+def test_every_exact_strategy_equals_the_dense_sum(strategy, average):
+    n, rows, dim = 3, 500, 8
+    rng = torch.Generator().manual_seed(1)
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, first=strategy, allowed=(strategy,),
+                           interval=2) for r in range(n)]
+    for step in range(5):
+        xs = [sparse_rows(rng, rows, dim, 3 + 4 * step + r, hot=2) for r in range(n)]
+        truth = torch.stack([x.double() for x in xs]).sum(0) / (n if average else 1)
+        for y in run_step(aggs, xs, average):
+            assert y.shape == (rows, dim) and y.dtype == torch.float32
+            assert torch.equal(y != 0, truth != 0)
+            assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+        assert all(a.strategy == strategy for a in aggs)
+    if strategy == "sketch":   # 1% of the rows per rank at first; the later steps overflow and fall back
+        assert aggs[0].fallbacks >= 1
+    st = aggs[0].plan_stats()
+    assert st["strategy"] == strategy and st["bytes_sent"] > 0 and strategy in st["measured_seconds"]
+
+
+def test_the_planner_moves_every_rank_to_the_same_cheaper_strategy():
+    """Dense at the first step; its statistics (few rows per rank) then make every rank switch, and a
+    later burst of density switches them back to dense, at the same step everywhere, exactly."""
+    n, rows, dim = 3, 4000, 16
+    rng = torch.Generator().manual_seed(2)
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, interval=2) for r in range(n)]
+    seen = []
+    for step in range(12):
+        k = 3900 if step >= 6 else 20
+        xs = [sparse_rows(rng, rows, dim, k) for r in range(n)]
+        truth = torch.stack([x.double() for x in xs]).sum(0)
+        ys = run_step(aggs, xs)
+        for y in ys:
+            assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+        assert len({a.strategy for a in aggs}) == 1
+        seen.append(aggs[0].strategy)
+    assert seen[0] != "dense" and seen[-1] == "dense", seen
+    assert aggs[0].history == aggs[1].history == aggs[2].history
+
+
+@pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk", "thc"])
+def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
+    n, numel = 2, 4096
+    rng = torch.Generator().manual_seed(3)
+    assert AutoAggregator("w", (numel,), torch.float32, n, 0, MODEL, first=strategy).strategy == "dense"
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, first=strategy,
+                           allowed=(strategy,)) for r in range(n)]
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    for step in range(6):
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        total_in += sum(x.double() for x in xs)
+        ys = run_step(aggs, xs)
+        assert all(torch.equal(ys[0], y) for y in ys)   # every rank decodes the same bits
+        total_out += ys[0].double()
+    # error feedback (thc, topk) or rounding (fp16, bf16): the running sums stay close
+    rel = float((total_out - total_in).norm() / total_in.norm())
+    assert rel < (0.05 if strategy in ("fp16", "bf16") else 1.0), rel
+
+
+def test_float64_tensors_stay_dense_and_exact():
+    aggs = [AutoAggregator("d", (10,), torch.float64, 2, r, MODEL, first="two_phase") for r in range(2)]
+    xs = [torch.arange(10, dtype=torch.float64) / 3 + r for r in range(2)]
+    for y in run_step(aggs, xs):
+        assert y.dtype == torch.float64 and torch.equal(y, xs[0] + xs[1])
+    assert aggs[0].allowed == ("dense",)
+
+
+@pytest.mark.parametrize("lossy", ["topk", "thc"])
+def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
+    """Error feedback holds back part of each gradient; when the plan leaves top-k or THC for an exact
+    strategy, the next step sends it, so everything sent adds up to everything computed."""
+    n, numel = 2, 2048
+    rng = torch.Generator().manual_seed(4)
+    slow = CostModel(Calibration.default(bandwidth_bits=1e6))   # a slow link: the lossy payload wins
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, slow, lossy=True, first=lossy, interval=1000,
+                           allowed=("dense", lossy)) for r in range(n)]
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    for step in range(4):
+        if step == 3:
+            assert all(a.strategy == lossy for a in aggs)
+            for a in aggs:
+                a.strategy = "dense"   # what a re-plan does
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        total_in += sum(x.double() for x in xs)
+        total_out += run_step(aggs, xs)[0].double()
+    assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4)
+    assert all(a._topk is None and a._thc is None for a in aggs)

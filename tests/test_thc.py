@@ -331,6 +331,29 @@ def test_bad_configuration_is_rejected(kwargs, match):
         lhc.THCCodec(**args)
 
 
+@pytest.mark.parametrize("seed", [0, 5, (1 << 62) + 3])
+def test_seeds_differing_in_bit_63_are_a_configuration_mismatch(seed):
+    """#19 item 5: the fingerprint covers all 64 bits of the seed (s and s + 2^63 are caught)."""
+    codecs = [lhc.THCCodec(300, 2, rank=0, seed=seed, initial_norm=5.0),
+              lhc.THCCodec(300, 2, rank=1, seed=seed + (1 << 63), initial_norm=5.0)]
+    summed = sum(c.encode(torch.randn(300)) for c in codecs)
+    for c in codecs:
+        with pytest.raises(ValueError, match="fingerprints disagree"):
+            c.decode(summed)
+
+
+def test_non_finite_option_reaches_the_codec_through_the_plugins_spec():
+    from lossless_hc.training.adapter import THCSpec
+    from lossless_hc.training.aggregate import AggregationStats
+
+    spec = THCSpec(non_finite="propagate")
+    agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
+    assert agg.codec.non_finite == "propagate" and "non_finite='propagate'" in repr(spec)
+    assert THCSpec().make("w", torch.zeros(4096), 2, 0, AggregationStats(), "cpu").codec.non_finite == "raise"
+    with pytest.raises(ValueError, match="non_finite"):
+        THCSpec(non_finite="ignore")
+
+
 def test_bad_tensors_are_rejected():
     c = lhc.THCCodec(100, 2, initial_norm=1.0)
     with pytest.raises(ValueError, match="100"):

@@ -20,6 +20,16 @@ from lossless_hc.thc.layout import (HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_F
 from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
 
 
+NON_FINITE_CHOICES = ("raise", "propagate")
+
+
+def check_non_finite(non_finite) -> str:
+    """``non_finite`` validated: "raise" or "propagate" (see :class:`THCCodec`)."""
+    if non_finite not in NON_FINITE_CHOICES:
+        raise ValueError(f"non_finite must be 'raise' or 'propagate', got {non_finite!r}")
+    return non_finite
+
+
 class THCCodec:
     r"""THC for one tensor on one rank: encode, (engine SUM/AVERAGE), decode, error feedback.
 
@@ -134,8 +144,7 @@ class THCCodec:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         if not isinstance(seed, int) or not 0 <= seed < (1 << 64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        if non_finite not in ("raise", "propagate"):
-            raise ValueError(f"non_finite must be 'raise' or 'propagate', got {non_finite!r}")
+        check_non_finite(non_finite)
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
         self._backend = backend_for(device)
@@ -239,8 +248,9 @@ class THCCodec:
     def _fingerprint(self) -> int:
         """20-bit hash of everything the ranks must agree on at this step (configuration, step, M)."""
         L = self.layout
-        msg = struct.pack("<8q2d", LAYOUT_VERSION, L.numel, L.world_size, L.granularity, L.block, L.per_word,
-                          WORD_KINDS[L.payload_dtype], self.seed & ((1 << 63) - 1), self.overflow_freq, self._norm)
+        # The seed as an unsigned 64-bit field: every bit of it enters the hash (s and s + 2^63 differ).
+        msg = struct.pack("<7qQ2d", LAYOUT_VERSION, L.numel, L.world_size, L.granularity, L.block, L.per_word,
+                          WORD_KINDS[L.payload_dtype], self.seed, self.overflow_freq, self._norm)
         msg += struct.pack(f"<{len(self.table.levels)}q", *self.table.levels) + struct.pack("<q", self._step)
         return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << FINGERPRINT_BITS) - 1)
 

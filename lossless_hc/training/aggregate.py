@@ -458,16 +458,18 @@ class THCAggregator:
     agreed norm and the error-feedback memory; see its docstring for the math and the norm-only first
     step). Like :class:`TensorAggregator` it sends a tensor dense when THC's payload would not be
     smaller (tiny tensors: biases), decided from the configuration alone. THC cannot fail to decode,
-    so there is no fallback; ranks configured differently raise :class:`ConfigurationMismatch`.
+    so there is no fallback; ranks configured differently, or a corrupted payload, raise
+    :class:`ConfigurationMismatch`. A step where some rank's gradient holds NaN/Inf raises
+    ``FloatingPointError`` on every rank (``non_finite="raise"``) or decodes to all-NaN on every rank
+    (``non_finite="propagate"``: AMP's GradScaler sees the Inf and skips the step; dense-sent tensors
+    carry their NaN/Inf through the engine's sum anyway).
     The codec follows the gradient's device: built on the CPU, it moves (with its state) to the device of
     the first gradient it sees elsewhere, e.g. CUDA (THCCodec's CUDA kernels).
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
-                 granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+                 granularity: int = 30, overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise",
                  stats: Optional[AggregationStats] = None):
-
-
         self.name = name
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -477,7 +479,8 @@ class THCAggregator:
         self._codec = None
         if dtype in _CODEC_DTYPES and self.numel > 0:
             self._codec_args = dict(numel=self.numel, world_size=world_size, rank=rank, bits=bits,
-                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed)
+                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed,
+                                    non_finite=non_finite)
             codec = THCCodec(**self._codec_args)
             if codec.wire_bytes < self.numel * dtype.itemsize:
                 self._codec = codec

@@ -114,7 +114,9 @@ LHC_HD float thc_level(const ThcRounding& R, float y, float draw) {
   z = z < -T ? -T : z;
   z = T < z ? T : z;
   float u = thc_mul(thc_add(z, T), R.to_level);
-  u = u < 0.0f ? 0.0f : u;
+  // Written so that a NaN u (y NaN or Inf: the encode then reports the input non-finite and discards
+  // the words) becomes 0, and the table index below stays in range; the same as std::max for numbers.
+  u = u >= 0.0f ? u : 0.0f;
   u = R.gf < u ? R.gf : u;
   int32_t k = (int32_t)u;
   k = R.kmax < k ? R.kmax : k;

@@ -177,7 +177,8 @@ inline bool horner_fits_double(const ThcLayout& L) {
   return p <= 9007199254740992.0;  // 2^53
 }
 
-// NaN/Inf anywhere in x[0, n)?
+// NaN/Inf anywhere in x[0, n)? (Only after the encode pass found ||x + e||^2 non-finite: it tells a
+// non-finite input from an overflowing x + e.)
 bool any_non_finite(const ThcKernels& K, const float* x, uint64_t n, int nt) {
   constexpr uint64_t kSlice = 1 << 16;
   int bad = 0;
@@ -316,10 +317,9 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
   const int nt = thc_threads(num_threads);
   const ThcKernels& K = kernels();
   ThcEncodeStats st;
-  if (any_non_finite(K, x, L.numel, nt)) {
-    st.non_finite = 1;  // nothing written: e keeps its value
-    return st;
-  }
+  // No separate finiteness pass over x: a NaN/Inf in x (or an overflow of x + e) makes ||x + e||^2
+  // non-finite, which the one pass below computes anyway; the rounding maps NaN to a valid level
+  // (thc_level), so the pass stays in bounds, and its words and e are discarded afterwards.
   const uint64_t ngroups = thc_groups(L);
   // ||x + e||^2 in the fixed order of thc_math.h: chunk partials, then the tree.
   const uint64_t nchunks = (L.padded + kThcNormChunk - 1) / kThcNormChunk;
@@ -354,8 +354,9 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
   }
   st.sum_squares = thc_tree_sum(partial.data(), nchunks);
   if (!std::isfinite(st.sum_squares)) {
-    // x was finite but x + e (or its square) overflowed float32: the memory is unusable.
-    st.non_finite = 2;
+    // x holds NaN/Inf (1), or x was finite but x + e (or its square) overflowed float32 (2). Either
+    // way the pass has overwritten e with values derived from non-finite ones: reset it.
+    st.non_finite = any_non_finite(K, x, L.numel, nt) ? 1u : 2u;
     if (e) std::fill(e, e + L.numel, 0.0f);
   }
   return st;

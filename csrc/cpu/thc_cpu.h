@@ -51,7 +51,8 @@ struct ThcQuantizer {
 
 struct ThcEncodeStats {
   double sum_squares = 0;  // ||x + e||^2 over the numel input coordinates
-  uint32_t non_finite = 0; // 1: x holds NaN/Inf (nothing written); 2: x + e overflowed (e zeroed)
+  uint32_t non_finite = 0; // 1: x holds NaN/Inf; 2: x + e overflowed. Either way e is zeroed and the
+                           // words are garbage (the caller zeroes the payload and sets the flag).
 };
 
 // One pass per Hadamard block (the block stays in cache):

@@ -268,7 +268,7 @@ LHC_TGT void quantize(const ThcRounding& R, const float (*table)[32], float da, 
       z = z < negT ? negT : z;
       z = T < z ? T : z;
       vf16 u = (z + T) * to_level;
-      u = u < zero ? zero : u;
+      u = u >= zero ? u : zero;   // NaN -> 0, as thc_level
       u = gf < u ? gf : u;
       vi16 k = __builtin_convertvector(u, vi16);
       k = kmax < k ? kmax : k;

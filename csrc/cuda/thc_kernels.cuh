@@ -251,7 +251,7 @@ extern "C" __global__ void thc_pack_words(const uint64_t* lay, const void* level
 }
 
 // The end of an encode: the norm slot, or (x non-finite, or ||x + e||^2 overflowed) the non-finite
-// header flag with every word after the header zeroed, and e zeroed when it overflowed -- what
+// header flag with every word after the header zeroed, and e zeroed -- what
 // lossless_hc/thc/codec.py does with the CPU backend's ThcEncodeStats.
 extern "C" __global__ void thc_encode_finish(void* payload, uint64_t payload_numel, uint64_t norm_slot,
                                              uint64_t word_kind, float* e, uint64_t numel, ThcState* state) {
@@ -271,7 +271,9 @@ extern "C" __global__ void thc_encode_finish(void* payload, uint64_t payload_num
     else
       static_cast<long long*>(payload)[2] = 1;
   }
-  if (flag == 2 && e)
+  // e is reset in both cases, as on the CPU (whose single pass has already overwritten it when x is
+  // non-finite; here thc_check_finite kept the other kernels from running, but the result is the same).
+  if (e)
     for (uint64_t i = tid; i < numel; i += stride) e[i] = 0.0f;
 }
 

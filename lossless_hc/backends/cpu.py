@@ -185,8 +185,8 @@ class CpuBackend:
                            float(dequant_b), sign_stream, round_stream, x.data_ptr(), _addr(e), int(word_kind),
                            payload[words_offset:].data_ptr(), num_threads)
         if st.non_finite:
-            # x held NaN/Inf (e untouched), or x + e overflowed float32 (e was reset to 0): send only
-            # the header; every rank's decode sees the flag.
+            # x held NaN/Inf, or x + e overflowed float32 (either way e was reset to 0): send only the
+            # header; every rank's decode sees the flag.
             payload[non_finite_field + 1:] = 0
             payload[non_finite_field] = 1
             return

@@ -108,8 +108,9 @@ class THCCodec:
         initial_norm: M_0; None means a norm-only first step.
         non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
             ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
-            GradScaler, which then skips the step). That rank sends only the header and keeps its e
-            (if x is finite but x + e overflows float32, e is reset to zero instead).
+            GradScaler, which then skips the step). That rank sends only the header and its e is
+            reset to zero (as when x is finite but x + e overflows float32); the other ranks' levels
+            of that step are not delivered (their e already counts them as sent): the step is lost.
         num_threads: OpenMP threads of the kernels (0: the OpenMP default).
 
     Example (one process emulating two ranks; the adds stand for the engine's SUM)::

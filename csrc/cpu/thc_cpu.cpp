@@ -57,6 +57,8 @@ struct ThcGroupArgs {
   bool fits_double;
   bool chunks_in_blocks;   // the norm's chunk partials are computed block by block
   double* partial;
+  ThcCheck check;
+  uint64_t* check_partial; // per group: its words' checksum (thc_math.h)
 };
 
 struct ThcDecodeArgs {
@@ -67,6 +69,8 @@ struct ThcDecodeArgs {
   double multiplier, tolerance, a, b;
   float inv_sqrt;
   float* out;
+  ThcCheck check;
+  uint64_t* check_partial;
 };
 
 // One compiled copy of the block kernels (thc_cpu_isa.h).
@@ -312,8 +316,16 @@ void thc_rht_inverse(const ThcLayout& L, uint64_t sign_stream, float* y, float* 
 }
 
 
-ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
-                          const float* x, float* e, int32_t word_kind, void* words, int num_threads) {
+// The sum of the groups' checksums mod P (integers: the order does not matter).
+uint64_t sum_checks(const std::vector<uint64_t>& part, uint64_t prime) {
+  uint64_t total = 0;
+  for (uint64_t v : part) total = (total + v) % prime;
+  return total;
+}
+
+ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCheck& check, uint64_t sign_stream,
+                          uint64_t round_stream, const float* x, float* e, int32_t word_kind, void* words,
+                          int num_threads) {
   const int nt = thc_threads(num_threads);
   const ThcKernels& K = kernels();
   ThcEncodeStats st;
@@ -343,6 +355,9 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
   A.fits_double = horner_fits_double(L);
   A.chunks_in_blocks = L.block >= kThcNormChunk;   // else computed here, before the blocks
   A.partial = partial.data();
+  std::vector<uint64_t> check_partial(ngroups, 0);
+  A.check = check;
+  A.check_partial = check_partial.data();
   if (!A.chunks_in_blocks) chunk_partials(K, L, x, e, partial.data(), nt);
 #pragma omp parallel num_threads(nt)
   {
@@ -353,6 +368,7 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
     for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) K.encode_group(A, (uint64_t)gi, S.view);
   }
   st.sum_squares = thc_tree_sum(partial.data(), nchunks);
+  st.checksum = sum_checks(check_partial, check.prime);
   if (!std::isfinite(st.sum_squares)) {
     // x holds NaN/Inf (1), or x was finite but x + e (or its square) overflowed float32 (2). Either
     // way the pass has overwritten e with values derived from non-finite ones: reset it.
@@ -362,12 +378,13 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
   return st;
 }
 
-uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, const void* words,
-                    double multiplier, double a, double b, float* out, int num_threads) {
+ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t sign_stream, int32_t word_kind,
+                          const void* words, double multiplier, double a, double b, float* out, int num_threads) {
   const int nt = thc_threads(num_threads);
   const ThcKernels& K = kernels();
+  std::vector<uint64_t> check_partial(thc_groups(L), 0);
   const ThcDecodeArgs A{&L, sign_stream, word_kind, words, multiplier, multiplier == 1.0 ? 0.0 : 0.5, a, b,
-                        (float)(1.0 / std::sqrt((double)L.block)), out};
+                        (float)(1.0 / std::sqrt((double)L.block)), out, check, check_partial.data()};
   uint64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
@@ -378,7 +395,10 @@ uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind,
     _mm_sfence();   // the output's non-temporal stores are visible before the caller reads it
 #endif
   }
-  return bad;
+  ThcDecodeStats st;
+  st.bad_words = bad;
+  st.checksum = sum_checks(check_partial, check.prime);
+  return st;
 }
 
 void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words) {

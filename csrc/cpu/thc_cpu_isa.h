@@ -476,6 +476,65 @@ LHC_TGT uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwo
   return bad;
 }
 
+// ---- the payload checksum (thc_math.h: thc_check_term) -------------------------------------------
+// x mod P for an integer-valued double 0 <= x < 2^53 (P < 2^25): the quotient estimate is within one
+// of floor(x / P) (x / P < 2^28, relative error 2^-52), fma(-q, P, x) is an integer below 2^26 in
+// magnitude and therefore exact, and one correction brings it into [0, P).
+LHC_TGT_INLINE double mod_prime(double x, double P, double inv_P) {
+  const double q = round_small(x * inv_P);
+  const double r = __builtin_fma(-q, P, x);
+  return r < 0.0 ? r + P : (r >= P ? r - P : r);
+}
+
+// sum_i thc_check_term(C, w0 + i, s[i]) mod P over integer-valued doubles s[0, n) (each < 2^53),
+// eight lanes at a time in exact double arithmetic (the same integers as thc_check_term), the
+// coefficients stepped per lane: c - 1 = (c0 + w k) mod (P - 1).
+LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_t w0, const ThcCheck& C) {
+  constexpr int V = 8;
+  uint64_t i = 0, total = 0;
+  if (n >= V) {
+    const double P = (double)C.prime, inv_P = 1.0 / P, Pm = (double)(C.prime - 1);
+    const double step = (double)(((uint64_t)V % (C.prime - 1)) * C.k % (C.prime - 1));
+    double d[V], acc[V];
+    for (int l = 0; l < V; ++l) {
+      d[l] = (double)(thc_check_coeff(C, w0 + l) - 1);
+      acc[l] = 0.0;
+    }
+    // acc[l] < (n / V) P < 2^53 for any group (n < 2^28 words).
+    for (; i + V <= n; i += V)
+      for (int l = 0; l < V; ++l) {
+        const double r = mod_prime(s[i + l], P, inv_P);
+        acc[l] += mod_prime(r * (d[l] + 1.0), P, inv_P);   // r (c - 1 + 1) < 2^50: exact
+        const double dn = d[l] + step;
+        d[l] = dn >= Pm ? dn - Pm : dn;
+      }
+    for (int l = 0; l < V; ++l) total += (uint64_t)acc[l];
+  }
+  for (; i < n; ++i) total += thc_check_term(C, w0 + i, (uint64_t)s[i]);
+  return total % C.prime;
+}
+
+// The checksum of `nwords` payload words of either kind (word index w0 first): float64 words through
+// check_words_f64 (scratch: nwords doubles), int64 words one by one. Aggregated words (multiplier,
+// tolerance: see unpack_block) that are not valid integers count as 0, as the decoder reads them.
+LHC_TGT uint64_t check_words(const void* words, int32_t word_kind, uint64_t nwords, uint64_t w0, double multiplier,
+                             double tolerance, const ThcCheck& C, double* __restrict scratch) {
+  if (word_kind == kThcWordFloat64) {
+    const double* wd = static_cast<const double*>(words);
+    for (uint64_t w = 0; w < nwords; ++w) {
+      const double t = wd[w] * multiplier;
+      const double r = round_small(t);
+      const bool ok = (std::fabs(t - r) <= tolerance) & (r >= 0.0) & (r < 9007199254740992.0);
+      scratch[w] = ok ? r : 0.0;
+    }
+    return check_words_f64(scratch, nwords, w0, C);
+  }
+  const int64_t* wi = static_cast<const int64_t*>(words);
+  uint64_t total = 0;
+  for (uint64_t w = 0; w < nwords; ++w) total += thc_check_term(C, w0 + w, wi[w] < 0 ? 0 : (uint64_t)wi[w]);
+  return total % C.prime;
+}
+
 // ---- one group of blocks (see thc_encode / thc_decode in thc_cpu.h) ------------------------------
 // Encode group gi: per block, v = x + e, the norm's chunk partials (when chunks lie inside blocks),
 // signs, forward transform, levels (and, with e, the own dequantized levels, their inverse transform
@@ -535,9 +594,12 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
       eb[i] = (xb[i] + eb[i]) - own;
     }
   }
-  if (A.Q)
-    pack_block(S.q, blocks * B, L.per_word, L.base, A.fits_double, A.word_kind, thc_words_for(L, blocks * B),
-               thc_word_at(A.words, A.word_kind, thc_group_first_word(L, gi)));
+  if (A.Q) {
+    const uint64_t nw = thc_words_for(L, blocks * B), w0 = thc_group_first_word(L, gi);
+    void* wp = thc_word_at(A.words, A.word_kind, w0);
+    pack_block(S.q, blocks * B, L.per_word, L.base, A.fits_double, A.word_kind, nw, wp);
+    A.check_partial[gi] = check_words(wp, A.word_kind, nw, w0, 1.0, 0.0, A.check, S.d);   // still in cache
+  }
 }
 
 // dst[0, n) = src[0, n) with non-temporal stores where the level has them (dst 64-byte aligned, n a
@@ -563,10 +625,11 @@ LHC_TGT_INLINE void stream_out(float* __restrict dst, const float* __restrict sr
 LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S) {
   const ThcLayout& L = *A.layout;
   const uint64_t B = L.block, GB = L.group_blocks, blocks = thc_group_size(L, gi);
-  const uint64_t bad =
-      unpack_block(thc_word_at(A.words, A.word_kind, thc_group_first_word(L, gi)), A.word_kind,
-                   thc_words_for(L, blocks * B), blocks * B, L.per_word, L.base, A.multiplier, A.tolerance, A.a, A.b,
-                   S.y, S.d);
+  const uint64_t nw = thc_words_for(L, blocks * B), w0 = thc_group_first_word(L, gi);
+  const void* wp = thc_word_at(A.words, A.word_kind, w0);
+  const uint64_t bad = unpack_block(wp, A.word_kind, nw, blocks * B, L.per_word, L.base, A.multiplier, A.tolerance,
+                                    A.a, A.b, S.y, S.d);
+  A.check_partial[gi] = check_words(wp, A.word_kind, nw, w0, A.multiplier, A.tolerance, A.check, S.d);
   for (uint64_t j = 0; j < blocks; ++j) {
     const uint64_t start = (gi * GB + j) * B;
     if (start >= L.numel) break;  // padding-only blocks: checked above, not needed

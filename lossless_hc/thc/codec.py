@@ -15,8 +15,8 @@ import torch
 
 from lossless_hc.backends import backend_for
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
-from lossless_hc.thc.layout import (HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS, LAYOUT_VERSION,
-                                    WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
+from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
+                                    LAYOUT_VERSION, WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
 from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
 
 
@@ -301,7 +301,8 @@ class THCCodec:
         self._backend.thc_encode(self._native, quantize, math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit,
                                  -T * unit, self._sign_stream(), self._round_stream(), flat, e,
                                  WORD_KINDS[L.payload_dtype], payload, L.words_offset, L.norm_offset + self.rank,
-                                 HDR_NON_FINITE, self.num_threads)
+                                 L.mirror_offset + self.rank, HDR_NON_FINITE, HDR_CHECKSUM, self._check(self._step),
+                                 self.num_threads)
         fingerprint = self._fingerprint()
         payload[HDR_CONTRIBUTORS] = 1
         payload[HDR_FINGERPRINT] = fingerprint
@@ -311,6 +312,18 @@ class THCCodec:
 
     def _sign_stream(self) -> int:
         return thc_sign_stream(self.seed, self._step)
+
+    def _check(self, step: int) -> tuple:
+        """(P, c0, k) of the payload checksum at ``step`` (THCLayout): drawn from the seed and the step,
+        the same on every rank; k coprime to P - 1, so the coefficients of words less than P - 1
+        apart differ."""
+        P = self.layout.check_prime
+        h = hashlib.blake2b(struct.pack("<QQ", self.seed, step), digest_size=16, person=b"thc-checksum").digest()
+        c0 = int.from_bytes(h[:8], "little") % (P - 1)
+        k = 1 + int.from_bytes(h[8:], "little") % (P - 2)
+        while math.gcd(k, P - 1) != 1:
+            k = k % (P - 2) + 1
+        return P, c0, k
 
     def _round_stream(self) -> int:
         return thc_round_stream(self.seed, self.rank, self._step)
@@ -363,10 +376,11 @@ class THCCodec:
             r = round(v) if math.isfinite(v) else None
             ints.append(r if r is not None and abs(v - r) <= (0.5 if averaged else 0.0) else None)
         if L.payload_dtype == torch.float64:
-            norms = head[L.norm_offset:L.words_offset].mul(mult)
+            slots = head[L.norm_offset:L.words_offset].mul(mult)
         else:
-            norms = head[L.norm_offset:L.words_offset].view(torch.float64).clone()
-        contributors, fingerprint, non_finite = ints
+            slots = head[L.norm_offset:L.words_offset].view(torch.float64).clone()
+        norms, mirrors = slots[:n], slots[n:]
+        contributors, fingerprint, non_finite, checksum = ints
         if contributors != n:
             hint = ""
             if not averaged and contributors == 1 and n > 1:
@@ -382,8 +396,14 @@ class THCCodec:
                              "same arguments and run encode -> aggregate -> decode once per step on every rank")
         if non_finite is None or not 0 <= non_finite <= n:
             raise ValueError("payload header is corrupted (non-finite flag count is not an integer in [0, n])")
-        if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
-            raise ValueError("payload norm slots are corrupted (negative or non-finite)")
+        P = L.check_prime
+        if checksum is None or not 0 <= checksum <= (n - non_finite) * (P - 1):
+            raise ValueError("payload header is corrupted (the checksum field is not an integer in its range)")
+        # A rank that flagged a non-finite input sent zeros in its slot and mirror (equal to -0 too).
+        if (not bool(torch.isfinite(norms).all()) or bool((norms < 0).any())
+                or not torch.equal(mirrors, torch.neg(norms))):
+            raise ValueError("payload norm slots are corrupted (negative, non-finite, or not the exact negation of "
+                             "their mirrors)")
         self._last_norms = norms
         self._norm = float(norms.max())
 
@@ -409,12 +429,16 @@ class THCCodec:
             a /= n          # average = S a / n + b
         else:
             b *= n          # sum = S a + n b
-        bad = self._backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
-                                       payload[L.words_offset:], mult, a, b, y, self.num_threads)
+        bad, words_check = self._backend.thc_decode(self._native, self._sign_stream_of(self._step - 1),
+                                                    WORD_KINDS[L.payload_dtype], payload[L.words_offset:], mult, a, b,
+                                                    y, self._check(self._step - 1), self.num_threads)
         if bad:
             raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
                              f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "
                              "or not a plain SUM/AVERAGE of world_size payloads")
+        if words_check != checksum % P:
+            raise ValueError("payload checksum mismatch: the level words are not the SUM/AVERAGE of what the ranks "
+                             "sent (corrupted in transit or by the engine)")
         return result(y)
 
     def _sign_stream_of(self, step: int) -> int:

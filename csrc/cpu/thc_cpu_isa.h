@@ -598,7 +598,9 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
     const uint64_t nw = thc_words_for(L, blocks * B), w0 = thc_group_first_word(L, gi);
     void* wp = thc_word_at(A.words, A.word_kind, w0);
     pack_block(S.q, blocks * B, L.per_word, L.base, A.fits_double, A.word_kind, nw, wp);
-    A.check_partial[gi] = check_words(wp, A.word_kind, nw, w0, 1.0, 0.0, A.check, S.d);   // still in cache
+    // The words are still in cache; the float64 ones are valid integers by construction.
+    A.check_partial[gi] = A.word_kind == kThcWordFloat64 ? check_words_f64(static_cast<const double*>(wp), nw, w0, A.check)
+                                                         : check_words(wp, A.word_kind, nw, w0, 1.0, 0.0, A.check, S.d);
   }
 }
 

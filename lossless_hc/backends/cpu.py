@@ -42,6 +42,15 @@ def _check_topk_input(x: torch.Tensor, k: int) -> None:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
 
 
+def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> None:
+    _check_topk_input(x, k)
+    if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or not residual.is_contiguous()
+            or residual.numel() != x.numel() or residual.device != x.device):
+        raise TypeError("topk_feedback takes a contiguous float32 residual of the input's numel, on its device")
+    if residual.data_ptr() == x.data_ptr() and x.numel():
+        raise ValueError("topk_feedback: the residual must not be the input itself")
+
+
 def thc_cpu_isa(request: str = "") -> str:
     """The compiled copy of THC's CPU kernels in use ("x86-64-v4", "x86-64-v3" or "portable"; the same
     bits from each); ``request`` switches to another first ("default": the best this CPU runs)."""
@@ -168,6 +177,21 @@ class CpuBackend:
         st = _C.topk_select(x.data_ptr(), x.numel(), count, out.data_ptr(), num_threads)
         assert st.count == count, (st.count, count)   # exact by construction (topk_cpu.h)
         return out[:count]
+
+    def topk_feedback(self, x: torch.Tensor, residual: torch.Tensor, k: int, num_threads: int = 0) -> tuple:
+        """Top-k with error feedback in one pass (csrc/cpu/topk_cpu.h ``topk_feedback``): with
+        ``a = x + residual`` (contiguous float32, the same numel), returns ``(indices, values)`` -- the
+        ``topk_select`` of ``a`` (exactly ``min(k, numel)``, ascending) and ``a`` there -- and leaves
+        ``residual = a`` with those coordinates zeroed (in place), so ``x + residual_before`` equals
+        ``residual_after`` plus the selection scattered back, coordinate by coordinate."""
+        _check_feedback_input(x, residual, k)
+        count = min(int(k), x.numel())
+        idx = torch.empty(count, dtype=torch.int64)
+        values = torch.empty(count, dtype=torch.float32)
+        st = _C.topk_feedback(x.data_ptr(), residual.data_ptr(), x.numel(), count, idx.data_ptr(), values.data_ptr(),
+                              num_threads)
+        assert st.count == count, (st.count, count)   # exact by construction (topk_cpu.h)
+        return idx, values
 
     # -- THC -------------------------------------------------------------------------------------
     def thc_layout(self, layout, device: torch.device, lo, width, inv_width) -> CpuThcLayout:

@@ -513,6 +513,16 @@ class CudaBackend:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
         return cuda_topk.topk_select(x, k, out)
 
+    def topk_feedback(self, x: torch.Tensor, residual: torch.Tensor, k: int, num_threads: int = 0) -> tuple:
+        """The CPU backend's ``topk_feedback`` on the device (the same indices, values and residual bits)."""
+        from lossless_hc.backends.cpu import _check_feedback_input
+        _check_feedback_input(x, residual, k)
+        count = min(int(k), x.numel())
+        idx = torch.empty(count, dtype=torch.int64, device=x.device)
+        values = torch.empty(count, dtype=torch.float32, device=x.device)
+        cuda_topk.topk_feedback(x, residual, count, idx, values)
+        return idx, values
+
     def thc_layout(self, layout, device: torch.device, lo, width, inv_width):
         return cuda_thc.ThcCudaLayout(layout, device, lo, width, inv_width)
 

@@ -434,20 +434,16 @@ class TopKAggregator(TensorAggregator):
             x = (x.detach().reshape(-1).float() + self.residual).reshape(self.shape).to(self.dtype)
             self.residual = None
             return x
-        # A new tensor in every case: the residual update below must not write into the gradient.
-        flat = x.detach().reshape(-1)
-        if self.residual is not None:
-            acc = torch.add(flat.to(torch.float32), self.residual)   # a new float32 tensor, one pass
-        else:
-            acc = flat.to(torch.float32, copy=True)
-        # Exactly k indices (k <= numel): the k largest |acc|, ties to the lower index, the same on
-        # every rank, thread count and device (O(numel): backends' topk_select), so the codec's
-        # capacity k is never exceeded.
-        idx = backend_for(acc.device).topk_select(acc, self.k)
-        sparse = torch.zeros_like(acc)
-        sparse[idx] = acc[idx]
-        acc[idx] = 0.0
-        self.residual = acc
+        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+        if self.residual is None:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=flat.device)
+        # One pass (backends' topk_feedback): acc = flat + residual, exactly k indices (k <= numel: the
+        # k largest |acc|, ties to the lower index, the same on every rank, thread count and device,
+        # so the codec's capacity k is never exceeded), and the residual updated in place to acc with
+        # those coordinates zeroed. The gradient itself is never written.
+        idx, values = backend_for(flat.device).topk_feedback(flat, self.residual, self.k)
+        sparse = torch.zeros_like(flat)
+        sparse[idx] = values
         return sparse.reshape(self.shape).to(self.dtype)
 
 

@@ -631,7 +631,17 @@ LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S
   const void* wp = thc_word_at(A.words, A.word_kind, w0);
   const uint64_t bad = unpack_block(wp, A.word_kind, nw, blocks * B, L.per_word, L.base, A.multiplier, A.tolerance,
                                     A.a, A.b, S.y, S.d);
-  A.check_partial[gi] = check_words(wp, A.word_kind, nw, w0, A.multiplier, A.tolerance, A.check, S.d);
+  if (A.word_kind == kThcWordFloat64 && L.per_word <= 12) {
+    // unpack_full_words_f64 left the full words' validated integers (invalid: 0) in S.d; the last,
+    // partial word of the group is read again.
+    const uint64_t full = blocks * B / L.per_word;
+    const uint64_t head = check_words_f64(S.d, full, w0, A.check);
+    const uint64_t tail = check_words(static_cast<const double*>(wp) + full, A.word_kind, nw - full, w0 + full,
+                                      A.multiplier, A.tolerance, A.check, S.d + full);
+    A.check_partial[gi] = (head + tail) % A.check.prime;
+  } else {
+    A.check_partial[gi] = check_words(wp, A.word_kind, nw, w0, A.multiplier, A.tolerance, A.check, S.d);
+  }
   for (uint64_t j = 0; j < blocks; ++j) {
     const uint64_t start = (gi * GB + j) * B;
     if (start >= L.numel) break;  // padding-only blocks: checked above, not needed

@@ -54,7 +54,8 @@ class THCCodec:
        ``floor(u)`` indexes the neighbours directly, so one unbiased stage suffices and has less
        variance.)
     4. Pack the levels as digits of base ``n g + 1`` into 64-bit words (``per_word`` per word);
-       write the header and this rank's ||v|| into norm slot r (0 in the other slots).
+       write the header (with the words' checksum, see :class:`~lossless_hc.thc.layout.THCLayout`),
+       this rank's ||v|| into norm slot r and -||v|| into mirror r (0 in the other slots).
     5. Error feedback: ``e <- v - RHT^{-1}(own dequantized levels)`` (clipping and rounding error of
        this step, carried into the next; :attr:`error`).
 

@@ -30,7 +30,20 @@ void bind_thc(py::module_& m) {
 
   py::class_<cpu::ThcEncodeStats>(m, "ThcEncodeStats")
       .def_readonly("sum_squares", &cpu::ThcEncodeStats::sum_squares)
+      .def_readonly("checksum", &cpu::ThcEncodeStats::checksum)
       .def_readonly("non_finite", &cpu::ThcEncodeStats::non_finite);
+
+  py::class_<cpu::ThcDecodeStats>(m, "ThcDecodeStats")
+      .def_readonly("bad_words", &cpu::ThcDecodeStats::bad_words)
+      .def_readonly("checksum", &cpu::ThcDecodeStats::checksum);
+
+  m.def(
+      "thc_check_term",
+      [](uint64_t prime, uint64_t c0, uint64_t k, uint64_t w, uint64_t S) {
+        return thc_check_term(ThcCheck{prime, c0, k}, w, S);
+      },
+      py::arg("prime"), py::arg("c0"), py::arg("k"), py::arg("w"), py::arg("S"),
+      "c_w * (S mod P) mod P: word w's term of the THC payload checksum (thc_math.h).");
 
   py::class_<cpu::ThcForwardStats>(m, "ThcForwardStats")
       .def_readonly("sum_squares", &cpu::ThcForwardStats::sum_squares)
@@ -79,30 +92,33 @@ void bind_thc(py::module_& m) {
       "thc_encode",
       [](const ThcLayout& L, bool quantize, uintptr_t lo, uintptr_t width, uintptr_t inv_width, float scale,
          float threshold, float dequant_a, float dequant_b, uint64_t sign_stream, uint64_t round_stream, uintptr_t x,
-         uintptr_t e, int32_t word_kind, uintptr_t words, int num_threads) {
+         uintptr_t e, int32_t word_kind, uintptr_t words, uint64_t check_prime, uint64_t check_c0, uint64_t check_k,
+         int num_threads) {
         py::gil_scoped_release release;
         cpu::ThcQuantizer q{at<const float>(lo), at<const float>(width), at<const float>(inv_width), scale, threshold,
                             dequant_a, dequant_b};
-        return cpu::thc_encode(L, quantize ? &q : nullptr, sign_stream, round_stream, at<const float>(x), at<float>(e),
-                               word_kind, at<void>(words), num_threads);
+        return cpu::thc_encode(L, quantize ? &q : nullptr, ThcCheck{check_prime, check_c0, check_k}, sign_stream,
+                               round_stream, at<const float>(x), at<float>(e), word_kind, at<void>(words), num_threads);
       },
       py::arg("layout"), py::arg("quantize"), py::arg("lo"), py::arg("width"), py::arg("inv_width"), py::arg("scale"),
       py::arg("threshold"), py::arg("dequant_a"), py::arg("dequant_b"), py::arg("sign_stream"),
       py::arg("round_stream"), py::arg("x"), py::arg("e"), py::arg("word_kind"), py::arg("words"),
-      py::arg("num_threads") = 0,
-      "RHT, stochastic rounding and packing of x + e into layout.words words; error feedback into e (may be 0).");
+      py::arg("check_prime"), py::arg("check_c0"), py::arg("check_k"), py::arg("num_threads") = 0,
+      "RHT, stochastic rounding and packing of x + e into layout.words words; error feedback into e (may be 0); "
+      "returns the squared norm, the words' checksum and the non-finite flag.");
 
   m.def(
       "thc_decode",
       [](const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, uintptr_t words, double multiplier, double a,
-         double b, uintptr_t out, int num_threads) {
+         double b, uintptr_t out, uint64_t check_prime, uint64_t check_c0, uint64_t check_k, int num_threads) {
         py::gil_scoped_release release;
-        return cpu::thc_decode(L, sign_stream, word_kind, at<const void>(words), multiplier, a, b, at<float>(out),
-                               num_threads);
+        return cpu::thc_decode(L, ThcCheck{check_prime, check_c0, check_k}, sign_stream, word_kind,
+                               at<const void>(words), multiplier, a, b, at<float>(out), num_threads);
       },
       py::arg("layout"), py::arg("sign_stream"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"),
-      py::arg("a"), py::arg("b"), py::arg("out"), py::arg("num_threads") = 0,
-      "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words.");
+      py::arg("a"), py::arg("b"), py::arg("out"), py::arg("check_prime"), py::arg("check_c0"), py::arg("check_k"),
+      py::arg("num_threads") = 0,
+      "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words and their checksum.");
 
   m.def(
       "thc_pack_levels",

@@ -114,7 +114,9 @@ LHC_HD float thc_level(const ThcRounding& R, float y, float draw) {
   z = z < -T ? -T : z;
   z = T < z ? T : z;
   float u = thc_mul(thc_add(z, T), R.to_level);
-  u = u < 0.0f ? 0.0f : u;
+  // Written so that a NaN u (y NaN or Inf: the encode then reports the input non-finite and discards
+  // the words) becomes 0, and the table index below stays in range; the same as std::max for numbers.
+  u = u >= 0.0f ? u : 0.0f;
   u = R.gf < u ? R.gf : u;
   int32_t k = (int32_t)u;
   k = R.kmax < k ? R.kmax : k;
@@ -195,6 +197,27 @@ inline double thc_tree_sum(double* p, uint64_t n) {
   return p[0];
 }
 #endif
+
+// ---- the payload checksum (lossless_hc/thc/layout.py, THCLayout) ----------------------------------
+// Rank r's checksum is sum_w c_w q_w mod P over its level words q_w (w = 0 at the first level word);
+// the aggregate's must be congruent to sum_w c_w S_w over the summed words S_w. Integer arithmetic
+// only, so every backend computes the same value: P < 2^25, so residue products stay below 2^50.
+struct ThcCheck {
+  uint64_t prime;  // P
+  uint64_t c0;     // in [0, P - 1)
+  uint64_t k;      // in [1, P - 1), coprime to P - 1 (so c_w != c_v for 0 < |w - v| < P - 1)
+};
+
+// c_w = 1 + ((c0 + w k) mod (P - 1)), in [1, P - 1]: never 0, so every word counts.
+LHC_HD uint64_t thc_check_coeff(const ThcCheck& C, uint64_t w) {
+  const uint64_t m = C.prime - 1;
+  return 1 + (C.c0 + (w % m) * C.k) % m;
+}
+
+// c_w * (S mod P) mod P for a word of integer value S (< 2^64).
+LHC_HD uint64_t thc_check_term(const ThcCheck& C, uint64_t w, uint64_t S) {
+  return (S % C.prime) * thc_check_coeff(C, w) % C.prime;
+}
 
 // ---- digit packing (see ThcLayout in lhc_layout.h) ------------------------------------------------
 // base^count as an exact integer (count <= per_word, so it stays below 2^64).

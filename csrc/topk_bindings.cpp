@@ -23,4 +23,15 @@ void bind_topk(py::module_& m) {
       },
       py::arg("x"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("num_threads") = 0,
       "Indices (ascending, int64, into out) of the min(k, n) largest |x| (float32), ties to the lower index.");
+
+  m.def(
+      "topk_feedback",
+      [](uintptr_t x, uintptr_t e, uint64_t n, uint64_t k, uintptr_t out, uintptr_t values, int num_threads) {
+        py::gil_scoped_release release;
+        return cpu::topk_feedback(reinterpret_cast<const float*>(x), reinterpret_cast<float*>(e), n, k,
+                                  reinterpret_cast<int64_t*>(out), reinterpret_cast<float*>(values), num_threads);
+      },
+      py::arg("x"), py::arg("e"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("values"),
+      py::arg("num_threads") = 0,
+      "Top-k of a = x + e with error feedback: indices into out, a at them into values, e <- a with them zeroed.");
 }

@@ -74,6 +74,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from lossless_hc.thc.codec import NON_FINITE_CHOICES
 from lossless_hc.training.adapter import (INDEX_CHOICES, CompressionFactory, CompressorAdapter, EncodedTensor,
                                           require_optimizer_frame, wire_numel)
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
@@ -343,6 +344,7 @@ ENV_FLAGS = {
     "BYTEPS_LHC_GRANULARITY": ("granularity", "int", ("thc",)),
     "BYTEPS_LHC_OVERFLOW_FREQ": ("overflow_freq", "float", ("thc",)),
     "BYTEPS_LHC_SEED": ("seed", "int", ("lossless", "topk", "thc")),
+    "BYTEPS_LHC_NON_FINITE": ("non_finite", "non_finite", ("thc",)),
 }
 
 
@@ -376,6 +378,10 @@ def _parse(flag: str, kind: str, raw: str):
         if text not in INDEX_CHOICES:
             raise ValueError(f"{flag}={raw!r}: expected one of {', '.join(INDEX_CHOICES)}")
         return text
+    if kind == "non_finite":
+        if text.lower() not in NON_FINITE_CHOICES:
+            raise ValueError(f"{flag}={raw!r}: expected one of {', '.join(NON_FINITE_CHOICES)}")
+        return text.lower()
     if kind == "choice":
         choices = ENV_FLAGS[flag][2]
         if text.lower() not in choices:
@@ -440,6 +446,7 @@ class Compression(CompressionFactory):
             BYTEPS_LHC_GRANULARITY  thc: integer levels (30)
             BYTEPS_LHC_OVERFLOW_FREQ thc: clipping (32)
             BYTEPS_LHC_SEED         lossless, topk, thc: hash seed, the same on every rank (0)
+            BYTEPS_LHC_NON_FINITE   thc: raise | propagate (NaN/Inf gradients: an error, or NaN for AMP)
 
         ``kwargs`` are added to (and override) what the variables give, e.g. aggregator options.
         """

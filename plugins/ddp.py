@@ -151,11 +151,14 @@ class TopKHookState(_HookState):
 
 class THCHookState(_HookState):
     """State of :func:`thc_hook`: THC quantization (lossy, unbiased, error feedback) with ``bits``,
-    ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`)."""
+    ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`). ``non_finite``: a step
+    where some rank's gradient holds NaN/Inf raises ``FloatingPointError`` ("raise"; DDP cannot go on
+    after an exception in a hook), or gives all-NaN gradients on every rank ("propagate": use it with
+    AMP's ``GradScaler``, which then skips that step on every rank)."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,
-                 overflow_freq: float = 32, seed: int = 0):
-        super().__init__(THCSpec(bits, granularity, overflow_freq, seed), process_group)
+                 overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise"):
+        super().__init__(THCSpec(bits, granularity, overflow_freq, seed, non_finite), process_group)
 
 
 class AutoHookState(_HookState):

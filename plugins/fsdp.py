@@ -404,15 +404,16 @@ class TopKFSDPState(_FSDPState):
 class THCFSDPState(_FSDPState):
     """THC quantization (lossy, unbiased, error feedback) of the replica all-reduce, with ``bits``,
     ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`). The reduce-scatter
-    stays uncompressed (see the module doc)."""
+    stays uncompressed (see the module doc). ``non_finite``: "raise" or "propagate" NaN/Inf gradients
+    (all-NaN on every rank, for AMP's GradScaler), as :class:`lossless_hc.plugins.ddp.THCHookState`."""
 
     supports_reduce_scatter = False
     no_reduce_scatter = ("its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the "
                          "owner alone")
 
     def __init__(self, mesh: DeviceMesh, bits: int = 4, granularity: int = 30, overflow_freq: float = 32,
-                 seed: int = 0):
-        super().__init__(THCSpec(bits, granularity, overflow_freq, seed), mesh)
+                 seed: int = 0, non_finite: str = "raise"):
+        super().__init__(THCSpec(bits, granularity, overflow_freq, seed, non_finite), mesh)
 
 
 class AutoFSDPState(_FSDPState):

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import helpers
+import thc_reference as ref
 
 import lossless_hc as lhc
 from lossless_hc.backends import cpu as _backend
-from lossless_hc.thc.layout import HEADER_FIELDS, max_world_size
+from lossless_hc.thc.layout import HDR_CHECKSUM, max_world_size
 
 HAVE_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu,
@@ -128,9 +129,12 @@ def test_cuda_worst_case_digits_at_max_world_size(backend, dtype):
     _backend.CPU.thc_pack_levels(cpu._native, torch.full((L.padded,), g, dtype=torch.int32),
                              0 if dtype == torch.float64 else 1, top)
     x = torch.randn(numel)
-    agg = cpu.encode(x) * n
+    pc = cpu.encode(x)
+    agg = pc * n
     gpu.encode(x.cuda())
-    agg[HEADER_FIELDS + n:] = top * n
+    agg[L.norm_offset:L.words_offset] = pc[L.norm_offset:L.words_offset]   # one rank's norm and mirror
+    agg[L.words_offset:] = top * n
+    agg[HDR_CHECKSUM] = n * ref.checksum(cpu, top, 0)   # the checksum field of those words
     assert_same_bits(cpu.decode(agg), gpu.decode(agg.cuda()), "worst-case sums")
     with pytest.raises(ValueError, match=f"at most {n} ranks"):
         lhc.THCCodec(numel, n + 1, granularity=g, digits_per_word=digits, payload_dtype=dtype, device="cuda")
@@ -196,8 +200,8 @@ def test_cuda_corrupted_words_are_reported(backend):
     agg = sum(c.encode(x) for c, x in zip(cpu, xs))
     for c, x in zip(gpu, xs):
         c.encode(x.cuda())
-    agg[HEADER_FIELDS + 2 + 5] += 0.25
-    agg[HEADER_FIELDS + 2 + 9] = float("nan")
+    agg[cpu[0].layout.words_offset + 5] += 0.25
+    agg[cpu[0].layout.words_offset + 9] = float("nan")
     msgs = []
     for c, p in ((cpu[0], agg), (gpu[0], agg.cuda())):
         with pytest.raises(ValueError, match="not valid aggregated digit words") as info:

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import helpers
+import thc_reference as ref
 
 import lossless_hc as lhc
 from lossless_hc.backends import cpu as _backend
 from lossless_hc.backends import cuda_thc as _cuda_thc
-from lossless_hc.thc.layout import HEADER_FIELDS, max_world_size
+from lossless_hc.thc.layout import HDR_CHECKSUM, HEADER_FIELDS, max_world_size
 
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 
@@ -141,7 +142,6 @@ def test_emulated_shapes_dtypes_and_predivided_average(emulated):  # noqa: F811
 def test_emulated_kernels_match_the_dense_oracle(emulated, numel, n, kw):  # noqa: F811
     """Against the definitions (dense Hadamard matrices in float64, tests/thc_reference.py): each rank's
     memory is x - RHT^{-1}(own dequantized levels), and decode is RHT^{-1} of the dequantized digit sums."""
-    import thc_reference as ref
     gen = torch.Generator().manual_seed(numel)
     xs = [torch.randn(numel, generator=gen) for _ in range(n)]
     M = max(float(x.norm()) for x in xs)
@@ -167,7 +167,7 @@ def test_emulated_kernels_match_the_dense_oracle(emulated, numel, n, kw):  # noq
     assert float((c0.decode(summed).double() - want).abs().max()) <= n * 1e-5 * M
 
 
-def test_emulated_non_finite_input_keeps_memory_and_raises(emulated):  # noqa: F811
+def test_emulated_non_finite_input_resets_memory_and_raises(emulated):  # noqa: F811
     n, numel = 3, 2000
     cpu = ranks(n, numel, initial_norm=50.0)
     gpu = [to_emulated_cuda(c) for c in ranks(n, numel, initial_norm=50.0)]
@@ -188,7 +188,8 @@ def test_emulated_non_finite_input_keeps_memory_and_raises(emulated):  # noqa: F
             for c in cpu + gpu:
                 c.decode(agg)
             continue
-        assert torch.equal(gpu[1].error, before[1]) and torch.equal(gpu[2].error, before[2])
+        assert float(before[1].abs().max()) > 0 and bool((gpu[1].error == 0).all()) and bool((gpu[2].error == 0).all())
+        assert torch.equal(gpu[0].error, cpu[0].error) and float(gpu[0].error.abs().max()) > 0
         assert float(pg[1][2]) == 1.0 and bool((pg[1][HEADER_FIELDS:] == 0).all())
         for c in gpu:
             with pytest.raises(FloatingPointError, match="2 rank"):
@@ -218,8 +219,8 @@ def test_emulated_corrupted_words_are_counted_as_on_cpu(emulated, dtype):  # noq
     agg = sum(c.encode(x) for c, x in zip(cpu, xs))
     for c, x in zip(gpu, xs):
         c.encode(x)
-    off = HEADER_FIELDS + n
     L = cpu[0].layout
+    off = L.words_offset
     if dtype == torch.float64:
         agg[off + 5] += 0.25                               # not an integer
         agg[off + 170] = float(L.base ** L.per_word)       # one digit too many
@@ -235,6 +236,37 @@ def test_emulated_corrupted_words_are_counted_as_on_cpu(emulated, dtype):  # noq
             c.decode(agg.clone())
         msgs.append(str(info.value))
     assert msgs[0] == msgs[1] and msgs[0].startswith("4 payload word(s)" if dtype == torch.float64 else "3 payload")
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.float64, 1024), (torch.int64, 1024), (torch.float64, 8192)])
+def test_emulated_checksum_and_norm_mirrors_as_on_cpu(emulated, dtype, block):  # noqa: F811
+    """The checksum field is the defined sum on both backends (the payload bits are equal), and a
+    payload with one valid level word changed, or a corrupted norm slot, is refused by both
+    with the same message (decode in shared memory, and in passes for blocks above 4096)."""
+    n, numel = 3, 20000
+    kw = dict(initial_norm=70.0, payload_dtype=dtype, hadamard_block=block)
+    cpu = ranks(n, numel, **kw)
+    gpu = [to_emulated_cuda(c) for c in ranks(n, numel, **kw)]
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    pc = [c.encode(x) for c, x in zip(cpu, xs)]
+    pg = [c.encode(x) for c, x in zip(gpu, xs)]
+    L = cpu[0].layout
+    for r in range(n):
+        assert_same_bits(pc[r], pg[r], f"rank {r}")
+        assert int(pg[r][HDR_CHECKSUM]) == ref.checksum(cpu[0], pg[r][L.words_offset:], 0)
+    agg = sum(pc)
+    flipped = agg.clone()
+    flipped[L.words_offset + 77] += 1     # still a valid aggregate word (one digit off by one)
+    slot = agg.clone()
+    slot.view(torch.float64)[L.norm_offset + 1] = 1e300   # the float64 bits in an int64 payload
+    for bad, match in ((flipped, "checksum mismatch"), (slot, "norm slots are corrupted")):
+        msgs = []
+        for c in (cpu[0], gpu[0]):
+            c._pending, c._step = True, 0
+            with pytest.raises(ValueError, match=match) as info:
+                c.decode(bad.clone())
+            msgs.append(str(info.value))
+        assert msgs[0] == msgs[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
@@ -256,7 +288,9 @@ def test_emulated_worst_case_digits_at_max_world_size(emulated, dtype):  # noqa:
     pc = cpu.encode(x)
     gpu.encode(x)
     agg = pc * n
-    agg[HEADER_FIELDS + n:] = top * n
+    agg[L.norm_offset:L.words_offset] = pc[L.norm_offset:L.words_offset]   # one rank's norm and mirror
+    agg[L.words_offset:] = top * n
+    agg[HDR_CHECKSUM] = n * ref.checksum(cpu, top, 0)   # the checksum field of those words
     yc, yg = cpu.decode(agg), gpu.decode(agg.clone())
     assert_same_bits(yc, yg, "decode of the worst-case sums")
     with pytest.raises(ValueError, match=f"at most {n} ranks"):

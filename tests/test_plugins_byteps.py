@@ -130,6 +130,7 @@ def test_from_env_default_is_bytePS_own_none():
     ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "2", "BYTEPS_LHC_GRANULARITY": "12",
       "BYTEPS_LHC_OVERFLOW_FREQ": "64", "BYTEPS_LHC_SEED": "5"}, "thc",
      {"bits": 2, "granularity": 12, "overflow_freq": 64.0, "seed": 5}),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_NON_FINITE": "Propagate"}, "thc", {"non_finite": "propagate"}),
 ])
 def test_from_env_builds_the_configured_compressor(env, kind, attrs):
     comp = Compression.from_env(env)
@@ -162,6 +163,8 @@ def test_from_env_reads_os_environ_and_passes_keywords(monkeypatch):
      r"BYTEPS_LHC_RATIO applies to BYTEPS_LHC_COMPRESSOR=topk, not BYTEPS_LHC_COMPRESSOR=lossless"),
     ({"BYTEPS_LHC_COMPRESSOR": "topk", "BYTEPS_LHC_BITS": "4"}, r"BYTEPS_LHC_BITS applies to .*=thc"),
     ({"BYTEPS_LHC_MAX_DENSITY": "0.1"}, r"BYTEPS_LHC_MAX_DENSITY applies to .*=lossless, not .*=none"),
+    ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_NON_FINITE": "ignore"},
+     r"BYTEPS_LHC_NON_FINITE='ignore': expected one of raise, propagate"),
     ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "four"}, r"BYTEPS_LHC_BITS='four': expected an integer"),
     ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_BITS": "0"}, r"bits must be an integer in \[1, 16\]"),
     ({"BYTEPS_LHC_COMPRESSOR": "thc", "BYTEPS_LHC_OVERFLOW_FREQ": "inf"}, r"BYTEPS_LHC_OVERFLOW_FREQ='inf'"),

@@ -35,7 +35,7 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["policy", "topk", "thc", "pickle", "inexact"] + list(ERRORS))])
+         ",".join(EXACT + ["policy", "topk", "thc", "thc_amp", "pickle", "inexact"] + list(ERRORS))])
     return out, size
 
 
@@ -118,6 +118,22 @@ def test_thc_hook_replicas_stay_identical_and_train(ddp_run):
     assert rs[0]["stats"]["compressed"] > 0
     assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"]
     assert rs[0]["cosine"] > 0.9, rs[0]["cosine"]
+
+
+def test_thc_propagate_lets_grad_scaler_skip_the_step_on_every_rank(ddp_run):
+    """#19 item 4: THCHookState(non_finite="propagate") under torch.amp.GradScaler. One rank's gradient
+    holds Inf at step 3: no exception, every rank's reduced gradient is non-finite at that step (and
+    only then), every rank's scaler skips it (the parameters do not move, the scale halves once), the
+    next steps train (the parameters move), and the replicas stay bit-identical."""
+    out, size = ddp_run
+    rs = results(out, "thc_amp", size)
+    for r in rs:
+        assert r["error"] is None, r
+        assert r["non_finite"] == [False] * 3 + [True] + [False] * 4, r["non_finite"]
+        assert r["scales"] == [1024.0] * 3 + [512.0] * 5, r["scales"]
+        assert r["moved"][3] == 0.0 and all(m > 0.0 for i, m in enumerate(r["moved"]) if i not in (0, 3)), r["moved"]
+        assert r["finite"] and r["stats"]["compressed"] > 0
+    assert len({r["digest"] for r in rs}) == 1
 
 
 @pytest.mark.parametrize("name", list(ERRORS))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import lossless_hc as lhc
 from lossless_hc.backends import cpu as _backend
-from lossless_hc.thc.layout import HEADER_FIELDS, max_world_size, plan_thc_layout
+from lossless_hc.thc.layout import HDR_CHECKSUM, HEADER_FIELDS, max_world_size, plan_thc_layout
 
 import thc_reference as ref
 
@@ -193,9 +193,103 @@ def test_corrupted_words_are_reported():
     codecs = make_ranks(2, 3000, initial_norm=10.0)
     xs = [torch.randn(3000), torch.randn(3000)]
     summed = sum(c.encode(x) for c, x in zip(codecs, xs))
-    summed[HEADER_FIELDS + 2 + 5] += 0.25        # a level word that is no longer an integer
+    summed[codecs[0].layout.words_offset + 5] += 0.25        # a level word that is no longer an integer
     with pytest.raises(ValueError, match="not valid aggregated digit words"):
         codecs[0].decode(summed)
+
+
+# ------------------------------------------------------------------------------------------------
+# payload integrity (#19 item 8): norm mirrors and the words' checksum
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+@pytest.mark.parametrize("numel,block", [(3000, 1024), (100, 1024), (50000, 4096), (5000, 32)])
+def test_checksum_field_is_the_defined_sum_and_survives_aggregation(dtype, numel, block):
+    n = 3
+    codecs = make_ranks(n, numel, initial_norm=60.0, payload_dtype=dtype, hadamard_block=block)
+    L = codecs[0].layout
+    payloads = [c.encode(torch.randn(numel)) for c in codecs]
+    for p in payloads:
+        assert int(p[HDR_CHECKSUM]) == ref.checksum(codecs[0], p[L.words_offset:], 0)
+        assert 0 <= int(p[HDR_CHECKSUM]) < L.check_prime
+    for c in codecs:       # the SUM decodes (its checksum field is congruent to the summed words' checksum)
+        c.decode(sum(payloads))
+
+
+def rewindable(codec):
+    """A function that decodes a payload with ``codec``'s state as it is now, every time."""
+    step, norm = codec._step, codec._norm
+
+    def decode(payload, **kw):
+        codec._pending, codec._step, codec._norm = True, step, norm
+        return codec.decode(payload, **kw)
+    return decode
+
+
+@pytest.mark.parametrize("averaged", [False, True])
+def test_corrupted_norm_slots_and_mirrors_are_caught(averaged):
+    n = 3
+    codecs = make_ranks(n, 2000, initial_norm=40.0)
+    summed = sum(c.encode(torch.randn(2000)) for c in codecs)
+    agg = summed / n if averaged else summed
+    L = codecs[0].layout
+    decode = rewindable(codecs[0])
+    decode(agg.clone(), averaged=averaged)
+    for pos, value in [(L.norm_offset + 1, 1e300), (L.norm_offset, 0.0), (L.mirror_offset + 2, -1e300),
+                       (L.norm_offset + 2, float(agg[L.norm_offset + 2]) * 1.0000001)]:
+        bad = agg.clone()
+        bad[pos] = value
+        with pytest.raises(ValueError, match="norm slots are corrupted"):
+            decode(bad, averaged=averaged)
+
+
+@pytest.mark.parametrize("dtype,averaged", [(torch.float64, False), (torch.float64, True), (torch.int64, False)])
+def test_every_single_bit_flip_of_a_level_word_is_caught_or_harmless(dtype, averaged):
+    """Each of the 64 bits of 40 random level words (and of the checksum field), flipped one at a time:
+    the decoder raises ValueError, or (a flip that leaves the word's integer value unchanged, e.g. the
+    sign of a zero, or a low bit of an averaged word) decodes to exactly the clean output."""
+    n, numel = 3, 6000
+    codecs = make_ranks(n, numel, initial_norm=80.0, payload_dtype=dtype)
+    summed = sum(c.encode(torch.randn(numel)) for c in codecs)
+    agg = summed / n if averaged else summed
+    L = codecs[0].layout
+    decode = rewindable(codecs[0])
+    clean = decode(agg.clone(), averaged=averaged).clone()
+    gen = torch.Generator().manual_seed(9)
+    positions = [L.words_offset + int(w) for w in torch.randint(0, L.words, (40,), generator=gen)] + [HDR_CHECKSUM]
+    caught = harmless = 0
+    for pos in positions:
+        for bit in range(64):
+            bad = agg.clone()
+            bad.view(torch.int64)[pos] ^= (1 << bit) if bit < 63 else -(1 << 63)
+            try:
+                y = decode(bad, averaged=averaged)
+            except ValueError:
+                caught += 1
+                continue
+            assert torch.equal(y, clean), (pos, bit)
+            harmless += 1
+    assert caught >= 41 * 40      # most flips change the value; none goes through silently
+
+
+def test_words_of_another_step_are_caught_by_the_checksum():
+    """A stale or misrouted buffer: valid digit words of a different aggregate under this header."""
+    n, numel = 2, 20000
+    codecs = make_ranks(n, numel, initial_norm=100.0)
+    first = sum(c.encode(torch.randn(numel)) for c in codecs)
+    for c in codecs:
+        c.decode(first)
+    second = sum(c.encode(torch.randn(numel)) for c in codecs)
+    L = codecs[0].layout
+    mixed = second.clone()
+    mixed[L.words_offset + 100:L.words_offset + 200] = first[L.words_offset + 100:L.words_offset + 200]
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        rewindable(codecs[0])(mixed)
+    swapped = second.clone()
+    a, b = L.words_offset + 10, L.words_offset + 500
+    assert float(swapped[a]) != float(swapped[b])
+    swapped[a], swapped[b] = float(second[b]), float(second[a])
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        rewindable(codecs[0])(swapped)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,14 +384,21 @@ def test_error_feedback_telescopes_and_stays_bounded():
 # ------------------------------------------------------------------------------------------------
 # bad input and misuse
 # ------------------------------------------------------------------------------------------------
-def test_non_finite_input_raises_on_every_rank_and_keeps_memory():
-    n, numel = 3, 1000
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises_on_every_rank_and_resets_that_memory(bad):
+    """A NaN/Inf input (found by the encode pass itself, no separate scan): that rank sends only the
+    header with the flag, its error memory is reset to zero, every rank's decode raises."""
+    n, numel = 3, 5000
     codecs = make_ranks(n, numel, initial_norm=50.0)
+    run_step(codecs, [torch.randn(numel) for _ in range(n)])   # a non-zero memory on every rank
+    assert all(float(c.error.abs().max()) > 0 for c in codecs)
     xs = [torch.randn(numel) for _ in range(n)]
-    xs[1][7] = float("nan")
-    before = codecs[1].error.clone()
-    summed = sum(c.encode(x) for c, x in zip(codecs, xs))
-    assert torch.equal(codecs[1].error, before)
+    xs[1][4321] = bad
+    payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+    assert bool((codecs[1].error == 0).all()) and float(codecs[0].error.abs().max()) > 0
+    assert float(payloads[1][2]) == 1.0 and bool((payloads[1][HEADER_FIELDS:] == 0).all())
+    assert float(payloads[1][1]) == float(payloads[0][1])   # the fingerprint is still written
+    summed = sum(payloads)
     for c in codecs:
         with pytest.raises(FloatingPointError, match="1 rank"):
             c.decode(summed)
@@ -329,6 +430,29 @@ def test_bad_configuration_is_rejected(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         lhc.THCCodec(**args)
+
+
+@pytest.mark.parametrize("seed", [0, 5, (1 << 62) + 3])
+def test_seeds_differing_in_bit_63_are_a_configuration_mismatch(seed):
+    """#19 item 5: the fingerprint covers all 64 bits of the seed (s and s + 2^63 are caught)."""
+    codecs = [lhc.THCCodec(300, 2, rank=0, seed=seed, initial_norm=5.0),
+              lhc.THCCodec(300, 2, rank=1, seed=seed + (1 << 63), initial_norm=5.0)]
+    summed = sum(c.encode(torch.randn(300)) for c in codecs)
+    for c in codecs:
+        with pytest.raises(ValueError, match="fingerprints disagree"):
+            c.decode(summed)
+
+
+def test_non_finite_option_reaches_the_codec_through_the_plugins_spec():
+    from lossless_hc.training.adapter import THCSpec
+    from lossless_hc.training.aggregate import AggregationStats
+
+    spec = THCSpec(non_finite="propagate")
+    agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
+    assert agg.codec.non_finite == "propagate" and "non_finite='propagate'" in repr(spec)
+    assert THCSpec().make("w", torch.zeros(4096), 2, 0, AggregationStats(), "cpu").codec.non_finite == "raise"
+    with pytest.raises(ValueError, match="non_finite"):
+        THCSpec(non_finite="ignore")
 
 
 def test_bad_tensors_are_rejected():

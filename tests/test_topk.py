@@ -119,12 +119,73 @@ def test_aggregator_sends_exactly_k_and_keeps_the_rest():
     assert torch.equal(torch.nonzero(sent).reshape(-1), reference(x, agg.k))
 
 
+# -- error feedback fused into the selection (topk_feedback) ---------------------------------------
+def feedback_reference(x: torch.Tensor, e: torch.Tensor, k: int):
+    """(indices, values, new residual) from the definition: a = x + e, the selection of a, a there,
+    and a with those coordinates zeroed."""
+    a = x + e
+    idx = reference(a, k)
+    rest = a.clone()
+    rest[idx] = 0.0
+    return idx, a[idx], rest
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(1, 1), (1000, 10), (5000, 5000), (5000, 0), (300_000, 3000), (1 << 20, 10_000),
+                                 (600_000, 60_000)])
+def test_feedback_is_the_selection_of_the_sum_and_conserves_every_coordinate(kind, n, k):
+    """topk_feedback equals the definition bit for bit (through the fused sampled pass for the large
+    inputs, and the exact fallback for "ties"), leaves x untouched, sends exactly min(k, n), and
+    x + e_before == e_after + scatter(values) at every coordinate (nothing lost, nothing counted twice)."""
+    x = inputs(kind, n, seed=n ^ k ^ 7)
+    e = 0.25 * inputs("normal", n, seed=n + 1)
+    x0, e0 = x.clone(), e.clone()
+    for threads in (1, 2):
+        e = e0.clone()
+        idx, values = CPU.topk_feedback(x, e, k, num_threads=threads)
+        want_idx, want_values, want_rest = feedback_reference(x0, e0, k)
+        assert idx.numel() == min(k, n) and torch.equal(idx, want_idx)
+        assert torch.equal(bits(values), bits(want_values)) and torch.equal(bits(e), bits(want_rest))
+        assert torch.equal(bits(x), bits(x0))
+        sent = torch.zeros(n)
+        sent[idx] = values
+        assert torch.equal(bits(sent + e), bits(x0 + e0)) or bool(torch.isnan(x0 + e0).any())
+
+
+def test_feedback_rejects_bad_residuals():
+    x = torch.randn(100)
+    with pytest.raises(TypeError, match="residual"):
+        CPU.topk_feedback(x, torch.zeros(99), 5)
+    with pytest.raises(TypeError, match="residual"):
+        CPU.topk_feedback(x, torch.zeros(100, dtype=torch.float64), 5)
+    with pytest.raises(ValueError, match="not be the input"):
+        CPU.topk_feedback(x, x, 5)
+
+
 # -- the CUDA kernels on host threads ------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", [(3000, 30), (20_000, 1000), (7000, 6999), (4096, 1)])
 def test_emulated_cuda_equals_cpu(emulated, kind, n, k):  # noqa: F811
     x = inputs(kind, n, seed=n ^ k)
     assert torch.equal(cuda_topk.topk_select(x, k), CPU.topk_select(x, k))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(3000, 30), (20_000, 1000), (4096, 4096)])
+def test_emulated_cuda_feedback_equals_cpu(emulated, kind, n, k):  # noqa: F811
+    """The CUDA twin (topk_accumulate, the selection, topk_take): the same indices, values and residual bits."""
+    x = inputs(kind, n, seed=n ^ k)
+    e = 0.25 * inputs("normal", n, seed=n + 3)
+    ec = e.clone()
+    count = n if k >= n else k
+    idx, values = torch.empty(count, dtype=torch.int64), torch.empty(count)
+    assert cuda_topk.topk_feedback(x, e, k, idx, values) == count
+    want_idx, want_values = CPU.topk_feedback(x, ec, k)
+    assert torch.equal(idx, want_idx) and torch.equal(bits(values), bits(want_values)) and torch.equal(bits(e), bits(ec))
 
 
 def test_emulated_cuda_edge_counts(emulated):  # noqa: F811

@@ -71,3 +71,12 @@ def inverse_rht(y: torch.Tensor, layout, sign_stream: int) -> torch.Tensor:
     H = hadamard(layout.block) / math.sqrt(layout.block)
     r = (y.double().view(-1, layout.block) @ H.T).reshape(-1) * signs(sign_stream, layout.padded)
     return r[:layout.numel]
+
+
+def checksum(codec, words: torch.Tensor, step: int) -> int:
+    """The payload checksum of ``words`` (level words, float64 or int64) at ``step``, from its
+    definition in lossless_hc/thc/layout.py (THCLayout): sum_w c_w (S_w mod P) mod P with
+    c_w = 1 + ((c0 + w k) mod (P - 1))."""
+    P, c0, k = codec._check(step)
+    vals = [int(v) for v in (words.tolist() if words.dtype == torch.int64 else words.double().tolist())]
+    return sum((v % P) * (1 + (c0 + w * k) % (P - 1)) for w, v in enumerate(vals)) % P

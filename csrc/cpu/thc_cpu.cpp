@@ -57,6 +57,8 @@ struct ThcGroupArgs {
   bool fits_double;
   bool chunks_in_blocks;   // the norm's chunk partials are computed block by block
   double* partial;
+  ThcCheck check;
+  uint64_t* check_partial; // per group: its words' checksum (thc_math.h)
 };
 
 struct ThcDecodeArgs {
@@ -67,6 +69,8 @@ struct ThcDecodeArgs {
   double multiplier, tolerance, a, b;
   float inv_sqrt;
   float* out;
+  ThcCheck check;
+  uint64_t* check_partial;
 };
 
 // One compiled copy of the block kernels (thc_cpu_isa.h).
@@ -177,7 +181,8 @@ inline bool horner_fits_double(const ThcLayout& L) {
   return p <= 9007199254740992.0;  // 2^53
 }
 
-// NaN/Inf anywhere in x[0, n)?
+// NaN/Inf anywhere in x[0, n)? (Only after the encode pass found ||x + e||^2 non-finite: it tells a
+// non-finite input from an overflowing x + e.)
 bool any_non_finite(const ThcKernels& K, const float* x, uint64_t n, int nt) {
   constexpr uint64_t kSlice = 1 << 16;
   int bad = 0;
@@ -311,15 +316,22 @@ void thc_rht_inverse(const ThcLayout& L, uint64_t sign_stream, float* y, float* 
 }
 
 
-ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
-                          const float* x, float* e, int32_t word_kind, void* words, int num_threads) {
+// The sum of the groups' checksums mod P (integers: the order does not matter).
+uint64_t sum_checks(const std::vector<uint64_t>& part, uint64_t prime) {
+  uint64_t total = 0;
+  for (uint64_t v : part) total = (total + v) % prime;
+  return total;
+}
+
+ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCheck& check, uint64_t sign_stream,
+                          uint64_t round_stream, const float* x, float* e, int32_t word_kind, void* words,
+                          int num_threads) {
   const int nt = thc_threads(num_threads);
   const ThcKernels& K = kernels();
   ThcEncodeStats st;
-  if (any_non_finite(K, x, L.numel, nt)) {
-    st.non_finite = 1;  // nothing written: e keeps its value
-    return st;
-  }
+  // No separate finiteness pass over x: a NaN/Inf in x (or an overflow of x + e) makes ||x + e||^2
+  // non-finite, which the one pass below computes anyway; the rounding maps NaN to a valid level
+  // (thc_level), so the pass stays in bounds, and its words and e are discarded afterwards.
   const uint64_t ngroups = thc_groups(L);
   // ||x + e||^2 in the fixed order of thc_math.h: chunk partials, then the tree.
   const uint64_t nchunks = (L.padded + kThcNormChunk - 1) / kThcNormChunk;
@@ -343,6 +355,9 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
   A.fits_double = horner_fits_double(L);
   A.chunks_in_blocks = L.block >= kThcNormChunk;   // else computed here, before the blocks
   A.partial = partial.data();
+  std::vector<uint64_t> check_partial(ngroups, 0);
+  A.check = check;
+  A.check_partial = check_partial.data();
   if (!A.chunks_in_blocks) chunk_partials(K, L, x, e, partial.data(), nt);
 #pragma omp parallel num_threads(nt)
   {
@@ -353,20 +368,23 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t si
     for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) K.encode_group(A, (uint64_t)gi, S.view);
   }
   st.sum_squares = thc_tree_sum(partial.data(), nchunks);
+  st.checksum = sum_checks(check_partial, check.prime);
   if (!std::isfinite(st.sum_squares)) {
-    // x was finite but x + e (or its square) overflowed float32: the memory is unusable.
-    st.non_finite = 2;
+    // x holds NaN/Inf (1), or x was finite but x + e (or its square) overflowed float32 (2). Either
+    // way the pass has overwritten e with values derived from non-finite ones: reset it.
+    st.non_finite = any_non_finite(K, x, L.numel, nt) ? 1u : 2u;
     if (e) std::fill(e, e + L.numel, 0.0f);
   }
   return st;
 }
 
-uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, const void* words,
-                    double multiplier, double a, double b, float* out, int num_threads) {
+ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t sign_stream, int32_t word_kind,
+                          const void* words, double multiplier, double a, double b, float* out, int num_threads) {
   const int nt = thc_threads(num_threads);
   const ThcKernels& K = kernels();
+  std::vector<uint64_t> check_partial(thc_groups(L), 0);
   const ThcDecodeArgs A{&L, sign_stream, word_kind, words, multiplier, multiplier == 1.0 ? 0.0 : 0.5, a, b,
-                        (float)(1.0 / std::sqrt((double)L.block)), out};
+                        (float)(1.0 / std::sqrt((double)L.block)), out, check, check_partial.data()};
   uint64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
@@ -377,7 +395,10 @@ uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind,
     _mm_sfence();   // the output's non-temporal stores are visible before the caller reads it
 #endif
   }
-  return bad;
+  ThcDecodeStats st;
+  st.bad_words = bad;
+  st.checksum = sum_checks(check_partial, check.prime);
+  return st;
 }
 
 void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../lhc_layout.h"
+#include "../thc_math.h"
 
 namespace lhc {
 namespace cpu {
@@ -51,7 +52,9 @@ struct ThcQuantizer {
 
 struct ThcEncodeStats {
   double sum_squares = 0;  // ||x + e||^2 over the numel input coordinates
-  uint32_t non_finite = 0; // 1: x holds NaN/Inf (nothing written); 2: x + e overflowed (e zeroed)
+  uint64_t checksum = 0;   // sum_w thc_check_term(check, w, word w) mod P over the level words written
+  uint32_t non_finite = 0; // 1: x holds NaN/Inf; 2: x + e overflowed. Either way e is zeroed and the
+                           // words are garbage (the caller zeroes the payload and sets the flag).
 };
 
 // One pass per Hadamard block (the block stays in cache):
@@ -62,15 +65,23 @@ struct ThcEncodeStats {
 //   e <- v - RHT^{-1}(level * dequant_a + dequant_b).
 // With Q null (a norm-only round) nothing is quantized, `words` is not touched and e <- x + e.
 // Returns ||v||^2 (chunk partials and tree of thc_math.h: independent of block size and threads).
-ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, uint64_t sign_stream, uint64_t round_stream,
-                          const float* x, float* e, int32_t word_kind, void* words, int num_threads);
+// Also returns the checksum of the words written (0 for a norm-only round), thc_math.h's ThcCheck.
+ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCheck& check, uint64_t sign_stream,
+                          uint64_t round_stream, const float* x, float* e, int32_t word_kind, void* words,
+                          int num_threads);
+
+struct ThcDecodeStats {
+  uint64_t bad_words = 0;  // words that are not valid aggregates
+  uint64_t checksum = 0;   // sum_w thc_check_term(check, w, S_w) mod P (invalid words as 0)
+};
 
 // out[0, numel) = RHT^{-1}(digit * a + b) of the aggregated words, where each word times
 // `multiplier` (n for an averaged float64 payload, else 1) must be an integer (within 1/2 when
 // averaged, exactly when summed) in [0, base^digits) -- digits past the block's end are 0. Returns
-// the number of words failing that (the payload is corrupted or not a plain SUM/AVERAGE).
-uint64_t thc_decode(const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, const void* words,
-                    double multiplier, double a, double b, float* out, int num_threads);
+// the number of words failing that (the payload is corrupted or not a plain SUM/AVERAGE), and the
+// checksum of the aggregated words, which the caller compares with the payload's checksum field.
+ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t sign_stream, int32_t word_kind,
+                          const void* words, double multiplier, double a, double b, float* out, int num_threads);
 
 // The packing alone (tests): levels[0, padded) -> words, and words -> digit sums (returns invalid words).
 void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words);

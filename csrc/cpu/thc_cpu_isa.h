@@ -268,7 +268,7 @@ LHC_TGT void quantize(const ThcRounding& R, const float (*table)[32], float da, 
       z = z < negT ? negT : z;
       z = T < z ? T : z;
       vf16 u = (z + T) * to_level;
-      u = u < zero ? zero : u;
+      u = u >= zero ? u : zero;   // NaN -> 0, as thc_level
       u = gf < u ? gf : u;
       vi16 k = __builtin_convertvector(u, vi16);
       k = kmax < k ? kmax : k;
@@ -293,188 +293,8 @@ LHC_TGT void quantize(const ThcRounding& R, const float (*table)[32], float da, 
   }
 }
 
-// ---- digit packing -------------------------------------------------------------------------------
-// Round to the nearest integer for |x| < 2^51 with two additions (2^52 + x has no fraction bits),
-// which vectorise on every x86 level. The digit loops only need an estimate within one of the true
-// quotient; they correct it.
-LHC_TGT_INLINE double round_small(double x) {
-  constexpr double kShift = 4503599627370496.0;  // 2^52
-  return (x + kShift) - kShift;
-}
-
-// Full words with a compile-time digit count, Horner in doubles (exact below 2^53).
-template <int PW>
-LHC_TGT void pack_full_words_f64(const uint32_t* __restrict q, uint64_t nwords, double base, double* __restrict out) {
-  for (uint64_t w = 0; w < nwords; ++w) {
-    double a = 0.0;
-    for (int j = PW - 1; j >= 0; --j) a = a * base + (double)(int32_t)q[w * PW + j];
-    out[w] = a;
-  }
-}
-
-// Digits of full words, 16 words at a time: the arithmetic runs across the 16 words of a tile
-// (contiguous, vectorised), then the tile's digits are written out in coordinate order.
-template <int PW>
-LHC_TGT void digits_full_words_f64(double* __restrict s, uint64_t nwords, double base_d, double a, double b,
-                                   float* __restrict y) {
-  constexpr int kTile = 16;
-  const double inv_base = 1.0 / base_d;
-  uint64_t w0 = 0;
-  for (; w0 + kTile <= nwords; w0 += kTile) {
-    double v[kTile];
-    float out[PW][kTile];
-    for (int l = 0; l < kTile; ++l) v[l] = s[w0 + l];
-    for (int j = 0; j < PW; ++j) {
-      for (int l = 0; l < kTile; ++l) {
-        double quot = round_small(v[l] * inv_base);
-        const double rem = v[l] - quot * base_d;   // exact; off by one base at most
-        quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
-        out[j][l] = thc_digit_value(v[l] - quot * base_d, a, b);
-        v[l] = quot;
-      }
-    }
-    float* __restrict yt = y + w0 * PW;
-    for (int l = 0; l < kTile; ++l)
-      for (int j = 0; j < PW; ++j) yt[l * PW + j] = out[j][l];
-  }
-  for (; w0 < nwords; ++w0) {
-    double v = s[w0];
-    for (int j = 0; j < PW; ++j) {
-      double quot = round_small(v * inv_base);
-      const double rem = v - quot * base_d;
-      quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
-      y[w0 * PW + j] = thc_digit_value(v - quot * base_d, a, b);
-      v = quot;
-    }
-  }
-}
-
-// Digits q[0, count) (count <= words * per_word; missing digits are 0) into `words` words.
-// Horner in doubles while base^per_word <= 2^53 (exact, vectorisable across words), else uint64.
-LHC_TGT void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t base, bool fits_double,
-                        int32_t word_kind, uint64_t nwords, void* words) {
-  uint64_t w = 0;
-  if (fits_double && word_kind == kThcWordFloat64) {
-    const uint64_t full = count / per_word;
-    double* out = static_cast<double*>(words);
-    const double bd = (double)base;
-    w = full;
-    switch (per_word) {
-#define LHC_PACK_CASE(P) case P: pack_full_words_f64<P>(q, full, bd, out); break;
-      LHC_PACK_CASE(1) LHC_PACK_CASE(2) LHC_PACK_CASE(3) LHC_PACK_CASE(4) LHC_PACK_CASE(5) LHC_PACK_CASE(6)
-      LHC_PACK_CASE(7) LHC_PACK_CASE(8) LHC_PACK_CASE(9) LHC_PACK_CASE(10) LHC_PACK_CASE(11) LHC_PACK_CASE(12)
-#undef LHC_PACK_CASE
-      default: w = 0;
-    }
-  }
-  for (; w < nwords; ++w) {
-    const uint64_t first = w * per_word;
-    const uint64_t have = first >= count ? 0 : std::min<uint64_t>(per_word, count - first);
-    uint64_t acc = 0;
-    if (fits_double) {
-      double a = 0.0;
-      for (uint64_t j = have; j-- > 0;) a = a * (double)base + (double)q[first + j];
-      acc = (uint64_t)a;
-    } else {
-      for (uint64_t j = have; j-- > 0;) acc = acc * base + q[first + j];
-    }
-    if (word_kind == kThcWordFloat64)
-      static_cast<double*>(words)[w] = (double)acc;  // exact: acc < 2^53 by the layout rule
-    else
-      static_cast<int64_t*>(words)[w] = (int64_t)acc;
-  }
-}
-
-// The float64 words whose digits all lie inside the group (the common case), vectorised across
-// words: validity first, then the digits. s is scratch (nwords). round_small is round-to-nearest for
-// |t| < 2^51; anything larger fails the range check.
-LHC_TGT uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t nwords, uint64_t per_word,
-                                       double base_d, double max_word, double multiplier, double tolerance, double a,
-                                       double b, float* __restrict y, double* __restrict s) {
-  uint64_t bad = 0;
-  for (uint64_t w = 0; w < nwords; ++w) {
-    const double t = words[w] * multiplier;
-    const double r = round_small(t);
-    // Non-short-circuit & keeps the loop free of branches; every comparison is false for NaN.
-    const bool ok = (std::fabs(t - r) <= tolerance) & (r >= 0.0) & (r <= max_word);
-    bad += (uint64_t)!ok;
-    s[w] = ok ? r : 0.0;
-  }
-  switch (per_word) {
-#define LHC_DIGITS_CASE(P) case P: digits_full_words_f64<P>(s, nwords, base_d, a, b, y); return bad;
-    LHC_DIGITS_CASE(1) LHC_DIGITS_CASE(2) LHC_DIGITS_CASE(3) LHC_DIGITS_CASE(4) LHC_DIGITS_CASE(5)
-    LHC_DIGITS_CASE(6) LHC_DIGITS_CASE(7) LHC_DIGITS_CASE(8) LHC_DIGITS_CASE(9) LHC_DIGITS_CASE(10)
-    LHC_DIGITS_CASE(11) LHC_DIGITS_CASE(12)
-#undef LHC_DIGITS_CASE
-    default: break;
-  }
-  const double inv_base = 1.0 / base_d;
-  for (uint64_t j = 0; j < per_word; ++j) {
-    for (uint64_t w = 0; w < nwords; ++w) {
-      const double v = s[w];
-      double quot = round_small(v * inv_base);
-      const double rem = v - quot * base_d;   // exact; off by one base at most
-      quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
-      s[w] = quot;
-      y[w * per_word + j] = thc_digit_value(v - quot * base_d, a, b);
-    }
-  }
-  return bad;
-}
-
-// Aggregated words -> digit * a + b into y[0, count). Returns the number of invalid words: not an
-// integer (within `tolerance` after multiplying), negative, or above the largest aggregate of the
-// digits the word holds (base^have - 1; the padding digits of a block's last word must be 0).
-LHC_TGT uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwords, uint64_t count, uint64_t per_word,
-                              uint64_t base, double multiplier, double tolerance, double a, double b,
-                              float* __restrict y, double* scratch) {
-  uint64_t bad = 0;
-  const double base_d = (double)base, inv_base = 1.0 / base_d;
-  uint64_t w = 0;
-  if (word_kind == kThcWordFloat64) {
-    const uint64_t full = count / per_word;
-    double max_word = 1.0;
-    for (uint64_t j = 0; j < per_word; ++j) max_word *= base_d;
-    bad += unpack_full_words_f64(static_cast<const double*>(words), full, per_word, base_d, max_word - 1.0,
-                                 multiplier, tolerance, a, b, y, scratch);
-    w = full;
-  }
-  for (; w < nwords; ++w) {
-    const uint64_t first = w * per_word;
-    const uint64_t have = std::min<uint64_t>(per_word, count - first);
-    uint64_t limit = 1;
-    for (uint64_t j = 0; j < have; ++j) limit *= base;
-    if (word_kind == kThcWordFloat64) {
-      const double t = static_cast<const double*>(words)[w] * multiplier;
-      double s = std::nearbyint(t);
-      if (!(std::fabs(t - s) <= tolerance) || !(s >= 0.0) || !(s <= (double)(limit - 1))) {
-        ++bad;
-        s = 0.0;
-      }
-      // s < 2^53: digit extraction in doubles is exact (quot * base <= s + base < 2^53), one correction.
-      for (uint64_t j = 0; j < have; ++j) {
-        double quot = std::floor(s * inv_base);
-        double digit = s - quot * base_d;
-        quot = digit < 0 ? quot - 1 : (digit >= base_d ? quot + 1 : quot);
-        digit = s - quot * base_d;
-        s = quot;
-        y[first + j] = thc_digit_value(digit, a, b);
-      }
-    } else {
-      const int64_t v = static_cast<const int64_t*>(words)[w];
-      uint64_t s = (uint64_t)v;
-      if (v < 0 || s > limit - 1) {
-        ++bad;
-        s = 0;
-      }
-      for (uint64_t j = 0; j < have; ++j) {
-        y[first + j] = thc_digit_value((double)(s % base), a, b);
-        s /= base;
-      }
-    }
-  }
-  return bad;
-}
+// ---- digit packing, unpacking and the payload checksum: thc_cpu_isa_words.h -----------------------
+#include "thc_cpu_isa_words.h"
 
 // ---- one group of blocks (see thc_encode / thc_decode in thc_cpu.h) ------------------------------
 // Encode group gi: per block, v = x + e, the norm's chunk partials (when chunks lie inside blocks),
@@ -535,9 +355,14 @@ LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
       eb[i] = (xb[i] + eb[i]) - own;
     }
   }
-  if (A.Q)
-    pack_block(S.q, blocks * B, L.per_word, L.base, A.fits_double, A.word_kind, thc_words_for(L, blocks * B),
-               thc_word_at(A.words, A.word_kind, thc_group_first_word(L, gi)));
+  if (A.Q) {
+    const uint64_t nw = thc_words_for(L, blocks * B), w0 = thc_group_first_word(L, gi);
+    void* wp = thc_word_at(A.words, A.word_kind, w0);
+    pack_block(S.q, blocks * B, L.per_word, L.base, A.fits_double, A.word_kind, nw, wp);
+    // The words are still in cache; the float64 ones are valid integers by construction.
+    A.check_partial[gi] = A.word_kind == kThcWordFloat64 ? check_words_f64(static_cast<const double*>(wp), nw, w0, A.check)
+                                                         : check_words(wp, A.word_kind, nw, w0, 1.0, 0.0, A.check, S.d);
+  }
 }
 
 // dst[0, n) = src[0, n) with non-temporal stores where the level has them (dst 64-byte aligned, n a
@@ -563,10 +388,21 @@ LHC_TGT_INLINE void stream_out(float* __restrict dst, const float* __restrict sr
 LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S) {
   const ThcLayout& L = *A.layout;
   const uint64_t B = L.block, GB = L.group_blocks, blocks = thc_group_size(L, gi);
-  const uint64_t bad =
-      unpack_block(thc_word_at(A.words, A.word_kind, thc_group_first_word(L, gi)), A.word_kind,
-                   thc_words_for(L, blocks * B), blocks * B, L.per_word, L.base, A.multiplier, A.tolerance, A.a, A.b,
-                   S.y, S.d);
+  const uint64_t nw = thc_words_for(L, blocks * B), w0 = thc_group_first_word(L, gi);
+  const void* wp = thc_word_at(A.words, A.word_kind, w0);
+  const uint64_t bad = unpack_block(wp, A.word_kind, nw, blocks * B, L.per_word, L.base, A.multiplier, A.tolerance,
+                                    A.a, A.b, S.y, S.d);
+  if (A.word_kind == kThcWordFloat64 && L.per_word <= 12) {
+    // unpack_full_words_f64 left the full words' validated integers (invalid: 0) in S.d; the last,
+    // partial word of the group is read again.
+    const uint64_t full = blocks * B / L.per_word;
+    const uint64_t head = check_words_f64(S.d, full, w0, A.check);
+    const uint64_t tail = check_words(static_cast<const double*>(wp) + full, A.word_kind, nw - full, w0 + full,
+                                      A.multiplier, A.tolerance, A.check, S.d + full);
+    A.check_partial[gi] = (head + tail) % A.check.prime;
+  } else {
+    A.check_partial[gi] = check_words(wp, A.word_kind, nw, w0, A.multiplier, A.tolerance, A.check, S.d);
+  }
   for (uint64_t j = 0; j < blocks; ++j) {
     const uint64_t start = (gi * GB + j) * B;
     if (start >= L.numel) break;  // padding-only blocks: checked above, not needed

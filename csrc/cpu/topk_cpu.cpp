@@ -145,18 +145,32 @@ void exact_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int nt, 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef int64_t vl8 __attribute__((vector_size(64)));
 
+typedef float vf16 __attribute__((vector_size(64)));
+
 // Every coordinate of [lo, hi) whose key is >= t_lo, 16 at a time (one vector test; keys are below
 // 2^31, so signed lanes compare them), appended to c; *next is where the 16-wide loop stopped. False
-// as soon as c holds more than cap. Compiled per x86-64 level (a wide compare is what makes the pass
-// run at memory speed); called from inside the parallel region, whose outlined body has no clones.
+// as soon as c holds more than cap. With e (error feedback), the keys are those of a = x + e, and
+// a is written into e on the way (the whole range, even past an overflow of cap). Compiled per x86-64
+// level (a wide compare is what makes the pass run at memory speed); called from inside the parallel
+// region, whose outlined body has no clones.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-bool collect16(const float* x, uint64_t lo, uint64_t hi, uint32_t t_lo, uint64_t cap, Candidates& c, uint64_t* next) {
+bool collect16(const float* x, float* e, uint64_t lo, uint64_t hi, uint32_t t_lo, uint64_t cap, Candidates& c,
+               uint64_t* next) {
   const vi16 mask = 0x7fffffff - vi16{}, low = (int32_t)t_lo - vi16{};
   uint64_t i = lo;
   bool ok = true;
   for (; i + 16 <= hi; i += 16) {
     vi16 v;
-    std::memcpy(&v, x + i, 64);
+    if (e) {
+      vf16 a, b;
+      std::memcpy(&a, x + i, 64);
+      std::memcpy(&b, e + i, 64);
+      a += b;   // one IEEE addition per lane, as topk_accumulate on the device
+      std::memcpy(e + i, &a, 64);
+      std::memcpy(&v, &a, 64);
+    } else {
+      std::memcpy(&v, x + i, 64);
+    }
     v &= mask;
     const vi16 hit = v >= low;
     vl8 h;
@@ -169,16 +183,19 @@ bool collect16(const float* x, uint64_t lo, uint64_t hi, uint32_t t_lo, uint64_t
       }
     if (c.idx.size() > cap) {
       ok = false;
+      i += 16;
       break;
     }
   }
-  *next = i;
+  if (!ok && e)   // the sample misled: the exact fallback needs a everywhere
+    for (uint64_t j = i; j < hi; ++j) e[j] = x[j] + e[j];
+  *next = ok ? i : hi;
   return ok;
 }
 
 // Every coordinate with key >= t_lo, in ascending order, into cand; false (cand unspecified) if more
-// than `cap` qualify.
-bool filter_at_least(const float* x, uint64_t n, uint32_t t_lo, uint64_t cap, int nt, Candidates& cand) {
+// than `cap` qualify. With e: the keys of a = x + e, and e <- a everywhere (also when false).
+bool filter_at_least(const float* x, float* e, uint64_t n, uint32_t t_lo, uint64_t cap, int nt, Candidates& cand) {
   std::vector<Candidates> part(nt);
   int overflow = 0;
 #pragma omp parallel num_threads(nt) reduction(| : overflow)
@@ -190,15 +207,15 @@ bool filter_at_least(const float* x, uint64_t n, uint32_t t_lo, uint64_t cap, in
     c.idx.reserve(expect);
     c.key.reserve(expect);
     uint64_t i = r.lo;
-    if (!collect16(x, r.lo, r.hi, t_lo, cap, c, &i)) overflow = 1;
-    if (!overflow)
-      for (; i < r.hi; ++i) {
-        const uint32_t key = key_of(x, i);
-        if (key >= t_lo) {
-          c.idx.push_back((int64_t)i);
-          c.key.push_back(key);
-        }
+    if (!collect16(x, e, r.lo, r.hi, t_lo, cap, c, &i)) overflow = 1;
+    for (; i < r.hi; ++i) {
+      if (e) e[i] = x[i] + e[i];
+      const uint32_t key = key_of(e ? e : x, i);
+      if (key >= t_lo && !overflow) {
+        c.idx.push_back((int64_t)i);
+        c.key.push_back(key);
       }
+    }
   }
   if (overflow) return false;
   uint64_t total = 0;
@@ -214,11 +231,21 @@ bool filter_at_least(const float* x, uint64_t n, uint32_t t_lo, uint64_t cap, in
   return true;
 }
 
-}  // namespace
+// e <- x + e over [0, n) (threads over disjoint ranges).
+void accumulate(const float* x, float* e, uint64_t n, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < (int64_t)n; ++i) e[i] = x[i] + e[i];
+}
 
-TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int num_threads) {
-  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+// The selection of topk_select over a = x + e (e null: a = x). With e, e <- a on return, every
+// coordinate written exactly once in the common case (the sample and the filtering pass).
+TopkStats select_impl(const float* x, float* e, uint64_t n, uint64_t k, int64_t* out, int nt) {
   TopkStats st;
+  if (k == 0 || n == 0 || k >= n || n <= kSmall) {
+    if (e) accumulate(x, e, n, nt);
+    x = e ? e : x;
+    e = nullptr;
+  }
   if (k == 0 || n == 0) return st;
   if (k >= n) {
     for (uint64_t i = 0; i < n; ++i) out[i] = (int64_t)i;
@@ -237,8 +264,15 @@ TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int 
     // Sample one key per stride, at a hashed offset inside it (deterministic: a function of n alone).
     const uint64_t stride = n / kSample;
     std::vector<uint32_t> sample(kSample);
-    for (uint64_t j = 0; j < kSample; ++j)
-      sample[j] = key_of(x, j * stride + mix64(j ^ 0x70b5e1ec7ULL) % stride);
+    for (uint64_t j = 0; j < kSample; ++j) {
+      const uint64_t i = j * stride + mix64(j ^ 0x70b5e1ec7ULL) % stride;
+      if (e) {
+        const float a = x[i] + e[i];
+        sample[j] = key_of(&a, 0);
+      } else {
+        sample[j] = key_of(x, i);
+      }
+    }
     // Rank of the threshold in the sample: the expected count m of the top k plus kSigmas deviations,
     // so that at least k keys lie at or above it with high probability.
     const double m = (double)kSample * (double)k / (double)n;
@@ -248,10 +282,20 @@ TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int 
       const uint32_t t_lo = sample[r - 1];
       // More than twice the expected candidates (plus slack): the sample misled; go exact.
       const uint64_t cap = 2 * (uint64_t)((double)n * (double)r / (double)kSample) + 4096;
-      if (t_lo > 0 && !filter_at_least(x, n, t_lo, cap, nt, cand)) cand.clear();
-      if (t_lo == 0) cand.clear();
+      if (t_lo > 0) {
+        if (!filter_at_least(x, e, n, t_lo, cap, nt, cand)) cand.clear();
+        if (e) {   // the filtering pass has written a into e
+          x = e;
+          e = nullptr;
+        }
+      }
     }
-    if (cand.idx.size() < k) {   // the threshold missed (or was never set): exact selection
+    if (e) {   // no filtering pass ran: e <- a, for the exact selection below
+      accumulate(x, e, n, nt);
+      x = e;
+      e = nullptr;
+    }
+    if (cand.idx.size() < k) {   // the threshold missed (or was never set): exact selection over a
       exact_select(x, n, k, out, nt, &st);
       return st;
     }
@@ -262,6 +306,26 @@ TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int 
   kth_key(cand, k, &T, &above);
   st.count = write_selected(cand, T, k - above, out);
   st.threshold = T;
+  return st;
+}
+
+}  // namespace
+
+TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int num_threads) {
+  return select_impl(x, nullptr, n, k, out, num_threads > 0 ? num_threads : omp_get_max_threads());
+}
+
+TopkStats topk_feedback(const float* x, float* e, uint64_t n, uint64_t k, int64_t* out, float* values,
+                        int num_threads) {
+  const int nt = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const TopkStats st = select_impl(x, e, n, k, out, nt);
+  // e holds a = x + e; hand the selected entries over (k is small: a gather and a scatter of zeros).
+  const float* a = e ? e : x;
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t j = 0; j < (int64_t)st.count; ++j) {
+    values[j] = a[out[j]];
+    if (e) e[out[j]] = 0.0f;
+  }
   return st;
 }
 

@@ -26,5 +26,14 @@ struct TopkStats {
 // result never depends on the sample.
 TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int num_threads);
 
+// Top-k with error feedback in one pass over the input (CUDA twin: topk_accumulate, the selection,
+// topk_take): a = x + e (one IEEE addition per coordinate), the selection above over a into
+// out[0, c) (c = min(k, n), exactly: never more), values[j] = a[out[j]], and e <- a with the selected
+// coordinates zeroed, so x + e_before = e_after + scatter(out, values) coordinate by coordinate
+// (nothing is lost). In the common case x and e are read once and e written once (the sample reads
+// a few a[i] first); should the sample miss, e <- a first and the exact selection runs over it.
+TopkStats topk_feedback(const float* x, float* e, uint64_t n, uint64_t k, int64_t* out, float* values,
+                        int num_threads);
+
 }  // namespace cpu
 }  // namespace lhc

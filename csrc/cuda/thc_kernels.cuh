@@ -50,8 +50,13 @@ struct ThcState {
   unsigned int pad;
   double sum_squares;            // encode: ||x + e||^2 (the last thc_tree_pass writes it)
   unsigned long long bad_words;  // decode: words that are not valid aggregates
-  unsigned long long pad2;
+  unsigned long long checksum;   // encode and decode: sum of the words' thc_check_term (each < 2^25)
 };
+
+// Payload header fields written on the device (lossless_hc/thc/layout.py): the non-finite flag and the
+// checksum; fields 0 and 1 are the host's.
+constexpr uint64_t kThcHdrNonFinite = 2;
+constexpr uint64_t kThcHdrChecksum = 3;
 static_assert(sizeof(ThcState) == 32, "ThcState: 32 bytes (lossless_hc/backends/cuda_thc.py STATE_BYTES)");
 
 constexpr unsigned int kThcThreads = 256;  // block size of every THC kernel (kThcNormLanes lanes)
@@ -230,11 +235,15 @@ extern "C" __global__ void thc_tree_pass(const double* in, uint64_t n, double* o
 
 // Levels (one per padded coordinate) -> the layout's words: digit c % per_word of word
 // thc_group_first_word(group) + c / per_word is the level of the group's coordinate c.
+// Adds every word's checksum term (thc_check_term with (check_prime, check_c0, check_k)) to state->checksum.
 extern "C" __global__ void thc_pack_words(const uint64_t* lay, const void* levels, uint64_t level_bytes,
-                                          uint64_t word_kind, void* words, ThcState* state) {
+                                          uint64_t word_kind, void* words, uint64_t check_prime, uint64_t check_c0,
+                                          uint64_t check_k, ThcState* state) {
   if (state->non_finite) return;
   const ThcLayout L = thc_load_layout(lay);
+  const ThcCheck C{check_prime, check_c0, check_k};
   const uint64_t coords = (uint64_t)L.group_blocks * L.block, per_group = thc_words_for(L, coords);
+  unsigned long long chk = 0;
   for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < L.words;
        w += (uint64_t)gridDim.x * blockDim.x) {
     const uint64_t group = w / per_group, first = (w - group * per_group) * L.per_word;
@@ -247,31 +256,46 @@ extern "C" __global__ void thc_pack_words(const uint64_t* lay, const void* level
       static_cast<double*>(words)[w] = (double)acc;  // exact: acc < 2^53 by the layout rule
     else
       static_cast<long long*>(words)[w] = (long long)acc;
+    chk += thc_check_term(C, w, acc);
   }
+  if (chk) atomicAdd(&state->checksum, chk);   // integers: the order of the additions does not matter
 }
 
-// The end of an encode: the norm slot, or (x non-finite, or ||x + e||^2 overflowed) the non-finite
-// header flag with every word after the header zeroed, and e zeroed when it overflowed -- what
-// lossless_hc/thc/codec.py does with the CPU backend's ThcEncodeStats.
+// The end of an encode: the norm slot, its negation in the mirror slot and the checksum field (the
+// sum of thc_pack_words's terms mod P), or (x non-finite, or ||x + e||^2 overflowed) the non-finite
+// header flag with every word after it zeroed, and e zeroed -- what lossless_hc/backends/cpu.py does
+// with the CPU backend's ThcEncodeStats.
 extern "C" __global__ void thc_encode_finish(void* payload, uint64_t payload_numel, uint64_t norm_slot,
-                                             uint64_t word_kind, float* e, uint64_t numel, ThcState* state) {
+                                             uint64_t mirror_slot, uint64_t check_prime, uint64_t word_kind, float* e,
+                                             uint64_t numel, ThcState* state) {
   unsigned int flag = state->non_finite;
   const double total = state->sum_squares;
   if (!flag && !thc_is_finite(total)) flag = 2;
   const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (uint64_t)gridDim.x * blockDim.x;
   if (!flag) {
-    if (tid == 0) static_cast<double*>(payload)[norm_slot] = sqrt(total);  // int64 payload: the float64 bits
+    if (tid == 0) {
+      const double norm = sqrt(total);
+      static_cast<double*>(payload)[norm_slot] = norm;     // int64 payload: the float64 bits
+      static_cast<double*>(payload)[mirror_slot] = -norm;
+      const unsigned long long chk = state->checksum % check_prime;
+      if (word_kind == 0)
+        static_cast<double*>(payload)[kThcHdrChecksum] = (double)chk;
+      else
+        static_cast<long long*>(payload)[kThcHdrChecksum] = (long long)chk;
+    }
     return;
   }
-  // Header field 2 is the non-finite flag; fields 0 and 1 are the host's.
-  for (uint64_t i = 3 + tid; i < payload_numel; i += stride) static_cast<unsigned long long*>(payload)[i] = 0;
+  for (uint64_t i = kThcHdrNonFinite + 1 + tid; i < payload_numel; i += stride)
+    static_cast<unsigned long long*>(payload)[i] = 0;
   if (tid == 0) {
     if (word_kind == 0)
-      static_cast<double*>(payload)[2] = 1.0;
+      static_cast<double*>(payload)[kThcHdrNonFinite] = 1.0;
     else
-      static_cast<long long*>(payload)[2] = 1;
+      static_cast<long long*>(payload)[kThcHdrNonFinite] = 1;
   }
-  if (flag == 2 && e)
+  // e is reset in both cases, as on the CPU (whose single pass has already overwritten it when x is
+  // non-finite; here thc_check_finite kept the other kernels from running, but the result is the same).
+  if (e)
     for (uint64_t i = tid; i < numel; i += stride) e[i] = 0.0f;
 }
 
@@ -347,15 +371,17 @@ extern "C" __global__ void thc_encode_blocks(const uint64_t* lay, const float* x
 // checks it) -> digit * a + b -> FWHT -> signs / sqrt(B) -> out[0, numel).
 extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* words, uint64_t word_kind,
                                              double multiplier, double a, double b, uint64_t sign_stream, float* out,
+                                             uint64_t check_prime, uint64_t check_c0, uint64_t check_k,
                                              ThcState* state) {
   const ThcLayout L = thc_load_layout(lay);
+  const ThcCheck C{check_prime, check_c0, check_k};
   const uint64_t B = L.block, nblocks = L.padded / B, GB = L.group_blocks, pw = L.per_word, base = L.base;
   const uint64_t per_group = thc_words_for(L, GB * B);
   const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
   const float inv_sqrt = thc_inv_sqrt_block(B);
   __shared__ float y[kThcTile];
   const uint32_t t = threadIdx.x, nt = blockDim.x;
-  unsigned long long bad = 0;
+  unsigned long long bad = 0, chk = 0;
   for (uint64_t bi = blockIdx.x; bi < nblocks; bi += gridDim.x) {
     const uint64_t group = bi / GB, count = thc_group_size(L, group) * B;
     const uint64_t cstart = (bi - group * GB) * B, cend = cstart + B;
@@ -364,7 +390,10 @@ extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* wo
       const uint64_t first = w * pw;
       const uint32_t have = (uint32_t)thc_min(pw, count - first);
       const ThcWord wd = thc_read_word(words, word_kind, first_word + w, multiplier, tolerance, base, have);
-      if (!wd.ok && first >= cstart) ++bad;
+      if (first >= cstart) {   // the word's own block: counted and checksummed once
+        bad += !wd.ok;
+        chk += thc_check_term(C, first_word + w, word_kind == 0 ? (uint64_t)wd.f : wd.u);
+      }
       thc_word_digits(wd, word_kind, base, have, [&](uint32_t j, double digit) {
         const uint64_t c = first + j;
         if (c >= cstart && c < cend) y[c - cstart] = thc_digit_value(digit, a, b);
@@ -378,6 +407,7 @@ extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* wo
     __syncthreads();
   }
   if (bad) atomicAdd(&state->bad_words, bad);
+  if (chk) atomicAdd(&state->checksum, chk);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -479,21 +509,25 @@ extern "C" __global__ void thc_feedback_coords(const uint64_t* lay, const float*
 
 // Every word -> validity (counted) and digit * a + b into y at its coordinates.
 extern "C" __global__ void thc_unpack_words(const uint64_t* lay, const void* words, uint64_t word_kind,
-                                            double multiplier, double a, double b, float* y, ThcState* state) {
+                                            double multiplier, double a, double b, float* y, uint64_t check_prime,
+                                            uint64_t check_c0, uint64_t check_k, ThcState* state) {
   const ThcLayout L = thc_load_layout(lay);
+  const ThcCheck C{check_prime, check_c0, check_k};
   const uint64_t coords = (uint64_t)L.group_blocks * L.block, per_group = thc_words_for(L, coords);
   const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
-  unsigned long long bad = 0;
+  unsigned long long bad = 0, chk = 0;
   for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < L.words;
        w += (uint64_t)gridDim.x * blockDim.x) {
     const uint64_t group = w / per_group, first = (w - group * per_group) * L.per_word;
     const uint32_t have = (uint32_t)thc_min(L.per_word, thc_group_size(L, group) * L.block - first);
     const ThcWord wd = thc_read_word(words, word_kind, w, multiplier, tolerance, L.base, have);
     bad += !wd.ok;
+    chk += thc_check_term(C, w, word_kind == 0 ? (uint64_t)wd.f : wd.u);
     float* p = y + group * coords + first;
     thc_word_digits(wd, word_kind, L.base, have, [&](uint32_t j, double digit) { p[j] = thc_digit_value(digit, a, b); });
   }
   if (bad) atomicAdd(&state->bad_words, bad);
+  if (chk) atomicAdd(&state->checksum, chk);
 }
 
 // out[0, numel) = s y / sqrt(B).

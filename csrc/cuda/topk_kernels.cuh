@@ -162,5 +162,24 @@ extern "C" __global__ void topk_write(const float* x, uint64_t n, const TopkStat
   }
 }
 
+// Error feedback (the CPU's topk_feedback, csrc/cpu/topk_cpu.h): e <- x + e, one IEEE addition per
+// coordinate (no product is involved, so no contraction can change it), before the selection runs over e.
+extern "C" __global__ void topk_accumulate(const float* x, float* e, uint64_t n) {
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x)
+    e[i] = x[i] + e[i];
+}
+
+// After the selection over a (= e): values[j] = a[idx[j]] and, with zero_selected, a[idx[j]] = 0 for
+// j < count (the selected coordinates leave the residual).
+extern "C" __global__ void topk_take(float* a, const long long* idx, uint64_t count, float* values,
+                                     uint64_t zero_selected) {
+  for (uint64_t j = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; j < count;
+       j += (uint64_t)gridDim.x * blockDim.x) {
+    const uint64_t i = (uint64_t)idx[j];
+    values[j] = a[i];
+    if (zero_selected) a[i] = 0.0f;
+  }
+}
+
 }  // namespace gpu
 }  // namespace lhc

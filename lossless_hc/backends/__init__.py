@@ -23,8 +23,11 @@
   and the kernels size every buffer from the layout, never from the header.
 * ``topk_select(x, k, out=None, num_threads=0) -> indices``: the ``min(k, numel)`` largest ``|x|``, ties
   to the lower index, ascending int64 (csrc/cpu/topk_cpu.h), identical on every backend.
-* ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields) and
-  ``thc_decode -> invalid word count``.
+* ``topk_feedback(x, residual, k, num_threads=0) -> (indices, values)``: ``topk_select`` of
+  ``a = x + residual`` and ``a`` there, with ``residual <- a`` minus the selection, in place.
+* ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields: the
+  norm slot and its mirror, the checksum field, or the non-finite flag) and
+  ``thc_decode -> (invalid word count, checksum of the words)``.
 
 Every backend writes the same payload bits and decodes to the same output bits (the tests check
 CPU, emulated CUDA and the pure-torch reference against each other).

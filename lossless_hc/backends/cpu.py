@@ -42,6 +42,15 @@ def _check_topk_input(x: torch.Tensor, k: int) -> None:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
 
 
+def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> None:
+    _check_topk_input(x, k)
+    if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or not residual.is_contiguous()
+            or residual.numel() != x.numel() or residual.device != x.device):
+        raise TypeError("topk_feedback takes a contiguous float32 residual of the input's numel, on its device")
+    if residual.data_ptr() == x.data_ptr() and x.numel():
+        raise ValueError("topk_feedback: the residual must not be the input itself")
+
+
 def thc_cpu_isa(request: str = "") -> str:
     """The compiled copy of THC's CPU kernels in use ("x86-64-v4", "x86-64-v3" or "portable"; the same
     bits from each); ``request`` switches to another first ("default": the best this CPU runs)."""
@@ -179,37 +188,60 @@ class CpuBackend:
         assert st.count == count, (st.count, count)   # exact by construction (topk_cpu.h)
         return out[:count]
 
+    def topk_feedback(self, x: torch.Tensor, residual: torch.Tensor, k: int, num_threads: int = 0) -> tuple:
+        """Top-k with error feedback in one pass (csrc/cpu/topk_cpu.h ``topk_feedback``): with
+        ``a = x + residual`` (contiguous float32, the same numel), returns ``(indices, values)`` -- the
+        ``topk_select`` of ``a`` (exactly ``min(k, numel)``, ascending) and ``a`` there -- and leaves
+        ``residual = a`` with those coordinates zeroed (in place), so ``x + residual_before`` equals
+        ``residual_after`` plus the selection scattered back, coordinate by coordinate."""
+        _check_feedback_input(x, residual, k)
+        count = min(int(k), x.numel())
+        idx = torch.empty(count, dtype=torch.int64)
+        values = torch.empty(count, dtype=torch.float32)
+        st = _C.topk_feedback(x.data_ptr(), residual.data_ptr(), x.numel(), count, idx.data_ptr(), values.data_ptr(),
+                              num_threads)
+        assert st.count == count, (st.count, count)   # exact by construction (topk_cpu.h)
+        return idx, values
+
     # -- THC -------------------------------------------------------------------------------------
     def thc_layout(self, layout, device: torch.device, lo, width, inv_width) -> CpuThcLayout:
         return CpuThcLayout(layout, lo, width, inv_width)
 
     def thc_encode(self, native: CpuThcLayout, quantize: bool, scale: float, threshold: float, dequant_a: float,
                    dequant_b: float, sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int,
-                   payload: torch.Tensor, words_offset: int, norm_slot: int, non_finite_field: int,
-                   num_threads: int = 0) -> None:
-        """Encode into ``payload``: the level words, then the norm slot ``norm_slot`` (the float64
-        bits of sqrt(sum of squares) for an int64 payload), or, for a non-finite input, the flag
-        ``non_finite_field`` with everything after the header zeroed."""
+                   payload: torch.Tensor, words_offset: int, norm_slot: int, mirror_slot: int, non_finite_field: int,
+                   checksum_field: int, check: tuple, num_threads: int = 0) -> None:
+        """Encode into ``payload``: the level words, the norm slot ``norm_slot`` and its negation in
+        ``mirror_slot`` (float64 bits for an int64 payload), and the words' checksum (``check`` =
+        (P, c0, k), csrc/thc_math.h) in ``checksum_field``; or, for a non-finite input, the flag
+        ``non_finite_field`` with everything after it zeroed (checksum included)."""
+        prime, c0, k = check
         st = _C.thc_encode(native.c, bool(quantize), native.lo.data_ptr(), native.width.data_ptr(),
                            native.inv_width.data_ptr(), float(scale), float(threshold), float(dequant_a),
                            float(dequant_b), sign_stream, round_stream, x.data_ptr(), _addr(e), int(word_kind),
-                           payload[words_offset:].data_ptr(), num_threads)
+                           payload[words_offset:].data_ptr(), prime, c0, k, num_threads)
         if st.non_finite:
-            # x held NaN/Inf (e untouched), or x + e overflowed float32 (e was reset to 0): send only
-            # the header; every rank's decode sees the flag.
+            # x held NaN/Inf, or x + e overflowed float32 (either way e was reset to 0): send only the
+            # header; every rank's decode sees the flag.
             payload[non_finite_field + 1:] = 0
             payload[non_finite_field] = 1
             return
-        slot = payload[norm_slot:norm_slot + 1]
-        if payload.dtype == torch.float64:
-            slot[0] = math.sqrt(st.sum_squares)
-        else:  # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly
-            slot.view(torch.float64)[0] = math.sqrt(st.sum_squares)
+        payload[checksum_field] = st.checksum
+        norm = math.sqrt(st.sum_squares)
+        slots = payload if payload.dtype == torch.float64 else payload.view(torch.float64)
+        # int64 payload: the float64 bits; the other ranks add zeros, so the SUM keeps them exactly.
+        slots[norm_slot] = norm
+        slots[mirror_slot] = -norm
 
     def thc_decode(self, native: CpuThcLayout, sign_stream: int, word_kind: int, words: torch.Tensor,
-                   multiplier: float, a: float, b: float, out: torch.Tensor, num_threads: int = 0) -> int:
-        return _C.thc_decode(native.c, sign_stream, int(word_kind), words.data_ptr(), float(multiplier), float(a),
-                             float(b), out.data_ptr(), num_threads)
+                   multiplier: float, a: float, b: float, out: torch.Tensor, check: tuple,
+                   num_threads: int = 0) -> tuple:
+        """``out = RHT^-1(digit * a + b)`` of the aggregated words; returns ``(invalid words,
+        checksum of the words mod P)``."""
+        prime, c0, k = check
+        st = _C.thc_decode(native.c, sign_stream, int(word_kind), words.data_ptr(), float(multiplier), float(a),
+                           float(b), out.data_ptr(), prime, c0, k, num_threads)
+        return st.bad_words, st.checksum
 
     # THC's stages alone (the tests check each against the reference through these).
     def thc_rht_forward(self, native: CpuThcLayout, sign_stream: int, x: torch.Tensor, e, y: torch.Tensor,

@@ -537,20 +537,31 @@ class CudaBackend:
             raise ValueError(f"k must be an integer >= 0, got {k!r}")
         return cuda_topk.topk_select(x, k, out)
 
+    def topk_feedback(self, x: torch.Tensor, residual: torch.Tensor, k: int, num_threads: int = 0) -> tuple:
+        """The CPU backend's ``topk_feedback`` on the device (the same indices, values and residual bits)."""
+        from lossless_hc.backends.cpu import _check_feedback_input
+        _check_feedback_input(x, residual, k)
+        count = min(int(k), x.numel())
+        idx = torch.empty(count, dtype=torch.int64, device=x.device)
+        values = torch.empty(count, dtype=torch.float32, device=x.device)
+        cuda_topk.topk_feedback(x, residual, count, idx, values)
+        return idx, values
+
     def thc_layout(self, layout, device: torch.device, lo, width, inv_width):
         return cuda_thc.ThcCudaLayout(layout, device, lo, width, inv_width)
 
     def thc_encode(self, native, quantize: bool, scale: float, threshold: float, dequant_a: float, dequant_b: float,
                    sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int, payload: torch.Tensor,
-                   words_offset: int, norm_slot: int, non_finite_field: int, num_threads: int = 0) -> None:
-        # The kernels write the norm slot, or the non-finite flag (a fixed header field of
-        # csrc/cuda/thc_kernels.cuh) with everything after the header zeroed.
+                   words_offset: int, norm_slot: int, mirror_slot: int, non_finite_field: int, checksum_field: int,
+                   check: tuple, num_threads: int = 0) -> None:
+        # The kernels write the norm slot, its mirror and the checksum, or the non-finite flag (fixed
+        # header fields of csrc/cuda/thc_kernels.cuh) with everything after it zeroed.
         cuda_thc.encode(native, quantize, scale, threshold, dequant_a, dequant_b, sign_stream, round_stream, x, e,
-                        word_kind, payload, words_offset, norm_slot)
+                        word_kind, payload, words_offset, norm_slot, mirror_slot, check)
 
     def thc_decode(self, native, sign_stream: int, word_kind: int, words: torch.Tensor, multiplier: float, a: float,
-                   b: float, out: torch.Tensor, num_threads: int = 0) -> int:
-        return cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, out)
+                   b: float, out: torch.Tensor, check: tuple, num_threads: int = 0) -> tuple:
+        return cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, out, check)
 
 
 CUDA = CudaBackend()

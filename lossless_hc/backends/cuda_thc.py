@@ -26,6 +26,7 @@ TREE_WIDTH = 1024      # kThcTreeWidth
 STATE_BYTES = 32       # sizeof(lhc::gpu::ThcState)
 _STATE_SUM_OFFSET = 8  # ThcState::sum_squares
 _STATE_BAD_INDEX = 2   # ThcState::bad_words as an int64 index
+_STATE_CHECK_INDEX = 3  # ThcState::checksum as an int64 index
 
 
 
@@ -73,11 +74,12 @@ def _f64(x: float) -> int:
 
 def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float, dequant_a: float, dequant_b: float,
            sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int, payload: torch.Tensor,
-           words_offset: int, norm_slot: int) -> None:
+           words_offset: int, norm_slot: int, mirror_slot: int, check: tuple) -> None:
     """Queue the encode of ``x`` (contiguous float32, numel) with error memory ``e`` (float32 numel, or
     None) into ``payload`` (header fields 0 and 1 are the caller's; the others, the norm slots and the
-    words are written here: the norm slot ``norm_slot``, or the non-finite flag with everything after
-    the header zeroed). With ``quantize`` False (the norm-only round) the words must already be zero.
+    words are written here: the norm slot ``norm_slot``, its negation in ``mirror_slot`` and the
+    words' checksum (``check`` = (P, c0, k)), or the non-finite flag with everything after it zeroed).
+    With ``quantize`` False (the norm-only round) the words must already be zero.
     The scalars are those the CPU backend's ``thc_encode`` takes (as float32 there, converted the same
     way here). Asynchronous on the current stream."""
     L = native.layout
@@ -126,9 +128,11 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
                                   stream)
             elif e is not None:
                 launch.launch("thc_accumulate", _grid(L.numel, sms), THREADS, [xp, ep, L.numel, st], stream)
+        prime, c0, k = (int(v) for v in check)
         if quantize:
             launch.launch("thc_pack_words", _grid(L.words, sms), THREADS,
-                          [lay, levels, lb, int(word_kind), payload.data_ptr() + 8 * words_offset, st], stream)
+                          [lay, levels, lb, int(word_kind), payload.data_ptr() + 8 * words_offset, prime, c0, k, st],
+                          stream)
         # ||x + e||^2: the 1024-wide tree over the chunk partials, level by level, into state.sum_squares.
         n, src, bufs = nchunks, a.ptr("partials"), (a.ptr("tree0"), a.ptr("tree1"))
         level = 0
@@ -140,14 +144,15 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
                 break
             n, src, level = groups, dst, level + 1
         launch.launch("thc_encode_finish", _grid(max(L.numel, payload.numel()), sms), THREADS,
-                      [payload.data_ptr(), payload.numel(), int(norm_slot), int(word_kind), ep, L.numel, st], stream)
+                      [payload.data_ptr(), payload.numel(), int(norm_slot), int(mirror_slot), prime, int(word_kind), ep,
+                       L.numel, st], stream)
 
 
 def decode(native: ThcCudaLayout, sign_stream: int, word_kind: int, words: torch.Tensor, multiplier: float, a: float,
-           b: float, out: torch.Tensor) -> int:
+           b: float, out: torch.Tensor, check: tuple) -> tuple:
     """``out[0, numel) = RHT^{-1}(digit * a + b)`` of the aggregated ``words`` (the payload's level
     words, contiguous, on the device), as the CPU backend's ``thc_decode``. Returns the number of
-    invalid words (synchronises once)."""
+    invalid words and the words' checksum mod P (``check`` = (P, c0, k); synchronises once)."""
     L = native.layout
     launch = cuda_runtime.active_launcher()
     with cuda_runtime.device_scope(native.device):
@@ -160,14 +165,17 @@ def decode(native: ThcCudaLayout, sign_stream: int, word_kind: int, words: torch
         ar.view("state").zero_()
         st, lay, wp, op = ar.ptr("state"), native.words.data_ptr(), words.data_ptr(), out.data_ptr()
         kind, mult, fa, fb = int(word_kind), _f64(multiplier), _f64(a), _f64(b)
+        prime, c0, k = (int(v) for v in check)
         if native.in_shared:
             launch.launch("thc_decode_blocks", _blocks(native.nblocks, sms), THREADS,
-                          [lay, wp, kind, mult, fa, fb, sign_stream, op, st], stream)
+                          [lay, wp, kind, mult, fa, fb, sign_stream, op, prime, c0, k, st], stream)
         else:
             y = ar.ptr("y")
             tiles = L.padded // TILE
-            launch.launch("thc_unpack_words", _grid(L.words, sms), THREADS, [lay, wp, kind, mult, fa, fb, y, st], stream)
+            launch.launch("thc_unpack_words", _grid(L.words, sms), THREADS,
+                          [lay, wp, kind, mult, fa, fb, y, prime, c0, k, st], stream)
             launch.launch("thc_fwht_tiles", _blocks(tiles, sms), THREADS, [y, L.padded], stream)
             launch.launch("thc_fwht_columns", _blocks(tiles, sms), THREADS, [lay, y], stream)
             launch.launch("thc_rht_output", _grid(L.numel, sms), THREADS, [lay, y, sign_stream, op], stream)
-        return int(ar.view("state", torch.int64)[_STATE_BAD_INDEX])
+        state = ar.view("state", torch.int64)[_STATE_BAD_INDEX:_STATE_CHECK_INDEX + 1].tolist()
+        return state[0], state[1] % prime

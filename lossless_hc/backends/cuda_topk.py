@@ -58,3 +58,23 @@ def topk_select(x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None) -> 
         launch.launch("topk_offsets", 1, 32, [counts, blocks, st], stream)
         launch.launch("topk_write", blocks, THREADS, [xp, n, st, per_block, counts, out.data_ptr()], stream)
     return out[:count]
+
+
+def topk_feedback(x: torch.Tensor, e: torch.Tensor, k: int, out: torch.Tensor, values: torch.Tensor) -> int:
+    """The CPU backend's ``topk_feedback`` on the device: ``e <- x + e`` (topk_accumulate), the selection
+    over ``e`` into ``out``, then ``values[j] = e[out[j]]`` and those coordinates of ``e`` zeroed
+    (topk_take). Queued without synchronising; returns the count ``min(k, numel)``."""
+    n = x.numel()
+    count = min(int(k), n)
+    launch = cuda_runtime.active_launcher()
+    sms = _sms(x.device)
+    with cuda_runtime.device_scope(x.device):
+        stream = cuda_runtime.stream_handle(x.device)
+        if n:
+            launch.launch("topk_accumulate", max(1, min(-(-n // THREADS), 16 * sms)), THREADS,
+                          [x.data_ptr(), e.data_ptr(), n], stream)
+        idx = topk_select(e, count, out)
+        if count:
+            launch.launch("topk_take", max(1, min(-(-count // THREADS), 16 * sms)), THREADS,
+                          [e.data_ptr(), idx.data_ptr(), count, values.data_ptr(), 1], stream)
+    return count

@@ -15,9 +15,19 @@ import torch
 
 from lossless_hc.backends import backend_for
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
-from lossless_hc.thc.layout import (HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS, LAYOUT_VERSION,
-                                    WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
+from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
+                                    LAYOUT_VERSION, WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
 from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
+
+
+NON_FINITE_CHOICES = ("raise", "propagate")
+
+
+def check_non_finite(non_finite) -> str:
+    """``non_finite`` validated: "raise" or "propagate" (see :class:`THCCodec`)."""
+    if non_finite not in NON_FINITE_CHOICES:
+        raise ValueError(f"non_finite must be 'raise' or 'propagate', got {non_finite!r}")
+    return non_finite
 
 
 class THCCodec:
@@ -44,7 +54,8 @@ class THCCodec:
        ``floor(u)`` indexes the neighbours directly, so one unbiased stage suffices and has less
        variance.)
     4. Pack the levels as digits of base ``n g + 1`` into 64-bit words (``per_word`` per word);
-       write the header and this rank's ||v|| into norm slot r (0 in the other slots).
+       write the header (with the words' checksum, see :class:`~lossless_hc.thc.layout.THCLayout`),
+       this rank's ||v|| into norm slot r and -||v|| into mirror r (0 in the other slots).
     5. Error feedback: ``e <- v - RHT^{-1}(own dequantized levels)`` (clipping and rounding error of
        this step, carried into the next; :attr:`error`).
 
@@ -98,8 +109,9 @@ class THCCodec:
         initial_norm: M_0; None means a norm-only first step.
         non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
             ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
-            GradScaler, which then skips the step). That rank sends only the header and keeps its e
-            (if x is finite but x + e overflows float32, e is reset to zero instead).
+            GradScaler, which then skips the step). That rank sends only the header and its e is
+            reset to zero (as when x is finite but x + e overflows float32); the other ranks' levels
+            of that step are not delivered (their e already counts them as sent): the step is lost.
         num_threads: OpenMP threads of the kernels (0: the OpenMP default).
 
     Example (one process emulating two ranks; the adds stand for the engine's SUM)::
@@ -134,8 +146,7 @@ class THCCodec:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         if not isinstance(seed, int) or not 0 <= seed < (1 << 64):
             raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-        if non_finite not in ("raise", "propagate"):
-            raise ValueError(f"non_finite must be 'raise' or 'propagate', got {non_finite!r}")
+        check_non_finite(non_finite)
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
         self._backend = backend_for(device)
@@ -239,8 +250,9 @@ class THCCodec:
     def _fingerprint(self) -> int:
         """20-bit hash of everything the ranks must agree on at this step (configuration, step, M)."""
         L = self.layout
-        msg = struct.pack("<8q2d", LAYOUT_VERSION, L.numel, L.world_size, L.granularity, L.block, L.per_word,
-                          WORD_KINDS[L.payload_dtype], self.seed & ((1 << 63) - 1), self.overflow_freq, self._norm)
+        # The seed as an unsigned 64-bit field: every bit of it enters the hash (s and s + 2^63 differ).
+        msg = struct.pack("<7qQ2d", LAYOUT_VERSION, L.numel, L.world_size, L.granularity, L.block, L.per_word,
+                          WORD_KINDS[L.payload_dtype], self.seed, self.overflow_freq, self._norm)
         msg += struct.pack(f"<{len(self.table.levels)}q", *self.table.levels) + struct.pack("<q", self._step)
         return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << FINGERPRINT_BITS) - 1)
 
@@ -290,7 +302,8 @@ class THCCodec:
         self._backend.thc_encode(self._native, quantize, math.sqrt(D) / M if quantize else 0.0, T, (2.0 * T / g) * unit,
                                  -T * unit, self._sign_stream(), self._round_stream(), flat, e,
                                  WORD_KINDS[L.payload_dtype], payload, L.words_offset, L.norm_offset + self.rank,
-                                 HDR_NON_FINITE, self.num_threads)
+                                 L.mirror_offset + self.rank, HDR_NON_FINITE, HDR_CHECKSUM, self._check(self._step),
+                                 self.num_threads)
         fingerprint = self._fingerprint()
         payload[HDR_CONTRIBUTORS] = 1
         payload[HDR_FINGERPRINT] = fingerprint
@@ -300,6 +313,18 @@ class THCCodec:
 
     def _sign_stream(self) -> int:
         return thc_sign_stream(self.seed, self._step)
+
+    def _check(self, step: int) -> tuple:
+        """(P, c0, k) of the payload checksum at ``step`` (THCLayout): drawn from the seed and the step,
+        the same on every rank; k coprime to P - 1, so the coefficients of words less than P - 1
+        apart differ."""
+        P = self.layout.check_prime
+        h = hashlib.blake2b(struct.pack("<QQ", self.seed, step), digest_size=16, person=b"thc-checksum").digest()
+        c0 = int.from_bytes(h[:8], "little") % (P - 1)
+        k = 1 + int.from_bytes(h[8:], "little") % (P - 2)
+        while math.gcd(k, P - 1) != 1:
+            k = k % (P - 2) + 1
+        return P, c0, k
 
     def _round_stream(self) -> int:
         return thc_round_stream(self.seed, self.rank, self._step)
@@ -352,10 +377,11 @@ class THCCodec:
             r = round(v) if math.isfinite(v) else None
             ints.append(r if r is not None and abs(v - r) <= (0.5 if averaged else 0.0) else None)
         if L.payload_dtype == torch.float64:
-            norms = head[L.norm_offset:L.words_offset].mul(mult)
+            slots = head[L.norm_offset:L.words_offset].mul(mult)
         else:
-            norms = head[L.norm_offset:L.words_offset].view(torch.float64).clone()
-        contributors, fingerprint, non_finite = ints
+            slots = head[L.norm_offset:L.words_offset].view(torch.float64).clone()
+        norms, mirrors = slots[:n], slots[n:]
+        contributors, fingerprint, non_finite, checksum = ints
         if contributors != n:
             hint = ""
             if not averaged and contributors == 1 and n > 1:
@@ -371,8 +397,14 @@ class THCCodec:
                              "same arguments and run encode -> aggregate -> decode once per step on every rank")
         if non_finite is None or not 0 <= non_finite <= n:
             raise ValueError("payload header is corrupted (non-finite flag count is not an integer in [0, n])")
-        if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
-            raise ValueError("payload norm slots are corrupted (negative or non-finite)")
+        P = L.check_prime
+        if checksum is None or not 0 <= checksum <= (n - non_finite) * (P - 1):
+            raise ValueError("payload header is corrupted (the checksum field is not an integer in its range)")
+        # A rank that flagged a non-finite input sent zeros in its slot and mirror (equal to -0 too).
+        if (not bool(torch.isfinite(norms).all()) or bool((norms < 0).any())
+                or not torch.equal(mirrors, torch.neg(norms))):
+            raise ValueError("payload norm slots are corrupted (negative, non-finite, or not the exact negation of "
+                             "their mirrors)")
         self._last_norms = norms
         self._norm = float(norms.max())
 
@@ -398,12 +430,16 @@ class THCCodec:
             a /= n          # average = S a / n + b
         else:
             b *= n          # sum = S a + n b
-        bad = self._backend.thc_decode(self._native, self._sign_stream_of(self._step - 1), WORD_KINDS[L.payload_dtype],
-                                       payload[L.words_offset:], mult, a, b, y, self.num_threads)
+        bad, words_check = self._backend.thc_decode(self._native, self._sign_stream_of(self._step - 1),
+                                                    WORD_KINDS[L.payload_dtype], payload[L.words_offset:], mult, a, b,
+                                                    y, self._check(self._step - 1), self.num_threads)
         if bad:
             raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
                              f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "
                              "or not a plain SUM/AVERAGE of world_size payloads")
+        if words_check != checksum % P:
+            raise ValueError("payload checksum mismatch: the level words are not the SUM/AVERAGE of what the ranks "
+                             "sent (corrupted in transit or by the engine)")
         return result(y)
 
     def _sign_stream_of(self, step: int) -> int:

@@ -1,9 +1,11 @@
-"""The THC payload layout: header words, per-rank norm slots, and the integer levels of the rotated
-blocks packed as digits into 64-bit words (``plan_thc_layout``), with the exactness limits of SUM and
-AVERAGE aggregation (``max_world_size``). Pure functions of the configuration, identical on every rank.
+"""The THC payload layout: header words, per-rank norm slots and their mirrors, and the integer levels
+of the rotated blocks packed as digits into 64-bit words (``plan_thc_layout``), with the exactness
+limits of SUM and AVERAGE aggregation (``max_world_size``) and the prime of the payload's checksum
+(``check_prime``). Pure functions of the configuration, identical on every rank.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -14,9 +16,11 @@ import torch
 HDR_CONTRIBUTORS = 0   # 1 per rank: the aggregate says how many ranks contributed (and SUM vs AVERAGE)
 HDR_FINGERPRINT = 1    # a 20-bit hash of the configuration, the step and the scale M every rank used
 HDR_NON_FINITE = 2     # 1 if this rank's x + e held NaN/Inf
-HEADER_FIELDS = 3
+HDR_CHECKSUM = 3       # sum over the level words of c_w * word_w mod P (see THCLayout), in [0, P)
+HEADER_FIELDS = 4
 FINGERPRINT_BITS = 20
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+CHECK_PRIME_MAX = 1 << 25   # P < 2^25: residue products stay below 2^50, exact in float64 and int64
 
 WORD_KINDS = {torch.float64: 0, torch.int64: 1}
 MAX_HADAMARD_BLOCK = 1 << 20
@@ -43,6 +47,31 @@ def _digits_per_word(base: int, limit: int) -> int:
     return p
 
 
+def _is_prime(p: int) -> bool:
+    if p < 2:
+        return False
+    i = 2
+    while i * i <= p:
+        if p % i == 0:
+            return False
+        i += 1
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def check_prime(world_size: int, payload_dtype: torch.dtype) -> int:
+    """P of the payload checksum: the largest prime below CHECK_PRIME_MAX whose aggregate n (P - 1)
+    stays exact (after SUM, and AVERAGE for float64), and for which 2^1024 != 1 (mod P), so that no
+    power 2^m - 1 with m <= 1024 is a multiple of P (a float64 exponent-bit flip that keeps a word an
+    integer, S -> S 2^(+-m), changes it by a non-multiple of P unless S is one). 0 if none fits."""
+    p = min(CHECK_PRIME_MAX - 1, _exact_limit(world_size, payload_dtype) // world_size + 1)
+    while p >= 3:
+        if _is_prime(p) and pow(2, 1024, p) != 1:
+            return p
+        p -= 1
+    return 0
+
+
 def _layout_error(world_size: int, granularity: int, payload_dtype: torch.dtype,
                   digits_per_word: Optional[int]) -> Optional[str]:
     """Why (world_size, granularity, payload_dtype, digits_per_word) cannot be exact, or None."""
@@ -50,6 +79,8 @@ def _layout_error(world_size: int, granularity: int, payload_dtype: torch.dtype,
     base = world_size * granularity + 1
     if world_size * ((1 << FINGERPRINT_BITS) - 1) > limit:
         return "the header's fingerprint sum would not stay exact"
+    if check_prime(world_size, payload_dtype) == 0:
+        return "the header's checksum sum would not stay exact"
     if digits_per_word is None:
         if _digits_per_word(base, limit) < 1:
             return f"a single digit of base n*g+1 = {base} exceeds the exact range {limit}"
@@ -88,7 +119,16 @@ class THCLayout:
 
     Payload: ``payload_numel`` words of ``payload_dtype``::
 
-        [ header: 3 words ][ norm slots: world_size words ][ levels: words ]
+        [ header: 4 words ][ norm slots: world_size ][ mirrors: world_size ][ levels: words ]
+
+    Rank r writes its norm into slot r and its negation into mirror r (the others write 0 there);
+    IEEE rounding is symmetric in sign, so after any SUM or AVERAGE mirror r is exactly -slot r, and
+    a corrupted slot or mirror shows. The checksum field holds, per rank, C = sum_w c_w q_w mod P over
+    its level words q_w (w counted from the first level word), with c_w = 1 + ((c0 + w k) mod (P - 1))
+    and (c0, k) drawn per step from the seed (the same on every rank): the aggregate's checksum field
+    must be congruent to sum_w c_w S_w (mod P) over the aggregated words S_w (the check is linear, so
+    it survives the SUM). Any change of one word by d != 0 (mod P) -- e.g. any single-bit flip of an
+    integer word -- breaks it with certainty; a swap of two different words less than P - 1 apart too.
 
     numel      coordinates of the input.
     block      Hadamard block (a power of two): min(hadamard_block, next power of two >= numel).
@@ -112,18 +152,23 @@ class THCLayout:
     group_blocks: int
     words: int
     payload_dtype: torch.dtype
+    check_prime: int
 
     @property
     def norm_offset(self) -> int:
         return HEADER_FIELDS
 
     @property
-    def words_offset(self) -> int:
+    def mirror_offset(self) -> int:
         return HEADER_FIELDS + self.world_size
 
     @property
+    def words_offset(self) -> int:
+        return HEADER_FIELDS + 2 * self.world_size
+
+    @property
     def payload_numel(self) -> int:
-        return HEADER_FIELDS + self.world_size + self.words
+        return HEADER_FIELDS + 2 * self.world_size + self.words
 
     @property
     def wire_bytes(self) -> int:
@@ -172,4 +217,4 @@ def plan_thc_layout(numel: int, world_size: int, granularity: int, hadamard_bloc
     full, rest = divmod(blocks, group_blocks)
     words = full * -(-group_blocks * block // per_word) + -(-rest * block // per_word)
     return THCLayout(numel, world_size, granularity, block, padded, base, per_word, group_blocks, words,
-                     payload_dtype)
+                     payload_dtype, check_prime(world_size, payload_dtype))

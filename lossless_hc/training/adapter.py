@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.layout import INDEX_KINDS
+from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
 from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, THCAggregator, TopKAggregator,
                                             partial_values)
@@ -172,19 +173,22 @@ class THCSpec(AggregatorSpec):
 
     kind = "thc"
 
-    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **extra):
+    def __init__(self, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+                 non_finite: str = "raise", **extra):
         super().__init__(seed, **extra)
         check_table_args(bits, granularity)
         clip_threshold(overflow_freq)
         self.bits, self.granularity, self.overflow_freq = bits, granularity, overflow_freq
+        self.non_finite = check_non_finite(non_finite)
 
     def options(self) -> dict:
         return {"bits": self.bits, "granularity": self.granularity, "overflow_freq": self.overflow_freq,
-                "seed": self.seed}
+                "seed": self.seed, "non_finite": self.non_finite}
 
     def make(self, name, tensor, world_size, rank, stats, device):
         return THCAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.bits, self.granularity,
-                             self.overflow_freq, seed=self.seed, stats=stats, **self.extra)
+                             self.overflow_freq, seed=self.seed, non_finite=self.non_finite, stats=stats,
+                             **self.extra)
 
 
 # -- the engine-independent compressor -----------------------------------------------------------------
@@ -355,8 +359,12 @@ class CompressionFactory:
         return cls._build(TopKSpec, ratio, seed, index, **_with_policy(policy, kwargs))
 
     @classmethod
-    def thc(cls, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0, **kwargs):
+    def thc(cls, bits: int = 4, granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+            non_finite: str = "raise", **kwargs):
         """THC: each coordinate quantized to ``bits`` onto integer levels in [0, granularity] after a
         shared random rotation, summed as integers by the engine; unbiased, with error feedback.
-        The first step only agrees on a norm (its gradient goes out at the second step)."""
-        return cls._build(THCSpec, bits, granularity, overflow_freq, seed, **kwargs)
+        The first step only agrees on a norm (its gradient goes out at the second step).
+        ``non_finite``: a step where some rank's gradient holds NaN/Inf raises ``FloatingPointError``
+        on every rank ("raise"), or gives an all-NaN gradient on every rank ("propagate": AMP's
+        GradScaler then skips the step and training goes on)."""
+        return cls._build(THCSpec, bits, granularity, overflow_freq, seed, non_finite, **kwargs)

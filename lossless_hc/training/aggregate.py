@@ -512,20 +512,16 @@ class TopKAggregator(TensorAggregator):
             x = (x.detach().reshape(-1).float() + self.residual).reshape(self.shape).to(self.dtype)
             self.residual = None
             return x
-        # A new tensor in every case: the residual update below must not write into the gradient.
-        flat = x.detach().reshape(-1)
-        if self.residual is not None:
-            acc = torch.add(flat.to(torch.float32), self.residual)   # a new float32 tensor, one pass
-        else:
-            acc = flat.to(torch.float32, copy=True)
-        # Exactly k indices (k <= numel): the k largest |acc|, ties to the lower index, the same on
-        # every rank, thread count and device (O(numel): backends' topk_select), so the codec's
-        # capacity k is never exceeded.
-        idx = backend_for(acc.device).topk_select(acc, self.k)
-        sparse = torch.zeros_like(acc)
-        sparse[idx] = acc[idx]
-        acc[idx] = 0.0
-        self.residual = acc
+        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+        if self.residual is None:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=flat.device)
+        # One pass (backends' topk_feedback): acc = flat + residual, exactly k indices (k <= numel: the
+        # k largest |acc|, ties to the lower index, the same on every rank, thread count and device,
+        # so the codec's capacity k is never exceeded), and the residual updated in place to acc with
+        # those coordinates zeroed. The gradient itself is never written.
+        idx, values = backend_for(flat.device).topk_feedback(flat, self.residual, self.k)
+        sparse = torch.zeros_like(flat)
+        sparse[idx] = values
         return sparse.reshape(self.shape).to(self.dtype)
 
 
@@ -536,16 +532,18 @@ class THCAggregator:
     agreed norm and the error-feedback memory; see its docstring for the math and the norm-only first
     step). Like :class:`TensorAggregator` it sends a tensor dense when THC's payload would not be
     smaller (tiny tensors: biases), decided from the configuration alone. THC cannot fail to decode,
-    so there is no fallback; ranks configured differently raise :class:`ConfigurationMismatch`.
+    so there is no fallback; ranks configured differently, or a corrupted payload, raise
+    :class:`ConfigurationMismatch`. A step where some rank's gradient holds NaN/Inf raises
+    ``FloatingPointError`` on every rank (``non_finite="raise"``) or decodes to all-NaN on every rank
+    (``non_finite="propagate"``: AMP's GradScaler sees the Inf and skips the step; dense-sent tensors
+    carry their NaN/Inf through the engine's sum anyway).
     The codec follows the gradient's device: built on the CPU, it moves (with its state) to the device of
     the first gradient it sees elsewhere, e.g. CUDA (THCCodec's CUDA kernels).
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
-                 granularity: int = 30, overflow_freq: float = 32, seed: int = 0,
+                 granularity: int = 30, overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise",
                  stats: Optional[AggregationStats] = None):
-
-
         self.name = name
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -555,7 +553,8 @@ class THCAggregator:
         self._codec = None
         if dtype in _CODEC_DTYPES and self.numel > 0:
             self._codec_args = dict(numel=self.numel, world_size=world_size, rank=rank, bits=bits,
-                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed)
+                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed,
+                                    non_finite=non_finite)
             codec = THCCodec(**self._codec_args)
             if codec.wire_bytes < self.numel * dtype.itemsize:
                 self._codec = codec

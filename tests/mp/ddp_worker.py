@@ -86,6 +86,8 @@ def scenario(name):
                  for m in (ref, got)]
         return {"stats": state.stats(), "digest": param_digest(got),
                 "cosine": float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))}
+    if name == "thc_amp":  # non_finite="propagate" with AMP's GradScaler: an Inf on one rank skips the step everywhere
+        return thc_with_grad_scaler(inject_step=3, steps=8)
     if name == "pickle":  # torch.save(ddp_model) with our hook registered (DDP pickles the hook state)
         import io
         torch.manual_seed(0)
@@ -143,6 +145,42 @@ def inexact():
         ref = inexact_case.dense_reference(step, size, average=True)
         steps.append({**inexact_case.compare(ref, grads), "digest": inexact_case.digest(grads)})
     return {"steps": steps, "stats": state.stats()}
+
+
+def thc_with_grad_scaler(inject_step, steps):
+    """THC hook with non_finite="propagate" under torch.amp.GradScaler: at ``inject_step`` the last rank's
+    loss is multiplied by Inf (its gradient holds Inf/NaN, the other ranks' are finite). Records, per
+    step, whether this rank's reduced gradient held a non-finite value and the scaler's scale, and any
+    exception (there must be none)."""
+    torch.manual_seed(0)
+    model = EmbeddingModel(hidden=512)
+    ddp = DistributedDataParallel(model)
+    state = THCHookState(bits=4, non_finite="propagate")
+    ddp.register_comm_hook(state, thc_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    non_finite, scales, moved = [], [], []
+    try:
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp, batch(step, rank))
+            if step == inject_step and rank == last:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            non_finite.append(any(not bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+                                  if p.grad is not None))
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            moved.append(max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), before)))
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test asserts there is none
+        error = f"{type(e).__name__}: {e}"
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return {"error": error, "non_finite": non_finite, "scales": scales, "moved": moved, "finite": finite,
+            "digest": param_digest(model), "stats": state.stats()}
 
 
 def worker(rank, size, port, out_dir, names):

@@ -1,0 +1,246 @@
+// thc_cpu_isa_words.h -- the payload words of the THC CPU block kernels: digit packing and unpacking
+// with exactness checks, and the payload checksum. Part of thc_cpu_isa.h, which includes it once per
+// x86-64 level inside that level's namespace (LHC_THC_ISA), with LHC_TGT / LHC_TGT_INLINE defined; no
+// include guard, for the same reason.
+
+// ---- digit packing -------------------------------------------------------------------------------
+// Round to the nearest integer for |x| < 2^51 with two additions (2^52 + x has no fraction bits),
+// which vectorise on every x86 level. The digit loops only need an estimate within one of the true
+// quotient; they correct it.
+LHC_TGT_INLINE double round_small(double x) {
+  constexpr double kShift = 4503599627370496.0;  // 2^52
+  return (x + kShift) - kShift;
+}
+
+// Full words with a compile-time digit count, Horner in doubles (exact below 2^53).
+template <int PW>
+LHC_TGT void pack_full_words_f64(const uint32_t* __restrict q, uint64_t nwords, double base, double* __restrict out) {
+  for (uint64_t w = 0; w < nwords; ++w) {
+    double a = 0.0;
+    for (int j = PW - 1; j >= 0; --j) a = a * base + (double)(int32_t)q[w * PW + j];
+    out[w] = a;
+  }
+}
+
+// Digits of full words, 16 words at a time: the arithmetic runs across the 16 words of a tile
+// (contiguous, vectorised), then the tile's digits are written out in coordinate order.
+template <int PW>
+LHC_TGT void digits_full_words_f64(double* __restrict s, uint64_t nwords, double base_d, double a, double b,
+                                   float* __restrict y) {
+  constexpr int kTile = 16;
+  const double inv_base = 1.0 / base_d;
+  uint64_t w0 = 0;
+  for (; w0 + kTile <= nwords; w0 += kTile) {
+    double v[kTile];
+    float out[PW][kTile];
+    for (int l = 0; l < kTile; ++l) v[l] = s[w0 + l];
+    for (int j = 0; j < PW; ++j) {
+      for (int l = 0; l < kTile; ++l) {
+        double quot = round_small(v[l] * inv_base);
+        const double rem = v[l] - quot * base_d;   // exact; off by one base at most
+        quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
+        out[j][l] = thc_digit_value(v[l] - quot * base_d, a, b);
+        v[l] = quot;
+      }
+    }
+    float* __restrict yt = y + w0 * PW;
+    for (int l = 0; l < kTile; ++l)
+      for (int j = 0; j < PW; ++j) yt[l * PW + j] = out[j][l];
+  }
+  for (; w0 < nwords; ++w0) {
+    double v = s[w0];
+    for (int j = 0; j < PW; ++j) {
+      double quot = round_small(v * inv_base);
+      const double rem = v - quot * base_d;
+      quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
+      y[w0 * PW + j] = thc_digit_value(v - quot * base_d, a, b);
+      v = quot;
+    }
+  }
+}
+
+// Digits q[0, count) (count <= words * per_word; missing digits are 0) into `words` words.
+// Horner in doubles while base^per_word <= 2^53 (exact, vectorisable across words), else uint64.
+LHC_TGT void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t base, bool fits_double,
+                        int32_t word_kind, uint64_t nwords, void* words) {
+  uint64_t w = 0;
+  if (fits_double && word_kind == kThcWordFloat64) {
+    const uint64_t full = count / per_word;
+    double* out = static_cast<double*>(words);
+    const double bd = (double)base;
+    w = full;
+    switch (per_word) {
+#define LHC_PACK_CASE(P) case P: pack_full_words_f64<P>(q, full, bd, out); break;
+      LHC_PACK_CASE(1) LHC_PACK_CASE(2) LHC_PACK_CASE(3) LHC_PACK_CASE(4) LHC_PACK_CASE(5) LHC_PACK_CASE(6)
+      LHC_PACK_CASE(7) LHC_PACK_CASE(8) LHC_PACK_CASE(9) LHC_PACK_CASE(10) LHC_PACK_CASE(11) LHC_PACK_CASE(12)
+#undef LHC_PACK_CASE
+      default: w = 0;
+    }
+  }
+  for (; w < nwords; ++w) {
+    const uint64_t first = w * per_word;
+    const uint64_t have = first >= count ? 0 : std::min<uint64_t>(per_word, count - first);
+    uint64_t acc = 0;
+    if (fits_double) {
+      double a = 0.0;
+      for (uint64_t j = have; j-- > 0;) a = a * (double)base + (double)q[first + j];
+      acc = (uint64_t)a;
+    } else {
+      for (uint64_t j = have; j-- > 0;) acc = acc * base + q[first + j];
+    }
+    if (word_kind == kThcWordFloat64)
+      static_cast<double*>(words)[w] = (double)acc;  // exact: acc < 2^53 by the layout rule
+    else
+      static_cast<int64_t*>(words)[w] = (int64_t)acc;
+  }
+}
+
+// The float64 words whose digits all lie inside the group (the common case), vectorised across
+// words: validity first, then the digits. s is scratch (nwords). round_small is round-to-nearest for
+// |t| < 2^51; anything larger fails the range check.
+LHC_TGT uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t nwords, uint64_t per_word,
+                                       double base_d, double max_word, double multiplier, double tolerance, double a,
+                                       double b, float* __restrict y, double* __restrict s) {
+  uint64_t bad = 0;
+  for (uint64_t w = 0; w < nwords; ++w) {
+    const double t = words[w] * multiplier;
+    const double r = round_small(t);
+    // Non-short-circuit & keeps the loop free of branches; every comparison is false for NaN.
+    const bool ok = (std::fabs(t - r) <= tolerance) & (r >= 0.0) & (r <= max_word);
+    bad += (uint64_t)!ok;
+    s[w] = ok ? r : 0.0;
+  }
+  switch (per_word) {
+#define LHC_DIGITS_CASE(P) case P: digits_full_words_f64<P>(s, nwords, base_d, a, b, y); return bad;
+    LHC_DIGITS_CASE(1) LHC_DIGITS_CASE(2) LHC_DIGITS_CASE(3) LHC_DIGITS_CASE(4) LHC_DIGITS_CASE(5)
+    LHC_DIGITS_CASE(6) LHC_DIGITS_CASE(7) LHC_DIGITS_CASE(8) LHC_DIGITS_CASE(9) LHC_DIGITS_CASE(10)
+    LHC_DIGITS_CASE(11) LHC_DIGITS_CASE(12)
+#undef LHC_DIGITS_CASE
+    default: break;
+  }
+  const double inv_base = 1.0 / base_d;
+  for (uint64_t j = 0; j < per_word; ++j) {
+    for (uint64_t w = 0; w < nwords; ++w) {
+      const double v = s[w];
+      double quot = round_small(v * inv_base);
+      const double rem = v - quot * base_d;   // exact; off by one base at most
+      quot += (rem >= base_d ? 1.0 : 0.0) - (rem < 0.0 ? 1.0 : 0.0);
+      s[w] = quot;
+      y[w * per_word + j] = thc_digit_value(v - quot * base_d, a, b);
+    }
+  }
+  return bad;
+}
+
+// Aggregated words -> digit * a + b into y[0, count). Returns the number of invalid words: not an
+// integer (within `tolerance` after multiplying), negative, or above the largest aggregate of the
+// digits the word holds (base^have - 1; the padding digits of a block's last word must be 0).
+LHC_TGT uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwords, uint64_t count, uint64_t per_word,
+                              uint64_t base, double multiplier, double tolerance, double a, double b,
+                              float* __restrict y, double* scratch) {
+  uint64_t bad = 0;
+  const double base_d = (double)base, inv_base = 1.0 / base_d;
+  uint64_t w = 0;
+  if (word_kind == kThcWordFloat64) {
+    const uint64_t full = count / per_word;
+    double max_word = 1.0;
+    for (uint64_t j = 0; j < per_word; ++j) max_word *= base_d;
+    bad += unpack_full_words_f64(static_cast<const double*>(words), full, per_word, base_d, max_word - 1.0,
+                                 multiplier, tolerance, a, b, y, scratch);
+    w = full;
+  }
+  for (; w < nwords; ++w) {
+    const uint64_t first = w * per_word;
+    const uint64_t have = std::min<uint64_t>(per_word, count - first);
+    uint64_t limit = 1;
+    for (uint64_t j = 0; j < have; ++j) limit *= base;
+    if (word_kind == kThcWordFloat64) {
+      const double t = static_cast<const double*>(words)[w] * multiplier;
+      double s = std::nearbyint(t);
+      if (!(std::fabs(t - s) <= tolerance) || !(s >= 0.0) || !(s <= (double)(limit - 1))) {
+        ++bad;
+        s = 0.0;
+      }
+      // s < 2^53: digit extraction in doubles is exact (quot * base <= s + base < 2^53), one correction.
+      for (uint64_t j = 0; j < have; ++j) {
+        double quot = std::floor(s * inv_base);
+        double digit = s - quot * base_d;
+        quot = digit < 0 ? quot - 1 : (digit >= base_d ? quot + 1 : quot);
+        digit = s - quot * base_d;
+        s = quot;
+        y[first + j] = thc_digit_value(digit, a, b);
+      }
+    } else {
+      const int64_t v = static_cast<const int64_t*>(words)[w];
+      uint64_t s = (uint64_t)v;
+      if (v < 0 || s > limit - 1) {
+        ++bad;
+        s = 0;
+      }
+      for (uint64_t j = 0; j < have; ++j) {
+        y[first + j] = thc_digit_value((double)(s % base), a, b);
+        s /= base;
+      }
+    }
+  }
+  return bad;
+}
+
+// ---- the payload checksum (thc_math.h: thc_check_term) -------------------------------------------
+// x mod P for an integer-valued double 0 <= x < 2^53 (P < 2^25): the quotient estimate is within one
+// of floor(x / P) (x / P < 2^28, relative error 2^-52), fma(-q, P, x) is an integer below 2^26 in
+// magnitude and therefore exact, and one correction brings it into [0, P).
+LHC_TGT_INLINE double mod_prime(double x, double P, double inv_P) {
+  const double q = round_small(x * inv_P);
+  const double r = __builtin_fma(-q, P, x);
+  return r < 0.0 ? r + P : (r >= P ? r - P : r);
+}
+
+// sum_i thc_check_term(C, w0 + i, s[i]) mod P over integer-valued doubles s[0, n) (each < 2^53),
+// eight lanes at a time in exact double arithmetic (the same integers as thc_check_term), the
+// coefficients stepped per lane: c - 1 = (c0 + w k) mod (P - 1).
+LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_t w0, const ThcCheck& C) {
+  constexpr int V = 8;
+  uint64_t i = 0, total = 0;
+  if (n >= V) {
+    const double P = (double)C.prime, inv_P = 1.0 / P, Pm = (double)(C.prime - 1);
+    const double step = (double)(((uint64_t)V % (C.prime - 1)) * C.k % (C.prime - 1));
+    double d[V], acc[V];
+    for (int l = 0; l < V; ++l) {
+      d[l] = (double)(thc_check_coeff(C, w0 + l) - 1);
+      acc[l] = 0.0;
+    }
+    // acc[l] < (n / V) P < 2^53 for any group (n < 2^28 words).
+    for (; i + V <= n; i += V)
+      for (int l = 0; l < V; ++l) {
+        const double r = mod_prime(s[i + l], P, inv_P);
+        acc[l] += mod_prime(r * (d[l] + 1.0), P, inv_P);   // r (c - 1 + 1) < 2^50: exact
+        const double dn = d[l] + step;
+        d[l] = dn >= Pm ? dn - Pm : dn;
+      }
+    for (int l = 0; l < V; ++l) total += (uint64_t)acc[l];
+  }
+  for (; i < n; ++i) total += thc_check_term(C, w0 + i, (uint64_t)s[i]);
+  return total % C.prime;
+}
+
+// The checksum of `nwords` payload words of either kind (word index w0 first): float64 words through
+// check_words_f64 (scratch: nwords doubles), int64 words one by one. Aggregated words (multiplier,
+// tolerance: see unpack_block) that are not valid integers count as 0, as the decoder reads them.
+LHC_TGT uint64_t check_words(const void* words, int32_t word_kind, uint64_t nwords, uint64_t w0, double multiplier,
+                             double tolerance, const ThcCheck& C, double* __restrict scratch) {
+  if (word_kind == kThcWordFloat64) {
+    const double* wd = static_cast<const double*>(words);
+    for (uint64_t w = 0; w < nwords; ++w) {
+      const double t = wd[w] * multiplier;
+      const double r = round_small(t);
+      const bool ok = (std::fabs(t - r) <= tolerance) & (r >= 0.0) & (r < 9007199254740992.0);
+      scratch[w] = ok ? r : 0.0;
+    }
+    return check_words_f64(scratch, nwords, w0, C);
+  }
+  const int64_t* wi = static_cast<const int64_t*>(words);
+  uint64_t total = 0;
+  for (uint64_t w = 0; w < nwords; ++w) total += thc_check_term(C, w0 + w, wi[w] < 0 ? 0 : (uint64_t)wi[w]);
+  return total % C.prime;
+}

@@ -13,10 +13,13 @@ from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMisma
 
 
 def row_sparse(rows, cols, touched, seed):
+    # Values in [1, 2): no row holds a coordinate far below its largest and no sum cancels, so the
+    # codec proves every row within rtol (OK, not INEXACT: with per-row masses a randn row's small
+    # coordinates cannot be proven; re-aggregating INEXACT rows is the plugins' part of issue #19).
     g = torch.Generator().manual_seed(seed)
     x = torch.zeros(rows, cols)
     idx = torch.randperm(rows, generator=g)[:touched]
-    x[idx] = torch.randn(touched, cols, generator=g)
+    x[idx] = 1.0 + torch.rand(touched, cols, generator=g)
     return x
 
 

@@ -66,12 +66,14 @@ def test_codec_decodes_at_capacity(keys):
         x[torch.from_numpy(rng.choice(numel, keys, replace=False))] = torch.from_numpy(
             helpers.values(rng, "normal", keys))
         y, rep = codec.decode(codec.encode(x), trace=t == 0)
-        if rep.ok:
-            assert torch.equal(y != 0, x != 0)
+        if helpers.peeled_ok(rep):   # peeling succeeded (INEXACT keys are the bound's, not the sizing's)
+            inexact = torch.zeros_like(x, dtype=torch.bool)
+            inexact[rep.inexact_keys] = True
+            assert torch.equal((y != 0) | inexact, (x != 0) | inexact)
             if t == 0:  # the rigorous bound once per size (its Python loop is slow at 100k keys)
                 helpers.assert_lossless(codec.layout, [x], y, rep)
             else:
-                assert float((y - x).abs().max()) <= 1e-4
+                assert float((y - x).abs()[~inexact].max()) <= 1e-4
         else:
             assert "sketch peeling failed" in rep.reason, rep.reason
             failures += 1
@@ -116,7 +118,7 @@ def test_bloom_index_peels_at_target_rate(numel, n, cap):
             xs = helpers.make_inputs(rng, numel, 1, n, cap, "random", "normal")
             y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng))
             trials += 1
-            if not rep.ok:
+            if not helpers.peeled_ok(rep):
                 assert "peeling failed" in rep.reason, rep.reason
                 failures += "index peeling" in rep.reason
     assert failures <= allowed_failures(trials), f"{failures}/{trials} Bloom index peeling failures"

@@ -29,8 +29,11 @@
   norm slot and its mirror, the checksum field, or the non-finite flag) and
   ``thc_decode -> (invalid word count, checksum of the words)``.
 
-Every backend writes the same payload bits and decodes to the same output bits (the tests check
-CPU, emulated CUDA and the pure-torch reference against each other).
+Every backend writes the same index and header bits (sketch cells within float rounding of each
+other: CUDA adds them with atomics) and recovers the same support; a key's decoded value and error
+bound depend on the cell it was read from, which the CPU's queue and CUDA's rounds may choose
+differently (docs/DESIGN.md "Exactness"). The tests check CPU, emulated CUDA and the pure-torch
+reference against each other.
 """
 from __future__ import annotations
 

@@ -83,6 +83,7 @@ def test_sparse_tensors_compress():
     """The point of the codec: at 1% density and 8 ranks the payload is far below dense."""
     codec = LosslessCodec(1 << 20, 8, (1 << 20) // 100)
     assert codec.index_kind in ("bitmap", "bloom", "multilevel")
-    assert codec.compression_ratio < 0.35, codec
+    # 0.37 since layout version 6: the mass channel doubles the value sketch at block 1 (docs/DESIGN.md "Exactness")
+    assert codec.compression_ratio < 0.4, codec
     emb = LosslessCodec(1 << 20, 8, (1 << 20) // 100, block_size=64)     # row-sparse embedding gradient
     assert emb.compression_ratio < 0.2, emb

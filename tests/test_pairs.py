@@ -65,8 +65,16 @@ def test_solvable_pair_decodes_exactly(block, n, averaged):
         helpers.assert_lossless(codec.layout, xs, y, rep, averaged=averaged, strict_support=False)
         assert set(pair) <= set((rep.trace[0] // 1).tolist())
         yr, info = reference.decode(codec.layout, summed, averaged=averaged)
-        assert info["ok"] and info["peeled"] == rep.peeled == rep.support
-        assert torch.allclose(yr, y.double(), rtol=1e-6, atol=1e-6 * float(yr.abs().max()))
+        # The reference peels in rounds (as CUDA does), so it may read a key from another cell than the
+        # C++ queue did and prove a different set inexact; both must peel everything, and agree elsewhere.
+        assert info["ok"] or info["reason"] == "inexact", info["reason"]
+        assert info["peeled"] == rep.peeled == rep.support
+        exact = torch.ones(codec.layout.num_keys, dtype=torch.bool)
+        for keys in (info["inexact_keys"], rep.inexact_keys):
+            if keys is not None:
+                exact[keys] = False
+        mask = exact.repeat_interleave(codec.layout.block)[: codec.layout.numel]
+        assert torch.allclose(yr[mask], y.double()[mask], rtol=1e-6, atol=1e-6 * float(yr.abs().max()))
 
 
 @pytest.mark.parametrize("block", [1, 3])

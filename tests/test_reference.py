@@ -110,7 +110,7 @@ def test_reference_bloom_false_positives_are_exact_zeros():
     L = plan_layout(numel, n, k, 1, seed=1, index="bloom")
     xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
     y, info = reference.decode(L, helpers.sum_payloads([reference.encode(L, x) for x in xs], rng))
-    assert info["ok"], info["reason"]
+    assert info["ok"] or info["reason"] == "inexact", info["reason"]   # every key peeled; bounds are test_exactness's
     assert info["false_positives"] == info["candidates"] - info["support"]
     truth = helpers.dense_sum64(xs)
     assert info["support"] == int((truth != 0).sum())

@@ -93,7 +93,7 @@ def test_bloom_false_positives_stay_bounded(num_keys, union):
     for t in range(8):
         xs = helpers.make_inputs(rng, num_keys, 1, n, union // n, "disjoint", "normal")
         y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng))
-        assert rep.ok, rep.reason
+        assert helpers.peeled_ok(rep), rep.reason   # INEXACT keys are listed, not wrong (test_exactness)
         assert rep.support == union and rep.candidates == union + rep.false_positives
         truth = helpers.dense_sum64(xs)
         assert bool((y[truth == 0] == 0).all())

@@ -83,7 +83,7 @@ def run_thc_group(seed: int, group: int, device: str = "cpu") -> List[Verdict]:
         c.encode(xs[0].to(device))
         try:
             return c.decode(payload.to(device), averaged=averaged).cpu()
-        except ValueError:
+        except (ValueError, FloatingPointError):   # refused: a corrupted word can also claim a non-finite input
             return None
 
     clean = decode(summed)

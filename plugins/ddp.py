@@ -229,6 +229,16 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     return _compressed_allreduce(state, bucket, "thc_hook")
 
 
+def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
+    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n``."""
+    offset = 0
+    for value in results:
+        m = value.numel()
+        buffer[offset:offset + m].copy_(value.reshape(-1)).div_(n)
+        offset += m
+    return buffer
+
+
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
     buffer = bucket.buffer()
     if buffer.is_sparse:
@@ -243,12 +253,7 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_message(message, fut.value()[0], lambda dense: dist.all_reduce(dense, group=fallback_group))
-        offset = 0
-        for value in results:
-            m = value.numel()
-            buffer[offset:offset + m].copy_(value.reshape(-1)).div_(n)
-            offset += m
-        return buffer
+        return _fill_bucket(buffer, results, n)
 
     return fut.then(decode)
 
@@ -280,11 +285,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_auto_message(message, fut.value()[0],
                                       lambda t: dist.all_reduce(t, group=fallback_group), gather)
-        offset = 0
-        for value in results:
-            m = value.numel()
-            buffer[offset:offset + m].copy_(value.reshape(-1)).div_(n)
-            offset += m
-        return buffer
+        return _fill_bucket(buffer, results, n)
 
     return fut.then(decode)

@@ -251,26 +251,30 @@ class CompressorAdapter:
         waited for (and scaled) when its last outstanding tensor has been decoded. Raises
         :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks are configured differently.
         """
-        agg = enc.aggregator
         self._pending -= 1
         try:
-            outcome = agg.decode(aggregated, enc.ctx)
+            outcome = enc.aggregator.decode(aggregated, enc.ctx)
         except Exception:
             self._pending = max(self._pending, 0)
             raise
-        if outcome.needs_fallback:
-            dense = enc.ctx.dense_value.detach().clone()
-            handle = self._start_fallback(agg, dense)
-            self._fallbacks.append((handle, dense, outcome, agg))
-            result = dense   # filled in place by the engine; waited for below
-        else:
-            result = outcome.value
-            if outcome.needs_partial:   # completed in place in _finish_step
-                self._partials.append((agg, partial_values(enc.ctx, outcome).contiguous(), outcome))
+        result = self._result(enc, outcome, aggregated)
         if self._pending <= 0:
             self._pending = 0
             self._finish_step()
         return result
+
+    def _result(self, enc: EncodedTensor, outcome, aggregated: torch.Tensor) -> torch.Tensor:
+        """What :meth:`decode` returns for one decoded tensor, starting whatever completes it at the
+        step's end (a dense fallback, the inexact keys' SUM)."""
+        agg = enc.aggregator
+        if outcome.needs_fallback:
+            dense = enc.ctx.dense_value.detach().clone()
+            handle = self._start_fallback(agg, dense)
+            self._fallbacks.append((handle, dense, outcome, agg))
+            return dense   # filled in place by the engine; waited for in _finish_step
+        if outcome.needs_partial:   # completed in place in _finish_step
+            self._partials.append((agg, partial_values(enc.ctx, outcome).contiguous(), outcome))
+        return outcome.value
 
     def _finish_step(self) -> None:
         fallbacks, self._fallbacks = self._fallbacks, []

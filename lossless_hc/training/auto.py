@@ -176,25 +176,14 @@ class AutoCompressorAdapter(CompressorAdapter):
         super().__init__(spec, **engine_options)
         self._requests: list = []   # (handle, out, ctx, aggregator) issued this step
 
-    def decode(self, aggregated: torch.Tensor, enc: EncodedTensor) -> torch.Tensor:
+    def _result(self, enc: EncodedTensor, outcome, aggregated: torch.Tensor) -> torch.Tensor:
+        if outcome.request is None:
+            return outcome.value
         agg = enc.aggregator
-        self._pending -= 1
-        try:
-            outcome = agg.decode(aggregated, enc.ctx)
-        except Exception:
-            self._pending = max(self._pending, 0)
-            raise
-        if outcome.request is not None:
-            out = torch.zeros(agg.shape, dtype=agg.dtype, device=aggregated.device)
-            handle = self._start_request(agg, outcome.request)
-            self._requests.append((handle, out, enc.ctx, agg))
-            result = out   # filled in place below, before the optimizer reads it
-        else:
-            result = outcome.value
-        if self._pending <= 0:
-            self._pending = 0
-            self._finish_step()
-        return result
+        out = torch.zeros(agg.shape, dtype=agg.dtype, device=aggregated.device)
+        handle = self._start_request(agg, outcome.request)
+        self._requests.append((handle, out, enc.ctx, agg))
+        return out   # filled in place in _finish_step, before the optimizer reads it
 
     def _finish_step(self) -> None:
         requests, self._requests = self._requests, []

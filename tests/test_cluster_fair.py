@@ -69,6 +69,14 @@ def test_answer_line_and_auto_marked():
 
 
 # -- Zipf access -----------------------------------------------------------------------------------
+def test_window_statistics_subtract_counters_and_recompute_the_ratio():
+    before = {"payload_bytes": 100, "dense_bytes": 400, "wire_ratio": 0.25, "last_failure": None}
+    after = {"payload_bytes": 400, "dense_bytes": 800, "wire_ratio": 0.5, "last_failure": "x"}
+    d = train.stats_delta(after, before)
+    assert (d["payload_bytes"], d["dense_bytes"], d["last_failure"]) == (300, 400, "x")
+    assert d["wire_ratio"] == 0.75      # this window's 300 / 400, not 0.5 - 0.25
+
+
 def test_zipf_weights_and_expected_distinct():
     w = data.zipf_weights(1000, 1.1)
     assert float(w.sum()) == pytest.approx(1.0)

@@ -247,12 +247,17 @@ def interface_bytes(iface: str) -> dict:
 
 
 def stats_delta(after, before):
-    """Per-window statistics: the numeric fields of ``after`` minus those of ``before``."""
+    """Per-window statistics: the counters of ``after`` minus those of ``before``; the window's
+    ``wire_ratio`` is its own payload bytes over its own dense bytes (a ratio does not subtract)."""
     if after is None:
         return None
     if before is None:
         return dict(after)
-    return {k: (v - before.get(k, 0) if isinstance(v, (int, float)) else v) for k, v in after.items()}
+    out = {k: (v - before.get(k, 0) if isinstance(v, (int, float)) and k != "wire_ratio" else v)
+           for k, v in after.items()}
+    if "wire_ratio" in out and out.get("dense_bytes"):
+        out["wire_ratio"] = out["payload_bytes"] / out["dense_bytes"]
+    return out
 
 
 # -- the loop --------------------------------------------------------------------------------------

@@ -31,6 +31,11 @@ MESHES = {
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_resume", "auto_reduce_scatter"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch"]),
 }
+# The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
+CUDA_MESHES = {
+    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk"]),
+}
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
 
 
@@ -45,16 +50,16 @@ def launch(tmp_path_factory):
     """``launch(mesh)``: the output folder of that mesh's launch (one per test module)."""
     done = {}
 
-    def run(mesh):
-        if mesh not in done:
-            replicas, shards, names = MESHES[mesh]
-            out = tmp_path_factory.mktemp(f"fsdp{mesh}")
-            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    def run(mesh, device="cpu"):
+        if (mesh, device) not in done:
+            replicas, shards, names = (MESHES if device == "cpu" else CUDA_MESHES)[mesh]
+            out = tmp_path_factory.mktemp(f"fsdp{mesh}{device}")
+            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE=device)
             args = [sys.executable, WORKER, str(replicas), str(shards), str(free_port()), str(out), ",".join(names)]
             proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
             assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-            done[mesh] = out
-        return done[mesh]
+            done[(mesh, device)] = out
+        return done[(mesh, device)]
     return run
 
 
@@ -64,8 +69,8 @@ def cases(*names):
             if name in MESHES[mesh][2]]
 
 
-def results(launch, mesh, name):
-    out = launch(mesh)
+def results(launch, mesh, name, device="cpu"):
+    out = launch(mesh, device)
     replicas, shards, _ = MESHES[mesh]
     return [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(replicas * shards)]
 
@@ -179,3 +184,25 @@ def test_auto_resumed_run_continues_bit_identically(launch, mesh, name):
 def test_auto_refuses_the_reduce_scatter(launch, mesh, name):
     for r in results(launch, mesh, name):
         assert r["error"] == "ValueError" and "reduce-scatter" in r["message"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mesh", sorted(CUDA_MESHES))
+def test_cuda_tensors_through_gloo(launch, mesh):
+    """Issue #24 on a GPU: the hooks on CUDA tensors (every rank on GPU 0, Gloo) give what they give on CPU
+    tensors: lossless and auto equal uncompressed FSDP2 to float rounding with identical decisions, top-k
+    and THC compress and train, a resumed run continues bit for bit."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    names = CUDA_MESHES[mesh][2]
+    for name in names:
+        rs = results(launch, mesh, name, device="cuda")
+        if name in ("lossless", "lossless_rs", "fallback", "auto"):
+            assert all(r["max_diff"] <= TOL for r in rs), (name, rs)
+            assert_identical_decisions(rs)
+        elif name in ("topk", "thc"):
+            assert all(r["stats"]["payload_bytes"] < 0.5 * r["stats"]["dense_bytes"] and r["cosine"] > 0.8
+                       for r in rs), (name, rs)
+        elif name == "resume":
+            assert all(r["bitwise"] for r in rs), rs

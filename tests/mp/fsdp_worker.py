@@ -25,13 +25,16 @@ from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPSt
 from lossless_hc.training.planner import Calibration  # noqa: E402
 
 STEPS = 5
+# LHC_TEST_DEVICE=cuda: the same scenarios on CUDA tensors (every rank on GPU 0, Gloo; NCCL refuses
+# two ranks on one GPU).
+DEVICE = torch.device(os.environ.get("LHC_TEST_DEVICE", "cpu"))
 
 
 def build(mesh, native: bool, hidden: int = 16):
     """The test model, fully_shard per table and at the root: natively on the whole mesh (the reference)
     or on its shard dimension only (custom HSDP, for our hooks)."""
     torch.manual_seed(0)
-    model = EmbeddingModel(hidden=hidden)
+    model = EmbeddingModel(hidden=hidden).to(DEVICE)
     on = mesh if native or mesh.ndim == 1 else mesh["shard"]
     for m in (model.users, model.items, model.fc1):
         fully_shard(m, mesh=on)
@@ -44,7 +47,7 @@ def build(mesh, native: bool, hidden: int = 16):
 
 
 def local(model):
-    return [p.to_local().detach().clone() for p in model.parameters()]
+    return [p.to_local().detach().cpu().clone() for p in model.parameters()]
 
 
 def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None):
@@ -52,7 +55,7 @@ def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None):
     rank = dist.get_rank()
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
-        loss_fn(model, batch(step, rank)).backward()
+        loss_fn(model, [t.to(DEVICE) for t in batch(step, rank)]).backward()
         opt.step()
     return opt
 
@@ -185,10 +188,12 @@ def worker(rank, replicas, shards, port, out_dir, names):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=replicas * shards)
     torch.set_num_threads(1)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(0)
     if replicas > 1:
-        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(DEVICE.type, (shards,), mesh_dim_names=("shard",))
     for name in names:
         result = scenario(name, mesh)
         result.update(rank=rank, replicas=replicas, shards=shards)

@@ -263,17 +263,21 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     """DDP communication hook: the planner's strategy per parameter (exact unless ``lossy``).
 
     Returns a future of the bucket's averaged gradients; with exact strategies they equal DDP's default
-    allreduce up to float rounding of the sum."""
+    allreduce up to float rounding of the sum. A sparse gradient's bucket (``nn.Embedding(sparse=True)``:
+    DDP gives each its own) is planned among the exact strategies over the rows it lists, without
+    densifying it for allgather and two_phase, and its future holds a coalesced sparse tensor of the
+    rows some rank listed, divided by the world size, as DDP's own sparse allreduce gives."""
     _require_state(state, AutoHookState, "auto_hook")
     buffer = bucket.buffer()
-    if buffer.is_sparse:
-        raise TypeError("auto_hook got a sparse gradient bucket; use dense gradients (nn.Embedding(sparse=False))")
+    # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
+    # that gradient (uncoalesced COO) and whose gradients() list is empty.
+    grads = [buffer] if buffer.is_sparse else bucket.gradients()
     if not state._config_checked:
         state._check_configuration()
         state._calibrate()
     fallback_group = state._fallback_group(bucket.index())
-    aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-    message = AutoMessage(aggs, bucket.gradients())
+    aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
+    message = AutoMessage(aggs, grads)
     n = state.world_size
     fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
@@ -285,6 +289,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_auto_message(message, fut.value()[0],
                                       lambda t: dist.all_reduce(t, group=fallback_group), gather)
+        if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
+            return results[0].div_(n)
         return _fill_bucket(buffer, results, n)
 
     return fut.then(decode)

@@ -23,7 +23,7 @@ def sparse_grad(rng, rows, dim, listed, zero_rows=()):
     vals[len(listed):] = 0
     half = vals / 2
     return torch.sparse_coo_tensor(torch.cat([idx, idx]).reshape(1, -1), torch.cat([half, vals - half]),
-                                   (rows, dim))
+                                   (rows, dim), check_invariants=True)
 
 
 def supports(step):

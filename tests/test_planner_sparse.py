@@ -122,3 +122,29 @@ def test_the_choice_for_a_sparse_gradient_can_differ_from_the_dense_one():
     model = CostModel(Calibration(LinkModel(50e-6, 8 / 10e9), codec))
     assert model.choose(stats(False, k=4000, union=12000))[0] == "dense"
     assert model.choose(stats(True, k=4000, union=12000))[0] == "allgather"
+
+
+def test_sketch_reaggregates_inexact_rows_alone():
+    """Rows whose coordinates span three orders of magnitude: the sketch's decode reports keys it cannot
+    prove within rtol (INEXACT); only those rows go out again (one allreduce of their values), the rest
+    is read from the sketch, and no step falls back to the dense tensor once the sketch is sized."""
+    rng = torch.Generator().manual_seed(9)
+    for sparse in (True, False):
+        aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first="sketch", allowed=("sketch",),
+                               interval=1, sparse=sparse) for r in range(N)]
+        for step in range(4):
+            xs = []
+            for rows in supports(step):
+                x = sparse_grad(rng, ROWS, DIM, rows).coalesce()
+                scale = 10.0 ** -(3 * torch.rand(x.values().shape, generator=rng))
+                x = torch.sparse_coo_tensor(x.indices(), x.values() * scale, x.shape, check_invariants=True)
+                xs.append(x if sparse else x.to_dense())
+            truth = torch.stack([x.to_dense().double() for x in xs]).sum(0)
+            fallbacks = aggs[0].fallbacks
+            for y in run_step(aggs, xs):
+                y = y.to_dense() if sparse else y
+                assert torch.allclose(y.double(), truth, rtol=2 ** -10, atol=1e-7)
+            if step:
+                assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
+        st = aggs[0].agg_stats
+        assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st

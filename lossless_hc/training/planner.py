@@ -68,8 +68,9 @@ The lossy strategies are dense ones: a sparse gradient is planned among the exac
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`).
 
 The model neglects what does not scale with the tensor: a DDP bucket shares each collective's
-latency among its parameters, and a sketch that fails to decode costs one more dense allreduce
-(the sketch's sizing keeps that below ~1e-3 per step). Its inputs are the EWMAs of the statistics
+latency among its parameters, a sketch that fails to decode costs one more dense allreduce
+(the sketch's sizing keeps that below ~1e-3 per step), and one whose decode reports inexact keys
+one more allreduce of those keys' rows. Its inputs are the EWMAs of the statistics
 (:class:`PlanTracker`), so a tensor whose density drifts is re-planned within ``interval`` steps.
 """
 from __future__ import annotations

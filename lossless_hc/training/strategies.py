@@ -19,7 +19,10 @@ contributor count and the one-hot slot vector of per-rank non-zero row counts (t
                packed as exact integers below 2^22 per float32 word (lhc.layout.digit_packing);
                request: allreduce of this rank's rows on the union (rows with a non-zero count)
     sketch     the LHC payload (lhc.LosslessCodec sized from the planner's statistics); request only
-               when it fails to decode: allreduce of the dense tensor (exact), and re-plan at once
+               when it fails to decode: allreduce of the dense tensor (exact), and re-plan at once;
+               or, when the decode reports inexact keys (DecodeStatus.INEXACT: every other key within
+               rtol) covering at most half the rows (aggregate.PARTIAL_MAX_FRACTION), allreduce of
+               this rank's values on those keys' rows only, which replace the decoded ones
     fp16/bf16  nothing; request: allreduce of the tensor in half precision
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
@@ -51,8 +54,8 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, THCAggregator, TopKAggregator,
-                                            default_block_size)
+from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
+                                            THCAggregator, TopKAggregator, default_block_size)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
@@ -84,6 +87,7 @@ class AutoContext:
     rank_keys: tuple = ()
     inner: object = None          # a wrapped aggregator's context (thc, topk) or the sketch codec
     union_rows: Optional[torch.Tensor] = None   # the rows some rank holds (two_phase; a sparse result's rows)
+    partial: Optional[tuple] = None   # sketch under INEXACT: (decoded flat tensor, inexact rows, union count)
     topk_outcome: object = None
 
 
@@ -253,14 +257,15 @@ class AutoAggregator:
             ctx.flat = flat
         return ctx.flat
 
-    def _on_rows(self, ctx: AutoContext, union: torch.Tensor) -> torch.Tensor:
-        """This rank's values on the rows ``union`` (sorted, a superset of its own), zero where it has
-        none: ``(len(union), row)`` float32."""
+    def _on_rows(self, ctx: AutoContext, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's values on the sorted ``rows``, zero where it has none: ``(len(rows), row)`` float32."""
         if not self.sparse:
-            return self._rows(ctx.flat.to(torch.float32)).index_select(0, union)
-        out = torch.zeros(union.numel(), self.row, dtype=torch.float32, device=union.device)
-        if ctx.index.numel():
-            out.index_copy_(0, torch.searchsorted(union, ctx.index), ctx.values.to(torch.float32))
+            return self._rows(ctx.flat.to(torch.float32)).index_select(0, rows)
+        out = torch.zeros(rows.numel(), self.row, dtype=torch.float32, device=rows.device)
+        if ctx.index.numel() and rows.numel():
+            at = torch.searchsorted(rows, ctx.index).clamp_(max=rows.numel() - 1)
+            mine = rows[at] == ctx.index   # this rank's rows among ``rows``
+            out.index_copy_(0, at[mine], ctx.values[mine].to(torch.float32))
         return out
 
     # -- results in the gradient's layout ------------------------------------------------------------
@@ -387,9 +392,18 @@ class AutoAggregator:
                 codec = ctx.inner
                 y, report = codec.decode(body.to(torch.float32).contiguous(), averaged=averaged,
                                          shape=(self.numel,), dtype=torch.float32)
+                union_count = ctx.union_rows.numel() if self.sparse else report.support
                 if report.ok:
-                    self._observe(ctx, ctx.union_rows.numel() if self.sparse else report.support)
+                    self._observe(ctx, union_count)
                     return AutoOutcome(self._from_flat(y, ctx.union_rows))
+                if report.status == DecodeStatus.INEXACT:
+                    self.agg_stats.inexact_decodes += 1
+                    keys = report.inexact_keys.to(device=y.device, dtype=torch.int64)
+                    if keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: the dense fallback below
+                        self.agg_stats.partial_fallbacks += 1
+                        self.agg_stats.inexact_keys += keys.numel()
+                        ctx.partial = (y, keys, union_count)
+                        return AutoOutcome(None, Request("allreduce", self._on_rows(ctx, keys).reshape(-1)))
                 if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
                     raise ConfigurationMismatch(f"{self.name}: {report.reason}")
                 self.fallbacks += 1
@@ -435,6 +449,12 @@ class AutoAggregator:
         elif s in _HALF:
             value = self._shaped(self._scaled(result.to(torch.float32), ctx.averaged))
             count = self._union_of(value)
+        elif s == "sketch" and ctx.partial is not None:   # the inexact keys' rows, summed exactly
+            flat, keys, count = ctx.partial
+            self._rows(flat).index_copy_(0, keys, self._scaled(result.reshape(-1, self.row).to(torch.float32),
+                                                                ctx.averaged))
+            self.agg_stats.payload_bytes += result.numel() * 4
+            value = self._from_flat(flat, ctx.union_rows)
         elif s == "sketch":
             flat = self._scaled(result.to(torch.float32), ctx.averaged)
             self.agg_stats.payload_bytes += result.numel() * 4

@@ -45,13 +45,16 @@ class AutoSpec(AggregatorSpec):
             the start-up measurement; e.g. ``Calibration.default(bandwidth_bits=1e9)``).
         topk_ratio, thc_bits: the lossy strategies' parameters.
         seed: hash seed of the sketch codecs, identical on every rank.
+        partial: a sketch decode with inexact keys re-aggregates only their rows (False: densely; for
+            engines whose only second collective is the dense fallback, BytePS).
     """
 
     kind = "auto"
 
     def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
-                 topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, **extra):
+                 topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, partial: bool = True,
+                 **extra):
         super().__init__(_check_seed(seed), **extra)
         if not isinstance(lossy, bool):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
@@ -74,6 +77,9 @@ class AutoSpec(AggregatorSpec):
         self.lossy, self.interval, self.alpha, self.first = lossy, interval, float(alpha), first
         self.strategies = strategies
         self.topk_ratio, self.thc_bits = float(topk_ratio), int(thc_bits)
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial must be True or False, got {partial!r}")
+        self.partial = partial
         self.given_calibration = calibration is not None
         self.calibration: Optional[Calibration] = calibration
         self._cost_model: Optional[CostModel] = None
@@ -81,7 +87,7 @@ class AutoSpec(AggregatorSpec):
     def options(self) -> dict:
         return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
                 "strategies": self.strategies, "calibration": "given" if self.given_calibration else "measured",
-                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed}
+                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed, "partial": self.partial}
 
     def set_calibration(self, calibration: Calibration) -> None:
         """The broadcast calibration (identical on every rank); aggregators built later plan with it."""
@@ -100,7 +106,7 @@ class AutoSpec(AggregatorSpec):
         return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.cost_model, lossy=self.lossy,
                               interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
                               seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
-                              device=device, sparse=tensor.is_sparse, **self.extra)
+                              device=device, partial=self.partial, sparse=tensor.is_sparse, **self.extra)
 
 
 def plan_stats(aggregators) -> dict:

@@ -113,6 +113,9 @@ class AutoAggregator:
         allowed: restrict the candidates (e.g. an engine that cannot issue a second collective).
         seed: hash seed of the sketch and top-k codecs (identical on every rank).
         topk_ratio, thc_bits: the lossy strategies' parameters.
+        partial: re-aggregate only the rows of a sketch decode's inexact keys (one allreduce of up to half
+            the rows); False: the dense fallback instead (an engine whose only second collective is the
+            dense one: BytePS).
         sparse: the gradient arrives as a sparse COO tensor of rows (``sparse_dim`` 1, e.g.
             ``nn.Embedding(sparse=True)``): its listed rows are used as they are (no scan), the result
             is a coalesced sparse tensor of the rows some rank listed, and only the exact strategies
@@ -123,7 +126,7 @@ class AutoAggregator:
                  lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  allowed: Optional[tuple] = None, seed: int = 0, topk_ratio: Optional[float] = None,
                  thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu",
-                 sparse: bool = False):
+                 partial: bool = True, sparse: bool = False):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.numel = math.prod(self.shape)
         self.world_size, self.rank = int(world_size), int(rank)
@@ -134,6 +137,7 @@ class AutoAggregator:
         self.row = max(1, math.prod(self.shape[1:])) if self.sparse else default_block_size(self.shape)
         self.keys = self.numel // self.row if self.numel else 0
         self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), int(seed)
+        self.partial = bool(partial)
         self.device = torch.device(device)
         self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else float(topk_ratio)
         self.thc_bits = cost_model.thc_bits if thc_bits is None else int(thc_bits)
@@ -399,7 +403,7 @@ class AutoAggregator:
                 if report.status == DecodeStatus.INEXACT:
                     self.agg_stats.inexact_decodes += 1
                     keys = report.inexact_keys.to(device=y.device, dtype=torch.int64)
-                    if keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: the dense fallback below
+                    if self.partial and keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: dense fallback
                         self.agg_stats.partial_fallbacks += 1
                         self.agg_stats.inexact_keys += keys.numel()
                         ctx.partial = (y, keys, union_count)

@@ -43,7 +43,8 @@ def test_every_exact_strategy_returns_the_union_rows_of_the_exact_sum(strategy, 
     rng = torch.Generator().manual_seed(5)
     aggs = aggregators(strategy)
     for step in range(4):
-        xs = [sparse_grad(rng, ROWS, DIM, rows, zero_rows=[390 + r] if r else []) for r, rows in enumerate(supports(step))]
+        xs = [sparse_grad(rng, ROWS, DIM, rows, zero_rows=[390 + r] if r else [])
+              for r, rows in enumerate(supports(step))]
         truth = torch.stack([x.to_dense().double() for x in xs]).sum(0) / (N if average else 1)
         listed = sorted(set().union(*[set(x.coalesce().indices()[0].tolist()) for x in xs]))
         ys = run_step(aggs, xs, average)

@@ -50,7 +50,8 @@ over the observed counts, the same numbers :mod:`lossless_hc.training.strategies
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
-allgather, ``u`` for two_phase and sketch, 0 otherwise).
+allgather, ``u`` for two_phase and sketch, 0 otherwise). :meth:`CostModel.choose` returns the
+cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`).
 
 Sparse gradients (``TensorStats.sparse``: a ``torch.sparse_coo`` gradient, e.g.
 ``nn.Embedding(sparse=True)`` under DDP). The rank already holds its rows (index and values), so no
@@ -64,8 +65,7 @@ DDP's own sparse allreduce does)::
     two_phase  as above                                     local: c D (the bitmap's digits, one per row)
     sketch     allreduce(H + 4 ceil(D / q) + 4 L)           local: c d' with d' = d + D
 
-The lossy strategies are dense ones: a sparse gradient is planned among the exact strategies only. :meth:`CostModel.choose` returns the
-cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`).
+The lossy strategies are dense ones: a sparse gradient is planned among the exact strategies only.
 
 The model neglects what does not scale with the tensor: a DDP bucket shares each collective's
 latency among its parameters, a sketch that fails to decode costs one more dense allreduce

@@ -27,14 +27,12 @@ contributor count and the one-hot slot vector of per-rank non-zero row counts (t
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
 
-Every strategy starts from the rank's rows (``AutoContext.index``, sorted): a dense gradient is scanned
-for its non-zero rows, a sparse one (``sparse=True``: a COO tensor of rows, as DDP hands over
-``nn.Embedding(sparse=True)``'s gradient) lists them, coalesced, with their values, and nothing scans
-the table. Its result is a coalesced sparse tensor of the rows some rank listed (what DDP's own sparse
-allreduce returns; a listed row whose values are zero stays listed): allgather and two_phase have those
-rows already, and dense and sketch, which work on the dense tensor (a sparse gradient's rows written
-into zeros), prepend the two-phase bitmap of the rank's rows to their body to learn them. A sparse
-gradient is planned among the exact strategies only.
+Every strategy starts from the rank's rows: a dense gradient is scanned for its non-zero rows; a sparse
+one (``sparse=True``: a COO tensor of rows, as DDP hands over ``nn.Embedding(sparse=True)``'s gradient)
+lists them, coalesced, and nothing scans the table. Its result is a coalesced sparse tensor of the rows
+some rank listed (as DDP's own sparse allreduce; a listed all-zero row stays listed); dense and sketch,
+whose bodies are dense tensors (the rows written into zeros), prepend the two-phase bitmap to learn
+those rows. A sparse gradient is planned among the exact strategies only.
 
 Every decision -- whether a request is made, its size, the statistics, the next plan -- is a function
 of the summed payload and the broadcast calibration, so every rank makes the same requests in the same
@@ -80,7 +78,9 @@ class AutoContext:
     strategy: str
     started: float
     payload_bytes: int
-    index: Optional[torch.Tensor] = None    # this rank's rows (sorted int64)
+    rows: int = 0                           # this rank's row count (the statistics header's k_r)
+    present: Optional[torch.Tensor] = None  # a dense gradient's non-zero rows (bool per row)
+    index: Optional[torch.Tensor] = None    # this rank's rows, sorted int64 (a dense gradient's: on demand)
     values: Optional[torch.Tensor] = None   # ... their values (a sparse gradient's; a dense one's on demand)
     flat: Optional[torch.Tensor] = None     # the gradient, flat (a sparse one's: written on demand)
     averaged: bool = False
@@ -113,9 +113,8 @@ class AutoAggregator:
         allowed: restrict the candidates (e.g. an engine that cannot issue a second collective).
         seed: hash seed of the sketch and top-k codecs (identical on every rank).
         topk_ratio, thc_bits: the lossy strategies' parameters.
-        partial: re-aggregate only the rows of a sketch decode's inexact keys (one allreduce of up to half
-            the rows); False: the dense fallback instead (an engine whose only second collective is the
-            dense one: BytePS).
+        partial: re-aggregate only the rows of a sketch decode's inexact keys (False: densely, for an
+            engine whose only second collective is the dense one: BytePS).
         sparse: the gradient arrives as a sparse COO tensor of rows (``sparse_dim`` 1, e.g.
             ``nn.Embedding(sparse=True)``): its listed rows are used as they are (no scan), the result
             is a coalesced sparse tensor of the rows some rank listed, and only the exact strategies
@@ -231,13 +230,14 @@ class AutoAggregator:
 
     # -- this rank's rows (the row form every strategy starts from) ---------------------------------
     def _local_rows(self, x: torch.Tensor, ctx: AutoContext) -> None:
-        """``ctx.index``: this rank's rows (sorted int64). A dense gradient is scanned for its non-zero
-        rows (``ctx.flat`` keeps it); a sparse one lists them (coalesced: duplicates summed), and
-        ``ctx.values`` holds their values."""
+        """This rank's rows: a dense gradient is scanned for its non-zero rows (``ctx.present``; the
+        sorted ``ctx.index`` of them is made when a strategy needs it, :meth:`_index`), ``ctx.flat``
+        keeps it; a sparse one lists them (coalesced: duplicates summed) in ``ctx.index``, with their
+        values in ``ctx.values``."""
         if not self.sparse:
             ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
-            present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
-            ctx.index = torch.nonzero(present).reshape(-1)
+            ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
+            ctx.rows = int(ctx.present.sum())
             return
         if x.sparse_dim() != 1:
             raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "
@@ -245,11 +245,22 @@ class AutoAggregator:
         x = x.detach().coalesce()
         ctx.index = x.indices()[0]
         ctx.values = x.values().reshape(ctx.index.numel(), self.row)
+        ctx.rows = ctx.index.numel()
+
+    @staticmethod
+    def _device(ctx: AutoContext) -> torch.device:
+        return (ctx.flat if ctx.flat is not None else ctx.index).device
+
+    def _index(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows, sorted int64."""
+        if ctx.index is None:
+            ctx.index = torch.nonzero(ctx.present).reshape(-1)
+        return ctx.index
 
     def _values(self, ctx: AutoContext) -> torch.Tensor:
-        """This rank's rows' values, ``(len(ctx.index), row)``."""
+        """This rank's rows' values, ``(len(index), row)``."""
         if ctx.values is None:
-            ctx.values = self._rows(ctx.flat).index_select(0, ctx.index)
+            ctx.values = self._rows(ctx.flat).index_select(0, self._index(ctx))
         return ctx.values
 
     def _dense(self, ctx: AutoContext) -> torch.Tensor:
@@ -297,8 +308,9 @@ class AutoAggregator:
 
     def _no_rows(self, ctx: AutoContext) -> torch.Tensor:
         """The result when no rank holds a row."""
-        empty = torch.zeros(0, dtype=torch.int64, device=ctx.index.device)
-        return self._from_rows(empty, torch.zeros(0, self.row, dtype=torch.float32, device=ctx.index.device))
+        device = self._device(ctx)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return self._from_rows(empty, torch.zeros(0, self.row, dtype=torch.float32, device=device))
 
     # -- a step --------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor):
@@ -323,9 +335,9 @@ class AutoAggregator:
                 ctx.inner = self._codec
                 body = self._codec.encode(flat.to(torch.float32) if flat.dtype == torch.float64 else flat)
             if self.sparse:   # the union's rows, which a sparse result lists (module doc)
-                body = torch.cat([self._bitmap(ctx.index).to(body.dtype), body])
+                body = torch.cat([self._bitmap(ctx).to(body.dtype), body])
         elif s == "two_phase":
-            body = self._bitmap(ctx.index)
+            body = self._bitmap(ctx)
         elif s == "thc":
             if self._thc is None:
                 self._thc = THCAggregator(self.name, (self.numel,), torch.float32, n, self.rank,
@@ -337,8 +349,8 @@ class AutoAggregator:
                                             seed=self.seed, stats=AggregationStats(), device=self.device)
             body, ctx.inner = self._topk.encode(ctx.flat.to(torch.float32))
         else:   # allgather, fp16, bf16: the header only
-            body = torch.zeros(0, dtype=torch.float32, device=ctx.index.device)
-        rank_key_count = ctx.index.numel()
+            body = torch.zeros(0, dtype=torch.float32, device=self._device(ctx))
+        rank_key_count = ctx.rows
         header = torch.zeros(stats_header_words(n), dtype=body.dtype if body.numel() else self.wire_dtype,
                              device=body.device)
         header[0] = 1.0
@@ -477,12 +489,16 @@ class AutoAggregator:
         return value
 
     # -- bodies ---------------------------------------------------------------------------------------
-    def _bitmap(self, index: torch.Tensor) -> torch.Tensor:
-        """The rows ``index`` as digits of base n+1 (1 at a listed row), packed exactly into float32 words."""
+    def _bitmap(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows as digits of base n+1 (1 at a row it holds), packed exactly into float32 words."""
         pk = digit_packing(self.world_size, self.keys)
-        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=index.device)
-        digits[index] = 1
-        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=index.device)
+        device = self._device(ctx)
+        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=device)
+        if ctx.present is not None:
+            digits[:self.keys] = ctx.present.to(torch.int64)
+        else:
+            digits[ctx.index] = 1
+        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=device)
         return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1).to(torch.float32)
 
     def _unpack(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
@@ -496,7 +512,7 @@ class AutoAggregator:
 
     def _gather_slots(self, ctx: AutoContext, k: int) -> torch.Tensor:
         """This rank's K slots: int32 row index (bits in a float32 word; -1: unused) and the row."""
-        index = ctx.index
+        index = self._index(ctx)
         slots = torch.zeros(k, 1 + self.row, dtype=torch.float32, device=index.device)
         slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
         m = index.numel()

@@ -23,6 +23,14 @@ two_phase's values, fp16/bf16, a sketch's exact fallback) get it from the future
 bucket's own process group, like the fallback below: at most one allreduce per payload dtype and one
 allgather per bucket and step, the same on every rank.
 
+Sparse gradients (``nn.Embedding(sparse=True)``, Gloo): DDP gives each its own bucket, whose buffer is
+the uncoalesced COO gradient, and copies the hook's result into it, so the result must be sparse and
+already averaged. ``auto_hook`` plans such a gradient among the exact strategies over the rows it
+lists (allgather and two_phase never densify it) and returns a coalesced sparse tensor of the rows some
+rank listed, divided by the world size, like DDP's own sparse allreduce. The fixed hooks
+(``lossless_hook``, ``topk_hook``, ``thc_hook``) encode dense tensors and refuse sparse buckets with a
+TypeError; ``AutoHookState(strategies=("sketch",))`` runs the LHC sketch alone over sparse gradients.
+
 For each gradient bucket the hook encodes every parameter's gradient separately (each parameter has
 its own aggregator, built from the state's spec and keyed by the parameter itself, so state survives
 DDP's bucket rebuild), concatenates the payloads into one message, allreduces it with SUM, decodes
@@ -241,8 +249,9 @@ def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
 
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
     buffer = bucket.buffer()
-    if buffer.is_sparse:
-        raise TypeError(f"{hook} got a sparse gradient bucket; use dense gradients (nn.Embedding(sparse=False))")
+    if buffer.is_sparse:   # the fixed codecs encode dense tensors; auto_hook plans over a sparse one's rows
+        raise TypeError(f"{hook} got a sparse gradient bucket; use auto_hook (AutoHookState(strategies=('sketch',)) "
+                        "for the LHC sketch alone) or dense gradients (nn.Embedding(sparse=False))")
     if not state._config_checked:
         state._check_configuration()
     fallback_group = state._fallback_group(bucket.index())
@@ -263,17 +272,21 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     """DDP communication hook: the planner's strategy per parameter (exact unless ``lossy``).
 
     Returns a future of the bucket's averaged gradients; with exact strategies they equal DDP's default
-    allreduce up to float rounding of the sum."""
+    allreduce up to float rounding of the sum. A sparse gradient's bucket (``nn.Embedding(sparse=True)``:
+    DDP gives each its own) is planned among the exact strategies over the rows it lists, without
+    densifying it for allgather and two_phase, and its future holds a coalesced sparse tensor of the
+    rows some rank listed, divided by the world size, as DDP's own sparse allreduce gives."""
     _require_state(state, AutoHookState, "auto_hook")
     buffer = bucket.buffer()
-    if buffer.is_sparse:
-        raise TypeError("auto_hook got a sparse gradient bucket; use dense gradients (nn.Embedding(sparse=False))")
+    # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
+    # that gradient (uncoalesced COO) and whose gradients() list is empty.
+    grads = [buffer] if buffer.is_sparse else bucket.gradients()
     if not state._config_checked:
         state._check_configuration()
         state._calibrate()
     fallback_group = state._fallback_group(bucket.index())
-    aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-    message = AutoMessage(aggs, bucket.gradients())
+    aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
+    message = AutoMessage(aggs, grads)
     n = state.world_size
     fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
@@ -285,6 +298,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_auto_message(message, fut.value()[0],
                                       lambda t: dist.all_reduce(t, group=fallback_group), gather)
+        if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
+            return results[0].div_(n)
         return _fill_bucket(buffer, results, n)
 
     return fut.then(decode)

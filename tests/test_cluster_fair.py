@@ -51,6 +51,18 @@ def test_plan_skips_what_a_framework_does_not_implement():
         train.parse_args(["--framework", "horovod", "--compression", "bf16"])
 
 
+def test_auto_sparse_is_ddp_auto_over_sparse_embeddings_beside_dense_auto():
+    """auto-sparse runs auto_hook on nn.Embedding(sparse=True) (DDP only: Horovod sends sparse gradients
+    around any compressor, FSDP2 has none), next to auto on dense embeddings, and is compared with the
+    fastest exact mode."""
+    runs, skipped = cluster.plan(["horovod", "ddp", "fsdp"], ["sparse", "auto", "auto-sparse"])
+    assert ("ddp", "auto-sparse") in runs and ("ddp", "auto") in runs
+    assert ("horovod", "auto-sparse") in skipped and ("fsdp", "auto-sparse") in skipped
+    assert train.parse_args(["--framework", "ddp", "--compression", "auto-sparse"]).sparse_embeddings
+    assert not train.parse_args(["--framework", "ddp", "--compression", "auto"]).sparse_embeddings
+    assert cluster.compute_label(1, "auto-sparse" in cluster.SPARSE_MODES).endswith("sparse embeddings")
+
+
 def test_answer_line_and_auto_marked():
     def row(fw, comp, step, base=1.0):
         return {"framework": fw, "compression": comp, "step_s_median": step, "step_s_p10": step, "step_s_p90": step,
@@ -59,12 +71,15 @@ def test_answer_line_and_auto_marked():
                 "max_param_diff_vs_none": None, "lossless_mode": comp in cluster.LOSSLESS, "fallbacks": 0,
                 "aggregation_s": step - 0.1}
     rows = [row("ddp", "none", 1.0), row("ddp", "sparse", 0.4), row("ddp", "bf16", 0.5),
-            row("ddp", "powersgd", 0.2), row("ddp", "auto", 0.42), row("ddp", "auto-lossy", 0.25)]
+            row("ddp", "powersgd", 0.2), row("ddp", "auto", 0.42), row("ddp", "auto-lossy", 0.25),
+            row("ddp", "auto-sparse", 0.44)]
     line = cluster.answer_line(rows)
     assert "fastest exact: ddp sparse" in line and "fastest overall: ddp powersgd" in line
     assert "ddp auto: 1.05x the fastest exact" in line and "ddp auto-lossy: 1.25x the fastest overall" in line
+    assert "ddp auto-sparse: 1.10x the fastest exact" in line
     md = cluster.render_markdown({"rows": rows, "compute_s": {1: 0.1}, "shaping": {}, "skipped": [["horovod", "bf16"]]},
                                  "t")
+    assert "| ddp | **auto-sparse** (planner) |" in md
     assert "| ddp | **auto** (planner) |" in md and "Not run (the framework does not implement the mode): horovod bf16" in md
 
 
@@ -218,6 +233,8 @@ def test_simulated_allgather_grows_linearly_and_auto_takes_the_minimum():
         assert r["auto"] == pytest.approx(best)
         assert r["auto"] <= min(r[s] for s in simulate.EXACT) * (1 + 1e-12)
         assert r["auto-lossy"] <= r["auto"] * (1 + 1e-12)
+        # sparse tables: no scan is priced, so auto over them is predicted faster than over dense ones
+        assert r["auto-sparse"] < r["auto"]
 
 
 def test_simulator_check_against_measured_points():

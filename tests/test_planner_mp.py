@@ -17,6 +17,9 @@ ROOT = os.path.dirname(HERE)
 SIZE = 3
 TOL = 1e-6
 DDP_EXACT = ["measured", "replan", "small_buckets"]
+# sparse gradients (nn.Embedding / EmbeddingBag(sparse=True)) under auto_hook: planned, and each exact
+# strategy forced, with rank 0 listing no row and ranks 1, 2 overlapping in hot rows (tests/mp/models.py)
+DDP_SPARSE = ["sparse_replan", "sparse_dense", "sparse_allgather", "sparse_two_phase", "sparse_sketch"]
 HVD_EXACT = ["measured", "replan", "allgather"]
 
 
@@ -40,7 +43,7 @@ def results(out, name):
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
-            ",".join(DDP_EXACT + ["lossy", "config_mismatch"])])
+            ",".join(DDP_EXACT + DDP_SPARSE + ["lossy", "config_mismatch"])])
     return out
 
 
@@ -73,6 +76,23 @@ def test_ddp_auto_is_exact_and_identical_on_every_rank(ddp_run, name):
     if name == "measured":   # the start-up calibration ran and rank 0's fit reached every rank
         alpha, beta = rs[0]["calibration"][:2]
         assert alpha >= 0 and beta > 0
+
+
+@pytest.mark.parametrize("name", DDP_SPARSE)
+def test_ddp_auto_over_sparse_gradients_is_exact_and_identical(ddp_run, name):
+    """The sparse tables' buckets go through auto_hook (no TypeError), the parameters after the steps equal
+    DDP's own sparse allreduce's to float rounding, every rank plans and decodes alike, no deadlock."""
+    rs = results(ddp_run, name)
+    strategies = check_exact_and_identical(rs)
+    assert len(rs[0]["sparse"]) == 1, rs[0]["plan"]   # the sparse table's aggregator took sparse gradients
+    if name == "sparse_replan":   # allgather at first (DDP's own), re-planned once the burst came
+        (table,) = rs[0]["sparse"]
+        assert rs[0]["plan"][table][1] and rs[0]["plan"][table][1][-1][1] != "allgather", rs[0]["plan"]
+    else:
+        assert strategies == {name[len("sparse_"):]}, rs[0]["plan"]
+    if name == "sparse_sketch":   # the table's sketch decoded (its inexact rows re-aggregated alone) after
+        (table,) = rs[0]["sparse"]   # the first step, sized for 1% of the rows, fell back
+        assert rs[0]["fallbacks"][table] <= 1 and rs[0]["stats"]["partial_fallbacks"] >= 1, rs[0]["stats"]
 
 
 @pytest.mark.parametrize("name", HVD_EXACT)

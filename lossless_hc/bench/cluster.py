@@ -3,6 +3,7 @@
     sudo .venv/bin/python -m lossless_hc.bench cluster --hosts 4 --bandwidth 1gbit --latency 100us --cpu-fair \\
         --model ncf --skew 1.1 --compression none,fp16,bf16,powersgd,sparse,topk-allgather,lossless,auto,auto-lossy \\
         --framework horovod,ddp
+    ... --framework ddp --compression sparse,auto,auto-sparse   (auto-sparse: auto_hook over nn.Embedding(sparse=True))
     ... --framework fsdp --shards 2 --compression none,lossless,topk,thc,auto      (HSDP: hosts x 2 shards)
     ... --replay DIR      (collective-only: gradients recorded by `python -m lossless_hc.bench replay`)
 
@@ -58,7 +59,7 @@ from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, 
 # (the planner's modes); the training driver's modes and which framework implements which
 from lossless_hc.bench.cluster_report import (AUTO, BASELINE, LOSSLESS, answer_line, plot,  # noqa: E402,F401
                                               rate_label, render_markdown)
-from lossless_hc.bench.workloads.train import COMPRESSIONS, SUPPORTED  # noqa: E402
+from lossless_hc.bench.workloads.train import COMPRESSIONS, SPARSE_MODES, SUPPORTED  # noqa: E402
 FRAMEWORKS = ("horovod", "ddp", "fsdp")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -371,9 +372,10 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
         train_args += ["--threads", "1"]
     spec = RunSpec(model, steps, warmup, train_args)
     # compute-only references: per workers-per-host layout, and with sparse embedding gradients
-    # when the sparse mode runs (its backward and optimizer step skip the untouched rows)
+    # when a sparse mode runs (sparse, auto-sparse: their backward and optimizer step skip the
+    # untouched rows)
     refs = [(ppn, sparse) for ppn in layouts for sparse in (False, True)
-            if not sparse or any(c == "sparse" and per_host[f] == ppn for f, c in runs)]
+            if not sparse or any(c in SPARSE_MODES and per_host[f] == ppn for f, c in runs)]
     progress = progress or Progress(len(runs) + len(refs))
     rows, compute = [], {}
     with terminate_on_signals(), EmulatedCluster(hosts, rate_bits, delay_s) as cluster:
@@ -393,7 +395,8 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
             reports = run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s, save_params=path,
                                   per_host=per_host[fw])
             params[(fw, comp)] = path
-            row = summarize(fw, comp, reports, compute[compute_label(per_host[fw], comp == "sparse")], hosts=hosts)
+            row = summarize(fw, comp, reports, compute[compute_label(per_host[fw], comp in SPARSE_MODES)],
+                            hosts=hosts)
             base = params.get((fw, BASELINE))
             row["max_param_diff_vs_none"] = max_param_diff(path, base) if base and comp != BASELINE else None
             row["lossless_mode"] = comp in LOSSLESS

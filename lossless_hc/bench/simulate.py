@@ -38,6 +38,7 @@ STRATEGIES = EXACT + LOSSY
 # bench modes -> the planner's strategy names (auto: the planner's own choice per tensor)
 MODE_STRATEGY = {"none": "dense", "sparse": "allgather", "lossless": "sketch", "fp16": "fp16", "bf16": "bf16",
                  "thc": "thc", "topk": "topk"}
+AUTO_MODES = ("auto", "auto-lossy", "auto-sparse")   # the planner's modes (bench cluster's names)
 
 
 def planner():
@@ -93,17 +94,22 @@ def recorded_tensors(measured: dict, n: int) -> list:
 
 
 def step_times(model, tensors: Sequence[tuple], n: int) -> dict:
-    """{strategy: predicted seconds for the whole step} plus "auto" and "auto-lossy" (the sum of the
-    planner's per-tensor choices) and "auto_choice" / "auto-lossy_choice" (strategy -> tensors)."""
+    """{strategy: predicted seconds for the whole step} plus "auto", "auto-lossy" and "auto-sparse" (the
+    sum of the planner's per-tensor choices; auto-sparse: the tables' gradients sparse, as DDP hands
+    ``nn.Embedding(sparse=True)``'s to auto_hook -- the tables are the tensors with rows of more than
+    one coordinate) and "<mode>_choice" (strategy -> tensors)."""
     pl = planner()
     total = {s: 0.0 for s in STRATEGIES}
-    out = {"auto": 0.0, "auto-lossy": 0.0, "auto_choice": {}, "auto-lossy_choice": {}}
+    out = {m: 0.0 for m in AUTO_MODES}
+    out.update({f"{m}_choice": {} for m in AUTO_MODES})
     for name, numel, row, ks, un in tensors:
         st = pl.TensorStats(numel=numel, row=row, world_size=n, rank_keys=tuple(ks), union_keys=un)
         for s in STRATEGIES:
             total[s] += model.predict(s, st)
-        for mode, lossy in (("auto", False), ("auto-lossy", True)):
-            pick, costs = model.choose(st, lossy=lossy)
+        sparse = pl.TensorStats(numel=numel, row=row, world_size=n, rank_keys=tuple(ks), union_keys=un,
+                                sparse=row > 1)
+        for mode, lossy, stats in (("auto", False, st), ("auto-lossy", True, st), ("auto-sparse", False, sparse)):
+            pick, costs = model.choose(stats, lossy=lossy)
             out[mode] += costs[pick]
             out[f"{mode}_choice"].setdefault(pick, []).append(name)
     out.update(total)
@@ -135,7 +141,7 @@ def check(measured: dict, alpha_s: Optional[float]) -> list:
         pred = step_times(model, recorded_tensors(measured, n), n)
         for r in res["rows"]:
             mode = r["compression"]
-            key = mode if mode in ("auto", "auto-lossy") else MODE_STRATEGY.get(mode)
+            key = mode if mode in AUTO_MODES else MODE_STRATEGY.get(mode)
             meas = r.get("aggregation_s")
             if key is None or meas is None or meas <= 0:
                 continue
@@ -147,13 +153,14 @@ def check(measured: dict, alpha_s: Optional[float]) -> list:
 # -- output ------------------------------------------------------------------------------------------
 def render(rows: list, checks: list, title: str) -> str:
     lines = [f"### {title}", "", "| skew | hosts | user rows/rank | union | " + " | ".join(STRATEGIES)
-             + " | auto (exact) | auto-lossy | auto's choice for the user table |",
-             "|---|---|---|---|" + "---|" * (len(STRATEGIES) + 3)]
+             + " | auto (exact) | auto-lossy | auto-sparse | auto's choice for the user table |",
+             "|---|---|---|---|" + "---|" * (len(STRATEGIES) + 4)]
     for r in rows:
         pick = next((s for s, names in r["auto_choice"].items() if "user_gmf" in names), "?")
         lines.append(f"| {r['skew']} | {r['hosts']} | {r['rank_rows_user']} | {r['union_rows_user']} | "
                      + " | ".join(f"{1e3 * r[s]:.2f}" for s in STRATEGIES)
-                     + f" | **{1e3 * r['auto']:.2f}** | {1e3 * r['auto-lossy']:.2f} | {pick} |")
+                     + f" | **{1e3 * r['auto']:.2f}** | {1e3 * r['auto-lossy']:.2f} | {1e3 * r['auto-sparse']:.2f} "
+                     f"| {pick} |")
     lines.append("\nPredicted milliseconds of aggregation per step.")
     if checks:
         errs = [abs(c["rel_error"]) for c in checks]

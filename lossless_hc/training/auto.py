@@ -31,25 +31,30 @@ _DTYPE_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 class AutoSpec(AggregatorSpec):
-    """``auto``: per tensor, the cheapest strategy the cost model predicts (exact ones unless ``lossy``).
+    """``auto``: per tensor, the cheapest strategy the cost model predicts (exact ones unless ``lossy``;
+    exact ones only for a sparse gradient, which :meth:`make` sees from the tensor it is given).
 
     Args:
         lossy: also consider fp16, bf16, THC and top-k (error feedback).
         interval: steps between re-plans (each tensor is first planned after its first step).
         alpha: EWMA weight of the newest step's statistics.
-        first: the first step's strategy ("dense": exact and measures the statistics).
+        first: the first step's strategy (None: "dense" for dense gradients, "allgather" for sparse
+            ones; both exact, and they measure the statistics).
         strategies: restrict the candidates (None: all that ``lossy`` allows).
         calibration: a :class:`~lossless_hc.training.planner.Calibration` identical on every rank (skips
             the start-up measurement; e.g. ``Calibration.default(bandwidth_bits=1e9)``).
         topk_ratio, thc_bits: the lossy strategies' parameters.
         seed: hash seed of the sketch codecs, identical on every rank.
+        partial: a sketch decode with inexact keys re-aggregates only their rows (False: densely; for
+            engines whose only second collective is the dense fallback, BytePS).
     """
 
     kind = "auto"
 
-    def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: str = "dense",
+    def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
-                 topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, **extra):
+                 topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, partial: bool = True,
+                 **extra):
         super().__init__(_check_seed(seed), **extra)
         if not isinstance(lossy, bool):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
@@ -57,7 +62,7 @@ class AutoSpec(AggregatorSpec):
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
         if not 0.0 < float(alpha) <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-        if first not in STRATEGIES:
+        if first is not None and first not in STRATEGIES:
             raise ValueError(f"first must be one of {', '.join(STRATEGIES)}; got {first!r}")
         if strategies is not None:
             bad = [s for s in strategies if s not in STRATEGIES]
@@ -72,6 +77,9 @@ class AutoSpec(AggregatorSpec):
         self.lossy, self.interval, self.alpha, self.first = lossy, interval, float(alpha), first
         self.strategies = strategies
         self.topk_ratio, self.thc_bits = float(topk_ratio), int(thc_bits)
+        if not isinstance(partial, bool):
+            raise ValueError(f"partial must be True or False, got {partial!r}")
+        self.partial = partial
         self.given_calibration = calibration is not None
         self.calibration: Optional[Calibration] = calibration
         self._cost_model: Optional[CostModel] = None
@@ -79,7 +87,7 @@ class AutoSpec(AggregatorSpec):
     def options(self) -> dict:
         return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
                 "strategies": self.strategies, "calibration": "given" if self.given_calibration else "measured",
-                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed}
+                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed, "partial": self.partial}
 
     def set_calibration(self, calibration: Calibration) -> None:
         """The broadcast calibration (identical on every rank); aggregators built later plan with it."""
@@ -98,7 +106,7 @@ class AutoSpec(AggregatorSpec):
         return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.cost_model, lossy=self.lossy,
                               interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
                               seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
-                              device=device, **self.extra)
+                              device=device, partial=self.partial, sparse=tensor.is_sparse, **self.extra)
 
 
 def plan_stats(aggregators) -> dict:

@@ -53,9 +53,24 @@ tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathe
 allgather, ``u`` for two_phase and sketch, 0 otherwise). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`).
 
+Sparse gradients (``TensorStats.sparse``: a ``torch.sparse_coo`` gradient, e.g.
+``nn.Embedding(sparse=True)`` under DDP). The rank already holds its rows (index and values), so no
+strategy scans the tensor, and the result is a sparse tensor of the union's rows. The strategies that
+work on the dense tensor (dense, sketch) write the rows into it first and carry the two-phase bitmap
+in their first payload (the union's rows, which the result lists: the rows some rank listed, as
+DDP's own sparse allreduce does)::
+
+    dense      allreduce(H + 4 ceil(D / q) + d e)          local: c d' with d' = d + D
+    allgather  as above                                     local: no per-coordinate term (d' = 0)
+    two_phase  as above                                     local: c D (the bitmap's digits, one per row)
+    sketch     allreduce(H + 4 ceil(D / q) + 4 L)           local: c d' with d' = d + D
+
+The lossy strategies are dense ones: a sparse gradient is planned among the exact strategies only.
+
 The model neglects what does not scale with the tensor: a DDP bucket shares each collective's
-latency among its parameters, and a sketch that fails to decode costs one more dense allreduce
-(the sketch's sizing keeps that below ~1e-3 per step). Its inputs are the EWMAs of the statistics
+latency among its parameters, a sketch that fails to decode costs one more dense allreduce
+(the sketch's sizing keeps that below ~1e-3 per step), and one whose decode reports inexact keys
+one more allreduce of those keys' rows. Its inputs are the EWMAs of the statistics
 (:class:`PlanTracker`), so a tensor whose density drifts is re-planned within ``interval`` steps.
 """
 from __future__ import annotations
@@ -146,7 +161,8 @@ class Calibration:
 class TensorStats:
     """What the planner knows about one tensor: ``numel`` coordinates in rows of ``row``,
     ``rank_keys[r]`` non-zero rows on rank r (``world_size`` entries), ``union_keys`` rows non-zero
-    on some rank, ``element_bytes`` per value on the wire (4: float32)."""
+    on some rank, ``element_bytes`` per value on the wire (4: float32); ``sparse``: the gradient
+    arrives as a sparse tensor of its rows (module doc)."""
 
     numel: int
     row: int
@@ -154,6 +170,7 @@ class TensorStats:
     rank_keys: tuple
     union_keys: int
     element_bytes: int = 4
+    sparse: bool = False
 
     def __post_init__(self):
         if self.numel < 0 or self.row < 1 or self.world_size < 1:
@@ -212,6 +229,8 @@ class CostModel:
     def collectives(self, strategy: str, s: TensorStats) -> list:
         n, e, b = s.world_size, s.element_bytes, s.row
         H = 4 * stats_header_words(n)
+        if s.sparse and strategy in ("dense", "sketch"):   # the union's rows ride along: the bitmap
+            H += 4 * bitmap_words(s.keys, n)
         if strategy == "dense":
             return [("allreduce", H + s.numel * e)]
         if strategy == "allgather":
@@ -241,6 +260,18 @@ class CostModel:
         """Bytes one rank contributes over all of the strategy's collectives."""
         return int(sum(nbytes for _, nbytes in self.collectives(strategy, stats)))
 
+    def local_coordinates(self, strategy: str, s: TensorStats) -> int:
+        """Coordinates the per-coordinate local cost applies to: the tensor's ``d`` for a dense
+        gradient; for a sparse one (module doc) none for allgather, one per row for two_phase's
+        bitmap, and ``d`` plus the bitmap for the strategies that write the rows into a dense tensor."""
+        if not s.sparse:
+            return s.numel
+        if strategy == "allgather":
+            return 0
+        if strategy == "two_phase":
+            return s.keys
+        return s.numel + s.keys
+
     def touched_coordinates(self, strategy: str, s: TensorStats) -> int:
         if strategy == "allgather":
             return s.world_size * s.max_rank_keys * s.row
@@ -257,12 +288,14 @@ class CostModel:
         for kind, nbytes in self.collectives(strategy, stats):
             t += link.allreduce(nbytes, n) if kind == "allreduce" else link.allgather(nbytes, n)
         per_coord, per_key = self.calibration.codec_seconds.get(strategy, DEFAULT_CODEC_SECONDS[strategy])
-        return t + per_coord * stats.numel + per_key * self.touched_coordinates(strategy, stats)
+        return (t + per_coord * self.local_coordinates(strategy, stats)
+                + per_key * self.touched_coordinates(strategy, stats))
 
     def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None) -> tuple:
         """``(strategy, {strategy: predicted seconds})``: the cheapest exact strategy, or of every
-        strategy when ``lossy``; ``allowed`` narrows the candidates (ties: listed order)."""
-        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy else ())
+        strategy when ``lossy`` (exact ones only for a sparse gradient); ``allowed`` narrows the
+        candidates (ties: listed order)."""
+        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not stats.sparse else ())
         if allowed is not None:
             names = tuple(s for s in names if s in allowed)
             if not names:
@@ -282,13 +315,15 @@ class PlanTracker:
     since the last decision so that a spiky tensor keeps room for its spikes.
     """
 
-    def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25):
+    def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25,
+                 sparse: bool = False):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.numel, self.row, self.world_size = int(numel), int(row), int(world_size)
         self.interval, self.alpha = int(interval), float(alpha)
+        self.sparse = bool(sparse)
         self.steps = 0
         self.rank_keys: Optional[list] = None
         self.union: Optional[float] = None
@@ -318,4 +353,4 @@ class PlanTracker:
             ranks[ranks.index(top)] = min(keys, self.peak_rank)
         union = min(keys, max(math.ceil(self.union), max(ranks) if ranks else 0))
         self.peak_rank, self.force = 0, False
-        return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes)
+        return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes, self.sparse)

@@ -19,10 +19,20 @@ contributor count and the one-hot slot vector of per-rank non-zero row counts (t
                packed as exact integers below 2^22 per float32 word (lhc.layout.digit_packing);
                request: allreduce of this rank's rows on the union (rows with a non-zero count)
     sketch     the LHC payload (lhc.LosslessCodec sized from the planner's statistics); request only
-               when it fails to decode: allreduce of the dense tensor (exact), and re-plan at once
+               when it fails to decode: allreduce of the dense tensor (exact), and re-plan at once;
+               or, when the decode reports inexact keys (DecodeStatus.INEXACT: every other key within
+               rtol) covering at most half the rows (aggregate.PARTIAL_MAX_FRACTION), allreduce of
+               this rank's values on those keys' rows only, which replace the decoded ones
     fp16/bf16  nothing; request: allreduce of the tensor in half precision
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
+
+Every strategy starts from the rank's rows: a dense gradient is scanned for its non-zero rows; a sparse
+one (``sparse=True``: a COO tensor of rows, as DDP hands over ``nn.Embedding(sparse=True)``'s gradient)
+lists them, coalesced, and nothing scans the table. Its result is a coalesced sparse tensor of the rows
+some rank listed (as DDP's own sparse allreduce; a listed all-zero row stays listed); dense and sketch,
+whose bodies are dense tensors (the rows written into zeros), prepend the two-phase bitmap to learn
+those rows. A sparse gradient is planned among the exact strategies only.
 
 Every decision -- whether a request is made, its size, the statistics, the next plan -- is a function
 of the summed payload and the broadcast calibration, so every rank makes the same requests in the same
@@ -42,10 +52,10 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, THCAggregator, TopKAggregator,
-                                            default_block_size)
+from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
+                                            THCAggregator, TopKAggregator, default_block_size)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
-                                          PlanTracker, TensorStats,
+                                          PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
@@ -66,13 +76,18 @@ class AutoContext:
     """One encoded step of one tensor (what decode/finish need)."""
 
     strategy: str
-    flat: torch.Tensor            # the gradient, flat (the values a request sends)
     started: float
     payload_bytes: int
+    rows: int = 0                           # this rank's row count (the statistics header's k_r)
+    present: Optional[torch.Tensor] = None  # a dense gradient's non-zero rows (bool per row)
+    index: Optional[torch.Tensor] = None    # this rank's rows, sorted int64 (a dense gradient's: on demand)
+    values: Optional[torch.Tensor] = None   # ... their values (a sparse gradient's; a dense one's on demand)
+    flat: Optional[torch.Tensor] = None     # the gradient, flat (a sparse one's: written on demand)
     averaged: bool = False
     rank_keys: tuple = ()
     inner: object = None          # a wrapped aggregator's context (thc, topk) or the sketch codec
-    union_rows: Optional[torch.Tensor] = None
+    union_rows: Optional[torch.Tensor] = None   # the rows some rank holds (two_phase; a sparse result's rows)
+    partial: Optional[tuple] = None   # sketch under INEXACT: (decoded flat tensor, inexact rows, union count)
     topk_outcome: object = None
 
 
@@ -93,35 +108,50 @@ class AutoAggregator:
         cost_model: a :class:`~lossless_hc.training.planner.CostModel` built on the broadcast calibration.
         lossy: allow the lossy strategies.
         interval, alpha: re-planning period and EWMA weight.
-        first: the strategy of the first step ("dense": its aggregate also measures the statistics).
+        first: the strategy of the first step (None: "dense" for a dense gradient, "allgather" for a
+            sparse one; either is exact and measures the statistics).
         allowed: restrict the candidates (e.g. an engine that cannot issue a second collective).
         seed: hash seed of the sketch and top-k codecs (identical on every rank).
         topk_ratio, thc_bits: the lossy strategies' parameters.
+        partial: re-aggregate only the rows of a sketch decode's inexact keys (False: densely, for an
+            engine whose only second collective is the dense one: BytePS).
+        sparse: the gradient arrives as a sparse COO tensor of rows (``sparse_dim`` 1, e.g.
+            ``nn.Embedding(sparse=True)``): its listed rows are used as they are (no scan), the result
+            is a coalesced sparse tensor of the rows some rank listed, and only the exact strategies
+            are candidates (module doc).
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, cost_model: CostModel,
-                 lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: str = "dense",
+                 lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  allowed: Optional[tuple] = None, seed: int = 0, topk_ratio: Optional[float] = None,
-                 thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu"):
+                 thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu",
+                 partial: bool = True, sparse: bool = False):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.numel = math.prod(self.shape)
         self.world_size, self.rank = int(world_size), int(rank)
-        self.row = default_block_size(self.shape)
+        self.sparse = bool(sparse)
+        if self.sparse and not self.shape:
+            raise ValueError(f"{name}: a sparse gradient needs at least one dimension (its rows)")
+        # a sparse gradient's keys are its rows (its first dimension); a dense one's: default_block_size
+        self.row = max(1, math.prod(self.shape[1:])) if self.sparse else default_block_size(self.shape)
         self.keys = self.numel // self.row if self.numel else 0
         self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), int(seed)
+        self.partial = bool(partial)
         self.device = torch.device(device)
         self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else float(topk_ratio)
         self.thc_bits = cost_model.thc_bits if thc_bits is None else int(thc_bits)
-        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy else ())
+        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not self.sparse else ())
         if dtype == torch.float64 or self.numel == 0 or self.world_size == 1:
             names = ("dense",)   # float64 would be rounded by float32 payloads; nothing to save otherwise
         if allowed is not None:
             names = tuple(s for s in names if s in allowed) or ("dense",)
         self.allowed = names
+        if first is None:
+            first = "allgather" if self.sparse else "dense"
         if first not in self.allowed:
             first = "dense" if "dense" in self.allowed else self.allowed[0]
         self.wire_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha)
+        self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha, sparse=self.sparse)
         self.agg_stats = stats if stats is not None else AggregationStats()
         self.strategy = first
         self.predicted: dict = {}
@@ -198,41 +228,131 @@ class AutoAggregator:
             self._topk = None
         return flat
 
+    # -- this rank's rows (the row form every strategy starts from) ---------------------------------
+    def _local_rows(self, x: torch.Tensor, ctx: AutoContext) -> None:
+        """This rank's rows: a dense gradient is scanned for its non-zero rows (``ctx.present``; the
+        sorted ``ctx.index`` of them is made when a strategy needs it, :meth:`_index`), ``ctx.flat``
+        keeps it; a sparse one lists them (coalesced: duplicates summed) in ``ctx.index``, with their
+        values in ``ctx.values``."""
+        if not self.sparse:
+            ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
+            ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
+            ctx.rows = int(ctx.present.sum())
+            return
+        if x.sparse_dim() != 1:
+            raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "
+                            "sparse tensors of rows (sparse_dim 1, as nn.Embedding(sparse=True) gives)")
+        x = x.detach().coalesce()
+        ctx.index = x.indices()[0]
+        ctx.values = x.values().reshape(ctx.index.numel(), self.row)
+        ctx.rows = ctx.index.numel()
+
+    @staticmethod
+    def _device(ctx: AutoContext) -> torch.device:
+        return (ctx.flat if ctx.flat is not None else ctx.index).device
+
+    def _index(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows, sorted int64."""
+        if ctx.index is None:
+            ctx.index = torch.nonzero(ctx.present).reshape(-1)
+        return ctx.index
+
+    def _values(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows' values, ``(len(index), row)``."""
+        if ctx.values is None:
+            ctx.values = self._rows(ctx.flat).index_select(0, self._index(ctx))
+        return ctx.values
+
+    def _dense(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's gradient as a flat dense tensor (a sparse one's rows written into zeros)."""
+        if ctx.flat is None:
+            flat = ctx.values.new_zeros(self.numel)
+            if ctx.index.numel():
+                self._rows(flat).index_copy_(0, ctx.index, ctx.values)
+            ctx.flat = flat
+        return ctx.flat
+
+    def _on_rows(self, ctx: AutoContext, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's values on the sorted ``rows``, zero where it has none: ``(len(rows), row)`` float32."""
+        if not self.sparse:
+            return self._rows(ctx.flat.to(torch.float32)).index_select(0, rows)
+        out = torch.zeros(rows.numel(), self.row, dtype=torch.float32, device=rows.device)
+        if ctx.index.numel() and rows.numel():
+            at = torch.searchsorted(rows, ctx.index).clamp_(max=rows.numel() - 1)
+            mine = rows[at] == ctx.index   # this rank's rows among ``rows``
+            out.index_copy_(0, at[mine], ctx.values[mine].to(torch.float32))
+        return out
+
+    # -- results in the gradient's layout ------------------------------------------------------------
+    def _from_rows(self, union: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The result holding ``values`` (``(len(union), row)``) at the sorted rows ``union``: a
+        coalesced sparse tensor of those rows for a sparse gradient, else the dense tensor."""
+        if self.sparse:
+            return torch.sparse_coo_tensor(union.reshape(1, -1),
+                                           values.to(self.dtype).reshape((union.numel(),) + self.shape[1:]),
+                                           self.shape, is_coalesced=True, check_invariants=False)
+        out = torch.zeros(self.keys, self.row, dtype=torch.float32, device=values.device)
+        if union.numel():
+            out.index_copy_(0, union, values.to(torch.float32))
+        return self._shaped(out.reshape(-1))
+
+    def _from_flat(self, flat: torch.Tensor, union: Optional[torch.Tensor]) -> torch.Tensor:
+        """The result from the summed dense tensor: shaped, or (sparse gradient) its rows ``union``."""
+        if self.sparse:
+            return self._from_rows(union, self._rows(flat).index_select(0, union))
+        return self._shaped(flat)
+
+    def _union_rows(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
+        """The rows some rank holds, sorted, from the summed two-phase bitmap."""
+        return torch.nonzero(self._unpack(words, averaged) > 0).reshape(-1)
+
+    def _no_rows(self, ctx: AutoContext) -> torch.Tensor:
+        """The result when no rank holds a row."""
+        device = self._device(ctx)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return self._from_rows(empty, torch.zeros(0, self.row, dtype=torch.float32, device=device))
+
     # -- a step --------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor):
         """``(payload, ctx)``: the first payload (statistics header + body) every rank sums."""
-        if x.is_sparse:
-            raise TypeError(f"{self.name}: sparse gradient; aggregate it dense")
+        if x.is_sparse != self.sparse:
+            raise TypeError(f"{self.name}: got a {'sparse' if x.is_sparse else 'dense'} gradient; this tensor's "
+                            f"aggregator was built for {'sparse' if self.sparse else 'dense'} ones (a parameter's "
+                            "gradient layout must not change between steps)")
         if tuple(x.shape) != self.shape or x.dtype != self.dtype:
             raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
                              f"{self.dtype} {self.shape}")
         t0 = time.perf_counter()
-        flat = self._flush_lossy_memory(x.detach().reshape(-1))
         s = self.strategy
         n = self.world_size
-        rank_key_count = int(self._present(flat).sum()) if self.numel else 0
-        ctx = AutoContext(s, flat, t0, 0)
-        if s == "dense":
-            body = flat.to(self.wire_dtype)
+        ctx = AutoContext(s, t0, 0)
+        self._local_rows(x, ctx)
+        if s in ("dense", "sketch"):
+            flat = self._dense(ctx)
+            if s == "dense":
+                body = flat.to(self.wire_dtype)
+            else:
+                ctx.inner = self._codec
+                body = self._codec.encode(flat.to(torch.float32) if flat.dtype == torch.float64 else flat)
+            if self.sparse:   # the union's rows, which a sparse result lists (module doc)
+                body = torch.cat([self._bitmap(ctx).to(body.dtype), body])
         elif s == "two_phase":
-            body = self._bitmap(self._present(flat))
-        elif s == "sketch":
-            ctx.inner = self._codec
-            body = self._codec.encode(flat.to(torch.float32) if flat.dtype == torch.float64 else flat)
+            body = self._bitmap(ctx)
         elif s == "thc":
             if self._thc is None:
                 self._thc = THCAggregator(self.name, (self.numel,), torch.float32, n, self.rank,
                                           bits=self.thc_bits, seed=self.seed, stats=AggregationStats())
-            body, ctx.inner = self._thc.encode(flat.to(torch.float32))
+            body, ctx.inner = self._thc.encode(ctx.flat.to(torch.float32))
         elif s == "topk":
             if self._topk is None:
                 self._topk = TopKAggregator(self.name, (self.numel,), torch.float32, n, self.topk_ratio,
                                             seed=self.seed, stats=AggregationStats(), device=self.device)
-            body, ctx.inner = self._topk.encode(flat.to(torch.float32))
+            body, ctx.inner = self._topk.encode(ctx.flat.to(torch.float32))
         else:   # allgather, fp16, bf16: the header only
-            body = flat.new_zeros(0, dtype=torch.float32)
+            body = torch.zeros(0, dtype=torch.float32, device=self._device(ctx))
+        rank_key_count = ctx.rows
         header = torch.zeros(stats_header_words(n), dtype=body.dtype if body.numel() else self.wire_dtype,
-                             device=flat.device)
+                             device=body.device)
         header[0] = 1.0
         header[1 + 2 * self.rank] = float(rank_key_count % (1 << COUNT_FIELD_BITS))
         header[2 + 2 * self.rank] = float(rank_key_count >> COUNT_FIELD_BITS)
@@ -263,39 +383,50 @@ class AutoAggregator:
         ctx.rank_keys = tuple((fields[:, 0] + (fields[:, 1] << COUNT_FIELD_BITS)).tolist())
         body = summed[H:]
         s = ctx.strategy
+        if self.sparse and s in ("dense", "sketch"):
+            words = bitmap_words(self.keys, n)
+            ctx.union_rows = self._union_rows(body[:words], averaged)
+            body = body[words:]
         try:
             if s == "dense":
                 value = body.to(self.wire_dtype)
-                self._observe(ctx, self._union_of(value))
-                return AutoOutcome(self._shaped(value))
+                self._observe(ctx, ctx.union_rows.numel() if self.sparse else self._union_of(value))
+                return AutoOutcome(self._from_flat(value, ctx.union_rows))
             if s == "allgather":
                 k = max(ctx.rank_keys)
                 if k == 0:
                     self._observe(ctx, 0)
-                    return AutoOutcome(self._shaped(ctx.flat.new_zeros(self.numel, dtype=torch.float32)))
-                return AutoOutcome(None, Request("allgather", self._gather_slots(ctx.flat, k)))
+                    return AutoOutcome(self._no_rows(ctx))
+                return AutoOutcome(None, Request("allgather", self._gather_slots(ctx, k)))
             if s == "two_phase":
-                present = self._unpack(body, averaged) > 0
-                ctx.union_rows = torch.nonzero(present).reshape(-1)
+                ctx.union_rows = self._union_rows(body, averaged)
                 if ctx.union_rows.numel() == 0:
                     self._observe(ctx, 0)
-                    return AutoOutcome(self._shaped(ctx.flat.new_zeros(self.numel, dtype=torch.float32)))
-                rows = self._rows(ctx.flat.to(torch.float32)).index_select(0, ctx.union_rows)
-                return AutoOutcome(None, Request("allreduce", rows.reshape(-1)))
+                    return AutoOutcome(self._no_rows(ctx))
+                return AutoOutcome(None, Request("allreduce", self._on_rows(ctx, ctx.union_rows).reshape(-1)))
             if s == "sketch":
                 codec = ctx.inner
                 y, report = codec.decode(body.to(torch.float32).contiguous(), averaged=averaged,
                                          shape=(self.numel,), dtype=torch.float32)
+                union_count = ctx.union_rows.numel() if self.sparse else report.support
                 if report.ok:
-                    self._observe(ctx, report.support)
-                    return AutoOutcome(self._shaped(y))
+                    self._observe(ctx, union_count)
+                    return AutoOutcome(self._from_flat(y, ctx.union_rows))
+                if report.status == DecodeStatus.INEXACT:
+                    self.agg_stats.inexact_decodes += 1
+                    keys = report.inexact_keys.to(device=y.device, dtype=torch.int64)
+                    if self.partial and keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: dense fallback
+                        self.agg_stats.partial_fallbacks += 1
+                        self.agg_stats.inexact_keys += keys.numel()
+                        ctx.partial = (y, keys, union_count)
+                        return AutoOutcome(None, Request("allreduce", self._on_rows(ctx, keys).reshape(-1)))
                 if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
                     raise ConfigurationMismatch(f"{self.name}: {report.reason}")
                 self.fallbacks += 1
                 self.agg_stats.fallbacks += 1
                 self.agg_stats.last_failure = f"{self.name}: {report.reason}"
                 self.tracker.force = True   # every rank saw the same failure: re-plan after this step
-                return AutoOutcome(None, Request("allreduce", ctx.flat.to(torch.float32).clone()))
+                return AutoOutcome(None, Request("allreduce", self._dense(ctx).to(torch.float32).clone()))
             if s in _HALF:
                 return AutoOutcome(None, Request("allreduce", ctx.flat.to(_HALF[s])))
             if s == "thc":
@@ -324,50 +455,50 @@ class AutoAggregator:
         s = ctx.strategy
         n = self.world_size
         if s == "allgather":
-            k = max(ctx.rank_keys)
-            slots = result.reshape(n, k, 1 + self.row)
-            out = torch.zeros(self.keys, self.row, dtype=torch.float32, device=ctx.flat.device)
-            seen = []
-            for r in range(n):   # rank order: the same additions, in the same order, on every rank
-                idx = slots[r, :, 0].contiguous().view(torch.int32).to(torch.int64)
-                valid = idx >= 0
-                if bool(valid.any()):
-                    idx = idx[valid]
-                    out.index_add_(0, idx, slots[r, valid, 1:])
-                    seen.append(idx)
-            union = int(torch.unique(torch.cat(seen)).numel()) if seen else 0
-            value = self._scaled(out.reshape(-1), ctx.averaged)
+            union, rows = self._sum_slots(result.reshape(n, max(ctx.rank_keys), 1 + self.row))
+            value = self._from_rows(union, self._scaled(rows, ctx.averaged))
+            count = union.numel()
         elif s == "two_phase":
-            out = torch.zeros(self.keys, self.row, dtype=torch.float32, device=ctx.flat.device)
-            out.index_copy_(0, ctx.union_rows, result.reshape(-1, self.row).to(torch.float32))
-            union = int(ctx.union_rows.numel())
-            value = self._scaled(out.reshape(-1), ctx.averaged)
+            rows = self._scaled(result.reshape(-1, self.row).to(torch.float32), ctx.averaged)
+            value = self._from_rows(ctx.union_rows, rows)
+            count = ctx.union_rows.numel()
         elif s in _HALF:
-            value = self._scaled(result.to(torch.float32), ctx.averaged)
-            union = self._union_of(value)
-        elif s == "sketch":
-            value = self._scaled(result.to(torch.float32), ctx.averaged)
+            value = self._shaped(self._scaled(result.to(torch.float32), ctx.averaged))
+            count = self._union_of(value)
+        elif s == "sketch" and ctx.partial is not None:   # the inexact keys' rows, summed exactly
+            flat, keys, count = ctx.partial
+            self._rows(flat).index_copy_(0, keys, self._scaled(result.reshape(-1, self.row).to(torch.float32),
+                                                                ctx.averaged))
             self.agg_stats.payload_bytes += result.numel() * 4
-            union = self._union_of(value)
+            value = self._from_flat(flat, ctx.union_rows)
+        elif s == "sketch":
+            flat = self._scaled(result.to(torch.float32), ctx.averaged)
+            self.agg_stats.payload_bytes += result.numel() * 4
+            value = self._from_flat(flat, ctx.union_rows)
+            count = ctx.union_rows.numel() if self.sparse else self._union_of(flat)
         elif s == "topk":
-            value = self._topk.finish_fallback(result.to(torch.float32), ctx.topk_outcome).reshape(-1)
-            union = self._union_of(value)
+            value = self._shaped(self._topk.finish_fallback(result.to(torch.float32), ctx.topk_outcome).reshape(-1))
+            count = self._union_of(value)
         else:
             raise AssertionError(f"{s} makes no request")
         if s != "sketch":
             self.agg_stats.payload_bytes += result.numel() * result.element_size() // (n if s == "allgather" else 1)
         self.bytes_sent += result.numel() * result.element_size() // (n if s == "allgather" else 1)
         self.agg_stats.decode_seconds += time.perf_counter() - t0
-        self._observe(ctx, union)
-        return self._shaped(value)
+        self._observe(ctx, count)
+        return value
 
     # -- bodies ---------------------------------------------------------------------------------------
-    def _bitmap(self, present: torch.Tensor) -> torch.Tensor:
-        """``present`` (one bool per row) as digits of base n+1, packed exactly into float32 words."""
+    def _bitmap(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows as digits of base n+1 (1 at a row it holds), packed exactly into float32 words."""
         pk = digit_packing(self.world_size, self.keys)
-        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=present.device)
-        digits[:self.keys] = present.to(torch.int64)
-        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=present.device)
+        device = self._device(ctx)
+        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=device)
+        if ctx.present is not None:
+            digits[:self.keys] = ctx.present.to(torch.int64)
+        else:
+            digits[ctx.index] = 1
+        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=device)
         return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1).to(torch.float32)
 
     def _unpack(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
@@ -379,26 +510,37 @@ class AutoAggregator:
         cols = [(w // pk.base ** j) % pk.base for j in range(pk.per_word)]
         return torch.stack(cols, dim=1).reshape(-1)[:self.keys]
 
-    def _gather_slots(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+    def _gather_slots(self, ctx: AutoContext, k: int) -> torch.Tensor:
         """This rank's K slots: int32 row index (bits in a float32 word; -1: unused) and the row."""
-        rows = self._rows(flat.to(torch.float32))
-        idx = torch.nonzero((rows != 0).any(dim=1)).reshape(-1)
-        slots = torch.zeros(k, 1 + self.row, dtype=torch.float32, device=flat.device)
-        slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=flat.device).view(torch.float32)
-        m = idx.numel()
-        slots[:m, 0] = idx.to(torch.int32).view(torch.float32)
-        slots[:m, 1:] = rows.index_select(0, idx)
+        index = self._index(ctx)
+        slots = torch.zeros(k, 1 + self.row, dtype=torch.float32, device=index.device)
+        slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
+        m = index.numel()
+        slots[:m, 0] = index.to(torch.int32).view(torch.float32)
+        slots[:m, 1:] = self._values(ctx).to(torch.float32)
         return slots.reshape(-1)
+
+    def _sum_slots(self, slots: torch.Tensor) -> tuple:
+        """``(union, rows)`` from the gathered ``(n, K, 1 + row)`` slots: the sorted rows some rank sent and
+        their sums, each row added in rank order (the same additions on every rank)."""
+        index = slots[:, :, 0].contiguous().view(torch.int32).to(torch.int64).reshape(-1)
+        valid = index >= 0
+        index, values = index[valid], slots[:, :, 1:].reshape(-1, self.row)[valid]
+        union, where = torch.unique(index, sorted=True, return_inverse=True)
+        rows = torch.zeros(union.numel(), self.row, dtype=torch.float32, device=slots.device)
+        rows.index_add_(0, where, values)   # the slots in rank order, each rank's in row order
+        return union, rows
 
     def payload_numel(self) -> int:
         """Elements of the first payload the next :meth:`encode` returns (header + body)."""
         s, H = self.strategy, stats_header_words(self.world_size)
+        rows = bitmap_words(self.keys, self.world_size) if self.sparse else 0   # a sparse result's union
         if s == "dense":
-            return H + self.numel
+            return H + rows + self.numel
         if s == "two_phase":
             return H + digit_packing(self.world_size, self.keys).words
         if s == "sketch":
-            return H + self._codec.payload_numel
+            return H + rows + self._codec.payload_numel
         if s in ("thc", "topk"):
             agg = self._thc if s == "thc" else self._topk
             if agg is None:
@@ -453,7 +595,8 @@ class AutoAggregator:
     # -- inspection -----------------------------------------------------------------------------------
     def plan_stats(self) -> dict:
         """The chosen strategy, the predicted seconds of every candidate at the last plan, the measured
-        seconds (EWMA per strategy used, encode to result on this rank) and the bytes this rank sent."""
+        seconds (EWMA per strategy used, encode to result on this rank), the bytes this rank sent, and
+        whether the gradient is sparse."""
         return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
                 "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
-                "changes": list(self.history), "fallbacks": self.fallbacks}
+                "changes": list(self.history), "fallbacks": self.fallbacks, "sparse": self.sparse}

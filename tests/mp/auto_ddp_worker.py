@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import (BagModel, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn, max_param_diff,  # noqa: E402
+                    param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -25,9 +26,12 @@ def rank_batch(step, rank, burst_from=None):
     return batch(step, rank, size=size)
 
 
-def train(state=None, steps=6, bucket_cap_mb=None, burst_from=None):
+def train(state=None, steps=6, bucket_cap_mb=None, burst_from=None, sparse=False, bags=False):
+    """``sparse``: the users table is nn.Embedding(sparse=True); ``bags``: models.BagModel on
+    models.bag_batch (rank 0 lists no row). The reference (state None) is DDP's default allreduce, sparse
+    gradients by Gloo's sparse allreduce."""
     torch.manual_seed(0)
-    model = EmbeddingModel()
+    model = BagModel() if bags else EmbeddingModel(sparse=sparse)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DistributedDataParallel(model, **kw)
     if state is not None:
@@ -35,7 +39,10 @@ def train(state=None, steps=6, bucket_cap_mb=None, burst_from=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss_fn(ddp, rank_batch(step, dist.get_rank(), burst_from)).backward()
+        if bags:
+            bag_loss(ddp, bag_batch(step, dist.get_rank())).backward()
+        else:
+            loss_fn(ddp, rank_batch(step, dist.get_rank(), burst_from)).backward()
         opt.step()
     return model
 
@@ -46,6 +53,8 @@ def compare(state, **kw):
     st = state.stats()
     return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "stats": st,
             "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
+            "sparse": [k for k, v in st["plan"].items() if v["sparse"]],
+            "fallbacks": {k: v["fallbacks"] for k, v in st["plan"].items()},
             "calibration": state.spec.calibration.as_list()}
 
 
@@ -56,6 +65,13 @@ def scenario(name):
         return compare(AutoHookState(interval=2, calibration=Calibration.default(1e9)), steps=10, burst_from=5)
     if name == "small_buckets":  # several buckets, each parameter planned inside its bucket's message
         return compare(AutoHookState(interval=2, calibration=Calibration.default(1e8)), steps=6, bucket_cap_mb=0.05)
+    if name == "sparse_replan":   # sparse users table: planned over its listed rows, re-planned on the burst
+        return compare(AutoHookState(interval=2, calibration=Calibration.default(1e9)), steps=10, burst_from=5,
+                       sparse=True)
+    if name.startswith("sparse_"):   # one exact strategy forced on every parameter, sparse bags included
+        s = name[len("sparse_"):]
+        return compare(AutoHookState(interval=2, first=s, strategies=(s,), calibration=Calibration.default(1e9)),
+                       steps=6, bags=True)
     if name == "lossy":
         state = AutoHookState(lossy=True, interval=2, calibration=Calibration.default(1e8))
         got = train(state, steps=6)

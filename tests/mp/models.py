@@ -42,3 +42,34 @@ def param_digest(model: nn.Module) -> str:
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+class BagModel(nn.Module):
+    """A sparse bag-of-rows table (nn.EmbeddingBag(sparse=True): DDP hands its gradient to the hook as a
+    COO tensor of rows) and a dense layer; an empty bag contributes no row."""
+
+    def __init__(self, rows: int = 3000, dim: int = 8):
+        super().__init__()
+        self.table = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+        self.fc = nn.Linear(dim, 1)
+
+    def forward(self, rows, offsets):
+        return self.fc(torch.tanh(self.table(rows, offsets))).squeeze(-1)
+
+
+def bag_batch(step: int, rank: int, bags: int = 6, rows: int = 3000):
+    """Rank 0's bags are empty (its gradient lists no row); ranks 1.. share hot rows 0..19 and draw the
+    rest from disjoint ranges (rank r: rows from 1000 r on)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if rank == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(bags, dtype=torch.int64), torch.rand(bags, generator=g)
+    per_bag = 5
+    hot = torch.randint(0, 20, (bags, 2), generator=g)
+    own = 1000 * rank + torch.randint(0, 900, (bags, per_bag - 2), generator=g)
+    ids = torch.cat([hot, own], dim=1).reshape(-1)
+    return ids, torch.arange(0, bags * per_bag, per_bag), torch.rand(bags, generator=g)
+
+
+def bag_loss(model, b):
+    ids, offsets, y = b
+    return torch.nn.functional.mse_loss(model(ids, offsets), y)

@@ -37,9 +37,13 @@ DEFAULTS = {**TASK_DEFAULTS, "replay": dict(batch=1, optimizer="sgd", lr=0.01, s
 # bf16, powersgd: torch's own DDP hooks (bf16_compress_hook; PowerSGDState + powerSGD_hook with
 # --powersgd-rank and --powersgd-start); DDP only (Horovod cannot reduce bfloat16 tensors and has
 # no low-rank compressor). auto, auto-lossy: the planner (lossless_hc.training.planner) picks per
-# tensor among the exact strategies, or among all of them.
+# tensor among the exact strategies, or among all of them. auto-sparse: DDP's auto_hook with
+# nn.Embedding(sparse=True), the sparse tables planned over their listed rows (what auto does for a
+# DDP user on Gloo with sparse embeddings; "auto" keeps dense embeddings, as NCCL, which has no sparse
+# allreduce, requires). Horovod sends sparse gradients to hvd.sparse_allreduce outside any compressor.
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "sparse", "topk-allgather", "lossless", "topk", "thc",
-                "auto", "auto-lossy")
+                "auto", "auto-lossy", "auto-sparse")
+SPARSE_MODES = ("sparse", "auto-sparse")   # modes that imply --sparse-embeddings
 SUPPORTED = {  # compressions each framework implements here
     "horovod": ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc", "auto", "auto-lossy"),
     "ddp": COMPRESSIONS,
@@ -127,7 +131,8 @@ class DDP:
                                               start_powerSGD_iter=args.powersgd_start, min_compression_rate=2,
                                               random_seed=args.seed)
             ddp.register_comm_hook(self.powersgd, powersgd_hook)
-        elif args.compression in ("auto", "auto-lossy"):
+        elif args.compression in ("auto", "auto-lossy", "auto-sparse"):
+            # auto-sparse: the same hook; the sparse tables' buckets arrive sparse (--sparse-embeddings)
             self.state = AutoHookState(lossy=args.compression == "auto-lossy")
             ddp.register_comm_hook(self.state, auto_hook)
         elif args.compression == "lossless":
@@ -281,7 +286,8 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--compress-reduce-scatter", action="store_true",
                    help="fsdp with replicas: compress the reduce-scatter too (lossless, topk)")
     p.add_argument("--sparse-embeddings", action="store_true",
-                   help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True)")
+                   help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True; DDP auto: "
+                        "planned over the listed rows; implied by --compression sparse and auto-sparse)")
     p.add_argument("--users", type=int, default=50_000)
     p.add_argument("--items", type=int, default=50_000)
     p.add_argument("--dim", type=int, default=32)
@@ -304,7 +310,7 @@ def parse_args(argv=None, default_model="ncf"):
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.compression == "sparse":
+    if args.compression in SPARSE_MODES:
         args.sparse_embeddings = True
     if args.compression not in SUPPORTED[args.framework]:
         p.error(f"--framework {args.framework} does not implement --compression {args.compression} "

@@ -1,0 +1,151 @@
+"""The planner over sparse gradients (a COO tensor of rows, as DDP hands over nn.Embedding(sparse=True)'s
+gradient): every exact strategy's result is the coalesced sparse tensor of the rows some rank listed,
+equal to the float64 dense sum; the cost model prices the sparse input (no scan, the bitmap the dense
+strategies carry, no lossy candidates). Collectives in-process, as in tests/test_planner.py."""
+import pytest
+import torch
+
+from test_planner import run_step
+
+from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, Calibration, CostModel,
+                                          LinkModel, TensorStats, bitmap_words)
+from lossless_hc.training.strategies import AutoAggregator
+
+MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
+ROWS, DIM, N = 400, 8, 3
+
+
+def sparse_grad(rng, rows, dim, listed, zero_rows=()):
+    """A COO gradient listing ``listed`` rows (random values, uncoalesced: each row split in two entries)
+    and ``zero_rows`` listed with zero values, as an embedding's backward can give."""
+    idx = torch.as_tensor(list(listed) + list(zero_rows), dtype=torch.int64)
+    vals = torch.randn(idx.numel(), dim, generator=rng)
+    vals[len(listed):] = 0
+    half = vals / 2
+    return torch.sparse_coo_tensor(torch.cat([idx, idx]).reshape(1, -1), torch.cat([half, vals - half]),
+                                   (rows, dim), check_invariants=True)
+
+
+def supports(step):
+    """Per rank: rank 0 lists nothing, ranks 1 and 2 overlap in a hot set and have disjoint tails."""
+    hot = list(range(10 + step))
+    return [[], hot + list(range(100, 130 + 5 * step)), hot + list(range(300, 310))]
+
+
+def aggregators(strategy, n=N, **kw):
+    return [AutoAggregator("emb", (ROWS, DIM), torch.float32, n, r, MODEL, first=strategy, allowed=(strategy,),
+                           interval=2, sparse=True, **kw) for r in range(n)]
+
+
+@pytest.mark.parametrize("strategy", EXACT_STRATEGIES)
+@pytest.mark.parametrize("average", [False, True])
+def test_every_exact_strategy_returns_the_union_rows_of_the_exact_sum(strategy, average):
+    rng = torch.Generator().manual_seed(5)
+    aggs = aggregators(strategy)
+    for step in range(4):
+        xs = [sparse_grad(rng, ROWS, DIM, rows, zero_rows=[390 + r] if r else [])
+              for r, rows in enumerate(supports(step))]
+        truth = torch.stack([x.to_dense().double() for x in xs]).sum(0) / (N if average else 1)
+        listed = sorted(set().union(*[set(x.coalesce().indices()[0].tolist()) for x in xs]))
+        ys = run_step(aggs, xs, average)
+        for y in ys:
+            assert y.is_sparse and y.is_coalesced() and y.shape == (ROWS, DIM) and y.dtype == torch.float32
+            assert y.indices()[0].tolist() == listed   # a listed all-zero row stays listed, as DDP's sparse allreduce
+            assert torch.allclose(y.to_dense().double(), truth, rtol=0, atol=1e-5)
+            assert torch.equal(y.values(), ys[0].values())   # every rank decodes the same bits
+        assert all(a.strategy == strategy for a in aggs)
+    assert aggs[0].tracker.rank_keys is not None and aggs[0].plan_stats()["bytes_sent"] > 0
+
+
+def test_sparse_and_dense_gradients_of_the_same_rows_give_the_same_aggregate():
+    """The dense path scans for the rows the sparse path is handed; both then run the same machinery."""
+    rng = torch.Generator().manual_seed(6)
+    for strategy in EXACT_STRATEGIES:
+        xs = [sparse_grad(rng, ROWS, DIM, rows) for rows in supports(2)]
+        sparse = run_step(aggregators(strategy), xs)
+        dense_aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first=strategy,
+                                     allowed=(strategy,)) for r in range(N)]
+        dense = run_step(dense_aggs, [x.to_dense() for x in xs])
+        assert torch.equal(sparse[0].to_dense(), dense[0]), strategy
+
+
+def test_no_rank_lists_a_row():
+    rng = torch.Generator().manual_seed(7)
+    for strategy in EXACT_STRATEGIES:
+        ys = run_step(aggregators(strategy), [sparse_grad(rng, ROWS, DIM, []) for _ in range(N)])
+        assert all(y.is_sparse and y._nnz() == 0 for y in ys), strategy
+
+
+def test_the_first_step_of_a_sparse_gradient_is_allgather_and_lossy_is_not_offered():
+    agg = AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL, lossy=True, sparse=True)
+    assert agg.strategy == "allgather" and agg.allowed == EXACT_STRATEGIES
+    assert AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL).strategy == "dense"
+
+
+def test_layout_changes_and_unsupported_sparse_tensors_are_refused():
+    rng = torch.Generator().manual_seed(8)
+    sparse_agg = AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL, sparse=True)
+    with pytest.raises(TypeError, match="built for sparse"):
+        sparse_agg.encode(torch.zeros(ROWS, DIM))
+    dense_agg = AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL)
+    with pytest.raises(TypeError, match="built for dense"):
+        dense_agg.encode(sparse_grad(rng, ROWS, DIM, [1, 2]))
+    with pytest.raises(TypeError, match="sparse dimensions"):
+        sparse_agg.encode(torch.zeros(ROWS, DIM).to_sparse(sparse_dim=2))
+
+
+# -- the cost model -------------------------------------------------------------------------------------
+
+def stats(sparse, numel=1 << 20, row=32, n=4, k=512, union=1500):
+    return TensorStats(numel, row, n, (k,) * n, union, 4, sparse)
+
+
+def test_a_sparse_gradient_has_no_scan_cost_and_the_dense_strategies_carry_the_bitmap():
+    dense, sparse = stats(False), stats(True)
+    per_coord = {s: DEFAULT_CODEC_SECONDS[s][0] for s in EXACT_STRATEGIES}
+    d, D = dense.numel, dense.keys
+    p_dense, p_sparse = ({s: MODEL.predict(s, st) for s in EXACT_STRATEGIES} for st in (dense, sparse))
+    bitmap = 4 * bitmap_words(D, 4)
+    link = MODEL.calibration.link
+    assert p_dense["allgather"] - p_sparse["allgather"] == pytest.approx(per_coord["allgather"] * d)
+    assert p_dense["two_phase"] - p_sparse["two_phase"] == pytest.approx(per_coord["two_phase"] * (d - D))
+    for s in ("dense", "sketch"):
+        assert MODEL.wire_bytes(s, sparse) == MODEL.wire_bytes(s, dense) + bitmap
+        extra = link.allreduce(MODEL.wire_bytes(s, sparse), 4) - link.allreduce(MODEL.wire_bytes(s, dense), 4)
+        assert p_sparse[s] - p_dense[s] == pytest.approx(extra + per_coord[s] * D)
+    assert set(MODEL.choose(sparse, lossy=True)[1]) == set(EXACT_STRATEGIES)
+
+
+def test_the_choice_for_a_sparse_gradient_can_differ_from_the_dense_one():
+    """A machine where scanning is slow beside the link: for a dense gradient every row strategy pays
+    the scan and dense wins; the sparse gradient's rows come listed, and allgather wins."""
+    codec = dict(DEFAULT_CODEC_SECONDS, allgather=(2e-8, 2e-9), two_phase=(4e-8, 2e-9), sketch=(2e-8, 15e-9))
+    model = CostModel(Calibration(LinkModel(50e-6, 8 / 10e9), codec))
+    assert model.choose(stats(False, k=4000, union=12000))[0] == "dense"
+    assert model.choose(stats(True, k=4000, union=12000))[0] == "allgather"
+
+
+def test_sketch_reaggregates_inexact_rows_alone():
+    """Rows whose coordinates span three orders of magnitude: the sketch's decode reports keys it cannot
+    prove within rtol (INEXACT); only those rows go out again (one allreduce of their values), the rest
+    is read from the sketch, and no step falls back to the dense tensor once the sketch is sized."""
+    rng = torch.Generator().manual_seed(9)
+    for sparse in (True, False):
+        aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first="sketch", allowed=("sketch",),
+                               interval=1, sparse=sparse) for r in range(N)]
+        for step in range(4):
+            xs = []
+            for rows in supports(step):
+                x = sparse_grad(rng, ROWS, DIM, rows).coalesce()
+                scale = 10.0 ** -(3 * torch.rand(x.values().shape, generator=rng))
+                x = torch.sparse_coo_tensor(x.indices(), x.values() * scale, x.shape, check_invariants=True)
+                xs.append(x if sparse else x.to_dense())
+            truth = torch.stack([x.to_dense().double() for x in xs]).sum(0)
+            fallbacks = aggs[0].fallbacks
+            for y in run_step(aggs, xs):
+                y = y.to_dense() if sparse else y
+                assert torch.allclose(y.double(), truth, rtol=2 ** -10, atol=1e-7)
+            if step:
+                assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
+        st = aggs[0].agg_stats
+        assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st

@@ -63,15 +63,15 @@ class Task:
 TASKS = {
     "digits": Task("digits", 0.96, 10, 600, ("--batch", "32", "--optimizer", "sgd", "--lr", "0.05"),
                    "DigitsCNN on scikit-learn digits, test accuracy on 360 held-out images"),
-    "ncf": Task("ncf", 0.30, 25, 1000, ("--users", "10000", "--items", "10000", "--dim", "32", "--batch", "512",
-                                        "--optimizer", "sgd", "--lr", "0.3"),
+    "ncf": Task("ncf", 0.35, 25, 600, ("--users", "10000", "--items", "10000", "--dim", "32", "--batch", "512",
+                                       "--optimizer", "sgd", "--lr", "1.0"),
                 "NCF, 10k users x 10k items, uniform ids; HR@10 on leave-one-out held-out items vs 99 unseen"),
     "ncf-zipf": Task("ncf", 0.165, 25, 600, ("--skew", "1.1", "--users", "10000", "--items",
                                                   "10000", "--dim", "32", "--batch", "512", "--optimizer", "sgd",
                                                   "--lr", "0.3"),
                      "NCF, Zipf(1.1) users and negatives; HR@10, held-out items of Zipf-drawn users vs 99 "
                      "Zipf-drawn unseen items"),
-    "lm": Task("lstm", 120.0, 25, 500, ("--vocab", "5000", "--batch", "16", "--optimizer", "adam", "--lr", "0.006",
+    "lm": Task("lstm", 140.0, 25, 400, ("--vocab", "5000", "--batch", "16", "--optimizer", "adam", "--lr", "0.006",
                                         "--held-out-files", "10", "--eval-windows", "128"),
                "2-layer LSTM, 5k-word vocabulary, Python standard library sources; validation perplexity on "
                "every 10th file (held out)"),

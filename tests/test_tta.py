@@ -125,22 +125,32 @@ def test_language_model_validation_files_are_held_out():
 
 
 # -- the worker's clock: evaluation is not training time --------------------------------------------
+EVAL_PAUSE = 0.3  # seconds each evaluation sleeps in the clock test
+
+
 def test_worker_excludes_evaluation_time(tmp_path, monkeypatch):
-    pause = 0.3
     real = tasks.DigitsWorkload.evaluate
 
     def slow_evaluate(self, model):  # the real metric, made slow
-        time.sleep(pause)
+        time.sleep(EVAL_PAUSE)
         return real(self, model)
     monkeypatch.setattr(tasks.DigitsWorkload, "evaluate", slow_evaluate)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()  # the worker sets this process's thread count: restored below
+    try:
+        _worker_clock_checks(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _worker_clock_checks(tmp_path):
     out = tmp_path / "r.json"
     res = tta_worker.main(["--model", "digits", "--framework", "local", "--compression", "none", "--steps", "30",
                            "--eval-every", "10", "--target", "2", "--batch", "16", "--threads", "1",
                            "--json", str(out)])
     assert [p["step"] for p in res["curve"]] == [0, 10, 20, 30] and res["steps_run"] == 30
-    assert res["eval_s"] >= 4 * pause
+    assert res["eval_s"] >= 4 * EVAL_PAUSE
     # training and evaluation are disjoint parts of the wall time: counting evaluation as
     # training would put train_s + eval_s above wall_s by >= 3 pauses
     assert res["train_s"] + res["eval_s"] <= res["wall_s"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -70,7 +71,7 @@ def main(argv=None) -> dict:
     if args.device != "cpu":
         raise SystemExit("lossless_hc.bench.tta_worker runs CPU workers only")
     fw = train.FRAMEWORKS[args.framework](args)
-    torch.set_num_threads(args.threads or 1)
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // fw.size))  # as train.main
     torch.manual_seed(args.seed)
     work = train.WORKLOADS[args.model](args, fw.rank)
     model = work.model

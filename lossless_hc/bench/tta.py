@@ -106,7 +106,8 @@ def run_tta(hosts: int, rate_bits: int, delay_s: float, task: Task, modes: Seque
             eval_every: Optional[int] = None, max_train_seconds: float = 0.0, extra_args: Sequence[str] = (),
             progress: Optional[Progress] = None) -> dict:
     """Builds the cluster, runs every (seed, mode), tears down. The uncompressed run of a seed goes
-    first when it is among the modes: the other modes' final parameters are compared with its.
+    first when it is among the modes: the final parameters of each other mode that ran as many
+    steps are compared with its (``max_param_diff_vs_none``; None otherwise).
     Returns {"runs": [rank 0 reports + label, seed, max_param_diff_vs_none], "cpu_fair", "shaping", ...}."""
     target = task.target if target is None else target
     max_steps = max_steps or task.max_steps

@@ -14,6 +14,7 @@ Usage::
     python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
     python -m lossless_hc.bench replay ...     (collective-only replay; needs root: lossless_hc.bench.replay)
     python -m lossless_hc.bench simulate ...   (the planner's cost model to 256 hosts: lossless_hc.bench.simulate)
+    python -m lossless_hc.bench tta ...        (time to accuracy on the emulated cluster; needs root: lossless_hc.bench.tta)
 
 ``codec`` times encode (one worker) and decode (the SUM of all workers' payloads) against a
 ``torch.clone`` of one dense input measured in the same process, round-robin with them (see
@@ -60,6 +61,7 @@ from lossless_hc.bench.replay import add_arguments as add_replay_arguments
 from lossless_hc.bench.simulate import add_arguments as add_simulate_arguments
 from lossless_hc.bench.thc import render_thc, run_thc_bench
 from lossless_hc.bench.topk import render_topk, run_topk_bench
+from lossless_hc.bench.tta import add_arguments as add_tta_arguments
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("simulate", help="the planner's cost model from 2 to 256 hosts (uniform and Zipf supports), "
                                          "plot, and its error against measured replay points")
     add_simulate_arguments(sm)
+
+    ta = sub.add_parser("tta", help="time to accuracy on the emulated cluster: every mode trained to a held-out "
+                                     "target (digits, NCF, LSTM LM); curves and plots; needs root")
+    add_tta_arguments(ta)
 
     tr = sub.add_parser("train", add_help=False,
                        help="uncompressed vs lossless training side by side on local workers (`make demo`); "

@@ -114,6 +114,17 @@ def cpu_fair_scaling(workers: int, cores: int) -> dict:
             "rate_factor": share, "delay_factor": 1.0 / share}
 
 
+def apply_cpu_fair(workers: int, cores: Optional[int], rate_bits: int, delay_s: float) -> tuple:
+    """(rate, delay, scaling) with :func:`cpu_fair_scaling` of ``workers`` on ``cores`` (default:
+    this machine's) applied; ``scaling`` also records the applied rate and delay. The workers must
+    run with ``--threads 1``."""
+    fair = cpu_fair_scaling(workers, cores or os.cpu_count() or 1)
+    rate_bits = max(8_000, int(round(rate_bits * fair["rate_factor"])))
+    delay_s = delay_s * fair["delay_factor"]
+    fair.update(applied_rate_bits=rate_bits, applied_delay_s=delay_s)
+    return rate_bits, delay_s, fair
+
+
 # -- statistics ------------------------------------------------------------------------------------
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
@@ -201,6 +212,7 @@ class RunSpec:
     steps: int
     warmup: int
     train_args: list
+    module: str = "lossless_hc.bench.workloads.train"  # the worker's entry point (python -m)
 
 
 def _free_port() -> int:
@@ -225,11 +237,13 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec: RunSpec, workdir: str,
-                timeout_s: float, save_params: Optional[str] = None, per_host: int = 1) -> list:
+                timeout_s: float, save_params: Optional[str] = None, per_host: int = 1,
+                label: Optional[str] = None) -> list:
     """Runs one configuration, ``per_host`` worker processes on every host (rank = host x
     per_host + local rank; FSDP's shard group is a host's processes, whose traffic stays inside the
     host's namespace, unshaped); returns the per-rank reports (raises ClusterError with the failing
-    rank's log tail when a worker fails or the timeout passes)."""
+    rank's log tail when a worker fails or the timeout passes). Reports and logs are named after
+    ``label`` (default ``framework-compression``)."""
     if per_host != 1 and framework not in ("fsdp", "local"):
         raise ValueError(f"{framework}: one worker per host (per_host={per_host} is for fsdp)")
     n = cluster.hosts * per_host
@@ -266,9 +280,9 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
     else:
         raise ValueError(f"unknown framework {framework!r}")
 
-    name = f"{framework}-{compression}"
+    name = label or f"{framework}-{compression}"
     report = os.path.join(workdir, f"{name}.rank{{rank}}.json")
-    argv = [sys.executable, "-m", "lossless_hc.bench.workloads.train", "--model", spec.model, "--framework", framework,
+    argv = [sys.executable, "-m", spec.module, "--model", spec.model, "--framework", framework,
             "--compression", compression, "--steps", str(spec.steps), "--warmup", str(spec.warmup),
             "--net-iface", HOST_IFACE, "--log-every", str(spec.steps), "--json", report, *spec.train_args]
     if save_params:
@@ -365,10 +379,7 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
         if len(layouts) > 1:
             raise ValueError("--cpu-fair: fsdp runs a different number of workers per host than "
                              f"{', '.join(f for f in frameworks if f != 'fsdp')}; run it separately")
-        fair = cpu_fair_scaling(hosts * layouts[0], cores or os.cpu_count() or 1)
-        rate_bits = max(8_000, int(round(rate_bits * fair["rate_factor"])))
-        delay_s = delay_s * fair["delay_factor"]
-        fair.update(applied_rate_bits=rate_bits, applied_delay_s=delay_s)
+        rate_bits, delay_s, fair = apply_cpu_fair(hosts * layouts[0], cores, rate_bits, delay_s)
         train_args += ["--threads", "1"]
     spec = RunSpec(model, steps, warmup, train_args)
     # compute-only references: per workers-per-host layout, and with sparse embedding gradients

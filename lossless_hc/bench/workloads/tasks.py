@@ -18,6 +18,7 @@ from lossless_hc.bench.workloads import data, models
 class Workload:
     name = ""
     metric = ""
+    higher_is_better = True  # direction of ``metric`` (time-to-accuracy targets: reach >= or <=)
 
     def __init__(self, args, rank: int):
         self.args, self.rank = args, rank
@@ -63,7 +64,8 @@ class NCFWorkload(Workload):
         return F.binary_cross_entropy_with_logits(model(users, items), labels)
 
     def evaluate(self, model):
-        return self.data.hit_rate(model)
+        # held-out interactions of users drawn as the training batches draw them (uniform or Zipf)
+        return self.data.hit_rate(model, skew=getattr(self.args, "skew", 0.0))
 
 
 class LSTMWorkload(Workload):
@@ -71,13 +73,20 @@ class LSTMWorkload(Workload):
     (:func:`data.python_source_corpus`), so the input embedding's gradient rows follow the token
     frequencies of real code."""
     name, metric = "lstm", "perplexity"
+    higher_is_better = False
     seq = 35
+    eval_windows = 64
 
     def __init__(self, args, rank):
         super().__init__(args, rank)
-        ids, vocab = data.python_source_corpus(vocab=args.vocab)
-        split = int(0.95 * ids.numel())
-        self.train_ids, self.test_ids = ids[:split], ids[split:]
+        every = getattr(args, "held_out_files", 0)
+        if every:  # validation on whole held-out files, vocabulary from the training files
+            self.train_ids, self.test_ids, vocab, _ = data.python_source_split(vocab=args.vocab, held_out_every=every)
+            self.eval_windows = getattr(args, "eval_windows", self.eval_windows)
+        else:      # the last 5% of the token stream
+            ids, vocab = data.python_source_corpus(vocab=args.vocab)
+            split = int(0.95 * ids.numel())
+            self.train_ids, self.test_ids = ids[:split], ids[split:]
         self.model = models.LSTMLanguageModel(len(vocab), sparse=args.sparse_embeddings)
         self.finish_init()
 
@@ -96,19 +105,23 @@ class LSTMWorkload(Workload):
     @torch.no_grad()
     def evaluate(self, model):
         n = (self.test_ids.numel() - 1) // self.seq * self.seq
-        x = self.test_ids[:n].reshape(-1, self.seq)[:64]
-        y = self.test_ids[1:n + 1].reshape(-1, self.seq)[:64]
+        x = self.test_ids[:n].reshape(-1, self.seq)[:self.eval_windows]
+        y = self.test_ids[1:n + 1].reshape(-1, self.seq)[:self.eval_windows]
         return float(math.exp(self.loss(model, (x, y))))
 
 
 class DigitsWorkload(Workload):
+    """The small CNN on scikit-learn's digits: a fixed held-out test set of 360 images (20%, the
+    same for every seed), training batches drawn from the other 1437."""
     name, metric = "digits", "accuracy"
+    test_size = 360
 
     def __init__(self, args, rank):
         super().__init__(args, rank)
         x, y = data.digits()
         perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
-        test, train = perm[:360], perm[360:]
+        test, train = perm[:self.test_size], perm[self.test_size:]
+        self.test_index, self.train_index = test, train
         self.test = x[test], y[test]
         self.train = x[train], y[train]
         self.model = models.DigitsCNN()
@@ -164,6 +177,7 @@ class BERTWorkload(Workload):
     """Masked-token prediction on random tokens drawn from a Zipf-like distribution (the loss can
     fall to the distribution's entropy: that is what there is to learn)."""
     name, metric = "bert", "mlm_loss"
+    higher_is_better = False
     seq, mask_fraction = 64, 0.15
 
     def __init__(self, args, rank):

@@ -291,30 +291,34 @@ LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_
       d0[l] = thc_check_coeff(C, w0 + l) - 1;
       cp0[l] = ((d0[l] + 1) << 26) % P;
     }
-    __m512i d = _mm512_load_si512(d0), cp = _mm512_load_si512(cp0), acc = _mm512_setzero_si512();
-    const __m512i vP = _mm512_set1_epi64((int64_t)P), vPm = _mm512_set1_epi64((int64_t)Pm),
-                  vstep = _mm512_set1_epi64((int64_t)step), vup = _mm512_set1_epi64((int64_t)up),
-                  vwrap_up = _mm512_set1_epi64((int64_t)wrap_up), one = _mm512_set1_epi64(1),
-                  low26 = _mm512_set1_epi64((1 << 26) - 1);
+    typedef uint64_t vu8 __attribute__((vector_size(64)));
+    typedef double vd8 __attribute__((vector_size(64)));
+    typedef int64_t vi8 __attribute__((vector_size(64)));
+    vu8 d, cp, acc = vu8{};
+    __builtin_memcpy(&d, d0, sizeof d);
+    __builtin_memcpy(&cp, cp0, sizeof cp);
+    const vu8 zero = vu8{}, vP = P + zero, vPm = Pm + zero, low26 = ((1u << 26) - 1) + zero;
     uint64_t since_reduce = 0;
     for (; i + V <= n; i += V) {
-      const __m512i S = _mm512_cvttpd_epu64(_mm512_loadu_pd(s + i));   // exact: integers below 2^53
-      const __m512i c = _mm512_add_epi64(d, one);
-      acc = _mm512_add_epi64(acc, _mm512_add_epi64(_mm512_mul_epu32(c, _mm512_and_si512(S, low26)),
-                                                   _mm512_mul_epu32(cp, _mm512_srli_epi64(S, 26))));
-      const __m512i dn = _mm512_add_epi64(d, vstep);
-      const __mmask8 wrap = _mm512_cmpge_epu64_mask(dn, vPm);
-      d = _mm512_mask_sub_epi64(dn, wrap, dn, vPm);
-      const __m512i cn = _mm512_add_epi64(cp, _mm512_mask_blend_epi64(wrap, vup, vwrap_up));
-      cp = _mm512_mask_sub_epi64(cn, _mm512_cmpge_epu64_mask(cn, vP), cn, vP);
+      vd8 sd;
+      __builtin_memcpy(&sd, s + i, sizeof sd);
+      const vu8 S = __builtin_convertvector(sd, vu8);   // exact: integers below 2^53
+      // Operands below 2^32: 32 x 32 -> 64-bit multiplies (vpmuludq; the generic 64-bit product would
+      // be vpmullq, three times the work). maskz with a full mask: the plain intrinsic's undefined
+      // pass-through operand trips GCC 12's -Wmaybe-uninitialized.
+      acc += (vu8)_mm512_maskz_mul_epu32(0xff, (__m512i)(d + 1), (__m512i)(S & low26)) +
+             (vu8)_mm512_maskz_mul_epu32(0xff, (__m512i)cp, (__m512i)(S >> 26));
+      const vu8 dn = d + step;
+      const vi8 wrap = dn >= vPm;   // all ones where c - 1 wraps
+      d = dn - (vPm & (vu8)wrap);
+      const vu8 cn = cp + (wrap ? wrap_up + zero : up + zero);
+      cp = cn - (vP & (vu8)(cn >= vP));
       if (++since_reduce == 2048) {
-        _mm512_store_si512(lanes, acc);
-        for (int l = 0; l < V; ++l) lanes[l] %= P;
-        acc = _mm512_load_si512(lanes);
+        for (int l = 0; l < V; ++l) acc[l] %= P;
         since_reduce = 0;
       }
     }
-    _mm512_store_si512(lanes, acc);
+    __builtin_memcpy(lanes, &acc, sizeof acc);
     for (int l = 0; l < V; ++l) total += lanes[l] % P;
   }
 #else

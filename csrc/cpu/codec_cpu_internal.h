@@ -104,9 +104,12 @@ inline void split_range(uint64_t total, int parts, int tid, uint64_t* begin, uin
 void parallel_fill(float* p, uint64_t n, float value, int nt);
 
 // A sorted key list held as consecutive parts (one per scanning thread), so that building it
-// needs no concatenation copy.
+// needs no concatenation copy; vals[p] holds the values of parts[p]'s keys, `block` floats per key
+// (the input's key block, zero past numel), gathered while scanning so that no later pass reads the
+// input at random.
 struct KeyParts {
   std::vector<std::vector<uint32_t>> parts;
+  std::vector<std::vector<float>> vals;
   uint64_t size() const {
     uint64_t n = 0;
     for (const auto& p : parts) n += p.size();

@@ -35,11 +35,12 @@ inline uint64_t nonzero_mask64(const uint32_t* p) {
 #endif
 }
 
-// Non-zero keys of x, per thread in increasing order (concatenated: sorted), and whether x held
-// NaN/Inf. -0.0 counts as zero.
-std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const float* x, int nt,
-                                                     uint32_t* non_finite) {
-  std::vector<std::vector<uint32_t>> local(nt);
+// Non-zero keys of x, per thread in increasing order (concatenated: sorted), with their blocks'
+// values (KeyParts), and whether x held NaN/Inf. -0.0 counts as zero.
+KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_t* non_finite) {
+  KeyParts out;
+  out.parts.resize(nt);
+  out.vals.resize(nt);
   std::vector<uint32_t> bad(nt, 0);
 #pragma omp parallel num_threads(nt)
   {
@@ -49,6 +50,7 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
     // team actually running, or some keys would never be scanned.
     split_range(L.num_keys, omp_get_num_threads(), tid, &kb, &ke);
     std::vector<uint32_t> mine;  // private while scanning (no false sharing on the vector header)
+    std::vector<float> vals;
     uint32_t nf = 0;
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
     if (L.block == 1) {
@@ -65,12 +67,19 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
         }
         nf |= inf_nan;
         if (!any) continue;
-        for (uint64_t m = nonzero_mask64(bits + k); m; m &= m - 1) mine.push_back((uint32_t)(k + __builtin_ctzll(m)));
+        for (uint64_t m = nonzero_mask64(bits + k); m; m &= m - 1) {
+          const uint64_t key = k + __builtin_ctzll(m);
+          mine.push_back((uint32_t)key);
+          vals.push_back(x[key]);
+        }
       }
       for (; k < ke; ++k) {
         const uint32_t u = bits[k];
         nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-        if (u << 1) mine.push_back((uint32_t)k);
+        if (u << 1) {
+          mine.push_back((uint32_t)k);
+          vals.push_back(x[k]);
+        }
       }
     } else {
       for (uint64_t k = kb; k < ke; ++k) {
@@ -81,23 +90,27 @@ std::vector<std::vector<uint32_t>> find_nonzero_keys(const CodecLayout& L, const
           nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
           any |= u << 1;
         }
-        if (any) mine.push_back((uint32_t)k);
+        if (any) {
+          mine.push_back((uint32_t)k);
+          vals.insert(vals.end(), x + lo, x + hi);
+          vals.resize(vals.size() + (L.block - (hi - lo)), 0.0f);
+        }
       }
     }
-    local[tid] = std::move(mine);
+    out.parts[tid] = std::move(mine);
+    out.vals[tid] = std::move(vals);
     bad[tid] = nf;
   }
   *non_finite = 0;
   for (uint32_t b : bad) *non_finite |= b;
-  return local;
+  return out;
 }
 
-// Add weight * x[key block] into the value sketch and |weight| * max |x[key block]| into the mass
-// channel for keys[0, count), in that order; all of them in the
-// group whose first cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable
-// pass. The group's cells stay in cache, but a group's keys are spread over all of x: each key's
-// values are a miss to memory, so they are prefetched well ahead.
-void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, size_t count, uint64_t base,
+// Add weight * vals[i] (key i's block, B floats) into the value sketch and |weight| * max |vals[i]|
+// into the mass channel for keys[0, count), in that order; all of them in the group whose first
+// cell is `base`. `kc` is scratch for the keys' cells, hashed in one vectorisable pass. The values
+// are read in order (gathered by the scan), and the group's cells stay in cache once touched.
+void scatter_keys(const CodecLayout& L, const float* vals, const uint32_t* keys, size_t count, uint64_t base,
                   float* sketch, float* mass, std::vector<uint32_t>& kc) {
   constexpr size_t kAhead = 16;
   const uint64_t B = L.block;
@@ -108,13 +121,15 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
   };
   for (size_t i = 0; i < count; ++i) {
     if (i + kAhead < count) {
-      __builtin_prefetch(x + (uint64_t)keys[i + kAhead] * B, 0, 0);
-      // The group's cells were zero-filled with the whole payload, so they are not in cache either.
-      for (int j = 0; j < 3; ++j) __builtin_prefetch(cell_values(i + kAhead, j), 1, 3);
+      // The group's cells were zero-filled with the whole payload, so they are not in cache either;
+      // nor are their mass cells (a second array as large as the group's values at block 1).
+      for (int j = 0; j < 3; ++j) {
+        __builtin_prefetch(cell_values(i + kAhead, j), 1, 3);
+        __builtin_prefetch(mass + (cell_values(i + kAhead, j) - sketch) / B, 1, 3);
+      }
     }
-    const uint64_t lo = (uint64_t)keys[i] * B;
-    const uint64_t len = std::min<uint64_t>(B, L.numel - lo);
-    const float* src = x + lo;
+    const uint64_t len = std::min<uint64_t>(B, L.numel - (uint64_t)keys[i] * B);
+    const float* src = vals + i * B;
     float m = 0.0f;  // the block's largest magnitude: its mass (exact, as every |w| * m below)
     for (uint64_t l = 0; l < len; ++l) m = std::max(m, std::fabs(src[l]));
     for (int j = 0; j < 3; ++j) {
@@ -130,14 +145,16 @@ void scatter_keys(const CodecLayout& L, const float* x, const uint32_t* keys, si
 }
 
 // Stable parallel bucketing of sorted keys by sketch group: keys of group g land in
-// [group_offset[g], group_offset[g+1]) of `keys`, in increasing order. Groups are hashed a chunk at
-// a time (vectorised, and cheaper to redo than to store) in both passes.
-void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, std::vector<uint32_t>* keys,
-                     std::vector<uint64_t>* group_offset) {
+// [group_offset[g], group_offset[g+1]) of `keys`, in increasing order, their values (B floats each)
+// at the same positions of `vals`. Groups are hashed a chunk at a time (vectorised, and cheaper to
+// redo than to store) in both passes.
+void bucket_by_group(const SegmentedTable& T, const KeyParts& support, uint64_t B, int nt, std::vector<uint32_t>* keys,
+                     std::vector<float>* vals, std::vector<uint64_t>* group_offset) {
   const uint64_t groups = T.groups();
   const size_t parts = support.parts.size();
   constexpr size_t kChunk = 2048;
   keys->resize(support.size());
+  vals->resize(support.size() * B);
   group_offset->assign(groups + 1, 0);
   std::vector<std::vector<uint64_t>> hist(parts, std::vector<uint64_t>(groups, 0));
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
@@ -154,12 +171,17 @@ void bucket_by_group(const SegmentedTable& T, const KeyParts& support, int nt, s
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
   for (int64_t p = 0; p < (int64_t)parts; ++p) {
     const auto& part = support.parts[p];
+    const float* part_vals = support.vals[p].data();
     uint64_t* cursor = hist[p].data();
     uint32_t group[kChunk];
     for (size_t i = 0; i < part.size(); i += kChunk) {
       const size_t n = std::min(kChunk, part.size() - i);
       hash_groups(T, part.data() + i, n, group);
-      for (size_t j = 0; j < n; ++j) (*keys)[cursor[group[j]]++] = part[i + j];
+      for (size_t j = 0; j < n; ++j) {
+        const uint64_t to = cursor[group[j]]++;
+        (*keys)[to] = part[i + j];
+        std::copy(part_vals + (i + j) * B, part_vals + (i + j + 1) * B, vals->data() + to * B);
+      }
     }
   }
 }
@@ -199,8 +221,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   if (L.index_kind == kIndexMultilevel) parallel_fill(index, L.index.words(), 0.0f, nt);
   parallel_fill(payload + L.sketch_offset, L.payload_numel - L.sketch_offset, 0.0f, nt);
   prof.mark("enc zero");
-  KeyParts keys;
-  keys.parts = find_nonzero_keys(L, x, nt, &st.non_finite);
+  const KeyParts keys = find_nonzero_keys(L, x, nt, &st.non_finite);
   st.keys = keys.size();
   prof.mark("enc find");
 
@@ -287,19 +308,22 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   const SegmentedTable& T = L.sketch;
   if (T.groups() > 1) {
     std::vector<uint32_t> gkeys;
+    std::vector<float> gvals;
     std::vector<uint64_t> goff;
-    bucket_by_group(T, keys, nt, &gkeys, &goff);
+    bucket_by_group(T, keys, L.block, nt, &gkeys, &gvals, &goff);
     prof.mark("enc bucket");
 #pragma omp parallel num_threads(nt)
     {
       std::vector<uint32_t> kc;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
-        scatter_keys(L, x, gkeys.data() + goff[g], goff[g + 1] - goff[g], (uint64_t)g * T.group_cells(), sketch, mass, kc);
+        scatter_keys(L, gvals.data() + goff[g] * L.block, gkeys.data() + goff[g], goff[g + 1] - goff[g],
+                     (uint64_t)g * T.group_cells(), sketch, mass, kc);
     }
   } else {
     std::vector<uint32_t> kc;
-    for (const auto& part : keys.parts) scatter_keys(L, x, part.data(), part.size(), 0, sketch, mass, kc);
+    for (size_t p = 0; p < keys.parts.size(); ++p)
+      scatter_keys(L, keys.vals[p].data(), keys.parts[p].data(), keys.parts[p].size(), 0, sketch, mass, kc);
   }
 
   prof.mark("enc values");

@@ -38,16 +38,19 @@ typedef int32_t viw __attribute__((vector_size(4 * LHC_THC_VW)));
 #define LHC_STOREW(p, v) __builtin_memcpy((p), &(v), sizeof(vfw))
 
 // Stage H < W inside one vector: a lane with bit H clear gets u + v (itself plus its partner), a lane
-// with bit H set gets u - v (its partner minus itself): the scalar butterfly.
+// with bit H set gets u - v (its partner minus itself): the scalar butterfly, written as
+// x * (+-1) + partner, one permute and one fused operation per stage. The same bits: x * (+-1) is
+// exact, so the one rounding is that of x + partner or of partner + (-x) = partner - x.
 template <int H>
 LHC_TGT_INLINE void stage_in(vfw& x) {
-  viw swap, pick;
+  viw swap;
+  vfw sign;
   for (int l = 0; l < W; ++l) {
     swap[l] = l ^ H;
-    pick[l] = (l & H) ? W + l : l;
+    sign[l] = (l & H) ? -1.0f : 1.0f;
   }
   const vfw s = __builtin_shuffle(x, swap);
-  x = __builtin_shuffle(x + s, s - x, pick);
+  x = x * sign + s;
 }
 
 // Stages 1 .. W/2 of the W coordinates at p.

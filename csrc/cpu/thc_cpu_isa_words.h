@@ -59,6 +59,75 @@ LHC_TGT void digits_full_words_f64(double* __restrict s, uint64_t nwords, double
   }
 }
 
+#if LHC_THC_PERMUTE
+// 1/d rounded up (the double just above 1/d unless 1/d is one), d >= 1: for an integer
+// 0 <= v < 2^51, floor(v * inv_up(d)) = floor(v / d), with no correction. Proof: v/d = k + f/d with
+// integers k and 0 <= f < d; the product is at least v/d >= k (k representable), and below
+// (v/d)(1 + 2^-52)(1 + 2^-53) < v/d + 1/d <= k + 1.
+LHC_TGT_INLINE double inv_up(double d) {
+  const double inv = 1.0 / d;
+  return __builtin_fma(inv, d, -1.0) < 0.0 ? __builtin_nextafter(inv, 2.0) : inv;
+}
+
+// The digits of validated words s[0, nwords) (integers below 2^51) as digit * a + b, computed per
+// coordinate rather than per word, so that 8 consecutive coordinates are one vector store (the
+// per-word order needs a scalar store per digit): coordinate c = w * PW + j reads its word by a
+// permute and takes digit j = floor(v / base^j) - base * floor(v / base^(j+1)) (inv_up: exact).
+// The same digits, hence the same floats, as digits_full_words_f64.
+LHC_TGT void digits_by_coordinate_f64(const double* __restrict s, uint64_t nwords, uint64_t per_word, double base_d,
+                                      double a, double b, float* __restrict y) {
+  typedef double vd8 __attribute__((vector_size(64)));
+  typedef int64_t vl8 __attribute__((vector_size(64)));
+  typedef float vf8 __attribute__((vector_size(32)));
+  const uint64_t PW = per_word;
+  double inv_pow[13];   // inv_up(base^j), j <= PW (base^PW <= 2^53: exact powers)
+  double pw = 1.0;
+  for (uint64_t j = 0; j <= PW; ++j, pw *= base_d) inv_pow[j] = inv_up(pw);
+  // For each phase r = c0 mod PW of a run of 8 coordinates: each lane's word (relative to c0 / PW)
+  // and the reciprocals of its digit's two powers.
+  alignas(64) int64_t rel[12][8];
+  alignas(64) double lo[12][8], hi[12][8];
+  for (uint64_t r = 0; r < PW; ++r)
+    for (uint64_t l = 0; l < 8; ++l) {
+      rel[r][l] = (int64_t)((r + l) / PW);
+      lo[r][l] = inv_pow[(r + l) % PW];
+      hi[r][l] = inv_pow[(r + l) % PW + 1];
+    }
+  const vd8 zero = vd8{}, one = 1.0 - zero, shift = 4503599627370496.0 - zero, base = base_d - zero;
+  const uint64_t coords = nwords * PW;
+  uint64_t c0 = 0, w = 0, r = 0;
+  for (; c0 + 8 <= coords && w + 8 <= nwords; c0 += 8) {
+    vd8 words, il, ih;
+    vl8 ix;
+    __builtin_memcpy(&words, s + w, sizeof words);
+    __builtin_memcpy(&ix, rel[r], sizeof ix);
+    __builtin_memcpy(&il, lo[r], sizeof il);
+    __builtin_memcpy(&ih, hi[r], sizeof ih);
+    const vd8 v = __builtin_shuffle(words, ix);
+    const vd8 pl = v * il, ph = v * ih;
+    vd8 ql = (pl + shift) - shift, qh = (ph + shift) - shift;   // round_small, then down to the floor
+    ql -= ql > pl ? one : zero;
+    qh -= qh > ph ? one : zero;
+    const vd8 digit = ql - qh * base;   // exact integers
+    vd8 val;
+    for (int l = 0; l < 8; ++l) val[l] = __builtin_fma(digit[l], a, b);   // thc_digit_value
+    const vf8 f = __builtin_convertvector(val, vf8);
+    __builtin_memcpy(y + c0, &f, sizeof f);
+    r += 8;
+    while (r >= PW) {
+      r -= PW;
+      ++w;
+    }
+  }
+  for (; c0 < coords; ++c0) {
+    const double v = s[c0 / PW];
+    const uint64_t j = c0 % PW;
+    const double ql = __builtin_floor(v * inv_pow[j]), qh = __builtin_floor(v * inv_pow[j + 1]);
+    y[c0] = thc_digit_value(ql - qh * base_d, a, b);
+  }
+}
+#endif
+
 // Digits q[0, count) (count <= words * per_word; missing digits are 0) into `words` words.
 // Horner in doubles while base^per_word <= 2^53 (exact, vectorisable across words), else uint64.
 LHC_TGT void pack_block(const uint32_t* q, uint64_t count, uint64_t per_word, uint64_t base, bool fits_double,
@@ -110,6 +179,12 @@ LHC_TGT uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t 
     bad += (uint64_t)!ok;
     s[w] = ok ? r : 0.0;
   }
+#if LHC_THC_PERMUTE
+  if (max_word < 2251799813685248.0) {   // 2^51: see inv_up
+    digits_by_coordinate_f64(s, nwords, per_word, base_d, a, b, y);
+    return bad;
+  }
+#endif
   switch (per_word) {
 #define LHC_DIGITS_CASE(P) case P: digits_full_words_f64<P>(s, nwords, base_d, a, b, y); return bad;
     LHC_DIGITS_CASE(1) LHC_DIGITS_CASE(2) LHC_DIGITS_CASE(3) LHC_DIGITS_CASE(4) LHC_DIGITS_CASE(5)
@@ -202,6 +277,51 @@ LHC_TGT_INLINE double mod_prime(double x, double P, double inv_P) {
 LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_t w0, const ThcCheck& C) {
   constexpr int V = 8;
   uint64_t i = 0, total = 0;
+#if LHC_THC_PERMUTE && defined(__x86_64__)
+  // AVX-512: in 64-bit integer lanes, without a division. With S = hi 2^26 + lo (lo < 2^26,
+  // hi < 2^27) and c' = c 2^26 mod P, c S = c lo + c' hi (mod P): two 32 x 32-bit products, each
+  // below 2^52, so a lane's sum stays below 2^64 for 2048 words and is reduced mod P that often.
+  // c - 1 steps by `step` mod (P - 1) as below; c' steps by step 2^26 mod P, or by
+  // (step - (P - 1)) 2^26 mod P when c - 1 wraps.
+  if (n >= V) {
+    const uint64_t P = C.prime, Pm = P - 1, step = ((uint64_t)V % Pm) * C.k % Pm;
+    const uint64_t up = (step << 26) % P, wrap_up = (up + P - (Pm << 26) % P) % P;
+    alignas(64) uint64_t d0[V], cp0[V], lanes[V];
+    for (int l = 0; l < V; ++l) {
+      d0[l] = thc_check_coeff(C, w0 + l) - 1;
+      cp0[l] = ((d0[l] + 1) << 26) % P;
+    }
+    typedef uint64_t vu8 __attribute__((vector_size(64)));
+    typedef double vd8 __attribute__((vector_size(64)));
+    typedef int64_t vi8 __attribute__((vector_size(64)));
+    vu8 d, cp, acc = vu8{};
+    __builtin_memcpy(&d, d0, sizeof d);
+    __builtin_memcpy(&cp, cp0, sizeof cp);
+    const vu8 zero = vu8{}, vP = P + zero, vPm = Pm + zero, low26 = ((1u << 26) - 1) + zero;
+    uint64_t since_reduce = 0;
+    for (; i + V <= n; i += V) {
+      vd8 sd;
+      __builtin_memcpy(&sd, s + i, sizeof sd);
+      const vu8 S = __builtin_convertvector(sd, vu8);   // exact: integers below 2^53
+      // Operands below 2^32: 32 x 32 -> 64-bit multiplies (vpmuludq; the generic 64-bit product would
+      // be vpmullq, three times the work). maskz with a full mask: the plain intrinsic's undefined
+      // pass-through operand trips GCC 12's -Wmaybe-uninitialized.
+      acc += (vu8)_mm512_maskz_mul_epu32(0xff, (__m512i)(d + 1), (__m512i)(S & low26)) +
+             (vu8)_mm512_maskz_mul_epu32(0xff, (__m512i)cp, (__m512i)(S >> 26));
+      const vu8 dn = d + step;
+      const vi8 wrap = dn >= vPm;   // all ones where c - 1 wraps
+      d = dn - (vPm & (vu8)wrap);
+      const vu8 cn = cp + (wrap ? wrap_up + zero : up + zero);
+      cp = cn - (vP & (vu8)(cn >= vP));
+      if (++since_reduce == 2048) {
+        for (int l = 0; l < V; ++l) acc[l] %= P;
+        since_reduce = 0;
+      }
+    }
+    __builtin_memcpy(lanes, &acc, sizeof acc);
+    for (int l = 0; l < V; ++l) total += lanes[l] % P;
+  }
+#else
   if (n >= V) {
     const double P = (double)C.prime, inv_P = 1.0 / P, Pm = (double)(C.prime - 1);
     const double step = (double)(((uint64_t)V % (C.prime - 1)) * C.k % (C.prime - 1));
@@ -220,6 +340,7 @@ LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_
       }
     for (int l = 0; l < V; ++l) total += (uint64_t)acc[l];
   }
+#endif
   for (; i < n; ++i) total += thc_check_term(C, w0 + i, (uint64_t)s[i]);
   return total % C.prime;
 }

@@ -72,7 +72,10 @@ def check_exact_and_identical(rs):
 def test_ddp_auto_is_exact_and_identical_on_every_rank(ddp_run, name):
     rs = results(ddp_run, name)
     strategies = check_exact_and_identical(rs)
-    assert strategies - {"dense"}, rs[0]["plan"]   # the embedding tables left dense allreduce
+    # What a measured calibration picks depends on this machine's speed and load (a loaded one can price
+    # every tensor dense); the given calibrations of the other scenarios pin a non-dense choice.
+    if name != "measured":
+        assert strategies - {"dense"}, rs[0]["plan"]   # the embedding tables left dense allreduce
     if name == "measured":   # the start-up calibration ran and rank 0's fit reached every rank
         alpha, beta = rs[0]["calibration"][:2]
         assert alpha >= 0 and beta > 0
@@ -100,7 +103,8 @@ def test_horovod_auto_is_exact_and_identical_despite_hook_order(horovod_run, nam
     rs = results(horovod_run, name)
     assert rs[0]["order"] != rs[1]["order"]   # odd ranks call compress in another order
     strategies = check_exact_and_identical(rs)
-    assert strategies - {"dense"}, rs[0]["plan"]
+    if name != "measured":   # as in the DDP test: a measured calibration's choice depends on the load
+        assert strategies - {"dense"}, rs[0]["plan"]
     if name == "allgather":   # the named async allgather, waited for at the step's last tensor
         assert {rs[0]["plan"][t][0] for t in ("users.weight", "items.weight")} == {"allgather"}
 

@@ -6,6 +6,8 @@ the seeds), so every failure is reproducible from the printed example.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import zlib
 
 import numpy as np
@@ -389,3 +391,21 @@ def assert_mean_of_decodes_unbiased(decode_once, truth: torch.Tensor, trials: in
         acc += y
     mean_err = float((acc / trials - truth).pow(2).sum())
     assert mean_err <= 2.0 * (sum(errs) / trials) / trials
+
+
+def emulated_cluster_skip_reason(horovod: bool = False):
+    """Why the emulated cluster (``bench cluster``/``bench tta``) cannot run here, or None: it needs root,
+    ``ip netns`` and, for Horovod modes, Horovod. Probes by adding and deleting one namespace."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, tc)"
+    if horovod:
+        try:
+            import horovod.torch  # noqa: F401
+        except ImportError:
+            return "needs Horovod"
+    name = f"lhcc{os.getpid()}probe"
+    res = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if res.returncode != 0:
+        return f"`ip netns add` fails here: {res.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None

@@ -15,6 +15,7 @@ import torch
 
 from lossless_hc.bench import cluster, netns
 from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, topk_count
+from helpers import emulated_cluster_skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,24 +119,11 @@ def _args(**kw):
 
 
 # -- real namespaces, real workers -----------------------------------------------------------------
-def _netns_reason():
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    try:
-        import horovod.torch  # noqa: F401
-    except ImportError:
-        return "needs Horovod"
-    name = f"lhcc{os.getpid()}h99"
-    res = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if res.returncode != 0:
-        return f"`ip netns add` fails here: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
 
 
 @pytest.mark.multiprocess
 def test_two_hosts_end_to_end(tmp_path):
-    reason = _netns_reason()
+    reason = emulated_cluster_skip_reason(horovod=True)
     if reason:
         pytest.skip(f"emulated cluster: {reason}")
     plot = tmp_path / "plot.png"

@@ -17,6 +17,7 @@ import torch
 from lossless_hc.bench import cluster, simulate
 from lossless_hc.bench.workloads import data, replay, train
 from lossless_hc.bench.workloads.tasks import WORKLOADS
+from helpers import emulated_cluster_skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -252,20 +253,11 @@ def test_simulator_check_against_measured_points():
 
 
 # -- 2 emulated hosts: the new modes run -------------------------------------------------------------
-def _reason():
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    name = f"lhcc{os.getpid()}h98"
-    res = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if res.returncode != 0:
-        return f"`ip netns add` fails here: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
 
 
 @pytest.mark.multiprocess
 def test_two_hosts_bf16_powersgd_cpu_fair_and_replay(tmp_path):
-    reason = _reason()
+    reason = emulated_cluster_skip_reason()
     if reason:
         pytest.skip(f"emulated cluster: {reason}")
     small = "--users 5000 --items 5000 --dim 8 --batch 64"

@@ -13,6 +13,7 @@ import torch
 
 from lossless_hc.bench import tta, tta_report, tta_worker
 from lossless_hc.bench.workloads import data, tasks
+from helpers import emulated_cluster_skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,20 +165,11 @@ def _worker_clock_checks(tmp_path):
 
 
 # -- real namespaces, real workers -----------------------------------------------------------------
-def _netns_reason():
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth, tc)"
-    name = f"lhcc{os.getpid()}h98"
-    res = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if res.returncode != 0:
-        return f"`ip netns add` fails here: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
 
 
 @pytest.mark.multiprocess
 def test_two_hosts_lossless_curve_equals_uncompressed(tmp_path):
-    reason = _netns_reason()
+    reason = emulated_cluster_skip_reason()
     if reason:
         pytest.skip(f"emulated cluster: {reason}")
     cmd = [sys.executable, "-m", "lossless_hc.bench", "tta", "--task", "digits", "--hosts", "2", "--bandwidth",

@@ -47,7 +47,7 @@ SPARSE_MODES = ("sparse", "auto-sparse")   # modes that imply --sparse-embedding
 SUPPORTED = {  # compressions each framework implements here
     "horovod": ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc", "auto", "auto-lossy"),
     "ddp": COMPRESSIONS,
-    "fsdp": ("none", "lossless", "topk", "thc", "auto", "auto-lossy"),
+    "fsdp": ("none", "fp16", "bf16", "lossless", "topk", "thc", "auto", "auto-lossy"),
     "local": COMPRESSIONS,
 }
 
@@ -163,7 +163,9 @@ class DDP:
 class FSDP(DDP):
     """FSDP2 (``fully_shard``) over a ``(replicate, shard)`` mesh of ``--shards`` ranks per replica
     (default: all ranks, i.e. FSDP without replicas). Every child module with parameters and the root
-    are sharded. ``none``: native FSDP2/HSDP on the mesh. ``lossless``/``topk``/``thc``:
+    are sharded. ``none``: native FSDP2/HSDP on the mesh; ``fp16``/``bf16``: the same with FSDP2's own
+    ``MixedPrecisionPolicy(reduce_dtype=...)`` (reduce-scatter and replica all-reduce in half
+    precision, parameters and compute in float32). ``lossless``/``topk``/``thc``:
     ``lossless_hc.plugins.fsdp`` -- the replica all-reduce compressed (custom HSDP), and the
     reduce-scatter too when there is a single replica or with ``--compress-reduce-scatter``."""
 
@@ -184,16 +186,18 @@ class FSDP(DDP):
             self.mesh = init_device_mesh(args.device, (shards,), mesh_dim_names=("shard",))
 
     def wrap(self, model, opt, args):
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState
 
-        native = args.compression == "none"
+        native = args.compression in ("none", "fp16", "bf16")
+        reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.compression)
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         on = self.mesh if native or self.mesh.ndim == 1 else self.mesh["shard"]
         for child in model.children():
             if any(p.requires_grad for p in child.parameters()):
-                fully_shard(child, mesh=on)
-        fully_shard(model, mesh=on)
+                fully_shard(child, mesh=on, mp_policy=policy)
+        fully_shard(model, mesh=on, mp_policy=policy)
         if native:
             if args.device != "cuda":   # Gloo has no AVG: sum, and let FSDP divide
                 for m in model.modules():

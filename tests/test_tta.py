@@ -65,6 +65,7 @@ def test_parse_modes():
     modes = tta.parse_modes("none,topk-allgather:0.1,topk-allgather:0.01,lossless", "ddp")
     assert modes[1] == ("topk-allgather:0.1", "topk-allgather", ["--topk-ratio", "0.1"])
     assert modes[3] == ("lossless", "lossless", [])
+    assert tta.parse_modes("thc:exact-output", "ddp") == [("thc:exact-output", "thc", ["--thc-exact", "output"])]
     for bad, why in (("none,zip", "unknown"), ("thc:0.1", "ratio"), ("topk:0", "ratio"), ("none,none", "repeated"),
                      ("bf16", "does not implement")):
         with pytest.raises(ValueError, match=why):

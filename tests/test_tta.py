@@ -72,6 +72,17 @@ def test_parse_modes():
             tta.parse_modes(bad, "horovod" if bad == "bf16" else "ddp")
 
 
+def test_thc_exact_output_picks_the_output_layer_over_the_vocabulary():
+    """``--thc-exact output`` (tta mode ``thc:exact-output``): the nn.Linear whose outputs are as many as
+    the embedding's rows, nothing else (docs/THC.md: THC's noise stops Adam from learning that layer)."""
+    from lossless_hc.bench.workloads import models
+    from lossless_hc.bench.workloads.train import output_layer_parameters
+
+    lm = models.LSTMLanguageModel(300)
+    assert [id(p) for p in output_layer_parameters(lm)] == [id(lm.decoder.weight), id(lm.decoder.bias)]
+    assert output_layer_parameters(models.DigitsCNN()) == []
+
+
 # -- held-out data and metrics ---------------------------------------------------------------------
 def test_hit_rate_at_k_on_a_constructed_case():
     # column 0 is the positive; rank = candidates scoring strictly higher

@@ -537,6 +537,8 @@ class THCAggregator:
     ``FloatingPointError`` on every rank (``non_finite="raise"``) or decodes to all-NaN on every rank
     (``non_finite="propagate"``: AMP's GradScaler sees the Inf and skips the step; dense-sent tensors
     carry their NaN/Inf through the engine's sum anyway).
+    The codec's CPU kernels use ``torch.get_num_threads()`` threads, read at every encode and decode (a
+    DDP hook decodes on a communication thread, where OpenMP's default would be every core).
     The codec follows the gradient's device: built on the CPU, it moves (with its state) to the device of
     the first gradient it sees elsewhere, e.g. CUDA (THCCodec's CUDA kernels).
 
@@ -652,6 +654,7 @@ class THCAggregator:
         if codec is None:
             payload = x
         else:
+            codec.num_threads = torch.get_num_threads()
             payload = codec.encode(self._interleave(x) if self._blocks > 1 else x)
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
@@ -670,6 +673,9 @@ class THCAggregator:
         t0 = time.perf_counter()
         averaged = payload_is_averaged(aggregated, self.world_size)
         try:
+            # torch's intra-op thread count, also on a DDP future's callback thread, where OpenMP's own
+            # default would be every core (omp_set_num_threads, behind torch.set_num_threads, is per thread).
+            ctx.codec.num_threads = torch.get_num_threads()
             y = ctx.codec.decode(aggregated, averaged=averaged)
         except ValueError as e:
             raise ConfigurationMismatch(f"{self.name}: {e}") from e

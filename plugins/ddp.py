@@ -170,7 +170,7 @@ class THCHookState(_HookState):
     through THC. THC's error is spread evenly over a tensor's coordinates, so with an optimizer that
     scales each coordinate by its own running magnitude (Adam, RMSprop, Adagrad) it must not carry
     tensors where most coordinates' true gradient is near zero at a step: the embedding and the output
-    layer over a vocabulary (docs/THC.md, "Where not to use THC"). ``stats()["thc"]`` says how each
+    layer over a vocabulary (docs/THC.md, "Training with THC"). ``stats()["thc"]`` says how each
     parameter was sent."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,

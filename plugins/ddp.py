@@ -107,10 +107,12 @@ class _HookState:
     def _aggregator(self, p: torch.nn.Parameter, grad: torch.Tensor):
         agg = self._aggregators.get(p)
         if agg is None:
-            name = f"param{len(self._aggregators)}{tuple(grad.shape)}"
-            agg = self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device)
+            agg = self._make(p, f"param{len(self._aggregators)}{tuple(grad.shape)}", grad)
             self._aggregators[p] = agg
         return agg
+
+    def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
+        return self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device)
 
     def _check_configuration(self) -> None:
         """Refuse to run when ranks were configured differently (payload sizes would not match):
@@ -162,11 +164,28 @@ class THCHookState(_HookState):
     ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`). ``non_finite``: a step
     where some rank's gradient holds NaN/Inf raises ``FloatingPointError`` ("raise"; DDP cannot go on
     after an exception in a hook), or gives all-NaN gradients on every rank ("propagate": use it with
-    AMP's ``GradScaler``, which then skips that step on every rank)."""
+    AMP's ``GradScaler``, which then skips that step on every rank).
+
+    ``exact``: parameters whose gradients are sent dense (an exact SUM, in the same message) instead of
+    through THC. THC's error is spread evenly over a tensor's coordinates, so with an optimizer that
+    scales each coordinate by its own running magnitude (Adam, RMSprop, Adagrad) it must not carry
+    tensors where most coordinates' true gradient is near zero at a step: the embedding and the output
+    layer over a vocabulary (docs/THC.md, "Training with THC"). ``stats()["thc"]`` says how each
+    parameter was sent."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,
-                 overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise"):
+                 overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise", exact=()):
         super().__init__(THCSpec(bits, granularity, overflow_freq, seed, non_finite), process_group)
+        self._exact = list(exact)
+
+    def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
+        return self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device,
+                              exact=any(p is q for q in self._exact))
+
+    def stats(self) -> dict:
+        d = super().stats()
+        d["thc"] = [{"name": a.name, "sent_as": a.sent_as} for a in self._aggregators.values()]
+        return d
 
 
 class AutoHookState(_HookState):

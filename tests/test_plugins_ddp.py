@@ -35,7 +35,7 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["policy", "topk", "thc", "thc_amp", "pickle", "inexact"] + list(ERRORS))])
+         ",".join(EXACT + ["policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"] + list(ERRORS))])
     return out, size
 
 
@@ -118,6 +118,20 @@ def test_thc_hook_replicas_stay_identical_and_train(ddp_run):
     assert rs[0]["stats"]["compressed"] > 0
     assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"]
     assert rs[0]["cosine"] > 0.9, rs[0]["cosine"]
+
+
+def test_thc_exact_parameters_are_the_dense_average(ddp_run):
+    """THCHookState(exact=[users.weight, fc1.weight]): those two gradients equal the dense average of the
+    ranks' local gradients (to float rounding of the sum), every step, the norm-only first step included;
+    the THC'd fc-sized ones do not; stats()["thc"] says how each parameter was sent."""
+    out, size = ddp_run
+    for r in results(out, "thc_exact", size):
+        for step, diffs in enumerate(r["diffs"]):
+            assert diffs["users.weight"] <= TOL and diffs["fc1.weight"] <= TOL, (step, diffs)
+            assert diffs["items.weight"] > 0, (step, diffs)   # THC: the norm-only round at step 0, noise after
+        sent = sorted(d["sent_as"] for d in r["stats"]["thc"])
+        assert sent.count("dense (exact=)") == 2 and "thc-interleaved" in sent, sent
+        assert r["stats"]["sent_dense"] >= 2 * len(r["diffs"])
 
 
 def test_thc_propagate_lets_grad_scaler_skip_the_step_on_every_rank(ddp_run):

@@ -65,10 +65,22 @@ def test_parse_modes():
     modes = tta.parse_modes("none,topk-allgather:0.1,topk-allgather:0.01,lossless", "ddp")
     assert modes[1] == ("topk-allgather:0.1", "topk-allgather", ["--topk-ratio", "0.1"])
     assert modes[3] == ("lossless", "lossless", [])
+    assert tta.parse_modes("thc:exact-output", "ddp") == [("thc:exact-output", "thc", ["--thc-exact", "output"])]
     for bad, why in (("none,zip", "unknown"), ("thc:0.1", "ratio"), ("topk:0", "ratio"), ("none,none", "repeated"),
                      ("bf16", "does not implement")):
         with pytest.raises(ValueError, match=why):
             tta.parse_modes(bad, "horovod" if bad == "bf16" else "ddp")
+
+
+def test_thc_exact_output_picks_the_output_layer_over_the_vocabulary():
+    """``--thc-exact output`` (tta mode ``thc:exact-output``): the nn.Linear whose outputs are as many as
+    the embedding's rows, nothing else (docs/THC.md: THC's noise stops Adam from learning that layer)."""
+    from lossless_hc.bench.workloads import models
+    from lossless_hc.bench.workloads.train import output_layer_parameters
+
+    lm = models.LSTMLanguageModel(300)
+    assert [id(p) for p in output_layer_parameters(lm)] == [id(lm.decoder.weight), id(lm.decoder.bias)]
+    assert output_layer_parameters(models.DigitsCNN()) == []
 
 
 # -- held-out data and metrics ---------------------------------------------------------------------

@@ -22,6 +22,8 @@ Definitions (per run; ``train_s`` is rank 0's training clock, evaluation exclude
 Modes are ``--compression`` modes of :mod:`lossless_hc.bench.workloads.train` (framework DDP by
 default); ``topk`` and ``topk-allgather`` take an optional ratio, ``topk-allgather:0.1`` (default:
 the driver's ``--topk-ratio``, 0.01). Both keep error feedback (residual memory) on every rank.
+``thc:exact-output`` is THC with the output layer over the vocabulary sent exactly
+(``THCHookState(exact=...)``, what docs/THC.md asks of an Adam-trained language model).
 """
 from __future__ import annotations
 
@@ -87,7 +89,11 @@ def parse_modes(text: str, framework: str) -> list:
         if comp not in SUPPORTED[framework]:
             raise ValueError(f"--modes: {framework} does not implement {comp}")
         extra = []
-        if ratio:
+        if comp == "thc" and ratio:
+            if ratio != "exact-output":
+                raise ValueError(f"--modes: {item}: thc takes no ratio, only ':exact-output' (the output layer exact)")
+            extra = ["--thc-exact", "output"]
+        elif ratio:
             if comp not in RATIO_MODES:
                 raise ValueError(f"--modes: {item}: only {', '.join(RATIO_MODES)} take a ratio")
             r = float(ratio)

@@ -185,10 +185,10 @@ class THCSpec(AggregatorSpec):
         return {"bits": self.bits, "granularity": self.granularity, "overflow_freq": self.overflow_freq,
                 "seed": self.seed, "non_finite": self.non_finite}
 
-    def make(self, name, tensor, world_size, rank, stats, device):
+    def make(self, name, tensor, world_size, rank, stats, device, exact: bool = False):
         return THCAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.bits, self.granularity,
                              self.overflow_freq, seed=self.seed, non_finite=self.non_finite, stats=stats,
-                             **self.extra)
+                             exact=exact, **self.extra)
 
 
 # -- the engine-independent compressor -----------------------------------------------------------------

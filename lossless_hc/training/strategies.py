@@ -218,7 +218,7 @@ class AutoAggregator:
     def _flush_lossy_memory(self, flat: torch.Tensor) -> torch.Tensor:
         """Leaving THC or top-k: what their error feedback still holds goes out with this gradient."""
         if self.strategy != "thc" and self._thc is not None:
-            err = self._thc.codec.error if self._thc.codec is not None else None
+            err = self._thc.pending_error()
             if err is not None:
                 flat = flat.to(torch.float32) + err.to(flat.device)
             self._thc = None   # a later THC plan starts afresh (its first step agrees on a norm)

@@ -86,6 +86,8 @@ def scenario(name):
                  for m in (ref, got)]
         return {"stats": state.stats(), "digest": param_digest(got),
                 "cosine": float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))}
+    if name == "thc_exact":  # THCHookState(exact=[...]): those gradients are the exact dense average, the others THC's
+        return thc_exact(steps=3)
     if name == "thc_amp":  # non_finite="propagate" with AMP's GradScaler: an Inf on one rank skips the step everywhere
         return thc_with_grad_scaler(inject_step=3, steps=8)
     if name == "pickle":  # torch.save(ddp_model) with our hook registered (DDP pickles the hook state)
@@ -145,6 +147,39 @@ def inexact():
         ref = inexact_case.dense_reference(step, size, average=True)
         steps.append({**inexact_case.compare(ref, grads), "digest": inexact_case.digest(grads)})
     return {"steps": steps, "stats": state.stats()}
+
+
+def thc_exact(steps):
+    """Per step, every parameter's reduced gradient against the dense average of the ranks' local
+    gradients (a plain copy of the model, its gradients averaged with an allreduce): the parameters
+    given as ``exact`` must match it to float rounding, the THC'd ones only approximately."""
+    import copy
+    size = dist.get_world_size()
+    torch.manual_seed(0)
+    model = EmbeddingModel(hidden=512)
+    plain = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    state = THCHookState(exact=[model.users.weight, model.fc1.weight])
+    ddp.register_comm_hook(state, thc_hook)
+    names = [n for n, _ in model.named_parameters()]
+    out = []
+    for step in range(steps):
+        ddp.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        loss_fn(ddp, batch(step, dist.get_rank())).backward()
+        loss_fn(plain, batch(step, dist.get_rank())).backward()
+        diffs = {}
+        for n, p, q in zip(names, model.parameters(), plain.parameters()):
+            ref = q.grad.clone()
+            dist.all_reduce(ref)
+            ref /= size
+            diffs[n] = float((p.grad - ref).abs().max())
+        out.append(diffs)
+        with torch.no_grad():   # the same step on both copies, so their gradients stay comparable
+            for p, q in zip(model.parameters(), plain.parameters()):
+                p -= 0.01 * p.grad
+                q.copy_(p)
+    return {"diffs": out, "stats": state.stats()}
 
 
 def thc_with_grad_scaler(inject_step, steps):

@@ -142,7 +142,8 @@ class DDP:
             self.state = TopKHookState(ratio=args.topk_ratio)
             ddp.register_comm_hook(self.state, topk_hook)
         elif args.compression == "thc":
-            self.state = THCHookState(bits=args.thc_bits)
+            exact = output_layer_parameters(model) if args.thc_exact == "output" else ()
+            self.state = THCHookState(bits=args.thc_bits, exact=exact)
             ddp.register_comm_hook(self.state, thc_hook)
         elif args.compression == "topk-allgather":
             from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, ddp_topk_allgather_hook
@@ -283,6 +284,9 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
     p.add_argument("--thc-bits", type=int, default=4, help="thc: bits per coordinate (table of 2^bits levels)")
+    p.add_argument("--thc-exact", choices=("none", "output"), default="none",
+                   help="ddp thc: 'output' sends the output layer over the vocabulary exactly "
+                        "(THCHookState(exact=...); for Adam, see docs/THC.md)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
     p.add_argument("--powersgd-start", type=int, default=2,
                    help="powersgd: iterations of plain allreduce before PowerSGD starts (torch's start_powerSGD_iter)")
@@ -324,6 +328,14 @@ def parse_args(argv=None, default_model="ncf"):
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, steps={args.steps}), got {args.warmup}")
     return args
+
+
+def output_layer_parameters(model) -> list:
+    """The parameters of every ``nn.Linear`` whose outputs are a vocabulary (as many as some
+    ``nn.Embedding``'s rows): the tensors THC must not carry under Adam (docs/THC.md)."""
+    sizes = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features in sizes]
+    return [p for m in heads for p in m.parameters()]
 
 
 def dense_grad_bytes(model) -> int:

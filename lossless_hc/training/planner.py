@@ -52,7 +52,8 @@ The predicted time is the sum of the collectives' times plus the local work,
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
 allgather, ``u`` for two_phase and sketch, 0 otherwise). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
-keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster.
+keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
+the first allreduce's latency that every strategy pays alike.
 
 Sparse gradients (``TensorStats.sparse``: a ``torch.sparse_coo`` gradient, e.g.
 ``nn.Embedding(sparse=True)`` under DDP). The rank already holds its rows (index and values), so no
@@ -301,7 +302,9 @@ class CostModel:
         """``(strategy, {strategy: predicted seconds})``: the cheapest exact strategy, or of every
         strategy when ``lossy`` (exact ones only for a sparse gradient); ``allowed`` narrows the
         candidates (ties: listed order). ``current`` (the strategy in use) is kept unless the cheapest
-        is predicted at least :data:`SWITCH_MARGIN` faster: ``t_best < (1 - SWITCH_MARGIN) t_current``."""
+        is predicted at least :data:`SWITCH_MARGIN` faster beyond what every strategy pays alike, the
+        first allreduce's latency ``c = 2(n-1) alpha``: ``t_best - c < (1 - SWITCH_MARGIN)(t_current - c)``
+        (on a small tensor ``c`` is most of every prediction, and would hide any difference)."""
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not stats.sparse else ())
         if allowed is not None:
             names = tuple(s for s in names if s in allowed)
@@ -309,7 +312,8 @@ class CostModel:
                 raise ValueError(f"no strategy left among {allowed!r}")
         predicted = {s: self.predict(s, stats) for s in names}
         best = min(names, key=lambda s: (predicted[s], names.index(s)))
-        if current in predicted and not predicted[best] < (1.0 - SWITCH_MARGIN) * predicted[current]:
+        common = 2 * (stats.world_size - 1) * self.calibration.link.alpha_s if stats.world_size > 1 else 0.0
+        if current in predicted and not predicted[best] - common < (1.0 - SWITCH_MARGIN) * (predicted[current] - common):
             best = current
         return best, predicted
 

@@ -303,7 +303,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state._steps += 1
         if state._steps == 2 and state.spec.calibration is None:   # the model's tensors are known now
             state._calibrate()
-    fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
     n = state.world_size
     if state.spec.calibration is not None and buffer.dtype in (torch.float32, torch.float64) and not any(
@@ -317,6 +316,11 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
         return fut.then(plain)
     message = AutoMessage(aggs, grads)
+    # Only a strategy other than dense makes a second collective: the bucket's own group is created
+    # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
+    fallback_group = None
+    if any(ctx.strategy != "dense" for _, ctx in message.encoded):
+        fallback_group = state._fallback_group(bucket.index())
     fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
     def gather(t: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ Fallback without mismatched collectives: a segment that fails to decode is re-ag
 the future's callback, which may run on a communication thread while the main thread issues the next
 bucket's allreduce. Issued on the main process group, the two could reach ranks in different orders
 and be paired wrongly. So each bucket index gets its own fallback process group, created in the hook
-(on the main thread, in bucket order on every rank); on it, collectives are issued one step at a
+(on the main thread, in bucket order on every rank; ``auto_hook``: when a strategy other than dense
+first runs in the bucket, so a dense model creates none); on it, collectives are issued one step at a
 time, and every rank issues the same ones because every rank decodes the same aggregate. The same
 collective re-aggregates the coordinates of keys a decode reported inexact (one SUM per bucket
 for both; see :func:`lossless_hc.training.message.decode_message`).

@@ -50,13 +50,13 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
-from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             THCAggregator, TopKAggregator, default_block_size)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
+from lossless_hc.training.rows import bitmap_counts, gather_slots, pack_bitmap, sum_slots
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -211,18 +211,13 @@ class AutoAggregator:
                 self._plan()
 
     def carries_statistics(self) -> bool:
-        r"""Whether the next step's first payload carries the statistics header (else it is the bare
-        tensor: :meth:`encode`, or :meth:`record_plain_step` where the engine reduced the gradient in
-        place). A function of the plan and the step count, so identical on every rank.
-
-        Every strategy but dense learns the statistics at no extra cost (its header is small beside its
-        body, the union comes from its decode). A dense plan would pay a scan of the tensor and the
-        header's parsing every step for statistics only a re-plan reads, so it carries them on the
-        first step and then on one step in ``interval`` -- step counts :math:`s` (1-based) with
-        :math:`s \equiv 0 \pmod{interval}`, each followed by a plan -- and on the step after a
-        failure (``force``) or after leaving THC or top-k (their error feedback is flushed through
-        :meth:`encode`). A tensor that can only be dense (float64, empty, one rank) carries them on
-        its first step only (the contributor check)."""
+        """Whether the next step's first payload carries the statistics header (else it is the bare
+        tensor: :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place): always
+        but for a dense plan, which carries them on its first step, on step counts that are multiples of
+        ``interval`` (each followed by a plan), after a failure (``force``) and when leaving THC or top-k
+        (their error feedback is flushed by :meth:`encode`); a tensor that can only be dense, on its first
+        step only. A function of the plan and the step count: identical on every rank (docs/DESIGN.md,
+        "What is exchanged when")."""
         self._apply_due_plan()
         if self.strategy != "dense" or self.sparse or self.steps == 0 or self.tracker.force:
             return True
@@ -461,7 +456,7 @@ class AutoAggregator:
                 if k == 0:
                     self._observe(ctx, 0)
                     return AutoOutcome(self._no_rows(ctx))
-                return AutoOutcome(None, Request("allgather", self._gather_slots(ctx, k)))
+                return AutoOutcome(None, Request("allgather", gather_slots(self._index(ctx), self._values(ctx), k, self.row)))
             if s == "two_phase":
                 ctx.union_rows = self._union_rows(body, averaged)
                 if ctx.union_rows.numel() == 0:
@@ -519,7 +514,7 @@ class AutoAggregator:
         s = ctx.strategy
         n = self.world_size
         if s == "allgather":
-            union, rows = self._sum_slots(result.reshape(n, max(ctx.rank_keys), 1 + self.row))
+            union, rows = sum_slots(result.reshape(n, max(ctx.rank_keys), 1 + self.row), self.row)
             value = self._from_rows(union, self._scaled(rows, ctx.averaged))
             count = union.numel()
         elif s == "two_phase":
@@ -552,48 +547,17 @@ class AutoAggregator:
         self._observe(ctx, count)
         return value
 
-    # -- bodies ---------------------------------------------------------------------------------------
+    # -- bodies (lossless_hc.training.rows) -------------------------------------------------------------
     def _bitmap(self, ctx: AutoContext) -> torch.Tensor:
-        """This rank's rows as digits of base n+1 (1 at a row it holds), packed exactly into float32 words."""
-        pk = digit_packing(self.world_size, self.keys)
-        device = self._device(ctx)
-        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=device)
-        if ctx.present is not None:
-            digits[:self.keys] = ctx.present.to(torch.int64)
-        else:
-            digits[ctx.index] = 1
-        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=device)
-        return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1).to(torch.float32)
+        return pack_bitmap(self.keys, self.world_size, self._device(ctx), present=ctx.present, index=ctx.index)
 
     def _unpack(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
         """Per-row counts (ranks holding the row) from the summed bitmap."""
-        pk = digit_packing(self.world_size, self.keys)
         w = self._integers(words, averaged)
-        if w.numel() != pk.words:
-            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected {pk.words}")
-        cols = [(w // pk.base ** j) % pk.base for j in range(pk.per_word)]
-        return torch.stack(cols, dim=1).reshape(-1)[:self.keys]
-
-    def _gather_slots(self, ctx: AutoContext, k: int) -> torch.Tensor:
-        """This rank's K slots: int32 row index (bits in a float32 word; -1: unused) and the row."""
-        index = self._index(ctx)
-        slots = torch.zeros(k, 1 + self.row, dtype=torch.float32, device=index.device)
-        slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
-        m = index.numel()
-        slots[:m, 0] = index.to(torch.int32).view(torch.float32)
-        slots[:m, 1:] = self._values(ctx).to(torch.float32)
-        return slots.reshape(-1)
-
-    def _sum_slots(self, slots: torch.Tensor) -> tuple:
-        """``(union, rows)`` from the gathered ``(n, K, 1 + row)`` slots: the sorted rows some rank sent and
-        their sums, each row added in rank order (the same additions on every rank)."""
-        index = slots[:, :, 0].contiguous().view(torch.int32).to(torch.int64).reshape(-1)
-        valid = index >= 0
-        index, values = index[valid], slots[:, :, 1:].reshape(-1, self.row)[valid]
-        union, where = torch.unique(index, sorted=True, return_inverse=True)
-        rows = torch.zeros(union.numel(), self.row, dtype=torch.float32, device=slots.device)
-        rows.index_add_(0, where, values)   # the slots in rank order, each rank's in row order
-        return union, rows
+        if w.numel() != bitmap_words(self.keys, self.world_size):
+            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected "
+                                        f"{bitmap_words(self.keys, self.world_size)}")
+        return bitmap_counts(w, self.keys, self.world_size)
 
     def payload_numel(self) -> int:
         """Elements of the first payload the next :meth:`encode` returns (header + body; a plain step's:
@@ -605,7 +569,7 @@ class AutoAggregator:
         if s == "dense":
             return H + rows + self.numel
         if s == "two_phase":
-            return H + digit_packing(self.world_size, self.keys).words
+            return H + bitmap_words(self.keys, self.world_size)
         if s == "sketch":
             return H + rows + self._codec.payload_numel
         if s in ("thc", "topk"):

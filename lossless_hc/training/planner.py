@@ -22,7 +22,9 @@ Every strategy's first collective is a SUM allreduce of a payload that starts wi
 header of ``1 + 2n`` float32 words: a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
 a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
 fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
-``k_0..k_{n-1}`` from every step of every strategy; the union ``u`` (rows non-zero on some rank) comes
+``k_0..k_{n-1}`` from every step of every strategy but a dense plan's plain steps (a dense plan carries
+the header on one step in ``interval``, each followed by a re-plan:
+``AutoAggregator.carries_statistics``); the union ``u`` (rows non-zero on some rank) comes
 from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the
 bitmap; sketch: the decode report).
 

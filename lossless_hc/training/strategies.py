@@ -10,7 +10,8 @@ A step of any strategy is, for every rank (the engine supplies the collectives):
 
 The first payload (:mod:`lossless_hc.training.planner`, "statistics header") is ``1 + 2n`` words -- a
 contributor count and the one-hot slot vector of per-rank non-zero row counts (two exact fields each)
--- and then the body::
+-- and then the body (a dense plan's plain steps, :meth:`AutoAggregator.carries_statistics`: the body
+alone)::
 
     dense      the tensor (float32; float64 tensors keep float64 and are always dense)
     allgather  nothing; request: allgather of K slots (int32 row index bit-cast to float32, then the

@@ -15,13 +15,16 @@
 
 ``auto_hook`` (:mod:`lossless_hc.training.auto`, :mod:`lossless_hc.training.strategies`): per parameter
 inside the bucket message, the strategy the cost model predicts cheapest. Its first call (on the main
-thread, in bucket order on every rank) checks the configuration and calibrates the cost model on the
-process group (a few allreduce and allgather sizes; rank 0's fit and codec timings broadcast), unless
-a ``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
+thread, in bucket order on every rank) checks the configuration; the first step is dense (or the
+given ``first``) and needs no cost model, so the calibration on the process group (a few allreduce and
+allgather sizes, up to the largest gradient's bytes; rank 0's fit and codec timings broadcast) runs at
+the first call of the second step, when every gradient's size and first statistics are known, unless a
+``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
 and body) with one allreduce; the parameters whose strategy needs a second collective (allgather,
 two_phase's values, fp16/bf16, a sketch's exact fallback) get it from the future's callback on the
 bucket's own process group, like the fallback below: at most one allreduce per payload dtype and one
-allgather per bucket and step, the same on every rank.
+allgather per bucket and step, the same on every rank. A bucket of dense plans between their
+statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
 
 Sparse gradients (``nn.Embedding(sparse=True)``, Gloo): DDP gives each its own bucket, whose buffer is
 the uncoalesced COO gradient, and copies the hook's result into it, so the result must be sparse and
@@ -40,7 +43,8 @@ Fallback without mismatched collectives: a segment that fails to decode is re-ag
 the future's callback, which may run on a communication thread while the main thread issues the next
 bucket's allreduce. Issued on the main process group, the two could reach ranks in different orders
 and be paired wrongly. So each bucket index gets its own fallback process group, created in the hook
-(on the main thread, in bucket order on every rank); on it, collectives are issued one step at a
+(on the main thread, in bucket order on every rank; ``auto_hook``: when a strategy other than dense
+first runs in the bucket, so a dense model creates none); on it, collectives are issued one step at a
 time, and every rank issues the same ones because every rank decodes the same aggregate. The same
 collective re-aggregates the coordinates of keys a decode reported inexact (one SUM per bucket
 for both; see :func:`lossless_hc.training.message.decode_message`).
@@ -50,6 +54,7 @@ process groups are left out (a restored state uses the default group, re-created
 aggregators' error feedback and capacities are kept.
 """
 
+import time
 from typing import Optional
 
 import torch
@@ -58,7 +63,6 @@ import torch.distributed as dist
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
-from lossless_hc.training.calibration import calibrate
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
 from lossless_hc.training.message import decode_message, encode_message
@@ -199,21 +203,25 @@ class AutoHookState(_HookState):
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``).
 
     ``stats()["plan"]``: per parameter, the chosen strategy, predicted seconds of every candidate,
-    measured seconds and bytes sent.
+    measured seconds, bytes sent, steps and plain steps; ``stats()["calibration"]``: whether the
+    calibration was given or measured, and what measuring it cost (seconds, sizes timed).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, lossy: bool = False, **options):
         super().__init__(AutoSpec(lossy=lossy, **options), process_group)
 
+    _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
+
     def stats(self) -> dict:
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
+        d["calibration"] = self.spec.calibration_stats()
         return d
 
     def _calibrate(self) -> None:
-        """Rank 0's calibration on every rank (blocking collectives: the first hook call only)."""
-        if self.spec.calibration is not None:
-            return
+        """Rank 0's calibration on every rank (blocking collectives, main thread, at the first hook call
+        of the second step), the link timed up to the largest gradient's bytes; then every aggregator,
+        built during the first step without a cost model, gets it."""
         group, n = self.process_group, self.world_size
         device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
@@ -224,9 +232,12 @@ class AutoHookState(_HookState):
             dist.all_gather(out, t, group=group)
 
         root = dist.get_global_rank(group, 0) if group is not None else 0
-        self.spec.set_calibration(calibrate(lambda t: dist.all_reduce(t, group=group), gather,
-                                            lambda t: dist.broadcast(t, src=root, group=group),
-                                            self.rank, n, device))
+        largest = max((4 * a.numel for a in self._aggregators.values()), default=0)
+        self.spec.measure(lambda t: dist.all_reduce(t, group=group), gather,
+                          lambda t: dist.broadcast(t, src=root, group=group), self.rank, n, device,
+                          largest_bytes=largest)
+        for agg in self._aggregators.values():
+            agg.cost_model = self.spec.cost_model
 
 
 def _require_state(state, kind: type, hook: str) -> None:
@@ -294,19 +305,42 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     allreduce up to float rounding of the sum. A sparse gradient's bucket (``nn.Embedding(sparse=True)``:
     DDP gives each its own) is planned among the exact strategies over the rows it lists, without
     densifying it for allgather and two_phase, and its future holds a coalesced sparse tensor of the
-    rows some rank listed, divided by the world size, as DDP's own sparse allreduce gives."""
+    rows some rank listed, divided by the world size, as DDP's own sparse allreduce gives.
+
+    A bucket whose every parameter is on a plain step (dense, no statistics this step:
+    :meth:`~lossless_hc.training.strategies.AutoAggregator.carries_statistics`) is allreduced in place,
+    as DDP's own hook does: one collective of the bucket's bytes, no copy, no scan. Whether a bucket is
+    plain is a function of the plans and step counts, identical on every rank."""
     _require_state(state, AutoHookState, "auto_hook")
+    started = time.perf_counter()
     buffer = bucket.buffer()
     # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
     # that gradient (uncoalesced COO) and whose gradients() list is empty.
     grads = [buffer] if buffer.is_sparse else bucket.gradients()
     if not state._config_checked:
         state._check_configuration()
-        state._calibrate()
-    fallback_group = state._fallback_group(bucket.index())
+    if bucket.index() == 0:   # DDP launches bucket 0 first, after every callback of the previous step
+        state._steps += 1
+        if state._steps == 2 and state.spec.calibration is None:   # the model's tensors are known now
+            state._calibrate()
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
-    message = AutoMessage(aggs, grads)
     n = state.world_size
+    if state.spec.calibration is not None and buffer.dtype in (torch.float32, torch.float64) and not any(
+            [a.carries_statistics() for a in aggs]):
+        fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+
+        def plain(fut: torch.futures.Future) -> torch.Tensor:
+            for a in aggs:
+                a.record_plain_step(started)
+            return fut.value()[0].div_(n)
+
+        return fut.then(plain)
+    message = AutoMessage(aggs, grads)
+    # Only a strategy other than dense makes a second collective: the bucket's own group is created
+    # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
+    fallback_group = None
+    if any(ctx.strategy != "dense" for _, ctx in message.encoded):
+        fallback_group = state._fallback_group(bucket.index())
     fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
     def gather(t: torch.Tensor) -> torch.Tensor:

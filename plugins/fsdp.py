@@ -85,7 +85,6 @@ from torch.distributed.fsdp import FSDPModule
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
-from lossless_hc.training.calibration import calibrate
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.message import (decode_message, decode_segments, dense_values, encode_message,
@@ -225,9 +224,9 @@ class _FSDPState:
                f"modules={[n for n, _ in modules]}|{structure}")
         groups = [g for g in (self.replicate_group, self.shard_group) if g is not None]
         check_same_configuration(cfg, groups, type(self).__name__, device=self._device())
-        self._after_register()
+        self._after_register(model)
 
-    def _after_register(self) -> None:
+    def _after_register(self, model: torch.nn.Module) -> None:
         """Called on every rank at the end of :meth:`register` (after the configuration check)."""
 
     # -- aggregators -------------------------------------------------------------------------------
@@ -432,14 +431,16 @@ class AutoFSDPState(_FSDPState):
     def stats(self) -> dict:
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
+        d["calibration"] = self.spec.calibration_stats()
         return d
 
-    def _after_register(self) -> None:
+    def _after_register(self, model: torch.nn.Module) -> None:
         if self.spec.calibration is not None or self.replicate_group is None:
             return
         group, device = self.replicate_group, self._device()
         root = dist.get_global_rank(group, 0)
-        self.spec.set_calibration(calibrate(lambda t: dist.all_reduce(t, group=group),
-                                            lambda t: _all_gather(t, group, self.replicas),
-                                            lambda t: dist.broadcast(t, src=root, group=group),
-                                            dist.get_rank(group), self.replicas, device))
+        # the link is timed up to the largest parameter's float32 bytes (an upper bound on its shard's)
+        largest = max((4 * p.numel() for p in model.parameters()), default=0)
+        self.spec.measure(lambda t: dist.all_reduce(t, group=group), lambda t: _all_gather(t, group, self.replicas),
+                          lambda t: dist.broadcast(t, src=root, group=group), dist.get_rank(group), self.replicas,
+                          device, largest_bytes=largest)

@@ -50,7 +50,6 @@ import hashlib
 from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
-from lossless_hc.training.calibration import calibrate
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
 
@@ -147,11 +146,11 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
             count[0] += 1
             return f"{prefix}.{kind}{count[0]}"
 
-        self.spec.set_calibration(calibrate(
+        self.spec.measure(   # the model is not known here: every size of LINK_SIZES
             lambda t: hvd.allreduce_(t, op=hvd.Sum, name=name("ar"), process_set=process_set),
             lambda t: hvd.allgather(t, name=name("ag"), process_set=process_set),
             lambda t: t.copy_(hvd.broadcast(t, 0, name=name("bc"), process_set=process_set)),
-            rank, n, "cpu"))
+            rank, n, "cpu")
 
     def _start_request(self, agg, request):
         name = f"lhc.auto.{request.kind}.{agg.name}"

@@ -214,3 +214,115 @@ def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
         total_out += run_step(aggs, xs)[0].double()
     assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4)
     assert all(a._topk is None and a._thc is None for a in aggs)
+
+
+# -- a dense plan's cost: statistics one step in ``interval``, the switch margin, the calibration's sizes ---
+
+def test_a_dense_plan_sends_the_bare_tensor_between_its_statistics_steps():
+    """Dense gradients: the first step and every ``interval``-th carry the statistics header; the others
+    are the bare tensor (no scan, nothing to parse), on every rank alike, and every step is exact."""
+    n, rows, dim, interval = 3, 40, 8, 4
+    rng = torch.Generator().manual_seed(5)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, interval=interval) for r in range(n)]
+    header = stats_header_words(n)
+    sizes = []
+    for step in range(10):
+        carries = {a.carries_statistics() for a in aggs}
+        assert len(carries) == 1
+        xs = [torch.randn(rows, dim, generator=rng) for _ in range(n)]
+        expected = {a.payload_numel() for a in aggs}
+        enc = [a.encode(x) for a, x in zip(aggs, xs)]
+        assert {p.numel() for p, _ in enc} == expected == {rows * dim + (header if carries.pop() else 0)}
+        sizes.append(expected.pop())
+        summed = torch.stack([p for p, _ in enc]).sum(0)
+        truth = torch.stack([x.double() for x in xs]).sum(0)
+        for a, (_, ctx) in zip(aggs, enc):
+            out = a.decode(summed.clone(), ctx)
+            assert out.request is None and torch.allclose(out.value.double(), truth, rtol=0, atol=1e-5)
+    with_header = [i + 1 for i, m in enumerate(sizes) if m > rows * dim]
+    assert with_header == [1, 4, 8], sizes   # step counts 1 and multiples of interval
+    for a in aggs:
+        assert a.strategy == "dense" and a.steps == 10 and a.plain_steps == 7
+        assert a.plan_stats()["plain_steps"] == 7
+
+
+def test_a_plain_step_keeps_the_engines_scale():
+    """An engine that averages (Horovod's default): a plain step's value is the average, like a dense
+    step with a header (whose contributor count tells the aggregator it was averaged)."""
+    n = 2
+    aggs = [AutoAggregator("w", (16,), torch.float32, n, r, MODEL, interval=8) for r in range(n)]
+    xs = [torch.arange(16, dtype=torch.float32) + r for r in range(n)]
+    for step in range(3):
+        ys = run_step(aggs, xs, average=True)
+        assert all(torch.equal(y, (xs[0] + xs[1]) / 2) for y in ys), step
+    assert aggs[0].plain_steps == 2
+
+
+def test_a_dense_tensor_that_turns_sparse_is_replanned_at_its_next_statistics_step():
+    n, rows, dim, interval = 3, 4000, 16, 4
+    rng = torch.Generator().manual_seed(6)
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, interval=interval) for r in range(n)]
+    seen = []
+    for step in range(12):
+        k = 3900 if step < 2 else 20
+        xs = [sparse_rows(rng, rows, dim, k) for _ in range(n)]
+        truth = torch.stack([x.double() for x in xs]).sum(0)
+        for y in run_step(aggs, xs):
+            assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+        assert len({a.strategy for a in aggs}) == 1
+        seen.append(aggs[0].strategy)
+    # dense until a statistics step (count 4 or 8) sees the sparse rows, then the sparse strategy
+    (switch, to) = aggs[0].history[0]
+    assert switch in (4, 8) and to != "dense" and seen[:switch - 1] == ["dense"] * (switch - 1), seen
+    assert "dense" not in seen[switch - 1:] and all(s % 4 == 0 for s, _ in aggs[0].history), aggs[0].history
+    assert aggs[0].history == aggs[1].history == aggs[2].history
+
+
+def test_a_replan_keeps_the_strategy_in_use_on_a_near_tie():
+    from lossless_hc.training.planner import SWITCH_MARGIN
+    s = stats(1 << 16, 64, 4, 1024, 1024)
+    best, predicted = MODEL.choose(s)
+    c = 2 * (4 - 1) * MODEL.calibration.link.alpha_s   # the first allreduce's latency, common to all
+    runner_up = min((t for t in predicted if t != best), key=predicted.get)
+    assert MODEL.choose(s, current=best)[0] == best
+    near = predicted[best] - c >= (1 - SWITCH_MARGIN) * (predicted[runner_up] - c)
+    assert MODEL.choose(s, current=runner_up)[0] == (runner_up if near else best), predicted
+    far = max(predicted, key=predicted.get)   # far worse than the best: left
+    assert predicted[best] - c < (1 - SWITCH_MARGIN) * (predicted[far] - c)
+    assert MODEL.choose(s, current=far)[0] == best
+    # Shrink the union of a tensor every rank holds densely: the first union at which another strategy
+    # is predicted cheaper than dense is a near tie, so a dense plan stays dense there; a much smaller
+    # union leaves dense; and a plan already on the cheaper strategy stays on it at the tie.
+    D, b, n = 4096, 64, 4
+    rows = [u for u in range(D, 0, -8) if MODEL.choose(TensorStats(D * b, b, n, (u,) * n, u))[0] != "dense"]
+    u = rows[0]
+    tie = TensorStats(D * b, b, n, (u,) * n, u)
+    cheaper, p = MODEL.choose(tie)
+    assert p[cheaper] < p["dense"] and MODEL.choose(tie, current="dense")[0] == "dense", p
+    assert MODEL.choose(tie, current=cheaper)[0] == cheaper
+    assert MODEL.choose(TensorStats(D * b, b, n, (u // 4,) * n, u // 4), current="dense")[0] != "dense"
+
+
+def test_an_aggregator_built_before_the_calibration_plans_once_it_is_given():
+    n = 2
+    aggs = [AutoAggregator("emb", (4000, 16), torch.float32, n, r, None, interval=4, topk_ratio=0.01, thc_bits=4)
+            for r in range(n)]
+    rng = torch.Generator().manual_seed(7)
+    xs = [sparse_rows(rng, 4000, 16, 20) for _ in range(n)]
+    run_step(aggs, xs)   # the first step is dense and needs no cost model; its plan waits
+    assert all(a.strategy == "dense" and a._plan_due for a in aggs)
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        aggs[0].encode(xs[0])
+    for a in aggs:
+        a.cost_model = MODEL
+    truth = torch.stack([x.double() for x in xs]).sum(0)
+    for y in run_step(aggs, xs):   # the due plan is applied at this encode, on every rank alike
+        assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+    assert {a.strategy for a in aggs} == {aggs[0].strategy} and aggs[0].strategy != "dense"
+
+
+def test_the_link_is_timed_only_up_to_the_largest_tensor():
+    from lossless_hc.training.calibration import LINK_SIZES, link_sizes
+    assert link_sizes(128 << 10) == (1 << 10, 1 << 15, 128 << 10)   # DigitsCNN's largest gradient
+    assert link_sizes(100) == (1 << 10, 1 << 15)                     # a latency and a bandwidth point at least
+    assert link_sizes(64 << 20) == LINK_SIZES                        # capped at 1 MiB

@@ -43,7 +43,7 @@ def results(out, name):
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
-            ",".join(DDP_EXACT + DDP_SPARSE + ["lossy", "config_mismatch"])])
+            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "lossy", "config_mismatch"])])
     return out
 
 
@@ -79,6 +79,27 @@ def test_ddp_auto_is_exact_and_identical_on_every_rank(ddp_run, name):
     if name == "measured":   # the start-up calibration ran and rank 0's fit reached every rank
         alpha, beta = rs[0]["calibration"][:2]
         assert alpha >= 0 and beta > 0
+
+
+def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run):
+    """A dense model (two buckets, dense gradients on every rank): after the second step's calibration,
+    every step issues exactly the collectives DDP's own allreduce issues (one per bucket, counted by
+    the Gloo groups' sequence numbers, the hook's own groups included): the statistics of the steps
+    that carry them ride in the bucket's allreduce, and the other steps are the bucket allreduced in
+    place. Exact, identical on every rank."""
+    rs = results(ddp_run, "dense_steady")
+    assert check_exact_and_identical(rs) == {"dense"}
+    for r in rs:
+        ddp, got = r["ddp_collectives"], r["collectives"]
+        # DDP: the first step's buckets, its bucket rebuild at the second, then one allreduce per bucket
+        assert len(set(ddp[2:])) == 1 and ddp[2] >= 2, ddp
+        assert got[0] >= ddp[0] and got[1] > ddp[1], (got, ddp)   # + the configuration check, the calibration
+        assert got[2:] == ddp[2:], (got, ddp)                     # then nothing beyond DDP's own
+        # statistics on step counts 1, 4 and 8 of 10 (interval 4); the 7 others plain
+        assert set(r["plain_steps"].values()) == {7}, r["plain_steps"]
+        assert r["calibration_cost"]["source"] == "measured" and r["calibration_cost"]["seconds"] > 0
+        # the largest gradient is 64 x 64 float32 (16 KiB): timed at 1 KiB and the 32 KiB floor, not to 1 MiB
+        assert r["calibration_cost"]["link_sizes"] == [1024, 32768], r["calibration_cost"]
 
 
 @pytest.mark.parametrize("name", DDP_SPARSE)

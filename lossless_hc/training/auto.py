@@ -19,11 +19,13 @@ operations of the adapter are matched by name, so the order in which ranks reach
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, _check_seed
+from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.planner import STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
 
@@ -83,6 +85,7 @@ class AutoSpec(AggregatorSpec):
         self.given_calibration = calibration is not None
         self.calibration: Optional[Calibration] = calibration
         self._cost_model: Optional[CostModel] = None
+        self.calibration_cost: dict = {}   # what the start-up measurement cost (calibration_stats)
 
     def options(self) -> dict:
         return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
@@ -94,6 +97,26 @@ class AutoSpec(AggregatorSpec):
         self.calibration = calibration
         self._cost_model = None
 
+    def measure(self, allreduce: Callable, allgather: Callable, broadcast: Callable, rank: int, world_size: int,
+                device="cpu", largest_bytes: Optional[int] = None) -> None:
+        """Calibrate on the engine's collectives (:func:`~lossless_hc.training.calibration.calibrate`: a
+        collective, every rank at the same point) unless a calibration was given, timing the link at
+        :func:`~lossless_hc.training.calibration.link_sizes` of ``largest_bytes`` (the largest tensor's
+        wire bytes, when the adapter knows the model; else every size of ``LINK_SIZES``), and record
+        what it cost (:meth:`calibration_stats`)."""
+        if self.calibration is not None:
+            return
+        sizes = LINK_SIZES if largest_bytes is None else link_sizes(largest_bytes)
+        t0 = time.perf_counter()
+        self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes))
+        self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes)}
+
+    def calibration_stats(self) -> dict:
+        """``{"source": "given" | "measured" | "pending", "seconds": on this rank, "link_sizes": bytes per
+        rank timed}`` (``stats()["calibration"]`` of the auto adapters)."""
+        source = "given" if self.given_calibration else ("measured" if self.calibration is not None else "pending")
+        return {"source": source, **self.calibration_cost}
+
     @property
     def cost_model(self) -> CostModel:
         if self.calibration is None:
@@ -103,7 +126,10 @@ class AutoSpec(AggregatorSpec):
         return self._cost_model
 
     def make(self, name, tensor, world_size, rank, stats, device):
-        return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, self.cost_model, lossy=self.lossy,
+        """The tensor's aggregator; built before the calibration (DDP's first step), it has no cost model
+        until the adapter sets ``cost_model`` (a plan due meanwhile waits for it)."""
+        model = self.cost_model if self.calibration is not None else None
+        return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, model, lossy=self.lossy,
                               interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
                               seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
                               device=device, partial=self.partial, sparse=tensor.is_sparse, **self.extra)
@@ -210,7 +236,9 @@ class AutoCompressorAdapter(CompressorAdapter):
 
     def stats(self) -> dict:
         """The counters of :meth:`CompressorAdapter.stats` and, under ``"plan"``, per tensor: the
-        chosen strategy, the predicted seconds of every candidate, measured seconds and bytes sent."""
+        chosen strategy, the predicted seconds of every candidate, measured seconds and bytes sent;
+        under ``"calibration"``, :meth:`AutoSpec.calibration_stats`."""
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
+        d["calibration"] = self.spec.calibration_stats()
         return d

@@ -32,7 +32,7 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel
 
-LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20)   # bytes per rank
+LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20)   # bytes per rank (the most link_sizes times)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
 
@@ -64,6 +64,16 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
     if beta <= 0:
         return fallback
     return LinkModel(float(alpha), float(beta))
+
+
+def link_sizes(largest_bytes: int) -> tuple:
+    """The sizes (bytes per rank) worth timing for tensors of at most ``largest_bytes`` bytes on the
+    wire: those of :data:`LINK_SIZES` below it, then it, clamped to ``[LINK_SIZES[1], LINK_SIZES[-1]]``
+    (a latency-bound and a bandwidth-bound point at least). Each size costs ``1 + repeats`` allreduces
+    and allgathers, so a model of small tensors is calibrated in a few round trips instead of
+    megabytes (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB)."""
+    top = min(LINK_SIZES[-1], max(LINK_SIZES[1], int(largest_bytes)))
+    return tuple(s for s in LINK_SIZES if s < top) + (top,)
 
 
 def _best_time(fn: Callable[[], None], repeats: int) -> float:

@@ -22,7 +22,9 @@ Every strategy's first collective is a SUM allreduce of a payload that starts wi
 header of ``1 + 2n`` float32 words: a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
 a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
 fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
-``k_0..k_{n-1}`` from every step of every strategy; the union ``u`` (rows non-zero on some rank) comes
+``k_0..k_{n-1}`` from every step of every strategy but a dense plan's plain steps (a dense plan carries
+the header on one step in ``interval``, each followed by a re-plan:
+``AutoAggregator.carries_statistics``); the union ``u`` (rows non-zero on some rank) comes
 from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the
 bitmap; sketch: the decode report).
 
@@ -51,7 +53,9 @@ The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
 allgather, ``u`` for two_phase and sketch, 0 otherwise). :meth:`CostModel.choose` returns the
-cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`).
+cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
+keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
+the first allreduce's latency that every strategy pays alike.
 
 Sparse gradients (``TensorStats.sparse``: a ``torch.sparse_coo`` gradient, e.g.
 ``nn.Embedding(sparse=True)`` under DDP). The rank already holds its rows (index and values), so no
@@ -88,6 +92,10 @@ STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
 
 RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
 UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
+# A re-plan leaves the strategy in use only for one predicted this much faster: the model's error is of
+# this order (what it neglects, module doc), and a switch to a strategy with a second collective on a
+# near tie costs a dependent round the model prices at its latency only.
+SWITCH_MARGIN = 0.2
 TOPK_RATIO = 0.01       # the lossy top-k's share of each tensor (CostModel(topk_ratio=...))
 THC_BITS, THC_GRANULARITY = 4, 30
 
@@ -291,10 +299,14 @@ class CostModel:
         return (t + per_coord * self.local_coordinates(strategy, stats)
                 + per_key * self.touched_coordinates(strategy, stats))
 
-    def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None) -> tuple:
+    def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None,
+               current: Optional[str] = None) -> tuple:
         """``(strategy, {strategy: predicted seconds})``: the cheapest exact strategy, or of every
         strategy when ``lossy`` (exact ones only for a sparse gradient); ``allowed`` narrows the
-        candidates (ties: listed order)."""
+        candidates (ties: listed order). ``current`` (the strategy in use) is kept unless the cheapest
+        is predicted at least :data:`SWITCH_MARGIN` faster beyond what every strategy pays alike, the
+        first allreduce's latency ``c = 2(n-1) alpha``: ``t_best - c < (1 - SWITCH_MARGIN)(t_current - c)``
+        (on a small tensor ``c`` is most of every prediction, and would hide any difference)."""
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not stats.sparse else ())
         if allowed is not None:
             names = tuple(s for s in names if s in allowed)
@@ -302,6 +314,9 @@ class CostModel:
                 raise ValueError(f"no strategy left among {allowed!r}")
         predicted = {s: self.predict(s, stats) for s in names}
         best = min(names, key=lambda s: (predicted[s], names.index(s)))
+        common = 2 * (stats.world_size - 1) * self.calibration.link.alpha_s if stats.world_size > 1 else 0.0
+        if current in predicted and not predicted[best] - common < (1.0 - SWITCH_MARGIN) * (predicted[current] - common):
+            best = current
         return best, predicted
 
 
@@ -329,10 +344,18 @@ class PlanTracker:
         self.union: Optional[float] = None
         self.peak_rank = 0
         self.force = False
+        self.last_step = 0   # the step count of the last observation
 
-    def observe(self, rank_keys, union_keys: int) -> bool:
-        """Record one step; True when a decision is due."""
-        a = self.alpha
+    def observe(self, rank_keys, union_keys: int, step: Optional[int] = None) -> bool:
+        """Record one step; True when a decision is due. ``step``: the tensor's step count after this one
+        (default: the observations so far), which the schedule follows: a dense plan observes only one
+        step in ``interval`` (:meth:`AutoAggregator.carries_statistics
+        <lossless_hc.training.strategies.AutoAggregator.carries_statistics>`), each of them due. An
+        observation after ``m`` unobserved steps stands for them too: its weight is ``1 - (1 - a)^(m+1)``,
+        what ``m + 1`` observations of the same counts would have had."""
+        step = self.steps + 1 if step is None else int(step)
+        a = 1.0 - (1.0 - self.alpha) ** max(1, step - self.last_step)
+        self.last_step = step
         ks = [float(k) for k in rank_keys]
         if self.rank_keys is None:
             self.rank_keys, self.union = ks, float(union_keys)
@@ -341,8 +364,7 @@ class PlanTracker:
             self.union = (1 - a) * self.union + a * union_keys
         self.peak_rank = max(self.peak_rank, int(max(ks)) if ks else 0)
         self.steps += 1
-        due = self.force or self.steps == 1 or self.steps % self.interval == 0
-        return due
+        return self.force or step == 1 or step % self.interval == 0
 
     def stats(self, element_bytes: int = 4) -> TensorStats:
         """The statistics a decision uses (and resets the per-interval peak and ``force``)."""

@@ -10,7 +10,8 @@ A step of any strategy is, for every rank (the engine supplies the collectives):
 
 The first payload (:mod:`lossless_hc.training.planner`, "statistics header") is ``1 + 2n`` words -- a
 contributor count and the one-hot slot vector of per-rank non-zero row counts (two exact fields each)
--- and then the body::
+-- and then the body (a dense plan's plain steps, :meth:`AutoAggregator.carries_statistics`: the body
+alone)::
 
     dense      the tensor (float32; float64 tensors keep float64 and are always dense)
     allgather  nothing; request: allgather of K slots (int32 row index bit-cast to float32, then the
@@ -50,13 +51,13 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
-from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             THCAggregator, TopKAggregator, default_block_size)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
+from lossless_hc.training.rows import bitmap_counts, gather_slots, pack_bitmap, sum_slots
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -89,6 +90,7 @@ class AutoContext:
     union_rows: Optional[torch.Tensor] = None   # the rows some rank holds (two_phase; a sparse result's rows)
     partial: Optional[tuple] = None   # sketch under INEXACT: (decoded flat tensor, inexact rows, union count)
     topk_outcome: object = None
+    plain: bool = False           # a dense step without the statistics header (the bare tensor)
 
 
 @dataclass
@@ -105,7 +107,9 @@ class AutoAggregator:
         name: identical on every rank (messages and ``stats()``).
         shape, dtype: of the gradient.
         world_size, rank: of the group the engine reduces over.
-        cost_model: a :class:`~lossless_hc.training.planner.CostModel` built on the broadcast calibration.
+        cost_model: a :class:`~lossless_hc.training.planner.CostModel` built on the broadcast calibration,
+            or None until it is known (set ``cost_model`` before the first plan is applied: a plan due
+            then waits for the next :meth:`encode`; DDP calibrates after the first step).
         lossy: allow the lossy strategies.
         interval, alpha: re-planning period and EWMA weight.
         first: the strategy of the first step (None: "dense" for a dense gradient, "allgather" for a
@@ -121,7 +125,8 @@ class AutoAggregator:
             are candidates (module doc).
     """
 
-    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, cost_model: CostModel,
+    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int,
+                 cost_model: Optional[CostModel],
                  lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  allowed: Optional[tuple] = None, seed: int = 0, topk_ratio: Optional[float] = None,
                  thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu",
@@ -138,6 +143,8 @@ class AutoAggregator:
         self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), int(seed)
         self.partial = bool(partial)
         self.device = torch.device(device)
+        if cost_model is None and (topk_ratio is None or thc_bits is None):
+            raise ValueError(f"{name}: without a cost model, give topk_ratio and thc_bits")
         self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else float(topk_ratio)
         self.thc_bits = cost_model.thc_bits if thc_bits is None else int(thc_bits)
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not self.sparse else ())
@@ -158,8 +165,10 @@ class AutoAggregator:
         self.history: list = []                 # (step, strategy) at every change
         self.measured: dict = {}                # strategy -> EWMA of encode-to-result seconds on this rank
         self.bytes_sent = 0
-        self.steps = 0
+        self.steps = 0                          # steps aggregated (every rank counts alike)
+        self.plain_steps = 0                    # ... of them dense without the statistics header
         self.fallbacks = 0
+        self._plan_due = False                  # a plan is due but no cost model was known yet
         self._codec: Optional[LosslessCodec] = None   # the sketch's, sized at the last plan
         self._sketch_stats: Optional[TensorStats] = None   # ... from these statistics
         self._thc: Optional[THCAggregator] = None
@@ -171,13 +180,16 @@ class AutoAggregator:
 
     # -- the plan ----------------------------------------------------------------------------------
     def _plan(self) -> None:
+        if self.cost_model is None:
+            raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
+        self._plan_due = False
         s = self.tracker.stats(element_bytes=4)
-        best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed)
+        best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy)
         self.predicted = predicted
         if best == "sketch":
             self._size_sketch(s)
         if best != self.strategy:
-            self.history.append((self.tracker.steps, best))
+            self.history.append((self.steps, best))
             self.strategy = best
 
     def _size_sketch(self, s: TensorStats) -> None:
@@ -186,13 +198,46 @@ class AutoAggregator:
         self._codec = LosslessCodec(self.numel, self.world_size, cap, self.row, self.seed, device=self.device,
                                     union_nnz=union)
 
-    def _observe(self, ctx: AutoContext, union_keys: int) -> None:
+    def _measure(self, strategy: str, started: float) -> None:
         self.steps += 1
-        seconds = time.perf_counter() - ctx.started
-        old = self.measured.get(ctx.strategy)
-        self.measured[ctx.strategy] = seconds if old is None else 0.75 * old + 0.25 * seconds
-        if self.tracker.observe(ctx.rank_keys, union_keys):
+        seconds = time.perf_counter() - started
+        old = self.measured.get(strategy)
+        self.measured[strategy] = seconds if old is None else 0.75 * old + 0.25 * seconds
+
+    def _observe(self, ctx: AutoContext, union_keys: int) -> None:
+        self._measure(ctx.strategy, ctx.started)
+        if self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps):
+            self._plan_due = True
+            if self.cost_model is not None:
+                self._plan()
+
+    def carries_statistics(self) -> bool:
+        """Whether the next step's first payload carries the statistics header (else it is the bare
+        tensor: :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place): always
+        but for a dense plan, which carries them on its first step, on step counts that are multiples of
+        ``interval`` (each followed by a plan), after a failure (``force``) and when leaving THC or top-k
+        (their error feedback is flushed by :meth:`encode`); a tensor that can only be dense, on its first
+        step only. A function of the plan and the step count: identical on every rank (docs/DESIGN.md,
+        "What is exchanged when")."""
+        self._apply_due_plan()
+        if self.strategy != "dense" or self.sparse or self.steps == 0 or self.tracker.force:
+            return True
+        if self._thc is not None or self._topk is not None:
+            return True
+        if self.allowed == ("dense",):
+            return False
+        return (self.steps + 1) % self.tracker.interval == 0
+
+    def _apply_due_plan(self) -> None:
+        if self._plan_due:
             self._plan()
+
+    def record_plain_step(self, started: float) -> None:
+        """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False): the
+        DDP hook's in-place allreduce of a bucket whose every tensor is on such a step. ``started``:
+        ``time.perf_counter()`` when the step's aggregation began."""
+        self._count_sent(self.numel * self.wire_dtype.itemsize, plain=True)
+        self._measure("dense", started)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -323,6 +368,12 @@ class AutoAggregator:
             raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
                              f"{self.dtype} {self.shape}")
         t0 = time.perf_counter()
+        if not self.carries_statistics():   # a dense step without statistics: the bare tensor, no scan
+            ctx = AutoContext("dense", t0, self.numel * self.wire_dtype.itemsize, plain=True)
+            payload = x.detach().reshape(-1).to(self.wire_dtype)
+            self._count_sent(ctx.payload_bytes, plain=True)
+            self.agg_stats.encode_seconds += time.perf_counter() - t0
+            return payload, ctx
         s = self.strategy
         n = self.world_size
         ctx = AutoContext(s, t0, 0)
@@ -358,19 +409,28 @@ class AutoAggregator:
         header[2 + 2 * self.rank] = float(rank_key_count >> COUNT_FIELD_BITS)
         payload = torch.cat([header, body.to(header.dtype)])
         ctx.payload_bytes = payload.numel() * payload.element_size()
-        self.bytes_sent += ctx.payload_bytes
+        self._count_sent(ctx.payload_bytes, dense=s == "dense")
+        self.agg_stats.encode_seconds += time.perf_counter() - t0
+        return payload, ctx
+
+    def _count_sent(self, payload_bytes: int, dense: bool = True, plain: bool = False) -> None:
+        self.bytes_sent += payload_bytes
+        self.plain_steps += plain
         st = self.agg_stats
         st.tensors += 1
         st.dense_bytes += self.numel * self.dtype.itemsize
-        st.payload_bytes += ctx.payload_bytes
-        st.compressed += s != "dense"
-        st.sent_dense += s == "dense"
-        st.encode_seconds += time.perf_counter() - t0
-        return payload, ctx
+        st.payload_bytes += payload_bytes
+        st.compressed += not dense
+        st.sent_dense += dense
 
     def decode(self, summed: torch.Tensor, ctx: AutoContext) -> AutoOutcome:
-        """Read the header, decode the body; the value, or the request of the strategy's next collective."""
+        """Read the header, decode the body; the value, or the request of the strategy's next collective.
+        A plain step's (``ctx.plain``) summed payload is the value, in the engine's scale."""
         t0 = time.perf_counter()
+        if ctx.plain:
+            self._measure("dense", ctx.started)
+            self.agg_stats.decode_seconds += time.perf_counter() - t0
+            return AutoOutcome(self._shaped(summed.to(self.wire_dtype)))
         n = self.world_size
         H = stats_header_words(n)
         averaged = n > 1 and abs(float(summed[0]) - 1.0) < 0.5
@@ -397,7 +457,7 @@ class AutoAggregator:
                 if k == 0:
                     self._observe(ctx, 0)
                     return AutoOutcome(self._no_rows(ctx))
-                return AutoOutcome(None, Request("allgather", self._gather_slots(ctx, k)))
+                return AutoOutcome(None, Request("allgather", gather_slots(self._index(ctx), self._values(ctx), k, self.row)))
             if s == "two_phase":
                 ctx.union_rows = self._union_rows(body, averaged)
                 if ctx.union_rows.numel() == 0:
@@ -455,7 +515,7 @@ class AutoAggregator:
         s = ctx.strategy
         n = self.world_size
         if s == "allgather":
-            union, rows = self._sum_slots(result.reshape(n, max(ctx.rank_keys), 1 + self.row))
+            union, rows = sum_slots(result.reshape(n, max(ctx.rank_keys), 1 + self.row), self.row)
             value = self._from_rows(union, self._scaled(rows, ctx.averaged))
             count = union.numel()
         elif s == "two_phase":
@@ -488,57 +548,29 @@ class AutoAggregator:
         self._observe(ctx, count)
         return value
 
-    # -- bodies ---------------------------------------------------------------------------------------
+    # -- bodies (lossless_hc.training.rows) -------------------------------------------------------------
     def _bitmap(self, ctx: AutoContext) -> torch.Tensor:
-        """This rank's rows as digits of base n+1 (1 at a row it holds), packed exactly into float32 words."""
-        pk = digit_packing(self.world_size, self.keys)
-        device = self._device(ctx)
-        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=device)
-        if ctx.present is not None:
-            digits[:self.keys] = ctx.present.to(torch.int64)
-        else:
-            digits[ctx.index] = 1
-        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=device)
-        return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1).to(torch.float32)
+        return pack_bitmap(self.keys, self.world_size, self._device(ctx), present=ctx.present, index=ctx.index)
 
     def _unpack(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
         """Per-row counts (ranks holding the row) from the summed bitmap."""
-        pk = digit_packing(self.world_size, self.keys)
         w = self._integers(words, averaged)
-        if w.numel() != pk.words:
-            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected {pk.words}")
-        cols = [(w // pk.base ** j) % pk.base for j in range(pk.per_word)]
-        return torch.stack(cols, dim=1).reshape(-1)[:self.keys]
-
-    def _gather_slots(self, ctx: AutoContext, k: int) -> torch.Tensor:
-        """This rank's K slots: int32 row index (bits in a float32 word; -1: unused) and the row."""
-        index = self._index(ctx)
-        slots = torch.zeros(k, 1 + self.row, dtype=torch.float32, device=index.device)
-        slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
-        m = index.numel()
-        slots[:m, 0] = index.to(torch.int32).view(torch.float32)
-        slots[:m, 1:] = self._values(ctx).to(torch.float32)
-        return slots.reshape(-1)
-
-    def _sum_slots(self, slots: torch.Tensor) -> tuple:
-        """``(union, rows)`` from the gathered ``(n, K, 1 + row)`` slots: the sorted rows some rank sent and
-        their sums, each row added in rank order (the same additions on every rank)."""
-        index = slots[:, :, 0].contiguous().view(torch.int32).to(torch.int64).reshape(-1)
-        valid = index >= 0
-        index, values = index[valid], slots[:, :, 1:].reshape(-1, self.row)[valid]
-        union, where = torch.unique(index, sorted=True, return_inverse=True)
-        rows = torch.zeros(union.numel(), self.row, dtype=torch.float32, device=slots.device)
-        rows.index_add_(0, where, values)   # the slots in rank order, each rank's in row order
-        return union, rows
+        if w.numel() != bitmap_words(self.keys, self.world_size):
+            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected "
+                                        f"{bitmap_words(self.keys, self.world_size)}")
+        return bitmap_counts(w, self.keys, self.world_size)
 
     def payload_numel(self) -> int:
-        """Elements of the first payload the next :meth:`encode` returns (header + body)."""
+        """Elements of the first payload the next :meth:`encode` returns (header + body; a plain step's:
+        the tensor)."""
+        if not self.carries_statistics():
+            return self.numel
         s, H = self.strategy, stats_header_words(self.world_size)
         rows = bitmap_words(self.keys, self.world_size) if self.sparse else 0   # a sparse result's union
         if s == "dense":
             return H + rows + self.numel
         if s == "two_phase":
-            return H + digit_packing(self.world_size, self.keys).words
+            return H + bitmap_words(self.keys, self.world_size)
         if s == "sketch":
             return H + rows + self._codec.payload_numel
         if s in ("thc", "topk"):
@@ -549,7 +581,7 @@ class AutoAggregator:
         return H
 
     # -- checkpointing --------------------------------------------------------------------------------
-    _TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force")
+    _TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step")
 
     def state_dict(self) -> dict:
         """What this aggregator carries between steps: the plan (strategy, statistics, the sketch's
@@ -557,7 +589,7 @@ class AutoAggregator:
         sk = self._sketch_stats
         thc = self._thc.codec if self._thc is not None else None
         return {"kind": "auto", "shape": list(self.shape), "dtype": str(self.dtype), "strategy": self.strategy,
-                "history": [list(h) for h in self.history], "steps": self.steps,
+                "history": [list(h) for h in self.history], "steps": self.steps, "plan_due": self._plan_due,
                 "tracker": {f: getattr(self.tracker, f) for f in self._TRACKER_FIELDS},
                 "sketch_stats": None if sk is None else [sk.numel, sk.row, sk.world_size, list(sk.rank_keys),
                                                          sk.union_keys, sk.element_bytes],
@@ -576,9 +608,12 @@ class AutoAggregator:
             raise ValueError(f"{self.name}: the saved strategy {state['strategy']!r} is not allowed here "
                              f"({self.allowed})")
         self.strategy, self.steps = state["strategy"], int(state["steps"])
+        self._plan_due = bool(state.get("plan_due", False))
         self.history = [tuple(h) for h in state["history"]]
+        saved = dict(state["tracker"])
+        saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
         for f in self._TRACKER_FIELDS:
-            setattr(self.tracker, f, state["tracker"][f])
+            setattr(self.tracker, f, saved[f])
         if state["sketch_stats"] is not None:
             numel, row, n, ranks, union, eb = state["sketch_stats"]
             self._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
@@ -595,8 +630,10 @@ class AutoAggregator:
     # -- inspection -----------------------------------------------------------------------------------
     def plan_stats(self) -> dict:
         """The chosen strategy, the predicted seconds of every candidate at the last plan, the measured
-        seconds (EWMA per strategy used, encode to result on this rank), the bytes this rank sent, and
-        whether the gradient is sparse."""
+        seconds (EWMA per strategy used, encode to result on this rank), the bytes this rank sent, the
+        steps and how many of them were plain (dense without the statistics header,
+        :meth:`carries_statistics`), and whether the gradient is sparse."""
         return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
                 "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
+                "plain_steps": self.plain_steps,
                 "changes": list(self.history), "fallbacks": self.fallbacks, "sparse": self.sparse}

@@ -47,6 +47,35 @@ def train(state=None, steps=6, bucket_cap_mb=None, burst_from=None, sparse=False
     return model
 
 
+def collectives(state=None) -> int:
+    """Collectives issued so far on the default group and on ``state``'s own groups: the Gloo process
+    groups' sequence numbers (each collective increments its group's)."""
+    groups = [dist.group.WORLD] + (list(state._fallback_groups.values()) if state is not None else [])
+    return sum(g._get_sequence_number_for_group() for g in groups)
+
+
+def train_dense(state=None, steps=10):
+    """A dense model (every gradient dense on every rank), several buckets; the collectives of each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 8))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)   # 10 kB: two buckets after DDP's rebuild
+    if state is not None:
+        ddp.register_comm_hook(state, auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    per_step = []
+    for step in range(steps):
+        before = collectives(state)
+        opt.zero_grad(set_to_none=True)
+        x = torch.randn(4 * (dist.get_rank() + 1), 32, generator=g)
+        model_out = ddp(x)
+        (model_out ** 2).mean().backward()   # DDP waits for every bucket's future (and callback) here
+        opt.step()
+        per_step.append(collectives(state) - before)
+    return model, per_step
+
+
 def compare(state, **kw):
     ref = train(None, **kw)
     got = train(state, **kw)
@@ -77,6 +106,16 @@ def scenario(name):
         got = train(state, steps=6)
         st = state.stats()
         return {"digest": param_digest(got), "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}}
+    if name == "dense_steady":   # dense plans: the statistics ride in the bucket's own allreduce
+        ref, ref_steps = train_dense(None)
+        state = AutoHookState(interval=4)   # measured calibration, at the second step
+        got, got_steps = train_dense(state)
+        st = state.stats()
+        return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "stats": st,
+                "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
+                "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()},
+                "calibration": state.spec.calibration.as_list(), "calibration_cost": st["calibration"],
+                "collectives": got_steps, "ddp_collectives": ref_steps}
     if name == "config_mismatch":
         try:
             train(AutoHookState(lossy=dist.get_rank() == 1), steps=1)

@@ -475,6 +475,30 @@ def within_rtol(v: torch.Tensor, err: torch.Tensor, rtol: float) -> torch.Tensor
     return err * (1.0 + rtol) + UNIT_ROUNDOFF * a <= rtol * a
 
 
+def verification_bound(cells: torch.Tensor, weights: torch.Tensor, rounds, acc: torch.Tensor, val: torch.Tensor,
+                       err: torch.Tensor) -> torch.Tensor:
+    """``F(k) = G(k) - E(k)`` per key (``lhc::verification_bound``): what the cells a key was subtracted
+    into prove about its error whatever happened upstream of it. A check cell j (``acc >= 0`` after
+    peeling) verifies ``V(j) = acc(j) + max |residual(j)|``; the pure cell of a later key m verifies
+    ``|w_j(m)| G(m)``; a solved pair's cells (``acc == -2``) verify nothing; and
+    ``G(k) = min_j V(j) / |w_j(k)|`` over the key's two other cells, computed from the last round
+    back. ``F`` is rounded up by ``2^-52 G``."""
+    inf = float("inf")
+    V = torch.full((acc.numel(),), inf, dtype=torch.float64)
+    checked = acc >= 0
+    V[checked] = acc[checked] + val[checked].abs().amax(dim=1)
+    G = torch.full((cells.shape[0],), inf, dtype=torch.float64)
+    for idx, pj in reversed(rounds):
+        other = torch.ones(idx.numel(), 3, dtype=torch.bool)
+        other[torch.arange(idx.numel()), pj] = False
+        oc = cells[idx][other].reshape(-1, 2)
+        ow = weights[idx][other].reshape(-1, 2).abs().to(torch.float64)
+        g = (V[oc] / ow).amin(dim=1)
+        G[idx] = g
+        V[cells[idx, pj]] = weights[idx, pj].abs().to(torch.float64) * g
+    return (G - err).clamp(min=0.0) + G * 2.0 ** -52
+
+
 def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False, rtol: float = 2.0 ** -10):
     """Decode an aggregated payload: ``(y, info)``, y a float64 tensor of ``numel`` values (the sum,
     or the average if ``averaged``), info a dict with ok, reason, contributors, total_keys,
@@ -483,8 +507,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
     and the cell each was read from, like ``DecodeReport.trace``; once peeled, error_bound (per
     support key, in support order: the rigorous bound on its float64 value's error, built from
     the mass channel along the peel as ``LosslessCodec`` states) and inexact_keys (sorted keys whose
-    bound exceeds ``rtol``: then ok is False with reason "inexact"). A cell left non-zero beyond its
-    bound after peeling fails with "sketch corrupt".
+    bound, or verification bound (:func:`verification_bound`), exceeds ``rtol``, and the keys of
+    solved pairs: then ok is False with reason "inexact"). A cell left non-zero beyond its bound
+    after peeling fails with "sketch corrupt".
 
     Peeling is round based in float64 (see the module docstring). A Bloom index is first peeled
     exactly in integers, so every false-positive candidate gets count 0 and is dropped before the
@@ -610,7 +635,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         val.index_add_(0, oc, -(os_.unsqueeze(1) * v.repeat_interleave(2, dim=0)))
         acc.index_add_(0, oc, os_.abs() * err[idx].repeat_interleave(2))
     # Peeling stalled: solve the two-key stopping sets (each pair's cells hold just the pair); the
-    # third cell keeps w_r(a) v_a + w_r(b) v_b, subtracted for the residual check.
+    # third cell keeps w_r(a) v_a + w_r(b) v_b, subtracted for the residual check. One check cannot
+    # verify two values: a solved pair's keys are listed inexact, its cells verify nothing (-2).
+    paired = torch.zeros(support.numel(), dtype=torch.bool)
     for a, b in solvable_pairs(sc, ss, resolved).tolist():
         blocks[a], blocks[b] = solve_pair(val, sc[a], ss[a], ss[b])
         wa, wb = ss[a].tolist(), ss[b].tolist()
@@ -619,8 +646,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         ap, aq = float(acc[sc[a, p]]), float(acc[sc[a, q]])
         err[a] = (abs(wb[q]) * ap + abs(wb[p]) * aq) / abs(det)
         err[b] = (abs(wa[p]) * aq + abs(wa[q]) * ap) / abs(det)
-        acc[sc[a, p]] = acc[sc[a, q]] = -1.0
+        acc[sc[a, p]] = acc[sc[a, q]] = -2.0
         acc[sc[a, r]] += abs(wa[r]) * err[a] + abs(wb[r]) * err[b]
+        paired[a] = paired[b] = True
         val[sc[a, r]] -= wa[r] * blocks[a] + wb[r] * blocks[b]
         resolved[a] = resolved[b] = True
         trace_keys.append(support[[a, b]])
@@ -640,7 +668,8 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
     if mass_bad or bool((val[checked].abs() > acc[checked].unsqueeze(1)).any()):
         return y, _fail(info, "sketch corrupt: a cell is not zero within its bound after peeling")
     info["error_bound"] = err
-    inexact = ~within_rtol(blocks, err.unsqueeze(1), rtol).all(dim=1)
+    bound = torch.maximum(err, verification_bound(sc, ss, rounds, acc, val, err))
+    inexact = ~within_rtol(blocks, bound.unsqueeze(1), rtol).all(dim=1) | paired
     info["inexact_keys"] = torch.sort(support[inexact]).values
     if bool(inexact.any()):
         return y, _fail(info, "inexact")

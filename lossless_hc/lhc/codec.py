@@ -36,9 +36,9 @@ class DecodeReport:
     status           the :class:`~lossless_hc.lhc.status.DecodeStatus`: OK exactly when ok, else the
                      first failure found (OVERLOADED when ranks were over capacity and nothing else
                      failed; ``overloaded_ranks`` says how many). INEXACT: every key was recovered
-                     and the sketch is consistent, but some keys' error bounds exceed rtol: those are
-                     ``inexact_keys``; every other coordinate of the output is within rtol of the true
-                     sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
+                     and the sketch is consistent, but some keys' error (or verification) bounds
+                     exceed rtol: those are ``inexact_keys``; every other coordinate of the output is
+                     within rtol of the true sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
                      not zero within its bound (nothing usable).
     inexact_keys     under INEXACT, the keys (blocks) whose bound exceeds rtol: a sorted int64 CPU
                      tensor (key k covers coordinates ``k*block_size .. (k+1)*block_size - 1`` of the
@@ -111,17 +111,21 @@ class LosslessCodec:
     over the keys j subtracted from :math:`c_k` before it (deg(c) the support keys hashed to c; the
     mass is inflated by its own relative rounding; ``tests/helpers.py: peel_error_bound`` asserts
     that the decoded values meet this bound). A key passes if every coordinate v has
-    :math:`E(1 + rtol) + 2^{-24}|v| \le rtol\,|v|`; the others are reported as INEXACT with
-    ``report.inexact_keys`` (typically values tiny beside a cell-mate, sums that cancel to ~0, and
+    :math:`E(1 + rtol) + 2^{-24}|v| \le rtol\,|v|` and the same with its verification bound
+    :math:`F(k)` (what the cells k was subtracted into prove about it after peeling, whatever happened
+    before it: one corrupted word is upstream of k or not, so F or E holds; docs/DESIGN.md
+    "Exactness"); the others are reported as INEXACT with
+    ``report.inexact_keys`` (typically values tiny beside a cell-mate, sums that cancel to ~0, small
+    keys whose later cells hold much larger ones, keys of solved two-key stopping sets, and
     with blocks, coordinates far below their block's largest: the mass is per key). After peeling,
     every cell no key was read from must be 0 within its bound, and a cell must have positive mass
     exactly when it holds keys; otherwise SKETCH_CORRUPT (a corrupted or not-summed payload). ok is
     False, never a wrong answer, when a rank was over
     capacity, peeling could not finish, a rank's input held NaN/Inf (which would poison shared
     cells), a sketch cell overflowed float32, the ranks' configurations differ, or the payload is
-    not a plain sum/average of ``world_size`` payloads. The residual check catches most corruption,
-    not all: a corrupted cell can hide under the bound a large cell-mate leaves (fuzzing finds about
-    one corrupted aggregate in 4,000 decoded with a wrong key, issue #19).
+    not a plain sum/average of ``world_size`` payloads. One corrupted word is caught or harmless:
+    the residual check refuses it, or the verification bound lists every key it could have moved
+    beyond rtol (not covered: corruptions of several words, which can mimic a valid payload).
 
     Args:
         numel: elements of the tensors to encode (any shape with this many elements).

@@ -144,17 +144,18 @@ def test_encode_identical_hypothesis(block, index, pattern, dist, seed, data_see
 
 @settings(max_examples=50)
 @given(block=st.sampled_from([1, 3, 32]), index=st.sampled_from(["bitmap", "bloom", "multilevel"]),
-       pattern=st.sampled_from(helpers.PATTERNS), seed=st.integers(0, 1000), data_seed=st.integers(0, 2 ** 32 - 1))
-def test_decode_agrees_with_reference(block, index, pattern, seed, data_seed):
+       pattern=st.sampled_from(helpers.PATTERNS), seed=st.integers(0, 1000), data_seed=st.integers(0, 2 ** 32 - 1),
+       verify=st.booleans())
+def test_decode_agrees_with_reference(block, index, pattern, seed, data_seed, verify):
     rng = np.random.default_rng(data_seed)
     n, numel, density = helpers.draw_sizes(rng, max_n=12, max_density=0.3)
     num_keys = -(-numel // block)
     k = max(1, int(density * num_keys))
-    codec = LosslessCodec(numel, n, k * block, block_size=block, seed=seed, index=index)
+    codec = LosslessCodec(numel, n, k * block, block_size=block, seed=seed, index=index, verify=verify)
     xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
     summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng, "sequential")
     y, rep = codec.decode(summed, trace=True)
-    yr, info = reference.decode(codec.layout, summed)
+    yr, info = reference.decode(codec.layout, summed, verify=verify)
     # The bounds differ in their last bits (the reference keeps them in float64, the C++ rounds them up
     # to float after each update), so a key at the edge of rtol may fall either way: OK and INEXACT are
     # one verdict here; each decoder's inexact keys must then cover the keys it got outside rtol.

@@ -74,8 +74,8 @@ def emulated(tmp_path_factory):
     cuda_runtime.reset_launcher()
 
 
-def host_codecs(numel, n, k, block=1, index="auto", seed=0):
-    cpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index)
+def host_codecs(numel, n, k, block=1, index="auto", seed=0, verify=False):
+    cpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index, verify=verify)
     return cpu, _cuda.CudaLayout(cpu.layout, torch.device("cpu"))
 
 
@@ -85,11 +85,11 @@ def emulated_encode(native, x):
     return payload
 
 
-def emulated_decode(native, payload, averaged=False):
+def emulated_decode(native, payload, averaged=False, verify=False):
     L = native.layout
     out = torch.full((L.numel,), 7.0)  # poisoned
     scale = float(L.world_size) if averaged else 1.0
-    run = _cuda.decode(native, scale, L.world_size, payload.contiguous(), out, DEFAULT_RTOL)
+    run = _cuda.decode(native, scale, L.world_size, payload.contiguous(), out, DEFAULT_RTOL, verify)
     header, st = run.finish()
     report = SimpleNamespace(ok=st.status == 0, reason=message(st.status) or None, support=st.support_keys,
                              peeled=st.peeled, candidates=st.candidates, false_positives=st.false_positives,
@@ -357,8 +357,9 @@ def verdict_inputs(rng, numel, block, n, k, kind):
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 def test_emulated_verdicts_match_cpu_property(emulated, index):
     """CPU and CUDA read every key from the same cell, round every cell in the same order and decide
-    with the same operations: over random seeds, value kinds, block sizes, world sizes and sums or
-    averages, the status, the inexact keys and the decoded bits agree (corrupted sketches included)."""
+    with the same operations: over random seeds, value kinds, block sizes, world sizes, sums or
+    averages and verify off or on, the status, the inexact keys and the decoded bits agree (corrupted
+    sketches included)."""
     rng = np.random.default_rng(helpers.stable_seed("emu-verdicts", index))
     seen = set()
     for trial in range(8):
@@ -367,8 +368,9 @@ def test_emulated_verdicts_match_cpu_property(emulated, index):
         numel = int(rng.integers(300, 2000)) * block
         k = int(rng.integers(8, 60)) * block
         kind = VERDICT_KINDS[trial % len(VERDICT_KINDS)]
+        verify = trial % 2 == 1
         # capacity for 2k: "cancel" gives rank 1 half of rank 0's keys besides its own
-        cpu, native = host_codecs(numel, n, 2 * k, block, index, seed=int(rng.integers(1 << 31)))
+        cpu, native = host_codecs(numel, n, 2 * k, block, index, seed=int(rng.integers(1 << 31)), verify=verify)
         xs = verdict_inputs(rng, numel, block, n, k, kind)
         summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
         averaged = bool(trial % 3 == 2)
@@ -380,9 +382,9 @@ def test_emulated_verdicts_match_cpu_property(emulated, index):
         payloads.append(corrupt)
         for j, p in enumerate(payloads):
             avg = averaged and j == 0
-            y, report, _ = emulated_decode(native, p, avg)
+            y, report, _ = emulated_decode(native, p, avg, verify)
             y_cpu, r_cpu = cpu.decode(p, averaged=avg)
-            what = (trial, index, kind, block, n, j)
+            what = (trial, index, kind, block, n, j, verify)
             assert report.status == r_cpu.status, (what, report.reason, r_cpu.reason)
             assert torch.equal(report.inexact_keys, r_cpu.inexact_keys), what
             if helpers.peeled_ok(r_cpu):

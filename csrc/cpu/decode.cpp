@@ -128,6 +128,9 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       uint64_t step = kb;
       bool group_bad = false;
       kerr.resize(kn);
+      // Without verify the verdict is E(k) alone, taken here; with it, the backward pass below takes
+      // E(k) and F(k) together.
+      const bool check_now = !in.verify;
       peeled[g] = peel_layers(
           t, kn, cur, next, layer, src, bits, order,
           [&](uint32_t pos, const uint64_t* cell, const double* coef) {
@@ -145,6 +148,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
               *t.values(cell[1]) -= coef[1] * x;
               *t.values(cell[2]) -= coef[2] * x;
               gvals[pos] = (float)x;
+              if (check_now && !within_rtol(x, err, in.rtol)) inexact[g].push_back(pos);
             } else {
               const double* src_values = t.values(cell[0]);
               for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src_values[l];
@@ -155,7 +159,12 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                 d2[l] -= coef[2] * v[l];
               }
               float* o = gvals + (uint64_t)pos * B;
-              for (uint64_t l = 0; l < B; ++l) o[l] = (float)v[l];
+              bool within = true;
+              for (uint64_t l = 0; l < B; ++l) {
+                o[l] = (float)v[l];
+                within &= within_rtol(v[l], err, in.rtol);
+              }
+              if (check_now && !within) inexact[g].push_back(pos);
             }
             if (trace_key) {
               trace_key[step] = (int64_t)gkeys[pos];
@@ -172,8 +181,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    // Bounds as for a peeled key (tests/helpers.py peel_error_bound);
                                    // the third cell r must then hold the pair's w_r(a) v_a + w_r(b) v_b:
                                    // it is subtracted and left to the residual check. One check cannot
-                                   // verify two values (verification_bound): a solved pair's keys are
-                                   // listed inexact, and its cells verify nothing upstream (kPairCell).
+                                   // verify two values (verification_bound): with verify a solved pair's
+                                   // keys are listed inexact; its cells verify nothing upstream (kPairCell).
                                    const PairCells pc = pair_cells(wa, wb);
                                    const int r = 3 - pc.p - pc.q;
                                    const double ap = t.acc(cell[pc.p]), aq = t.acc(cell[pc.q]);
@@ -184,13 +193,16 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    t.set_acc(cell[pc.q], PeelTable::kPairCell);
                                    t.set_acc(cell[r], (double)t.acc(cell[r]) + std::abs(wa[r]) * ea + std::abs(wb[r]) * eb);
                                    double* Rr = t.values(cell[r]);
+                                   bool within_a = !in.verify, within_b = !in.verify;
                                    for (uint64_t l = 0; l < B; ++l) {
                                      gvals[(uint64_t)pa * B + l] = (float)va[l];
                                      gvals[(uint64_t)pb * B + l] = (float)vb[l];
                                      Rr[l] -= wa[r] * va[l] + wb[r] * vb[l];
+                                     within_a &= within_rtol(va[l], ea, in.rtol);
+                                     within_b &= within_rtol(vb[l], eb, in.rtol);
                                    }
-                                   inexact[g].push_back(pa);
-                                   inexact[g].push_back(pb);
+                                   if (!within_a) inexact[g].push_back(pa);
+                                   if (!within_b) inexact[g].push_back(pb);
                                    if (trace_key) {
                                      for (const uint32_t p : {pa, pb}) {
                                        trace_key[step] = (int64_t)gkeys[p];
@@ -202,8 +214,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       bad[g] = group_bad;
       if (!group_bad && peeled[g] == kn) {
         // The residual check: with every key recovered, each cell no key was read from must be 0
-        // within its bound (its own rounding plus the bounds of the keys subtracted from it). Its
-        // verification bound V = acc + |residual| (largest lane) then takes the bound's place.
+        // within its bound (its own rounding plus the bounds of the keys subtracted from it). With
+        // verify its verification bound V = acc + |residual| (largest lane) then takes the bound's place.
         for (uint64_t c = 0; c < gcells && !corrupt[g]; ++c) {
           const double a = t.acc(c);
           if (a < 0.0) continue;
@@ -213,12 +225,12 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
             corrupt[g] |= !(std::fabs(r[l]) <= a);
             worst = std::max(worst, std::fabs(r[l]));
           }
-          t.set_acc(c, a + worst);
+          if (in.verify) t.set_acc(c, a + worst);
         }
         // The verification bounds, from the last peeled key back (lhc::verification_bound): a key is
         // listed inexact unless both E(k) and F(k) = G(k) - E(k) prove it within rtol.
         kver.resize(kn);
-        if (!corrupt[g])
+        if (in.verify && !corrupt[g])
           for (size_t i = order.size(); i-- > 0;) {
             const uint64_t c = order[i];
             const uint32_t pos = t.pos(c);

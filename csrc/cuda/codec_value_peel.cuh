@@ -147,9 +147,10 @@ extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* 
 // the cell's own bound plus |w| E of every other key of the cell) over |w|, in key_err; C adds |w| E
 // of this round's keys to the bounds of their other cells, in adjacency order, rounding up to a float
 // after each addition. These are the CPU backend's peel_layers and operations exactly (its layers are
-// these rounds, its keys resolved in position order), so values and bounds agree bit for bit. The
-// verdict per key comes after the residual check (lhc_verify_values), which walks the rounds back:
-// B also writes the round's keys to order[round_start[r] ...], round_start[rounds] = the total.
+// these rounds, its keys resolved in position order), so values and bounds agree bit for bit. B flags
+// a key in `inexact` where a lane misses rtol with E (lhc_layout.h within_rtol); with verify,
+// lhc_verify_values adds F after the residual check, walking the rounds back: B also writes the
+// round's keys to order[round_start[r] ...], round_start[rounds] = the total.
 extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                            double* val, unsigned int* deg, unsigned int* xr, unsigned int* src,
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
@@ -157,12 +158,13 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
                                            unsigned int* pure1, unsigned int* list0, unsigned int* list1,
                                            unsigned int* dirty0, unsigned int* dirty1, PeelControl* control,
                                            DecodeCounters* counters, double* acc, double* key_err,
-                                           unsigned int* order, unsigned int* round_start) {
+                                           unsigned int* order, unsigned int* round_start, unsigned int* inexact,
+                                           double rtol) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
   const SegmentedTable t = load_table(table_words);
   const uint32_t nkeys = (uint32_t)counters->support;
   volatile PeelControl* vc = control;
-  bool bad = false;
+  bool bad = false, any_inexact = false;
   unsigned int done = 0;  // keys peeled in the rounds before (the same in every thread)
   for (unsigned int r = 0;; ++r) {
     PeelRound q;
@@ -189,9 +191,14 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       if (slot < 0) { bad = true; continue; }  // a guard: propose checked c is one of p's cells
       const int w = slot == 0 ? weights[0] : slot == 1 ? weights[1] : weights[2];  // no local-memory indexing
       const double v = inverse_weight(w) * load_cg(val + (uint64_t)c * block + lane);
+      const double err = fabs(inverse_weight(w)) * load_cg(acc + c);  // acc is read-only in B
       key_val[(uint64_t)p * block + lane] = v;
+      if (!within_rtol(v, err, rtol)) {
+        inexact[p] = 1u;  // every writer stores 1
+        any_inexact = true;
+      }
       if (lane == 0) {
-        key_err[p] = fabs(inverse_weight(w)) * load_cg(acc + c);  // acc is read-only in B
+        key_err[p] = err;
         order[done + i] = p;
         peeled_round[p] = r;
         deg[c] = 0;
@@ -243,6 +250,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
     grid_barrier(control->barrier);
   }
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagValueBad);
+  if (any_inexact) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
 }
 
 // After the value peel stalls: the two-key stopping sets (see the CPU backend's solve_pairs). One
@@ -256,16 +264,17 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
 // each writes its keys' values, source cell (their first cell) and round kPairRound.
 // Bounds as for a peeled key (the CPU backend's solve_pairs callback): the pair's cells p, q are
 // marked as a pair's (acc = kPairCell: they verify nothing upstream); the third cell r gets
-// w_r(a) v_a + w_r(b) v_b subtracted and their bounds added, for the residual check. One check cannot
-// verify two values: a solved pair's keys are always listed inexact (lhc_layout.h verification_bound).
+// w_r(a) v_a + w_r(b) v_b subtracted and their bounds added, for the residual check. A key is flagged
+// inexact where a lane misses rtol with its bound; with verify always (one check cannot verify two
+// values: lhc_layout.h verification_bound).
 extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                            double* val, const unsigned int* deg, unsigned int* src,
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
                                            const unsigned int* adj, DecodeCounters* counters, double* acc,
-                                           double* key_err, unsigned int* inexact) {
+                                           double* key_err, unsigned int* inexact, double rtol, uint64_t verify) {
   if (counters->abort) return;
   const SegmentedTable t = load_table(table_words);
-  bool any_pair = false;
+  bool any_inexact = false;
   const uint64_t first_cells = t.groups() * t.seg_len;  // cells of the groups' first segments
   for (uint64_t i = global_thread(); i < first_cells; i += grid_threads()) {
     const uint64_t c = (i / t.seg_len) * t.group_cells() + i % t.seg_len;
@@ -297,27 +306,30 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
     const double war = r == 0 ? wa[0] : r == 1 ? wa[1] : wa[2], wbr = r == 0 ? wb[0] : r == 1 ? wb[1] : wb[2];
     const double ap = acc[cp], aq = acc[cq];
     const double ea = (fabs(wbq) * ap + fabs(wbp) * aq) / fabs(det), eb = (fabs(wap) * aq + fabs(waq) * ap) / fabs(det);
+    bool in_a = verify == 0, in_b = verify == 0;
     for (uint64_t lane = 0; lane < block; ++lane) {
       const double Rp = val[cp * block + lane], Rq = val[cq * block + lane];
       const double va = (wbq * Rp - wbp * Rq) / det, vb = (wap * Rq - waq * Rp) / det;
       key_val[(uint64_t)ab[0] * block + lane] = va;
       key_val[(uint64_t)ab[1] * block + lane] = vb;
       val[cr * block + lane] -= war * va + wbr * vb;
+      in_a &= within_rtol(va, ea, rtol);
+      in_b &= within_rtol(vb, eb, rtol);
     }
     acc[cp] = kPairCell;
     acc[cq] = kPairCell;
     acc[cr] = round_up_to_float(acc[cr] + fabs(war) * ea + fabs(wbr) * eb);  // the CPU's order of additions
     key_err[ab[0]] = ea;
     key_err[ab[1]] = eb;
-    inexact[ab[0]] = 1u;
-    inexact[ab[1]] = 1u;
-    any_pair = true;
+    if (!in_a) inexact[ab[0]] = 1u;
+    if (!in_b) inexact[ab[1]] = 1u;
+    any_inexact |= !in_a || !in_b;
     for (int k = 0; k < 2; ++k) {
       src[ab[k]] = (unsigned int)c;
       peeled_round[ab[k]] = kPairRound;
     }
   }
-  if (any_pair) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
+  if (any_inexact) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
 }
 
 // After the pairs: the cell each peeled key was read from is marked read (acc = kReadCell: nothing is
@@ -348,7 +360,8 @@ extern "C" __global__ void lhc_mark_read(const uint64_t* table_words, const uint
 // The residual check: every cell left with no key and not read from must be 0 within its bound
 // (its own rounding plus the bounds of the keys subtracted from it), else the sketch is corrupt.
 // Cells still holding keys (a failed peel, reported as such) are skipped. A checked cell's bound then
-// becomes its verification bound V = acc + |residual| (largest lane; lhc_layout.h verification_bound).
+// becomes its verification bound V = acc + |residual| (largest lane; lhc_layout.h verification_bound),
+// which only lhc_verify_values reads (decodes with verify).
 extern "C" __global__ void lhc_residual_check(uint64_t block, uint64_t cells, const double* val,
                                               const unsigned int* deg, double* acc, DecodeCounters* counters) {
   if (counters->abort) return;

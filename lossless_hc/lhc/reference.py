@@ -373,7 +373,8 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
 
 
 
-def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False, rtol: float = 2.0 ** -10):
+def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False, rtol: float = 2.0 ** -10,
+           verify: bool = False):
     """Decode an aggregated payload: ``(y, info)``, y a float64 tensor of ``numel`` values (the sum,
     or the average if ``averaged``), info a dict with ok, reason, contributors, total_keys,
     overloaded_ranks, candidates, false_positives, support (number of keys), support_keys (the
@@ -381,9 +382,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
     and the cell each was read from, like ``DecodeReport.trace``; once peeled, error_bound (per
     support key, in support order: the rigorous bound on its float64 value's error, built from
     the mass channel along the peel as ``LosslessCodec`` states) and inexact_keys (sorted keys whose
-    bound, or verification bound (:func:`verification_bound`), exceeds ``rtol``, and the keys of
-    solved pairs: then ok is False with reason "inexact"). A cell left non-zero beyond its bound
-    after peeling fails with "sketch corrupt".
+    bound exceeds ``rtol``; with ``verify`` also those whose verification bound
+    (:func:`verification_bound`) does, and the keys of solved pairs: then ok is False with reason
+    "inexact"). A cell left non-zero beyond its bound after peeling fails with "sketch corrupt".
 
     Peeling is round based in float64 (see the module docstring). A Bloom index is first peeled
     exactly in integers, so every false-positive candidate gets count 0 and is dropped before the
@@ -510,7 +511,8 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         acc.index_add_(0, oc, os_.abs() * err[idx].repeat_interleave(2))
     # Peeling stalled: solve the two-key stopping sets (each pair's cells hold just the pair); the
     # third cell keeps w_r(a) v_a + w_r(b) v_b, subtracted for the residual check. One check cannot
-    # verify two values: a solved pair's keys are listed inexact, its cells verify nothing (-2).
+    # verify two values: with verify a solved pair's keys are listed inexact; its cells verify
+    # nothing (-2).
     paired = torch.zeros(support.numel(), dtype=torch.bool)
     for a, b in solvable_pairs(sc, ss, resolved).tolist():
         blocks[a], blocks[b] = solve_pair(val, sc[a], ss[a], ss[b])
@@ -542,8 +544,11 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
     if mass_bad or bool((val[checked].abs() > acc[checked].unsqueeze(1)).any()):
         return y, _fail(info, "sketch corrupt: a cell is not zero within its bound after peeling")
     info["error_bound"] = err
-    bound = torch.maximum(err, verification_bound(sc, ss, rounds, acc, val, err))
-    inexact = ~within_rtol(blocks, bound.unsqueeze(1), rtol).all(dim=1) | paired
+    if verify:
+        bound = torch.maximum(err, verification_bound(sc, ss, rounds, acc, val, err))
+        inexact = ~within_rtol(blocks, bound.unsqueeze(1), rtol).all(dim=1) | paired
+    else:
+        inexact = ~within_rtol(blocks, err.unsqueeze(1), rtol).all(dim=1)
     info["inexact_keys"] = torch.sort(support[inexact]).values
     if bool(inexact.any()):
         return y, _fail(info, "inexact")

@@ -289,9 +289,9 @@ LHC_HD double round_up_to_float(double x) {
   return (double)f;
 }
 
-// The value peel's verification bound (issue #19, corrupted payloads). A key k read from cell c has
-// the a-priori bound E(k) (its cell's rounding and the bounds of the keys subtracted from c before);
-// that bound assumes c and the cells before it are intact. The cells k was subtracted INTO check k
+// The value peel's verification bound (issue #19, corrupted payloads; decodes with verify only). A key
+// k read from cell c has the a-priori bound E(k) (its cell's rounding and the bounds of the keys
+// subtracted from c before); that bound assumes c and the cells before it are intact. The cells k was subtracted INTO check k
 // afterwards: such a cell j is either a check cell (no key read from it: its residual must be 0 within
 // acc(j)) or the pure cell of a later key m. An error d_k of k shows up in j as w_j(k) d_k, so
 //   |w_j(k) d_k| <= V(j) - |w_j(k)| E(k),   V(j) = acc(j) + |residual(j)|   (check cell)

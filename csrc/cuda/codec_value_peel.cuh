@@ -380,8 +380,8 @@ extern "C" __global__ void lhc_residual_check(uint64_t block, uint64_t cells, co
   if (corrupt) atomicOr(&counters->flags, (unsigned int)kFlagSketchCorrupt);
 }
 
-// The verdict per key (cooperative launch, after lhc_residual_check): the rounds of lhc_peel_values
-// walked back, last round first, each key's verification bound G from its two other cells -- a check
+// Decodes with verify only: the verification bound per key (cooperative launch, after
+// lhc_residual_check). The rounds of lhc_peel_values walked back, last round first, each key's verification bound G from its two other cells -- a check
 // cell's V, or |w| G of the later key read from it (key_ver) -- and then the key is listed inexact
 // unless both its bound E (key_err) and F = G - E prove every lane within rtol
 // (lhc_layout.h verification_bound; the CPU backend's backward pass, in the same operations). Keys of

@@ -32,8 +32,9 @@ class DecodeReport:
                      sum t, and every coordinate y_i with :math:`|y_i - t_i| \le rtol\,|t_i|`
                      (``rtol`` the codec's; proven per key, see ``LosslessCodec``) -- for a payload
                      that is the sum (or average) of valid payloads. With ``verify=True`` also for a
-                     payload with one corrupted sketch or mass word: the decode reports
-                     SKETCH_CORRUPT or lists every key the corruption moved beyond rtol as INEXACT.
+                     payload with one corrupted index, sketch or mass word (or a zeroed sketch): the
+                     decode refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved
+                     beyond rtol as INEXACT.
                      When False the output must not be used, except under INEXACT (below); callers
                      fall back to a dense aggregation.
     reason           why ok is False (None when ok).

@@ -69,16 +69,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "decode",
       [](uintptr_t words, double scale, uint64_t total_keys, uint64_t world_size, uintptr_t payload, uintptr_t out,
-         uintptr_t trace_key, uintptr_t trace_cell, int num_threads, double rtol) {
+         uintptr_t trace_key, uintptr_t trace_cell, int num_threads, double rtol,
+         bool verify) {
         const CodecLayout layout = layout_at(words);
         py::gil_scoped_release release;
-        cpu::DecodeInputs in{scale, total_keys, world_size, rtol};
+        cpu::DecodeInputs in{scale, total_keys, world_size, rtol, verify};
         return cpu::decode(layout, in, ptr<const float>(payload), ptr<float>(out), ptr<int64_t>(trace_key),
                            ptr<int64_t>(trace_cell), num_threads);
       },
       py::arg("words"), py::arg("scale"), py::arg("total_keys"), py::arg("world_size"), py::arg("payload"),
       py::arg("out"), py::arg("trace_key") = 0, py::arg("trace_cell") = 0, py::arg("num_threads") = 0,
-      py::arg("rtol") = 0.0,
+      py::arg("rtol") = 0.0, py::arg("verify") = false,
       "Decode an aggregated payload into numel float32 values at out (the layout: the layout words at `words`).");
 
   m.def(

@@ -29,6 +29,7 @@ typedef unsigned long long uintptr_t;
 #else
 #include <math.h>  // rint, fabs (NVRTC has them built in)
 #include <cstdint>
+#include <cstring>  // memcpy
 #endif
 
 #if defined(__CUDACC__)
@@ -258,9 +259,50 @@ LHC_HD double cell_error_bound(double mass, uint64_t deg, uint64_t n) {
 // Whether a decoded value v of a key with error bound err (before its rounding to float32) meets the
 // contract |y - t| <= rtol |t| for the float32 output y = fl(v) and the true sum t: |y - v| <= u |v| and
 // |t| >= |v| - err, so err + u |v| <= rtol (|v| - err) suffices. NaN never passes.
+// The product err (1 + rtol) is rounded on its own on every backend (nvcc would otherwise fuse it with
+// the addition into an FMA, which rounds once): the CPU and CUDA verdicts are the same bits.
 LHC_HD bool within_rtol(double v, double err, double rtol) {
   const double a = v < 0 ? -v : v;
-  return err * (1.0 + rtol) + kUnitRoundoff * a <= rtol * a;
+#if defined(__CUDA_ARCH__)
+  const double scaled = __dmul_rn(err, 1.0 + rtol);
+#else
+  const double scaled = err * (1.0 + rtol);
+#endif
+  return scaled + kUnitRoundoff * a <= rtol * a;
+}
+
+// The smallest float32 >= x (x >= 0 or NaN), as a double: the decoders keep every cell bound rounded up
+// to float32 after each update (the CPU in 4 spare bytes of its peeling state), the same operations on
+// every backend, so that bounds and verdicts agree bit for bit.
+LHC_HD double round_up_to_float(double x) {
+  float f = (float)x;
+  if ((double)f < x) {  // finite f below x >= 0: the next float up (f >= 0, so its bits + 1)
+#if defined(__CUDA_ARCH__)
+    f = __uint_as_float(__float_as_uint(f) + 1u);
+#else
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    ++u;
+    memcpy(&f, &u, sizeof f);
+#endif
+  }
+  return (double)f;
+}
+
+// The value peel's verification bound (issue #19, corrupted payloads; decodes with verify only). A key
+// k read from cell c has the a-priori bound E(k) (its cell's rounding and the bounds of the keys
+// subtracted from c before); that bound assumes c and the cells before it are intact. The cells k was subtracted INTO check k
+// afterwards: such a cell j is either a check cell (no key read from it: its residual must be 0 within
+// acc(j)) or the pure cell of a later key m. An error d_k of k shows up in j as w_j(k) d_k, so
+//   |w_j(k) d_k| <= V(j) - |w_j(k)| E(k),   V(j) = acc(j) + |residual(j)|   (check cell)
+//                                           V(j) = |w_j(m)| G(m)            (read by m)
+// with G(m) = min over m's two other cells j' of V(j') / |w_j'(m)|: so d_k <= G(k) - E(k) =: F(k)
+// whatever happened upstream of k, provided the cells downstream of k are intact. One corrupted cell
+// is either upstream of k (F holds) or not (E holds): k is claimed within rtol only if both E(k) and
+// F(k) are (verify_key). F rounds up: the subtraction's own rounding is covered by 2^-52 G.
+LHC_HD double verification_bound(double g, double err) {
+  const double f = g - err;
+  return (f > 0.0 ? f : 0.0) + g * 2.220446049250313e-16;
 }
 
 // ---- The layout ABI: a CodecLayout as an array of uint64 words --------------------------------------

@@ -273,7 +273,7 @@ def test_grouped_fine_tables(emulated, monkeypatch):
     summed = helpers.sum_payloads(case.payloads, case.rng)
     status, out, run, _ = agree(case, summed)
     _, st = run.finish()
-    assert status == 0
+    assert status in (0, helpers.INEXACT)   # every key recovered (INEXACT: the unprovable ones listed)
     helpers.assert_lossless(case.L, case.xs, out, report_of(st, run))
     stalled = setup(numel=30000, n=2, k=900, block=1, shape=(1,), pattern="random", union=600, data_seed=2)
     assert stalled.L.multilevel.levels[0].table.seg_count // 3 > 1

@@ -100,7 +100,12 @@ def test_fewer_threads_than_requested_still_encode_everything(tmp_path):
         "c = lhc.LosslessCodec(numel=300_000, world_size=1, max_nnz=3000, num_threads=4)\n"
         "p = c.encode(x); y, r = c.decode(p)\n"
         "torch.save({'p': p, 'y': y, 'status': int(r.status)}, %r)\n" % str(tmp_path / "out.pt"))
-    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    # The child imports the package this process imported (scripts/sanitize.sh runs a scratch copy
+    # that is not on the default path), not whatever `import lossless_hc` finds from tmp_path.
+    import lossless_hc
+    here = os.path.dirname(os.path.dirname(os.path.abspath(lossless_hc.__file__)))
+    env = dict(os.environ, OMP_THREAD_LIMIT="1",
+               PYTHONPATH=os.pathsep.join([here] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     subprocess.run([sys.executable, str(script)], check=True, env=env, timeout=300)
     got = torch.load(tmp_path / "out.pt")
     g = torch.Generator().manual_seed(0)

@@ -177,13 +177,65 @@ def test_reference_agrees_on_the_issue_example():
 # -- corruption -------------------------------------------------------------------------------------
 
 def corruption_case(index, n=3):
+    """A codec with verify=True (the contract covers corrupted payloads only with it), n ranks' sparse
+    N(0,1) inputs and their summed payload."""
     rng = np.random.default_rng(helpers.stable_seed("corrupt", index, n))
     numel = 3000
     xs = [torch.from_numpy(np.where(rng.random(numel) < 0.01, rng.standard_normal(numel), 0.0).astype(np.float32))
           for _ in range(n)]
-    codec = LosslessCodec(numel, n, 60, index=index)
+    codec = LosslessCodec(numel, n, 60, index=index, verify=True)
     summed = sum(codec.encode(x) for x in xs)
     return codec, xs, summed
+
+
+def test_verify_lists_the_key_a_corrupted_cell_moved():
+    """One word added to: key 459 (sum 1.0) is read from cell 195, and its two other cells hold
+    5e7-sized keys whose bounds (~20) hide the error it carries there. Without verify the decode lists
+    other keys but not 459 (0.75 decoded): the default contract is for sums of valid payloads. With
+    verify its verification bound lists it, and every unlisted coordinate is within the contract."""
+    rng = np.random.default_rng(0)
+    numel, n = 4000, 2
+    xs = []
+    for _ in range(n):
+        x = np.zeros(numel, np.float32)
+        idx = rng.choice(numel, 60, replace=False)
+        x[idx] = 1.0
+        x[idx[:20]] = 5e7
+        xs.append(torch.from_numpy(x))
+    for verify in (False, True):
+        codec = LosslessCodec(numel, n, 64, index="bitmap", seed=0, verify=verify)
+        p = sum(codec.encode(x) for x in xs)
+        p[codec.layout.sketch_offset + 195] += 0.25
+        y, rep = codec.decode(p)
+        assert rep.status == DecodeStatus.INEXACT, rep.reason
+        if verify:
+            assert 459 in rep.inexact_keys.tolist()
+            helpers.assert_contract(codec.layout, xs, y, rep.inexact_keys, codec.rtol)
+        else:
+            assert float(y[459]) == 0.75 and 459 not in rep.inexact_keys.tolist()
+
+
+def test_decode_options_are_agreed_through_the_fingerprint():
+    """rtol and verify decide every rank's verdict: a payload summed from ranks that disagree on them
+    is CONFIGURATION_MISMATCH, never decoded under one rank's options. The defaults keep the layout's
+    own fingerprint (plan_layout's)."""
+    from lossless_hc import plan_layout
+    plain = LosslessCodec(500, 2, 20, index="bitmap")
+    assert plain.layout == plan_layout(500, 2, 20, index="bitmap")
+    x = torch.zeros(500)
+    x[3] = 1.0
+    fingerprints = {plain.layout.fingerprint}
+    for options in (dict(verify=True), dict(rtol=2.0 ** -12), dict(rtol=2.0 ** -12, verify=True)):
+        other = LosslessCodec(500, 2, 20, index="bitmap", **options)
+        assert other.payload_numel == plain.payload_numel
+        fingerprints.add(other.layout.fingerprint)
+        _, rep = plain.decode(plain.encode(x) + other.encode(x))
+        assert rep.status == DecodeStatus.CONFIGURATION_MISMATCH, rep.reason
+        y, rep = other.decode(other.encode(x) + other.encode(x))
+        assert rep.ok and float(y[3]) == 2.0
+    assert len(fingerprints) == 4
+    with pytest.raises(TypeError, match="verify"):
+        LosslessCodec(500, 2, 20, verify=1)
 
 
 @pytest.mark.parametrize("index", KINDS)

@@ -77,7 +77,7 @@ def test_over_capacity_is_never_ok(index):
         if n_over:
             seen_over += 1
             assert not rep.ok, f"trial {trial}: {n_over} overloaded ranks but ok"
-        if rep.ok:
+        if helpers.peeled_ok(rep):   # ok, or INEXACT: exact outside its listed keys
             seen_ok += 1
             helpers.assert_lossless(codec.layout, xs, y, rep)
     assert seen_ok > 20 and seen_over > 20  # both branches really exercised

@@ -38,6 +38,8 @@ struct DecodeInputs {
   uint64_t total_keys;   // sum over ranks of their non-zero key counts
   uint64_t world_size;
   double rtol;           // the relative tolerance a key's error bound must meet (else kDecodeInexact)
+  bool verify = false;   // also the verification bound (lhc::verification_bound): corrupted cells are
+                         // caught or their keys listed inexact; solved pairs are always inexact
 };
 
 // Decode an aggregated payload into `out` (layout.numel floats, overwritten: zeros outside the

@@ -11,7 +11,8 @@
 //
 // Determinism: every floating-point accumulation happens in a fixed order that does not depend on
 // the number of threads (sketch cells are summed in increasing key order; each group of the sketch
-// is peeled sequentially, breadth-first from a queue seeded in increasing cell order). Parallel
+// is peeled sequentially in layers, each key read from its lowest-numbered pure cell and a layer's keys
+// in increasing position: peel.h peel_layers, the CUDA kernels' rounds exactly). Parallel
 // loops only do integer work or write disjoint outputs, so the same payload decodes to the same
 // bits on every run and every machine with IEEE-754 doubles.
 #pragma once

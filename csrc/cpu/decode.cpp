@@ -85,7 +85,10 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   {
     PeelTable t;
     std::vector<double> v(B);
-    std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building, then the queue
+    std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building
+    std::vector<uint32_t> cur, next, layer, src, order;  // peel_layers' scratch, and its order
+    std::vector<uint64_t> bits;
+    std::vector<double> kerr, kver;  // by position: E(k), and |w| G(k) of its read cell (verification)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
       const uint64_t base = (uint64_t)g * gcells, kb = goff[g];
@@ -124,12 +127,17 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       const auto t2 = clock.now();
       uint64_t step = kb;
       bool group_bad = false;
-      peeled[g] = peel(
-          t, kn, scratch,
+      kerr.resize(kn);
+      // Without verify the verdict is E(k) alone, taken here; with it, the backward pass below takes
+      // E(k) and F(k) together.
+      const bool check_now = !in.verify;
+      peeled[g] = peel_layers(
+          t, kn, cur, next, layer, src, bits, order,
           [&](uint32_t pos, const uint64_t* cell, const double* coef) {
             // The key's error bound: its cell's, every other key of which was subtracted already
             // (rounded up where it is stored), times 1/|w|; it joins the bounds of its other cells.
             const double err = std::fabs(coef[0]) * (double)t.acc(cell[0]);
+            kerr[pos] = err;
             t.set_acc(cell[0], PeelTable::kReadCell);
             t.set_acc(cell[1], (double)t.acc(cell[1]) + std::fabs(coef[1]) * err);
             t.set_acc(cell[2], (double)t.acc(cell[2]) + std::fabs(coef[2]) * err);
@@ -140,10 +148,10 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
               *t.values(cell[1]) -= coef[1] * x;
               *t.values(cell[2]) -= coef[2] * x;
               gvals[pos] = (float)x;
-              if (!within_rtol(x, err, in.rtol)) inexact[g].push_back(pos);
+              if (check_now && !within_rtol(x, err, in.rtol)) inexact[g].push_back(pos);
             } else {
-              const double* src = t.values(cell[0]);
-              for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src[l];
+              const double* src_values = t.values(cell[0]);
+              for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src_values[l];
               double* d1 = t.values(cell[1]);
               double* d2 = t.values(cell[2]);
               for (uint64_t l = 0; l < B; ++l) {
@@ -156,7 +164,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                 o[l] = (float)v[l];
                 within &= within_rtol(v[l], err, in.rtol);
               }
-              if (!within) inexact[g].push_back(pos);
+              if (check_now && !within) inexact[g].push_back(pos);
             }
             if (trace_key) {
               trace_key[step] = (int64_t)gkeys[pos];
@@ -172,18 +180,20 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                      const double* va, const double* vb) {
                                    // Bounds as for a peeled key (tests/helpers.py peel_error_bound);
                                    // the third cell r must then hold the pair's w_r(a) v_a + w_r(b) v_b:
-                                   // it is subtracted and left to the residual check.
+                                   // it is subtracted and left to the residual check. One check cannot
+                                   // verify two values (verification_bound): with verify a solved pair's
+                                   // keys are listed inexact; its cells verify nothing upstream (kPairCell).
                                    const PairCells pc = pair_cells(wa, wb);
                                    const int r = 3 - pc.p - pc.q;
                                    const double ap = t.acc(cell[pc.p]), aq = t.acc(cell[pc.q]);
                                    const double det = std::abs(pc.det);
                                    const double ea = (std::abs(wb[pc.q]) * ap + std::abs(wb[pc.p]) * aq) / det;
                                    const double eb = (std::abs(wa[pc.p]) * aq + std::abs(wa[pc.q]) * ap) / det;
-                                   t.set_acc(cell[pc.p], PeelTable::kReadCell);
-                                   t.set_acc(cell[pc.q], PeelTable::kReadCell);
+                                   t.set_acc(cell[pc.p], PeelTable::kPairCell);
+                                   t.set_acc(cell[pc.q], PeelTable::kPairCell);
                                    t.set_acc(cell[r], (double)t.acc(cell[r]) + std::abs(wa[r]) * ea + std::abs(wb[r]) * eb);
                                    double* Rr = t.values(cell[r]);
-                                   bool within_a = true, within_b = true;
+                                   bool within_a = !in.verify, within_b = !in.verify;
                                    for (uint64_t l = 0; l < B; ++l) {
                                      gvals[(uint64_t)pa * B + l] = (float)va[l];
                                      gvals[(uint64_t)pb * B + l] = (float)vb[l];
@@ -202,15 +212,48 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    }
                                  });
       bad[g] = group_bad;
-      // The residual check: with every key recovered, each cell no key was read from must be 0
-      // within its bound (its own rounding plus the bounds of the keys subtracted from it).
-      if (!group_bad && peeled[g] == kn)
+      if (!group_bad && peeled[g] == kn) {
+        // The residual check: with every key recovered, each cell no key was read from must be 0
+        // within its bound (its own rounding plus the bounds of the keys subtracted from it). With
+        // verify its verification bound V = acc + |residual| (largest lane) then takes the bound's place.
         for (uint64_t c = 0; c < gcells && !corrupt[g]; ++c) {
           const double a = t.acc(c);
           if (a < 0.0) continue;
           const double* r = t.values(c);
-          for (uint64_t l = 0; l < B; ++l) corrupt[g] |= !(std::fabs(r[l]) <= a);
+          double worst = 0.0;
+          for (uint64_t l = 0; l < B; ++l) {
+            corrupt[g] |= !(std::fabs(r[l]) <= a);
+            worst = std::max(worst, std::fabs(r[l]));
+          }
+          if (in.verify) t.set_acc(c, a + worst);
         }
+        // The verification bounds, from the last peeled key back (lhc::verification_bound): a key is
+        // listed inexact unless both E(k) and F(k) = G(k) - E(k) prove it within rtol.
+        kver.resize(kn);
+        if (in.verify && !corrupt[g])
+          for (size_t i = order.size(); i-- > 0;) {
+            const uint64_t c = order[i];
+            const uint32_t pos = t.pos(c);
+            const int pure = t.segment(c);
+            double gk = std::numeric_limits<double>::infinity();
+            for (int j = 0; j < 3; ++j) {
+              if (j == pure) continue;
+              const uint32_t e = t.packed(c, j);
+              const uint64_t d = t.cell(j, e);
+              const double a = t.acc(d);
+              const double vd = a >= 0.0 ? a : a == PeelTable::kReadCell ? kver[t.pos(d)]
+                                                                        : std::numeric_limits<double>::infinity();
+              gk = std::min(gk, vd * std::fabs(PeelTable::inverse_weight(e)));
+            }
+            const double w = PeelTable::inverse_weight(t.packed(c, pure));  // 1 / w_c(k)
+            kver[pos] = gk / std::fabs(w);
+            const double bound = std::max(kerr[pos], verification_bound(gk, kerr[pos]));
+            const double* r = t.values(c);
+            bool within = true;
+            for (uint64_t l = 0; l < B; ++l) within &= within_rtol(w * r[l], bound, in.rtol);
+            if (!within) inexact[g].push_back(pos);
+          }
+      }
       for (uint32_t& p : inexact[g]) p = gkeys[p];  // positions -> keys
       if (prof.env) {
         const auto t3 = clock.now();
@@ -248,6 +291,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
   if (st.status == kDecodeOk && any_corrupt) st.status = kDecodeSketchCorrupt;
   std::sort(st.inexact_keys.begin(), st.inexact_keys.end());
+  st.inexact_keys.erase(std::unique(st.inexact_keys.begin(), st.inexact_keys.end()), st.inexact_keys.end());
   if (st.status == kDecodeOk && !st.inexact_keys.empty()) st.status = kDecodeInexact;
 
   return st;

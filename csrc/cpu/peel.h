@@ -45,19 +45,21 @@ class PeelTable {
   uint32_t& packed(uint64_t c, int j) { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
   double* values(uint64_t c) { return &slots_[c * stride_ + kStateSlots].value; }
   // The value peel's error bound of cell c (see decode.cpp), kept in the padding half of the third
-  // state slot (zeroed by clear_state, never touched by update): a float, so every store rounds up.
-  // Negative (kReadCell) once a key was read from the cell.
+  // state slot (zeroed by clear_state, never touched by update): a float, so every store rounds up
+  // (lhc::round_up_to_float, as the CUDA kernels round theirs). Negative once a key was read from the
+  // cell (kReadCell) or a pair was solved from it (kPairCell); after the residual check a check cell
+  // holds its verification bound V (lhc::verification_bound).
   float acc(uint64_t c) const {
     float f;
     std::memcpy(&f, &slots_[c * stride_ + 2].word[1], sizeof f);
     return f;
   }
   void set_acc(uint64_t c, double bound) {
-    float f = (float)bound;
-    if ((double)f < bound) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+    const float f = bound < 0.0 ? (float)bound : (float)round_up_to_float(bound);
     std::memcpy(&slots_[c * stride_ + 2].word[1], &f, sizeof f);
   }
   static constexpr double kReadCell = -1.0;
+  static constexpr double kPairCell = -2.0;
   void clear_state(uint64_t c) {
     for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
   }
@@ -178,6 +180,83 @@ uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolv
       queue[tail] = (uint32_t)d;
       tail += t.deg(d) == 1;
     }
+  }
+  return resolved;
+}
+
+// Layered peeling (the value sketch): layer 0 is the keys alone in some cell at the start, layer L + 1
+// the keys alone in some cell once the layers up to L are removed. A key is read from the
+// lowest-numbered of its cells that are pure at the start of its layer, and the keys of a layer are
+// resolved in increasing position. This is exactly what the CUDA kernels' rounds do (lhc_peel_values:
+// every pure cell proposes its key, which keeps the smallest proposing cell; the touched cells subtract
+// the round's keys in increasing position), so both backends read every key from the same cell and
+// round every cell in the same order: the same values, bounds and verdicts, bit for bit. (A FIFO queue
+// would read a key from whichever of its cells became pure first.) Within a layer keys do not depend
+// on each other: a key's pure cell holds no other key.
+// `resolve` is peel's; `order` gets the cells keys were read from, in the order they were resolved
+// (the backward pass of the verification bound walks it in reverse). cur, next, layer, src and bits
+// are scratch. Returns the number of keys resolved; sets `*bad` if the states are inconsistent.
+template <typename Resolve>
+uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, std::vector<uint32_t>& next,
+                     std::vector<uint32_t>& layer, std::vector<uint32_t>& src, std::vector<uint64_t>& bits,
+                     std::vector<uint32_t>& order, Resolve&& resolve, bool* bad) {
+  constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+  const uint64_t cells = t.cells();
+  cur.clear();
+  for (uint64_t c = 0; c < cells; ++c)
+    if (t.deg(c) == 1) cur.push_back((uint32_t)c);
+  src.assign(count, kNone);
+  bits.assign(((uint64_t)count + 63) / 64, 0);
+  order.clear();
+  uint32_t resolved = 0;
+  constexpr size_t kAhead = 8;
+  while (!cur.empty()) {
+    // A: every cell pure at the start of the layer proposes its key; the key keeps the smallest.
+    uint32_t lo = kNone, hi = 0;
+    for (size_t i = 0; i < cur.size(); ++i) {
+      if (i + kAhead < cur.size()) t.prefetch(cur[i + kAhead]);
+      const uint32_t c = cur[i];
+      if (t.deg(c) != 1) continue;  // its last key went with another cell in the layer before
+      const uint32_t pos = t.pos(c);
+      const int j = t.segment(c);
+      if (pos >= count || t.cell(j, t.packed(c, j)) != c) { *bad = true; return resolved; }
+      if (src[pos] == kNone) bits[pos / 64] |= 1ull << (pos % 64);
+      src[pos] = std::min(src[pos], c);
+      lo = std::min(lo, pos);
+      hi = std::max(hi, pos);
+    }
+    layer.clear();
+    if (lo != kNone)
+      for (uint64_t w = lo / 64; w <= hi / 64; ++w)
+        for (uint64_t b = bits[w]; b; b &= b - 1) layer.push_back((uint32_t)(w * 64 + __builtin_ctzll(b)));
+    // B and C: the layer's keys in increasing position, each read from its cell and subtracted from
+    // its other two (queued for the next layer when left with one key).
+    next.clear();
+    for (size_t i = 0; i < layer.size(); ++i) {
+      if (i + kAhead < layer.size()) {
+        const uint32_t a = src[layer[i + kAhead]];
+        for (int j = 0; j < 3; ++j) t.prefetch_packed(j, t.packed(a, j));
+      }
+      const uint32_t pos = layer[i];
+      const uint64_t c = src[pos];
+      bits[pos / 64] = 0;
+      const uint32_t e[3] = {t.packed(c, 0), t.packed(c, 1), t.packed(c, 2)};
+      const int pure = t.segment(c);
+      const int j1 = (int)(pure == 0), j2 = 2 - (int)(pure == 2);
+      const uint64_t ordered[3] = {c, t.cell(j1, e[j1]), t.cell(j2, e[j2])};
+      const double coef[3] = {PeelTable::inverse_weight(e[pure]), PeelTable::weight(e[j1]), PeelTable::weight(e[j2])};
+      if (!resolve(pos, ordered, coef)) return resolved;
+      ++resolved;
+      order.push_back((uint32_t)c);
+      const PeelTable::Record k = PeelTable::record(pos, e);
+      for (int j = 1; j < 3; ++j) {
+        const uint64_t d = ordered[j];
+        if (t.deg(d) == 0) { *bad = true; return resolved; }
+        t.update(d, k, (uint32_t)-1);
+        if (t.deg(d) == 1) next.push_back((uint32_t)d);
+      }
+    }
+    std::swap(cur, next);
   }
   return resolved;
 }

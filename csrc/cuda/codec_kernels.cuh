@@ -36,7 +36,11 @@
 //    (atomicMin); B) each key proposed this round reads its value from that cell; C) every cell
 //    touched this round subtracts the keys peeled this round in increasing key position, walking its
 //    own adjacency list (built once, sorted by key position). Each cell is written by one thread in a
-//    fixed order, so the double-precision arithmetic is the same on every run.
+//    fixed order, so the double-precision arithmetic is the same on every run -- and the same as the
+//    CPU backend's (csrc/cpu/peel.h peel_layers reads the same cells in the same layers and order;
+//    bounds are rounded up to float after each update on both), so the two decoders give the same
+//    output bits, status and inexact keys. With verify, the verification bound per key
+//    (lhc_verify_values) walks the rounds back after the residual check.
 //  * The multilevel index's fine tables are peeled in exact integers (every order gives the same
 //    patterns when consistent ones exist), and its verdicts follow the CPU backend's, failures
 //    included, replaying the CPU's own peeling order where that order decides (codec_multilevel.cuh).

@@ -115,7 +115,8 @@ extern "C" __global__ void lhc_load_cells(const uint64_t* layout, const float* p
   if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }
 
-// Each cell's own rounding bound acc[c] = cell_error_bound(mass, deg, n) (lhc_layout.h), and
+// Each cell's own rounding bound acc[c] = cell_error_bound(mass, deg, n) (lhc_layout.h; rounded up to a
+// float, as every update of acc is: the CPU backend keeps its bounds as floats), and
 // the mass check: a cell holds support keys exactly when its mass is positive (else the sketch is
 // corrupt: an all-zero sketch under a valid index, a flipped mass word); a NaN/Inf mass is flagged as
 // a non-finite cell. After lhc_build_states (deg is final).
@@ -131,7 +132,7 @@ extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* 
     if ((__float_as_uint(f) & 0x7f800000u) == 0x7f800000u) flags |= kFlagNonFinite;
     const double m = (double)f;
     if ((deg[c] > 0u) != (m > 0.0)) flags |= kFlagSketchCorrupt;
-    acc[c] = cell_error_bound(m, deg[c], world_size);
+    acc[c] = round_up_to_float(cell_error_bound(m, deg[c], world_size));
   }
   if (flags) atomicOr(&counters->flags, flags);
 }
@@ -143,9 +144,13 @@ extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* 
 // one key. Products by +-1, +-2 and their inverses are exact, so each step rounds once.
 // Work items of B and C are (entry, lane) pairs, so wide blocks spread over threads.
 // Error bounds ride along: B gives a key the bound of its cell (acc, which C of earlier rounds made
-// the cell's own bound plus |w| E of every other key of the cell) over |w|, in key_err, and flags it
-// in `inexact` where a lane misses rtol (lhc_layout.h within_rtol); C adds |w| E of this round's keys
-// to the bounds of their other cells, in adjacency order (deterministic).
+// the cell's own bound plus |w| E of every other key of the cell) over |w|, in key_err; C adds |w| E
+// of this round's keys to the bounds of their other cells, in adjacency order, rounding up to a float
+// after each addition. These are the CPU backend's peel_layers and operations exactly (its layers are
+// these rounds, its keys resolved in position order), so values and bounds agree bit for bit. B flags
+// a key in `inexact` where a lane misses rtol with E (lhc_layout.h within_rtol); with verify,
+// lhc_verify_values adds F after the residual check, walking the rounds back: B also writes the
+// round's keys to order[round_start[r] ...], round_start[rounds] = the total.
 extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                            double* val, unsigned int* deg, unsigned int* xr, unsigned int* src,
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
@@ -153,14 +158,17 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
                                            unsigned int* pure1, unsigned int* list0, unsigned int* list1,
                                            unsigned int* dirty0, unsigned int* dirty1, PeelControl* control,
                                            DecodeCounters* counters, double* acc, double* key_err,
-                                           unsigned int* inexact, double rtol) {
+                                           unsigned int* order, unsigned int* round_start, unsigned int* inexact,
+                                           double rtol) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
   const SegmentedTable t = load_table(table_words);
   const uint32_t nkeys = (uint32_t)counters->support;
   volatile PeelControl* vc = control;
   bool bad = false, any_inexact = false;
+  unsigned int done = 0;  // keys peeled in the rounds before (the same in every thread)
   for (unsigned int r = 0;; ++r) {
     PeelRound q;
+    if (global_thread() == 0) round_start[r] = done;  // r <= nkeys + 1: within its kcap + 2 entries
     const unsigned int npure = begin_round(r, nkeys, control, pure0, pure1, list0, list1, &q, true);
     if (npure == 0) break;
     const unsigned int par = q.par;
@@ -191,6 +199,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
       }
       if (lane == 0) {
         key_err[p] = err;
+        order[done + i] = p;
         peeled_round[p] = r;
         deg[c] = 0;
         xr[c] = 0;
@@ -202,6 +211,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
         }
       }
     }
+    done += nlist;
     grid_barrier(control->barrier);
     // C: touched cells subtract this round's keys (w * v) in adjacency (key position) order.
     const unsigned int ndirty = vc->dirty[par];
@@ -222,7 +232,7 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
         v = (entry & 2u) ? v + m : v - m;
         if (lane == 0) {
           const double ke = load_cg(key_err + p);
-          a += (entry & 1u) ? ke + ke : ke;  // |w| E
+          a = round_up_to_float(a + ((entry & 1u) ? ke + ke : ke));  // + |w| E, as the CPU's set_acc
         }
         ++removed;
         removed_xor ^= p;
@@ -253,13 +263,15 @@ extern "C" __global__ void lhc_peel_values(const uint64_t* table_words, uint64_t
 // Pairs are disjoint (their cells hold nothing else), so threads never touch the same key or cell;
 // each writes its keys' values, source cell (their first cell) and round kPairRound.
 // Bounds as for a peeled key (the CPU backend's solve_pairs callback): the pair's cells p, q are
-// marked read (acc = -1); the third cell r gets w_r(a) v_a + w_r(b) v_b subtracted and their
-// bounds added, for the residual check.
+// marked as a pair's (acc = kPairCell: they verify nothing upstream); the third cell r gets
+// w_r(a) v_a + w_r(b) v_b subtracted and their bounds added, for the residual check. A key is flagged
+// inexact where a lane misses rtol with its bound; with verify always (one check cannot verify two
+// values: lhc_layout.h verification_bound).
 extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                            double* val, const unsigned int* deg, unsigned int* src,
                                            unsigned int* peeled_round, double* key_val, const unsigned int* offsets,
                                            const unsigned int* adj, DecodeCounters* counters, double* acc,
-                                           double* key_err, unsigned int* inexact, double rtol) {
+                                           double* key_err, unsigned int* inexact, double rtol, uint64_t verify) {
   if (counters->abort) return;
   const SegmentedTable t = load_table(table_words);
   bool any_inexact = false;
@@ -294,7 +306,7 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
     const double war = r == 0 ? wa[0] : r == 1 ? wa[1] : wa[2], wbr = r == 0 ? wb[0] : r == 1 ? wb[1] : wb[2];
     const double ap = acc[cp], aq = acc[cq];
     const double ea = (fabs(wbq) * ap + fabs(wbp) * aq) / fabs(det), eb = (fabs(wap) * aq + fabs(waq) * ap) / fabs(det);
-    bool in_a = true, in_b = true;
+    bool in_a = verify == 0, in_b = verify == 0;
     for (uint64_t lane = 0; lane < block; ++lane) {
       const double Rp = val[cp * block + lane], Rq = val[cq * block + lane];
       const double va = (wbq * Rp - wbp * Rq) / det, vb = (wap * Rq - waq * Rp) / det;
@@ -304,9 +316,9 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
       in_a &= within_rtol(va, ea, rtol);
       in_b &= within_rtol(vb, eb, rtol);
     }
-    acc[cp] = -1.0;
-    acc[cq] = -1.0;
-    acc[cr] += fabs(war) * ea + fabs(wbr) * eb;
+    acc[cp] = kPairCell;
+    acc[cq] = kPairCell;
+    acc[cr] = round_up_to_float(acc[cr] + fabs(war) * ea + fabs(wbr) * eb);  // the CPU's order of additions
     key_err[ab[0]] = ea;
     key_err[ab[1]] = eb;
     if (!in_a) inexact[ab[0]] = 1u;
@@ -320,11 +332,12 @@ extern "C" __global__ void lhc_solve_pairs(const uint64_t* table_words, uint64_t
   if (any_inexact) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
 }
 
-// After the pairs: the cell each peeled key was read from is marked read (acc = -1: nothing is left
-// to check there), and a pair's three cells get degree 0 (its third cell is checked).
+// After the pairs: the cell each peeled key was read from is marked read (acc = kReadCell: nothing is
+// left to check there) and names its reader (reader[c] = the key's position, for lhc_verify_values),
+// and a pair's three cells get degree 0 (its third cell is checked).
 extern "C" __global__ void lhc_mark_read(const uint64_t* table_words, const uint32_t* keys, const unsigned int* src,
                                          const unsigned int* peeled_round, unsigned int* deg, double* acc,
-                                         const DecodeCounters* counters) {
+                                         unsigned int* reader, const DecodeCounters* counters) {
   if (counters->abort) return;
   const SegmentedTable t = load_table(table_words);
   const uint32_t n = (uint32_t)counters->support;
@@ -332,7 +345,8 @@ extern "C" __global__ void lhc_mark_read(const uint64_t* table_words, const uint
     const unsigned int r = peeled_round[p];
     if (r == kNotPeeled) continue;
     if (r != kPairRound) {
-      acc[src[p]] = -1.0;
+      acc[src[p]] = kReadCell;
+      reader[src[p]] = (unsigned int)p;
       continue;
     }
     uint64_t cells[3];
@@ -345,18 +359,76 @@ extern "C" __global__ void lhc_mark_read(const uint64_t* table_words, const uint
 
 // The residual check: every cell left with no key and not read from must be 0 within its bound
 // (its own rounding plus the bounds of the keys subtracted from it), else the sketch is corrupt.
-// Cells still holding keys (a failed peel, reported as such) are skipped.
+// Cells still holding keys (a failed peel, reported as such) are skipped. A checked cell's bound then
+// becomes its verification bound V = acc + |residual| (largest lane; lhc_layout.h verification_bound),
+// which only lhc_verify_values reads (decodes with verify).
 extern "C" __global__ void lhc_residual_check(uint64_t block, uint64_t cells, const double* val,
-                                              const unsigned int* deg, const double* acc, DecodeCounters* counters) {
+                                              const unsigned int* deg, double* acc, DecodeCounters* counters) {
   if (counters->abort) return;
   bool corrupt = false;
-  for (uint64_t item = global_thread(); item < cells * block; item += grid_threads()) {
-    const uint64_t c = item / block;
+  for (uint64_t c = global_thread(); c < cells; c += grid_threads()) {
     const double a = acc[c];
     if (deg[c] != 0u || a < 0.0) continue;
-    corrupt |= !(fabs(val[item]) <= a);
+    double worst = 0.0;
+    for (uint64_t lane = 0; lane < block; ++lane) {
+      const double r = fabs(val[c * block + lane]);
+      corrupt |= !(r <= a);
+      worst = fmax(worst, r);
+    }
+    acc[c] = round_up_to_float(a + worst);
   }
   if (corrupt) atomicOr(&counters->flags, (unsigned int)kFlagSketchCorrupt);
+}
+
+// Decodes with verify only: the verification bound per key (cooperative launch, after
+// lhc_residual_check). The rounds of lhc_peel_values walked back, last round first, each key's verification bound G from its two other cells -- a check
+// cell's V, or |w| G of the later key read from it (key_ver) -- and then the key is listed inexact
+// unless both its bound E (key_err) and F = G - E prove every lane within rtol
+// (lhc_layout.h verification_bound; the CPU backend's backward pass, in the same operations). Keys of
+// one round depend only on later rounds' keys, so a round's keys run in any order.
+extern "C" __global__ void lhc_verify_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
+                                             const unsigned int* src, const double* key_val, const unsigned int* order,
+                                             const unsigned int* round_start, const unsigned int* reader,
+                                             const double* acc, const double* key_err, double* key_ver,
+                                             unsigned int* inexact, PeelControl* control, DecodeCounters* counters,
+                                             double rtol) {
+  if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
+  const SegmentedTable t = load_table(table_words);
+  const unsigned int rounds = *(volatile unsigned int*)&control->rounds;
+  const double inf = (double)__int_as_float(0x7f800000);  // +Inf
+  bool any_inexact = false;
+  for (unsigned int r = rounds; r-- > 0;) {
+    const unsigned int begin = round_start[r], end = round_start[r + 1];
+    for (uint64_t i = begin + global_thread(); i < end; i += grid_threads()) {
+      const unsigned int p = order[i];
+      const uint64_t c = src[p];
+      uint64_t cells[3];
+      int weights[3];
+      key_cells(t, keys[p], cells, weights);
+      double g = inf, w = 1.0;  // w: 1 / w_c(k), of the cell the key was read from
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        if (cells[j] == c) {
+          w = inverse_weight(weights[j]);
+          continue;
+        }
+        const double a = load_cg(acc + cells[j]);
+        const double v = a >= 0.0 ? a : a == kReadCell ? load_cg(key_ver + load_cg(reader + cells[j])) : inf;
+        g = fmin(g, v * fabs(inverse_weight(weights[j])));
+      }
+      key_ver[p] = g / fabs(w);
+      const double e = key_err[p];
+      const double bound = fmax(e, verification_bound(g, e));
+      bool within = true;
+      for (uint64_t lane = 0; lane < block; ++lane) within &= within_rtol(key_val[(uint64_t)p * block + lane], bound, rtol);
+      if (!within) {
+        inexact[p] = 1u;
+        any_inexact = true;
+      }
+    }
+    grid_barrier(control->barrier);
+  }
+  if (any_inexact) atomicOr(&counters->flags, (unsigned int)kFlagInexact);
 }
 
 // Output: every recovered key's block (float), NaN for keys the peel could not recover; `out` was

@@ -13,10 +13,10 @@
   allows).
 * ``lhc_layout(layout, device)`` (the kernels receive it as the layout ABI, the words of
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
-  ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol) -> pending`` with
+  ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with
   ``pending.header`` (the payload's header fields as floats), ``pending.finish(total_keys,
   trace) -> (stats, trace)`` and then ``pending.inexact_keys()`` (sorted int64 CPU tensor of the keys
-  whose error bound exceeds ``rtol``); stats carry ``status`` (csrc/lhc_status.h, decided on the
+  whose error bound, or with ``verify`` also verification bound, exceeds ``rtol``); stats carry ``status`` (csrc/lhc_status.h, decided on the
   kernels' side), ``candidates``, ``false_positives``, ``support_keys``, ``peeled``. CPU reads the header first and runs its
   kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
   synchronisation. Either way the codec validates the header before it trusts the kernels' verdict,

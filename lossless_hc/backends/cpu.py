@@ -83,9 +83,10 @@ class PendingDecode:
     runs the kernels with the key total the codec read from the validated header."""
 
     def __init__(self, native, payload: torch.Tensor, out: torch.Tensor, scale: float, world_size: int,
-                 num_threads: int, rtol: float):
+                 num_threads: int, rtol: float, verify: bool):
         self.native, self.payload, self.out = native, payload, out
-        self.scale, self.world_size, self.num_threads, self.rtol = scale, world_size, num_threads, rtol
+        self.scale, self.world_size, self.num_threads = scale, world_size, num_threads
+        self.rtol, self.verify = rtol, verify
         self.header = payload[:HEADER_FIELDS].double().tolist()
         self._stats = None
 
@@ -100,7 +101,7 @@ class PendingDecode:
             tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
         st = _C.decode(self.native.words_ptr, float(self.scale), int(total_keys), int(self.world_size),
                        self.payload.data_ptr(), self.out.data_ptr(), _addr(tk), _addr(tc), self.num_threads,
-                       float(self.rtol))
+                       float(self.rtol), bool(self.verify))
         self._stats = st
         if not trace:
             return st, None
@@ -167,8 +168,9 @@ class CpuBackend:
         _C.encode(native.words_ptr, x.data_ptr(), payload.data_ptr(), num_threads)
 
     def lhc_decode(self, native: CpuLhcLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
-                   world_size: int, num_threads: int = 0, rtol: float = 0.0) -> PendingDecode:
-        return PendingDecode(native, payload, out, scale, world_size, num_threads, rtol)
+                   world_size: int, num_threads: int = 0, rtol: float = 0.0,
+                   verify: bool = False) -> PendingDecode:
+        return PendingDecode(native, payload, out, scale, world_size, num_threads, rtol, verify)
 
     # -- top-k -----------------------------------------------------------------------------------
     def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,

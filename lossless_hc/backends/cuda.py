@@ -160,17 +160,20 @@ def decode_scratch_sizes(native: CudaLayout) -> dict:
         # A claim bit per node, for a level whose non-zero nodes outnumber its cells (peeled by id).
         sizes["ml_claim"] = 4 * max(-(-lv.num_nodes // 32) if lv.num_nodes > lv.table.cells else 0 for lv in levels)
     sizes["tiles"] = 8 * max(tiles)
-    for name in ("deg", "xr", "cursor", "stamp", "pure0", "pure1", "dirty0", "dirty1"):
+    for name in ("deg", "xr", "cursor", "stamp", "pure0", "pure1", "dirty0", "dirty1", "reader"):
         sizes[name] = 4 * cells
     sizes["offsets"] = 4 * (cells + 1)
-    for name in ("src", "round", "list0", "list1"):
+    for name in ("src", "round", "list0", "list1", "order"):
         sizes[name] = 4 * kcap
+    sizes["round_start"] = 4 * (kcap + 2)   # rounds <= keys + 1
     sizes["adj"] = 4 * 3 * kcap
     sizes["key_val"] = 8 * kcap * B
     sizes["val"] = 8 * cells * B
-    # The error bounds: per cell (acc), per key (key_err), and the keys failing rtol (inexact flags).
+    # The error bounds: per cell (acc), per key (key_err, and key_ver: |w| times its verification
+    # bound), and the keys failing rtol (inexact flags).
     sizes["acc"] = 8 * cells
     sizes["key_err"] = 8 * kcap
+    sizes["key_ver"] = 8 * kcap
     sizes["inexact"] = 4 * kcap
     return sizes
 
@@ -315,7 +318,7 @@ class DecodeRun:
 
 
 def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Tensor, out: torch.Tensor,
-           rtol: float = 0.0) -> DecodeRun:
+           rtol: float = 0.0, verify: bool = False) -> DecodeRun:
     """Queue the decode of ``payload`` (contiguous float32 on the codec's device) into ``out``
     (contiguous float32, numel; overwritten: zeros outside the recovered support, NaN for support
     keys the peel could not recover). Nothing here waits for the device; ``DecodeRun.finish``
@@ -416,17 +419,25 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         launch.launch("lhc_peel_values", _peel_grid(launch, "lhc_peel_values", sms), THREADS,
                       [tbl, B, P("keys"), P("val"), P("deg"), P("xr"), P("src"), P("round"), P("key_val"), P("offsets"),
                        P("adj"), P("stamp"), P("pure0"), P("pure1"), P("list0"), P("list1"), P("dirty0"), P("dirty1"),
-                       P("control_value"), cnt, P("acc"), P("key_err"), P("inexact"), rt], stream, cooperative=True)
+                       P("control_value"), cnt, P("acc"), P("key_err"), P("order"), P("round_start"), P("inexact"),
+                       rt], stream, cooperative=True)
         # Peeling stalled or not: the two-key stopping sets it leaves are solved here.
         launch.launch("lhc_solve_pairs", _grid(cells, sms), THREADS,
                       [tbl, B, P("keys"), P("val"), P("deg"), P("src"), P("round"), P("key_val"), P("offsets"),
-                       P("adj"), cnt, P("acc"), P("key_err"), P("inexact"), rt], stream)
+                       P("adj"), cnt, P("acc"), P("key_err"), P("inexact"), rt, int(bool(verify))], stream)
         launch.launch("lhc_mark_read", _grid(kcap, sms), THREADS,
-                      [tbl, P("keys"), P("src"), P("round"), P("deg"), P("acc"), cnt], stream)
+                      [tbl, P("keys"), P("src"), P("round"), P("deg"), P("acc"), P("reader"), cnt], stream)
         launch.launch("lhc_write_output", _grid(kcap * B, sms), THREADS,
                       [lay, P("keys"), P("round"), P("key_val"), out.data_ptr(), cnt], stream)
-        launch.launch("lhc_residual_check", _grid(cells * B, sms), THREADS,
+        launch.launch("lhc_residual_check", _grid(cells, sms), THREADS,
                       [B, cells, P("val"), P("deg"), P("acc"), cnt], stream)
+        # With verify, the verification bound per key: the peel's rounds walked back (the control block
+        # still holds their count).
+        if verify:
+            launch.launch("lhc_verify_values", _peel_grid(launch, "lhc_verify_values", sms), THREADS,
+                          [tbl, B, P("keys"), P("src"), P("key_val"), P("order"), P("round_start"), P("reader"),
+                           P("acc"), P("key_err"), P("key_ver"), P("inexact"), P("control_value"), cnt, rt], stream,
+                          cooperative=True)
         ml = 0
         if L.index_kind == "multilevel":
             launch.launch("lhc_ml_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
@@ -525,8 +536,9 @@ class CudaBackend:
         encode(native, x, payload)
 
     def lhc_decode(self, native: CudaLayout, payload: torch.Tensor, out: torch.Tensor, scale: float,
-                   world_size: int, num_threads: int = 0, rtol: float = 0.0) -> PendingDecode:
-        return PendingDecode(decode(native, scale, world_size, payload, out, rtol))
+                   world_size: int, num_threads: int = 0, rtol: float = 0.0,
+                   verify: bool = False) -> PendingDecode:
+        return PendingDecode(decode(native, scale, world_size, payload, out, rtol, verify))
 
     def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
                     num_threads: int = 0) -> torch.Tensor:

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--threads", type=int, default=0, help="codec (and torch) threads; 0 = default")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: time the CUDA kernels with CUDA events against a device-to-device copy")
+    c.add_argument("--verify", action="store_true",
+                   help="decode with the verification bound (LosslessCodec(verify=True))")
     c.add_argument("--json", metavar="PATH", help="write all numbers to this JSON file")
     c.set_defaults(func=_cmd_codec)
 
@@ -191,7 +193,7 @@ def _cmd_codec(args) -> int:
             raise SystemExit("python -m lossless_hc.bench codec --device cuda: no CUDA device")
         try:
             res = run_codec_bench_cuda(args.numel, args.density, args.workers, args.block_size, args.index,
-                                       args.support, max(args.repeat, 10), args.seed, log=log)
+                                       args.support, max(args.repeat, 10), args.seed, log=log, verify=args.verify)
         except ValueError as exc:
             raise SystemExit(f"python -m lossless_hc.bench codec: error: {exc}")
         print(render_codec_cuda(res, cmd))
@@ -200,7 +202,7 @@ def _cmd_codec(args) -> int:
         return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 and cor["deterministic"] else 1
     try:
         res = run_codec_bench(args.numel, args.density, args.workers, args.block_size, args.index, args.support,
-                              args.repeat, args.seed, args.threads, log=log)
+                              args.repeat, args.seed, args.threads, log=log, verify=args.verify)
     except ValueError as exc:
         raise SystemExit(f"python -m lossless_hc.bench codec: error: {exc}")
     machine = machine_info(args.threads)

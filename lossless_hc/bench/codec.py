@@ -101,7 +101,7 @@ def make_inputs(numel: int, density: float, workers: int, block: int, support: s
 # ------------------------------------------------------------------------------------------------
 def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 1, index: str = "auto",
                     support: str = "random", repeat: int = 5, seed: int = 0, threads: int = 0,
-                    log: Callable[[str], None] = lambda s: None) -> dict:
+                    log: Callable[[str], None] = lambda s: None, verify: bool = False) -> dict:
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -113,7 +113,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     log(f"inputs: {workers} x {numel} float32, {k_blocks} non-zero blocks each ({gen_s:.1f} s)")
 
     codec = LosslessCodec(numel=numel, world_size=workers, max_nnz=max_nnz, block_size=block_size, seed=seed,
-                          device="cpu", index=index, num_threads=threads)
+                          device="cpu", index=index, num_threads=threads, verify=verify)
     L = codec.layout
     log(repr(codec))
 
@@ -178,7 +178,8 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     clone_s = t_clone["median_s"]
     return {
         "config": {"numel": numel, "density": density, "workers": workers, "block_size": block_size,
-                   "index": index, "support": support, "repeat": repeat, "seed": seed, "threads": threads},
+                   "index": index, "support": support, "repeat": repeat, "seed": seed, "threads": threads,
+                   "verify": verify},
         "inputs": {"nonzero_blocks_per_worker": k_blocks, "nnz_per_worker": nnz_per_worker,
                    "max_nnz": max_nnz, "generate_s": gen_s},
         "layout": {"index_kind": L.index_kind, "num_keys": L.num_keys, "capacity_keys": L.capacity,
@@ -243,7 +244,7 @@ def time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 2) -> dict:
 
 def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: int = 1, index: str = "auto",
                          support: str = "random", repeat: int = 20, seed: int = 0,
-                         log: Callable[[str], None] = lambda s: None) -> dict:
+                         log: Callable[[str], None] = lambda s: None, verify: bool = False) -> dict:
     """Encode (one worker) and decode (the SUM of all workers' payloads) on the current CUDA device,
     against a device-to-device copy of one dense input measured in the same run; both into reused
     buffers (``out=``), as a training loop would. Throughput is GB/s of dense float32 gradient
@@ -262,7 +263,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     log(f"inputs: {workers} x {numel} float32 on {torch.cuda.get_device_name(dev)}, {k_blocks} non-zero blocks each "
         f"({time.perf_counter() - t0:.1f} s)")
     codec = LosslessCodec(numel=numel, world_size=workers, max_nnz=max_nnz, block_size=block_size, seed=seed,
-                          device=dev, index=index)
+                          device=dev, index=index, verify=verify)
     L = codec.layout
     log(repr(codec) + f"; kernels: {cuda_runtime.backend_name()}")
 
@@ -306,7 +307,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     copy_s = t_copy["median_s"]
     return {
         "config": {"numel": numel, "density": density, "workers": workers, "block_size": block_size, "index": index,
-                   "support": support, "repeat": repeat, "seed": seed, "device": str(dev)},
+                   "support": support, "repeat": repeat, "seed": seed, "device": str(dev), "verify": verify},
         "device": {"name": torch.cuda.get_device_name(dev), "kernels": cuda_runtime.backend_name(),
                    "multiprocessors": torch.cuda.get_device_properties(dev).multi_processor_count,
                    "torch_cuda": torch.version.cuda},
@@ -338,7 +339,8 @@ def render_codec_cuda(res: dict, cmd: str) -> str:
         ("command", cmd),
         ("device", f"{d['name']} ({d['multiprocessors']} SMs), torch CUDA {d['torch_cuda']}, kernels: {d['kernels']}"),
         ("config", f"numel {c['numel']:,}, {c['workers']} workers, density {c['density']:g}, block {c['block_size']}, "
-                   f"index {lay['index_kind']} (requested {c['index']}), {c['repeat']} timed runs (median)"),
+                   f"index {lay['index_kind']} (requested {c['index']}), verify {c['verify']}, "
+                   f"{c['repeat']} timed runs (median)"),
         ("layout", f"union {lay['union_keys']:,} keys, sketch {lay['sketch_cells']:,} cells, "
                    f"wire/dense {lay['wire_over_dense']:.4f}"),
     ], align="ll"))]
@@ -383,6 +385,7 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
         ("workers", c["workers"]),
         ("density", f"{c['density']:g}"),
         ("block size", c["block_size"]),
+        ("decode verify", c["verify"]),
         ("support", c["support"]),
         ("non-zero blocks / worker", f"{inp['nonzero_blocks_per_worker']:,}"),
         ("max_nnz (coords / worker)", f"{inp['max_nnz']:,}"),

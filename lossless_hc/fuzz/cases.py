@@ -12,6 +12,10 @@ A *group* is one configuration and one set of per-rank inputs, drawn from ``(see
    payload carries its values raw, with nothing redundant to check them by (exactly like a dense
    allreduce), so its corruptions are confined to the header.
 
+Plain aggregates decode with the codec's defaults (the contract for sums of valid payloads); the
+corrupted ones with ``verify=True`` (the contract for one corrupted word), and so does case 1 of
+every :data:`VERIFY_PLAIN_EVERY`-th group (verify must not break plain decodes either).
+
 Configurations cover every index kind (``bitmap``, ``bloom``, ``multilevel``, ``dense``, and
 ``auto``), block sizes 1 to 32, world sizes 2 to 64 (log-uniform), capacities met and exceeded,
 supports independent, shared, hot or disjoint, and values: Gaussian, log-uniform over dynamic
@@ -34,7 +38,7 @@ from typing import List, Optional
 import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
-from lossless_hc.lhc.layout import HDR_KEYS_LO, HEADER_FIELDS
+from lossless_hc.lhc.layout import CHUNK_BITS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_LO, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.fuzz.contract import outside_contract, truth
 
@@ -45,6 +49,7 @@ SUPPORTS = ("independent", "shared", "hot", "disjoint")
 VALUES = ("normal", "range", "integers", "big_small", "cancel", "near_cancel")
 CORRUPTIONS = ("index_bit", "sketch_bit", "zero_sketch", "wrong_sum", "header_keys")
 DENSE_CORRUPTIONS = ("header_keys", "header_bit")
+VERIFY_PLAIN_EVERY = 4   # case 1 of every 4th group decodes with verify=True
 
 
 @dataclass
@@ -179,6 +184,16 @@ def _tree_sum(payloads: List[torch.Tensor]) -> torch.Tensor:
     return level[0].clone()
 
 
+def _restamped(summed: torch.Tensor, codec: LosslessCodec, to: LosslessCodec) -> torch.Tensor:
+    """``summed`` (a SUM of ``codec``'s payloads) as the ranks would have sent it with ``to``'s options:
+    the same words except the header's fingerprint (the decode options join it; exact small integers)."""
+    p = summed.clone()
+    n, fp, mask = codec.world_size, to.layout.fingerprint, (1 << CHUNK_BITS) - 1
+    p[HDR_FP_LO] += float(n * (fp & mask)) - float(n * (codec.layout.fingerprint & mask))
+    p[HDR_FP_HI] += float(n * (fp >> CHUNK_BITS)) - float(n * (codec.layout.fingerprint >> CHUNK_BITS))
+    return p
+
+
 def _flip(payload: torch.Tensor, i: int, bit: int) -> None:
     words = payload.view(torch.int32)
     words[i] ^= (1 << bit) if bit < 31 else -(1 << 31)
@@ -247,19 +262,24 @@ def run_group(seed: int, group: int, rtol: Optional[float] = None, device: str =
     """The :data:`CASES_PER_GROUP` verdicts of group ``group`` (see the module doc)."""
     g = draw_group(seed, group)
     rng = group_rng(seed, group + (1 << 40))   # the aggregation's choices, apart from the inputs'
-    codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, seed=rng.getrandbits(64), index=g.index,
-                          device=device)
+    args = dict(seed=rng.getrandbits(64), index=g.index, device=device)
+    codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, **args)
+    verified = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, verify=True, **args)
     tol = codec_rtol(codec, rtol)
     payloads = [codec.encode(x.to(device)).cpu() for x in g.xs]
     s, a = truth(g.xs)
     on = (lambda t: t.to(device))
     summed = _sum(payloads, rng)
     verdicts = [_verdict(g, 0, "sum", codec, on(summed), False, s, a, tol)]
+    second = verified if group % VERIFY_PLAIN_EVERY == 0 else codec
     if rng.random() < 0.5:
-        verdicts.append(_verdict(g, 1, "average", codec, on(summed / g.world_size), True, s, a, tol))
+        p = _restamped(summed, codec, second) / g.world_size
+        verdicts.append(_verdict(g, 1, "average", second, on(p), True, s, a, tol))
     else:
-        verdicts.append(_verdict(g, 1, "tree", codec, on(_tree_sum(payloads)), False, s, a, tol))
+        verdicts.append(_verdict(g, 1, "tree", second, on(_restamped(_tree_sum(payloads), codec, second)), False,
+                                 s, a, tol))
     for case in (2, 3):
         how = rng.choice(DENSE_CORRUPTIONS if codec.index_kind == "dense" else CORRUPTIONS)
-        verdicts.append(_verdict(g, case, how, codec, on(_corrupt(how, summed, codec, rng)), False, s, a, tol))
+        p = _corrupt(how, _restamped(summed, codec, verified), verified, rng)
+        verdicts.append(_verdict(g, case, how, verified, on(p), False, s, a, tol))
     return verdicts

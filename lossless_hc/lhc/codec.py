@@ -6,13 +6,14 @@ average) of the ranks' tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import struct
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
 
@@ -29,16 +30,20 @@ class DecodeReport:
 
     ok               True iff the output is the exact aggregate: the same non-zero keys as the true
                      sum t, and every coordinate y_i with :math:`|y_i - t_i| \le rtol\,|t_i|`
-                     (``rtol`` the codec's; proven per key, see ``LosslessCodec``). When False the
-                     output must not be used, except under INEXACT (below); callers fall back to a
-                     dense aggregation.
+                     (``rtol`` the codec's; proven per key, see ``LosslessCodec``) -- for a payload
+                     that is the sum (or average) of valid payloads. With ``verify=True`` also for a
+                     payload with one corrupted index, sketch or mass word (or a zeroed sketch): the
+                     decode refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved
+                     beyond rtol as INEXACT.
+                     When False the output must not be used, except under INEXACT (below); callers
+                     fall back to a dense aggregation.
     reason           why ok is False (None when ok).
     status           the :class:`~lossless_hc.lhc.status.DecodeStatus`: OK exactly when ok, else the
                      first failure found (OVERLOADED when ranks were over capacity and nothing else
                      failed; ``overloaded_ranks`` says how many). INEXACT: every key was recovered
-                     and the sketch is consistent, but some keys' error bounds exceed rtol: those are
-                     ``inexact_keys``; every other coordinate of the output is within rtol of the true
-                     sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
+                     and the sketch is consistent, but some keys' error bounds (with verify, or
+                     verification bounds) exceed rtol: those are ``inexact_keys``; every other coordinate of the output is
+                     within rtol of the true sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
                      not zero within its bound (nothing usable).
     inexact_keys     under INEXACT, the keys (blocks) whose bound exceeds rtol: a sorted int64 CPU
                      tensor (key k covers coordinates ``k*block_size .. (k+1)*block_size - 1`` of the
@@ -119,9 +124,19 @@ class LosslessCodec:
     False, never a wrong answer, when a rank was over
     capacity, peeling could not finish, a rank's input held NaN/Inf (which would poison shared
     cells), a sketch cell overflowed float32, the ranks' configurations differ, or the payload is
-    not a plain sum/average of ``world_size`` payloads. The residual check catches most corruption,
-    not all: a corrupted cell can hide under the bound a large cell-mate leaves (fuzzing finds about
-    one corrupted aggregate in 4,000 decoded with a wrong key, issue #19).
+    not a plain sum/average of ``world_size`` payloads.
+
+    E(k) assumes the cells read before k are intact: it proves the contract for a payload that is
+    the sum of valid payloads. ``verify=True`` also proves it for a payload with one corrupted
+    word: a key must then pass with its verification bound :math:`F(k)` too (what the cells k was
+    subtracted into prove about it after peeling, whatever happened before it: one corrupted word is
+    upstream of k or not, so F or E holds; docs/DESIGN.md "Exactness"), and the keys of solved
+    two-key stopping sets are always INEXACT (one check cannot verify two values). So one corrupted
+    sketch, mass or index word is caught or harmless: the residual check refuses it, or the
+    verification bound lists every key it could have moved beyond rtol (not covered: corruptions of
+    several words, which can mimic a valid payload). It costs a backward pass over the peel and
+    lists more keys INEXACT (docs/BENCHMARKS.md); it is off by default because the transports the
+    plugins use (TCP, Gloo, NCCL) deliver the sum of what the ranks sent, checksummed.
 
     Args:
         numel: elements of the tensors to encode (any shape with this many elements).
@@ -140,8 +155,14 @@ class LosslessCodec:
         union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);
             sizes the value sketch and the index. More than that in a decode is reported, not wrong.
         rtol: relative tolerance every decoded coordinate is proven to meet when ``report.ok``
-            (default ``2**-10``; in [0, 1)); keys that cannot be proven are INEXACT. Decode-side
-            only, but it must be equal on every rank, as it decides the verdict every rank acts on.
+            (default ``2**-10``; in [0, 1)); keys that cannot be proven are INEXACT.
+        verify: also prove every key with the verification bound (above): the contract then holds
+            for a payload with one corrupted word too. Default False.
+
+    ``rtol`` and ``verify`` act on the decode only, but they decide the verdict every rank acts on,
+    so they must be equal on every rank: when they differ from the defaults they join the layout's
+    fingerprint (``codec.layout.fingerprint``), so payloads of ranks configured differently decode
+    as CONFIGURATION_MISMATCH.
 
     Input dtypes: float32; float16/bfloat16 are encoded exactly in float32 and the decoded sum is
     rounded back to the input dtype. float64 and integer tensors are rejected (float32 payloads
@@ -159,14 +180,21 @@ class LosslessCodec:
 
     def __init__(self, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
                  device="cpu", index: str = "auto", num_threads: int = 0, union_nnz: Optional[int] = None,
-                 rtol: float = DEFAULT_RTOL):
+                 rtol: float = DEFAULT_RTOL, verify: bool = False):
         if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0.0 <= rtol < 1.0:
             raise ValueError(f"rtol must be a number in [0, 1), got {rtol!r}")
-        self.rtol = float(rtol)
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify must be a bool, got {verify!r}")
+        self.rtol, self.verify = float(rtol), verify
         self.device = torch.device(device)
         # Every backend has every index kind, so the layout depends on the arguments alone: CPU and CUDA
         # ranks plan the same payload (also for "auto") and interoperate.
-        self.layout: PayloadLayout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz)
+        layout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz)
+        if (self.rtol, self.verify) != (DEFAULT_RTOL, False):
+            # The decode options join the fingerprint: ranks that disagree on them see a mismatch.
+            rtol_bits = struct.unpack("<Q", struct.pack("<d", self.rtol))[0]
+            layout = replace(layout, fingerprint=options_fingerprint(layout.fingerprint, rtol_bits, int(verify)))
+        self.layout: PayloadLayout = layout
         self._backend = backend_for(self.device)
         self.device = self._backend.require(self.device, "LosslessCodec")
         self.num_threads = num_threads
@@ -362,7 +390,8 @@ class LosslessCodec:
             header_fields, dense_nonzero = values[:HEADER_FIELDS], int(values[HEADER_FIELDS])
             dense_non_finite = int(values[HEADER_FIELDS + 1])
         else:
-            pending = self._backend.lhc_decode(self._native, payload, out, scale, n, self.num_threads, self.rtol)
+            pending = self._backend.lhc_decode(self._native, payload, out, scale, n, self.num_threads, self.rtol,
+                                               self.verify)
             header_fields = pending.header
         hdr, in_range = self._read_header(header_fields, scale)
         if hdr[HDR_CONTRIBUTORS] is None:

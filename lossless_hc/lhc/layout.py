@@ -254,6 +254,12 @@ def layout_fingerprint(L: PayloadLayout) -> int:
     return _fingerprint(*values)
 
 
+def options_fingerprint(fingerprint: int, *options: int) -> int:
+    """A layout's fingerprint with decode options mixed in (a codec's, when its options are not the
+    defaults): payloads of ranks configured differently then fail the header's fingerprint check."""
+    return _fingerprint(fingerprint, *options)
+
+
 def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
     for name, value in (("numel", numel), ("world_size", world_size), ("max_nnz", max_nnz),
                         ("block_size", block_size), ("seed", seed)):

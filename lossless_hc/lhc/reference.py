@@ -23,9 +23,10 @@ What is *not* bit-exact by design:
 
 * :func:`decode` peels in rounds (every key pure at the start of a round is resolved in that round),
   in float64, reading each key from the lowest of its pure cells, then solves the two-key stopping
-  sets left (:func:`solvable_pairs`). The C++ decoder peels each group
-  of sub-tables sequentially from a FIFO queue, so the order in which a cell's estimates are
-  subtracted differs and the decoded values agree only up to float rounding. The *integer* parts --
+  sets left (:func:`solvable_pairs`). The C++ and CUDA decoders read every key from the same cell
+  and subtract in the same order, but round their cell bounds up to float32 after each update (this
+  reference keeps float64 bounds), so a key at the edge of rtol may get the other verdict, and
+  values agree up to float rounding. The *integer* parts --
   candidates, the exact Bloom counts, false positives, support, the ok/failure verdict -- are order
   independent (peeling always ends at the 2-core) and must agree exactly.
 """
@@ -35,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.lhc.reference_peel import (cell_error_bound, pair_cells, pair_numerators, peel_rounds,
+                                            solvable_pairs, solve_pair, verification_bound, within_rtol)
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, SegmentedTable)
 
 _MASK64 = (1 << 64) - 1
@@ -267,96 +270,7 @@ def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
     return payload
 
 
-# -- decode ------------------------------------------------------------------------------------------
-
-def peel_rounds(cells: torch.Tensor, num_cells: int):
-    """Round-based peeling of the 3-hypergraph whose edge i is ``cells[i]`` (three distinct cells).
-
-    Each round resolves every unresolved key that is alone in one of its cells at the start of the
-    round. Returns ``(rounds, resolved)``: ``rounds`` a list of ``(keys, pure_j)`` (indices into
-    ``cells``, increasing, and which of their three cells was pure, the lowest such j), ``resolved``
-    a bool mask. Peeling stops at the 2-core, so ``resolved`` does not depend on the order.
-
-    Per cell it keeps the number of unresolved keys and the *sum* of their indices: where the count
-    is 1 the sum is the index of the cell's only key.
-    """
-    cells = cells.to(torch.int64)
-    K = cells.shape[0]
-    flat = cells.reshape(-1)
-    idx3 = torch.arange(K, dtype=torch.int64).repeat_interleave(3)
-    deg = torch.bincount(flat, minlength=num_cells)
-    ksum = torch.zeros(num_cells, dtype=torch.int64).index_add_(0, flat, idx3)
-    resolved = torch.zeros(K, dtype=torch.bool)
-    rounds = []
-    while True:
-        pure_cells = (deg == 1).nonzero().reshape(-1)
-        if pure_cells.numel() == 0:
-            break
-        keys = torch.unique(ksum[pure_cells])                  # sorted, each key once
-        kc = cells[keys]
-        pure_j = (deg[kc] == 1).to(torch.int8).argmax(dim=1).to(torch.int64)
-        rounds.append((keys, pure_j))
-        resolved[keys] = True
-        kf = kc.reshape(-1)
-        deg.index_add_(0, kf, torch.full_like(kf, -1))
-        ksum.index_add_(0, kf, -keys.repeat_interleave(3))
-    return rounds, resolved
-
-
-def pair_cells(wa, wb) -> tuple[int, int, int]:
-    """``lhc::pair_cells``: the two cells ``p < q`` of a two-key stopping set with weights ``wa``,
-    ``wb`` (three ints each) whose determinant ``wa[p] wb[q] - wa[q] wb[p]`` is largest in magnitude
-    (the first of (0, 1), (0, 2), (1, 2) on ties), and that determinant (0: unsolvable)."""
-    best = (0, 1, 0)
-    for p, q in ((0, 1), (0, 2), (1, 2)):
-        det = int(wa[p]) * int(wb[q]) - int(wa[q]) * int(wb[p])
-        if abs(det) > abs(best[2]):
-            best = (p, q, det)
-    return best
-
-
-def solvable_pairs(cells: torch.Tensor, weights: torch.Tensor, resolved: torch.Tensor) -> torch.Tensor:
-    """The two-key stopping sets left after peeling that the value decoder solves: pairs ``a < b``
-    of unresolved keys with the same three cells, no other unresolved key in those cells, and
-    weight columns not proportional (:func:`pair_cells`; see ``sizing.sketch_table_for``). Returns
-    an ``[P, 2]`` tensor of key indices, ordered by the pair's first cell.
-    """
-    cells = cells.to(torch.int64)
-    left = (~resolved).nonzero().reshape(-1)
-    if left.numel() < 2:
-        return torch.zeros(0, 2, dtype=torch.int64)
-    lc = cells[left]
-    deg = torch.bincount(lc.reshape(-1), minlength=int(cells.max()) + 1)
-    triples, inverse, counts = torch.unique(lc, dim=0, return_inverse=True, return_counts=True)
-    pairs = []
-    for t in (counts == 2).nonzero().reshape(-1).tolist():
-        if not bool((deg[triples[t]] == 2).all()):
-            continue
-        a, b = left[(inverse == t).nonzero().reshape(-1)].tolist()
-        if pair_cells(weights[a].tolist(), weights[b].tolist())[2] == 0:
-            continue      # proportional: unsolvable
-        pairs.append((int(triples[t][0]), min(a, b), max(a, b)))
-    pairs.sort()
-    return torch.tensor([[a, b] for _, a, b in pairs], dtype=torch.int64).reshape(-1, 2)
-
-
-def pair_numerators(val: torch.Tensor, cells3: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor):
-    """``(num_a, num_b, det)`` of a solvable pair from its three residual cells ``val[cells3]`` (in
-    ``val``'s dtype: float64 values, or int64 fine words): with cells p, q and ``det`` from
-    :func:`pair_cells`, ``num_a = w_q(b) R_p - w_p(b) R_q`` and ``num_b = w_p(a) R_q - w_q(a) R_p``,
-    so that ``v_a = num_a / det`` and ``v_b = num_b / det`` (products by the weights are exact)."""
-    wa, wb = wa.tolist(), wb.tolist()
-    p, q, det = pair_cells(wa, wb)
-    R_p, R_q = val[cells3[p]], val[cells3[q]]
-    return wb[q] * R_p - wb[p] * R_q, wa[p] * R_q - wa[q] * R_p, det
-
-
-def solve_pair(val: torch.Tensor, cells3: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor):
-    """The values of a solvable pair from its three residual cells ``val[cells3]`` ([3, B] float64),
-    as the C++ decoder computes them: :func:`pair_numerators` divided by ``det``."""
-    num_a, num_b, det = pair_numerators(val, cells3, wa, wb)
-    return num_a / det, num_b / det
-
+# -- decode (the peeling machinery and the bounds: reference_peel.py) -------------------------------
 
 def _fail(info: dict, reason: str):
     info["ok"], info["reason"] = False, reason
@@ -458,24 +372,9 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
     return nodes, None
 
 
-UNIT_ROUNDOFF = 2.0 ** -24
 
-
-def cell_error_bound(mass: torch.Tensor, deg: torch.Tensor, n: int) -> torch.Tensor:
-    """``lhc::cell_error_bound``: the rounding bound ``(deg + n + 2) u M (1 + 2 (deg + n + 2) u)`` of
-    each value cell, from its (scaled) aggregated mass and its number of support keys (float64)."""
-    m = (deg.to(torch.float64) + n + 2) * UNIT_ROUNDOFF
-    return m * mass * (1.0 + 2.0 * m)
-
-
-def within_rtol(v: torch.Tensor, err: torch.Tensor, rtol: float) -> torch.Tensor:
-    """``lhc::within_rtol``: ``err (1 + rtol) + u |v| <= rtol |v|``, which makes the float32 output
-    within ``rtol`` of the true sum."""
-    a = v.abs()
-    return err * (1.0 + rtol) + UNIT_ROUNDOFF * a <= rtol * a
-
-
-def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False, rtol: float = 2.0 ** -10):
+def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False, rtol: float = 2.0 ** -10,
+           verify: bool = False):
     """Decode an aggregated payload: ``(y, info)``, y a float64 tensor of ``numel`` values (the sum,
     or the average if ``averaged``), info a dict with ok, reason, contributors, total_keys,
     overloaded_ranks, candidates, false_positives, support (number of keys), support_keys (the
@@ -483,8 +382,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
     and the cell each was read from, like ``DecodeReport.trace``; once peeled, error_bound (per
     support key, in support order: the rigorous bound on its float64 value's error, built from
     the mass channel along the peel as ``LosslessCodec`` states) and inexact_keys (sorted keys whose
-    bound exceeds ``rtol``: then ok is False with reason "inexact"). A cell left non-zero beyond its
-    bound after peeling fails with "sketch corrupt".
+    bound exceeds ``rtol``; with ``verify`` also those whose verification bound
+    (:func:`verification_bound`) does, and the keys of solved pairs: then ok is False with reason
+    "inexact"). A cell left non-zero beyond its bound after peeling fails with "sketch corrupt".
 
     Peeling is round based in float64 (see the module docstring). A Bloom index is first peeled
     exactly in integers, so every false-positive candidate gets count 0 and is dropped before the
@@ -610,7 +510,10 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         val.index_add_(0, oc, -(os_.unsqueeze(1) * v.repeat_interleave(2, dim=0)))
         acc.index_add_(0, oc, os_.abs() * err[idx].repeat_interleave(2))
     # Peeling stalled: solve the two-key stopping sets (each pair's cells hold just the pair); the
-    # third cell keeps w_r(a) v_a + w_r(b) v_b, subtracted for the residual check.
+    # third cell keeps w_r(a) v_a + w_r(b) v_b, subtracted for the residual check. One check cannot
+    # verify two values: with verify a solved pair's keys are listed inexact; its cells verify
+    # nothing (-2).
+    paired = torch.zeros(support.numel(), dtype=torch.bool)
     for a, b in solvable_pairs(sc, ss, resolved).tolist():
         blocks[a], blocks[b] = solve_pair(val, sc[a], ss[a], ss[b])
         wa, wb = ss[a].tolist(), ss[b].tolist()
@@ -619,8 +522,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         ap, aq = float(acc[sc[a, p]]), float(acc[sc[a, q]])
         err[a] = (abs(wb[q]) * ap + abs(wb[p]) * aq) / abs(det)
         err[b] = (abs(wa[p]) * aq + abs(wa[q]) * ap) / abs(det)
-        acc[sc[a, p]] = acc[sc[a, q]] = -1.0
+        acc[sc[a, p]] = acc[sc[a, q]] = -2.0
         acc[sc[a, r]] += abs(wa[r]) * err[a] + abs(wb[r]) * err[b]
+        paired[a] = paired[b] = True
         val[sc[a, r]] -= wa[r] * blocks[a] + wb[r] * blocks[b]
         resolved[a] = resolved[b] = True
         trace_keys.append(support[[a, b]])
@@ -640,7 +544,11 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
     if mass_bad or bool((val[checked].abs() > acc[checked].unsqueeze(1)).any()):
         return y, _fail(info, "sketch corrupt: a cell is not zero within its bound after peeling")
     info["error_bound"] = err
-    inexact = ~within_rtol(blocks, err.unsqueeze(1), rtol).all(dim=1)
+    if verify:
+        bound = torch.maximum(err, verification_bound(sc, ss, rounds, acc, val, err))
+        inexact = ~within_rtol(blocks, bound.unsqueeze(1), rtol).all(dim=1) | paired
+    else:
+        inexact = ~within_rtol(blocks, err.unsqueeze(1), rtol).all(dim=1)
     info["inexact_keys"] = torch.sort(support[inexact]).values
     if bool(inexact.any()):
         return y, _fail(info, "inexact")

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, THCAggregator,
-                                   TopKAggregator,
-                                   default_block_size, payload_is_averaged)
+from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator,
+                                            default_block_size, payload_is_averaged)
+from lossless_hc.training.thc_aggregate import THCAggregator
 
 
 def row_sparse(rows, cols, touched, seed):

@@ -242,7 +242,7 @@ def test_cuda_codec_input_checks(backend):
 def test_thc_aggregator_follows_the_gradient_device(backend):
     """Compression.thc on CUDA gradients: the aggregator's codec moves to the GPU (with its state) and
     every rank decodes the same bits as a CPU aggregator would."""
-    from lossless_hc.training.aggregate import THCAggregator
+    from lossless_hc.training.thc_aggregate import THCAggregator
     n = 2
     cpu = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]
     gpu = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]

@@ -42,8 +42,9 @@ import torch
 from lossless_hc.lhc.layout import INDEX_KINDS
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
-from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, THCAggregator, TopKAggregator,
+from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator,
                                             partial_values)
+from lossless_hc.training.thc_aggregate import THCAggregator
 
 INDEX_CHOICES = ("auto",) + INDEX_KINDS
 
@@ -168,7 +169,7 @@ class TopKSpec(AggregatorSpec):
 
 
 class THCSpec(AggregatorSpec):
-    """``Compression.thc``: see :class:`lossless_hc.training.aggregate.THCAggregator` (the aggregator moves its
+    """``Compression.thc``: see :class:`lossless_hc.training.thc_aggregate.THCAggregator` (the aggregator moves its
     codec to the gradient's device, CUDA kernels included)."""
 
     kind = "thc"

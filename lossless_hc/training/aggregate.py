@@ -27,8 +27,9 @@ The aggregators:
   of the sum.
 * :class:`TopKAggregator` (``Compression.topk``): top-k sparsification with error feedback for dense
   gradients; the selected values are then aggregated losslessly.
-* :class:`THCAggregator` (``Compression.thc``): THC quantization for dense gradients (lossy,
-  unbiased, with error feedback); it cannot fail, so it never falls back.
+* :class:`~lossless_hc.training.thc_aggregate.THCAggregator` (``Compression.thc``, its own module):
+  THC quantization for dense gradients (lossy, unbiased, with error feedback); it cannot fail, so it
+  never falls back.
 """
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ from lossless_hc.backends import backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
-from lossless_hc.thc import THCCodec
 
-_CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
+CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class ConfigurationMismatch(RuntimeError):
@@ -302,7 +303,7 @@ class TensorAggregator:
     def _decide_codec(self) -> None:
         """Build the codec for the current capacity, or go dense when it would not be smaller."""
         self._codec = None
-        if self.dtype not in _CODEC_DTYPES or self.numel == 0 or self.capacity >= self.numel:
+        if self.dtype not in CODEC_DTYPES or self.numel == 0 or self.capacity >= self.numel:
             return
         union = self.union_capacity
         if union is not None:
@@ -523,166 +524,6 @@ class TopKAggregator(TensorAggregator):
         sparse = torch.zeros_like(flat)
         sparse[idx] = values
         return sparse.reshape(self.shape).to(self.dtype)
-
-
-class THCAggregator:
-    r"""THC quantization of one dense tensor across steps (``Compression.thc``).
-
-    Wraps one :class:`~lossless_hc.THCCodec` per tensor and rank (it carries the step counter, the
-    agreed norm and the error-feedback memory; see its docstring for the math and the norm-only first
-    step). Like :class:`TensorAggregator` it sends a tensor dense when THC's payload would not be
-    smaller (tiny tensors: biases), decided from the configuration alone. THC cannot fail to decode,
-    so there is no fallback; ranks configured differently, or a corrupted payload, raise
-    :class:`ConfigurationMismatch`. A step where some rank's gradient holds NaN/Inf raises
-    ``FloatingPointError`` on every rank (``non_finite="raise"``) or decodes to all-NaN on every rank
-    (``non_finite="propagate"``: AMP's GradScaler sees the Inf and skips the step; dense-sent tensors
-    carry their NaN/Inf through the engine's sum anyway).
-    The codec's CPU kernels use ``torch.get_num_threads()`` threads, read at every encode and decode (a
-    DDP hook decodes on a communication thread, where OpenMP's default would be every core).
-    The codec follows the gradient's device: built on the CPU, it moves (with its state) to the device of
-    the first gradient it sees elsewhere, e.g. CUDA (THCCodec's CUDA kernels).
-
-    **Interleaved blocks.** THCCodec rotates each Hadamard block of B coordinates on its own but scales
-    every block by one agreed M (the tensor's largest norm), which assumes the energy of x + e is
-    spread evenly over the blocks: then a block's rotated coordinates are ~N(0, ||v||^2 / padded) and a
-    share p = 1/overflow_freq clips at +-T. A gradient whose energy sits in a few blocks (the rows of an
-    embedding or an output layer for the words of the batch, some gate blocks of an LSTM) breaks that:
-    those blocks' coordinates are many times M / sqrt(padded), most of their energy clips, the clipped
-    mass piles up in the error memory, and the update is a stale, sign-like version of the gradient
-    (measured on the LSTM language model: NMSE 0.75-0.79 against the encoded x + e on the embedding and
-    the decoder, where a normal vector gives ~0.013; docs/THC.md). So, for a tensor of more than one
-    block, the aggregator feeds the codec a fixed interleave of the zero-padded tensor instead: with nb
-    blocks, block j holds the coordinates j, j + nb, j + 2 nb, ... of the tensor (the padded tensor seen
-    as a (B, nb) matrix, transposed). Every block then samples the whole tensor evenly, each block's
-    energy is close to ||v||^2 B / padded, and the single scale M fits every block. (What it cannot
-    spread: a tensor whose energy follows a period of nb coordinates, e.g. a matrix with nb columns of
-    very different norms, keeps one column per block.) The interleave is a permutation (the same on every rank), so
-    the aggregate is the codec's unbiased estimate, exactly un-permuted; the error memory lives in the
-    interleaved order (:meth:`pending_error` returns it in the tensor's order). Cost: two transposed copies
-    per step (one before encode, one after decode; each ~3x a clone of the tensor on one CPU core).
-
-    ``exact=True`` sends the tensor dense (an exact SUM) whatever its size: for the parameters where THC's
-    noise must not go, see docs/THC.md ("Training with THC").
-    """
-
-    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
-                 granularity: int = 30, overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise",
-                 stats: Optional[AggregationStats] = None, exact: bool = False):
-        self.name = name
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.numel = math.prod(self.shape)
-        self.world_size = int(world_size)
-        self.stats = stats if stats is not None else AggregationStats()
-        self.exact = bool(exact)    # the user asked for this tensor to be sent dense (exact)
-        self._codec = None
-        self._blocks = 1            # nb > 1: the codec encodes the interleave of the padded tensor
-        if dtype in _CODEC_DTYPES and self.numel > 0 and not self.exact:
-            self._codec_args = dict(numel=self.numel, world_size=world_size, rank=rank, bits=bits,
-                                    granularity=granularity, overflow_freq=overflow_freq, seed=seed,
-                                    non_finite=non_finite)
-            L = THCCodec(**self._codec_args).layout
-            if L.padded // L.block > 1:
-                self._blocks = L.padded // L.block
-                self._codec_args["numel"] = L.padded   # the same blocks, hence the same payload
-            codec = THCCodec(**self._codec_args)
-            if codec.wire_bytes < self.numel * dtype.itemsize:
-                self._codec = codec
-
-    @property
-    def interleaved(self) -> bool:
-        """Whether the codec encodes the interleave of the padded tensor (more than one block)."""
-        return self._codec is not None and self._blocks > 1
-
-    def _interleave(self, x: torch.Tensor) -> torch.Tensor:
-        """x (numel, any float dtype) zero-padded to nb blocks, block j = coordinates j, j + nb, ... (float32).
-        The padded tensor seen as a (B, nb) matrix, transposed; copied straight from x (the full rows of
-        that matrix, then the partial one) without materialising the padded tensor."""
-        nb, x = self._blocks, x.reshape(-1)
-        full, rest = divmod(self.numel, nb)             # full rows of the (B, nb) matrix, and the partial row
-        out = torch.empty(self._codec.numel, dtype=torch.float32, device=x.device)
-        o = out.view(nb, -1)
-        o[:, :full].copy_(x[:full * nb].view(full, nb).t())
-        if full < o.shape[1]:
-            o[:rest, full].copy_(x[full * nb:])
-            o[rest:, full].zero_()
-            o[:, full + 1:].zero_()
-        return out
-
-    def _deinterleave(self, y: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`_interleave`: the tensor's numel coordinates, flat."""
-        nb = self._blocks
-        full, rest = divmod(self.numel, nb)
-        out = torch.empty(self.numel, dtype=y.dtype, device=y.device)
-        o = y.view(nb, -1)
-        out[:full * nb].view(full, nb).copy_(o[:, :full].t())
-        if rest:
-            out[full * nb:].copy_(o[:rest, full])
-        return out
-
-    def pending_error(self) -> Optional[torch.Tensor]:
-        """The codec's error memory (what this rank has not yet transmitted) in the tensor's own
-        coordinate order, flat float32; None when the tensor is sent dense or without error feedback."""
-        if self._codec is None or self._codec.error is None:
-            return None
-        e = self._codec.error
-        return self._deinterleave(e) if self._blocks > 1 else e
-
-    @property
-    def compressed(self) -> bool:
-        return self._codec is not None
-
-    @property
-    def codec(self):
-        return self._codec
-
-    @property
-    def sent_as(self) -> str:
-        """How this tensor goes out: "thc", "thc-interleaved", "dense (exact=)" (asked for), or
-        "dense (smaller)" (THC's payload would not be smaller, or the dtype is not a float the codec takes)."""
-        if self._codec is not None:
-            return "thc-interleaved" if self._blocks > 1 else "thc"
-        return "dense (exact=)" if self.exact else "dense (smaller)"
-
-    def encode(self, x: torch.Tensor):
-        t0 = time.perf_counter()
-        if x.is_sparse:
-            raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
-        codec = self._codec
-        if codec is not None and x.device != codec.device:
-            codec = self._codec_on(x.device)
-        if codec is None:
-            payload = x
-        else:
-            codec.num_threads = torch.get_num_threads()
-            payload = codec.encode(self._interleave(x) if self._blocks > 1 else x)
-        self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
-        return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
-
-    def _codec_on(self, device: torch.device):
-        """The codec rebuilt on ``device`` with the same configuration and state (step, norm, memory)."""
-
-        codec = THCCodec(**self._codec_args, device=device)
-        codec.load_state_dict(self._codec.state_dict())
-        self._codec = codec
-        return codec
-
-    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
-        if not ctx.compressed:
-            return DecodeOutcome(aggregated, averaged=False)
-        t0 = time.perf_counter()
-        averaged = payload_is_averaged(aggregated, self.world_size)
-        try:
-            # torch's intra-op thread count, also on a DDP future's callback thread, where OpenMP's own
-            # default would be every core (omp_set_num_threads, behind torch.set_num_threads, is per thread).
-            ctx.codec.num_threads = torch.get_num_threads()
-            y = ctx.codec.decode(aggregated, averaged=averaged)
-        except ValueError as e:
-            raise ConfigurationMismatch(f"{self.name}: {e}") from e
-        if self._blocks > 1:
-            y = self._deinterleave(y).reshape(self.shape).to(self.dtype)
-        self.stats.decode_seconds += time.perf_counter() - t0
-        return DecodeOutcome(y, averaged)
 
 
 def payload_is_averaged(payload: torch.Tensor, world_size: int) -> bool:

@@ -8,7 +8,7 @@ What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to 
   :class:`~lossless_hc.training.aggregate.CapacityPolicy`, the density tracker (its averages, peaks,
   step count and history);
 * :class:`~lossless_hc.training.aggregate.TopKAggregator`: the above and the error-feedback residual;
-* :class:`~lossless_hc.training.aggregate.THCAggregator`: the codec's step, agreed norm and error memory;
+* :class:`~lossless_hc.training.thc_aggregate.THCAggregator`: the codec's step, agreed norm and error memory;
 * :class:`~lossless_hc.training.strategies.AutoAggregator` (``auto``): its own
   ``state_dict()`` (the plan, the statistics, the lossy strategies' error feedback).
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.training.aggregate import DensityTracker, THCAggregator, TopKAggregator
+from lossless_hc.training.aggregate import DensityTracker, TopKAggregator
+from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 
 _TRACKER_FIELDS = ("steps", "union", "per_rank", "peak_union", "peak_rank")

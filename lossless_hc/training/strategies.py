@@ -53,11 +53,12 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
-                                            THCAggregator, TopKAggregator, default_block_size)
+                                            TopKAggregator, default_block_size)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 from lossless_hc.training.rows import bitmap_counts, gather_slots, pack_bitmap, sum_slots
+from lossless_hc.training.thc_aggregate import THCAggregator
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -40,6 +40,15 @@ def test_fast_slice_corruptions_are_caught_or_harmless(fast_slice):
     assert not wrong(t, clean=False), [f"group {v.group} case {v.case} {v.how} {v.status}: {v.detail}" for v in t.examples]
 
 
+@pytest.mark.xfail(strict=True, reason="issue #19: one index bit flip drops a key (~2e5) from the decoded support "
+                   "while the key count matches; its value hides under the rounding bound of ~1e29 keys in its cells, "
+                   "so neither the residual check nor the verification bound sees it. Needs a summable index checksum.")
+def test_index_flip_dropping_a_key_under_huge_ones_is_caught():
+    """The one wrong case of the million-case run (docs/BENCHMARKS.md, fuzz): seed 11, group 52726."""
+    bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(11, 52726) if v.wrong]
+    assert not bad, bad
+
+
 def test_tally_is_a_function_of_the_seed_only():
     one = run(200, seed=3, workers=1, chunk=10)
     two = run(200, seed=3, workers=2, chunk=10)

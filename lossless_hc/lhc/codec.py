@@ -32,9 +32,10 @@ class DecodeReport:
                      sum t, and every coordinate y_i with :math:`|y_i - t_i| \le rtol\,|t_i|`
                      (``rtol`` the codec's; proven per key, see ``LosslessCodec``) -- for a payload
                      that is the sum (or average) of valid payloads. With ``verify=True`` also for a
-                     payload with one corrupted index, sketch or mass word (or a zeroed sketch): the
-                     decode refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved
-                     beyond rtol as INEXACT.
+                     payload with one corrupted sketch or mass word (or a zeroed sketch): the decode
+                     refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved beyond
+                     rtol as INEXACT; a corrupted index word is caught unless it drops a key whose
+                     value hides under much larger keys' rounding (docs/DESIGN.md "Exactness").
                      When False the output must not be used, except under INEXACT (below); callers
                      fall back to a dense aggregation.
     reason           why ok is False (None when ok).
@@ -132,9 +133,10 @@ class LosslessCodec:
     subtracted into prove about it after peeling, whatever happened before it: one corrupted word is
     upstream of k or not, so F or E holds; docs/DESIGN.md "Exactness"), and the keys of solved
     two-key stopping sets are always INEXACT (one check cannot verify two values). So one corrupted
-    sketch, mass or index word is caught or harmless: the residual check refuses it, or the
-    verification bound lists every key it could have moved beyond rtol (not covered: corruptions of
-    several words, which can mimic a valid payload). It costs a backward pass over the peel and
+    sketch or mass word is caught or harmless: the residual check refuses it, or the verification
+    bound lists every key it could have moved beyond rtol (not covered: corruptions of several words,
+    which can mimic a valid payload, and an index word that drops a key from the support while the
+    key count matches, when that key's value is below the rounding bound of larger keys in its cells). It costs a backward pass over the peel and
     lists more keys INEXACT (docs/BENCHMARKS.md); it is off by default because the transports the
     plugins use (TCP, Gloo, NCCL) deliver the sum of what the ranks sent, checksummed.
 
@@ -157,7 +159,8 @@ class LosslessCodec:
         rtol: relative tolerance every decoded coordinate is proven to meet when ``report.ok``
             (default ``2**-10``; in [0, 1)); keys that cannot be proven are INEXACT.
         verify: also prove every key with the verification bound (above): the contract then holds
-            for a payload with one corrupted word too. Default False.
+            for a payload with one corrupted sketch or mass word too (index words: see above).
+            Default False.
 
     ``rtol`` and ``verify`` act on the decode only, but they decide the verdict every rank acts on,
     so they must be equal on every rank: when they differ from the defaults they join the layout's

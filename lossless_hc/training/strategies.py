@@ -163,6 +163,8 @@ class AutoAggregator:
         self.agg_stats = stats if stats is not None else AggregationStats()
         self.strategy = first
         self.predicted: dict = {}
+        self.plan_input: Optional[TensorStats] = None   # the statistics of the last plan
+        self.plans = 0                                   # plans made (each counts, kept or changed)
         self.history: list = []                 # (step, strategy) at every change
         self.measured: dict = {}                # strategy -> EWMA of encode-to-result seconds on this rank
         self.bytes_sent = 0
@@ -186,7 +188,8 @@ class AutoAggregator:
         self._plan_due = False
         s = self.tracker.stats(element_bytes=4)
         best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy)
-        self.predicted = predicted
+        self.predicted, self.plan_input = predicted, s
+        self.plans += 1
         if best == "sketch":
             self._size_sketch(s)
         if best != self.strategy:
@@ -232,6 +235,28 @@ class AutoAggregator:
     def _apply_due_plan(self) -> None:
         if self._plan_due:
             self._plan()
+
+    def current_plan(self) -> tuple:
+        """``(strategy, statistics it was planned on)`` after applying a plan that is due (the statistics
+        are None before the first plan); identical on every rank."""
+        self._apply_due_plan()
+        return self.strategy, self.plan_input
+
+    def take_lossy_memory(self) -> Optional[torch.Tensor]:
+        """What THC's or top-k's error feedback still holds (flat float32; None if nothing), removed from
+        this aggregator: a caller that aggregates the tensor by other means from now on (a DDP bucket
+        going to PowerSGD, :mod:`lossless_hc.training.powersgd`) adds it to the gradient, so that no
+        error mass is lost."""
+        err = None
+        if self._thc is not None:
+            err = self._thc.pending_error()
+            self._thc = None
+        if self._topk is not None:
+            if self._topk.residual is not None:
+                res = self._topk.residual.reshape(-1).to(torch.float32)
+                err = res if err is None else err.to(res.device) + res
+            self._topk = None
+        return err
 
     def record_plain_step(self, started: float) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False): the

@@ -26,6 +26,12 @@ bucket's own process group, like the fallback below: at most one allreduce per p
 allgather per bucket and step, the same on every rank. A bucket of dense plans between their
 statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
 
+With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
+one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
+parameters, from step index 2 on, when the cost model predicts it faster than their plans in one
+message; once taken it is kept, and the parameters' THC or top-k error feedback is added to the
+gradient on the switch (:mod:`lossless_hc.training.powersgd`).
+
 Sparse gradients (``nn.Embedding(sparse=True)``, Gloo): DDP gives each its own bucket, whose buffer is
 the uncoalesced COO gradient, and copies the hook's result into it, so the result must be sparse and
 already averaged. ``auto_hook`` plans such a gradient among the exact strategies over the rows it

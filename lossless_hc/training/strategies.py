@@ -606,53 +606,6 @@ class AutoAggregator:
             return H + (agg.codec.payload_numel if agg.codec is not None else self.numel)
         return H
 
-    # -- checkpointing --------------------------------------------------------------------------------
-    _TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step")
-
-    def state_dict(self) -> dict:
-        """What this aggregator carries between steps: the plan (strategy, statistics, the sketch's
-        sizing) and the lossy strategies' error feedback; Python numbers and CPU tensors."""
-        sk = self._sketch_stats
-        thc = self._thc.codec if self._thc is not None else None
-        return {"kind": "auto", "shape": list(self.shape), "dtype": str(self.dtype), "strategy": self.strategy,
-                "history": [list(h) for h in self.history], "steps": self.steps, "plan_due": self._plan_due,
-                "tracker": {f: getattr(self.tracker, f) for f in self._TRACKER_FIELDS},
-                "sketch_stats": None if sk is None else [sk.numel, sk.row, sk.world_size, list(sk.rank_keys),
-                                                         sk.union_keys, sk.element_bytes],
-                "topk_residual": None if self._topk is None or self._topk.residual is None
-                else self._topk.residual.detach().cpu().clone(),
-                "thc": None if thc is None else {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                                                 for k, v in thc.state_dict().items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` into an aggregator built with the same configuration."""
-        got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
-        if got != ("auto", list(self.shape), str(self.dtype)):
-            raise ValueError(f"{self.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, "
-                             f"this one is an auto aggregator of {self.dtype} {list(self.shape)}")
-        if state["strategy"] not in self.allowed:
-            raise ValueError(f"{self.name}: the saved strategy {state['strategy']!r} is not allowed here "
-                             f"({self.allowed})")
-        self.strategy, self.steps = state["strategy"], int(state["steps"])
-        self._plan_due = bool(state.get("plan_due", False))
-        self.history = [tuple(h) for h in state["history"]]
-        saved = dict(state["tracker"])
-        saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
-        for f in self._TRACKER_FIELDS:
-            setattr(self.tracker, f, saved[f])
-        if state["sketch_stats"] is not None:
-            numel, row, n, ranks, union, eb = state["sketch_stats"]
-            self._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
-        if state["topk_residual"] is not None:
-            self._topk = self._topk or TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size,
-                                                      self.topk_ratio, seed=self.seed, stats=AggregationStats(),
-                                                      device=self.device)
-            self._topk.residual = state["topk_residual"].to(self.device, torch.float32).clone()
-        if state["thc"] is not None:
-            self._thc = self._thc or THCAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.rank,
-                                                   bits=self.thc_bits, seed=self.seed, stats=AggregationStats())
-            self._thc.codec.load_state_dict(state["thc"])
-
     # -- inspection -----------------------------------------------------------------------------------
     def plan_stats(self) -> dict:
         """The chosen strategy, the predicted seconds of every candidate at the last plan, the measured

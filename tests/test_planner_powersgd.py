@@ -211,3 +211,17 @@ def test_training_with_auto_lossy_converges_like_torchs_powersgd(run):
     assert auto < 0.1 * first                     # it trains
     assert auto <= 1.25 * torch_psgd, losses      # as well as torch's own PowerSGD hook (same rank, start)
     assert auto <= 2.0 * none, losses
+
+
+def test_a_zero_gradient_matrix_stays_finite_at_low_rank():
+    """torch's Gram-Schmidt (ranks 1, 2) divides by a column's norm: the state's epsilon keeps an
+    all-zero gradient finite (with torch's default 0 it turns NaN)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    lay = powersgd_layout([(64, 32)], 1, 2)
+    bucket = PowerSGDBucket(["w"], lay, 1, 2, 2, 0, 2, {})
+    p = torch.zeros(1, 64, 1)
+    _orthogonalize(p, bucket.state.orthogonalization_epsilon)
+    assert torch.isfinite(p).all()
+    _orthogonalize(p.zero_(), 0)
+    assert not torch.isfinite(p).all()

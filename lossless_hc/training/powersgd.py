@@ -18,7 +18,11 @@ Defaults (the bench's PowerSGD baseline, torch's recommendations): rank :data:`P
 included, are sent uncompressed in the hook's first allreduce), error feedback and warm start on (torch
 recommends both; without error feedback PowerSGD is biased), no PowerSGD before step index
 :data:`POWERSGD_START` (2: torch's ``start_powerSGD_iter`` minimum with error feedback, after DDP's bucket
-rebuild at the second step), Q's random start seeded by the spec's ``seed`` on every rank.
+rebuild at the second step), Q's random start seeded by the spec's ``seed`` on every rank, and
+``orthogonalization_epsilon`` :data:`ORTHOGONALIZATION_EPSILON` (1e-8; torch's default 0 divides by a
+zero column's norm in the Gram-Schmidt it uses at ranks 1 and 2, so a matrix whose gradient is zero on
+every rank, which the planner does not rule out, would turn NaN; at ranks above 2 torch uses QR, which
+ignores it).
 
 The decision (:meth:`PowerSGDPlanner.bucket`). After every re-plan of a bucket's parameters (and from
 step index ``start`` on) the bucket compares PowerSGD's predicted step,
@@ -55,6 +59,7 @@ from lossless_hc.training.planner import SWITCH_MARGIN, CostModel, PowerSGDLayou
 POWERSGD_RANK = 4          # matrix_approximation_rank (the bench's baseline)
 POWERSGD_START = 2         # the first step index (0-based) PowerSGD may run at (torch's start_powerSGD_iter)
 MIN_COMPRESSION_RATE = 2   # torch's min_compression_rate: a matrix is compressed iff (m+n) r 2 < m n
+ORTHOGONALIZATION_EPSILON = 1e-8   # a zero gradient matrix stays finite at ranks 1 and 2 (module doc)
 
 
 class PowerSGDBucket:
@@ -70,7 +75,8 @@ class PowerSGDBucket:
         self.steps = 0
         self.state = PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
                                    min_compression_rate=min_compression_rate, use_error_feedback=True,
-                                   warm_start=True, random_seed=seed)
+                                   warm_start=True, random_seed=seed,
+                                   orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
 
     def run(self, bucket, group) -> torch.futures.Future:
         """``powerSGD_hook`` on ``bucket`` over ``group``: the future of the averaged bucket."""

@@ -26,6 +26,12 @@ bucket's own process group, like the fallback below: at most one allreduce per p
 allgather per bucket and step, the same on every rank. A bucket of dense plans between their
 statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
 
+With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
+one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
+parameters, from step index 2 on, when the cost model predicts it faster than their plans in one
+message; once taken it is kept, and the parameters' THC or top-k error feedback is added to the
+gradient on the switch (:mod:`lossless_hc.training.powersgd`).
+
 Sparse gradients (``nn.Embedding(sparse=True)``, Gloo): DDP gives each its own bucket, whose buffer is
 the uncoalesced COO gradient, and copies the hook's result into it, so the result must be sparse and
 already averaged. ``auto_hook`` plans such a gradient among the exact strategies over the rows it
@@ -64,6 +70,7 @@ from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, 
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
+from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
 from lossless_hc.training.message import decode_message, encode_message
 
@@ -122,7 +129,7 @@ class _HookState:
         """Refuse to run when ranks were configured differently (payload sizes would not match):
         :func:`check_same_configuration`, on the first call, from the main thread."""
         self._config_checked = True
-        cfg = f"{type(self).__name__}|{self.world_size}|{self.spec!r}"
+        cfg = f"{self.world_size}|{self!r}"
         check_same_configuration(cfg, self.process_group, type(self).__name__)
 
     def _fallback_group(self, bucket_index: int):
@@ -193,30 +200,67 @@ class THCHookState(_HookState):
 
 
 class AutoHookState(_HookState):
-    """State of :func:`auto_hook`: per parameter, the cheapest strategy the planner predicts.
+    """State of :func:`auto_hook`: per parameter, the cheapest strategy the planner predicts; with
+    ``lossy``, per bucket, PowerSGD where it beats the bucket's per-parameter plans.
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        lossy: also consider fp16, bf16, THC and top-k (else only exact strategies: dense, allgather,
-            two_phase, sketch).
+        lossy: also consider fp16, bf16, THC and top-k per parameter, and torch's PowerSGD per bucket
+            (else only exact strategies: dense, allgather, two_phase, sketch).
+        powersgd_rank, powersgd_start: PowerSGD's ``matrix_approximation_rank`` (4) and the first step
+            index (0-based, >= 2) it may run at (:mod:`lossless_hc.training.powersgd`: torch's
+            ``powerSGD_hook``, one ``PowerSGDState`` and Gloo group per bucket, ``min_compression_rate``
+            2, error feedback and warm start on; once a bucket takes it, it keeps it, and its
+            parameters' THC or top-k error feedback is added to the gradient on the switch).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
-            ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``).
+            ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``); ``strategies`` may
+            name ``"powersgd"`` (with ``lossy=True``): given without it, PowerSGD is not considered.
 
-    ``stats()["plan"]``: per parameter, the chosen strategy, predicted seconds of every candidate,
-    measured seconds, bytes sent, steps and plain steps; ``stats()["calibration"]``: whether the
-    calibration was given or measured, and what measuring it cost (seconds, sizes timed).
+    PowerSGD is offered by this DDP hook only: Horovod and BytePS hand a compressor one tensor at a time
+    and FSDP2 reduce-scatters, so their ``auto`` has no bucket to give it.
+
+    ``stats()["plan"]``: per parameter, the chosen strategy (``"powersgd"`` for a PowerSGD bucket's
+    parameters, with its ``bucket`` index), predicted seconds of every candidate, measured seconds,
+    bytes sent, steps and plain steps; ``stats()["buckets"]``: per bucket index compared for PowerSGD,
+    the choice, PowerSGD's and the per-parameter plans' predicted seconds and PowerSGD's wire bytes per
+    step; ``stats()["calibration"]``: whether the calibration was given or measured, and what measuring
+    it cost (seconds, sizes timed).
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, lossy: bool = False, **options):
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, lossy: bool = False,
+                 powersgd_rank: int = POWERSGD_RANK, powersgd_start: int = POWERSGD_START, **options):
+        strategies = options.get("strategies")
+        powersgd = lossy is True and (strategies is None or "powersgd" in strategies)
+        if strategies is not None and "powersgd" in strategies:
+            if lossy is not True:
+                raise ValueError("strategies names 'powersgd', a lossy strategy: it needs lossy=True")
+            options["strategies"] = tuple(s for s in strategies if s != "powersgd") or ("dense",)
         super().__init__(AutoSpec(lossy=lossy, **options), process_group)
+        self._powersgd = (PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
+                          if powersgd else None)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
+
+    def __repr__(self) -> str:
+        extra = f", {self._powersgd.describe()}" if self._powersgd is not None else ""
+        return f"{type(self).__name__}({self.spec!r}{extra})"
 
     def stats(self) -> dict:
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
+        d["buckets"] = {}
+        if self._powersgd is not None:
+            self._powersgd.plan_stats(d["plan"])
+            d["buckets"] = self._powersgd.stats()
         d["calibration"] = self.spec.calibration_stats()
         return d
+
+    def _powersgd_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor, grads, aggs):
+        """The bucket's PowerSGD state if it runs PowerSGD this step (:class:`PowerSGDPlanner`)."""
+        if self._powersgd is None or self.spec.calibration is None:
+            return None
+        return self._powersgd.bucket(bucket.index(), self._steps - 1, aggs, grads, buffer, self.spec.cost_model,
+                                     self.world_size)
 
     def _calibrate(self) -> None:
         """Rank 0's calibration on every rank (blocking collectives, main thread, at the first hook call
@@ -325,6 +369,10 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             state._calibrate()
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
     n = state.world_size
+    powersgd = state._powersgd_bucket(bucket, buffer, grads, aggs)
+    if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
+        state._powersgd.count_step(powersgd, grads)
+        return powersgd.run(bucket, state._fallback_group(bucket.index()))
     if state.spec.calibration is not None and buffer.dtype in (torch.float32, torch.float64) and not any(
             [a.carries_statistics() for a in aggs]):
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()

@@ -15,8 +15,11 @@ non-positive).
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense,
 fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's
-encode + decode of a sparse tensor beyond its scan. THC and top-k keep their
-:data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
+encode + decode of a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error
+feedback's passes (add the memory, keep a copy, subtract the result), and per flop, the time of
+torch's own PowerSGD products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at
+:data:`POWERSGD_RANK` divided by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`).
+THC and top-k keep their :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
 
 The callers supply the collectives, and with them the deadlock freedom: every rank must call
 :func:`calibrate` at the same program point (DDP: the first hook call, on the main thread; Horovod:
@@ -30,11 +33,12 @@ from typing import Callable, Sequence
 import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
-from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel
+from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel, powersgd_layout
 
 LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20)   # bytes per rank (the most link_sizes times)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
+POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
 
 
 def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> LinkModel:
@@ -123,10 +127,36 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     codec = LosslessCodec(numel, 1, k, 1, 0, device=device)
     sketch = timed(lambda: codec.decode(codec.encode(x))[1])
     per_key = max(0.0, (sketch - scan * numel) / k)
+    feedback = torch.zeros_like(x)
+    passes = timed(lambda: (x + feedback).clone().sub_(x)) / numel
+    products = _powersgd_products(device)
+    products()   # LAPACK's first QR call sets itself up (milliseconds): not a per-step cost
+    per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
     out = dict(DEFAULT_CODEC_SECONDS)
     out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
-                "sketch": (scan, per_key), "fp16": (half, 0.0), "bf16": (half, 0.0)})
+                "sketch": (scan, per_key), "fp16": (half, 0.0), "bf16": (half, 0.0),
+                "powersgd": (passes, per_flop)})
     return out
+
+
+def _powersgd_products(device) -> Callable[[], None]:
+    """One PowerSGD step's local products on a :data:`POWERSGD_MATRIX` (torch's own orthogonalisation)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = POWERSGD_MATRIX
+    m = torch.randn(1, rows, cols, generator=g).to(device)
+    q = torch.randn(1, cols, POWERSGD_RANK, generator=g).to(device)
+    p = torch.empty(1, rows, POWERSGD_RANK, device=device)
+    out = torch.empty_like(m)
+
+    def run():
+        _orthogonalize(q)
+        torch.bmm(m, q, out=p)
+        _orthogonalize(p)
+        torch.bmm(m.transpose(1, 2), p, out=q)
+        torch.bmm(p, q.transpose(1, 2), out=out)
+    return run
 
 
 def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],

@@ -9,8 +9,8 @@ What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to 
   step count and history);
 * :class:`~lossless_hc.training.aggregate.TopKAggregator`: the above and the error-feedback residual;
 * :class:`~lossless_hc.training.thc_aggregate.THCAggregator`: the codec's step, agreed norm and error memory;
-* :class:`~lossless_hc.training.strategies.AutoAggregator` (``auto``): its own
-  ``state_dict()`` (the plan, the statistics, the lossy strategies' error feedback).
+* :class:`~lossless_hc.training.strategies.AutoAggregator` (``auto``): the plan (strategy, statistics,
+  the sketch's sizing) and the lossy strategies' error feedback.
 
 The result holds only Python numbers and CPU tensors (``torch.save`` with ``weights_only=True``
 loads it). :func:`load_aggregator_state_dict` restores it into an aggregator built with the same
@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.training.aggregate import DensityTracker, TopKAggregator
+from lossless_hc.training.aggregate import AggregationStats, DensityTracker, TopKAggregator
+from lossless_hc.training.planner import TensorStats
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 
 _TRACKER_FIELDS = ("steps", "union", "per_rank", "peak_union", "peak_rank")
+_AUTO_TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step")
 
 
 def _kind(agg) -> str:
@@ -36,7 +38,7 @@ def _kind(agg) -> str:
 def aggregator_state_dict(agg) -> dict:
     """The state ``agg`` carries between steps (see the module doc)."""
     if isinstance(agg, AutoAggregator):
-        return agg.state_dict()
+        return _auto_state_dict(agg)
     state = {"kind": _kind(agg), "shape": list(agg.shape), "dtype": str(agg.dtype)}
     if isinstance(agg, THCAggregator):
         codec = agg.codec
@@ -58,7 +60,7 @@ def aggregator_state_dict(agg) -> dict:
 def load_aggregator_state_dict(agg, state: dict) -> None:
     """Restore :func:`aggregator_state_dict`'s ``state`` into ``agg`` (same configuration)."""
     if isinstance(agg, AutoAggregator):
-        agg.load_state_dict(state)
+        _load_auto_state_dict(agg, state)
         return
     expected = (_kind(agg), list(agg.shape), str(agg.dtype))
     got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
@@ -85,3 +87,47 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
     if isinstance(agg, TopKAggregator):
         residual = state["residual"]
         agg.residual = None if residual is None else residual.to(agg.device, torch.float32).clone()
+
+
+def _auto_state_dict(agg: AutoAggregator) -> dict:
+    """An ``auto`` aggregator's plan (strategy, statistics, the sketch's sizing) and the lossy
+    strategies' error feedback; Python numbers and CPU tensors."""
+    sk = agg._sketch_stats
+    thc = agg._thc.codec if agg._thc is not None else None
+    return {"kind": "auto", "shape": list(agg.shape), "dtype": str(agg.dtype), "strategy": agg.strategy,
+            "history": [list(h) for h in agg.history], "steps": agg.steps, "plan_due": agg._plan_due,
+            "tracker": {f: getattr(agg.tracker, f) for f in _AUTO_TRACKER_FIELDS},
+            "sketch_stats": None if sk is None else [sk.numel, sk.row, sk.world_size, list(sk.rank_keys),
+                                                     sk.union_keys, sk.element_bytes],
+            "topk_residual": None if agg._topk is None or agg._topk.residual is None
+            else agg._topk.residual.detach().cpu().clone(),
+            "thc": None if thc is None else {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                                             for k, v in thc.state_dict().items()}}
+
+
+def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
+    """Restore :func:`_auto_state_dict` into an ``auto`` aggregator built with the same configuration."""
+    got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
+    if got != ("auto", list(agg.shape), str(agg.dtype)):
+        raise ValueError(f"{agg.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, "
+                         f"this one is an auto aggregator of {agg.dtype} {list(agg.shape)}")
+    if state["strategy"] not in agg.allowed:
+        raise ValueError(f"{agg.name}: the saved strategy {state['strategy']!r} is not allowed here ({agg.allowed})")
+    agg.strategy, agg.steps = state["strategy"], int(state["steps"])
+    agg._plan_due = bool(state.get("plan_due", False))
+    agg.history = [tuple(h) for h in state["history"]]
+    saved = dict(state["tracker"])
+    saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
+    for f in _AUTO_TRACKER_FIELDS:
+        setattr(agg.tracker, f, saved[f])
+    if state["sketch_stats"] is not None:
+        numel, row, n, ranks, union, eb = state["sketch_stats"]
+        agg._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
+    if state["topk_residual"] is not None:
+        agg._topk = agg._topk or TopKAggregator(agg.name, (agg.numel,), torch.float32, agg.world_size, agg.topk_ratio,
+                                                seed=agg.seed, stats=AggregationStats(), device=agg.device)
+        agg._topk.residual = state["topk_residual"].to(agg.device, torch.float32).clone()
+    if state["thc"] is not None:
+        agg._thc = agg._thc or THCAggregator(agg.name, (agg.numel,), torch.float32, agg.world_size, agg.rank,
+                                             bits=agg.thc_bits, seed=agg.seed, stats=AggregationStats())
+        agg._thc.codec.load_state_dict(state["thc"])

@@ -71,6 +71,26 @@ DDP's own sparse allreduce does)::
 
 The lossy strategies are dense ones: a sparse gradient is planned among the exact strategies only.
 
+PowerSGD (DDP only, ``lossy=True``: :mod:`lossless_hc.training.powersgd`) is a strategy of a whole
+bucket, not of a tensor: torch's ``powerSGD_hook`` views each gradient as the matrix
+``shape[0] x (numel / shape[0])`` (``m x n``), compresses it to rank ``r' = min(m, n, r)`` when
+``(m + n) r' rho < m n`` (``rho``: ``min_compression_rate``) and sends the rest (vectors, small
+matrices) as they are. :func:`powersgd_layout` counts its three allreduces, issued one after the
+other on the bucket's group::
+
+    allreduce(e U)          U: numel of the tensors sent uncompressed (issued even when U = 0)
+    allreduce(e sum m r')   P = M Q of every compressed matrix
+    allreduce(e sum n r')   Q = M^T P
+
+and its local work ``c_p d + f_p F`` (``Calibration.codec_seconds["powersgd"] = (c_p, f_p)``: error
+feedback's passes over the bucket's ``d`` coordinates, and seconds per flop of the matrix products,
+``F = sum (6 m n r' + 2 (m + n) r'^2)``: M Q, M^T P, P Q^T and two orthogonalisations, measured on
+the device by :func:`~lossless_hc.training.calibration.measure_codecs`).
+:meth:`CostModel.predict_powersgd` prices it; :meth:`CostModel.predict_message` prices the
+per-parameter plans of the same bucket in one message (first payloads in one allreduce, the second
+collectives batched as :func:`~lossless_hc.training.auto.decode_message` batches them), which is
+what PowerSGD is compared with.
+
 The model neglects what does not scale with the tensor: a DDP bucket shares each collective's
 latency among its parameters, a sketch that fails to decode costs one more dense allreduce
 (the sketch's sizing keeps that below ~1e-3 per step), and one whose decode reports inexact keys
@@ -89,6 +109,8 @@ from lossless_hc.lhc.layout import digit_packing
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
 LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk")
 STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
+BUCKET_STRATEGIES = ("powersgd",)   # strategies of a whole DDP bucket (module doc), lossy
+PRICED = STRATEGIES + BUCKET_STRATEGIES   # every strategy with local costs in a Calibration
 
 RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
 UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
@@ -111,6 +133,7 @@ DEFAULT_CODEC_SECONDS = {
     "bf16": (1.0e-9, 0.0),
     "thc": (30e-9, 0.0),           # rotation, quantization, error feedback
     "topk": (15e-9, 15e-9),        # selection and error feedback; the sketch of the selection
+    "powersgd": (2e-9, 1e-10),     # error feedback's passes per coordinate; seconds per matmul flop
 }
 
 
@@ -150,18 +173,18 @@ class Calibration:
         return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
 
     def as_list(self) -> list:
-        """Flat floats (alpha, beta, then per strategy in :data:`STRATEGIES` order) for a broadcast."""
+        """Flat floats (alpha, beta, then per strategy in :data:`PRICED` order) for a broadcast."""
         out = [self.link.alpha_s, self.link.seconds_per_byte]
-        for s in STRATEGIES:
+        for s in PRICED:
             out += list(self.codec_seconds.get(s, DEFAULT_CODEC_SECONDS[s]))
         return out
 
     @classmethod
     def from_list(cls, values) -> "Calibration":
         v = [float(x) for x in values]
-        if len(v) != 2 + 2 * len(STRATEGIES):
-            raise ValueError(f"a calibration has {2 + 2 * len(STRATEGIES)} numbers, got {len(v)}")
-        codec = {s: (v[2 + 2 * i], v[3 + 2 * i]) for i, s in enumerate(STRATEGIES)}
+        if len(v) != 2 + 2 * len(PRICED):
+            raise ValueError(f"a calibration has {2 + 2 * len(PRICED)} numbers, got {len(v)}")
+        codec = {s: (v[2 + 2 * i], v[3 + 2 * i]) for i, s in enumerate(PRICED)}
         return cls(LinkModel(v[0], v[1]), codec)
 
 
@@ -220,6 +243,46 @@ def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
     """Float32 words of the LHC payload sized for ``stats`` (the real layout)."""
     cap, union = sketch_capacity(stats)
     return plan_layout(stats.numel, stats.world_size, cap, stats.row, seed, union_nnz=union).payload_numel
+
+
+@dataclass(frozen=True)
+class PowerSGDLayout:
+    """What torch's ``powerSGD_hook`` sends for a bucket (module doc): ``numel`` coordinates, of which
+    ``uncompressed`` are sent as they are; ``p_numel`` and ``q_numel`` words of the P and Q allreduces;
+    ``flops`` of its matrix products and orthogonalisations; ``compressed``: which tensors (bucket order)
+    it compresses."""
+
+    numel: int
+    uncompressed: int
+    p_numel: int
+    q_numel: int
+    flops: int
+    compressed: tuple
+
+
+def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDLayout:
+    """:class:`PowerSGDLayout` of a bucket of gradients of ``shapes`` (bucket order), as
+    ``powerSGD_hook`` with ``matrix_approximation_rank=rank`` splits it: each gradient viewed as
+    ``shape[0] x rest``, compressed at rank ``r' = min(rows, cols, rank)`` iff
+    ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``)."""
+    numel = uncompressed = p = q = flops = 0
+    compressed = []
+    for i, shape in enumerate(shapes):
+        shape = tuple(int(x) for x in shape)
+        size = math.prod(shape)
+        if not shape or size == 0:
+            raise ValueError(f"PowerSGD views each gradient as a matrix; got shape {shape}")
+        rows, cols = shape[0], size // shape[0]
+        r = min(rows, cols, int(rank))
+        numel += size
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            compressed.append(i)
+            p += rows * r
+            q += cols * r
+            flops += 6 * rows * cols * r + 2 * (rows + cols) * r * r
+        else:
+            uncompressed += size
+    return PowerSGDLayout(numel, uncompressed, p, q, flops, tuple(compressed))
 
 
 class CostModel:
@@ -289,15 +352,60 @@ class CostModel:
             return s.world_size * max(1, math.ceil(self.topk_ratio * s.numel))
         return 0
 
+    def local_seconds(self, strategy: str, stats: TensorStats) -> float:
+        """Predicted seconds of the strategy's local work for ``stats`` (module doc)."""
+        per_coord, per_key = self.calibration.codec_seconds.get(strategy, DEFAULT_CODEC_SECONDS[strategy])
+        return per_coord * self.local_coordinates(strategy, stats) + per_key * self.touched_coordinates(strategy, stats)
+
     def predict(self, strategy: str, stats: TensorStats) -> float:
         """Predicted seconds of one step of ``strategy`` for ``stats``."""
         link, n = self.calibration.link, stats.world_size
         t = 0.0
         for kind, nbytes in self.collectives(strategy, stats):
             t += link.allreduce(nbytes, n) if kind == "allreduce" else link.allgather(nbytes, n)
-        per_coord, per_key = self.calibration.codec_seconds.get(strategy, DEFAULT_CODEC_SECONDS[strategy])
-        return (t + per_coord * self.local_coordinates(strategy, stats)
-                + per_key * self.touched_coordinates(strategy, stats))
+        return t + self.local_seconds(strategy, stats)
+
+    def predict_message(self, plans) -> float:
+        """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
+        list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce, then at most
+        one allreduce of the half-precision requests, one of the others and one allgather (as
+        :func:`~lossless_hc.training.auto.decode_message` batches them), plus every tensor's local work."""
+        link = self.calibration.link
+        n = max((s.world_size for _, s in plans), default=1)
+        first = halves = others = gathered = 0
+        local = 0.0
+        for strategy, s in plans:
+            (_, head), *rest = self.collectives(strategy, s)
+            first += head
+            for kind, nbytes in rest:
+                if kind == "allgather":
+                    gathered += nbytes
+                elif strategy in ("fp16", "bf16"):
+                    halves += nbytes
+                else:
+                    others += nbytes
+            local += self.local_seconds(strategy, s)
+        return (link.allreduce(first, n) + link.allreduce(halves, n) + link.allreduce(others, n)
+                + link.allgather(gathered, n) + local)
+
+    @staticmethod
+    def powersgd_collectives(layout: PowerSGDLayout, element_bytes: int = 4) -> list:
+        """PowerSGD's three allreduces ``[("allreduce", bytes per rank)] * 3``: the uncompressed
+        tensors, P, Q (module doc)."""
+        e = int(element_bytes)
+        return [("allreduce", e * layout.uncompressed), ("allreduce", e * layout.p_numel),
+                ("allreduce", e * layout.q_numel)]
+
+    def predict_powersgd(self, layout: PowerSGDLayout, world_size: int, element_bytes: int = 4) -> float:
+        """Predicted seconds of one PowerSGD step of a bucket (module doc): three dependent allreduces,
+        each paying its latency even when empty, and the local work ``c_p d + f_p F``."""
+        link, n = self.calibration.link, int(world_size)
+        per_coord, per_flop = self.calibration.codec_seconds.get("powersgd", DEFAULT_CODEC_SECONDS["powersgd"])
+        t = per_coord * layout.numel + per_flop * layout.flops
+        if n > 1:
+            for _, nbytes in self.powersgd_collectives(layout, element_bytes):
+                t += 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes * link.seconds_per_byte
+        return t
 
     def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None,
                current: Optional[str] = None) -> tuple:

@@ -163,6 +163,8 @@ class AutoAggregator:
         self.agg_stats = stats if stats is not None else AggregationStats()
         self.strategy = first
         self.predicted: dict = {}
+        self.plan_input: Optional[TensorStats] = None   # the statistics of the last plan
+        self.plans = 0                                   # plans made (each counts, kept or changed)
         self.history: list = []                 # (step, strategy) at every change
         self.measured: dict = {}                # strategy -> EWMA of encode-to-result seconds on this rank
         self.bytes_sent = 0
@@ -186,7 +188,8 @@ class AutoAggregator:
         self._plan_due = False
         s = self.tracker.stats(element_bytes=4)
         best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy)
-        self.predicted = predicted
+        self.predicted, self.plan_input = predicted, s
+        self.plans += 1
         if best == "sketch":
             self._size_sketch(s)
         if best != self.strategy:
@@ -232,6 +235,28 @@ class AutoAggregator:
     def _apply_due_plan(self) -> None:
         if self._plan_due:
             self._plan()
+
+    def current_plan(self) -> tuple:
+        """``(strategy, statistics it was planned on)`` after applying a plan that is due (the statistics
+        are None before the first plan); identical on every rank."""
+        self._apply_due_plan()
+        return self.strategy, self.plan_input
+
+    def take_lossy_memory(self) -> Optional[torch.Tensor]:
+        """What THC's or top-k's error feedback still holds (flat float32; None if nothing), removed from
+        this aggregator: a caller that aggregates the tensor by other means from now on (a DDP bucket
+        going to PowerSGD, :mod:`lossless_hc.training.powersgd`) adds it to the gradient, so that no
+        error mass is lost."""
+        err = None
+        if self._thc is not None:
+            err = self._thc.pending_error()
+            self._thc = None
+        if self._topk is not None:
+            if self._topk.residual is not None:
+                res = self._topk.residual.reshape(-1).to(torch.float32)
+                err = res if err is None else err.to(res.device) + res
+            self._topk = None
+        return err
 
     def record_plain_step(self, started: float) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False): the
@@ -580,53 +605,6 @@ class AutoAggregator:
                 raise RuntimeError(f"{self.name}: the {s} payload's size is known after its first encode")
             return H + (agg.codec.payload_numel if agg.codec is not None else self.numel)
         return H
-
-    # -- checkpointing --------------------------------------------------------------------------------
-    _TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step")
-
-    def state_dict(self) -> dict:
-        """What this aggregator carries between steps: the plan (strategy, statistics, the sketch's
-        sizing) and the lossy strategies' error feedback; Python numbers and CPU tensors."""
-        sk = self._sketch_stats
-        thc = self._thc.codec if self._thc is not None else None
-        return {"kind": "auto", "shape": list(self.shape), "dtype": str(self.dtype), "strategy": self.strategy,
-                "history": [list(h) for h in self.history], "steps": self.steps, "plan_due": self._plan_due,
-                "tracker": {f: getattr(self.tracker, f) for f in self._TRACKER_FIELDS},
-                "sketch_stats": None if sk is None else [sk.numel, sk.row, sk.world_size, list(sk.rank_keys),
-                                                         sk.union_keys, sk.element_bytes],
-                "topk_residual": None if self._topk is None or self._topk.residual is None
-                else self._topk.residual.detach().cpu().clone(),
-                "thc": None if thc is None else {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                                                 for k, v in thc.state_dict().items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` into an aggregator built with the same configuration."""
-        got = (state.get("kind"), list(state.get("shape", [])), state.get("dtype"))
-        if got != ("auto", list(self.shape), str(self.dtype)):
-            raise ValueError(f"{self.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, "
-                             f"this one is an auto aggregator of {self.dtype} {list(self.shape)}")
-        if state["strategy"] not in self.allowed:
-            raise ValueError(f"{self.name}: the saved strategy {state['strategy']!r} is not allowed here "
-                             f"({self.allowed})")
-        self.strategy, self.steps = state["strategy"], int(state["steps"])
-        self._plan_due = bool(state.get("plan_due", False))
-        self.history = [tuple(h) for h in state["history"]]
-        saved = dict(state["tracker"])
-        saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
-        for f in self._TRACKER_FIELDS:
-            setattr(self.tracker, f, saved[f])
-        if state["sketch_stats"] is not None:
-            numel, row, n, ranks, union, eb = state["sketch_stats"]
-            self._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
-        if state["topk_residual"] is not None:
-            self._topk = self._topk or TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size,
-                                                      self.topk_ratio, seed=self.seed, stats=AggregationStats(),
-                                                      device=self.device)
-            self._topk.residual = state["topk_residual"].to(self.device, torch.float32).clone()
-        if state["thc"] is not None:
-            self._thc = self._thc or THCAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.rank,
-                                                   bits=self.thc_bits, seed=self.seed, stats=AggregationStats())
-            self._thc.codec.load_state_dict(state["thc"])
 
     # -- inspection -----------------------------------------------------------------------------------
     def plan_stats(self) -> dict:

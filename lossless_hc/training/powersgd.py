@@ -1,0 +1,209 @@
+r"""PowerSGD as the planner's strategy for a whole DDP bucket (``AutoHookState(lossy=True)``).
+
+PowerSGD (Vogels et al., 2019) sends a rank-``r`` approximation of each gradient matrix ``M``
+(``m x n``): with ``Q`` from the previous step (warm start), ``P = sum_ranks M Q`` (allreduce),
+orthogonalise ``P``, ``Q = sum_ranks M^T P / N`` (allreduce), and every rank uses ``P Q^T``. Error feedback
+keeps ``M - P Q^T`` on each rank and adds it to the next step's gradient. Its state (the error and
+``P, Q`` memories) belongs to the bucket's layout, and torch's ``powerSGD_hook`` takes a whole bucket, so
+the planner offers it per bucket, beside the per-parameter plans of :mod:`lossless_hc.training.strategies`.
+We run torch's own implementation (``PowerSGDState`` + ``powerSGD_hook``), one state per bucket, its
+collectives on the bucket's own Gloo group: the hook issues the P and Q allreduces from future
+callbacks, which may run while the main thread issues the next bucket's collectives, so on one shared
+group the ranks could pair mismatched collectives (lossless_hc/bench/workloads/baselines.py found it:
+Gloo aborts with "Received data size doesn't match expected size"); one group per bucket keeps each
+bucket's sequence in order.
+
+Defaults (the bench's PowerSGD baseline, torch's recommendations): rank :data:`POWERSGD_RANK` (4),
+``min_compression_rate`` :data:`MIN_COMPRESSION_RATE` (2: torch's default; smaller tensors, biases
+included, are sent uncompressed in the hook's first allreduce), error feedback and warm start on (torch
+recommends both; without error feedback PowerSGD is biased), no PowerSGD before step index
+:data:`POWERSGD_START` (2: torch's ``start_powerSGD_iter`` minimum with error feedback, after DDP's bucket
+rebuild at the second step), Q's random start seeded by the spec's ``seed`` on every rank, and
+``orthogonalization_epsilon`` :data:`ORTHOGONALIZATION_EPSILON` (1e-8; torch's default 0 divides by a
+zero column's norm in the Gram-Schmidt it uses at ranks 1 and 2, so a matrix whose gradient is zero on
+every rank, which the planner does not rule out, would turn NaN; at ranks above 2 torch uses QR, which
+ignores it).
+
+The decision (:meth:`PowerSGDPlanner.bucket`). After every re-plan of a bucket's parameters (and from
+step index ``start`` on) the bucket compares PowerSGD's predicted step,
+:meth:`~lossless_hc.training.planner.CostModel.predict_powersgd` of
+:func:`~lossless_hc.training.planner.powersgd_layout`, with its per-parameter plans in one message,
+:meth:`~lossless_hc.training.planner.CostModel.predict_message`, and takes PowerSGD when it compresses some
+tensor and is predicted :data:`~lossless_hc.training.planner.SWITCH_MARGIN` faster beyond the first
+allreduce's latency (the rule of :meth:`~lossless_hc.training.planner.CostModel.choose`). Inputs: the
+broadcast calibration, the bucket's shapes and the parameters' plans and statistics, which come from
+aggregated payloads: identical on every rank, so every rank decides alike at the same step.
+
+Switching. PowerSGD is sticky: once a bucket takes it, it keeps it. Its cost depends on the shapes only,
+and under it the per-parameter statistics are no longer observed (its aggregate is a dense low-rank
+matrix), so nothing new could reverse the decision; and leaving would either drop PowerSGD's error
+memory or need one more step to flush it. On the switch, each parameter's lossy error feedback (THC's
+memory, top-k's residual: :meth:`~lossless_hc.training.strategies.AutoAggregator.take_lossy_memory`) is
+added to its gradient in the bucket before PowerSGD's own error feedback, so what those strategies had
+not sent yet is sent (or kept in PowerSGD's memory): over the steps, ``N`` times the sum of the averaged
+outputs plus every rank's remaining memories equals the sum of every rank's gradients, up to float
+rounding (tests/test_planner_powersgd.py checks it across a top-k -> PowerSGD switch).
+
+Engines without a bucket hook (Horovod, BytePS: one tensor per call) or with another collective (FSDP2's
+reduce-scatter) are not offered PowerSGD.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from lossless_hc.training.aggregate import AggregationStats
+from lossless_hc.training.planner import SWITCH_MARGIN, CostModel, PowerSGDLayout, powersgd_layout
+
+POWERSGD_RANK = 4          # matrix_approximation_rank (the bench's baseline)
+POWERSGD_START = 2         # the first step index (0-based) PowerSGD may run at (torch's start_powerSGD_iter)
+MIN_COMPRESSION_RATE = 2   # torch's min_compression_rate: a matrix is compressed iff (m+n) r 2 < m n
+ORTHOGONALIZATION_EPSILON = 1e-8   # a zero gradient matrix stays finite at ranks 1 and 2 (module doc)
+
+
+class PowerSGDBucket:
+    """torch's PowerSGD on one bucket: its own ``PowerSGDState`` (error feedback and warm start on),
+    run by :meth:`run` on the bucket's own process group."""
+
+    def __init__(self, names: Sequence[str], layout: PowerSGDLayout, rank: int, start: int,
+                 min_compression_rate: float, seed: int, since_step: int, predicted: dict):
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+        self.names, self.layout = list(names), layout
+        self.since_step, self.predicted = int(since_step), dict(predicted)
+        self.steps = 0
+        self.state = PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
+                                   min_compression_rate=min_compression_rate, use_error_feedback=True,
+                                   warm_start=True, random_seed=seed,
+                                   orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
+
+    def run(self, bucket, group) -> torch.futures.Future:
+        """``powerSGD_hook`` on ``bucket`` over ``group``: the future of the averaged bucket."""
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+        st = self.state
+        st.process_group = group
+        st.iter = st.start_powerSGD_iter   # the planner decides when PowerSGD starts: the hook compresses
+        self.steps += 1
+        return powerSGD_hook(st, bucket)
+
+    def error(self, bucket_index: int) -> Optional[torch.Tensor]:
+        """This rank's error-feedback memory of the bucket (flat, bucket order), None before a step."""
+        return self.state.error_dict.get(bucket_index)
+
+    def wire_bytes(self, element_bytes: int = 4) -> int:
+        """Bytes this rank contributes per step over the three allreduces."""
+        return int(sum(b for _, b in CostModel.powersgd_collectives(self.layout, element_bytes)))
+
+
+class PowerSGDPlanner:
+    """The buckets' PowerSGD decisions and states (module doc) of one DDP hook state.
+
+    Args:
+        rank: ``matrix_approximation_rank``; start: the first step index (0-based) PowerSGD may run at
+        (>= 2); min_compression_rate: torch's; seed: Q's random start (identical on every rank);
+        stats: the hook state's counters (PowerSGD steps are added to them).
+    """
+
+    def __init__(self, rank: int = POWERSGD_RANK, start: int = POWERSGD_START,
+                 min_compression_rate: float = MIN_COMPRESSION_RATE, seed: int = 0,
+                 stats: Optional[AggregationStats] = None):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"powersgd_rank must be a positive integer, got {rank!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 2:
+            raise ValueError(f"powersgd_start must be an integer >= 2 (torch's start_powerSGD_iter with error "
+                             f"feedback), got {start!r}")
+        if not float(min_compression_rate) > 0:
+            raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
+        self.rank, self.start, self.min_compression_rate = rank, start, float(min_compression_rate)
+        self.seed = int(seed)
+        self.agg_stats = stats if stats is not None else AggregationStats()
+        self.buckets: dict = {}      # bucket index -> PowerSGDBucket (sticky)
+        self.decisions: dict = {}    # bucket index -> the last comparison (stats())
+        self._compared: dict = {}    # bucket index -> the parameters' plan count at the last comparison
+
+    def describe(self) -> str:
+        return f"powersgd(rank={self.rank}, start={self.start}, min_compression_rate={self.min_compression_rate})"
+
+    @staticmethod
+    def offered(buffer: torch.Tensor, grads: Sequence[torch.Tensor], world_size: int) -> bool:
+        """Whether a bucket can go to PowerSGD: more than one rank, a dense float32 bucket, every
+        gradient at least 1-D and non-empty (torch's hook views each as a matrix)."""
+        return (world_size > 1 and not buffer.is_sparse and buffer.dtype == torch.float32 and len(grads) > 0
+                and all(g.dim() >= 1 and g.numel() > 0 for g in grads))
+
+    def bucket(self, index: int, step: int, aggregators, grads: Sequence[torch.Tensor], buffer: torch.Tensor,
+               cost_model: CostModel, world_size: int) -> Optional[PowerSGDBucket]:
+        """The bucket's PowerSGD state if it runs PowerSGD this step, else None (its per-parameter plans
+        run). ``step``: the 0-based step index, identical on every rank; ``aggregators``: the bucket's
+        parameters' (:class:`~lossless_hc.training.strategies.AutoAggregator`), in bucket order, with
+        ``grads`` their gradients (views into ``buffer``). A bucket taking PowerSGD now gets its
+        parameters' lossy error feedback added to ``grads`` (module doc)."""
+        chosen = self.buckets.get(index)
+        if chosen is not None:
+            if chosen.names != [a.name for a in aggregators]:
+                raise RuntimeError(f"DDP bucket {index} changed its parameters after going to PowerSGD "
+                                   f"({chosen.names} -> {[a.name for a in aggregators]}); its error feedback "
+                                   "would no longer match")
+            return chosen
+        if step < self.start or not self.offered(buffer, grads, world_size):
+            return None
+        plans = [a.current_plan() for a in aggregators]
+        stamp = sum(a.plans for a in aggregators)
+        if any(s is None for _, s in plans) or self._compared.get(index) == stamp:
+            return None   # not planned yet, or nothing new since the last comparison
+        self._compared[index] = stamp
+        layout = powersgd_layout([tuple(g.shape) for g in grads], self.rank, self.min_compression_rate)
+        t_psgd = cost_model.predict_powersgd(layout, world_size)
+        t_plans = cost_model.predict_message(plans)
+        common = 2 * (world_size - 1) * cost_model.calibration.link.alpha_s
+        take = bool(layout.compressed) and t_psgd - common < (1.0 - SWITCH_MARGIN) * (t_plans - common)
+        predicted = {"powersgd": t_psgd, "per_parameter": t_plans}
+        self.decisions[index] = {"strategy": "powersgd" if take else "per_parameter", "step": step,
+                                 "predicted_seconds": predicted, "parameters": [a.name for a in aggregators],
+                                 "compressed": len(layout.compressed)}
+        if not take:
+            return None
+        for agg, g in zip(aggregators, grads):
+            err = agg.take_lossy_memory()
+            if err is not None:
+                g.add_(err.to(device=g.device, dtype=g.dtype).reshape(g.shape))
+        chosen = self.buckets[index] = PowerSGDBucket([a.name for a in aggregators], layout, self.rank, self.start,
+                                                     self.min_compression_rate, self.seed, step, predicted)
+        return chosen
+
+    def count_step(self, chosen: PowerSGDBucket, grads: Sequence[torch.Tensor]) -> None:
+        """Account one PowerSGD step of a bucket in the hook state's counters."""
+        st = self.agg_stats
+        st.tensors += len(grads)
+        st.compressed += len(chosen.layout.compressed)
+        st.sent_dense += len(grads) - len(chosen.layout.compressed)
+        st.dense_bytes += sum(g.numel() * g.element_size() for g in grads)
+        st.payload_bytes += chosen.wire_bytes()
+
+    def plan_stats(self, plan: dict) -> dict:
+        """``plan`` (``{name: AutoAggregator.plan_stats()}``) with the PowerSGD buckets' parameters marked
+        ``"strategy": "powersgd"``, their bucket index, the switch in their ``changes`` and PowerSGD's
+        steps (the bucket's bytes: :meth:`stats`)."""
+        for index, chosen in self.buckets.items():
+            for name in chosen.names:
+                p = plan.get(name)
+                if p is not None:
+                    p.update(strategy="powersgd", bucket=index, powersgd_steps=chosen.steps,
+                             changes=list(p["changes"]) + [(chosen.since_step, "powersgd")])
+        return plan
+
+    def stats(self) -> dict:
+        """Per bucket index: the last comparison (strategy, step, predicted seconds of PowerSGD and of the
+        per-parameter plans, parameters, tensors PowerSGD compresses) and, for PowerSGD buckets, its steps
+        and wire bytes per step."""
+        out = {}
+        for index, d in self.decisions.items():
+            out[index] = dict(d)
+            chosen = self.buckets.get(index)
+            if chosen is not None:
+                out[index].update(strategy="powersgd", since_step=chosen.since_step, steps=chosen.steps,
+                                  wire_bytes_per_step=chosen.wire_bytes(),
+                                  predicted_seconds=dict(chosen.predicted))
+        return out

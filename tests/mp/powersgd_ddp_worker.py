@@ -1,0 +1,189 @@
+"""torch.distributed (Gloo) worker for tests/test_planner_powersgd.py: ``auto_hook(lossy=True)`` taking
+torch's PowerSGD for buckets. Every rank writes OUT_DIR/<scenario>.rank<r>.json.
+
+Scenarios:
+* ``choice``: an MLP in several buckets on a slow link (given calibration): which buckets go to
+  PowerSGD, the bytes and collectives each PowerSGD step issues on its bucket's group (every
+  ``torch.distributed.all_reduce`` call is recorded by a wrapper that calls the real one), the
+  replicas' digest.
+* ``switch``: one weight whose gradient on rank r at step t is a known matrix C(r, t) (the loss is
+  linear in it); top-k with error feedback first, then PowerSGD: what the error-feedback bookkeeping
+  must conserve across the switch.
+* ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
+  (the bench's per-bucket baseline) and auto(lossy): the losses.
+"""
+import json
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import param_digest  # noqa: E402
+
+from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
+
+SLOW = Calibration.default(bandwidth_bits=1e8)   # 100 Mbit/s, 50 us per hop
+
+_calls = []   # (group, bytes) of every dist.all_reduce call in this process
+_lock = threading.Lock()
+_real_all_reduce = dist.all_reduce
+
+
+def _recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    with _lock:
+        _calls.append((group, tensor.numel() * tensor.element_size()))
+    return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                               torch.nn.Linear(256, 16))
+
+
+def data(step, rank, teacher):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 64, generator=g)
+    with torch.no_grad():
+        y = teacher(x)
+    return x, y
+
+
+def choice():
+    model = mlp()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.2)   # several buckets
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW)
+    ddp.register_comm_hook(state, auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    teacher = torch.nn.Linear(64, 16)
+    per_step = []
+    dist.all_reduce = _recording_all_reduce
+    try:
+        for step in range(8):
+            with _lock:
+                _calls.clear()
+            opt.zero_grad(set_to_none=True)
+            x, y = data(step, dist.get_rank(), teacher)
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+            with _lock:
+                calls = list(_calls)
+            # per PowerSGD bucket: the bytes of each all_reduce issued on its group this step
+            per_step.append({str(i): [b for g, b in calls if g is state._fallback_groups.get(i)]
+                             for i in state._powersgd.buckets})
+    finally:
+        dist.all_reduce = _real_all_reduce
+    st = state.stats()
+    exact = AutoHookState(lossy=False, interval=2, calibration=SLOW)   # the same model and link, exact
+    model = mlp()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.2)
+    ddp.register_comm_hook(exact, auto_hook)
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        x, y = data(step, dist.get_rank(), teacher)
+        ((ddp(x) - y) ** 2).mean().backward()
+    ex = exact.stats()
+    return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"],
+            "exact_plan": {k: v["strategy"] for k, v in ex["plan"].items()}, "exact_buckets": ex["buckets"],
+            "per_step": per_step, "digest": param_digest(model),
+            "predicted_bytes": {str(i): [b for _, b in state.spec.cost_model.powersgd_collectives(c.layout)]
+                                for i, c in state._powersgd.buckets.items()},
+            "payload_bytes": st["payload_bytes"], "dense_bytes": st["dense_bytes"]}
+
+
+class Linear(torch.nn.Module):
+    """loss(C) = sum(W * C): the gradient is C, whatever W is."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(256, 192))
+
+    def forward(self, c):
+        return (self.weight * c).sum()
+
+
+def gradient(step, rank):
+    return torch.randn(256, 192, generator=torch.Generator().manual_seed(7919 * step + rank))
+
+
+def switch():
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = Linear()
+    ddp = DistributedDataParallel(model)
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"),
+                          topk_ratio=0.05)
+    ddp.register_comm_hook(state, auto_hook)
+    steps = 6
+    out_sum = torch.zeros(256, 192, dtype=torch.float64)
+    residual_before = None
+    for step in range(steps):
+        model.weight.grad = None
+        ddp(gradient(step, rank)).backward()
+        out_sum += model.weight.grad.to(torch.float64)
+        if step == 1:   # top-k's error feedback just before the bucket can switch (step index 2)
+            agg = next(iter(state._aggregators.values()))
+            residual_before = float(agg._topk.residual.norm())
+    agg = next(iter(state._aggregators.values()))
+    chosen = state._powersgd.buckets[0]
+    memory = chosen.error(0).reshape(256, 192).to(torch.float64)
+    left = agg.take_lossy_memory()   # None: flushed at the switch
+    memories = [torch.empty_like(memory) for _ in range(n)]
+    dist.all_gather(memories, memory)
+    total = sum(gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    conserved = n * out_sum + sum(memories)
+    st = state.stats()
+    return {"plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}, "buckets": st["buckets"],
+            "since_step": chosen.since_step, "residual_before": residual_before, "left": left is not None,
+            "conservation_error": float((conserved - total).abs().max()), "scale": float(total.abs().max()),
+            "digest": param_digest(model)}
+
+
+def converge():
+    teacher = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    losses = {}
+    states = {}
+    for mode in ("none", "torch_powersgd", "auto_lossy"):
+        model = mlp()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.2)
+        if mode == "torch_powersgd":
+            from lossless_hc.bench.workloads.baselines import PowerSGDPerBucket, powersgd_hook
+            ddp.register_comm_hook(PowerSGDPerBucket(matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                                     min_compression_rate=2, random_seed=0), powersgd_hook)
+        elif mode == "auto_lossy":
+            states[mode] = AutoHookState(lossy=True, calibration=SLOW)
+            ddp.register_comm_hook(states[mode], auto_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        curve = []
+        for step in range(60):
+            opt.zero_grad(set_to_none=True)
+            x, y = data(step, dist.get_rank(), teacher)
+            loss = ((ddp(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            curve.append(float(t) / dist.get_world_size())
+        losses[mode] = curve
+    st = states["auto_lossy"].stats()
+    return {"losses": losses, "plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"]}
+
+
+def worker(rank, size, port, out_dir, names):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    torch.set_num_threads(1)
+    for name in names:
+        result = {"choice": choice, "switch": switch, "converge": converge}[name]()
+        result["size"] = size
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    size, port, out_dir, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
+    torch.multiprocessing.spawn(worker, args=(size, port, out_dir, names), nprocs=size)

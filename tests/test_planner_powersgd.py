@@ -1,0 +1,227 @@
+"""PowerSGD as auto(lossy)'s strategy for a DDP bucket (lossless_hc.training.powersgd): its pricing
+against torch's own rule and against what ``powerSGD_hook`` sends on a real Gloo group, the bucket's
+decision over synthetic statistics, and real DDP training (3 Gloo processes, tests/mp/powersgd_ddp_worker.py):
+identical decisions on every rank, error feedback conserved across a top-k -> PowerSGD switch, and
+convergence comparable to torch's own PowerSGD hook."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+from lossless_hc.training.auto import AutoSpec
+from lossless_hc.training.planner import STRATEGIES, Calibration, CostModel, PowerSGDLayout, powersgd_layout
+from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner
+from lossless_hc.training.strategies import AutoAggregator
+from lossless_hc.plugins.ddp import AutoHookState
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SIZE = 3
+SLOW = CostModel(Calibration.default(bandwidth_bits=1e8))
+FAST = CostModel(Calibration.default(bandwidth_bits=1e11, latency_s=1e-4))
+
+
+# -- pricing ---------------------------------------------------------------------------------------------
+
+def test_layout_follows_torchs_matrix_view_and_min_compression_rate():
+    shapes = [(512, 512), (512,), (8, 8), (64, 3, 3, 3), (1000, 2), (3, 400), (1,)]
+    lay = powersgd_layout(shapes, 4, 2)
+    p = q = unc = 0
+    compressed = []
+    for i, s in enumerate(shapes):
+        rows, cols = s[0], torch.Size(s).numel() // s[0]
+        r = min(rows, cols, 4)
+        if _should_compress(rows, cols, r, 2)[0]:   # torch's own rule
+            compressed.append(i)
+            p, q = p + rows * r, q + cols * r
+        else:
+            unc += rows * cols
+    assert lay.compressed == tuple(compressed) == (0, 3)   # vectors, 8x8 and thin matrices stay uncompressed
+    assert (lay.p_numel, lay.q_numel, lay.uncompressed) == (p, q, unc)
+    assert lay.numel == sum(torch.Size(s).numel() for s in shapes)
+    assert lay.flops == 6 * 512 * 512 * 4 + 2 * 1024 * 16 + 6 * 64 * 27 * 4 + 2 * 91 * 16
+    assert CostModel.powersgd_collectives(lay) == [("allreduce", 4 * unc), ("allreduce", 4 * p), ("allreduce", 4 * q)]
+    with pytest.raises(ValueError):
+        powersgd_layout([()], 4, 2)   # torch's hook cannot view a scalar as a matrix
+
+
+def test_powersgd_prediction_pays_three_latencies_and_its_bytes():
+    lay = PowerSGDLayout(numel=100, uncompressed=0, p_numel=0, q_numel=0, flops=0, compressed=())
+    c = Calibration.default(bandwidth_bits=1e9, latency_s=1e-4)
+    per_coord = c.codec_seconds["powersgd"][0]
+    assert CostModel(c).predict_powersgd(lay, 4) == pytest.approx(3 * 6e-4 + 100 * per_coord)
+    assert CostModel(c).predict_powersgd(lay, 1) == pytest.approx(100 * per_coord)   # one rank: no collective
+
+
+def test_calibration_carries_powersgd_constants():
+    c = Calibration.default()
+    assert "powersgd" in c.codec_seconds and Calibration.from_list(c.as_list()) == c
+    assert len(c.as_list()) == 2 + 2 * (len(STRATEGIES) + 1)
+
+
+# -- the bucket's decision -----------------------------------------------------------------------------------
+
+def planned(shapes, model, n=2, lossy=True, **kw):
+    """Every rank's aggregators for a bucket of ``shapes``, after one dense step of random dense
+    gradients (in-process SUM), and the gradients of the next step."""
+    g = torch.Generator().manual_seed(0)
+    aggs = [[AutoAggregator(f"p{i}", s, torch.float32, n, r, model, lossy=lossy, interval=2, **kw)
+             for i, s in enumerate(shapes)] for r in range(n)]
+    for i in range(len(shapes)):
+        xs = [torch.randn(shapes[i], generator=g) for _ in range(n)]
+        enc = [aggs[r][i].encode(xs[r]) for r in range(n)]
+        summed = torch.stack([p for p, _ in enc]).sum(0)
+        for r in range(n):
+            assert aggs[r][i].decode(summed.clone(), enc[r][1]).request is None
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+    return aggs, grads
+
+
+def decide(planners, aggs, grads, model, step=2, n=2):
+    return [pl.bucket(0, step, aggs[r], grads[r], torch.cat([x.reshape(-1) for x in grads[r]]), model, n)
+            for r, pl in enumerate(planners)]
+
+
+def test_large_matrices_on_a_slow_link_go_to_powersgd_on_every_rank():
+    shapes = [(1024, 1024), (1024,)]
+    aggs, grads = planned(shapes, SLOW)
+    planners = [PowerSGDPlanner() for _ in range(2)]
+    assert decide(planners, aggs, grads, SLOW, step=1) == [None, None]   # before step index 2: never
+    chosen = decide(planners, aggs, grads, SLOW)
+    assert all(isinstance(c, PowerSGDBucket) for c in chosen)
+    assert planners[0].stats() == planners[1].stats()
+    d = planners[0].stats()[0]
+    assert d["strategy"] == "powersgd" and d["predicted_seconds"]["powersgd"] < d["predicted_seconds"]["per_parameter"]
+    assert chosen[0].wire_bytes() == 4 * (1024 + 1024 * 4 + 1024 * 4)
+    # sticky: the same state at every later step, whatever the plans do
+    assert decide(planners, aggs, grads, SLOW, step=9)[0] is chosen[0]
+    plan = planners[0].plan_stats({"p0": {"strategy": "fp16", "changes": []}})
+    assert plan["p0"]["strategy"] == "powersgd" and plan["p0"]["changes"] == [(2, "powersgd")]
+
+
+def test_small_or_vector_buckets_and_fast_links_keep_their_per_parameter_plans():
+    for shapes, model in (([(1024, 1024), (1024,)], FAST), ([(16, 16), (16,)], SLOW), ([(4096,)], SLOW)):
+        aggs, grads = planned(shapes, model)
+        planners = [PowerSGDPlanner() for _ in range(2)]
+        assert decide(planners, aggs, grads, model) == [None, None], shapes
+        assert planners[0].stats()[0]["strategy"] == "per_parameter"
+        assert planners[0].stats() == planners[1].stats()
+
+
+def test_a_bucket_is_compared_again_only_after_a_re_plan():
+    aggs, grads = planned([(1024, 1024)], FAST)
+    planner = PowerSGDPlanner()
+    assert decide([planner], aggs[:1], grads[:1], FAST) == [None]
+    assert decide([planner], aggs[:1], grads[:1], SLOW) == [None]   # no re-plan since: not compared again
+    aggs[0][0]._plan()                                               # a re-plan (here: on the same statistics)
+    assert isinstance(decide([planner], aggs[:1], grads[:1], SLOW)[0], PowerSGDBucket)
+
+
+def test_the_switch_sends_the_per_parameter_error_feedback():
+    """A parameter on top-k holds a residual; the bucket going to PowerSGD adds it to the gradient."""
+    shapes = [(512, 256)]
+    aggs, grads = planned(shapes, SLOW, first="topk", allowed=("topk",))
+    assert aggs[0][0].strategy == "topk" and aggs[0][0]._topk.residual.abs().sum() > 0
+    residual = aggs[0][0]._topk.residual.reshape(shapes[0]).clone()
+    before = grads[0][0].clone()
+    decide([PowerSGDPlanner()], aggs[:1], grads[:1], SLOW)
+    assert torch.equal(grads[0][0], before + residual) and aggs[0][0].take_lossy_memory() is None
+
+
+def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
+    assert AutoHookState(lossy=True)._powersgd is not None
+    assert AutoHookState(lossy=False)._powersgd is None                          # exact: never
+    assert AutoHookState(lossy=True, strategies=("fp16", "thc"))._powersgd is None
+    st = AutoHookState(lossy=True, strategies=("powersgd",))
+    assert st._powersgd is not None and st.spec.strategies == ("dense",)
+    with pytest.raises(ValueError, match="lossy=True"):
+        AutoHookState(strategies=("dense", "powersgd"))
+    with pytest.raises(ValueError):
+        AutoSpec(lossy=True, strategies=("powersgd",))   # Compression.auto, AutoFSDPState: no bucket to give it
+    with pytest.raises(ValueError):
+        AutoHookState(lossy=True, powersgd_start=1)       # torch's minimum with error feedback
+    assert "powersgd(rank=4" in repr(AutoHookState(lossy=True))   # part of the cross-rank configuration check
+    assert not PowerSGDPlanner.offered(torch.zeros(3), [torch.zeros(())], 2)   # a scalar gradient
+    assert not PowerSGDPlanner.offered(torch.zeros(3, dtype=torch.float64), [torch.zeros(3, dtype=torch.float64)], 2)
+
+
+# -- real DDP, 3 Gloo processes ---------------------------------------------------------------------------------
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("powersgd_ddp")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
+                           str(free_port()), str(out), "choice,switch,converge"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(SIZE)]
+            for name in ("choice", "switch", "converge")}
+
+
+@pytest.mark.multiprocess
+def test_ddp_auto_lossy_takes_powersgd_identically_and_sends_what_it_predicts(run):
+    rs = run["choice"]
+    for r in rs:
+        assert (r["plan"], r["buckets"], r["digest"]) == (rs[0]["plan"], rs[0]["buckets"], rs[0]["digest"])
+    buckets = rs[0]["buckets"]
+    psgd = [i for i, b in buckets.items() if b["strategy"] == "powersgd"]
+    assert psgd and "powersgd" in rs[0]["plan"].values()
+    for r in rs:
+        assert r["per_step"][0] == r["per_step"][1] == {}   # steps 0, 1: the per-parameter plans
+        for step in r["per_step"][2:]:
+            # exactly powerSGD_hook's three allreduces on the bucket's group, of the predicted sizes
+            assert step == r["predicted_bytes"], (step, r["predicted_bytes"])
+    for i in psgd:
+        assert buckets[i]["wire_bytes_per_step"] == sum(rs[0]["predicted_bytes"][i])
+    assert "powersgd" not in rs[0]["exact_plan"].values() and rs[0]["exact_buckets"] == {}   # lossy=False
+
+
+@pytest.mark.multiprocess
+def test_a_switch_from_top_k_to_powersgd_conserves_the_error_feedback(run):
+    """n x (sum of the averaged outputs) + every rank's PowerSGD memory = sum of every gradient: top-k's
+    residual at the switch (large) went into PowerSGD's input, nothing was dropped."""
+    rs = run["switch"]
+    for r in rs:
+        assert r["plan"] == rs[0]["plan"] and r["digest"] == rs[0]["digest"]
+        assert r["since_step"] == 2 and r["residual_before"] > 1.0 and not r["left"]
+        assert r["conservation_error"] <= 1e-5 * r["scale"] * 6, r
+    assert list(rs[0]["plan"].values())[0] == ["powersgd", [[2, "powersgd"]]]
+
+
+@pytest.mark.multiprocess
+def test_training_with_auto_lossy_converges_like_torchs_powersgd(run):
+    rs = run["converge"]
+    losses = rs[0]["losses"]
+    assert "powersgd" in rs[0]["plan"].values()
+    assert all(r["plan"] == rs[0]["plan"] for r in rs)
+    first, none, torch_psgd, auto = (losses["none"][0], losses["none"][-1], losses["torch_powersgd"][-1],
+                                     losses["auto_lossy"][-1])
+    assert auto < 0.1 * first                     # it trains
+    assert auto <= 1.25 * torch_psgd, losses      # as well as torch's own PowerSGD hook (same rank, start)
+    assert auto <= 2.0 * none, losses
+
+
+def test_a_zero_gradient_matrix_stays_finite_at_low_rank():
+    """torch's Gram-Schmidt (ranks 1, 2) divides by a column's norm: the state's epsilon keeps an
+    all-zero gradient finite (with torch's default 0 it turns NaN)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    lay = powersgd_layout([(64, 32)], 1, 2)
+    bucket = PowerSGDBucket(["w"], lay, 1, 2, 2, 0, 2, {})
+    p = torch.zeros(1, 64, 1)
+    _orthogonalize(p, bucket.state.orthogonalization_epsilon)
+    assert torch.isfinite(p).all()
+    _orthogonalize(p.zero_(), 0)
+    assert not torch.isfinite(p).all()

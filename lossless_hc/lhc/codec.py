@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, options_fingerprint)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
 
@@ -316,7 +316,8 @@ class LosslessCodec:
         """
         n = self.layout.world_size
         chunk_max = (1 << CHUNK_BITS) - 1
-        per_rank_max = [1, chunk_max, chunk_max, chunk_max, chunk_max, chunk_max, 1, 1, 1]
+        per_rank_max = [1, chunk_max, chunk_max, chunk_max, chunk_max, chunk_max, 1, 1, 1,
+                        *(p - 1 for p in INDEX_CHECK_PRIMES)]
         tolerance = 0.0 if scale == 1.0 else 0.5
         ints, in_range = [], True
         for v, hi in zip((float(f) * scale for f in fields), per_rank_max):

@@ -416,3 +416,42 @@ def test_emulated_index_flip_and_zeroed_sketch_are_caught(emulated):
     p[codec.layout.sketch_offset:] = 0.0
     _, report, _ = emulated_decode(native, p)
     assert report.status == 7, report.reason
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
+@pytest.mark.parametrize("averaged", [False, True])
+def test_emulated_index_checksum(emulated, index, averaged):
+    """The index checksum on the CUDA kernels: the encoder's header fields are the CPU's bits (its
+    per-thread sums reduced mod p_f, then per warp); a key moved to another position and forged as a
+    valid index (tests/test_index_check.py) is INDEX_CORRUPT as on the CPU, and with the header's
+    checksum forged to match, both go on to the same verdict; index bit flips get the CPU's status."""
+    from test_index_check import flip, positive_case
+    n = 3
+    cpu, xs, counts, rng = positive_case(index, n, "clustered", seed=2)
+    native = _cuda.CudaLayout(cpu.layout, torch.device("cpu"))
+    L = cpu.layout
+    for x in xs:
+        assert_same_payload(L, cpu.encode(x), emulated_encode(native, x), x)
+    a = int(torch.nonzero(counts > 1).reshape(-1)[0])
+    b = int(torch.nonzero(counts == 0).reshape(-1)[0])
+    moved_xs = [x.clone() for x in xs]
+    for m in moved_xs:
+        m[b], m[a] = m[a].clone(), 0.0
+    scale = n if averaged else 1
+    payload = torch.stack([cpu.encode(x) for x in xs]).sum(0) / scale
+    moved = torch.stack([cpu.encode(x) for x in moved_xs]).sum(0) / scale
+    p = payload.clone()
+    p[L.index_offset:L.sketch_offset] = moved[L.index_offset:L.sketch_offset]
+    _, r = cpu.decode(p, averaged=averaged)
+    _, re, _ = emulated_decode(native, p, averaged=averaged)
+    assert r.status == re.status == DecodeStatus.INDEX_CORRUPT, (r.reason, re.reason)
+    p[HDR_INDEX_CHECK0:HDR_INDEX_CHECK0 + 2] = moved[HDR_INDEX_CHECK0:HDR_INDEX_CHECK0 + 2]
+    _, r = cpu.decode(p, averaged=averaged)
+    _, re, _ = emulated_decode(native, p, averaged=averaged)
+    assert r.status == re.status != DecodeStatus.INDEX_CORRUPT, (r.reason, re.reason)
+    words = range(L.index_offset, L.sketch_offset)
+    for i in range(6):
+        q = flip(payload, words[(i * 7919) % len(words)], (i * 11) % 24)
+        _, r = cpu.decode(q, averaged=averaged)
+        _, re, _ = emulated_decode(native, q, averaged=averaged)
+        assert r.status == re.status, (i, r.reason, re.reason)

@@ -73,6 +73,7 @@ LHC_HD uint32_t read_fine_word(float f, double scale, long long* out) {
 constexpr uint64_t kSaltSketch = 0x5ce7c4a11ULL;
 constexpr uint64_t kSaltBloom = 0xb100f11ULL;
 constexpr uint64_t kSaltFine = 0xf1e7ab1eULL;  // the multilevel index's fine table
+constexpr uint64_t kSaltIndexCheck = 0x1dc4ec5ULL;  // the index checksum (below)
 
 // Payload header: float32 fields, each an integer that every rank contributes (see codec.py).
 enum HeaderField : uint32_t {
@@ -85,7 +86,9 @@ enum HeaderField : uint32_t {
   kHdrOverloaded = 6,    // 1 if this rank had more non-zero keys than the capacity
   kHdrNonFinite = 7,     // 1 if this rank's input held NaN or Inf
   kHdrSaturated = 8,     // 1 if one of this rank's index counters hit its per-rank cap
-  kHeaderFields = 9,
+  kHdrIndexCheck0 = 9,   // the index checksum: sum over this rank's non-zero keys of index_check_parts,
+  kHdrIndexCheck1 = 10,  // field f reduced mod index_check_prime(f) (layout version 7)
+  kHeaderFields = 11,
 };
 constexpr uint32_t kChunkBits = 11;
 
@@ -104,6 +107,52 @@ LHC_HD uint64_t reduce32(uint64_t h, uint64_t n) { return ((h & 0xffffffffULL) *
 
 // The per-stream seed: one user seed and a salt give an independent stream.
 LHC_HD uint64_t stream_seed(uint64_t seed, uint64_t salt) { return mix64(seed ^ mix64(salt)); }
+
+// ---- The index checksum (issue #19): a summable check that the decoded support is the true one ----
+//
+// Rank r writes into header field kHdrIndexCheck0 + f (f = 0, 1) the value
+//     c_f(r) = (sum over its non-zero keys k of part_f(k)) mod p_f,     p_0 = 2039, p_1 = 2029 (primes),
+// where part_0(k) = (h mod 2^32) mod p_0 and part_1(k) = (h >> 32) mod p_1 for h = mix64(k ^ stream),
+// stream = index_check_stream(sketch stream) (the seed through the sketch's stream and kSaltIndexCheck:
+// a stream of its own, independent of the sketch, Bloom and fine hashes). c_f(r) < 2^11, so n <= 1024
+// ranks sum below 2^21: the field is exact under SUM and recoverable under AVERAGE (kIntFieldBits).
+// The aggregate satisfies
+//     (sum over r of c_f(r)) mod p_f  ==  (sum over keys k of count(k) part_f(k)) mod p_f,
+// count(k) the number of ranks that sent k: the per-key counts every index kind decodes (bitmap digits,
+// Bloom counts after the count peel, the multilevel index's finest child digits). A decoded support
+// whose counts differ from the true ones by d(k) (|d(k)| <= n < p_f, so d(k) != 0 mod p_f) passes only
+// if sum_k d(k) part_f(k) == 0 mod p_f for both f: with part_f uniform and independent across keys
+// (and the two halves of h independent), probability 1/(p_0 p_1) < 2^-21.9 per corruption, over the
+// seed. (Prime moduli: a modulus 2^11 would miss a count off by 2 with probability 2^-10 per field.)
+constexpr uint32_t kIndexCheckFields = 2;
+constexpr uint64_t kIndexCheckInvalid = ~0ULL;  // header_index_check of a field that is no such sum
+LHC_HD uint32_t index_check_prime(uint32_t f) { return f == 0 ? 2039u : 2029u; }
+LHC_HD uint64_t index_check_stream(uint64_t sketch_stream) { return stream_seed(sketch_stream, kSaltIndexCheck); }
+LHC_HD void index_check_parts(uint64_t stream, uint64_t key, uint32_t part[2]) {
+  const uint64_t h = mix64(key ^ stream);
+  part[0] = (uint32_t)((h & 0xffffffffULL) % 2039u);
+  part[1] = (uint32_t)((h >> 32) % 2029u);
+}
+
+// What the aggregated header field kHdrIndexCheck0 + f says the decoded support's
+// sum_k count(k) part_f(k) is, mod p_f; kIndexCheckInvalid where the field (times `scale`: n for an
+// AVERAGE, else 1) is not an integer in [0, 2^22) (the codec rejects such a header as corrupt anyway).
+LHC_HD uint64_t header_index_check(const float* header, double scale, uint32_t f) {
+  const double v = (double)header[kHdrIndexCheck0 + f] * scale;
+  if (!(v > -0.5 && v < (double)kIntFieldLimit)) return kIndexCheckInvalid;  // NaN too
+  const double r = rint(v);
+  const double tolerance = scale == 1.0 ? 0.0 : 0.5;
+  if (fabs(v - r) > tolerance || r < 0.0) return kIndexCheckInvalid;
+  return (uint64_t)r % index_check_prime(f);
+}
+
+// Whether the decoded support's sums[f] = sum_k count(k) part_f(k) (any size: reduced here) match the
+// header's checksum for both fields.
+LHC_HD bool index_check_matches(const float* header, double scale, const unsigned long long sums[2]) {
+  for (uint32_t f = 0; f < kIndexCheckFields; ++f)
+    if (header_index_check(header, scale, f) != (uint64_t)(sums[f] % index_check_prime(f))) return false;
+  return true;
+}
 
 struct SegmentedTable {
   uint64_t seg_len;       // cells per segment (>= 1)

@@ -24,8 +24,9 @@ from lossless_hc import LosslessCodec
 from lossless_hc.backends import cuda as _cuda
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc.codec import DEFAULT_RTOL
-from lossless_hc.lhc.status import message
-from lossless_hc.lhc.layout import HEADER_FIELDS
+from lossless_hc.lhc import reference
+from lossless_hc.lhc.layout import HDR_INDEX_CHECK0, HEADER_FIELDS
+from lossless_hc.lhc.status import DecodeStatus, message
 from test_cuda import assert_same_payload, bits
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -222,6 +223,14 @@ def test_emulated_index_claiming_every_key_is_reported(emulated):
     p[L.index_offset:L.sketch_offset] = ((pos < L.num_keys).double() * powers).sum(1).float()
     mask = (1 << 11) - 1
     p[3:6] = torch.tensor([L.num_keys & mask, (L.num_keys >> 11) & mask, L.num_keys >> 22], dtype=torch.float32)
+    # The index checksum still says 20 keys: the forged support is index corruption on both.
+    _, r_cpu = cpu.decode(p)
+    _, r, _ = emulated_decode(native, p)
+    assert r.status == r_cpu.status == DecodeStatus.INDEX_CORRUPT, (r.reason, r_cpu.reason)
+    # With the checksum forged too, the index is consistent: too many keys to peel (on the GPU, more
+    # than the value peel's list holds).
+    p[HDR_INDEX_CHECK0:HDR_INDEX_CHECK0 + 2] = torch.tensor(reference.index_check(L, torch.arange(L.num_keys)),
+                                                              dtype=torch.float32)
     _, r_cpu = cpu.decode(p)
     _, r, _ = emulated_decode(native, p)
     assert not r.ok and not r_cpu.ok
@@ -393,16 +402,56 @@ def test_emulated_verdicts_match_cpu_property(emulated, index):
     assert {0, helpers.INEXACT, 7} <= seen, seen   # OK, INEXACT and SKETCH_CORRUPT all compared
 
 
-def test_emulated_residual_check_catches_the_index_flip(emulated):
-    """The valid-looking bitmap flip of tests/test_robustness.py: SKETCH_CORRUPT on the CUDA kernels too."""
+def test_emulated_index_flip_and_zeroed_sketch_are_caught(emulated):
+    """The valid-looking bitmap flip of tests/test_robustness.py: INDEX_CORRUPT (the index checksum) on
+    the CUDA kernels too; a zeroed sketch under a valid index: SKETCH_CORRUPT (the residual check)."""
     from test_robustness import CODECS
     codec, xs, summed = CODECS["bitmap"]
     native = _cuda.CudaLayout(codec.layout, torch.device("cpu"))
     p = summed.clone()
-    p[31] = 2.0
+    p[codec.layout.index_offset + 22] = 2.0
     _, report, _ = emulated_decode(native, p)
-    assert report.status == 7, report.reason   # SKETCH_CORRUPT
+    assert report.status == DecodeStatus.INDEX_CORRUPT, report.reason
     p = summed.clone()
     p[codec.layout.sketch_offset:] = 0.0
     _, report, _ = emulated_decode(native, p)
     assert report.status == 7, report.reason
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
+@pytest.mark.parametrize("averaged", [False, True])
+def test_emulated_index_checksum(emulated, index, averaged):
+    """The index checksum on the CUDA kernels: the encoder's header fields are the CPU's bits (its
+    per-thread sums reduced mod p_f, then per warp); a key moved to another position and forged as a
+    valid index (tests/test_index_check.py) is INDEX_CORRUPT as on the CPU, and with the header's
+    checksum forged to match, both go on to the same verdict; index bit flips get the CPU's status."""
+    from test_index_check import flip, positive_case
+    n = 3
+    cpu, xs, counts, rng = positive_case(index, n, "clustered", seed=2)
+    native = _cuda.CudaLayout(cpu.layout, torch.device("cpu"))
+    L = cpu.layout
+    for x in xs:
+        assert_same_payload(L, cpu.encode(x), emulated_encode(native, x), x)
+    a = int(torch.nonzero(counts > 1).reshape(-1)[0])
+    b = int(torch.nonzero(counts == 0).reshape(-1)[0])
+    moved_xs = [x.clone() for x in xs]
+    for m in moved_xs:
+        m[b], m[a] = m[a].clone(), 0.0
+    scale = n if averaged else 1
+    payload = torch.stack([cpu.encode(x) for x in xs]).sum(0) / scale
+    moved = torch.stack([cpu.encode(x) for x in moved_xs]).sum(0) / scale
+    p = payload.clone()
+    p[L.index_offset:L.sketch_offset] = moved[L.index_offset:L.sketch_offset]
+    _, r = cpu.decode(p, averaged=averaged)
+    _, re, _ = emulated_decode(native, p, averaged=averaged)
+    assert r.status == re.status == DecodeStatus.INDEX_CORRUPT, (r.reason, re.reason)
+    p[HDR_INDEX_CHECK0:HDR_INDEX_CHECK0 + 2] = moved[HDR_INDEX_CHECK0:HDR_INDEX_CHECK0 + 2]
+    _, r = cpu.decode(p, averaged=averaged)
+    _, re, _ = emulated_decode(native, p, averaged=averaged)
+    assert r.status == re.status != DecodeStatus.INDEX_CORRUPT, (r.reason, re.reason)
+    words = range(L.index_offset, L.sketch_offset)
+    for i in range(6):
+        q = flip(payload, words[(i * 7919) % len(words)], (i * 11) % 24)
+        _, r = cpu.decode(q, averaged=averaged)
+        _, re, _ = emulated_decode(native, q, averaged=averaged)
+        assert r.status == re.status, (i, r.reason, re.reason)

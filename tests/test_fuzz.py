@@ -40,11 +40,11 @@ def test_fast_slice_corruptions_are_caught_or_harmless(fast_slice):
     assert not wrong(t, clean=False), [f"group {v.group} case {v.case} {v.how} {v.status}: {v.detail}" for v in t.examples]
 
 
-@pytest.mark.xfail(strict=True, reason="issue #19: one index bit flip drops a key (~2e5) from the decoded support "
-                   "while the key count matches; its value hides under the rounding bound of ~1e29 keys in its cells, "
-                   "so neither the residual check nor the verification bound sees it. Needs a summable index checksum.")
 def test_index_flip_dropping_a_key_under_huge_ones_is_caught():
-    """The one wrong case of the million-case run (docs/BENCHMARKS.md, fuzz): seed 11, group 52726."""
+    """The one wrong case of the million-case run at layout version 6 (docs/BENCHMARKS.md, fuzz): seed 11,
+    group 52726. One index bit flip dropped a key (~2e5) from the decoded support while the key count
+    matched, and its value hid under the rounding bound of ~1e29 keys in its cells; the index checksum
+    (csrc/lhc_layout.h) now reports the support as INDEX_CORRUPT."""
     bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(11, 52726) if v.wrong]
     assert not bad, bad
 

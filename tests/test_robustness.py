@@ -216,16 +216,19 @@ def test_corrupted_integer_fields_are_rejected_or_harmless(index, data):
 
 
 def test_valid_looking_index_corruption_is_caught():
-    """The case the property test above found (bitmap word 31: 5120 -> 2, which moves keys while the
-    key total still matches): the residual check after peeling (issue #19) rejects it on the CPU, on
-    the reference, and as SKETCH_CORRUPT."""
+    """The case the property test above found (bitmap index word 22: 5120 -> 2, which moves keys while
+    the key total still matches): the index checksum (issue #19) rejects it on the CPU and on the
+    reference as INDEX_CORRUPT, before the value peel (the residual check caught it before the
+    checksum existed)."""
     codec, xs, summed = CODECS["bitmap"]
     payload = summed.clone()
-    payload[31] = 2.0
+    word = codec.layout.index_offset + 22
+    assert payload[word] == 5120.0
+    payload[word] = 2.0
     y, rep = decode_no_crash(codec, payload)
     yr, info = reference.decode(codec.layout, payload)
-    assert not rep.ok and rep.status == DecodeStatus.SKETCH_CORRUPT, rep.reason
-    assert not info["ok"] and "corrupt" in info["reason"], info["reason"]
+    assert not rep.ok and rep.status == DecodeStatus.INDEX_CORRUPT, rep.reason
+    assert not info["ok"] and "index checksum" in info["reason"], info["reason"]
 
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])

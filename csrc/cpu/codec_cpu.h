@@ -29,6 +29,9 @@ struct DecodeStats {
   uint64_t support_keys = 0;     // keys non-zero on at least one rank
   uint64_t peeled = 0;           // support keys recovered by peeling
   uint64_t index_total = 0;      // sum of the decoded index digits
+  // The decoded support's index checksum sums: sum over its keys of count(k) * part_f(k)
+  // (lhc_layout.h index_check_parts), compared with the header's (index_check_matches).
+  unsigned long long index_check[kIndexCheckFields] = {0, 0};
   std::vector<uint64_t> inexact_keys;  // keys whose error bound exceeds rtol (status kDecodeInexact), sorted
 };
 

@@ -55,6 +55,9 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     st.status = multilevel_support(L, in, payload, nt, &support, &st);
   else
     st.status = kDecodeIndexCorrupt;
+  // A support whose per-key counts are not the ranks' (a corrupted index word that still matches the
+  // key total) fails the index checksum, but for a 1/(p_0 p_1) chance (lhc_layout.h).
+  if (st.status == kDecodeOk && !index_check_matches(payload, in.scale, st.index_check)) st.status = kDecodeIndexCorrupt;
   if (st.status != kDecodeOk) {
     parallel_fill(out, L.numel, 0.0f, nt);
     return st;

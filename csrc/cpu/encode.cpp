@@ -327,6 +327,23 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   }
 
   prof.mark("enc values");
+  // The index checksum (lhc_layout.h): each part's sums of the keys' parts, added exactly in uint64.
+  const uint64_t check_stream = index_check_stream(L.sketch.stream);
+  unsigned long long check[kIndexCheckFields] = {0, 0};
+  {
+    const int64_t parts = (int64_t)keys.parts.size();
+    std::vector<unsigned long long> sums(2 * parts, 0);
+#pragma omp parallel for num_threads(nt) schedule(static, 1)
+    for (int64_t p = 0; p < parts; ++p)
+      for (uint32_t k : keys.parts[p]) {
+        uint32_t part[2];
+        index_check_parts(check_stream, k, part);
+        sums[2 * p] += part[0];
+        sums[2 * p + 1] += part[1];
+      }
+    for (int64_t p = 0; p < parts; ++p)
+      for (uint32_t f = 0; f < kIndexCheckFields; ++f) check[f] += sums[2 * p + f];
+  }
   float* header = payload;
   header[kHdrContributors] = 1.0f;
   header[kHdrFingerprintLo] = (float)(L.fingerprint & ((1u << kChunkBits) - 1));
@@ -335,6 +352,8 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   header[kHdrOverloaded] = st.keys > L.capacity ? 1.0f : 0.0f;
   header[kHdrNonFinite] = (float)st.non_finite;
   header[kHdrSaturated] = (float)st.saturated;
+  for (uint32_t f = 0; f < kIndexCheckFields; ++f)
+    header[kHdrIndexCheck0 + f] = (float)(check[f] % index_check_prime(f));
   return st;
 }
 

@@ -288,13 +288,23 @@ struct SupportSink {
   const SegmentedTable* table;
   std::vector<Bucket> buckets;
   std::vector<uint32_t> keys, group;  // a chunk of keys and their groups (+1: the offer past the last)
+  std::vector<uint32_t> counts;       // the chunk's keys' counts (+1 as keys)
+  uint64_t check_stream = 0;
+  unsigned long long check[kIndexCheckFields] = {0, 0};  // sum of count(k) * part_f(k) (lhc_layout.h)
   uint32_t size = 0;
   void offer(uint32_t key, uint32_t c) {
     keys[size] = key;
+    counts[size] = c;
     size += c != 0;
     if (size == kChunk) flush();
   }
   void flush() {
+    for (uint32_t i = 0; i < size; ++i) {
+      uint32_t part[2];
+      index_check_parts(check_stream, keys[i], part);
+      check[0] += (unsigned long long)counts[i] * part[0];
+      check[1] += (unsigned long long)counts[i] * part[1];
+    }
     for (Bucket& b : buckets)
       if (b.keys.size() < b.size + size) b.keys.resize(2 * (b.size + size));
     if (buckets.size() == 1) {
@@ -405,7 +415,8 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       // Buckets have room for a part's share of a group's keys (at most total_keys of them, and the
       // nodes' children): no reallocation in the common case.
       SupportSink proto{&T, std::vector<SupportSink::Bucket>(sgroups), std::vector<uint32_t>(SupportSink::kChunk + 1),
-                        std::vector<uint32_t>(SupportSink::kChunk + 1)};
+                        std::vector<uint32_t>(SupportSink::kChunk + 1), std::vector<uint32_t>(SupportSink::kChunk + 1),
+                        index_check_stream(T.stream)};
       const uint64_t most = std::min<uint64_t>(std::min<uint64_t>(in.total_keys, L.num_keys),
                                                nodes.size() * (uint64_t)L.fine_digits[l] * L.fine_words[l]);
       const uint64_t expect = most / ((uint64_t)nt * sgroups);
@@ -415,6 +426,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
       support->by.clear();
       for (SupportSink& k : sinks) {
+        for (uint32_t f = 0; f < kIndexCheckFields; ++f) st->index_check[f] += k.check[f];
         std::vector<HugeVector<uint32_t>> part;
         for (auto& b : k.buckets) part.push_back(std::move(b.keys));
         support->by.push_back(std::move(part));

@@ -66,6 +66,7 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   }
   std::vector<uint32_t>().swap(count);
   std::vector<uint32_t> found, scratch;
+  const uint64_t check_stream = index_check_stream(L.sketch.stream);
   build_states(t, L.bloom, cand.data(), (uint32_t)cand.size(), scratch);
   found.reserve(cand.size());
   bool bad = false;
@@ -79,7 +80,12 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
           if (v < c) { bad = true; return false; }
           v -= c;
         }
-        if (c != 0.0) found.push_back(cand[pos]);
+        if (c != 0.0) {
+          found.push_back(cand[pos]);
+          uint32_t part[2];
+          index_check_parts(check_stream, cand[pos], part);
+          for (uint32_t f = 0; f < kIndexCheckFields; ++f) st->index_check[f] += (unsigned long long)c * part[f];
+        }
         return true;
       },
       &bad);
@@ -112,6 +118,14 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     std::vector<uint32_t> found, group;  // one block's keys and their groups
     uint64_t num_keys, sum;
     uint32_t per_word, world_size;
+    // The index checksum: the block's digits (only where some digit exceeds 1: the masks say where
+    // the others are, each 1), and the sums of count(k) * part_f(k).
+    const CodecLayout* layout;
+    const float* index;
+    double scale;
+    uint64_t check_stream;
+    unsigned long long check[kIndexCheckFields];
+    std::vector<WordDigits> digits;
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
@@ -129,6 +143,18 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
       const uint32_t n = (uint32_t)(out - found.data());
       if (n == 0) return true;
       if (found[n - 1] >= num_keys) return false;  // a digit past the last key (in the last word)
+      if (d.max > 1) {
+        if (digits.empty()) digits.resize(1);
+        if (!split_words(index + first_word, words, scale, layout->index, digits.data())) return false;
+      }
+      for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t pos = (uint32_t)(found[i] - first_word * per_word);
+        const uint32_t count = d.max > 1 ? digits[0].digit[pos % per_word][pos / per_word] : 1u;
+        uint32_t part[2];
+        index_check_parts(check_stream, found[i], part);
+        check[0] += (unsigned long long)count * part[0];
+        check[1] += (unsigned long long)count * part[1];
+      }
       for (Bucket& b : buckets)
         if (b.keys.size() < b.size + n) b.keys.resize(2 * (b.size + n));
       if (buckets.size() == 1) {
@@ -148,7 +174,8 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
-                L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size};
+                L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, &L, index, in.scale,
+                index_check_stream(L.sketch.stream), {0, 0}, {}};
   std::vector<KeySink> sinks(nt, proto);
   for (KeySink& sink : sinks)
     for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);
@@ -157,6 +184,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   support->by.clear();
   for (auto& k : sinks) {
     st->index_total += k.sum;
+    for (uint32_t f = 0; f < kIndexCheckFields; ++f) st->index_check[f] += k.check[f];
     std::vector<HugeVector<uint32_t>> part;
     for (Bucket& b : k.buckets) {
       b.keys.resize(b.size);

@@ -14,6 +14,7 @@ struct EncodeCounters {
   unsigned long long keys;  // non-zero keys of this rank
   unsigned int non_finite;  // 1 if the input held NaN/Inf
   unsigned int saturated;   // 1 if a Bloom counter hit its per-rank cap
+  unsigned long long check[2];  // the index checksum's sums of part_f over the keys (each thread's mod p_f)
 };
 
 // Decode statistics and failure flags (device, zeroed by the caller before decode). The last kernel
@@ -31,7 +32,17 @@ struct DecodeCounters {
   unsigned int abort;                  // non-zero: a later stage cannot succeed, kernels skip work
   unsigned int status;                 // DecodeStatus (lhc_status.h), written by lhc_decode_status
   unsigned int pad;
+  unsigned long long check[2];         // the decoded support's sum of count(k) * part_f(k) (lhc_layout.h)
+  unsigned long long expected_check[2];  // header_index_check of the header's two fields
 };
+
+// Whether the decoded support's index checksum sums match the header's (lhc::index_check_matches,
+// with the header's fields read by the index kernels into expected_check).
+__device__ __forceinline__ bool index_check_matches_expected(const DecodeCounters* counters) {
+  for (uint32_t f = 0; f < kIndexCheckFields; ++f)
+    if (counters->expected_check[f] != counters->check[f] % index_check_prime(f)) return false;
+  return true;
+}
 
 enum DecodeFlag : unsigned int {
   kFlagIndexWord = 1u << 0,        // an index word is not a valid packed integer / digit out of range
@@ -46,11 +57,13 @@ enum DecodeFlag : unsigned int {
   kFlagNonFinite = 1u << 9,        // a sketch cell is NaN/Inf
   kFlagSketchCorrupt = 1u << 10,   // a mass cell disagrees with its degree, or a residual exceeds its bound
   kFlagInexact = 1u << 11,         // some key's error bound exceeds rtol
+  kFlagIndexCheck = 1u << 12,      // the decoded support fails the header's index checksum
 };
 
 // The DecodeStatus of a decode's flags, with the CPU backend's precedence (csrc/cpu/: the first
 // failing stage decides): the multilevel index's own verdict `index_status` (MlState::status, 0 if
-// it passed); an index word or total wrong; the Bloom count peel's failures; inconsistent value
+// it passed); an index word or total wrong; the Bloom count peel's failures; the index checksum
+// (a complete support whose counts disagree with the header's, as lhc::cpu::decode); inconsistent value
 // states; a non-finite sketch cell; support keys the value peel did not recover (a support or
 // cell-degree overflow among them); a corrupt sketch (mass or residual check); and last, keys
 // whose error bound exceeds rtol.
@@ -64,6 +77,7 @@ __device__ __forceinline__ unsigned int decode_status(int index_kind, unsigned i
     if (flags & kFlagCountUnresolved) return kDecodeIndexPeelFailed;
     if (flags & kFlagCountLeftover) return kDecodeIndexCorrupt;
   }
+  if (flags & kFlagIndexCheck) return kDecodeIndexCorrupt;
   if (flags & kFlagValueBad) return kDecodeIndexCorrupt;
   if (flags & kFlagNonFinite) return kDecodeSketchNonFinite;
   if ((flags & (kFlagSupportOverflow | kFlagDegreeOverflow)) || peeled != support) return kDecodeSketchPeelFailed;
@@ -102,8 +116,8 @@ struct MlState {
 };
 
 // The host (lossless_hc/backends/cuda.py) allocates and reads these structs by these sizes.
-static_assert(sizeof(EncodeCounters) == 16, "EncodeCounters: 16 bytes");
-static_assert(sizeof(DecodeCounters) == 72, "DecodeCounters: 72 bytes");
+static_assert(sizeof(EncodeCounters) == 32, "EncodeCounters: 32 bytes");
+static_assert(sizeof(DecodeCounters) == 104, "DecodeCounters: 104 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
 static_assert(sizeof(MlState) == 80, "MlState: 80 bytes");
 

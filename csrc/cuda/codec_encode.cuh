@@ -29,6 +29,28 @@ __device__ __forceinline__ void encode_key_index(const CodecLayout& L, uint32_t 
   }
 }
 
+// One thread's share of a rank's index checksum (lhc_layout.h): its keys' parts summed mod p_f (each
+// below 2^11, so a warp's sum fits the 32-bit warp_add), added to the counters once per warp. Integer
+// sums: the result does not depend on the order.
+struct IndexCheckSums {
+  uint64_t stream;
+  unsigned int sum[2] = {0u, 0u};
+  __device__ explicit IndexCheckSums(const CodecLayout& L) : stream(index_check_stream(L.sketch.stream)) {}
+  __device__ __forceinline__ void add(uint64_t key) {
+    uint32_t part[2];
+    index_check_parts(stream, key, part);
+#pragma unroll
+    for (uint32_t f = 0; f < 2; ++f) {
+      sum[f] += part[f];
+      if (sum[f] >= index_check_prime(f)) sum[f] -= index_check_prime(f);
+    }
+  }
+  __device__ __forceinline__ void flush(unsigned long long* counters) const {
+    warp_add(&counters[0], sum[0]);
+    warp_add(&counters[1], sum[1]);
+  }
+};
+
 // block == 1: one pass over x finds the non-zero keys, adds their index digits and scatters their
 // weighted values w_j * v into the sketch (exact in float32: w is +-1 or +-2; the CPU backend adds
 // the same (float)w * v). -0.0 counts as zero (as on the CPU). Grid-stride over 4-element groups.
@@ -47,6 +69,7 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
   // Counted per thread and added once at the end: an add per loop iteration puts ~10^6 atomics on
   // one address at 1% density, which serialises in L2 and dominated the kernel (2.7 ms of 2.8 ms).
   unsigned int found = 0;
+  IndexCheckSums check(L);
   for (uint64_t g = global_thread(); g < groups; g += grid_threads()) {
     uint32_t u[4];
     const uint64_t i0 = 4 * g;
@@ -63,6 +86,7 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
       if (u[e] << 1) {
         ++found;
         const uint32_t key = (uint32_t)(i0 + e);
+        check.add(key);
         encode_key_index(L, key, payload, index_scratch, pw);
         const float value = __uint_as_float(u[e]);
         const uint64_t h = key_hash(L.sketch, key);
@@ -78,6 +102,7 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
     }
   }
   warp_add(&counters->keys, found);
+  check.flush(counters->check);
   if (bad) atomicOr(&counters->non_finite, 1u);
 }
 
@@ -106,9 +131,11 @@ extern "C" __global__ void lhc_encode_keys(const uint64_t* layout, const float* 
   load_powers(L.index, pw);
   float* mass = payload + mass_offset(L);
   unsigned int found = 0;  // one counter atomic per warp, as in lhc_encode_scan_b1
+  IndexCheckSums check(L);
   for (uint64_t k = global_thread(); k < L.num_keys; k += grid_threads()) {
     const unsigned int on = key_flag[k];
     if (on) {
+      check.add(k);
       encode_key_index(L, (uint32_t)k, payload, index_scratch, pw);
       const uint64_t lo = k * L.block, hi = lo + L.block < L.numel ? lo + L.block : L.numel;
       float m = 0.0f;
@@ -124,6 +151,7 @@ extern "C" __global__ void lhc_encode_keys(const uint64_t* layout, const float* 
     found += on;
   }
   warp_add(&counters->keys, found);
+  check.flush(counters->check);
 }
 
 // block > 1, pass 3: scatter every coordinate of a flagged key, times the cell's weight, into its
@@ -253,6 +281,8 @@ extern "C" __global__ void lhc_encode_header(const uint64_t* layout, float* payl
   payload[kHdrOverloaded] = keys > L.capacity ? 1.0f : 0.0f;
   payload[kHdrNonFinite] = (float)counters->non_finite;
   payload[kHdrSaturated] = (float)counters->saturated;
+  for (uint32_t f = 0; f < kIndexCheckFields; ++f)
+    payload[kHdrIndexCheck0 + f] = (float)(counters->check[f] % index_check_prime(f));
 }
 
 }  // namespace gpu

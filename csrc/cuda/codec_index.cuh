@@ -29,9 +29,33 @@ __device__ __forceinline__ long long digit_limit(const DigitPacking& P) {
   return limit;
 }
 
+// A thread's share of the decoded support's index checksum sums, sum of count(k) * part_f(k)
+// (lhc_layout.h), added to DecodeCounters::check once at the end. Integer sums: order-free.
+struct SupportCheckSums {
+  uint64_t stream;
+  unsigned long long sum[2] = {0ull, 0ull};
+  __device__ explicit SupportCheckSums(const CodecLayout& L) : stream(index_check_stream(L.sketch.stream)) {}
+  __device__ __forceinline__ void add(uint64_t key, uint32_t count) {
+    uint32_t part[2];
+    index_check_parts(stream, key, part);
+    sum[0] += (unsigned long long)count * part[0];
+    sum[1] += (unsigned long long)count * part[1];
+  }
+  __device__ __forceinline__ void flush(DecodeCounters* counters) const {
+    if (sum[0]) atomicAdd(&counters->check[0], sum[0]);
+    if (sum[1]) atomicAdd(&counters->check[1], sum[1]);
+  }
+};
+
+// The header's index checksum (one thread, beside expected_total).
+__device__ __forceinline__ void read_expected_check(const float* payload, double scale, DecodeCounters* counters) {
+  for (uint32_t f = 0; f < kIndexCheckFields; ++f) counters->expected_check[f] = header_index_check(payload, scale, f);
+}
+
 // Counting-bitmap word w (the bitmap index, or the multilevel index's coarse level): the non-zero
 // digits' count, and (when `out` is given) their positions written to out[at], out[at + 1], ... below
-// out[cap], with their digits in counts[...] when `counts` is given. Flags invalid words and digits
+// out[cap], with their digits in counts[...] when `counts` is given; each (position, digit) added to
+// `check` when given (the bitmap index, whose positions are keys). Flags invalid words and digits
 // (a digit above world_size, a non-zero digit at a position past `positions`).
 struct BitmapWord {
   const CodecLayout* L;
@@ -41,7 +65,8 @@ struct BitmapWord {
   uint64_t world_size;
   uint64_t positions;  // digits that may be non-zero: num_keys (bitmap), the level-0 nodes (multilevel)
   __device__ __forceinline__ unsigned int visit(uint64_t w, uint32_t* out, uint32_t* counts, unsigned long long at,
-                                                uint64_t cap, unsigned long long* digit_sum, bool* bad) const {
+                                                uint64_t cap, unsigned long long* digit_sum, bool* bad,
+                                                SupportCheckSums* check = nullptr) const {
     const float f = index[w];
     if (__float_as_uint(f) == 0u) return 0;
     const long long u = read_word(f, scale, limit);
@@ -61,6 +86,7 @@ struct BitmapWord {
       }
       ++count;
       *digit_sum += digit;
+      if (check) check->add(pos, digit);
     }
     return count;
   }
@@ -168,18 +194,24 @@ __device__ __forceinline__ unsigned long long header_index_total(const CodecLayo
 
 // The two passes over a counting bitmap of `positions` digits: the bitmap index (a digit per key)
 // and the multilevel index's coarse level (a digit per level-0 node) share them.
-// Pass 1: count each tile's non-zero digits, validate the words, add the digits' sum to *digit_total.
+// Pass 1: count each tile's non-zero digits, validate the words, add the digits' sum to *digit_total
+// (and, with `keys`, the digits to the index checksum: the bitmap index's positions are its keys).
 __device__ inline void count_bitmap_tiles(const CodecLayout& L, const float* payload, double scale,
                                           uint64_t world_size, uint64_t positions, unsigned long long* tile_sum,
-                                          unsigned long long* digit_total, DecodeCounters* counters) {
+                                          unsigned long long* digit_total, DecodeCounters* counters, bool keys) {
   const BitmapWord word{&L, payload + L.index_offset, scale, digit_limit(L.index), world_size, positions};
   unsigned long long digit_sum = 0;
   bool bad = false;
+  SupportCheckSums check(L);
   tile_count(L.index.words(), tile_sum,
-             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad); });
+             [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad, keys ? &check : nullptr); });
   if (digit_sum) atomicAdd(digit_total, digit_sum);
+  if (keys) check.flush(counters);
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
-  if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
+  if (global_thread() == 0) {
+    counters->expected_total = header_index_total(L, payload, scale);
+    read_expected_check(payload, scale, counters);
+  }
 }
 
 // Pass 2 (after the scan of the tile counts): the non-zero positions in increasing order into
@@ -202,7 +234,7 @@ extern "C" __global__ void lhc_bitmap_count(const uint64_t* layout, const float*
                                             uint64_t world_size, unsigned long long* tile_sum,
                                             DecodeCounters* counters) {
   const CodecLayout L = load_layout(layout);
-  count_bitmap_tiles(L, payload, scale, world_size, L.num_keys, tile_sum, &counters->index_total, counters);
+  count_bitmap_tiles(L, payload, scale, world_size, L.num_keys, tile_sum, &counters->index_total, counters, true);
 }
 
 // Bitmap decode, step 3: write the support keys in increasing order (keys[0, cap)).
@@ -242,7 +274,10 @@ extern "C" __global__ void lhc_bloom_unpack(const uint64_t* layout, const float*
   }
   if (digit_sum) atomicAdd(&counters->index_total, digit_sum);
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
-  if (global_thread() == 0) counters->expected_total = header_index_total(L, payload, scale);
+  if (global_thread() == 0) {
+    counters->expected_total = header_index_total(L, payload, scale);
+    read_expected_check(payload, scale, counters);
+  }
 }
 
 // Bloom candidates: keys whose three counters are non-zero (a superset of the aggregate support).
@@ -409,10 +444,20 @@ extern "C" __global__ void lhc_count_verdict(DecodeCounters* counters) {
   if (counters->flags & (kFlagCountBad | kFlagCountUnresolved | kFlagCountLeftover)) counters->abort = 1;
 }
 
-extern "C" __global__ void lhc_found_count(const int* key_count, unsigned long long* tile_sum,
-                                           const DecodeCounters* counters) {
+// The found keys counted per tile, and their counts added to the index checksum (after a successful
+// count peel: otherwise a count failure decides the status).
+extern "C" __global__ void lhc_found_count(const uint64_t* layout, const uint32_t* cand, const int* key_count,
+                                           unsigned long long* tile_sum, DecodeCounters* counters) {
+  const CodecLayout L = load_layout(layout);
   const uint32_t n = (uint32_t)counters->candidates;
-  tile_count(n, tile_sum, [&](uint64_t p) { return (unsigned int)(key_count[p] >= 1); });
+  const bool check_keys = !counters->abort;  // uniform: set before this launch
+  SupportCheckSums check(L);
+  tile_count(n, tile_sum, [&](uint64_t p) {
+    const int c = key_count[p];
+    if (c >= 1 && check_keys) check.add(cand[p], (uint32_t)c);
+    return (unsigned int)(c >= 1);
+  });
+  check.flush(counters);
 }
 
 extern "C" __global__ void lhc_found_write(const uint32_t* cand, const int* key_count,

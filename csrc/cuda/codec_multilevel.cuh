@@ -94,7 +94,8 @@ __device__ __forceinline__ long long ml_word_limit(const CodecLayout& L, const M
 __device__ __forceinline__ unsigned int ml_node_children(const CodecLayout& L, const MlLevel& lv, const uint32_t* nodes,
                                                          const uint32_t* counts, const uint32_t* pattern, uint64_t p,
                                                          uint32_t* out, uint32_t* out_counts, unsigned long long at,
-                                                         uint64_t cap, unsigned long long* sum, bool* bad) {
+                                                         uint64_t cap, unsigned long long* sum, bool* bad,
+                                                         SupportCheckSums* check = nullptr) {
   const uint32_t base = L.index.base, w = lv.digits, wpg = lv.words;
   const uint64_t child_limit = (L.num_keys + lv.below - 1) / lv.below;
   const uint64_t first = (uint64_t)nodes[p] * lv.children;
@@ -110,6 +111,7 @@ __device__ __forceinline__ unsigned int ml_node_children(const CodecLayout& L, c
       const uint64_t child = first + (uint64_t)i * w + j;
       if (digit > node_count || child >= child_limit) *bad = true;
       node_sum += digit;
+      if (check) check->add(child, digit);
       if (out && at + found < cap) {
         out[at + found] = (uint32_t)child;
         if (out_counts) out_counts[at + found] = digit;
@@ -128,7 +130,7 @@ extern "C" __global__ void lhc_ml_coarse_count(const uint64_t* layout, const flo
                                                uint64_t world_size, unsigned long long* tile_sum,
                                                DecodeCounters* counters, MlState* ml) {
   const CodecLayout L = load_layout(layout);
-  count_bitmap_tiles(L, payload, scale, world_size, L.index.digits, tile_sum, &ml->coarse_sum, counters);
+  count_bitmap_tiles(L, payload, scale, world_size, L.index.digits, tile_sum, &ml->coarse_sum, counters, false);
 }
 
 // Coarse step 3 (after lhc_scan_tiles and lhc_ml_verdict): the level-0 nodes in increasing order and
@@ -200,10 +202,14 @@ extern "C" __global__ void lhc_ml_expand_count(const uint64_t* layout, uint64_t 
   const MlLevel lv = ml_level(layout, (uint32_t)level);
   unsigned long long sum = 0;
   bool bad = false;
+  // The finest level's children are the support keys, their digits the keys' counts: the index checksum.
+  SupportCheckSums check(L);
+  SupportCheckSums* keys = level + 1 == ml_levels(layout) ? &check : nullptr;
   tile_count(ml->nodes, tile_sum, [&](uint64_t p) {
-    return ml_node_children(L, lv, nodes, counts, pattern, p, nullptr, nullptr, 0, 0, &sum, &bad);
+    return ml_node_children(L, lv, nodes, counts, pattern, p, nullptr, nullptr, 0, 0, &sum, &bad, keys);
   });
   if (sum) atomicAdd(&ml->child_total, sum);
+  if (keys) check.flush(counters);
   if (bad) atomicOr(&ml->expand_bad, 1u);
 }
 

@@ -457,6 +457,7 @@ extern "C" __global__ void lhc_write_output(const uint64_t* layout, const uint32
 extern "C" __global__ void lhc_decode_status(const uint64_t* layout, DecodeCounters* counters, const MlState* ml) {
   if (global_thread() != 0) return;
   const unsigned long long support = ml ? ml->support : counters->support;
+  if (!index_check_matches_expected(counters)) counters->flags |= kFlagIndexCheck;
   counters->status = decode_status((int)layout[kLwIndexKind], counters->flags, support, counters->peeled,
                                    ml ? ml->status : 0u);
 }

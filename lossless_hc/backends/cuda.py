@@ -43,15 +43,16 @@ FLAG_SUPPORT_OVERFLOW = 1 << 6
 FLAG_DEGREE_OVERFLOW = 1 << 7
 
 # lhc::gpu::DecodeCounters: 7 uint64 fields, then flags, abort, status and padding (uint32 each, paired
-# into int64 words as the host reads them) = 72 bytes.
+# into int64 words as the host reads them), then the index checksum's 4 uint64 = 104 bytes.
 _DECODE_COUNTERS = ("index_total", "expected_total", "candidates", "support", "peeled", "count_resolved",
-                    "list_count", "flags_abort", "status_pad")
-_DECODE_COUNTERS_BYTES = 72
+                    "list_count", "flags_abort", "status_pad", "check0", "check1", "expected_check0",
+                    "expected_check1")
+_DECODE_COUNTERS_BYTES = 104
 # lhc::gpu::MlState: 7 uint64 fields, then 6 uint32 (paired into int64 words as the host reads them).
 _ML_STATE = ("coarse_sum", "child_total", "nodes", "prev_nodes", "resolved", "support", "candidates",
              "status_mode", "words_inconsistent", "expand_replay")
 _ML_STATE_BYTES = 80
-_ENCODE_COUNTERS_BYTES = 16   # lhc::gpu::EncodeCounters
+_ENCODE_COUNTERS_BYTES = 32   # lhc::gpu::EncodeCounters
 _PEEL_CONTROL_BYTES = 64      # lhc::gpu::PeelControl (40 bytes, padded)
 
 _MASK64 = (1 << 64) - 1
@@ -380,7 +381,7 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                           [P("bcount"), bcells, P("cround"), cnt], stream)
             launch.launch("lhc_count_verdict", 1, 32, [cnt], stream)
             ftiles = _tiles(ccap)
-            launch.launch("lhc_found_count", ftiles, THREADS, [P("ccount"), P("tiles"), cnt], stream)
+            launch.launch("lhc_found_count", ftiles, THREADS, [lay, P("cand"), P("ccount"), P("tiles"), cnt], stream)
             launch.launch("lhc_scan_tiles", 1, scan_threads, [P("tiles"), ftiles, kcap, FLAG_SUPPORT_OVERFLOW, cnt, 0],
                           stream)
             launch.launch("lhc_found_write", ftiles, THREADS,

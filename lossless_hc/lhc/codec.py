@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, options_fingerprint)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
 
@@ -34,8 +34,9 @@ class DecodeReport:
                      that is the sum (or average) of valid payloads. With ``verify=True`` also for a
                      payload with one corrupted sketch or mass word (or a zeroed sketch): the decode
                      refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved beyond
-                     rtol as INEXACT; a corrupted index word is caught unless it drops a key whose
-                     value hides under much larger keys' rounding (docs/DESIGN.md "Exactness").
+                     rtol as INEXACT. With or without it, a corrupted index word that changes the
+                     decoded support is INDEX_CORRUPT but with probability below 2**-21.9 (the index
+                     checksum, ``LosslessCodec``).
                      When False the output must not be used, except under INEXACT (below); callers
                      fall back to a dense aggregation.
     reason           why ok is False (None when ok).
@@ -135,10 +136,17 @@ class LosslessCodec:
     two-key stopping sets are always INEXACT (one check cannot verify two values). So one corrupted
     sketch or mass word is caught or harmless: the residual check refuses it, or the verification
     bound lists every key it could have moved beyond rtol (not covered: corruptions of several words,
-    which can mimic a valid payload, and an index word that drops a key from the support while the
-    key count matches, when that key's value is below the rounding bound of larger keys in its cells). It costs a backward pass over the peel and
+    which can mimic a valid payload). It costs a backward pass over the peel and
     lists more keys INEXACT (docs/BENCHMARKS.md); it is off by default because the transports the
     plugins use (TCP, Gloo, NCCL) deliver the sum of what the ranks sent, checksummed.
+
+    The index is checked on every decode by a summable checksum in the header: rank r sends
+    :math:`c_f(r) = \sum_{k \in S_r} part_f(k) \bmod p_f` for two hashes of the key and the primes
+    :math:`p_0 = 2039, p_1 = 2029`, and the decoder requires
+    :math:`\sum_r c_f(r) \equiv \sum_k count(k)\, part_f(k) \pmod{p_f}` over the decoded support
+    (count(k): ranks that sent k, as the index decodes it), else INDEX_CORRUPT. A support whose counts
+    are wrong passes with probability :math:`1/(p_0 p_1) < 2^{-21.9}` over the seed
+    (csrc/lhc_layout.h, "The index checksum").
 
     Args:
         numel: elements of the tensors to encode (any shape with this many elements).
@@ -159,8 +167,8 @@ class LosslessCodec:
         rtol: relative tolerance every decoded coordinate is proven to meet when ``report.ok``
             (default ``2**-10``; in [0, 1)); keys that cannot be proven are INEXACT.
         verify: also prove every key with the verification bound (above): the contract then holds
-            for a payload with one corrupted sketch or mass word too (index words: see above).
-            Default False.
+            for a payload with one corrupted sketch or mass word too (index words: the index
+            checksum, above, with or without verify). Default False.
 
     ``rtol`` and ``verify`` act on the decode only, but they decide the verdict every rank acts on,
     so they must be equal on every rank: when they differ from the defaults they join the layout's
@@ -316,7 +324,8 @@ class LosslessCodec:
         """
         n = self.layout.world_size
         chunk_max = (1 << CHUNK_BITS) - 1
-        per_rank_max = [1, chunk_max, chunk_max, chunk_max, chunk_max, chunk_max, 1, 1, 1]
+        per_rank_max = [1, chunk_max, chunk_max, chunk_max, chunk_max, chunk_max, 1, 1, 1,
+                        *(p - 1 for p in INDEX_CHECK_PRIMES)]
         tolerance = 0.0 if scale == 1.0 else 0.5
         ints, in_range = [], True
         for v, hi in zip((float(f) * scale for f in fields), per_rank_max):

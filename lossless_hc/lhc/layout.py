@@ -9,8 +9,12 @@ Payload (float32, ``payload_numel`` elements)::
     [ header: HEADER_FIELDS ints ][ index words ][ value sketch: cells x block floats ][ mass: cells floats ]
 
 * header -- small integers each rank contributes (contributor count 1, configuration fingerprint,
-  its number of non-zero keys, overload/non-finite/saturation flags). Their SUM tells the decoder
-  how many ranks contributed and whether they agree on the configuration.
+  its number of non-zero keys, overload/non-finite/saturation flags, the index checksum). Their SUM
+  tells the decoder how many ranks contributed and whether they agree on the configuration; the
+  index checksum -- per rank ``(sum over its non-zero keys k of part_f(k)) mod p_f`` for the primes
+  ``INDEX_CHECK_PRIMES`` -- lets it check the decoded support's per-key counts: their
+  ``sum_k count(k) part_f(k) mod p_f`` must equal the aggregated field's, which a support that differs
+  from the true one fails but with probability ``1 / (2039 * 2029) < 2**-21.9`` (see csrc/lhc_layout.h).
 * index -- which keys are non-zero on at least one rank, summable by plain SUM:
   ``bitmap``: one counter per key; ``bloom``: a counting Bloom filter whose counters are peeled
   exactly (see ``bloom_table_for``); ``dense``: no index, the raw values follow the header.
@@ -33,17 +37,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-HEADER_FIELDS = 9
+HEADER_FIELDS = 11
 INT_FIELD_BITS = 22
 INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
 MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
-LAYOUT_VERSION = 6             # joins every fingerprint; history in docs/DESIGN.md ("Layout versions")
+LAYOUT_VERSION = 7             # joins every fingerprint; history in docs/DESIGN.md ("Layout versions")
 
 # Header field positions (mirror csrc/lhc_layout.h).
 HDR_CONTRIBUTORS, HDR_FP_LO, HDR_FP_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_KEYS_HI = range(6)
 HDR_OVERLOADED, HDR_NON_FINITE, HDR_SATURATED = 6, 7, 8
+HDR_INDEX_CHECK0, HDR_INDEX_CHECK1 = 9, 10
+INDEX_CHECK_PRIMES = (2039, 2029)   # lhc::index_check_prime
 
 INDEX_KINDS = ("dense", "bitmap", "bloom", "multilevel")
 INDEX_KIND_CODE = {"dense": 0, "bitmap": 1, "bloom": 2, "multilevel": 3}
@@ -51,6 +57,7 @@ INDEX_KIND_CODE = {"dense": 0, "bitmap": 1, "bloom": 2, "multilevel": 3}
 SALT_SKETCH = 0x5CE7C4A11
 SALT_BLOOM = 0xB100F11
 SALT_FINE = 0xF1E7AB1E
+SALT_INDEX_CHECK = 0x1DC4EC5     # the index checksum's stream: stream_seed(sketch stream, this salt)
 # Segments are at most this long: the decoders pack a cell's offset and its 2-bit weight code into
 # 32 bits (lhc::kMaxSegLen).
 MAX_SEG_LEN = 1 << 30
@@ -71,6 +78,11 @@ def mix64(z: int) -> int:
 
 def stream_seed(seed: int, salt: int) -> int:
     return mix64((seed & _MASK64) ^ mix64(salt))
+
+
+def index_check_stream(layout: "PayloadLayout") -> int:
+    """The index checksum's hash stream of ``layout`` (``lhc::index_check_stream``)."""
+    return stream_seed(layout.sketch.stream, SALT_INDEX_CHECK)
 
 
 @dataclass(frozen=True)

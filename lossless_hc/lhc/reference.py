@@ -38,7 +38,8 @@ import torch
 
 from lossless_hc.lhc.reference_peel import (cell_error_bound, pair_cells, pair_numerators, peel_rounds,
                                             solvable_pairs, solve_pair, verification_bound, within_rtol)
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, PayloadLayout, SegmentedTable)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_INDEX_CHECK0, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, SegmentedTable,
+                                    index_check_stream)
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -99,6 +100,22 @@ def key_cells(table: SegmentedTable, keys: torch.Tensor) -> tuple[torch.Tensor, 
         magnitude = 1 + _lsr(hj, 62) % 2 if table.weighted else torch.ones_like(hj)
         weights.append(torch.where(hj < 0, -magnitude, magnitude).to(torch.int64))
     return torch.stack(cells, dim=1), torch.stack(weights, dim=1)
+
+
+def index_check_parts(layout: PayloadLayout, keys: torch.Tensor) -> torch.Tensor:
+    """``lhc::index_check_parts`` of every key: ``[N, 2]`` int64, ``(h mod 2**32) mod 2039`` and
+    ``(h >> 32) mod 2029`` for ``h = mix64(key ^ index_check_stream)``."""
+    h = mix64(torch.as_tensor(keys, dtype=torch.int64).reshape(-1) ^ _s64(index_check_stream(layout)))
+    return torch.stack([(h & 0xFFFFFFFF) % INDEX_CHECK_PRIMES[0], _lsr(h, 32) % INDEX_CHECK_PRIMES[1]], dim=1)
+
+
+def index_check(layout: PayloadLayout, keys: torch.Tensor, counts: Optional[torch.Tensor] = None) -> list:
+    """The index checksum of ``keys`` held ``counts`` times each (default once): ``[sum_k count(k)
+    part_f(k) mod p_f for f = 0, 1]`` -- one rank's header fields, or what an aggregate's must sum to."""
+    parts = index_check_parts(layout, keys)
+    if counts is not None:
+        parts = parts * torch.as_tensor(counts, dtype=torch.int64).reshape(-1, 1)
+    return [int(parts[:, f].sum()) % p for f, p in enumerate(INDEX_CHECK_PRIMES)]
 
 
 # -- encode ------------------------------------------------------------------------------------------
@@ -247,6 +264,7 @@ def encode(layout: PayloadLayout, x: torch.Tensor) -> torch.Tensor:
     header[HDR_KEYS_HI] = (nkeys >> (2 * CHUNK_BITS)) & mask
     header[HDR_OVERLOADED] = int(nkeys > L.capacity)
     header[HDR_NON_FINITE] = int(non_finite)
+    header[HDR_INDEX_CHECK0:HDR_INDEX_CHECK0 + 2] = index_check(L, keys)
 
     if L.index_kind == "bitmap":
         digits = torch.zeros(L.num_keys, dtype=torch.int64)
@@ -369,7 +387,7 @@ def _multilevel_support(L: PayloadLayout, digits: torch.Tensor, payload: torch.T
         nodes, counts = children, cnt[ni, c]
     if int(counts.sum()) != total:
         return None, "index corrupt: counts disagree with the header"
-    return nodes, None
+    return (nodes, counts), None
 
 
 
@@ -440,6 +458,7 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         if int(digits.sum()) != total:
             return y, _fail(info, "index corrupt: counts disagree with the header")
         support = digits[: L.num_keys].nonzero().reshape(-1)
+        support_counts = digits[support]
         info["candidates"] = support.numel()
     elif L.index_kind == "bloom":
         bc = L.bloom.cells
@@ -467,15 +486,19 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
             return y, _fail(info, "index peeling failed")
         if bool((count != 0).any()):
             return y, _fail(info, "index corrupt: counters left after peeling")
-        support = cand[key_count > 0]
+        support, support_counts = cand[key_count > 0], key_count[key_count > 0]
         info["false_positives"] = int((key_count == 0).sum())
     elif L.index_kind == "multilevel":
-        support, reason = _multilevel_support(L, digits, payload, scale, n, total)
+        found, reason = _multilevel_support(L, digits, payload, scale, n, total)
         if reason is not None:
             return y, _fail(info, reason)
+        support, support_counts = found
         info["candidates"] = support.numel()
     else:
         raise ValueError(f"unknown index kind {L.index_kind!r}")
+    # The index checksum (lhc::index_check_matches): the decoded counts must give the header's sums.
+    if index_check(L, support, support_counts) != [hdr[HDR_INDEX_CHECK0 + f] % p for f, p in enumerate(INDEX_CHECK_PRIMES)]:
+        return y, _fail(info, "index corrupt: the index checksum disagrees with the decoded support")
     info["support"], info["support_keys"] = support.numel(), support
 
     B = L.block

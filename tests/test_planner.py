@@ -9,9 +9,10 @@ import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.training.calibration import fit_link
-from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_STRATEGIES, Calibration, CostModel, LinkModel,
-                                          PlanTracker, TensorStats, bitmap_words, sketch_capacity,
-                                          stats_header_words)
+from lossless_hc.training.auto import AutoSpec
+from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration,
+                                          CostModel, LinkModel, PlanTracker, TensorStats, bitmap_words,
+                                          sketch_capacity, stats_header_words)
 from lossless_hc.training.strategies import AutoAggregator
 
 MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
@@ -170,7 +171,7 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     n, numel = 2, 4096
     rng = torch.Generator().manual_seed(3)
     assert AutoAggregator("w", (numel,), torch.float32, n, 0, MODEL, first=strategy).strategy == "dense"
-    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, first=strategy,
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first=strategy,
                            allowed=(strategy,)) for r in range(n)]
     total_in = torch.zeros(numel, dtype=torch.float64)
     total_out = torch.zeros(numel, dtype=torch.float64)
@@ -183,6 +184,22 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     # error feedback (thc, topk) or rounding (fp16, bf16): the running sums stay close
     rel = float((total_out - total_in).norm() / total_in.norm())
     assert rel < (0.05 if strategy in ("fp16", "bf16") else 1.0), rel
+
+
+def test_small_tensors_stay_exact_under_lossy():
+    """Below lossy_min_bytes (64 KiB) a tensor is planned among the exact strategies only, even with
+    lossy=True and a link slow enough that the cost model would prefer a lossy one; at the threshold the
+    lossy ones are candidates again; lossy_min_bytes=0 allows them for every tensor."""
+    slow = CostModel(Calibration.default(bandwidth_bits=1e7))
+    small = LOSSY_MIN_BYTES // 4 - 1   # float32 coordinates: one short of the threshold
+    agg = AutoAggregator("w", (small,), torch.float32, 4, 0, slow, lossy=True)
+    assert set(agg.allowed) == set(EXACT_STRATEGIES)
+    assert set(AutoAggregator("w", (small + 1,), torch.float32, 4, 0, slow, lossy=True).allowed) == set(STRATEGIES)
+    assert set(AutoAggregator("w", (small,), torch.float32, 4, 0, slow, lossy=True, lossy_min_bytes=0).allowed) \
+        == set(STRATEGIES)
+    assert slow.choose(stats(small, 1, 4, small, small), lossy=True)[0] in LOSSY_STRATEGIES   # what the rule overrides
+    with pytest.raises(ValueError, match="lossy_min_bytes"):
+        AutoSpec(lossy=True, lossy_min_bytes=-1)
 
 
 def test_float64_tensors_stay_dense_and_exact():
@@ -200,7 +217,7 @@ def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
     n, numel = 2, 2048
     rng = torch.Generator().manual_seed(4)
     slow = CostModel(Calibration.default(bandwidth_bits=1e6))   # a slow link: the lossy payload wins
-    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, slow, lossy=True, first=lossy, interval=1000,
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, slow, lossy=True, lossy_min_bytes=0, first=lossy, interval=1000,
                            allowed=("dense", lossy)) for r in range(n)]
     total_in = torch.zeros(numel, dtype=torch.float64)
     total_out = torch.zeros(numel, dtype=torch.float64)

@@ -604,5 +604,5 @@ def test_auto_training_matches_uncompressed_with_identical_plans(world, order):
 def test_auto_offers_only_what_one_push_can_carry():
     with pytest.raises(ValueError, match="BytePS can run only"):
         Compression.auto(strategies=("allgather",), engine=SimulatedBytePS(2).engine(0))
-    comp = Compression.auto(lossy=True, engine=SimulatedBytePS(2).engine(0))
+    comp = Compression.auto(lossy=True, lossy_min_bytes=0, engine=SimulatedBytePS(2).engine(0))
     assert comp.spec.strategies == ("dense", "sketch", "topk")

@@ -26,7 +26,7 @@ import torch
 
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, _check_seed
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
-from lossless_hc.training.planner import STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
+from lossless_hc.training.planner import LOSSY_MIN_BYTES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
 
 _DTYPE_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -49,6 +49,8 @@ class AutoSpec(AggregatorSpec):
         seed: hash seed of the sketch codecs, identical on every rank.
         partial: a sketch decode with inexact keys re-aggregates only their rows (False: densely; for
             engines whose only second collective is the dense fallback, BytePS).
+        lossy_min_bytes: with ``lossy``, tensors smaller than this are still aggregated exactly
+            (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`, 64 KiB; 0: every tensor may go lossy).
     """
 
     kind = "auto"
@@ -56,7 +58,7 @@ class AutoSpec(AggregatorSpec):
     def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
                  topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, partial: bool = True,
-                 **extra):
+                 lossy_min_bytes: int = LOSSY_MIN_BYTES, **extra):
         super().__init__(_check_seed(seed), **extra)
         if not isinstance(lossy, bool):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
@@ -82,6 +84,9 @@ class AutoSpec(AggregatorSpec):
         if not isinstance(partial, bool):
             raise ValueError(f"partial must be True or False, got {partial!r}")
         self.partial = partial
+        if isinstance(lossy_min_bytes, bool) or not isinstance(lossy_min_bytes, int) or lossy_min_bytes < 0:
+            raise ValueError(f"lossy_min_bytes must be a non-negative integer, got {lossy_min_bytes!r}")
+        self.lossy_min_bytes = lossy_min_bytes
         self.given_calibration = calibration is not None
         self.calibration: Optional[Calibration] = calibration
         self._cost_model: Optional[CostModel] = None
@@ -90,7 +95,8 @@ class AutoSpec(AggregatorSpec):
     def options(self) -> dict:
         return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
                 "strategies": self.strategies, "calibration": "given" if self.given_calibration else "measured",
-                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed, "partial": self.partial}
+                "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed, "partial": self.partial,
+                "lossy_min_bytes": self.lossy_min_bytes}
 
     def set_calibration(self, calibration: Calibration) -> None:
         """The broadcast calibration (identical on every rank); aggregators built later plan with it."""
@@ -132,7 +138,8 @@ class AutoSpec(AggregatorSpec):
         return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, model, lossy=self.lossy,
                               interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
                               seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
-                              device=device, partial=self.partial, sparse=tensor.is_sparse, **self.extra)
+                              device=device, partial=self.partial, sparse=tensor.is_sparse,
+                              lossy_min_bytes=self.lossy_min_bytes, **self.extra)
 
 
 def plan_stats(aggregators) -> dict:

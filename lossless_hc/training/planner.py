@@ -119,6 +119,12 @@ UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
 # near tie costs a dependent round the model prices at its latency only.
 SWITCH_MARGIN = 0.2
 TOPK_RATIO = 0.01       # the lossy top-k's share of each tensor (CostModel(topk_ratio=...))
+# Below this many bytes a tensor is only aggregated exactly, even with lossy=True: the cost model prices
+# wire and compute, not the steps a lossy error costs, and a small tensor can save at most twice its
+# bytes of wire per step (64 KiB: ~1 ms at 1 Gbit/s) while its top-k/THC error feedback can cost many
+# steps (measured in docs/BENCHMARKS.md, "Time to accuracy": NCF's 4K-coordinate MLP layers under top-k).
+# The same rule as torch's PowerSGD min_compression_rate and BytePS's minimum compressed size.
+LOSSY_MIN_BYTES = 1 << 16
 THC_BITS, THC_GRANULARITY = 4, 30
 
 # Default link and local costs (Calibration.default): a 1 Gbit/s Ethernet link with ~50 us per

@@ -54,7 +54,7 @@ from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, default_block_size)
-from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_STRATEGIES, CostModel,
+from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 from lossless_hc.training.rows import bitmap_counts, gather_slots, pack_bitmap, sum_slots
@@ -111,7 +111,10 @@ class AutoAggregator:
         cost_model: a :class:`~lossless_hc.training.planner.CostModel` built on the broadcast calibration,
             or None until it is known (set ``cost_model`` before the first plan is applied: a plan due
             then waits for the next :meth:`encode`; DDP calibrates after the first step).
-        lossy: allow the lossy strategies.
+        lossy: allow the lossy strategies (for a tensor of at least ``lossy_min_bytes`` bytes).
+        lossy_min_bytes: smaller tensors are aggregated exactly even when ``lossy``
+            (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`: the saving is at most twice their bytes
+            of wire per step, while a lossy error can cost steps the cost model does not price).
         interval, alpha: re-planning period and EWMA weight.
         first: the strategy of the first step (None: "dense" for a dense gradient, "allgather" for a
             sparse one; either is exact and measures the statistics).
@@ -131,7 +134,7 @@ class AutoAggregator:
                  lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  allowed: Optional[tuple] = None, seed: int = 0, topk_ratio: Optional[float] = None,
                  thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu",
-                 partial: bool = True, sparse: bool = False):
+                 partial: bool = True, sparse: bool = False, lossy_min_bytes: int = LOSSY_MIN_BYTES):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.numel = math.prod(self.shape)
         self.world_size, self.rank = int(world_size), int(rank)
@@ -148,7 +151,8 @@ class AutoAggregator:
             raise ValueError(f"{name}: without a cost model, give topk_ratio and thc_bits")
         self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else float(topk_ratio)
         self.thc_bits = cost_model.thc_bits if thc_bits is None else int(thc_bits)
-        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not self.sparse else ())
+        lossy_here = lossy and not self.sparse and self.numel * dtype.itemsize >= lossy_min_bytes
+        names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy_here else ())
         if dtype == torch.float64 or self.numel == 0 or self.world_size == 1:
             names = ("dense",)   # float64 would be rounded by float32 payloads; nothing to save otherwise
         if allowed is not None:

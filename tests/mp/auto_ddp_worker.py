@@ -102,7 +102,7 @@ def scenario(name):
         return compare(AutoHookState(interval=2, first=s, strategies=(s,), calibration=Calibration.default(1e9)),
                        steps=6, bags=True)
     if name == "lossy":
-        state = AutoHookState(lossy=True, interval=2, calibration=Calibration.default(1e8))
+        state = AutoHookState(lossy=True, interval=2, calibration=Calibration.default(1e8), lossy_min_bytes=0)
         got = train(state, steps=6)
         st = state.stats()
         return {"digest": param_digest(got), "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}}

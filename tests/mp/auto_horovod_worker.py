@@ -83,7 +83,7 @@ def scenario(name):
     if name == "allgather":  # a slow link: the sparse tables go through the named async allgather
         return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e7, 0.0)))
     if name == "lossy":
-        comp = Compression.auto(lossy=True, interval=2, calibration=Calibration.default(1e8))
+        comp = Compression.auto(lossy=True, interval=2, calibration=Calibration.default(1e8), lossy_min_bytes=0)
         got = train(comp)
         return {"digest": param_digest(got),
                 "plan": {k.split(".", 1)[1]: [v["strategy"], v["changes"]] for k, v in comp.stats()["plan"].items()}}

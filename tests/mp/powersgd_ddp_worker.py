@@ -114,7 +114,7 @@ def switch():
     n, rank = dist.get_world_size(), dist.get_rank()
     model = Linear()
     ddp = DistributedDataParallel(model)
-    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"),
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"), lossy_min_bytes=0,
                           topk_ratio=0.05)
     ddp.register_comm_hook(state, auto_hook)
     steps = 6

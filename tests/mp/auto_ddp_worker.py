@@ -4,7 +4,6 @@ Each scenario trains the same model from the same seed on the same per-rank batc
 default allreduce and once with the planner; ranks draw batches of different sizes (different local
 sparsity). Every rank writes OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
 """
-import json
 import os
 import sys
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
+import gloo_scenarios  # noqa: E402
 from models import (BagModel, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn, max_param_diff,  # noqa: E402
                     param_digest)
 
@@ -125,18 +125,5 @@ def scenario(name):
     raise ValueError(f"unknown scenario {name}")
 
 
-def worker(rank, size, port, out_dir, names):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    torch.set_num_threads(1)
-    for name in names:
-        result = scenario(name)
-        result["size"] = size
-        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    size, port, out_dir, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
-    torch.multiprocessing.spawn(worker, args=(size, port, out_dir, names), nprocs=size)
+    gloo_scenarios.main(scenario)

@@ -4,7 +4,6 @@ Each scenario trains the same model twice from the same seed on the same per-ran
 DDP's default allreduce and once with the lossless hook; every rank writes
 OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
 """
-import json
 import os
 import sys
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
+import gloo_scenarios  # noqa: E402
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
@@ -218,18 +218,5 @@ def thc_with_grad_scaler(inject_step, steps):
             "digest": param_digest(model), "stats": state.stats()}
 
 
-def worker(rank, size, port, out_dir, names):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    torch.set_num_threads(1)
-    for name in names:
-        result = scenario(name)
-        result["size"] = size
-        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    size, port, out_dir, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
-    torch.multiprocessing.spawn(worker, args=(size, port, out_dir, names), nprocs=size)
+    gloo_scenarios.main(scenario)

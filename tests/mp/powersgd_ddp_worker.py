@@ -12,7 +12,6 @@ Scenarios:
 * ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
   (the bench's per-bucket baseline) and auto(lossy): the losses.
 """
-import json
 import os
 import sys
 import threading
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
+import gloo_scenarios  # noqa: E402
 from models import param_digest  # noqa: E402
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
@@ -172,18 +172,9 @@ def converge():
     return {"losses": losses, "plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"]}
 
 
-def worker(rank, size, port, out_dir, names):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    torch.set_num_threads(1)
-    for name in names:
-        result = {"choice": choice, "switch": switch, "converge": converge}[name]()
-        result["size"] = size
-        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+def scenario(name: str) -> dict:
+    return {"choice": choice, "switch": switch, "converge": converge}[name]()
 
 
 if __name__ == "__main__":
-    size, port, out_dir, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].split(",")
-    torch.multiprocessing.spawn(worker, args=(size, port, out_dir, names), nprocs=size)
+    gloo_scenarios.main(scenario)

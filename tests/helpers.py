@@ -7,6 +7,7 @@ the seeds), so every failure is reproducible from the printed example.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import zlib
 
@@ -409,3 +410,10 @@ def emulated_cluster_skip_reason(horovod: bool = False):
         return f"`ip netns add` fails here: {res.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a launch's rendezvous (torch.distributed MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -5,11 +5,12 @@ equal the uncompressed run to float rounding and finish (no deadlock). Workers:
 tests/mp/auto_ddp_worker.py and tests/mp/auto_horovod_worker.py."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from helpers import free_port
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,12 +22,6 @@ DDP_EXACT = ["measured", "replan", "small_buckets"]
 # strategy forced, with rank 0 listing no row and ranks 1, 2 overlapping in hot rows (tests/mp/models.py)
 DDP_SPARSE = ["sparse_replan", "sparse_dense", "sparse_allgather", "sparse_two_phase", "sparse_sketch"]
 HVD_EXACT = ["measured", "replan", "allgather"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(cmd, timeout=600):

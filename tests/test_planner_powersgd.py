@@ -17,6 +17,7 @@ from lossless_hc.training.planner import STRATEGIES, Calibration, CostModel, Pow
 from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner
 from lossless_hc.training.strategies import AutoAggregator
 from lossless_hc.plugins.ddp import AutoHookState
+from helpers import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -150,12 +151,6 @@ def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
 
 
 # -- real DDP, 3 Gloo processes ---------------------------------------------------------------------------------
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,12 @@ sockets). Each launch runs every scenario of tests/mp/ddp_worker.py: the same tr
 default allreduce and with the lossless hook, from the same seed on the same batches."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from helpers import free_port
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -16,12 +17,6 @@ WORKER = os.path.join(HERE, "mp", "ddp_worker.py")
 EXACT = ["average", "small_buckets", "fallback"]
 ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError"}
 TOL = 1e-6
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args, timeout=600):

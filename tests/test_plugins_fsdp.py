@@ -12,12 +12,13 @@ seed on the same per-rank batches.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import defaultdict
 
 import pytest
+
+from helpers import free_port
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,12 +38,6 @@ CUDA_MESHES = {
     "1x2": (1, 2, ["lossless", "fallback", "topk"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

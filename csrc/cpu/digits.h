@@ -95,7 +95,8 @@ bool split_word_masks(const float* words, uint32_t n, double scale, const DigitP
 // of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
 // of them at low density); on a private copy of the sink, moved back at the end. Returns false if a
 // word is not a valid packed integer or a sink rejects a block. With `masks`, only the digits' non-zero
-// masks, sum and largest are filled in (split_word_masks), not the digits.
+// masks, sum and largest are filled in (split_word_masks), and the digits too only for a block whose
+// largest digit exceeds 1 (elsewhere every non-zero digit is 1: the masks say all).
 template <typename Sink>
 bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks,
                    const DigitMaskTable* masks = nullptr) {
@@ -113,8 +114,9 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
       uint32_t any = 0;
       for (uint32_t i = 0; i < n; ++i) any |= raw[w + i];
       if (!any) continue;
-      const bool valid = masks ? split_word_masks(index + w, n, scale, L.index, *masks, &d)
-                               : split_words(index + w, n, scale, L.index, &d);
+      bool valid = masks ? split_word_masks(index + w, n, scale, L.index, *masks, &d)
+                         : split_words(index + w, n, scale, L.index, &d);
+      if (valid && masks && d.max > 1) valid = split_words(index + w, n, scale, L.index, &d);
       if (!valid || !sink(w, n, d)) bad = 1;
     }
     sinks[omp_get_thread_num()] = std::move(sink);

@@ -118,14 +118,10 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     std::vector<uint32_t> found, group;  // one block's keys and their groups
     uint64_t num_keys, sum;
     uint32_t per_word, world_size;
-    // The index checksum: the block's digits (only where some digit exceeds 1: the masks say where
-    // the others are, each 1), and the sums of count(k) * part_f(k).
-    const CodecLayout* layout;
-    const float* index;
-    double scale;
+    // The index checksum: the sums of count(k) * part_f(k) (count(k) is the key's digit, 1 in a block
+    // whose largest digit is 1: unpack_digits fills the digits only of the others).
     uint64_t check_stream;
     unsigned long long check[kIndexCheckFields];
-    std::vector<WordDigits> digits;
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
@@ -143,13 +139,9 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
       const uint32_t n = (uint32_t)(out - found.data());
       if (n == 0) return true;
       if (found[n - 1] >= num_keys) return false;  // a digit past the last key (in the last word)
-      if (d.max > 1) {
-        if (digits.empty()) digits.resize(1);
-        if (!split_words(index + first_word, words, scale, layout->index, digits.data())) return false;
-      }
       for (uint32_t i = 0; i < n; ++i) {
         const uint32_t pos = (uint32_t)(found[i] - first_word * per_word);
-        const uint32_t count = d.max > 1 ? digits[0].digit[pos % per_word][pos / per_word] : 1u;
+        const uint32_t count = d.max > 1 ? d.digit[pos % per_word][pos / per_word] : 1u;
         uint32_t part[2];
         index_check_parts(check_stream, found[i], part);
         check[0] += (unsigned long long)count * part[0];
@@ -174,8 +166,8 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
-                L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, &L, index, in.scale,
-                index_check_stream(L.sketch.stream), {0, 0}, {}};
+                L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
+                {0, 0}};
   std::vector<KeySink> sinks(nt, proto);
   for (KeySink& sink : sinks)
     for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);

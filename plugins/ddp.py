@@ -26,6 +26,14 @@ bucket's own process group, like the fallback below: at most one allreduce per p
 allgather per bucket and step, the same on every rank. A bucket of dense plans between their
 statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
 
+The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`): the
+cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
+the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is not
+dense (from step index 8 on) the state runs one A/B trial of whole steps: 5 steps of the plans, 5 of
+every dense-gradient bucket allreduced in place; unless the plans' median step is at least 3% faster,
+dense gradients are allreduced in place for the rest of the run. Rank 0's verdict is broadcast at the
+first hook call of the step after the trial (main thread, like the calibration).
+
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
 one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
 parameters, from step index 2 on, when the cost model predicts it faster than their plans in one
@@ -69,6 +77,7 @@ import torch.distributed as dist
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
+from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, StepGuard
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
@@ -212,6 +221,13 @@ class AutoHookState(_HookState):
             ``powerSGD_hook``, one ``PowerSGDState`` and Gloo group per bucket, ``min_compression_rate``
             2, error feedback and warm start on; once a bucket takes it, it keeps it, and its
             parameters' THC or top-k error feedback is added to the gradient on the switch).
+        guard_steps, guard_start, guard_margin: exact plans only (``lossy=False``): the step guard's
+            window length (5; 0: no guard), the first step index its trial may begin at (8) and the
+            margin by which the plans must measure faster than DDP's dense allreduce to stay (0.03):
+            one A/B trial of whole training steps, the plans for ``guard_steps`` steps, then every
+            dense gradient allreduced in place for as many; if the plans' median step is not faster,
+            dense gradients are allreduced in place for the rest of the run
+            (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``); ``strategies`` may
             name ``"powersgd"`` (with ``lossy=True``): given without it, PowerSGD is not considered.
@@ -228,7 +244,9 @@ class AutoHookState(_HookState):
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, lossy: bool = False,
-                 powersgd_rank: int = POWERSGD_RANK, powersgd_start: int = POWERSGD_START, **options):
+                 powersgd_rank: int = POWERSGD_RANK, powersgd_start: int = POWERSGD_START,
+                 guard_steps: int = GUARD_STEPS, guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN,
+                 **options):
         strategies = options.get("strategies")
         powersgd = lossy is True and (strategies is None or "powersgd" in strategies)
         if strategies is not None and "powersgd" in strategies:
@@ -238,12 +256,25 @@ class AutoHookState(_HookState):
         super().__init__(AutoSpec(lossy=lossy, **options), process_group)
         self._powersgd = (PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
                           if powersgd else None)
+        if int(guard_steps) < 0:
+            raise ValueError(f"guard_steps must be >= 0, got {guard_steps}")
+        self._guard = (StepGuard(guard_steps, guard_start, guard_margin)
+                       if guard_steps and lossy is not True else None)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
+    _step_started: Optional[float] = None   # when bucket 0's hook last ran (the step guard's clock)
+    _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", or "dense" buckets in place
 
     def __repr__(self) -> str:
         extra = f", {self._powersgd.describe()}" if self._powersgd is not None else ""
+        if self._guard is not None:
+            g = self._guard
+            extra += f", guard(steps={g.steps}, start={g.start}, margin={g.margin})"
         return f"{type(self).__name__}({self.spec!r}{extra})"
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._step_started = None   # a restored state's first step has no predecessor to time
 
     def stats(self) -> dict:
         d = super().stats()
@@ -253,7 +284,39 @@ class AutoHookState(_HookState):
             self._powersgd.plan_stats(d["plan"])
             d["buckets"] = self._powersgd.stats()
         d["calibration"] = self.spec.calibration_stats()
+        d["guard"] = self._guard.stats() if self._guard is not None else None
         return d
+
+    def _begin_step(self, now: float) -> None:
+        """Bucket 0's hook (main thread, every rank at the same step): count the step, time the one
+        before it for the step guard, calibrate at the second step, and set what this step runs."""
+        self._steps += 1
+        step = self._steps - 1
+        if self._guard is not None and self._step_started is not None:
+            self._guard.record(step - 1, now - self._step_started)
+        self._step_started = now
+        if self._steps == 2 and self.spec.calibration is None:   # the model's tensors are known now
+            self._calibrate()
+        if self._guard is None:
+            return
+        # Plans are identical on every rank, so is this.
+        worth = any(a.strategy != "dense" and not a.sparse for a in self._aggregators.values())
+        phase = self._guard.phase(step, worth)
+        if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)
+            verdict = torch.tensor(self._guard.decide(), dtype=torch.float64, device=self._collective_device())
+            dist.broadcast(verdict, src=self._root(), group=self.process_group)
+            keep, plan_s, dense_s = verdict.cpu().tolist()
+            self._guard.settle(keep != 0.0, plan_s, dense_s)
+            phase = self._guard.phase(step, worth)
+        self._step_phase = phase
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _root(self) -> int:
+        return dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
 
     def _powersgd_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor, grads, aggs):
         """The bucket's PowerSGD state if it runs PowerSGD this step (:class:`PowerSGDPlanner`)."""
@@ -267,15 +330,12 @@ class AutoHookState(_HookState):
         of the second step), the link timed up to the largest gradient's bytes; then every aggregator,
         built during the first step without a cost model, gets it."""
         group, n = self.process_group, self.world_size
-        device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device, root = self._collective_device(), self._root()
 
         def gather(t):
             out = [torch.empty_like(t) for _ in range(n)]
             dist.all_gather(out, t, group=group)
 
-        root = dist.get_global_rank(group, 0) if group is not None else 0
         largest = max((4 * a.numel for a in self._aggregators.values()), default=0)
         self.spec.measure(lambda t: dist.all_reduce(t, group=group), gather,
                           lambda t: dist.broadcast(t, src=root, group=group), self.rank, n, device,
@@ -364,17 +424,16 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if not state._config_checked:
         state._check_configuration()
     if bucket.index() == 0:   # DDP launches bucket 0 first, after every callback of the previous step
-        state._steps += 1
-        if state._steps == 2 and state.spec.calibration is None:   # the model's tensors are known now
-            state._calibrate()
+        state._begin_step(started)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
     n = state.world_size
     powersgd = state._powersgd_bucket(bucket, buffer, grads, aggs)
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    if state.spec.calibration is not None and buffer.dtype in (torch.float32, torch.float64) and not any(
-            [a.carries_statistics() for a in aggs]):
+    in_place = buffer.dtype in (torch.float32, torch.float64) and not buffer.is_sparse
+    if in_place and (state._step_phase == "dense" or (
+            state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:

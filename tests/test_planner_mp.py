@@ -38,7 +38,8 @@ def results(out, name):
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
-            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "lossy", "config_mismatch"])])
+            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "lossy", "config_mismatch", "guard_dense",
+                                                "guard_plan"])])
     return out
 
 
@@ -95,6 +96,26 @@ def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run)
         assert r["calibration_cost"]["source"] == "measured" and r["calibration_cost"]["seconds"] > 0
         # the largest gradient is 64 x 64 float32 (16 KiB): timed at 1 KiB and the 32 KiB floor, not to 1 MiB
         assert r["calibration_cost"]["link_sizes"] == [1024, 32768], r["calibration_cost"]
+
+
+@pytest.mark.parametrize("name", ["guard_dense", "guard_plan"])
+def test_ddp_step_guard_verdict_is_rank_0s_and_exact(ddp_run, name):
+    """The step guard (guard_steps 2 from step 2; 12 steps): the plans run steps 2-3, every bucket is
+    allreduced in place at steps 4-5, and rank 0's verdict (forced by the margin: the plans must be 100x
+    faster / may be 101x slower) holds on every rank at step 6. Dense verdict: every later step is plain
+    too; plan verdict: the plans resume. Exact and identical on every rank either way."""
+    rs = results(ddp_run, name)
+    check_exact_and_identical(rs)
+    want = "dense" if name == "guard_dense" else "plan"
+    for r in rs:
+        g = r["guard"]
+        assert g == rs[0]["guard"], (g, rs[0]["guard"])        # rank 0's medians, broadcast
+        assert g["verdict"] == want and g["window"] == 2 and g["steps"] == 2, g
+        assert g["plan_ms"] > 0 and g["dense_ms"] > 0, g
+        planned = [k for k, (s, _) in r["plan"].items() if s != "dense"]
+        assert planned, r["plan"]   # the trial compared something
+        for k in planned:   # in place: the dense window (2 steps), then every step after the verdict (6) or none
+            assert r["plain_steps"][k] == (2 + 6 if want == "dense" else 2), (k, r["plain_steps"])
 
 
 @pytest.mark.parametrize("name", DDP_SPARSE)

@@ -170,6 +170,7 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
         "codec_share": codec_s / median if median > 0 else None,
         "fallbacks": stats.get("fallbacks", 0) if stats else 0,
         "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
+        "auto_guard": stats.get("guard") if stats else None,
         "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
     }
 

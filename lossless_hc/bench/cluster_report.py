@@ -92,6 +92,14 @@ def render_markdown(result: dict, title: str) -> str:
             lines.append(f"\n{r['framework']} {r['compression']} chose (rank 0, last plan): " + "; ".join(
                 f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
                 f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
+            g = r.get("auto_guard")
+            if g and g.get("verdict"):
+                ran = "the plans" if g["verdict"] == "plan" else "dense allreduce in place (DDP's own)"
+                lines.append(f"step guard (steps {g['window']}-{g['window'] + 2 * g['steps'] - 1}): plans "
+                             f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
+            elif g:
+                lines.append("step guard: no verdict in this run (the trial needs "
+                             f"{2 * g['steps']} steps once a plan is not dense)")
     return "\n".join(lines) + "\n"
 
 

@@ -17,7 +17,6 @@ from models import (BagModel, EmbeddingModel, bag_batch, bag_loss, batch, loss_f
                     param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
-from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
 
 
 def rank_batch(step, rank, burst_from=None):
@@ -116,6 +115,14 @@ def scenario(name):
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()},
                 "calibration": state.spec.calibration.as_list(), "calibration_cost": st["calibration"],
                 "collectives": got_steps, "ddp_collectives": ref_steps}
+    if name.startswith("guard_"):   # the step guard's trial, its verdict forced by the margin
+        margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
+        state = AutoHookState(interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
+                              guard_margin=margin)
+        out = compare(state, steps=12)
+        out["guard"] = out["stats"]["guard"]
+        out["plain_steps"] = {k: v["plain_steps"] for k, v in out["stats"]["plan"].items()}
+        return out
     if name == "config_mismatch":
         try:
             train(AutoHookState(lossy=dist.get_rank() == 1), steps=1)

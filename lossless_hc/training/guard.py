@@ -1,0 +1,109 @@
+r"""The step guard: the planner's exact plans checked against a dense allreduce, on measured steps.
+
+The cost model (:mod:`lossless_hc.training.planner`) prices wire bytes and local work; what it
+neglects (how much of the engine's dense allreduce hides behind the backward pass, the hook's own
+work competing with it for the same cores, a second collective's round trip) can make a plan it
+predicts faster measure slower than the engine's own dense allreduce. Exact ``auto`` promises never
+to be slower than that, so a DDP state with a guard (``AutoHookState(guard_steps=W)``, on by default
+for exact plans) runs one A/B trial on whole training steps:
+
+* **plan window**: the first ``W`` steps from ``start`` on in which some dense gradient's plan is not
+  ``dense`` (sparse gradients keep their plans throughout: their dense alternative is a different
+  model);
+* **dense window**: the next ``W`` steps, every dense-gradient bucket allreduced in place as DDP's own
+  hook does (the aggregators sit these steps out: their statistics and plans wait);
+* **verdict**, at the first step after: with :math:`T_p` and :math:`T_d` the medians of the two
+  windows' step times (the time between consecutive starts of bucket 0's hook: a whole iteration,
+  forward, backward, optimizer and every wait included),
+
+  .. math:: \text{keep the plans} \iff T_p \le (1 - m)\, T_d
+
+  (``margin`` :math:`m`, 0.03: a tie goes to the engine's own allreduce; a negative margin tolerates
+  plans up to :math:`1/(1-m)` times slower); otherwise every dense gradient is allreduced in place
+  from then on.
+
+Step times are rank-local; the verdict is rank 0's, broadcast by the caller (every rank must then
+agree, as on every plan). One trial per run: the verdict stands for the rest of the run. Lossy plans
+are not guarded (their alternative is not dense, and leaving them would strand error feedback).
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+GUARD_STEPS = 5      # steps per window
+GUARD_START = 8      # the first step index the plan window may begin at (after calibration and plans settle)
+GUARD_MARGIN = 0.03  # the plans must measure this much faster than dense to stay
+
+
+class StepGuard:
+    """The trial's schedule and verdict (module doc). Pure bookkeeping: the caller feeds step times
+    and whether a plan is worth checking, asks what to run, and broadcasts :meth:`decide`'s verdict.
+
+    Args:
+        steps: ``W``, steps per window (>= 1).
+        start: the first 0-based step index the plan window may begin at.
+        margin: ``m`` in the verdict rule, below 1.
+    """
+
+    def __init__(self, steps: int = GUARD_STEPS, start: int = GUARD_START, margin: float = GUARD_MARGIN):
+        if int(steps) < 1:
+            raise ValueError(f"guard steps must be >= 1, got {steps}")
+        if int(start) < 0:
+            raise ValueError(f"guard start must be >= 0, got {start}")
+        if not float(margin) < 1.0:
+            raise ValueError(f"guard margin must be below 1, got {margin}")
+        self.steps, self.start, self.margin = int(steps), int(start), float(margin)
+        self.begin: Optional[int] = None   # step index of the plan window's first step
+        self.times = {"plan": [], "dense": []}
+        self.verdict: Optional[str] = None   # "plan" or "dense" once decided
+        self.medians: Optional[tuple] = None   # (T_p, T_d) seconds, rank 0's
+
+    def phase(self, step: int, worth_checking: bool) -> str:
+        """What step ``step`` (0-based) runs: ``"plan"`` (the plans), ``"dense"`` (dense buckets in
+        place), or ``"decide"`` (the verdict is due now: call :meth:`decide` and :meth:`settle`, then
+        :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not dense (identical on
+        every rank); the plan window opens at the first such step from ``start`` on."""
+        if self.verdict is not None:
+            return "plan" if self.verdict == "plan" else "dense"
+        if self.begin is None:
+            if step < self.start or not worth_checking:
+                return "plan"
+            self.begin = step
+        k = step - self.begin
+        if k < self.steps:
+            return "plan"
+        if k < 2 * self.steps:
+            return "dense"
+        return "decide"
+
+    def record(self, step: int, seconds: float) -> None:
+        """The measured time of step ``step`` (0-based), kept if it falls in a window."""
+        if self.begin is None or self.verdict is not None:
+            return
+        k = step - self.begin
+        if 0 <= k < self.steps:
+            self.times["plan"].append(float(seconds))
+        elif self.steps <= k < 2 * self.steps:
+            self.times["dense"].append(float(seconds))
+
+    def decide(self) -> tuple:
+        """``(keep_plans, T_p, T_d)`` from this rank's windows (module doc); the caller broadcasts rank
+        0's. A window with no time recorded keeps the plans (nothing measured against them)."""
+        if not self.times["plan"] or not self.times["dense"]:
+            return True, float("nan"), float("nan")
+        tp, td = statistics.median(self.times["plan"]), statistics.median(self.times["dense"])
+        return tp <= (1.0 - self.margin) * td, tp, td
+
+    def settle(self, keep_plans: bool, plan_s: float, dense_s: float) -> None:
+        """Adopt the (broadcast) verdict."""
+        self.verdict = "plan" if keep_plans else "dense"
+        self.medians = (float(plan_s), float(dense_s))
+
+    def stats(self) -> dict:
+        """``{"verdict", "plan_ms", "dense_ms", "window", "steps"}``: the verdict (None while the trial
+        runs or before it starts), rank 0's medians in milliseconds, the plan window's first step index
+        and the window length."""
+        tp, td = self.medians if self.medians is not None else (float("nan"), float("nan"))
+        return {"verdict": self.verdict, "plan_ms": 1e3 * tp, "dense_ms": 1e3 * td, "window": self.begin,
+                "steps": self.steps}

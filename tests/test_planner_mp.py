@@ -130,6 +130,9 @@ def test_ddp_auto_over_sparse_gradients_is_exact_and_identical(ddp_run, name):
         assert rs[0]["plan"][table][1] and rs[0]["plan"][table][1][-1][1] != "allgather", rs[0]["plan"]
     else:
         assert strategies == {name[len("sparse_"):]}, rs[0]["plan"]
+    if name == "sparse_allgather":   # between its statistics steps (interval 2), Gloo's own sparse allreduce
+        (table,) = rs[0]["sparse"]
+        assert rs[0]["stats"]["plan"][table]["plain_steps"] == 2, rs[0]["stats"]["plan"][table]
     if name == "sparse_sketch":   # the table's sketch decoded (its inexact rows re-aggregated alone) after
         (table,) = rs[0]["sparse"]   # the first step, sized for 1% of the rows, fell back
         assert rs[0]["fallbacks"][table] <= 1 and rs[0]["stats"]["partial_fallbacks"] >= 1, rs[0]["stats"]

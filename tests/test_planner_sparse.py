@@ -149,3 +149,32 @@ def test_sketch_reaggregates_inexact_rows_alone():
                 assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
         st = aggs[0].agg_stats
         assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st
+
+
+@pytest.mark.parametrize("strategy", EXACT_STRATEGIES)
+def test_an_engine_summing_sparse_tensors_itself_gets_the_allgather_plan_s_plain_steps(strategy):
+    """native_sparse (DDP over Gloo): an allgather plan carries its statistics on the interval's steps only,
+    and between them the engine sums the bare sparse gradient (encode refuses it; record_plain_step
+    counts at most 8 + 4 b bytes per listed row); every other plan carries them on every step."""
+    rng = torch.Generator().manual_seed(2)
+    aggs = aggregators(strategy)
+    for a in aggs:
+        a.native_sparse = True
+    carried = []
+    for step in range(6):
+        carry = aggs[0].carries_statistics()
+        assert all(a.carries_statistics() == carry for a in aggs)
+        carried.append(carry)
+        xs = [sparse_grad(rng, ROWS, DIM, s) for s in supports(step)]
+        if carry:
+            run_step(aggs, xs)
+            continue
+        with pytest.raises(RuntimeError, match="native_sparse"):
+            aggs[0].encode(xs[0])
+        for a, x in zip(aggs, xs):
+            before = a.bytes_sent
+            a.record_plain_step(0.0, sparse_rows=x._nnz())
+            assert a.bytes_sent - before == x._nnz() * (8 + 4 * DIM)
+    # interval 2: the first step, then step counts 2, 4 (the 1-based count of the step that follows)
+    assert carried == ([True, True, False, True, False, True] if strategy == "allgather" else [True] * 6)
+    assert aggs[1].plan_stats()["plain_steps"] == carried.count(False)

@@ -175,6 +175,10 @@ class AutoAggregator:
         self.steps = 0                          # steps aggregated (every rank counts alike)
         self.plain_steps = 0                    # ... of them dense without the statistics header
         self.fallbacks = 0
+        # Set by an engine adapter that can SUM this sparse gradient itself (DDP over Gloo: its sparse
+        # allreduce, what DDP does without a hook): an allgather plan then sends the bare gradient that way
+        # between its statistics steps, as a dense plan sends the bare dense tensor (carries_statistics).
+        self.native_sparse = False
         self._plan_due = False                  # a plan is due but no cost model was known yet
         self._codec: Optional[LosslessCodec] = None   # the sketch's, sized at the last plan
         self._sketch_stats: Optional[TensorStats] = None   # ... from these statistics
@@ -222,13 +226,16 @@ class AutoAggregator:
     def carries_statistics(self) -> bool:
         """Whether the next step's first payload carries the statistics header (else it is the bare
         tensor: :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place): always
-        but for a dense plan, which carries them on its first step, on step counts that are multiples of
+        but for a dense plan (and a sparse gradient's allgather plan when the engine sums sparse tensors
+        itself, ``native_sparse``: then the engine's own sparse allreduce is the bare step), which carries
+        them on its first step, on step counts that are multiples of
         ``interval`` (each followed by a plan), after a failure (``force``) and when leaving THC or top-k
         (their error feedback is flushed by :meth:`encode`); a tensor that can only be dense, on its first
         step only. A function of the plan and the step count: identical on every rank (docs/DESIGN.md,
         "What is exchanged when")."""
         self._apply_due_plan()
-        if self.strategy != "dense" or self.sparse or self.steps == 0 or self.tracker.force:
+        plain = ("allgather" if self.native_sparse else None) if self.sparse else "dense"
+        if self.strategy != plain or self.steps == 0 or self.tracker.force:
             return True
         if self._thc is not None or self._topk is not None:
             return True
@@ -262,12 +269,19 @@ class AutoAggregator:
             self._topk = None
         return err
 
-    def record_plain_step(self, started: float) -> None:
-        """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False): the
-        DDP hook's in-place allreduce of a bucket whose every tensor is on such a step. ``started``:
-        ``time.perf_counter()`` when the step's aggregation began."""
-        self._count_sent(self.numel * self.wire_dtype.itemsize, plain=True)
-        self._measure("dense", started)
+    def record_plain_step(self, started: float, sparse_rows: Optional[int] = None) -> None:
+        """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False, or the
+        DDP step guard's dense window): the DDP hook's in-place allreduce of a bucket whose every tensor is
+        on such a step. ``started``: ``time.perf_counter()`` when the step's aggregation began.
+        ``sparse_rows``: a sparse gradient summed by the engine's own sparse allreduce (``native_sparse``),
+        with at most this many rows listed (its uncoalesced count): it allgathers an int64 index and the
+        values of each, counted as the allgather strategy."""
+        if sparse_rows is None:
+            self._count_sent(self.numel * self.wire_dtype.itemsize, plain=True)
+            self._measure("dense", started)
+        else:
+            self._count_sent(int(sparse_rows) * (8 + self.row * self.dtype.itemsize), dense=False, plain=True)
+            self._measure("allgather", started)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -400,6 +414,9 @@ class AutoAggregator:
             raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
                              f"{self.dtype} {self.shape}")
         t0 = time.perf_counter()
+        if self.sparse and not self.carries_statistics():
+            raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
+                               "its own sparse allreduce (native_sparse), not through encode()")
         if not self.carries_statistics():   # a dense step without statistics: the bare tensor, no scan
             ctx = AutoContext("dense", t0, self.numel * self.wire_dtype.itemsize, plain=True)
             payload = x.detach().reshape(-1).to(self.wire_dtype)

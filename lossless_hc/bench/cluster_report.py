@@ -97,9 +97,11 @@ def render_markdown(result: dict, title: str) -> str:
                 ran = "the plans" if g["verdict"] == "plan" else "dense allreduce in place (DDP's own)"
                 lines.append(f"step guard (steps {g['window']}-{g['window'] + 2 * g['steps'] - 1}): plans "
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
+            elif g and g.get("window") is None:
+                lines.append("step guard: no trial (no dense gradient's plan was other than dense)")
             elif g:
-                lines.append("step guard: no verdict in this run (the trial needs "
-                             f"{2 * g['steps']} steps once a plan is not dense)")
+                lines.append(f"step guard: trial from step {g['window']} not finished in this run "
+                             f"({2 * g['steps']} steps)")
     return "\n".join(lines) + "\n"
 
 

@@ -152,3 +152,23 @@ def test_two_hosts_end_to_end(tmp_path):
     mine = [n for n in netns.list_namespaces() + netns.list_links() if netns.owner_pid(n) == proc.pid]
     assert mine == []
     assert not os.path.exists(os.path.join(netns.NETNS_ETC, f"{netns.PREFIX}{proc.pid}h0"))
+
+
+def test_the_report_states_the_step_guards_verdict():
+    """Rank 0's guard statistics in the planner's rows: the trial's steps, medians and what ran after it,
+    or why there was none."""
+    from lossless_hc.bench.cluster_report import render_markdown
+
+    def row(compression, ms, guard=None):
+        return {"framework": "ddp", "compression": compression, "step_s_median": ms / 1e3, "step_s_p10": ms / 1e3,
+                "step_s_p90": ms / 1e3, "speedup_vs_none": 80.0 / ms, "wire_bytes_per_step_per_host": 1.0,
+                "wire_vs_none": 1.0, "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
+                "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.05,
+                "auto_choice": {"dense": ["param0(4,)"]} if guard else None, "auto_guard": guard}
+    guard = {"verdict": "dense", "plan_ms": 93.0, "dense_ms": 83.2, "window": 8, "steps": 5}
+    none_trial = {"verdict": None, "plan_ms": float("nan"), "dense_ms": float("nan"), "window": None, "steps": 5}
+    text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial)],
+                            "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+    assert ("step guard (steps 8-17): plans 93.0 ms, dense 83.2 ms median step: dense allreduce in place "
+            "(DDP's own) from then on") in text
+    assert "step guard: no trial (no dense gradient's plan was other than dense)" in text

@@ -233,7 +233,7 @@ class AutoCompressorAdapter(CompressorAdapter):
         self._after_step()
 
     def _start_request(self, agg: AutoAggregator, request) -> object:
-        """Start ``request`` (a :class:`~lossless_hc.training.strategies.Request`) as an asynchronous
+        """Start ``request`` (a :class:`~lossless_hc.training.step.Request`) as an asynchronous
         operation named after ``agg`` (allreduce: SUM; allgather: every rank's tensor, in rank order)."""
         raise NotImplementedError
 

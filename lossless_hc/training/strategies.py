@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -58,46 +57,11 @@ from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LO
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 from lossless_hc.training.rows import bitmap_counts, gather_slots, pack_bitmap, sum_slots
+from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass
-class Request:
-    """One more collective a strategy needs: ``kind`` "allreduce" (SUM ``tensor`` across ranks) or
-    "allgather" (every rank's ``tensor``, same numel on every rank, stacked in rank order)."""
-
-    kind: str
-    tensor: torch.Tensor
-
-
-@dataclass
-class AutoContext:
-    """One encoded step of one tensor (what decode/finish need)."""
-
-    strategy: str
-    started: float
-    payload_bytes: int
-    rows: int = 0                           # this rank's row count (the statistics header's k_r)
-    present: Optional[torch.Tensor] = None  # a dense gradient's non-zero rows (bool per row)
-    index: Optional[torch.Tensor] = None    # this rank's rows, sorted int64 (a dense gradient's: on demand)
-    values: Optional[torch.Tensor] = None   # ... their values (a sparse gradient's; a dense one's on demand)
-    flat: Optional[torch.Tensor] = None     # the gradient, flat (a sparse one's: written on demand)
-    averaged: bool = False
-    rank_keys: tuple = ()
-    inner: object = None          # a wrapped aggregator's context (thc, topk) or the sketch codec
-    union_rows: Optional[torch.Tensor] = None   # the rows some rank holds (two_phase; a sparse result's rows)
-    partial: Optional[tuple] = None   # sketch under INEXACT: (decoded flat tensor, inexact rows, union count)
-    topk_outcome: object = None
-    plain: bool = False           # a dense step without the statistics header (the bare tensor)
-
-
-@dataclass
-class AutoOutcome:
-    value: Optional[torch.Tensor]
-    request: Optional[Request] = None
 
 
 class AutoAggregator:

@@ -444,13 +444,14 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    guard_dense = state._step_phase == "dense" and not buffer.is_sparse   # the step guard's dense window
+    # The step guard's dense window (and a dense verdict): every dense float bucket in place.
+    guard_dense = state._step_phase == "dense" and not buffer.is_sparse
     if buffer.dtype in (torch.float32, torch.float64) and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
+        rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
-        rows = buffer._nnz() if buffer.is_sparse else None
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:
             for a in aggs:

@@ -385,11 +385,9 @@ def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
     offset = 0
     for value in results:
         m = value.numel()
-        dst = buffer[offset:offset + m]
-        if value.dtype == buffer.dtype:   # one pass; the same float32 (or float64) quotient as copy, then divide
-            torch.div(value.reshape(-1), n, out=dst)
-        else:   # rounded to the bucket's dtype first, divided in it, as before
-            dst.copy_(value.reshape(-1)).div_(n)
+        # copy_ then div_ (not torch.div(out=...)): a gradient with a graph (create_graph) needs the
+        # in-place ops, which autograd records.
+        buffer[offset:offset + m].copy_(value.reshape(-1)).div_(n)
         offset += m
     return buffer
 

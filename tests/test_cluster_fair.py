@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from lossless_hc.bench import cluster, simulate
+from lossless_hc.bench import cluster, cluster_report, simulate
 from lossless_hc.bench.workloads import data, replay, train
 from lossless_hc.bench.workloads.tasks import WORKLOADS
 from helpers import emulated_cluster_skip_reason
@@ -63,6 +63,11 @@ def test_auto_sparse_is_ddp_auto_over_sparse_embeddings_beside_dense_auto():
     assert train.parse_args(["--framework", "ddp", "--compression", "auto-sparse"]).sparse_embeddings
     assert not train.parse_args(["--framework", "ddp", "--compression", "auto"]).sparse_embeddings
     assert cluster.compute_label(1, "auto-sparse" in cluster.SPARSE_MODES).endswith("sparse embeddings")
+    # lossy=True over the same model: a DDP mode on sparse embeddings, compared with the fastest overall
+    runs, skipped = cluster.plan(["horovod", "ddp"], ["auto-lossy-sparse"])
+    assert ("ddp", "auto-lossy-sparse") in runs and ("horovod", "auto-lossy-sparse") in skipped
+    assert train.parse_args(["--framework", "ddp", "--compression", "auto-lossy-sparse"]).sparse_embeddings
+    assert "auto-lossy-sparse" in cluster_report.AUTO and "auto-lossy-sparse" not in cluster_report.AUTO_EXACT
 
 
 def test_answer_line_and_auto_marked():

@@ -6,7 +6,7 @@ from typing import Sequence
 
 BASELINE = "none"
 LOSSLESS = ("lossless", "auto", "auto-sparse")  # modes whose result equals the uncompressed run up to float rounding
-AUTO = ("auto", "auto-lossy", "auto-sparse")    # the planner's modes: marked in the tables
+AUTO = ("auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse")   # the planner's modes: marked in the tables
 AUTO_EXACT = ("auto", "auto-sparse")            # ... of them the exact ones (compared with the fastest exact mode)
 
 

@@ -40,10 +40,12 @@ DEFAULTS = {**TASK_DEFAULTS, "replay": dict(batch=1, optimizer="sgd", lr=0.01, s
 # tensor among the exact strategies, or among all of them. auto-sparse: DDP's auto_hook with
 # nn.Embedding(sparse=True), the sparse tables planned over their listed rows (what auto does for a
 # DDP user on Gloo with sparse embeddings; "auto" keeps dense embeddings, as NCCL, which has no sparse
-# allreduce, requires). Horovod sends sparse gradients to hvd.sparse_allreduce outside any compressor.
+# allreduce, requires). auto-lossy-sparse: the same with lossy=True (what a user allowing loss gets over
+# sparse embeddings: the tables are planned among the exact strategies, the dense tensors among all).
+# Horovod sends sparse gradients to hvd.sparse_allreduce outside any compressor.
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "sparse", "topk-allgather", "lossless", "topk", "thc",
-                "auto", "auto-lossy", "auto-sparse")
-SPARSE_MODES = ("sparse", "auto-sparse")   # modes that imply --sparse-embeddings
+                "auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse")
+SPARSE_MODES = ("sparse", "auto-sparse", "auto-lossy-sparse")   # modes that imply --sparse-embeddings
 SUPPORTED = {  # compressions each framework implements here
     "horovod": ("none", "fp16", "sparse", "topk-allgather", "lossless", "topk", "thc", "auto", "auto-lossy"),
     "ddp": COMPRESSIONS,
@@ -131,9 +133,9 @@ class DDP:
                                               start_powerSGD_iter=args.powersgd_start, min_compression_rate=2,
                                               random_seed=args.seed)
             ddp.register_comm_hook(self.powersgd, powersgd_hook)
-        elif args.compression in ("auto", "auto-lossy", "auto-sparse"):
+        elif args.compression in ("auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse"):
             # auto-sparse: the same hook; the sparse tables' buckets arrive sparse (--sparse-embeddings)
-            self.state = AutoHookState(lossy=args.compression == "auto-lossy")
+            self.state = AutoHookState(lossy=args.compression in ("auto-lossy", "auto-lossy-sparse"))
             ddp.register_comm_hook(self.state, auto_hook)
         elif args.compression == "lossless":
             self.state = LosslessHookState(max_density=args.max_density)

@@ -301,8 +301,9 @@ class AutoHookState(_HookState):
             self._calibrate()
         if self._guard is None:
             return
-        # Plans are identical on every rank, so is this.
-        worth = any(a.strategy != "dense" and not a.sparse for a in self._aggregators.values())
+        # Plans are identical on every rank, so is this; after the verdict nothing reads it.
+        worth = self._guard.verdict is None and any(a.strategy != "dense" and not a.sparse
+                                                    for a in self._aggregators.values())
         phase = self._guard.phase(step, worth)
         if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)
             verdict = torch.tensor(self._guard.decide(), dtype=torch.float64, device=self._collective_device())

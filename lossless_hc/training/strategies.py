@@ -378,10 +378,11 @@ class AutoAggregator:
             raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
                              f"{self.dtype} {self.shape}")
         t0 = time.perf_counter()
-        if self.sparse and not self.carries_statistics():
+        carries = self.carries_statistics()
+        if self.sparse and not carries:
             raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
                                "its own sparse allreduce (native_sparse), not through encode()")
-        if not self.carries_statistics():   # a dense step without statistics: the bare tensor, no scan
+        if not carries:   # a dense step without statistics: the bare tensor, no scan
             ctx = AutoContext("dense", t0, self.numel * self.wire_dtype.itemsize, plain=True)
             payload = x.detach().reshape(-1).to(self.wire_dtype)
             self._count_sent(ctx.payload_bytes, plain=True)

@@ -114,14 +114,21 @@ class AutoSpec(AggregatorSpec):
             return
         sizes = LINK_SIZES if largest_bytes is None else link_sizes(largest_bytes)
         t0 = time.perf_counter()
-        self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes))
-        self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes)}
+        samples: list = []
+        self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes,
+                                       samples_out=samples))
+        self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes),
+                                 "link_samples": samples}
 
     def calibration_stats(self) -> dict:
         """``{"source": "given" | "measured" | "pending", "seconds": on this rank, "link_sizes": bytes per
-        rank timed}`` (``stats()["calibration"]`` of the auto adapters)."""
+        rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "alpha_s",
+        "seconds_per_byte": the link every rank plans with}`` (``stats()["calibration"]`` of the auto
+        adapters)."""
         source = "given" if self.given_calibration else ("measured" if self.calibration is not None else "pending")
-        return {"source": source, **self.calibration_cost}
+        link = {} if self.calibration is None else {"alpha_s": self.calibration.link.alpha_s,
+                                                     "seconds_per_byte": self.calibration.link.seconds_per_byte}
+        return {"source": source, **self.calibration_cost, **link}
 
     @property
     def cost_model(self) -> CostModel:

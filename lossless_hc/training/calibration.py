@@ -5,13 +5,17 @@ work on the real device, fits the link, and broadcasts rank 0's result, so every
 same numbers (the plans are deterministic functions of them and of aggregated statistics).
 
 Link fit. For every size ``B`` in :data:`LINK_SIZES` rank 0 keeps the fastest of ``repeats`` runs of a
-SUM allreduce and of an allgather (of B bytes per rank) and solves the least-squares problem
+SUM allreduce and of an allgather (of B bytes per rank) and solves the least-squares problem in
+relative error
 
-.. math:: \min_{\alpha,\beta}\ \sum_i \left(x_i \alpha + y_i \beta - t_i\right)^2,\qquad
+.. math:: \min_{\alpha,\beta}\ \sum_i \left(\frac{x_i \alpha + y_i \beta - t_i}{t_i}\right)^2,\qquad
           (x, y) = (2(n-1),\ 2\tfrac{n-1}{n}B) \text{ (allreduce)},\ ((n-1),\ (n-1)B) \text{ (allgather)}
 
 (:func:`fit_link`; ``alpha`` clamped at 0, and ``beta`` refitted alone if the joint fit makes it
-non-positive).
+non-positive). Relative, because the sizes span three decades: in absolute error the megabyte samples
+decide both constants, and a link whose time per byte grows a little with size (a token bucket's
+burst, Gloo's allgather) fits a negative latency, clamped to 0 -- which prices every small tensor's
+extra collective at nothing (a 100 us link measured 1 KiB allreduces at 360 us and fitted alpha = 0).
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense,
 fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's
@@ -28,7 +32,7 @@ The callers supply the collectives, and with them the deadlock freedom: every ra
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -55,6 +59,8 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
             raise ValueError(f"unknown collective {kind!r}")
     if n <= 1 or len(rows) < 2:
         return fallback
+    # each row divided by its time: the residuals are relative errors (module doc); a timer's tick floors t
+    rows = [(x / max(t, 1e-9), y / max(t, 1e-9), 1.0) for x, y, t in rows]
     sxx = sum(x * x for x, _, _ in rows)
     sxy = sum(x * y for x, y, _ in rows)
     syy = sum(y * y for _, y, _ in rows)
@@ -161,13 +167,17 @@ def _powersgd_products(device) -> Callable[[], None]:
 
 def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
               broadcast: Callable[[torch.Tensor], None], rank: int, world_size: int, device="cpu",
-              default: Calibration = None, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3) -> Calibration:
+              default: Calibration = None, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3,
+              samples_out: Optional[list] = None) -> Calibration:
     """Rank 0's calibration on every rank (collective: every rank calls it at the same point).
 
     ``allreduce(t)``: blocking in-place SUM of ``t``; ``allgather(t)``: blocking allgather of ``t`` (the
-    result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0."""
+    result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
+    ``samples_out``: a list that receives this rank's link samples (:func:`measure_link`)."""
     default = default or Calibration.default()
     samples = measure_link(allreduce, allgather, device, sizes, repeats) if world_size > 1 else []
+    if samples_out is not None:
+        samples_out.extend(samples)
     values = torch.zeros(len(default.as_list()), dtype=torch.float64)
     if rank == 0:
         link = fit_link(samples, world_size, default.link)

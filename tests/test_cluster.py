@@ -76,6 +76,32 @@ def test_summarize_and_relative_ratios():
     assert "latency was NOT added" in md and "3.00e-09 (lossless)" in md
 
 
+def test_rounds_pool_timed_steps_and_counters():
+    stats = {"encode_seconds": 0.01, "decode_seconds": 0.02, "plan": {"a": {"strategy": "dense"}}}
+    first = [_report(0, [0.30, 0.31], 2000, stats), _report(1, [0.32, 0.33], 2400)]
+    second = [_report(0, [0.20, 0.21, 0.22], 3000, dict(stats, plan={"a": {"strategy": "allgather"}})),
+              _report(1, [0.23, 0.24, 0.25], 3600)]
+    merged = cluster.merge_rounds([first, second])
+    assert merged[0]["step_seconds"] == [0.30, 0.31, 0.20, 0.21, 0.22] and merged[0]["timed_steps"] == 5
+    assert merged[0]["net_bytes"] == {"tx_bytes": 5000, "rx_bytes": 5000}
+    assert merged[0]["stats"]["encode_seconds"] == pytest.approx(0.02)
+    assert merged[0]["stats"]["decode_seconds"] == pytest.approx(0.04)
+    assert merged[0]["stats"]["plan"] == {"a": {"strategy": "allgather"}}   # the last round's plans
+    assert merged[1]["step_seconds"] == [0.32, 0.33, 0.23, 0.24, 0.25]
+    row = cluster.summarize("ddp", "auto", merged, compute_s=0.1, round_medians=[0.305, 0.21])
+    assert row["step_s_median"] == pytest.approx(0.22)   # of the pooled steps, not of the round medians
+    assert row["wire_bytes_per_step_per_host"] == pytest.approx((5000 / 5 + 6000 / 5) / 2)
+    assert row["step_s_round_medians"] == [0.305, 0.21]
+    row.update(max_param_diff_vs_none=None, lossless_mode=True)
+    md = cluster.render_markdown({"rows": cluster.add_relative([row]), "compute_s": 0.1, "rounds": 2,
+                                  "shaping": {"qdisc": "tbf"}}, "t")
+    assert "Rounds: 2" in md and "auto 305.0 / 210.0" in md
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        cluster.merge_rounds([first, first[:1]])
+    with pytest.raises(ValueError, match="no reports"):
+        cluster.merge_rounds([])
+
+
 def test_stale_names_only_of_dead_owners():
     names = ["lhcc123h0", "lhcc123v1", "lhcc123br", "lhcc456h0", "eth0", "lhccXh0", "lhcc123h0x", "docker0"]
     alive = {456}.__contains__

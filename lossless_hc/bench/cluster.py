@@ -144,8 +144,9 @@ def aggregation_throughput(dense_bytes: float, step_s: float, compute_s: float) 
 
 
 def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float],
-              hosts: Optional[int] = None) -> dict:
-    """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`."""
+              hosts: Optional[int] = None, round_medians: Optional[Sequence[float]] = None) -> dict:
+    """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`
+    (``round_medians``: rank 0's median step of each round, when the reports merge several rounds)."""
     if not ranks:
         raise ValueError("summarize: no rank reports")
     ranks = sorted(ranks, key=lambda r: r["rank"])
@@ -171,8 +172,36 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
         "fallbacks": stats.get("fallbacks", 0) if stats else 0,
         "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
         "auto_guard": stats.get("guard") if stats else None,
+        "step_s_round_medians": list(round_medians) if round_medians else None,
         "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
     }
+
+
+def merge_rounds(rounds: Sequence[Sequence[dict]]) -> list:
+    """One configuration's per-rank reports from several rounds (``rounds[r][i]``: round r, rank i) as
+    one run's: each rank's timed steps concatenated, its timed-step count, tx/rx bytes and codec seconds
+    summed; the rest (plans, guard, final parameters' loss) from the last round. Every round trains the
+    same steps from the same seed, so only times and counters differ."""
+    if not rounds or not rounds[0]:
+        raise ValueError("merge_rounds: no reports")
+    if any(len(r) != len(rounds[0]) for r in rounds):
+        raise ValueError("merge_rounds: rounds with different numbers of ranks")
+    merged = []
+    for i in range(len(rounds[0])):
+        per = [r[i] for r in rounds]
+        out = dict(per[-1])
+        out["step_seconds"] = [t for rep in per for t in rep["step_seconds"]]
+        out["timed_steps"] = sum(rep["timed_steps"] for rep in per)
+        if all(rep.get("net_bytes") for rep in per):
+            out["net_bytes"] = {k: sum(rep["net_bytes"][k] for rep in per) for k in per[-1]["net_bytes"]}
+        if all(rep.get("stats") for rep in per):
+            stats = dict(per[-1]["stats"])
+            for k in ("encode_seconds", "decode_seconds"):
+                if k in stats:
+                    stats[k] = sum(rep["stats"].get(k, 0.0) for rep in per)
+            out["stats"] = stats
+        merged.append(out)
+    return merged
 
 
 def auto_choice(plan: dict) -> dict:
@@ -363,14 +392,19 @@ def compute_label(per_host: int, sparse: bool) -> str:
 def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, frameworks: Sequence[str],
                   compressions: Sequence[str], steps: int, warmup: int, train_args: Sequence[str],
                   timeout_s: float, workdir: str, progress: Optional[Progress] = None, cpu_fair: bool = False,
-                  shards: int = 2, cores: Optional[int] = None) -> dict:
+                  shards: int = 2, cores: Optional[int] = None, rounds: int = 1) -> dict:
     """Builds the cluster, runs the compute-only reference and every configuration, tears down.
 
     ``fsdp`` runs ``shards`` processes per host (HSDP: ``hosts`` replicas x ``shards`` shards; the
     replica all-reduce crosses the shaped links, the shard group's traffic stays in the host).
     ``cpu_fair``: links dilated by :func:`cpu_fair_scaling` for this machine's ``cores`` (default:
-    all) and one thread per worker. Returns {"rows": [...], "compute_s": {workers per host: s},
-    "shaping": {...}, "cpu_fair": {...} or None, "skipped": [[framework, compression], ...]}."""
+    all) and one thread per worker. ``rounds``: the references and configurations run that many times,
+    in the listed order and then reversed, alternately (so a slow drift of the machine weighs on every
+    mode alike), and each row pools every round's timed steps (:func:`merge_rounds`); parameters are
+    compared on the first round's. Returns {"rows": [...], "compute_s": {workers per host: s},
+    "shaping": {...}, "cpu_fair": {...} or None, "skipped": [[framework, compression], ...], "rounds"}."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
     runs, skipped = plan(frameworks, compressions)
     per_host = {fw: shards if fw == "fsdp" else 1 for fw in frameworks}
     layouts = sorted(set(per_host.values()))
@@ -388,36 +422,46 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
     # untouched rows)
     refs = [(ppn, sparse) for ppn in layouts for sparse in (False, True)
             if not sparse or any(c in SPARSE_MODES and per_host[f] == ppn for f, c in runs)]
-    progress = progress or Progress(len(runs) + len(refs))
-    rows, compute = [], {}
+    progress = progress or Progress(rounds * (len(runs) + len(refs)))
+    ref_reports: dict = {r: [] for r in refs}
+    reports: dict = {p: [] for p in runs}
+    params = {}
     with terminate_on_signals(), EmulatedCluster(hosts, rate_bits, delay_s) as cluster:
-        for ppn, sparse in refs:
-            label = compute_label(ppn, sparse)
-            progress.show(f"compute-only reference {label}")
-            ref = run_workers(cluster, "local", "sparse" if sparse else BASELINE, spec, workdir, timeout_s,
-                              per_host=ppn)
-            compute[label] = statistics.median(ref[0]["step_seconds"])
-            progress.advance(f"compute-only reference {label}")
-        params = {}
-        for fw, comp in runs:
-            progress.show(f"{fw} {comp}")
-            path = os.path.join(workdir, f"{fw}-{comp}.params.pt")
-            fw_spec = dataclasses.replace(spec, train_args=spec.train_args + (
-                ["--shards", str(shards)] if fw == "fsdp" else []))
-            reports = run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s, save_params=path,
-                                  per_host=per_host[fw])
-            params[(fw, comp)] = path
-            row = summarize(fw, comp, reports, compute[compute_label(per_host[fw], comp in SPARSE_MODES)],
-                            hosts=hosts)
-            base = params.get((fw, BASELINE))
-            row["max_param_diff_vs_none"] = max_param_diff(path, base) if base and comp != BASELINE else None
-            row["lossless_mode"] = comp in LOSSLESS
-            rows.append(row)
-            progress.advance(f"{fw} {comp}")
+        for rnd in range(rounds):
+            tag = f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""
+            for ppn, sparse in (refs if rnd % 2 == 0 else refs[::-1]):
+                label = compute_label(ppn, sparse)
+                progress.show(f"compute-only reference {label}{tag}")
+                ref_reports[(ppn, sparse)].append(run_workers(cluster, "local", "sparse" if sparse else BASELINE,
+                                                              spec, workdir, timeout_s, per_host=ppn))
+                progress.advance(f"compute-only reference {label}{tag}")
+            for fw, comp in (runs if rnd % 2 == 0 else runs[::-1]):
+                progress.show(f"{fw} {comp}{tag}")
+                path = os.path.join(workdir, f"{fw}-{comp}.params.pt") if rnd == 0 else None
+                fw_spec = dataclasses.replace(spec, train_args=spec.train_args + (
+                    ["--shards", str(shards)] if fw == "fsdp" else []))
+                reports[(fw, comp)].append(run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s,
+                                                       save_params=path, per_host=per_host[fw]))
+                if path:
+                    params[(fw, comp)] = path
+                progress.advance(f"{fw} {comp}{tag}")
         shaping = {"qdisc": cluster.qdisc, "latency_applied": cluster.latency_applied,
                    "rate_bits": rate_bits, "delay_s": delay_s}
+    compute = {compute_label(ppn, sparse): statistics.median(merge_rounds(reps)[0]["step_seconds"])
+               for (ppn, sparse), reps in ref_reports.items()}
+    rows = []
+    for fw, comp in runs:
+        reps = reports[(fw, comp)]
+        medians = [statistics.median(r[0]["step_seconds"]) for r in reps] if rounds > 1 else None
+        row = summarize(fw, comp, merge_rounds(reps), compute[compute_label(per_host[fw], comp in SPARSE_MODES)],
+                        hosts=hosts, round_medians=medians)
+        base = params.get((fw, BASELINE))
+        row["max_param_diff_vs_none"] = (max_param_diff(params[(fw, comp)], base)
+                                         if base and comp != BASELINE else None)
+        row["lossless_mode"] = comp in LOSSLESS
+        rows.append(row)
     return {"rows": add_relative(rows), "compute_s": compute, "shaping": shaping, "cpu_fair": fair,
-            "skipped": [list(p) for p in skipped]}
+            "skipped": [list(p) for p in skipped], "rounds": rounds}
 
 
 def worker_args(args) -> list:
@@ -463,6 +507,8 @@ def cmd_cluster(args) -> int:
         compressions = parse_list(args.compression, COMPRESSIONS, "--compression")
         if args.hosts < 2:
             raise ValueError(f"--hosts must be at least 2, got {args.hosts}")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
         if not 0 <= args.warmup < args.steps:
             raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup}")
         if args.shards < 1 or args.skew < 0:
@@ -494,7 +540,7 @@ def cmd_cluster(args) -> int:
     try:
         result = run_benchmark(args.hosts, rate, delay, model, frameworks, compressions, args.steps,
                                args.warmup, train_args, args.timeout, workdir, cpu_fair=args.cpu_fair,
-                               shards=args.shards, cores=args.cores)
+                               shards=args.shards, cores=args.cores, rounds=args.rounds)
     except ValueError as exc:
         print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 2
@@ -542,6 +588,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shards", type=int, default=2, help="fsdp: processes (shards) per host (default 2)")
     p.add_argument("--steps", type=int, default=30, help="steps per configuration, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every configuration this many times, in alternating order, and pool the timed steps "
+                        "(run-to-run drift of a shared machine weighs on every mode alike)")
     p.add_argument("--skew", type=float, default=0.0, help="ncf: Zipf exponent of user and negative-item ids (0: uniform)")
     p.add_argument("--cpu-fair", action="store_true",
                    help="one thread per worker and links dilated by the workers' share of this machine's cores")

@@ -66,6 +66,11 @@ def render_markdown(result: dict, title: str) -> str:
              f"{fair_line}Compute-only step (same workers, no aggregation): {computes}."]
     if result.get("settings"):
         lines.append(f"Settings: {result['settings']}.")
+    if (result.get("rounds") or 1) > 1:
+        lines.append(f"Rounds: {result['rounds']}, the modes in the listed order and reversed, alternately; each "
+                     "row's median and p10–p90 pool every round's timed steps. Median of each round (ms): "
+                     + "; ".join(f"{r['compression']} " + " / ".join(f"{1e3 * m:.1f}" for m in r["step_s_round_medians"])
+                                 for r in result["rows"] if r.get("step_s_round_medians")) + ".")
     if skipped:
         lines.append("Not run (the framework does not implement the mode): "
                      + ", ".join(f"{fw} {c}" for fw, c in skipped) + ".")

@@ -29,8 +29,8 @@ statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook
 The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`): the
 cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
 the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is not
-dense (from step index 8 on) the state runs one A/B trial of whole steps: 5 steps of the plans, 5 of
-every dense-gradient bucket allreduced in place; unless the plans' median step is at least 3% faster,
+dense (from step index 8 on) the state runs one A/B trial of whole steps, alternating 5 steps of the
+plans with 5 of every dense-gradient bucket allreduced in place; unless the plans' median step is at least 3% faster,
 dense gradients are allreduced in place for the rest of the run. Rank 0's verdict is broadcast at the
 first hook call of the step after the trial (main thread, like the calibration).
 
@@ -226,8 +226,8 @@ class AutoHookState(_HookState):
         guard_steps, guard_start, guard_margin: exact plans only (``lossy=False``): the step guard's
             window length (5; 0: no guard), the first step index its trial may begin at (8) and the
             margin by which the plans must measure faster than DDP's dense allreduce to stay (0.03):
-            one A/B trial of whole training steps, the plans for ``guard_steps`` steps, then every
-            dense gradient allreduced in place for as many; if the plans' median step is not faster,
+            one A/B trial of whole training steps, ``guard_steps`` steps of the plans alternating with as
+            many of every dense gradient allreduced in place; if the plans' median step is not faster,
             dense gradients are allreduced in place for the rest of the run
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,

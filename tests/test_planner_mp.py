@@ -100,8 +100,8 @@ def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run)
 
 @pytest.mark.parametrize("name", ["guard_dense", "guard_plan"])
 def test_ddp_step_guard_verdict_is_rank_0s_and_exact(ddp_run, name):
-    """The step guard (guard_steps 2 from step 2; 12 steps): the plans run steps 2-3, every bucket is
-    allreduced in place at steps 4-5, and rank 0's verdict (forced by the margin: the plans must be 100x
+    """The step guard (guard_steps 2 from step 2; 12 steps): the plans run steps 2 and 4, every bucket
+    is allreduced in place at steps 3 and 5, and rank 0's verdict (forced by the margin: the plans must be 100x
     faster / may be 101x slower) holds on every rank at step 6. Dense verdict: every later step is plain
     too; plan verdict: the plans resume. Exact and identical on every rank either way."""
     rs = results(ddp_run, name)

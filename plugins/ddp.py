@@ -143,6 +143,9 @@ class _HookState:
         cfg = f"{self.world_size}|{self!r}"
         check_same_configuration(cfg, self.process_group, type(self).__name__)
 
+    def _check_bucket(self, params) -> None:
+        """Per-parameter options that ranks must share beyond :meth:`_check_configuration` (none here)."""
+
     def _fallback_group(self, bucket_index: int):
         group = self._fallback_groups.get(bucket_index)
         if group is None:
@@ -199,6 +202,22 @@ class THCHookState(_HookState):
                  overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise", exact=()):
         super().__init__(THCSpec(bits, granularity, overflow_freq, seed, non_finite), process_group)
         self._exact = list(exact)
+        self._exact_checked: set = set()   # ids of parameters whose exact flag every rank agreed on
+
+    def _check_bucket(self, params) -> None:
+        """Ranks must mark the same parameters ``exact`` (a dense segment on one rank summed with THC words
+        on another is garbage of a valid size): on a bucket holding a parameter not checked yet (every
+        bucket of the first step; DDP's bucket order is the same on every rank), its exact flags in bucket
+        order are compared across ranks (:func:`check_same_configuration`: ConfigurationMismatch on every
+        rank). A blocking collective in the hook, as the first call's configuration check."""
+        params = list(params)
+        if all(id(p) in self._exact_checked for p in params):
+            return
+        flags = "".join("1" if any(p is q for q in self._exact) else "0" for p in params)
+        shapes = ";".join("x".join(map(str, p.shape)) for p in params)
+        check_same_configuration(f"exact {flags} of {shapes}", self.process_group,
+                                 "THCHookState's exact parameters")
+        self._exact_checked.update(id(p) for p in params)
 
     def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
         return self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device,
@@ -400,6 +419,7 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
                         "for the LHC sketch alone) or dense gradients (nn.Embedding(sparse=False))")
     if not state._config_checked:
         state._check_configuration()
+    state._check_bucket(bucket.parameters())
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
     message = encode_message(aggs, bucket.gradients())

@@ -15,7 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "mp", "ddp_worker.py")
 EXACT = ["average", "small_buckets", "fallback"]
-ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError"}
+ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError",
+          "thc_exact_mismatch": "ConfigurationMismatch"}
 TOL = 1e-6
 
 

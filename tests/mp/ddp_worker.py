@@ -130,6 +130,16 @@ def scenario(name):
                             ConfigurationMismatch)
     if name == "sparse":
         return expect_error(lambda: train(LosslessHookState(), sparse=True, steps=1), TypeError)
+    if name == "thc_exact_mismatch":   # THCHookState(exact=...) naming different parameters on the ranks
+        def run():
+            torch.manual_seed(0)
+            model = EmbeddingModel(hidden=512)
+            ddp = DistributedDataParallel(model)
+            params = list(model.parameters())
+            state = THCHookState(exact=[params[0]] if dist.get_rank() == 0 else [params[1]])
+            ddp.register_comm_hook(state, thc_hook)
+            loss_fn(ddp, batch(0, dist.get_rank())).backward()
+        return expect_error(run, ConfigurationMismatch)
     raise ValueError(f"unknown scenario {name}")
 
 

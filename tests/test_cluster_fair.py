@@ -299,3 +299,28 @@ def test_two_hosts_bf16_powersgd_cpu_fair_and_replay(tmp_path):
 def test_simulator_uses_the_planners_strategy_names():
     pl = _planner()
     assert simulate.EXACT == pl.EXACT_STRATEGIES and simulate.LOSSY == pl.LOSSY_STRATEGIES
+
+
+def test_sparse_momentum_is_coalesced_with_the_same_values():
+    """torch's SGD momentum over nn.Embedding(sparse=True) gradients grows by every step's rows
+    uncoalesced; coalesce_sparse_state keeps one entry per row touched, and the parameters take the
+    same values as without it (the same sums, up to their order)."""
+    from lossless_hc.bench.workloads.tasks import OPTIMIZERS, coalesce_sparse_state
+
+    torch.manual_seed(0)
+    a = torch.nn.Embedding(100, 4, sparse=True)
+    b = torch.nn.Embedding(100, 4, sparse=True)
+    b.load_state_dict(a.state_dict())
+    oa, ob = OPTIMIZERS["sgd"](a.parameters(), 0.1), OPTIMIZERS["sgd"](b.parameters(), 0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        ids = torch.randint(0, 10, (30,), generator=g)
+        for emb, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            emb(ids).pow(2).sum().backward()
+            opt.step()
+        coalesce_sparse_state(ob)
+    buf_a, buf_b = oa.state[a.weight]["momentum_buffer"], ob.state[b.weight]["momentum_buffer"]
+    assert buf_a._nnz() > 60 and buf_b.is_coalesced() and buf_b._nnz() <= 10   # 10 distinct rows
+    torch.testing.assert_close(b.weight, a.weight, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(buf_b.to_dense(), buf_a.to_dense(), rtol=1e-6, atol=1e-6)

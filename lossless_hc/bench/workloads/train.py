@@ -24,7 +24,7 @@ import torch
 
 from lossless_hc.bench.workloads.replay import ReplayWorkload
 from lossless_hc.bench.workloads.tasks import DEFAULTS as TASK_DEFAULTS
-from lossless_hc.bench.workloads.tasks import OPTIMIZERS
+from lossless_hc.bench.workloads.tasks import OPTIMIZERS, coalesce_sparse_state
 from lossless_hc.bench.workloads.tasks import WORKLOADS as TASKS
 
 WORKLOADS = {**TASKS, "replay": ReplayWorkload}
@@ -381,6 +381,8 @@ def main(argv=None, default_model="ncf") -> dict:
         loss = work.loss(wrapped, batch)
         loss.backward()
         opt.step()
+        if args.sparse_embeddings:
+            coalesce_sparse_state(opt)
         step_times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
         if step == args.warmup:

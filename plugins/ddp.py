@@ -30,9 +30,9 @@ The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.t
 cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
 the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is not
 dense (from step index 8 on) the state runs one A/B trial of whole steps, alternating 5 steps of the
-plans with 5 of every dense-gradient bucket allreduced in place; unless the plans' median step is at least 3% faster,
-dense gradients are allreduced in place for the rest of the run. Rank 0's verdict is broadcast at the
-first hook call of the step after the trial (main thread, like the calibration).
+plans with 5 of every dense-gradient bucket allreduced in place; unless the plans' median step is at
+least 3% faster, dense gradients are allreduced in place for the rest of the run. Rank 0's verdict is
+broadcast at the first hook call of the step after the trial (main thread, like the calibration).
 
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
 one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
@@ -204,6 +204,9 @@ class THCHookState(_HookState):
         self._exact = list(exact)
         self._exact_checked: set = set()   # ids of parameters whose exact flag every rank agreed on
 
+    def _is_exact(self, p: torch.nn.Parameter) -> bool:
+        return any(p is q for q in self._exact)
+
     def _check_bucket(self, params) -> None:
         """Ranks must mark the same parameters ``exact`` (a dense segment on one rank summed with THC words
         on another is garbage of a valid size): on a bucket holding a parameter not checked yet (every
@@ -213,7 +216,7 @@ class THCHookState(_HookState):
         params = list(params)
         if all(id(p) in self._exact_checked for p in params):
             return
-        flags = "".join("1" if any(p is q for q in self._exact) else "0" for p in params)
+        flags = "".join("1" if self._is_exact(p) else "0" for p in params)
         shapes = ";".join("x".join(map(str, p.shape)) for p in params)
         check_same_configuration(f"exact {flags} of {shapes}", self.process_group,
                                  "THCHookState's exact parameters")
@@ -221,7 +224,7 @@ class THCHookState(_HookState):
 
     def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
         return self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device,
-                              exact=any(p is q for q in self._exact))
+                              exact=self._is_exact(p))
 
     def stats(self) -> dict:
         d = super().stats()

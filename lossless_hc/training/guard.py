@@ -64,8 +64,8 @@ class StepGuard:
 
     def phase(self, step: int, worth_checking: bool) -> str:
         """What step ``step`` (0-based) runs: ``"plan"`` (the plans), ``"dense"`` (dense buckets in
-        place; the trial's odd steps), or ``"decide"`` (the verdict is due now: call :meth:`decide` and :meth:`settle`, then
-        :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not dense (identical on
+        place; the trial's odd steps), or ``"decide"`` (the verdict is due now: call :meth:`decide` and
+        :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not dense (identical on
         every rank); the trial opens at the first such step from ``start`` on."""
         if self.verdict is not None:
             return "plan" if self.verdict == "plan" else "dense"

@@ -138,3 +138,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    train.leave()

@@ -427,5 +427,20 @@ def main(argv=None, default_model="ncf") -> dict:
     return result
 
 
+def leave(code: int = 0) -> None:
+    """End a worker process after its report is written, without interpreter finalization.
+
+    Finalization frees what is left of the process group's and DDP's objects while torch's C++
+    threads may still drop their last tensor references; on Python <= 3.13 a thread that asks for
+    the GIL then is stopped by ``pthread_exit``, which C++ turns into ``std::terminate``
+    ("terminate called without an active exception", SIGABRT: a failed run whose results were
+    already written). Every collective has finished here (``shutdown`` was called), so nothing is
+    lost by skipping finalization; the streams are flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
+    leave()

@@ -53,6 +53,43 @@ def test_choose_is_deterministic_and_allowed_narrows():
         MODEL.choose(s, allowed=("nonsense",))
 
 
+def _grid():
+    """Statistics across sizes, rows, hosts, densities and overlaps, dense and sparse."""
+    for numel, row in ((1 << 12, 1), (1 << 16, 1), (1 << 20, 1), (1 << 16, 16), (50_000 * 32, 32), (1 << 20, 128)):
+        keys = -(-numel // row)
+        for n in (2, 3, 16):
+            for density in (1e-4, 1e-2, 0.2, 1.0):
+                k = max(1, min(keys, int(density * keys)))
+                for overlap in (0.0, 0.5, 1.0):
+                    union = min(keys, max(k, int(k * (1 + (n - 1) * (1 - overlap)))))
+                    for sparse in (False, True):
+                        yield TensorStats(numel, row, n, (k,) * n, union, sparse=sparse)
+
+
+def test_the_sketch_floor_bounds_its_price_and_pruning_never_changes_a_choice():
+    # choose() skips sizing the sketch's layout when sketch_floor already loses; it must pick what pricing
+    # every candidate exactly picks, with or without a strategy in use.
+    model = CostModel(Calibration(link=LinkModel(200e-6, 8 / 1e9)))
+    for s in _grid():
+        exact = model.predict("sketch", s)
+        assert model.sketch_floor(s) <= exact, s
+        assert 4 * sketch_capacity(s)[1] <= model.wire_bytes("sketch", s), s
+        for lossy in (False, True):
+            names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not s.sparse else ())
+            full = {name: model.predict(name, s) for name in names}
+            for current in (None, "dense", "sketch", "allgather"):
+                choice, predicted = model.choose(s, lossy=lossy, current=current)
+                assert list(predicted) == list(names)
+                want = min(names, key=lambda name: (full[name], names.index(name)))
+                common = 2 * (s.world_size - 1) * model.calibration.link.alpha_s
+                if current in full and not full[want] - common < 0.8 * (full[current] - common):
+                    want = current
+                assert choice == want, (s, lossy, current, full, predicted)
+                assert all(predicted[name] == full[name] for name in names if name != "sketch")
+                others = min(v for name, v in full.items() if name != "sketch")
+                assert predicted["sketch"] == full["sketch"] or full["sketch"] >= predicted["sketch"] > others
+
+
 def test_wire_bytes_come_from_the_real_layouts():
     s = stats(1 << 16, 16, 3, 40, 100)
     H = 4 * stats_header_words(3)

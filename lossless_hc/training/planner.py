@@ -99,6 +99,7 @@ one more allreduce of those keys' rows. Its inputs are the EWMAs of the statisti
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -245,10 +246,19 @@ def sketch_capacity(stats: TensorStats) -> tuple:
     return min(stats.numel, rank * b), min(stats.numel, union * b)
 
 
+@functools.lru_cache(maxsize=4096)
+def _layout_words(numel: int, world_size: int, max_nnz: int, row: int, seed: int, union: int) -> int:
+    # plan_layout searches the index kinds and multi-level shapes (~5 ms of Python for a 1.6M-coordinate
+    # table); a tensor re-planned on steady statistics, and top-k's fixed k, ask for the same layout again.
+    return plan_layout(numel, world_size, max_nnz, row, seed, union_nnz=union).payload_numel
+
+
 def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
-    """Float32 words of the LHC payload sized for ``stats`` (the real layout)."""
+    """Float32 words of the LHC payload sized for ``stats`` (the real layout). At least the union
+    capacity ``sketch_capacity(stats)[1]``: the value sketch's cells are linear equations from which the
+    union's values are recovered, one unknown per coordinate (tests/test_planner.py checks it)."""
     cap, union = sketch_capacity(stats)
-    return plan_layout(stats.numel, stats.world_size, cap, stats.row, seed, union_nnz=union).payload_numel
+    return _layout_words(stats.numel, stats.world_size, cap, stats.row, seed, union)
 
 
 @dataclass(frozen=True)
@@ -323,7 +333,7 @@ class CostModel:
         if strategy == "topk":
             k = max(1, math.ceil(self.topk_ratio * s.numel))
             union = min(s.numel, n * k)
-            words = plan_layout(s.numel, n, k, 1, 0, union_nnz=union).payload_numel if s.numel else 0
+            words = _layout_words(s.numel, n, k, 1, 0, union) if s.numel else 0
             return [("allreduce", H + 4 * words)]
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
 
@@ -370,6 +380,14 @@ class CostModel:
         for kind, nbytes in self.collectives(strategy, stats):
             t += link.allreduce(nbytes, n) if kind == "allreduce" else link.allgather(nbytes, n)
         return t + self.local_seconds(strategy, stats)
+
+    def sketch_floor(self, stats: TensorStats) -> float:
+        """A lower bound of ``predict("sketch", stats)`` that does not size the layout: the payload
+        priced at its union capacity alone (:func:`sketch_payload_numel` is at least that)."""
+        n = stats.world_size
+        H = 4 * stats_header_words(n) + (4 * bitmap_words(stats.keys, n) if stats.sparse else 0)
+        words = sketch_capacity(stats)[1] if stats.numel else 0
+        return self.calibration.link.allreduce(H + 4 * words, n) + self.local_seconds("sketch", stats)
 
     def predict_message(self, plans) -> float:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
@@ -420,13 +438,22 @@ class CostModel:
         candidates (ties: listed order). ``current`` (the strategy in use) is kept unless the cheapest
         is predicted at least :data:`SWITCH_MARGIN` faster beyond what every strategy pays alike, the
         first allreduce's latency ``c = 2(n-1) alpha``: ``t_best - c < (1 - SWITCH_MARGIN)(t_current - c)``
-        (on a small tensor ``c`` is most of every prediction, and would hide any difference)."""
+        (on a small tensor ``c`` is most of every prediction, and would hide any difference).
+
+        The sketch is priced last: when it is not ``current`` and :meth:`sketch_floor` already exceeds
+        the cheapest other candidate, it cannot be chosen and its entry is that lower bound (sizing its
+        layout, a search of index shapes, would cost milliseconds at every re-plan of every tensor)."""
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not stats.sparse else ())
         if allowed is not None:
             names = tuple(s for s in names if s in allowed)
             if not names:
                 raise ValueError(f"no strategy left among {allowed!r}")
-        predicted = {s: self.predict(s, stats) for s in names}
+        predicted = {s: self.predict(s, stats) for s in names if s != "sketch"}
+        if "sketch" in names:
+            floor = self.sketch_floor(stats)
+            beaten = current != "sketch" and predicted and floor > min(predicted.values())
+            predicted["sketch"] = floor if beaten else self.predict("sketch", stats)
+            predicted = {s: predicted[s] for s in names}   # listed order
         best = min(names, key=lambda s: (predicted[s], names.index(s)))
         common = 2 * (stats.world_size - 1) * self.calibration.link.alpha_s if stats.world_size > 1 else 0.0
         if current in predicted and not predicted[best] - common < (1.0 - SWITCH_MARGIN) * (predicted[current] - common):

@@ -596,10 +596,11 @@ class AutoAggregator:
 
     # -- inspection -----------------------------------------------------------------------------------
     def plan_stats(self) -> dict:
-        """The chosen strategy, the predicted seconds of every candidate at the last plan, the measured
-        seconds (EWMA per strategy used, encode to result on this rank), the bytes this rank sent, the
-        steps and how many of them were plain (dense without the statistics header,
-        :meth:`carries_statistics`), and whether the gradient is sparse."""
+        """The chosen strategy, the predicted seconds of every candidate at the last plan (the sketch's: a
+        lower bound where that already lost, :meth:`CostModel.choose`), the measured seconds (EWMA per
+        strategy used, encode to result on this rank), the bytes this rank sent, the steps and how many
+        of them were plain (dense without the statistics header, :meth:`carries_statistics`), and
+        whether the gradient is sparse."""
         return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
                 "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
                 "plain_steps": self.plain_steps,

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from lossless_hc.bench.cluster_report import AUTO, AUTO_EXACT
 from lossless_hc.bench.workloads.replay import ReplayWorkload
 from lossless_hc.bench.workloads.tasks import DEFAULTS as TASK_DEFAULTS
 from lossless_hc.bench.workloads.tasks import OPTIMIZERS, coalesce_sparse_state
@@ -133,9 +134,9 @@ class DDP:
                                               start_powerSGD_iter=args.powersgd_start, min_compression_rate=2,
                                               random_seed=args.seed)
             ddp.register_comm_hook(self.powersgd, powersgd_hook)
-        elif args.compression in ("auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse"):
+        elif args.compression in AUTO:
             # auto-sparse: the same hook; the sparse tables' buckets arrive sparse (--sparse-embeddings)
-            self.state = AutoHookState(lossy=args.compression in ("auto-lossy", "auto-lossy-sparse"))
+            self.state = AutoHookState(lossy=args.compression not in AUTO_EXACT)
             ddp.register_comm_hook(self.state, auto_hook)
         elif args.compression == "lossless":
             self.state = LosslessHookState(max_density=args.max_density)

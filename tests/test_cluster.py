@@ -72,7 +72,7 @@ def test_summarize_and_relative_ratios():
     assert rows[1]["wire_vs_none"] == pytest.approx(100 / 1500)
     md = cluster.render_markdown({"rows": rows, "compute_s": 0.1,
                                   "shaping": {"qdisc": "tbf", "latency_applied": False}}, "t")
-    assert "| horovod | lossless | 150.0 (150.0–150.0) | 2.00x" in md
+    assert "| horovod | lossless | 150.0 (150.0–150.0) | 150.0 | 2.00x" in md
     assert "latency was NOT added" in md and "3.00e-09 (lossless)" in md
 
 
@@ -198,3 +198,22 @@ def test_the_report_states_the_step_guards_verdict():
     assert ("step guard (steps 8-17): plans 93.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(DDP's own) from then on") in text
     assert "step guard: no trial (no dense gradient's plan was other than dense)" in text
+
+
+def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():
+    """A skewed step distribution (many fast steps, a slow tail) can put two modes' medians apart while
+    their means, which a run's length follows, agree: the answer line prints both ratios."""
+    from lossless_hc.bench.cluster_report import answer_line, render_markdown
+
+    def row(compression, median_ms, mean_ms):
+        return {"framework": "ddp", "compression": compression, "step_s_median": median_ms / 1e3,
+                "step_s_p10": median_ms / 1e3, "step_s_p90": median_ms / 1e3, "step_s_mean": mean_ms / 1e3,
+                "speedup_vs_none": 1.0, "wire_bytes_per_step_per_host": 1.0, "wire_vs_none": 1.0,
+                "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
+                "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.01}
+    rows = [row("none", 240.0, 241.0), row("sparse", 20.0, 23.0), row("auto-sparse", 23.0, 23.0)]
+    line = answer_line(rows)
+    assert "fastest exact: ddp sparse (20.0 ms" in line
+    assert "ddp auto-sparse: 1.15x the fastest exact (mean step 1.00x)" in line
+    assert "| ddp | sparse | 20.0 (20.0–20.0) | 23.0 | 1.00x |" in render_markdown(
+        {"rows": rows, "compute_s": 0.01, "shaping": {"qdisc": "tbf"}}, "t")

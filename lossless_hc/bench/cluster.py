@@ -163,6 +163,7 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
         "framework": framework, "compression": compression, "hosts": hosts or len(ranks), "workers": len(ranks),
         "timed_steps": timed,
         "step_s_median": median, "step_s_p10": percentile(steps, 10), "step_s_p90": percentile(steps, 90),
+        "step_s_mean": statistics.fmean(steps),   # what the run's length follows (the median ignores the tails)
         "compute_s": compute_s, "dense_bytes_per_step": dense,
         "aggregation_s": median - compute_s if compute_s is not None else None,
         "wire_bytes_per_step_per_host": statistics.fmean(wire) if wire else None,

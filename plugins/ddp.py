@@ -248,9 +248,10 @@ class AutoHookState(_HookState):
         guard_steps, guard_start, guard_margin: exact plans only (``lossy=False``): the step guard's
             window length (5; 0: no guard), the first step index its trial may begin at (8) and the
             margin by which the plans must measure faster than DDP's dense allreduce to stay (0.03):
-            one A/B trial of whole training steps, ``guard_steps`` steps of the plans alternating with as
+            an A/B trial of whole training steps, ``guard_steps`` steps of the plans alternating with as
             many of every dense gradient allreduced in place; if the plans' median step is not faster,
-            dense gradients are allreduced in place for the rest of the run
+            dense gradients are allreduced in place for the rest of the run; if it is, the plans stay
+            until a re-plan changes them, which opens a new trial
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``); ``strategies`` may
@@ -323,16 +324,16 @@ class AutoHookState(_HookState):
             self._calibrate()
         if self._guard is None:
             return
-        # Plans are identical on every rank, so is this; after the verdict nothing reads it.
-        worth = self._guard.verdict is None and any(a.strategy != "dense" and not a.sparse
-                                                    for a in self._aggregators.values())
-        phase = self._guard.phase(step, worth)
+        # Plans are identical on every rank (and so are the parameters' names), so are these.
+        plans = tuple(sorted((a.name, a.strategy) for a in self._aggregators.values() if not a.sparse))
+        worth = any(strategy != "dense" for _, strategy in plans)
+        phase = self._guard.phase(step, worth, plans)
         if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)
             verdict = torch.tensor(self._guard.decide(), dtype=torch.float64, device=self._collective_device())
             dist.broadcast(verdict, src=self._root(), group=self.process_group)
             keep, plan_s, dense_s = verdict.cpu().tolist()
             self._guard.settle(keep != 0.0, plan_s, dense_s)
-            phase = self._guard.phase(step, worth)
+            phase = self._guard.phase(step, worth, plans)
         self._step_phase = phase
 
     def _collective_device(self) -> torch.device:

@@ -29,7 +29,8 @@ def test_schedule_plan_and_dense_steps_alternate_then_verdict():
     assert phases[:6] == ["plan"] * 6
     assert phases[6:12] == ["plan", "dense"] * 3
     assert phases[12:] == ["dense"] * 4   # plans measured slower: dense from the verdict on
-    assert g.stats() == {"verdict": "dense", "plan_ms": 2000.0, "dense_ms": 1000.0, "window": 6, "steps": 3}
+    assert g.stats() == {"verdict": "dense", "plan_ms": 2000.0, "dense_ms": 1000.0, "window": 6, "steps": 3,
+                         "trials": 1}
 
 
 def test_faster_plans_are_kept():
@@ -37,6 +38,42 @@ def test_faster_plans_are_kept():
     phases = run(g, plan_s=0.5, dense_s=1.0, steps=10)
     assert phases == ["plan", "dense", "plan", "dense"] + ["plan"] * 6
     assert g.verdict == "plan" and g.medians == (0.5, 1.0)
+
+
+def test_a_replan_after_a_verdict_for_the_plans_opens_a_new_trial():
+    # The trial measured plans A (faster than dense) and kept them; a re-plan at step 12 moves to plans B,
+    # which measure slower: a second trial runs B against dense and goes back to dense.
+    g = StepGuard(steps=2, start=0)
+    phases = []
+    for step in range(20):
+        plans = "A" if step < 12 else "B"
+        if step:
+            slow = 1.5 if plans == "B" else 0.5
+            g.record(step - 1, slow if phases[-1] == "plan" else 1.0)
+        phase = g.phase(step, True, plans)
+        if phase == "decide":
+            g.settle(*g.decide())
+            phase = g.phase(step, True, plans)
+        phases.append(phase)
+    assert phases[:12] == ["plan", "dense", "plan", "dense"] + ["plan"] * 8   # A kept
+    assert phases[12:16] == ["plan", "dense", "plan", "dense"]                 # B on trial
+    assert phases[16:] == ["dense"] * 4
+    assert g.stats()["trials"] == 2 and g.stats()["window"] == 12 and g.medians == (1.5, 1.0)
+
+
+def test_the_same_plans_and_a_dense_verdict_open_no_new_trial():
+    g = StepGuard(steps=2, start=0)
+    phases = [g.phase(0, True, "A")]
+    for step in range(1, 12):
+        g.record(step - 1, 0.5 if phases[-1] == "plan" else 1.0)
+        phase = g.phase(step, True, "A")
+        if phase == "decide":
+            g.settle(*g.decide())
+            phase = g.phase(step, True, "A")
+        phases.append(phase)
+    assert g.verdict == "plan" and g.stats()["trials"] == 1
+    g.settle(False, 2.0, 1.0)   # a dense verdict: the aggregators sit out, their plans stand still
+    assert g.phase(12, True, "B") == "dense" and g.stats()["trials"] == 1
 
 
 @pytest.mark.parametrize("plan_s, margin, keep", [

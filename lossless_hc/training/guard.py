@@ -26,8 +26,12 @@ for exact plans) runs one A/B trial on whole training steps:
   from then on.
 
 Step times are rank-local; the verdict is rank 0's, broadcast by the caller (every rank must then
-agree, as on every plan). One trial per run: the verdict stands for the rest of the run. Lossy plans
-are not guarded (their alternative is not dense, and leaving them would strand error feedback).
+agree, as on every plan). A verdict for the plans holds for the plans it measured: when the dense
+gradients' plans differ from those at the trial's first step (a re-plan every ``interval`` steps may
+move a tensor to another strategy, also in the middle of the trial), a new trial opens. A verdict
+for dense stands for the rest of the run (the aggregators sit out, so their plans no longer move).
+Lossy plans are not guarded (their alternative is not dense, and leaving them would strand error
+feedback).
 """
 from __future__ import annotations
 
@@ -61,18 +65,26 @@ class StepGuard:
         self.times = {"plan": [], "dense": []}
         self.verdict: Optional[str] = None   # "plan" or "dense" once decided
         self.medians: Optional[tuple] = None   # (T_p, T_d) seconds, rank 0's
+        self.checked = None   # the plans at the current trial's first step
+        self.trials = 0       # trials opened so far
 
-    def phase(self, step: int, worth_checking: bool) -> str:
+    def phase(self, step: int, worth_checking: bool, plans=None) -> str:
         """What step ``step`` (0-based) runs: ``"plan"`` (the plans), ``"dense"`` (dense buckets in
         place; the trial's odd steps), or ``"decide"`` (the verdict is due now: call :meth:`decide` and
-        :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not dense (identical on
-        every rank); the trial opens at the first such step from ``start`` on."""
+        :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not
+        dense; the trial opens at the first such step from ``start`` on. ``plans``: any comparable
+        value naming the dense gradients' plans (None: not tracked); after a verdict for the plans, a
+        different value opens a new trial (module doc). Both identical on every rank."""
+        if self.verdict == "plan" and plans is not None and plans != self.checked:
+            self.begin, self.verdict = None, None
+            self.times = {"plan": [], "dense": []}
         if self.verdict is not None:
             return "plan" if self.verdict == "plan" else "dense"
         if self.begin is None:
             if step < self.start or not worth_checking:
                 return "plan"
-            self.begin = step
+            self.begin, self.checked = step, plans
+            self.trials += 1
         k = step - self.begin
         if k < 2 * self.steps:
             return "plan" if k % 2 == 0 else "dense"
@@ -100,9 +112,10 @@ class StepGuard:
         self.medians = (float(plan_s), float(dense_s))
 
     def stats(self) -> dict:
-        """``{"verdict", "plan_ms", "dense_ms", "window", "steps"}``: the verdict (None while the trial
-        runs or before it starts), rank 0's medians in milliseconds, the trial's first step index and
-        the window length (the trial runs ``2 * steps`` steps)."""
+        """``{"verdict", "plan_ms", "dense_ms", "window", "steps", "trials"}``: the verdict (None while a
+        trial runs or before one starts), rank 0's medians of the last verdict in milliseconds, the
+        current trial's first step index, the window length (a trial runs ``2 * steps`` steps) and
+        how many trials opened."""
         tp, td = self.medians if self.medians is not None else (float("nan"), float("nan"))
         return {"verdict": self.verdict, "plan_ms": 1e3 * tp, "dense_ms": 1e3 * td, "window": self.begin,
-                "steps": self.steps}
+                "steps": self.steps, "trials": self.trials}

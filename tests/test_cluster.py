@@ -217,3 +217,20 @@ def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():
     assert "ddp auto-sparse: 1.15x the fastest exact (mean step 1.00x)" in line
     assert "| ddp | sparse | 20.0 (20.0–20.0) | 23.0 | 1.00x |" in render_markdown(
         {"rows": rows, "compute_s": 0.01, "shaping": {"qdisc": "tbf"}}, "t")
+
+
+def test_the_report_gives_each_rounds_guard_verdict_and_repeated_trials():
+    from lossless_hc.bench.cluster_report import render_markdown
+
+    def guard(verdict, plan_ms, dense_ms, trials=1):
+        return {"verdict": verdict, "plan_ms": plan_ms, "dense_ms": dense_ms, "window": 8, "steps": 5,
+                "trials": trials}
+    row = {"framework": "ddp", "compression": "auto", "step_s_median": 0.08, "step_s_p10": 0.08,
+           "step_s_p90": 0.08, "step_s_mean": 0.08, "speedup_vs_none": 1.0, "wire_bytes_per_step_per_host": 1.0,
+           "wire_vs_none": 1.0, "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
+           "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.05,
+           "auto_choice": {"dense": ["param0(4,)"]}, "auto_guard": guard("dense", 89.1, 76.2, trials=2),
+           "auto_guard_rounds": [guard("plan", 70.0, 80.0), guard("dense", 89.1, 76.2, trials=2)]}
+    text = render_markdown({"rows": [row], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+    assert "step guard: 2 trials (a re-plan changed the plans after a verdict)" in text
+    assert "step guard per round: plan (70.0 / 80.0 ms), dense (89.1 / 76.2 ms)" in text

@@ -460,6 +460,8 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
         row["max_param_diff_vs_none"] = (max_param_diff(params[(fw, comp)], base)
                                          if base and comp != BASELINE else None)
         row["lossless_mode"] = comp in LOSSLESS
+        if rounds > 1:   # each round's guard (the row's plans and guard are the last round's)
+            row["auto_guard_rounds"] = [(r[0].get("stats") or {}).get("guard") for r in reps]
         rows.append(row)
     return {"rows": add_relative(rows), "compute_s": compute, "shaping": shaping, "cpu_fair": fair,
             "skipped": [list(p) for p in skipped], "rounds": rounds}

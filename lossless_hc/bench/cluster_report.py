@@ -110,6 +110,14 @@ def render_markdown(result: dict, title: str) -> str:
             elif g:
                 lines.append(f"step guard: trial from step {g['window']} not finished in this run "
                              f"({2 * g['steps']} steps)")
+            if g and (g.get("trials") or 0) > 1:
+                lines.append(f"step guard: {g['trials']} trials (a re-plan changed the plans after a verdict)")
+            per_round = [x for x in (r.get("auto_guard_rounds") or []) if x]
+            if len(per_round) > 1:
+                lines.append("step guard per round: " + ", ".join(
+                    f"{x['verdict'] or 'no verdict'}"
+                    + (f" ({x['plan_ms']:.1f} / {x['dense_ms']:.1f} ms)" if x.get("verdict") else "")
+                    for x in per_round))
     return "\n".join(lines) + "\n"
 
 

@@ -324,9 +324,12 @@ class AutoHookState(_HookState):
             self._calibrate()
         if self._guard is None:
             return
-        # Plans are identical on every rank (and so are the parameters' names), so are these.
-        plans = tuple(sorted((a.name, a.strategy) for a in self._aggregators.values() if not a.sparse))
-        worth = any(strategy != "dense" for _, strategy in plans)
+        if self._guard.verdict == "dense":   # it stands for the rest of the run: the plans are not read
+            self._step_phase = "dense"
+            return
+        # Plans, and the aggregators' creation order (bucket order), are identical on every rank: so are these.
+        plans = tuple(a.strategy for a in self._aggregators.values() if not a.sparse)
+        worth = any(strategy != "dense" for strategy in plans)
         phase = self._guard.phase(step, worth, plans)
         if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)
             verdict = torch.tensor(self._guard.decide(), dtype=torch.float64, device=self._collective_device())

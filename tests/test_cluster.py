@@ -180,17 +180,24 @@ def test_two_hosts_end_to_end(tmp_path):
     assert not os.path.exists(os.path.join(netns.NETNS_ETC, f"{netns.PREFIX}{proc.pid}h0"))
 
 
+def report_row(compression, ms, **extra):
+    """A result row as run_benchmark gives it (one ``ms`` for median, p10 and p90), for the report tests."""
+    row = {"framework": "ddp", "compression": compression, "step_s_median": ms / 1e3, "step_s_p10": ms / 1e3,
+           "step_s_p90": ms / 1e3, "speedup_vs_none": 80.0 / ms, "wire_bytes_per_step_per_host": 1.0,
+           "wire_vs_none": 1.0, "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
+           "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.05}
+    row.update(extra)
+    return row
+
+
 def test_the_report_states_the_step_guards_verdict():
     """Rank 0's guard statistics in the planner's rows: the trial's steps, medians and what ran after it,
     or why there was none."""
     from lossless_hc.bench.cluster_report import render_markdown
 
     def row(compression, ms, guard=None):
-        return {"framework": "ddp", "compression": compression, "step_s_median": ms / 1e3, "step_s_p10": ms / 1e3,
-                "step_s_p90": ms / 1e3, "speedup_vs_none": 80.0 / ms, "wire_bytes_per_step_per_host": 1.0,
-                "wire_vs_none": 1.0, "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
-                "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.05,
-                "auto_choice": {"dense": ["param0(4,)"]} if guard else None, "auto_guard": guard}
+        return report_row(compression, ms, auto_choice={"dense": ["param0(4,)"]} if guard else None,
+                          auto_guard=guard)
     guard = {"verdict": "dense", "plan_ms": 93.0, "dense_ms": 83.2, "window": 8, "steps": 5}
     none_trial = {"verdict": None, "plan_ms": float("nan"), "dense_ms": float("nan"), "window": None, "steps": 5}
     text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial)],
@@ -206,11 +213,7 @@ def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():
     from lossless_hc.bench.cluster_report import answer_line, render_markdown
 
     def row(compression, median_ms, mean_ms):
-        return {"framework": "ddp", "compression": compression, "step_s_median": median_ms / 1e3,
-                "step_s_p10": median_ms / 1e3, "step_s_p90": median_ms / 1e3, "step_s_mean": mean_ms / 1e3,
-                "speedup_vs_none": 1.0, "wire_bytes_per_step_per_host": 1.0, "wire_vs_none": 1.0,
-                "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
-                "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.01}
+        return report_row(compression, median_ms, step_s_mean=mean_ms / 1e3, speedup_vs_none=1.0)
     rows = [row("none", 240.0, 241.0), row("sparse", 20.0, 23.0), row("auto-sparse", 23.0, 23.0)]
     line = answer_line(rows)
     assert "fastest exact: ddp sparse (20.0 ms" in line
@@ -225,12 +228,9 @@ def test_the_report_gives_each_rounds_guard_verdict_and_repeated_trials():
     def guard(verdict, plan_ms, dense_ms, trials=1):
         return {"verdict": verdict, "plan_ms": plan_ms, "dense_ms": dense_ms, "window": 8, "steps": 5,
                 "trials": trials}
-    row = {"framework": "ddp", "compression": "auto", "step_s_median": 0.08, "step_s_p10": 0.08,
-           "step_s_p90": 0.08, "step_s_mean": 0.08, "speedup_vs_none": 1.0, "wire_bytes_per_step_per_host": 1.0,
-           "wire_vs_none": 1.0, "aggregation_bytes_per_s": 1.0, "throughput_vs_none": 1.0, "codec_share": 0.0,
-           "max_param_diff_vs_none": 0.0, "lossless_mode": True, "fallbacks": 0, "aggregation_s": 0.05,
-           "auto_choice": {"dense": ["param0(4,)"]}, "auto_guard": guard("dense", 89.1, 76.2, trials=2),
-           "auto_guard_rounds": [guard("plan", 70.0, 80.0), guard("dense", 89.1, 76.2, trials=2)]}
+    row = report_row("auto", 80.0, step_s_mean=0.08, auto_choice={"dense": ["param0(4,)"]},
+                     auto_guard=guard("dense", 89.1, 76.2, trials=2),
+                     auto_guard_rounds=[guard("plan", 70.0, 80.0), guard("dense", 89.1, 76.2, trials=2)])
     text = render_markdown({"rows": [row], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
     assert "step guard: 2 trials (a re-plan changed the plans after a verdict)" in text
     assert "step guard per round: plan (70.0 / 80.0 ms), dense (89.1 / 76.2 ms)" in text

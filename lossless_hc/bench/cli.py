@@ -10,7 +10,7 @@ Usage::
         [--block-sizes 1,32] [--plot docs/wire_bits.png] [--verify-numel N] [--json PATH]
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
-    python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--repeat 5] [--json PATH]
+    python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--repeat 5] [--device cpu|cuda] [--json PATH]
     python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
     python -m lossless_hc.bench replay ...     (collective-only replay; needs root: lossless_hc.bench.replay)
     python -m lossless_hc.bench simulate ...   (the planner's cost model to 256 hosts: lossless_hc.bench.simulate)
@@ -27,8 +27,10 @@ warm-up), encode and decode into reused buffers, and the baseline is a device-to
 dense input in the same run; throughput is reported in GB/s of dense float32 gradient and as a
 fraction of that copy.
 
-The ``codec`` command exits with status 1 when the decode is not exact (report not ok, or the
-decoded support differs from the float64 sum's beyond rounding scale), so it can gate CI.
+The ``codec`` command exits with status 1 when the decode fails (a key left unpeeled, a verdict other
+than OK or INEXACT -- INEXACT lists the keys whose rigorous bound exceeds rtol, it does not make them
+wrong -- or a decoded support that differs from the float64 sum's beyond rounding scale), so it can
+gate CI.
 
 ``peel`` measures the sizing rule ``sizing.sketch_table_for``: peeling failure rate, max abs error
 against float64 truth, and decode time per key (one worker, bitmap index, numel = 20 * keys).
@@ -51,8 +53,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.bench.codec import (CLUSTER_WINDOW, SUPPORTS, render_codec, render_codec_cuda, run_codec_bench,
-                                     run_codec_bench_cuda)
+from lossless_hc.bench.codec import (CLUSTER_WINDOW, SUPPORTS, decode_verdict_ok, render_codec, render_codec_cuda,
+                                     run_codec_bench, run_codec_bench_cuda)
 from lossless_hc.bench.common import command_line, log, machine_info, write_json
 from lossless_hc.bench import wire as bench_wire
 from lossless_hc.bench.cluster import add_arguments as add_cluster_arguments
@@ -60,7 +62,7 @@ from lossless_hc.bench.peel import render_peel, run_peel_bench
 from lossless_hc.bench.replay import add_arguments as add_replay_arguments
 from lossless_hc.bench.simulate import add_arguments as add_simulate_arguments
 from lossless_hc.bench.thc import render_thc, run_thc_bench
-from lossless_hc.bench.topk import render_topk, run_topk_bench
+from lossless_hc.bench.topk import render_topk, render_topk_cuda, run_topk_bench, run_topk_bench_cuda
 from lossless_hc.bench.tta import add_arguments as add_tta_arguments
 
 
@@ -143,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--threads", type=int, default=0)
     k.add_argument("--no-check", action="store_true", help="skip the check against a stable sort")
+    k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the CUDA selection, CUDA events, against a device-to-device copy and torch.topk")
     k.add_argument("--json", metavar="PATH")
     k.set_defaults(func=_cmd_topk)
 
@@ -198,8 +202,7 @@ def _cmd_codec(args) -> int:
             raise SystemExit(f"python -m lossless_hc.bench codec: error: {exc}")
         print(render_codec_cuda(res, cmd))
         write_json(args.json, {"command": cmd, "machine": machine_info(0), **res})
-        cor = res["correctness"]
-        return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 and cor["deterministic"] else 1
+        return 0 if decode_verdict_ok(res["correctness"]) and res["correctness"]["deterministic"] else 1
     try:
         res = run_codec_bench(args.numel, args.density, args.workers, args.block_size, args.index, args.support,
                               args.repeat, args.seed, args.threads, log=log, verify=args.verify)
@@ -208,8 +211,7 @@ def _cmd_codec(args) -> int:
     machine = machine_info(args.threads)
     print(render_codec(res, machine, cmd))
     write_json(args.json, {"command": cmd, "machine": machine, **res})
-    cor = res["correctness"]
-    return 0 if cor["ok"] and cor["support_mismatch_beyond_rounding"] == 0 else 1
+    return 0 if decode_verdict_ok(res["correctness"]) else 1
 
 
 def _cmd_peel(args) -> int:
@@ -255,6 +257,16 @@ def _cmd_thc(args) -> int:
 
 def _cmd_topk(args) -> int:
     cmd = command_line()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("python -m lossless_hc.bench topk --device cuda: no CUDA device")
+        try:
+            res = run_topk_bench_cuda(args.numel, args.ratio, max(args.repeat, 10), args.seed, check=not args.no_check)
+        except ValueError as exc:
+            raise SystemExit(f"python -m lossless_hc.bench topk: error: {exc}")
+        print(render_topk_cuda(res, cmd))
+        write_json(args.json, {"command": cmd, "machine": machine_info(0), **res})
+        return 0 if res["exact"] in (None, True) else 1
     try:
         res = run_topk_bench(args.numel, args.ratio, args.repeat, args.seed, args.threads, check=not args.no_check)
     except ValueError as exc:

@@ -10,7 +10,7 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -153,3 +153,22 @@ def write_json(path: Optional[str], obj: dict) -> None:
             f.write("\n")
         log(f"wrote {path}")
 
+
+def time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 2) -> dict:
+    """Median / min / max device time of ``fn`` in seconds, measured with CUDA events on the current
+    stream around each call (after ``warmup`` calls), so host-side overhead that overlaps the device
+    work is not counted, but a call that waits for the device (decode's one sync) is."""
+    for _ in range(warmup):
+        r = fn()
+        del r
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(1, repeat)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        r = fn()
+        end.record()
+        end.synchronize()
+        del r
+        times.append(start.elapsed_time(end) / 1e3)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}

@@ -7,6 +7,10 @@ with ``TopKAggregator.select`` (error feedback fused into the selection: residua
 residual update in one pass; then the sparse output), and with the whole aggregator step
 ``TopKAggregator.encode`` (select, then the lossless codec's encode of the selected values).
 The selection is checked against a stable sort (the same indices, exactly k).
+
+``--device cuda`` times the CUDA twin (``csrc/cuda/topk_kernels.cuh``) with CUDA events against a
+device-to-device copy of the same tensor and ``torch.topk`` on the GPU, in the same run, and checks that
+it selects the CPU backend's indices bit for bit.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import math
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.bench.common import format_table, machine_rows, section, time_interleaved
+from lossless_hc.bench.common import format_table, machine_rows, section, time_cuda, time_interleaved
 
 
 def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, threads: int = 0,
@@ -70,6 +74,56 @@ def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, thr
             "ratios": {name: t[name]["median_s"] / clone_s for name in ("topk_select", "torch_topk",
                                                                           "aggregator_select", "aggregator_encode")},
             "select_over_torch_topk": t["topk_select"]["median_s"] / t["torch_topk"]["median_s"]}
+
+
+def run_topk_bench_cuda(numel: int, ratio: float, repeat: int = 20, seed: int = 0, check: bool = True) -> dict:
+    """The CUDA selection on the current GPU: CUDA-event medians of ``topk_select`` (into a reused ``out``),
+    of ``torch.topk(|x|, k, sorted=False)`` and of a device-to-device ``copy_`` of ``x`` (the baseline);
+    ``check``: the indices equal the CPU backend's (which tests/test_topk.py checks against a stable sort)."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"--ratio must be in (0, 1], got {ratio}")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(seed)
+    x_cpu = torch.randn(numel, generator=gen)
+    k = min(numel, max(1, math.ceil(ratio * numel)))
+    x = x_cpu.to(dev)
+    backend = backend_for(dev)
+    out = torch.empty(k, dtype=torch.int64, device=dev)
+    dst = torch.empty_like(x)
+    t = {"copy": time_cuda(lambda: dst.copy_(x), repeat),
+         "topk_select": time_cuda(lambda: backend.topk_select(x, k, out=out), repeat),
+         "torch_topk": time_cuda(lambda: torch.topk(x.abs(), k, sorted=False), repeat)}
+    exact = None
+    if check:
+        got = backend.topk_select(x, k).cpu()
+        exact = bool(torch.equal(got, backend_for(x_cpu.device).topk_select(x_cpu, k)))
+    copy_s = t["copy"]["median_s"]
+    return {"config": {"numel": numel, "ratio": ratio, "k": k, "repeat": repeat, "seed": seed, "device": str(dev)},
+            "device": {"name": torch.cuda.get_device_name(dev), "torch_cuda": torch.version.cuda,
+                       "multiprocessors": torch.cuda.get_device_properties(dev).multi_processor_count},
+            "exact": exact, "timing": t,
+            "ratios": {name: t[name]["median_s"] / copy_s for name in ("topk_select", "torch_topk")},
+            "select_over_torch_topk": t["topk_select"]["median_s"] / t["torch_topk"]["median_s"]}
+
+
+def render_topk_cuda(res: dict, cmd: str) -> str:
+    c, d, t, r = res["config"], res["device"], res["timing"], res["ratios"]
+    ms = lambda v: f"{v['median_s'] * 1e3:.3f}"  # noqa: E731
+    out = [section("lossless_hc top-k selection benchmark (CUDA)", format_table([
+        ("command", cmd),
+        ("device", f"{d['name']} ({d['multiprocessors']} SMs), torch CUDA {d['torch_cuda']}"),
+        ("setup", f"{c['numel']:,} float32 N(0,1), k = {c['k']:,} ({c['ratio']:g}), {c['repeat']} timed runs "
+                  "(CUDA events, median)"),
+    ], align="ll"))]
+    out.append(section("results", format_table([
+        ("device-to-device copy_ of the input (ms)", ms(t["copy"])),
+        ("topk_select (ms)", f"{ms(t['topk_select'])}  = {r['topk_select']:.2f}x copy, "
+                             f"{res['select_over_torch_topk']:.3f}x torch.topk"),
+        ("torch.topk(|x|, k, sorted=False) (ms)", f"{ms(t['torch_topk'])}  = {r['torch_topk']:.2f}x copy"),
+        ("same indices as the CPU backend", "not checked" if res["exact"] is None else
+         ("yes (exactly k)" if res["exact"] else "NO")),
+    ], align="ll")))
+    return "\n".join(out)
 
 
 def render_topk(res: dict, machine: dict, cmd: str) -> str:

@@ -305,8 +305,10 @@ class THCCodec:
                                  L.mirror_offset + self.rank, HDR_NON_FINITE, HDR_CHECKSUM, self._check(self._step),
                                  self.num_threads)
         fingerprint = self._fingerprint()
-        payload[HDR_CONTRIBUTORS] = 1
-        payload[HDR_FINGERPRINT] = fingerprint
+        # fill_ of a one-element view: on CUDA a kernel with the value as its argument (indexed assignment of
+        # a Python number copies a host scalar, which synchronises)
+        payload.narrow(0, HDR_CONTRIBUTORS, 1).fill_(1)
+        payload.narrow(0, HDR_FINGERPRINT, 1).fill_(fingerprint)
         self._fingerprint_used = fingerprint
         self._pending = True
         return payload

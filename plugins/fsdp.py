@@ -101,13 +101,24 @@ __all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "AutoFSDPState"
 _OK, _FAILED, _MISMATCH = 0, 1, 2
 
 
+def _param_groups(module: FSDPModule) -> list:
+    """The FSDP parameter groups of a ``fully_shard`` module: a list on torch 2.13 (``_fsdp_param_groups``),
+    one group or None on earlier releases such as 2.11 (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 class _Slots:
     """Where each parameter lies in an FSDP2 parameter group's flat reduce-scatter output: in
     ``fsdp_params`` order, a slot of ``padded_sharded_param_size`` (zero padding included, so a slot
     has the same shape on every rank and for every destination)."""
 
     def __init__(self, module: FSDPModule):
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = _param_groups(module)
         if len(groups) != 1:
             raise ValueError(f"{type(module).__name__}: lossless_hc.plugins.fsdp needs exactly one FSDP parameter group "
                              f"per fully_shard module, got {len(groups)}")
@@ -205,7 +216,7 @@ class _FSDPState:
             raise ValueError("register needs a model with fully_shard applied (no FSDPModule found)")
         self.reduce_scatter = bool(reduce_scatter)
         for name, module in modules:
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in _param_groups(module):
                 info = group.mesh_info
                 if hasattr(info, "replicate_process_group") or getattr(info, "shard_mesh_size", None) != self.shards:
                     raise ValueError(f"module {name or '<root>'!r}: fully_shard it on the shard dimension of the mesh "
@@ -213,7 +224,7 @@ class _FSDPState:
                                      "HSDP all-reduces before the hook runs")
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(factor)
-            if not module._get_fsdp_state()._fsdp_param_groups:
+            if not _param_groups(module):
                 continue
             if self.replicas > 1:
                 module.set_all_reduce_hook(_ReplicaAllReduce(self, module))

@@ -210,7 +210,7 @@ def test_lossless_on_random_inputs(seed, index, block, pattern, dist, averaged):
     if averaged:
         summed = helpers.average_payloads(summed, n)
     y, report = gpu.decode(summed, averaged=averaged, trace=True)
-    if not report.ok:
+    if not helpers.peeled_ok(report):
         # Only a peeling failure is legitimate here (probability < 1e-3 per decode at capacity), and
         # the CPU backend must reach the same verdict on the same payload.
         cpu = LosslessCodec(numel, n, k * block, block_size=block, seed=seed % 1000, index=index)
@@ -230,7 +230,7 @@ def test_decode_is_bitwise_deterministic(backend, index, block):
     xs = helpers.make_inputs(rng, numel, block, n, keys, "random", "wide")
     summed = helpers.sum_payloads([gpu.encode(x.cuda()) for x in xs], rng)
     y0, r0 = gpu.decode(summed, trace=True)
-    assert r0.ok, r0.reason
+    assert helpers.peeled_ok(r0), r0.reason   # "wide" values: some keys may be INEXACT (listed, not wrong)
     other = LosslessCodec(numel, n, keys * block, block_size=block, seed=0, index=index, device="cuda")
     for codec in (gpu, gpu, gpu, other):
         y, r = codec.decode(summed.clone(), trace=True)
@@ -405,15 +405,22 @@ def test_wide_blocks_and_empty_inputs():
     y, report = gpu.decode(gpu.encode(x) * 2)
     assert report.ok and report.support == 0 and torch.equal(y, x)
     x[64 * 7: 64 * 8] = torch.arange(64, device="cuda", dtype=torch.float32) - 10
-    y, report = gpu.decode(gpu.encode(x) + gpu.encode(-x))
-    assert report.ok and report.support == 1
+    payload = gpu.encode(x) + gpu.encode(-x)
+    y, report = gpu.decode(payload)
+    # key 7 sums to exactly 0 while its mass channel does not: it is peeled as 0, and INEXACT because no
+    # relative bound holds at 0 (the CPU's verdict too)
+    assert helpers.peeled_ok(report) and report.support == 1 and report.peeled == 1
+    assert bool((y == 0).all())
+    _, r_cpu = LosslessCodec(64 * 500, 2, 64 * 20, block_size=64).decode(payload.cpu())
+    assert r_cpu.status == report.status
 
 
 def test_cuda_bench_runs_and_checks_itself():
     from lossless_hc.bench.codec import render_codec_cuda, run_codec_bench_cuda
     res = run_codec_bench_cuda(1 << 20, 0.01, 4, repeat=3)
     cor = res["correctness"]
-    assert cor["ok"] and cor["deterministic"] and cor["support_mismatch_beyond_rounding"] == 0, cor
+    assert cor["deterministic"] and cor["support_mismatch_beyond_rounding"] == 0, cor
+    assert (cor["ok"] or cor["inexact_keys"] > 0) and cor["peeled_keys"] == cor["support_keys"], cor
     assert res["timing"]["encode_over_copy"] > 0 and res["timing"]["decode_over_copy"] > 0
     assert "fraction of copy" in render_codec_cuda(res, "test")
 
@@ -511,7 +518,7 @@ def test_multilevel_encode_and_verdicts_match_cpu(backend, shape, numel, n, k, b
     for averaged in (False, True):
         payload = helpers.average_payloads(summed, n) if averaged else summed
         status, *_ = index_verdicts_agree(cpu, gpu._native, payload, averaged)
-        assert status == 0
+        assert status in (0, helpers.INEXACT)   # every key peeled; INEXACT keys are listed, not wrong
         y, report = gpu.decode(payload.cuda(), averaged=averaged, trace=True)
         helpers.assert_lossless(L, xs, y.cpu(), report, averaged=averaged, strict_support=False)
 
@@ -537,7 +544,10 @@ def test_multilevel_failures_match_cpu(backend):
             index_verdicts_agree(cpu, gpu._native, corrupt_fine_words(base, cpu.layout, 0, rng, t))
         lo = cpu.layout.level_offsets[0]
         first = lo + int((base[lo:cpu.layout.sketch_offset] != 0).nonzero()[0])
-        for word, want in ((float("nan"), 1), (-1.0, 1), (0.5, 1), (float(INT_FIELD_LIMIT), 5), (float("inf"), 5)):
+        # -1 is a valid signed word: the list peel finds the table inconsistent (corrupt), while with more
+        # nodes than cells the peel stalls first (the CPU's verdict either way)
+        for word, want in ((float("nan"), 1), (-1.0, 1 if name == "list" else 2), (0.5, 1),
+                           (float(INT_FIELD_LIMIT), 5), (float("inf"), 5)):
             p = base.clone()
             p[first] = word
             assert index_verdicts_agree(cpu, gpu._native, p)[0] == want

@@ -67,7 +67,10 @@ def run_pair(n, numel, steps, make, averaged=False, decode_bitwise=True, **kw):
         agg = sum(pc)
         agg_g = sum(pg)
         if averaged:
-            agg, agg_g = agg / n, agg_g / n
+            # The CPU's average reaches the GPU as is: torch's CUDA division by a host scalar multiplies by
+            # its reciprocal, one ulp from the CPU's quotient (the engine's averaging, not the codec's)
+            agg = agg / n
+            agg_g = agg.to(agg_g.device)
         yc = [c.decode(agg, averaged=averaged) for c in cpu]
         yg = [c.decode(agg_g, averaged=averaged) for c in gpu]
         for r in range(n):

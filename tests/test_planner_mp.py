@@ -168,3 +168,23 @@ def test_lossy_auto_keeps_replicas_identical(engine, request):
 def test_mismatched_options_fail_on_every_rank(engine, request):
     for r in results(request.getfixturevalue(f"{engine}_run"), "config_mismatch"):
         assert r["error"] == "ConfigurationMismatch" or "differs across ranks" in r["message"], r
+
+
+@pytest.mark.gpu
+def test_ddp_auto_on_cuda_tensors_is_exact_and_identical(tmp_path):
+    """Issue #22 on a GPU: auto_hook with every rank's model on GPU 0 (Gloo; NCCL refuses two ranks on one
+    device): the measured calibration, a re-plan and the sparse table's plans equal DDP's own allreduce to
+    float rounding, identically on every rank."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    names = ["measured", "replan", "sparse_replan"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE="cuda")
+    cmd = [sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(tmp_path),
+           ",".join(names)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    for name in names:
+        strategies = check_exact_and_identical(results(tmp_path, name))
+        if name != "measured":
+            assert strategies - {"dense"}, (name, results(tmp_path, name)[0]["plan"])

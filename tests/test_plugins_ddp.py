@@ -166,3 +166,33 @@ def test_digits_cnn_converges_with_topk_and_thc_under_torchrun(tmp_path):
     assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
     assert acc["thc"]["value"] >= acc["none"]["value"] - 0.05, acc
     assert acc["thc"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
+
+
+CUDA_EXACT = ["average", "small_buckets", "fallback"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [2, 3])
+def test_hooks_on_cuda_tensors_through_gloo(tmp_path, size):
+    """Issue #22 on a GPU: the lossless, top-k and THC hooks over a model on GPU 0 for every rank (Gloo
+    carries the CUDA tensors; NCCL refuses two ranks on one device). The lossless hook equals DDP's own
+    allreduce to float rounding, with the same capacity and fallback decisions on every rank; top-k keeps
+    its residual; THC's replicas stay bit-identical and train."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE="cuda")
+    args = [sys.executable, WORKER, str(size), str(free_port()), str(tmp_path), ",".join(CUDA_EXACT + ["topk", "thc"])]
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    for name in CUDA_EXACT:
+        rs = results(tmp_path, name, size)
+        for r in rs:
+            assert r["max_diff"] <= TOL, (name, r)
+            assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"], (name, r)
+        assert len({json.dumps([r["capacity"], r["stats"]["fallbacks"]]) for r in rs}) == 1, name
+    for r in results(tmp_path, "topk", size):
+        assert r["stats"]["compressed"] > 0 and r["residual_norms"] and max(r["residual_norms"]) > 0, r
+    rs = results(tmp_path, "thc", size)
+    assert len({r["digest"] for r in rs}) == 1
+    assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"] and rs[0]["cosine"] > 0.9, rs[0]

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import (BagModel, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn, max_param_diff,  # noqa: E402
+from models import (DEVICE, BagModel, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn, max_param_diff,  # noqa: E402
                     param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
@@ -30,7 +30,7 @@ def train(state=None, steps=6, bucket_cap_mb=None, burst_from=None, sparse=False
     models.bag_batch (rank 0 lists no row). The reference (state None) is DDP's default allreduce, sparse
     gradients by Gloo's sparse allreduce."""
     torch.manual_seed(0)
-    model = BagModel() if bags else EmbeddingModel(sparse=sparse)
+    model = (BagModel() if bags else EmbeddingModel(sparse=sparse)).to(DEVICE)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DistributedDataParallel(model, **kw)
     if state is not None:

@@ -1,5 +1,6 @@
 """torch.distributed (Gloo) worker for tests/test_plugins_ddp.py, started by torch.multiprocessing.
 
+``LHC_TEST_DEVICE=cuda``: the model and batches on GPU 0 for every rank (Gloo carries CUDA tensors).
 Each scenario trains the same model twice from the same seed on the same per-rank batches, once with
 DDP's default allreduce and once with the lossless hook; every rank writes
 OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
@@ -13,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import DEVICE, EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
@@ -25,7 +26,7 @@ STEPS = 6
 
 def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1):
     torch.manual_seed(0)
-    model = EmbeddingModel(sparse=sparse, hidden=hidden)
+    model = EmbeddingModel(sparse=sparse, hidden=hidden).to(DEVICE)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DistributedDataParallel(model, **kw)
     if state is not None:
@@ -81,7 +82,7 @@ def scenario(name):
         ref = train(None, steps=16, hidden=512, lr=0.02)
         got = train(state, steps=16, hidden=512, hook=thc_hook, lr=0.02)
         torch.manual_seed(0)
-        start = EmbeddingModel(hidden=512)
+        start = EmbeddingModel(hidden=512).to(DEVICE)
         moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(m.parameters(), start.parameters())]).detach()
                  for m in (ref, got)]
         return {"stats": state.stats(), "digest": param_digest(got),

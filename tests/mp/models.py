@@ -1,6 +1,13 @@
-"""Tiny models and batches shared by the multi-process workers (Horovod and DDP)."""
+"""Tiny models and batches shared by the multi-process workers (Horovod and DDP).
+
+``LHC_TEST_DEVICE=cuda``: batches are made on GPU 0 (the DDP workers' GPU runs: every rank on the one
+GPU, through Gloo, since NCCL refuses two ranks on one device)."""
+import os
+
 import torch
 from torch import nn
+
+DEVICE = torch.device(os.environ.get("LHC_TEST_DEVICE", "cpu"))
 
 
 class EmbeddingModel(nn.Module):
@@ -21,8 +28,9 @@ class EmbeddingModel(nn.Module):
 def batch(step: int, rank: int, size: int = 32, users: int = 5000, items: int = 3000):
     """Rank- and step-specific random batch (different supports on every rank)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return (torch.randint(0, users, (size,), generator=g), torch.randint(0, items, (size,), generator=g),
-            torch.rand(size, generator=g))
+    b = (torch.randint(0, users, (size,), generator=g), torch.randint(0, items, (size,), generator=g),
+         torch.rand(size, generator=g))
+    return tuple(t.to(DEVICE) for t in b)
 
 
 def loss_fn(model, b):
@@ -36,7 +44,7 @@ def param_digest(model: nn.Module) -> str:
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: everything the CUDA backend needs checked and measured there.
 #
-#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench bench1 sanitize bench5 thcsanitize
-#                                               (default: build test thcbench bench1 sanitize bench5, in order)
-#   THC's CUDA backend in one call: bash scripts/gpu_session.sh build test thcbench thcsanitize
+#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench5 bench5b
+#                                               sanitize thcsanitize topksanitize, or several joined by '+'
+#                                               (run at the same time, e.g. test+sanitize: for checks, never
+#                                               for timings); default: build test thcbench bench1 sanitize bench5
+#   The whole issue-#22 run: bash scripts/gpu_session.sh build topkbench thcbench bench1 bench1b bench5 bench5b \
+#                              test+sanitize+thcsanitize+topksanitize
 #
 # Run from the repository root on the GPU machine (the device tool: `run` with this command; the
 # machine has python3 with torch (CUDA), CuPy, pybind11, pytest, hypothesis and nvcc, no network).
 #   build     LHC_CUDA=1 python3 setup.py build_ext --inplace: lossless_hc._C and _C_cuda (nvcc missing
-#             is an error), and a look at the GPU (nvidia-smi, versions)
-#   test      pytest -m gpu (tests/test_cuda.py and tests/test_cuda_thc.py, both the compiled and the
-#             CuPy/NVRTC kernels) and the source-consistency tests
-#   thcbench  python -m lossless_hc.bench thc --device cuda --numel 67108864 --workers 8: THC encode/decode
-#             time on the GPU, NMSE, and every payload and output checked bit for bit against CPU codecs
-#             run in lockstep (exit status 1 if any differs)
-#   thcsanitize  compute-sanitizer memcheck and racecheck on THC's CUDA tests (both kernel paths)
+#             is an error), the lossless_hc/plugins link (the package is not installed there), and a look
+#             at the GPU (nvidia-smi, versions)
+#   test      pytest -m gpu (tests/test_cuda.py, test_cuda_thc.py, test_topk.py, both the compiled and the
+#             CuPy/NVRTC kernels; the DDP, planner and FSDP2 hooks on CUDA tensors through Gloo), with
+#             pytest-xdist where it is installed, and the source-consistency tests
+#   thcbench  python -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 --no-cpu-check:
+#             THC encode/decode time on the GPU and NMSE (the bit-for-bit CPU lockstep is the tests' job)
+#   topkbench python -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01: the selection
+#             against a device-to-device copy and torch.topk, indices checked against the CPU backend's
 #   bench1    python -m lossless_hc.bench codec --device cuda --numel 134217728 --density 0.01 --workers 8
+#             (index auto: multi-level on CUDA); bench1b the same with --index bitmap
+#   bench5, bench5b  the same at density 0.05
 #   sanitize  compute-sanitizer memcheck (and racecheck) on the fuzzing and overflow tests
-#   bench5    the same benchmark at density 0.05
-# Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset), at most 8 files:
-# summary.txt, build.log, test.log, sanitize.log, bench.log, bench-0.01.json, bench-0.05.json, thc-bench.json
-# (thcbench writes its text to bench.log).
-# The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit):
-# a step that would not fit is skipped and says so; run the remaining steps in a second call.
+#   thcsanitize, topksanitize  the same on THC's and top-k's CUDA tests
+# Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
+# test.log, sanitize.log, bench.log and one JSON per benchmark (bench-<density>-<index>.json,
+# thc-bench.json, topk-bench.json).
+# The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit) or
+# until LHC_SESSION_DEADLINE (seconds since the epoch) when set: a step that would not fit is skipped and
+# says so; run the remaining steps in a second call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-session-out}
@@ -30,7 +38,7 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
-DEADLINE=$((START + ${LHC_SESSION_SECONDS:-560}))
+DEADLINE=${LHC_SESSION_DEADLINE:-$((START + ${LHC_SESSION_SECONDS:-560}))}
 SUMMARY="$OUT/summary.txt"
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build test thcbench bench1 sanitize bench5)
@@ -44,13 +52,16 @@ SKIP_HINT='bash scripts/gpu_session.sh $name'
 source scripts/_session_step.sh   # the working directory is the repository root (cd above)
 
 bench() {
-  local density=$1
-  step "bench density $density" bench.log 200 "$PY" -m lossless_hc.bench codec --device cuda --numel 134217728 \
-    --density "$density" --workers 8 --json "$OUT/bench-$density.json"
+  local density=$1 index=$2
+  step "bench density $density index $index" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
+    --numel 134217728 --density "$density" --workers 8 --index "$index" --json "$OUT/bench-$density-$index.json"
 }
 
-for s in "${STEPS[@]}"; do
-  case "$s" in
+# One step; returns non-zero when it (or one of its commands) failed. FAILED is local here, so a step
+# run in the background (a '+' group) reports through its exit status.
+run_step() {
+  local FAILED=0
+  case "$1" in
     build)
       {
         date -u
@@ -61,10 +72,15 @@ for s in "${STEPS[@]}"; do
         "$PY" -c "import hypothesis, pybind11; print('hypothesis', hypothesis.__version__, 'pybind11', pybind11.__version__)"
       } >> "$OUT/build.log" 2>&1
       step build build.log 300 env LHC_CUDA=1 "$PY" setup.py build_ext --inplace --parallel 8
+      # lossless_hc.plugins is plugins/ (setup.py maps it when installed); without installing, a link does it.
+      [ -e lossless_hc/plugins ] || ln -s ../plugins lossless_hc/plugins
       step "import" build.log 60 "$PY" -c "import lossless_hc._C_cuda as m, lossless_hc._C; print('kernels:', len(m.kernel_names()), 'SMs:', m.multiprocessors())"
       ;;
     test)
-      step "pytest -m gpu" test.log 300 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider
+      local xdist=()
+      "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 6)
+      step "pytest -m gpu" test.log 330 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider --continue-on-collection-errors \
+        "${xdist[@]}"
       step "source consistency" test.log 60 "$PY" -m pytest -q tests/test_cuda_sources.py tests/test_header_cuda.py -p no:cacheprovider
       ;;
     sanitize)
@@ -75,20 +91,43 @@ for s in "${STEPS[@]}"; do
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_blocks or (encode_matches_cpu and bloom-b1 and float32 and compiled)"
       ;;
     thcbench)
-      step "thc bench" bench.log 240 "$PY" -m lossless_hc.bench thc --device cuda --numel 67108864 --workers 8 \
-        --json "$OUT/thc-bench.json"
+      step "thc bench" bench.log 150 "$PY" -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 \
+        --repeat 10 --no-cpu-check --json "$OUT/thc-bench.json"
+      ;;
+    topkbench)
+      step "topk bench" bench.log 90 "$PY" -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01 \
+        --repeat 20 --json "$OUT/topk-bench.json"
+      ;;
+    topksanitize)
+      step "topk memcheck" topk-sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
+        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_topk.py -k gpu_equals_cpu
+      step "topk racecheck" topk-sanitize.log 120 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
+        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_topk.py -k "gpu_equals_cpu and normal"
       ;;
     thcsanitize)
-      step "thc memcheck" sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
+      step "thc memcheck" thc-sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_thc.py \
         -k "compiled and (b32 or tiny or b65536 or int64 or corrupted or worst_case or non_finite)"
-      step "thc racecheck" sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
+      step "thc racecheck" thc-sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_thc.py -k "compiled and steps and (b1024 or b4096 or b65536)"
       ;;
-    bench1) bench 0.01 ;;
-    bench5) bench 0.05 ;;
-    *) echo "unknown step $s (build test thcbench bench1 sanitize bench5 thcsanitize)" | tee -a "$SUMMARY"; FAILED=1 ;;
+    bench1) bench 0.01 auto ;;
+    bench1b) bench 0.01 bitmap ;;
+    bench5) bench 0.05 auto ;;
+    bench5b) bench 0.05 bitmap ;;
+    *) echo "unknown step $1 (see the header of scripts/gpu_session.sh)" | tee -a "$SUMMARY"; FAILED=1 ;;
   esac
+  return $FAILED
+}
+
+for s in "${STEPS[@]}"; do
+  if [[ "$s" == *+* ]]; then   # a group: its steps at the same time, each with its own log lines
+    pids=()
+    for part in ${s//+/ }; do run_step "$part" & pids+=($!); done
+    for pid in "${pids[@]}"; do wait "$pid" || FAILED=1; done
+  else
+    run_step "$s" || FAILED=1
+  fi
 done
 
 # The short table last: the tool's reply carries the end of the output.
@@ -96,9 +135,24 @@ echo
 echo "== summary ($(( $(date +%s) - START ))s)"
 cat "$SUMMARY"
 grep -hE "passed|failed|error" "$OUT/test.log" 2>/dev/null | tail -4
-grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log" 2>/dev/null
-grep -hE "^(command|device|device-to-device|encode \(|decode \(|decode ok|support keys|max abs error|bitwise)" \
-  "$OUT/bench.log" 2>/dev/null
-grep -hE "^(encode, one worker|decode of the aggregate|encode\(out=\)|bits per coordinate|NMSE vs the encoded|same bits as the CPU)" \
-  "$OUT/bench.log" 2>/dev/null
+grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/*sanitize.log 2>/dev/null
+# One line per benchmark JSON: the ratios against the copy in the same run.
+"$PY" - "$OUT" <<'PYEOF' 2>/dev/null || true
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(path))
+    t, name = r.get("timing", {}), os.path.basename(path)
+    if "encode_over_copy" in t:
+        c = r["correctness"]
+        print(f"{name}: encode {t['encode']['median_s'] * 1e3:.3f} ms ({t['encode_over_copy']:.3f} of copy), decode "
+              f"{t['decode']['median_s'] * 1e3:.3f} ms ({t['decode_over_copy']:.3f}), ok {c['ok']}, "
+              f"mismatch {c['support_mismatch_beyond_rounding']}, deterministic {c['deterministic']}")
+    elif "copy_prealloc" in t:
+        print(f"{name}: encode {t['encode_reused_out']['median_s'] * 1e3:.3f} ms, decode "
+              f"{t['decode_reused_out']['median_s'] * 1e3:.3f} ms, copy {t['copy_prealloc']['median_s'] * 1e3:.3f} ms "
+              f"(enc+dec = {t['reused_over_copy']:.2f}x copy), nmse {r['accuracy']['nmse']:.4g}")
+    elif "topk_select" in t:
+        print(f"{name}: select {t['topk_select']['median_s'] * 1e3:.3f} ms = {r['ratios']['topk_select']:.2f}x copy, "
+              f"torch.topk {r['ratios']['torch_topk']:.2f}x copy, exact {r['exact']}")
+PYEOF
 exit $FAILED

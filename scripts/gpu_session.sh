@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: everything the CUDA backend needs checked and measured there.
 #
-#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench5 bench5b
-#                                               sanitize thcsanitize topksanitize, or several joined by '+'
-#                                               (run at the same time, e.g. test+sanitize: for checks, never
-#                                               for timings); default: build test thcbench bench1 sanitize bench5
-#   The whole issue-#22 run: bash scripts/gpu_session.sh build topkbench thcbench bench1 bench1b bench5 bench5b \
-#                              test+sanitize+thcsanitize+topksanitize
+#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench1m bench5
+#                                               bench5b bench5m sanitize thcsanitize topksanitize, or several
+#                                               joined by '+' (run at the same time, e.g. test+sanitize: for
+#                                               checks, never for timings); default: the whole issue-#22 run,
+#                                               build topkbench thcbench bench1 bench1m bench5b bench5m
+#                                               test+sanitize+thcsanitize+topksanitize (about 9 minutes on an H200)
 #
 # Run from the repository root on the GPU machine (the device tool: `run` with this command; the
 # machine has python3 with torch (CUDA), CuPy, pybind11, pytest, hypothesis and nvcc, no network).
@@ -21,8 +21,8 @@
 #   topkbench python -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01: the selection
 #             against a device-to-device copy and torch.topk, indices checked against the CPU backend's
 #   bench1    python -m lossless_hc.bench codec --device cuda --numel 134217728 --density 0.01 --workers 8
-#             (index auto: multi-level on CUDA); bench1b the same with --index bitmap
-#   bench5, bench5b  the same at density 0.05
+#             (index auto: bitmap there); bench1b with --index bitmap, bench1m with --index multilevel
+#   bench5, bench5b, bench5m  the same at density 0.05 (auto sends 5% of 8 ranks dense)
 #   sanitize  compute-sanitizer memcheck (and racecheck) on the fuzzing and overflow tests
 #   thcsanitize, topksanitize  the same on THC's and top-k's CUDA tests
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
@@ -41,7 +41,8 @@ START=$(date +%s)
 DEADLINE=${LHC_SESSION_DEADLINE:-$((START + ${LHC_SESSION_SECONDS:-560}))}
 SUMMARY="$OUT/summary.txt"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test thcbench bench1 sanitize bench5)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build topkbench thcbench bench1 bench1m bench5b bench5m
+                                  test+sanitize+thcsanitize+topksanitize)
 FAILED=0
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
   2>/dev/null | head -1)
@@ -84,7 +85,7 @@ run_step() {
       step "source consistency" test.log 60 "$PY" -m pytest -q tests/test_cuda_sources.py tests/test_header_cuda.py -p no:cacheprovider
       ;;
     sanitize)
-      step "memcheck" sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
+      step "memcheck" sanitize.log 240 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
         -k "fuzz or every_key or wide_blocks or failure_reports or multilevel_failures or (bitwise and compiled and bloom and 16)"
       step "racecheck" sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
@@ -115,6 +116,8 @@ run_step() {
     bench1b) bench 0.01 bitmap ;;
     bench5) bench 0.05 auto ;;
     bench5b) bench 0.05 bitmap ;;
+    bench1m) bench 0.01 multilevel ;;
+    bench5m) bench 0.05 multilevel ;;
     *) echo "unknown step $1 (see the header of scripts/gpu_session.sh)" | tee -a "$SUMMARY"; FAILED=1 ;;
   esac
   return $FAILED

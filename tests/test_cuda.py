@@ -416,11 +416,10 @@ def test_wide_blocks_and_empty_inputs():
 
 
 def test_cuda_bench_runs_and_checks_itself():
-    from lossless_hc.bench.codec import render_codec_cuda, run_codec_bench_cuda
+    from lossless_hc.bench.codec import decode_verdict_ok, render_codec_cuda, run_codec_bench_cuda
     res = run_codec_bench_cuda(1 << 20, 0.01, 4, repeat=3)
     cor = res["correctness"]
-    assert cor["deterministic"] and cor["support_mismatch_beyond_rounding"] == 0, cor
-    assert (cor["ok"] or cor["inexact_keys"] > 0) and cor["peeled_keys"] == cor["support_keys"], cor
+    assert decode_verdict_ok(cor) and cor["deterministic"], cor
     assert res["timing"]["encode_over_copy"] > 0 and res["timing"]["decode_over_copy"] > 0
     assert "fraction of copy" in render_codec_cuda(res, "test")
 

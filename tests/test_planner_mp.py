@@ -24,8 +24,10 @@ DDP_SPARSE = ["sparse_replan", "sparse_dense", "sparse_allgather", "sparse_two_p
 HVD_EXACT = ["measured", "replan", "allgather"]
 
 
-def launch(cmd, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300")
+def launch(cmd, timeout=600, device="cpu"):
+    """Run a worker command; ``device="cuda"``: the DDP worker puts every rank's model on GPU 0."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300",
+               LHC_TEST_DEVICE=device)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
@@ -179,11 +181,8 @@ def test_ddp_auto_on_cuda_tensors_is_exact_and_identical(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     names = ["measured", "replan", "sparse_replan"]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE="cuda")
-    cmd = [sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(tmp_path),
-           ",".join(names)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(tmp_path),
+            ",".join(names)], device="cuda")
     for name in names:
         strategies = check_exact_and_identical(results(tmp_path, name))
         if name != "measured":

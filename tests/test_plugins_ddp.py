@@ -20,8 +20,9 @@ ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError",
 TOL = 1e-6
 
 
-def run(args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+def run(args, timeout=600, device="cpu"):
+    """Run a worker command; ``device="cuda"``: the DDP workers put every rank's model on GPU 0."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE=device)
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
@@ -68,14 +69,32 @@ def test_inexact_keys_are_reaggregated_alone_and_exactly(ddp_run):
     assert len({json.dumps([s["digest"] for s in r["steps"]]) for r in rs}) == 1
 
 
+def check_lossless(rs):
+    """Every rank equals DDP's allreduce to float rounding, compressed, with the same capacity and fallbacks."""
+    for r in rs:
+        assert r["max_diff"] <= TOL, r
+        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"], r
+    assert len({json.dumps([r["capacity"], r["stats"]["fallbacks"]]) for r in rs}) == 1
+
+
+def check_topk(rs):
+    for r in rs:
+        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
+        assert r["residual_norms"] and max(r["residual_norms"]) > 0
+
+
+def check_thc(rs):
+    assert len({r["digest"] for r in rs}) == 1
+    assert rs[0]["stats"]["compressed"] > 0
+    assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"]
+    assert rs[0]["cosine"] > 0.9, rs[0]["cosine"]
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_lossless_hook_matches_default_allreduce(ddp_run, name):
     out, size = ddp_run
     rs = results(out, name, size)
-    for r in rs:
-        assert r["max_diff"] <= TOL, r
-        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
-    assert len({json.dumps([r["capacity"], r["stats"]["fallbacks"]]) for r in rs}) == 1
+    check_lossless(rs)
     if name == "average":
         assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
     else:  # capacity 0.1%: the embedding tables overload, fall back exactly, and grow
@@ -102,18 +121,12 @@ def test_capacity_policy_adapts_identically_and_stays_exact(ddp_run):
 
 def test_topk_hook_keeps_error_feedback(ddp_run):
     out, size = ddp_run
-    for r in results(out, "topk", size):
-        assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
-        assert r["residual_norms"] and max(r["residual_norms"]) > 0
+    check_topk(results(out, "topk", size))
 
 
 def test_thc_hook_replicas_stay_identical_and_train(ddp_run):
     out, size = ddp_run
-    rs = results(out, "thc", size)
-    assert len({r["digest"] for r in rs}) == 1
-    assert rs[0]["stats"]["compressed"] > 0
-    assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"]
-    assert rs[0]["cosine"] > 0.9, rs[0]["cosine"]
+    check_thc(results(out, "thc", size))
 
 
 def test_thc_exact_parameters_are_the_dense_average(ddp_run):
@@ -168,9 +181,6 @@ def test_digits_cnn_converges_with_topk_and_thc_under_torchrun(tmp_path):
     assert acc["thc"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
 
 
-CUDA_EXACT = ["average", "small_buckets", "fallback"]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("size", [2, 3])
 def test_hooks_on_cuda_tensors_through_gloo(tmp_path, size):
@@ -181,18 +191,9 @@ def test_hooks_on_cuda_tensors_through_gloo(tmp_path, size):
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE="cuda")
-    args = [sys.executable, WORKER, str(size), str(free_port()), str(tmp_path), ",".join(CUDA_EXACT + ["topk", "thc"])]
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    for name in CUDA_EXACT:
-        rs = results(tmp_path, name, size)
-        for r in rs:
-            assert r["max_diff"] <= TOL, (name, r)
-            assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"], (name, r)
-        assert len({json.dumps([r["capacity"], r["stats"]["fallbacks"]]) for r in rs}) == 1, name
-    for r in results(tmp_path, "topk", size):
-        assert r["stats"]["compressed"] > 0 and r["residual_norms"] and max(r["residual_norms"]) > 0, r
-    rs = results(tmp_path, "thc", size)
-    assert len({r["digest"] for r in rs}) == 1
-    assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"] and rs[0]["cosine"] > 0.9, rs[0]
+    run([sys.executable, WORKER, str(size), str(free_port()), str(tmp_path), ",".join(EXACT + ["topk", "thc"])],
+        device="cuda")
+    for name in EXACT:
+        check_lossless(results(tmp_path, name, size))
+    check_topk(results(tmp_path, "topk", size))
+    check_thc(results(tmp_path, "thc", size))

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import EmbeddingModel, batch, loss_fn  # noqa: E402
+from models import DEVICE, EmbeddingModel, batch, loss_fn  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -25,9 +25,8 @@ from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPSt
 from lossless_hc.training.planner import Calibration  # noqa: E402
 
 STEPS = 5
-# LHC_TEST_DEVICE=cuda: the same scenarios on CUDA tensors (every rank on GPU 0, Gloo; NCCL refuses
-# two ranks on one GPU).
-DEVICE = torch.device(os.environ.get("LHC_TEST_DEVICE", "cpu"))
+# LHC_TEST_DEVICE=cuda (models.DEVICE): the same scenarios on CUDA tensors (every rank on GPU 0, Gloo;
+# NCCL refuses two ranks on one GPU).
 
 
 def build(mesh, native: bool, hidden: int = 16):
@@ -55,7 +54,7 @@ def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None):
     rank = dist.get_rank()
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
-        loss_fn(model, [t.to(DEVICE) for t in batch(step, rank)]).backward()
+        loss_fn(model, batch(step, rank)).backward()
         opt.step()
     return opt
 

@@ -9,12 +9,14 @@ import sys
 import torch
 import torch.distributed as dist
 
+from models import DEVICE
+
 
 def _rank(rank, size, port, out_dir, names, scenario):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
     torch.set_num_threads(1)
-    if os.environ.get("LHC_TEST_DEVICE") == "cuda":
+    if DEVICE.type == "cuda":
         torch.cuda.set_device(0)
     for name in names:
         result = scenario(name)

@@ -26,8 +26,9 @@
 #   sanitize  compute-sanitizer memcheck (and racecheck) on the fuzzing and overflow tests
 #   thcsanitize, topksanitize  the same on THC's and top-k's CUDA tests
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
-# test.log, sanitize.log, bench.log and one JSON per benchmark (bench-<density>-<index>.json,
-# thc-bench.json, topk-bench.json).
+# test.log, sanitize.log, thc-sanitize.log, topk-sanitize.log (one per sanitizer step, which may run at the
+# same time), bench.log and one JSON per benchmark (bench-<density>-<index>.json, thc-bench.json,
+# topk-bench.json).
 # The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit) or
 # until LHC_SESSION_DEADLINE (seconds since the epoch) when set: a step that would not fit is skipped and
 # says so; run the remaining steps in a second call.

@@ -47,6 +47,18 @@ struct Prof {
   }
 };
 
+// Load the cache line holding p, for reading and writing soon. An asm statement, not
+// __builtin_prefetch: GCC 12 deletes the builtin as dead code when its address goes through a
+// conditional such as a std::min clamp (PeelTable::prefetch_packed's were missing from the binary).
+// p must point into an object: the callers clamp stale indices into their tables.
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 1, 3);
+#endif
+}
+
 constexpr uint64_t kHugePage = 2u << 20;
 
 // Allocator of the decoder's scratch arrays: a block of kHugePage bytes or more is aligned to a huge

@@ -94,8 +94,8 @@ class PeelTable {
   // be a stale XOR (a cell that is no longer pure), and a prefetch needs no branch to skip it.
   void prefetch_packed(int j, uint32_t e) { prefetch((uint64_t)j * seg_len_ + std::min<uint64_t>(e >> kWeightCodeBits, seg_len_ - 1)); }
   void prefetch(uint64_t c) {
-    __builtin_prefetch(&slots_[c * stride_], 1, 3);
-    __builtin_prefetch(&slots_[c * stride_ + stride_ - 1], 1, 3);  // the last value (block > 1)
+    prefetch_line(&slots_[c * stride_]);
+    if (stride_ > kStateSlots + 1) prefetch_line(&slots_[c * stride_ + stride_ - 1]);  // the last value (block > 1)
   }
 
  private:
@@ -202,25 +202,33 @@ uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, s
                      std::vector<uint32_t>& order, Resolve&& resolve, bool* bad) {
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   const uint64_t cells = t.cells();
-  cur.clear();
-  for (uint64_t c = 0; c < cells; ++c)
-    if (t.deg(c) == 1) cur.push_back((uint32_t)c);
+  // cur[0, cur_n) and next[0, next_n): a cell is queued once at most (pure at the start, or when its
+  // count drops to 1), so `cells` entries suffice. Appends are branch-free (store, then advance by the
+  // test): whether a cell is left pure is a coin flip to a branch predictor, and a misprediction
+  // there, resolved only when the cell's state arrives from memory, serialises the keys.
+  cur.resize(cells);
+  next.resize(cells);
+  uint64_t cur_n = 0, next_n = 0;
+  for (uint64_t c = 0; c < cells; ++c) {
+    cur[cur_n] = (uint32_t)c;
+    cur_n += t.deg(c) == 1;
+  }
   src.assign(count, kNone);
   bits.assign(((uint64_t)count + 63) / 64, 0);
   order.clear();
   uint32_t resolved = 0;
   constexpr size_t kAhead = 8;
-  while (!cur.empty()) {
+  while (cur_n > 0) {
     // A: every cell pure at the start of the layer proposes its key; the key keeps the smallest.
     uint32_t lo = kNone, hi = 0;
-    for (size_t i = 0; i < cur.size(); ++i) {
-      if (i + kAhead < cur.size()) t.prefetch(cur[i + kAhead]);
+    for (size_t i = 0; i < cur_n; ++i) {
+      if (i + kAhead < cur_n) t.prefetch(cur[i + kAhead]);
       const uint32_t c = cur[i];
       if (t.deg(c) != 1) continue;  // its last key went with another cell in the layer before
       const uint32_t pos = t.pos(c);
       const int j = t.segment(c);
       if (pos >= count || t.cell(j, t.packed(c, j)) != c) { *bad = true; return resolved; }
-      if (src[pos] == kNone) bits[pos / 64] |= 1ull << (pos % 64);
+      bits[pos / 64] |= 1ull << (pos % 64);  // again for a key's second pure cell: no branch
       src[pos] = std::min(src[pos], c);
       lo = std::min(lo, pos);
       hi = std::max(hi, pos);
@@ -231,7 +239,7 @@ uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, s
         for (uint64_t b = bits[w]; b; b &= b - 1) layer.push_back((uint32_t)(w * 64 + __builtin_ctzll(b)));
     // B and C: the layer's keys in increasing position, each read from its cell and subtracted from
     // its other two (queued for the next layer when left with one key).
-    next.clear();
+    next_n = 0;
     for (size_t i = 0; i < layer.size(); ++i) {
       // Two stages: the read cell 2 * kAhead keys ahead (in position order, i.e. a random cell); kAhead
       // ahead, its state (in cache by then) names the key's other two cells: load those.
@@ -256,10 +264,12 @@ uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, s
         const uint64_t d = ordered[j];
         if (t.deg(d) == 0) { *bad = true; return resolved; }
         t.update(d, k, (uint32_t)-1);
-        if (t.deg(d) == 1) next.push_back((uint32_t)d);
+        next[next_n] = (uint32_t)d;
+        next_n += t.deg(d) == 1;
       }
     }
     std::swap(cur, next);
+    cur_n = next_n;
   }
   return resolved;
 }

@@ -256,6 +256,31 @@ def test_simulator_check_against_measured_points():
     out = simulate.check(meas, None)
     assert [c["strategy"] for c in out] == ["dense"]   # powersgd has no strategy in the model
     assert out[0]["rel_error"] == pytest.approx((out[0]["predicted_s"] - 0.01) / 0.01)
+    # a CPU-fair replay (workers at a quarter of a core): the same link, every local cost 4x
+    meas["by_hosts"]["2"]["cpu_fair"] = {"share": 0.25}
+    fair = simulate.check(meas, None)
+    pl = _planner()
+    stats = pl.TensorStats(numel=400, row=4, world_size=2, rank_keys=(10, 12), union_keys=20)
+    one_core, quarter = (pl.CostModel(simulate.calibration(10**9, None, share)) for share in (1.0, 0.25))
+    for strategy in simulate.STRATEGIES:
+        assert quarter.local_seconds(strategy, stats) == pytest.approx(4 * one_core.local_seconds(strategy, stats))
+        assert quarter.wire_bytes(strategy, stats) == one_core.wire_bytes(strategy, stats)
+    extra = 3 * sum(one_core.local_seconds("dense", st) for st in
+                    [pl.TensorStats(numel=400, row=4, world_size=2, rank_keys=(10, 12), union_keys=20),
+                     pl.TensorStats(numel=6, row=1, world_size=2, rank_keys=(6, 6), union_keys=6)])
+    assert fair[0]["predicted_s"] == pytest.approx(out[0]["predicted_s"] + extra)
+    with pytest.raises(ValueError):
+        simulate.calibration(10**9, None, 0.0)
+    # an auto row that recorded its calibration: every mode of that host count is priced with it
+    codec = {st: [1e-6, 0.0] for st in pl.PRICED}
+    meas["by_hosts"]["2"]["rows"].append({"framework": "ddp", "compression": "auto", "aggregation_s": 0.02,
+                                          "auto_calibration": {"alpha_s": 0.5, "seconds_per_byte": 0.0,
+                                                               "codec_seconds": codec}})
+    rec = simulate.check(meas, None)
+    assert [(c["mode"], c["calibration"]) for c in rec] == [("none", "measured"), ("auto", "measured")]
+    dense = 2 * (2 * (2 - 1) * 0.5) + 1e-6 * (400 + 6)    # each tensor's 2(n-1) hops of 0.5 s; the local copy
+    assert rec[0]["predicted_s"] == pytest.approx(dense)
+    assert [c["calibration"] for c in simulate.check(meas, None, use_recorded=False)] == ["default", "default"]
 
 
 # -- 2 emulated hosts: the new modes run -------------------------------------------------------------

@@ -173,6 +173,7 @@ def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s
         "fallbacks": stats.get("fallbacks", 0) if stats else 0,
         "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
         "auto_guard": stats.get("guard") if stats else None,
+        "auto_calibration": stats.get("calibration") if stats else None,   # rank 0's: what every rank planned with
         "step_s_round_medians": list(round_medians) if round_medians else None,
         "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
     }

@@ -19,8 +19,12 @@ uniform). Items: half the draws are positives (the data's Zipf(1) popularity), h
 
 With ``--measured`` (the JSON of ``python -m lossless_hc.bench replay``), the statistics come from
 the recording itself (rows per rank and union of the first n ranks, averaged over the recorded
-steps), the link from the replay's applied shaping, and each framework x mode's measured per-step
-aggregation time is set against the prediction: relative error (predicted - measured) / measured.
+steps), and each framework x mode's measured per-step aggregation time is set against the
+prediction: relative error (predicted - measured) / measured. The prediction for a host count uses
+the calibration its auto mode measured at start-up (the link and codec constants every rank planned
+with: the planner's own model), or, without one or with ``--calibration default``, the default
+constants on the replay's applied link, divided by its workers' share of a core (``--cpu-fair``:
+the replay's seconds are dilated ones).
 """
 from __future__ import annotations
 
@@ -50,11 +54,18 @@ def planner():
     return mod
 
 
-def calibration(rate_bits: float, alpha_s: Optional[float] = None):
+def calibration(rate_bits: float, alpha_s: Optional[float] = None, cpu_share: float = 1.0):
     """The planner's default calibration (its default codec constants) for a link of ``rate_bits``
-    bit/s and ``alpha_s`` seconds per message hop (None: the planner's default latency)."""
+    bit/s and ``alpha_s`` seconds per message hop (None: the planner's default latency), on hosts
+    with ``cpu_share`` of a core each: every local cost is divided by it (a replay under
+    ``--cpu-fair`` runs 8 workers on 2 cores at 1/4 of a core, its links dilated by the same factor)."""
     pl = planner()
-    return pl.Calibration.default(rate_bits, pl.DEFAULT_LATENCY_S if alpha_s is None else alpha_s)
+    if not 0 < cpu_share <= 1:
+        raise ValueError(f"cpu_share must be in (0, 1], got {cpu_share}")
+    cal = pl.Calibration.default(rate_bits, pl.DEFAULT_LATENCY_S if alpha_s is None else alpha_s)
+    if cpu_share == 1:
+        return cal
+    return pl.Calibration(cal.link, {s: (a / cpu_share, b / cpu_share) for s, (a, b) in cal.codec_seconds.items()})
 
 
 # -- the tensors of one NCF step ---------------------------------------------------------------------
@@ -128,16 +139,39 @@ def sweep(hosts: Sequence[int], skews: Sequence[float], rate_bits: float, alpha_
     return rows
 
 
-def check(measured: dict, alpha_s: Optional[float]) -> list:
-    """Predicted vs measured per-step aggregation time for every replayed (hosts, framework, mode)."""
+def recorded_calibration(result: dict):
+    """The calibration an auto mode of one replayed host count planned with (rank 0's
+    ``stats()["calibration"]``, the same on every rank), or None if no auto row recorded one."""
+    pl = planner()
+    for r in result["rows"]:
+        cal = r.get("auto_calibration") or {}
+        if r["compression"] in AUTO_MODES and {"alpha_s", "seconds_per_byte", "codec_seconds"} <= set(cal):
+            return pl.Calibration(pl.LinkModel(float(cal["alpha_s"]), float(cal["seconds_per_byte"])),
+                                  {s: (float(v[0]), float(v[1])) for s, v in cal["codec_seconds"].items()})
+    return None
+
+
+def check(measured: dict, alpha_s: Optional[float], use_recorded: bool = True) -> list:
+    """Predicted vs measured per-step aggregation time for every replayed (hosts, framework, mode):
+    priced with the calibration the replay's auto mode measured at start-up on that host count (the
+    planner's own model; ``use_recorded`` and a recorded one), else with the default constants on the
+    replay's applied link (``alpha_s``: per-hop latency, None: the applied delay or the planner's
+    default) and its workers' share of a core."""
     out = []
     skew = measured["recording"]["options"].get("skew") or 0.0
     for n_text, res in sorted(measured["by_hosts"].items(), key=lambda kv: int(kv[0])):
         n = int(n_text)
-        rate = res["shaping"].get("rate_bits") or res["bandwidth_bits"]
-        delay = res["shaping"].get("delay_s", res["latency_s"])
-        applied = alpha_s if alpha_s is not None else (2 * delay if res["shaping"].get("latency_applied") else None)
-        model = planner().CostModel(calibration(rate, applied))
+        cal = recorded_calibration(res) if use_recorded else None
+        source = "measured"
+        if cal is None:
+            source = "default"
+            rate = res["shaping"].get("rate_bits") or res["bandwidth_bits"]
+            delay = res["shaping"].get("delay_s", res["latency_s"])
+            applied = alpha_s if alpha_s is not None else (2 * delay if res["shaping"].get("latency_applied") else None)
+            # the measured seconds are dilated ones (the link's rate is the applied, scaled one): price
+            # the codecs at the workers' share of a core too
+            cal = calibration(rate, applied, (res.get("cpu_fair") or {}).get("share", 1.0))
+        model = planner().CostModel(cal)
         pred = step_times(model, recorded_tensors(measured, n), n)
         for r in res["rows"]:
             mode = r["compression"]
@@ -146,7 +180,8 @@ def check(measured: dict, alpha_s: Optional[float]) -> list:
             if key is None or meas is None or meas <= 0:
                 continue
             out.append({"skew": skew, "hosts": n, "framework": r["framework"], "mode": mode, "strategy": key,
-                        "predicted_s": pred[key], "measured_s": meas, "rel_error": (pred[key] - meas) / meas})
+                        "calibration": source, "predicted_s": pred[key], "measured_s": meas,
+                        "rel_error": (pred[key] - meas) / meas})
     return out
 
 
@@ -167,9 +202,10 @@ def render(rows: list, checks: list, title: str) -> str:
         lines += ["", "#### The model against the measured replay points", "",
                   f"Median |relative error| {100 * statistics.median(errs):.0f}%, max {100 * max(errs):.0f}% "
                   f"over {len(errs)} points.", "",
-                  "| hosts | framework | mode (strategy) | predicted ms | measured ms | error |", "|---|---|---|---|---|---|"]
+                  "| hosts | framework | mode (strategy) | calibration | predicted ms | measured ms | error |",
+                  "|---|---|---|---|---|---|---|"]
         for c in checks:
-            lines.append(f"| {c['hosts']} | {c['framework']} | {c['mode']} ({c['strategy']}) | "
+            lines.append(f"| {c['hosts']} | {c['framework']} | {c['mode']} ({c['strategy']}) | {c['calibration']} | "
                          f"{1e3 * c['predicted_s']:.2f} | {1e3 * c['measured_s']:.2f} | {100 * c['rel_error']:+.0f}% |")
     return "\n".join(lines) + "\n"
 
@@ -227,7 +263,7 @@ def cmd_simulate(args) -> int:
     checks = []
     if args.measured:
         with open(args.measured) as f:
-            checks = check(json.load(f), alpha)
+            checks = check(json.load(f), alpha, use_recorded=args.calibration == "recorded")
     title = (f"NCF ({args.users} users, {args.items} items, dim {args.dim}, batch {args.batch}/rank), "
              f"{rate_label(rate)}: the planner's cost model")
     print(render(rows, checks, title))
@@ -252,6 +288,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--batch", type=int, default=512, help="interactions per rank per step")
     p.add_argument("--measured", help="JSON of `python -m lossless_hc.bench replay`: compare the model with it")
+    p.add_argument("--calibration", choices=("recorded", "default"), default="recorded",
+                   help="with --measured: price each host count with the calibration its auto mode measured "
+                        "(recorded, where the replay has one) or with the default constants")
     p.add_argument("--plot", help="PNG path, e.g. docs/simulate_ncf.png")
     p.add_argument("--json", help="write the rows and checks here")
     p.set_defaults(func=cmd_simulate)

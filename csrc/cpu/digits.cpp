@@ -43,7 +43,8 @@ bool split_words(const float* words, uint32_t n, double scale, const DigitPackin
   return valid;
 }
 
-// As split_words, but only the non-zero masks, sum and largest digit of d (not its digits).
+// As split_words, but only the non-zero masks, sum and largest digit of d, and each word's value and
+// largest digit.
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
                       WordDigits* d) {
@@ -61,9 +62,12 @@ bool split_word_masks(const float* words, uint32_t n, double scale, const DigitP
   uint64_t sum = 0, max = 0;
   for (uint32_t w = 0; w < n; ++w) {
     const uint64_t a = E[lo[w]], b = E[hi[w]];
+    const uint64_t word_max = std::max(a >> 44, b >> 44);
     d->nonzero[w] = (uint32_t)((a & 0x3fffffu) | (b & 0x3fffffu) << shift);
+    d->value[w] = (uint32_t)u[w];
+    d->word_max[w] = (uint32_t)word_max;
     sum += (a >> 22 & 0x3fffffu) + (b >> 22 & 0x3fffffu);
-    max = std::max(max, std::max(a >> 44, b >> 44));
+    max = std::max(max, word_max);
   }
   d->sum = sum;
   d->max = (uint32_t)max;

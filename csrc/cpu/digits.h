@@ -25,6 +25,9 @@ struct WordDigits {
   uint32_t nonzero[kWordBlock];
   uint64_t sum;  // of all the digits
   uint32_t max;  // the largest digit
+  // split_word_masks only: each word's packed integer and its largest digit.
+  uint32_t value[kWordBlock];
+  uint32_t word_max[kWordBlock];
 };
 
 // u[w] = words[w] * scale as the packed integer it must be, for w < n (n <= kWordBlock); returns false
@@ -87,16 +90,17 @@ struct DigitMaskTable {
   }
 };
 
-// As split_words, but only the non-zero masks, sum and largest digit of d (not its digits).
+// As split_words, but only the non-zero masks, sum and largest digit of d, and each word's value and
+// largest digit (not its digits: a caller splits the few words whose largest exceeds 1 itself).
 bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
                       WordDigits* d);
 
 // Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
 // of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
 // of them at low density); on a private copy of the sink, moved back at the end. Returns false if a
-// word is not a valid packed integer or a sink rejects a block. With `masks`, only the digits' non-zero
-// masks, sum and largest are filled in (split_word_masks), and the digits too only for a block whose
-// largest digit exceeds 1 (elsewhere every non-zero digit is 1: the masks say all).
+// word is not a valid packed integer or a sink rejects a block. With `masks`, split_word_masks fills
+// in the digits' non-zero masks, sums and largest, and the words' values, not the digits (where a
+// word's largest digit is 1, its mask says all).
 template <typename Sink>
 bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks,
                    const DigitMaskTable* masks = nullptr) {
@@ -114,9 +118,8 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
       uint32_t any = 0;
       for (uint32_t i = 0; i < n; ++i) any |= raw[w + i];
       if (!any) continue;
-      bool valid = masks ? split_word_masks(index + w, n, scale, L.index, *masks, &d)
-                         : split_words(index + w, n, scale, L.index, &d);
-      if (valid && masks && d.max > 1) valid = split_words(index + w, n, scale, L.index, &d);
+      const bool valid = masks ? split_word_masks(index + w, n, scale, L.index, *masks, &d)
+                               : split_words(index + w, n, scale, L.index, &d);
       if (!valid || !sink(w, n, d)) bad = 1;
     }
     sinks[omp_get_thread_num()] = std::move(sink);

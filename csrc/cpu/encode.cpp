@@ -335,12 +335,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     std::vector<unsigned long long> sums(2 * parts, 0);
 #pragma omp parallel for num_threads(nt) schedule(static, 1)
     for (int64_t p = 0; p < parts; ++p)
-      for (uint32_t k : keys.parts[p]) {
-        uint32_t part[2];
-        index_check_parts(check_stream, k, part);
-        sums[2 * p] += part[0];
-        sums[2 * p + 1] += part[1];
-      }
+      index_check_sums(check_stream, keys.parts[p].data(), nullptr, keys.parts[p].size(), &sums[2 * p]);
     for (int64_t p = 0; p < parts; ++p)
       for (uint32_t f = 0; f < kIndexCheckFields; ++f) check[f] += sums[2 * p + f];
   }

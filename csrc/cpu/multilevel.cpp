@@ -299,12 +299,7 @@ struct SupportSink {
     if (size == kChunk) flush();
   }
   void flush() {
-    for (uint32_t i = 0; i < size; ++i) {
-      uint32_t part[2];
-      index_check_parts(check_stream, keys[i], part);
-      check[0] += (unsigned long long)counts[i] * part[0];
-      check[1] += (unsigned long long)counts[i] * part[1];
-    }
+    index_check_sums(check_stream, keys.data(), counts.data(), size, check);
     for (Bucket& b : buckets)
       if (b.keys.size() < b.size + size) b.keys.resize(2 * (b.size + size));
     if (buckets.size() == 1) {

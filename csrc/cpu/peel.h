@@ -113,6 +113,12 @@ void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t coun
 // group[i] = the sketch group of keys[i], for i < count; vectorised like hash_cells.
 void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count, uint32_t* group);
 
+// check[f] += sum over i < count of counts[i] * part_f(keys[i]) for f = 0, 1 (the index checksum's
+// sums, lhc_layout.h index_check_parts), exactly in uint64; counts == nullptr: every count is 1.
+// Vectorised like hash_groups.
+void index_check_sums(uint64_t stream, const uint32_t* keys, const uint32_t* counts, size_t count,
+                      unsigned long long check[kIndexCheckFields]);
+
 // Count keys[0, count), all of one group of `table`, into the states of t (cleared before): each
 // key's cells are hashed a chunk at a time (vectorised; kc is scratch) and its cells' lines are
 // prefetched well ahead, as each key costs only a few instructions.

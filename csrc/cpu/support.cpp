@@ -118,9 +118,10 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     std::vector<uint32_t> found, group;  // one block's keys and their groups
     uint64_t num_keys, sum;
     uint32_t per_word, world_size;
-    // The index checksum: the sums of count(k) * part_f(k) (count(k) is the key's digit, 1 in a block
-    // whose largest digit is 1: unpack_digits fills the digits only of the others).
+    // The index checksum: the sums of count(k) * part_f(k), as those of part_f(k) over the keys found
+    // (vectorised) plus (count(k) - 1) * part_f(k) over the few keys of count 2 or more.
     uint64_t check_stream;
+    uint32_t base;  // of the digits
     unsigned long long check[kIndexCheckFields];
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
@@ -139,14 +140,19 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
       const uint32_t n = (uint32_t)(out - found.data());
       if (n == 0) return true;
       if (found[n - 1] >= num_keys) return false;  // a digit past the last key (in the last word)
-      for (uint32_t i = 0; i < n; ++i) {
-        const uint32_t pos = (uint32_t)(found[i] - first_word * per_word);
-        const uint32_t count = d.max > 1 ? d.digit[pos % per_word][pos / per_word] : 1u;
-        uint32_t part[2];
-        index_check_parts(check_stream, found[i], part);
-        check[0] += (unsigned long long)count * part[0];
-        check[1] += (unsigned long long)count * part[1];
-      }
+      index_check_sums(check_stream, found.data(), nullptr, n, check);
+      if (d.max > 1)
+        for (uint32_t w = 0; w < words; ++w) {
+          if (d.word_max[w] < 2) continue;
+          uint32_t v = d.value[w];
+          for (uint32_t i = 0; v != 0; ++i, v /= base) {
+            const uint32_t digit = v % base;
+            if (digit < 2) continue;
+            uint32_t part[kIndexCheckFields];
+            index_check_parts(check_stream, (first_word + w) * per_word + i, part);
+            for (uint32_t f = 0; f < kIndexCheckFields; ++f) check[f] += (unsigned long long)(digit - 1) * part[f];
+          }
+        }
       for (Bucket& b : buckets)
         if (b.keys.size() < b.size + n) b.keys.resize(2 * (b.size + n));
       if (buckets.size() == 1) {
@@ -167,7 +173,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
-                {0, 0}};
+                L.index.base, {0, 0}};
   std::vector<KeySink> sinks(nt, proto);
   for (KeySink& sink : sinks)
     for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);

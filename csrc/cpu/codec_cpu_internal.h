@@ -49,7 +49,7 @@ struct Prof {
 
 // Load the cache line holding p, for reading and writing soon. An asm statement, not
 // __builtin_prefetch: GCC 12 deletes the builtin as dead code when its address goes through a
-// conditional such as a std::min clamp (PeelTable::prefetch_packed's were missing from the binary).
+// conditional such as a std::min clamp (PeelCells::prefetch_packed's were missing from the binary).
 // p must point into an object: the callers clamp stale indices into their tables.
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -86,14 +86,17 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   std::chrono::steady_clock clock;
 #pragma omp parallel num_threads(nt)
   {
-    PeelTable t;
+    PeelTable storage;
     std::vector<double> v(B);
     std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building
     std::vector<uint32_t> cur, next, layer, src, order;  // peel_layers' scratch, and its order
     std::vector<uint64_t> bits;
     std::vector<double> kerr, kver;  // by position: E(k), and |w| G(k) of its read cell (verification)
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t g = 0; g < (int64_t)groups; ++g) {
+    // A group's peel, compiled twice: for one value per key (kBlock 1, unstructured keys: the loops
+    // over a key's values fold away) and for any block (kBlock 0).
+    const auto peel_group = [&](auto block_tag, int64_t g) {
+      constexpr uint64_t kBlock = decltype(block_tag)::value;
+      const uint64_t B = kBlock ? kBlock : L.block;
       const uint64_t base = (uint64_t)g * gcells, kb = goff[g];
       const auto t0 = clock.now();
       gkeys.clear();
@@ -102,17 +105,22 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       float* gvals = vals.data() + kb * B;
       // Keys the peel does not reach (a failed group) keep NaN, never stale memory.
       std::fill(gvals, gvals + (uint64_t)kn * B, std::numeric_limits<float>::quiet_NaN());
-      t.reset(T.seg_len, B);
+      // The group's cells, sketch values and masses in locals: the loops below store through
+      // pointers the compiler cannot tell apart from what the lambda captures by reference.
+      const uint64_t cells = gcells, ranks = n;
+      const float* group_sketch = sk + base * B;
+      const float* group_mass = mk + base;
+      const PeelCells t = storage.reset(T.seg_len, B);
       bool finite = true;
-      for (uint64_t c = 0; c < gcells; ++c) {
+      for (uint64_t c = 0; c < cells; ++c) {
         t.clear_state(c);
         double* dst = t.values(c);
         for (uint64_t l = 0; l < B; ++l) {
-          dst[l] = (double)sk[(base + c) * B + l];
+          dst[l] = (double)group_sketch[c * B + l];
           finite &= std::isfinite(dst[l]);
         }
       }
-      for (uint64_t c = 0; c < gcells; ++c) finite &= std::isfinite(mk[base + c]);
+      for (uint64_t c = 0; c < cells; ++c) finite &= std::isfinite(group_mass[c]);
       if (!finite) non_finite[g] = 1;
       const auto t1 = clock.now();
       build_states(t, T, gkeys.data(), kn, scratch);
@@ -121,10 +129,11 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       // float sum of non-negative terms is 0 only if they all are): anything else is corruption (an
       // all-zero sketch under a valid index, a flipped mass word).
       bool cells_bad = false;
-      for (uint64_t c = 0; c < gcells; ++c) {
-        const double m = (double)mk[base + c];
-        cells_bad |= (t.deg(c) > 0) != (m > 0.0);
-        t.set_acc(c, cell_error_bound(m, t.deg(c), n));
+      for (uint64_t c = 0; c < cells; ++c) {
+        const double m = (double)group_mass[c];
+        const uint32_t deg = t.deg(c);
+        cells_bad |= (deg > 0) != (m > 0.0);
+        t.set_acc(c, cell_error_bound(m, deg, ranks));
       }
       corrupt[g] = cells_bad;
       const auto t2 = clock.now();
@@ -134,14 +143,20 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       // Without verify the verdict is E(k) alone, taken here; with it, the backward pass below takes
       // E(k) and F(k) together.
       const bool check_now = !in.verify;
+      // What the per-key step reads, copied into the closure: a reference would be reloaded after
+      // every store into the cells.
+      double* const key_err = kerr.data();
+      const double rtol = in.rtol;
+      int64_t *const trace_keys = trace_key, *const trace_cells = trace_cell;
       peeled[g] = peel_layers(
           t, kn, cur, next, layer, src, bits, order,
-          [&](uint32_t pos, const uint64_t* cell, const double* coef) {
+          [&, t, gvals, key_err, rtol, check_now, trace_keys, trace_cells](uint32_t pos, const uint64_t* cell,
+                                                                            const double* coef) {
             // The key's error bound: its cell's, every other key of which was subtracted already
             // (rounded up where it is stored), times 1/|w|; it joins the bounds of its other cells.
             const double err = std::fabs(coef[0]) * (double)t.acc(cell[0]);
-            kerr[pos] = err;
-            t.set_acc(cell[0], PeelTable::kReadCell);
+            key_err[pos] = err;
+            t.set_acc(cell[0], PeelCells::kReadCell);
             t.set_acc(cell[1], (double)t.acc(cell[1]) + std::fabs(coef[1]) * err);
             t.set_acc(cell[2], (double)t.acc(cell[2]) + std::fabs(coef[2]) * err);
             // Branch-free: weights and their inverses are multiplied in (exact: powers of two), so
@@ -151,7 +166,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
               *t.values(cell[1]) -= coef[1] * x;
               *t.values(cell[2]) -= coef[2] * x;
               gvals[pos] = (float)x;
-              if (check_now && !within_rtol(x, err, in.rtol)) inexact[g].push_back(pos);
+              if (check_now && !within_rtol(x, err, rtol)) inexact[g].push_back(pos);
             } else {
               const double* src_values = t.values(cell[0]);
               for (uint64_t l = 0; l < B; ++l) v[l] = coef[0] * src_values[l];
@@ -165,15 +180,15 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
               bool within = true;
               for (uint64_t l = 0; l < B; ++l) {
                 o[l] = (float)v[l];
-                within &= within_rtol(v[l], err, in.rtol);
+                within &= within_rtol(v[l], err, rtol);
               }
               if (check_now && !within) inexact[g].push_back(pos);
             }
-            if (trace_key) {
-              trace_key[step] = (int64_t)gkeys[pos];
-              trace_cell[step] = (int64_t)(base + cell[0]);
+            if (trace_keys) {
+              trace_keys[step] = (int64_t)gkeys[pos];
+              trace_cells[step] = (int64_t)(base + cell[0]);
+              ++step;
             }
-            ++step;
             return true;
           },
           &group_bad);
@@ -192,8 +207,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    const double det = std::abs(pc.det);
                                    const double ea = (std::abs(wb[pc.q]) * ap + std::abs(wb[pc.p]) * aq) / det;
                                    const double eb = (std::abs(wa[pc.p]) * aq + std::abs(wa[pc.q]) * ap) / det;
-                                   t.set_acc(cell[pc.p], PeelTable::kPairCell);
-                                   t.set_acc(cell[pc.q], PeelTable::kPairCell);
+                                   t.set_acc(cell[pc.p], PeelCells::kPairCell);
+                                   t.set_acc(cell[pc.q], PeelCells::kPairCell);
                                    t.set_acc(cell[r], (double)t.acc(cell[r]) + std::abs(wa[r]) * ea + std::abs(wb[r]) * eb);
                                    double* Rr = t.values(cell[r]);
                                    bool within_a = !in.verify, within_b = !in.verify;
@@ -219,17 +234,20 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
         // The residual check: with every key recovered, each cell no key was read from must be 0
         // within its bound (its own rounding plus the bounds of the keys subtracted from it). With
         // verify its verification bound V = acc + |residual| (largest lane) then takes the bound's place.
-        for (uint64_t c = 0; c < gcells && !corrupt[g]; ++c) {
+        bool residual_bad = corrupt[g];
+        const bool verify = in.verify;
+        for (uint64_t c = 0; c < cells && !residual_bad; ++c) {
           const double a = t.acc(c);
           if (a < 0.0) continue;
           const double* r = t.values(c);
           double worst = 0.0;
           for (uint64_t l = 0; l < B; ++l) {
-            corrupt[g] |= !(std::fabs(r[l]) <= a);
+            residual_bad |= !(std::fabs(r[l]) <= a);
             worst = std::max(worst, std::fabs(r[l]));
           }
-          if (in.verify) t.set_acc(c, a + worst);
+          if (verify) t.set_acc(c, a + worst);
         }
+        corrupt[g] = residual_bad;
         // The verification bounds, from the last peeled key back (lhc::verification_bound): a key is
         // listed inexact unless both E(k) and F(k) = G(k) - E(k) prove it within rtol.
         kver.resize(kn);
@@ -244,11 +262,11 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
               const uint32_t e = t.packed(c, j);
               const uint64_t d = t.cell(j, e);
               const double a = t.acc(d);
-              const double vd = a >= 0.0 ? a : a == PeelTable::kReadCell ? kver[t.pos(d)]
+              const double vd = a >= 0.0 ? a : a == PeelCells::kReadCell ? kver[t.pos(d)]
                                                                         : std::numeric_limits<double>::infinity();
-              gk = std::min(gk, vd * std::fabs(PeelTable::inverse_weight(e)));
+              gk = std::min(gk, vd * std::fabs(PeelCells::inverse_weight(e)));
             }
-            const double w = PeelTable::inverse_weight(t.packed(c, pure));  // 1 / w_c(k)
+            const double w = PeelCells::inverse_weight(t.packed(c, pure));  // 1 / w_c(k)
             kver[pos] = gk / std::fabs(w);
             const double bound = std::max(kerr[pos], verification_bound(gk, kerr[pos]));
             const double* r = t.values(c);
@@ -267,6 +285,13 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           group_ms[2] += std::chrono::duration<double, std::milli>(t3 - t2).count();
         }
       }
+    };
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < (int64_t)groups; ++g) {
+      if (B == 1)
+        peel_group(std::integral_constant<uint64_t, 1>(), g);
+      else
+        peel_group(std::integral_constant<uint64_t, 0>(), g);
     }
   }
   if (prof.env)

@@ -137,7 +137,7 @@ void scatter_keys(const CodecLayout& L, const float* vals, const uint32_t* keys,
       // addition of the negation); a multiplied-in weight needs no branch: a random sign mispredicts
       // half the time.
       float* dst = cell_values(i, j);
-      const float w = (float)PeelTable::weight(kc[3 * i + j]);
+      const float w = (float)PeelCells::weight(kc[3 * i + j]);
       for (uint64_t l = 0; l < len; ++l) dst[l] += w * src[l];
       mass[(cell_values(i, j) - sketch) / B] += std::fabs(w) * m;
     }

@@ -112,11 +112,11 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   std::vector<char> bad(groups, 0), failed(groups, 0), leftover(groups, 0);
 #pragma omp parallel num_threads(nt)
   {
-    PeelTable t;
+    PeelTable storage;
     std::vector<uint32_t> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < (int64_t)groups; ++g) {
-      t.reset(table.seg_len, wpg);
+      const PeelCells t = storage.reset(table.seg_len, wpg);
       int32_t ws = kDecodeOk;
       for (uint64_t c = 0; c < gcells; ++c) {
         t.clear_state(c);

@@ -7,7 +7,7 @@ namespace cpu {
 namespace detail {
 
 // kc[3i + j] = (offset of cell j of keys[i] in its segment << kWeightCodeBits) | its weight code, for i < count: the
-// packed cells of PeelTable. A pure function of each key, written as a flat loop so the compiler can
+// packed cells of PeelCells. A pure function of each key, written as a flat loop so the compiler can
 // vectorise the 64-bit hashing; cloned for AVX-512 (64-bit multiplies in vector registers) and AVX2,
 // chosen at load time.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -57,7 +57,7 @@ void index_check_sums(uint64_t stream, const uint32_t* keys, const uint32_t* cou
 // Count keys[0, count), all of one group of `table`, into the states of t (cleared before): each
 // key's cells are hashed a chunk at a time (vectorised; kc is scratch) and its cells' lines are
 // prefetched well ahead, as each key costs only a few instructions.
-void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
+void build_states(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
                   std::vector<uint32_t>& kc) {
   constexpr uint32_t kChunk = 4096, kAhead = 32;
   kc.resize(3 * kChunk);
@@ -68,7 +68,7 @@ void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* key
       if (i + kAhead < n)
         for (int j = 0; j < 3; ++j) t.prefetch(t.cell(j, kc[3 * (i + kAhead) + j]));
       const uint32_t* e = &kc[3 * i];
-      const PeelTable::Record k = PeelTable::record(first + i, e);
+      const PeelCells::Record k = PeelCells::record(first + i, e);
       for (int j = 0; j < 3; ++j) t.update(t.cell(j, e[j]), k, 1);
     }
   }

@@ -14,7 +14,7 @@ namespace cpu {
 namespace detail {
 
 // The weight of a weight code (lhc::weight_of_code) and its exact inverse, by table: see
-// PeelTable::weight.
+// PeelCells::weight.
 constexpr double kWeights[4] = {1.0, 2.0, -1.0, -2.0};
 constexpr double kInverseWeights[4] = {1.0, 0.5, -1.0, -0.5};
 constexpr uint32_t kCodeMask = (1u << kWeightCodeBits) - 1;
@@ -32,18 +32,17 @@ union CellSlot {
   double value;
 };  // value slots are only ever used as value; state slots as word or bits (GCC defines union punning)
 
-class PeelTable {
+// The cells of a PeelTable: a pointer and two sizes, passed and kept by value, so that in the peeling
+// loops they stay in registers (a table object in memory would be reloaded after every store into its
+// cells, which the compiler cannot prove do not alias it).
+class PeelCells {
  public:
-  void reset(uint64_t seg_len, uint64_t block) {
-    seg_len_ = seg_len;
-    stride_ = kStateSlots + block;
-    slots_.resize(cells() * stride_);
-  }
+  PeelCells(CellSlot* slots, uint64_t seg_len, uint64_t stride) : slots_(slots), seg_len_(seg_len), stride_(stride) {}
   uint64_t cells() const { return 3 * seg_len_; }
-  uint32_t& deg(uint64_t c) { return slots_[c * stride_].word[0]; }
-  uint32_t& pos(uint64_t c) { return slots_[c * stride_].word[1]; }
-  uint32_t& packed(uint64_t c, int j) { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
-  double* values(uint64_t c) { return &slots_[c * stride_ + kStateSlots].value; }
+  uint32_t& deg(uint64_t c) const { return slots_[c * stride_].word[0]; }
+  uint32_t& pos(uint64_t c) const { return slots_[c * stride_].word[1]; }
+  uint32_t& packed(uint64_t c, int j) const { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
+  double* values(uint64_t c) const { return &slots_[c * stride_ + kStateSlots].value; }
   // The value peel's error bound of cell c (see decode.cpp), kept in the padding half of the third
   // state slot (zeroed by clear_state, never touched by update): a float, so every store rounds up
   // (lhc::round_up_to_float, as the CUDA kernels round theirs). Negative once a key was read from the
@@ -54,14 +53,14 @@ class PeelTable {
     std::memcpy(&f, &slots_[c * stride_ + 2].word[1], sizeof f);
     return f;
   }
-  void set_acc(uint64_t c, double bound) {
+  void set_acc(uint64_t c, double bound) const {
     const float f = bound < 0.0 ? (float)bound : (float)round_up_to_float(bound);
     std::memcpy(&slots_[c * stride_ + 2].word[1], &f, sizeof f);
   }
   static constexpr double kReadCell = -1.0;
   static constexpr double kPairCell = -2.0;
-  void clear_state(uint64_t c) {
-    for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].word[0] = slots_[c * stride_ + i].word[1] = 0;
+  void clear_state(uint64_t c) const {
+    for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].bits = 0;
   }
   // The cell a packed cell e of segment j names.
   uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> kWeightCodeBits); }
@@ -84,7 +83,7 @@ class PeelTable {
   // states do not depend on the order of the updates. One 64-bit operation per slot: the degree (low
   // half) never carries into the position (high half), as it stays below 2^32 and is never
   // decremented below 0 (callers check).
-  void update(uint64_t c, const Record& k, uint32_t delta) {
+  void update(uint64_t c, const Record& k, uint32_t delta) const {
     CellSlot* s = &slots_[c * stride_];
     s[0].bits = (s[0].bits ^ k.pos) + (uint64_t)(int64_t)(int32_t)delta;
     s[1].bits ^= k.cells01;
@@ -92,16 +91,33 @@ class PeelTable {
   }
   // Prefetch the cell a packed cell of segment j names, clamped into the table: the packed value may
   // be a stale XOR (a cell that is no longer pure), and a prefetch needs no branch to skip it.
-  void prefetch_packed(int j, uint32_t e) { prefetch((uint64_t)j * seg_len_ + std::min<uint64_t>(e >> kWeightCodeBits, seg_len_ - 1)); }
-  void prefetch(uint64_t c) {
+  void prefetch_packed(int j, uint32_t e) const {
+    prefetch((uint64_t)j * seg_len_ + std::min<uint64_t>(e >> kWeightCodeBits, seg_len_ - 1));
+  }
+  void prefetch(uint64_t c) const {
     prefetch_line(&slots_[c * stride_]);
     if (stride_ > kStateSlots + 1) prefetch_line(&slots_[c * stride_ + stride_ - 1]);  // the last value (block > 1)
   }
+  static constexpr uint64_t kStateSlots = 3;  // degree, position, 3 packed cells, padding
 
  private:
-  static constexpr uint64_t kStateSlots = 3;  // degree, position, 3 packed cells, padding
+  CellSlot* slots_;
+  uint64_t seg_len_, stride_;
+};
+
+// The storage of a group's peeling states, reused group after group.
+class PeelTable {
+ public:
+  // Room for a group of three segments of seg_len cells with `block` values each; the cells, their
+  // states not yet cleared.
+  PeelCells reset(uint64_t seg_len, uint64_t block) {
+    const uint64_t stride = PeelCells::kStateSlots + block;
+    slots_.resize(3 * seg_len * stride);
+    return PeelCells(slots_.data(), seg_len, stride);
+  }
+
+ private:
   HugeVector<CellSlot> slots_;
-  uint64_t seg_len_ = 0, stride_ = kStateSlots + 1;
 };
 
 // kc[3i + j] = (offset of cell j of keys[i] in its segment << kWeightCodeBits) | its weight code, for i < count: the
@@ -122,7 +138,7 @@ void index_check_sums(uint64_t stream, const uint32_t* keys, const uint32_t* cou
 // Count keys[0, count), all of one group of `table`, into the states of t (cleared before): each
 // key's cells are hashed a chunk at a time (vectorised; kc is scratch) and its cells' lines are
 // prefetched well ahead, as each key costs only a few instructions.
-void build_states(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
+void build_states(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
                   std::vector<uint32_t>& kc);
 
 // Turn per-part group histograms into write cursors: hist[p][g] becomes where part p's first key of
@@ -142,7 +158,7 @@ void histogram_to_cursors(std::vector<std::vector<uint64_t>>& hist, uint64_t gro
 // keys resolved; sets `*bad` if the states are inconsistent (a guard: states built by build_states
 // are consistent whatever the payload holds).
 template <typename Resolve>
-uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolve&& resolve, bool* bad) {
+uint32_t peel(PeelCells t, uint32_t count, std::vector<uint32_t>& queue, Resolve&& resolve, bool* bad) {
   const uint64_t cells = t.cells();
   // A cell enters the queue once at most: pure at the start, or when its count drops to 1 (counts
   // only decrease, and a cell pure at the start only drops to 0).
@@ -174,11 +190,11 @@ uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolv
     // The pure cell first, then the other two in their order (which fixes the queue order).
     const int j1 = (int)(pure == 0), j2 = 2 - (int)(pure == 2);
     const uint64_t ordered[3] = {c, cell[j1], cell[j2]};
-    const double coef[3] = {PeelTable::inverse_weight(e[pure]), PeelTable::weight(e[j1]), PeelTable::weight(e[j2])};
+    const double coef[3] = {PeelCells::inverse_weight(e[pure]), PeelCells::weight(e[j1]), PeelCells::weight(e[j2])};
     if (!resolve(pos, ordered, coef)) return resolved;
     ++resolved;
     // The pure cell is left with no key; nothing reads its state again (it is dequeued already).
-    const PeelTable::Record k = PeelTable::record(pos, e);
+    const PeelCells::Record k = PeelCells::record(pos, e);
     for (int j = 1; j < 3; ++j) {
       const uint64_t d = ordered[j];
       if (t.deg(d) == 0) { *bad = true; return resolved; }
@@ -203,7 +219,7 @@ uint32_t peel(PeelTable& t, uint32_t count, std::vector<uint32_t>& queue, Resolv
 // (the backward pass of the verification bound walks it in reverse). cur, next, layer, src and bits
 // are scratch. Returns the number of keys resolved; sets `*bad` if the states are inconsistent.
 template <typename Resolve>
-uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, std::vector<uint32_t>& next,
+uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, std::vector<uint32_t>& next,
                      std::vector<uint32_t>& layer, std::vector<uint32_t>& src, std::vector<uint64_t>& bits,
                      std::vector<uint32_t>& order, Resolve&& resolve, bool* bad) {
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
@@ -212,72 +228,85 @@ uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, s
   // count drops to 1), so `cells` entries suffice. Appends are branch-free (store, then advance by the
   // test): whether a cell is left pure is a coin flip to a branch predictor, and a misprediction
   // there, resolved only when the cell's state arrives from memory, serialises the keys.
+  // A key joins one layer and is resolved once: `count` entries suffice for layer and order. The
+  // arrays are used through local pointers, which no store can change (a vector's would be reloaded
+  // after every store into the cells), and stores by index (a push_back is a call kept out of line).
   cur.resize(cells);
   next.resize(cells);
-  uint64_t cur_n = 0, next_n = 0;
-  for (uint64_t c = 0; c < cells; ++c) {
-    cur[cur_n] = (uint32_t)c;
-    cur_n += t.deg(c) == 1;
-  }
   src.assign(count, kNone);
   bits.assign(((uint64_t)count + 63) / 64, 0);
-  order.clear();
+  layer.resize(count);
+  order.resize(count);
+  uint32_t *cur_p = cur.data(), *next_p = next.data();
+  uint32_t* const layer_p = layer.data();
+  uint32_t* const src_p = src.data();
+  uint64_t* const bits_p = bits.data();
+  uint32_t* const order_p = order.data();
+  uint64_t cur_n = 0, next_n = 0, order_n = 0;
+  for (uint64_t c = 0; c < cells; ++c) {
+    cur_p[cur_n] = (uint32_t)c;
+    cur_n += t.deg(c) == 1;
+  }
   uint32_t resolved = 0;
+  const auto done = [&] {
+    order.resize(order_n);
+    return resolved;
+  };
   constexpr size_t kAhead = 8;
   while (cur_n > 0) {
     // A: every cell pure at the start of the layer proposes its key; the key keeps the smallest.
     uint32_t lo = kNone, hi = 0;
     for (size_t i = 0; i < cur_n; ++i) {
-      if (i + kAhead < cur_n) t.prefetch(cur[i + kAhead]);
-      const uint32_t c = cur[i];
+      if (i + kAhead < cur_n) t.prefetch(cur_p[i + kAhead]);
+      const uint32_t c = cur_p[i];
       if (t.deg(c) != 1) continue;  // its last key went with another cell in the layer before
       const uint32_t pos = t.pos(c);
       const int j = t.segment(c);
-      if (pos >= count || t.cell(j, t.packed(c, j)) != c) { *bad = true; return resolved; }
-      bits[pos / 64] |= 1ull << (pos % 64);  // again for a key's second pure cell: no branch
-      src[pos] = std::min(src[pos], c);
+      if (pos >= count || t.cell(j, t.packed(c, j)) != c) { *bad = true; return done(); }
+      bits_p[pos / 64] |= 1ull << (pos % 64);  // again for a key's second pure cell: no branch
+      src_p[pos] = std::min(src_p[pos], c);
       lo = std::min(lo, pos);
       hi = std::max(hi, pos);
     }
-    layer.clear();
+    uint64_t layer_n = 0;
     if (lo != kNone)
       for (uint64_t w = lo / 64; w <= hi / 64; ++w)
-        for (uint64_t b = bits[w]; b; b &= b - 1) layer.push_back((uint32_t)(w * 64 + __builtin_ctzll(b)));
+        for (uint64_t b = bits_p[w]; b; b &= b - 1) layer_p[layer_n++] = (uint32_t)(w * 64 + __builtin_ctzll(b));
     // B and C: the layer's keys in increasing position, each read from its cell and subtracted from
     // its other two (queued for the next layer when left with one key).
     next_n = 0;
-    for (size_t i = 0; i < layer.size(); ++i) {
+    for (size_t i = 0; i < layer_n; ++i) {
       // Two stages: the read cell 2 * kAhead keys ahead (in position order, i.e. a random cell); kAhead
       // ahead, its state (in cache by then) names the key's other two cells: load those.
-      if (i + 2 * kAhead < layer.size()) t.prefetch(src[layer[i + 2 * kAhead]]);
-      if (i + kAhead < layer.size()) {
-        const uint32_t a = src[layer[i + kAhead]];
+      if (i + 2 * kAhead < layer_n) t.prefetch(src_p[layer_p[i + 2 * kAhead]]);
+      if (i + kAhead < layer_n) {
+        const uint32_t a = src_p[layer_p[i + kAhead]];
         for (int j = 0; j < 3; ++j) t.prefetch_packed(j, t.packed(a, j));
       }
-      const uint32_t pos = layer[i];
-      const uint64_t c = src[pos];
-      bits[pos / 64] = 0;
+      const uint32_t pos = layer_p[i];
+      const uint64_t c = src_p[pos];
+      bits_p[pos / 64] = 0;
       const uint32_t e[3] = {t.packed(c, 0), t.packed(c, 1), t.packed(c, 2)};
       const int pure = t.segment(c);
       const int j1 = (int)(pure == 0), j2 = 2 - (int)(pure == 2);
       const uint64_t ordered[3] = {c, t.cell(j1, e[j1]), t.cell(j2, e[j2])};
-      const double coef[3] = {PeelTable::inverse_weight(e[pure]), PeelTable::weight(e[j1]), PeelTable::weight(e[j2])};
-      if (!resolve(pos, ordered, coef)) return resolved;
+      const double coef[3] = {PeelCells::inverse_weight(e[pure]), PeelCells::weight(e[j1]), PeelCells::weight(e[j2])};
+      if (!resolve(pos, ordered, coef)) return done();
       ++resolved;
-      order.push_back((uint32_t)c);
-      const PeelTable::Record k = PeelTable::record(pos, e);
+      order_p[order_n++] = (uint32_t)c;
+      const PeelCells::Record k = PeelCells::record(pos, e);
       for (int j = 1; j < 3; ++j) {
         const uint64_t d = ordered[j];
-        if (t.deg(d) == 0) { *bad = true; return resolved; }
+        if (t.deg(d) == 0) { *bad = true; return done(); }
         t.update(d, k, (uint32_t)-1);
-        next[next_n] = (uint32_t)d;
+        next_p[next_n] = (uint32_t)d;
         next_n += t.deg(d) == 1;
       }
     }
-    std::swap(cur, next);
+    std::swap(cur_p, next_p);
     cur_n = next_n;
   }
-  return resolved;
+  return done();
 }
 
 // The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
@@ -291,7 +320,7 @@ uint32_t peel_layers(PeelTable& t, uint32_t count, std::vector<uint32_t>& cur, s
 // multilevel fine tables (signed integer patterns, checked by their caller) share it.
 // Runs only after a stalled peel: it hashes every key of the group once. Returns the keys solved.
 template <typename Solve>
-uint32_t solve_pairs(PeelTable& t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
+uint32_t solve_pairs(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
                      std::vector<uint32_t>& kc, Solve&& solve) {
   const uint64_t seg_len = t.cells() / 3;
   // Candidate cells of the first segment: two keys left, and the XOR of their packed cells names the

@@ -58,8 +58,8 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
 
   // Each candidate's count is the number of ranks holding it; false positives come out exactly 0.
   // Counts are integers below 2^22, exact in the table's doubles.
-  PeelTable t;
-  t.reset(L.bloom.seg_len, 1);
+  PeelTable storage;
+  const PeelCells t = storage.reset(L.bloom.seg_len, 1);
   for (uint64_t c = 0; c < bcells; ++c) {
     t.clear_state(c);
     t.values(c)[0] = count[c];

@@ -156,7 +156,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
             // (rounded up where it is stored), times 1/|w|; it joins the bounds of its other cells.
             const double err = std::fabs(coef[0]) * (double)t.acc(cell[0]);
             key_err[pos] = err;
-            t.set_acc(cell[0], PeelCells::kReadCell);
+            t.mark(cell[0], PeelCells::kReadCell);
             t.set_acc(cell[1], (double)t.acc(cell[1]) + std::fabs(coef[1]) * err);
             t.set_acc(cell[2], (double)t.acc(cell[2]) + std::fabs(coef[2]) * err);
             // Branch-free: weights and their inverses are multiplied in (exact: powers of two), so
@@ -207,8 +207,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                    const double det = std::abs(pc.det);
                                    const double ea = (std::abs(wb[pc.q]) * ap + std::abs(wb[pc.p]) * aq) / det;
                                    const double eb = (std::abs(wa[pc.p]) * aq + std::abs(wa[pc.q]) * ap) / det;
-                                   t.set_acc(cell[pc.p], PeelCells::kPairCell);
-                                   t.set_acc(cell[pc.q], PeelCells::kPairCell);
+                                   t.mark(cell[pc.p], PeelCells::kPairCell);
+                                   t.mark(cell[pc.q], PeelCells::kPairCell);
                                    t.set_acc(cell[r], (double)t.acc(cell[r]) + std::abs(wa[r]) * ea + std::abs(wb[r]) * eb);
                                    double* Rr = t.values(cell[r]);
                                    bool within_a = !in.verify, within_b = !in.verify;

@@ -45,8 +45,8 @@ inline bool word_integers(const float* words, uint32_t n, double scale, const Di
   for (uint32_t w = 0; w < n; ++w) {
     const double v = (double)words[w] * scale;
     const double r = (v + round_magic) - round_magic;
-    // Also false for NaN.
-    const bool ok = v > -0.5 && v < limit && std::fabs(v - r) <= tolerance && r >= 0.0 && r < limit;
+    // Also false for NaN. `&`, not `&&`: no branches, so the loop vectorises.
+    const bool ok = (v > -0.5) & (v < limit) & (std::fabs(v - r) <= tolerance) & (r >= 0.0) & (r < limit);
     bad |= (uint32_t)!ok;
     u[w] = ok ? r : 0.0;
   }

@@ -46,19 +46,22 @@ class PeelCells {
   // The value peel's error bound of cell c (see decode.cpp), kept in the padding half of the third
   // state slot (zeroed by clear_state, never touched by update): a float, so every store rounds up
   // (lhc::round_up_to_float, as the CUDA kernels round theirs). Negative once a key was read from the
-  // cell (kReadCell) or a pair was solved from it (kPairCell); after the residual check a check cell
-  // holds its verification bound V (lhc::verification_bound).
+  // cell (kReadCell) or a pair was solved from it (kPairCell), markers that `mark` stores as they are;
+  // after the residual check a check cell holds its verification bound V (lhc::verification_bound).
   float acc(uint64_t c) const {
     float f;
     std::memcpy(&f, &slots_[c * stride_ + 2].word[1], sizeof f);
     return f;
   }
-  void set_acc(uint64_t c, double bound) const {
-    const float f = bound < 0.0 ? (float)bound : (float)round_up_to_float(bound);
+  void set_acc(uint64_t c, double bound) const {  // bound >= 0 (or NaN)
+    const float f = (float)round_up_to_float(bound);
     std::memcpy(&slots_[c * stride_ + 2].word[1], &f, sizeof f);
   }
-  static constexpr double kReadCell = -1.0;
-  static constexpr double kPairCell = -2.0;
+  void mark(uint64_t c, float marker) const {  // kReadCell or kPairCell
+    std::memcpy(&slots_[c * stride_ + 2].word[1], &marker, sizeof marker);
+  }
+  static constexpr float kReadCell = -1.0f;
+  static constexpr float kPairCell = -2.0f;
   void clear_state(uint64_t c) const {
     for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].bits = 0;
   }
@@ -280,17 +283,24 @@ uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, st
       // ahead, its state (in cache by then) names the key's other two cells: load those.
       if (i + 2 * kAhead < layer_n) t.prefetch(src_p[layer_p[i + 2 * kAhead]]);
       if (i + kAhead < layer_n) {
+        // Not clamped (unlike peel's): a key's read cell is pure from the start of its layer until
+        // it is resolved (no other key of the layer touches it), so its state names real cells.
         const uint32_t a = src_p[layer_p[i + kAhead]];
-        for (int j = 0; j < 3; ++j) t.prefetch_packed(j, t.packed(a, j));
+        for (int j = 0; j < 3; ++j) t.prefetch(t.cell(j, t.packed(a, j)));
       }
       const uint32_t pos = layer_p[i];
       const uint64_t c = src_p[pos];
       bits_p[pos / 64] = 0;
-      const uint32_t e[3] = {t.packed(c, 0), t.packed(c, 1), t.packed(c, 2)};
+      const uint32_t e0 = t.packed(c, 0), e1 = t.packed(c, 1), e2 = t.packed(c, 2);
       const int pure = t.segment(c);
+      // The other two segments in order, j1 < j2, and the packed cells there: selects, not an array
+      // indexed by a coin flip (which goes through memory).
       const int j1 = (int)(pure == 0), j2 = 2 - (int)(pure == 2);
-      const uint64_t ordered[3] = {c, t.cell(j1, e[j1]), t.cell(j2, e[j2])};
-      const double coef[3] = {PeelCells::inverse_weight(e[pure]), PeelCells::weight(e[j1]), PeelCells::weight(e[j2])};
+      const uint32_t e_pure = pure == 0 ? e0 : pure == 1 ? e1 : e2;
+      const uint32_t e_j1 = pure == 0 ? e1 : e0, e_j2 = pure == 2 ? e1 : e2;
+      const uint32_t e[3] = {e0, e1, e2};
+      const uint64_t ordered[3] = {c, t.cell(j1, e_j1), t.cell(j2, e_j2)};
+      const double coef[3] = {PeelCells::inverse_weight(e_pure), PeelCells::weight(e_j1), PeelCells::weight(e_j2)};
       if (!resolve(pos, ordered, coef)) return done();
       ++resolved;
       order_p[order_n++] = (uint32_t)c;

@@ -126,16 +126,18 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
-      // Branch-free: for each 8 digits of a word, store the positions of all 8 from the table of set
-      // bits and advance by the number of non-zero ones.
+      // The non-zero masks of 64 / per_word consecutive words side by side in one 64-bit run (bit
+      // k * per_word + i for digit i of the run's word k: key first + that bit), then its set bits
+      // one by one: a few instructions per word and per key (most words are 0 at the densities where
+      // the bitmap is chosen), and one branch per run.
       uint32_t* out = found.data();
-      for (uint32_t w = 0; w < words; ++w) {
-        const uint32_t first = (uint32_t)((first_word + w) * per_word);
-        for (uint32_t s = 0; s < per_word; s += 8) {
-          const uint32_t m = (d.nonzero[w] >> s) & 0xffu;
-          for (int j = 0; j < 8; ++j) out[j] = first + s + kSetBit.at[m][j];
-          out += kSetBit.count[m];
-        }
+      const uint32_t run_words = 64 / per_word;
+      for (uint32_t w0 = 0; w0 < words; w0 += run_words) {
+        const uint32_t nw = std::min(run_words, words - w0);
+        uint64_t run = 0;
+        for (uint32_t k = 0; k < nw; ++k) run |= (uint64_t)d.nonzero[w0 + k] << (k * per_word);
+        const uint32_t first = (uint32_t)((first_word + w0) * per_word);
+        for (; run; run &= run - 1) *out++ = first + (uint32_t)__builtin_ctzll(run);
       }
       const uint32_t n = (uint32_t)(out - found.data());
       if (n == 0) return true;
@@ -170,7 +172,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   };
   // Each thread's share of a group's keys, with room to spare: no reallocation for a valid payload.
   const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
-  const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word + 8;  // + the 8 stores past the last
+  const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word;
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
                 L.index.base, {0, 0}};

@@ -31,6 +31,16 @@ void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count
   for (size_t i = 0; i < count; ++i) group[i] = (uint32_t)key_group(t, keys[i]);
 }
 
+// The first cells of consecutive keys (peel.h); vectorised like hash_groups.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void hash_first_cells(const SegmentedTable& table, uint64_t first, size_t count, uint64_t* cell) {
+  const SegmentedTable t = table;
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t code;  // unused: index tables add counts
+    cell[i] = key_cell_code(t, key_hash(t, first + i), 0, &code);
+  }
+}
+
 // The index checksum's sums (peel.h); vectorised like hash_groups.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void index_check_sums(uint64_t stream, const uint32_t* keys, const uint32_t* counts, size_t count,

@@ -132,6 +132,10 @@ void hash_cells(const SegmentedTable& table, const uint32_t* keys, uint32_t coun
 // group[i] = the sketch group of keys[i], for i < count; vectorised like hash_cells.
 void hash_groups(const SegmentedTable& table, const uint32_t* keys, size_t count, uint32_t* group);
 
+// cell[i] = the cell of key first + i in the first segment of its group (key_cell's j = 0), for
+// i < count; vectorised like hash_groups.
+void hash_first_cells(const SegmentedTable& table, uint64_t first, size_t count, uint64_t* cell);
+
 // check[f] += sum over i < count of counts[i] * part_f(keys[i]) for f = 0, 1 (the index checksum's
 // sums, lhc_layout.h index_check_parts), exactly in uint64; counts == nullptr: every count is 1.
 // Vectorised like hash_groups.

@@ -36,20 +36,33 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
   for (const auto& k : sinks) st->index_total += k.sum;
   if (!valid || st->index_total != 3 * in.total_keys) return kDecodeIndexCorrupt;
 
-  // Candidates: keys whose three counters are all non-zero (a superset of the true support).
+  // Candidates: keys whose three counters are all non-zero (a superset of the true support). Every
+  // key is tested, at random counters: they are looked up in a bitmap of the non-zero ones, 32 times
+  // smaller than the counters (in cache where they are not).
+  std::vector<uint64_t> occupied((bcells + 63) / 64, 0);
+  for (uint64_t c = 0; c < bcells; ++c) occupied[c / 64] |= (uint64_t)(count[c] != 0) << (c % 64);
+  const auto is_occupied = [&](uint64_t c) { return occupied[c / 64] >> (c % 64) & 1; };
   std::vector<std::vector<uint32_t>> local(nt);
 #pragma omp parallel num_threads(nt)
   {
     uint64_t kb, ke;
     split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
     auto& mine = local[omp_get_thread_num()];
-    for (uint64_t k = kb; k < ke; ++k) {
-      // Most keys fail at the first counter at the densities where the Bloom index is chosen.
-      const uint64_t h = key_hash(L.bloom, k);
-      int weight;  // unused: index tables add counts
-      if (count[key_cell(L.bloom, h, 0, &weight)] && count[key_cell(L.bloom, h, 1, &weight)] &&
-          count[key_cell(L.bloom, h, 2, &weight)])
-        mine.push_back((uint32_t)k);
+    // Most keys fail at the first counter at the densities where the Bloom index is chosen: the
+    // first cells of a chunk of keys are hashed together (vectorised), the other two only for keys
+    // that pass.
+    constexpr uint64_t kChunk = 4096;
+    std::vector<uint64_t> first(kChunk);
+    for (uint64_t k0 = kb; k0 < ke; k0 += kChunk) {
+      const uint64_t n = std::min(kChunk, ke - k0);
+      hash_first_cells(L.bloom, k0, n, first.data());
+      for (uint64_t i = 0; i < n; ++i) {
+        if (!is_occupied(first[i])) continue;
+        const uint64_t h = key_hash(L.bloom, k0 + i);
+        int weight;  // unused: index tables add counts
+        if (is_occupied(key_cell(L.bloom, h, 1, &weight)) && is_occupied(key_cell(L.bloom, h, 2, &weight)))
+          mine.push_back((uint32_t)(k0 + i));
+      }
     }
   }
   std::vector<uint32_t> cand;

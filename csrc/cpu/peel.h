@@ -53,7 +53,9 @@ class PeelCells {
     std::memcpy(&f, &slots_[c * stride_ + 2].word[1], sizeof f);
     return f;
   }
-  void set_acc(uint64_t c, double bound) const {  // bound >= 0 (or NaN)
+  // A bound >= 0 (or NaN), rounded up; the negative one of a corrupted (negative) mass word stays
+  // negative, which is all that is read of it (its cell holds no key, or the group is corrupt).
+  void set_acc(uint64_t c, double bound) const {
     const float f = (float)round_up_to_float(bound);
     std::memcpy(&slots_[c * stride_ + 2].word[1], &f, sizeof f);
   }

@@ -581,6 +581,28 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     assert set(recved) == {1.0} and 2.0 in merged, (recved[:10], merged[:10])
 
 
+@pytest.mark.gpu
+def test_byteps_gpu_compressors_on_embedding_and_dense_models(byteps_run):
+    """none, lossless, topk and thc through the real BytePS on both models: lossless equal to the
+    uncompressed run, every compressor's replicas bit-identical, topk and thc pushing fewer bytes than
+    dense and still training (finite losses; thc's loss falls on the dense model)."""
+    out, _ = byteps_run
+    rs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    for r in rs:
+        assert "error" not in r, r.get("traceback")
+    for model in ("embedding", "dense"):
+        runs = [r["compressors"][model] for r in rs]
+        for kind in ("none", "lossless", "topk", "thc"):
+            assert runs[0][kind]["digest"] == runs[1][kind]["digest"], f"{model}/{kind}: replicas drifted"
+            assert all(math.isfinite(v) for v in runs[0][kind]["losses"]), (model, kind, runs[0][kind]["losses"])
+        assert runs[0]["lossless"]["max_diff"] <= 1e-5, (model, runs[0]["lossless"]["max_diff"])
+        for kind in ("topk", "thc"):
+            r = runs[0][kind]
+            assert r["stats"]["compressed"] > 0 and r["payload_bytes_per_step"] < r["dense_bytes_per_step"], (model, kind, r)
+    losses = runs[0]["thc"]["losses"]   # the dense model's
+    assert sum(losses[-3:]) / 3 < losses[0], losses
+
+
 # -- auto (the planner) -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world, order", [(2, None), (3, [2, 0, 1])])

@@ -6,7 +6,9 @@ Trains the embedding model of models.py on the GPU with byteps.torch.Distributed
 same seed on the same per-rank batches: with Compression.lossless, with BytePS's own uncompressed
 push_pull, and once more with a capacity so small that the first step falls back to the dense sum
 (and the grown payload outgrows its first size: the tail path), against its own uncompressed run.
-Every rank writes OUT_DIR/rank<r>.json with what the test asserts.
+Then the embedding model and a small dense model (an MLP) with none, lossless, topk and thc: each
+run's losses, parameter digest, largest difference from the uncompressed run and payload bytes pushed
+per step. Every rank writes OUT_DIR/rank<r>.json with what the test asserts.
 
 BytePS fixes a name's size at its first push_pull, so every run names its parameters with its own
 prefix. The lossless run goes first: its names are declared first, so the key of
@@ -30,20 +32,66 @@ from lossless_hc.plugins.byteps import Compression  # noqa: E402
 STEPS = 6
 
 
-def train(prefix, compression, steps=STEPS, lr=0.1, size=32):
+class DenseModel(torch.nn.Module):
+    """A small MLP: every gradient dense (what topk and thc are for)."""
+
+    def __init__(self, width=64, hidden=512):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def dense_batch(step, rank, size=64, width=64):
+    g = torch.Generator().manual_seed(7000 + 1000 * step + rank)
+    x = torch.randn(size, width, generator=g)
+    return x, x[:, :8].sum(dim=1)
+
+
+def train(prefix, compression, steps=STEPS, lr=0.1, size=32, model_name="embedding", losses=None):
     torch.manual_seed(0)
-    model = EmbeddingModel().cuda()
+    model = (EmbeddingModel() if model_name == "embedding" else DenseModel()).cuda()
     named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters()]
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=named,
                                    compression=compression)
     rank = bps.rank()
     for step in range(steps):
         opt.zero_grad()
-        b = batch(step, rank, size=size)
-        loss_fn(model, tuple(t.cuda() for t in b)).backward()
+        if model_name == "embedding":
+            loss = loss_fn(model, tuple(t.cuda() for t in batch(step, rank, size=size)))
+        else:
+            x, y = (t.cuda() for t in dense_batch(step, rank))
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
         opt.step()
+        if losses is not None:
+            losses.append(float(loss.detach()))
     torch.cuda.synchronize()
     return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def compare_compressors(steps=10):
+    """none, lossless, topk, thc on both models: what the test and docs/BYTEPS.md report."""
+    out = {}
+    for model_name, lr in (("embedding", 0.1), ("dense", 0.01)):
+        runs = {}
+        for kind in ("none", "lossless", "topk", "thc"):
+            comp = {"none": Compression.none, "lossless": Compression.lossless(max_density=0.05),
+                    "topk": Compression.topk(ratio=0.05), "thc": Compression.thc(bits=4)}[kind]
+            losses = []
+            params = train(f"{model_name}-{kind}", comp, steps=steps, lr=lr, model_name=model_name, losses=losses)
+            st = comp.stats() if kind != "none" else {}
+            dense_bytes = sum(p.numel() * 4 for p in params.values())
+            runs[kind] = {"params": params, "losses": losses, "digest": digest(params), "stats": st,
+                          "dense_bytes_per_step": dense_bytes,
+                          "payload_bytes_per_step": (st["payload_bytes"] / steps) if st else dense_bytes}
+        ref = runs["none"]["params"]
+        for r in runs.values():
+            r["max_diff"] = max_diff(ref, r.pop("params"))
+        out[model_name] = runs
+    return out
 
 
 def max_diff(a, b):
@@ -81,6 +129,7 @@ def main():
         ref_fb = train("fbref", Compression.none, size=256)
         result.update(fallback_max_diff=max_diff(ref_fb, got_fb), fallback_stats=comp_fb.stats(),
                       fallback_digest=digest(got_fb))
+        result["compressors"] = compare_compressors()
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

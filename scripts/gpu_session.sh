@@ -81,7 +81,8 @@ run_step() {
     test)
       local xdist=()
       "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 6)
-      step "pytest -m gpu" test.log 330 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider --continue-on-collection-errors \
+      # -v: one line per finished test, so a run cut by its limit still says which passed.
+      step "pytest -m gpu" test.log 420 "$PY" -m pytest -v -m gpu tests -rs -p no:cacheprovider --continue-on-collection-errors \
         "${xdist[@]}"
       step "source consistency" test.log 60 "$PY" -m pytest -q tests/test_cuda_sources.py tests/test_header_cuda.py -p no:cacheprovider
       ;;
@@ -110,7 +111,7 @@ run_step() {
       step "thc memcheck" thc-sanitize.log 150 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_thc.py \
         -k "compiled and (b32 or tiny or b65536 or int64 or corrupted or worst_case or non_finite)"
-      step "thc racecheck" thc-sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
+      step "thc racecheck" thc-sanitize.log 150 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_thc.py -k "compiled and steps and (b1024 or b4096 or b65536)"
       ;;
     bench1) bench 0.01 auto ;;
@@ -139,6 +140,9 @@ echo
 echo "== summary ($(( $(date +%s) - START ))s)"
 cat "$SUMMARY"
 grep -hE "passed|failed|error" "$OUT/test.log" 2>/dev/null | tail -4
+# Per-test lines (-v): what finished even when the step was cut by its limit.
+[ -f "$OUT/test.log" ] && echo "tests finished: $(grep -c ' PASSED' "$OUT/test.log") PASSED, $(grep -c ' FAILED' "$OUT/test.log") FAILED" \
+  && grep -h ' FAILED' "$OUT/test.log" | head -20
 grep -hE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/*sanitize.log 2>/dev/null
 # One line per benchmark JSON: the ratios against the copy in the same run.
 "$PY" - "$OUT" <<'PYEOF' 2>/dev/null || true

@@ -159,6 +159,9 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(f"{name}: encode {t['encode_reused_out']['median_s'] * 1e3:.3f} ms, decode "
               f"{t['decode_reused_out']['median_s'] * 1e3:.3f} ms, copy {t['copy_prealloc']['median_s'] * 1e3:.3f} ms "
               f"(enc+dec = {t['reused_over_copy']:.2f}x copy), nmse {r['accuracy']['nmse']:.4g}")
+        for phase in ("encode", "decode") if t.get("kernels_ms") else ():
+            top = sorted(t["kernels_ms"][phase].items(), key=lambda kv: -kv[1])[:4]
+            print(f"  {phase} kernels: " + ", ".join(f"{k} {v:.3f} ms" for k, v in top))
     elif "topk_select" in t:
         print(f"{name}: select {t['topk_select']['median_s'] * 1e3:.3f} ms = {r['ratios']['topk_select']:.2f}x copy, "
               f"torch.topk {r['ratios']['torch_topk']:.2f}x copy, exact {r['exact']}")

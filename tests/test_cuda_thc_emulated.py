@@ -376,3 +376,9 @@ def test_bench_thc_lockstep_check_runs():
     res = run_thc_bench(numel=4096, workers=2, repeat=1, warmup=2, cpu_check="force")
     assert res["cpu_equal"] == {"ok": True, "steps": 3, "mismatches": []}
     assert "same bits as the CPU backend" in render_thc(res, machine_info(), "cmd")
+    assert res["timing"]["kernels_ms"] is None and "kernels (one profiled run" not in render_thc(res, machine_info(), "cmd")
+    # On a GPU the per-kernel times of one profiled encode and decode are rendered (the GPU run fills them).
+    res["timing"]["kernels_ms"] = {"encode": {"thc_encode_blocks": 1.0}, "decode": {"thc_decode_blocks": 0.5},
+                                   "encode_table": "thc_encode_blocks  1.000 ms", "decode_table": "thc_decode_blocks  0.500 ms"}
+    text = render_thc(res, machine_info(), "cmd")
+    assert "kernels (one profiled run" in text and "thc_encode_blocks  1.000 ms" in text and "thc_decode_blocks" in text

@@ -133,6 +133,16 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
         t = time_interleaved(fns, repeat)
     t_clone, t_enc, t_dec, t_copy = t["clone"], t["encode"], t["decode"], t["copy"]
     t_enc_reuse, t_dec_reuse = t["encode_reuse"], t["decode_reuse"]
+    kernels = None
+    if on_gpu:
+        # Where the time goes: one more encode and decode with every kernel timed (synchronising).
+        from lossless_hc.backends import cuda_runtime
+        with cuda_runtime.profile() as enc_prof:
+            encode_once(payload_buf)
+        with cuda_runtime.profile() as dec_prof:
+            decode_once(out_buf)
+        kernels = {"encode": dict(enc_prof.ms), "decode": dict(dec_prof.ms),
+                   "encode_table": enc_prof.table(), "decode_table": dec_prof.table()}
 
     table = c0.table
     T = table.threshold
@@ -158,7 +168,8 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
                    "encode_reused_out": t_enc_reuse, "decode_reused_out": t_dec_reuse,
                    "reused_over_copy": (t_enc_reuse["median_s"] + t_dec_reuse["median_s"]) / t_copy["median_s"],
                    "encode_over_clone": t_enc["median_s"] / clone_s, "decode_over_clone": t_dec["median_s"] / clone_s,
-                   "encode_plus_decode_over_clone": (t_enc["median_s"] + t_dec["median_s"]) / clone_s},
+                   "encode_plus_decode_over_clone": (t_enc["median_s"] + t_dec["median_s"]) / clone_s,
+                   "kernels_ms": kernels},
     }
 
 
@@ -192,4 +203,8 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
         ("  model: rounding + clipping", f"{a['predicted_nmse_iid_normal']:.4e} "
                                          f"({L['table_variance_z']:.4e} + {a['clipped_mass_normal']:.4e})"),
     ], align="ll")))
+    if t.get("kernels_ms"):
+        k = t["kernels_ms"]
+        out.append(section("kernels (one profiled run each; every launch waited for)",
+                           "encode:\n" + k["encode_table"] + "\ndecode:\n" + k["decode_table"]))
     return "\n".join(out)

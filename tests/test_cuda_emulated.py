@@ -123,6 +123,32 @@ def test_emulated_encode_matches_cpu(emulated, cfg):
         assert_same_payload(cpu.layout, cpu.encode(x), emulated_encode(native, x), x)
 
 
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_emulated_encode_scan_with_many_keys_per_warp(emulated, index):
+    """lhc_encode_scan_b1's per-warp rings: with 2^17 + 5 coordinates the emulated grid (32 blocks of
+    256) gives each warp four 128-coordinate chunks; a dense first half (90% non-zero, -0.0 among the
+    zeros) fills a ring past its 256 slots and encodes 32 keys at a time several times per chunk, the
+    sparse second half leaves partial batches for the end of the loop, and an input that starts one
+    float past a 16-byte boundary takes the unaligned loads. The payload equals the CPU's."""
+    numel = (1 << 17) + 5
+    rng = np.random.default_rng(helpers.stable_seed("emu-scan-ring", index))
+    half = numel // 2
+    dense = rng.standard_normal(numel).astype(np.float32)
+    keep = np.concatenate([rng.random(half) < 0.9, rng.random(numel - half) < 0.01])
+    dense[~keep] = 0.0
+    dense[np.flatnonzero(~keep)[::7]] = -0.0
+    x = torch.from_numpy(dense)
+    k = int(np.count_nonzero(dense))
+    cpu, native = host_codecs(numel, 2, k, 1, index)
+    assert cpu.index_kind == index
+    assert_same_payload(cpu.layout, cpu.encode(x), emulated_encode(native, x), x)
+    storage = torch.zeros(numel + 1)
+    storage[1:] = x
+    shifted = storage[1:]
+    assert shifted.data_ptr() % 16 != 0
+    assert_same_payload(cpu.layout, cpu.encode(x), emulated_encode(native, shifted), x)
+
+
 @pytest.mark.parametrize("block", [1, 3])
 def test_emulated_encode_adds_weighted_values(emulated, block):
     """A key alone in its cells leaves w_j * v there, bit for bit: the weights +1, +2, -1, -2 of a

@@ -23,3 +23,14 @@ step() {
   echo "$name: $verdict in $(( $(date +%s) - t0 ))s (log: $log)" | tee -a "$SUMMARY"
   return $rc
 }
+
+# session_pack NAME: move everything under $OUT but summary.txt and earlier archives into the archive
+# $OUT/NAME.tgz (NAME-2.tgz, ... when a script ran twice into one $OUT): the device tool brings back 8
+# files at most, two folders deep.
+session_pack() {
+  local name=$1.tgz n=1
+  while [ -e "$OUT/$name" ]; do n=$((n + 1)); name=$1-$n.tgz; done
+  (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name '*.tgz' -print0 > /tmp/session_pack.list \
+     && tar czf "/tmp/$name" --null -T /tmp/session_pack.list \
+     && xargs -0 rm -rf < /tmp/session_pack.list && mv "/tmp/$name" "$OUT/$name")
+}

@@ -7,15 +7,20 @@
 # The GPU machine has python3 (3.12) with a CUDA build of torch (2.11, CUDA 13), nvcc and the
 # nvidia-nccl wheel, and no network: fill .byteps-carry/ here first (scripts/setup_byteps.sh
 # --fill-carry: the BytePS sdist, libnuma debs). Steps, each logged to $OUT (the tool's output folder;
-# ./byteps-session-out when unset), at most 8 files:
+# ./byteps-session-out when unset):
 #   build     lossless_hc's extension with CUDA (LHC_CUDA=1 setup.py build_ext --inplace)   build.log
 #   byteps    scripts/setup_byteps.sh python3 (patch + build + install BytePS)   build.log, byteps-build.log
 #   test      pytest tests/test_plugins_byteps.py: the CPU tests and the GPU run (1 scheduler,
 #             1 server, 2 workers on the one GPU; lossless vs uncompressed; server logs)     test.log
 #             BytePS's own logs of the run: bps-logs/{scheduler,server0,worker0,worker1}.log
-# summary.txt has one line per step. The whole call keeps within LHC_SESSION_SECONDS (default 570).
+# summary.txt has one line per step; under the device tool (OUT set) the rest ends up in
+# byteps-session.tgz, with bps-logs/rank{0,1}.json (each run's losses and bytes per step).
+# The whole call keeps within LHC_SESSION_SECONDS (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The device tool brings back at most 8 files from its $OUT: there, everything but summary.txt is packed
+# into one archive at the end (session_pack in _session_step.sh).
+PACK=${OUT:+1}
 OUT=${OUT:-$PWD/byteps-session-out}
 mkdir -p "$OUT" "$OUT/bps-logs"
 PY=${PY:-python3}
@@ -52,4 +57,5 @@ echo
 echo "== summary ($(( $(date +%s) - START ))s)"
 cat "$SUMMARY"
 grep -hE "passed|failed|error|SKIPPED" "$OUT/test.log" 2>/dev/null | tail -6
+[ -n "$PACK" ] && session_pack byteps-session
 exit $FAILED

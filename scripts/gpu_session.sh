@@ -28,12 +28,15 @@
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
 # test.log, sanitize.log, thc-sanitize.log, topk-sanitize.log (one per sanitizer step, which may run at the
 # same time), bench.log and one JSON per benchmark (bench-<density>-<index>.json, thc-bench.json,
-# topk-bench.json).
+# topk-bench.json); under the device tool (OUT set) all but summary.txt end up in gpu-session.tgz.
 # The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit) or
 # until LHC_SESSION_DEADLINE (seconds since the epoch) when set: a step that would not fit is skipped and
 # says so; run the remaining steps in a second call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The device tool brings back at most 8 files from its $OUT: there, everything but summary.txt is packed
+# into one archive at the end (session_pack in _session_step.sh).
+PACK=${OUT:+1}
 OUT=${OUT:-$PWD/gpu-session-out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -166,4 +169,5 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         print(f"{name}: select {t['topk_select']['median_s'] * 1e3:.3f} ms = {r['ratios']['topk_select']:.2f}x copy, "
               f"torch.topk {r['ratios']['torch_topk']:.2f}x copy, exact {r['exact']}")
 PYEOF
+[ -n "$PACK" ] && session_pack gpu-session
 exit $FAILED

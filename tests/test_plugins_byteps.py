@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -536,6 +537,9 @@ def byteps_run(tmp_path_factory):
     if proc.returncode != 0:
         with open(os.path.join(logs, "launch.out"), "w") as f:
             f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    for r in range(2):   # beside the logs: what docs/BYTEPS.md reports (losses, bytes per step)
+        if os.path.exists(out / f"rank{r}.json"):
+            shutil.copy(out / f"rank{r}.json", logs)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed (logs in {logs}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out, logs
 

@@ -5,6 +5,7 @@
 
 #include "../lhc_layout.h"
 #include "../lhc_status.h"
+#include "warp_sum.cuh"
 
 namespace lhc {
 namespace gpu {

@@ -41,9 +41,10 @@ struct SupportCheckSums {
     sum[0] += (unsigned long long)count * part[0];
     sum[1] += (unsigned long long)count * part[1];
   }
+  // Every lane of the warp, converged (warp_add_u64).
   __device__ __forceinline__ void flush(DecodeCounters* counters) const {
-    if (sum[0]) atomicAdd(&counters->check[0], sum[0]);
-    if (sum[1]) atomicAdd(&counters->check[1], sum[1]);
+    warp_add_u64(&counters->check[0], sum[0]);
+    warp_add_u64(&counters->check[1], sum[1]);
   }
 };
 
@@ -71,11 +72,11 @@ struct BitmapWord {
     if (__float_as_uint(f) == 0u) return 0;
     const long long u = read_word(f, scale, limit);
     if (u < 0) { *bad = true; return 0; }
-    unsigned long long rest = (unsigned long long)u;
+    uint32_t rest = (uint32_t)u;  // below base^per_word <= kIntFieldLimit: 32-bit division, not 64-bit
     unsigned int count = 0;
     const uint32_t base = L->index.base;
     for (uint32_t i = 0; i < L->index.per_word && rest; ++i) {
-      const uint32_t digit = (uint32_t)(rest % base);
+      const uint32_t digit = rest % base;
       rest /= base;
       if (!digit) continue;
       const uint64_t pos = w * L->index.per_word + i;
@@ -205,8 +206,8 @@ __device__ inline void count_bitmap_tiles(const CodecLayout& L, const float* pay
   SupportCheckSums check(L);
   tile_count(L.index.words(), tile_sum,
              [&](uint64_t w) { return word.visit(w, nullptr, nullptr, 0, 0, &digit_sum, &bad, keys ? &check : nullptr); });
-  if (digit_sum) atomicAdd(digit_total, digit_sum);
-  if (keys) check.flush(counters);
+  warp_add_u64(digit_total, digit_sum);
+  if (keys) check.flush(counters);  // keys: the same on every thread
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
   if (global_thread() == 0) {
     counters->expected_total = header_index_total(L, payload, scale);
@@ -261,9 +262,9 @@ extern "C" __global__ void lhc_bloom_unpack(const uint64_t* layout, const float*
     if (__float_as_uint(f) == 0u) continue;  // cells start at 0 (zeroed by the caller)
     const long long u = read_word(f, scale, limit);
     if (u < 0) { bad = true; continue; }
-    unsigned long long rest = (unsigned long long)u;
+    uint32_t rest = (uint32_t)u;  // below base^per_word <= kIntFieldLimit: 32-bit division
     for (uint32_t i = 0; i < L.index.per_word && rest; ++i) {
-      const uint32_t digit = (uint32_t)(rest % L.index.base);
+      const uint32_t digit = rest % L.index.base;
       rest /= L.index.base;
       if (!digit) continue;
       const uint64_t pos = w * L.index.per_word + i;
@@ -272,7 +273,7 @@ extern "C" __global__ void lhc_bloom_unpack(const uint64_t* layout, const float*
       digit_sum += digit;
     }
   }
-  if (digit_sum) atomicAdd(&counters->index_total, digit_sum);
+  warp_add_u64(&counters->index_total, digit_sum);  // every thread leaves the loop above
   if (bad) atomicOr(&counters->flags, (unsigned int)kFlagIndexWord);
   if (global_thread() == 0) {
     counters->expected_total = header_index_total(L, payload, scale);

@@ -35,7 +35,7 @@ __device__ __forceinline__ void ml_for_each_node(const CodecLayout& L, const uin
     for (uint64_t w = global_thread(); w < L.index.words(); w += grid_threads()) {
       const long long u = read_word(index[w], scale, limit);
       if (u <= 0) continue;
-      unsigned long long rest = (unsigned long long)u;
+      uint32_t rest = (uint32_t)u;  // below base^per_word <= kIntFieldLimit: 32-bit division
       for (uint32_t i = 0; i < per_word && rest; ++i, rest /= base)
         if (rest % base && w * per_word + i < L.index.digits) visit(w * per_word + i);
     }

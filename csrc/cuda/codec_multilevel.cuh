@@ -208,8 +208,8 @@ extern "C" __global__ void lhc_ml_expand_count(const uint64_t* layout, uint64_t 
   tile_count(ml->nodes, tile_sum, [&](uint64_t p) {
     return ml_node_children(L, lv, nodes, counts, pattern, p, nullptr, nullptr, 0, 0, &sum, &bad, keys);
   });
-  if (sum) atomicAdd(&ml->child_total, sum);
-  if (keys) check.flush(counters);
+  warp_add_u64(&ml->child_total, sum);
+  if (keys) check.flush(counters);  // keys: the same on every thread
   if (bad) atomicOr(&ml->expand_bad, 1u);
 }
 

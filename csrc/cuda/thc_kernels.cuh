@@ -27,6 +27,7 @@
 
 #include "../lhc_layout.h"
 #include "../thc_math.h"
+#include "warp_sum.cuh"
 
 namespace lhc {
 namespace gpu {
@@ -258,7 +259,7 @@ extern "C" __global__ void thc_pack_words(const uint64_t* lay, const void* level
       static_cast<long long*>(words)[w] = (long long)acc;
     chk += thc_check_term(C, w, acc);
   }
-  if (chk) atomicAdd(&state->checksum, chk);   // integers: the order of the additions does not matter
+  warp_add_u64(&state->checksum, chk);   // integers: the order of the additions does not matter
 }
 
 // The end of an encode: the norm slot, its negation in the mirror slot and the checksum field (the
@@ -406,8 +407,8 @@ extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* wo
       out[start + i] = thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i));
     __syncthreads();
   }
-  if (bad) atomicAdd(&state->bad_words, bad);
-  if (chk) atomicAdd(&state->checksum, chk);
+  warp_add_u64(&state->bad_words, bad);   // every thread leaves the loop above
+  warp_add_u64(&state->checksum, chk);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -526,8 +527,8 @@ extern "C" __global__ void thc_unpack_words(const uint64_t* lay, const void* wor
     float* p = y + group * coords + first;
     thc_word_digits(wd, word_kind, L.base, have, [&](uint32_t j, double digit) { p[j] = thc_digit_value(digit, a, b); });
   }
-  if (bad) atomicAdd(&state->bad_words, bad);
-  if (chk) atomicAdd(&state->checksum, chk);
+  warp_add_u64(&state->bad_words, bad);   // every thread leaves the loop above
+  warp_add_u64(&state->checksum, chk);
 }
 
 // out[0, numel) = s y / sqrt(B).

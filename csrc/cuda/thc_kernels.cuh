@@ -13,9 +13,10 @@
 // the same bits as the CPU's for the same inputs and streams.
 //
 // Two paths, chosen by the Hadamard block B (the layout's `block`):
-//  * B <= kThcTile (the default 1024): one CUDA block per Hadamard block, in shared memory:
-//    thc_encode_blocks (x + e, norm partials, signs, FWHT, levels, dequantization, inverse FWHT,
-//    error feedback) and thc_decode_blocks (digits of the block's words, FWHT, signs, output).
+//  * B <= kThcTile (the default 1024): a CUDA block per tile of kThcTile coordinates (kThcTile / B
+//    Hadamard blocks side by side), in shared memory: thc_encode_blocks (x + e, norm partials, signs,
+//    FWHT, levels, dequantization, inverse FWHT, error feedback) and thc_decode_blocks (digits of the
+//    blocks' words, FWHT, signs, output).
 //  * B > kThcTile (hadamard_block up to 2^20): the transform in passes over a padded float scratch y:
 //    thc_rht_tiles / thc_fwht_tiles (stages h < kThcTile, one tile per CUDA block in shared memory),
 //    thc_fwht_columns (stages h >= kThcTile: columns of the block seen as a (B / kThcTile) x kThcTile
@@ -91,11 +92,14 @@ __device__ __forceinline__ double thc_dmul(double a, double b) {
 #endif
 }
 
-// In-place unnormalised Walsh-Hadamard transform of y[0, n) in shared memory (n a power of two), the
-// CPU's stages in the CPU's order: for h = 1, 2, ..., n/2, (y[i], y[i + h]) <- (y[i] + y[i + h],
-// y[i] - y[i + h]). The caller synchronises before (y written by other threads); this returns synchronised.
-__device__ __forceinline__ void thc_fwht_shared(float* y, uint32_t n) {
-  for (uint32_t h = 1; h < n; h <<= 1) {
+// In-place unnormalised Walsh-Hadamard transforms of the blocks of `block` floats in y[0, n) in shared
+// memory (block a power of two dividing n; block == n: one transform), the CPU's stages in the CPU's
+// order: for h = 1, 2, ..., block/2, (y[i], y[i + h]) <- (y[i] + y[i + h], y[i] - y[i + h]). A stage's
+// pairs never leave their block (h < block), so the blocks of y are transformed side by side, each
+// exactly as alone. The caller synchronises before (y written by other threads); this returns
+// synchronised.
+__device__ __forceinline__ void thc_fwht_shared(float* y, uint32_t n, uint32_t block) {
+  for (uint32_t h = 1; h < block; h <<= 1) {
     for (uint32_t p = threadIdx.x; p < n / 2; p += blockDim.x) {
       const uint32_t i = ((p & ~(h - 1)) << 1) | (p & (h - 1));
       const float u = y[i], v = y[i + h];
@@ -110,6 +114,19 @@ __device__ __forceinline__ void thc_fwht_shared(float* y, uint32_t n) {
 __device__ __forceinline__ void thc_tree_shared(double* d, uint32_t n) {
   for (uint32_t s = n >> 1; s > 0; s >>= 1) {
     for (uint32_t i = threadIdx.x; i < s; i += blockDim.x) d[i] = thc_dadd(d[i], d[i + s]);
+    __syncthreads();
+  }
+}
+
+// The same tree on `rows` rows d[r * n, r * n + n) at once (each row's additions as alone).
+__device__ __forceinline__ void thc_tree_shared_rows(double* d, uint32_t n, uint32_t rows) {
+  uint32_t shift = 0;  // log2(n / 2)
+  while ((2u << shift) < n) ++shift;
+  for (uint32_t s = n >> 1; s > 0; s >>= 1, --shift) {
+    for (uint32_t q = threadIdx.x; q < rows * s; q += blockDim.x) {
+      const uint32_t r = q >> shift, i = q & (s - 1);
+      d[r * n + i] = thc_dadd(d[r * n + i], d[r * n + i + s]);
+    }
     __syncthreads();
   }
 }
@@ -311,35 +328,47 @@ extern "C" __global__ void thc_accumulate(const float* x, float* e, uint64_t num
 // B <= kThcTile: one CUDA block per Hadamard block
 // ------------------------------------------------------------------------------------------------
 
+// The in-shared path works on tiles of kThcTile coordinates: kThcTile / B consecutive Hadamard blocks,
+// each transformed exactly as alone (thc_fwht_shared's blocks), so that a tile's barriers are shared
+// by several small blocks (with one block of 1024 per iteration, 256 threads held 4 values each between
+// some 30 barriers, and the kernel was bound by them). Tile ti: coordinates [ti * kThcTile, ...) up to
+// `padded`.
+__device__ __forceinline__ uint64_t thc_tiles(const ThcLayout& L) { return (L.padded + kThcTile - 1) / kThcTile; }
+
 // Encode of every Hadamard block: v = x + e (e may be null); with partials non-null (B >= 1024) the
 // norm partials of the block's chunks; quantize == 0 (the norm-only round): e <- v; else y = H(s v)
 // / sqrt(B), levels (level_bytes 1 or 4 per padded coordinate) and, with e,
-// e <- v - s H(dequantized levels) / sqrt(B).
+// e <- v - s H(dequantized levels) / sqrt(B). Launched with kThcThreads (= kThcNormLanes) threads.
 extern "C" __global__ void thc_encode_blocks(const uint64_t* lay, const float* x, float* e, const float* table,
                                              double scale, double threshold, double dequant_a, double dequant_b,
                                              uint64_t sign_stream, uint64_t round_stream, uint64_t quantize,
                                              void* levels, uint64_t level_bytes, double* partials, ThcState* state) {
   if (state->non_finite) return;
   const ThcLayout L = thc_load_layout(lay);
-  const uint64_t B = L.block, nblocks = L.padded / B;
+  const uint32_t B = (uint32_t)L.block;
+  constexpr uint32_t kChunks = (uint32_t)(kThcTile / kThcNormChunk);
   __shared__ float y[kThcTile];
-  __shared__ double red[kThcNormLanes];
+  __shared__ double red[kChunks * kThcNormLanes];
   const float inv_sqrt = thc_inv_sqrt_block(B);
   const ThcRounding R = thc_load_rounding(table, L.granularity, scale, threshold);
   const float da = (float)dequant_a, db = (float)dequant_b;
   const uint32_t t = threadIdx.x, nt = blockDim.x;
-  for (uint64_t bi = blockIdx.x; bi < nblocks; bi += gridDim.x) {
-    const uint64_t start = bi * B, valid = thc_valid(L, start, B);
-    for (uint32_t i = t; i < B; i += nt) y[i] = i < valid ? (e ? thc_add(x[start + i], e[start + i]) : x[start + i]) : 0.0f;
+  for (uint64_t ti = blockIdx.x; ti < thc_tiles(L); ti += gridDim.x) {
+    const uint64_t start = ti * kThcTile, valid = thc_valid(L, start, kThcTile);
+    const uint32_t len = (uint32_t)thc_min(kThcTile, L.padded - start);  // whole blocks
+    for (uint32_t i = t; i < len; i += nt)
+      y[i] = i < valid ? (e ? thc_add(x[start + i], e[start + i]) : x[start + i]) : 0.0f;
     __syncthreads();
     if (partials && B >= kThcNormChunk) {
-      for (uint64_t off = 0; off < B; off += kThcNormChunk) {
-        red[t] = (double)thc_norm_lane(y + off, valid > off ? thc_min(kThcNormChunk, valid - off) : 0, t);
-        __syncthreads();
-        thc_tree_shared(red, kThcNormLanes);
-        if (t == 0) partials[(start + off) / kThcNormChunk] = red[0];
-        __syncthreads();
+      const uint32_t chunks = len / (uint32_t)kThcNormChunk;
+      for (uint32_t k = 0; k < chunks; ++k) {
+        const uint64_t off = (uint64_t)k * kThcNormChunk;
+        red[k * kThcNormLanes + t] = (double)thc_norm_lane(y + off, valid > off ? thc_min(kThcNormChunk, valid - off) : 0, t);
       }
+      __syncthreads();
+      thc_tree_shared_rows(red, kThcNormLanes, chunks);
+      if (t < chunks) partials[start / kThcNormChunk + t] = red[t * kThcNormLanes];
+      __syncthreads();
     }
     if (!quantize) {
       if (e)
@@ -347,18 +376,18 @@ extern "C" __global__ void thc_encode_blocks(const uint64_t* lay, const float* x
       __syncthreads();
       continue;
     }
-    for (uint32_t i = t; i < B; i += nt)
+    for (uint32_t i = t; i < len; i += nt)
       y[i] = i < valid ? thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i)) : 0.0f;
     __syncthreads();
-    thc_fwht_shared(y, (uint32_t)B);
-    for (uint32_t i = t; i < B; i += nt) {
+    thc_fwht_shared(y, len, B);
+    for (uint32_t i = t; i < len; i += nt) {
       const float level = thc_level(R, y[i], thc_draw(thc_uniform24(round_stream, start + i)));
       thc_store_level(levels, level_bytes, start + i, level);
       if (e) y[i] = thc_dequantize(level, da, db);
     }
     if (e) {
       __syncthreads();
-      thc_fwht_shared(y, (uint32_t)B);
+      thc_fwht_shared(y, len, B);
       for (uint32_t i = t; i < valid; i += nt)
         e[start + i] = thc_sub(thc_add(x[start + i], e[start + i]),
                                thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i)));
@@ -369,40 +398,64 @@ extern "C" __global__ void thc_encode_blocks(const uint64_t* lay, const float* x
 
 // Decode of every Hadamard block: the digits of the words overlapping the block (a word may straddle
 // two blocks of a group; each block reads its own digits, and the block holding a word's first digit
-// checks it) -> digit * a + b -> FWHT -> signs / sqrt(B) -> out[0, numel).
+// checks it) -> digit * a + b -> FWHT -> signs / sqrt(B) -> out[0, numel). A tile's blocks read their
+// words as one list of (block, word) items.
 extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* words, uint64_t word_kind,
                                              double multiplier, double a, double b, uint64_t sign_stream, float* out,
                                              uint64_t check_prime, uint64_t check_c0, uint64_t check_k,
                                              ThcState* state) {
   const ThcLayout L = thc_load_layout(lay);
   const ThcCheck C{check_prime, check_c0, check_k};
-  const uint64_t B = L.block, nblocks = L.padded / B, GB = L.group_blocks, pw = L.per_word, base = L.base;
+  const uint64_t B = L.block, GB = L.group_blocks, pw = L.per_word, base = L.base;
   const uint64_t per_group = thc_words_for(L, GB * B);
   const double tolerance = multiplier == 1.0 ? 0.0 : 0.5;
   const float inv_sqrt = thc_inv_sqrt_block(B);
   __shared__ float y[kThcTile];
   const uint32_t t = threadIdx.x, nt = blockDim.x;
   unsigned long long bad = 0, chk = 0;
-  for (uint64_t bi = blockIdx.x; bi < nblocks; bi += gridDim.x) {
-    const uint64_t group = bi / GB, count = thc_group_size(L, group) * B;
-    const uint64_t cstart = (bi - group * GB) * B, cend = cstart + B;
-    const uint64_t w0 = cstart / pw, w1 = (cend - 1) / pw, first_word = group * per_group;
-    for (uint64_t w = w0 + t; w <= w1; w += nt) {
-      const uint64_t first = w * pw;
+  for (uint64_t ti = blockIdx.x; ti < thc_tiles(L); ti += gridDim.x) {
+    const uint64_t start = ti * kThcTile, first_block = start / B;
+    const uint32_t len = (uint32_t)thc_min(kThcTile, L.padded - start), nb = (uint32_t)(len / B);
+    // Block j of the tile (bi = first_block + j) overlaps words w0(j) .. w1(j) of its group: the tile's
+    // items are those runs one after another; item k -> its block by walking the runs (a thread's
+    // items increase, so the walk only moves forward).
+    uint32_t j = 0;
+    uint64_t run_end = 0, run_w0 = 0;
+    const auto run = [&](uint32_t jj, uint64_t* w0) {
+      const uint64_t bi = first_block + jj, group = bi / GB;
+      const uint64_t cstart = (bi - group * GB) * B;
+      *w0 = cstart / pw;
+      return (cstart + B - 1) / pw - *w0 + 1;
+    };
+    run_end = run(0, &run_w0);
+    uint64_t run_begin = 0;
+    for (uint64_t k = t;; k += nt) {
+      while (j < nb && k >= run_end) {
+        ++j;
+        if (j < nb) {
+          run_begin = run_end;
+          run_end += run(j, &run_w0);
+        }
+      }
+      if (j >= nb) break;
+      const uint64_t bi = first_block + j, group = bi / GB, count = thc_group_size(L, group) * B;
+      const uint64_t cstart = (bi - group * GB) * B, cend = cstart + B, first_word = group * per_group;
+      const uint64_t w = run_w0 + (k - run_begin), first = w * pw;
       const uint32_t have = (uint32_t)thc_min(pw, count - first);
       const ThcWord wd = thc_read_word(words, word_kind, first_word + w, multiplier, tolerance, base, have);
       if (first >= cstart) {   // the word's own block: counted and checksummed once
         bad += !wd.ok;
         chk += thc_check_term(C, first_word + w, word_kind == 0 ? (uint64_t)wd.f : wd.u);
       }
-      thc_word_digits(wd, word_kind, base, have, [&](uint32_t j, double digit) {
-        const uint64_t c = first + j;
-        if (c >= cstart && c < cend) y[c - cstart] = thc_digit_value(digit, a, b);
+      float* yb = y + (uint64_t)j * B;
+      thc_word_digits(wd, word_kind, base, have, [&](uint32_t d, double digit) {
+        const uint64_t c = first + d;
+        if (c >= cstart && c < cend) yb[c - cstart] = thc_digit_value(digit, a, b);
       });
     }
     __syncthreads();
-    thc_fwht_shared(y, (uint32_t)B);
-    const uint64_t start = bi * B, valid = thc_valid(L, start, B);
+    thc_fwht_shared(y, len, (uint32_t)B);
+    const uint64_t valid = thc_valid(L, start, len);
     for (uint32_t i = t; i < valid; i += nt)
       out[start + i] = thc_flip_sign(thc_mul(y[i], inv_sqrt), thc_sign_bit(sign_stream, start + i));
     __syncthreads();
@@ -433,7 +486,7 @@ extern "C" __global__ void thc_rht_tiles(const uint64_t* lay, const float* x, co
       s[i] = v;
     }
     __syncthreads();
-    thc_fwht_shared(s, (uint32_t)kThcTile);
+    thc_fwht_shared(s, (uint32_t)kThcTile, (uint32_t)kThcTile);
     for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) y[start + i] = s[i];
     __syncthreads();
   }
@@ -446,7 +499,7 @@ extern "C" __global__ void thc_fwht_tiles(float* y, uint64_t padded) {
     float* p = y + tile * kThcTile;
     for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) s[i] = p[i];
     __syncthreads();
-    thc_fwht_shared(s, (uint32_t)kThcTile);
+    thc_fwht_shared(s, (uint32_t)kThcTile, (uint32_t)kThcTile);
     for (uint32_t i = threadIdx.x; i < kThcTile; i += blockDim.x) p[i] = s[i];
     __syncthreads();
   }

@@ -50,8 +50,9 @@ class ThcCudaLayout:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     @property
-    def nblocks(self) -> int:
-        return self.layout.padded // self.layout.block
+    def tiles(self) -> int:
+        """Work items of the in-shared kernels: tiles of TILE coordinates (TILE / block Hadamard blocks)."""
+        return -(-self.layout.padded // TILE)
 
     @property
     def nchunks(self) -> int:
@@ -108,7 +109,7 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
             if not in_blocks:
                 launch.launch("thc_norm_chunks", _blocks(nchunks, sms), THREADS, [lay, xp, ep, a.ptr("partials"), st],
                               stream)
-            launch.launch("thc_encode_blocks", _blocks(native.nblocks, sms), THREADS,
+            launch.launch("thc_encode_blocks", _blocks(native.tiles, sms), THREADS,
                           [lay, xp, ep, table, sc, th, da, db, sign_stream, round_stream, int(bool(quantize)), levels, lb,
                            a.ptr("partials") if in_blocks else 0, st], stream)
         else:
@@ -167,7 +168,7 @@ def decode(native: ThcCudaLayout, sign_stream: int, word_kind: int, words: torch
         kind, mult, fa, fb = int(word_kind), _f64(multiplier), _f64(a), _f64(b)
         prime, c0, k = (int(v) for v in check)
         if native.in_shared:
-            launch.launch("thc_decode_blocks", _blocks(native.nblocks, sms), THREADS,
+            launch.launch("thc_decode_blocks", _blocks(native.tiles, sms), THREADS,
                           [lay, wp, kind, mult, fa, fb, sign_stream, op, prime, c0, k, st], stream)
         else:
             y = ar.ptr("y")

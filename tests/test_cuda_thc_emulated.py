@@ -102,6 +102,8 @@ CONFIGS = [
     pytest.param(3000, 3, {"digits_per_word": 2}, id="pinned-2-digits"),
     pytest.param(10000, 2, {"hadamard_block": 8192}, id="b8192-passes"),           # transform in passes
     pytest.param(20000, 3, {"hadamard_block": 16384, "payload_dtype": torch.int64}, id="b16384-passes-int64"),
+    # 35 tiles of 4096 (the last one partial) for an emulated grid of 32 blocks: the tile loop goes round.
+    pytest.param(32 * 4096 + 3 * 1024 + 5, 3, {}, id="b1024-tiles-wrap-grid"),
 ]
 
 

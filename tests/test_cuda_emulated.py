@@ -125,11 +125,10 @@ def test_emulated_encode_matches_cpu(emulated, cfg):
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
 def test_emulated_encode_scan_with_many_keys_per_warp(emulated, index):
-    """lhc_encode_scan_b1's per-warp rings: with 2^17 + 5 coordinates the emulated grid (32 blocks of
-    256) gives each warp four 128-coordinate chunks; a dense first half (90% non-zero, -0.0 among the
-    zeros) fills a ring past its 256 slots and encodes 32 keys at a time several times per chunk, the
-    sparse second half leaves partial batches for the end of the loop, and an input that starts one
-    float past a 16-byte boundary takes the unaligned loads. The payload equals the CPU's."""
+    """lhc_encode_scan_b1's grid-stride loop over 4-coordinate groups: with 2^17 + 5 coordinates the
+    emulated grid (32 blocks of 256) goes round it four times; a dense first half (90% non-zero, -0.0
+    among the zeros) and a sparse second half, and an input that starts one float past a 16-byte
+    boundary (the unaligned loads). The payload equals the CPU's."""
     numel = (1 << 17) + 5
     rng = np.random.default_rng(helpers.stable_seed("emu-scan-ring", index))
     half = numel // 2

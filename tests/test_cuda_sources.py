@@ -172,11 +172,6 @@ def test_topk_block_size_matches_the_kernels():
     assert re.search(r"sizeof\(TopkState\) == (\d+)", text).group(1) == str(_cuda_topk.STATE_BYTES)
 
 
-def test_encode_scan_block_size_matches_the_launcher():
-    """lhc_encode_scan_b1 sizes its per-warp rings for kScanThreads threads: the launcher's THREADS."""
-    assert int(re.search(r"kScanThreads\s*=\s*(\d+)", HEADER).group(1)) == _cuda.THREADS
-
-
 def test_nvrtc_source_includes_every_kernel_header():
     src = cuda_runtime._nvrtc_source()
     for path in cuda_runtime.KERNEL_HEADERS:

@@ -51,61 +51,28 @@ struct IndexCheckSums {
   }
 };
 
-// A non-zero key of a block-1 encode: its count, index digit(s), checksum part and weighted value
-// w_j * v in each of its three cells (exact in float32: w is +-1 or +-2; the CPU backend adds the same
-// (float)w * v), and |w| |v| into the mass channel (fmaxf turns a NaN into 0, as std::max does on the
-// CPU).
-__device__ __forceinline__ void encode_scan_key(const CodecLayout& L, uint32_t key, float value, float* payload,
-                                                unsigned int* index_scratch, const float* pw, IndexCheckSums& check) {
-  float* sketch = payload + L.sketch_offset;
-  float* mass = payload + mass_offset(L);
-  check.add(key);
-  encode_key_index(L, key, payload, index_scratch, pw);
-  const uint64_t h = key_hash(L.sketch, key);
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    int weight;
-    const uint64_t cell = key_cell(L.sketch, h, j, &weight);
-    atomicAdd(sketch + cell, (float)weight * value);
-    atomicAdd(mass + cell, fabsf((float)weight) * fmaxf(0.0f, fabsf(value)));
-  }
-}
-
-constexpr unsigned int kScanThreads = 256;  // lhc_encode_scan_b1's block size (the launcher's THREADS)
-constexpr unsigned int kScanRing = 256;     // a warp's ring of found keys: >= 31 waiting + 128 new
-
-// block == 1: one pass over x finds the non-zero keys and encodes them (encode_scan_key). -0.0 counts
-// as zero (as on the CPU). Each warp reads 128 coordinates at a time (4 per lane, one 16-byte load)
-// and appends the non-zero ones to its ring in shared memory; whenever 32 are waiting, the whole warp
-// encodes 32 keys at once. At 1% density a 128-coordinate chunk holds ~1.3 keys: encoding them where
-// they were found ran the key's long path (hashes, 7 scattered atomics) with one or two lanes of 32
-// active. The counts, index words and checksum are integer (or exact float) sums, and the sketch
-// values' float atomics were already unordered: the payload is what it was, whichever lane adds a key.
-// Launched with kScanThreads threads per block; every loop below runs the same trip count on all
-// lanes of a warp (the full-mask shuffles need it).
+// block == 1: one pass over x finds the non-zero keys, adds their index digits and scatters their
+// weighted values w_j * v into the sketch (exact in float32: w is +-1 or +-2; the CPU backend adds
+// the same (float)w * v). -0.0 counts as zero (as on the CPU). Grid-stride over 4-element groups.
 extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const float* x, float* payload,
                                               unsigned int* index_scratch, EncodeCounters* counters) {
   __shared__ float pw[kMaxPerWord];
-  __shared__ uint32_t ring_key[kScanThreads / 32][kScanRing];
-  __shared__ float ring_value[kScanThreads / 32][kScanRing];
   const CodecLayout L = load_layout(layout);
   load_powers(L.index, pw);
   const uint64_t n = L.numel;
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
   const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
-  const uint64_t groups = (n + 3) / 4, chunks = (groups + 31) / 32;
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t* rkey = ring_key[warp];
-  float* rvalue = ring_value[warp];
-  uint32_t head = 0, tail = 0;  // the same on every lane: keys [head, tail) of the ring wait
+  const uint64_t groups = (n + 3) / 4;
+  float* sketch = payload + L.sketch_offset;
+  float* mass = payload + mass_offset(L);
   unsigned int bad = 0;
   // Counted per thread and added once at the end: an add per loop iteration puts ~10^6 atomics on
   // one address at 1% density, which serialises in L2 and dominated the kernel (2.7 ms of 2.8 ms).
   unsigned int found = 0;
   IndexCheckSums check(L);
-  for (uint64_t c = global_thread() / 32; c < chunks; c += grid_threads() / 32) {
-    const uint64_t g = 32 * c + lane, i0 = 4 * g;
+  for (uint64_t g = global_thread(); g < groups; g += grid_threads()) {
     uint32_t u[4];
+    const uint64_t i0 = 4 * g;
     if (aligned && i0 + 4 <= n) {
       const uint4 v = __ldcs(reinterpret_cast<const uint4*>(bits) + g);
       u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
@@ -113,41 +80,26 @@ extern "C" __global__ void lhc_encode_scan_b1(const uint64_t* layout, const floa
 #pragma unroll
       for (int e = 0; e < 4; ++e) u[e] = i0 + e < n ? bits[i0 + e] : 0u;
     }
-    uint32_t nonzero = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       bad |= (unsigned int)((u[e] & 0x7f800000u) == 0x7f800000u);
-      nonzero |= (uint32_t)((u[e] << 1) != 0) << e;
-    }
-    const uint32_t count = __popc(nonzero);
-    uint32_t upto = count;  // inclusive prefix sum over the lanes
+      if (u[e] << 1) {
+        ++found;
+        const uint32_t key = (uint32_t)(i0 + e);
+        check.add(key);
+        encode_key_index(L, key, payload, index_scratch, pw);
+        const float value = __uint_as_float(u[e]);
+        const uint64_t h = key_hash(L.sketch, key);
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const uint32_t y = __shfl_up_sync(0xffffffffu, upto, d);
-      if (lane >= (uint32_t)d) upto += y;
-    }
-    const uint32_t total = __shfl_sync(0xffffffffu, upto, 31);
-    if (total == 0) continue;
-    found += count;
-    uint32_t slot = tail + upto - count;
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if ((nonzero >> e) & 1u) {
-        rkey[slot % kScanRing] = (uint32_t)(i0 + e);
-        rvalue[slot % kScanRing] = __uint_as_float(u[e]);
-        ++slot;
+        for (int j = 0; j < 3; ++j) {
+          int weight;
+          const uint64_t cell = key_cell(L.sketch, h, j, &weight);
+          atomicAdd(sketch + cell, (float)weight * value);
+          // The mass channel: |w| |v| (fmaxf turns a NaN into 0, as std::max does on the CPU).
+          atomicAdd(mass + cell, fabsf((float)weight) * fmaxf(0.0f, fabsf(value)));
+        }
       }
-    tail += total;
-    __syncwarp();
-    for (; tail - head >= 32; head += 32) {
-      const uint32_t s = (head + lane) % kScanRing;
-      encode_scan_key(L, rkey[s], rvalue[s], payload, index_scratch, pw, check);
     }
-    __syncwarp();  // the ring's slots are rewritten by the next chunk
-  }
-  if (lane < tail - head) {
-    const uint32_t s = (head + lane) % kScanRing;
-    encode_scan_key(L, rkey[s], rvalue[s], payload, index_scratch, pw, check);
   }
   warp_add(&counters->keys, found);
   check.flush(counters->check);

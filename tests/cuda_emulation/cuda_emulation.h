@@ -89,9 +89,6 @@ inline uint64_t emu_exchange(uint64_t v, int from) {
   return got;
 }
 inline bool emu_alone(unsigned int mask) { return mask == (1u << (threadIdx.x & 31)); }
-inline void __syncwarp(unsigned int mask = 0xffffffffu) {
-  if (!emu_alone(mask)) emu_thread.warp->sync.arrive_and_wait();
-}
 
 inline unsigned int __reduce_add_sync(unsigned int mask, unsigned int v) {
   if (emu_alone(mask)) return v;

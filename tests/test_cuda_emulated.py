@@ -124,7 +124,7 @@ def test_emulated_encode_matches_cpu(emulated, cfg):
 
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
-def test_emulated_encode_scan_with_many_keys_per_warp(emulated, index):
+def test_emulated_encode_scan_dense_sparse_and_unaligned(emulated, index):
     """lhc_encode_scan_b1's grid-stride loop over 4-coordinate groups: with 2^17 + 5 coordinates the
     emulated grid (32 blocks of 256) goes round it four times; a dense first half (90% non-zero, -0.0
     among the zeros) and a sparse second half, and an input that starts one float past a 16-byte

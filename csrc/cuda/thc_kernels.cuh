@@ -110,16 +110,9 @@ __device__ __forceinline__ void thc_fwht_shared(float* y, uint32_t n, uint32_t b
   }
 }
 
-// d[0, n) (n a power of two, shared): the tree of thc_tree_pow2. Synchronised before and after.
-__device__ __forceinline__ void thc_tree_shared(double* d, uint32_t n) {
-  for (uint32_t s = n >> 1; s > 0; s >>= 1) {
-    for (uint32_t i = threadIdx.x; i < s; i += blockDim.x) d[i] = thc_dadd(d[i], d[i + s]);
-    __syncthreads();
-  }
-}
-
-// The same tree on `rows` rows d[r * n, r * n + n) at once (each row's additions as alone).
-__device__ __forceinline__ void thc_tree_shared_rows(double* d, uint32_t n, uint32_t rows) {
+// d[0, n) (n a power of two, shared): the tree of thc_tree_pow2; with `rows`, on rows d[r * n, r * n + n)
+// at once (each row's additions as alone). Synchronised before and after.
+__device__ __forceinline__ void thc_tree_shared(double* d, uint32_t n, uint32_t rows = 1) {
   uint32_t shift = 0;  // log2(n / 2)
   while ((2u << shift) < n) ++shift;
   for (uint32_t s = n >> 1; s > 0; s >>= 1, --shift) {
@@ -366,7 +359,7 @@ extern "C" __global__ void thc_encode_blocks(const uint64_t* lay, const float* x
         red[k * kThcNormLanes + t] = (double)thc_norm_lane(y + off, valid > off ? thc_min(kThcNormChunk, valid - off) : 0, t);
       }
       __syncthreads();
-      thc_tree_shared_rows(red, kThcNormLanes, chunks);
+      thc_tree_shared(red, kThcNormLanes, chunks);
       if (t < chunks) partials[start / kThcNormChunk + t] = red[t * kThcNormLanes];
       __syncthreads();
     }
@@ -419,28 +412,21 @@ extern "C" __global__ void thc_decode_blocks(const uint64_t* lay, const void* wo
     // Block j of the tile (bi = first_block + j) overlaps words w0(j) .. w1(j) of its group: the tile's
     // items are those runs one after another; item k -> its block by walking the runs (a thread's
     // items increase, so the walk only moves forward).
-    uint32_t j = 0;
-    uint64_t run_end = 0, run_w0 = 0;
-    const auto run = [&](uint32_t jj, uint64_t* w0) {
-      const uint64_t bi = first_block + jj, group = bi / GB;
-      const uint64_t cstart = (bi - group * GB) * B;
-      *w0 = cstart / pw;
-      return (cstart + B - 1) / pw - *w0 + 1;
+    const auto run_words = [&](uint32_t jj) {  // words overlapping block jj's coordinates in its group
+      const uint64_t cstart = (first_block + jj) % GB * B;
+      return (cstart + B - 1) / pw - cstart / pw + 1;
     };
-    run_end = run(0, &run_w0);
-    uint64_t run_begin = 0;
+    uint32_t j = 0;
+    uint64_t run_begin = 0, run_end = run_words(0);
     for (uint64_t k = t;; k += nt) {
-      while (j < nb && k >= run_end) {
-        ++j;
-        if (j < nb) {
-          run_begin = run_end;
-          run_end += run(j, &run_w0);
-        }
+      while (k >= run_end && ++j < nb) {
+        run_begin = run_end;
+        run_end += run_words(j);
       }
       if (j >= nb) break;
       const uint64_t bi = first_block + j, group = bi / GB, count = thc_group_size(L, group) * B;
       const uint64_t cstart = (bi - group * GB) * B, cend = cstart + B, first_word = group * per_group;
-      const uint64_t w = run_w0 + (k - run_begin), first = w * pw;
+      const uint64_t w = cstart / pw + (k - run_begin), first = w * pw;
       const uint32_t have = (uint32_t)thc_min(pw, count - first);
       const ThcWord wd = thc_read_word(words, word_kind, first_word + w, multiplier, tolerance, base, have);
       if (first >= cstart) {   // the word's own block: counted and checksummed once

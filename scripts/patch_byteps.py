@@ -16,7 +16,8 @@ assert CXX_STD in ("17", "20"), CXX_STD
 STD = f"-std=c++{CXX_STD}"
 
 # Put after setup.py's imports: distutils' CCompiler.compile, with its per-object loop run on a thread pool
-# (each object is one compiler process, so threads suffice). Same arguments, same objects, same order.
+# (each object is one compiler process, so threads suffice). Same arguments; the same objects, returned
+# in the same order (compiled in any order: they are independent).
 PARALLEL_COMPILE = '''
 
 def _lhc_parallel_compile(self, sources, output_dir=None, macros=None, include_dirs=None, debug=0,

@@ -130,7 +130,7 @@ def test_emulated_encode_scan_dense_sparse_and_unaligned(emulated, index):
     among the zeros) and a sparse second half, and an input that starts one float past a 16-byte
     boundary (the unaligned loads). The payload equals the CPU's."""
     numel = (1 << 17) + 5
-    rng = np.random.default_rng(helpers.stable_seed("emu-scan-ring", index))
+    rng = np.random.default_rng(helpers.stable_seed("emu-scan", index))
     half = numel // 2
     dense = rng.standard_normal(numel).astype(np.float32)
     keep = np.concatenate([rng.random(half) < 0.9, rng.random(numel - half) < 0.01])

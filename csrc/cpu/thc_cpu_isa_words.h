@@ -262,15 +262,6 @@ LHC_TGT uint64_t unpack_block(const void* words, int32_t word_kind, uint64_t nwo
 }
 
 // ---- the payload checksum (thc_math.h: thc_check_term) -------------------------------------------
-// x mod P for an integer-valued double 0 <= x < 2^53 (P < 2^25): the quotient estimate is within one
-// of floor(x / P) (x / P < 2^28, relative error 2^-52), fma(-q, P, x) is an integer below 2^26 in
-// magnitude and therefore exact, and one correction brings it into [0, P).
-LHC_TGT_INLINE double mod_prime(double x, double P, double inv_P) {
-  const double q = round_small(x * inv_P);
-  const double r = __builtin_fma(-q, P, x);
-  return r < 0.0 ? r + P : (r >= P ? r - P : r);
-}
-
 // sum_i thc_check_term(C, w0 + i, s[i]) mod P over integer-valued doubles s[0, n) (each < 2^53),
 // eight lanes at a time in exact double arithmetic (the same integers as thc_check_term), the
 // coefficients stepped per lane: c - 1 = (c0 + w k) mod (P - 1).
@@ -323,22 +314,37 @@ LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_
   }
 #else
   if (n >= V) {
+    // In exact double arithmetic, four lanes to a vector. mod_p(x) = x mod P for integer-valued
+    // 0 <= x < 2^53 (P < 2^25): the quotient estimate q is within one of floor(x / P) (relative error
+    // 2^-52), fma(-q, P, x) is an integer below 2^26 in magnitude and therefore exact, and one
+    // correction brings it into [0, P). The corrections are masks: written as scalar selects they
+    // compile to branches, mispredicted on random words, and the loop is not vectorised.
+    typedef double vd4 __attribute__((vector_size(32)));
+    typedef int64_t vi4 __attribute__((vector_size(32)));
     const double P = (double)C.prime, inv_P = 1.0 / P, Pm = (double)(C.prime - 1);
     const double step = (double)(((uint64_t)V % (C.prime - 1)) * C.k % (C.prime - 1));
-    double d[V], acc[V];
-    for (int l = 0; l < V; ++l) {
-      d[l] = (double)(thc_check_coeff(C, w0 + l) - 1);
-      acc[l] = 0.0;
-    }
-    // acc[l] < (n / V) P < 2^53 for any group (n < 2^28 words).
+    const vd4 zero = vd4{}, vP = P + zero, vinv = inv_P + zero, vPm = Pm + zero, vstep = step + zero;
+    const vd4 one = 1.0 + zero, shift = 4503599627370496.0 + zero;  // round_small's 2^52
+    const auto where = [](vi4 mask, vd4 v) { return (vd4)(mask & (vi4)v); };  // v where mask, else +0
+    const auto mod_p = [&](vd4 x) {
+      const vd4 q = (x * vinv + shift) - shift;
+      vd4 r;
+      for (int l = 0; l < 4; ++l) r[l] = __builtin_fma(-q[l], P, x[l]);
+      return r + where(r < zero, vP) - where(r >= vP, vP);  // at most one applies
+    };
+    vd4 d[2], acc[2] = {zero, zero};
+    for (int l = 0; l < V; ++l) d[l / 4][l % 4] = (double)(thc_check_coeff(C, w0 + l) - 1);
+    // acc lanes < (n / V) P < 2^53 for any group (n < 2^28 words).
     for (; i + V <= n; i += V)
-      for (int l = 0; l < V; ++l) {
-        const double r = mod_prime(s[i + l], P, inv_P);
-        acc[l] += mod_prime(r * (d[l] + 1.0), P, inv_P);   // r (c - 1 + 1) < 2^50: exact
-        const double dn = d[l] + step;
-        d[l] = dn >= Pm ? dn - Pm : dn;
+      for (int h = 0; h < 2; ++h) {
+        vd4 x;
+        __builtin_memcpy(&x, s + i + 4 * h, sizeof x);
+        acc[h] += mod_p(mod_p(x) * (d[h] + one));   // r (c - 1 + 1) < 2^50: exact
+        const vd4 dn = d[h] + vstep;
+        d[h] = dn - where(dn >= vPm, vPm);
       }
-    for (int l = 0; l < V; ++l) total += (uint64_t)acc[l];
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 4; ++l) total += (uint64_t)acc[h][l];
   }
 #endif
   for (; i < n; ++i) total += thc_check_term(C, w0 + i, (uint64_t)s[i]);

@@ -28,6 +28,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def simd_level() -> str:
+    """The compiled copy of THC's CPU kernels in use (x86-64-v4: AVX-512, x86-64-v3: AVX2 + FMA, or
+    portable): the same bits from each, at different speeds, so every recorded ratio names it. The
+    LHC kernels' clones take the best level this CPU runs: the same one unless LHC_CPU_ISA forces
+    THC's to another."""
+    from lossless_hc.backends import cpu as cpu_backend  # lazily: the bench's helpers load without _C
+    names = {"x86-64-v4": "x86-64-v4 (AVX-512)", "x86-64-v3": "x86-64-v3 (AVX2 + FMA)"}
+    try:
+        isa = cpu_backend.thc_cpu_isa()
+        return names.get(isa, isa)
+    except ImportError:
+        return "unknown (lossless_hc._C not built)"
+
+
 def machine_info(codec_threads: int = 0) -> dict:
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -35,6 +49,7 @@ def machine_info(codec_threads: int = 0) -> dict:
         affinity = os.cpu_count() or 0
     return {
         "cpu": cpu_model(),
+        "simd": simd_level(),
         "cores": os.cpu_count() or 0,
         "cores_available": affinity,
         "python": platform.python_version(),
@@ -91,7 +106,8 @@ def machine_rows(machine: dict, torch_threads: bool = True) -> list:
     count beside the codec's)."""
     threads = (f"torch threads {machine['torch_threads']}, codec threads {machine['codec_threads']}" if torch_threads
                else f"codec threads {machine['codec_threads']}")
-    return [("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available)"),
+    return [("cpu", f"{machine['cpu']} ({machine['cores']} cores, {machine['cores_available']} available; "
+                    f"kernels {machine.get('simd', 'unknown')})"),
             ("torch", f"{machine['torch']} ({threads})")]
 
 

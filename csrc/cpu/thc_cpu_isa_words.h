@@ -325,8 +325,10 @@ LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_
     const double step = (double)(((uint64_t)V % (C.prime - 1)) * C.k % (C.prime - 1));
     const vd4 zero = vd4{}, vP = P + zero, vinv = inv_P + zero, vPm = Pm + zero, vstep = step + zero;
     const vd4 one = 1.0 + zero, shift = 4503599627370496.0 + zero;  // round_small's 2^52
-    const auto where = [](vi4 mask, vd4 v) { return (vd4)(mask & (vi4)v); };  // v where mask, else +0
-    const auto mod_p = [&](vd4 x) {
+    // v where mask, else +0. Vectors go by reference, as everywhere in these kernels (by value,
+    // their ABI depends on the ISA).
+    const auto where = [](const vi4& mask, const vd4& v) { return (vd4)(mask & (vi4)v); };
+    const auto mod_p = [&](const vd4& x) {
       const vd4 q = (x * vinv + shift) - shift;
       vd4 r;
       for (int l = 0; l < 4; ++l) r[l] = __builtin_fma(-q[l], P, x[l]);

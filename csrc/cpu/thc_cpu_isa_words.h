@@ -314,11 +314,12 @@ LHC_TGT uint64_t check_words_f64(const double* __restrict s, uint64_t n, uint64_
   }
 #else
   if (n >= V) {
-    // In exact double arithmetic, four lanes to a vector. mod_p(x) = x mod P for integer-valued
-    // 0 <= x < 2^53 (P < 2^25): the quotient estimate q is within one of floor(x / P) (relative error
-    // 2^-52), fma(-q, P, x) is an integer below 2^26 in magnitude and therefore exact, and one
-    // correction brings it into [0, P). The corrections are masks: written as scalar selects they
-    // compile to branches, mispredicted on random words, and the loop is not vectorised.
+    // In exact double arithmetic, four lanes to a vector (one 8-lane generic vector for all V lanes
+    // measured slower with AVX2). mod_p(x) = x mod P for integer-valued 0 <= x < 2^53 (P < 2^25):
+    // the quotient estimate q is within one of floor(x / P) (relative error 2^-52), fma(-q, P, x) is
+    // an integer below 2^26 in magnitude and therefore exact, and one correction brings it into [0, P).
+    // The corrections are masks: written as scalar selects they compile to branches, mispredicted on
+    // random words, and the loop is not vectorised.
     typedef double vd4 __attribute__((vector_size(32)));
     typedef int64_t vi4 __attribute__((vector_size(32)));
     const double P = (double)C.prime, inv_P = 1.0 / P, Pm = (double)(C.prime - 1);

@@ -121,6 +121,23 @@ void bind_thc(py::module_& m) {
       "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words and their checksum.");
 
   m.def(
+      "thc_interleave",
+      [](uintptr_t x, uint64_t numel, uint64_t nb, uint64_t block, uintptr_t out, int num_threads) {
+        py::gil_scoped_release release;
+        cpu::thc_interleave(at<const float>(x), numel, nb, block, at<float>(out), num_threads);
+      },
+      py::arg("x"), py::arg("numel"), py::arg("nb"), py::arg("block"), py::arg("out"), py::arg("num_threads") = 0,
+      "out[j * block + r] = x[r * nb + j] (zero past numel): the training interleave of x into nb blocks.");
+  m.def(
+      "thc_deinterleave",
+      [](uintptr_t y, uint64_t numel, uint64_t nb, uint64_t block, uintptr_t out, int num_threads) {
+        py::gil_scoped_release release;
+        cpu::thc_deinterleave(at<const float>(y), numel, nb, block, at<float>(out), num_threads);
+      },
+      py::arg("y"), py::arg("numel"), py::arg("nb"), py::arg("block"), py::arg("out"), py::arg("num_threads") = 0,
+      "out[i] = y[(i % nb) * block + i / nb] for i < numel: the inverse of thc_interleave.");
+
+  m.def(
       "thc_pack_levels",
       [](const ThcLayout& L, uintptr_t levels, int32_t word_kind, uintptr_t words) {
         py::gil_scoped_release release;

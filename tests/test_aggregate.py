@@ -234,6 +234,63 @@ def test_thc_aggregator_interleave_round_trip():
             assert shape == (1024,)
 
 
+def interleave_by_index(x, nb, block):
+    """The interleave's definition, index by index: out[j * block + r] = x[r * nb + j], 0 past x's end."""
+    j = torch.arange(nb).repeat_interleave(block)
+    r = torch.arange(block).repeat(nb)
+    src = r * nb + j
+    out = torch.zeros(nb * block)
+    inside = src < x.numel()
+    out[inside] = x[src[inside]]
+    return out
+
+
+@pytest.mark.parametrize("numel,nb,block", [(7500 * 1024, 7500, 1024), (30000 * 37 + 5, 1085, 1024),
+                                            (1000, 8, 128), (1001, 8, 128), (999, 8, 128), (64 * 33, 64, 64),
+                                            (5, 1, 8), (1, 3, 1), (700, 9, 80)])
+def test_thc_interleave_kernels_match_the_index_definition(numel, nb, block):
+    """Every compiled copy of the CPU transpose (8 x 8 vector blocks, scalar edges, 64 x 64 tiles over
+    threads) and the CUDA backend's strided copies give the interleave of its definition, and its inverse
+    gives the tensor back: sizes with partial 8 x 8 blocks, partial tiles, a partial last row, padding."""
+    from lossless_hc.backends import cpu, cuda_thc
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    want = interleave_by_index(x, nb, block)
+    isas = cpu.thc_cpu_isas()
+    try:
+        for isa in isas:
+            cpu.thc_cpu_isa(isa)
+            for threads in (1, 3):
+                out = torch.full((nb * block,), float("nan"))
+                cpu.CPU.thc_interleave(x, nb, block, out, threads)
+                assert torch.equal(out, want), (isa, threads)
+                back = torch.full((numel,), float("nan"))
+                cpu.CPU.thc_deinterleave(out, nb, block, back, threads)
+                assert torch.equal(back, x), (isa, threads)
+    finally:
+        cpu.thc_cpu_isa("default")
+    out = torch.full((nb * block,), float("nan"))
+    cuda_thc.interleave(x, nb, block, out)
+    assert torch.equal(out, want)
+    back = torch.full((numel,), float("nan"))
+    cuda_thc.deinterleave(out, nb, block, back)
+    assert torch.equal(back, x)
+
+
+def test_thc_interleave_rejects_bad_operands():
+    from lossless_hc.backends.cpu import CPU
+    x, out = torch.zeros(100), torch.zeros(128)
+    with pytest.raises(ValueError, match="nb \\* block >= numel"):
+        CPU.thc_interleave(x, 8, 12, torch.zeros(96))      # 96 < 100 coordinates
+    with pytest.raises(ValueError, match="nb \\* block >= numel"):
+        CPU.thc_interleave(x, 8, 16, torch.zeros(100))     # out is not nb * block
+    with pytest.raises(TypeError, match="contiguous float32"):
+        CPU.thc_interleave(x.double(), 8, 16, out)
+    with pytest.raises(TypeError, match="contiguous float32"):
+        CPU.thc_deinterleave(torch.zeros(256)[::2], 8, 16, x)
+    with pytest.raises(ValueError, match="integers >= 1"):
+        CPU.thc_interleave(x, 0, 16, out)
+
+
 # -- inexact keys: re-aggregated alone, or densely when they are many ---------------------------------
 
 def inexact_inputs(n, step=0):

@@ -87,6 +87,15 @@ ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t si
 void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words);
 uint64_t thc_unpack_levels(const ThcLayout& L, int32_t word_kind, const void* words, double multiplier, float* sums);
 
+// The training interleave (lossless_hc/training/thc_aggregate.py): x (numel floats) spread over nb
+// blocks of `block` coordinates, block j holding the coordinates j, j + nb, j + 2 nb, ... of x, zero
+// past its end: out[j * block + r] = x[r * nb + j] if r * nb + j < numel, else 0 (j < nb, r < block).
+// Needs nb * block >= numel. Blocked transposition (thc_cpu_isa.h transpose), threads by ranges of
+// blocks; a copy, the same bits on every ISA and thread count.
+void thc_interleave(const float* x, uint64_t numel, uint64_t nb, uint64_t block, float* out, int num_threads);
+// Its inverse: out[i] = y[(i % nb) * block + i / nb] for i < numel (y: nb * block floats).
+void thc_deinterleave(const float* y, uint64_t numel, uint64_t nb, uint64_t block, float* out, int num_threads);
+
 // Which compiled copy of the block kernels runs (csrc/cpu/thc_cpu_isa.h): "x86-64-v4" (AVX-512),
 // "x86-64-v3" (AVX2 + FMA) or "portable"; every copy computes the same bits. The best one this CPU
 // runs is chosen at first use, or the one the environment variable LHC_CPU_ISA names.

@@ -419,8 +419,50 @@ LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S
   return bad;
 }
 
+// ---- Transposition (the training interleave: thc_interleave, thc_deinterleave) ----------------------
+// dst[c * dst_ld + r] = src[r * src_ld + c] for r < rows, c < cols. Blocks of 8 x 8 go through eight
+// 8-float vectors: the unpack, shuffle and 128-bit-half steps of the classic AVX transpose, written as
+// two-source shuffles that each map to one instruction with AVX; the edges go one float at a time. A
+// copy: every ISA moves the same bits.
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+LHC_TGT_INLINE void transpose8(const float* src, uint64_t src_ld, float* dst, uint64_t dst_ld) {
+  const vi8 lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};   // unpack{lo,hi}
+  const vi8 even = {0, 1, 8, 9, 4, 5, 12, 13}, odd = {2, 3, 10, 11, 6, 7, 14, 15};  // shuffle 0x44, 0xee
+  const vi8 first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};  // 128-bit halves
+  vf8 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) __builtin_memcpy(&r[i], src + i * src_ld, sizeof(vf8));
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shuffle(r[i], r[i + 1], lo);
+    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], hi);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int k = 0; k < 2; ++k) {
+      u[i + 2 * k] = __builtin_shuffle(t[i + k], t[i + k + 2], even);
+      u[i + 2 * k + 1] = __builtin_shuffle(t[i + k], t[i + k + 2], odd);
+    }
+  for (int i = 0; i < 4; ++i) {
+    const vf8 a = __builtin_shuffle(u[i], u[i + 4], first), b = __builtin_shuffle(u[i], u[i + 4], second);
+    __builtin_memcpy(dst + i * dst_ld, &a, sizeof(vf8));
+    __builtin_memcpy(dst + (i + 4) * dst_ld, &b, sizeof(vf8));
+  }
+}
+
+LHC_TGT void transpose(const float* src, uint64_t rows, uint64_t cols, uint64_t src_ld, float* dst, uint64_t dst_ld) {
+  uint64_t c = 0;
+  for (; c + 8 <= cols; c += 8) {
+    uint64_t r = 0;
+    for (; r + 8 <= rows; r += 8) transpose8(src + r * src_ld + c, src_ld, dst + c * dst_ld + r, dst_ld);
+    for (; r < rows; ++r)
+      for (uint64_t k = c; k < c + 8; ++k) dst[k * dst_ld + r] = src[r * src_ld + k];
+  }
+  for (; c < cols; ++c)
+    for (uint64_t r = 0; r < rows; ++r) dst[c * dst_ld + r] = src[r * src_ld + c];
+}
+
 constexpr ThcKernels kKernels = {LHC_THC_ISA_NAME, fwht, chunk_sum_squares, max_exponent, pack_block, unpack_block,
-                                 encode_group, decode_group};
+                                 encode_group, decode_group, transpose};
 
 #undef LHC_TGT
 #undef LHC_TGT_INLINE

@@ -28,6 +28,9 @@
 * ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields: the
   norm slot and its mirror, the checksum field, or the non-finite flag) and
   ``thc_decode -> (invalid word count, checksum of the words)``.
+* ``thc_interleave(x, nb, block, out, num_threads=0)``: ``out[j * block + r] = x[r * nb + j]``, zero past
+  ``x``'s end (the THC aggregator's spreading of a tensor over ``nb`` blocks), and its inverse
+  ``thc_deinterleave(y, nb, block, out, num_threads=0)``: ``out[i] = y[(i % nb) * block + i // nb]``.
 
 Every backend writes the same index and header bits (sketch cells within float rounding of each
 other: CUDA adds them with atomics) and recovers the same support; a key's decoded value and error

@@ -51,6 +51,22 @@ def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> No
         raise ValueError("topk_feedback: the residual must not be the input itself")
 
 
+def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tensor) -> None:
+    """The operands of ``thc_interleave``/``thc_deinterleave`` on any backend: ``flat`` (the tensor's
+    coordinates) and ``blocks`` (``nb`` blocks of ``block``) contiguous float32 on one device, with
+    ``nb * block >= flat.numel()``."""
+    for name, t in (("flat", flat), ("blocks", blocks)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise TypeError(f"the {name} operand of the THC interleave must be a contiguous float32 tensor")
+    if flat.device != blocks.device:
+        raise ValueError(f"the THC interleave's operands are on {flat.device} and {blocks.device}")
+    if not (isinstance(nb, int) and isinstance(block, int) and nb >= 1 and block >= 1):
+        raise ValueError(f"nb and block must be integers >= 1, got {nb!r} and {block!r}")
+    if blocks.numel() != nb * block or flat.numel() > nb * block:
+        raise ValueError(f"the THC interleave of {flat.numel()} coordinates into {nb} blocks of {block} needs "
+                         f"nb * block >= numel and a blocks operand of nb * block elements, got {blocks.numel()}")
+
+
 def thc_cpu_isa(request: str = "") -> str:
     """The compiled copy of THC's CPU kernels in use ("x86-64-v4", "x86-64-v3" or "portable"; the same
     bits from each); ``request`` switches to another first ("default": the best this CPU runs)."""
@@ -244,6 +260,17 @@ class CpuBackend:
         st = _C.thc_decode(native.c, sign_stream, int(word_kind), words.data_ptr(), float(multiplier), float(a),
                            float(b), out.data_ptr(), prime, c0, k, num_threads)
         return st.bad_words, st.checksum
+
+    def thc_interleave(self, x: torch.Tensor, nb: int, block: int, out: torch.Tensor, num_threads: int = 0) -> None:
+        """``out[j * block + r] = x[r * nb + j]``, zero past ``x``'s end (``check_interleave``)."""
+        check_interleave(x, nb, block, out)
+        _C.thc_interleave(x.data_ptr(), x.numel(), nb, block, out.data_ptr(), num_threads)
+
+    def thc_deinterleave(self, y: torch.Tensor, nb: int, block: int, out: torch.Tensor,
+                         num_threads: int = 0) -> None:
+        """``out[i] = y[(i % nb) * block + i // nb]``: the inverse of :meth:`thc_interleave`."""
+        check_interleave(out, nb, block, y)
+        _C.thc_deinterleave(y.data_ptr(), out.numel(), nb, block, out.data_ptr(), num_threads)
 
     # THC's stages alone (the tests check each against the reference through these).
     def thc_rht_forward(self, native: CpuThcLayout, sign_stream: int, x: torch.Tensor, e, y: torch.Tensor,

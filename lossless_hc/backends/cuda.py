@@ -576,5 +576,18 @@ class CudaBackend:
                    b: float, out: torch.Tensor, check: tuple, num_threads: int = 0) -> tuple:
         return cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, out, check)
 
+    def thc_interleave(self, x: torch.Tensor, nb: int, block: int, out: torch.Tensor, num_threads: int = 0) -> None:
+        """The CPU backend's ``thc_interleave`` (the same bits: a copy), as strided device copies."""
+        from lossless_hc.backends.cpu import check_interleave
+        check_interleave(x, nb, block, out)
+        cuda_thc.interleave(x, nb, block, out)
+
+    def thc_deinterleave(self, y: torch.Tensor, nb: int, block: int, out: torch.Tensor,
+                         num_threads: int = 0) -> None:
+        """The CPU backend's ``thc_deinterleave``, as strided device copies."""
+        from lossless_hc.backends.cpu import check_interleave
+        check_interleave(out, nb, block, y)
+        cuda_thc.deinterleave(y, nb, block, out)
+
 
 CUDA = CudaBackend()

@@ -180,3 +180,26 @@ def decode(native: ThcCudaLayout, sign_stream: int, word_kind: int, words: torch
             launch.launch("thc_rht_output", _grid(L.numel, sms), THREADS, [lay, y, sign_stream, op], stream)
         state = ar.view("state", torch.int64)[_STATE_BAD_INDEX:_STATE_CHECK_INDEX + 1].tolist()
         return state[0], state[1] % prime
+
+
+def interleave(x: torch.Tensor, nb: int, block: int, out: torch.Tensor) -> None:
+    """out[j * block + r] = x[r * nb + j], zero past x's end: the padded x seen as a (block, nb) matrix,
+    transposed, copied straight from x (its full rows, then the partial one) without materialising the
+    padded tensor. A GPU copies a transposed view at close to its bandwidth, so no kernel of ours."""
+    numel = x.numel()
+    full, rest = divmod(numel, nb)             # full rows of the (block, nb) matrix, and the partial row
+    o = out.view(nb, block)
+    o[:, :full].copy_(x[:full * nb].view(full, nb).t())
+    if full < block:
+        o[:rest, full].copy_(x[full * nb:])
+        o[rest:, full].zero_()
+        o[:, full + 1:].zero_()
+
+
+def deinterleave(y: torch.Tensor, nb: int, block: int, out: torch.Tensor) -> None:
+    """The inverse of :func:`interleave`: out[i] = y[(i % nb) * block + i // nb] for i < out.numel()."""
+    full, rest = divmod(out.numel(), nb)
+    o = y.view(nb, block)
+    out[:full * nb].view(full, nb).copy_(o[:, :full].t())
+    if rest:
+        out[full * nb:].copy_(o[:rest, full])

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.backends import backend_for
 from lossless_hc.thc import THCCodec
 from lossless_hc.training.aggregate import (CODEC_DTYPES, AggregationStats, ConfigurationMismatch, DecodeOutcome,
                                             EncodeContext, payload_is_averaged)
@@ -52,7 +53,7 @@ class THCAggregator:
     very different norms, keeps one column per block.) The interleave is a permutation (the same on every rank), so
     the aggregate is the codec's unbiased estimate, exactly un-permuted; the error memory lives in the
     interleaved order (:meth:`pending_error` returns it in the tensor's order). Cost: two transposed copies
-    per step (one before encode, one after decode; each ~3x a clone of the tensor on one CPU core).
+    per step, one before encode and one after decode (on the CPU blocked 8 x 8 vector transposes).
 
     ``exact=True`` sends the tensor dense (an exact SUM) whatever its size: for the parameters where THC's
     noise must not go, see docs/THC.md ("Training with THC").
@@ -89,28 +90,18 @@ class THCAggregator:
 
     def _interleave(self, x: torch.Tensor) -> torch.Tensor:
         """x (numel, any float dtype) zero-padded to nb blocks, block j = coordinates j, j + nb, ... (float32).
-        The padded tensor seen as a (B, nb) matrix, transposed; copied straight from x (the full rows of
-        that matrix, then the partial one) without materialising the padded tensor."""
-        nb, x = self._blocks, x.reshape(-1)
-        full, rest = divmod(self.numel, nb)             # full rows of the (B, nb) matrix, and the partial row
-        out = torch.empty(self._codec.numel, dtype=torch.float32, device=x.device)
-        o = out.view(nb, -1)
-        o[:, :full].copy_(x[:full * nb].view(full, nb).t())
-        if full < o.shape[1]:
-            o[:rest, full].copy_(x[full * nb:])
-            o[rest:, full].zero_()
-            o[:, full + 1:].zero_()
+        The padded tensor seen as a (B, nb) matrix, transposed (the backend's ``thc_interleave``)."""
+        x = x.reshape(-1).to(torch.float32).contiguous()
+        backend = backend_for(x.device)
+        out = backend.empty(self._codec.numel, x.device)
+        backend.thc_interleave(x, self._blocks, self._codec.layout.block, out, torch.get_num_threads())
         return out
 
     def _deinterleave(self, y: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`_interleave`: the tensor's numel coordinates, flat."""
-        nb = self._blocks
-        full, rest = divmod(self.numel, nb)
-        out = torch.empty(self.numel, dtype=y.dtype, device=y.device)
-        o = y.view(nb, -1)
-        out[:full * nb].view(full, nb).copy_(o[:, :full].t())
-        if rest:
-            out[full * nb:].copy_(o[:rest, full])
+        """The inverse of :meth:`_interleave`: the tensor's numel coordinates, flat (float32)."""
+        backend = backend_for(y.device)
+        out = backend.empty(self.numel, y.device)
+        backend.thc_deinterleave(y.reshape(-1), self._blocks, self._codec.layout.block, out, torch.get_num_threads())
         return out
 
     def pending_error(self) -> Optional[torch.Tensor]:

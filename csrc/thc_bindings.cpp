@@ -120,22 +120,22 @@ void bind_thc(py::module_& m) {
       py::arg("num_threads") = 0,
       "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words and their checksum.");
 
-  m.def(
-      "thc_interleave",
-      [](uintptr_t x, uint64_t numel, uint64_t nb, uint64_t block, uintptr_t out, int num_threads) {
-        py::gil_scoped_release release;
-        cpu::thc_interleave(at<const float>(x), numel, nb, block, at<float>(out), num_threads);
-      },
-      py::arg("x"), py::arg("numel"), py::arg("nb"), py::arg("block"), py::arg("out"), py::arg("num_threads") = 0,
-      "out[j * block + r] = x[r * nb + j] (zero past numel): the training interleave of x into nb blocks.");
-  m.def(
-      "thc_deinterleave",
-      [](uintptr_t y, uint64_t numel, uint64_t nb, uint64_t block, uintptr_t out, int num_threads) {
-        py::gil_scoped_release release;
-        cpu::thc_deinterleave(at<const float>(y), numel, nb, block, at<float>(out), num_threads);
-      },
-      py::arg("y"), py::arg("numel"), py::arg("nb"), py::arg("block"), py::arg("out"), py::arg("num_threads") = 0,
-      "out[i] = y[(i % nb) * block + i / nb] for i < numel: the inverse of thc_interleave.");
+  // The training interleave and its inverse take the same arguments.
+  using Permute = void (*)(const float*, uint64_t, uint64_t, uint64_t, float*, int);
+  const auto bind_permute = [&m](const char* name, Permute permute, const char* doc) {
+    m.def(
+        name,
+        [permute](uintptr_t src, uint64_t numel, uint64_t nb, uint64_t block, uintptr_t dst, int num_threads) {
+          py::gil_scoped_release release;
+          permute(at<const float>(src), numel, nb, block, at<float>(dst), num_threads);
+        },
+        py::arg("src"), py::arg("numel"), py::arg("nb"), py::arg("block"), py::arg("dst"), py::arg("num_threads") = 0,
+        doc);
+  };
+  bind_permute("thc_interleave", &cpu::thc_interleave,
+               "dst[j * block + r] = src[r * nb + j] (zero past numel): the training interleave into nb blocks.");
+  bind_permute("thc_deinterleave", &cpu::thc_deinterleave,
+               "dst[i] = src[(i % nb) * block + i / nb] for i < numel: the inverse of thc_interleave.");
 
   m.def(
       "thc_pack_levels",

@@ -518,6 +518,7 @@ def test_bench_thc_command_runs_and_reports():
     assert res["wire"]["lane_bits_per_coordinate"] == pytest.approx(64 / 6)
     # One step of compression error of partly shared N(0,1) gradients: below the per-rank model.
     assert 0 < res["accuracy"]["nmse"] < res["accuracy"]["predicted_nmse_iid_normal"]
+    assert res["timing"]["interleave"]["blocks"] == 8    # 8192 coordinates in blocks of 1024
     assert main(["thc", "--numel", "4096", "--workers", "2", "--repeat", "1", "--averaged"]) == 0
 
 

@@ -37,7 +37,9 @@ against float64 truth, and decode time per key (one worker, bitmap index, numel 
 
 ``thc`` times THCCodec encode (one worker, error feedback on) and decode (the aggregate of all
 workers' payloads) against ``torch.clone`` of one input, and reports wire bits per coordinate and the
-normalized mean squared error of one step against the true average.
+normalized mean squared error of one step against the true average; and the THC aggregator's interleave
+of the tensor over its Hadamard blocks and back (the backend's kernels, and strided torch copies)
+against ``copy_``.
 
 ``topk`` times the O(numel) top-k selection (the backend's ``topk_select``) against ``torch.clone``
 and ``torch.topk`` of the same tensor in the same run, and checks it against a stable sort.

@@ -6,7 +6,8 @@ each step (workers agree partly, as data-parallel gradients do). Step 0 is the n
 against float64 truth, for two truths: the sum of what the workers encoded (x + e, one step of
 compression error) and the sum of the step's inputs x (what the optimizer wanted; error feedback
 moves error between steps). The model line is the table's rounding variance plus the clipped mass of
-a standard normal, the per-rank NMSE when ||x + e|| equals M.
+a standard normal, the per-rank NMSE when ||x + e|| equals M. The last rows time THCAggregator's
+interleave of the tensor over its blocks and back, as the backend runs it and as strided torch copies.
 
 ``--device cuda`` runs the codecs on the GPU (timings synchronise the device around each call) and, in
 lockstep, CPU codecs on the same inputs: every rank's payload and the decoded output of every step
@@ -19,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from lossless_hc.backends import backend_for, cuda_thc
 from lossless_hc.bench.common import fmt_bytes, format_table, machine_rows, section, time_interleaved
 from lossless_hc.thc import THCCodec
 
@@ -120,6 +122,19 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
         "decode_reuse": lambda: decode_once(out_buf),
         "copy": lambda: dst.copy_(x0),
     }
+    # THCAggregator's interleave of this tensor over its nb blocks and back (the backend's kernels),
+    # beside the strided torch copies that the CUDA backend runs (and the CPU ran before its kernel).
+    L0 = c0.layout
+    nb = L0.padded // L0.block
+    if nb > 1:
+        backend = backend_for(dev)
+        spread = torch.empty(L0.padded, dtype=torch.float32, device=dev)
+        fns.update({
+            "interleave": lambda: backend.thc_interleave(x0, nb, L0.block, spread, threads),
+            "deinterleave": lambda: backend.thc_deinterleave(spread, nb, L0.block, dst, threads),
+            "interleave_torch": lambda: cuda_thc.interleave(x0, nb, L0.block, spread),
+            "deinterleave_torch": lambda: cuda_thc.deinterleave(spread, nb, L0.block, dst),
+        })
     if on_gpu:
         def synced(fn):
             def call():
@@ -169,7 +184,10 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
                    "reused_over_copy": (t_enc_reuse["median_s"] + t_dec_reuse["median_s"]) / t_copy["median_s"],
                    "encode_over_clone": t_enc["median_s"] / clone_s, "decode_over_clone": t_dec["median_s"] / clone_s,
                    "encode_plus_decode_over_clone": (t_enc["median_s"] + t_dec["median_s"]) / clone_s,
-                   "kernels_ms": kernels},
+                   "kernels_ms": kernels,
+                   "interleave": None if nb == 1 else {
+                       "blocks": nb, **{k: t[k] for k in ("interleave", "deinterleave", "interleave_torch",
+                                                          "deinterleave_torch")}}},
     }
 
 
@@ -202,6 +220,14 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
           f"NO: {', '.join(res['cpu_equal']['mismatches'][:4])}")),
         ("  model: rounding + clipping", f"{a['predicted_nmse_iid_normal']:.4e} "
                                          f"({L['table_variance_z']:.4e} + {a['clipped_mass_normal']:.4e})"),
+        *([] if not t.get("interleave") else [
+            (f"THCAggregator interleave, {t['interleave']['blocks']} blocks (ms)",
+             f"{ms(t['interleave']['interleave'])} + back {ms(t['interleave']['deinterleave'])}  = "
+             f"{(t['interleave']['interleave']['median_s'] + t['interleave']['deinterleave']['median_s']) / t['copy_prealloc']['median_s']:.2f}x copy_"),
+            ("  as strided torch copies (ms)",
+             f"{ms(t['interleave']['interleave_torch'])} + back {ms(t['interleave']['deinterleave_torch'])}  = "
+             f"{(t['interleave']['interleave_torch']['median_s'] + t['interleave']['deinterleave_torch']['median_s']) / t['copy_prealloc']['median_s']:.2f}x copy_"),
+        ]),
     ], align="ll")))
     if t.get("kernels_ms"):
         k = t["kernels_ms"]

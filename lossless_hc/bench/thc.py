@@ -203,6 +203,12 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
         ("layout", f"Hadamard block {L['block']}, {L['digits_per_word']} digits of base {L['base']} per 64-bit word"),
     ], align="ll"))]
     ms = lambda d: f"{d['median_s'] * 1e3:.1f}"  # noqa: E731
+
+    def there_and_back(forth: dict, back: dict) -> str:
+        ratio = (forth["median_s"] + back["median_s"]) / t["copy_prealloc"]["median_s"]
+        return f"{ms(forth)} + back {ms(back)}  = {ratio:.2f}x copy_"
+
+    spread = t.get("interleave")
     out.append(section("results", format_table([
         ("clone of one input (ms, median)", ms(t["clone"])),
         ("encode, one worker (ms)", f"{ms(t['encode'])}  = {t['encode_over_clone']:.2f}x clone"),
@@ -220,13 +226,10 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
           f"NO: {', '.join(res['cpu_equal']['mismatches'][:4])}")),
         ("  model: rounding + clipping", f"{a['predicted_nmse_iid_normal']:.4e} "
                                          f"({L['table_variance_z']:.4e} + {a['clipped_mass_normal']:.4e})"),
-        *([] if not t.get("interleave") else [
-            (f"THCAggregator interleave, {t['interleave']['blocks']} blocks (ms)",
-             f"{ms(t['interleave']['interleave'])} + back {ms(t['interleave']['deinterleave'])}  = "
-             f"{(t['interleave']['interleave']['median_s'] + t['interleave']['deinterleave']['median_s']) / t['copy_prealloc']['median_s']:.2f}x copy_"),
-            ("  as strided torch copies (ms)",
-             f"{ms(t['interleave']['interleave_torch'])} + back {ms(t['interleave']['deinterleave_torch'])}  = "
-             f"{(t['interleave']['interleave_torch']['median_s'] + t['interleave']['deinterleave_torch']['median_s']) / t['copy_prealloc']['median_s']:.2f}x copy_"),
+        *([] if not spread else [
+            (f"THCAggregator interleave, {spread['blocks']} blocks (ms)",
+             there_and_back(spread["interleave"], spread["deinterleave"])),
+            ("  as strided torch copies (ms)", there_and_back(spread["interleave_torch"], spread["deinterleave_torch"])),
         ]),
     ], align="ll")))
     if t.get("kernels_ms"):

@@ -255,25 +255,24 @@ def test_thc_interleave_kernels_match_the_index_definition(numel, nb, block):
     from lossless_hc.backends import cpu, cuda_thc
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     want = interleave_by_index(x, nb, block)
-    isas = cpu.thc_cpu_isas()
+
+    def check(interleave, deinterleave, label):
+        out = torch.full((nb * block,), float("nan"))
+        interleave(x, nb, block, out)
+        assert torch.equal(out, want), label
+        back = torch.full((numel,), float("nan"))
+        deinterleave(out, nb, block, back)
+        assert torch.equal(back, x), label
+
     try:
-        for isa in isas:
+        for isa in cpu.thc_cpu_isas():
             cpu.thc_cpu_isa(isa)
             for threads in (1, 3):
-                out = torch.full((nb * block,), float("nan"))
-                cpu.CPU.thc_interleave(x, nb, block, out, threads)
-                assert torch.equal(out, want), (isa, threads)
-                back = torch.full((numel,), float("nan"))
-                cpu.CPU.thc_deinterleave(out, nb, block, back, threads)
-                assert torch.equal(back, x), (isa, threads)
+                check(lambda *a: cpu.CPU.thc_interleave(*a, threads), lambda *a: cpu.CPU.thc_deinterleave(*a, threads),
+                      (isa, threads))
     finally:
         cpu.thc_cpu_isa("default")
-    out = torch.full((nb * block,), float("nan"))
-    cuda_thc.interleave(x, nb, block, out)
-    assert torch.equal(out, want)
-    back = torch.full((numel,), float("nan"))
-    cuda_thc.deinterleave(out, nb, block, back)
-    assert torch.equal(back, x)
+    check(cuda_thc.interleave, cuda_thc.deinterleave, "cuda backend's copies")
 
 
 def test_thc_interleave_rejects_bad_operands():

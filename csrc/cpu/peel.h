@@ -79,20 +79,24 @@ class PeelCells {
   // A key's record as the state slots hold it: its position p in the high half of slot 0 (above the
   // degree), its packed cells e[3] in slots 1 and 2.
   struct Record {
-    uint64_t pos, cells01, cells2;
+    uint64_t pos, cells01;
+    uint32_t cell2;
   };
   static Record record(uint32_t p, const uint32_t e[3]) {
-    return {(uint64_t)p << 32, (uint64_t)e[0] | (uint64_t)e[1] << 32, (uint64_t)e[2]};
+    return {(uint64_t)p << 32, (uint64_t)e[0] | (uint64_t)e[1] << 32, e[2]};
   }
   // Put a key into cell c (delta 1) or take it out (delta -1). Integer additions and XORs commute:
   // states do not depend on the order of the updates. One 64-bit operation per slot: the degree (low
   // half) never carries into the position (high half), as it stays below 2^32 and is never
-  // decremented below 0 (callers check).
+  // decremented below 0 (callers check). Slot 2 is updated in its low half only: its high half is the
+  // bound (acc) the value peel has just stored into the same cell, and an 8-byte load over a 4-byte
+  // store still in flight cannot take its data from the store (no store forwarding): it waits for the
+  // store to reach the cache, which made this update the peel's largest stall.
   void update(uint64_t c, const Record& k, uint32_t delta) const {
     CellSlot* s = &slots_[c * stride_];
     s[0].bits = (s[0].bits ^ k.pos) + (uint64_t)(int64_t)(int32_t)delta;
     s[1].bits ^= k.cells01;
-    s[2].bits ^= k.cells2;  // the high half is padding
+    s[2].word[0] ^= k.cell2;
   }
   // Prefetch the cell a packed cell of segment j names, clamped into the table: the packed value may
   // be a stale XOR (a cell that is no longer pure), and a prefetch needs no branch to skip it.
@@ -266,7 +270,10 @@ uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, st
     // A: every cell pure at the start of the layer proposes its key; the key keeps the smallest.
     uint32_t lo = kNone, hi = 0;
     for (size_t i = 0; i < cur_n; ++i) {
-      if (i + kAhead < cur_n) t.prefetch(cur_p[i + kAhead]);
+      // Two stages, as in B: the cell 2 * kAhead ahead; kAhead ahead, its position's entry of src
+      // (random in a per-key array; clamped, as a stale cell's position is an XOR of several).
+      if (i + 2 * kAhead < cur_n) t.prefetch(cur_p[i + 2 * kAhead]);
+      if (i + kAhead < cur_n) prefetch_line(&src_p[std::min(t.pos(cur_p[i + kAhead]), count - 1)]);
       const uint32_t c = cur_p[i];
       if (t.deg(c) != 1) continue;  // its last key went with another cell in the layer before
       const uint32_t pos = t.pos(c);

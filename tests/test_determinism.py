@@ -119,3 +119,51 @@ def test_fewer_threads_than_requested_still_encode_everything(tmp_path):
     assert torch.equal(got["p"], payload)
     assert torch.equal(got["y"], y)
     assert torch.equal(y != 0, x != 0)
+
+
+# The value peel's AVX-512 step (csrc/cpu/peel_batch.cpp) resolves eight keys of a layer at once and
+# must give the scalar step's bits: outputs, statuses, inexact keys. Small tables make batches whose
+# keys share a cell (declined, resolved key by key) common; a corrupted sketch gives NaN values and
+# keys failing rtol inside batches.
+ISA_CASES = [
+    pytest.param(dict(numel=300_000, k=70_000, n=2, verify=False, corrupt=0), id="70k"),
+    pytest.param(dict(numel=1 << 20, k=70_000, n=4, verify=False, corrupt=0), id="grouped"),
+    pytest.param(dict(numel=1 << 20, k=70_000, n=4, verify=True, corrupt=0), id="grouped-verify"),
+    pytest.param(dict(numel=6000, k=900, n=3, verify=False, corrupt=0), id="small"),
+    pytest.param(dict(numel=6000, k=900, n=3, verify=True, corrupt=0), id="small-verify"),
+    pytest.param(dict(numel=300_000, k=70_000, n=2, verify=False, corrupt=40), id="corrupted"),
+    pytest.param(dict(numel=300_000, k=70_000, n=2, verify=True, corrupt=40), id="corrupted-verify"),
+]
+
+
+@pytest.mark.parametrize("cfg", ISA_CASES)
+def test_avx512_value_peel_matches_the_scalar_step(cfg):
+    from lossless_hc.backends import cpu
+    isas = cpu.thc_cpu_isas()
+    if "x86-64-v4" not in isas:
+        pytest.skip("the value peel's AVX-512 step needs a CPU with AVX-512 (this one runs " + ", ".join(isas) + ")")
+    rng = np.random.default_rng(helpers.stable_seed(cfg))
+    numel, k, n = cfg["numel"], cfg["k"], cfg["n"]
+    codec = LosslessCodec(numel, n, k, block_size=1, seed=5, index="bitmap", verify=cfg["verify"])
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "wide")
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    if cfg["corrupt"]:
+        L = codec.layout
+        at = L.sketch_offset + torch.from_numpy(rng.choice(L.sketch.cells, cfg["corrupt"], replace=False))
+        summed[at[:10]] = float("nan")
+        summed[at[10:]] *= torch.from_numpy(rng.uniform(0.5, 2.0, cfg["corrupt"] - 10)).float()
+    outs = {}
+    try:
+        for isa in ("x86-64-v4", "x86-64-v3", "portable"):
+            cpu.thc_cpu_isa(isa)
+            outs[isa] = codec.decode(summed)
+    finally:
+        cpu.thc_cpu_isa("default")
+    y, report = outs["x86-64-v4"]
+    if not cfg["corrupt"]:
+        assert helpers.peeled_ok(report), report.reason
+    else:
+        assert not report.ok
+    for isa in ("x86-64-v3", "portable"):
+        assert same_bits(y, outs[isa][0]), f"{isa} decodes other bits than x86-64-v4"
+        assert reports_equal(report, outs[isa][1])

@@ -4,6 +4,7 @@
 //   digits.cpp     index words into packed digits (digits.h)
 //   peel.cpp       keys into a segmented table's cells and groups: hashing, bucketing, peeling
 //                  states (peel.h: the peeling itself and the two-key pairs)
+//   peel_batch.cpp the value peel's step for eight keys at once, in AVX-512 lanes
 //   support.cpp    the support from the bitmap and Bloom indexes
 //   multilevel.cpp the support from the multilevel index
 //   encode.cpp     lhc::cpu::encode

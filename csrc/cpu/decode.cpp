@@ -148,6 +148,16 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       double* const key_err = kerr.data();
       const double rtol = in.rtol;
       int64_t *const trace_keys = trace_key, *const trace_cells = trace_cell;
+      // Eight keys at a time in AVX-512 lanes where the CPU runs them (block 1, not tracing).
+      const bool batched = kBlock == 1 && !trace_keys && value_peel_batch8_available(t, kn);
+      const ValueBatchOut batch_out{key_err, gvals, rtol, check_now};
+      const auto batch = [&, t, batched](const uint32_t* entries, uint32_t* order_at, uint32_t* next_at,
+                                         uint64_t* appended) {
+        uint32_t lanes;
+        if (!batched || !value_peel_batch8(t, entries, batch_out, order_at, next_at, appended, &lanes)) return false;
+        for (; lanes; lanes &= lanes - 1) inexact[g].push_back(entries[2 * __builtin_ctz(lanes)]);
+        return true;
+      };
       peeled[g] = peel_layers(
           t, kn, cur, next, layer, src, bits, order,
           [&, t, gvals, key_err, rtol, check_now, trace_keys, trace_cells](uint32_t pos, const uint64_t* cell,
@@ -191,7 +201,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
             }
             return true;
           },
-          &group_bad);
+          batch, &group_bad);
       if (!group_bad && peeled[g] < kn)
         peeled[g] += solve_pairs(t, T, gkeys.data(), kn, B, scratch,
                                  [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int* wa, const int* wb,

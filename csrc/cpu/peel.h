@@ -67,6 +67,9 @@ class PeelCells {
   void clear_state(uint64_t c) const {
     for (uint64_t i = 0; i < kStateSlots; ++i) slots_[c * stride_ + i].bits = 0;
   }
+  CellSlot* slots() const { return slots_; }
+  uint64_t seg_len() const { return seg_len_; }
+  uint64_t stride() const { return stride_; }
   // The cell a packed cell e of segment j names.
   uint64_t cell(int j, uint32_t e) const { return (uint64_t)j * seg_len_ + (e >> kWeightCodeBits); }
   // The weight a packed cell carries (+-1, +-2) and its inverse, by table: a conditional here
@@ -231,24 +234,32 @@ uint32_t peel(PeelCells t, uint32_t count, std::vector<uint32_t>& queue, Resolve
 // `resolve` is peel's; `order` gets the cells keys were read from, in the order they were resolved
 // (the backward pass of the verification bound walks it in reverse). cur, next, layer, src and bits
 // are scratch. Returns the number of keys resolved; sets `*bad` if the states are inconsistent.
-template <typename Resolve>
+// `batch(entries, order, next, &appended)` may resolve kBatch consecutive keys of a layer at once:
+// entries holds their (position, read cell) pairs in increasing position. It either declines
+// (false), having changed nothing, or does exactly what resolve and the state updates would do for
+// them in that order, appends their read cells to order and the cells they leave pure to next
+// (`appended` of them, in any order: the next layer's proposals do not depend on it), and returns
+// true. A batch that declines is resolved key by key.
+constexpr size_t kBatch = 8;
+template <typename Resolve, typename Batch>
 uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, std::vector<uint32_t>& next,
                      std::vector<uint32_t>& layer, std::vector<uint32_t>& src, std::vector<uint64_t>& bits,
-                     std::vector<uint32_t>& order, Resolve&& resolve, bool* bad) {
+                     std::vector<uint32_t>& order, Resolve&& resolve, Batch&& batch, bool* bad) {
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   const uint64_t cells = t.cells();
   // cur[0, cur_n) and next[0, next_n): a cell is queued once at most (pure at the start, or when its
   // count drops to 1), so `cells` entries suffice. Appends are branch-free (store, then advance by the
   // test): whether a cell is left pure is a coin flip to a branch predictor, and a misprediction
   // there, resolved only when the cell's state arrives from memory, serialises the keys.
-  // A key joins one layer and is resolved once: `count` entries suffice for layer and order. The
-  // arrays are used through local pointers, which no store can change (a vector's would be reloaded
-  // after every store into the cells), and stores by index (a push_back is a call kept out of line).
+  // A key joins one layer and is resolved once: `count` entries suffice for order, and `count` pairs
+  // (position, read cell) for layer. The arrays are used through local pointers, which no store can
+  // change (a vector's would be reloaded after every store into the cells), and stores by index (a
+  // push_back is a call kept out of line).
   cur.resize(cells);
   next.resize(cells);
   src.assign(count, kNone);
   bits.assign(((uint64_t)count + 63) / 64, 0);
-  layer.resize(count);
+  layer.resize(2 * (uint64_t)count);
   order.resize(count);
   uint32_t *cur_p = cur.data(), *next_p = next.data();
   uint32_t* const layer_p = layer.data();
@@ -286,24 +297,35 @@ uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, st
     }
     uint64_t layer_n = 0;
     if (lo != kNone)
-      for (uint64_t w = lo / 64; w <= hi / 64; ++w)
-        for (uint64_t b = bits_p[w]; b; b &= b - 1) layer_p[layer_n++] = (uint32_t)(w * 64 + __builtin_ctzll(b));
+      for (uint64_t w = lo / 64; w <= hi / 64; ++w) {
+        // The layer's keys with their read cells (src in increasing position: a sequential walk), so
+        // that B reads each once; the word is cleared for the next layer.
+        for (uint64_t b = bits_p[w]; b; b &= b - 1) {
+          const uint32_t p = (uint32_t)(w * 64 + __builtin_ctzll(b));
+          layer_p[2 * layer_n] = p;
+          layer_p[2 * layer_n + 1] = src_p[p];
+          ++layer_n;
+        }
+        bits_p[w] = 0;
+      }
     // B and C: the layer's keys in increasing position, each read from its cell and subtracted from
-    // its other two (queued for the next layer when left with one key).
+    // its other two (queued for the next layer when left with one key). Eight keys at a time go to
+    // `batch` first, which either resolves them all (as `step` would, key after key) or declines.
     next_n = 0;
-    for (size_t i = 0; i < layer_n; ++i) {
-      // Two stages: the read cell 2 * kAhead keys ahead (in position order, i.e. a random cell); kAhead
-      // ahead, its state (in cache by then) names the key's other two cells: load those.
-      if (i + 2 * kAhead < layer_n) t.prefetch(src_p[layer_p[i + 2 * kAhead]]);
+    const auto prefetch_for = [&](size_t i) {
+      // Two stages: the read cell 2 * kAhead keys ahead (in position order, i.e. a random cell);
+      // kAhead ahead, its state (in cache by then) names the key's other two cells: load those.
+      if (i + 2 * kAhead < layer_n) t.prefetch(layer_p[2 * (i + 2 * kAhead) + 1]);
       if (i + kAhead < layer_n) {
         // Not clamped (unlike peel's): a key's read cell is pure from the start of its layer until
         // it is resolved (no other key of the layer touches it), so its state names real cells.
-        const uint32_t a = src_p[layer_p[i + kAhead]];
+        const uint32_t a = layer_p[2 * (i + kAhead) + 1];
         for (int j = 0; j < 3; ++j) t.prefetch(t.cell(j, t.packed(a, j)));
       }
-      const uint32_t pos = layer_p[i];
-      const uint64_t c = src_p[pos];
-      bits_p[pos / 64] = 0;
+    };
+    const auto step = [&](size_t i) {
+      const uint32_t pos = layer_p[2 * i];
+      const uint64_t c = layer_p[2 * i + 1];
       const uint32_t e0 = t.packed(c, 0), e1 = t.packed(c, 1), e2 = t.packed(c, 2);
       const int pure = t.segment(c);
       // The other two segments in order, j1 < j2, and the packed cells there: selects, not an array
@@ -314,23 +336,60 @@ uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, st
       const uint32_t e[3] = {e0, e1, e2};
       const uint64_t ordered[3] = {c, t.cell(j1, e_j1), t.cell(j2, e_j2)};
       const double coef[3] = {PeelCells::inverse_weight(e_pure), PeelCells::weight(e_j1), PeelCells::weight(e_j2)};
-      if (!resolve(pos, ordered, coef)) return done();
+      if (!resolve(pos, ordered, coef)) return false;
       ++resolved;
       order_p[order_n++] = (uint32_t)c;
       const PeelCells::Record k = PeelCells::record(pos, e);
       for (int j = 1; j < 3; ++j) {
         const uint64_t d = ordered[j];
-        if (t.deg(d) == 0) { *bad = true; return done(); }
+        if (t.deg(d) == 0) { *bad = true; return false; }
         t.update(d, k, (uint32_t)-1);
         next_p[next_n] = (uint32_t)d;
         next_n += t.deg(d) == 1;
       }
+      return true;
+    };
+    for (size_t i = 0; i < layer_n;) {
+      const size_t n = std::min<size_t>(kBatch, layer_n - i);
+      for (size_t k = 0; k < n; ++k) prefetch_for(i + k);
+      uint64_t appended;
+      if (n == kBatch && batch(&layer_p[2 * i], order_p + order_n, next_p + next_n, &appended)) {
+        resolved += kBatch;
+        order_n += kBatch;
+        next_n += appended;
+      } else {
+        for (size_t k = 0; k < n; ++k)
+          if (!step(i + k)) return done();
+      }
+      i += n;
     }
     std::swap(cur_p, next_p);
     cur_n = next_n;
   }
   return done();
 }
+
+// What the value peel's per-key step writes besides the table (decode.cpp): each key's error bound
+// and value by position, and whether it checks rtol now.
+struct ValueBatchOut {
+  double* key_err;
+  float* gvals;
+  double rtol;
+  bool check_now;
+};
+
+// Whether value_peel_batch8 can run on table t with `count` keys: the selected CPU copy is AVX-512
+// (thc_cpu_isa() "x86-64-v4", which LHC_CPU_ISA and thc_set_cpu_isa choose for THC, top-k and this
+// step alike), a block of one value, and indices that fit 32 bits.
+bool value_peel_batch8_available(PeelCells t, uint32_t count);
+
+// peel_layers' `batch` for the value sketch with a block of one value (peel_batch.cpp): the eight keys
+// of `entries` resolved at once, exactly as decode.cpp's per-key step and the state updates would,
+// key after key: the same bits. Declines (false, nothing changed) when two of the keys share a cell
+// or a cell they subtract from holds no key. inexact_lanes: the lanes (keys) failing rtol, when
+// out.check_now.
+bool value_peel_batch8(PeelCells t, const uint32_t* entries, const ValueBatchOut& out, uint32_t* order, uint32_t* next,
+                       uint64_t* appended, uint32_t* inexact_lanes);
 
 // The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
 // share all three cells, each cell holding just the two of them. Cell j holds

@@ -69,7 +69,8 @@ def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tens
 
 def thc_cpu_isa(request: str = "") -> str:
     """The compiled copy of THC's CPU kernels in use ("x86-64-v4", "x86-64-v3" or "portable"; the same
-    bits from each); ``request`` switches to another first ("default": the best this CPU runs)."""
+    bits from each); ``request`` switches to another first ("default": the best this CPU runs). The
+    selection also governs the LHC value peel's AVX-512 step (used only under "x86-64-v4")."""
     _require_module()
     return _C.thc_cpu_isa(request)
 

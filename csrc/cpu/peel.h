@@ -41,7 +41,7 @@ class PeelCells {
   uint64_t cells() const { return 3 * seg_len_; }
   uint32_t& deg(uint64_t c) const { return slots_[c * stride_].word[0]; }
   uint32_t& pos(uint64_t c) const { return slots_[c * stride_].word[1]; }
-  uint32_t& packed(uint64_t c, int j) const { return slots_[c * stride_ + 1 + j / 2].word[j % 2]; }
+  uint32_t& packed(uint64_t c, int j) const { return word(c, kPackedWord + j); }
   double* values(uint64_t c) const { return &slots_[c * stride_ + kStateSlots].value; }
   // The value peel's error bound of cell c (see decode.cpp), kept in the padding half of the third
   // state slot (zeroed by clear_state, never touched by update): a float, so every store rounds up
@@ -50,17 +50,17 @@ class PeelCells {
   // after the residual check a check cell holds its verification bound V (lhc::verification_bound).
   float acc(uint64_t c) const {
     float f;
-    std::memcpy(&f, &slots_[c * stride_ + 2].word[1], sizeof f);
+    std::memcpy(&f, &word(c, kBoundWord), sizeof f);
     return f;
   }
   // A bound >= 0 (or NaN), rounded up; the negative one of a corrupted (negative) mass word stays
   // negative, which is all that is read of it (its cell holds no key, or the group is corrupt).
   void set_acc(uint64_t c, double bound) const {
     const float f = (float)round_up_to_float(bound);
-    std::memcpy(&slots_[c * stride_ + 2].word[1], &f, sizeof f);
+    std::memcpy(&word(c, kBoundWord), &f, sizeof f);
   }
   void mark(uint64_t c, float marker) const {  // kReadCell or kPairCell
-    std::memcpy(&slots_[c * stride_ + 2].word[1], &marker, sizeof marker);
+    std::memcpy(&word(c, kBoundWord), &marker, sizeof marker);
   }
   static constexpr float kReadCell = -1.0f;
   static constexpr float kPairCell = -2.0f;
@@ -110,7 +110,11 @@ class PeelCells {
     prefetch_line(&slots_[c * stride_]);
     if (stride_ > kStateSlots + 1) prefetch_line(&slots_[c * stride_ + stride_ - 1]);  // the last value (block > 1)
   }
-  static constexpr uint64_t kStateSlots = 3;  // degree, position, 3 packed cells, padding
+  // A cell's state slots as 32-bit words: degree 0, position 1, packed cells 2 to 4, bound 5 (acc);
+  // its values follow from slot kStateSlots. The AVX-512 step (peel_batch.cpp) addresses them so.
+  static constexpr uint64_t kStateSlots = 3;
+  static constexpr int kPackedWord = 2, kBoundWord = 5;
+  uint32_t& word(uint64_t c, int w) const { return slots_[c * stride_ + w / 2].word[w % 2]; }
 
  private:
   CellSlot* slots_;

@@ -34,16 +34,20 @@ namespace detail {
 #if LHC_PEEL_BATCH
 namespace {
 
-// Word w of each lane's cell (cell8 = cell * 8), and each lane's value slot (cell * 4 + 3).
+// A block-1 cell is 4 slots of 8 bytes (PeelCells: its state slots, then its value), so cell * 4 is
+// its first slot and cell * 8 its first 32-bit word.
+static_assert(PeelCells::kStateSlots + 1 == 4, "the shifts below assume 4 slots per block-1 cell");
+
+// Word w of each lane's cell (cell8 = cell * 8), and each lane's value slot.
 LHC_AVX512 inline __m256i word_at(__m256i cell8, int w) { return _mm256_add_epi32(cell8, _mm256_set1_epi32(w)); }
 LHC_AVX512 inline __m256i value_slot(__m256i cell) {
-  return _mm256_add_epi32(_mm256_slli_epi32(cell, 2), _mm256_set1_epi32(3));
+  return _mm256_add_epi32(_mm256_slli_epi32(cell, 2), _mm256_set1_epi32((int)PeelCells::kStateSlots));
 }
 
-// The bound of each lane's cell (word 5 of cell8) plus |coef| err, rounded up to float
+// The bound of each lane's cell plus |coef| err, rounded up to float
 // (lhc::round_up_to_float: to nearest, then one float up if below).
 LHC_AVX512 inline void add_bound(float* floats, __m256i cell8, __m512d coef, __m512d err) {
-  const __m256i at = word_at(cell8, 5);
+  const __m256i at = word_at(cell8, PeelCells::kBoundWord);
   const __m512d bound =
       _mm512_add_pd(_mm512_cvtps_pd(_mm256_i32gather_ps(floats, at, 4)), _mm512_mul_pd(_mm512_abs_pd(coef), err));
   const __m256 nearest = _mm512_cvtpd_ps(bound);
@@ -69,7 +73,7 @@ LHC_AVX512 inline uint64_t update(long long* slots, int* words, __m256i cell, __
   _mm512_i32scatter_epi64(slots, slot0, s0, 8);
   const __m256i slot1 = _mm256_add_epi32(slot0, _mm256_set1_epi32(1));
   _mm512_i32scatter_epi64(slots, slot1, _mm512_xor_si512(_mm512_i32gather_epi64(slot1, slots, 8), rec_cells01), 8);
-  const __m256i w4 = word_at(_mm256_slli_epi32(cell, 3), 4);
+  const __m256i w4 = word_at(_mm256_slli_epi32(cell, 3), PeelCells::kPackedWord + 2);
   _mm256_i32scatter_epi32(words, w4, _mm256_xor_si256(_mm256_i32gather_epi32(words, w4, 4), e2), 4);
   const __mmask8 pure = _mm256_cmpeq_epi32_mask(_mm512_cvtepi64_epi32(s0), _mm256_set1_epi32(1));
   _mm256_mask_compressstoreu_epi32(next, pure, cell);
@@ -78,8 +82,7 @@ LHC_AVX512 inline uint64_t update(long long* slots, int* words, __m256i cell, __
 
 LHC_AVX512 bool batch8_avx512(PeelCells t, const uint32_t* entries, const ValueBatchOut& out, uint32_t* order,
                               uint32_t* next, uint64_t* appended, uint32_t* inexact_lanes) {
-  // The table as 32-bit words (a cell's word w is cell * 8 + w: stride 4 slots of 8 bytes) and as
-  // 8-byte slots; the caller checked that every index fits a signed 32-bit gather index.
+  // The table as 32-bit words and as 8-byte slots; the caller checked that every index fits a signed 32-bit gather index.
   int* const words = reinterpret_cast<int*>(t.slots());
   long long* const slots = reinterpret_cast<long long*>(t.slots());
   double* const values = reinterpret_cast<double*>(t.slots());
@@ -88,9 +91,9 @@ LHC_AVX512 bool batch8_avx512(PeelCells t, const uint32_t* entries, const ValueB
   const __m256i pos = _mm512_cvtepi64_epi32(pairs);
   const __m256i c = _mm512_cvtepi64_epi32(_mm512_srli_epi64(pairs, 32));
   const __m256i c8 = _mm256_slli_epi32(c, 3);
-  const __m256i e0 = _mm256_i32gather_epi32(words, word_at(c8, 2), 4);
-  const __m256i e1 = _mm256_i32gather_epi32(words, word_at(c8, 3), 4);
-  const __m256i e2 = _mm256_i32gather_epi32(words, word_at(c8, 4), 4);
+  const __m256i e0 = _mm256_i32gather_epi32(words, word_at(c8, PeelCells::kPackedWord), 4);
+  const __m256i e1 = _mm256_i32gather_epi32(words, word_at(c8, PeelCells::kPackedWord + 1), 4);
+  const __m256i e2 = _mm256_i32gather_epi32(words, word_at(c8, PeelCells::kPackedWord + 2), 4);
   // The read cell's segment (pure): at least 1 where ge1, 2 where ge2. The other two segments
   // j1 < j2 and their packed cells, as the scalar selects.
   const __m256i seg = _mm256_set1_epi32((int)t.seg_len());
@@ -125,9 +128,10 @@ LHC_AVX512 bool batch8_avx512(PeelCells t, const uint32_t* entries, const ValueB
 
   // The key's bound: |1 / w| times its read cell's (then marked read); it joins the other two cells'
   // bounds, rounded up to float (lhc::round_up_to_float: to nearest, then one float up if below).
-  const __m512d err = _mm512_mul_pd(_mm512_abs_pd(coef0), _mm512_cvtps_pd(_mm256_i32gather_ps(floats, word_at(c8, 5), 4)));
+  const __m256i read_bound = word_at(c8, PeelCells::kBoundWord);
+  const __m512d err = _mm512_mul_pd(_mm512_abs_pd(coef0), _mm512_cvtps_pd(_mm256_i32gather_ps(floats, read_bound, 4)));
   _mm512_i32scatter_pd(out.key_err, pos, err, 8);
-  _mm256_i32scatter_ps(floats, word_at(c8, 5), _mm256_set1_ps(PeelCells::kReadCell), 4);
+  _mm256_i32scatter_ps(floats, read_bound, _mm256_set1_ps(PeelCells::kReadCell), 4);
   add_bound(floats, c1_8, coef1, err);
   add_bound(floats, c2_8, coef2, err);
 

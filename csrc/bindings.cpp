@@ -70,17 +70,21 @@ PYBIND11_MODULE(_C, m) {
       "decode",
       [](uintptr_t words, double scale, uint64_t total_keys, uint64_t world_size, uintptr_t payload, uintptr_t out,
          uintptr_t trace_key, uintptr_t trace_cell, int num_threads, double rtol,
-         bool verify) {
+         bool verify, uintptr_t bound_keys, uintptr_t bounds, uint64_t bound_capacity) {
         const CodecLayout layout = layout_at(words);
         py::gil_scoped_release release;
         cpu::DecodeInputs in{scale, total_keys, world_size, rtol, verify};
+        const cpu::KeyBounds key_bounds{ptr<int64_t>(bound_keys), ptr<double>(bounds), bound_capacity};
         return cpu::decode(layout, in, ptr<const float>(payload), ptr<float>(out), ptr<int64_t>(trace_key),
-                           ptr<int64_t>(trace_cell), num_threads);
+                           ptr<int64_t>(trace_cell), bounds ? &key_bounds : nullptr, num_threads);
       },
       py::arg("words"), py::arg("scale"), py::arg("total_keys"), py::arg("world_size"), py::arg("payload"),
       py::arg("out"), py::arg("trace_key") = 0, py::arg("trace_cell") = 0, py::arg("num_threads") = 0,
-      py::arg("rtol") = 0.0, py::arg("verify") = false,
-      "Decode an aggregated payload into numel float32 values at out (the layout: the layout words at `words`).");
+      py::arg("rtol") = 0.0, py::arg("verify") = false, py::arg("bound_keys") = 0, py::arg("bounds") = 0,
+      py::arg("bound_capacity") = 0,
+      "Decode an aggregated payload into numel float32 values at out (the layout: the layout words at `words`);\n"
+      "with `bounds`, each support key's error bound goes to bounds[i] and its key to bound_keys[i]\n"
+      "(int64 and float64 arrays of bound_capacity entries; see lhc::cpu::KeyBounds).");
 
   m.def(
       "advise_huge_pages", [](uintptr_t address, uint64_t bytes) { cpu::advise_huge_pages(ptr<void>(address), bytes); },

@@ -319,6 +319,39 @@ def assert_contract(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tens
                                  f"ref={ref[bad][:5].tolist()}")
 
 
+def assert_error_bounds(layout: PayloadLayout, ref: torch.Tensor, yf: torch.Tensor, error_bounds, truth_keys,
+                        trace_bound: torch.Tensor) -> None:
+    """The decoder's own bounds (``DecodeReport.error_bounds``) are sound: they list exactly the true
+    support keys, sorted; every coordinate of key k is within E(k) of the float64 truth ``ref``
+    before the output's rounding to float32, i.e. ``|y - ref| <= E + u (|ref| + E)`` (``|y - v| <= u
+    |v|`` and ``|v| <= |ref| + E``); and E(k) is at least ``trace_bound`` (:func:`peel_error_bound`,
+    per coordinate) on each of k's coordinates. That bound follows the same recursion over the same
+    peeling order from the inputs' exact masses; the decoder's cell masses are float32 sums inflated
+    past their rounding (at least the exact ones, and a key's is its largest lane's) and every bound
+    it stores is rounded up, so it can only be larger. Being a bound, the first check alone would
+    miss an E(k) a few times too small (measured errors stay below a quarter of E); this one does
+    not."""
+    keys, E = error_bounds
+    assert keys.dtype == torch.int64 and E.dtype == torch.float64
+    assert keys.tolist() == sorted(truth_keys), "error_bounds lists other keys than the support"
+    assert bool((E >= 0).all()), "an error bound is negative or NaN"
+    block = layout.block
+    coords = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
+    Ec = E.repeat_interleave(block)
+    inside = coords < layout.numel
+    coords, Ec = coords[inside], Ec[inside]
+    err = (yf[coords] - ref[coords]).abs()
+    tol = Ec + U32 * (ref[coords].abs() + Ec) + 1e-300
+    bad = err > tol
+    assert not bool(bad.any()), (f"{int(bad.sum())} coordinates outside their decoder-reported bound; e.g. "
+                                 f"coordinate {int(coords[bad][0])}: |y - ref| = {err[bad][0].item()!r} > "
+                                 f"E = {Ec[bad][0].item()!r}")
+    low = Ec < trace_bound[coords] * (1 - 2.0 ** -40)
+    assert not bool(low.any()), (f"{int(low.sum())} coordinates with a reported bound below the trace's; e.g. "
+                                 f"coordinate {int(coords[low][0])}: E = {Ec[low][0].item()!r} < "
+                                 f"{trace_bound[coords][low][0].item()!r}")
+
+
 def assert_lossless(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tensor, report, *,
                     averaged: bool = False, strict_support: bool = True) -> None:
     """Check a decoded aggregate against the float64 truth with the rigorous trace bound.
@@ -329,6 +362,7 @@ def assert_lossless(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tens
     * keys that are zero in the truth are exact zeros in ``y`` (the generators never cancel exactly);
     * ``|y - ref| <= E + u |ref| + 1e-30`` per coordinate (E from ``peel_error_bound``; u |ref| is
       the final rounding of the output to float32);
+    * where the report carries ``error_bounds``, those too (:func:`assert_error_bounds`);
     * with ``strict_support`` every key non-zero in the truth is non-zero in ``y``. Without it this
       is required only where the bound rules out an exact zero (values spanning 12 decades can be
       swallowed by a large cell-mate: 1e6 + 1e-6 == 1e6 in float32).
@@ -353,6 +387,9 @@ def assert_lossless(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tens
         E = (n + 2) * U32 * sum(x.reshape(-1).abs().to(torch.float64) for x in xs) * scale
 
     tol = E + U32 * ref.abs() + 1e-30
+    if getattr(report, "error_bounds", None) is not None:
+        assert_error_bounds(layout, ref, yf, report.error_bounds, truth_keys, E)
+
     err = (yf - ref).abs()
     bad = err > tol
     assert not bool(bad.any()), (f"{int(bad.sum())} coordinates outside the bound; worst at "

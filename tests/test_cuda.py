@@ -185,11 +185,15 @@ def test_decode_is_lossless_and_agrees_with_cpu(backend, cfg):
     cpu, gpu = codecs(cfg["numel"], cfg["n"], cfg["k"], cfg["block"], cfg["index"])
     xs = helpers.make_inputs(rng, cfg["numel"], cfg["block"], cfg["n"], cfg["k"] // cfg["block"], "random", "wide")
     summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
-    y_gpu, r_gpu = gpu.decode(summed.cuda(), trace=True)
+    y_gpu, r_gpu = gpu.decode(summed.cuda(), trace=True, error_bounds=True)
     helpers.assert_lossless(gpu.layout, xs, y_gpu.cpu(), r_gpu, strict_support=False)
-    _, r_cpu = cpu.decode(summed)
+    y_cpu, r_cpu = cpu.decode(summed, error_bounds=True)
     for field in ("ok", "reason", "contributors", "candidates", "false_positives", "support", "peeled", "total_keys"):
         assert getattr(r_gpu, field) == getattr(r_cpu, field), field
+    # The same payload: the same values and bounds, bit for bit (peel_layers' layers are the rounds).
+    assert torch.equal(bits(y_gpu), bits(y_cpu))
+    assert torch.equal(r_gpu.error_bounds[0], r_cpu.error_bounds[0])
+    assert torch.equal(r_gpu.error_bounds[1].view(torch.int64), r_cpu.error_bounds[1].view(torch.int64))
 
 
 @given(seed=st.integers(0, 2**32 - 1), index=st.sampled_from(["bitmap", "bloom", "multilevel"]),

@@ -97,7 +97,16 @@ def emulated_decode(native, payload, averaged=False, verify=False):
                              status=st.status, trace=run.trace(st.support_keys),
                              inexact_keys=run.inexact_keys(st.support_keys) if st.status == helpers.INEXACT
                              else torch.zeros(0, dtype=torch.int64))
+    # As LosslessCodec.decode(error_bounds=True): only where every key was recovered.
+    report.error_bounds = run.error_bounds(st.support_keys) if helpers.peeled_ok(report) else None
     return out, report, header
+
+
+def assert_same_bounds(report, r_cpu, what=None):
+    """The emulated kernels' error bounds are the CPU backend's, key for key and bit for bit."""
+    (k, e), (k_cpu, e_cpu) = report.error_bounds, r_cpu.error_bounds
+    assert torch.equal(k, k_cpu), what
+    assert torch.equal(e.view(torch.int64), e_cpu.view(torch.int64)), (what, (e - e_cpu).abs().max().item())
 
 
 CONFIGS = [
@@ -277,11 +286,12 @@ def test_emulated_pairs_agree_with_cpu(emulated, block, index):
         xs = pair_inputs(rng, cpu.layout, pair, n, others=3)
         summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
         y, report, _ = emulated_decode(native, summed)
-        y_cpu, r_cpu = cpu.decode(summed)
+        y_cpu, r_cpu = cpu.decode(summed, error_bounds=True)
         assert (report.status, report.peeled, report.support) == (r_cpu.status, r_cpu.peeled, r_cpu.support)
         assert torch.equal(report.inexact_keys, r_cpu.inexact_keys)
         assert helpers.peeled_ok(report) == expect_ok
         if expect_ok:
+            assert_same_bounds(report, r_cpu)
             helpers.assert_lossless(cpu.layout, xs, y, report, strict_support=False)
             # the solved pair comes last in the trace (round kPairRound, after every peeling round)
             assert sorted(report.trace[0][-2:].tolist()) == sorted(pair)
@@ -312,9 +322,10 @@ def test_emulated_pair_values_match_cpu_bitwise(emulated):
         xs = pair_inputs(rng, L, pair, n, others=2)
         summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
         y, report, _ = emulated_decode(native, summed)
-        y_cpu, r_cpu = cpu.decode(summed)
+        y_cpu, r_cpu = cpu.decode(summed, error_bounds=True)
         assert helpers.peeled_ok(report) and helpers.peeled_ok(r_cpu), (det, report.reason, r_cpu.reason)
         assert torch.equal(report.inexact_keys, r_cpu.inexact_keys)
+        assert_same_bounds(report, r_cpu, det)
         keys = torch.tensor(pair)
         assert torch.equal(bits(y[keys]), bits(y_cpu[keys])), (det, pair, y[keys].tolist(), y_cpu[keys].tolist())
 
@@ -351,9 +362,10 @@ def test_emulated_verdicts_match_cpu_on_the_issue_example(emulated):
     cpu, native = host_codecs(2000, 2, 41, 1, "bitmap", seed=1)
     summed = cpu.encode(xs[0]) + cpu.encode(xs[1])
     y, report, _ = emulated_decode(native, summed)
-    y_cpu, r_cpu = cpu.decode(summed)
+    y_cpu, r_cpu = cpu.decode(summed, error_bounds=True)
     assert report.status == r_cpu.status and torch.equal(report.inexact_keys, r_cpu.inexact_keys)
     assert torch.equal(bits(y), bits(y_cpu))
+    assert_same_bounds(report, r_cpu)
 
 
 VERDICT_KINDS = ("normal", "wide", "big_small", "cancel")
@@ -392,8 +404,8 @@ def verdict_inputs(rng, numel, block, n, k, kind):
 def test_emulated_verdicts_match_cpu_property(emulated, index):
     """CPU and CUDA read every key from the same cell, round every cell in the same order and decide
     with the same operations: over random seeds, value kinds, block sizes, world sizes, sums or
-    averages and verify off or on, the status, the inexact keys and the decoded bits agree (corrupted
-    sketches included)."""
+    averages and verify off or on, the status, the inexact keys, the decoded bits and the error bounds
+    agree (corrupted sketches included)."""
     rng = np.random.default_rng(helpers.stable_seed("emu-verdicts", index))
     seen = set()
     for trial in range(8):
@@ -417,12 +429,13 @@ def test_emulated_verdicts_match_cpu_property(emulated, index):
         for j, p in enumerate(payloads):
             avg = averaged and j == 0
             y, report, _ = emulated_decode(native, p, avg, verify)
-            y_cpu, r_cpu = cpu.decode(p, averaged=avg)
+            y_cpu, r_cpu = cpu.decode(p, averaged=avg, error_bounds=True)
             what = (trial, index, kind, block, n, j, verify)
             assert report.status == r_cpu.status, (what, report.reason, r_cpu.reason)
             assert torch.equal(report.inexact_keys, r_cpu.inexact_keys), what
             if helpers.peeled_ok(r_cpu):
                 assert torch.equal(bits(y), bits(y_cpu)), what
+                assert_same_bounds(report, r_cpu, what)
             seen.add(int(r_cpu.status))
     assert {0, helpers.INEXACT, 7} <= seen, seen   # OK, INEXACT and SKETCH_CORRUPT all compared
 

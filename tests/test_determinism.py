@@ -15,9 +15,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def reports_equal(a, b) -> bool:
+    """Equal fields; the trace, the inexact keys and the error bounds (bit for bit) included."""
     fa, fb = dict(a.__dict__), dict(b.__dict__)
     ta, tb = fa.pop("trace"), fb.pop("trace")
     if not torch.equal(fa.pop("inexact_keys"), fb.pop("inexact_keys")):
+        return False
+    ea, eb = fa.pop("error_bounds"), fb.pop("error_bounds")
+    if (ea is None) != (eb is None):
+        return False
+    if ea is not None and not (torch.equal(ea[0], eb[0]) and torch.equal(ea[1].view(torch.int64), eb[1].view(torch.int64))):
         return False
     if fa != fb:
         return False
@@ -54,7 +60,7 @@ def test_thread_count_does_not_change_bits(cfg):
     # and bit-identical to the reference (the parallel scatter keeps increasing key order per cell)
     assert same_bits(payloads[1][0], reference.encode(codecs[1].layout, xs[0]))
     summed = helpers.sum_payloads(payloads[1], rng)
-    outs = {t: c.decode(summed, trace=True) for t, c in codecs.items()}
+    outs = {t: c.decode(summed, trace=True, error_bounds=True) for t, c in codecs.items()}
     assert helpers.peeled_ok(outs[1][1]), outs[1][1].reason
     for t in (2, 0):
         assert same_bits(outs[1][0], outs[t][0]), f"decode with num_threads={t} differs"
@@ -122,7 +128,7 @@ def test_fewer_threads_than_requested_still_encode_everything(tmp_path):
 
 
 # The value peel's AVX-512 step (csrc/cpu/peel_batch.cpp) resolves eight keys of a layer at once and
-# must give the scalar step's bits: outputs, statuses, inexact keys. Small tables make batches whose
+# must give the scalar step's bits: outputs, statuses, inexact keys, error bounds. Small tables make batches whose
 # keys share a cell (declined, resolved key by key) common; a corrupted sketch gives NaN values and
 # keys failing rtol inside batches.
 ISA_CASES = [
@@ -156,7 +162,7 @@ def test_avx512_value_peel_matches_the_scalar_step(cfg):
     try:
         for isa in ("x86-64-v4", "x86-64-v3", "portable"):
             cpu.thc_cpu_isa(isa)
-            outs[isa] = codec.decode(summed)
+            outs[isa] = codec.decode(summed, error_bounds=True)
     finally:
         cpu.thc_cpu_isa("default")
     y, report = outs["x86-64-v4"]

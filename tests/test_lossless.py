@@ -1,6 +1,6 @@
 """The lossless property: the decoded aggregate has exactly the dense sum's non-zero keys, and values
 within a rigorous float-rounding bound derived from the decoder's own peeling trace
-(helpers.peel_error_bound), whatever order and grouping the engine sums the payloads in; and the
+(helpers.peel_error_bound) and within the bounds the decoder reports (error_bounds), whatever order and grouping the engine sums the payloads in; and the
 same for AVERAGE aggregation."""
 import numpy as np
 import pytest
@@ -41,7 +41,7 @@ def test_sum_is_lossless(how, **kw):
     rng, codec, xs = build(**kw)
     payloads = [codec.encode(x) for x in xs]
     summed = helpers.sum_payloads(payloads, rng, how)
-    y, report = codec.decode(summed, trace=True)
+    y, report = codec.decode(summed, trace=True, error_bounds=True)
     assert report.contributors == len(xs)
     helpers.assert_lossless(codec.layout, xs, y, report, strict_support=kw["dist"] == "normal")
 
@@ -71,7 +71,7 @@ def test_average_is_lossless(avg, **kw):
     rng, codec, xs = build(**kw)
     summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng, "tree")
     averaged = helpers.average_payloads(summed, len(xs), avg)
-    y, report = codec.decode(averaged, averaged=True, trace=True)
+    y, report = codec.decode(averaged, averaged=True, trace=True, error_bounds=True)
     helpers.assert_lossless(codec.layout, xs, y, report, averaged=True, strict_support=kw["dist"] == "normal")
 
 

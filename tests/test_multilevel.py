@@ -36,10 +36,10 @@ def test_exact_when_ok(pattern, numel, n, k, block):
     assert codec.index_kind == "multilevel"
     payloads = [codec.encode(x) for x in xs]
     summed = helpers.sum_payloads(payloads, rng)
-    y, rep = codec.decode(summed, trace=True)
+    y, rep = codec.decode(summed, trace=True, error_bounds=True)
     helpers.assert_lossless(codec.layout, xs, y, rep)
     assert rep.false_positives == 0 and rep.candidates == rep.support
-    ya, repa = codec.decode(helpers.average_payloads(summed, n), averaged=True, trace=True)
+    ya, repa = codec.decode(helpers.average_payloads(summed, n), averaged=True, trace=True, error_bounds=True)
     helpers.assert_lossless(codec.layout, xs, ya, repa, averaged=True)
 
 
@@ -73,7 +73,7 @@ def test_property_round_trip_and_reference(seed, pattern, block, averaged):
         assert torch.equal(bits(codec.encode(x)), bits(reference.encode(codec.layout, x)))
     summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
     payload = helpers.average_payloads(summed, n) if averaged else summed
-    y, rep = codec.decode(payload, averaged=averaged, trace=True)
+    y, rep = codec.decode(payload, averaged=averaged, trace=True, error_bounds=True)
     yr, info = reference.decode(codec.layout, payload, averaged=averaged)
     assert helpers.peeled_ok(rep) == helpers.peeled_ok(info) and rep.support == info["support"]
     if helpers.peeled_ok(rep):

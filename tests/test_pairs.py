@@ -61,7 +61,7 @@ def test_solvable_pair_decodes_exactly(block, n, averaged):
         summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
         if averaged:
             summed = helpers.average_payloads(summed, n)
-        y, rep = codec.decode(summed, averaged=averaged, trace=True)
+        y, rep = codec.decode(summed, averaged=averaged, trace=True, error_bounds=True)
         helpers.assert_lossless(codec.layout, xs, y, rep, averaged=averaged, strict_support=False)
         assert set(pair) <= set((rep.trace[0] // 1).tolist())
         yr, info = reference.decode(codec.layout, summed, averaged=averaged)
@@ -102,7 +102,7 @@ def test_bloom_index_then_pair():
     solvable, _ = colliding_pairs(codec.layout)
     rng = np.random.default_rng(5)
     xs = pair_inputs(rng, codec.layout, solvable[0], 2, others=3)
-    y, rep = codec.decode(sum(codec.encode(x) for x in xs), trace=True)
+    y, rep = codec.decode(sum(codec.encode(x) for x in xs), trace=True, error_bounds=True)
     helpers.assert_lossless(codec.layout, xs, y, rep, strict_support=False)
 
 
@@ -137,7 +137,7 @@ def test_pairs_property(seed, n, block, others, dist):
     pair = pool[int(rng.integers(len(pool)))]
     xs = pair_inputs(rng, codec.layout, pair, n, others=others, dist=dist)
     summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
-    y, rep = codec.decode(summed, trace=True)
+    y, rep = codec.decode(summed, trace=True, error_bounds=True)
     _, info = reference.decode(codec.layout, summed)
     assert (rep.ok, rep.peeled) == (info["ok"], info["peeled"])
     if pair in proportional:

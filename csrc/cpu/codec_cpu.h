@@ -45,11 +45,21 @@ struct DecodeInputs {
                          // caught or their keys listed inexact; solved pairs are always inexact
 };
 
+// Where decode puts each support key's error bound E(k) (decode.cpp): keys[i] and bounds[i] for the
+// i-th support key in the decoder's order (by sketch group, not sorted), i < support_keys, written
+// only when support_keys <= capacity. A key of a group that was not peeled completely gets NaN.
+struct KeyBounds {
+  int64_t* keys;
+  double* bounds;
+  uint64_t capacity;
+};
+
 // Decode an aggregated payload into `out` (layout.numel floats, overwritten: zeros outside the
 // recovered support). `trace_key`/`trace_cell` (may be null) receive, in peeling order, the key
-// peeled and the cell it was read from; they must hold layout.num_keys entries.
+// peeled and the cell it was read from; they must hold layout.num_keys entries. `key_bounds` (may be
+// null) receives the keys' error bounds.
 DecodeStats decode(const CodecLayout& layout, const DecodeInputs& in, const float* payload, float* out,
-                   int64_t* trace_key, int64_t* trace_cell, int num_threads);
+                   int64_t* trace_key, int64_t* trace_cell, const KeyBounds* key_bounds, int num_threads);
 
 // Ask the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent huge pages
 // (Linux, where THP is enabled for "madvise" or "always"; elsewhere a no-op). For memory not touched

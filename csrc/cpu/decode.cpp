@@ -39,7 +39,7 @@ void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* 
 }  // namespace
 
 DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
-                   int64_t* trace_key, int64_t* trace_cell, int num_threads) {
+                   int64_t* trace_key, int64_t* trace_cell, const KeyBounds* key_bounds, int num_threads) {
   const int nt = resolve_threads(num_threads);
   DecodeStats st;
   Prof prof;
@@ -229,6 +229,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
                                      within_a &= within_rtol(va[l], ea, in.rtol);
                                      within_b &= within_rtol(vb[l], eb, in.rtol);
                                    }
+                                   key_err[pa] = ea;
+                                   key_err[pb] = eb;
                                    if (!within_a) inexact[g].push_back(pa);
                                    if (!within_b) inexact[g].push_back(pb);
                                    if (trace_key) {
@@ -284,6 +286,15 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
             for (uint64_t l = 0; l < B; ++l) within &= within_rtol(w * r[l], bound, in.rtol);
             if (!within) inexact[g].push_back(pos);
           }
+      }
+      if (key_bounds && goff[groups] <= key_bounds->capacity) {
+        // Every position of a completely peeled group holds its bound (the peel's step, or the pair
+        // solver's); a group cut short keeps stale ones, so it reports NaN.
+        const bool complete = !group_bad && peeled[g] == kn;
+        for (uint32_t p = 0; p < kn; ++p) {
+          key_bounds->keys[kb + p] = gkeys[p];
+          key_bounds->bounds[kb + p] = complete ? kerr[p] : std::numeric_limits<double>::quiet_NaN();
+        }
       }
       for (uint32_t& p : inexact[g]) p = gkeys[p];  // positions -> keys
       if (prof.env) {

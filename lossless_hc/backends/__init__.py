@@ -15,8 +15,10 @@
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with
   ``pending.header`` (the payload's header fields as floats), ``pending.finish(total_keys,
-  trace) -> (stats, trace)`` and then ``pending.inexact_keys()`` (sorted int64 CPU tensor of the keys
-  whose error bound, or with ``verify`` also verification bound, exceeds ``rtol``); stats carry ``status`` (csrc/lhc_status.h, decided on the
+  trace, bounds=False) -> (stats, trace)`` and then ``pending.inexact_keys()`` (sorted int64 CPU tensor of the keys
+  whose error bound, or with ``verify`` also verification bound, exceeds ``rtol``) and, after
+  ``bounds=True`` where every key was recovered, ``pending.error_bounds() -> (keys, E)`` (the support
+  keys, sorted int64, and each one's error bound E(k), float64; CPU tensors); stats carry ``status`` (csrc/lhc_status.h, decided on the
   kernels' side), ``candidates``, ``false_positives``, ``support_keys``, ``peeled``. CPU reads the header first and runs its
   kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
   synchronisation. Either way the codec validates the header before it trusts the kernels' verdict,
@@ -33,9 +35,9 @@
   ``thc_deinterleave(y, nb, block, out, num_threads=0)``: ``out[i] = y[(i % nb) * block + i // nb]``.
 
 Every backend writes the same index and header bits (sketch cells within float rounding of each
-other: CUDA adds them with atomics) and recovers the same support; a key's decoded value and error
-bound depend on the cell it was read from, which the CPU's queue and CUDA's rounds may choose
-differently (docs/DESIGN.md "Exactness"). The tests check CPU, emulated CUDA and the pure-torch
+other: CUDA adds them with atomics) and recovers the same support; decoding the same aggregate, both
+read every key from the same cell in the same order, so the values, error bounds and verdicts are the
+same bits (docs/DESIGN.md "Exactness"). The tests check CPU, emulated CUDA and the pure-torch
 reference against each other.
 """
 from __future__ import annotations

@@ -107,23 +107,40 @@ class PendingDecode:
         self.header = payload[:HEADER_FIELDS].double().tolist()
         self._stats = None
 
-    def finish(self, total_keys: int, trace: bool = False):
+    def finish(self, total_keys: int, trace: bool = False, bounds: bool = False):
         """Run the kernels: ``(stats, trace)`` with stats as ``_C.DecodeStats`` (status from
         csrc/lhc_status.h, candidates, false_positives, support_keys, peeled) and trace the
-        ``(keys, cells)`` of the peeled keys in peeling order, or None."""
+        ``(keys, cells)`` of the peeled keys in peeling order, or None. ``bounds``: also keep the keys'
+        error bounds for ``error_bounds``."""
         L = self.native.layout
         tk = tc = None
         if trace:
             tk = torch.full((L.num_keys,), -1, dtype=torch.int64)
             tc = torch.full((L.num_keys,), -1, dtype=torch.int64)
+        bk = bv = None
+        if bounds:
+            # The support of a valid index holds at most total_keys keys (each counted by a rank).
+            cap = max(1, min(int(total_keys), L.num_keys))
+            bk = torch.empty(cap, dtype=torch.int64)
+            bv = torch.empty(cap, dtype=torch.float64)
         st = _C.decode(self.native.words_ptr, float(self.scale), int(total_keys), int(self.world_size),
                        self.payload.data_ptr(), self.out.data_ptr(), _addr(tk), _addr(tc), self.num_threads,
-                       float(self.rtol), bool(self.verify))
-        self._stats = st
+                       float(self.rtol), bool(self.verify), _addr(bk), _addr(bv), bk.numel() if bounds else 0)
+        self._stats, self._bounds = st, (bk, bv)
         if not trace:
             return st, None
         done = tk >= 0      # groups fill their own slices; keys a failed group never peeled stay -1
         return st, (tk[done], tc[done])
+
+    def error_bounds(self):
+        """After ``finish(..., bounds=True)`` of a decode that recovered every key: ``(keys, E)``, the
+        support keys (sorted int64) and each one's error bound (float64), CPU tensors."""
+        keys, bounds = self._bounds
+        n = self._stats.support_keys
+        if keys is None or n > keys.numel():
+            raise RuntimeError("error_bounds() needs finish(..., bounds=True) of a valid payload")
+        order = torch.argsort(keys[:n])
+        return keys[:n][order], bounds[:n][order]
 
     def inexact_keys(self) -> torch.Tensor:
         """After ``finish``: the keys whose error bound exceeds rtol (sorted int64, CPU)."""

@@ -299,6 +299,16 @@ class DecodeRun:
         flagged = a.view("inexact", torch.int32)[:n] != 0
         return torch.sort(keys[flagged]).values.cpu()
 
+    def error_bounds(self, support: int):
+        """(keys, E): the support keys (sorted int64) and each one's error bound (float64, key_err), CPU
+        tensors; meaningful after a decode that recovered every key. Synchronises."""
+        a = self.arena
+        n = min(support, self.native.key_cap)
+        keys = a.view("keys", torch.int32)[:n].to(torch.int64) & 0xFFFFFFFF
+        bounds = a.view("key_err", torch.float64)[:n]
+        order = torch.argsort(keys)
+        return keys[order].cpu(), bounds[order].cpu()
+
     def trace(self, support: int):
         """(keys, cells) of the peeled keys, in an order in which they can be peeled: by round, then
         key. A key read in round r from cell c had every other key of c peeled in an earlier round;
@@ -502,9 +512,13 @@ class PendingDecode:
         self.run = run
         self.header, self.stats = run.finish()
 
-    def finish(self, total_keys: int, trace: bool = False):
-        # The kernels read the key total from the header themselves; the codec has checked it.
+    def finish(self, total_keys: int, trace: bool = False, bounds: bool = False):
+        # The kernels read the key total from the header themselves; the codec has checked it. The
+        # bounds stay on the device until error_bounds asks for them.
         return self.stats, (self.run.trace(self.stats.support_keys) if trace else None)
+
+    def error_bounds(self):
+        return self.run.error_bounds(self.stats.support_keys)
 
     def inexact_keys(self) -> torch.Tensor:
         return self.run.inexact_keys(self.stats.support_keys)

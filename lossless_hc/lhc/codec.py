@@ -47,6 +47,13 @@ class DecodeReport:
                      verification bounds) exceed rtol: those are ``inexact_keys``; every other coordinate of the output is
                      within rtol of the true sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
                      not zero within its bound (nothing usable).
+    error_bounds     only with ``decode(..., error_bounds=True)`` and status OK or INEXACT: ``(keys, E)``,
+                     the support keys (sorted int64) and each key's proven error bound (float64): every
+                     coordinate v of key k as the peel computed it (float64) has ``|v - t| <= E(k)``
+                     for the true sum t, in the payload's units (an average's under ``averaged``);
+                     the output ``y`` then adds its rounding to float32 (``|y - v| <= 2**-24 |v|``).
+                     E(k) is the peel's bound (``LosslessCodec``; with ``verify``, verdicts also use the
+                     verification bound). None otherwise, and for the dense layout.
     inexact_keys     under INEXACT, the keys (blocks) whose bound exceeds rtol: a sorted int64 CPU
                      tensor (key k covers coordinates ``k*block_size .. (k+1)*block_size - 1`` of the
                      flattened tensor); empty otherwise.
@@ -77,6 +84,7 @@ class DecodeReport:
     total_keys: int = 0
     index_kind: str = ""
     trace: Optional[tuple] = None
+    error_bounds: Optional[tuple] = None
     inexact_keys: torch.Tensor = field(default_factory=_no_keys)
 
     @property
@@ -339,7 +347,7 @@ class LosslessCodec:
         return ints, in_range
 
     def decode(self, payload: torch.Tensor, averaged: bool = False, shape=None, dtype=None,
-               trace: bool = False, out: Optional[torch.Tensor] = None):
+               trace: bool = False, out: Optional[torch.Tensor] = None, error_bounds: bool = False):
         """Decode an aggregated payload; returns ``(y, report)``.
 
         Args:
@@ -347,6 +355,8 @@ class LosslessCodec:
                 AVERAGE if ``averaged=True`` (then ``y`` is the average).
             shape, dtype: of ``y``; default to those of the last ``encode`` call (else 1-D float32).
             trace: attach the peeling order to the report (diagnostics and tests).
+            error_bounds: attach each support key's proven error bound to the report (see
+                ``DecodeReport.error_bounds``).
             out: optional contiguous float32 tensor of ``numel`` elements on the codec's device to
                 decode into (every element is overwritten). Reusing one buffer across steps avoids
                 the page faults of a fresh allocation; ``y`` is then a view of it when ``dtype`` is
@@ -447,7 +457,7 @@ class LosslessCodec:
             report.candidates = report.support = report.peeled = dense_nonzero
             return finish(DecodeStatus.OK)
 
-        st, report.trace = pending.finish(report.total_keys, trace)
+        st, report.trace = pending.finish(report.total_keys, trace, bounds=error_bounds)
         report.candidates, report.false_positives = st.candidates, st.false_positives
         report.support, report.peeled = st.support_keys, st.peeled
         status, reason = DecodeStatus(st.status), None
@@ -460,4 +470,6 @@ class LosslessCodec:
             report.inexact_keys = pending.inexact_keys()
             reason = (f"{message(status)}: {report.inexact_keys.numel()} of {st.support_keys} keys "
                       f"(rtol={self.rtol:g})")
+        if error_bounds and status in (DecodeStatus.OK, DecodeStatus.INEXACT):
+            report.error_bounds = pending.error_bounds()
         return finish(status, reason)

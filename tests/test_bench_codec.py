@@ -13,14 +13,19 @@ def test_inexact_keys_pass_a_failed_peel_or_a_wrong_support_does_not():
     assert not decode_verdict_ok({**BASE, "ok": False})                          # any other failed verdict
     assert not decode_verdict_ok({**BASE, "ok": False, "inexact_keys": 3, "peeled_keys": 9})
     assert not decode_verdict_ok({**BASE, "support_mismatch_beyond_rounding": 1})
+    assert decode_verdict_ok({**BASE, "bound_violations": 0})
+    assert not decode_verdict_ok({**BASE, "bound_violations": 1})                # a coordinate outside its E(k)
 
 
 def test_codec_command_passes_an_inexact_decode(tmp_path):
-    """N(0,1) values at 1% of 2^20, 4 ranks: every key peeled, the support exact, and some keys listed
-    INEXACT (values tiny beside a cell-mate): the command reports them and exits 0."""
+    """N(0,1) values at 1% of 2^20, 4 ranks: every key peeled, the support exact, every coordinate
+    within its reported bound, and some keys listed INEXACT (bounds, worst case, grown along the
+    peel's chains past rtol): the command reports them and exits 0."""
     out = tmp_path / "codec.json"
     assert main(["codec", "--numel", "1048576", "--density", "0.01", "--workers", "4", "--repeat", "1",
                  "--json", str(out)]) == 0
     cor = json.load(open(out))["correctness"]
     assert not cor["ok"] and cor["inexact_keys"] > 0 and cor["peeled_keys"] == cor["support_keys"], cor
     assert cor["support_mismatch_beyond_rounding"] == 0
+    assert cor["bound_violations"] == 0 and 0 < cor["err_over_bound_max"] <= 1, cor
+    assert 0 <= cor["inexact_within_rtol"] <= cor["inexact_keys"], cor

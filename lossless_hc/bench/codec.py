@@ -95,6 +95,39 @@ def make_inputs(numel: int, density: float, workers: int, block: int, support: s
     return xs, k
 
 
+def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, block: int, rtol: float) -> dict:
+    """The decoder's per-key error bounds (``DecodeReport.error_bounds``) against the float64 truth,
+    over the support's coordinates: ``bound_violations`` counts coordinates with ``|y - t| > E +
+    2^-24 (|t| + E)`` (the output's float32 rounding on top of E; must be 0), ``err_over_bound_*`` how
+    much of E the actual error uses, and ``inexact_within_rtol`` how many keys listed INEXACT are in
+    fact within rtol of the truth on every coordinate (the bound being worst case). Empty when the
+    report carries no bounds (the dense layout, a failed decode)."""
+    if report.error_bounds is None:
+        return {}
+    keys, E = report.error_bounds
+    numel = truth.numel()
+    coords = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
+    Ec = E.repeat_interleave(block)
+    inside = coords < numel
+    coords, Ec = coords[inside], Ec[inside]
+    t = truth[coords]
+    err = (y.reshape(-1)[coords].double() - t).abs_()
+    violations = int((err > Ec + 2.0 ** -24 * (t.abs() + Ec)).sum())
+    used = err / Ec.clamp_min(1e-300)
+    inexact = report.inexact_keys
+    inexact_within = 0
+    if inexact.numel():
+        # keys is sorted, and the inexact keys are among them: a key is within rtol unless one of its
+        # coordinates is not.
+        outside = torch.zeros(keys.numel(), dtype=torch.bool)
+        outside[torch.searchsorted(keys, coords[err > rtol * t.abs()] // block)] = True
+        inexact_within = int((~outside[torch.searchsorted(keys, inexact)]).sum())
+    return {"bound_violations": violations, "err_over_bound_median": float(used.median()) if used.numel() else 0.0,
+            "err_over_bound_max": float(used.max()) if used.numel() else 0.0,
+            "bound_median": float(E.median()) if E.numel() else 0.0,
+            "inexact_within_rtol": inexact_within}
+
+
 # ------------------------------------------------------------------------------------------------
 # codec benchmark
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +180,8 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     t_enc_reuse, t_dec_reuse = t["encode_reused_out"], t["decode_reused_out"]
     memcpy_gbps = 4 * numel / t_copy["median_s"] / 1e9 if numel else 0.0
     clone_gbps = 4 * numel / t_clone["median_s"] / 1e9 if numel else 0.0
-    y, report = codec.decode(summed)
+    y, report = codec.decode(summed, error_bounds=True)
+    bounds = bound_stats(report, y, truth, block_size, codec.rtol)
 
     # correctness. A support mismatch is only possible at rounding size (a sum that cancels to a few
     # ulps, or a value ~2^24 smaller than its cell-mates): count those apart from real errors, using
@@ -208,6 +242,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
             "support_exact": support_mismatch == 0,
             "support_mismatch_beyond_rounding": significant_mismatch,
             "max_abs_sum": max_abs_sum, "max_abs_err": max_abs_err, "max_rel_err": max_rel_err,
+            **bounds,
         },
         "wire": {
             "wire_bytes": codec.wire_bytes, "dense_bytes": dense_bytes,
@@ -266,7 +301,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     t_dec = time_cuda(lambda: codec.decode(summed, out=out), repeat)
     dec_peak = torch.cuda.max_memory_allocated(dev) - base_mem
     # determinism: two more decodes of the same payload, bit for bit
-    y1, report = codec.decode(summed)
+    y1, report = codec.decode(summed, error_bounds=True)
     y2, _ = codec.decode(summed)
     deterministic = bool(torch.equal(y1.view(torch.int32), y2.view(torch.int32)))
     y = y1.cpu()
@@ -277,6 +312,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     with cuda_runtime.profile() as dec_prof:
         codec.decode(summed, out=out)
 
+    bounds = bound_stats(report, y, truth, block_size, codec.rtol)
     true_nz, got_nz = truth != 0, y != 0
     mismatch = int((true_nz ^ got_nz).sum())
     max_abs_sum = float(truth.abs().max()) if numel else 0.0
@@ -310,15 +346,28 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
                         "peeled_keys": report.peeled, "inexact_keys": int(report.inexact_keys.numel()),
                         "support_mismatch_coords": mismatch,
                         "support_mismatch_beyond_rounding": beyond, "max_abs_sum": max_abs_sum,
-                        "max_abs_err": max_abs_err, "deterministic": deterministic},
+                        "max_abs_err": max_abs_err, "deterministic": deterministic, **bounds},
     }
+
+
+def bound_rows(cor: dict) -> list:
+    """The rendered rows of bound_stats (none without bounds)."""
+    if "bound_violations" not in cor:
+        return []
+    return [("error bounds E(k) hold", f"{cor['bound_violations'] == 0} ({cor['bound_violations']:,} coords outside; "
+                                       f"median E {fmt_sci(cor['bound_median'])})"),
+            ("actual error / E", f"median {fmt_sci(cor['err_over_bound_median'])}, "
+                                 f"max {fmt_sci(cor['err_over_bound_max'])}"),
+            ("INEXACT keys within rtol anyway", f"{cor['inexact_within_rtol']:,} of {cor['inexact_keys']:,} "
+                                                "(the bound is worst case)")]
 
 
 def decode_verdict_ok(cor: dict) -> bool:
     """The benchmark's pass/fail: every support key peeled (OK, or INEXACT: the keys whose rigorous
-    bound exceeds rtol are listed, not wrong) and the decoded support equal to the float64 sum's."""
+    bound exceeds rtol are listed, not wrong), the decoded support equal to the float64 sum's, and
+    every coordinate within its decoder-reported bound (``bound_stats``)."""
     return ((cor["ok"] or cor["inexact_keys"] > 0) and cor["peeled_keys"] == cor["support_keys"]
-            and cor["support_mismatch_beyond_rounding"] == 0)
+            and cor["support_mismatch_beyond_rounding"] == 0 and cor.get("bound_violations", 0) == 0)
 
 
 def render_codec_cuda(res: dict, cmd: str) -> str:
@@ -356,6 +405,7 @@ def render_codec_cuda(res: dict, cmd: str) -> str:
                                       f"({cor['support_mismatch_beyond_rounding']:,} beyond 2^-20 of max |sum|)"),
         ("max abs error", f"{fmt_sci(cor['max_abs_err'])} (max |sum| {cor['max_abs_sum']:.4g})"),
         ("bitwise deterministic (2 decodes)", cor["deterministic"]),
+        *bound_rows(cor),
     ], align="ll")))
     return "\n".join(out)
 
@@ -415,6 +465,7 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
         ("max |sum|", f"{cor['max_abs_sum']:.4g}"),
         ("max abs error", fmt_sci(cor["max_abs_err"])),
         ("max rel error (/ max |sum|)", fmt_sci(cor["max_rel_err"])),
+        *bound_rows(cor),
     ], align="ll")))
     out.append(section("wire (per worker)", format_table([
         ("payload", fmt_bytes(w["wire_bytes"]), f"{w['wire_bytes']:,}", "1.000"),

@@ -127,8 +127,9 @@ class LosslessCodec:
     mass is inflated by its own relative rounding; ``tests/helpers.py: peel_error_bound`` asserts
     that the decoded values meet this bound). A key passes if every coordinate v has
     :math:`E(1 + rtol) + 2^{-24}|v| \le rtol\,|v|`; the others are reported as INEXACT with
-    ``report.inexact_keys`` (typically values tiny beside a cell-mate, sums that cancel to ~0, and
-    with blocks, coordinates far below their block's largest: the mass is per key). After peeling,
+    ``report.inexact_keys`` (values small beside their bound, which sums the masses of their
+    cell-mates and the bounds of every key peeled before them through their cells; sums that cancel
+    to ~0; and with blocks, coordinates far below their block's largest: the mass is per key). After peeling,
     every cell no key was read from must be 0 within its bound, and a cell must have positive mass
     exactly when it holds keys; otherwise SKETCH_CORRUPT (a corrupted or not-summed payload). ok is
     False, never a wrong answer, when a rank was over

@@ -48,10 +48,11 @@ class DecodeReport:
                      within rtol of the true sum (re-aggregate just those keys). SKETCH_CORRUPT: a cell left after peeling is
                      not zero within its bound (nothing usable).
     error_bounds     only with ``decode(..., error_bounds=True)`` and status OK or INEXACT: ``(keys, E)``,
-                     the support keys (sorted int64) and each key's proven error bound (float64): every
-                     coordinate v of key k as the peel computed it (float64) has ``|v - t| <= E(k)``
-                     for the true sum t, in the payload's units (an average's under ``averaged``);
-                     the output ``y`` then adds its rounding to float32 (``|y - v| <= 2**-24 |v|``).
+                     the support keys (sorted int64) and each key's proven error bound (float64): for a
+                     payload that is the sum (or average) of valid payloads, every coordinate v of key
+                     k as the peel computed it (float64) has ``|v - t| <= E(k)`` for the true sum t, in
+                     the payload's units (an average's under ``averaged``); a float32 output ``y``
+                     adds its rounding (``|y - v| <= 2**-24 |v|``), a float16/bfloat16 one its own.
                      E(k) is the peel's bound (``LosslessCodec``; with ``verify``, verdicts also use the
                      verification bound). None otherwise, and for the dense layout.
     inexact_keys     under INEXACT, the keys (blocks) whose bound exceeds rtol: a sorted int64 CPU

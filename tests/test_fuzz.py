@@ -4,7 +4,7 @@ many processes ran it."""
 import pytest
 import torch
 
-from lossless_hc.fuzz import allowed_error, outside_contract, run, truth
+from lossless_hc.fuzz import allowed_error, outside_bounds, outside_contract, run, truth
 from lossless_hc.fuzz.cases import CASES_PER_GROUP, run_group
 
 SLICE = 3000
@@ -22,7 +22,7 @@ def wrong(tally, clean: bool):
 
 def test_fast_slice_has_no_ok_but_wrong_case(fast_slice):
     """Every decode of a plain aggregate that claims exactness (ok, or exact outside its reported
-    inexact keys) is within the contract, over every index kind, block size, world size and value
+    inexact keys) is within the contract and within the per-key bounds it reports, over every index kind, block size, world size and value
     kind drawn, with the default options and (every 4th group's second case) with verify=True."""
     t = fast_slice
     assert t.cases >= SLICE
@@ -55,6 +55,21 @@ def test_tally_is_a_function_of_the_seed_only():
     assert (one.cases, one.statuses, one.wrong) == (two.cases, two.statuses, two.wrong)
     assert [(v.how, v.status) for v in run_group(3, 7)] == [(v.how, v.status) for v in run_group(3, 7)]
     assert len(run_group(3, 7)) == CASES_PER_GROUP
+
+
+def test_outside_bounds_flags_a_coordinate_beyond_its_keys_bound():
+    """The plain cases' bound check: keys 0 and 2 of block 2 with E = 1e-6; a coordinate off by more
+    than E (plus the output's rounding) is flagged, one off by less is not, and coordinates of keys
+    without a bound never are."""
+    xs = [torch.tensor([1.0, 2.0, 0.0, 0.0, 3.0, 4.0]), torch.tensor([1.0, 0.0, 5.0, 0.0, 0.0, 1.0])]
+    s, a = truth(xs)
+    bounds = (torch.tensor([0, 2]), torch.tensor([1e-6, 1e-6], dtype=torch.float64))
+    y = s.float()
+    assert not bool(outside_bounds(y, s, a, 2, bounds, 2).any())
+    y[1] += 0.5e-6                      # within E
+    y[5] += 1e-4                        # beyond E
+    y[2] += 1.0                         # key 1 has no bound: the contract's business, not this check's
+    assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [5]
 
 
 def test_contract_is_the_coordinates_own_bound():

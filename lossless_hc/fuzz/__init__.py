@@ -7,7 +7,7 @@ verdicts. Everything is a function of the seed: a group's number replays it exac
 (``--group``). The package uses the core only (the codec), like ``lossless_hc.bench``; a fast slice
 runs in the test suite (tests/test_fuzz.py).
 """
-from lossless_hc.fuzz.contract import allowed_error, outside_contract, truth
+from lossless_hc.fuzz.contract import allowed_error, outside_bounds, outside_contract, truth
 from lossless_hc.fuzz.runner import Tally, run
 
-__all__ = ["run", "Tally", "allowed_error", "outside_contract", "truth"]
+__all__ = ["run", "Tally", "allowed_error", "outside_bounds", "outside_contract", "truth"]

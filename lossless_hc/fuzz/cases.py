@@ -26,7 +26,9 @@ near-cancellation, float16/bfloat16 inputs, and now and then a NaN or Inf.
 Verdicts (:func:`run_group`, one per case): the decode's status name, and whether it broke the
 contract (:mod:`lossless_hc.fuzz.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the
 contract) or ``inexact_but_wrong`` (INEXACT with a coordinate outside the contract at a key it did
-not report). Any other refusal (ok=False) is never wrong.
+not report); and on the plain cases ``outside_its_bound`` (a coordinate farther from the true sum
+than the bound E(k) the decoder reports for its key, ``decode(..., error_bounds=True)``). Any other
+refusal (ok=False) is never wrong.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import CHUNK_BITS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_LO, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.fuzz.contract import outside_contract, truth
+from lossless_hc.fuzz.contract import outside_bounds, outside_contract, truth
 
 CASES_PER_GROUP = 4
 INDEX_CHOICES = ("bitmap", "bloom", "multilevel", "dense", "auto")
@@ -223,7 +225,9 @@ def _corrupt(how: str, summed: torch.Tensor, codec: LosslessCodec, rng: random.R
 
 def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch.Tensor, averaged: bool,
              s: torch.Tensor, a: torch.Tensor, rtol: float) -> Verdict:
-    y, report = codec.decode(payload, averaged=averaged, shape=(g.numel,), dtype=g.dtype)
+    clean = how in ("sum", "average", "tree")
+    # The reported bounds hold only for sums of valid payloads: checked on the clean cases.
+    y, report = codec.decode(payload, averaged=averaged, shape=(g.numel,), dtype=g.dtype, error_bounds=clean)
     status = DecodeStatus(report.status)
     if averaged:
         s, a = s / g.world_size, a / g.world_size
@@ -242,10 +246,14 @@ def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch
         bad &= ~reported
         if bool(bad.any()):
             wrong = "inexact_but_wrong"
+    if wrong is None and report.error_bounds is not None:
+        bad = outside_bounds(y, s, a, g.world_size, report.error_bounds, g.block)
+        if bool(bad.any()):
+            wrong = "outside_its_bound"
     if wrong is not None:
         i = int(bad.nonzero()[0])
         detail = f"coordinate {i}: decoded {float(y.reshape(-1)[i])!r}, true sum {float(s[i])!r}, mass {float(a[i])!r}"
-    return Verdict(g.group, case, how, status.name, wrong, detail, clean=how in ("sum", "average", "tree"))
+    return Verdict(g.group, case, how, status.name, wrong, detail, clean=clean)
 
 
 def codec_rtol(codec: LosslessCodec, rtol: Optional[float]) -> float:

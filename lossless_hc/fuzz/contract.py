@@ -67,3 +67,27 @@ def outside_contract(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_si
     bad = ((yd - s).abs() > allowed) | ~torch.isfinite(yd) | ~torch.isfinite(a)
     overflow = torch.isinf(yd) & (torch.sign(yd) == torch.sign(s)) & (s.abs() + allowed >= torch.finfo(y.dtype).max)
     return bad & ~overflow
+
+
+def outside_bounds(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_size: int, error_bounds,
+                   block: int) -> torch.Tensor:
+    """Boolean mask (flat, CPU) of the coordinates outside the decoder's own per-key bounds
+    (``DecodeReport.error_bounds``: keys and E(k), for a payload that is the sum or average of valid
+    payloads): ``|y - s| > E(k) + u_out (|s| + E(k))`` at a coordinate of key k, u_out the rounding of
+    the float64 peeled value to the output dtype (float32, then float16/bfloat16: ``u + u_dtype``),
+    plus half the dtype's smallest subnormal and the float64 truth's own rounding. Coordinates of
+    keys without a bound are never flagged (the contract covers them)."""
+    keys, E = error_bounds
+    yd = y.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+    numel = yd.numel()
+    idx = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
+    Ek = E.repeat_interleave(block)
+    inside = idx < numel
+    idx, Ek = idx[inside], Ek[inside]
+    u = UNIT_ROUNDOFF[torch.float32]
+    u_out = u + (0.0 if y.dtype == torch.float32 else UNIT_ROUNDOFF[y.dtype])
+    sk = s[idx]
+    allowed = Ek + u_out * (sk.abs() + Ek) + HALF_SUBNORMAL[y.dtype] + (world_size + 1) * 2.0 ** -53 * a[idx]
+    bad = torch.zeros(numel, dtype=torch.bool)
+    bad[idx] = ~((yd[idx] - sk).abs() <= allowed)
+    return bad

@@ -40,6 +40,13 @@ def test_fast_slice_corruptions_are_caught_or_harmless(fast_slice):
     assert not wrong(t, clean=False), [f"group {v.group} case {v.case} {v.how} {v.status}: {v.detail}" for v in t.examples]
 
 
+def test_float16_overflow_is_not_outside_its_bound():
+    """Seed 12, group 4688 of a million-case run: a float16 sum of 74,466 decodes to inf, which the
+    contract allows (the dense float16 sum overflows too); the bound check must allow it as well."""
+    bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(12, 4688) if v.wrong]
+    assert not bad, bad
+
+
 def test_index_flip_dropping_a_key_under_huge_ones_is_caught():
     """The one wrong case of the million-case run at layout version 6 (docs/BENCHMARKS.md, fuzz): seed 11,
     group 52726. One index bit flip dropped a key (~2e5) from the decoded support while the key count
@@ -70,6 +77,12 @@ def test_outside_bounds_flags_a_coordinate_beyond_its_keys_bound():
     y[5] += 1e-4                        # beyond E
     y[2] += 1.0                         # key 1 has no bound: the contract's business, not this check's
     assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [5]
+    # a float16 output beyond 65504 is inf, as a float16 dense sum would be (seed 12, group 4688)
+    big = [torch.tensor([70000.0, 1.0]), torch.tensor([5000.0, 0.0])]
+    s, a = truth(big)
+    y = s.to(torch.float16)
+    assert torch.isinf(y[0])
+    assert not bool(outside_bounds(y, s, a, 2, (torch.tensor([0]), torch.tensor([1e-3], dtype=torch.float64)), 2).any())
 
 
 def test_contract_is_the_coordinates_own_bound():

@@ -65,8 +65,13 @@ def outside_contract(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_si
     yd = y.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
     allowed = allowed_error(s, a, world_size, rtol, y.dtype, averaged)
     bad = ((yd - s).abs() > allowed) | ~torch.isfinite(yd) | ~torch.isfinite(a)
-    overflow = torch.isinf(yd) & (torch.sign(yd) == torch.sign(s)) & (s.abs() + allowed >= torch.finfo(y.dtype).max)
-    return bad & ~overflow
+    return bad & ~_overflowed(yd, s, allowed, y.dtype)
+
+
+def _overflowed(yd: torch.Tensor, s: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where ``yd`` is the infinity of ``s``'s sign and ``s`` is, within ``allowed``, beyond ``dtype``'s
+    largest finite value: the dense sum in that dtype overflows too (module doc)."""
+    return torch.isinf(yd) & (torch.sign(yd) == torch.sign(s)) & (s.abs() + allowed >= torch.finfo(dtype).max)
 
 
 def outside_bounds(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_size: int, error_bounds,
@@ -75,8 +80,9 @@ def outside_bounds(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_size
     (``DecodeReport.error_bounds``: keys and E(k), for a payload that is the sum or average of valid
     payloads): ``|y - s| > E(k) + u_out (|s| + E(k))`` at a coordinate of key k, u_out the rounding of
     the float64 peeled value to the output dtype (float32, then float16/bfloat16: ``u + u_dtype``),
-    plus half the dtype's smallest subnormal and the float64 truth's own rounding. Coordinates of
-    keys without a bound are never flagged (the contract covers them)."""
+    plus half the dtype's smallest subnormal and the float64 truth's own rounding; an output that
+    overflowed as the contract allows (a float16 sum beyond 65504) is not flagged either. Coordinates
+    of keys without a bound are never flagged (the contract covers them)."""
     keys, E = error_bounds
     yd = y.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
     numel = yd.numel()
@@ -89,5 +95,5 @@ def outside_bounds(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_size
     sk = s[idx]
     allowed = Ek + u_out * (sk.abs() + Ek) + HALF_SUBNORMAL[y.dtype] + (world_size + 1) * 2.0 ** -53 * a[idx]
     bad = torch.zeros(numel, dtype=torch.bool)
-    bad[idx] = ~((yd[idx] - sk).abs() <= allowed)
+    bad[idx] = ~((yd[idx] - sk).abs() <= allowed) & ~_overflowed(yd[idx], sk, allowed, y.dtype)
     return bad

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from lossless_hc.lhc import reference as reference
+from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.lhc.layout import PayloadLayout
 
 U32 = 2.0 ** -24          # unit roundoff of float32 (round to nearest)
@@ -335,11 +336,8 @@ def assert_error_bounds(layout: PayloadLayout, ref: torch.Tensor, yf: torch.Tens
     assert keys.dtype == torch.int64 and E.dtype == torch.float64
     assert keys.tolist() == sorted(truth_keys), "error_bounds lists other keys than the support"
     assert bool((E >= 0).all()), "an error bound is negative or NaN"
-    block = layout.block
-    coords = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
-    Ec = E.repeat_interleave(block)
-    inside = coords < layout.numel
-    coords, Ec = coords[inside], Ec[inside]
+    coords, rows = key_coordinates(keys, layout.block, layout.numel)
+    Ec = E[rows]
     err = (yf[coords] - ref[coords]).abs()
     tol = Ec + U32 * (ref[coords].abs() + Ec) + 1e-300
     bad = err > tol

@@ -23,7 +23,8 @@ def reports_equal(a, b) -> bool:
     ea, eb = fa.pop("error_bounds"), fb.pop("error_bounds")
     if (ea is None) != (eb is None):
         return False
-    if ea is not None and not (torch.equal(ea[0], eb[0]) and torch.equal(ea[1].view(torch.int64), eb[1].view(torch.int64))):
+    if ea is not None and not (torch.equal(ea[0], eb[0]) and
+                               torch.equal(ea[1].view(torch.int64), eb[1].view(torch.int64))):
         return False
     if fa != fb:
         return False

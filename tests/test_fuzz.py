@@ -22,8 +22,9 @@ def wrong(tally, clean: bool):
 
 def test_fast_slice_has_no_ok_but_wrong_case(fast_slice):
     """Every decode of a plain aggregate that claims exactness (ok, or exact outside its reported
-    inexact keys) is within the contract and within the per-key bounds it reports, over every index kind, block size, world size and value
-    kind drawn, with the default options and (every 4th group's second case) with verify=True."""
+    inexact keys) is within the contract and within the per-key bounds it reports, over every index
+    kind, block size, world size and value kind drawn, with the default options and (every 4th
+    group's second case) with verify=True."""
     t = fast_slice
     assert t.cases >= SLICE
     assert not wrong(t, clean=True), [f"group {v.group} case {v.case} {v.how} {v.status}: {v.detail}" for v in t.examples]

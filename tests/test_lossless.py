@@ -1,7 +1,7 @@
 """The lossless property: the decoded aggregate has exactly the dense sum's non-zero keys, and values
 within a rigorous float-rounding bound derived from the decoder's own peeling trace
-(helpers.peel_error_bound) and within the bounds the decoder reports (error_bounds), whatever order and grouping the engine sums the payloads in; and the
-same for AVERAGE aggregation."""
+(helpers.peel_error_bound) and within the bounds the decoder reports (error_bounds), whatever order
+and grouping the engine sums the payloads in; and the same for AVERAGE aggregation."""
 import numpy as np
 import pytest
 import torch

@@ -82,7 +82,8 @@ LHC_AVX512 inline uint64_t update(long long* slots, int* words, __m256i cell, __
 
 LHC_AVX512 bool batch8_avx512(PeelCells t, const uint32_t* entries, const ValueBatchOut& out, uint32_t* order,
                               uint32_t* next, uint64_t* appended, uint32_t* inexact_lanes) {
-  // The table as 32-bit words and as 8-byte slots; the caller checked that every index fits a signed 32-bit gather index.
+  // The table as 32-bit words and as 8-byte slots; the caller checked that every index fits a signed
+  // 32-bit gather index.
   int* const words = reinterpret_cast<int*>(t.slots());
   long long* const slots = reinterpret_cast<long long*>(t.slots());
   double* const values = reinterpret_cast<double*>(t.slots());

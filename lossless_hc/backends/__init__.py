@@ -15,12 +15,13 @@
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with
   ``pending.header`` (the payload's header fields as floats), ``pending.finish(total_keys,
-  trace, bounds=False) -> (stats, trace)`` and then ``pending.inexact_keys()`` (sorted int64 CPU tensor of the keys
-  whose error bound, or with ``verify`` also verification bound, exceeds ``rtol``) and, after
-  ``bounds=True`` where every key was recovered, ``pending.error_bounds() -> (keys, E)`` (the support
-  keys, sorted int64, and each one's error bound E(k), float64; CPU tensors); stats carry ``status`` (csrc/lhc_status.h, decided on the
-  kernels' side), ``candidates``, ``false_positives``, ``support_keys``, ``peeled``. CPU reads the header first and runs its
-  kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
+  trace, bounds=False) -> (stats, trace)`` and then ``pending.inexact_keys()`` (sorted int64 CPU
+  tensor of the keys whose error bound, or with ``verify`` also verification bound, exceeds
+  ``rtol``) and, after ``bounds=True`` where every key was recovered, ``pending.error_bounds() ->
+  (keys, E)`` (the support keys, sorted int64, and each one's error bound E(k), float64; CPU
+  tensors); stats carry ``status`` (csrc/lhc_status.h, decided on the kernels' side),
+  ``candidates``, ``false_positives``, ``support_keys``, ``peeled``. CPU reads the header first and
+  runs its kernels in ``finish``; CUDA queues its kernels first and reads header and counters with one
   synchronisation. Either way the codec validates the header before it trusts the kernels' verdict,
   and the kernels size every buffer from the layout, never from the header.
 * ``topk_select(x, k, out=None, num_threads=0) -> indices``: the ``min(k, numel)`` largest ``|x|``, ties

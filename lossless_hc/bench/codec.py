@@ -11,7 +11,7 @@ import torch
 from lossless_hc.bench.common import (fmt_bytes, fmt_ms, fmt_sci, format_table, machine_rows, section,
                                       time_cuda, time_interleaved)
 from lossless_hc.backends import cuda_runtime
-from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
 from lossless_hc.lhc.cost_model import information_bound_bits
 from lossless_hc.lhc.layout import HEADER_FIELDS
 
@@ -105,11 +105,8 @@ def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, block: int, rtol: 
     if report.error_bounds is None:
         return {}
     keys, E = report.error_bounds
-    numel = truth.numel()
-    coords = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
-    Ec = E.repeat_interleave(block)
-    inside = coords < numel
-    coords, Ec = coords[inside], Ec[inside]
+    coords, rows = key_coordinates(keys, block, truth.numel())
+    Ec = E[rows]
     t = truth[coords]
     err = (y.reshape(-1)[coords].double() - t).abs_()
     violations = int((err > Ec + 2.0 ** -24 * (t.abs() + Ec)).sum())
@@ -117,10 +114,10 @@ def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, block: int, rtol: 
     inexact = report.inexact_keys
     inexact_within = 0
     if inexact.numel():
-        # keys is sorted, and the inexact keys are among them: a key is within rtol unless one of its
-        # coordinates is not.
+        # A key is within rtol unless one of its coordinates is not; keys is sorted and holds the
+        # inexact keys.
         outside = torch.zeros(keys.numel(), dtype=torch.bool)
-        outside[torch.searchsorted(keys, coords[err > rtol * t.abs()] // block)] = True
+        outside[rows[err > rtol * t.abs()]] = True
         inexact_within = int((~outside[torch.searchsorted(keys, inexact)]).sum())
     return {"bound_violations": violations, "err_over_bound_median": float(used.median()) if used.numel() else 0.0,
             "err_over_bound_max": float(used.max()) if used.numel() else 0.0,

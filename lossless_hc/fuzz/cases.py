@@ -39,7 +39,7 @@ from typing import List, Optional
 
 import torch
 
-from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
 from lossless_hc.lhc.layout import CHUNK_BITS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_LO, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.fuzz.contract import outside_bounds, outside_contract, truth
@@ -238,11 +238,8 @@ def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch
             wrong = "ok_but_wrong"
     elif status.name == "INEXACT":
         bad = outside_contract(y, s, a, g.world_size, rtol, averaged)
-        b = g.block
-        keys = report.inexact_keys.to(torch.int64)
         reported = torch.zeros(g.numel, dtype=torch.bool)
-        idx = (keys.reshape(-1, 1) * b + torch.arange(b)).reshape(-1)
-        reported[idx[idx < g.numel]] = True
+        reported[key_coordinates(report.inexact_keys.to(torch.int64), g.block, g.numel)[0]] = True
         bad &= ~reported
         if bool(bad.any()):
             wrong = "inexact_but_wrong"

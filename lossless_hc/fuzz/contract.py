@@ -31,6 +31,8 @@ from typing import Sequence
 
 import torch
 
+from lossless_hc.lhc.codec import key_coordinates
+
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 HALF_SUBNORMAL = {torch.float32: 2.0 ** -150, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
 
@@ -86,10 +88,8 @@ def outside_bounds(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_size
     keys, E = error_bounds
     yd = y.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
     numel = yd.numel()
-    idx = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
-    Ek = E.repeat_interleave(block)
-    inside = idx < numel
-    idx, Ek = idx[inside], Ek[inside]
+    idx, rows = key_coordinates(keys, block, numel)
+    Ek = E[rows]
     u = UNIT_ROUNDOFF[torch.float32]
     u_out = u + (0.0 if y.dtype == torch.float32 else UNIT_ROUNDOFF[y.dtype])
     sk = s[idx]

@@ -24,6 +24,16 @@ DEFAULT_RTOL = 2.0 ** -10
 def _no_keys() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.int64)
 
+
+def key_coordinates(keys: torch.Tensor, block: int, numel: int) -> tuple:
+    """``(coords, rows)``: the flat coordinates of ``keys`` (int64; key k covers coordinates
+    ``k*block .. min((k+1)*block, numel) - 1``, as in ``DecodeReport.inexact_keys``), and for each
+    coordinate the position of its key in ``keys``, on ``keys``' device."""
+    coords = (keys.reshape(-1, 1) * block + torch.arange(block, device=keys.device)).reshape(-1)
+    rows = torch.arange(keys.numel(), device=keys.device).repeat_interleave(block)
+    inside = coords < numel
+    return coords[inside], rows[inside]
+
 @dataclass
 class DecodeReport:
     r"""What ``LosslessCodec.decode`` found.

@@ -143,6 +143,56 @@ ISA_CASES = [
 ]
 
 
+def _scan_input(numel: int, pattern: str, rng) -> torch.Tensor:
+    """Inputs for the encoder's non-zero scan: signed zeros (zero), subnormals (non-zero), whole
+    non-zero chunks of 64 and a tail past the last whole chunk; `pattern` adds an Inf or a NaN."""
+    x = torch.zeros(numel)
+    at = torch.from_numpy(rng.choice(numel, numel // 50, replace=False))
+    x[at] = torch.from_numpy(rng.standard_normal(at.numel())).float()
+    x[64 * 7: 64 * 9] = torch.from_numpy(rng.standard_normal(128)).float()  # two whole chunks
+    x[numel - 5:] = torch.tensor([1.5, 0.0, -2.0, 0.0, 3.0])  # the tail
+    neg_zero = torch.from_numpy(rng.choice(numel, numel // 50, replace=False))
+    x[neg_zero[x[neg_zero] == 0]] = -0.0
+    x.view(torch.int32)[numel // 3] = 1            # the smallest subnormal
+    x.view(torch.int32)[numel // 3 + 1] = -(1 << 31) + 1  # and its negative
+    if pattern == "inf":
+        x[numel // 2] = float("inf")
+    elif pattern == "nan":
+        x[numel - 1] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("pattern", ["finite", "inf", "nan"])
+@pytest.mark.parametrize("numel", [1000, 300_001])
+def test_encoder_scan_is_the_same_at_every_cpu_level(numel, pattern):
+    """The block-1 encoder finds non-zero keys with AVX-512 where the CPU has it, otherwise with SSE2:
+    the same payload bits (keys, values, the non-finite flag) at every level and thread count."""
+    from lossless_hc.backends import cpu
+    rng = np.random.default_rng(helpers.stable_seed((numel, pattern)))
+    x = _scan_input(numel, pattern, rng)
+    codec = LosslessCodec(numel, 1, numel // 20 + 200, block_size=1, seed=3, index="bitmap")
+    payloads = {}
+    try:
+        for isa in cpu.thc_cpu_isas():
+            cpu.thc_cpu_isa(isa)
+            for threads in (1, 2, 3):  # 3: thread ranges that end inside a chunk of 64
+                codec.num_threads = threads
+                payloads[isa, threads] = codec.encode(x)
+    finally:
+        cpu.thc_cpu_isa("default")
+    first = next(iter(payloads.values()))
+    for key, payload in payloads.items():
+        assert same_bits(payload, first), f"{key} encodes other bits"
+    if pattern == "finite":  # the payload carries every non-zero (and no signed zero), exactly
+        summed = first.clone()
+        y, report = codec.decode(summed)
+        assert report.ok or report.status.name == "INEXACT", report.reason
+        assert torch.equal(y != 0, x != 0)
+    else:
+        _, report = codec.decode(first)
+        assert report.status.name == "NON_FINITE_INPUT", report.reason
+
+
 @pytest.mark.parametrize("cfg", ISA_CASES)
 def test_avx512_value_peel_matches_the_scalar_step(cfg):
     from lossless_hc.backends import cpu

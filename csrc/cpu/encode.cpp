@@ -2,11 +2,25 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12's AVX-512 headers build some intrinsics' results from a deliberately undefined vector, which
+// -Wextra reports as uninitialised (as in peel_batch.cpp).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#define LHC_SCAN_AVX512 1
+#else
+#define LHC_SCAN_AVX512 0
+#endif
 
 #include <cmath>
+#include <cstring>
 
 #include "digits.h"
 #include "peel.h"
+#include "thc_cpu.h"
 
 namespace lhc {
 namespace cpu {
@@ -35,6 +49,85 @@ inline uint64_t nonzero_mask64(const uint32_t* p) {
 #endif
 }
 
+inline uint32_t bit_pattern(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return u;
+}
+
+// The scans read the input once, in order, and do little with most of it: they are prefetched this many
+// floats (16 KiB) ahead, as the hardware prefetcher alone, which stops at every 4 KiB page, left them
+// waiting on memory (docs/BENCHMARKS.md, LHC codec).
+constexpr uint64_t kPrefetchAhead = 4096;
+
+// Appends the keys k in [kb, ke) with x[k] not +-0.0, in increasing order, and their values (block 1).
+// Chunks of 64: a vectorisable OR-reduction skips all-zero chunks (about half of them at 1% density),
+// and a non-empty chunk's keys are read off the bit mask of its non-zero lanes.
+uint64_t scan_block1(const float* x, uint64_t kb, uint64_t ke, std::vector<uint32_t>* keys, std::vector<float>* vals) {
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
+  constexpr uint64_t kChunk = 64;
+  uint64_t k = kb;
+  for (; k + kChunk <= ke; k += kChunk) {
+    for (uint64_t i = 0; i < kChunk; i += 16) __builtin_prefetch(x + k + i + kPrefetchAhead, 0, 3);
+    uint32_t any = 0;
+    for (uint64_t i = 0; i < kChunk; ++i) any |= bits[k + i] << 1;
+    if (!any) continue;
+    for (uint64_t m = nonzero_mask64(bits + k); m; m &= m - 1) {
+      const uint64_t key = k + __builtin_ctzll(m);
+      keys->push_back((uint32_t)key);
+      vals->push_back(x[key]);
+    }
+  }
+  for (; k < ke; ++k)
+    if (bits[k] << 1) {
+      keys->push_back((uint32_t)k);
+      vals->push_back(x[k]);
+    }
+  return k;
+}
+
+#if LHC_SCAN_AVX512
+// scan_block1 for whole chunks of 64 in AVX-512: one test per 16 lanes (bits other than the sign), and
+// a non-empty vector's keys and values compressed into place, 16 stores at a time. Returns where the
+// chunks ended (scan_block1 does the rest).
+__attribute__((target("avx512f"))) uint64_t scan_block1_avx512(const float* x, uint64_t kb, uint64_t ke,
+                                                               std::vector<uint32_t>* keys, std::vector<float>* vals) {
+  constexpr uint64_t kChunk = 64;
+  size_t n = keys->size();
+  // Room for a whole chunk past n at every step: the stores below write 16 lanes, used or not.
+  auto make_room = [&](size_t need) {
+    if (keys->size() >= need) return;
+    const size_t grown = std::max(need, 2 * keys->size() + 4096);
+    keys->resize(grown);
+    vals->resize(grown);
+  };
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  uint64_t k = kb;
+  for (; k + kChunk <= ke; k += kChunk) {
+    __m512i v[4];
+    __mmask16 m[4];
+    for (int j = 0; j < 4; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(x + k + 16 * j + kPrefetchAhead), _MM_HINT_T0);
+      v[j] = _mm512_loadu_si512(x + k + 16 * j);
+      m[j] = _mm512_test_epi32_mask(v[j], magnitude);
+    }
+    if (!(m[0] | m[1] | m[2] | m[3])) continue;
+    make_room(n + kChunk);
+    for (int j = 0; j < 4; ++j) {
+      if (!m[j]) continue;
+      const __m512i key = _mm512_add_epi32(_mm512_set1_epi32((int)(k + 16 * j)), lane);
+      _mm512_storeu_si512(keys->data() + n, _mm512_maskz_compress_epi32(m[j], key));
+      _mm512_storeu_si512(vals->data() + n, _mm512_maskz_compress_epi32(m[j], v[j]));
+      n += (size_t)__builtin_popcount(m[j]);
+    }
+  }
+  keys->resize(n);
+  vals->resize(n);
+  return k;
+}
+#endif
+
 // Non-zero keys of x, per thread in increasing order (concatenated: sorted), with their blocks'
 // values (KeyParts), and whether x held NaN/Inf. -0.0 counts as zero.
 KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_t* non_finite) {
@@ -42,6 +135,8 @@ KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_
   out.parts.resize(nt);
   out.vals.resize(nt);
   std::vector<uint32_t> bad(nt, 0);
+  const bool avx512 = std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0;
+  (void)avx512;
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
@@ -54,33 +149,13 @@ KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_
     uint32_t nf = 0;
     const uint32_t* bits = reinterpret_cast<const uint32_t*>(x);
     if (L.block == 1) {
-      // Chunks of 64: a vectorisable OR-reduction skips all-zero chunks (about half of them at 1%
-      // density), and a non-empty chunk's keys are read off the bit mask of its non-zero lanes.
-      constexpr uint64_t kChunk = 64;
       uint64_t k = kb;
-      for (; k + kChunk <= ke; k += kChunk) {
-        uint32_t any = 0, inf_nan = 0;
-        for (uint64_t i = 0; i < kChunk; ++i) {
-          const uint32_t u = bits[k + i];
-          any |= u << 1;
-          inf_nan |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-        }
-        nf |= inf_nan;
-        if (!any) continue;
-        for (uint64_t m = nonzero_mask64(bits + k); m; m &= m - 1) {
-          const uint64_t key = k + __builtin_ctzll(m);
-          mine.push_back((uint32_t)key);
-          vals.push_back(x[key]);
-        }
-      }
-      for (; k < ke; ++k) {
-        const uint32_t u = bits[k];
-        nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-        if (u << 1) {
-          mine.push_back((uint32_t)k);
-          vals.push_back(x[k]);
-        }
-      }
+#if LHC_SCAN_AVX512
+      if (avx512) k = scan_block1_avx512(x, kb, ke, &mine, &vals);
+#endif
+      k = scan_block1(x, k, ke, &mine, &vals);
+      // Inf and NaN are non-zero, so they are among the values found: checked there, not in the scan.
+      for (const float v : vals) nf |= (uint32_t)((bit_pattern(v) & 0x7f800000u) == 0x7f800000u);
     } else {
       for (uint64_t k = kb; k < ke; ++k) {
         const uint64_t lo = k * L.block, hi = std::min<uint64_t>(lo + L.block, L.numel);

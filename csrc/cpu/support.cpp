@@ -136,6 +136,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     uint64_t check_stream;
     uint32_t base;  // of the digits
     unsigned long long check[kIndexCheckFields];
+    uint64_t room;  // free slots in the fullest bucket, at least
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
@@ -168,8 +169,16 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
             for (uint32_t f = 0; f < kIndexCheckFields; ++f) check[f] += (unsigned long long)(digit - 1) * part[f];
           }
         }
-      for (Bucket& b : buckets)
-        if (b.keys.size() < b.size + n) b.keys.resize(2 * (b.size + n));
+      // Every bucket has room for `room` more keys: checked bucket by bucket only when a block might
+      // not fit (rarely: the buckets are sized ahead for a valid payload).
+      if (room < n) {
+        room = UINT64_MAX;
+        for (Bucket& b : buckets) {
+          if (b.keys.size() < b.size + n) b.keys.resize(2 * (b.size + n));
+          room = std::min<uint64_t>(room, b.keys.size() - b.size);
+        }
+      }
+      room -= n;
       if (buckets.size() == 1) {
         std::copy(found.data(), found.data() + n, buckets[0].keys.data() + buckets[0].size);
         buckets[0].size += n;
@@ -188,7 +197,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word;
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
-                L.index.base, {0, 0}};
+                L.index.base, {0, 0}, 0};
   std::vector<KeySink> sinks(nt, proto);
   for (KeySink& sink : sinks)
     for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);

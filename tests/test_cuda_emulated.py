@@ -23,7 +23,7 @@ import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.backends import cuda as _cuda
 from lossless_hc.backends import cuda_runtime
-from lossless_hc.lhc.codec import DEFAULT_RTOL
+from lossless_hc.lhc.codec import DEFAULT_RTOL, key_coordinates
 from lossless_hc.lhc import reference
 from lossless_hc.lhc.layout import HDR_INDEX_CHECK0, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus, message
@@ -381,8 +381,7 @@ def verdict_inputs(rng, numel, block, n, k, kind):
     for _ in range(n):
         x = torch.zeros(numel, dtype=torch.float64)
         keys = torch.from_numpy(rng.choice(num_keys, size=min(keys_per, num_keys), replace=False))
-        idx = (keys.reshape(-1, 1) * block + torch.arange(block)).reshape(-1)
-        idx = idx[idx < numel]
+        idx, _ = key_coordinates(keys, block, numel)
         m = idx.numel()
         if kind == "normal":
             v = rng.standard_normal(m)

@@ -65,15 +65,9 @@ def make_supports(num_keys: int, k: int, workers: int, support: str, gen: torch.
 
 def fill_blocks(x: torch.Tensor, keys: torch.Tensor, block: int, gen: torch.Generator) -> None:
     """Write N(0,1) values (never exactly 0) into the blocks ``keys`` of the flat tensor ``x``."""
-    n = x.numel()
     if keys.numel() == 0:
         return
-    if block == 1:
-        coords = keys
-    else:
-        coords = (keys.unsqueeze(1) * block + torch.arange(block, dtype=torch.int64)).reshape(-1)
-        if int(keys.max()) * block + block > n:     # a partial last block
-            coords = coords[coords < n]
+    coords, _ = key_coordinates(keys, block, x.numel())
     vals = torch.randn(coords.numel(), generator=gen, dtype=torch.float32)
     vals = torch.where(vals == 0, torch.ones_like(vals), vals)
     x.index_copy_(0, coords, vals)

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lossless_hc.bench.common import format_table
-from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
 from lossless_hc.lhc.cost_model import candidates, choose, information_bound_bits
 
 KINDS = ("dense", "bitmap", "bloom", "multilevel")
@@ -62,7 +62,7 @@ def verify_point(workers: int, density: float, block: int, numel: int, seed: int
         if r == 0:
             mine = union  # rank 0 covers the union, so the aggregate's support is exactly it
         x = torch.zeros(num_keys * block)
-        idx = (mine.unsqueeze(1) * block + torch.arange(block)).reshape(-1)
+        idx, _ = key_coordinates(mine, block, num_keys * block)
         x[idx] = torch.randn(idx.numel(), generator=g)
         xs.append(x[:numel].clone())
     truth = sum(x.double() for x in xs)

@@ -152,8 +152,7 @@ def _inputs(g: Group, rng: random.Random, num_keys: int) -> List[torch.Tensor]:
     for keys in _supports(g, rng, num_keys):
         x = torch.zeros(numel, dtype=torch.float64)
         if keys:
-            idx = (torch.tensor(keys, dtype=torch.int64).reshape(-1, 1) * b + torch.arange(b)).reshape(-1)
-            idx = idx[idx < numel]
+            idx, _ = key_coordinates(torch.tensor(keys, dtype=torch.int64), b, numel)
             x[idx] = _values(g, rng, idx.numel(), gen)
         xs.append(x)
     if g.values in ("cancel", "near_cancel") and g.world_size >= 2:

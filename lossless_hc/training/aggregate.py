@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.lhc.codec import DecodeReport, LosslessCodec
+from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
 
@@ -432,11 +432,8 @@ class TensorAggregator:
         st.inexact_decodes += 1
         if not partial or report.overloaded_ranks:
             return None
-        b = self.block_size
         keys = report.inexact_keys.to(device=self.device, dtype=torch.int64)
-        coords = (keys.reshape(-1, 1) * b + torch.arange(b, device=self.device)).reshape(-1)
-        if b > 1 and self.numel % b:
-            coords = coords[coords < self.numel]
+        coords, _ = key_coordinates(keys, self.block_size, self.numel)
         if coords.numel() > self.partial_max_fraction * self.numel:
             return None
         st.partial_fallbacks += 1

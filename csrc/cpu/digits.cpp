@@ -45,7 +45,7 @@ bool split_words(const float* words, uint32_t n, double scale, const DigitPackin
 
 // As split_words, but only the non-zero masks, sum and largest digit of d, and each word's value and
 // largest digit.
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
                       WordDigits* d) {
   const double inv = 1.0 / M.lo_power, lo_power = M.lo_power;

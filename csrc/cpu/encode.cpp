@@ -154,17 +154,12 @@ KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_
       if (avx512) k = scan_block1_avx512(x, kb, ke, &mine, &vals);
 #endif
       k = scan_block1(x, k, ke, &mine, &vals);
-      // Inf and NaN are non-zero, so they are among the values found: checked there, not in the scan.
-      for (const float v : vals) nf |= (uint32_t)((bit_pattern(v) & 0x7f800000u) == 0x7f800000u);
     } else {
       for (uint64_t k = kb; k < ke; ++k) {
         const uint64_t lo = k * L.block, hi = std::min<uint64_t>(lo + L.block, L.numel);
+        for (uint64_t i = lo; i < hi; i += 16) __builtin_prefetch(x + i + kPrefetchAhead, 0, 3);
         uint32_t any = 0;
-        for (uint64_t i = lo; i < hi; ++i) {
-          const uint32_t u = bits[i];
-          nf |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-          any |= u << 1;
-        }
+        for (uint64_t i = lo; i < hi; ++i) any |= bits[i] << 1;
         if (any) {
           mine.push_back((uint32_t)k);
           vals.insert(vals.end(), x + lo, x + hi);
@@ -172,6 +167,9 @@ KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_
         }
       }
     }
+    // Inf and NaN are non-zero, so they are among the values found (in non-zero blocks): checked
+    // there, not in the scan.
+    for (const float v : vals) nf |= (uint32_t)((bit_pattern(v) & 0x7f800000u) == 0x7f800000u);
     out.parts[tid] = std::move(mine);
     out.vals[tid] = std::move(vals);
     bad[tid] = nf;

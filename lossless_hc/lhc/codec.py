@@ -26,13 +26,19 @@ def _no_keys() -> torch.Tensor:
 
 
 def key_coordinates(keys: torch.Tensor, block: int, numel: int) -> tuple:
-    """``(coords, rows)``: the flat coordinates of ``keys`` (int64; key k covers coordinates
-    ``k*block .. min((k+1)*block, numel) - 1``, as in ``DecodeReport.inexact_keys``), and for each
-    coordinate the position of its key in ``keys``, on ``keys``' device."""
+    """``(coords, rows)``: the flat coordinates of ``keys`` (int64 keys below ``ceil(numel / block)``;
+    key k covers coordinates ``k*block .. min((k+1)*block, numel) - 1``, as in
+    ``DecodeReport.inexact_keys``), and for each coordinate the position of its key in ``keys``, on
+    ``keys``' device. Only a partial last block needs a mask (on CUDA a boolean mask synchronises, and
+    the training aggregator calls this every inexact step), so without one nothing is masked."""
+    n = keys.numel()
     coords = (keys.reshape(-1, 1) * block + torch.arange(block, device=keys.device)).reshape(-1)
-    rows = torch.arange(keys.numel(), device=keys.device).repeat_interleave(block)
+    rows = torch.arange(n, device=keys.device).reshape(-1, 1).expand(n, block).reshape(-1)
+    if numel % block == 0:
+        return coords, rows
     inside = coords < numel
     return coords[inside], rows[inside]
+
 
 @dataclass
 class DecodeReport:

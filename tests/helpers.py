@@ -16,6 +16,7 @@ import torch
 
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.codec import key_coordinates
+from lossless_hc.lhc.contract import outside_bounds
 from lossless_hc.lhc.layout import PayloadLayout
 
 U32 = 2.0 ** -24          # unit roundoff of float32 (round to nearest)
@@ -320,30 +321,31 @@ def assert_contract(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tens
                                  f"ref={ref[bad][:5].tolist()}")
 
 
-def assert_error_bounds(layout: PayloadLayout, ref: torch.Tensor, yf: torch.Tensor, error_bounds, truth_keys,
-                        trace_bound: torch.Tensor) -> None:
+def assert_error_bounds(layout: PayloadLayout, ref: torch.Tensor, mass: torch.Tensor, y: torch.Tensor, error_bounds,
+                        truth_keys, trace_bound: torch.Tensor) -> None:
     """The decoder's own bounds (``DecodeReport.error_bounds``) are sound: they list exactly the true
     support keys, sorted; every coordinate of key k is within E(k) of the float64 truth ``ref``
-    before the output's rounding to float32, i.e. ``|y - ref| <= E + u (|ref| + E)`` (``|y - v| <= u
-    |v|`` and ``|v| <= |ref| + E``); and E(k) is at least ``trace_bound`` (:func:`peel_error_bound`,
-    per coordinate) on each of k's coordinates. That bound follows the same recursion over the same
-    peeling order from the inputs' exact masses; the decoder's cell masses are float32 sums inflated
-    past their rounding (at least the exact ones, and a key's is its largest lane's) and every bound
-    it stores is rounded up, so it can only be larger. Being a bound, the first check alone would
-    miss an E(k) a few times too small (measured errors stay below a quarter of E); this one does
-    not."""
+    (absolute mass ``mass``) as the contract's :func:`~lossless_hc.lhc.contract.outside_bounds`
+    judges (E(k) before the output's rounding, then that rounding); and E(k) is at least
+    ``trace_bound`` (:func:`peel_error_bound`, per coordinate) on each of k's coordinates. That bound
+    follows the same recursion over the same peeling order from the inputs' exact masses; the
+    decoder's cell masses are float32 sums inflated past their rounding (at least the exact ones, and
+    a key's is its largest lane's) and every bound it stores is rounded up, so it can only be larger.
+    Being a bound, the first check alone would miss an E(k) a few times too small (measured errors
+    stay below a quarter of E); this one does not."""
     keys, E = error_bounds
     assert keys.dtype == torch.int64 and E.dtype == torch.float64
     assert keys.tolist() == sorted(truth_keys), "error_bounds lists other keys than the support"
     assert bool((E >= 0).all()), "an error bound is negative or NaN"
+    bad = outside_bounds(y, ref, mass, layout.world_size, error_bounds, layout.block)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        key = i // layout.block
+        raise AssertionError(f"{int(bad.sum())} coordinates outside their decoder-reported bound; e.g. coordinate {i}: "
+                             f"y = {float(y.reshape(-1)[i])!r}, ref = {float(ref[i])!r}, "
+                             f"E = {float(E[int(torch.searchsorted(keys, key))])!r}")
     coords, rows = key_coordinates(keys, layout.block, layout.numel)
     Ec = E[rows]
-    err = (yf[coords] - ref[coords]).abs()
-    tol = Ec + U32 * (ref[coords].abs() + Ec) + 1e-300
-    bad = err > tol
-    assert not bool(bad.any()), (f"{int(bad.sum())} coordinates outside their decoder-reported bound; e.g. "
-                                 f"coordinate {int(coords[bad][0])}: |y - ref| = {err[bad][0].item()!r} > "
-                                 f"E = {Ec[bad][0].item()!r}")
     low = Ec < trace_bound[coords] * (1 - 2.0 ** -40)
     assert not bool(low.any()), (f"{int(low.sum())} coordinates with a reported bound below the trace's; e.g. "
                                  f"coordinate {int(coords[low][0])}: E = {Ec[low][0].item()!r} < "
@@ -386,7 +388,8 @@ def assert_lossless(layout: PayloadLayout, xs: list[torch.Tensor], y: torch.Tens
 
     tol = E + U32 * ref.abs() + 1e-30
     if getattr(report, "error_bounds", None) is not None:
-        assert_error_bounds(layout, ref, yf, report.error_bounds, truth_keys, E)
+        mass = sum(x.reshape(-1).abs().to(torch.float64) for x in xs) * scale
+        assert_error_bounds(layout, ref, mass, y, report.error_bounds, truth_keys, E)
 
     err = (yf - ref).abs()
     bad = err > tol

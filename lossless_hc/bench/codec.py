@@ -12,6 +12,7 @@ from lossless_hc.bench.common import (fmt_bytes, fmt_ms, fmt_sci, format_table, 
                                       time_cuda, time_interleaved)
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
+from lossless_hc.lhc.contract import outside_bounds, truth as truth_and_mass
 from lossless_hc.lhc.cost_model import information_bound_bits
 from lossless_hc.lhc.layout import HEADER_FIELDS
 
@@ -89,21 +90,23 @@ def make_inputs(numel: int, density: float, workers: int, block: int, support: s
     return xs, k
 
 
-def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, block: int, rtol: float) -> dict:
-    """The decoder's per-key error bounds (``DecodeReport.error_bounds``) against the float64 truth,
-    over the support's coordinates: ``bound_violations`` counts coordinates with ``|y - t| > E +
-    2^-24 (|t| + E)`` (the output's float32 rounding on top of E; must be 0), ``err_over_bound_*`` how
+def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, mass: torch.Tensor, workers: int, block: int,
+                rtol: float) -> dict:
+    """The decoder's per-key error bounds (``DecodeReport.error_bounds``) against the float64 truth
+    (the sum ``truth`` of ``workers`` inputs and their absolute ``mass``), over the support's
+    coordinates: ``bound_violations`` counts the coordinates outside them as the contract's
+    :func:`~lossless_hc.lhc.contract.outside_bounds` judges (must be 0), ``err_over_bound_*`` how
     much of E the actual error uses, and ``inexact_within_rtol`` how many keys listed INEXACT are in
     fact within rtol of the truth on every coordinate (the bound being worst case). Empty when the
     report carries no bounds (the dense layout, a failed decode)."""
     if report.error_bounds is None:
         return {}
     keys, E = report.error_bounds
+    violations = int(outside_bounds(y, truth, mass, workers, report.error_bounds, block).sum())
     coords, rows = key_coordinates(keys, block, truth.numel())
     Ec = E[rows]
     t = truth[coords]
     err = (y.reshape(-1)[coords].double() - t).abs_()
-    violations = int((err > Ec + 2.0 ** -24 * (t.abs() + Ec)).sum())
     used = err / Ec.clamp_min(1e-300)
     inexact = report.inexact_keys
     inexact_within = 0
@@ -140,14 +143,12 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     L = codec.layout
     log(repr(codec))
 
-    # Every worker's payload summed (float32, in rank order), and the float64 truth (accumulated in
-    # place: one extra 8*numel buffer); then every input but worker 0's is released.
+    # Every worker's payload summed (float32, in rank order), and the float64 truth and absolute mass
+    # (two extra 8*numel buffers); then every input but worker 0's is released.
     summed = torch.zeros(L.payload_numel, dtype=torch.float32)
     for x in xs:
         summed += codec.encode(x)
-    truth = torch.zeros(numel, dtype=torch.float64)
-    for x in xs:
-        truth += x
+    truth, mass = truth_and_mass(xs)
     x0 = xs[0]
     xs.clear()
 
@@ -172,7 +173,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     memcpy_gbps = 4 * numel / t_copy["median_s"] / 1e9 if numel else 0.0
     clone_gbps = 4 * numel / t_clone["median_s"] / 1e9 if numel else 0.0
     y, report = codec.decode(summed, error_bounds=True)
-    bounds = bound_stats(report, y, truth, block_size, codec.rtol)
+    bounds = bound_stats(report, y, truth, mass, workers, block_size, codec.rtol)
 
     # correctness. A support mismatch is only possible at rounding size (a sum that cancels to a few
     # ulps, or a value ~2^24 smaller than its cell-mates): count those apart from real errors, using
@@ -261,9 +262,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     t0 = time.perf_counter()
     xs_cpu, k_blocks = make_inputs(numel, density, workers, block_size, support, seed)
     max_nnz = max(int(torch.count_nonzero(x)) for x in xs_cpu) if xs_cpu else 0
-    truth = torch.zeros(numel, dtype=torch.float64)
-    for x in xs_cpu:
-        truth += x
+    truth, mass = truth_and_mass(xs_cpu)
     xs = [x.to(dev) for x in xs_cpu]
     del xs_cpu
     log(f"inputs: {workers} x {numel} float32 on {torch.cuda.get_device_name(dev)}, {k_blocks} non-zero blocks each "
@@ -303,7 +302,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     with cuda_runtime.profile() as dec_prof:
         codec.decode(summed, out=out)
 
-    bounds = bound_stats(report, y, truth, block_size, codec.rtol)
+    bounds = bound_stats(report, y, truth, mass, workers, block_size, codec.rtol)
     true_nz, got_nz = truth != 0, y != 0
     mismatch = int((true_nz ^ got_nz).sum())
     max_abs_sum = float(truth.abs().max()) if numel else 0.0

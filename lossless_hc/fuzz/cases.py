@@ -24,7 +24,7 @@ same tensor (the cross-key rounding case), exact cancellation (+v and -v on two 
 near-cancellation, float16/bfloat16 inputs, and now and then a NaN or Inf.
 
 Verdicts (:func:`run_group`, one per case): the decode's status name, and whether it broke the
-contract (:mod:`lossless_hc.fuzz.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the
+contract (:mod:`lossless_hc.lhc.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the
 contract) or ``inexact_but_wrong`` (INEXACT with a coordinate outside the contract at a key it did
 not report); and on the plain cases ``outside_its_bound`` (a coordinate farther from the true sum
 than the bound E(k) the decoder reports for its key, ``decode(..., error_bounds=True)``). Any other
@@ -42,7 +42,7 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
 from lossless_hc.lhc.layout import CHUNK_BITS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_LO, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.fuzz.contract import outside_bounds, outside_contract, truth
+from lossless_hc.lhc.contract import outside_bounds, outside_contract, truth
 
 CASES_PER_GROUP = 4
 INDEX_CHOICES = ("bitmap", "bloom", "multilevel", "dense", "auto")

@@ -1,4 +1,6 @@
-r"""The exactness contract of a decode, stated once (the fuzzer and the tests check this function).
+r"""The exactness contract of a decode, stated once: the fuzzer, the codec benchmark and the tests
+judge decodes with these functions (:func:`outside_contract`, and :func:`outside_bounds` for the
+per-key bounds a decode reports).
 
 For a coordinate i with float32 inputs :math:`x_{r,i}` on n ranks, true sum
 :math:`s_i = \sum_r x_{r,i}` and absolute mass :math:`a_i = \sum_r |x_{r,i}|`, a decoded value

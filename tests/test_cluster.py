@@ -137,6 +137,24 @@ def test_refuses_without_root(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
 
 
+def test_cluster_commands_map_failures_to_exit_statuses(tmp_path, capsys):
+    """bench cluster and bench tta share their frame: a late option error exits 2, a cluster failure 1,
+    an interrupt 130, each with its message; success returns the result and the work directory."""
+    def raising(exc):
+        def run(workdir):
+            assert os.path.isdir(workdir)
+            raise exc
+        return run
+
+    out = str(tmp_path / "run")
+    assert netns.run_on_clusters("prog", "t", out, lambda w: {"in": w}) == (0, {"in": out}, out)
+    for exc, status, message in ((ValueError("bad --x"), 2, "prog: error: bad --x"),
+                                 (netns.ClusterError("veth gone"), 1, "prog: error: veth gone"),
+                                 (KeyboardInterrupt(), 130, "interrupted; the emulated cluster was removed")):
+        assert netns.run_on_clusters("prog", "t", out, raising(exc))[:2] == (status, None)
+        assert message in capsys.readouterr().err
+
+
 def _args(**kw):
     import argparse
     p = argparse.ArgumentParser()

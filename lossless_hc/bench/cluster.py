@@ -47,12 +47,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Optional, Sequence
 
-from lossless_hc.bench.common import command_line, machine_info
-from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, remove_leftovers, require_root,
+from lossless_hc.bench.common import command_line, machine_info, write_report
+from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, require_root, run_on_clusters,
                                     terminate_on_signals)
 
 # BASELINE, LOSSLESS (modes whose result must equal the uncompressed run up to float rounding), AUTO
@@ -530,30 +529,19 @@ def cmd_cluster(args) -> int:
     except SystemExit as exc:  # the replay directory's own message
         print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 2
-    removed = remove_leftovers()
-    if removed:
-        print(f"[cluster] removed leftovers of an earlier run: {', '.join(removed)}", file=sys.stderr)
     what = f"replay of {recorded['model']}" if args.replay else args.model
     skew = recorded["options"].get("skew") if args.replay else args.skew
     title = (f"{what}{f' (Zipf skew {skew})' if skew else ''}, {args.hosts} hosts, {rate_label(rate)}, "
              f"{args.latency} one-way{', CPU-fair' if args.cpu_fair else ''}")
-    workdir = args.out or tempfile.mkdtemp(prefix="lhc-cluster-")
-    os.makedirs(workdir, exist_ok=True)
     t0 = time.monotonic()
     train_args = worker_args(args)
-    try:
-        result = run_benchmark(args.hosts, rate, delay, model, frameworks, compressions, args.steps,
-                               args.warmup, train_args, args.timeout, workdir, cpu_fair=args.cpu_fair,
-                               shards=args.shards, cores=args.cores, rounds=args.rounds)
-    except ValueError as exc:
-        print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
-        return 2
-    except ClusterError as exc:
-        print(f"\npython -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted; the emulated cluster was removed", file=sys.stderr)
-        return 130
+    status, result, workdir = run_on_clusters(
+        "python -m lossless_hc.bench cluster", "cluster", args.out,
+        lambda workdir: run_benchmark(args.hosts, rate, delay, model, frameworks, compressions, args.steps,
+                                      args.warmup, train_args, args.timeout, workdir, cpu_fair=args.cpu_fair,
+                                      shards=args.shards, cores=args.cores, rounds=args.rounds))
+    if status:
+        return status
     if result["cpu_fair"]:
         f = result["cpu_fair"]
         print(f"[cluster] --cpu-fair: {f['workers']} workers on {f['cores']} cores, share {f['share']:.3g}: "
@@ -569,10 +557,7 @@ def cmd_cluster(args) -> int:
     print(md)
     stem = (f"cluster_{'replay_' if args.replay else ''}{what.split()[-1]}{f'_zipf{skew}' if skew else ''}_"
             f"{rate_label(rate)}_{args.hosts}hosts{'_fsdp' if frameworks == ['fsdp'] else ''}")
-    with open(os.path.join(workdir, stem + ".md"), "w") as f:
-        f.write(f"`{result['command']}`\n\n{md}")
-    with open(os.path.join(workdir, stem + ".json"), "w") as f:
-        json.dump(result, f, indent=2, default=str)
+    write_report(workdir, stem, result, md)
     plot_path = args.plot or os.path.join(workdir, stem + ".png")
     plot(result, title, plot_path)
     print(f"[cluster] wrote {workdir}/{stem}.md, .json and {plot_path}", file=sys.stderr)

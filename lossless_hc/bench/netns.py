@@ -11,6 +11,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 from typing import Callable, Optional, Sequence
 
 PREFIX = "lhcc"
@@ -86,6 +88,31 @@ def require_root() -> None:
                            "lossless_hc.bench cluster ...`)")
     if shutil.which("ip") is None or shutil.which("tc") is None:
         raise ClusterError("the cluster benchmark needs iproute2 (`ip` and `tc`)")
+
+
+def run_on_clusters(prog: str, tag: str, out: Optional[str], run: Callable[[str], dict]):
+    """The frame of a command that runs on emulated clusters (``bench cluster``, ``bench tta``), after
+    its options were checked: removes an earlier run's leftovers, makes the work directory (``out``,
+    or a fresh temporary one) and calls ``run(workdir)``. Returns ``(status, result, workdir)``:
+    status 0 with run's result, or the command's exit status with the error printed -- 2 for a
+    ValueError (an option found wrong only now), 1 for a ClusterError, 130 for an interrupt (the
+    cluster is removed on the way out: EmulatedCluster's exit)."""
+    removed = remove_leftovers()
+    if removed:
+        print(f"[{tag}] removed leftovers of an earlier run: {', '.join(removed)}", file=sys.stderr)
+    workdir = out or tempfile.mkdtemp(prefix=f"lhc-{tag}-")
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        return 0, run(workdir), workdir
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2, None, workdir
+    except ClusterError as exc:
+        print(f"\n{prog}: error: {exc}", file=sys.stderr)
+        return 1, None, workdir
+    except KeyboardInterrupt:
+        print("\ninterrupted; the emulated cluster was removed", file=sys.stderr)
+        return 130, None, workdir
 
 
 # -- the cluster -----------------------------------------------------------------------------------

@@ -28,18 +28,16 @@ the driver's ``--topk-ratio``, 0.01). Both keep error feedback (residual memory)
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
-import tempfile
 import time
 from typing import Optional, Sequence
 
 from lossless_hc.bench.cluster import (RunSpec, apply_cpu_fair, max_param_diff, parse_delay, parse_list, parse_rate,
                                        Progress, run_workers)
 from lossless_hc.bench.cluster_report import rate_label
-from lossless_hc.bench.common import command_line, machine_info
-from lossless_hc.bench.netns import ClusterError, EmulatedCluster, remove_leftovers, require_root, terminate_on_signals
+from lossless_hc.bench.common import command_line, machine_info, write_report
+from lossless_hc.bench.netns import ClusterError, EmulatedCluster, require_root, run_on_clusters, terminate_on_signals
 from lossless_hc.bench.tta_report import plot_curves, render_markdown, summarize_runs
 from lossless_hc.bench.workloads.train import COMPRESSIONS, SUPPORTED
 
@@ -181,22 +179,14 @@ def cmd_tta(args) -> int:
     except (ValueError, ClusterError) as exc:
         print(f"python -m lossless_hc.bench tta: error: {exc}", file=sys.stderr)
         return 2
-    removed = remove_leftovers()
-    if removed:
-        print(f"[tta] removed leftovers of an earlier run: {', '.join(removed)}", file=sys.stderr)
-    workdir = args.out or tempfile.mkdtemp(prefix="lhc-tta-")
-    os.makedirs(workdir, exist_ok=True)
     t0 = time.monotonic()
-    try:
-        result = run_tta(args.hosts, rate, delay, task, modes, seeds, workdir, args.timeout, args.framework,
-                         args.cpu_fair, args.cores, args.target, args.max_steps, args.eval_every,
-                         args.max_train_seconds, args.train_args.split())
-    except ClusterError as exc:
-        print(f"\npython -m lossless_hc.bench tta: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted; the emulated cluster was removed", file=sys.stderr)
-        return 130
+    status, result, workdir = run_on_clusters(
+        "python -m lossless_hc.bench tta", "tta", args.out,
+        lambda workdir: run_tta(args.hosts, rate, delay, task, modes, seeds, workdir, args.timeout, args.framework,
+                                args.cpu_fair, args.cores, args.target, args.max_steps, args.eval_every,
+                                args.max_train_seconds, args.train_args.split()))
+    if status:
+        return status
     title = (f"{args.task}: {task.description}; {args.hosts} hosts, {rate_label(rate)}, {args.latency} one-way"
              f"{', CPU-fair' if args.cpu_fair else ''}, {args.framework}")
     result.update(task=args.task, description=task.description, title=title, command=command_line(),
@@ -206,10 +196,7 @@ def cmd_tta(args) -> int:
     md = render_markdown(result)
     print(md)
     stem = f"tta_{args.task}_{rate_label(rate)}_{args.hosts}hosts"
-    with open(os.path.join(workdir, stem + ".md"), "w") as f:
-        f.write(f"`{result['command']}`\n\n{md}")
-    with open(os.path.join(workdir, stem + ".json"), "w") as f:
-        json.dump(result, f, indent=2, default=str)
+    write_report(workdir, stem, result, md)
     prefix = args.plot_prefix or os.path.join(workdir, stem)
     paths = plot_curves(result, prefix)
     print(f"[tta] wrote {workdir}/{stem}.md, .json, {', '.join(paths)} ({result['wall_s']:.0f} s)", file=sys.stderr)

@@ -509,14 +509,18 @@ def test_decode_into_a_reused_buffer():
             codec.decode(summed, out=bad)
 
 
-@pytest.mark.parametrize("numel", [5000, 400_000])  # 400k: every thread writes several chunks of index words
+# 400k: every thread writes several chunks of index words; 1.1M with every third key non-zero: a
+# sketch of several groups, each zeroed just before its keys are added
+@pytest.mark.parametrize("numel,stride", [(5000, 97), (400_000, 97), (1_100_000, 3)])
 @pytest.mark.parametrize("index", INDEXES)
-def test_encode_into_a_reused_buffer(index, numel):
+def test_encode_into_a_reused_buffer(index, numel, stride):
     """encode(x, out=buf) overwrites all of buf (stale values must not leak into the payload) and
     equals a fresh encode; a wrong buffer is rejected clearly."""
-    codec = LosslessCodec(numel, 2, numel // 97 + 1, index=index)
+    codec = LosslessCodec(numel, 2, numel // stride + 1, index=index)
+    if stride == 3:
+        assert codec.layout.sketch.seg_count > 3
     x = torch.zeros(numel)
-    x[::97] = 1.5
+    x[::stride] = 1.5
     buf = torch.full((codec.payload_numel,), 3.0)
     payload = codec.encode(x, out=buf)
     assert payload.data_ptr() == buf.data_ptr()

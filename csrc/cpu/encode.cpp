@@ -194,8 +194,8 @@ void scatter_keys(const CodecLayout& L, const float* vals, const uint32_t* keys,
   };
   for (size_t i = 0; i < count; ++i) {
     if (i + kAhead < count) {
-      // The group's cells were zero-filled with the whole payload, so they are not in cache either;
-      // nor are their mass cells (a second array as large as the group's values at block 1).
+      // The cells and their mass cells were zero-filled just before, but a group of blocks of several
+      // values, or the one group of a table of one, is larger than the cache.
       for (int j = 0; j < 3; ++j) {
         __builtin_prefetch(cell_values(i + kAhead, j), 1, 3);
         __builtin_prefetch(mass + (cell_values(i + kAhead, j) - sketch) / B, 1, 3);
@@ -288,11 +288,14 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   const int nt = resolve_threads(num_threads);
   EncodeStats st;
   Prof prof;
-  // Zero what is accumulated into: the sketch, and the coarse index of the multilevel kind. The
-  // bitmap and Bloom index words and the fine tables are each written once below; the header last.
+  // Zero what is accumulated into: the coarse index of the multilevel kind, and the sketch and its
+  // mass (here when they are one group; group by group below, just before their keys are added, when
+  // there are several: no separate pass over them, and their cells are then in cache). The bitmap and
+  // Bloom index words and the fine tables are each written once below; the header last.
   float* index = payload + L.index_offset;
+  const SegmentedTable& T = L.sketch;
   if (L.index_kind == kIndexMultilevel) parallel_fill(index, L.index.words(), 0.0f, nt);
-  parallel_fill(payload + L.sketch_offset, L.payload_numel - L.sketch_offset, 0.0f, nt);
+  if (T.groups() <= 1) parallel_fill(payload + L.sketch_offset, L.payload_numel - L.sketch_offset, 0.0f, nt);
   prof.mark("enc zero");
   const KeyParts keys = find_nonzero_keys(L, x, nt, &st.non_finite);
   st.keys = keys.size();
@@ -378,7 +381,6 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
   // stay in cache; with one group the scatter is sequential.
   float* sketch = payload + L.sketch_offset;
   float* mass = payload + mass_offset(L);
-  const SegmentedTable& T = L.sketch;
   if (T.groups() > 1) {
     std::vector<uint32_t> gkeys;
     std::vector<float> gvals;
@@ -389,9 +391,13 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     {
       std::vector<uint32_t> kc;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t g = 0; g < (int64_t)T.groups(); ++g)
-        scatter_keys(L, gvals.data() + goff[g] * L.block, gkeys.data() + goff[g], goff[g + 1] - goff[g],
-                     (uint64_t)g * T.group_cells(), sketch, mass, kc);
+      for (int64_t g = 0; g < (int64_t)T.groups(); ++g) {
+        const uint64_t base = (uint64_t)g * T.group_cells();  // the groups' cells tile sketch and mass
+        std::fill(sketch + base * L.block, sketch + (base + T.group_cells()) * L.block, 0.0f);
+        std::fill(mass + base, mass + base + T.group_cells(), 0.0f);
+        scatter_keys(L, gvals.data() + goff[g] * L.block, gkeys.data() + goff[g], goff[g + 1] - goff[g], base, sketch,
+                     mass, kc);
+      }
     }
   } else {
     std::vector<uint32_t> kc;

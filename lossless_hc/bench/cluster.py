@@ -523,10 +523,7 @@ def cmd_cluster(args) -> int:
             if recorded["ranks"] < args.hosts * (args.shards if "fsdp" in frameworks else 1):
                 raise ValueError(f"--replay {args.replay} holds {recorded['ranks']} ranks, fewer than the workers")
         require_root()
-    except (ValueError, ClusterError) as exc:
-        print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # the replay directory's own message
+    except (ValueError, ClusterError, SystemExit) as exc:  # SystemExit: the replay directory's own message
         print(f"python -m lossless_hc.bench cluster: error: {exc}", file=sys.stderr)
         return 2
     what = f"replay of {recorded['model']}" if args.replay else args.model

@@ -93,32 +93,37 @@ void bind_thc(py::module_& m) {
       [](const ThcLayout& L, bool quantize, uintptr_t lo, uintptr_t width, uintptr_t inv_width, float scale,
          float threshold, float dequant_a, float dequant_b, uint64_t sign_stream, uint64_t round_stream, uintptr_t x,
          uintptr_t e, int32_t word_kind, uintptr_t words, uint64_t check_prime, uint64_t check_c0, uint64_t check_k,
-         int num_threads) {
+         int num_threads, uint64_t x_numel, uint64_t nb) {
         py::gil_scoped_release release;
         cpu::ThcQuantizer q{at<const float>(lo), at<const float>(width), at<const float>(inv_width), scale, threshold,
                             dequant_a, dequant_b};
         return cpu::thc_encode(L, quantize ? &q : nullptr, ThcCheck{check_prime, check_c0, check_k}, sign_stream,
-                               round_stream, at<const float>(x), at<float>(e), word_kind, at<void>(words), num_threads);
+                               round_stream, at<const float>(x), at<float>(e), word_kind, at<void>(words), num_threads,
+                               x_numel, nb);
       },
       py::arg("layout"), py::arg("quantize"), py::arg("lo"), py::arg("width"), py::arg("inv_width"), py::arg("scale"),
       py::arg("threshold"), py::arg("dequant_a"), py::arg("dequant_b"), py::arg("sign_stream"),
       py::arg("round_stream"), py::arg("x"), py::arg("e"), py::arg("word_kind"), py::arg("words"),
       py::arg("check_prime"), py::arg("check_c0"), py::arg("check_k"), py::arg("num_threads") = 0,
+      py::arg("x_numel") = 0, py::arg("nb") = 0,
       "RHT, stochastic rounding and packing of x + e into layout.words words; error feedback into e (may be 0); "
-      "returns the squared norm, the words' checksum and the non-finite flag.");
+      "returns the squared norm, the words' checksum and the non-finite flag. nb > 0: x (x_numel floats) is "
+      "encoded as its interleave into nb blocks (thc_interleave), read in place.");
 
   m.def(
       "thc_decode",
       [](const ThcLayout& L, uint64_t sign_stream, int32_t word_kind, uintptr_t words, double multiplier, double a,
-         double b, uintptr_t out, uint64_t check_prime, uint64_t check_c0, uint64_t check_k, int num_threads) {
+         double b, uintptr_t out, uint64_t check_prime, uint64_t check_c0, uint64_t check_k, int num_threads,
+         uint64_t out_numel, uint64_t nb) {
         py::gil_scoped_release release;
         return cpu::thc_decode(L, ThcCheck{check_prime, check_c0, check_k}, sign_stream, word_kind,
-                               at<const void>(words), multiplier, a, b, at<float>(out), num_threads);
+                               at<const void>(words), multiplier, a, b, at<float>(out), num_threads, out_numel, nb);
       },
       py::arg("layout"), py::arg("sign_stream"), py::arg("word_kind"), py::arg("words"), py::arg("multiplier"),
       py::arg("a"), py::arg("b"), py::arg("out"), py::arg("check_prime"), py::arg("check_c0"), py::arg("check_k"),
-      py::arg("num_threads") = 0,
-      "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words and their checksum.");
+      py::arg("num_threads") = 0, py::arg("out_numel") = 0, py::arg("nb") = 0,
+      "out = RHT^-1(digit * a + b) of aggregated words; returns the number of invalid words and their checksum. "
+      "nb > 0: out (out_numel floats) receives its deinterleave (thc_deinterleave), written in place.");
 
   // The training interleave and its inverse take the same arguments.
   using Permute = void (*)(const float*, uint64_t, uint64_t, uint64_t, float*, int);

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lossless_hc as lhc
 from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator,
                                             default_block_size, payload_is_averaged)
 from lossless_hc.training.thc_aggregate import THCAggregator
@@ -224,14 +225,80 @@ def test_thc_aggregator_error_on_a_row_concentrated_gradient(shape, touched):
 
 def test_thc_aggregator_interleave_round_trip():
     """The interleave is a permutation of the padded tensor: one block or several, any numel."""
+    from lossless_hc.backends import cpu
     for shape in [(3000,), (1025,), (64, 33), (1024,)]:
         agg = THCAggregator("w", shape, torch.float32, 2, rank=0)
         x = torch.randn(shape)
         if agg.interleaved:
-            y = agg._interleave(x)
-            assert y.numel() == agg.codec.numel and torch.equal(agg._deinterleave(y).reshape(shape), x)
+            nb = agg.codec.numel // agg.codec.layout.block
+            y = torch.empty(agg.codec.numel)
+            cpu.CPU.thc_interleave(x.reshape(-1), nb, agg.codec.layout.block, y)
+            assert torch.equal(agg._deinterleave(y).reshape(shape), x)
         else:
             assert shape == (1024,)
+
+
+THC_INTERLEAVE_CASES = [
+    # numel, ranks, codec keywords: partial last rows, several threads, int64 words, Hadamard blocks below a
+    # norm chunk (the kernels interleave into a buffer first) and above it
+    (300_001, 3, {"num_threads": 2}),
+    (100_003, 4, {"payload_dtype": torch.int64, "num_threads": 1}),
+    (3 * 1024 + 1, 2, {}),
+    (40_000, 2, {"hadamard_block": 256, "num_threads": 2}),
+    (200_000, 2, {"hadamard_block": 2048}),
+]
+
+
+@pytest.mark.parametrize("numel,n,kw", THC_INTERLEAVE_CASES)
+def test_thc_encode_interleaved_is_encode_of_the_interleave(numel, n, kw):
+    """THCCodec.encode(x, interleaved=True), which the CPU kernels read column by column, gives the
+    payload and error memory of encode(thc_interleave(x)), and decode gives thc_deinterleave of that
+    codec's decode, bit for bit, on every compiled copy of the kernels and at every step (the first is
+    the norm-only round)."""
+    from lossless_hc.backends import cpu
+    layout = lhc.THCCodec(numel, n, rank=0, **kw).layout
+    nb, block = layout.padded // layout.block, layout.block
+    gen = torch.Generator().manual_seed(numel)
+    steps = [[torch.randn(numel, generator=gen) * (1 + torch.arange(numel) % 7) for _ in range(n)] for _ in range(3)]
+    isas = cpu.thc_cpu_isas()
+    try:
+        for isa in isas:
+            assert cpu.thc_cpu_isa(isa) == isa
+            ref = [lhc.THCCodec(layout.padded, n, rank=r, **kw) for r in range(n)]
+            fused = [lhc.THCCodec(layout.padded, n, rank=r, **kw) for r in range(n)]
+            for step, xs in enumerate(steps):
+                pr, pf = [], []
+                for r, x in enumerate(xs):
+                    spread = torch.empty(layout.padded)
+                    cpu.CPU.thc_interleave(x, nb, block, spread)
+                    pr.append(ref[r].encode(spread))
+                    pf.append(fused[r].encode(x.reshape(-1, 1) if r == 1 else x, interleaved=True))
+                    assert torch.equal(pr[r], pf[r]), (isa, step, r)
+                    assert torch.equal(ref[r].error, fused[r].error), (isa, step, r)
+                for r in range(n):
+                    want = torch.empty(numel)
+                    cpu.CPU.thc_deinterleave(ref[r].decode(sum(pr)), nb, block, want)
+                    got = fused[r].decode(sum(pf))
+                    assert got.shape == ((numel, 1) if r == 1 else (numel,))
+                    assert torch.equal(got.reshape(-1), want), (isa, step, r)
+    finally:
+        cpu.thc_cpu_isa("default")
+
+
+def test_thc_encode_interleaved_bad_input():
+    """interleaved=True needs whole blocks and at most numel coordinates: clear errors otherwise; a
+    shorter tensor is zero-padded, and decode and its ``out`` then have the tensor's numel."""
+    with pytest.raises(ValueError, match="more than"):
+        lhc.THCCodec(4096, 2, rank=0).encode(torch.randn(4097), interleaved=True)
+    with pytest.raises(ValueError, match="whole Hadamard blocks"):
+        lhc.THCCodec(3000, 2, rank=0).encode(torch.randn(3000), interleaved=True)
+    codecs = [lhc.THCCodec(4096, 2, rank=r, initial_norm=10.0) for r in range(2)]
+    xs = [torch.randn(10), torch.randn(10)]
+    total = sum(c.encode(x, interleaved=True) for c, x in zip(codecs, xs))
+    with pytest.raises(ValueError, match="10 elements"):
+        codecs[0].decode(total, out=torch.empty(4096))
+    y = codecs[1].decode(total)
+    assert y.shape == (10,) and float((y - xs[0] - xs[1]).norm()) < float((xs[0] + xs[1]).norm())
 
 
 def interleave_by_index(x, nb, block):

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,8 @@ inline const void* thc_word_at(const void* words, int32_t word_kind, uint64_t w)
 // group's digits (plus one word of zero padding) and the decoder's per-word doubles.
 struct ThcScratch {
   float* y;
+  float* xin;           // a group's interleaved input (ThcGroupArgs::src): block j at xin + j * xin_stride
+  uint64_t xin_stride;
   uint32_t* m;
   uint32_t* q;
   double* d;
@@ -50,6 +53,8 @@ struct ThcGroupArgs {
   float table[3][32];      // lo, width, inv_width padded to 32 entries (when g <= 32: vector lookups)
   uint64_t sign_stream, round_stream;
   const float* x;
+  const float* src;        // non-null (x null): the input is the interleave of src (thc_encode's nb)
+  uint64_t src_numel, nb;
   float* e;                // null: no error feedback
   int32_t word_kind;
   void* words;
@@ -71,7 +76,45 @@ struct ThcDecodeArgs {
   float* out;
   ThcCheck check;
   uint64_t* check_partial;
+  float* dst;              // non-null: out deinterleaved into dst instead (thc_decode's nb)
+  uint64_t dst_numel, nb;
 };
+
+// The interleave of `blocks` consecutive blocks from block `first` on (thc_interleave, restricted to
+// them): xin[j * stride + r] = src[r * nb + first + j], zero past src_numel. A chunk of groups is
+// gathered at once (kGatherGroups), so a row's columns span whole cache lines; the rows are prefetched
+// ahead (their stride defeats the hardware prefetcher). The padded stride keeps the blocks' rows out
+// of one cache set.
+inline void gather_columns(const float* src, uint64_t src_numel, uint64_t nb, uint64_t first, uint64_t blocks,
+                           uint64_t block, float* xin, uint64_t stride) {
+  constexpr uint64_t kAhead = 16;
+  for (uint64_t r = 0; r < block; ++r) {
+    const uint64_t base = r * nb + first;
+    if (base + kAhead * nb < src_numel) __builtin_prefetch(src + base + kAhead * nb, 0, 1);
+    if (base + blocks <= src_numel) {
+      for (uint64_t j = 0; j < blocks; ++j) xin[j * stride + r] = src[base + j];
+    } else {
+      for (uint64_t j = 0; j < blocks; ++j) xin[j * stride + r] = base + j < src_numel ? src[base + j] : 0.0f;
+    }
+  }
+}
+// Groups whose columns are read (encode) or written (decode) together: rows of 48 and 192 floats for
+// THC's usual three blocks per group (the faster of 16, 32 and 64 for each, timed on an embedding of
+// 30,000 x 256, one thread; docs/BENCHMARKS.md).
+constexpr uint64_t kGatherGroups = 16, kScatterGroups = 64;
+
+// Its inverse for decoded blocks: dst[r * nb + first + j] = y[j * stride + r] below dst_numel.
+inline void scatter_columns(const float* y, uint64_t stride, uint64_t blocks, uint64_t block, uint64_t nb,
+                            uint64_t first, float* dst, uint64_t dst_numel) {
+  for (uint64_t r = 0; r < block; ++r) {
+    const uint64_t base = r * nb + first;
+    if (base + blocks <= dst_numel) {
+      for (uint64_t j = 0; j < blocks; ++j) dst[base + j] = y[j * stride + r];
+    } else {
+      for (uint64_t j = 0; base + j < dst_numel && j < blocks; ++j) dst[base + j] = y[j * stride + r];
+    }
+  }
+}
 
 // One compiled copy of the block kernels (thc_cpu_isa.h).
 struct ThcKernels {
@@ -215,16 +258,23 @@ void sign_bits(uint64_t stream, uint64_t start, uint64_t count, uint32_t* bit) {
 
 // Scratch of one thread for groups of L.
 struct ScratchBuffers {
-  std::vector<float> y;
+  std::vector<float> y, xin;
   std::vector<uint32_t> m, q;
   std::vector<double> d;
   ThcScratch view;
-  explicit ScratchBuffers(const ThcLayout& L)
-      : y(L.group_blocks * L.block), m(L.block), q(L.group_blocks * L.block + L.per_word, 0u),
-        d(L.group_blocks * L.block / L.per_word + 1) {
-    view = ThcScratch{y.data(), m.data(), q.data(), d.data()};
+  explicit ScratchBuffers(const ThcLayout& L, bool interleaved = false)
+      : y(L.group_blocks * L.block), xin(interleaved ? kScatterGroups * L.group_blocks * (L.block + 16) : 0), m(L.block),
+        q(L.group_blocks * L.block + L.per_word, 0u), d(L.group_blocks * L.block / L.per_word + 1) {
+    view = ThcScratch{y.data(), xin.data(), L.block + 16, m.data(), q.data(), d.data()};
   }
 };
+
+// The conditions of thc_encode's and thc_decode's nb: whole blocks, the tensor inside them.
+void check_interleave(const ThcLayout& L, uint64_t numel, uint64_t nb) {
+  if (nb == 0) return;
+  if (L.numel != L.padded || nb * L.block != L.numel || numel > L.numel)
+    throw std::invalid_argument("THC interleave: needs numel == padded == nb * block and the tensor's numel <= that");
+}
 
 }  // namespace
 
@@ -326,8 +376,18 @@ uint64_t sum_checks(const std::vector<uint64_t>& part, uint64_t prime) {
 
 ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCheck& check, uint64_t sign_stream,
                           uint64_t round_stream, const float* x, float* e, int32_t word_kind, void* words,
-                          int num_threads) {
+                          int num_threads, uint64_t x_numel, uint64_t nb) {
   const int nt = thc_threads(num_threads);
+  check_interleave(L, x_numel, nb);
+  std::vector<float> interleaved;
+  if (nb && L.block < kThcNormChunk) {
+    // The norm's chunks span several blocks (chunk_partials reads the codec's input as one array):
+    // the interleave is made first.
+    interleaved.resize(L.numel);
+    thc_interleave(x, x_numel, nb, L.block, interleaved.data(), nt);
+    x = interleaved.data();
+    nb = 0;
+  }
   const ThcKernels& K = kernels();
   ThcEncodeStats st;
   // No separate finiteness pass over x: a NaN/Inf in x (or an overflow of x + e) makes ||x + e||^2
@@ -348,7 +408,10 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCh
   }
   A.sign_stream = sign_stream;
   A.round_stream = round_stream;
-  A.x = x;
+  A.x = nb ? nullptr : x;
+  A.src = nb ? x : nullptr;
+  A.src_numel = x_numel;
+  A.nb = nb;
   A.e = e;
   A.word_kind = word_kind;
   A.words = words;
@@ -362,36 +425,85 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCh
   if (!A.chunks_in_blocks) chunk_partials(K, L, x, e, partial.data(), nt);
 #pragma omp parallel num_threads(nt)
   {
-    ScratchBuffers S(L);
+    ScratchBuffers S(L, nb != 0);
     // Dynamic chunks of groups: on a shared machine a descheduled thread does not hold the others up.
     // Every group writes its own words, error memory and norm partials, so no result depends on it.
+    if (!A.src) {
 #pragma omp for schedule(dynamic, 16)
-    for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) K.encode_group(A, (uint64_t)gi, S.view);
+      for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) K.encode_group(A, (uint64_t)gi, S.view);
+    } else {
+      const int64_t chunks = (int64_t)((ngroups + kGatherGroups - 1) / kGatherGroups);
+      const uint64_t GB = L.group_blocks, blocks_total = L.numel / L.block;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t ci = 0; ci < chunks; ++ci) {
+        const uint64_t g0 = (uint64_t)ci * kGatherGroups, g1 = std::min<uint64_t>(ngroups, g0 + kGatherGroups);
+        const uint64_t b0 = g0 * GB, nblk = std::min<uint64_t>(blocks_total, g1 * GB) - b0;
+        gather_columns(A.src, A.src_numel, A.nb, b0, nblk, L.block, S.xin.data(), S.view.xin_stride);
+        for (uint64_t gi = g0; gi < g1; ++gi) {
+          ThcScratch view = S.view;
+          view.xin = S.xin.data() + (gi - g0) * GB * view.xin_stride;
+          K.encode_group(A, gi, view);
+        }
+      }
+    }
   }
   st.sum_squares = thc_tree_sum(partial.data(), nchunks);
   st.checksum = sum_checks(check_partial, check.prime);
   if (!std::isfinite(st.sum_squares)) {
     // x holds NaN/Inf (1), or x was finite but x + e (or its square) overflowed float32 (2). Either
     // way the pass has overwritten e with values derived from non-finite ones: reset it.
-    st.non_finite = any_non_finite(K, x, L.numel, nt) ? 1u : 2u;
+    st.non_finite = any_non_finite(K, x, nb ? x_numel : L.numel, nt) ? 1u : 2u;
     if (e) std::fill(e, e + L.numel, 0.0f);
   }
   return st;
 }
 
 ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t sign_stream, int32_t word_kind,
-                          const void* words, double multiplier, double a, double b, float* out, int num_threads) {
+                          const void* words, double multiplier, double a, double b, float* out, int num_threads,
+                          uint64_t out_numel, uint64_t nb) {
   const int nt = thc_threads(num_threads);
   const ThcKernels& K = kernels();
+  check_interleave(L, out_numel, nb);
   std::vector<uint64_t> check_partial(thc_groups(L), 0);
-  const ThcDecodeArgs A{&L, sign_stream, word_kind, words, multiplier, multiplier == 1.0 ? 0.0 : 0.5, a, b,
-                        (float)(1.0 / std::sqrt((double)L.block)), out, check, check_partial.data()};
+  const ThcDecodeArgs A{&L,
+                        sign_stream,
+                        word_kind,
+                        words,
+                        multiplier,
+                        multiplier == 1.0 ? 0.0 : 0.5,
+                        a,
+                        b,
+                        (float)(1.0 / std::sqrt((double)L.block)),
+                        nb ? nullptr : out,
+                        check,
+                        check_partial.data(),
+                        nb ? out : nullptr,
+                        out_numel,
+                        nb};
   uint64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
-    ScratchBuffers S(L);
+    ScratchBuffers S(L, nb != 0);
+    const uint64_t ngroups = thc_groups(L);
+    if (!A.dst) {
 #pragma omp for schedule(dynamic, 16) nowait
-    for (int64_t gi = 0; gi < (int64_t)thc_groups(L); ++gi) bad += K.decode_group(A, (uint64_t)gi, S.view);
+      for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) bad += K.decode_group(A, (uint64_t)gi, S.view);
+    } else {
+      // kScatterGroups groups decoded into S.xin, then their columns written out together.
+      const int64_t chunks = (int64_t)((ngroups + kScatterGroups - 1) / kScatterGroups);
+      const uint64_t GB = L.group_blocks, blocks_total = L.numel / L.block;
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t ci = 0; ci < chunks; ++ci) {
+        const uint64_t g0 = (uint64_t)ci * kScatterGroups, g1 = std::min<uint64_t>(ngroups, g0 + kScatterGroups);
+        const uint64_t b0 = g0 * GB, nblk = std::min<uint64_t>(blocks_total, g1 * GB) - b0;
+        for (uint64_t gi = g0; gi < g1; ++gi) {
+          ThcScratch view = S.view;
+          view.xin = S.xin.data() + (gi - g0) * GB * view.xin_stride;
+          bad += K.decode_group(A, gi, view);
+        }
+        scatter_columns(S.xin.data(), S.view.xin_stride, nblk, L.block, A.nb, b0, A.dst, A.dst_numel);
+      }
+    }
 #if LHC_THC_X86_LEVELS
     _mm_sfence();   // the output's non-temporal stores are visible before the caller reads it
 #endif

@@ -66,9 +66,13 @@ struct ThcEncodeStats {
 // With Q null (a norm-only round) nothing is quantized, `words` is not touched and e <- x + e.
 // Returns ||v||^2 (chunk partials and tree of thc_math.h: independent of block size and threads).
 // Also returns the checksum of the words written (0 for a norm-only round), thc_math.h's ThcCheck.
+// With nb > 0 (the training interleave, thc_interleave below) x holds x_numel floats and the codec's
+// input is their interleave into nb = L.numel / L.block blocks, read column by column as each group is
+// encoded rather than copied first: the same bits as thc_encode of thc_interleave(x) (needs L.numel =
+// L.padded = nb * L.block and x_numel <= L.numel).
 ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCheck& check, uint64_t sign_stream,
                           uint64_t round_stream, const float* x, float* e, int32_t word_kind, void* words,
-                          int num_threads);
+                          int num_threads, uint64_t x_numel = 0, uint64_t nb = 0);
 
 struct ThcDecodeStats {
   uint64_t bad_words = 0;  // words that are not valid aggregates
@@ -80,8 +84,11 @@ struct ThcDecodeStats {
 // averaged, exactly when summed) in [0, base^digits) -- digits past the block's end are 0. Returns
 // the number of words failing that (the payload is corrupted or not a plain SUM/AVERAGE), and the
 // checksum of the aggregated words, which the caller compares with the payload's checksum field.
+// With nb > 0, out receives thc_deinterleave of that (out_numel <= L.numel floats, written group by
+// group; the conditions of thc_encode's nb).
 ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t sign_stream, int32_t word_kind,
-                          const void* words, double multiplier, double a, double b, float* out, int num_threads);
+                          const void* words, double multiplier, double a, double b, float* out, int num_threads,
+                          uint64_t out_numel = 0, uint64_t nb = 0);
 
 // The packing alone (tests): levels[0, padded) -> words, and words -> digit sums (returns invalid words).
 void thc_pack_levels(const ThcLayout& L, const uint32_t* levels, int32_t word_kind, void* words);

@@ -306,21 +306,23 @@ LHC_TGT void quantize(const ThcRounding& R, const float (*table)[32], float da, 
 LHC_TGT void encode_group(const ThcGroupArgs& A, uint64_t gi, ThcScratch& S) {
   const ThcLayout& L = *A.layout;
   const uint64_t B = L.block, GB = L.group_blocks, blocks = thc_group_size(L, gi);
-  const float* __restrict x = A.x;
   float* __restrict e = A.e;
   {
     // Prefetch the next group's x and e (the loads of this one then overlap its compute).
     const uint64_t next = (gi + 1) * GB * B, end = std::min<uint64_t>(L.numel, next + GB * B);
     for (uint64_t i = next; i < end; i += 16) {
-      __builtin_prefetch(x + i, 0, 1);
+      if (A.x) __builtin_prefetch(A.x + i, 0, 1);
       if (e) __builtin_prefetch(e + i, 1, 1);
     }
   }
+  // The group's input: x's own blocks, or the interleave of src the caller made in S.xin.
+  const float* xg = A.x ? A.x + gi * GB * B : S.xin;
+  const uint64_t xstride = A.x ? B : S.xin_stride;
   for (uint64_t j = 0; j < blocks; ++j) {
     const uint64_t start = (gi * GB + j) * B;
     const uint64_t valid = start >= L.numel ? 0 : std::min<uint64_t>(B, L.numel - start);
     float* __restrict y = S.y + j * B;
-    const float* __restrict xb = x + start;
+    const float* __restrict xb = xg + j * xstride;
     float* __restrict eb = e ? e + start : nullptr;
     if (A.Q) sign_masks(A.sign_stream, start, B, S.m);
     if (A.Q && valid == B && A.chunks_in_blocks) {
@@ -413,6 +415,10 @@ LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S
     float* y = S.y + j * B;
     fwht(y, B);
     sign_masks(A.sign_stream, start, B, S.m);
+    if (A.dst) {
+      scale_flip(y, A.inv_sqrt, S.m, valid, S.xin + j * S.xin_stride);  // the caller writes the columns out
+      continue;
+    }
     scale_flip(y, A.inv_sqrt, S.m, valid, y);
     stream_out(A.out + start, y, valid);
   }

@@ -30,7 +30,10 @@
   ``a = x + residual`` and ``a`` there, with ``residual <- a`` minus the selection, in place.
 * ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields: the
   norm slot and its mirror, the checksum field, or the non-finite flag) and
-  ``thc_decode -> (invalid word count, checksum of the words)``.
+  ``thc_decode -> (invalid word count, checksum of the words)``. Both take ``interleave_nb``: when > 0,
+  ``thc_encode``'s x is encoded as ``thc_interleave(x, interleave_nb, block)`` and ``thc_decode``'s
+  out receives the ``thc_deinterleave`` of the decoded blocks (the CPU backend reads and writes them
+  in place, group by group; CUDA goes through a copy).
 * ``thc_interleave(x, nb, block, out, num_threads=0)``: ``out[j * block + r] = x[r * nb + j]``, zero past
   ``x``'s end (the THC aggregator's spreading of a tensor over ``nb`` blocks), and its inverse
   ``thc_deinterleave(y, nb, block, out, num_threads=0)``: ``out[i] = y[(i % nb) * block + i // nb]``.

@@ -246,16 +246,17 @@ class CpuBackend:
     def thc_encode(self, native: CpuThcLayout, quantize: bool, scale: float, threshold: float, dequant_a: float,
                    dequant_b: float, sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int,
                    payload: torch.Tensor, words_offset: int, norm_slot: int, mirror_slot: int, non_finite_field: int,
-                   checksum_field: int, check: tuple, num_threads: int = 0) -> None:
+                   checksum_field: int, check: tuple, num_threads: int = 0, interleave_nb: int = 0) -> None:
         """Encode into ``payload``: the level words, the norm slot ``norm_slot`` and its negation in
         ``mirror_slot`` (float64 bits for an int64 payload), and the words' checksum (``check`` =
         (P, c0, k), csrc/thc_math.h) in ``checksum_field``; or, for a non-finite input, the flag
-        ``non_finite_field`` with everything after it zeroed (checksum included)."""
+        ``non_finite_field`` with everything after it zeroed (checksum included). ``interleave_nb`` > 0:
+        the input is ``thc_interleave(x, interleave_nb, block)``, read from x in place."""
         prime, c0, k = check
         st = _C.thc_encode(native.c, bool(quantize), native.lo.data_ptr(), native.width.data_ptr(),
                            native.inv_width.data_ptr(), float(scale), float(threshold), float(dequant_a),
                            float(dequant_b), sign_stream, round_stream, x.data_ptr(), _addr(e), int(word_kind),
-                           payload[words_offset:].data_ptr(), prime, c0, k, num_threads)
+                           payload[words_offset:].data_ptr(), prime, c0, k, num_threads, x.numel(), int(interleave_nb))
         if st.non_finite:
             # x held NaN/Inf, or x + e overflowed float32 (either way e was reset to 0): send only the
             # header; every rank's decode sees the flag.
@@ -271,12 +272,12 @@ class CpuBackend:
 
     def thc_decode(self, native: CpuThcLayout, sign_stream: int, word_kind: int, words: torch.Tensor,
                    multiplier: float, a: float, b: float, out: torch.Tensor, check: tuple,
-                   num_threads: int = 0) -> tuple:
-        """``out = RHT^-1(digit * a + b)`` of the aggregated words; returns ``(invalid words,
-        checksum of the words mod P)``."""
+                   num_threads: int = 0, interleave_nb: int = 0) -> tuple:
+        """``out = RHT^-1(digit * a + b)`` of the aggregated words (``interleave_nb`` > 0: its
+        ``thc_deinterleave``, written in place); returns ``(invalid words, checksum of the words mod P)``."""
         prime, c0, k = check
         st = _C.thc_decode(native.c, sign_stream, int(word_kind), words.data_ptr(), float(multiplier), float(a),
-                           float(b), out.data_ptr(), prime, c0, k, num_threads)
+                           float(b), out.data_ptr(), prime, c0, k, num_threads, out.numel(), int(interleave_nb))
         return st.bad_words, st.checksum
 
     def thc_interleave(self, x: torch.Tensor, nb: int, block: int, out: torch.Tensor, num_threads: int = 0) -> None:

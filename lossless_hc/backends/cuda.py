@@ -580,15 +580,25 @@ class CudaBackend:
     def thc_encode(self, native, quantize: bool, scale: float, threshold: float, dequant_a: float, dequant_b: float,
                    sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int, payload: torch.Tensor,
                    words_offset: int, norm_slot: int, mirror_slot: int, non_finite_field: int, checksum_field: int,
-                   check: tuple, num_threads: int = 0) -> None:
+                   check: tuple, num_threads: int = 0, interleave_nb: int = 0) -> None:
         # The kernels write the norm slot, its mirror and the checksum, or the non-finite flag (fixed
         # header fields of csrc/cuda/thc_kernels.cuh) with everything after it zeroed.
+        if interleave_nb:
+            # The interleave as a copy first: strided device copies run at close to the GPU's bandwidth.
+            y = self.empty(native.layout.numel, x.device)
+            self.thc_interleave(x, interleave_nb, native.layout.block, y)
+            x = y
         cuda_thc.encode(native, quantize, scale, threshold, dequant_a, dequant_b, sign_stream, round_stream, x, e,
                         word_kind, payload, words_offset, norm_slot, mirror_slot, check)
 
     def thc_decode(self, native, sign_stream: int, word_kind: int, words: torch.Tensor, multiplier: float, a: float,
-                   b: float, out: torch.Tensor, check: tuple, num_threads: int = 0) -> tuple:
-        return cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, out, check)
+                   b: float, out: torch.Tensor, check: tuple, num_threads: int = 0, interleave_nb: int = 0) -> tuple:
+        if not interleave_nb:
+            return cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, out, check)
+        y = self.empty(native.layout.numel, out.device)
+        result = cuda_thc.decode(native, sign_stream, word_kind, words, multiplier, a, b, y, check)
+        self.thc_deinterleave(y, interleave_nb, native.layout.block, out)
+        return result
 
     def thc_interleave(self, x: torch.Tensor, nb: int, block: int, out: torch.Tensor, num_threads: int = 0) -> None:
         """The CPU backend's ``thc_interleave`` (the same bits: a copy), as strided device copies."""

@@ -7,7 +7,8 @@ against float64 truth, for two truths: the sum of what the workers encoded (x + 
 compression error) and the sum of the step's inputs x (what the optimizer wanted; error feedback
 moves error between steps). The model line is the table's rounding variance plus the clipped mass of
 a standard normal, the per-rank NMSE when ||x + e|| equals M. The last rows time THCAggregator's
-interleave of the tensor over its blocks and back, as the backend runs it and as strided torch copies.
+interleave of the tensor over its blocks and back: in place in the codec's encode and decode, as the
+backend's copies and as strided torch copies.
 
 ``--device cuda`` runs the codecs on the GPU (timings synchronise the device around each call) and, in
 lockstep, CPU codecs on the same inputs: every rank's payload and the decoded output of every step
@@ -100,15 +101,16 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
     payload_buf = torch.empty(c0.payload_numel, dtype=c0.payload_dtype, device=dev)
     out_buf = torch.empty(numel, dtype=torch.float32, device=dev)
 
-    def rewind(pending: bool) -> None:
+    def rewind(pending: bool, interleave_nb: int = 0) -> None:
         c0._pending, c0._step, c0._norm = pending, pre["step"], pre["norm"]
+        c0._interleave_nb = interleave_nb   # what the last encode would have left for decode
 
-    def encode_once(out=None):
+    def encode_once(out=None, interleaved=False):
         rewind(False)
-        return c0.encode(x0, out=out)
+        return c0.encode(x0, out=out, interleaved=interleaved)
 
-    def decode_once(out=None):
-        rewind(True)
+    def decode_once(out=None, interleave_nb=0):
+        rewind(True, interleave_nb)
         return c0.decode(agg, averaged=averaged, out=out)
 
     # Timed round-robin (bench.time_interleaved), so a drift of the machine lands on the baseline and
@@ -122,14 +124,17 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
         "decode_reuse": lambda: decode_once(out_buf),
         "copy": lambda: dst.copy_(x0),
     }
-    # THCAggregator's interleave of this tensor over its nb blocks and back (the backend's kernels),
-    # beside the strided torch copies that the CUDA backend runs (and the CPU ran before its kernel).
+    # THCAggregator's interleave of this tensor over its nb blocks and back: the codec's encode and
+    # decode with interleaved=True (on the CPU, read and written in place), and as copies beside the
+    # codec (the backend's kernels, and the strided torch copies the CUDA backend runs).
     L0 = c0.layout
     nb = L0.padded // L0.block
-    if nb > 1:
+    if nb > 1 and L0.numel == L0.padded:
         backend = backend_for(dev)
         spread = torch.empty(L0.padded, dtype=torch.float32, device=dev)
         fns.update({
+            "encode_interleaved": lambda: encode_once(payload_buf, interleaved=True),
+            "decode_interleaved": lambda: decode_once(out_buf, interleave_nb=nb),
             "interleave": lambda: backend.thc_interleave(x0, nb, L0.block, spread, threads),
             "deinterleave": lambda: backend.thc_deinterleave(spread, nb, L0.block, dst, threads),
             "interleave_torch": lambda: cuda_thc.interleave(x0, nb, L0.block, spread),
@@ -185,9 +190,9 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
                    "encode_over_clone": t_enc["median_s"] / clone_s, "decode_over_clone": t_dec["median_s"] / clone_s,
                    "encode_plus_decode_over_clone": (t_enc["median_s"] + t_dec["median_s"]) / clone_s,
                    "kernels_ms": kernels,
-                   "interleave": None if nb == 1 else {
-                       "blocks": nb, **{k: t[k] for k in ("interleave", "deinterleave", "interleave_torch",
-                                                          "deinterleave_torch")}}},
+                   "interleave": None if "interleave" not in t else {
+                       "blocks": nb, **{k: t[k] for k in ("encode_interleaved", "decode_interleaved", "interleave",
+                                                          "deinterleave", "interleave_torch", "deinterleave_torch")}}},
     }
 
 
@@ -209,6 +214,13 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
         return f"{ms(forth)} + back {ms(back)}  = {ratio:.2f}x copy_"
 
     spread = t.get("interleave")
+
+    def interleaved_over(enc: dict, dec: dict) -> float:
+        """Encode + decode in place over the codec into reused buffers plus the two copies."""
+        copies = (t["encode_reused_out"]["median_s"] + t["decode_reused_out"]["median_s"]
+                  + spread["interleave"]["median_s"] + spread["deinterleave"]["median_s"])
+        return (enc["median_s"] + dec["median_s"]) / copies
+
     out.append(section("results", format_table([
         ("clone of one input (ms, median)", ms(t["clone"])),
         ("encode, one worker (ms)", f"{ms(t['encode'])}  = {t['encode_over_clone']:.2f}x clone"),
@@ -227,8 +239,12 @@ def render_thc(res: dict, machine: dict, cmd: str) -> str:
         ("  model: rounding + clipping", f"{a['predicted_nmse_iid_normal']:.4e} "
                                          f"({L['table_variance_z']:.4e} + {a['clipped_mass_normal']:.4e})"),
         *([] if not spread else [
-            (f"THCAggregator interleave, {spread['blocks']} blocks (ms)",
-             there_and_back(spread["interleave"], spread["deinterleave"])),
+            (f"interleaved into {spread['blocks']} blocks (THCAggregator)", ""),
+            ("  encode(out=) + decode(out=) in place (ms)",
+             f"{ms(spread['encode_interleaved'])} + {ms(spread['decode_interleaved'])}  = "
+             f"{interleaved_over(spread['encode_interleaved'], spread['decode_interleaved']):.2f}x the same with "
+             f"the interleave as copies"),
+            ("  the interleave as copies (ms)", there_and_back(spread["interleave"], spread["deinterleave"])),
             ("  as strided torch copies (ms)", there_and_back(spread["interleave_torch"], spread["deinterleave_torch"])),
         ]),
     ], align="ll")))

@@ -127,7 +127,7 @@ class THCCodec:
 
     __slots__ = ("_backend", "layout", "table", "rank", "seed", "overflow_freq", "threshold", "device", "error_feedback",
                  "non_finite", "num_threads", "_native", "_lo", "_width", "_inv_width", "_norm", "_step",
-                 "_pending", "_error", "_shape", "_dtype", "_last_norms", "_fingerprint_used")
+                 "_pending", "_error", "_shape", "_dtype", "_interleave_nb", "_last_norms", "_fingerprint_used")
 
     def __init__(self, numel: int, world_size: int, rank: int = 0, bits: int = 4, granularity: int = 30,
                  overflow_freq: float = 32, seed: int = 0, device="cpu", *, levels: Optional[Sequence[int]] = None,
@@ -176,6 +176,7 @@ class THCCodec:
         self._pending = False
         self._error = torch.zeros(numel, dtype=torch.float32, device=self.device) if self.error_feedback else None
         self._shape, self._dtype = (numel,), torch.float32
+        self._interleave_nb = 0
         self._last_norms: Optional[torch.Tensor] = None
         self._fingerprint_used = 0
 
@@ -257,13 +258,20 @@ class THCCodec:
         return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << FINGERPRINT_BITS) - 1)
 
     # -- encode --------------------------------------------------------------------------------
-    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, x: torch.Tensor, interleaved: bool) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.is_sparse:
             raise TypeError("x is a sparse tensor; pass it dense (e.g. x.to_dense())")
-        if x.numel() != self.layout.numel:
-            raise ValueError(f"x has {x.numel()} elements, the codec was built for numel={self.layout.numel}")
+        L = self.layout
+        if interleaved:
+            if L.numel != L.padded:
+                raise ValueError(f"interleaved=True needs a codec of whole Hadamard blocks (numel={L.numel} is not "
+                                 f"a multiple of the block, {L.block})")
+            if x.numel() > L.numel:
+                raise ValueError(f"x has {x.numel()} elements, more than the codec's {L.numel} (interleaved)")
+        elif x.numel() != L.numel:
+            raise ValueError(f"x has {x.numel()} elements, the codec was built for numel={L.numel}")
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             raise TypeError(f"x has dtype {x.dtype}; THCCodec encodes floating-point gradients "
                             "(float32, float16, bfloat16, float64)")
@@ -271,17 +279,24 @@ class THCCodec:
             raise ValueError(f"x is on {x.device}, the codec on {self.device}")
         return x.reshape(-1).to(torch.float32).contiguous()
 
-    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, interleaved: bool = False) -> torch.Tensor:
         """Encode ``x`` (numel elements, any shape) into a 1-D payload of ``payload_numel`` elements
         of ``payload_dtype``: a new tensor, or ``out`` (contiguous, that dtype and size; every
         element is overwritten) to reuse a buffer across steps. No communication. Must be followed
         by ``decode`` of the aggregate before the next ``encode``. Remembers the shape and dtype of
-        ``x`` for ``decode``."""
+        ``x`` for ``decode``.
+
+        ``interleaved=True`` (the training aggregator's spreading, see ``THCAggregator``): x has at
+        most numel elements, numel is a whole number nb of Hadamard blocks, and the codec encodes the
+        interleave of x zero-padded to numel, block j holding x[j], x[j + nb], x[j + 2 nb], ...: the
+        payload (and error memory, kept in that order) of ``encode(interleave(x))``, without making
+        the interleave first on the CPU. ``decode`` then returns the sum in x's order and shape."""
         if self._pending:
             raise RuntimeError("THCCodec.encode called twice without decode: decode the aggregate of the previous "
                                "step first (every rank must run encode -> aggregate -> decode once per step)")
-        flat = self._check_input(x)
+        flat = self._check_input(x, interleaved)
         self._shape, self._dtype = tuple(x.shape), x.dtype
+        self._interleave_nb = self.layout.numel // self.layout.block if interleaved else 0
         L = self.layout
         if out is None:
             payload = self._backend.empty(L.payload_numel, self.device, L.payload_dtype)
@@ -303,7 +318,7 @@ class THCCodec:
                                  -T * unit, self._sign_stream(), self._round_stream(), flat, e,
                                  WORD_KINDS[L.payload_dtype], payload, L.words_offset, L.norm_offset + self.rank,
                                  L.mirror_offset + self.rank, HDR_NON_FINITE, HDR_CHECKSUM, self._check(self._step),
-                                 self.num_threads)
+                                 self.num_threads, self._interleave_nb)
         fingerprint = self._fingerprint()
         # fill_ of a one-element view: on CUDA a kernel with the value as its argument (indexed assignment of
         # a Python number copies a host scalar, which synchronises)
@@ -336,7 +351,7 @@ class THCCodec:
         """Decode an aggregated payload into the sum of the ranks' inputs, or their average with
         ``averaged=True`` (the payload is then the engine's element-wise AVERAGE). Returns a tensor
         with the shape and dtype of the last encoded ``x`` (``out``, a contiguous float32 tensor of
-        numel elements, is filled and returned when given and the input dtype is float32).
+        as many elements as that x, is filled and returned when given and the input dtype is float32).
 
         Every rank computes the same bits from the same payload, and updates the same state: the step
         counter and ``norm`` (M for the next step, the largest norm slot).
@@ -413,10 +428,11 @@ class THCCodec:
         def result(y: torch.Tensor) -> torch.Tensor:
             return y.reshape(self._shape).to(self._dtype)
 
+        numel = math.prod(self._shape)   # L.numel, or fewer when interleaved
         if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
-                                or out.numel() != L.numel or not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous float32 tensor of {L.numel} elements on {self.device}")
-        y = out.view(-1) if out is not None else self._backend.empty(L.numel, self.device)
+                                or out.numel() != numel or not out.is_contiguous() or out.device != self.device):
+            raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
+        y = out.view(-1) if out is not None else self._backend.empty(numel, self.device)
         if non_finite:
             if self.non_finite == "raise":
                 raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")
@@ -434,7 +450,8 @@ class THCCodec:
             b *= n          # sum = S a + n b
         bad, words_check = self._backend.thc_decode(self._native, self._sign_stream_of(self._step - 1),
                                                     WORD_KINDS[L.payload_dtype], payload[L.words_offset:], mult, a, b,
-                                                    y, self._check(self._step - 1), self.num_threads)
+                                                    y, self._check(self._step - 1), self.num_threads,
+                                                    self._interleave_nb)
         if bad:
             raise ValueError(f"{bad} payload word(s) are not valid aggregated digit words (non-integer or out of "
                              f"range{' after scaling the average by n' if averaged else ''}): the payload is corrupted "

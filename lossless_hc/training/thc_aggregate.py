@@ -52,8 +52,9 @@ class THCAggregator:
     spread: a tensor whose energy follows a period of nb coordinates, e.g. a matrix with nb columns of
     very different norms, keeps one column per block.) The interleave is a permutation (the same on every rank), so
     the aggregate is the codec's unbiased estimate, exactly un-permuted; the error memory lives in the
-    interleaved order (:meth:`pending_error` returns it in the tensor's order). Cost: two transposed copies
-    per step, one before encode and one after decode (on the CPU blocked 8 x 8 vector transposes).
+    interleaved order (:meth:`pending_error` returns it in the tensor's order). The codec does it
+    (``THCCodec.encode(x, interleaved=True)``): on the CPU its kernels read and write the tensor's
+    columns group by group, on CUDA through strided copies.
 
     ``exact=True`` sends the tensor dense (an exact SUM) whatever its size: for the parameters where THC's
     noise must not go, see docs/THC.md ("Training with THC").
@@ -88,17 +89,8 @@ class THCAggregator:
         """Whether the codec encodes the interleave of the padded tensor (more than one block)."""
         return self._codec is not None and self._blocks > 1
 
-    def _interleave(self, x: torch.Tensor) -> torch.Tensor:
-        """x (numel, any float dtype) zero-padded to nb blocks, block j = coordinates j, j + nb, ... (float32).
-        The padded tensor seen as a (B, nb) matrix, transposed (the backend's ``thc_interleave``)."""
-        x = x.reshape(-1).to(torch.float32).contiguous()
-        backend = backend_for(x.device)
-        out = backend.empty(self._codec.numel, x.device)
-        backend.thc_interleave(x, self._blocks, self._codec.layout.block, out, torch.get_num_threads())
-        return out
-
     def _deinterleave(self, y: torch.Tensor) -> torch.Tensor:
-        """The inverse of :meth:`_interleave`: the tensor's numel coordinates, flat (float32)."""
+        """The inverse of the interleave (class docstring): the tensor's numel coordinates, flat (float32)."""
         backend = backend_for(y.device)
         out = backend.empty(self.numel, y.device)
         backend.thc_deinterleave(y.reshape(-1), self._blocks, self._codec.layout.block, out, torch.get_num_threads())
@@ -139,7 +131,7 @@ class THCAggregator:
             payload = x
         else:
             codec.num_threads = torch.get_num_threads()
-            payload = codec.encode(self._interleave(x) if self._blocks > 1 else x)
+            payload = codec.encode(x, interleaved=self._blocks > 1)
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
 
@@ -160,10 +152,8 @@ class THCAggregator:
             # torch's intra-op thread count, also on a DDP future's callback thread, where OpenMP's own
             # default would be every core (omp_set_num_threads, behind torch.set_num_threads, is per thread).
             ctx.codec.num_threads = torch.get_num_threads()
-            y = ctx.codec.decode(aggregated, averaged=averaged)
+            y = ctx.codec.decode(aggregated, averaged=averaged)   # the tensor's order and shape
         except ValueError as e:
             raise ConfigurationMismatch(f"{self.name}: {e}") from e
-        if self._blocks > 1:
-            y = self._deinterleave(y).reshape(self.shape).to(self.dtype)
         self.stats.decode_seconds += time.perf_counter() - t0
         return DecodeOutcome(y, averaged)

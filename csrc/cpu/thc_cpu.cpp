@@ -262,8 +262,11 @@ struct ScratchBuffers {
   std::vector<uint32_t> m, q;
   std::vector<double> d;
   ThcScratch view;
-  explicit ScratchBuffers(const ThcLayout& L, bool interleaved = false)
-      : y(L.group_blocks * L.block), xin(interleaved ? kScatterGroups * L.group_blocks * (L.block + 16) : 0), m(L.block),
+  // chunk_groups > 0: room in xin for that many groups' blocks (no more than L has), a padded stride apart.
+  explicit ScratchBuffers(const ThcLayout& L, uint64_t chunk_groups = 0)
+      : y(L.group_blocks * L.block),
+        xin(std::min<uint64_t>(chunk_groups, thc_groups(L)) * L.group_blocks * (L.block + 16)),
+        m(L.block),
         q(L.group_blocks * L.block + L.per_word, 0u), d(L.group_blocks * L.block / L.per_word + 1) {
     view = ThcScratch{y.data(), xin.data(), L.block + 16, m.data(), q.data(), d.data()};
   }
@@ -425,7 +428,7 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCh
   if (!A.chunks_in_blocks) chunk_partials(K, L, x, e, partial.data(), nt);
 #pragma omp parallel num_threads(nt)
   {
-    ScratchBuffers S(L, nb != 0);
+    ScratchBuffers S(L, nb ? kGatherGroups : 0);
     // Dynamic chunks of groups: on a shared machine a descheduled thread does not hold the others up.
     // Every group writes its own words, error memory and norm partials, so no result depends on it.
     if (!A.src) {
@@ -483,7 +486,7 @@ ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t si
   uint64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
-    ScratchBuffers S(L, nb != 0);
+    ScratchBuffers S(L, nb ? kScatterGroups : 0);
     const uint64_t ngroups = thc_groups(L);
     if (!A.dst) {
 #pragma omp for schedule(dynamic, 16) nowait

@@ -242,6 +242,38 @@ def test_cuda_codec_input_checks(backend):
         c.decode(p.cpu())
 
 
+@pytest.mark.parametrize("numel,n,kw", [
+    pytest.param(300_001, 3, {}, id="b1024-partial-row"),
+    pytest.param(100_003, 4, {"payload_dtype": torch.int64}, id="int64"),
+    pytest.param(40_000, 2, {"hadamard_block": 256}, id="b256"),
+])
+def test_cuda_interleaved_matches_cpu(backend, numel, n, kw):
+    """encode(x, interleaved=True): the CUDA backend makes the interleave with strided copies, the CPU
+    kernels read it in place; payloads, error memories and decoded sums (into a new tensor and into
+    ``out``, in x's shape) are the same bits, step after step."""
+    padded = lhc.THCCodec(numel, n, rank=0, **kw).layout.padded
+    cpu, gpu = ranks(n, padded, **kw), ranks(n, padded, device="cuda", **kw)
+    make = normal_inputs(n, numel, seed=numel)
+    for step in range(3):
+        xs = [x.reshape(-1, 1) if r == 1 else x for r, x in enumerate(make(step))]
+        pc = [c.encode(x, interleaved=True) for c, x in zip(cpu, xs)]
+        pg = [c.encode(x.cuda(), interleaved=True) for c, x in zip(gpu, xs)]
+        for r in range(n):
+            assert_same_bits(pc[r], pg[r], f"step {step} rank {r} payload")
+            assert_same_bits(cpu[r].error, gpu[r].error, f"step {step} rank {r} error memory")
+        agg, agg_g = sum(pc), sum(pg)
+        for r in range(n):
+            yc = cpu[r].decode(agg)
+            if r == 0:
+                out = torch.full((numel,), float("nan"), device="cuda")
+                yg = gpu[r].decode(agg_g, out=out)
+                assert yg.data_ptr() == out.data_ptr()
+            else:
+                yg = gpu[r].decode(agg_g)
+            assert yg.is_cuda and yg.shape == xs[r].shape == yc.shape
+            assert_same_bits(yc, yg, f"step {step} rank {r} decode")
+
+
 def test_thc_aggregator_follows_the_gradient_device(backend):
     """Compression.thc on CUDA gradients: the aggregator's codec moves to the GPU (with its state) and
     every rank decodes the same bits as a CPU aggregator would."""

@@ -39,7 +39,7 @@ inline const void* thc_word_at(const void* words, int32_t word_kind, uint64_t w)
 // group's digits (plus one word of zero padding) and the decoder's per-word doubles.
 struct ThcScratch {
   float* y;
-  float* xin;           // a group's interleaved input (ThcGroupArgs::src): block j at xin + j * xin_stride
+  float* xin;           // a group's blocks of the training interleave (x or out null): block j at xin + j * xin_stride
   uint64_t xin_stride;
   uint32_t* m;
   uint32_t* q;
@@ -52,9 +52,7 @@ struct ThcGroupArgs {
   ThcRounding R;
   float table[3][32];      // lo, width, inv_width padded to 32 entries (when g <= 32: vector lookups)
   uint64_t sign_stream, round_stream;
-  const float* x;
-  const float* src;        // non-null (x null): the input is the interleave of src (thc_encode's nb)
-  uint64_t src_numel, nb;
+  const float* x;          // null: the group's blocks are at ThcScratch::xin (thc_encode's nb)
   float* e;                // null: no error feedback
   int32_t word_kind;
   void* words;
@@ -73,11 +71,9 @@ struct ThcDecodeArgs {
   const void* words;
   double multiplier, tolerance, a, b;
   float inv_sqrt;
-  float* out;
+  float* out;              // null: the group's blocks go to ThcScratch::xin (thc_decode's nb)
   ThcCheck check;
   uint64_t* check_partial;
-  float* dst;              // non-null: out deinterleaved into dst instead (thc_decode's nb)
-  uint64_t dst_numel, nb;
 };
 
 // The interleave of `blocks` consecutive blocks from block `first` on (thc_interleave, restricted to
@@ -279,6 +275,36 @@ void check_interleave(const ThcLayout& L, uint64_t numel, uint64_t nb) {
     throw std::invalid_argument("THC interleave: needs numel == padded == nb * block and the tensor's numel <= that");
 }
 
+// The groups of L shared out among the threads of the enclosing parallel region (dynamic chunks: on a
+// shared machine a descheduled thread does not hold the others up; every group writes only its own
+// results). chunk 0: group(gi, S.view) for each. Otherwise (the training interleave) `chunk` groups at
+// a time, their blocks at S.xin: before(b0, blocks), each group(gi, view), after(b0, blocks), for the
+// chunk's blocks [b0, b0 + blocks).
+template <typename Group, typename Before, typename After>
+void for_each_group(const ThcLayout& L, uint64_t chunk, ScratchBuffers& S, Group&& group, Before&& before,
+                    After&& after) {
+  const uint64_t ngroups = thc_groups(L);
+  if (chunk == 0) {
+#pragma omp for schedule(dynamic, 16) nowait
+    for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) group((uint64_t)gi, S.view);
+    return;
+  }
+  const int64_t chunks = (int64_t)((ngroups + chunk - 1) / chunk);
+  const uint64_t GB = L.group_blocks, blocks_total = L.numel / L.block;
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int64_t ci = 0; ci < chunks; ++ci) {
+    const uint64_t g0 = (uint64_t)ci * chunk, g1 = std::min<uint64_t>(ngroups, g0 + chunk);
+    const uint64_t b0 = g0 * GB, blocks = std::min<uint64_t>(blocks_total, g1 * GB) - b0;
+    before(b0, blocks);
+    for (uint64_t gi = g0; gi < g1; ++gi) {
+      ThcScratch view = S.view;
+      view.xin = S.xin.data() + (gi - g0) * GB * view.xin_stride;
+      group(gi, view);
+    }
+    after(b0, blocks);
+  }
+}
+
 }  // namespace
 
 const char* thc_cpu_isa() { return kernels().name; }
@@ -412,9 +438,6 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCh
   A.sign_stream = sign_stream;
   A.round_stream = round_stream;
   A.x = nb ? nullptr : x;
-  A.src = nb ? x : nullptr;
-  A.src_numel = x_numel;
-  A.nb = nb;
   A.e = e;
   A.word_kind = word_kind;
   A.words = words;
@@ -428,27 +451,14 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCh
   if (!A.chunks_in_blocks) chunk_partials(K, L, x, e, partial.data(), nt);
 #pragma omp parallel num_threads(nt)
   {
-    ScratchBuffers S(L, nb ? kGatherGroups : 0);
-    // Dynamic chunks of groups: on a shared machine a descheduled thread does not hold the others up.
-    // Every group writes its own words, error memory and norm partials, so no result depends on it.
-    if (!A.src) {
-#pragma omp for schedule(dynamic, 16)
-      for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) K.encode_group(A, (uint64_t)gi, S.view);
-    } else {
-      const int64_t chunks = (int64_t)((ngroups + kGatherGroups - 1) / kGatherGroups);
-      const uint64_t GB = L.group_blocks, blocks_total = L.numel / L.block;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t ci = 0; ci < chunks; ++ci) {
-        const uint64_t g0 = (uint64_t)ci * kGatherGroups, g1 = std::min<uint64_t>(ngroups, g0 + kGatherGroups);
-        const uint64_t b0 = g0 * GB, nblk = std::min<uint64_t>(blocks_total, g1 * GB) - b0;
-        gather_columns(A.src, A.src_numel, A.nb, b0, nblk, L.block, S.xin.data(), S.view.xin_stride);
-        for (uint64_t gi = g0; gi < g1; ++gi) {
-          ThcScratch view = S.view;
-          view.xin = S.xin.data() + (gi - g0) * GB * view.xin_stride;
-          K.encode_group(A, gi, view);
-        }
-      }
-    }
+    const uint64_t chunk = nb ? kGatherGroups : 0;
+    ScratchBuffers S(L, chunk);
+    for_each_group(
+        L, chunk, S, [&](uint64_t gi, ThcScratch& view) { K.encode_group(A, gi, view); },
+        [&](uint64_t b0, uint64_t blocks) {
+          gather_columns(x, x_numel, nb, b0, blocks, L.block, S.xin.data(), S.view.xin_stride);
+        },
+        [](uint64_t, uint64_t) {});
   }
   st.sum_squares = thc_tree_sum(partial.data(), nchunks);
   st.checksum = sum_checks(check_partial, check.prime);
@@ -479,34 +489,19 @@ ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t si
                         (float)(1.0 / std::sqrt((double)L.block)),
                         nb ? nullptr : out,
                         check,
-                        check_partial.data(),
-                        nb ? out : nullptr,
-                        out_numel,
-                        nb};
+                        check_partial.data()};
   uint64_t bad = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : bad)
   {
-    ScratchBuffers S(L, nb ? kScatterGroups : 0);
-    const uint64_t ngroups = thc_groups(L);
-    if (!A.dst) {
-#pragma omp for schedule(dynamic, 16) nowait
-      for (int64_t gi = 0; gi < (int64_t)ngroups; ++gi) bad += K.decode_group(A, (uint64_t)gi, S.view);
-    } else {
-      // kScatterGroups groups decoded into S.xin, then their columns written out together.
-      const int64_t chunks = (int64_t)((ngroups + kScatterGroups - 1) / kScatterGroups);
-      const uint64_t GB = L.group_blocks, blocks_total = L.numel / L.block;
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t ci = 0; ci < chunks; ++ci) {
-        const uint64_t g0 = (uint64_t)ci * kScatterGroups, g1 = std::min<uint64_t>(ngroups, g0 + kScatterGroups);
-        const uint64_t b0 = g0 * GB, nblk = std::min<uint64_t>(blocks_total, g1 * GB) - b0;
-        for (uint64_t gi = g0; gi < g1; ++gi) {
-          ThcScratch view = S.view;
-          view.xin = S.xin.data() + (gi - g0) * GB * view.xin_stride;
-          bad += K.decode_group(A, gi, view);
-        }
-        scatter_columns(S.xin.data(), S.view.xin_stride, nblk, L.block, A.nb, b0, A.dst, A.dst_numel);
-      }
-    }
+    // With the interleave, kScatterGroups groups decoded into S.xin, then their columns written out together.
+    const uint64_t chunk = nb ? kScatterGroups : 0;
+    ScratchBuffers S(L, chunk);
+    for_each_group(
+        L, chunk, S, [&](uint64_t gi, ThcScratch& view) { bad += K.decode_group(A, gi, view); },
+        [](uint64_t, uint64_t) {},
+        [&](uint64_t b0, uint64_t blocks) {
+          scatter_columns(S.xin.data(), S.view.xin_stride, blocks, L.block, nb, b0, out, out_numel);
+        });
 #if LHC_THC_X86_LEVELS
     _mm_sfence();   // the output's non-temporal stores are visible before the caller reads it
 #endif

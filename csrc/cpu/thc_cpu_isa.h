@@ -415,7 +415,7 @@ LHC_TGT uint64_t decode_group(const ThcDecodeArgs& A, uint64_t gi, ThcScratch& S
     float* y = S.y + j * B;
     fwht(y, B);
     sign_masks(A.sign_stream, start, B, S.m);
-    if (A.dst) {
+    if (!A.out) {
       scale_flip(y, A.inv_sqrt, S.m, valid, S.xin + j * S.xin_stride);  // the caller writes the columns out
       continue;
     }

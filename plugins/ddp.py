@@ -408,15 +408,34 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
 
 
 def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
-    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n``."""
+    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (a
+    result decoded into its own slice of the bucket, see :func:`_bucket_slices`, is only divided)."""
     offset = 0
     for value in results:
         m = value.numel()
+        dst = buffer[offset:offset + m]
         # copy_ then div_ (not torch.div(out=...)): a gradient with a graph (create_graph) needs the
         # in-place ops, which autograd records.
-        buffer[offset:offset + m].copy_(value.reshape(-1)).div_(n)
+        if value.data_ptr() != dst.data_ptr():
+            dst.copy_(value.reshape(-1))
+        dst.div_(n)
         offset += m
     return buffer
+
+
+def _bucket_slices(state: _HookState, buffer: torch.Tensor, grads) -> Optional[list]:
+    """Where THC's aggregators may decode each gradient: its own slice of the bucket (THC never reads
+    an encoded gradient again, and a float32 bucket without a graph can be written by its kernels),
+    which saves a fresh output per tensor and the copy into the bucket; None for the other hooks, whose
+    dense fallbacks still read the gradients after decoding."""
+    if not isinstance(state, THCHookState) or buffer.dtype != torch.float32 or buffer.requires_grad \
+            or not buffer.is_contiguous():
+        return None
+    slices, offset = [], 0
+    for g in grads:
+        slices.append(buffer[offset:offset + g.numel()])
+        offset += g.numel()
+    return slices
 
 
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
@@ -431,10 +450,12 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
     message = encode_message(aggs, bucket.gradients())
     n = state.world_size
+    outs = _bucket_slices(state, buffer, bucket.gradients())
     fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
-        results = decode_message(message, fut.value()[0], lambda dense: dist.all_reduce(dense, group=fallback_group))
+        results = decode_message(message, fut.value()[0], lambda dense: dist.all_reduce(dense, group=fallback_group),
+                                 outs=outs)
         return _fill_bucket(buffer, results, n)
 
     return fut.then(decode)

@@ -180,6 +180,34 @@ def test_thc_aggregator_agrees_across_ranks_and_conserves_the_sum(average):
     torch.testing.assert_close(decoded + held, fed, rtol=0, atol=1e-3)
 
 
+def test_thc_message_decodes_into_the_given_outputs():
+    """decode_message(..., outs=): THC's aggregators write each result into its out (what the DDP hook
+    passes: the gradient's own slice of the bucket) and return it in the tensor's shape, the same bits as
+    a decode into a fresh tensor; a tensor sent dense returns its segment of the sum, whatever its out."""
+    from lossless_hc.training.message import decode_message, encode_message
+    n, shapes = 2, [(300, 70), (4,), (5000,)]
+    fresh = [[THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=1) for i, s in enumerate(shapes)]
+             for r in range(n)]
+    into = [[THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=1) for i, s in enumerate(shapes)]
+            for r in range(n)]
+    assert [a.compressed for a in fresh[0]] == [True, False, True]
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        xs = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+        mf = [encode_message(fresh[r], [x.clone() for x in xs[r]]) for r in range(n)]
+        mi = [encode_message(into[r], [x.clone() for x in xs[r]]) for r in range(n)]
+        sf, si = sum(m.tensor for m in mf), sum(m.tensor for m in mi)
+        assert torch.equal(sf, si)
+        for r in range(n):
+            want = decode_message(mf[r], sf, dense_sum=None)
+            bucket = torch.full((sum(math.prod(s) for s in shapes),), float("nan"))
+            outs = list(torch.split(bucket, [math.prod(s) for s in shapes]))
+            got = decode_message(mi[r], si, dense_sum=None, outs=outs)
+            for i, (w, v) in enumerate(zip(want, got)):
+                assert v.shape == w.shape and torch.equal(v, w), (step, r, i)
+                assert (v.data_ptr() == outs[i].data_ptr()) == fresh[r][i].compressed
+
+
 def test_thc_aggregator_sends_tiny_tensors_dense():
     agg = THCAggregator("bias", (4,), torch.float32, 8, rank=0)
     assert not agg.compressed

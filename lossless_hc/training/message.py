@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -54,20 +54,23 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Me
     return Message(list(aggregators), encoded, tensor)
 
 
-def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True) -> List[DecodeOutcome]:
+def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True,
+                    outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[DecodeOutcome]:
     """Decode each tensor's segment of ``summed`` (the engine's SUM of every rank's ``message.tensor``).
 
     Raises :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks were configured
     differently; an outcome with ``needs_fallback`` must be completed with an exact dense SUM, one
     with ``needs_partial`` with the SUM of its :func:`~lossless_hc.training.aggregate.partial_values`
     (``partial=False``: inexact keys fall back densely instead, for a caller whose other ranks did not
-    decode the segment)."""
+    decode the segment). ``outs[i]``, where given, is passed to tensor i's decode as ``out`` (only THC's
+    aggregators take it: see :meth:`~lossless_hc.training.thc_aggregate.THCAggregator.decode`)."""
     kw = {} if partial else {"partial": False}   # only lossless aggregators can be inexact
     outcomes, offset = [], 0
-    for agg, (payload, ctx) in zip(message.aggregators, message.encoded):
+    for i, (agg, (payload, ctx)) in enumerate(zip(message.aggregators, message.encoded)):
         segment = summed[offset:offset + payload.numel()].to(payload.dtype)
         offset += payload.numel()
-        outcomes.append(agg.decode(segment, ctx, **kw))
+        out = {"out": outs[i]} if outs is not None and outs[i] is not None else {}
+        outcomes.append(agg.decode(segment, ctx, **kw, **out))
     return outcomes
 
 
@@ -90,14 +93,14 @@ def finish_fallbacks(message: Message, outcomes: List[DecodeOutcome], indices: S
     return results
 
 
-def decode_message(message: Message, summed: torch.Tensor,
-                   dense_sum: Callable[[torch.Tensor], None]) -> List[torch.Tensor]:
+def decode_message(message: Message, summed: torch.Tensor, dense_sum: Callable[[torch.Tensor], None],
+                   outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
     """Every tensor's aggregate from ``summed``; segments that fail to decode, and the inexact keys'
     coordinates of segments that reported some, are re-aggregated by ``dense_sum(t)``, which must SUM
     ``t`` (float32: the dense values of the failed segments, then the partial values, in segment
     order) across the same ranks *in place* (blocking), and which is called at most once,
-    identically on every rank (or not at all)."""
-    outcomes = decode_segments(message, summed)
+    identically on every rank (or not at all). ``outs``: as for :func:`decode_segments`."""
+    outcomes = decode_segments(message, summed, outs=outs)
     results = [o.value for o in outcomes]
     failed = [i for i, o in enumerate(outcomes) if o.needs_fallback]
     partial = [i for i, o in enumerate(outcomes) if o.needs_partial]

@@ -143,7 +143,13 @@ class THCAggregator:
         self._codec = codec
         return codec
 
-    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext) -> DecodeOutcome:
+    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext,
+               out: Optional[torch.Tensor] = None) -> DecodeOutcome:
+        """The SUM (or AVERAGE) of the ranks' tensors from the engine's aggregate of their payloads.
+        ``out``: where to write a compressed tensor's result (a contiguous float32 tensor of ``numel``
+        elements on the codec's device, e.g. the slice of the engine's buffer that held this gradient:
+        THC never reads the encoded gradient again, so it may overwrite it); the value is then ``out``
+        in the tensor's shape. A tensor sent dense returns its segment of the aggregate either way."""
         if not ctx.compressed:
             return DecodeOutcome(aggregated, averaged=False)
         t0 = time.perf_counter()
@@ -152,7 +158,7 @@ class THCAggregator:
             # torch's intra-op thread count, also on a DDP future's callback thread, where OpenMP's own
             # default would be every core (omp_set_num_threads, behind torch.set_num_threads, is per thread).
             ctx.codec.num_threads = torch.get_num_threads()
-            y = ctx.codec.decode(aggregated, averaged=averaged)   # the tensor's order and shape
+            y = ctx.codec.decode(aggregated, averaged=averaged, out=out)   # the tensor's order and shape
         except ValueError as e:
             raise ConfigurationMismatch(f"{self.name}: {e}") from e
         self.stats.decode_seconds += time.perf_counter() - t0

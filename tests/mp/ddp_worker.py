@@ -81,11 +81,19 @@ def scenario(name):
         state = THCHookState(bits=4)
         ref = train(None, steps=16, hidden=512, lr=0.02)
         got = train(state, steps=16, hidden=512, hook=thc_hook, lr=0.02)
+        # The same run with every tensor decoded into a fresh output and copied into the bucket (the
+        # hook decodes into the bucket's slices): the same bits.
+        import lossless_hc.plugins.ddp as ddp_plugin
+        into_bucket, ddp_plugin._bucket_slices = ddp_plugin._bucket_slices, lambda *args: None
+        try:
+            copied = train(THCHookState(bits=4), steps=16, hidden=512, hook=thc_hook, lr=0.02)
+        finally:
+            ddp_plugin._bucket_slices = into_bucket
         torch.manual_seed(0)
         start = EmbeddingModel(hidden=512).to(DEVICE)
         moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(m.parameters(), start.parameters())]).detach()
                  for m in (ref, got)]
-        return {"stats": state.stats(), "digest": param_digest(got),
+        return {"stats": state.stats(), "digest": param_digest(got), "digest_copied": param_digest(copied),
                 "cosine": float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))}
     if name == "thc_exact":  # THCHookState(exact=[...]): those gradients are the exact dense average, the others THC's
         return thc_exact(steps=3)

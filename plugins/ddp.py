@@ -431,11 +431,8 @@ def _bucket_slices(state: _HookState, buffer: torch.Tensor, grads) -> Optional[l
     if not isinstance(state, THCHookState) or buffer.dtype != torch.float32 or buffer.requires_grad \
             or not buffer.is_contiguous():
         return None
-    slices, offset = [], 0
-    for g in grads:
-        slices.append(buffer[offset:offset + g.numel()])
-        offset += g.numel()
-    return slices
+    sizes = [g.numel() for g in grads]
+    return list(torch.split(buffer[:sum(sizes)], sizes))   # consecutive, as _fill_bucket walks them
 
 
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):

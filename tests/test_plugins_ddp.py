@@ -85,8 +85,8 @@ def check_topk(rs):
 
 def check_thc(rs):
     assert len({r["digest"] for r in rs}) == 1
-    if "digest_copied" in rs[0]:   # decoded into the bucket or copied into it: the same parameters
-        assert all(r["digest_copied"] == r["digest"] for r in rs)
+    # decoded into the bucket or copied into it: the same parameters
+    assert all(r["digest_copied"] == r["digest"] for r in rs)
     assert rs[0]["stats"]["compressed"] > 0
     assert rs[0]["stats"]["payload_bytes"] < 0.5 * rs[0]["stats"]["dense_bytes"]
     assert rs[0]["cosine"] > 0.9, rs[0]["cosine"]

@@ -298,9 +298,23 @@ class _ReplicaAllReduce:
             return
         message = encode_message(aggs, views)
         dist.all_reduce(message.tensor, group=st.replicate_group)
-        results = decode_message(message, message.tensor, lambda dense: dist.all_reduce(dense, group=st.replicate_group))
+        results = decode_message(message, message.tensor, lambda dense: dist.all_reduce(dense, group=st.replicate_group),
+                                 outs=_shard_slots(st, reduce_output, views))
         for view, value in zip(views, results):
-            view.copy_(value.reshape(view.shape))
+            if value.data_ptr() != view.data_ptr():   # not decoded into its slot already
+                view.copy_(value.reshape(view.shape))
+
+
+def _shard_slots(state: _FSDPState, reduce_output: torch.Tensor, views: List[torch.Tensor]) -> Optional[list]:
+    """Where THC's aggregators may decode each parameter's sum: its own slot of the shard it encoded
+    (THC never reads an encoded tensor again, and a float32 buffer without a graph can be written by
+    its kernels), which saves a fresh output per parameter and the copy back; None for the other
+    specs, whose dense fallbacks still read the encoded slots after decoding (as DDP's
+    ``_bucket_slices``)."""
+    if not isinstance(state.spec, THCSpec) or reduce_output.dtype != torch.float32 or reduce_output.requires_grad \
+            or not reduce_output.is_contiguous():
+        return None
+    return views
 
 
 def _all_gather(t: torch.Tensor, group, n: int) -> torch.Tensor:

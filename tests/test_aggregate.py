@@ -208,6 +208,41 @@ def test_thc_message_decodes_into_the_given_outputs():
                 assert (v.data_ptr() == outs[i].data_ptr()) == fresh[r][i].compressed
 
 
+def test_thc_message_is_encoded_into_its_slices():
+    """encode_message with THC's aggregators (sizes known before encoding): each compressed payload is
+    written into its slice of the message, a tensor sent dense is copied in, and the message is the
+    same tensor as the concatenation of the payloads that the same aggregators encode alone (and
+    decodes to the same bits). A payload of integer words is refused (its norm slots are float64 bits,
+    which a float message would convert)."""
+    from lossless_hc.training.message import decode_segments, encode_message
+    n, shapes = 2, [(300, 70), (4,), (5000,)]
+    in_message = [[THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=3) for i, s in enumerate(shapes)]
+                  for r in range(n)]
+    alone = [[THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=3) for i, s in enumerate(shapes)]
+             for r in range(n)]
+    assert [a.payload_spec() for a in in_message[0]] == [(2696, torch.float64), (4, torch.float32), (648, torch.float64)]
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        xs = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+        ms = [encode_message(in_message[r], [x.clone() for x in xs[r]]) for r in range(n)]
+        payloads = [[a.encode(x.clone()) for a, x in zip(alone[r], xs[r])] for r in range(n)]
+        for r, m in enumerate(ms):
+            assert torch.equal(m.tensor, torch.cat([p.reshape(-1).to(torch.float64) for p, _ in payloads[r]]))
+            base, end = m.tensor.data_ptr(), m.tensor.data_ptr() + 8 * m.tensor.numel()
+            assert [base <= p.data_ptr() < end for p, _ in m.encoded] == [True, False, True]
+            assert m.encoded[1][0].dtype == torch.float32   # the dense tensor's payload is itself
+        summed = sum(m.tensor for m in ms)
+        for r in range(n):
+            got = decode_segments(ms[r], summed)
+            sums = [sum(payloads[q][i][0] for q in range(n)) for i in range(len(shapes))]
+            want = [a.decode(s, ctx) for a, s, (_, ctx) in zip(alone[r], sums, payloads[r])]
+            assert all(torch.equal(o.value, w.value) for o, w in zip(got, want)), (step, r)
+    words = THCAggregator("w", (5000,), torch.float32, n, rank=0)
+    words._codec = lhc.THCCodec(**dict(words._codec_args, payload_dtype=torch.int64))
+    with pytest.raises(TypeError, match="floating-point payloads"):
+        encode_message([words], [torch.randn(5000)])
+
+
 def test_thc_aggregator_sends_tiny_tensors_dense():
     agg = THCAggregator("bias", (4,), torch.float32, 8, rank=0)
     assert not agg.compressed

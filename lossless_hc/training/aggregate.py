@@ -377,6 +377,12 @@ class TensorAggregator:
         """The tensor to aggregate for gradient ``x`` (``x`` itself here; top-k overrides)."""
         return x
 
+    def payload_spec(self):
+        """The ``(numel, dtype)`` of the next payload when it is known before encoding, so that an
+        adapter can have it written into its message (:mod:`lossless_hc.training.message`); None here:
+        a lossless payload's size depends on the data (a tensor over its capacity goes dense)."""
+        return None
+
     def encode(self, x: torch.Tensor):
         """``(payload, ctx)``: the payload every rank hands to the engine, and the context for
         :meth:`decode`. The payload of a tensor sent dense is the tensor itself."""

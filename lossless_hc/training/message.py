@@ -44,14 +44,39 @@ class Message:
 
 
 def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
-    """Encode ``tensors[i]`` with ``aggregators[i]`` and concatenate the payloads (see the module doc)."""
+    """Encode ``tensors[i]`` with ``aggregators[i]`` and concatenate the payloads (see the module doc).
+    Where every aggregator knows its payload's size before encoding (THC's: ``payload_spec``), the
+    message is allocated first and each payload of the message's dtype is encoded into its own slice
+    (the others are copied in): the same tensor as the concatenation, without a second copy."""
+    specs = [agg.payload_spec() for agg in aggregators]
+    if specs and all(spec is not None for spec in specs):
+        wide = _message_dtype([dtype for _, dtype in specs])
+        tensor = torch.empty(sum(numel for numel, _ in specs), dtype=wide, device=tensors[0].device)
+        encoded, offset = [], 0
+        for agg, t, (numel, dtype) in zip(aggregators, tensors, specs):
+            piece = tensor[offset:offset + numel]
+            offset += numel
+            payload, ctx = agg.encode(t, out=piece) if dtype == wide else agg.encode(t)
+            if payload.data_ptr() != piece.data_ptr():   # sent dense, or a narrower payload dtype
+                piece.copy_(payload.reshape(-1))
+            encoded.append((payload, ctx))
+        return Message(list(aggregators), encoded, tensor)
     encoded = [agg.encode(t) for agg, t in zip(aggregators, tensors)]
-    wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in encoded) else torch.float32
+    wide = _message_dtype([p.dtype for p, _ in encoded])
     if encoded:
         tensor = torch.cat([payload.reshape(-1).to(wide) for payload, _ in encoded])
     else:
         tensor = torch.empty(0, dtype=wide)
     return Message(list(aggregators), encoded, tensor)
+
+
+def _message_dtype(dtypes) -> torch.dtype:
+    """The message's dtype for payloads of ``dtypes``: float64 if any is (THC's words must stay exact),
+    else float32. An integer payload (THC's int64 words, whose norm slots are float64 bits) would not
+    survive the conversion: refused."""
+    if not all(d.is_floating_point for d in dtypes):
+        raise TypeError(f"a message sums floating-point payloads; got {sorted({str(d) for d in dtypes})}")
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True,

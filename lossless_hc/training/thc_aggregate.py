@@ -120,7 +120,18 @@ class THCAggregator:
             return "thc-interleaved" if self._blocks > 1 else "thc"
         return "dense (exact=)" if self.exact else "dense (smaller)"
 
-    def encode(self, x: torch.Tensor):
+    def payload_spec(self):
+        """The ``(numel, dtype)`` of the payload :meth:`encode` returns, known before encoding: THC's
+        size depends on the configuration alone (a tensor sent dense is its own payload)."""
+        if self._codec is None:
+            return self.numel, self.dtype
+        return self._codec.layout.payload_numel, self._codec.layout.payload_dtype
+
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None):
+        """``(payload, ctx)`` as :meth:`TensorAggregator.encode`. ``out``: where to write a compressed
+        tensor's payload (contiguous, :meth:`payload_spec`'s numel and dtype, on x's device; e.g. its
+        slice of the adapter's message), which is then the payload; ignored when the tensor is sent
+        dense (its payload is x itself)."""
         t0 = time.perf_counter()
         if x.is_sparse:
             raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
@@ -131,7 +142,7 @@ class THCAggregator:
             payload = x
         else:
             codec.num_threads = torch.get_num_threads()
-            payload = codec.encode(x, interleaved=self._blocks > 1)
+            payload = codec.encode(x, out=out, interleaved=self._blocks > 1)
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, EncodeContext(self.shape, self.dtype, codec is not None, x, codec)
 

@@ -378,20 +378,26 @@ class TensorAggregator:
         return x
 
     def payload_spec(self):
-        """The ``(numel, dtype)`` of the next payload when it is known before encoding, so that an
-        adapter can have it written into its message (:mod:`lossless_hc.training.message`); None here:
-        a lossless payload's size depends on the data (a tensor over its capacity goes dense)."""
-        return None
+        """The ``(numel, dtype)`` of the payload the next :meth:`encode` returns, known before encoding
+        (the codec is chosen between steps; a rank over capacity still sends the codec's payload, marked
+        overloaded), so that an adapter can have it written into its message
+        (:mod:`lossless_hc.training.message`)."""
+        if self._codec is None:
+            return self.numel, self.dtype
+        return self._codec.layout.payload_numel, torch.float32
 
-    def encode(self, x: torch.Tensor):
+    def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None):
         """``(payload, ctx)``: the payload every rank hands to the engine, and the context for
-        :meth:`decode`. The payload of a tensor sent dense is the tensor itself."""
+        :meth:`decode`. The payload of a tensor sent dense is the tensor itself. ``out``: where to
+        write a compressed tensor's payload (contiguous, :meth:`payload_spec`'s numel and dtype, on the
+        codec's device; e.g. its slice of the adapter's message), which is then the payload; ignored
+        when the tensor is sent dense."""
         self._check(x)
         t0 = time.perf_counter()
         value = self.select(x)
         codec = self._codec
         ctx = EncodeContext(self.shape, self.dtype, codec is not None, value, codec)
-        payload = codec.encode(value) if codec is not None else value
+        payload = codec.encode(value, out=out) if codec is not None else value
         self.stats.count_encode(self.numel * self.dtype.itemsize, payload, codec is not None, t0)
         return payload, ctx
 

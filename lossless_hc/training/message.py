@@ -4,8 +4,8 @@ An adapter that reduces several gradients with one collective (a DDP bucket, an 
 group's shard) does, per step:
 
 1. :func:`encode_message`: encode every tensor with its aggregator (:mod:`lossless_hc.training.aggregate`)
-   and concatenate the payloads into one flat tensor, in the widest payload dtype (THC's float64 words
-   must stay exact; float32 payloads widen exactly and sum at least as accurately);
+   into its slice of one flat tensor, the payloads' concatenation, in the widest payload dtype (THC's
+   float64 words must stay exact; float32 payloads widen exactly and sum at least as accurately);
 2. SUM that tensor across ranks with its engine (allreduce, or a reduce-scatter of one message per
    destination);
 3. :func:`decode_segments`: decode each tensor's segment of the sum, or :func:`decode_message`, which
@@ -44,29 +44,23 @@ class Message:
 
 
 def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
-    """Encode ``tensors[i]`` with ``aggregators[i]`` and concatenate the payloads (see the module doc).
-    Where every aggregator knows its payload's size before encoding (THC's: ``payload_spec``), the
-    message is allocated first and each payload of the message's dtype is encoded into its own slice
-    (the others are copied in): the same tensor as the concatenation, without a second copy."""
+    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc). Every
+    aggregator knows its payload's size before encoding (``payload_spec``), so the message is
+    allocated first and each payload of the message's dtype is encoded into its own slice; the others
+    (a tensor sent dense, a narrower payload) are copied in, converted: the same tensor as the
+    concatenation of the payloads, without a second copy of them."""
     specs = [agg.payload_spec() for agg in aggregators]
-    if specs and all(spec is not None for spec in specs):
-        wide = _message_dtype([dtype for _, dtype in specs])
-        tensor = torch.empty(sum(numel for numel, _ in specs), dtype=wide, device=tensors[0].device)
-        encoded, offset = [], 0
-        for agg, t, (numel, dtype) in zip(aggregators, tensors, specs):
-            piece = tensor[offset:offset + numel]
-            offset += numel
-            payload, ctx = agg.encode(t, out=piece) if dtype == wide else agg.encode(t)
-            if payload.data_ptr() != piece.data_ptr():   # sent dense, or a narrower payload dtype
-                piece.copy_(payload.reshape(-1))
-            encoded.append((payload, ctx))
-        return Message(list(aggregators), encoded, tensor)
-    encoded = [agg.encode(t) for agg, t in zip(aggregators, tensors)]
-    wide = _message_dtype([p.dtype for p, _ in encoded])
-    if encoded:
-        tensor = torch.cat([payload.reshape(-1).to(wide) for payload, _ in encoded])
-    else:
-        tensor = torch.empty(0, dtype=wide)
+    wide = _message_dtype([dtype for _, dtype in specs])
+    device = tensors[0].device if len(tensors) else None
+    tensor = torch.empty(sum(numel for numel, _ in specs), dtype=wide, device=device)
+    encoded, offset = [], 0
+    for agg, t, (numel, dtype) in zip(aggregators, tensors, specs):
+        piece = tensor[offset:offset + numel]
+        offset += numel
+        payload, ctx = agg.encode(t, out=piece) if dtype == wide else agg.encode(t)
+        if payload.data_ptr() != piece.data_ptr():   # sent dense, or a narrower payload dtype
+            piece.copy_(payload.reshape(-1))
+        encoded.append((payload, ctx))
     return Message(list(aggregators), encoded, tensor)
 
 

@@ -51,9 +51,9 @@ class DecodeReport:
                      payload with one corrupted sketch or mass word (or a zeroed sketch): the decode
                      refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved beyond
                      rtol as INEXACT -- except where the corruption reaches a cell checking a key along
-                     two peel paths (a known gap, ``LosslessCodec``). With or without it, a corrupted index word that changes the
-                     decoded support is INDEX_CORRUPT but with probability below 2**-21.9 (the index
-                     checksum, ``LosslessCodec``).
+                     two peel paths (a known gap, ``LosslessCodec``). With or without it, a corrupted
+                     index word that changes the decoded support is INDEX_CORRUPT but with
+                     probability below 2**-21.9 (the index checksum, ``LosslessCodec``).
                      When False the output must not be used, except under INEXACT (below); callers
                      fall back to a dense aggregation.
     reason           why ok is False (None when ok).

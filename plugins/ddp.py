@@ -83,7 +83,7 @@ from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, S
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
-from lossless_hc.training.message import decode_message, encode_message
+from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
@@ -423,16 +423,10 @@ def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
     return buffer
 
 
-def _bucket_slices(state: _HookState, buffer: torch.Tensor, grads) -> Optional[list]:
-    """Where THC's aggregators may decode each gradient: its own slice of the bucket (THC never reads
-    an encoded gradient again, and a float32 bucket without a graph can be written by its kernels),
-    which saves a fresh output per tensor and the copy into the bucket; None for the other hooks, whose
-    dense fallbacks still read the gradients after decoding."""
-    if not isinstance(state, THCHookState) or buffer.dtype != torch.float32 or buffer.requires_grad \
-            or not buffer.is_contiguous():
-        return None
+def _bucket_slices(buffer: torch.Tensor, grads) -> list:
+    """Each gradient's own slice of the bucket, consecutive, as :func:`_fill_bucket` walks them."""
     sizes = [g.numel() for g in grads]
-    return list(torch.split(buffer[:sum(sizes)], sizes))   # consecutive, as _fill_bucket walks them
+    return list(torch.split(buffer[:sum(sizes)], sizes))
 
 
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
@@ -447,7 +441,7 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
     message = encode_message(aggs, bucket.gradients())
     n = state.world_size
-    outs = _bucket_slices(state, buffer, bucket.gradients())
+    outs = in_place_outputs(aggs, _bucket_slices(buffer, bucket.gradients()))
     fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:

@@ -88,7 +88,7 @@ from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.message import (decode_message, decode_segments, dense_values, encode_message,
-                                          finish_fallbacks, replay_failure)
+                                          finish_fallbacks, in_place_outputs, replay_failure)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
@@ -299,22 +299,11 @@ class _ReplicaAllReduce:
         message = encode_message(aggs, views)
         dist.all_reduce(message.tensor, group=st.replicate_group)
         results = decode_message(message, message.tensor, lambda dense: dist.all_reduce(dense, group=st.replicate_group),
-                                 outs=_shard_slots(st, reduce_output, views))
+                                 outs=in_place_outputs(aggs, views))
         for view, value in zip(views, results):
             if value.data_ptr() != view.data_ptr():   # not decoded into its slot already
                 view.copy_(value.reshape(view.shape))
 
-
-def _shard_slots(state: _FSDPState, reduce_output: torch.Tensor, views: List[torch.Tensor]) -> Optional[list]:
-    """Where THC's aggregators may decode each parameter's sum: its own slot of the shard it encoded
-    (THC never reads an encoded tensor again, and a float32 buffer without a graph can be written by
-    its kernels), which saves a fresh output per parameter and the copy back; None for the other
-    specs, whose dense fallbacks still read the encoded slots after decoding (as DDP's
-    ``_bucket_slices``)."""
-    if not isinstance(state.spec, THCSpec) or reduce_output.dtype != torch.float32 or reduce_output.requires_grad \
-            or not reduce_output.is_contiguous():
-        return None
-    return views
 
 
 def _all_gather(t: torch.Tensor, group, n: int) -> torch.Tensor:

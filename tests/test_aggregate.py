@@ -261,6 +261,22 @@ def test_message_is_encoded_into_its_slices(kind):
             encode_message([words], [torch.randn(5000)])
 
 
+def test_in_place_outputs_only_where_nothing_reads_the_encoded_tensor():
+    """in_place_outputs: a THC tensor's slot takes its result when the kernels can write it (contiguous
+    float32 without a graph); a lossless or top-k tensor's never (its fallback reads the encoded
+    tensor after decoding); None when no slot qualifies."""
+    from lossless_hc.training.message import in_place_outputs
+    thc = THCAggregator("t", (5000,), torch.float32, 2, rank=0)
+    lossless = TensorAggregator("l", (5000,), torch.float32, 2, max_density=0.05)
+    topk = TopKAggregator("k", (5000,), torch.float32, 2, ratio=0.05)
+    slot = torch.zeros(5000)
+    outs = in_place_outputs([thc, lossless, topk], [slot, slot.clone(), slot.clone()])
+    assert outs[0] is slot and outs[1] is None and outs[2] is None
+    assert in_place_outputs([lossless, topk], [slot, slot]) is None
+    for bad in (torch.zeros(5000, dtype=torch.float64), torch.zeros(10000)[::2], torch.zeros(5000, requires_grad=True)):
+        assert in_place_outputs([thc], [bad]) is None
+
+
 def test_thc_aggregator_sends_tiny_tensors_dense():
     agg = THCAggregator("bias", (4,), torch.float32, 8, rank=0)
     assert not agg.compressed

@@ -377,6 +377,10 @@ class TensorAggregator:
         """The tensor to aggregate for gradient ``x`` (``x`` itself here; top-k overrides)."""
         return x
 
+    # Whether the adapter must keep an encoded tensor until its decode is complete: a dense fallback
+    # and a partial re-aggregation read it (``ctx.dense_value``), so its memory cannot take the result.
+    reads_input_after_decode = True
+
     def payload_spec(self):
         """The ``(numel, dtype)`` of the payload the next :meth:`encode` returns, known before encoding
         (the codec is chosen between steps; a rank over capacity still sends the codec's payload, marked

@@ -73,6 +73,17 @@ def _message_dtype(dtypes) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Optional[List[Optional[torch.Tensor]]]:
+    """The ``outs`` for :func:`decode_message`: ``slots[i]``, the memory that held tensor i (its slice of
+    the engine's buffer), where its aggregator never reads the encoded tensor again
+    (``reads_input_after_decode`` False: THC) and the slot can be written by the kernels (contiguous
+    float32, no graph); None for the others, whose results the adapter copies in. None when no tensor
+    qualifies."""
+    outs = [slot if not agg.reads_input_after_decode and slot.dtype == torch.float32 and slot.is_contiguous()
+            and not slot.requires_grad else None for agg, slot in zip(aggregators, slots)]
+    return outs if any(out is not None for out in outs) else None
+
+
 def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True,
                     outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[DecodeOutcome]:
     """Decode each tensor's segment of ``summed`` (the engine's SUM of every rank's ``message.tensor``).

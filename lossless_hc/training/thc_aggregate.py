@@ -120,6 +120,10 @@ class THCAggregator:
             return "thc-interleaved" if self._blocks > 1 else "thc"
         return "dense (exact=)" if self.exact else "dense (smaller)"
 
+    # THC never reads an encoded tensor again (no fallback): its memory may take the decoded result
+    # (``decode(out=)``; see :func:`lossless_hc.training.message.in_place_outputs`).
+    reads_input_after_decode = False
+
     def payload_spec(self):
         """The ``(numel, dtype)`` of the payload :meth:`encode` returns, known before encoding: THC's
         size depends on the configuration alone (a tensor sent dense is its own payload)."""

@@ -84,11 +84,11 @@ def scenario(name):
         # The same run with every tensor decoded into a fresh output and copied into the bucket (the
         # hook decodes into the bucket's slices): the same bits.
         import lossless_hc.plugins.ddp as ddp_plugin
-        into_bucket, ddp_plugin._bucket_slices = ddp_plugin._bucket_slices, lambda *args: None
+        into_bucket, ddp_plugin.in_place_outputs = ddp_plugin.in_place_outputs, lambda *args: None
         try:
             copied = train(THCHookState(bits=4), steps=16, hidden=512, hook=thc_hook, lr=0.02)
         finally:
-            ddp_plugin._bucket_slices = into_bucket
+            ddp_plugin.in_place_outputs = into_bucket
         torch.manual_seed(0)
         start = EmbeddingModel(hidden=512).to(DEVICE)
         moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(m.parameters(), start.parameters())]).detach()

@@ -158,11 +158,11 @@ def scenario(name, mesh):
         # The same run with every parameter decoded into a fresh output and copied into its slot (the hook
         # decodes into the slots of the shard): the same bits.
         import lossless_hc.plugins.fsdp as fsdp_plugin
-        into_slots, fsdp_plugin._shard_slots = fsdp_plugin._shard_slots, lambda *args: None
+        into_slots, fsdp_plugin.in_place_outputs = fsdp_plugin.in_place_outputs, lambda *args: None
         try:
             r["digest_copied"] = compare(mesh, THCFSDPState(mesh, bits=4), False, steps=16, hidden=512, lr=0.02)["digest"]
         finally:
-            fsdp_plugin._shard_slots = into_slots
+            fsdp_plugin.in_place_outputs = into_slots
         return r
     if base in ("auto", "auto_slow_link"):   # the planner on the replica all-reduce, calibrated in register()
         # auto: measured on this machine's loopback (whatever it chooses); auto_slow_link: a given 100 Mbit/s

@@ -349,9 +349,9 @@ LHC_HD double round_up_to_float(double x) {
 //   |w_j(k) d_k| <= V(j) - |w_j(k)| E(k),   V(j) = acc(j) + |residual(j)|   (check cell)
 //                                           V(j) = |w_j(m)| G(m)            (read by m)
 // with G(m) = min over m's two other cells j' of V(j') / |w_j'(m)|: so d_k <= G(k) - E(k) =: F(k)
-// whatever happened upstream of k, provided the cells downstream of k are intact. One corrupted cell
-// is either upstream of k (F holds) or not (E holds): k is claimed within rtol only if both E(k) and
-// F(k) are (verify_key). F rounds up: the subtraction's own rounding is covered by 2^-52 G.
+// whatever happened upstream of k, provided the cells downstream of k are intact and hold no other key
+// the corruption reached (the cells lhc_ancestry.h lets verify k). One corrupted cell is either
+// upstream of k (F holds) or not (E holds): k is claimed within rtol only if both E(k) and F(k) are. F rounds up: the subtraction's own rounding is covered by 2^-52 G.
 LHC_HD double verification_bound(double g, double err) {
   const double f = g - err;
   return (f > 0.0 ? f : 0.0) + g * 2.220446049250313e-16;

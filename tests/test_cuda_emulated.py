@@ -439,6 +439,33 @@ def test_emulated_verdicts_match_cpu_property(emulated, index):
     assert {0, helpers.INEXACT, 7} <= seen, seen   # OK, INEXACT and SKETCH_CORRUPT all compared
 
 
+@pytest.mark.parametrize("group,case", [(86953, 2), (36392, 3)])
+def test_emulated_verify_uses_only_sound_cells(emulated, group, case):
+    """The verification bound's soundness rule (csrc/lhc_ancestry.h) on the CUDA kernel: on the two
+    fuzz aggregates where a corrupted word reaches a cell checking a key along two peel paths
+    (tests/test_fuzz.py), and on a plain 8-rank sum of ~1,500 keys decoded with verify, CUDA lists
+    the same inexact keys as the CPU, with the same bits; the fuzz cases' wrong keys among them."""
+    from lossless_hc.fuzz import outside_contract, truth
+    from test_fuzz import corrupted_case
+    g, cpu, p = corrupted_case(14, group, case)
+    native = _cuda.CudaLayout(cpu.layout, torch.device("cpu"))
+    y, report, _ = emulated_decode(native, p, False, True)
+    y_cpu, r_cpu = cpu.decode(p, error_bounds=True)
+    assert report.status == r_cpu.status == helpers.INEXACT
+    assert torch.equal(report.inexact_keys, r_cpu.inexact_keys)
+    s, a = truth(g.xs)
+    off = outside_contract(y[:g.numel], s, a, g.world_size, cpu.rtol, False)
+    assert set((off.nonzero().flatten() // g.block).tolist()) <= set(report.inexact_keys.tolist())
+    rng = np.random.default_rng(helpers.stable_seed("emu-sound", group))
+    plain, native = host_codecs(20_000, 8, 200, 1, "bitmap", seed=group, verify=True)
+    xs = verdict_inputs(rng, 20_000, 1, 8, 200, "normal")
+    summed = helpers.sum_payloads([plain.encode(x) for x in xs], rng)
+    y, report, _ = emulated_decode(native, summed, False, True)
+    y_cpu, r_cpu = plain.decode(summed, error_bounds=True)
+    assert report.status == r_cpu.status and torch.equal(report.inexact_keys, r_cpu.inexact_keys)
+    assert torch.equal(bits(y), bits(y_cpu))
+
+
 def test_emulated_index_flip_and_zeroed_sketch_are_caught(emulated):
     """The valid-looking bitmap flip of tests/test_robustness.py: INDEX_CORRUPT (the index checksum) on
     the CUDA kernels too; a zeroed sketch under a valid index: SKETCH_CORRUPT (the residual check)."""

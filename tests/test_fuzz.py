@@ -57,19 +57,57 @@ def test_index_flip_dropping_a_key_under_huge_ones_is_caught():
     assert not bad, bad
 
 
-@pytest.mark.xfail(strict=True, reason="verify=True's bound F(k) assumes the cells that check k hold no other key "
-                   "the corrupted word reached; a check cell holding k and one of its peel ancestors breaks that "
-                   "(docs/DESIGN.md, 'The verification bound'): a known gap, not fixed")
 @pytest.mark.parametrize("group,case", [(86953, 2), (36392, 3)])
 def test_corruption_reaching_a_check_cell_along_two_paths(group, case):
-    """The two wrong cases of seed 14 (450,000 cases, docs/BENCHMARKS.md, fuzz). In both, the corrupted
-    word is in the read cell of a key a, and a shares two cells with a later key k: it was subtracted into
-    k's read cell and into the check cell that verifies k. That cell receives the error along both paths,
-    which cancel exactly (w = +1 on delta/2 and -2 on delta/4; +2 on -delta/2 and +2 on delta/2), so F(k)
-    is tiny and k's wrong value (-0.998 and -0.745 for -1.0) is claimed within rtol. When the bound is made sound this
-    test passes and strict xfail fails it: then drop the mark and the DESIGN/README caveat."""
+    """The two wrong cases of seed 14 before the verification bound's soundness rule (450,000 cases,
+    docs/BENCHMARKS.md, fuzz). In both, the corrupted word is in the read cell of a key a, and a shares
+    two cells with a later key k: it was subtracted into k's read cell and into the check cell that
+    verified k. That cell received the error along both paths, which cancelled exactly (w = +1 on
+    delta/2 and -2 on delta/4; +2 on -delta/2 and +2 on delta/2), so F(k) was tiny and k's wrong value
+    (-0.998 and -0.745 for -1.0) was claimed within rtol. Now a cell holding a key that shares an
+    ancestor with k (a is k's parent and in that cell) does not verify k (csrc/lhc_ancestry.h)."""
     bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(14, group) if v.wrong and v.case == case]
     assert not bad, bad
+
+
+def corrupted_case(seed: int, group: int, want: int):
+    """The verify codec and the corrupted aggregate of case ``want`` (2 or 3) of a fuzz group, rebuilt
+    with run_group's draws."""
+    from lossless_hc import LosslessCodec
+    from lossless_hc.fuzz import cases as C
+    g = C.draw_group(seed, group)
+    rng = C.group_rng(seed, group + (1 << 40))
+    args = dict(seed=rng.getrandbits(64), index=g.index)
+    codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, **args)
+    verified = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, verify=True, **args)
+    payloads = [codec.encode(x) for x in g.xs]
+    summed = C._sum(payloads, rng)
+    second = verified if group % C.VERIFY_PLAIN_EVERY == 0 else codec
+    if rng.random() < 0.5:
+        C._restamped(summed, codec, second)
+    else:
+        C._tree_sum(payloads)
+    for case in (2, 3):
+        how = rng.choice(C.CORRUPTIONS)
+        p = C._corrupt(how, C._restamped(summed, codec, verified), verified, rng)
+        if case == want:
+            return g, verified, p
+    raise ValueError(want)
+
+
+@pytest.mark.parametrize("group,case", [(86953, 2), (36392, 3)])
+def test_reference_lists_the_two_path_keys(group, case):
+    """The oracle decides as the C++ decoder on those two aggregates: every key outside the contract is
+    listed inexact by reference.decode with verify (its rule: reference_peel.verification_bound)."""
+    from lossless_hc.lhc import reference
+    g, verified, p = corrupted_case(14, group, case)
+    s, a = truth(g.xs)
+    yr, info = reference.decode(verified.layout, p, verify=True)
+    assert info["inexact_keys"].numel() > 0
+    off = outside_contract(yr[:g.numel].to(torch.float32), s, a, g.world_size, verified.rtol, False)
+    outside = set((off.nonzero().flatten() // g.block).tolist())
+    assert outside, "no key outside the contract: this case no longer exercises the rule"
+    assert outside <= set(info["inexact_keys"].tolist())
 
 
 def test_tally_is_a_function_of_the_seed_only():

@@ -91,7 +91,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
     std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building
     std::vector<uint32_t> cur, next, layer, src, order;  // peel_layers' scratch, and its order
     std::vector<uint64_t> bits;
-    std::vector<double> kerr, kver;  // by position: E(k), and |w| G(k) of its read cell (verification)
+    std::vector<double> kerr;  // by position: E(k)
+    VerifyScratch verify_scratch;
     // A group's peel, compiled twice: for one value per key (kBlock 1, unstructured keys: the loops
     // over a key's values fold away) and for any block (kBlock 0).
     const auto peel_group = [&](auto block_tag, int64_t g) {
@@ -260,32 +261,10 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           if (verify) t.set_acc(c, a + worst);
         }
         corrupt[g] = residual_bad;
-        // The verification bounds, from the last peeled key back (lhc::verification_bound): a key is
-        // listed inexact unless both E(k) and F(k) = G(k) - E(k) prove it within rtol.
-        kver.resize(kn);
+        // The verification bounds, from the last peeled key back (verify_group): a key is listed
+        // inexact unless both E(k) and F(k) = G(k) - E(k) prove it within rtol.
         if (in.verify && !corrupt[g])
-          for (size_t i = order.size(); i-- > 0;) {
-            const uint64_t c = order[i];
-            const uint32_t pos = t.pos(c);
-            const int pure = t.segment(c);
-            double gk = std::numeric_limits<double>::infinity();
-            for (int j = 0; j < 3; ++j) {
-              if (j == pure) continue;
-              const uint32_t e = t.packed(c, j);
-              const uint64_t d = t.cell(j, e);
-              const double a = t.acc(d);
-              const double vd = a >= 0.0 ? a : a == PeelCells::kReadCell ? kver[t.pos(d)]
-                                                                        : std::numeric_limits<double>::infinity();
-              gk = std::min(gk, vd * std::fabs(PeelCells::inverse_weight(e)));
-            }
-            const double w = PeelCells::inverse_weight(t.packed(c, pure));  // 1 / w_c(k)
-            kver[pos] = gk / std::fabs(w);
-            const double bound = std::max(kerr[pos], verification_bound(gk, kerr[pos]));
-            const double* r = t.values(c);
-            bool within = true;
-            for (uint64_t l = 0; l < B; ++l) within &= within_rtol(w * r[l], bound, in.rtol);
-            if (!within) inexact[g].push_back(pos);
-          }
+          verify_group(t, T, gkeys.data(), kn, B, order, kerr.data(), in.rtol, verify_scratch, inexact[g]);
       }
       if (key_bounds && goff[groups] <= key_bounds->capacity) {
         // Every position of a completely peeled group holds its bound (the peel's step, or the pair

@@ -395,6 +395,21 @@ bool value_peel_batch8_available(PeelCells t, uint32_t count);
 bool value_peel_batch8(PeelCells t, const uint32_t* entries, const ValueBatchOut& out, uint32_t* order, uint32_t* next,
                        uint64_t* appended, uint32_t* inexact_lanes);
 
+// The value peel's verification bounds for a completely peeled group (decodes with verify; after the
+// residual check, which left each check cell's V in its acc): keys in `order` (their read cells, as
+// peel_layers gives them) walked back, each key's G(k) from its two other cells -- a check cell's V, or
+// |w| G(m) of the later key m read from it -- counting only cells that verify it soundly
+// (lhc_ancestry.h), and the key's position appended to `inexact` unless both E(k) (key_err) and
+// F(k) = G(k) - E(k) prove every value within rtol (lhc::verification_bound). verify.cpp.
+struct VerifyScratch {
+  std::vector<uint32_t> kc, offsets, cursor, members, anc_len, arena, merged, next;
+  std::vector<uint64_t> anc_at;
+  std::vector<double> kver;
+};
+void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
+                  const std::vector<uint32_t>& order, const double* key_err, double rtol, VerifyScratch& s,
+                  std::vector<uint32_t>& inexact);
+
 // The two-key stopping sets left when peeling stalls: two unresolved keys a < b (positions) that
 // share all three cells, each cell holding just the two of them. Cell j holds
 // R_j = w_j(a) v_a + w_j(b) v_b; two of the cells solve the pair as lhc::pair_cells states (one

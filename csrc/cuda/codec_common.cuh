@@ -3,6 +3,7 @@
 // and the multilevel index's level shapes.
 #pragma once
 
+#include "../lhc_ancestry.h"
 #include "../lhc_layout.h"
 #include "../lhc_status.h"
 #include "warp_sum.cuh"

@@ -380,22 +380,47 @@ extern "C" __global__ void lhc_residual_check(uint64_t block, uint64_t cells, co
   if (corrupt) atomicOr(&counters->flags, (unsigned int)kFlagSketchCorrupt);
 }
 
+// The value peel's graph for lhc_ancestry.h: a cell's keys from the adjacency, a key's read cell
+// from src (none for a solved pair's keys).
+struct PeelDag {
+  const unsigned int* offsets;
+  const unsigned int* adj;
+  const unsigned int* src;
+  const unsigned int* peeled_round;
+  LHC_HD bool parents(uint32_t p, uint64_t* begin, uint64_t* end) const {
+    const unsigned int r = peeled_round[p];
+    if (r == kPairRound || r == kNotPeeled) return false;
+    *begin = offsets[src[p]];
+    *end = offsets[src[p] + 1];
+    return true;
+  }
+  LHC_HD uint32_t member(uint64_t e) const { return adj[e] >> kWeightCodeBits; }
+};
+
 // Decodes with verify only: the verification bound per key (cooperative launch, after
-// lhc_residual_check). The rounds of lhc_peel_values walked back, last round first, each key's verification bound G from its two other cells -- a check
-// cell's V, or |w| G of the later key read from it (key_ver) -- and then the key is listed inexact
-// unless both its bound E (key_err) and F = G - E prove every lane within rtol
-// (lhc_layout.h verification_bound; the CPU backend's backward pass, in the same operations). Keys of
-// one round depend only on later rounds' keys, so a round's keys run in any order.
+// lhc_residual_check). The rounds of lhc_peel_values walked back, last round first, each key's
+// verification bound G from its two other cells -- a check cell's V, or |w| G of the later key read
+// from it (key_ver) -- counting only the cells that verify it soundly (lhc_ancestry.h: none of their
+// other keys shares an ancestor with it; the smaller bound tested first), and then the key is listed
+// inexact unless both its bound E (key_err) and F = G - E prove every lane within rtol
+// (lhc_layout.h verification_bound; the CPU backend's verify_group, in the same operations). Keys of
+// one round depend only on later rounds' keys, so a round's keys run in any order. Each thread walks
+// ancestries in two AncestrySets of its local memory.
 extern "C" __global__ void lhc_verify_values(const uint64_t* table_words, uint64_t block, const uint32_t* keys,
                                              const unsigned int* src, const double* key_val, const unsigned int* order,
                                              const unsigned int* round_start, const unsigned int* reader,
                                              const double* acc, const double* key_err, double* key_ver,
                                              unsigned int* inexact, PeelControl* control, DecodeCounters* counters,
-                                             double rtol) {
+                                             double rtol, const unsigned int* offsets, const unsigned int* adj,
+                                             const unsigned int* peeled_round) {
   if (*(volatile unsigned int*)&counters->abort) return;  // uniform: set before this launch
   const SegmentedTable t = load_table(table_words);
   const unsigned int rounds = *(volatile unsigned int*)&control->rounds;
   const double inf = (double)__int_as_float(0x7f800000);  // +Inf
+  const PeelDag dag{offsets, adj, src, peeled_round};
+  AncestrySet mine, scratch;
+  mine.init();
+  scratch.init();
   bool any_inexact = false;
   for (unsigned int r = rounds; r-- > 0;) {
     const unsigned int begin = round_start[r], end = round_start[r + 1];
@@ -405,7 +430,10 @@ extern "C" __global__ void lhc_verify_values(const uint64_t* table_words, uint64
       uint64_t cells[3];
       int weights[3];
       key_cells(t, keys[p], cells, weights);
-      double g = inf, w = 1.0;  // w: 1 / w_c(k), of the cell the key was read from
+      double v[2], w = 1.0;  // w: 1 / w_c(k), of the cell the key was read from
+      uint64_t d[2];
+      unsigned int rd[2];
+      int o = 0;
 #pragma unroll
       for (int j = 0; j < 3; ++j) {
         if (cells[j] == c) {
@@ -413,8 +441,22 @@ extern "C" __global__ void lhc_verify_values(const uint64_t* table_words, uint64
           continue;
         }
         const double a = load_cg(acc + cells[j]);
-        const double v = a >= 0.0 ? a : a == kReadCell ? load_cg(key_ver + load_cg(reader + cells[j])) : inf;
-        g = fmin(g, v * fabs(inverse_weight(weights[j])));
+        const bool read = a == kReadCell;
+        d[o] = cells[j];
+        rd[o] = read ? load_cg(reader + cells[j]) : kNotPeeled;
+        v[o] = (a >= 0.0 ? a : read ? load_cg(key_ver + rd[o]) : inf) * fabs(inverse_weight(weights[j]));
+        ++o;
+      }
+      const int first = v[1] < v[0];
+      int mine_state = 0;
+      double g = inf;
+      for (int k = 0; k < 2; ++k) {
+        const int x = k == 0 ? first : 1 - first;
+        if (!(v[x] < g)) continue;
+        if (verifies_soundly(dag, p, offsets[d[x]], offsets[d[x] + 1], rd[x], mine, &mine_state, scratch)) {
+          g = v[x];
+          break;
+        }
       }
       key_ver[p] = g / fabs(w);
       const double e = key_err[p];

@@ -447,7 +447,8 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
         if verify:
             launch.launch("lhc_verify_values", _peel_grid(launch, "lhc_verify_values", sms), THREADS,
                           [tbl, B, P("keys"), P("src"), P("key_val"), P("order"), P("round_start"), P("reader"),
-                           P("acc"), P("key_err"), P("key_ver"), P("inexact"), P("control_value"), cnt, rt], stream,
+                           P("acc"), P("key_err"), P("key_ver"), P("inexact"), P("control_value"), cnt, rt,
+                           P("offsets"), P("adj"), P("round")], stream,
                           cooperative=True)
         ml = 0
         if L.index_kind == "multilevel":

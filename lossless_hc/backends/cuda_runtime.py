@@ -86,7 +86,7 @@ def _nvrtc_source() -> str:
     not by the files a source includes, so the digest makes an edited header compile afresh."""
     import hashlib
     digest = hashlib.sha256()
-    for path in (*KERNEL_HEADERS, CSRC / "lhc_layout.h", CSRC / "lhc_status.h", CSRC / "thc_math.h"):
+    for path in (*KERNEL_HEADERS, CSRC / "lhc_layout.h", CSRC / "lhc_ancestry.h", CSRC / "lhc_status.h", CSRC / "thc_math.h"):
         digest.update(header_text(path.resolve()).encode())
     includes = "".join(f'#include "cuda/{p.name}"\n' for p in KERNEL_HEADERS)
     return f'// lossless_hc kernels, sources sha256 {digest.hexdigest()}\n{includes}'

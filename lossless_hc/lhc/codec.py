@@ -50,8 +50,7 @@ class DecodeReport:
                      that is the sum (or average) of valid payloads. With ``verify=True`` also for a
                      payload with one corrupted sketch or mass word (or a zeroed sketch): the decode
                      refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved beyond
-                     rtol as INEXACT -- except where the corruption reaches a cell checking a key along
-                     two peel paths (a known gap, ``LosslessCodec``). With or without it, a corrupted
+                     rtol as INEXACT (``LosslessCodec``). With or without it, a corrupted
                      index word that changes the decoded support is INDEX_CORRUPT but with
                      probability below 2**-21.9 (the index checksum, ``LosslessCodec``).
                      When False the output must not be used, except under INEXACT (below); callers
@@ -160,16 +159,16 @@ class LosslessCodec:
     word: a key must then pass with its verification bound :math:`F(k)` too (what the cells k was
     subtracted into prove about it after peeling, whatever happened before it: one corrupted word is
     upstream of k or not, so F or E holds; docs/DESIGN.md "Exactness"), and the keys of solved
-    two-key stopping sets are always INEXACT (one check cannot verify two values). So one corrupted
-    sketch or mass word is caught or harmless: the residual check refuses it, or the verification
-    bound lists every key it could have moved beyond rtol. Not covered: corruptions of several words,
-    which can mimic a valid payload, and -- **a known gap** -- a corrupted word whose error reaches a
-    cell that checks k along two peel paths (that cell also holds a key sharing an ancestor with k):
-    the two errors can cancel there and F(k) then understates k's error (the fuzzer: 2 of 237,500
-    corrupted aggregates of seed 14, none of 1.7 million before; docs/DESIGN.md, "The verification
-    bound"). It costs a backward pass over the peel and
-    lists more keys INEXACT (docs/BENCHMARKS.md); it is off by default because the transports the
-    plugins use (TCP, Gloo, NCCL) deliver the sum of what the ranks sent, checksummed.
+    two-key stopping sets are always INEXACT (one check cannot verify two values). A cell counts
+    for F(k) only if none of its other keys (its reader aside) shares a peel ancestor with k -- the
+    keys a corrupted word upstream of k also reaches, whose errors could cancel k's there (the fuzzer
+    found two such aggregates, seed 14) -- tested exactly for ancestries of up to 256 keys
+    (csrc/lhc_ancestry.h). So one corrupted sketch or mass word is caught or harmless: the residual
+    check refuses it, or the verification bound lists every key it could have moved beyond rtol. Not
+    covered: corruptions of several words, which can mimic a valid payload. It costs the ancestries
+    and a backward pass over the peel (a decode several times slower) and lists more keys INEXACT
+    (docs/BENCHMARKS.md); it is off by default because the transports the plugins use (TCP, Gloo,
+    NCCL) deliver the sum of what the ranks sent, checksummed.
 
     The index is checked on every decode by a summable checksum in the header: rank r sends
     :math:`c_f(r) = \sum_{k \in S_r} part_f(k) \bmod p_f` for two hashes of the key and the primes
@@ -198,8 +197,8 @@ class LosslessCodec:
         rtol: relative tolerance every decoded coordinate is proven to meet when ``report.ok``
             (default ``2**-10``; in [0, 1)); keys that cannot be proven are INEXACT.
         verify: also prove every key with the verification bound (above): the contract then holds
-            for a payload with one corrupted sketch or mass word too, but for the two-path gap
-            above (index words: the index checksum, above, with or without verify). Default False.
+            for a payload with one corrupted sketch or mass word too (index words: the index
+            checksum, above, with or without verify). Default False.
 
     ``rtol`` and ``verify`` act on the decode only, but they decide the verdict every rank acts on,
     so they must be equal on every rank: when they differ from the defaults they join the layout's

@@ -112,25 +112,70 @@ def within_rtol(v: torch.Tensor, err: torch.Tensor, rtol: float) -> torch.Tensor
     return err * (1.0 + rtol) + UNIT_ROUNDOFF * a <= rtol * a
 
 
+# A key's ancestry (ancestors and itself) is tracked up to this many keys (``lhc::kAncestryCap``);
+# a larger one counts as sharing an ancestor with every key.
+ANCESTRY_CAP = 256
+
+
+def ancestries(cells: torch.Tensor, rounds, num_keys: int, cap: int = ANCESTRY_CAP) -> list:
+    """Each peeled key's ancestry: itself and, transitively, the keys subtracted into its read cell
+    before it was read (its parents), as a frozenset; None for a key with more than ``cap`` (and for
+    keys not peeled: a solved pair's, whose values two cells give together). A corrupted read cell of
+    a key a changes exactly the keys whose ancestry holds a."""
+    members = {}
+    for i, row in enumerate(cells.tolist()):
+        for c in row:
+            members.setdefault(c, []).append(i)
+    anc = [None] * num_keys
+    for idx, pj in rounds:
+        for k, c in zip(idx.tolist(), cells[idx, pj].tolist()):
+            a = {k}
+            for p in members[c]:
+                if p != k:
+                    a = None if anc[p] is None else a | anc[p]
+                    if a is None:
+                        break
+            anc[k] = frozenset(a) if a is not None and len(a) <= cap else None
+    return anc
+
+
 def verification_bound(cells: torch.Tensor, weights: torch.Tensor, rounds, acc: torch.Tensor, val: torch.Tensor,
-                       err: torch.Tensor) -> torch.Tensor:
+                       err: torch.Tensor, cap: int = ANCESTRY_CAP) -> torch.Tensor:
     """``F(k) = G(k) - E(k)`` per key (``lhc::verification_bound``): what the cells a key was subtracted
     into prove about its error whatever happened upstream of it. A check cell j (``acc >= 0`` after
     peeling) verifies ``V(j) = acc(j) + max |residual(j)|``; the pure cell of a later key m verifies
     ``|w_j(m)| G(m)``; a solved pair's cells (``acc == -2``) verify nothing; and
     ``G(k) = min_j V(j) / |w_j(k)|`` over the key's two other cells, computed from the last round
-    back. ``F`` is rounded up by ``2^-52 G``."""
+    back. A cell counts for k only if none of its keys other than k and its reader shares an
+    ancestor with k (:func:`ancestries`; ``lhc::sound_check_cell``): a corrupted word upstream of k
+    reaches such a key too, and its error could cancel k's there. ``F`` is rounded up by ``2^-52 G``."""
     inf = float("inf")
     V = torch.full((acc.numel(),), inf, dtype=torch.float64)
     checked = acc >= 0
     V[checked] = acc[checked] + val[checked].abs().amax(dim=1)
-    G = torch.full((cells.shape[0],), inf, dtype=torch.float64)
+    K = cells.shape[0]
+    anc = ancestries(cells, rounds, K, cap)
+    members, reader = {}, {}
+    for i, row in enumerate(cells.tolist()):
+        for c in row:
+            members.setdefault(c, []).append(i)
+    for idx, pj in rounds:
+        for k, c in zip(idx.tolist(), cells[idx, pj].tolist()):
+            reader[c] = k
+
+    def sound(c: int, k: int) -> bool:
+        others = [i for i in members[c] if i != k and i != reader.get(c)]
+        return not others or (anc[k] is not None and
+                              all(anc[i] is not None and anc[i].isdisjoint(anc[k]) for i in others))
+
+    G = torch.full((K,), inf, dtype=torch.float64)
     for idx, pj in reversed(rounds):
-        other = torch.ones(idx.numel(), 3, dtype=torch.bool)
-        other[torch.arange(idx.numel()), pj] = False
-        oc = cells[idx][other].reshape(-1, 2)
-        ow = weights[idx][other].reshape(-1, 2).abs().to(torch.float64)
-        g = (V[oc] / ow).amin(dim=1)
-        G[idx] = g
-        V[cells[idx, pj]] = weights[idx, pj].abs().to(torch.float64) * g
+        for k, j in zip(idx.tolist(), pj.tolist()):
+            g = inf
+            for o in range(3):
+                c = int(cells[k, o])
+                if o != j and sound(c, k):
+                    g = min(g, float(V[c]) / abs(float(weights[k, o])))
+            G[k] = g
+            V[int(cells[k, j])] = abs(float(weights[k, j])) * g
     return (G - err).clamp(min=0.0) + G * 2.0 ** -52

@@ -196,3 +196,11 @@ def test_value_peel_positions_leave_room_for_the_weight_codes():
     assert too_big.sketch.cells > _cuda.MAX_PEEL_POSITIONS
     with pytest.raises(ValueError, match="support keys"):
         _cuda.CudaLayout(too_big, torch.device("cpu"))
+
+
+def test_ancestry_cap_is_one_constant():
+    """The verification bound's soundness rule caps ancestries at lhc::kAncestryCap in both C++
+    backends and at reference_peel.ANCESTRY_CAP in the oracle: the same number."""
+    from lossless_hc.lhc.reference_peel import ANCESTRY_CAP
+    header = (ROOT / "csrc" / "lhc_ancestry.h").read_text()
+    assert int(re.search(r"constexpr uint32_t kAncestryCap = (\d+);", header).group(1)) == ANCESTRY_CAP

@@ -16,8 +16,9 @@ namespace {
 constexpr uint32_t kNoCell = std::numeric_limits<uint32_t>::max();
 constexpr uint32_t kTooLarge = std::numeric_limits<uint32_t>::max();  // an ancestry over kAncestryCap
 
-// Whether two sorted lists share an element: a merge, or binary searches of the shorter list's
-// elements when it is much shorter (a shallow key's ancestry against a deep one's).
+// Whether two sorted lists share an element: a merge whose steps are branch-free (which list
+// advances is a coin flip to a branch predictor), or binary searches of the shorter list's elements
+// when it is much shorter (a shallow key's ancestry against a deep one's).
 bool meet(const uint32_t* a, uint32_t na, const uint32_t* b, uint32_t nb) {
   if (na > nb) {
     std::swap(a, b);
@@ -30,23 +31,34 @@ bool meet(const uint32_t* a, uint32_t na, const uint32_t* b, uint32_t nb) {
   }
   uint32_t i = 0, j = 0;
   while (i < na && j < nb) {
-    if (a[i] == b[j]) return true;
-    if (a[i] < b[j])
-      ++i;
-    else
-      ++j;
+    const uint32_t x = a[i], y = b[j];
+    if (x == y) return true;
+    i += x < y;
+    j += y < x;
   }
   return false;
 }
 
-}  // namespace
+// out = the sorted union of the sorted lists a and b (no duplicates within either); its size. Branch
+// free as in meet.
+uint32_t merge_union(const uint32_t* a, uint32_t na, const uint32_t* b, uint32_t nb, uint32_t* out) {
+  uint32_t i = 0, j = 0, n = 0;
+  while (i < na && j < nb) {
+    const uint32_t x = a[i], y = b[j];
+    out[n++] = x < y ? x : y;
+    i += x <= y;
+    j += y <= x;
+  }
+  while (i < na) out[n++] = a[i++];
+  while (j < nb) out[n++] = b[j++];
+  return n;
+}
 
-void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
-                  const std::vector<uint32_t>& order, const double* key_err, double rtol, VerifyScratch& s,
-                  std::vector<uint32_t>& inexact) {
+// The cell -> keys adjacency of a group (s.offsets, s.members), by a counting sort of the keys' hashed
+// cells (positions increasing within a cell).
+void build_cell_members(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count,
+                        VerifyScratch& s) {
   const uint64_t cells = t.cells();
-  // The cell -> keys adjacency, by a counting sort of the keys' hashed cells (positions increasing
-  // within a cell).
   s.kc.resize(3 * (uint64_t)count);
   hash_cells(table, keys, count, s.kc.data());
   s.offsets.assign(cells + 1, 0);
@@ -55,50 +67,144 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
   s.members.resize(3 * (uint64_t)count);
   s.cursor.assign(s.offsets.begin(), s.offsets.end() - 1);
   for (uint64_t i = 0; i < 3 * (uint64_t)count; ++i) s.members[s.cursor[t.cell((int)(i % 3), s.kc[i])]++] = (uint32_t)(i / 3);
-  // Every peeled key's ancestry (lhc_ancestry.h) as a sorted list, in peel order: itself merged with
-  // its parents' (the other keys of its read cell, its pure cell's state still naming it), kTooLarge
-  // above kAncestryCap keys. The same sets as lhc_ancestry.h's walks (the CUDA kernel's), kept: a
-  // key's ancestry is tested against many. A solved pair's keys keep kTooLarge.
-  s.anc_at.assign(count, 0);
-  s.anc_len.assign(count, kTooLarge);
+}
+
+// Every peeled key's ancestry (lhc_ancestry.h) as a sorted list (s.lists, s.arena), in peel order:
+// itself merged with its parents' (the other keys of its read cell, its pure cell's state still
+// naming it); anc_len kTooLarge above kAncestryCap keys. The same sets as lhc_ancestry.h's walks (the
+// CUDA kernel's), kept: a key's ancestry is tested against many. A solved pair's keys keep kTooLarge.
+// The tests read each list's roots alone (s.root_arena; roots: keys without parents, the peel's
+// first layer): two ancestries meet exactly when their roots do (a common ancestor's roots are common
+// to both), and roots are fewer (~12 of ~28 keys on average at 1%). An entry is (position << 1) | 1
+// for a root, (position << 1) otherwise: sorted by position, its roots read off in one pass.
+void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t count, VerifyScratch& s) {
+  s.lists.assign(count, VerifyScratch::Lists{0, 0, kTooLarge, 0});
   s.arena.clear();
-  for (const uint32_t c : order) {
+  s.root_arena.clear();
+  s.arena.reserve(32 * (uint64_t)count);
+  s.root_arena.reserve(16 * (uint64_t)count);
+  s.merged.resize(2 * (kAncestryCap + 1));
+  s.next.resize(2 * (kAncestryCap + 1));
+  // Each key's lists hang off a chain of dependent loads (its cell's adjacency, its parents'
+  // entries, their lists), all at random: prefetched in stages, 16, 8, 4 and 2 keys ahead.
+  const uint32_t* const ord = order.data();
+  const size_t nord = order.size();
+  const auto members_of = [&](uint32_t c, auto&& f) {  // the key itself too: a harmless prefetch
+    for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1]; ++e) f(s.members[e]);
+  };
+  for (size_t oi = 0; oi < nord; ++oi) {
+    if (oi + 16 < nord) {
+      prefetch_line(&s.offsets[ord[oi + 16]]);
+      t.prefetch(ord[oi + 16]);
+    }
+    if (oi + 8 < nord) prefetch_line(&s.members[s.offsets[ord[oi + 8]]]);
+    if (oi + 4 < nord)
+      members_of(ord[oi + 4], [&](uint32_t p) {
+        prefetch_line(&s.lists[p]);
+      });
+    if (oi + 2 < nord)
+      members_of(ord[oi + 2], [&](uint32_t p) {
+        if (s.lists[p].anc_len != kTooLarge) prefetch_line(s.arena.data() + s.lists[p].anc_at);
+      });
+    const uint32_t c = ord[oi];
     const uint32_t k = t.pos(c);
-    s.merged.assign(1, k);
+    // Parents: the other keys of the read cell. One parent p (the common case) needs no merge: k's
+    // list is p's with k inserted, and k's roots are p's (shared, not copied).
+    uint32_t parents = 0, parent = 0;
+    for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1]; ++e)
+      if (s.members[e] != k) {
+        parent = s.members[e];
+        ++parents;
+      }
+    if (parents == 1) {
+      const uint32_t len = s.lists[parent].anc_len;
+      if (len == kTooLarge || len + 1 > kAncestryCap) continue;
+      const uint64_t start = s.arena.size();
+      // Room first: the list is copied from the arena into itself.
+      if (s.arena.capacity() < start + len + 1) s.arena.reserve(2 * (start + len + 1));
+      const uint32_t* a = s.arena.data() + s.lists[parent].anc_at;
+      const uint32_t at = (uint32_t)(std::lower_bound(a, a + len, k << 1) - a);
+      s.arena.insert(s.arena.end(), a, a + at);
+      s.arena.push_back(k << 1);
+      s.arena.insert(s.arena.end(), a + at, a + len);
+      s.lists[k].anc_at = start;
+      s.lists[k].anc_len = len + 1;
+      s.lists[k].root_at = s.lists[parent].root_at;
+      s.lists[k].root_len = s.lists[parent].root_len;
+      continue;
+    }
+    uint32_t* merged = s.merged.data();
+    merged[0] = k << 1 | (parents == 0);  // a root's list is itself
+    uint32_t n = 1;
     bool large = false;
     for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1] && !large; ++e) {
       const uint32_t p = s.members[e];
       if (p == k) continue;
-      if (s.anc_len[p] == kTooLarge) {
-        large = true;
-        break;
-      }
-      const uint32_t* a = s.arena.data() + s.anc_at[p];
-      s.next.resize(s.merged.size() + s.anc_len[p]);
-      s.next.resize(std::set_union(s.merged.begin(), s.merged.end(), a, a + s.anc_len[p], s.next.begin()) -
-                    s.next.begin());
+      large = s.lists[p].anc_len == kTooLarge;
+      if (large) break;
+      n = merge_union(merged, n, s.arena.data() + s.lists[p].anc_at, s.lists[p].anc_len, s.next.data());
       s.merged.swap(s.next);
-      large = s.merged.size() > kAncestryCap;
+      merged = s.merged.data();
+      large = n > kAncestryCap;
     }
     if (large) continue;
-    s.anc_at[k] = s.arena.size();
-    s.anc_len[k] = (uint32_t)s.merged.size();
-    s.arena.insert(s.arena.end(), s.merged.begin(), s.merged.end());
+    s.lists[k].anc_at = s.arena.size();
+    s.lists[k].anc_len = n;
+    s.arena.insert(s.arena.end(), merged, merged + n);
+    s.lists[k].root_at = s.root_arena.size();
+    for (uint32_t i = 0; i < n; ++i)
+      if (merged[i] & 1u) s.root_arena.push_back(merged[i]);
+    s.lists[k].root_len = (uint32_t)(s.root_arena.size() - s.lists[k].root_at);
   }
+}
+
+}  // namespace
+
+void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
+                  const std::vector<uint32_t>& order, const double* key_err, double rtol, VerifyScratch& s,
+                  std::vector<uint32_t>& inexact) {
+  build_cell_members(t, table, keys, count, s);
+  build_ancestries(t, order, count, s);
+  const uint32_t* const ord = order.data();
+  const size_t nord = order.size();
   // Cell d verifies k soundly: none of its keys other than k and its reader shares an ancestor with k.
   const auto sound = [&](uint32_t k, uint64_t d, uint32_t reader) {
     for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) {
       const uint32_t i = s.members[e];
       if (i == k || i == reader) continue;
-      if (s.anc_len[k] == kTooLarge || s.anc_len[i] == kTooLarge) return false;
-      if (meet(s.arena.data() + s.anc_at[k], s.anc_len[k], s.arena.data() + s.anc_at[i], s.anc_len[i])) return false;
+      if (s.lists[k].anc_len == kTooLarge || s.lists[i].anc_len == kTooLarge) return false;
+      const VerifyScratch::Lists &lk = s.lists[k], &li = s.lists[i];
+      if (meet(s.root_arena.data() + lk.root_at, lk.root_len, s.root_arena.data() + li.root_at, li.root_len)) return false;
     }
     return true;
   };
 
   s.kver.resize(count);
   const double inf = std::numeric_limits<double>::infinity();
-  for (size_t i = order.size(); i-- > 0;) {
+  // The other two cells of the key read from cell c (f(cell) for each).
+  const auto other_cells = [&](uint64_t c, auto&& f) {
+    const int pure = t.segment(c);
+    for (int j = 0; j < 3; ++j)
+      if (j != pure) f(t.cell(j, t.packed(c, j)));
+  };
+  for (size_t i = nord; i-- > 0;) {
+    // Prefetched in stages as the forward pass: the read cell's state, then its other cells' states
+    // and adjacency, then their keys' list entries.
+    if (i >= 16) t.prefetch(ord[i - 16]);
+    if (i >= 8)
+      other_cells(ord[i - 8], [&](uint64_t d) {
+        t.prefetch(d);
+        prefetch_line(&s.offsets[d]);
+      });
+    if (i >= 4)
+      other_cells(ord[i - 4], [&](uint64_t d) {
+        for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) prefetch_line(&s.lists[s.members[e]]);
+      });
+    if (i >= 2)
+      other_cells(ord[i - 2], [&](uint64_t d) {
+        for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e)
+          prefetch_line(s.root_arena.data() + s.lists[s.members[e]].root_at);
+      });
     const uint64_t c = order[i];
     const uint32_t pos = t.pos(c);
     const int pure = t.segment(c);

@@ -117,16 +117,21 @@ def within_rtol(v: torch.Tensor, err: torch.Tensor, rtol: float) -> torch.Tensor
 ANCESTRY_CAP = 256
 
 
-def ancestries(cells: torch.Tensor, rounds, num_keys: int, cap: int = ANCESTRY_CAP) -> list:
-    """Each peeled key's ancestry: itself and, transitively, the keys subtracted into its read cell
-    before it was read (its parents), as a frozenset; None for a key with more than ``cap`` (and for
-    keys not peeled: a solved pair's, whose values two cells give together). A corrupted read cell of
-    a key a changes exactly the keys whose ancestry holds a."""
+def cell_members(cells: torch.Tensor) -> dict:
+    """``{cell: [keys]}``: the keys (indices into ``cells``, increasing) hashed into each cell."""
     members = {}
     for i, row in enumerate(cells.tolist()):
         for c in row:
             members.setdefault(c, []).append(i)
-    anc = [None] * num_keys
+    return members
+
+
+def ancestries(cells: torch.Tensor, rounds, members: dict, cap: int = ANCESTRY_CAP) -> list:
+    """Each peeled key's ancestry: itself and, transitively, the keys subtracted into its read cell
+    before it was read (its parents), as a frozenset; None for a key with more than ``cap`` (and for
+    keys not peeled: a solved pair's, whose values two cells give together). A corrupted read cell of
+    a key a changes exactly the keys whose ancestry holds a. ``members``: :func:`cell_members`."""
+    anc = [None] * cells.shape[0]
     for idx, pj in rounds:
         for k, c in zip(idx.tolist(), cells[idx, pj].tolist()):
             a = {k}
@@ -147,18 +152,16 @@ def verification_bound(cells: torch.Tensor, weights: torch.Tensor, rounds, acc: 
     ``|w_j(m)| G(m)``; a solved pair's cells (``acc == -2``) verify nothing; and
     ``G(k) = min_j V(j) / |w_j(k)|`` over the key's two other cells, computed from the last round
     back. A cell counts for k only if none of its keys other than k and its reader shares an
-    ancestor with k (:func:`ancestries`; ``lhc::sound_check_cell``): a corrupted word upstream of k
+    ancestor with k (:func:`ancestries`; ``lhc::verifies_soundly``): a corrupted word upstream of k
     reaches such a key too, and its error could cancel k's there. ``F`` is rounded up by ``2^-52 G``."""
     inf = float("inf")
     V = torch.full((acc.numel(),), inf, dtype=torch.float64)
     checked = acc >= 0
     V[checked] = acc[checked] + val[checked].abs().amax(dim=1)
     K = cells.shape[0]
-    anc = ancestries(cells, rounds, K, cap)
-    members, reader = {}, {}
-    for i, row in enumerate(cells.tolist()):
-        for c in row:
-            members.setdefault(c, []).append(i)
+    members = cell_members(cells)
+    anc = ancestries(cells, rounds, members, cap)
+    reader = {}
     for idx, pj in rounds:
         for k, c in zip(idx.tolist(), cells[idx, pj].tolist()):
             reader[c] = k

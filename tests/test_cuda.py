@@ -560,3 +560,25 @@ def test_multilevel_failures_match_cpu(backend):
         p = helpers.sum_payloads(payloads, rng)
         p[3] += delta
         assert index_verdicts_agree(cpu, gpu._native, p)[0] == 1
+
+
+@pytest.mark.parametrize("group,case", [(86953, 2), (36392, 3)])
+def test_verify_lists_the_same_keys_as_cpu(backend, group, case):
+    """verify=True on the GPU (lhc_verify_values and its ancestry walks, csrc/lhc_ancestry.h): on the
+    two fuzz aggregates where a corrupted word reaches a checking cell along two peel paths, and on a
+    plain 8-rank ~15,000-key sum (some ancestries above the cap), the same status, inexact keys and
+    output bits as the CPU, and deterministic."""
+    from test_cuda_emulated import verdict_inputs
+    from test_fuzz import corrupted_case
+    g, cpu, p = corrupted_case(14, group, case)
+    _, gpu, _ = corrupted_case(14, group, case, device="cuda")
+    rng = np.random.default_rng(helpers.stable_seed("gpu-sound", group))
+    plain = LosslessCodec(100_000, 8, 2000, seed=group, index="bitmap", verify=True)
+    plain_gpu = LosslessCodec(100_000, 8, 2000, seed=group, index="bitmap", verify=True, device="cuda")
+    summed = helpers.sum_payloads([plain.encode(x) for x in verdict_inputs(rng, 100_000, 1, 8, 2000, "normal")], rng)
+    for c, d, payload in ((cpu, gpu, p), (plain, plain_gpu, summed)):
+        y, r = c.decode(payload)
+        outs = [d.decode(payload.cuda()) for _ in range(2)]
+        for yg, rg in outs:
+            assert rg.status == r.status and torch.equal(rg.inexact_keys.cpu(), r.inexact_keys)
+            assert torch.equal(bits(yg), bits(y))

@@ -70,16 +70,16 @@ def test_corruption_reaching_a_check_cell_along_two_paths(group, case):
     assert not bad, bad
 
 
-def corrupted_case(seed: int, group: int, want: int):
-    """The verify codec and the corrupted aggregate of case ``want`` (2 or 3) of a fuzz group, rebuilt
-    with run_group's draws."""
+def corrupted_case(seed: int, group: int, want: int, device: str = "cpu"):
+    """The verify codec (on ``device``) and the corrupted aggregate (on the CPU) of case ``want`` (2 or
+    3) of a fuzz group, rebuilt with run_group's draws."""
     from lossless_hc import LosslessCodec
     from lossless_hc.fuzz import cases as C
     g = C.draw_group(seed, group)
     rng = C.group_rng(seed, group + (1 << 40))
     args = dict(seed=rng.getrandbits(64), index=g.index)
     codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, **args)
-    verified = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, verify=True, **args)
+    verified = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, verify=True, device=device, **args)
     payloads = [codec.encode(x) for x in g.xs]
     summed = C._sum(payloads, rng)
     second = verified if group % C.VERIFY_PLAIN_EVERY == 0 else codec

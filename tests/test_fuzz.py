@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lossless_hc.fuzz import allowed_error, outside_bounds, outside_contract, run, truth
-from lossless_hc.fuzz.cases import CASES_PER_GROUP, run_group
+from lossless_hc.fuzz.cases import CASES_PER_GROUP, group_cases, run_group
 
 SLICE = 3000
 CLEAN = ("sum", "average", "tree")
@@ -72,27 +72,10 @@ def test_corruption_reaching_a_check_cell_along_two_paths(group, case):
 
 def corrupted_case(seed: int, group: int, want: int, device: str = "cpu"):
     """The verify codec (on ``device``) and the corrupted aggregate (on the CPU) of case ``want`` (2 or
-    3) of a fuzz group, rebuilt with run_group's draws."""
-    from lossless_hc import LosslessCodec
-    from lossless_hc.fuzz import cases as C
-    g = C.draw_group(seed, group)
-    rng = C.group_rng(seed, group + (1 << 40))
-    args = dict(seed=rng.getrandbits(64), index=g.index)
-    codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, **args)
-    verified = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, verify=True, device=device, **args)
-    payloads = [codec.encode(x) for x in g.xs]
-    summed = C._sum(payloads, rng)
-    second = verified if group % C.VERIFY_PLAIN_EVERY == 0 else codec
-    if rng.random() < 0.5:
-        C._restamped(summed, codec, second)
-    else:
-        C._tree_sum(payloads)
-    for case in (2, 3):
-        how = rng.choice(C.CORRUPTIONS)
-        p = C._corrupt(how, C._restamped(summed, codec, verified), verified, rng)
-        if case == want:
-            return g, verified, p
-    raise ValueError(want)
+    3) of a fuzz group, as run_group decodes it."""
+    g, _, cases = group_cases(seed, group, device)
+    _, _, verified, p, _ = cases[want]
+    return g, verified, p
 
 
 @pytest.mark.parametrize("group,case", [(86953, 2), (36392, 3)])

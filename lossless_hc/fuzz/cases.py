@@ -262,28 +262,31 @@ def codec_rtol(codec: LosslessCodec, rtol: Optional[float]) -> float:
     return float(own)
 
 
-def run_group(seed: int, group: int, rtol: Optional[float] = None, device: str = "cpu") -> List[Verdict]:
-    """The :data:`CASES_PER_GROUP` verdicts of group ``group`` (see the module doc)."""
+def group_cases(seed: int, group: int, device: str = "cpu"):
+    """Group ``group``'s inputs and its :data:`CASES_PER_GROUP` aggregates, as :func:`run_group` decodes
+    them: ``(g, plain codec, [(case, how, codec, payload, averaged)])``, payloads on the CPU."""
     g = draw_group(seed, group)
     rng = group_rng(seed, group + (1 << 40))   # the aggregation's choices, apart from the inputs'
     args = dict(seed=rng.getrandbits(64), index=g.index, device=device)
     codec = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, **args)
     verified = LosslessCodec(g.numel, g.world_size, g.max_nnz, g.block, verify=True, **args)
-    tol = codec_rtol(codec, rtol)
     payloads = [codec.encode(x.to(device)).cpu() for x in g.xs]
-    s, a = truth(g.xs)
-    on = (lambda t: t.to(device))
     summed = _sum(payloads, rng)
-    verdicts = [_verdict(g, 0, "sum", codec, on(summed), False, s, a, tol)]
+    cases = [(0, "sum", codec, summed, False)]
     second = verified if group % VERIFY_PLAIN_EVERY == 0 else codec
     if rng.random() < 0.5:
-        p = _restamped(summed, codec, second) / g.world_size
-        verdicts.append(_verdict(g, 1, "average", second, on(p), True, s, a, tol))
+        cases.append((1, "average", second, _restamped(summed, codec, second) / g.world_size, True))
     else:
-        verdicts.append(_verdict(g, 1, "tree", second, on(_restamped(_tree_sum(payloads), codec, second)), False,
-                                 s, a, tol))
+        cases.append((1, "tree", second, _restamped(_tree_sum(payloads), codec, second), False))
     for case in (2, 3):
         how = rng.choice(DENSE_CORRUPTIONS if codec.index_kind == "dense" else CORRUPTIONS)
-        p = _corrupt(how, _restamped(summed, codec, verified), verified, rng)
-        verdicts.append(_verdict(g, case, how, verified, on(p), False, s, a, tol))
-    return verdicts
+        cases.append((case, how, verified, _corrupt(how, _restamped(summed, codec, verified), verified, rng), False))
+    return g, codec, cases
+
+
+def run_group(seed: int, group: int, rtol: Optional[float] = None, device: str = "cpu") -> List[Verdict]:
+    """The :data:`CASES_PER_GROUP` verdicts of group ``group`` (see the module doc)."""
+    g, codec, cases = group_cases(seed, group, device)
+    tol = codec_rtol(codec, rtol)
+    s, a = truth(g.xs)
+    return [_verdict(g, case, how, c, p.to(device), averaged, s, a, tol) for case, how, c, p, averaged in cases]

@@ -1,7 +1,8 @@
 // Which cells may verify a key: the soundness rule of the value peel's verification bound (decodes
 // with verify only; lhc_layout.h verification_bound). The CUDA kernel lhc_verify_values walks
-// ancestries with the functions below; the CPU decoder (cpu/verify.cpp) keeps the same sets as sorted
-// lists, merged once per key; the reference (reference_peel.verification_bound) as Python sets.
+// ancestries with the functions below; the CPU decoder (cpu/verify.cpp) keeps each key's ancestry
+// size and roots, built once per key in peel order (walking the few it cannot count); the reference
+// (reference_peel.verification_bound) keeps Python sets.
 //
 // A key's parents are the other keys of the cell it was read from (all subtracted there before it was
 // read); its ancestry is itself and, transitively, its parents. A corrupted value word in the read cell

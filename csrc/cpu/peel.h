@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "../lhc_ancestry.h"
 #include "codec_cpu_internal.h"
 
 namespace lhc {
@@ -402,15 +403,17 @@ bool value_peel_batch8(PeelCells t, const uint32_t* entries, const ValueBatchOut
 // (lhc_ancestry.h), and the key's position appended to `inexact` unless both E(k) (key_err) and
 // F(k) = G(k) - E(k) prove every value within rtol (lhc::verification_bound). verify.cpp.
 struct VerifyScratch {
-  // A key's ancestry and its roots: where in arena and root_arena, and how many (anc_len kTooLarge:
-  // over kAncestryCap keys).
+  // A key's ancestry: its size (kTooLarge: over kAncestryCap keys) and its roots, where in root_arena
+  // and how many.
   struct Lists {
-    uint64_t anc_at, root_at;
+    uint64_t root_at;
     uint32_t anc_len, root_len;
   };
   std::vector<Lists> lists;
-  std::vector<uint32_t> kc, offsets, cursor, members, arena, root_arena, merged, next;
+  std::vector<uint32_t> kc, offsets, cursor, members, read, root_arena, merged, next;
   std::vector<double> kver;
+  AncestrySet walk;  // the few ancestries that are walked
+  VerifyScratch() { walk.init(); }
 };
 void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
                   const std::vector<uint32_t>& order, const double* key_err, double rtol, VerifyScratch& s,

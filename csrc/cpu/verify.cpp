@@ -39,8 +39,8 @@ bool meet(const uint32_t* a, uint32_t na, const uint32_t* b, uint32_t nb) {
   return false;
 }
 
-// out = the sorted union of the sorted lists a and b (no duplicates within either); its size. Branch
-// free as in meet.
+// out = the sorted union of the sorted lists a and b (no duplicates within either; one in both is
+// written once); its size. Branch-free as in meet.
 uint32_t merge_union(const uint32_t* a, uint32_t na, const uint32_t* b, uint32_t nb, uint32_t* out) {
   uint32_t i = 0, j = 0, n = 0;
   while (i < na && j < nb) {
@@ -69,24 +69,39 @@ void build_cell_members(PeelCells t, const SegmentedTable& table, const uint32_t
   for (uint64_t i = 0; i < 3 * (uint64_t)count; ++i) s.members[s.cursor[t.cell((int)(i % 3), s.kc[i])]++] = (uint32_t)(i / 3);
 }
 
-// Every peeled key's ancestry (lhc_ancestry.h) as a sorted list (s.lists, s.arena), in peel order:
-// itself merged with its parents' (the other keys of its read cell, its pure cell's state still
-// naming it); anc_len kTooLarge above kAncestryCap keys. The same sets as lhc_ancestry.h's walks (the
-// CUDA kernel's), kept: a key's ancestry is tested against many. A solved pair's keys keep kTooLarge.
-// The tests read each list's roots alone (s.root_arena; roots: keys without parents, the peel's
-// first layer): two ancestries meet exactly when their roots do (a common ancestor's roots are common
-// to both), and roots are fewer (~12 of ~28 keys on average at 1%). An entry is (position << 1) | 1
-// for a root, (position << 1) otherwise: sorted by position, its roots read off in one pass.
+// The parents of a peeled key for lhc_ancestry.h's walk: the keys of its read cell (read[p]; a key
+// of a solved pair has none).
+struct GroupDag {
+  const uint32_t *read, *offsets, *members;
+  bool parents(uint32_t p, uint64_t* begin, uint64_t* end) const {
+    if (read[p] == kNoCell) return false;
+    *begin = offsets[read[p]];
+    *end = offsets[read[p] + 1];
+    return true;
+  }
+  uint32_t member(uint64_t e) const { return members[e]; }
+};
+
+// Every peeled key's ancestry size (anc_len, kTooLarge above kAncestryCap keys) and its roots as a
+// sorted list (root_at, root_len into s.root_arena), in peel order: the same sets as lhc_ancestry.h's
+// walks (the CUDA kernel's). The tests need the roots alone: two ancestries meet exactly when their
+// roots (keys without parents, the peel's first layer) do, as a common ancestor's roots are common to
+// both. So the ancestry itself is never listed: a key's roots are the union of its parents' (the other
+// keys of its read cell; a root's are itself), and its size is 1 + the sum of its parents' where their
+// roots are disjoint (then so are their ancestries), which they are for all but ~1% of the keys with
+// two parents or more; for those the ancestry is walked (lhc::walk_ancestry, capped). One parent p
+// (the common case) shares p's roots. A solved pair's keys keep kTooLarge.
 void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t count, VerifyScratch& s) {
-  s.lists.assign(count, VerifyScratch::Lists{0, 0, kTooLarge, 0});
-  s.arena.clear();
+  s.lists.assign(count, VerifyScratch::Lists{0, kTooLarge, 0});
+  s.read.assign(count, kNoCell);
+  for (const uint32_t c : order) s.read[t.pos(c)] = c;
   s.root_arena.clear();
-  s.arena.reserve(32 * (uint64_t)count);
-  s.root_arena.reserve(16 * (uint64_t)count);
+  s.root_arena.reserve(8 * (uint64_t)count);
   s.merged.resize(2 * (kAncestryCap + 1));
   s.next.resize(2 * (kAncestryCap + 1));
-  // Each key's lists hang off a chain of dependent loads (its cell's adjacency, its parents'
-  // entries, their lists), all at random: prefetched in stages, 16, 8, 4 and 2 keys ahead.
+  const GroupDag dag{s.read.data(), s.offsets.data(), s.members.data()};
+  // Each key's entries hang off a chain of dependent loads (its cell's adjacency, its parents'
+  // entries, their roots), all at random: prefetched in stages, 16, 8, 4 and 2 keys ahead.
   const uint32_t* const ord = order.data();
   const size_t nord = order.size();
   const auto members_of = [&](uint32_t c, auto&& f) {  // the key itself too: a harmless prefetch
@@ -104,57 +119,52 @@ void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t 
       });
     if (oi + 2 < nord)
       members_of(ord[oi + 2], [&](uint32_t p) {
-        if (s.lists[p].anc_len != kTooLarge) prefetch_line(s.arena.data() + s.lists[p].anc_at);
+        prefetch_line(s.root_arena.data() + s.lists[p].root_at);
       });
     const uint32_t c = ord[oi];
     const uint32_t k = t.pos(c);
-    // Parents: the other keys of the read cell. One parent p (the common case) needs no merge: k's
-    // list is p's with k inserted, and k's roots are p's (shared, not copied).
+    VerifyScratch::Lists& mine = s.lists[k];
     uint32_t parents = 0, parent = 0;
     for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1]; ++e)
       if (s.members[e] != k) {
         parent = s.members[e];
         ++parents;
       }
-    if (parents == 1) {
-      const uint32_t len = s.lists[parent].anc_len;
-      if (len == kTooLarge || len + 1 > kAncestryCap) continue;
-      const uint64_t start = s.arena.size();
-      // Room first: the list is copied from the arena into itself.
-      if (s.arena.capacity() < start + len + 1) s.arena.reserve(2 * (start + len + 1));
-      const uint32_t* a = s.arena.data() + s.lists[parent].anc_at;
-      const uint32_t at = (uint32_t)(std::lower_bound(a, a + len, k << 1) - a);
-      s.arena.insert(s.arena.end(), a, a + at);
-      s.arena.push_back(k << 1);
-      s.arena.insert(s.arena.end(), a + at, a + len);
-      s.lists[k].anc_at = start;
-      s.lists[k].anc_len = len + 1;
-      s.lists[k].root_at = s.lists[parent].root_at;
-      s.lists[k].root_len = s.lists[parent].root_len;
+    if (parents == 0) {
+      mine = {s.root_arena.size(), 1, 1};
+      s.root_arena.push_back(k);
       continue;
     }
+    if (parents == 1) {
+      const VerifyScratch::Lists& p = s.lists[parent];
+      if (p.anc_len != kTooLarge && p.anc_len + 1 <= kAncestryCap) mine = {p.root_at, p.anc_len + 1, p.root_len};
+      continue;
+    }
+    // Two parents or more: their roots merged; any duplicate means their ancestries meet.
+    // More roots than kAncestryCap: more keys too (the merge buffers hold 2 (kAncestryCap + 1)).
     uint32_t* merged = s.merged.data();
-    merged[0] = k << 1 | (parents == 0);  // a root's list is itself
-    uint32_t n = 1;
+    uint32_t n = 0, inputs = 0, size = 1;
     bool large = false;
     for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1] && !large; ++e) {
-      const uint32_t p = s.members[e];
-      if (p == k) continue;
-      large = s.lists[p].anc_len == kTooLarge;
-      if (large) break;
-      n = merge_union(merged, n, s.arena.data() + s.lists[p].anc_at, s.lists[p].anc_len, s.next.data());
+      const uint32_t q = s.members[e];
+      if (q == k) continue;
+      const VerifyScratch::Lists& p = s.lists[q];
+      if ((large = p.anc_len == kTooLarge)) break;
+      size += p.anc_len;
+      inputs += p.root_len;
+      n = merge_union(merged, n, s.root_arena.data() + p.root_at, p.root_len, s.next.data());
       s.merged.swap(s.next);
       merged = s.merged.data();
       large = n > kAncestryCap;
     }
     if (large) continue;
-    s.lists[k].anc_at = s.arena.size();
-    s.lists[k].anc_len = n;
-    s.arena.insert(s.arena.end(), merged, merged + n);
-    s.lists[k].root_at = s.root_arena.size();
-    for (uint32_t i = 0; i < n; ++i)
-      if (merged[i] & 1u) s.root_arena.push_back(merged[i]);
-    s.lists[k].root_len = (uint32_t)(s.root_arena.size() - s.lists[k].root_at);
+    if (n < inputs) {  // shared ancestors: the sum counts some twice; the union's size by a walk
+      if (walk_ancestry(dag, k, s.walk, (const AncestrySet*)nullptr) != kAncestryDisjoint) continue;
+      size = s.walk.size;
+    }
+    if (size > kAncestryCap) continue;
+    mine = {s.root_arena.size(), size, n};
+    s.root_arena.insert(s.root_arena.end(), merged, merged + n);
   }
 }
 
@@ -191,10 +201,19 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
     // Prefetched in stages as the forward pass: the read cell's state, then its other cells' states
     // and adjacency, then their keys' list entries.
     if (i >= 16) t.prefetch(ord[i - 16]);
-    if (i >= 8)
+    if (i >= 8) {
+      const uint32_t p = t.pos(ord[i - 8]);
+      prefetch_line(&key_err[p]);
+      prefetch_line(&s.lists[p]);
       other_cells(ord[i - 8], [&](uint64_t d) {
         t.prefetch(d);
         prefetch_line(&s.offsets[d]);
+      });
+    }
+    if (i >= 6)
+      other_cells(ord[i - 6], [&](uint64_t d) {
+        prefetch_line(&s.members[s.offsets[d]]);
+        prefetch_line(&s.kver[std::min(t.pos(d), count - 1)]);  // a reader's G (a stale pos elsewhere)
       });
     if (i >= 4)
       other_cells(ord[i - 4], [&](uint64_t d) {

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: everything the CUDA backend needs checked and measured there.
 #
-#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench1m bench5
-#                                               bench5b bench5m sanitize thcsanitize topksanitize, or several
+#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench1m bench1v
+#                                               bench5 bench5b bench5m sanitize thcsanitize topksanitize, or several
 #                                               joined by '+' (run at the same time, e.g. test+sanitize: for
 #                                               checks, never for timings); default: the whole issue-#22 run,
 #                                               build topkbench thcbench bench1 bench1m bench5b bench5m
@@ -23,6 +23,7 @@
 #   bench1    python -m lossless_hc.bench codec --device cuda --numel 134217728 --density 0.01 --workers 8
 #             (index auto: bitmap there); bench1b with --index bitmap, bench1m with --index multilevel
 #   bench5, bench5b, bench5m  the same at density 0.05 (auto sends 5% of 8 ranks dense)
+#   bench1v   bench1b decoding with verify=True (lhc_verify_values' ancestry walks)
 #   sanitize  compute-sanitizer memcheck (and racecheck) on the fuzzing and overflow tests
 #   thcsanitize, topksanitize  the same on THC's and top-k's CUDA tests
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
@@ -56,10 +57,11 @@ SKIP_HINT='bash scripts/gpu_session.sh $name'
 # shellcheck source=scripts/_session_step.sh
 source scripts/_session_step.sh   # the working directory is the repository root (cd above)
 
-bench() {
-  local density=$1 index=$2
-  step "bench density $density index $index" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
-    --numel 134217728 --density "$density" --workers 8 --index "$index" --json "$OUT/bench-$density-$index.json"
+bench() {  # density index [--verify]
+  local density=$1 index=$2 verify=${3:-}
+  step "bench density $density index $index $verify" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
+    --numel 134217728 --density "$density" --workers 8 --index "$index" $verify \
+    --json "$OUT/bench-$density-$index${verify:+-verify}.json"
 }
 
 # One step; returns non-zero when it (or one of its commands) failed. FAILED is local here, so a step
@@ -122,6 +124,7 @@ run_step() {
     bench5) bench 0.05 auto ;;
     bench5b) bench 0.05 bitmap ;;
     bench1m) bench 0.01 multilevel ;;
+    bench1v) bench 0.01 bitmap --verify ;;
     bench5m) bench 0.05 multilevel ;;
     *) echo "unknown step $1 (see the header of scripts/gpu_session.sh)" | tee -a "$SUMMARY"; FAILED=1 ;;
   esac

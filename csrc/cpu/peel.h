@@ -404,12 +404,13 @@ bool value_peel_batch8(PeelCells t, const uint32_t* entries, const ValueBatchOut
 // F(k) = G(k) - E(k) prove every value within rtol (lhc::verification_bound). verify.cpp.
 struct VerifyScratch {
   // A key's ancestry: its size (kTooLarge: over kAncestryCap keys) and its roots, where in root_arena
-  // and how many.
-  struct Lists {
-    uint64_t root_at;
-    uint32_t anc_len, root_len;
+  // and how many (at most kAncestryCap roots per key, so root_at < 2^32 for any group).
+  struct Ancestry {
+    uint32_t root_at;
+    uint16_t size, roots;
+    static constexpr uint16_t kTooLarge = 0xffff;  // > kAncestryCap
   };
-  std::vector<Lists> lists;
+  std::vector<Ancestry> ancestry;
   std::vector<uint32_t> kc, offsets, cursor, members, read, root_arena, merged, next;
   std::vector<double> kver;
   AncestrySet walk;  // the few ancestries that are walked

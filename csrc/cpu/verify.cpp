@@ -14,7 +14,8 @@ namespace detail {
 namespace {
 
 constexpr uint32_t kNoCell = std::numeric_limits<uint32_t>::max();
-constexpr uint32_t kTooLarge = std::numeric_limits<uint32_t>::max();  // an ancestry over kAncestryCap
+using Ancestry = VerifyScratch::Ancestry;
+constexpr uint16_t kTooLarge = Ancestry::kTooLarge;
 
 // Whether two sorted lists share an element: a merge whose steps are branch-free (which list
 // advances is a coin flip to a branch predictor), or binary searches of the shorter list's elements
@@ -82,8 +83,8 @@ struct GroupDag {
   uint32_t member(uint64_t e) const { return members[e]; }
 };
 
-// Every peeled key's ancestry size (anc_len, kTooLarge above kAncestryCap keys) and its roots as a
-// sorted list (root_at, root_len into s.root_arena), in peel order: the same sets as lhc_ancestry.h's
+// Every peeled key's ancestry size (kTooLarge above kAncestryCap keys) and its roots as a sorted
+// list (root_at, roots into s.root_arena), in peel order: the same sets as lhc_ancestry.h's
 // walks (the CUDA kernel's). The tests need the roots alone: two ancestries meet exactly when their
 // roots (keys without parents, the peel's first layer) do, as a common ancestor's roots are common to
 // both. So the ancestry itself is never listed: a key's roots are the union of its parents' (the other
@@ -92,7 +93,7 @@ struct GroupDag {
 // two parents or more; for those the ancestry is walked (lhc::walk_ancestry, capped). One parent p
 // (the common case) shares p's roots. A solved pair's keys keep kTooLarge.
 void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t count, VerifyScratch& s) {
-  s.lists.assign(count, VerifyScratch::Lists{0, kTooLarge, 0});
+  s.ancestry.assign(count, Ancestry{0, kTooLarge, 0});
   s.read.assign(count, kNoCell);
   for (const uint32_t c : order) s.read[t.pos(c)] = c;
   s.root_arena.clear();
@@ -115,15 +116,15 @@ void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t 
     if (oi + 8 < nord) prefetch_line(&s.members[s.offsets[ord[oi + 8]]]);
     if (oi + 4 < nord)
       members_of(ord[oi + 4], [&](uint32_t p) {
-        prefetch_line(&s.lists[p]);
+        prefetch_line(&s.ancestry[p]);
       });
     if (oi + 2 < nord)
       members_of(ord[oi + 2], [&](uint32_t p) {
-        prefetch_line(s.root_arena.data() + s.lists[p].root_at);
+        prefetch_line(s.root_arena.data() + s.ancestry[p].root_at);
       });
     const uint32_t c = ord[oi];
     const uint32_t k = t.pos(c);
-    VerifyScratch::Lists& mine = s.lists[k];
+    Ancestry& mine = s.ancestry[k];
     uint32_t parents = 0, parent = 0;
     for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1]; ++e)
       if (s.members[e] != k) {
@@ -131,13 +132,13 @@ void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t 
         ++parents;
       }
     if (parents == 0) {
-      mine = {s.root_arena.size(), 1, 1};
+      mine = {(uint32_t)s.root_arena.size(), 1, 1};
       s.root_arena.push_back(k);
       continue;
     }
     if (parents == 1) {
-      const VerifyScratch::Lists& p = s.lists[parent];
-      if (p.anc_len != kTooLarge && p.anc_len + 1 <= kAncestryCap) mine = {p.root_at, p.anc_len + 1, p.root_len};
+      const Ancestry& p = s.ancestry[parent];
+      if (p.size != kTooLarge && p.size + 1u <= kAncestryCap) mine = {p.root_at, (uint16_t)(p.size + 1), p.roots};
       continue;
     }
     // Two parents or more: their roots merged; any duplicate means their ancestries meet.
@@ -148,11 +149,11 @@ void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t 
     for (uint32_t e = s.offsets[c]; e < s.offsets[c + 1] && !large; ++e) {
       const uint32_t q = s.members[e];
       if (q == k) continue;
-      const VerifyScratch::Lists& p = s.lists[q];
-      if ((large = p.anc_len == kTooLarge)) break;
-      size += p.anc_len;
-      inputs += p.root_len;
-      n = merge_union(merged, n, s.root_arena.data() + p.root_at, p.root_len, s.next.data());
+      const Ancestry& p = s.ancestry[q];
+      if ((large = p.size == kTooLarge)) break;
+      size += p.size;
+      inputs += p.roots;
+      n = merge_union(merged, n, s.root_arena.data() + p.root_at, p.roots, s.next.data());
       s.merged.swap(s.next);
       merged = s.merged.data();
       large = n > kAncestryCap;
@@ -163,7 +164,7 @@ void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t 
       size = s.walk.size;
     }
     if (size > kAncestryCap) continue;
-    mine = {s.root_arena.size(), size, n};
+    mine = {(uint32_t)s.root_arena.size(), (uint16_t)size, (uint16_t)n};
     s.root_arena.insert(s.root_arena.end(), merged, merged + n);
   }
 }
@@ -182,9 +183,9 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
     for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) {
       const uint32_t i = s.members[e];
       if (i == k || i == reader) continue;
-      if (s.lists[k].anc_len == kTooLarge || s.lists[i].anc_len == kTooLarge) return false;
-      const VerifyScratch::Lists &lk = s.lists[k], &li = s.lists[i];
-      if (meet(s.root_arena.data() + lk.root_at, lk.root_len, s.root_arena.data() + li.root_at, li.root_len)) return false;
+      const Ancestry &ak = s.ancestry[k], &ai = s.ancestry[i];
+      if (ak.size == kTooLarge || ai.size == kTooLarge) return false;
+      if (meet(s.root_arena.data() + ak.root_at, ak.roots, s.root_arena.data() + ai.root_at, ai.roots)) return false;
     }
     return true;
   };
@@ -204,7 +205,7 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
     if (i >= 8) {
       const uint32_t p = t.pos(ord[i - 8]);
       prefetch_line(&key_err[p]);
-      prefetch_line(&s.lists[p]);
+      prefetch_line(&s.ancestry[p]);
       other_cells(ord[i - 8], [&](uint64_t d) {
         t.prefetch(d);
         prefetch_line(&s.offsets[d]);
@@ -217,12 +218,12 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
       });
     if (i >= 4)
       other_cells(ord[i - 4], [&](uint64_t d) {
-        for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) prefetch_line(&s.lists[s.members[e]]);
+        for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) prefetch_line(&s.ancestry[s.members[e]]);
       });
     if (i >= 2)
       other_cells(ord[i - 2], [&](uint64_t d) {
         for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e)
-          prefetch_line(s.root_arena.data() + s.lists[s.members[e]].root_at);
+          prefetch_line(s.root_arena.data() + s.ancestry[s.members[e]].root_at);
       });
     const uint64_t c = order[i];
     const uint32_t pos = t.pos(c);

@@ -412,6 +412,7 @@ struct VerifyScratch {
   };
   std::vector<Ancestry> ancestry;
   std::vector<uint32_t> kc, offsets, cursor, members, read, root_arena, merged, next;
+  std::vector<uint8_t> unsound;  // bit j: the key's cell in segment j cannot verify it
   std::vector<double> kver;
   AncestrySet walk;  // the few ancestries that are walked
   VerifyScratch() { walk.init(); }

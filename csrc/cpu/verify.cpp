@@ -169,6 +169,43 @@ void build_ancestries(PeelCells t, const std::vector<uint32_t>& order, uint32_t 
   }
 }
 
+// s.unsound[k] bit j: k's cell in segment j holds another key, neither k nor the cell's reader, whose
+// ancestry meets k's (or either ancestry is over kAncestryCap keys), so that cell cannot verify k
+// (lhc::verifies_soundly). Cell by cell: a pair of keys tested once answers for both, the adjacency
+// is read in order and a group's ancestry entries stay in cache; the roots are prefetched ahead.
+void mark_unsound_cells(PeelCells t, VerifyScratch& s) {
+  const uint64_t cells = t.cells();
+  s.unsound.assign(s.ancestry.size(), 0);
+  const uint32_t *const off = s.offsets.data(), *const mem = s.members.data();
+  const Ancestry* const anc = s.ancestry.data();
+  const uint32_t* const roots = s.root_arena.data();
+  constexpr uint64_t kAhead = 16;
+  for (uint64_t c = 0; c < cells; ++c) {
+    if (c + 2 * kAhead < cells)
+      for (uint32_t e = off[c + 2 * kAhead]; e < off[c + 2 * kAhead + 1]; ++e) prefetch_line(&anc[mem[e]]);
+    if (c + kAhead < cells && off[c + kAhead + 1] - off[c + kAhead] > 1)
+      for (uint32_t e = off[c + kAhead]; e < off[c + kAhead + 1]; ++e) prefetch_line(roots + anc[mem[e]].root_at);
+    const uint32_t b = off[c], end = off[c + 1];
+    if (end - b < 2) continue;  // no pair
+    const uint32_t reader = t.acc(c) == PeelCells::kReadCell ? t.pos(c) : kNoCell;
+    const uint8_t bit = (uint8_t)(1u << t.segment(c));
+    for (uint32_t x = b; x < end; ++x) {
+      const uint32_t k = mem[x];
+      if (k == reader) continue;
+      for (uint32_t y = x + 1; y < end; ++y) {
+        const uint32_t i = mem[y];
+        if (i == reader) continue;
+        const Ancestry &ak = anc[k], &ai = anc[i];
+        if (ak.size == kTooLarge || ai.size == kTooLarge ||
+            meet(roots + ak.root_at, ak.roots, roots + ai.root_at, ai.roots)) {
+          s.unsound[k] |= bit;
+          s.unsound[i] |= bit;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys, uint32_t count, uint64_t block,
@@ -176,20 +213,9 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
                   std::vector<uint32_t>& inexact) {
   build_cell_members(t, table, keys, count, s);
   build_ancestries(t, order, count, s);
+  mark_unsound_cells(t, s);
   const uint32_t* const ord = order.data();
   const size_t nord = order.size();
-  // Cell d verifies k soundly: none of its keys other than k and its reader shares an ancestor with k.
-  const auto sound = [&](uint32_t k, uint64_t d, uint32_t reader) {
-    for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) {
-      const uint32_t i = s.members[e];
-      if (i == k || i == reader) continue;
-      const Ancestry &ak = s.ancestry[k], &ai = s.ancestry[i];
-      if (ak.size == kTooLarge || ai.size == kTooLarge) return false;
-      if (meet(s.root_arena.data() + ak.root_at, ak.roots, s.root_arena.data() + ai.root_at, ai.roots)) return false;
-    }
-    return true;
-  };
-
   s.kver.resize(count);
   const double inf = std::numeric_limits<double>::infinity();
   // The other two cells of the key read from cell c (f(cell) for each).
@@ -199,58 +225,31 @@ void verify_group(PeelCells t, const SegmentedTable& table, const uint32_t* keys
       if (j != pure) f(t.cell(j, t.packed(c, j)));
   };
   for (size_t i = nord; i-- > 0;) {
-    // Prefetched in stages as the forward pass: the read cell's state, then its other cells' states
-    // and adjacency, then their keys' list entries.
+    // Prefetched in stages: the read cell's state, then the key's entries and its other cells'
+    // states, then the readers' G there.
     if (i >= 16) t.prefetch(ord[i - 16]);
     if (i >= 8) {
       const uint32_t p = t.pos(ord[i - 8]);
       prefetch_line(&key_err[p]);
-      prefetch_line(&s.ancestry[p]);
-      other_cells(ord[i - 8], [&](uint64_t d) {
-        t.prefetch(d);
-        prefetch_line(&s.offsets[d]);
-      });
+      prefetch_line(&s.unsound[p]);
+      other_cells(ord[i - 8], [&](uint64_t d) { t.prefetch(d); });
     }
-    if (i >= 6)
-      other_cells(ord[i - 6], [&](uint64_t d) {
-        prefetch_line(&s.members[s.offsets[d]]);
-        prefetch_line(&s.kver[std::min(t.pos(d), count - 1)]);  // a reader's G (a stale pos elsewhere)
-      });
     if (i >= 4)
       other_cells(ord[i - 4], [&](uint64_t d) {
-        for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e) prefetch_line(&s.ancestry[s.members[e]]);
-      });
-    if (i >= 2)
-      other_cells(ord[i - 2], [&](uint64_t d) {
-        for (uint32_t e = s.offsets[d]; e < s.offsets[d + 1]; ++e)
-          prefetch_line(s.root_arena.data() + s.ancestry[s.members[e]].root_at);
+        prefetch_line(&s.kver[std::min(t.pos(d), count - 1)]);  // a reader's G (a stale pos elsewhere)
       });
     const uint64_t c = order[i];
     const uint32_t pos = t.pos(c);
     const int pure = t.segment(c);
-    // The two other cells' bounds on k's error (V / |w|), the smaller tested first: G(k) is the
-    // least of those whose cell verifies k soundly, so a sound smaller one settles it.
-    double v[2];
-    uint64_t d[2];
-    uint32_t reader[2];
-    for (int j = 0, o = 0; j < 3; ++j) {
-      if (j == pure) continue;
-      const uint32_t e = t.packed(c, j);
-      d[o] = t.cell(j, e);
-      const double a = t.acc(d[o]);
-      const bool read = a == PeelCells::kReadCell;
-      reader[o] = read ? t.pos(d[o]) : kNoCell;
-      v[o] = (a >= 0.0 ? a : read ? s.kver[reader[o]] : inf) * std::fabs(PeelCells::inverse_weight(e));
-      ++o;
-    }
-    const int first = v[1] < v[0];
+    // The least bound (V / |w|) of its two other cells that verify it soundly.
     double gk = inf;
-    for (const int o : {first, 1 - first}) {
-      if (!(v[o] < gk)) continue;
-      if (sound(pos, d[o], reader[o])) {
-        gk = v[o];
-        break;
-      }
+    for (int j = 0; j < 3; ++j) {
+      if (j == pure || (s.unsound[pos] >> j & 1)) continue;
+      const uint32_t e = t.packed(c, j);
+      const uint64_t d = t.cell(j, e);
+      const double a = t.acc(d);
+      const double v = a >= 0.0 ? a : a == PeelCells::kReadCell ? s.kver[t.pos(d)] : inf;
+      gk = std::min(gk, v * std::fabs(PeelCells::inverse_weight(e)));
     }
     const double w = PeelCells::inverse_weight(t.packed(c, pure));  // 1 / w_c(k)
     s.kver[pos] = gk / std::fabs(w);

@@ -59,7 +59,7 @@ source scripts/_session_step.sh   # the working directory is the repository root
 
 bench() {  # density index [--verify]
   local density=$1 index=$2 verify=${3:-}
-  step "bench density $density index $index $verify" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
+  step "bench density $density index $index${verify:+ $verify}" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
     --numel 134217728 --density "$density" --workers 8 --index "$index" $verify \
     --json "$OUT/bench-$density-$index${verify:+-verify}.json"
 }

@@ -445,8 +445,8 @@ def test_emulated_verify_uses_only_sound_cells(emulated, group, case):
     fuzz aggregates where a corrupted word reaches a cell checking a key along two peel paths
     (tests/test_fuzz.py), and on a plain 8-rank sum of ~15,000 keys decoded with verify (a few
     ancestries there exceed lhc::kAncestryCap), CUDA (which walks ancestries) lists the same inexact
-    keys as the CPU (which merges them into lists), with the same bits; the fuzz cases' wrong keys
-    among them."""
+    keys as the CPU (which keeps each ancestry's roots and size, walking only where its parents'
+    roots meet), with the same bits; the fuzz cases' wrong keys among them."""
     from lossless_hc.fuzz import outside_contract, truth
     from test_fuzz import corrupted_case
     g, cpu, p = corrupted_case(14, group, case)

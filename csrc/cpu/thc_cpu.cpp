@@ -76,22 +76,29 @@ struct ThcDecodeArgs {
   uint64_t* check_partial;
 };
 
+// The ISA copies' transposition (thc_cpu_isa.h): dst[c * dst_ld + r] = src[r * src_ld + c].
+using TransposeFn = void (*)(const float*, uint64_t, uint64_t, uint64_t, float*, uint64_t);
+
 // The interleave of `blocks` consecutive blocks from block `first` on (thc_interleave, restricted to
 // them): xin[j * stride + r] = src[r * nb + first + j], zero past src_numel. A chunk of groups is
-// gathered at once (kGatherGroups), so a row's columns span whole cache lines; the rows are prefetched
-// ahead (their stride defeats the hardware prefetcher). The padded stride keeps the blocks' rows out
-// of one cache set.
-inline void gather_columns(const float* src, uint64_t src_numel, uint64_t nb, uint64_t first, uint64_t blocks,
-                           uint64_t block, float* xin, uint64_t stride) {
-  constexpr uint64_t kAhead = 16;
-  for (uint64_t r = 0; r < block; ++r) {
+// gathered at once (kGatherGroups), so a row's columns span whole cache lines; eight rows at a time go
+// through the vector transposition, and the rows are prefetched ahead (their stride defeats the
+// hardware prefetcher). The padded stride keeps the blocks' rows out of one cache set.
+inline void gather_columns(TransposeFn transpose, const float* src, uint64_t src_numel, uint64_t nb, uint64_t first,
+                           uint64_t blocks, uint64_t block, float* xin, uint64_t stride) {
+  constexpr uint64_t kBand = 8, kAhead = 16;
+  // Rows r < full hold all of their columns [first, first + blocks): r * nb + first + blocks <= src_numel.
+  const uint64_t full =
+      src_numel >= first + blocks ? std::min<uint64_t>(block, (src_numel - first - blocks) / nb + 1) : 0;
+  for (uint64_t r = 0; r < full; r += kBand) {
+    const uint64_t rows = std::min(kBand, full - r);
+    for (uint64_t p = r + kAhead; p < std::min(full, r + kAhead + rows); ++p)
+      for (uint64_t c = 0; c < blocks; c += 16) __builtin_prefetch(src + p * nb + first + c, 0, 1);
+    transpose(src + r * nb + first, rows, blocks, nb, xin + r, stride);
+  }
+  for (uint64_t r = full; r < block; ++r) {
     const uint64_t base = r * nb + first;
-    if (base + kAhead * nb < src_numel) __builtin_prefetch(src + base + kAhead * nb, 0, 1);
-    if (base + blocks <= src_numel) {
-      for (uint64_t j = 0; j < blocks; ++j) xin[j * stride + r] = src[base + j];
-    } else {
-      for (uint64_t j = 0; j < blocks; ++j) xin[j * stride + r] = base + j < src_numel ? src[base + j] : 0.0f;
-    }
+    for (uint64_t j = 0; j < blocks; ++j) xin[j * stride + r] = base + j < src_numel ? src[base + j] : 0.0f;
   }
 }
 // Groups whose columns are read (encode) or written (decode) together: rows of 48 and 192 floats for
@@ -99,16 +106,16 @@ inline void gather_columns(const float* src, uint64_t src_numel, uint64_t nb, ui
 // 30,000 x 256, one thread; docs/BENCHMARKS.md).
 constexpr uint64_t kGatherGroups = 16, kScatterGroups = 64;
 
-// Its inverse for decoded blocks: dst[r * nb + first + j] = y[j * stride + r] below dst_numel.
-inline void scatter_columns(const float* y, uint64_t stride, uint64_t blocks, uint64_t block, uint64_t nb,
-                            uint64_t first, float* dst, uint64_t dst_numel) {
-  for (uint64_t r = 0; r < block; ++r) {
+// Its inverse for decoded blocks: dst[r * nb + first + j] = y[j * stride + r] below dst_numel; the rows
+// that lie wholly below it through the vector transposition.
+inline void scatter_columns(TransposeFn transpose, const float* y, uint64_t stride, uint64_t blocks, uint64_t block,
+                            uint64_t nb, uint64_t first, float* dst, uint64_t dst_numel) {
+  const uint64_t full =
+      dst_numel >= first + blocks ? std::min<uint64_t>(block, (dst_numel - first - blocks) / nb + 1) : 0;
+  transpose(y, blocks, full, stride, dst + first, nb);
+  for (uint64_t r = full; r < block; ++r) {
     const uint64_t base = r * nb + first;
-    if (base + blocks <= dst_numel) {
-      for (uint64_t j = 0; j < blocks; ++j) dst[base + j] = y[j * stride + r];
-    } else {
-      for (uint64_t j = 0; base + j < dst_numel && j < blocks; ++j) dst[base + j] = y[j * stride + r];
-    }
+    for (uint64_t j = 0; base + j < dst_numel && j < blocks; ++j) dst[base + j] = y[j * stride + r];
   }
 }
 
@@ -123,7 +130,7 @@ struct ThcKernels {
                            double, float*, double*);
   void (*encode_group)(const ThcGroupArgs&, uint64_t, ThcScratch&);
   uint64_t (*decode_group)(const ThcDecodeArgs&, uint64_t, ThcScratch&);
-  void (*transpose)(const float*, uint64_t, uint64_t, uint64_t, float*, uint64_t);
+  TransposeFn transpose;
 };
 
 }  // namespace
@@ -456,7 +463,7 @@ ThcEncodeStats thc_encode(const ThcLayout& L, const ThcQuantizer* Q, const ThcCh
     for_each_group(
         L, chunk, S, [&](uint64_t gi, ThcScratch& view) { K.encode_group(A, gi, view); },
         [&](uint64_t b0, uint64_t blocks) {
-          gather_columns(x, x_numel, nb, b0, blocks, L.block, S.xin.data(), S.view.xin_stride);
+          gather_columns(K.transpose, x, x_numel, nb, b0, blocks, L.block, S.xin.data(), S.view.xin_stride);
         },
         [](uint64_t, uint64_t) {});
   }
@@ -500,7 +507,7 @@ ThcDecodeStats thc_decode(const ThcLayout& L, const ThcCheck& check, uint64_t si
         L, chunk, S, [&](uint64_t gi, ThcScratch& view) { bad += K.decode_group(A, gi, view); },
         [](uint64_t, uint64_t) {},
         [&](uint64_t b0, uint64_t blocks) {
-          scatter_columns(S.xin.data(), S.view.xin_stride, blocks, L.block, nb, b0, out, out_numel);
+          scatter_columns(K.transpose, S.xin.data(), S.view.xin_stride, blocks, L.block, nb, b0, out, out_numel);
         });
 #if LHC_THC_X86_LEVELS
     _mm_sfence();   // the output's non-temporal stores are visible before the caller reads it

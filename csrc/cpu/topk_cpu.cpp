@@ -142,44 +142,49 @@ void exact_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int nt, 
   st->fallback = 1;
 }
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef int64_t vl8 __attribute__((vector_size(64)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int64_t vl4 __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
 
-typedef float vf16 __attribute__((vector_size(64)));
-
-// Every coordinate of [lo, hi) whose key is >= t_lo, 16 at a time (one vector test; keys are below
-// 2^31, so signed lanes compare them), appended to c; *next is where the 16-wide loop stopped. False
-// as soon as c holds more than cap. With e (error feedback), the keys are those of a = x + e, and
-// a is written into e on the way (the whole range, even past an overflow of cap). Compiled per x86-64
-// level (a wide compare is what makes the pass run at memory speed); called from inside the parallel
-// region, whose outlined body has no clones.
+// Every coordinate of [lo, hi) whose key is >= t_lo (> 0), 16 at a time as two 8-lane vector tests
+// (keys are below 2^31, so signed lanes compare them; 8 lanes, as GCC turns a 16-lane compare into
+// scalar ones where the target has no 512-bit registers), appended to c; *next is where the 16-wide
+// loop stopped. False as soon as c holds more than cap. With e (error feedback), the keys are those of
+// a = x + e, and a is written into e on the way (the whole range, even past an overflow of cap).
+// Compiled per x86-64 level (a wide compare is what makes the pass run at memory speed); called from
+// inside the parallel region, whose outlined body has no clones.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 bool collect16(const float* x, float* e, uint64_t lo, uint64_t hi, uint32_t t_lo, uint64_t cap, Candidates& c,
                uint64_t* next) {
-  const vi16 mask = 0x7fffffff - vi16{}, low = (int32_t)t_lo - vi16{};
+  // key >= t_lo as key > t_lo - 1: a greater-than is one instruction on every level (SSE2 has no >=).
+  const vi8 mask = 0x7fffffff - vi8{}, above = (int32_t)(t_lo - 1) - vi8{};
   uint64_t i = lo;
   bool ok = true;
   for (; i + 16 <= hi; i += 16) {
-    vi16 v;
-    if (e) {
-      vf16 a, b;
-      std::memcpy(&a, x + i, 64);
-      std::memcpy(&b, e + i, 64);
-      a += b;   // one IEEE addition per lane, as topk_accumulate on the device
-      std::memcpy(e + i, &a, 64);
-      std::memcpy(&v, &a, 64);
-    } else {
-      std::memcpy(&v, x + i, 64);
+    vi8 v[2], hit[2];
+    for (int half = 0; half < 2; ++half) {
+      const uint64_t at = i + 8 * (uint64_t)half;
+      if (e) {
+        vf8 a, b;
+        std::memcpy(&a, x + at, 32);
+        std::memcpy(&b, e + at, 32);
+        a += b;   // one IEEE addition per lane, as topk_accumulate on the device
+        std::memcpy(e + at, &a, 32);
+        std::memcpy(&v[half], &a, 32);
+      } else {
+        std::memcpy(&v[half], x + at, 32);
+      }
+      v[half] &= mask;
+      hit[half] = v[half] > above;
     }
-    v &= mask;
-    const vi16 hit = v >= low;
-    vl8 h;
-    std::memcpy(&h, &hit, 64);
-    if (!(h[0] | h[1] | h[2] | h[3] | h[4] | h[5] | h[6] | h[7])) continue;
+    const vi8 any = hit[0] | hit[1];
+    vl4 h;
+    std::memcpy(&h, &any, 32);
+    if (!(h[0] | h[1] | h[2] | h[3])) continue;
     for (int j = 0; j < 16; ++j)
-      if (hit[j]) {
+      if (hit[j >> 3][j & 7]) {
         c.idx.push_back((int64_t)(i + j));
-        c.key.push_back((uint32_t)v[j]);
+        c.key.push_back((uint32_t)v[j >> 3][j & 7]);
       }
     if (c.idx.size() > cap) {
       ok = false;

@@ -282,6 +282,61 @@ void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::v
   }
 }
 
+// Fine level l of the multilevel index: each non-zero node's pattern (base^digit for each child
+// holding a non-zero key; wpg words) added to its three cells with the cells' signs, accumulated in
+// int64 and converted once (integer sums: bit-identical to the reference, in any order). A node's
+// cells are hashed and prefetched when its pattern is complete, and it is added kAhead nodes later
+// (a small ring of pending nodes): the table is several MiB and its cells are random, so adding at
+// once waited on a miss per cell.
+void write_fine_level(const CodecLayout& L, uint32_t l, const KeyParts& keys, float* fine, int nt) {
+  const uint64_t base = L.index.base, wpg = L.fine_words[l], w = L.fine_digits[l], fcells = L.fine[l].cells();
+  std::vector<uint64_t> dpow(w, 1);
+  for (uint64_t j = 1; j < w; ++j) dpow[j] = dpow[j - 1] * base;
+  std::vector<int64_t> acc(fcells * wpg, 0);
+  struct Pending {
+    uint64_t cell[3];
+    int sign[3];  // +-1: fine tables are signed, never weighted
+  };
+  constexpr size_t kAhead = 16;
+  Pending ring[kAhead];
+  std::vector<uint64_t> ring_pattern(kAhead * wpg, 0), pattern(wpg, 0);
+  size_t head = 0, pending = 0;
+  auto add_oldest = [&]() {
+    const Pending& p = ring[head];
+    const uint64_t* pat = &ring_pattern[head * wpg];
+    for (int j = 0; j < 3; ++j)
+      for (uint64_t q = 0; q < wpg; ++q) acc[p.cell[j] * wpg + q] += p.sign[j] * (int64_t)pat[q];
+    head = (head + 1) % kAhead;
+    --pending;
+  };
+  uint64_t cur = ~0ULL, last_child = ~0ULL;
+  auto finish_node = [&]() {
+    if (cur == ~0ULL) return;
+    if (pending == kAhead) add_oldest();
+    const size_t slot = (head + pending++) % kAhead;
+    key_cells(L.fine[l], cur, ring[slot].cell, ring[slot].sign);
+    for (int j = 0; j < 3; ++j) __builtin_prefetch(&acc[ring[slot].cell[j] * wpg], 1, 3);
+    std::copy(pattern.begin(), pattern.end(), ring_pattern.begin() + slot * wpg);
+    std::fill(pattern.begin(), pattern.end(), 0);
+  };
+  for (const auto& part : keys.parts)
+    for (uint64_t k : part) {
+      const uint64_t v = ml_node(L, l, k);
+      if (v != cur) {
+        finish_node();
+        cur = v;
+        last_child = ~0ULL;
+      }
+      const uint64_t c = ml_child(L, l, k);
+      if (c != last_child) pattern[c / w] += dpow[c % w];  // keys are increasing: a child's keys are adjacent
+      last_child = c;
+    }
+  finish_node();
+  while (pending) add_oldest();
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int64_t i = 0; i < (int64_t)(fcells * wpg); ++i) fine[i] = (float)acc[i];
+}
+
 }  // namespace
 
 EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num_threads) {
@@ -330,10 +385,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
     }
     st.saturated = saturated;
   } else if (L.index_kind == kIndexMultilevel) {
-    // Coarse digit 1 per non-zero node of fine level 0. Per fine level, each non-zero node's pattern
-    // (base^digit for each child holding a non-zero key) added to its three cells with the cells'
-    // signs. Integer accumulation, converted once: bit-identical to the reference.
-    const uint64_t base = L.index.base;
+    // Coarse digit 1 per non-zero node of fine level 0; then each fine level (write_fine_level).
     uint64_t last = ~0ULL;
     for (const auto& part : keys.parts)
       for (uint64_t k : part) {
@@ -341,38 +393,7 @@ EncodeStats encode(const CodecLayout& L, const float* x, float* payload, int num
         if (v != last) index[v / L.index.per_word] += pw[v % L.index.per_word];
         last = v;
       }
-    for (uint32_t l = 0; l < L.fine_levels; ++l) {
-      const uint64_t wpg = L.fine_words[l], w = L.fine_digits[l], fcells = L.fine[l].cells();
-      std::vector<int64_t> acc(fcells * wpg, 0);
-      std::vector<uint64_t> pattern(wpg, 0), dpow(w, 1);
-      for (uint64_t j = 1; j < w; ++j) dpow[j] = dpow[j - 1] * base;
-      uint64_t cur = ~0ULL, last_child = ~0ULL;
-      auto flush = [&]() {
-        if (cur == ~0ULL) return;
-        uint64_t cell[3];
-        int sign[3];  // +-1: fine tables are signed, never weighted
-        key_cells(L.fine[l], cur, cell, sign);
-        for (int j = 0; j < 3; ++j)
-          for (uint64_t i = 0; i < wpg; ++i) acc[cell[j] * wpg + i] += sign[j] * (int64_t)pattern[i];
-        std::fill(pattern.begin(), pattern.end(), 0);
-      };
-      for (const auto& part : keys.parts)
-        for (uint64_t k : part) {
-          const uint64_t v = ml_node(L, l, k);
-          if (v != cur) {
-            flush();
-            cur = v;
-            last_child = ~0ULL;
-          }
-          const uint64_t c = ml_child(L, l, k);
-          if (c != last_child) pattern[c / w] += dpow[c % w];  // keys are increasing: a child's keys are adjacent
-          last_child = c;
-        }
-      flush();
-      float* fine = payload + L.fine_offset[l];
-#pragma omp parallel for num_threads(nt) schedule(static)
-      for (int64_t i = 0; i < (int64_t)(fcells * wpg); ++i) fine[i] = (float)acc[i];
-    }
+    for (uint32_t l = 0; l < L.fine_levels; ++l) write_fine_level(L, l, keys, payload + L.fine_offset[l], nt);
   }
 
   prof.mark("enc index");

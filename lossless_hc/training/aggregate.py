@@ -533,8 +533,12 @@ class TopKAggregator(TensorAggregator):
         # k largest |acc|, ties to the lower index, the same on every rank, thread count and device,
         # so the codec's capacity k is never exceeded), and the residual updated in place to acc with
         # those coordinates zeroed. The gradient itself is never written.
-        idx, values = backend_for(flat.device).topk_feedback(flat, self.residual, self.k)
-        sparse = torch.zeros_like(flat)
+        backend = backend_for(flat.device)
+        idx, values = backend.topk_feedback(flat, self.residual, self.k)
+        # A fresh dense output (the adapters keep it until the decode completes), zeroed in memory
+        # advised to huge pages: a third of torch.zeros_like's time on the CPU, whose page faults are
+        # most of it.
+        sparse = backend.empty(self.numel, flat.device).zero_()
         sparse[idx] = values
         return sparse.reshape(self.shape).to(self.dtype)
 

@@ -26,6 +26,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from lossless_hc.backends import backend_for
 from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
 
@@ -51,8 +52,14 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Me
     concatenation of the payloads, without a second copy of them."""
     specs = [agg.payload_spec() for agg in aggregators]
     wide = _message_dtype([dtype for _, dtype in specs])
-    device = tensors[0].device if len(tensors) else None
-    tensor = torch.empty(sum(numel for numel, _ in specs), dtype=wide, device=device)
+    total = sum(numel for numel, _ in specs)
+    if len(tensors):
+        # The backend's buffer: on the CPU advised to huge pages, so a message of ~100 MiB is not
+        # written through one page fault per 4 KiB (a quarter of the time at that size).
+        device = tensors[0].device
+        tensor = backend_for(device).empty(total, device, wide)
+    else:
+        tensor = torch.empty(0, dtype=wide)
     encoded, offset = [], 0
     for agg, t, (numel, dtype) in zip(aggregators, tensors, specs):
         piece = tensor[offset:offset + numel]

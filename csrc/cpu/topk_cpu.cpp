@@ -148,15 +148,16 @@ typedef float vf8 __attribute__((vector_size(32)));
 
 // Every coordinate of [lo, hi) whose key is >= t_lo (> 0), 16 at a time as two 8-lane vector tests
 // (keys are below 2^31, so signed lanes compare them; 8 lanes, as GCC turns a 16-lane compare into
-// scalar ones where the target has no 512-bit registers), appended to c; *next is where the 16-wide
-// loop stopped. False as soon as c holds more than cap. With e (error feedback), the keys are those of
-// a = x + e, and a is written into e on the way (the whole range, even past an overflow of cap).
-// Compiled per x86-64 level (a wide compare is what makes the pass run at memory speed); called from
-// inside the parallel region, whose outlined body has no clones.
+// scalar ones where the target has no 512-bit registers, and the baseline copy's 8-lane one too),
+// appended to c; *next is where the 16-wide loop stopped. False as soon as c holds more than cap.
+// With e (error feedback), the keys are those of a = x + e, and a is written into e on the way (the
+// whole range, even past an overflow of cap). Compiled per x86-64 level (a wide compare is what makes
+// the pass run at memory speed); called from inside the parallel region, whose outlined body has no
+// clones.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 bool collect16(const float* x, float* e, uint64_t lo, uint64_t hi, uint32_t t_lo, uint64_t cap, Candidates& c,
                uint64_t* next) {
-  // key >= t_lo as key > t_lo - 1: a greater-than is one instruction on every level (SSE2 has no >=).
+  // key >= t_lo as key > t_lo - 1: one vpcmpgtd with AVX2 (its >= takes a min and an equality).
   const vi8 mask = 0x7fffffff - vi8{}, above = (int32_t)(t_lo - 1) - vi8{};
   uint64_t i = lo;
   bool ok = true;

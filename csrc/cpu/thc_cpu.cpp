@@ -79,6 +79,12 @@ struct ThcDecodeArgs {
 // The ISA copies' transposition (thc_cpu_isa.h): dst[c * dst_ld + r] = src[r * src_ld + c].
 using TransposeFn = void (*)(const float*, uint64_t, uint64_t, uint64_t, float*, uint64_t);
 
+// The rows r < block of a chunk of columns [first, first + blocks) that lie wholly inside a tensor of
+// `numel` floats read as rows of nb: r * nb + first + blocks <= numel (they come first).
+inline uint64_t whole_rows(uint64_t numel, uint64_t nb, uint64_t first, uint64_t blocks, uint64_t block) {
+  return numel >= first + blocks ? std::min<uint64_t>(block, (numel - first - blocks) / nb + 1) : 0;
+}
+
 // The interleave of `blocks` consecutive blocks from block `first` on (thc_interleave, restricted to
 // them): xin[j * stride + r] = src[r * nb + first + j], zero past src_numel. A chunk of groups is
 // gathered at once (kGatherGroups), so a row's columns span whole cache lines; eight rows at a time go
@@ -87,9 +93,7 @@ using TransposeFn = void (*)(const float*, uint64_t, uint64_t, uint64_t, float*,
 inline void gather_columns(TransposeFn transpose, const float* src, uint64_t src_numel, uint64_t nb, uint64_t first,
                            uint64_t blocks, uint64_t block, float* xin, uint64_t stride) {
   constexpr uint64_t kBand = 8, kAhead = 16;
-  // Rows r < full hold all of their columns [first, first + blocks): r * nb + first + blocks <= src_numel.
-  const uint64_t full =
-      src_numel >= first + blocks ? std::min<uint64_t>(block, (src_numel - first - blocks) / nb + 1) : 0;
+  const uint64_t full = whole_rows(src_numel, nb, first, blocks, block);
   for (uint64_t r = 0; r < full; r += kBand) {
     const uint64_t rows = std::min(kBand, full - r);
     for (uint64_t p = r + kAhead; p < std::min(full, r + kAhead + rows); ++p)
@@ -110,8 +114,7 @@ constexpr uint64_t kGatherGroups = 16, kScatterGroups = 64;
 // that lie wholly below it through the vector transposition.
 inline void scatter_columns(TransposeFn transpose, const float* y, uint64_t stride, uint64_t blocks, uint64_t block,
                             uint64_t nb, uint64_t first, float* dst, uint64_t dst_numel) {
-  const uint64_t full =
-      dst_numel >= first + blocks ? std::min<uint64_t>(block, (dst_numel - first - blocks) / nb + 1) : 0;
+  const uint64_t full = whole_rows(dst_numel, nb, first, blocks, block);
   transpose(y, blocks, full, stride, dst + first, nb);
   for (uint64_t r = full; r < block; ++r) {
     const uint64_t base = r * nb + first;

@@ -429,7 +429,7 @@ def test_cuda_bench_runs_and_checks_itself():
 
 
 # -- the multilevel index ----------------------------------------------------------------------------
-# tests/test_cuda_multilevel_emulated.py runs the same checks on host threads at small sizes; these run
+# tests/test_cuda_multilevel_emulated.py runs the same checks on the host (emulated) at small sizes; these run
 # them on a GPU at realistic sizes, where the kernels' memory model and occupancy are real.
 
 # Small aggregates over capacity whose fine peel stalls: level 0 with fewer non-zero nodes than cells

@@ -1,12 +1,13 @@
-"""The CUDA kernels and their launch sequence, run on host threads (no GPU needed).
+"""The CUDA kernels and their launch sequence, run on the host (no GPU needed).
 
 tests/cuda_emulation/ builds csrc/cuda/codec_kernels.cuh with the host compiler against a small
-emulation of the CUDA builtins (every CUDA thread a std::thread; barriers, warp exchanges and
-atomics emulated), behind the launch interface of lossless_hc._C_cuda. lossless_hc/backends/cuda.py then
-runs its real launch sequence on CPU tensors through it. This checks the kernels' logic, the
-arguments and sizes of every launch, the ordered compactions, the round-based peeling and its
-determinism under real thread interleavings, and agreement with the CPU backend. It cannot check
-performance or a real GPU's memory model: tests/test_cuda.py does that on a GPU.
+emulation of the CUDA builtins (every CUDA thread a fiber, scheduled in a random order per launch;
+barriers, warp exchanges and atomics emulated), behind the launch interface of lossless_hc._C_cuda.
+lossless_hc/backends/cuda.py then runs its real launch sequence on CPU tensors through it. This checks
+the kernels' logic, the arguments and sizes of every launch, the ordered compactions, the round-based
+peeling and its determinism under varied orders of the threads' atomics and barrier passes, and
+agreement with the CPU backend. It cannot check performance, data races or a real GPU's memory model:
+tests/test_cuda.py (and compute-sanitizer, scripts/gpu_session.sh) do that on a GPU.
 """
 import os
 import shutil
@@ -61,7 +62,7 @@ def emulated(tmp_path_factory):
 
     class EmulatedLauncher:
         name = "emulated"
-        scan_threads = 64   # every emulated thread is an OS thread: keep the one-block scan small
+        scan_threads = 64   # the one-block scan on fewer threads than on a GPU (SCAN_THREADS)
 
         def launch(self, kernel, grid, block, args, stream, cooperative=False):
             module.launch(kernel, int(grid), int(block), [int(a) & ((1 << 64) - 1) for a in args], int(stream),
@@ -207,7 +208,7 @@ def test_emulated_decode_is_lossless_and_agrees_with_cpu(emulated, cfg, averaged
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
 def test_emulated_decode_is_bitwise_deterministic(emulated, index):
-    """Host threads interleave differently on every run: the output bits must not change."""
+    """The emulated threads interleave differently on every run: the output bits must not change."""
     cfg = dict(numel=4000, n=5, k=120, block=1, index=index)
     rng, xs = inputs(cfg, "emu-det", "wide")
     cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], 1, index)

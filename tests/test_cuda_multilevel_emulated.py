@@ -1,5 +1,5 @@
 """The multilevel index's CUDA kernels (csrc/cuda/codec_kernels.cuh, "multilevel index") and their
-launch sequence (lossless_hc/backends/cuda.py), run on host threads through tests/cuda_emulation (the fixture
+launch sequence (lossless_hc/backends/cuda.py), run on the host through tests/cuda_emulation (the fixture
 of tests/test_cuda_emulated.py): no GPU needed.
 
 What must hold, against the CPU backend on the same payload:
@@ -237,7 +237,7 @@ def test_support_overflow_reports_as_the_cpu(emulated):
 
 
 def test_decode_is_bitwise_deterministic(emulated):
-    """Host threads interleave differently on every run: outputs, traces and verdicts must not change
+    """The emulated threads interleave differently on every run: outputs, traces and verdicts must not change
     (also on the replay path)."""
     case = setup(numel=20000, n=2, k=30, block=1, shape=(1, 1, 1, 2), pattern="random")
     summed = helpers.sum_payloads(case.payloads, case.rng)

@@ -4,7 +4,7 @@ Marked ``gpu`` and skipped, visibly, where torch sees no CUDA device: run with `
 machine (scripts/gpu_session.sh, step ``test``). Tests taking ``backend`` run once per way of loading
 the kernels (``compiled``: lossless_hc._C_cuda; ``cupy``: NVRTC at run time).
 
-What must hold (tests/test_cuda_thc_emulated.py checks the same on host threads without a GPU):
+What must hold (tests/test_cuda_thc_emulated.py checks the same on the host without a GPU):
 * payloads (header, norm slots, packed levels), error memories and agreed norms: the CPU's bits;
 * decoded outputs: the CPU's bits as well (documented tolerance: equal within 1e-6 of the largest
   magnitude, asserted separately from the bitwise check so that a failure says which one broke);

@@ -1,12 +1,13 @@
 """THC's CUDA kernels (csrc/cuda/thc_kernels.cuh) and their launch sequence (lossless_hc/backends/cuda_thc.py),
-run on host threads: no GPU needed.
+run on the host: no GPU needed.
 
 The kernels are compiled with the host compiler against tests/cuda_emulation/cuda_emulation.h (every
-CUDA thread a std::thread, shared memory, barriers and atomics emulated), behind the launch interface
-of lossless_hc._C_cuda (the fixture of tests/test_cuda_emulated.py). A codec built for the CPU is then
-switched to the CUDA backend's layout (``to_emulated_cuda``), so THCCodec's real CUDA path -- encode,
-norm slot, non-finite handling, error feedback, decode -- runs on CPU tensors. Every test compares it
-with the CPU backend: payloads, norm slots, error memories and decoded outputs must be the same bits.
+CUDA thread a fiber, scheduled in a random order per launch; shared memory, barriers and atomics
+emulated), behind the launch interface of lossless_hc._C_cuda (the fixture of
+tests/test_cuda_emulated.py). A codec built for the CPU is then switched to the CUDA backend's layout
+(``to_emulated_cuda``), so THCCodec's real CUDA path -- encode, norm slot, non-finite handling, error
+feedback, decode -- runs on CPU tensors. Every test compares it with the CPU backend: payloads, norm
+slots, error memories and decoded outputs must be the same bits.
 
 What this cannot check: performance, and a real GPU's compiler (nvcc's contraction rules are pinned by
 the explicit intrinsics of csrc/thc_math.h; tests/test_cuda_thc.py checks the same equalities on a GPU).
@@ -329,7 +330,7 @@ def test_emulated_clipping_extremes_pack_like_cpu(emulated):  # noqa: F811
 
 
 def test_emulated_decode_and_encode_are_deterministic(emulated):  # noqa: F811
-    """Host threads interleave differently on every run (atomics, tree passes): same bits every time."""
+    """The emulated threads interleave differently on every run (atomics, tree passes): same bits."""
     n, numel = 3, 9000
     xs = normal_inputs(n, numel, 21)(0)
     outs = []

@@ -166,7 +166,7 @@ def test_feedback_rejects_bad_residuals():
         CPU.topk_feedback(x, x, 5)
 
 
-# -- the CUDA kernels on host threads ------------------------------------------------------------
+# -- the CUDA kernels on the host (emulated) ------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", [(3000, 30), (20_000, 1000), (7000, 6999), (4096, 1)])
 def test_emulated_cuda_equals_cpu(emulated, kind, n, k):  # noqa: F811

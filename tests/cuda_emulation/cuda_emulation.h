@@ -1,23 +1,31 @@
-// cuda_emulation.h -- just enough of the CUDA device builtins, in plain C++20 on host threads, to run
+// cuda_emulation.h -- just enough of the CUDA device builtins, in plain C++20 on the host, to run
 // csrc/cuda/codec_kernels.cuh on a machine without a GPU (tests/test_cuda_emulated.py).
 //
-// Each CUDA thread is a std::thread. Blocks of an ordinary launch run one after another (their
-// threads concurrently), so `__shared__` can be a function-level static; a cooperative launch runs
-// all blocks at once (its kernels use no shared memory). Warp intrinsics with a full mask exchange
-// values through a per-warp barrier; __activemask() reports only the calling lane, which is a legal
-// answer on real hardware too (threads may diverge), so warp-aggregated atomics degrade to one
-// atomic per thread. Atomics are GCC __atomic builtins on the raw memory.
+// Each CUDA thread of a launch is a fiber (its own stack, a ucontext) on the launching host thread. A
+// fiber runs until it reaches a synchronization point -- __syncthreads, a full-mask warp intrinsic,
+// __nanosleep, an atomic -- and the scheduler (emulated_kernels.cpp) then resumes a runnable fiber
+// picked at random, from a seed drawn per launch (LHC_CUDA_EMULATION_SEED fixes the sequence): the
+// order of the threads' atomics and of their passes through barriers varies from launch to launch, as
+// on a GPU, without the cost of an OS thread per CUDA thread. A barrier that some threads never reach
+// is reported as an error instead of a hang. Blocks of an ordinary launch run one after another (their
+// threads interleaved), so `__shared__` can be a function-level static; a cooperative launch runs all
+// blocks at once (its kernels use no shared memory). Warp intrinsics with a full mask exchange values
+// through a per-warp barrier; __activemask() reports only the calling lane, which is a legal answer on
+// real hardware too (threads may diverge), so warp-aggregated atomics degrade to one atomic per
+// thread. Atomics are GCC __atomic builtins on the raw memory.
 //
-// This checks the kernels' logic and the launch sequence (sizes, arguments, ordering, determinism);
-// it says nothing about performance, and memory-model subtleties of real GPUs are out of its reach.
+// This checks the kernels' logic and the launch sequence (sizes, arguments, ordering, determinism
+// under varied orders of the threads' synchronizing operations); it says nothing about performance,
+// and neither data races between two synchronization points (a fiber is never interrupted between
+// them) nor the memory-model subtleties of real GPUs are within its reach (compute-sanitizer's
+// racecheck on a GPU is: scripts/gpu_session.sh).
 #pragma once
 
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
+#include <vector>
 
 #define __global__
 #define __device__
@@ -32,27 +40,40 @@ struct uint4 {
   unsigned int x, y, z, w;
 };
 
+// The scheduler's side (emulated_kernels.cpp): the running fiber gives way to another runnable one
+// (emu_yield), or with probability 1/2 (emu_maybe_yield, before each atomic).
+void emu_yield();
+void emu_maybe_yield();
+
+// A barrier of `expected` fibers: the last to arrive makes the others runnable again.
+struct EmuBarrier {
+  explicit EmuBarrier(unsigned expected_) : expected(expected_) {}
+  void arrive_and_wait();  // emulated_kernels.cpp
+  unsigned expected, arrived = 0;
+  std::vector<void*> waiting;  // the fibers blocked in this phase
+};
+
 // Per-warp exchange for full-mask intrinsics.
 struct EmuWarp {
-  std::barrier<> sync{32};
+  EmuBarrier sync{32};
   uint64_t slot[32];
 };
 
 struct EmuThread {
   EmuDim thread_index, block_index, block_dim, grid_dim;
-  std::barrier<>* block_sync = nullptr;
+  EmuBarrier* block_sync = nullptr;
   EmuWarp* warp = nullptr;
 };
-extern thread_local EmuThread emu_thread;
+extern thread_local EmuThread* emu_thread;  // the running fiber's
 
-#define threadIdx (emu_thread.thread_index)
-#define blockIdx (emu_thread.block_index)
-#define blockDim (emu_thread.block_dim)
-#define gridDim (emu_thread.grid_dim)
+#define threadIdx (emu_thread->thread_index)
+#define blockIdx (emu_thread->block_index)
+#define blockDim (emu_thread->block_dim)
+#define gridDim (emu_thread->grid_dim)
 
-inline void __syncthreads() { emu_thread.block_sync->arrive_and_wait(); }
+inline void __syncthreads() { emu_thread->block_sync->arrive_and_wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned) { std::this_thread::yield(); }
+inline void __nanosleep(unsigned) { emu_yield(); }
 
 template <typename To, typename From>
 inline To emu_bits(From v) {
@@ -68,7 +89,8 @@ inline int __ffs(unsigned int v) { return __builtin_ffs((int)v); }
 inline int __popc(unsigned int v) { return __builtin_popcount(v); }
 
 template <typename T>
-inline T __ldcg(const T* p) {
+inline T __ldcg(const T* p) {  // data other blocks write: a point where another thread may run first
+  emu_maybe_yield();
   T v;
   __atomic_load(p, &v, __ATOMIC_ACQUIRE);
   return v;
@@ -80,7 +102,7 @@ inline unsigned int __activemask() { return 1u << (threadIdx.x & 31); }
 
 // Full-mask exchange: every lane publishes `v`, then reads lane `from`'s value.
 inline uint64_t emu_exchange(uint64_t v, int from) {
-  EmuWarp* w = emu_thread.warp;
+  EmuWarp* w = emu_thread->warp;
   const int lane = threadIdx.x & 31;
   w->slot[lane] = v;
   w->sync.arrive_and_wait();
@@ -92,7 +114,7 @@ inline bool emu_alone(unsigned int mask) { return mask == (1u << (threadIdx.x & 
 
 inline unsigned int __reduce_add_sync(unsigned int mask, unsigned int v) {
   if (emu_alone(mask)) return v;
-  EmuWarp* w = emu_thread.warp;
+  EmuWarp* w = emu_thread->warp;
   const int lane = threadIdx.x & 31;
   w->slot[lane] = v;
   w->sync.arrive_and_wait();
@@ -125,15 +147,18 @@ inline T __shfl_sync(unsigned int mask, T v, int from) {
   return emu_narrow<T>(emu_exchange(emu_widen(v), from));
 }
 
-// Atomics: return the old value, as CUDA's do.
+// Atomics: return the old value, as CUDA's do. Each may first give way to another thread, so that the
+// threads' atomics on one address interleave in varied orders.
 template <typename T>
 inline T emu_cas_update(T* p, T (*op)(T, T), T v) {
+  emu_maybe_yield();
   T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
   while (!__atomic_compare_exchange_n(p, &old, op(old, v), false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
   }
   return old;
 }
 inline float atomicAdd(float* p, float v) {
+  emu_maybe_yield();
   uint32_t* u = reinterpret_cast<uint32_t*>(p);
   uint32_t old = __atomic_load_n(u, __ATOMIC_SEQ_CST);
   while (!__atomic_compare_exchange_n(u, &old, __float_as_uint(__uint_as_float(old) + v), false, __ATOMIC_SEQ_CST,
@@ -141,15 +166,32 @@ inline float atomicAdd(float* p, float v) {
   }
   return __uint_as_float(old);
 }
-inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+template <typename T>
+inline T emu_fetch_add(T* p, T v) {
+  emu_maybe_yield();
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
 }
-inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned int atomicSub(unsigned int* p, unsigned int v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned int atomicXor(unsigned int* p, unsigned int v) { return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned int atomicOr(unsigned int* p, unsigned int v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned int atomicExch(unsigned int* p, unsigned int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return emu_fetch_add(p, v); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) { return emu_fetch_add(p, v); }
+template <typename T>
+inline T emu_fetch_sub(T* p, T v) {
+  emu_maybe_yield();
+  return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST);
+}
+inline int atomicSub(int* p, int v) { return emu_fetch_sub(p, v); }
+inline unsigned int atomicSub(unsigned int* p, unsigned int v) { return emu_fetch_sub(p, v); }
+inline unsigned int atomicXor(unsigned int* p, unsigned int v) {
+  emu_maybe_yield();
+  return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
+  emu_maybe_yield();
+  return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned int atomicExch(unsigned int* p, unsigned int v) {
+  emu_maybe_yield();
+  return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
 inline unsigned int atomicMin(unsigned int* p, unsigned int v) {
   return emu_cas_update<unsigned int>(p, [](unsigned int a, unsigned int b) { return a < b ? a : b; }, v);
 }

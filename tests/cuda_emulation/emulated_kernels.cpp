@@ -1,13 +1,19 @@
 // A Python module (built by tests/test_cuda_emulated.py) that runs the CUDA kernels of
-// csrc/cuda/codec_kernels.cuh, thc_kernels.cuh and topk_kernels.cuh on host threads through cuda_emulation.h, with the launch interface of
-// lossless_hc._C_cuda: launch(name, grid, block, args, stream, cooperative).
+// csrc/cuda/codec_kernels.cuh, thc_kernels.cuh and topk_kernels.cuh on the host through cuda_emulation.h
+// (each CUDA thread a fiber; the scheduler below), with the launch interface of lossless_hc._C_cuda:
+// launch(name, grid, block, args, stream, cooperative).
 #include "cuda_emulation.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
+#include <cstdlib>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -17,7 +23,109 @@
 #include "cuda/thc_kernels.cuh"
 #include "cuda/topk_kernels.cuh"
 
-thread_local EmuThread emu_thread;
+thread_local EmuThread* emu_thread = nullptr;
+
+namespace {
+
+// -- Fibers and their scheduler ----------------------------------------------------------------------
+//
+// One launch's threads run as fibers on the launching host thread. The scheduler resumes a runnable
+// fiber picked at random; the fiber runs until it gives way (emu_yield: it stays runnable), blocks at
+// a barrier (runnable again when the last one arrives), or returns. Picks come from a SplitMix64
+// stream seeded per launch.
+
+constexpr size_t kStackBytes = 256 << 10;  // kernels keep a few scalars and small arrays per thread
+
+struct Fiber {
+  ucontext_t context;
+  EmuThread thread;
+  char* stack = nullptr;  // kStackBytes, the lowest page a guard (PROT_NONE): an overflow faults
+};
+
+struct Scheduler {
+  ucontext_t main;
+  std::vector<Fiber*> runnable;
+  Fiber* current = nullptr;
+  uint64_t state;  // SplitMix64
+  const std::function<void(const uint64_t*)>* call;
+  const uint64_t* args;
+  size_t finished = 0;
+
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Back to the scheduler; the fiber resumes here when picked again.
+  void leave() { swapcontext(&current->context, &main); }
+};
+thread_local Scheduler* scheduler = nullptr;
+
+// The stacks, kept across launches (mapping and faulting in fresh ones would cost more than a launch).
+std::vector<char*>& stack_pool() {
+  static thread_local std::vector<char*> pool;
+  return pool;
+}
+char* take_stack() {
+  auto& pool = stack_pool();
+  if (!pool.empty()) {
+    char* s = pool.back();
+    pool.pop_back();
+    return s;
+  }
+  void* m = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) throw std::runtime_error("cuda emulation: no memory for a fiber's stack");
+  mprotect(m, 4096, PROT_NONE);
+  return static_cast<char*>(m);
+}
+
+void fiber_main() {
+  Scheduler* s = scheduler;
+  (*s->call)(s->args);
+  ++s->finished;
+}  // returns to the scheduler through uc_link
+
+// A launch's schedule seed: SplitMix64 of (base + the launch's number in this process), base from
+// LHC_CUDA_EMULATION_SEED when set (to replay a run's schedules), otherwise drawn at random.
+struct LaunchSeeds {
+  uint64_t base = 0, launches = 0;
+  std::mutex mutex;
+  LaunchSeeds() {
+    const char* fixed = std::getenv("LHC_CUDA_EMULATION_SEED");
+    base = fixed ? std::strtoull(fixed, nullptr, 0) : ((uint64_t)std::random_device{}() << 32 | std::random_device{}());
+  }
+};
+LaunchSeeds& launch_seeds() {
+  static LaunchSeeds seeds;
+  return seeds;
+}
+
+}  // namespace
+
+void emu_yield() {
+  Scheduler* s = scheduler;
+  s->runnable.push_back(s->current);
+  s->leave();
+}
+
+void emu_maybe_yield() {
+  if (scheduler->next() >> 63) emu_yield();
+}
+
+void EmuBarrier::arrive_and_wait() {
+  Scheduler* s = scheduler;
+  if (++arrived < expected) {
+    waiting.push_back(s->current);
+    s->leave();
+    return;
+  }
+  // The last arrival opens the next phase; who runs first after the barrier is the scheduler's pick.
+  arrived = 0;
+  for (void* f : waiting) s->runnable.push_back(static_cast<Fiber*>(f));
+  waiting.clear();
+  emu_yield();
+}
 
 namespace {
 
@@ -49,29 +157,66 @@ const std::vector<Entry>& table() {
 }
 #undef LHC_KERNEL
 
-// Run blocks [first, first + count) of a grid of `grid` blocks concurrently, each on `block` threads.
+// Run blocks [first, first + count) of a grid of `grid` blocks together, each on `block` threads (fibers).
 void run_blocks(const Entry& e, unsigned first, unsigned count, unsigned grid, unsigned block,
                 const std::vector<uint64_t>& args) {
-  std::vector<std::unique_ptr<std::barrier<>>> syncs;
-  std::vector<std::unique_ptr<EmuWarp[]>> warps;
+  std::vector<std::unique_ptr<EmuBarrier>> syncs;
+  std::vector<std::vector<EmuWarp>> warps(count);
   for (unsigned b = 0; b < count; ++b) {
-    syncs.emplace_back(new std::barrier<>(block));
-    warps.emplace_back(new EmuWarp[block / 32]);
+    syncs.emplace_back(new EmuBarrier(block));
+    for (unsigned w = 0; w < block / 32; ++w) warps[b].emplace_back();
   }
-  std::vector<std::thread> threads;
-  threads.reserve((size_t)count * block);
+  std::vector<Fiber> fibers((size_t)count * block);
+  uint64_t base, number;
+  {
+    LaunchSeeds& seeds = launch_seeds();
+    std::lock_guard<std::mutex> lock(seeds.mutex);
+    base = seeds.base;
+    number = seeds.launches++;
+  }
+  Scheduler s{};
+  s.state = base + number;
+  s.next();  // mixes base and number into the first pick
+  s.call = &e.call;
+  s.args = args.data();
   for (unsigned b = 0; b < count; ++b)
-    for (unsigned t = 0; t < block; ++t)
-      threads.emplace_back([&, b, t] {
-        emu_thread.thread_index.x = t;
-        emu_thread.block_index.x = first + b;
-        emu_thread.block_dim.x = block;
-        emu_thread.grid_dim.x = grid;
-        emu_thread.block_sync = syncs[b].get();
-        emu_thread.warp = &warps[b][t / 32];
-        e.call(args.data());
-      });
-  for (auto& th : threads) th.join();
+    for (unsigned t = 0; t < block; ++t) {
+      Fiber& f = fibers[(size_t)b * block + t];
+      f.thread.thread_index.x = t;
+      f.thread.block_index.x = first + b;
+      f.thread.block_dim.x = block;
+      f.thread.grid_dim.x = grid;
+      f.thread.block_sync = syncs[b].get();
+      f.thread.warp = &warps[b][t / 32];
+      f.stack = take_stack();
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack;
+      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_link = &s.main;
+      makecontext(&f.context, fiber_main, 0);
+      s.runnable.push_back(&f);
+    }
+  Scheduler* outer = scheduler;
+  EmuThread* outer_thread = emu_thread;
+  scheduler = &s;
+  while (!s.runnable.empty()) {
+    const size_t pick = s.next() % s.runnable.size();
+    s.current = s.runnable[pick];
+    s.runnable[pick] = s.runnable.back();
+    s.runnable.pop_back();
+    emu_thread = &s.current->thread;
+    swapcontext(&s.main, &s.current->context);
+  }
+  scheduler = outer;
+  emu_thread = outer_thread;
+  const size_t stuck = fibers.size() - s.finished;
+  // A stuck fiber's stack holds no object that needs destroying (kernels keep scalars): it is reused.
+  for (Fiber& f : fibers) stack_pool().push_back(f.stack);
+  if (stuck)
+    throw std::runtime_error(e.name + std::string(": ") + std::to_string(stuck) + " of " +
+                             std::to_string(fibers.size()) +
+                             " threads wait at a barrier the others never reach (deadlock; schedule: launch " +
+                             std::to_string(number) + " of LHC_CUDA_EMULATION_SEED=" + std::to_string(base) + ")");
 }
 
 void launch(const std::string& name, uint64_t grid, uint32_t block, const std::vector<uint64_t>& args, uintptr_t,

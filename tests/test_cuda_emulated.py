@@ -124,6 +124,21 @@ def inputs(cfg, tag, dist="normal"):
                                     dist, zero_lanes=0.3)
 
 
+def test_emulation_varies_the_order_of_atomics_and_reports_a_missed_barrier(emulated):
+    """The emulation itself: every thread runs once, in an order that changes from launch to launch (so
+    the determinism tests below can fail), and a barrier that some threads never reach raises."""
+    orders = set()
+    for _ in range(4):
+        counter, out = torch.zeros(1, dtype=torch.int32), torch.full((256,), -1, dtype=torch.int32)
+        emulated.launch("emu_selftest_atomic_order", 4, 64, [counter.data_ptr(), out.data_ptr()], 0)
+        assert int(counter) == 256 and sorted(out.tolist()) == list(range(256))
+        orders.add(tuple(out.tolist()))
+    assert len(orders) == 4
+    out = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="32 of 64 threads wait at a barrier"):
+        emulated.launch("emu_selftest_barrier_skipped", 1, 64, [out.data_ptr()], 0)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
 def test_emulated_encode_matches_cpu(emulated, cfg):
     _, xs = inputs(cfg, "emu-enc")

@@ -149,9 +149,31 @@ struct Entry {
         arity_of(&lhc::gpu::k)                                                                          \
   },
 
+}  // namespace
+
+// Two kernels that test the emulation itself (tests/test_cuda_emulated.py), beside csrc's list.
+namespace lhc {
+namespace gpu {
+// Each thread takes the next slot with an atomic and writes its global index there: out is the order
+// of the threads' atomics.
+__global__ void emu_selftest_atomic_order(unsigned int* counter, unsigned int* out) {
+  out[atomicAdd(counter, 1u)] = blockIdx.x * blockDim.x + threadIdx.x;
+}
+// The odd threads return before the barrier the even ones wait at: a hang on a GPU.
+__global__ void emu_selftest_barrier_skipped(unsigned int* out) {
+  if (threadIdx.x & 1) return;
+  __syncthreads();
+  out[threadIdx.x] = 1;
+}
+}  // namespace gpu
+}  // namespace lhc
+
+namespace {
+
 const std::vector<Entry>& table() {
   static const std::vector<Entry> t = {
 #include "cuda/kernel_list.h"
+      LHC_KERNEL(emu_selftest_atomic_order) LHC_KERNEL(emu_selftest_barrier_skipped)
   };
   return t;
 }

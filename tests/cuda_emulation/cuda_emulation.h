@@ -2,17 +2,18 @@
 // csrc/cuda/codec_kernels.cuh on a machine without a GPU (tests/test_cuda_emulated.py).
 //
 // Each CUDA thread of a launch is a fiber (its own stack, a ucontext) on the launching host thread. A
-// fiber runs until it reaches a synchronization point -- __syncthreads, a full-mask warp intrinsic,
-// __nanosleep, an atomic -- and the scheduler (emulated_kernels.cpp) then resumes a runnable fiber
-// picked at random, from a seed drawn per launch (LHC_CUDA_EMULATION_SEED fixes the sequence): the
-// order of the threads' atomics and of their passes through barriers varies from launch to launch, as
-// on a GPU, without the cost of an OS thread per CUDA thread. A barrier that some threads never reach
-// is reported as an error instead of a hang. Blocks of an ordinary launch run one after another (their
-// threads interleaved), so `__shared__` can be a function-level static; a cooperative launch runs all
-// blocks at once (its kernels use no shared memory). Warp intrinsics with a full mask exchange values
-// through a per-warp barrier; __activemask() reports only the calling lane, which is a legal answer on
-// real hardware too (threads may diverge), so warp-aggregated atomics degrade to one atomic per
-// thread. Atomics are GCC __atomic builtins on the raw memory.
+// fiber runs until it waits at a barrier (__syncthreads, a full-mask warp intrinsic) or gives way (at
+// __nanosleep; with probability 1/2 before an atomic or __ldcg); the scheduler (emulated_kernels.cpp)
+// then resumes a runnable fiber picked at random, from a seed drawn per launch
+// (LHC_CUDA_EMULATION_SEED fixes the sequence): the order of the threads' atomics and of their passes
+// through barriers varies from launch to launch, as on a GPU, without the cost of an OS thread per
+// CUDA thread. A barrier that some threads never reach is reported as an error instead of a hang.
+// Blocks of an ordinary launch run one after another (their threads interleaved), so `__shared__` can
+// be a function-level static; a cooperative launch runs all blocks at once (its kernels use no shared
+// memory). Warp intrinsics with a full mask exchange values through a per-warp barrier;
+// __activemask() reports only the calling lane, which is a legal answer on real hardware too (threads
+// may diverge), so warp-aggregated atomics degrade to one atomic per thread. Atomics are GCC __atomic
+// builtins on the raw memory.
 //
 // This checks the kernels' logic and the launch sequence (sizes, arguments, ordering, determinism
 // under varied orders of the threads' synchronizing operations); it says nothing about performance,
@@ -41,7 +42,7 @@ struct uint4 {
 };
 
 // The scheduler's side (emulated_kernels.cpp): the running fiber gives way to another runnable one
-// (emu_yield), or with probability 1/2 (emu_maybe_yield, before each atomic).
+// (emu_yield), or with probability 1/2 (emu_maybe_yield, before each atomic and __ldcg).
 void emu_yield();
 void emu_maybe_yield();
 

@@ -223,15 +223,21 @@ def test_emulated_decode_is_lossless_and_agrees_with_cpu(emulated, cfg, averaged
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
 def test_emulated_decode_is_bitwise_deterministic(emulated, index):
-    """The emulated threads interleave differently on every run: the output bits must not change."""
+    """The emulated threads interleave differently on every run, and the one-block scan runs on the
+    emulation's 64 threads and on the GPU's SCAN_THREADS: the output bits must not change."""
     cfg = dict(numel=4000, n=5, k=120, block=1, index=index)
     rng, xs = inputs(cfg, "emu-det", "wide")
     cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], 1, index)
     summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
     y0, r0, _ = emulated_decode(native, summed)
     assert helpers.peeled_ok(r0), r0.reason
-    for _ in range(2):
-        y, r, _ = emulated_decode(native, summed)
+    launcher = cuda_runtime.launcher()
+    for scan_threads in (launcher.scan_threads, _cuda.SCAN_THREADS):
+        launcher.scan_threads = scan_threads
+        try:
+            y, r, _ = emulated_decode(native, summed)
+        finally:
+            del launcher.scan_threads  # the fixture's again
         assert torch.equal(bits(y), bits(y0))
         assert r.status == r0.status and torch.equal(r.inexact_keys, r0.inexact_keys)
         assert torch.equal(r.trace[0], r0.trace[0]) and torch.equal(r.trace[1], r0.trace[1])

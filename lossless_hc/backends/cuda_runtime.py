@@ -251,8 +251,8 @@ def launcher():
 def reset_launcher(replacement=None) -> None:
     """Forget the chosen launcher, so the next call of ``launcher`` chooses again (tests switch
     between the compiled and the CuPy path with LHC_CUDA_BACKEND); or install ``replacement``, an
-    object with the launchers' interface (tests/test_cuda_emulated.py runs the kernels on host
-    threads through one, with CPU tensors)."""
+    object with the launchers' interface (tests/test_cuda_emulated.py runs the kernels on the host
+    through one, with CPU tensors)."""
     global _LAUNCHER, _LAUNCHER_ERROR
     with _LOCK:
         _LAUNCHER, _LAUNCHER_ERROR = replacement, None

@@ -31,6 +31,6 @@ export LHC_EXPECT_SANITIZED=1
 # Run from inside the scratch tree so `import lossless_hc` resolves to it, not to the repo's build.
 cd "$OUT/lib"
 "$PY" -c "import lossless_hc._C as c, sys; assert '$OUT' in c.__file__, c.__file__; print('sanitized module:', c.__file__)"
-# The host emulation of the CUDA kernels (thousands of OS threads) and the multi-process plugin tests
-# are not what this build checks.
+# The host emulation of the CUDA kernels (built without the sanitizers; its fibers switch stacks) and
+# the multi-process plugin tests are not what this build checks.
 "$PY" -m pytest -q -x -p no:cacheprovider --rootdir=../.. ../../tests -k "not sizing and not emulated" -m "not multiprocess" "$@"

@@ -8,7 +8,7 @@ kernel); decode synchronises once, to read the count of invalid words.
 
 The kernels compute the same bits as the CPU backend (``csrc/cpu/thc_cpu.cpp``): payload words, norm
 slot, error memory and decoded output, for the same inputs, seed, rank and step (see
-``csrc/thc_math.h``). tests/test_cuda_thc_emulated.py checks that on host threads, tests/test_cuda_thc.py
+``csrc/thc_math.h``). tests/test_cuda_thc_emulated.py checks that on the host, tests/test_cuda_thc.py
 on a GPU.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Loaded like the codecs' kernels (:mod:`lossless_hc.backends.cuda_runtime`: the compiled module or NVRTC
 through CuPy) and queued on ``torch.cuda.current_stream()`` without synchronising. The indices are the
 CPU backend's (``csrc/cpu/topk_cpu.h`` defines them: the ``min(k, n)`` largest ``|x|``, ties to the lower
-index, ascending); tests/test_topk.py checks it on host threads.
+index, ascending); tests/test_topk.py checks it on the host (emulated).
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@
 
 #include <cstdlib>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -182,12 +181,8 @@ const std::vector<Entry>& table() {
 // Run blocks [first, first + count) of a grid of `grid` blocks together, each on `block` threads (fibers).
 void run_blocks(const Entry& e, unsigned first, unsigned count, unsigned grid, unsigned block,
                 const std::vector<uint64_t>& args) {
-  std::vector<std::unique_ptr<EmuBarrier>> syncs;
-  std::vector<std::vector<EmuWarp>> warps(count);
-  for (unsigned b = 0; b < count; ++b) {
-    syncs.emplace_back(new EmuBarrier(block));
-    for (unsigned w = 0; w < block / 32; ++w) warps[b].emplace_back();
-  }
+  std::vector<EmuBarrier> syncs(count, EmuBarrier(block));  // sized once: the fibers keep pointers
+  std::vector<std::vector<EmuWarp>> warps(count, std::vector<EmuWarp>(block / 32));
   std::vector<Fiber> fibers((size_t)count * block);
   uint64_t base, number;
   {
@@ -208,7 +203,7 @@ void run_blocks(const Entry& e, unsigned first, unsigned count, unsigned grid, u
       f.thread.block_index.x = first + b;
       f.thread.block_dim.x = block;
       f.thread.grid_dim.x = grid;
-      f.thread.block_sync = syncs[b].get();
+      f.thread.block_sync = &syncs[b];
       f.thread.warp = &warps[b][t / 32];
       f.stack = take_stack();
       getcontext(&f.context);
@@ -218,8 +213,6 @@ void run_blocks(const Entry& e, unsigned first, unsigned count, unsigned grid, u
       makecontext(&f.context, fiber_main, 0);
       s.runnable.push_back(&f);
     }
-  Scheduler* outer = scheduler;
-  EmuThread* outer_thread = emu_thread;
   scheduler = &s;
   while (!s.runnable.empty()) {
     const size_t pick = s.next() % s.runnable.size();
@@ -229,8 +222,8 @@ void run_blocks(const Entry& e, unsigned first, unsigned count, unsigned grid, u
     emu_thread = &s.current->thread;
     swapcontext(&s.main, &s.current->context);
   }
-  scheduler = outer;
-  emu_thread = outer_thread;
+  scheduler = nullptr;
+  emu_thread = nullptr;
   const size_t stuck = fibers.size() - s.finished;
   // A stuck fiber's stack holds no object that needs destroying (kernels keep scalars): it is reused.
   for (Fiber& f : fibers) stack_pool().push_back(f.stack);

@@ -5,6 +5,7 @@
 * A watchdog: a test that runs for more than ``LHC_TEST_TIMEOUT`` seconds (default 300) dumps every
   thread's stack and exits, so a hang inside the C++ kernels (which hold no GIL) fails loudly instead
   of blocking CI forever.
+* ``PYTHONFAULTHANDLER`` set for the worker processes tests start, so a crashed rank shows its stack.
 * The ``gpu`` marker (tests that need a CUDA device; ``pytest -m gpu`` selects them).
 * With ``LHC_EXPECT_SANITIZED`` set (scripts/sanitize.sh), refuse to run against the repository's
   regular build: the sanitized extension must be the one imported.
@@ -17,6 +18,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from every test module
+# Worker processes the multiprocess tests start inherit this: a rank that dies of a signal (SIGSEGV,
+# SIGBUS, SIGABRT) prints its Python stack into the stderr that the failing test's message shows.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 settings.register_profile(
     "lhc",

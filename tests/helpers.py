@@ -123,13 +123,11 @@ def colliding_pairs(table, count: int) -> tuple[list, list]:
     ``reference.pair_cells``). Such a pair cannot be peeled; the decoders solve the solvable ones."""
     cells, weights = reference.key_cells(table, torch.arange(count))
     _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
-    solvable, proportional = [], []
-    for t in (counts == 2).nonzero().reshape(-1).tolist():
-        a, b = sorted((inverse == t).nonzero().reshape(-1).tolist())
-        wa, wb = weights[a].tolist(), weights[b].tolist()
-        prop = all(wa[j] * wb[0] == wa[0] * wb[j] for j in (1, 2))
-        (proportional if prop else solvable).append((a, b))
-    return solvable, proportional
+    two = (counts[inverse] == 2).nonzero().reshape(-1)   # ids whose cells exactly one other id shares
+    pairs = two[torch.argsort(inverse[two], stable=True)].reshape(-1, 2)   # (a, b) by cells, a < b
+    wa, wb = weights[pairs[:, 0]].long(), weights[pairs[:, 1]].long()
+    prop = (wa[:, 1:] * wb[:, :1] == wa[:, :1] * wb[:, 1:]).all(dim=1)
+    return [tuple(p) for p in pairs[~prop].tolist()], [tuple(p) for p in pairs[prop].tolist()]
 
 
 def nonzero_keys(x: torch.Tensor, block: int) -> np.ndarray:
@@ -224,64 +222,116 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
         absx += a.reshape(num_keys, B)
     support = np.nonzero((absx != 0).any(axis=1))[0]
     cells, weights = reference.key_cells(L.sketch, torch.from_numpy(support))
-    cells, weights = cells.numpy(), weights.numpy()
+    cells, weights = cells.numpy().astype(np.int64), weights.numpy().astype(np.int64)
+    wabs = np.abs(weights)
     C = L.sketch.cells
     M = np.zeros((C, B))
     deg = np.zeros(C, dtype=np.int64)
-    members: dict[int, list[int]] = {}
     for j in range(3):
-        np.add.at(M, cells[:, j], np.abs(weights[:, j:j + 1]) * absx[support])
+        np.add.at(M, cells[:, j], wabs[:, j:j + 1] * absx[support])
         np.add.at(deg, cells[:, j], 1)
-    for i, key in enumerate(support):
-        for c in cells[i]:
-            members.setdefault(int(c), []).append(int(key))
     eps = (deg + n_payloads + 2)[:, None] * U32 * M
-    key_cells_of = {int(k): set(int(c) for c in cells[i]) for i, k in enumerate(support)}
-    # |weight| of key k in cell c, and k's weights in segment order (cells[i] is in segment order)
-    wabs = {(int(k), int(cells[i, j])): abs(int(weights[i, j])) for i, k in enumerate(support) for j in range(3)}
-    key_weights = {int(k): [int(w) for w in weights[i]] for i, k in enumerate(support)}
-    key_cell_list = {int(k): [int(c) for c in cells[i]] for i, k in enumerate(support)}
 
-    tk, tc = trace
-    E: dict[int, np.ndarray] = {}
-    partner: dict[int, int] = {}
-    for key, cell in zip(tk.tolist(), tc.tolist()):
-        assert key in key_cells_of, f"trace peels key {key}, which no worker holds"
-        assert key not in E, f"trace peels key {key} twice"
-        assert cell in key_cells_of[key], f"key {key} peeled from cell {cell}, not one of its cells"
-        twin = [o for o in members[cell] if o != key and key_cells_of[o] == key_cells_of[key]
-                and (o not in E or partner.get(o) == key)]
-        if twin:
-            # a solved pair: the partner shares all three cells and was not peeled before it
-            assert len(twin) == 1, f"key {key} shares its cells with {twin}: not a pair"
-            o = twin[0]
-            partner[key] = o
-            ex = []
-            for x in key_cell_list[key]:
-                e = eps[x].copy()
-                for other in members[x]:
-                    if other in (key, o):
-                        continue
-                    assert other in E, (f"pair ({key}, {o}) solved while key {other} of cell {x} was "
-                                        "still unresolved")
-                    e += wabs[(other, x)] * E[other]
-                ex.append(e)
-            p, q, det = reference.pair_cells(key_weights[key], key_weights[o])
-            assert det != 0, f"pair ({key}, {o}) has proportional weights: it cannot have been solved"
-            wo = key_weights[o]
-            E[key] = (abs(wo[q]) * ex[p] + abs(wo[p]) * ex[q]) / abs(det)
-            continue
-        e = eps[cell].copy()
-        for other in members[cell]:
-            if other == key:
-                continue
-            assert other in E, (f"key {key} peeled from cell {cell} while key {other} of that cell was "
-                                "still unresolved: the cell was not pure")
-            e += wabs[(other, cell)] * E[other]
-        E[key] = e / wabs[(key, cell)]
+    # The trace as support indices s (support[s] is the key), checked.
+    tk = np.asarray(trace[0], dtype=np.int64).reshape(-1)
+    tc = np.asarray(trace[1], dtype=np.int64).reshape(-1)
+    s = np.minimum(np.searchsorted(support, tk), max(len(support) - 1, 0))
+    held = (s < len(support)) & (support[s] == tk) if len(support) else np.zeros(len(tk), dtype=bool)
+    assert held.all(), f"trace peels key {tk[~held][0]}, which no worker holds"
+    seen, first = np.unique(s, return_index=True)
+    if len(seen) < len(s):
+        again = np.setdiff1d(np.arange(len(s)), first)[0]
+        raise AssertionError(f"trace peels key {tk[again]} twice")
+    read_j = (cells[s] == tc[:, None])
+    bad = ~read_j.any(axis=1)
+    assert not bad.any(), f"key {tk[bad][0]} peeled from cell {tc[bad][0]}, not one of its cells"
+    read_j = read_j.argmax(axis=1)
+    order = np.full(len(support), np.iinfo(np.int64).max)  # trace position of each support key
+    order[s] = np.arange(len(s))
+
+    # The members of every cell, in support order (CSR): member[start[c]:start[c + 1]] and their
+    # |weight| there.
+    flat_cell = cells.reshape(-1)
+    by_cell = np.argsort(flat_cell, kind="stable")
+    member = by_cell // 3
+    member_w = wabs.reshape(-1)[by_cell]
+    start = np.zeros(C + 1, dtype=np.int64)
+    np.add.at(start, flat_cell + 1, 1)
+    start = np.cumsum(start)
+    # Keys sharing all three cells (a pair's partner): the other key of a triple held by two.
+    _, triple, twins = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
+    triple = triple.reshape(-1)
+    many = twins[triple[s]] > 2
+    assert not many.any(), f"key {tk[many][0]} shares its cells with more than one key: not a pair"
+    partner = np.full(len(support), -1)
+    pair_of = np.nonzero(twins[triple] == 2)[0]
+    by_triple = pair_of[np.argsort(triple[pair_of], kind="stable")]
+    partner[by_triple[0::2]], partner[by_triple[1::2]] = by_triple[1::2], by_triple[0::2]
+
+    # Rows: a peeled key's read cell; a pair key's three cells (its partner left out of each). A row's
+    # value is eps of its cell plus |w| E(other) over its cell's other members, in support order.
+    is_pair = partner[s] >= 0
+    row_t = np.concatenate([np.nonzero(~is_pair)[0], np.repeat(np.nonzero(is_pair)[0], 3)])
+    row_j = np.concatenate([read_j[~is_pair], np.tile(np.arange(3), int(is_pair.sum()))])
+    order_rows = np.lexsort((row_j, row_t))
+    row_t, row_j = row_t[order_rows], row_j[order_rows]   # by trace position, then segment
+    row_key = s[row_t]
+    row_cell = cells[row_key, row_j]
+    counts = start[row_cell + 1] - start[row_cell]
+    edge_row = np.repeat(np.arange(len(row_t)), counts)
+    offsets = np.arange(len(edge_row)) - np.repeat(np.cumsum(counts) - counts, counts)
+    at = np.repeat(start[row_cell], counts) + offsets
+    edge_dep, edge_w = member[at], member_w[at]
+    keep = (edge_dep != row_key[edge_row]) & (edge_dep != partner[row_key][edge_row])
+    edge_row, edge_dep, edge_w = edge_row[keep], edge_dep[keep], edge_w[keep]
+    late = order[edge_dep] > row_t[edge_row]
+    if late.any():
+        r = edge_row[late][0]
+        key, other, cell = support[row_key[r]], support[edge_dep[late][0]], row_cell[r]
+        if is_pair[row_t[r]]:
+            raise AssertionError(f"pair ({key}, {support[partner[row_key[r]]]}) solved while key {other} of cell "
+                                 f"{cell} was still unresolved")
+        raise AssertionError(f"key {key} peeled from cell {cell} while key {other} of that cell was still "
+                             "unresolved: the cell was not pure")
+
+    # Each trace position's depth: 1 + the largest depth of the keys it depends on (all peeled before
+    # it); the positions of one depth are computed together, row values in the loop's order.
+    edge_t, dep_t = row_t[edge_row], order[edge_dep]
+    depth = np.zeros(len(s), dtype=np.int64)
+    while True:
+        new = np.zeros_like(depth)
+        np.maximum.at(new, edge_t, depth[dep_t] + 1)
+        if np.array_equal(new, depth):
+            break
+        depth = new
+    E = np.zeros((len(support), B))
+    row_depth = depth[row_t]
+    edge_depth = depth[edge_t]
+    rows_by_depth = np.argsort(row_depth, kind="stable")
+    edges_by_depth = np.argsort(edge_depth, kind="stable")
+    row_bounds = np.searchsorted(row_depth[rows_by_depth], np.arange(depth.max(initial=0) + 2))
+    edge_bounds = np.searchsorted(edge_depth[edges_by_depth], np.arange(depth.max(initial=0) + 2))
+    local = np.empty(len(row_t), dtype=np.int64)  # a row's index among the rows of its depth
+    local[rows_by_depth] = np.arange(len(row_t)) - row_bounds[row_depth[rows_by_depth]]
+    pair_rows = {}
+    for d in range(len(row_bounds) - 1):
+        rows = rows_by_depth[row_bounds[d]:row_bounds[d + 1]]
+        edges = edges_by_depth[edge_bounds[d]:edge_bounds[d + 1]]
+        acc = eps[row_cell[rows]].copy()
+        np.add.at(acc, local[edge_row[edges]], edge_w[edges][:, None] * E[edge_dep[edges]])
+        single = ~is_pair[row_t[rows]]
+        keys = row_key[rows[single]]
+        E[keys] = acc[single] / wabs[keys, row_j[rows[single]]][:, None]
+        for i in np.nonzero(~single)[0]:
+            pair_rows.setdefault(int(row_key[rows[i]]), {})[int(row_j[rows[i]])] = acc[i]
+        for k in {int(row_key[rows[i]]) for i in np.nonzero(~single)[0]}:
+            o = int(partner[k])
+            p, q, det = reference.pair_cells(weights[k].tolist(), weights[o].tolist())
+            assert det != 0, f"pair ({support[k]}, {support[o]}) has proportional weights: it cannot have been solved"
+            ex = pair_rows[k]
+            E[k] = (abs(int(weights[o, q])) * ex[p] + abs(int(weights[o, p])) * ex[q]) / abs(det)
     out = np.zeros((num_keys, B))
-    for key, e in E.items():
-        out[key] = e
+    out[support[s]] = E[s]
     return torch.from_numpy(out.reshape(-1)[: L.numel].copy())
 
 

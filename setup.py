@@ -9,14 +9,19 @@ headers nor its ABI. Environment:
                    unset: build it when nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin)
   LHC_CUDA_ARCHS   compute capabilities for _C_cuda (default "80;90": sm_80 and sm_90 machine code
                    plus compute_90 PTX for newer GPUs)
+  LHC_BUILD_JOBS   how many C++ sources compile at once (default: one per CPU)
 """
 import glob
 import os
 import shutil
 import subprocess
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+# The sources of one extension compile in parallel (setuptools alone compiles them one after another);
+# every source is recompiled whenever an extension is rebuilt, as before (depends lists every header).
+ParallelCompile("LHC_BUILD_JOBS").install()
 
 sanitize = os.environ.get("LHC_SANITIZE") == "1"
 debug = os.environ.get("LHC_DEBUG") == "1" or sanitize

@@ -96,7 +96,7 @@ def _variants(name):
         for m in range(1, 200):
             yield base, {**base, "max_nnz": m}
     elif name == "world_size":
-        for numel in (64, 60):   # at 64 bitmap and multilevel have same-length pairs, at 60 neither
+        for numel in (64, 60):   # at 60 bitmap has no same-length pair with another world size; at 64 it has
             b0 = {**base, "numel": numel}
             for w in (3, 5, 2, 6, 7, 8, 1):   # never the base's 4: that pair would differ in max_nnz alone
                 for m in range(1, 80):

@@ -122,12 +122,20 @@ def colliding_pairs(table, count: int) -> tuple[list, list]:
     (``wa[j] wb[0] == wa[0] wb[j]`` for every j: an integer test, independent of
     ``reference.pair_cells``). Such a pair cannot be peeled; the decoders solve the solvable ones."""
     cells, weights = reference.key_cells(table, torch.arange(count))
-    _, inverse, counts = torch.unique(cells, dim=0, return_inverse=True, return_counts=True)
-    two = (counts[inverse] == 2).nonzero().reshape(-1)   # ids whose cells exactly one other id shares
-    pairs = two[torch.argsort(inverse[two], stable=True)].reshape(-1, 2)   # (a, b) by cells, a < b
-    wa, wb = weights[pairs[:, 0]].long(), weights[pairs[:, 1]].long()
-    prop = (wa[:, 1:] * wb[:, :1] == wa[:, :1] * wb[:, 1:]).all(dim=1)
+    _, pairs = shared_cells(cells.numpy())
+    weights = weights.numpy().astype(np.int64)
+    wa, wb = weights[pairs[:, 0]], weights[pairs[:, 1]]
+    prop = (wa[:, 1:] * wb[:, :1] == wa[:, :1] * wb[:, 1:]).all(axis=1)
     return [tuple(p) for p in pairs[~prop].tolist()], [tuple(p) for p in pairs[prop].tolist()]
+
+
+def shared_cells(cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows of ``cells`` (a key's three cells each): how many rows have each row's three cells, and
+    the pairs ``(a, b)``, ``a < b``, of rows whose cells exactly one other row has, ordered by cells."""
+    _, triple, count = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
+    triple = triple.reshape(-1)
+    two = np.nonzero(count[triple] == 2)[0]
+    return count[triple], two[np.argsort(triple[two], kind="stable")].reshape(-1, 2)
 
 
 def nonzero_keys(x: torch.Tensor, block: int) -> np.ndarray:
@@ -236,7 +244,7 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
     tk = np.asarray(trace[0], dtype=np.int64).reshape(-1)
     tc = np.asarray(trace[1], dtype=np.int64).reshape(-1)
     s = np.minimum(np.searchsorted(support, tk), max(len(support) - 1, 0))
-    held = (s < len(support)) & (support[s] == tk) if len(support) else np.zeros(len(tk), dtype=bool)
+    held = support[s] == tk if len(support) else np.zeros(len(tk), dtype=bool)
     assert held.all(), f"trace peels key {tk[~held][0]}, which no worker holds"
     seen, first = np.unique(s, return_index=True)
     if len(seen) < len(s):
@@ -259,14 +267,11 @@ def peel_error_bound(layout: PayloadLayout, xs: list[torch.Tensor], trace, n_pay
     np.add.at(start, flat_cell + 1, 1)
     start = np.cumsum(start)
     # Keys sharing all three cells (a pair's partner): the other key of a triple held by two.
-    _, triple, twins = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
-    triple = triple.reshape(-1)
-    many = twins[triple[s]] > 2
+    sharing, pairs = shared_cells(cells)
+    many = sharing[s] > 2
     assert not many.any(), f"key {tk[many][0]} shares its cells with more than one key: not a pair"
     partner = np.full(len(support), -1)
-    pair_of = np.nonzero(twins[triple] == 2)[0]
-    by_triple = pair_of[np.argsort(triple[pair_of], kind="stable")]
-    partner[by_triple[0::2]], partner[by_triple[1::2]] = by_triple[1::2], by_triple[0::2]
+    partner[pairs[:, 0]], partner[pairs[:, 1]] = pairs[:, 1], pairs[:, 0]
 
     # Rows: a peeled key's read cell; a pair key's three cells (its partner left out of each). A row's
     # value is eps of its cell plus |w| E(other) over its cell's other members, in support order.

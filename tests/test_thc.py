@@ -1,5 +1,8 @@
 """THCCodec: transform, unbiasedness, lane packing limits, determinism, error feedback, bad input."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -341,6 +344,22 @@ def test_every_compiled_kernel_copy_gives_the_same_bits(numel, block):
                                b.view(torch.int64 if b.element_size() == 8 else torch.int32)), isa
     with pytest.raises(ValueError, match="cannot run"):
         _backend.thc_cpu_isa("no-such-level")
+
+
+@pytest.mark.parametrize("env", ["portable", "no-such-level"])
+def test_cpu_isa_from_the_environment(env):
+    """LHC_CPU_ISA picks the copy at start-up; a level this CPU cannot run (or a typo) is said on stderr
+    and the best copy is used, never ignored in silence."""
+    code = "from lossless_hc.backends import cpu; print(cpu.thc_cpu_isa())"
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(lhc.__file__)))  # this build, not another
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=package_root, env=dict(os.environ, LHC_CPU_ISA=env))
+    assert proc.returncode == 0, proc.stderr
+    if env == "portable":
+        assert proc.stdout.strip() == "portable" and "LHC_CPU_ISA" not in proc.stderr
+    else:
+        assert proc.stdout.strip() == _backend.thc_cpu_isas()[0]
+        assert f"LHC_CPU_ISA={env} is not a level this CPU runs" in proc.stderr
 
 
 def test_bootstrap_step_sends_norms_only():

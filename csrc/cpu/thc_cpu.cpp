@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -202,12 +203,19 @@ const ThcKernels* find_kernels(const std::string& name) {
   return nullptr;
 }
 
-// The best runnable copy, or the one LHC_CPU_ISA names (if this CPU runs it).
+// The best runnable copy, or the one LHC_CPU_ISA names if this CPU runs it; a name it cannot run (or
+// a typo) is said on stderr rather than ignored in silence: the bits are the same, the speed is not.
 const ThcKernels* default_kernels() {
   const char* env = std::getenv("LHC_CPU_ISA");
-  if (env && *env)
+  const ThcKernels* best = runnable_kernels().front();
+  if (env && *env) {
     if (const ThcKernels* k = find_kernels(env)) return k;
-  return runnable_kernels().front();
+    std::string runnable;
+    for (const ThcKernels* k : runnable_kernels()) runnable += std::string(runnable.empty() ? "" : ", ") + k->name;
+    std::fprintf(stderr, "lossless_hc: LHC_CPU_ISA=%s is not a level this CPU runs (%s); using %s\n", env,
+                 runnable.c_str(), best->name);
+  }
+  return best;
 }
 
 std::atomic<const ThcKernels*> g_kernels{nullptr};

@@ -7,7 +7,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-TORCH_VERSION := 2.13.0
+# The CPU build by its local version label: a plain "torch==2.13.0" would take PyPI's CUDA build (GBs of
+# nvidia-* wheels) on a machine whose pip reaches PyPI. Where pip has no local wheel of it, name the CPU
+# index: `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_VERSION := 2.13.0+cpu
+TORCH_INDEX ?=
+TORCH_PIP_ARGS := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 # The stamp records that set-up finished; it depends on the files that define the environment.
 STAMP  := $(VENV)/.setup-done
 EXT_SOURCES := $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h \
@@ -23,8 +28,8 @@ $(STAMP): requirements-dev.txt scripts/setup_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first and pinned, so nothing else can pull a CUDA build of several GB.
-	$(PIP) install --quiet "torch==$(TORCH_VERSION)"
-	$(PIP) install --quiet -r requirements-dev.txt "torch==$(TORCH_VERSION)"
+	$(PIP) install --quiet $(TORCH_PIP_ARGS) "torch==$(TORCH_VERSION)"
+	$(PIP) install --quiet $(TORCH_PIP_ARGS) -r requirements-dev.txt "torch==$(TORCH_VERSION)"
 	# Horovod 0.28.1 patched to C++17 (PyTorch, Gloo, MPI); minutes the first time, then from the cache.
 	bash scripts/setup_horovod.sh $(PY)
 	touch $@

@@ -5,8 +5,8 @@ the payload (a ring allreduce, a parameter server), and hands the result to
 :meth:`TensorAggregator.decode`. The adapters hold no algorithm; this module decides, per tensor:
 
 * **dense or compressed.** A tensor goes through :class:`~lossless_hc.LosslessCodec` only while the
-  codec's payload is smaller than the dense tensor; otherwise the dense tensor itself is the
-  payload, so we are never worse than dense by more than the codec's header.
+  codec's payload, header included, is smaller than the dense tensor; otherwise the dense tensor
+  itself is the payload, so a step's first payload is never larger than dense.
 * **capacity.** Each rank may send at most ``capacity`` non-zero coordinates. When a decode fails
   (a rank was over capacity, or peeling could not finish) the adapter aggregates that tensor again,
   densely and exactly, and the capacity grows for later steps.

@@ -29,9 +29,10 @@ statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook
 The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`): the
 cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
 the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is not
-dense (from step index 8 on) the state runs one A/B trial of whole steps, alternating 5 steps of the
-plans with 5 of every dense-gradient bucket allreduced in place; unless the plans' median step is at
-least 3% faster, dense gradients are allreduced in place for the rest of the run. Rank 0's verdict is
+dense (from step index 8 on) the state runs an A/B trial of 10 whole steps, the plans and every
+dense-gradient bucket allreduced in place alternating step by step (5 of each); unless the plans'
+median step is at least 3% faster, dense gradients are allreduced in place for the rest of the run.
+After a verdict for the plans, a re-plan that changes a dense gradient's plan opens a new trial. Rank 0's verdict is
 broadcast at the first hook call of the step after the trial (main thread, like the calibration).
 
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,

@@ -63,8 +63,8 @@ the replica all-reduce, the strategy the cost model predicts cheapest; calibrate
 :meth:`~_FSDPState.register` on the replicate group (blocking; every rank calls ``register`` at the same
 point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
 values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
-every rank. The reduce-scatter stays lossless-only (``reduce_scatter=True`` is refused): a planner
-there would need every destination's statistics on every rank, which a reduce-scatter does not give.
+every rank. ``AutoFSDPState`` does not plan the reduce-scatter (``reduce_scatter=True`` is refused there;
+``LosslessFSDPState`` and ``TopKFSDPState`` compress it): a planner there would need every destination's statistics on every rank, which a reduce-scatter does not give.
 
 Limits: one parameter group per ``fully_shard`` call (no per-parameter meshes: torch refuses custom
 hooks there); even ``Shard(0)`` placements (FSDP2's default); native HSDP (``fully_shard`` on the

@@ -52,7 +52,7 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
       each sized for its Binomial(keys, 1/G) share plus ``4 sqrt`` (peeled in cache, in parallel);
       the pair bound caps G.
     * Weights: a single-group table loaded at most 1/``WEIGHTED_MIN_CELLS_PER_KEY`` uses weights
-      +-1, +-2 (``weighted``) when that is smaller than the signed table (in practice below ~600
+      +-1, +-2 (``weighted``) when that is smaller than the signed table (in practice below ~880
       keys); its pairs are then unsolvable only ``PAIR_UNSOLVABLE_SHARE_WEIGHTS`` of the time.
 
     The derivation and the error measurements behind these rules: docs/DESIGN.md, "Sizing".

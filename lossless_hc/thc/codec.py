@@ -36,7 +36,7 @@ class THCCodec:
     Every rank builds the codec with the same arguments except ``rank``, and calls ``encode`` then
     ``decode`` once per step, in the same order as the others. The object is stateful (the step
     counter, the agreed scale M, the error-feedback memory), so a plugin keeps one per tensor (per
-    parameter, or per DDP bucket index).
+    parameter).
 
     Encode (rank r, step t; v = x + e, the gradient plus the error-feedback memory):
 

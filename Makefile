@@ -45,7 +45,7 @@ lossless_hc/_C.stamp: $(EXT_SOURCES) $(STAMP)
 demo: setup
 	$(PY) -m lossless_hc.bench train
 
-# The whole suite, then the codec tests again against an ASan/UBSan build of the kernels, then (when
+# The whole suite, then the codec tests and the planner's DDP workers against an ASan/UBSan build, then (when
 # nvcc is present) the compile check of the CUDA sources. The GPU tests skip here: run `pytest -m gpu`
 # on a GPU machine (scripts/gpu_session.sh).
 test: setup
@@ -61,7 +61,7 @@ cuda-check: $(STAMP)
 	bash scripts/cuda_check.sh
 
 sanitize: $(STAMP)
-	# ASan/UBSan build of the extension in a separate build dir, then the codec tests against it.
+	# ASan/UBSan build of the extension in a separate build dir, then the codec tests and the planner's DDP workers against it.
 	bash scripts/sanitize.sh
 
 bench: setup

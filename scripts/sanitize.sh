@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build lossless_hc._C with AddressSanitizer + UndefinedBehaviorSanitizer into a scratch copy of the
-# package and run the codec tests against it. The regular editable build in the repo is untouched.
+# package and run the codec tests, and the planner's multi-process DDP scenarios, against it. The
+# regular editable build in the repo is untouched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$PWD/.venv/bin/python}
@@ -31,6 +32,9 @@ export LHC_EXPECT_SANITIZED=1
 # Run from inside the scratch tree so `import lossless_hc` resolves to it, not to the repo's build.
 cd "$OUT/lib"
 "$PY" -c "import lossless_hc._C as c, sys; assert '$OUT' in c.__file__, c.__file__; print('sanitized module:', c.__file__)"
-# The host emulation of the CUDA kernels (built without the sanitizers; its fibers switch stacks) and
-# the multi-process plugin tests are not what this build checks.
+# The host emulation of the CUDA kernels (built without the sanitizers; its fibers switch stacks) is not
+# what this build checks. Of the multi-process tests, the planner's DDP scenarios (3 Gloo ranks: every
+# strategy, dense and sparse gradients, the kernels called from DDP's hook) run against it too; the
+# workers import this build (tests/test_planner_mp.py checks which one each rank loaded).
 "$PY" -m pytest -q -x -p no:cacheprovider --rootdir=../.. ../../tests -k "not sizing and not emulated" -m "not multiprocess" "$@"
+"$PY" -m pytest -q -x -p no:cacheprovider --rootdir=../.. ../../tests/test_planner_mp.py -k ddp "$@"

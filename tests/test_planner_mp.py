@@ -10,12 +10,17 @@ import sys
 
 import pytest
 
+import lossless_hc._C
+
 from helpers import free_port
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SIZE = 3
+# The workers import the build this process imported (the repository's, or scripts/sanitize.sh's
+# ASan/UBSan copy), and each reports the extension it loaded.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(lossless_hc.__file__)))
 TOL = 1e-6
 DDP_EXACT = ["measured", "replan", "small_buckets"]
 # sparse gradients (nn.Embedding / EmbeddingBag(sparse=True)) under auto_hook: planned, and each exact
@@ -26,7 +31,7 @@ HVD_EXACT = ["measured", "replan", "allgather"]
 
 def launch(cmd, timeout=600, device="cpu"):
     """Run a worker command; ``device="cuda"``: the DDP worker puts every rank's model on GPU 0."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300",
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300",
                LHC_TEST_DEVICE=device)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -59,6 +64,7 @@ def horovod_run(tmp_path_factory):
 
 def check_exact_and_identical(rs):
     for r in rs:
+        assert r["extension"] == os.path.realpath(lossless_hc._C.__file__), r["extension"]
         assert r["max_diff"] <= TOL, r["max_diff"]
         assert r["plan"] == rs[0]["plan"] and r["calibration"] == rs[0]["calibration"]
         assert r["digest"] == rs[0]["digest"]   # replicas decode the same bits

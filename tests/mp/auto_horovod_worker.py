@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
 from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
+import lossless_hc._C  # noqa: E402
 from lossless_hc.plugins.horovod import Calibration, Compression  # noqa: E402
 
 RUNS = [0]
@@ -103,6 +104,7 @@ def main():
     for name in names:
         result = scenario(name)
         result["size"] = hvd.size()
+        result["extension"] = os.path.realpath(lossless_hc._C.__file__)   # which build ran
         with open(os.path.join(out_dir, f"{name}.rank{hvd.rank()}.json"), "w") as f:
             json.dump(result, f)
     hvd.shutdown()

@@ -9,6 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+import lossless_hc._C
+
 from models import DEVICE
 
 
@@ -21,6 +23,7 @@ def _rank(rank, size, port, out_dir, names, scenario):
     for name in names:
         result = scenario(name)
         result["size"] = size
+        result["extension"] = os.path.realpath(lossless_hc._C.__file__)   # which build ran
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()

@@ -411,3 +411,30 @@ def test_the_link_is_timed_only_up_to_the_largest_tensor():
     assert link_sizes(128 << 10) == (1 << 10, 1 << 15, 128 << 10)   # DigitsCNN's largest gradient
     assert link_sizes(100) == (1 << 10, 1 << 15)                     # a latency and a bandwidth point at least
     assert link_sizes(64 << 20) == LINK_SIZES                        # capped at 1 MiB
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gathered_rows_are_summed_in_rank_order_on_every_device(device):
+    """The allgather strategy's sum of the gathered slots (rows.sum_slots) adds each row's values in rank
+    order, so every rank gets the same bits; values chosen so that another order changes them (1e8 + 1
+    - 1e8 is 0 in float32, -1e8 + 1e8 + 1 is 1)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from lossless_hc.training.rows import gather_slots, sum_slots
+    n, k, row = 5, 4, 3
+    sent = {0: [2, 7], 1: [7], 2: [], 3: [1, 2, 7, 9], 4: [7, 9]}
+    gen = torch.Generator().manual_seed(0)
+    values = {r: torch.randn(len(rows), row, generator=gen) for r, rows in sent.items()}
+    values[0][1] = 1e8   # row 7: 1e8, then 1, then -1e8 (ranks 0, 1, 3), then rank 4's
+    values[1][0] = 1.0
+    values[3][2] = -1e8
+    slots = torch.stack([gather_slots(torch.tensor(sent[r], dtype=torch.int64, device=device),
+                                      values[r].to(device), k, row).reshape(k, 1 + row) for r in range(n)])
+    union, rows = sum_slots(slots, row)
+    assert union.tolist() == [1, 2, 7, 9]
+    want = torch.zeros(4, row)
+    for r in range(n):   # rank order, one float32 addition at a time
+        for i, key in enumerate(sent[r]):
+            want[union.tolist().index(key)] += values[r][i]
+    assert torch.equal(rows.cpu(), want)
+    assert torch.equal(rows[2].cpu(), values[4][0])   # 1e8 + 1 - 1e8 = 0 first: row 7 is rank 4's value

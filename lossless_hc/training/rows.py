@@ -45,11 +45,16 @@ def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) ->
 
 def sum_slots(slots: torch.Tensor, row: int) -> tuple:
     """``(union, rows)`` from the gathered ``(n, K, 1 + row)`` slots: the sorted rows some rank sent and
-    their sums, each row added in rank order (the same additions on every rank)."""
-    index = slots[:, :, 0].contiguous().view(torch.int32).to(torch.int64).reshape(-1)
+    their sums, ``rows[i] = ((0 + v_0) + v_1) + ...`` over the ranks that sent row ``union[i]`` in rank
+    order, on every device (so every rank adds the same floats in the same order: the same bits).
+    A rank's slots name distinct rows (``gather_slots``: its sorted rows)."""
+    index = slots[:, :, 0].contiguous().view(torch.int32).to(torch.int64)
     valid = index >= 0
-    index, values = index[valid], slots[:, :, 1:].reshape(-1, row)[valid]
-    union, where = torch.unique(index, sorted=True, return_inverse=True)
+    union = torch.unique(index[valid], sorted=True)
     rows = torch.zeros(union.numel(), row, dtype=torch.float32, device=slots.device)
-    rows.index_add_(0, where, values)   # the slots in rank order, each rank's in row order
+    # One rank at a time: within a rank no two slots meet in a row, so even an atomic index_add_ (CUDA)
+    # has one order; a single index_add_ over every rank's slots would add them in any order there.
+    for r in range(slots.shape[0]):
+        take = valid[r]
+        rows.index_add_(0, torch.searchsorted(union, index[r][take]), slots[r, :, 1:][take])
     return union, rows

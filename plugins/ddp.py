@@ -390,7 +390,9 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
     """DDP communication hook: lossless aggregation of one bucket.
 
     Returns a future of the bucket's averaged gradients (same shape as ``bucket.buffer()``), equal
-    to DDP's default allreduce up to float rounding of the sum.
+    to DDP's default allreduce within the exactness contract (:mod:`lossless_hc.lhc.contract`: what a
+    dense float32 allreduce may be off, or the codec's ``rtol`` where larger; keys the decoder cannot
+    prove are re-aggregated densely).
     """
     _require_state(state, LosslessHookState, "lossless_hook")
     return _compressed_allreduce(state, bucket, "lossless_hook")
@@ -458,7 +460,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     """DDP communication hook: the planner's strategy per parameter (exact unless ``lossy``).
 
     Returns a future of the bucket's averaged gradients; with exact strategies they equal DDP's default
-    allreduce up to float rounding of the sum. A sparse gradient's bucket (``nn.Embedding(sparse=True)``:
+    allreduce up to float rounding of the sum (the sketch's within the exactness contract, as
+    :func:`lossless_hook`'s). A sparse gradient's bucket (``nn.Embedding(sparse=True)``:
     DDP gives each its own) is planned among the exact strategies over the rows it lists, without
     densifying it for allgather and two_phase, and its future holds a coalesced sparse tensor of the
     rows some rank listed, divided by the world size, as DDP's own sparse allreduce gives.

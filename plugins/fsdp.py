@@ -26,9 +26,10 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
 Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
 (``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so
 FSDP divides each reduced shard once, after our hooks, exactly as uncompressed HSDP over the same
-mesh does. With ``lossless`` the gradients therefore equal uncompressed FSDP2's up to float rounding
-of the sums (and bit for bit where every decode gives the sum in the order the dense collective
-adds).
+mesh does. With ``lossless`` the gradients therefore equal uncompressed FSDP2's within the exactness
+contract (:mod:`lossless_hc.lhc.contract`: what a dense float32 sum may be off, or the codec's
+``rtol`` where larger; keys the decoder cannot prove are re-aggregated densely), and bit for bit
+where every decode gives the sum in the order the dense collective adds.
 
 Usage::
 

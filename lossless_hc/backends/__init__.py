@@ -28,8 +28,9 @@
   to the lower index, ascending int64 (csrc/cpu/topk_cpu.h), identical on every backend.
 * ``topk_feedback(x, residual, k, num_threads=0) -> (indices, values)``: ``topk_select`` of
   ``a = x + residual`` and ``a`` there, with ``residual <- a`` minus the selection, in place.
-* ``thc_layout``, ``thc_encode`` (writes the whole payload after the codec's two header fields: the
-  norm slot and its mirror, the checksum field, or the non-finite flag) and
+* ``thc_layout``, ``thc_encode`` (writes every level word, this rank's norm slot and its mirror and
+  the checksum field, or the non-finite flag with everything after it zeroed; the codec zeroes the
+  header and the norm slots first and writes header fields 0 and 1) and
   ``thc_decode -> (invalid word count, checksum of the words)``. Both take ``interleave_nb``: when > 0,
   ``thc_encode``'s x is encoded as ``thc_interleave(x, interleave_nb, block)`` and ``thc_decode``'s
   out receives the ``thc_deinterleave`` of the decoded blocks (the CPU backend reads and writes them

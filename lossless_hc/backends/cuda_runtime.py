@@ -1,5 +1,5 @@
-"""Loading and launching the CUDA kernels, shared by the lossless codec (:mod:`.cuda`) and THC
-(:mod:`.cuda_thc`): the two ways of loading them, stream and device scoping, scratch arenas.
+"""Loading and launching the CUDA kernels, shared by the lossless codec (:mod:`.cuda`), THC
+(:mod:`.cuda_thc`) and top-k (:mod:`.cuda_topk`): the two ways of loading them, stream and device scoping, scratch arenas.
 
 * ``compiled``: the extension ``lossless_hc._C_cuda`` (built by setup.py where nvcc is found).
 * ``cupy``: where that extension is absent but CuPy is importable, the same headers are compiled at

@@ -77,9 +77,10 @@ def encode(native: ThcCudaLayout, quantize: bool, scale: float, threshold: float
            sign_stream: int, round_stream: int, x: torch.Tensor, e, word_kind: int, payload: torch.Tensor,
            words_offset: int, norm_slot: int, mirror_slot: int, check: tuple) -> None:
     """Queue the encode of ``x`` (contiguous float32, numel) with error memory ``e`` (float32 numel, or
-    None) into ``payload`` (header fields 0 and 1 are the caller's; the others, the norm slots and the
-    words are written here: the norm slot ``norm_slot``, its negation in ``mirror_slot`` and the
-    words' checksum (``check`` = (P, c0, k)), or the non-finite flag with everything after it zeroed).
+    None) into ``payload``, whose header and norm slots the caller zeroed (and wrote header fields 0
+    and 1 of): written here are the level words, the norm slot ``norm_slot``, its negation in
+    ``mirror_slot`` and the words' checksum (``check`` = (P, c0, k)), or the non-finite flag with
+    everything after it zeroed).
     With ``quantize`` False (the norm-only round) the words must already be zero.
     The scalars are those the CPU backend's ``thc_encode`` takes (as float32 there, converted the same
     way here). Asynchronous on the current stream."""

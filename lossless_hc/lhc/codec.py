@@ -72,8 +72,8 @@ class DecodeReport:
                      E(k) is the peel's bound (``LosslessCodec``; with ``verify``, verdicts also use the
                      verification bound). None otherwise, and for the dense layout.
     inexact_keys     under INEXACT, the keys (blocks) whose bound exceeds rtol: a sorted int64 CPU
-                     tensor (key k covers coordinates ``k*block_size .. (k+1)*block_size - 1`` of the
-                     flattened tensor); empty otherwise.
+                     tensor (key k covers coordinates ``k*block_size`` to
+                     ``min((k+1)*block_size, numel) - 1`` of the flattened tensor); empty otherwise.
     contributors     ranks that contributed to the payload (from the header).
     candidates       keys the index could not rule out (union of supports + false positives).
     false_positives  candidates the exact count peeling proved absent on every rank (Bloom index).
@@ -121,16 +121,19 @@ class LosslessCodec:
 
     1. Find the non-zero keys :math:`K_r` (a key is non-zero if any of its coordinates is).
     2. Index: add 1 to the counter(s) of every :math:`k \in K_r` (one counter per key for the
-       ``bitmap`` index, three Bloom counters for ``bloom``), packed as exact integer digits.
-    3. Values: Count Sketch with three hashes and signs, :math:`S[h_j(k)] \mathrel{+}= s_j(k) x_k`
-       for j = 0, 1, 2, a block-long vector per cell; the three cells of a key are distinct.
+       ``bitmap`` index, three Bloom counters for ``bloom``; for ``multilevel`` a counter per node of
+       keys and the nodes' child patterns in signed fine tables), packed as exact integer digits.
+    3. Values: Count Sketch with three hashes and weights, :math:`S[h_j(k)] \mathrel{+}= w_j(k) x_k`
+       for j = 0, 1, 2 (:math:`w_j = \pm 1`; :math:`\pm 1, \pm 2` in a small weighted table), a
+       block-long vector per cell; the three cells of a key are distinct.
 
     Decoding the aggregate (any summation order):
 
     1. Enumerate candidate keys from the index; for ``bloom``, peel the integer counters exactly so
-       that every candidate gets the exact number of ranks holding it (false positives get 0).
+       that every candidate gets the exact number of ranks holding it (false positives get 0); for
+       ``multilevel``, peel the fine tables level by level, exactly in integers, down to the keys.
     2. Peel the sketch over the exact support: a cell reached by one unresolved key holds
-       :math:`s_j(k) x_k`; subtract it from the key's other two cells and repeat. Peeling is
+       :math:`w_j(k) x_k`; subtract it from the key's other two cells and repeat. Peeling is
        sequential in a fixed order, so the output is bitwise deterministic.
 
     Guarantees: when ``report.ok`` is True the output has exactly the aggregate's non-zero keys

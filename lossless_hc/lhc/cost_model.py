@@ -26,7 +26,7 @@ WORDS_PER_GROUP_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 UPPER_WORDS_CHOICES = (1, 2, 4)
 MAX_EXTRA_LEVELS = 3            # up to 4 fine levels (layout.MAX_FINE_LEVELS)
 # ``auto`` takes the multilevel index only where it saves this many wire bytes per fine-table node
-# its decoder peels (the 1 Gbit/s break-even of its extra decode time; see "The choice" above).
+# its decoder peels (the 1 Gbit/s break-even of its extra decode time; docs/DESIGN.md, "Cost model", "The choice").
 MULTILEVEL_BYTES_PER_NODE = 4.0
 
 
@@ -48,7 +48,7 @@ def log2_binomial(n: int, k: int) -> float:
 
 def information_bound_bits(numel: int, nnz: int) -> float:
     """The information bound of an exact aggregate with ``nnz`` non-zero coordinates among
-    ``numel``: log2 C(numel, nnz) + 32 nnz bits (see the module docstring)."""
+    ``numel``: log2 C(numel, nnz) + 32 nnz bits (docs/DESIGN.md, "Cost model")."""
     return log2_binomial(numel, nnz) + 32.0 * nnz
 
 
@@ -101,7 +101,7 @@ def multilevel_nodes(layout: PayloadLayout) -> int:
 
 def multilevel_pays_off(flat: PayloadLayout, multilevel: PayloadLayout) -> bool:
     """Whether ``multilevel`` saves at least ``MULTILEVEL_BYTES_PER_NODE`` wire bytes per node its
-    decoder peels, against the single-level layout ``flat`` (see "The choice")."""
+    decoder peels, against the single-level layout ``flat`` (docs/DESIGN.md, "Cost model", "The choice")."""
     saved = flat.wire_bytes - multilevel.wire_bytes
     return saved > 0 and saved >= MULTILEVEL_BYTES_PER_NODE * multilevel_nodes(multilevel)
 

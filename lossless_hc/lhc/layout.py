@@ -6,7 +6,8 @@ same layout and the same payload shape without communicating.
 
 Payload (float32, ``payload_numel`` elements)::
 
-    [ header: HEADER_FIELDS ints ][ index words ][ value sketch: cells x block floats ][ mass: cells floats ]
+    [ header: HEADER_FIELDS ints ][ index words ][ fine tables (multilevel only) ]
+        [ value sketch: cells x block floats ][ mass: cells floats ]
 
 * header -- small integers each rank contributes (contributor count 1, configuration fingerprint,
   its number of non-zero keys, overload/non-finite/saturation flags, the index checksum). Their SUM
@@ -17,10 +18,12 @@ Payload (float32, ``payload_numel`` elements)::
   from the true one fails but with probability ``1 / (2039 * 2029) < 2**-21.9`` (see csrc/lhc_layout.h).
 * index -- which keys are non-zero on at least one rank, summable by plain SUM:
   ``bitmap``: one counter per key; ``bloom``: a counting Bloom filter whose counters are peeled
-  exactly (see ``bloom_table_for``); ``dense``: no index, the raw values follow the header.
-* sketch -- a Count Sketch of the values: key ``k`` adds ``s_j(k) * x[k]`` into cell ``h_j(k)`` for
-  j = 0, 1, 2 (see csrc/lhc_layout.h for the hash family and the segmented table).
-* mass -- one float per sketch cell: key ``k`` adds ``|s_j(k)| * max_l |x[k, l]|`` (its block's largest
+  exactly (see ``bloom_table_for``); ``multilevel``: a counting bitmap over nodes of keys, then signed
+  fine tables of the nodes' child patterns peeled exactly in integers (see ``multilevel_plan``);
+  ``dense``: no index, the raw values follow the header.
+* sketch -- a Count Sketch of the values: key ``k`` adds ``w_j(k) * x[k]`` into cell ``h_j(k)`` for
+  j = 0, 1, 2, with signs ``w_j(k)`` = +-1 (+-1, +-2 in a small weighted table) (see csrc/lhc_layout.h for the hash family and the segmented table).
+* mass -- one float per sketch cell: key ``k`` adds ``|w_j(k)| * max_l |x[k, l]|`` (its block's largest
   magnitude) into cell ``h_j(k)``. Sums of non-negative terms do not cancel, so the aggregated mass
   is an upper bound (up to a relative ``(deg + n) 2^-24``) on what every coordinate of the cell
   summed in absolute value: the decoder's per-key error bound and residual check are built on it
@@ -195,7 +198,8 @@ class PayloadLayout:
     num_keys: int
     world_size: int
     capacity: int            # non-zero keys per rank the codec is sized for
-    union_keys: int          # keys the sketch is sized for: min(num_keys, world_size * capacity)
+    union_keys: int          # keys the sketch is sized for: min(num_keys, world_size * capacity), or
+                             # min(num_keys, ceil(union_nnz / block)) when union_nnz is given
     index_kind: str
     seed: int
     sketch: SegmentedTable

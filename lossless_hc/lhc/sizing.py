@@ -44,7 +44,7 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
     """The value sketch for ``keys`` candidate keys: the smallest segmented table whose peeling
     fails with probability below ``PEEL_FAILURE_TARGET``.
 
-    * Cells: ``SKETCH_CELLS_PER_KEY`` (1.25) per key plus a ``3 sqrt(keys)`` margin over the 2-core
+    * Cells: ``SKETCH_CELLS_PER_KEY`` (1.25) per key plus a ``3 sqrt(keys) + 8`` margin over the 2-core
       threshold of a 3-uniform hypergraph (1.222), and at least what keeps the small stopping sets
       (two keys sharing all three cells, and the 4- and 6-key sets; :func:`small_stopping_sets`)
       below the target, counting only the pairs the decoder cannot solve (``pair_share``).
@@ -291,21 +291,22 @@ def multilevel_plan(num_keys: int, union_keys: int, world_size: int, words_per_g
     * fine tables, coarsest first: each rank forms, for each of its non-zero nodes, the node's
       *pattern* -- ``words_per_group`` integers ``sum_j c_j (n+1)^j`` over its children, ``w`` per
       word, with ``c_j = 1`` for the children holding one of its non-zero keys -- and adds it into
-      three cells of the level's table hashed by node id (cells of ``words_per_group`` words, all
-      signs +1). The aggregate of a cell is the sum of the aggregate patterns of the non-zero nodes
-      hashed there; the decoder knows those nodes (from the level above), so it peels the table
-      exactly in integers: a cell reached by one unresolved node holds that node's aggregate
-      pattern, whose base-(n+1) digits are the per-child counts. The non-zero children are the
+      three cells of the level's table hashed by node id (cells of ``words_per_group`` words), each
+      times the node's +-1 sign in that cell (signed, as the value sketch, so that the decoder can
+      solve pairs; ``fine_table_for``). The aggregate of a cell is the signed sum of the aggregate
+      patterns of the non-zero nodes hashed there; the decoder knows those nodes (from the level
+      above), so it peels the table exactly in integers: a cell reached by one unresolved node holds
+      that node's aggregate pattern times its sign, whose base-(n+1) digits are the per-child counts. The non-zero children are the
       next level's non-zero nodes; at the finest level they are the support keys. A large table is
       split into groups like the value sketch (``fine_table_for``): a node hits three cells of one
       group, and the decoder peels the groups in parallel, each in cache.
 
     Word headroom. A digit of a *pure* cell never exceeds ``n``, so no digit needs room for sums of
     several nodes: only the whole word must stay exact. A cell holding ``l`` nodes sums to at most
-    ``l ((n+1)^w - 1)``; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
+    ``l ((n+1)^w - 1)`` in magnitude; ``w`` is the largest with ``load_cap ((n+1)^w - 1) < 2**22``, where
     ``load_cap`` bounds the nodes per cell (Binomial(planned nodes, 1/(groups seg_len))) except with
-    probability ``FINE_OVERFLOW_TARGET`` over the table. A larger load is detected (the word reads
-    at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per *word*
+    probability ``FINE_OVERFLOW_TARGET`` over the table. A larger load is detected (the word's
+    magnitude reads at or above 2**22), never decoded wrongly. Headroom costs ``log2(load_cap)`` bits per *word*
     instead of per digit, so base-(n+1) digits pack almost as densely as in the bitmap.
 
     Several fine levels pay off at low density: each peeled node costs ~1.25 cells of its words,

@@ -94,7 +94,7 @@ class THCCodec:
         rank: this rank (selects the norm slot and the rounding stream), 0 <= rank < world_size.
         bits: the table has 2^bits levels (all g + 1 integers when 2^bits > g).
         granularity: g, levels are integers in [0, g].
-        overflow_freq: 1/p, the expected fraction of clipped coordinates for a normal input.
+        overflow_freq: 1/p, where p is the expected fraction of clipped coordinates for a normal input.
         seed: seeds the shared rotation and the rounding streams; identical on every rank.
         device: "cpu" (C++/OpenMP kernels) or "cuda" (the CUDA kernels of csrc/cuda/thc_kernels.cuh, from
             lossless_hc._C_cuda or compiled at run time through CuPy; the same payload bits as "cpu").
@@ -102,7 +102,8 @@ class THCCodec:
         symmetric_table: use the best table symmetric under l -> g - l (the published shape).
         hadamard_block: largest Hadamard block (power of two; 1024 as in THC's code).
         payload_dtype: torch.float64 (default; exact under SUM and AVERAGE) or torch.int64 (SUM
-            only, e.g. torch.distributed with ReduceOp.SUM; one more digit per word when it fits).
+            only, e.g. torch.distributed with ReduceOp.SUM; one to three more digits per word, e.g. 10
+            instead of 8 at world_size 2, g 30).
         digits_per_word: pin the lane count (then ``world_size`` is limited, see ``max_world_size``);
             None packs as many as stay exact.
         error_feedback: keep the error memory e (recommended; needed for the bootstrap step).
@@ -234,8 +235,8 @@ class THCCodec:
         return self._last_norms
 
     def reset(self) -> None:
-        """Forget the error memory and the agreed norm (the next step is a norm-only round unless the
-        codec was built with ``initial_norm``, which is not remembered). Call on every rank."""
+        """Forget the error memory and the agreed norm: the next step is a norm-only round, also for a
+        codec built with ``initial_norm`` (which is not remembered). Call on every rank."""
         if self._error is not None:
             self._error.zero_()
         self._norm, self._step, self._pending = 0.0, 0, False
@@ -359,8 +360,11 @@ class THCCodec:
         Raises ValueError when the payload is not the SUM/AVERAGE of ``world_size`` payloads of this
         configuration at this step (wrong ``averaged``, ranks built with different arguments, ranks
         out of step, corrupted words), and FloatingPointError when a rank's input was non-finite
-        (unless ``non_finite="propagate"``). In both cases the state still advances by one step,
-        identically on every rank.
+        (unless ``non_finite="propagate"``). In both cases the step counter still advances by one,
+        identically on every rank; ``norm`` is taken from the norm slots only when the header and the
+        slots are valid, and kept otherwise. A payload of the wrong type, dtype, shape or device, or an
+        int64 payload with ``averaged=True``, is refused (TypeError, ValueError) before any state
+        changes.
         """
         L = self.layout
         if not self._pending:

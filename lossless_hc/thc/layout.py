@@ -138,7 +138,8 @@ class THCLayout:
     group_blocks  blocks packed together: the fewest whose coordinates fill whole words
                (per_word / gcd(per_word, block), e.g. 3 blocks of 1024 for 6 digits per word; 1 if
                that exceeds MAX_GROUP_BLOCKS). A group is encoded and decoded in one cache-resident
-               pass; only the last group's last word may be partly unused.
+               pass; only the last group's last word may be partly unused (with group_blocks 1 for want of a
+               fitting group, every block's last word may be).
     words      ceil(group coordinates / per_word) summed over the groups.
     """
 

@@ -1,4 +1,4 @@
-"""Per-tensor aggregation policy shared by the framework adapters (Horovod, BytePS, DDP).
+"""Per-tensor aggregation policy shared by the framework adapters (Horovod, BytePS, DDP, FSDP2).
 
 An adapter hands each gradient to :meth:`TensorAggregator.encode`, lets its engine SUM or AVERAGE
 the payload (a ring allreduce, a parameter server), and hands the result to
@@ -23,8 +23,9 @@ always match. Nothing here needs a collective of its own.
 The aggregators:
 
 * :class:`TensorAggregator` (``Compression.lossless``): the gradient as it is, for naturally
-  sparse gradients (embedding tables). The aggregate equals the dense allreduce up to float rounding
-  of the sum.
+  sparse gradients (embedding tables). The aggregate equals the dense allreduce within the exactness
+  contract (:mod:`lossless_hc.lhc.contract`: at each coordinate what a dense float32 allreduce may be
+  off, or the codec's ``rtol`` where larger); keys the decoder cannot prove are re-aggregated densely.
 * :class:`TopKAggregator` (``Compression.topk``): top-k sparsification with error feedback for dense
   gradients; the selected values are then aggregated losslessly.
 * :class:`~lossless_hc.training.thc_aggregate.THCAggregator` (``Compression.thc``, its own module):

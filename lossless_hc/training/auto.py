@@ -3,7 +3,7 @@
 * :class:`AutoSpec` (``Compression.auto``, ``AutoHookState``, ``AutoFSDPState``): validated options;
   builds one :class:`~lossless_hc.training.strategies.AutoAggregator` per parameter on the calibration
   every rank shares (:mod:`lossless_hc.training.calibration`).
-* :func:`encode_message` / :func:`decode_message`: many tensors in one message (a DDP bucket, an FSDP2
+* :class:`AutoMessage` / :func:`decode_message`: many tensors in one message (a DDP bucket, an FSDP2
   shard): the first payloads concatenated into one SUM, then at most one more allreduce per payload
   dtype and one allgather for all the tensors whose strategy needs a second collective.
 * :class:`AutoCompressorAdapter`: the per-tensor compressor of the Horovod (and BytePS) plugins; a

@@ -11,14 +11,14 @@ relative error
 .. math:: \min_{\alpha,\beta}\ \sum_i \left(\frac{x_i \alpha + y_i \beta - t_i}{t_i}\right)^2,\qquad
           (x, y) = (2(n-1),\ 2\tfrac{n-1}{n}B) \text{ (allreduce)},\ ((n-1),\ (n-1)B) \text{ (allgather)}
 
-(:func:`fit_link`; ``alpha`` clamped at 0, and ``beta`` refitted alone if the joint fit makes it
-non-positive). Relative, because the sizes span three decades: in absolute error the megabyte samples
+(:func:`fit_link`; if the joint fit gives ``alpha < 0`` or ``beta <= 0``, ``alpha`` is clamped at 0
+and ``beta`` refitted with it fixed). Relative, because the sizes span three decades: in absolute error the megabyte samples
 decide both constants, and a link whose time per byte grows a little with size (a token bucket's
 burst, Gloo's allgather) fits a negative latency, clamped to 0 -- which prices every small tensor's
 extra collective at nothing (a 100 us link measured 1 KiB allreduces at 360 us and fitted alpha = 0).
 
-Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense,
-fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's
+Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
+a half-precision round trip (fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's
 encode + decode of a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error
 feedback's passes (add the memory, keep a copy, subtract the result), and per flop, the time of
 torch's own PowerSGD products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at

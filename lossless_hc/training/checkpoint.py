@@ -13,8 +13,10 @@ What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to 
   the sketch's sizing) and the lossy strategies' error feedback.
 
 The result holds only Python numbers and CPU tensors (``torch.save`` with ``weights_only=True``
-loads it). :func:`load_aggregator_state_dict` restores it into an aggregator built with the same
-configuration (shape, dtype, world size, options) and raises ``ValueError`` otherwise.
+loads it). :func:`load_aggregator_state_dict` restores it into an aggregator of the same kind, shape
+and dtype (with the same capacity policy, and for THC compressing or not alike; for ``auto`` a saved
+strategy the aggregator allows) and raises ``ValueError`` otherwise; other options (world size,
+seed, index, bits, ratio) are not compared: the state is restored as saved.
 """
 from __future__ import annotations
 

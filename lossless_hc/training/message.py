@@ -160,7 +160,7 @@ def replay_failure(aggregator, total_keys: int) -> None:
     """Apply, on a rank that did not decode, the capacity growth that a failed decode caused on the rank
     that did (the owner of a reduce-scatter destination): ``total_keys`` is the owner's
     ``DecodeReport.total_keys``. Afterwards the aggregator builds the same codec as the owner's, so
-    payload sizes keep matching. THC never fails, so it has nothing to replay."""
+    payload sizes keep matching. THC never fails: with a THC aggregator this raises TypeError."""
     grow = getattr(aggregator, "_grow", None)
     if grow is None:
         raise TypeError(f"{type(aggregator).__name__} cannot fail to decode; nothing to replay")

@@ -5,7 +5,8 @@ calibration (decided on rank 0 and broadcast, :mod:`lossless_hc.training.calibra
 aggregated statistics, so every rank takes the same decision at the same step. The strategies'
 mechanics are :mod:`lossless_hc.training.strategies`; this module only prices them.
 
-Strategies. Exact ones (the aggregate equals the dense sum up to float rounding)::
+Strategies. Exact ones (the aggregate equals the dense sum up to float rounding; the sketch's within
+the exactness contract, :mod:`lossless_hc.lhc.contract`, its unproven keys re-aggregated densely)::
 
     dense      allreduce the tensor
     allgather  allgather (row index, row values) of each rank's non-zero rows, padded to the largest
@@ -52,7 +53,7 @@ over the observed counts, the same numbers :mod:`lossless_hc.training.strategies
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
-allgather, ``u`` for two_phase and sketch, 0 otherwise). :meth:`CostModel.choose` returns the
+allgather, ``u`` for two_phase and sketch, ``n ceil(r d)`` for topk, 0 otherwise). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
 keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
 the first allreduce's latency that every strategy pays alike.
@@ -391,9 +392,10 @@ class CostModel:
 
     def predict_message(self, plans) -> float:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
-        list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce, then at most
-        one allreduce of the half-precision requests, one of the others and one allgather (as
-        :func:`~lossless_hc.training.auto.decode_message` batches them), plus every tensor's local work."""
+        list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce, then the
+        second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
+        allreduce per request dtype and one allgather), except that fp16 and bf16 requests are priced as
+        one allreduce (one latency fewer when a message holds both), plus every tensor's local work."""
         link = self.calibration.link
         n = max((s.world_size for _, s in plans), default=1)
         first = halves = others = gathered = 0

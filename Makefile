@@ -61,7 +61,7 @@ cuda-check: $(STAMP)
 	bash scripts/cuda_check.sh
 
 sanitize: $(STAMP)
-	# ASan/UBSan build of the extension in a separate build dir, then the codec tests and the planner's DDP workers against it.
+	# ASan/UBSan build of the extension in a separate build dir; the codec tests and the planner's DDP workers run against it.
 	bash scripts/sanitize.sh
 
 bench: setup

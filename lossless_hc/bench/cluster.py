@@ -54,7 +54,7 @@ from lossless_hc.bench.common import command_line, machine_info, write_report
 from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, require_root, run_on_clusters,
                                     terminate_on_signals)
 
-# BASELINE, LOSSLESS (modes whose result must equal the uncompressed run up to float rounding), AUTO
+# BASELINE, LOSSLESS (modes whose result must equal the uncompressed run within the exactness contract), AUTO
 # (the planner's modes); the training driver's modes and which framework implements which
 from lossless_hc.bench.cluster_report import (AUTO, BASELINE, LOSSLESS, answer_line, plot,  # noqa: E402,F401
                                               rate_label, render_markdown)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 BASELINE = "none"
-LOSSLESS = ("lossless", "auto", "auto-sparse")  # modes whose result equals the uncompressed run up to float rounding
+# modes whose result equals the uncompressed run within the exactness contract
+LOSSLESS = ("lossless", "auto", "auto-sparse")
 AUTO = ("auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse")   # the planner's modes: marked in the tables
 AUTO_EXACT = ("auto", "auto-sparse")            # ... of them the exact ones (compared with the fastest exact mode)
 

@@ -12,14 +12,15 @@ relative error
           (x, y) = (2(n-1),\ 2\tfrac{n-1}{n}B) \text{ (allreduce)},\ ((n-1),\ (n-1)B) \text{ (allgather)}
 
 (:func:`fit_link`; if the joint fit gives ``alpha < 0`` or ``beta <= 0``, ``alpha`` is clamped at 0
-and ``beta`` refitted with it fixed). Relative, because the sizes span three decades: in absolute error the megabyte samples
-decide both constants, and a link whose time per byte grows a little with size (a token bucket's
-burst, Gloo's allgather) fits a negative latency, clamped to 0 -- which prices every small tensor's
-extra collective at nothing (a 100 us link measured 1 KiB allreduces at 360 us and fitted alpha = 0).
+and ``beta`` refitted with it fixed). Relative, because the sizes span three decades: in absolute
+error the megabyte samples decide both constants, and a link whose time per byte grows a little with
+size (a token bucket's burst, Gloo's allgather) fits a negative latency, clamped to 0 -- which prices
+every small tensor's extra collective at nothing (a 100 us link measured 1 KiB allreduces at 360 us
+and fitted alpha = 0).
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
-a half-precision round trip (fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's
-encode + decode of a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error
+a half-precision round trip (fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched
+coordinate, the LHC sketch's encode + decode of a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error
 feedback's passes (add the memory, keep a copy, subtract the result), and per flop, the time of
 torch's own PowerSGD products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at
 :data:`POWERSGD_RANK` divided by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`).

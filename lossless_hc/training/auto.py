@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, _check_seed
+from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.planner import LOSSY_MIN_BYTES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
@@ -226,7 +227,20 @@ class AutoCompressorAdapter(CompressorAdapter):
         super().__init__(spec, **engine_options)
         self._requests: list = []   # (handle, out, ctx, aggregator) issued this step
 
+    def aggregator(self, key, name: str, tensor: torch.Tensor, world_size: int, rank: int):
+        """As :meth:`CompressorAdapter.aggregator`; an integer tensor gets a pass-through
+        :class:`~lossless_hc.training.aggregate.TensorAggregator` (never compressed: the engine sums or
+        averages the tensor itself, as it would without a compressor), as under ``lossless``."""
+        if tensor.is_floating_point() or key in self._aggregators:
+            return super().aggregator(key, name, tensor, world_size, rank)
+        agg = TensorAggregator(name, tensor.shape, tensor.dtype, world_size, 1.0, seed=self.spec.seed,
+                               stats=self._stats, device=tensor.device)
+        self._aggregators[key] = agg
+        return agg
+
     def _result(self, enc: EncodedTensor, outcome, aggregated: torch.Tensor) -> torch.Tensor:
+        if not isinstance(enc.aggregator, AutoAggregator):   # an integer tensor's pass-through
+            return super()._result(enc, outcome, aggregated)
         if outcome.request is None:
             return outcome.value
         agg = enc.aggregator

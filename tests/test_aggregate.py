@@ -56,22 +56,25 @@ def test_row_sparse_tensors_aggregate_exactly(average):
         torch.testing.assert_close(out.value.double(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_overload_falls_back_and_grows_identically_on_every_rank():
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_overload_falls_back_and_grows_identically_on_every_rank(average):
     n = 2
     aggs = ranks(n, max_density=0.01)
     cap0 = aggs[0].capacity
     xs = [row_sparse(1000, 16, 200, seed) for seed in range(n)]  # 20% of rows, capacity is 1%
-    outs = aggregate(aggs, xs)
-    assert all(o.needs_fallback for o in outs)
+    outs = aggregate(aggs, xs, average)
+    assert all(o.needs_fallback and o.averaged == average for o in outs)
     assert "overloaded" in outs[0].report.reason
     # The dense fallback is the exact sum of what each rank encoded, scaled like the engine scaled it.
     summed = sum(o_ctx for o_ctx in xs)
-    assert torch.equal(aggs[0].finish_fallback(summed.clone(), outs[0]), summed)
+    want = summed / n if average else summed
+    for agg, o in zip(aggs, outs):
+        assert torch.equal(agg.finish_fallback(summed.clone(), o), want)
     caps = {a.capacity for a in aggs}
     assert len(caps) == 1 and caps.pop() >= math.ceil(1.25 * 400 / n) * 16 > cap0
     assert aggs[0].stats.fallbacks == 1 and aggs[0].stats.capacity_growths == 1
     # After growing, the same load goes through the codec.
-    outs = aggregate(aggs, xs)
+    outs = aggregate(aggs, xs, average)
     assert all(not o.needs_fallback for o in outs)
 
 
@@ -315,9 +318,14 @@ def test_thc_aggregator_error_on_a_row_concentrated_gradient(shape, touched):
     nmse = float((got - want).pow(2).sum() / want.pow(2).sum())
     assert nmse <= 0.05, nmse
     # Rows nobody touched are not exact zeros (the interleave shares their blocks with touched rows),
-    # but their error is the codec's noise, not the gradient's: far below a touched row's norm.
+    # but their error is the codec's noise, not the gradient's: every untouched row's mean square is far
+    # below the touched coordinates' (per coordinate both). Measured, largest row / touched: 0.0027,
+    # 0.0031, 0.0025 for the three shapes (at most 0.0031 over 6 seeds each; the untouched mean 0.0011-0.0016);
+    # a row carrying gradient-sized noise gives ~1.
     untouched = want.abs().sum(1) == 0
-    assert float(got[untouched].pow(2).mean()) <= 0.05 * float(want.pow(2).sum() / untouched.logical_not().sum())
+    touched_ms = float(want[~untouched].pow(2).mean())
+    worst_row = float(got[untouched].pow(2).mean(1).max())
+    assert worst_row <= 0.01 * touched_ms, (worst_row, touched_ms)
 
 
 def test_thc_aggregator_interleave_round_trip():
@@ -488,6 +496,8 @@ def test_inexact_keys_are_completed_by_their_own_sum(average):
     coordinate equal to the dense aggregate, bit for bit."""
     n = 2
     aggs, xs, outcomes = first_inexact(n, average, decode_off=True)
+    # what first_inexact's aggregators held before their step (each step builds fresh ones)
+    fresh = TensorAggregator("t", (2000, 4), torch.float32, n, 0.05)
     keys = outcomes[0].report.inexact_keys
     coords = (keys.reshape(-1, 1) * 4 + torch.arange(4)).reshape(-1)
     dense = sum(xs[1:], xs[0].clone())
@@ -501,7 +511,9 @@ def test_inexact_keys_are_completed_by_their_own_sum(average):
         assert torch.equal(got, dense / n if average else dense)
         st = agg.stats
         assert (st.inexact_decodes, st.partial_fallbacks, st.inexact_keys, st.fallbacks) == (1, 1, keys.numel(), 0)
-        assert agg.capacity == aggs[0].capacity   # nothing failed: no growth
+        # nothing failed: no growth, the capacity is the one the step started with
+        assert st.capacity_growths == 0
+        assert (agg.capacity, agg.union_capacity) == (fresh.capacity, fresh.union_capacity)
 
 
 def test_many_inexact_keys_fall_back_densely_and_grow():

@@ -1,6 +1,6 @@
-"""The package's layers (docs/DESIGN.md, "Layers"): every import inside lossless_hc points down or
-sideways within a package, never up; nothing in the core imports the adapters or the benchmarks; and
-there is no import cycle between modules."""
+"""The package's layers (docs/DESIGN.md, "Layers"): every import inside lossless_hc (lossless_hc/ and
+plugins/, installed as lossless_hc.plugins) points down or sideways within a package, never up; nothing
+in the core imports the adapters or the benchmarks; and there is no import cycle between modules."""
 import ast
 import pathlib
 
@@ -28,23 +28,50 @@ def layer(module: str) -> float:
     return best[1]
 
 
+PLUGINS = ROOT / "plugins"   # installed as lossless_hc.plugins (setup.py's package_dir)
+
+
 def modules():
+    """(module name, path) of every module of the installed package: lossless_hc/ and plugins/."""
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         yield ".".join(parts), path
+    for path in sorted(PLUGINS.rglob("*.py")):
+        parts = ["lossless_hc", "plugins"] + list(path.relative_to(PLUGINS).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+def test_plugins_are_checked():
+    names = dict(modules())
+    for m in ("lossless_hc.plugins", "lossless_hc.plugins.ddp", "lossless_hc.plugins.fsdp",
+              "lossless_hc.plugins.horovod", "lossless_hc.plugins.byteps", "lossless_hc.plugins._torch_dist"):
+        assert m in names, sorted(names)
+
+
+def _absolute(node: ast.ImportFrom, module: str, path: pathlib.Path) -> str:
+    """The absolute module a (possibly relative) ``from ... import`` names."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[:len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def imports(path: pathlib.Path, module: str, top_level_only: bool):
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
+    known = {m for m, _ in modules()}
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lossless_hc"):
+        if isinstance(node, ast.ImportFrom) and _absolute(node, module, path).startswith("lossless_hc"):
+            source = _absolute(node, module, path)
             for alias in node.names:
-                full = f"{node.module}.{alias.name}"
-                yield full if (full in LAYERS or any(full == m for m, _ in modules())) else node.module
+                full = f"{source}.{alias.name}"
+                yield full if (full in LAYERS or full in known) else source
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("lossless_hc"):
@@ -63,8 +90,11 @@ def test_core_never_imports_adapters_or_benchmarks():
     for module, path in modules():
         if module.startswith("lossless_hc.bench"):
             continue
+        # the adapters import each other (lossless_hc.plugins._torch_dist), never the benchmarks
+        banned = ("lossless_hc.bench",) if module.startswith("lossless_hc.plugins") else \
+            ("lossless_hc.plugins", "lossless_hc.bench")
         for target in imports(path, module, top_level_only=False):
-            assert not target.startswith(("lossless_hc.plugins", "lossless_hc.bench")), f"{module} imports {target}"
+            assert not target.startswith(banned), f"{module} imports {target}"
 
 
 def test_no_import_cycles():

@@ -12,6 +12,7 @@ from lossless_hc import LosslessCodec, plan_layout
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import INT_FIELD_LIMIT, LAYOUT_WORDS
 from lossless_hc.lhc.sizing import multilevel_plan
+from lossless_hc.lhc.status import DecodeStatus
 
 
 def bits(t):
@@ -50,36 +51,58 @@ def test_cpp_encode_is_bit_exact_with_reference_and_decode_agrees():
         for x in xs[:3]:
             assert torch.equal(bits(codec.encode(x)), bits(reference.encode(codec.layout, x)))
         summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
-        y, rep = codec.decode(summed)
+        y, rep = codec.decode(summed, trace=True, error_bounds=True)
         yr, info = reference.decode(codec.layout, summed)
         assert rep.ok == info["ok"], (rep.reason, info["reason"])
+        assert helpers.peeled_ok(rep) == helpers.peeled_ok(info), (rep.reason, info["reason"])
         assert (rep.candidates, rep.support, rep.false_positives) == \
             (info["candidates"], info["support"], info["false_positives"])
-        if rep.ok:
+        if helpers.peeled_ok(rep):   # OK, or INEXACT (the first two cases): both outputs vs the dense sum
+            helpers.assert_lossless(codec.layout, xs, y, rep)
+            helpers.assert_contract(codec.layout, xs, yr, info["inexact_keys"], codec.rtol)
             assert torch.equal(y != 0, yr.to(torch.float32) != 0)
+        else:
+            # (32 * 300 + 5, 5, 20, 32, seed 3) is sized normally (100 union keys planned, <= 100 held)
+            # but its layout's fine table hashes nodes 15 and 36 to the same three cells with
+            # proportional signs (an unsolvable pair; ~1 layout seed in 1000): any aggregate holding
+            # both nodes fails index peeling (164 of 200 data seeds here), reported as such.
+            assert rep.status == DecodeStatus.INDEX_PEEL_FAILED, rep.reason
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2 ** 31 - 1), pattern=st.sampled_from(helpers.PATTERNS),
-       block=st.sampled_from([1, 1, 3, 32]), averaged=st.booleans())
-def test_property_round_trip_and_reference(seed, pattern, block, averaged):
-    rng = np.random.default_rng(seed)
-    n, numel, density = helpers.draw_sizes(rng, max_n=16, max_numel=4000)
-    num_keys = -(-numel // block)
-    k = max(0, int(density * num_keys))
-    codec = LosslessCodec(numel, n, max(1, k) * block, block_size=block, seed=seed % 1000, index="multilevel")
-    xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
-    for x in xs[:2]:
-        assert torch.equal(bits(codec.encode(x)), bits(reference.encode(codec.layout, x)))
-    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
-    payload = helpers.average_payloads(summed, n) if averaged else summed
-    y, rep = codec.decode(payload, averaged=averaged, trace=True, error_bounds=True)
-    yr, info = reference.decode(codec.layout, payload, averaged=averaged)
-    assert helpers.peeled_ok(rep) == helpers.peeled_ok(info) and rep.support == info["support"]
-    if helpers.peeled_ok(rep):
-        helpers.assert_lossless(codec.layout, xs, y, rep, averaged=averaged)
-    else:  # sized for the worst case union: only a rare peeling failure is acceptable
-        assert "peeling" in rep.reason, rep.reason
+def test_property_round_trip_and_reference():
+    """Random workloads (hypothesis draws the seeds): the C++ encode is bit-exact with the reference,
+    both decoders agree, a decode that peels meets the bound; sized for the worst-case union, peeling
+    failures must stay rare (PEEL_FAILURE_TARGET is 1e-3 per decode; measured: 1 of the 25 examples, a
+    sketch peeling failure with one rank holding 26 keys, a shape that fails about 1 decode in 300)."""
+    runs, failed = [], []
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(seed=st.integers(0, 2 ** 31 - 1), pattern=st.sampled_from(helpers.PATTERNS),
+           block=st.sampled_from([1, 1, 3, 32]), averaged=st.booleans())
+    def one(seed, pattern, block, averaged):
+        rng = np.random.default_rng(seed)
+        n, numel, density = helpers.draw_sizes(rng, max_n=16, max_numel=4000)
+        num_keys = -(-numel // block)
+        k = max(0, int(density * num_keys))
+        codec = LosslessCodec(numel, n, max(1, k) * block, block_size=block, seed=seed % 1000, index="multilevel")
+        xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
+        for x in xs[:2]:
+            assert torch.equal(bits(codec.encode(x)), bits(reference.encode(codec.layout, x)))
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        payload = helpers.average_payloads(summed, n) if averaged else summed
+        y, rep = codec.decode(payload, averaged=averaged, trace=True, error_bounds=True)
+        yr, info = reference.decode(codec.layout, payload, averaged=averaged)
+        assert helpers.peeled_ok(rep) == helpers.peeled_ok(info) and rep.support == info["support"]
+        runs.append(seed)
+        if helpers.peeled_ok(rep):
+            helpers.assert_lossless(codec.layout, xs, y, rep, averaged=averaged)
+        else:  # sized for the worst case union: only a rare peeling failure is acceptable
+            assert "peeling" in rep.reason, rep.reason
+            failed.append((seed, pattern, block, rep.reason))
+
+    one()
+    assert len(runs) >= 20, len(runs)
+    assert len(failed) <= 1, failed   # rare: at most one of the examples
 
 
 def test_more_support_than_planned_is_reported():
@@ -162,9 +185,10 @@ def test_fuzzed_index_never_crashes_or_lies(seed, where, specials, averaged):
         bad = bad / 5
     y, rep = codec.decode(bad, averaged=averaged)
     _, info = reference.decode(L, bad, averaged=averaged)
-    if rep.ok:  # only possible if the changes kept a consistent aggregate: then it decodes something exact
-        assert info["ok"]
+    if helpers.peeled_ok(rep):  # only if the changes kept a consistent aggregate: then it decodes the sum
+        assert helpers.peeled_ok(info) and rep.ok == info["ok"]
         assert rep.support == info["support"]
+        helpers.assert_contract(L, xs, y, rep.inexact_keys, codec.rtol, averaged=averaged)
     # random float noise anywhere
     noise = summed + torch.from_numpy(rng.standard_normal(L.payload_numel).astype(np.float32))
     assert not codec.decode(noise)[1].ok

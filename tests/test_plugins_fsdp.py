@@ -141,10 +141,23 @@ def test_thc_replicas_of_a_shard_stay_identical(launch, mesh, name):
 def test_resumed_run_continues_bit_identically(launch, mesh, name):
     """Half the steps, torch.save of model, optimizer (momentum) and hook state, a fresh model, optimizer
     and state loaded from it, the other half: bit for bit the run that never stopped (top-k residuals;
-    lossless capacities grown by fallbacks)."""
+    lossless capacities grown by fallbacks). The checkpoint carries that state: every aggregator the
+    resumed run builds starts with the saved capacity (and residual), and takes the decisions (fallbacks,
+    growths, final capacities) the run that never stopped took. A lossless fallback is exact, so the
+    parameters alone would not show a capacity that was lost."""
     for r in results(launch, mesh, name):
         assert r["bitwise"] and r["max_diff"] == 0.0, r
         assert r["saved_keys"] > 0
+        assert r["restored"] == r["saved"], (r["saved"], r["restored"])   # every key, as saved
+        assert r["resumed_final_capacity"] == r["final_capacity"]
+        for k in ("fallbacks", "capacity_growths"):   # the straight run's = before + after the checkpoint
+            assert r["stats"][k] == r["checkpoint_stats"][k] + r["resumed_stats"][k], (k, r["stats"], r["resumed_stats"])
+        if name.startswith("resume_lossless"):   # capacity 0.1%: the tables fell back and grew before the checkpoint
+            assert r["checkpoint_stats"]["fallbacks"] >= 1 and r["checkpoint_stats"]["capacity_growths"] >= 1
+            grown = [k for k, v in r["saved"].items() if v["capacity"] > r["initial"][k]["capacity"]]
+            assert grown, (r["initial"], r["saved"])
+        else:   # top-k: the residuals were saved non-zero
+            assert any(v["residual_norm"] for v in r["saved"].values()), r["saved"]
 
 
 ERRORS = {"config_mismatch": "ConfigurationMismatch", "thc_reduce_scatter": "ValueError", "native_hsdp": "ValueError"}

@@ -117,14 +117,16 @@ def test_topk_keeps_error_feedback_per_parameter(horovod_run):
 @pytest.mark.parametrize("name", ["thc", "thc_sum"])
 def test_thc_replicas_stay_identical_and_train(horovod_run, name):
     """Compression.thc under op=Average and op=Sum: every rank decodes the same bits (so parameters
-    stay bit-identical across ranks), the large layers go at a third of dense or less, and the
-    parameters move the way the uncompressed run moves them."""
+    stay bit-identical across ranks), the payload (headers included) is a third of dense or less, and
+    the parameters move the way the uncompressed run moves them."""
     out, size = horovod_run
     rs = results(out, name, size)
     assert len({r["digest"] for r in rs}) == 1
     r = rs[0]
     assert any(r["compressed"].values())
-    assert r["stats"]["payload_bytes"] < 0.5 * r["stats"]["dense_bytes"]
+    # Headers, norm slots and the one dense bias included: measured 0.256 of dense (np2), 0.293 (np3);
+    # every compressed layer alone is at most 0.328 (np3's 512-element ones).
+    assert r["stats"]["payload_bytes"] <= r["stats"]["dense_bytes"] / 3, r["stats"]
     assert r["cosine"] > 0.9, r["cosine"]
 
 

@@ -86,8 +86,12 @@ def test_over_capacity_is_never_ok(index):
 # -- configuration mismatch -------------------------------------------------------------------------
 
 def _variants(name):
-    """Candidate (base, other) configurations differing in ``name`` (and possibly max_nnz/world_size,
-    which is what it takes for some pairs to share a payload length), first match wins."""
+    """Candidate (base, other) configurations differing in ``name``, first match wins. Pairs differing
+    in ``name`` alone come first, so they win wherever one has the same payload length (world_size:
+    bitmap, bloom and dense at numel 64, multilevel at 48; block_size: bitmap at numel 40, dense
+    anywhere). Only then pairs that also differ in max_nnz/world_size (bloom and multilevel have no
+    same-length pair differing in block_size alone); the test checks separately that ``name`` alone
+    changes the fingerprint."""
     base = dict(numel=60, world_size=4, max_nnz=20, block_size=1, seed=0)
     if name == "seed":
         for s in (1, 2, 12345):
@@ -96,12 +100,20 @@ def _variants(name):
         for m in range(1, 200):
             yield base, {**base, "max_nnz": m}
     elif name == "world_size":
-        for numel in (64, 60):   # at 60 bitmap has no same-length pair with another world size; at 64 it has
+        for numel in (64, 48):   # world_size alone: at 64 for bitmap, bloom and dense, at 48 for multilevel
+            b0 = {**base, "numel": numel}
+            for w in (3, 5, 2, 6, 7, 8, 1):
+                yield b0, {**b0, "world_size": w}
+        for numel in (64, 60):
             b0 = {**base, "numel": numel}
             for w in (3, 5, 2, 6, 7, 8, 1):   # never the base's 4: that pair would differ in max_nnz alone
                 for m in range(1, 80):
                     yield b0, {**b0, "world_size": w, "max_nnz": m}
     elif name == "block_size":
+        for numel in (200, 40):   # block_size alone: dense at 200, bitmap at 40
+            b0 = {**base, "numel": numel}
+            for b in range(2, 5):
+                yield b0, {**b0, "block_size": b}
         for numel in (200, 60, 64):   # 200 first: it has a same-length pair for every index
             b0 = {**base, "numel": numel}
             for b in range(2, 5):
@@ -133,6 +145,10 @@ def test_config_mismatch_same_length_is_detected(index, name):
     a_kw, b_kw = same_length_pair(index, name)
     a, b = LosslessCodec(**a_kw), LosslessCodec(**b_kw)
     assert a.payload_numel == b.payload_numel and a.layout.fingerprint != b.layout.fingerprint
+    # The pair may also differ in max_nnz/world_size (where no same-length pair differs in `name` alone):
+    # `name` alone, set back to a's value with everything else b's, must change the fingerprint too.
+    only = {**b_kw, name: a_kw[name]}
+    assert plan_layout(**only).fingerprint != b.layout.fingerprint, f"{name} does not join the fingerprint"
     n, numel = a.world_size, a.numel
     rng = np.random.default_rng(0)
     xs = helpers.make_inputs(rng, numel, 1, n, 5, "random", "normal")

@@ -84,7 +84,7 @@ def test_codec_decodes_at_capacity(keys):
 @pytest.mark.parametrize("num_keys,union", [(20_000, 50), (20_000, 2000), (100_000, 500)])
 def test_bloom_false_positives_stay_bounded(num_keys, union):
     """The Bloom index is sized so that E[false positives] <= max(U/4, 16); they all decode to exact
-    zeros (the decode is still exact)."""
+    zeros, and the decode is still exact: the true keys decode to the dense sum (under the contract)."""
     n = 5
     codec = LosslessCodec(num_keys, n, union // n, index="bloom", seed=1)
     assert codec.layout.union_keys == union
@@ -97,6 +97,10 @@ def test_bloom_false_positives_stay_bounded(num_keys, union):
         assert rep.support == union and rep.candidates == union + rep.false_positives
         truth = helpers.dense_sum64(xs)
         assert bool((y[truth == 0] == 0).all())
+        # and the non-zeros are the dense sum's: exactly its support, and every coordinate outside the
+        # reported inexact keys within the codec's rtol of it (the contract, as test_exactness checks it)
+        assert torch.equal(y != 0, truth != 0)
+        helpers.assert_contract(codec.layout, xs, y, rep.inexact_keys, codec.rtol)
         fps.append(rep.false_positives)
     assert np.mean(fps) <= 1.5 * max(union / 4, 16) + 4, fps
 

@@ -91,6 +91,7 @@ def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
     first = build(mesh, native=False, hidden=hidden)
     s1 = make_state()
     s1.register(first, reduce_scatter=reduce_scatter)
+    initial = _record_at_build(s1)   # each aggregator's state when built: a fresh one's
     opt = train(first, steps // 2, **kw)
     buf = io.BytesIO()
     torch.save({"model": {k: v.to_local() for k, v in first.state_dict().items()},
@@ -103,14 +104,41 @@ def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
     s2 = make_state()
     s2.register(second, reduce_scatter=reduce_scatter)
     s2.load_state_dict(ckpt["lhc"])
+    restored = _record_at_build(s2)   # built at the resumed run's first backward, from the checkpoint
     with torch.no_grad():
         for k, v in second.state_dict().items():
             v.to_local().copy_(ckpt["model"][k])
     opt2 = torch.optim.SGD(second.parameters(), **kw)
     opt2.load_state_dict(ckpt["optim"])
     train(second, steps - steps // 2, start=steps // 2, opt=opt2)
+    saved = {k: {"capacity": a.get("capacity"),
+                 "residual_norm": None if a.get("residual") is None else float(a["residual"].norm())}
+             for k, a in sorted(ckpt["lhc"]["aggregators"].items())}
     return {"max_diff": max_diff(local(straight), local(second)), "saved_keys": saved_keys,
-            "stats": s0.stats(), "bitwise": all(torch.equal(x, y) for x, y in zip(local(straight), local(second)))}
+            "stats": s0.stats(), "bitwise": all(torch.equal(x, y) for x, y in zip(local(straight), local(second))),
+            "checkpoint_stats": s1.stats(), "resumed_stats": s2.stats(),
+            "initial": initial, "saved": saved, "restored": restored,
+            "final_capacity": {k: getattr(a, "capacity", None) for k, a in sorted(s0._aggregators.items())},
+            "resumed_final_capacity": {k: getattr(a, "capacity", None) for k, a in sorted(s2._aggregators.items())}}
+
+
+def _record_at_build(state) -> dict:
+    """Record, per key, the capacity and top-k residual norm of each aggregator ``state`` builds, as
+    built (a checkpoint's states are applied then); the aggregators themselves are the real ones."""
+    seen = {}
+    build_aggregator = state._aggregator
+
+    def recording(key, *args):
+        new = key not in state._aggregators
+        agg = build_aggregator(key, *args)
+        if new:
+            residual = getattr(agg, "residual", None)
+            seen[key] = {"capacity": getattr(agg, "capacity", None),
+                         "residual_norm": None if residual is None else float(residual.norm())}
+        return agg
+
+    state._aggregator = recording
+    return seen
 
 
 def expect_error(fn, exc):

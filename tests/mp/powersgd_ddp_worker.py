@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import param_digest  # noqa: E402
+from models import max_param_diff, param_digest  # noqa: E402
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
 
@@ -78,18 +78,20 @@ def choice():
     finally:
         dist.all_reduce = _real_all_reduce
     st = state.stats()
+    lossy_model = model   # the replica the lossy run trained: what "digest" and "moved" describe
     exact = AutoHookState(lossy=False, interval=2, calibration=SLOW)   # the same model and link, exact
-    model = mlp()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.2)
+    exact_model = mlp()
+    ddp = DistributedDataParallel(exact_model, bucket_cap_mb=0.2)
     ddp.register_comm_hook(exact, auto_hook)
     for step in range(6):
-        model.zero_grad(set_to_none=True)
+        exact_model.zero_grad(set_to_none=True)
         x, y = data(step, dist.get_rank(), teacher)
         ((ddp(x) - y) ** 2).mean().backward()
     ex = exact.stats()
     return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"],
             "exact_plan": {k: v["strategy"] for k, v in ex["plan"].items()}, "exact_buckets": ex["buckets"],
-            "per_step": per_step, "digest": param_digest(model),
+            "per_step": per_step, "digest": param_digest(lossy_model),
+            "moved": max_param_diff(lossy_model, mlp()),   # trained vs the seed-0 start
             "predicted_bytes": {str(i): [b for _, b in state.spec.cost_model.powersgd_collectives(c.layout)]
                                 for i, c in state._powersgd.buckets.items()},
             "payload_bytes": st["payload_bytes"], "dense_bytes": st["dense_bytes"]}

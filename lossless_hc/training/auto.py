@@ -143,7 +143,12 @@ class AutoSpec(AggregatorSpec):
 
     def make(self, name, tensor, world_size, rank, stats, device):
         """The tensor's aggregator; built before the calibration (DDP's first step), it has no cost model
-        until the adapter sets ``cost_model`` (a plan due meanwhile waits for it)."""
+        until the adapter sets ``cost_model`` (a plan due meanwhile waits for it). An integer tensor gets
+        a pass-through :class:`~lossless_hc.training.aggregate.TensorAggregator` instead (never
+        compressed: the engine sums or averages the tensor itself, as under ``lossless``)."""
+        if not tensor.is_floating_point():
+            return TensorAggregator(name, tensor.shape, tensor.dtype, world_size, 1.0, seed=self.seed, stats=stats,
+                                    device=device)
         model = self.cost_model if self.calibration is not None else None
         return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, model, lossy=self.lossy,
                               interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
@@ -227,19 +232,8 @@ class AutoCompressorAdapter(CompressorAdapter):
         super().__init__(spec, **engine_options)
         self._requests: list = []   # (handle, out, ctx, aggregator) issued this step
 
-    def aggregator(self, key, name: str, tensor: torch.Tensor, world_size: int, rank: int):
-        """As :meth:`CompressorAdapter.aggregator`; an integer tensor gets a pass-through
-        :class:`~lossless_hc.training.aggregate.TensorAggregator` (never compressed: the engine sums or
-        averages the tensor itself, as it would without a compressor), as under ``lossless``."""
-        if tensor.is_floating_point() or key in self._aggregators:
-            return super().aggregator(key, name, tensor, world_size, rank)
-        agg = TensorAggregator(name, tensor.shape, tensor.dtype, world_size, 1.0, seed=self.spec.seed,
-                               stats=self._stats, device=tensor.device)
-        self._aggregators[key] = agg
-        return agg
-
     def _result(self, enc: EncodedTensor, outcome, aggregated: torch.Tensor) -> torch.Tensor:
-        if not isinstance(enc.aggregator, AutoAggregator):   # an integer tensor's pass-through
+        if not isinstance(enc.aggregator, AutoAggregator):   # an integer tensor's pass-through (AutoSpec.make)
             return super()._result(enc, outcome, aggregated)
         if outcome.request is None:
             return outcome.value

@@ -2,6 +2,7 @@
 plugins/, installed as lossless_hc.plugins) points down or sideways within a package, never up; nothing
 in the core imports the adapters or the benchmarks; and there is no import cycle between modules."""
 import ast
+import functools
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -46,6 +47,12 @@ def modules():
         yield ".".join(parts), path
 
 
+@functools.lru_cache(maxsize=None)
+def known_modules() -> frozenset:
+    """Every module name of :func:`modules`, listed once."""
+    return frozenset(m for m, _ in modules())
+
+
 def test_plugins_are_checked():
     names = dict(modules())
     for m in ("lossless_hc.plugins", "lossless_hc.plugins.ddp", "lossless_hc.plugins.fsdp",
@@ -65,13 +72,12 @@ def _absolute(node: ast.ImportFrom, module: str, path: pathlib.Path) -> str:
 def imports(path: pathlib.Path, module: str, top_level_only: bool):
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
-    known = {m for m, _ in modules()}
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and _absolute(node, module, path).startswith("lossless_hc"):
-            source = _absolute(node, module, path)
+        source = _absolute(node, module, path) if isinstance(node, ast.ImportFrom) else ""
+        if source.startswith("lossless_hc"):
             for alias in node.names:
                 full = f"{source}.{alias.name}"
-                yield full if (full in LAYERS or full in known) else source
+                yield full if (full in LAYERS or full in known_modules()) else source
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("lossless_hc"):

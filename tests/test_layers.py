@@ -10,7 +10,7 @@ PKG = ROOT / "lossless_hc"
 
 # Lower numbers are lower layers (pure layout math at the bottom, the benchmarks at the top).
 LAYERS = {
-    "lossless_hc.lhc.layout": 0, "lossless_hc.lhc.sizing": 0, "lossless_hc.lhc.cost_model": 0,
+    "lossless_hc.lhc.layout": 0, "lossless_hc.lhc.hashing": 0, "lossless_hc.lhc.sizing": 0, "lossless_hc.lhc.cost_model": 0,
     "lossless_hc.thc.table": 0, "lossless_hc.thc.layout": 0,
     "lossless_hc.backends": 1, "lossless_hc._C": 1, "lossless_hc._C_cuda": 1,
     "lossless_hc.lhc.codec": 2, "lossless_hc.lhc.status": 2, "lossless_hc.lhc.reference": 2,

@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc import reference as reference
-from lossless_hc.lhc.sizing import PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS
+from lossless_hc.lhc.layout import SegmentedTable, stream_seed
+from lossless_hc.lhc.sizing import (PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS, build_layout,
+                                    expected_unsolvable_pairs, unsolvable_pairs)
+from test_multilevel import codec_for
 
 
 def colliding_pairs(layout):
@@ -94,6 +97,51 @@ def test_proportional_pair_is_reported_never_wrong(block):
         # the keys peeled are still exact; the pair's coordinates are NaN, never a plausible value
         for k in pair:
             assert bool(torch.isnan(y[k * codec.layout.block:(k + 1) * codec.layout.block]).all())
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_unsolvable_pairs_counts_the_proportional_colliding_pairs(weighted):
+    """sizing.unsolvable_pairs (ids hashed, then equal rows compared) against helpers.colliding_pairs
+    (a lexicographic unique of the cells, then the weight test) on 300 ids in 3 x 20 cells, over 200
+    streams: equal wherever no three ids share their cells; and its mean is expected_unsolvable_pairs
+    (within 5 standard errors of a Poisson count)."""
+    table = SegmentedTable(seg_len=20, seg_count=3, stream=0, weighted=weighted)
+    counts, compared = [], 0
+    for attempt in range(200):
+        t = replace(table, stream=stream_seed(7, attempt))
+        got = unsolvable_pairs(t, 300)
+        cells, _ = reference.key_cells(t, torch.arange(300))
+        if helpers.shared_cells(cells.numpy())[0].max() <= 2:
+            assert got == len(helpers.colliding_pairs(t, 300)[1])
+            compared += 1
+        counts.append(got)
+    assert compared > 150
+    expected = expected_unsolvable_pairs(table, 300)
+    assert abs(np.mean(counts) - expected) < 5 * np.sqrt(expected / len(counts)), (np.mean(counts), expected)
+
+
+def test_planner_reseeds_a_sketch_with_an_unsolvable_pair():
+    """A small tensor (2000 keys, 3 ranks, 8 non-zeros each, seed 2): the seed's own sketch stream
+    hashes two pairs of keys to the same three cells with proportional weights, so every aggregate
+    holding both keys of one would fail, whatever the values. The planner takes a stream whose keys
+    form no such pair (the sizes unchanged): those keys then decode exactly, where the seed's own
+    layout reports the failure."""
+    codec = LosslessCodec(2000, 3, 8, index="bitmap", seed=2)
+    raw = build_layout("bitmap", 2000, 3, 8, 1, 2)
+    _, proportional = colliding_pairs(raw)
+    assert len(proportional) == 2 and unsolvable_pairs(raw.sketch, raw.num_keys) == 2
+    assert codec.layout.reseeded[0] > 0 and codec.layout.sketch.stream != raw.sketch.stream
+    assert colliding_pairs(codec.layout)[1] == [] and unsolvable_pairs(codec.layout.sketch, raw.num_keys) == 0
+    assert codec.layout.payload_numel == raw.payload_numel and codec.layout.fingerprint != raw.fingerprint
+    seed_codec = codec_for(raw)
+    rng = np.random.default_rng(helpers.stable_seed("reseeded sketch"))
+    for pair in proportional[:2]:
+        xs = pair_inputs(rng, raw, pair, 3, others=3)
+        y, rep = codec.decode(helpers.sum_payloads([codec.encode(x) for x in xs], rng), trace=True, error_bounds=True)
+        assert helpers.peeled_ok(rep), rep.reason
+        helpers.assert_lossless(codec.layout, xs, y, rep)
+        _, rep = seed_codec.decode(helpers.sum_payloads([seed_codec.encode(x) for x in xs], rng))
+        assert not rep.ok and "sketch peeling failed" in rep.reason, rep.reason
 
 
 def test_bloom_index_then_pair():

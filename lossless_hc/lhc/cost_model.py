@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, check_args
-from lossless_hc.lhc.sizing import build_layout
+from lossless_hc.lhc.sizing import build_layout, with_solvable_streams
 
 # Multilevel shapes tried: the finest level's words per node (G = words * digits per word keys),
 # and for the levels above it (up to MAX_EXTRA_LEVELS more) the words per node of each.
@@ -110,13 +110,14 @@ def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed:
            union_nnz: Optional[int] = None) -> PayloadLayout:
     """The single-level layout with the fewest wire bytes (ties: dense, bitmap, bloom), or the
     multilevel one where it saves enough wire per node it peels (:func:`multilevel_pays_off`).
-    The same on every device (the CPU and CUDA backends both decode every kind)."""
+    The same on every device (the CPU and CUDA backends both decode every kind). Its tables' streams
+    are then checked for unsolvable pairs (:func:`~lossless_hc.lhc.sizing.with_solvable_streams`)."""
     cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz)
     multilevel = cands.pop("multilevel", None)
     flat = min(cands.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
     if multilevel is not None and multilevel_pays_off(flat, multilevel):
-        return multilevel
-    return flat
+        return with_solvable_streams(multilevel)
+    return with_solvable_streams(flat)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, 
     *aggregate* (default ``world_size * max_nnz``, every rank's support disjoint). Ranks whose
     supports overlap (top-k of similar gradients, popular embedding rows) need far less; an aggregate
     with more non-zero keys than planned fails to peel and decode reports it (never a wrong answer).
+    Tables whose seed's stream would fail every decode holding a given pair of keys (or of
+    multilevel nodes) take another stream where one avoids it (:func:`~lossless_hc.lhc.sizing.with_solvable_streams`).
     """
     check_args(numel, world_size, max_nnz, block_size, seed, union_nnz)
     if index not in INDEX_KINDS + ("auto",):
@@ -189,7 +192,7 @@ def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, 
     else:
         chosen = build_layout(index, numel, world_size, max_nnz, block_size, seed, union_nnz)
     if chosen is not None:
-        return chosen
+        return with_solvable_streams(chosen)
     if num_keys == 0:
         # An empty tensor has nothing to index: every kind degenerates to the header alone.
         return build_layout("dense", numel, world_size, max_nnz, block_size, seed, union_nnz)

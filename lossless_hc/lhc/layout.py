@@ -208,6 +208,10 @@ class PayloadLayout:
     digit_cap: int
     fingerprint: int = field(default=0)
     multilevel: Optional[MultilevelPlan] = None   # index_kind "multilevel" only (index = its coarse level)
+    # Which hash stream each table took where the seed's own had an unsolvable pair
+    # (sizing.with_solvable_streams): the attempt of the sketch, then of each fine level, coarsest
+    # first; () where every table kept the seed's stream.
+    reseeded: tuple = ()
 
     @property
     def index_offset(self) -> int:
@@ -267,6 +271,9 @@ def layout_fingerprint(L: PayloadLayout) -> int:
         values += [L.union_keys, len(m.levels)]
         for lv in m.levels:
             values += [lv.span, lv.digits_per_word, lv.words_per_group, lv.table.seg_len, lv.table.seg_count]
+    # Other streams than the seed's join the hash (the layouts that keep them keep their fingerprints):
+    # a rank that did not re-seed a table then fails the header's check instead of adding other cells.
+    values += list(L.reseeded)
     return _fingerprint(*values)
 
 

@@ -7,9 +7,7 @@ family, explicit per-rank digit arithmetic for the index, and round-based peelin
 What is reproduced bit for bit (given the same :class:`~lossless_hc.lhc.layout.PayloadLayout`):
 
 * :func:`key_cells` -- ``lhc::key_cells`` / ``mix64`` / ``reduce32`` of ``csrc/lhc_layout.h``, on
-  int64 tensors: the multiplications wrap modulo 2**64 exactly like ``uint64_t``; right shifts are
-  made logical by masking off the sign-extended bits; 64-bit constants above 2**63 are converted
-  to their two's-complement int64 value.
+  int64 tensors (:mod:`lossless_hc.lhc.hashing`, which the planner also checks tables with).
 * :func:`encode` -- the whole payload of ``lhc::cpu::encode`` (and of the dense path in
   ``codec.py``): header, index words, and **the value sketch, bit for bit**. The C++ adds the
   contributions of a cell in increasing key order, each addition rounded to float32, starting from
@@ -36,71 +34,11 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.lhc.hashing import key_cells, lsr as _lsr, mix64, s64 as _s64
 from lossless_hc.lhc.reference_peel import (cell_error_bound, pair_cells, pair_numerators, peel_rounds,
                                             solvable_pairs, solve_pair, verification_bound, within_rtol)
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_INDEX_CHECK0, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, SegmentedTable,
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_INDEX_CHECK0, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout,
                                     index_check_stream)
-
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX_C1 = 0xBF58476D1CE4E5B9
-_MIX_C2 = 0x94D049BB133111EB
-
-
-def _s64(v: int) -> int:
-    """The int64 with the same 64 bits as the unsigned value ``v`` (mod 2**64)."""
-    v &= _MASK64
-    return v - (1 << 64) if v >= (1 << 63) else v
-
-
-def _lsr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of the 64-bit pattern held in an int64 tensor (``>>`` is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """``lhc::mix64`` (splitmix64 finalizer) on int64 tensors holding uint64 bit patterns."""
-    z = z ^ _lsr(z, 30)
-    z = z * _s64(_MIX_C1)
-    z = z ^ _lsr(z, 27)
-    z = z * _s64(_MIX_C2)
-    z = z ^ _lsr(z, 31)
-    return z
-
-
-def reduce32(h: torch.Tensor, n: int) -> torch.Tensor:
-    """``lhc::reduce32``: ``((h & 0xffffffff) * n) >> 32`` for ``0 <= n < 2**32``.
-
-    The product is below 2**64, so its int64 wrap-around keeps the exact bit pattern and a logical
-    shift recovers the unsigned quotient.
-    """
-    if not 0 <= n < (1 << 32):
-        raise ValueError(f"reduce32 needs 0 <= n < 2**32, got {n}")
-    return _lsr((h & 0xFFFFFFFF) * n, 32)
-
-
-def key_cells(table: SegmentedTable, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The three cells and weights of every key: ``(cells [N, 3] int64, weights [N, 3] int64 in
-    {+1, +2, -1, -2})``.
-
-    Mirrors ``lhc::key_cells``: ``h = mix64(key ^ stream)``; the key's group
-    ``g = reduce32(h >> 32, seg_count // 3)``; for j = 0, 1, 2 ``hj = mix64(h + golden * (j + 1))``,
-    cell ``(3 g + j) * seg_len + reduce32(hj, seg_len)`` and weight ``+-(1 + bit 62 of hj)`` in a
-    weighted table (``+-1`` otherwise), negative iff the top bit of hj is set.
-    """
-    keys = torch.as_tensor(keys, dtype=torch.int64).reshape(-1)
-    if table.seg_count < 3 or table.seg_count % 3:
-        raise ValueError(f"seg_count must be a positive multiple of 3, got {table.seg_count}")
-    h = mix64(keys ^ _s64(table.stream))
-    start = 3 * reduce32(_lsr(h, 32), table.seg_count // 3)
-    cells, weights = [], []
-    for j in range(3):
-        hj = mix64(h + _s64(_GOLDEN * (j + 1)))
-        cells.append((start + j) * table.seg_len + reduce32(hj, table.seg_len))
-        magnitude = 1 + _lsr(hj, 62) % 2 if table.weighted else torch.ones_like(hj)
-        weights.append(torch.where(hj < 0, -magnitude, magnitude).to(torch.int64))
-    return torch.stack(cells, dim=1), torch.stack(weights, dim=1)
-
 
 def index_check_parts(layout: PayloadLayout, keys: torch.Tensor) -> torch.Tensor:
     """``lhc::index_check_parts`` of every key: ``[N, 2]`` int64, ``(h mod 2**32) mod 2039`` and

@@ -9,10 +9,14 @@ constants are in docs/DESIGN.md ("Sizing").
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 from typing import Optional
 
+import torch
+
+from lossless_hc.lhc.hashing import key_cells, mix64 as mix64_tensor
 from lossless_hc.lhc.layout import (INDEX_KINDS, INT_FIELD_LIMIT, MAX_FINE_LEVELS, MAX_KEYS, MAX_SEG_LEN, SALT_BLOOM, SALT_FINE, SALT_SKETCH, DigitPacking, FineLevel, MultilevelPlan, PayloadLayout, SegmentedTable, check_args, digit_packing, layout_fingerprint, mix64, stream_seed)
 
 # Target probability that peeling a correctly sized sketch fails (then the caller falls back to an
@@ -368,3 +372,93 @@ def build_layout(kind: str, numel: int, world_size: int, max_nnz: int, block_siz
     if max(t.seg_len for t in tables) > MAX_SEG_LEN:  # not reached: tables split into groups long before
         raise ValueError(f"a table segment exceeds {MAX_SEG_LEN} cells (the decoders' packed-cell limit)")
     return replace(L, fingerprint=layout_fingerprint(L))
+
+
+# Tables over at most PAIR_SCAN_MAX_IDS ids (the value sketch's keys, a fine level's nodes) where at most
+# PAIR_SCAN_MAX_EXPECTED unsolvable pairs are expected get a stream without one, if one of
+# PAIR_SCAN_ATTEMPTS has none (with_solvable_streams); at most PAIR_SCAN_HASHES ids are hashed per table
+# (~0.1 s), as the planner prices re-planned tensors with the same call. Above these bounds re-drawing
+# cannot remove them (or hashing every id costs too much), and a given pair is rarely both non-zero.
+PAIR_SCAN_MAX_IDS = 1 << 16
+PAIR_SCAN_MAX_EXPECTED = 4.0
+PAIR_SCAN_ATTEMPTS = 32
+PAIR_SCAN_HASHES = 1 << 19
+
+
+def expected_unsolvable_pairs(table: SegmentedTable, ids: int) -> float:
+    """Expected number of unsolvable pairs (:func:`unsolvable_pairs`) among ids ``[0, ids)`` over the
+    stream: ``C(ids, 2) share / (G seg_len**3)`` for G groups, ``share`` the fraction of colliding
+    pairs with proportional weights (``PAIR_UNSOLVABLE_SHARE_WEIGHTS`` or ``_SIGNS``)."""
+    share = PAIR_UNSOLVABLE_SHARE_WEIGHTS if table.weighted else PAIR_UNSOLVABLE_SHARE_SIGNS
+    return ids * (ids - 1) / 2.0 * share / (table.seg_count // 3 * float(table.seg_len) ** 3)
+
+
+def unsolvable_pairs(table: SegmentedTable, ids: int) -> int:
+    """The pairs ``a < b`` of ids in ``[0, ids)`` that ``table`` hashes to the same three cells with
+    proportional weights (``w_j(a) w_0(b) == w_0(a) w_j(b)`` for every j). Whenever both ids of such a
+    pair are in an aggregate, neither peeling nor the pair solver can separate them (each of the three
+    cells holds a multiple of the same ``w_0(a) v_a + w_0(b) v_b``), so that decode fails, whatever
+    the values."""
+    cells, weights = key_cells(table, torch.arange(ids, dtype=torch.int64))
+    # 2 w_j / w_0, an integer for weights +-1, +-2: equal for two ids exactly when their weights are
+    # proportional.
+    w0 = weights[:, :1]
+    rows = torch.cat([cells, torch.div(2 * weights[:, 1:] * w0, w0 * w0, rounding_mode="floor")], dim=1)
+    # Equal rows have equal hashes: only ids whose hash another shares are compared exactly (a sort of
+    # one int64 per id, where a lexicographic unique of the rows costs ten times more).
+    h = torch.zeros(ids, dtype=torch.int64)
+    for j in range(rows.shape[1]):
+        h = mix64_tensor(h ^ rows[:, j])
+    _, inverse, counts = torch.unique(h, return_inverse=True, return_counts=True)
+    shared = counts[inverse] > 1
+    if not bool(shared.any()):
+        return 0
+    _, counts = torch.unique(rows[shared], dim=0, return_counts=True)
+    return int((counts * (counts - 1) // 2).sum())
+
+
+def _solvable_stream(table: SegmentedTable, ids: int) -> tuple[SegmentedTable, int]:
+    """``table`` with the first stream of ``stream_seed(table.stream, attempt)``, attempt 1, 2, ...,
+    whose ids form no unsolvable pair (attempt 0: its own), or the one with the fewest; and the
+    attempt. Tables outside the PAIR_SCAN bounds keep their stream; 8 attempts at 2^16 ids, 32 below
+    2^14."""
+    if not 2 <= ids <= PAIR_SCAN_MAX_IDS or expected_unsolvable_pairs(table, ids) > PAIR_SCAN_MAX_EXPECTED:
+        return table, 0
+    best = None
+    for attempt in range(min(PAIR_SCAN_ATTEMPTS, PAIR_SCAN_HASHES // ids)):
+        t = table if attempt == 0 else replace(table, stream=stream_seed(table.stream, attempt))
+        pairs = unsolvable_pairs(t, ids)
+        if best is None or pairs < best[0]:
+            best = (pairs, t, attempt)
+        if pairs == 0:
+            break
+    return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=1024)
+def with_solvable_streams(L: PayloadLayout) -> PayloadLayout:
+    """``L`` with its value sketch and each multilevel fine table re-seeded, where the seed's own
+    stream maps two of the table's ids (keys, nodes) to an unsolvable pair and another does not
+    (``_solvable_stream``; ``L.reseeded`` records the attempts and joins the fingerprint).
+
+    Why: the peeling failure rate the tables are sized for (``PEEL_FAILURE_TARGET``) is an average
+    over streams. For one layout, a pair of ids hashed to the same cells with proportional weights
+    fails every decode whose aggregate holds both, step after step (hot embedding rows, a small fine
+    table's few nodes: docs/DESIGN.md, "Streams without unsolvable pairs"). Where few such pairs are
+    expected among all ids, another stream has none, and those decodes succeed.
+    Sizes, and so the payload's length, do not change; the plan is a pure function of the
+    configuration, the same on every rank."""
+    if L.index_kind == "dense":
+        return L
+    levels = L.multilevel.levels if L.multilevel is not None else ()
+    sketch, first = _solvable_stream(L.sketch, L.num_keys)
+    fine = [_solvable_stream(lv.table, lv.num_nodes) for lv in levels]
+    attempts = (first,) + tuple(a for _, a in fine)
+    if not any(attempts):
+        return L
+    multilevel = L.multilevel
+    if multilevel is not None:
+        multilevel = replace(multilevel, levels=tuple(replace(lv, table=t) for lv, (t, _) in zip(levels, fine)))
+    out = replace(L, sketch=sketch, multilevel=multilevel, reseeded=attempts)
+    return replace(out, fingerprint=layout_fingerprint(out))
+

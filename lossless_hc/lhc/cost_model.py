@@ -115,9 +115,8 @@ def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed:
     cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz)
     multilevel = cands.pop("multilevel", None)
     flat = min(cands.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
-    if multilevel is not None and multilevel_pays_off(flat, multilevel):
-        return with_solvable_streams(multilevel)
-    return with_solvable_streams(flat)
+    pays_off = multilevel is not None and multilevel_pays_off(flat, multilevel)
+    return with_solvable_streams(multilevel if pays_off else flat)
 
 
 @dataclass(frozen=True)

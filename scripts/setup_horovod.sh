@@ -4,6 +4,8 @@
 # Horovod's last release forces C++14, which torch >= 2.1 headers reject; upstream fixed this only on
 # master (PR #3998). We take the release sdist from the package index and change the two
 # CMAKE_CXX_STANDARD lines to 17 at build time (docs: ../shared/reference/RESEARCH.md section 4).
+# It is built as CMake's Release (-O3, as upstream's RelWithDebInfo, without -g): a quarter less build
+# time and a 1 MB wheel instead of 20 MB (debug information for Horovod's own C++, which we never debug).
 # The wheel is keyed by Horovod, torch and Python versions, so a second set-up takes seconds.
 #
 # Usage: scripts/setup_horovod.sh PYTHON    (the venv's python)
@@ -37,7 +39,7 @@ mkdir -p "$WHEEL_DIR"
 wheel=$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -n1 || true)
 
 if [ -z "$wheel" ]; then
-  echo "setup_horovod: building Horovod $HVD_VERSION (PyTorch, Gloo, MPI; about 5-10 minutes on 2 cores)"
+  echo "setup_horovod: building Horovod $HVD_VERSION (PyTorch, Gloo, MPI; about 4-6 minutes on 2 cores)"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
   "$PY" -m pip download --quiet --no-binary :all: --no-deps "horovod==$HVD_VERSION" -d "$work"
@@ -47,6 +49,8 @@ if [ -z "$wheel" ]; then
     grep -q 'set(CMAKE_CXX_STANDARD 14)' "$f" || { echo "setup_horovod: unexpected $f" >&2; exit 1; }
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$f"
   done
+  grep -q "else 'RelWithDebInfo'" "$src/setup.py" || { echo "setup_horovod: unexpected $src/setup.py" >&2; exit 1; }
+  sed -i "s/else 'RelWithDebInfo'/else 'Release'/" "$src/setup.py"
   # setup.py imports torch and packaging: build in the venv, not an isolated environment.
   "$PY" -m pip install --quiet packaging
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \

@@ -23,10 +23,20 @@ OUT=build-cuda-check
 mkdir -p "$OUT"
 # Under `make sanitize` the sanitizer runtimes may be preloaded; the compilers must not inherit them.
 unset LD_PRELOAD
-for arch in 80 90; do
+# The two architectures compile at once (nvcc runs on one core), each into its own log.
+archs=(80 90)
+pids=()
+for arch in "${archs[@]}"; do
   "$NVCC" -std=c++17 -O3 -Icsrc -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unknown-pragmas --Werror all-warnings -Xptxas -v \
     -gencode=arch=compute_${arch},code=sm_${arch} -c csrc/cuda/codec_cuda.cu -o "$OUT/codec_cuda_sm${arch}.o" \
-    2> "$OUT/ptxas_sm${arch}.log" || { cat "$OUT/ptxas_sm${arch}.log"; echo "cuda-check: nvcc sm_${arch} FAILED"; exit 1; }
+    2> "$OUT/ptxas_sm${arch}.log" &
+  pids+=($!)
+done
+for i in "${!archs[@]}"; do
+  arch=${archs[$i]}
+  wait "${pids[$i]}" || { cat "$OUT/ptxas_sm${arch}.log"; echo "cuda-check: nvcc sm_${arch} FAILED"; exit 1; }
+done
+for arch in "${archs[@]}"; do
   if grep -E "bytes spill (stores|loads)" "$OUT/ptxas_sm${arch}.log" | grep -vq " 0 bytes spill stores, 0 bytes spill loads"; then
     echo "cuda-check: note: register spills for sm_${arch} (see $OUT/ptxas_sm${arch}.log)"
   fi

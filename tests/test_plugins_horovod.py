@@ -158,14 +158,14 @@ def test_mpirun_launcher(tmp_path):
 
 
 def test_digits_cnn_converges_with_topk_and_thc(tmp_path):
-    """Top-k (1%) with error feedback, and THC (4 bits), reach the uncompressed accuracy within noise."""
-    acc = {}
-    for comp in ("none", "topk", "thc"):
-        out = tmp_path / f"{comp}.json"
-        launch([_horovod_bin("horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
-                "lossless_hc.bench.workloads.train", "--model", "digits", "--compression", comp, "--json", str(out)],
-               tmp_path)
-        acc[comp] = json.load(open(out))
+    """Top-k (1%) with error feedback, and THC (4 bits), reach the uncompressed accuracy within noise (the
+    three trainings one after another in one launch, hvd.init to hvd.shutdown each:
+    tests/mp/several_trainings.py)."""
+    comps = ("none", "topk", "thc")
+    launch([_horovod_bin("horovodrun"), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable,
+            os.path.join(HERE, "mp", "several_trainings.py"), str(tmp_path / "{compression}.json"), ",".join(comps),
+            "--model", "digits"], tmp_path)
+    acc = {comp: json.load(open(tmp_path / f"{comp}.json")) for comp in comps}
     assert acc["none"]["value"] > 0.9
     assert acc["topk"]["value"] >= acc["none"]["value"] - 0.05, acc
     assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
@@ -174,9 +174,10 @@ def test_digits_cnn_converges_with_topk_and_thc(tmp_path):
 
 
 def test_horovod_build_has_gloo_and_mpi():
-    out = subprocess.run([_horovod_bin("horovodrun"), "--check-build"], capture_output=True, text=True, timeout=120)
+    """The PyTorch extension of the set-up's Horovod has both controllers: what `horovodrun --check-build`
+    reports, asked of the extension once (--check-build spawns an interpreter per question)."""
+    _horovod_bin("horovodrun")
+    code = "import horovod.torch as hvd; print(bool(hvd.mpi_built()), bool(hvd.gloo_built()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    controllers = lines[lines.index("Available Controllers:") + 1:]
-    assert "[X] MPI" in controllers[0] and "[X] Gloo" in controllers[1], out.stdout
-    assert any("[X] PyTorch" in line for line in lines), out.stdout
+    assert out.stdout.split() == ["True", "True"], out.stdout

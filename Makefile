@@ -20,7 +20,7 @@ EXT_SOURCES := $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/c
 # nvcc present: `make build` also builds lossless_hc._C_cuda, and `make test` compiles the CUDA sources.
 NVCC := $(shell command -v nvcc 2>/dev/null || (test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc))
 
-.PHONY: setup build demo test test-fast sanitize cuda-check bench clean
+.PHONY: setup build demo test sanitize cuda-check bench clean
 
 setup: $(STAMP) build
 
@@ -48,8 +48,14 @@ demo: setup
 # The whole suite, then the codec tests and the planner's DDP workers against an ASan/UBSan build, then (when
 # nvcc is present) the compile check of the CUDA sources. The GPU tests skip here: run `pytest -m gpu`
 # on a GPU machine (scripts/gpu_session.sh).
+# The single-process tests run on TEST_JOBS pytest-xdist workers; OpenMP's waiting threads sleep instead
+# of spinning (OMP_WAIT_POLICY=passive), so that two workers' kernels can share the cores. The
+# multi-process tests run one at a time: their ranks already fill the cores.
+TEST_JOBS ?= 2
+export TEST_JOBS
 test: setup
-	$(PY) -m pytest -q tests
+	OMP_WAIT_POLICY=passive $(PY) -m pytest -q -n $(TEST_JOBS) -m "not multiprocess" tests
+	$(PY) -m pytest -q -m multiprocess tests
 	bash scripts/sanitize.sh
 ifneq ($(NVCC),)
 	bash scripts/cuda_check.sh

@@ -36,5 +36,7 @@ cd "$OUT/lib"
 # what this build checks. Of the multi-process tests, the planner's DDP scenarios (3 Gloo ranks: every
 # strategy, dense and sparse gradients, the kernels called from DDP's hook) run against it too; the
 # workers import this build (tests/test_planner_mp.py checks which one each rank loaded).
-"$PY" -m pytest -q -x -p no:cacheprovider --rootdir=../.. ../../tests -k "not sizing and not emulated" -m "not multiprocess" "$@"
+# The single-process tests on TEST_JOBS pytest-xdist workers, OpenMP's waiting threads asleep (as `make test`).
+OMP_WAIT_POLICY=passive "$PY" -m pytest -q -x -p no:cacheprovider -n "${TEST_JOBS:-2}" --rootdir=../.. ../../tests \
+  -k "not sizing and not emulated" -m "not multiprocess" "$@"
 "$PY" -m pytest -q -x -p no:cacheprovider --rootdir=../.. ../../tests/test_planner_mp.py -k ddp "$@"

@@ -58,6 +58,29 @@ def test_powersgd_prediction_pays_three_latencies_and_its_bytes():
     assert CostModel(c).predict_powersgd(lay, 1) == pytest.approx(100 * per_coord)   # one rank: no collective
 
 
+def test_a_message_pays_one_second_allreduce_per_request_dtype():
+    """predict_message batches second collectives as decode_message does: fp16 and bf16 requests are two
+    allreduces (two latencies), a float32 two_phase request a third; the first payloads share one."""
+    from lossless_hc.training.planner import TensorStats
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
+    s = TensorStats(numel=1000, row=1, world_size=4, rank_keys=(10,) * 4, union_keys=40)
+    link, n = model.calibration.link, 4
+
+    def expected(plans, second):
+        first = sum(model.collectives(st, s)[0][1] for st in plans)
+        return (link.allreduce(first, n) + sum(link.allreduce(b, n) for b in second)
+                + sum(model.local_seconds(st, s) for st in plans))
+    half = model.collectives("fp16", s)[1][1]
+    assert model.predict_message([("fp16", s), ("fp16", s)]) == pytest.approx(expected(["fp16"] * 2, [2 * half]))
+    assert model.predict_message([("fp16", s), ("bf16", s)]) == pytest.approx(expected(["fp16", "bf16"], [half, half]))
+    rows = model.collectives("two_phase", s)[1][1]
+    assert model.predict_message([("fp16", s), ("bf16", s), ("two_phase", s)]) == pytest.approx(
+        expected(["fp16", "bf16", "two_phase"], [half, half, rows]))
+    # one latency per dtype: splitting the same bytes into two allreduces costs 2(n-1) alpha more
+    assert (model.predict_message([("fp16", s), ("bf16", s)]) - model.predict_message([("fp16", s), ("fp16", s)])
+            == pytest.approx(2 * (n - 1) * 1e-4))
+
+
 def test_calibration_carries_powersgd_constants():
     c = Calibration.default()
     assert "powersgd" in c.codec_seconds and Calibration.from_list(c.as_list()) == c

@@ -394,11 +394,14 @@ class CostModel:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
         list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce, then the
         second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
-        allreduce per request dtype and one allgather), except that fp16 and bf16 requests are priced as
-        one allreduce (one latency fewer when a message holds both), plus every tensor's local work."""
+        allreduce per request dtype, then one allgather), plus every tensor's local work. The request
+        dtype is the strategy's for fp16 and bf16, else the gradient's, known here by its
+        ``element_bytes`` only: a half-precision gradient's requests are priced apart from the fp16 and
+        bf16 ones (at most one latency more than they run)."""
         link = self.calibration.link
         n = max((s.world_size for _, s in plans), default=1)
-        first = halves = others = gathered = 0
+        first = gathered = 0
+        second = {}   # request dtype (a strategy's, or the gradient's width) -> bytes per rank
         local = 0.0
         for strategy, s in plans:
             (_, head), *rest = self.collectives(strategy, s)
@@ -406,12 +409,11 @@ class CostModel:
             for kind, nbytes in rest:
                 if kind == "allgather":
                     gathered += nbytes
-                elif strategy in ("fp16", "bf16"):
-                    halves += nbytes
                 else:
-                    others += nbytes
+                    dtype = strategy if strategy in ("fp16", "bf16") else s.element_bytes
+                    second[dtype] = second.get(dtype, 0) + nbytes
             local += self.local_seconds(strategy, s)
-        return (link.allreduce(first, n) + link.allreduce(halves, n) + link.allreduce(others, n)
+        return (link.allreduce(first, n) + sum(link.allreduce(b, n) for b in second.values())
                 + link.allgather(gathered, n) + local)
 
     @staticmethod

@@ -56,12 +56,18 @@ SUPPORTED = {  # compressions each framework implements here
 
 
 # -- frameworks ------------------------------------------------------------------------------------
+# A framework this process has already initialised (hvd.init, init_process_group) is used as it is and
+# left initialised at shutdown: tests/mp/several_trainings.py runs several trainings in one
+# initialisation, since a second init_process_group under torchrun would meet the first one's keys in
+# the agent's store (the default group's name restarts at "0").
 class Horovod:
     def __init__(self, args):
         import horovod.torch as hvd
 
         self.hvd = hvd
-        hvd.init()
+        self.owner = not hvd.is_initialized()
+        if self.owner:
+            hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.compressor = None
 
@@ -99,7 +105,8 @@ class Horovod:
         return self.compressor.stats() if self.compressor else None
 
     def shutdown(self):
-        self.hvd.shutdown()
+        if self.owner:
+            self.hvd.shutdown()
 
 
 class DDP:
@@ -108,7 +115,9 @@ class DDP:
 
         self.dist = dist
         # Gloo between CPU workers; NCCL when each worker trains on its own GPU.
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        self.owner = not dist.is_initialized()
+        if self.owner:
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.state = None
 
@@ -161,7 +170,8 @@ class DDP:
         return self.state.stats() if self.state else None
 
     def shutdown(self):
-        self.dist.destroy_process_group()
+        if self.owner:
+            self.dist.destroy_process_group()
 
 
 class FSDP(DDP):

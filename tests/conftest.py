@@ -3,7 +3,8 @@
 * A hypothesis profile that CI can reproduce: derandomized (the examples are a function of the test),
   no per-example deadline (the first call of a test pays for imports), modest example counts.
 * A watchdog: a test that runs for more than ``LHC_TEST_TIMEOUT`` seconds (default 300) dumps every
-  thread's stack and exits, so a hang inside the C++ kernels (which hold no GIL) fails loudly instead
+  thread's stack to the session's stderr (not the test's captured one, which the exit discards) and
+  exits, so a hang inside the C++ kernels (which hold no GIL) or a launched job fails loudly instead
   of blocking CI forever.
 * ``PYTHONFAULTHANDLER`` set for the worker processes tests start, so a crashed rank shows its stack.
 * The ``gpu`` marker (tests that need a CUDA device; ``pytest -m gpu`` selects them).
@@ -33,9 +34,15 @@ settings.register_profile(
 settings.load_profile(os.environ.get("LHC_HYPOTHESIS_PROFILE", "lhc"))
 
 _TIMEOUT = float(os.environ.get("LHC_TEST_TIMEOUT", "300"))
+_WATCHDOG_FD = []   # a copy of the session's stderr, taken while no test's output is captured
 
 
 def pytest_configure(config):
+    try:
+        stderr = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):   # pytest-xdist's workers replace sys.stderr
+        stderr = sys.__stderr__.fileno()
+    _WATCHDOG_FD.append(os.dup(stderr))
     config.addinivalue_line("markers", "multiprocess: starts real worker processes (Horovod, torch.distributed)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_cuda.py); skipped, visibly, without one. "
                                        "Run only these with `pytest -m gpu`.")
@@ -48,7 +55,7 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _hang_watchdog():
-    faulthandler.dump_traceback_later(_TIMEOUT, exit=True)
+    faulthandler.dump_traceback_later(_TIMEOUT, exit=True, file=_WATCHDOG_FD[0])
     yield
     faulthandler.cancel_dump_traceback_later()
 

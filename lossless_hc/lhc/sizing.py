@@ -400,10 +400,9 @@ def unsolvable_pairs(table: SegmentedTable, ids: int) -> int:
     cells holds a multiple of the same ``w_0(a) v_a + w_0(b) v_b``), so that decode fails, whatever
     the values."""
     cells, weights = key_cells(table, torch.arange(ids, dtype=torch.int64))
-    # 2 w_j / w_0, an integer for weights +-1, +-2: equal for two ids exactly when their weights are
-    # proportional.
-    w0 = weights[:, :1]
-    rows = torch.cat([cells, torch.div(2 * weights[:, 1:] * w0, w0 * w0, rounding_mode="floor")], dim=1)
+    # 2 w_j / w_0, an exact integer for weights +-1, +-2: equal for two ids exactly when their weights
+    # are proportional.
+    rows = torch.cat([cells, torch.div(2 * weights[:, 1:], weights[:, :1], rounding_mode="trunc")], dim=1)
     # Equal rows have equal hashes: only ids whose hash another shares are compared exactly (a sort of
     # one int64 per id, where a lexicographic unique of the rows costs ten times more).
     h = torch.zeros(ids, dtype=torch.int64)

@@ -10,8 +10,9 @@
 # ./byteps-session-out when unset):
 #   build     lossless_hc's extension with CUDA (LHC_CUDA=1 setup.py build_ext --inplace)   build.log
 #   byteps    scripts/setup_byteps.sh python3 (patch + build + install BytePS)   build.log, byteps-build.log
-#   test      pytest tests/test_plugins_byteps.py: the CPU tests and the GPU run (1 scheduler,
-#             1 server, 2 workers on the one GPU; lossless vs uncompressed; server logs)     test.log
+#   test      pytest tests/test_plugins_byteps.py tests/test_byteps_gpu.py: the CPU tests and the GPU
+#             run (1 scheduler, 1 server, 2 workers on the one GPU; lossless vs uncompressed; server
+#             logs)     test.log
 #             BytePS's own logs of the run: bps-logs/{scheduler,server0,worker0,worker1}.log
 # summary.txt has one line per step; under the device tool (OUT set) the rest ends up in
 # byteps-session.tgz, with bps-logs/rank{0,1}.json (each run's losses and bytes per step).
@@ -47,8 +48,9 @@ step "build lossless_hc (CUDA)" build.log 200 env LHC_CUDA=1 "$PY" setup.py buil
 step "build + install BytePS" build.log 300 env BYTEPS_BUILD_DIR=/tmp/byteps-build \
   BYTEPS_BUILD_LOG="$OUT/byteps-build.log" bash scripts/setup_byteps.sh "$PY"
 if "$PY" -c "import byteps.torch" >/dev/null 2>&1; then
-  step "pytest tests/test_plugins_byteps.py" test.log 240 env PYTHONPATH="$PWD" LHC_BYTEPS_LOG_DIR="$OUT/bps-logs" \
-    "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_plugins_byteps.py
+  step "pytest tests/test_plugins_byteps.py tests/test_byteps_gpu.py" test.log 240 env PYTHONPATH="$PWD" \
+    LHC_BYTEPS_LOG_DIR="$OUT/bps-logs" "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_plugins_byteps.py \
+    tests/test_byteps_gpu.py
 else
   echo "pytest: SKIPPED (byteps.torch does not import; see byteps-build.log)" | tee -a "$SUMMARY"; FAILED=1
 fi

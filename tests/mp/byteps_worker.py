@@ -1,4 +1,4 @@
-"""BytePS worker for the GPU tests of tests/test_plugins_byteps.py, started by scripts/launch_byteps.sh.
+"""BytePS worker for the GPU tests of tests/test_byteps_gpu.py, started by scripts/launch_byteps.sh.
 
 Usage: python byteps_worker.py OUT_DIR
 

@@ -14,6 +14,8 @@ import zlib
 import numpy as np
 import torch
 
+from lossless_hc import LosslessCodec
+from lossless_hc.backends import cpu as cpu_backend
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.lhc.contract import outside_bounds
@@ -510,3 +512,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def codec_for(layout):
+    """A LosslessCodec running an explicit (e.g. several-level) multilevel layout."""
+    c = LosslessCodec(layout.numel, layout.world_size, layout.capacity * layout.block, block_size=layout.block,
+                      seed=layout.seed, index="bitmap")
+    c.layout = layout
+    c._native = cpu_backend.CpuLhcLayout(layout)
+    return c

@@ -299,13 +299,12 @@ def test_emulated_pairs_agree_with_cpu(emulated, block, index):
     """Two-key stopping sets (tests/test_pairs.py): lhc_solve_pairs solves the solvable ones exactly
     and leaves proportional ones unresolved, as the CPU backend does."""
     from lossless_hc.lhc.sizing import build_layout
-    from test_multilevel import codec_for
     from test_pairs import colliding_pairs, pair_inputs
 
     n = 3
     # The seed's own streams, which hold proportional pairs (the planner would take others).
     L = build_layout(index, 2000 * block, n, 8 * block, block, 11)
-    cpu, native = codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
+    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
     solvable, proportional = colliding_pairs(cpu.layout)
     rng = np.random.default_rng(helpers.stable_seed("emu-pair", block, index))
     for pair, expect_ok in ((solvable[0], True), (proportional[0], False)):

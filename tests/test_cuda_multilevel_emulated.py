@@ -31,7 +31,6 @@ from lossless_hc.lhc.sizing import build_layout
 from test_cuda import (ML_STALLS, assert_same_payload, bits, corrupt_fine_words, index_verdicts_agree,
                        stalled_table_corruptions)
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
-from test_multilevel import codec_for
 
 
 def setup(numel, n, k, block, shape, pattern="random", union=None, seed=3, data_seed=0):
@@ -39,7 +38,7 @@ def setup(numel, n, k, block, shape, pattern="random", union=None, seed=3, data_
     ranks' inputs (k non-zero keys each) and CPU payloads."""
     L = build_layout("multilevel", numel, n, max(1, k) * block, block, seed, union, shape)
     assert L is not None and len(L.multilevel.levels) == len(shape)
-    cpu = codec_for(L)
+    cpu = helpers.codec_for(L)
     rng = np.random.default_rng(data_seed)
     xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
     payloads = [cpu.encode(x) for x in xs]
@@ -306,7 +305,7 @@ def pair_setup(name):
     cells, signs = reference.key_cells(lv.table, torch.arange(lv.num_nodes))
     solvable, proportional = helpers.colliding_pairs(lv.table, lv.num_nodes)
     assert solvable and proportional, "no colliding node pairs of both kinds: pick another layout"
-    return SimpleNamespace(L=L, cpu=codec_for(L), native=_cuda.CudaLayout(L, torch.device("cpu")), level=level,
+    return SimpleNamespace(L=L, cpu=helpers.codec_for(L), native=_cuda.CudaLayout(L, torch.device("cpu")), level=level,
                            lv=lv, cells=cells, signs=signs, solvable=solvable, proportional=proportional)
 
 

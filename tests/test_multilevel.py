@@ -204,16 +204,6 @@ def test_auto_plans_multilevel_for_every_device():
             LosslessCodec(1000, 2, 10, device="cuda", index="multilevel")
 
 
-def codec_for(layout):
-    """A LosslessCodec running an explicit (e.g. several-level) multilevel layout."""
-    from lossless_hc.backends import cpu as _backend
-    c = LosslessCodec(layout.numel, layout.world_size, layout.capacity * layout.block, block_size=layout.block,
-                      seed=layout.seed, index="bitmap")
-    c.layout = layout
-    c._native = _backend.CpuLhcLayout(layout)
-    return c
-
-
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 1, 1), (1, 2, 4), (4, 1, 1, 2)])
 @pytest.mark.parametrize("numel,n,k,block,pattern", [(300_000, 2, 60, 1, "random"), (100_000, 16, 30, 1, "clustered"),
                                                      (32 * 5000 + 3, 5, 12, 32, "random"), (50_000, 3, 2_000, 1, "identical")])
@@ -224,7 +214,7 @@ def test_several_fine_levels(shape, numel, n, k, block, pattern):
     assert L is not None and len(L.multilevel.levels) == len(shape)
     spans = [lv.span for lv in L.multilevel.levels]
     assert spans == sorted(spans, reverse=True) and L.multilevel.coarse.digits == -(-L.num_keys // spans[0])
-    codec = codec_for(L)
+    codec = helpers.codec_for(L)
     xs = helpers.make_inputs(rng, numel, block, n, k, pattern, "normal")
     for x in xs[:2]:
         assert torch.equal(bits(codec.encode(x)), bits(reference.encode(L, x)))
@@ -277,7 +267,7 @@ def test_grouped_fine_tables_match_reference(monkeypatch, shape, n, k, pattern):
     L = lay.build_layout("multilevel", numel, n, k, 1, 5, None, shape)
     assert L is not None and L.multilevel.levels[-1].table.seg_count >= 6, L.multilevel
     rng = np.random.default_rng(helpers.stable_seed(shape, n, k))
-    codec = codec_for(L)
+    codec = helpers.codec_for(L)
     xs = helpers.make_inputs(rng, numel, 1, n, k, pattern, "normal")
     for x in xs[:2]:
         assert torch.equal(bits(codec.encode(x)), bits(reference.encode(L, x)))
@@ -339,7 +329,7 @@ def test_planner_reseeds_a_table_with_an_unsolvable_pair():
     assert planned.reseeded == (0, 1) and lv.table.stream != lv_raw.table.stream
     assert helpers.colliding_pairs(lv.table, lv.num_nodes)[1] == [] and unsolvable_pairs(lv.table, lv.num_nodes) == 0
     assert planned.payload_numel == raw.payload_numel and planned.fingerprint != raw.fingerprint
-    seed_codec = codec_for(raw)
+    seed_codec = helpers.codec_for(raw)
     rng = np.random.default_rng(helpers.stable_seed("reseeded fine table"))
     for _ in range(3):
         xs = pair_node_inputs(raw, (15, 36), n, rng)
@@ -365,7 +355,7 @@ def test_fine_table_pairs_solved_or_reported(n):
     assert L is not None and len(L.multilevel.levels) == 1
     solvable, proportional = helpers.colliding_pairs(L.multilevel.levels[0].table, L.multilevel.levels[0].num_nodes)
     assert solvable and proportional, "no colliding node pairs of both kinds: pick another seed"
-    codec = codec_for(L)
+    codec = helpers.codec_for(L)
     rng = np.random.default_rng(helpers.stable_seed("finepair", n))
     for pair in solvable[:4]:
         xs = pair_node_inputs(L, pair, n, rng)

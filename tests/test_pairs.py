@@ -21,7 +21,6 @@ from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import SegmentedTable, stream_seed
 from lossless_hc.lhc.sizing import (PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS, build_layout,
                                     expected_unsolvable_pairs, unsolvable_pairs)
-from test_multilevel import codec_for
 
 
 def colliding_pairs(layout):
@@ -133,7 +132,7 @@ def test_planner_reseeds_a_sketch_with_an_unsolvable_pair():
     assert codec.layout.reseeded[0] > 0 and codec.layout.sketch.stream != raw.sketch.stream
     assert colliding_pairs(codec.layout)[1] == [] and unsolvable_pairs(codec.layout.sketch, raw.num_keys) == 0
     assert codec.layout.payload_numel == raw.payload_numel and codec.layout.fingerprint != raw.fingerprint
-    seed_codec = codec_for(raw)
+    seed_codec = helpers.codec_for(raw)
     rng = np.random.default_rng(helpers.stable_seed("reseeded sketch"))
     for pair in proportional[:2]:
         xs = pair_inputs(rng, raw, pair, 3, others=3)

@@ -130,6 +130,30 @@ def test_topk_allgather_packs_and_averages_exactly():
         TopKAllgather(ratio=0.0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_topk_allgather_adds_ranks_in_rank_order(device):
+    """Every rank must decode the same bits: each coordinate is the float32 sum in rank order. The
+    values make the order visible (2**24 absorbs a 1 that a sum of the 1s first would keep), and on
+    CUDA a single atomic index_add_ over every rank's pairs adds them in a varying order."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    world, numel = 8, 1 << 18
+    per_rank = torch.ones(world, numel)
+    per_rank[0] = 2.0**24
+    per_rank[-1] = -(2.0**24)
+    idx = torch.stack([torch.randperm(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)])
+    vals = torch.gather(per_rank, 1, idx)   # rank r sends coordinate idx[r, j] with its value
+    gathered = torch.cat([torch.cat([vals[r], idx[r].to(torch.int32).view(torch.float32)]) for r in range(world)])
+    expected = torch.zeros(numel)
+    for r in range(world):
+        expected += per_rank[r]
+    assert expected.eq(0.0).all()   # in rank order the 1s vanish into 2**24
+    codec = TopKAllgather(ratio=1.0)
+    for _ in range(3):
+        out = codec.decode(gathered.to(device), world, torch.empty(numel, device=device)).cpu()
+        assert torch.equal(out, expected / world)
+
+
 def test_refuses_without_root(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     rc = cluster.cmd_cluster(_args(hosts=2))

@@ -55,13 +55,17 @@ class TopKAllgather:
 
     def decode(self, gathered: torch.Tensor, world_size: int, out: torch.Tensor) -> torch.Tensor:
         """Average of the ranks' pairs in ``gathered`` (``world_size`` packed tensors end to end),
-        written densely into ``out`` (any shape with the original number of elements)."""
+        written densely into ``out`` (any shape with the original number of elements). Ranks are
+        added one after another, in rank order, so every rank computes the same bits: within a rank
+        the indices are distinct, so even CUDA's atomic ``index_add_`` has one order, which one
+        ``index_add_`` over all ranks' pairs would not (replicas would drift apart)."""
         t0 = time.perf_counter()
         parts = gathered.reshape(world_size, 2, -1)
-        vals = parts[:, 0].reshape(-1)
-        idx = parts[:, 1].contiguous().view(torch.int32).reshape(-1).long()
+        vals = parts[:, 0]
+        idx = parts[:, 1].contiguous().view(torch.int32).long()
         flat = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
-        flat.index_add_(0, idx, vals)
+        for r in range(world_size):
+            flat.index_add_(0, idx[r], vals[r])
         out.copy_(flat.div_(world_size).view_as(out))
         self.decode_seconds += time.perf_counter() - t0
         return out

@@ -491,6 +491,17 @@ def test_world_size_and_block_size_limits():
         LosslessCodec(100.0, 2, 10)
 
 
+def test_seeds_outside_uint64_are_refused():
+    # The hashes take the seed as a uint64: 2^64 would hash as 0, and -1 as 2^64 - 1.
+    x = torch.zeros(100)
+    x[[3, 50]] = 1.0
+    assert not torch.equal(LosslessCodec(100, 2, 10, seed=0).encode(x),
+                           LosslessCodec(100, 2, 10, seed=(1 << 64) - 1).encode(x))
+    for seed in (-1, 1 << 64, 1 << 70):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            LosslessCodec(100, 2, 10, seed=seed)
+
+
 def test_world_size_1024_round_trip():
     rng = np.random.default_rng(3)
     n, numel = 1024, 4096

@@ -292,6 +292,10 @@ def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
         raise TypeError(f"union_nnz must be an int or None, got {type(union_nnz).__name__}")
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
+    # The hashes take the seed as a uint64: a seed outside would alias one inside (s and s + 2^64 hash
+    # alike), so it is refused, as THCCodec and the adapters refuse it.
+    if not 0 <= seed < (1 << 64):
+        raise ValueError(f"seed must be an integer in [0, 2**64), identical on every rank; got {seed}")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     if max_nnz < 0:

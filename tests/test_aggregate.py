@@ -1,5 +1,6 @@
 """The per-tensor aggregation policy (lossless_hc.training.aggregate), in one process: ranks are simulated by
 summing their payloads, as any engine would."""
+import inspect
 import math
 
 import pytest
@@ -10,6 +11,9 @@ from hypothesis import strategies as st
 import lossless_hc as lhc
 from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator,
                                             default_block_size, payload_is_averaged)
+from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
+from lossless_hc.training.auto import AutoSpec
+from lossless_hc.training.strategies import AutoAggregator
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 
@@ -540,3 +544,28 @@ def test_partial_max_fraction_is_checked():
     for bad in (-0.1, 1.5, "0.5", True):
         with pytest.raises(ValueError, match="partial_max_fraction"):
             TensorAggregator("t", (100,), torch.float32, 2, 0.1, partial_max_fraction=bad)
+
+
+@pytest.mark.parametrize("spec_type, aggregator_type", [
+    (LosslessSpec, TensorAggregator), (TopKSpec, TopKAggregator), (THCSpec, THCAggregator), (AutoSpec, AutoAggregator),
+])
+def test_compression_options_are_checked_when_configured(spec_type, aggregator_type):
+    """A misspelt option or a policy of the wrong type fails at configuration (the Compression factory,
+    a hook or FSDP state), not at the first backward pass; the options passed through to the aggregator
+    are parameters of its constructor."""
+    with pytest.raises(TypeError, match=rf"unknown option\(s\) for {spec_type.kind} compression: max_dnsity, sed "
+                                        r"\(its options: .*seed"):
+        spec_type(max_dnsity=0.1, sed=3)
+    params = inspect.signature(aggregator_type.__init__).parameters
+    assert set(spec_type.passthrough) <= set(params)
+    if "policy" in spec_type.passthrough:
+        with pytest.raises(TypeError, match="policy must be a CapacityPolicy or None, got str"):
+            spec_type(policy="adaptive")
+        policy = lhc.CapacityPolicy(interval=4)
+        agg = spec_type(policy=policy).make("w", torch.zeros(64, 8), 2, 0, AggregationStats(), "cpu")
+        assert agg.tracker is not None and agg.tracker.policy is policy
+
+
+def test_aggregator_refuses_a_policy_of_the_wrong_type():
+    with pytest.raises(TypeError, match="policy must be a CapacityPolicy or None, got dict"):
+        TensorAggregator("t", (100,), torch.float32, 2, 0.1, policy={"interval": 4})

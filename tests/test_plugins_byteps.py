@@ -136,9 +136,10 @@ def test_from_env_reads_os_environ_and_passes_keywords(monkeypatch):
     monkeypatch.setenv("BYTEPS_LHC_MAX_DENSITY", "0.2")
     comp = Compression.from_env(seed=9)
     assert comp.max_density == 0.2 and comp.seed == 9
-    # Options the factory does not know go to the aggregators unchanged (here: rejected by them).
-    comp = Compression.from_env(some_policy="x")
-    assert comp.spec.extra == {"some_policy": "x"}
+    # Options no aggregator takes are refused when the compressor is configured.
+    with pytest.raises(TypeError, match=r"unknown option\(s\) for lossless compression: some_policy \(its options: "
+                                        r"max_density, .*, policy, partial_max_fraction\)"):
+        Compression.from_env(some_policy="x")
 
 
 @pytest.mark.parametrize("env, message", [

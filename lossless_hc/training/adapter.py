@@ -6,8 +6,9 @@ the aggregated gradient. Everything in that loop that does not depend on the eng
 
 * :class:`AggregatorSpec` and its kinds (:class:`LosslessSpec`, :class:`TopKSpec`,
   :class:`THCSpec`): the validated configuration of ``Compression.lossless/topk/thc``, which builds
-  one aggregator (:mod:`lossless_hc.training.aggregate`) per parameter. Keyword arguments a spec does not
-  know are passed through to the aggregator's constructor unchanged.
+  one aggregator (:mod:`lossless_hc.training.aggregate`) per parameter. A spec passes the few
+  aggregator options it names (``passthrough``: ``policy``, ``partial_max_fraction``) to the
+  aggregator's constructor unchanged and refuses any other keyword.
 * :class:`CompressorAdapter`: the per-parameter aggregator map, encode/decode, the bookkeeping of
   dense fallbacks within a step, and the statistics. Every aggregator kind runs on the gradient's
   device (CPU or CUDA kernels), so payloads never leave it.
@@ -33,6 +34,7 @@ that numbers names as it first sees them (BytePS) sees them in the same order on
 """
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from typing import Optional
@@ -42,7 +44,7 @@ import torch
 from lossless_hc.lhc.layout import INDEX_KINDS
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
-from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator,
+from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_policy,
                                             partial_values)
 from lossless_hc.training.thc_aggregate import THCAggregator
 
@@ -102,12 +104,21 @@ def _check_index(index) -> str:
 class AggregatorSpec:
     """Validated configuration of one compression kind; :meth:`make` builds a parameter's aggregator.
 
-    ``extra``: keyword arguments passed to the aggregator's constructor as they are.
+    ``extra``: keyword arguments passed to the aggregator's constructor as they are, among those
+    ``passthrough`` names (any other is a TypeError here: a misspelt option fails when the compressor
+    is configured, not at the first backward pass).
     """
 
     kind = ""
+    passthrough: tuple = ()
 
     def __init__(self, seed: int = 0, **extra):
+        unknown = sorted(set(extra) - set(self.passthrough))
+        if unknown:
+            own = [p for p in inspect.signature(type(self).__init__).parameters if p not in ("self", "extra")]
+            raise TypeError(f"unknown option(s) for {self.kind} compression: {', '.join(unknown)} (its options: "
+                            f"{', '.join(own + list(self.passthrough))})")
+        check_policy(extra.get("policy"))
         self.seed = _check_seed(seed)
         self.extra = dict(extra)
 
@@ -128,6 +139,7 @@ class LosslessSpec(AggregatorSpec):
     """``Compression.lossless``: see :class:`lossless_hc.training.aggregate.TensorAggregator`."""
 
     kind = "lossless"
+    passthrough = ("policy", "partial_max_fraction")
 
     def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
                  index: str = "auto", **extra):
@@ -154,6 +166,7 @@ class TopKSpec(AggregatorSpec):
     """``Compression.topk``: see :class:`lossless_hc.training.aggregate.TopKAggregator`."""
 
     kind = "topk"
+    passthrough = ("policy",)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", **extra):
         super().__init__(seed, **extra)
@@ -335,8 +348,9 @@ class CompressionFactory:
 
     An adapter subclasses it and sets ``compressor`` to its :class:`CompressorAdapter` subclass
     (built from one spec); ``lossless``, ``topk`` and ``thc`` then validate their arguments into a
-    spec and build that compressor. Keyword arguments beyond those listed go to the per-tensor
-    aggregators (:mod:`lossless_hc.training.aggregate`) unchanged.
+    spec and build that compressor. The aggregator options a spec names (``passthrough``) go to the
+    per-tensor aggregators (:mod:`lossless_hc.training.aggregate`) unchanged; any other keyword is a
+    TypeError.
     """
 
     compressor: type = CompressorAdapter

@@ -291,7 +291,7 @@ class TensorAggregator:
         self.capacity = self._round_to_blocks(math.ceil(max_density * self.numel))
         self.union_capacity: Optional[int] = None   # aggregate non-zeros the codec is sized for (None: n x capacity)
         self.min_capacity = 0                       # the policy never goes below this (top-k: k)
-        self.tracker = policy.tracker() if policy is not None else None
+        self.tracker = check_policy(policy).tracker() if policy is not None else None
         self.partial_max_fraction = _check_partial_fraction(partial_max_fraction)
         self._codec: Optional[LosslessCodec] = None
         self._decide_codec()
@@ -481,6 +481,13 @@ sends m values (no indices: every rank derives them from the same aggregate) whe
 sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access).
 Past half of the tensor it still sends half the dense bytes or more, and an inexact set that large
 says the sketch does not suit the tensor, which the dense fallback's capacity growth answers."""
+
+
+def check_policy(policy):
+    """``policy`` itself if it is None or a :class:`CapacityPolicy`; a TypeError otherwise."""
+    if policy is not None and not isinstance(policy, CapacityPolicy):
+        raise TypeError(f"policy must be a CapacityPolicy or None, got {type(policy).__name__}")
+    return policy
 
 
 def _check_partial_fraction(fraction) -> float:

@@ -126,3 +126,15 @@ def test_bloom_index_peels_at_target_rate(numel, n, cap):
                 assert "peeling failed" in rep.reason, rep.reason
                 failures += "index peeling" in rep.reason
     assert failures <= allowed_failures(trials), f"{failures}/{trials} Bloom index peeling failures"
+
+
+def test_sketch_table_for_refuses_bad_arguments():
+    with pytest.raises(TypeError, match="keys must be an int, got float"):
+        sketch_table_for(1.5)
+    with pytest.raises(TypeError, match="stream must be an int, got bool"):
+        sketch_table_for(10, True)
+    with pytest.raises(ValueError, match="keys must be >= 0"):
+        sketch_table_for(-1)
+    with pytest.raises(ValueError, match=r"stream must be in \[0, 2\*\*64\)"):
+        sketch_table_for(10, 1 << 64)
+    assert sketch_table_for(10, (1 << 64) - 1).stream == (1 << 64) - 1

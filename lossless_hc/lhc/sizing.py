@@ -61,8 +61,13 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
 
     The derivation and the error measurements behind these rules: docs/DESIGN.md, "Sizing".
     """
+    for name, value in (("keys", keys), ("stream", stream)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if keys < 0:
         raise ValueError(f"keys must be >= 0, got {keys}")
+    if not 0 <= stream < (1 << 64):
+        raise ValueError(f"stream must be in [0, 2**64), got {stream}")
     if keys == 0:
         return SegmentedTable(seg_len=1, seg_count=3, stream=stream)
     signs = _grouped_table(keys, GROUP_KEYS, PAIR_UNSOLVABLE_SHARE_SIGNS, stream)

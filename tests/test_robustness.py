@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import helpers
-from lossless_hc import LosslessCodec, plan_layout
+from lossless_hc import LosslessCodec, THCCodec, plan_layout
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS)
 from lossless_hc.lhc.status import DecodeStatus
@@ -408,6 +408,19 @@ def test_non_tensor_and_wrong_size_inputs():
         codec.encode([0.0] * 10)
     with pytest.raises(ValueError, match="numel"):
         codec.encode(torch.zeros(11))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc", "bsr"])
+@pytest.mark.parametrize("codec_type", ["lossless", "thc"])
+def test_sparse_inputs_are_refused_naming_their_layout(layout, codec_type):
+    # Every sparse layout, not only COO (x.is_sparse): a CSR tensor reached reshape and failed there.
+    codec = LosslessCodec(64, 2, 8) if codec_type == "lossless" else THCCodec(64, 2, 0)
+    x = torch.zeros(8, 8)
+    x[1, 2] = 1.0
+    sparse = {"coo": x.to_sparse, "csr": x.to_sparse_csr, "csc": x.to_sparse_csc,
+              "bsr": lambda: x.to_sparse_bsr((2, 2))}[layout]()
+    with pytest.raises(TypeError, match=rf"x is a sparse tensor \(torch\.sparse_{layout}\); pass it dense"):
+        codec.encode(sparse)
 
 
 @pytest.mark.parametrize("index", INDEXES)

@@ -297,6 +297,8 @@ class LosslessCodec:
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:   # COO, CSR, CSC, BSR, BSC
+            raise TypeError(f"x is a sparse tensor ({x.layout}); pass it dense (e.g. x.to_dense())")
         if x.numel() != self.layout.numel:
             raise ValueError(f"x has {x.numel()} elements, the codec was built for numel={self.layout.numel}")
         if x.dtype not in _ACCEPTED_DTYPES:
@@ -304,8 +306,6 @@ class LosslessCodec:
                             "(float64 and integers would be rounded by the float32 payload: cast explicitly)")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the codec on {self.device}")
-        if x.is_sparse:
-            raise TypeError("x is a sparse tensor; pass it dense (e.g. x.to_dense())")
         return x.reshape(-1).to(torch.float32).contiguous()
 
     def _buffer(self, out: Optional[torch.Tensor], numel: int) -> torch.Tensor:

@@ -262,8 +262,8 @@ class THCCodec:
     def _check_input(self, x: torch.Tensor, interleaved: bool) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.is_sparse:
-            raise TypeError("x is a sparse tensor; pass it dense (e.g. x.to_dense())")
+        if x.layout != torch.strided:   # COO, CSR, CSC, BSR, BSC
+            raise TypeError(f"x is a sparse tensor ({x.layout}); pass it dense (e.g. x.to_dense())")
         L = self.layout
         if interleaved:
             if L.numel != L.padded:

@@ -410,6 +410,7 @@ def test_non_tensor_and_wrong_size_inputs():
         codec.encode(torch.zeros(11))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("layout", ["coo", "csr", "csc", "bsr"])
 @pytest.mark.parametrize("codec_type", ["lossless", "thc"])
 def test_sparse_inputs_are_refused_naming_their_layout(layout, codec_type):
@@ -421,6 +422,43 @@ def test_sparse_inputs_are_refused_naming_their_layout(layout, codec_type):
               "bsr": lambda: x.to_sparse_bsr((2, 2))}[layout]()
     with pytest.raises(TypeError, match=rf"x is a sparse tensor \(torch\.sparse_{layout}\); pass it dense"):
         codec.encode(sparse)
+
+
+@pytest.mark.parametrize("index", ["dense", "bitmap", "multilevel"])
+def test_an_out_overlapping_the_input_is_refused(index):
+    # The kernels read x (the payload) while they write out: a payload buffer whose first elements held
+    # x encoded to a wrong payload without a word.
+    numel = 4096
+    codec = LosslessCodec(numel, 2, numel // 3, index=index)
+    P = codec.payload_numel
+    x = torch.zeros(numel)
+    x[::5] = 1.0
+    for offset in (0, P - numel):
+        buf = torch.zeros(P)
+        buf[offset:offset + numel] = x
+        with pytest.raises(ValueError, match="out and x overlap in memory"):
+            codec.encode(buf[offset:offset + numel], out=buf)
+        summed = codec.encode(x) + codec.encode(x)
+        with pytest.raises(ValueError, match="out and payload overlap in memory"):
+            codec.decode(summed, out=summed[offset:offset + numel])
+    y, report = codec.decode(codec.encode(x) + codec.encode(x), out=torch.empty(numel))
+    assert report.ok and torch.equal(y, 2 * x)
+
+
+def test_thc_out_overlapping_the_input_is_refused():
+    numel = 4096
+    x = torch.randn(numel)
+    codec = THCCodec(numel, 2, 0)
+    # One float32 storage: the payload (float64) in its first 2 P elements, x from 10 before their end.
+    words = 2 * codec.payload_numel
+    storage = torch.zeros(words + numel)
+    with pytest.raises(ValueError, match="out and x overlap in memory"):
+        codec.encode(storage[words - 10:words - 10 + numel].copy_(x), out=storage[:words].view(torch.float64))
+    payloads = [THCCodec(numel, 2, r).encode(x) for r in range(2)]
+    codec.encode(x)
+    storage[:words].view(torch.float64).copy_(payloads[0] + payloads[1])
+    with pytest.raises(ValueError, match="out and payload overlap in memory"):
+        codec.decode(storage[:words].view(torch.float64), out=storage[words - 10:words - 10 + numel])
 
 
 @pytest.mark.parametrize("index", INDEXES)

@@ -52,6 +52,18 @@ import torch
 from lossless_hc.backends.cpu import CPU
 
 
+def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
+    """Raise ValueError when the memory of ``out`` and ``src`` (contiguous tensors) overlaps: every
+    backend's kernels read ``src`` while they write ``out``, so an overlap would give a silently wrong
+    result (or, where torch notices it first, torch's own error)."""
+    if out.device != src.device or out.numel() == 0 or src.numel() == 0:
+        return
+    a, b = out.data_ptr(), src.data_ptr()
+    if a < b + src.numel() * src.element_size() and b < a + out.numel() * out.element_size():
+        raise ValueError(f"{names} overlap in memory: the kernels read one while they write the other; "
+                         "pass an out that shares no memory with the input")
+
+
 def backend_for(device: torch.device):
     """The backend of ``device`` ("cpu" or "cuda"/"cuda:N")."""
     device = torch.device(device)

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import backend_for, check_disjoint
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
@@ -320,7 +320,8 @@ class LosslessCodec:
 
     def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Encode ``x`` (numel elements, any shape) into a 1-D float32 payload of ``payload_numel``
-        elements: a new tensor, or ``out`` (contiguous float32, overwritten) to reuse a buffer.
+        elements: a new tensor, or ``out`` (contiguous float32, overwritten, sharing no memory with
+        ``x``, else ValueError) to reuse a buffer.
 
         The shape and dtype of ``x`` are remembered as the defaults for ``decode``.
         """
@@ -328,6 +329,7 @@ class LosslessCodec:
         self._shape, self._dtype = tuple(x.shape), x.dtype
         L = self.layout
         payload = self._buffer(out, L.payload_numel)
+        check_disjoint(payload, flat, "out and x")
         if L.index_kind == "dense":
             payload[HEADER_FIELDS:] = flat
             self._write_dense_header(payload, flat)
@@ -383,7 +385,8 @@ class LosslessCodec:
             error_bounds: attach each support key's proven error bound to the report (see
                 ``DecodeReport.error_bounds``).
             out: optional contiguous float32 tensor of ``numel`` elements on the codec's device to
-                decode into (every element is overwritten). Reusing one buffer across steps avoids
+                decode into (every element is overwritten; sharing no memory with ``payload``, else
+                ValueError). Reusing one buffer across steps avoids
                 the page faults of a fresh allocation; ``y`` is then a view of it when ``dtype`` is
                 float32.
 
@@ -414,6 +417,7 @@ class LosslessCodec:
 
         # Every path below writes all of out (NaN on failure paths, the kernels zero-fill first).
         out = self._buffer(out, L.numel)
+        check_disjoint(out, payload, "out and payload")
         report = DecodeReport(ok=False, reason=None, index_kind=L.index_kind)
 
         def finish(status: DecodeStatus, reason: Optional[str] = None):

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import backend_for, check_disjoint
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
                                     LAYOUT_VERSION, WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
@@ -282,8 +282,8 @@ class THCCodec:
 
     def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, interleaved: bool = False) -> torch.Tensor:
         """Encode ``x`` (numel elements, any shape) into a 1-D payload of ``payload_numel`` elements
-        of ``payload_dtype``: a new tensor, or ``out`` (contiguous, that dtype and size; every
-        element is overwritten) to reuse a buffer across steps. No communication. Must be followed
+        of ``payload_dtype``: a new tensor, or ``out`` (contiguous, that dtype and size, sharing no
+        memory with ``x``; every element is overwritten) to reuse a buffer across steps. No communication. Must be followed
         by ``decode`` of the aggregate before the next ``encode``. Remembers the shape and dtype of
         ``x`` for ``decode``.
 
@@ -307,6 +307,7 @@ class THCCodec:
                              f"{self.device}")
         else:
             payload = out.view(-1)
+        check_disjoint(payload, flat, "out and x")
         payload[:L.words_offset] = 0   # header and norm slots; the kernel writes every level word
         e = self._error
         M = self._norm
@@ -352,7 +353,8 @@ class THCCodec:
         """Decode an aggregated payload into the sum of the ranks' inputs, or their average with
         ``averaged=True`` (the payload is then the engine's element-wise AVERAGE). Returns a tensor
         with the shape and dtype of the last encoded ``x`` (``out``, a contiguous float32 tensor of
-        as many elements as that x, is filled and returned when given and the input dtype is float32).
+        as many elements as that x sharing no memory with ``payload``, is filled and returned when given
+        and the input dtype is float32).
 
         Every rank computes the same bits from the same payload, and updates the same state: the step
         counter and ``norm`` (M for the next step, the largest norm slot).
@@ -437,6 +439,7 @@ class THCCodec:
                                 or out.numel() != numel or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
         y = out.view(-1) if out is not None else self._backend.empty(numel, self.device)
+        check_disjoint(y, payload, "out and payload")
         if non_finite:
             if self.non_finite == "raise":
                 raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")

@@ -445,6 +445,19 @@ def test_an_out_overlapping_the_input_is_refused(index):
     assert report.ok and torch.equal(y, 2 * x)
 
 
+def test_decode_refuses_a_shape_of_other_size_before_decoding():
+    codec = LosslessCodec(1000, 2, 20)
+    x = torch.zeros(1000)
+    x[3] = 1.0
+    summed = codec.encode(x) * 2
+    for shape in [(3,), (10, 10), ("a",)]:
+        with pytest.raises(ValueError, match=r"decode\(shape=.*\): not a shape of numel=1000 elements"):
+            codec.decode(summed, shape=shape)
+    for shape, expected in [((10, 100), (10, 100)), ((-1, 10), (100, 10)), (1000, (1000,))]:
+        y, report = codec.decode(summed, shape=shape)
+        assert report.ok and y.shape == expected and torch.equal(y.reshape(-1), 2 * x)
+
+
 def test_thc_out_overlapping_the_input_is_refused():
     numel = 4096
     x = torch.randn(numel)

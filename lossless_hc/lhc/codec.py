@@ -381,14 +381,14 @@ class LosslessCodec:
             payload: element-wise SUM over ``world_size`` ranks of their ``encode`` outputs, or their
                 AVERAGE if ``averaged=True`` (then ``y`` is the average).
             shape, dtype: of ``y``; default to those of the last ``encode`` call (else 1-D float32).
+                A shape that does not hold ``numel`` elements is a ValueError, before decoding.
             trace: attach the peeling order to the report (diagnostics and tests).
             error_bounds: attach each support key's proven error bound to the report (see
                 ``DecodeReport.error_bounds``).
             out: optional contiguous float32 tensor of ``numel`` elements on the codec's device to
                 decode into (every element is overwritten; sharing no memory with ``payload``, else
-                ValueError). Reusing one buffer across steps avoids
-                the page faults of a fresh allocation; ``y`` is then a view of it when ``dtype`` is
-                float32.
+                ValueError). Reusing one buffer across steps avoids the page faults of a fresh
+                allocation; ``y`` is then a view of it when ``dtype`` is float32.
 
         ``y`` is the exact aggregate (within rtol) when ``report.ok``; under INEXACT it is that at
         every key outside ``report.inexact_keys``; otherwise it must not be used (it holds whatever
@@ -406,7 +406,11 @@ class LosslessCodec:
         if payload.device != self.device:
             raise ValueError(f"payload is on {payload.device}, the codec on {self.device}")
         payload = payload.contiguous()
-        shape = tuple(shape) if shape is not None else self._shape
+        shape = self._shape if shape is None else (shape,) if isinstance(shape, int) else tuple(shape)
+        try:   # before decoding: the shape's own check, on a tensor without memory
+            torch.empty(L.numel, device="meta").reshape(shape)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"decode(shape={shape}): not a shape of numel={L.numel} elements ({e})") from e
         dtype = dtype if dtype is not None else self._dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"decode(dtype={dtype}): the decoded sum is a float32 tensor (rounded to the input's "

@@ -32,7 +32,8 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"] + list(ERRORS))])
+         ",".join(EXACT + ["unused_accumulation", "policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
+                  + list(ERRORS))])
     return out, size
 
 
@@ -101,6 +102,15 @@ def test_lossless_hook_matches_default_allreduce(ddp_run, name):
         assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
     else:  # capacity 0.1%: the embedding tables overload, fall back exactly, and grow
         assert rs[0]["stats"]["fallbacks"] >= 1 and rs[0]["stats"]["capacity_growths"] >= 1
+
+
+def test_unused_parameters_and_no_sync_accumulation_stay_exact(ddp_run):
+    """find_unused_parameters=True (a layer never used, a table used every other step) with three
+    micro-batches per step, the first two under no_sync: equal to DDP's allreduce to float rounding."""
+    out, size = ddp_run
+    rs = results(out, "unused_accumulation", size)
+    check_lossless(rs)
+    assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
 
 
 def test_capacity_policy_adapts_identically_and_stays_exact(ddp_run):

@@ -137,6 +137,8 @@ def scenario(name):
     if name == "config_mismatch":
         return expect_error(lambda: train(LosslessHookState(max_density=0.05 if dist.get_rank() else 0.02), steps=1),
                             ConfigurationMismatch)
+    if name == "unused_accumulation":
+        return unused_and_accumulation()
     if name == "sparse":
         return expect_error(lambda: train(LosslessHookState(), sparse=True, steps=1), TypeError)
     if name == "thc_exact_mismatch":   # THCHookState(exact=...) naming different parameters on the ranks
@@ -150,6 +152,48 @@ def scenario(name):
             loss_fn(ddp, batch(0, dist.get_rank())).backward()
         return expect_error(run, ConfigurationMismatch)
     raise ValueError(f"unknown scenario {name}")
+
+
+class PartlyUsedModel(EmbeddingModel):
+    """EmbeddingModel with a layer never used and a table used at even steps only: DDP needs
+    find_unused_parameters=True, and hands the hook zeros for the parameters a step did not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(16, 1)
+        self.even_steps = torch.nn.Embedding(5000, 8)
+
+    def forward(self, u, i, step):
+        out = super().forward(u, i)
+        return out + self.even_steps(u).sum(-1) if step % 2 == 0 else out
+
+
+def unused_and_accumulation(steps=STEPS, micro=3):
+    """find_unused_parameters=True with gradient accumulation: the first ``micro - 1`` backward passes
+    of a step under no_sync (no hook), the last one reduced through the hook."""
+    def run(state):
+        torch.manual_seed(0)
+        model = PartlyUsedModel().to(DEVICE)
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        if state is not None:
+            ddp.register_comm_hook(state, lossless_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            for m in range(micro):
+                u, i, y = batch(micro * step + m, dist.get_rank())
+                if m < micro - 1:
+                    with ddp.no_sync():
+                        torch.nn.functional.mse_loss(ddp(u, i, step), y).backward()
+                else:
+                    torch.nn.functional.mse_loss(ddp(u, i, step), y).backward()
+            opt.step()
+        return model
+
+    state = LosslessHookState(max_density=0.05)
+    ref, got = run(None), run(state)
+    return {"max_diff": max_param_diff(ref, got), "stats": state.stats(),
+            "capacity": [a.capacity for a in state._aggregators.values()]}
 
 
 def inexact():

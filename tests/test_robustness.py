@@ -472,6 +472,9 @@ def test_thc_out_overlapping_the_input_is_refused():
     storage[:words].view(torch.float64).copy_(payloads[0] + payloads[1])
     with pytest.raises(ValueError, match="out and payload overlap in memory"):
         codec.decode(storage[:words].view(torch.float64), out=storage[words - 10:words - 10 + numel])
+    # Refused before any state changed: the step's decode still comes, into a separate out.
+    y = codec.decode(payloads[0] + payloads[1], out=torch.empty(numel))
+    assert codec.step == 1 and torch.isfinite(y).all()
 
 
 @pytest.mark.parametrize("index", INDEXES)

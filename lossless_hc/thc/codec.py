@@ -283,9 +283,9 @@ class THCCodec:
     def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, interleaved: bool = False) -> torch.Tensor:
         """Encode ``x`` (numel elements, any shape) into a 1-D payload of ``payload_numel`` elements
         of ``payload_dtype``: a new tensor, or ``out`` (contiguous, that dtype and size, sharing no
-        memory with ``x``; every element is overwritten) to reuse a buffer across steps. No communication. Must be followed
-        by ``decode`` of the aggregate before the next ``encode``. Remembers the shape and dtype of
-        ``x`` for ``decode``.
+        memory with ``x``; every element is overwritten) to reuse a buffer across steps. No
+        communication. Must be followed by ``decode`` of the aggregate before the next ``encode``.
+        Remembers the shape and dtype of ``x`` for ``decode``.
 
         ``interleaved=True`` (the training aggregator's spreading, see ``THCAggregator``): x has at
         most numel elements, numel is a whole number nb of Hadamard blocks, and the codec encodes the
@@ -364,9 +364,9 @@ class THCCodec:
         out of step, corrupted words), and FloatingPointError when a rank's input was non-finite
         (unless ``non_finite="propagate"``). In both cases the step counter still advances by one,
         identically on every rank; ``norm`` is taken from the norm slots only when the header and the
-        slots are valid, and kept otherwise. A payload of the wrong type, dtype, shape or device, or an
-        int64 payload with ``averaged=True``, is refused (TypeError, ValueError) before any state
-        changes.
+        slots are valid, and kept otherwise. A payload of the wrong type, dtype, shape or device, an
+        int64 payload with ``averaged=True``, or an unfit ``out``, is refused (TypeError, ValueError)
+        before any state changes.
         """
         L = self.layout
         if not self._pending:
@@ -384,6 +384,12 @@ class THCCodec:
             raise ValueError("an int64 payload cannot be averaged exactly (integer averages truncate); aggregate it "
                              "with SUM and decode with averaged=False, or use payload_dtype=torch.float64")
         payload = payload.contiguous()
+        numel = math.prod(self._shape)   # L.numel, or fewer when interleaved
+        if out is not None:
+            if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
+                    or not out.is_contiguous() or out.device != self.device):
+                raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
+            check_disjoint(out, payload, "out and payload")
         n = L.world_size
         mult = float(n) if averaged else 1.0
         M = self._norm
@@ -434,12 +440,7 @@ class THCCodec:
         def result(y: torch.Tensor) -> torch.Tensor:
             return y.reshape(self._shape).to(self._dtype)
 
-        numel = math.prod(self._shape)   # L.numel, or fewer when interleaved
-        if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
-                                or out.numel() != numel or not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
-        y = out.view(-1) if out is not None else self._backend.empty(numel, self.device)
-        check_disjoint(y, payload, "out and payload")
+        y = out.view(-1) if out is not None else self._backend.empty(math.prod(self._shape), self.device)
         if non_finite:
             if self.non_finite == "raise":
                 raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")

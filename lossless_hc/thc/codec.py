@@ -353,8 +353,8 @@ class THCCodec:
         """Decode an aggregated payload into the sum of the ranks' inputs, or their average with
         ``averaged=True`` (the payload is then the engine's element-wise AVERAGE). Returns a tensor
         with the shape and dtype of the last encoded ``x`` (``out``, a contiguous float32 tensor of
-        as many elements as that x sharing no memory with ``payload``, is filled and returned when given
-        and the input dtype is float32).
+        as many elements as that x, sharing no memory with ``payload``, is filled and returned when
+        given and the input dtype is float32).
 
         Every rank computes the same bits from the same payload, and updates the same state: the step
         counter and ``norm`` (M for the next step, the largest norm slot).

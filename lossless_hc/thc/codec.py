@@ -440,7 +440,7 @@ class THCCodec:
         def result(y: torch.Tensor) -> torch.Tensor:
             return y.reshape(self._shape).to(self._dtype)
 
-        y = out.view(-1) if out is not None else self._backend.empty(math.prod(self._shape), self.device)
+        y = out.view(-1) if out is not None else self._backend.empty(numel, self.device)
         if non_finite:
             if self.non_finite == "raise":
                 raise FloatingPointError(f"non-finite input (NaN/Inf) on {non_finite} rank(s) at step {self._step - 1}")

@@ -394,6 +394,20 @@ def test_half_precision_inputs(index, dtype):
     assert torch.equal(y, y32.to(dtype))
 
 
+def test_float16_sum_beyond_its_range_rounds_to_inf_as_the_dense_sum_does():
+    # The contract holds for the float32 sum; the rounding back to float16 then overflows exactly as
+    # torch's cast (and an fp16 allreduce) does, while the float32 decode keeps the finite sum.
+    codec = LosslessCodec(100, 2, 4)
+    xs = [torch.zeros(100, dtype=torch.float16) for _ in range(2)]
+    xs[0][[3, 7]] = torch.tensor([40000.0, -1.5], dtype=torch.float16)
+    xs[1][[3, 9]] = torch.tensor([40000.0, -40000.0], dtype=torch.float16)
+    summed = codec.encode(xs[0]) + codec.encode(xs[1])
+    y, rep = codec.decode(summed)
+    y32, rep32 = codec.decode(summed, dtype=torch.float32)
+    assert rep.ok and rep32.ok and y.dtype == torch.float16
+    assert y32[3].item() == 80000.0 and torch.isinf(y[3]) and y[3] > 0
+    assert torch.equal(y, (xs[0].float() + xs[1].float()).half())
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.int8, torch.bool,
                                    torch.complex64])
 def test_rejected_input_dtypes(dtype):

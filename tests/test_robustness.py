@@ -13,7 +13,9 @@ import helpers
 from lossless_hc import LosslessCodec, THCCodec, plan_layout
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS)
+from lossless_hc.lhc.sizing import sketch_table_for
 from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.plugins.ddp import AutoHookState, LosslessHookState
 
 INDEXES = ["bitmap", "bloom", "multilevel", "dense"]
 
@@ -581,6 +583,30 @@ def test_seeds_outside_uint64_are_refused():
     for seed in (-1, 1 << 64, 1 << 70):
         with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
             LosslessCodec(100, 2, 10, seed=seed)
+
+
+SEEDED = {
+    "LosslessCodec": lambda s: LosslessCodec(100, 2, 10, seed=s),
+    "THCCodec": lambda s: THCCodec(100, 2, 0, seed=s),
+    "sketch_table_for": lambda s: sketch_table_for(10, s),
+    "LosslessHookState": lambda s: LosslessHookState(seed=s),
+    "AutoHookState": lambda s: AutoHookState(seed=s),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(SEEDED))
+def test_every_seed_takes_one_rule(entry):
+    # One check (lhc.layout.check_uint64) behind every entry point: the bounds as ValueError, a non-int
+    # (a bool or float would otherwise pass as a number) as TypeError, and the extremes accepted.
+    make = SEEDED[entry]
+    for seed in (0, (1 << 64) - 1):
+        make(seed)
+    for seed in (-1, 1 << 64):
+        with pytest.raises(ValueError, match=r"must be an integer in \[0, 2\*\*64\)"):
+            make(seed)
+    for seed in (True, 1.0, "0"):
+        with pytest.raises(TypeError, match="must be an int, got"):
+            make(seed)
 
 
 def test_world_size_1024_round_trip():

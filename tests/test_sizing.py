@@ -135,6 +135,6 @@ def test_sketch_table_for_refuses_bad_arguments():
         sketch_table_for(10, True)
     with pytest.raises(ValueError, match="keys must be >= 0"):
         sketch_table_for(-1)
-    with pytest.raises(ValueError, match=r"stream must be in \[0, 2\*\*64\)"):
+    with pytest.raises(ValueError, match=r"stream must be an integer in \[0, 2\*\*64\)"):
         sketch_table_for(10, 1 << 64)
     assert sketch_table_for(10, (1 << 64) - 1).stream == (1 << 64) - 1

@@ -283,19 +283,32 @@ def options_fingerprint(fingerprint: int, *options: int) -> int:
     return _fingerprint(fingerprint, *options)
 
 
+def check_uint64(value, name: str) -> int:
+    """``value`` (a seed or hash stream, the kernels' ``uint64_t``), else TypeError unless it is an int
+    (bool refused) and ValueError outside [0, 2**64): one outside would alias one inside (s and
+    s + 2**64 hash alike), so ranks that meant different seeds would silently agree. The one check of
+    every codec's and adapter's seeds."""
+    check_int(value, name)
+    if not 0 <= value < (1 << 64):
+        raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
+    return value
+
+
+def check_int(value, name: str) -> None:
+    """TypeError unless ``value`` is an int (bool refused: True would pass as 1 silently)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
 def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
     for name, value in (("numel", numel), ("world_size", world_size), ("max_nnz", max_nnz),
-                        ("block_size", block_size), ("seed", seed)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+                        ("block_size", block_size)):
+        check_int(value, name)
+    check_uint64(seed, "seed")
     if union_nnz is not None and (not isinstance(union_nnz, int) or isinstance(union_nnz, bool)):
         raise TypeError(f"union_nnz must be an int or None, got {type(union_nnz).__name__}")
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    # The hashes take the seed as a uint64: a seed outside would alias one inside (s and s + 2^64 hash
-    # alike), so it is refused, as THCCodec and the adapters refuse it.
-    if not 0 <= seed < (1 << 64):
-        raise ValueError(f"seed must be an integer in [0, 2**64), identical on every rank; got {seed}")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
     if max_nnz < 0:

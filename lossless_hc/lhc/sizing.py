@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.hashing import key_cells, mix64 as mix64_tensor
-from lossless_hc.lhc.layout import (INDEX_KINDS, INT_FIELD_LIMIT, MAX_FINE_LEVELS, MAX_KEYS, MAX_SEG_LEN, SALT_BLOOM, SALT_FINE, SALT_SKETCH, DigitPacking, FineLevel, MultilevelPlan, PayloadLayout, SegmentedTable, check_args, digit_packing, layout_fingerprint, mix64, stream_seed)
+from lossless_hc.lhc.layout import (INDEX_KINDS, INT_FIELD_LIMIT, MAX_FINE_LEVELS, MAX_KEYS, MAX_SEG_LEN, SALT_BLOOM, SALT_FINE, SALT_SKETCH, DigitPacking, FineLevel, MultilevelPlan, PayloadLayout, SegmentedTable, check_args, check_int, check_uint64, digit_packing, layout_fingerprint, mix64, stream_seed)
 
 # Target probability that peeling a correctly sized sketch fails (then the caller falls back to an
 # exact dense aggregation for that step, so this trades wire size against rare extra traffic).
@@ -61,13 +61,10 @@ def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:
 
     The derivation and the error measurements behind these rules: docs/DESIGN.md, "Sizing".
     """
-    for name, value in (("keys", keys), ("stream", stream)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    check_int(keys, "keys")
+    check_uint64(stream, "stream")
     if keys < 0:
         raise ValueError(f"keys must be >= 0, got {keys}")
-    if not 0 <= stream < (1 << 64):
-        raise ValueError(f"stream must be in [0, 2**64), got {stream}")
     if keys == 0:
         return SegmentedTable(seg_len=1, seg_count=3, stream=stream)
     signs = _grouped_table(keys, GROUP_KEYS, PAIR_UNSOLVABLE_SHARE_SIGNS, stream)

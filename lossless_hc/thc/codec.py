@@ -15,6 +15,7 @@ import torch
 
 from lossless_hc.backends import backend_for, check_disjoint
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
+from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
                                     LAYOUT_VERSION, WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
 from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
@@ -145,8 +146,7 @@ class THCCodec:
         self.layout = plan_thc_layout(numel, world_size, granularity, hadamard_block, payload_dtype, digits_per_word)
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
-        if not isinstance(seed, int) or not 0 <= seed < (1 << 64):
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        check_uint64(seed, "seed")
         check_non_finite(non_finite)
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")

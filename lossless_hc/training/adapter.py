@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.lhc.layout import INDEX_KINDS
+from lossless_hc.lhc.layout import INDEX_KINDS, check_uint64
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
 from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_policy,
@@ -83,12 +83,6 @@ def require_optimizer_frame(compressor, usage: str):
 
 # -- configuration: one spec per Compression factory ------------------------------------------------
 
-def _check_seed(seed) -> int:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < (1 << 64):
-        raise ValueError(f"seed must be an integer in [0, 2**64), identical on every rank; got {seed!r}")
-    return seed
-
-
 def _check_fraction(what: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
         raise ValueError(f"{what} must be in (0, 1], got {v!r}")
@@ -119,7 +113,7 @@ class AggregatorSpec:
             raise TypeError(f"unknown option(s) for {self.kind} compression: {', '.join(unknown)} (its options: "
                             f"{', '.join(own + list(self.passthrough))})")
         check_policy(extra.get("policy"))
-        self.seed = _check_seed(seed)
+        self.seed = check_uint64(seed, "seed")
         self.extra = dict(extra)
 
     def make(self, name: str, tensor: torch.Tensor, world_size: int, rank: int, stats: AggregationStats,

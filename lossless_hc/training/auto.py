@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, _check_seed
+from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.planner import LOSSY_MIN_BYTES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
@@ -60,7 +60,7 @@ class AutoSpec(AggregatorSpec):
                  strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
                  topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, partial: bool = True,
                  lossy_min_bytes: int = LOSSY_MIN_BYTES, **extra):
-        super().__init__(_check_seed(seed), **extra)
+        super().__init__(seed, **extra)
         if not isinstance(lossy, bool):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:

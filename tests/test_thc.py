@@ -474,6 +474,15 @@ def test_non_finite_option_reaches_the_codec_through_the_plugins_spec():
         THCSpec(non_finite="ignore")
 
 
+def test_rank_must_be_an_int_in_range():
+    for rank in (-1, 2):
+        with pytest.raises(ValueError, match="rank must be an integer in"):
+            lhc.THCCodec(100, 2, rank)
+    for rank in (True, 1.0):          # True would pass as rank 1
+        with pytest.raises(TypeError, match="rank must be an int"):
+            lhc.THCCodec(100, 2, rank)
+
+
 def test_bad_tensors_are_rejected():
     c = lhc.THCCodec(100, 2, initial_norm=1.0)
     with pytest.raises(ValueError, match="100"):

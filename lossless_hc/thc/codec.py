@@ -15,7 +15,7 @@ import torch
 
 from lossless_hc.backends import backend_for, check_disjoint
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
-from lossless_hc.lhc.layout import check_uint64
+from lossless_hc.lhc.layout import check_int, check_uint64
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
                                     LAYOUT_VERSION, WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
 from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
@@ -144,7 +144,8 @@ class THCCodec:
             self.table = THCTable(lv, bits, granularity, float(overflow_freq), clip_threshold(overflow_freq),
                                   table_variance(lv, granularity, overflow_freq))
         self.layout = plan_thc_layout(numel, world_size, granularity, hadamard_block, payload_dtype, digits_per_word)
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        check_int(rank, "rank")
+        if not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         check_uint64(seed, "seed")
         check_non_finite(non_finite)

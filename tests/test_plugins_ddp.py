@@ -32,7 +32,7 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["unused_accumulation", "policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
+         ",".join(EXACT + ["unused_accumulation", "half_precision", "policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
                   + list(ERRORS))])
     return out, size
 
@@ -111,6 +111,22 @@ def test_unused_parameters_and_no_sync_accumulation_stay_exact(ddp_run):
     rs = results(out, "unused_accumulation", size)
     check_lossless(rs)
     assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
+
+
+def test_half_precision_models_stay_within_their_rounding(ddp_run):
+    """A bfloat16 and a float16 model (DDP's buckets in that dtype) through the lossless hook:
+    compressed, no fallback, and every reduced gradient within the contract's rtol plus the
+    roundings to the dtype (the sum's and the average's, and each addition's where a tensor went
+    dense) of the float64 average (the bound: ddp_worker.half_precision); untouched coordinates
+    exactly zero."""
+    out, size = ddp_run
+    for r in results(out, "half_precision", size):
+        for dtype in ("bfloat16", "float16"):
+            got = r[dtype]
+            assert got["grad_dtype"] == f"torch.{dtype}" and got["zeros_exact"], got
+            assert got["error_over_bound"] <= 1.0, (dtype, got["error_over_bound"])
+            st = got["stats"]
+            assert st["compressed"] > 0 and st["fallbacks"] == 0 and st["payload_bytes"] < st["dense_bytes"], st
 
 
 def test_capacity_policy_adapts_identically_and_stays_exact(ddp_run):

@@ -139,6 +139,8 @@ def scenario(name):
                             ConfigurationMismatch)
     if name == "unused_accumulation":
         return unused_and_accumulation()
+    if name == "half_precision":
+        return {str(dtype).split(".")[1]: half_precision(dtype) for dtype in (torch.bfloat16, torch.float16)}
     if name == "sparse":
         return expect_error(lambda: train(LosslessHookState(), sparse=True, steps=1), TypeError)
     if name == "thc_exact_mismatch":   # THCHookState(exact=...) naming different parameters on the ranks
@@ -243,6 +245,49 @@ def thc_exact(steps):
                 p -= 0.01 * p.grad
                 q.copy_(p)
     return {"diffs": out, "stats": state.stats()}
+
+
+def half_precision(dtype, steps=4):
+    """A model in ``dtype`` (bfloat16 or float16; DDP's buckets are then of that dtype) through the
+    lossless hook. Per step, every reduced gradient against the float64 average of the ranks' local
+    gradients (a plain copy of the model). Allowed at a coordinate: the contract's rtol plus n + 1
+    roundings to ``dtype`` (unit roundoff u) of the ranks' mean magnitude m there, and n + 1 half
+    spacings of its subnormals (a float16 gradient of ~1e-7 is one):
+    ``(2^-10 + (n + 1) u) m + (n + 1) tiny eps / 2``, which bounds a dense allreduce in ``dtype`` too
+    (it rounds at every addition). Returns the worst error over its allowance (<= 1 passes) and
+    whether every coordinate no rank touched is an exact zero."""
+    import copy
+    size = dist.get_world_size()
+    info = torch.finfo(dtype)
+    rel = 2.0 ** -10 + (size + 1) * info.eps / 2
+    absolute = (size + 1) * info.tiny * info.eps / 2
+    torch.manual_seed(0)
+    model = EmbeddingModel().to(DEVICE, dtype)
+    plain = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    state = LosslessHookState(max_density=0.05)
+    ddp.register_comm_hook(state, lossless_hook)
+    worst, zeros_exact = 0.0, True
+    for step in range(steps):
+        u, i, y = batch(step, dist.get_rank())
+        for m in (ddp, plain):
+            m.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(m(u, i), y.to(dtype)).backward()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            ref, mag = q.grad.double(), q.grad.double().abs()
+            dist.all_reduce(ref)
+            dist.all_reduce(mag)
+            got = p.grad.double()
+            touched = mag > 0
+            zeros_exact &= bool((got[~touched] == 0).all())
+            if touched.any():
+                allowed = rel * mag[touched] / size + absolute
+                worst = max(worst, float(((got - ref / size).abs()[touched] / allowed).max()))
+        with torch.no_grad():   # the same step on both copies, so their gradients stay comparable
+            for p, q in zip(model.parameters(), plain.parameters()):
+                p -= 0.1 * p.grad
+                q.copy_(p)
+    return {"error_over_bound": worst, "zeros_exact": zeros_exact, "grad_dtype": str(p.grad.dtype), "stats": state.stats()}
 
 
 def thc_with_grad_scaler(inject_step, steps):

@@ -14,7 +14,7 @@
 predicts cheapest. It calibrates when it is constructed -- blocking Horovod collectives, so every rank
 must construct it at the same program point, after ``hvd.init()`` -- and never issues a blocking
 collective from ``compress``/``decompress``: a strategy's second collective (allgather, two_phase's
-values, fp16/bf16, a sketch's exact fallback) is an asynchronous Horovod operation named after the
+values, fp16, a sketch's exact fallback) is an asynchronous Horovod operation named after the
 tensor, started from ``decompress`` and waited for when the step's last tensor is decompressed
 (as the dense fallback below); the tensor ``decompress`` returned is filled in place then.
 
@@ -22,8 +22,10 @@ Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces t
 in place (SUM or AVERAGE), and calls ``decompress(payload, ctx)`` from ``optimizer.step()``. The
 policy (dense or compressed, capacity, error feedback) is :mod:`lossless_hc.training.aggregate`, and the
 per-parameter bookkeeping shared with the BytePS plugin is :mod:`lossless_hc.training.adapter`; this module
-only adds what is Horovod's: process sets, the Adasum and sparse-gradient checks, and the dense
-fallback as a Horovod allreduce.
+only adds what is Horovod's: process sets, the Adasum and sparse-gradient checks, the dense
+fallback as a Horovod allreduce, and bfloat16: Horovod has no bfloat16 allreduce, so a bfloat16
+tensor sent as it is (dense, or a fallback's or inexact keys' values) travels as float32 and its sum
+is rounded back once, and ``auto`` never plans its bf16 strategy here.
 
 Which parameter? ``compress`` receives only the tensor. The optimizer's hook calls it from
 ``_allreduce_grad_async(self, p)`` (or a comprehension over ``ps`` for ``groups=``), so the caller's
@@ -50,6 +52,7 @@ import hashlib
 from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+from lossless_hc.training.planner import STRATEGIES
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
 
@@ -57,6 +60,11 @@ try:
     import horovod.torch as hvd
 except ImportError as e:  # pragma: no cover - exercised only without Horovod
     raise ImportError("lossless_hc.plugins.horovod needs Horovod (scripts/setup_horovod.sh builds it)") from e
+
+
+# What auto may plan on Horovod: every strategy but bf16, whose allreduce Horovod's torch operations
+# do not have (a bfloat16 *gradient* is fine: auto carries it in a float32 message).
+HOROVOD_STRATEGIES = tuple(s for s in STRATEGIES if s != "bf16")
 
 
 class HorovodCompressor(CompressorAdapter):
@@ -74,7 +82,10 @@ class HorovodCompressor(CompressorAdapter):
             raise ValueError("Adasum is non-linear (it is not a sum), so a homomorphic sketch cannot pass through it; "
                              "use op=hvd.Average or op=hvd.Sum with lossless_hc compression")
         agg = self._aggregator(p, opt, tensor)
-        return self.encode(agg, tensor)
+        payload, ctx = self.encode(agg, tensor)
+        if payload.dtype == torch.bfloat16:   # a tensor sent as it is, in a dtype Horovod cannot reduce
+            return payload.float(), _CarriedAsFloat32(ctx)
+        return payload, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         if ctx is None:
@@ -86,19 +97,26 @@ class HorovodCompressor(CompressorAdapter):
             # Every gradient exists by now; a sparse one went around the compressor.
             self._check_sparse_gradients(self._optimizer)
             self._optimizer = None
+        if isinstance(ctx, _CarriedAsFloat32):   # the float32 sum (or average), rounded once
+            tensor, ctx = tensor.to(torch.bfloat16), ctx.ctx
         return self.decode(tensor, ctx)
 
     # -- the dense fallback on Horovod -----------------------------------------------------------
     def _start_fallback(self, agg, dense):
-        return hvd.allreduce_async_(dense, name=f"lhc.fallback.{agg.name}", op=hvd.Sum,
-                                    process_set=self._process_set)
+        return self._sum_in_place(dense, f"lhc.fallback.{agg.name}")
 
     def _start_partial(self, agg, values):
-        return hvd.allreduce_async_(values, name=f"lhc.partial.{agg.name}", op=hvd.Sum,
-                                    process_set=self._process_set)
+        return self._sum_in_place(values, f"lhc.partial.{agg.name}")
+
+    def _sum_in_place(self, tensor: torch.Tensor, name: str):
+        carried = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+        return hvd.allreduce_async_(carried, name=name, op=hvd.Sum, process_set=self._process_set), carried, tensor
 
     def _wait_fallback(self, handle) -> None:
-        hvd.synchronize(handle)
+        h, carried, tensor = handle
+        hvd.synchronize(h)
+        if carried is not tensor:
+            tensor.copy_(carried)
 
     # -- helpers -------------------------------------------------------------------------------
     def _aggregator(self, p: torch.nn.Parameter, opt, tensor: torch.Tensor):
@@ -119,6 +137,18 @@ class HorovodCompressor(CompressorAdapter):
                 if isinstance(getattr(q, "grad", None), torch.Tensor) and q.grad.is_sparse:
                     raise ValueError(f"parameter {opt._parameter_names.get(q)!r} has a sparse gradient, which Horovod "
                                      "sends uncompressed; pass sparse_as_dense=True to hvd.DistributedOptimizer")
+
+
+class _CarriedAsFloat32:
+    """``ctx`` of a bfloat16 payload that went to Horovod as float32: Horovod's torch operations reduce
+    float32/64, float16 and int32/64 tensors only (``horovod.torch.mpi_ops``), not bfloat16. The
+    widening is exact, and the sum is rounded back to bfloat16 once (a bfloat16 allreduce would round
+    at every addition)."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx):
+        self.ctx = ctx
 
 
 class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
@@ -177,10 +207,15 @@ class Compression(CompressionFactory):
     @classmethod
     def auto(cls, lossy: bool = False, process_set=None, **options):
         """The planner (recommended): per tensor, the cheapest exact strategy (dense, allgather,
-        two_phase, sketch), or of every strategy with ``lossy`` (fp16, bf16, THC, top-k too).
+        two_phase, sketch), or of every strategy with ``lossy`` (fp16, THC, top-k too; not bf16, which
+        Horovod cannot allreduce: ``first="bf16"`` or ``strategies`` naming it are a ValueError).
         ``options``: :class:`lossless_hc.training.auto.AutoSpec`. Calibrates on ``process_set`` (None:
         every rank) at construction: call it on every rank at the same point, after ``hvd.init()``.
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent."""
+        if options.get("first") == "bf16" or "bf16" in (options.get("strategies") or ()):
+            raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
+                             "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves the bytes too")
+        options["strategies"] = tuple(options.get("strategies") or HOROVOD_STRATEGIES)
         comp = AutoHorovodCompressor(AutoSpec(lossy=lossy, **options))
         comp.calibrate(process_set if process_set is not None else hvd.global_process_set)
         return comp

@@ -48,10 +48,28 @@ def horovod_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
-    names = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact"] + list(ERRORS)
+    names = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16"] + list(ERRORS)
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
+
+
+def test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(horovod_run):
+    """Horovod refuses bfloat16 tensors; the plugin carries the ones it sends as they are (dense, a
+    fallback's, inexact keys') as float32 and rounds the sum back once. The exact compressors stay within
+    rtol plus bfloat16's roundings of the float64 average (bound: horovod_worker.bfloat16_training),
+    dense fallbacks and inexact keys included; the lossy ones train and stay finite; auto refuses to
+    plan bf16."""
+    out, size = horovod_run
+    for r in results(out, "bfloat16", size):
+        for kind in ("lossless", "fallback", "topk", "thc", "auto_lossy"):
+            got = r[kind]
+            assert got["finite"] and got["dtypes"] == ["torch.bfloat16"], (kind, got)
+            assert got["stats"]["compressed"] > 0 or kind == "auto_lossy", (kind, got["stats"])
+        for kind in ("lossless", "fallback"):
+            assert r[kind]["error_over_bound"] <= 1.0 and r[kind]["zeros_exact"], (kind, r[kind])
+        assert r["fallback"]["stats"]["fallbacks"] > 0, r["fallback"]["stats"]
+        assert r["auto_bf16"]["error"] == "ValueError" and "bfloat16" in r["auto_bf16"]["message"], r["auto_bf16"]
 
 
 def test_inexact_keys_are_reaggregated_alone_and_exactly(horovod_run):

@@ -209,8 +209,9 @@ class _FSDPState:
             raise ValueError("a CapacityPolicy reads every decoded aggregate, which a reduce-scatter gives to the owner "
                              "alone; use policy=None with reduce_scatter=True")
         if self.replicas == 1 and not reduce_scatter:
-            raise ValueError("a 1-D mesh has no replica all-reduce to compress; pass reduce_scatter=True, or a 2-D "
-                             "(replicate, shard) mesh")
+            raise ValueError("a mesh without replicas (1-D, or a replicate dimension of size 1) has no replica "
+                             "all-reduce to compress; pass reduce_scatter=True, or a (replicate, shard) mesh of 2 or "
+                             "more replicas")
         factor = float(gradient_divide_factor) if gradient_divide_factor is not None else float(self.replicas * self.shards)
         modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         if not modules:

@@ -313,6 +313,16 @@ def test_float64_tensors_stay_dense_and_exact():
     assert aggs[0].allowed == ("dense",)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
+    # DDP's in-place allreduce of a bucket sends the bucket's dtype: a bfloat16 gradient's two bytes,
+    # not the four of auto's float32 payloads (which counted half-precision models' plain steps twice).
+    agg = AutoAggregator("w", (1000,), dtype, 2, 0, MODEL)
+    agg.record_plain_step(0.0)
+    assert agg.bytes_sent == 1000 * dtype.itemsize
+    assert agg.agg_stats.payload_bytes == agg.agg_stats.dense_bytes == 1000 * dtype.itemsize
+
+
 @pytest.mark.parametrize("lossy", ["topk", "thc"])
 def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
     """Error feedback holds back part of each gradient; when the plan leaves top-k or THC for an exact

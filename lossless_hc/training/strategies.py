@@ -240,8 +240,8 @@ class AutoAggregator:
         ``sparse_rows``: a sparse gradient summed by the engine's own sparse allreduce (``native_sparse``),
         with at most this many rows listed (its uncoalesced count): it allgathers an int64 index and the
         values of each, counted as the allgather strategy."""
-        if sparse_rows is None:
-            self._count_sent(self.numel * self.wire_dtype.itemsize, plain=True)
+        if sparse_rows is None:   # the engine's own allreduce, in the gradient's dtype (a bucket of it)
+            self._count_sent(self.numel * self.dtype.itemsize, plain=True)
             self._measure("dense", started)
         else:
             self._count_sent(int(sparse_rows) * (8 + self.row * self.dtype.itemsize), dense=False, plain=True)

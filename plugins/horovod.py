@@ -53,6 +53,7 @@ from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, 
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
 from lossless_hc.training.planner import STRATEGIES
+from lossless_hc.training.strategies import AutoAggregator
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
 
@@ -155,6 +156,14 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
     """``Compression.auto``: the planner over Horovod (second collectives as named async operations)."""
 
     _constructed = 0   # per process: names the calibration's operations (every rank counts alike)
+
+    def _aggregator(self, p: torch.nn.Parameter, opt, tensor: torch.Tensor):
+        agg = super()._aggregator(p, opt, tensor)
+        if isinstance(agg, AutoAggregator) and agg.dtype == torch.float16:
+            # Horovod reduces each tensor on its own, in its dtype: a float16 gradient's plain steps go
+            # as float16, as Horovod's own allreduce sends it (bfloat16, which it cannot reduce: float32).
+            agg.plain_dtype = torch.float16
+        return agg
 
     def calibrate(self, process_set) -> None:
         """Check the configuration and calibrate on ``process_set`` (blocking; every rank, same point)."""

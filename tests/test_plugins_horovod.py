@@ -48,7 +48,7 @@ def horovod_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
-    names = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16"] + list(ERRORS)
+    names = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16", "float16_auto"] + list(ERRORS)
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
@@ -57,7 +57,7 @@ def horovod_run(request, tmp_path_factory):
 def test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(horovod_run):
     """Horovod refuses bfloat16 tensors; the plugin carries the ones it sends as they are (dense, a
     fallback's, inexact keys') as float32 and rounds the sum back once. The exact compressors stay within
-    rtol plus bfloat16's roundings of the float64 average (bound: horovod_worker.bfloat16_training),
+    rtol plus bfloat16's roundings of the float64 average (bound: horovod_worker.half_training),
     dense fallbacks and inexact keys included; the lossy ones train and stay finite; auto refuses to
     plan bf16."""
     out, size = horovod_run
@@ -70,6 +70,19 @@ def test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(horovo
             assert r[kind]["error_over_bound"] <= 1.0 and r[kind]["zeros_exact"], (kind, r[kind])
         assert r["fallback"]["stats"]["fallbacks"] > 0, r["fallback"]["stats"]
         assert r["auto_bf16"]["error"] == "ValueError" and "bfloat16" in r["auto_bf16"]["message"], r["auto_bf16"]
+
+
+def test_auto_sends_a_float16_gradient_s_plain_steps_as_float16(horovod_run):
+    """Compression.auto on a float16 model, every tensor planned dense: the first step carries the
+    statistics in float32, the seven plain ones go as float16 (what Horovod's own allreduce sends),
+    so 8 steps send (4 + 7 x 2) / (8 x 2) = 1.125 of the float16 bytes plus the headers (before,
+    every step went as float32: 2x); within rtol plus float16's roundings of the float64 average."""
+    out, size = horovod_run
+    for r in results(out, "float16_auto", size):
+        st = r["stats"]
+        assert 1.0 < st["payload_bytes"] / st["dense_bytes"] < 1.2, st
+        assert r["error_over_bound"] <= 1.0 and r["zeros_exact"] and r["finite"], r
+        assert {p["plain_steps"] for p in st["plan"].values()} == {7}, st["plan"]
 
 
 def test_inexact_keys_are_reaggregated_alone_and_exactly(horovod_run):

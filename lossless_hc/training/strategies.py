@@ -127,6 +127,11 @@ class AutoAggregator:
         if first not in self.allowed:
             first = "dense" if "dense" in self.allowed else self.allowed[0]
         self.wire_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        # A plain step's payload (the bare tensor) is in wire_dtype, as every other payload: a message
+        # (DDP, FSDP2) or a BytePS slot holds one dtype. An adapter whose engine reduces each tensor on
+        # its own, in the tensor's dtype (Horovod), sets the gradient's dtype here, so that a float16
+        # gradient's plain steps send what the engine's own allreduce sends (and are priced so).
+        self.plain_dtype = self.wire_dtype
         self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha, sparse=self.sparse)
         self.agg_stats = stats if stats is not None else AggregationStats()
         self.strategy = first
@@ -158,7 +163,7 @@ class AutoAggregator:
         if self.cost_model is None:
             raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
         self._plan_due = False
-        s = self.tracker.stats(element_bytes=4)
+        s = self.tracker.stats(element_bytes=self.plain_dtype.itemsize)
         best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy)
         self.predicted, self.plan_input = predicted, s
         self.plans += 1
@@ -383,8 +388,8 @@ class AutoAggregator:
             raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
                                "its own sparse allreduce (native_sparse), not through encode()")
         if not carries:   # a dense step without statistics: the bare tensor, no scan
-            ctx = AutoContext("dense", t0, self.numel * self.wire_dtype.itemsize, plain=True)
-            payload = x.detach().reshape(-1).to(self.wire_dtype)
+            ctx = AutoContext("dense", t0, self.numel * self.plain_dtype.itemsize, plain=True)
+            payload = x.detach().reshape(-1).to(self.plain_dtype)
             self._count_sent(ctx.payload_bytes, plain=True)
             self.agg_stats.encode_seconds += time.perf_counter() - t0
             return payload, ctx

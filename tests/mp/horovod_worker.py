@@ -8,6 +8,7 @@ writes OUT_DIR/<scenario>.rank<r>.json with what the test asserts (parameter dif
 per-parameter capacities, errors raised).
 """
 import json
+import math
 import os
 import sys
 import time
@@ -120,7 +121,7 @@ def scenario(name):
         return {"stats": comp.stats(), "digest": param_digest(got), "cosine": cosine,
                 "compressed": {n: a.compressed for n, a in comp.aggregators().items()}}
     if name == "bfloat16":   # Horovod has no bfloat16 allreduce: the plugin carries such tensors as float32
-        out = {kind: bfloat16_training(comp) for kind, comp in (
+        out = {kind: half_training(comp) for kind, comp in (
             ("lossless", Compression.lossless(max_density=0.05)),
             ("fallback", Compression.lossless(max_density=0.001)),
             ("topk", Compression.topk(ratio=0.05)),
@@ -128,6 +129,8 @@ def scenario(name):
             ("auto_lossy", Compression.auto(lossy=True, lossy_min_bytes=0)))}
         out["auto_bf16"] = expect_error(lambda: Compression.auto(lossy=True, first="bf16"), ValueError)
         return out
+    if name == "float16_auto":   # auto's plain dense steps of a float16 gradient go as float16, as Horovod's own
+        return half_training(Compression.auto(strategies=("dense",)), torch.float16, steps=8)
     if name == "inexact":   # keys the decoder reports inexact, re-aggregated alone (tests/mp/inexact_case.py)
         return inexact()
     if name == "process_set":
@@ -172,22 +175,23 @@ def scenario(name):
     raise ValueError(f"unknown scenario {name}")
 
 
-def bfloat16_training(comp, steps=4):
-    """A bfloat16 model through ``comp``. Per step, every reduced gradient against the float64 average
-    of the ranks' local gradients (a plain copy of the model): the worst error over the allowance
-    ``(2^-10 + (n + 1) u) m + (n + 1) tiny eps / 2`` (m the ranks' mean magnitude there, u bfloat16's
-    unit roundoff: the contract's rtol plus the roundings a dense bfloat16 allreduce would make), and
+def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
+    """A model in ``dtype`` (bfloat16 or float16) through ``comp``. Per step, every reduced gradient
+    against the float64 average of the ranks' local gradients (a plain copy of the model): the worst
+    error over the allowance ``(2^-10 + (n + 1) u) m + (n + 1) tiny eps / 2`` (m the ranks' mean
+    magnitude there, u the dtype's unit roundoff: the contract's rtol plus the roundings a dense
+    allreduce in that dtype would make), and
     whether every coordinate no rank touched is an exact zero. Meaningful for the exact compressors;
     for the lossy ones the test reads only that training ran and stayed finite."""
     import copy
-    n, info = hvd.size(), torch.finfo(torch.bfloat16)
+    n, info = hvd.size(), torch.finfo(dtype)
     rel, absolute = 2.0 ** -10 + (n + 1) * info.eps / 2, (n + 1) * info.tiny * info.eps / 2
     torch.manual_seed(0)
-    model = EmbeddingModel(hidden=512).to(torch.bfloat16)
+    model = EmbeddingModel(hidden=512).to(dtype)
     plain = copy.deepcopy(model)
     RUNS[0] += 1
     named = [(f"run{RUNS[0]}.{k}", p) for k, p in model.named_parameters()]
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=named,
                                    compression=comp, op=hvd.Average)
     worst, zeros_exact = 0.0, True
     for step in range(steps):
@@ -195,7 +199,7 @@ def bfloat16_training(comp, steps=4):
         opt.zero_grad()
         plain.zero_grad()
         for m in (model, plain):
-            torch.nn.functional.mse_loss(m(u, i), y.to(torch.bfloat16)).backward()
+            torch.nn.functional.mse_loss(m(u, i), y.to(dtype)).backward()
         opt.synchronize()
         for k, (p, q) in enumerate(zip(model.parameters(), plain.parameters())):
             ref = hvd.allreduce(q.grad.double(), op=hvd.Sum, name=f"run{RUNS[0]}.ref{step}.{k}")
@@ -204,7 +208,8 @@ def bfloat16_training(comp, steps=4):
             zeros_exact &= bool((got[~touched] == 0).all())
             if touched.any():
                 allowed = rel * mag[touched] / n + absolute
-                worst = max(worst, float(((got - ref / n).abs()[touched] / allowed).max()))
+                ratio = (got - ref / n).abs()[touched] / allowed
+                worst = max(worst, float(torch.nan_to_num(ratio, nan=math.inf).max()))   # NaN: no bound holds
         with opt.skip_synchronize():
             opt.step()
         with torch.no_grad():   # the same parameters on both copies, so their gradients stay comparable

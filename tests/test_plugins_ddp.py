@@ -129,6 +129,18 @@ def test_half_precision_models_stay_within_their_rounding(ddp_run):
             assert st["compressed"] > 0 and st["fallbacks"] == 0 and st["payload_bytes"] < st["dense_bytes"], st
 
 
+def test_two_ddp_groups_in_one_world_are_independent(tmp_path):
+    """Four ranks as two DDP groups configured differently (tests/mp/ddp_worker.py, subgroups): one
+    over capacity at every step, whose fallback groups its two ranks make alone, then auto; the other
+    within capacity. Each equals DDP's allreduce on its own group, and nothing waits for the other."""
+    run([sys.executable, WORKER, "4", str(free_port()), str(tmp_path), "subgroups"])
+    for r in results(str(tmp_path), "subgroups", 4):
+        for key in ("first", "second"):
+            assert r[key]["max_diff"] <= TOL, (r["group"], key, r[key])
+        st = r["first"]["stats"]
+        assert st["compressed"] > 0 and (st["fallbacks"] > 0) == (r["group"] == 0), (r["group"], st)
+
+
 def test_capacity_policy_adapts_identically_and_stays_exact(ddp_run):
     """CapacityPolicy: every rank rebuilds the same codecs at the same steps (payload shapes match,
     or the allreduce would fail), the embedding tables' capacity shrinks from 5% to what the batches

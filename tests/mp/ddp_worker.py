@@ -19,17 +19,18 @@ from models import DEVICE, EmbeddingModel, batch, loss_fn, max_param_diff, param
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins.ddp import (LosslessHookState, THCHookState, TopKHookState, lossless_hook, thc_hook,  # noqa: E402
-                                     topk_hook)
+from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,  # noqa: E402
+                                     lossless_hook, thc_hook, topk_hook)
 
 STEPS = 6
 
 
-def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1):
+def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1,
+          process_group=None):
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden).to(DEVICE)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = DistributedDataParallel(model, **kw)
+    ddp = DistributedDataParallel(model, process_group=process_group, **kw)
     if state is not None:
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -142,6 +143,8 @@ def scenario(name):
         return unused_and_accumulation()
     if name == "half_precision":
         return {str(dtype).split(".")[1]: half_precision(dtype) for dtype in (torch.bfloat16, torch.float16)}
+    if name == "subgroups":
+        return subgroups()
     if name == "sparse":
         return expect_error(lambda: train(LosslessHookState(), sparse=True, steps=1), TypeError)
     if name == "thc_exact_mismatch":   # THCHookState(exact=...) naming different parameters on the ranks
@@ -197,6 +200,25 @@ def unused_and_accumulation(steps=STEPS, micro=3):
     ref, got = run(None), run(state)
     return {"max_diff": max_param_diff(ref, got), "stats": state.stats(),
             "capacity": [a.capacity for a in state._aggregators.values()]}
+
+
+def subgroups():
+    """Four ranks, two DDP groups ({0, 1} and {2, 3}) configured differently: the first over capacity
+    at every step (dense fallbacks, through fallback groups its ranks make alone), then auto; the
+    second within capacity, then lossless again. Each must equal DDP's allreduce on its own group,
+    and neither may wait for the other's collectives."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = rank // 2
+    pg = groups[group]
+    ref = train(None, process_group=pg)
+    out = {"group": group}
+    first = LosslessHookState(process_group=pg, max_density=0.001 if group == 0 else 0.05)
+    second = AutoHookState(process_group=pg) if group == 0 else LosslessHookState(process_group=pg, max_density=0.05)
+    for key, state in (("first", first), ("second", second)):
+        got = train(state, hook=auto_hook if isinstance(state, AutoHookState) else lossless_hook, process_group=pg)
+        out[key] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}
+    return out
 
 
 def inexact():

@@ -211,8 +211,8 @@ class LosslessCodec:
 
     Input dtypes: float32; float16/bfloat16 are encoded exactly in float32 and the decoded sum is
     rounded back to the input dtype: the contract above holds before that rounding, and a float16 sum
-    beyond +-65504 becomes +-inf (as ``sum.half()`` and an fp16 allreduce give it). float64 and integer tensors are rejected (float32 payloads
-    would silently round them).
+    beyond +-65504 becomes +-inf (as ``sum.half()`` and an fp16 allreduce give it). float64 and
+    integer tensors are rejected (float32 payloads would silently round them).
 
     Example::
 

@@ -410,6 +410,7 @@ def test_float16_sum_beyond_its_range_rounds_to_inf_as_the_dense_sum_does():
     assert y32[3].item() == 80000.0 and torch.isinf(y[3]) and y[3] > 0
     assert torch.equal(y, (xs[0].float() + xs[1].float()).half())
 
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.int8, torch.bool,
                                    torch.complex64])
 def test_rejected_input_dtypes(dtype):

@@ -5,7 +5,6 @@ Each scenario trains the same model twice from the same seed on the same per-ran
 DDP's default allreduce and once with the lossless hook; every rank writes
 OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
 """
-import math
 import os
 import sys
 
@@ -15,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import DEVICE, EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import DEVICE, EmbeddingModel, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
@@ -272,18 +271,10 @@ def thc_exact(steps):
 
 def half_precision(dtype, steps=4):
     """A model in ``dtype`` (bfloat16 or float16; DDP's buckets are then of that dtype) through the
-    lossless hook. Per step, every reduced gradient against the float64 average of the ranks' local
-    gradients (a plain copy of the model). Allowed at a coordinate: the contract's rtol plus n + 1
-    roundings to ``dtype`` (unit roundoff u) of the ranks' mean magnitude m there, and n + 1 half
-    spacings of its subnormals (a float16 gradient of ~1e-7 is one):
-    ``(2^-10 + (n + 1) u) m + (n + 1) tiny eps / 2``, which bounds a dense allreduce in ``dtype`` too
-    (it rounds at every addition). Returns the worst error over its allowance (<= 1 passes) and
-    whether every coordinate no rank touched is an exact zero."""
+    lossless hook. Per step, every reduced gradient against the float64 sum of the ranks' local
+    gradients (a plain copy of the model), by :func:`models.half_precision_error`."""
     import copy
     size = dist.get_world_size()
-    info = torch.finfo(dtype)
-    rel = 2.0 ** -10 + (size + 1) * info.eps / 2
-    absolute = (size + 1) * info.tiny * info.eps / 2
     torch.manual_seed(0)
     model = EmbeddingModel().to(DEVICE, dtype)
     plain = copy.deepcopy(model)
@@ -300,13 +291,8 @@ def half_precision(dtype, steps=4):
             ref, mag = q.grad.double(), q.grad.double().abs()
             dist.all_reduce(ref)
             dist.all_reduce(mag)
-            got = p.grad.double()
-            touched = mag > 0
-            zeros_exact &= bool((got[~touched] == 0).all())
-            if touched.any():
-                allowed = rel * mag[touched] / size + absolute
-                ratio = (got - ref / size).abs()[touched] / allowed
-                worst = max(worst, float(torch.nan_to_num(ratio, nan=math.inf).max()))   # NaN: no bound holds
+            error, zeros = half_precision_error(p.grad, ref, mag, size, dtype)
+            worst, zeros_exact = max(worst, error), zeros_exact and zeros
         with torch.no_grad():   # the same step on both copies, so their gradients stay comparable
             for p, q in zip(model.parameters(), plain.parameters()):
                 p -= 0.1 * p.grad

@@ -8,7 +8,6 @@ writes OUT_DIR/<scenario>.rank<r>.json with what the test asserts (parameter dif
 per-parameter capacities, errors raised).
 """
 import json
-import math
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import EmbeddingModel, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
@@ -177,15 +176,11 @@ def scenario(name):
 
 def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
     """A model in ``dtype`` (bfloat16 or float16) through ``comp``. Per step, every reduced gradient
-    against the float64 average of the ranks' local gradients (a plain copy of the model): the worst
-    error over the allowance ``(2^-10 + (n + 1) u) m + (n + 1) tiny eps / 2`` (m the ranks' mean
-    magnitude there, u the dtype's unit roundoff: the contract's rtol plus the roundings a dense
-    allreduce in that dtype would make), and
-    whether every coordinate no rank touched is an exact zero. Meaningful for the exact compressors;
-    for the lossy ones the test reads only that training ran and stayed finite."""
+    against the float64 sum of the ranks' local gradients (a plain copy of the model), by
+    :func:`models.half_precision_error`. Meaningful for the exact compressors; for the lossy ones the
+    test reads only that training ran and stayed finite."""
     import copy
-    n, info = hvd.size(), torch.finfo(dtype)
-    rel, absolute = 2.0 ** -10 + (n + 1) * info.eps / 2, (n + 1) * info.tiny * info.eps / 2
+    n = hvd.size()
     torch.manual_seed(0)
     model = EmbeddingModel(hidden=512).to(dtype)
     plain = copy.deepcopy(model)
@@ -204,12 +199,8 @@ def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
         for k, (p, q) in enumerate(zip(model.parameters(), plain.parameters())):
             ref = hvd.allreduce(q.grad.double(), op=hvd.Sum, name=f"run{RUNS[0]}.ref{step}.{k}")
             mag = hvd.allreduce(q.grad.double().abs(), op=hvd.Sum, name=f"run{RUNS[0]}.mag{step}.{k}")
-            got, touched = p.grad.double(), mag > 0
-            zeros_exact &= bool((got[~touched] == 0).all())
-            if touched.any():
-                allowed = rel * mag[touched] / n + absolute
-                ratio = (got - ref / n).abs()[touched] / allowed
-                worst = max(worst, float(torch.nan_to_num(ratio, nan=math.inf).max()))   # NaN: no bound holds
+            error, zeros = half_precision_error(p.grad, ref, mag, n, dtype)
+            worst, zeros_exact = max(worst, error), zeros_exact and zeros
         with opt.skip_synchronize():
             opt.step()
         with torch.no_grad():   # the same parameters on both copies, so their gradients stay comparable

@@ -2,6 +2,7 @@
 
 ``LHC_TEST_DEVICE=cuda``: batches are made on GPU 0 (the DDP workers' GPU runs: every rank on the one
 GPU, through Gloo, since NCCL refuses two ranks on one device)."""
+import math
 import os
 
 import torch
@@ -63,6 +64,26 @@ class BagModel(nn.Module):
 
     def forward(self, rows, offsets):
         return self.fc(torch.tanh(self.table(rows, offsets))).squeeze(-1)
+
+
+def half_precision_error(got: torch.Tensor, ref_sum: torch.Tensor, mag_sum: torch.Tensor, n: int, dtype) -> tuple:
+    """``(worst, zeros_exact)`` for a reduced gradient ``got`` of a model in ``dtype`` (bfloat16 or
+    float16), given the float64 sums over the n ranks of their local gradients (``ref_sum``) and of
+    their magnitudes (``mag_sum``). Allowed at a coordinate, with m = mag_sum / n and u the dtype's unit
+    roundoff: ``(2^-10 + (n + 1) u) m + (n + 1) tiny eps / 2``, the contract's rtol plus n + 1
+    roundings to the dtype and as many half spacings of its subnormals (a float16 gradient of ~1e-7
+    is one), which bounds a dense allreduce in that dtype too (it rounds at every addition).
+    ``worst``: the largest error over its allowance (<= 1 passes; a NaN counts as out of bound);
+    ``zeros_exact``: every coordinate no rank touched is an exact zero."""
+    info = torch.finfo(dtype)
+    rel, absolute = 2.0 ** -10 + (n + 1) * info.eps / 2, (n + 1) * info.tiny * info.eps / 2
+    got = got.double()
+    touched = mag_sum > 0
+    zeros_exact = bool((got[~touched] == 0).all())
+    if not touched.any():
+        return 0.0, zeros_exact
+    ratio = (got - ref_sum / n).abs()[touched] / (rel * mag_sum[touched] / n + absolute)
+    return float(torch.nan_to_num(ratio, nan=math.inf).max()), zeros_exact
 
 
 def bag_batch(step: int, rank: int, bags: int = 6, rows: int = 3000):

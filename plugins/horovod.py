@@ -158,8 +158,9 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
     _constructed = 0   # per process: names the calibration's operations (every rank counts alike)
 
     def _aggregator(self, p: torch.nn.Parameter, opt, tensor: torch.Tensor):
+        new = p not in self._aggregators
         agg = super()._aggregator(p, opt, tensor)
-        if isinstance(agg, AutoAggregator) and agg.dtype == torch.float16:
+        if new and isinstance(agg, AutoAggregator) and agg.dtype == torch.float16:
             # Horovod reduces each tensor on its own, in its dtype: a float16 gradient's plain steps go
             # as float16, as Horovod's own allreduce sends it (bfloat16, which it cannot reduce: float32).
             agg.plain_dtype = torch.float16

@@ -610,6 +610,14 @@ def test_every_seed_takes_one_rule(entry):
             make(seed)
 
 
+def test_union_nnz_is_an_int_or_none():
+    assert plan_layout(4096, 2, 40, union_nnz=None).payload_numel == plan_layout(4096, 2, 40).payload_numel
+    plan_layout(4096, 2, 40, union_nnz=60)
+    for bad in (True, 60.0, "60"):
+        with pytest.raises(TypeError, match="union_nnz must be an int or None, got"):
+            plan_layout(4096, 2, 40, union_nnz=bad)
+
+
 def test_world_size_1024_round_trip():
     rng = np.random.default_rng(3)
     n, numel = 1024, 4096

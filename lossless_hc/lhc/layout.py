@@ -294,10 +294,13 @@ def check_uint64(value, name: str) -> int:
     return value
 
 
-def check_int(value, name: str) -> None:
-    """TypeError unless ``value`` is an int (bool refused: True would pass as 1 silently)."""
+def check_int(value, name: str, none: bool = False) -> None:
+    """TypeError unless ``value`` is an int (bool refused: True would pass as 1 silently), or None
+    where ``none`` allows it."""
+    if none and value is None:
+        return
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int{' or None' if none else ''}, got {type(value).__name__}")
 
 
 def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
@@ -305,8 +308,7 @@ def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
                         ("block_size", block_size)):
         check_int(value, name)
     check_uint64(seed, "seed")
-    if union_nnz is not None and (not isinstance(union_nnz, int) or isinstance(union_nnz, bool)):
-        raise TypeError(f"union_nnz must be an int or None, got {type(union_nnz).__name__}")
+    check_int(union_nnz, "union_nnz", none=True)
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if not 1 <= world_size <= MAX_WORLD_SIZE:

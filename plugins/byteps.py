@@ -428,7 +428,7 @@ class Compression(CompressionFactory):
         strategies = tuple(options.pop("strategies", None) or allowed)
         if any(s not in allowed for s in strategies):
             raise ValueError(f"BytePS can run only {', '.join(allowed)} under auto; got {strategies!r}")
-        options.setdefault("first", "sketch")
+        options.setdefault("first", "sketch" if "sketch" in strategies else None)
         options.setdefault("partial", False)   # a sketch's inexact rows: the dense fallback push carries them
         spec = AutoSpec(lossy=lossy, strategies=strategies, calibration=calibration or Calibration.default(), **options)
         return AutoBytePSCompressor(spec, engine=engine)

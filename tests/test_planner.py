@@ -305,6 +305,25 @@ def test_small_tensors_stay_exact_under_lossy():
         AutoSpec(lossy=True, lossy_min_bytes=-1)
 
 
+def test_contradictory_auto_options_are_refused():
+    """A lossy first strategy without lossy=True, strategies of which lossy allows none, or a first
+    strategy outside ``strategies`` would leave every tensor on another strategy than the one named:
+    ValueError. A first strategy that one tensor
+    cannot take (a lossy one on a tensor below lossy_min_bytes) starts that tensor dense."""
+    for options in [dict(first="thc"), dict(strategies=("topk", "thc")), dict(lossy=False, first="fp16")]:
+        with pytest.raises(ValueError, match="lossy strategies need lossy=True"):
+            AutoSpec(**options)
+    with pytest.raises(ValueError, match="not among strategies"):
+        AutoSpec(first="sketch", strategies=("dense", "allgather"))
+    with pytest.raises(ValueError, match="not among strategies"):
+        AutoSpec(lossy=True, first="topk", strategies=("thc",))
+    assert AutoSpec(strategies=STRATEGIES).strategies == STRATEGIES   # a restriction: exact ones among them
+    spec = AutoSpec(lossy=True, first="topk", strategies=("dense", "topk"))
+    assert (spec.first, spec.strategies) == ("topk", ("dense", "topk"))
+    small = AutoAggregator("w", (8,), torch.float32, 2, 0, MODEL, lossy=True, first="topk", allowed=spec.strategies)
+    assert small.strategy == "dense"
+
+
 def test_float64_tensors_stay_dense_and_exact():
     aggs = [AutoAggregator("d", (10,), torch.float64, 2, r, MODEL, first="two_phase") for r in range(2)]
     xs = [torch.arange(10, dtype=torch.float64) / 3 + r for r in range(2)]

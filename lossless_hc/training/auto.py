@@ -27,7 +27,7 @@ import torch
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
-from lossless_hc.training.planner import LOSSY_MIN_BYTES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
+from lossless_hc.training.planner import LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
 
 _DTYPE_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -42,8 +42,11 @@ class AutoSpec(AggregatorSpec):
         interval: steps between re-plans (each tensor is first planned after its first step).
         alpha: EWMA weight of the newest step's statistics.
         first: the first step's strategy (None: "dense" for dense gradients, "allgather" for sparse
-            ones; both exact, and they measure the statistics).
-        strategies: restrict the candidates (None: all that ``lossy`` allows).
+            ones; both exact, and they measure the statistics); a tensor that cannot take it (a lossy
+            one on a sparse, float64 or small tensor) starts dense. One of ``strategies`` where given;
+            a lossy one needs ``lossy=True`` (ValueError otherwise).
+        strategies: restrict the candidates to these among what ``lossy`` allows (None: all of them;
+            ValueError when it allows none of them).
         calibration: a :class:`~lossless_hc.training.planner.Calibration` identical on every rank (skips
             the start-up measurement; e.g. ``Calibration.default(bandwidth_bits=1e9)``).
         topk_ratio, thc_bits: the lossy strategies' parameters.
@@ -75,6 +78,14 @@ class AutoSpec(AggregatorSpec):
                 raise ValueError(f"strategies must be a non-empty subset of {', '.join(STRATEGIES)}; "
                                  f"got {strategies!r}")
             strategies = tuple(strategies)
+        # Contradictions are refused here rather than planned around: each would leave every tensor
+        # on another strategy than the one named, without a word.
+        if lossy is not True and first in LOSSY_STRATEGIES:
+            raise ValueError(f"first={first!r}: lossy strategies need lossy=True")
+        if lossy is not True and strategies is not None and all(s in LOSSY_STRATEGIES for s in strategies):
+            raise ValueError(f"strategies={strategies!r}: lossy strategies need lossy=True")
+        if first is not None and strategies is not None and first not in strategies:
+            raise ValueError(f"first={first!r} is not among strategies {strategies!r}")
         if calibration is not None and not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a planner.Calibration, got {type(calibration).__name__}")
         if not 0.0 < float(topk_ratio) <= 1.0:

@@ -20,11 +20,13 @@ given ``first``) and needs no cost model, so the calibration on the process grou
 allgather sizes, up to the largest gradient's bytes; rank 0's fit and codec timings broadcast) runs at
 the first call of the second step, when every gradient's size and first statistics are known, unless a
 ``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
-and body) with one allreduce; the parameters whose strategy needs a second collective (allgather,
+and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one, or
+two where bfloat16 bodies are large enough to travel apart); the parameters whose strategy needs a second collective (allgather,
 two_phase's values, fp16/bf16, a sketch's exact fallback) get it from the future's callback on the
 bucket's own process group, like the fallback below: at most one allreduce per payload dtype and one
 allgather per bucket and step, the same on every rank. A bucket of dense plans between their
-statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
+statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does (a float16
+bucket divided first, as DDP divides it).
 
 The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`): the
 cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
@@ -53,8 +55,9 @@ TypeError; ``AutoHookState(strategies=("sketch",))`` runs the LHC sketch alone o
 
 For each gradient bucket the hook encodes every parameter's gradient separately (each parameter has
 its own aggregator, built from the state's spec and keyed by the parameter itself, so state survives
-DDP's bucket rebuild), concatenates the payloads into one message, allreduces it with SUM, decodes
-each segment and returns the averaged bucket, as DDP expects.
+DDP's bucket rebuild), concatenates the payloads into one message (one part per payload dtype, or
+fewer: :mod:`lossless_hc.training.message`), allreduces each part with SUM, decodes each segment and
+returns the averaged bucket, as DDP expects.
 
 Fallback without mismatched collectives: a segment that fails to decode is re-aggregated densely from
 the future's callback, which may run on a communication thread while the main thread issues the next
@@ -279,7 +282,11 @@ class AutoHookState(_HookState):
             if lossy is not True:
                 raise ValueError("strategies names 'powersgd', a lossy strategy: it needs lossy=True")
             options["strategies"] = tuple(s for s in strategies if s != "powersgd") or ("dense",)
-        super().__init__(AutoSpec(lossy=lossy, **options), process_group)
+        spec = AutoSpec(lossy=lossy, **options)
+        # A half-precision bucket's plain steps are allreduced in place in its dtype, as DDP's own hook
+        # does (and, in a message, a bfloat16 gradient's travel in its bfloat16 part): priced so.
+        spec.native_plain_dtypes = (torch.float16, torch.bfloat16)
+        super().__init__(spec, process_group)
         self._powersgd = (PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
                           if powersgd else None)
         if int(guard_steps) < 0:
@@ -432,6 +439,17 @@ def _bucket_slices(buffer: torch.Tensor, grads) -> list:
     return list(torch.split(buffer[:sum(sizes)], sizes))
 
 
+def _allreduce_parts(parts, group) -> torch.futures.Future:
+    """A future of ``parts`` SUMmed in place across ``group``: one allreduce per part (a message's parts,
+    :mod:`lossless_hc.training.message`), all issued at once, in the same order on every rank."""
+    works = [dist.all_reduce(part, group=group, async_op=True).get_future() for part in parts]
+
+    def summed(fut: torch.futures.Future) -> list:
+        return [done.wait()[0] for done in fut.value()]   # wait() raises a collective's error
+
+    return torch.futures.collect_all(works).then(summed)
+
+
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
     buffer = bucket.buffer()
     if buffer.is_sparse:   # the fixed codecs encode dense tensors; auto_hook plans over a sparse one's rows
@@ -445,10 +463,10 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     message = encode_message(aggs, bucket.gradients())
     n = state.world_size
     outs = in_place_outputs(aggs, _bucket_slices(buffer, bucket.gradients()))
-    fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
+    fut = _allreduce_parts(message.parts, state.process_group)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
-        results = decode_message(message, fut.value()[0], lambda dense: dist.all_reduce(dense, group=fallback_group),
+        results = decode_message(message, fut.value(), lambda dense: dist.all_reduce(dense, group=fallback_group),
                                  outs=outs)
         return _fill_bucket(buffer, results, n)
 
@@ -488,17 +506,22 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
     # The step guard's dense window (and a dense verdict): every dense float bucket in place.
     guard_dense = state._step_phase == "dense" and not buffer.is_sparse
-    if buffer.dtype in (torch.float32, torch.float64) and (guard_dense or (
+    if buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place
+        # float16 is divided first, as DDP's own hook divides: its SUM can overflow where the average
+        # does not. The others are summed, then divided (as the planned strategies' results are).
+        divide_first = buffer.dtype == torch.float16
+        if divide_first:
+            buffer.div_(n)
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:
             for a in aggs:
                 a.record_plain_step(started, sparse_rows=rows)
-            return fut.value()[0].div_(n)
+            return fut.value()[0] if divide_first else fut.value()[0].div_(n)
 
         return fut.then(plain)
     message = AutoMessage(aggs, grads)
@@ -507,7 +530,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     fallback_group = None
     if any(ctx.strategy != "dense" for _, ctx in message.encoded):
         fallback_group = state._fallback_group(bucket.index())
-    fut = dist.all_reduce(message.tensor, group=state.process_group, async_op=True).get_future()
+    fut = _allreduce_parts(message.parts, state.process_group)
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         out = [torch.empty_like(t) for _ in range(n)]
@@ -515,7 +538,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return torch.stack(out)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
-        results = decode_auto_message(message, fut.value()[0],
+        results = decode_auto_message(message, fut.value(),
                                       lambda t: dist.all_reduce(t, group=fallback_group), gather)
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
             return results[0].div_(n)

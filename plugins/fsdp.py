@@ -8,11 +8,11 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   (``FSDPModule.set_all_reduce_hook``), called with each parameter group's reduce-scattered shard,
   sums that shard across the *replicate* dimension -- the inter-node link, where compression pays.
   Per parameter the hook encodes its slot of the shard, concatenates the payloads into one message,
-  SUMs it across replicas and decodes it (:mod:`lossless_hc.training.message`, shared with the DDP
-  hook).
+  SUMs it across replicas (one all-reduce per part: per payload dtype, or fewer) and decodes it
+  (:mod:`lossless_hc.training.message`, shared with the DDP hook).
 * **the reduce-scatter** (``FSDPModule.set_custom_reduce_scatter``, ``reduce_scatter=True``). Every
   rank encodes each destination's chunk separately (one aggregator per parameter and destination),
-  pads the S messages to one length, and a SUM reduce-scatter hands destination ``d`` the sum of
+  pads the S messages (one part each, in the widest of their dtypes) to one length, and a SUM reduce-scatter hands destination ``d`` the sum of
   every rank's message for ``d``: the payloads are homomorphic, so that sum is a payload of the
   summed chunk, and ``d`` decodes it. Only ``d`` knows whether its decode failed, so the owners then
   share a small table (per parameter: failed or not, and the codec's key count; one int64 SUM
@@ -291,16 +291,18 @@ class _ReplicaAllReduce:
         aggs = [st._aggregator(f"replicate:{fqn}", v, st.replicas, rank) for fqn, v in zip(self.slots.fqns, views)]
         if isinstance(st.spec, AutoSpec):
             message = AutoMessage(aggs, views)
-            dist.all_reduce(message.tensor, group=st.replicate_group)
-            results = decode_auto_message(message, message.tensor,
+            for part in message.parts:
+                dist.all_reduce(part, group=st.replicate_group)
+            results = decode_auto_message(message, message.parts,
                                           lambda t: dist.all_reduce(t, group=st.replicate_group),
                                           lambda t: _all_gather(t, st.replicate_group, st.replicas))
             for view, value in zip(views, results):
                 view.copy_(value.reshape(view.shape))
             return
         message = encode_message(aggs, views)
-        dist.all_reduce(message.tensor, group=st.replicate_group)
-        results = decode_message(message, message.tensor, lambda dense: dist.all_reduce(dense, group=st.replicate_group),
+        for part in message.parts:
+            dist.all_reduce(part, group=st.replicate_group)
+        results = decode_message(message, message.parts, lambda dense: dist.all_reduce(dense, group=st.replicate_group),
                                  outs=in_place_outputs(aggs, views))
         for view, value in zip(views, results):
             if value.data_ptr() != view.data_ptr():   # not decoded into its slot already
@@ -338,11 +340,13 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
         for d in range(n):
             views = self.slots.views(chunks[d])
             aggs = [st._aggregator(f"shard:{fqn}->{d}", v, n, me) for fqn, v in zip(self.slots.fqns, views)]
-            messages.append(encode_message(aggs, views))
-        width = max(m.tensor.numel() for m in messages)
-        send = torch.zeros(n, width, dtype=messages[0].tensor.dtype, device=input_tensor.device)
+            # One part per destination (split=False): one reduce-scatter carries every destination's.
+            messages.append(encode_message(aggs, views, split=False))
+        width = max(m.parts[0].numel() for m in messages)
+        wide = max((m.parts[0].dtype for m in messages), key=lambda d: d.itemsize)   # widens the others exactly
+        send = torch.zeros(n, width, dtype=wide, device=input_tensor.device)
         for d, m in enumerate(messages):
-            send[d, :m.tensor.numel()] = m.tensor
+            send[d, :m.parts[0].numel()] = m.parts[0]
         summed = torch.empty(width, dtype=send.dtype, device=send.device)
         dist.reduce_scatter_tensor(summed, send.view(-1), group=group)
 
@@ -350,7 +354,7 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
         outcomes, reason = None, None
         try:
             # The other ranks never see this rank's inexact keys: those segments fall back densely.
-            outcomes = decode_segments(own, summed[:own.tensor.numel()], partial=False)
+            outcomes = decode_segments(own, [summed[:own.parts[0].numel()]], partial=False)
         except ConfigurationMismatch as e:   # raised below on every rank, after the table
             reason = str(e)
         params = len(self.slots.fqns)
@@ -442,7 +446,9 @@ class AutoFSDPState(_FSDPState):
                          "to the owner alone (LosslessFSDPState and TopKFSDPState compress it)")
 
     def __init__(self, mesh: DeviceMesh, lossy: bool = False, **options):
-        super().__init__(AutoSpec(lossy=lossy, **options), mesh)
+        spec = AutoSpec(lossy=lossy, **options)
+        spec.native_plain_dtypes = (torch.bfloat16,)   # its part of the message (message.py); float16's: float32
+        super().__init__(spec, mesh)
 
     def stats(self) -> dict:
         d = super().stats()

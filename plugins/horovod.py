@@ -157,15 +157,6 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
 
     _constructed = 0   # per process: names the calibration's operations (every rank counts alike)
 
-    def _aggregator(self, p: torch.nn.Parameter, opt, tensor: torch.Tensor):
-        new = p not in self._aggregators
-        agg = super()._aggregator(p, opt, tensor)
-        if new and isinstance(agg, AutoAggregator) and agg.dtype == torch.float16:
-            # Horovod reduces each tensor on its own, in its dtype: a float16 gradient's plain steps go
-            # as float16, as Horovod's own allreduce sends it (bfloat16, which it cannot reduce: float32).
-            agg.plain_dtype = torch.float16
-        return agg
-
     def calibrate(self, process_set) -> None:
         """Check the configuration and calibrate on ``process_set`` (blocking; every rank, same point)."""
         type(self)._constructed += 1
@@ -226,6 +217,10 @@ class Compression(CompressionFactory):
             raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
                              "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves the bytes too")
         options["strategies"] = tuple(options.get("strategies") or HOROVOD_STRATEGIES)
-        comp = AutoHorovodCompressor(AutoSpec(lossy=lossy, **options))
+        spec = AutoSpec(lossy=lossy, **options)
+        # Horovod reduces each tensor on its own, in its dtype: a float16 gradient's plain steps go as
+        # float16, as Horovod's own allreduce sends it (bfloat16, which it cannot reduce: float32).
+        spec.native_plain_dtypes = (torch.float16,)
+        comp = AutoHorovodCompressor(spec)
         comp.calibrate(process_set if process_set is not None else hvd.global_process_set)
         return comp

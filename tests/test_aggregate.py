@@ -203,8 +203,9 @@ def test_thc_message_decodes_into_the_given_outputs():
         xs = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
         mf = [encode_message(fresh[r], [x.clone() for x in xs[r]]) for r in range(n)]
         mi = [encode_message(into[r], [x.clone() for x in xs[r]]) for r in range(n)]
-        sf, si = sum(m.tensor for m in mf), sum(m.tensor for m in mi)
-        assert torch.equal(sf, si)
+        assert len(mf[0].parts) == 1   # the 4 float32 coordinates sent dense join the float64 part
+        sf, si = [sum(m.parts[0] for m in mf)], [sum(m.parts[0] for m in mi)]
+        assert torch.equal(sf[0], si[0])
         for r in range(n):
             want = decode_message(mf[r], sf, dense_sum=None)
             bucket = torch.full((sum(math.prod(s) for s in shapes),), float("nan"))
@@ -245,16 +246,17 @@ def test_message_is_encoded_into_its_slices(kind):
         ms = [encode_message(in_message[r], [x.clone() for x in xs[r]]) for r in range(n)]
         payloads = [[a.encode(x.clone()) for a, x in zip(alone[r], xs[r])] for r in range(n)]
         for r, m in enumerate(ms):
-            assert m.tensor.dtype == wide
-            assert torch.equal(m.tensor, torch.cat([p.reshape(-1).to(wide) for p, _ in payloads[r]]))
-            base, end = m.tensor.data_ptr(), m.tensor.data_ptr() + m.tensor.element_size() * m.tensor.numel()
+            assert [p.dtype for p in m.parts] == [wide]   # 16 bytes of widening: not worth a collective
+            message = m.parts[0]
+            assert torch.equal(message, torch.cat([p.reshape(-1).to(wide) for p, _ in payloads[r]]))
+            base, end = message.data_ptr(), message.data_ptr() + message.element_size() * message.numel()
             assert [base <= p.data_ptr() < end for p, _ in m.encoded] == [True, False, True]
             assert m.encoded[1][0].dtype == torch.float32   # the dense tensor's payload is itself
-        summed = sum(m.tensor for m in ms)
+        summed = sum(m.parts[0] for m in ms)
         for m in ms:
-            m.tensor.copy_(summed)
+            m.parts[0].copy_(summed)
         for r in range(n):
-            got = decode_segments(ms[r], ms[r].tensor)
+            got = decode_segments(ms[r], ms[r].parts)
             sums = [sum(payloads[q][i][0] for q in range(n)) for i in range(len(shapes))]
             want = [a.decode(s.to(p.dtype), ctx) for a, s, (p, ctx) in zip(alone[r], sums, payloads[r])]
             for o, w in zip(got, want):
@@ -266,6 +268,54 @@ def test_message_is_encoded_into_its_slices(kind):
         words._codec = lhc.THCCodec(**dict(words._codec_args, payload_dtype=torch.int64))
         with pytest.raises(TypeError, match="floating-point payloads"):
             encode_message([words], [torch.randn(5000)])
+
+
+def test_message_parts_follow_the_payload_dtypes():
+    """message_layout: one part per payload dtype, widest first (float64, float32, bfloat16); float16
+    payloads in the float32 part; a narrower part whose widening costs fewer than
+    SEPARATE_PART_MIN_BYTES joins the next wider one; split=False: one part, the widest."""
+    from lossless_hc.training.message import SEPARATE_PART_MIN_BYTES, message_layout
+    f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+    big = SEPARATE_PART_MIN_BYTES // 2            # bfloat16 elements whose widening to float32 costs the minimum
+    assert message_layout([(100, f32), (big, bf16), (7, f32)]) == ([f32, bf16], [107, big], [(0, 0), (1, 0), (0, 100)])
+    assert message_layout([(100, f32), (big - 1, bf16)])[:2] == ([f32], [100 + big - 1])
+    assert message_layout([(big, bf16), (3, bf16)])[:2] == ([bf16], [big + 3])   # all sent as they are
+    assert message_layout([(big, f16)])[:2] == ([f32], [big])                     # a float16 SUM could overflow
+    assert message_layout([(10, f64), (big // 2, f32)])[:2] == ([f64, f32], [10, big // 2])
+    assert message_layout([(10, f64), (big // 2 - 1, f32)])[:2] == ([f64], [10 + big // 2 - 1])
+    # a bfloat16 part too small on its own joins float32, which then joins float64 with it
+    assert message_layout([(10, f64), (big // 8, f32), (big // 8, bf16)])[:2] == ([f64], [10 + big // 4])
+    assert message_layout([(100, f32), (big, bf16)], split=False)[:2] == ([f32], [100 + big])
+    assert message_layout([]) == ([], [], [])
+    with pytest.raises(TypeError, match="floating-point payloads"):
+        message_layout([(3, torch.int64)])
+
+
+def test_a_bfloat16_tensor_sent_as_it_is_travels_and_sums_as_bfloat16():
+    """A bfloat16 bucket whose large tensor is sent as it is (its sketch would not be smaller) and whose
+    small one is compressed: two parts, the large tensor's bfloat16 (its own bytes, not float32's)
+    summed as bfloat16 as DDP's allreduce sums it; the compressed one decodes within the contract."""
+    from lossless_hc.training.message import decode_message, encode_message
+    n, dense_numel = 2, 1 << 18
+    aggs = [[TensorAggregator("dense", (dense_numel,), torch.bfloat16, n, max_density=0.9, seed=5),
+             TensorAggregator("sparse", (4096, 64), torch.bfloat16, n, max_density=0.05, seed=5)] for _ in range(n)]
+    assert [a.compressed for a in aggs[0]] == [False, True]
+    g = torch.Generator().manual_seed(6)
+    xs = [[torch.randn(dense_numel, generator=g).to(torch.bfloat16),
+           (torch.randn(4096, 64, generator=g) * (torch.rand(4096, 1, generator=g) < 0.02)).to(torch.bfloat16)]
+          for _ in range(n)]
+    ms = [encode_message(aggs[r], xs[r]) for r in range(n)]
+    assert [p.dtype for p in ms[0].parts] == [torch.float32, torch.bfloat16]
+    assert ms[0].parts[1].numel() == dense_numel
+    summed = [ms[0].parts[j] + ms[1].parts[j] for j in range(2)]
+    # Rank 1's re-aggregation values (inexact rows), then rank 0's SUM of both: the second collective.
+    sent = []
+    decode_message(ms[1], summed, dense_sum=lambda t: sent.append(t.clone()))
+    dense, sparse = decode_message(ms[0], summed, dense_sum=lambda t: t.add_(sent[0]))
+    assert dense.dtype == torch.bfloat16 and torch.equal(dense, xs[0][0] + xs[1][0])
+    exact = xs[0][1].double() + xs[1][1].double()
+    assert sparse.dtype == torch.bfloat16 and torch.equal(sparse != 0, exact != 0)
+    assert torch.allclose(sparse.double(), exact, rtol=2 ** -10 + 2 ** -8, atol=0)
 
 
 def test_in_place_outputs_only_where_nothing_reads_the_encoded_tensor():

@@ -45,8 +45,8 @@ def results(out, name):
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
-            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "lossy", "config_mismatch", "guard_dense",
-                                                "guard_plan"])])
+            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "lossy", "config_mismatch",
+                                                "guard_dense", "guard_plan"])])
     return out
 
 
@@ -104,6 +104,22 @@ def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run)
         assert r["calibration_cost"]["source"] == "measured" and r["calibration_cost"]["seconds"] > 0
         # the largest gradient is 64 x 64 float32 (16 KiB): timed at 1 KiB and the 32 KiB floor, not to 1 MiB
         assert r["calibration_cost"]["link_sizes"] == [1024, 32768], r["calibration_cost"]
+
+
+def test_ddp_auto_sends_a_half_precision_model_s_plain_steps_in_its_dtype(ddp_run):
+    """A bfloat16 and a float16 dense model: the buckets of plain steps (7 of 10 steps, interval 4, the
+    calibration given) are allreduced in place in the model's dtype, DDP's own bytes (float16 divided
+    first, as DDP divides it); the statistics steps send more (a float32 header). Parameters within the
+    dtype's rounding of DDP's own training, identical on every rank."""
+    rs = results(ddp_run, "dense_steady_half")
+    for dtype, eps in (("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)):
+        for r in rs:
+            got = r[dtype]
+            assert set(got["plan"].values()) == {"dense"} and set(got["plain_steps"].values()) == {7}, got
+            assert got["digest"] == rs[0][dtype]["digest"]
+            assert got["max_diff"] <= eps, (dtype, got["max_diff"])   # measured: eps / 8 and eps / 4
+            plain = [b for b in got["sent"] if b == got["model_bytes"]]
+            assert len(plain) == 7 and all(b >= got["model_bytes"] for b in got["sent"]), (dtype, got["sent"])
 
 
 @pytest.mark.parametrize("name", ["guard_dense", "guard_plan"])

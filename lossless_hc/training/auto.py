@@ -27,6 +27,7 @@ import torch
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
+from lossless_hc.training.message import message_layout
 from lossless_hc.training.planner import LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
 
@@ -58,6 +59,11 @@ class AutoSpec(AggregatorSpec):
     """
 
     kind = "auto"
+    # Gradient dtypes whose plain steps (a dense plan's bare tensor) go in the gradient's own dtype, as
+    # the engine's own allreduce sends them; the others go in the aggregator's wire dtype (float32). Set
+    # by an adapter whose engine carries those dtypes as they are: Horovod (float16; it has no bfloat16
+    # allreduce), DDP (both), FSDP2 (bfloat16: a message sums float16 as float32, message.py).
+    native_plain_dtypes: tuple = ()
 
     def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
@@ -161,11 +167,14 @@ class AutoSpec(AggregatorSpec):
             return TensorAggregator(name, tensor.shape, tensor.dtype, world_size, 1.0, seed=self.seed, stats=stats,
                                     device=device)
         model = self.cost_model if self.calibration is not None else None
-        return AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, model, lossy=self.lossy,
-                              interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
-                              seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
-                              device=device, partial=self.partial, sparse=tensor.is_sparse,
-                              lossy_min_bytes=self.lossy_min_bytes, **self.extra)
+        agg = AutoAggregator(name, tensor.shape, tensor.dtype, world_size, rank, model, lossy=self.lossy,
+                             interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
+                             seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
+                             device=device, partial=self.partial, sparse=tensor.is_sparse,
+                             lossy_min_bytes=self.lossy_min_bytes, **self.extra)
+        if tensor.dtype in self.native_plain_dtypes:
+            agg.plain_dtype = tensor.dtype
+        return agg
 
 
 def plan_stats(aggregators) -> dict:
@@ -177,29 +186,32 @@ def plan_stats(aggregators) -> dict:
 # -- many tensors in one message (DDP bucket, FSDP2 shard) -------------------------------------------------
 
 class AutoMessage:
-    """One message's first payloads, concatenated in the widest dtype (float64 words stay exact)."""
+    """One message's first payloads, in the parts :func:`~lossless_hc.training.message.message_layout`
+    gives them (one per payload dtype, or fewer; float64 words stay exact): the engine SUMs each of
+    ``parts``, in order."""
 
     def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor]):
         self.aggregators = list(aggregators)
         self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
-        wide = torch.float64 if any(p.dtype == torch.float64 for p, _ in self.encoded) else torch.float32
-        if self.encoded:
-            self.tensor = torch.cat([p.reshape(-1).to(wide) for p, _ in self.encoded])
-        else:
-            self.tensor = torch.empty(0, dtype=wide)
+        dtypes, sizes, self.places = message_layout([(p.numel(), p.dtype) for p, _ in self.encoded])
+        device = self.encoded[0][0].device if self.encoded else torch.device("cpu")
+        self.parts = [torch.empty(m, dtype=d, device=device) for d, m in zip(dtypes, sizes)]
+        for (payload, _), (part, offset) in zip(self.encoded, self.places):
+            self.parts[part][offset:offset + payload.numel()].copy_(payload.reshape(-1))
 
 
-def decode_message(message: AutoMessage, summed: torch.Tensor,
+def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
                    allreduce: Callable[[torch.Tensor], None],
                    allgather: Callable[[torch.Tensor], torch.Tensor]) -> list:
-    """Every tensor's aggregate (in the engine's scale: the SUM here) from ``summed``, the SUM of every
-    rank's ``message.tensor``. ``allreduce(t)`` must SUM ``t`` in place across the same ranks;
+    """Every tensor's aggregate (in the engine's scale: the SUM here) from ``summed``, the SUMs of every
+    rank's ``message.parts``, in order. ``allreduce(t)`` must SUM ``t`` in place across the same ranks;
     ``allgather(t)`` must return the ranks' ``t`` stacked in rank order (``(n, t.numel())``). Both are
     blocking and called in the same order on every rank (module doc), at most once per dtype."""
-    outcomes, offset = [], 0
-    for agg, (payload, ctx) in zip(message.aggregators, message.encoded):
-        segment = summed[offset:offset + payload.numel()].to(payload.dtype)
-        offset += payload.numel()
+    if len(summed) != len(message.parts):
+        raise ValueError(f"a message of {len(message.parts)} parts; got {len(summed)} sums")
+    outcomes = []
+    for agg, (payload, ctx), (part, offset) in zip(message.aggregators, message.encoded, message.places):
+        segment = summed[part][offset:offset + payload.numel()].to(payload.dtype)
         outcomes.append(agg.decode(segment, ctx))
     results = [o.value for o in outcomes]
     pending = [i for i, o in enumerate(outcomes) if o.request is not None]

@@ -1,17 +1,27 @@
 """Many tensors in one message: what the torch.distributed adapters (DDP, FSDP2) share.
 
-An adapter that reduces several gradients with one collective (a DDP bucket, an FSDP2 parameter
-group's shard) does, per step:
+An adapter that reduces several gradients together (a DDP bucket, an FSDP2 parameter group's shard)
+does, per step:
 
 1. :func:`encode_message`: encode every tensor with its aggregator (:mod:`lossless_hc.training.aggregate`)
-   into its slice of one flat tensor, the payloads' concatenation, in the widest payload dtype (THC's
-   float64 words must stay exact; float32 payloads widen exactly and sum at least as accurately);
-2. SUM that tensor across ranks with its engine (allreduce, or a reduce-scatter of one message per
-   destination);
-3. :func:`decode_segments`: decode each tensor's segment of the sum, or :func:`decode_message`, which
-   also re-aggregates every segment that failed to decode densely, and just the inexact keys'
+   into its slice of the message: the payloads' concatenation, one flat tensor (a *part*) per payload
+   dtype, or fewer (the part rule below);
+2. SUM each part across ranks with its engine (one allreduce per part, in ``message.parts`` order; or a
+   reduce-scatter of one single-part message per destination, ``split=False``);
+3. :func:`decode_segments`: decode each tensor's segment of the summed parts, or :func:`decode_message`,
+   which also re-aggregates every segment that failed to decode densely, and just the inexact keys'
    coordinates of every segment that reported some (one more SUM for both, supplied by the adapter
    as ``dense_sum``), and returns the exact sums.
+
+The part rule. Payloads are float64 (THC's words, which must stay exact), float32 (the codecs'), or a
+tensor sent as it is, in its own dtype. A payload joins the part of its dtype, float16 the float32 one
+(a float16 SUM can overflow where the average does not; DDP's own hook divides before it sums, these
+messages sum). A narrower part whose widening would cost fewer than :data:`SEPARATE_PART_MIN_BYTES`
+is widened into the next wider one instead (exactly: every float32 and bfloat16 value is a float64
+and every bfloat16 a float32), sparing a collective's latency for a few bytes; with ``split=False``
+every payload is widened into the widest part. So a bfloat16 model's tensors sent as they are cross
+the wire as bfloat16, as DDP's own allreduce sends them, and are summed in bfloat16 as it sums them.
+Which parts a message has is a function of the payload specs, identical on every rank.
 
 The adapter owns the collectives (and so the ordering that keeps them deadlock-free); everything here
 is local. Every rank that decodes the same summed message takes the same decisions (fallback,
@@ -22,62 +32,98 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from lossless_hc.backends import backend_for
 from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
+# Widening a narrower part into a wider one costs its elements x the width difference on the wire; a
+# separate part costs one more collective (its latency: ~0.1-1 ms over Gloo on a LAN). Below this many
+# bytes of widening the latency dominates from 1 Gbit/s on.
+SEPARATE_PART_MIN_BYTES = 256 * 1024
+_PART_ORDER = (torch.float64, torch.float32, torch.bfloat16)   # widest first: the order of the SUMs
+
 
 @dataclass
 class Message:
-    """One encoded message: ``tensor`` is what the engine sums; ``encoded`` the ``(payload, ctx)``
-    of each tensor, in order, with ``aggregators`` the aggregators that made them."""
+    """One encoded message: ``parts`` are what the engine sums (one collective each, in this order);
+    ``encoded`` the ``(payload, ctx)`` of each tensor, in order, with ``aggregators`` the aggregators
+    that made them, and ``places`` where each one's segment lies: ``(part index, offset)``."""
 
     aggregators: list
     encoded: list
-    tensor: torch.Tensor
+    parts: List[torch.Tensor]
+    places: List[tuple]
 
     @property
     def segment_numels(self) -> List[int]:
         return [payload.numel() for payload, _ in self.encoded]
 
 
-def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
-    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc). Every
-    aggregator knows its payload's size before encoding (``payload_spec``), so the message is
-    allocated first and each payload of the message's dtype is encoded into its own slice; the others
-    (a tensor sent dense, a narrower payload) are copied in, converted: the same tensor as the
-    concatenation of the payloads, without a second copy of them."""
+def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor], split: bool = True) -> Message:
+    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc; ``split=False``:
+    one part). Every aggregator knows its payload's size before encoding (``payload_spec``), so the
+    parts are allocated first and each payload of its part's dtype is encoded into its own slice; the
+    others (a tensor sent as it is, a widened payload) are copied in, converted."""
     specs = [agg.payload_spec() for agg in aggregators]
-    wide = _message_dtype([dtype for _, dtype in specs])
-    total = sum(numel for numel, _ in specs)
+    dtypes, sizes, places = message_layout(specs, split)
     if len(tensors):
         # The backend's buffer: on the CPU advised to huge pages, so a message of ~100 MiB is not
         # written through one page fault per 4 KiB (a quarter of the time at that size).
         device = tensors[0].device
-        tensor = backend_for(device).empty(total, device, wide)
+        parts = [backend_for(device).empty(m, device, d) for d, m in zip(dtypes, sizes)]
     else:
-        tensor = torch.empty(0, dtype=wide)
-    encoded, offset = [], 0
-    for agg, t, (numel, dtype) in zip(aggregators, tensors, specs):
-        piece = tensor[offset:offset + numel]
-        offset += numel
-        payload, ctx = agg.encode(t, out=piece) if dtype == wide else agg.encode(t)
-        if payload.data_ptr() != piece.data_ptr():   # sent dense, or a narrower payload dtype
+        parts = []
+    encoded = []
+    for agg, t, (numel, dtype), (part, offset) in zip(aggregators, tensors, specs, places):
+        piece = parts[part][offset:offset + numel]
+        payload, ctx = agg.encode(t, out=piece) if dtype == piece.dtype else agg.encode(t)
+        if payload.data_ptr() != piece.data_ptr():   # sent as it is, or widened
             piece.copy_(payload.reshape(-1))
         encoded.append((payload, ctx))
-    return Message(list(aggregators), encoded, tensor)
+    return Message(list(aggregators), encoded, parts, places)
 
 
-def _message_dtype(dtypes) -> torch.dtype:
-    """The message's dtype for payloads of ``dtypes``: float64 if any is (THC's words must stay exact),
-    else float32. An integer payload (THC's int64 words, whose norm slots are float64 bits) would not
-    survive the conversion: refused."""
+def message_layout(specs: Sequence[tuple], split: bool = True) -> tuple:
+    """``(dtypes, sizes, places)`` of a message of payloads ``specs`` (``(numel, dtype)`` each): its
+    parts' dtypes and element counts, in order, and each payload's ``(part index, offset)``."""
+    part_dtype = _part_dtypes(specs, split)
+    dtypes = [d for d in _PART_ORDER if d in part_dtype.values()]
+    sizes = [0] * len(dtypes)
+    places = []
+    for numel, dtype in specs:
+        part = dtypes.index(part_dtype[dtype])
+        places.append((part, sizes[part]))
+        sizes[part] += numel
+    return dtypes, sizes, places
+
+
+def _part_dtypes(specs, split: bool) -> Dict[torch.dtype, torch.dtype]:
+    """Each payload dtype of ``specs`` -> the dtype of the part it travels in (the module doc's rule).
+    An integer payload (THC's int64 words, whose norm slots are float64 bits) would not survive the
+    conversion: refused."""
+    dtypes = {dtype for _, dtype in specs}
+    if not dtypes:
+        return {}
     if not all(d.is_floating_point for d in dtypes):
-        raise TypeError(f"a message sums floating-point payloads; got {sorted({str(d) for d in dtypes})}")
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+        raise TypeError(f"a message sums floating-point payloads; got {sorted(str(d) for d in dtypes)}")
+    home = {d: torch.float32 if d == torch.float16 else d for d in dtypes}
+    present = [d for d in _PART_ORDER if d in home.values()]
+    size = {d: 0 for d in present}
+    for numel, dtype in specs:
+        size[home[dtype]] += numel
+    into = {present[0]: present[0]}
+    for narrow, wide in reversed(list(zip(present[1:], present))):   # narrowest first: merges accumulate
+        keep = split and size[narrow] * (wide.itemsize - narrow.itemsize) >= SEPARATE_PART_MIN_BYTES
+        into[narrow] = narrow
+        if not keep:
+            into[narrow] = wide
+            size[wide] += size[narrow]
+    def final(d):
+        return d if into[d] == d else final(into[d])
+    return {d: final(h) for d, h in home.items()}
 
 
 def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Optional[List[Optional[torch.Tensor]]]:
@@ -91,9 +137,10 @@ def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Op
     return outs if any(out is not None for out in outs) else None
 
 
-def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True,
+def decode_segments(message: Message, summed: Sequence[torch.Tensor], partial: bool = True,
                     outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[DecodeOutcome]:
-    """Decode each tensor's segment of ``summed`` (the engine's SUM of every rank's ``message.tensor``).
+    """Decode each tensor's segment of ``summed``: the engine's SUMs of every rank's ``message.parts``,
+    in order (a part summed in place: the part itself).
 
     Raises :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks were configured
     differently; an outcome with ``needs_fallback`` must be completed with an exact dense SUM, one
@@ -101,11 +148,13 @@ def decode_segments(message: Message, summed: torch.Tensor, partial: bool = True
     (``partial=False``: inexact keys fall back densely instead, for a caller whose other ranks did not
     decode the segment). ``outs[i]``, where given, is passed to tensor i's decode as ``out`` (only THC's
     aggregators take it: see :meth:`~lossless_hc.training.thc_aggregate.THCAggregator.decode`)."""
+    if len(summed) != len(message.parts):
+        raise ValueError(f"a message of {len(message.parts)} parts; got {len(summed)} sums")
     kw = {} if partial else {"partial": False}   # only lossless aggregators can be inexact
-    outcomes, offset = [], 0
-    for i, (agg, (payload, ctx)) in enumerate(zip(message.aggregators, message.encoded)):
-        segment = summed[offset:offset + payload.numel()].to(payload.dtype)
-        offset += payload.numel()
+    outcomes = []
+    for i, (agg, (payload, ctx), (part, offset)) in enumerate(zip(message.aggregators, message.encoded,
+                                                                 message.places)):
+        segment = summed[part][offset:offset + payload.numel()].to(payload.dtype)
         out = {"out": outs[i]} if outs is not None and outs[i] is not None else {}
         outcomes.append(agg.decode(segment, ctx, **kw, **out))
     return outcomes
@@ -115,7 +164,7 @@ def dense_values(message: Message, indices: Sequence[int]) -> torch.Tensor:
     """The tensors ``indices`` of ``message`` as the exact dense fallback sums them: one flat float32
     tensor (what the payloads encoded, top-k selections included)."""
     if not indices:
-        return torch.empty(0, dtype=torch.float32, device=message.tensor.device)
+        return torch.empty(0, dtype=torch.float32, device=message.parts[0].device if message.parts else "cpu")
     return torch.cat([message.encoded[i][1].dense_value.reshape(-1).to(torch.float32) for i in indices])
 
 
@@ -130,9 +179,9 @@ def finish_fallbacks(message: Message, outcomes: List[DecodeOutcome], indices: S
     return results
 
 
-def decode_message(message: Message, summed: torch.Tensor, dense_sum: Callable[[torch.Tensor], None],
+def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: Callable[[torch.Tensor], None],
                    outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
-    """Every tensor's aggregate from ``summed``; segments that fail to decode, and the inexact keys'
+    """Every tensor's aggregate from ``summed`` (as for :func:`decode_segments`); segments that fail to decode, and the inexact keys'
     coordinates of segments that reported some, are re-aggregated by ``dense_sum(t)``, which must SUM
     ``t`` (float32: the dense values of the failed segments, then the partial values, in segment
     order) across the same ranks *in place* (blocking), and which is called at most once,

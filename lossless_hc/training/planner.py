@@ -88,7 +88,8 @@ feedback's passes over the bucket's ``d`` coordinates, and seconds per flop of t
 ``F = sum (6 m n r' + 2 (m + n) r'^2)``: M Q, M^T P, P Q^T and two orthogonalisations, measured on
 the device by :func:`~lossless_hc.training.calibration.measure_codecs`).
 :meth:`CostModel.predict_powersgd` prices it; :meth:`CostModel.predict_message` prices the
-per-parameter plans of the same bucket in one message (first payloads in one allreduce, the second
+per-parameter plans of the same bucket in one message (first payloads in one allreduce, one latency
+short where the message has two parts, :mod:`~lossless_hc.training.message`; the second
 collectives batched as :func:`~lossless_hc.training.auto.decode_message` batches them), which is
 what PowerSGD is compared with.
 
@@ -392,8 +393,10 @@ class CostModel:
 
     def predict_message(self, plans) -> float:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
-        list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce, then the
-        second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
+        list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce (a message of
+        THC's float64 payloads and 64 Ki or more float32 coordinates sent as they are has two parts,
+        :mod:`~lossless_hc.training.message`: priced as one, one latency short), then the second
+        collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
         allreduce per request dtype, then one allgather), plus every tensor's local work. The request
         dtype is the strategy's for fp16 and bf16, else the gradient's, known here by its
         ``element_bytes`` only: a half-precision gradient's requests are priced apart from the fp16 and

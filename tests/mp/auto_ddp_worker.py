@@ -53,26 +53,37 @@ def collectives(state=None) -> int:
     return sum(g._get_sequence_number_for_group() for g in groups)
 
 
-def train_dense(state=None, steps=10):
-    """A dense model (every gradient dense on every rank), several buckets; the collectives of each step."""
+def train_dense(state=None, steps=10, dtype=torch.float32):
+    """A dense model (every gradient dense on every rank), several buckets; the collectives of each step,
+    and the bytes the hook allreduced (DDP's own allreduce, in C++, is not counted)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 8))
+                                torch.nn.Linear(64, 8)).to(dtype)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)   # 10 kB: two buckets after DDP's rebuild
     if state is not None:
         ddp.register_comm_hook(state, auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
-    per_step = []
+    per_step, sent = [], []
+    allreduce = dist.all_reduce
+
+    def counted(t, *args, **kw):
+        sent[-1] += t.numel() * t.element_size()
+        return allreduce(t, *args, **kw)
     for step in range(steps):
         before = collectives(state)
         opt.zero_grad(set_to_none=True)
-        x = torch.randn(4 * (dist.get_rank() + 1), 32, generator=g)
+        x = torch.randn(4 * (dist.get_rank() + 1), 32, generator=g).to(dtype)
         model_out = ddp(x)
-        (model_out ** 2).mean().backward()   # DDP waits for every bucket's future (and callback) here
+        sent.append(0)
+        dist.all_reduce = counted
+        try:
+            (model_out.float() ** 2).mean().backward()   # DDP waits for every bucket's future (and callback) here
+        finally:
+            dist.all_reduce = allreduce
         opt.step()
         per_step.append(collectives(state) - before)
-    return model, per_step
+    return model, per_step, sent
 
 
 def compare(state, **kw):
@@ -106,15 +117,28 @@ def scenario(name):
         st = state.stats()
         return {"digest": param_digest(got), "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}}
     if name == "dense_steady":   # dense plans: the statistics ride in the bucket's own allreduce
-        ref, ref_steps = train_dense(None)
+        ref, ref_steps, _ = train_dense(None)
         state = AutoHookState(interval=4)   # measured calibration, at the second step
-        got, got_steps = train_dense(state)
+        got, got_steps, _ = train_dense(state)
         st = state.stats()
         return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "stats": st,
                 "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()},
                 "calibration": state.spec.calibration.as_list(), "calibration_cost": st["calibration"],
                 "collectives": got_steps, "ddp_collectives": ref_steps}
+    if name == "dense_steady_half":   # the same in bfloat16 and float16: plain steps in the buckets' dtype
+        out = {}
+        for dtype in (torch.bfloat16, torch.float16):
+            ref, _, _ = train_dense(None, dtype=dtype)
+            state = AutoHookState(interval=4, calibration=Calibration.default(1e9))
+            got, got_steps, sent = train_dense(state, dtype=dtype)
+            st = state.stats()
+            out[str(dtype).split(".")[1]] = {
+                "max_diff": max_param_diff(ref, got), "digest": param_digest(got), "sent": sent,
+                "model_bytes": sum(p.numel() * p.element_size() for p in got.parameters()),
+                "plan": {k: v["strategy"] for k, v in st["plan"].items()},
+                "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
+        return out
     if name.startswith("guard_"):   # the step guard's trial, its verdict forced by the margin
         margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
         state = AutoHookState(interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,

@@ -29,11 +29,11 @@ STEPS = 5
 # NCCL refuses two ranks on one GPU).
 
 
-def build(mesh, native: bool, hidden: int = 16):
+def build(mesh, native: bool, hidden: int = 16, dtype=torch.float32):
     """The test model, fully_shard per table and at the root: natively on the whole mesh (the reference)
     or on its shard dimension only (custom HSDP, for our hooks)."""
     torch.manual_seed(0)
-    model = EmbeddingModel(hidden=hidden).to(DEVICE)
+    model = EmbeddingModel(hidden=hidden).to(DEVICE, dtype)
     on = mesh if native or mesh.ndim == 1 else mesh["shard"]
     for m in (model.users, model.items, model.fc1):
         fully_shard(m, mesh=on)
@@ -122,6 +122,32 @@ def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
             "resumed_final_capacity": {k: getattr(a, "capacity", None) for k, a in sorted(s2._aggregators.items())}}
 
 
+def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, steps=4, hidden=8192, lr=0.01):
+    """A ``dtype`` model with dense layers of 139k coordinates (sent as they are after the first step's
+    capacity growth) against uncompressed FSDP2 in that dtype: the largest parameter difference, and per
+    step the bytes our hooks all-reduced (the replica all-reduce's parts and fallbacks: FSDP's own
+    collectives here are reduce-scatters and all-gathers) beside this rank's shard's own bytes."""
+    ref = build(mesh, native=True, hidden=hidden, dtype=dtype)
+    got = build(mesh, native=False, hidden=hidden, dtype=dtype)
+    state.register(got, reduce_scatter=reduce_scatter)
+    ref_opt, got_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, got))
+    allreduce, sent = dist.all_reduce, []
+
+    def counted(t, *args, **kw):
+        sent[-1] += t.numel() * t.element_size()
+        return allreduce(t, *args, **kw)
+    for step in range(steps):
+        train(ref, 1, start=step, opt=ref_opt)
+        sent.append(0)
+        dist.all_reduce = counted
+        try:
+            train(got, 1, start=step, opt=got_opt)
+        finally:
+            dist.all_reduce = allreduce
+    return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
+            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters())}
+
+
 def _record_at_build(state) -> dict:
     """Record, per key, the capacity and top-k residual norm of each aggregator ``state`` builds, as
     built (a checkpoint's states are applied then); the aggregators themselves are the real ones."""
@@ -200,6 +226,10 @@ def scenario(name, mesh):
         r = compare(mesh, state, False)
         r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
         return r
+    if base == "bfloat16":   # a bfloat16 model: its tensors sent as they are travel as bfloat16 (message.py)
+        return half_precision(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
+    if base == "auto_bfloat16":
+        return half_precision(mesh, AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False)
     if base == "auto_resume":   # a given calibration: the resumed plans are the straight run's
         return resume(mesh, lambda: AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False,
                       hidden=16)

@@ -45,7 +45,8 @@ def param_digest(model: nn.Module) -> str:
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        t = p.detach().cpu().contiguous()
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())   # numpy has no bfloat16
     return h.hexdigest()
 
 

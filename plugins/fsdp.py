@@ -12,8 +12,8 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   (:mod:`lossless_hc.training.message`, shared with the DDP hook).
 * **the reduce-scatter** (``FSDPModule.set_custom_reduce_scatter``, ``reduce_scatter=True``). Every
   rank encodes each destination's chunk separately (one aggregator per parameter and destination),
-  pads the S messages (one part each, in the widest of their dtypes) to one length, and a SUM reduce-scatter hands destination ``d`` the sum of
-  every rank's message for ``d``: the payloads are homomorphic, so that sum is a payload of the
+  pads the S messages to one length (per part dtype: one reduce-scatter each), and a SUM
+  reduce-scatter hands destination ``d`` the sum of every rank's message for ``d``: the payloads are homomorphic, so that sum is a payload of the
   summed chunk, and ``d`` decodes it. Only ``d`` knows whether its decode failed, so the owners then
   share a small table (per parameter: failed or not, and the codec's key count; one int64 SUM
   all-reduce); every rank grows the same capacities, and the failed parameters are reduce-scattered
@@ -88,8 +88,8 @@ from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
-from lossless_hc.training.message import (decode_message, decode_segments, dense_values, encode_message,
-                                          finish_fallbacks, in_place_outputs, replay_failure)
+from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
+                                          encode_message, finish_fallbacks, in_place_outputs, replay_failure)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
@@ -340,21 +340,26 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
         for d in range(n):
             views = self.slots.views(chunks[d])
             aggs = [st._aggregator(f"shard:{fqn}->{d}", v, n, me) for fqn, v in zip(self.slots.fqns, views)]
-            # One part per destination (split=False): one reduce-scatter carries every destination's.
-            messages.append(encode_message(aggs, views, split=False))
-        width = max(m.parts[0].numel() for m in messages)
-        wide = max((m.parts[0].dtype for m in messages), key=lambda d: d.itemsize)   # widens the others exactly
-        send = torch.zeros(n, width, dtype=wide, device=input_tensor.device)
-        for d, m in enumerate(messages):
-            send[d, :m.parts[0].numel()] = m.parts[0]
-        summed = torch.empty(width, dtype=send.dtype, device=send.device)
-        dist.reduce_scatter_tensor(summed, send.view(-1), group=group)
+            messages.append(encode_message(aggs, views))
+        # One reduce-scatter per part dtype, widest first: destination d's part of that dtype (none: an
+        # empty one), padded to the longest. Every rank derives every destination's parts alike.
+        dtypes = [dt for dt in PART_DTYPES if any(p.dtype == dt for m in messages for p in m.parts)]
+        summed = {}
+        for dt in dtypes:
+            mine = [next((p for p in m.parts if p.dtype == dt), None) for m in messages]
+            width = max(p.numel() if p is not None else 0 for p in mine)
+            send = torch.zeros(n, width, dtype=dt, device=input_tensor.device)
+            for d, p in enumerate(mine):
+                if p is not None:
+                    send[d, :p.numel()] = p
+            summed[dt] = torch.empty(width, dtype=dt, device=send.device)
+            dist.reduce_scatter_tensor(summed[dt], send.view(-1), group=group)
 
         own = messages[me]
         outcomes, reason = None, None
         try:
             # The other ranks never see this rank's inexact keys: those segments fall back densely.
-            outcomes = decode_segments(own, [summed[:own.parts[0].numel()]], partial=False)
+            outcomes = decode_segments(own, [summed[p.dtype][:p.numel()] for p in own.parts], partial=False)
         except ConfigurationMismatch as e:   # raised below on every rank, after the table
             reason = str(e)
         params = len(self.slots.fqns)

@@ -31,7 +31,8 @@ MESHES = {
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
                    "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16"]),
-    "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
+                   "bfloat16"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
@@ -192,14 +193,21 @@ def test_auto_matches_uncompressed_fsdp2(launch, mesh, name):
 @pytest.mark.parametrize("mesh,name", cases("bfloat16", "bfloat16_rs", "auto_bfloat16"))
 def test_a_bfloat16_model_s_dense_tensors_travel_as_bfloat16(launch, mesh, name):
     """A bfloat16 model whose dense layers (139k coordinates) are sent as they are after the first
-    step's capacity growth (lossless; auto: on its plain steps): equal to native bfloat16 FSDP2, and
-    the replica all-reduce of such a step carries fewer bytes than this rank's bfloat16 shard (it
-    carried them widened to float32: 1.5-1.7x the shard)."""
+    step's capacity growth (lossless; auto: on its plain steps): equal to native bfloat16 FSDP2; the
+    replica all-reduce of such a step carries fewer bytes than this rank's bfloat16 shard (it carried
+    the dense layers widened to float32: 1.5-1.7x the shard), and the homomorphic reduce-scatter
+    carries them in bfloat16 reduce-scatters (it had none)."""
     rs = results(launch, mesh, name)
     for r in rs:
         assert r["max_diff"] <= TOL, r["max_diff"]
         steps = [2] if name.startswith("auto") else [1, 2, 3]   # auto, interval 2: statistics at counts 1, 2, 4
-        assert all(r["sent"][i] < r["shard_bytes"] for i in steps), (r["sent"], r["shard_bytes"])
+        if mesh == "2x2":   # the replica all-reduce
+            assert all(r["sent"][i] < r["shard_bytes"] for i in steps), (r["sent"], r["shard_bytes"])
+        if name.endswith("_rs") or mesh == "1x2":
+            for i in steps:
+                half = [nbytes for dtype, nbytes in r["sent_rs"][i] if dtype == "torch.bfloat16"]
+                # one reduce-scatter per fully_shard module and part dtype (then the fallbacks')
+                assert sum(half) >= r["dense_layer_bytes"], (r["sent_rs"][i], r["dense_layer_bytes"])
         if not name.startswith("auto"):
             assert r["stats"]["fallbacks"] >= 1, r["stats"]   # the dense layers grew to dense
 

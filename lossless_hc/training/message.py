@@ -6,8 +6,8 @@ does, per step:
 1. :func:`encode_message`: encode every tensor with its aggregator (:mod:`lossless_hc.training.aggregate`)
    into its slice of the message: the payloads' concatenation, one flat tensor (a *part*) per payload
    dtype, or fewer (the part rule below);
-2. SUM each part across ranks with its engine (one allreduce per part, in ``message.parts`` order; or a
-   reduce-scatter of one single-part message per destination, ``split=False``);
+2. SUM each part across ranks with its engine (one allreduce per part, in ``message.parts`` order; or,
+   for one message per destination, one reduce-scatter per part dtype);
 3. :func:`decode_segments`: decode each tensor's segment of the summed parts, or :func:`decode_message`,
    which also re-aggregates every segment that failed to decode densely, and just the inexact keys'
    coordinates of every segment that reported some (one more SUM for both, supplied by the adapter
@@ -15,11 +15,10 @@ does, per step:
 
 The part rule. Payloads are float64 (THC's words, which must stay exact), float32 (the codecs'), or a
 tensor sent as it is, in its own dtype. A payload joins the part of its dtype, float16 the float32 one
-(a float16 SUM can overflow where the average does not; DDP's own hook divides before it sums, these
+(as any other float narrower than float32; a float16 SUM can overflow where the average does not; DDP's own hook divides before it sums, these
 messages sum). A narrower part whose widening would cost fewer than :data:`SEPARATE_PART_MIN_BYTES`
 is widened into the next wider one instead (exactly: every float32 and bfloat16 value is a float64
-and every bfloat16 a float32), sparing a collective's latency for a few bytes; with ``split=False``
-every payload is widened into the widest part. So a bfloat16 model's tensors sent as they are cross
+and every bfloat16 a float32), sparing a collective's latency for a few bytes. So a bfloat16 model's tensors sent as they are cross
 the wire as bfloat16, as DDP's own allreduce sends them, and are summed in bfloat16 as it sums them.
 Which parts a message has is a function of the payload specs, identical on every rank.
 
@@ -43,7 +42,7 @@ from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 # separate part costs one more collective (its latency: ~0.1-1 ms over Gloo on a LAN). Below this many
 # bytes of widening the latency dominates from 1 Gbit/s on.
 SEPARATE_PART_MIN_BYTES = 256 * 1024
-_PART_ORDER = (torch.float64, torch.float32, torch.bfloat16)   # widest first: the order of the SUMs
+PART_DTYPES = (torch.float64, torch.float32, torch.bfloat16)   # a message's parts, widest first: the SUMs' order
 
 
 @dataclass
@@ -62,13 +61,12 @@ class Message:
         return [payload.numel() for payload, _ in self.encoded]
 
 
-def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor], split: bool = True) -> Message:
-    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc; ``split=False``:
-    one part). Every aggregator knows its payload's size before encoding (``payload_spec``), so the
+def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
+    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc). Every aggregator knows its payload's size before encoding (``payload_spec``), so the
     parts are allocated first and each payload of its part's dtype is encoded into its own slice; the
     others (a tensor sent as it is, a widened payload) are copied in, converted."""
     specs = [agg.payload_spec() for agg in aggregators]
-    dtypes, sizes, places = message_layout(specs, split)
+    dtypes, sizes, places = message_layout(specs)
     if len(tensors):
         # The backend's buffer: on the CPU advised to huge pages, so a message of ~100 MiB is not
         # written through one page fault per 4 KiB (a quarter of the time at that size).
@@ -86,11 +84,11 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor], split
     return Message(list(aggregators), encoded, parts, places)
 
 
-def message_layout(specs: Sequence[tuple], split: bool = True) -> tuple:
+def message_layout(specs: Sequence[tuple]) -> tuple:
     """``(dtypes, sizes, places)`` of a message of payloads ``specs`` (``(numel, dtype)`` each): its
     parts' dtypes and element counts, in order, and each payload's ``(part index, offset)``."""
-    part_dtype = _part_dtypes(specs, split)
-    dtypes = [d for d in _PART_ORDER if d in part_dtype.values()]
+    part_dtype = _part_dtypes(specs)
+    dtypes = [d for d in PART_DTYPES if d in part_dtype.values()]
     sizes = [0] * len(dtypes)
     places = []
     for numel, dtype in specs:
@@ -100,7 +98,7 @@ def message_layout(specs: Sequence[tuple], split: bool = True) -> tuple:
     return dtypes, sizes, places
 
 
-def _part_dtypes(specs, split: bool) -> Dict[torch.dtype, torch.dtype]:
+def _part_dtypes(specs) -> Dict[torch.dtype, torch.dtype]:
     """Each payload dtype of ``specs`` -> the dtype of the part it travels in (the module doc's rule).
     An integer payload (THC's int64 words, whose norm slots are float64 bits) would not survive the
     conversion: refused."""
@@ -109,21 +107,20 @@ def _part_dtypes(specs, split: bool) -> Dict[torch.dtype, torch.dtype]:
         return {}
     if not all(d.is_floating_point for d in dtypes):
         raise TypeError(f"a message sums floating-point payloads; got {sorted(str(d) for d in dtypes)}")
-    home = {d: torch.float32 if d == torch.float16 else d for d in dtypes}
-    present = [d for d in _PART_ORDER if d in home.values()]
+    # float16 (and any narrower float) is carried in the float32 part: exactly, and safe from overflow.
+    home = {d: d if d in PART_DTYPES else torch.float32 for d in dtypes}
+    present = [d for d in PART_DTYPES if d in home.values()]
     size = {d: 0 for d in present}
     for numel, dtype in specs:
         size[home[dtype]] += numel
-    into = {present[0]: present[0]}
+    into = {d: d for d in present}
     for narrow, wide in reversed(list(zip(present[1:], present))):   # narrowest first: merges accumulate
-        keep = split and size[narrow] * (wide.itemsize - narrow.itemsize) >= SEPARATE_PART_MIN_BYTES
-        into[narrow] = narrow
-        if not keep:
+        if size[narrow] * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES:
             into[narrow] = wide
             size[wide] += size[narrow]
-    def final(d):
-        return d if into[d] == d else final(into[d])
-    return {d: final(h) for d, h in home.items()}
+    for d in present[1:]:   # resolve chains (bfloat16 -> float32 -> float64), widest first
+        into[d] = into[into[d]]
+    return {d: into[h] for d, h in home.items()}
 
 
 def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Optional[List[Optional[torch.Tensor]]]:

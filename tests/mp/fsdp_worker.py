@@ -125,27 +125,39 @@ def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
 def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, steps=4, hidden=8192, lr=0.01):
     """A ``dtype`` model with dense layers of 139k coordinates (sent as they are after the first step's
     capacity growth) against uncompressed FSDP2 in that dtype: the largest parameter difference, and per
-    step the bytes our hooks all-reduced (the replica all-reduce's parts and fallbacks: FSDP's own
-    collectives here are reduce-scatters and all-gathers) beside this rank's shard's own bytes."""
+    step the bytes our hooks all-reduced (the replica all-reduce's parts and fallbacks, beside this
+    rank's shard's own bytes) and, with ``reduce_scatter``, each reduce-scatter's input dtype and bytes
+    (the parts', then the fallbacks'). FSDP2's own collectives here are reduce-scatters (replaced by
+    ours, or not counted) and all-gathers."""
     ref = build(mesh, native=True, hidden=hidden, dtype=dtype)
     got = build(mesh, native=False, hidden=hidden, dtype=dtype)
     state.register(got, reduce_scatter=reduce_scatter)
     ref_opt, got_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, got))
-    allreduce, sent = dist.all_reduce, []
+    originals = {"all_reduce": dist.all_reduce, "reduce_scatter_tensor": dist.reduce_scatter_tensor}
+    sent = {name: [] for name in originals}
 
-    def counted(t, *args, **kw):
-        sent[-1] += t.numel() * t.element_size()
-        return allreduce(t, *args, **kw)
+    def counting(name):
+        def call(*args, **kw):
+            if name == "reduce_scatter_tensor":   # (output, input)
+                sent[name][-1].append([str(args[1].dtype), args[1].numel() * args[1].element_size()])
+            else:
+                sent[name][-1] += args[0].numel() * args[0].element_size()
+            return originals[name](*args, **kw)
+        return call
     for step in range(steps):
         train(ref, 1, start=step, opt=ref_opt)
-        sent.append(0)
-        dist.all_reduce = counted
+        for name in originals:
+            sent[name].append([] if name == "reduce_scatter_tensor" else 0)
+            setattr(dist, name, counting(name) if reduce_scatter or name == "all_reduce" else originals[name])
         try:
             train(got, 1, start=step, opt=got_opt)
         finally:
-            dist.all_reduce = allreduce
-    return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
-            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters())}
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+    return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent["all_reduce"],
+            "sent_rs": sent["reduce_scatter_tensor"],
+            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters()),
+            "dense_layer_bytes": sum(p.numel() * p.element_size() for p in (*got.fc1.parameters(), *got.fc2.parameters()))}
 
 
 def _record_at_build(state) -> dict:

@@ -21,8 +21,9 @@ allgather sizes, up to the largest gradient's bytes; rank 0's fit and codec timi
 the first call of the second step, when every gradient's size and first statistics are known, unless a
 ``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
 and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one, or
-two where bfloat16 bodies are large enough to travel apart); the parameters whose strategy needs a second collective (allgather,
-two_phase's values, fp16/bf16, a sketch's exact fallback) get it from the future's callback on the
+two where half-precision bodies are large enough to travel apart); the parameters whose strategy
+needs a second collective (allgather, two_phase's values, fp16/bf16, a sketch's exact fallback) get it
+from the future's callback on the
 bucket's own process group, like the fallback below: at most one allreduce per payload dtype and one
 allgather per bucket and step, the same on every rank. A bucket of dense plans between their
 statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does (a float16
@@ -284,7 +285,7 @@ class AutoHookState(_HookState):
             options["strategies"] = tuple(s for s in strategies if s != "powersgd") or ("dense",)
         spec = AutoSpec(lossy=lossy, **options)
         # A half-precision bucket's plain steps are allreduced in place in its dtype, as DDP's own hook
-        # does (and, in a message, a bfloat16 gradient's travel in its bfloat16 part): priced so.
+        # does (and, in a message, travel in their dtype's part): priced so.
         spec.native_plain_dtypes = (torch.float16, torch.bfloat16)
         super().__init__(spec, process_group)
         self._powersgd = (PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)

@@ -452,7 +452,7 @@ class AutoFSDPState(_FSDPState):
 
     def __init__(self, mesh: DeviceMesh, lossy: bool = False, **options):
         spec = AutoSpec(lossy=lossy, **options)
-        spec.native_plain_dtypes = (torch.bfloat16,)   # its part of the message (message.py); float16's: float32
+        spec.native_plain_dtypes = (torch.bfloat16, torch.float16)   # their own parts of the message (message.py)
         super().__init__(spec, mesh)
 
     def stats(self) -> dict:

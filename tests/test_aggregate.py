@@ -271,17 +271,20 @@ def test_message_is_encoded_into_its_slices(kind):
 
 
 def test_message_parts_follow_the_payload_dtypes():
-    """message_layout: one part per payload dtype, widest first (float64, float32, bfloat16); float16
-    payloads in the float32 part; a narrower part whose widening costs fewer than
-    SEPARATE_PART_MIN_BYTES joins the next wider one."""
+    """message_layout: one part per payload dtype (float64, float32, bfloat16, float16; float8 in the
+    float32 part); a narrower part whose widening costs fewer than SEPARATE_PART_MIN_BYTES joins the
+    narrowest wider part that holds it exactly (never a half precision into the other)."""
     from lossless_hc.training.message import SEPARATE_PART_MIN_BYTES, message_layout
     f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
     big = SEPARATE_PART_MIN_BYTES // 2            # bfloat16 elements whose widening to float32 costs the minimum
     assert message_layout([(100, f32), (big, bf16), (7, f32)]) == ([f32, bf16], [107, big], [(0, 0), (1, 0), (0, 100)])
     assert message_layout([(100, f32), (big - 1, bf16)])[:2] == ([f32], [100 + big - 1])
     assert message_layout([(big, bf16), (3, bf16)])[:2] == ([bf16], [big + 3])   # all sent as they are
-    assert message_layout([(big, f16)])[:2] == ([f32], [big])                     # a float16 SUM could overflow
-    assert message_layout([(big, torch.float8_e4m3fn)])[:2] == ([f32], [big])     # so could any narrower float
+    assert message_layout([(big, f16)])[:2] == ([f16], [big])
+    assert message_layout([(big, torch.float8_e4m3fn)])[:2] == ([f32], [big])
+    assert message_layout([(3, bf16), (5, f16)])[:2] == ([bf16, f16], [3, 5])     # neither holds the other
+    assert message_layout([(3, f32), (5, bf16), (big, f16)])[:2] == ([f32, f16], [8, big])
+    assert message_layout([(3, f64), (5, bf16)])[:2] == ([f64], [8])
     assert message_layout([(10, f64), (big // 2, f32)])[:2] == ([f64, f32], [10, big // 2])
     assert message_layout([(10, f64), (big // 2 - 1, f32)])[:2] == ([f64], [10 + big // 2 - 1])
     # a bfloat16 part too small on its own joins float32, which then joins float64 with it

@@ -118,8 +118,8 @@ def test_half_precision_models_stay_within_their_rounding(ddp_run):
     compressed, no fallback, and every reduced gradient within the contract's rtol plus the
     roundings to the dtype (the sum's and the average's, and each addition's where a tensor went
     dense) of the float64 average (the bound: ddp_worker.half_precision); untouched coordinates
-    exactly zero. With large dense layers (sent as they are), a bfloat16 step sends fewer bytes than
-    DDP's own bucket (they travel as bfloat16), a float16 one more (widened to float32)."""
+    exactly zero. With large dense layers (sent as they are), a step sends fewer bytes than DDP's own
+    bucket (they travel in the model's dtype)."""
     out, size = ddp_run
     for r in results(out, "half_precision", size):
         for dtype in ("bfloat16", "float16"):
@@ -128,15 +128,15 @@ def test_half_precision_models_stay_within_their_rounding(ddp_run):
             assert got["error_over_bound"] <= 1.0, (dtype, got["error_over_bound"])
             st = got["stats"]
             assert st["compressed"] > 0 and st["fallbacks"] == 0 and st["payload_bytes"] < st["dense_bytes"], st
-        # Dense layers of 139k coordinates, sent as they are after the first step's capacity growth:
-        # bfloat16 ones travel as bfloat16 (the step then sends less than DDP's own bucket), float16 ones
-        # widened to float32 (more than it); both within the bound.
-        for dtype, below in (("bfloat16", True), ("float16", False)):
+        # Dense layers of 139k coordinates, sent as they are after the first step's capacity growth, travel
+        # in the model's dtype (the step then sends less than DDP's own bucket; widened to float32 they
+        # made it ~1.5x), within the bound.
+        for dtype in ("bfloat16", "float16"):
             got = r[f"{dtype}_wide"]
             assert got["error_over_bound"] <= 1.0 and got["zeros_exact"], (dtype, got["error_over_bound"])
             assert got["stats"]["fallbacks"] >= 1, got["stats"]   # the dense layers grew to dense
-            last = got["sent_bytes"][-1]
-            assert (last < got["bucket_bytes"]) == below, (dtype, got["sent_bytes"], got["bucket_bytes"])
+            assert all(b < got["bucket_bytes"] for b in got["sent_bytes"][1:]), (dtype, got["sent_bytes"],
+                                                                                 got["bucket_bytes"])
 
 
 def test_two_ddp_groups_in_one_world_are_independent(tmp_path):

@@ -62,7 +62,7 @@ class AutoSpec(AggregatorSpec):
     # Gradient dtypes whose plain steps (a dense plan's bare tensor) go in the gradient's own dtype, as
     # the engine's own allreduce sends them; the others go in the aggregator's wire dtype (float32). Set
     # by an adapter whose engine carries those dtypes as they are: Horovod (float16; it has no bfloat16
-    # allreduce), DDP (both), FSDP2 (bfloat16: a message sums float16 as float32, message.py).
+    # allreduce), DDP and FSDP2 (both: their own parts of a message, training/message.py).
     native_plain_dtypes: tuple = ()
 
     def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,

@@ -14,12 +14,13 @@ does, per step:
    as ``dense_sum``), and returns the exact sums.
 
 The part rule. Payloads are float64 (THC's words, which must stay exact), float32 (the codecs'), or a
-tensor sent as it is, in its own dtype. A payload joins the part of its dtype, float16 the float32 one
-(as any other float narrower than float32; a float16 SUM can overflow where the average does not; DDP's own hook divides before it sums, these
-messages sum). A narrower part whose widening would cost fewer than :data:`SEPARATE_PART_MIN_BYTES`
-is widened into the next wider one instead (exactly: every float32 and bfloat16 value is a float64
-and every bfloat16 a float32), sparing a collective's latency for a few bytes. So a bfloat16 model's tensors sent as they are cross
-the wire as bfloat16, as DDP's own allreduce sends them, and are summed in bfloat16 as it sums them.
+tensor sent as it is, in its own dtype. A payload joins the part of its dtype (:data:`PART_DTYPES`;
+a narrower float such as float8 the float32 one). A narrower part whose widening would cost fewer than
+:data:`SEPARATE_PART_MIN_BYTES` joins the narrowest wider part that holds its values exactly (float32
+for bfloat16 and float16, float64 for float32), sparing a collective's latency for a few bytes. So
+a half-precision model's tensors sent as they are cross the wire in their dtype, as DDP's own
+allreduce sends them, and are summed in it as it sums them. (A SUM, not DDP's divide-first average:
+a float16 sum beyond 65504 becomes inf, as it did when widened, at its rounding back to float16.)
 Which parts a message has is a function of the payload specs, identical on every rank.
 
 The adapter owns the collectives (and so the ordering that keeps them deadlock-free); everything here
@@ -42,7 +43,7 @@ from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 # separate part costs one more collective (its latency: ~0.1-1 ms over Gloo on a LAN). Below this many
 # bytes of widening the latency dominates from 1 Gbit/s on.
 SEPARATE_PART_MIN_BYTES = 256 * 1024
-PART_DTYPES = (torch.float64, torch.float32, torch.bfloat16)   # a message's parts, widest first: the SUMs' order
+PART_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)   # a message's parts, in the SUMs' order
 
 
 @dataclass
@@ -107,18 +108,19 @@ def _part_dtypes(specs) -> Dict[torch.dtype, torch.dtype]:
         return {}
     if not all(d.is_floating_point for d in dtypes):
         raise TypeError(f"a message sums floating-point payloads; got {sorted(str(d) for d in dtypes)}")
-    # float16 (and any narrower float) is carried in the float32 part: exactly, and safe from overflow.
-    home = {d: d if d in PART_DTYPES else torch.float32 for d in dtypes}
+    home = {d: d if d in PART_DTYPES else torch.float32 for d in dtypes}   # float8 and such: exactly in float32
     present = [d for d in PART_DTYPES if d in home.values()]
     size = {d: 0 for d in present}
     for numel, dtype in specs:
         size[home[dtype]] += numel
     into = {d: d for d in present}
-    for narrow, wide in reversed(list(zip(present[1:], present))):   # narrowest first: merges accumulate
-        if size[narrow] * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES:
+    for narrow in reversed(present):   # narrowest first, so that merges accumulate
+        # the narrowest wider part that holds every value of this one exactly (half precision: float32)
+        wide = next((w for w in (torch.float32, torch.float64) if w in present and w.itemsize > narrow.itemsize), None)
+        if wide is not None and size[narrow] * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES:
             into[narrow] = wide
             size[wide] += size[narrow]
-    for d in present[1:]:   # resolve chains (bfloat16 -> float32 -> float64), widest first
+    for d in present:   # resolve chains (bfloat16 -> float32 -> float64); PART_DTYPES lists the wider first
         into[d] = into[into[d]]
     return {d: into[h] for d, h in home.items()}
 

@@ -143,7 +143,7 @@ def scenario(name):
     if name == "half_precision":
         out = {str(dtype).split(".")[1]: half_precision(dtype) for dtype in (torch.bfloat16, torch.float16)}
         # 139k coordinates of dense layers: sent as they are after the first step's growth, in a part of
-        # their own (bfloat16), or widened to float32 (float16: message.py)
+        # their own dtype (message.py)
         out.update({f"{str(dtype).split('.')[1]}_wide": half_precision(dtype, hidden=8192, lr=0.01)
                     for dtype in (torch.bfloat16, torch.float16)})
         return out

@@ -57,10 +57,6 @@ class Message:
     parts: List[torch.Tensor]
     places: List[tuple]
 
-    @property
-    def segment_numels(self) -> List[int]:
-        return [payload.numel() for payload, _ in self.encoded]
-
 
 def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
     """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc). Every aggregator knows its payload's size before encoding (``payload_spec``), so the

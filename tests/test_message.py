@@ -1,0 +1,157 @@
+"""Many tensors in one message (lossless_hc.training.message, what the DDP and FSDP2 adapters share), in
+one process: ranks are simulated by summing their message parts, as the engine's collectives would."""
+import math
+
+import pytest
+import torch
+
+import lossless_hc as lhc
+from lossless_hc.training.aggregate import TensorAggregator, TopKAggregator
+from lossless_hc.training.message import (SEPARATE_PART_MIN_BYTES, decode_message, decode_segments, encode_message,
+                                          in_place_outputs, message_layout)
+from lossless_hc.training.thc_aggregate import THCAggregator
+
+
+def test_thc_message_decodes_into_the_given_outputs():
+    """decode_message(..., outs=): THC's aggregators write each result into its out (what the DDP hook
+    passes: the gradient's own slice of the bucket) and return it in the tensor's shape, the same bits as
+    a decode into a fresh tensor; a tensor sent dense returns its segment of the sum, whatever its out."""
+    n, shapes = 2, [(300, 70), (4,), (5000,)]
+    fresh = [[THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=1) for i, s in enumerate(shapes)]
+             for r in range(n)]
+    into = [[THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=1) for i, s in enumerate(shapes)]
+            for r in range(n)]
+    assert [a.compressed for a in fresh[0]] == [True, False, True]
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        xs = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+        mf = [encode_message(fresh[r], [x.clone() for x in xs[r]]) for r in range(n)]
+        mi = [encode_message(into[r], [x.clone() for x in xs[r]]) for r in range(n)]
+        assert len(mf[0].parts) == 1   # the 4 float32 coordinates sent dense join the float64 part
+        sf, si = [sum(m.parts[0] for m in mf)], [sum(m.parts[0] for m in mi)]
+        assert torch.equal(sf[0], si[0])
+        for r in range(n):
+            want = decode_message(mf[r], sf, dense_sum=None)
+            bucket = torch.full((sum(math.prod(s) for s in shapes),), float("nan"))
+            outs = list(torch.split(bucket, [math.prod(s) for s in shapes]))
+            got = decode_message(mi[r], si, dense_sum=None, outs=outs)
+            for i, (w, v) in enumerate(zip(want, got)):
+                assert v.shape == w.shape and torch.equal(v, w), (step, r, i)
+                assert (v.data_ptr() == outs[i].data_ptr()) == fresh[r][i].compressed
+
+
+@pytest.mark.parametrize("kind", ["thc", "lossless", "topk"])
+def test_message_is_encoded_into_its_slices(kind):
+    """encode_message: each compressed payload is written into its slice of the message (every
+    aggregator's payload size is known before encoding), a tensor sent dense is copied in, and the
+    message is the same tensor as the concatenation of the payloads that the same aggregators encode
+    alone; summed in place (as the adapters' all-reduce does, so the payloads' slices then hold the
+    sum), it decodes to the same bits. A payload of integer words is refused (THC's int64 words: their
+    norm slots are float64 bits, which a float message would convert)."""
+    n, shapes = 2, [(300, 70), (4,), (5000,)]
+
+    def make(r):
+        if kind == "thc":
+            return [THCAggregator(f"t{i}", s, torch.float32, n, rank=r, seed=3) for i, s in enumerate(shapes)]
+        if kind == "lossless":
+            return [TensorAggregator(f"t{i}", s, torch.float32, n, max_density=0.1, seed=3)
+                    for i, s in enumerate(shapes)]
+        return [TopKAggregator(f"t{i}", s, torch.float32, n, ratio=0.05, seed=3) for i, s in enumerate(shapes)]
+    in_message, alone = [make(r) for r in range(n)], [make(r) for r in range(n)]
+    wide = torch.float64 if kind == "thc" else torch.float32
+    assert [a.compressed for a in in_message[0]] == [True, False, True]
+    assert [a.payload_spec()[1] for a in in_message[0]] == [wide, torch.float32, wide]
+    g = torch.Generator().manual_seed(4)
+    for step in range(3):
+        # 3% of the rows (the lossless block of a 2-D tensor is its row), 3% of a vector's coordinates
+        xs = [[torch.randn(s, generator=g) * (torch.rand(s[:1] + (1,) * (len(s) - 1), generator=g) < 0.03)
+               for s in shapes] for _ in range(n)]
+        ms = [encode_message(in_message[r], [x.clone() for x in xs[r]]) for r in range(n)]
+        payloads = [[a.encode(x.clone()) for a, x in zip(alone[r], xs[r])] for r in range(n)]
+        for r, m in enumerate(ms):
+            assert [p.dtype for p in m.parts] == [wide]   # 16 bytes of widening: not worth a collective
+            message = m.parts[0]
+            assert torch.equal(message, torch.cat([p.reshape(-1).to(wide) for p, _ in payloads[r]]))
+            base, end = message.data_ptr(), message.data_ptr() + message.element_size() * message.numel()
+            assert [base <= p.data_ptr() < end for p, _ in m.encoded] == [True, False, True]
+            assert m.encoded[1][0].dtype == torch.float32   # the dense tensor's payload is itself
+        summed = sum(m.parts[0] for m in ms)
+        for m in ms:
+            m.parts[0].copy_(summed)
+        for r in range(n):
+            got = decode_segments(ms[r], ms[r].parts)
+            sums = [sum(payloads[q][i][0] for q in range(n)) for i in range(len(shapes))]
+            want = [a.decode(s.to(p.dtype), ctx) for a, s, (p, ctx) in zip(alone[r], sums, payloads[r])]
+            for o, w in zip(got, want):
+                assert o.value is not None   # every tensor decoded (a few keys may be INEXACT: listed alike)
+                assert torch.equal(o.value, w.value), (step, r)
+                assert (o.partial is None and w.partial is None) or torch.equal(o.partial, w.partial)
+    if kind == "thc":
+        words = THCAggregator("w", (5000,), torch.float32, n, rank=0)
+        words._codec = lhc.THCCodec(**dict(words._codec_args, payload_dtype=torch.int64))
+        with pytest.raises(TypeError, match="floating-point payloads"):
+            encode_message([words], [torch.randn(5000)])
+
+
+def test_message_parts_follow_the_payload_dtypes():
+    """message_layout: one part per payload dtype (float64, float32, bfloat16, float16; float8 in the
+    float32 part); a narrower part whose widening costs fewer than SEPARATE_PART_MIN_BYTES joins the
+    narrowest wider part that holds it exactly (never a half precision into the other)."""
+    f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+    big = SEPARATE_PART_MIN_BYTES // 2            # bfloat16 elements whose widening to float32 costs the minimum
+    assert message_layout([(100, f32), (big, bf16), (7, f32)]) == ([f32, bf16], [107, big], [(0, 0), (1, 0), (0, 100)])
+    assert message_layout([(100, f32), (big - 1, bf16)])[:2] == ([f32], [100 + big - 1])
+    assert message_layout([(big, bf16), (3, bf16)])[:2] == ([bf16], [big + 3])   # all sent as they are
+    assert message_layout([(big, f16)])[:2] == ([f16], [big])
+    assert message_layout([(big, torch.float8_e4m3fn)])[:2] == ([f32], [big])
+    assert message_layout([(3, bf16), (5, f16)])[:2] == ([bf16, f16], [3, 5])     # neither holds the other
+    assert message_layout([(3, f32), (5, bf16), (big, f16)])[:2] == ([f32, f16], [8, big])
+    assert message_layout([(3, f64), (5, bf16)])[:2] == ([f64], [8])
+    assert message_layout([(10, f64), (big // 2, f32)])[:2] == ([f64, f32], [10, big // 2])
+    assert message_layout([(10, f64), (big // 2 - 1, f32)])[:2] == ([f64], [10 + big // 2 - 1])
+    # a bfloat16 part too small on its own joins float32, which then joins float64 with it
+    assert message_layout([(10, f64), (big // 8, f32), (big // 8, bf16)])[:2] == ([f64], [10 + big // 4])
+    assert message_layout([]) == ([], [], [])
+    with pytest.raises(TypeError, match="floating-point payloads"):
+        message_layout([(3, torch.int64)])
+
+
+def test_a_bfloat16_tensor_sent_as_it_is_travels_and_sums_as_bfloat16():
+    """A bfloat16 bucket whose large tensor is sent as it is (its sketch would not be smaller) and whose
+    small one is compressed: two parts, the large tensor's bfloat16 (its own bytes, not float32's)
+    summed as bfloat16 as DDP's allreduce sums it; the compressed one decodes within the contract."""
+    n, dense_numel = 2, 1 << 18
+    aggs = [[TensorAggregator("dense", (dense_numel,), torch.bfloat16, n, max_density=0.9, seed=5),
+             TensorAggregator("sparse", (4096, 64), torch.bfloat16, n, max_density=0.05, seed=5)] for _ in range(n)]
+    assert [a.compressed for a in aggs[0]] == [False, True]
+    g = torch.Generator().manual_seed(6)
+    xs = [[torch.randn(dense_numel, generator=g).to(torch.bfloat16),
+           (torch.randn(4096, 64, generator=g) * (torch.rand(4096, 1, generator=g) < 0.02)).to(torch.bfloat16)]
+          for _ in range(n)]
+    ms = [encode_message(aggs[r], xs[r]) for r in range(n)]
+    assert [p.dtype for p in ms[0].parts] == [torch.float32, torch.bfloat16]
+    assert ms[0].parts[1].numel() == dense_numel
+    summed = [ms[0].parts[j] + ms[1].parts[j] for j in range(2)]
+    # Rank 1's re-aggregation values (inexact rows), then rank 0's SUM of both: the second collective.
+    sent = []
+    decode_message(ms[1], summed, dense_sum=lambda t: sent.append(t.clone()))
+    dense, sparse = decode_message(ms[0], summed, dense_sum=lambda t: t.add_(sent[0]))
+    assert dense.dtype == torch.bfloat16 and torch.equal(dense, xs[0][0] + xs[1][0])
+    exact = xs[0][1].double() + xs[1][1].double()
+    assert sparse.dtype == torch.bfloat16 and torch.equal(sparse != 0, exact != 0)
+    assert torch.allclose(sparse.double(), exact, rtol=2 ** -10 + 2 ** -8, atol=0)
+
+
+def test_in_place_outputs_only_where_nothing_reads_the_encoded_tensor():
+    """in_place_outputs: a THC tensor's slot takes its result when the kernels can write it (contiguous
+    float32 without a graph); a lossless or top-k tensor's never (its fallback reads the encoded
+    tensor after decoding); None when no slot qualifies."""
+    thc = THCAggregator("t", (5000,), torch.float32, 2, rank=0)
+    lossless = TensorAggregator("l", (5000,), torch.float32, 2, max_density=0.05)
+    topk = TopKAggregator("k", (5000,), torch.float32, 2, ratio=0.05)
+    slot = torch.zeros(5000)
+    outs = in_place_outputs([thc, lossless, topk], [slot, slot.clone(), slot.clone()])
+    assert outs[0] is slot and outs[1] is None and outs[2] is None
+    assert in_place_outputs([lossless, topk], [slot, slot]) is None
+    for bad in (torch.zeros(5000, dtype=torch.float64), torch.zeros(10000)[::2], torch.zeros(5000, requires_grad=True)):
+        assert in_place_outputs([thc], [bad]) is None

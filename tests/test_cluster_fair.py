@@ -145,6 +145,18 @@ def test_ncf_skew_draws_zipf_users_and_zero_skew_keeps_todays_stream():
     assert int(torch.bincount(other, minlength=200).argmax()) == int(counts.argmax())
 
 
+# -- the training driver's model dtype ---------------------------------------------------------------
+@pytest.mark.parametrize("model", ["ncf", "digits"])   # integer ids; float images (cast to the dtype)
+def test_the_training_driver_trains_a_bfloat16_model(model):
+    small = ["--users", "300", "--items", "400", "--dim", "4"] if model == "ncf" else []
+    res = train.main(["--model", model, "--framework", "local", "--compression", "none", "--steps", "3",
+                      "--batch", "16", "--dtype", "bfloat16", *small])
+    torch.manual_seed(0)
+    params = sum(p.numel() for p in WORKLOADS[model](train.parse_args(["--model", model, *small]), 0).model.parameters())
+    assert res["dense_bytes_per_step"] == 2 * params and res["bytes_per_step"] == 2 * params
+    assert math.isfinite(res["final_loss"]) and math.isfinite(res["value"])
+
+
 # -- the replay recording ----------------------------------------------------------------------------
 def _ncf_args(*extra):
     return train.parse_args(["--model", "ncf", "--framework", "local", "--compression", "none", "--users", "300",

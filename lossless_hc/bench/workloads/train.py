@@ -320,6 +320,8 @@ def parse_args(argv=None, default_model="ncf"):
                    help="intra-op threads per worker (0: this machine's cores / workers)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per worker (LOCAL_RANK), NCCL for DDP")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the model's parameters (and so its gradients) and float inputs in this dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--warmup", type=int, default=0,
@@ -364,10 +366,13 @@ def main(argv=None, default_model="ncf") -> dict:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // fw.size))
     torch.manual_seed(args.seed)
     work = WORKLOADS[args.model](args, fw.rank)
-    model = work.model.to(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = work.model.to(args.device, dtype)
 
-    def evaluate() -> float:  # the data sets live on the CPU
-        return work.evaluate(model if args.device == "cpu" else copy.deepcopy(model).cpu())
+    def evaluate() -> float:  # the data sets live on the CPU, in float32
+        if args.device == "cpu" and dtype == torch.float32:
+            return work.evaluate(model)
+        return work.evaluate(copy.deepcopy(model).cpu().float())
     opt = OPTIMIZERS[args.optimizer](model.parameters(), args.lr)
     wrapped, opt = fw.wrap(model, opt, args)
     say = print if fw.rank == 0 else (lambda *a, **k: None)
@@ -386,7 +391,8 @@ def main(argv=None, default_model="ncf") -> dict:
     if args.warmup == 0:
         start_window()
     for step in range(1, args.steps + 1):
-        batch = tuple(t.to(args.device) for t in next(work.batches))
+        batch = tuple(t.to(args.device, dtype) if t.is_floating_point() else t.to(args.device)
+                      for t in next(work.batches))
         t0 = time.perf_counter()
         opt.zero_grad()  # set_to_none=True, torch 2.x default (Horovod 0.28 takes no arguments)
         loss = work.loss(wrapped, batch)
@@ -409,7 +415,8 @@ def main(argv=None, default_model="ncf") -> dict:
         net = {k: end[k] - window_start["net"][k] for k in end}
     timed = args.steps - args.warmup
     stats = stats_delta(fw.stats(), window_start["stats"])
-    sent = {"none": dense_bytes, "fp16": dense_bytes / 2, "bf16": dense_bytes / 2}.get(args.compression)
+    sent = {"none": dense_bytes, "fp16": dense_bytes * 2 / dtype.itemsize,
+            "bf16": dense_bytes * 2 / dtype.itemsize}.get(args.compression)
     if sent is None:
         sent = stats["payload_bytes"] / timed if stats else float("nan")
     result = {

@@ -40,8 +40,8 @@ from lossless_hc.backends import backend_for
 from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
 # Widening a narrower part into a wider one costs its elements x the width difference on the wire; a
-# separate part costs one more collective (its latency: ~0.1-1 ms over Gloo on a LAN). Below this many
-# bytes of widening the latency dominates from 1 Gbit/s on.
+# separate part costs one more collective's latency. 256 KiB is ~2 ms at 1 Gbit/s: below it, from
+# about that link speed on, the latency is the larger cost.
 SEPARATE_PART_MIN_BYTES = 256 * 1024
 PART_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)   # a message's parts, in the SUMs' order
 

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import (DEVICE, BagModel, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn, max_param_diff,  # noqa: E402
-                    param_digest)
+from models import (DEVICE, BagModel, CountedCollectives, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn,  # noqa: E402
+                    max_param_diff, param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
 
@@ -65,22 +65,14 @@ def train_dense(state=None, steps=10, dtype=torch.float32):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
     per_step, sent = [], []
-    allreduce = dist.all_reduce
-
-    def counted(t, *args, **kw):
-        sent[-1] += t.numel() * t.element_size()
-        return allreduce(t, *args, **kw)
     for step in range(steps):
         before = collectives(state)
         opt.zero_grad(set_to_none=True)
         x = torch.randn(4 * (dist.get_rank() + 1), 32, generator=g).to(dtype)
         model_out = ddp(x)
-        sent.append(0)
-        dist.all_reduce = counted
-        try:
+        with CountedCollectives("all_reduce") as counted:
             (model_out.float() ** 2).mean().backward()   # DDP waits for every bucket's future (and callback) here
-        finally:
-            dist.all_reduce = allreduce
+        sent.append(counted.bytes())
         opt.step()
         per_step.append(collectives(state) - before)
     return model, per_step, sent

@@ -14,7 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import DEVICE, EmbeddingModel, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, half_precision_error, loss_fn,  # noqa: E402
+                    max_param_diff, param_digest)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
@@ -288,21 +289,14 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
     state = LosslessHookState(max_density=0.05)
     ddp.register_comm_hook(state, lossless_hook)
     worst, zeros_exact, sent = 0.0, True, []
-    allreduce = dist.all_reduce
-
-    def counted(t, *args, **kw):
-        sent[-1] += t.numel() * t.element_size()
-        return allreduce(t, *args, **kw)
     for step in range(steps):
         u, i, y = batch(step, dist.get_rank())
         for m in (ddp, plain):
             m.zero_grad(set_to_none=True)
-            sent.append(0)
-            dist.all_reduce = counted if m is ddp else allreduce   # the hook's collectives run in backward
-            try:
+            with CountedCollectives("all_reduce") as counted:   # the hook's collectives run in backward
                 torch.nn.functional.mse_loss(m(u, i), y.to(dtype)).backward()
-            finally:
-                dist.all_reduce = allreduce
+            if m is ddp:
+                sent.append(counted.bytes())
         for p, q in zip(model.parameters(), plain.parameters()):
             ref, mag = q.grad.double(), q.grad.double().abs()
             dist.all_reduce(ref)
@@ -314,7 +308,7 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
                 p -= lr * p.grad
                 q.copy_(p)
     return {"error_over_bound": worst, "zeros_exact": zeros_exact, "grad_dtype": str(p.grad.dtype), "stats": state.stats(),
-            "sent_bytes": sent[0::2], "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "sent_bytes": sent, "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def thc_with_grad_scaler(inject_step, steps):

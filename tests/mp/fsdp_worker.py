@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import DEVICE, EmbeddingModel, batch, loss_fn  # noqa: E402
+from models import DEVICE, CountedCollectives, EmbeddingModel, batch, loss_fn  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -133,29 +133,15 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     got = build(mesh, native=False, hidden=hidden, dtype=dtype)
     state.register(got, reduce_scatter=reduce_scatter)
     ref_opt, got_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, got))
-    originals = {"all_reduce": dist.all_reduce, "reduce_scatter_tensor": dist.reduce_scatter_tensor}
-    sent = {name: [] for name in originals}
-
-    def counting(name):
-        def call(*args, **kw):
-            if name == "reduce_scatter_tensor":   # (output, input)
-                sent[name][-1].append([str(args[1].dtype), args[1].numel() * args[1].element_size()])
-            else:
-                sent[name][-1] += args[0].numel() * args[0].element_size()
-            return originals[name](*args, **kw)
-        return call
+    sent, sent_rs = [], []
     for step in range(steps):
         train(ref, 1, start=step, opt=ref_opt)
-        for name in originals:
-            sent[name].append([] if name == "reduce_scatter_tensor" else 0)
-            setattr(dist, name, counting(name) if reduce_scatter or name == "all_reduce" else originals[name])
-        try:
+        with CountedCollectives("all_reduce", *(("reduce_scatter_tensor",) if reduce_scatter else ())) as counted:
             train(got, 1, start=step, opt=got_opt)
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
-    return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent["all_reduce"],
-            "sent_rs": sent["reduce_scatter_tensor"],
+        sent.append(counted.bytes())
+        sent_rs.append([[dtype, nbytes] for name, dtype, nbytes in counted.calls if name == "reduce_scatter_tensor"])
+    return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
+            "sent_rs": sent_rs,
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters()),
             "dense_layer_bytes": sum(p.numel() * p.element_size() for p in (*got.fc1.parameters(), *got.fc2.parameters()))}
 

@@ -103,3 +103,36 @@ def bag_batch(step: int, rank: int, bags: int = 6, rows: int = 3000):
 def bag_loss(model, b):
     ids, offsets, y = b
     return torch.nn.functional.mse_loss(model(ids, offsets), y)
+
+
+class CountedCollectives:
+    """While active, records each call of the torch.distributed collectives ``names`` (``all_reduce``,
+    ``reduce_scatter_tensor``) as ``[name, input dtype, input bytes]`` in ``calls``: what our hooks put
+    on the wire (DDP's and FSDP2's own C++ collectives do not go through these functions)."""
+
+    INPUT = {"all_reduce": 0, "reduce_scatter_tensor": 1}   # the input tensor's position
+
+    def __init__(self, *names: str):
+        self.names, self.calls, self._saved = names, [], {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+        for name in self.names:
+            self._saved[name] = original = getattr(dist, name)
+            setattr(dist, name, self._counting(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def _counting(self, name, original):
+        def call(*args, **kw):
+            t = args[self.INPUT[name]]
+            self.calls.append([name, str(t.dtype), t.numel() * t.element_size()])
+            return original(*args, **kw)
+        return call
+
+    def bytes(self, name: str = "all_reduce") -> int:
+        return sum(nbytes for n, _, nbytes in self.calls if n == name)

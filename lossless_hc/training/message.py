@@ -59,9 +59,10 @@ class Message:
 
 
 def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor]) -> Message:
-    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc). Every aggregator knows its payload's size before encoding (``payload_spec``), so the
-    parts are allocated first and each payload of its part's dtype is encoded into its own slice; the
-    others (a tensor sent as it is, a widened payload) are copied in, converted."""
+    """Encode ``tensors[i]`` with ``aggregators[i]`` into one message (see the module doc). Every
+    aggregator knows its payload's size before encoding (``payload_spec``), so the parts are allocated
+    first and each payload of its part's dtype is encoded into its own slice; the others (a tensor sent
+    as it is, a widened payload) are copied in, converted."""
     specs = [agg.payload_spec() for agg in aggregators]
     dtypes, sizes, places = message_layout(specs)
     if len(tensors):

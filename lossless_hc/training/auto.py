@@ -28,7 +28,8 @@ from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, Enco
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.message import message_layout
-from lossless_hc.training.planner import LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO, Calibration, CostModel
+from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
+                                          Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
 
 _DTYPE_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

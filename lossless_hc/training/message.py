@@ -177,11 +177,11 @@ def finish_fallbacks(message: Message, outcomes: List[DecodeOutcome], indices: S
 
 def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: Callable[[torch.Tensor], None],
                    outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[torch.Tensor]:
-    """Every tensor's aggregate from ``summed`` (as for :func:`decode_segments`); segments that fail to decode, and the inexact keys'
-    coordinates of segments that reported some, are re-aggregated by ``dense_sum(t)``, which must SUM
-    ``t`` (float32: the dense values of the failed segments, then the partial values, in segment
-    order) across the same ranks *in place* (blocking), and which is called at most once,
-    identically on every rank (or not at all). ``outs``: as for :func:`decode_segments`."""
+    """Every tensor's aggregate from ``summed`` (as for :func:`decode_segments`); segments that fail to
+    decode, and the inexact keys' coordinates of segments that reported some, are re-aggregated by
+    ``dense_sum(t)``, which must SUM ``t`` (float32: the dense values of the failed segments, then the
+    partial values, in segment order) across the same ranks *in place* (blocking), and which is called
+    at most once, identically on every rank (or not at all). ``outs``: as for :func:`decode_segments`."""
     outcomes = decode_segments(message, summed, outs=outs)
     results = [o.value for o in outcomes]
     failed = [i for i, o in enumerate(outcomes) if o.needs_fallback]

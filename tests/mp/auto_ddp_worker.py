@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import (DEVICE, BagModel, CountedCollectives, EmbeddingModel, bag_batch, bag_loss, batch, loss_fn,  # noqa: E402
-                    max_param_diff, param_digest)
+from models import (DEVICE, BagModel, CountedCollectives, EmbeddingModel, bag_batch, bag_loss,  # noqa: E402
+                    batch, loss_fn, max_param_diff, param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
 

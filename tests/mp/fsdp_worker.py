@@ -143,7 +143,8 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
             "sent_rs": sent_rs,
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters()),
-            "dense_layer_bytes": sum(p.numel() * p.element_size() for p in (*got.fc1.parameters(), *got.fc2.parameters()))}
+            "dense_layer_bytes": sum(p.numel() * p.element_size()
+                                     for p in (*got.fc1.parameters(), *got.fc2.parameters()))}
 
 
 def _record_at_build(state) -> dict:

@@ -14,10 +14,10 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   rank encodes each destination's chunk separately (one aggregator per parameter and destination),
   pads the S messages to one length (per part dtype: one reduce-scatter each), and a SUM
   reduce-scatter hands destination ``d`` the sum of every rank's message for ``d``: the payloads are
-  homomorphic, so that sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows whether its decode failed, so the owners then
-  share a small table (per parameter: failed or not, and the codec's key count; one int64 SUM
-  all-reduce); every rank grows the same capacities, and the failed parameters are reduce-scattered
-  again, densely and exactly -- identically on every rank. A decode with inexact keys (see
+  homomorphic, so that sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows
+  whether its decode failed, so the owners then share a small table (per parameter: failed or not,
+  and the codec's key count; one int64 SUM all-reduce); every rank grows the same capacities, and the
+  failed parameters are reduce-scattered again, densely and exactly -- identically on every rank. A decode with inexact keys (see
   :mod:`lossless_hc.training.aggregate`) is re-aggregated at just those keys in the replica
   all-reduce; in the reduce-scatter only the owner knows the keys, so it counts as failed there
   and falls back densely. THC is not offered here: its codec agrees

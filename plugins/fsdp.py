@@ -17,11 +17,11 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   homomorphic, so that sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows
   whether its decode failed, so the owners then share a small table (per parameter: failed or not,
   and the codec's key count; one int64 SUM all-reduce); every rank grows the same capacities, and the
-  failed parameters are reduce-scattered again, densely and exactly -- identically on every rank. A decode with inexact keys (see
-  :mod:`lossless_hc.training.aggregate`) is re-aggregated at just those keys in the replica
-  all-reduce; in the reduce-scatter only the owner knows the keys, so it counts as failed there
-  and falls back densely. THC is not offered here: its codec agrees
-  on a norm from the decoded aggregate, which a reduce-scatter gives to the owner alone.
+  failed parameters are reduce-scattered again, densely and exactly -- identically on every rank. A
+  decode with inexact keys (see :mod:`lossless_hc.training.aggregate`) is re-aggregated at just those
+  keys in the replica all-reduce; in the reduce-scatter only the owner knows the keys, so it counts
+  as failed there and falls back densely. THC is not offered here: its codec agrees on a norm from
+  the decoded aggregate, which a reduce-scatter gives to the owner alone.
 
 Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
 (``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so

@@ -461,7 +461,8 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     state._check_bucket(bucket.parameters())
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
-    message = encode_message(aggs, bucket.gradients())
+    # A bucket whose every tensor is sent as it is: its buffer is the message, summed in place.
+    message = encode_message(aggs, bucket.gradients(), buffer=buffer)
     n = state.world_size
     outs = in_place_outputs(aggs, _bucket_slices(buffer, bucket.gradients()))
     fut = _allreduce_parts(message.parts, state.process_group)

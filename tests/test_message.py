@@ -155,3 +155,38 @@ def test_in_place_outputs_only_where_nothing_reads_the_encoded_tensor():
     assert in_place_outputs([lossless, topk], [slot, slot]) is None
     for bad in (torch.zeros(5000, dtype=torch.float64), torch.zeros(10000)[::2], torch.zeros(5000, requires_grad=True)):
         assert in_place_outputs([thc], [bad]) is None
+
+
+def test_a_bucket_of_tensors_sent_as_they_are_is_its_own_message():
+    """encode_message(..., buffer=): where every tensor is sent as it is and they are the buffer's
+    consecutive slices (a DDP bucket), the buffer itself is the message's one part (nothing copied) and
+    each decoded result is its tensor's slice of the summed buffer; a compressed tensor among them, or
+    tensors that are not the buffer's slices, get a message of their own."""
+    n = 2
+    shapes = [(300,), (20, 5)]   # at max_density 0.9 a sketch is never smaller: sent as they are
+    aggs = [[TensorAggregator(f"t{i}", s, torch.float32, n, max_density=0.9) for i, s in enumerate(shapes)]
+            for _ in range(n)]
+    assert not any(a.compressed for a in aggs[0])
+    g = torch.Generator().manual_seed(7)
+    buffers = [torch.randn(400, generator=g) for _ in range(n)]
+    views = [list(torch.split(b, [300, 100])) for b in buffers]
+    grads = [[v.view(s) for v, s in zip(vs, shapes)] for vs in views]
+    want = buffers[0] + buffers[1]
+    ms = [encode_message(aggs[r], grads[r], buffer=buffers[r]) for r in range(n)]
+    assert all(len(m.parts) == 1 and m.parts[0].data_ptr() == b.data_ptr() for m, b in zip(ms, buffers))
+    for b in buffers:
+        b.copy_(want)   # the engine's in-place SUM
+    for r in range(n):
+        results = decode_message(ms[r], ms[r].parts, dense_sum=None)
+        for value, view in zip(results, views[r]):
+            assert value.data_ptr() == view.data_ptr() and torch.equal(value.reshape(-1), view)
+    # a compressed tensor in the bucket: a message of its own
+    mixed = [TensorAggregator("c", (300,), torch.float32, n, max_density=0.05), aggs[0][1]]
+    sparse = torch.zeros(400)
+    sparse[:3] = 1.0
+    m = encode_message(mixed, [sparse[:300], sparse[300:].view(20, 5)], buffer=sparse)
+    assert mixed[0].compressed and all(p.data_ptr() != sparse.data_ptr() for p in m.parts)
+    # tensors that are not the buffer's slices (copies): a message of its own
+    m = encode_message(aggs[0], [grads[0][0].clone(), grads[0][1]], buffer=buffers[0])
+    assert m.parts[0].data_ptr() != buffers[0].data_ptr()
+

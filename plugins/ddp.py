@@ -23,9 +23,8 @@ the first call of the second step, when every gradient's size and first statisti
 and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one, or
 two where half-precision bodies are large enough to travel apart); the parameters whose strategy
 needs a second collective (allgather, two_phase's values, fp16/bf16, a sketch's exact fallback) get it
-from the future's callback on the
-bucket's own process group, like the fallback below: at most one allreduce per payload dtype and one
-allgather per bucket and step, the same on every rank. A bucket of dense plans between their
+from the future's callback on the bucket's own process group, like the fallback below: at most one
+allreduce per payload dtype and one allgather per bucket and step, the same on every rank. A bucket of dense plans between their
 statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does (a float16
 bucket divided first, as DDP divides it).
 

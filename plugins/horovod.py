@@ -53,7 +53,6 @@ from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, 
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
 from lossless_hc.training.planner import STRATEGIES
-from lossless_hc.training.strategies import AutoAggregator
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
 

@@ -127,9 +127,9 @@ class AutoAggregator:
         if first not in self.allowed:
             first = "dense" if "dense" in self.allowed else self.allowed[0]
         self.wire_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        # A plain step's payload (the bare tensor) is in wire_dtype, as every other payload: a message
-        # (DDP, FSDP2) or a BytePS slot holds one dtype. An adapter whose engine reduces each tensor on
-        # its own, in the tensor's dtype (Horovod), sets the gradient's dtype here, so that a float16
+        # A plain step's payload (the bare tensor) is in wire_dtype, as every other payload (a BytePS
+        # slot holds one dtype). An adapter whose engine carries the gradient's dtype as it is sets that
+        # dtype here (AutoSpec.native_plain_dtypes: Horovod, DDP, FSDP2), so that a half-precision
         # gradient's plain steps send what the engine's own allreduce sends (and are priced so).
         self.plain_dtype = self.wire_dtype
         self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha, sparse=self.sparse)

@@ -14,8 +14,9 @@
 
 Deadlock freedom: which tensors make a second collective, and its size, are functions of the summed
 first payloads, which every rank holds bit for bit; :func:`decode_message` issues its collectives in
-a fixed order (allreduce per dtype in :data:`_DTYPE_ORDER`, then the allgather), and the named
-operations of the adapter are matched by name, so the order in which ranks reach them is free.
+a fixed order (allreduce per dtype, in the order of :data:`~lossless_hc.training.message.PART_DTYPES`,
+then the allgather), and the named operations of the adapter are matched by name, so the order in
+which ranks reach them is free.
 """
 from __future__ import annotations
 
@@ -27,12 +28,11 @@ import torch
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
-from lossless_hc.training.message import message_layout
+from lossless_hc.training.message import PART_DTYPES, message_layout, pack_parts
 from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
                                           Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
 
-_DTYPE_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 class AutoSpec(AggregatorSpec):
@@ -194,11 +194,9 @@ class AutoMessage:
     def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor]):
         self.aggregators = list(aggregators)
         self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
-        dtypes, sizes, self.places = message_layout([(p.numel(), p.dtype) for p, _ in self.encoded])
-        device = self.encoded[0][0].device if self.encoded else torch.device("cpu")
-        self.parts = [torch.empty(m, dtype=d, device=device) for d, m in zip(dtypes, sizes)]
-        for (payload, _), (part, offset) in zip(self.encoded, self.places):
-            self.parts[part][offset:offset + payload.numel()].copy_(payload.reshape(-1))
+        payloads = [payload for payload, _ in self.encoded]
+        dtypes, sizes, self.places = message_layout([(p.numel(), p.dtype) for p in payloads])
+        self.parts = pack_parts(payloads, dtypes, sizes, self.places)
 
 
 def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
@@ -216,7 +214,7 @@ def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
         outcomes.append(agg.decode(segment, ctx))
     results = [o.value for o in outcomes]
     pending = [i for i, o in enumerate(outcomes) if o.request is not None]
-    for dtype in _DTYPE_ORDER:
+    for dtype in PART_DTYPES:
         group = [i for i in pending
                  if outcomes[i].request.kind == "allreduce" and outcomes[i].request.tensor.dtype == dtype]
         if group:

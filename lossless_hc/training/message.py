@@ -75,10 +75,8 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
         if all(payload.data_ptr() == t.data_ptr() for (payload, _), t in zip(encoded, tensors)):
             return Message(list(aggregators), encoded, [buffer[:sizes[0]]], places)
         # an aggregator that selects (top-k) hands over a new tensor of the same size: copied
-        parts = [backend_for(buffer.device).empty(sizes[0], buffer.device, dtypes[0])]
-        for (payload, _), (_, offset) in zip(encoded, places):
-            parts[0][offset:offset + payload.numel()].copy_(payload.reshape(-1))
-        return Message(list(aggregators), encoded, parts, places)
+        payloads = [payload for payload, _ in encoded]
+        return Message(list(aggregators), encoded, pack_parts(payloads, dtypes, sizes, places), places)
     if len(tensors):
         # The backend's buffer: on the CPU advised to huge pages, so a message of ~100 MiB is not
         # written through one page fault per 4 KiB (a quarter of the time at that size).
@@ -94,6 +92,16 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
             piece.copy_(payload.reshape(-1))
         encoded.append((payload, ctx))
     return Message(list(aggregators), encoded, parts, places)
+
+
+def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[torch.Tensor]:
+    """The parts of :func:`message_layout`'s ``(dtypes, sizes, places)`` holding ``payloads``, copied in
+    (converted where a part is wider), in the backend's buffers."""
+    device = payloads[0].device if len(payloads) else torch.device("cpu")
+    parts = [backend_for(device).empty(m, device, d) for d, m in zip(dtypes, sizes)]
+    for payload, (part, offset) in zip(payloads, places):
+        parts[part][offset:offset + payload.numel()].copy_(payload.reshape(-1))
+    return parts
 
 
 def _is_the_buffer(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs, dtypes) -> bool:

@@ -81,6 +81,29 @@ def test_a_message_pays_one_second_allreduce_per_request_dtype():
             == pytest.approx(2 * (n - 1) * 1e-4))
 
 
+def test_a_message_pays_one_first_allreduce_per_part():
+    """predict_message prices the first payloads in message_layout's parts: THC's float64 words and a
+    dense plan's 64 Ki+ float32 coordinates are two allreduces (before: one, a latency short); a small
+    float32 payload joins the float64 part, widened (its bytes doubled, no second latency)."""
+    from lossless_hc.training.planner import TensorStats
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
+    link, n = model.calibration.link, 4
+
+    def stats(numel):
+        return TensorStats(numel=numel, row=1, world_size=n, rank_keys=(numel,) * n, union_keys=numel)
+    big, small = stats(1 << 17), stats(1000)
+    thc = 8 * -(-model.collectives("thc", big)[0][1] // 8)   # whole float64 words (its header is float64 too)
+    local = model.local_seconds("thc", big)
+    dense_big, dense_small = model.collectives("dense", big)[0][1], model.collectives("dense", small)[0][1]
+    assert model.predict_message([("thc", big), ("dense", big)]) == pytest.approx(
+        link.allreduce(thc, n) + link.allreduce(dense_big, n) + local + model.local_seconds("dense", big))
+    assert model.predict_message([("thc", big), ("dense", small)]) == pytest.approx(
+        link.allreduce(thc + 2 * dense_small, n) + local + model.local_seconds("dense", small))
+    assert model.predict_message([("dense", big), ("dense", small)]) == pytest.approx(
+        link.allreduce(dense_big + dense_small, n) + model.local_seconds("dense", big)
+        + model.local_seconds("dense", small))
+
+
 def test_calibration_carries_powersgd_constants():
     c = Calibration.default()
     assert "powersgd" in c.codec_seconds and Calibration.from_list(c.as_list()) == c

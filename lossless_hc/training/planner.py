@@ -88,8 +88,8 @@ feedback's passes over the bucket's ``d`` coordinates, and seconds per flop of t
 ``F = sum (6 m n r' + 2 (m + n) r'^2)``: M Q, M^T P, P Q^T and two orthogonalisations, measured on
 the device by :func:`~lossless_hc.training.calibration.measure_codecs`).
 :meth:`CostModel.predict_powersgd` prices it; :meth:`CostModel.predict_message` prices the
-per-parameter plans of the same bucket in one message (first payloads in one allreduce, one latency
-short where the message has two parts, :mod:`~lossless_hc.training.message`; the second
+per-parameter plans of the same bucket in one message (first payloads in the message's parts,
+:mod:`~lossless_hc.training.message`, one allreduce each; the second
 collectives batched as :func:`~lossless_hc.training.auto.decode_message` batches them), which is
 what PowerSGD is compared with.
 
@@ -106,14 +106,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.layout import digit_packing
+from lossless_hc.training.message import message_layout
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
 LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk")
 STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
 BUCKET_STRATEGIES = ("powersgd",)   # strategies of a whole DDP bucket (module doc), lossy
 PRICED = STRATEGIES + BUCKET_STRATEGIES   # every strategy with local costs in a Calibration
+# A first payload's dtype by its width (predict_message): the stats know a gradient's width only.
+_WIRE_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
 UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
@@ -393,22 +398,26 @@ class CostModel:
 
     def predict_message(self, plans) -> float:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
-        list of ``(strategy, TensorStats)``: the first payloads SUMmed in one allreduce (a message of
-        THC's float64 payloads and 64 Ki or more float32 coordinates sent as they are has two parts,
-        :mod:`~lossless_hc.training.message`: priced as one, one latency short), then the second
-        collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
-        allreduce per request dtype, then one allgather), plus every tensor's local work. The request
-        dtype is the strategy's for fp16 and bf16, else the gradient's, known here by its
-        ``element_bytes`` only: a half-precision gradient's requests are priced apart from the fp16 and
-        bf16 ones (at most one latency more than they run)."""
+        list of ``(strategy, TensorStats)``: the first payloads in the parts
+        :func:`~lossless_hc.training.message.message_layout` makes of them (one allreduce each), then
+        the second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
+        allreduce per request dtype, then one allgather), plus every tensor's local work.
+
+        A first payload's dtype: a dense plan's is the gradient's wire width (``element_bytes``, its
+        plain steps'), THC's float64, every other's float32. The request dtype is the strategy's for
+        fp16 and bf16, else the gradient's. The stats know a dtype by its width only, so a
+        half-precision gradient is priced as bfloat16 (the part rule treats both halves alike; a model
+        mixing them would have one part, or request, more than priced)."""
         link = self.calibration.link
         n = max((s.world_size for _, s in plans), default=1)
-        first = gathered = 0
+        specs = []    # the first payloads, (elements, dtype) as message_layout takes them
+        gathered = 0
         second = {}   # request dtype (a strategy's, or the gradient's width) -> bytes per rank
         local = 0.0
         for strategy, s in plans:
             (_, head), *rest = self.collectives(strategy, s)
-            first += head
+            width = s.element_bytes if strategy == "dense" else 8 if strategy == "thc" else 4
+            specs.append((-(-head // width), _WIRE_DTYPES[width]))
             for kind, nbytes in rest:
                 if kind == "allgather":
                     gathered += nbytes
@@ -416,7 +425,9 @@ class CostModel:
                     dtype = strategy if strategy in ("fp16", "bf16") else s.element_bytes
                     second[dtype] = second.get(dtype, 0) + nbytes
             local += self.local_seconds(strategy, s)
-        return (link.allreduce(first, n) + sum(link.allreduce(b, n) for b in second.values())
+        dtypes, sizes, _ = message_layout(specs)
+        first = sum(link.allreduce(m * d.itemsize, n) for d, m in zip(dtypes, sizes)) if dtypes else link.allreduce(0, n)
+        return (first + sum(link.allreduce(b, n) for b in second.values())
                 + link.allgather(gathered, n) + local)
 
     @staticmethod

@@ -116,6 +116,33 @@ def test_message_parts_follow_the_payload_dtypes():
         message_layout([(3, torch.int64)])
 
 
+def test_a_widened_payload_is_counted_as_sent():
+    """A small bfloat16 tensor sent as it is joins the float32 part: its AggregationStats count the four
+    bytes per coordinate it crosses the wire in, not its own two (encode_message and AutoMessage)."""
+    from lossless_hc.training.auto import AutoMessage
+    from lossless_hc.training.planner import Calibration, CostModel
+    from lossless_hc.training.strategies import AutoAggregator
+    small = TensorAggregator("small", (1000,), torch.bfloat16, 2, max_density=0.9, seed=1)
+    sparse = TensorAggregator("sparse", (4096, 64), torch.float32, 2, max_density=0.05, seed=1)
+    assert not small.compressed and sparse.compressed
+    x = (torch.randn(4096, 64) * (torch.rand(4096, 1) < 0.02))
+    m = encode_message([small, sparse], [torch.randn(1000).to(torch.bfloat16), x])
+    assert [p.dtype for p in m.parts] == [torch.float32]
+    assert small.stats.payload_bytes == 4000 and small.stats.dense_bytes == 2000
+    assert sparse.stats.payload_bytes == sparse.codec.payload_numel * 4
+    model = CostModel(Calibration.default())
+    plain = AutoAggregator("plain", (1000,), torch.bfloat16, 1, 0, model, interval=8)
+    plain.plain_dtype = torch.bfloat16   # as AutoSpec.native_plain_dtypes sets it under DDP
+    payload, ctx = plain.encode(torch.randn(1000).to(torch.bfloat16))   # the first step carries statistics
+    plain.decode(payload, ctx)
+    assert not plain.carries_statistics()
+    other = AutoAggregator("other", (10,), torch.float32, 1, 0, model)
+    before = plain.stats.payload_bytes
+    am = AutoMessage([plain, other], [torch.randn(1000).to(torch.bfloat16), torch.randn(10)])
+    assert [p.dtype for p in am.parts] == [torch.float32] and am.encoded[0][0].dtype == torch.bfloat16
+    assert plain.stats.payload_bytes - before == 4000
+
+
 def test_a_bfloat16_tensor_sent_as_it_is_travels_and_sums_as_bfloat16():
     """A bfloat16 bucket whose large tensor is sent as it is (its sketch would not be smaller) and whose
     small one is compressed: two parts, the large tensor's bfloat16 (its own bytes, not float32's)

@@ -339,7 +339,7 @@ def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
     agg = AutoAggregator("w", (1000,), dtype, 2, 0, MODEL)
     agg.record_plain_step(0.0)
     assert agg.bytes_sent == 1000 * dtype.itemsize
-    assert agg.agg_stats.payload_bytes == agg.agg_stats.dense_bytes == 1000 * dtype.itemsize
+    assert agg.stats.payload_bytes == agg.stats.dense_bytes == 1000 * dtype.itemsize
 
 
 @pytest.mark.parametrize("lossy", ["topk", "thc"])

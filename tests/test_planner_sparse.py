@@ -147,7 +147,7 @@ def test_sketch_reaggregates_inexact_rows_alone():
                 assert torch.allclose(y.double(), truth, rtol=2 ** -10, atol=1e-7)
             if step:
                 assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
-        st = aggs[0].agg_stats
+        st = aggs[0].stats
         assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st
 
 

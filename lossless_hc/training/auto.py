@@ -28,7 +28,7 @@ import torch
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
-from lossless_hc.training.message import PART_DTYPES, message_layout, pack_parts
+from lossless_hc.training.message import PART_DTYPES, count_widened, message_layout, pack_parts
 from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
                                           Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
@@ -195,7 +195,9 @@ class AutoMessage:
         self.aggregators = list(aggregators)
         self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
         payloads = [payload for payload, _ in self.encoded]
-        dtypes, sizes, self.places = message_layout([(p.numel(), p.dtype) for p in payloads])
+        specs = [(p.numel(), p.dtype) for p in payloads]
+        dtypes, sizes, self.places = message_layout(specs)
+        count_widened(self.aggregators, specs, dtypes, self.places)
         self.parts = pack_parts(payloads, dtypes, sizes, self.places)
 
 

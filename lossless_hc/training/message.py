@@ -85,6 +85,7 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
     else:
         parts = []
     encoded = []
+    count_widened(aggregators, specs, dtypes, places)
     for agg, t, (numel, dtype), (part, offset) in zip(aggregators, tensors, specs, places):
         piece = parts[part][offset:offset + numel]
         payload, ctx = agg.encode(t, out=piece) if dtype == piece.dtype else agg.encode(t)
@@ -92,6 +93,15 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
             piece.copy_(payload.reshape(-1))
         encoded.append((payload, ctx))
     return Message(list(aggregators), encoded, parts, places)
+
+
+def count_widened(aggregators: Sequence, specs: Sequence[tuple], dtypes, places) -> None:
+    """Add to each aggregator's ``stats.payload_bytes`` (:class:`~lossless_hc.training.aggregate.AggregationStats`,
+    which counted its payload in its own dtype) the bytes its payload gains in a wider part, as sent."""
+    for agg, (numel, dtype), (part, _) in zip(aggregators, specs, places):
+        extra = numel * (dtypes[part].itemsize - dtype.itemsize)
+        if extra > 0:
+            agg.stats.payload_bytes += extra
 
 
 def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[torch.Tensor]:

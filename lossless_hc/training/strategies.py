@@ -133,7 +133,7 @@ class AutoAggregator:
         # gradient's plain steps send what the engine's own allreduce sends (and are priced so).
         self.plain_dtype = self.wire_dtype
         self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha, sparse=self.sparse)
-        self.agg_stats = stats if stats is not None else AggregationStats()
+        self.stats = stats if stats is not None else AggregationStats()
         self.strategy = first
         self.predicted: dict = {}
         self.plan_input: Optional[TensorStats] = None   # the statistics of the last plan
@@ -391,7 +391,7 @@ class AutoAggregator:
             ctx = AutoContext("dense", t0, self.numel * self.plain_dtype.itemsize, plain=True)
             payload = x.detach().reshape(-1).to(self.plain_dtype)
             self._count_sent(ctx.payload_bytes, plain=True)
-            self.agg_stats.encode_seconds += time.perf_counter() - t0
+            self.stats.encode_seconds += time.perf_counter() - t0
             return payload, ctx
         s = self.strategy
         n = self.world_size
@@ -429,13 +429,13 @@ class AutoAggregator:
         payload = torch.cat([header, body.to(header.dtype)])
         ctx.payload_bytes = payload.numel() * payload.element_size()
         self._count_sent(ctx.payload_bytes, dense=s == "dense")
-        self.agg_stats.encode_seconds += time.perf_counter() - t0
+        self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
 
     def _count_sent(self, payload_bytes: int, dense: bool = True, plain: bool = False) -> None:
         self.bytes_sent += payload_bytes
         self.plain_steps += plain
-        st = self.agg_stats
+        st = self.stats
         st.tensors += 1
         st.dense_bytes += self.numel * self.dtype.itemsize
         st.payload_bytes += payload_bytes
@@ -448,7 +448,7 @@ class AutoAggregator:
         t0 = time.perf_counter()
         if ctx.plain:
             self._measure("dense", ctx.started)
-            self.agg_stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_seconds += time.perf_counter() - t0
             return AutoOutcome(self._shaped(summed.to(self.wire_dtype)))
         n = self.world_size
         H = stats_header_words(n)
@@ -492,18 +492,18 @@ class AutoAggregator:
                     self._observe(ctx, union_count)
                     return AutoOutcome(self._from_flat(y, ctx.union_rows))
                 if report.status == DecodeStatus.INEXACT:
-                    self.agg_stats.inexact_decodes += 1
+                    self.stats.inexact_decodes += 1
                     keys = report.inexact_keys.to(device=y.device, dtype=torch.int64)
                     if self.partial and keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: dense fallback
-                        self.agg_stats.partial_fallbacks += 1
-                        self.agg_stats.inexact_keys += keys.numel()
+                        self.stats.partial_fallbacks += 1
+                        self.stats.inexact_keys += keys.numel()
                         ctx.partial = (y, keys, union_count)
                         return AutoOutcome(None, Request("allreduce", self._on_rows(ctx, keys).reshape(-1)))
                 if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
                     raise ConfigurationMismatch(f"{self.name}: {report.reason}")
                 self.fallbacks += 1
-                self.agg_stats.fallbacks += 1
-                self.agg_stats.last_failure = f"{self.name}: {report.reason}"
+                self.stats.fallbacks += 1
+                self.stats.last_failure = f"{self.name}: {report.reason}"
                 self.tracker.force = True   # every rank saw the same failure: re-plan after this step
                 return AutoOutcome(None, Request("allreduce", self._dense(ctx).to(torch.float32).clone()))
             if s in _HALF:
@@ -518,7 +518,7 @@ class AutoAggregator:
                 if out.needs_fallback:
                     ctx.topk_outcome = out
                     self.fallbacks += 1
-                    self.agg_stats.fallbacks += 1
+                    self.stats.fallbacks += 1
                     return AutoOutcome(None, Request("allreduce",
                                                      ctx.inner.dense_value.reshape(-1).to(torch.float32).clone()))
                 value = out.value.reshape(-1).to(torch.float32)
@@ -526,7 +526,7 @@ class AutoAggregator:
                 return AutoOutcome(self._shaped(value))
             raise AssertionError(s)
         finally:
-            self.agg_stats.decode_seconds += time.perf_counter() - t0
+            self.stats.decode_seconds += time.perf_counter() - t0
 
     def finish(self, ctx: AutoContext, result: torch.Tensor) -> torch.Tensor:
         """The value from the request's result (allreduce: the SUM; allgather: the n tensors)."""
@@ -548,11 +548,11 @@ class AutoAggregator:
             flat, keys, count = ctx.partial
             self._rows(flat).index_copy_(0, keys, self._scaled(result.reshape(-1, self.row).to(torch.float32),
                                                                 ctx.averaged))
-            self.agg_stats.payload_bytes += result.numel() * 4
+            self.stats.payload_bytes += result.numel() * 4
             value = self._from_flat(flat, ctx.union_rows)
         elif s == "sketch":
             flat = self._scaled(result.to(torch.float32), ctx.averaged)
-            self.agg_stats.payload_bytes += result.numel() * 4
+            self.stats.payload_bytes += result.numel() * 4
             value = self._from_flat(flat, ctx.union_rows)
             count = ctx.union_rows.numel() if self.sparse else self._union_of(flat)
         elif s == "topk":
@@ -561,9 +561,9 @@ class AutoAggregator:
         else:
             raise AssertionError(f"{s} makes no request")
         if s != "sketch":
-            self.agg_stats.payload_bytes += result.numel() * result.element_size() // (n if s == "allgather" else 1)
+            self.stats.payload_bytes += result.numel() * result.element_size() // (n if s == "allgather" else 1)
         self.bytes_sent += result.numel() * result.element_size() // (n if s == "allgather" else 1)
-        self.agg_stats.decode_seconds += time.perf_counter() - t0
+        self.stats.decode_seconds += time.perf_counter() - t0
         self._observe(ctx, count)
         return value
 

@@ -143,6 +143,33 @@ def test_a_widened_payload_is_counted_as_sent():
     assert plain.stats.payload_bytes - before == 4000
 
 
+@pytest.mark.parametrize("numel", [1 << 18, 1000])
+def test_auto_statistics_steps_carry_a_half_precision_body_in_its_dtype(numel):
+    """auto's statistics step of a dense bfloat16 plan (the first step: one in 16 after it) sends its body
+    in bfloat16 where the engine carries it (plain_dtype, as DDP and FSDP2 set it), beside the float32
+    header, summed as bfloat16 as its plain steps and DDP's allreduce sum it (before: float32, twice the
+    bytes); a body too small for a part of its own joins the header's, widened (exact). Decoded, the sum."""
+    from lossless_hc.training.auto import AutoMessage, decode_message as decode_auto_message
+    from lossless_hc.training.planner import Calibration, CostModel, stats_header_words
+    from lossless_hc.training.strategies import AutoAggregator
+    n, model = 2, CostModel(Calibration.default())
+    aggs = [AutoAggregator("w", (numel,), torch.bfloat16, n, r, model) for r in range(n)]
+    for a in aggs:
+        a.plain_dtype = torch.bfloat16
+        assert a.carries_statistics() and a.strategy == "dense"
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(numel, generator=g).to(torch.bfloat16) for _ in range(n)]
+    ms = [AutoMessage([a], [x]) for a, x in zip(aggs, xs)]
+    H = stats_header_words(n)
+    big = numel * 2 >= SEPARATE_PART_MIN_BYTES
+    assert [p.dtype for p in ms[0].parts] == ([torch.float32, torch.bfloat16] if big else [torch.float32])
+    assert aggs[0].stats.payload_bytes == aggs[0].bytes_sent == 4 * H + numel * (2 if big else 4)
+    summed = [ms[0].parts[i] + ms[1].parts[i] for i in range(len(ms[0].parts))]
+    for m in ms:
+        (value,) = decode_auto_message(m, summed, allreduce=None, allgather=None)
+        assert value.dtype == torch.bfloat16 and torch.equal(value, xs[0] + xs[1])
+
+
 def test_a_bfloat16_tensor_sent_as_it_is_travels_and_sums_as_bfloat16():
     """A bfloat16 bucket whose large tensor is sent as it is (its sketch would not be smaller) and whose
     small one is compressed: two parts, the large tensor's bfloat16 (its own bytes, not float32's)

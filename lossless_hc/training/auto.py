@@ -28,7 +28,7 @@ import torch
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
-from lossless_hc.training.message import PART_DTYPES, count_widened, message_layout, pack_parts
+from lossless_hc.training.message import PART_DTYPES, message_layout, pack_parts
 from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
                                           Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
@@ -189,16 +189,28 @@ def plan_stats(aggregators) -> dict:
 class AutoMessage:
     """One message's first payloads, in the parts :func:`~lossless_hc.training.message.message_layout`
     gives them (one per payload dtype, or fewer; float64 words stay exact): the engine SUMs each of
-    ``parts``, in order."""
+    ``parts``, in order. A dense statistics step of a half-precision gradient travels as two pieces,
+    its header in float32 and its body in the gradient's dtype (``AutoContext.body_dtype``), as its plain
+    steps do; ``places[i]``: tensor i's pieces, ``(part index, offset, numel)`` each."""
 
     def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor]):
         self.aggregators = list(aggregators)
         self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
-        payloads = [payload for payload, _ in self.encoded]
-        specs = [(p.numel(), p.dtype) for p in payloads]
-        dtypes, sizes, self.places = message_layout(specs)
-        count_widened(self.aggregators, specs, dtypes, self.places)
-        self.parts = pack_parts(payloads, dtypes, sizes, self.places)
+        pieces, owners = [], []
+        for i, (payload, ctx) in enumerate(self.encoded):
+            split = [payload] if ctx.body_dtype is None else \
+                [payload[:ctx.body_at], payload[ctx.body_at:].to(ctx.body_dtype)]   # exact: the gradient's values
+            pieces += split
+            owners += [i] * len(split)
+        dtypes, sizes, places = message_layout([(p.numel(), p.dtype) for p in pieces])
+        self.places = [[] for _ in self.aggregators]
+        sent = [0] * len(self.aggregators)
+        for i, piece, (part, offset) in zip(owners, pieces, places):
+            self.places[i].append((part, offset, piece.numel()))
+            sent[i] += piece.numel() * dtypes[part].itemsize
+        for agg, (payload, _), nbytes in zip(self.aggregators, self.encoded, sent):
+            agg.count_as_sent(payload.numel() * payload.element_size(), nbytes)
+        self.parts = pack_parts(pieces, dtypes, sizes, places)
 
 
 def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
@@ -211,9 +223,9 @@ def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
     if len(summed) != len(message.parts):
         raise ValueError(f"a message of {len(message.parts)} parts; got {len(summed)} sums")
     outcomes = []
-    for agg, (payload, ctx), (part, offset) in zip(message.aggregators, message.encoded, message.places):
-        segment = summed[part][offset:offset + payload.numel()].to(payload.dtype)
-        outcomes.append(agg.decode(segment, ctx))
+    for agg, (payload, ctx), places in zip(message.aggregators, message.encoded, message.places):
+        pieces = [summed[part][offset:offset + m].to(payload.dtype) for part, offset, m in places]
+        outcomes.append(agg.decode(pieces[0] if len(pieces) == 1 else torch.cat(pieces), ctx))
     results = [o.value for o in outcomes]
     pending = [i for i, o in enumerate(outcomes) if o.request is not None]
     for dtype in PART_DTYPES:

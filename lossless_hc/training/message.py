@@ -85,7 +85,7 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
     else:
         parts = []
     encoded = []
-    count_widened(aggregators, specs, dtypes, places)
+    _count_widened(aggregators, specs, dtypes, places)
     for agg, t, (numel, dtype), (part, offset) in zip(aggregators, tensors, specs, places):
         piece = parts[part][offset:offset + numel]
         payload, ctx = agg.encode(t, out=piece) if dtype == piece.dtype else agg.encode(t)
@@ -95,7 +95,7 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
     return Message(list(aggregators), encoded, parts, places)
 
 
-def count_widened(aggregators: Sequence, specs: Sequence[tuple], dtypes, places) -> None:
+def _count_widened(aggregators: Sequence, specs: Sequence[tuple], dtypes, places) -> None:
     """Add to each aggregator's ``stats.payload_bytes`` (:class:`~lossless_hc.training.aggregate.AggregationStats`,
     which counted its payload in its own dtype) the bytes its payload gains in a wider part, as sent."""
     for agg, (numel, dtype), (part, _) in zip(aggregators, specs, places):

@@ -37,6 +37,10 @@ class AutoContext:
     partial: Optional[tuple] = None   # sketch under INEXACT: (decoded flat tensor, inexact rows, union count)
     topk_outcome: object = None
     plain: bool = False           # a dense step without the statistics header (the bare tensor)
+    # A dense statistics step whose body is the gradient's values as they are: the dtype the body may
+    # travel in (the plain steps'), where narrower than the payload's; the body starts at body_at.
+    body_dtype: Optional[torch.dtype] = None
+    body_at: int = 0
 
 
 @dataclass

@@ -423,6 +423,10 @@ class AutoAggregator:
         rank_key_count = ctx.rows
         header = torch.zeros(stats_header_words(n), dtype=body.dtype if body.numel() else self.wire_dtype,
                              device=body.device)
+        if s == "dense" and not self.sparse and ctx.flat.dtype == self.plain_dtype and self.plain_dtype != body.dtype:
+            # the body is the gradient as it is (no lossy memory flushed into it): a message may carry
+            # it in the plain steps' dtype, exactly (AutoMessage)
+            ctx.body_dtype, ctx.body_at = self.plain_dtype, header.numel()
         header[0] = 1.0
         header[1 + 2 * self.rank] = float(rank_key_count % (1 << COUNT_FIELD_BITS))
         header[2 + 2 * self.rank] = float(rank_key_count >> COUNT_FIELD_BITS)
@@ -431,6 +435,12 @@ class AutoAggregator:
         self._count_sent(ctx.payload_bytes, dense=s == "dense")
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
+
+    def count_as_sent(self, counted: int, sent: int) -> None:
+        """A message carried this step's payload (``counted`` bytes at encode) in ``sent`` bytes: a body
+        narrowed to its gradient's dtype, or a payload widened into a wider part."""
+        self.bytes_sent += sent - counted
+        self.stats.payload_bytes += sent - counted
 
     def _count_sent(self, payload_bytes: int, dense: bool = True, plain: bool = False) -> None:
         self.bytes_sent += payload_bytes

@@ -289,25 +289,21 @@ class _ReplicaAllReduce:
         views = self.slots.views(reduce_output)
         rank = dist.get_rank(st.replicate_group)
         aggs = [st._aggregator(f"replicate:{fqn}", v, st.replicas, rank) for fqn, v in zip(self.slots.fqns, views)]
-        if isinstance(st.spec, AutoSpec):
-            message = AutoMessage(aggs, views)
-            for part in message.parts:
-                dist.all_reduce(part, group=st.replicate_group)
+        auto = isinstance(st.spec, AutoSpec)
+        message = AutoMessage(aggs, views) if auto else encode_message(aggs, views)
+        for part in message.parts:
+            dist.all_reduce(part, group=st.replicate_group)
+        if auto:
             results = decode_auto_message(message, message.parts,
                                           lambda t: dist.all_reduce(t, group=st.replicate_group),
                                           lambda t: _all_gather(t, st.replicate_group, st.replicas))
-            for view, value in zip(views, results):
-                view.copy_(value.reshape(view.shape))
-            return
-        message = encode_message(aggs, views)
-        for part in message.parts:
-            dist.all_reduce(part, group=st.replicate_group)
-        results = decode_message(message, message.parts, lambda dense: dist.all_reduce(dense, group=st.replicate_group),
-                                 outs=in_place_outputs(aggs, views))
+        else:
+            results = decode_message(message, message.parts,
+                                     lambda dense: dist.all_reduce(dense, group=st.replicate_group),
+                                     outs=in_place_outputs(aggs, views))
         for view, value in zip(views, results):
             if value.data_ptr() != view.data_ptr():   # not decoded into its slot already
                 view.copy_(value.reshape(view.shape))
-
 
 
 def _all_gather(t: torch.Tensor, group, n: int) -> torch.Tensor:

@@ -121,7 +121,11 @@ def test_half_precision_models_stay_within_their_rounding(ddp_run):
     exactly zero. With large dense layers (sent as they are), a step sends fewer bytes than DDP's own
     bucket (they travel in the model's dtype)."""
     out, size = ddp_run
-    for r in results(out, "half_precision", size):
+    check_half_precision(results(out, "half_precision", size))
+
+
+def check_half_precision(rs):
+    for r in rs:
         for dtype in ("bfloat16", "float16"):
             got = r[dtype]
             assert got["grad_dtype"] == f"torch.{dtype}" and got["zeros_exact"], got
@@ -236,13 +240,15 @@ def test_hooks_on_cuda_tensors_through_gloo(tmp_path, size):
     """Issue #22 on a GPU: the lossless, top-k and THC hooks over a model on GPU 0 for every rank (Gloo
     carries the CUDA tensors; NCCL refuses two ranks on one device). The lossless hook equals DDP's own
     allreduce to float rounding, with the same capacity and fallback decisions on every rank; top-k keeps
-    its residual; THC's replicas stay bit-identical and train."""
+    its residual; THC's replicas stay bit-identical and train; bfloat16 and float16 models keep their
+    bound and send their dense layers in their dtype (the message's parts on the device)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    run([sys.executable, WORKER, str(size), str(free_port()), str(tmp_path), ",".join(EXACT + ["topk", "thc"])],
-        device="cuda")
+    run([sys.executable, WORKER, str(size), str(free_port()), str(tmp_path),
+         ",".join(EXACT + ["topk", "thc", "half_precision"])], device="cuda")
     for name in EXACT:
         check_lossless(results(tmp_path, name, size))
+    check_half_precision(results(tmp_path, "half_precision", size))
     check_topk(results(tmp_path, "topk", size))
     check_thc(results(tmp_path, "thc", size))

@@ -36,8 +36,8 @@ MESHES = {
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
-    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto"]),
-    "1x2": (1, 2, ["lossless", "fallback", "topk"]),
+    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto", "bfloat16", "auto_bfloat16"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
 
@@ -197,7 +197,10 @@ def test_a_bfloat16_model_s_dense_tensors_travel_as_bfloat16(launch, mesh, name)
     replica all-reduce of such a step carries fewer bytes than this rank's bfloat16 shard (it carried
     the dense layers widened to float32: 1.5-1.7x the shard), and the homomorphic reduce-scatter
     carries them in bfloat16 reduce-scatters (it had none)."""
-    rs = results(launch, mesh, name)
+    check_bfloat16(results(launch, mesh, name), mesh, name)
+
+
+def check_bfloat16(rs, mesh, name):
     for r in rs:
         assert r["max_diff"] <= TOL, r["max_diff"]
         steps = [2] if name.startswith("auto") else [1, 2, 3]   # auto, interval 2: statistics at counts 1, 2, 4
@@ -229,7 +232,8 @@ def test_auto_refuses_the_reduce_scatter(launch, mesh, name):
 def test_cuda_tensors_through_gloo(launch, mesh):
     """Issue #24 on a GPU: the hooks on CUDA tensors (every rank on GPU 0, Gloo) give what they give on CPU
     tensors: lossless and auto equal uncompressed FSDP2 to float rounding with identical decisions, top-k
-    and THC compress and train, a resumed run continues bit for bit."""
+    and THC compress and train, a resumed run continues bit for bit, a bfloat16 model's dense layers travel
+    as bfloat16 (the message's parts on the device)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -244,3 +248,5 @@ def test_cuda_tensors_through_gloo(launch, mesh):
                        for r in rs), (name, rs)
         elif name == "resume":
             assert all(r["bitwise"] for r in rs), rs
+        elif "bfloat16" in name:
+            check_bfloat16(rs, mesh, name)

@@ -502,3 +502,12 @@ def test_gathered_rows_are_summed_in_rank_order_on_every_device(device):
             want[union.tolist().index(key)] += values[r][i]
     assert torch.equal(rows.cpu(), want)
     assert torch.equal(rows[2].cpu(), values[4][0])   # 1e8 + 1 - 1e8 = 0 first: row 7 is rank 4's value
+
+
+def test_tensor_stats_refuses_bad_fields():
+    """A TensorStats the cost model cannot price is refused when built, with what is wrong."""
+    ok = dict(numel=10, row=1, world_size=2, rank_keys=(1, 1), union_keys=2)
+    TensorStats(**ok, element_bytes=2)
+    for bad, match in ((dict(row=0), "row=0"), (dict(rank_keys=(1,)), "rank_keys"), (dict(element_bytes=3), "element_bytes=3")):
+        with pytest.raises(ValueError, match=match):
+            TensorStats(**{**ok, **bad})

@@ -118,7 +118,7 @@ STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
 BUCKET_STRATEGIES = ("powersgd",)   # strategies of a whole DDP bucket (module doc), lossy
 PRICED = STRATEGIES + BUCKET_STRATEGIES   # every strategy with local costs in a Calibration
 # A first payload's dtype by its width (predict_message): the stats know a gradient's width only.
-_WIRE_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+_WIRE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
 UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
@@ -222,6 +222,8 @@ class TensorStats:
             raise ValueError(f"bad TensorStats: numel={self.numel}, row={self.row}, world_size={self.world_size}")
         if len(self.rank_keys) != self.world_size:
             raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
+        if self.element_bytes not in _WIRE_DTYPES:
+            raise ValueError(f"bad TensorStats: element_bytes={self.element_bytes}, expected one of {sorted(_WIRE_DTYPES)}")
 
     @property
     def keys(self) -> int:

@@ -508,6 +508,7 @@ def test_tensor_stats_refuses_bad_fields():
     """A TensorStats the cost model cannot price is refused when built, with what is wrong."""
     ok = dict(numel=10, row=1, world_size=2, rank_keys=(1, 1), union_keys=2)
     TensorStats(**ok, element_bytes=2)
-    for bad, match in ((dict(row=0), "row=0"), (dict(rank_keys=(1,)), "rank_keys"), (dict(element_bytes=3), "element_bytes=3")):
+    for bad, match in ((dict(row=0), "row=0"), (dict(rank_keys=(1,)), "rank_keys"),
+                       (dict(element_bytes=3), "element_bytes=3")):
         with pytest.raises(ValueError, match=match):
             TensorStats(**{**ok, **bad})

@@ -36,7 +36,8 @@ MESHES = {
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
-    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto", "bfloat16", "auto_bfloat16"]),
+    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto", "bfloat16",
+                   "auto_bfloat16"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)

@@ -223,7 +223,8 @@ class TensorStats:
         if len(self.rank_keys) != self.world_size:
             raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
         if self.element_bytes not in _WIRE_DTYPES:
-            raise ValueError(f"bad TensorStats: element_bytes={self.element_bytes}, expected one of {sorted(_WIRE_DTYPES)}")
+            raise ValueError(f"bad TensorStats: element_bytes={self.element_bytes}, "
+                             f"expected one of {sorted(_WIRE_DTYPES)}")
 
     @property
     def keys(self) -> int:
@@ -428,7 +429,8 @@ class CostModel:
                     second[dtype] = second.get(dtype, 0) + nbytes
             local += self.local_seconds(strategy, s)
         dtypes, sizes, _ = message_layout(specs)
-        first = sum(link.allreduce(m * d.itemsize, n) for d, m in zip(dtypes, sizes)) if dtypes else link.allreduce(0, n)
+        parts = [m * d.itemsize for d, m in zip(dtypes, sizes)] or [0]
+        first = sum(link.allreduce(nbytes, n) for nbytes in parts)
         return (first + sum(link.allreduce(b, n) for b in second.values())
                 + link.allgather(gathered, n) + local)
 

@@ -348,6 +348,10 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
             for d, p in enumerate(mine):
                 if p is not None:
                     send[d, :p.numel()] = p
+                # the padding crosses the wire too: counted with the destination's first tensor
+                pad = width - (p.numel() if p is not None else 0)
+                if pad and messages[d].aggregators:
+                    messages[d].aggregators[0].stats.payload_bytes += pad * dt.itemsize
             summed[dt] = torch.empty(width, dtype=dt, device=send.device)
             dist.reduce_scatter_tensor(summed[dt], send.view(-1), group=group)
 

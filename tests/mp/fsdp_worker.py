@@ -133,15 +133,17 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     got = build(mesh, native=False, hidden=hidden, dtype=dtype)
     state.register(got, reduce_scatter=reduce_scatter)
     ref_opt, got_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, got))
-    sent, sent_rs = [], []
+    sent, sent_rs, counted_bytes = [], [], []
     for step in range(steps):
         train(ref, 1, start=step, opt=ref_opt)
+        before = state.stats()["payload_bytes"]
         with CountedCollectives("all_reduce", *(("reduce_scatter_tensor",) if reduce_scatter else ())) as counted:
             train(got, 1, start=step, opt=got_opt)
+        counted_bytes.append(state.stats()["payload_bytes"] - before)
         sent.append(counted.bytes())
         sent_rs.append([[dtype, nbytes] for name, dtype, nbytes in counted.calls if name == "reduce_scatter_tensor"])
     return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
-            "sent_rs": sent_rs,
+            "sent_rs": sent_rs, "payload_bytes": counted_bytes,
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters()),
             "dense_layer_bytes": sum(p.numel() * p.element_size()
                                      for p in (*got.fc1.parameters(), *got.fc2.parameters()))}

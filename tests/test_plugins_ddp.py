@@ -139,6 +139,10 @@ def check_half_precision(rs):
             got = r[f"{dtype}_wide"]
             assert got["error_over_bound"] <= 1.0 and got["zeros_exact"], (dtype, got["error_over_bound"])
             assert got["stats"]["fallbacks"] >= 1, got["stats"]   # the dense layers grew to dense
+            # the stats count what was sent: parts, widening, the fallbacks' float32 values (step 0); the
+            # first step also sends the configuration check (two int64, plugins/_torch_dist.py)
+            unaccounted = [s - p for s, p in zip(got["sent_bytes"], got["payload_bytes"])]
+            assert unaccounted == [16, 0, 0, 0], (dtype, got["payload_bytes"], got["sent_bytes"])
             assert all(b < got["bucket_bytes"] for b in got["sent_bytes"][1:]), (dtype, got["sent_bytes"],
                                                                                  got["bucket_bytes"])
 

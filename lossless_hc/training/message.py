@@ -97,7 +97,8 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
 
 def _count_widened(aggregators: Sequence, specs: Sequence[tuple], dtypes, places) -> None:
     """Add to each aggregator's ``stats.payload_bytes`` (:class:`~lossless_hc.training.aggregate.AggregationStats`,
-    which counted its payload in its own dtype) the bytes its payload gains in a wider part, as sent."""
+    which counted its values, ``specs[i]``, in their own dtype) the bytes they gain in a wider part
+    (``dtypes[places[i][0]]``), as sent."""
     for agg, (numel, dtype), (part, _) in zip(aggregators, specs, places):
         extra = numel * (dtypes[part].itemsize - dtype.itemsize)
         if extra > 0:
@@ -236,6 +237,12 @@ def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: 
         dense = dense_values(message, failed)
         parts = [partial_values(message.encoded[i][1], outcomes[i]).to(torch.float32) for i in partial]
         both = torch.cat([dense] + parts) if parts else dense
+        # their aggregators counted these values in the tensor's dtype; they travel as float32
+        again = failed + partial
+        _count_widened([message.aggregators[i] for i in again],
+                       [(math.prod(message.encoded[i][1].shape), message.encoded[i][1].dtype) for i in failed]
+                       + [(p.numel(), message.encoded[i][1].dtype) for i, p in zip(partial, parts)],
+                       [torch.float32], [(0, 0)] * len(again))
         dense_sum(both)
         dense, offset = both[:dense.numel()], dense.numel()
         for i, value in zip(failed, finish_fallbacks(message, outcomes, failed, dense)):

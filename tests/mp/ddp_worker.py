@@ -288,15 +288,17 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
     ddp = DistributedDataParallel(model)
     state = LosslessHookState(max_density=0.05)
     ddp.register_comm_hook(state, lossless_hook)
-    worst, zeros_exact, sent = 0.0, True, []
+    worst, zeros_exact, sent, payload = 0.0, True, [], []
     for step in range(steps):
         u, i, y = batch(step, dist.get_rank())
         for m in (ddp, plain):
             m.zero_grad(set_to_none=True)
+            before = state.stats()["payload_bytes"]
             with CountedCollectives("all_reduce") as counted:   # the hook's collectives run in backward
                 torch.nn.functional.mse_loss(m(u, i), y.to(dtype)).backward()
             if m is ddp:
                 sent.append(counted.bytes())
+                payload.append(state.stats()["payload_bytes"] - before)
         for p, q in zip(model.parameters(), plain.parameters()):
             ref, mag = q.grad.double(), q.grad.double().abs()
             dist.all_reduce(ref)
@@ -308,7 +310,8 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
                 p -= lr * p.grad
                 q.copy_(p)
     return {"error_over_bound": worst, "zeros_exact": zeros_exact, "grad_dtype": str(p.grad.dtype), "stats": state.stats(),
-            "sent_bytes": sent, "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "sent_bytes": sent, "payload_bytes": payload,
+            "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def thc_with_grad_scaler(inject_step, steps):

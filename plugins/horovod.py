@@ -84,6 +84,7 @@ class HorovodCompressor(CompressorAdapter):
         agg = self._aggregator(p, opt, tensor)
         payload, ctx = self.encode(agg, tensor)
         if payload.dtype == torch.bfloat16:   # a tensor sent as it is, in a dtype Horovod cannot reduce
+            agg.stats.payload_bytes += 2 * payload.numel()   # counted as bfloat16, sent as float32
             return payload.float(), _CarriedAsFloat32(ctx)
         return payload, ctx
 
@@ -103,13 +104,16 @@ class HorovodCompressor(CompressorAdapter):
 
     # -- the dense fallback on Horovod -----------------------------------------------------------
     def _start_fallback(self, agg, dense):
-        return self._sum_in_place(dense, f"lhc.fallback.{agg.name}")
+        return self._sum_in_place(agg, dense, f"lhc.fallback.{agg.name}")
 
     def _start_partial(self, agg, values):
-        return self._sum_in_place(values, f"lhc.partial.{agg.name}")
+        return self._sum_in_place(agg, values, f"lhc.partial.{agg.name}")
 
-    def _sum_in_place(self, tensor: torch.Tensor, name: str):
-        carried = tensor.float() if tensor.dtype == torch.bfloat16 else tensor
+    def _sum_in_place(self, agg, tensor: torch.Tensor, name: str):
+        carried = tensor
+        if tensor.dtype == torch.bfloat16:
+            carried = tensor.float()
+            agg.stats.payload_bytes += 2 * tensor.numel()   # counted as bfloat16, sent as float32
         return hvd.allreduce_async_(carried, name=name, op=hvd.Sum, process_set=self._process_set), carried, tensor
 
     def _wait_fallback(self, handle) -> None:

@@ -59,13 +59,16 @@ def test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(horovo
     fallback's, inexact keys') as float32 and rounds the sum back once. The exact compressors stay within
     rtol plus bfloat16's roundings of the float64 average (bound: horovod_worker.half_training),
     dense fallbacks and inexact keys included; the lossy ones train and stay finite; auto refuses to
-    plan bf16."""
+    plan bf16. The stats count what each step handed Horovod (the carried float32 bytes: they counted
+    bfloat16's, half of a fallback step's bytes)."""
     out, size = horovod_run
     for r in results(out, "bfloat16", size):
         for kind in ("lossless", "fallback", "topk", "thc", "auto_lossy"):
             got = r[kind]
             assert got["finite"] and got["dtypes"] == ["torch.bfloat16"], (kind, got)
             assert got["stats"]["compressed"] > 0 or kind == "auto_lossy", (kind, got["stats"])
+            # the stats count every step's bytes as sent: the bfloat16 ones carried as float32 included
+            assert got["payload_bytes"] == got["sent"], (kind, got["payload_bytes"], got["sent"])
         for kind in ("lossless", "fallback"):
             assert r[kind]["error_over_bound"] <= 1.0 and r[kind]["zeros_exact"], (kind, r[kind])
         assert r["fallback"]["stats"]["fallbacks"] > 0, r["fallback"]["stats"]

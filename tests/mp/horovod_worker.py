@@ -174,6 +174,28 @@ def scenario(name):
     raise ValueError(f"unknown scenario {name}")
 
 
+class CountedAllreduces:
+    """While active, the bytes of the tensors handed to Horovod's asynchronous allreduces: the
+    DistributedOptimizer's (horovod.torch.optimizer's own reference) and the plugin's (hvd's)."""
+
+    def __enter__(self):
+        import horovod.torch.optimizer as optimizer
+        self.bytes, self._saved = 0, [(optimizer, optimizer.allreduce_async_), (hvd, hvd.allreduce_async_)]
+        for module, original in self._saved:
+            module.allreduce_async_ = self._counting(original)
+        return self
+
+    def __exit__(self, *exc):
+        for module, original in self._saved:
+            module.allreduce_async_ = original
+
+    def _counting(self, original):
+        def call(tensor, *args, **kw):
+            self.bytes += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kw)
+        return call
+
+
 def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
     """A model in ``dtype`` (bfloat16 or float16) through ``comp``. Per step, every reduced gradient
     against the float64 sum of the ranks' local gradients (a plain copy of the model), by
@@ -188,14 +210,18 @@ def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
     named = [(f"run{RUNS[0]}.{k}", p) for k, p in model.named_parameters()]
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=named,
                                    compression=comp, op=hvd.Average)
-    worst, zeros_exact = 0.0, True
+    worst, zeros_exact, sent, counted = 0.0, True, [], []
     for step in range(steps):
         u, i, y = batch(step, hvd.rank())
         opt.zero_grad()
         plain.zero_grad()
-        for m in (model, plain):
-            torch.nn.functional.mse_loss(m(u, i), y.to(dtype)).backward()
-        opt.synchronize()
+        before = comp.stats()["payload_bytes"]
+        with CountedAllreduces() as calls:
+            for m in (model, plain):
+                torch.nn.functional.mse_loss(m(u, i), y.to(dtype)).backward()
+            opt.synchronize()
+        sent.append(calls.bytes)
+        counted.append(comp.stats()["payload_bytes"] - before)
         for k, (p, q) in enumerate(zip(model.parameters(), plain.parameters())):
             ref = hvd.allreduce(q.grad.double(), op=hvd.Sum, name=f"run{RUNS[0]}.ref{step}.{k}")
             mag = hvd.allreduce(q.grad.double().abs(), op=hvd.Sum, name=f"run{RUNS[0]}.mag{step}.{k}")
@@ -206,7 +232,8 @@ def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
         with torch.no_grad():   # the same parameters on both copies, so their gradients stay comparable
             for p, q in zip(model.parameters(), plain.parameters()):
                 q.copy_(p)
-    return {"error_over_bound": worst, "zeros_exact": zeros_exact, "stats": comp.stats(),
+    return {"error_over_bound": worst, "zeros_exact": zeros_exact, "stats": comp.stats(), "sent": sent,
+            "payload_bytes": counted,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 

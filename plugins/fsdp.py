@@ -384,12 +384,12 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
             dense = torch.stack([dense_values(m, failed) for m in messages])
             out = torch.empty(dense.shape[1], dtype=dense.dtype, device=dense.device)
             dist.reduce_scatter_tensor(out, dense.view(-1), group=group)
-            # sent: every destination's chunks, as float32; counted so far: this rank's own failures
-            counted = sum(math.prod(own.encoded[i][1].shape) * own.encoded[i][1].dtype.itemsize
-                          for i in failed if outcomes[i].needs_fallback)
-            own.aggregators[failed[0]].stats.payload_bytes += dense.numel() * dense.element_size() - counted
-            pieces = dict(zip(failed, out.split([math.prod(own.encoded[i][1].shape) for i in failed])))
+            numels = [math.prod(own.encoded[i][1].shape) for i in failed]
+            pieces = dict(zip(failed, out.split(numels)))
             mine = [i for i in failed if outcomes[i].needs_fallback]   # the others decoded here: kept
+            # sent: every destination's chunks, as float32; counted so far: this rank's own failures
+            counted = sum(n_i * own.encoded[i][1].dtype.itemsize for i, n_i in zip(failed, numels) if i in mine)
+            own.aggregators[failed[0]].stats.payload_bytes += dense.numel() * dense.element_size() - counted
             if mine:
                 part = torch.cat([pieces[i] for i in mine])
                 for i, value in zip(mine, finish_fallbacks(own, outcomes, mine, part)):

@@ -85,8 +85,8 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
     else:
         parts = []
     encoded = []
-    _count_widened(aggregators, specs, dtypes, places)
     for agg, t, (numel, dtype), (part, offset) in zip(aggregators, tensors, specs, places):
+        _count_widened(agg, numel, dtype, dtypes[part])
         piece = parts[part][offset:offset + numel]
         payload, ctx = agg.encode(t, out=piece) if dtype == piece.dtype else agg.encode(t)
         if payload.data_ptr() != piece.data_ptr():   # sent as it is, or widened
@@ -95,14 +95,13 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
     return Message(list(aggregators), encoded, parts, places)
 
 
-def _count_widened(aggregators: Sequence, specs: Sequence[tuple], dtypes, places) -> None:
-    """Add to each aggregator's ``stats.payload_bytes`` (:class:`~lossless_hc.training.aggregate.AggregationStats`,
-    which counted its values, ``specs[i]``, in their own dtype) the bytes they gain in a wider part
-    (``dtypes[places[i][0]]``), as sent."""
-    for agg, (numel, dtype), (part, _) in zip(aggregators, specs, places):
-        extra = numel * (dtypes[part].itemsize - dtype.itemsize)
-        if extra > 0:
-            agg.stats.payload_bytes += extra
+def _count_widened(agg, numel: int, dtype: torch.dtype, sent: torch.dtype) -> None:
+    """Add to ``agg.stats.payload_bytes`` (:class:`~lossless_hc.training.aggregate.AggregationStats`,
+    which counted ``numel`` values in their own ``dtype``) the bytes they gain sent as the wider
+    ``sent``."""
+    extra = numel * (sent.itemsize - dtype.itemsize)
+    if extra > 0:
+        agg.stats.payload_bytes += extra
 
 
 def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[torch.Tensor]:
@@ -238,11 +237,9 @@ def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: 
         parts = [partial_values(message.encoded[i][1], outcomes[i]).to(torch.float32) for i in partial]
         both = torch.cat([dense] + parts) if parts else dense
         # their aggregators counted these values in the tensor's dtype; they travel as float32
-        again = failed + partial
-        _count_widened([message.aggregators[i] for i in again],
-                       [(math.prod(message.encoded[i][1].shape), message.encoded[i][1].dtype) for i in failed]
-                       + [(p.numel(), message.encoded[i][1].dtype) for i, p in zip(partial, parts)],
-                       [torch.float32], [(0, 0)] * len(again))
+        numels = [math.prod(message.encoded[i][1].shape) for i in failed] + [p.numel() for p in parts]
+        for i, numel in zip(failed + partial, numels):
+            _count_widened(message.aggregators[i], numel, message.encoded[i][1].dtype, torch.float32)
         dense_sum(both)
         dense, offset = both[:dense.numel()], dense.numel()
         for i, value in zip(failed, finish_fallbacks(message, outcomes, failed, dense)):

@@ -25,8 +25,7 @@ two where half-precision bodies are large enough to travel apart); the parameter
 needs a second collective (allgather, two_phase's values, fp16/bf16, a sketch's exact fallback) get it
 from the future's callback on the bucket's own process group, like the fallback below: at most one
 allreduce per payload dtype and one allgather per bucket and step, the same on every rank. A bucket of dense plans between their
-statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does (a float16
-bucket divided first, as DDP divides it).
+statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
 
 The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`): the
 cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
@@ -57,7 +56,9 @@ For each gradient bucket the hook encodes every parameter's gradient separately 
 its own aggregator, built from the state's spec and keyed by the parameter itself, so state survives
 DDP's bucket rebuild), concatenates the payloads into one message (one part per payload dtype, or
 fewer: :mod:`lossless_hc.training.message`), allreduces each part with SUM, decodes each segment and
-returns the averaged bucket, as DDP expects.
+returns the averaged bucket, as DDP expects. A float16 bucket is divided by the world size first, as
+DDP's own hook divides it (its ranks' sum can overflow where their average does not); the others are
+divided after the sum.
 
 Fallback without mismatched collectives: a segment that fails to decode is re-aggregated densely from
 the future's callback, which may run on a communication thread while the main thread issues the next
@@ -417,9 +418,10 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     return _compressed_allreduce(state, bucket, "thc_hook")
 
 
-def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
-    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (a
-    result decoded into its own slice of the bucket, see :func:`_bucket_slices`, is only divided)."""
+def _fill_bucket(buffer: torch.Tensor, results, n: Optional[int]) -> torch.Tensor:
+    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (None:
+    the inputs were divided, see :func:`_divide_first`; a result decoded into its own slice of the
+    bucket, see :func:`_bucket_slices`, is only divided)."""
     offset = 0
     for value in results:
         m = value.numel()
@@ -428,9 +430,23 @@ def _fill_bucket(buffer: torch.Tensor, results, n: int) -> torch.Tensor:
         # in-place ops, which autograd records.
         if value.data_ptr() != dst.data_ptr():
             dst.copy_(value.reshape(-1))
-        dst.div_(n)
+        if n is not None:
+            dst.div_(n)
         offset += m
     return buffer
+
+
+def _divide_first(buffer: torch.Tensor, n: int) -> bool:
+    """Divide a float16 bucket by ``n`` in place before it is encoded, as DDP's own hook divides: the
+    SUM of its ranks' values can exceed float16's 65504 where their average does not. Every strategy
+    then sums x_r / n (a codec exactly, within its contract; a tensor sent as it is in float16, as DDP
+    does), so the result is the average, finite wherever DDP's is. The other dtypes are summed, then
+    divided: bfloat16 and float32 have float32's range, and one rounding of the sum is closer than a
+    sum of rounded quotients. Returns whether it divided (a sparse bucket: its values)."""
+    if buffer.dtype != torch.float16:
+        return False
+    buffer.div_(n)
+    return True
 
 
 def _bucket_slices(buffer: torch.Tensor, grads) -> list:
@@ -460,16 +476,17 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     state._check_bucket(bucket.parameters())
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+    n = state.world_size
+    divided = _divide_first(buffer, n)
     # A bucket whose every tensor is sent as it is: its buffer is the message, summed in place.
     message = encode_message(aggs, bucket.gradients(), buffer=buffer)
-    n = state.world_size
     outs = in_place_outputs(aggs, _bucket_slices(buffer, bucket.gradients()))
     fut = _allreduce_parts(message.parts, state.process_group)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_message(message, fut.value(), lambda dense: dist.all_reduce(dense, group=fallback_group),
                                  outs=outs)
-        return _fill_bucket(buffer, results, n)
+        return _fill_bucket(buffer, results, None if divided else n)
 
     return fut.then(decode)
 
@@ -512,19 +529,16 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place
-        # float16 is divided first, as DDP's own hook divides: its SUM can overflow where the average
-        # does not. The others are summed, then divided (as the planned strategies' results are).
-        divide_first = buffer.dtype == torch.float16
-        if divide_first:
-            buffer.div_(n)
+        divided = _divide_first(buffer, n)
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:
             for a in aggs:
                 a.record_plain_step(started, sparse_rows=rows)
-            return fut.value()[0] if divide_first else fut.value()[0].div_(n)
+            return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
+    divided = _divide_first(buffer, n)
     message = AutoMessage(aggs, grads)
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
@@ -542,7 +556,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         results = decode_auto_message(message, fut.value(),
                                       lambda t: dist.all_reduce(t, group=fallback_group), gather)
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
-            return results[0].div_(n)
-        return _fill_bucket(buffer, results, n)
+            return results[0] if divided else results[0].div_(n)
+        return _fill_bucket(buffer, results, None if divided else n)
 
     return fut.then(decode)

@@ -32,7 +32,8 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["unused_accumulation", "half_precision", "policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
+         ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "policy", "topk", "thc",
+                           "thc_exact", "thc_amp", "pickle", "inexact"]
                   + list(ERRORS))])
     return out, size
 
@@ -122,6 +123,24 @@ def test_half_precision_models_stay_within_their_rounding(ddp_run):
     bucket (they travel in the model's dtype)."""
     out, size = ddp_run
     check_half_precision(results(out, "half_precision", size))
+
+
+def test_float16_sums_beyond_its_range_average_like_ddp(ddp_run):
+    """A float16 model whose gradients are 40000 on every rank (ddp_worker.LargeGradients): their SUM
+    overflows float16 (65504), their average does not. DDP's own hook divides first and gets 40000;
+    so must every hook (each divides a float16 bucket first): the exact ones within the half-precision
+    bound of the average, the lossy ones finite."""
+    out, size = ddp_run
+    check_float16_large(results(out, "float16_large", size))
+
+
+def check_float16_large(rs):
+    for r in rs:
+        assert r["none"] == {"error_over_bound": 0.0, "finite": True}, r["none"]   # the scenario's premise
+        for hook in ("lossless", "auto", "topk", "thc"):
+            assert r[hook]["finite"], (hook, r[hook])
+        for hook in ("lossless", "auto"):
+            assert r[hook]["error_over_bound"] <= 1.0, (hook, r[hook])
 
 
 def check_half_precision(rs):
@@ -245,14 +264,16 @@ def test_hooks_on_cuda_tensors_through_gloo(tmp_path, size):
     carries the CUDA tensors; NCCL refuses two ranks on one device). The lossless hook equals DDP's own
     allreduce to float rounding, with the same capacity and fallback decisions on every rank; top-k keeps
     its residual; THC's replicas stay bit-identical and train; bfloat16 and float16 models keep their
-    bound and send their dense layers in their dtype (the message's parts on the device)."""
+    bound and send their dense layers in their dtype (the message's parts on the device), and float16
+    sums beyond 65504 average as DDP's do."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     run([sys.executable, WORKER, str(size), str(free_port()), str(tmp_path),
-         ",".join(EXACT + ["topk", "thc", "half_precision"])], device="cuda")
+         ",".join(EXACT + ["topk", "thc", "half_precision", "float16_large"])], device="cuda")
     for name in EXACT:
         check_lossless(results(tmp_path, name, size))
     check_half_precision(results(tmp_path, "half_precision", size))
+    check_float16_large(results(tmp_path, "float16_large", size))
     check_topk(results(tmp_path, "topk", size))
     check_thc(results(tmp_path, "thc", size))

@@ -19,8 +19,9 @@ a narrower float such as float8 the float32 one). A narrower part whose widening
 :data:`SEPARATE_PART_MIN_BYTES` joins the narrowest wider part that holds its values exactly (float32
 for bfloat16 and float16, float64 for float32), sparing a collective's latency for a few bytes. So
 a half-precision model's tensors sent as they are cross the wire in their dtype, as DDP's own
-allreduce sends them, and are summed in it as it sums them. (A SUM, not DDP's divide-first average:
-a float16 sum beyond 65504 becomes inf, as it did when widened, at its rounding back to float16.)
+allreduce sends them, and are summed in it as it sums them. (A SUM: a float16 sum beyond 65504
+becomes inf, as it does when widened, at its rounding back to float16; the DDP adapter divides a
+float16 bucket first, as DDP's own hook does.)
 Which parts a message has is a function of the payload specs, identical on every rank.
 
 The adapter owns the collectives (and so the ordering that keeps them deadlock-free); everything here

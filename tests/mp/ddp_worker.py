@@ -148,6 +148,8 @@ def scenario(name):
         out.update({f"{str(dtype).split('.')[1]}_wide": half_precision(dtype, hidden=8192, lr=0.01)
                     for dtype in (torch.bfloat16, torch.float16)})
         return out
+    if name == "float16_large":
+        return float16_large()
     if name == "subgroups":
         return subgroups()
     if name == "sparse":
@@ -312,6 +314,52 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
     return {"error_over_bound": worst, "zeros_exact": zeros_exact, "grad_dtype": str(p.grad.dtype), "stats": state.stats(),
             "sent_bytes": sent, "payload_bytes": payload,
             "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+class LargeGradients(torch.nn.Module):
+    """A float16 table and bias whose loss gives every row it looks up, and the bias, a gradient of 40000:
+    finite on each rank and on average, beyond float16's 65504 when summed over two ranks or more."""
+
+    GRAD = 40000.0   # a multiple of float16's spacing there (32): exact
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(5000, 8)
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, rows):
+        return (self.table(rows).sum() + self.bias.sum()) * self.GRAD
+
+
+def float16_large(steps=2):
+    """:class:`LargeGradients` in float16 (the same rows on every rank, each once) through DDP's default
+    allreduce and every hook: per hook, every reduced gradient's error against the float64 average, by
+    :func:`models.half_precision_error`, and whether all are finite."""
+    size, out = dist.get_world_size(), {}
+    for name, make, hook in (("none", None, None), ("lossless", lambda: LosslessHookState(max_density=0.05), lossless_hook),
+                             ("auto", AutoHookState, auto_hook), ("topk", TopKHookState, topk_hook),
+                             ("thc", THCHookState, thc_hook)):
+        torch.manual_seed(0)
+        model = LargeGradients().to(DEVICE, torch.float16)
+        ddp = DistributedDataParallel(model)
+        if hook is not None:
+            ddp.register_comm_hook(make(), hook)
+        worst, finite = 0.0, True
+        for step in range(steps):
+            rows = torch.randperm(5000, generator=torch.Generator().manual_seed(step))[:32].to(DEVICE)
+            ddp.zero_grad(set_to_none=True)
+            ddp(rows).backward()
+            for p in model.parameters():
+                finite = finite and bool(torch.isfinite(p.grad).all())
+                ref = torch.zeros(p.shape, dtype=torch.float64, device=DEVICE)
+                if p is model.bias:
+                    ref += LargeGradients.GRAD * size
+                else:
+                    ref[rows] += LargeGradients.GRAD * size
+                error, _ = half_precision_error(p.grad, ref, ref.abs(), size, torch.float16)
+                worst = max(worst, error)
+        out[name] = {"error_over_bound": worst, "finite": finite}
+    return out
 
 
 def thc_with_grad_scaler(inject_step, steps):

@@ -273,11 +273,12 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     rel = float((total_out - total_in).norm() / total_in.norm())
     if strategy in ("fp16", "bf16"):
         # Each step rounds every rank's value and their sum once: |error| <= u (2 + u) * sum |x| per
-        # coordinate (fp16 subnormals add 2**-25 per rounding). Measured: at most 0.90 u * mass, and rel
-        # 0.64 u (fp16 3.1e-4, bf16 2.5e-3); 2 u would not pass bf16 off as fp16 (u = 2**-11, 2**-8).
+        # coordinate (fp16 subnormals add 2**-25 per rounding, n times that: fp16 sums x / n, then
+        # multiplies by n). Measured: at most 0.90 u * mass, and rel 0.64 u (fp16 3.1e-4, bf16 2.5e-3);
+        # 2 u would not pass bf16 off as fp16 (u = 2**-11, 2**-8).
         u = 2.0 ** -11 if strategy == "fp16" else 2.0 ** -8
         err = (total_out - total_in).abs()
-        assert bool((err <= u * (2 + u) * mass + 6 * 3 * 2.0 ** -25).all()), float((err / mass).max())
+        assert bool((err <= u * (2 + u) * mass + 6 * 3 * n * 2.0 ** -25).all()), float((err / mass).max())
         assert rel < 2 * u, rel
     else:
         # Error feedback: what the sums miss is what the ranks still hold (measured to 5e-8 for topk, 1.3e-7
@@ -287,6 +288,25 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
         lost = float((total_in - total_out - held).norm() / total_in.norm())
         assert lost < 1e-6, lost
         assert rel < (0.95 if strategy == "topk" else 0.2), rel
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_fp16_sums_beyond_its_range_come_back_finite(average):
+    """fp16 sends x / n (as DDP's fp16_compress_hook divides first): three ranks' ~40000 sum to 120003,
+    beyond float16's 65504, and come back as that sum (the average where the engine averaged the first
+    payload), within fp16's roundings (the bound of the test above)."""
+    n, numel = 3, 4096
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first="fp16",
+                           allowed=("fp16",)) for r in range(n)]
+    xs = [torch.full((numel,), 40000.0 + r) for r in range(n)]
+    want = sum(x.double() for x in xs) / (n if average else 1)
+    u = 2.0 ** -11
+    for _ in range(2):
+        ys = run_step(aggs, xs, average=average)
+        assert aggs[0].strategy == "fp16"
+        assert all(torch.equal(ys[0], y) for y in ys)
+        err = (ys[0].double() - want).abs()   # inf where the sum overflowed
+        assert bool((err <= u * (2 + u) * want.abs()).all()), float(err.max())
 
 
 def test_small_tensors_stay_exact_under_lossy():

@@ -24,7 +24,8 @@ alone)::
                or, when the decode reports inexact keys (DecodeStatus.INEXACT: every other key within
                rtol) covering at most half the rows (aggregate.PARTIAL_MAX_FRACTION), allreduce of
                this rank's values on those keys' rows only, which replace the decoded ones
-    fp16/bf16  nothing; request: allreduce of the tensor in half precision
+    fp16/bf16  nothing; request: allreduce of the tensor in half precision (fp16: divided by n first, as
+               DDP's fp16_compress_hook divides, so the SUM overflows only where the average would)
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
 
@@ -61,7 +62,6 @@ from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa:
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
-_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class AutoAggregator:
@@ -516,8 +516,10 @@ class AutoAggregator:
                 self.stats.last_failure = f"{self.name}: {report.reason}"
                 self.tracker.force = True   # every rank saw the same failure: re-plan after this step
                 return AutoOutcome(None, Request("allreduce", self._dense(ctx).to(torch.float32).clone()))
-            if s in _HALF:
-                return AutoOutcome(None, Request("allreduce", ctx.flat.to(_HALF[s])))
+            if s == "fp16":   # x / n: the ranks' SUM can pass float16's 65504 where their average does not
+                return AutoOutcome(None, Request("allreduce", (ctx.flat.to(torch.float32) / n).to(torch.float16)))
+            if s == "bf16":   # float32's range
+                return AutoOutcome(None, Request("allreduce", ctx.flat.to(torch.bfloat16)))
             if s == "thc":
                 out = self._thc.decode(body.contiguous(), ctx.inner)
                 value = out.value.reshape(-1).to(torch.float32)
@@ -551,7 +553,11 @@ class AutoAggregator:
             rows = self._scaled(result.reshape(-1, self.row).to(torch.float32), ctx.averaged)
             value = self._from_rows(ctx.union_rows, rows)
             count = ctx.union_rows.numel()
-        elif s in _HALF:
+        elif s == "fp16":   # the SUM of x_r / n: the average, times n where the engine's scale is the sum
+            average = result.to(torch.float32)
+            value = self._shaped(average if ctx.averaged else average.mul_(n))
+            count = self._union_of(value)
+        elif s == "bf16":
             value = self._shaped(self._scaled(result.to(torch.float32), ctx.averaged))
             count = self._union_of(value)
         elif s == "sketch" and ctx.partial is not None:   # the inexact keys' rows, summed exactly

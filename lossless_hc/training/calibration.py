@@ -19,11 +19,12 @@ every small tensor's extra collective at nothing (a 100 us link measured 1 KiB a
 and fitted alpha = 0).
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
-a half-precision round trip (fp16/bf16) and the non-zero-row scan (allgather, two_phase); per touched
-coordinate, the LHC sketch's encode + decode of a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error
-feedback's passes (add the memory, keep a copy, subtract the result), and per flop, the time of
-torch's own PowerSGD products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at
-:data:`POWERSGD_RANK` divided by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`).
+a half-precision round trip (bf16; fp16 with its division by n and the product back) and the
+non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's encode + decode of
+a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error feedback's passes
+(add the memory, keep a copy, subtract the result), and per flop, the time of torch's own PowerSGD
+products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
+by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`).
 THC and top-k keep their :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
 
 The callers supply the collectives, and with them the deadlock freedom: every rank must call
@@ -130,7 +131,8 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
 
     copy = timed(lambda: torch.cat([x.new_zeros(4), x.to(torch.float32)])) / numel
     scan = timed(lambda: torch.nonzero(x != 0)) / numel
-    half = timed(lambda: x.to(torch.float16).to(torch.float32)) / numel
+    half = timed(lambda: x.to(torch.bfloat16).to(torch.float32)) / numel
+    fp16 = timed(lambda: x.to(torch.float16).div_(2).to(torch.float32).mul_(2)) / numel   # AutoAggregator's scaling
     codec = LosslessCodec(numel, 1, k, 1, 0, device=device)
     sketch = timed(lambda: codec.decode(codec.encode(x))[1])
     per_key = max(0.0, (sketch - scan * numel) / k)
@@ -141,7 +143,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
     out = dict(DEFAULT_CODEC_SECONDS)
     out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
-                "sketch": (scan, per_key), "fp16": (half, 0.0), "bf16": (half, 0.0),
+                "sketch": (scan, per_key), "fp16": (fp16, 0.0), "bf16": (half, 0.0),
                 "powersgd": (passes, per_flop)})
     return out
 

@@ -24,7 +24,7 @@ alone)::
                or, when the decode reports inexact keys (DecodeStatus.INEXACT: every other key within
                rtol) covering at most half the rows (aggregate.PARTIAL_MAX_FRACTION), allreduce of
                this rank's values on those keys' rows only, which replace the decoded ones
-    fp16/bf16  nothing; request: allreduce of the tensor in half precision (fp16: divided by n first, as
+    fp16/bf16  nothing; request: allreduce of the tensor in half precision (fp16: then divided by n, as
                DDP's fp16_compress_hook divides, so the SUM overflows only where the average would)
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
@@ -516,8 +516,8 @@ class AutoAggregator:
                 self.stats.last_failure = f"{self.name}: {report.reason}"
                 self.tracker.force = True   # every rank saw the same failure: re-plan after this step
                 return AutoOutcome(None, Request("allreduce", self._dense(ctx).to(torch.float32).clone()))
-            if s == "fp16":   # x / n: the ranks' SUM can pass float16's 65504 where their average does not
-                return AutoOutcome(None, Request("allreduce", (ctx.flat.to(torch.float32) / n).to(torch.float16)))
+            if s == "fp16":   # x / n, as DDP's fp16_compress_hook divides: the ranks' SUM can pass 65504
+                return AutoOutcome(None, Request("allreduce", ctx.flat.to(torch.float16, copy=True).div_(n)))
             if s == "bf16":   # float32's range
                 return AutoOutcome(None, Request("allreduce", ctx.flat.to(torch.bfloat16)))
             if s == "thc":

@@ -30,15 +30,15 @@ MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "thc", "resume",
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
-                   "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16"]),
+                   "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "bfloat16"]),
+                   "bfloat16", "float16"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto", "bfloat16",
                    "auto_bfloat16"]),
-    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16", "float16"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
 
@@ -191,19 +191,21 @@ def test_auto_matches_uncompressed_fsdp2(launch, mesh, name):
         assert any(v[0] != "dense" for r in rs for v in r["plan"].values()), rs[0]["plan"]
 
 
-@pytest.mark.parametrize("mesh,name", cases("bfloat16", "bfloat16_rs", "auto_bfloat16"))
-def test_a_bfloat16_model_s_dense_tensors_travel_as_bfloat16(launch, mesh, name):
-    """A bfloat16 model whose dense layers (139k coordinates) are sent as they are after the first
-    step's capacity growth (lossless; auto: on its plain steps): equal to native bfloat16 FSDP2; the
-    replica all-reduce of such a step carries fewer bytes than this rank's bfloat16 shard (it carried
+@pytest.mark.parametrize("mesh,name", cases("bfloat16", "bfloat16_rs", "auto_bfloat16", "float16"))
+def test_a_half_precision_model_s_dense_tensors_travel_in_its_dtype(launch, mesh, name):
+    """A bfloat16 (float16) model whose dense layers (139k coordinates) are sent as they are after the
+    first step's capacity growth (lossless; auto: on its plain steps): equal to native FSDP2 in that
+    dtype (float16: FSDP2 divides by ~sqrt(n) before our collectives and the rest after, as around its
+    own); the replica all-reduce of such a step carries fewer bytes than this rank's shard (it carried
     the dense layers widened to float32: 1.5-1.7x the shard), and the homomorphic reduce-scatter
-    carries them in bfloat16 reduce-scatters (it had none), counting in its stats what it sends (each
-    destination's part padded to the longest, 12% of a step here, and the fallbacks' float32 chunks
-    for every destination went uncounted)."""
-    check_bfloat16(results(launch, mesh, name), mesh, name)
+    carries them in reduce-scatters of the model's dtype (it had none), counting in its stats what it
+    sends (each destination's part padded to the longest, 12% of a step here, and the fallbacks'
+    float32 chunks for every destination went uncounted)."""
+    check_half_model(results(launch, mesh, name), mesh, name)
 
 
-def check_bfloat16(rs, mesh, name):
+def check_half_model(rs, mesh, name):
+    dtype = "torch.float16" if name.startswith("float16") else "torch.bfloat16"
     for r in rs:
         assert r["max_diff"] <= TOL, r["max_diff"]
         steps = [2] if name.startswith("auto") else [1, 2, 3]   # auto, interval 2: statistics at counts 1, 2, 4
@@ -211,7 +213,7 @@ def check_bfloat16(rs, mesh, name):
             assert all(r["sent"][i] < r["shard_bytes"] for i in steps), (r["sent"], r["shard_bytes"])
         if name.endswith("_rs") or mesh == "1x2":
             for i in steps:
-                half = [nbytes for dtype, nbytes in r["sent_rs"][i] if dtype == "torch.bfloat16"]
+                half = [nbytes for sent_dtype, nbytes in r["sent_rs"][i] if sent_dtype == dtype]
                 # one reduce-scatter per fully_shard module and part dtype (then the fallbacks')
                 assert sum(half) >= r["dense_layer_bytes"], (r["sent_rs"][i], r["dense_layer_bytes"])
         if not name.startswith("auto"):
@@ -238,8 +240,8 @@ def test_auto_refuses_the_reduce_scatter(launch, mesh, name):
 def test_cuda_tensors_through_gloo(launch, mesh):
     """Issue #24 on a GPU: the hooks on CUDA tensors (every rank on GPU 0, Gloo) give what they give on CPU
     tensors: lossless and auto equal uncompressed FSDP2 to float rounding with identical decisions, top-k
-    and THC compress and train, a resumed run continues bit for bit, a bfloat16 model's dense layers travel
-    as bfloat16 (the message's parts on the device)."""
+    and THC compress and train, a resumed run continues bit for bit, a bfloat16 (float16) model's dense layers
+    travel in its dtype (the message's parts on the device)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -254,5 +256,5 @@ def test_cuda_tensors_through_gloo(launch, mesh):
                        for r in rs), (name, rs)
         elif name == "resume":
             assert all(r["bitwise"] for r in rs), rs
-        elif "bfloat16" in name:
-            check_bfloat16(rs, mesh, name)
+        elif "float16" in name:   # bfloat16 and float16
+            check_half_model(rs, mesh, name)

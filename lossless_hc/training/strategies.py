@@ -25,7 +25,8 @@ alone)::
                rtol) covering at most half the rows (aggregate.PARTIAL_MAX_FRACTION), allreduce of
                this rank's values on those keys' rows only, which replace the decoded ones
     fp16/bf16  nothing; request: allreduce of the tensor in half precision (fp16: then divided by n, as
-               DDP's fp16_compress_hook divides, so the SUM overflows only where the average would)
+               DDP's fp16_compress_hook divides: it overflows where a rank's value or the average
+               passes 65504, not where only the SUM does)
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
 

@@ -292,7 +292,7 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
 
 @pytest.mark.parametrize("average", [False, True])
 def test_fp16_sums_beyond_its_range_come_back_finite(average):
-    """fp16 sends x / n (as DDP's fp16_compress_hook divides first): three ranks' ~40000 sum to 120003,
+    """fp16 sends x / n (as DDP's fp16_compress_hook divides before the SUM): three ranks' ~40000 sum to 120003,
     beyond float16's 65504, and come back as that sum (the average where the engine averaged the first
     payload), within fp16's roundings (the bound of the test above)."""
     n, numel = 3, 4096

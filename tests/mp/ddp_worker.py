@@ -336,7 +336,8 @@ def float16_large(steps=2):
     allreduce and every hook: per hook, every reduced gradient's error against the float64 average, by
     :func:`models.half_precision_error`, and whether all are finite."""
     size, out = dist.get_world_size(), {}
-    for name, make, hook in (("none", None, None), ("lossless", lambda: LosslessHookState(max_density=0.05), lossless_hook),
+    for name, make, hook in (("none", None, None),
+                             ("lossless", lambda: LosslessHookState(max_density=0.05), lossless_hook),
                              ("auto", AutoHookState, auto_hook), ("topk", TopKHookState, topk_hook),
                              ("thc", THCHookState, thc_hook)):
         torch.manual_seed(0)

@@ -229,7 +229,7 @@ def scenario(name, mesh):
         return r
     if base == "bfloat16":   # a bfloat16 model: its tensors sent as they are travel as bfloat16 (message.py)
         return half_precision(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
-    if base == "float16":   # FSDP2 divides a float16 gradient by ~sqrt(n) before the collectives, the rest after
+    if base == "float16":   # FSDP2 divides a float16 gradient in part before the collectives, the rest after
         return half_precision(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, dtype=torch.float16)
     if base == "auto_bfloat16":
         return half_precision(mesh, AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False)

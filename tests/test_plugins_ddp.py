@@ -166,6 +166,20 @@ def check_half_precision(rs):
                                                                                  got["bucket_bytes"])
 
 
+def test_hooks_under_torch_compile_equal_eager_ddp(tmp_path):
+    """``torch.compile(ddp_model)`` (inductor; DDPOptimizer splits the graph at the two buckets' boundary,
+    the hooks run from the compiled backward's gradients): the lossless hook (which compresses, and
+    grows the dense layers' capacity after a fallback) and auto (allgather plans for the tables on a
+    given slow link) train as eager DDP's own allreduce does, to float rounding."""
+    run([sys.executable, WORKER, "2", str(free_port()), str(tmp_path), "compiled"])
+    for r in results(str(tmp_path), "compiled", 2):
+        for name in ("lossless", "auto"):
+            assert r[name]["max_diff"] <= TOL, (name, r[name])
+            assert r[name]["stats"]["compressed"] > 0, (name, r[name]["stats"])
+        plans = {k: v["strategy"] for k, v in r["auto"]["stats"]["plan"].items()}
+        assert any(s != "dense" for s in plans.values()), plans
+
+
 def test_two_ddp_groups_in_one_world_are_independent(tmp_path):
     """Four ranks as two DDP groups configured differently (tests/mp/ddp_worker.py, subgroups): one
     over capacity at every step, whose fallback groups its two ranks make alone, then auto; the other

@@ -19,24 +19,25 @@ from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, half_prec
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,  # noqa: E402
-                                     lossless_hook, thc_hook, topk_hook)
+from lossless_hc.plugins.ddp import (AutoHookState, Calibration, LosslessHookState, THCHookState,  # noqa: E402
+                                     TopKHookState, auto_hook, lossless_hook, thc_hook, topk_hook)
 
 STEPS = 6
 
 
 def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1,
-          process_group=None):
+          process_group=None, compiled=False):
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden).to(DEVICE)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     ddp = DistributedDataParallel(model, process_group=process_group, **kw)
     if state is not None:
         ddp.register_comm_hook(state, hook)
+    forward = torch.compile(ddp) if compiled else ddp
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss_fn(ddp, batch(step, dist.get_rank())).backward()
+        loss_fn(forward, batch(step, dist.get_rank())).backward()
         opt.step()
     return model
 
@@ -150,6 +151,8 @@ def scenario(name):
         return out
     if name == "float16_large":
         return float16_large()
+    if name == "compiled":
+        return compiled()
     if name == "subgroups":
         return subgroups()
     if name == "sparse":
@@ -314,6 +317,21 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
     return {"error_over_bound": worst, "zeros_exact": zeros_exact, "grad_dtype": str(p.grad.dtype), "stats": state.stats(),
             "sent_bytes": sent, "payload_bytes": payload,
             "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def compiled(hidden=16384, bucket_cap_mb=1):
+    """``torch.compile(ddp_model)`` with the lossless and auto hooks against eager DDP's own allreduce:
+    the largest parameter difference and the stats. 1.3 MB of parameters in buckets of 1 MB (DDP's
+    first bucket's size, the least DDPOptimizer takes), so DDPOptimizer splits the compiled graph at the
+    buckets' boundary and the hooks run from the compiled backward's gradients."""
+    ref = train(None, hidden=hidden, bucket_cap_mb=bucket_cap_mb, lr=0.001)
+    out = {}
+    for name, state, hook in (("lossless", LosslessHookState(max_density=0.05), lossless_hook),
+                              # a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load
+                              ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)), auto_hook)):
+        got = train(state, hook=hook, hidden=hidden, bucket_cap_mb=bucket_cap_mb, lr=0.001, compiled=True)
+        out[name] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}
+    return out
 
 
 class LargeGradients(torch.nn.Module):

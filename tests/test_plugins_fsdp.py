@@ -30,7 +30,8 @@ MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "thc", "resume",
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
-                   "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16"]),
+                   "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
+                   "compiled_rs"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "bfloat16", "float16"]),
 }
@@ -221,6 +222,15 @@ def check_half_model(rs, mesh, name):
         if mesh == "1x2":   # the reduce-scatter alone: every step counted as sent, padding and fallbacks included
             assert r["payload_bytes"] == [sum(nbytes for _, nbytes in rs) for rs in r["sent_rs"]], (r["payload_bytes"],
                                                                                                    r["sent_rs"])
+
+
+@pytest.mark.parametrize("mesh,name", cases("compiled", "compiled_rs"))
+def test_hooks_under_torch_compile_equal_eager_fsdp2(launch, mesh, name):
+    """``torch.compile(model)`` of the sharded model (inductor; FSDP2's hooks, and so ours, run around
+    the compiled graphs): the lossless replica all-reduce (and reduce-scatter, ``_rs``) compresses and
+    trains as eager uncompressed FSDP2 does, to float rounding."""
+    for r in results(launch, mesh, name):
+        assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0, (r["max_diff"], r["stats"])
 
 
 @pytest.mark.parametrize("mesh,name", cases("auto_resume"))

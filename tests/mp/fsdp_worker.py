@@ -49,12 +49,13 @@ def local(model):
     return [p.to_local().detach().cpu().clone() for p in model.parameters()]
 
 
-def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None):
+def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None, compiled=False):
     opt = opt or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     rank = dist.get_rank()
+    forward = torch.compile(model) if compiled else model
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
-        loss_fn(model, batch(step, rank)).backward()
+        loss_fn(forward, batch(step, rank)).backward()
         opt.step()
     return opt
 
@@ -63,13 +64,14 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1):
+def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False):
+    """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``)."""
     ref = build(mesh, native=True, hidden=hidden)
     train(ref, steps, lr=lr)
     got = build(mesh, native=False, hidden=hidden)
     start = local(got)
     state.register(got, reduce_scatter=reduce_scatter)
-    train(got, steps, lr=lr)
+    train(got, steps, lr=lr, compiled=compiled)
     aggs = state._aggregators
     moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(local(m), start)]) for m in (ref, got)]
     cosine = float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))
@@ -201,6 +203,8 @@ def scenario(name, mesh):
     base = name[:-3] if name.endswith("_rs") else name
     if base == "lossless":
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
+    if base == "compiled":   # torch.compile(model): FSDP2's hooks, and so ours, run around the compiled graphs
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, compiled=True)
     if base == "fallback":    # capacity 0.1%: the tables overload, fall back exactly (identically), grow
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.001), rs)
     if base == "topk":

@@ -48,10 +48,22 @@ def horovod_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
-    names = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16", "float16_auto"] + list(ERRORS)
+    names = (EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16", "float16_auto", "compiled"]
+             + list(ERRORS))
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
+
+
+def test_compressors_under_torch_compile_equal_horovod_s_own_allreduce(horovod_run):
+    """``torch.compile(model)`` (inductor): Horovod's gradient hooks, and so the compressors, run from the
+    compiled backward; lossless and auto (allgather plans for the tables on a given slow link) compress
+    and train as Horovod's uncompressed eager run does, to float rounding."""
+    out, size = horovod_run
+    for r in results(out, "compiled", size):
+        for name in ("lossless", "auto"):
+            assert r[name]["max_diff"] <= TOL and r[name]["stats"]["compressed"] > 0, (name, r[name])
+        assert any(v["strategy"] != "dense" for v in r["auto"]["stats"]["plan"].values()), r["auto"]["stats"]["plan"]
 
 
 def test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(horovod_run):

@@ -20,7 +20,7 @@ from models import EmbeddingModel, batch, half_precision_error, loss_fn, max_par
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins.horovod import Compression  # noqa: E402
+from lossless_hc.plugins.horovod import Calibration, Compression  # noqa: E402
 
 STEPS = 6
 RUNS = [0]  # training runs so far: a per-run prefix keeps Horovod operation names unique, so the
@@ -29,9 +29,10 @@ PAIR = hvd.ProcessSet([0, 1])  # ranks 0 and 1 only (registered at init)
 
 
 def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, process_set=None, lr=0.1,
-          hidden=16, matrices_only=False, broadcast=False):
+          hidden=16, matrices_only=False, broadcast=False, compiled=False):
     """``matrices_only``: the optimizer takes the 2-D parameters only (as Muon-style optimizers do);
-    ``broadcast``: SGD with momentum, parameters and optimizer state broadcast from rank 0 first."""
+    ``broadcast``: SGD with momentum, parameters and optimizer state broadcast from rank 0 first;
+    ``compiled``: the forward through ``torch.compile(model)``."""
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden)
     RUNS[0] += 1
@@ -48,10 +49,11 @@ def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
     rank = hvd.rank()
+    forward = torch.compile(model) if compiled else model
     for step in range(steps):
         opt.zero_grad()
         for micro in range(bpps):
-            loss_fn(model, batch(step * bpps + micro, rank)).backward()
+            loss_fn(forward, batch(step * bpps + micro, rank)).backward()
         opt.step()
     return model
 
@@ -127,6 +129,13 @@ def scenario(name):
             ("thc", Compression.thc(bits=4)),
             ("auto_lossy", Compression.auto(lossy=True, lossy_min_bytes=0)))}
         out["auto_bf16"] = expect_error(lambda: Compression.auto(lossy=True, first="bf16"), ValueError)
+        return out
+    if name == "compiled":   # torch.compile(model): Horovod's gradient hooks, and so the compressors, run as before
+        ref, out = train(Compression.none), {}
+        # auto on a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load
+        for key, comp in (("lossless", Compression.lossless(max_density=0.05)),
+                          ("auto", Compression.auto(interval=2, calibration=Calibration.default(1e8)))):
+            out[key] = {"max_diff": max_param_diff(ref, train(comp, compiled=True)), "stats": comp.stats()}
         return out
     if name == "float16_auto":   # auto's plain dense steps of a float16 gradient go as float16, as Horovod's own
         return half_training(Compression.auto(strategies=("dense",)), torch.float16, steps=8)

@@ -389,9 +389,16 @@ class AutoHookState(_HookState):
             agg.cost_model = self.spec.cost_model
 
 
-def _require_state(state, kind: type, hook: str) -> None:
+def _require_arguments(state, bucket, kind: type, hook: str) -> None:
     if not isinstance(state, kind):
         raise TypeError(f"{hook} needs a {kind.__name__}, got {type(state).__name__}")
+    if not isinstance(bucket, dist.GradBucket):
+        # Compiled autograd's python_reducer calls each hook per parameter with (grad, param), to trace it
+        # into the backward graph; these hooks run host code on DDP's buckets.
+        raise TypeError(f"{hook} takes DDP's GradBucket, got {type(bucket).__name__}: compiled autograd's "
+                        "python_reducer (torch._dynamo.config.optimize_ddp = 'python_reducer') calls comm hooks "
+                        "per parameter, to be traced; use torch.compile with optimize_ddp's default "
+                        "('ddp_optimizer'), whose buckets reach the hook as they do eagerly")
 
 
 def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -402,19 +409,19 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
     dense float32 allreduce may be off, or the codec's ``rtol`` where larger; keys the decoder cannot
     prove are re-aggregated densely).
     """
-    _require_state(state, LosslessHookState, "lossless_hook")
+    _require_arguments(state, bucket, LosslessHookState, "lossless_hook")
     return _compressed_allreduce(state, bucket, "lossless_hook")
 
 
 def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: top-k with error feedback, the ranks' selections averaged exactly."""
-    _require_state(state, TopKHookState, "topk_hook")
+    _require_arguments(state, bucket, TopKHookState, "topk_hook")
     return _compressed_allreduce(state, bucket, "topk_hook")
 
 
 def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: THC, an unbiased estimate of the bucket's average."""
-    _require_state(state, THCHookState, "thc_hook")
+    _require_arguments(state, bucket, THCHookState, "thc_hook")
     return _compressed_allreduce(state, bucket, "thc_hook")
 
 
@@ -506,7 +513,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     :meth:`~lossless_hc.training.strategies.AutoAggregator.carries_statistics`) is allreduced in place,
     as DDP's own hook does: one collective of the bucket's bytes, no copy, no scan. Whether a bucket is
     plain is a function of the plans and step counts, identical on every rank."""
-    _require_state(state, AutoHookState, "auto_hook")
+    _require_arguments(state, bucket, AutoHookState, "auto_hook")
     started = time.perf_counter()
     buffer = bucket.buffer()
     # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is

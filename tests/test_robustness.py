@@ -15,7 +15,8 @@ from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS)
 from lossless_hc.lhc.sizing import sketch_table_for
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.plugins.ddp import AutoHookState, LosslessHookState
+from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
+                                     lossless_hook, thc_hook, topk_hook)
 
 INDEXES = ["bitmap", "bloom", "multilevel", "dense"]
 
@@ -608,6 +609,19 @@ def test_every_seed_takes_one_rule(entry):
     for seed in (True, 1.0, "0"):
         with pytest.raises(TypeError, match="must be an int, got"):
             make(seed)
+
+
+@pytest.mark.parametrize("hook,state", [(lossless_hook, LosslessHookState), (topk_hook, TopKHookState),
+                                        (thc_hook, THCHookState), (auto_hook, AutoHookState)])
+def test_ddp_hooks_refuse_compiled_autograd_s_per_parameter_calls(hook, state):
+    """Compiled autograd's python_reducer (torch._dynamo.config.optimize_ddp) calls a comm hook with
+    (grad, param), per parameter, to trace it; the hooks need DDP's buckets: a TypeError naming the
+    mode and what to use, not an AttributeError from inside the hook."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(TypeError, match="takes DDP's GradBucket, got tuple: compiled autograd's python_reducer"):
+        hook(state(), (torch.zeros(4), param))
+    with pytest.raises(TypeError, match="needs a"):   # the state is checked first
+        hook(object(), (torch.zeros(4), param))
 
 
 def test_union_nnz_is_an_int_or_none():

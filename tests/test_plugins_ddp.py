@@ -32,8 +32,8 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "policy", "topk", "thc",
-                           "thc_exact", "thc_amp", "pickle", "inexact"]
+         ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "policy", "topk",
+                           "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
                   + list(ERRORS))])
     return out, size
 
@@ -164,6 +164,18 @@ def check_half_precision(rs):
             assert unaccounted == [16, 0, 0, 0], (dtype, got["payload_bytes"], got["sent_bytes"])
             assert all(b < got["bucket_bytes"] for b in got["sent_bytes"][1:]), (dtype, got["sent_bytes"],
                                                                                  got["bucket_bytes"])
+
+
+def test_uneven_inputs_under_join_equal_ddp_s_allreduce(ddp_run):
+    """``ddp.join()`` with rank r running out of batches 2 r steps early: a joined rank shadows the
+    others' collectives through the hook with zero gradients, so the messages still match. lossless and
+    auto (allgather plans on a given slow link) train as DDP's own allreduce under the same join does
+    (its default ``divide_by_initial_world_size=True``; with False DDP divides by the ranks still
+    training, which no comm hook is told, torch's own included)."""
+    out, size = ddp_run
+    for r in results(out, "uneven", size):
+        for name in ("lossless", "auto"):
+            assert r[name]["max_diff"] <= TOL and r[name]["stats"]["compressed"] > 0, (name, r[name])
 
 
 def test_hooks_under_torch_compile_equal_eager_ddp(tmp_path):

@@ -26,7 +26,9 @@ STEPS = 6
 
 
 def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1,
-          process_group=None, compiled=False):
+          process_group=None, compiled=False, uneven=False):
+    """``uneven``: rank r trains ``steps - 2 r`` steps inside ``ddp.join()`` (DDP's uneven inputs: a rank
+    that ran out shadows the others' collectives, through the hook, with zero gradients)."""
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden).to(DEVICE)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -35,10 +37,12 @@ def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, 
         ddp.register_comm_hook(state, hook)
     forward = torch.compile(ddp) if compiled else ddp
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        loss_fn(forward, batch(step, dist.get_rank())).backward()
-        opt.step()
+    rank = dist.get_rank()
+    with ddp.join(enable=uneven):
+        for step in range(max(0, steps - 2 * rank) if uneven else steps):
+            opt.zero_grad(set_to_none=True)
+            loss_fn(forward, batch(step, rank)).backward()
+            opt.step()
     return model
 
 
@@ -153,6 +157,13 @@ def scenario(name):
         return float16_large()
     if name == "compiled":
         return compiled()
+    if name == "uneven":   # ddp.join(): the ranks run out of batches at different steps
+        ref = train(None, uneven=True)
+        out = {}
+        for key, state, hook in (("lossless", LosslessHookState(max_density=0.05), lossless_hook),
+                                 ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)), auto_hook)):
+            out[key] = {"max_diff": max_param_diff(ref, train(state, hook=hook, uneven=True)), "stats": state.stats()}
+        return out
     if name == "subgroups":
         return subgroups()
     if name == "sparse":

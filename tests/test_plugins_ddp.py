@@ -32,8 +32,8 @@ def ddp_run(request, tmp_path_factory):
     size = request.param
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
-         ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "policy", "topk",
-                           "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
+         ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "ddp_options",
+                           "policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
                   + list(ERRORS))])
     return out, size
 
@@ -176,6 +176,20 @@ def test_uneven_inputs_under_join_equal_ddp_s_allreduce(ddp_run):
     for r in results(out, "uneven", size):
         for name in ("lossless", "auto"):
             assert r[name]["max_diff"] <= TOL and r[name]["stats"]["compressed"] > 0, (name, r[name])
+
+
+def test_static_graph_and_gradient_as_bucket_view(ddp_run):
+    """DDP's ``static_graph`` and ``gradient_as_bucket_view`` (the gradients are views of the buckets,
+    into which the hooks write their results; THC decodes into them): lossless and auto (allgather plans
+    on a given slow link) equal DDP's allreduce with the same option; THC's parameters are bit for bit
+    those of a run without the option."""
+    out, size = ddp_run
+    for r in results(out, "ddp_options", size):
+        for option in ("static_graph", "gradient_as_bucket_view"):
+            for name in ("lossless", "auto"):
+                got = r[f"{option}_{name}"]
+                assert got["max_diff"] <= TOL and got["stats"]["compressed"] > 0, (option, name, got)
+        assert r["thc_view_digests"][0] == r["thc_view_digests"][1]
 
 
 def test_hooks_under_torch_compile_equal_eager_ddp(tmp_path):

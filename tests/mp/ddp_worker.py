@@ -26,13 +26,14 @@ STEPS = 6
 
 
 def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, hook=lossless_hook, lr=0.1,
-          process_group=None, compiled=False, uneven=False):
+          process_group=None, compiled=False, uneven=False, **ddp_options):
     """``uneven``: rank r trains ``steps - 2 r`` steps inside ``ddp.join()`` (DDP's uneven inputs: a rank
-    that ran out shadows the others' collectives, through the hook, with zero gradients)."""
+    that ran out shadows the others' collectives, through the hook, with zero gradients);
+    ``ddp_options``: DistributedDataParallel's own (static_graph, gradient_as_bucket_view)."""
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden).to(DEVICE)
     kw = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    ddp = DistributedDataParallel(model, process_group=process_group, **kw)
+    ddp = DistributedDataParallel(model, process_group=process_group, **kw, **ddp_options)
     if state is not None:
         ddp.register_comm_hook(state, hook)
     forward = torch.compile(ddp) if compiled else ddp
@@ -157,6 +158,20 @@ def scenario(name):
         return float16_large()
     if name == "compiled":
         return compiled()
+    if name == "ddp_options":   # static_graph, gradient_as_bucket_view (the gradients are views of the buckets)
+        out = {}
+        for option in ("static_graph", "gradient_as_bucket_view"):
+            ref = train(None, **{option: True})
+            for key, state, hook in (("lossless", LosslessHookState(max_density=0.05), lossless_hook),
+                                     ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)),
+                                      auto_hook)):
+                got = train(state, hook=hook, **{option: True})
+                out[f"{option}_{key}"] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}
+        # THC decodes into the buckets' slices: with gradient_as_bucket_view those are the gradients
+        plain, viewed = train(THCHookState(bits=4), hook=thc_hook), train(THCHookState(bits=4), hook=thc_hook,
+                                                                          gradient_as_bucket_view=True)
+        out["thc_view_digests"] = [param_digest(plain), param_digest(viewed)]
+        return out
     if name == "uneven":   # ddp.join(): the ranks run out of batches at different steps
         ref = train(None, uneven=True)
         out = {}

@@ -31,9 +31,9 @@ MESHES = {
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
                    "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
-                   "compiled_rs"]),
+                   "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "bfloat16", "float16"]),
+                   "bfloat16", "float16", "mixed", "mixed_bf16"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
@@ -222,6 +222,15 @@ def check_half_model(rs, mesh, name):
         if mesh == "1x2":   # the reduce-scatter alone: every step counted as sent, padding and fallbacks included
             assert r["payload_bytes"] == [sum(nbytes for _, nbytes in rs) for rs in r["sent_rs"]], (r["payload_bytes"],
                                                                                                    r["sent_rs"])
+
+
+@pytest.mark.parametrize("mesh,name", cases("mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs"))
+def test_mixed_precision_policy_equals_native_fsdp2(launch, mesh, name):
+    """``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32 | bfloat16)`` (float32
+    parameters, bfloat16 compute; FSDP2 casts the gradients to the reduce dtype before our collectives):
+    lossless compresses and trains as native FSDP2 with the same policy does, to float rounding."""
+    for r in results(launch, mesh, name):
+        assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0, (r["max_diff"], r["stats"])
 
 
 @pytest.mark.parametrize("mesh,name", cases("compiled", "compiled_rs"))

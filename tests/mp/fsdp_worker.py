@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import DEVICE, CountedCollectives, EmbeddingModel, batch, loss_fn  # noqa: E402
@@ -29,15 +29,16 @@ STEPS = 5
 # NCCL refuses two ranks on one GPU).
 
 
-def build(mesh, native: bool, hidden: int = 16, dtype=torch.float32):
+def build(mesh, native: bool, hidden: int = 16, dtype=torch.float32, mp_policy=None):
     """The test model, fully_shard per table and at the root: natively on the whole mesh (the reference)
-    or on its shard dimension only (custom HSDP, for our hooks)."""
+    or on its shard dimension only (custom HSDP, for our hooks); ``mp_policy``: a MixedPrecisionPolicy."""
     torch.manual_seed(0)
     model = EmbeddingModel(hidden=hidden).to(DEVICE, dtype)
     on = mesh if native or mesh.ndim == 1 else mesh["shard"]
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for m in (model.users, model.items, model.fc1):
-        fully_shard(m, mesh=on)
-    fully_shard(model, mesh=on)
+        fully_shard(m, mesh=on, **policy)
+    fully_shard(model, mesh=on, **policy)
     if native:   # Gloo has no AVG: the reference sums and divides by the world size, as our hooks do
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -64,11 +65,12 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False):
-    """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``)."""
-    ref = build(mesh, native=True, hidden=hidden)
+def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None):
+    """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``),
+    both with ``mp_policy``."""
+    ref = build(mesh, native=True, hidden=hidden, mp_policy=mp_policy)
     train(ref, steps, lr=lr)
-    got = build(mesh, native=False, hidden=hidden)
+    got = build(mesh, native=False, hidden=hidden, mp_policy=mp_policy)
     start = local(got)
     state.register(got, reduce_scatter=reduce_scatter)
     train(got, steps, lr=lr, compiled=compiled)
@@ -203,6 +205,10 @@ def scenario(name, mesh):
     base = name[:-3] if name.endswith("_rs") else name
     if base == "lossless":
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
+    if base in ("mixed", "mixed_bf16"):   # bfloat16 compute; reduced in float32 ("mixed") or in bfloat16
+        reduce_dtype = torch.bfloat16 if base == "mixed_bf16" else torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, mp_policy=policy)
     if base == "compiled":   # torch.compile(model): FSDP2's hooks, and so ours, run around the compiled graphs
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, compiled=True)
     if base == "fallback":    # capacity 0.1%: the tables overload, fall back exactly (identically), grow

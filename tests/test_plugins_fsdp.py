@@ -31,9 +31,10 @@ MESHES = {
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
                    "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
-                   "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs"]),
+                   "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
+                   "accumulation_rs"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "bfloat16", "float16", "mixed", "mixed_bf16"]),
+                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
@@ -224,11 +225,13 @@ def check_half_model(rs, mesh, name):
                                                                                                    r["sent_rs"])
 
 
-@pytest.mark.parametrize("mesh,name", cases("mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs"))
-def test_mixed_precision_policy_equals_native_fsdp2(launch, mesh, name):
+@pytest.mark.parametrize("mesh,name", cases("mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
+                                             "accumulation_rs"))
+def test_mixed_precision_and_accumulation_equal_native_fsdp2(launch, mesh, name):
     """``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32 | bfloat16)`` (float32
-    parameters, bfloat16 compute; FSDP2 casts the gradients to the reduce dtype before our collectives):
-    lossless compresses and trains as native FSDP2 with the same policy does, to float rounding."""
+    parameters, bfloat16 compute; FSDP2 casts the gradients to the reduce dtype before our collectives),
+    and gradient accumulation (3 micro-batches per step, ``set_requires_gradient_sync(False)`` but for
+    the last): lossless compresses and trains as native FSDP2 does with the same, to float rounding."""
     for r in results(launch, mesh, name):
         assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0, (r["max_diff"], r["stats"])
 

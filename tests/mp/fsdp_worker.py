@@ -50,13 +50,17 @@ def local(model):
     return [p.to_local().detach().cpu().clone() for p in model.parameters()]
 
 
-def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None, compiled=False):
+def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None, compiled=False, micro=1):
+    """``micro``: batches per step, the gradients accumulated unsharded without reduction
+    (``set_requires_gradient_sync(False)``) but for the last."""
     opt = opt or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     rank = dist.get_rank()
     forward = torch.compile(model) if compiled else model
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
-        loss_fn(forward, batch(step, rank)).backward()
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            loss_fn(forward, batch(micro * step + m, rank)).backward()
         opt.step()
     return opt
 
@@ -65,15 +69,15 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None):
+def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None, micro=1):
     """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``),
-    both with ``mp_policy``."""
+    both with ``mp_policy`` and ``micro`` batches per step."""
     ref = build(mesh, native=True, hidden=hidden, mp_policy=mp_policy)
-    train(ref, steps, lr=lr)
+    train(ref, steps, lr=lr, micro=micro)
     got = build(mesh, native=False, hidden=hidden, mp_policy=mp_policy)
     start = local(got)
     state.register(got, reduce_scatter=reduce_scatter)
-    train(got, steps, lr=lr, compiled=compiled)
+    train(got, steps, lr=lr, compiled=compiled, micro=micro)
     aggs = state._aggregators
     moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(local(m), start)]) for m in (ref, got)]
     cosine = float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))
@@ -205,6 +209,8 @@ def scenario(name, mesh):
     base = name[:-3] if name.endswith("_rs") else name
     if base == "lossless":
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
+    if base == "accumulation":   # 3 micro-batches per step, reduced once
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, micro=3)
     if base in ("mixed", "mixed_bf16"):   # bfloat16 compute; reduced in float32 ("mixed") or in bfloat16
         reduce_dtype = torch.bfloat16 if base == "mixed_bf16" else torch.float32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)

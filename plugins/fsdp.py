@@ -89,7 +89,8 @@ from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
-                                          encode_message, finish_fallbacks, in_place_outputs, replay_failure)
+                                          encode_message, failure_keys, finish_fallbacks, in_place_outputs,
+                                          replay_failure)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
@@ -368,7 +369,7 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
             if outcomes is None:
                 table[me, i, 0] = _MISMATCH
             elif outcomes[i].needs_fallback:
-                table[me, i, 0], table[me, i, 1] = _FAILED, int(outcomes[i].report.total_keys)
+                table[me, i, 0], table[me, i, 1] = _FAILED, failure_keys(outcomes[i])
         dist.all_reduce(table, group=group)
         if bool((table[:, :, 0] == _MISMATCH).any()):
             bad = sorted({int(r) for r in (table[:, :, 0] == _MISMATCH).nonzero()[:, 0]})

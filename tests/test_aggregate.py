@@ -82,6 +82,29 @@ def test_overload_falls_back_and_grows_identically_on_every_rank(average):
     assert all(not o.needs_fallback for o in outs)
 
 
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_a_non_finite_input_falls_back_without_growing(average):
+    """A NaN/Inf on one rank (AMP's GradScaler makes one whenever its scale overflows) falls back densely
+    on every rank and keeps the capacity: growing would not help, and a scaler's overflow steps would
+    double every tensor's capacity toward dense. The next finite step compresses again; an overloaded
+    rank still grows the capacity when a non-finite input is what the status names first."""
+    n = 2
+    aggs = ranks(n, max_density=0.05)
+    cap0 = aggs[0].capacity
+    xs = [row_sparse(1000, 16, 20, seed) for seed in range(n)]
+    xs[1][3, 0] = float("inf")
+    outs = aggregate(aggs, xs, average)
+    assert all(o.needs_fallback and o.report.status.name == "NON_FINITE_INPUT" for o in outs)
+    assert all(a.capacity == cap0 and a.stats.capacity_growths == 0 and a.stats.fallbacks == 1 for a in aggs)
+    xs[1][3, 0] = 1.0
+    assert all(not o.needs_fallback for o in aggregate(aggs, xs, average))
+    xs = [row_sparse(1000, 16, 200, seed) for seed in range(n)]   # 20% of rows, capacity 5%: overloaded
+    xs[0][0, 0] = float("nan")
+    outs = aggregate(aggs, xs, average)
+    assert all(o.report.status.name == "NON_FINITE_INPUT" and o.report.overloaded_ranks for o in outs)
+    assert all(a.capacity > cap0 and a.stats.capacity_growths == 1 for a in aggs)
+
+
 def test_dense_gradients_switch_to_dense_after_one_fallback():
     n = 2
     aggs = ranks(n, max_density=0.01)

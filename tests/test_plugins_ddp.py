@@ -33,7 +33,7 @@ def ddp_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
          ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "ddp_options",
-                           "policy", "topk", "thc", "thc_exact", "thc_amp", "pickle", "inexact"]
+                           "policy", "topk", "thc", "thc_exact", "thc_amp", "exact_amp", "pickle", "inexact"]
                   + list(ERRORS))])
     return out, size
 
@@ -266,7 +266,23 @@ def test_thc_propagate_lets_grad_scaler_skip_the_step_on_every_rank(ddp_run):
     only then), every rank's scaler skips it (the parameters do not move, the scale halves once), the
     next steps train (the parameters move), and the replicas stay bit-identical."""
     out, size = ddp_run
-    rs = results(out, "thc_amp", size)
+    check_grad_scaler_skips_once(results(out, "thc_amp", size))
+
+
+def test_exact_hooks_let_grad_scaler_skip_the_step_without_growing(ddp_run):
+    """The same with lossless and auto (allgather plans on a given slow link): the step with an Inf on
+    one rank falls back to an exact dense SUM (Inf everywhere), the scaler skips it on every rank, and
+    lossless keeps its capacity there (it doubled every compressed tensor's before: 2 growths here)."""
+    out, size = ddp_run
+    rs = results(out, "exact_amp", size)
+    for name in ("lossless", "auto"):
+        check_grad_scaler_skips_once([r[name] for r in rs])
+    for r in rs:
+        growths = r["lossless"]["growths"]   # the dense layers grow at the first step (a real overload)
+        assert r["lossless"]["stats"]["fallbacks"] >= 3 and growths[3] == growths[2], growths
+
+
+def check_grad_scaler_skips_once(rs):
     for r in rs:
         assert r["error"] is None, r
         assert r["non_finite"] == [False] * 3 + [True] + [False] * 4, r["non_finite"]

@@ -32,9 +32,9 @@ MESHES = {
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
                    "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
-                   "accumulation_rs"]),
+                   "accumulation_rs", "non_finite", "non_finite_rs"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation"]),
+                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
@@ -234,6 +234,20 @@ def test_mixed_precision_and_accumulation_equal_native_fsdp2(launch, mesh, name)
     the last): lossless compresses and trains as native FSDP2 does with the same, to float rounding."""
     for r in results(launch, mesh, name):
         assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0, (r["max_diff"], r["stats"])
+
+
+@pytest.mark.parametrize("mesh,name", cases("non_finite", "non_finite_rs"))
+def test_a_non_finite_step_is_skipped_as_natively_and_grows_nothing(launch, mesh, name):
+    """An Inf in one rank's loss (as an AMP scaler's overflow): every rank sees a non-finite gradient at
+    that step and skips it, as with native FSDP2, and training goes on equal to native. The step falls
+    back densely without growing any capacity -- on a reduce-scatter, on the destinations' owners and on
+    the ranks that replay their outcome alike (the 1x2 mesh; on 2x2 with ``_rs`` the reduce-scatter's
+    inexact keys grow capacities at any step, so the count says nothing there)."""
+    for r in results(launch, mesh, name):
+        assert r["skipped"] == r["ref_skipped"] == [False, False, True, False, False], r
+        assert r["max_diff"] <= TOL and r["stats"]["fallbacks"] >= 1, r
+        if not (mesh == "2x2" and name.endswith("_rs")):
+            assert r["growths"][2] == r["growths"][1], r["growths"]
 
 
 @pytest.mark.parametrize("mesh,name", cases("compiled", "compiled_rs"))

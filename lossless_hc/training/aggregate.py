@@ -8,8 +8,10 @@ the payload (a ring allreduce, a parameter server), and hands the result to
   codec's payload, header included, is smaller than the dense tensor; otherwise the dense tensor
   itself is the payload, so a step's first payload is never larger than dense.
 * **capacity.** Each rank may send at most ``capacity`` non-zero coordinates. When a decode fails
-  (a rank was over capacity, or peeling could not finish) the adapter aggregates that tensor again,
-  densely and exactly, and the capacity grows for later steps.
+  the adapter aggregates that tensor again, densely and exactly; where the failure says the codec was
+  too small (a rank was over capacity, peeling could not finish: :data:`CAPACITY_STATUSES`) the
+  capacity grows for later steps, and otherwise (a NaN/Inf input, a payload that is not a plain sum)
+  it stays.
 * **inexact keys.** A decode that is exact except at a few keys (``DecodeStatus.INEXACT``: their
   error bound exceeds the codec's tolerance, typically small values sharing sketch cells with large
   ones) keeps its output, and the adapter re-aggregates just those keys' coordinates with a dense
@@ -48,6 +50,18 @@ from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
 
 # The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The decode outcomes that say the codec was too small for the step's keys: a failed decode grows the
+# capacity only after one of these (or where some rank overloaded, whatever the status names first). The
+# others -- a non-finite input, which AMP's GradScaler causes whenever its scale overflows, or a payload
+# that is not a plain sum of this codec's payloads -- fall back densely and keep the capacity: more
+# would not help, and a scaler's overflow steps would double every compressed tensor's capacity.
+CAPACITY_STATUSES = frozenset({DecodeStatus.OVERLOADED, DecodeStatus.SKETCH_PEEL_FAILED, DecodeStatus.INDEX_PEEL_FAILED,
+                               DecodeStatus.INDEX_OVERFLOW, DecodeStatus.INDEX_SATURATED, DecodeStatus.INEXACT})
+
+
+def grows_capacity(report: DecodeReport) -> bool:
+    """Whether a failed decode's ``report`` calls for a larger codec (:data:`CAPACITY_STATUSES`)."""
+    return bool(report.overloaded_ranks) or report.status in CAPACITY_STATUSES
 
 
 class ConfigurationMismatch(RuntimeError):
@@ -434,7 +448,7 @@ class TensorAggregator:
         st.fallbacks += 1
         st.payload_bytes += self.numel * self.dtype.itemsize
         st.last_failure = f"{self.name}: {report.reason}"
-        if codec is self._codec:  # grow once per failed step, even if a caller decodes twice
+        if codec is self._codec and grows_capacity(report):  # once per failed step, even if decoded twice
             self._grow(report)
         return DecodeOutcome(None, averaged, report)
 

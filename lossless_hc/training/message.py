@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.training.aggregate import DecodeOutcome, partial_values
+from lossless_hc.training.aggregate import DecodeOutcome, grows_capacity, partial_values
 
 # Widening a narrower part into a wider one costs its elements x the width difference on the wire; a
 # separate part costs one more collective's latency. 256 KiB is ~2 ms at 1 Gbit/s: below it, from
@@ -252,15 +252,24 @@ def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: 
     return results
 
 
+def failure_keys(outcome: DecodeOutcome) -> int:
+    """What the rank that decoded a failed segment (``outcome.needs_fallback``) tells the others for
+    :func:`replay_failure`: its ``DecodeReport.total_keys`` where the failure grew the capacity
+    (:func:`~lossless_hc.training.aggregate.grows_capacity`), else -1."""
+    return int(outcome.report.total_keys) if grows_capacity(outcome.report) else -1
+
+
 def replay_failure(aggregator, total_keys: int) -> None:
     """Apply, on a rank that did not decode, the capacity growth that a failed decode caused on the rank
     that did (the owner of a reduce-scatter destination): ``total_keys`` is the owner's
-    ``DecodeReport.total_keys``. Afterwards the aggregator builds the same codec as the owner's, so
-    payload sizes keep matching. THC never fails: with a THC aggregator this raises TypeError."""
+    :func:`failure_keys` (-1: the failure grew nothing, and nothing is replayed). Afterwards the
+    aggregator builds the same codec as the owner's, so payload sizes keep matching. THC never fails:
+    with a THC aggregator this raises TypeError."""
     grow = getattr(aggregator, "_grow", None)
     if grow is None:
         raise TypeError(f"{type(aggregator).__name__} cannot fail to decode; nothing to replay")
-    grow(_OwnerReport(int(total_keys)))
+    if total_keys >= 0:
+        grow(_OwnerReport(int(total_keys)))
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,10 @@ def scenario(name):
         return thc_exact(steps=3)
     if name == "thc_amp":  # non_finite="propagate" with AMP's GradScaler: an Inf on one rank skips the step everywhere
         return thc_with_grad_scaler(inject_step=3, steps=8)
+    if name == "exact_amp":  # the same with the exact hooks: a non-finite input falls back to DDP's dense SUM
+        return {"lossless": thc_with_grad_scaler(3, 8, LosslessHookState(max_density=0.05), lossless_hook),
+                "auto": thc_with_grad_scaler(3, 8, AutoHookState(interval=2, calibration=Calibration.default(1e8)),
+                                             auto_hook)}
     if name == "pickle":  # torch.save(ddp_model) with our hook registered (DDP pickles the hook state)
         import io
         torch.manual_seed(0)
@@ -407,20 +411,20 @@ def float16_large(steps=2):
     return out
 
 
-def thc_with_grad_scaler(inject_step, steps):
-    """THC hook with non_finite="propagate" under torch.amp.GradScaler: at ``inject_step`` the last rank's
-    loss is multiplied by Inf (its gradient holds Inf/NaN, the other ranks' are finite). Records, per
-    step, whether this rank's reduced gradient held a non-finite value and the scaler's scale, and any
-    exception (there must be none)."""
+def thc_with_grad_scaler(inject_step, steps, state=None, hook=thc_hook):
+    """THC hook with non_finite="propagate" (or ``state`` with ``hook``) under torch.amp.GradScaler: at
+    ``inject_step`` the last rank's loss is multiplied by Inf (its gradient holds Inf/NaN, the other
+    ranks' are finite). Records, per step, whether this rank's reduced gradient held a non-finite value
+    and the scaler's scale, the capacity growths so far, and any exception (there must be none)."""
     torch.manual_seed(0)
     model = EmbeddingModel(hidden=512)
     ddp = DistributedDataParallel(model)
-    state = THCHookState(bits=4, non_finite="propagate")
-    ddp.register_comm_hook(state, thc_hook)
+    state = state if state is not None else THCHookState(bits=4, non_finite="propagate")
+    ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     rank, last = dist.get_rank(), dist.get_world_size() - 1
-    non_finite, scales, moved = [], [], []
+    non_finite, scales, moved, growths = [], [], [], []
     try:
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
@@ -434,13 +438,14 @@ def thc_with_grad_scaler(inject_step, steps):
             scaler.step(opt)
             scaler.update()
             scales.append(scaler.get_scale())
+            growths.append(state.stats()["capacity_growths"])
             moved.append(max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), before)))
         error = None
     except Exception as e:  # noqa: BLE001 - the test asserts there is none
         error = f"{type(e).__name__}: {e}"
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return {"error": error, "non_finite": non_finite, "scales": scales, "moved": moved, "finite": finite,
-            "digest": param_digest(model), "stats": state.stats()}
+            "digest": param_digest(model), "stats": state.stats(), "growths": growths}
 
 
 if __name__ == "__main__":

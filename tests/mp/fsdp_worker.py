@@ -65,6 +65,40 @@ def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None, compiled=False,
     return opt
 
 
+def non_finite(mesh, reduce_scatter: bool, steps=5, inject=2):
+    """An Inf in the last rank's loss at step ``inject``, as an AMP scaler's overflow makes: every rank sees
+    a non-finite reduced gradient there (a flag all-reduced over the ranks, as a GradScaler's check) and
+    skips the optimizer step. Against native FSDP2 doing the same: the parameters, per step whether it
+    was skipped, and the capacity growths so far (the non-finite step must grow nothing, on the ranks
+    that decoded a destination and on those that replayed its outcome alike)."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+
+    def run(model, state=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        skipped, growths = [], []
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch(step, rank))
+            (loss * float("inf") if step == inject and rank == last else loss).backward()
+            bad = torch.tensor([float(any(not bool(torch.isfinite(p.grad.to_local()).all())
+                                          for p in model.parameters() if p.grad is not None))], device=DEVICE)
+            dist.all_reduce(bad)
+            if float(bad) == 0:
+                opt.step()
+            skipped.append(float(bad) > 0)
+            growths.append(state.stats()["capacity_growths"] if state is not None else 0)
+        return skipped, growths
+
+    ref = build(mesh, native=True, hidden=512)
+    ref_skipped, _ = run(ref)
+    got = build(mesh, native=False, hidden=512)
+    state = LosslessFSDPState(mesh, max_density=0.05)
+    state.register(got, reduce_scatter=reduce_scatter)
+    skipped, growths = run(got, state)
+    return {"max_diff": max_diff(local(ref), local(got)), "skipped": skipped, "ref_skipped": ref_skipped,
+            "growths": growths, "stats": state.stats()}
+
+
 def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
@@ -209,6 +243,8 @@ def scenario(name, mesh):
     base = name[:-3] if name.endswith("_rs") else name
     if base == "lossless":
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
+    if base == "non_finite":
+        return non_finite(mesh, rs)
     if base == "accumulation":   # 3 micro-batches per step, reduced once
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, micro=3)
     if base in ("mixed", "mixed_bf16"):   # bfloat16 compute; reduced in float32 ("mixed") or in bfloat16

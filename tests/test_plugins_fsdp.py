@@ -198,11 +198,11 @@ def test_a_half_precision_model_s_dense_tensors_travel_in_its_dtype(launch, mesh
     """A bfloat16 (float16) model whose dense layers (139k coordinates) are sent as they are after the
     first step's capacity growth (lossless; auto: on its plain steps): equal to native FSDP2 in that
     dtype (float16: FSDP2 divides by a power of two near sqrt(n) before our collectives and by the rest
-    after, as around its own); the replica all-reduce of such a step carries fewer bytes than this rank's shard (it carried
-    the dense layers widened to float32: 1.5-1.7x the shard), and the homomorphic reduce-scatter
-    carries them in reduce-scatters of the model's dtype (it had none), counting in its stats what it
-    sends (each destination's part padded to the longest, 12% of a step here, and the fallbacks'
-    float32 chunks for every destination went uncounted)."""
+    after, as around its own); the replica all-reduce of such a step carries fewer bytes than this
+    rank's shard (it carried the dense layers widened to float32: 1.5-1.7x the shard), and the
+    homomorphic reduce-scatter carries them in reduce-scatters of the model's dtype (it had none),
+    counting in its stats what it sends (each destination's part padded to the longest, 12% of a step
+    here, and the fallbacks' float32 chunks for every destination went uncounted)."""
     check_half_model(results(launch, mesh, name), mesh, name)
 
 

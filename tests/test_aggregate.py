@@ -105,6 +105,24 @@ def test_a_non_finite_input_falls_back_without_growing(average):
     assert all(a.capacity > cap0 and a.stats.capacity_growths == 1 for a in aggs)
 
 
+def test_top_k_drops_its_residual_after_a_non_finite_step():
+    """A NaN/Inf in one rank's gradient (an AMP scaler's overflow step): the decode falls back (its sum
+    is non-finite, which the scaler skips) and every rank drops its residual, so the next finite step
+    encodes and decodes finite values (the residual would otherwise carry the Inf into every step)."""
+    n, numel = 2, 4096
+    aggs = [TopKAggregator("t", (numel,), torch.float32, n, ratio=0.01) for _ in range(n)]
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    aggregate(aggs, xs)
+    assert all(a.residual is not None and bool(a.residual.abs().sum() > 0) for a in aggs)
+    bad = [x.clone() for x in xs]
+    bad[1][7] = float("inf")
+    outs = aggregate(aggs, bad)
+    assert all(o.needs_fallback and o.report.status.name == "NON_FINITE_INPUT" for o in outs)
+    assert all(a.residual is None for a in aggs)
+    outs = aggregate(aggs, xs)
+    assert all(not o.needs_fallback and bool(torch.isfinite(o.value).all()) for o in outs)
+
+
 def test_dense_gradients_switch_to_dense_after_one_fallback():
     n = 2
     aggs = ranks(n, max_density=0.01)

@@ -33,7 +33,8 @@ def ddp_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"ddp{size}")
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
          ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "ddp_options",
-                           "policy", "topk", "thc", "thc_exact", "thc_amp", "exact_amp", "pickle", "inexact"]
+                           "policy", "topk", "thc", "thc_exact", "thc_amp", "exact_amp", "lossy_amp", "pickle",
+                           "inexact"]
                   + list(ERRORS))])
     return out, size
 
@@ -280,6 +281,21 @@ def test_exact_hooks_let_grad_scaler_skip_the_step_without_growing(ddp_run):
     for r in rs:
         growths = r["lossless"]["growths"]   # the dense layers grow at the first step (a real overload)
         assert r["lossless"]["stats"]["fallbacks"] >= 3 and growths[3] == growths[2], growths
+
+
+def test_error_feedback_lets_grad_scaler_skip_one_step_only(ddp_run):
+    """The same with top-k's error feedback (topk_hook, and auto's top-k plans) and auto's THC plans: the
+    step with an Inf on one rank is skipped on every rank and the next steps train. Before, top-k's
+    residual kept the Inf, so every later step was non-finite and the scale halved for ever (auto's
+    top-k: one more skipped step), and auto's THC raised FloatingPointError from the hook."""
+    out, size = ddp_run
+    rs = results(out, "lossy_amp", size)
+    for name in ("topk", "auto_thc", "auto_topk"):
+        check_grad_scaler_skips_once([r[name] for r in rs])
+    for r in rs:
+        for name in ("auto_thc", "auto_topk"):
+            plans = {v["strategy"] for v in r[name]["stats"]["plan"].values()}
+            assert name[5:] in plans, (name, plans)
 
 
 def check_grad_scaler_skips_once(rs):

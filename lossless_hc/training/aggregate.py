@@ -564,6 +564,16 @@ class TopKAggregator(TensorAggregator):
         sparse[idx] = values
         return sparse.reshape(self.shape).to(self.dtype)
 
+    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext, partial: bool = True) -> DecodeOutcome:
+        """:meth:`TensorAggregator.decode`; after a step where some rank's g + e held NaN/Inf (an AMP
+        scaler's overflow step, which the scaler then skips) every rank drops its residual: the
+        non-finite one would make every later step non-finite (the scale halving at each, for ever), and
+        the others hold values at the scale that overflowed, which the scaler now halves."""
+        outcome = super().decode(aggregated, ctx, partial)
+        if outcome.report is not None and outcome.report.status == DecodeStatus.NON_FINITE_INPUT:
+            self.residual = None
+        return outcome
+
 
 def payload_is_averaged(payload: torch.Tensor, world_size: int) -> bool:
     """Whether an engine averaged (True) or summed (False) a codec payload, read from the payload.

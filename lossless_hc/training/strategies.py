@@ -411,8 +411,11 @@ class AutoAggregator:
             body = self._bitmap(ctx)
         elif s == "thc":
             if self._thc is None:
+                # "propagate": a NaN/Inf input decodes to NaN, as a dense plan's sum would carry it (an AMP
+                # scaler then skips the step); THC's own default raises
                 self._thc = THCAggregator(self.name, (self.numel,), torch.float32, n, self.rank,
-                                          bits=self.thc_bits, seed=self.seed, stats=AggregationStats())
+                                          bits=self.thc_bits, seed=self.seed, stats=AggregationStats(),
+                                          non_finite="propagate")
             body, ctx.inner = self._thc.encode(ctx.flat.to(torch.float32))
         elif s == "topk":
             if self._topk is None:

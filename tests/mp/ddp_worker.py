@@ -111,6 +111,12 @@ def scenario(name):
         return {"lossless": thc_with_grad_scaler(3, 8, LosslessHookState(max_density=0.05), lossless_hook),
                 "auto": thc_with_grad_scaler(3, 8, AutoHookState(interval=2, calibration=Calibration.default(1e8)),
                                              auto_hook)}
+    if name == "lossy_amp":  # top-k (its error feedback) and auto's lossy plans (THC, top-k) under the scaler
+        slow = Calibration.default(1e8)
+        return {"topk": thc_with_grad_scaler(3, 8, TopKHookState(ratio=0.05), topk_hook),
+                **{f"auto_{s}": thc_with_grad_scaler(3, 8, AutoHookState(lossy=True, first=s, strategies=(s,),
+                                                                         interval=2, calibration=slow), auto_hook)
+                   for s in ("thc", "topk")}}
     if name == "pickle":  # torch.save(ddp_model) with our hook registered (DDP pickles the hook state)
         import io
         torch.manual_seed(0)

@@ -89,7 +89,7 @@ from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
-                                          encode_message, failure_keys, finish_fallbacks, in_place_outputs,
+                                          encode_message, failure_record, finish_fallbacks, in_place_outputs,
                                           replay_failure)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
@@ -364,12 +364,14 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
         except ConfigurationMismatch as e:   # raised below on every rank, after the table
             reason = str(e)
         params = len(self.slots.fqns)
-        table = torch.zeros(n, params, 2, dtype=torch.int64, device=st._device())
+        # per destination and parameter: the outcome, and a failure's record (message.failure_record)
+        table = torch.zeros(n, params, 4, dtype=torch.int64, device=st._device())
         for i in range(params):
             if outcomes is None:
                 table[me, i, 0] = _MISMATCH
             elif outcomes[i].needs_fallback:
-                table[me, i, 0], table[me, i, 1] = _FAILED, failure_keys(outcomes[i])
+                table[me, i, 0] = _FAILED
+                table[me, i, 1:] = torch.tensor(failure_record(outcomes[i]))
         dist.all_reduce(table, group=group)
         if bool((table[:, :, 0] == _MISMATCH).any()):
             bad = sorted({int(r) for r in (table[:, :, 0] == _MISMATCH).nonzero()[:, 0]})
@@ -378,7 +380,7 @@ class _HomomorphicReduceScatter(_ReduceScatterBase):
         for d in range(n):
             for i in range(params):
                 if d != me and int(table[d, i, 0]) == _FAILED:
-                    replay_failure(messages[d].aggregators[i], int(table[d, i, 1]))
+                    replay_failure(messages[d].aggregators[i], *table[d, i, 1:].tolist())
         results = [o.value for o in outcomes]
         failed = [i for i in range(params) if bool((table[:, i, 0] == _FAILED).any())]
         if failed:   # every rank: dense chunks of the failed parameters, reduce-scattered exactly

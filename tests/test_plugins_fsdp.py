@@ -32,9 +32,9 @@ MESHES = {
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
                    "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
-                   "accumulation_rs", "non_finite", "non_finite_rs"]),
+                   "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite"]),
+                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite", "non_finite_topk"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
@@ -248,6 +248,16 @@ def test_a_non_finite_step_is_skipped_as_natively_and_grows_nothing(launch, mesh
         assert r["max_diff"] <= TOL and r["stats"]["fallbacks"] >= 1, r
         if not (mesh == "2x2" and name.endswith("_rs")):
             assert r["growths"][2] == r["growths"][1], r["growths"]
+
+
+@pytest.mark.parametrize("mesh,name", cases("non_finite_topk", "non_finite_topk_rs"))
+def test_top_k_skips_one_non_finite_step_only(launch, mesh, name):
+    """Top-k with an Inf in one rank's loss: that step is skipped on every rank, and the next steps
+    train. On a reduce-scatter the rank with the Inf holds a residual for every destination, most of
+    which it does not decode: the owners' outcome, replayed, drops them there too (before, every later
+    step was non-finite)."""
+    for r in results(launch, mesh, name):
+        assert r["skipped"] == [False, False, True, False, False] and r["finite"], r
 
 
 @pytest.mark.parametrize("mesh,name", cases("compiled", "compiled_rs"))

@@ -448,9 +448,17 @@ class TensorAggregator:
         st.fallbacks += 1
         st.payload_bytes += self.numel * self.dtype.itemsize
         st.last_failure = f"{self.name}: {report.reason}"
-        if codec is self._codec and grows_capacity(report):  # once per failed step, even if decoded twice
-            self._grow(report)
+        if codec is self._codec:  # once per failed step, even if a caller decodes twice
+            self.after_failure(report)
         return DecodeOutcome(None, averaged, report)
+
+    def after_failure(self, report: DecodeReport) -> None:
+        """What a failed decode changes for later steps, the same on every rank that learns of it (the
+        ranks that decoded; a reduce-scatter's other ranks through
+        :func:`~lossless_hc.training.message.replay_failure`): the capacity grows where the failure says
+        the codec was too small (:func:`grows_capacity`)."""
+        if grows_capacity(report):
+            self._grow(report)
 
     def _inexact_coords(self, report: DecodeReport, partial: bool) -> Optional[torch.Tensor]:
         """The flat coordinates of ``report``'s inexact keys (key k covers coordinates
@@ -564,15 +572,14 @@ class TopKAggregator(TensorAggregator):
         sparse[idx] = values
         return sparse.reshape(self.shape).to(self.dtype)
 
-    def decode(self, aggregated: torch.Tensor, ctx: EncodeContext, partial: bool = True) -> DecodeOutcome:
-        """:meth:`TensorAggregator.decode`; after a step where some rank's g + e held NaN/Inf (an AMP
-        scaler's overflow step, which the scaler then skips) every rank drops its residual: the
+    def after_failure(self, report: DecodeReport) -> None:
+        """:meth:`TensorAggregator.after_failure`; after a step where some rank's g + e held NaN/Inf (an
+        AMP scaler's overflow step, which the scaler then skips) every rank also drops its residual: the
         non-finite one would make every later step non-finite (the scale halving at each, for ever), and
         the others hold values at the scale that overflowed, which the scaler now halves."""
-        outcome = super().decode(aggregated, ctx, partial)
-        if outcome.report is not None and outcome.report.status == DecodeStatus.NON_FINITE_INPUT:
+        super().after_failure(report)
+        if report.status == DecodeStatus.NON_FINITE_INPUT:
             self.residual = None
-        return outcome
 
 
 def payload_is_averaged(payload: torch.Tensor, world_size: int) -> bool:

@@ -38,7 +38,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.training.aggregate import DecodeOutcome, grows_capacity, partial_values
+from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
 # Widening a narrower part into a wider one costs its elements x the width difference on the wire; a
 # separate part costs one more collective's latency. 256 KiB is ~2 ms at 1 Gbit/s: below it, from
@@ -252,28 +253,29 @@ def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: 
     return results
 
 
-def failure_keys(outcome: DecodeOutcome) -> int:
+def failure_record(outcome: DecodeOutcome) -> tuple:
     """What the rank that decoded a failed segment (``outcome.needs_fallback``) tells the others for
-    :func:`replay_failure`: its ``DecodeReport.total_keys`` where the failure grew the capacity
-    (:func:`~lossless_hc.training.aggregate.grows_capacity`), else -1."""
-    return int(outcome.report.total_keys) if grows_capacity(outcome.report) else -1
+    :func:`replay_failure`: ``(status, total_keys, overloaded_ranks)`` of its report, as integers."""
+    report = outcome.report
+    return int(report.status), int(report.total_keys), int(report.overloaded_ranks)
 
 
-def replay_failure(aggregator, total_keys: int) -> None:
-    """Apply, on a rank that did not decode, the capacity growth that a failed decode caused on the rank
-    that did (the owner of a reduce-scatter destination): ``total_keys`` is the owner's
-    :func:`failure_keys` (-1: the failure grew nothing, and nothing is replayed). Afterwards the
-    aggregator builds the same codec as the owner's, so payload sizes keep matching. THC never fails:
-    with a THC aggregator this raises TypeError."""
-    grow = getattr(aggregator, "_grow", None)
-    if grow is None:
+def replay_failure(aggregator, status: int, total_keys: int, overloaded_ranks: int) -> None:
+    """Apply, on a rank that did not decode, what a failed decode changed on the rank that did (the
+    owner of a reduce-scatter destination; the arguments are the owner's :func:`failure_record`):
+    :meth:`~lossless_hc.training.aggregate.TensorAggregator.after_failure` (the capacity growth, a
+    top-k residual dropped). Afterwards the aggregator builds the same codec as the owner's, so payload
+    sizes keep matching. THC never fails: with a THC aggregator this raises TypeError."""
+    after_failure = getattr(aggregator, "after_failure", None)
+    if after_failure is None:
         raise TypeError(f"{type(aggregator).__name__} cannot fail to decode; nothing to replay")
-    if total_keys >= 0:
-        grow(_OwnerReport(int(total_keys)))
+    after_failure(_OwnerReport(DecodeStatus(int(status)), int(total_keys), int(overloaded_ranks)))
 
 
 @dataclass(frozen=True)
 class _OwnerReport:
-    """The part of a :class:`~lossless_hc.lhc.codec.DecodeReport` capacity growth reads."""
+    """The part of a :class:`~lossless_hc.lhc.codec.DecodeReport` that ``after_failure`` reads."""
 
+    status: DecodeStatus
     total_keys: int
+    overloaded_ranks: int

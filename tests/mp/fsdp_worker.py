@@ -65,12 +65,13 @@ def train(model, steps, start=0, lr=0.1, momentum=0.0, opt=None, compiled=False,
     return opt
 
 
-def non_finite(mesh, reduce_scatter: bool, steps=5, inject=2):
-    """An Inf in the last rank's loss at step ``inject``, as an AMP scaler's overflow makes: every rank sees
-    a non-finite reduced gradient there (a flag all-reduced over the ranks, as a GradScaler's check) and
-    skips the optimizer step. Against native FSDP2 doing the same: the parameters, per step whether it
-    was skipped, and the capacity growths so far (the non-finite step must grow nothing, on the ranks
-    that decoded a destination and on those that replayed its outcome alike)."""
+def non_finite(mesh, reduce_scatter: bool, steps=5, inject=2, state=None):
+    """``state`` (lossless by default) with an Inf in the last rank's loss at step ``inject``, as an AMP
+    scaler's overflow makes: every rank sees a non-finite reduced gradient there (a flag all-reduced
+    over the ranks, as a GradScaler's check) and skips the optimizer step. Against native FSDP2 doing
+    the same: the parameters, per step whether it was skipped, the capacity growths so far (the
+    non-finite step must grow nothing, on the ranks that decoded a destination and on those that
+    replayed its outcome alike), and whether the parameters ended finite."""
     rank, last = dist.get_rank(), dist.get_world_size() - 1
 
     def run(model, state=None):
@@ -92,11 +93,12 @@ def non_finite(mesh, reduce_scatter: bool, steps=5, inject=2):
     ref = build(mesh, native=True, hidden=512)
     ref_skipped, _ = run(ref)
     got = build(mesh, native=False, hidden=512)
-    state = LosslessFSDPState(mesh, max_density=0.05)
+    state = state or LosslessFSDPState(mesh, max_density=0.05)
     state.register(got, reduce_scatter=reduce_scatter)
     skipped, growths = run(got, state)
     return {"max_diff": max_diff(local(ref), local(got)), "skipped": skipped, "ref_skipped": ref_skipped,
-            "growths": growths, "stats": state.stats()}
+            "growths": growths, "stats": state.stats(),
+            "finite": all(bool(torch.isfinite(t).all()) for t in local(got))}
 
 
 def max_diff(a, b):
@@ -245,6 +247,8 @@ def scenario(name, mesh):
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
     if base == "non_finite":
         return non_finite(mesh, rs)
+    if base == "non_finite_topk":   # top-k's residuals, also on the ranks that replay a destination's outcome
+        return non_finite(mesh, rs, state=TopKFSDPState(mesh, ratio=0.05))
     if base == "accumulation":   # 3 micro-batches per step, reduced once
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, micro=3)
     if base in ("mixed", "mixed_bf16"):   # bfloat16 compute; reduced in float32 ("mixed") or in bfloat16

@@ -84,7 +84,7 @@ class HorovodCompressor(CompressorAdapter):
         agg = self._aggregator(p, opt, tensor)
         payload, ctx = self.encode(agg, tensor)
         if payload.dtype == torch.bfloat16:   # a tensor sent as it is, in a dtype Horovod cannot reduce
-            agg.stats.payload_bytes += 2 * payload.numel()   # counted as bfloat16, sent as float32
+            agg.stats.count_widened(payload.numel(), torch.bfloat16, torch.float32)
             return payload.float(), _CarriedAsFloat32(ctx)
         return payload, ctx
 
@@ -113,7 +113,7 @@ class HorovodCompressor(CompressorAdapter):
         carried = tensor
         if tensor.dtype == torch.bfloat16:
             carried = tensor.float()
-            agg.stats.payload_bytes += 2 * tensor.numel()   # counted as bfloat16, sent as float32
+            agg.stats.count_widened(tensor.numel(), torch.bfloat16, torch.float32)
         return hvd.allreduce_async_(carried, name=name, op=hvd.Sum, process_set=self._process_set), carried, tensor
 
     def _wait_fallback(self, handle) -> None:

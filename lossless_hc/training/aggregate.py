@@ -106,6 +106,12 @@ class AggregationStats:
             self.sent_dense += 1
         self.encode_seconds += time.perf_counter() - started
 
+    def count_widened(self, numel: int, dtype: torch.dtype, sent: torch.dtype) -> None:
+        """Add the bytes that ``numel`` values counted in their own ``dtype`` gain when they are sent as
+        the wider ``sent`` (a narrower payload in a wider message part, a fallback's float32 values, a
+        bfloat16 tensor Horovod carries as float32)."""
+        self.payload_bytes += max(0, numel * (sent.itemsize - dtype.itemsize))
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["wire_ratio"] = self.wire_ratio

@@ -88,22 +88,13 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
         parts = []
     encoded = []
     for agg, t, (numel, dtype), (part, offset) in zip(aggregators, tensors, specs, places):
-        _count_widened(agg, numel, dtype, dtypes[part])
+        agg.stats.count_widened(numel, dtype, dtypes[part])
         piece = parts[part][offset:offset + numel]
         payload, ctx = agg.encode(t, out=piece) if dtype == piece.dtype else agg.encode(t)
         if payload.data_ptr() != piece.data_ptr():   # sent as it is, or widened
             piece.copy_(payload.reshape(-1))
         encoded.append((payload, ctx))
     return Message(list(aggregators), encoded, parts, places)
-
-
-def _count_widened(agg, numel: int, dtype: torch.dtype, sent: torch.dtype) -> None:
-    """Add to ``agg.stats.payload_bytes`` (:class:`~lossless_hc.training.aggregate.AggregationStats`,
-    which counted ``numel`` values in their own ``dtype``) the bytes they gain sent as the wider
-    ``sent``."""
-    extra = numel * (sent.itemsize - dtype.itemsize)
-    if extra > 0:
-        agg.stats.payload_bytes += extra
 
 
 def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[torch.Tensor]:
@@ -241,7 +232,7 @@ def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: 
         # their aggregators counted these values in the tensor's dtype; they travel as float32
         numels = [math.prod(message.encoded[i][1].shape) for i in failed] + [p.numel() for p in parts]
         for i, numel in zip(failed + partial, numels):
-            _count_widened(message.aggregators[i], numel, message.encoded[i][1].dtype, torch.float32)
+            message.aggregators[i].stats.count_widened(numel, message.encoded[i][1].dtype, torch.float32)
         dense_sum(both)
         dense, offset = both[:dense.numel()], dense.numel()
         for i, value in zip(failed, finish_fallbacks(message, outcomes, failed, dense)):

@@ -108,9 +108,7 @@ def scenario(name):
     if name == "thc_amp":  # non_finite="propagate" with AMP's GradScaler: an Inf on one rank skips the step everywhere
         return thc_with_grad_scaler(inject_step=3, steps=8)
     if name == "exact_amp":  # the same with the exact hooks: a non-finite input falls back to DDP's dense SUM
-        return {"lossless": thc_with_grad_scaler(3, 8, LosslessHookState(max_density=0.05), lossless_hook),
-                "auto": thc_with_grad_scaler(3, 8, AutoHookState(interval=2, calibration=Calibration.default(1e8)),
-                                             auto_hook)}
+        return {key: thc_with_grad_scaler(3, 8, state, hook) for key, state, hook in exact_hooks()}
     if name == "lossy_amp":  # top-k (its error feedback) and auto's lossy plans (THC, top-k) under the scaler
         slow = Calibration.default(1e8)
         return {"topk": thc_with_grad_scaler(3, 8, TopKHookState(ratio=0.05), topk_hook),
@@ -172,9 +170,7 @@ def scenario(name):
         out = {}
         for option in ("static_graph", "gradient_as_bucket_view"):
             ref = train(None, **{option: True})
-            for key, state, hook in (("lossless", LosslessHookState(max_density=0.05), lossless_hook),
-                                     ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)),
-                                      auto_hook)):
+            for key, state, hook in exact_hooks():
                 got = train(state, hook=hook, **{option: True})
                 out[f"{option}_{key}"] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}
         # THC decodes into the buckets' slices: with gradient_as_bucket_view those are the gradients
@@ -185,8 +181,7 @@ def scenario(name):
     if name == "uneven":   # ddp.join(): the ranks run out of batches at different steps
         ref = train(None, uneven=True)
         out = {}
-        for key, state, hook in (("lossless", LosslessHookState(max_density=0.05), lossless_hook),
-                                 ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)), auto_hook)):
+        for key, state, hook in exact_hooks():
             out[key] = {"max_diff": max_param_diff(ref, train(state, hook=hook, uneven=True)), "stats": state.stats()}
         return out
     if name == "subgroups":
@@ -355,6 +350,14 @@ def half_precision(dtype, steps=4, hidden=16, lr=0.1):
             "bucket_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
+def exact_hooks():
+    """Fresh ``(name, state, hook)`` of the exact hooks the scenarios compare with DDP's allreduce:
+    lossless, and auto on a given 100 Mbit/s link (the tables' plans are not dense, whatever the
+    machine's load)."""
+    return [("lossless", LosslessHookState(max_density=0.05), lossless_hook),
+            ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)), auto_hook)]
+
+
 def compiled(hidden=16384, bucket_cap_mb=1):
     """``torch.compile(ddp_model)`` with the lossless and auto hooks against eager DDP's own allreduce:
     the largest parameter difference and the stats. 1.3 MB of parameters in buckets of 1 MB (DDP's
@@ -362,9 +365,7 @@ def compiled(hidden=16384, bucket_cap_mb=1):
     buckets' boundary and the hooks run from the compiled backward's gradients."""
     ref = train(None, hidden=hidden, bucket_cap_mb=bucket_cap_mb, lr=0.001)
     out = {}
-    for name, state, hook in (("lossless", LosslessHookState(max_density=0.05), lossless_hook),
-                              # a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load
-                              ("auto", AutoHookState(interval=2, calibration=Calibration.default(1e8)), auto_hook)):
+    for name, state, hook in exact_hooks():
         got = train(state, hook=hook, hidden=hidden, bucket_cap_mb=bucket_cap_mb, lr=0.001, compiled=True)
         out[name] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}
     return out

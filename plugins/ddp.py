@@ -529,6 +529,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
+    divided = _divide_first(buffer, n)
     # The step guard's dense window (and a dense verdict): every dense float bucket in place.
     guard_dense = state._step_phase == "dense" and not buffer.is_sparse
     if buffer.is_floating_point() and (guard_dense or (
@@ -536,7 +537,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place
-        divided = _divide_first(buffer, n)
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:
@@ -545,7 +545,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
-    divided = _divide_first(buffer, n)
     message = AutoMessage(aggs, grads)
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.

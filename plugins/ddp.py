@@ -27,14 +27,18 @@ from the future's callback on the bucket's own process group, like the fallback 
 allreduce per payload dtype and one allgather per bucket and step, the same on every rank. A bucket of dense plans between their
 statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
 
-The step guard (exact plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`): the
-cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides behind
-the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is not
-dense (from step index 8 on) the state runs an A/B trial of 10 whole steps, the plans and every
+The step guard (exact and lossy plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`):
+the cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides
+behind the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is
+not dense (from step index 8 on) the state runs an A/B trial of 10 whole steps, the plans and every
 dense-gradient bucket allreduced in place alternating step by step (5 of each); unless the plans'
-median step is at least 3% faster, dense gradients are allreduced in place for the rest of the run.
-After a verdict for the plans, a re-plan that changes a dense gradient's plan opens a new trial. Rank 0's verdict is
-broadcast at the first hook call of the step after the trial (main thread, like the calibration).
+median step is at least 3% faster, dense gradients are allreduced in place for the rest of the run
+(THC's and top-k's error feedback added to the gradients of the first such step, so nothing is lost;
+PowerSGD buckets keep PowerSGD). After a verdict for the plans, a re-plan that changes a dense
+gradient's plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step
+after the trial (main thread, like the calibration). The verdict rests on measured step times, so
+with ``lossy=True`` which gradients are sent lossy can differ from run to run (``guard_steps=0``:
+the plans alone decide).
 
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
 one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
@@ -250,12 +254,13 @@ class AutoHookState(_HookState):
             ``powerSGD_hook``, one ``PowerSGDState`` and Gloo group per bucket, ``min_compression_rate``
             2, error feedback and warm start on; once a bucket takes it, it keeps it, and its
             parameters' THC or top-k error feedback is added to the gradient on the switch).
-        guard_steps, guard_start, guard_margin: exact plans only (``lossy=False``): the step guard's
-            window length (5; 0: no guard), the first step index its trial may begin at (8) and the
-            margin by which the plans must measure faster than DDP's dense allreduce to stay (0.03):
-            an A/B trial of whole training steps, ``guard_steps`` steps of the plans alternating with as
-            many of every dense gradient allreduced in place; if the plans' median step is not faster,
-            dense gradients are allreduced in place for the rest of the run; if it is, the plans stay
+        guard_steps, guard_start, guard_margin: the step guard's window length (5; 0: no guard), the
+            first step index its trial may begin at (8) and the margin by which the plans must measure
+            faster than DDP's dense allreduce to stay (0.03): an A/B trial of whole training steps,
+            ``guard_steps`` steps of the plans alternating with as many of every dense gradient
+            allreduced in place; if the plans' median step is not faster, dense gradients are
+            allreduced in place for the rest of the run (THC's and top-k's error feedback added to the
+            first such step's gradients; PowerSGD buckets keep PowerSGD); if it is, the plans stay
             until a re-plan changes them, which opens a new trial
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
@@ -292,8 +297,7 @@ class AutoHookState(_HookState):
                           if powersgd else None)
         if int(guard_steps) < 0:
             raise ValueError(f"guard_steps must be >= 0, got {guard_steps}")
-        self._guard = (StepGuard(guard_steps, guard_start, guard_margin)
-                       if guard_steps and lossy is not True else None)
+        self._guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
     _step_started: Optional[float] = None   # when bucket 0's hook last ran (the step guard's clock)
@@ -529,9 +533,16 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    divided = _divide_first(buffer, n)
     # The step guard's dense window (and a dense verdict): every dense float bucket in place.
     guard_dense = state._step_phase == "dense" and not buffer.is_sparse
+    if guard_dense and state._guard.verdict == "dense":
+        # For good: what THC's or top-k's error feedback still holds goes out with this step's gradients
+        # (once: taking it leaves the aggregator without it), before a float16 bucket is divided.
+        for a, g in zip(aggs, grads):
+            err = a.take_lossy_memory()
+            if err is not None:
+                g.add_(err.to(device=g.device, dtype=g.dtype).reshape(g.shape))
+    divided = _divide_first(buffer, n)
     if buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's

@@ -1,11 +1,12 @@
-r"""The step guard: the planner's exact plans checked against a dense allreduce, on measured steps.
+r"""The step guard: the planner's plans checked against a dense allreduce, on measured steps.
 
 The cost model (:mod:`lossless_hc.training.planner`) prices wire bytes and local work; what it
 neglects (how much of the engine's dense allreduce hides behind the backward pass, the hook's own
 work competing with it for the same cores, a second collective's round trip) can make a plan it
-predicts faster measure slower than the engine's own dense allreduce. Exact ``auto`` promises never
-to be slower than that, so a DDP state with a guard (``AutoHookState(guard_steps=W)``, on by default
-for exact plans) runs one A/B trial on whole training steps:
+predicts faster measure slower than the engine's own dense allreduce. ``auto`` should never be
+slower than that, exact or lossy (a lossy plan that steps slower than the exact allreduce buys nothing:
+on a fast link the conversions can cost more than the wire they save), so a DDP state with a guard
+(``AutoHookState(guard_steps=W)``, on by default) runs one A/B trial on whole training steps:
 
 * **trial**: the ``2W`` steps from the first step at or after ``start`` in which some dense gradient's
   plan is not ``dense`` (sparse gradients keep their plans throughout: their dense alternative is a
@@ -30,8 +31,11 @@ agree, as on every plan). A verdict for the plans holds for the plans it measure
 gradients' plans differ from those at the trial's first step (a re-plan every ``interval`` steps may
 move a tensor to another strategy, also in the middle of the trial), a new trial opens. A verdict
 for dense stands for the rest of the run (the aggregators sit out, so their plans no longer move).
-Lossy plans are not guarded (their alternative is not dense, and leaving them would strand error
-feedback).
+Lossy plans are guarded alike; what they change is left to the caller: a THC or top-k plan sits the
+dense window out with its error feedback kept (its next plan step sends it), and after a dense verdict
+the caller adds what that error feedback still holds to the gradient of the first dense step, so no
+error mass is lost. A DDP bucket that went to PowerSGD (a whole bucket's plan) runs PowerSGD in both
+windows: the trial compares the per-parameter plans only.
 """
 from __future__ import annotations
 

@@ -89,6 +89,53 @@ def compare(state, **kw):
             "calibration": state.spec.calibration.as_list()}
 
 
+class Linear(torch.nn.Module):
+    """loss(C) = sum(W * C): the gradient is C, whatever W is, so the reduced gradients of every step can
+    be compared with the sum of what the ranks computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(128, 96, device=DEVICE))
+
+    def forward(self, c):
+        return (self.weight * c).sum()
+
+
+def lossy_gradient(step, rank):
+    return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank)).to(DEVICE)
+
+
+def lossy_guard(dense_verdict, steps=10):
+    """``auto_hook(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (2 steps
+    per window from step 2: plans at 2 and 4, in place at 3 and 5, the verdict at 6), forced by the margin.
+    Conservation: n times the sum of the reduced (averaged) gradients plus every rank's error feedback
+    left at the end equals the sum of every rank's gradients."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = Linear()
+    ddp = DistributedDataParallel(model)
+    state = AutoHookState(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
+                          interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
+                          guard_margin=0.99 if dense_verdict else -100.0)
+    ddp.register_comm_hook(state, auto_hook)
+    out_sum = torch.zeros(128, 96, dtype=torch.float64, device=DEVICE)
+    for step in range(steps):
+        model.weight.grad = None
+        ddp(lossy_gradient(step, rank)).backward()
+        out_sum += model.weight.grad.to(torch.float64)
+    agg = next(iter(state._aggregators.values()))
+    left = agg.take_lossy_memory()
+    memory = torch.zeros_like(out_sum) if left is None else left.reshape(128, 96).to(torch.float64)
+    memories = [torch.empty_like(memory) for _ in range(n)]
+    dist.all_gather(memories, memory)
+    total = sum(lossy_gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    st = state.stats()
+    return {"guard": st["guard"], "left": left is not None,
+            "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()},
+            "plan": {k: v["strategy"] for k, v in st["plan"].items()},
+            "conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
+            "scale": float(total.abs().max())}
+
+
 def scenario(name):
     if name == "measured":   # the start-up calibration on the process group, then exact training
         return compare(AutoHookState(interval=2), steps=6)
@@ -139,6 +186,8 @@ def scenario(name):
         out["guard"] = out["stats"]["guard"]
         out["plain_steps"] = {k: v["plain_steps"] for k, v in out["stats"]["plan"].items()}
         return out
+    if name.startswith("lossy_guard_"):   # the guard over top-k plans, its verdict forced by the margin
+        return lossy_guard(name == "lossy_guard_dense")
     if name == "config_mismatch":
         try:
             train(AutoHookState(lossy=dist.get_rank() == 1), steps=1)

@@ -341,7 +341,9 @@ class AutoHookState(_HookState):
             self._step_phase = "dense"
             return
         # Plans, and the aggregators' creation order (bucket order), are identical on every rank: so are these.
-        plans = tuple(a.strategy for a in self._aggregators.values() if not a.sparse)
+        # A PowerSGD bucket's parameters are not planned any more (it runs PowerSGD in both windows).
+        on_powersgd = self._powersgd.parameter_names() if self._powersgd is not None else frozenset()
+        plans = tuple(a.strategy for a in self._aggregators.values() if not a.sparse and a.name not in on_powersgd)
         worth = any(strategy != "dense" for strategy in plans)
         phase = self._guard.phase(step, worth, plans)
         if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)

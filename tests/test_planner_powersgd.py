@@ -234,11 +234,13 @@ def test_ddp_auto_lossy_takes_powersgd_identically_and_sends_what_it_predicts(ru
 @pytest.mark.multiprocess
 def test_a_switch_from_top_k_to_powersgd_conserves_the_error_feedback(run):
     """n x (sum of the averaged outputs) + every rank's PowerSGD memory = sum of every gradient: top-k's
-    residual at the switch (large) went into PowerSGD's input, nothing was dropped."""
+    residual at the switch (large) went into PowerSGD's input, nothing was dropped. The step guard opens no
+    trial after the switch: a PowerSGD bucket's parameters are not per-parameter plans."""
     rs = run["switch"]
     for r in rs:
         assert r["plan"] == rs[0]["plan"] and r["digest"] == rs[0]["digest"]
         assert r["since_step"] == 2 and r["residual_before"] > 1.0 and not r["left"]
+        assert r["guard"]["trials"] == 0 and r["guard"]["verdict"] is None, r["guard"]
         assert r["conservation_error"] <= 1e-5 * r["scale"] * 6, r
     assert list(rs[0]["plan"].values())[0] == ["powersgd", [[2, "powersgd"]]]
 

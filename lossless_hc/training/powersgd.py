@@ -173,6 +173,10 @@ class PowerSGDPlanner:
                                                      self.min_compression_rate, self.seed, step, predicted)
         return chosen
 
+    def parameter_names(self) -> frozenset:
+        """The names of the parameters whose buckets went to PowerSGD (no longer planned per parameter)."""
+        return frozenset(name for chosen in self.buckets.values() for name in chosen.names)
+
     def count_step(self, chosen: PowerSGDBucket, grads: Sequence[torch.Tensor]) -> None:
         """Account one PowerSGD step of a bucket in the hook state's counters."""
         st = self.agg_stats

@@ -47,6 +47,19 @@ def test_dense_tensor_picks_dense_and_lossy_picks_a_lossy_strategy():
     assert choice in LOSSY_STRATEGIES and set(predicted) == set(EXACT_STRATEGIES + LOSSY_STRATEGIES)
 
 
+def test_half_precision_is_priced_with_its_scans_and_copy_and_loses_where_the_link_is_fast():
+    """A half-precision plan's step scans the tensor twice (statistics, the result's union) and copies the
+    result back besides its round trip: priced so, bf16 of BERT's 20000x256 embedding table at 2 ranks
+    is not predicted cheaper than dense at 10 Gbit/s (where it measured 1.1-1.5x dense's step,
+    docs/BENCHMARKS.md), and still is at 1 Gbit/s (the default local costs; measure_codecs prices a
+    measured calibration's the same way)."""
+    s = stats(20000 * 256, 256, 2, 20000, 20000)
+    for bits, want in ((1e10, "dense"), (1e9, "fp16")):
+        model = CostModel(Calibration.default(bits))
+        choice, predicted = model.choose(s, lossy=True, allowed=("dense", "fp16", "bf16"))
+        assert choice == want, (bits, predicted)
+
+
 def test_choose_is_deterministic_and_allowed_narrows():
     s = stats(1 << 16, 16, 3, 40, 100)
     assert MODEL.choose(s) == MODEL.choose(s)

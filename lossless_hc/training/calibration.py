@@ -19,8 +19,9 @@ every small tensor's extra collective at nothing (a 100 us link measured 1 KiB a
 and fitted alpha = 0).
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
-a half-precision round trip (bf16; fp16 with its division by n and the product back) and the
-non-zero-row scan (allgather, two_phase); per touched coordinate, the LHC sketch's encode + decode of
+a half-precision plan's step (bf16; fp16 with its division by n and the product back: the round
+trip, two non-zero-row scans and the copy of the result) and the non-zero-row scan (allgather,
+two_phase); per touched coordinate, the LHC sketch's encode + decode of
 a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error feedback's passes
 (add the memory, keep a copy, subtract the result), and per flop, the time of torch's own PowerSGD
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
@@ -143,7 +144,11 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
     out = dict(DEFAULT_CODEC_SECONDS)
     out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
-                "sketch": (scan, per_key), "fp16": (fp16, 0.0), "bf16": (half, 0.0),
+                # a half-precision plan also scans twice (its statistics, the result's union) and copies
+                # the result back (AutoAggregator.encode, finish): priced at the round trip alone, bf16
+                # looked cheaper than dense at 10 Gbit/s where it measured slower (docs/BENCHMARKS.md)
+                "sketch": (scan, per_key), "fp16": (2 * scan + fp16 + copy, 0.0),
+                "bf16": (2 * scan + half + copy, 0.0),
                 "powersgd": (passes, per_flop)})
     return out
 

@@ -143,8 +143,10 @@ DEFAULT_CODEC_SECONDS = {
     "allgather": (0.5e-9, 2e-9),   # scan for non-zero rows; scatter-add of the gathered rows
     "two_phase": (1.0e-9, 2e-9),   # scan, pack/unpack the bitmap; gather/scatter the union's rows
     "sketch": (1.5e-9, 15e-9),     # index encode/decode per coordinate; hash, sketch and peel per row coordinate
-    "fp16": (1.0e-9, 0.0),
-    "bf16": (1.0e-9, 0.0),
+    # two scans for non-zero rows (the statistics header's count, then the result's union), the half
+    # round trip, the copy of the result into the engine's tensor: what a half-precision plan's step does
+    "fp16": (2.5e-9, 0.0),
+    "bf16": (2.5e-9, 0.0),
     "thc": (30e-9, 0.0),           # rotation, quantization, error feedback
     "topk": (15e-9, 15e-9),        # selection and error feedback; the sketch of the selection
     "powersgd": (2e-9, 1e-10),     # error feedback's passes per coordinate; seconds per matmul flop

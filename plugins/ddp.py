@@ -541,9 +541,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # For good: what THC's or top-k's error feedback still holds goes out with this step's gradients
         # (once: taking it leaves the aggregator without it), before a float16 bucket is divided.
         for a, g in zip(aggs, grads):
-            err = a.take_lossy_memory()
-            if err is not None:
-                g.add_(err.to(device=g.device, dtype=g.dtype).reshape(g.shape))
+            a.add_lossy_memory_to(g)
     divided = _divide_first(buffer, n)
     if buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):

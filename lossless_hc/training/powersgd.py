@@ -166,9 +166,7 @@ class PowerSGDPlanner:
         if not take:
             return None
         for agg, g in zip(aggregators, grads):
-            err = agg.take_lossy_memory()
-            if err is not None:
-                g.add_(err.to(device=g.device, dtype=g.dtype).reshape(g.shape))
+            agg.add_lossy_memory_to(g)
         chosen = self.buckets[index] = PowerSGDBucket([a.name for a in aggregators], layout, self.rank, self.start,
                                                      self.min_compression_rate, self.seed, step, predicted)
         return chosen

@@ -239,6 +239,14 @@ class AutoAggregator:
             self._topk = None
         return err
 
+    def add_lossy_memory_to(self, grad: torch.Tensor) -> None:
+        """Add what :meth:`take_lossy_memory` takes to ``grad`` in place (its shape and dtype): for a
+        caller that aggregates the tensor by other means from now on (a bucket's switch to PowerSGD, the
+        DDP step guard's dense verdict)."""
+        err = self.take_lossy_memory()
+        if err is not None:
+            grad.add_(err.to(device=grad.device, dtype=grad.dtype).reshape(grad.shape))
+
     def record_plain_step(self, started: float, sparse_rows: Optional[int] = None) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False, or the
         DDP step guard's dense window): the DDP hook's in-place allreduce of a bucket whose every tensor is

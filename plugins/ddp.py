@@ -33,8 +33,9 @@ behind the backward pass, the hook's own work on the same cores), so once some d
 not dense (from step index 8 on) the state runs an A/B trial of 10 whole steps, the plans and every
 dense-gradient bucket allreduced in place alternating step by step (5 of each); unless the plans'
 median step is at least 3% faster, dense gradients are allreduced in place for the rest of the run
-(THC's and top-k's error feedback added to the gradients of the first such step, so nothing is lost;
-PowerSGD buckets keep PowerSGD). After a verdict for the plans, a re-plan that changes a dense
+(THC's and top-k's error feedback, and a PowerSGD bucket's error memory, added to the gradients of the
+first such step, so nothing is lost; buckets that went to PowerSGD are part of the trial and leave it
+on a dense verdict). After a verdict for the plans, a re-plan that changes a dense
 gradient's plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step
 after the trial (main thread, like the calibration). The verdict rests on measured step times, so
 with ``lossy=True`` which gradients are sent lossy can differ from run to run (``guard_steps=0``:
@@ -252,8 +253,9 @@ class AutoHookState(_HookState):
         powersgd_rank, powersgd_start: PowerSGD's ``matrix_approximation_rank`` (4) and the first step
             index (0-based, >= 2) it may run at (:mod:`lossless_hc.training.powersgd`: torch's
             ``powerSGD_hook``, one ``PowerSGDState`` and Gloo group per bucket, ``min_compression_rate``
-            2, error feedback and warm start on; once a bucket takes it, it keeps it, and its
-            parameters' THC or top-k error feedback is added to the gradient on the switch).
+            2, error feedback and warm start on; once a bucket takes it, it keeps it unless the step
+            guard's verdict is dense, and its parameters' THC or top-k error feedback is added to the
+            gradient on the switch).
         guard_steps, guard_start, guard_margin: the step guard's window length (5; 0: no guard), the
             first step index its trial may begin at (8) and the margin by which the plans must measure
             faster than DDP's dense allreduce to stay (0.03): an A/B trial of whole training steps,
@@ -341,9 +343,10 @@ class AutoHookState(_HookState):
             self._step_phase = "dense"
             return
         # Plans, and the aggregators' creation order (bucket order), are identical on every rank: so are these.
-        # A PowerSGD bucket's parameters are not planned any more (it runs PowerSGD in both windows).
+        # A PowerSGD bucket's parameters are planned by its bucket (in place in the dense window too).
         on_powersgd = self._powersgd.parameter_names() if self._powersgd is not None else frozenset()
-        plans = tuple(a.strategy for a in self._aggregators.values() if not a.sparse and a.name not in on_powersgd)
+        plans = tuple("powersgd" if a.name in on_powersgd else a.strategy
+                      for a in self._aggregators.values() if not a.sparse)
         worth = any(strategy != "dense" for strategy in plans)
         phase = self._guard.phase(step, worth, plans)
         if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)
@@ -531,17 +534,20 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state._begin_step(started)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
     n = state.world_size
-    powersgd = state._powersgd_bucket(bucket, buffer, grads, aggs)
+    # The step guard's dense window (and a dense verdict): every dense float bucket in place, PowerSGD's too.
+    guard_dense = state._step_phase == "dense" and not buffer.is_sparse
+    if guard_dense and state._guard.verdict == "dense":
+        # For good: what THC's or top-k's error feedback, or the bucket's PowerSGD memory, still holds goes
+        # out with this step's gradients (once: taking it leaves none behind), before a float16 bucket is divided.
+        for a, g in zip(aggs, grads):
+            a.add_lossy_memory_to(g)
+        error = state._powersgd.leave(bucket.index(), state._steps - 1) if state._powersgd is not None else None
+        if error is not None:
+            buffer.add_(error)
+    powersgd = None if guard_dense else state._powersgd_bucket(bucket, buffer, grads, aggs)
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    # The step guard's dense window (and a dense verdict): every dense float bucket in place.
-    guard_dense = state._step_phase == "dense" and not buffer.is_sparse
-    if guard_dense and state._guard.verdict == "dense":
-        # For good: what THC's or top-k's error feedback still holds goes out with this step's gradients
-        # (once: taking it leaves the aggregator without it), before a float16 bucket is divided.
-        for a, g in zip(aggs, grads):
-            a.add_lossy_memory_to(g)
     divided = _divide_first(buffer, n)
     if buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):

@@ -204,11 +204,11 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
-                           str(free_port()), str(out), "choice,switch,converge"],
+                           str(free_port()), str(out), "choice,switch_guard_dense,switch_guard_plan,converge"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(SIZE)]
-            for name in ("choice", "switch", "converge")}
+            for name in ("choice", "switch_guard_dense", "switch_guard_plan", "converge")}
 
 
 @pytest.mark.multiprocess
@@ -232,16 +232,26 @@ def test_ddp_auto_lossy_takes_powersgd_identically_and_sends_what_it_predicts(ru
 
 
 @pytest.mark.multiprocess
-def test_a_switch_from_top_k_to_powersgd_conserves_the_error_feedback(run):
+@pytest.mark.parametrize("name", ["switch_guard_dense", "switch_guard_plan"])
+def test_a_switch_from_top_k_to_powersgd_and_the_step_guard_conserve_the_error_feedback(run, name):
     """n x (sum of the averaged outputs) + every rank's PowerSGD memory = sum of every gradient: top-k's
-    residual at the switch (large) went into PowerSGD's input, nothing was dropped. The step guard opens no
-    trial after the switch: a PowerSGD bucket's parameters are not per-parameter plans."""
-    rs = run["switch"]
+    residual at the switch (large) went into PowerSGD's input, nothing was dropped. The step guard's trial
+    then weighs the PowerSGD bucket (PowerSGD at step 3, allreduced in place at 4 with its memory kept);
+    on a dense verdict (forced) the bucket leaves PowerSGD at step 5 and its memory goes out with that step
+    (none is left), on a verdict for the plans it keeps PowerSGD."""
+    rs = run[name]
+    dense = name == "switch_guard_dense"
     for r in rs:
         assert r["plan"] == rs[0]["plan"] and r["digest"] == rs[0]["digest"]
         assert r["since_step"] == 2 and r["residual_before"] > 1.0 and not r["left"]
-        assert r["guard"]["trials"] == 0 and r["guard"]["verdict"] is None, r["guard"]
-        assert r["conservation_error"] <= 1e-5 * r["scale"] * 6, r
+        g = r["guard"]
+        assert g == rs[0]["guard"], (g, rs[0]["guard"])   # rank 0's verdict and medians
+        assert (g["trials"], g["window"], g["verdict"]) == (1, 3, "dense" if dense else "plan"), g
+        bucket = r["buckets"]["0"] if "0" in r["buckets"] else r["buckets"][0]
+        # PowerSGD ran at 2 and 3, then (plans kept) at 5, 6 and 7: never in the dense window (step 4)
+        assert bucket["steps"] == (2 if dense else 5) and bucket["left_step"] == (5 if dense else None), bucket
+        assert r["memory_left"] == (not dense), r
+        assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
     assert list(rs[0]["plan"].values())[0] == ["powersgd", [[2, "powersgd"]]]
 
 

@@ -107,8 +107,7 @@ def render_markdown(result: dict, title: str) -> str:
                 lines.append(f"step guard (steps {g['window']}-{g['window'] + 2 * g['steps'] - 1}): plans "
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
             elif g and g.get("window") is None:
-                lines.append("step guard: no trial (no dense gradient's per-parameter plan was other than dense; "
-                             "PowerSGD buckets are not tried)")
+                lines.append("step guard: no trial (every dense gradient's plan was dense)")
             elif g:
                 lines.append(f"step guard: trial from step {g['window']} not finished in this run "
                              f"({2 * g['steps']} steps)")

@@ -34,8 +34,10 @@ for dense stands for the rest of the run (the aggregators sit out, so their plan
 Lossy plans are guarded alike; what they change is left to the caller: a THC or top-k plan sits the
 dense window out with its error feedback kept (its next plan step sends it), and after a dense verdict
 the caller adds what that error feedback still holds to the gradient of the first dense step, so no
-error mass is lost. A DDP bucket that went to PowerSGD (a whole bucket's plan) runs PowerSGD in both
-windows: the trial compares the per-parameter plans only.
+error mass is lost. A DDP bucket that went to PowerSGD (a whole bucket's plan) is guarded the same way:
+it is one of the plans (``"powersgd"`` for each of its parameters), it is allreduced in place in the
+dense window with PowerSGD's error memory kept, and on a dense verdict it leaves PowerSGD, its error
+memory added to the bucket of the first dense step.
 """
 from __future__ import annotations
 

@@ -34,10 +34,13 @@ allreduce's latency (the rule of :meth:`~lossless_hc.training.planner.CostModel.
 broadcast calibration, the bucket's shapes and the parameters' plans and statistics, which come from
 aggregated payloads: identical on every rank, so every rank decides alike at the same step.
 
-Switching. PowerSGD is sticky: once a bucket takes it, it keeps it. Its cost depends on the shapes only,
-and under it the per-parameter statistics are no longer observed (its aggregate is a dense low-rank
-matrix), so nothing new could reverse the decision; and leaving would either drop PowerSGD's error
-memory or need one more step to flush it. On the switch, each parameter's lossy error feedback (THC's
+Switching. PowerSGD is sticky for the planner: once a bucket takes it, the cost model is not asked
+again. Its cost depends on the shapes only, and under it the per-parameter statistics are no longer
+observed (its aggregate is a dense low-rank matrix), so nothing new could reverse the prediction. What
+can reverse it is a measurement: the DDP step guard (:mod:`lossless_hc.training.guard`) times PowerSGD
+buckets with the per-parameter plans, and a dense verdict makes the bucket leave PowerSGD for good
+(:meth:`PowerSGDPlanner.leave`): its error memory, taken from torch's state, is added to the bucket of
+that first dense step, so it is sent rather than dropped. On the switch, each parameter's lossy error feedback (THC's
 memory, top-k's residual: :meth:`~lossless_hc.training.strategies.AutoAggregator.take_lossy_memory`) is
 added to its gradient in the bucket before PowerSGD's own error feedback, so what those strategies had
 not sent yet is sent (or kept in PowerSGD's memory): over the steps, ``N`` times the sum of the averaged
@@ -73,6 +76,7 @@ class PowerSGDBucket:
         self.names, self.layout = list(names), layout
         self.since_step, self.predicted = int(since_step), dict(predicted)
         self.steps = 0
+        self.left_step: Optional[int] = None   # the step index it left PowerSGD at (the step guard), if it did
         self.state = PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
                                    min_compression_rate=min_compression_rate, use_error_feedback=True,
                                    warm_start=True, random_seed=seed,
@@ -171,6 +175,20 @@ class PowerSGDPlanner:
                                                      self.min_compression_rate, self.seed, step, predicted)
         return chosen
 
+    def leave(self, index: int, step: int) -> Optional[torch.Tensor]:
+        """Bucket ``index`` stops running PowerSGD (the step guard's dense verdict, from 0-based step
+        ``step``): returns this rank's error memory of it (flat, bucket order; None if it never ran or
+        already left), removed from torch's state, for the caller to add to the bucket it sends instead
+        (module doc). Its warm-start memories are dropped with it."""
+        chosen = self.buckets.get(index)
+        if chosen is None or chosen.left_step is not None:
+            return None
+        chosen.left_step = int(step)
+        err = chosen.state.error_dict.pop(index, None)
+        chosen.state.p_memory_dict.clear()
+        chosen.state.q_memory_dict.clear()
+        return err
+
     def parameter_names(self) -> frozenset:
         """The names of the parameters whose buckets went to PowerSGD (no longer planned per parameter)."""
         return frozenset(name for chosen in self.buckets.values() for name in chosen.names)
@@ -206,6 +224,6 @@ class PowerSGDPlanner:
             chosen = self.buckets.get(index)
             if chosen is not None:
                 out[index].update(strategy="powersgd", since_step=chosen.since_step, steps=chosen.steps,
-                                  wire_bytes_per_step=chosen.wire_bytes(),
+                                  left_step=chosen.left_step, wire_bytes_per_step=chosen.wire_bytes(),
                                   predicted_seconds=dict(chosen.predicted))
         return out

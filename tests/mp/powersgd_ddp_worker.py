@@ -6,9 +6,10 @@ Scenarios:
   PowerSGD, the bytes and collectives each PowerSGD step issues on its bucket's group (every
   ``torch.distributed.all_reduce`` call is recorded by a wrapper that calls the real one), the
   replicas' digest.
-* ``switch``: one weight whose gradient on rank r at step t is a known matrix C(r, t) (the loss is
-  linear in it); top-k with error feedback first, then PowerSGD: what the error-feedback bookkeeping
-  must conserve across the switch.
+* ``switch_guard_dense`` / ``switch_guard_plan``: one weight whose gradient on rank r at step t is a
+  known matrix C(r, t) (the loss is linear in it); top-k with error feedback first, then PowerSGD, then
+  the step guard's trial over the PowerSGD bucket with its verdict forced by the margin: what the
+  error-feedback bookkeeping must conserve across the switch and either verdict.
 * ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
   (the bench's per-bucket baseline) and auto(lossy): the losses.
 """
@@ -112,16 +113,17 @@ def gradient(step, rank):
     return torch.randn(256, 192, generator=torch.Generator().manual_seed(7919 * step + rank))
 
 
-def switch():
+def switch(dense_verdict):
     n, rank = dist.get_world_size(), dist.get_rank()
     model = Linear()
     ddp = DistributedDataParallel(model)
-    # The step guard may open its trial from step 3 (after the switch at 2): it must not, the bucket's only
-    # parameter being on PowerSGD (not planned per parameter any more).
+    # The switch to PowerSGD at step 2; the step guard's trial from step 3 (PowerSGD at 3, in place at 4), the
+    # verdict at 5, forced by the margin.
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"), lossy_min_bytes=0,
-                          topk_ratio=0.05, guard_steps=1, guard_start=3)
+                          topk_ratio=0.05, guard_steps=1, guard_start=3,
+                          guard_margin=0.99 if dense_verdict else -100.0)
     ddp.register_comm_hook(state, auto_hook)
-    steps = 6
+    steps = 8
     out_sum = torch.zeros(256, 192, dtype=torch.float64)
     residual_before = None
     for step in range(steps):
@@ -133,7 +135,8 @@ def switch():
             residual_before = float(agg._topk.residual.norm())
     agg = next(iter(state._aggregators.values()))
     chosen = state._powersgd.buckets[0]
-    memory = chosen.error(0).reshape(256, 192).to(torch.float64)
+    error = chosen.error(0)   # None once the bucket left PowerSGD: its memory went out with step 5
+    memory = torch.zeros(256, 192, dtype=torch.float64) if error is None else error.reshape(256, 192).to(torch.float64)
     left = agg.take_lossy_memory()   # None: flushed at the switch
     memories = [torch.empty_like(memory) for _ in range(n)]
     dist.all_gather(memories, memory)
@@ -142,6 +145,7 @@ def switch():
     st = state.stats()
     return {"plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}, "buckets": st["buckets"],
             "since_step": chosen.since_step, "residual_before": residual_before, "left": left is not None,
+            "memory_left": error is not None, "steps": steps,
             "guard": st["guard"],
             "conservation_error": float((conserved - total).abs().max()), "scale": float(total.abs().max()),
             "digest": param_digest(model)}
@@ -159,7 +163,8 @@ def converge():
             ddp.register_comm_hook(PowerSGDPerBucket(matrix_approximation_rank=4, start_powerSGD_iter=2,
                                                      min_compression_rate=2, random_seed=0), powersgd_hook)
         elif mode == "auto_lossy":
-            states[mode] = AutoHookState(lossy=True, calibration=SLOW)
+            # No step guard: this compares PowerSGD's convergence, which a dense verdict would leave.
+            states[mode] = AutoHookState(lossy=True, calibration=SLOW, guard_steps=0)
             ddp.register_comm_hook(states[mode], auto_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         curve = []
@@ -178,7 +183,8 @@ def converge():
 
 
 def scenario(name: str) -> dict:
-    return {"choice": choice, "switch": switch, "converge": converge}[name]()
+    return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
+            "converge": converge}[name]()
 
 
 if __name__ == "__main__":

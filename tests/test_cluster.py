@@ -272,7 +272,10 @@ def test_the_report_gives_each_rounds_guard_verdict_and_repeated_trials():
                 "trials": trials}
     row = report_row("auto", 80.0, step_s_mean=0.08, auto_choice={"dense": ["param0(4,)"]},
                      auto_guard=guard("dense", 89.1, 76.2, trials=2),
-                     auto_guard_rounds=[guard("plan", 70.0, 80.0), guard("dense", 89.1, 76.2, trials=2)])
+                     auto_guard_rounds=[guard("plan", 70.0, 80.0), guard("dense", 89.1, 76.2, trials=2),
+                                        dict(guard(None, float("nan"), float("nan"), trials=0), window=None),
+                                        guard(None, float("nan"), float("nan"))])
     text = render_markdown({"rows": [row], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
     assert "step guard: 2 trials (a re-plan changed the plans after a verdict)" in text
-    assert "step guard per round: plan (70.0 / 80.0 ms), dense (89.1 / 76.2 ms)" in text
+    # a round whose plans were all dense opened no trial; one whose trial did not end has no verdict
+    assert "step guard per round: plan (70.0 / 80.0 ms), dense (89.1 / 76.2 ms), no trial, no verdict" in text

@@ -116,7 +116,7 @@ def render_markdown(result: dict, title: str) -> str:
             per_round = [x for x in (r.get("auto_guard_rounds") or []) if x]
             if len(per_round) > 1:
                 lines.append("step guard per round: " + ", ".join(
-                    f"{x['verdict'] or 'no verdict'}"
+                    f"{x['verdict'] or ('no trial' if x.get('window') is None else 'no verdict')}"
                     + (f" ({x['plan_ms']:.1f} / {x['dense_ms']:.1f} ms)" if x.get("verdict") else "")
                     for x in per_round))
     return "\n".join(lines) + "\n"

@@ -1,13 +1,134 @@
-"""The row-form bodies of the planner's strategies (:mod:`lossless_hc.training.strategies`): the
-two-phase counting bitmap and the allgather's slots. Pure functions of their arguments, so every rank
-that holds the same summed or gathered tensor reads the same rows from it."""
+"""The row form of the planner's strategies (:mod:`lossless_hc.training.strategies`): a gradient as
+``keys`` rows of ``row`` elements (:class:`TensorRows`: this rank's rows, and results in the
+gradient's layout), and the row-form bodies, the two-phase counting bitmap and the allgather's slots.
+Functions of their arguments, so every rank that holds the same summed or gathered tensor reads the
+same rows from it."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from lossless_hc.lhc.layout import digit_packing
+from lossless_hc.training.aggregate import ConfigurationMismatch, default_block_size
+from lossless_hc.training.planner import bitmap_words
+from lossless_hc.training.step import AutoContext
+
+
+class TensorRows:
+    """One gradient as ``keys`` rows of ``row`` elements: a sparse gradient's rows are its first
+    dimension (``nn.Embedding(sparse=True)``), a dense one's keys of ``default_block_size``. The base of
+    :class:`~lossless_hc.training.strategies.AutoAggregator`: this rank's rows as a step's context
+    (:class:`~lossless_hc.training.step.AutoContext`) holds them, and results in the gradient's layout
+    (a dense tensor, or a coalesced sparse tensor of the rows some rank listed)."""
+
+    def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, sparse: bool):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        self.numel = math.prod(self.shape)
+        self.world_size, self.rank = int(world_size), int(rank)
+        self.sparse = bool(sparse)
+        if self.sparse and not self.shape:
+            raise ValueError(f"{name}: a sparse gradient needs at least one dimension (its rows)")
+        self.row = max(1, math.prod(self.shape[1:])) if self.sparse else default_block_size(self.shape)
+        self.keys = self.numel // self.row if self.numel else 0
+
+    def _rows(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.reshape(self.keys, self.row)
+
+    def _present(self, flat: torch.Tensor) -> torch.Tensor:
+        """Which rows of ``flat`` are non-zero (bool, one per key; NaN and infinities count as
+        non-zero). ``|x|`` maximised over a row: one float pass, ~3x faster on CPU than reducing a
+        boolean ``x != 0`` tensor."""
+        return self._rows(flat).abs().amax(dim=1) != 0
+
+    def _union_of(self, value: torch.Tensor) -> int:
+        return int(self._present(value.reshape(-1)).sum()) if self.numel else 0
+
+    def _integers(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
+        w = words.to(torch.float64)
+        return torch.round(w * self.world_size if averaged else w).to(torch.int64)
+
+    def _scaled(self, summed: torch.Tensor, averaged: bool) -> torch.Tensor:
+        return summed.div_(self.world_size) if averaged else summed
+
+    def _shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.reshape(self.shape).to(self.dtype)
+
+    @staticmethod
+    def _device(ctx: AutoContext) -> torch.device:
+        return (ctx.flat if ctx.flat is not None else ctx.index).device
+
+    def _index(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows, sorted int64."""
+        if ctx.index is None:
+            ctx.index = torch.nonzero(ctx.present).reshape(-1)
+        return ctx.index
+
+    def _values(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's rows' values, ``(len(index), row)``."""
+        if ctx.values is None:
+            ctx.values = self._rows(ctx.flat).index_select(0, self._index(ctx))
+        return ctx.values
+
+    def _dense(self, ctx: AutoContext) -> torch.Tensor:
+        """This rank's gradient as a flat dense tensor (a sparse one's rows written into zeros)."""
+        if ctx.flat is None:
+            flat = ctx.values.new_zeros(self.numel)
+            if ctx.index.numel():
+                self._rows(flat).index_copy_(0, ctx.index, ctx.values)
+            ctx.flat = flat
+        return ctx.flat
+
+    def _on_rows(self, ctx: AutoContext, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's values on the sorted ``rows``, zero where it has none: ``(len(rows), row)`` float32."""
+        if not self.sparse:
+            return self._rows(ctx.flat.to(torch.float32)).index_select(0, rows)
+        out = torch.zeros(rows.numel(), self.row, dtype=torch.float32, device=rows.device)
+        if ctx.index.numel() and rows.numel():
+            at = torch.searchsorted(rows, ctx.index).clamp_(max=rows.numel() - 1)
+            mine = rows[at] == ctx.index   # this rank's rows among ``rows``
+            out.index_copy_(0, at[mine], ctx.values[mine].to(torch.float32))
+        return out
+
+    def _from_rows(self, union: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The result holding ``values`` (``(len(union), row)``) at the sorted rows ``union``: a
+        coalesced sparse tensor of those rows for a sparse gradient, else the dense tensor."""
+        if self.sparse:
+            return torch.sparse_coo_tensor(union.reshape(1, -1),
+                                           values.to(self.dtype).reshape((union.numel(),) + self.shape[1:]),
+                                           self.shape, is_coalesced=True, check_invariants=False)
+        out = torch.zeros(self.keys, self.row, dtype=torch.float32, device=values.device)
+        if union.numel():
+            out.index_copy_(0, union, values.to(torch.float32))
+        return self._shaped(out.reshape(-1))
+
+    def _from_flat(self, flat: torch.Tensor, union: Optional[torch.Tensor]) -> torch.Tensor:
+        """The result from the summed dense tensor: shaped, or (sparse gradient) its rows ``union``."""
+        if self.sparse:
+            return self._from_rows(union, self._rows(flat).index_select(0, union))
+        return self._shaped(flat)
+
+    def _union_rows(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
+        """The rows some rank holds, sorted, from the summed two-phase bitmap."""
+        return torch.nonzero(self._unpack(words, averaged) > 0).reshape(-1)
+
+    def _no_rows(self, ctx: AutoContext) -> torch.Tensor:
+        """The result when no rank holds a row."""
+        device = self._device(ctx)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return self._from_rows(empty, torch.zeros(0, self.row, dtype=torch.float32, device=device))
+
+    def _bitmap(self, ctx: AutoContext) -> torch.Tensor:
+        return pack_bitmap(self.keys, self.world_size, self._device(ctx), present=ctx.present, index=ctx.index)
+
+    def _unpack(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
+        """Per-row counts (ranks holding the row) from the summed bitmap."""
+        w = self._integers(words, averaged)
+        if w.numel() != bitmap_words(self.keys, self.world_size):
+            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected "
+                                        f"{bitmap_words(self.keys, self.world_size)}")
+        return bitmap_counts(w, self.keys, self.world_size)
 
 
 def pack_bitmap(keys: int, world_size: int, device, present: Optional[torch.Tensor] = None,

@@ -52,6 +52,7 @@ import hashlib
 from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, StepGuard
 from lossless_hc.training.planner import STRATEGIES
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
@@ -163,15 +164,18 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
     def calibrate(self, process_set) -> None:
         """Check the configuration and calibrate on ``process_set`` (blocking; every rank, same point)."""
         type(self)._constructed += 1
-        prefix = f"lhc.auto{type(self)._constructed}.calibrate"
+        self._instance = type(self)._constructed
+        prefix = f"lhc.auto{self._instance}.calibrate"
         n, rank = process_set.size(), process_set.rank()
-        h = int.from_bytes(hashlib.sha256(repr(self.spec).encode()).digest()[:6], "little")
+        g = self._guard   # part of the configuration: a rank without it would miss the verdict's broadcast
+        guard = f"guard(steps={g.steps}, start={g.start}, margin={g.margin})" if g is not None else "no guard"
+        h = int.from_bytes(hashlib.sha256(f"{self.spec!r} {guard}".encode()).digest()[:6], "little")
         mine = torch.tensor([float(h)], dtype=torch.float64)   # 48 bits: exact in float64
         root = hvd.broadcast(mine, 0, name=f"{prefix}.config", process_set=process_set)
         differs = hvd.allreduce(torch.tensor([float(not torch.equal(root, mine))]), op=hvd.Sum,
                                 name=f"{prefix}.verdict", process_set=process_set)
         if float(differs) > 0:
-            raise ConfigurationMismatch(f"Compression.auto differs across ranks; this rank has {self.spec!r}")
+            raise ConfigurationMismatch(f"Compression.auto differs across ranks; this rank has {self.spec!r}, {guard}")
         if self.spec.calibration is not None:
             return
         count = [0]
@@ -185,6 +189,10 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
             lambda t: hvd.allgather(t, name=name("ag"), process_set=process_set),
             lambda t: t.copy_(hvd.broadcast(t, 0, name=name("bc"), process_set=process_set)),
             rank, n, "cpu")
+
+    def _broadcast_verdict(self, verdict):
+        t = torch.tensor([float(v) for v in verdict], dtype=torch.float64)
+        return tuple(hvd.broadcast(t, 0, name=f"lhc.auto{self._instance}.guard", process_set=self._process_set).tolist())
 
     def _start_request(self, agg, request):
         name = f"lhc.auto.{request.kind}.{agg.name}"
@@ -209,13 +217,26 @@ class Compression(CompressionFactory):
     fp16 = hvd.Compression.fp16
 
     @classmethod
-    def auto(cls, lossy: bool = False, process_set=None, **options):
+    def auto(cls, lossy: bool = False, process_set=None, guard_steps: int = GUARD_STEPS,
+             guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN, **options):
         """The planner (recommended): per tensor, the cheapest exact strategy (dense, allgather,
         two_phase, sketch), or of every strategy with ``lossy`` (fp16, THC, top-k too; not bf16, which
         Horovod cannot allreduce: ``first="bf16"`` or ``strategies`` naming it are a ValueError).
         ``options``: :class:`lossless_hc.training.auto.AutoSpec`. Calibrates on ``process_set`` (None:
         every rank) at construction: call it on every rank at the same point, after ``hvd.init()``.
-        ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent."""
+
+        ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
+        as DDP's ``AutoHookState``; 0 steps: none): once some tensor's plan is not dense (from step index
+        ``guard_start``), ``guard_steps`` steps of the plans alternate with as many steps of every tensor
+        sent as it is (Horovod's own allreduce); unless the plans' median step is ``guard_margin``
+        faster, every tensor is sent as it is from then on (THC's and top-k's error feedback with the
+        next step), and rank 0's verdict (a Horovod broadcast at the end of the trial's last step)
+        holds on every rank. A step ends when its last tensor is decompressed (``optimizer.step()``).
+        ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
+        ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
+        if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:
+            raise ValueError(f"guard_steps must be an integer >= 0, got {guard_steps!r}")
+        guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
         if options.get("first") == "bf16" or "bf16" in (options.get("strategies") or ()):
             raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
                              "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves the bytes too")
@@ -225,5 +246,6 @@ class Compression(CompressionFactory):
         # float16, as Horovod's own allreduce sends it (bfloat16, which it cannot reduce: float32).
         spec.native_plain_dtypes = (torch.float16,)
         comp = AutoHorovodCompressor(spec)
+        comp.use_guard(guard)
         comp.calibrate(process_set if process_set is not None else hvd.global_process_set)
         return comp

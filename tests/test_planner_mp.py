@@ -46,7 +46,7 @@ def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
             ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "lossy", "config_mismatch",
-                                                "guard_dense", "guard_plan", "lossy_guard_dense", "lossy_guard_plan"])])
+                                                "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense", "lossy_guard_plan"])])
     return out
 
 
@@ -58,7 +58,8 @@ def horovod_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_hvd")
     launch([horovodrun, "--gloo", "-np", str(SIZE), "-H", f"localhost:{SIZE}", sys.executable,
             os.path.join(HERE, "mp", "auto_horovod_worker.py"), str(out),
-            ",".join(HVD_EXACT + ["lossy", "config_mismatch"])])
+            ",".join(HVD_EXACT + ["lossy", "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense",
+                                  "lossy_guard_plan"])])
     return out
 
 
@@ -122,13 +123,15 @@ def test_ddp_auto_sends_a_half_precision_model_s_plain_steps_in_its_dtype(ddp_ru
             assert len(plain) == 7 and all(b >= got["model_bytes"] for b in got["sent"]), (dtype, got["sent"])
 
 
+@pytest.mark.parametrize("engine", ["ddp", "horovod"])
 @pytest.mark.parametrize("name", ["guard_dense", "guard_plan"])
-def test_ddp_step_guard_verdict_is_rank_0s_and_exact(ddp_run, name):
+def test_step_guard_verdict_is_rank_0s_and_exact(engine, name, request):
     """The step guard (guard_steps 2 from step 2; 12 steps): the plans run steps 2 and 4, every bucket
-    is allreduced in place at steps 3 and 5, and rank 0's verdict (forced by the margin: the plans must be 100x
-    faster / may be 101x slower) holds on every rank at step 6. Dense verdict: every later step is plain
-    too; plan verdict: the plans resume. Exact and identical on every rank either way."""
-    rs = results(ddp_run, name)
+    (DDP) or tensor (Horovod) is sent as it is, in place, at steps 3 and 5, and rank 0's verdict (forced by
+    the margin: the plans must be 100x faster / may be 101x slower) holds on every rank at step 6. Dense
+    verdict: every later step is plain too; plan verdict: the plans resume. Exact and identical on every
+    rank either way (Horovod: although the ranks call the compressor in different orders)."""
+    rs = results(request.getfixturevalue(f"{engine}_run"), name)
     check_exact_and_identical(rs)
     want = "dense" if name == "guard_dense" else "plan"
     for r in rs:
@@ -142,14 +145,15 @@ def test_ddp_step_guard_verdict_is_rank_0s_and_exact(ddp_run, name):
             assert r["plain_steps"][k] == (2 + 6 if want == "dense" else 2), (k, r["plain_steps"])
 
 
+@pytest.mark.parametrize("engine", ["ddp", "horovod"])
 @pytest.mark.parametrize("name", ["lossy_guard_dense", "lossy_guard_plan"])
-def test_ddp_step_guard_over_lossy_plans_keeps_error_feedback(ddp_run, name):
+def test_step_guard_over_lossy_plans_keeps_error_feedback(engine, name, request):
     """The step guard with lossy=True (top-k plans, ratio 0.05, error feedback; forced verdicts, as above): the
     trial runs (plans at steps 2 and 4, in place at 3 and 5) and rank 0's verdict holds on every rank. Top-k's
     error feedback is kept through the dense window and, after a dense verdict, sent with the first in-place
     step: no error mass is lost (n x the reduced gradients + what the residuals still hold = every rank's
     gradients, to float rounding), and nothing is left after a dense verdict."""
-    rs = results(ddp_run, name)
+    rs = results(request.getfixturevalue(f"{engine}_run"), name)
     want = "dense" if name == "lossy_guard_dense" else "plan"
     for r in rs:
         assert r["guard"] == rs[0]["guard"], (r["guard"], rs[0]["guard"])   # rank 0's verdict and medians
@@ -208,8 +212,11 @@ def test_lossy_auto_keeps_replicas_identical(engine, request):
 
 
 @pytest.mark.parametrize("engine", ["ddp", "horovod"])
-def test_mismatched_options_fail_on_every_rank(engine, request):
-    for r in results(request.getfixturevalue(f"{engine}_run"), "config_mismatch"):
+@pytest.mark.parametrize("name", ["config_mismatch", "guard_mismatch"])
+def test_mismatched_options_fail_on_every_rank(engine, name, request):
+    """Options that differ across ranks, the step guard's included (a rank without it would miss the
+    verdict's broadcast), raise on every rank before anything is aggregated."""
+    for r in results(request.getfixturevalue(f"{engine}_run"), name):
         assert r["error"] == "ConfigurationMismatch" or "differs across ranks" in r["message"], r
 
 

@@ -10,7 +10,8 @@
   second collective is issued as an asynchronous *named* engine operation from ``decompress`` and
   waited for when the step's last tensor has been decompressed (as the dense fallback of
   :class:`~lossless_hc.training.adapter.CompressorAdapter`); the tensor ``decompress`` returned is then
-  filled in place, before the optimizer reads it.
+  filled in place, before the optimizer reads it. Where the engine supplies a blocking broadcast
+  (Horovod), it runs the step guard (:mod:`lossless_hc.training.guard`) over its tensors' plans.
 
 Deadlock freedom: which tensors make a second collective, and its size, are functions of the summed
 first payloads, which every rank holds bit for bit; :func:`decode_message` issues its collectives in
@@ -28,6 +29,7 @@ import torch
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
+from lossless_hc.training.guard import StepGuard
 from lossless_hc.training.message import PART_DTYPES, message_layout, pack_parts
 from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
                                           Calibration, CostModel)
@@ -262,11 +264,41 @@ class AutoCompressorAdapter(CompressorAdapter):
     (:meth:`_start_request`), waited for when the step's last tensor is decompressed (module doc).
 
     An engine plugin supplies :meth:`_start_request` / :meth:`_wait_request` and calibrates the spec
-    (:meth:`AutoSpec.set_calibration`) before the first step."""
+    (:meth:`AutoSpec.set_calibration`) before the first step; with :meth:`_broadcast_verdict` too, it
+    may run the step guard (:meth:`use_guard`).
+
+    The step guard here (:mod:`lossless_hc.training.guard`): a step ends when its last tensor has been
+    decompressed (every second collective done), and a step's time is the interval between the ends
+    of consecutive steps (a whole iteration: the optimizer's step, the next forward and backward, every
+    wait). In the dense window every dense gradient is sent as it is (:meth:`AutoAggregator.encode_plain`:
+    the engine's own allreduce of the tensor; the plan's state and error feedback wait); the verdict is
+    rank 0's, broadcast when the step that ends the trial ends, which every rank reaches at the same
+    step count. After a dense verdict, each tensor's THC or top-k memory goes out with its next
+    (plain) step. The plans compared are the dense tensors' strategies ordered by name: identical on
+    every rank whatever order the engine calls the compressor in."""
 
     def __init__(self, spec: AutoSpec, **engine_options):
         super().__init__(spec, **engine_options)
         self._requests: list = []   # (handle, out, ctx, aggregator) issued this step
+        self._guard: Optional[StepGuard] = None
+        self._guard_phase = "plan"   # what the current step runs (StepGuard.phase)
+        self._guard_steps = 0        # steps ended so far
+        self._guard_clock: Optional[float] = None   # when the last step ended
+
+    def use_guard(self, guard: Optional[StepGuard]) -> None:
+        """Run ``guard`` from the next step on (None: no guard). Needs :meth:`_broadcast_verdict`."""
+        self._guard = guard
+
+    def encode(self, agg, tensor: torch.Tensor):
+        if self._guard_phase == "dense" and isinstance(agg, AutoAggregator) and not agg.sparse:
+            if self._guard.verdict == "dense":   # for good: the lossy memory goes out with this step
+                err = agg.take_lossy_memory()
+                if err is not None:
+                    tensor = tensor + err.to(device=tensor.device, dtype=tensor.dtype).reshape(tensor.shape)
+            payload, ctx = agg.encode_plain(tensor)
+            self._pending += 1
+            return payload, EncodedTensor(agg, ctx)
+        return super().encode(agg, tensor)
 
     def _result(self, enc: EncodedTensor, outcome, aggregated: torch.Tensor) -> torch.Tensor:
         if not isinstance(enc.aggregator, AutoAggregator):   # an integer tensor's pass-through (AutoSpec.make)
@@ -283,7 +315,35 @@ class AutoCompressorAdapter(CompressorAdapter):
         requests, self._requests = self._requests, []
         for handle, out, ctx, agg in requests:
             out.copy_(agg.finish(ctx, self._wait_request(handle)))
+        if self._guard is not None:
+            self._guard_step_ended(time.perf_counter())
         self._after_step()
+
+    def _guard_step_ended(self, now: float) -> None:
+        """Time the step that just ended and set what the next one runs (class doc)."""
+        g, step = self._guard, self._guard_steps
+        if self._guard_clock is not None:
+            g.record(step, now - self._guard_clock)
+        self._guard_clock = now
+        self._guard_steps = step = step + 1
+        if g.verdict == "dense":
+            self._guard_phase = "dense"
+            return
+        dense = sorted((a for a in self._aggregators.values() if isinstance(a, AutoAggregator) and not a.sparse),
+                       key=lambda a: a.name)
+        plans = tuple(a.strategy for a in dense)
+        worth = any(strategy != "dense" for strategy in plans)
+        phase = g.phase(step, worth, plans)
+        if phase == "decide":
+            keep, plan_s, dense_s = self._broadcast_verdict(g.decide())
+            g.settle(keep != 0.0, plan_s, dense_s)
+            phase = g.phase(step, worth, plans)
+        self._guard_phase = phase
+
+    def _broadcast_verdict(self, verdict: tuple) -> tuple:
+        """Rank 0's ``verdict`` (three floats) on every rank: a blocking broadcast, called by every rank
+        at the same step (the step guard's)."""
+        raise NotImplementedError
 
     def _start_request(self, agg: AutoAggregator, request) -> object:
         """Start ``request`` (a :class:`~lossless_hc.training.step.Request`) as an asynchronous
@@ -301,4 +361,5 @@ class AutoCompressorAdapter(CompressorAdapter):
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
         d["calibration"] = self.spec.calibration_stats()
+        d["guard"] = self._guard.stats() if self._guard is not None else None
         return d

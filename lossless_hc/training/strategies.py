@@ -285,8 +285,7 @@ class AutoAggregator(TensorRows):
         ctx.rows = ctx.index.numel()
 
     # -- a step --------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor):
-        """``(payload, ctx)``: the first payload (statistics header + body) every rank sums."""
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.is_sparse != self.sparse:
             raise TypeError(f"{self.name}: got a {'sparse' if x.is_sparse else 'dense'} gradient; this tensor's "
                             f"aggregator was built for {'sparse' if self.sparse else 'dense'} ones (a parameter's "
@@ -294,17 +293,17 @@ class AutoAggregator(TensorRows):
         if tuple(x.shape) != self.shape or x.dtype != self.dtype:
             raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
                              f"{self.dtype} {self.shape}")
+
+    def encode(self, x: torch.Tensor):
+        """``(payload, ctx)``: the first payload (statistics header + body) every rank sums."""
+        self._check_input(x)
         t0 = time.perf_counter()
         carries = self.carries_statistics()
         if self.sparse and not carries:
             raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
                                "its own sparse allreduce (native_sparse), not through encode()")
         if not carries:   # a dense step without statistics: the bare tensor, no scan
-            ctx = AutoContext("dense", t0, self.numel * self.plain_dtype.itemsize, plain=True)
-            payload = x.detach().reshape(-1).to(self.plain_dtype)
-            self._count_sent(ctx.payload_bytes, plain=True)
-            self.stats.encode_seconds += time.perf_counter() - t0
-            return payload, ctx
+            return self.encode_plain(x, t0)
         s = self.strategy
         n = self.world_size
         ctx = AutoContext(s, t0, 0)
@@ -348,6 +347,22 @@ class AutoAggregator(TensorRows):
         payload = torch.cat([header, body.to(header.dtype)])
         ctx.payload_bytes = payload.numel() * payload.element_size()
         self._count_sent(ctx.payload_bytes, dense=s == "dense")
+        self.stats.encode_seconds += time.perf_counter() - t0
+        return payload, ctx
+
+    def encode_plain(self, x: torch.Tensor, started: Optional[float] = None):
+        """``(payload, ctx)`` of a plain step: the bare dense tensor (in ``plain_dtype``), no scan, whatever
+        the plan (:meth:`encode` between statistics steps; the step guard's dense window under an engine
+        that calls the compressor per tensor, where the plan's state, error feedback included, waits).
+        :meth:`decode` returns the engine's sum or average of it, shaped."""
+        if started is None:
+            self._check_input(x)
+            if self.sparse:
+                raise TypeError(f"{self.name}: a plain step sends a dense tensor; this gradient is sparse")
+        t0 = time.perf_counter() if started is None else started
+        ctx = AutoContext("dense", t0, self.numel * self.plain_dtype.itemsize, plain=True)
+        payload = x.detach().reshape(-1).to(self.plain_dtype)
+        self._count_sent(ctx.payload_bytes, plain=True)
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
 

@@ -178,7 +178,7 @@ def scenario(name):
                 "plan": {k: v["strategy"] for k, v in st["plan"].items()},
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
         return out
-    if name.startswith("guard_"):   # the step guard's trial, its verdict forced by the margin
+    if name in ("guard_dense", "guard_plan"):   # the step guard's trial, its verdict forced by the margin
         margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
         state = AutoHookState(interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
                               guard_margin=margin)
@@ -188,9 +188,10 @@ def scenario(name):
         return out
     if name.startswith("lossy_guard_"):   # the guard over top-k plans, its verdict forced by the margin
         return lossy_guard(name == "lossy_guard_dense")
-    if name == "config_mismatch":
+    if name in ("config_mismatch", "guard_mismatch"):   # the options differ, or only the step guard's
         try:
-            train(AutoHookState(lossy=dist.get_rank() == 1), steps=1)
+            train(AutoHookState(lossy=dist.get_rank() == 1) if name == "config_mismatch" else
+                  AutoHookState(guard_steps=0 if dist.get_rank() == 1 else 5), steps=1)
         except Exception as e:   # errors raised in a hook come back wrapped
             return {"error": type(e).__name__, "message": str(e)}
         return {"error": None}

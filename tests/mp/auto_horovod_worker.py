@@ -72,7 +72,56 @@ def compare(make, **kw):
     st = comp.stats()
     return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "order": order[:6],
             "plan": {k.split(".", 1)[1]: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
-            "calibration": comp.spec.calibration.as_list(), "fallbacks": st["fallbacks"]}
+            "calibration": comp.spec.calibration.as_list(), "fallbacks": st["fallbacks"], "guard": st["guard"],
+            "plain_steps": {k.split(".", 1)[1]: v["plain_steps"] for k, v in st["plan"].items()}}
+
+
+class Linear(torch.nn.Module):
+    """loss(C) = sum(W * C): the gradient is C, whatever W is."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(128, 96))
+
+    def forward(self, c):
+        return (self.weight * c).sum()
+
+
+def lossy_gradient(step, rank):
+    return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank))
+
+
+def lossy_guard(dense_verdict, steps=10):
+    """``Compression.auto(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (2
+    steps per window from step 2: plans at 2 and 4, sent as they are at 3 and 5, the verdict when step 5
+    ends), forced by the margin. Conservation: n times the sum of the averaged gradients plus every rank's
+    error feedback left at the end equals the sum of every rank's gradients."""
+    n, rank = hvd.size(), hvd.rank()
+    model = Linear()
+    RUNS[0] += 1
+    comp = Compression.auto(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
+                            interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
+                            guard_margin=0.99 if dense_verdict else -100.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=[(f"run{RUNS[0]}.weight", model.weight)], compression=comp,
+                                   op=hvd.Average)
+    out_sum = torch.zeros(128, 96, dtype=torch.float64)
+    for step in range(steps):
+        opt.zero_grad()
+        model(lossy_gradient(step, rank)).backward()
+        opt.step()
+        out_sum += model.weight.grad.to(torch.float64)
+    agg = next(iter(comp.aggregators().values()))
+    left = agg.take_lossy_memory()
+    memory = torch.zeros_like(out_sum) if left is None else left.reshape(128, 96).to(torch.float64)
+    memories = hvd.allgather(memory.reshape(1, -1), name=f"run{RUNS[0]}.memories").reshape(n, 128, 96)
+    total = sum(lossy_gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    st = comp.stats()
+    return {"guard": st["guard"], "left": left is not None,
+            "plain_steps": {k.split(".", 1)[1]: v["plain_steps"] for k, v in st["plan"].items()},
+            "plan": {k.split(".", 1)[1]: v["strategy"] for k, v in st["plan"].items()},
+            "conservation_error": float((n * out_sum + memories.sum(0) - total).abs().max()),
+            "scale": float(total.abs().max())}
 
 
 def scenario(name):
@@ -83,14 +132,23 @@ def scenario(name):
                        steps=10, burst_from=5, op=hvd.Sum)
     if name == "allgather":  # a slow link: the sparse tables go through the named async allgather
         return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e7, 0.0)))
+    if name in ("guard_dense", "guard_plan"):   # the step guard, its verdict forced by the margin
+        margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
+        return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e9), guard_steps=2,
+                                                guard_start=2, guard_margin=margin), steps=12)
+    if name.startswith("lossy_guard_"):
+        return lossy_guard(name == "lossy_guard_dense")
     if name == "lossy":
         comp = Compression.auto(lossy=True, interval=2, calibration=Calibration.default(1e8), lossy_min_bytes=0)
         got = train(comp)
         return {"digest": param_digest(got),
                 "plan": {k.split(".", 1)[1]: [v["strategy"], v["changes"]] for k, v in comp.stats()["plan"].items()}}
-    if name == "config_mismatch":
+    if name in ("config_mismatch", "guard_mismatch"):   # the options differ, or only the step guard's
         try:
-            Compression.auto(lossy=hvd.rank() == 1)
+            if name == "config_mismatch":
+                Compression.auto(lossy=hvd.rank() == 1)
+            else:
+                Compression.auto(guard_steps=0 if hvd.rank() == 1 else 5)
         except Exception as e:
             return {"error": type(e).__name__, "message": str(e)}
         return {"error": None}

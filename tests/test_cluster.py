@@ -242,10 +242,13 @@ def test_the_report_states_the_step_guards_verdict():
                           auto_guard=guard)
     guard = {"verdict": "dense", "plan_ms": 93.0, "dense_ms": 83.2, "window": 8, "steps": 5}
     none_trial = {"verdict": None, "plan_ms": float("nan"), "dense_ms": float("nan"), "window": None, "steps": 5}
-    text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial)],
-                            "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+    hvd = dict(row("auto", 84.0, dict(guard, plan_ms=95.0)), framework="horovod")
+    text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial),
+                                     hvd], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
     assert ("step guard (steps 8-17): plans 93.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(DDP's own) from then on") in text
+    assert ("step guard (steps 8-17): plans 95.0 ms, dense 83.2 ms median step: dense allreduce in place "
+            "(Horovod's own) from then on") in text
     assert "step guard: no trial (every dense gradient's plan was dense)" in text
 
 

@@ -103,7 +103,8 @@ def render_markdown(result: dict, title: str) -> str:
                 f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
             g = r.get("auto_guard")
             if g and g.get("verdict"):
-                ran = "the plans" if g["verdict"] == "plan" else "dense allreduce in place (DDP's own)"
+                engine = "DDP" if r["framework"] == "ddp" else r["framework"].capitalize()
+                ran = "the plans" if g["verdict"] == "plan" else f"dense allreduce in place ({engine}'s own)"
                 lines.append(f"step guard (steps {g['window']}-{g['window'] + 2 * g['steps'] - 1}): plans "
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
             elif g and g.get("window") is None:

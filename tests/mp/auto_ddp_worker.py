@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import (DEVICE, BagModel, CountedCollectives, EmbeddingModel, bag_batch, bag_loss,  # noqa: E402
+from models import (DEVICE, BagModel, CountedCollectives, EmbeddingModel, LinearLoss, bag_batch, bag_loss,  # noqa: E402
                     batch, loss_fn, max_param_diff, param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
@@ -89,18 +89,6 @@ def compare(state, **kw):
             "calibration": state.spec.calibration.as_list()}
 
 
-class Linear(torch.nn.Module):
-    """loss(C) = sum(W * C): the gradient is C, whatever W is, so the reduced gradients of every step can
-    be compared with the sum of what the ranks computed."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(128, 96, device=DEVICE))
-
-    def forward(self, c):
-        return (self.weight * c).sum()
-
-
 def lossy_gradient(step, rank):
     return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank)).to(DEVICE)
 
@@ -111,7 +99,7 @@ def lossy_guard(dense_verdict, steps=10):
     Conservation: n times the sum of the reduced (averaged) gradients plus every rank's error feedback
     left at the end equals the sum of every rank's gradients."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    model = Linear()
+    model = LinearLoss((128, 96), DEVICE)
     ddp = DistributedDataParallel(model)
     state = AutoHookState(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                           interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import EmbeddingModel, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import EmbeddingModel, LinearLoss, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
 
 import lossless_hc._C  # noqa: E402
 from lossless_hc.plugins.horovod import Calibration, Compression  # noqa: E402
@@ -76,17 +76,6 @@ def compare(make, **kw):
             "plain_steps": {k.split(".", 1)[1]: v["plain_steps"] for k, v in st["plan"].items()}}
 
 
-class Linear(torch.nn.Module):
-    """loss(C) = sum(W * C): the gradient is C, whatever W is."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(128, 96))
-
-    def forward(self, c):
-        return (self.weight * c).sum()
-
-
 def lossy_gradient(step, rank):
     return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank))
 
@@ -97,7 +86,7 @@ def lossy_guard(dense_verdict, steps=10):
     ends), forced by the margin. Conservation: n times the sum of the averaged gradients plus every rank's
     error feedback left at the end equals the sum of every rank's gradients."""
     n, rank = hvd.size(), hvd.rank()
-    model = Linear()
+    model = LinearLoss((128, 96))
     RUNS[0] += 1
     comp = Compression.auto(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                             interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,

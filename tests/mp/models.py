@@ -54,6 +54,18 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
+class LinearLoss(nn.Module):
+    """loss(C) = sum(W * C) for a ``shape`` weight: the gradient is C, whatever W is, so the reduced
+    gradients of every step can be compared with the sum of what the ranks computed."""
+
+    def __init__(self, shape, device="cpu"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape, device=device))
+
+    def forward(self, c):
+        return (self.weight * c).sum()
+
+
 class BagModel(nn.Module):
     """A sparse bag-of-rows table (nn.EmbeddingBag(sparse=True): DDP hands its gradient to the hook as a
     COO tensor of rows) and a dense layer; an empty bag contributes no row."""

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import max_param_diff, param_digest  # noqa: E402
+from models import LinearLoss, max_param_diff, param_digest  # noqa: E402
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
 
@@ -98,24 +98,13 @@ def choice():
             "payload_bytes": st["payload_bytes"], "dense_bytes": st["dense_bytes"]}
 
 
-class Linear(torch.nn.Module):
-    """loss(C) = sum(W * C): the gradient is C, whatever W is."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(256, 192))
-
-    def forward(self, c):
-        return (self.weight * c).sum()
-
-
 def gradient(step, rank):
     return torch.randn(256, 192, generator=torch.Generator().manual_seed(7919 * step + rank))
 
 
 def switch(dense_verdict):
     n, rank = dist.get_world_size(), dist.get_rank()
-    model = Linear()
+    model = LinearLoss((256, 192))
     ddp = DistributedDataParallel(model)
     # The switch to PowerSGD at step 2; the step guard's trial from step 3 (PowerSGD at 3, in place at 4), the
     # verdict at 5, forced by the margin.

@@ -233,7 +233,7 @@ class Compression(CompressionFactory):
         ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
         as DDP's ``AutoHookState``; 0 steps: none): once some tensor's plan is not dense (from step index
         ``guard_start``), ``guard_steps`` steps of the plans alternate with as many steps of every tensor
-        sent as it is (Horovod's own allreduce); unless the plans' median step is ``guard_margin``
+        sent as it is (Horovod's own allreduce; as many more of each confirm a first look for the plans); unless the plans' median step is ``guard_margin``
         faster, every tensor is sent as it is from then on (THC's and top-k's error feedback with the
         next step), and rank 0's verdict (a Horovod broadcast at the end of the trial's last step)
         holds on every rank. A step ends when its last tensor is decompressed (``optimizer.step()``).

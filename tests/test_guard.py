@@ -30,14 +30,48 @@ def test_schedule_plan_and_dense_steps_alternate_then_verdict():
     assert phases[6:12] == ["plan", "dense"] * 3
     assert phases[12:] == ["dense"] * 4   # plans measured slower: dense from the verdict on
     assert g.stats() == {"verdict": "dense", "plan_ms": 2000.0, "dense_ms": 1000.0, "window": 6, "steps": 3,
-                         "trials": 1}
+                         "rounds": 1, "trials": 1}
 
 
-def test_faster_plans_are_kept():
+def test_faster_plans_are_kept_after_a_confirmation_round():
     g = StepGuard(steps=2, start=0)
-    phases = run(g, plan_s=0.5, dense_s=1.0, steps=10)
-    assert phases == ["plan", "dense", "plan", "dense"] + ["plan"] * 6
-    assert g.verdict == "plan" and g.medians == (0.5, 1.0)
+    phases = run(g, plan_s=0.5, dense_s=1.0, steps=12)
+    # the first look (step 4) favours the plans: two more of each, then the verdict (step 8)
+    assert phases == ["plan", "dense"] * 4 + ["plan"] * 4
+    assert g.verdict == "plan" and g.medians == (0.5, 1.0) and g.stats()["rounds"] == 2
+    g = StepGuard(steps=2, start=0, confirm=0)   # no confirmation: the first look is the verdict
+    assert run(g, plan_s=0.5, dense_s=1.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
+
+
+def test_a_first_look_for_the_plans_that_the_confirmation_round_overturns_goes_dense():
+    """Plans that looked faster on the first 3 steps of each window (noise) and measure slower on the
+    next 3: the verdict, on the medians of all 6 per window, is dense."""
+    g = StepGuard(steps=3, start=0)
+    plan_times = iter([0.80, 0.82, 0.84, 1.30, 1.25, 1.20])
+    phases = []
+    for step in range(16):
+        if step:
+            g.record(step - 1, next(plan_times) if phases[-1] == "plan" else 1.0)
+        phase = g.phase(step, True)
+        if phase == "decide":
+            g.settle(*g.decide())
+            phase = g.phase(step, True)
+        phases.append(phase)
+    assert phases[:12] == ["plan", "dense"] * 6 and phases[12:] == ["dense"] * 4
+    assert g.verdict == "dense" and g.medians == (pytest.approx(1.02), 1.0)
+
+
+def test_the_confirmation_pools_both_rounds():
+    """A first look for the plans and a second round slightly slower: pooled, the plans still win."""
+    g = StepGuard(steps=2, start=0, margin=0.0)
+    g.phase(0, True)
+    for s, t in enumerate([0.5, 1.0, 0.6, 1.0]):
+        g.record(s, t)
+    g.settle(*g.decide())
+    assert g.verdict is None and g.phase(4, True) == "plan"   # the confirmation round
+    for s, t in zip(range(4, 8), [0.9, 1.0, 0.95, 1.0]):
+        g.record(s, t)
+    assert g.phase(8, True) == "decide" and g.decide() == (True, 0.75, 1.0)
 
 
 def test_a_replan_after_a_verdict_for_the_plans_opens_a_new_trial():
@@ -55,7 +89,7 @@ def test_a_replan_after_a_verdict_for_the_plans_opens_a_new_trial():
             g.settle(*g.decide())
             phase = g.phase(step, True, plans)
         phases.append(phase)
-    assert phases[:12] == ["plan", "dense", "plan", "dense"] + ["plan"] * 8   # A kept
+    assert phases[:12] == ["plan", "dense"] * 4 + ["plan"] * 4   # A kept (after its confirmation round)
     assert phases[12:16] == ["plan", "dense", "plan", "dense"]                 # B on trial
     assert phases[16:] == ["dense"] * 4
     assert g.stats()["trials"] == 2 and g.stats()["window"] == 12 and g.medians == (1.5, 1.0)

@@ -105,13 +105,14 @@ def render_markdown(result: dict, title: str) -> str:
             if g and g.get("verdict"):
                 engine = "DDP" if r["framework"] == "ddp" else r["framework"].capitalize()
                 ran = "the plans" if g["verdict"] == "plan" else f"dense allreduce in place ({engine}'s own)"
-                lines.append(f"step guard (steps {g['window']}-{g['window'] + 2 * g['steps'] - 1}): plans "
+                span = 2 * g["steps"] * (g.get("rounds") or 1)   # a look for the plans adds confirmation rounds
+                lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
             elif g and g.get("window") is None:
                 lines.append("step guard: no trial (every dense gradient's plan was dense)")
             elif g:
                 lines.append(f"step guard: trial from step {g['window']} not finished in this run "
-                             f"({2 * g['steps']} steps)")
+                             f"({2 * g['steps'] * (g.get('rounds') or 1)} steps)")
             if g and (g.get("trials") or 0) > 1:
                 lines.append(f"step guard: {g['trials']} trials (a re-plan changed the plans after a verdict)")
             per_round = [x for x in (r.get("auto_guard_rounds") or []) if x]

@@ -93,9 +93,10 @@ def lossy_gradient(step, rank):
     return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank)).to(DEVICE)
 
 
-def lossy_guard(dense_verdict, steps=10):
+def lossy_guard(dense_verdict, steps=12):
     """``auto_hook(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (2 steps
-    per window from step 2: plans at 2 and 4, in place at 3 and 5, the verdict at 6), forced by the margin.
+    per window from step 2: plans at 2 and 4, in place at 3 and 5, the first look at 6; a look for the plans
+    is confirmed by plans at 6 and 8, in place at 7 and 9, the verdict at 10), forced by the margin.
     Conservation: n times the sum of the reduced (averaged) gradients plus every rank's error feedback
     left at the end equals the sum of every rank's gradients."""
     n, rank = dist.get_world_size(), dist.get_rank()

@@ -106,8 +106,8 @@ def switch(dense_verdict):
     n, rank = dist.get_world_size(), dist.get_rank()
     model = LinearLoss((256, 192))
     ddp = DistributedDataParallel(model)
-    # The switch to PowerSGD at step 2; the step guard's trial from step 3 (PowerSGD at 3, in place at 4), the
-    # verdict at 5, forced by the margin.
+    # The switch to PowerSGD at step 2; the step guard's trial from step 3 (PowerSGD at 3, in place at 4), its
+    # first look at 5, forced by the margin (for the plans: confirmed by PowerSGD at 5, in place at 6).
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"), lossy_min_bytes=0,
                           topk_ratio=0.05, guard_steps=1, guard_start=3,
                           guard_margin=0.99 if dense_verdict else -100.0)

@@ -13,11 +13,11 @@
 ``Compression.auto`` (:mod:`lossless_hc.training.auto`): per tensor, the strategy the cost model
 predicts cheapest. It calibrates when it is constructed -- blocking Horovod collectives, so every rank
 must construct it at the same program point, after ``hvd.init()`` -- and issues no blocking
-collective from ``compress``/``decompress`` but the step guard's verdict (below): a strategy's second collective (allgather, two_phase's
-values, fp16, a sketch's exact fallback) is an asynchronous Horovod operation named after the
-tensor, started from ``decompress`` and waited for when the step's last tensor is decompressed
-(as the dense fallback below); the tensor ``decompress`` returned is filled in place then. Its step
-guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans against every
+collective from ``compress``/``decompress`` but the step guard's verdict (below): a strategy's second
+collective (allgather, two_phase's values, fp16, a sketch's exact fallback) is an asynchronous
+Horovod operation named after the tensor, started from ``decompress`` and waited for when the step's
+last tensor is decompressed (as the dense fallback below); the tensor ``decompress`` returned is
+filled in place then. Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans against every
 tensor sent as it is, alternating whole steps, and keeps them only if they measure faster; the verdict
 is rank 0's, a blocking Horovod broadcast from ``decompress`` when the trial's last step ends: every
 rank reaches it at the same step count, after its last tensor's operations (and second collectives)
@@ -197,7 +197,8 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
 
     def _broadcast_verdict(self, verdict):
         t = torch.tensor([float(v) for v in verdict], dtype=torch.float64)
-        return tuple(hvd.broadcast(t, 0, name=f"lhc.auto{self._instance}.guard", process_set=self._process_set).tolist())
+        root = hvd.broadcast(t, 0, name=f"lhc.auto{self._instance}.guard", process_set=self._process_set)
+        return tuple(root.tolist())
 
     def _start_request(self, agg, request):
         name = f"lhc.auto.{request.kind}.{agg.name}"
@@ -233,10 +234,11 @@ class Compression(CompressionFactory):
         ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
         as DDP's ``AutoHookState``; 0 steps: none): once some tensor's plan is not dense (from step index
         ``guard_start``), ``guard_steps`` steps of the plans alternate with as many steps of every tensor
-        sent as it is (Horovod's own allreduce; as many more of each confirm a first look for the plans); unless the plans' median step is ``guard_margin``
-        faster, every tensor is sent as it is from then on (THC's and top-k's error feedback with the
-        next step), and rank 0's verdict (a Horovod broadcast at the end of the trial's last step)
-        holds on every rank. A step ends when its last tensor is decompressed (``optimizer.step()``).
+        sent as it is (Horovod's own allreduce; as many more of each confirm a first look for the
+        plans); unless the plans' median step is ``guard_margin`` faster, every tensor is sent as it is
+        from then on (THC's and top-k's error feedback with the next step), and rank 0's verdict (a
+        Horovod broadcast at the end of the trial's last step) holds on every rank. A step ends when its
+        last tensor is decompressed (``optimizer.step()``).
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
         if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:

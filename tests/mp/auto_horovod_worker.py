@@ -83,8 +83,9 @@ def lossy_gradient(step, rank):
 def lossy_guard(dense_verdict, steps=12):
     """``Compression.auto(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (2
     steps per window from step 2: plans at 2 and 4, sent as they are at 3 and 5, the first look when step 5
-    ends; a look for the plans is confirmed by steps 6 to 9), forced by the margin. Conservation: n times the sum of the averaged gradients plus every rank's
-    error feedback left at the end equals the sum of every rank's gradients."""
+    ends; a look for the plans is confirmed by steps 6 to 9), forced by the margin. Conservation: n times the
+    sum of the averaged gradients plus every rank's error feedback left at the end equals the sum of every
+    rank's gradients."""
     n, rank = hvd.size(), hvd.rank()
     model = LinearLoss((128, 96))
     RUNS[0] += 1

@@ -12,16 +12,16 @@
 
 ``Compression.auto`` (:mod:`lossless_hc.training.auto`): per tensor, the strategy the cost model
 predicts cheapest. It calibrates when it is constructed -- blocking Horovod collectives, so every rank
-must construct it at the same program point, after ``hvd.init()`` -- and issues no blocking
-collective from ``compress``/``decompress`` but the step guard's verdict (below): a strategy's second
-collective (allgather, two_phase's values, fp16, a sketch's exact fallback) is an asynchronous
-Horovod operation named after the tensor, started from ``decompress`` and waited for when the step's
-last tensor is decompressed (as the dense fallback below); the tensor ``decompress`` returned is
-filled in place then. Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans against every
-tensor sent as it is, alternating whole steps, and keeps them only if they measure faster; the verdict
-is rank 0's, a blocking Horovod broadcast from ``decompress`` when the trial's last step ends: every
-rank reaches it at the same step count, after its last tensor's operations (and second collectives)
-completed, so nothing of the step is outstanding.
+must construct it at the same program point, after ``hvd.init()`` -- and issues no blocking collective
+from ``compress``/``decompress`` but the step guard's verdict (below): a strategy's second collective
+(allgather, two_phase's values, fp16, a sketch's exact fallback) is an asynchronous Horovod operation
+named after the tensor, started from ``decompress`` and waited for when the step's last tensor is
+decompressed (as the dense fallback below); the tensor ``decompress`` returned is filled in place then.
+Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans
+against every tensor sent as it is, alternating whole steps, and keeps them only if they measure faster;
+the verdict is rank 0's, a blocking Horovod broadcast from ``decompress`` when the trial's last step
+ends: every rank reaches it at the same step count, after its last tensor's operations (and second
+collectives) completed, so nothing of the step is outstanding.
 
 Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces the returned payload
 in place (SUM or AVERAGE), and calls ``decompress(payload, ctx)`` from ``optimizer.step()``. The

@@ -349,15 +349,13 @@ class AutoHookState(_HookState):
         on_powersgd = self._powersgd.parameter_names() if self._powersgd is not None else frozenset()
         plans = tuple("powersgd" if a.name in on_powersgd else a.strategy
                       for a in self._aggregators.values() if not a.sparse)
-        worth = any(strategy != "dense" for strategy in plans)
-        phase = self._guard.phase(step, worth, plans)
-        if phase == "decide":   # rank 0's verdict on every rank (blocking, main thread, like calibration)
-            verdict = torch.tensor(self._guard.decide(), dtype=torch.float64, device=self._collective_device())
-            dist.broadcast(verdict, src=self._root(), group=self.process_group)
-            keep, plan_s, dense_s = verdict.cpu().tolist()
-            self._guard.settle(keep != 0.0, plan_s, dense_s)
-            phase = self._guard.phase(step, worth, plans)
-        self._step_phase = phase
+        self._step_phase = self._guard.next_phase(step, plans, self._share_verdict)
+
+    def _share_verdict(self, verdict: tuple) -> tuple:
+        """Rank 0's step-guard ``verdict`` on every rank (blocking, main thread, like the calibration)."""
+        t = torch.tensor(verdict, dtype=torch.float64, device=self._collective_device())
+        dist.broadcast(t, src=self._root(), group=self.process_group)
+        return tuple(t.cpu().tolist())
 
     def _collective_device(self) -> torch.device:
         if dist.get_backend(self.process_group) == "nccl":

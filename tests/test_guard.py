@@ -161,3 +161,22 @@ def test_bad_options():
         StepGuard(start=-1)
     with pytest.raises(ValueError, match="margin"):
         StepGuard(margin=1.0)
+
+
+def test_next_phase_adopts_the_shared_verdict_not_its_own():
+    """At the decision step every rank adopts what ``share`` returns (rank 0's), whatever its own windows
+    say; before and after it, the schedule of :meth:`StepGuard.phase`."""
+    g = StepGuard(steps=1, start=0, confirm=0)
+    asked = []
+
+    def share(mine):
+        asked.append(mine)
+        return (0.0, 2.0, 1.0)   # rank 0 measured the plans 2x slower
+
+    assert g.next_phase(0, ("allgather",), share) == "plan"
+    g.record(0, 0.5)
+    assert g.next_phase(1, ("allgather",), share) == "dense"
+    g.record(1, 1.0)
+    assert g.next_phase(2, ("allgather",), share) == "dense" and g.verdict == "dense"
+    assert asked == [(True, 0.5, 1.0)] and g.medians == (2.0, 1.0)   # this rank's look, rank 0's verdict
+    assert StepGuard(steps=1, start=0).next_phase(0, ("dense",), share) == "plan"   # nothing to check

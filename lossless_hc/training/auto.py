@@ -292,9 +292,8 @@ class AutoCompressorAdapter(CompressorAdapter):
     def encode(self, agg, tensor: torch.Tensor):
         if self._guard_phase == "dense" and isinstance(agg, AutoAggregator) and not agg.sparse:
             if self._guard.verdict == "dense":   # for good: the lossy memory goes out with this step
-                err = agg.take_lossy_memory()
-                if err is not None:
-                    tensor = tensor + err.to(device=tensor.device, dtype=tensor.dtype).reshape(tensor.shape)
+                # (into the gradient the engine then reduces in place, as its own allreduce does)
+                agg.add_lossy_memory_to(tensor)
             payload, ctx = agg.encode_plain(tensor)
             self._pending += 1
             return payload, EncodedTensor(agg, ctx)
@@ -331,14 +330,7 @@ class AutoCompressorAdapter(CompressorAdapter):
             return
         dense = sorted((a for a in self._aggregators.values() if isinstance(a, AutoAggregator) and not a.sparse),
                        key=lambda a: a.name)
-        plans = tuple(a.strategy for a in dense)
-        worth = any(strategy != "dense" for strategy in plans)
-        phase = g.phase(step, worth, plans)
-        if phase == "decide":
-            keep, plan_s, dense_s = self._broadcast_verdict(g.decide())
-            g.settle(keep != 0.0, plan_s, dense_s)
-            phase = g.phase(step, worth, plans)
-        self._guard_phase = phase
+        self._guard_phase = g.next_phase(step, tuple(a.strategy for a in dense), self._broadcast_verdict)
 
     def _broadcast_verdict(self, verdict: tuple) -> tuple:
         """Rank 0's ``verdict`` (three floats) on every rank: a blocking broadcast, called by every rank

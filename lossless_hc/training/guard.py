@@ -112,6 +112,19 @@ class StepGuard:
             return "plan" if k % 2 == 0 else "dense"
         return "decide"
 
+    def next_phase(self, step: int, plans: tuple, share) -> str:
+        """What step ``step`` runs (:meth:`phase`), the verdict taken where it is due: ``plans`` names the
+        dense gradients' plans (a tuple of strategies, identical on every rank; worth checking when one is
+        not ``"dense"``), and ``share`` is the caller's blocking broadcast of rank 0's :meth:`decide`
+        (three floats in, rank 0's three out), which every rank reaches at this step."""
+        worth = any(strategy != "dense" for strategy in plans)
+        phase = self.phase(step, worth, plans)
+        if phase == "decide":
+            keep, plan_s, dense_s = share(self.decide())
+            self.settle(keep != 0.0, plan_s, dense_s)
+            phase = self.phase(step, worth, plans)
+        return phase
+
     def record(self, step: int, seconds: float) -> None:
         """The measured time of step ``step`` (0-based), kept if it falls in a window."""
         if self.begin is None or self.verdict is not None:

@@ -303,7 +303,7 @@ class AutoAggregator(TensorRows):
             raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
                                "its own sparse allreduce (native_sparse), not through encode()")
         if not carries:   # a dense step without statistics: the bare tensor, no scan
-            return self.encode_plain(x, t0)
+            return self._plain(x, t0)
         s = self.strategy
         n = self.world_size
         ctx = AutoContext(s, t0, 0)
@@ -350,16 +350,17 @@ class AutoAggregator(TensorRows):
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
 
-    def encode_plain(self, x: torch.Tensor, started: Optional[float] = None):
+    def encode_plain(self, x: torch.Tensor):
         """``(payload, ctx)`` of a plain step: the bare dense tensor (in ``plain_dtype``), no scan, whatever
         the plan (:meth:`encode` between statistics steps; the step guard's dense window under an engine
         that calls the compressor per tensor, where the plan's state, error feedback included, waits).
         :meth:`decode` returns the engine's sum or average of it, shaped."""
-        if started is None:
-            self._check_input(x)
-            if self.sparse:
-                raise TypeError(f"{self.name}: a plain step sends a dense tensor; this gradient is sparse")
-        t0 = time.perf_counter() if started is None else started
+        self._check_input(x)
+        if self.sparse:
+            raise TypeError(f"{self.name}: a plain step sends a dense tensor; this gradient is sparse")
+        return self._plain(x, time.perf_counter())
+
+    def _plain(self, x: torch.Tensor, t0: float):
         ctx = AutoContext("dense", t0, self.numel * self.plain_dtype.itemsize, plain=True)
         payload = x.detach().reshape(-1).to(self.plain_dtype)
         self._count_sent(ctx.payload_bytes, plain=True)

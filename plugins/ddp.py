@@ -30,17 +30,17 @@ statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook
 The step guard (exact and lossy plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`):
 the cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides
 behind the backward pass, the hook's own work on the same cores), so once some dense gradient's plan is
-not dense (from step index 8 on) the state runs an A/B trial of 10 whole steps, the plans and every
-dense-gradient bucket allreduced in place alternating step by step (5 of each; 10 more where the
-plans look faster, the verdict then on all 20); unless the plans'
-median step is at least 3% faster, dense gradients are allreduced in place for the rest of the run
-(THC's and top-k's error feedback, and a PowerSGD bucket's error memory, added to the gradients of the
-first such step, so nothing is lost; buckets that went to PowerSGD are part of the trial and leave it
-on a dense verdict). After a verdict for the plans, a re-plan that changes a dense
-gradient's plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step
-after the trial (main thread, like the calibration). The verdict rests on measured step times, so
-with ``lossy=True`` which gradients are sent lossy can differ from run to run (``guard_steps=0``:
-the plans alone decide).
+not dense (from step index 8 on) the state runs an A/B trial of 20 whole steps, the plans and every
+dense-gradient bucket allreduced in place alternating in blocks of two steps, the second of each
+timed (5 of each; 20 steps more where the plans look faster, the verdict then on 10 of each); unless
+the plans' median step is at least 3% faster, dense gradients are allreduced in place for the rest of
+the run (THC's and top-k's error feedback, and a PowerSGD bucket's error memory, added to the gradients
+of the first such step, so nothing is lost; buckets that went to PowerSGD are part of the trial and
+leave it on a dense verdict). After a verdict for the plans, a re-plan that changes a dense gradient's
+plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step after the
+trial (main thread, like the calibration). The verdict rests on measured step times, so with
+``lossy=True`` which gradients are sent lossy can differ from run to run (``guard_steps=0``: the plans
+alone decide).
 
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
 one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
@@ -260,12 +260,12 @@ class AutoHookState(_HookState):
         guard_steps, guard_start, guard_margin: the step guard's window length (5; 0: no guard), the
             first step index its trial may begin at (8) and the margin by which the plans must measure
             faster than DDP's dense allreduce to stay (0.03): an A/B trial of whole training steps,
-            ``guard_steps`` steps of the plans alternating with as many of every dense gradient
-            allreduced in place (and as many more of each to confirm a first look for the plans); if
-            the plans' median step is not faster, dense gradients are allreduced in place for the rest
-            of the run (THC's and top-k's error feedback, and a PowerSGD bucket's error memory, added
-            to the first such step's gradients); if it is, the plans stay until a re-plan changes them,
-            which opens a new trial
+            ``guard_steps`` timed steps of the plans alternating with as many of every dense gradient
+            allreduced in place (in blocks of two steps, the second timed; as many more of each to
+            confirm a first look for the plans); if the plans' median step is not faster, dense
+            gradients are allreduced in place for the rest of the run (THC's and top-k's error
+            feedback, and a PowerSGD bucket's error memory, added to the first such step's gradients);
+            if it is, the plans stay until a re-plan changes them, which opens a new trial
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``); ``strategies`` may

@@ -18,10 +18,11 @@ from ``compress``/``decompress`` but the step guard's verdict (below): a strateg
 named after the tensor, started from ``decompress`` and waited for when the step's last tensor is
 decompressed (as the dense fallback below); the tensor ``decompress`` returned is filled in place then.
 Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans
-against every tensor sent as it is, alternating whole steps, and keeps them only if they measure faster;
-the verdict is rank 0's, a blocking Horovod broadcast from ``decompress`` when the trial's last step
-ends: every rank reaches it at the same step count, after its last tensor's operations (and second
-collectives) completed, so nothing of the step is outstanding.
+against every tensor sent as it is, alternating blocks of two whole steps (the second timed, as the
+first pays Horovod's renegotiation of tensors whose payload changed), and keeps them only if they
+measure faster; the verdict is rank 0's, a blocking Horovod broadcast from ``decompress`` when the
+trial's last step ends: every rank reaches it at the same step count, after its last tensor's
+operations (and second collectives) completed, so nothing of the step is outstanding.
 
 Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces the returned payload
 in place (SUM or AVERAGE), and calls ``decompress(payload, ctx)`` from ``optimizer.step()``. The
@@ -233,12 +234,13 @@ class Compression(CompressionFactory):
 
         ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
         as DDP's ``AutoHookState``; 0 steps: none): once some tensor's plan is not dense (from step index
-        ``guard_start``), ``guard_steps`` steps of the plans alternate with as many steps of every tensor
-        sent as it is (Horovod's own allreduce; as many more of each confirm a first look for the
-        plans); unless the plans' median step is ``guard_margin`` faster, every tensor is sent as it is
-        from then on (THC's and top-k's error feedback with the next step), and rank 0's verdict (a
-        Horovod broadcast at the end of the trial's last step) holds on every rank. A step ends when its
-        last tensor is decompressed (``optimizer.step()``).
+        ``guard_start``), ``guard_steps`` timed steps of the plans alternate with as many steps of every
+        tensor sent as it is (Horovod's own allreduce; in blocks of two steps, the second timed; as
+        many more of each confirm a first look for the plans); unless the plans' median step is
+        ``guard_margin`` faster, every tensor is sent as it is from then on (THC's and top-k's error
+        feedback with the next step), and rank 0's verdict (a Horovod broadcast at the end of the
+        trial's last step) holds on every rank. A step ends when its last tensor is decompressed
+        (``optimizer.step()``).
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
         if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:

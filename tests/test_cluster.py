@@ -252,6 +252,27 @@ def test_the_report_states_the_step_guards_verdict():
     assert ("step guard (steps 8-17): plans 95.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(Horovod's own) from then on") in text
     assert "step guard: no trial (every dense gradient's plan was dense)" in text
+    assert "ran into the timed steps" not in text   # no --warmup in the result: not checked
+
+
+def test_the_report_gives_the_blocks_untimed_steps_and_flags_a_trial_in_the_timed_steps():
+    """Blocks of 2 steps: the trial spans 2 * 2 * steps * rounds steps, and the untimed first steps of the
+    blocks are reported; a trial that ends after --warmup is flagged (its dense blocks are in the row)."""
+    from lossless_hc.bench.cluster_report import render_markdown
+    guard = {"verdict": "plan", "plan_ms": 70.0, "dense_ms": 83.2, "window": 8, "steps": 5, "block": 2,
+             "rounds": 2, "lead_plan_ms": 71.5, "lead_dense_ms": 104.0}
+    row = report_row("auto-lossy", 70.0, auto_choice={"topk": ["param0(4,)"]}, auto_guard=guard,
+                     framework="horovod")
+
+    def text(warmup):
+        return render_markdown({"rows": [report_row("none", 80.0), row], "compute_s": 0.02,
+                                "shaping": {"qdisc": "tbf"}, "warmup": warmup}, "t")
+    assert "step guard (steps 8-47): plans 70.0 ms, dense 83.2 ms median step: the plans from then on" in text(48)
+    assert ("step guard: blocks of 2 steps per window, the last one timed; the untimed ones (after a switch) "
+            "71.5 ms in the plans' blocks, 104.0 ms in dense's") in text(48)
+    assert "ran into the timed steps" not in text(48)
+    assert ("step guard: the trial ran into the timed steps (from step 20), so its dense blocks are in this "
+            "row's times; --warmup 48 times after it") in text(20)
 
 
 def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():

@@ -236,9 +236,10 @@ def test_ddp_auto_lossy_takes_powersgd_identically_and_sends_what_it_predicts(ru
 def test_a_switch_from_top_k_to_powersgd_and_the_step_guard_conserve_the_error_feedback(run, name):
     """n x (sum of the averaged outputs) + every rank's PowerSGD memory = sum of every gradient: top-k's
     residual at the switch (large) went into PowerSGD's input, nothing was dropped. The step guard's trial
-    then weighs the PowerSGD bucket (PowerSGD at step 3, allreduced in place at 4 with its memory kept);
-    on a dense verdict (forced) the bucket leaves PowerSGD at step 5 and its memory goes out with that step
-    (none is left); a look for the plans is confirmed (PowerSGD at 5, in place at 6) and it keeps PowerSGD."""
+    then weighs the PowerSGD bucket (PowerSGD at steps 3 and 4, allreduced in place at 5 and 6 with its
+    memory kept); on a dense verdict (forced) the bucket leaves PowerSGD at step 7 and its memory goes out
+    with that step (none is left); a look for the plans is confirmed (PowerSGD at 7 and 8, in place at 9 and
+    10) and it keeps PowerSGD."""
     rs = run[name]
     dense = name == "switch_guard_dense"
     for r in rs:
@@ -248,9 +249,9 @@ def test_a_switch_from_top_k_to_powersgd_and_the_step_guard_conserve_the_error_f
         assert g == rs[0]["guard"], (g, rs[0]["guard"])   # rank 0's verdict and medians
         assert (g["trials"], g["window"], g["verdict"]) == (1, 3, "dense" if dense else "plan"), g
         bucket = r["buckets"]["0"] if "0" in r["buckets"] else r["buckets"][0]
-        # PowerSGD ran at 2 and 3, then (plans kept after the confirmation round: PowerSGD at 5, in place at
-        # 6, the verdict at 7) at 5 and 7: never in a dense window (steps 4 and 6)
-        assert bucket["steps"] == (2 if dense else 4) and bucket["left_step"] == (5 if dense else None), bucket
+        # PowerSGD ran at 2 to 4, then (plans kept after the confirmation round: PowerSGD at 7 and 8, in place
+        # at 9 and 10, the verdict at 11) at 7, 8 and 11: never in a dense window (steps 5, 6, 9, 10)
+        assert bucket["steps"] == (3 if dense else 6) and bucket["left_step"] == (7 if dense else None), bucket
         assert r["memory_left"] == (not dense), r
         assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
     assert list(rs[0]["plan"].values())[0] == ["powersgd", [[2, "powersgd"]]]

@@ -105,23 +105,37 @@ def render_markdown(result: dict, title: str) -> str:
             if g and g.get("verdict"):
                 engine = "DDP" if r["framework"] == "ddp" else r["framework"].capitalize()
                 ran = "the plans" if g["verdict"] == "plan" else f"dense allreduce in place ({engine}'s own)"
-                span = 2 * g["steps"] * (g.get("rounds") or 1)   # a look for the plans adds confirmation rounds
+                span = _guard_span(g)
                 lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
+                if (g.get("block") or 1) > 1:
+                    lines.append(f"step guard: blocks of {g['block']} steps per window, the last one timed; the "
+                                 f"untimed ones (after a switch) {g['lead_plan_ms']:.1f} ms in the plans' blocks, "
+                                 f"{g['lead_dense_ms']:.1f} ms in dense's")
             elif g and g.get("window") is None:
                 lines.append("step guard: no trial (every dense gradient's plan was dense)")
             elif g:
                 lines.append(f"step guard: trial from step {g['window']} not finished in this run "
-                             f"({2 * g['steps'] * (g.get('rounds') or 1)} steps)")
+                             f"({_guard_span(g)} steps)")
             if g and (g.get("trials") or 0) > 1:
                 lines.append(f"step guard: {g['trials']} trials (a re-plan changed the plans after a verdict)")
             per_round = [x for x in (r.get("auto_guard_rounds") or []) if x]
+            ends = [x["window"] + _guard_span(x) for x in (per_round or [g]) if x and x.get("window") is not None]
+            warmup = result.get("warmup")
+            if ends and warmup is not None and max(ends) > warmup:
+                lines.append(f"step guard: the trial ran into the timed steps (from step {warmup}), so its "
+                             f"dense blocks are in this row's times; --warmup {max(ends)} times after it")
             if len(per_round) > 1:
                 lines.append("step guard per round: " + ", ".join(
                     f"{x['verdict'] or ('no trial' if x.get('window') is None else 'no verdict')}"
                     + (f" ({x['plan_ms']:.1f} / {x['dense_ms']:.1f} ms)" if x.get("verdict") else "")
                     for x in per_round))
     return "\n".join(lines) + "\n"
+
+
+def _guard_span(g: dict) -> int:
+    """Steps of the guard's trial (StepGuard.span): a look for the plans adds confirmation rounds."""
+    return 2 * g["steps"] * (g.get("block") or 1) * (g.get("rounds") or 1)
 
 
 def plot(result: dict, title: str, path: str) -> None:

@@ -9,15 +9,20 @@ on a fast link the conversions can cost more than the wire they save), so a DDP 
 compressor with a guard (``AutoHookState(guard_steps=W)``, ``Compression.auto(guard_steps=W)``, on by
 default) runs one A/B trial on whole training steps:
 
-* **trial**: the ``2W`` steps from the first step at or after ``start`` in which some dense gradient's
+* **trial**: the ``2BW`` steps from the first step at or after ``start`` in which some dense gradient's
   plan is not ``dense`` (sparse gradients keep their plans throughout: their dense alternative is a
-  different model), alternating: the even ones run the plans (the **plan window**), the odd ones
-  send every dense gradient as it is, the engine's own allreduce (the **dense window**: DDP's buckets
-  allreduced in place as DDP's own hook does, Horovod's tensors as its plain allreduce; the
-  aggregators sit these steps out: their statistics and plans wait). Alternating, so that a drift of
-  the step time over the trial (allocator and caches still warming, a neighbour's load) weighs on both
-  windows alike: back-to-back windows measured a plan 4% faster on VGG at 2 emulated hosts that ran
-  11% slower than DDP's allreduce in the steps after;
+  different model), in blocks of ``B`` consecutive steps (``block``, 2) that alternate: the plans
+  (the **plan window**, first), then every dense gradient sent as it is, the engine's own allreduce
+  (the **dense window**: DDP's buckets allreduced in place as DDP's own hook does, Horovod's tensors as
+  its plain allreduce; the aggregators sit these steps out: their statistics and plans wait).
+  Alternating, so that a drift of the step time over the trial (allocator and caches still warming, a
+  neighbour's load) weighs on both windows alike: back-to-back windows measured a plan faster on VGG at
+  2 emulated hosts that ran slower than DDP's allreduce in the steps after. Only the **last step of
+  each block is timed** (``W`` per window): the step after a switch pays for the switch (Horovod
+  renegotiates every tensor whose payload changed shape; caches and the allocator change hands), a
+  cost neither side pays once the verdict stands, and not the same both ways: timing every step of
+  single-step blocks tilts the verdict toward the window that is cheaper to switch into (under Horovod
+  the plans: docs/BENCHMARKS.md, "the step guard");
 * **verdict**, at the first step after: with :math:`T_p` and :math:`T_d` the medians of the two
   windows' step times (a whole iteration, forward, backward, optimizer and every wait included: under
   DDP the time between consecutive starts of bucket 0's hook, under Horovod between the ends of
@@ -29,12 +34,12 @@ default) runs one A/B trial on whole training steps:
   plans up to :math:`1/(1-m)` times slower); otherwise every dense gradient is allreduced in place
   from then on;
 * **confirmation**: a first look that would keep the plans is not a verdict yet: the trial goes on
-  for another ``2W`` alternating steps (``confirm`` such rounds, 1), and the rule above is applied to
-  the medians of all its steps (``2W`` per window after one round). A look for dense is the verdict at
+  for another ``2BW`` steps (``confirm`` such rounds, 1), and the rule above is applied to the medians
+  of all its timed steps (``2W`` per window after one round). A look for dense is the verdict at
   once. On this project's 2-core VM a window's step times spread by +-10%, and a 5-step median of
   each window once kept plans 9% "faster" (93.7 against 102.5 ms) that then ran 1.2x slower than the
   engine's allreduce; keeping plans needs more evidence than leaving them, as dense is the engine's
-  own behaviour (the safe default). The cost: ``W`` more dense steps where the plans are faster.
+  own behaviour (the safe default). The cost: ``BW`` more dense steps where the plans are faster.
 
 Step times are rank-local; the verdict is rank 0's, broadcast by the caller (every rank must then
 agree, as on every plan). A verdict for the plans holds for the plans it measured: when the dense
@@ -54,10 +59,11 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-GUARD_STEPS = 5      # steps per window
+GUARD_STEPS = 5      # timed steps per window and round (each the last of a block)
 GUARD_START = 8      # the first step index the plan window may begin at (after calibration and plans settle)
 GUARD_MARGIN = 0.03  # the plans must measure this much faster than dense to stay
 GUARD_CONFIRM = 1    # extra rounds of both windows before a verdict for the plans (module doc)
+GUARD_BLOCK = 2      # consecutive steps of one window; only a block's last step is timed (module doc)
 
 
 class StepGuard:
@@ -65,14 +71,15 @@ class StepGuard:
     and whether a plan is worth checking, asks what to run, and broadcasts :meth:`decide`'s verdict.
 
     Args:
-        steps: ``W``, steps per window (>= 1).
+        steps: ``W``, timed steps per window and round (>= 1).
         start: the first 0-based step index the plan window may begin at.
         margin: ``m`` in the verdict rule, below 1.
-        confirm: rounds of ``2W`` more steps that a look for the plans must survive (>= 0).
+        confirm: rounds of ``2BW`` more steps that a look for the plans must survive (>= 0).
+        block: ``B``, consecutive steps of one window, of which the last is timed (>= 1).
     """
 
     def __init__(self, steps: int = GUARD_STEPS, start: int = GUARD_START, margin: float = GUARD_MARGIN,
-                 confirm: int = GUARD_CONFIRM):
+                 confirm: int = GUARD_CONFIRM, block: int = GUARD_BLOCK):
         if int(steps) < 1:
             raise ValueError(f"guard steps must be >= 1, got {steps}")
         if int(start) < 0:
@@ -81,18 +88,23 @@ class StepGuard:
             raise ValueError(f"guard margin must be below 1, got {margin}")
         if int(confirm) < 0:
             raise ValueError(f"guard confirm must be >= 0, got {confirm}")
+        if int(block) < 1:
+            raise ValueError(f"guard block must be >= 1, got {block}")
         self.steps, self.start, self.margin, self.confirm = int(steps), int(start), float(margin), int(confirm)
+        self.block = int(block)
         self.rounds = 1                    # rounds of both windows the current trial runs (1 + confirmations)
         self.begin: Optional[int] = None   # step index of the plan window's first step
         self.times = {"plan": [], "dense": []}
+        self.lead = {"plan": [], "dense": []}   # the untimed first steps of blocks (diagnostics)
         self.verdict: Optional[str] = None   # "plan" or "dense" once decided
         self.medians: Optional[tuple] = None   # (T_p, T_d) seconds, rank 0's
+        self.lead_medians: Optional[tuple] = None   # the untimed steps' medians (plans', dense's), rank 0's
         self.checked = None   # the plans at the current trial's first step
         self.trials = 0       # trials opened so far
 
     def phase(self, step: int, worth_checking: bool, plans=None) -> str:
         """What step ``step`` (0-based) runs: ``"plan"`` (the plans), ``"dense"`` (dense buckets in
-        place; the trial's odd steps), or ``"decide"`` (the verdict is due now: call :meth:`decide` and
+        place; the trial's dense blocks), or ``"decide"`` (the verdict is due now: call :meth:`decide` and
         :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not
         dense; the trial opens at the first such step from ``start`` on. ``plans``: any comparable
         value naming the dense gradients' plans (None: not tracked); after a verdict for the plans, a
@@ -100,6 +112,7 @@ class StepGuard:
         if self.verdict == "plan" and plans is not None and plans != self.checked:
             self.begin, self.verdict, self.rounds = None, None, 1
             self.times = {"plan": [], "dense": []}
+            self.lead = {"plan": [], "dense": []}
         if self.verdict is not None:
             return "plan" if self.verdict == "plan" else "dense"
         if self.begin is None:
@@ -108,20 +121,27 @@ class StepGuard:
             self.begin, self.checked = step, plans
             self.trials += 1
         k = step - self.begin
-        if k < 2 * self.steps * self.rounds:
-            return "plan" if k % 2 == 0 else "dense"
+        if k < self.span():
+            return self._window(k)
         return "decide"
+
+    def span(self) -> int:
+        """Steps the current trial runs: ``2 * block * steps * rounds``."""
+        return 2 * self.block * self.steps * self.rounds
+
+    def _window(self, k: int) -> str:
+        return "plan" if (k // self.block) % 2 == 0 else "dense"
 
     def next_phase(self, step: int, plans: tuple, share) -> str:
         """What step ``step`` runs (:meth:`phase`), the verdict taken where it is due: ``plans`` names the
         dense gradients' plans (a tuple of strategies, identical on every rank; worth checking when one is
         not ``"dense"``), and ``share`` is the caller's blocking broadcast of rank 0's :meth:`decide`
-        (three floats in, rank 0's three out), which every rank reaches at this step."""
+        (five floats in, rank 0's five out), which every rank reaches at this step."""
         worth = any(strategy != "dense" for strategy in plans)
         phase = self.phase(step, worth, plans)
         if phase == "decide":
-            keep, plan_s, dense_s = share(self.decide())
-            self.settle(keep != 0.0, plan_s, dense_s)
+            keep, *medians = share(self.decide())
+            self.settle(keep != 0.0, *medians)
             phase = self.phase(step, worth, plans)
         return phase
 
@@ -130,32 +150,42 @@ class StepGuard:
         if self.begin is None or self.verdict is not None:
             return
         k = step - self.begin
-        if 0 <= k < 2 * self.steps * self.rounds:
-            self.times["plan" if k % 2 == 0 else "dense"].append(float(seconds))
+        if 0 <= k < self.span():
+            kept = self.times if k % self.block == self.block - 1 else self.lead
+            kept[self._window(k)].append(float(seconds))
 
     def decide(self) -> tuple:
-        """``(keep_plans, T_p, T_d)`` from this rank's windows (module doc); the caller broadcasts rank
-        0's. A window with no time recorded keeps the plans (nothing measured against them)."""
+        """``(keep_plans, T_p, T_d, L_p, L_d)`` from this rank's windows (module doc; ``L``: the medians of
+        the untimed first steps of the blocks, for the record, NaN with blocks of 1); the caller broadcasts
+        rank 0's. A window with no time recorded keeps the plans (nothing measured against them)."""
+        lp, ld = (statistics.median(xs) if xs else float("nan") for xs in (self.lead["plan"], self.lead["dense"]))
         if not self.times["plan"] or not self.times["dense"]:
-            return True, float("nan"), float("nan")
+            return True, float("nan"), float("nan"), lp, ld
         tp, td = statistics.median(self.times["plan"]), statistics.median(self.times["dense"])
-        return tp <= (1.0 - self.margin) * td, tp, td
+        return tp <= (1.0 - self.margin) * td, tp, td, lp, ld
 
-    def settle(self, keep_plans: bool, plan_s: float, dense_s: float) -> None:
+    def settle(self, keep_plans: bool, plan_s: float, dense_s: float, lead_plan_s: float = float("nan"),
+               lead_dense_s: float = float("nan")) -> None:
         """Adopt the (broadcast) look: a verdict, or for the plans while confirmations remain, another
         round of both windows (:meth:`phase` goes on alternating; the next look pools every step)."""
         self.medians = (float(plan_s), float(dense_s))
+        self.lead_medians = (float(lead_plan_s), float(lead_dense_s))
         if keep_plans and self.rounds <= self.confirm:
             self.rounds += 1
             return
         self.verdict = "plan" if keep_plans else "dense"
 
     def stats(self) -> dict:
-        """``{"verdict", "plan_ms", "dense_ms", "window", "steps", "rounds", "trials"}``: the verdict (None
-        while a trial runs or before one starts), rank 0's medians at the last look in milliseconds, the
-        current trial's first step index, the window length, the rounds of both windows the trial runs
-        (it spans ``2 * steps * rounds`` steps; more than 1 after a look for the plans) and how many
-        trials opened."""
-        tp, td = self.medians if self.medians is not None else (float("nan"), float("nan"))
+        """``{"verdict", "plan_ms", "dense_ms", "window", "steps", "block", "rounds", "trials",
+        "lead_plan_ms", "lead_dense_ms"}``: the verdict (None while a trial runs or before one starts),
+        rank 0's medians of the timed steps at the last look in milliseconds, the current trial's first
+        step index, the timed steps per window and round, the block length, the rounds of both windows
+        the trial runs (it spans :meth:`span` steps; more than 1 after a look for the plans), how many
+        trials opened, and rank 0's medians of the blocks' untimed first steps at the last look (NaN
+        with blocks of 1): what switching windows cost, left out of the verdict."""
+        nan = (float("nan"), float("nan"))
+        tp, td = self.medians or nan
+        lp, ld = self.lead_medians or nan
         return {"verdict": self.verdict, "plan_ms": 1e3 * tp, "dense_ms": 1e3 * td, "window": self.begin,
-                "steps": self.steps, "rounds": self.rounds, "trials": self.trials}
+                "steps": self.steps, "block": self.block, "rounds": self.rounds, "trials": self.trials,
+                "lead_plan_ms": 1e3 * lp, "lead_dense_ms": 1e3 * ld}

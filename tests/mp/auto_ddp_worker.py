@@ -94,16 +94,16 @@ def lossy_gradient(step, rank):
 
 
 def lossy_guard(dense_verdict, steps=12):
-    """``auto_hook(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (2 steps
-    per window from step 2: plans at 2 and 4, in place at 3 and 5, the first look at 6; a look for the plans
-    is confirmed by plans at 6 and 8, in place at 7 and 9, the verdict at 10), forced by the margin.
+    """``auto_hook(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (one
+    block of 2 steps per window from step 2: plans at 2 and 3, in place at 4 and 5, the first look at 6; a look
+    for the plans is confirmed by plans at 6 and 7, in place at 8 and 9, the verdict at 10), forced by the margin.
     Conservation: n times the sum of the reduced (averaged) gradients plus every rank's error feedback
     left at the end equals the sum of every rank's gradients."""
     n, rank = dist.get_world_size(), dist.get_rank()
     model = LinearLoss((128, 96), DEVICE)
     ddp = DistributedDataParallel(model)
     state = AutoHookState(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
-                          interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
+                          interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
                           guard_margin=0.99 if dense_verdict else -100.0)
     ddp.register_comm_hook(state, auto_hook)
     out_sum = torch.zeros(128, 96, dtype=torch.float64, device=DEVICE)
@@ -169,7 +169,7 @@ def scenario(name):
         return out
     if name in ("guard_dense", "guard_plan"):   # the step guard's trial, its verdict forced by the margin
         margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
-        state = AutoHookState(interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
+        state = AutoHookState(interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
                               guard_margin=margin)
         out = compare(state, steps=12)
         out["guard"] = out["stats"]["guard"]

@@ -81,16 +81,16 @@ def lossy_gradient(step, rank):
 
 
 def lossy_guard(dense_verdict, steps=12):
-    """``Compression.auto(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (2
-    steps per window from step 2: plans at 2 and 4, sent as they are at 3 and 5, the first look when step 5
-    ends; a look for the plans is confirmed by steps 6 to 9), forced by the margin. Conservation: n times the
+    """``Compression.auto(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (one
+    block of 2 steps per window from step 2: plans at 2 and 3, sent as they are at 4 and 5, the first look when
+    step 5 ends; a look for the plans is confirmed by steps 6 to 9), forced by the margin. Conservation: n times the
     sum of the averaged gradients plus every rank's error feedback left at the end equals the sum of every
     rank's gradients."""
     n, rank = hvd.size(), hvd.rank()
     model = LinearLoss((128, 96))
     RUNS[0] += 1
     comp = Compression.auto(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
-                            interval=2, calibration=Calibration.default(1e9), guard_steps=2, guard_start=2,
+                            interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
                             guard_margin=0.99 if dense_verdict else -100.0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=[(f"run{RUNS[0]}.weight", model.weight)], compression=comp,
@@ -124,7 +124,7 @@ def scenario(name):
         return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e7, 0.0)))
     if name in ("guard_dense", "guard_plan"):   # the step guard, its verdict forced by the margin
         margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
-        return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e9), guard_steps=2,
+        return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e9), guard_steps=1,
                                                 guard_start=2, guard_margin=margin), steps=12)
     if name.startswith("lossy_guard_"):
         return lossy_guard(name == "lossy_guard_dense")

@@ -106,13 +106,14 @@ def switch(dense_verdict):
     n, rank = dist.get_world_size(), dist.get_rank()
     model = LinearLoss((256, 192))
     ddp = DistributedDataParallel(model)
-    # The switch to PowerSGD at step 2; the step guard's trial from step 3 (PowerSGD at 3, in place at 4), its
-    # first look at 5, forced by the margin (for the plans: confirmed by PowerSGD at 5, in place at 6).
+    # The switch to PowerSGD at step 2; the step guard's trial from step 3 (PowerSGD at 3 and 4, in place at 5
+    # and 6), its first look at 7, forced by the margin (for the plans: confirmed by PowerSGD at 7 and 8, in
+    # place at 9 and 10, the verdict at 11).
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"), lossy_min_bytes=0,
                           topk_ratio=0.05, guard_steps=1, guard_start=3,
                           guard_margin=0.99 if dense_verdict else -100.0)
     ddp.register_comm_hook(state, auto_hook)
-    steps = 8
+    steps = 12
     out_sum = torch.zeros(256, 192, dtype=torch.float64)
     residual_before = None
     for step in range(steps):
@@ -124,7 +125,7 @@ def switch(dense_verdict):
             residual_before = float(agg._topk.residual.norm())
     agg = next(iter(state._aggregators.values()))
     chosen = state._powersgd.buckets[0]
-    error = chosen.error(0)   # None once the bucket left PowerSGD: its memory went out with step 5
+    error = chosen.error(0)   # None once the bucket left PowerSGD: its memory went out with step 7
     memory = torch.zeros(256, 192, dtype=torch.float64) if error is None else error.reshape(256, 192).to(torch.float64)
     left = agg.take_lossy_memory()   # None: flushed at the switch
     memories = [torch.empty_like(memory) for _ in range(n)]

@@ -65,7 +65,10 @@ the replica all-reduce, the strategy the cost model predicts cheapest; calibrate
 point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
 values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
 every rank. ``AutoFSDPState`` does not plan the reduce-scatter (``reduce_scatter=True`` is refused there;
-``LosslessFSDPState`` and ``TopKFSDPState`` compress it): a planner there would need every destination's statistics on every rank, which a reduce-scatter does not give.
+``LosslessFSDPState`` and ``TopKFSDPState`` compress it): a planner there would need every
+destination's statistics on every rank, which a reduce-scatter does not give. Its step guard (on by
+default, :class:`AutoFSDPState`) times the plans against steps whose shards are all-reduced in place,
+and keeps them only if they measure faster.
 
 Limits: one parameter group per ``fully_shard`` call (no per-parameter meshes: torch refuses custom
 hooks there); even ``Shard(0)`` placements (FSDP2's default); native HSDP (``fully_shard`` on the
@@ -76,6 +79,7 @@ read from FSDP2's parameter group (private attributes, checked on first use: ``f
 from __future__ import annotations
 
 import math
+import time
 from typing import List, Optional
 
 import torch
@@ -88,6 +92,7 @@ from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
+from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, StepGuard
 from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
                                           encode_message, failure_record, finish_fallbacks, in_place_outputs,
                                           replay_failure)
@@ -234,7 +239,7 @@ class _FSDPState:
             if reduce_scatter and self.shards > 1:
                 module.set_custom_reduce_scatter(_HomomorphicReduceScatter(self, module))
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
-        cfg = (f"{self._config()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
+        cfg = (f"{self._config()}{self._checked_options()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
                f"modules={[n for n, _ in modules]}|{structure}")
         groups = [g for g in (self.replicate_group, self.shard_group) if g is not None]
         check_same_configuration(cfg, groups, type(self).__name__, device=self._device())
@@ -242,6 +247,15 @@ class _FSDPState:
 
     def _after_register(self, model: torch.nn.Module) -> None:
         """Called on every rank at the end of :meth:`register` (after the configuration check)."""
+
+    def _checked_options(self) -> str:
+        """Options that every rank must share but a checkpoint need not (:meth:`register` checks them)."""
+        return ""
+
+    def _replica_phase(self, hook, now: float) -> str:
+        """What the replica all-reduce hook ``hook`` runs at this call: ``"plan"`` (the aggregators) or
+        ``"dense"`` (the shard all-reduced in place, :meth:`_replica_in_place`); ``now``: the call's start."""
+        return "plan"
 
     # -- aggregators -------------------------------------------------------------------------------
     def _aggregator(self, key: str, tensor: torch.Tensor, world_size: int, rank: int):
@@ -285,11 +299,16 @@ class _ReplicaAllReduce:
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         st = self.state
+        started = time.perf_counter()
+        phase = st._replica_phase(self, started)
         if self.slots is None:
             self.slots = _Slots(self.module)
         views = self.slots.views(reduce_output)
         rank = dist.get_rank(st.replicate_group)
         aggs = [st._aggregator(f"replicate:{fqn}", v, st.replicas, rank) for fqn, v in zip(self.slots.fqns, views)]
+        if phase == "dense":
+            st._replica_in_place(aggs, views, reduce_output, started)
+            return
         auto = isinstance(st.spec, AutoSpec)
         message = AutoMessage(aggs, views) if auto else encode_message(aggs, views)
         for part in message.parts:
@@ -451,22 +470,91 @@ class AutoFSDPState(_FSDPState):
     """The planner for the replica all-reduce (HSDP): per parameter, the cheapest exact strategy (dense,
     allgather, two_phase, sketch), or of every strategy with ``lossy``. ``options``:
     :class:`lossless_hc.training.auto.AutoSpec`. The reduce-scatter is not planned (module doc).
-    ``stats()["plan"]``: per parameter, the chosen strategy, predicted and measured seconds, bytes sent."""
+    ``stats()["plan"]``: per parameter, the chosen strategy, predicted and measured seconds, bytes sent.
+
+    ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
+    as DDP's ``AutoHookState``; 0 steps: none). A step begins at the all-reduce hook that ran first in
+    the first step (FSDP2 reduces its parameter groups in the same order every step), and a step's time
+    is the interval between consecutive such calls. Once some parameter's plan is not dense (from step
+    index ``guard_start``), ``guard_steps`` timed steps of the plans alternate with as many steps in which
+    every hook all-reduces its shard in place across the replicas (what uncompressed HSDP does; in
+    blocks of two steps, the second timed; as many more of each confirm a first look for the plans);
+    unless the plans' median step is ``guard_margin`` faster, every shard is all-reduced in place from
+    then on (THC's and top-k's error feedback added to the first such step's shard). The verdict is
+    the replicate group's rank 0's, broadcast on that group (blocking, from the first hook of the step
+    after the trial, which every rank of the group reaches at the same step count); each replicate
+    group (one per shard index) decides for its own collectives. ``stats()["guard"]``: the verdict,
+    rank 0's medians and the trials opened. A resumed run (:meth:`load_state_dict`) runs a trial of its
+    own."""
 
     supports_reduce_scatter = False
     no_reduce_scatter = ("the planner needs every destination's statistics on every rank, which a reduce-scatter gives "
                          "to the owner alone (LosslessFSDPState and TopKFSDPState compress it)")
 
-    def __init__(self, mesh: DeviceMesh, lossy: bool = False, **options):
+    def __init__(self, mesh: DeviceMesh, lossy: bool = False, guard_steps: int = GUARD_STEPS,
+                 guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN, **options):
+        if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:
+            raise ValueError(f"guard_steps must be an integer >= 0, got {guard_steps!r}")
+        guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
         spec = AutoSpec(lossy=lossy, **options)
         spec.native_plain_dtypes = (torch.bfloat16, torch.float16)   # their own parts of the message (message.py)
         super().__init__(spec, mesh)
+        self._guard = guard
+        self._first_hook = None            # the hook that begins a step (the first one called)
+        self._steps = 0                    # steps begun
+        self._step_started: Optional[float] = None
+        self._step_phase = "plan"          # what this step runs (StepGuard.phase)
 
     def stats(self) -> dict:
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
         d["calibration"] = self.spec.calibration_stats()
+        d["guard"] = self._guard.stats() if self._guard is not None else None
         return d
+
+    def _checked_options(self) -> str:
+        g = self._guard   # a rank without it would miss the verdict's broadcast
+        return f"|guard(steps={g.steps}, start={g.start}, margin={g.margin})" if g is not None else "|no guard"
+
+    def _replica_phase(self, hook, now: float) -> str:
+        if self._guard is None:
+            return "plan"
+        if self._first_hook is None:
+            self._first_hook = hook
+        if hook is self._first_hook:
+            self._begin_step(now)
+        return self._step_phase
+
+    def _begin_step(self, now: float) -> None:
+        """The first hook of a step: time the step before it, and set what this step runs (class doc)."""
+        self._steps += 1
+        step = self._steps - 1
+        if self._step_started is not None:
+            self._guard.record(step - 1, now - self._step_started)
+        self._step_started = now
+        if self._guard.verdict == "dense":   # it stands for the rest of the run: the plans are not read
+            self._step_phase = "dense"
+            return
+        # Aggregators are created in hook order and planned alike on every rank of a replicate group.
+        plans = tuple(a.strategy for a in self._aggregators.values())
+        self._step_phase = self._guard.next_phase(step, plans, self._share_verdict)
+
+    def _share_verdict(self, verdict: tuple) -> tuple:
+        """The replicate group's rank 0's step-guard ``verdict`` on every rank of the group (blocking)."""
+        t = torch.tensor(verdict, dtype=torch.float64, device=self._device())
+        dist.broadcast(t, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
+        return tuple(t.cpu().tolist())
+
+    def _replica_in_place(self, aggs, views, reduce_output: torch.Tensor, started: float) -> None:
+        """The step guard's dense window (and a dense verdict): the shard all-reduced in place across
+        the replicas, as uncompressed HSDP does; the aggregators sit the step out (after a dense verdict,
+        their THC or top-k error feedback goes out with this step, once)."""
+        if self._guard.verdict == "dense":
+            for agg, view in zip(aggs, views):
+                agg.add_lossy_memory_to(view)
+        dist.all_reduce(reduce_output, group=self.replicate_group)
+        for agg in aggs:
+            agg.record_plain_step(started)
 
     def _after_register(self, model: torch.nn.Module) -> None:
         if self.spec.calibration is not None or self.replicate_group is None:

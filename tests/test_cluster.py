@@ -243,14 +243,17 @@ def test_the_report_states_the_step_guards_verdict():
     guard = {"verdict": "dense", "plan_ms": 93.0, "dense_ms": 83.2, "window": 8, "steps": 5}
     none_trial = {"verdict": None, "plan_ms": float("nan"), "dense_ms": float("nan"), "window": None, "steps": 5}
     hvd = dict(row("auto", 84.0, dict(guard, plan_ms=95.0)), framework="horovod")
+    fsdp = dict(row("auto", 85.0, dict(guard, plan_ms=96.0)), framework="fsdp")
     kept = row("auto-lossy", 70.0, dict(guard, verdict="plan", plan_ms=70.0, rounds=2))   # a confirmation round
     text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial),
-                                     hvd, kept], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+                                     hvd, fsdp, kept], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
     assert "step guard (steps 8-27): plans 70.0 ms, dense 83.2 ms median step: the plans from then on" in text
     assert ("step guard (steps 8-17): plans 93.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(DDP's own) from then on") in text
     assert ("step guard (steps 8-17): plans 95.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(Horovod's own) from then on") in text
+    assert ("step guard (steps 8-17): plans 96.0 ms, dense 83.2 ms median step: dense allreduce in place "
+            "(HSDP's own) from then on") in text
     assert "step guard: no trial (every dense gradient's plan was dense)" in text
     assert "ran into the timed steps" not in text   # no --warmup in the result: not checked
 

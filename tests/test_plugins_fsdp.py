@@ -32,7 +32,9 @@ MESHES = {
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
                    "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
-                   "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs"]),
+                   "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs",
+                   "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
+                   "auto_guard_mismatch"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite", "non_finite_topk"]),
 }
@@ -164,7 +166,8 @@ def test_resumed_run_continues_bit_identically(launch, mesh, name):
             assert any(v["residual_norm"] for v in r["saved"].values()), r["saved"]
 
 
-ERRORS = {"config_mismatch": "ConfigurationMismatch", "thc_reduce_scatter": "ValueError", "native_hsdp": "ValueError"}
+ERRORS = {"config_mismatch": "ConfigurationMismatch", "thc_reduce_scatter": "ValueError", "native_hsdp": "ValueError",
+          "auto_guard_mismatch": "ConfigurationMismatch"}
 
 
 @pytest.mark.parametrize("mesh,name", cases(*ERRORS))
@@ -191,6 +194,55 @@ def test_auto_matches_uncompressed_fsdp2(launch, mesh, name):
         assert all(p == plans[0] for p in plans), plans
     if name == "auto_slow_link":
         assert any(v[0] != "dense" for r in rs for v in r["plan"].values()), rs[0]["plan"]
+
+
+def guard_runs(rs):
+    """The step guard's statistics per run, checked to be each replicate group's rank 0's (one group per
+    shard index: 2x2 mesh, ranks {0, 2} and {1, 3})."""
+    for r in rs:
+        peer = rs[(r["rank"] + r["shards"]) % len(rs)]
+        assert r["guard"] == peer["guard"], (r["guard"], peer["guard"])   # rank 0's verdict and medians
+        assert r["plan"] == peer["plan"], (r["plan"], peer["plan"])
+    return rs
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_guard_dense", "auto_guard_plan"))
+def test_auto_step_guard_verdict_is_the_replicas_rank_0s_and_exact(launch, mesh, name):
+    """The step guard on the replica all-reduce (one block of 2 steps per window from step 2, 12 steps,
+    given a slow link so that the tables' plans are not dense): the plans run steps 2 and 3, every shard
+    is all-reduced in place at 4 and 5, and the look at step 6 (forced by the margin) holds on every
+    rank of a replicate group. Dense: every later step in place too; for the plans: a confirmation round
+    (plans at 6 and 7, in place at 8 and 9), then the verdict at 10 and the plans resume. Exact against
+    native HSDP either way."""
+    want = "dense" if name == "auto_guard_dense" else "plan"
+    for r in guard_runs(results(launch, mesh, name)):
+        assert r["max_diff"] <= TOL, r
+        g = r["guard"]
+        assert (g["verdict"], g["window"], g["steps"], g["block"]) == (want, 2, 1, 2), g
+        assert g["rounds"] == (1 if want == "dense" else 2) and g["plan_ms"] > 0 and g["dense_ms"] > 0, g
+        planned = [k for k, (strategy, _) in r["plan"].items() if strategy != "dense"]
+        assert planned, r["plan"]   # the trial compared something
+        for k in planned:
+            assert r["plain_steps"][k] == (2 + 6 if want == "dense" else 2 + 2), (k, r["plain_steps"])
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_guard_lossy_dense", "auto_guard_lossy_plan"))
+def test_auto_step_guard_over_top_k_keeps_or_flushes_its_error_feedback(launch, mesh, name):
+    """Top-k plans (ratio 0.05, error feedback) under the forced guard: its residual waits through the
+    dense window; after a dense verdict it went out with the first in-place step (none left), after a
+    verdict for the plans it is still there. The replicas of a shard stay identical and train near
+    native HSDP."""
+    want = "dense" if name == "auto_guard_lossy_dense" else "plan"
+    for r in guard_runs(results(launch, mesh, name)):
+        assert r["guard"]["verdict"] == want, r["guard"]
+        assert {strategy for strategy, _ in r["plan"].values()} == {"topk"}, r["plan"]
+        assert set(r["plain_steps"].values()) == {2 + 6 if want == "dense" else 2 + 2}, r["plain_steps"]
+        # a dense verdict flushed every residual; the plans keep theirs (a shard's empty slot has none)
+        assert (any(r["left"].values()) if want == "plan" else not any(r["left"].values())), r["left"]
+        assert r["cosine"] > 0.7, r["cosine"]   # 12 steps vs uncompressed: measured 0.86 (plans), 0.98 (dense)
+    rs = results(launch, mesh, name)
+    for r in rs:
+        assert r["digest"] == rs[(r["rank"] + r["shards"]) % len(rs)]["digest"]
 
 
 @pytest.mark.parametrize("mesh,name", cases("bfloat16", "bfloat16_rs", "auto_bfloat16", "float16"))

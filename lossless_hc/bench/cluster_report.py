@@ -103,7 +103,7 @@ def render_markdown(result: dict, title: str) -> str:
                 f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
             g = r.get("auto_guard")
             if g and g.get("verdict"):
-                engine = "DDP" if r["framework"] == "ddp" else r["framework"].capitalize()
+                engine = {"ddp": "DDP", "fsdp": "HSDP"}.get(r["framework"], r["framework"].capitalize())
                 ran = "the plans" if g["verdict"] == "plan" else f"dense allreduce in place ({engine}'s own)"
                 span = _guard_span(g)
                 lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "

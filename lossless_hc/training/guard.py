@@ -5,16 +5,18 @@ neglects (how much of the engine's dense allreduce hides behind the backward pas
 work competing with it for the same cores, a second collective's round trip) can make a plan it
 predicts faster measure slower than the engine's own dense allreduce. ``auto`` should never be
 slower than that, exact or lossy (a lossy plan that steps slower than the exact allreduce buys nothing:
-on a fast link the conversions can cost more than the wire they save), so a DDP state or a Horovod
-compressor with a guard (``AutoHookState(guard_steps=W)``, ``Compression.auto(guard_steps=W)``, on by
-default) runs one A/B trial on whole training steps:
+on a fast link the conversions can cost more than the wire they save), so a DDP state, a Horovod
+compressor or an FSDP2 state with a guard (``AutoHookState(guard_steps=W)``,
+``Compression.auto(guard_steps=W)``, ``AutoFSDPState(mesh, guard_steps=W)``, on by default) runs one
+A/B trial on whole training steps:
 
 * **trial**: the ``2BW`` steps from the first step at or after ``start`` in which some dense gradient's
   plan is not ``dense`` (sparse gradients keep their plans throughout: their dense alternative is a
   different model), in blocks of ``B`` consecutive steps (``block``, 2) that alternate: the plans
   (the **plan window**, first), then every dense gradient sent as it is, the engine's own allreduce
   (the **dense window**: DDP's buckets allreduced in place as DDP's own hook does, Horovod's tensors as
-  its plain allreduce; the aggregators sit these steps out: their statistics and plans wait).
+  its plain allreduce, FSDP2's shards all-reduced in place across the replicas as uncompressed HSDP
+  does; the aggregators sit these steps out: their statistics and plans wait).
   Alternating, so that a drift of the step time over the trial (allocator and caches still warming, a
   neighbour's load) weighs on both windows alike: back-to-back windows measured a plan faster on VGG at
   2 emulated hosts that ran slower than DDP's allreduce in the steps after. Only the **last step of

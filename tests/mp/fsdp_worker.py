@@ -283,6 +283,28 @@ def scenario(name, mesh):
         r = compare(mesh, state, False)
         r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
         return r
+    if base in ("auto_guard_dense", "auto_guard_plan"):   # the step guard, its verdict forced by the margin
+        # (the plans must be 100x faster / may be 101x slower): one block of 2 steps per window from step 2
+        state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
+                              guard_margin=0.99 if base == "auto_guard_dense" else -100.0)
+        r = compare(mesh, state, False, steps=12)
+        r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
+        r["plain_steps"] = {k: v["plain_steps"] for k, v in state.stats()["plan"].items()}
+        r["guard"] = state.stats()["guard"]
+        return r
+    if base in ("auto_guard_lossy_dense", "auto_guard_lossy_plan"):   # top-k plans under the guard
+        state = AutoFSDPState(mesh, lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
+                              interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
+                              guard_margin=0.99 if base == "auto_guard_lossy_dense" else -100.0)
+        r = compare(mesh, state, False, steps=12, hidden=512, lr=0.02)
+        r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
+        r["plain_steps"] = {k: v["plain_steps"] for k, v in state.stats()["plan"].items()}
+        r["guard"] = state.stats()["guard"]
+        r["left"] = {k: a.take_lossy_memory() is not None for k, a in state._aggregators.items()}
+        return r
+    if base == "auto_guard_mismatch":   # only the step guard differs across ranks
+        state = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0 if dist.get_rank() == 1 else 5)
+        return expect_error(lambda: state.register(build(mesh, native=False)), ConfigurationMismatch)
     if base == "bfloat16":   # a bfloat16 model: its tensors sent as they are travel as bfloat16 (message.py)
         return half_precision(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
     if base == "float16":   # FSDP2 divides a float16 gradient in part before the collectives, the rest after

@@ -31,7 +31,11 @@ per-parameter bookkeeping shared with the BytePS plugin is :mod:`lossless_hc.tra
 only adds what is Horovod's: process sets, the Adasum and sparse-gradient checks, the dense
 fallback as a Horovod allreduce, and bfloat16: Horovod has no bfloat16 allreduce, so a bfloat16
 tensor sent as it is (dense, or a fallback's or inexact keys' values) travels as float32 and its sum
-is rounded back once, and ``auto`` never plans its bf16 strategy here.
+is rounded back once, and ``auto`` never plans its bf16 strategy here. Whether Horovod averaged is
+taken from the optimizer's ``op``, not read from the payload: after ``hvd.join()`` the joined ranks
+contribute zeros and an AVERAGE is still divided by the world size, so a payload's contributor count
+cannot tell a SUM of fewer ranks from an AVERAGE of all (``lossless`` then falls back to a dense sum
+of the ranks still training; ``auto`` decodes dense plans and refuses other plans clearly).
 
 Which parameter? ``compress`` receives only the tensor. The optimizer's hook calls it from
 ``_allreduce_grad_async(self, p)`` (or a comprehension over ``ps`` for ``groups=``), so the caller's
@@ -136,7 +140,11 @@ class HorovodCompressor(CompressorAdapter):
                 self._optimizer = opt
             self._process_set = getattr(opt, "process_set", hvd.global_process_set)
         name = opt._parameter_names.get(p) or f"param{len(self._aggregators)}"
-        return self.aggregator(p, name, tensor, self._process_set.size(), self._process_set.rank())
+        agg = self.aggregator(p, name, tensor, self._process_set.size(), self._process_set.rank())
+        # Read from the optimizer, not the payload: after hvd.join() fewer ranks contribute, and a SUM of
+        # one rank's payload would read as an AVERAGE of all (aggregate.payload_is_averaged).
+        agg.engine_averages = opt.op == hvd.Average
+        return agg
 
     def _check_sparse_gradients(self, opt) -> None:
         """Horovod aggregates sparse gradients itself (allgather) unless ``sparse_as_dense=True``,

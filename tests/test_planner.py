@@ -15,6 +15,7 @@ from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration,
                                           CostModel, LinkModel, PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
+from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
 
 MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
@@ -211,6 +212,32 @@ def test_every_exact_strategy_equals_the_dense_sum(strategy, average):
         assert aggs[0].fallbacks >= 1
     st = aggs[0].plan_stats()
     assert st["strategy"] == strategy and st["bytes_sent"] > 0 and strategy in st["measured_seconds"]
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_joined_ranks_with_the_engine_s_op_known_dense_is_exact_and_other_plans_refuse(average):
+    """Horovod after hvd.join(): a joined rank contributes zeros in place of its payload, and an AVERAGE
+    is still divided by the world size. With the engine's op given (``engine_averages``, as the Horovod
+    plugin sets it from the optimizer), a dense plan's statistics step decodes the ranks still training
+    exactly; an allgather plan raises a ConfigurationMismatch naming hvd.join() (read from the payload
+    instead, a SUM of one rank of two reads as an AVERAGE of both: aggregate.payload_is_averaged)."""
+    n, rows, dim = 2, 64, 8
+    rng = torch.Generator().manual_seed(3)
+    xs = [sparse_rows(rng, rows, dim, 5) for _ in range(n)]
+
+    def decode_with_rank_1_joined(strategy, engine_averages):
+        aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, first=strategy, allowed=(strategy,),
+                               interval=1) for r in range(n)]
+        run_step(aggs, xs, average)   # a step with both ranks
+        aggs[0].engine_averages = engine_averages
+        payload, ctx = aggs[0].encode(xs[0])   # rank 1 has joined: Horovod adds zeros for it
+        summed = payload.to(torch.float64) / (n if average else 1)
+        return aggs[0].decode(summed.to(payload.dtype), ctx)
+
+    out = decode_with_rank_1_joined("dense", average)
+    assert out.request is None and torch.equal(out.value, xs[0] / (n if average else 1))
+    with pytest.raises(ConfigurationMismatch, match=r"hvd\.join\(\)"):
+        decode_with_rank_1_joined("allgather", average)
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "two_phase"])

@@ -16,6 +16,7 @@ WORKER = os.path.join(HERE, "mp", "horovod_worker.py")
 # Horovod's own test suite (not shipped in its sdist) exercises these too: 2-D-only (Muon-style)
 # optimizers, broadcast_optimizer_state, groups=, backward_passes_per_step, sparse gradients.
 EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes", "matrices_only", "broadcast_state"]
+JOIN = ["join", "join_sum", "join_auto", "join_auto_sum"]
 ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_only": "ValueError",
           "seed_mismatch": "ConfigurationMismatch"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
@@ -49,7 +50,7 @@ def horovod_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
     names = (EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16", "float16_auto", "compiled"]
-             + list(ERRORS))
+             + JOIN + list(ERRORS))
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
@@ -174,6 +175,24 @@ def test_thc_replicas_stay_identical_and_train(horovod_run, name):
     # every compressed layer alone is at most 0.328 (np3's 512-element ones).
     assert r["stats"]["payload_bytes"] <= r["stats"]["dense_bytes"] / 3, r["stats"]
     assert r["cosine"] > 0.9, r["cosine"]
+
+
+@pytest.mark.parametrize("name", JOIN)
+def test_uneven_inputs_with_hvd_join_equal_horovod_s_own_allreduce(horovod_run, name):
+    """Rank r trains 6 - r steps, then calls hvd.join(); the ranks still training reduce with the joined
+    ones' zeros, and Horovod divides an AVERAGE by the world size all the same. Under op=Average and
+    op=Sum, lossless (its sketch cannot be decoded with ranks missing: a dense fallback of the ranks
+    still training) and auto with dense plans (statistics every other step) give what Horovod's own
+    allreduce gives. Before the compressors took the op from the optimizer, both misread a SUM of fewer
+    ranks as an AVERAGE (and the reverse) from the payload's contributor word. (auto with a plan that is
+    not dense refuses joined ranks: tests/test_planner.py.)"""
+    out, size = horovod_run
+    for r in results(out, name, size):
+        assert r["max_diff"] <= TOL, r
+    if name.startswith("join_auto"):
+        return
+    rank0 = results(out, name, size)[0]
+    assert rank0["stats"]["fallbacks"] >= 1 and "contributions" in rank0["stats"]["last_failure"], rank0["stats"]
 
 
 @pytest.mark.parametrize("name", list(ERRORS))

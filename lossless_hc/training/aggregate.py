@@ -290,6 +290,8 @@ class TensorAggregator:
     fallback instead of doubling many times.
     """
 
+    engine_averages: Optional[bool] = None   # set by a plugin that knows its engine's op (payload_is_averaged)
+
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, max_density: float,
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
                  stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None,
@@ -440,7 +442,7 @@ class TensorAggregator:
             return DecodeOutcome(aggregated, averaged=False)
         t0 = time.perf_counter()
         codec = ctx.codec
-        averaged = payload_is_averaged(aggregated, codec.world_size)
+        averaged = payload_is_averaged(aggregated, codec.world_size, self.engine_averages)
         y, report = codec.decode(aggregated, averaged=averaged, shape=ctx.shape, dtype=ctx.dtype)
         self.stats.decode_seconds += time.perf_counter() - t0
         coords = self._inexact_coords(report, partial)
@@ -588,14 +590,20 @@ class TopKAggregator(TensorAggregator):
             self.residual = None
 
 
-def payload_is_averaged(payload: torch.Tensor, world_size: int) -> bool:
-    """Whether an engine averaged (True) or summed (False) a codec payload, read from the payload.
+def payload_is_averaged(payload: torch.Tensor, world_size: int, engine_averages: Optional[bool] = None) -> bool:
+    """Whether an engine averaged (True) or summed (False) a codec payload.
 
-    Every rank writes 1 into the header's contributor field (the first element of both codecs'
-    payloads), so the aggregate holds ``world_size`` after a SUM and 1 after an AVERAGE. Anything
-    else is left for the codec to report as corrupt.
+    ``engine_averages``: what the engine does, where its plugin knows it (Horovod: the optimizer's
+    ``op``); it is then the answer. Otherwise it is read from the payload: every rank writes 1 into
+    the header's contributor field (the first element of both codecs' payloads), so the aggregate
+    holds ``world_size`` after a SUM and 1 after an AVERAGE. Anything else is left for the codec to
+    report. Reading it is ambiguous where fewer ranks contribute (a rank that called ``hvd.join()``
+    contributes zeros, and Horovod still divides an AVERAGE by ``world_size``): a SUM of one rank's
+    payload reads as an AVERAGE of all, which is why a plugin that knows the operation says so.
     """
     if world_size == 1:
         return False
+    if engine_averages is not None:
+        return bool(engine_averages)
     v = float(payload[HDR_CONTRIBUTORS])
     return abs(v - 1.0) < 0.5

@@ -23,6 +23,10 @@ class TensorRows:
     (:class:`~lossless_hc.training.step.AutoContext`) holds them, and results in the gradient's layout
     (a dense tensor, or a coalesced sparse tensor of the rows some rank listed)."""
 
+    # Whether the engine averages the first payloads (None: read from their contributor word), set by a
+    # plugin that knows its engine's op (aggregate.payload_is_averaged says why it matters).
+    engine_averages: Optional[bool] = None
+
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, sparse: bool):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.numel = math.prod(self.shape)

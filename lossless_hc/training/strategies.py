@@ -393,11 +393,17 @@ class AutoAggregator(TensorRows):
             return AutoOutcome(self._shaped(summed.to(self.wire_dtype)))
         n = self.world_size
         H = stats_header_words(n)
-        averaged = n > 1 and abs(float(summed[0]) - 1.0) < 0.5
+        averaged = n > 1 and (abs(float(summed[0]) - 1.0) < 0.5 if self.engine_averages is None
+                              else self.engine_averages)
         contributors = round(float(summed[0]) * (n if averaged else 1))
-        if contributors != n:
+        # Fewer contributors where the engine's op is known: ranks that left (hvd.join) add zeros, which a
+        # dense body sums exactly; any other strategy's next collective would miss them.
+        joined = self.engine_averages is not None and 0 <= contributors < n
+        if contributors != n and not (joined and ctx.strategy == "dense"):
+            hint = (f"; {n - contributors} rank(s) sent nothing, as after hvd.join(): auto supports that only "
+                    "while every plan is dense" if joined else " (ranks built different plans?)")
             raise ConfigurationMismatch(f"{self.name}: the first payload has {contributors} contributors, "
-                                        f"expected {n} (ranks built different plans?)")
+                                        f"expected {n}{hint}")
         ctx.averaged = averaged
         fields = self._integers(summed[1:H], averaged).reshape(n, 2)
         ctx.rank_keys = tuple((fields[:, 0] + (fields[:, 1] << COUNT_FIELD_BITS)).tolist())

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import backend_for
+from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
 from lossless_hc.thc import THCCodec
 from lossless_hc.training.aggregate import (CODEC_DTYPES, AggregationStats, ConfigurationMismatch, DecodeOutcome,
                                             EncodeContext, payload_is_averaged)
@@ -59,6 +60,8 @@ class THCAggregator:
     ``exact=True`` sends the tensor dense (an exact SUM) whatever its size: for the parameters where THC's
     noise must not go, see docs/THC.md ("Training with THC").
     """
+
+    engine_averages: Optional[bool] = None   # set by a plugin that knows its engine's op (payload_is_averaged)
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, bits: int = 4,
                  granularity: int = 30, overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise",
@@ -168,13 +171,19 @@ class THCAggregator:
         if not ctx.compressed:
             return DecodeOutcome(aggregated, averaged=False)
         t0 = time.perf_counter()
-        averaged = payload_is_averaged(aggregated, self.world_size)
+        averaged = payload_is_averaged(aggregated, self.world_size, self.engine_averages)
         try:
             # torch's intra-op thread count, also on a DDP future's callback thread, where OpenMP's own
             # default would be every core (omp_set_num_threads, behind torch.set_num_threads, is per thread).
             ctx.codec.num_threads = torch.get_num_threads()
             y = ctx.codec.decode(aggregated, averaged=averaged, out=out)   # the tensor's order and shape
         except ValueError as e:
-            raise ConfigurationMismatch(f"{self.name}: {e}") from e
+            hint = ""
+            if self.engine_averages is not None:
+                count = float(aggregated[HDR_CONTRIBUTORS]) * (self.world_size if averaged else 1)
+                if count < self.world_size - 0.5:   # ranks that sent nothing: THC's norm needs every rank's
+                    hint = (f" ({self.world_size - round(count)} rank(s) sent nothing, as after hvd.join(), which "
+                            "THC does not support)")
+            raise ConfigurationMismatch(f"{self.name}: {e}{hint}") from e
         self.stats.decode_seconds += time.perf_counter() - t0
         return DecodeOutcome(y, averaged)

@@ -29,10 +29,12 @@ PAIR = hvd.ProcessSet([0, 1])  # ranks 0 and 1 only (registered at init)
 
 
 def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, process_set=None, lr=0.1,
-          hidden=16, matrices_only=False, broadcast=False, compiled=False):
+          hidden=16, matrices_only=False, broadcast=False, compiled=False, joined=False):
     """``matrices_only``: the optimizer takes the 2-D parameters only (as Muon-style optimizers do);
     ``broadcast``: SGD with momentum, parameters and optimizer state broadcast from rank 0 first;
-    ``compiled``: the forward through ``torch.compile(model)``."""
+    ``compiled``: the forward through ``torch.compile(model)``; ``joined``: uneven inputs, rank r
+    trains ``steps - r`` steps and then calls ``hvd.join()`` (the ranks still training reduce with
+    the joined ones' zeros)."""
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden)
     RUNS[0] += 1
@@ -50,11 +52,13 @@ def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, 
         hvd.broadcast_optimizer_state(opt, root_rank=0)
     rank = hvd.rank()
     forward = torch.compile(model) if compiled else model
-    for step in range(steps):
+    for step in range(steps - rank if joined else steps):
         opt.zero_grad()
         for micro in range(bpps):
             loss_fn(forward, batch(step * bpps + micro, rank)).backward()
         opt.step()
+    if joined:
+        hvd.join()
     return model
 
 
@@ -151,6 +155,14 @@ def scenario(name):
         # down) while the set is still working.
         hvd.barrier()
         return out
+    if name in ("join", "join_sum"):   # hvd.join(): lossless falls back to a dense sum of the ranks still training
+        op = hvd.Sum if name == "join_sum" else hvd.Average
+        return compare(Compression.lossless(max_density=0.05), op=op, joined=True)
+    if name in ("join_auto", "join_auto_sum"):   # every plan dense (statistics every other step): exact
+        op = hvd.Sum if name == "join_auto_sum" else hvd.Average
+        comp = Compression.auto(strategies=("dense",), interval=2, calibration=Calibration.default(1e9), guard_steps=0)
+        ref, got = train(Compression.none, op=op, joined=True), train(comp, op=op, joined=True)
+        return {"max_diff": max_param_diff(ref, got), "stats": comp.stats()}
     if name == "adasum":
         return expect_error(lambda: train(Compression.lossless(), op=hvd.Adasum, steps=1), ValueError)
     if name == "sparse_without_dense":

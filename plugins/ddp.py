@@ -304,7 +304,6 @@ class AutoHookState(_HookState):
         self._guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
-    _step_started: Optional[float] = None   # when bucket 0's hook last ran (the step guard's clock)
     _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", or "dense" buckets in place
 
     def __repr__(self) -> str:
@@ -316,7 +315,8 @@ class AutoHookState(_HookState):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._step_started = None   # a restored state's first step has no predecessor to time
+        if self._guard is not None:
+            self._guard.clock = None   # a restored state's first step has no predecessor to time
 
     def stats(self) -> dict:
         d = super().stats()
@@ -333,23 +333,18 @@ class AutoHookState(_HookState):
         """Bucket 0's hook (main thread, every rank at the same step): count the step, time the one
         before it for the step guard, calibrate at the second step, and set what this step runs."""
         self._steps += 1
-        step = self._steps - 1
-        if self._guard is not None and self._step_started is not None:
-            self._guard.record(step - 1, now - self._step_started)
-        self._step_started = now
         if self._steps == 2 and self.spec.calibration is None:   # the model's tensors are known now
             self._calibrate()
-        if self._guard is None:
-            return
-        if self._guard.verdict == "dense":   # it stands for the rest of the run: the plans are not read
-            self._step_phase = "dense"
-            return
-        # Plans, and the aggregators' creation order (bucket order), are identical on every rank: so are these.
-        # A PowerSGD bucket's parameters are planned by its bucket (in place in the dense window too).
+        if self._guard is not None:
+            self._step_phase = self._guard.begin_step(self._steps - 1, now, self._plans, self._share_verdict)
+
+    def _plans(self) -> tuple:
+        """The dense gradients' plans, for the step guard. Plans, and the aggregators' creation order (bucket
+        order), are identical on every rank: so is this. A PowerSGD bucket's parameters are planned by their
+        bucket (in place in the dense window too)."""
         on_powersgd = self._powersgd.parameter_names() if self._powersgd is not None else frozenset()
-        plans = tuple("powersgd" if a.name in on_powersgd else a.strategy
-                      for a in self._aggregators.values() if not a.sparse)
-        self._step_phase = self._guard.next_phase(step, plans, self._share_verdict)
+        return tuple("powersgd" if a.name in on_powersgd else a.strategy
+                     for a in self._aggregators.values() if not a.sparse)
 
     def _share_verdict(self, verdict: tuple) -> tuple:
         """Rank 0's step-guard ``verdict`` on every rank (blocking, main thread, like the calibration)."""

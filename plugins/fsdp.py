@@ -502,7 +502,6 @@ class AutoFSDPState(_FSDPState):
         self._guard = guard
         self._first_hook = None            # the hook that begins a step (the first one called)
         self._steps = 0                    # steps begun
-        self._step_started: Optional[float] = None
         self._step_phase = "plan"          # what this step runs (StepGuard.phase)
 
     def stats(self) -> dict:
@@ -528,16 +527,10 @@ class AutoFSDPState(_FSDPState):
     def _begin_step(self, now: float) -> None:
         """The first hook of a step: time the step before it, and set what this step runs (class doc)."""
         self._steps += 1
-        step = self._steps - 1
-        if self._step_started is not None:
-            self._guard.record(step - 1, now - self._step_started)
-        self._step_started = now
-        if self._guard.verdict == "dense":   # it stands for the rest of the run: the plans are not read
-            self._step_phase = "dense"
-            return
         # Aggregators are created in hook order and planned alike on every rank of a replicate group.
-        plans = tuple(a.strategy for a in self._aggregators.values())
-        self._step_phase = self._guard.next_phase(step, plans, self._share_verdict)
+        self._step_phase = self._guard.begin_step(self._steps - 1, now,
+                                                  lambda: tuple(a.strategy for a in self._aggregators.values()),
+                                                  self._share_verdict)
 
     def _share_verdict(self, verdict: tuple) -> tuple:
         """The replicate group's rank 0's step-guard ``verdict`` on every rank of the group (blocking)."""

@@ -12,19 +12,25 @@ def StepGuard(block=1, **options):
     return _StepGuard(block=block, **options)
 
 
-def run(guard, plan_s, dense_s, steps=30, worth_from=0):
-    """Drive the guard as auto_hook does: time step s-1 at the start of step s, then ask its phase.
-    Returns the phase of every step."""
+def drive(guard, cost, steps, worth_from=0):
+    """Drive the guard as auto_hook does for ``steps`` steps: time step s-1 at the start of step s
+    (``cost(phases, s - 1)``: its seconds, given the phases so far), then ask its phase. Returns the phase
+    of every step."""
     phases = []
     for step in range(steps):
         if step:
-            guard.record(step - 1, plan_s if phases[-1] == "plan" else dense_s)
+            guard.record(step - 1, cost(phases, step - 1))
         phase = guard.phase(step, step >= worth_from)
         if phase == "decide":
             guard.settle(*guard.decide())
             phase = guard.phase(step, step >= worth_from)
         phases.append(phase)
     return phases
+
+
+def run(guard, plan_s, dense_s, steps=30, worth_from=0):
+    """:func:`drive` with every plan step taking ``plan_s`` and every dense step ``dense_s``."""
+    return drive(guard, lambda phases, step: plan_s if phases[step] == "plan" else dense_s, steps, worth_from)
 
 
 def test_schedule_plan_and_dense_steps_alternate_then_verdict():
@@ -183,19 +189,6 @@ def transition_costs(phases, step):
     return t
 
 
-def drive(guard, cost, steps):
-    phases = []
-    for step in range(steps + 1):
-        if step:
-            guard.record(step - 1, cost(phases, step - 1))
-        phase = guard.phase(step, True)
-        if phase == "decide":
-            guard.settle(*guard.decide())
-            phase = guard.phase(step, True)
-        phases.append(phase)
-    return phases
-
-
 def test_blocks_time_only_their_last_step_so_switching_costs_stay_out_of_the_verdict():
     """Blocks of two steps per window (the default): plan, plan, dense, dense, ...; only each block's
     second step is timed, so what a switch of window costs (on the step after it) weighs on neither
@@ -203,19 +196,19 @@ def test_blocks_time_only_their_last_step_so_switching_costs_stay_out_of_the_ver
     measure faster than dense when the switch to dense costs more than the switch back."""
     g = _StepGuard(steps=2, start=0, confirm=0)
     assert g.block == 2 and g.span() == 8
-    phases = drive(g, transition_costs, 10)
+    phases = drive(g, transition_costs, 11)
     assert phases == ["plan", "plan", "dense", "dense"] * 2 + ["dense"] * 3
     assert g.verdict == "dense" and g.medians == (1.1, 1.0)
     st = g.stats()   # the untimed steps: 1.1 (step 0, nothing before it) and 1.15; 1.4 twice
     assert st["lead_plan_ms"] == pytest.approx(1125.0) and st["lead_dense_ms"] == pytest.approx(1400.0)
     single = _StepGuard(steps=2, start=0, confirm=0, block=1)
-    drive(single, transition_costs, 10)
+    drive(single, transition_costs, 11)
     assert single.verdict == "plan" and single.medians == (pytest.approx(1.125), pytest.approx(1.4))
 
 
 def test_blocks_with_a_confirmation_round_pool_every_timed_step():
     g = _StepGuard(steps=2, start=3, block=3)
-    phases = drive(g, lambda phases, step: 0.5 if phases[step] == "plan" else 1.0, 3 + 24 + 2)
+    phases = run(g, plan_s=0.5, dense_s=1.0, steps=3 + 24 + 3)
     window = ["plan"] * 3 + ["dense"] * 3
     assert phases[:3] == ["plan"] * 3 and phases[3:27] == window * 4 and phases[27:] == ["plan"] * 3
     assert g.stats()["rounds"] == 2 and len(g.times["plan"]) == len(g.times["dense"]) == 4
@@ -239,3 +232,27 @@ def test_next_phase_adopts_the_shared_verdict_not_its_own():
     assert g.next_phase(2, ("allgather",), share) == "dense" and g.verdict == "dense"
     assert [a[:3] for a in asked] == [(True, 0.5, 1.0)] and g.medians == (2.0, 1.0)   # this rank's look, rank 0's verdict
     assert StepGuard(steps=1, start=0).next_phase(0, ("dense",), share) == "plan"   # nothing to check
+
+
+def test_begin_step_times_the_step_before_from_its_own_clock():
+    """The engines' one entry: each step's start times the step before it; a reset clock (a restored
+    state) times nothing; after a dense verdict the plans are not read."""
+    reads = []
+
+    def plans():
+        reads.append(1)
+        return ("allgather",)
+
+    def share(mine):
+        return mine
+    g = StepGuard(steps=1, start=0, confirm=0)
+    assert g.begin_step(0, 10.0, plans, share) == "plan"
+    assert g.begin_step(1, 10.5, plans, share) == "dense"   # step 0 (plans) took 0.5 s
+    g.clock = None                                           # as DDP's restored state does
+    assert g.begin_step(2, 99.0, plans, share) == "plan"    # step 1 untimed: nothing against the plans, kept
+    assert g.times == {"plan": [0.5], "dense": []} and g.verdict == "plan"
+    g = StepGuard(steps=1, start=0, confirm=0, margin=0.99)
+    assert [g.begin_step(s, float(s), plans, share) for s in range(3)] == ["plan", "dense", "dense"]
+    assert g.verdict == "dense" and g.times == {"plan": [1.0], "dense": [1.0]}
+    n = len(reads)
+    assert g.begin_step(3, 3.0, plans, share) == "dense" and len(reads) == n   # a dense verdict: plans unread

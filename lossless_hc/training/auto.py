@@ -283,7 +283,6 @@ class AutoCompressorAdapter(CompressorAdapter):
         self._guard: Optional[StepGuard] = None
         self._guard_phase = "plan"   # what the current step runs (StepGuard.phase)
         self._guard_steps = 0        # steps ended so far
-        self._guard_clock: Optional[float] = None   # when the last step ended
 
     def use_guard(self, guard: Optional[StepGuard]) -> None:
         """Run ``guard`` from the next step on (None: no guard). Needs :meth:`_broadcast_verdict`."""
@@ -319,18 +318,17 @@ class AutoCompressorAdapter(CompressorAdapter):
         self._after_step()
 
     def _guard_step_ended(self, now: float) -> None:
-        """Time the step that just ended and set what the next one runs (class doc)."""
-        g, step = self._guard, self._guard_steps
-        if self._guard_clock is not None:
-            g.record(step, now - self._guard_clock)
-        self._guard_clock = now
-        self._guard_steps = step = step + 1
-        if g.verdict == "dense":
-            self._guard_phase = "dense"
-            return
+        """Time the step that just ended and set what the next one runs (class doc): the next step begins
+        when this one ends."""
+        self._guard_steps += 1
+        self._guard_phase = self._guard.begin_step(self._guard_steps, now, self._dense_plans, self._broadcast_verdict)
+
+    def _dense_plans(self) -> tuple:
+        """The dense tensors' strategies in name order (identical on every rank whatever order the engine
+        calls the compressor in)."""
         dense = sorted((a for a in self._aggregators.values() if isinstance(a, AutoAggregator) and not a.sparse),
                        key=lambda a: a.name)
-        self._guard_phase = g.next_phase(step, tuple(a.strategy for a in dense), self._broadcast_verdict)
+        return tuple(a.strategy for a in dense)
 
     def _broadcast_verdict(self, verdict: tuple) -> tuple:
         """Rank 0's ``verdict`` (three floats) on every rank: a blocking broadcast, called by every rank

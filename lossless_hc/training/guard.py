@@ -103,6 +103,7 @@ class StepGuard:
         self.lead_medians: Optional[tuple] = None   # the untimed steps' medians (plans', dense's), rank 0's
         self.checked = None   # the plans at the current trial's first step
         self.trials = 0       # trials opened so far
+        self.clock: Optional[float] = None   # when the current step began (begin_step); None: not known
 
     def phase(self, step: int, worth_checking: bool, plans=None) -> str:
         """What step ``step`` (0-based) runs: ``"plan"`` (the plans), ``"dense"`` (dense buckets in
@@ -133,6 +134,19 @@ class StepGuard:
 
     def _window(self, k: int) -> str:
         return "plan" if (k // self.block) % 2 == 0 else "dense"
+
+    def begin_step(self, step: int, now: float, plans, share) -> str:
+        """Step ``step`` (0-based) begins at ``now`` (``time.perf_counter()``; every engine's one entry):
+        the step before it is timed from when it began (:meth:`record`; not after :attr:`clock` was reset,
+        e.g. in a restored state), and what this one runs is :meth:`next_phase`'s answer, or ``"dense"``
+        after a dense verdict without reading ``plans`` (a callable returning the plans tuple: after a
+        dense verdict the aggregators sit out and their plans are not read)."""
+        if self.clock is not None:
+            self.record(step - 1, now - self.clock)
+        self.clock = now
+        if self.verdict == "dense":
+            return "dense"
+        return self.next_phase(step, plans(), share)
 
     def next_phase(self, step: int, plans: tuple, share) -> str:
         """What step ``step`` runs (:meth:`phase`), the verdict taken where it is due: ``plans`` names the

@@ -240,6 +240,14 @@ def inexact(mesh, reduce_scatter: bool):
     return {"steps": steps, "stats": state.stats()}
 
 
+def with_guard(r, state):
+    """``r`` with the planner's choices, each parameter's plain steps and the step guard's statistics."""
+    st = state.stats()
+    r.update(plan={k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
+             plain_steps={k: v["plain_steps"] for k, v in st["plan"].items()}, guard=st["guard"])
+    return r
+
+
 def scenario(name, mesh):
     rs = mesh.ndim == 1 or name.endswith("_rs")   # the 1-D mesh has only the reduce-scatter to compress
     base = name[:-3] if name.endswith("_rs") else name
@@ -287,19 +295,12 @@ def scenario(name, mesh):
         # (the plans must be 100x faster / may be 101x slower): one block of 2 steps per window from step 2
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
                               guard_margin=0.99 if base == "auto_guard_dense" else -100.0)
-        r = compare(mesh, state, False, steps=12)
-        r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
-        r["plain_steps"] = {k: v["plain_steps"] for k, v in state.stats()["plan"].items()}
-        r["guard"] = state.stats()["guard"]
-        return r
+        return with_guard(compare(mesh, state, False, steps=12), state)
     if base in ("auto_guard_lossy_dense", "auto_guard_lossy_plan"):   # top-k plans under the guard
         state = AutoFSDPState(mesh, lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                               interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
                               guard_margin=0.99 if base == "auto_guard_lossy_dense" else -100.0)
-        r = compare(mesh, state, False, steps=12, hidden=512, lr=0.02)
-        r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
-        r["plain_steps"] = {k: v["plain_steps"] for k, v in state.stats()["plan"].items()}
-        r["guard"] = state.stats()["guard"]
+        r = with_guard(compare(mesh, state, False, steps=12, hidden=512, lr=0.02), state)
         r["left"] = {k: a.take_lossy_memory() is not None for k, a in state._aggregators.items()}
         return r
     if base == "auto_guard_mismatch":   # only the step guard differs across ranks

@@ -161,6 +161,33 @@ def test_rtol_option():
     assert listed[2] <= listed[1] <= listed[0] and len(listed[0]) > len(listed[2])
 
 
+@pytest.mark.parametrize("index", ["bitmap", "multilevel"])
+def test_inexact_keys_are_exactly_those_failing_rtol_sorted_at_any_thread_count(index):
+    """Thousands of inexact keys (rtol 2^-20 over values spread across six decades), spread over every
+    sketch group and up to key 2^23 (the CPU decoder sorts them by radix, 11 bits a pass: three
+    passes here): listed exactly when the key's proven bound fails rtol (away from the boundary, where
+    the float32 output cannot say), increasing, and the same list at 1 and 2 decoding threads."""
+    rng = np.random.default_rng(helpers.stable_seed("inexact sort", index))
+    numel, n, k = 1 << 23, 4, 20000
+    xs = log_uniform_inputs(rng, numel, n, k, 6)
+    rtol = 2.0 ** -20
+    lists = []
+    for threads in (1, 2):
+        codec = LosslessCodec(numel, n, k, index=index, rtol=rtol, num_threads=threads)
+        y, rep = codec.decode(sum(codec.encode(x) for x in xs), error_bounds=True)
+        assert rep.status == DecodeStatus.INEXACT, rep.reason
+        check(codec, xs, y, rep)
+        lists.append(rep.inexact_keys)
+    assert torch.equal(lists[0], lists[1])
+    keys, bound = rep.error_bounds
+    a = y[keys].abs().double()
+    slack = bound * (1 + rtol) + 2.0 ** -24 * a - rtol * a     # within_rtol(v, E): slack <= 0 (v = y here)
+    listed = torch.isin(keys, lists[0])
+    clear = slack.abs() > 1e-3 * rtol * a
+    assert bool(listed[clear & (slack > 0)].all()) and not bool(listed[clear & (slack <= 0)].any())
+    assert 3000 < lists[0].numel() < keys.numel() and int(lists[0][-1]) >= 1 << 22
+
+
 def test_reference_agrees_on_the_issue_example():
     """The pure-torch reference computes the same kind of bound along its own (round-based) peel: its
     verdict is OK/INEXACT exactly when the codec's is, and its output meets the contract too."""

@@ -17,6 +17,7 @@ WORKER = os.path.join(HERE, "mp", "horovod_worker.py")
 # optimizers, broadcast_optimizer_state, groups=, backward_passes_per_step, sparse gradients.
 EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes", "matrices_only", "broadcast_state"]
 JOIN = ["join", "join_sum", "join_auto", "join_auto_sum"]
+JOIN_TOPK = ["join_topk", "join_topk_sum"]
 ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_only": "ValueError",
           "seed_mismatch": "ConfigurationMismatch"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
@@ -50,7 +51,7 @@ def horovod_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"hvd{size}")
     # Error scenarios last: they leave Horovod operations in flight (under names no later run uses).
     names = (EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16", "float16_auto", "compiled"]
-             + JOIN + list(ERRORS))
+             + JOIN + JOIN_TOPK + list(ERRORS))
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
@@ -193,6 +194,20 @@ def test_uneven_inputs_with_hvd_join_equal_horovod_s_own_allreduce(horovod_run, 
         return
     rank0 = results(out, name, size)[0]
     assert rank0["stats"]["fallbacks"] >= 1 and "contributions" in rank0["stats"]["last_failure"], rank0["stats"]
+
+
+@pytest.mark.parametrize("name", JOIN_TOPK)
+def test_topk_error_feedback_conserves_every_coordinate_under_hvd_join(horovod_run, name):
+    """Top-k under uneven inputs (rank r computes 6 - r gradients of a linear loss, then joins), Average
+    and Sum: on rank 0, which took every step, what Horovod applied equals every rank's gradients summed
+    (divided by n under Average) less the residuals the ranks still hold; the join steps fell back to a
+    dense sum of what the ranks selected. (The joined ranks skip the steps after their join, as under
+    Horovod's own allreduce.)"""
+    out, size = horovod_run
+    r = results(out, name, size)[0]
+    assert r["max_diff"] <= 1e-4 * max(1.0, r["max_applied"]), r
+    assert r["held"] > 0 and r["stats"]["compressed"] > 0, r
+    assert r["stats"]["fallbacks"] >= 1 and "contributions" in r["stats"]["last_failure"], r["stats"]
 
 
 @pytest.mark.parametrize("name", list(ERRORS))

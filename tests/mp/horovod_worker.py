@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import EmbeddingModel, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import EmbeddingModel, LinearLoss, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
@@ -68,6 +68,36 @@ def compare(comp, **kw):
     return {"max_diff": max_param_diff(ref, got), "stats": comp.stats(),
             "capacity": {n: a.capacity for n, a in comp.aggregators().items()},
             "compressed": {n: a.compressed for n, a in comp.aggregators().items()}}
+
+
+def topk_joined(op):
+    """Top-k under ``hvd.join()`` (rank r computes ``STEPS - r`` gradients, then joins) on LinearLoss,
+    whose gradient C is the same whatever the weight is: with SGD at lr 1 from W = 0, what Horovod
+    applied (-W) must be every rank's C summed (divided by n under Average: Horovod divides by the world
+    size after a join too) less what the ranks' error feedback still holds."""
+    shape = (256, 192)   # large enough that top-k beats sending it dense
+    model = LinearLoss(shape)
+    RUNS[0] += 1
+    comp = Compression.topk(ratio=0.05)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), compression=comp, op=op,
+                                   named_parameters=[(f"run{RUNS[0]}.weight", model.weight)])
+    rank, n = hvd.rank(), hvd.size()
+    computed = torch.zeros(shape, dtype=torch.float64)
+    for step in range(STEPS - rank):
+        c = torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + rank))
+        computed += c.double()
+        opt.zero_grad()
+        model(c).backward()
+        opt.step()
+    hvd.join()
+    (agg,) = comp.aggregators().values()
+    held = agg.residual.reshape(shape).double() if agg.residual is not None else torch.zeros(shape, dtype=torch.float64)
+    computed = hvd.allreduce(computed, op=hvd.Sum, name=f"run{RUNS[0]}.computed")
+    held = hvd.allreduce(held, op=hvd.Sum, name=f"run{RUNS[0]}.held")
+    expected = (computed - held) / (n if op == hvd.Average else 1)
+    applied = -model.weight.detach().double()
+    return {"max_diff": float((applied - expected).abs().max()), "max_applied": float(applied.abs().max()),
+            "held": float(held.abs().max()), "stats": comp.stats()}
 
 
 def expect_error(fn, exc):
@@ -158,6 +188,8 @@ def scenario(name):
     if name in ("join", "join_sum"):   # hvd.join(): lossless falls back to a dense sum of the ranks still training
         op = hvd.Sum if name == "join_sum" else hvd.Average
         return compare(Compression.lossless(max_density=0.05), op=op, joined=True)
+    if name in ("join_topk", "join_topk_sum"):   # top-k's error feedback conserves every coordinate under join too
+        return topk_joined(hvd.Sum if name == "join_topk_sum" else hvd.Average)
     if name in ("join_auto", "join_auto_sum"):   # every plan dense (statistics every other step): exact
         op = hvd.Sum if name == "join_auto_sum" else hvd.Average
         comp = Compression.auto(strategies=("dense",), interval=2, calibration=Calibration.default(1e9), guard_steps=0)

@@ -185,11 +185,13 @@ class BytePSCompressor(CompressorAdapter):
         if tensor.is_sparse:
             raise ValueError(f"parameter {_parameter_name(opt, p)!r} has a sparse gradient; BytePS pushes dense "
                              "tensors only (use nn.Embedding(sparse=False))")
-        eng = self.engine
-        if not self._aggregators:
-            self._declare_fallbacks(opt)
-        name = _parameter_name(opt, p) or f"param{len(self._aggregators)}"
-        agg = self.aggregator(p, name, tensor, eng.size(), eng.rank())
+        agg = self._aggregators.get(p)
+        if agg is None:   # the name, size and rank only on first use: calls into BytePS
+            eng = self.engine
+            if not self._aggregators:
+                self._declare_fallbacks(opt)
+            name = _parameter_name(opt, p) or f"param{len(self._aggregators)}"
+            agg = self.aggregator(p, name, tensor, eng.size(), eng.rank())
         payload, enc = self.encode(agg, tensor)
         return self._fit(agg.name, payload, enc)
 

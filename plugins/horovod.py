@@ -135,12 +135,13 @@ class HorovodCompressor(CompressorAdapter):
 
     # -- helpers -------------------------------------------------------------------------------
     def _aggregator(self, p: torch.nn.Parameter, opt, tensor: torch.Tensor):
-        if p not in self._aggregators:
+        agg = self._aggregators.get(p)
+        if agg is None:   # the name and the process set's size and rank only on first use: calls into Horovod
             if not self._aggregators:
                 self._optimizer = opt
             self._process_set = getattr(opt, "process_set", hvd.global_process_set)
-        name = opt._parameter_names.get(p) or f"param{len(self._aggregators)}"
-        agg = self.aggregator(p, name, tensor, self._process_set.size(), self._process_set.rank())
+            name = opt._parameter_names.get(p) or f"param{len(self._aggregators)}"
+            agg = self.aggregator(p, name, tensor, self._process_set.size(), self._process_set.rank())
         # Read from the optimizer, not the payload: after hvd.join() fewer ranks contribute, and a SUM of
         # one rank's payload would read as an AVERAGE of all (aggregate.payload_is_averaged).
         agg.engine_averages = opt.op == hvd.Average

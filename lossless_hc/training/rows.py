@@ -140,21 +140,27 @@ def pack_bitmap(keys: int, world_size: int, device, present: Optional[torch.Tens
     """A rank's rows as ``keys`` digits of base n+1 (1 at a row it holds: ``present``, a bool per row,
     or ``index``, the rows), packed exactly into float32 words (``lhc.layout.digit_packing``)."""
     pk = digit_packing(world_size, keys)
-    digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int64, device=device)
+    # int32 throughout: a word is below 2^24 (an exact float32), and int32 passes are ~2x int64's on a CPU
+    digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int32, device=device)
     if present is not None:
-        digits[:keys] = present.to(torch.int64)
+        digits[:keys] = present.to(torch.int32)
     else:
         digits[index] = 1
-    weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int64, device=device)
-    return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1).to(torch.float32)
+    weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int32, device=device)
+    return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1, dtype=torch.int32).to(torch.float32)
 
 
 def bitmap_counts(words: torch.Tensor, keys: int, world_size: int) -> torch.Tensor:
     """Per-row counts (ranks holding the row) from the summed bitmap's words as exact integers (int64;
-    ``pk.words`` of them, which the caller checks)."""
+    ``pk.words`` of them, which the caller checks); int64."""
     pk = digit_packing(world_size, keys)
-    cols = [(words // pk.base ** j) % pk.base for j in range(pk.per_word)]
-    return torch.stack(cols, dim=1).reshape(-1)[:keys]
+    rest = words.to(torch.int32)   # below 2^24 (pack_bitmap)
+    cols = []
+    for _ in range(pk.per_word):   # the digits from the lowest: one division per digit, not one per power
+        quotient = torch.div(rest, pk.base, rounding_mode="floor")
+        cols.append(rest - quotient * pk.base)
+        rest = quotient
+    return torch.stack(cols, dim=1).reshape(-1)[:keys].to(torch.int64)
 
 
 def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) -> torch.Tensor:
@@ -168,18 +174,57 @@ def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) ->
     return slots.reshape(-1)
 
 
-def sum_slots(slots: torch.Tensor, row: int) -> tuple:
+def _ranks_slots(slots: torch.Tensor) -> list:
+    """``[(rows, values)]`` per rank of the gathered ``(n, K, 1 + row)`` slots: the used slots, which
+    :func:`gather_slots` puts first (int64 row indices, ``(m_r, row)`` values; views, no mask)."""
+    index = slots[:, :, 0].contiguous().view(torch.int32)
+    used = (index >= 0).sum(dim=1).tolist()
+    return [(index[r, :m].to(torch.int64), slots[r, :m, 1:]) for r, m in enumerate(used)]
+
+
+# sum_slots finds the union by marking a table of ``keys`` flags where that table is at most this many times
+# the gathered slots: O(keys + slots) passes instead of sorting the slots (torch.unique, then a binary search
+# per slot).
+MARK_UNION_MAX_KEYS_PER_SLOT = 64
+
+
+def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tuple:
     """``(union, rows)`` from the gathered ``(n, K, 1 + row)`` slots: the sorted rows some rank sent and
     their sums, ``rows[i] = ((0 + v_0) + v_1) + ...`` over the ranks that sent row ``union[i]`` in rank
     order, on every device (so every rank adds the same floats in the same order: the same bits).
-    A rank's slots name distinct rows (``gather_slots``: its sorted rows)."""
-    index = slots[:, :, 0].contiguous().view(torch.int32).to(torch.int64)
-    valid = index >= 0
-    union = torch.unique(index[valid], sorted=True)
+    A rank's slots name distinct rows (``gather_slots``: its sorted rows, then the unused slots).
+    ``keys``: the tensor's rows (every index is below it), which lets a table of flags find the union
+    where it is not much larger than the slots (:data:`MARK_UNION_MAX_KEYS_PER_SLOT`); the same result."""
+    ranks = _ranks_slots(slots)
+    sent = torch.cat([i for i, _ in ranks])
+    if keys is not None and keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent.numel()):
+        seen = torch.zeros(keys, dtype=torch.bool, device=slots.device).index_fill_(0, sent, True)
+        union = torch.nonzero(seen).reshape(-1)
+        at = torch.empty(keys, dtype=torch.int64, device=slots.device)
+        at.index_copy_(0, union, torch.arange(union.numel(), device=slots.device))
+        position = lambda i: at.index_select(0, i)   # noqa: E731
+    else:
+        union = torch.unique(sent, sorted=True)
+        position = lambda i: torch.searchsorted(union, i)   # noqa: E731
     rows = torch.zeros(union.numel(), row, dtype=torch.float32, device=slots.device)
     # One rank at a time: within a rank no two slots meet in a row, so even an atomic index_add_ (CUDA)
     # has one order; a single index_add_ over every rank's slots would add them in any order there.
-    for r in range(slots.shape[0]):
-        take = valid[r]
-        rows.index_add_(0, torch.searchsorted(union, index[r][take]), slots[r, :, 1:][take])
+    for i, values in ranks:
+        rows.index_add_(0, position(i), values)
     return union, rows
+
+
+def sum_slots_dense(slots: torch.Tensor, row: int, keys: int) -> tuple:
+    """``(out, union_count)``: :func:`sum_slots`'s sums written into a dense ``(keys, row)`` float32
+    tensor, zero at the rows no rank sent, and how many rows some rank sent. The same bits as
+    :func:`sum_slots` then an ``index_copy_`` into zeros (each row starts at 0 and adds the ranks' values
+    in rank order), without finding the union's order."""
+    ranks = _ranks_slots(slots)
+    out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
+    seen = torch.zeros(keys, dtype=torch.bool, device=slots.device)
+    union = torch.zeros((), dtype=torch.int64, device=slots.device)
+    for i, values in ranks:   # rank order (sum_slots)
+        out.index_add_(0, i, values)
+        union += (~seen.index_select(0, i)).sum()   # the rows no earlier rank sent: O(slots), not O(keys)
+        seen.index_fill_(0, i, True)
+    return out, int(union)

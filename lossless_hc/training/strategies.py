@@ -57,7 +57,7 @@ from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStat
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
-from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots
+from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
 
@@ -483,9 +483,14 @@ class AutoAggregator(TensorRows):
         s = ctx.strategy
         n = self.world_size
         if s == "allgather":
-            union, rows = sum_slots(result.reshape(n, max(ctx.rank_keys), 1 + self.row), self.row)
-            value = self._from_rows(union, self._scaled(rows, ctx.averaged))
-            count = union.numel()
+            slots = result.reshape(n, max(ctx.rank_keys), 1 + self.row)
+            if self.sparse:
+                union, rows = sum_slots(slots, self.row, self.keys)
+                value = self._from_rows(union, self._scaled(rows, ctx.averaged))
+                count = union.numel()
+            else:
+                rows, count = sum_slots_dense(slots, self.row, self.keys)
+                value = self._shaped(self._scaled(rows, ctx.averaged).reshape(-1))
         elif s == "two_phase":
             rows = self._scaled(result.reshape(-1, self.row).to(torch.float32), ctx.averaged)
             value = self._from_rows(ctx.union_rows, rows)

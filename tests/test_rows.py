@@ -1,0 +1,93 @@
+"""The row-form bodies of the planner's strategies (lossless_hc.training.rows): the allgather's slots
+summed (by a table of flags, by sorting, into a dense tensor) and the two-phase counting bitmap, against
+plain per-row loops."""
+import pytest
+import torch
+
+from lossless_hc.training.rows import (MARK_UNION_MAX_KEYS_PER_SLOT, bitmap_counts, gather_slots, pack_bitmap,
+                                       sum_slots, sum_slots_dense)
+
+
+def gathered(sent: dict, keys: int, row: int, k: int, seed: int = 0):
+    """The ``(n, k, 1 + row)`` slots every rank gathers, and each rank's values, for ``sent``: rank ->
+    its sorted rows."""
+    gen = torch.Generator().manual_seed(seed)
+    values = {r: torch.randn(len(rows), row, generator=gen) for r, rows in sent.items()}
+    slots = torch.stack([gather_slots(torch.tensor(sent[r], dtype=torch.int64), values[r], k, row).reshape(k, 1 + row)
+                         for r in sorted(sent)])
+    return slots, values
+
+
+def summed_in_rank_order(sent: dict, values: dict, row: int) -> dict:
+    """row -> its float32 sum, one addition at a time, ranks in order, from 0."""
+    out = {}
+    for r in sorted(sent):
+        for i, key in enumerate(sent[r]):
+            out[key] = out.get(key, torch.zeros(row)) + values[r][i]
+    return out
+
+
+def random_sent(n: int, keys: int, k: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {r: sorted(torch.randperm(keys, generator=gen)[:int(torch.randint(0, k + 1, (1,), generator=gen))].tolist())
+            for r in range(n)}
+
+
+@pytest.mark.parametrize("keys,k,n,row", [(64, 8, 3, 2), (1000, 40, 4, 1), (1 << 16, 50, 5, 3), (30, 30, 2, 1)])
+def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(keys, k, n, row):
+    """Every way to sum the gathered slots gives the rows some rank sent, sorted, each the float32 sum of
+    its ranks' values in rank order: sum_slots with the tensor's rows known (a table of flags where it is
+    small enough, else a sort) and without, and sum_slots_dense (those sums in a dense tensor, zeros
+    elsewhere, and how many rows there are). Cases span both sides of MARK_UNION_MAX_KEYS_PER_SLOT."""
+    for seed in range(4):
+        sent = random_sent(n, keys, k, seed)
+        slots, values = gathered(sent, keys, row, k, seed)
+        want = summed_in_rank_order(sent, values, row)
+        union_want = sorted(want)
+        for hint in (None, keys):
+            union, rows = sum_slots(slots, row, hint)
+            assert union.tolist() == union_want
+            assert torch.equal(rows, torch.stack([want[u] for u in union_want]) if want else torch.zeros(0, row))
+        dense, count = sum_slots_dense(slots, row, keys)
+        assert count == len(union_want)
+        expect = torch.zeros(keys, row)
+        for u in union_want:
+            expect[u] = want[u]
+        assert torch.equal(dense, expect)
+        sent_slots = sum(len(v) for v in sent.values())
+        takes_table = keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent_slots)
+        assert takes_table == (keys < 1 << 16)   # the cases span both paths
+
+
+def test_dense_slot_sums_add_in_rank_order():
+    """Values for which another order changes the bits (1e8 + 1 - 1e8 is 0 in float32, 1e8 - 1e8 + 1 is
+    1): sum_slots_dense adds rank by rank from 0, as sum_slots does."""
+    sent = {0: [2, 7], 1: [7], 2: [], 3: [1, 2, 7, 9], 4: [7, 9]}
+    slots, values = gathered(sent, 12, 3, 4)
+    slots[0, 1, 1:], slots[1, 0, 1:], slots[3, 2, 1:] = 1e8, 1.0, -1e8   # row 7: ranks 0, 1, 3, then 4
+    dense, count = sum_slots_dense(slots, 3, 12)
+    assert count == 4
+    assert torch.equal(dense[7], values[4][0])   # (1e8 + 1) - 1e8 = 0, then rank 4's value
+    union, rows = sum_slots(slots, 3, 12)
+    assert torch.equal(dense[union], rows)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 7, 31, 2047])
+def test_counting_bitmap_round_trips_every_rows_count(n):
+    """pack_bitmap of each rank's rows (as row indices or as a bool per row), summed in float32 as an
+    allreduce sums them, unpacks with bitmap_counts to how many ranks hold each row, exactly, up to the
+    largest base (n + 1 below 2^22's field) and with every digit of a word at its largest."""
+    keys = 1000
+    gen = torch.Generator().manual_seed(n)
+    held = torch.rand(n, keys, generator=gen) < 0.3
+    held[:, :40] = True   # every rank holds rows 0..39: whole words of digit n
+    total = torch.zeros(0)
+    for r in range(n):
+        index = torch.nonzero(held[r]).reshape(-1)
+        by_index = pack_bitmap(keys, n, "cpu", index=index)
+        assert torch.equal(by_index, pack_bitmap(keys, n, "cpu", present=held[r]))
+        total = by_index if r == 0 else total + by_index
+    assert total.dtype == torch.float32
+    counts = bitmap_counts(total.to(torch.int64), keys, n)
+    assert counts.dtype == torch.int64
+    assert torch.equal(counts, held.sum(dim=0))

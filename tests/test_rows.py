@@ -59,17 +59,23 @@ def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(
         assert takes_table == (keys < 1 << 16)   # the cases span both paths
 
 
-def test_dense_slot_sums_add_in_rank_order():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dense_slot_sums_add_in_rank_order_on_every_device(device):
     """Values for which another order changes the bits (1e8 + 1 - 1e8 is 0 in float32, 1e8 - 1e8 + 1 is
-    1): sum_slots_dense adds rank by rank from 0, as sum_slots does."""
+    1): sum_slots_dense adds rank by rank from 0, as sum_slots does (by its table of flags and by
+    sorting), also with CUDA's atomic index_add_."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     sent = {0: [2, 7], 1: [7], 2: [], 3: [1, 2, 7, 9], 4: [7, 9]}
     slots, values = gathered(sent, 12, 3, 4)
     slots[0, 1, 1:], slots[1, 0, 1:], slots[3, 2, 1:] = 1e8, 1.0, -1e8   # row 7: ranks 0, 1, 3, then 4
+    slots = slots.to(device)
     dense, count = sum_slots_dense(slots, 3, 12)
     assert count == 4
-    assert torch.equal(dense[7], values[4][0])   # (1e8 + 1) - 1e8 = 0, then rank 4's value
-    union, rows = sum_slots(slots, 3, 12)
-    assert torch.equal(dense[union], rows)
+    assert torch.equal(dense[7].cpu(), values[4][0])   # (1e8 + 1) - 1e8 = 0, then rank 4's value
+    for keys in (12, None):
+        union, rows = sum_slots(slots, 3, keys)
+        assert union.tolist() == [1, 2, 7, 9] and torch.equal(dense[union], rows)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 7, 31, 2047])

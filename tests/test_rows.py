@@ -97,3 +97,24 @@ def test_counting_bitmap_round_trips_every_rows_count(n):
     counts = bitmap_counts(total.to(torch.int64), keys, n)
     assert counts.dtype == torch.int64
     assert torch.equal(counts, held.sum(dim=0))
+
+
+def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
+    """A two-phase bitmap word no sum of this tensor's bitmaps can hold (negative, base^per_word or
+    more, NaN: another plan's payload, a garbled one) is refused, not read as counts modulo the base."""
+    from lossless_hc.lhc.layout import digit_packing
+    from lossless_hc.training.aggregate import ConfigurationMismatch
+    from lossless_hc.training.rows import TensorRows
+
+    n, keys = 3, 100
+    rows = TensorRows("emb", (keys, 4), torch.float32, n, 0, sparse=True)
+    held = [torch.tensor([1, 5, 99]), torch.tensor([5]), torch.tensor([0, 5, 98])]
+    words = sum(pack_bitmap(keys, n, "cpu", index=i) for i in held)
+    assert rows._union_rows(words, averaged=False).tolist() == [0, 1, 5, 98, 99]
+    assert rows._union_rows(words / n, averaged=True).tolist() == [0, 1, 5, 98, 99]
+    pk = digit_packing(n, keys)
+    for bad in (-1.0, float(pk.base ** pk.per_word), float("nan")):
+        garbled = words.clone()
+        garbled[2] = bad
+        with pytest.raises(ConfigurationMismatch, match="outside"):
+            rows._union_rows(garbled, averaged=False)

@@ -132,6 +132,11 @@ class TensorRows:
         if w.numel() != bitmap_words(self.keys, self.world_size):
             raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected "
                                         f"{bitmap_words(self.keys, self.world_size)}")
+        pk = digit_packing(self.world_size, self.keys)
+        if w.numel() and not (int(w.min()) >= 0 and int(w.max()) < pk.base ** pk.per_word):
+            raise ConfigurationMismatch(f"{self.name}: a two-phase bitmap word outside [0, {pk.base ** pk.per_word}): "
+                                        "not the sum of this tensor's bitmaps from "
+                                        f"{self.world_size} ranks (ranks built different plans?)")
         return bitmap_counts(w, self.keys, self.world_size)
 
 
@@ -140,7 +145,8 @@ def pack_bitmap(keys: int, world_size: int, device, present: Optional[torch.Tens
     """A rank's rows as ``keys`` digits of base n+1 (1 at a row it holds: ``present``, a bool per row,
     or ``index``, the rows), packed exactly into float32 words (``lhc.layout.digit_packing``)."""
     pk = digit_packing(world_size, keys)
-    # int32 throughout: a word is below 2^24 (an exact float32), and int32 passes are ~2x int64's on a CPU
+    # int32 throughout: a word is below 2^22 (lhc.layout.INT_FIELD_LIMIT), and int32 passes are ~2x int64's
+    # on a CPU
     digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int32, device=device)
     if present is not None:
         digits[:keys] = present.to(torch.int32)
@@ -151,10 +157,10 @@ def pack_bitmap(keys: int, world_size: int, device, present: Optional[torch.Tens
 
 
 def bitmap_counts(words: torch.Tensor, keys: int, world_size: int) -> torch.Tensor:
-    """Per-row counts (ranks holding the row) from the summed bitmap's words as exact integers (int64;
-    ``pk.words`` of them, which the caller checks); int64."""
+    """Per-row counts (ranks holding the row; int64) from the summed bitmap's words as exact integers
+    (``pk.words`` of them, each in ``[0, base^per_word)``, which the caller checks)."""
     pk = digit_packing(world_size, keys)
-    rest = words.to(torch.int32)   # below 2^24 (pack_bitmap)
+    rest = words.to(torch.int32)   # below 2^22 (the caller's check)
     cols = []
     for _ in range(pk.per_word):   # the digits from the lowest: one division per digit, not one per power
         quotient = torch.div(rest, pk.base, rounding_mode="floor")
@@ -174,7 +180,7 @@ def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) ->
     return slots.reshape(-1)
 
 
-def _ranks_slots(slots: torch.Tensor) -> list:
+def _used_slots(slots: torch.Tensor) -> list:
     """``[(rows, values)]`` per rank of the gathered ``(n, K, 1 + row)`` slots: the used slots, which
     :func:`gather_slots` puts first (int64 row indices, ``(m_r, row)`` values; views, no mask)."""
     index = slots[:, :, 0].contiguous().view(torch.int32)
@@ -195,7 +201,7 @@ def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tupl
     A rank's slots name distinct rows (``gather_slots``: its sorted rows, then the unused slots).
     ``keys``: the tensor's rows (every index is below it), which lets a table of flags find the union
     where it is not much larger than the slots (:data:`MARK_UNION_MAX_KEYS_PER_SLOT`); the same result."""
-    ranks = _ranks_slots(slots)
+    ranks = _used_slots(slots)
     sent = torch.cat([i for i, _ in ranks])
     if keys is not None and keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent.numel()):
         seen = torch.zeros(keys, dtype=torch.bool, device=slots.device).index_fill_(0, sent, True)
@@ -219,7 +225,7 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int) -> tuple:
     tensor, zero at the rows no rank sent, and how many rows some rank sent. The same bits as
     :func:`sum_slots` then an ``index_copy_`` into zeros (each row starts at 0 and adds the ranks' values
     in rank order), without finding the union's order."""
-    ranks = _ranks_slots(slots)
+    ranks = _used_slots(slots)
     out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
     seen = torch.zeros(keys, dtype=torch.bool, device=slots.device)
     union = torch.zeros((), dtype=torch.int64, device=slots.device)

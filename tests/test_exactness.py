@@ -164,8 +164,9 @@ def test_rtol_option():
 @pytest.mark.parametrize("index", ["bitmap", "multilevel"])
 def test_inexact_keys_are_exactly_those_failing_rtol_sorted_at_any_thread_count(index):
     """Thousands of inexact keys (rtol 2^-20 over values spread across six decades), up to key 2^23
-    (the CPU decoder sorts them by radix, 11 bits a pass: three passes here): listed exactly when the key's proven bound fails rtol (away from the boundary, where
-    the float32 output cannot say), increasing, and the same list at 1 and 2 decoding threads."""
+    (the CPU decoder sorts them by radix, 11 bits a pass: three passes here): listed exactly when the
+    key's proven bound fails rtol (away from the boundary, where the float32 output cannot say),
+    increasing, and the same list at 1 and 2 decoding threads."""
     rng = np.random.default_rng(helpers.stable_seed("inexact sort", index))
     numel, n, k = 1 << 23, 4, 20000
     xs = log_uniform_inputs(rng, numel, n, k, 6)

@@ -91,6 +91,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("address"), py::arg("bytes"),
       "Advise that the whole 2 MiB pages of a buffer not written yet be backed by transparent huge pages.");
 
+  m.def(
+      "nonzero_rows",
+      [](uintptr_t x, uint64_t rows, uint64_t row, int element_bytes, uintptr_t present, int num_threads) {
+        if (element_bytes != 2 && element_bytes != 4 && element_bytes != 8)
+          throw std::invalid_argument("nonzero_rows: element_bytes must be 2, 4 or 8");
+        py::gil_scoped_release release;
+        cpu::nonzero_rows(ptr<const void>(x), rows, row, element_bytes, ptr<uint8_t>(present), num_threads);
+      },
+      py::arg("x"), py::arg("rows"), py::arg("row"), py::arg("element_bytes"), py::arg("present"),
+      py::arg("num_threads") = 0,
+      "present[r] (uint8/bool at address present) = whether row r of the rows x row matrix at x (elements of\n"
+      "element_bytes bytes, contiguous) holds an element that is not +-0.0 (NaN and infinities count).");
+
   m.attr("HEADER_FIELDS") = (int)kHeaderFields;
   m.attr("INT_FIELD_BITS") = (int)kIntFieldBits;
 

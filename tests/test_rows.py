@@ -118,3 +118,45 @@ def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
         garbled[2] = bad
         with pytest.raises(ConfigurationMismatch, match="outside"):
             rows._union_rows(garbled, averaged=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("row", [1, 5, 32])
+def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, device):
+    """The backend's row scan (AutoAggregator's non-zero rows of a dense gradient) against torch's
+    element-wise tests: -0.0 is zero; NaN, infinities and the smallest subnormal are not; at every thread
+    count (the tensors are large enough for three threads, so rows are split between them)."""
+    from lossless_hc.backends import backend_for
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rows = (1 << 17) + 3
+    gen = torch.Generator().manual_seed(row)
+    x = torch.zeros(rows, row, dtype=dtype)
+    hit = torch.randperm(rows, generator=gen)[:3000]
+    x[hit, torch.randint(0, row, (3000,), generator=gen)] = torch.randn(3000, generator=gen).to(dtype)
+    x[7:11] = 0.0
+    x[7, row - 1] = -0.0
+    x[8, 0] = float("nan")
+    x[9, row // 2] = float("-inf")
+    x.view(torch.int16 if dtype.itemsize == 2 else torch.int32 if dtype.itemsize == 4 else torch.int64)[10, 0] = 1
+    x[rows - 1, row - 1] = 1.0   # the last word of the last row
+    want = ((x != 0) | torch.isnan(x)).any(dim=1)
+    assert want.tolist()[7:11] == [False, True, True, True] and want[rows - 1]
+    for threads in (1, 2, 3):
+        got = backend_for(device).nonzero_rows(x.reshape(-1).to(device), row, threads)
+        assert torch.equal(got.cpu(), want), threads
+
+
+def test_the_row_scan_refuses_what_it_cannot_read():
+    from lossless_hc.backends import backend_for
+    scan = backend_for("cpu").nonzero_rows
+    assert scan(torch.zeros(0), 4).shape == (0,)
+    with pytest.raises(ValueError, match="dividing x.numel"):
+        scan(torch.zeros(10), 3)
+    with pytest.raises(ValueError, match="dividing x.numel"):
+        scan(torch.zeros(10), 0)
+    with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
+        scan(torch.zeros(10, dtype=torch.int32), 2)
+    with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
+        scan(torch.zeros(20)[::2], 2)

@@ -61,6 +61,11 @@ struct KeyBounds {
 DecodeStats decode(const CodecLayout& layout, const DecodeInputs& in, const float* payload, float* out,
                    int64_t* trace_key, int64_t* trace_cell, const KeyBounds* key_bounds, int num_threads);
 
+// present[r] = 1 if row r of the `rows` x `row` matrix x (contiguous, elements of element_bytes = 2, 4 or 8:
+// float16/bfloat16, float32, float64) holds an element that is not +-0.0 (NaN and infinities count), else
+// 0. Reads x once; bits independent of the thread count.
+void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present, int num_threads);
+
 // Ask the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent huge pages
 // (Linux, where THP is enabled for "madvise" or "always"; elsewhere a no-op). For memory not touched
 // yet: its first write then takes one page fault per 2 MiB instead of one per 4 KiB -- most of the

@@ -48,6 +48,11 @@ struct Prof {
   }
 };
 
+// The scans read their input once, in order, and do little with most of it: they are prefetched this many
+// floats (16 KiB) ahead, as the hardware prefetcher alone, which stops at every 4 KiB page, left them
+// waiting on memory (docs/BENCHMARKS.md, LHC codec).
+constexpr uint64_t kPrefetchAhead = 4096;
+
 // Load the cache line holding p, for reading and writing soon. An asm statement, not
 // __builtin_prefetch: GCC 12 deletes the builtin as dead code when its address goes through a
 // conditional such as a std::min clamp (PeelCells::prefetch_packed's were missing from the binary).

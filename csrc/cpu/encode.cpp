@@ -55,10 +55,6 @@ inline uint32_t bit_pattern(float v) {
   return u;
 }
 
-// The scans read the input once, in order, and do little with most of it: they are prefetched this many
-// floats (16 KiB) ahead, as the hardware prefetcher alone, which stops at every 4 KiB page, left them
-// waiting on memory (docs/BENCHMARKS.md, LHC codec).
-constexpr uint64_t kPrefetchAhead = 4096;
 
 // Appends the keys k in [kb, ke) with x[k] not +-0.0, in increasing order, and their values (block 1).
 // Chunks of 64: a vectorisable OR-reduction skips all-zero chunks (about half of them at 1% density),

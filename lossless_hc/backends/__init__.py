@@ -11,6 +11,9 @@
   kernels can run there; returns the device pinned to an index (CUDA).
 * ``empty(numel, device, dtype=float32)``: an output buffer (CPU: backed by huge pages where the kernel
   allows).
+* ``nonzero_rows(x, row, num_threads=0) -> present``: for a contiguous tensor ``x`` of 2-, 4- or 8-byte
+  floats seen as ``(x.numel() // row, row)``, a bool per row: whether it holds an element that is not
+  +-0.0 (NaN and infinities count) -- the planner's row scan (``lossless_hc.training.rows``).
 * ``lhc_layout(layout, device)`` (the kernels receive it as the layout ABI, the words of
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with

@@ -176,6 +176,16 @@ class CpuThcLayout:
         self.c = c
 
 
+def _check_rows(x: torch.Tensor, row: int) -> int:
+    """``nonzero_rows``'s argument check (every backend's); returns the number of rows."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.element_size() not in (2, 4, 8) \
+            or not x.is_contiguous():
+        raise TypeError("nonzero_rows takes a contiguous tensor of 2-, 4- or 8-byte floats")
+    if isinstance(row, bool) or not isinstance(row, int) or row < 1 or x.numel() % row:
+        raise ValueError(f"row must be an integer >= 1 dividing x.numel() = {x.numel()}, got {row!r}")
+    return x.numel() // row
+
+
 class CpuBackend:
     """The backend interface on the CPU (see :mod:`lossless_hc.backends` for the contract)."""
 
@@ -193,6 +203,14 @@ class CpuBackend:
         if numel:
             _C.advise_huge_pages(buf.data_ptr(), buf.element_size() * numel)
         return buf
+
+    def nonzero_rows(self, x: torch.Tensor, row: int, num_threads: int = 0) -> torch.Tensor:
+        """Whether each row of ``x`` (``(x.numel() // row, row)``) holds an element that is not +-0.0 (bool;
+        NaN and infinities count): one read of ``x`` (csrc/cpu/rows.cpp)."""
+        rows = _check_rows(x, row)
+        present = torch.empty(rows, dtype=torch.bool)
+        _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
+        return present
 
     # -- LHC -------------------------------------------------------------------------------------
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CpuLhcLayout:

@@ -545,6 +545,13 @@ class CudaBackend:
     def empty(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def nonzero_rows(self, x: torch.Tensor, row: int, num_threads: int = 0) -> torch.Tensor:
+        """The CPU backend's ``nonzero_rows`` on the device: one reduction over the rows (``|x|``'s
+        largest is not 0 exactly where a row holds a non-zero, NaN included)."""
+        from lossless_hc.backends.cpu import _check_rows
+        rows = _check_rows(x, row)
+        return x.reshape(rows, row).abs().amax(dim=1) != 0
+
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
         return CudaLayout(layout, device)
 

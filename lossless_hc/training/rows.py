@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.backends import backend_for
 from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.training.aggregate import ConfigurationMismatch, default_block_size
 from lossless_hc.training.planner import bitmap_words
@@ -42,9 +43,9 @@ class TensorRows:
 
     def _present(self, flat: torch.Tensor) -> torch.Tensor:
         """Which rows of ``flat`` are non-zero (bool, one per key; NaN and infinities count as
-        non-zero). ``|x|`` maximised over a row: one float pass, ~3x faster on CPU than reducing a
-        boolean ``x != 0`` tensor."""
-        return self._rows(flat).abs().amax(dim=1) != 0
+        non-zero): the backend's row scan, one read of the tensor (torch's ``|x|.amax(dim=1) != 0``
+        writes a temporary as large as the tensor)."""
+        return backend_for(flat.device).nonzero_rows(flat.contiguous(), self.row, torch.get_num_threads())
 
     def _union_of(self, value: torch.Tensor) -> int:
         return int(self._present(value.reshape(-1)).sum()) if self.numel else 0

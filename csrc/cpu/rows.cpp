@@ -1,0 +1,53 @@
+// lhc::cpu::nonzero_rows: which rows of a dense gradient hold a value other than +-0.0 (the planner's
+// row scan, lossless_hc/training/rows.py).
+#include <omp.h>
+
+#include <algorithm>
+
+#include "codec_cpu.h"
+#include "codec_cpu_internal.h"
+
+namespace lhc {
+namespace cpu {
+
+namespace {
+
+// present[r] = 1 iff some word of row r, shifted left by one (the sign bit dropped), is not zero: a
+// float that is not +-0.0, NaN and infinities included. One read of the rows, in order; the OR over a
+// row is branch-free and vectorises, and the rows are prefetched ahead as the encoder's scans are.
+template <typename Word>
+void scan_rows(const Word* x, uint64_t begin, uint64_t end, uint64_t row, uint8_t* present) {
+  constexpr uint64_t kAhead = detail::kPrefetchAhead * sizeof(float) / sizeof(Word);  // the same bytes ahead
+  constexpr uint64_t kLine = 64 / sizeof(Word);
+  uint64_t next = begin * row;  // the next element to prefetch
+  for (uint64_t r = begin; r < end; ++r) {
+    const Word* p = x + r * row;
+    for (const uint64_t stop = std::min((r + 1) * row + kAhead, end * row); next < stop; next += kLine)
+      detail::prefetch_line(x + next);
+    Word any = 0;
+    for (uint64_t i = 0; i < row; ++i) any |= (Word)(p[i] << 1);
+    present[r] = any != 0;
+  }
+}
+
+}  // namespace
+
+void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present, int num_threads) {
+  if (rows == 0) return;
+  // Threads only where each gets rows worth their start-up (~64 KiB of input).
+  const uint64_t bytes = rows * row * (uint64_t)element_bytes;
+  const int nt = (int)std::max<uint64_t>(1, std::min<uint64_t>(detail::resolve_threads(num_threads), bytes >> 16));
+#pragma omp parallel num_threads(nt)
+  {
+    uint64_t begin, end;
+    detail::split_range(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    switch (element_bytes) {
+      case 2: scan_rows(static_cast<const uint16_t*>(x), begin, end, row, present); break;
+      case 4: scan_rows(static_cast<const uint32_t*>(x), begin, end, row, present); break;
+      default: scan_rows(static_cast<const uint64_t*>(x), begin, end, row, present); break;
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace lhc

@@ -558,6 +558,10 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
         return fut.then(plain)
     message = AutoMessage(aggs, grads)
+    # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
+    # (AutoAggregator.finish, after every read of the gradient): no zero-filled tensor, no copy back.
+    outs = None if buffer.is_sparse else [s if s.dtype == torch.float32 and not s.requires_grad else None
+                                          for s in _bucket_slices(buffer, grads)]
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
     fallback_group = None
@@ -572,7 +576,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_auto_message(message, fut.value(),
-                                      lambda t: dist.all_reduce(t, group=fallback_group), gather)
+                                      lambda t: dist.all_reduce(t, group=fallback_group), gather, outs=outs)
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
             return results[0] if divided else results[0].div_(n)
         return _fill_bucket(buffer, results, None if divided else n)

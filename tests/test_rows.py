@@ -54,9 +54,31 @@ def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(
         for u in union_want:
             expect[u] = want[u]
         assert torch.equal(dense, expect)
+        # into a given buffer (the engine's, which held the gradient: garbage here): the same bits, there
+        buffer = torch.full((keys * row,), float("nan"))
+        into, count = sum_slots_dense(slots, row, keys, out=buffer)
+        assert count == len(union_want) and into.data_ptr() == buffer.data_ptr()
+        assert torch.equal(into, expect)
+        # into rank 0's own gradient, zero (+-0.0) outside its rows, which alone are cleared
+        own = torch.zeros(keys, row)
+        if sent[0]:
+            own[torch.tensor(sent[0], dtype=torch.int64)] = values[0]
+        own[torch.randperm(keys, generator=torch.Generator().manual_seed(seed))[:3]] *= -1.0   # -0.0 rows
+        into, count = sum_slots_dense(slots, row, keys, out=own.reshape(-1),
+                                      stale_rows=torch.tensor(sent[0], dtype=torch.int64))
+        assert count == len(union_want) and into.data_ptr() == own.data_ptr()
+        assert torch.equal(into, expect)
         sent_slots = sum(len(v) for v in sent.values())
         takes_table = keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent_slots)
         assert takes_table == (keys < 1 << 16)   # the cases span both paths
+
+
+def test_dense_slot_sums_refuse_an_out_they_cannot_fill():
+    """A buffer of another size, dtype or layout is a ValueError, not a partial or silently cast result."""
+    slots, _ = gathered({0: [1, 3], 1: [3]}, 8, 2, 2)
+    for bad in (torch.zeros(15), torch.zeros(16, dtype=torch.float64), torch.zeros(32)[::2]):
+        with pytest.raises(ValueError, match="contiguous float32 tensor of 16 elements"):
+            sum_slots_dense(slots, 2, 8, out=bad)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -221,13 +221,30 @@ def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tupl
     return union, rows
 
 
-def sum_slots_dense(slots: torch.Tensor, row: int, keys: int) -> tuple:
+def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torch.Tensor] = None,
+                    stale_rows: Optional[torch.Tensor] = None) -> tuple:
     """``(out, union_count)``: :func:`sum_slots`'s sums written into a dense ``(keys, row)`` float32
     tensor, zero at the rows no rank sent, and how many rows some rank sent. The same bits as
     :func:`sum_slots` then an ``index_copy_`` into zeros (each row starts at 0 and adds the ranks' values
-    in rank order), without finding the union's order."""
+    in rank order), without finding the union's order.
+
+    ``out``: a contiguous float32 tensor of ``keys * row`` elements to write into (e.g. the engine's
+    buffer that held the gradient), returned as its ``(keys, row)`` view; else a new one. It is cleared
+    first: all of it, or with ``stale_rows`` (int64 rows) only those rows, where every other row of
+    ``out`` already holds only +-0.0 (``out`` is this rank's gradient and ``stale_rows`` its non-zero
+    rows: a table is then written where it changes, not in full). A row no rank sent is then +-0.0."""
     ranks = _used_slots(slots)
-    out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
+    if out is None:
+        out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
+    else:
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != keys * row:
+            raise ValueError(f"out must be a contiguous float32 tensor of {keys * row} elements, got "
+                             f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+        out = out.view(keys, row)
+        if stale_rows is None:
+            out.zero_()
+        else:
+            out.index_fill_(0, stale_rows, 0.0)
     seen = torch.zeros(keys, dtype=torch.bool, device=slots.device)
     union = torch.zeros((), dtype=torch.int64, device=slots.device)
     for i, values in ranks:   # rank order (sum_slots)

@@ -477,8 +477,15 @@ class AutoAggregator(TensorRows):
         finally:
             self.stats.decode_seconds += time.perf_counter() - t0
 
-    def finish(self, ctx: AutoContext, result: torch.Tensor) -> torch.Tensor:
-        """The value from the request's result (allreduce: the SUM; allgather: the n tensors)."""
+    def finish(self, ctx: AutoContext, result: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The value from the request's result (allreduce: the SUM; allgather: the n tensors).
+
+        ``out``: where a dense gradient's ``allgather`` sum may be written instead of a new tensor (the
+        value is then ``out`` in the gradient's shape): a contiguous float32 tensor of ``numel`` elements,
+        e.g. the engine's buffer that held this gradient, which this finish overwrites (its gradient was
+        read at encode). Where ``out`` is the very memory that was encoded, unchanged since, only this
+        rank's non-zero rows are cleared before the sums are added (the others hold +-0.0 already).
+        The other strategies ignore it."""
         t0 = time.perf_counter()
         s = ctx.strategy
         n = self.world_size
@@ -489,7 +496,12 @@ class AutoAggregator(TensorRows):
                 value = self._from_rows(union, self._scaled(rows, ctx.averaged))
                 count = union.numel()
             else:
-                rows, count = sum_slots_dense(slots, self.row, self.keys)
+                into = out if out is not None and self.dtype == torch.float32 else None
+                # out that is the scanned gradient itself (no lossy memory was added into a copy) is zero
+                # outside this rank's rows
+                scanned = into is not None and ctx.flat is not None and into.data_ptr() == ctx.flat.data_ptr()
+                rows, count = sum_slots_dense(slots, self.row, self.keys, out=into,
+                                              stale_rows=self._index(ctx) if scanned else None)
                 value = self._shaped(self._scaled(rows, ctx.averaged).reshape(-1))
         elif s == "two_phase":
             rows = self._scaled(result.reshape(-1, self.row).to(torch.float32), ctx.averaged)

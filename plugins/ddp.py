@@ -429,19 +429,20 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     return _compressed_allreduce(state, bucket, "thc_hook")
 
 
-def _fill_bucket(buffer: torch.Tensor, results, n: Optional[int]) -> torch.Tensor:
+def _fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divided: bool = False) -> torch.Tensor:
     """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (None:
     the inputs were divided, see :func:`_divide_first`; a result decoded into its own slice of the
-    bucket, see :func:`_bucket_slices`, is only divided)."""
+    bucket, see :func:`_bucket_slices`, is only divided, or left as it is with ``in_place_divided``)."""
     offset = 0
     for value in results:
         m = value.numel()
         dst = buffer[offset:offset + m]
         # copy_ then div_ (not torch.div(out=...)): a gradient with a graph (create_graph) needs the
         # in-place ops, which autograd records.
-        if value.data_ptr() != dst.data_ptr():
+        in_place = value.data_ptr() == dst.data_ptr()
+        if not in_place:
             dst.copy_(value.reshape(-1))
-        if n is not None:
+        if n is not None and not (in_place and in_place_divided):
             dst.div_(n)
         offset += m
     return buffer
@@ -559,7 +560,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return fut.then(plain)
     message = AutoMessage(aggs, grads)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
-    # (AutoAggregator.finish, after every read of the gradient): no zero-filled tensor, no copy back.
+    # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
+    # only: no zero-filled tensor, no copy back, no division of the table's zeros.
     outs = None if buffer.is_sparse else [s if s.dtype == torch.float32 and not s.requires_grad else None
                                           for s in _bucket_slices(buffer, grads)]
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
@@ -576,9 +578,11 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_auto_message(message, fut.value(),
-                                      lambda t: dist.all_reduce(t, group=fallback_group), gather, outs=outs)
+                                      lambda t: dist.all_reduce(t, group=fallback_group), gather, outs=outs,
+                                      divisor=None if divided else n)
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
             return results[0] if divided else results[0].div_(n)
-        return _fill_bucket(buffer, results, None if divided else n)
+        # the results written into their slices were divided there (decode_message's divisor)
+        return _fill_bucket(buffer, results, None if divided else n, in_place_divided=True)
 
     return fut.then(decode)

@@ -68,6 +68,9 @@ def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(
                                       stale_rows=torch.tensor(sent[0], dtype=torch.int64))
         assert count == len(union_want) and into.data_ptr() == own.data_ptr()
         assert torch.equal(into, expect)
+        # divided there by an engine's n: the bits of dividing the whole sum
+        into, _ = sum_slots_dense(slots, row, keys, out=torch.full((keys * row,), float("nan")), divisor=3)
+        assert torch.equal(into, expect / 3)
         sent_slots = sum(len(v) for v in sent.values())
         takes_table = keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent_slots)
         assert takes_table == (keys < 1 << 16)   # the cases span both paths

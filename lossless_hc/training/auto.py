@@ -218,14 +218,15 @@ class AutoMessage:
 def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
                    allreduce: Callable[[torch.Tensor], None],
                    allgather: Callable[[torch.Tensor], torch.Tensor],
-                   outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list:
+                   outs: Optional[Sequence[Optional[torch.Tensor]]] = None, divisor: Optional[int] = None) -> list:
     """Every tensor's aggregate (in the engine's scale: the SUM here) from ``summed``, the SUMs of every
     rank's ``message.parts``, in order. ``allreduce(t)`` must SUM ``t`` in place across the same ranks;
     ``allgather(t)`` must return the ranks' ``t`` stacked in rank order (``(n, t.numel())``). Both are
     blocking and called in the same order on every rank (module doc), at most once per dtype.
     ``outs[i]``, where given, is passed to tensor i's :meth:`AutoAggregator.finish` as ``out`` (a dense
     allgather's sum is written there); it is written only after every tensor's decode and second
-    collective's input were computed, and only by tensor i."""
+    collective's input were computed, and only by tensor i. ``divisor``: a result written into its
+    ``outs[i]`` is divided by it there (the others are returned as SUMs)."""
     if len(summed) != len(message.parts):
         raise ValueError(f"a message of {len(message.parts)} parts; got {len(summed)} sums")
     outcomes = []
@@ -249,7 +250,8 @@ def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
         offset = 0
         for i, m in zip(group, sizes):
             out = outs[i] if outs is not None else None
-            results[i] = message.aggregators[i].finish(message.encoded[i][1], gathered[:, offset:offset + m], out=out)
+            results[i] = message.aggregators[i].finish(message.encoded[i][1], gathered[:, offset:offset + m], out=out,
+                                                       divisor=divisor)
             offset += m
     return results
 

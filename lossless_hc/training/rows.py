@@ -222,7 +222,7 @@ def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tupl
 
 
 def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torch.Tensor] = None,
-                    stale_rows: Optional[torch.Tensor] = None) -> tuple:
+                    stale_rows: Optional[torch.Tensor] = None, divisor: Optional[int] = None) -> tuple:
     """``(out, union_count)``: :func:`sum_slots`'s sums written into a dense ``(keys, row)`` float32
     tensor, zero at the rows no rank sent, and how many rows some rank sent. The same bits as
     :func:`sum_slots` then an ``index_copy_`` into zeros (each row starts at 0 and adds the ranks' values
@@ -232,7 +232,10 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
     buffer that held the gradient), returned as its ``(keys, row)`` view; else a new one. It is cleared
     first: all of it, or with ``stale_rows`` (int64 rows) only those rows, where every other row of
     ``out`` already holds only +-0.0 (``out`` is this rank's gradient and ``stale_rows`` its non-zero
-    rows: a table is then written where it changes, not in full). A row no rank sent is then +-0.0."""
+    rows: a table is then written where it changes, not in full). A row no rank sent is then +-0.0.
+
+    ``divisor``: the sums are then divided by it (an engine's average), only the rows some rank sent:
+    the same bits as dividing all of ``out``, whose other rows are +-0.0."""
     ranks = _used_slots(slots)
     if out is None:
         out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
@@ -251,4 +254,7 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
         out.index_add_(0, i, values)
         union += (~seen.index_select(0, i)).sum()   # the rows no earlier rank sent: O(slots), not O(keys)
         seen.index_fill_(0, i, True)
+    if divisor is not None and divisor != 1:
+        sent = torch.nonzero(seen).reshape(-1)
+        out.index_copy_(0, sent, out.index_select(0, sent).div_(divisor))
     return out, int(union)

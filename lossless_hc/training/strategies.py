@@ -477,7 +477,8 @@ class AutoAggregator(TensorRows):
         finally:
             self.stats.decode_seconds += time.perf_counter() - t0
 
-    def finish(self, ctx: AutoContext, result: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def finish(self, ctx: AutoContext, result: torch.Tensor, out: Optional[torch.Tensor] = None,
+               divisor: Optional[int] = None) -> torch.Tensor:
         """The value from the request's result (allreduce: the SUM; allgather: the n tensors).
 
         ``out``: where a dense gradient's ``allgather`` sum may be written instead of a new tensor (the
@@ -485,7 +486,8 @@ class AutoAggregator(TensorRows):
         e.g. the engine's buffer that held this gradient, which this finish overwrites (its gradient was
         read at encode). Where ``out`` is the very memory that was encoded, unchanged since, only this
         rank's non-zero rows are cleared before the sums are added (the others hold +-0.0 already).
-        The other strategies ignore it."""
+        ``divisor``: a value written into ``out`` is divided by it (the caller's average: only the rows
+        some rank sent, the same bits as the whole tensor). The other strategies ignore both."""
         t0 = time.perf_counter()
         s = ctx.strategy
         n = self.world_size
@@ -501,7 +503,8 @@ class AutoAggregator(TensorRows):
                 # outside this rank's rows
                 scanned = into is not None and ctx.flat is not None and into.data_ptr() == ctx.flat.data_ptr()
                 rows, count = sum_slots_dense(slots, self.row, self.keys, out=into,
-                                              stale_rows=self._index(ctx) if scanned else None)
+                                              stale_rows=self._index(ctx) if scanned else None,
+                                              divisor=divisor if into is not None else None)
                 value = self._shaped(self._scaled(rows, ctx.averaged).reshape(-1))
         elif s == "two_phase":
             rows = self._scaled(result.reshape(-1, self.row).to(torch.float32), ctx.averaged)

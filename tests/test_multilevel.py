@@ -1,6 +1,8 @@
 """The multilevel index (coarse counting bitmap over groups + a peeled fine table of group patterns):
 exact when ok, failures reported (never a wrong answer), deterministic, bit-exact with the reference,
 robust to fuzzed payloads."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -248,12 +250,17 @@ def test_large_fine_tables_are_grouped():
     lv = m.levels[0]
     assert lv.table.seg_count > 3 and lv.table.seg_count % 3 == 0
     groups = lv.table.seg_count // 3
-    assert lv.planned_nodes / groups <= 2 * lay.GROUP_KEYS
+    # as many groups as GROUP_KEYS asks for (in nodes of this size), or as the pair bound allows
+    group_nodes = lay.GROUP_KEYS * 4 // (3 + lv.words_per_group)
+    pair_cap = int(math.sqrt(lay.PEEL_FAILURE_TARGET * lv.planned_nodes / (7.0 * lay.PAIR_UNSOLVABLE_SHARE_SIGNS)))
+    assert groups == min(math.ceil(lv.planned_nodes / group_nodes), pair_cap)
     assert max(1, lv.load_cap) * ((8 + 1) ** lv.digits_per_word - 1) < INT_FIELD_LIMIT
     # each group has room for its Binomial share plus the margin, at >= 1.25 cells per node
     assert lv.table.cells >= 1.25 * lv.planned_nodes
-    # small tables keep one group (their format is unchanged)
-    assert multilevel_plan(1 << 22, 40_000, 4, 1).levels[0].table.seg_count == 3
+    # small tables keep one group; a table of one-word nodes splits past 2 * GROUP_KEYS of them
+    assert multilevel_plan(1 << 22, 10_000, 4, 1).levels[0].table.seg_count == 3
+    assert lay.fine_table_for(2 * lay.GROUP_KEYS, 1).seg_count == 3
+    assert lay.fine_table_for(2 * lay.GROUP_KEYS + 1, 1).seg_count > 3
 
 
 @pytest.mark.parametrize("shape,n,k,pattern", [((1,), 4, 20_000, "random"), ((2, 1), 3, 25_000, "clustered"),

@@ -40,8 +40,12 @@ PAIR_UNSOLVABLE_SHARE_WEIGHTS = 5.0 / 128.0
 WEIGHTED_MIN_CELLS_PER_KEY = 1.6
 # Value-sketch cells per candidate key (see sketch_table_for).
 SKETCH_CELLS_PER_KEY = 1.25
-# Keys per group of sub-tables the value sketch aims for (a group's peeling state stays in cache).
-GROUP_KEYS = 1 << 17
+# Keys per group of sub-tables the value sketch aims for: a table of more than twice this many keys
+# is split into groups (see sketch_table_for). One thread peels a group, so a table of one group
+# decodes on one core whatever the machine has; and a group's peeling state at block 1 (~1.3 cells
+# per key, 32 bytes per cell: ~0.7 MiB) stays in a core's L2. Each group costs a margin of
+# ~4 sqrt(keys per group) keys, 1-5% more wire for the tables it splits (docs/DESIGN.md, "Groups").
+GROUP_KEYS = 1 << 14
 
 
 def sketch_table_for(keys: int, stream: int = 0) -> SegmentedTable:

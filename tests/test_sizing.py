@@ -142,12 +142,14 @@ def test_sketch_table_for_refuses_bad_arguments():
 
 def test_value_sketches_past_two_group_sizes_split_into_groups():
     """A value sketch of up to 2 * GROUP_KEYS keys is one group (one decoding thread); one key more
-    splits it into ceil(keys / GROUP_KEYS) groups, each with room for its Binomial share (the same
-    1.25 cells per key and more), which costs a few percent of cells."""
+    splits it into ceil(keys / GROUP_KEYS) groups, each sized for its Binomial share plus 4 standard
+    deviations at 1.25 cells per key, which costs a few percent of cells."""
     from lossless_hc.lhc.sizing import GROUP_KEYS
     one = sketch_table_for(2 * GROUP_KEYS)
     split = sketch_table_for(2 * GROUP_KEYS + 1)
     assert one.seg_count == 3
     assert split.seg_count == 3 * math.ceil((2 * GROUP_KEYS + 1) / GROUP_KEYS)
-    assert split.cells >= 1.25 * (2 * GROUP_KEYS + 1)
+    groups = split.seg_count // 3
+    share = (2 * GROUP_KEYS + 1) / groups
+    assert 3 * split.seg_len >= 1.25 * (share + 4 * math.sqrt(share))   # a group: its share and 4 sigmas
     assert 1.0 < split.cells / one.cells < 1.06

@@ -17,7 +17,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-# What lossless_hc/backends/cuda.py hands NVRTC: the kernels headers included from csrc/, C++17.
+# What lossless_hc/backends/cuda_runtime.py hands NVRTC: the kernels headers included from csrc/, C++17.
 SOURCE = '#include "cuda/codec_kernels.cuh"\n#include "cuda/thc_kernels.cuh"\n'
 
 

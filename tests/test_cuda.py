@@ -1,4 +1,4 @@
-"""The CUDA backend (csrc/cuda, lossless_hc/backends/cuda.py) against the CPU backend and the float64 truth.
+"""The CUDA backend (csrc/cuda, lossless_hc/backends/cuda.py and cuda_lhc.py) against the CPU backend and the float64 truth.
 
 Every test here is marked ``gpu`` and skipped, visibly, where torch sees no CUDA device; run them with
 ``pytest -m gpu`` on a GPU machine (scripts/gpu_session.sh). Tests parametrised over ``backend`` run
@@ -125,7 +125,7 @@ def index_verdicts_agree(cpu: LosslessCodec, native, payload: torch.Tensor, aver
     GPU DecodeRun, the multilevel mode of the last level decoded: 0 list, 1 too many nodes, 2 replayed).
     """
     from lossless_hc.backends import cpu as _backend
-    from lossless_hc.backends import cuda as _cuda
+    from lossless_hc.backends import cuda_lhc as _cuda
     from lossless_hc.lhc.layout import HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID
     L = cpu.layout
     scale = float(L.world_size) if averaged else 1.0

@@ -3,7 +3,7 @@
 tests/cuda_emulation/ builds csrc/cuda/codec_kernels.cuh with the host compiler against a small
 emulation of the CUDA builtins (every CUDA thread a fiber, scheduled in a random order per launch;
 barriers, warp exchanges and atomics emulated), behind the launch interface of lossless_hc._C_cuda.
-lossless_hc/backends/cuda.py then runs its real launch sequence on CPU tensors through it. This checks
+lossless_hc/backends/cuda_lhc.py then runs its real launch sequence on CPU tensors through it. This checks
 the kernels' logic, the arguments and sizes of every launch, the ordered compactions, the round-based
 peeling and its determinism under varied orders of the threads' atomics and barrier passes, and
 agreement with the CPU backend. It cannot check performance, data races or a real GPU's memory model:
@@ -22,7 +22,7 @@ import torch
 
 import helpers
 from lossless_hc import LosslessCodec
-from lossless_hc.backends import cuda as _cuda
+from lossless_hc.backends import cuda_lhc as _cuda
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc.codec import DEFAULT_RTOL, key_coordinates
 from lossless_hc.lhc import reference

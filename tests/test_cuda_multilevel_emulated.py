@@ -1,5 +1,5 @@
 """The multilevel index's CUDA kernels (csrc/cuda/codec_kernels.cuh, "multilevel index") and their
-launch sequence (lossless_hc/backends/cuda.py), run on the host through tests/cuda_emulation (the fixture
+launch sequence (lossless_hc/backends/cuda_lhc.py), run on the host through tests/cuda_emulation (the fixture
 of tests/test_cuda_emulated.py): no GPU needed.
 
 What must hold, against the CPU backend on the same payload:
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc.backends import cuda as _cuda
+from lossless_hc.backends import cuda_lhc as _cuda
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import HDR_KEYS_LO, INT_FIELD_LIMIT

@@ -1,5 +1,5 @@
 """Consistency of the CUDA backend's sources, checked without a GPU: the Python launch sequence
-(lossless_hc/backends/cuda.py and cuda_runtime.py) against the kernels headers (csrc/cuda/codec_kernels.cuh and the stage headers
+(lossless_hc/backends/cuda_lhc.py and cuda_runtime.py) against the kernels headers (csrc/cuda/codec_kernels.cuh and the stage headers
 it includes), the kernel list (csrc/cuda/kernel_list.h, which the compiled module's table and the host
 emulation expand) and the compiled module's kernel table. A mismatch here would be undefined
 behaviour at launch time on a GPU."""
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from lossless_hc.backends import cuda as _cuda
+from lossless_hc.backends import cuda_lhc as _cuda
 
 from lossless_hc.backends import cuda_runtime
 
@@ -55,7 +55,7 @@ def test_decode_flag_arguments_follow_the_header_enum():
 
 
 def launches(module=_cuda):
-    """(kernel name, argument count, line) of every launch.launch(...) call in _cuda.py (or module)."""
+    """(kernel name, argument count, line) of every launch.launch(...) call in cuda_lhc.py (or module)."""
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
     out = []
     for node in ast.walk(tree):
@@ -71,12 +71,12 @@ def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
     calls = launches()
     assert len(calls) >= 20
     for name, nargs, line in calls:
-        assert name in kernels, f"_cuda.py line {line} launches {name}, which the header does not declare"
-        assert kernels[name] == nargs, f"_cuda.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
+        assert name in kernels, f"cuda_lhc.py line {line} launches {name}, which the header does not declare"
+        assert kernels[name] == nargs, f"cuda_lhc.py line {line}: {name} takes {kernels[name]} arguments, given {nargs}"
 
 
 def test_every_codec_kernel_is_launched():
-    """Every kernel of codec_kernels.cuh (the multilevel index's included) has a launch in _cuda.py."""
+    """Every kernel of codec_kernels.cuh (the multilevel index's included) has a launch in cuda_lhc.py."""
     kernels = set(cuda_runtime.header_kernels(HEADER_PATH))
     assert {k for k in kernels if k.startswith("lhc_ml_")}, "the multilevel kernels are missing from the header"
     assert kernels == {name for name, _, _ in launches()}

@@ -196,7 +196,7 @@ def test_fuzzed_index_never_crashes_or_lies(seed, where, specials, averaged):
 def test_auto_plans_multilevel_for_every_device():
     """Both backends decode the multilevel index, so ``auto`` picks it where it is smallest whatever the
     device (ranks on CPUs and GPUs then plan the same payload), and the CUDA backend takes its layout."""
-    from lossless_hc.backends import cuda as _cuda
+    from lossless_hc.backends import cuda_lhc as _cuda
     L = plan_layout(1 << 20, 2, 10_000, 1, 0, "auto", union_nnz=10_000)
     assert L.index_kind == "multilevel"
     native = _cuda.CudaLayout(L, torch.device("cpu"))   # the kernels' layout words (no GPU needed)

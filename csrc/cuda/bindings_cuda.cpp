@@ -1,7 +1,7 @@
 // pybind11 bindings of lossless_hc._C_cuda: launch the CUDA kernels by name with 64-bit argument
 // words on a stream given as an integer. Tensors cross as raw device addresses (data_ptr()) and the
 // stream as torch.cuda.current_stream().cuda_stream, so the module does not depend on the torch
-// build it runs beside. The launch sequence lives in lossless_hc/backends/cuda.py (shared with the CuPy path).
+// build it runs beside. The launch sequence lives in lossless_hc/backends/cuda_lhc.py (shared with the CuPy path).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

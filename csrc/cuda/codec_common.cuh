@@ -117,7 +117,7 @@ struct MlState {
   unsigned int replay_bad;         // current level: the CPU-order replay met a failing step or a bad pair
 };
 
-// The host (lossless_hc/backends/cuda.py) allocates and reads these structs by these sizes.
+// The host (lossless_hc/backends/cuda_lhc.py) allocates and reads these structs by these sizes.
 static_assert(sizeof(EncodeCounters) == 32, "EncodeCounters: 32 bytes");
 static_assert(sizeof(DecodeCounters) == 104, "DecodeCounters: 104 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");

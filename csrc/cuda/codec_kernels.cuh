@@ -11,9 +11,9 @@
 //
 // Device code only: these headers compile under nvcc (included by codec_cuda.cu, which adds the host
 // launcher of the compiled module lossless_hc._C_cuda) and under NVRTC (loaded at run time through
-// CuPy by lossless_hc/backends/cuda.py), so they include nothing but csrc/lhc_layout.h, csrc/lhc_status.h
+// CuPy by lossless_hc/backends/cuda_lhc.py), so they include nothing but csrc/lhc_layout.h, csrc/lhc_status.h
 // and each other and use no host API.
-// The launch sequence (which kernel, grid, scratch buffers) lives in one place, lossless_hc/backends/cuda.py,
+// The launch sequence (which kernel, grid, scratch buffers) lives in one place, lossless_hc/backends/cuda_lhc.py,
 // shared by both ways of loading these kernels.
 //
 // Calling convention: every kernel parameter is 8 bytes (a pointer, a uint64_t or a double), so a

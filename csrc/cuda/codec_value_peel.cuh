@@ -50,7 +50,7 @@ extern "C" __global__ void lhc_degree_offsets(const unsigned int* deg, uint64_t 
 
 // A value-peel adjacency entry: (key position << kWeightCodeBits) | the key's weight code in the
 // cell (lhc_layout.h key_cell_code). Positions stay below 2^(32 - kWeightCodeBits): the host caps
-// the support list there (lossless_hc/backends/cuda.py MAX_PEEL_POSITIONS).
+// the support list there (lossless_hc/backends/cuda_lhc.py MAX_PEEL_POSITIONS).
 constexpr unsigned int kAdjCodeMask = (1u << kWeightCodeBits) - 1u;
 __device__ __forceinline__ unsigned int adj_position(unsigned int entry) { return entry >> kWeightCodeBits; }
 

@@ -1,8 +1,9 @@
 """Device backends: one seam, the same interface on every device.
 
     cpu           the C++/OpenMP kernels (lossless_hc._C)
+    cuda          the CUDA backend, dispatching to each codec's launch sequence:
+                  cuda_lhc (the lossless codec), cuda_thc (THC), cuda_topk (top-k)
     cuda_runtime  loading and launching the CUDA kernels (compiled lossless_hc._C_cuda, or NVRTC via CuPy)
-    cuda          the lossless codec's CUDA launch sequence;  cuda_thc: THC's;  cuda_topk: top-k's
 
 :func:`backend_for` returns the backend of a device; the codecs (``lossless_hc.lhc``,
 ``lossless_hc.thc``) call only its methods and hold no device branches. Every backend implements:

@@ -650,9 +650,16 @@ def test_cuda_device_without_a_gpu_is_a_clear_error():
         LosslessCodec(100, 2, 10, device="cuda")
 
 
-def test_unknown_device_is_a_clear_error():
-    with pytest.raises(ValueError, match="unsupported device"):
-        LosslessCodec(100, 2, 10, device="meta")
+@pytest.mark.parametrize("device", ["meta", "tpu", "tpu:0", 3.5])
+def test_unknown_device_is_a_clear_error(device):
+    """A device torch knows but the codecs do not ("meta"), and one torch cannot parse ("tpu"): the
+    same ValueError from every codec, naming the devices that work."""
+    from lossless_hc.thc import THCCodec
+    from lossless_hc.training.aggregate import TensorAggregator
+    for make in (lambda: LosslessCodec(100, 2, 10, device=device), lambda: THCCodec(100, 2, device=device),
+                 lambda: TensorAggregator("w", (100,), torch.float32, 2, 0.1, device=device)):
+        with pytest.raises(ValueError, match="unsupported device .*expected 'cpu' or 'cuda'"):
+            make()
 
 
 def test_decode_into_a_reused_buffer():

@@ -68,9 +68,18 @@ def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
                          "pass an out that shares no memory with the input")
 
 
+def as_device(device) -> torch.device:
+    """``torch.device(device)``, or ValueError naming the devices the codecs run on where torch cannot
+    parse it (torch's own error lists every device type it knows, "tpu" included in none)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unsupported device {device!r}; expected 'cpu' or 'cuda'") from exc
+
+
 def backend_for(device: torch.device):
-    """The backend of ``device`` ("cpu" or "cuda"/"cuda:N")."""
-    device = torch.device(device)
+    """The backend of ``device`` ("cpu" or "cuda"/"cuda:N"); ValueError for any other device."""
+    device = as_device(device)
     if device.type == "cuda":
         from lossless_hc.backends.cuda import CUDA   # CUDA-only imports stay off the CPU path
         return CUDA

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import backend_for, check_disjoint
+from lossless_hc.backends import as_device, backend_for, check_disjoint
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
@@ -232,7 +232,7 @@ class LosslessCodec:
         if not isinstance(verify, bool):
             raise TypeError(f"verify must be a bool, got {verify!r}")
         self.rtol, self.verify = float(rtol), verify
-        self.device = torch.device(device)
+        self.device = as_device(device)
         # Every backend has every index kind, so the layout depends on the arguments alone: CPU and CUDA
         # ranks plan the same payload (also for "auto") and interoperate.
         layout = plan_layout(numel, world_size, max_nnz, block_size, seed, index, union_nnz)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import backend_for, check_disjoint
+from lossless_hc.backends import as_device, backend_for, check_disjoint
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
 from lossless_hc.lhc.layout import check_int, check_uint64
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
@@ -152,7 +152,7 @@ class THCCodec:
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
         self._backend = backend_for(device)
-        self.device = self._backend.require(torch.device(device), "THCCodec")
+        self.device = self._backend.require(as_device(device), "THCCodec")
         self.rank, self.seed = rank, seed
         self.overflow_freq = float(overflow_freq)
         self.threshold = self.table.threshold

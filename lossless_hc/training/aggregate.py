@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import as_device, backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
@@ -308,7 +308,7 @@ class TensorAggregator:
         self.block_size = int(block_size) if block_size else default_block_size(self.shape)
         self.seed = int(seed)
         self.index = index
-        self.device = torch.device(device)
+        self.device = as_device(device)
         self.stats = stats if stats is not None else AggregationStats()
         self.capacity = self._round_to_blocks(math.ceil(max_density * self.numel))
         self.union_capacity: Optional[int] = None   # aggregate non-zeros the codec is sized for (None: n x capacity)

@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, TopKAggregator
@@ -102,7 +103,7 @@ class AutoAggregator(TensorRows):
         super().__init__(name, shape, dtype, world_size, rank, sparse)   # the row form (training.rows)
         self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), int(seed)
         self.partial = bool(partial)
-        self.device = torch.device(device)
+        self.device = as_device(device)
         if cost_model is None and (topk_ratio is None or thc_bits is None):
             raise ValueError(f"{name}: without a cost model, give topk_ratio and thc_bits")
         self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else float(topk_ratio)

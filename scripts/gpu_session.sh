@@ -5,8 +5,12 @@
 #                                               bench5 bench5b bench5m sanitize thcsanitize topksanitize, or several
 #                                               joined by '+' (run at the same time, e.g. test+sanitize: for
 #                                               checks, never for timings); default: the whole issue-#22 run,
-#                                               build topkbench thcbench bench1 bench1m bench5b bench5m
-#                                               test+sanitize+thcsanitize+topksanitize (about 9 minutes on an H200)
+#                                               build test+sanitize+thcsanitize+topksanitize bench1v bench1
+#                                               thcbench topkbench bench1m bench5b bench5m: the checks first
+#                                               (kernels changed since the last GPU run have only run in
+#                                               emulation), then the benchmarks while the call's time lasts;
+#                                               the summary names the skipped ones, for a second call while
+#                                               the machine is warm (its build is kept)
 #
 # Run from the repository root on the GPU machine (the device tool: `run` with this command; the
 # machine has python3 with torch (CUDA), CuPy, pybind11, pytest, hypothesis and nvcc, no network).
@@ -46,8 +50,8 @@ START=$(date +%s)
 DEADLINE=${LHC_SESSION_DEADLINE:-$((START + ${LHC_SESSION_SECONDS:-560}))}
 SUMMARY="$OUT/summary.txt"
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(build topkbench thcbench bench1 bench1m bench5b bench5m
-                                  test+sanitize+thcsanitize+topksanitize)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build test+sanitize+thcsanitize+topksanitize bench1v bench1 thcbench topkbench
+                                  bench1m bench5b bench5m)
 FAILED=0
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
   2>/dev/null | head -1)

@@ -662,6 +662,18 @@ def test_unknown_device_is_a_clear_error(device):
             make()
 
 
+@pytest.mark.parametrize("num_threads, error", [(-1, ValueError), (4097, ValueError), (1.5, TypeError),
+                                                (True, TypeError), ("2", TypeError)])
+def test_bad_num_threads_is_a_clear_error(num_threads, error):
+    """num_threads is checked where the codec is built (a float used to reach the kernels' binding,
+    a negative count ran with the OpenMP default), for both codecs; 0 (the default) and 1 work."""
+    from lossless_hc.thc import THCCodec
+    for make in (lambda t: LosslessCodec(5000, 2, 50, num_threads=t), lambda t: THCCodec(5000, 2, num_threads=t)):
+        with pytest.raises(error, match="num_threads"):
+            make(num_threads)
+        assert make(0).num_threads == 0 and make(1).num_threads == 1
+
+
 def test_decode_into_a_reused_buffer():
     """decode(out=buf) overwrites every element of buf (stale values must not leak into zeros) and
     returns the same values as a fresh decode; a wrong buffer is rejected clearly."""

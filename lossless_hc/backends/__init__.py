@@ -77,6 +77,21 @@ def as_device(device) -> torch.device:
         raise ValueError(f"unsupported device {device!r}; expected 'cpu' or 'cuda'") from exc
 
 
+# More OpenMP threads than any machine has cores: a larger count is a mistake, not a request.
+MAX_THREADS = 4096
+
+
+def check_num_threads(num_threads) -> int:
+    """``num_threads`` as the kernels take it (OpenMP threads; 0: the OpenMP default), or TypeError /
+    ValueError: a bool, a float or a negative count would reach the kernels as something else (or
+    as a TypeError from deep inside an encode)."""
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        raise TypeError(f"num_threads must be an int (0: the OpenMP default), got {type(num_threads).__name__}")
+    if not 0 <= num_threads <= MAX_THREADS:
+        raise ValueError(f"num_threads must be in [0, {MAX_THREADS}] (0: the OpenMP default), got {num_threads}")
+    return num_threads
+
+
 def backend_for(device: torch.device):
     """The backend of ``device`` ("cpu" or "cuda"/"cuda:N"); ValueError for any other device."""
     device = as_device(device)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import as_device, backend_for, check_disjoint
+from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
@@ -196,6 +196,7 @@ class LosslessCodec:
             torch stream: encode never synchronises, decode synchronises once.
         index: "auto" (smallest payload, see :mod:`lossless_hc.lhc.cost_model`), "bitmap", "bloom",
             "multilevel" or "dense" (every kind on every device).
+        num_threads: OpenMP threads of the CPU kernels (0: the OpenMP default).
         union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);
             sizes the value sketch and the index. More than that in a decode is reported, not wrong.
         rtol: relative tolerance every decoded coordinate is proven to meet when ``report.ok``
@@ -243,7 +244,7 @@ class LosslessCodec:
         self.layout: PayloadLayout = layout
         self._backend = backend_for(self.device)
         self.device = self._backend.require(self.device, "LosslessCodec")
-        self.num_threads = num_threads
+        self.num_threads = check_num_threads(num_threads)
         self._native = self._backend.lhc_layout(self.layout, self.device)
         self._shape = (numel,)
         self._dtype = torch.float32

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import as_device, backend_for, check_disjoint
+from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
 from lossless_hc.lhc.layout import check_int, check_uint64
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
@@ -158,7 +158,7 @@ class THCCodec:
         self.threshold = self.table.threshold
         self.error_feedback = bool(error_feedback)
         self.non_finite = non_finite
-        self.num_threads = num_threads
+        self.num_threads = check_num_threads(num_threads)
         # Neighbour lookup: for integer k in [0, g), the levels lo[k] <= k < k + 1 <= lo[k] + width[k].
         g = granularity
         lo, width = [], []

@@ -69,8 +69,8 @@ def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
 
 
 def as_device(device) -> torch.device:
-    """``torch.device(device)``, or ValueError naming the devices the codecs run on where torch cannot
-    parse it (torch's own error lists every device type it knows, "tpu" included in none)."""
+    """``torch.device(device)``; where torch cannot parse ``device`` ("tpu", a float), a ValueError
+    naming the devices the codecs run on, as for a device torch knows but the codecs do not."""
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as exc:

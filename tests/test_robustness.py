@@ -674,6 +674,18 @@ def test_bad_num_threads_is_a_clear_error(num_threads, error):
         assert make(0).num_threads == 0 and make(1).num_threads == 1
 
 
+@pytest.mark.parametrize("shape, world_size, error, match", [
+    ((-3, 4), 2, ValueError, "sizes >= 0"), ((2.5,), 2, TypeError, "shape"), ((True, 3), 2, TypeError, "shape"),
+    (7, 2, TypeError, "sequence"), ((100,), 2.5, TypeError, "world_size"), ((100,), 0, ValueError, "world_size")])
+def test_aggregator_bad_shape_or_world_size_is_a_clear_error(shape, world_size, error, match):
+    """A TensorAggregator's shape and world size are checked where it is built: (-3, 4) used to give
+    numel -12, and world_size 2.5 was truncated to 2, a codec for a different job."""
+    from lossless_hc.training.aggregate import TensorAggregator
+    with pytest.raises(error, match=match):
+        TensorAggregator("w", shape, torch.float32, world_size, 0.1)
+    assert TensorAggregator("w", torch.Size([10, 10]), torch.float32, 2, 0.1).numel == 100
+
+
 def test_decode_into_a_reused_buffer():
     """decode(out=buf) overwrites every element of buf (stale values must not leak into zeros) and
     returns the same values as a fresh decode; a wrong buffer is rejected clearly."""

@@ -46,7 +46,7 @@ import torch
 from lossless_hc.backends import as_device, backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
+from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_int
 
 # The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -298,10 +298,11 @@ class TensorAggregator:
                  device="cpu", partial_max_fraction: Optional[float] = None):
         if not 0.0 < max_density <= 1.0:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
+        check_int(world_size, "world_size")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.name = name
-        self.shape = tuple(shape)
+        self.shape = _check_shape(shape)
         self.dtype = dtype
         self.numel = math.prod(self.shape)
         self.world_size = int(world_size)
@@ -511,6 +512,21 @@ sends m values (no indices: every rank derives them from the same aggregate) whe
 sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access).
 Past half of the tensor it still sends half the dense bytes or more, and an inexact set that large
 says the sketch does not suit the tensor, which the dense fallback's capacity growth answers."""
+
+
+def _check_shape(shape) -> tuple:
+    """``shape`` as a tuple of ints >= 0 (a ``torch.Size`` or a sequence), else TypeError / ValueError:
+    a negative or fractional size would give a negative or wrong ``numel``, refused only later by an
+    encode's shape check, or never where the layout happens to match."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be a sequence of ints, got {type(shape).__name__}") from None
+    for d in dims:
+        check_int(d, "each dimension of shape")
+        if d < 0:
+            raise ValueError(f"shape must have sizes >= 0, got {dims}")
+    return dims
 
 
 def check_policy(policy):

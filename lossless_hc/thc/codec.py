@@ -151,8 +151,9 @@ class THCCodec:
         check_non_finite(non_finite)
         if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
+        device = as_device(device)
         self._backend = backend_for(device)
-        self.device = self._backend.require(as_device(device), "THCCodec")
+        self.device = self._backend.require(device, "THCCodec")
         self.rank, self.seed = rank, seed
         self.overflow_freq = float(overflow_freq)
         self.threshold = self.table.threshold

@@ -686,6 +686,27 @@ def test_aggregator_bad_shape_or_world_size_is_a_clear_error(shape, world_size, 
     assert TensorAggregator("w", torch.Size([10, 10]), torch.float32, 2, 0.1).numel == 100
 
 
+@pytest.mark.parametrize("flag", ["averaged", "trace", "error_bounds"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_decode_flags_must_be_bools(flag, value):
+    """decode's flags are bools: averaged="no" used to decode a summed payload as an average (a
+    truthy string), and error_bounds="x" attached bounds. THCCodec.decode's averaged too."""
+    from lossless_hc.thc import THCCodec
+    codec = LosslessCodec(100, 2, 10)
+    x = torch.zeros(100)
+    x[3] = 1.0
+    p = codec.encode(x)
+    with pytest.raises(TypeError, match=f"decode's {flag} must be a bool"):
+        codec.decode(p + p, **{flag: value})
+    y, rep = codec.decode(p + p, **{flag: False})
+    assert rep.ok and y[3] == 2.0
+    if flag == "averaged":
+        thc = THCCodec(100, 2)
+        tp = thc.encode(x)
+        with pytest.raises(TypeError, match="decode's averaged must be a bool"):
+            thc.decode(tp, averaged=value)
+
+
 def test_decode_into_a_reused_buffer():
     """decode(out=buf) overwrites every element of buf (stale values must not leak into zeros) and
     returns the same values as a fresh decode; a wrong buffer is rejected clearly."""

@@ -399,6 +399,9 @@ class LosslessCodec:
         (an integer one would truncate the sum silently: TypeError).
         """
         L = self.layout
+        for name, flag in (("averaged", averaged), ("trace", trace), ("error_bounds", error_bounds)):
+            if not isinstance(flag, bool):   # averaged="no" would decode a sum as an average
+                raise TypeError(f"decode's {name} must be a bool, got {flag!r}")
         if not isinstance(payload, torch.Tensor):
             raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
         if payload.dim() != 1 or payload.numel() != L.payload_numel:

@@ -373,6 +373,8 @@ class THCCodec:
         L = self.layout
         if not self._pending:
             raise RuntimeError("THCCodec.decode called without a preceding encode on this rank")
+        if not isinstance(averaged, bool):   # averaged="no" would decode a sum as an average
+            raise TypeError(f"decode's averaged must be a bool, got {averaged!r}")
         if not isinstance(payload, torch.Tensor):
             raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
         if payload.dtype != L.payload_dtype:

@@ -15,9 +15,14 @@ def test_decisions_only_at_interval_steps():
 def test_warmup_and_validation():
     tr = CapacityPolicy(interval=2, warmup=5).tracker()
     assert [tr.observe(1, 1.0) for _ in range(8)] == [False, False, False, False, False, True, False, True]
-    for bad in (dict(interval=0), dict(alpha=0.0), dict(alpha=1.5), dict(union_headroom=0.5), dict(hysteresis=1.0)):
+    for bad in (dict(interval=0), dict(alpha=0.0), dict(alpha=1.5), dict(union_headroom=0.5), dict(hysteresis=1.0),
+                dict(rank_headroom=float("nan")), dict(union_headroom=float("inf")), dict(warmup=-1)):
         with pytest.raises(ValueError):
             CapacityPolicy(**bad)
+    for bad in (dict(interval=2.5), dict(interval=True), dict(warmup=1.5)):   # were truncated silently
+        with pytest.raises(TypeError):
+            CapacityPolicy(**bad)
+    assert CapacityPolicy(warmup=0).warmup == 0 and CapacityPolicy(interval=4).warmup == 4
 
 
 def test_ewma_peaks_and_hysteresis():

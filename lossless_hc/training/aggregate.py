@@ -194,20 +194,25 @@ class CapacityPolicy:
 
     def __init__(self, interval: int = 16, alpha: float = 0.25, union_headroom: float = 1.25,
                  rank_headroom: float = 1.5, hysteresis: float = 0.25, warmup: Optional[int] = None):
+        check_int(interval, "interval")   # 2.5 would be truncated to 2
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
+        check_int(warmup, "warmup", none=True)
+        if warmup is not None and warmup < 0:
+            raise ValueError(f"warmup must be >= 0 decoded steps (or None: interval), got {warmup}")
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if union_headroom < 1.0 or rank_headroom < 1.0:
-            raise ValueError("headrooms must be >= 1")
+        if not (1.0 <= union_headroom < math.inf and 1.0 <= rank_headroom < math.inf):   # NaN fails too
+            raise ValueError(f"headrooms must be finite and >= 1, got union_headroom={union_headroom}, "
+                             f"rank_headroom={rank_headroom}")
         if not 0.0 <= hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
-        self.interval = int(interval)
+        self.interval = interval
         self.alpha = float(alpha)
         self.union_headroom = float(union_headroom)
         self.rank_headroom = float(rank_headroom)
         self.hysteresis = float(hysteresis)
-        self.warmup = self.interval if warmup is None else int(warmup)
+        self.warmup = self.interval if warmup is None else warmup
 
     def tracker(self) -> "DensityTracker":
         return DensityTracker(self)

@@ -90,7 +90,7 @@ import torch.distributed as dist
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
-from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, StepGuard
+from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
@@ -299,9 +299,7 @@ class AutoHookState(_HookState):
         super().__init__(spec, process_group)
         self._powersgd = (PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
                           if powersgd else None)
-        if int(guard_steps) < 0:
-            raise ValueError(f"guard_steps must be >= 0, got {guard_steps}")
-        self._guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
+        self._guard = step_guard(guard_steps, guard_start, guard_margin)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
     _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", or "dense" buckets in place

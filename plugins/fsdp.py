@@ -92,7 +92,7 @@ from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
-from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, StepGuard
+from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
                                           encode_message, failure_record, finish_fallbacks, in_place_outputs,
                                           replay_failure)
@@ -493,9 +493,7 @@ class AutoFSDPState(_FSDPState):
 
     def __init__(self, mesh: DeviceMesh, lossy: bool = False, guard_steps: int = GUARD_STEPS,
                  guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN, **options):
-        if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:
-            raise ValueError(f"guard_steps must be an integer >= 0, got {guard_steps!r}")
-        guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
+        guard = step_guard(guard_steps, guard_start, guard_margin)
         spec = AutoSpec(lossy=lossy, **options)
         spec.native_plain_dtypes = (torch.bfloat16, torch.float16)   # their own parts of the message (message.py)
         super().__init__(spec, mesh)

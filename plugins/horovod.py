@@ -62,7 +62,7 @@ import hashlib
 from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
-from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, StepGuard
+from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import STRATEGIES
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
@@ -252,9 +252,7 @@ class Compression(CompressionFactory):
         (``optimizer.step()``).
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
-        if isinstance(guard_steps, bool) or not isinstance(guard_steps, int) or guard_steps < 0:
-            raise ValueError(f"guard_steps must be an integer >= 0, got {guard_steps!r}")
-        guard = StepGuard(guard_steps, guard_start, guard_margin) if guard_steps else None
+        guard = step_guard(guard_steps, guard_start, guard_margin)
         if options.get("first") == "bf16" or "bf16" in (options.get("strategies") or ()):
             raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
                              "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves the bytes too")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lossless_hc.training.guard import StepGuard as _StepGuard
+from lossless_hc.training.guard import StepGuard as _StepGuard, step_guard
 
 
 def StepGuard(block=1, **options):
@@ -176,6 +176,24 @@ def test_bad_options():
         StepGuard(margin=1.0)
     with pytest.raises(ValueError, match="block"):
         StepGuard(block=0)
+    with pytest.raises(ValueError, match="margin"):
+        StepGuard(margin=float("nan"))
+    # Not truncated: 2.5 steps ran a trial of 2 on one rank's say-so.
+    for bad in (dict(steps=2.5), dict(start=1.5), dict(block=True), dict(confirm=0.5)):
+        with pytest.raises(TypeError, match="guard"):
+            StepGuard(**bad)
+
+
+def test_step_guard_from_the_adapters_options():
+    """step_guard, the one check of every adapter's guard_steps: 0 is off, an int >= 1 a guard."""
+    assert step_guard(0) is None
+    g = step_guard(3, 4, 0.1)
+    assert (g.steps, g.start, g.margin) == (3, 4, 0.1)
+    with pytest.raises(ValueError, match="guard_steps must be an integer >= 0"):
+        step_guard(-1)
+    for bad in (2.5, True, "5", None):
+        with pytest.raises(TypeError, match="guard_steps"):
+            step_guard(bad)
 
 
 def transition_costs(phases, step):

@@ -58,14 +58,27 @@ memory added to the bucket of the first dense step.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Optional
+
+from lossless_hc.lhc.layout import check_int
 
 GUARD_STEPS = 5      # timed steps per window and round (each the last of a block)
 GUARD_START = 8      # the first step index the plan window may begin at (after calibration and plans settle)
 GUARD_MARGIN = 0.03  # the plans must measure this much faster than dense to stay
 GUARD_CONFIRM = 1    # extra rounds of both windows before a verdict for the plans (module doc)
 GUARD_BLOCK = 2      # consecutive steps of one window; only a block's last step is timed (module doc)
+
+
+def step_guard(steps, start: int = GUARD_START, margin: float = GUARD_MARGIN) -> Optional["StepGuard"]:
+    """The adapters' step guard from their ``guard_steps``, ``guard_start`` and ``guard_margin``: None
+    when ``steps`` is 0 (the guard off), else a :class:`StepGuard`; ``steps`` an int >= 0 (TypeError,
+    ValueError), the others as :class:`StepGuard` checks them."""
+    check_int(steps, "guard_steps")
+    if steps < 0:
+        raise ValueError(f"guard_steps must be an integer >= 0, got {steps!r}")
+    return StepGuard(steps, start, margin) if steps else None
 
 
 class StepGuard:
@@ -82,18 +95,16 @@ class StepGuard:
 
     def __init__(self, steps: int = GUARD_STEPS, start: int = GUARD_START, margin: float = GUARD_MARGIN,
                  confirm: int = GUARD_CONFIRM, block: int = GUARD_BLOCK):
-        if int(steps) < 1:
-            raise ValueError(f"guard steps must be >= 1, got {steps}")
-        if int(start) < 0:
-            raise ValueError(f"guard start must be >= 0, got {start}")
-        if not float(margin) < 1.0:
-            raise ValueError(f"guard margin must be below 1, got {margin}")
-        if int(confirm) < 0:
-            raise ValueError(f"guard confirm must be >= 0, got {confirm}")
-        if int(block) < 1:
-            raise ValueError(f"guard block must be >= 1, got {block}")
-        self.steps, self.start, self.margin, self.confirm = int(steps), int(start), float(margin), int(confirm)
-        self.block = int(block)
+        # Ints, not truncated (2.5 steps would run 2): every rank must run the same trial.
+        for name, value, least in (("steps", steps, 1), ("start", start, 0), ("confirm", confirm, 0),
+                                   ("block", block, 1)):
+            check_int(value, f"guard {name}")
+            if value < least:
+                raise ValueError(f"guard {name} must be >= {least}, got {value}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -math.inf < margin < 1.0:
+            raise ValueError(f"guard margin must be a number below 1, got {margin!r}")
+        self.steps, self.start, self.margin, self.confirm = steps, start, float(margin), confirm
+        self.block = block
         self.rounds = 1                    # rounds of both windows the current trial runs (1 + confirmations)
         self.begin: Optional[int] = None   # step index of the plan window's first step
         self.times = {"plan": [], "dense": []}

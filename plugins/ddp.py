@@ -212,7 +212,15 @@ class THCHookState(_HookState):
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,
                  overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise", exact=()):
         super().__init__(THCSpec(bits, granularity, overflow_freq, seed, non_finite), process_group)
+        # A bare Parameter (or a string) iterates into rows (characters) that match no parameter: the
+        # layer would silently go through THC.
+        if isinstance(exact, (torch.Tensor, str)):
+            raise TypeError(f"exact must be a sequence of parameters (e.g. [model.out.weight]), got a "
+                            f"{type(exact).__name__}")
         self._exact = list(exact)
+        for p in self._exact:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"exact must hold parameters, got a {type(p).__name__}")
         self._exact_checked: set = set()   # ids of parameters whose exact flag every rank agreed on
 
     def _is_exact(self, p: torch.nn.Parameter) -> bool:

@@ -247,6 +247,20 @@ def test_thc_hook_replicas_stay_identical_and_train(ddp_run):
     check_thc(results(out, "thc", size))
 
 
+@pytest.mark.parametrize("exact, message", [("w", "got a str"), ("param", "got a Parameter"),
+                                             ("list with a name", "must hold parameters, got a str")])
+def test_thc_exact_must_be_a_sequence_of_parameters(exact, message):
+    """THCHookState(exact=model.out.weight) iterated the weight's rows, which match no parameter: the
+    layer went through THC without a word. Now a TypeError; a list or a generator of parameters works."""
+    import torch
+    from lossless_hc.plugins.ddp import THCHookState
+    w = torch.nn.Parameter(torch.zeros(3, 4))
+    bad = {"w": "w", "param": w, "list with a name": [w, "out.weight"]}[exact]
+    with pytest.raises(TypeError, match=message):
+        THCHookState(exact=bad)
+    assert THCHookState(exact=(p for p in [w]))._is_exact(w) and not THCHookState()._is_exact(w)
+
+
 def test_thc_exact_parameters_are_the_dense_average(ddp_run):
     """THCHookState(exact=[users.weight, fc1.weight]): those two gradients equal the dense average of the
     ranks' local gradients (to float rounding of the sum), every step, the norm-only first step included;

@@ -206,6 +206,13 @@ class _FSDPState:
         Then checks, with one small all-reduce per mesh dimension, that every rank has the same
         configuration and model structure (hashed); raises :class:`ConfigurationMismatch` on every rank if not.
         """
+        if not isinstance(reduce_scatter, bool):   # "no" would compress the reduce-scatter
+            raise TypeError(f"reduce_scatter must be a bool, got {reduce_scatter!r}")
+        if gradient_divide_factor is not None and not (
+                isinstance(gradient_divide_factor, (int, float)) and not isinstance(gradient_divide_factor, bool)
+                and 0 < gradient_divide_factor < float("inf")):
+            raise ValueError(f"gradient_divide_factor must be a finite number > 0 (or None: replicas x shards), "
+                             f"got {gradient_divide_factor!r}")
         if reduce_scatter and not self.supports_reduce_scatter:
             raise ValueError(f"{type(self).__name__} cannot compress the reduce-scatter: {self.no_reduce_scatter}; "
                              "use reduce_scatter=False (the replica all-reduce)")

@@ -356,3 +356,26 @@ def test_cuda_tensors_through_gloo(launch, mesh):
             assert all(r["bitwise"] for r in rs), rs
         elif "float16" in name:   # bfloat16 and float16
             check_half_model(rs, mesh, name)
+
+
+def test_register_checks_its_options(tmp_path):
+    """register(reduce_scatter="no") compressed the reduce-scatter (a truthy string), and a
+    gradient_divide_factor of 0, NaN or inf gave inf/NaN gradients: both refused before any hook is
+    installed (one rank, a 1x1 mesh, no launch)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lossless_hc.plugins.fsdp import LosslessFSDPState
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        state = LosslessFSDPState(init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(TypeError, match="reduce_scatter must be a bool"):
+            state.register(model, reduce_scatter="no")
+        for bad in (0, -2.0, float("nan"), float("inf"), True, "2"):
+            with pytest.raises(ValueError, match="gradient_divide_factor"):
+                state.register(model, reduce_scatter=True, gradient_divide_factor=bad)
+        with pytest.raises(ValueError, match="fully_shard"):   # the options pass: the model is refused next
+            state.register(model, reduce_scatter=True, gradient_divide_factor=2.0)
+    finally:
+        dist.destroy_process_group()

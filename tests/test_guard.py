@@ -176,8 +176,9 @@ def test_bad_options():
         StepGuard(margin=1.0)
     with pytest.raises(ValueError, match="block"):
         StepGuard(block=0)
-    with pytest.raises(ValueError, match="margin"):
-        StepGuard(margin=float("nan"))
+    for margin in (float("nan"), -math.inf, True, "0.1"):
+        with pytest.raises(ValueError, match="margin"):
+            StepGuard(margin=margin)
     # Not truncated: 2.5 steps ran a trial of 2 on one rank's say-so.
     for bad in (dict(steps=2.5), dict(start=1.5), dict(block=True), dict(confirm=0.5)):
         with pytest.raises(TypeError, match="guard"):

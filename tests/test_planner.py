@@ -384,6 +384,15 @@ def test_contradictory_auto_options_are_refused():
     assert small.strategy == "dense"
 
 
+@pytest.mark.parametrize("bits", [0, 17, 2.5, True])
+def test_auto_thc_bits_are_checked_up_front(bits):
+    """AutoSpec(thc_bits=...) is checked where it is built: 0 used to fail only when a THC plan was first
+    built, mid-run, and 2.5 was truncated to 2."""
+    with pytest.raises(ValueError, match="thc_bits must be an integer in"):
+        AutoSpec(lossy=True, thc_bits=bits)
+    assert AutoSpec(lossy=True, thc_bits=8).thc_bits == 8
+
+
 def test_float64_tensors_stay_dense_and_exact():
     aggs = [AutoAggregator("d", (10,), torch.float64, 2, r, MODEL, first="two_phase") for r in range(2)]
     xs = [torch.arange(10, dtype=torch.float64) / 3 + r for r in range(2)]

@@ -99,9 +99,12 @@ class AutoSpec(AggregatorSpec):
             raise TypeError(f"calibration must be a planner.Calibration, got {type(calibration).__name__}")
         if not 0.0 < float(topk_ratio) <= 1.0:
             raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
+        # Checked here, not when a THC plan is first built mid-run (2.5 was truncated to 2).
+        if isinstance(thc_bits, bool) or not isinstance(thc_bits, int) or not 1 <= thc_bits <= 16:
+            raise ValueError(f"thc_bits must be an integer in [1, 16], got {thc_bits!r}")
         self.lossy, self.interval, self.alpha, self.first = lossy, interval, float(alpha), first
         self.strategies = strategies
-        self.topk_ratio, self.thc_bits = float(topk_ratio), int(thc_bits)
+        self.topk_ratio, self.thc_bits = float(topk_ratio), thc_bits
         if not isinstance(partial, bool):
             raise ValueError(f"partial must be True or False, got {partial!r}")
         self.partial = partial

@@ -126,9 +126,14 @@ class THCTable:
         return self.variance * (2.0 * self.threshold / self.granularity) ** 2
 
 
-def check_table_args(bits: int, granularity: int) -> None:
+def check_bits(bits, name: str = "bits") -> None:
+    """ValueError unless ``bits`` is an int (bool refused) in [1, 16]: THC's bits per coordinate."""
     if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 16:
-        raise ValueError(f"bits must be an integer in [1, 16], got {bits!r}")
+        raise ValueError(f"{name} must be an integer in [1, 16], got {bits!r}")
+
+
+def check_table_args(bits: int, granularity: int) -> None:
+    check_bits(bits)
     if not isinstance(granularity, int) or isinstance(granularity, bool) or not 1 <= granularity <= MAX_GRANULARITY:
         raise ValueError(f"granularity must be an integer in [1, {MAX_GRANULARITY}], got {granularity!r}")
 

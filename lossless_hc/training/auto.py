@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from lossless_hc.thc.table import check_bits
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
@@ -100,8 +101,7 @@ class AutoSpec(AggregatorSpec):
         if not 0.0 < float(topk_ratio) <= 1.0:
             raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
         # Checked here, not when a THC plan is first built mid-run (2.5 was truncated to 2).
-        if isinstance(thc_bits, bool) or not isinstance(thc_bits, int) or not 1 <= thc_bits <= 16:
-            raise ValueError(f"thc_bits must be an integer in [1, 16], got {thc_bits!r}")
+        check_bits(thc_bits, "thc_bits")
         self.lossy, self.interval, self.alpha, self.first = lossy, interval, float(alpha), first
         self.strategies = strategies
         self.topk_ratio, self.thc_bits = float(topk_ratio), thc_bits

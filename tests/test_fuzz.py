@@ -137,3 +137,31 @@ def test_contract_is_the_coordinates_own_bound():
     y[4] = float("nan")
     assert outside_contract(y, s, a, 2, rtol).tolist() == [True, True, False, True, True]
     assert float(allowed_error(s, a, 2, rtol)[2]) >= rtol * 1e8
+
+
+def test_a_decode_vouches_for_what_it_did_not_list():
+    """The verdict the fuzzer and ``bench wire`` share: an ok decode vouches for every coordinate, an
+    INEXACT one for all but its listed keys' (block 2 here: key 1 is coordinates 2 and 3), a failed
+    one for none."""
+    from types import SimpleNamespace
+
+    from lossless_hc.lhc.contract import claimed_outside_contract
+    from lossless_hc.lhc.status import DecodeStatus
+
+    xs = [torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0]), torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0])]
+    s, a = truth(xs)
+    y = s.float()
+    y[2] += 1.0                          # key 1
+    y[5] += 1.0                          # key 2
+    listed = torch.tensor([1])
+
+    def report(status, inexact=torch.empty(0, dtype=torch.int64)):
+        return SimpleNamespace(ok=status == DecodeStatus.OK, status=status, inexact_keys=inexact)
+
+    def flagged(rep):
+        return claimed_outside_contract(y, rep, s, a, 2, 2.0 ** -10, 2).nonzero().flatten().tolist()
+
+    assert flagged(report(DecodeStatus.OK)) == [2, 5]
+    assert flagged(report(DecodeStatus.INEXACT, listed)) == [5]
+    assert flagged(report(DecodeStatus.INEXACT, torch.tensor([1, 2]))) == []
+    assert flagged(report(DecodeStatus.SKETCH_PEEL_FAILED)) == []

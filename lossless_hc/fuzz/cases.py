@@ -42,7 +42,7 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
 from lossless_hc.lhc.layout import CHUNK_BITS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_LO, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.contract import outside_bounds, outside_contract, truth
+from lossless_hc.lhc.contract import claimed_outside_contract, outside_bounds, truth
 
 CASES_PER_GROUP = 4
 INDEX_CHOICES = ("bitmap", "bloom", "multilevel", "dense", "auto")
@@ -231,17 +231,9 @@ def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch
     if averaged:
         s, a = s / g.world_size, a / g.world_size
     wrong, detail = None, ""
-    if report.ok:
-        bad = outside_contract(y, s, a, g.world_size, rtol, averaged)
-        if bool(bad.any()):
-            wrong = "ok_but_wrong"
-    elif status.name == "INEXACT":
-        bad = outside_contract(y, s, a, g.world_size, rtol, averaged)
-        reported = torch.zeros(g.numel, dtype=torch.bool)
-        reported[key_coordinates(report.inexact_keys.to(torch.int64), g.block, g.numel)[0]] = True
-        bad &= ~reported
-        if bool(bad.any()):
-            wrong = "inexact_but_wrong"
+    bad = claimed_outside_contract(y, report, s, a, g.world_size, rtol, g.block, averaged)
+    if bool(bad.any()):
+        wrong = "ok_but_wrong" if report.ok else "inexact_but_wrong"
     if wrong is None and report.error_bounds is not None:
         bad = outside_bounds(y, s, a, g.world_size, report.error_bounds, g.block)
         if bool(bad.any()):

@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from lossless_hc.lhc.codec import key_coordinates
+from lossless_hc.lhc.status import DecodeStatus
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 HALF_SUBNORMAL = {torch.float32: 2.0 ** -150, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
@@ -70,6 +71,23 @@ def outside_contract(y: torch.Tensor, s: torch.Tensor, a: torch.Tensor, world_si
     allowed = allowed_error(s, a, world_size, rtol, y.dtype, averaged)
     bad = ((yd - s).abs() > allowed) | ~torch.isfinite(yd) | ~torch.isfinite(a)
     return bad & ~_overflowed(yd, s, allowed, y.dtype)
+
+
+def claimed_outside_contract(y: torch.Tensor, report, s: torch.Tensor, a: torch.Tensor, world_size: int,
+                             rtol: float, block: int, averaged: bool = False) -> torch.Tensor:
+    """Boolean mask (flat, CPU) of the coordinates a decode vouched for that are outside the contract:
+    every coordinate when ``report.ok``; under ``INEXACT`` every coordinate but those of
+    ``report.inexact_keys`` (the keys the decoder listed as unproven); none for any other status (a
+    decode that failed claims nothing). ``s``, ``a``: :func:`truth` (divided by n for an average);
+    ``block``: the codec's block size, which maps keys to coordinates."""
+    numel = s.numel()
+    if report.ok:
+        return outside_contract(y, s, a, world_size, rtol, averaged)
+    if DecodeStatus(report.status) != DecodeStatus.INEXACT:
+        return torch.zeros(numel, dtype=torch.bool)
+    bad = outside_contract(y, s, a, world_size, rtol, averaged)
+    bad[key_coordinates(report.inexact_keys.to(torch.int64), block, numel)[0]] = False
+    return bad
 
 
 def _overflowed(yd: torch.Tensor, s: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -87,6 +87,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from lossless_hc.lhc.layout import is_real
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
@@ -209,8 +210,7 @@ class _FSDPState:
         if not isinstance(reduce_scatter, bool):   # "no" would compress the reduce-scatter
             raise TypeError(f"reduce_scatter must be a bool, got {reduce_scatter!r}")
         if gradient_divide_factor is not None and not (
-                isinstance(gradient_divide_factor, (int, float)) and not isinstance(gradient_divide_factor, bool)
-                and 0 < gradient_divide_factor < float("inf")):
+                is_real(gradient_divide_factor) and 0 < gradient_divide_factor < float("inf")):
             raise ValueError(f"gradient_divide_factor must be a finite number > 0 (or None: replicas x shards), "
                              f"got {gradient_divide_factor!r}")
         if reduce_scatter and not self.supports_reduce_scatter:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, options_fingerprint)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, is_real, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
 
@@ -228,7 +228,7 @@ class LosslessCodec:
     def __init__(self, numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
                  device="cpu", index: str = "auto", num_threads: int = 0, union_nnz: Optional[int] = None,
                  rtol: float = DEFAULT_RTOL, verify: bool = False):
-        if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0.0 <= rtol < 1.0:
+        if not is_real(rtol) or not 0.0 <= rtol < 1.0:
             raise ValueError(f"rtol must be a number in [0, 1), got {rtol!r}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify must be a bool, got {verify!r}")

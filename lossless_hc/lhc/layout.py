@@ -303,6 +303,12 @@ def check_int(value, name: str, none: bool = False) -> None:
         raise TypeError(f"{name} must be an int{' or None' if none else ''}, got {type(value).__name__}")
 
 
+def is_real(value) -> bool:
+    """Whether ``value`` is an int or a float, bool refused (True would pass as 1 silently): the type
+    test of every numeric option whose range its caller checks."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:
     for name, value in (("numel", numel), ("world_size", world_size), ("max_nnz", max_nnz),
                         ("block_size", block_size)):

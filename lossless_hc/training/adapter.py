@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.lhc.layout import INDEX_KINDS, check_uint64
+from lossless_hc.lhc.layout import INDEX_KINDS, check_uint64, is_real
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
 from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_policy,
@@ -84,7 +84,7 @@ def require_optimizer_frame(compressor, usage: str):
 # -- configuration: one spec per Compression factory ------------------------------------------------
 
 def _check_fraction(what: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+    if not is_real(v) or not 0.0 < v <= 1.0:
         raise ValueError(f"{what} must be in (0, 1], got {v!r}")
     return float(v)
 

@@ -46,7 +46,7 @@ import torch
 from lossless_hc.backends import as_device, backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_int
+from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_int, is_real
 
 # The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -544,7 +544,7 @@ def check_policy(policy):
 def _check_partial_fraction(fraction) -> float:
     if fraction is None:
         return PARTIAL_MAX_FRACTION
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+    if not is_real(fraction) or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"partial_max_fraction must be in [0, 1], got {fraction!r}")
     return float(fraction)
 

@@ -62,7 +62,7 @@ import math
 import statistics
 from typing import Optional
 
-from lossless_hc.lhc.layout import check_int
+from lossless_hc.lhc.layout import check_int, is_real
 
 GUARD_STEPS = 5      # timed steps per window and round (each the last of a block)
 GUARD_START = 8      # the first step index the plan window may begin at (after calibration and plans settle)
@@ -101,7 +101,7 @@ class StepGuard:
             check_int(value, f"guard {name}")
             if value < least:
                 raise ValueError(f"guard {name} must be >= {least}, got {value}")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not -math.inf < margin < 1.0:
+        if not is_real(margin) or not -math.inf < margin < 1.0:
             raise ValueError(f"guard margin must be a number below 1, got {margin!r}")
         self.steps, self.start, self.margin, self.confirm = steps, start, float(margin), confirm
         self.block = block

@@ -445,7 +445,8 @@ class Compression(CompressionFactory):
             BYTEPS_LHC_BLOCK_SIZE   lossless: coordinates per key, or auto (a 2-D tensor's row)
             BYTEPS_LHC_INDEX        lossless, topk: auto | dense | bitmap | bloom | multilevel
             BYTEPS_LHC_RATIO        topk: fraction of each tensor sent (0.01)
-            BYTEPS_LHC_BITS         thc: bits per coordinate (4)
+            BYTEPS_LHC_BITS         thc: table of 2^bits levels (4; the wire's bits per coordinate follow
+                                    from the world size and granularity, docs/THC.md)
             BYTEPS_LHC_GRANULARITY  thc: integer levels (30)
             BYTEPS_LHC_OVERFLOW_FREQ thc: clipping (32)
             BYTEPS_LHC_SEED         lossless, topk, thc: hash seed, the same on every rank (0)

@@ -20,8 +20,9 @@ given ``first``) and needs no cost model, so the calibration on the process grou
 allgather sizes, up to the largest gradient's bytes; rank 0's fit and codec timings broadcast) runs at
 the first call of the second step, when every gradient's size and first statistics are known, unless a
 ``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
-and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one, or
-two where half-precision bodies are large enough to travel apart); the parameters whose strategy
+and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one per payload
+dtype, float64 for THC's, float32, bfloat16, float16, a narrower part travelling inside a wider one
+where that widens fewer than 256 KiB); the parameters whose strategy
 needs a second collective (allgather, two_phase's values, fp16/bf16, a sketch's exact fallback) get it
 from the future's callback on the bucket's own process group, like the fallback below: at most one
 allreduce per payload dtype and one allgather per bucket and step, the same on every rank. A bucket of dense plans between their
@@ -205,8 +206,8 @@ class THCHookState(_HookState):
     ``exact``: parameters whose gradients are sent dense (an exact SUM, in the same message) instead of
     through THC. THC's error is spread evenly over a tensor's coordinates, so with an optimizer that
     scales each coordinate by its own running magnitude (Adam, RMSprop, Adagrad) it must not carry
-    tensors where most coordinates' true gradient is near zero at a step: the embedding and the output
-    layer over a vocabulary (docs/THC.md, "Training with THC"). ``stats()["thc"]`` says how each
+    tensors where most coordinates' true gradient is near zero at a step and whose weights are small:
+    the output layer over a vocabulary (docs/THC.md, "Training with THC"). ``stats()["thc"]`` says how each
     parameter was sent."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,

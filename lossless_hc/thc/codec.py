@@ -103,8 +103,8 @@ class THCCodec:
         symmetric_table: use the best table symmetric under l -> g - l (the published shape).
         hadamard_block: largest Hadamard block (power of two; 1024 as in THC's code).
         payload_dtype: torch.float64 (default; exact under SUM and AVERAGE) or torch.int64 (SUM
-            only, e.g. torch.distributed with ReduceOp.SUM; one to three more digits per word, e.g. 10
-            instead of 8 at world_size 2, g 30).
+            only, e.g. torch.distributed with ReduceOp.SUM; more digits per word: one or two at
+            granularity 30, e.g. 10 instead of 8 at world_size 2, more at small granularities).
         digits_per_word: pin the lane count (then ``world_size`` is limited, see ``max_world_size``);
             None packs as many as stay exact.
         error_feedback: keep the error memory e (recommended; needed for the bootstrap step).

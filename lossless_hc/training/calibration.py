@@ -29,7 +29,7 @@ by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`).
 THC and top-k keep their :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
 
 The callers supply the collectives, and with them the deadlock freedom: every rank must call
-:func:`calibrate` at the same program point (DDP: the first hook call, on the main thread; Horovod:
+:func:`calibrate` at the same program point (DDP: the first hook call of the second step, on the main thread; Horovod:
 ``Compression.auto()``, after ``hvd.init()``; FSDP2: ``AutoFSDPState.register``).
 """
 from __future__ import annotations

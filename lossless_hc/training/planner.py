@@ -53,7 +53,8 @@ over the observed counts, the same numbers :mod:`lossless_hc.training.strategies
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
-allgather, ``u`` for two_phase and sketch, ``n ceil(r d)`` for topk, 0 otherwise). :meth:`CostModel.choose` returns the
+allgather, ``u`` for two_phase and sketch, 0 otherwise; topk selects coordinates, not rows, so its
+term is ``k_s n ceil(r d)`` whatever ``b``). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
 keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
 the first allreduce's latency that every strategy pays alike.

@@ -42,8 +42,9 @@ WEIGHTED_MIN_CELLS_PER_KEY = 1.6
 SKETCH_CELLS_PER_KEY = 1.25
 # Keys per group of sub-tables the value sketch aims for: a table of more than twice this many keys
 # is split into groups (see sketch_table_for). One thread peels a group, so a table of one group
-# decodes on one core whatever the machine has; and a group's peeling state at block 1 (~1.3 cells
-# per key, 32 bytes per cell: ~0.7 MiB) stays in a core's L2. Each group costs a margin of
+# decodes on one core whatever the machine has; and a group of this many keys has ~0.7 MiB of peeling
+# state at block 1 (~1.3 cells per key, 32 bytes per cell), about a core's L2 (the pair cap makes the
+# groups of tables above ~150k keys larger: docs/DESIGN.md, "Groups"). Each group costs a margin of
 # ~4 sqrt(keys per group) keys: up to ~5% more wire for the tables it splits (docs/DESIGN.md, "Groups").
 GROUP_KEYS = 1 << 14
 

@@ -196,6 +196,23 @@ def test_emulated_cuda_edge_counts(emulated):  # noqa: F811
     assert torch.equal(cuda_topk.topk_select(x, 10, out=out), reference(x, 10))
 
 
+def test_every_backend_checks_out_before_its_kernels_write_through_it(emulated):  # noqa: F811
+    """An ``out`` the kernels cannot write the selection into (strided, too short, not int64) and a
+    bool ``k`` are ValueErrors on the CPU backend and on the CUDA backend (its host emulation here),
+    before any kernel runs: the CUDA backend wrote through ``out.data_ptr()`` whatever ``out`` was."""
+    from lossless_hc.backends.cuda import CUDA
+    x = inputs("normal", 1000, seed=4)
+    for backend in (CPU, CUDA):
+        for out in (torch.empty(80, dtype=torch.int64)[::2], torch.empty(10, dtype=torch.int64),
+                    torch.empty(40, dtype=torch.int32)):
+            with pytest.raises(ValueError, match="out must be"):
+                backend.topk_select(x, 40, out=out)
+        with pytest.raises(ValueError, match="k must be"):
+            backend.topk_select(x, True)
+        out = torch.empty(40, dtype=torch.int64)
+        assert torch.equal(backend.topk_select(x, 40, out=out), reference(x, 40))
+
+
 def test_cpu_module_reports_the_kernel_copies():
     assert _cpu.thc_cpu_isas()[-1] == "portable"
 

@@ -38,8 +38,20 @@ def decode_statuses() -> list:
 def _check_topk_input(x: torch.Tensor, k: int) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous():
         raise TypeError("topk_select takes a contiguous float32 tensor")
-    if not isinstance(k, int) or k < 0:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
+
+
+def check_topk_select(x: torch.Tensor, k: int, out: Optional[torch.Tensor]) -> int:
+    """``topk_select``'s operands on any backend; returns the count ``min(k, numel)``. ``out``, when
+    given, must be a contiguous int64 tensor of at least that many elements on ``x``'s device (the
+    kernels write through its address)."""
+    _check_topk_input(x, k)
+    count = min(k, x.numel())
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or not out.is_contiguous()
+                            or out.numel() < count or out.device != x.device):
+        raise ValueError(f"out must be a contiguous int64 tensor of at least {count} elements on {x.device}")
+    return count
 
 
 def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> None:
@@ -232,12 +244,9 @@ class CpuBackend:
         the first ``min(k, numel)`` of a stable sort by ``|x|`` descending, on every backend and thread
         count (csrc/cpu/topk_cpu.h). O(numel): a sampled threshold, one filtering pass, and an exact
         fallback when the sample misses. ``out`` (int64, at least that many elements) is reused when given."""
-        _check_topk_input(x, k)
-        count = min(int(k), x.numel())
+        count = check_topk_select(x, k, out)
         if out is None:
             out = torch.empty(count, dtype=torch.int64)
-        elif out.dtype != torch.int64 or not out.is_contiguous() or out.numel() < count or out.device.type != "cpu":
-            raise ValueError(f"out must be a contiguous CPU int64 tensor of at least {count} elements")
         st = _C.topk_select(x.data_ptr(), x.numel(), count, out.data_ptr(), num_threads)
         assert st.count == count, (st.count, count)   # exact by construction (topk_cpu.h)
         return out[:count]

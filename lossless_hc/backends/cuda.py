@@ -53,11 +53,10 @@ class CudaBackend:
 
     def topk_select(self, x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None,
                     num_threads: int = 0) -> torch.Tensor:
-        """The CPU backend's ``topk_select`` on the device (the same indices; csrc/cuda/topk_kernels.cuh)."""
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or not x.is_contiguous():
-            raise TypeError("topk_select takes a contiguous float32 tensor")
-        if not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be an integer >= 0, got {k!r}")
+        """The CPU backend's ``topk_select`` on the device (the same indices and argument checks;
+        csrc/cuda/topk_kernels.cuh)."""
+        from lossless_hc.backends.cpu import check_topk_select
+        check_topk_select(x, k, out)
         return cuda_topk.topk_select(x, k, out)
 
     def topk_feedback(self, x: torch.Tensor, residual: torch.Tensor, k: int, num_threads: int = 0) -> tuple:

@@ -66,7 +66,8 @@ def launches(module=_cuda):
     return out
 
 
-def test_every_launch_passes_as_many_arguments_as_the_kernel_takes():
+def test_every_codec_launch_passes_as_many_arguments_as_the_kernel_takes():
+    """The lossless codec's launch sequences (cuda_lhc.py) against codec_kernels.cuh."""
     kernels = cuda_runtime.header_kernels(HEADER_PATH)
     calls = launches()
     assert len(calls) >= 20
@@ -154,7 +155,7 @@ def test_thc_constants_follow_the_headers():
 
 
 @pytest.mark.parametrize("module, header", [("cuda_thc", THC_HEADER_PATH), ("cuda_topk", TOPK_HEADER_PATH)])
-def test_every_launch_passes_as_many_arguments_as_the_kernel_takes(module, header):
+def test_every_thc_and_topk_launch_passes_as_many_arguments_as_the_kernel_takes(module, header):
     """THC's and top-k's launch sequences against their kernels headers: every kernel launched, and only those."""
     launcher = importlib.import_module(f"lossless_hc.backends.{module}")
     kernels = cuda_runtime.header_kernels(header)

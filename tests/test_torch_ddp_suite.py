@@ -1,6 +1,7 @@
 """PyTorch's own DDP tests, shipped in the torch wheel (torch.testing._internal.distributed.distributed_test,
 Gloo, CPU, world size 2), run with our lossless hook registered on every DDP model they build
-(tests/torch_ddp/suite.py patches DistributedDataParallel.__init__ in every spawned rank).
+(tests/torch_ddp/suite.py patches DistributedDataParallel.__init__ in every spawned rank; the ranks record
+the hook's counters, and the test checks that tensors went through the codec).
 
 Which of torch's DDP tests run here, and why the others do not:
 * RUN: the tests below, which execute on CPU with Gloo and train, reduce, save or inspect a DDP
@@ -15,6 +16,7 @@ Which of torch's DDP tests run here, and why the others do not:
 * Lossy hooks (topk, THC) are not run against these tests: they assert equality with an
   uncompressed reference, which only the lossless hook promises.
 """
+import json
 import os
 import subprocess
 import sys
@@ -32,8 +34,10 @@ pytestmark = pytest.mark.multiprocess
 
 def test_torch_ddp_tests_pass_with_the_lossless_hook(tmp_path):
     pytest.importorskip("expecttest", reason="torch's distributed tests need expecttest (requirements-dev.txt)")
+    stats_dir = tmp_path / "hook_stats"
+    stats_dir.mkdir()
     env = dict(os.environ, BACKEND="gloo", WORLD_SIZE="2", TEMP_DIR=str(tmp_path), PYTHONPATH=ROOT,
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", LHC_HOOK_STATS_DIR=str(stats_dir))
     selection = " or ".join(f"TestDistBackendWithSpawn and {name}" for name in TESTS)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--rootdir", HERE,
            os.path.join(HERE, "torch_ddp", "suite.py"), "-k", selection]
@@ -42,3 +46,8 @@ def test_torch_ddp_tests_pass_with_the_lossless_hook(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     passed = {line.split("::")[-1].strip() for line in out.splitlines() if line.startswith("PASSED ")}
     assert passed == set(TESTS), (sorted(set(TESTS) - passed), out[-3000:])
+    # Our hook ran in the ranks (tests/torch_ddp/suite.py records its counters after every bucket), and
+    # tensors went through the codec: the suite exercised the hook, not DDP's own allreduce alone.
+    hooks = [json.loads(p.read_text()) for p in stats_dir.glob("hook.*.json")]
+    assert len(hooks) >= 2 and all(h["tensors"] > 0 for h in hooks), hooks
+    assert sum(h["compressed"] for h in hooks) > 0, hooks

@@ -5,6 +5,7 @@ Run by tests/test_torch_ddp_suite.py as ``python tests/torch_ddp/suite.py TestNa
 BACKEND=gloo, WORLD_SIZE=2, TEMP_DIR set. Each rank is a process spawned by torch's harness, which
 re-imports this module, so the patch below is in force on every rank.
 """
+import json
 import os
 import sys
 
@@ -22,14 +23,26 @@ _original_init = DistributedDataParallel.__init__
 
 def _init_with_lossless_hook(self, *args, **kwargs):
     _original_init(self, *args, **kwargs)
-    # Dense tests gradients are dense: max_density 1.0 keeps every tensor on the compressed path
-    # where it fits and lets the rest fall back densely, exactly.
-    state = LosslessHookState(process_group=self.process_group, max_density=1.0)
-    self.register_comm_hook(state, lossless_hook)
-    HOOKED.append(state)
+    # The tests' gradients are dense. At a capacity of 5% of each tensor, the tensors of 500 elements
+    # and more (smaller ones are sent as they are) go through the codec, every rank over capacity:
+    # the codec's encode, an OVERLOADED decode and the exact dense fallback, after which the grown
+    # capacity sends the tensor as it is. (At 1.0, as before 2026-12-01, no tensor reached the codec.)
+    state = LosslessHookState(process_group=self.process_group, max_density=0.05)
+    self.register_comm_hook(state, _recorded_lossless_hook)
 
 
-HOOKED = []
+def _recorded_lossless_hook(state, bucket):
+    """``lossless_hook``, and after each bucket this rank's counters of the state in
+    ``$LHC_HOOK_STATS_DIR`` (read by tests/test_torch_ddp_suite.py: the hook ran, through the codec)."""
+    def record(fut):
+        counters = {k: v for k, v in state.stats().items() if isinstance(v, (int, float))}
+        path = os.path.join(os.environ["LHC_HOOK_STATS_DIR"], f"hook.{os.getpid()}.{id(state)}.json")
+        with open(path, "w") as f:
+            json.dump(counters, f)
+        return fut.value()
+    return lossless_hook(state, bucket).then(record)
+
+
 DistributedDataParallel.__init__ = _init_with_lossless_hook
 
 

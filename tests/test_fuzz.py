@@ -44,6 +44,9 @@ def test_fast_slice_corruptions_are_caught_or_harmless(fast_slice):
 def test_float16_overflow_is_not_outside_its_bound():
     """Seed 12, group 4688 of a million-case run: a float16 sum of 74,466 decodes to inf, which the
     contract allows (the dense float16 sum overflows too); the bound check must allow it as well."""
+    g, _, _ = group_cases(12, 4688)
+    assert g.xs[0].dtype == torch.float16 and float(truth(g.xs)[0].abs().max()) > 65504, \
+        "seed 12, group 4688 no longer draws a float16 sum beyond float16's range"
     bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(12, 4688) if v.wrong]
     assert not bad, bad
 
@@ -53,7 +56,9 @@ def test_index_flip_dropping_a_key_under_huge_ones_is_caught():
     group 52726. One index bit flip dropped a key (~2e5) from the decoded support while the key count
     matched, and its value hid under the rounding bound of ~1e29 keys in its cells; the index checksum
     (csrc/lhc_layout.h) now reports the support as INDEX_CORRUPT."""
-    bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(11, 52726) if v.wrong]
+    verdicts = run_group(11, 52726)
+    assert (verdicts[3].how, verdicts[3].status) == ("index_bit", "INDEX_CORRUPT"), verdicts[3]
+    bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in verdicts if v.wrong]
     assert not bad, bad
 
 

@@ -443,6 +443,14 @@ def test_non_finite_propagate_returns_nan():
     ({"payload_dtype": torch.float32}, "payload_dtype"),
     ({"initial_norm": float("nan")}, "initial_norm"),
     ({"non_finite": "ignore"}, "non_finite"),
+    # bools where numbers go (True would pass as 1), and an explicit table past the checks table_for makes
+    ({"hadamard_block": True}, "power of two"),
+    ({"digits_per_word": True}, "digits_per_word"),
+    ({"initial_norm": True}, "initial_norm"),
+    ({"granularity": True, "levels": (0, 1)}, "granularity must be"),
+    ({"bits": 99, "levels": (0, 15, 30)}, "bits must be"),
+    ({"levels": (0, 15, 30)}, "levels has 3 entries"),
+    ({"bits": 1, "levels": (0, 7.5, 30)}, "levels must be integers"),
 ])
 def test_bad_configuration_is_rejected(kwargs, match):
     args = {"numel": 100, "world_size": 2}

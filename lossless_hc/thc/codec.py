@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import struct
 from typing import Optional, Sequence
 
@@ -15,10 +16,10 @@ import torch
 
 from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
-from lossless_hc.lhc.layout import check_int, check_uint64
+from lossless_hc.lhc.layout import check_int, check_uint64, is_real
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
                                     LAYOUT_VERSION, WORD_KINDS, FINGERPRINT_BITS, plan_thc_layout)
-from lossless_hc.thc.table import THCTable, clip_threshold, table_for, table_variance
+from lossless_hc.thc.table import THCTable, check_table_args, clip_threshold, table_for, table_variance
 
 
 NON_FINITE_CHOICES = ("raise", "propagate")
@@ -99,7 +100,8 @@ class THCCodec:
         seed: seeds the shared rotation and the rounding streams; identical on every rank.
         device: "cpu" (C++/OpenMP kernels) or "cuda" (the CUDA kernels of csrc/cuda/thc_kernels.cuh, from
             lossless_hc._C_cuda or compiled at run time through CuPy; the same payload bits as "cpu").
-        levels: an explicit table (e.g. ``PUBLISHED_TABLE_4BIT_G30_P32``) instead of ``table_for``.
+        levels: an explicit table (e.g. ``PUBLISHED_TABLE_4BIT_G30_P32``) instead of ``table_for``: as many
+            integers as ``bits`` says, increasing from 0 to ``granularity`` (ValueError otherwise).
         symmetric_table: use the best table symmetric under l -> g - l (the published shape).
         hadamard_block: largest Hadamard block (power of two; 1024 as in THC's code).
         payload_dtype: torch.float64 (default; exact under SUM and AVERAGE) or torch.int64 (SUM
@@ -140,6 +142,14 @@ class THCCodec:
         if levels is None:
             self.table: THCTable = table_for(bits, granularity, overflow_freq, symmetric_table)
         else:
+            # The same argument checks as table_for's, and the table bits describes (2^bits levels, or
+            # all g + 1 integers): an explicit table is not a way around them.
+            check_table_args(bits, granularity)
+            if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in levels):
+                raise ValueError(f"levels must be integers, got {tuple(levels)!r}")
+            if len(levels) != min(1 << bits, granularity + 1):
+                raise ValueError(f"levels has {len(levels)} entries; bits={bits} with granularity={granularity} means "
+                                 f"{min(1 << bits, granularity + 1)} (2^bits, or all g + 1 integers)")
             lv = tuple(int(v) for v in levels)
             self.table = THCTable(lv, bits, granularity, float(overflow_freq), clip_threshold(overflow_freq),
                                   table_variance(lv, granularity, overflow_freq))
@@ -149,7 +159,7 @@ class THCCodec:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         check_uint64(seed, "seed")
         check_non_finite(non_finite)
-        if initial_norm is not None and not (math.isfinite(initial_norm) and initial_norm >= 0):
+        if initial_norm is not None and not (is_real(initial_norm) and math.isfinite(initial_norm) and initial_norm >= 0):
             raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
         device = as_device(device)
         self._backend = backend_for(device)

@@ -195,10 +195,11 @@ def plan_thc_layout(numel: int, world_size: int, granularity: int, hadamard_bloc
     if payload_dtype not in WORD_KINDS:
         raise ValueError(f"payload_dtype must be torch.float64 (SUM and AVERAGE) or torch.int64 (SUM only), "
                          f"got {payload_dtype}")
-    if (not isinstance(hadamard_block, int) or hadamard_block < 1 or hadamard_block > MAX_HADAMARD_BLOCK
-            or hadamard_block & (hadamard_block - 1)):
+    if (not isinstance(hadamard_block, int) or isinstance(hadamard_block, bool) or hadamard_block < 1
+            or hadamard_block > MAX_HADAMARD_BLOCK or hadamard_block & (hadamard_block - 1)):
         raise ValueError(f"hadamard_block must be a power of two in [1, {MAX_HADAMARD_BLOCK}], got {hadamard_block!r}")
-    if digits_per_word is not None and (not isinstance(digits_per_word, int) or digits_per_word < 1):
+    if digits_per_word is not None and (not isinstance(digits_per_word, int) or isinstance(digits_per_word, bool)
+                                        or digits_per_word < 1):
         raise ValueError(f"digits_per_word must be None (as many as fit) or a positive integer, got {digits_per_word!r}")
     why = _layout_error(world_size, granularity, payload_dtype, digits_per_word)
     if why is not None:

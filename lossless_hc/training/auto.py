@@ -48,7 +48,8 @@ class AutoSpec(AggregatorSpec):
         alpha: EWMA weight of the newest step's statistics.
         first: the first step's strategy (None: "dense" for dense gradients, "allgather" for sparse
             ones; both exact, and they measure the statistics); a tensor that cannot take it (a lossy
-            one on a sparse, float64 or small tensor) starts dense. One of ``strategies`` where given;
+            one on a sparse, float64 or small tensor) starts dense, or where ``strategies`` leaves out
+            dense, with the first of them it can take in the planner's order (the exact ones first). One of ``strategies`` where given;
             a lossy one needs ``lossy=True`` (ValueError otherwise).
         strategies: restrict the candidates to these among what ``lossy`` allows (None: all of them;
             ValueError when it allows none of them).
@@ -341,7 +342,7 @@ class AutoCompressorAdapter(CompressorAdapter):
         return tuple(a.strategy for a in dense)
 
     def _broadcast_verdict(self, verdict: tuple) -> tuple:
-        """Rank 0's ``verdict`` (three floats) on every rank: a blocking broadcast, called by every rank
+        """Rank 0's ``verdict`` (the five values of ``StepGuard.decide``) on every rank: a blocking broadcast, called by every rank
         at the same step (the step guard's)."""
         raise NotImplementedError
 

@@ -33,7 +33,7 @@ A/B trial on whole training steps:
   .. math:: \text{keep the plans} \iff T_p \le (1 - m)\, T_d
 
   (``margin`` :math:`m`, 0.03: a tie goes to the engine's own allreduce; a negative margin tolerates
-  plans up to :math:`1/(1-m)` times slower); otherwise every dense gradient is allreduced in place
+  plans up to :math:`1-m` times slower); otherwise every dense gradient is allreduced in place
   from then on;
 * **confirmation**: a first look that would keep the plans is not a verdict yet: the trial goes on
   for another ``2BW`` steps (``confirm`` such rounds, 1), and the rule above is applied to the medians

@@ -5,6 +5,8 @@ Both counted every INEXACT decode as a failure after the mass channel (layout 6)
 common."""
 import json
 
+import pytest
+
 from lossless_hc.bench.cli import main
 from lossless_hc.bench.wire import failed_verifications
 
@@ -39,3 +41,19 @@ def test_peel_counts_inexact_decodes_as_peeled(tmp_path):
     assert row["failures"] == 0, row["failure_reasons"]
     assert 0 < row["inexact_share_median"] < 0.1, row
     assert 0 < row["max_abs_err"] < 1e-4, row
+
+
+def test_wire_refuses_densities_outside_0_1_and_counts_the_points_it_could_not_verify(tmp_path, capsys):
+    """``--densities`` outside (0, 1] and a negative ``--verify-numel`` are usage errors (they were
+    taken as 1 key and as numel, and as no verification); a point with too few keys at the verify
+    numel is not verified, and the report and the JSON say how many."""
+    for bad in (["--densities", "-1,2"], ["--densities", "nan"], ["--verify-numel", "-3"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["wire", "--numel", "4096", "--plot", "", *bad])
+        assert exc.value.code == 2, bad
+    out = tmp_path / "wire.json"
+    assert main(["wire", "--numel", "4096", "--workers", "2", "--densities", "0.001,0.1", "--block-sizes", "1",
+                 "--plot", "", "--verify-numel", "1000", "--json", str(out)]) == 0
+    res = json.load(open(out))
+    assert len(res["verified"]) == 1 and res["verify_too_few_keys"] == 1, res["verify_too_few_keys"]
+    assert "1 point(s) not verified" in capsys.readouterr().out

@@ -83,6 +83,23 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _nonnegative_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s}")
+    return v
+
+
+def _density_list(s: str) -> list:
+    try:
+        vals = [float(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}")
+    if not vals or not all(0.0 < v <= 1.0 for v in vals):   # NaN fails this too
+        raise argparse.ArgumentTypeError(f"expected densities in (0, 1], got {s!r}")
+    return vals
+
+
 def _int_list(s: str) -> list:
     try:
         vals = [int(v) for v in s.split(",") if v.strip()]
@@ -160,14 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("wire", help="wire bits per aggregate non-zero of every index kind and of the automatic "
                                     "choice vs the information bound; table and plot")
     w.add_argument("--numel", type=_positive_int, default=1 << 26, help="elements per tensor (default 2**26)")
-    w.add_argument("--densities", type=lambda s: [float(v) for v in s.split(",")], default=None,
+    w.add_argument("--densities", type=_density_list, default=None,
                    help="comma-separated aggregate densities (default 1e-5..0.5)")
     w.add_argument("--workers", type=_int_list, default=None, help="comma-separated world sizes (default 2,8,16,64)")
     w.add_argument("--block-sizes", type=_int_list, default=None, help="comma-separated block sizes (default 1,32)")
     w.add_argument("--plot", metavar="PATH", default="docs/wire_bits.png", help="PNG path ('' for none)")
-    w.add_argument("--verify-numel", type=int, default=0,
+    w.add_argument("--verify-numel", type=_nonnegative_int, default=0,
                    help="also encode/decode one instance per point at this numel and judge it by the exactness "
-                        "contract (exit status 1 if one is outside it or fails to decode)")
+                        "contract (exit status 1 if one is outside it or fails to decode; points with fewer than "
+                        "5 aggregate keys at that numel are skipped, and counted in the report)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--json", metavar="PATH")
     w.set_defaults(func=_cmd_wire)

@@ -31,6 +31,7 @@ DEFAULT_WORKERS = (2, 8, 16, 64)
 DEFAULT_BLOCKS = (1, 32)
 TARGET_RANGE = (1e-4, 0.1)
 TARGET_RATIO = 1.5
+VERIFY_MIN_KEYS = 5   # --verify-numel skips a point with fewer aggregate keys at that numel (and says so)
 
 
 def wire_point(numel: int, workers: int, density: float, block: int, seed: int = 0) -> dict:
@@ -102,17 +103,19 @@ def run_wire_bench(numel: int = 1 << 26, densities: Sequence[float] = DEFAULT_DE
             for p in densities:
                 points.append(wire_point(numel, n, p, b, seed))
             log(f"block {b}, {n} workers done ({time.perf_counter() - t0:.1f} s)")
-    verified = []
+    verified, too_few = [], 0
     if verify_numel:
         for b in blocks:
             for n in workers:
                 for p in densities:
-                    if p * verify_numel / b < 5:
+                    if p * verify_numel / b < VERIFY_MIN_KEYS:
+                        too_few += 1
                         continue
                     verified.append({"workers": n, "density": p, "block": b, "numel": verify_numel,
                                      "result": verify_point(n, p, b, verify_numel, seed)})
         log(f"verified {len(verified)} instances ({time.perf_counter() - t0:.1f} s)")
-    return {"numel": numel, "points": points, "verified": verified, "summary": summarize(points)}
+    return {"numel": numel, "points": points, "verified": verified, "verify_too_few_keys": too_few,
+            "summary": summarize(points)}
 
 
 def summarize(points: list) -> list:
@@ -164,6 +167,9 @@ def render_wire(res: dict, cmd: str, machine: Optional[dict] = None) -> str:
                      f"{res['verified'][0]['numel']} (every index kind): {len(bad)} instance(s) outside the "
                      f"contract or not decoded; {inexact} INEXACT, listing {listed} keys for re-aggregation"
                      + (f": {bad[:3]}" if bad else ""))
+    if res.get("verify_too_few_keys"):
+        lines.append(f"verify: {res['verify_too_few_keys']} point(s) not verified: fewer than {VERIFY_MIN_KEYS} "
+                     "aggregate keys at that numel")
     return "\n".join(lines)
 
 

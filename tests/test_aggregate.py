@@ -161,6 +161,13 @@ def test_configuration_mismatch_is_an_error_not_a_fallback():
 def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="max_density"):
         TensorAggregator("t", (10,), torch.float32, 2, max_density=0.0)
+    # an aggregator built directly checks its seed and block size as the Compression specs do (they
+    # were truncated, 1.7 -> 1 and 2.5 -> 2, and a block size of 0 silently became the default)
+    for kw, error in (({"seed": 1.7}, TypeError), ({"seed": True}, TypeError), ({"seed": -1}, ValueError),
+                      ({"block_size": 2.5}, ValueError), ({"block_size": 0}, ValueError),
+                      ({"block_size": True}, ValueError)):
+        with pytest.raises(error, match="seed|block_size"):
+            TensorAggregator("t", (100,), torch.float32, 2, max_density=0.1, **kw)
     agg = TensorAggregator("t", (1000, 16), torch.float32, 2, max_density=0.05)
     with pytest.raises(ValueError, match="shape"):
         agg.encode(torch.zeros(16, 1000))

@@ -44,8 +44,8 @@ import torch
 from lossless_hc.lhc.layout import INDEX_KINDS, check_uint64, is_real
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
-from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_policy,
-                                            partial_values)
+from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_block_size,
+                                            check_policy, partial_values)
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 INDEX_CHOICES = ("auto",) + INDEX_KINDS
@@ -139,11 +139,7 @@ class LosslessSpec(AggregatorSpec):
                  index: str = "auto", **extra):
         super().__init__(seed, **extra)
         self.max_density = _check_fraction("max_density", max_density)
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                       or block_size < 1):
-            raise ValueError(f"block_size must be a positive integer or None (a 2-D tensor's row length), "
-                             f"got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_block_size(block_size)
         self.index = _check_index(index)
 
     def options(self) -> dict:

@@ -46,7 +46,7 @@ import torch
 from lossless_hc.backends import as_device, backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_int, is_real
+from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_int, check_uint64, is_real
 
 # The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -136,7 +136,10 @@ class DecodeOutcome:
     value      the aggregate (sum, or average when ``averaged``) in the tensor's shape and dtype, or
                None when the codec failed: the adapter must then aggregate ``ctx.dense_value``
                densely (with SUM) and pass the result to :meth:`TensorAggregator.finish_fallback`.
-    averaged   whether the engine averaged the payload (read from the payload itself).
+    averaged   whether the engine averaged a compressed payload (:func:`payload_is_averaged`: the engine's
+               op where the adapter knows it, else the payload's contributor count), which a fallback and
+               a partial re-aggregation follow; always False for a tensor sent as it is, whose ``value``
+               is what the engine returned (its sum or its average).
     report     the codec's report (None for tensors sent dense).
     partial    None, or the flat coordinates (int64, sorted, on the tensor's device; the same on every
                rank) of the keys the codec reported inexact: ``value`` is right everywhere else, and
@@ -311,8 +314,8 @@ class TensorAggregator:
         self.dtype = dtype
         self.numel = math.prod(self.shape)
         self.world_size = int(world_size)
-        self.block_size = int(block_size) if block_size else default_block_size(self.shape)
-        self.seed = int(seed)
+        self.block_size = check_block_size(block_size) or default_block_size(self.shape)
+        self.seed = check_uint64(seed, "seed")
         self.index = index
         self.device = as_device(device)
         self.stats = stats if stats is not None else AggregationStats()
@@ -532,6 +535,15 @@ def _check_shape(shape) -> tuple:
         if d < 0:
             raise ValueError(f"shape must have sizes >= 0, got {dims}")
     return dims
+
+
+def check_block_size(block_size) -> Optional[int]:
+    """``block_size`` (coordinates per key) unless it is neither None nor a positive int (bool refused):
+    ValueError, where it would have been truncated (2.5 -> 2) or taken as the default (0)."""
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive integer or None (a 2-D tensor's row length), "
+                         f"got {block_size!r}")
+    return block_size
 
 
 def check_policy(policy):

@@ -20,7 +20,7 @@
 #   test      pytest -m gpu (tests/test_cuda.py, test_cuda_thc.py, test_topk.py, both the compiled and the
 #             CuPy/NVRTC kernels; the DDP, planner and FSDP2 hooks on CUDA tensors through Gloo), with
 #             pytest-xdist where it is installed, and the source-consistency tests
-#   thcbench  python -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 --no-cpu-check:
+#   thcbench  python -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 --repeat 10 --no-cpu-check:
 #             THC encode/decode time on the GPU and NMSE (the bit-for-bit CPU lockstep is the tests' job)
 #   topkbench python -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01: the selection
 #             against a device-to-device copy and torch.topk, indices checked against the CPU backend's
@@ -32,11 +32,11 @@
 #   thcsanitize, topksanitize  the same on THC's and top-k's CUDA tests
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
 # test.log, sanitize.log, thc-sanitize.log, topk-sanitize.log (one per sanitizer step, which may run at the
-# same time), bench.log and one JSON per benchmark (bench-<density>-<index>.json, thc-bench.json,
-# topk-bench.json); under the device tool (OUT set) all but summary.txt end up in gpu-session.tgz.
+# same time), bench.log and one JSON per benchmark (bench-<density>-<index>.json,
+# bench-0.01-bitmap-verify.json, thc-bench.json, topk-bench.json); under the device tool (OUT set) all but summary.txt end up in gpu-session.tgz.
 # The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit) or
 # until LHC_SESSION_DEADLINE (seconds since the epoch) when set: a step that would not fit is skipped and
-# says so; run the remaining steps in a second call.
+# says so, with the command for a second call (which builds first: the machine may be a fresh one by then).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The device tool brings back at most 8 files from its $OUT: there, everything but summary.txt is packed
@@ -57,13 +57,12 @@ SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanit
   2>/dev/null | head -1)
 SANITIZER=${SANITIZER:-compute-sanitizer}
 
-SKIP_HINT='bash scripts/gpu_session.sh $name'
 # shellcheck source=scripts/_session_step.sh
 source scripts/_session_step.sh   # the working directory is the repository root (cd above)
 
 bench() {  # density index [--verify]
   local density=$1 index=$2 verify=${3:-}
-  step "bench density $density index $index${verify:+ $verify}" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
+  STEP_MIN=90 step "bench density $density index $index${verify:+ $verify}" bench.log 150 "$PY" -m lossless_hc.bench codec --device cuda \
     --numel 134217728 --density "$density" --workers 8 --index "$index" $verify \
     --json "$OUT/bench-$density-$index${verify:+-verify}.json"
 }
@@ -72,6 +71,8 @@ bench() {  # density index [--verify]
 # run in the background (a '+' group) reports through its exit status.
 run_step() {
   local FAILED=0
+  # A second call may find a fresh machine (the first one's build gone): the hint builds first.
+  local SKIP_HINT="LHC_CUDA_ARCHS='${LHC_CUDA_ARCHS:-80;90}' bash scripts/gpu_session.sh build $1"
   case "$1" in
     build)
       {
@@ -91,8 +92,9 @@ run_step() {
       local xdist=()
       "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 6)
       # -v: one line per finished test, so a run cut by its limit still says which passed.
+      # BytePS's GPU run is scripts/byteps_gpu_session.sh's (up to 420 s of its own where BytePS is installed).
       step "pytest -m gpu" test.log 420 "$PY" -m pytest -v -m gpu tests -rs -p no:cacheprovider --continue-on-collection-errors \
-        "${xdist[@]}"
+        --ignore=tests/test_byteps_gpu.py "${xdist[@]}"
       step "source consistency" test.log 60 "$PY" -m pytest -q tests/test_cuda_sources.py tests/test_header_cuda.py -p no:cacheprovider
       ;;
     sanitize)
@@ -103,11 +105,11 @@ run_step() {
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_blocks or (encode_matches_cpu and bloom-b1 and float32 and compiled)"
       ;;
     thcbench)
-      step "thc bench" bench.log 150 "$PY" -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 \
+      STEP_MIN=90 step "thc bench" bench.log 150 "$PY" -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 \
         --repeat 10 --no-cpu-check --json "$OUT/thc-bench.json"
       ;;
     topkbench)
-      step "topk bench" bench.log 90 "$PY" -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01 \
+      STEP_MIN=60 step "topk bench" bench.log 90 "$PY" -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01 \
         --repeat 20 --json "$OUT/topk-bench.json"
       ;;
     topksanitize)

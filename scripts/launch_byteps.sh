@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     --port) PORT=$2; shift 2 ;;
     --role) ROLE=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n 2,21p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) break ;;
   esac
 done

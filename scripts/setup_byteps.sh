@@ -20,6 +20,8 @@
 #      BYTEPS_BUILD_DIR  build here and keep the tree (default: a temporary folder, removed)
 #      BYTEPS_BUILD_LOG  the build's full output (default: BUILD_DIR/build.log, printed on failure)
 #      MAX_JOBS        parallel compile jobs for ps-lite and zeromq (default: nproc)
+#      BYTEPS_SYSROOT  where the carried libnuma debs are unpacked when numa.h is missing (default:
+#                      LHC_CACHE/byteps-sysroot; kept: the library is needed at run time)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BPS_VERSION=0.2.5.post15

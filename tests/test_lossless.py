@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import helpers
 from lossless_hc import LosslessCodec
-from lossless_hc.lhc.layout import HEADER_FIELDS
+from lossless_hc.lhc.layout import HEADER_FIELDS, MAX_KEYS
 
 # Hypothesis picks the categorical knobs and the seeds; the sizes come from helpers.draw_sizes.
 workloads = dict(
@@ -180,3 +180,14 @@ def test_readme_recipe_reaggregates_inexact_keys_into_the_exact_sum():
     coords = report.inexact_keys
     y.reshape(-1)[coords] = sum(x.reshape(-1)[coords] for x in grads)  # the engine's dense SUM of them
     assert not outside_contract(y, s, a, n, codec.rtol).any()
+
+
+def test_keys_beyond_the_cpu_decoders_32_bit_loops_are_refused():
+    """Key positions are 32-bit in the peeling tables, and the CPU decoder walks keys in chunks of 4096
+    with 32-bit counters (csrc/cpu/peel.cpp) and scans a bitmap's last word past the final key
+    (csrc/cpu/support.cpp): MAX_KEYS keeps 4096 below 2^32, so neither wraps (a count within 4096 of
+    2^32 looped for ever); a codec of more keys is a ValueError when it is built."""
+    assert MAX_KEYS <= (1 << 32) - 4096
+    for numel, block in ((MAX_KEYS + 1, 1), (2 * MAX_KEYS + 1, 2)):
+        with pytest.raises(ValueError, match="exceeds the supported"):
+            LosslessCodec(numel=numel, world_size=2, max_nnz=10, block_size=block)

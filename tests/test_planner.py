@@ -276,6 +276,18 @@ def test_the_planner_moves_every_rank_to_the_same_cheaper_strategy():
     assert aggs[0].history == aggs[1].history == aggs[2].history
 
 
+def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
+    """The allgather's slots carry each row's index as an int32 (training.rows.gather_slots): a tensor
+    of more than 2^31 - 1 rows is never planned on it (its rows would come back wrapped or lost)."""
+    from lossless_hc.training.rows import ALLGATHER_MAX_KEYS
+    assert ALLGATHER_MAX_KEYS == (1 << 31) - 1
+    big = AutoAggregator("w", (ALLGATHER_MAX_KEYS + 1,), torch.float32, 2, 0, MODEL, first="allgather")
+    assert "allgather" not in big.allowed and big.strategy == "dense", big.allowed
+    assert "allgather" in AutoAggregator("w", (ALLGATHER_MAX_KEYS,), torch.float32, 2, 0, MODEL).allowed
+    # the rows counted, not the coordinates: 2^30 rows of 4 are 2^32 coordinates
+    assert "allgather" in AutoAggregator("w", (1 << 30, 4), torch.float32, 2, 0, MODEL).allowed
+
+
 @pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk", "thc"])
 def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     """Only with lossy=True; every rank decodes the same bits; fp16/bf16 within their rounding (per

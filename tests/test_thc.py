@@ -583,3 +583,13 @@ def test_fused_kernels_match_the_dense_oracle(numel, n):
     want = ref.inverse_rht(sums.double() * a + n * b, L, stream)
     got = c0.decode(summed).double()
     assert bad == 0 and float((got - want).abs().max()) <= n * tol
+
+
+def test_a_digit_base_beyond_the_kernels_32_bits_is_refused():
+    """The kernels hold the digit base n g + 1 in 32 bits (csrc/lhc_layout.h): int64 words would take
+    131072 ranks at g = 2^16 (base 2^33 + 1, truncated on CUDA), and max_world_size says where it stops."""
+    with pytest.raises(ValueError, match="32 bits"):
+        plan_thc_layout(4096, 1 << 17, 1 << 16, 1024, torch.int64)
+    n = max_world_size(1 << 16, torch.int64)
+    assert n * (1 << 16) + 1 < 1 << 32 <= (n + 1) * (1 << 16) + 1
+    plan_thc_layout(4096, n, 1 << 16, 1024, torch.int64)

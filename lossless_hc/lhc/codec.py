@@ -183,7 +183,8 @@ class LosslessCodec:
     (csrc/lhc_layout.h, "The index checksum").
 
     Args:
-        numel: elements of the tensors to encode (any shape with this many elements).
+        numel: elements of the tensors to encode (any shape with this many elements); at most
+            ``layout.MAX_KEYS`` (2^32 - 4096) keys of ``block_size`` (ValueError beyond).
         world_size: ranks whose payloads are aggregated (1..1024).
         max_nnz: non-zero coordinates one rank may send; with ``block_size`` b the capacity is
             ``ceil(max_nnz / b)`` non-zero blocks.

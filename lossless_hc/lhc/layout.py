@@ -45,7 +45,10 @@ INT_FIELD_BITS = 22
 INT_FIELD_LIMIT = 1 << INT_FIELD_BITS
 CHUNK_BITS = 11
 MAX_WORLD_SIZE = 1024           # 11-bit header chunks summed over ranks stay below 2**21
-MAX_KEYS = (1 << 32) - 1        # key positions are 32-bit in the peeling tables
+# Key positions are 32-bit in the peeling tables; the headroom keeps the CPU decoder's 32-bit loops over
+# keys (chunks of 4096, csrc/cpu/peel.cpp) and its bitmap scan's positions in a last word past the final
+# key (csrc/cpu/support.cpp) from wrapping.
+MAX_KEYS = (1 << 32) - (1 << 12)
 LAYOUT_VERSION = 7             # joins every fingerprint; history in docs/DESIGN.md ("Layout versions")
 
 # Header field positions (mirror csrc/lhc_layout.h).

@@ -81,6 +81,8 @@ def _layout_error(world_size: int, granularity: int, payload_dtype: torch.dtype,
         return "the header's fingerprint sum would not stay exact"
     if check_prime(world_size, payload_dtype) == 0:
         return "the header's checksum sum would not stay exact"
+    if base >= 1 << 32:   # the kernels hold the digit base in 32 bits (csrc/lhc_layout.h, ThcLayout)
+        return f"the digit base n*g+1 = {base} does not fit the kernels' 32 bits"
     if digits_per_word is None:
         if _digits_per_word(base, limit) < 1:
             return f"a single digit of base n*g+1 = {base} exceeds the exact range {limit}"

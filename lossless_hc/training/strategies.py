@@ -58,7 +58,7 @@ from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStat
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
-from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots, sum_slots_dense
+from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
 
@@ -110,6 +110,8 @@ class AutoAggregator(TensorRows):
         self.thc_bits = cost_model.thc_bits if thc_bits is None else int(thc_bits)
         lossy_here = lossy and not self.sparse and self.numel * dtype.itemsize >= lossy_min_bytes
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy_here else ())
+        if self.keys > ALLGATHER_MAX_KEYS:   # its slots carry the row index as an int32
+            names = tuple(s for s in names if s != "allgather")
         if dtype == torch.float64 or self.numel == 0 or self.world_size == 1:
             names = ("dense",)   # float64 would be rounded by float32 payloads; nothing to save otherwise
         if allowed is not None:

@@ -276,6 +276,13 @@ def test_the_planner_moves_every_rank_to_the_same_cheaper_strategy():
     assert aggs[0].history == aggs[1].history == aggs[2].history
 
 
+def test_an_auto_aggregator_checks_its_seed():
+    """A seed that is not a uint64 (1.5 was truncated to 1, True taken as 1) is refused, as every codec's is."""
+    for seed, error in ((1.5, TypeError), (True, TypeError), (-1, ValueError), (1 << 64, ValueError)):
+        with pytest.raises(error, match="seed"):
+            AutoAggregator("w", (100,), torch.float32, 2, 0, MODEL, seed=seed)
+
+
 def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
     """The allgather's slots carry each row's index as an int32 (training.rows.gather_slots): a tensor
     of more than 2^31 - 1 rows is never planned on it (its rows would come back wrapped or lost)."""

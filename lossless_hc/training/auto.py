@@ -49,8 +49,8 @@ class AutoSpec(AggregatorSpec):
         first: the first step's strategy (None: "dense" for dense gradients, "allgather" for sparse
             ones; both exact, and they measure the statistics); a tensor that cannot take it (a lossy
             one on a sparse, float64 or small tensor) starts dense, or where ``strategies`` leaves out
-            dense, with the first of them it can take in the planner's order (the exact ones first). One of ``strategies`` where given;
-            a lossy one needs ``lossy=True`` (ValueError otherwise).
+            dense, with the first of them it can take in the planner's order (the exact ones first).
+            One of ``strategies`` where given; a lossy one needs ``lossy=True`` (ValueError otherwise).
         strategies: restrict the candidates to these among what ``lossy`` allows (None: all of them;
             ValueError when it allows none of them).
         calibration: a :class:`~lossless_hc.training.planner.Calibration` identical on every rank (skips

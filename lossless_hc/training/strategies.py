@@ -54,6 +54,7 @@ import torch
 from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, TopKAggregator
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
@@ -101,7 +102,7 @@ class AutoAggregator(TensorRows):
                  thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu",
                  partial: bool = True, sparse: bool = False, lossy_min_bytes: int = LOSSY_MIN_BYTES):
         super().__init__(name, shape, dtype, world_size, rank, sparse)   # the row form (training.rows)
-        self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), int(seed)
+        self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), check_uint64(seed, "seed")
         self.partial = bool(partial)
         self.device = as_device(device)
         if cost_model is None and (topk_ratio is None or thc_bits is None):

@@ -296,7 +296,9 @@ def parse_args(argv=None, default_model="ncf"):
     p.add_argument("--lr", type=float, help="learning rate (default per model)")
     p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
     p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
-    p.add_argument("--thc-bits", type=int, default=4, help="thc: a table of 2^bits levels (the wire's bits per coordinate follow from the workers and granularity)")
+    p.add_argument("--thc-bits", type=int, default=4,
+                   help="thc: a table of 2^bits levels (the wire's bits per coordinate follow from the workers "
+                        "and granularity)")
     p.add_argument("--thc-exact", choices=("none", "output"), default="none",
                    help="ddp thc: 'output' sends the output layer over the vocabulary exactly "
                         "(THCHookState(exact=...); for Adam, see docs/THC.md)")

@@ -288,7 +288,7 @@ def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():
     rows = [row("none", 240.0, 241.0), row("sparse", 20.0, 23.0), row("auto-sparse", 23.0, 23.0)]
     line = answer_line(rows)
     assert "fastest exact: ddp sparse (20.0 ms" in line
-    assert "ddp auto-sparse: 1.15x the fastest exact (mean step 1.00x)" in line
+    assert "ddp auto-sparse: step 1.15x the fastest exact's (mean step 1.00x)" in line
     assert "| ddp | sparse | 20.0 (20.0–20.0) | 23.0 | 1.00x |" in render_markdown(
         {"rows": rows, "compute_s": 0.01, "shaping": {"qdisc": "tbf"}}, "t")
 

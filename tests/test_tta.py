@@ -61,6 +61,16 @@ def test_summary_speedup_and_per_mode_medians():
     assert "| thc | 1/2 | 2.00 | 4.00x | 20 |" in md and "thc seed 2: not reached" in md
 
 
+def test_a_diverged_seed_shows_in_the_final_metric_whatever_the_seeds_order():
+    """statistics.median does not order NaN: [nan, 0.5, 0.6] gave 0.5 and [0.5, nan, 0.6] nan. A mode with
+    a diverged seed reports nan as its final metric, in any order."""
+    nan = float("nan")
+    for finals in ([nan, 0.5, 0.6], [0.5, nan, 0.6], [0.5, 0.6, nan]):
+        runs = [_run("topk", s, [(0, 0, 0.1), (10, 1.0, f)]) for s, f in enumerate(finals, 1)]
+        (mode,) = tta_report.per_mode(tta_report.summarize_runs(runs, 0.96))
+        assert mode["final_metric"] != mode["final_metric"], (finals, mode["final_metric"])
+
+
 def test_parse_modes():
     modes = tta.parse_modes("none,topk-allgather:0.1,topk-allgather:0.01,lossless", "ddp")
     assert modes[1] == ("topk-allgather:0.1", "topk-allgather", ["--topk-ratio", "0.1"])

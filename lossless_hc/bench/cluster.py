@@ -555,6 +555,7 @@ def cmd_cluster(args) -> int:
     stem = (f"cluster_{'replay_' if args.replay else ''}{what.split()[-1]}{f'_zipf{skew}' if skew else ''}_"
             f"{rate_label(rate)}_{args.hosts}hosts{'_fsdp' if frameworks == ['fsdp'] else ''}")
     write_report(workdir, stem, result, md)
+    args.report_json = os.path.join(workdir, stem + ".json")   # what this run wrote (bench replay reads it)
     plot_path = args.plot or os.path.join(workdir, stem + ".png")
     plot(result, title, plot_path)
     print(f"[cluster] wrote {workdir}/{stem}.md, .json and {plot_path}", file=sys.stderr)

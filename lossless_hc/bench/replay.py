@@ -104,8 +104,7 @@ def cmd_replay(args) -> int:
         rc = cluster.cmd_cluster(sub)
         if rc != 0:
             return rc
-        found = [f for f in os.listdir(sub.out) if f.startswith("cluster_replay_") and f.endswith(".json")]
-        with open(os.path.join(sub.out, sorted(found)[-1])) as f:
+        with open(sub.report_json) as f:   # this run's (not an earlier run's in the same folder)
             results[n] = json.load(f)
     skew = meta["options"].get("skew")
     title = (f"collective-only replay of {meta['model']}{f' (Zipf skew {skew})' if skew else ''}, "

@@ -58,6 +58,8 @@ def per_mode(rows: Sequence[dict]) -> list:
 
         def med(key, among=hit):
             vals = [r[key] for r in among if r[key] is not None]
+            if any(v != v for v in vals):   # a seed that diverged (NaN): shown as such, never sorted away
+                return float("nan")
             return statistics.median(vals) if vals else None
         out.append({"label": label, "seeds": len(rs), "reached": len(hit), "time_to_target_s": med("time_to_target_s"),
                     "steps_to_target": med("steps_to_target"), "speedup_vs_none": med("speedup_vs_none"),

@@ -193,7 +193,8 @@ class BytePSCompressor(CompressorAdapter):
             name = _parameter_name(opt, p) or f"param{len(self._aggregators)}"
             agg = self.aggregator(p, name, tensor, eng.size(), eng.rank())
         payload, enc = self.encode(agg, tensor)
-        return self._fit(agg.name, payload, enc)
+        # A capacity policy may move a tensor sent as it is onto the codec later, whose payloads are float32.
+        return self._fit(agg.name, payload, enc, may_widen=getattr(agg, "tracker", None) is not None)
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         sent: _Sent = ctx
@@ -209,11 +210,17 @@ class BytePSCompressor(CompressorAdapter):
         return self.decode(flat.reshape(sent.shape), sent.enc)
 
     # -- fitting payloads to BytePS's fixed-size keys -------------------------------------------
-    def _fit(self, name: str, payload: torch.Tensor, enc: EncodedTensor):
+    def _fit(self, name: str, payload: torch.Tensor, enc: EncodedTensor, may_widen: bool = False):
+        """The push of ``payload`` in its name's slot (BytePS fixes a name's size and dtype at its first
+        push): padded, widened, or with a tail. ``may_widen``: the name's later payloads may be float32
+        (a codec's) where this one is half precision, so a first push makes the slot float32."""
         slot = self._slots.get(name)
         if slot is None:
-            self._slots[name] = (payload.numel(), payload.dtype)
-            return payload, _Sent(enc, payload.reshape(-1), payload, payload.shape, payload.dtype, payload.numel(), None)
+            dtype = torch.float32 if may_widen and payload.dtype in (torch.float16, torch.bfloat16) else payload.dtype
+            self._slots[name] = slot = (payload.numel(), dtype)
+            if dtype == payload.dtype:
+                return payload, _Sent(enc, payload.reshape(-1), payload, payload.shape, payload.dtype, payload.numel(),
+                                      None)
         slot_numel, slot_dtype = slot
         numel = payload.numel()
         flat = payload.reshape(-1)
@@ -427,12 +434,17 @@ class Compression(CompressionFactory):
         """The planner where BytePS's fixed-shape push allows (module doc): per tensor, dense or the
         sketch (and top-k with ``lossy``). ``options``: :class:`lossless_hc.training.auto.AutoSpec`."""
         allowed = BYTEPS_STRATEGIES + (BYTEPS_LOSSY_STRATEGIES if lossy else ())
-        strategies = tuple(options.pop("strategies", None) or allowed)
-        if any(s not in allowed for s in strategies):
+        strategies = options.pop("strategies", None)
+        strategies = allowed if strategies is None else (strategies,) if isinstance(strategies, str) else tuple(strategies)
+        if any(s not in allowed for s in strategies):   # () is AutoSpec's to refuse
             raise ValueError(f"BytePS can run only {', '.join(allowed)} under auto; got {strategies!r}")
         options.setdefault("first", "sketch" if "sketch" in strategies else None)
-        options.setdefault("partial", False)   # a sketch's inexact rows: the dense fallback push carries them
-        spec = AutoSpec(lossy=lossy, strategies=strategies, calibration=calibration or Calibration.default(), **options)
+        # A sketch's inexact rows: the dense fallback push carries them, BytePS having no other second push.
+        if options.setdefault("partial", False) is not False:
+            raise ValueError("BytePS's only second push is the dense fallback: auto runs with partial=False there, "
+                             f"got partial={options['partial']!r}")
+        spec = AutoSpec(lossy=lossy, strategies=strategies,
+                        calibration=Calibration.default() if calibration is None else calibration, **options)
         return AutoBytePSCompressor(spec, engine=engine)
 
     @staticmethod

@@ -296,6 +296,8 @@ class AutoHookState(_HookState):
                  guard_steps: int = GUARD_STEPS, guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN,
                  **options):
         strategies = options.get("strategies")
+        if strategies is not None:   # one pass over what was given (an iterator is spent by a look)
+            strategies = options["strategies"] = (strategies,) if isinstance(strategies, str) else tuple(strategies)
         powersgd = lossy is True and (strategies is None or "powersgd" in strategies)
         if strategies is not None and "powersgd" in strategies:
             if lossy is not True:
@@ -306,8 +308,10 @@ class AutoHookState(_HookState):
         # does (and, in a message, travel in their dtype's part): priced so.
         spec.native_plain_dtypes = (torch.float16, torch.bfloat16)
         super().__init__(spec, process_group)
-        self._powersgd = (PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
-                          if powersgd else None)
+        # Built (so its options checked) where PowerSGD is off too: a bad powersgd_rank is an error, not a
+        # setting that lies in wait for lossy=True.
+        planner = PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
+        self._powersgd = planner if powersgd else None
         self._guard = step_guard(guard_steps, guard_start, guard_margin)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)

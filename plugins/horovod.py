@@ -253,10 +253,13 @@ class Compression(CompressionFactory):
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
         guard = step_guard(guard_steps, guard_start, guard_margin)
-        if options.get("first") == "bf16" or "bf16" in (options.get("strategies") or ()):
+        strategies = options.get("strategies")
+        if strategies is not None:   # one pass over what was given (an iterator is spent by a look)
+            strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
+        if options.get("first") == "bf16" or "bf16" in (strategies or ()):
             raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
                              "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves the bytes too")
-        options["strategies"] = tuple(options.get("strategies") or HOROVOD_STRATEGIES)
+        options["strategies"] = HOROVOD_STRATEGIES if strategies is None else strategies   # () refused by AutoSpec
         spec = AutoSpec(lossy=lossy, **options)
         # Horovod reduces each tensor on its own, in its dtype: a float16 gradient's plain steps go as
         # float16, as Horovod's own allreduce sends it (bfloat16, which it cannot reduce: float32).

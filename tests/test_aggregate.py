@@ -515,6 +515,9 @@ def test_compression_options_are_checked_when_configured(spec_type, aggregator_t
         policy = lhc.CapacityPolicy(interval=4)
         agg = spec_type(policy=policy).make("w", torch.zeros(64, 8), 2, 0, AggregationStats(), "cpu")
         assert agg.tracker is not None and agg.tracker.policy is policy
+    if "partial_max_fraction" in spec_type.passthrough:
+        with pytest.raises(ValueError, match="partial_max_fraction"):
+            spec_type(partial_max_fraction=1.5)
 
 
 def test_aggregator_refuses_a_policy_of_the_wrong_type():

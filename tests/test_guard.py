@@ -195,6 +195,11 @@ def test_step_guard_from_the_adapters_options():
     for bad in (2.5, True, "5", None):
         with pytest.raises(TypeError, match="guard_steps"):
             step_guard(bad)
+    # the other options are checked with the guard off too (they were ignored, whatever they were)
+    with pytest.raises(ValueError, match="guard start"):
+        step_guard(0, -5)
+    with pytest.raises(ValueError, match="margin"):
+        step_guard(0, 8, "x")
 
 
 def transition_costs(phases, step):

@@ -384,6 +384,17 @@ def test_small_tensors_stay_exact_under_lossy():
         AutoSpec(lossy=True, lossy_min_bytes=-1)
 
 
+def test_auto_options_are_checked_not_coerced():
+    """alpha and topk_ratio: numbers in (0, 1], bool and str refused (True was taken as 1.0: top-k of the
+    whole tensor); strategies given as an iterator are read once (the check spent it, leaving every
+    tensor dense), a single name is that name."""
+    for options in (dict(alpha=True), dict(alpha="0.5"), dict(topk_ratio=True), dict(topk_ratio=float("nan"))):
+        with pytest.raises(ValueError, match="must be in"):
+            AutoSpec(**options)
+    assert AutoSpec(lossy=True, strategies=iter(["thc"])).strategies == ("thc",)
+    assert AutoSpec(strategies="sketch").strategies == ("sketch",)
+
+
 def test_contradictory_auto_options_are_refused():
     """A lossy first strategy without lossy=True, strategies of which lossy allows none, or a first
     strategy outside ``strategies`` would leave every tensor on another strategy than the one named:

@@ -191,6 +191,9 @@ def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
         AutoSpec(lossy=True, strategies=("powersgd",))   # Compression.auto, AutoFSDPState: no bucket to give it
     with pytest.raises(ValueError):
         AutoHookState(lossy=True, powersgd_start=1)       # torch's minimum with error feedback
+    with pytest.raises(ValueError, match="powersgd_rank"):
+        AutoHookState(lossy=False, powersgd_rank=-3)      # checked with PowerSGD off too (it was ignored)
+    assert AutoHookState(lossy=True, strategies=iter(["powersgd", "thc"])).spec.strategies == ("thc",)
     assert "powersgd(rank=4" in repr(AutoHookState(lossy=True))   # part of the cross-rank configuration check
     assert not PowerSGDPlanner.offered(torch.zeros(3), [torch.zeros(())], 2)   # a scalar gradient
     assert not PowerSGDPlanner.offered(torch.zeros(3, dtype=torch.float64), [torch.zeros(3, dtype=torch.float64)], 2)

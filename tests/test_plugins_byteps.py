@@ -543,6 +543,40 @@ def test_fit_pads_smaller_payloads_and_widens_dtypes():
         _Opt([("w", p)], eng)._push_pull_grad_async(p, comp2)
 
 
+def test_auto_options_byteps_cannot_honour_are_refused():
+    """partial=True (BytePS's only second push is the dense fallback: it failed at the first inexact
+    decode), an empty strategies (it became every strategy) and a falsy calibration (it became the
+    default) are refused when the compressor is built."""
+    with pytest.raises(ValueError, match="partial"):
+        Compression.auto(partial=True)
+    with pytest.raises(ValueError, match="non-empty"):
+        Compression.auto(strategies=())
+    with pytest.raises(TypeError, match="calibration"):
+        Compression.auto(calibration=0)
+
+
+def test_a_half_precision_tensor_a_policy_may_compress_later_gets_a_float32_slot():
+    """lossless with a CapacityPolicy on a float16 model: the table is sent as it is at first (a sketch at 50%
+    is not smaller), then the policy's smaller capacity puts it on the codec, whose payload is float32. The
+    first push fixed a float16 slot, which cannot carry it (a RuntimeError at that step); now a slot that
+    may take a codec's payload is float32 from the first push, and training equals the uncompressed run."""
+    from lossless_hc.training.aggregate import CapacityPolicy
+
+    class HalfModel(EmbeddingModel):
+        def __init__(self):
+            super().__init__()
+            self.half()
+
+        def forward(self, idx):
+            return super().forward(idx).float()
+    ref, _ = train(none_for, world=2, steps=6, model_fn=HalfModel)
+    got, _ = train(lossless_for(max_density=0.5, policy=CapacityPolicy(interval=1)), world=2, steps=6,
+                   model_fn=HalfModel)
+    assert all(max_diff(ref[r][0], got[r][0]) == 0.0 for r in range(2))
+    st = got[0][1].stats()
+    assert st["compressed"] > 0 and st["sent_dense"] > 0 and st["fallbacks"] == 0, st
+
+
 # -- auto (the planner) -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world, order", [(2, None), (3, [2, 0, 1])])

@@ -45,7 +45,7 @@ from lossless_hc.lhc.layout import INDEX_KINDS, check_uint64, is_real
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
 from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_block_size,
-                                            check_policy, partial_values)
+                                            check_partial_fraction, check_policy, partial_values)
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 INDEX_CHOICES = ("auto",) + INDEX_KINDS
@@ -112,7 +112,8 @@ class AggregatorSpec:
             own = [p for p in inspect.signature(type(self).__init__).parameters if p not in ("self", "extra")]
             raise TypeError(f"unknown option(s) for {self.kind} compression: {', '.join(unknown)} (its options: "
                             f"{', '.join(own + list(self.passthrough))})")
-        check_policy(extra.get("policy"))
+        check_policy(extra.get("policy"))   # here, not at the first backward pass that builds an aggregator
+        check_partial_fraction(extra.get("partial_max_fraction"))
         self.seed = check_uint64(seed, "seed")
         self.extra = dict(extra)
 

@@ -323,7 +323,7 @@ class TensorAggregator:
         self.union_capacity: Optional[int] = None   # aggregate non-zeros the codec is sized for (None: n x capacity)
         self.min_capacity = 0                       # the policy never goes below this (top-k: k)
         self.tracker = check_policy(policy).tracker() if policy is not None else None
-        self.partial_max_fraction = _check_partial_fraction(partial_max_fraction)
+        self.partial_max_fraction = check_partial_fraction(partial_max_fraction)
         self._codec: Optional[LosslessCodec] = None
         self._decide_codec()
 
@@ -553,7 +553,8 @@ def check_policy(policy):
     return policy
 
 
-def _check_partial_fraction(fraction) -> float:
+def check_partial_fraction(fraction) -> float:
+    """``partial_max_fraction`` (None: the default), a number in [0, 1] (bool refused), else ValueError."""
     if fraction is None:
         return PARTIAL_MAX_FRACTION
     if not is_real(fraction) or not 0.0 <= fraction <= 1.0:

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lossless_hc.thc.table import check_bits
+from lossless_hc.lhc.layout import is_real
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
@@ -79,16 +80,18 @@ class AutoSpec(AggregatorSpec):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
-        if not 0.0 < float(alpha) <= 1.0:
+        if not (is_real(alpha) and 0.0 < alpha <= 1.0):
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         if first is not None and first not in STRATEGIES:
             raise ValueError(f"first must be one of {', '.join(STRATEGIES)}; got {first!r}")
         if strategies is not None:
+            # One pass over what was given (an iterator would be spent by the check), and a name is not
+            # a list of names ("sketch" would be its letters).
+            strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
             bad = [s for s in strategies if s not in STRATEGIES]
             if bad or not strategies:
                 raise ValueError(f"strategies must be a non-empty subset of {', '.join(STRATEGIES)}; "
                                  f"got {strategies!r}")
-            strategies = tuple(strategies)
         # Contradictions are refused here rather than planned around: each would leave every tensor
         # on another strategy than the one named, without a word.
         if lossy is not True and first in LOSSY_STRATEGIES:
@@ -99,7 +102,7 @@ class AutoSpec(AggregatorSpec):
             raise ValueError(f"first={first!r} is not among strategies {strategies!r}")
         if calibration is not None and not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a planner.Calibration, got {type(calibration).__name__}")
-        if not 0.0 < float(topk_ratio) <= 1.0:
+        if not (is_real(topk_ratio) and 0.0 < topk_ratio <= 1.0):
             raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
         # Checked here, not when a THC plan is first built mid-run (2.5 was truncated to 2).
         check_bits(thc_bits, "thc_bits")

@@ -74,11 +74,12 @@ GUARD_BLOCK = 2      # consecutive steps of one window; only a block's last step
 def step_guard(steps, start: int = GUARD_START, margin: float = GUARD_MARGIN) -> Optional["StepGuard"]:
     """The adapters' step guard from their ``guard_steps``, ``guard_start`` and ``guard_margin``: None
     when ``steps`` is 0 (the guard off), else a :class:`StepGuard`; ``steps`` an int >= 0 (TypeError,
-    ValueError), the others as :class:`StepGuard` checks them."""
+    ValueError), the others as :class:`StepGuard` checks them, with the guard off too."""
     check_int(steps, "guard_steps")
     if steps < 0:
         raise ValueError(f"guard_steps must be an integer >= 0, got {steps!r}")
-    return StepGuard(steps, start, margin) if steps else None
+    guard = StepGuard(max(steps, 1), start, margin)
+    return guard if steps else None
 
 
 class StepGuard:

@@ -1,8 +1,8 @@
 """The ``thc`` command of ``python -m lossless_hc.bench`` (kept apart from the lossless benchmarks).
 
 Inputs: each worker's gradient is a shared N(0,1) component plus an independent N(0,1) one, fresh
-each step (workers agree partly, as data-parallel gradients do). Step 0 is the norm-only round, then
-``warmup`` steps, then the measured (and timed) step. NMSE is ||decoded - truth||^2 / ||truth||^2
+each step (workers agree partly, as data-parallel gradients do). ``warmup`` steps (the first of them the
+norm-only round), then the measured (and timed) step. NMSE is ||decoded - truth||^2 / ||truth||^2
 against float64 truth, for two truths: the sum of what the workers encoded (x + e, one step of
 compression error) and the sum of the step's inputs x (what the optimizer wanted; error feedback
 moves error between steps). The model line is the table's rounding variance plus the clipped mass of
@@ -73,8 +73,8 @@ def run_thc_bench(numel: int, workers: int, bits: int = 4, granularity: int = 30
             total += p
         return total / workers if averaged else total
 
-    # Step 0 is the norm-only round (agrees on M; the inputs stay in error feedback); steps 1..warmup
-    # reach the steady state of error feedback; the last step is measured.
+    # Step 0 is the norm-only round (agrees on M; the inputs stay in error feedback); steps 1..warmup-1
+    # reach the steady state of error feedback; the step after them is measured.
     for _ in range(warmup):
         step_all([common + torch.randn(numel, generator=gen) for _ in range(workers)])
 

@@ -77,7 +77,7 @@ import torch
 from lossless_hc.thc.codec import NON_FINITE_CHOICES
 from lossless_hc.training.adapter import (INDEX_CHOICES, CompressionFactory, CompressorAdapter, EncodedTensor,
                                           require_optimizer_frame, wire_numel)
-from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec, as_strategies
 from lossless_hc.training.planner import Calibration
 
 try:
@@ -434,8 +434,8 @@ class Compression(CompressionFactory):
         """The planner where BytePS's fixed-shape push allows (module doc): per tensor, dense or the
         sketch (and top-k with ``lossy``). ``options``: :class:`lossless_hc.training.auto.AutoSpec`."""
         allowed = BYTEPS_STRATEGIES + (BYTEPS_LOSSY_STRATEGIES if lossy else ())
-        strategies = options.pop("strategies", None)
-        strategies = allowed if strategies is None else (strategies,) if isinstance(strategies, str) else tuple(strategies)
+        strategies = as_strategies(options.pop("strategies", None))
+        strategies = allowed if strategies is None else strategies
         if any(s not in allowed for s in strategies):   # () is AutoSpec's to refuse
             raise ValueError(f"BytePS can run only {', '.join(allowed)} under auto; got {strategies!r}")
         options.setdefault("first", "sketch" if "sketch" in strategies else None)

@@ -89,7 +89,7 @@ import torch
 import torch.distributed as dist
 
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
+from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
@@ -295,9 +295,7 @@ class AutoHookState(_HookState):
                  powersgd_rank: int = POWERSGD_RANK, powersgd_start: int = POWERSGD_START,
                  guard_steps: int = GUARD_STEPS, guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN,
                  **options):
-        strategies = options.get("strategies")
-        if strategies is not None:   # one pass over what was given (an iterator is spent by a look)
-            strategies = options["strategies"] = (strategies,) if isinstance(strategies, str) else tuple(strategies)
+        strategies = options["strategies"] = as_strategies(options.get("strategies"))
         powersgd = lossy is True and (strategies is None or "powersgd" in strategies)
         if strategies is not None and "powersgd" in strategies:
             if lossy is not True:

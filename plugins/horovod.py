@@ -61,7 +61,7 @@ import hashlib
 
 from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
 from lossless_hc.training.aggregate import ConfigurationMismatch
-from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec, as_strategies
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import STRATEGIES
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
@@ -253,9 +253,7 @@ class Compression(CompressionFactory):
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
         guard = step_guard(guard_steps, guard_start, guard_margin)
-        strategies = options.get("strategies")
-        if strategies is not None:   # one pass over what was given (an iterator is spent by a look)
-            strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
+        strategies = as_strategies(options.get("strategies"))
         if options.get("first") == "bf16" or "bf16" in (strategies or ()):
             raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
                              "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves the bytes too")

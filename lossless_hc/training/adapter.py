@@ -83,7 +83,8 @@ def require_optimizer_frame(compressor, usage: str):
 
 # -- configuration: one spec per Compression factory ------------------------------------------------
 
-def _check_fraction(what: str, v) -> float:
+def check_fraction(what: str, v) -> float:
+    """``v`` as a float, else ValueError unless it is a number in (0, 1] (bool refused)."""
     if not is_real(v) or not 0.0 < v <= 1.0:
         raise ValueError(f"{what} must be in (0, 1], got {v!r}")
     return float(v)
@@ -139,7 +140,7 @@ class LosslessSpec(AggregatorSpec):
     def __init__(self, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
                  index: str = "auto", **extra):
         super().__init__(seed, **extra)
-        self.max_density = _check_fraction("max_density", max_density)
+        self.max_density = check_fraction("max_density", max_density)
         self.block_size = check_block_size(block_size)
         self.index = _check_index(index)
 
@@ -161,7 +162,7 @@ class TopKSpec(AggregatorSpec):
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, index: str = "auto", **extra):
         super().__init__(seed, **extra)
-        self.ratio = _check_fraction("ratio", ratio)
+        self.ratio = check_fraction("ratio", ratio)
         self.index = _check_index(index)
 
     def options(self) -> dict:

@@ -27,8 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lossless_hc.thc.table import check_bits
-from lossless_hc.lhc.layout import is_real
-from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
+from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, check_fraction
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.guard import StepGuard
@@ -37,6 +36,14 @@ from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STR
                                           Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
 
+
+
+def as_strategies(strategies) -> Optional[tuple]:
+    """``strategies`` as a tuple, read once (an iterator is spent by a look), a single name as itself
+    ("sketch" is not its letters); None stays None. What AutoSpec and the adapters check it as."""
+    if strategies is None:
+        return None
+    return (strategies,) if isinstance(strategies, str) else tuple(strategies)
 
 
 class AutoSpec(AggregatorSpec):
@@ -80,14 +87,11 @@ class AutoSpec(AggregatorSpec):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
-        if not (is_real(alpha) and 0.0 < alpha <= 1.0):
-            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        alpha = check_fraction("alpha", alpha)
         if first is not None and first not in STRATEGIES:
             raise ValueError(f"first must be one of {', '.join(STRATEGIES)}; got {first!r}")
+        strategies = as_strategies(strategies)
         if strategies is not None:
-            # One pass over what was given (an iterator would be spent by the check), and a name is not
-            # a list of names ("sketch" would be its letters).
-            strategies = (strategies,) if isinstance(strategies, str) else tuple(strategies)
             bad = [s for s in strategies if s not in STRATEGIES]
             if bad or not strategies:
                 raise ValueError(f"strategies must be a non-empty subset of {', '.join(STRATEGIES)}; "
@@ -102,13 +106,12 @@ class AutoSpec(AggregatorSpec):
             raise ValueError(f"first={first!r} is not among strategies {strategies!r}")
         if calibration is not None and not isinstance(calibration, Calibration):
             raise TypeError(f"calibration must be a planner.Calibration, got {type(calibration).__name__}")
-        if not (is_real(topk_ratio) and 0.0 < topk_ratio <= 1.0):
-            raise ValueError(f"topk_ratio must be in (0, 1], got {topk_ratio!r}")
+        topk_ratio = check_fraction("topk_ratio", topk_ratio)
         # Checked here, not when a THC plan is first built mid-run (2.5 was truncated to 2).
         check_bits(thc_bits, "thc_bits")
-        self.lossy, self.interval, self.alpha, self.first = lossy, interval, float(alpha), first
+        self.lossy, self.interval, self.alpha, self.first = lossy, interval, alpha, first
         self.strategies = strategies
-        self.topk_ratio, self.thc_bits = float(topk_ratio), thc_bits
+        self.topk_ratio, self.thc_bits = topk_ratio, thc_bits
         if not isinstance(partial, bool):
             raise ValueError(f"partial must be True or False, got {partial!r}")
         self.partial = partial
@@ -345,8 +348,8 @@ class AutoCompressorAdapter(CompressorAdapter):
         return tuple(a.strategy for a in dense)
 
     def _broadcast_verdict(self, verdict: tuple) -> tuple:
-        """Rank 0's ``verdict`` (the five values of ``StepGuard.decide``) on every rank: a blocking broadcast, called by every rank
-        at the same step (the step guard's)."""
+        """Rank 0's ``verdict`` (the five values of ``StepGuard.decide``) on every rank: a blocking
+        broadcast, called by every rank at the same step (the step guard's)."""
         raise NotImplementedError
 
     def _start_request(self, agg: AutoAggregator, request) -> object:

@@ -90,24 +90,23 @@ def _nonnegative_int(s: str) -> int:
     return v
 
 
-def _density_list(s: str) -> list:
+def _comma_list(s: str, convert, kind: str, valid, expected: str) -> list:
+    """``s`` as a non-empty list of ``convert``ed values, each ``valid``; else a usage error."""
     try:
-        vals = [float(v) for v in s.split(",") if v.strip()]
+        vals = [convert(v) for v in s.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}")
-    if not vals or not all(0.0 < v <= 1.0 for v in vals):   # NaN fails this too
-        raise argparse.ArgumentTypeError(f"expected densities in (0, 1], got {s!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {kind}, got {s!r}")
+    if not vals or not all(valid(v) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {s!r}")
     return vals
+
+
+def _density_list(s: str) -> list:
+    return _comma_list(s, float, "numbers", lambda v: 0.0 < v <= 1.0, "densities in (0, 1]")   # NaN fails too
 
 
 def _int_list(s: str) -> list:
-    try:
-        vals = [int(v) for v in s.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return vals
+    return _comma_list(s, int, "integers", lambda v: v >= 1, "positive integers")
 
 
 def build_parser() -> argparse.ArgumentParser:

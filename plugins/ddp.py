@@ -155,8 +155,9 @@ class _HookState:
         cfg = f"{self.world_size}|{self!r}"
         check_same_configuration(cfg, self.process_group, type(self).__name__)
 
-    def _check_bucket(self, params) -> None:
-        """Per-parameter options that ranks must share beyond :meth:`_check_configuration` (none here)."""
+    def _check_bucket(self, params, is_last: bool) -> None:
+        """Per-parameter options that ranks must share beyond :meth:`_check_configuration` (none here);
+        ``is_last``: the bucket is the step's last (DDP's ``GradBucket.is_last``)."""
 
     def _fallback_group(self, bucket_index: int):
         group = self._fallback_groups.get(bucket_index)
@@ -207,8 +208,9 @@ class THCHookState(_HookState):
     through THC. THC's error is spread evenly over a tensor's coordinates, so with an optimizer that
     scales each coordinate by its own running magnitude (Adam, RMSprop, Adagrad) it must not carry
     tensors where most coordinates' true gradient is near zero at a step and whose weights are small:
-    the output layer over a vocabulary (docs/THC.md, "Training with THC"). ``stats()["thc"]`` says how each
-    parameter was sent."""
+    the output layer over a vocabulary (docs/THC.md, "Training with THC"). An entry that requires grad
+    but is not a parameter DDP reduces (a copy's) is a ValueError at the first step's last bucket.
+    ``stats()["thc"]`` says how each parameter was sent."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, bits: int = 4, granularity: int = 30,
                  overflow_freq: float = 32, seed: int = 0, non_finite: str = "raise", exact=()):
@@ -227,20 +229,31 @@ class THCHookState(_HookState):
     def _is_exact(self, p: torch.nn.Parameter) -> bool:
         return any(p is q for q in self._exact)
 
-    def _check_bucket(self, params) -> None:
+    def _check_bucket(self, params, is_last: bool) -> None:
         """Ranks must mark the same parameters ``exact`` (a dense segment on one rank summed with THC words
         on another is garbage of a valid size): on a bucket holding a parameter not checked yet (every
         bucket of the first step; DDP's bucket order is the same on every rank), its exact flags in bucket
         order are compared across ranks (:func:`check_same_configuration`: ConfigurationMismatch on every
-        rank). A blocking collective in the hook, as the first call's configuration check."""
+        rank). A blocking collective in the hook, as the first call's configuration check.
+
+        At the first step's last bucket every parameter DDP reduces has been seen: an ``exact`` entry that
+        requires grad and is none of them (a copy's parameter, one DDP was told to ignore) would leave the
+        layer the user meant on THC, so it is a ValueError, on every rank (their counts are compared
+        first)."""
         params = list(params)
         if all(id(p) in self._exact_checked for p in params):
             return
         flags = "".join("1" if self._is_exact(p) else "0" for p in params)
         shapes = ";".join("x".join(map(str, p.shape)) for p in params)
-        check_same_configuration(f"exact {flags} of {shapes}", self.process_group,
-                                 "THCHookState's exact parameters")
         self._exact_checked.update(id(p) for p in params)
+        unmatched = [q for q in self._exact if q.requires_grad and id(q) not in self._exact_checked] if is_last else []
+        check_same_configuration(f"exact {flags} of {shapes}; {len(unmatched)} unmatched", self.process_group,
+                                 "THCHookState's exact parameters")
+        if unmatched:
+            shapes = ", ".join(str(tuple(q.shape)) for q in unmatched)
+            raise ValueError(f"THCHookState(exact=...) holds {len(unmatched)} tensor(s) that are not parameters "
+                             f"this DDP model reduces (shapes {shapes}): pass the wrapped model's own parameters "
+                             f"(e.g. ddp_model.module.out.weight), not a copy's")
 
     def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
         return self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device,
@@ -494,7 +507,7 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
                         "for the LHC sketch alone) or dense gradients (nn.Embedding(sparse=False))")
     if not state._config_checked:
         state._check_configuration()
-    state._check_bucket(bucket.parameters())
+    state._check_bucket(bucket.parameters(), bucket.is_last())
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
     n = state.world_size

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "mp", "ddp_worker.py")
 EXACT = ["average", "small_buckets", "fallback"]
 ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError",
-          "thc_exact_mismatch": "ConfigurationMismatch"}
+          "thc_exact_mismatch": "ConfigurationMismatch", "thc_exact_unmatched": "ValueError"}
 TOL = 1e-6
 
 

@@ -5,6 +5,7 @@ Each scenario trains the same model twice from the same seed on the same per-ran
 DDP's default allreduce and once with the lossless hook; every rank writes
 OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
 """
+import copy
 import os
 import sys
 
@@ -198,6 +199,15 @@ def scenario(name):
             ddp.register_comm_hook(state, thc_hook)
             loss_fn(ddp, batch(0, dist.get_rank())).backward()
         return expect_error(run, ConfigurationMismatch)
+    if name == "thc_exact_unmatched":   # THCHookState(exact=...) naming a copy's parameter: that layer would be THC'd
+        def run():
+            torch.manual_seed(0)
+            model = EmbeddingModel(hidden=512)
+            ddp = DistributedDataParallel(model)
+            state = THCHookState(exact=[model.users.weight, copy.deepcopy(model).fc1.weight])
+            ddp.register_comm_hook(state, thc_hook)
+            loss_fn(ddp, batch(0, dist.get_rank())).backward()
+        return expect_error(run, ValueError)
     raise ValueError(f"unknown scenario {name}")
 
 

@@ -308,3 +308,35 @@ def test_the_report_gives_each_rounds_guard_verdict_and_repeated_trials():
     assert "step guard: 2 trials (a re-plan changed the plans after a verdict)" in text
     # a round whose plans were all dense opened no trial; one whose trial did not end has no verdict
     assert "step guard per round: plan (70.0 / 80.0 ms), dense (89.1 / 76.2 ms), no trial, no verdict" in text
+
+
+def test_the_report_json_is_strict_and_renders_the_same_read_back(tmp_path):
+    """write_report's JSON is strict (a guard's NaN medians and a diverged loss are null: ``json`` in
+    other languages and ``jq`` refuse NaN), and the report rendered from it (bench replay reads it back)
+    equals the one rendered from the run's own result."""
+    import json
+    from lossless_hc.bench.cluster_report import render_markdown
+    from lossless_hc.bench.common import write_report
+    guard = {"verdict": "plan", "plan_ms": 70.0, "dense_ms": 83.2, "window": 8, "steps": 5, "block": 2,
+             "lead_plan_ms": float("nan"), "lead_dense_ms": 104.0}
+    result = {"command": "c", "rows": [report_row("none", 80.0, final_loss=float("nan")),
+                                       report_row("auto", 70.0, auto_choice={"dense": ["param0(4,)"]},
+                                                  auto_guard=guard)],
+              "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}
+    write_report(str(tmp_path), "r", result, "md")
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text
+    back = json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert back["rows"][0]["final_loss"] is None
+    expected = render_markdown(result, "t")
+    assert "untimed ones (after a switch) - ms in the plans' blocks, 104.0 ms in dense's" in expected
+    assert render_markdown(back, "t") == expected
+
+
+def test_replay_gives_the_aggregation_time_where_the_wire_was_not_counted():
+    """A row whose wire bytes are unknown (no interface counters) still shows its aggregation time."""
+    from lossless_hc.bench import replay
+    rows = [report_row("none", 80.0, aggregation_s=0.05), report_row("auto", 70.0, aggregation_s=0.02,
+                                                                      wire_bytes_per_step_per_host=None)]
+    text = replay.render({2: {"rows": rows}}, "t")
+    assert "| ddp | none | 50.0 (0.00) |" in text and "| ddp | **auto** (planner) | 20.0 |" in text

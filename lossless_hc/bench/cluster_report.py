@@ -25,7 +25,8 @@ def rate_label(bits: int) -> str:
 
 # -- tables and plots ----------------------------------------------------------------------------------------
 def _f(v, fmt: str, none: str = "-") -> str:
-    return none if v is None else format(v, fmt)
+    """``v`` formatted; ``none`` for a missing value: None, or NaN (what a report's JSON reads back as null)."""
+    return none if v is None or v != v else format(v, fmt)
 
 
 def _computes(result: dict) -> dict:
@@ -124,8 +125,8 @@ def render_markdown(result: dict, title: str) -> str:
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
                 if (g.get("block") or 1) > 1:
                     lines.append(f"step guard: blocks of {g['block']} steps per window, the last one timed; the "
-                                 f"untimed ones (after a switch) {g['lead_plan_ms']:.1f} ms in the plans' blocks, "
-                                 f"{g['lead_dense_ms']:.1f} ms in dense's")
+                                 f"untimed ones (after a switch) {_f(g['lead_plan_ms'], '.1f')} ms in the plans' "
+                                 f"blocks, {_f(g['lead_dense_ms'], '.1f')} ms in dense's")
             elif g and g.get("window") is None:
                 lines.append("step guard: no trial (every dense gradient's plan was dense)")
             elif g:

@@ -164,11 +164,11 @@ def json_safe(obj):
 
 def write_report(workdir: str, stem: str, result: dict, markdown: str) -> None:
     """``workdir/stem.md`` (the command line, then the rendered tables) and ``workdir/stem.json``
-    (the whole result) of a run on emulated clusters."""
+    (the whole result, strict JSON: NaN/Inf as null, see :func:`json_safe`) of a run on emulated clusters."""
     with open(os.path.join(workdir, stem + ".md"), "w") as f:
         f.write(f"`{result['command']}`\n\n{markdown}")
     with open(os.path.join(workdir, stem + ".json"), "w") as f:
-        json.dump(result, f, indent=2, default=str)
+        json.dump(json_safe(result), f, indent=2, default=str, allow_nan=False)
 
 
 def write_json(path: Optional[str], obj: dict) -> None:

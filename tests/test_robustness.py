@@ -17,6 +17,7 @@ from lossless_hc.lhc.sizing import sketch_table_for
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
                                      lossless_hook, thc_hook, topk_hook)
+from lossless_hc.training.aggregate import CapacityPolicy, TensorAggregator
 
 INDEXES = ["bitmap", "bloom", "multilevel", "dense"]
 
@@ -609,6 +610,29 @@ def test_every_seed_takes_one_rule(entry):
     for seed in (True, 1.0, "0"):
         with pytest.raises(TypeError, match="must be an int, got"):
             make(seed)
+
+
+FRACTIONS = {   # every option that is a fraction in (0, 1]: the built object's value of it
+    "LosslessHookState max_density": lambda v: LosslessHookState(max_density=v).spec.max_density,
+    "TopKHookState ratio": lambda v: TopKHookState(ratio=v).spec.ratio,
+    "AutoHookState topk_ratio": lambda v: AutoHookState(lossy=True, topk_ratio=v).spec.topk_ratio,
+    "TensorAggregator max_density": lambda v: TensorAggregator("t", (64,), torch.float32, 2, v).capacity / 64,
+    "CapacityPolicy alpha": lambda v: CapacityPolicy(alpha=v).alpha,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(FRACTIONS))
+def test_every_fraction_takes_one_rule(entry):
+    """One check (lhc.layout.check_fraction): a real number in (0, 1], NumPy's scalars included (a
+    np.float32 was refused as "must be in (0, 1], got 0.01"), kept as a Python float; bools (True passed
+    as 1.0 in TensorAggregator and CapacityPolicy), strings, NaN and values outside refused."""
+    make = FRACTIONS[entry]
+    for v in (0.25, np.float32(0.25), np.float64(0.25), 1, np.int64(1)):
+        got = make(v)
+        assert type(got) is float and got == float(v), (v, got)
+    for v in (True, np.True_, "0.5", float("nan"), 0, 0.0, 1.5, -0.1, None):
+        with pytest.raises(ValueError, match="must be a number in \\(0, 1\\], got"):
+            make(v)
 
 
 @pytest.mark.parametrize("hook,state", [(lossless_hook, LosslessHookState), (topk_hook, TopKHookState),

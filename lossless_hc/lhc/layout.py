@@ -37,6 +37,8 @@ stays below ``2**22``, where float32 sums are exact and an average is invertible
 """
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -307,9 +309,17 @@ def check_int(value, name: str, none: bool = False) -> None:
 
 
 def is_real(value) -> bool:
-    """Whether ``value`` is an int or a float, bool refused (True would pass as 1 silently): the type
-    test of every numeric option whose range its caller checks."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """Whether ``value`` is a real number (int, float, NumPy's scalars: ``numbers.Real``), bool refused
+    (True would pass as 1 silently): the type test of every numeric option whose range its caller
+    checks, and which it then takes as ``float(value)``."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_fraction(what: str, v) -> float:
+    """``v`` as a float, else ValueError unless it is a real number in (0, 1] (bool refused)."""
+    if not is_real(v) or not 0.0 < v <= 1.0:
+        raise ValueError(f"{what} must be a number in (0, 1], got {v!r}")
+    return float(v)
 
 
 def check_args(numel, world_size, max_nnz, block_size, seed, union_nnz) -> None:

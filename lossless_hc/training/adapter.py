@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.lhc.layout import INDEX_KINDS, check_uint64, is_real
+from lossless_hc.lhc.layout import INDEX_KINDS, check_fraction, check_uint64
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
 from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_block_size,
@@ -82,13 +82,6 @@ def require_optimizer_frame(compressor, usage: str):
 
 
 # -- configuration: one spec per Compression factory ------------------------------------------------
-
-def check_fraction(what: str, v) -> float:
-    """``v`` as a float, else ValueError unless it is a number in (0, 1] (bool refused)."""
-    if not is_real(v) or not 0.0 < v <= 1.0:
-        raise ValueError(f"{what} must be in (0, 1], got {v!r}")
-    return float(v)
-
 
 def _check_index(index) -> str:
     if index not in INDEX_CHOICES:

@@ -46,7 +46,7 @@ import torch
 from lossless_hc.backends import as_device, backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_int, check_uint64, is_real
+from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_fraction, check_int, check_uint64, is_real
 
 # The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -203,8 +203,7 @@ class CapacityPolicy:
         check_int(warmup, "warmup", none=True)
         if warmup is not None and warmup < 0:
             raise ValueError(f"warmup must be >= 0 decoded steps (or None: interval), got {warmup}")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        alpha = check_fraction("alpha", alpha)
         if not (1.0 <= union_headroom < math.inf and 1.0 <= rank_headroom < math.inf):   # NaN fails too
             raise ValueError(f"headrooms must be finite and >= 1, got union_headroom={union_headroom}, "
                              f"rank_headroom={rank_headroom}")
@@ -304,8 +303,7 @@ class TensorAggregator:
                  block_size: Optional[int] = None, seed: int = 0, index: str = "auto",
                  stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None,
                  device="cpu", partial_max_fraction: Optional[float] = None):
-        if not 0.0 < max_density <= 1.0:
-            raise ValueError(f"max_density must be in (0, 1], got {max_density}")
+        max_density = check_fraction("max_density", max_density)
         check_int(world_size, "world_size")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -27,7 +27,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lossless_hc.thc.table import check_bits
-from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor, check_fraction
+from lossless_hc.lhc.layout import check_fraction
+from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.guard import StepGuard

@@ -20,7 +20,7 @@ from lossless_hc.lhc.layout import PayloadLayout
 from lossless_hc.lhc.sizing import sketch_table_for
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.thc import THCCodec
-from lossless_hc.training.aggregate import CapacityPolicy
+from lossless_hc.training.capacity import CapacityPolicy
 
 __all__ = ["LosslessCodec", "DecodeReport", "DecodeStatus", "PayloadLayout", "plan_layout", "sketch_table_for",
            "THCCodec", "thc", "CapacityPolicy"]

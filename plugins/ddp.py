@@ -94,7 +94,8 @@ from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
-from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch  # noqa: F401
+from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch  # noqa: F401
+from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
 from lossless_hc.plugins._torch_dist import check_same_configuration

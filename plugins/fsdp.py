@@ -91,7 +91,8 @@ from lossless_hc.lhc.layout import is_real
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
-from lossless_hc.training.aggregate import AggregationStats, CapacityPolicy, ConfigurationMismatch
+from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch
+from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,

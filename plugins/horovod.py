@@ -65,7 +65,7 @@ from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec, as_strate
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import STRATEGIES
 from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
-from lossless_hc.training.aggregate import CapacityPolicy  # noqa: F401  (re-exported for users)
+from lossless_hc.training.capacity import CapacityPolicy  # noqa: F401  (re-exported for users)
 
 try:
     import horovod.torch as hvd

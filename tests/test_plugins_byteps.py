@@ -560,7 +560,7 @@ def test_a_half_precision_tensor_a_policy_may_compress_later_gets_a_float32_slot
     is not smaller), then the policy's smaller capacity puts it on the codec, whose payload is float32. The
     first push fixed a float16 slot, which cannot carry it (a RuntimeError at that step); now a slot that
     may take a codec's payload is float32 from the first push, and training equals the uncompressed run."""
-    from lossless_hc.training.aggregate import CapacityPolicy
+    from lossless_hc.training.capacity import CapacityPolicy
 
     class HalfModel(EmbeddingModel):
         def __init__(self):

@@ -1,9 +1,11 @@
 """CapacityPolicy / DensityTracker: decisions only every `interval` steps, hysteresis, growth and
 shrinking, identical decisions for identical observations, payload shapes that always match."""
+import numpy as np
 import pytest
 import torch
 
-from lossless_hc.training.aggregate import CapacityPolicy, TensorAggregator, TopKAggregator
+from lossless_hc.training.aggregate import TensorAggregator, TopKAggregator
+from lossless_hc.training.capacity import CapacityPolicy
 
 
 def test_decisions_only_at_interval_steps():
@@ -16,13 +18,16 @@ def test_warmup_and_validation():
     tr = CapacityPolicy(interval=2, warmup=5).tracker()
     assert [tr.observe(1, 1.0) for _ in range(8)] == [False, False, False, False, False, True, False, True]
     for bad in (dict(interval=0), dict(alpha=0.0), dict(alpha=1.5), dict(union_headroom=0.5), dict(hysteresis=1.0),
-                dict(rank_headroom=float("nan")), dict(union_headroom=float("inf")), dict(warmup=-1)):
+                dict(rank_headroom=float("nan")), dict(union_headroom=float("inf")), dict(warmup=-1),
+                # bools were numbers (True: a headroom of 1, alpha 1.0); a string raised from inside a comparison
+                dict(alpha=True), dict(union_headroom=True), dict(rank_headroom="2"), dict(hysteresis=False)):
         with pytest.raises(ValueError):
             CapacityPolicy(**bad)
     for bad in (dict(interval=2.5), dict(interval=True), dict(warmup=1.5)):   # were truncated silently
         with pytest.raises(TypeError):
             CapacityPolicy(**bad)
     assert CapacityPolicy(warmup=0).warmup == 0 and CapacityPolicy(interval=4).warmup == 4
+    assert CapacityPolicy(union_headroom=np.float32(2.0), hysteresis=np.float64(0.5)).union_headroom == 2.0
 
 
 def test_ewma_peaks_and_hysteresis():

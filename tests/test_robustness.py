@@ -17,7 +17,8 @@ from lossless_hc.lhc.sizing import sketch_table_for
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
                                      lossless_hook, thc_hook, topk_hook)
-from lossless_hc.training.aggregate import CapacityPolicy, TensorAggregator
+from lossless_hc.training.aggregate import TensorAggregator
+from lossless_hc.training.capacity import CapacityPolicy
 
 INDEXES = ["bitmap", "bloom", "multilevel", "dense"]
 

@@ -445,7 +445,6 @@ class LosslessCodec:
 
         dense_nonzero = pending = None
         if L.index_kind == "dense":
-            # The header and the non-zero count in one transfer (one synchronisation on CUDA).
             # The header, the non-zero count and the non-finite count in one transfer (one
             # synchronisation on CUDA).
             body = payload[HEADER_FIELDS:]

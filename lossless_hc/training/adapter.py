@@ -352,7 +352,7 @@ class CompressionFactory:
         """Exact aggregation of sparse gradients; each rank may send ``max_density`` of a tensor's
         coordinates before that tensor falls back (and grows). ``block_size`` None: a 2-D tensor's
         row length (embedding rows), else 1. ``policy``: a
-        :class:`lossless_hc.training.aggregate.CapacityPolicy` adapting capacity and index to the
+        :class:`lossless_hc.training.capacity.CapacityPolicy` adapting capacity and index to the
         observed aggregate densities (None: fixed capacity, grown only after a failure)."""
         return cls._build(LosslessSpec, max_density, block_size, seed, index, **_with_policy(policy, kwargs))
 

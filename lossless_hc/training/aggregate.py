@@ -47,6 +47,7 @@ from lossless_hc.backends import as_device, backend_for
 from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_fraction, check_int, check_uint64, is_real
+from lossless_hc.training.capacity import CapacityPolicy
 
 # The gradient dtypes the codecs take (encoded as float32); anything else goes dense.
 CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -159,109 +160,6 @@ class DecodeOutcome:
     @property
     def needs_partial(self) -> bool:
         return self.partial is not None
-
-
-class CapacityPolicy:
-    r"""Adaptive capacity: size each tensor's codec from the densities its aggregates show.
-
-    Options shared by every tensor of a compressor (or DDP hook state); each
-    :class:`TensorAggregator` keeps its own :class:`DensityTracker` from :meth:`tracker`.
-
-    Per decoded step the tracker observes, from the *aggregate* (identical bits on every rank): the
-    union support ``U`` (keys non-zero in the sum: the codec's report, or the non-zeros of a dense
-    or fallback aggregate) and the mean per-rank key count ``K / n`` (the header's total). It keeps
-    exponentially weighted averages :math:`\bar U \leftarrow (1-\alpha)\bar U + \alpha U` (and likewise
-    for the per-rank count and its running maximum). Every ``interval`` decoded steps -- a step
-    count all ranks share -- it proposes
-
-    * union capacity :math:`\lceil h_U \max(\bar U, U_{\max}) \rceil` and per-rank capacity
-      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) \rceil` (``U_max``, ``(K/n)_max``: the largest
-      seen in the last interval, so a spiky tensor keeps room for its spikes);
-
-    and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.lhc.cost_model`)
-    only if the proposal leaves the hysteresis band: it grows when the proposal exceeds the current
-    capacity, and shrinks only below ``(1 - hysteresis)`` of it. Decisions are pure functions of
-    aggregated values evaluated in the same order on every rank, so every rank switches at the same
-    step to the same layout and payload shapes always match. A failed decode still grows the capacity
-    at once (see :class:`TensorAggregator`).
-
-    Args:
-        interval: decoded steps between decisions (16).
-        alpha: EWMA weight of the newest step (0.25).
-        union_headroom: ``h_U`` (1.25): margin of the union capacity over the observed union.
-        rank_headroom: ``h_K`` (1.5): margin of the per-rank capacity over the observed mean.
-        hysteresis: shrink only when the proposal is below ``(1 - hysteresis)`` of the current
-            capacity (0.25).
-        warmup: decisions begin after this many decoded steps (``interval`` by default).
-    """
-
-    def __init__(self, interval: int = 16, alpha: float = 0.25, union_headroom: float = 1.25,
-                 rank_headroom: float = 1.5, hysteresis: float = 0.25, warmup: Optional[int] = None):
-        check_int(interval, "interval")   # 2.5 would be truncated to 2
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
-        check_int(warmup, "warmup", none=True)
-        if warmup is not None and warmup < 0:
-            raise ValueError(f"warmup must be >= 0 decoded steps (or None: interval), got {warmup}")
-        alpha = check_fraction("alpha", alpha)
-        if not (1.0 <= union_headroom < math.inf and 1.0 <= rank_headroom < math.inf):   # NaN fails too
-            raise ValueError(f"headrooms must be finite and >= 1, got union_headroom={union_headroom}, "
-                             f"rank_headroom={rank_headroom}")
-        if not 0.0 <= hysteresis < 1.0:
-            raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
-        self.interval = interval
-        self.alpha = float(alpha)
-        self.union_headroom = float(union_headroom)
-        self.rank_headroom = float(rank_headroom)
-        self.hysteresis = float(hysteresis)
-        self.warmup = self.interval if warmup is None else warmup
-
-    def tracker(self) -> "DensityTracker":
-        return DensityTracker(self)
-
-    def __repr__(self) -> str:
-        return (f"CapacityPolicy(interval={self.interval}, alpha={self.alpha}, union_headroom={self.union_headroom}, "
-                f"rank_headroom={self.rank_headroom}, hysteresis={self.hysteresis}, warmup={self.warmup})")
-
-
-class DensityTracker:
-    """One tensor's observed densities under a :class:`CapacityPolicy` (see there)."""
-
-    def __init__(self, policy: CapacityPolicy):
-        self.policy = policy
-        self.steps = 0                  # decoded steps observed
-        self.union = None               # EWMA of the aggregate's non-zero keys
-        self.per_rank = None            # EWMA of the mean per-rank non-zero keys
-        self.peak_union = 0             # maxima since the last decision
-        self.peak_rank = 0.0
-        self.history: list = []         # (step, capacity keys, union keys, index kind) per rebuild
-
-    def observe(self, union_keys: int, per_rank_keys: float) -> bool:
-        """Record one decoded step; True when a decision is due (every ``interval`` steps)."""
-        a = self.policy.alpha
-        self.union = float(union_keys) if self.union is None else (1 - a) * self.union + a * union_keys
-        self.per_rank = float(per_rank_keys) if self.per_rank is None else (1 - a) * self.per_rank + a * per_rank_keys
-        self.peak_union = max(self.peak_union, int(union_keys))
-        self.peak_rank = max(self.peak_rank, float(per_rank_keys))
-        self.steps += 1
-        return self.steps >= self.policy.warmup and self.steps % self.policy.interval == 0
-
-    def propose(self) -> tuple:
-        """``(per-rank capacity keys, union keys)`` for the next interval; resets the peaks."""
-        p = self.policy
-        rank = math.ceil(p.rank_headroom * max(self.per_rank, self.peak_rank))
-        union = math.ceil(p.union_headroom * max(self.union, self.peak_union))
-        self.peak_union, self.peak_rank = 0, 0.0
-        return max(1, rank), max(1, union)
-
-    @property
-    def changes(self) -> int:
-        """Decisions that rebuilt the codec with a different layout."""
-        return len(self.history)
-
-    def accept(self, current: int, proposed: int) -> bool:
-        """Whether ``proposed`` leaves the hysteresis band around ``current``."""
-        return proposed > current or proposed < (1.0 - self.policy.hysteresis) * current
 
 
 def default_block_size(shape) -> int:

@@ -5,7 +5,7 @@ What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to 
 
 * :class:`~lossless_hc.training.aggregate.TensorAggregator`: the capacity and the union capacity
   (they size the codec: payload shapes and which tensors are compressed) and, with a
-  :class:`~lossless_hc.training.aggregate.CapacityPolicy`, the density tracker (its averages, peaks,
+  :class:`~lossless_hc.training.capacity.CapacityPolicy`, the density tracker (its averages, peaks,
   step count and history);
 * :class:`~lossless_hc.training.aggregate.TopKAggregator`: the above and the error-feedback residual;
 * :class:`~lossless_hc.training.thc_aggregate.THCAggregator`: the codec's step, agreed norm and error memory;
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.training.aggregate import AggregationStats, DensityTracker, TopKAggregator
+from lossless_hc.training.aggregate import AggregationStats, TopKAggregator
+from lossless_hc.training.capacity import DensityTracker
 from lossless_hc.training.planner import TensorStats
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator

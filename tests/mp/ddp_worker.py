@@ -19,7 +19,8 @@ from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, half_prec
                     max_param_diff, param_digest)
 import inexact_case  # noqa: E402
 
-from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
+from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.training.capacity import CapacityPolicy  # noqa: E402
 from lossless_hc.plugins.ddp import (AutoHookState, Calibration, LosslessHookState, THCHookState,  # noqa: E402
                                      TopKHookState, auto_hook, lossless_hook, thc_hook, topk_hook)
 

@@ -19,7 +19,8 @@ import horovod.torch as hvd  # noqa: E402
 from models import EmbeddingModel, LinearLoss, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
-from lossless_hc.training.aggregate import CapacityPolicy, ConfigurationMismatch  # noqa: E402
+from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.training.capacity import CapacityPolicy  # noqa: E402
 from lossless_hc.plugins.horovod import Calibration, Compression  # noqa: E402
 
 STEPS = 6

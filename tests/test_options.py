@@ -1,0 +1,170 @@
+"""Options are checked where they are given: a clear TypeError or ValueError naming the option, one rule
+per kind of option (seeds, fractions, devices, thread counts, shapes, flags) behind every entry point,
+never a value coerced into a different job (a bool taken as 1, a float truncated, a seed aliased)."""
+import numpy as np
+import pytest
+import torch
+
+from lossless_hc import LosslessCodec, THCCodec, plan_layout
+from lossless_hc.lhc.sizing import sketch_table_for
+from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
+                                     lossless_hook, thc_hook, topk_hook)
+from lossless_hc.training.aggregate import TensorAggregator
+from lossless_hc.training.capacity import CapacityPolicy
+
+
+def test_world_size_and_block_size_limits():
+    LosslessCodec(100, 1, 10)
+    c = LosslessCodec(100, 1024, 10)
+    assert c.world_size == 1024
+    for ws in (0, 1025, -1):
+        with pytest.raises(ValueError, match="world_size"):
+            LosslessCodec(100, ws, 10)
+    for bs in (0, -3):
+        with pytest.raises(ValueError, match="block_size"):
+            LosslessCodec(100, 2, 10, block_size=bs)
+    with pytest.raises(ValueError, match="numel"):
+        LosslessCodec(-1, 2, 10)
+    with pytest.raises(ValueError, match="max_nnz"):
+        LosslessCodec(100, 2, -1)
+    with pytest.raises(ValueError, match="index"):
+        LosslessCodec(100, 2, 10, index="bitmapp")
+    with pytest.raises(TypeError):
+        LosslessCodec(100.0, 2, 10)
+
+
+def test_seeds_outside_uint64_are_refused():
+    # The hashes take the seed as a uint64: 2^64 would hash as 0, and -1 as 2^64 - 1.
+    x = torch.zeros(100)
+    x[[3, 50]] = 1.0
+    assert not torch.equal(LosslessCodec(100, 2, 10, seed=0).encode(x),
+                           LosslessCodec(100, 2, 10, seed=(1 << 64) - 1).encode(x))
+    for seed in (-1, 1 << 64, 1 << 70):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\)"):
+            LosslessCodec(100, 2, 10, seed=seed)
+
+
+SEEDED = {
+    "LosslessCodec": lambda s: LosslessCodec(100, 2, 10, seed=s),
+    "THCCodec": lambda s: THCCodec(100, 2, 0, seed=s),
+    "sketch_table_for": lambda s: sketch_table_for(10, s),
+    "LosslessHookState": lambda s: LosslessHookState(seed=s),
+    "AutoHookState": lambda s: AutoHookState(seed=s),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(SEEDED))
+def test_every_seed_takes_one_rule(entry):
+    # One check (lhc.layout.check_uint64) behind every entry point: the bounds as ValueError, a non-int
+    # (a bool or float would otherwise pass as a number) as TypeError, and the extremes accepted.
+    make = SEEDED[entry]
+    for seed in (0, (1 << 64) - 1):
+        make(seed)
+    for seed in (-1, 1 << 64):
+        with pytest.raises(ValueError, match=r"must be an integer in \[0, 2\*\*64\)"):
+            make(seed)
+    for seed in (True, 1.0, "0"):
+        with pytest.raises(TypeError, match="must be an int, got"):
+            make(seed)
+
+
+FRACTIONS = {   # every option that is a fraction in (0, 1]: the built object's value of it
+    "LosslessHookState max_density": lambda v: LosslessHookState(max_density=v).spec.max_density,
+    "TopKHookState ratio": lambda v: TopKHookState(ratio=v).spec.ratio,
+    "AutoHookState topk_ratio": lambda v: AutoHookState(lossy=True, topk_ratio=v).spec.topk_ratio,
+    "TensorAggregator max_density": lambda v: TensorAggregator("t", (64,), torch.float32, 2, v).capacity / 64,
+    "CapacityPolicy alpha": lambda v: CapacityPolicy(alpha=v).alpha,
+}
+
+
+@pytest.mark.parametrize("entry", sorted(FRACTIONS))
+def test_every_fraction_takes_one_rule(entry):
+    """One check (lhc.layout.check_fraction): a real number in (0, 1], NumPy's scalars included (a
+    np.float32 was refused as "must be in (0, 1], got 0.01"), kept as a Python float; bools (True passed
+    as 1.0 in TensorAggregator and CapacityPolicy), strings, NaN and values outside refused."""
+    make = FRACTIONS[entry]
+    for v in (0.25, np.float32(0.25), np.float64(0.25), 1, np.int64(1)):
+        got = make(v)
+        assert type(got) is float and got == float(v), (v, got)
+    for v in (True, np.True_, "0.5", float("nan"), 0, 0.0, 1.5, -0.1, None):
+        with pytest.raises(ValueError, match="must be a number in \\(0, 1\\], got"):
+            make(v)
+
+
+@pytest.mark.parametrize("hook,state", [(lossless_hook, LosslessHookState), (topk_hook, TopKHookState),
+                                        (thc_hook, THCHookState), (auto_hook, AutoHookState)])
+def test_ddp_hooks_refuse_compiled_autograd_s_per_parameter_calls(hook, state):
+    """Compiled autograd's python_reducer (torch._dynamo.config.optimize_ddp) calls a comm hook with
+    (grad, param), per parameter, to trace it; the hooks need DDP's buckets: a TypeError naming the
+    mode and what to use, not an AttributeError from inside the hook."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(TypeError, match="takes DDP's GradBucket, got tuple: compiled autograd's python_reducer"):
+        hook(state(), (torch.zeros(4), param))
+    with pytest.raises(TypeError, match="needs a"):   # the state is checked first
+        hook(object(), (torch.zeros(4), param))
+
+
+def test_union_nnz_is_an_int_or_none():
+    assert plan_layout(4096, 2, 40, union_nnz=None).payload_numel == plan_layout(4096, 2, 40).payload_numel
+    plan_layout(4096, 2, 40, union_nnz=60)
+    for bad in (True, 60.0, "60"):
+        with pytest.raises(TypeError, match="union_nnz must be an int or None, got"):
+            plan_layout(4096, 2, 40, union_nnz=bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: device='cuda' works (tests/test_cuda.py)")
+def test_cuda_device_without_a_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        LosslessCodec(100, 2, 10, device="cuda")
+
+
+@pytest.mark.parametrize("device", ["meta", "tpu", "tpu:0", 3.5])
+def test_unknown_device_is_a_clear_error(device):
+    """A device torch knows but the codecs do not ("meta"), and one torch cannot parse ("tpu"): the
+    same ValueError from every codec, naming the devices that work."""
+    for make in (lambda: LosslessCodec(100, 2, 10, device=device), lambda: THCCodec(100, 2, device=device),
+                 lambda: TensorAggregator("w", (100,), torch.float32, 2, 0.1, device=device)):
+        with pytest.raises(ValueError, match="unsupported device .*expected 'cpu' or 'cuda'"):
+            make()
+
+
+@pytest.mark.parametrize("num_threads, error", [(-1, ValueError), (4097, ValueError), (1.5, TypeError),
+                                                (True, TypeError), ("2", TypeError)])
+def test_bad_num_threads_is_a_clear_error(num_threads, error):
+    """num_threads is checked where the codec is built (a float used to reach the kernels' binding,
+    a negative count ran with the OpenMP default), for both codecs; 0 (the default) and 1 work."""
+    for make in (lambda t: LosslessCodec(5000, 2, 50, num_threads=t), lambda t: THCCodec(5000, 2, num_threads=t)):
+        with pytest.raises(error, match="num_threads"):
+            make(num_threads)
+        assert make(0).num_threads == 0 and make(1).num_threads == 1
+
+
+@pytest.mark.parametrize("shape, world_size, error, match", [
+    ((-3, 4), 2, ValueError, "sizes >= 0"), ((2.5,), 2, TypeError, "shape"), ((True, 3), 2, TypeError, "shape"),
+    (7, 2, TypeError, "sequence"), ((100,), 2.5, TypeError, "world_size"), ((100,), 0, ValueError, "world_size")])
+def test_aggregator_bad_shape_or_world_size_is_a_clear_error(shape, world_size, error, match):
+    """A TensorAggregator's shape and world size are checked where it is built: (-3, 4) used to give
+    numel -12, and world_size 2.5 was truncated to 2, a codec for a different job."""
+    with pytest.raises(error, match=match):
+        TensorAggregator("w", shape, torch.float32, world_size, 0.1)
+    assert TensorAggregator("w", torch.Size([10, 10]), torch.float32, 2, 0.1).numel == 100
+
+
+@pytest.mark.parametrize("flag", ["averaged", "trace", "error_bounds"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_decode_flags_must_be_bools(flag, value):
+    """decode's flags are bools: averaged="no" used to decode a summed payload as an average (a
+    truthy string), and error_bounds="x" attached bounds. THCCodec.decode's averaged too."""
+    codec = LosslessCodec(100, 2, 10)
+    x = torch.zeros(100)
+    x[3] = 1.0
+    p = codec.encode(x)
+    with pytest.raises(TypeError, match=f"decode's {flag} must be a bool"):
+        codec.decode(p + p, **{flag: value})
+    y, rep = codec.decode(p + p, **{flag: False})
+    assert rep.ok and y[3] == 2.0
+    if flag == "averaged":
+        thc = THCCodec(100, 2)
+        tp = thc.encode(x)
+        with pytest.raises(TypeError, match="decode's averaged must be a bool"):
+            thc.decode(tp, averaged=value)

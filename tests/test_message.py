@@ -244,3 +244,41 @@ def test_a_bucket_of_tensors_sent_as_they_are_is_its_own_message():
     m = encode_message(aggs[0], [grads[0][0].clone(), grads[0][1]], buffer=buffers[0])
     assert m.parts[0].data_ptr() != buffers[0].data_ptr()
 
+
+
+def test_a_zero_element_tensor_keeps_the_bucket_its_own_message():
+    """An empty parameter in a DDP bucket (its gradient has no memory: data_ptr 0) is at its place in the
+    buffer: the bucket still is the message (it was copied into a new one every step)."""
+    shapes = [(300,), (0,), (100,)]
+    aggs = [TensorAggregator(f"t{i}", s, torch.float32, 2, max_density=0.9) for i, s in enumerate(shapes)]
+    buffer = torch.randn(400)
+    grads = list(torch.split(buffer, [300, 0, 100]))
+    assert grads[1].data_ptr() == 0
+    m = encode_message(aggs, grads, buffer=buffer)
+    assert len(m.parts) == 1 and m.parts[0].data_ptr() == buffer.data_ptr()
+    results = decode_message(m, m.parts, dense_sum=None)
+    assert [tuple(v.shape) for v in results] == [(300,), (0,), (100,)]
+
+
+def test_misfitted_messages_are_refused():
+    """Lists of other lengths, a payload longer than its place and sums of other sizes or dtypes are a
+    ValueError: zip dropped tensors (or summed slots nothing wrote), an overlong payload overwrote the
+    next one, and a short or misordered sum decoded other tensors' slices, all without a word."""
+    from lossless_hc.training.message import pack_parts
+    aggs = [TensorAggregator(f"t{i}", (100,), torch.float32, 2, max_density=0.9) for i in range(2)]
+    xs = [torch.randn(100), torch.randn(100)]
+    with pytest.raises(ValueError, match="2 aggregators for 1 tensors"):
+        encode_message(aggs, xs[:1])
+    with pytest.raises(ValueError, match="1 aggregators for 2 tensors"):
+        encode_message(aggs[:1], xs)
+    with pytest.raises(ValueError, match="in_place_outputs: 2 aggregators for 1 slots"):
+        in_place_outputs(aggs, xs[:1])
+    dtypes, sizes, places = message_layout([(100, torch.float32), (100, torch.float32)])
+    with pytest.raises(ValueError, match="do not fill the layout"):
+        pack_parts([torch.randn(120), torch.randn(80)], dtypes, sizes, places)
+    with pytest.raises(ValueError, match="2 payloads for a layout of 1"):
+        pack_parts(xs, *message_layout([(200, torch.float32)]))
+    m = encode_message(aggs, xs)
+    for bad in ([m.parts[0][:150]], [m.parts[0].double()], []):
+        with pytest.raises(ValueError, match="the sum of part 0|a message of 1 parts"):
+            decode_message(m, bad, dense_sum=None)

@@ -134,7 +134,8 @@ class EncodeContext:
 class DecodeOutcome:
     """Result of :meth:`TensorAggregator.decode`.
 
-    value      the aggregate (sum, or average when ``averaged``) in the tensor's shape and dtype, or
+    value      the aggregate (sum, or average when ``averaged``) in the tensor's shape and dtype (for a
+               tensor sent as it is: what the engine returned, flat where it was a message's slice), or
                None when the codec failed: the adapter must then aggregate ``ctx.dense_value``
                densely (with SUM) and pass the result to :meth:`TensorAggregator.finish_fallback`.
     averaged   whether the engine averaged a compressed payload (:func:`payload_is_averaged`: the engine's

@@ -32,7 +32,7 @@ from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, Enco
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.guard import StepGuard
-from lossless_hc.training.message import PART_DTYPES, message_layout, pack_parts
+from lossless_hc.training.message import PART_DTYPES, check_sums, message_layout, pack_parts
 from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
                                           Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
@@ -238,8 +238,7 @@ def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
     allgather's sum is written there); it is written only after every tensor's decode and second
     collective's input were computed, and only by tensor i. ``divisor``: a result written into its
     ``outs[i]`` is divided by it there (the others are returned as SUMs)."""
-    if len(summed) != len(message.parts):
-        raise ValueError(f"a message of {len(message.parts)} parts; got {len(summed)} sums")
+    check_sums(message.parts, summed)
     outcomes = []
     for agg, (payload, ctx), places in zip(message.aggregators, message.encoded, message.places):
         pieces = [summed[part][offset:offset + m].to(payload.dtype) for part, offset, m in places]

@@ -68,8 +68,11 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
     as it is, a widened payload) are copied in, converted.
 
     ``buffer``: memory whose consecutive slices are ``tensors`` (a DDP bucket). Where every tensor is
-    sent as it is (each payload is its tensor), the buffer itself is the message's one part: nothing is
-    copied, and the engine sums the buffer in place, as its own allreduce does."""
+    sent as it is (each payload is its tensor, in the buffer's dtype), the buffer's span of them is the
+    message's one part: nothing is copied, and the engine sums the buffer in place, as its own allreduce
+    does. (A top-k aggregator's new tensor of the same size is copied into a message of its own.)"""
+    if len(aggregators) != len(tensors):   # zip would drop the extra ones (or sum unwritten slots)
+        raise ValueError(f"encode_message: {len(aggregators)} aggregators for {len(tensors)} tensors")
     specs = [agg.payload_spec() for agg in aggregators]
     dtypes, sizes, places = message_layout(specs)
     if buffer is not None and _is_the_buffer(buffer, tensors, specs, dtypes):
@@ -99,7 +102,18 @@ def encode_message(aggregators: Sequence, tensors: Sequence[torch.Tensor],
 
 def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[torch.Tensor]:
     """The parts of :func:`message_layout`'s ``(dtypes, sizes, places)`` holding ``payloads``, copied in
-    (converted where a part is wider), in the backend's buffers."""
+    (converted where a part is wider), in the backend's buffers. Each payload must have its layout's
+    size (its place ends where the next one in its part starts): a longer one would overwrite the next."""
+    if len(payloads) != len(places):
+        raise ValueError(f"pack_parts: {len(payloads)} payloads for a layout of {len(places)}")
+    ends = [0] * len(sizes)
+    for payload, (part, offset) in zip(payloads, places):
+        if offset != ends[part]:
+            break
+        ends[part] += payload.numel()
+    if ends != list(sizes):
+        raise ValueError(f"pack_parts: payloads of {[p.numel() for p in payloads]} elements do not fill the "
+                         f"layout's parts of {list(sizes)}")
     device = payloads[0].device if len(payloads) else torch.device("cpu")
     parts = [backend_for(device).empty(m, device, d) for d, m in zip(dtypes, sizes)]
     for payload, (part, offset) in zip(payloads, places):
@@ -114,8 +128,9 @@ def _is_the_buffer(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs,
         return False
     offset = 0
     for t, (numel, dtype) in zip(tensors, specs):
+        # an empty tensor (a zero-element parameter) has no memory to be in the buffer (data_ptr 0)
         if (numel, dtype) != (t.numel(), t.dtype) or not t.is_contiguous() \
-                or t.data_ptr() != buffer.data_ptr() + offset * buffer.element_size():
+                or (numel and t.data_ptr() != buffer.data_ptr() + offset * buffer.element_size()):
             return False
         offset += numel
     return offset <= buffer.numel()
@@ -167,6 +182,8 @@ def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Op
     (``reads_input_after_decode`` False: THC) and the slot can be written by the kernels (contiguous
     float32, no graph); None for the others, whose results the adapter copies in. None when no tensor
     qualifies."""
+    if len(aggregators) != len(slots):
+        raise ValueError(f"in_place_outputs: {len(aggregators)} aggregators for {len(slots)} slots")
     outs = [slot if not agg.reads_input_after_decode and slot.dtype == torch.float32 and slot.is_contiguous()
             and not slot.requires_grad else None for agg, slot in zip(aggregators, slots)]
     return outs if any(out is not None for out in outs) else None
@@ -183,8 +200,7 @@ def decode_segments(message: Message, summed: Sequence[torch.Tensor], partial: b
     (``partial=False``: inexact keys fall back densely instead, for a caller whose other ranks did not
     decode the segment). ``outs[i]``, where given, is passed to tensor i's decode as ``out`` (only THC's
     aggregators take it: see :meth:`~lossless_hc.training.thc_aggregate.THCAggregator.decode`)."""
-    if len(summed) != len(message.parts):
-        raise ValueError(f"a message of {len(message.parts)} parts; got {len(summed)} sums")
+    check_sums(message.parts, summed)
     kw = {} if partial else {"partial": False}   # only lossless aggregators can be inexact
     outcomes = []
     for i, (agg, (payload, ctx), (part, offset)) in enumerate(zip(message.aggregators, message.encoded,
@@ -193,6 +209,17 @@ def decode_segments(message: Message, summed: Sequence[torch.Tensor], partial: b
         out = {"out": outs[i]} if outs is not None and outs[i] is not None else {}
         outcomes.append(agg.decode(segment, ctx, **kw, **out))
     return outcomes
+
+
+def check_sums(parts: Sequence[torch.Tensor], summed: Sequence[torch.Tensor]) -> None:
+    """ValueError unless ``summed`` holds one tensor per part, each of its part's size and dtype (a
+    short or misordered one would decode other tensors' slices)."""
+    if len(summed) != len(parts):
+        raise ValueError(f"a message of {len(parts)} parts; got {len(summed)} sums")
+    for i, (part, s) in enumerate(zip(parts, summed)):
+        if s.numel() != part.numel() or s.dtype != part.dtype:
+            raise ValueError(f"the sum of part {i} has {s.numel()} {s.dtype} elements; the part "
+                             f"{part.numel()} {part.dtype}")
 
 
 def dense_values(message: Message, indices: Sequence[int]) -> torch.Tensor:

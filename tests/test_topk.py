@@ -227,3 +227,35 @@ def test_gpu_equals_cpu(kind):
     for k in (1, 30_000, 2_999_999):
         got = backend_for("cuda").topk_select(x.cuda(), k).cpu()
         assert torch.equal(got, CPU.topk_select(x, k))
+
+
+def test_a_smaller_openmp_team_still_selects_from_every_coordinate(tmp_path):
+    """OpenMP may grant fewer threads than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC, a nested call). The
+    selection split the input into as many parts as it asked for and each thread took its own number's
+    part: parts of threads never granted were skipped (1M coordinates at num_threads=3 under a limit of
+    1: two thirds unread), the count still k. Now the parts are loop iterations: the stable-sort prefix,
+    and feedback conserves every coordinate."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "limited.py"
+    script.write_text(
+        "import torch\n"
+        "from lossless_hc.backends.cpu import CPU\n"
+        "x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))\n"
+        "e = torch.zeros(1 << 20)\n"
+        "idx, vals = CPU.topk_feedback(x, e, 1000, num_threads=3)\n"
+        "torch.save({'select': CPU.topk_select(x, 1000, num_threads=3), 'idx': idx, 'vals': vals, 'e': e}, %r)\n"
+        % str(tmp_path / "out.pt"))
+    import lossless_hc
+    here = os.path.dirname(os.path.dirname(os.path.abspath(lossless_hc.__file__)))
+    env = dict(os.environ, OMP_THREAD_LIMIT="1",
+               PYTHONPATH=os.pathsep.join([here] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    subprocess.run([sys.executable, str(script)], check=True, env=env, timeout=300)
+    got = torch.load(tmp_path / "out.pt")
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
+    want = torch.sort(torch.argsort(x.abs(), descending=True, stable=True)[:1000]).values
+    assert torch.equal(got["select"], want) and torch.equal(got["idx"], want)
+    back = got["e"].clone()
+    back[got["idx"]] += got["vals"]
+    assert torch.equal(back, x)

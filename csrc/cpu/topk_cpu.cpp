@@ -26,6 +26,9 @@ constexpr uint64_t kSample = 1 << 16;       // sampled keys
 constexpr uint64_t kSmall = 1 << 18;        // below this, select directly among all keys
 constexpr double kSigmas = 4.0;             // margin of the sampled threshold, in standard deviations
 
+// The input is split into nt parts, each a loop iteration (`omp parallel for` over parts): every part
+// is scanned whatever team the runtime grants (OMP_THREAD_LIMIT, OMP_DYNAMIC, a nested call), and the
+// per-part counts and offsets combine in part order, so the result does not depend on the team.
 struct Range {
   uint64_t lo, hi;
 };
@@ -79,9 +82,8 @@ void exact_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int nt, 
     const int shift = shifts[pass], bins = 1 << widths[pass];
     const int fixed = shift + widths[pass];   // bits above this pass's digit are fixed
     std::fill(hist.begin(), hist.end(), 0);
-#pragma omp parallel num_threads(nt)
-    {
-      const int t = omp_get_thread_num();
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int t = 0; t < nt; ++t) {
       const Range r = thread_range(n, t, nt);
       uint64_t* h = hist.data() + ((size_t)t << 11);
       for (uint64_t i = r.lo; i < r.hi; ++i) {
@@ -103,9 +105,8 @@ void exact_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int nt, 
   }
   const uint32_t T = prefix;   // the k-th largest key; `remaining` of its ties are taken
   std::vector<uint64_t> gt(nt), eq(nt);
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num();
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int t = 0; t < nt; ++t) {
     const Range r = thread_range(n, t, nt);
     uint64_t g = 0, e = 0;
     for (uint64_t i = r.lo; i < r.hi; ++i) {
@@ -124,9 +125,8 @@ void exact_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int nt, 
     offset[t] = off;
     off += gt[t] + take[t];
   }
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num();
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (int t = 0; t < nt; ++t) {
     const Range r = thread_range(n, t, nt);
     uint64_t c = offset[t], left = take[t];
     for (uint64_t i = r.lo; i < r.hi; ++i) {
@@ -204,9 +204,8 @@ bool collect16(const float* x, float* e, uint64_t lo, uint64_t hi, uint32_t t_lo
 bool filter_at_least(const float* x, float* e, uint64_t n, uint32_t t_lo, uint64_t cap, int nt, Candidates& cand) {
   std::vector<Candidates> part(nt);
   int overflow = 0;
-#pragma omp parallel num_threads(nt) reduction(| : overflow)
-  {
-    const int t = omp_get_thread_num();
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(| : overflow)
+  for (int t = 0; t < nt; ++t) {
     const Range r = thread_range(n, t, nt);
     Candidates& c = part[t];
     const uint64_t expect = std::min<uint64_t>(cap, (uint64_t)((double)cap * (double)(r.hi - r.lo) / (double)n) + 64);

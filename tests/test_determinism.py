@@ -129,6 +129,28 @@ def test_fewer_threads_than_requested_still_encode_everything(tmp_path):
     assert torch.equal(y != 0, x != 0)
 
 
+def test_a_corrupted_index_reports_the_same_on_every_thread_count():
+    """An index word that is not an integer stops each thread at its own first bad block: the keys
+    listed until then depended on the thread count, and report.candidates with them. A corrupt index
+    reports none."""
+    g = torch.Generator().manual_seed(0)
+    numel, n = 2_000_000, 4
+    codec = LosslessCodec(numel, n, 20_000, index="bitmap", num_threads=1)
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(numel)
+        x[torch.randint(0, numel, (20_000,), generator=g)] = 1.0
+        xs.append(x)
+    summed = sum(codec.encode(x) for x in xs)
+    summed[codec.layout.index_offset + 5] += 0.5
+    seen = set()
+    for threads in (1, 2, 3):
+        codec.num_threads = threads
+        _, report = codec.decode(summed)
+        seen.add((report.status.name, report.candidates, report.support, report.peeled))
+    assert seen == {("INDEX_CORRUPT", 0, 0, 0)}, seen
+
+
 # The value peel's AVX-512 step (csrc/cpu/peel_batch.cpp) resolves eight keys of a layer at once and
 # must give the scalar step's bits: outputs, statuses, inexact keys, error bounds. Small tables make batches whose
 # keys share a cell (declined, resolved key by key) common; a corrupted sketch gives NaN values and

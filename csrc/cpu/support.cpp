@@ -214,7 +214,9 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     }
     support->by.push_back(std::move(part));
   }
-  st->candidates = support->total();
+  // An invalid index stops each thread at its own first bad block: what was listed depends on the
+  // thread count, so nothing of it is reported.
+  st->candidates = valid ? support->total() : 0;
   if (!valid || st->index_total != in.total_keys) return kDecodeIndexCorrupt;
   return kDecodeOk;
 }

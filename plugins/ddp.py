@@ -101,6 +101,17 @@ from lossless_hc.training.message import decode_message, encode_message, in_plac
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 
+def new_gloo_group(process_group: Optional[dist.ProcessGroup]):
+    """A new Gloo group of ``process_group``'s ranks, created from a hook (every member calls it at the
+    same point of the same step). Over the whole world, as every rank creates groups (named from the
+    world's shared counter). A subgroup's non-members never run its hooks, so there it is created with
+    ``use_local_synchronization``, whose name torch derives from the ranks and from how many groups the
+    calling rank belongs to: the members must belong to equally many groups (else they wait on
+    different names for ever, as a rank-0-only group beside the default one would make them)."""
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=len(ranks) < dist.get_world_size())
+
+
 class _HookState:
     """What every hook state holds: the spec, the per-parameter aggregators, the fallback groups."""
 
@@ -163,9 +174,7 @@ class _HookState:
     def _fallback_group(self, bucket_index: int):
         group = self._fallback_groups.get(bucket_index)
         if group is None:
-            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
-            group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-            self._fallback_groups[bucket_index] = group
+            group = self._fallback_groups[bucket_index] = new_gloo_group(self.process_group)
         return group
 
 

@@ -35,12 +35,22 @@ def ddp_run(request, tmp_path_factory):
          ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "ddp_options",
                            "policy", "topk", "thc", "thc_exact", "thc_amp", "exact_amp", "lossy_amp", "pickle",
                            "inexact"]
-                  + list(ERRORS))])
+                  + list(ERRORS) + ["rank0_group"])])
     return out, size
 
 
 def results(out, name, size):
     return [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(size)]
+
+
+def test_a_group_of_rank_0_alone_does_not_hang_the_hooks(ddp_run):
+    """The hooks' own Gloo groups (fallback, PowerSGD) are created from the first step's hooks. With
+    use_local_synchronization torch named them from how many groups the calling rank belongs to: one
+    group of rank 0 alone (all ranks create it) and every rank waited on its own name for ever. Over
+    the whole world they are now created as every rank creates groups, and the step is exact."""
+    out, size = ddp_run
+    for r in results(out, "rank0_group", size):
+        assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0, r
 
 
 def test_saving_the_ddp_model_keeps_a_usable_hook_state(ddp_run):

@@ -200,6 +200,9 @@ def scenario(name):
             ddp.register_comm_hook(state, thc_hook)
             loss_fn(ddp, batch(0, dist.get_rank())).backward()
         return expect_error(run, ConfigurationMismatch)
+    if name == "rank0_group":   # rank 0 in one more group than the others (its own logging group, say)
+        dist.new_group(ranks=[0])
+        return compare(LosslessHookState(max_density=0.05))
     if name == "thc_exact_unmatched":   # THCHookState(exact=...) naming a copy's parameter: that layer would be THC'd
         def run():
             torch.manual_seed(0)

@@ -43,8 +43,9 @@ def powersgd_hook(state: PowerSGDPerBucket, bucket):
     idx = bucket.index()
     st = state.states.get(idx)
     if st is None:
-        group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo",
-                               use_local_synchronization=True)
+        # every rank runs the hook: a group named from the world's shared counter (a local synchronization's
+        # name also counts the groups the calling rank belongs to, which ranks need not share)
+        group = dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
         st = state.states[idx] = PowerSGDState(process_group=group, **state.options)
     st.iter = state.iter
     fut = powerSGD_hook(st, bucket)

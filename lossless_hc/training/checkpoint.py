@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.training.aggregate import AggregationStats, TopKAggregator
+from lossless_hc.training.aggregate import TopKAggregator
 from lossless_hc.training.capacity import DensityTracker
 from lossless_hc.training.planner import TensorStats
 from lossless_hc.training.thc_aggregate import THCAggregator
@@ -80,6 +80,7 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
         return
     if ("tracker" in state) != (agg.tracker is not None):
         raise ValueError(f"{agg.name}: the saved state and this aggregator disagree on the capacity policy")
+    _require(agg, state, ("capacity", "union_capacity") + (("residual",) if isinstance(agg, TopKAggregator) else ()))
     agg.capacity = int(state["capacity"])
     agg.union_capacity = state["union_capacity"]
     if agg.tracker is not None:
@@ -90,6 +91,13 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
     if isinstance(agg, TopKAggregator):
         residual = state["residual"]
         agg.residual = None if residual is None else residual.to(agg.device, torch.float32).clone()
+
+
+def _require(agg, state: dict, keys) -> None:
+    """``ValueError`` naming what a truncated state lacks, before anything is restored from it."""
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"{agg.name}: the saved state lacks {', '.join(missing)} (truncated, or not a state_dict())")
 
 
 def _auto_state_dict(agg: AutoAggregator) -> dict:
@@ -114,6 +122,7 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     if got != ("auto", list(agg.shape), str(agg.dtype)):
         raise ValueError(f"{agg.name}: the saved state is for a {got[0]} aggregator of {got[2]} {got[1]}, "
                          f"this one is an auto aggregator of {agg.dtype} {list(agg.shape)}")
+    _require(agg, state, ("strategy", "history", "steps", "tracker", "sketch_stats", "topk_residual", "thc"))
     if state["strategy"] not in agg.allowed:
         raise ValueError(f"{agg.name}: the saved strategy {state['strategy']!r} is not allowed here ({agg.allowed})")
     agg.strategy, agg.steps = state["strategy"], int(state["steps"])
@@ -123,14 +132,12 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
     for f in _AUTO_TRACKER_FIELDS:
         setattr(agg.tracker, f, saved[f])
+    # Saved as None: not built yet, so none here either (an aggregator that trained since keeps nothing).
+    agg._sketch_stats = agg._codec = agg._topk = agg._thc = None
     if state["sketch_stats"] is not None:
         numel, row, n, ranks, union, eb = state["sketch_stats"]
         agg._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
     if state["topk_residual"] is not None:
-        agg._topk = agg._topk or TopKAggregator(agg.name, (agg.numel,), torch.float32, agg.world_size, agg.topk_ratio,
-                                                seed=agg.seed, stats=AggregationStats(), device=agg.device)
-        agg._topk.residual = state["topk_residual"].to(agg.device, torch.float32).clone()
+        agg.topk_aggregator().residual = state["topk_residual"].to(agg.device, torch.float32).clone()
     if state["thc"] is not None:
-        agg._thc = agg._thc or THCAggregator(agg.name, (agg.numel,), torch.float32, agg.world_size, agg.rank,
-                                             bits=agg.thc_bits, seed=agg.seed, stats=AggregationStats())
-        agg._thc.codec.load_state_dict(state["thc"])
+        agg.thc_aggregator().codec.load_state_dict(state["thc"])

@@ -169,6 +169,23 @@ class AutoAggregator(TensorRows):
             self.history.append((self.steps, best))
             self.strategy = best
 
+    def thc_aggregator(self) -> THCAggregator:
+        """The THC strategy's aggregator (its codec's norm and error memory), built at first use.
+        ``non_finite="propagate"``: a NaN/Inf input decodes to NaN, as a dense plan's sum would carry it
+        (an AMP scaler then skips the step); THC's own default raises."""
+        if self._thc is None:
+            self._thc = THCAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.rank,
+                                      bits=self.thc_bits, seed=self.seed, stats=AggregationStats(),
+                                      non_finite="propagate")
+        return self._thc
+
+    def topk_aggregator(self) -> TopKAggregator:
+        """The top-k strategy's aggregator (its error-feedback residual), built at first use."""
+        if self._topk is None:
+            self._topk = TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.topk_ratio,
+                                        seed=self.seed, stats=AggregationStats(), device=self.device)
+        return self._topk
+
     def _size_sketch(self, s: TensorStats) -> None:
         self._sketch_stats = s
         cap, union = sketch_capacity(s)
@@ -324,18 +341,9 @@ class AutoAggregator(TensorRows):
         elif s == "two_phase":
             body = self._bitmap(ctx)
         elif s == "thc":
-            if self._thc is None:
-                # "propagate": a NaN/Inf input decodes to NaN, as a dense plan's sum would carry it (an AMP
-                # scaler then skips the step); THC's own default raises
-                self._thc = THCAggregator(self.name, (self.numel,), torch.float32, n, self.rank,
-                                          bits=self.thc_bits, seed=self.seed, stats=AggregationStats(),
-                                          non_finite="propagate")
-            body, ctx.inner = self._thc.encode(ctx.flat.to(torch.float32))
+            body, ctx.inner = self.thc_aggregator().encode(ctx.flat.to(torch.float32))
         elif s == "topk":
-            if self._topk is None:
-                self._topk = TopKAggregator(self.name, (self.numel,), torch.float32, n, self.topk_ratio,
-                                            seed=self.seed, stats=AggregationStats(), device=self.device)
-            body, ctx.inner = self._topk.encode(ctx.flat.to(torch.float32))
+            body, ctx.inner = self.topk_aggregator().encode(ctx.flat.to(torch.float32))
         else:   # allgather, fp16, bf16: the header only
             body = torch.zeros(0, dtype=torch.float32, device=self._device(ctx))
         rank_key_count = ctx.rows

@@ -50,8 +50,11 @@ Checkpointing: error feedback (top-k residuals, THC memories) and capacities are
 (by FQN) and, for the reduce-scatter, per destination; they describe *this rank's* shard, so save
 :meth:`~_FSDPState.state_dict` per rank (``torch.save`` as above; ``torch.distributed.checkpoint``
 would keep one copy of a plain tensor for all ranks) next to the model and optimizer checkpoint,
-and restore it with :meth:`~_FSDPState.load_state_dict` on the same mesh before the first backward
-of the resumed run: the run then continues bit for bit as if it had not stopped.
+and restore it with :meth:`~_FSDPState.load_state_dict` on the same rank and mesh before the first
+backward of the resumed run: the run then continues bit for bit as if it had not stopped. For
+``AutoFSDPState`` that holds with a given ``calibration`` and ``guard_steps=0``: its plans and error
+feedback are saved, but the link is timed again at ``register`` and the step guard runs a trial of its
+own (class doc), as a run on other machines should.
 
 Deadlock freedom: every collective here is blocking and issued from FSDP's post-backward, which
 reduces parameter groups in the same order on every rank; the fallback and the owners' table are
@@ -176,6 +179,7 @@ class _FSDPState:
         self._stats = AggregationStats()
         self._aggregators: dict = {}    # "replicate:<fqn>" | "shard:<fqn>-><d>" -> aggregator
         self._saved: dict = {}          # states loaded before their aggregator was built
+        self._fqns: Optional[set] = None   # the registered model's parameters, as the keys name them
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r}, replicas={self.replicas}, shards={self.shards})"
@@ -246,6 +250,11 @@ class _FSDPState:
                 module.set_all_reduce_hook(_ReplicaAllReduce(self, module))
             if reduce_scatter and self.shards > 1:
                 module.set_custom_reduce_scatter(_HomomorphicReduceScatter(self, module))
+        # the names the hooks key their aggregators by (_Slots: FSDP2's _param_fqn, set at the first forward,
+        # which is the root model's parameter name; else the fallback name)
+        self._fqns = {n for n, _ in model.named_parameters()} | {
+            f"{type(m).__name__}.param{i}" for _, m in modules for g in _param_groups(m) for i in range(len(g.fsdp_params))}
+        self._check_saved_keys(self._saved)
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
         cfg = (f"{self._config()}{self._checked_options()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
                f"modules={[n for n, _ in modules]}|{structure}")
@@ -279,23 +288,39 @@ class _FSDPState:
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's aggregator states (error feedback, capacities, THC norms), keyed by
-        ``"replicate:<param FQN>"`` and ``"shard:<param FQN>-><destination>"``; plain numbers and CPU
-        tensors. Save it per rank with the model and optimizer (see the module doc)."""
+        ``"replicate:<param FQN>"`` and ``"shard:<param FQN>-><destination>"``, and the rank that saved
+        them; plain numbers and CPU tensors. Save it per rank with the model and optimizer (see the
+        module doc). ``stats`` is a record of the counters, not restored."""
         aggs = {k: aggregator_state_dict(a) for k, a in self._aggregators.items()}
-        return {"config": self._config(), "aggregators": {**self._saved, **aggs}, "stats": self.stats()}
+        return {"config": self._config(), "rank": dist.get_rank(), "aggregators": {**self._saved, **aggs},
+                "stats": self.stats()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (same configuration and mesh shape; ``ValueError`` otherwise). States of
-        parameters not seen yet are applied when their aggregator is built at the first backward."""
+        """Restore :meth:`state_dict` on the rank that saved it, with the same configuration and mesh shape,
+        before or after :meth:`register`; ``ValueError`` otherwise, or for a key naming no parameter of the
+        registered model. Every aggregator then starts from the saved state (one built since and absent
+        there starts afresh), applied when it is built at the next backward."""
+        if not isinstance(state, dict) or not isinstance(state.get("aggregators"), dict):
+            raise ValueError("not a state_dict() of an FSDP2 state (no 'aggregators' table)")
         if state.get("config") != self._config():
             raise ValueError(f"the saved state was made by {state.get('config')!r}, this state is {self._config()!r}")
-        self._saved = {}
-        for key, saved in state["aggregators"].items():
-            agg = self._aggregators.get(key)
-            if agg is not None:
-                load_aggregator_state_dict(agg, saved)
-            else:
-                self._saved[key] = saved
+        rank = dist.get_rank()
+        if state.get("rank", rank) != rank:   # each rank's file holds its own shards' error feedback
+            raise ValueError(f"the saved state is rank {state['rank']}'s; this is rank {rank}: each rank loads the "
+                             "state_dict it saved")
+        self._check_saved_keys(state["aggregators"])
+        self._aggregators = {}
+        self._saved = dict(state["aggregators"])
+
+    def _check_saved_keys(self, saved: dict) -> None:
+        """``ValueError`` for saved states of parameters the registered model does not have (another
+        model's, a renamed layer's): they would be kept and never used, the layer starting afresh."""
+        if self._fqns is None:
+            return
+        unknown = sorted(k for k in saved if k.split(":", 1)[-1].split("->")[0] not in self._fqns)
+        if unknown:
+            raise ValueError(f"the saved state holds {len(unknown)} parameter(s) this model does not have "
+                             f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})")
 
 
 class _ReplicaAllReduce:

@@ -34,7 +34,7 @@ MESHES = {
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
                    "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
-                   "auto_guard_mismatch"]),
+                   "auto_guard_mismatch", "resume_thc", "checkpoint_misuse"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite", "non_finite_topk"]),
 }
@@ -143,7 +143,8 @@ def test_thc_replicas_of_a_shard_stay_identical(launch, mesh, name):
     assert all(len(d) == 1 for d in by_shard.values()), dict(by_shard)
 
 
-@pytest.mark.parametrize("mesh,name", cases("resume", "resume_rs", "resume_lossless", "resume_lossless_rs"))
+@pytest.mark.parametrize("mesh,name", cases("resume", "resume_rs", "resume_lossless", "resume_lossless_rs",
+                                            "resume_thc"))
 def test_resumed_run_continues_bit_identically(launch, mesh, name):
     """Half the steps, torch.save of model, optimizer (momentum) and hook state, a fresh model, optimizer
     and state loaded from it, the other half: bit for bit the run that never stopped (top-k residuals;
@@ -162,6 +163,8 @@ def test_resumed_run_continues_bit_identically(launch, mesh, name):
             assert r["checkpoint_stats"]["fallbacks"] >= 1 and r["checkpoint_stats"]["capacity_growths"] >= 1
             grown = [k for k, v in r["saved"].items() if v["capacity"] > r["initial"][k]["capacity"]]
             assert grown, (r["initial"], r["saved"])
+        elif name == "resume_thc":   # THC: the codecs' steps, norms and error memories were saved
+            assert any(v["thc_step"] for v in r["saved"].values()), r["saved"]
         else:   # top-k: the residuals were saved non-zero
             assert any(v["residual_norm"] for v in r["saved"].values()), r["saved"]
 
@@ -319,6 +322,22 @@ def test_hooks_under_torch_compile_equal_eager_fsdp2(launch, mesh, name):
     trains as eager uncompressed FSDP2 does, to float rounding."""
     for r in results(launch, mesh, name):
         assert r["max_diff"] <= TOL and r["stats"]["compressed"] > 0, (r["max_diff"], r["stats"])
+
+
+@pytest.mark.parametrize("mesh,name", cases("checkpoint_misuse"))
+def test_a_checkpoint_loads_only_where_it_resumes_the_same_run(launch, mesh, name):
+    """load_state_dict refuses another rank's file (its shards' error feedback), a key naming no
+    parameter of the model (checked at load once registered, else at register), and a dict without
+    aggregators; loaded into a state that trained since, it keeps nothing of that training (an
+    aggregator absent from the file starts afresh). Each was accepted before: another rank's file and
+    an unknown key silently, a trained state kept its residuals."""
+    for r in results(launch, mesh, name):
+        assert r["saved_rank"] == r["rank"] and r["saved_keys"], r
+        assert r["other_rank"]["error"] == "ValueError" and "each rank loads" in r["other_rank"]["message"], r
+        for k in ("unknown_after_register", "unknown_at_register"):
+            assert r[k]["error"] == "ValueError" and "replicate:nosuch.weight" in r[k]["message"], r
+        assert r["truncated"]["error"] == "ValueError", r
+        assert r["rolled_back"] == {"built": 0, "saved": {}}, r
 
 
 @pytest.mark.parametrize("mesh,name", cases("auto_resume"))

@@ -156,7 +156,8 @@ def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
     opt2.load_state_dict(ckpt["optim"])
     train(second, steps - steps // 2, start=steps // 2, opt=opt2)
     saved = {k: {"capacity": a.get("capacity"),
-                 "residual_norm": None if a.get("residual") is None else float(a["residual"].norm())}
+                 "residual_norm": None if a.get("residual") is None else float(a["residual"].norm()),
+                 "thc_step": (a.get("codec") or {}).get("step")}
              for k, a in sorted(ckpt["lhc"]["aggregators"].items())}
     return {"max_diff": max_diff(local(straight), local(second)), "saved_keys": saved_keys,
             "stats": s0.stats(), "bitwise": all(torch.equal(x, y) for x, y in zip(local(straight), local(second))),
@@ -204,12 +205,44 @@ def _record_at_build(state) -> dict:
         agg = build_aggregator(key, *args)
         if new:
             residual = getattr(agg, "residual", None)
+            codec = getattr(agg, "codec", None)
             seen[key] = {"capacity": getattr(agg, "capacity", None),
-                         "residual_norm": None if residual is None else float(residual.norm())}
+                         "residual_norm": None if residual is None else float(residual.norm()),
+                         "thc_step": codec.state_dict()["step"] if hasattr(codec, "state_dict") else None}
         return agg
 
     state._aggregator = recording
     return seen
+
+
+def checkpoint_misuse(mesh):
+    """What load_state_dict refuses, and what it does to a state that trained since."""
+    make = lambda: TopKFSDPState(mesh, ratio=0.05)   # noqa: E731
+    state = make()
+    state.register(build(mesh, native=False))
+    at_start = state.state_dict()   # before the first backward: nothing built
+    model = build(mesh, native=False)
+    state = make()
+    state.register(model)
+    train(model, 2)
+    saved = state.state_dict()
+    out = {"saved_rank": saved["rank"], "saved_keys": sorted(saved["aggregators"])}
+    other = dict(saved, rank=(dist.get_rank() + 1) % dist.get_world_size())
+    out["other_rank"] = expect_error(lambda: make().load_state_dict(other), ValueError)
+    keys = sorted(saved["aggregators"])
+    renamed = dict(saved, aggregators={("replicate:nosuch.weight" if k == keys[0] else k): v
+                                       for k, v in saved["aggregators"].items()})
+    registered = make()
+    registered.register(build(mesh, native=False))
+    out["unknown_after_register"] = expect_error(lambda: registered.load_state_dict(renamed), ValueError)
+    unregistered = make()
+    unregistered.load_state_dict(renamed)   # the model is not known yet
+    out["unknown_at_register"] = expect_error(lambda: unregistered.register(build(mesh, native=False)), ValueError)
+    out["truncated"] = expect_error(lambda: make().load_state_dict({"config": saved["config"]}), ValueError)
+    # rolled back to the state before the first backward: nothing of the two steps is kept
+    state.load_state_dict(at_start)
+    out["rolled_back"] = {"built": len(state._aggregators), "saved": state.state_dict()["aggregators"]}
+    return out
 
 
 def expect_error(fn, exc):
@@ -320,6 +353,10 @@ def scenario(name, mesh):
                             ValueError)
     if base == "resume":
         return resume(mesh, lambda: TopKFSDPState(mesh, ratio=0.05), rs)
+    if base == "resume_thc":
+        return resume(mesh, lambda: THCFSDPState(mesh, bits=4), rs)
+    if base == "checkpoint_misuse":
+        return checkpoint_misuse(mesh)
     if base == "resume_lossless":
         return resume(mesh, lambda: LosslessFSDPState(mesh, max_density=0.001), rs, hidden=16)
     if base == "inexact":

@@ -122,6 +122,8 @@ class _HookState:
         self._aggregators: dict = {}
         self._fallback_groups: dict = {}
         self._config_checked = False
+        self._restored = False     # unpickled with aggregators: checked at the first step (_check_restored)
+        self._restored_hits = 0
 
     @property
     def world_size(self) -> int:
@@ -148,6 +150,7 @@ class _HookState:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self._restored, self._restored_hits = bool(self._aggregators), 0
 
     # -- helpers -------------------------------------------------------------------------------
     def _aggregator(self, p: torch.nn.Parameter, grad: torch.Tensor):
@@ -155,7 +158,25 @@ class _HookState:
         if agg is None:
             agg = self._make(p, f"param{len(self._aggregators)}{tuple(grad.shape)}", grad)
             self._aggregators[p] = agg
+        elif self._restored:
+            self._restored_hits += 1
         return agg
+
+    def _check_restored(self, is_last: bool) -> None:
+        """A state unpickled with aggregators keys them by the parameters pickled with it: with its DDP
+        model (``torch.save(ddp_model)``) they are the model's own. Unpickled apart from the model, none
+        matches, and every parameter would silently start afresh (error feedback, capacities lost): at
+        the first step's last bucket, ``ValueError`` on every rank (whether any matched is compared first)."""
+        if not (self._restored and is_last):
+            return
+        self._restored = False
+        matched = self._restored_hits > 0
+        check_same_configuration(f"restored aggregators matched: {matched}", self.process_group,
+                                 f"{type(self).__name__} restored")
+        if not matched:
+            raise ValueError(f"this {type(self).__name__} was unpickled apart from its DDP model: its aggregators "
+                             "belong to parameters this model does not have; save and load the DDP model itself "
+                             "(torch.save(ddp_model)), which holds its hook state, or build a new state")
 
     def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):
         return self.spec.make(name, grad, self.world_size, self.rank, self._stats, grad.device)
@@ -164,6 +185,11 @@ class _HookState:
         """Refuse to run when ranks were configured differently (payload sizes would not match):
         :func:`check_same_configuration`, on the first call, from the main thread."""
         self._config_checked = True
+        n = self.world_size
+        built = sorted({a.world_size for a in self._aggregators.values()} - {n})
+        if built:   # a state restored at another world size: every payload would fit none of this group's
+            raise ValueError(f"this {type(self).__name__}'s aggregators were built for world size {built[0]}, this "
+                             f"process group has {n}: build a new state for a new world size")
         cfg = f"{self.world_size}|{self!r}"
         check_same_configuration(cfg, self.process_group, type(self).__name__)
 
@@ -520,6 +546,7 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     state._check_bucket(bucket.parameters(), bucket.is_last())
     fallback_group = state._fallback_group(bucket.index())
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
+    state._check_restored(bucket.is_last())
     n = state.world_size
     divided = _divide_first(buffer, n)
     # A bucket whose every tensor is sent as it is: its buffer is the message, summed in place.
@@ -561,6 +588,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if bucket.index() == 0:   # DDP launches bucket 0 first, after every callback of the previous step
         state._begin_step(started)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
+    state._check_restored(bucket.is_last())
     n = state.world_size
     # The step guard's dense window (and a dense verdict): every dense float bucket in place, PowerSGD's too.
     guard_dense = state._step_phase == "dense" and not buffer.is_sparse

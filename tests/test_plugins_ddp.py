@@ -16,7 +16,8 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "mp", "ddp_worker.py")
 EXACT = ["average", "small_buckets", "fallback"]
 ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError",
-          "thc_exact_mismatch": "ConfigurationMismatch", "thc_exact_unmatched": "ValueError"}
+          "thc_exact_mismatch": "ConfigurationMismatch", "thc_exact_unmatched": "ValueError",
+          "restored_apart": "ValueError", "restored_other_size": "ValueError"}
 TOL = 1e-6
 
 
@@ -334,8 +335,12 @@ def check_grad_scaler_skips_once(rs):
 
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_misuse_is_a_clear_error_on_every_rank(ddp_run, name):
+    """restored_other_size: a state pickled at this world size, registered on a group of one rank
+    fewer (the last rank is not in it); restored_apart: a state unpickled without its DDP model."""
     out, size = ddp_run
-    for r in results(out, name, size):
+    rs = [r for r in results(out, name, size) if not r.get("not_member")]
+    assert len(rs) >= size - 1
+    for r in rs:
         assert r["error"] == ERRORS[name], r
 
 

@@ -7,6 +7,7 @@ OUT_DIR/<scenario>.rank<r>.json with what the test asserts.
 """
 import copy
 import os
+import pickle
 import sys
 
 import torch
@@ -203,6 +204,23 @@ def scenario(name):
     if name == "rank0_group":   # rank 0 in one more group than the others (its own logging group, say)
         dist.new_group(ranks=[0])
         return compare(LosslessHookState(max_density=0.05))
+    if name == "restored_apart":   # a hook state unpickled without its DDP model, registered on another model
+        def run():
+            state = TopKHookState(ratio=0.05)
+            train(state, steps=2, hook=topk_hook)
+            restored = pickle.loads(pickle.dumps(state))
+            train(restored, steps=1, hook=topk_hook)
+        return expect_error(run, ValueError)
+    if name == "restored_other_size":   # a hook state restored on a group of another world size
+        state = LosslessHookState(max_density=0.05)
+        train(state, steps=2)
+        restored = pickle.loads(pickle.dumps(state))
+        size = dist.get_world_size()
+        sub = dist.new_group(ranks=list(range(size - 1)))   # every rank creates it; rank size-1 is not in it
+        if dist.get_rank() == size - 1:
+            return {"error": None, "not_member": True}
+        restored.process_group = sub
+        return expect_error(lambda: train(restored, steps=1, process_group=sub), ValueError)
     if name == "thc_exact_unmatched":   # THCHookState(exact=...) naming a copy's parameter: that layer would be THC'd
         def run():
             torch.manual_seed(0)

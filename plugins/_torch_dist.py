@@ -1,5 +1,6 @@
 """What the torch.distributed adapters (``ddp``, ``fsdp``) share beyond :mod:`lossless_hc.training`."""
 import hashlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,3 +27,25 @@ def check_same_configuration(config: str, groups, who: str, device="cpu") -> Non
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if t.tolist() != [h, -h]:
         raise ConfigurationMismatch(f"{who} differs across ranks (world size or options); this rank has {config}")
+
+
+def new_gloo_group(process_group: Optional[dist.ProcessGroup]):
+    """A new Gloo group of ``process_group``'s ranks, created from a hook (every member calls it at the
+    same point of the same step). Over the whole world, as every rank creates groups (named from the
+    world's shared counter). A subgroup's non-members never run its hooks, so there it is created with
+    ``use_local_synchronization``, whose name torch derives from the ranks and from how many groups the
+    calling rank belongs to: the members must belong to equally many groups (else they wait on
+    different names for ever, as a rank-0-only group beside the default one would make them)."""
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=len(ranks) < dist.get_world_size())
+
+
+def allreduce_parts(parts, group) -> torch.futures.Future:
+    """A future of ``parts`` SUMmed in place across ``group``: one allreduce per part (a message's parts,
+    :mod:`lossless_hc.training.message`), all issued at once, in the same order on every rank."""
+    works = [dist.all_reduce(part, group=group, async_op=True).get_future() for part in parts]
+
+    def summed(fut: torch.futures.Future) -> list:
+        return [done.wait()[0] for done in fut.value()]   # wait() raises a collective's error
+
+    return torch.futures.collect_all(works).then(summed)

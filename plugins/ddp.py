@@ -98,18 +98,8 @@ from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismat
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
-from lossless_hc.plugins._torch_dist import check_same_configuration
-
-
-def new_gloo_group(process_group: Optional[dist.ProcessGroup]):
-    """A new Gloo group of ``process_group``'s ranks, created from a hook (every member calls it at the
-    same point of the same step). Over the whole world, as every rank creates groups (named from the
-    world's shared counter). A subgroup's non-members never run its hooks, so there it is created with
-    ``use_local_synchronization``, whose name torch derives from the ranks and from how many groups the
-    calling rank belongs to: the members must belong to equally many groups (else they wait on
-    different names for ever, as a rank-0-only group beside the default one would make them)."""
-    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=len(ranks) < dist.get_world_size())
+from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket
+from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration, new_gloo_group
 
 
 class _HookState:
@@ -487,55 +477,6 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     return _compressed_allreduce(state, bucket, "thc_hook")
 
 
-def _fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divided: bool = False) -> torch.Tensor:
-    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (None:
-    the inputs were divided, see :func:`_divide_first`; a result decoded into its own slice of the
-    bucket, see :func:`_bucket_slices`, is only divided, or left as it is with ``in_place_divided``)."""
-    offset = 0
-    for value in results:
-        m = value.numel()
-        dst = buffer[offset:offset + m]
-        # copy_ then div_ (not torch.div(out=...)): a gradient with a graph (create_graph) needs the
-        # in-place ops, which autograd records.
-        in_place = value.data_ptr() == dst.data_ptr()
-        if not in_place:
-            dst.copy_(value.reshape(-1))
-        if n is not None and not (in_place and in_place_divided):
-            dst.div_(n)
-        offset += m
-    return buffer
-
-
-def _divide_first(buffer: torch.Tensor, n: int) -> bool:
-    """Divide a float16 bucket by ``n`` in place before it is encoded, as DDP's own hook divides: the
-    SUM of its ranks' values can exceed float16's 65504 where their average does not. Every strategy
-    then sums x_r / n (a codec exactly, within its contract; a tensor sent as it is in float16, as DDP
-    does, or in float32 where a message carries it in its float32 part, rounded once), so the result is the average, finite wherever DDP's is. The other dtypes are summed, then
-    divided: bfloat16 and float32 have float32's range, and one rounding of the sum is closer than a
-    sum of rounded quotients. Returns whether it divided (a sparse bucket: its values)."""
-    if buffer.dtype != torch.float16:
-        return False
-    buffer.div_(n)
-    return True
-
-
-def _bucket_slices(buffer: torch.Tensor, grads) -> list:
-    """Each gradient's own slice of the bucket, consecutive, as :func:`_fill_bucket` walks them."""
-    sizes = [g.numel() for g in grads]
-    return list(torch.split(buffer[:sum(sizes)], sizes))
-
-
-def _allreduce_parts(parts, group) -> torch.futures.Future:
-    """A future of ``parts`` SUMmed in place across ``group``: one allreduce per part (a message's parts,
-    :mod:`lossless_hc.training.message`), all issued at once, in the same order on every rank."""
-    works = [dist.all_reduce(part, group=group, async_op=True).get_future() for part in parts]
-
-    def summed(fut: torch.futures.Future) -> list:
-        return [done.wait()[0] for done in fut.value()]   # wait() raises a collective's error
-
-    return torch.futures.collect_all(works).then(summed)
-
-
 def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
     buffer = bucket.buffer()
     if buffer.is_sparse:   # the fixed codecs encode dense tensors; auto_hook plans over a sparse one's rows
@@ -548,16 +489,16 @@ def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())]
     state._check_restored(bucket.is_last())
     n = state.world_size
-    divided = _divide_first(buffer, n)
+    divided = divide_first(buffer, n)
     # A bucket whose every tensor is sent as it is: its buffer is the message, summed in place.
     message = encode_message(aggs, bucket.gradients(), buffer=buffer)
-    outs = in_place_outputs(aggs, _bucket_slices(buffer, bucket.gradients()))
-    fut = _allreduce_parts(message.parts, state.process_group)
+    outs = in_place_outputs(aggs, bucket_slices(buffer, bucket.gradients()))
+    fut = allreduce_parts(message.parts, state.process_group)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_message(message, fut.value(), lambda dense: dist.all_reduce(dense, group=fallback_group),
                                  outs=outs)
-        return _fill_bucket(buffer, results, None if divided else n)
+        return fill_bucket(buffer, results, None if divided else n)
 
     return fut.then(decode)
 
@@ -604,7 +545,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    divided = _divide_first(buffer, n)
+    divided = divide_first(buffer, n)
     if buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
@@ -623,13 +564,13 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.
     outs = None if buffer.is_sparse else [s if s.dtype == torch.float32 and not s.requires_grad else None
-                                          for s in _bucket_slices(buffer, grads)]
+                                          for s in bucket_slices(buffer, grads)]
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
     fallback_group = None
     if any(ctx.strategy != "dense" for _, ctx in message.encoded):
         fallback_group = state._fallback_group(bucket.index())
-    fut = _allreduce_parts(message.parts, state.process_group)
+    fut = allreduce_parts(message.parts, state.process_group)
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         out = [torch.empty_like(t) for _ in range(n)]
@@ -643,6 +584,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
             return results[0] if divided else results[0].div_(n)
         # the results written into their slices were divided there (decode_message's divisor)
-        return _fill_bucket(buffer, results, None if divided else n, in_place_divided=True)
+        return fill_bucket(buffer, results, None if divided else n, in_place_divided=True)
 
     return fut.then(decode)

@@ -1,0 +1,43 @@
+"""DDP's gradient buckets: each parameter's slice of a bucket, the division to DDP's average, and the
+results written back (what :mod:`lossless_hc.plugins.ddp`'s hooks do around the aggregators)."""
+from typing import Optional
+
+import torch
+
+
+def fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divided: bool = False) -> torch.Tensor:
+    """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (None:
+    the inputs were divided, see :func:`divide_first`; a result decoded into its own slice of the
+    bucket, see :func:`bucket_slices`, is only divided, or left as it is with ``in_place_divided``)."""
+    offset = 0
+    for value in results:
+        m = value.numel()
+        dst = buffer[offset:offset + m]
+        # copy_ then div_ (not torch.div(out=...)): a gradient with a graph (create_graph) needs the
+        # in-place ops, which autograd records.
+        in_place = value.data_ptr() == dst.data_ptr()
+        if not in_place:
+            dst.copy_(value.reshape(-1))
+        if n is not None and not (in_place and in_place_divided):
+            dst.div_(n)
+        offset += m
+    return buffer
+
+
+def divide_first(buffer: torch.Tensor, n: int) -> bool:
+    """Divide a float16 bucket by ``n`` in place before it is encoded, as DDP's own hook divides: the
+    SUM of its ranks' values can exceed float16's 65504 where their average does not. Every strategy
+    then sums x_r / n (a codec exactly, within its contract; a tensor sent as it is in float16, as DDP
+    does, or in float32 where a message carries it in its float32 part, rounded once), so the result is the average, finite wherever DDP's is. The other dtypes are summed, then
+    divided: bfloat16 and float32 have float32's range, and one rounding of the sum is closer than a
+    sum of rounded quotients. Returns whether it divided (a sparse bucket: its values)."""
+    if buffer.dtype != torch.float16:
+        return False
+    buffer.div_(n)
+    return True
+
+
+def bucket_slices(buffer: torch.Tensor, grads) -> list:
+    """Each gradient's own slice of the bucket, consecutive, as :func:`fill_bucket` walks them."""
+    sizes = [g.numel() for g in grads]
+    return list(torch.split(buffer[:sum(sizes)], sizes))

@@ -250,9 +250,10 @@ class _FSDPState:
                 module.set_all_reduce_hook(_ReplicaAllReduce(self, module))
             if reduce_scatter and self.shards > 1:
                 module.set_custom_reduce_scatter(_HomomorphicReduceScatter(self, module))
-        # the names the hooks key their aggregators by (_Slots: FSDP2's _param_fqn, set at the first forward,
-        # which is the root model's parameter name; else the fallback name)
-        self._fqns = {n for n, _ in model.named_parameters()} | {
+        # the names the hooks key their aggregators by (_Slots: FSDP2's _param_fqn, set at the first forward:
+        # the name within the fully_shard module its lazy init took as root, which a torch.compile wrapper
+        # does not prefix; else the fallback name)
+        self._fqns = {n for _, m in modules for n, _ in m.named_parameters()} | {
             f"{type(m).__name__}.param{i}" for _, m in modules for g in _param_groups(m) for i in range(len(g.fsdp_params))}
         self._check_saved_keys(self._saved)
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())

@@ -76,7 +76,7 @@ import torch
 
 from lossless_hc.thc.codec import NON_FINITE_CHOICES
 from lossless_hc.training.adapter import (INDEX_CHOICES, CompressionFactory, CompressorAdapter, EncodedTensor,
-                                          require_optimizer_frame, wire_numel)
+                                          refuse_uncalled, require_optimizer_frame, wire_numel)
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec, as_strategies
 from lossless_hc.training.planner import Calibration
 
@@ -473,3 +473,6 @@ class Compression(CompressionFactory):
                 raise ValueError(f"BYTEPS_LHC_COMPRESSOR=none takes no options, got {sorted(options)}")
             return Compression.none
         return getattr(Compression, compressor)(**options)
+
+
+refuse_uncalled(Compression.auto)

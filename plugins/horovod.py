@@ -20,12 +20,14 @@ decompressed (as the dense fallback below); the tensor ``decompress`` returned i
 Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans
 against every tensor sent as it is, alternating blocks of two whole steps (the second timed, as the
 first pays Horovod's renegotiation of tensors whose payload changed), and keeps them only if they
-measure faster; the verdict is rank 0's, a blocking Horovod broadcast from ``decompress`` when the
-trial's last step ends: every rank reaches it at the same step count, after its last tensor's
+measure faster; the verdict is the process set's first rank's, a blocking Horovod broadcast from
+``decompress`` when the trial's last step ends: every rank reaches it at the same step count, after its last tensor's
 operations (and second collectives) completed, so nothing of the step is outstanding.
 
 Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces the returned payload
-in place (SUM or AVERAGE), and calls ``decompress(payload, ctx)`` from ``optimizer.step()``. The
+in place (SUM or AVERAGE: another ``op`` is a ValueError), and calls ``decompress(payload, ctx)`` from
+``optimizer.step()``. A compressor serves one ``DistributedOptimizer`` at a time (its step, whose
+fallbacks it waits for, ends with its last tensor): two optimizers of one model need one each. The
 policy (dense or compressed, capacity, error feedback) is :mod:`lossless_hc.training.aggregate`, and the
 per-parameter bookkeeping shared with the BytePS plugin is :mod:`lossless_hc.training.adapter`; this module
 only adds what is Horovod's: process sets, the Adasum and sparse-gradient checks, the dense
@@ -59,7 +61,7 @@ import torch
 
 import hashlib
 
-from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, require_optimizer_frame
+from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, refuse_uncalled, require_optimizer_frame
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec, as_strategies
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
@@ -84,6 +86,7 @@ class HorovodCompressor(CompressorAdapter):
     def __init__(self, spec):
         super().__init__(spec)
         self._optimizer = None       # the hvd.DistributedOptimizer that calls us (found on first use)
+        self._owner = None           # ... whose step is in flight (or was last)
         self._process_set = hvd.global_process_set
 
     # -- Horovod's Compressor interface --------------------------------------------------------
@@ -92,6 +95,10 @@ class HorovodCompressor(CompressorAdapter):
         if tensor.requires_grad or tensor is p:
             raise ValueError("Adasum is non-linear (it is not a sum), so a homomorphic sketch cannot pass through it; "
                              "use op=hvd.Average or op=hvd.Sum with lossless_hc compression")
+        if opt.op not in (hvd.Average, hvd.Sum):   # a fallback SUM beside a MAX would mix two reductions
+            raise ValueError(f"lossless_hc compression sums payloads: op={opt.op} is not a sum; use op=hvd.Average "
+                             "or op=hvd.Sum")
+        self._check_step(opt)
         agg = self._aggregator(p, opt, tensor)
         payload, ctx = self.encode(agg, tensor)
         if payload.dtype == torch.bfloat16:   # a tensor sent as it is, in a dtype Horovod cannot reduce
@@ -112,6 +119,23 @@ class HorovodCompressor(CompressorAdapter):
         if isinstance(ctx, _CarriedAsFloat32):   # the float32 sum (or average), rounded once
             tensor, ctx = tensor.to(torch.bfloat16), ctx.ctx
         return self.decode(tensor, ctx)
+
+    def _check_step(self, opt) -> None:
+        """A step ends when its last compressed tensor is decompressed: then its fallbacks are waited for.
+        So one optimizer's step at a time: a second optimizer compressing while the first's tensors are in
+        flight is a ValueError (its step would end, and its fallbacks be waited for, only after the
+        other's, which then reads gradients still being summed). A step whose Horovod handles were all
+        dropped (``load_state_dict`` on the optimizer, an elastic restore) will never be decompressed:
+        forgotten, so that the next one ends when its own tensors are decompressed."""
+        if self._pending and self._owner is not None:
+            in_flight = any(h is not None for h, _ in getattr(self._owner, "_handles", {}).values())
+            if not in_flight:
+                self.drop_step()
+            elif opt is not self._owner:
+                raise ValueError("one lossless_hc compressor serves one hvd.DistributedOptimizer at a time, and "
+                                 "another optimizer's tensors are in flight: give each optimizer its own (call "
+                                 "the Compression factory once per optimizer)")
+        self._owner = opt
 
     # -- the dense fallback on Horovod -----------------------------------------------------------
     def _start_fallback(self, agg, dense):
@@ -159,6 +183,11 @@ class HorovodCompressor(CompressorAdapter):
                                      "sends uncompressed; pass sparse_as_dense=True to hvd.DistributedOptimizer")
 
 
+def _root(process_set) -> int:
+    """The process set's first rank, as the global rank Horovod's broadcast takes for its root."""
+    return process_set.ranks[0] if getattr(process_set, "ranks", None) else 0
+
+
 class _CarriedAsFloat32:
     """``ctx`` of a bfloat16 payload that went to Horovod as float32: Horovod's torch operations reduce
     float32/64, float16 and int32/64 tensors only (``horovod.torch.mpi_ops``), not bfloat16. The
@@ -186,7 +215,7 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
         guard = f"guard(steps={g.steps}, start={g.start}, margin={g.margin})" if g is not None else "no guard"
         h = int.from_bytes(hashlib.sha256(f"{self.spec!r} {guard}".encode()).digest()[:6], "little")
         mine = torch.tensor([float(h)], dtype=torch.float64)   # 48 bits: exact in float64
-        root = hvd.broadcast(mine, 0, name=f"{prefix}.config", process_set=process_set)
+        root = hvd.broadcast(mine, _root(process_set), name=f"{prefix}.config", process_set=process_set)
         differs = hvd.allreduce(torch.tensor([float(not torch.equal(root, mine))]), op=hvd.Sum,
                                 name=f"{prefix}.verdict", process_set=process_set)
         if float(differs) > 0:
@@ -202,12 +231,13 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
         self.spec.measure(   # the model is not known here: every size of LINK_SIZES
             lambda t: hvd.allreduce_(t, op=hvd.Sum, name=name("ar"), process_set=process_set),
             lambda t: hvd.allgather(t, name=name("ag"), process_set=process_set),
-            lambda t: t.copy_(hvd.broadcast(t, 0, name=name("bc"), process_set=process_set)),
+            lambda t: t.copy_(hvd.broadcast(t, _root(process_set), name=name("bc"), process_set=process_set)),
             rank, n, "cpu")
 
     def _broadcast_verdict(self, verdict):
         t = torch.tensor([float(v) for v in verdict], dtype=torch.float64)
-        root = hvd.broadcast(t, 0, name=f"lhc.auto{self._instance}.guard", process_set=self._process_set)
+        root = hvd.broadcast(t, _root(self._process_set), name=f"lhc.auto{self._instance}.guard",
+                             process_set=self._process_set)
         return tuple(root.tolist())
 
     def _start_request(self, agg, request):
@@ -247,11 +277,11 @@ class Compression(CompressionFactory):
         tensor sent as it is (Horovod's own allreduce; in blocks of two steps, the second timed; as
         many more of each confirm a first look for the plans); unless the plans' median step is
         ``guard_margin`` faster, every tensor is sent as it is from then on (THC's and top-k's error
-        feedback with the next step), and rank 0's verdict (a Horovod broadcast at the end of the
-        trial's last step) holds on every rank. A step ends when its last tensor is decompressed
+        feedback with the next step), and the process set's first rank's verdict (a Horovod broadcast
+        at the end of the trial's last step) holds on every rank. A step ends when its last tensor is decompressed
         (``optimizer.step()``).
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
-        ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened."""
+        ``stats()["guard"]``: the verdict, the first rank's medians and the trials opened."""
         guard = step_guard(guard_steps, guard_start, guard_margin)
         strategies = as_strategies(options.get("strategies"))
         if options.get("first") == "bf16" or "bf16" in (strategies or ()):
@@ -266,3 +296,6 @@ class Compression(CompressionFactory):
         comp.use_guard(guard)
         comp.calibrate(process_set if process_set is not None else hvd.global_process_set)
         return comp
+
+
+refuse_uncalled(Compression.auto)

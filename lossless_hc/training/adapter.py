@@ -275,6 +275,11 @@ class CompressorAdapter:
             self._partials.append((agg, partial_values(enc.ctx, outcome).contiguous(), outcome))
         return outcome.value
 
+    def drop_step(self) -> None:
+        """Forget the step in flight: its engine operations were dropped (an engine's optimizer reloaded,
+        an elastic restore), so its tensors will never be decoded and its fallbacks never waited for."""
+        self._pending, self._fallbacks, self._partials = 0, [], []
+
     def _finish_step(self) -> None:
         fallbacks, self._fallbacks = self._fallbacks, []
         partials, self._partials = sorted(self._partials, key=lambda p: p[0].name), []
@@ -372,3 +377,20 @@ class CompressionFactory:
         on every rank ("raise"), or gives an all-NaN gradient on every rank ("propagate": AMP's
         GradScaler then skips the step and training goes on)."""
         return cls._build(THCSpec, bits, granularity, overflow_freq, seed, non_finite, **kwargs)
+
+
+def refuse_uncalled(factory) -> None:
+    """Give the factory classmethod ``factory`` ``compress``/``decompress`` that raise a clear TypeError:
+    an engine handed ``Compression.lossless`` itself (not called) calls them from its backward hooks,
+    where Python's AttributeError ("'function' object has no attribute 'compress'") says nothing of
+    the cause. A bound method reads attributes from its function."""
+    func = factory.__func__
+
+    def uncalled(*args, **kwargs):
+        raise TypeError(f"Compression.{func.__name__} is a factory: pass Compression.{func.__name__}(...), called, "
+                        "as compression=")
+    func.compress = func.decompress = uncalled
+
+
+for _factory in (CompressionFactory.lossless, CompressionFactory.topk, CompressionFactory.thc):
+    refuse_uncalled(_factory)

@@ -326,6 +326,10 @@ class AutoCompressorAdapter(CompressorAdapter):
         self._requests.append((handle, out, enc.ctx, agg))
         return out   # filled in place in _finish_step, before the optimizer reads it
 
+    def drop_step(self) -> None:
+        super().drop_step()
+        self._requests = []
+
     def _finish_step(self) -> None:
         requests, self._requests = self._requests, []
         for handle, out, ctx, agg in requests:

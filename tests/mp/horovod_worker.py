@@ -27,15 +27,17 @@ STEPS = 6
 RUNS = [0]  # training runs so far: a per-run prefix keeps Horovod operation names unique, so the
             # operations an error scenario leaves in flight can never pair with a later run's
 PAIR = hvd.ProcessSet([0, 1])  # ranks 0 and 1 only (registered at init)
+TAIL = hvd.ProcessSet([1, 2])  # ranks 1 and 2: a set without rank 0
 
 
 def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, process_set=None, lr=0.1,
-          hidden=16, matrices_only=False, broadcast=False, compiled=False, joined=False):
+          hidden=16, matrices_only=False, broadcast=False, compiled=False, joined=False, abandon_at=None):
     """``matrices_only``: the optimizer takes the 2-D parameters only (as Muon-style optimizers do);
     ``broadcast``: SGD with momentum, parameters and optimizer state broadcast from rank 0 first;
     ``compiled``: the forward through ``torch.compile(model)``; ``joined``: uneven inputs, rank r
     trains ``steps - r`` steps and then calls ``hvd.join()`` (the ranks still training reduce with
-    the joined ones' zeros)."""
+    the joined ones' zeros); ``abandon_at``: at that step, after the backward pass, the optimizer's state
+    is reloaded (Horovod drops the step's handles, as a roll-back does) and the step is not taken."""
     torch.manual_seed(0)
     model = EmbeddingModel(sparse=sparse, hidden=hidden)
     RUNS[0] += 1
@@ -57,6 +59,10 @@ def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, 
         opt.zero_grad()
         for micro in range(bpps):
             loss_fn(forward, batch(step * bpps + micro, rank)).backward()
+        if step == abandon_at:
+            hvd.barrier()   # the dropped operations finish before their names are used again
+            opt.load_state_dict(opt.state_dict())
+            continue
         opt.step()
     if joined:
         hvd.join()
@@ -198,6 +204,33 @@ def scenario(name):
         comp = Compression.auto(strategies=("dense",), interval=2, calibration=Calibration.default(1e9), guard_steps=0)
         ref, got = train(Compression.none, op=op, joined=True), train(comp, op=op, joined=True)
         return {"max_diff": max_param_diff(ref, got), "stats": comp.stats()}
+    if name == "abandoned_step":   # a step whose handles the optimizer dropped: the next steps still end exactly
+        return compare(Compression.lossless(max_density=0.001), abandon_at=0)
+    if name == "op_max":   # a fallback's SUM beside Horovod's MAX of the rest: refused
+        return expect_error(lambda: train(Compression.lossless(max_density=0.05), op=hvd.Max, steps=1), ValueError)
+    if name == "shared_compressor":   # two optimizers of one model, one compressor: refused
+        def run():
+            torch.manual_seed(0)
+            model = EmbeddingModel()
+            RUNS[0] += 1
+            comp = Compression.lossless(max_density=0.05)
+            named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters()]
+            tables, dense = [x for x in named if "weight" in x[0] and x[1].dim() == 2 and x[1].shape[0] > 100], \
+                [x for x in named if not (x[1].dim() == 2 and x[1].shape[0] > 100)]
+            opts = [hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in part], lr=0.1), named_parameters=part,
+                                             compression=comp) for part in (tables, dense)]
+            loss_fn(model, batch(0, hvd.rank())).backward()
+            for opt in opts:
+                opt.step()
+        return expect_error(run, ValueError)
+    if name == "auto_process_set":   # auto on a set without rank 0: its broadcasts' root is the set's first rank
+        out = {"included": TAIL.included()}
+        if TAIL.included():
+            comp = Compression.auto(process_set=TAIL, first="allgather", interval=2, guard_steps=1, guard_start=2)
+            out.update(compare(comp, process_set=TAIL, steps=10))
+            out["guard"] = comp.stats()["guard"]
+        hvd.barrier()
+        return out
     if name == "adasum":
         return expect_error(lambda: train(Compression.lossless(), op=hvd.Adasum, steps=1), ValueError)
     if name == "sparse_without_dense":
@@ -329,7 +362,8 @@ def main():
     # every global operation more slowly and erratically (a 3-rank run of the other scenarios: 45-100 s
     # instead of ~20 s on 2 cores).
     size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0)
-    hvd.init(process_sets=[PAIR] if size > 2 and "process_set" in names else None)
+    sets = [s for s, scenario_name in ((PAIR, "process_set"), (TAIL, "auto_process_set")) if scenario_name in names]
+    hvd.init(process_sets=sets if size > 2 and sets else None)
     torch.set_num_threads(1)
     for name in names:
         result = scenario(name)

@@ -168,3 +168,13 @@ def test_decode_flags_must_be_bools(flag, value):
         tp = thc.encode(x)
         with pytest.raises(TypeError, match="decode's averaged must be a bool"):
             thc.decode(tp, averaged=value)
+
+
+@pytest.mark.parametrize("factory", ["lossless", "topk", "thc", "auto"])
+def test_an_uncalled_factory_passed_as_compression_says_so(factory):
+    """compression=Compression.lossless (not called): the engine calls .compress from its backward hooks,
+    where "'function' object has no attribute 'compress'" named no cause; now a TypeError does."""
+    import torch
+    from lossless_hc.plugins.byteps import Compression
+    with pytest.raises(TypeError, match=f"Compression.{factory} is a factory: pass Compression.{factory}"):
+        getattr(Compression, factory).compress(torch.zeros(4))

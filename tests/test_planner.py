@@ -349,6 +349,38 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
         assert rel < (0.95 if strategy == "topk" else 0.2), rel
 
 
+def test_topk_re_sums_the_keys_its_decode_reports_inexact():
+    """auto's top-k aggregates each rank's selection with the lossless codec. Small values sharing sketch
+    cells with 2**30 (tests/mp/inexact_case.py) decode inexact: their coordinates are summed again,
+    exactly (as Compression.topk does). auto returned the decoded values as they were (1-5 coordinates
+    wrong per step, e.g. 16 for -8) while the residual counted them as delivered. Now every step gives
+    the sum of the ranks' selections (the first k of a stable sort of |x + residual|) within the
+    codec's contract."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp"))
+    import inexact_case
+    n, numel = 2, inexact_case.VEC
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk", allowed=("topk",), topk_ratio=0.01) for r in range(n)]
+    k = math.ceil(0.01 * numel)
+    residuals = [torch.zeros(numel) for _ in range(n)]
+    for step in range(inexact_case.STEPS):
+        xs = [inexact_case.gradients(step, r)[1] for r in range(n)]
+        ys = run_step(aggs, xs)
+        assert all(torch.equal(ys[0], y) for y in ys)
+        sent = []
+        for r in range(n):
+            a = xs[r] + residuals[r]
+            idx = torch.argsort(a.abs(), descending=True, stable=True)[:k]
+            sent.append(torch.zeros(numel).index_copy_(0, idx, a[idx]))
+            residuals[r] = a.index_fill_(0, idx, 0.0)
+        s, m = contract.truth(sent)
+        bad = contract.outside_contract(ys[0], s, m, n, DEFAULT_RTOL)
+        assert not bool(bad.any()), f"step {step}: {ys[0][bad][:3].tolist()} for {s[bad][:3].tolist()}"
+    assert aggs[0].stats.partial_fallbacks >= 1 and aggs[0].stats.inexact_keys >= 1, aggs[0].stats
+
+
 @pytest.mark.parametrize("average", [False, True])
 def test_fp16_sums_beyond_its_range_come_back_finite(average):
     """fp16 sends x / n (as DDP's fp16_compress_hook divides before the SUM): three ranks' ~40000 sum to 120003,

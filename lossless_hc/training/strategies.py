@@ -55,7 +55,8 @@ from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import check_uint64
-from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, TopKAggregator
+from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, TopKAggregator,
+                                            partial_values)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
@@ -475,7 +476,14 @@ class AutoAggregator(TensorRows):
                 self._observe(ctx, self._union_of(value))
                 return AutoOutcome(self._shaped(value))
             if s == "topk":
-                out = self._topk.decode(body.to(torch.float32).contiguous(), ctx.inner)
+                out = self._topk.decode(body.to(torch.float32).contiguous(), ctx.inner, partial=self.partial)
+                if out.needs_partial:   # the selections' inexact keys: their coordinates summed exactly
+                    ctx.topk_outcome = out
+                    self.stats.inexact_decodes += 1
+                    self.stats.partial_fallbacks += 1
+                    self.stats.inexact_keys += out.partial.numel()
+                    return AutoOutcome(None, Request("allreduce",
+                                                     partial_values(ctx.inner, out).to(torch.float32).contiguous()))
                 if out.needs_fallback:
                     ctx.topk_outcome = out
                     self.fallbacks += 1
@@ -541,7 +549,9 @@ class AutoAggregator(TensorRows):
             value = self._from_flat(flat, ctx.union_rows)
             count = ctx.union_rows.numel() if self.sparse else self._union_of(flat)
         elif s == "topk":
-            value = self._shaped(self._topk.finish_fallback(result.to(torch.float32), ctx.topk_outcome).reshape(-1))
+            outcome = ctx.topk_outcome
+            done = self._topk.finish_partial if outcome.needs_partial else self._topk.finish_fallback
+            value = self._shaped(done(result.to(torch.float32), outcome).reshape(-1).to(torch.float32))
             count = self._union_of(value)
         else:
             raise AssertionError(f"{s} makes no request")

@@ -94,6 +94,19 @@ def test_layout_changes_and_unsupported_sparse_tensors_are_refused():
         sparse_agg.encode(torch.zeros(ROWS, DIM).to_sparse(sparse_dim=2))
 
 
+@pytest.mark.parametrize("strategy", ["two_phase", "allgather", "dense", "sketch"])
+def test_a_sparse_gradient_listing_rows_past_the_table_is_refused(strategy):
+    """torch builds a sparse tensor without checking its indices (check_invariants off by default):
+    two_phase dropped a row listed past the table (its bitmap's padding), allgather returned a tensor
+    listing it, the others failed inside indexing. Now a ValueError naming the row, whatever the plan."""
+    agg = AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL, sparse=True, first=strategy,
+                         allowed=(strategy,))
+    for row in (ROWS, ROWS + 5, -1):
+        bad = torch.sparse_coo_tensor(torch.tensor([[1, row]]), torch.ones(2, DIM), (ROWS, DIM))
+        with pytest.raises(ValueError, match=f"lists row {row} of a table of {ROWS} rows"):
+            agg.encode(bad)
+
+
 # -- the cost model -------------------------------------------------------------------------------------
 
 def stats(sparse, numel=1 << 20, row=32, n=4, k=512, union=1500):

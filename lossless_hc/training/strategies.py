@@ -301,6 +301,12 @@ class AutoAggregator(TensorRows):
         if x.sparse_dim() != 1:
             raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "
                             "sparse tensors of rows (sparse_dim 1, as nn.Embedding(sparse=True) gives)")
+        raw = x._indices()[0]
+        if raw.numel():   # torch builds such tensors unchecked; two_phase would drop a row past the table
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(raw)).tolist())
+            if lo < 0 or hi >= self.keys:
+                raise ValueError(f"{self.name}: a sparse gradient lists row {lo if lo < 0 else hi} of a table of "
+                                 f"{self.keys} rows")
         x = x.detach().coalesce()
         ctx.index = x.indices()[0]
         ctx.values = x.values().reshape(ctx.index.numel(), self.row)

@@ -252,6 +252,7 @@ def test_process_set(tmp_path):
     assert [r["included"] for r in rs] == [False, True, True]
     for r in rs[1:]:
         assert r["max_diff"] == 0.0 and r["stats"]["tensors"] > 0, r
+        assert r["stats"]["guard"]["verdict"] is not None, r["stats"]["guard"]   # broadcast from rank 1
 
 
 def test_mpirun_launcher(tmp_path):

@@ -349,6 +349,30 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
         assert rel < (0.95 if strategy == "topk" else 0.2), rel
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_allgather_is_priced_at_the_bytes_it_sends_whatever_the_gradient_s_dtype(dtype):
+    """allgather's slots (an int32 index and a float32 row) are float32 for every gradient dtype. Priced at
+    the plain steps' width (2 bytes where half-precision plain steps travel as they are), a float16 or
+    bfloat16 gradient's allgather and two_phase were predicted at half what they send."""
+    n, shape = 3, (4000, 16)
+    g = torch.Generator().manual_seed(0)
+    aggs = [AutoAggregator("emb", shape, dtype, n, r, MODEL, first="allgather", allowed=("allgather",))
+            for r in range(n)]
+    for a in aggs:
+        a.plain_dtype = dtype   # as the DDP, FSDP2 and Horovod adapters set it (native_plain_dtypes)
+    for _ in range(3):
+        xs = []
+        for _ in range(n):
+            x = torch.zeros(shape, dtype=dtype)
+            x[torch.randperm(shape[0], generator=g)[:200]] = torch.randn(200, shape[1], generator=g).to(dtype)
+            xs.append(x)
+        before = aggs[0].stats.payload_bytes
+        run_step(aggs, xs)
+    assert aggs[0].plan_input.element_bytes == dtype.itemsize
+    predicted = sum(b for _, b in MODEL.collectives("allgather", aggs[0].plan_input))
+    assert predicted == aggs[0].stats.payload_bytes - before
+
+
 def test_topk_re_sums_the_keys_its_decode_reports_inexact():
     """auto's top-k aggregates each rank's selection with the lossless codec. Small values sharing sketch
     cells with 2**30 (tests/mp/inexact_case.py) decode inexact: their coordinates are summed again,

@@ -40,8 +40,8 @@ collectives::
 Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = 4(1+2n)`` header bytes::
 
     dense      allreduce(H + d e)
-    allgather  allreduce(H) + allgather(K (4 + b e))                 (int32 index + row per slot)
-    two_phase  allreduce(H + 4 ceil(D / q)) + allreduce(u b e)      (q digits of base n+1 per word,
+    allgather  allreduce(H) + allgather(K (4 + 4 b))                 (int32 index + float32 row per slot)
+    two_phase  allreduce(H + 4 ceil(D / q)) + allreduce(4 u b)      (q digits of base n+1 per word,
                                                                      lossless_hc.lhc.layout.digit_packing)
     sketch     allreduce(H + 4 L)       L = plan_layout(d, n, h_K K b, b, union = h_U u b).payload_numel
     fp16/bf16  allreduce(H) + allreduce(2 d)
@@ -333,10 +333,12 @@ class CostModel:
             H += 4 * bitmap_words(s.keys, n)
         if strategy == "dense":
             return [("allreduce", H + s.numel * e)]
+        # allgather's slots and two_phase's rows are float32 whatever the gradient's dtype (``e``: the bytes
+        # of its plain steps, 2 where they travel in half precision)
         if strategy == "allgather":
-            return [("allreduce", H), ("allgather", s.max_rank_keys * (4 + b * e))]
+            return [("allreduce", H), ("allgather", s.max_rank_keys * (4 + b * 4))]
         if strategy == "two_phase":
-            return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * e)]
+            return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * 4)]
         if strategy == "sketch":
             return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))]
         if strategy in ("fp16", "bf16"):

@@ -114,7 +114,8 @@ class THCCodec:
         non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
             ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
             GradScaler, which then skips the step). That rank sends only the header and its e is
-            reset to zero (as when x is finite but x + e overflows float32); the other ranks' levels
+            reset to zero (as when x is finite but x + e, or its squared norm, overflows float32: a
+            coordinate of about 1.8e19 or more); the other ranks' levels
             of that step are not delivered (their e already counts them as sent): the step is lost.
         num_threads: OpenMP threads of the kernels (0: the OpenMP default).
 

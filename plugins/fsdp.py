@@ -254,7 +254,8 @@ class _FSDPState:
         # the name within the fully_shard module its lazy init took as root, which a torch.compile wrapper
         # does not prefix; else the fallback name)
         self._fqns = {n for _, m in modules for n, _ in m.named_parameters()} | {
-            f"{type(m).__name__}.param{i}" for _, m in modules for g in _param_groups(m) for i in range(len(g.fsdp_params))}
+            f"{type(m).__name__}.param{i}" for _, m in modules for g in _param_groups(m)
+            for i in range(len(g.fsdp_params))}
         self._check_saved_keys(self._saved)
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
         cfg = (f"{self._config()}{self._checked_options()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"

@@ -21,8 +21,8 @@ Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard
 against every tensor sent as it is, alternating blocks of two whole steps (the second timed, as the
 first pays Horovod's renegotiation of tensors whose payload changed), and keeps them only if they
 measure faster; the verdict is the process set's first rank's, a blocking Horovod broadcast from
-``decompress`` when the trial's last step ends: every rank reaches it at the same step count, after its last tensor's
-operations (and second collectives) completed, so nothing of the step is outstanding.
+``decompress`` when the trial's last step ends: every rank reaches it at the same step count, after
+its last tensor's operations (and second collectives) completed, so nothing of the step is outstanding.
 
 Horovod calls ``compress(grad)`` in each parameter's gradient hook, allreduces the returned payload
 in place (SUM or AVERAGE: another ``op`` is a ValueError), and calls ``decompress(payload, ctx)`` from
@@ -61,7 +61,8 @@ import torch
 
 import hashlib
 
-from lossless_hc.training.adapter import CompressionFactory, CompressorAdapter, refuse_uncalled, require_optimizer_frame
+from lossless_hc.training.adapter import (CompressionFactory, CompressorAdapter, refuse_uncalled,
+                                          require_optimizer_frame)
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec, as_strategies
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard

@@ -75,7 +75,8 @@ def render(results: dict, title: str) -> str:
                 continue
             agg, wire = r.get("aggregation_s"), r.get("wire_bytes_per_step_per_host")
             # the wire is counted only where the interface could be read: the time stands without it
-            cells.append("-" if agg is None else f"{1e3 * agg:.1f}" + ("" if wire is None else f" ({wire / 2**20:.2f})"))
+            cells.append("-" if agg is None else
+                         f"{1e3 * agg:.1f}" + ("" if wire is None else f" ({wire / 2**20:.2f})"))
         mode = f"**{comp}** (planner)" if comp in cluster.AUTO else comp
         lines.append(f"| {fw} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -55,8 +55,8 @@ from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import check_uint64
-from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, TopKAggregator,
-                                            partial_values)
+from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
+                                            TopKAggregator, partial_values)
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)

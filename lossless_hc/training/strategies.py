@@ -28,7 +28,8 @@ alone)::
                DDP's fp16_compress_hook divides: it overflows where a rank's value or the average
                passes 65504, not where only the SUM does)
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
-    topk       the top-k aggregator's payload (error feedback; its fallback: the dense selection)
+    topk       the top-k aggregator's payload (error feedback); request only when its decode fails: the
+               dense selection, or when it reports inexact keys: those coordinates of the selection
 
 Every strategy starts from the rank's rows: a dense gradient is scanned for its non-zero rows; a sparse
 one (``sparse=True``: a COO tensor of rows, as DDP hands over ``nn.Embedding(sparse=True)``'s gradient)

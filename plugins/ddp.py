@@ -276,9 +276,9 @@ class THCHookState(_HookState):
         check_same_configuration(f"exact {flags} of {shapes}; {len(unmatched)} unmatched", self.process_group,
                                  "THCHookState's exact parameters")
         if unmatched:
-            shapes = ", ".join(str(tuple(q.shape)) for q in unmatched)
+            unmatched_shapes = ", ".join(str(tuple(q.shape)) for q in unmatched)
             raise ValueError(f"THCHookState(exact=...) holds {len(unmatched)} tensor(s) that are not parameters "
-                             f"this DDP model reduces (shapes {shapes}): pass the wrapped model's own parameters "
+                             f"this DDP model reduces (shapes {unmatched_shapes}): pass the wrapped model's own parameters "
                              f"(e.g. ddp_model.module.out.weight), not a copy's")
 
     def _make(self, p: torch.nn.Parameter, name: str, grad: torch.Tensor):

@@ -352,7 +352,7 @@ class AutoCompressorAdapter(CompressorAdapter):
         return tuple(a.strategy for a in dense)
 
     def _broadcast_verdict(self, verdict: tuple) -> tuple:
-        """Rank 0's ``verdict`` (the five values of ``StepGuard.decide``) on every rank: a blocking
+        """The group's first rank's ``verdict`` (the five values of ``StepGuard.decide``) on every rank: a blocking
         broadcast, called by every rank at the same step (the step guard's)."""
         raise NotImplementedError
 

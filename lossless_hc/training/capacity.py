@@ -61,7 +61,7 @@ class CapacityPolicy:
         if not (is_real(hysteresis) and 0.0 <= hysteresis < 1.0):
             raise ValueError(f"hysteresis must be a number in [0, 1), got {hysteresis!r}")
         self.interval = interval
-        self.alpha = float(alpha)
+        self.alpha = alpha
         self.union_headroom = float(union_headroom)
         self.rank_headroom = float(rank_headroom)
         self.hysteresis = float(hysteresis)

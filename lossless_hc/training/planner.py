@@ -110,7 +110,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
-from lossless_hc.lhc.layout import digit_packing
+from lossless_hc.lhc.layout import check_fraction, digit_packing
 from lossless_hc.training.message import message_layout
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
@@ -502,10 +502,9 @@ class PlanTracker:
                  sparse: bool = False):
         if interval < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        alpha = check_fraction("alpha", alpha)
         self.numel, self.row, self.world_size = int(numel), int(row), int(world_size)
-        self.interval, self.alpha = int(interval), float(alpha)
+        self.interval, self.alpha = int(interval), alpha
         self.sparse = bool(sparse)
         self.steps = 0
         self.rank_keys: Optional[list] = None

@@ -373,6 +373,27 @@ def test_allgather_is_priced_at_the_bytes_it_sends_whatever_the_gradient_s_dtype
     assert predicted == aggs[0].stats.payload_bytes - before
 
 
+@pytest.mark.parametrize("strategy,dtype", [("thc", torch.float32), ("thc", torch.float16), ("dense", torch.float64),
+                                            ("fp16", torch.float32), ("two_phase", torch.float32)])
+def test_the_statistics_header_is_priced_in_its_payload_s_dtype(strategy, dtype):
+    """The statistics header takes its first payload's dtype: float64 in THC's payload and in a float64
+    gradient's (``planner.header_width``). Priced as float32 words, THC's and a float64 dense step's
+    first payload were predicted 4(1+2n) bytes short of what they send."""
+    n, shape = 3, (4000, 16)
+    g = torch.Generator().manual_seed(0)
+    aggs = [AutoAggregator("w", shape, dtype, n, r, MODEL, lossy=True, first=strategy, allowed=(strategy,),
+                           lossy_min_bytes=0) for r in range(n)]
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(shape, dtype=dtype)
+        x[torch.randperm(shape[0], generator=g)[:200]] = torch.randn(200, shape[1], generator=g).to(dtype)
+        xs.append(x)
+    run_step(aggs, xs)   # the first step carries the header (a dense plan's later steps are plain)
+    assert aggs[0].strategy == strategy
+    predicted = sum(b for _, b in MODEL.collectives(strategy, aggs[0].plan_input))
+    assert predicted == aggs[0].stats.payload_bytes
+
+
 def test_topk_re_sums_the_keys_its_decode_reports_inexact():
     """auto's top-k aggregates each rank's selection with the lossless codec. Small values sharing sketch
     cells with 2**30 (tests/mp/inexact_case.py) decode inexact: their coordinates are summed again,

@@ -20,7 +20,8 @@ and, only when the user allows loss, ``fp16``, ``bf16`` (the tensor allreduced i
 aggregated exactly by the sketch).
 
 Every strategy's first collective is a SUM allreduce of a payload that starts with the statistics
-header of ``1 + 2n`` float32 words: a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
+header of ``1 + 2n`` words in the payload's dtype (float32; float64 for ``thc`` and float64 gradients,
+:func:`header_width`): a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
 a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
 fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
 ``k_0..k_{n-1}`` from every step of every strategy but a dense plan's plain steps (a dense plan carries
@@ -37,7 +38,8 @@ collectives::
     allreduce(B) = 2(n-1) alpha + 2(n-1)/n B beta          (B: bytes each rank contributes)
     allgather(B) =  (n-1) alpha +  (n-1)   B beta          (B: bytes each rank contributes)
 
-Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = 4(1+2n)`` header bytes::
+Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+2n)`` header bytes
+(``w``: 4, or 8 where :func:`header_width` says)::
 
     dense      allreduce(H + d e)
     allgather  allreduce(H) + allgather(K (4 + 4 b))                 (int32 index + float32 row per slot)
@@ -246,6 +248,16 @@ def stats_header_words(world_size: int) -> int:
     return 1 + 2 * int(world_size)
 
 
+def header_width(strategy: str, s: "TensorStats") -> int:
+    """Bytes of one statistics-header word: the header takes its first payload's dtype
+    (``AutoAggregator.encode``), float64 for ``thc`` and for every header-only or dense payload of a
+    float64 gradient (``element_bytes`` 8), float32 otherwise (a half-precision count field would not be
+    exact; a dense half-precision body travels apart from its header, :meth:`CostModel.predict_message`)."""
+    if strategy == "thc" or (s.element_bytes == 8 and strategy in ("dense", "allgather", "fp16", "bf16")):
+        return 8
+    return 4
+
+
 def bitmap_words(keys: int, world_size: int) -> int:
     """Float32 words of the two-phase counting bitmap: ``keys`` digits of base n+1."""
     return digit_packing(world_size, keys).words if keys else 0
@@ -328,11 +340,11 @@ class CostModel:
     # -- the collectives each strategy issues: [("allreduce"|"allgather", bytes per rank), ...] --------
     def collectives(self, strategy: str, s: TensorStats) -> list:
         n, e, b = s.world_size, s.element_bytes, s.row
-        H = 4 * stats_header_words(n)
+        H = header_width(strategy, s) * stats_header_words(n)
         if s.sparse and strategy in ("dense", "sketch"):   # the union's rows ride along: the bitmap
             H += 4 * bitmap_words(s.keys, n)
-        if strategy == "dense":
-            return [("allreduce", H + s.numel * e)]
+        if strategy == "dense":   # a sparse gradient's body goes in the header's dtype (the bitmap's counts)
+            return [("allreduce", H + s.numel * (header_width(strategy, s) if s.sparse else e))]
         # allgather's slots and two_phase's rows are float32 whatever the gradient's dtype (``e``: the bytes
         # of its plain steps, 2 where they travel in half precision)
         if strategy == "allgather":
@@ -411,8 +423,9 @@ class CostModel:
         the second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
         allreduce per request dtype, then one allgather), plus every tensor's local work.
 
-        A first payload's dtype: a dense plan's is the gradient's wire width (``element_bytes``, its
-        plain steps'), THC's float64, every other's float32. The request dtype is the strategy's for
+        A first payload's dtype: its header's (:func:`header_width`), except a dense plan's body,
+        which travels apart in the gradient's wire width (``element_bytes``, its plain steps') where
+        that differs. The request dtype is the strategy's for
         fp16 and bf16, else the gradient's. The stats know a dtype by its width only, so a
         half-precision gradient is priced as bfloat16 (the part rule treats both halves alike; a model
         mixing them would have one part, or request, more than priced)."""
@@ -424,8 +437,13 @@ class CostModel:
         local = 0.0
         for strategy, s in plans:
             (_, head), *rest = self.collectives(strategy, s)
-            width = s.element_bytes if strategy == "dense" else 8 if strategy == "thc" else 4
-            specs.append((-(-head // width), _WIRE_DTYPES[width]))
+            width = header_width(strategy, s)
+            if strategy == "dense" and not s.sparse and s.element_bytes != width:   # the header in float32, the body as the gradient
+                header = width * stats_header_words(s.world_size)
+                specs += [(header // width, _WIRE_DTYPES[width]),
+                          (-(-(head - header) // s.element_bytes), _WIRE_DTYPES[s.element_bytes])]
+            else:
+                specs.append((-(-head // width), _WIRE_DTYPES[width]))
             for kind, nbytes in rest:
                 if kind == "allgather":
                     gathered += nbytes

@@ -10,7 +10,9 @@ from lossless_hc.lhc.sizing import sketch_table_for
 from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookState, TopKHookState, auto_hook,
                                      lossless_hook, thc_hook, topk_hook)
 from lossless_hc.training.aggregate import TensorAggregator
+from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.capacity import CapacityPolicy
+from lossless_hc.training.planner import PlanTracker
 
 
 def test_world_size_and_block_size_limits():
@@ -88,6 +90,16 @@ def test_every_fraction_takes_one_rule(entry):
         assert type(got) is float and got == float(v), (v, got)
     for v in (True, np.True_, "0.5", float("nan"), 0, 0.0, 1.5, -0.1, None):
         with pytest.raises(ValueError, match="must be a number in \\(0, 1\\], got"):
+            make(v)
+
+
+@pytest.mark.parametrize("make", [lambda v: PlanTracker(1000, 10, 2, interval=v).interval,
+                                  lambda v: AutoSpec(interval=v).interval], ids=["PlanTracker", "AutoSpec"])
+def test_a_re_plan_interval_is_a_positive_int(make):
+    """PlanTracker took ``int(interval)``: 2.5 re-planned every 2 steps, silently."""
+    assert make(3) == 3
+    for v in (2.5, 0, -1, True, "4", None):
+        with pytest.raises(ValueError, match="interval must be a positive integer"):
             make(v)
 
 

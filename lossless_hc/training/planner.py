@@ -518,11 +518,11 @@ class PlanTracker:
 
     def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25,
                  sparse: bool = False):
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:   # int(2.5) would be 2
+            raise ValueError(f"interval must be a positive integer, got {interval!r}")
         alpha = check_fraction("alpha", alpha)
         self.numel, self.row, self.world_size = int(numel), int(row), int(world_size)
-        self.interval, self.alpha = int(interval), alpha
+        self.interval, self.alpha = interval, alpha
         self.sparse = bool(sparse)
         self.steps = 0
         self.rank_keys: Optional[list] = None

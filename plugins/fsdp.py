@@ -176,6 +176,7 @@ class _FSDPState:
         self.replicas = dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
         self.shards = dist.get_world_size(self.shard_group)
         self.reduce_scatter = False
+        self._replica_divisor: Optional[float] = None   # set by register (a shard group of one rank)
         self._stats = AggregationStats()
         self._aggregators: dict = {}    # "replicate:<fqn>" | "shard:<fqn>-><d>" -> aggregator
         self._saved: dict = {}          # states loaded before their aggregator was built
@@ -235,6 +236,9 @@ class _FSDPState:
         if not modules:
             raise ValueError("register needs a model with fully_shard applied (no FSDPModule found)")
         self.reduce_scatter = bool(reduce_scatter)
+        # A shard group of one rank: torch (2.13) would divide by the factor twice (in the copy that stands
+        # in for its reduce-scatter, and after the all-reduce hook), so the replica hook divides instead.
+        self._replica_divisor = factor if self.shards == 1 and self.replicas > 1 else None
         for name, module in modules:
             for group in _param_groups(module):
                 info = group.mesh_info
@@ -243,7 +247,8 @@ class _FSDPState:
                                      f"(mesh[<shard dim>], {self.shards} ranks), not natively on the 2-D mesh: native "
                                      "HSDP all-reduces before the hook runs")
             module.set_force_sum_reduction_for_comms(True)
-            module.set_gradient_divide_factor(factor)
+            if self._replica_divisor is None:
+                module.set_gradient_divide_factor(factor)
             if not _param_groups(module):
                 continue
             if self.replicas > 1:
@@ -327,12 +332,25 @@ class _FSDPState:
 
 class _ReplicaAllReduce:
     """The all-reduce hook of one ``fully_shard`` module: SUM of its reduce-scattered shard across
-    replicas, compressed; the result replaces the shard in place (FSDP divides it afterwards)."""
+    replicas, compressed; the result replaces the shard in place (FSDP divides it afterwards, or, with a
+    shard group of one rank, this hook: ``_replica_divisor``)."""
 
     def __init__(self, state: _FSDPState, module: FSDPModule):
         self.state, self.module, self.slots = state, module, None
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
+        divisor = self.state._replica_divisor
+        # Where FSDP2 leaves the division to the hook (one shard): float16 divided before the sum, as
+        # DDP's float16 hook (the SUM could pass 65504 where the average does not), the others after
+        # (one rounding of the sum).
+        first = divisor is not None and reduce_output.dtype == torch.float16
+        if first:
+            reduce_output.div_(divisor)
+        self._reduce(reduce_output)
+        if divisor is not None and not first:
+            reduce_output.div_(divisor)
+
+    def _reduce(self, reduce_output: torch.Tensor) -> None:
         st = self.state
         started = time.perf_counter()
         phase = st._replica_phase(self, started)

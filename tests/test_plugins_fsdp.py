@@ -5,7 +5,8 @@ timeout, so a deadlock fails the test instead of hanging it):
 
 * 4 processes as a 2x2 ``(replicate, shard)`` mesh: custom HSDP, the replica all-reduce compressed
   (``*_rs``: the reduce-scatter too);
-* 2 processes as a 1x2 mesh: FSDP only, the homomorphic reduce-scatter.
+* 2 processes as a 1x2 mesh: FSDP only, the homomorphic reduce-scatter;
+* 2 processes as a 2x1 mesh: replicas of one shard each (FSDP2 leaves the division to the hook).
 
 The reference is uncompressed FSDP2 over the same mesh (native HSDP on the 2-D one), from the same
 seed on the same per-rank batches.
@@ -37,6 +38,9 @@ MESHES = {
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse"]),
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite", "non_finite_topk"]),
+    # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
+    "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
+                   "accumulation", "auto_guard_lossy_dense"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {

@@ -533,9 +533,12 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     n = state.world_size
     # The step guard's dense window (and a dense verdict): every dense float bucket in place, PowerSGD's too.
     guard_dense = state._step_phase == "dense" and not buffer.is_sparse
+    divided = None
     if guard_dense and state._guard.verdict == "dense":
         # For good: what THC's or top-k's error feedback, or the bucket's PowerSGD memory, still holds goes
-        # out with this step's gradients (once: taking it leaves none behind), before a float16 bucket is divided.
+        # out with this step's gradients (once: taking it leaves none behind). A float16 bucket's memory
+        # is in the units of its divided gradients (x_r / n): it is added after the division.
+        divided = divide_first(buffer, n)
         for a, g in zip(aggs, grads):
             a.add_lossy_memory_to(g)
         error = state._powersgd.leave(bucket.index(), state._steps - 1) if state._powersgd is not None else None
@@ -545,7 +548,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
         return powersgd.run(bucket, state._fallback_group(bucket.index()))
-    divided = divide_first(buffer, n)
+    if divided is None:
+        divided = divide_first(buffer, n)
     if buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's

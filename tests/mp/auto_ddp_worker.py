@@ -93,14 +93,15 @@ def lossy_gradient(step, rank):
     return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank)).to(DEVICE)
 
 
-def lossy_guard(dense_verdict, steps=12):
+def lossy_guard(dense_verdict, steps=12, dtype=torch.float32):
     """``auto_hook(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (one
     block of 2 steps per window from step 2: plans at 2 and 3, in place at 4 and 5, the first look at 6; a look
     for the plans is confirmed by plans at 6 and 7, in place at 8 and 9, the verdict at 10), forced by the margin.
     Conservation: n times the sum of the reduced (averaged) gradients plus every rank's error feedback
-    left at the end equals the sum of every rank's gradients."""
+    left at the end equals the sum of every rank's gradients. ``dtype``: the model's (a float16 bucket is
+    divided by n before it is encoded, so its memory is in the units of x_r / n)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    model = LinearLoss((128, 96), DEVICE)
+    model = LinearLoss((128, 96), DEVICE).to(dtype)
     ddp = DistributedDataParallel(model)
     state = AutoHookState(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                           interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
@@ -109,14 +110,16 @@ def lossy_guard(dense_verdict, steps=12):
     out_sum = torch.zeros(128, 96, dtype=torch.float64, device=DEVICE)
     for step in range(steps):
         model.weight.grad = None
-        ddp(lossy_gradient(step, rank)).backward()
+        ddp(lossy_gradient(step, rank).to(dtype)).backward()
         out_sum += model.weight.grad.to(torch.float64)
     agg = next(iter(state._aggregators.values()))
     left = agg.take_lossy_memory()
     memory = torch.zeros_like(out_sum) if left is None else left.reshape(128, 96).to(torch.float64)
+    if dtype == torch.float16:
+        memory *= n   # held in the units of the divided bucket
     memories = [torch.empty_like(memory) for _ in range(n)]
     dist.all_gather(memories, memory)
-    total = sum(lossy_gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    total = sum(lossy_gradient(t, r).to(dtype).to(torch.float64) for t in range(steps) for r in range(n))
     st = state.stats()
     return {"guard": st["guard"], "left": left is not None,
             "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()},
@@ -176,7 +179,8 @@ def scenario(name):
         out["plain_steps"] = {k: v["plain_steps"] for k, v in out["stats"]["plan"].items()}
         return out
     if name.startswith("lossy_guard_"):   # the guard over top-k plans, its verdict forced by the margin
-        return lossy_guard(name == "lossy_guard_dense")
+        return lossy_guard(name.startswith("lossy_guard_dense"),
+                           dtype=torch.float16 if name.endswith("_float16") else torch.float32)
     if name in ("config_mismatch", "guard_mismatch"):   # the options differ, or only the step guard's
         try:
             train(AutoHookState(lossy=dist.get_rank() == 1) if name == "config_mismatch" else

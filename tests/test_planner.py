@@ -445,6 +445,27 @@ def test_fp16_sums_beyond_its_range_come_back_finite(average):
         assert bool((err <= u * (2 + u) * want.abs()).all()), float(err.max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp16_is_not_a_candidate_for_a_half_precision_gradient(dtype):
+    """fp16 took a bfloat16 gradient out of its range (on Horovod, whose bfloat16 plain steps travel in
+    float32, the planner chose it by itself: averages of 3e5 came back inf, 1e-9 came back 0) and rounded a
+    float16 one twice (x / n, then n times the sum). Neither is a candidate; asked for alone, the tensor
+    is sent dense, exactly. bf16 stays one for both (bfloat16 holds float16's range)."""
+    n, numel = 2, 1 << 15
+    slow = CostModel(Calibration.default(bandwidth_bits=1e8))   # a slow link: half the bytes wins
+    free = AutoAggregator("w", (numel,), dtype, n, 0, slow, lossy=True, lossy_min_bytes=0, allowed=("dense", "fp16", "bf16"))
+    assert "fp16" not in free.allowed and "bf16" in free.allowed
+    aggs = [AutoAggregator("w", (numel,), dtype, n, r, slow, lossy=True, lossy_min_bytes=0, first="fp16",
+                           allowed=("fp16",)) for r in range(n)]
+    big = 3e5 if dtype == torch.bfloat16 else 3e4   # beyond float16's range / its sum near 65504
+    xs = [torch.tensor([big, -1e-9, 1.5] * (numel // 3) + [0.0] * (numel % 3)).to(dtype) for _ in range(n)]
+    assert bool(xs[0].isfinite().all())
+    for _ in range(3):
+        ys = run_step(aggs, xs)
+        assert aggs[0].strategy == "dense"
+        assert torch.equal(ys[0], xs[0].double().mul(n).to(dtype)), ys[0][:3]
+
+
 def test_small_tensors_stay_exact_under_lossy():
     """Below lossy_min_bytes (64 KiB) a tensor is planned among the exact strategies only, even with
     lossy=True and a link slow enough that the cost model would prefer a lossy one; at the threshold the

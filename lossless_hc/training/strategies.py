@@ -115,6 +115,11 @@ class AutoAggregator(TensorRows):
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy_here else ())
         if self.keys > ALLGATHER_MAX_KEYS:   # its slots carry the row index as an int32
             names = tuple(s for s in names if s != "allgather")
+        if dtype in (torch.float16, torch.bfloat16):
+            # fp16 would round a float16 gradient again (x / n, then n times the sum) for nothing its plain
+            # steps do not save, and would take a bfloat16 one out of its range (above 65504: inf; below
+            # 6e-8: 0)
+            names = tuple(s for s in names if s != "fp16")
         if dtype == torch.float64 or self.numel == 0 or self.world_size == 1:
             names = ("dense",)   # float64 would be rounded by float32 payloads; nothing to save otherwise
         if allowed is not None:

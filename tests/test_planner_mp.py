@@ -47,7 +47,8 @@ def ddp_run(tmp_path_factory):
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
             ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "lossy", "config_mismatch",
                                                 "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense", "lossy_guard_plan",
-                                                "lossy_guard_dense_float16", "lossy_guard_plan_float16"])])
+                                                "lossy_guard_dense_float16", "lossy_guard_plan_float16",
+                                                "calibration_mismatch"])])
     return out
 
 
@@ -60,7 +61,7 @@ def horovod_run(tmp_path_factory):
     launch([horovodrun, "--gloo", "-np", str(SIZE), "-H", f"localhost:{SIZE}", sys.executable,
             os.path.join(HERE, "mp", "auto_horovod_worker.py"), str(out),
             ",".join(HVD_EXACT + ["lossy", "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense",
-                                  "lossy_guard_plan"])])
+                                  "lossy_guard_plan", "calibration_mismatch"])])
     return out
 
 
@@ -237,10 +238,12 @@ def test_lossy_auto_keeps_replicas_identical(engine, request):
 
 
 @pytest.mark.parametrize("engine", ["ddp", "horovod"])
-@pytest.mark.parametrize("name", ["config_mismatch", "guard_mismatch"])
+@pytest.mark.parametrize("name", ["config_mismatch", "guard_mismatch", "calibration_mismatch"])
 def test_mismatched_options_fail_on_every_rank(engine, name, request):
     """Options that differ across ranks, the step guard's included (a rank without it would miss the
-    verdict's broadcast), raise on every rank before anything is aggregated."""
+    verdict's broadcast) and a given calibration's numbers (ranks given different ones planned different
+    collectives: DDP hung, Horovod raised its own shape mismatch), raise on every rank before anything
+    is aggregated."""
     for r in results(request.getfixturevalue(f"{engine}_run"), name):
         assert r["error"] == "ConfigurationMismatch" or "differs across ranks" in r["message"], r
 

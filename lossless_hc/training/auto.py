@@ -21,6 +21,7 @@ which ranks reach them is free.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Callable, Optional, Sequence
 
@@ -125,8 +126,15 @@ class AutoSpec(AggregatorSpec):
         self.calibration_cost: dict = {}   # what the start-up measurement cost (calibration_stats)
 
     def options(self) -> dict:
+        # A given calibration by a digest of its numbers: the configuration checks hash this repr, and
+        # ranks given different ones would plan different collectives (DDP hung; FSDP2, Horovod: Gloo's
+        # or Horovod's own errors)
+        calibration = "measured"
+        if self.given_calibration:
+            numbers = repr([float(v) for v in self.calibration.as_list()])   # repr: every bit of each float
+            calibration = f"given {hashlib.sha256(numbers.encode()).hexdigest()[:12]}"
         return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
-                "strategies": self.strategies, "calibration": "given" if self.given_calibration else "measured",
+                "strategies": self.strategies, "calibration": calibration,
                 "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed, "partial": self.partial,
                 "lossy_min_bytes": self.lossy_min_bytes}
 

@@ -181,10 +181,13 @@ def scenario(name):
     if name.startswith("lossy_guard_"):   # the guard over top-k plans, its verdict forced by the margin
         return lossy_guard(name.startswith("lossy_guard_dense"),
                            dtype=torch.float16 if name.endswith("_float16") else torch.float32)
-    if name in ("config_mismatch", "guard_mismatch"):   # the options differ, or only the step guard's
-        try:
-            train(AutoHookState(lossy=dist.get_rank() == 1) if name == "config_mismatch" else
-                  AutoHookState(guard_steps=0 if dist.get_rank() == 1 else 5), steps=1)
+    if name in ("config_mismatch", "guard_mismatch", "calibration_mismatch"):   # the options differ, the guard's,
+        try:                                                                     # or the given calibration's numbers
+            rank = dist.get_rank()
+            state = (AutoHookState(lossy=rank == 1) if name == "config_mismatch" else
+                     AutoHookState(guard_steps=0 if rank == 1 else 5) if name == "guard_mismatch" else
+                     AutoHookState(calibration=Calibration.default(1e9 if rank == 1 else 1e8)))
+            train(state, steps=1)
         except Exception as e:   # errors raised in a hook come back wrapped
             return {"error": type(e).__name__, "message": str(e)}
         return {"error": None}

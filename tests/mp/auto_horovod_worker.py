@@ -133,10 +133,12 @@ def scenario(name):
         got = train(comp)
         return {"digest": param_digest(got),
                 "plan": {k.split(".", 1)[1]: [v["strategy"], v["changes"]] for k, v in comp.stats()["plan"].items()}}
-    if name in ("config_mismatch", "guard_mismatch"):   # the options differ, or only the step guard's
-        try:
+    if name in ("config_mismatch", "guard_mismatch", "calibration_mismatch"):   # the options differ, the guard's,
+        try:                                                                     # or the given calibration's numbers
             if name == "config_mismatch":
                 Compression.auto(lossy=hvd.rank() == 1)
+            elif name == "calibration_mismatch":
+                Compression.auto(calibration=Calibration.default(1e9 if hvd.rank() == 1 else 1e8))
             else:
                 Compression.auto(guard_steps=0 if hvd.rank() == 1 else 5)
         except Exception as e:

@@ -371,9 +371,27 @@ class _ReplicaAllReduce:
                                           lambda t: dist.all_reduce(t, group=st.replicate_group),
                                           lambda t: _all_gather(t, st.replicate_group, st.replicas))
         else:
-            results = decode_message(message, message.parts,
-                                     lambda dense: dist.all_reduce(dense, group=st.replicate_group),
-                                     outs=in_place_outputs(aggs, views))
+            # THC's non_finite="raise" sees a rank's NaN/Inf only in the replicate group of the shard that
+            # holds it: the shard group agrees on it, so that every rank raises (not only that shard's
+            # owners, the others then blocking at their next collective)
+            agree = isinstance(st.spec, THCSpec) and st.spec.non_finite == "raise" and st.shards > 1
+            failed = None
+            try:
+                results = decode_message(message, message.parts,
+                                         lambda dense: dist.all_reduce(dense, group=st.replicate_group),
+                                         outs=in_place_outputs(aggs, views))
+            except FloatingPointError as e:
+                if not agree:
+                    raise
+                failed = e
+            if agree:
+                flag = torch.tensor([0.0 if failed is None else 1.0], device=reduce_output.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=st.shard_group)
+                if failed is not None:
+                    raise failed
+                if flag.item():
+                    raise FloatingPointError("non-finite input (NaN/Inf) on a rank, in another shard of this "
+                                             "module's gradients (non_finite='raise')")
         for view, value in zip(views, results):
             if value.data_ptr() != view.data_ptr():   # not decoded into its slot already
                 view.copy_(value.reshape(view.shape))
@@ -507,8 +525,10 @@ class TopKFSDPState(_FSDPState):
 class THCFSDPState(_FSDPState):
     """THC quantization (lossy, unbiased, error feedback) of the replica all-reduce, with ``bits``,
     ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`). The reduce-scatter
-    stays uncompressed (see the module doc). ``non_finite``: "raise" or "propagate" NaN/Inf gradients
-    (all-NaN on every rank, for AMP's GradScaler), as :class:`lossless_hc.plugins.ddp.THCHookState`."""
+    stays uncompressed (see the module doc). ``non_finite``: "raise" NaN/Inf gradients, on every rank
+    (the shard group agrees on it: one 1-element all-reduce per hook call where there are several
+    shards), or "propagate" them: all-NaN on every rank of the replicate group of the shard that holds
+    them (AMP's sharded GradScaler reduces its found-inf over the mesh, so every rank skips the step)."""
 
     supports_reduce_scatter = False
     no_reduce_scatter = ("its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the "

@@ -35,7 +35,8 @@ MESHES = {
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
                    "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
-                   "auto_guard_mismatch", "resume_thc", "checkpoint_misuse"]),
+                   "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
+                   "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite", "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
@@ -317,6 +318,17 @@ def test_top_k_skips_one_non_finite_step_only(launch, mesh, name):
     step was non-finite)."""
     for r in results(launch, mesh, name):
         assert r["skipped"] == [False, False, True, False, False] and r["finite"], r
+
+
+@pytest.mark.parametrize("mesh,name", cases("thc_raise_one_shard"))
+def test_thc_raise_raises_on_every_rank_whichever_shard_holds_the_inf(launch, mesh, name):
+    """THC with non_finite="raise", an Inf in one coordinate of one rank's gradient: the reduce-scatter
+    takes it to one shard's replicate group only. Every rank raises FloatingPointError at that step (the
+    shard group agrees on it); before, that group's ranks raised and left while the others trained on
+    and blocked at their next collective."""
+    rs = results(launch, mesh, name)
+    assert all(r["error"] == "FloatingPointError" and r["step"] == 1 for r in rs), rs
+    assert sum("in another shard" in r["message"] for r in rs) == len(rs) // 2, rs
 
 
 @pytest.mark.parametrize("mesh,name", cases("compiled", "compiled_rs"))

@@ -101,6 +101,63 @@ def non_finite(mesh, reduce_scatter: bool, steps=5, inject=2, state=None):
             "finite": all(bool(torch.isfinite(t).all()) for t in local(got))}
 
 
+class _InfInRowZero(torch.autograd.Function):
+    """Identity whose backward puts an Inf in the weight gradient's first coordinate (row 0: the first
+    shard's part of it), as an overflow in one place makes."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g.view(-1)[0] = float("inf")
+        return g
+
+
+class _InjectingLinear(torch.nn.Linear):
+    inject = False
+
+    def forward(self, x):   # in the module's own forward, where FSDP2 has unsharded its weight
+        w = _InfInRowZero.apply(self.weight) if self.inject else self.weight
+        return torch.nn.functional.linear(x, w, self.bias)
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b = _InjectingLinear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+def thc_raise_one_shard(mesh, steps=3, inject=1):
+    """THCFSDPState(non_finite="raise") with an Inf in one coordinate of the last rank's gradient at step
+    ``inject``: the reduce-scatter takes it to the first shard's replicate group only, yet every rank
+    must raise (the shard group agrees), not that group alone while the others carry on to block."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    torch.manual_seed(0)
+    model = _TwoLayers().to(DEVICE)
+    for m in (model.a, model.b):
+        fully_shard(m, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = THCFSDPState(mesh, bits=4, non_finite="raise")
+    state.register(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        model.a.inject = step == inject and rank == last
+        opt.zero_grad(set_to_none=True)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank)).to(DEVICE)
+        try:
+            model(x).backward()
+        except FloatingPointError as e:
+            return {"error": type(e).__name__, "message": str(e), "step": step}
+        opt.step()
+    return {"error": None}
+
+
 def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
@@ -288,6 +345,8 @@ def scenario(name, mesh):
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs)
     if base == "non_finite":
         return non_finite(mesh, rs)
+    if base == "thc_raise_one_shard":
+        return thc_raise_one_shard(mesh)
     if base == "non_finite_topk":   # top-k's residuals, also on the ranks that replay a destination's outcome
         return non_finite(mesh, rs, state=TopKFSDPState(mesh, ratio=0.05))
     if base == "accumulation":   # 3 micro-batches per step, reduced once

@@ -229,6 +229,28 @@ def test_gpu_equals_cpu(kind):
         assert torch.equal(got, CPU.topk_select(x, k))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the GPU top-k test did not run")
+def test_gpu_selection_and_feedback_do_not_synchronise():
+    """The CUDA top-k is queued without synchronising (its state was set by a copy from a host tensor,
+    which synchronises the stream at every call)."""
+    from lossless_hc.backends import backend_for
+    gpu = backend_for("cuda")
+    x = torch.randn(1 << 20, device="cuda")
+    e = torch.zeros_like(x)
+    out = torch.empty(1000, dtype=torch.int64, device="cuda")
+    gpu.topk_feedback(x, e, 1000)   # warm-up: loading the kernels may synchronise
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        gpu.topk_select(x, 1000, out)
+        idx, _ = gpu.topk_feedback(x, e, 1000)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(out.cpu(), CPU.topk_select(x.cpu(), 1000)) and idx.cpu().unique().numel() == 1000
+
+
 def test_a_smaller_openmp_team_still_selects_from_every_coordinate(tmp_path):
     """OpenMP may grant fewer threads than asked (OMP_THREAD_LIMIT, OMP_DYNAMIC, a nested call). The
     selection split the input into as many parts as it asked for and each thread took its own number's

@@ -48,7 +48,8 @@ def topk_select(x: torch.Tensor, k: int, out: Optional[torch.Tensor] = None) -> 
         stream = cuda_runtime.stream_handle(device)
         a = cuda_runtime.Arena({"state": STATE_BYTES, "hist": 8 * BINS, "counts": 16 * blocks}, device)
         state = a.view("state", torch.int64)
-        state.copy_(torch.tensor([0, count, 0, 0], dtype=torch.int64))  # prefix 0, remaining k
+        state.zero_()   # prefix 0, then remaining k: fill_ from a Python int, where a copy_ from a host
+        state[1].fill_(count)   # tensor would synchronise the stream
         a.view("hist").zero_()
         st, hist, counts, xp = a.ptr("state"), a.ptr("hist"), a.ptr("counts"), x.data_ptr()
         for p in range(PASSES):

@@ -383,6 +383,21 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(monkeypatch):
         lhc.THCCodec(100, 2, device="cuda")
 
 
+@pytest.mark.parametrize("make", [lambda: lhc.THCCodec(100, 2, device="cuda"),
+                                  lambda: lhc.LosslessCodec(4096, 2, 40, device="cuda")], ids=["THC", "LHC"])
+def test_a_gpu_older_than_compute_capability_8_is_a_clear_error(monkeypatch, make):
+    """The kernels use __reduce_add_sync (sm_80 on): a V100 or T4 got a compile or "no kernel image" error
+    at the first launch; now the codec's constructor says what and why."""
+    from lossless_hc.backends import cuda_runtime
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_runtime, "launcher", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(RuntimeError, match=r"need compute capability 8\.0 or newer; cuda:0 \(Tesla T4\) has 7\.5"):
+        make()
+
+
 def test_missing_cuda_kernels_is_a_clear_error(monkeypatch):
     from lossless_hc.backends import cuda_runtime
 

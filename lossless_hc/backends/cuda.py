@@ -12,6 +12,10 @@ from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk
 from lossless_hc.backends.cuda_lhc import CudaLayout, PendingDecode, decode, encode
 from lossless_hc.lhc.layout import PayloadLayout
 
+# The kernels' warp reductions (__reduce_add_sync) exist from compute capability 8.0 (A100) on; the
+# compiled module is built for 8.0 and 9.0 (setup.py), NVRTC for the device's own.
+MIN_COMPUTE_CAPABILITY = 8
+
 
 class CudaBackend:
     """The backend interface on CUDA devices (see :mod:`lossless_hc.backends` for the contract).
@@ -28,7 +32,13 @@ class CudaBackend:
         except ImportError as exc:
             raise ImportError(f"{user}(device='cuda'): {exc}") from None
         # Tensors report their device with an index: pin to the current one.
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < MIN_COMPUTE_CAPABILITY:   # __reduce_add_sync (csrc/cuda): a compile or "no kernel image" error
+            raise RuntimeError(f"{user}(device='cuda'): the CUDA kernels need compute capability "
+                               f"{MIN_COMPUTE_CAPABILITY}.0 or newer; {device} ({torch.cuda.get_device_name(device)}) "
+                               f"has {major}.{minor}: use device='cpu'")
+        return device
 
     def empty(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=device)

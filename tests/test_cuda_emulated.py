@@ -293,6 +293,28 @@ def test_emulated_index_claiming_every_key_is_reported(emulated):
     assert r.status == 3 and "sketch peeling failed" in r_cpu.reason
 
 
+@pytest.mark.parametrize("non_finite", [False, True])
+def test_emulated_support_beyond_the_peel_s_list_reports_as_the_cpu(emulated, non_finite):
+    """A bitmap's aggregate support larger than the value peel's list (ranks over capacity: ~800 keys for
+    40 each; Bloom and multilevel indexes fail first there): the CUDA decode skips the cell loads and
+    the peel. It reported the list's cap as the support (201 of 747 keys) and, with a NaN/Inf cell,
+    SKETCH_PEEL_FAILED where the CPU, which loads every cell, says SKETCH_OVERFLOW (a capacity status
+    against a non-finite one; only the multilevel index checked). Now the status and the support
+    count are the CPU's."""
+    numel, n = 4000, 2
+    cpu, native = host_codecs(numel, n, 40, index="bitmap")
+    rng = torch.Generator().manual_seed(5)
+    xs = [torch.randn(numel, generator=rng) * (torch.rand(numel, generator=rng) < 0.1) for _ in range(n)]
+    p = sum(cpu.encode(x) for x in xs)
+    if non_finite:
+        p[cpu.layout.sketch_offset + 3] = float("inf")
+    _, r_cpu = cpu.decode(p)
+    _, r, _ = emulated_decode(native, p)
+    assert r.support > native.key_cap, (r.support, native.key_cap)
+    assert (r.status, r.support) == (r_cpu.status, r_cpu.support), (r.reason, r.support, r_cpu.reason, r_cpu.support)
+    assert r.status == (DecodeStatus.SKETCH_OVERFLOW if non_finite else DecodeStatus.SKETCH_PEEL_FAILED), r.reason
+
+
 @pytest.mark.parametrize("block", [1, 3])
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
 def test_emulated_pairs_agree_with_cpu(emulated, block, index):

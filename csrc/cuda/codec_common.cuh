@@ -36,6 +36,8 @@ struct DecodeCounters {
   unsigned int pad;
   unsigned long long check[2];         // the decoded support's sum of count(k) * part_f(k) (lhc_layout.h)
   unsigned long long expected_check[2];  // header_index_check of the header's two fields
+  unsigned long long list_total;       // scratch: the last compaction's length before list_count's clamp
+  unsigned long long support_total;    // keys with an aggregated count >= 1, beyond the list's cap too
 };
 
 // Whether the decoded support's index checksum sums match the header's (lhc::index_check_matches,
@@ -119,7 +121,7 @@ struct MlState {
 
 // The host (lossless_hc/backends/cuda_lhc.py) allocates and reads these structs by these sizes.
 static_assert(sizeof(EncodeCounters) == 32, "EncodeCounters: 32 bytes");
-static_assert(sizeof(DecodeCounters) == 104, "DecodeCounters: 104 bytes");
+static_assert(sizeof(DecodeCounters) == 120, "DecodeCounters: 120 bytes");
 static_assert(sizeof(PeelControl) <= 64, "PeelControl: at most 64 bytes");
 static_assert(sizeof(MlState) == 80, "MlState: 80 bytes");
 

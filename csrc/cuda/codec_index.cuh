@@ -131,7 +131,8 @@ __device__ __forceinline__ void tile_emit(uint64_t items, const unsigned long lo
 }
 
 // Step 2 (one block of 1024 threads): exclusive scan of tile_sum in place (tile offsets); the total
-// goes to counters->list_count (clamped to `cap`, with `overflow_flag` and abort raised above it).
+// goes to counters->list_total and, clamped to `cap` (with `overflow_flag` and abort raised above it),
+// to counters->list_count.
 // With `check_total` the index-total check runs first (the first scan after unpacking the index).
 extern "C" __global__ void lhc_scan_tiles(unsigned long long* tile_sum, uint64_t tiles, uint64_t cap,
                                           uint64_t overflow_flag, DecodeCounters* counters, uint64_t check_total) {
@@ -177,6 +178,7 @@ extern "C" __global__ void lhc_scan_tiles(unsigned long long* tile_sum, uint64_t
       counters->abort = 1;
     }
     counters->list_count = total < cap ? total : cap;
+    counters->list_total = total;
   }
 }
 

@@ -173,6 +173,7 @@ extern "C" __global__ void lhc_ml_verdict(uint64_t after_coarse, uint64_t finest
       const unsigned long long kept = total < next_cap ? total : next_cap;
       counters->list_count = kept;
       counters->support = kept;
+      counters->support_total = total;
       counters->candidates = total;
       if (total > next_cap) {
         counters->flags |= kFlagSupportOverflow;
@@ -231,20 +232,6 @@ extern "C" __global__ void lhc_ml_expand_write(const uint64_t* layout, uint64_t 
       [&](uint64_t p, unsigned long long at) {
         ml_node_children(L, lv, nodes, counts, pattern, p, out_nodes, out_counts, at, cap, &ignored, &bad);
       });
-}
-
-// After a support overflow (more support keys than the value peel holds; it is skipped): a NaN/Inf
-// sketch or mass cell still takes precedence, as in the CPU backend's status order (the mass channel
-// follows the value sketch: one pass over both).
-extern "C" __global__ void lhc_ml_overflow_finite(const uint64_t* layout, const float* payload,
-                                                  DecodeCounters* counters) {
-  if (!(counters->flags & kFlagSupportOverflow)) return;
-  const CodecLayout L = load_layout(layout);
-  const float* sketch = payload + L.sketch_offset;
-  bool non_finite = false;
-  for (uint64_t i = global_thread(); i < L.sketch.cells() * (L.block + 1); i += grid_threads())
-    non_finite |= (__float_as_uint(sketch[i]) & 0x7f800000u) == 0x7f800000u;
-  if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }
 
 }  // namespace gpu

@@ -11,11 +11,13 @@ namespace gpu {
 // Decode: value peel
 // -------------------------------------------------------------------------------------------------
 
-// Support size known (after the last compaction): record it, and abort on a degree overflow.
+// Support size known (after the last compaction): record it (the list's length, and the count beyond
+// its cap that the report gives, as the CPU backend's).
 extern "C" __global__ void lhc_support_ready(DecodeCounters* counters, uint64_t support_is_candidates) {
   if (global_thread() != 0) return;
   counters->support = counters->list_count;
-  if (support_is_candidates) counters->candidates = counters->list_count;
+  counters->support_total = counters->list_total;
+  if (support_is_candidates) counters->candidates = counters->list_total;
 }
 
 // Raise abort if any flag of `mask` is set (one thread, between two stages).
@@ -135,6 +137,21 @@ extern "C" __global__ void lhc_load_bounds(const uint64_t* layout, const float* 
     acc[c] = round_up_to_float(cell_error_bound(m, deg[c], world_size));
   }
   if (flags) atomicOr(&counters->flags, flags);
+}
+
+// After a support or cell-degree overflow (more support keys than the value peel holds, or a cell of
+// too many keys: the loads above and the peel are skipped), a NaN/Inf sketch or mass cell still takes
+// precedence, as in the CPU backend's status order, which loads every cell whatever the support (the
+// mass channel follows the value sketch: one pass over both).
+extern "C" __global__ void lhc_overflow_finite(const uint64_t* layout, const float* payload,
+                                               DecodeCounters* counters) {
+  if (!(counters->flags & (kFlagSupportOverflow | kFlagDegreeOverflow))) return;
+  const CodecLayout L = load_layout(layout);
+  const float* sketch = payload + L.sketch_offset;
+  bool non_finite = false;
+  for (uint64_t i = global_thread(); i < L.sketch.cells() * (L.block + 1); i += grid_threads())
+    non_finite |= (__float_as_uint(sketch[i]) & 0x7f800000u) == 0x7f800000u;
+  if (non_finite) atomicOr(&counters->flags, (unsigned int)kFlagNonFinite);
 }
 
 // The value peel (cooperative launch): rounds of A) propose, B) read each proposed key's value from

@@ -41,11 +41,11 @@ FLAG_SUPPORT_OVERFLOW = 1 << 6
 FLAG_DEGREE_OVERFLOW = 1 << 7
 
 # lhc::gpu::DecodeCounters: 7 uint64 fields, then flags, abort, status and padding (uint32 each, paired
-# into int64 words as the host reads them), then the index checksum's 4 uint64 = 104 bytes.
+# into int64 words as the host reads them), then the index checksum's 4 uint64 and 2 more = 120 bytes.
 _DECODE_COUNTERS = ("index_total", "expected_total", "candidates", "support", "peeled", "count_resolved",
                     "list_count", "flags_abort", "status_pad", "check0", "check1", "expected_check0",
-                    "expected_check1")
-_DECODE_COUNTERS_BYTES = 104
+                    "expected_check1", "list_total", "support_total")
+_DECODE_COUNTERS_BYTES = 120
 # lhc::gpu::MlState: 7 uint64 fields, then 6 uint32 (paired into int64 words as the host reads them).
 _ML_STATE = ("coarse_sum", "child_total", "nodes", "prev_nodes", "resolved", "support", "candidates",
              "status_mode", "words_inconsistent", "expand_replay")
@@ -273,7 +273,7 @@ class DecodeRun:
         c = dict(zip(_DECODE_COUNTERS, values))
         flags = c["flags_abort"] & 0xFFFFFFFF
         status = c["status_pad"] & 0xFFFFFFFF     # lhc_decode_status's verdict
-        support, peeled = c["support"], c["peeled"]
+        support, peeled = c["support_total"], c["peeled"]   # the CPU's count, beyond the peel's list too
         candidates = c["candidates"]
         if kind == "multilevel":
             ml = dict(zip(_ML_STATE, values[len(_DECODE_COUNTERS):]))
@@ -448,10 +448,8 @@ def decode(native: CudaLayout, scale: float, world_size: int, payload: torch.Ten
                            P("acc"), P("key_err"), P("key_ver"), P("inexact"), P("control_value"), cnt, rt,
                            P("offsets"), P("adj"), P("round")], stream,
                           cooperative=True)
-        ml = 0
-        if L.index_kind == "multilevel":
-            launch.launch("lhc_ml_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
-            ml = P("ml_state")
+        launch.launch("lhc_overflow_finite", _grid(cells * B, sms), THREADS, [lay, pp, cnt], stream)
+        ml = P("ml_state") if L.index_kind == "multilevel" else 0
         # Last: the status, from every stage's flags (the CPU backend's precedence, on the device).
         launch.launch("lhc_decode_status", 1, 32, [lay, cnt, ml], stream)
         return DecodeRun(native, payload, a)

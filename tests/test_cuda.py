@@ -242,6 +242,24 @@ def test_decode_is_bitwise_deterministic(backend, index, block):
         assert torch.equal(r.trace[0], r0.trace[0]) and torch.equal(r.trace[1], r0.trace[1])
 
 
+@pytest.mark.parametrize("index", ["bitmap", "multilevel"])
+def test_decode_bits_do_not_depend_on_the_peel_s_grid(backend, index, monkeypatch):
+    """The cooperative peels' grid (blocks per SM, LHC_PEEL_BLOCKS_PER_SM) changes which block takes which
+    cell and how rounds interleave across blocks, which the emulation (blocks one after another, two for a
+    cooperative launch) cannot vary: the bits, the status and the peel's trace must not move."""
+    rng = np.random.default_rng(helpers.stable_seed("grid", index))
+    numel, n, keys = 1 << 21, 4, 60_000
+    cpu, gpu = codecs(numel, n, keys, 1, index)
+    xs = helpers.make_inputs(rng, numel, 1, n, keys, "random", "wide")
+    summed = helpers.sum_payloads([gpu.encode(x.cuda()) for x in xs], rng)
+    y_cpu, r_cpu = cpu.decode(summed.cpu())
+    for blocks in ("1", "2", "4", "8"):
+        monkeypatch.setenv("LHC_PEEL_BLOCKS_PER_SM", blocks)
+        y, r = gpu.decode(summed.clone(), trace=True)
+        assert r.status == r_cpu.status, (blocks, r.reason, r_cpu.reason)
+        assert torch.equal(bits(y.cpu()), bits(y_cpu)), f"{blocks} blocks per SM: other bits than the CPU's"
+
+
 @pytest.mark.parametrize("numel, k, auto_kind, seed", [(50_000, 1_000, None, 7), (1 << 20, 2_000, "multilevel", 11)])
 def test_cpu_and_gpu_ranks_interoperate(numel, k, auto_kind, seed):
     """CPU- and GPU-encoded payloads sum to one aggregate that both backends decode exactly. ``auto``

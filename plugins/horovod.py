@@ -287,7 +287,8 @@ class Compression(CompressionFactory):
         strategies = as_strategies(options.get("strategies"))
         if options.get("first") == "bf16" or "bf16" in (strategies or ()):
             raise ValueError("Horovod cannot allreduce bfloat16 tensors (its torch operations take float32/64, "
-                             "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves a float32 gradient's bytes too")
+                             "float16 and int32/64), so auto cannot plan bf16 on Horovod; fp16 halves a float32 "
+                             "gradient's bytes too")
         options["strategies"] = HOROVOD_STRATEGIES if strategies is None else strategies   # () refused by AutoSpec
         spec = AutoSpec(lossy=lossy, **options)
         # Horovod reduces each tensor on its own, in its dtype: a float16 gradient's plain steps go as

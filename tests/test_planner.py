@@ -453,7 +453,8 @@ def test_fp16_is_not_a_candidate_for_a_half_precision_gradient(dtype):
     is sent dense, exactly. bf16 stays one for both (bfloat16 holds float16's range)."""
     n, numel = 2, 1 << 15
     slow = CostModel(Calibration.default(bandwidth_bits=1e8))   # a slow link: half the bytes wins
-    free = AutoAggregator("w", (numel,), dtype, n, 0, slow, lossy=True, lossy_min_bytes=0, allowed=("dense", "fp16", "bf16"))
+    free = AutoAggregator("w", (numel,), dtype, n, 0, slow, lossy=True, lossy_min_bytes=0,
+                          allowed=("dense", "fp16", "bf16"))
     assert "fp16" not in free.allowed and "bf16" in free.allowed
     aggs = [AutoAggregator("w", (numel,), dtype, n, r, slow, lossy=True, lossy_min_bytes=0, first="fp16",
                            allowed=("fp16",)) for r in range(n)]

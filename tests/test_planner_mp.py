@@ -46,9 +46,9 @@ def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
             ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "lossy", "config_mismatch",
-                                                "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense", "lossy_guard_plan",
-                                                "lossy_guard_dense_float16", "lossy_guard_plan_float16",
-                                                "calibration_mismatch"])])
+                                                "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense",
+                                                "lossy_guard_plan", "lossy_guard_dense_float16",
+                                                "lossy_guard_plan_float16", "calibration_mismatch"])])
     return out
 
 

@@ -438,7 +438,8 @@ class CostModel:
         for strategy, s in plans:
             (_, head), *rest = self.collectives(strategy, s)
             width = header_width(strategy, s)
-            if strategy == "dense" and not s.sparse and s.element_bytes != width:   # the header in float32, the body as the gradient
+            if strategy == "dense" and not s.sparse and s.element_bytes != width:
+                # the header in float32, the body as the gradient
                 header = width * stats_header_words(s.world_size)
                 specs += [(header // width, _WIRE_DTYPES[width]),
                           (-(-(head - header) // s.element_bytes), _WIRE_DTYPES[s.element_bytes])]

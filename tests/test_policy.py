@@ -109,6 +109,34 @@ def test_replicas_take_identical_decisions():
     assert a.tracker.history == b.tracker.history and a.tracker.changes >= 1
 
 
+def test_a_tensor_keeps_its_last_decisions_and_counts_them_all():
+    """A resize (DensityTracker) or re-plan (AutoAggregator) history grew by one entry per decision for the
+    whole run, and went whole into every stats() and checkpoint (374 entries after 6000 steps of a tensor
+    whose density alternated): the last HISTORY_KEEP are kept, every one counted."""
+    from lossless_hc.training.capacity import HISTORY_KEEP, append_recent
+    from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
+    tracker = CapacityPolicy().tracker()
+    for i in range(3 * HISTORY_KEEP):
+        tracker.steps = i
+        tracker.record_rebuild(10 + i, 20 + i, "bitmap")
+    assert tracker.changes == 3 * HISTORY_KEEP and len(tracker.history) == HISTORY_KEEP
+    assert tracker.history[0] == (2 * HISTORY_KEEP, 10 + 2 * HISTORY_KEEP, 20 + 2 * HISTORY_KEEP, "bitmap")
+    history = []
+    for i in range(HISTORY_KEEP + 5):
+        append_recent(history, (i, "dense"))
+    assert history == [(i, "dense") for i in range(5, HISTORY_KEEP + 5)]
+    # a checkpoint keeps the count (one from before it, which has none, counts its history)
+    agg = TensorAggregator("t", (1000,), torch.float32, 2, 0.01, policy=CapacityPolicy())
+    agg.tracker.history, agg.tracker.rebuilds = list(tracker.history), tracker.rebuilds
+    state = aggregator_state_dict(agg)
+    again = TensorAggregator("t", (1000,), torch.float32, 2, 0.01, policy=CapacityPolicy())
+    load_aggregator_state_dict(again, state)
+    assert again.tracker.changes == 3 * HISTORY_KEEP and again.tracker.history == tracker.history
+    del state["tracker"]["rebuilds"]
+    load_aggregator_state_dict(again, state)
+    assert again.tracker.changes == HISTORY_KEEP
+
+
 def test_topk_keeps_capacity_k_and_adapts_the_union():
     """One TopKAggregator per rank (each keeps its own residual), all decoding the same aggregate."""
     n = 8

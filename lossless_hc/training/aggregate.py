@@ -262,8 +262,8 @@ class TensorAggregator:
             self._decide_codec()
             after = self._codec
             if before is None or after is None or before.layout != after.layout:
-                tr.history.append((tr.steps, self.capacity, self.union_capacity,
-                                   after.index_kind if after is not None else "dense"))
+                tr.record_rebuild(self.capacity, self.union_capacity,
+                                  after.index_kind if after is not None else "dense")
 
     def _key_support(self, value: torch.Tensor) -> int:
         """Non-zero keys of an aggregated dense tensor (identical on every rank)."""

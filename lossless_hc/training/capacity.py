@@ -11,6 +11,16 @@ from typing import Optional
 
 from lossless_hc.lhc.layout import check_fraction, check_int, is_real
 
+HISTORY_KEEP = 64   # the decisions a tensor keeps for inspection (and checkpoints); older ones are counted only
+
+
+def append_recent(history: list, entry) -> None:
+    """Append ``entry`` to ``history``, keeping its last :data:`HISTORY_KEEP` entries (a long run that
+    re-plans or resizes every few steps would otherwise grow it, its ``stats()`` and its checkpoints
+    without bound)."""
+    history.append(entry)
+    del history[:-HISTORY_KEEP]
+
 
 class CapacityPolicy:
     r"""Adaptive capacity: size each tensor's codec from the densities its aggregates show.
@@ -85,7 +95,8 @@ class DensityTracker:
         self.per_rank = None            # EWMA of the mean per-rank non-zero keys
         self.peak_union = 0             # maxima since the last decision
         self.peak_rank = 0.0
-        self.history: list = []         # (step, capacity keys, union keys, index kind) per rebuild
+        self.history: list = []         # (step, capacity keys, union keys, index kind): the last rebuilds
+        self.rebuilds = 0               # every rebuild
 
     def observe(self, union_keys: int, per_rank_keys: float) -> bool:
         """Record one decoded step; True when a decision is due (every ``interval`` steps)."""
@@ -108,7 +119,13 @@ class DensityTracker:
     @property
     def changes(self) -> int:
         """Decisions that rebuilt the codec with a different layout."""
-        return len(self.history)
+        return self.rebuilds
+
+    def record_rebuild(self, capacity: int, union_capacity: Optional[int], index_kind: str) -> None:
+        """A decision that rebuilt the codec with a different layout (``history`` keeps the last
+        :data:`HISTORY_KEEP`)."""
+        self.rebuilds += 1
+        append_recent(self.history, (self.steps, capacity, union_capacity, index_kind))
 
     def accept(self, current: int, proposed: int) -> bool:
         """Whether ``proposed`` leaves the hysteresis band around ``current``."""

@@ -55,6 +55,7 @@ def aggregator_state_dict(agg) -> dict:
     if tracker is not None:
         state["tracker"] = {f: getattr(tracker, f) for f in _TRACKER_FIELDS}
         state["tracker"]["history"] = [list(h) for h in tracker.history]
+        state["tracker"]["rebuilds"] = tracker.rebuilds
     if isinstance(agg, TopKAggregator):
         state["residual"] = None if agg.residual is None else agg.residual.detach().cpu().clone()
     return state
@@ -87,6 +88,8 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
         for f in _TRACKER_FIELDS:
             setattr(agg.tracker, f, state["tracker"][f])
         agg.tracker.history = [tuple(h) for h in state["tracker"]["history"]]
+        # checkpoints before the count kept every rebuild in the history
+        agg.tracker.rebuilds = int(state["tracker"].get("rebuilds", len(agg.tracker.history)))
     agg._decide_codec()   # the codec is a pure function of the configuration and the capacities
     if isinstance(agg, TopKAggregator):
         residual = state["residual"]

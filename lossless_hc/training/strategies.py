@@ -58,6 +58,7 @@ from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
+from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
@@ -141,7 +142,7 @@ class AutoAggregator(TensorRows):
         self.predicted: dict = {}
         self.plan_input: Optional[TensorStats] = None   # the statistics of the last plan
         self.plans = 0                                   # plans made (each counts, kept or changed)
-        self.history: list = []                 # (step, strategy) at every change
+        self.history: list = []                 # (step, strategy) at the last HISTORY_KEEP changes
         self.measured: dict = {}                # strategy -> EWMA of encode-to-result seconds on this rank
         self.bytes_sent = 0
         self.steps = 0                          # steps aggregated (every rank counts alike)
@@ -173,7 +174,7 @@ class AutoAggregator(TensorRows):
         if best == "sketch":
             self._size_sketch(s)
         if best != self.strategy:
-            self.history.append((self.steps, best))
+            append_recent(self.history, (self.steps, best))
             self.strategy = best
 
     def thc_aggregator(self) -> THCAggregator:
@@ -599,8 +600,9 @@ class AutoAggregator(TensorRows):
         """The chosen strategy, the predicted seconds of every candidate at the last plan (the sketch's: a
         lower bound where that already lost, :meth:`CostModel.choose`), the measured seconds (EWMA per
         strategy used, encode to result on this rank), the bytes this rank sent, the steps and how many
-        of them were plain (dense without the statistics header, :meth:`carries_statistics`), and
-        whether the gradient is sparse."""
+        of them were plain (dense without the statistics header, :meth:`carries_statistics`), the
+        last changes of strategy (``(step, strategy)``, at most ``capacity.HISTORY_KEEP``), and whether the
+        gradient is sparse."""
         return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
                 "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
                 "plain_steps": self.plain_steps,

@@ -67,7 +67,35 @@ def expect_error(fn, exc):
     return {"error": None}
 
 
+def close_and_continue(steps=8, close_at=4):
+    """A lossless state on small buckets (each bucket's fallback group made at its first fallback), closed
+    after ``close_at`` steps and trained on: the descriptors its groups held are released, the next
+    steps make the groups again, and the result is DDP's own."""
+    def descriptors():
+        return len(os.listdir("/proc/self/fd"))
+    ref = train(None, steps=steps, bucket_cap_mb=0.05)
+    torch.manual_seed(0)
+    model = EmbeddingModel(hidden=16).to(DEVICE)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
+    state = LosslessHookState(max_density=0.001)
+    ddp.register_comm_hook(state, lossless_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, groups, after = descriptors(), 0, None
+    for step in range(steps):
+        if step == close_at:
+            groups = len(state._fallback_groups)
+            state.close()
+            after = descriptors()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp, batch(step, dist.get_rank())).backward()
+        opt.step()
+    return {"max_diff": max_param_diff(ref, model), "groups": groups, "groups_again": len(state._fallback_groups),
+            "descriptors": [before, after], "stats": state.stats()}
+
+
 def scenario(name):
+    if name == "close":
+        return close_and_continue()
     if name == "average":
         return compare(LosslessHookState(max_density=0.05))
     if name == "small_buckets":  # several buckets, each with its own fallback group

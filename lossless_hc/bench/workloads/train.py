@@ -194,6 +194,13 @@ class FSDP(DDP):
             raise SystemExit(f"--framework fsdp takes --compression {'|'.join(SUPPORTED['fsdp'])} and dense embeddings, "
                              f"got {args.compression}{' with --sparse-embeddings' if args.sparse_embeddings else ''}")
         replicas = self.size // shards
+        replica_only = ("thc", "auto", "auto-lossy")   # their states refuse the reduce-scatter (plugins/fsdp.py)
+        if args.compression in replica_only and (replicas == 1 or args.compress_reduce_scatter):
+            raise SystemExit(f"--framework fsdp --compression {args.compression} compresses the replica all-reduce "
+                             "only: " + ("drop --compress-reduce-scatter" if replicas > 1 else
+                                         f"{self.size} ranks in {shards} shards leave one replica, so pass --shards "
+                                         f"with a divisor of {self.size} below it (HSDP)")
+                             + ", or use --compression lossless|topk (which compress the reduce-scatter too)")
         if replicas > 1:
             self.mesh = init_device_mesh(args.device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
         else:

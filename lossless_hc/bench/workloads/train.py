@@ -347,6 +347,11 @@ def parse_args(argv=None, default_model="ncf"):
     if args.compression not in SUPPORTED[args.framework]:
         p.error(f"--framework {args.framework} does not implement --compression {args.compression} "
                 f"(it implements {', '.join(SUPPORTED[args.framework])})")
+    # Horovod densifies sparse gradients (sparse_as_dense) for every mode but its own sparse allreduce
+    sparse_grads = args.sparse_embeddings and (args.framework != "horovod" or args.compression == "sparse")
+    if sparse_grads and args.optimizer == "adam":
+        p.error(f"--compression {args.compression} leaves the embeddings' gradients sparse, which torch's Adam "
+                f"refuses: add --optimizer sgd (--model {args.model} defaults to adam)")
     if args.skew < 0 or args.threads < 0:
         p.error("--skew and --threads must not be negative")
     if not 0 <= args.warmup < args.steps:

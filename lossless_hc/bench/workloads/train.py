@@ -444,8 +444,15 @@ def main(argv=None, default_model="ncf") -> dict:
         "rank": fw.rank, "warmup": args.warmup, "timed_steps": timed,
         "step_seconds": step_times[args.warmup:], "net_bytes": net,
     }
-    say(f"{work.metric} {result['value']:.4f}; sent {sent / 2**20:.2f} MiB per step "
-        f"({sent / dense_bytes:.3f} of dense); median step {result['step_ms_median']:.1f} ms; "
+    if sent != sent:   # NaN: the mode's bytes are not counted here (the engine's own sparse path, PowerSGD)
+        wire = "sent: not counted for this mode"
+    elif args.framework == "fsdp" and stats and args.compression not in ("none", "fp16", "bf16"):
+        # the hooks carry one phase (the replica all-reduce of a shard, or the reduce-scatter): against the
+        # dense bytes of what they carried, not the whole model's
+        wire = f"sent {sent / 2**20:.2f} MiB per step ({stats['wire_ratio']:.3f} of dense, in the compressed phase)"
+    else:
+        wire = f"sent {sent / 2**20:.2f} MiB per step ({sent / dense_bytes:.3f} of dense)"
+    say(f"{work.metric} {result['value']:.4f}; {wire}; median step {result['step_ms_median']:.1f} ms; "
         f"fallbacks {result['fallbacks']}")
     if args.json and (fw.rank == 0 or "{rank}" in args.json):
         with open(args.json.format(rank=fw.rank), "w") as f:

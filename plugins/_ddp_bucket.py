@@ -24,14 +24,15 @@ def fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divide
     return buffer
 
 
-def divide_first(buffer: torch.Tensor, n: int) -> bool:
+def divide_first(buffer: torch.Tensor, n: float) -> bool:
     """Divide a float16 bucket by ``n`` in place before it is encoded, as DDP's own hook divides: the
     SUM of its ranks' values can exceed float16's 65504 where their average does not. Every strategy
     then sums x_r / n (a codec exactly, within its contract; a tensor sent as it is in float16, as DDP
     does, or in float32 where a message carries it in its float32 part, rounded once), so the result
     is the average, finite wherever DDP's is. The other dtypes are summed, then divided: bfloat16 and
     float32 have float32's range, and one rounding of the sum is closer than a sum of rounded
-    quotients. Returns whether it divided (a sparse bucket: its values)."""
+    quotients. Returns whether it divided (a sparse bucket: its values). FSDP2's replica hook applies
+    the same rule to a shard where FSDP2 leaves it the division (plugins/fsdp.py)."""
     if buffer.dtype != torch.float16:
         return False
     buffer.div_(n)

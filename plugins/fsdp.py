@@ -101,6 +101,7 @@ from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, s
 from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
                                           encode_message, failure_record, finish_fallbacks, in_place_outputs,
                                           replay_failure)
+from lossless_hc.plugins._ddp_bucket import divide_first
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
@@ -340,14 +341,11 @@ class _ReplicaAllReduce:
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         divisor = self.state._replica_divisor
-        # Where FSDP2 leaves the division to the hook (one shard): float16 divided before the sum, as
-        # DDP's float16 hook (the SUM could pass 65504 where the average does not), the others after
-        # (one rounding of the sum).
-        first = divisor is not None and reduce_output.dtype == torch.float16
-        if first:
-            reduce_output.div_(divisor)
+        # Where FSDP2 leaves the division to the hook (one shard): DDP's buckets' rule, float16 before the
+        # sum, the others after
+        divided = divisor is not None and divide_first(reduce_output, divisor)
         self._reduce(reduce_output)
-        if divisor is not None and not first:
+        if divisor is not None and not divided:
             reduce_output.div_(divisor)
 
     def _reduce(self, reduce_output: torch.Tensor) -> None:

@@ -340,11 +340,12 @@ class CostModel:
     # -- the collectives each strategy issues: [("allreduce"|"allgather", bytes per rank), ...] --------
     def collectives(self, strategy: str, s: TensorStats) -> list:
         n, e, b = s.world_size, s.element_bytes, s.row
-        H = header_width(strategy, s) * stats_header_words(n)
+        w = header_width(strategy, s)
+        H = w * stats_header_words(n)
         if s.sparse and strategy in ("dense", "sketch"):   # the union's rows ride along: the bitmap
             H += 4 * bitmap_words(s.keys, n)
         if strategy == "dense":   # a sparse gradient's body goes in the header's dtype (the bitmap's counts)
-            return [("allreduce", H + s.numel * (header_width(strategy, s) if s.sparse else e))]
+            return [("allreduce", H + s.numel * (w if s.sparse else e))]
         # allgather's slots and two_phase's rows are float32 whatever the gradient's dtype (``e``: the bytes
         # of its plain steps, 2 where they travel in half precision)
         if strategy == "allgather":

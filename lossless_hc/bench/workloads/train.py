@@ -194,8 +194,9 @@ class FSDP(DDP):
             raise SystemExit(f"--framework fsdp takes --compression {'|'.join(SUPPORTED['fsdp'])} and dense embeddings, "
                              f"got {args.compression}{' with --sparse-embeddings' if args.sparse_embeddings else ''}")
         replicas = self.size // shards
-        replica_only = ("thc", "auto", "auto-lossy")   # their states refuse the reduce-scatter (plugins/fsdp.py)
-        if args.compression in replica_only and (replicas == 1 or args.compress_reduce_scatter):
+        state_type = self.state_types().get(args.compression)
+        if state_type is not None and not state_type.supports_reduce_scatter and (
+                replicas == 1 or args.compress_reduce_scatter):
             raise SystemExit(f"--framework fsdp --compression {args.compression} compresses the replica all-reduce "
                              "only: " + ("drop --compress-reduce-scatter" if replicas > 1 else
                                          f"{self.size} ranks in {shards} shards leave one replica, so pass --shards "
@@ -206,10 +207,15 @@ class FSDP(DDP):
         else:
             self.mesh = init_device_mesh(args.device, (shards,), mesh_dim_names=("shard",))
 
+    @staticmethod
+    def state_types() -> dict:
+        """``--compression`` -> the plugin state that implements it."""
+        from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState
+        return {"auto": AutoFSDPState, "auto-lossy": AutoFSDPState, "lossless": LosslessFSDPState,
+                "topk": TopKFSDPState, "thc": THCFSDPState}
+
     def wrap(self, model, opt, args):
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-        from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState
 
         native = args.compression in ("none", "fp16", "bf16")
         reduce_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.compression)
@@ -225,12 +231,10 @@ class FSDP(DDP):
                     if isinstance(m, FSDPModule):
                         m.set_force_sum_reduction_for_comms(True)
         else:
-            make = {"auto": lambda: AutoFSDPState(self.mesh, lossy=False),
-                    "auto-lossy": lambda: AutoFSDPState(self.mesh, lossy=True),
-                    "lossless": lambda: LosslessFSDPState(self.mesh, max_density=args.max_density),
-                    "topk": lambda: TopKFSDPState(self.mesh, ratio=args.topk_ratio),
-                    "thc": lambda: THCFSDPState(self.mesh, bits=args.thc_bits)}[args.compression]
-            self.state = make()
+            options = {"auto": dict(lossy=False), "auto-lossy": dict(lossy=True),
+                       "lossless": dict(max_density=args.max_density), "topk": dict(ratio=args.topk_ratio),
+                       "thc": dict(bits=args.thc_bits)}[args.compression]
+            self.state = self.state_types()[args.compression](self.mesh, **options)
             self.state.register(model, reduce_scatter=self.mesh.ndim == 1 or args.compress_reduce_scatter)
         # fully_shard replaced the parameters with DTensors: the optimizer must see those
         return model, type(opt)(model.parameters(), **opt.defaults)

@@ -10,18 +10,15 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   Per parameter the hook encodes its slot of the shard, concatenates the payloads into one message,
   SUMs it across replicas (one all-reduce per part: per payload dtype, or fewer) and decodes it
   (:mod:`lossless_hc.training.message`, shared with the DDP hook).
-* **the reduce-scatter** (``FSDPModule.set_custom_reduce_scatter``, ``reduce_scatter=True``). Every
-  rank encodes each destination's chunk separately (one aggregator per parameter and destination),
-  pads the S messages to one length (per part dtype: one reduce-scatter each), and a SUM
-  reduce-scatter hands destination ``d`` the sum of every rank's message for ``d``: the payloads are
-  homomorphic, so that sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows
-  whether its decode failed, so the owners then share a small table (per parameter: failed or not,
-  and the codec's key count; one int64 SUM all-reduce); every rank grows the same capacities, and the
-  failed parameters are reduce-scattered again, densely and exactly -- identically on every rank. A
-  decode with inexact keys (see :mod:`lossless_hc.training.aggregate`) is re-aggregated at just those
-  keys in the replica all-reduce; in the reduce-scatter only the owner knows the keys, so it counts
-  as failed there and falls back densely. THC is not offered here: its codec agrees on a norm from
-  the decoded aggregate, which a reduce-scatter gives to the owner alone.
+* **the reduce-scatter** (``FSDPModule.set_custom_reduce_scatter``, ``reduce_scatter=True``;
+  :mod:`lossless_hc.plugins._fsdp_reduce_scatter`). Every rank encodes each destination's chunk
+  separately (one aggregator per parameter and destination), and a SUM reduce-scatter hands
+  destination ``d`` the sum of every rank's message for ``d``: the payloads are homomorphic, so that
+  sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows how its decode went, so
+  the owners then share a small table (and, where some decode had inexact keys, the keys): every rank
+  grows the same capacities, and the failed parameters' chunks and the inexact keys' values are
+  reduce-scattered again, exactly -- identically on every rank. THC is not offered there: its codec
+  agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the owner alone.
 
 Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
 (``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so
@@ -81,9 +78,8 @@ read from FSDP2's parameter group (private attributes, checked on first use: ``f
 """
 from __future__ import annotations
 
-import math
 import time
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -98,61 +94,13 @@ from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismat
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
-from lossless_hc.training.message import (PART_DTYPES, decode_message, decode_segments, dense_values,
-                                          encode_message, failure_record, finish_fallbacks, in_place_outputs,
-                                          replay_failure)
+from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 from lossless_hc.plugins._ddp_bucket import divide_first
+from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, ReduceScatterBase, Slots,
+                                                     all_gather_stacked, param_groups)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
-try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - older torch: register(reduce_scatter=True) says so
-    _ReduceScatterBase = object
-
 __all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "AutoFSDPState", "ConfigurationMismatch"]
-
-_OK, _FAILED, _MISMATCH = 0, 1, 2
-
-
-def _param_groups(module: FSDPModule) -> list:
-    """The FSDP parameter groups of a ``fully_shard`` module: a list on torch 2.13 (``_fsdp_param_groups``),
-    one group or None on earlier releases such as 2.11 (``_fsdp_param_group``)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
-class _Slots:
-    """Where each parameter lies in an FSDP2 parameter group's flat reduce-scatter output: in
-    ``fsdp_params`` order, a slot of ``padded_sharded_param_size`` (zero padding included, so a slot
-    has the same shape on every rank and for every destination)."""
-
-    def __init__(self, module: FSDPModule):
-        groups = _param_groups(module)
-        if len(groups) != 1:
-            raise ValueError(f"{type(module).__name__}: lossless_hc.plugins.fsdp needs exactly one FSDP parameter group "
-                             f"per fully_shard module, got {len(groups)}")
-        self.fqns, self.shapes = [], []
-        for i, fp in enumerate(groups[0].fsdp_params):
-            fqn = getattr(fp, "_param_fqn", None) or f"{type(module).__name__}.param{i}"
-            self.fqns.append(fqn)
-            self.shapes.append(tuple(fp.padded_sharded_param_size))
-        self.numel = sum(math.prod(s) for s in self.shapes)
-
-    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        if flat.numel() != self.numel:
-            raise RuntimeError(f"FSDP2 handed a reduce buffer of {flat.numel()} elements; its parameters' padded shards "
-                               f"{self.shapes} hold {self.numel} (uneven Shard(i>0) placements are not supported)")
-        out, offset = [], 0
-        for shape in self.shapes:
-            m = math.prod(shape)
-            out.append(flat[offset:offset + m].view(shape))
-            offset += m
-        return out
-
 
 class _FSDPState:
     """What every FSDP2 state holds: the spec, the mesh's groups, the per-parameter aggregators.
@@ -223,7 +171,7 @@ class _FSDPState:
         if reduce_scatter and not self.supports_reduce_scatter:
             raise ValueError(f"{type(self).__name__} cannot compress the reduce-scatter: {self.no_reduce_scatter}; "
                              "use reduce_scatter=False (the replica all-reduce)")
-        if reduce_scatter and _ReduceScatterBase is object:
+        if reduce_scatter and ReduceScatterBase is object:
             raise RuntimeError("this torch has no FSDPModule.set_custom_reduce_scatter (torch >= 2.8 needed)")
         if reduce_scatter and getattr(self.spec, "extra", {}).get("policy") is not None:
             raise ValueError("a CapacityPolicy reads every decoded aggregate, which a reduce-scatter gives to the owner "
@@ -241,7 +189,7 @@ class _FSDPState:
         # in for its reduce-scatter, and after the all-reduce hook), so the replica hook divides instead.
         self._replica_divisor = factor if self.shards == 1 and self.replicas > 1 else None
         for name, module in modules:
-            for group in _param_groups(module):
+            for group in param_groups(module):
                 info = group.mesh_info
                 if hasattr(info, "replicate_process_group") or getattr(info, "shard_mesh_size", None) != self.shards:
                     raise ValueError(f"module {name or '<root>'!r}: fully_shard it on the shard dimension of the mesh "
@@ -250,17 +198,17 @@ class _FSDPState:
             module.set_force_sum_reduction_for_comms(True)
             if self._replica_divisor is None:
                 module.set_gradient_divide_factor(factor)
-            if not _param_groups(module):
+            if not param_groups(module):
                 continue
             if self.replicas > 1:
                 module.set_all_reduce_hook(_ReplicaAllReduce(self, module))
             if reduce_scatter and self.shards > 1:
-                module.set_custom_reduce_scatter(_HomomorphicReduceScatter(self, module))
-        # the names the hooks key their aggregators by (_Slots: FSDP2's _param_fqn, set at the first forward:
+                module.set_custom_reduce_scatter(HomomorphicReduceScatter(self, module))
+        # the names the hooks key their aggregators by (Slots: FSDP2's _param_fqn, set at the first forward:
         # the name within the fully_shard module its lazy init took as root, which a torch.compile wrapper
         # does not prefix; else the fallback name)
         self._fqns = {n for _, m in modules for n, _ in m.named_parameters()} | {
-            f"{type(m).__name__}.param{i}" for _, m in modules for g in _param_groups(m)
+            f"{type(m).__name__}.param{i}" for _, m in modules for g in param_groups(m)
             for i in range(len(g.fsdp_params))}
         self._check_saved_keys(self._saved)
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
@@ -353,7 +301,7 @@ class _ReplicaAllReduce:
         started = time.perf_counter()
         phase = st._replica_phase(self, started)
         if self.slots is None:
-            self.slots = _Slots(self.module)
+            self.slots = Slots(self.module)
         views = self.slots.views(reduce_output)
         rank = dist.get_rank(st.replicate_group)
         aggs = [st._aggregator(f"replicate:{fqn}", v, st.replicas, rank) for fqn, v in zip(self.slots.fqns, views)]
@@ -367,7 +315,7 @@ class _ReplicaAllReduce:
         if auto:
             results = decode_auto_message(message, message.parts,
                                           lambda t: dist.all_reduce(t, group=st.replicate_group),
-                                          lambda t: _all_gather(t, st.replicate_group, st.replicas))
+                                          lambda t: all_gather_stacked(t, st.replicate_group, st.replicas))
         else:
             # THC's non_finite="raise" sees a rank's NaN/Inf only in the replicate group of the shard that
             # holds it: the shard group agrees on it, so that every rank raises (not only that shard's
@@ -393,101 +341,6 @@ class _ReplicaAllReduce:
         for view, value in zip(views, results):
             if value.data_ptr() != view.data_ptr():   # not decoded into its slot already
                 view.copy_(value.reshape(view.shape))
-
-
-def _all_gather(t: torch.Tensor, group, n: int) -> torch.Tensor:
-    out = [torch.empty_like(t) for _ in range(n)]
-    dist.all_gather(out, t, group=group)
-    return torch.stack(out)
-
-
-class _HomomorphicReduceScatter(_ReduceScatterBase):
-    """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module: a SUM reduce-scatter
-    of encoded chunks (see the module doc). Synchronous: returns None."""
-
-    def __init__(self, state: _FSDPState, module: FSDPModule):
-        self.state, self.module, self.slots = state, module, None
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op=dist.ReduceOp.SUM, async_op: bool = False):
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(f"the homomorphic reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
-                             "reductions: do not undo set_force_sum_reduction_for_comms)")
-        st = self.state
-        if self.slots is None:
-            self.slots = _Slots(self.module)
-        n, me = dist.get_world_size(group), dist.get_rank(group)
-        chunks = input_tensor.view(n, -1)
-        messages = []
-        for d in range(n):
-            views = self.slots.views(chunks[d])
-            aggs = [st._aggregator(f"shard:{fqn}->{d}", v, n, me) for fqn, v in zip(self.slots.fqns, views)]
-            messages.append(encode_message(aggs, views))
-        # One reduce-scatter per part dtype, widest first: destination d's part of that dtype (none: an
-        # empty one), padded to the longest. Every rank derives every destination's parts alike.
-        dtypes = [dt for dt in PART_DTYPES if any(p.dtype == dt for m in messages for p in m.parts)]
-        summed = {}
-        for dt in dtypes:
-            mine = [next((p for p in m.parts if p.dtype == dt), None) for m in messages]
-            width = max(p.numel() if p is not None else 0 for p in mine)
-            send = torch.zeros(n, width, dtype=dt, device=input_tensor.device)
-            for d, p in enumerate(mine):
-                if p is not None:
-                    send[d, :p.numel()] = p
-                # the padding crosses the wire too: counted with the destination's first tensor
-                pad = width - (p.numel() if p is not None else 0)
-                if pad and messages[d].aggregators:
-                    messages[d].aggregators[0].stats.payload_bytes += pad * dt.itemsize
-            summed[dt] = torch.empty(width, dtype=dt, device=send.device)
-            dist.reduce_scatter_tensor(summed[dt], send.view(-1), group=group)
-
-        own = messages[me]
-        outcomes, reason = None, None
-        try:
-            # The other ranks never see this rank's inexact keys: those segments fall back densely.
-            outcomes = decode_segments(own, [summed[p.dtype][:p.numel()] for p in own.parts], partial=False)
-        except ConfigurationMismatch as e:   # raised below on every rank, after the table
-            reason = str(e)
-        params = len(self.slots.fqns)
-        # per destination and parameter: the outcome, and a failure's record (message.failure_record)
-        table = torch.zeros(n, params, 4, dtype=torch.int64, device=st._device())
-        for i in range(params):
-            if outcomes is None:
-                table[me, i, 0] = _MISMATCH
-            elif outcomes[i].needs_fallback:
-                table[me, i, 0] = _FAILED
-                table[me, i, 1:] = torch.tensor(failure_record(outcomes[i]))
-        dist.all_reduce(table, group=group)
-        if bool((table[:, :, 0] == _MISMATCH).any()):
-            bad = sorted({int(r) for r in (table[:, :, 0] == _MISMATCH).nonzero()[:, 0]})
-            raise ConfigurationMismatch(reason or f"ranks {bad} of the shard group could not decode their reduce-scatter "
-                                                  "payloads: ranks are configured differently")
-        for d in range(n):
-            for i in range(params):
-                if d != me and int(table[d, i, 0]) == _FAILED:
-                    replay_failure(messages[d].aggregators[i], *table[d, i, 1:].tolist())
-        results = [o.value for o in outcomes]
-        failed = [i for i in range(params) if bool((table[:, i, 0] == _FAILED).any())]
-        if failed:   # every rank: dense chunks of the failed parameters, reduce-scattered exactly
-            dense = torch.stack([dense_values(m, failed) for m in messages])
-            out = torch.empty(dense.shape[1], dtype=dense.dtype, device=dense.device)
-            dist.reduce_scatter_tensor(out, dense.view(-1), group=group)
-            numels = [math.prod(own.encoded[i][1].shape) for i in failed]
-            pieces = dict(zip(failed, out.split(numels)))
-            mine = [i for i in failed if outcomes[i].needs_fallback]   # the others decoded here: kept
-            # sent: every destination's chunks, as float32; counted so far: this rank's own failures
-            counted = sum(n_i * own.encoded[i][1].dtype.itemsize for i, n_i in zip(failed, numels) if i in mine)
-            own.aggregators[failed[0]].stats.payload_bytes += dense.numel() * dense.element_size() - counted
-            if mine:
-                part = torch.cat([pieces[i] for i in mine])
-                for i, value in zip(mine, finish_fallbacks(own, outcomes, mine, part)):
-                    results[i] = value
-        for view, value in zip(self.slots.views(output_tensor), results):
-            view.copy_(value.reshape(view.shape))
-        return None
 
 
 class LosslessFSDPState(_FSDPState):
@@ -625,6 +478,7 @@ class AutoFSDPState(_FSDPState):
         root = dist.get_global_rank(group, 0)
         # the link is timed up to the largest parameter's float32 bytes (an upper bound on its shard's)
         largest = max((4 * p.numel() for p in model.parameters()), default=0)
-        self.spec.measure(lambda t: dist.all_reduce(t, group=group), lambda t: _all_gather(t, group, self.replicas),
+        self.spec.measure(lambda t: dist.all_reduce(t, group=group),
+                          lambda t: all_gather_stacked(t, group, self.replicas),
                           lambda t: dist.broadcast(t, src=root, group=group), dist.get_rank(group), self.replicas,
                           device, largest_bytes=largest)

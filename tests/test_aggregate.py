@@ -473,7 +473,7 @@ def test_inexact_keys_are_completed_by_their_own_sum(average):
 
 def test_many_inexact_keys_fall_back_densely_and_grow():
     """Above partial_max_fraction of the tensor (0 here: any inexact key), and wherever the caller cannot
-    re-aggregate keys alone (partial=False: a reduce-scatter), the decode falls back as a failure does."""
+    re-aggregate keys alone (partial=False: auto under BytePS), the decode falls back as a failure does."""
     aggs, _, outcomes = first_inexact(2, partial_max_fraction=0.0)
     for agg, o in zip(aggs, outcomes):
         assert o.needs_fallback and not o.needs_partial

@@ -338,7 +338,7 @@ class TensorAggregator:
         """Decode the engine's SUM or AVERAGE of every rank's payload.
 
         ``partial``: whether the adapter can re-aggregate a decode's inexact keys alone (see
-        :class:`DecodeOutcome`); False (a reduce-scatter, whose other ranks never see the keys) makes
+        :class:`DecodeOutcome`); False (auto under BytePS, whose only second push is the dense fallback) makes
         such a decode fall back densely. Raises :class:`ConfigurationMismatch` when the ranks'
         codecs disagree (a configuration error, not something a fallback can fix).
         """

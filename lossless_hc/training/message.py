@@ -189,25 +189,23 @@ def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Op
     return outs if any(out is not None for out in outs) else None
 
 
-def decode_segments(message: Message, summed: Sequence[torch.Tensor], partial: bool = True,
+def decode_segments(message: Message, summed: Sequence[torch.Tensor],
                     outs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> List[DecodeOutcome]:
     """Decode each tensor's segment of ``summed``: the engine's SUMs of every rank's ``message.parts``,
     in order (a part summed in place: the part itself).
 
     Raises :class:`~lossless_hc.training.aggregate.ConfigurationMismatch` when ranks were configured
     differently; an outcome with ``needs_fallback`` must be completed with an exact dense SUM, one
-    with ``needs_partial`` with the SUM of its :func:`~lossless_hc.training.aggregate.partial_values`
-    (``partial=False``: inexact keys fall back densely instead, for a caller whose other ranks did not
-    decode the segment). ``outs[i]``, where given, is passed to tensor i's decode as ``out`` (only THC's
+    with ``needs_partial`` with the SUM of its :func:`~lossless_hc.training.aggregate.partial_values`.
+    ``outs[i]``, where given, is passed to tensor i's decode as ``out`` (only THC's
     aggregators take it: see :meth:`~lossless_hc.training.thc_aggregate.THCAggregator.decode`)."""
     check_sums(message.parts, summed)
-    kw = {} if partial else {"partial": False}   # only lossless aggregators can be inexact
     outcomes = []
     for i, (agg, (payload, ctx), (part, offset)) in enumerate(zip(message.aggregators, message.encoded,
                                                                  message.places)):
         segment = summed[part][offset:offset + payload.numel()].to(payload.dtype)
         out = {"out": outs[i]} if outs is not None and outs[i] is not None else {}
-        outcomes.append(agg.decode(segment, ctx, **kw, **out))
+        outcomes.append(agg.decode(segment, ctx, **out))
     return outcomes
 
 

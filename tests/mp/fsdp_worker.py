@@ -8,6 +8,7 @@ state of lossless_hc.plugins.fsdp; every rank writes OUT_DIR/<scenario>.rank<r>.
 import hashlib
 import io
 import json
+import math
 import os
 import sys
 
@@ -21,6 +22,7 @@ from models import DEVICE, CountedCollectives, EmbeddingModel, batch, loss_fn  #
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.plugins._fsdp_reduce_scatter import REDUCE_SCATTER  # noqa: E402
 from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
 from lossless_hc.training.planner import Calibration  # noqa: E402
 
@@ -229,8 +231,9 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     capacity growth) against uncompressed FSDP2 in that dtype: the largest parameter difference, and per
     step the bytes our hooks all-reduced (the replica all-reduce's parts and fallbacks, beside this
     rank's shard's own bytes) and, with ``reduce_scatter``, each reduce-scatter's input dtype and bytes
-    (the parts', then the fallbacks'). FSDP2's own collectives here are reduce-scatters (replaced by
-    ours, or not counted) and all-gathers."""
+    (the parts', then the fallbacks' and inexact keys' values) and the inexact keys' all-gather's. FSDP2's
+    own collectives here are reduce-scatters (replaced by ours, or not counted) and all-gathers (its
+    ``all_gather_into_tensor``, not counted)."""
     ref = build(mesh, native=True, hidden=hidden, dtype=dtype)
     got = build(mesh, native=False, hidden=hidden, dtype=dtype)
     state.register(got, reduce_scatter=reduce_scatter)
@@ -239,11 +242,12 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     for step in range(steps):
         train(ref, 1, start=step, opt=ref_opt)
         before = state.stats()["payload_bytes"]
-        with CountedCollectives("all_reduce", *(("reduce_scatter_tensor",) if reduce_scatter else ())) as counted:
+        with CountedCollectives("all_reduce", *((REDUCE_SCATTER, "all_gather") if reduce_scatter else ())) as counted:
             train(got, 1, start=step, opt=got_opt)
         counted_bytes.append(state.stats()["payload_bytes"] - before)
         sent.append(counted.bytes())
-        sent_rs.append([[dtype, nbytes] for name, dtype, nbytes in counted.calls if name == "reduce_scatter_tensor"])
+        sent_rs.append([[dtype, nbytes] for name, dtype, nbytes in counted.calls
+                        if name in (REDUCE_SCATTER, "all_gather")])
     return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
             "sent_rs": sent_rs, "payload_bytes": counted_bytes,
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters()),
@@ -327,7 +331,9 @@ def inexact(mesh, reduce_scatter: bool):
         grads = [p.grad.full_tensor() for p in model.parameters()]
         ref = inexact_case.dense_reference(step, size, average=True)
         steps.append(inexact_case.compare(ref, grads))
-    return {"steps": steps, "stats": state.stats()}
+    aggs = sorted(state._aggregators.items())
+    return {"steps": steps, "stats": state.stats(), "capacity": {k: a.capacity for k, a in aggs},
+            "grown": [k for k, a in aggs if a.capacity != a._round_to_blocks(math.ceil(0.05 * a.numel))]}
 
 
 def with_guard(r, state):

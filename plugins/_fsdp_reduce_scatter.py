@@ -1,0 +1,264 @@
+"""FSDP2's parameter slots and the homomorphic reduce-scatter (``set_custom_reduce_scatter``) of
+:mod:`lossless_hc.plugins.fsdp`, which owns the states, the mesh and the replica all-reduce.
+
+The reduce-scatter, per ``fully_shard`` module and step (S ranks in the shard group, rank ``me``):
+
+1. every rank encodes each destination ``d``'s chunk separately (one aggregator per parameter and
+   destination), and one SUM reduce-scatter per part dtype (the S messages padded to one length)
+   hands ``d`` the sum of every rank's message for ``d``; the payloads are homomorphic, so that is a
+   payload of the summed chunk, and ``d`` decodes it;
+2. the owners share a table (one int64 SUM all-reduce): per destination and parameter whether its
+   decode failed (with the record :func:`~lossless_hc.training.message.replay_failure` needs, so that
+   every rank grows the same capacities), or reported inexact keys (and how many);
+3. only where some owner reported inexact keys: the keys themselves, one all-gather of each owner's
+   concatenated keys (padded to the longest), so that every rank can read its values there;
+4. only where some decode failed or was inexact: one SUM reduce-scatter of float32 rows, destination
+   ``d``'s row holding every failed parameter's whole chunk, then ``d``'s inexact coordinates' values
+   (padded to the longest row). Each owner finishes its fallbacks and its partial re-aggregations
+   (:meth:`~lossless_hc.training.aggregate.TensorAggregator.finish_partial`) from its row.
+
+So an inexact decode costs the values at its keys' coordinates, as in the replica all-reduce, not
+the whole chunk; it falls back densely (and grows the capacity) only past the aggregator's
+``partial_max_fraction``, as everywhere else. Every collective is issued by every rank of the group
+or by none: each decision is read from the table, which every rank holds whole.
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from lossless_hc.lhc.codec import key_coordinates
+from lossless_hc.training.aggregate import ConfigurationMismatch
+from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
+                                          finish_fallbacks, replay_failure)
+
+try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
+except ImportError:  # pragma: no cover - older torch: register(reduce_scatter=True) says so
+    ReduceScatterBase = object
+
+# the owners' table: per destination and parameter, the outcome ...
+_OK, _FAILED, _MISMATCH, _PARTIAL = 0, 1, 2, 3
+# ... and its columns: outcome, failure record (status, total keys, overloaded ranks), inexact keys
+_TABLE_COLUMNS = 5
+
+# torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single (same arguments); earlier ones lack it
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """SUM reduce-scatter of the flat ``input`` (S x output's numel) into ``output`` (blocking)."""
+    getattr(dist, REDUCE_SCATTER)(output, input, group=group)
+
+
+def all_gather_stacked(t: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Every rank's ``t`` of the ``n``-rank ``group``, stacked in rank order (blocking)."""
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out)
+
+
+def param_groups(module: FSDPModule) -> list:
+    """The FSDP parameter groups of a ``fully_shard`` module: a list on torch 2.13 (``_fsdp_param_groups``),
+    one group or None on earlier releases such as 2.11 (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+class Slots:
+    """Where each parameter lies in an FSDP2 parameter group's flat reduce-scatter output: in
+    ``fsdp_params`` order, a slot of ``padded_sharded_param_size`` (zero padding included, so a slot
+    has the same shape on every rank and for every destination)."""
+
+    def __init__(self, module: FSDPModule):
+        groups = param_groups(module)
+        if len(groups) != 1:
+            raise ValueError(f"{type(module).__name__}: lossless_hc.plugins.fsdp needs exactly one FSDP parameter "
+                             f"group per fully_shard module, got {len(groups)}")
+        self.fqns, self.shapes = [], []
+        for i, fp in enumerate(groups[0].fsdp_params):
+            fqn = getattr(fp, "_param_fqn", None) or f"{type(module).__name__}.param{i}"
+            self.fqns.append(fqn)
+            self.shapes.append(tuple(fp.padded_sharded_param_size))
+        self.numel = sum(math.prod(s) for s in self.shapes)
+
+    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        if flat.numel() != self.numel:
+            raise RuntimeError(f"FSDP2 handed a reduce buffer of {flat.numel()} elements; its parameters' padded "
+                               f"shards {self.shapes} hold {self.numel} (uneven Shard(i>0) placements are not "
+                               "supported)")
+        out, offset = [], 0
+        for shape in self.shapes:
+            m = math.prod(shape)
+            out.append(flat[offset:offset + m].view(shape))
+            offset += m
+        return out
+
+
+class HomomorphicReduceScatter(ReduceScatterBase):
+    """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module: a SUM reduce-scatter
+    of encoded chunks (see the module doc). ``state``: the :mod:`~lossless_hc.plugins.fsdp` state
+    (its ``_aggregator`` and ``_device``). Synchronous: returns None."""
+
+    def __init__(self, state, module: FSDPModule):
+        self.state, self.module, self.slots = state, module, None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the homomorphic reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
+                             "reductions: do not undo set_force_sum_reduction_for_comms)")
+        st = self.state
+        if self.slots is None:
+            self.slots = Slots(self.module)
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        chunks = input_tensor.view(n, -1)
+        messages = []
+        for d in range(n):
+            views = self.slots.views(chunks[d])
+            aggs = [st._aggregator(f"shard:{fqn}->{d}", v, n, me) for fqn, v in zip(self.slots.fqns, views)]
+            messages.append(encode_message(aggs, views))
+        summed = self._reduce_scatter_parts(messages, input_tensor.device, group)
+
+        own = messages[me]
+        outcomes, reason = None, None
+        try:
+            outcomes = decode_segments(own, [summed[p.dtype][:p.numel()] for p in own.parts])
+        except ConfigurationMismatch as e:   # raised below on every rank, after the table
+            reason = str(e)
+        table = self._share_outcomes(outcomes, me, n, group)
+        if bool((table[:, :, 0] == _MISMATCH).any()):
+            bad = sorted({int(r) for r in (table[:, :, 0] == _MISMATCH).nonzero()[:, 0]})
+            raise ConfigurationMismatch(reason or f"ranks {bad} of the shard group could not decode their "
+                                                  "reduce-scatter payloads: ranks are configured differently")
+        for d in range(n):
+            for i in range(len(self.slots.fqns)):
+                if d != me and int(table[d, i, 0]) == _FAILED:
+                    replay_failure(messages[d].aggregators[i], *table[d, i, 1:4].tolist())
+        results = [o.value for o in outcomes]
+        if bool((table[:, :, 0] == _FAILED).any()) or bool((table[:, :, 0] == _PARTIAL).any()):
+            self._re_aggregate(messages, outcomes, results, table, me, group)
+        for view, value in zip(self.slots.views(output_tensor), results):
+            view.copy_(value.reshape(view.shape))
+        return None
+
+    def _reduce_scatter_parts(self, messages, device: torch.device, group) -> dict:
+        """One reduce-scatter per part dtype, widest first: destination d's part of that dtype (none: an
+        empty one), padded to the longest. Every rank derives every destination's parts alike. Returns
+        this rank's sums by dtype."""
+        n = len(messages)
+        dtypes = [dt for dt in PART_DTYPES if any(p.dtype == dt for m in messages for p in m.parts)]
+        summed = {}
+        for dt in dtypes:
+            mine = [next((p for p in m.parts if p.dtype == dt), None) for m in messages]
+            width = max(p.numel() if p is not None else 0 for p in mine)
+            send = torch.zeros(n, width, dtype=dt, device=device)
+            for d, p in enumerate(mine):
+                if p is not None:
+                    send[d, :p.numel()] = p
+                # the padding crosses the wire too: counted with the destination's first tensor
+                pad = width - (p.numel() if p is not None else 0)
+                if pad and messages[d].aggregators:
+                    messages[d].aggregators[0].stats.payload_bytes += pad * dt.itemsize
+            summed[dt] = torch.empty(width, dtype=dt, device=device)
+            reduce_scatter(summed[dt], send.view(-1), group)
+        return summed
+
+    def _share_outcomes(self, outcomes, me: int, n: int, group) -> torch.Tensor:
+        """The owners' table (module doc, step 2), summed over the group: ``[d, i]`` is destination d's
+        outcome for parameter i, its failure record, and its inexact keys' count."""
+        params = len(self.slots.fqns)
+        table = torch.zeros(n, params, _TABLE_COLUMNS, dtype=torch.int64, device=self.state._device())
+        for i in range(params):
+            if outcomes is None:
+                table[me, i, 0] = _MISMATCH
+            elif outcomes[i].needs_fallback:
+                table[me, i, 0] = _FAILED
+                table[me, i, 1:4] = torch.tensor(failure_record(outcomes[i]))
+            elif outcomes[i].needs_partial:
+                table[me, i, 0] = _PARTIAL
+                table[me, i, 4] = outcomes[i].report.inexact_keys.numel()
+        dist.all_reduce(table, group=group)
+        return table
+
+    def _inexact_coordinates(self, messages, outcomes, table: torch.Tensor, me: int, group) -> dict:
+        """``{(d, i): flat coordinates}`` of every destination's inexact keys (module doc, step 3): the
+        owners' keys, all-gathered, read as coordinates by each rank's aggregator for (d, i), which has
+        the owner's block size and shape (the owner's own: ``outcome.partial``, the same coordinates)."""
+        counts = table[:, :, 4].tolist()
+        width = max(sum(row) for row in counts)
+        if width == 0:
+            return {}
+        device = self.state._device()
+        mine = torch.zeros(width, dtype=torch.int64, device=device)
+        offset = 0
+        for i, o in enumerate(outcomes):
+            if counts[me][i]:
+                mine[offset:offset + counts[me][i]] = o.report.inexact_keys.to(device=device, dtype=torch.int64)
+                offset += counts[me][i]
+        keys = all_gather_stacked(mine, group, len(messages))
+        # the keys' bytes: this rank's row, counted with its first tensor
+        messages[me].aggregators[0].stats.payload_bytes += width * 8
+        coords = {}
+        for d, row in enumerate(counts):
+            offset = 0
+            for i, c in enumerate(row):
+                if not c:
+                    continue
+                if d == me:
+                    coords[d, i] = outcomes[i].partial
+                else:
+                    agg = messages[d].aggregators[i]
+                    k = keys[d, offset:offset + c].to(agg.device)
+                    coords[d, i], _ = key_coordinates(k, agg.block_size, agg.numel)
+                offset += c
+        return coords
+
+    def _re_aggregate(self, messages, outcomes, results: list, table: torch.Tensor, me: int, group) -> None:
+        """Module doc, steps 3 and 4: every destination's failed parameters' chunks and inexact
+        coordinates' values, reduce-scattered exactly as float32 rows; this rank's ``results`` finished
+        from its own row."""
+        params = len(self.slots.fqns)
+        failed = [i for i in range(params) if bool((table[:, i, 0] == _FAILED).any())]
+        coords = self._inexact_coordinates(messages, outcomes, table, me, group)
+        rows = []
+        for d, m in enumerate(messages):
+            values = [m.encoded[i][1].dense_value.detach().reshape(-1)[c].to(torch.float32)
+                      for (dd, i), c in sorted(coords.items()) if dd == d]
+            rows.append(torch.cat([dense_values(m, failed)] + values))
+        width = max(r.numel() for r in rows)
+        send = torch.zeros(len(rows), width, dtype=torch.float32, device=rows[0].device)
+        for d, r in enumerate(rows):
+            send[d, :r.numel()] = r
+        out = torch.empty(width, dtype=torch.float32, device=send.device)
+        reduce_scatter(out, send.view(-1), group)
+        own = messages[me]
+        # sent: every destination's row; counted so far: this rank's own fallbacks' and inexact values'
+        # bytes in their dtypes (the decodes counted them)
+        counted = sum(math.prod(own.encoded[i][1].shape) * own.encoded[i][1].dtype.itemsize
+                      for i in failed if outcomes[i].needs_fallback)
+        counted += sum(c.numel() * own.encoded[i][1].dtype.itemsize for (d, i), c in coords.items() if d == me)
+        own.aggregators[0].stats.payload_bytes += send.numel() * send.element_size() - counted
+        numels = [math.prod(own.encoded[i][1].shape) for i in failed]
+        pieces = dict(zip(failed, out[:sum(numels)].split(numels)))
+        mine = [i for i in failed if outcomes[i].needs_fallback]   # the others decoded here: kept
+        if mine:
+            part = torch.cat([pieces[i] for i in mine])
+            for i, value in zip(mine, finish_fallbacks(own, outcomes, mine, part)):
+                results[i] = value
+        offset = sum(numels)
+        for (d, i), c in sorted(coords.items()):
+            if d == me:
+                results[i] = own.aggregators[i].finish_partial(out[offset:offset + c.numel()], outcomes[i])
+                offset += c.numel()

@@ -31,7 +31,9 @@ class NCF(nn.Module):
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         gmf = self.user_gmf(users) * self.item_gmf(items)
         mlp = self.mlp(torch.cat([self.user_mlp(users), self.item_mlp(items)], dim=-1))
-        return self.out(torch.cat([gmf, mlp], dim=-1)).squeeze(-1)
+        # .squeeze is a view, and FSDP2 warns about a wrapped module that returns one (an in-place op on
+        # it would skip FSDP's pre-backward hook): the copy of one logit per example costs nothing
+        return self.out(torch.cat([gmf, mlp], dim=-1)).squeeze(-1).clone()
 
 
 class LSTMLanguageModel(nn.Module):
@@ -41,12 +43,17 @@ class LSTMLanguageModel(nn.Module):
     def __init__(self, vocab: int, dim: int = 128, hidden: int = 256, layers: int = 2, sparse: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim, sparse=sparse)
-        self.lstm = nn.LSTM(dim, hidden, num_layers=layers, batch_first=True)
+        # Sequence-first: with batch_first=True the LSTM returns its (time, batch) output transposed, a view,
+        # which FSDP2 warns about when the LSTM is a wrapped module. Transposing here instead computes the
+        # same (batch_first=True transposes the input and the output exactly so) and the decoder gets the
+        # same strided tensor.
+        self.lstm = nn.LSTM(dim, hidden, num_layers=layers)
         self.decoder = nn.Linear(hidden, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, _ = self.lstm(self.embed(tokens))
-        return self.decoder(h)
+        """(batch, time) token ids -> (batch, time, vocab) logits."""
+        h, _ = self.lstm(self.embed(tokens).transpose(0, 1))
+        return self.decoder(h.transpose(0, 1))
 
 
 class DigitsCNN(nn.Module):
@@ -86,8 +93,8 @@ class SmallVGG(nn.Module):
 
 class SmallBERT(nn.Module):
     """A small BERT-style encoder (token + position embeddings, ``torch.nn.TransformerEncoder``, a
-    masked-token prediction head). The token embedding's gradient is row-sparse (the batch's
-    tokens); the encoder's and the head's are dense."""
+    masked-token prediction head; logits flattened over batch and position, see ``forward``). The token
+    embedding's gradient is row-sparse (the batch's tokens); the encoder's and the head's are dense."""
 
     def __init__(self, vocab: int = 30_000, dim: int = 256, heads: int = 4, layers: int = 4,
                  max_len: int = 128, sparse: bool = False):
@@ -100,5 +107,11 @@ class SmallBERT(nn.Module):
         nn.init.normal_(self.positions, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, time) token ids -> (batch * time, vocab) logits, flattened over batch and position.
+
+        Flat because nn.Linear over a 3-d input returns a view of its 2-d result (the head's output, and
+        the model's), which FSDP2 warns about when the head or the model is a wrapped module; the head over
+        the flattened hidden states runs the very same addmm, and a (batch, time, vocab) result would be a
+        view again or a copy of the largest activation."""
         h = self.tokens(tokens) + self.positions[: tokens.shape[1]]
-        return self.head(self.encoder(h))
+        return self.head(self.encoder(h).flatten(0, 1))

@@ -385,6 +385,25 @@ def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> tuple:
     return [p for p in pairs if p[1] in SUPPORTED[p[0]]], [p for p in pairs if p[1] not in SUPPORTED[p[0]]]
 
 
+def refusals(model: str, runs: Sequence[tuple], steps: int, warmup: int, train_args: Sequence[str],
+             shards: int = 2) -> dict:
+    """{(framework, compression): reason} for the pairs of ``runs`` whose command line the training driver
+    refuses (:func:`lossless_hc.bench.workloads.train.parse_args`, the reason its one-line error): e.g.
+    ``sparse`` with --model lstm or bert, whose Adam takes no sparse gradients. Every worker would print
+    that reason and exit at start-up, ending the whole benchmark; the pair is not run and is reported.
+    Parses only: no process, no network namespace (the launcher's environment is left out)."""
+    from lossless_hc.bench.workloads.options import refusal
+    from lossless_hc.bench.workloads.train import parse_args
+
+    def parse(argv):
+        return parse_args(argv, env={})
+    why = {(fw, comp): refusal(parse, ["--model", model, "--framework", fw, "--compression", comp,
+                                       "--steps", str(steps), "--warmup", str(warmup), *train_args,
+                                       *(["--shards", str(shards)] if fw == "fsdp" else [])])   # as run_benchmark's
+           for fw, comp in runs}
+    return {pair: reason for pair, reason in why.items() if reason is not None}
+
+
 def compute_label(per_host: int, sparse: bool) -> str:
     """Key of a compute-only reference: workers per host, and whether embedding gradients are sparse."""
     return f"{per_host} worker{'s' if per_host > 1 else ''}/host{', sparse embeddings' if sparse else ''}"
@@ -403,10 +422,17 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
     in the listed order and then reversed, alternately (so a slow drift of the machine weighs on every
     mode alike), and each row pools every round's timed steps (:func:`merge_rounds`); parameters are
     compared on the first round's. Returns {"rows": [...], "compute_s": {workers per host: s},
-    "shaping": {...}, "cpu_fair": {...} or None, "skipped": [[framework, compression], ...], "rounds"}."""
+    "shaping": {...}, "cpu_fair": {...} or None, "skipped": [[framework, compression], ...] (not implemented),
+    "refused": [[framework, compression, reason], ...] (:func:`refusals`: not run), "rounds"}. ValueError when
+    the driver refuses every configuration."""
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
     runs, skipped = plan(frameworks, compressions)
+    refused = refusals(model, runs, steps, warmup, train_args, shards)
+    runs = [p for p in runs if p not in refused]
+    if not runs:
+        raise ValueError("the training driver refuses every configuration: "
+                         + "; ".join(f"{fw} {c}: {why}" for (fw, c), why in refused.items()))
     per_host = {fw: shards if fw == "fsdp" else 1 for fw in frameworks}
     layouts = sorted(set(per_host.values()))
     train_args = list(train_args)
@@ -464,7 +490,8 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
             row["auto_guard_rounds"] = [(r[0].get("stats") or {}).get("guard") for r in reps]
         rows.append(row)
     return {"rows": add_relative(rows), "compute_s": compute, "shaping": shaping, "cpu_fair": fair,
-            "skipped": [list(p) for p in skipped], "rounds": rounds}
+            "skipped": [list(p) for p in skipped], "refused": [[fw, c, why] for (fw, c), why in refused.items()],
+            "rounds": rounds}
 
 
 def worker_args(args) -> list:
@@ -516,6 +543,15 @@ def cmd_cluster(args) -> int:
             raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup}")
         if args.shards < 1 or args.skew < 0:
             raise ValueError("--shards must be >= 1 and --skew >= 0")
+        # Now, before root and namespaces: options that the compute-only reference refuses (so every run
+        # would), or a refusal of every configuration, end the benchmark; run_benchmark skips the rest.
+        for why in refusals(model, [("local", BASELINE)], args.steps, args.warmup, worker_args(args)).values():
+            raise ValueError(f"the training driver refuses these options: {why}")
+        runs = plan(frameworks, compressions)[0]
+        refused = refusals(model, runs, args.steps, args.warmup, worker_args(args), args.shards)
+        if len(refused) == len(runs):
+            raise ValueError("the training driver refuses every configuration: "
+                             + "; ".join(f"{fw} {c}: {why}" for (fw, c), why in refused.items()))
         if args.replay:
             from lossless_hc.bench.workloads.replay import load_meta
 
@@ -569,7 +605,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="ncf", choices=("ncf", "lstm", "vgg", "bert", "digits"))
     p.add_argument("--compression", default="none,fp16,bf16,powersgd,sparse,topk-allgather,lossless,topk",
                    help=f"comma-separated, from {', '.join(COMPRESSIONS)} (none always runs: the reference; a "
-                        f"mode a framework does not implement is skipped and listed)")
+                        f"mode a framework does not implement, or that the training driver refuses for the model "
+                        f"and --train-args, e.g. sparse under lstm's and bert's Adam, is not run and is listed "
+                        f"with the reason)")
     p.add_argument("--framework", default="horovod,ddp",
                    help="comma-separated: horovod, ddp, fsdp (HSDP: --hosts replicas x --shards processes per host)")
     p.add_argument("--shards", type=int, default=2, help="fsdp: processes (shards) per host (default 2)")

@@ -92,6 +92,9 @@ def render_markdown(result: dict, title: str) -> str:
     if skipped:
         lines.append("Not run (the framework does not implement the mode): "
                      + ", ".join(f"{fw} {c}" for fw, c in skipped) + ".")
+    if result.get("refused"):   # cluster.refusals: the training driver's reason
+        lines.append("Not run (the training driver refuses the configuration): "
+                     + "; ".join(f"{fw} {c} ({why})" for fw, c, why in result["refused"]) + ".")
     lines += ["",
               "| framework | compression | step ms median (p10–p90) | step ms mean | speed-up vs none "
               "| wire MiB/step/host | wire vs none | aggregation GB/s | x none | enc+dec share "

@@ -12,7 +12,6 @@ accuracy, bytes sent per step vs dense, step time and fallbacks, and optionally 
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -23,6 +22,10 @@ import time
 import torch
 
 from lossless_hc.bench.cluster_report import AUTO, AUTO_EXACT
+from lossless_hc.bench.workloads.options import (LAUNCH_SCRIPTS, TORCH_ENV, ArgumentParser, HelpFormatter,  # noqa: F401
+                                                 UsageError, detect_launcher, device, fraction, launch_error,
+                                                 local_rank, non_negative_float, non_negative_int, positive_int,
+                                                 thc_bits)
 from lossless_hc.bench.workloads.replay import ReplayWorkload
 from lossless_hc.bench.workloads.tasks import DEFAULTS as TASK_DEFAULTS
 from lossless_hc.bench.workloads.tasks import OPTIMIZERS, coalesce_sparse_state
@@ -117,6 +120,10 @@ class DDP:
         # Gloo between CPU workers; NCCL when each worker trains on its own GPU.
         self.owner = not dist.is_initialized()
         if self.owner:
+            missing = [k for k in TORCH_ENV if k not in os.environ]
+            if missing:   # init_process_group's env:// would raise, on a plain process, about RANK alone
+                raise SystemExit(f"--framework {args.framework}: torch.distributed's {', '.join(missing)} not set; "
+                                 f"launch with {LAUNCH_SCRIPTS['torch']} NP SCRIPT ... (torchrun sets them)")
             dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.state = None
@@ -188,7 +195,7 @@ class FSDP(DDP):
 
         super().__init__(args)   # the process group (Gloo, or NCCL on GPUs), rank and size
         shards = args.shards or self.size
-        if self.size % shards:
+        if self.size % shards:   # parse_args checks it already where the launcher set WORLD_SIZE
             raise SystemExit(f"--shards {shards} must divide the world size {self.size}")
         if args.compression not in SUPPORTED["fsdp"] or args.sparse_embeddings:
             raise SystemExit(f"--framework fsdp takes --compression {'|'.join(SUPPORTED['fsdp'])} and dense embeddings, "
@@ -295,49 +302,71 @@ def stats_delta(after, before):
 
 
 # -- the loop --------------------------------------------------------------------------------------
-def parse_args(argv=None, default_model="ncf"):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def compression_help() -> str:
+    """--compression's help: the modes, and those of each --framework, from SUPPORTED (so they cannot drift)."""
+    groups: dict = {}
+    for fw, modes in SUPPORTED.items():
+        groups.setdefault(modes, []).append(fw)
+    per = "; ".join(f"{' and '.join(fws)}: {'all' if modes == COMPRESSIONS else ', '.join(modes)}"
+                    for modes, fws in groups.items())
+    return f"one of {', '.join(COMPRESSIONS)} (default lossless). Per --framework -- {per}"
+
+
+def parse_args(argv=None, default_model="ncf", env=None):
+    """The driver's options from ``argv``, the per-model defaults filled in. ``env`` (default
+    ``os.environ``): the environment the launcher set, which picks the default ``--framework`` (ddp under
+    torchrun, horovod otherwise) and refuses a framework the launcher cannot start.
+
+    A refused command line prints one line, ``PROG: error: MESSAGE (see --help)``, on stderr and raises
+    :class:`UsageError` (a SystemExit, status 2) before any process group or model exists: every rank
+    refuses alike, with no traceback."""
+    env = os.environ if env is None else env
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", choices=sorted(WORKLOADS), default=default_model)
-    p.add_argument("--framework", choices=sorted(FRAMEWORKS), default="horovod",
-                   help="local: no aggregation at all (compute-only reference)")
-    p.add_argument("--compression", choices=COMPRESSIONS, default="lossless")
-    p.add_argument("--steps", type=int, help="training steps (default per model)")
-    p.add_argument("--batch", type=int, help="per-rank batch (default per model)")
+    p.add_argument("--framework", choices=sorted(FRAMEWORKS),
+                   help="default: ddp when started by torchrun (scripts/launch_torchrun.sh), horovod otherwise "
+                        "(scripts/launch_horovod.sh, scripts/launch_mpirun.sh); local: no aggregation at all "
+                        "(compute-only reference)")
+    p.add_argument("--compression", choices=COMPRESSIONS, default="lossless", metavar="MODE", help=compression_help())
+    p.add_argument("--steps", type=positive_int, help="training steps (default per model)")
+    p.add_argument("--batch", type=positive_int, help="per-rank batch (default per model)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="default per model")
-    p.add_argument("--lr", type=float, help="learning rate (default per model)")
-    p.add_argument("--max-density", type=float, default=0.03, help="lossless: initial capacity per tensor")
-    p.add_argument("--topk-ratio", type=float, default=0.01, help="topk: fraction of each tensor sent")
-    p.add_argument("--thc-bits", type=int, default=4,
-                   help="thc: a table of 2^bits levels (the wire's bits per coordinate follow from the workers "
-                        "and granularity)")
+    p.add_argument("--lr", type=non_negative_float, help="learning rate (default per model)")
+    p.add_argument("--max-density", type=fraction, default=0.03,
+                   help="lossless: initial capacity per tensor, in (0, 1]")
+    p.add_argument("--topk-ratio", type=fraction, default=0.01, help="topk: fraction of each tensor sent, in (0, 1]")
+    p.add_argument("--thc-bits", type=thc_bits, default=4,
+                   help="thc: a table of 2^bits levels, bits in [1, 16] (the wire's bits per coordinate follow "
+                        "from the workers and granularity)")
     p.add_argument("--thc-exact", choices=("none", "output"), default="none",
                    help="ddp thc: 'output' sends the output layer over the vocabulary exactly "
                         "(THCHookState(exact=...); for Adam, see docs/THC.md)")
-    p.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
-    p.add_argument("--powersgd-start", type=int, default=2,
+    p.add_argument("--powersgd-rank", type=positive_int, default=4, help="powersgd: matrix approximation rank")
+    p.add_argument("--powersgd-start", type=non_negative_int, default=2,
                    help="powersgd: iterations of plain allreduce before PowerSGD starts (torch's start_powerSGD_iter)")
-    p.add_argument("--shards", type=int, help="fsdp: ranks per replica (default: all; fewer: custom HSDP)")
+    p.add_argument("--shards", type=positive_int,
+                   help="fsdp: ranks per replica, a divisor of the world size (default: all; fewer: custom HSDP)")
     p.add_argument("--compress-reduce-scatter", action="store_true",
                    help="fsdp with replicas: compress the reduce-scatter too (lossless, topk)")
     p.add_argument("--sparse-embeddings", action="store_true",
                    help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True; DDP auto: "
                         "planned over the listed rows; implied by --compression sparse and auto-sparse)")
-    p.add_argument("--users", type=int, default=50_000)
-    p.add_argument("--items", type=int, default=50_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=20_000)
-    p.add_argument("--skew", type=float, default=0.0,
+    p.add_argument("--users", type=positive_int, default=50_000)
+    p.add_argument("--items", type=positive_int, default=50_000)
+    p.add_argument("--dim", type=positive_int, default=32)
+    p.add_argument("--vocab", type=positive_int, default=20_000)
+    p.add_argument("--skew", type=non_negative_float, default=0.0,
                    help="ncf: Zipf exponent of the batches' users and negative items (0: uniform)")
     p.add_argument("--replay-dir", help="--model replay: recorded gradients (python -m lossless_hc.bench replay)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=non_negative_int, default=0,
                    help="intra-op threads per worker (0: this machine's cores / workers)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    p.add_argument("--device", type=device, choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU per worker (LOCAL_RANK), NCCL for DDP")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the model's parameters (and so its gradients) and float inputs in this dtype")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--warmup", type=int, default=0,
+    p.add_argument("--log-every", type=positive_int, default=25)
+    p.add_argument("--warmup", type=non_negative_int, default=0,
                    help="steps before the timed window (excluded from timings, statistics and wire bytes)")
     p.add_argument("--net-iface", help="report bytes sent/received on this interface during the timed window")
     p.add_argument("--json", help="rank 0 writes the results here; with '{rank}' in the path every rank writes")
@@ -346,20 +375,34 @@ def parse_args(argv=None, default_model="ncf"):
     for key, value in DEFAULTS[args.model].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.framework_by_default = args.framework is None   # rank 0's first line says so
+    if args.framework is None:   # torchrun starts torch.distributed workers: DDP is their data parallelism
+        args.framework = "ddp" if detect_launcher(env)[0] == "torch" else "horovod"
+    elif launch_error(args.framework, env):
+        p.error(launch_error(args.framework, env))
     if args.compression in SPARSE_MODES:
         args.sparse_embeddings = True
     if args.compression not in SUPPORTED[args.framework]:
         p.error(f"--framework {args.framework} does not implement --compression {args.compression} "
                 f"(it implements {', '.join(SUPPORTED[args.framework])})")
+    if args.framework == "fsdp" and args.sparse_embeddings:
+        p.error("--framework fsdp takes dense embeddings only: drop --sparse-embeddings")
     # Horovod densifies sparse gradients (sparse_as_dense) for every mode but its own sparse allreduce
     sparse_grads = args.sparse_embeddings and (args.framework != "horovod" or args.compression == "sparse")
     if sparse_grads and args.optimizer == "adam":
         p.error(f"--compression {args.compression} leaves the embeddings' gradients sparse, which torch's Adam "
                 f"refuses: add --optimizer sgd (--model {args.model} defaults to adam)")
-    if args.skew < 0 or args.threads < 0:
-        p.error("--skew and --threads must not be negative")
-    if not 0 <= args.warmup < args.steps:
+    if args.warmup >= args.steps:
         p.error(f"--warmup must be in [0, steps={args.steps}), got {args.warmup}")
+    if args.shards is not None:
+        world = env.get("WORLD_SIZE") if detect_launcher(env)[0] == "torch" else None
+        if args.framework != "fsdp":
+            p.error(f"--shards is an option of --framework fsdp (got --framework {args.framework})")
+        if world is not None and int(world) % args.shards:
+            p.error(f"--shards {args.shards} must divide the world size {world}")
+    if args.device == "cuda" and local_rank(env) >= torch.cuda.device_count():
+        p.error(f"--device cuda: local rank {local_rank(env)} has no GPU of its own (this machine has "
+                f"{torch.cuda.device_count()}): start at most that many workers per machine")
     return args
 
 
@@ -378,7 +421,7 @@ def dense_grad_bytes(model) -> int:
 def main(argv=None, default_model="ncf") -> dict:
     args = parse_args(argv, default_model)
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("HOROVOD_LOCAL_RANK", "0"))))
+        torch.cuda.set_device(local_rank(os.environ))
     fw = FRAMEWORKS[args.framework](args)
     # Leave each rank its share of the cores: oversubscribed intra-op threads swamp step times.
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // fw.size))
@@ -395,7 +438,11 @@ def main(argv=None, default_model="ncf") -> dict:
     wrapped, opt = fw.wrap(model, opt, args)
     say = print if fw.rank == 0 else (lambda *a, **k: None)
     dense_bytes = dense_grad_bytes(model)
-    say(f"{args.model} on {fw.size} {args.framework} worker(s), compression={args.compression}: "
+    default = ""
+    if getattr(args, "framework_by_default", False):
+        default = f" (--framework's default under {detect_launcher(os.environ)[1] or 'no launcher'})"
+    say(f"{args.model} on {fw.size} {args.framework} worker(s){default}, "
+        f"compression={args.compression}: "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, {dense_bytes / 2**20:.1f} MiB of gradients "
         f"per step; {work.metric} before training {evaluate():.4f}")
 

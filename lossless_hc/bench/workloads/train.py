@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -181,6 +182,29 @@ class DDP:
             self.dist.destroy_process_group()
 
 
+def fsdp_refusal(args, world: Optional[int]) -> Optional[str]:
+    """Why ``--framework fsdp`` cannot run ``args.compression`` on ``world`` ranks (None: unknown, which
+    can refuse only where ``--shards`` is not given: one replica then), or None: a state that compresses
+    the replica all-reduce only (thc, auto) needs replicas and no ``--compress-reduce-scatter``."""
+    state_type = FSDP.state_types().get(args.compression) if args.framework == "fsdp" else None
+    if state_type is None or state_type.supports_reduce_scatter:
+        return None
+    shards = args.shards or world
+    one_replica = args.shards is None or (world is not None and world // shards == 1)
+    if not (one_replica or args.compress_reduce_scatter):
+        return None
+    if not one_replica:
+        fix = "drop --compress-reduce-scatter"
+    elif args.shards is None:
+        fix = "without --shards every rank is in one shard group (no replicas): pass --shards with a divisor of " \
+              "the world size below it (HSDP)"
+    else:
+        fix = f"{world} ranks in shards of {shards} leave one replica: pass --shards with a divisor of {world} " \
+              "below it (HSDP)"
+    return (f"--framework fsdp --compression {args.compression} compresses the replica all-reduce only: {fix}, "
+            "or use --compression lossless|topk (which compress the reduce-scatter too)")
+
+
 class FSDP(DDP):
     """FSDP2 (``fully_shard``) over a ``(replicate, shard)`` mesh of ``--shards`` ranks per replica
     (default: all ranks, i.e. FSDP without replicas). Every child module with parameters and the root
@@ -200,15 +224,10 @@ class FSDP(DDP):
         if args.compression not in SUPPORTED["fsdp"] or args.sparse_embeddings:
             raise SystemExit(f"--framework fsdp takes --compression {'|'.join(SUPPORTED['fsdp'])} and dense embeddings, "
                              f"got {args.compression}{' with --sparse-embeddings' if args.sparse_embeddings else ''}")
+        why = fsdp_refusal(args, self.size)   # parse_args checks it already where the launcher set WORLD_SIZE
+        if why:
+            raise SystemExit(why)
         replicas = self.size // shards
-        state_type = self.state_types().get(args.compression)
-        if state_type is not None and not state_type.supports_reduce_scatter and (
-                replicas == 1 or args.compress_reduce_scatter):
-            raise SystemExit(f"--framework fsdp --compression {args.compression} compresses the replica all-reduce "
-                             "only: " + ("drop --compress-reduce-scatter" if replicas > 1 else
-                                         f"{self.size} ranks in {shards} shards leave one replica, so pass --shards "
-                                         f"with a divisor of {self.size} below it (HSDP)")
-                             + ", or use --compression lossless|topk (which compress the reduce-scatter too)")
         if replicas > 1:
             self.mesh = init_device_mesh(args.device, (replicas, shards), mesh_dim_names=("replicate", "shard"))
         else:
@@ -400,6 +419,10 @@ def parse_args(argv=None, default_model="ncf", env=None):
             p.error(f"--shards is an option of --framework fsdp (got --framework {args.framework})")
         if world is not None and int(world) % args.shards:
             p.error(f"--shards {args.shards} must divide the world size {world}")
+    launched = detect_launcher(env)[0] == "torch" and env.get("WORLD_SIZE")
+    why = fsdp_refusal(args, int(launched) if launched else None)
+    if why:
+        p.error(why)
     if args.device == "cuda" and local_rank(env) >= torch.cuda.device_count():
         p.error(f"--device cuda: local rank {local_rank(env)} has no GPU of its own (this machine has "
                 f"{torch.cuda.device_count()}): start at most that many workers per machine")

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from lossless_hc.bench import cluster, netns
+from lossless_hc.bench import cluster, cluster_report, netns
 from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, topk_count
 from helpers import emulated_cluster_skip_reason
 
@@ -39,12 +39,12 @@ def test_parse_rate_and_delay():
 
 def test_percentile_and_throughput():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert cluster.percentile(xs, 50) == 3.0
-    assert cluster.percentile(xs, 10) == pytest.approx(1.4)
-    assert cluster.percentile(xs, 90) == pytest.approx(4.6)
+    assert cluster_report.percentile(xs, 50) == 3.0
+    assert cluster_report.percentile(xs, 10) == pytest.approx(1.4)
+    assert cluster_report.percentile(xs, 90) == pytest.approx(4.6)
     # 100 MB in a 0.3 s step of which 0.1 s is compute: 0.2 s of communication.
-    assert cluster.aggregation_throughput(100e6, 0.3, 0.1) == pytest.approx(500e6)
-    assert cluster.aggregation_throughput(100e6, 0.1, 0.1) is None
+    assert cluster_report.aggregation_throughput(100e6, 0.3, 0.1) == pytest.approx(500e6)
+    assert cluster_report.aggregation_throughput(100e6, 0.1, 0.1) is None
 
 
 def _report(rank, steps, tx, stats=None, dense=1000):
@@ -54,23 +54,25 @@ def _report(rank, steps, tx, stats=None, dense=1000):
 
 
 def test_summarize_and_relative_ratios():
-    none = cluster.summarize("horovod", "none", [_report(1, [0.4] * 4, 8000), _report(0, [0.3, 0.3, 0.5, 0.3], 4000)],
-                             compute_s=0.1)
+    none = cluster_report.summarize("horovod", "none",
+                                    [_report(1, [0.4] * 4, 8000), _report(0, [0.3, 0.3, 0.5, 0.3], 4000)],
+                                    compute_s=0.1)
     assert none["step_s_median"] == pytest.approx(0.3)
     assert none["wire_bytes_per_step_per_host"] == pytest.approx((4000 / 4 + 8000 / 4) / 2)
     assert none["aggregation_bytes_per_s"] == pytest.approx(1000 / 0.2)
     stats = {"encode_seconds": 0.04, "decode_seconds": 0.04, "payload_bytes": 1, "dense_bytes": 1, "fallbacks": 2}
-    ours = cluster.summarize("horovod", "lossless", [_report(0, [0.15] * 4, 400, stats), _report(1, [0.2] * 4, 400)],
-                             compute_s=0.1)
+    ours = cluster_report.summarize("horovod", "lossless",
+                                    [_report(0, [0.15] * 4, 400, stats), _report(1, [0.2] * 4, 400)],
+                                    compute_s=0.1)
     assert ours["codec_share"] == pytest.approx(0.02 / 0.15)
     assert ours["fallbacks"] == 2
     none.update(max_param_diff_vs_none=None, lossless_mode=False)
     ours.update(max_param_diff_vs_none=3e-9, lossless_mode=True)
-    rows = cluster.add_relative([none, ours])
+    rows = cluster_report.add_relative([none, ours])
     assert rows[1]["speedup_vs_none"] == pytest.approx(2.0)
     assert rows[1]["throughput_vs_none"] == pytest.approx(4.0)  # 0.2 s vs 0.05 s of communication
     assert rows[1]["wire_vs_none"] == pytest.approx(100 / 1500)
-    md = cluster.render_markdown({"rows": rows, "compute_s": 0.1,
+    md = cluster_report.render_markdown({"rows": rows, "compute_s": 0.1,
                                   "shaping": {"qdisc": "tbf", "latency_applied": False}}, "t")
     assert "| horovod | lossless | 150.0 (150.0–150.0) | 150.0 | 2.00x" in md
     assert "latency was NOT added" in md and "3.00e-09 (lossless)" in md
@@ -81,25 +83,25 @@ def test_rounds_pool_timed_steps_and_counters():
     first = [_report(0, [0.30, 0.31], 2000, stats), _report(1, [0.32, 0.33], 2400)]
     second = [_report(0, [0.20, 0.21, 0.22], 3000, dict(stats, plan={"a": {"strategy": "allgather"}})),
               _report(1, [0.23, 0.24, 0.25], 3600)]
-    merged = cluster.merge_rounds([first, second])
+    merged = cluster_report.merge_rounds([first, second])
     assert merged[0]["step_seconds"] == [0.30, 0.31, 0.20, 0.21, 0.22] and merged[0]["timed_steps"] == 5
     assert merged[0]["net_bytes"] == {"tx_bytes": 5000, "rx_bytes": 5000}
     assert merged[0]["stats"]["encode_seconds"] == pytest.approx(0.02)
     assert merged[0]["stats"]["decode_seconds"] == pytest.approx(0.04)
     assert merged[0]["stats"]["plan"] == {"a": {"strategy": "allgather"}}   # the last round's plans
     assert merged[1]["step_seconds"] == [0.32, 0.33, 0.23, 0.24, 0.25]
-    row = cluster.summarize("ddp", "auto", merged, compute_s=0.1, round_medians=[0.305, 0.21])
+    row = cluster_report.summarize("ddp", "auto", merged, compute_s=0.1, round_medians=[0.305, 0.21])
     assert row["step_s_median"] == pytest.approx(0.22)   # of the pooled steps, not of the round medians
     assert row["wire_bytes_per_step_per_host"] == pytest.approx((5000 / 5 + 6000 / 5) / 2)
     assert row["step_s_round_medians"] == [0.305, 0.21]
     row.update(max_param_diff_vs_none=None, lossless_mode=True)
-    md = cluster.render_markdown({"rows": cluster.add_relative([row]), "compute_s": 0.1, "rounds": 2,
+    md = cluster_report.render_markdown({"rows": cluster_report.add_relative([row]), "compute_s": 0.1, "rounds": 2,
                                   "shaping": {"qdisc": "tbf"}}, "t")
     assert "Rounds: 2" in md and "auto 305.0 / 210.0" in md
     with pytest.raises(ValueError, match="different numbers of ranks"):
-        cluster.merge_rounds([first, first[:1]])
+        cluster_report.merge_rounds([first, first[:1]])
     with pytest.raises(ValueError, match="no reports"):
-        cluster.merge_rounds([])
+        cluster_report.merge_rounds([])
 
 
 def test_stale_names_only_of_dead_owners():

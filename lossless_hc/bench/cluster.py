@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import signal
@@ -56,8 +55,8 @@ from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, 
 
 # BASELINE, LOSSLESS (modes whose result must equal the uncompressed run within the exactness contract), AUTO
 # (the planner's modes); the training driver's modes and which framework implements which
-from lossless_hc.bench.cluster_report import (AUTO, BASELINE, LOSSLESS, answer_line, plot,  # noqa: E402,F401
-                                              rate_label, render_markdown)
+from lossless_hc.bench.cluster_report import (AUTO, BASELINE, LOSSLESS, add_relative, answer_line,  # noqa: E402,F401
+                                              merge_rounds, plot, rate_label, render_markdown, summarize)
 from lossless_hc.bench.workloads.train import COMPRESSIONS, SPARSE_MODES, SUPPORTED  # noqa: E402
 FRAMEWORKS = ("horovod", "ddp", "fsdp")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,108 +121,6 @@ def apply_cpu_fair(workers: int, cores: Optional[int], rate_bits: int, delay_s: 
     delay_s = delay_s * fair["delay_factor"]
     fair.update(applied_rate_bits=rate_bits, applied_delay_s=delay_s)
     return rate_bits, delay_s, fair
-
-
-# -- statistics ------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
-    if not values:
-        raise ValueError("percentile of no values")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def aggregation_throughput(dense_bytes: float, step_s: float, compute_s: float) -> Optional[float]:
-    """Dense gradient bytes aggregated per second of communication: dense_bytes / (step - compute).
-    None when the step is not longer than compute alone (communication not measurable)."""
-    comm = step_s - compute_s
-    return dense_bytes / comm if comm > 0 else None
-
-
-def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float],
-              hosts: Optional[int] = None, round_medians: Optional[Sequence[float]] = None) -> dict:
-    """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`
-    (``round_medians``: rank 0's median step of each round, when the reports merge several rounds)."""
-    if not ranks:
-        raise ValueError("summarize: no rank reports")
-    ranks = sorted(ranks, key=lambda r: r["rank"])
-    steps = ranks[0]["step_seconds"]
-    if not steps:
-        raise ValueError("summarize: no timed steps")
-    median = statistics.median(steps)
-    dense = ranks[0]["dense_bytes_per_step"]
-    timed = ranks[0]["timed_steps"]
-    wire = [r["net_bytes"]["tx_bytes"] / timed for r in ranks if r.get("net_bytes")]
-    stats = ranks[0].get("stats") or {}
-    codec_s = (stats.get("encode_seconds", 0.0) + stats.get("decode_seconds", 0.0)) / timed if stats else 0.0
-    return {
-        "framework": framework, "compression": compression, "hosts": hosts or len(ranks), "workers": len(ranks),
-        "timed_steps": timed,
-        "step_s_median": median, "step_s_p10": percentile(steps, 10), "step_s_p90": percentile(steps, 90),
-        "step_s_mean": statistics.fmean(steps),   # what the run's length follows (the median ignores the tails)
-        "compute_s": compute_s, "dense_bytes_per_step": dense,
-        "aggregation_s": median - compute_s if compute_s is not None else None,
-        "wire_bytes_per_step_per_host": statistics.fmean(wire) if wire else None,
-        "aggregation_bytes_per_s": (aggregation_throughput(dense, median, compute_s)
-                                    if compute_s is not None else None),
-        "codec_share": codec_s / median if median > 0 else None,
-        "fallbacks": stats.get("fallbacks", 0) if stats else 0,
-        "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
-        "auto_guard": stats.get("guard") if stats else None,
-        "auto_calibration": stats.get("calibration") if stats else None,   # rank 0's: what every rank planned with
-        "step_s_round_medians": list(round_medians) if round_medians else None,
-        "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
-    }
-
-
-def merge_rounds(rounds: Sequence[Sequence[dict]]) -> list:
-    """One configuration's per-rank reports from several rounds (``rounds[r][i]``: round r, rank i) as
-    one run's: each rank's timed steps concatenated, its timed-step count, tx/rx bytes and codec seconds
-    summed; the rest (plans, guard, final parameters' loss) from the last round. Every round trains the
-    same steps from the same seed, so only times and counters differ."""
-    if not rounds or not rounds[0]:
-        raise ValueError("merge_rounds: no reports")
-    if any(len(r) != len(rounds[0]) for r in rounds):
-        raise ValueError("merge_rounds: rounds with different numbers of ranks")
-    merged = []
-    for i in range(len(rounds[0])):
-        per = [r[i] for r in rounds]
-        out = dict(per[-1])
-        out["step_seconds"] = [t for rep in per for t in rep["step_seconds"]]
-        out["timed_steps"] = sum(rep["timed_steps"] for rep in per)
-        if all(rep.get("net_bytes") for rep in per):
-            out["net_bytes"] = {k: sum(rep["net_bytes"][k] for rep in per) for k in per[-1]["net_bytes"]}
-        if all(rep.get("stats") for rep in per):
-            stats = dict(per[-1]["stats"])
-            for k in ("encode_seconds", "decode_seconds"):
-                if k in stats:
-                    stats[k] = sum(rep["stats"].get(k, 0.0) for rep in per)
-            out["stats"] = stats
-        merged.append(out)
-    return merged
-
-
-def auto_choice(plan: dict) -> dict:
-    """{strategy: tensors} from the planner's ``stats()["plan"]`` (rank 0's last choices)."""
-    out: dict = {}
-    for name, p in sorted(plan.items()):
-        out.setdefault(p.get("strategy"), []).append(name)
-    return out
-
-
-def add_relative(rows: list) -> list:
-    """Adds speed-up, throughput and wire ratios against the same framework's uncompressed row."""
-    base = {r["framework"]: r for r in rows if r["compression"] == BASELINE}
-    for r in rows:
-        b = base.get(r["framework"])
-        r["speedup_vs_none"] = b["step_s_median"] / r["step_s_median"] if b else None
-        ta, tb = r["aggregation_bytes_per_s"], (b or {}).get("aggregation_bytes_per_s")
-        r["throughput_vs_none"] = ta / tb if ta and tb else None
-        wa, wb = r["wire_bytes_per_step_per_host"], (b or {}).get("wire_bytes_per_step_per_host")
-        r["wire_vs_none"] = wa / wb if wa is not None and wb else None
-    return rows
 
 
 def max_param_diff(path_a: str, path_b: str) -> float:
@@ -385,21 +282,41 @@ def plan(frameworks: Sequence[str], compressions: Sequence[str]) -> tuple:
     return [p for p in pairs if p[1] in SUPPORTED[p[0]]], [p for p in pairs if p[1] not in SUPPORTED[p[0]]]
 
 
+def fsdp_args(shards: int, flat: bool) -> list:
+    """The driver's mesh options of an fsdp run: ``shards`` ranks per replica (HSDP: one replica per
+    host), or with ``flat`` none (one shard group of every rank: plain FSDP, the reduce-scatter across
+    the hosts)."""
+    return [] if flat else ["--shards", str(shards)]
+
+
+def driver_env(framework: str, world: int) -> dict:
+    """The launcher variables :func:`run_workers` gives a ``framework`` worker of ``world`` ranks, as the
+    driver's parse_args reads them (which launcher, the world size); values that parsing ignores are
+    placeholders."""
+    if framework == "horovod":
+        return {"HOROVOD_RANK": "0", "HOROVOD_SIZE": str(world)}
+    if framework in ("ddp", "fsdp"):
+        return {"RANK": "0", "WORLD_SIZE": str(world), "MASTER_ADDR": "-", "MASTER_PORT": "0"}
+    return {}
+
+
 def refusals(model: str, runs: Sequence[tuple], steps: int, warmup: int, train_args: Sequence[str],
-             shards: int = 2) -> dict:
+             shards: int = 2, hosts: int = 2, fsdp_flat: bool = False) -> dict:
     """{(framework, compression): reason} for the pairs of ``runs`` whose command line the training driver
     refuses (:func:`lossless_hc.bench.workloads.train.parse_args`, the reason its one-line error): e.g.
     ``sparse`` with --model lstm or bert, whose Adam takes no sparse gradients. Every worker would print
     that reason and exit at start-up, ending the whole benchmark; the pair is not run and is reported.
-    Parses only: no process, no network namespace (the launcher's environment is left out)."""
+    ``hosts`` x (fsdp: ``shards``) workers, as :func:`run_benchmark` runs them (with ``fsdp_flat``: in one
+    shard group, which thc and auto refuse). Parses only: no process, no network namespace."""
     from lossless_hc.bench.workloads.options import refusal
     from lossless_hc.bench.workloads.train import parse_args
 
-    def parse(argv):
-        return parse_args(argv, env={})
-    why = {(fw, comp): refusal(parse, ["--model", model, "--framework", fw, "--compression", comp,
-                                       "--steps", str(steps), "--warmup", str(warmup), *train_args,
-                                       *(["--shards", str(shards)] if fw == "fsdp" else [])])   # as run_benchmark's
+    def parse(fw):
+        env = driver_env(fw, hosts * (shards if fw == "fsdp" else 1))
+        return lambda argv: parse_args(argv, env=env)
+    why = {(fw, comp): refusal(parse(fw), ["--model", model, "--framework", fw, "--compression", comp,
+                                           "--steps", str(steps), "--warmup", str(warmup), *train_args,
+                                           *(fsdp_args(shards, fsdp_flat) if fw == "fsdp" else [])])
            for fw, comp in runs}
     return {pair: reason for pair, reason in why.items() if reason is not None}
 
@@ -412,11 +329,12 @@ def compute_label(per_host: int, sparse: bool) -> str:
 def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, frameworks: Sequence[str],
                   compressions: Sequence[str], steps: int, warmup: int, train_args: Sequence[str],
                   timeout_s: float, workdir: str, progress: Optional[Progress] = None, cpu_fair: bool = False,
-                  shards: int = 2, cores: Optional[int] = None, rounds: int = 1) -> dict:
+                  shards: int = 2, cores: Optional[int] = None, rounds: int = 1, fsdp_flat: bool = False) -> dict:
     """Builds the cluster, runs the compute-only reference and every configuration, tears down.
 
     ``fsdp`` runs ``shards`` processes per host (HSDP: ``hosts`` replicas x ``shards`` shards; the
-    replica all-reduce crosses the shaped links, the shard group's traffic stays in the host).
+    replica all-reduce crosses the shaped links, the shard group's traffic stays in the host), or with
+    ``fsdp_flat`` one shard group of every rank (plain FSDP: the reduce-scatter crosses the links).
     ``cpu_fair``: links dilated by :func:`cpu_fair_scaling` for this machine's ``cores`` (default:
     all) and one thread per worker. ``rounds``: the references and configurations run that many times,
     in the listed order and then reversed, alternately (so a slow drift of the machine weighs on every
@@ -428,7 +346,7 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
     runs, skipped = plan(frameworks, compressions)
-    refused = refusals(model, runs, steps, warmup, train_args, shards)
+    refused = refusals(model, runs, steps, warmup, train_args, shards, hosts, fsdp_flat)
     runs = [p for p in runs if p not in refused]
     if not runs:
         raise ValueError("the training driver refuses every configuration: "
@@ -466,7 +384,7 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
                 progress.show(f"{fw} {comp}{tag}")
                 path = os.path.join(workdir, f"{fw}-{comp}.params.pt") if rnd == 0 else None
                 fw_spec = dataclasses.replace(spec, train_args=spec.train_args + (
-                    ["--shards", str(shards)] if fw == "fsdp" else []))
+                    fsdp_args(shards, fsdp_flat) if fw == "fsdp" else []))
                 reports[(fw, comp)].append(run_workers(cluster, fw, comp, fw_spec, workdir, timeout_s,
                                                        save_params=path, per_host=per_host[fw]))
                 if path:
@@ -504,7 +422,8 @@ def worker_args(args) -> list:
     return extra
 
 
-def settings_line(model: str, train_args: Sequence[str], compressions: Sequence[str]) -> str:
+def settings_line(model: str, train_args: Sequence[str], compressions: Sequence[str],
+                  frameworks: Sequence[str] = ("horovod", "ddp")) -> str:
     """The baselines' and our modes' parameters as the workers will use them (the driver's defaults
     unless --train-args overrode them)."""
     from lossless_hc.bench.workloads.train import parse_args
@@ -514,8 +433,11 @@ def settings_line(model: str, train_args: Sequence[str], compressions: Sequence[
     if "powersgd" in compressions:
         out.append(f"powersgd: torch PowerSGDState rank {a.powersgd_rank}, plain allreduce for the first "
                    f"{a.powersgd_start} iterations, error feedback and warm start on")
-    if "bf16" in compressions:
+    if "bf16" in compressions and set(frameworks) - {"fsdp"}:
         out.append("bf16: torch bf16_compress_hook")
+    if {"fp16", "bf16"} & set(compressions) and "fsdp" in frameworks:
+        out.append("fsdp fp16/bf16: FSDP2's MixedPrecisionPolicy(reduce_dtype=float16/bfloat16), the gradients' "
+                   "collectives in half precision (the parameters' all-gather in float32)")
     if {"topk", "topk-allgather"} & set(compressions):
         out.append(f"top-k ratio {a.topk_ratio} with error feedback")
     if "thc" in compressions:
@@ -548,7 +470,8 @@ def cmd_cluster(args) -> int:
         for why in refusals(model, [("local", BASELINE)], args.steps, args.warmup, worker_args(args)).values():
             raise ValueError(f"the training driver refuses these options: {why}")
         runs = plan(frameworks, compressions)[0]
-        refused = refusals(model, runs, args.steps, args.warmup, worker_args(args), args.shards)
+        refused = refusals(model, runs, args.steps, args.warmup, worker_args(args), args.shards, args.hosts,
+                           args.fsdp_mesh == "flat")
         if len(refused) == len(runs):
             raise ValueError("the training driver refuses every configuration: "
                              + "; ".join(f"{fw} {c}: {why}" for (fw, c), why in refused.items()))
@@ -566,13 +489,17 @@ def cmd_cluster(args) -> int:
     skew = recorded["options"].get("skew") if args.replay else args.skew
     title = (f"{what}{f' (Zipf skew {skew})' if skew else ''}, {args.hosts} hosts, {rate_label(rate)}, "
              f"{args.latency} one-way{', CPU-fair' if args.cpu_fair else ''}")
+    if "fsdp" in frameworks:
+        title += (f", fsdp: one shard group of {args.hosts * args.shards} ranks" if args.fsdp_mesh == "flat" else
+                  f", fsdp: {args.hosts} replicas x {args.shards} shards")
     t0 = time.monotonic()
     train_args = worker_args(args)
     status, result, workdir = run_on_clusters(
         "python -m lossless_hc.bench cluster", "cluster", args.out,
         lambda workdir: run_benchmark(args.hosts, rate, delay, model, frameworks, compressions, args.steps,
                                       args.warmup, train_args, args.timeout, workdir, cpu_fair=args.cpu_fair,
-                                      shards=args.shards, cores=args.cores, rounds=args.rounds))
+                                      shards=args.shards, cores=args.cores, rounds=args.rounds,
+                                      fsdp_flat=args.fsdp_mesh == "flat"))
     if status:
         return status
     if result["cpu_fair"]:
@@ -584,12 +511,14 @@ def cmd_cluster(args) -> int:
                   latency_s=delay, hosts=args.hosts, model=model, steps=args.steps, warmup=args.warmup,
                   skew=skew, replay=args.replay, settings=settings_line(
                       recorded["model"] if args.replay else model,
-                      (["--skew", str(skew)] if skew else []) if args.replay else train_args, compressions),
+                      (["--skew", str(skew)] if skew else []) if args.replay else train_args, compressions,
+                      frameworks),
                   wall_s=time.monotonic() - t0)
     md = render_markdown(result, title)
     print(md)
     stem = (f"cluster_{'replay_' if args.replay else ''}{what.split()[-1]}{f'_zipf{skew}' if skew else ''}_"
-            f"{rate_label(rate)}_{args.hosts}hosts{'_fsdp' if frameworks == ['fsdp'] else ''}")
+            f"{rate_label(rate)}_{args.hosts}hosts{'_fsdp' if frameworks == ['fsdp'] else ''}"
+            f"{'_flat' if 'fsdp' in frameworks and args.fsdp_mesh == 'flat' else ''}")
     write_report(workdir, stem, result, md)
     args.report_json = os.path.join(workdir, stem + ".json")   # what this run wrote (bench replay reads it)
     plot_path = args.plot or os.path.join(workdir, stem + ".png")
@@ -611,6 +540,10 @@ def add_arguments(p) -> None:
     p.add_argument("--framework", default="horovod,ddp",
                    help="comma-separated: horovod, ddp, fsdp (HSDP: --hosts replicas x --shards processes per host)")
     p.add_argument("--shards", type=int, default=2, help="fsdp: processes (shards) per host (default 2)")
+    p.add_argument("--fsdp-mesh", choices=("hsdp", "flat"), default="hsdp",
+                   help="fsdp: hsdp, one replica per host (the replica all-reduce crosses the links, compressed); "
+                        "flat, one shard group of every rank (plain FSDP: the reduce-scatter crosses the links, "
+                        "compressed by lossless and topk)")
     p.add_argument("--steps", type=int, default=30, help="steps per configuration, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start")
     p.add_argument("--rounds", type=int, default=1,

@@ -1,8 +1,11 @@
-"""The emulated cluster benchmark's output: the Markdown table (the user's question first) and the
-plot. Results are the dicts of :func:`lossless_hc.bench.cluster.run_benchmark`."""
+"""The emulated cluster benchmark's output: the result rows (statistics of the workers' JSON reports),
+the Markdown table (the user's question first) and the plot. Results are the dicts of
+:func:`lossless_hc.bench.cluster.run_benchmark`."""
 from __future__ import annotations
 
-from typing import Sequence
+import math
+import statistics
+from typing import Optional, Sequence
 
 BASELINE = "none"
 # modes whose result equals the uncompressed run within the exactness contract
@@ -21,6 +24,108 @@ def rate_label(bits: int) -> str:
             return f"{bits // scale}{unit}"
     return f"{bits}bit"
 
+
+
+# -- result rows: statistics of the workers' reports --------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
+    if not values:
+        raise ValueError("percentile of no values")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def aggregation_throughput(dense_bytes: float, step_s: float, compute_s: float) -> Optional[float]:
+    """Dense gradient bytes aggregated per second of communication: dense_bytes / (step - compute).
+    None when the step is not longer than compute alone (communication not measurable)."""
+    comm = step_s - compute_s
+    return dense_bytes / comm if comm > 0 else None
+
+
+def summarize(framework: str, compression: str, ranks: Sequence[dict], compute_s: Optional[float],
+              hosts: Optional[int] = None, round_medians: Optional[Sequence[float]] = None) -> dict:
+    """One result row from the per-rank JSON reports of :mod:`lossless_hc.bench.workloads.train`
+    (``round_medians``: rank 0's median step of each round, when the reports merge several rounds)."""
+    if not ranks:
+        raise ValueError("summarize: no rank reports")
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    steps = ranks[0]["step_seconds"]
+    if not steps:
+        raise ValueError("summarize: no timed steps")
+    median = statistics.median(steps)
+    dense = ranks[0]["dense_bytes_per_step"]
+    timed = ranks[0]["timed_steps"]
+    wire = [r["net_bytes"]["tx_bytes"] / timed for r in ranks if r.get("net_bytes")]
+    stats = ranks[0].get("stats") or {}
+    codec_s = (stats.get("encode_seconds", 0.0) + stats.get("decode_seconds", 0.0)) / timed if stats else 0.0
+    return {
+        "framework": framework, "compression": compression, "hosts": hosts or len(ranks), "workers": len(ranks),
+        "timed_steps": timed,
+        "step_s_median": median, "step_s_p10": percentile(steps, 10), "step_s_p90": percentile(steps, 90),
+        "step_s_mean": statistics.fmean(steps),   # what the run's length follows (the median ignores the tails)
+        "compute_s": compute_s, "dense_bytes_per_step": dense,
+        "aggregation_s": median - compute_s if compute_s is not None else None,
+        "wire_bytes_per_step_per_host": statistics.fmean(wire) if wire else None,
+        "aggregation_bytes_per_s": (aggregation_throughput(dense, median, compute_s)
+                                    if compute_s is not None else None),
+        "codec_share": codec_s / median if median > 0 else None,
+        "fallbacks": stats.get("fallbacks", 0) if stats else 0,
+        "auto_choice": auto_choice(stats.get("plan")) if stats and isinstance(stats.get("plan"), dict) else None,
+        "auto_guard": stats.get("guard") if stats else None,
+        "auto_calibration": stats.get("calibration") if stats else None,   # rank 0's: what every rank planned with
+        "step_s_round_medians": list(round_medians) if round_medians else None,
+        "final_loss": ranks[0]["final_loss"], "metric": ranks[0]["metric"], "metric_value": ranks[0]["value"],
+    }
+
+
+def merge_rounds(rounds: Sequence[Sequence[dict]]) -> list:
+    """One configuration's per-rank reports from several rounds (``rounds[r][i]``: round r, rank i) as
+    one run's: each rank's timed steps concatenated, its timed-step count, tx/rx bytes and codec seconds
+    summed; the rest (plans, guard, final parameters' loss) from the last round. Every round trains the
+    same steps from the same seed, so only times and counters differ."""
+    if not rounds or not rounds[0]:
+        raise ValueError("merge_rounds: no reports")
+    if any(len(r) != len(rounds[0]) for r in rounds):
+        raise ValueError("merge_rounds: rounds with different numbers of ranks")
+    merged = []
+    for i in range(len(rounds[0])):
+        per = [r[i] for r in rounds]
+        out = dict(per[-1])
+        out["step_seconds"] = [t for rep in per for t in rep["step_seconds"]]
+        out["timed_steps"] = sum(rep["timed_steps"] for rep in per)
+        if all(rep.get("net_bytes") for rep in per):
+            out["net_bytes"] = {k: sum(rep["net_bytes"][k] for rep in per) for k in per[-1]["net_bytes"]}
+        if all(rep.get("stats") for rep in per):
+            stats = dict(per[-1]["stats"])
+            for k in ("encode_seconds", "decode_seconds"):
+                if k in stats:
+                    stats[k] = sum(rep["stats"].get(k, 0.0) for rep in per)
+            out["stats"] = stats
+        merged.append(out)
+    return merged
+
+
+def auto_choice(plan: dict) -> dict:
+    """{strategy: tensors} from the planner's ``stats()["plan"]`` (rank 0's last choices)."""
+    out: dict = {}
+    for name, p in sorted(plan.items()):
+        out.setdefault(p.get("strategy"), []).append(name)
+    return out
+
+
+def add_relative(rows: list) -> list:
+    """Adds speed-up, throughput and wire ratios against the same framework's uncompressed row."""
+    base = {r["framework"]: r for r in rows if r["compression"] == BASELINE}
+    for r in rows:
+        b = base.get(r["framework"])
+        r["speedup_vs_none"] = b["step_s_median"] / r["step_s_median"] if b else None
+        ta, tb = r["aggregation_bytes_per_s"], (b or {}).get("aggregation_bytes_per_s")
+        r["throughput_vs_none"] = ta / tb if ta and tb else None
+        wa, wb = r["wire_bytes_per_step_per_host"], (b or {}).get("wire_bytes_per_step_per_host")
+        r["wire_vs_none"] = wa / wb if wa is not None and wb else None
+    return rows
 
 
 # -- tables and plots ----------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def cmd_replay(args) -> int:
     for n in args.hosts:
         sub = argparse.Namespace(
             hosts=n, bandwidth=args.bandwidth, latency=args.latency, model=args.model,
-            compression=args.compression, framework=args.framework, shards=1, steps=args.steps,
+            compression=args.compression, framework=args.framework, shards=1, fsdp_mesh="hsdp", steps=args.steps,
             warmup=args.warmup, rounds=1, skew=0.0, cpu_fair=args.cpu_fair, cores=args.cores, replay=args.dir,
             train_args="", timeout=args.timeout, out=os.path.join(out, f"hosts{n}"), plot=None)
         rc = cluster.cmd_cluster(sub)

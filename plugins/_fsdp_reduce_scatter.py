@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from lossless_hc.lhc.codec import key_coordinates
-from lossless_hc.training.aggregate import ConfigurationMismatch
+from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
 
@@ -147,7 +147,7 @@ class HomomorphicReduceScatter(ReduceScatterBase):
                 if d != me and int(table[d, i, 0]) == _FAILED:
                     replay_failure(messages[d].aggregators[i], *table[d, i, 1:4].tolist())
         results = [o.value for o in outcomes]
-        if bool((table[:, :, 0] == _FAILED).any()) or bool((table[:, :, 0] == _PARTIAL).any()):
+        if bool((table[:, :, 0] != _OK).any()):   # failed or inexact decodes (a mismatch raised above)
             self._re_aggregate(messages, outcomes, results, table, me, group)
         for view, value in zip(self.slots.views(output_tensor), results):
             view.copy_(value.reshape(view.shape))
@@ -234,7 +234,7 @@ class HomomorphicReduceScatter(ReduceScatterBase):
         coords = self._inexact_coordinates(messages, outcomes, table, me, group)
         rows = []
         for d, m in enumerate(messages):
-            values = [m.encoded[i][1].dense_value.detach().reshape(-1)[c].to(torch.float32)
+            values = [partial_values(m.encoded[i][1], c).to(torch.float32)
                       for (dd, i), c in sorted(coords.items()) if dd == d]
             rows.append(torch.cat([dense_values(m, failed)] + values))
         width = max(r.numel() for r in rows)

@@ -209,7 +209,7 @@ def test_lossless_payload_survives_byteps_average(world, reverse):
     for a, out in zip(aggs, outs):
         assert out.averaged and (out.report.ok or out.needs_partial), out.report
         if out.needs_partial:   # inexact keys: completed by the SUM of every rank's values there
-            a.finish_partial(sum(partial_values(ctx, out) for _, ctx in encoded), out)
+            a.finish_partial(sum(partial_values(ctx, out.partial) for _, ctx in encoded), out)
         assert torch.equal(out.value != 0, truth != 0), "the support is exact"
         assert float((out.value.double() - truth).abs().max()) <= 1e-6 * max(1.0, float(truth.abs().max()))
         assert torch.equal(out.value, outs[0].value), "every rank decodes the same bits"

@@ -272,7 +272,7 @@ class CompressorAdapter:
             self._fallbacks.append((handle, dense, outcome, agg))
             return dense   # filled in place by the engine; waited for in _finish_step
         if outcome.needs_partial:   # completed in place in _finish_step
-            self._partials.append((agg, partial_values(enc.ctx, outcome).contiguous(), outcome))
+            self._partials.append((agg, partial_values(enc.ctx, outcome.partial).contiguous(), outcome))
         return outcome.value
 
     def drop_step(self) -> None:

@@ -459,10 +459,10 @@ def check_partial_fraction(fraction) -> float:
     return float(fraction)
 
 
-def partial_values(ctx: EncodeContext, outcome: DecodeOutcome) -> torch.Tensor:
-    """What every rank SUMs for ``outcome``'s partial re-aggregation: its own ``ctx.dense_value`` at the
-    coordinates ``outcome.partial`` (a new 1-D tensor in the value's dtype)."""
-    return ctx.dense_value.detach().reshape(-1)[outcome.partial]
+def partial_values(ctx: EncodeContext, coords: torch.Tensor) -> torch.Tensor:
+    """What every rank SUMs for a partial re-aggregation at the flat coordinates ``coords`` (a decode's
+    ``outcome.partial``): its own ``ctx.dense_value`` there (a new 1-D tensor in the value's dtype)."""
+    return ctx.dense_value.detach().reshape(-1)[coords]
 
 
 class TopKAggregator(TensorAggregator):

@@ -252,7 +252,7 @@ def decode_message(message: Message, summed: Sequence[torch.Tensor], dense_sum: 
     partial = [i for i, o in enumerate(outcomes) if o.needs_partial]
     if failed or partial:
         dense = dense_values(message, failed)
-        parts = [partial_values(message.encoded[i][1], outcomes[i]).to(torch.float32) for i in partial]
+        parts = [partial_values(message.encoded[i][1], outcomes[i].partial).to(torch.float32) for i in partial]
         both = torch.cat([dense] + parts) if parts else dense
         # their aggregators counted these values in the tensor's dtype; they travel as float32
         numels = [math.prod(message.encoded[i][1].shape) for i in failed] + [p.numel() for p in parts]

@@ -495,8 +495,8 @@ class AutoAggregator(TensorRows):
                     self.stats.inexact_decodes += 1
                     self.stats.partial_fallbacks += 1
                     self.stats.inexact_keys += out.partial.numel()
-                    return AutoOutcome(None, Request("allreduce",
-                                                     partial_values(ctx.inner, out).to(torch.float32).contiguous()))
+                    values = partial_values(ctx.inner, out.partial).to(torch.float32).contiguous()
+                    return AutoOutcome(None, Request("allreduce", values))
                 if out.needs_fallback:
                     ctx.topk_outcome = out
                     self.fallbacks += 1

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lossless_hc.bench import cluster, cluster_report
-from lossless_hc.bench.workloads import models, train
+from lossless_hc.bench.workloads import models, options, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
@@ -46,7 +46,7 @@ def refused(argv, capsys, env=None) -> str:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error: " in err and "Traceback" not in err, err
-    assert isinstance(exc.value, train.UsageError) and exc.value.message in err
+    assert isinstance(exc.value, options.UsageError) and exc.value.message in err
     return err
 
 
@@ -73,8 +73,8 @@ def test_a_framework_under_the_other_launcher_is_refused_naming_the_right_script
 def test_local_runs_under_any_launcher_and_torchrun_wins_over_inherited_mpi_variables():
     for env in ({}, TORCHRUN, HOROVODRUN, MPIRUN):
         assert train.parse_args(["--framework", "local"], env=env).framework == "local"
-    assert train.detect_launcher({**MPIRUN, **TORCHRUN})[0] == "torch"   # e.g. srun/mpirun around torchrun
-    assert train.detect_launcher({"RANK": "0", "WORLD_SIZE": "2"}) == (None, None)   # the bench's local runs
+    assert options.detect_launcher({**MPIRUN, **TORCHRUN})[0] == "torch"   # e.g. srun/mpirun around torchrun
+    assert options.detect_launcher({"RANK": "0", "WORLD_SIZE": "2"}) == (None, None)   # the bench's local runs
 
 
 def test_ddp_without_torch_distributed_variables_is_one_line_naming_torchrun():

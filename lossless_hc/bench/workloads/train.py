@@ -23,10 +23,9 @@ from typing import Optional
 import torch
 
 from lossless_hc.bench.cluster_report import AUTO, AUTO_EXACT
-from lossless_hc.bench.workloads.options import (LAUNCH_SCRIPTS, TORCH_ENV, ArgumentParser, HelpFormatter,  # noqa: F401
-                                                 UsageError, detect_launcher, device, fraction, launch_error,
-                                                 local_rank, non_negative_float, non_negative_int, positive_int,
-                                                 thc_bits)
+from lossless_hc.bench.workloads.options import (LAUNCH_SCRIPTS, TORCH_ENV, ArgumentParser, HelpFormatter,
+                                                 detect_launcher, device, fraction, launch_error, local_rank,
+                                                 non_negative_float, non_negative_int, positive_int, thc_bits)
 from lossless_hc.bench.workloads.replay import ReplayWorkload
 from lossless_hc.bench.workloads.tasks import DEFAULTS as TASK_DEFAULTS
 from lossless_hc.bench.workloads.tasks import OPTIMIZERS, coalesce_sparse_state
@@ -221,9 +220,6 @@ class FSDP(DDP):
         shards = args.shards or self.size
         if self.size % shards:   # parse_args checks it already where the launcher set WORLD_SIZE
             raise SystemExit(f"--shards {shards} must divide the world size {self.size}")
-        if args.compression not in SUPPORTED["fsdp"] or args.sparse_embeddings:
-            raise SystemExit(f"--framework fsdp takes --compression {'|'.join(SUPPORTED['fsdp'])} and dense embeddings, "
-                             f"got {args.compression}{' with --sparse-embeddings' if args.sparse_embeddings else ''}")
         why = fsdp_refusal(args, self.size)   # parse_args checks it already where the launcher set WORLD_SIZE
         if why:
             raise SystemExit(why)
@@ -337,8 +333,8 @@ def parse_args(argv=None, default_model="ncf", env=None):
     torchrun, horovod otherwise) and refuses a framework the launcher cannot start.
 
     A refused command line prints one line, ``PROG: error: MESSAGE (see --help)``, on stderr and raises
-    :class:`UsageError` (a SystemExit, status 2) before any process group or model exists: every rank
-    refuses alike, with no traceback."""
+    :class:`~lossless_hc.bench.workloads.options.UsageError` (a SystemExit, status 2) before any process
+    group or model exists: every rank refuses alike, with no traceback."""
     env = os.environ if env is None else env
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", choices=sorted(WORKLOADS), default=default_model)
@@ -397,8 +393,8 @@ def parse_args(argv=None, default_model="ncf", env=None):
     args.framework_by_default = args.framework is None   # rank 0's first line says so
     if args.framework is None:   # torchrun starts torch.distributed workers: DDP is their data parallelism
         args.framework = "ddp" if detect_launcher(env)[0] == "torch" else "horovod"
-    elif launch_error(args.framework, env):
-        p.error(launch_error(args.framework, env))
+    elif (why := launch_error(args.framework, env)) is not None:
+        p.error(why)
     if args.compression in SPARSE_MODES:
         args.sparse_embeddings = True
     if args.compression not in SUPPORTED[args.framework]:

@@ -321,6 +321,15 @@ def refusals(model: str, runs: Sequence[tuple], steps: int, warmup: int, train_a
     return {pair: reason for pair, reason in why.items() if reason is not None}
 
 
+def runnable(runs: Sequence[tuple], refused: dict) -> list:
+    """The pairs of ``runs`` that :func:`refusals` did not refuse; ValueError when there are none."""
+    kept = [p for p in runs if p not in refused]
+    if not kept:
+        raise ValueError("the training driver refuses every configuration: "
+                         + "; ".join(f"{fw} {c}: {why}" for (fw, c), why in refused.items()))
+    return kept
+
+
 def compute_label(per_host: int, sparse: bool) -> str:
     """Key of a compute-only reference: workers per host, and whether embedding gradients are sparse."""
     return f"{per_host} worker{'s' if per_host > 1 else ''}/host{', sparse embeddings' if sparse else ''}"
@@ -347,10 +356,7 @@ def run_benchmark(hosts: int, rate_bits: int, delay_s: float, model: str, framew
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
     runs, skipped = plan(frameworks, compressions)
     refused = refusals(model, runs, steps, warmup, train_args, shards, hosts, fsdp_flat)
-    runs = [p for p in runs if p not in refused]
-    if not runs:
-        raise ValueError("the training driver refuses every configuration: "
-                         + "; ".join(f"{fw} {c}: {why}" for (fw, c), why in refused.items()))
+    runs = runnable(runs, refused)
     per_host = {fw: shards if fw == "fsdp" else 1 for fw in frameworks}
     layouts = sorted(set(per_host.values()))
     train_args = list(train_args)
@@ -470,11 +476,8 @@ def cmd_cluster(args) -> int:
         for why in refusals(model, [("local", BASELINE)], args.steps, args.warmup, worker_args(args)).values():
             raise ValueError(f"the training driver refuses these options: {why}")
         runs = plan(frameworks, compressions)[0]
-        refused = refusals(model, runs, args.steps, args.warmup, worker_args(args), args.shards, args.hosts,
-                           args.fsdp_mesh == "flat")
-        if len(refused) == len(runs):
-            raise ValueError("the training driver refuses every configuration: "
-                             + "; ".join(f"{fw} {c}: {why}" for (fw, c), why in refused.items()))
+        runnable(runs, refusals(model, runs, args.steps, args.warmup, worker_args(args), args.shards, args.hosts,
+                                args.fsdp_mesh == "flat"))
         if args.replay:
             from lossless_hc.bench.workloads.replay import load_meta
 

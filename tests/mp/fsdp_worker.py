@@ -8,7 +8,6 @@ state of lossless_hc.plugins.fsdp; every rank writes OUT_DIR/<scenario>.rank<r>.
 import hashlib
 import io
 import json
-import math
 import os
 import sys
 
@@ -324,6 +323,7 @@ def inexact(mesh, reduce_scatter: bool):
     fully_shard(model, mesh=mesh if mesh.ndim == 1 else mesh["shard"])
     state = LosslessFSDPState(mesh, max_density=0.05)
     state.register(model, reduce_scatter=reduce_scatter)
+    built = _record_at_build(state)
     steps = []
     for step in range(inexact_case.STEPS):
         model.zero_grad(set_to_none=True)
@@ -333,7 +333,7 @@ def inexact(mesh, reduce_scatter: bool):
         steps.append(inexact_case.compare(ref, grads))
     aggs = sorted(state._aggregators.items())
     return {"steps": steps, "stats": state.stats(), "capacity": {k: a.capacity for k, a in aggs},
-            "grown": [k for k, a in aggs if a.capacity != a._round_to_blocks(math.ceil(0.05 * a.numel))]}
+            "grown": [k for k, a in aggs if a.capacity != built[k]["capacity"]]}
 
 
 def with_guard(r, state):

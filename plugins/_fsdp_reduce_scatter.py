@@ -4,18 +4,23 @@
 The reduce-scatter, per ``fully_shard`` module and step (S ranks in the shard group, rank ``me``):
 
 1. every rank encodes each destination ``d``'s chunk separately (one aggregator per parameter and
-   destination), and one SUM reduce-scatter per part dtype (the S messages padded to one length)
-   hands ``d`` the sum of every rank's message for ``d``; the payloads are homomorphic, so that is a
-   payload of the summed chunk, and ``d`` decodes it;
+   destination), and one all-to-all per part dtype hands ``d`` every rank's message for ``d``, which
+   ``d`` sums (:func:`all_to_all_sum`); the payloads are homomorphic, so that is a payload of the
+   summed chunk, and ``d`` decodes it;
 2. the owners share a table (one int64 SUM all-reduce): per destination and parameter whether its
    decode failed (with the record :func:`~lossless_hc.training.message.replay_failure` needs, so that
    every rank grows the same capacities), or reported inexact keys (and how many);
 3. only where some owner reported inexact keys: the keys themselves, one all-gather of each owner's
    concatenated keys (padded to the longest), so that every rank can read its values there;
-4. only where some decode failed or was inexact: one SUM reduce-scatter of float32 rows, destination
-   ``d``'s row holding every failed parameter's whole chunk, then ``d``'s inexact coordinates' values
-   (padded to the longest row). Each owner finishes its fallbacks and its partial re-aggregations
+4. only where some decode failed or was inexact: one :func:`all_to_all_sum` of float32 rows,
+   destination ``d``'s row holding every failed parameter's whole chunk, then ``d``'s inexact
+   coordinates' values. Each owner finishes its fallbacks and its partial re-aggregations
    (:meth:`~lossless_hc.training.aggregate.TensorAggregator.finish_partial`) from its row.
+
+Destinations' messages differ in length (each destination's capacities grow with its own chunk's
+support: under skewed ids the shard holding the hot rows grows alone). A reduce-scatter would pad
+every destination's part to the longest, so the exchange is an all-to-all of rows as they are, whose
+bytes are those of a reduce-scatter of equal rows and otherwise fewer.
 
 So an inexact decode costs the values at its keys' coordinates, as in the replica all-reduce, not
 the whole chunk; it falls back densely (and grows the capacity) only past the aggregator's
@@ -46,13 +51,18 @@ _OK, _FAILED, _MISMATCH, _PARTIAL = 0, 1, 2, 3
 # ... and its columns: outcome, failure record (status, total keys, overloaded ranks), inexact keys
 _TABLE_COLUMNS = 5
 
-# torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single (same arguments); earlier ones lack it
-REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
-
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """SUM reduce-scatter of the flat ``input`` (S x output's numel) into ``output`` (blocking)."""
-    getattr(dist, REDUCE_SCATTER)(output, input, group=group)
+def all_to_all_sum(rows: List[torch.Tensor], group) -> torch.Tensor:
+    """A SUM reduce-scatter of rows of different lengths: ``rows[d]`` (1-D, one dtype on every rank) goes
+    to rank ``d`` of the ``len(rows)``-rank ``group``, and this rank gets the element-wise sum of every
+    rank's row for it, added in rank order in the row's dtype. Every rank must hand rows of the same
+    lengths (each derives every destination's length alike). One all-to-all, blocking."""
+    n, me = len(rows), dist.get_rank(group)
+    length = rows[me].numel()
+    received = torch.empty(n * length, dtype=rows[me].dtype, device=rows[me].device)
+    dist.all_to_all_single(received, torch.cat(rows), output_split_sizes=[length] * n,
+                           input_split_sizes=[r.numel() for r in rows], group=group)
+    return received.view(n, length).sum(0, dtype=received.dtype)
 
 
 def all_gather_stacked(t: torch.Tensor, group, n: int) -> torch.Tensor:
@@ -154,25 +164,15 @@ class HomomorphicReduceScatter(ReduceScatterBase):
         return None
 
     def _reduce_scatter_parts(self, messages, device: torch.device, group) -> dict:
-        """One reduce-scatter per part dtype, widest first: destination d's part of that dtype (none: an
-        empty one), padded to the longest. Every rank derives every destination's parts alike. Returns
-        this rank's sums by dtype."""
-        n = len(messages)
+        """One :func:`all_to_all_sum` per part dtype, widest first: destination d's part of that dtype
+        (none: an empty one). Every rank derives every destination's parts alike. Returns this rank's
+        sums by dtype."""
         dtypes = [dt for dt in PART_DTYPES if any(p.dtype == dt for m in messages for p in m.parts)]
         summed = {}
         for dt in dtypes:
-            mine = [next((p for p in m.parts if p.dtype == dt), None) for m in messages]
-            width = max(p.numel() if p is not None else 0 for p in mine)
-            send = torch.zeros(n, width, dtype=dt, device=device)
-            for d, p in enumerate(mine):
-                if p is not None:
-                    send[d, :p.numel()] = p
-                # the padding crosses the wire too: counted with the destination's first tensor
-                pad = width - (p.numel() if p is not None else 0)
-                if pad and messages[d].aggregators:
-                    messages[d].aggregators[0].stats.payload_bytes += pad * dt.itemsize
-            summed[dt] = torch.empty(width, dtype=dt, device=device)
-            reduce_scatter(summed[dt], send.view(-1), group)
+            rows = [next((p for p in m.parts if p.dtype == dt), None) for m in messages]
+            rows = [torch.empty(0, dtype=dt, device=device) if p is None else p.reshape(-1) for p in rows]
+            summed[dt] = all_to_all_sum(rows, group)
         return summed
 
     def _share_outcomes(self, outcomes, me: int, n: int, group) -> torch.Tensor:
@@ -237,19 +237,14 @@ class HomomorphicReduceScatter(ReduceScatterBase):
             values = [partial_values(m.encoded[i][1], c).to(torch.float32)
                       for (dd, i), c in sorted(coords.items()) if dd == d]
             rows.append(torch.cat([dense_values(m, failed)] + values))
-        width = max(r.numel() for r in rows)
-        send = torch.zeros(len(rows), width, dtype=torch.float32, device=rows[0].device)
-        for d, r in enumerate(rows):
-            send[d, :r.numel()] = r
-        out = torch.empty(width, dtype=torch.float32, device=send.device)
-        reduce_scatter(out, send.view(-1), group)
+        out = all_to_all_sum(rows, group)
         own = messages[me]
         # sent: every destination's row; counted so far: this rank's own fallbacks' and inexact values'
         # bytes in their dtypes (the decodes counted them)
         counted = sum(math.prod(own.encoded[i][1].shape) * own.encoded[i][1].dtype.itemsize
                       for i in failed if outcomes[i].needs_fallback)
         counted += sum(c.numel() * own.encoded[i][1].dtype.itemsize for (d, i), c in coords.items() if d == me)
-        own.aggregators[0].stats.payload_bytes += send.numel() * send.element_size() - counted
+        own.aggregators[0].stats.payload_bytes += sum(r.numel() for r in rows) * 4 - counted
         numels = [math.prod(own.encoded[i][1].shape) for i in failed]
         pieces = dict(zip(failed, out[:sum(numels)].split(numels)))
         mine = [i for i in failed if outcomes[i].needs_fallback]   # the others decoded here: kept

@@ -12,13 +12,15 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   (:mod:`lossless_hc.training.message`, shared with the DDP hook).
 * **the reduce-scatter** (``FSDPModule.set_custom_reduce_scatter``, ``reduce_scatter=True``;
   :mod:`lossless_hc.plugins._fsdp_reduce_scatter`). Every rank encodes each destination's chunk
-  separately (one aggregator per parameter and destination), and a SUM reduce-scatter hands
-  destination ``d`` the sum of every rank's message for ``d``: the payloads are homomorphic, so that
-  sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows how its decode went, so
-  the owners then share a small table (and, where some decode had inexact keys, the keys): every rank
-  grows the same capacities, and the failed parameters' chunks and the inexact keys' values are
-  reduce-scattered again, exactly -- identically on every rank. THC is not offered there: its codec
-  agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the owner alone.
+  separately (one aggregator per parameter and destination), and an all-to-all hands destination
+  ``d`` every rank's message for ``d``, each as long as ``d``'s capacities make it (a reduce-scatter
+  would pad every destination's to the longest), which ``d`` sums: the payloads are homomorphic, so
+  that sum is a payload of the summed chunk, and ``d`` decodes it. Only ``d`` knows how its decode
+  went, so the owners then share a small table (and, where some decode had inexact keys, the keys):
+  every rank grows the same capacities, and the failed parameters' chunks and the inexact keys' values
+  are reduce-scattered again (the same way), exactly -- identically on every rank. THC is not offered
+  there: its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the
+  owner alone.
 
 Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
 (``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so

@@ -107,6 +107,21 @@ def test_lossless_matches_uncompressed_fsdp2(launch, mesh, name):
         assert all(s["partial_fallbacks"] == s["inexact_decodes"] for s in st), st
     else:   # capacity 0.1%: the embedding shards overload, fall back exactly, and grow
         assert fallbacks >= 1 and all(r["stats"]["capacity_growths"] >= 1 for r in rs), [r["stats"] for r in rs]
+    if mesh == "1x2" and name == "fallback":
+        check_exchange_unpadded(rs)
+
+
+def check_exchange_unpadded(rs):
+    """The destinations' messages grow apart (each destination's capacities follow its own chunk), and
+    each crosses as it is: at a step with nothing to re-aggregate, the all-to-alls carry exactly the sum
+    of the destinations' message bytes (a reduce-scatter would pad each to the longest: n x the longest)."""
+    steps = [i for i in range(len(rs[0]["exchanges"])) if all(r["exchanges"][i]["repaired"] == 0 for r in rs)]
+    assert steps, [r["exchanges"] for r in rs]   # an owner's re-aggregation is a step's for every rank
+    for r in rs:
+        plain = [r["exchanges"][i] for i in steps]
+        for e in plain:
+            assert sum(nbytes for _, _, nbytes in e["calls"]) == sum(e["destinations"]), e
+        assert any(len(set(e["destinations"])) > 1 for e in plain), plain
 
 
 @pytest.mark.parametrize("mesh,name", cases("inexact", "inexact_rs"))
@@ -262,9 +277,9 @@ def test_a_half_precision_model_s_dense_tensors_travel_in_its_dtype(launch, mesh
     dtype (float16: FSDP2 divides by a power of two near sqrt(n) before our collectives and by the rest
     after, as around its own); the replica all-reduce of such a step carries fewer bytes than this
     rank's shard (it carried the dense layers widened to float32: 1.5-1.7x the shard), and the
-    homomorphic reduce-scatter carries them in reduce-scatters of the model's dtype (it had none),
-    counting in its stats what it sends (each destination's part padded to the longest, 12% of a step
-    here, and the fallbacks' float32 chunks for every destination went uncounted)."""
+    homomorphic reduce-scatter carries them in all-to-alls of the model's dtype (it had none),
+    counting in its stats what it sends (the fallbacks' float32 chunks for every destination once went
+    uncounted)."""
     check_half_model(results(launch, mesh, name), mesh, name)
 
 
@@ -278,11 +293,11 @@ def check_half_model(rs, mesh, name):
         if name.endswith("_rs") or mesh == "1x2":
             for i in steps:
                 half = [nbytes for sent_dtype, nbytes in r["sent_rs"][i] if sent_dtype == dtype]
-                # one reduce-scatter per fully_shard module and part dtype (then the fallbacks')
+                # one all-to-all per fully_shard module and part dtype (then the fallbacks')
                 assert sum(half) >= r["dense_layer_bytes"], (r["sent_rs"][i], r["dense_layer_bytes"])
         if not name.startswith("auto"):
             assert r["stats"]["fallbacks"] >= 1, r["stats"]   # the dense layers grew to dense
-        if mesh == "1x2":   # the reduce-scatter alone: every step counted as sent, padding and fallbacks included
+        if mesh == "1x2":   # the reduce-scatter alone: every step counted as sent, fallbacks included
             assert r["payload_bytes"] == [sum(nbytes for _, nbytes in rs) for rs in r["sent_rs"]], (r["payload_bytes"],
                                                                                                    r["sent_rs"])
 

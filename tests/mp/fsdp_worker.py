@@ -21,7 +21,6 @@ from models import DEVICE, CountedCollectives, EmbeddingModel, batch, loss_fn  #
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
-from lossless_hc.plugins._fsdp_reduce_scatter import REDUCE_SCATTER  # noqa: E402
 from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
 from lossless_hc.training.planner import Calibration  # noqa: E402
 
@@ -163,21 +162,40 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None, micro=1):
+def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None, micro=1,
+            count_exchange=False):
     """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``),
-    both with ``mp_policy`` and ``micro`` batches per step."""
+    both with ``mp_policy`` and ``micro`` batches per step. ``count_exchange``: also record, per step
+    after the first, the reduce-scatter's all-to-alls (``[name, dtype, input bytes]``) and the bytes of
+    each destination's message as its aggregators' payload specs give them before the step, how many
+    decodes of the step were re-aggregated (failed or inexact) and the payload bytes the stats counted."""
     ref = build(mesh, native=True, hidden=hidden, mp_policy=mp_policy)
     train(ref, steps, lr=lr, micro=micro)
     got = build(mesh, native=False, hidden=hidden, mp_policy=mp_policy)
     start = local(got)
     state.register(got, reduce_scatter=reduce_scatter)
-    train(got, steps, lr=lr, compiled=compiled, micro=micro)
     aggs = state._aggregators
+    exchanges = []
+    if count_exchange:
+        opt = train(got, 1, lr=lr, micro=micro)
+        for step in range(1, steps):
+            specs = {k: a.payload_spec() for k, a in aggs.items() if k.startswith("shard:")}
+            destinations = [sum(numel * dt.itemsize for k, (numel, dt) in specs.items() if k.endswith(f"->{d}"))
+                            for d in range(state.shards)]
+            before = state.stats()
+            with CountedCollectives("all_to_all_single") as counted:
+                train(got, 1, start=step, opt=opt, micro=micro)
+            after = state.stats()
+            exchanges.append({"calls": counted.calls, "destinations": destinations,
+                              "repaired": sum(after[k] - before[k] for k in ("fallbacks", "inexact_decodes")),
+                              "payload_bytes": after["payload_bytes"] - before["payload_bytes"]})
+    else:
+        train(got, steps, lr=lr, compiled=compiled, micro=micro)
     moved = [torch.cat([(p - q).reshape(-1) for p, q in zip(local(m), start)]) for m in (ref, got)]
     cosine = float(torch.nn.functional.cosine_similarity(moved[0], moved[1], dim=0))
     digest = hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in local(got))).hexdigest()
     return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "digest": digest,
-            "cosine": cosine,
+            "cosine": cosine, "exchanges": exchanges,
             "capacity": {k: getattr(a, "capacity", None) for k, a in sorted(aggs.items())}}
 
 
@@ -229,7 +247,7 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     """A ``dtype`` model with dense layers of 139k coordinates (sent as they are after the first step's
     capacity growth) against uncompressed FSDP2 in that dtype: the largest parameter difference, and per
     step the bytes our hooks all-reduced (the replica all-reduce's parts and fallbacks, beside this
-    rank's shard's own bytes) and, with ``reduce_scatter``, each reduce-scatter's input dtype and bytes
+    rank's shard's own bytes) and, with ``reduce_scatter``, each all-to-all's input dtype and bytes
     (the parts', then the fallbacks' and inexact keys' values) and the inexact keys' all-gather's. FSDP2's
     own collectives here are reduce-scatters (replaced by ours, or not counted) and all-gathers (its
     ``all_gather_into_tensor``, not counted)."""
@@ -241,12 +259,13 @@ def half_precision(mesh, state, reduce_scatter: bool, dtype=torch.bfloat16, step
     for step in range(steps):
         train(ref, 1, start=step, opt=ref_opt)
         before = state.stats()["payload_bytes"]
-        with CountedCollectives("all_reduce", *((REDUCE_SCATTER, "all_gather") if reduce_scatter else ())) as counted:
+        counted_names = ("all_reduce", "all_to_all_single", "all_gather") if reduce_scatter else ("all_reduce",)
+        with CountedCollectives(*counted_names) as counted:
             train(got, 1, start=step, opt=got_opt)
         counted_bytes.append(state.stats()["payload_bytes"] - before)
         sent.append(counted.bytes())
         sent_rs.append([[dtype, nbytes] for name, dtype, nbytes in counted.calls
-                        if name in (REDUCE_SCATTER, "all_gather")])
+                        if name in ("all_to_all_single", "all_gather")])
     return {"max_diff": max_diff(local(ref), local(got)), "stats": state.stats(), "sent": sent,
             "sent_rs": sent_rs, "payload_bytes": counted_bytes,
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in got.parameters()),
@@ -364,7 +383,7 @@ def scenario(name, mesh):
     if base == "compiled":   # torch.compile(model): FSDP2's hooks, and so ours, run around the compiled graphs
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, compiled=True)
     if base == "fallback":    # capacity 0.1%: the tables overload, fall back exactly (identically), grow
-        return compare(mesh, LosslessFSDPState(mesh, max_density=0.001), rs)
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.001), rs, count_exchange=mesh.ndim == 1)
     if base == "topk":
         state = TopKFSDPState(mesh, ratio=0.05)
         r = compare(mesh, state, rs, steps=16, hidden=512, lr=0.02)

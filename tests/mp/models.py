@@ -118,13 +118,13 @@ def bag_loss(model, b):
 
 
 class CountedCollectives:
-    """While active, records each call of the torch.distributed collectives ``names`` (``all_reduce``, ``all_gather``,
-    ``reduce_scatter_single`` or, before torch 2.13, ``reduce_scatter_tensor``: the plugin's
-    ``REDUCE_SCATTER``) as ``[name, input dtype, input bytes]`` in ``calls``: what our hooks put
-    on the wire (DDP's and FSDP2's own C++ collectives do not go through these functions)."""
+    """While active, records each call of the torch.distributed collectives ``names`` (``all_reduce``,
+    ``all_gather``, ``all_to_all_single``: the FSDP2 plugin's reduce-scatter) as ``[name, input dtype,
+    input bytes]`` in ``calls``: what our hooks put on the wire (DDP's and FSDP2's own C++ collectives
+    do not go through these functions)."""
 
     # the input tensor's position
-    INPUT = {"all_reduce": 0, "all_gather": 1, "reduce_scatter_single": 1, "reduce_scatter_tensor": 1}
+    INPUT = {"all_reduce": 0, "all_gather": 1, "all_to_all_single": 1}
 
     def __init__(self, *names: str):
         self.names, self.calls, self._saved = names, [], {}

@@ -1,7 +1,11 @@
-"""FSDP2's parameter slots and the homomorphic reduce-scatter (``set_custom_reduce_scatter``) of
-:mod:`lossless_hc.plugins.fsdp`, which owns the states, the mesh and the replica all-reduce.
+"""FSDP2's parameter slots and the reduce-scatters (``set_custom_reduce_scatter``) of
+:mod:`lossless_hc.plugins.fsdp`, which owns the states, the mesh and the replica all-reduce: the
+homomorphic one of ``LosslessFSDPState`` and ``TopKFSDPState`` (:class:`HomomorphicReduceScatter`,
+below), and the planner's exact sparse one (:class:`RowExchangeReduceScatter`, rows sent to their
+owner as they are: :mod:`lossless_hc.training.row_exchange`).
 
-The reduce-scatter, per ``fully_shard`` module and step (S ranks in the shard group, rank ``me``):
+The homomorphic reduce-scatter, per ``fully_shard`` module and step (S ranks in the shard group, rank
+``me``):
 
 1. every rank encodes each destination ``d``'s chunk separately (one aggregator per parameter and
    destination), and one all-to-all per part dtype hands ``d`` every rank's message for ``d``, which
@@ -30,6 +34,7 @@ or by none: each decision is read from the table, which every rank holds whole.
 from __future__ import annotations
 
 import math
+import time
 from typing import List
 
 import torch
@@ -40,6 +45,7 @@ from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
+from lossless_hc.training.row_exchange import WHOLE, add_segments, encode_destination, received_nbytes
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
@@ -257,3 +263,60 @@ class HomomorphicReduceScatter(ReduceScatterBase):
             if d == me:
                 results[i] = own.aggregators[i].finish_partial(out[offset:offset + c.numel()], outcomes[i])
                 offset += c.numel()
+
+
+class RowExchangeReduceScatter(ReduceScatterBase):
+    """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module for the planner
+    (:class:`~lossless_hc.plugins.fsdp.AutoFSDPState`): the exact sparse reduce-scatter of
+    :mod:`lossless_hc.training.row_exchange`. Each rank sends each destination every parameter's chunk
+    as its non-zero rows or as it is (whichever is fewer bytes, decided by the sender), announced by
+    one all-to-all of counts (one int64 per destination and parameter) and carried by one all-to-all of
+    bytes; the owner adds them up. No statistics cross ranks and nothing can fail to decode, so there
+    is nothing to agree on afterwards. Synchronous: returns None."""
+
+    def __init__(self, state, module: FSDPModule):
+        self.state, self.module, self.slots = state, module, None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the sparse reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
+                             "reductions: do not undo set_force_sum_reduction_for_comms)")
+        if self.slots is None:
+            self.slots = Slots(self.module)
+        started = time.perf_counter()
+        n = dist.get_world_size(group)
+        chunks = input_tensor.view(n, -1)
+        counts, segments = [], []
+        for d in range(n):
+            c, data = encode_destination(self.slots.views(chunks[d]))
+            counts.append(c)
+            segments.append(data)
+        sent = torch.tensor(counts, dtype=torch.int64).reshape(n, -1).to(input_tensor.device)
+        announced = torch.empty_like(sent)
+        dist.all_to_all_single(announced, sent, group=group)
+        mine = self.slots.views(output_tensor)
+        lengths = [received_nbytes(row, mine) for row in announced.tolist()]
+        received = torch.empty(sum(lengths), dtype=torch.uint8, device=input_tensor.device)
+        dist.all_to_all_single(received, torch.cat(segments), output_split_sizes=lengths,
+                               input_split_sizes=[s.numel() for s in segments], group=group)
+        add_segments(mine, announced, received)
+        self._count(counts, segments, chunks, started)
+        return None
+
+    def _count(self, counts, segments, chunks, started: float) -> None:
+        """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
+        dense and its segment (``compressed``: sent as rows), plus the counts' bytes."""
+        st = self.state._stats
+        itemsize = chunks.element_size()
+        for d, (row, data) in enumerate(zip(counts, segments)):
+            for c, view in zip(row, self.slots.views(chunks[d])):
+                st.tensors += 1
+                st.dense_bytes += view.numel() * itemsize
+                st.compressed += c != WHOLE
+                st.sent_dense += c == WHOLE
+            st.payload_bytes += data.numel() + 8 * len(row)
+        st.encode_seconds += time.perf_counter() - started

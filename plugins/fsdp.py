@@ -20,7 +20,7 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   every rank grows the same capacities, and the failed parameters' chunks and the inexact keys' values
   are reduce-scattered again (the same way), exactly -- identically on every rank. THC is not offered
   there: its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the
-  owner alone.
+  owner alone. ``AutoFSDPState`` fills this seam with the exact sparse reduce-scatter instead (below).
 
 Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
 (``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so
@@ -66,11 +66,14 @@ the replica all-reduce, the strategy the cost model predicts cheapest; calibrate
 :meth:`~_FSDPState.register` on the replicate group (blocking; every rank calls ``register`` at the same
 point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
 values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
-every rank. ``AutoFSDPState`` does not plan the reduce-scatter (``reduce_scatter=True`` is refused there;
-``LosslessFSDPState`` and ``TopKFSDPState`` compress it): a planner there would need every
-destination's statistics on every rank, which a reduce-scatter does not give. Its step guard (on by
-default, :class:`AutoFSDPState`) times the plans against steps whose shards are all-reduced in place,
-and keeps them only if they measure faster.
+every rank. Its step guard (on by default, :class:`AutoFSDPState`) times the plans against steps whose
+shards are all-reduced in place, and keeps them only if they measure faster. With
+``reduce_scatter=True`` its reduce-scatter is the exact sparse one
+(:mod:`lossless_hc.training.row_exchange`): each rank sends each destination every parameter's chunk
+as its own non-zero rows with their indices, or as it is where that is fewer bytes (each sender
+decides for its own chunks, so no statistics need to cross ranks), and the owner adds them up -- the
+dense reduce-scatter's sum to float rounding, lossless whatever ``lossy`` says, with no capacity or
+fallback; the step guard does not time it.
 
 Limits: one parameter group per ``fully_shard`` call (no per-parameter meshes: torch refuses custom
 hooks there); even ``Shard(0)`` placements (FSDP2's default); native HSDP (``fully_shard`` on the
@@ -98,8 +101,8 @@ from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregat
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 from lossless_hc.plugins._ddp_bucket import divide_first
-from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, ReduceScatterBase, Slots,
-                                                     all_gather_stacked, param_groups)
+from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, ReduceScatterBase,
+                                                     RowExchangeReduceScatter, Slots, all_gather_stacked, param_groups)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 __all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "AutoFSDPState", "ConfigurationMismatch"]
@@ -116,6 +119,7 @@ class _FSDPState:
 
     supports_reduce_scatter = True
     no_reduce_scatter = ""
+    reduce_scatter_comm = HomomorphicReduceScatter   # register(reduce_scatter=True)'s comm, per fully_shard module
 
     def __init__(self, spec: AggregatorSpec, mesh: DeviceMesh):
         if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
@@ -156,7 +160,8 @@ class _FSDPState:
         ``fully_shard`` and before the first backward).
 
         * the replica all-reduce hook, when the mesh has a replicate dimension of more than one rank;
-        * with ``reduce_scatter``, the homomorphic reduce-scatter (shard dimension of more than one rank);
+        * with ``reduce_scatter``, the state's reduce-scatter (shard dimension of more than one rank): the
+          homomorphic one, or :class:`AutoFSDPState`'s exact sparse one;
         * sum-only collectives and ``set_gradient_divide_factor(gradient_divide_factor)``, by default
           the data-parallel world size (replicas x shards), so gradients are averaged as uncompressed
           FSDP2 averages them.
@@ -205,7 +210,7 @@ class _FSDPState:
             if self.replicas > 1:
                 module.set_all_reduce_hook(_ReplicaAllReduce(self, module))
             if reduce_scatter and self.shards > 1:
-                module.set_custom_reduce_scatter(HomomorphicReduceScatter(self, module))
+                module.set_custom_reduce_scatter(self.reduce_scatter_comm(self, module))
         # the names the hooks key their aggregators by (Slots: FSDP2's _param_fqn, set at the first forward:
         # the name within the fully_shard module its lazy init took as root, which a torch.compile wrapper
         # does not prefix; else the fallback name)
@@ -395,7 +400,8 @@ class THCFSDPState(_FSDPState):
 class AutoFSDPState(_FSDPState):
     """The planner for the replica all-reduce (HSDP): per parameter, the cheapest exact strategy (dense,
     allgather, two_phase, sketch), or of every strategy with ``lossy``. ``options``:
-    :class:`lossless_hc.training.auto.AutoSpec`. The reduce-scatter is not planned (module doc).
+    :class:`lossless_hc.training.auto.AutoSpec`. ``register(reduce_scatter=True)``: the exact sparse
+    reduce-scatter (module doc), which the plan and the step guard leave alone.
     ``stats()["plan"]``: per parameter, the chosen strategy, predicted and measured seconds, bytes sent.
 
     ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
@@ -413,9 +419,7 @@ class AutoFSDPState(_FSDPState):
     rank 0's medians and the trials opened. A resumed run (:meth:`load_state_dict`) runs a trial of its
     own."""
 
-    supports_reduce_scatter = False
-    no_reduce_scatter = ("the planner needs every destination's statistics on every rank, which a reduce-scatter gives "
-                         "to the owner alone (LosslessFSDPState and TopKFSDPState compress it)")
+    reduce_scatter_comm = RowExchangeReduceScatter
 
     def __init__(self, mesh: DeviceMesh, lossy: bool = False, guard_steps: int = GUARD_STEPS,
                  guard_start: int = GUARD_START, guard_margin: float = GUARD_MARGIN, **options):

@@ -119,15 +119,16 @@ def test_shards_must_divide_the_world_size_that_torchrun_set(capsys):
 
 @pytest.mark.parametrize("argv, env, fix", [
     (["--compression", "thc"], {}, "without --shards every rank is in one shard group"),
-    (["--compression", "auto", "--shards", "4"], TORCHRUN, "4 ranks in shards of 4 leave one replica"),
-    (["--compression", "auto-lossy", "--shards", "2", "--compress-reduce-scatter"], {},
-     "drop --compress-reduce-scatter")])
+    (["--compression", "thc", "--shards", "4"], TORCHRUN, "4 ranks in shards of 4 leave one replica"),
+    (["--compression", "thc", "--shards", "2", "--compress-reduce-scatter"], {}, "drop --compress-reduce-scatter")])
 def test_fsdp_modes_of_the_replica_all_reduce_alone_are_refused_without_replicas(argv, env, fix, capsys):
-    """thc and auto compress FSDP2's replica all-reduce only: with one replica (or asked for the
-    reduce-scatter) the driver refuses at parsing (before: after the process group, on every rank)."""
+    """thc compresses FSDP2's replica all-reduce only: with one replica (or asked for the reduce-scatter)
+    the driver refuses at parsing (before: after the process group, on every rank). auto and
+    auto-lossy fill the reduce-scatter with the exact sparse one (until 2026-12-02 refused as thc is)."""
     err = refused(["--framework", "fsdp", *argv], capsys, env)
     assert "compresses the replica all-reduce only" in err and fix in err, err
-    for ok in (["--compression", "thc", "--shards", "2"], ["--compression", "lossless"]):
+    for ok in (["--compression", "thc", "--shards", "2"], ["--compression", "lossless"], ["--compression", "auto"],
+               ["--compression", "auto-lossy", "--shards", "2", "--compress-reduce-scatter"]):
         assert train.parse_args(["--framework", "fsdp", *ok], env=TORCHRUN).framework == "fsdp"
 
 
@@ -236,12 +237,12 @@ def test_the_cluster_bench_does_not_run_sparse_under_adam_and_says_why():
         assert all("Adam" in w and "--optimizer sgd" in w for w in why.values())
     assert cluster.refusals("lstm", runs, 30, 5, ["--optimizer", "sgd"]) == {}
     assert cluster.refusals("ncf", runs, 30, 5, []) == {}   # SGD
-    # fsdp in one shard group of every rank (--fsdp-mesh flat): thc and auto have no replicas to compress
+    # fsdp in one shard group of every rank (--fsdp-mesh flat): thc has no replicas to compress (auto
+    # sends the reduce-scatter's rows)
     runs, _ = cluster.plan(["fsdp"], ["lossless", "topk", "thc", "auto", "fp16"])
-    assert set(cluster.refusals("ncf", runs, 30, 5, [], shards=1, hosts=2, fsdp_flat=True)) == {
-        ("fsdp", "thc"), ("fsdp", "auto")}
+    assert set(cluster.refusals("ncf", runs, 30, 5, [], shards=1, hosts=2, fsdp_flat=True)) == {("fsdp", "thc")}
     assert cluster.refusals("ncf", runs, 30, 5, [], shards=2, hosts=2) == {}   # HSDP: 2 replicas
-    assert set(cluster.refusals("ncf", runs, 30, 5, [], shards=2, hosts=1)) == {("fsdp", "thc"), ("fsdp", "auto")}
+    assert set(cluster.refusals("ncf", runs, 30, 5, [], shards=2, hosts=1)) == {("fsdp", "thc")}
     md = cluster_report.render_markdown(
         {"rows": [], "compute_s": {}, "shaping": {}, "skipped": [],
          "refused": [["ddp", "sparse", "torch's Adam refuses sparse gradients"]]}, "t")

@@ -31,14 +31,15 @@ MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "thc", "resume",
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
-                   "auto_reduce_scatter", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
+                   "auto_rows_rs", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
                    "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite", "non_finite_topk"]),
+                   "auto_rows", "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite",
+                   "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
                    "accumulation", "auto_guard_lossy_dense"]),
@@ -47,7 +48,7 @@ MESHES = {
 CUDA_MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto", "bfloat16",
                    "auto_bfloat16"]),
-    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16", "float16"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16", "float16", "auto_rows"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
 
@@ -377,10 +378,22 @@ def test_auto_resumed_run_continues_bit_identically(launch, mesh, name):
         assert r["bitwise"] and r["saved_keys"] > 0, r
 
 
-@pytest.mark.parametrize("mesh,name", cases("auto_reduce_scatter"))
-def test_auto_refuses_the_reduce_scatter(launch, mesh, name):
+@pytest.mark.parametrize("mesh,name", cases("auto_rows", "auto_rows_rs"))
+def test_auto_reduce_scatter_sends_rows_exactly(launch, mesh, name):
+    """``AutoFSDPState.register(reduce_scatter=True)`` (refused until 2026-12-02): the exact sparse
+    reduce-scatter sends the tables' chunks as their rows (32 of 2,500 rows per destination) and the
+    dense layers' whole, and trains as native FSDP2 does. On the 1-D mesh (nothing else compressed)
+    the stats count exactly the bytes handed to the all-to-alls: the segments and the counts."""
     for r in results(launch, mesh, name):
-        assert r["error"] == "ValueError" and "reduce-scatter" in r["message"], r
+        assert r["max_diff"] <= TOL, r
+        st = r["stats"]
+        assert st["compressed"] > 0 and st["sent_dense"] > 0 and st["fallbacks"] == 0, st
+        assert st["payload_bytes"] < 0.2 * st["dense_bytes"], st
+        for e in r["exchanges"]:
+            # per fully_shard module: the counts (int64), then the segments (bytes)
+            assert {dtype for _, dtype, _ in e["calls"]} == {"torch.int64", "torch.uint8"}, e
+            if mesh == "1x2":
+                assert e["payload_bytes"] == sum(nbytes for _, _, nbytes in e["calls"]), e
 
 
 @pytest.mark.gpu
@@ -389,7 +402,7 @@ def test_cuda_tensors_through_gloo(launch, mesh):
     """Issue #24 on a GPU: the hooks on CUDA tensors (every rank on GPU 0, Gloo) give what they give on CPU
     tensors: lossless and auto equal uncompressed FSDP2 to float rounding with identical decisions, top-k
     and THC compress and train, a resumed run continues bit for bit, a bfloat16 (float16) model's dense layers
-    travel in its dtype (the message's parts on the device)."""
+    travel in its dtype (the message's parts on the device), auto's sparse reduce-scatter sends rows exactly."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -399,6 +412,8 @@ def test_cuda_tensors_through_gloo(launch, mesh):
         if name in ("lossless", "lossless_rs", "fallback", "auto"):
             assert all(r["max_diff"] <= TOL for r in rs), (name, rs)
             assert_identical_decisions(rs)
+        elif name == "auto_rows":
+            assert all(r["max_diff"] <= TOL and r["stats"]["compressed"] > 0 for r in rs), rs
         elif name in ("topk", "thc"):
             assert all(r["stats"]["payload_bytes"] < 0.5 * r["stats"]["dense_bytes"] and r["cosine"] > 0.8
                        for r in rs), (name, rs)

@@ -307,7 +307,7 @@ def refusals(model: str, runs: Sequence[tuple], steps: int, warmup: int, train_a
     ``sparse`` with --model lstm or bert, whose Adam takes no sparse gradients. Every worker would print
     that reason and exit at start-up, ending the whole benchmark; the pair is not run and is reported.
     ``hosts`` x (fsdp: ``shards``) workers, as :func:`run_benchmark` runs them (with ``fsdp_flat``: in one
-    shard group, which thc and auto refuse). Parses only: no process, no network namespace."""
+    shard group, which thc refuses). Parses only: no process, no network namespace."""
     from lossless_hc.bench.workloads.options import refusal
     from lossless_hc.bench.workloads.train import parse_args
 
@@ -546,7 +546,7 @@ def add_arguments(p) -> None:
     p.add_argument("--fsdp-mesh", choices=("hsdp", "flat"), default="hsdp",
                    help="fsdp: hsdp, one replica per host (the replica all-reduce crosses the links, compressed); "
                         "flat, one shard group of every rank (plain FSDP: the reduce-scatter crosses the links, "
-                        "compressed by lossless and topk)")
+                        "compressed by lossless and topk, sent as rows by auto)")
     p.add_argument("--steps", type=int, default=30, help="steps per configuration, warm-up included")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start")
     p.add_argument("--rounds", type=int, default=1,

@@ -432,9 +432,9 @@ def scenario(name, mesh):
     if base == "auto_resume":   # a given calibration: the resumed plans are the straight run's
         return resume(mesh, lambda: AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False,
                       hidden=16)
-    if base == "auto_reduce_scatter":
-        return expect_error(lambda: AutoFSDPState(mesh).register(build(mesh, native=False), reduce_scatter=True),
-                            ValueError)
+    if base == "auto_rows":   # the planner's exact sparse reduce-scatter (with the replica plans on 2x2)
+        state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8))
+        return compare(mesh, state, True, count_exchange=True)
     if base == "resume":
         return resume(mesh, lambda: TopKFSDPState(mesh, ratio=0.05), rs)
     if base == "resume_thc":

@@ -184,7 +184,7 @@ class DDP:
 def fsdp_refusal(args, world: Optional[int]) -> Optional[str]:
     """Why ``--framework fsdp`` cannot run ``args.compression`` on ``world`` ranks (None: unknown, which
     can refuse only where ``--shards`` is not given: one replica then), or None: a state that compresses
-    the replica all-reduce only (thc, auto) needs replicas and no ``--compress-reduce-scatter``."""
+    the replica all-reduce only (thc) needs replicas and no ``--compress-reduce-scatter``."""
     state_type = FSDP.state_types().get(args.compression) if args.framework == "fsdp" else None
     if state_type is None or state_type.supports_reduce_scatter:
         return None
@@ -201,7 +201,7 @@ def fsdp_refusal(args, world: Optional[int]) -> Optional[str]:
         fix = f"{world} ranks in shards of {shards} leave one replica: pass --shards with a divisor of {world} " \
               "below it (HSDP)"
     return (f"--framework fsdp --compression {args.compression} compresses the replica all-reduce only: {fix}, "
-            "or use --compression lossless|topk (which compress the reduce-scatter too)")
+            "or use --compression lossless|topk|auto|auto-lossy (which fill the reduce-scatter too)")
 
 
 class FSDP(DDP):
@@ -362,7 +362,7 @@ def parse_args(argv=None, default_model="ncf", env=None):
     p.add_argument("--shards", type=positive_int,
                    help="fsdp: ranks per replica, a divisor of the world size (default: all; fewer: custom HSDP)")
     p.add_argument("--compress-reduce-scatter", action="store_true",
-                   help="fsdp with replicas: compress the reduce-scatter too (lossless, topk)")
+                   help="fsdp with replicas: compress the reduce-scatter too (lossless, topk; auto: as rows)")
     p.add_argument("--sparse-embeddings", action="store_true",
                    help="nn.Embedding(sparse=True) (Horovod: aggregated with sparse_as_dense=True; DDP auto: "
                         "planned over the listed rows; implied by --compression sparse and auto-sparse)")

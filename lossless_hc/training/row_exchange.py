@@ -1,0 +1,108 @@
+"""The exact sparse reduce-scatter's local work: what a rank sends each destination, and the owner's sum.
+
+A reduce-scatter hands each chunk to one owner, so nothing needs to be summed on the way there: every
+rank can send the owner what it holds, and the owner adds it up. For a row-sparse gradient that is
+this rank's own non-zero rows with their indices -- fewer bytes than a homomorphic payload, which must
+be sized for the union of every rank's rows (and more than one cell per row), and no decode, capacity
+or fallback. A chunk whose rows are mostly non-zero goes as it is, which is what a dense
+reduce-scatter sends.
+
+For one parameter's chunk ``x`` (its padded shard's shape; rows along the first dimension, ``row`` =
+the product of the others, 1 for a vector) this rank sends a *segment*, chosen by its own bytes:
+
+* rows (count ``c >= 0``): the ``c`` indices of the rows of ``x`` that hold an element other than
+  +-0.0 (NaN and infinities count), increasing, as int64, then those rows in ``x``'s dtype -- when
+  ``8 c + c row s < numel s`` (``s``: the element size);
+* whole (count ``-1``): ``x`` as it is.
+
+Each segment is padded to a multiple of 8 bytes, so that every piece reads back in place as its dtype.
+The counts go first (one int64 per destination and parameter), so an owner knows every sender's
+lengths before the segments arrive. The owner's chunk is the sum over senders in rank order, each
+adding its whole chunk or its rows (``index_add_``) into zeros: the dense reduce-scatter's sum up to
+the order of the additions (float rounding), exactly 0.0 where no rank has a non-zero, and NaN or
+infinities wherever a dense sum has them.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence, Tuple
+
+import torch
+
+from lossless_hc.backends import backend_for
+
+WHOLE = -1       # a segment's count: the chunk as it is
+_ALIGN = 8       # segments' byte alignment (the int64 keys; every dtype's element size divides it)
+
+
+def row_width(shape: Sequence[int]) -> int:
+    """Elements per row of a chunk shaped ``shape``: its rows lie along the first dimension."""
+    return max(1, math.prod(shape[1:])) if len(shape) > 1 else 1
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def segment_nbytes(count: int, numel: int, row: int, dtype: torch.dtype) -> int:
+    """Bytes of a segment of ``count`` rows (:data:`WHOLE`: the whole chunk of ``numel`` elements)."""
+    if count == WHOLE:
+        return _padded(numel * dtype.itemsize)
+    return _padded(count * (8 + row * dtype.itemsize))
+
+
+def encode_segment(x: torch.Tensor) -> Tuple[int, torch.Tensor]:
+    """``(count, segment)``: chunk ``x`` as the bytes this rank sends its owner (module doc), a uint8
+    tensor of :func:`segment_nbytes` bytes."""
+    flat = x.reshape(-1)
+    row = row_width(x.shape)
+    keys = flat.numel() // row
+    present = backend_for(flat.device).nonzero_rows(flat.contiguous(), row, torch.get_num_threads()) if keys else \
+        torch.zeros(0, dtype=torch.bool, device=flat.device)
+    count = int(present.sum())
+    size = x.dtype.itemsize
+    if count * (8 + row * size) >= flat.numel() * size:
+        out = torch.zeros(segment_nbytes(WHOLE, flat.numel(), row, x.dtype), dtype=torch.uint8, device=x.device)
+        out[:flat.numel() * size] = flat.contiguous().view(torch.uint8)
+        return WHOLE, out
+    index = present.nonzero().squeeze(1)
+    out = torch.zeros(segment_nbytes(count, flat.numel(), row, x.dtype), dtype=torch.uint8, device=x.device)
+    out[:8 * count] = index.view(torch.uint8)
+    out[8 * count:count * (8 + row * size)] = flat.view(keys, row).index_select(0, index).reshape(-1).view(torch.uint8)
+    return count, out
+
+
+def encode_destination(chunks: List[torch.Tensor]) -> Tuple[List[int], torch.Tensor]:
+    """The counts and concatenated segments of one destination's chunks (one per parameter)."""
+    encoded = [encode_segment(x) for x in chunks]
+    counts = [c for c, _ in encoded]
+    data = torch.cat([s for _, s in encoded]) if encoded else torch.zeros(0, dtype=torch.uint8)
+    return counts, data
+
+
+def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor]) -> int:
+    """Bytes a sender's ``counts`` (one per parameter) announce for chunks shaped as ``chunks``."""
+    return sum(segment_nbytes(int(c), x.numel(), row_width(x.shape), x.dtype) for c, x in zip(counts, chunks))
+
+
+def add_segments(out: List[torch.Tensor], counts: torch.Tensor, received: torch.Tensor) -> None:
+    """Write into ``out`` (this rank's chunks, one per parameter) the sum of every sender's segments:
+    ``counts[s]`` are sender s's counts and ``received`` the senders' segments concatenated in rank
+    order (module doc)."""
+    for x in out:
+        x.zero_()
+    offset = 0
+    for sender in counts.tolist():
+        for c, x in zip(sender, out):
+            n = segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype)
+            segment = received[offset:offset + n]
+            offset += n
+            if c == WHOLE:
+                x.add_(segment[:x.numel() * x.dtype.itemsize].view(x.dtype).view(x.shape))
+            elif c:
+                row = row_width(x.shape)
+                index = segment[:8 * c].view(torch.int64)
+                rows = segment[8 * c:c * (8 + row * x.dtype.itemsize)].view(x.dtype).view(c, row)
+                x.view(-1, row).index_add_(0, index, rows)
+    if offset != received.numel():
+        raise ValueError(f"the senders' segments hold {received.numel()} bytes; their counts announce {offset}")

@@ -1,0 +1,78 @@
+"""The exact sparse reduce-scatter's local work (lossless_hc.training.row_exchange), one process playing
+every sender: what each sends is the smaller of its rows and its chunk, and the owner's sum is the dense
+sum in rank order, bit for bit. The collectives around it: tests/test_plugins_fsdp.py (auto_rows)."""
+import pytest
+import torch
+
+from lossless_hc.training.row_exchange import (WHOLE, add_segments, encode_destination, encode_segment,
+                                               received_nbytes, segment_nbytes)
+
+SHAPES = [(50, 4), (7,), (0, 3), (10, 10), (3, 2, 5)]
+
+
+def sparse_chunk(shape, dtype, rows, g):
+    """A chunk whose first ``rows`` rows (of its first dimension) may be non-zero, random values."""
+    x = torch.zeros(shape, dtype=dtype)
+    if x.numel():
+        picked = torch.randperm(shape[0], generator=g)[:rows]
+        x[picked] = torch.randn((len(picked), *shape[1:]), generator=g).to(dtype)
+    return x
+
+
+def exchange(senders):
+    """The owner's chunks from every sender's chunks (senders[s][i]: sender s's chunk of parameter i),
+    as the plugin moves them: each sender's counts and bytes concatenated in rank order."""
+    counts, data = zip(*(encode_destination(chunks) for chunks in senders))
+    for c, d, chunks in zip(counts, data, senders):
+        assert d.numel() == received_nbytes(c, chunks)
+    out = [torch.full_like(x, 7.0) for x in senders[0]]   # overwritten, not added to
+    add_segments(out, torch.tensor(counts, dtype=torch.int64), torch.cat(data))
+    return out, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_owner_sum_is_the_dense_sum_in_rank_order(dtype):
+    g = torch.Generator().manual_seed(3)
+    senders = [[sparse_chunk(s, dtype, rows, g) for s, rows in zip(SHAPES, (3, 7, 0, 10, 1))] for _ in range(3)]
+    got, counts = exchange(senders)
+    for i, x in enumerate(got):
+        want = torch.zeros_like(x)
+        for s in senders:
+            want = want + s[i]
+        assert torch.equal(x, want), (i, x, want)
+    # a table of 50 rows with 3 set goes as rows; a full 10x10 as it is
+    assert all(c[0] == 3 for c in counts) and all(c[3] == WHOLE for c in counts), counts
+
+
+def test_the_smaller_form_is_sent():
+    x = torch.zeros(100, 4)
+    x[5] = 1.0
+    count, seg = encode_segment(x)
+    assert count == 1 and seg.numel() == segment_nbytes(1, 400, 4, torch.float32) == 8 + 16
+    # one row of one element costs 12 bytes against 4 for the element: the chunk goes as it is
+    count, seg = encode_segment(torch.tensor([0.0, 2.0, 0.0]))
+    assert count == WHOLE and seg.numel() == 16   # 12 bytes padded to 8
+    for rows in range(0, 101, 10):   # never more bytes than the chunk (padded to 8)
+        y = torch.zeros(100, 4)
+        y[:rows] = 1.0
+        assert encode_segment(y)[1].numel() <= 1600
+
+
+def test_non_finite_values_and_signed_zeros_sum_as_dense():
+    a = torch.zeros(20, 2)
+    b = torch.zeros(20, 2)
+    a[3, 1], b[3, 0] = float("inf"), float("nan")
+    a[4, 0], b[4, 0] = float("inf"), float("-inf")
+    a[9, 1] = -0.0   # a row of zeros only: not sent
+    got, counts = exchange([[a], [b]])
+    assert [list(c) for c in counts] == [[2], [2]], counts
+    want = a + b
+    assert torch.equal(torch.isnan(got[0]), torch.isnan(want)) and torch.equal(got[0].nan_to_num(), want.nan_to_num())
+
+
+def test_a_byte_count_that_disagrees_with_the_counts_is_an_error():
+    x = torch.zeros(10, 2)
+    x[1] = 1.0
+    counts, data = encode_destination([x])
+    with pytest.raises(ValueError, match="announce"):
+        add_segments([torch.zeros(10, 2)], torch.tensor([counts]), torch.cat([data, data[:8]]))

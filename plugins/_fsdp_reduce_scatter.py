@@ -295,21 +295,26 @@ class RowExchangeReduceScatter(ReduceScatterBase):
             c, data = encode_destination(self.slots.views(chunks[d]))
             counts.append(c)
             segments.append(data)
+        payload = torch.cat(segments)
+        self.state._stats.encode_seconds += time.perf_counter() - started
         sent = torch.tensor(counts, dtype=torch.int64).reshape(n, -1).to(input_tensor.device)
         announced = torch.empty_like(sent)
         dist.all_to_all_single(announced, sent, group=group)
         mine = self.slots.views(output_tensor)
         lengths = [received_nbytes(row, mine) for row in announced.tolist()]
         received = torch.empty(sum(lengths), dtype=torch.uint8, device=input_tensor.device)
-        dist.all_to_all_single(received, torch.cat(segments), output_split_sizes=lengths,
+        dist.all_to_all_single(received, payload, output_split_sizes=lengths,
                                input_split_sizes=[s.numel() for s in segments], group=group)
+        summing = time.perf_counter()
         add_segments(mine, announced, received)
-        self._count(counts, segments, chunks, started)
+        self.state._stats.decode_seconds += time.perf_counter() - summing
+        self._count(counts, segments, chunks)
         return None
 
-    def _count(self, counts, segments, chunks, started: float) -> None:
+    def _count(self, counts, segments, chunks) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
-        dense and its segment (``compressed``: sent as rows), plus the counts' bytes."""
+        dense and its segment (``compressed``: sent as rows), plus the counts' bytes (the times: the
+        segments' encoding and the owner's sum, apart from the collectives)."""
         st = self.state._stats
         itemsize = chunks.element_size()
         for d, (row, data) in enumerate(zip(counts, segments)):
@@ -319,4 +324,3 @@ class RowExchangeReduceScatter(ReduceScatterBase):
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
             st.payload_bytes += data.numel() + 8 * len(row)
-        st.encode_seconds += time.perf_counter() - started

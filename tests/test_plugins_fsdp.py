@@ -38,7 +38,7 @@ MESHES = {
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "auto_rows", "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite",
+                   "auto_rows", "auto_rows_mixed", "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite",
                    "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
@@ -378,12 +378,14 @@ def test_auto_resumed_run_continues_bit_identically(launch, mesh, name):
         assert r["bitwise"] and r["saved_keys"] > 0, r
 
 
-@pytest.mark.parametrize("mesh,name", cases("auto_rows", "auto_rows_rs"))
+@pytest.mark.parametrize("mesh,name", cases("auto_rows", "auto_rows_rs", "auto_rows_mixed"))
 def test_auto_reduce_scatter_sends_rows_exactly(launch, mesh, name):
     """``AutoFSDPState.register(reduce_scatter=True)`` (refused until 2026-12-02): the exact sparse
-    reduce-scatter sends the tables' chunks as their rows (32 of 2,500 rows per destination) and the
-    dense layers' whole, and trains as native FSDP2 does. On the 1-D mesh (nothing else compressed)
-    the stats count exactly the bytes handed to the all-to-alls: the segments and the counts."""
+    reduce-scatter sends the tables' chunks as their rows (32 of 2,500 rows per destination; 96 with 3
+    micro-batches) and the dense layers' whole, and trains as native FSDP2 does, also with bfloat16
+    gradients accumulated over micro-batches (``_mixed``: summed in bfloat16, as FSDP2's own). On the
+    1-D mesh (nothing else compressed) the stats count exactly the bytes handed to the all-to-alls: the
+    segments and the counts."""
     for r in results(launch, mesh, name):
         assert r["max_diff"] <= TOL, r
         st = r["stats"]

@@ -38,8 +38,8 @@ MESHES = {
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "auto_rows", "auto_rows_mixed", "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "non_finite",
-                   "non_finite_topk"]),
+                   "auto_rows", "auto_rows_mixed", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
+                   "accumulation", "non_finite", "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
                    "accumulation", "auto_guard_lossy_dense"]),
@@ -324,6 +324,16 @@ def test_a_non_finite_step_is_skipped_as_natively_and_grows_nothing(launch, mesh
         assert r["skipped"] == r["ref_skipped"] == [False, False, True, False, False], r
         assert r["max_diff"] <= TOL and r["stats"]["fallbacks"] >= 1, r
         assert r["growths"][2] == r["growths"][1], r["growths"]
+
+
+@pytest.mark.parametrize("mesh,name", cases("non_finite_auto"))
+def test_the_sparse_reduce_scatter_carries_a_non_finite_step_as_natively(launch, mesh, name):
+    """auto's sparse reduce-scatter with an Inf in one rank's loss: the rows holding it are sent like
+    any other non-zero rows, so every rank sees the non-finite gradient native FSDP2 gives, skips that
+    step, and trains on equal to native."""
+    for r in results(launch, mesh, name):
+        assert r["skipped"] == r["ref_skipped"] == [False, False, True, False, False], r
+        assert r["max_diff"] <= TOL and r["finite"] and r["stats"]["compressed"] > 0, r
 
 
 @pytest.mark.parametrize("mesh,name", cases("non_finite_topk", "non_finite_topk_rs"))

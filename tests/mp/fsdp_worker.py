@@ -372,6 +372,8 @@ def scenario(name, mesh):
         return non_finite(mesh, rs)
     if base == "thc_raise_one_shard":
         return thc_raise_one_shard(mesh)
+    if base == "non_finite_auto":   # the sparse reduce-scatter
+        return non_finite(mesh, rs, state=AutoFSDPState(mesh, calibration=Calibration.default(1e8)))
     if base == "non_finite_topk":   # top-k's residuals, also on the ranks that replay a destination's outcome
         return non_finite(mesh, rs, state=TopKFSDPState(mesh, ratio=0.05))
     if base == "accumulation":   # 3 micro-batches per step, reduced once

@@ -27,7 +27,7 @@ def test_parse_rate_and_delay():
     assert cluster.parse_rate("500mbit") == 5 * 10**8
     assert cluster.parse_delay("100us") == pytest.approx(1e-4)
     assert cluster.parse_delay("2ms") == pytest.approx(2e-3)
-    assert cluster.rate_label(10**10) == "10gbit"
+    assert cluster_report.rate_label(10**10) == "10gbit"
     for bad in ("fast", "1tbit", "-1gbit", "1kbit"):
         with pytest.raises(ValueError, match="bandwidth"):
             cluster.parse_rate(bad)

@@ -75,24 +75,24 @@ def test_answer_line_and_auto_marked():
         return {"framework": fw, "compression": comp, "step_s_median": step, "step_s_p10": step, "step_s_p90": step,
                 "speedup_vs_none": base / step, "wire_bytes_per_step_per_host": 1.0, "wire_vs_none": 1.0,
                 "aggregation_bytes_per_s": None, "throughput_vs_none": None, "codec_share": 0.0,
-                "max_param_diff_vs_none": None, "lossless_mode": comp in cluster.LOSSLESS, "fallbacks": 0,
+                "max_param_diff_vs_none": None, "lossless_mode": comp in cluster_report.LOSSLESS, "fallbacks": 0,
                 "aggregation_s": step - 0.1}
     rows = [row("ddp", "none", 1.0), row("ddp", "sparse", 0.4), row("ddp", "bf16", 0.5),
             row("ddp", "powersgd", 0.2), row("ddp", "auto", 0.42), row("ddp", "auto-lossy", 0.25),
             row("ddp", "auto-sparse", 0.44)]
-    line = cluster.answer_line(rows)
+    line = cluster_report.answer_line(rows)
     # The sparse-embedding modes train another setup of the model: each setup is answered, and each
     # planner mode compared, within its own (auto was measured against DDP's sparse mode before).
     assert "dense embeddings: fastest exact: ddp auto (420.0 ms" in line and "fastest overall: ddp powersgd" in line
     assert "sparse embeddings: fastest exact: ddp sparse (400.0 ms" in line
     assert "ddp auto: step 1.00x the fastest exact's" in line and "ddp auto-lossy: step 1.25x the fastest overall's" in line
     assert "ddp auto-sparse: step 1.10x the fastest exact's" in line
-    only_dense = cluster.answer_line([r for r in rows if r["compression"] not in ("sparse", "auto-sparse")])
+    only_dense = cluster_report.answer_line([r for r in rows if r["compression"] not in ("sparse", "auto-sparse")])
     assert only_dense.startswith("Is the step faster? fastest exact: ddp auto (420.0 ms") and "embeddings" not in only_dense
     from lossless_hc.bench.cluster_report import SPARSE_SETUP
     from lossless_hc.bench.workloads.train import SPARSE_MODES
     assert SPARSE_SETUP == SPARSE_MODES
-    md = cluster.render_markdown({"rows": rows, "compute_s": {1: 0.1}, "shaping": {}, "skipped": [["horovod", "bf16"]]},
+    md = cluster_report.render_markdown({"rows": rows, "compute_s": {1: 0.1}, "shaping": {}, "skipped": [["horovod", "bf16"]]},
                                  "t")
     assert "| ddp | **auto-sparse** (planner) |" in md
     assert "| ddp | **auto** (planner) |" in md and "Not run (the framework does not implement the mode): horovod bf16" in md

@@ -53,10 +53,10 @@ from lossless_hc.bench.common import command_line, machine_info, write_report
 from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, require_root, run_on_clusters,
                                     terminate_on_signals)
 
-# BASELINE, LOSSLESS (modes whose result must equal the uncompressed run within the exactness contract), AUTO
-# (the planner's modes); the training driver's modes and which framework implements which
-from lossless_hc.bench.cluster_report import (AUTO, BASELINE, LOSSLESS, add_relative, answer_line,  # noqa: E402,F401
-                                              merge_rounds, plot, rate_label, render_markdown, summarize)
+# BASELINE, LOSSLESS (modes whose result must equal the uncompressed run within the exactness contract); the
+# training driver's modes and which framework implements which
+from lossless_hc.bench.cluster_report import (BASELINE, LOSSLESS, add_relative, merge_rounds, plot,  # noqa: E402
+                                              rate_label, render_markdown, summarize)
 from lossless_hc.bench.workloads.train import COMPRESSIONS, SPARSE_MODES, SUPPORTED  # noqa: E402
 FRAMEWORKS = ("horovod", "ddp", "fsdp")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

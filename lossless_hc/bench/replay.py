@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 from lossless_hc.bench import cluster
+from lossless_hc.bench.cluster_report import AUTO, rate_label
 from lossless_hc.bench.common import command_line
 
 
@@ -77,7 +78,7 @@ def render(results: dict, title: str) -> str:
             # the wire is counted only where the interface could be read: the time stands without it
             cells.append("-" if agg is None else
                          f"{1e3 * agg:.1f}" + ("" if wire is None else f" ({wire / 2**20:.2f})"))
-        mode = f"**{comp}** (planner)" if comp in cluster.AUTO else comp
+        mode = f"**{comp}** (planner)" if comp in AUTO else comp
         lines.append(f"| {fw} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -110,7 +111,7 @@ def cmd_replay(args) -> int:
             results[n] = json.load(f)
     skew = meta["options"].get("skew")
     title = (f"collective-only replay of {meta['model']}{f' (Zipf skew {skew})' if skew else ''}, "
-             f"{cluster.rate_label(cluster.parse_rate(args.bandwidth))}{', CPU-fair' if args.cpu_fair else ''}: "
+             f"{rate_label(cluster.parse_rate(args.bandwidth))}{', CPU-fair' if args.cpu_fair else ''}: "
              f"per-step aggregation time")
     md = render(results, title)
     print(md)

@@ -272,10 +272,11 @@ class RowExchangeReduceScatter(ReduceScatterBase):
     as its non-zero rows or as it is (whichever is fewer bytes, decided by the sender), announced by
     one all-to-all of counts (one int64 per destination and parameter) and carried by one all-to-all of
     bytes; the owner adds them up. No statistics cross ranks and nothing can fail to decode, so there
-    is nothing to agree on afterwards. Synchronous: returns None."""
+    is nothing to agree on afterwards. The state's ``_narrow_dtype(parameter bytes)`` says in which dtype
+    a parameter's chunks sent whole cross (None: as they are). Synchronous: returns None."""
 
     def __init__(self, state, module: FSDPModule):
-        self.state, self.module, self.slots = state, module, None
+        self.state, self.module, self.slots, self.narrow = state, module, None, None
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -285,14 +286,17 @@ class RowExchangeReduceScatter(ReduceScatterBase):
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"the sparse reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
                              "reductions: do not undo set_force_sum_reduction_for_comms)")
+        n = dist.get_world_size(group)
         if self.slots is None:
             self.slots = Slots(self.module)
+            # a parameter's bytes: its n padded shards'
+            self.narrow = [self.state._narrow_dtype(n * math.prod(s) * input_tensor.element_size())
+                           for s in self.slots.shapes]
         started = time.perf_counter()
-        n = dist.get_world_size(group)
         chunks = input_tensor.view(n, -1)
         counts, segments = [], []
         for d in range(n):
-            c, data = encode_destination(self.slots.views(chunks[d]))
+            c, data = encode_destination(self.slots.views(chunks[d]), self.narrow)
             counts.append(c)
             segments.append(data)
         payload = torch.cat(segments)
@@ -301,12 +305,12 @@ class RowExchangeReduceScatter(ReduceScatterBase):
         announced = torch.empty_like(sent)
         dist.all_to_all_single(announced, sent, group=group)
         mine = self.slots.views(output_tensor)
-        lengths = [received_nbytes(row, mine) for row in announced.tolist()]
+        lengths = [received_nbytes(row, mine, self.narrow) for row in announced.tolist()]
         received = torch.empty(sum(lengths), dtype=torch.uint8, device=input_tensor.device)
         dist.all_to_all_single(received, payload, output_split_sizes=lengths,
                                input_split_sizes=[s.numel() for s in segments], group=group)
         summing = time.perf_counter()
-        add_segments(mine, announced, received)
+        add_segments(mine, announced, received, self.narrow)
         self.state._stats.decode_seconds += time.perf_counter() - summing
         self._count(counts, segments, chunks)
         return None

@@ -72,8 +72,10 @@ shards are all-reduced in place, and keeps them only if they measure faster. Wit
 (:mod:`lossless_hc.training.row_exchange`): each rank sends each destination every parameter's chunk
 as its own non-zero rows with their indices, or as it is where that is fewer bytes (each sender
 decides for its own chunks, so no statistics need to cross ranks), and the owner adds them up -- the
-dense reduce-scatter's sum to float rounding, lossless whatever ``lossy`` says, with no capacity or
-fallback; the step guard does not time it.
+dense reduce-scatter's sum to float rounding, with no capacity or fallback; the step guard does not
+time it. With ``lossy`` (and bf16 among its ``strategies``), a float32 chunk sent whole goes as
+bfloat16, as FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` would send it (its owner
+sums in float32), for parameters of ``lossy_min_bytes`` or more; rows stay exact.
 
 Limits: one parameter group per ``fully_shard`` call (no per-parameter meshes: torch refuses custom
 hooks there); even ``Shard(0)`` placements (FSDP2's default); native HSDP (``fully_shard`` on the
@@ -438,6 +440,15 @@ class AutoFSDPState(_FSDPState):
         d["calibration"] = self.spec.calibration_stats()
         d["guard"] = self._guard.stats() if self._guard is not None else None
         return d
+
+    def _narrow_dtype(self, parameter_bytes: int) -> Optional[torch.dtype]:
+        """The sparse reduce-scatter's dtype for a parameter's chunks sent whole: with ``lossy`` (and bf16
+        among the strategies), bfloat16 for a parameter of ``lossy_min_bytes`` or more, as FSDP2's
+        ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` would send it; otherwise None (as they are,
+        exact)."""
+        spec = self.spec
+        allowed = spec.lossy and (spec.strategies is None or "bf16" in spec.strategies)
+        return torch.bfloat16 if allowed and parameter_bytes >= spec.lossy_min_bytes else None
 
     def _checked_options(self) -> str:
         g = self._guard   # a rank without it would miss the verdict's broadcast

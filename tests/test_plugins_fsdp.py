@@ -38,7 +38,7 @@ MESHES = {
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "auto_rows", "auto_rows_mixed", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
+                   "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
                    "accumulation", "non_finite", "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
@@ -324,6 +324,21 @@ def test_a_non_finite_step_is_skipped_as_natively_and_grows_nothing(launch, mesh
         assert r["skipped"] == r["ref_skipped"] == [False, False, True, False, False], r
         assert r["max_diff"] <= TOL and r["stats"]["fallbacks"] >= 1, r
         assert r["growths"][2] == r["growths"][1], r["growths"]
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_rows_lossy"))
+def test_lossy_auto_sends_whole_chunks_in_bfloat16_and_rows_exactly(launch, mesh, name):
+    """``AutoFSDPState(lossy=True)``'s sparse reduce-scatter: the dense layers' chunks cross as bfloat16
+    (half their float32 bytes), the tables' as exact rows; it trains as native FSDP2 does up to the
+    bfloat16 rounding of the dense layers' gradients."""
+    for r, exact in zip(results(launch, mesh, name), results(launch, mesh, "auto_rows")):
+        assert 0 < r["max_diff"] < 1e-3 and r["cosine"] > 0.999, r
+        assert r["stats"]["sent_dense"] == 0 and r["stats"]["fallbacks"] == 0, r["stats"]
+        for lossy, plain in zip(r["exchanges"], exact["exchanges"]):
+            # per fully_shard module's segments: the dense layers' (fc1, the root's fc2) about halved, the
+            # tables' rows as in the exact run
+            sent = [[nbytes for _, dtype, nbytes in e["calls"] if dtype == "torch.uint8"] for e in (lossy, plain)]
+            assert sum(a < 0.6 * b for a, b in zip(*sent)) == 2 and sum(a == b for a, b in zip(*sent)) == 2, sent
 
 
 @pytest.mark.parametrize("mesh,name", cases("non_finite_auto"))

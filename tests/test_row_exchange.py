@@ -4,8 +4,8 @@ sum in rank order, bit for bit. The collectives around it: tests/test_plugins_fs
 import pytest
 import torch
 
-from lossless_hc.training.row_exchange import (WHOLE, add_segments, encode_destination, encode_segment,
-                                               received_nbytes, segment_nbytes)
+from lossless_hc.training.row_exchange import (NARROWED, WHOLE, add_segments, encode_destination,
+                                               encode_segment, received_nbytes, segment_nbytes)
 
 SHAPES = [(50, 4), (7,), (0, 3), (10, 10), (3, 2, 5)]
 
@@ -76,3 +76,26 @@ def test_a_byte_count_that_disagrees_with_the_counts_is_an_error():
     counts, data = encode_destination([x])
     with pytest.raises(ValueError, match="announce"):
         add_segments([torch.zeros(10, 2)], torch.tensor([counts]), torch.cat([data, data[:8]]))
+
+
+def test_narrowed_chunks_are_rounded_once_and_summed_in_their_dtype():
+    """With a narrow dtype (the lossy planner's bfloat16) a chunk sent whole goes rounded to it (half the
+    bytes) and the owner sums in float32; a sparse chunk still goes as exact rows."""
+    g = torch.Generator().manual_seed(5)
+    dense = [torch.randn(16, 8, generator=g) for _ in range(3)]
+    sparse = [sparse_chunk((64, 8), torch.float32, 2, g) for _ in range(3)]
+    narrow = [torch.bfloat16, torch.bfloat16]
+    counts, data = zip(*(encode_destination([d, s], narrow) for d, s in zip(dense, sparse)))
+    assert all(c[0] == NARROWED and c[1] == 2 for c in counts), counts
+    assert all(d.numel() == 16 * 8 * 2 + 2 * (8 + 8 * 4) for d in data)
+    out = [torch.zeros(16, 8), torch.zeros(64, 8)]
+    add_segments(out, torch.tensor(counts), torch.cat(data), narrow)
+    want = torch.zeros(16, 8)
+    for d in dense:
+        want = want + d.to(torch.bfloat16).float()
+    assert torch.equal(out[0], want)
+    assert torch.equal(out[1], sparse[0] + sparse[1] + sparse[2])
+    # a chunk already as narrow as the dtype is sent as it is
+    assert encode_segment(torch.ones(4, dtype=torch.bfloat16), torch.bfloat16)[0] == WHOLE
+    with pytest.raises(ValueError, match="narrow"):
+        add_segments([torch.zeros(16, 8)], torch.tensor([[NARROWED]]), data[0][:256])

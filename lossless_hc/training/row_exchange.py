@@ -13,25 +13,30 @@ the product of the others, 1 for a vector) this rank sends a *segment*, chosen b
 * rows (count ``c >= 0``): the ``c`` indices of the rows of ``x`` that hold an element other than
   +-0.0 (NaN and infinities count), increasing, as int64, then those rows in ``x``'s dtype -- when
   ``8 c + c row s < numel s`` (``s``: the element size);
-* whole (count ``-1``): ``x`` as it is.
+* whole (count ``-1``): ``x`` as it is;
+* narrowed (count ``-2``, only where the caller passes a ``narrow`` dtype, the lossy planner's
+  bfloat16): ``x`` rounded to that dtype, as a half-precision reduce-scatter sends it (summed by the
+  owner in ``x``'s dtype); rows stay exact and are sent when they are fewer bytes than that.
 
 Each segment is padded to a multiple of 8 bytes, so that every piece reads back in place as its dtype.
 The counts go first (one int64 per destination and parameter), so an owner knows every sender's
 lengths before the segments arrive. The owner's chunk is the sum over senders in rank order, each
 adding its whole chunk or its rows (``index_add_``) into zeros: the dense reduce-scatter's sum up to
 the order of the additions (float rounding), exactly 0.0 where no rank has a non-zero, and NaN or
-infinities wherever a dense sum has them.
+infinities wherever a dense sum has them; with narrowed chunks, the sum of what was sent (each rounded
+once, then added in the chunk's dtype).
 """
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from lossless_hc.backends import backend_for
 
 WHOLE = -1       # a segment's count: the chunk as it is
+NARROWED = -2    # ... the chunk rounded to the caller's narrow dtype
 _ALIGN = 8       # segments' byte alignment (the int64 keys; every dtype's element size divides it)
 
 
@@ -44,16 +49,23 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def segment_nbytes(count: int, numel: int, row: int, dtype: torch.dtype) -> int:
-    """Bytes of a segment of ``count`` rows (:data:`WHOLE`: the whole chunk of ``numel`` elements)."""
+def segment_nbytes(count: int, numel: int, row: int, dtype: torch.dtype,
+                   narrow: Optional[torch.dtype] = None) -> int:
+    """Bytes of a segment of ``count`` rows (:data:`WHOLE`: the whole chunk of ``numel`` elements;
+    :data:`NARROWED`: the same in ``narrow``)."""
     if count == WHOLE:
         return _padded(numel * dtype.itemsize)
+    if count == NARROWED:
+        if narrow is None:
+            raise ValueError("a narrowed segment announced, but no narrow dtype given")
+        return _padded(numel * narrow.itemsize)
     return _padded(count * (8 + row * dtype.itemsize))
 
 
-def encode_segment(x: torch.Tensor) -> Tuple[int, torch.Tensor]:
+def encode_segment(x: torch.Tensor, narrow: Optional[torch.dtype] = None) -> Tuple[int, torch.Tensor]:
     """``(count, segment)``: chunk ``x`` as the bytes this rank sends its owner (module doc), a uint8
-    tensor of :func:`segment_nbytes` bytes."""
+    tensor of :func:`segment_nbytes` bytes. ``narrow``: send the chunk whole in that dtype, where
+    narrower than ``x``'s, rather than as it is."""
     flat = x.reshape(-1)
     row = row_width(x.shape)
     keys = flat.numel() // row
@@ -61,10 +73,13 @@ def encode_segment(x: torch.Tensor) -> Tuple[int, torch.Tensor]:
         torch.zeros(0, dtype=torch.bool, device=flat.device)
     count = int(present.sum())
     size = x.dtype.itemsize
-    if count * (8 + row * size) >= flat.numel() * size:
-        out = torch.zeros(segment_nbytes(WHOLE, flat.numel(), row, x.dtype), dtype=torch.uint8, device=x.device)
-        out[:flat.numel() * size] = flat.contiguous().view(torch.uint8)
-        return WHOLE, out
+    whole = WHOLE if narrow is None or narrow.itemsize >= size else NARROWED
+    wire = x.dtype if whole == WHOLE else narrow
+    if count * (8 + row * size) >= flat.numel() * wire.itemsize:
+        out = torch.zeros(segment_nbytes(whole, flat.numel(), row, x.dtype, narrow), dtype=torch.uint8,
+                          device=x.device)
+        out[:flat.numel() * wire.itemsize] = flat.to(wire).contiguous().view(torch.uint8)
+        return whole, out
     index = present.nonzero().squeeze(1)
     out = torch.zeros(segment_nbytes(count, flat.numel(), row, x.dtype), dtype=torch.uint8, device=x.device)
     out[:8 * count] = index.view(torch.uint8)
@@ -72,33 +87,42 @@ def encode_segment(x: torch.Tensor) -> Tuple[int, torch.Tensor]:
     return count, out
 
 
-def encode_destination(chunks: List[torch.Tensor]) -> Tuple[List[int], torch.Tensor]:
-    """The counts and concatenated segments of one destination's chunks (one per parameter)."""
-    encoded = [encode_segment(x) for x in chunks]
+def encode_destination(chunks: List[torch.Tensor], narrow: Optional[List[Optional[torch.dtype]]] = None
+                       ) -> Tuple[List[int], torch.Tensor]:
+    """The counts and concatenated segments of one destination's chunks (one per parameter; ``narrow``:
+    each one's narrow dtype, or None)."""
+    narrow = narrow or [None] * len(chunks)
+    encoded = [encode_segment(x, n) for x, n in zip(chunks, narrow)]
     counts = [c for c, _ in encoded]
     data = torch.cat([s for _, s in encoded]) if encoded else torch.zeros(0, dtype=torch.uint8)
     return counts, data
 
 
-def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor]) -> int:
+def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor],
+                    narrow: Optional[List[Optional[torch.dtype]]] = None) -> int:
     """Bytes a sender's ``counts`` (one per parameter) announce for chunks shaped as ``chunks``."""
-    return sum(segment_nbytes(int(c), x.numel(), row_width(x.shape), x.dtype) for c, x in zip(counts, chunks))
+    narrow = narrow or [None] * len(chunks)
+    return sum(segment_nbytes(int(c), x.numel(), row_width(x.shape), x.dtype, n)
+               for c, x, n in zip(counts, chunks, narrow))
 
 
-def add_segments(out: List[torch.Tensor], counts: torch.Tensor, received: torch.Tensor) -> None:
+def add_segments(out: List[torch.Tensor], counts: torch.Tensor, received: torch.Tensor,
+                 narrow: Optional[List[Optional[torch.dtype]]] = None) -> None:
     """Write into ``out`` (this rank's chunks, one per parameter) the sum of every sender's segments:
     ``counts[s]`` are sender s's counts and ``received`` the senders' segments concatenated in rank
-    order (module doc)."""
+    order (module doc); ``narrow`` as the senders were given it."""
+    narrow = narrow or [None] * len(out)
     for x in out:
         x.zero_()
     offset = 0
     for sender in counts.tolist():
-        for c, x in zip(sender, out):
-            n = segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype)
+        for c, x, nd in zip(sender, out, narrow):
+            n = segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd)
             segment = received[offset:offset + n]
             offset += n
-            if c == WHOLE:
-                x.add_(segment[:x.numel() * x.dtype.itemsize].view(x.dtype).view(x.shape))
+            if c in (WHOLE, NARROWED):
+                wire = x.dtype if c == WHOLE else nd
+                x.add_(segment[:x.numel() * wire.itemsize].view(wire).view(x.shape))
             elif c:
                 row = row_width(x.shape)
                 index = segment[:8 * c].view(torch.int64)

@@ -317,7 +317,7 @@ class RowExchangeReduceScatter(ReduceScatterBase):
 
     def _count(self, counts, segments, chunks) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
-        dense and its segment (``compressed``: sent as rows), plus the counts' bytes (the times: the
+        dense and its segment (``compressed``: sent as rows or narrowed), plus the counts' bytes (the times: the
         segments' encoding and the owner's sum, apart from the collectives)."""
         st = self.state._stats
         itemsize = chunks.element_size()

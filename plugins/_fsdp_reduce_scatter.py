@@ -45,7 +45,7 @@ from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
-from lossless_hc.training.row_exchange import WHOLE, add_segments, encode_destination, received_nbytes
+from lossless_hc.training.row_exchange import WHOLE, add_segments, encode_destinations, received_nbytes
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
@@ -294,12 +294,7 @@ class RowExchangeReduceScatter(ReduceScatterBase):
                            for s in self.slots.shapes]
         started = time.perf_counter()
         chunks = input_tensor.view(n, -1)
-        counts, segments = [], []
-        for d in range(n):
-            c, data = encode_destination(self.slots.views(chunks[d]), self.narrow)
-            counts.append(c)
-            segments.append(data)
-        payload = torch.cat(segments)
+        counts, payload, sizes = encode_destinations([self.slots.views(chunks[d]) for d in range(n)], self.narrow)
         self.state._stats.encode_seconds += time.perf_counter() - started
         sent = torch.tensor(counts, dtype=torch.int64).reshape(n, -1).to(input_tensor.device)
         announced = torch.empty_like(sent)
@@ -307,24 +302,23 @@ class RowExchangeReduceScatter(ReduceScatterBase):
         mine = self.slots.views(output_tensor)
         lengths = [received_nbytes(row, mine, self.narrow) for row in announced.tolist()]
         received = torch.empty(sum(lengths), dtype=torch.uint8, device=input_tensor.device)
-        dist.all_to_all_single(received, payload, output_split_sizes=lengths,
-                               input_split_sizes=[s.numel() for s in segments], group=group)
+        dist.all_to_all_single(received, payload, output_split_sizes=lengths, input_split_sizes=sizes, group=group)
         summing = time.perf_counter()
         add_segments(mine, announced, received, self.narrow)
         self.state._stats.decode_seconds += time.perf_counter() - summing
-        self._count(counts, segments, chunks)
+        self._count(counts, sizes, chunks)
         return None
 
-    def _count(self, counts, segments, chunks) -> None:
+    def _count(self, counts, sizes, chunks) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
         dense and its segment (``compressed``: sent as rows or narrowed), plus the counts' bytes (the times: the
         segments' encoding and the owner's sum, apart from the collectives)."""
         st = self.state._stats
         itemsize = chunks.element_size()
-        for d, (row, data) in enumerate(zip(counts, segments)):
+        for d, (row, nbytes) in enumerate(zip(counts, sizes)):
             for c, view in zip(row, self.slots.views(chunks[d])):
                 st.tensors += 1
                 st.dense_bytes += view.numel() * itemsize
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
-            st.payload_bytes += data.numel() + 8 * len(row)
+            st.payload_bytes += nbytes + 8 * len(row)

@@ -4,8 +4,15 @@ sum in rank order, bit for bit. The collectives around it: tests/test_plugins_fs
 import pytest
 import torch
 
-from lossless_hc.training.row_exchange import (NARROWED, WHOLE, add_segments, encode_destination,
+from lossless_hc.training.row_exchange import (NARROWED, WHOLE, add_segments, encode_destinations,
                                                encode_segment, received_nbytes, segment_nbytes)
+
+
+def encode_destination(chunks, narrow=None):
+    """One sender's counts and bytes for its one destination."""
+    counts, payload, lengths = encode_destinations([chunks], narrow)
+    assert lengths == [payload.numel()]
+    return counts[0], payload
 
 SHAPES = [(50, 4), (7,), (0, 3), (10, 10), (3, 2, 5)]
 
@@ -99,3 +106,20 @@ def test_narrowed_chunks_are_rounded_once_and_summed_in_their_dtype():
     assert encode_segment(torch.ones(4, dtype=torch.bfloat16), torch.bfloat16)[0] == WHOLE
     with pytest.raises(ValueError, match="narrow"):
         add_segments([torch.zeros(16, 8)], torch.tensor([[NARROWED]]), data[0][:256])
+
+
+def test_every_destination_in_one_payload_in_order_with_zeroed_padding():
+    """Several destinations' chunks: one payload, destination after destination, each destination's
+    bytes as a lone encoding gives them (so the all-to-all's split sizes are the lengths), the padding
+    zeroed (the bytes are a function of the chunks)."""
+    g = torch.Generator().manual_seed(9)
+    chunks = [[sparse_chunk((30, 3), torch.float32, r, g), torch.randn(5, generator=g)] for r in (2, 0, 30)]
+    counts, payload, lengths = encode_destinations(chunks)
+    assert sum(lengths) == payload.numel() and counts == [[2, WHOLE], [0, WHOLE], [WHOLE, WHOLE]], counts
+    offset = 0
+    for row, n in zip(chunks, lengths):
+        alone = encode_destination(row)[1]
+        assert torch.equal(payload[offset:offset + n], alone)
+        offset += n
+    # the 5-element vector: 20 bytes, padded to 24 with zeros
+    assert torch.equal(encode_segment(torch.ones(5))[1][20:], torch.zeros(4, dtype=torch.uint8))

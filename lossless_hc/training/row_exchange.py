@@ -62,10 +62,8 @@ def segment_nbytes(count: int, numel: int, row: int, dtype: torch.dtype,
     return _padded(count * (8 + row * dtype.itemsize))
 
 
-def encode_segment(x: torch.Tensor, narrow: Optional[torch.dtype] = None) -> Tuple[int, torch.Tensor]:
-    """``(count, segment)``: chunk ``x`` as the bytes this rank sends its owner (module doc), a uint8
-    tensor of :func:`segment_nbytes` bytes. ``narrow``: send the chunk whole in that dtype, where
-    narrower than ``x``'s, rather than as it is."""
+def _scan(x: torch.Tensor, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.Tensor]]:
+    """``(count, index)``: how chunk ``x`` is sent (module doc) and, for rows, their indices (int64)."""
     flat = x.reshape(-1)
     row = row_width(x.shape)
     keys = flat.numel() // row
@@ -76,26 +74,52 @@ def encode_segment(x: torch.Tensor, narrow: Optional[torch.dtype] = None) -> Tup
     whole = WHOLE if narrow is None or narrow.itemsize >= size else NARROWED
     wire = x.dtype if whole == WHOLE else narrow
     if count * (8 + row * size) >= flat.numel() * wire.itemsize:
-        out = torch.zeros(segment_nbytes(whole, flat.numel(), row, x.dtype, narrow), dtype=torch.uint8,
-                          device=x.device)
-        out[:flat.numel() * wire.itemsize] = flat.to(wire).contiguous().view(torch.uint8)
-        return whole, out
-    index = present.nonzero().squeeze(1)
-    out = torch.zeros(segment_nbytes(count, flat.numel(), row, x.dtype), dtype=torch.uint8, device=x.device)
-    out[:8 * count] = index.view(torch.uint8)
-    out[8 * count:count * (8 + row * size)] = flat.view(keys, row).index_select(0, index).reshape(-1).view(torch.uint8)
-    return count, out
+        return whole, None
+    return count, present.nonzero().squeeze(1)
 
 
-def encode_destination(chunks: List[torch.Tensor], narrow: Optional[List[Optional[torch.dtype]]] = None
-                       ) -> Tuple[List[int], torch.Tensor]:
-    """The counts and concatenated segments of one destination's chunks (one per parameter; ``narrow``:
-    each one's narrow dtype, or None)."""
-    narrow = narrow or [None] * len(chunks)
-    encoded = [encode_segment(x, n) for x, n in zip(chunks, narrow)]
-    counts = [c for c, _ in encoded]
-    data = torch.cat([s for _, s in encoded]) if encoded else torch.zeros(0, dtype=torch.uint8)
-    return counts, data
+def _write(x: torch.Tensor, count: int, index: Optional[torch.Tensor], narrow: Optional[torch.dtype],
+           out: torch.Tensor) -> None:
+    """Write chunk ``x``'s segment (as :func:`_scan` chose) into ``out`` (uint8, its padded length)."""
+    flat = x.reshape(-1)
+    if count in (WHOLE, NARROWED):
+        wire = x.dtype if count == WHOLE else narrow
+        used = flat.numel() * wire.itemsize
+        out[:used] = flat.to(wire).contiguous().view(torch.uint8)
+    else:
+        row = row_width(x.shape)
+        used = count * (8 + row * x.dtype.itemsize)
+        out[:8 * count] = index.view(torch.uint8)
+        out[8 * count:used] = flat.view(-1, row).index_select(0, index).reshape(-1).view(torch.uint8)
+    out[used:] = 0
+
+
+def encode_segment(x: torch.Tensor, narrow: Optional[torch.dtype] = None) -> Tuple[int, torch.Tensor]:
+    """``(count, segment)``: chunk ``x`` as the bytes this rank sends its owner (module doc), a uint8
+    tensor of :func:`segment_nbytes` bytes. ``narrow``: send the chunk whole in that dtype, where
+    narrower than ``x``'s, rather than as it is."""
+    counts, payload, _ = encode_destinations([[x]], [narrow])
+    return counts[0][0], payload
+
+
+def encode_destinations(chunks: List[List[torch.Tensor]], narrow: Optional[List[Optional[torch.dtype]]] = None
+                        ) -> Tuple[List[List[int]], torch.Tensor, List[int]]:
+    """``(counts, payload, lengths)`` for ``chunks[d]``, destination d's chunks (one per parameter;
+    ``narrow``: each parameter's narrow dtype, or None): per destination the counts, the segments
+    of every destination in one uint8 tensor (destination order, each destination's parameters in
+    order), and each destination's bytes in it."""
+    narrow = narrow or [None] * (len(chunks[0]) if chunks else 0)
+    scans = [[_scan(x, nd) for x, nd in zip(row, narrow)] for row in chunks]
+    sizes = [[segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd) for (c, _), x, nd in zip(scan, row, narrow)]
+             for scan, row in zip(scans, chunks)]
+    device = chunks[0][0].device if chunks and chunks[0] else torch.device("cpu")
+    payload = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=device)
+    offset = 0
+    for scan, row, size in zip(scans, chunks, sizes):
+        for (c, index), x, nd, n in zip(scan, row, narrow, size):
+            _write(x, c, index, nd, payload[offset:offset + n])
+            offset += n
+    return [[c for c, _ in scan] for scan in scans], payload, [sum(size) for size in sizes]
 
 
 def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor],

@@ -1,8 +1,9 @@
 """FSDP2's parameter slots and the reduce-scatters (``set_custom_reduce_scatter``) of
 :mod:`lossless_hc.plugins.fsdp`, which owns the states, the mesh and the replica all-reduce: the
-homomorphic one of ``LosslessFSDPState`` and ``TopKFSDPState`` (:class:`HomomorphicReduceScatter`,
-below), and the planner's exact sparse one (:class:`RowExchangeReduceScatter`, rows sent to their
-owner as they are: :mod:`lossless_hc.training.row_exchange`).
+homomorphic one of ``LosslessFSDPState`` (:class:`HomomorphicReduceScatter`, below), and the row
+exchanges (:mod:`lossless_hc.training.row_exchange`): the planner's exact sparse one
+(:class:`RowExchangeReduceScatter`, rows sent to their owner as they are) and top-k's
+(:class:`SelectionRowExchangeReduceScatter`, each rank's selection sent so).
 
 The homomorphic reduce-scatter, per ``fully_shard`` module and step (S ranks in the shard group, rank
 ``me``):
@@ -294,12 +295,14 @@ class RowExchangeReduceScatter(ReduceScatterBase):
                            for s in self.slots.shapes]
         started = time.perf_counter()
         chunks = input_tensor.view(n, -1)
-        counts, payload, sizes = encode_destinations([self.slots.views(chunks[d]) for d in range(n)], self.narrow)
+        me = dist.get_rank(group)
+        counts, payload, sizes = encode_destinations([self._sent(self.slots.views(chunks[d]), d, n, me)
+                                                      for d in range(n)], self.narrow)
         self.state._stats.encode_seconds += time.perf_counter() - started
         sent = torch.tensor(counts, dtype=torch.int64).reshape(n, -1).to(input_tensor.device)
         announced = torch.empty_like(sent)
         dist.all_to_all_single(announced, sent, group=group)
-        mine = self.slots.views(output_tensor)
+        mine = self._received(self.slots.views(output_tensor))
         lengths = [received_nbytes(row, mine, self.narrow) for row in announced.tolist()]
         received = torch.empty(sum(lengths), dtype=torch.uint8, device=input_tensor.device)
         dist.all_to_all_single(received, payload, output_split_sizes=lengths, input_split_sizes=sizes, group=group)
@@ -308,6 +311,14 @@ class RowExchangeReduceScatter(ReduceScatterBase):
         self.state._stats.decode_seconds += time.perf_counter() - summing
         self._count(counts, sizes, chunks)
         return None
+
+    def _sent(self, views: List[torch.Tensor], d: int, n: int, me: int) -> List[torch.Tensor]:
+        """What this rank sends destination ``d`` for its parameters' chunks ``views``: the chunks."""
+        return views
+
+    def _received(self, views: List[torch.Tensor]) -> List[torch.Tensor]:
+        """This rank's chunks as the senders' segments address them (shaped as :meth:`_sent`'s)."""
+        return views
 
     def _count(self, counts, sizes, chunks) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
@@ -322,3 +333,26 @@ class RowExchangeReduceScatter(ReduceScatterBase):
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
             st.payload_bytes += nbytes + 8 * len(row)
+
+
+class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
+    """The reduce-scatter of :class:`~lossless_hc.plugins.fsdp.TopKFSDPState`: each rank's top-k selection
+    of every chunk (its :class:`~lossless_hc.training.aggregate.TopKAggregator` per parameter and
+    destination, error feedback included) sent to the owner as rows of one element -- an int64 index and
+    a value per selected coordinate, fewer bytes than a homomorphic payload sized for the union of every
+    rank's selections -- and summed there exactly. A residual that a non-finite gradient (an AMP scaler's
+    overflow step) made non-finite is dropped on the rank that holds it, so that later steps stay finite
+    (the other ranks, which never see it, keep theirs)."""
+
+    def _sent(self, views, d, n, me):
+        out = []
+        for fqn, v in zip(self.slots.fqns, views):
+            agg = self.state._aggregator(f"shard:{fqn}->{d}", v, n, me)
+            selected = agg.select(v)
+            if agg.residual is not None and not bool(torch.isfinite(agg.residual).all()):
+                agg.residual = None
+            out.append(selected.reshape(-1))
+        return out
+
+    def _received(self, views):
+        return [v.view(-1) for v in views]

@@ -20,7 +20,9 @@ FSDP2 has no ``register_comm_hook``; it has two seams, and this module fills bot
   every rank grows the same capacities, and the failed parameters' chunks and the inexact keys' values
   are reduce-scattered again (the same way), exactly -- identically on every rank. THC is not offered
   there: its codec agrees on a norm from the decoded aggregate, which a reduce-scatter gives to the
-  owner alone. ``AutoFSDPState`` fills this seam with the exact sparse reduce-scatter instead (below).
+  owner alone. ``AutoFSDPState`` fills this seam with the exact sparse reduce-scatter instead (below),
+  and ``TopKFSDPState`` with its top-k selections sent the same way (an index and a value each), so the
+  homomorphic one is ``LosslessFSDPState``'s.
 
 Averaging: :meth:`~_FSDPState.register` makes every collective a plain SUM
 (``set_force_sum_reduction_for_comms(True)``) and sets ``set_gradient_divide_factor(R * S)``, so
@@ -104,7 +106,8 @@ from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, s
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 from lossless_hc.plugins._ddp_bucket import divide_first
 from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, ReduceScatterBase,
-                                                     RowExchangeReduceScatter, Slots, all_gather_stacked, param_groups)
+                                                     RowExchangeReduceScatter, SelectionRowExchangeReduceScatter,
+                                                     Slots, all_gather_stacked, param_groups)
 from lossless_hc.plugins._torch_dist import check_same_configuration
 
 __all__ = ["LosslessFSDPState", "TopKFSDPState", "THCFSDPState", "AutoFSDPState", "ConfigurationMismatch"]
@@ -233,6 +236,10 @@ class _FSDPState:
     def _checked_options(self) -> str:
         """Options that every rank must share but a checkpoint need not (:meth:`register` checks them)."""
         return ""
+
+    def _narrow_dtype(self, parameter_bytes: int) -> Optional[torch.dtype]:
+        """The dtype a row-exchange reduce-scatter sends a parameter's whole chunks in (None: as they are)."""
+        return None
 
     def _replica_phase(self, hook, now: float) -> str:
         """What the replica all-reduce hook ``hook`` runs at this call: ``"plan"`` (the aggregators) or
@@ -374,7 +381,11 @@ class LosslessFSDPState(_FSDPState):
 
 class TopKFSDPState(_FSDPState):
     """Each rank's top ``ratio`` of every shard (error feedback keeps the rest, per parameter and, in
-    the reduce-scatter, per destination), the selections aggregated exactly."""
+    the reduce-scatter, per destination), the selections aggregated exactly: by the LHC codec on the
+    replica all-reduce, as index/value pairs sent to their owner on the reduce-scatter
+    (:class:`~lossless_hc.plugins._fsdp_reduce_scatter.SelectionRowExchangeReduceScatter`)."""
+
+    reduce_scatter_comm = SelectionRowExchangeReduceScatter
 
     def __init__(self, mesh: DeviceMesh, ratio: float = 0.01, seed: int = 0, index: str = "auto",
                  policy: Optional[CapacityPolicy] = None):

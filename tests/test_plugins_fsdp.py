@@ -146,9 +146,14 @@ def test_inexact_keys_are_reaggregated_exactly(launch, mesh, name):
 
 @pytest.mark.parametrize("mesh,name", cases("topk", "topk_rs"))
 def test_topk_keeps_error_feedback_and_trains(launch, mesh, name):
+    """Top-k (ratio 0.05) with error feedback trains near uncompressed FSDP2. On the 1-D mesh, where the
+    reduce-scatter is all there is, its selections cross as index/value pairs: 0.040 of the dense bytes
+    (0.365 when they went through the homomorphic payload, sized for the union of both ranks' selections)."""
     rs = results(launch, mesh, name)
     for r in rs:
         assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < 0.5 * r["stats"]["dense_bytes"]
+        if mesh == "1x2":
+            assert r["stats"]["wire_ratio"] < 0.1, r["stats"]
         assert r["residual_norms"] and max(r["residual_norms"]) > 0
         assert r["cosine"] > 0.8, r["cosine"]   # 16 steps vs uncompressed: measured 0.88-0.96
     assert_identical_decisions(rs)

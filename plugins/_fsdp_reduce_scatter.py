@@ -120,10 +120,11 @@ class Slots:
         return out
 
 
-class HomomorphicReduceScatter(ReduceScatterBase):
-    """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module: a SUM reduce-scatter
-    of encoded chunks (see the module doc). ``state``: the :mod:`~lossless_hc.plugins.fsdp` state
-    (its ``_aggregator`` and ``_device``). Synchronous: returns None."""
+class _SumReduceScatter(ReduceScatterBase):
+    """What the reduce-scatters share: their state and ``fully_shard`` module, FSDP2's buffer allocation,
+    and the SUM they implement (``kind`` names them in the error)."""
+
+    kind = ""
 
     def __init__(self, state, module: FSDPModule):
         self.state, self.module, self.slots = state, module, None
@@ -131,11 +132,22 @@ class HomomorphicReduceScatter(ReduceScatterBase):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def _check_sum(self, op) -> None:
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"the {self.kind} reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
+                             "reductions: do not undo set_force_sum_reduction_for_comms)")
+
+
+class HomomorphicReduceScatter(_SumReduceScatter):
+    """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module: a SUM reduce-scatter
+    of encoded chunks (see the module doc). ``state``: the :mod:`~lossless_hc.plugins.fsdp` state
+    (its ``_aggregator`` and ``_device``). Synchronous: returns None."""
+
+    kind = "homomorphic"
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(f"the homomorphic reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
-                             "reductions: do not undo set_force_sum_reduction_for_comms)")
+        self._check_sum(op)
         st = self.state
         if self.slots is None:
             self.slots = Slots(self.module)
@@ -266,7 +278,7 @@ class HomomorphicReduceScatter(ReduceScatterBase):
                 offset += c.numel()
 
 
-class RowExchangeReduceScatter(ReduceScatterBase):
+class RowExchangeReduceScatter(_SumReduceScatter):
     """``FSDPModule.set_custom_reduce_scatter`` comm of one ``fully_shard`` module for the planner
     (:class:`~lossless_hc.plugins.fsdp.AutoFSDPState`): the exact sparse reduce-scatter of
     :mod:`lossless_hc.training.row_exchange`. Each rank sends each destination every parameter's chunk
@@ -276,17 +288,15 @@ class RowExchangeReduceScatter(ReduceScatterBase):
     is nothing to agree on afterwards. The state's ``_narrow_dtype(parameter bytes)`` says in which dtype
     a parameter's chunks sent whole cross (None: as they are). Synchronous: returns None."""
 
-    def __init__(self, state, module: FSDPModule):
-        self.state, self.module, self.slots, self.narrow = state, module, None, None
+    kind = "sparse"
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    def __init__(self, state, module: FSDPModule):
+        super().__init__(state, module)
+        self.narrow = None
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(f"the sparse reduce-scatter sums; FSDP asked for {op} (register() sets sum-only "
-                             "reductions: do not undo set_force_sum_reduction_for_comms)")
+        self._check_sum(op)
         n = dist.get_world_size(group)
         if self.slots is None:
             self.slots = Slots(self.module)

@@ -78,11 +78,18 @@ def test_non_finite_values_and_signed_zeros_sum_as_dense():
 
 
 def test_a_byte_count_that_disagrees_with_the_counts_is_an_error():
+    """Bytes that do not match the counts, or counts no chunk of that shape can have: a ValueError
+    before anything is written (the output is left as it was)."""
     x = torch.zeros(10, 2)
     x[1] = 1.0
     counts, data = encode_destination([x])
+    out = torch.full((10, 2), 3.0)
     with pytest.raises(ValueError, match="announce"):
-        add_segments([torch.zeros(10, 2)], torch.tensor([counts]), torch.cat([data, data[:8]]))
+        add_segments([out], torch.tensor([counts]), torch.cat([data, data[:8]]))
+    for bad in (-3, 11):
+        with pytest.raises(ValueError, match="do not fit"):
+            add_segments([out], torch.tensor([[bad]]), data)
+    assert bool((out == 3.0).all())
 
 
 def test_narrowed_chunks_are_rounded_once_and_summed_in_their_dtype():

@@ -110,8 +110,8 @@ def encode_destinations(chunks: List[List[torch.Tensor]], narrow: Optional[List[
     order), and each destination's bytes in it."""
     narrow = narrow or [None] * (len(chunks[0]) if chunks else 0)
     scans = [[_scan(x, nd) for x, nd in zip(row, narrow)] for row in chunks]
-    sizes = [[segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd) for (c, _), x, nd in zip(scan, row, narrow)]
-             for scan, row in zip(scans, chunks)]
+    sizes = [[segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd)
+              for (c, _), x, nd in zip(scan, row, narrow)] for scan, row in zip(scans, chunks)]
     device = chunks[0][0].device if chunks and chunks[0] else torch.device("cpu")
     payload = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=device)
     offset = 0
@@ -136,10 +136,16 @@ def add_segments(out: List[torch.Tensor], counts: torch.Tensor, received: torch.
     ``counts[s]`` are sender s's counts and ``received`` the senders' segments concatenated in rank
     order (module doc); ``narrow`` as the senders were given it."""
     narrow = narrow or [None] * len(out)
+    senders = counts.tolist()
+    if any(c < NARROWED or c > x.numel() // row_width(x.shape) for sender in senders for c, x in zip(sender, out)):
+        raise ValueError(f"the senders' counts {senders} do not fit chunks of {[tuple(x.shape) for x in out]}")
+    announced = sum(received_nbytes(sender, out, narrow) for sender in senders)
+    if announced != received.numel():
+        raise ValueError(f"the senders' segments hold {received.numel()} bytes; their counts announce {announced}")
     for x in out:
         x.zero_()
     offset = 0
-    for sender in counts.tolist():
+    for sender in senders:
         for c, x, nd in zip(sender, out, narrow):
             n = segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd)
             segment = received[offset:offset + n]
@@ -152,5 +158,3 @@ def add_segments(out: List[torch.Tensor], counts: torch.Tensor, received: torch.
                 index = segment[:8 * c].view(torch.int64)
                 rows = segment[8 * c:c * (8 + row * x.dtype.itemsize)].view(x.dtype).view(c, row)
                 x.view(-1, row).index_add_(0, index, rows)
-    if offset != received.numel():
-        raise ValueError(f"the senders' segments hold {received.numel()} bytes; their counts announce {offset}")

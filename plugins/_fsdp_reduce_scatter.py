@@ -62,8 +62,9 @@ _TABLE_COLUMNS = 5
 def all_to_all_sum(rows: List[torch.Tensor], group) -> torch.Tensor:
     """A SUM reduce-scatter of rows of different lengths: ``rows[d]`` (1-D, one dtype on every rank) goes
     to rank ``d`` of the ``len(rows)``-rank ``group``, and this rank gets the element-wise sum of every
-    rank's row for it, added in rank order in the row's dtype. Every rank must hand rows of the same
-    lengths (each derives every destination's length alike). One all-to-all, blocking."""
+    rank's row for it, summed in the row's dtype (torch's sum over the ranks' rows). Every rank must
+    hand rows of the same lengths (each derives every destination's length alike). One all-to-all,
+    blocking."""
     n, me = len(rows), dist.get_rank(group)
     length = rows[me].numel()
     received = torch.empty(n * length, dtype=rows[me].dtype, device=rows[me].device)

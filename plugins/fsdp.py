@@ -166,7 +166,8 @@ class _FSDPState:
 
         * the replica all-reduce hook, when the mesh has a replicate dimension of more than one rank;
         * with ``reduce_scatter``, the state's reduce-scatter (shard dimension of more than one rank): the
-          homomorphic one, or :class:`AutoFSDPState`'s exact sparse one;
+          homomorphic one (:class:`LosslessFSDPState`), the row exchange of the top-k selections
+          (:class:`TopKFSDPState`) or the exact sparse one (:class:`AutoFSDPState`);
         * sum-only collectives and ``set_gradient_divide_factor(gradient_divide_factor)``, by default
           the data-parallel world size (replicas x shards), so gradients are averaged as uncompressed
           FSDP2 averages them.

@@ -46,7 +46,8 @@ from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
-from lossless_hc.training.row_exchange import WHOLE, add_segments, encode_destinations, received_nbytes
+from lossless_hc.training.row_exchange import (WHOLE, GivenRows, add_segments, encode_destinations,
+                                               received_nbytes)
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
@@ -359,10 +360,15 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
         out = []
         for fqn, v in zip(self.slots.fqns, views):
             agg = self.state._aggregator(f"shard:{fqn}->{d}", v, n, me)
-            selected = agg.select(v)
+            if agg.compressed:   # the selection as it comes, no dense tensor built and scanned again
+                index, values = agg.select_indices(v)
+                values = values.to(v.dtype)
+                sent = values != 0   # k may exceed the non-zeros (a sparse gradient): zeros add nothing
+                out.append(GivenRows(index[sent], values[sent], v.numel()))
+            else:   # the tensor with what its residual held
+                out.append(agg.select(v).reshape(-1))
             if agg.residual is not None and not bool(torch.isfinite(agg.residual).all()):
                 agg.residual = None
-            out.append(selected.reshape(-1))
         return out
 
     def _received(self, views):

@@ -4,7 +4,7 @@ sum in rank order, bit for bit. The collectives around it: tests/test_plugins_fs
 import pytest
 import torch
 
-from lossless_hc.training.row_exchange import (NARROWED, WHOLE, add_segments, encode_destinations,
+from lossless_hc.training.row_exchange import (NARROWED, WHOLE, GivenRows, add_segments, encode_destinations,
                                                encode_segment, received_nbytes, segment_nbytes)
 
 
@@ -32,7 +32,7 @@ def exchange(senders):
     counts, data = zip(*(encode_destination(chunks) for chunks in senders))
     for c, d, chunks in zip(counts, data, senders):
         assert d.numel() == received_nbytes(c, chunks)
-    out = [torch.full_like(x, 7.0) for x in senders[0]]   # overwritten, not added to
+    out = [torch.full(tuple(x.shape), 7.0, dtype=x.dtype) for x in senders[0]]   # overwritten, not added to
     add_segments(out, torch.tensor(counts, dtype=torch.int64), torch.cat(data))
     return out, counts
 
@@ -130,3 +130,19 @@ def test_every_destination_in_one_payload_in_order_with_zeroed_padding():
         offset += n
     # the 5-element vector: 20 bytes, padded to 24 with zeros
     assert torch.equal(encode_segment(torch.ones(5))[1][20:], torch.zeros(4, dtype=torch.uint8))
+
+
+def test_given_rows_send_what_their_dense_chunk_would():
+    """A top-k selection handed over as indices and values: the owner's sum equals that of the dense
+    selections; where the selection is most of the chunk it goes whole, as the dense chunk would."""
+    g = torch.Generator().manual_seed(11)
+    selections = []
+    for _ in range(3):
+        index = torch.randperm(100, generator=g)[:7].sort().values
+        selections.append(GivenRows(index, torch.randn(7, generator=g), 100))
+    given, counts = exchange([[s] for s in selections])
+    dense, _ = exchange([[s.dense()] for s in selections])
+    assert [list(c) for c in counts] == [[7]] * 3 and torch.equal(given[0], dense[0])
+    full = GivenRows(torch.arange(90), torch.ones(90), 100)   # 90 x 12 bytes > 100 x 4
+    count, segment = encode_segment(full)
+    assert count == WHOLE and torch.equal(segment, encode_segment(full.dense())[1])

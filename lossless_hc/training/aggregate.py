@@ -495,6 +495,18 @@ class TopKAggregator(TensorAggregator):
             x = (x.detach().reshape(-1).float() + self.residual).reshape(self.shape).to(self.dtype)
             self.residual = None
             return x
+        idx, values = self.select_indices(x)
+        # A fresh dense output (the adapters keep it until the decode completes), zeroed in memory
+        # advised to huge pages: a third of torch.zeros_like's time on the CPU, whose page faults are
+        # most of it.
+        sparse = backend_for(values.device).empty(self.numel, values.device).zero_()
+        sparse[idx] = values
+        return sparse.reshape(self.shape).to(self.dtype)
+
+    def select_indices(self, x: torch.Tensor) -> tuple:
+        """:meth:`select`'s selection of a compressed tensor as ``(indices, values)``: the k flat
+        indices (int64, ascending) and ``a`` there, float32 (the residual updated as :meth:`select`
+        updates it). Only while :attr:`compressed`."""
         flat = x.detach().reshape(-1).to(torch.float32).contiguous()
         if self.residual is None:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=flat.device)
@@ -502,14 +514,7 @@ class TopKAggregator(TensorAggregator):
         # k largest |acc|, ties to the lower index, the same on every rank, thread count and device,
         # so the codec's capacity k is never exceeded), and the residual updated in place to acc with
         # those coordinates zeroed. The gradient itself is never written.
-        backend = backend_for(flat.device)
-        idx, values = backend.topk_feedback(flat, self.residual, self.k)
-        # A fresh dense output (the adapters keep it until the decode completes), zeroed in memory
-        # advised to huge pages: a third of torch.zeros_like's time on the CPU, whose page faults are
-        # most of it.
-        sparse = backend.empty(self.numel, flat.device).zero_()
-        sparse[idx] = values
-        return sparse.reshape(self.shape).to(self.dtype)
+        return backend_for(flat.device).topk_feedback(flat, self.residual, self.k)
 
     def after_failure(self, report: DecodeReport) -> None:
         """:meth:`TensorAggregator.after_failure`; after a step where some rank's g + e held NaN/Inf (an

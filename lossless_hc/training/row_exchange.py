@@ -18,6 +18,10 @@ the product of the others, 1 for a vector) this rank sends a *segment*, chosen b
   bfloat16): ``x`` rounded to that dtype, as a half-precision reduce-scatter sends it (summed by the
   owner in ``x``'s dtype); rows stay exact and are sent when they are fewer bytes than that.
 
+A chunk may also come as :class:`GivenRows` (a top-k selection: indices and values already chosen):
+those rows are sent as given (zeros among them included), or the chunk they make whole where that is
+fewer bytes.
+
 Each segment is padded to a multiple of 8 bytes, so that every piece reads back in place as its dtype.
 The counts go first (one int64 per destination and parameter), so an owner knows every sender's
 lengths before the segments arrive. The owner's chunk is the sum over senders in rank order, each
@@ -29,7 +33,7 @@ once, then added in the chunk's dtype).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -38,6 +42,38 @@ from lossless_hc.backends import backend_for
 WHOLE = -1       # a segment's count: the chunk as it is
 NARROWED = -2    # ... the chunk rounded to the caller's narrow dtype
 _ALIGN = 8       # segments' byte alignment (the int64 keys; every dtype's element size divides it)
+
+
+class GivenRows(NamedTuple):
+    """A vector chunk of ``length`` elements (rows of one element) given by its selected elements:
+    ``index`` (int64, ascending, distinct) and ``values`` there, in the chunk's dtype; zero elsewhere.
+    Read as a tensor is (``numel``, ``shape``, ``dtype``, ``device``)."""
+    index: torch.Tensor
+    values: torch.Tensor
+    length: int
+
+    def numel(self) -> int:
+        return self.length
+
+    @property
+    def shape(self) -> tuple:
+        return (self.length,)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def dense(self) -> torch.Tensor:
+        out = torch.zeros(self.length, dtype=self.dtype, device=self.device)
+        out[self.index] = self.values
+        return out
+
+
+Chunk = Union[torch.Tensor, GivenRows]
 
 
 def row_width(shape: Sequence[int]) -> int:
@@ -62,27 +98,31 @@ def segment_nbytes(count: int, numel: int, row: int, dtype: torch.dtype,
     return _padded(count * (8 + row * dtype.itemsize))
 
 
-def _scan(x: torch.Tensor, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.Tensor]]:
+def _scan(x: Chunk, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.Tensor]]:
     """``(count, index)``: how chunk ``x`` is sent (module doc) and, for rows, their indices (int64)."""
-    flat = x.reshape(-1)
     row = row_width(x.shape)
-    keys = flat.numel() // row
-    present = backend_for(flat.device).nonzero_rows(flat.contiguous(), row, torch.get_num_threads()) if keys else \
-        torch.zeros(0, dtype=torch.bool, device=flat.device)
-    count = int(present.sum())
+    if isinstance(x, GivenRows):
+        count, index, numel = x.index.numel(), x.index, x.length
+    else:
+        flat = x.reshape(-1)
+        numel = flat.numel()
+        keys = numel // row
+        present = backend_for(flat.device).nonzero_rows(flat.contiguous(), row, torch.get_num_threads()) if keys \
+            else torch.zeros(0, dtype=torch.bool, device=flat.device)
+        count, index = int(present.sum()), None
     size = x.dtype.itemsize
     whole = WHOLE if narrow is None or narrow.itemsize >= size else NARROWED
     wire = x.dtype if whole == WHOLE else narrow
-    if count * (8 + row * size) >= flat.numel() * wire.itemsize:
+    if count * (8 + row * size) >= numel * wire.itemsize:
         return whole, None
-    return count, present.nonzero().squeeze(1)
+    return count, index if index is not None else present.nonzero().squeeze(1)
 
 
-def _write(x: torch.Tensor, count: int, index: Optional[torch.Tensor], narrow: Optional[torch.dtype],
+def _write(x: Chunk, count: int, index: Optional[torch.Tensor], narrow: Optional[torch.dtype],
            out: torch.Tensor) -> None:
     """Write chunk ``x``'s segment (as :func:`_scan` chose) into ``out`` (uint8, its padded length)."""
-    flat = x.reshape(-1)
     if count in (WHOLE, NARROWED):
+        flat = x.dense() if isinstance(x, GivenRows) else x.reshape(-1)
         wire = x.dtype if count == WHOLE else narrow
         used = flat.numel() * wire.itemsize
         out[:used] = flat.to(wire).contiguous().view(torch.uint8)
@@ -90,7 +130,8 @@ def _write(x: torch.Tensor, count: int, index: Optional[torch.Tensor], narrow: O
         row = row_width(x.shape)
         used = count * (8 + row * x.dtype.itemsize)
         out[:8 * count] = index.view(torch.uint8)
-        out[8 * count:used] = flat.view(-1, row).index_select(0, index).reshape(-1).view(torch.uint8)
+        rows = x.values if isinstance(x, GivenRows) else x.reshape(-1).view(-1, row).index_select(0, index)
+        out[8 * count:used] = rows.reshape(-1).contiguous().view(torch.uint8)
     out[used:] = 0
 
 
@@ -102,10 +143,11 @@ def encode_segment(x: torch.Tensor, narrow: Optional[torch.dtype] = None) -> Tup
     return counts[0][0], payload
 
 
-def encode_destinations(chunks: List[List[torch.Tensor]], narrow: Optional[List[Optional[torch.dtype]]] = None
+def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optional[torch.dtype]]] = None
                         ) -> Tuple[List[List[int]], torch.Tensor, List[int]]:
     """``(counts, payload, lengths)`` for ``chunks[d]``, destination d's chunks (one per parameter;
-    ``narrow``: each parameter's narrow dtype, or None): per destination the counts, the segments
+    ``narrow``: each parameter's narrow dtype, or None; a chunk: a tensor or :class:`GivenRows`): per
+    destination the counts, the segments
     of every destination in one uint8 tensor (destination order, each destination's parameters in
     order), and each destination's bytes in it."""
     narrow = narrow or [None] * (len(chunks[0]) if chunks else 0)

@@ -321,7 +321,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         summing = time.perf_counter()
         add_segments(mine, announced, received, self.narrow)
         self.state._stats.decode_seconds += time.perf_counter() - summing
-        self._count(counts, sizes, chunks)
+        self._count(counts, sizes, input_tensor.element_size())
         return None
 
     def _sent(self, views: List[torch.Tensor], d: int, n: int, me: int) -> List[torch.Tensor]:
@@ -332,16 +332,16 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         """This rank's chunks as the senders' segments address them (shaped as :meth:`_sent`'s)."""
         return views
 
-    def _count(self, counts, sizes, chunks) -> None:
+    def _count(self, counts, sizes, itemsize: int) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
-        dense and its segment (``compressed``: sent as rows or narrowed), plus the counts' bytes (the times: the
-        segments' encoding and the owner's sum, apart from the collectives)."""
+        dense (its slot's, ``itemsize`` each) and its segment (``compressed``: sent as rows or narrowed),
+        plus the counts' bytes (the times: the segments' encoding and the owner's sum, apart from the
+        collectives)."""
         st = self.state._stats
-        itemsize = chunks.element_size()
-        for d, (row, nbytes) in enumerate(zip(counts, sizes)):
-            for c, view in zip(row, self.slots.views(chunks[d])):
+        for row, nbytes in zip(counts, sizes):
+            for c, shape in zip(row, self.slots.shapes):
                 st.tensors += 1
-                st.dense_bytes += view.numel() * itemsize
+                st.dense_bytes += math.prod(shape) * itemsize
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
             st.payload_bytes += nbytes + 8 * len(row)

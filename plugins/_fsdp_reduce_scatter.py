@@ -74,6 +74,13 @@ def all_to_all_sum(rows: List[torch.Tensor], group) -> torch.Tensor:
     return received.view(n, length).sum(0, dtype=received.dtype)
 
 
+def native_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group) -> None:
+    """FSDP2's own reduce-scatter of the buffer as it is (its ``DefaultReduceScatter``, blocking):
+    ``dist.reduce_scatter_single`` where torch has it (2.13), ``dist.reduce_scatter_tensor`` before."""
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    collective(output, input, op=op, group=group)
+
+
 def all_gather_stacked(t: torch.Tensor, group, n: int) -> torch.Tensor:
     """Every rank's ``t`` of the ``n``-rank ``group``, stacked in rank order (blocking)."""
     out = [torch.empty_like(t) for _ in range(n)]
@@ -288,7 +295,9 @@ class RowExchangeReduceScatter(_SumReduceScatter):
     one all-to-all of counts (one int64 per destination and parameter) and carried by one all-to-all of
     bytes; the owner adds them up. No statistics cross ranks and nothing can fail to decode, so there
     is nothing to agree on afterwards. The state's ``_narrow_dtype(parameter bytes)`` says in which dtype
-    a parameter's chunks sent whole cross (None: as they are). Synchronous: returns None."""
+    a parameter's chunks sent whole cross (None: as they are), and its ``_phase`` whether this call runs
+    the exchange or, in the step guard's dense window and after a dense verdict, FSDP2's own
+    reduce-scatter (:func:`native_reduce_scatter`). Synchronous: returns None."""
 
     kind = "sparse"
 
@@ -306,6 +315,10 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             self.narrow = [self.state._narrow_dtype(n * math.prod(s) * input_tensor.element_size())
                            for s in self.slots.shapes]
         started = time.perf_counter()
+        if self.state._phase(self, started) == "dense":
+            native_reduce_scatter(output_tensor, input_tensor, op, group)
+            self._count([[WHOLE] * len(self.slots.shapes)] * n, None, input_tensor.element_size())
+            return None
         chunks = input_tensor.view(n, -1)
         me = dist.get_rank(group)
         counts, payload, sizes = encode_destinations([self._sent(self.slots.views(chunks[d]), d, n, me)
@@ -336,15 +349,17 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
         dense (its slot's, ``itemsize`` each) and its segment (``compressed``: sent as rows or narrowed),
         plus the counts' bytes (the times: the segments' encoding and the owner's sum, apart from the
-        collectives)."""
+        collectives). ``sizes`` None: FSDP2's own reduce-scatter sent every chunk as it is, no counts."""
         st = self.state._stats
-        for row, nbytes in zip(counts, sizes):
+        for d, row in enumerate(counts):
+            dense = 0
             for c, shape in zip(row, self.slots.shapes):
                 st.tensors += 1
-                st.dense_bytes += math.prod(shape) * itemsize
+                dense += math.prod(shape) * itemsize
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
-            st.payload_bytes += nbytes + 8 * len(row)
+            st.dense_bytes += dense
+            st.payload_bytes += dense if sizes is None else sizes[d] + 8 * len(row)
 
 
 class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):

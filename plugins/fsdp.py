@@ -74,8 +74,9 @@ shards are all-reduced in place, and keeps them only if they measure faster. Wit
 (:mod:`lossless_hc.training.row_exchange`): each rank sends each destination every parameter's chunk
 as its own non-zero rows with their indices, or as it is where that is fewer bytes (each sender
 decides for its own chunks, so no statistics need to cross ranks), and the owner adds them up -- the
-dense reduce-scatter's sum to float rounding, with no capacity or fallback; the step guard does not
-time it. With ``lossy`` (and bf16 among its ``strategies``), a float32 chunk sent whole goes as
+dense reduce-scatter's sum to float rounding, with no capacity or fallback. The step guard then times
+it (with the replica all-reduce's plans, if any) against FSDP2's own collectives, one verdict for the
+whole mesh (class doc). With ``lossy`` (and bf16 among its ``strategies``), a float32 chunk sent whole goes as
 bfloat16, as FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` would send it (its owner
 sums in float32), for parameters of ``lossy_min_bytes`` or more; rows stay exact.
 
@@ -242,9 +243,10 @@ class _FSDPState:
         """The dtype a row-exchange reduce-scatter sends a parameter's whole chunks in (None: as they are)."""
         return None
 
-    def _replica_phase(self, hook, now: float) -> str:
-        """What the replica all-reduce hook ``hook`` runs at this call: ``"plan"`` (the aggregators) or
-        ``"dense"`` (the shard all-reduced in place, :meth:`_replica_in_place`); ``now``: the call's start."""
+    def _phase(self, hook, now: float) -> str:
+        """What ``hook`` (a replica all-reduce hook or a reduce-scatter) runs at this call: ``"plan"`` (ours)
+        or ``"dense"`` (FSDP2's own collective: the shard all-reduced in place, :meth:`_replica_in_place`,
+        or reduce-scattered as it is); ``now``: the call's start."""
         return "plan"
 
     # -- aggregators -------------------------------------------------------------------------------
@@ -316,7 +318,7 @@ class _ReplicaAllReduce:
     def _reduce(self, reduce_output: torch.Tensor) -> None:
         st = self.state
         started = time.perf_counter()
-        phase = st._replica_phase(self, started)
+        phase = st._phase(self, started)
         if self.slots is None:
             self.slots = Slots(self.module)
         views = self.slots.views(reduce_output)
@@ -415,7 +417,7 @@ class AutoFSDPState(_FSDPState):
     """The planner for the replica all-reduce (HSDP): per parameter, the cheapest exact strategy (dense,
     allgather, two_phase, sketch), or of every strategy with ``lossy``. ``options``:
     :class:`lossless_hc.training.auto.AutoSpec`. ``register(reduce_scatter=True)``: the exact sparse
-    reduce-scatter (module doc), which the plan and the step guard leave alone.
+    reduce-scatter (module doc), which the plan leaves alone and the step guard checks (below).
     ``stats()["plan"]``: per parameter, the chosen strategy, predicted and measured seconds, bytes sent.
 
     ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
@@ -429,9 +431,14 @@ class AutoFSDPState(_FSDPState):
     then on (THC's and top-k's error feedback added to the first such step's shard). The verdict is
     the replicate group's rank 0's, broadcast on that group (blocking, from the first hook of the step
     after the trial, which every rank of the group reaches at the same step count); each replicate
-    group (one per shard index) decides for its own collectives. ``stats()["guard"]``: the verdict,
-    rank 0's medians and the trials opened. A resumed run (:meth:`load_state_dict`) runs a trial of its
-    own."""
+    group (one per shard index) decides for its own collectives. With the sparse reduce-scatter (on a
+    shard group of 2 or more ranks) a step begins at the first hook of either seam, the trial opens at
+    ``guard_start`` (the exchange is always worth checking), its dense window is FSDP2's own
+    collectives (the reduce-scatter of the buffer as it is and, with replicas, the shard all-reduced in
+    place), and the verdict is the mesh's rank 0's, for every rank of the mesh (the shard groups must
+    agree on their collectives); a re-plan of the replica all-reduce opens no new trial then.
+    ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened. A resumed run
+    (:meth:`load_state_dict`) runs a trial of its own."""
 
     reduce_scatter_comm = RowExchangeReduceScatter
 
@@ -466,7 +473,7 @@ class AutoFSDPState(_FSDPState):
         g = self._guard   # a rank without it would miss the verdict's broadcast
         return f"|guard(steps={g.steps}, start={g.start}, margin={g.margin})" if g is not None else "|no guard"
 
-    def _replica_phase(self, hook, now: float) -> str:
+    def _phase(self, hook, now: float) -> str:
         if self._guard is None:
             return "plan"
         if self._first_hook is None:
@@ -478,15 +485,32 @@ class AutoFSDPState(_FSDPState):
     def _begin_step(self, now: float) -> None:
         """The first hook of a step: time the step before it, and set what this step runs (class doc)."""
         self._steps += 1
-        # Aggregators are created in hook order and planned alike on every rank of a replicate group.
-        self._step_phase = self._guard.begin_step(self._steps - 1, now,
-                                                  lambda: tuple(a.strategy for a in self._aggregators.values()),
-                                                  self._share_verdict)
+        self._step_phase = self._guard.begin_step(self._steps - 1, now, self._guarded_plans, self._share_verdict)
+
+    def _mesh_wide(self) -> bool:
+        """Whether the sparse reduce-scatter runs, and with it one trial and verdict for the whole mesh."""
+        return self.reduce_scatter and self.shards > 1
+
+    def _guarded_plans(self) -> tuple:
+        """What the guard's trial checks (StepGuard.next_phase's ``plans``): the replica all-reduce's plans,
+        in hook order (aggregators are created so and planned alike on every rank of a replicate group),
+        or, with the sparse reduce-scatter, that one: its trial and verdict hold for the whole mesh (its
+        shard groups must agree, and the replicate groups' plans differ), and cover the replica
+        all-reduce's plans as they stand (a re-plan opens no new trial)."""
+        if self._mesh_wide():
+            return ("rows",)
+        return tuple(a.strategy for a in self._aggregators.values())
 
     def _share_verdict(self, verdict: tuple) -> tuple:
-        """The replicate group's rank 0's step-guard ``verdict`` on every rank of the group (blocking)."""
+        """Rank 0's step-guard ``verdict`` on every rank that must agree with it (blocking): the replicate
+        group's, or, with the sparse reduce-scatter, the mesh's rank 0's (broadcast on every replicate
+        group, then from every shard group's rank 0, which then holds the verdict of the mesh's rank 0,
+        the rank 0 of its replicate group)."""
         t = torch.tensor(verdict, dtype=torch.float64, device=self._device())
-        dist.broadcast(t, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
+        if self.replicate_group is not None:
+            dist.broadcast(t, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group)
+        if self._mesh_wide():
+            dist.broadcast(t, src=dist.get_global_rank(self.shard_group, 0), group=self.shard_group)
         return tuple(t.cpu().tolist())
 
     def _replica_in_place(self, aggs, views, reduce_output: torch.Tensor, started: float) -> None:

@@ -236,7 +236,7 @@ def report_row(compression, ms, **extra):
 
 def test_the_report_states_the_step_guards_verdict():
     """Rank 0's guard statistics in the planner's rows: the trial's steps, medians and what ran after it,
-    or why there was none."""
+    or why there was none; under plain FSDP (no plan, the sparse reduce-scatter alone) too."""
     from lossless_hc.bench.cluster_report import render_markdown
 
     def row(compression, ms, guard=None):
@@ -246,9 +246,10 @@ def test_the_report_states_the_step_guards_verdict():
     none_trial = {"verdict": None, "plan_ms": float("nan"), "dense_ms": float("nan"), "window": None, "steps": 5}
     hvd = dict(row("auto", 84.0, dict(guard, plan_ms=95.0)), framework="horovod")
     fsdp = dict(row("auto", 85.0, dict(guard, plan_ms=96.0)), framework="fsdp")
+    flat = dict(report_row("auto", 86.0, auto_choice=None, auto_guard=dict(guard, plan_ms=97.0)), framework="fsdp")
     kept = row("auto-lossy", 70.0, dict(guard, verdict="plan", plan_ms=70.0, rounds=2))   # a confirmation round
     text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial),
-                                     hvd, fsdp, kept], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+                                     hvd, fsdp, flat, kept], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
     assert "step guard (steps 8-27): plans 70.0 ms, dense 83.2 ms median step: the plans from then on" in text
     assert ("step guard (steps 8-17): plans 93.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(DDP's own) from then on") in text
@@ -256,6 +257,9 @@ def test_the_report_states_the_step_guards_verdict():
             "(Horovod's own) from then on") in text
     assert ("step guard (steps 8-17): plans 96.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(HSDP's own) from then on") in text
+    assert "fsdp auto: the sparse reduce-scatter" in text
+    assert ("step guard (steps 8-17): plans 97.0 ms, dense 83.2 ms median step: FSDP2's own reduce-scatter "
+            "from then on") in text
     assert "step guard: no trial (every dense gradient's plan was dense)" in text
     assert "ran into the timed steps" not in text   # no --warmup in the result: not checked
 

@@ -31,14 +31,15 @@ MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "thc", "resume",
                    "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
-                   "auto_rows_rs", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
+                   "auto_rows_rs", "auto_rows_guard_dense_rs", "auto_rows_guard_plan_rs", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
                    "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
                    "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
-                   "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
+                   "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_guard_dense",
+                   "auto_rows_guard_plan", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
                    "accumulation", "non_finite", "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
@@ -426,6 +427,33 @@ def test_auto_reduce_scatter_sends_rows_exactly(launch, mesh, name):
             assert {dtype for _, dtype, _ in e["calls"]} == {"torch.int64", "torch.uint8"}, e
             if mesh == "1x2":
                 assert e["payload_bytes"] == sum(nbytes for _, _, nbytes in e["calls"]), e
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_rows_guard_dense", "auto_rows_guard_plan",
+                                             "auto_rows_guard_dense_rs", "auto_rows_guard_plan_rs"))
+def test_auto_step_guard_checks_the_sparse_reduce_scatter_mesh_wide(launch, mesh, name):
+    """The step guard over the sparse reduce-scatter (one block of 2 steps per window from step 2, 12
+    steps, the verdict forced by the margin): the exchange (all-to-alls) at steps 2 and 3, FSDP2's own
+    reduce-scatter at 4 and 5 (one ``reduce_scatter_single`` per fully_shard module, no all-to-all), and
+    the same verdict on every rank of the mesh (the shard groups must agree; on 2x2 the replica
+    all-reduce follows it too). Dense: FSDP2's own from then on; for the plans: a confirmation round (its
+    dense steps 8 and 9), then the exchange. Exact against native FSDP2 throughout."""
+    want = "dense" if "dense" in name else "plan"
+    dense_steps = {4, 5} | (set(range(6, 12)) if want == "dense" else {8, 9})
+    rs = results(launch, mesh, name)
+    for r in rs:
+        assert r["max_diff"] <= TOL, r
+        g = r["guard"]
+        assert g == rs[0]["guard"], (g, rs[0]["guard"])   # the mesh's rank 0's
+        assert (g["verdict"], g["window"], g["steps"], g["block"], g["trials"]) == (want, 2, 1, 2, 1), g
+        for step, e in enumerate(r["exchanges"], start=1):
+            names = {n for n, _, _ in e["calls"]}
+            native = names <= {"reduce_scatter_single", "reduce_scatter_tensor"} and len(names) == 1
+            assert native if step in dense_steps else names == {"all_to_all_single"}, (step, e)
+        if mesh == "2x2":   # the replica all-reduce in place at the same steps
+            planned = [k for k, (strategy, _) in r["plan"].items() if strategy != "dense"]
+            assert planned, r["plan"]
+            assert all(r["plain_steps"][k] == len(dense_steps) for k in planned), r["plain_steps"]
 
 
 @pytest.mark.gpu

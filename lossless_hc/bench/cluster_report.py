@@ -220,14 +220,19 @@ def render_markdown(result: dict, title: str) -> str:
             f"| {_f(diff, '.2e')}{' (lossless)' if r['lossless_mode'] and diff is not None else ''} "
             f"| {r['fallbacks']} | {_f(agg and 1e3 * agg, '.1f')} |")
     for r in result["rows"]:
-        if r.get("auto_choice"):
-            lines.append(f"\n{r['framework']} {r['compression']} chose (rank 0, last plan): " + "; ".join(
-                f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
-                f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
-            g = r.get("auto_guard")
+        g = r.get("auto_guard")
+        if r.get("auto_choice") or g:
+            if r.get("auto_choice"):
+                lines.append(f"\n{r['framework']} {r['compression']} chose (rank 0, last plan): " + "; ".join(
+                    f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
+                    f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
+            else:   # plain FSDP: no plan, the sparse reduce-scatter alone under the guard
+                lines.append(f"\n{r['framework']} {r['compression']}: the sparse reduce-scatter")
             if g and g.get("verdict"):
                 engine = {"ddp": "DDP", "fsdp": "HSDP"}.get(r["framework"], r["framework"].capitalize())
-                ran = "the plans" if g["verdict"] == "plan" else f"dense allreduce in place ({engine}'s own)"
+                dense = (f"dense allreduce in place ({engine}'s own)" if r.get("auto_choice")
+                         else "FSDP2's own reduce-scatter")
+                ran = "the plans" if g["verdict"] == "plan" else dense
                 span = _guard_span(g)
                 lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "
                              f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")

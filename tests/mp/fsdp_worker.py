@@ -183,7 +183,8 @@ def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compile
             destinations = [sum(numel * dt.itemsize for k, (numel, dt) in specs.items() if k.endswith(f"->{d}"))
                             for d in range(state.shards)]
             before = state.stats()
-            with CountedCollectives("all_to_all_single") as counted:
+            with CountedCollectives("all_to_all_single", "reduce_scatter_single",
+                                    "reduce_scatter_tensor") as counted:
                 train(got, 1, start=step, opt=opt, micro=micro)
             after = state.stats()
             exchanges.append({"calls": counted.calls, "destinations": destinations,
@@ -437,6 +438,10 @@ def scenario(name, mesh):
     if base == "auto_rows":   # the planner's exact sparse reduce-scatter (with the replica plans on 2x2)
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8))
         return compare(mesh, state, True, count_exchange=True)
+    if base in ("auto_rows_guard_dense", "auto_rows_guard_plan"):   # the step guard over the sparse reduce-scatter
+        state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
+                              guard_margin=0.99 if base == "auto_rows_guard_dense" else -100.0)
+        return with_guard(compare(mesh, state, True, steps=12, count_exchange=True), state)
     if base == "auto_rows_lossy":   # ... with lossy: chunks sent whole go as bfloat16 (every parameter here)
         state = AutoFSDPState(mesh, lossy=True, lossy_min_bytes=0, interval=2, calibration=Calibration.default(1e8))
         return compare(mesh, state, True, count_exchange=True)

@@ -119,12 +119,15 @@ def bag_loss(model, b):
 
 class CountedCollectives:
     """While active, records each call of the torch.distributed collectives ``names`` (``all_reduce``,
-    ``all_gather``, ``all_to_all_single``: the FSDP2 plugin's reduce-scatter) as ``[name, input dtype,
+    ``all_gather``, ``all_to_all_single``: the FSDP2 plugin's reduce-scatter, ``reduce_scatter_single`` or
+    ``reduce_scatter_tensor``: FSDP2's own, as the plugin calls it in the step guard's dense window; names
+    this torch lacks are left out) as ``[name, input dtype,
     input bytes]`` in ``calls``: what our hooks put on the wire (DDP's and FSDP2's own C++ collectives
     do not go through these functions)."""
 
     # the input tensor's position
-    INPUT = {"all_reduce": 0, "all_gather": 1, "all_to_all_single": 1}
+    INPUT = {"all_reduce": 0, "all_gather": 1, "all_to_all_single": 1, "reduce_scatter_single": 1,
+             "reduce_scatter_tensor": 1}
 
     def __init__(self, *names: str):
         self.names, self.calls, self._saved = names, [], {}
@@ -132,6 +135,8 @@ class CountedCollectives:
     def __enter__(self):
         import torch.distributed as dist
         for name in self.names:
+            if not hasattr(dist, name):
+                continue
             self._saved[name] = original = getattr(dist, name)
             setattr(dist, name, self._counting(name, original))
         return self

@@ -188,8 +188,13 @@ class _FSDPState:
         if reduce_scatter and ReduceScatterBase is object:
             raise RuntimeError("this torch has no FSDPModule.set_custom_reduce_scatter (torch >= 2.8 needed)")
         if reduce_scatter and getattr(self.spec, "extra", {}).get("policy") is not None:
-            raise ValueError("a CapacityPolicy reads every decoded aggregate, which a reduce-scatter gives to the owner "
-                             "alone; use policy=None with reduce_scatter=True")
+            if issubclass(self.reduce_scatter_comm, HomomorphicReduceScatter):
+                raise ValueError("a CapacityPolicy reads every decoded aggregate, which the homomorphic reduce-scatter "
+                                 "gives to the owner alone; use policy=None with reduce_scatter=True")
+            if self.replicas == 1:   # top-k's reduce-scatter sends index/value pairs: no capacity to size
+                raise ValueError("a CapacityPolicy sizes the replica all-reduce's payloads, and this mesh has no "
+                                 "replicas (the reduce-scatter sends each selection as index/value pairs, with no "
+                                 "capacity); use policy=None")
         if self.replicas == 1 and not reduce_scatter:
             raise ValueError("a mesh without replicas (1-D, or a replicate dimension of size 1) has no replica "
                              "all-reduce to compress; pass reduce_scatter=True, or a (replicate, shard) mesh of 2 or "
@@ -373,7 +378,7 @@ class LosslessFSDPState(_FSDPState):
         seed: hash seed, identical on every rank.
         index: the codec's index kind ("auto" picks the smallest payload).
         policy: a :class:`lossless_hc.CapacityPolicy` for the replica all-reduce (not with
-            ``reduce_scatter=True``).
+            ``reduce_scatter=True``: the owner alone sees a destination's decoded aggregate).
     """
 
     def __init__(self, mesh: DeviceMesh, max_density: float = 0.01, block_size: Optional[int] = None, seed: int = 0,
@@ -386,7 +391,10 @@ class TopKFSDPState(_FSDPState):
     """Each rank's top ``ratio`` of every shard (error feedback keeps the rest, per parameter and, in
     the reduce-scatter, per destination), the selections aggregated exactly: by the LHC codec on the
     replica all-reduce, as index/value pairs sent to their owner on the reduce-scatter
-    (:class:`~lossless_hc.plugins._fsdp_reduce_scatter.SelectionRowExchangeReduceScatter`)."""
+    (:class:`~lossless_hc.plugins._fsdp_reduce_scatter.SelectionRowExchangeReduceScatter`). ``policy``: a
+    :class:`lossless_hc.CapacityPolicy` for the replica all-reduce's payloads (with ``reduce_scatter=True``
+    too: the selections sent to their owner have no capacity to size; a mesh without replicas refuses
+    it, as it would size nothing)."""
 
     reduce_scatter_comm = SelectionRowExchangeReduceScatter
 

@@ -21,6 +21,7 @@ from models import DEVICE, CountedCollectives, EmbeddingModel, batch, loss_fn  #
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
+from lossless_hc.training.capacity import CapacityPolicy  # noqa: E402
 from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
 from lossless_hc.training.planner import Calibration  # noqa: E402
 
@@ -449,6 +450,11 @@ def scenario(name, mesh):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         return compare(mesh, AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), True,
                        mp_policy=policy, micro=3, count_exchange=True)
+    if base == "topk_policy":   # a CapacityPolicy on the replica all-reduce, with top-k's row-exchange reduce-scatter
+        state = TopKFSDPState(mesh, ratio=0.05, policy=CapacityPolicy(interval=2))
+        r = compare(mesh, state, rs, steps=8, hidden=512, lr=0.02)
+        r["union_capacity"] = {k: a.union_capacity for k, a in sorted(state._aggregators.items())}
+        return r
     if base == "resume":
         return resume(mesh, lambda: TopKFSDPState(mesh, ratio=0.05), rs)
     if base == "resume_thc":

@@ -28,12 +28,13 @@ WORKER = os.path.join(HERE, "mp", "fsdp_worker.py")
 # Lossless sums equal the dense collective's up to float32 rounding; measured 0.0 on both meshes.
 TOL = 1e-6
 MESHES = {
-    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "topk_policy_rs", "thc", "resume",
-                   "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
+    "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "fallback_rs", "topk", "topk_rs", "topk_policy_rs",
+                   "thc", "resume", "resume_rs", "resume_lossless_rs", "inexact", "inexact_rs", "config_mismatch",
                    "thc_reduce_scatter", "native_hsdp", "auto", "auto_slow_link", "auto_resume",
-                   "auto_rows_rs", "auto_rows_guard_dense_rs", "auto_rows_guard_plan_rs", "bfloat16", "bfloat16_rs", "auto_bfloat16", "float16", "compiled",
-                   "compiled_rs", "mixed", "mixed_rs", "mixed_bf16", "mixed_bf16_rs", "accumulation",
-                   "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk", "non_finite_topk_rs",
+                   "auto_rows_rs", "auto_rows_guard_dense_rs", "auto_rows_guard_plan_rs", "bfloat16", "bfloat16_rs",
+                   "auto_bfloat16", "float16", "compiled", "compiled_rs", "mixed", "mixed_rs", "mixed_bf16",
+                   "mixed_bf16_rs", "accumulation", "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk",
+                   "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
                    "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
@@ -49,7 +50,7 @@ MESHES = {
 CUDA_MESHES = {
     "2x2": (2, 2, ["lossless", "lossless_rs", "fallback", "topk", "thc", "resume", "auto", "bfloat16",
                    "auto_bfloat16"]),
-    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16", "float16", "auto_rows"]),
+    "1x2": (1, 2, ["lossless", "fallback", "topk", "bfloat16", "float16", "auto_rows", "auto_rows_guard_dense"]),
 }
 TIMEOUT = 240   # seconds for one launch (about 25 s on 2 cores)
 
@@ -477,7 +478,8 @@ def test_cuda_tensors_through_gloo(launch, mesh):
     """Issue #24 on a GPU: the hooks on CUDA tensors (every rank on GPU 0, Gloo) give what they give on CPU
     tensors: lossless and auto equal uncompressed FSDP2 to float rounding with identical decisions, top-k
     and THC compress and train, a resumed run continues bit for bit, a bfloat16 (float16) model's dense layers
-    travel in its dtype (the message's parts on the device), auto's sparse reduce-scatter sends rows exactly."""
+    travel in its dtype (the message's parts on the device), auto's sparse reduce-scatter sends rows exactly,
+    and its step guard's dense verdict hands the reduce-scatter back to FSDP2's own, exactly."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -489,6 +491,8 @@ def test_cuda_tensors_through_gloo(launch, mesh):
             assert_identical_decisions(rs)
         elif name == "auto_rows":
             assert all(r["max_diff"] <= TOL and r["stats"]["compressed"] > 0 for r in rs), rs
+        elif name == "auto_rows_guard_dense":   # the guard's dense window: FSDP2's own reduce-scatter
+            assert all(r["max_diff"] <= TOL and r["guard"]["verdict"] == "dense" for r in rs), rs
         elif name in ("topk", "thc"):
             assert all(r["stats"]["payload_bytes"] < 0.5 * r["stats"]["dense_bytes"] and r["cosine"] > 0.8
                        for r in rs), (name, rs)

@@ -36,7 +36,7 @@ MESHES = {
                    "mixed_bf16_rs", "accumulation", "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk",
                    "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
-                   "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
+                   "auto_guard_mismatch", "resume_thc", "checkpoint_misuse", "thc_propagate_scaler",
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_guard_dense",
@@ -366,6 +366,20 @@ def test_top_k_skips_one_non_finite_step_only(launch, mesh, name):
     step was non-finite)."""
     for r in results(launch, mesh, name):
         assert r["skipped"] == [False, False, True, False, False] and r["finite"], r
+
+
+@pytest.mark.parametrize("mesh,name", cases("thc_propagate_scaler"))
+def test_thc_propagate_lets_a_sharded_grad_scaler_skip_on_every_rank(launch, mesh, name):
+    """THC with non_finite="propagate" under torch.amp.GradScaler, an Inf in one coordinate of one rank's
+    gradient: only one shard's replicate group decodes NaN (the other ranks' shards are finite), yet every
+    rank's scaler skips that step and halves its scale, as the found-inf of the scaler's check on DTensor
+    gradients is reduced over the shard group, which holds a rank of that replicate group (docs/THC.md).
+    The other steps train, and the replicas of a shard stay identical and finite."""
+    rs = results(launch, mesh, name)
+    assert sorted({r["finite_grads"][1] for r in rs}) == [False, True], rs   # one replicate group's NaN only
+    for r in rs:
+        assert r["scales"] == [256.0, 128.0, 128.0, 128.0], r["scales"]
+        assert r["finite"] and r["digest"] == rs[(r["rank"] + r["shards"]) % len(rs)]["digest"], r
 
 
 @pytest.mark.parametrize("mesh,name", cases("thc_raise_one_shard"))

@@ -159,6 +159,38 @@ def thc_raise_one_shard(mesh, steps=3, inject=1):
     return {"error": None}
 
 
+def thc_propagate_scaler(mesh, steps=4, inject=1):
+    """THCFSDPState(non_finite="propagate") under a real ``torch.amp.GradScaler``, with an Inf in one
+    coordinate of the last rank's gradient at step ``inject`` (scaled, as AMP's overflow makes it): the
+    reduce-scatter takes it to one shard's replicate group only, whose ranks decode all-NaN; the other
+    ranks' shards stay finite. Per step, each rank's scale after ``update()`` (a skipped step halves it)
+    and whether its local gradient shards were finite; the parameters' digest and finiteness at the end."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    torch.manual_seed(0)
+    model = _TwoLayers().to(DEVICE)
+    for m in (model.a, model.b):
+        fully_shard(m, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    state = THCFSDPState(mesh, bits=4, non_finite="propagate")
+    state.register(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 8, growth_interval=1000)
+    scales, finite = [], []
+    for step in range(steps):
+        model.a.inject = step == inject and rank == last
+        opt.zero_grad(set_to_none=True)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank)).to(DEVICE)
+        scaler.scale(model(x)).backward()
+        finite.append(all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    params = local(model)
+    digest = hashlib.sha256(b"".join(t.detach().contiguous().cpu().numpy().tobytes() for t in params)).hexdigest()
+    return {"scales": scales, "finite_grads": finite, "digest": digest,
+            "finite": all(bool(torch.isfinite(t).all()) for t in params)}
+
+
 def max_diff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
@@ -374,6 +406,8 @@ def scenario(name, mesh):
         return non_finite(mesh, rs)
     if base == "thc_raise_one_shard":
         return thc_raise_one_shard(mesh)
+    if base == "thc_propagate_scaler":
+        return thc_propagate_scaler(mesh)
     if base == "non_finite_auto":   # the sparse reduce-scatter
         return non_finite(mesh, rs, state=AutoFSDPState(mesh, calibration=Calibration.default(1e8)))
     if base == "non_finite_topk":   # top-k's residuals, also on the ranks that replay a destination's outcome

@@ -134,23 +134,33 @@ class _TwoLayers(torch.nn.Module):
         return self.b(torch.relu(self.a(x))).sum()
 
 
-def thc_raise_one_shard(mesh, steps=3, inject=1):
-    """THCFSDPState(non_finite="raise") with an Inf in one coordinate of the last rank's gradient at step
-    ``inject``: the reduce-scatter takes it to the first shard's replicate group only, yet every rank
-    must raise (the shard group agrees), not that group alone while the others carry on to block."""
-    rank, last = dist.get_rank(), dist.get_world_size() - 1
+def _thc_two_layers(mesh, non_finite: str):
+    """The two-layer model, fully_shard on the shard dimension, under THCFSDPState(non_finite=...), and
+    its optimizer."""
     torch.manual_seed(0)
     model = _TwoLayers().to(DEVICE)
     for m in (model.a, model.b):
         fully_shard(m, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    state = THCFSDPState(mesh, bits=4, non_finite="raise")
-    state.register(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    THCFSDPState(mesh, bits=4, non_finite=non_finite).register(model)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _inject_at(model, step: int, inject: int, this_rank: bool) -> torch.Tensor:
+    """Step ``step``'s input (its gradients zeroed), with the Inf armed at ``inject`` on ``this_rank``."""
+    model.a.inject = step == inject and this_rank
+    model.zero_grad(set_to_none=True)
+    return torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + dist.get_rank())).to(DEVICE)
+
+
+def thc_raise_one_shard(mesh, steps=3, inject=1):
+    """THCFSDPState(non_finite="raise") with an Inf in one coordinate of the last rank's gradient at step
+    ``inject``: the reduce-scatter takes it to the first shard's replicate group only, yet every rank
+    must raise (the shard group agrees), not that group alone while the others carry on to block."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    model, opt = _thc_two_layers(mesh, "raise")
     for step in range(steps):
-        model.a.inject = step == inject and rank == last
-        opt.zero_grad(set_to_none=True)
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank)).to(DEVICE)
+        x = _inject_at(model, step, inject, rank == last)
         try:
             model(x).backward()
         except FloatingPointError as e:
@@ -166,20 +176,11 @@ def thc_propagate_scaler(mesh, steps=4, inject=1):
     ranks' shards stay finite. Per step, each rank's scale after ``update()`` (a skipped step halves it)
     and whether its local gradient shards were finite; the parameters' digest and finiteness at the end."""
     rank, last = dist.get_rank(), dist.get_world_size() - 1
-    torch.manual_seed(0)
-    model = _TwoLayers().to(DEVICE)
-    for m in (model.a, model.b):
-        fully_shard(m, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    state = THCFSDPState(mesh, bits=4, non_finite="propagate")
-    state.register(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = _thc_two_layers(mesh, "propagate")
     scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0 ** 8, growth_interval=1000)
     scales, finite = [], []
     for step in range(steps):
-        model.a.inject = step == inject and rank == last
-        opt.zero_grad(set_to_none=True)
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank)).to(DEVICE)
+        x = _inject_at(model, step, inject, rank == last)
         scaler.scale(model(x)).backward()
         finite.append(all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()))
         scaler.step(opt)

@@ -297,7 +297,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
     is nothing to agree on afterwards. The state's ``_narrow_dtype(parameter bytes)`` says in which dtype
     a parameter's chunks sent whole cross (None: as they are), and its ``_phase`` whether this call runs
     the exchange or, in the step guard's dense window and after a dense verdict, FSDP2's own
-    reduce-scatter (:func:`native_reduce_scatter`). Synchronous: returns None."""
+    reduce-scatter in those dtypes (:meth:`_native`). Synchronous: returns None."""
 
     kind = "sparse"
 
@@ -316,8 +316,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
                            for s in self.slots.shapes]
         started = time.perf_counter()
         if self.state._phase(self, started) == "dense":
-            native_reduce_scatter(output_tensor, input_tensor, op, group)
-            self._count([[WHOLE] * len(self.slots.shapes)] * n, None, input_tensor.element_size())
+            self._native(output_tensor, input_tensor, op, group, n)
             return None
         chunks = input_tensor.view(n, -1)
         me = dist.get_rank(group)
@@ -337,6 +336,32 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         self._count(counts, sizes, input_tensor.element_size())
         return None
 
+    def _native(self, output: torch.Tensor, input: torch.Tensor, op, group, n: int) -> None:
+        """FSDP2's own reduce-scatter (the step guard's dense window and dense verdict), each parameter in
+        the dtype the exchange sends its chunks whole in: the buffer as it is where nothing is narrowed,
+        else one reduce-scatter per dtype of the parameters' slots gathered from every destination's
+        chunk (what ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` sends for the narrowed ones,
+        summed in that dtype as FSDP2's own is), written back into their slots of ``output``."""
+        sizes = [math.prod(s) for s in self.slots.shapes]
+        wire = [nd if nd is not None and nd.itemsize < input.element_size() else input.dtype for nd in self.narrow]
+        if all(dt == input.dtype for dt in wire):
+            native_reduce_scatter(output, input, op, group)
+        else:
+            chunks, outs = input.view(n, -1), [v.view(-1) for v in self.slots.views(output)]
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            for dt in dict.fromkeys(wire):   # in slot order of first appearance, alike on every rank
+                mine = [i for i, w in enumerate(wire) if w == dt]
+                sent = torch.cat([chunks[:, starts[i]:starts[i] + sizes[i]] for i in mine], dim=1).to(dt)
+                got = torch.empty(sent.shape[1], dtype=dt, device=input.device)
+                native_reduce_scatter(got, sent.reshape(-1), op, group)
+                for i, piece in zip(mine, got.split([sizes[i] for i in mine])):
+                    outs[i].copy_(piece)
+        st = self.state._stats
+        st.tensors += n * len(sizes)
+        st.sent_dense += n * len(sizes)
+        st.dense_bytes += n * sum(sizes) * input.element_size()
+        st.payload_bytes += n * sum(m * dt.itemsize for m, dt in zip(sizes, wire))
+
     def _sent(self, views: List[torch.Tensor], d: int, n: int, me: int) -> List[torch.Tensor]:
         """What this rank sends destination ``d`` for its parameters' chunks ``views``: the chunks."""
         return views
@@ -349,17 +374,15 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
         dense (its slot's, ``itemsize`` each) and its segment (``compressed``: sent as rows or narrowed),
         plus the counts' bytes (the times: the segments' encoding and the owner's sum, apart from the
-        collectives). ``sizes`` None: FSDP2's own reduce-scatter sent every chunk as it is, no counts."""
+        collectives)."""
         st = self.state._stats
-        for d, row in enumerate(counts):
-            dense = 0
+        for row, nbytes in zip(counts, sizes):
             for c, shape in zip(row, self.slots.shapes):
                 st.tensors += 1
-                dense += math.prod(shape) * itemsize
+                st.dense_bytes += math.prod(shape) * itemsize
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
-            st.dense_bytes += dense
-            st.payload_bytes += dense if sizes is None else sizes[d] + 8 * len(row)
+            st.payload_bytes += nbytes + 8 * len(row)
 
 
 class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):

@@ -442,8 +442,9 @@ class AutoFSDPState(_FSDPState):
     group (one per shard index) decides for its own collectives. With the sparse reduce-scatter (on a
     shard group of 2 or more ranks) a step begins at the first hook of either seam, the trial opens at
     ``guard_start`` (the exchange is always worth checking), its dense window is FSDP2's own
-    collectives (the reduce-scatter of the buffer as it is and, with replicas, the shard all-reduced in
-    place), and the verdict is the mesh's rank 0's, for every rank of the mesh (the shard groups must
+    collectives (the reduce-scatter, each parameter in the dtype the exchange sends it whole in --
+    with ``lossy``, what ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` sends for the large ones,
+    which a dense verdict keeps -- and, with replicas, the shard all-reduced in place), and the verdict is the mesh's rank 0's, for every rank of the mesh (the shard groups must
     agree on their collectives); a re-plan of the replica all-reduce opens no new trial then.
     ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened. A resumed run
     (:meth:`load_state_dict`) runs a trial of its own."""

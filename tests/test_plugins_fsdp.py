@@ -40,7 +40,7 @@ MESHES = {
                    "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "inexact", "config_mismatch",
                    "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_guard_dense",
-                   "auto_rows_guard_plan", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
+                   "auto_rows_guard_plan", "auto_rows_guard_lossy", "non_finite_auto", "bfloat16", "float16", "mixed", "mixed_bf16",
                    "accumulation", "non_finite", "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
@@ -484,6 +484,25 @@ def test_auto_step_guard_checks_the_sparse_reduce_scatter_mesh_wide(launch, mesh
             planned = [k for k, (strategy, _) in r["plan"].items() if strategy != "dense"]
             assert planned, r["plan"]
             assert all(r["plain_steps"][k] == len(dense_steps) for k in planned), r["plain_steps"]
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_rows_guard_lossy"))
+def test_lossy_auto_s_dense_window_is_fsdp2_s_own_reduce_scatter_in_the_narrowed_dtypes(launch, mesh, name):
+    """With ``lossy`` (``lossy_min_bytes=1024``: the tables and fc1's weight narrowed to bfloat16, the biases
+    not), the guard's dense window and its dense verdict (forced) run FSDP2's own reduce-scatter with each
+    parameter in the dtype the exchange sends it whole in, as ``MixedPrecisionPolicy(reduce_dtype=
+    torch.bfloat16)`` would for the narrowed ones: per step one bfloat16 reduce-scatter for each table, a
+    bfloat16 and a float32 one for fc1's module, one float32 one for the root's (fc2), no all-to-all. It
+    trains as native FSDP2 does up to bfloat16 rounding."""
+    for r in results(launch, mesh, name):
+        assert r["guard"]["verdict"] == "dense", r["guard"]
+        assert 0 < r["max_diff"] < 1e-2 and r["cosine"] > 0.999, r
+        for step, e in enumerate(r["exchanges"], start=1):
+            if step >= 4:   # the dense window (4, 5), then the dense verdict
+                assert {n for n, _, _ in e["calls"]} <= {"reduce_scatter_single", "reduce_scatter_tensor"}, e
+                assert sorted(dtype for _, dtype, _ in e["calls"]) == ["torch.bfloat16"] * 3 + ["torch.float32"] * 2, e
+            else:
+                assert {n for n, _, _ in e["calls"]} == {"all_to_all_single"}, e
 
 
 @pytest.mark.gpu

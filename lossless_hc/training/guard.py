@@ -16,8 +16,9 @@ A/B trial on whole training steps:
   (the **plan window**, first), then every dense gradient sent as it is, the engine's own allreduce
   (the **dense window**: DDP's buckets allreduced in place as DDP's own hook does, Horovod's tensors as
   its plain allreduce, FSDP2's shards all-reduced in place across the replicas as uncompressed HSDP
-  does, and its sparse reduce-scatter replaced by FSDP2's own; the aggregators sit these steps out:
-  their statistics and plans wait).
+  does, and its sparse reduce-scatter replaced by FSDP2's own, in the dtypes that exchange sends chunks
+  whole in (with ``lossy``, bfloat16 for large parameters: the trial then weighs the rows, not the
+  rounding); the aggregators sit these steps out: their statistics and plans wait).
   Alternating, so that a drift of the step time over the trial (allocator and caches still warming, a
   neighbour's load) weighs on both windows alike: back-to-back windows measured a plan faster on VGG at
   2 emulated hosts that ran slower than DDP's allreduce in the steps after. Only the **last step of

@@ -478,6 +478,10 @@ def scenario(name, mesh):
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
                               guard_margin=0.99 if base == "auto_rows_guard_dense" else -100.0)
         return with_guard(compare(mesh, state, True, steps=12, count_exchange=True), state)
+    if base == "auto_rows_guard_lossy":   # ... lossy: the dense window in the dtypes the exchange narrows to
+        state = AutoFSDPState(mesh, lossy=True, lossy_min_bytes=1024, interval=2, calibration=Calibration.default(1e8),
+                              guard_steps=1, guard_start=2, guard_margin=0.99)
+        return with_guard(compare(mesh, state, True, steps=12, count_exchange=True), state)
     if base == "auto_rows_lossy":   # ... with lossy: chunks sent whole go as bfloat16 (every parameter here)
         state = AutoFSDPState(mesh, lossy=True, lossy_min_bytes=0, interval=2, calibration=Calibration.default(1e8))
         return compare(mesh, state, True, count_exchange=True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -320,8 +320,8 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             return None
         chunks = input_tensor.view(n, -1)
         me = dist.get_rank(group)
-        counts, payload, sizes = encode_destinations([self._sent(self.slots.views(chunks[d]), d, n, me)
-                                                      for d in range(n)], self.narrow)
+        segments = [self._sent(self.slots.views(chunks[d]), d, n, me) for d in range(n)]
+        counts, payload, sizes = encode_destinations(segments, self.narrow, source=self._source(input_tensor))
         self.state._stats.encode_seconds += time.perf_counter() - started
         sent = torch.tensor(counts, dtype=torch.int64).reshape(n, -1).to(input_tensor.device)
         announced = torch.empty_like(sent)
@@ -370,6 +370,11 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         """This rank's chunks as the senders' segments address them (shaped as :meth:`_sent`'s)."""
         return views
 
+    def _source(self, input_tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The buffer whose bytes are :meth:`_sent`'s chunks in order (sent as it is where every chunk goes
+        whole): the reduce-scatter's input, whose slots they are."""
+        return input_tensor
+
     def _count(self, counts, sizes, itemsize: int) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
         dense (its slot's, ``itemsize`` each) and its segment (``compressed``: sent as rows or narrowed),
@@ -411,3 +416,6 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
 
     def _received(self, views):
         return [v.view(-1) for v in views]
+
+    def _source(self, input_tensor):
+        return None   # the selections, with their residuals, are not the buffer's bytes

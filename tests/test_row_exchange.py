@@ -146,3 +146,24 @@ def test_given_rows_send_what_their_dense_chunk_would():
     full = GivenRows(torch.arange(90), torch.ones(90), 100)   # 90 x 12 bytes > 100 x 4
     count, segment = encode_segment(full)
     assert count == WHOLE and torch.equal(segment, encode_segment(full.dense())[1])
+
+
+def test_a_buffer_sent_whole_is_its_own_payload():
+    """Given the buffer the chunks are slots of (a reduce-scatter's input): where every chunk goes whole
+    and unpadded, the payload is that buffer's bytes (no copy) and equals the copied payload; a chunk sent
+    as rows, a padded one, or a narrowed one makes the payload a copy as before."""
+    g = torch.Generator().manual_seed(12)
+    buffer = torch.randn(2 * 46, generator=g)   # 2 destinations x (a 10x4 chunk and a 6-vector)
+    chunks = [[buffer[46 * d:46 * d + 40].view(10, 4), buffer[46 * d + 40:46 * (d + 1)]] for d in range(2)]
+    counts, payload, lengths = encode_destinations(chunks, source=buffer)
+    assert counts == [[WHOLE, WHOLE]] * 2 and lengths == [184, 184]
+    assert payload.data_ptr() == buffer.data_ptr() and torch.equal(payload, encode_destinations(chunks)[1])
+    chunks[1][0][2:].zero_()   # destination 1's table: 2 rows of 10, sent as rows
+    counts, payload, _ = encode_destinations(chunks, source=buffer)
+    assert counts == [[WHOLE, WHOLE], [2, WHOLE]] and payload.data_ptr() != buffer.data_ptr()
+    assert torch.equal(payload, encode_destinations(chunks)[1])
+    odd = torch.randn(2 * 5, generator=g)   # 5-vectors: 20 bytes, padded to 24
+    counts, payload, _ = encode_destinations([[odd[:5]], [odd[5:]]], source=odd)
+    assert payload.numel() == 48 and payload.data_ptr() != odd.data_ptr()
+    counts, payload, _ = encode_destinations(chunks[:1], narrow=[torch.bfloat16, None], source=buffer[:46])
+    assert counts == [[NARROWED, WHOLE]] and payload.data_ptr() != buffer.data_ptr()

@@ -143,17 +143,23 @@ def encode_segment(x: torch.Tensor, narrow: Optional[torch.dtype] = None) -> Tup
     return counts[0][0], payload
 
 
-def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optional[torch.dtype]]] = None
-                        ) -> Tuple[List[List[int]], torch.Tensor, List[int]]:
+def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optional[torch.dtype]]] = None,
+                        source: Optional[torch.Tensor] = None) -> Tuple[List[List[int]], torch.Tensor, List[int]]:
     """``(counts, payload, lengths)`` for ``chunks[d]``, destination d's chunks (one per parameter;
     ``narrow``: each parameter's narrow dtype, or None; a chunk: a tensor or :class:`GivenRows`): per
-    destination the counts, the segments
-    of every destination in one uint8 tensor (destination order, each destination's parameters in
-    order), and each destination's bytes in it."""
+    destination the counts, the segments of every destination in one uint8 tensor (destination order,
+    each destination's parameters in order), and each destination's bytes in it. ``source``: a
+    contiguous tensor holding exactly the chunks, in that order (a reduce-scatter's input buffer):
+    where every segment is its chunk whole, unpadded, the payload is ``source``'s own bytes, not a copy
+    (a dense model's modules: the copy would be a pass over the whole gradient)."""
     narrow = narrow or [None] * (len(chunks[0]) if chunks else 0)
     scans = [[_scan(x, nd) for x, nd in zip(row, narrow)] for row in chunks]
     sizes = [[segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd)
               for (c, _), x, nd in zip(scan, row, narrow)] for scan, row in zip(scans, chunks)]
+    counts = [[c for c, _ in scan] for scan in scans]
+    if (source is not None and source.is_contiguous() and all(c == WHOLE for row in counts for c in row)
+            and sum(map(sum, sizes)) == source.numel() * source.element_size()):   # no padding: the same bytes
+        return counts, source.reshape(-1).view(torch.uint8), [sum(size) for size in sizes]
     device = chunks[0][0].device if chunks and chunks[0] else torch.device("cpu")
     payload = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=device)
     offset = 0
@@ -161,7 +167,7 @@ def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optiona
         for (c, index), x, nd, n in zip(scan, row, narrow, size):
             _write(x, c, index, nd, payload[offset:offset + n])
             offset += n
-    return [[c for c, _ in scan] for scan in scans], payload, [sum(size) for size in sizes]
+    return counts, payload, [sum(size) for size in sizes]
 
 
 def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor],

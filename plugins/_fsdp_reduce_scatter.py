@@ -297,13 +297,23 @@ class RowExchangeReduceScatter(_SumReduceScatter):
     is nothing to agree on afterwards. The state's ``_narrow_dtype(parameter bytes)`` says in which dtype
     a parameter's chunks sent whole cross (None: as they are), and its ``_phase`` whether this call runs
     the exchange or, in the step guard's dense window and after a dense verdict, FSDP2's own
-    reduce-scatter in those dtypes (:meth:`_native`). Synchronous: returns None."""
+    reduce-scatter in those dtypes (:meth:`_native`).
+
+    A module whose chunks are all dense (a linear layer's) gains nothing from the exchange and pays its
+    extra round (the counts) and its owner's sums: every ``_row_check_interval()`` calls of this
+    module (the state's re-plan interval) the exchange runs and the group learns, by one int64 MAX
+    all-reduce, whether any rank sent rows of it; where none did, the module's calls until the next
+    check go to FSDP2's own reduce-scatter (:meth:`_native`: the same bytes and sum, exact). A module
+    that turns sparse in between is caught at that check. Synchronous: returns None."""
 
     kind = "sparse"
+    checks_dense_modules = True   # a module whose every chunk went whole goes to FSDP2's own (below)
 
     def __init__(self, state, module: FSDPModule):
         super().__init__(state, module)
         self.narrow = None
+        self.calls = 0             # this module's reduce-scatters so far (alike on every rank)
+        self.all_whole = False     # at the last check, every rank sent every chunk of this module whole
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -315,7 +325,9 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             self.narrow = [self.state._narrow_dtype(n * math.prod(s) * input_tensor.element_size())
                            for s in self.slots.shapes]
         started = time.perf_counter()
-        if self.state._phase(self, started) == "dense":
+        check = self.checks_dense_modules and self.calls % self.state._row_check_interval() == 0
+        self.calls += 1
+        if self.state._phase(self, started) == "dense" or (self.all_whole and not check):
             self._native(output_tensor, input_tensor, op, group, n)
             return None
         chunks = input_tensor.view(n, -1)
@@ -334,6 +346,10 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         add_segments(mine, announced, received, self.narrow)
         self.state._stats.decode_seconds += time.perf_counter() - summing
         self._count(counts, sizes, input_tensor.element_size())
+        if check:   # one int64 MAX over the group: did any rank send rows of this module's chunks?
+            rows = torch.tensor([int(any(c >= 0 for row in counts for c in row))], device=input_tensor.device)
+            dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
+            self.all_whole = not bool(rows.item())
         return None
 
     def _native(self, output: torch.Tensor, input: torch.Tensor, op, group, n: int) -> None:
@@ -357,8 +373,10 @@ class RowExchangeReduceScatter(_SumReduceScatter):
                 for i, piece in zip(mine, got.split([sizes[i] for i in mine])):
                     outs[i].copy_(piece)
         st = self.state._stats
+        narrowed = sum(dt != input.dtype for dt in wire)   # counted as the exchange counts its narrowed chunks
         st.tensors += n * len(sizes)
-        st.sent_dense += n * len(sizes)
+        st.compressed += n * narrowed
+        st.sent_dense += n * (len(sizes) - narrowed)
         st.dense_bytes += n * sum(sizes) * input.element_size()
         st.payload_bytes += n * sum(m * dt.itemsize for m, dt in zip(sizes, wire))
 
@@ -416,6 +434,8 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
 
     def _received(self, views):
         return [v.view(-1) for v in views]
+
+    checks_dense_modules = False   # the selections are not the buffer: FSDP2's own would skip top-k
 
     def _source(self, input_tensor):
         return None   # the selections, with their residuals, are not the buffer's bytes

@@ -352,6 +352,22 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             self.all_whole = not bool(rows.item())
         return None
 
+    def state_dict(self) -> dict:
+        """The check cadence (``calls``, ``all_whole``): a resumed run takes the same collectives at the same
+        steps as the run it continues, hence the same sums, bit for bit."""
+        return {"calls": self.calls, "all_whole": self.all_whole}
+
+    @staticmethod
+    def check_state(state) -> None:
+        """``ValueError`` unless ``state`` is a :meth:`state_dict` (``calls`` an int >= 0, ``all_whole`` a bool)."""
+        calls, whole = (state.get("calls"), state.get("all_whole")) if isinstance(state, dict) else (None, None)
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0 or not isinstance(whole, bool):
+            raise ValueError(f"not a sparse reduce-scatter's state (calls, all_whole): {state!r}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
+        self.calls, self.all_whole = state["calls"], state["all_whole"]
+
     def _native(self, output: torch.Tensor, input: torch.Tensor, op, group, n: int) -> None:
         """FSDP2's own reduce-scatter (the step guard's dense window and dense verdict), each parameter in
         the dtype the exchange sends its chunks whole in: the buffer as it is where nothing is narrowed,

@@ -48,7 +48,8 @@ Usage::
     torch.save(state.state_dict(), f"lhc.rank{dist.get_rank()}.pt")   # with the model/optimizer checkpoint
 
 Checkpointing: error feedback (top-k residuals, THC memories) and capacities are kept per parameter
-(by FQN) and, for the reduce-scatter, per destination; they describe *this rank's* shard, so save
+(by FQN) and, for the reduce-scatter, per destination (the sparse reduce-scatter's check cadence per
+module); they describe *this rank's* shard, so save
 :meth:`~_FSDPState.state_dict` per rank (``torch.save`` as above; ``torch.distributed.checkpoint``
 would keep one copy of a plain tensor for all ranks) next to the model and optimizer checkpoint,
 and restore it with :meth:`~_FSDPState.load_state_dict` on the same rank and mesh before the first
@@ -143,6 +144,8 @@ class _FSDPState:
         self._stats = AggregationStats()
         self._aggregators: dict = {}    # "replicate:<fqn>" | "shard:<fqn>-><d>" -> aggregator
         self._saved: dict = {}          # states loaded before their aggregator was built
+        self._scatters: dict = {}       # module name -> its reduce-scatter comm (register(reduce_scatter=True))
+        self._saved_scatters: dict = {}   # their saved states (state_dict()["reduce_scatter"]), until registered
         self._fqns: Optional[set] = None   # the registered model's parameters, as the keys name them
 
     def __repr__(self) -> str:
@@ -224,7 +227,8 @@ class _FSDPState:
             if self.replicas > 1:
                 module.set_all_reduce_hook(_ReplicaAllReduce(self, module))
             if reduce_scatter and self.shards > 1:
-                module.set_custom_reduce_scatter(self.reduce_scatter_comm(self, module))
+                self._scatters[name] = comm = self.reduce_scatter_comm(self, module)
+                module.set_custom_reduce_scatter(comm)
         # the names the hooks key their aggregators by (Slots: FSDP2's _param_fqn, set at the first forward:
         # the name within the fully_shard module its lazy init took as root, which a torch.compile wrapper
         # does not prefix; else the fallback name)
@@ -232,6 +236,7 @@ class _FSDPState:
             f"{type(m).__name__}.param{i}" for _, m in modules for g in param_groups(m)
             for i in range(len(g.fsdp_params))}
         self._check_saved_keys(self._saved)
+        self._restore_scatters()
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
         cfg = (f"{self._config()}{self._checked_options()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
                f"modules={[n for n, _ in modules]}|{structure}")
@@ -274,8 +279,9 @@ class _FSDPState:
         them; plain numbers and CPU tensors. Save it per rank with the model and optimizer (see the
         module doc). ``stats`` is a record of the counters, not restored."""
         aggs = {k: aggregator_state_dict(a) for k, a in self._aggregators.items()}
+        scatters = {name: c.state_dict() for name, c in self._scatters.items() if hasattr(c, "state_dict")}
         return {"config": self._config(), "rank": dist.get_rank(), "aggregators": {**self._saved, **aggs},
-                "stats": self.stats()}
+                "reduce_scatter": {**self._saved_scatters, **scatters}, "stats": self.stats()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` on the rank that saved it, with the same configuration and mesh shape,
@@ -291,8 +297,32 @@ class _FSDPState:
             raise ValueError(f"the saved state is rank {state['rank']}'s; this is rank {rank}: each rank loads the "
                              "state_dict it saved")
         self._check_saved_keys(state["aggregators"])
+        scatters = dict(state.get("reduce_scatter") or {})   # none before 2026-12-02
+        self._check_saved_scatters(scatters)   # before anything is restored
         self._aggregators = {}
         self._saved = dict(state["aggregators"])
+        self._saved_scatters = scatters
+        self._restore_scatters()
+
+    def _check_saved_scatters(self, saved: dict) -> None:
+        """``ValueError`` for a malformed reduce-scatter state, or (once registered) one of a module this
+        model does not reduce-scatter with its hooks."""
+        for value in saved.values():
+            RowExchangeReduceScatter.check_state(value)
+        unknown = sorted(set(saved) - set(self._scatters)) if self._fqns is not None else []
+        if unknown:
+            raise ValueError(f"the saved state holds reduce-scatter states of modules this model does not "
+                             f"reduce-scatter with its hooks ({', '.join(map(repr, unknown[:3]))})")
+
+    def _restore_scatters(self) -> None:
+        """Hand the registered reduce-scatters their saved states (the sparse one's check cadence), once
+        both are known (:meth:`_check_saved_scatters` first)."""
+        if not self._saved_scatters or self._fqns is None:
+            return
+        self._check_saved_scatters(self._saved_scatters)
+        for name, saved in self._saved_scatters.items():
+            self._scatters[name].load_state_dict(saved)
+        self._saved_scatters = {}
 
     def _check_saved_keys(self, saved: dict) -> None:
         """``ValueError`` for saved states of parameters the registered model does not have (another
@@ -446,8 +476,9 @@ class AutoFSDPState(_FSDPState):
     ``guard_start`` (the exchange is always worth checking), its dense window is FSDP2's own
     collectives (the reduce-scatter, each parameter in the dtype the exchange sends it whole in --
     with ``lossy``, what ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` sends for the large ones,
-    which a dense verdict keeps -- and, with replicas, the shard all-reduced in place), and the verdict is the mesh's rank 0's, for every rank of the mesh (the shard groups must
-    agree on their collectives); a re-plan of the replica all-reduce opens no new trial then.
+    which a dense verdict keeps -- and, with replicas, the shard all-reduced in place), and the verdict
+    is the mesh's rank 0's, for every rank of the mesh (the shard groups must agree on their
+    collectives); a re-plan of the replica all-reduce opens no new trial then.
     ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened. A resumed run
     (:meth:`load_state_dict`) runs a trial of its own."""
 

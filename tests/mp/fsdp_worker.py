@@ -271,6 +271,8 @@ def resume(mesh, make_state, reduce_scatter, steps=6, hidden=512):
                  "thc_step": (a.get("codec") or {}).get("step")}
              for k, a in sorted(ckpt["lhc"]["aggregators"].items())}
     return {"max_diff": max_diff(local(straight), local(second)), "saved_keys": saved_keys,
+            "saved_scatters": ckpt["lhc"].get("reduce_scatter"),
+            "resumed_scatters": {k: c.state_dict() for k, c in s2._scatters.items() if hasattr(c, "state_dict")},
             "stats": s0.stats(), "bitwise": all(torch.equal(x, y) for x, y in zip(local(straight), local(second))),
             "checkpoint_stats": s1.stats(), "resumed_stats": s2.stats(),
             "initial": initial, "saved": saved, "restored": restored,
@@ -356,6 +358,16 @@ def checkpoint_misuse(mesh):
     # rolled back to the state before the first backward: nothing of the two steps is kept
     state.load_state_dict(at_start)
     out["rolled_back"] = {"built": len(state._aggregators), "saved": state.state_dict()["aggregators"]}
+    # the sparse reduce-scatter's saved cadence: for a module this model has, and well formed
+    auto = lambda: AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0)   # noqa: E731
+    registered = auto()
+    registered.register(build(mesh, native=False), reduce_scatter=True)
+    rows = registered.state_dict()
+    out["scatter_modules"] = sorted(rows["reduce_scatter"])
+    out["unknown_scatter"] = expect_error(lambda: registered.load_state_dict(
+        dict(rows, reduce_scatter={"nosuch": {"calls": 1, "all_whole": False}})), ValueError)
+    out["bad_scatter"] = expect_error(lambda: registered.load_state_dict(
+        dict(rows, reduce_scatter={"users": {"calls": -1, "all_whole": False}})), ValueError)
     return out
 
 
@@ -468,8 +480,9 @@ def scenario(name, mesh):
         return half_precision(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, dtype=torch.float16)
     if base == "auto_bfloat16":
         return half_precision(mesh, AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False)
-    if base == "auto_resume":   # a given calibration: the resumed plans are the straight run's
-        return resume(mesh, lambda: AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), False,
+    if base == "auto_resume":   # a given calibration: the resumed plans are the straight run's (rs: and the
+        # sparse reduce-scatter's check cadence)
+        return resume(mesh, lambda: AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), rs,
                       hidden=16)
     if base == "auto_rows":   # the planner's exact sparse reduce-scatter (with the replica plans on 2x2)
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8))

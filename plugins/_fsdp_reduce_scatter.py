@@ -433,6 +433,8 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
     overflow step) made non-finite is dropped on the rank that holds it, so that later steps stay finite
     (the other ranks, which never see it, keep theirs)."""
 
+    checks_dense_modules = False   # the selections are not the buffer: FSDP2's own would skip top-k
+
     def _sent(self, views, d, n, me):
         out = []
         for fqn, v in zip(self.slots.fqns, views):
@@ -450,8 +452,6 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
 
     def _received(self, views):
         return [v.view(-1) for v in views]
-
-    checks_dense_modules = False   # the selections are not the buffer: FSDP2's own would skip top-k
 
     def _source(self, input_tensor):
         return None   # the selections, with their residuals, are not the buffer's bytes

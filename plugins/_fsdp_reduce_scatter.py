@@ -46,8 +46,8 @@ from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
-from lossless_hc.training.row_exchange import (WHOLE, GivenRows, add_segments, encode_destinations,
-                                               received_nbytes)
+from lossless_hc.training.row_exchange import (NARROWED, WHOLE, GivenRows, add_segments, encode_destinations,
+                                               received_nbytes, whole_dtype)
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
@@ -311,7 +311,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
 
     def __init__(self, state, module: FSDPModule):
         super().__init__(state, module)
-        self.narrow = None
+        self.narrow = self.wire = None
         self.calls = 0             # this module's reduce-scatters so far (alike on every rank)
         self.all_whole = False     # at the last check, every rank sent every chunk of this module whole
 
@@ -324,6 +324,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             # a parameter's bytes: its n padded shards'
             self.narrow = [self.state._narrow_dtype(n * math.prod(s) * input_tensor.element_size())
                            for s in self.slots.shapes]
+            self.wire = [whole_dtype(input_tensor.dtype, nd) for nd in self.narrow]   # each sent whole in
         started = time.perf_counter()
         check = self.checks_dense_modules and self.calls % self.state._row_check_interval() == 0
         self.calls += 1
@@ -374,8 +375,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         else one reduce-scatter per dtype of the parameters' slots gathered from every destination's
         chunk (what ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` sends for the narrowed ones,
         summed in that dtype as FSDP2's own is), written back into their slots of ``output``."""
-        sizes = [math.prod(s) for s in self.slots.shapes]
-        wire = [nd if nd is not None and nd.itemsize < input.element_size() else input.dtype for nd in self.narrow]
+        sizes, wire = [math.prod(s) for s in self.slots.shapes], self.wire
         if all(dt == input.dtype for dt in wire):
             native_reduce_scatter(output, input, op, group)
         else:
@@ -388,13 +388,9 @@ class RowExchangeReduceScatter(_SumReduceScatter):
                 native_reduce_scatter(got, sent.reshape(-1), op, group)
                 for i, piece in zip(mine, got.split([sizes[i] for i in mine])):
                     outs[i].copy_(piece)
-        st = self.state._stats
-        narrowed = sum(dt != input.dtype for dt in wire)   # counted as the exchange counts its narrowed chunks
-        st.tensors += n * len(sizes)
-        st.compressed += n * narrowed
-        st.sent_dense += n * (len(sizes) - narrowed)
-        st.dense_bytes += n * sum(sizes) * input.element_size()
-        st.payload_bytes += n * sum(m * dt.itemsize for m, dt in zip(sizes, wire))
+        whole = [WHOLE if dt == input.dtype else NARROWED for dt in wire]   # as the exchange counts them
+        self._count([whole] * n, [sum(m * dt.itemsize for m, dt in zip(sizes, wire))] * n, input.element_size(),
+                    count_bytes=0)
 
     def _sent(self, views: List[torch.Tensor], d: int, n: int, me: int) -> List[torch.Tensor]:
         """What this rank sends destination ``d`` for its parameters' chunks ``views``: the chunks."""
@@ -409,11 +405,11 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         whole): the reduce-scatter's input, whose slots they are."""
         return input_tensor
 
-    def _count(self, counts, sizes, itemsize: int) -> None:
+    def _count(self, counts, sizes, itemsize: int, count_bytes: int = 8) -> None:
         """This rank's part in the state's stats: per destination and parameter, the chunk's bytes as
         dense (its slot's, ``itemsize`` each) and its segment (``compressed``: sent as rows or narrowed),
-        plus the counts' bytes (the times: the segments' encoding and the owner's sum, apart from the
-        collectives)."""
+        plus the counts' bytes, ``count_bytes`` each (0: FSDP2's own reduce-scatter, which sends none;
+        the times: the segments' encoding and the owner's sum, apart from the collectives)."""
         st = self.state._stats
         for row, nbytes in zip(counts, sizes):
             for c, shape in zip(row, self.slots.shapes):
@@ -421,7 +417,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
                 st.dense_bytes += math.prod(shape) * itemsize
                 st.compressed += c != WHOLE
                 st.sent_dense += c == WHOLE
-            st.payload_bytes += nbytes + 8 * len(row)
+            st.payload_bytes += nbytes + count_bytes * len(row)
 
 
 class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):

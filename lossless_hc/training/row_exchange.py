@@ -81,6 +81,12 @@ def row_width(shape: Sequence[int]) -> int:
     return max(1, math.prod(shape[1:])) if len(shape) > 1 else 1
 
 
+def whole_dtype(dtype: torch.dtype, narrow: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a chunk of ``dtype`` crosses in when sent whole: ``narrow`` where given and narrower
+    (a :data:`NARROWED` segment), else ``dtype`` itself (:data:`WHOLE`)."""
+    return narrow if narrow is not None and narrow.itemsize < dtype.itemsize else dtype
+
+
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -111,8 +117,8 @@ def _scan(x: Chunk, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.
             else torch.zeros(0, dtype=torch.bool, device=flat.device)
         count, index = int(present.sum()), None
     size = x.dtype.itemsize
-    whole = WHOLE if narrow is None or narrow.itemsize >= size else NARROWED
-    wire = x.dtype if whole == WHOLE else narrow
+    wire = whole_dtype(x.dtype, narrow)
+    whole = WHOLE if wire == x.dtype else NARROWED
     if count * (8 + row * size) >= numel * wire.itemsize:
         return whole, None
     return count, index if index is not None else present.nonzero().squeeze(1)

@@ -236,6 +236,7 @@ class _FSDPState:
             f"{type(m).__name__}.param{i}" for _, m in modules for g in param_groups(m)
             for i in range(len(g.fsdp_params))}
         self._check_saved_keys(self._saved)
+        self._check_saved_scatters(self._saved_scatters)
         self._restore_scatters()
         structure = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in model.named_parameters())
         cfg = (f"{self._config()}{self._checked_options()}|reduce_scatter={self.reduce_scatter}|factor={factor}|"
@@ -316,10 +317,9 @@ class _FSDPState:
 
     def _restore_scatters(self) -> None:
         """Hand the registered reduce-scatters their saved states (the sparse one's check cadence), once
-        both are known (:meth:`_check_saved_scatters` first)."""
+        both are known (checked by :meth:`_check_saved_scatters` before)."""
         if not self._saved_scatters or self._fqns is None:
             return
-        self._check_saved_scatters(self._saved_scatters)
         for name, saved in self._saved_scatters.items():
             self._scatters[name].load_state_dict(saved)
         self._saved_scatters = {}

@@ -281,7 +281,7 @@ def _layout_words(numel: int, world_size: int, max_nnz: int, row: int, seed: int
 def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
     """Float32 words of the LHC payload sized for ``stats`` (the real layout). At least the union
     capacity ``sketch_capacity(stats)[1]``: the value sketch's cells are linear equations from which the
-    union's values are recovered, one unknown per coordinate (tests/test_planner.py checks it)."""
+    union's values are recovered, one unknown per coordinate (tests/test_planner_cost.py checks it)."""
     cap, union = sketch_capacity(stats)
     return _layout_words(stats.numel, stats.world_size, cap, stats.row, seed, union)
 

@@ -14,12 +14,7 @@ from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOS
                                           CostModel, TensorStats, stats_header_words)
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
-
-MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
-
-
-def stats(numel, row, n, k, union):
-    return TensorStats(numel, row, n, (k,) * n, union)
+from test_planner_cost import MODEL, stats
 
 
 # -- the strategies, exact ----------------------------------------------------------------------------

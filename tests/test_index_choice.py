@@ -1,5 +1,6 @@
-"""index="auto" picks the smallest payload (multilevel only when it is much smaller: cost_model); wire sizes are what the payload really is; tensors too
-dense to compress go dense."""
+"""index="auto" picks the smallest payload, the Bloom and multilevel indexes priced with their slower
+decoders (cost_model.decode_price_bytes); wire sizes are what the payload really is; tensors too dense
+to compress go dense."""
 import itertools
 
 import numpy as np
@@ -35,17 +36,20 @@ def test_auto_is_the_smallest(numel, n, frac, block):
     layouts = explicit_layouts(numel, n, max_nnz, block)
     assert "dense" in layouts
     flat = {k: L for k, L in layouts.items() if k != "multilevel"}
-    best = min(L.payload_numel for L in flat.values())
-    best_layout = min(flat.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
+    # the single-level kinds by wire bytes plus the Bloom decoder's price; ties go to the cheaper decoder:
+    # dense, then bitmap, then bloom
+    best = min(cost_model.priced_bytes(L) for L in flat.values())
+    best_layout = [flat[k] for k in INDEX_KINDS if k in flat and cost_model.priced_bytes(flat[k]) == best][0]
     ml = layouts.get("multilevel")
     if ml is not None and cost_model.multilevel_pays_off(best_layout, ml):
-        # the slower multilevel decoder only where it saves enough wire per node it peels
+        # the slower multilevel decoder only where it saves enough per node it peels
         assert auto.index_kind == "multilevel" and auto.payload_numel == ml.payload_numel
+        assert ml.wire_bytes + cost_model.decode_price_bytes(ml) <= best
     else:
-        assert auto.payload_numel == best
-        # ties go to the cheaper decoder: dense, then bitmap, then bloom
-        tied = [k for k in INDEX_KINDS if k in flat and flat[k].payload_numel == best]
-        assert auto.index_kind == tied[0]
+        assert auto.index_kind == best_layout.index_kind and auto.payload_numel == best_layout.payload_numel
+        if auto.index_kind != "bloom" and "bloom" in flat:   # a Bloom index kept out by its decode alone
+            assert flat["bloom"].wire_bytes + cost_model.BLOOM_BYTES_PER_CELL * flat["bloom"].bloom.cells >= \
+                auto.wire_bytes
     assert layouts[auto.index_kind].fingerprint == auto.fingerprint
     assert auto.wire_bytes == 4 * auto.payload_numel
     assert auto.payload_numel <= numel + HEADER_FIELDS          # never worse than dense + header

@@ -4,8 +4,10 @@ Every rank calls :func:`plan_layout` / :func:`choose` with the same arguments (n
 block size, capacity, expected aggregate support); they are pure functions of them, so every rank
 picks the same layout and payload shapes always match. :func:`choose` returns the layout with the
 fewest wire bytes among the kinds :mod:`lossless_hc.lhc.sizing` can build within its
-failure-probability targets; ties prefer the cheaper decoder (dense, bitmap, bloom, multilevel), and
-the multilevel index must save ``MULTILEVEL_BYTES_PER_NODE`` bytes per fine-table node it peels.
+failure-probability targets, each kind's decode beyond the bitmap's priced in wire bytes
+(:func:`decode_price_bytes`: ``BLOOM_BYTES_PER_CELL`` per Bloom counter, ``MULTILEVEL_BYTES_PER_NODE``
+per fine-table node the multilevel decoder peels); ties prefer the cheaper decoder (dense, bitmap,
+bloom, multilevel).
 Dense is always a candidate, so the choice never exceeds dense plus the header. Sizes are exact
 (the layouts themselves), not estimates. The derivation (wire formulas, the information bound, the
 multilevel break-even) is in docs/DESIGN.md, "Cost model".
@@ -28,6 +30,10 @@ MAX_EXTRA_LEVELS = 3            # up to 4 fine levels (layout.MAX_FINE_LEVELS)
 # ``auto`` takes the multilevel index only where it saves this many wire bytes per fine-table node
 # its decoder peels (the 1 Gbit/s break-even of its extra decode time; docs/DESIGN.md, "Cost model", "The choice").
 MULTILEVEL_BYTES_PER_NODE = 4.0
+# ... and the Bloom index only where it saves this many per counter of its table: its decoder tests every
+# key of the tensor against the counters and peels them in one table of 32-byte cells, which costs ~28 ns
+# per counter more than the bitmap's decode (docs/DESIGN.md, "Cost model", "The choice").
+BLOOM_BYTES_PER_CELL = 2.0
 
 
 def multilevel_shapes(extra: int):
@@ -99,22 +105,41 @@ def multilevel_nodes(layout: PayloadLayout) -> int:
     return sum(lv.planned_nodes for lv in layout.multilevel.levels)
 
 
+def decode_price_bytes(layout: PayloadLayout) -> float:
+    """What ``layout``'s decode costs beyond the bitmap's, in wire bytes (the 1 Gbit/s break-even,
+    docs/DESIGN.md "Cost model", "The choice"): ``MULTILEVEL_BYTES_PER_NODE`` per node of a multilevel
+    index's fine tables, ``BLOOM_BYTES_PER_CELL`` per counter of a Bloom index, 0 for the bitmap and
+    dense."""
+    if layout.index_kind == "multilevel":
+        return MULTILEVEL_BYTES_PER_NODE * multilevel_nodes(layout)
+    if layout.index_kind == "bloom":
+        return BLOOM_BYTES_PER_CELL * layout.bloom.cells
+    return 0.0
+
+
+def priced_bytes(layout: PayloadLayout) -> float:
+    """Wire bytes plus :func:`decode_price_bytes`: what :func:`choose` minimises."""
+    return layout.wire_bytes + decode_price_bytes(layout)
+
+
 def multilevel_pays_off(flat: PayloadLayout, multilevel: PayloadLayout) -> bool:
-    """Whether ``multilevel`` saves at least ``MULTILEVEL_BYTES_PER_NODE`` wire bytes per node its
-    decoder peels, against the single-level layout ``flat`` (docs/DESIGN.md, "Cost model", "The choice")."""
-    saved = flat.wire_bytes - multilevel.wire_bytes
-    return saved > 0 and saved >= MULTILEVEL_BYTES_PER_NODE * multilevel_nodes(multilevel)
+    """Whether ``multilevel`` saves at least ``MULTILEVEL_BYTES_PER_NODE`` bytes per node its decoder
+    peels, against the single-level layout ``flat`` priced with its own decode
+    (:func:`priced_bytes`: a Bloom index's counters; docs/DESIGN.md, "Cost model", "The choice")."""
+    saved = priced_bytes(flat) - multilevel.wire_bytes
+    return saved > 0 and saved >= decode_price_bytes(multilevel)
 
 
 def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
            union_nnz: Optional[int] = None) -> PayloadLayout:
-    """The single-level layout with the fewest wire bytes (ties: dense, bitmap, bloom), or the
-    multilevel one where it saves enough wire per node it peels (:func:`multilevel_pays_off`).
-    The same on every device (the CPU and CUDA backends both decode every kind). Its tables' streams
-    are then checked for unsolvable pairs (:func:`~lossless_hc.lhc.sizing.with_solvable_streams`)."""
+    """The single-level layout with the fewest :func:`priced_bytes` (wire bytes, plus a Bloom index's
+    decode; ties: dense, bitmap, bloom), or the multilevel one where it saves enough per node it peels
+    (:func:`multilevel_pays_off`). The same on every device (the CPU and CUDA backends both decode every
+    kind). Its tables' streams are then checked for unsolvable pairs
+    (:func:`~lossless_hc.lhc.sizing.with_solvable_streams`)."""
     cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz)
     multilevel = cands.pop("multilevel", None)
-    flat = min(cands.values(), key=lambda L: (L.payload_numel, INDEX_KINDS.index(L.index_kind)))
+    flat = min(cands.values(), key=lambda L: (priced_bytes(L), INDEX_KINDS.index(L.index_kind)))
     pays_off = multilevel is not None and multilevel_pays_off(flat, multilevel)
     return with_solvable_streams(multilevel if pays_off else flat)
 

@@ -3,6 +3,7 @@
 // checks dtype, device, contiguity and sizes before calling in.
 #include <pybind11/pybind11.h>
 
+#include <cstring>
 #include <stdexcept>
 
 #include "cpu/codec_cpu.h"
@@ -103,6 +104,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_threads") = 0,
       "present[r] (uint8/bool at address present) = whether row r of the rows x row matrix at x (elements of\n"
       "element_bytes bytes, contiguous) holds an element that is not +-0.0 (NaN and infinities count).");
+
+  m.def(
+      "dense_copy_count",
+      [](uintptr_t src, uintptr_t dst, uint64_t n, uintptr_t counts, int num_threads) {
+        py::gil_scoped_release release;
+        uint64_t c[2];
+        cpu::dense_copy_count(ptr<const float>(src), dst ? ptr<float>(dst) : nullptr, n, c, num_threads);
+        std::memcpy(ptr<int64_t>(counts), c, sizeof c);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("counts"), py::arg("num_threads") = 0,
+      "dst[i] = src[i] for i < n (float32; dst 0: count only); counts[0] (int64 at address counts) = the\n"
+      "elements that are not +-0.0, counts[1] = those that are not finite.");
 
   m.attr("HEADER_FIELDS") = (int)kHeaderFields;
   m.attr("INT_FIELD_BITS") = (int)kIntFieldBits;

@@ -91,3 +91,30 @@ def test_sparse_tensors_compress():
     assert codec.compression_ratio < 0.4, codec
     emb = LosslessCodec(1 << 20, 8, (1 << 20) // 100, block_size=64)     # row-sparse embedding gradient
     assert emb.compression_ratio < 0.2, emb
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_dense_index_copies_and_counts_in_one_pass(device):
+    """The backend's dense_copy (the dense index's encode and decode) against torch's element-wise
+    tests: -0.0 is zero, the smallest subnormal is not; NaN and both infinities are non-finite; at every
+    thread count (a tensor large enough for three threads) and without a destination."""
+    from lossless_hc.backends import backend_for
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n = (1 << 18) + 5
+    gen = torch.Generator().manual_seed(3)
+    x = torch.zeros(n)
+    x[torch.randperm(n, generator=gen)[:5000]] = torch.randn(5000, generator=gen)
+    x[:6] = torch.tensor([-0.0, float("nan"), float("inf"), float("-inf"), 3e38, -1.0])
+    x.view(torch.int32)[6] = 1                       # the smallest subnormal
+    x[n - 1] = 2.0                                   # the last word
+    want = [int(torch.count_nonzero(x)), int((~torch.isfinite(x)).sum())]
+    assert want[1] == 3
+    x = x.to(device)
+    for threads in (1, 2, 3):
+        dst = torch.full((n,), 7.0, device=device)
+        counts = backend_for(device).dense_copy(x, dst, threads)
+        assert counts.dtype == torch.int64 and counts.tolist() == want, threads
+        assert torch.equal(dst.view(torch.int32), x.view(torch.int32))   # bit for bit, NaN and -0.0 too
+        assert backend_for(device).dense_copy(x, None, threads).tolist() == want
+    assert backend_for(device).dense_copy(x[:0], None).tolist() == [0, 0]

@@ -66,6 +66,11 @@ DecodeStats decode(const CodecLayout& layout, const DecodeInputs& in, const floa
 // 0. Reads x once; bits independent of the thread count.
 void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present, int num_threads);
 
+// The dense index's body: dst[i] = src[i] for i < n (dst may be null: counting only), counts[0] = the
+// elements that are not +-0.0 and counts[1] = those that are not finite (NaN, +-Inf). One read of src;
+// the counts are independent of the thread count.
+void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads);
+
 // Ask the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent huge pages
 // (Linux, where THP is enabled for "madvise" or "always"; elsewhere a no-op). For memory not touched
 // yet: its first write then takes one page fault per 2 MiB instead of one per 4 KiB -- most of the

@@ -1,8 +1,9 @@
 // lhc::cpu::nonzero_rows: which rows of a dense gradient hold a value other than +-0.0 (the planner's
-// row scan, lossless_hc/training/rows.py).
+// row scan, lossless_hc/training/rows.py); lhc::cpu::dense_copy_count: the dense index's body.
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "codec_cpu.h"
 #include "codec_cpu_internal.h"
@@ -47,6 +48,37 @@ void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes,
       default: scan_rows(static_cast<const uint64_t*>(x), begin, end, row, present); break;
     }
   }
+}
+
+void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads) {
+  counts[0] = counts[1] = 0;
+  if (n == 0) return;
+  const uint64_t bytes = n * sizeof(float);
+  const int nt = (int)std::max<uint64_t>(1, std::min<uint64_t>(detail::resolve_threads(num_threads), bytes >> 16));
+  uint64_t nonzero = 0, nonfinite = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : nonzero, nonfinite)
+  {
+    uint64_t begin, end;
+    detail::split_range(n, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    // Chunks of 4096 words: each is copied while its lines are in L1, and counted with 32-bit lanes
+    // (the compiler vectorises the loop: no float comparisons, so NaN needs no care).
+    constexpr uint64_t kChunk = 4096;
+    for (uint64_t c0 = begin; c0 < end; c0 += kChunk) {
+      const uint64_t c1 = std::min(end, c0 + kChunk);
+      if (dst) std::memcpy(dst + c0, src + c0, (c1 - c0) * sizeof(float));
+      uint32_t nz = 0, nf = 0;
+      for (uint64_t i = c0; i < c1; ++i) {
+        uint32_t w;
+        std::memcpy(&w, src + i, sizeof w);
+        nz += (w << 1) != 0;                      // not +-0.0
+        nf += (w & 0x7f800000u) == 0x7f800000u;   // exponent all ones: NaN or +-Inf
+      }
+      nonzero += nz;
+      nonfinite += nf;
+    }
+  }
+  counts[0] = nonzero;
+  counts[1] = nonfinite;
 }
 
 }  // namespace cpu

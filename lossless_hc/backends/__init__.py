@@ -15,6 +15,9 @@
 * ``nonzero_rows(x, row, num_threads=0) -> present``: for a contiguous tensor ``x`` of 2-, 4- or 8-byte
   floats seen as ``(x.numel() // row, row)``, a bool per row: whether it holds an element that is not
   +-0.0 (NaN and infinities count) -- the planner's row scan (``lossless_hc.training.rows``).
+* ``dense_copy(src, dst, num_threads=0) -> counts``: ``dst.copy_(src)`` (contiguous float32, the same
+  numel; ``dst`` None: no copy) and an int64 tensor on ``src``'s device, ``[elements of src that are
+  not +-0.0, elements that are not finite]`` -- the LHC codec's dense index.
 * ``lhc_layout(layout, device)`` (the kernels receive it as the layout ABI, the words of
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with

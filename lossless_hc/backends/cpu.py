@@ -224,6 +224,14 @@ class CpuBackend:
         _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
         return present
 
+    def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
+        """``dst.copy_(src)`` (contiguous float32, the same numel; ``dst`` None: counting only) and
+        ``[elements of src that are not +-0.0, elements that are not finite]`` as an int64 tensor: one
+        read of ``src`` (csrc/cpu/rows.cpp)."""
+        counts = torch.empty(2, dtype=torch.int64)
+        _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
+        return counts
+
     # -- LHC -------------------------------------------------------------------------------------
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CpuLhcLayout:
         return CpuLhcLayout(layout)

@@ -50,6 +50,12 @@ class CudaBackend:
         rows = _check_rows(x, row)
         return x.reshape(rows, row).abs().amax(dim=1) != 0
 
+    def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
+        """The CPU backend's ``dense_copy`` on the device: the counts stay there (no synchronisation)."""
+        if dst is not None:
+            dst.copy_(src)
+        return torch.stack([torch.count_nonzero(src), (~torch.isfinite(src)).sum()])
+
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
         return CudaLayout(layout, device)
 

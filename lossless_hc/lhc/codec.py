@@ -335,22 +335,22 @@ class LosslessCodec:
         payload = self._buffer(out, L.payload_numel)
         check_disjoint(payload, flat, "out and x")
         if L.index_kind == "dense":
-            payload[HEADER_FIELDS:] = flat
-            self._write_dense_header(payload, flat)
+            counts = self._backend.dense_copy(flat, payload[HEADER_FIELDS:], self.num_threads)
+            self._write_dense_header(payload, counts)
             return payload
         self._backend.lhc_encode(self._native, flat, payload, self.num_threads)
         return payload
 
-    def _write_dense_header(self, payload: torch.Tensor, flat: torch.Tensor) -> None:
-        # Fills and a device-side copy only: reading isfinite() back would synchronise a CUDA stream.
+    def _write_dense_header(self, payload: torch.Tensor, counts: torch.Tensor) -> None:
+        # Fills and a device-side copy only (``counts``: dense_copy's, on the payload's device): reading
+        # the non-finite count back would synchronise a CUDA stream.
         L = self.layout
         mask = (1 << CHUNK_BITS) - 1
         payload[:HEADER_FIELDS].zero_()
         payload[HDR_CONTRIBUTORS].fill_(1.0)
         payload[HDR_FP_LO].fill_(float(L.fingerprint & mask))
         payload[HDR_FP_HI].fill_(float(L.fingerprint >> CHUNK_BITS))
-        if flat.numel():
-            payload[HDR_NON_FINITE:HDR_NON_FINITE + 1].copy_((~torch.isfinite(flat)).any().reshape(1))
+        payload[HDR_NON_FINITE:HDR_NON_FINITE + 1].copy_(counts[1:] > 0)
 
     # -- decode --------------------------------------------------------------------------------
     def _read_header(self, fields: list, scale: float):
@@ -445,12 +445,11 @@ class LosslessCodec:
 
         dense_nonzero = pending = None
         if L.index_kind == "dense":
-            # The header, the non-zero count and the non-finite count in one transfer (one
+            # The body copied into out with its non-zero and non-finite counts in one pass (a failure
+            # below overwrites out with NaN), then the header and the counts in one transfer (one
             # synchronisation on CUDA).
-            body = payload[HEADER_FIELDS:]
-            values = torch.cat([payload[:HEADER_FIELDS].to(torch.float64),
-                                torch.count_nonzero(body).to(torch.float64).reshape(1),
-                                (~torch.isfinite(body)).sum().to(torch.float64).reshape(1)]).tolist()
+            counts = self._backend.dense_copy(payload[HEADER_FIELDS:], out, self.num_threads)
+            values = torch.cat([payload[:HEADER_FIELDS].to(torch.float64), counts.to(torch.float64)]).tolist()
             header_fields, dense_nonzero = values[:HEADER_FIELDS], int(values[HEADER_FIELDS])
             dense_non_finite = int(values[HEADER_FIELDS + 1])
         else:
@@ -495,7 +494,6 @@ class LosslessCodec:
             if dense_non_finite:   # a NaN word, or finite inputs whose sum overflowed float32
                 return fail(DecodeStatus.SKETCH_OVERFLOW,
                             f"{message(DecodeStatus.SKETCH_OVERFLOW)} ({dense_non_finite} dense value(s))")
-            out.copy_(payload[HEADER_FIELDS:])
             report.candidates = report.support = report.peeled = dense_nonzero
             return finish(DecodeStatus.OK)
 

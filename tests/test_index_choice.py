@@ -118,3 +118,9 @@ def test_the_dense_index_copies_and_counts_in_one_pass(device):
         assert torch.equal(dst.view(torch.int32), x.view(torch.int32))   # bit for bit, NaN and -0.0 too
         assert backend_for(device).dense_copy(x, None, threads).tolist() == want
     assert backend_for(device).dense_copy(x[:0], None).tolist() == [0, 0]
+    with pytest.raises(TypeError, match="contiguous float32"):
+        backend_for(device).dense_copy(x.double(), None)
+    with pytest.raises(TypeError, match="contiguous float32"):
+        backend_for(device).dense_copy(x, torch.empty(2 * n, device=device)[::2])
+    with pytest.raises(ValueError, match="must hold"):
+        backend_for(device).dense_copy(x, torch.empty(n - 1, device=device))

@@ -63,6 +63,17 @@ def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> No
         raise ValueError("topk_feedback: the residual must not be the input itself")
 
 
+def check_dense_copy(src: torch.Tensor, dst: Optional[torch.Tensor]) -> None:
+    """``dense_copy``'s operands on any backend: contiguous float32 tensors of the same numel on one
+    device (the kernels read and write through their addresses)."""
+    for name, t in (("src", src), ("dst", dst)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise TypeError(f"dense_copy's {name} must be a contiguous float32 tensor")
+    if dst is not None and (dst.numel() != src.numel() or dst.device != src.device):
+        raise ValueError(f"dense_copy's dst must hold {src.numel()} elements on {src.device}, got {dst.numel()} on "
+                         f"{dst.device}")
+
+
 def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tensor) -> None:
     """The operands of ``thc_interleave``/``thc_deinterleave`` on any backend: ``flat`` (the tensor's
     coordinates) and ``blocks`` (``nb`` blocks of ``block``) contiguous float32 on one device, with
@@ -228,6 +239,7 @@ class CpuBackend:
         """``dst.copy_(src)`` (contiguous float32, the same numel; ``dst`` None: counting only) and
         ``[elements of src that are not +-0.0, elements that are not finite]`` as an int64 tensor: one
         read of ``src`` (csrc/cpu/rows.cpp)."""
+        check_dense_copy(src, dst)
         counts = torch.empty(2, dtype=torch.int64)
         _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
         return counts

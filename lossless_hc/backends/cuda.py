@@ -52,6 +52,8 @@ class CudaBackend:
 
     def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
         """The CPU backend's ``dense_copy`` on the device: the counts stay there (no synchronisation)."""
+        from lossless_hc.backends.cpu import check_dense_copy
+        check_dense_copy(src, dst)
         if dst is not None:
             dst.copy_(src)
         return torch.stack([torch.count_nonzero(src), (~torch.isfinite(src)).sum()])

@@ -170,3 +170,21 @@ def test_dense_tensor_can_become_compressed():
         payload, ctx = agg.encode(x)
         agg.decode(payload * 4, ctx)
     assert agg.compressed
+
+
+@pytest.mark.parametrize("block", [1, 3, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_observed_support_counts_every_key_holding_a_non_zero(block, dtype):
+    """What a dense-sent tensor's aggregate shows the tracker: keys (the last one partial) holding a value
+    other than +-0.0, NaN and infinities included, as torch's element-wise tests count them."""
+    numel = 100_003
+    agg = TensorAggregator("t", (numel,), dtype, 4, 0.01, block_size=block, policy=CapacityPolicy())
+    gen = torch.Generator().manual_seed(block)
+    x = torch.zeros(numel, dtype=dtype)
+    x[torch.randperm(numel, generator=gen)[:700]] = torch.randn(700, generator=gen).to(dtype)
+    x[:4] = torch.tensor([-0.0, float("nan"), float("-inf"), 0.0]).to(dtype)
+    x[numel - 1] = 1.0                                   # the partial last key (numel is not a multiple of 3, 32)
+    pad = (-numel) % block
+    want = int((torch.cat([x, x.new_zeros(pad)]).reshape(-1, block) != 0).any(dim=1).sum())
+    assert agg._key_support(x) == want
+    assert agg._key_support(x.reshape(-1, 1)) == want   # any shape

@@ -130,7 +130,7 @@ def test_ddp_auto_sends_a_half_precision_model_s_plain_steps_in_its_dtype(ddp_ru
 def test_step_guard_verdict_is_rank_0s_and_exact(engine, name, request):
     """The step guard (one block of 2 steps per window from step 2; 12 steps): the plans run steps 2 and 3,
     every bucket (DDP) or tensor (Horovod) is sent as it is, in place, at steps 4 and 5, and rank 0's first look (forced
-    by the margin: the plans must be 100x faster / may be 101x slower) holds on every rank at step 6. Dense:
+    by the margin: the plans must be 1e6x faster / may be 1e6x slower) holds on every rank at step 6. Dense:
     the verdict, every later step is plain too; for the plans: a confirmation round (steps 6 to 9), then
     the verdict at 10 and the plans resume. Exact and identical on every rank either way (Horovod: although
     the ranks call the compressor in different orders)."""

@@ -105,7 +105,7 @@ def lossy_guard(dense_verdict, steps=12, dtype=torch.float32):
     ddp = DistributedDataParallel(model)
     state = AutoHookState(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                           interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
-                          guard_margin=0.99 if dense_verdict else -100.0)
+                          guard_margin=1 - 1e-6 if dense_verdict else -1e6)
     ddp.register_comm_hook(state, auto_hook)
     out_sum = torch.zeros(128, 96, dtype=torch.float64, device=DEVICE)
     for step in range(steps):
@@ -171,7 +171,7 @@ def scenario(name):
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
         return out
     if name in ("guard_dense", "guard_plan"):   # the step guard's trial, its verdict forced by the margin
-        margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
+        margin = 1 - 1e-6 if name == "guard_dense" else -1e6   # plans must be 1e6x faster / may be 1e6x slower
         state = AutoHookState(interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
                               guard_margin=margin)
         out = compare(state, steps=12)

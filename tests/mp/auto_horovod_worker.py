@@ -91,7 +91,7 @@ def lossy_guard(dense_verdict, steps=12):
     RUNS[0] += 1
     comp = Compression.auto(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                             interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
-                            guard_margin=0.99 if dense_verdict else -100.0)
+                            guard_margin=1 - 1e-6 if dense_verdict else -1e6)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=[(f"run{RUNS[0]}.weight", model.weight)], compression=comp,
                                    op=hvd.Average)
@@ -123,7 +123,7 @@ def scenario(name):
     if name == "allgather":  # a slow link: the sparse tables go through the named async allgather
         return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e7, 0.0)))
     if name in ("guard_dense", "guard_plan"):   # the step guard, its verdict forced by the margin
-        margin = 0.99 if name == "guard_dense" else -100.0   # plans must be 100x faster / may be 101x slower
+        margin = 1 - 1e-6 if name == "guard_dense" else -1e6   # plans must be 1e6x faster / may be 1e6x slower
         return compare(lambda: Compression.auto(interval=2, calibration=Calibration.default(1e9), guard_steps=1,
                                                 guard_start=2, guard_margin=margin), steps=12)
     if name.startswith("lossy_guard_"):

@@ -460,14 +460,14 @@ def scenario(name, mesh):
         r["plan"] = {k: [v["strategy"], v["changes"]] for k, v in state.stats()["plan"].items()}
         return r
     if base in ("auto_guard_dense", "auto_guard_plan"):   # the step guard, its verdict forced by the margin
-        # (the plans must be 100x faster / may be 101x slower): one block of 2 steps per window from step 2
+        # (the plans must be 1e6x faster / may be 1e6x slower): one block of 2 steps per window from step 2
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
-                              guard_margin=0.99 if base == "auto_guard_dense" else -100.0)
+                              guard_margin=1 - 1e-6 if base == "auto_guard_dense" else -1e6)
         return with_guard(compare(mesh, state, False, steps=12), state)
     if base in ("auto_guard_lossy_dense", "auto_guard_lossy_plan"):   # top-k plans under the guard
         state = AutoFSDPState(mesh, lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
                               interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
-                              guard_margin=0.99 if base == "auto_guard_lossy_dense" else -100.0)
+                              guard_margin=1 - 1e-6 if base == "auto_guard_lossy_dense" else -1e6)
         r = with_guard(compare(mesh, state, False, steps=12, hidden=512, lr=0.02), state)
         r["left"] = {k: a.take_lossy_memory() is not None for k, a in state._aggregators.items()}
         return r
@@ -489,11 +489,11 @@ def scenario(name, mesh):
         return compare(mesh, state, True, count_exchange=True)
     if base in ("auto_rows_guard_dense", "auto_rows_guard_plan"):   # the step guard over the sparse reduce-scatter
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
-                              guard_margin=0.99 if base == "auto_rows_guard_dense" else -100.0)
+                              guard_margin=1 - 1e-6 if base == "auto_rows_guard_dense" else -1e6)
         return with_guard(compare(mesh, state, True, steps=12, count_exchange=True), state)
     if base == "auto_rows_guard_lossy":   # ... lossy: the dense window in the dtypes the exchange narrows to
         state = AutoFSDPState(mesh, lossy=True, lossy_min_bytes=1024, interval=2, calibration=Calibration.default(1e8),
-                              guard_steps=1, guard_start=2, guard_margin=0.99)
+                              guard_steps=1, guard_start=2, guard_margin=1 - 1e-6)
         return with_guard(compare(mesh, state, True, steps=12, count_exchange=True), state)
     if base == "auto_rows_lossy":   # ... with lossy: chunks sent whole go as bfloat16 (every parameter here)
         state = AutoFSDPState(mesh, lossy=True, lossy_min_bytes=0, interval=2, calibration=Calibration.default(1e8))

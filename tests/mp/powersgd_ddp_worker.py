@@ -111,7 +111,7 @@ def switch(dense_verdict):
     # place at 9 and 10, the verdict at 11).
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("topk", "powersgd"), lossy_min_bytes=0,
                           topk_ratio=0.05, guard_steps=1, guard_start=3,
-                          guard_margin=0.99 if dense_verdict else -100.0)
+                          guard_margin=1 - 1e-6 if dense_verdict else -1e6)
     ddp.register_comm_hook(state, auto_hook)
     steps = 12
     out_sum = torch.zeros(256, 192, dtype=torch.float64)

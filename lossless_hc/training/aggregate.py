@@ -270,12 +270,12 @@ class TensorAggregator:
         coordinates holding a value other than +-0.0 (NaN and infinities count), the last key partial."""
         flat = value.detach().reshape(-1)
         b = self.block_size
-        full = flat.numel() // b * b
         # The backends' one-pass scans: torch's comparisons and reductions took ~5-15x as long.
         if b == 1 and flat.dtype == torch.float32:
             return int(backend_for(flat.device).dense_copy(flat.contiguous(), None)[0])
         if b > 1 and flat.is_floating_point() and flat.element_size() in (2, 4, 8):
             flat = flat.contiguous()
+            full = flat.numel() // b * b
             keys = int(backend_for(flat.device).nonzero_rows(flat[:full], b).sum()) if full else 0
             return keys + int(full < flat.numel() and bool((flat[full:] != 0).any()))
         if b == 1:

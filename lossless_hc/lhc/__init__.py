@@ -2,7 +2,7 @@
 
     layout      what a payload holds and where (PayloadLayout; header fields; the hash streams)
     sizing      how big each table is for a failure-probability target; build_layout
-    cost_model  which index kind per tensor (plan_layout, choose): the smallest payload
+    cost_model  which index kind per tensor (plan_layout, choose): the cheapest payload
     codec       LosslessCodec: encode, decode, DecodeReport
     status      DecodeStatus: the one vocabulary of decode outcomes (C++, CUDA and Python)
     reference   the pure-torch oracle the tests compare both backends with

@@ -195,7 +195,7 @@ class LosslessCodec:
             ``lossless_hc._C_cuda`` or compiled at run time through CuPy; the same payloads as the
             CPU backend, so CPU and GPU ranks interoperate). On CUDA everything runs on the current
             torch stream: encode never synchronises, decode synchronises once.
-        index: "auto" (smallest payload, see :mod:`lossless_hc.lhc.cost_model`), "bitmap", "bloom",
+        index: "auto" (the cheapest payload, see :mod:`lossless_hc.lhc.cost_model`), "bitmap", "bloom",
             "multilevel" or "dense" (every kind on every device).
         num_threads: OpenMP threads of the CPU kernels (0: the OpenMP default).
         union_nnz: non-zero coordinates the *aggregate* may have (default ``world_size * max_nnz``);

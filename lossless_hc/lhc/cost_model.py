@@ -4,10 +4,11 @@ Every rank calls :func:`plan_layout` / :func:`choose` with the same arguments (n
 block size, capacity, expected aggregate support); they are pure functions of them, so every rank
 picks the same layout and payload shapes always match. :func:`choose` returns the layout with the
 fewest wire bytes among the kinds :mod:`lossless_hc.lhc.sizing` can build within its
-failure-probability targets, each kind's decode beyond the bitmap's priced in wire bytes
-(:func:`decode_price_bytes`: ``BLOOM_BYTES_PER_CELL`` per Bloom counter, ``MULTILEVEL_BYTES_PER_NODE``
-per fine-table node the multilevel decoder peels); ties prefer the cheaper decoder (dense, bitmap,
-bloom, multilevel).
+failure-probability targets, each kind's encode and decode beyond the dense layout's copy priced in
+wire bytes (:func:`decode_price_bytes`: ``SKETCH_BYTES_PER_CELL`` plus ``SKETCH_BYTES_PER_VALUE`` per
+value of a cell of the value sketch, which every kind but dense carries; ``BLOOM_BYTES_PER_CELL`` per
+Bloom counter, ``MULTILEVEL_BYTES_PER_NODE`` per fine-table node the multilevel decoder peels); ties
+prefer the cheaper decoder (dense, bitmap, bloom, multilevel).
 Dense is always a candidate, so the choice never exceeds dense plus the header. Sizes are exact
 (the layouts themselves), not estimates. The derivation (wire formulas, the information bound, the
 multilevel break-even) is in docs/DESIGN.md, "Cost model".
@@ -34,6 +35,11 @@ MULTILEVEL_BYTES_PER_NODE = 4.0
 # key of the tensor against the counters and peels them in one table of 32-byte cells, which costs ~28 ns
 # per counter more than the bitmap's decode (docs/DESIGN.md, "Cost model", "The choice").
 BLOOM_BYTES_PER_CELL = 2.0
+# ... and the value sketch, which every kind but dense carries, only where it saves this many per cell,
+# plus this many per value of a cell (the block): encoding into it and peeling it costs ~27 + 3.4 b ns
+# per cell of b values more than the dense layout's copy (docs/DESIGN.md, "Cost model", "The choice").
+SKETCH_BYTES_PER_CELL = 2.0
+SKETCH_BYTES_PER_VALUE = 0.25
 
 
 def multilevel_shapes(extra: int):
@@ -105,16 +111,26 @@ def multilevel_nodes(layout: PayloadLayout) -> int:
     return sum(lv.planned_nodes for lv in layout.multilevel.levels)
 
 
+def sketch_price_bytes(layout: PayloadLayout) -> float:
+    """What ``layout``'s value sketch costs to encode and peel beyond a copy of the dense tensor, in wire
+    bytes: ``c * (s + v * b)`` for ``c`` cells of ``b`` values, ``s`` = ``SKETCH_BYTES_PER_CELL``,
+    ``v`` = ``SKETCH_BYTES_PER_VALUE``; 0 for dense, which has no sketch."""
+    if layout.index_kind == "dense":
+        return 0.0
+    return layout.sketch.cells * (SKETCH_BYTES_PER_CELL + SKETCH_BYTES_PER_VALUE * layout.block)
+
+
 def decode_price_bytes(layout: PayloadLayout) -> float:
-    """What ``layout``'s decode costs beyond the bitmap's, in wire bytes (the 1 Gbit/s break-even,
-    docs/DESIGN.md "Cost model", "The choice"): ``MULTILEVEL_BYTES_PER_NODE`` per node of a multilevel
-    index's fine tables, ``BLOOM_BYTES_PER_CELL`` per counter of a Bloom index, 0 for the bitmap and
-    dense."""
+    """What ``layout``'s encode and decode cost beyond the dense layout's copy, in wire bytes (the 1 Gbit/s
+    break-even, docs/DESIGN.md "Cost model", "The choice"): its value sketch's
+    (:func:`sketch_price_bytes`), plus ``MULTILEVEL_BYTES_PER_NODE`` per node of a multilevel index's fine
+    tables or ``BLOOM_BYTES_PER_CELL`` per counter of a Bloom index; 0 for dense."""
+    price = sketch_price_bytes(layout)
     if layout.index_kind == "multilevel":
-        return MULTILEVEL_BYTES_PER_NODE * multilevel_nodes(layout)
-    if layout.index_kind == "bloom":
-        return BLOOM_BYTES_PER_CELL * layout.bloom.cells
-    return 0.0
+        price += MULTILEVEL_BYTES_PER_NODE * multilevel_nodes(layout)
+    elif layout.index_kind == "bloom":
+        price += BLOOM_BYTES_PER_CELL * layout.bloom.cells
+    return price
 
 
 def priced_bytes(layout: PayloadLayout) -> float:
@@ -123,18 +139,18 @@ def priced_bytes(layout: PayloadLayout) -> float:
 
 
 def multilevel_pays_off(flat: PayloadLayout, multilevel: PayloadLayout) -> bool:
-    """Whether ``multilevel`` saves at least ``MULTILEVEL_BYTES_PER_NODE`` bytes per node its decoder
-    peels, against the single-level layout ``flat`` priced with its own decode
-    (:func:`priced_bytes`: a Bloom index's counters; docs/DESIGN.md, "Cost model", "The choice")."""
+    """Whether ``multilevel`` saves at least its price (``MULTILEVEL_BYTES_PER_NODE`` bytes per node its
+    decoder peels, and its value sketch's) against the single-level layout ``flat`` priced the same way
+    (:func:`priced_bytes`: a Bloom index's counters, a sketch; docs/DESIGN.md, "Cost model", "The choice")."""
     saved = priced_bytes(flat) - multilevel.wire_bytes
     return saved > 0 and saved >= decode_price_bytes(multilevel)
 
 
 def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed: int = 0,
            union_nnz: Optional[int] = None) -> PayloadLayout:
-    """The single-level layout with the fewest :func:`priced_bytes` (wire bytes, plus a Bloom index's
-    decode; ties: dense, bitmap, bloom), or the multilevel one where it saves enough per node it peels
-    (:func:`multilevel_pays_off`). The same on every device (the CPU and CUDA backends both decode every
+    """The single-level layout with the fewest :func:`priced_bytes` (wire bytes, plus its value sketch's
+    and a Bloom index's coding time; ties: dense, bitmap, bloom), or the multilevel one where it saves
+    enough per node it peels (:func:`multilevel_pays_off`). The same on every device (the CPU and CUDA backends both decode every
     kind). Its tables' streams are then checked for unsolvable pairs
     (:func:`~lossless_hc.lhc.sizing.with_solvable_streams`)."""
     cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz)
@@ -190,8 +206,8 @@ def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, 
     """The payload layout for a tensor of ``numel`` coordinates aggregated over ``world_size``
     ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
     ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"multilevel"``, ``"dense"`` or
-    ``"auto"`` (the smallest payload, chosen by :func:`choose`; ties prefer the
-    cheaper decoder: dense, bitmap, bloom, multilevel). The layout depends on these arguments only,
+    ``"auto"`` (the fewest wire bytes once each kind's encode and decode time is priced in bytes,
+    :func:`choose`; ties prefer the cheaper decoder: dense, bitmap, bloom, multilevel). The layout depends on these arguments only,
     never on the device: CPU and CUDA ranks (both have every index kind) plan the same payload.
 
     Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,

@@ -180,7 +180,7 @@ class TensorAggregator:
             ``ceil(max_density * numel)`` non-zero coordinates (rounded up to whole blocks).
         block_size: coordinates hashed as one key; ``None`` picks :func:`default_block_size`.
         seed: hash seed, identical on every rank.
-        index: the codec's index kind ("auto" picks the smallest payload).
+        index: the codec's index kind ("auto": the cheapest payload, :func:`~lossless_hc.lhc.cost_model.choose`).
         stats: counters shared with the compressor that owns this aggregator.
         policy: a :class:`CapacityPolicy` to adapt the capacity (per rank and of the aggregate's
             union) to the densities the aggregates show; None keeps ``max_density`` (grown only

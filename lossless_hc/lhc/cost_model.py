@@ -150,8 +150,8 @@ def choose(numel: int, world_size: int, max_nnz: int, block_size: int = 1, seed:
            union_nnz: Optional[int] = None) -> PayloadLayout:
     """The single-level layout with the fewest :func:`priced_bytes` (wire bytes, plus its value sketch's
     and a Bloom index's coding time; ties: dense, bitmap, bloom), or the multilevel one where it saves
-    enough per node it peels (:func:`multilevel_pays_off`). The same on every device (the CPU and CUDA backends both decode every
-    kind). Its tables' streams are then checked for unsolvable pairs
+    enough per node it peels (:func:`multilevel_pays_off`). The same on every device (the CPU and CUDA
+    backends both decode every kind). Its tables' streams are then checked for unsolvable pairs
     (:func:`~lossless_hc.lhc.sizing.with_solvable_streams`)."""
     cands = candidates(numel, world_size, max_nnz, block_size, seed, union_nnz)
     multilevel = cands.pop("multilevel", None)
@@ -207,8 +207,9 @@ def plan_layout(numel: int, world_size: int, max_nnz: int, block_size: int = 1, 
     ranks, each sending at most ``max_nnz`` non-zero coordinates, hashed in blocks of
     ``block_size``. ``index`` is ``"bitmap"``, ``"bloom"``, ``"multilevel"``, ``"dense"`` or
     ``"auto"`` (the fewest wire bytes once each kind's encode and decode time is priced in bytes,
-    :func:`choose`; ties prefer the cheaper decoder: dense, bitmap, bloom, multilevel). The layout depends on these arguments only,
-    never on the device: CPU and CUDA ranks (both have every index kind) plan the same payload.
+    :func:`choose`; ties prefer the cheaper decoder: dense, bitmap, bloom, multilevel). The layout
+    depends on these arguments only, never on the device: CPU and CUDA ranks (both have every index
+    kind) plan the same payload.
 
     Capacity is counted in keys (blocks): ``capacity = min(num_keys, ceil(max_nnz / block_size))``,
     i.e. ``max_nnz`` assumes non-zeros come in whole blocks (embedding rows). A rank with more

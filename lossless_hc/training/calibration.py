@@ -25,8 +25,9 @@ two_phase); per touched coordinate, the LHC sketch's encode + decode of
 a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error feedback's passes
 (add the memory, keep a copy, subtract the result), and per flop, the time of torch's own PowerSGD
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
-by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`).
-THC and top-k keep their :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
+by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per coordinate, a steady
+step's encode (of the interleave, as ``THCAggregator`` feeds a tensor of several blocks) and decode of a
+dense tensor. Top-k keeps its :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
 
 The callers supply the collectives, and with them the deadlock freedom: every rank must call
 :func:`calibrate` at the same program point (DDP: the first hook call of the second step, on the main thread; Horovod:
@@ -40,6 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel, powersgd_layout
 
 LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20)   # bytes per rank (the most link_sizes times)
@@ -139,6 +141,11 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     per_key = max(0.0, (sketch - scan * numel) / k)
     feedback = torch.zeros_like(x)
     passes = timed(lambda: (x + feedback).clone().sub_(x)) / numel
+    # THC's first step is the norm-only round (THCCodec): the warm-up run takes it, the timed runs are
+    # steady steps. One rank's payload decodes as a one-rank SUM; the work per coordinate is the same.
+    thc = THCCodec(numel, 1)
+    dense_x = torch.randn(numel, generator=g).to(device)
+    thc_step = timed(lambda: thc.decode(thc.encode(dense_x, interleaved=True))) / numel
     products = _powersgd_products(device)
     products()   # LAPACK's first QR call sets itself up (milliseconds): not a per-step cost
     per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
@@ -149,6 +156,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                 # looked cheaper than dense at 10 Gbit/s where it measured slower (docs/BENCHMARKS.md)
                 "sketch": (scan, per_key), "fp16": (2 * scan + fp16 + copy, 0.0),
                 "bf16": (2 * scan + half + copy, 0.0),
+                "thc": (thc_step + copy, 0.0),   # and the copy of the result, as the half plans
                 "powersgd": (passes, per_flop)})
     return out
 

@@ -141,13 +141,17 @@ def test_calibration_round_trips_through_a_flat_list():
         Calibration.from_list([1.0, 2.0])
 
 
-def test_the_calibration_times_thc_on_the_device():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_calibration_times_thc_on_the_device(device):
     """THC's local work is measured like the others' (a steady step's encode of the interleave and decode,
-    then the copy of the result), not left at DEFAULT_CODEC_SECONDS' 30 ns per coordinate, which is 5-10x
-    a 2-core CPU's THC step (docs/BENCHMARKS.md) and further still from a GPU's."""
+    then the copy of the result), on the calibrating rank's device, not left at DEFAULT_CODEC_SECONDS' 30 ns
+    per coordinate, which is 5-10x a 2-core CPU's THC step (docs/BENCHMARKS.md) and further still from a GPU's."""
+    import torch
     from lossless_hc.training.calibration import measure_codecs
     from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS
-    measured = measure_codecs("cpu", 4, numel=1 << 16, repeats=1)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    measured = measure_codecs(device, 4, numel=1 << 16, repeats=1)
     per_coord, per_key = measured["thc"]
     assert per_key == 0.0 and measured["thc"] != DEFAULT_CODEC_SECONDS["thc"]
     assert measured["dense"][0] < per_coord < 1e-6

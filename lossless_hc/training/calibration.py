@@ -143,7 +143,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     passes = timed(lambda: (x + feedback).clone().sub_(x)) / numel
     # THC's first step is the norm-only round (THCCodec): the warm-up run takes it, the timed runs are
     # steady steps. One rank's payload decodes as a one-rank SUM; the work per coordinate is the same.
-    thc = THCCodec(numel, 1)
+    thc = THCCodec(numel, 1, device=device)
     dense_x = torch.randn(numel, generator=g).to(device)
     thc_step = timed(lambda: thc.decode(thc.encode(dense_x, interleaved=True))) / numel
     products = _powersgd_products(device)

@@ -9,10 +9,14 @@ def fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divide
     """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (None:
     the inputs were divided, see :func:`divide_first`; a result decoded into its own slice of the
     bucket, see :func:`bucket_slices`, is only divided, or left as it is with ``in_place_divided``)."""
-    offset = 0
-    for value in results:
-        m = value.numel()
-        dst = buffer[offset:offset + m]
+    fill_slices(bucket_slices(buffer, results), results, n, in_place_divided)
+    return buffer
+
+
+def fill_slices(slices, results, n: Optional[int], in_place_divided: bool = False) -> None:
+    """:func:`fill_bucket` for some of a bucket's gradients: ``results[i]`` into ``slices[i]``, their
+    slices of the bucket (:func:`bucket_slices`)."""
+    for value, dst in zip(results, slices):
         # copy_ then div_ (not torch.div(out=...)): a gradient with a graph (create_graph) needs the
         # in-place ops, which autograd records.
         in_place = value.data_ptr() == dst.data_ptr()
@@ -20,8 +24,6 @@ def fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divide
             dst.copy_(value.reshape(-1))
         if n is not None and not (in_place and in_place_divided):
             dst.div_(n)
-        offset += m
-    return buffer
 
 
 def divide_first(buffer: torch.Tensor, n: float) -> bool:

@@ -46,8 +46,10 @@ alone decide).
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
 one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
 parameters, from step index 2 on, when the cost model predicts it faster than their plans in one
-message; once taken it is kept, and the parameters' THC or top-k error feedback is added to the
-gradient on the switch (:mod:`lossless_hc.training.powersgd`).
+message; or only its matrices that PowerSGD sends for less than their plans (a table on an allgather
+plan keeps it), the other gradients in a message of their own beside it. Once taken it is kept, and
+the parameters' THC or top-k error feedback is added to the gradient on the switch
+(:mod:`lossless_hc.training.powersgd`).
 
 Sparse gradients (``nn.Embedding(sparse=True)``, Gloo): DDP gives each its own bucket, whose buffer is
 the uncoalesced COO gradient, and copies the hook's result into it, so the result must be sparse and
@@ -98,7 +100,7 @@ from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismat
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
-from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket
+from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket, fill_slices
 from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration, new_gloo_group
 
 
@@ -303,7 +305,8 @@ class THCHookState(_HookState):
 
 class AutoHookState(_HookState):
     """State of :func:`auto_hook`: per parameter, the cheapest strategy the planner predicts; with
-    ``lossy``, per bucket, PowerSGD where it beats the bucket's per-parameter plans.
+    ``lossy``, per bucket, PowerSGD (of the bucket, or of some of its matrices) where it beats the bucket's
+    per-parameter plans.
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
@@ -332,11 +335,11 @@ class AutoHookState(_HookState):
     PowerSGD is offered by this DDP hook only: Horovod and BytePS hand a compressor one tensor at a time
     and FSDP2 reduce-scatters, so their ``auto`` has no bucket to give it.
 
-    ``stats()["plan"]``: per parameter, the chosen strategy (``"powersgd"`` for a PowerSGD bucket's
-    parameters, with its ``bucket`` index), predicted seconds of every candidate, measured seconds,
+    ``stats()["plan"]``: per parameter, the chosen strategy (``"powersgd"`` for the parameters PowerSGD
+    takes, with their ``bucket`` index), predicted seconds of every candidate, measured seconds,
     bytes sent, steps and plain steps; ``stats()["buckets"]``: per bucket index compared for PowerSGD,
-    the choice, PowerSGD's and the per-parameter plans' predicted seconds and PowerSGD's wire bytes per
-    step; ``stats()["calibration"]``: whether the calibration was given or measured, and what measuring
+    the choice (``powersgd``, ``powersgd_part`` or ``per_parameter``), the predicted seconds of each,
+    and PowerSGD's parameters and wire bytes per step; ``stats()["calibration"]``: whether the calibration was given or measured, and what measuring
     it cost (seconds, sizes timed).
     """
 
@@ -553,14 +556,24 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             a.add_lossy_memory_to(g)
         error = state._powersgd.leave(bucket.index(), state._steps - 1) if state._powersgd is not None else None
         if error is not None:
-            buffer.add_(error)
+            state._powersgd.buckets[bucket.index()].add_to(error, buffer, grads)
     powersgd = None if guard_dense else state._powersgd_bucket(bucket, buffer, grads, aggs)
+    slices = None if buffer.is_sparse else bucket_slices(buffer, grads)
+    part = None   # PowerSGD on some of the bucket's gradients: the future of their averages (a flat copy)
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
-        return powersgd.run(bucket, state._fallback_group(bucket.index()))
+        if powersgd.members is None:
+            return powersgd.run(bucket, state._fallback_group(bucket.index()))
+        # its own group: the other gradients' second collectives use the bucket's, from another callback
+        part = powersgd.run(powersgd.part(bucket.index(), grads),
+                            state._fallback_group((bucket.index(), "powersgd")))
+        taken = set(powersgd.members)
+        rest = [i for i in range(len(grads)) if i not in taken]
+        part_slices = powersgd.of_members(slices)
+        aggs, grads, slices = [aggs[i] for i in rest], [grads[i] for i in rest], [slices[i] for i in rest]
     if divided is None:
         divided = divide_first(buffer, n)
-    if buffer.is_floating_point() and (guard_dense or (
+    if part is None and buffer.is_floating_point() and (guard_dense or (
             state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
@@ -578,7 +591,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.
     outs = None if buffer.is_sparse else [s if s.dtype == torch.float32 and not s.requires_grad else None
-                                          for s in bucket_slices(buffer, grads)]
+                                          for s in slices]
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
     fallback_group = None
@@ -598,6 +611,18 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
             return results[0] if divided else results[0].div_(n)
         # the results written into their slices were divided there (decode_message's divisor)
-        return fill_bucket(buffer, results, None if divided else n, in_place_divided=True)
+        fill_slices(slices, results, None if divided else n, in_place_divided=True)
+        return buffer
 
-    return fut.then(decode)
+    if part is None:
+        return fut.then(decode)
+
+    def joined(fut: torch.futures.Future) -> torch.Tensor:
+        for done in fut.value():
+            done.wait()   # raises either side's error
+        averaged = part.value()   # PowerSGD's averages of its gradients, flat, in bucket order
+        for dst, src in zip(part_slices, torch.split(averaged, [t.numel() for t in part_slices])):
+            dst.copy_(src)
+        return buffer
+
+    return torch.futures.collect_all([part, fut.then(decode)]).then(joined)

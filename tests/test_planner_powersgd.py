@@ -112,19 +112,27 @@ def test_calibration_carries_powersgd_constants():
 
 # -- the bucket's decision -----------------------------------------------------------------------------------
 
-def planned(shapes, model, n=2, lossy=True, **kw):
+def planned(shapes, model, n=2, lossy=True, rows=None, **kw):
     """Every rank's aggregators for a bucket of ``shapes``, after one dense step of random dense
-    gradients (in-process SUM), and the gradients of the next step."""
+    gradients (in-process SUM), and the gradients of the next step. ``rows[i]``: tensor i's gradients
+    have that many non-zero rows (random), where given."""
     g = torch.Generator().manual_seed(0)
     aggs = [[AutoAggregator(f"p{i}", s, torch.float32, n, r, model, lossy=lossy, interval=2, **kw)
              for i, s in enumerate(shapes)] for r in range(n)]
+
+    def gradient(i):
+        x = torch.randn(shapes[i], generator=g)
+        if rows is not None and rows[i] is not None:
+            x[torch.randperm(shapes[i][0], generator=g)[rows[i]:]] = 0
+        return x
+
     for i in range(len(shapes)):
-        xs = [torch.randn(shapes[i], generator=g) for _ in range(n)]
+        xs = [gradient(i) for _ in range(n)]
         enc = [aggs[r][i].encode(xs[r]) for r in range(n)]
         summed = torch.stack([p for p, _ in enc]).sum(0)
         for r in range(n):
             assert aggs[r][i].decode(summed.clone(), enc[r][1]).request is None
-    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(n)]
+    grads = [[gradient(i) for i in range(len(shapes))] for _ in range(n)]
     return aggs, grads
 
 
@@ -148,6 +156,37 @@ def test_large_matrices_on_a_slow_link_go_to_powersgd_on_every_rank():
     assert decide(planners, aggs, grads, SLOW, step=9)[0] is chosen[0]
     plan = planners[0].plan_stats({"p0": {"strategy": "fp16", "changes": []}})
     assert plan["p0"]["strategy"] == "powersgd" and plan["p0"]["changes"] == [(2, "powersgd")]
+
+
+def test_powersgd_takes_the_matrices_of_a_bucket_and_leaves_a_sparse_table_to_its_own_plan():
+    """A table with a few rows per step beside dense matrices: PowerSGD of the whole bucket would compress
+    the table too (its products cost as much as the matrices' and its P and Q more than its rows); the
+    bucket sends the matrices through PowerSGD and the table (and the bias) through their plans."""
+    shapes = [(8192, 256), (1024, 1024), (1024,), (512, 1024)]
+    aggs, grads = planned(shapes, SLOW, rows=[8, None, None, None], allowed=("dense", "allgather"))
+    assert [a.strategy for a in aggs[0]] == ["allgather", "dense", "dense", "dense"]
+    planners = [PowerSGDPlanner() for _ in range(2)]
+    chosen = decide(planners, aggs, grads, SLOW)
+    assert planners[0].stats() == planners[1].stats()
+    d = planners[0].stats()[0]
+    p = d["predicted_seconds"]
+    assert d["strategy"] == "powersgd_part" and p["powersgd_part"] < min(p["powersgd"], p["per_parameter"]), d
+    assert chosen[0].members == (1, 3) and d["powersgd_parameters"] == ["p1", "p3"]
+    assert chosen[0].layout == powersgd_layout([(1024, 1024), (512, 1024)], 4, 2)
+    assert chosen[0].wire_bytes() == 4 * (0 + (1024 + 512) * 4 + (1024 + 1024) * 4)
+    assert p["powersgd_part"] == pytest.approx(SLOW.predict_powersgd(chosen[0].layout, 2) + SLOW.predict_message(
+        [a.current_plan() for a in (aggs[0][0], aggs[0][2])]))
+    plan = planners[0].plan_stats({f"p{i}": {"strategy": a.strategy, "changes": []} for i, a in enumerate(aggs[0])})
+    assert [plan[f"p{i}"]["strategy"] for i in range(4)] == ["allgather", "powersgd", "dense", "powersgd"]
+    # the part a PowerSGD step runs on: a copy of the members, views of it as their gradients
+    sub = chosen[0].part(0, grads[0])
+    assert [tuple(t.shape) for t in sub.gradients()] == [(1024, 1024), (512, 1024)]
+    assert torch.equal(sub.buffer(), torch.cat([grads[0][1].reshape(-1), grads[0][3].reshape(-1)]))
+    assert sub.gradients()[1].data_ptr() == sub.buffer()[1024 * 1024:].data_ptr() and sub.index() == 0
+    # the same matrices without the table: PowerSGD takes the whole bucket, as before
+    aggs, grads = planned(shapes[1:], SLOW, allowed=("dense", "allgather"))
+    chosen = decide([PowerSGDPlanner() for _ in range(2)], aggs, grads, SLOW)
+    assert chosen[0].members is None and chosen[0].names == ["p0", "p1", "p2"]
 
 
 def test_small_or_vector_buckets_and_fast_links_keep_their_per_parameter_plans():
@@ -207,11 +246,11 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
-                           str(free_port()), str(out), "choice,switch_guard_dense,switch_guard_plan,converge"],
+                           str(free_port()), str(out), "choice,switch_guard_dense,switch_guard_plan,part,converge"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(SIZE)]
-            for name in ("choice", "switch_guard_dense", "switch_guard_plan", "converge")}
+            for name in ("choice", "switch_guard_dense", "switch_guard_plan", "part", "converge")}
 
 
 @pytest.mark.multiprocess
@@ -258,6 +297,30 @@ def test_a_switch_from_top_k_to_powersgd_and_the_step_guard_conserve_the_error_f
         assert r["memory_left"] == (not dense), r
         assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
     assert list(rs[0]["plan"].values())[0] == ["powersgd", [[2, "powersgd"]]]
+
+
+@pytest.mark.multiprocess
+def test_powersgd_takes_the_dense_weight_of_a_bucket_and_leaves_the_table_to_its_allgather(run):
+    """One bucket, a table with a few rows per step and a dense weight: PowerSGD runs on the weight alone
+    (its three allreduces of the weight's sizes, on its own group), the table's average is exact every step,
+    and the weight's error feedback is conserved through the step guard's dense verdict (its memory out with
+    step 7)."""
+    rs = run["part"]
+    for r in rs:
+        assert (r["plan"], r["buckets"], r["digest"], r["guard"]) == (rs[0]["plan"], rs[0]["buckets"],
+                                                                        rs[0]["digest"], rs[0]["guard"])
+        assert r["table_error"] == 0.0, r["table_error"]
+        # PowerSGD at steps 2 to 4 (the guard's dense window at 5 and 6, its verdict at 7): the weight's sizes only
+        assert r["per_step"] == [[], [], *[r["predicted_bytes"]] * 3, *[[]] * 5], r["per_step"]
+        assert r["predicted_bytes"] == [0, 4 * 256 * 4, 4 * 192 * 4]
+        assert r["guard"]["verdict"] == "dense" and not r["memory_left"]
+        assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
+    bucket = rs[0]["buckets"]["0"] if "0" in rs[0]["buckets"] else rs[0]["buckets"][0]
+    assert bucket["strategy"] == "powersgd_part" and bucket["steps"] == 3 and bucket["left_step"] == 7, bucket
+    assert bucket["powersgd_parameters"] == ["param0(256, 192)"], bucket
+    p = bucket["predicted_seconds"]
+    assert p["powersgd_part"] < min(p["powersgd"], p["per_parameter"]), p
+    assert rs[0]["plan"] == {"param0(256, 192)": "powersgd", "param1(2000, 64)": "allgather"}, rs[0]["plan"]
 
 
 @pytest.mark.multiprocess

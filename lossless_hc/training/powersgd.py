@@ -34,6 +34,18 @@ allreduce's latency (the rule of :meth:`~lossless_hc.training.planner.CostModel.
 broadcast calibration, the bucket's shapes and the parameters' plans and statistics, which come from
 aggregated payloads: identical on every rank, so every rank decides alike at the same step.
 
+A part of a bucket. DDP fills buckets in reverse registration order, so an embedding table often shares
+its bucket with dense layers (BERT's input table with the first encoder layers). torch's hook would
+compress the table too, at the cost of the products of a dense matrix of its size (and with its error),
+where an allgather plan sends its few rows exactly. So the bucket also prices PowerSGD on a part of it: the matrices
+whose share of PowerSGD's step (``c_p d + f_p F`` and their P and Q bytes) is below their own plan's
+predicted step beyond the first allreduce's latency; the bucket's other gradients keep their plans, in a
+message of their own (predicted ``predict_powersgd(part) + predict_message(rest)``). The cheaper of the
+whole bucket and the part is compared with the per-parameter plans as above. A part runs torch's hook on
+a flat copy of its gradients (:class:`_PartBucket`, which has what the hook reads of a ``GradBucket``) on
+a group of its own, beside the message of the others on the bucket's group; the averages are copied
+back into the bucket.
+
 Switching. PowerSGD is sticky for the planner: once a bucket takes it, the cost model is not asked
 again. Its cost depends on the shapes only, and under it the per-parameter statistics are no longer
 observed (its aggregate is a dense low-rank matrix), so nothing new could reverse the prediction. What
@@ -57,7 +69,8 @@ from typing import Optional, Sequence
 import torch
 
 from lossless_hc.training.aggregate import AggregationStats
-from lossless_hc.training.planner import SWITCH_MARGIN, CostModel, PowerSGDLayout, powersgd_layout
+from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, SWITCH_MARGIN, CostModel, PowerSGDLayout,
+                                          powersgd_layout)
 
 POWERSGD_RANK = 4          # matrix_approximation_rank (the bench's baseline)
 POWERSGD_START = 2         # the first step index (0-based) PowerSGD may run at (torch's start_powerSGD_iter)
@@ -65,15 +78,45 @@ MIN_COMPRESSION_RATE = 2   # torch's min_compression_rate: a matrix is compresse
 ORTHOGONALIZATION_EPSILON = 1e-8   # a zero gradient matrix stays finite at ranks 1 and 2 (module doc)
 
 
+class _PartBucket:
+    """What ``powerSGD_hook`` reads of a ``GradBucket`` (``buffer()``, ``gradients()``, ``index()``,
+    ``is_last()``) for some of a bucket's gradients: a flat copy of them, and views of it as the
+    gradients (the hook writes its result through the views and returns the buffer)."""
+
+    def __init__(self, index: int, grads: Sequence[torch.Tensor]):
+        self._index = int(index)
+        self._buffer = torch.cat([g.detach().reshape(-1) for g in grads])
+        sizes = [g.numel() for g in grads]
+        self._grads = [v.view(g.shape) for v, g in zip(torch.split(self._buffer, sizes), grads)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list:
+        return self._grads
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:   # torch's state counts iterations at the last bucket; run() sets them
+        return False
+
+
 class PowerSGDBucket:
     """torch's PowerSGD on one bucket: its own ``PowerSGDState`` (error feedback and warm start on),
-    run by :meth:`run` on the bucket's own process group."""
+    run by :meth:`run` on the bucket's own process group. ``members``: the positions (bucket order) of
+    the gradients it takes, None for all of them (the bucket's other gradients keep their per-parameter
+    plans, module doc); ``names``: those gradients' parameters, ``bucket_names``: the whole bucket's."""
 
     def __init__(self, names: Sequence[str], layout: PowerSGDLayout, rank: int, start: int,
-                 min_compression_rate: float, seed: int, since_step: int, predicted: dict):
+                 min_compression_rate: float, seed: int, since_step: int, predicted: dict,
+                 members: Optional[Sequence[int]] = None, bucket_names: Optional[Sequence[str]] = None):
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-        self.names, self.layout = list(names), layout
+        self.bucket_names = list(bucket_names if bucket_names is not None else names)
+        self.members = None if members is None else tuple(int(i) for i in members)
+        self.names = list(names) if self.members is None else [self.bucket_names[i] for i in self.members]
+        self.layout = layout
         self.since_step, self.predicted = int(since_step), dict(predicted)
         self.steps = 0
         self.left_step: Optional[int] = None   # the step index it left PowerSGD at (the step guard), if it did
@@ -83,7 +126,8 @@ class PowerSGDBucket:
                                    orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
 
     def run(self, bucket, group) -> torch.futures.Future:
-        """``powerSGD_hook`` on ``bucket`` over ``group``: the future of the averaged bucket."""
+        """``powerSGD_hook`` on ``bucket`` over ``group``: the future of the averaged bucket (a whole
+        bucket: DDP's ``GradBucket``; a part: :meth:`part`)."""
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
         st = self.state
@@ -92,8 +136,28 @@ class PowerSGDBucket:
         self.steps += 1
         return powerSGD_hook(st, bucket)
 
+    def part(self, index: int, grads: Sequence[torch.Tensor]) -> _PartBucket:
+        """The bucket (index ``index``, gradients ``grads`` in bucket order) reduced to its members, for
+        :meth:`run`: a copy of them, so the hook leaves the bucket's other gradients as they are."""
+        return _PartBucket(index, self.of_members(grads))
+
+    def of_members(self, items: Sequence) -> list:
+        """The entries of ``items`` (one per gradient of the bucket, bucket order) PowerSGD takes."""
+        return list(items) if self.members is None else [items[i] for i in self.members]
+
+    def add_to(self, flat: torch.Tensor, buffer: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+        """Add ``flat`` (over the gradients PowerSGD takes, bucket order: its error memory) to them, in the
+        bucket ``buffer`` whose gradients are ``grads`` (views into it)."""
+        if self.members is None:
+            buffer.add_(flat)
+            return
+        taken = self.of_members(grads)
+        for g, e in zip(taken, torch.split(flat, [g.numel() for g in taken])):
+            g.add_(e.view(g.shape))
+
     def error(self, bucket_index: int) -> Optional[torch.Tensor]:
-        """This rank's error-feedback memory of the bucket (flat, bucket order), None before a step."""
+        """This rank's error-feedback memory of the bucket (flat: its gradients', bucket order), None before
+        a step."""
         return self.state.error_dict.get(bucket_index)
 
     def wire_bytes(self, element_bytes: int = 4) -> int:
@@ -146,9 +210,9 @@ class PowerSGDPlanner:
         parameters' lossy error feedback added to ``grads`` (module doc)."""
         chosen = self.buckets.get(index)
         if chosen is not None:
-            if chosen.names != [a.name for a in aggregators]:
+            if chosen.bucket_names != [a.name for a in aggregators]:
                 raise RuntimeError(f"DDP bucket {index} changed its parameters after going to PowerSGD "
-                                   f"({chosen.names} -> {[a.name for a in aggregators]}); its error feedback "
+                                   f"({chosen.bucket_names} -> {[a.name for a in aggregators]}); its error feedback "
                                    "would no longer match")
             return chosen
         if step < self.start or not self.offered(buffer, grads, world_size):
@@ -158,22 +222,52 @@ class PowerSGDPlanner:
         if any(s is None for _, s in plans) or self._compared.get(index) == stamp:
             return None   # not planned yet, or nothing new since the last comparison
         self._compared[index] = stamp
-        layout = powersgd_layout([tuple(g.shape) for g in grads], self.rank, self.min_compression_rate)
+        shapes = [tuple(g.shape) for g in grads]
+        layout = powersgd_layout(shapes, self.rank, self.min_compression_rate)
         t_psgd = cost_model.predict_powersgd(layout, world_size)
         t_plans = cost_model.predict_message(plans)
-        common = 2 * (world_size - 1) * cost_model.calibration.link.alpha_s
-        take = bool(layout.compressed) and t_psgd - common < (1.0 - SWITCH_MARGIN) * (t_plans - common)
         predicted = {"powersgd": t_psgd, "per_parameter": t_plans}
-        self.decisions[index] = {"strategy": "powersgd" if take else "per_parameter", "step": step,
+        members = self._members(layout, shapes, plans, cost_model, world_size)
+        if members is not None:
+            part = powersgd_layout([shapes[i] for i in members], self.rank, self.min_compression_rate)
+            rest = [plan for i, plan in enumerate(plans) if i not in members]
+            predicted["powersgd_part"] = (cost_model.predict_powersgd(part, world_size)
+                                          + cost_model.predict_message(rest))
+        common = 2 * (world_size - 1) * cost_model.calibration.link.alpha_s
+        best = "powersgd"
+        if members is not None and predicted["powersgd_part"] < t_psgd:
+            best, layout = "powersgd_part", part
+        take = bool(layout.compressed) and predicted[best] - common < (1.0 - SWITCH_MARGIN) * (t_plans - common)
+        self.decisions[index] = {"strategy": best if take else "per_parameter", "step": step,
                                  "predicted_seconds": predicted, "parameters": [a.name for a in aggregators],
                                  "compressed": len(layout.compressed)}
         if not take:
             return None
-        for agg, g in zip(aggregators, grads):
+        names = [a.name for a in aggregators]
+        chosen = self.buckets[index] = PowerSGDBucket(
+            names, layout, self.rank, self.start, self.min_compression_rate, self.seed, step, predicted,
+            members=members if best == "powersgd_part" else None)
+        for agg, g in zip(chosen.of_members(aggregators), chosen.of_members(grads)):
             agg.add_lossy_memory_to(g)
-        chosen = self.buckets[index] = PowerSGDBucket([a.name for a in aggregators], layout, self.rank, self.start,
-                                                     self.min_compression_rate, self.seed, step, predicted)
         return chosen
+
+    def _members(self, layout: PowerSGDLayout, shapes, plans, cost_model: CostModel,
+                 world_size: int) -> Optional[tuple]:
+        """The gradients (bucket positions) PowerSGD would take of a bucket it need not take whole: the
+        matrices it compresses whose share of its step, ``c_p d + f_p F`` and the P and Q bytes, is
+        predicted below their own plan's step beyond the first allreduce's latency (an embedding table on
+        an allgather plan stays on it). None when that is every gradient of the bucket, or none."""
+        link, n = cost_model.calibration.link, int(world_size)
+        per_coord, per_flop = cost_model.calibration.codec_seconds.get("powersgd", DEFAULT_CODEC_SECONDS["powersgd"])
+        common = 2 * (n - 1) * link.alpha_s
+        members = []
+        for i in layout.compressed:
+            one = powersgd_layout([shapes[i]], self.rank, self.min_compression_rate)
+            share = (per_coord * one.numel + per_flop * one.flops
+                     + 2 * (n - 1) / n * 4 * (one.p_numel + one.q_numel) * link.seconds_per_byte)
+            if share < cost_model.predict_message([plans[i]]) - common:
+                members.append(i)
+        return tuple(members) if members and len(members) < len(shapes) else None
 
     def leave(self, index: int, step: int) -> Optional[torch.Tensor]:
         """Bucket ``index`` stops running PowerSGD (the step guard's dense verdict, from 0-based step
@@ -194,8 +288,10 @@ class PowerSGDPlanner:
         return frozenset(name for chosen in self.buckets.values() for name in chosen.names)
 
     def count_step(self, chosen: PowerSGDBucket, grads: Sequence[torch.Tensor]) -> None:
-        """Account one PowerSGD step of a bucket in the hook state's counters."""
+        """Account one PowerSGD step of a bucket (its gradients ``grads``, bucket order) in the hook state's
+        counters: the gradients PowerSGD takes (the others are counted by their plans)."""
         st = self.agg_stats
+        grads = chosen.of_members(grads)
         st.tensors += len(grads)
         st.compressed += len(chosen.layout.compressed)
         st.sent_dense += len(grads) - len(chosen.layout.compressed)
@@ -215,15 +311,19 @@ class PowerSGDPlanner:
         return plan
 
     def stats(self) -> dict:
-        """Per bucket index: the last comparison (strategy, step, predicted seconds of PowerSGD and of the
-        per-parameter plans, parameters, tensors PowerSGD compresses) and, for PowerSGD buckets, its steps
-        and wire bytes per step."""
+        """Per bucket index: the last comparison (strategy: ``powersgd``, ``powersgd_part`` or
+        ``per_parameter``; step; predicted seconds of PowerSGD on the whole bucket, on the part of it
+        where there is one, with the other gradients' plans, and of the per-parameter plans; parameters;
+        tensors PowerSGD compresses) and, for PowerSGD buckets, its steps, wire bytes per step and the
+        parameters it takes (``powersgd_parameters``)."""
         out = {}
         for index, d in self.decisions.items():
             out[index] = dict(d)
             chosen = self.buckets.get(index)
             if chosen is not None:
-                out[index].update(strategy="powersgd", since_step=chosen.since_step, steps=chosen.steps,
-                                  left_step=chosen.left_step, wire_bytes_per_step=chosen.wire_bytes(),
+                out[index].update(strategy="powersgd" if chosen.members is None else "powersgd_part",
+                                  powersgd_parameters=list(chosen.names), since_step=chosen.since_step,
+                                  steps=chosen.steps, left_step=chosen.left_step,
+                                  wire_bytes_per_step=chosen.wire_bytes(),
                                   predicted_seconds=dict(chosen.predicted))
         return out

@@ -10,6 +10,9 @@ Scenarios:
   known matrix C(r, t) (the loss is linear in it); top-k with error feedback first, then PowerSGD, then
   the step guard's trial over the PowerSGD bucket with its verdict forced by the margin: what the
   error-feedback bookkeeping must conserve across the switch and either verdict.
+* ``part``: a bucket of a table whose gradient has a few rows (allgather) and a weight (dense): PowerSGD
+  takes the weight only; the table's average each step, the bytes PowerSGD's steps issue on their own
+  group, and the weight's error feedback conserved through the step guard's dense verdict.
 * ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
   (the bench's per-bucket baseline) and auto(lossy): the losses.
 """
@@ -141,6 +144,68 @@ def switch(dense_verdict):
             "digest": param_digest(model)}
 
 
+class TableAndWeight(torch.nn.Module):
+    """loss = sum(T * A) + sum(W * C): the gradients are A (a few rows of a table) and C (dense)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(256, 192))
+        self.table = torch.nn.Parameter(torch.zeros(2000, 64))
+
+    def forward(self, a, c):
+        return (self.table * a).sum() + (self.weight * c).sum()
+
+
+def table_rows(step, rank):
+    """A: 16 rows of small integers (sums and their division by n as exact as DDP's own)."""
+    g = torch.Generator().manual_seed(104729 * step + rank)
+    a = torch.zeros(2000, 64)
+    a[torch.randperm(2000, generator=g)[:16]] = torch.randint(-8, 9, (16, 64), generator=g).float()
+    return a
+
+
+def part():
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = TableAndWeight()
+    ddp = DistributedDataParallel(model)   # one bucket: table and weight
+    # PowerSGD (the weight) from step 2; the step guard's trial from step 3 (PowerSGD at 3 and 4, in place at 5
+    # and 6), its dense verdict (forced) at 7: the weight's PowerSGD memory goes out with step 7.
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "allgather", "powersgd"),
+                          guard_steps=1, guard_start=3, guard_margin=1 - 1e-6)
+    ddp.register_comm_hook(state, auto_hook)
+    steps = 10
+    out_sum = torch.zeros(256, 192, dtype=torch.float64)
+    table_error, per_step = 0.0, []
+    dist.all_reduce = _recording_all_reduce
+    try:
+        for step in range(steps):
+            with _lock:
+                _calls.clear()
+            model.zero_grad(set_to_none=True)
+            ddp(table_rows(step, rank), gradient(step, rank)).backward()
+            out_sum += model.weight.grad.to(torch.float64)
+            expected = sum(table_rows(step, r) for r in range(n)) / n
+            table_error = max(table_error, float((model.table.grad - expected).abs().max()))
+            with _lock:
+                calls = list(_calls)
+            group = state._fallback_groups.get((0, "powersgd"))   # made at the first PowerSGD step
+            per_step.append([b for g, b in calls if group is not None and g is group])
+    finally:
+        dist.all_reduce = _real_all_reduce
+    chosen = state._powersgd.buckets[0]
+    error = chosen.error(0)
+    memory = torch.zeros(256, 192, dtype=torch.float64) if error is None else error.reshape(256, 192).to(torch.float64)
+    memories = [torch.empty_like(memory) for _ in range(n)]
+    dist.all_gather(memories, memory)
+    total = sum(gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    st = state.stats()
+    return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"], "guard": st["guard"],
+            "table_error": table_error, "per_step": per_step, "memory_left": error is not None,
+            "predicted_bytes": [b for _, b in state.spec.cost_model.powersgd_collectives(chosen.layout)],
+            "conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
+            "scale": float(total.abs().max()), "steps": steps, "digest": param_digest(model)}
+
+
 def converge():
     teacher = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
     losses = {}
@@ -174,7 +239,7 @@ def converge():
 
 def scenario(name: str) -> dict:
     return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
-            "converge": converge}[name]()
+            "part": part, "converge": converge}[name]()
 
 
 if __name__ == "__main__":

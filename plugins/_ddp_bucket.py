@@ -43,5 +43,10 @@ def divide_first(buffer: torch.Tensor, n: float) -> bool:
 
 def bucket_slices(buffer: torch.Tensor, grads) -> list:
     """Each gradient's own slice of the bucket, consecutive, as :func:`fill_bucket` walks them."""
-    sizes = [g.numel() for g in grads]
-    return list(torch.split(buffer[:sum(sizes)], sizes))
+    # Basic slicing, not torch.split: a gradient with a graph (create_graph) is written in place through its
+    # slice (fill_slices), which autograd refuses for one of several views a split returns.
+    slices, offset = [], 0
+    for g in grads:
+        slices.append(buffer[offset:offset + g.numel()])
+        offset += g.numel()
+    return slices

@@ -189,6 +189,18 @@ def test_powersgd_takes_the_matrices_of_a_bucket_and_leaves_a_sparse_table_to_it
     assert chosen[0].members is None and chosen[0].names == ["p0", "p1", "p2"]
 
 
+def test_a_bucket_pickled_before_parts_existed_restores_as_a_whole_bucket():
+    bucket = PowerSGDBucket(["w", "b"], powersgd_layout([(64, 32), (64,)], 4, 2), 4, 2, 2, 0, 2, {}, members=[0])
+    assert bucket.names == ["w"] and bucket.bucket_names == ["w", "b"] and bucket.members == (0,)
+    old = dict(bucket.__dict__)
+    del old["members"], old["bucket_names"]
+    old["names"] = ["w", "b"]
+    restored = PowerSGDBucket.__new__(PowerSGDBucket)
+    restored.__setstate__(old)
+    assert restored.members is None and restored.bucket_names == ["w", "b"]
+    assert restored.of_members(["gw", "gb"]) == ["gw", "gb"]
+
+
 def test_small_or_vector_buckets_and_fast_links_keep_their_per_parameter_plans():
     for shapes, model in (([(1024, 1024), (1024,)], FAST), ([(16, 16), (16,)], SLOW), ([(4096,)], SLOW)):
         aggs, grads = planned(shapes, model)

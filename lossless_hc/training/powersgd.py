@@ -125,6 +125,12 @@ class PowerSGDBucket:
                                    warm_start=True, random_seed=seed,
                                    orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
 
+    def __setstate__(self, state):
+        # A state pickled before PowerSGD could take part of a bucket (torch.save(ddp_model)) took all of it.
+        state.setdefault("members", None)
+        state.setdefault("bucket_names", list(state["names"]))
+        self.__dict__.update(state)
+
     def run(self, bucket, group) -> torch.futures.Future:
         """``powerSGD_hook`` on ``bucket`` over ``group``: the future of the averaged bucket (a whole
         bucket: DDP's ``GradBucket``; a part: :meth:`part`)."""

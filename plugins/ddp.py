@@ -339,8 +339,8 @@ class AutoHookState(_HookState):
     takes, with their ``bucket`` index), predicted seconds of every candidate, measured seconds,
     bytes sent, steps and plain steps; ``stats()["buckets"]``: per bucket index compared for PowerSGD,
     the choice (``powersgd``, ``powersgd_part`` or ``per_parameter``), the predicted seconds of each,
-    and PowerSGD's parameters and wire bytes per step; ``stats()["calibration"]``: whether the calibration was given or measured, and what measuring
-    it cost (seconds, sizes timed).
+    and PowerSGD's parameters and wire bytes per step; ``stats()["calibration"]``: whether the
+    calibration was given or measured, and what measuring it cost (seconds, sizes timed).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, lossy: bool = False,

@@ -36,9 +36,9 @@ aggregated payloads: identical on every rank, so every rank decides alike at the
 
 A part of a bucket. DDP fills buckets in reverse registration order, so an embedding table often shares
 its bucket with dense layers (BERT's input table with the first encoder layers). torch's hook would
-compress the table too, at the cost of the products of a dense matrix of its size (and with its error),
-where an allgather plan sends its few rows exactly. So the bucket also prices PowerSGD on a part of it: the matrices
-whose share of PowerSGD's step (``c_p d + f_p F`` and their P and Q bytes) is below their own plan's
+compress the table too, at the cost of the products of a dense matrix of its size (and with its
+error), where an allgather plan sends its few rows exactly. So the bucket also prices PowerSGD on a
+part of it: the matrices whose share of PowerSGD's step (``c_p d + f_p F`` and their P and Q bytes) is below their own plan's
 predicted step beyond the first allreduce's latency; the bucket's other gradients keep their plans, in a
 message of their own (predicted ``predict_powersgd(part) + predict_message(rest)``). The cheaper of the
 whole bucket and the part is compared with the per-parameter plans as above. A part runs torch's hook on
@@ -277,7 +277,8 @@ class PowerSGDPlanner:
 
     def leave(self, index: int, step: int) -> Optional[torch.Tensor]:
         """Bucket ``index`` stops running PowerSGD (the step guard's dense verdict, from 0-based step
-        ``step``): returns this rank's error memory of it (flat, bucket order; None if it never ran or
+        ``step``): returns this rank's error memory of it (flat over the gradients it takes, bucket order,
+        as :meth:`PowerSGDBucket.add_to` adds it; None if it never ran or
         already left), removed from torch's state, for the caller to add to the bucket it sends instead
         (module doc). Its warm-start memories are dropped with it."""
         chosen = self.buckets.get(index)

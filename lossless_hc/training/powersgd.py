@@ -34,17 +34,17 @@ allreduce's latency (the rule of :meth:`~lossless_hc.training.planner.CostModel.
 broadcast calibration, the bucket's shapes and the parameters' plans and statistics, which come from
 aggregated payloads: identical on every rank, so every rank decides alike at the same step.
 
-A part of a bucket. DDP fills buckets in reverse registration order, so an embedding table often shares
-its bucket with dense layers (BERT's input table with the first encoder layers). torch's hook would
-compress the table too, at the cost of the products of a dense matrix of its size (and with its
-error), where an allgather plan sends its few rows exactly. So the bucket also prices PowerSGD on a
-part of it: the matrices whose share of PowerSGD's step (``c_p d + f_p F`` and their P and Q bytes) is below their own plan's
+A part of a bucket. DDP fills buckets in reverse registration order, so an embedding table often shares its
+bucket with dense layers (BERT's input table with the first encoder layers). torch's hook would compress the
+table too, at the cost of the products of a dense matrix of its size (and with its error), where an
+allgather plan sends its few rows exactly. So the bucket also prices PowerSGD on a part of it: the matrices
+whose share of PowerSGD's step (``c_p d + f_p F`` and their P and Q bytes) is below their own plan's
 predicted step beyond the first allreduce's latency; the bucket's other gradients keep their plans, in a
 message of their own (predicted ``predict_powersgd(part) + predict_message(rest)``). The cheaper of the
-whole bucket and the part is compared with the per-parameter plans as above. A part runs torch's hook on
-a flat copy of its gradients (:class:`_PartBucket`, which has what the hook reads of a ``GradBucket``) on
-a group of its own, beside the message of the others on the bucket's group; the averages are copied
-back into the bucket.
+whole bucket and the part is compared with the per-parameter plans as above. A part runs torch's hook on a
+flat copy of its gradients (:class:`_PartBucket`, which has what the hook reads of a ``GradBucket``) on a
+group of its own, beside the message of the others on the bucket's group; the averages are copied back into
+the bucket.
 
 Switching. PowerSGD is sticky for the planner: once a bucket takes it, the cost model is not asked
 again. Its cost depends on the shapes only, and under it the per-parameter statistics are no longer

@@ -567,10 +567,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # its own group: the other gradients' second collectives use the bucket's, from another callback
         part = powersgd.run(powersgd.part(bucket.index(), grads),
                             state._fallback_group((bucket.index(), "powersgd")))
-        taken = set(powersgd.members)
-        rest = [i for i in range(len(grads)) if i not in taken]
         part_slices = powersgd.of_members(slices)
-        aggs, grads, slices = [aggs[i] for i in rest], [grads[i] for i in rest], [slices[i] for i in rest]
+        aggs, grads, slices = powersgd.of_others(aggs), powersgd.of_others(grads), powersgd.of_others(slices)
     if divided is None:
         divided = divide_first(buffer, n)
     if part is None and buffer.is_floating_point() and (guard_dense or (

@@ -172,6 +172,7 @@ def test_powersgd_takes_the_matrices_of_a_bucket_and_leaves_a_sparse_table_to_it
     p = d["predicted_seconds"]
     assert d["strategy"] == "powersgd_part" and p["powersgd_part"] < min(p["powersgd"], p["per_parameter"]), d
     assert chosen[0].members == (1, 3) and d["powersgd_parameters"] == ["p1", "p3"]
+    assert chosen[0].of_others(["a", "b", "c", "d"]) == ["a", "c"]
     assert chosen[0].layout == powersgd_layout([(1024, 1024), (512, 1024)], 4, 2)
     assert chosen[0].wire_bytes() == 4 * (0 + (1024 + 512) * 4 + (1024 + 1024) * 4)
     assert p["powersgd_part"] == pytest.approx(SLOW.predict_powersgd(chosen[0].layout, 2) + SLOW.predict_message(

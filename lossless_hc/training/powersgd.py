@@ -69,8 +69,7 @@ from typing import Optional, Sequence
 import torch
 
 from lossless_hc.training.aggregate import AggregationStats
-from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, SWITCH_MARGIN, CostModel, PowerSGDLayout,
-                                          powersgd_layout)
+from lossless_hc.training.planner import SWITCH_MARGIN, CostModel, PowerSGDLayout, powersgd_layout
 
 POWERSGD_RANK = 4          # matrix_approximation_rank (the bench's baseline)
 POWERSGD_START = 2         # the first step index (0-based) PowerSGD may run at (torch's start_powerSGD_iter)
@@ -150,6 +149,10 @@ class PowerSGDBucket:
     def of_members(self, items: Sequence) -> list:
         """The entries of ``items`` (one per gradient of the bucket, bucket order) PowerSGD takes."""
         return list(items) if self.members is None else [items[i] for i in self.members]
+
+    def of_others(self, items: Sequence) -> list:
+        """The entries of ``items`` (bucket order) of the gradients PowerSGD leaves to their plans."""
+        return [] if self.members is None else [x for i, x in enumerate(items) if i not in self.members]
 
     def add_to(self, flat: torch.Tensor, buffer: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
         """Add ``flat`` (over the gradients PowerSGD takes, bucket order: its error memory) to them, in the
@@ -263,14 +266,12 @@ class PowerSGDPlanner:
         matrices it compresses whose share of its step, ``c_p d + f_p F`` and the P and Q bytes, is
         predicted below their own plan's step beyond the first allreduce's latency (an embedding table on
         an allgather plan stays on it). None when that is every gradient of the bucket, or none."""
-        link, n = cost_model.calibration.link, int(world_size)
-        per_coord, per_flop = cost_model.calibration.codec_seconds.get("powersgd", DEFAULT_CODEC_SECONDS["powersgd"])
-        common = 2 * (n - 1) * link.alpha_s
+        common = 2 * (int(world_size) - 1) * cost_model.calibration.link.alpha_s
         members = []
         for i in layout.compressed:
+            # the matrix alone on PowerSGD, less the three allreduces' latencies (the bucket pays them once)
             one = powersgd_layout([shapes[i]], self.rank, self.min_compression_rate)
-            share = (per_coord * one.numel + per_flop * one.flops
-                     + 2 * (n - 1) / n * 4 * (one.p_numel + one.q_numel) * link.seconds_per_byte)
+            share = cost_model.predict_powersgd(one, world_size) - 3 * common
             if share < cost_model.predict_message([plans[i]]) - common:
                 members.append(i)
         return tuple(members) if members and len(members) < len(shapes) else None

@@ -163,12 +163,13 @@ class AutoSpec(AggregatorSpec):
     def calibration_stats(self) -> dict:
         """``{"source": "given" | "measured" | "pending", "seconds": on this rank, "link_sizes": bytes per
         rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "alpha_s",
-        "seconds_per_byte": the link every rank plans with, "codec_seconds": {strategy: [per coordinate,
-        per touched coordinate]} the local costs it plans with}`` (``stats()["calibration"]`` of the auto
-        adapters)."""
+        "seconds_per_byte", "allgather_seconds_per_byte": the link every rank plans with, "codec_seconds":
+        {strategy: [per coordinate, per touched coordinate]} the local costs it plans with}``
+        (``stats()["calibration"]`` of the auto adapters)."""
         source = "given" if self.given_calibration else ("measured" if self.calibration is not None else "pending")
         link = {} if self.calibration is None else {
             "alpha_s": self.calibration.link.alpha_s, "seconds_per_byte": self.calibration.link.seconds_per_byte,
+            "allgather_seconds_per_byte": self.calibration.link.allgather_beta,
             "codec_seconds": {s: list(v) for s, v in self.calibration.codec_seconds.items()}}
         return {"source": source, **self.calibration_cost, **link}
 

@@ -5,18 +5,24 @@ work on the real device, fits the link, and broadcasts rank 0's result, so every
 same numbers (the plans are deterministic functions of them and of aggregated statistics).
 
 Link fit. For every size ``B`` in :data:`LINK_SIZES` rank 0 keeps the fastest of ``repeats`` runs of a
-SUM allreduce and of an allgather (of B bytes per rank) and solves the least-squares problem in
-relative error
+SUM allreduce and of an allgather (of B bytes per rank). With ``(x, y) = (2(n-1), 2(n-1)/n B)`` for the
+allreduce and ``((n-1), (n-1) B)`` for the allgather (the hops and the bytes of :class:`LinkModel`),
+:func:`fit_link` prices each collective's bytes at its *marginal* cost, the slope between its two
+largest sizes, and the latency at the smallest size:
 
-.. math:: \min_{\alpha,\beta}\ \sum_i \left(\frac{x_i \alpha + y_i \beta - t_i}{t_i}\right)^2,\qquad
-          (x, y) = (2(n-1),\ 2\tfrac{n-1}{n}B) \text{ (allreduce)},\ ((n-1),\ (n-1)B) \text{ (allgather)}
+.. math:: \beta_c = \frac{t_c(B_1) - t_c(B_2)}{y_c(B_1) - y_c(B_2)}\ (B_1 > B_2 \text{ the largest}),
+          \qquad \alpha = \max\Big(0,\ \min_c \frac{t_c(B_0) - y_c(B_0)\,\beta_c}{x_c}\Big)
+          \ (B_0 \text{ the smallest})
 
-(:func:`fit_link`; if the joint fit gives ``alpha < 0`` or ``beta <= 0``, ``alpha`` is clamped at 0
-and ``beta`` refitted with it fixed). Relative, because the sizes span three decades: in absolute
-error the megabyte samples decide both constants, and a link whose time per byte grows a little with
-size (a token bucket's burst, Gloo's allgather) fits a negative latency, clamped to 0 -- which prices
-every small tensor's extra collective at nothing (a 100 us link measured 1 KiB allreduces at 360 us
-and fitted alpha = 0).
+(a slope that is not positive, timer noise between two latency-bound sizes, falls back to
+``t_c(B_1) / y_c(B_1)``). Not one straight line through every sample, as a least-squares fit would
+draw: a link that passes a burst at memory speed (the emulator's token bucket holds 256 KiB, so a
+quarter-megabyte sample after a pause costs half its line-rate time) or whose time per byte grows with
+size (Gloo's allgather) bends the line, and a fit in relative error then gave 2.6-6.4e-9 s per byte
+for a 1 Gbit/s link (8e-9) whose 4 MiB allreduce takes 8.4e-9 per byte: the planner saw the wire of a
+large tensor at a third of its price. The slope is blind to a constant per message (latency, a
+burst's saving), so it prices what a plan's choice changes, the bytes; a minimum over the smallest
+samples, because scheduling noise only ever adds to a round trip.
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
 a half-precision plan's step (bf16; fp16 with its division by n and the product back: the round
@@ -44,51 +50,59 @@ from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel, powersgd_layout
 
-LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20)   # bytes per rank (the most link_sizes times)
+# bytes per rank (the most link_sizes times); 4 MiB: the largest pair's slope clears a 10 Gbit/s token
+# bucket's 1.25 MB burst too. At 1 Gbit/s the 4 MiB samples cost ~0.35 s, once.
+LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
 POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
 
 
 def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> LinkModel:
-    """Least-squares ``LinkModel`` from ``(kind, bytes_per_rank, seconds)`` samples (see the module doc);
-    ``fallback`` for one rank or too few samples."""
+    """``LinkModel`` from ``(kind, bytes_per_rank, seconds)`` samples (see the module doc): per-byte costs
+    from each kind's two largest sizes, the latency from the smallest; a kind timed at one size takes
+    the other's per-byte cost. ``fallback`` for one rank or no kind timed at two sizes."""
     n = world_size
-    rows = []
+    fastest: dict = {}
     for kind, nbytes, seconds in samples:
         if kind == "allreduce":
-            rows.append((2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes, seconds))
+            hops, sent = 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
         elif kind == "allgather":
-            rows.append((float(n - 1), float(n - 1) * nbytes, seconds))
+            hops, sent = float(n - 1), float(n - 1) * nbytes
         else:
             raise ValueError(f"unknown collective {kind!r}")
-    if n <= 1 or len(rows) < 2:
+        key = (kind, int(nbytes))
+        if key not in fastest or seconds < fastest[key][2]:
+            fastest[key] = (hops, sent, max(float(seconds), 1e-9))   # a timer's tick floors t
+    if n <= 1:
         return fallback
-    # each row divided by its time: the residuals are relative errors (module doc); a timer's tick floors t
-    rows = [(x / max(t, 1e-9), y / max(t, 1e-9), 1.0) for x, y, t in rows]
-    sxx = sum(x * x for x, _, _ in rows)
-    sxy = sum(x * y for x, y, _ in rows)
-    syy = sum(y * y for _, y, _ in rows)
-    sxt = sum(x * t for x, _, t in rows)
-    syt = sum(y * t for _, y, t in rows)
-    det = sxx * syy - sxy * sxy
-    alpha, beta = (0.0, 0.0) if det == 0 else ((sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det)
-    if alpha < 0 or beta <= 0:
-        alpha = max(0.0, alpha)
-        beta = sum(y * (t - x * alpha) for x, y, t in rows) / syy if syy else 0.0
-    if beta <= 0:
+    beta = {}
+    for kind in ("allreduce", "allgather"):
+        sizes = sorted(b for k, b in fastest if k == kind)
+        if len(sizes) < 2 or sizes[-1] <= 0:
+            continue
+        (_, y1, t1), (_, y2, t2) = fastest[(kind, sizes[-1])], fastest[(kind, sizes[-2])]
+        slope = (t1 - t2) / (y1 - y2)
+        beta[kind] = slope if slope > 0 else t1 / y1
+    if not beta:
         return fallback
-    return LinkModel(float(alpha), float(beta))
+    beta.setdefault("allreduce", beta.get("allgather"))
+    beta.setdefault("allgather", beta["allreduce"])
+    smallest = min(b for _, b in fastest)
+    alpha = min((t - y * beta[k]) / x for (k, b), (x, y, t) in fastest.items() if b == smallest)
+    return LinkModel(max(0.0, float(alpha)), float(beta["allreduce"]), float(beta["allgather"]))
 
 
 def link_sizes(largest_bytes: int) -> tuple:
     """The sizes (bytes per rank) worth timing for tensors of at most ``largest_bytes`` bytes on the
-    wire: those of :data:`LINK_SIZES` below it, then it, clamped to ``[LINK_SIZES[1], LINK_SIZES[-1]]``
-    (a latency-bound and a bandwidth-bound point at least). Each size costs ``1 + repeats`` allreduces
+    wire: those of :data:`LINK_SIZES` at most a quarter of it (so that the slope of :func:`fit_link` spans
+    a factor of 4 at least), then it, clamped to ``[LINK_SIZES[1], LINK_SIZES[-1]]`` (a latency-bound
+    and a bandwidth-bound point at least). Each size costs ``1 + repeats`` allreduces
     and allgathers, so a model of small tensors is calibrated in a few round trips instead of
-    megabytes (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB)."""
+    megabytes (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB; a model above 1 MiB is priced at the slope
+    between 1 MiB and its largest tensor's size, 4 MiB at most)."""
     top = min(LINK_SIZES[-1], max(LINK_SIZES[1], int(largest_bytes)))
-    return tuple(s for s in LINK_SIZES if s < top) + (top,)
+    return tuple(s for s in LINK_SIZES if 4 * s <= top) + (top,)
 
 
 def _best_time(fn: Callable[[], None], repeats: int) -> float:

@@ -32,11 +32,11 @@ bitmap; sketch: the decode report).
 
 The cost model. A tensor of ``d`` coordinates in rows (keys) of ``b`` coordinates (``D = ceil(d/b)``
 keys), ``n`` ranks, per-rank key counts ``k_r`` (``K = max k_r``), union ``u`` keys, ``e`` bytes per
-value. Links: latency ``alpha`` and ``beta`` seconds per byte (:class:`LinkModel`), ring
-collectives::
+value. Links: latency ``alpha`` and seconds per byte ``beta`` (allreduce) and ``beta_g`` (allgather)
+(:class:`LinkModel`), ring collectives::
 
     allreduce(B) = 2(n-1) alpha + 2(n-1)/n B beta          (B: bytes each rank contributes)
-    allgather(B) =  (n-1) alpha +  (n-1)   B beta          (B: bytes each rank contributes)
+    allgather(B) =  (n-1) alpha +  (n-1)   B beta_g        (B: bytes each rank contributes)
 
 Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+2n)`` header bytes
 (``w``: 4, or 8 where :func:`header_width` says)::
@@ -158,10 +158,23 @@ DEFAULT_CODEC_SECONDS = {
 
 @dataclass(frozen=True)
 class LinkModel:
-    """A ring's link: ``alpha_s`` seconds per message hop, ``seconds_per_byte`` per byte."""
+    """A ring's link: ``alpha_s`` seconds per message hop, ``seconds_per_byte`` per byte of an allreduce,
+    ``allgather_seconds_per_byte`` per byte of an allgather (None: the allreduce's). Two per-byte costs
+    because an engine's allgather need not stream like its allreduce (Gloo's costs more per byte:
+    docs/BENCHMARKS.md, "The link calibration")."""
 
     alpha_s: float
     seconds_per_byte: float
+    allgather_seconds_per_byte: Optional[float] = None
+
+    def __post_init__(self):
+        if self.allgather_seconds_per_byte is None:
+            object.__setattr__(self, "allgather_seconds_per_byte", self.seconds_per_byte)
+
+    @property
+    def allgather_beta(self) -> float:
+        """``allgather_seconds_per_byte``; a model pickled before it existed reads the class's None."""
+        return self.seconds_per_byte if self.allgather_seconds_per_byte is None else self.allgather_seconds_per_byte
 
     def allreduce(self, nbytes: float, n: int) -> float:
         """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank)."""
@@ -170,10 +183,10 @@ class LinkModel:
         return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes * self.seconds_per_byte
 
     def allgather(self, nbytes: float, n: int) -> float:
-        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta."""
+        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g (``allgather_beta``)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return (n - 1) * self.alpha_s + (n - 1) * nbytes * self.seconds_per_byte
+        return (n - 1) * self.alpha_s + (n - 1) * nbytes * self.allgather_beta
 
 
 @dataclass(frozen=True)
@@ -192,8 +205,9 @@ class Calibration:
         return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
 
     def as_list(self) -> list:
-        """Flat floats (alpha, beta, then per strategy in :data:`PRICED` order) for a broadcast."""
-        out = [self.link.alpha_s, self.link.seconds_per_byte]
+        """Flat floats (alpha, the allreduce's and the allgather's beta, then per strategy in :data:`PRICED`
+        order) for a broadcast."""
+        out = [self.link.alpha_s, self.link.seconds_per_byte, self.link.allgather_beta]
         for s in PRICED:
             out += list(self.codec_seconds.get(s, DEFAULT_CODEC_SECONDS[s]))
         return out
@@ -201,10 +215,10 @@ class Calibration:
     @classmethod
     def from_list(cls, values) -> "Calibration":
         v = [float(x) for x in values]
-        if len(v) != 2 + 2 * len(PRICED):
-            raise ValueError(f"a calibration has {2 + 2 * len(PRICED)} numbers, got {len(v)}")
-        codec = {s: (v[2 + 2 * i], v[3 + 2 * i]) for i, s in enumerate(PRICED)}
-        return cls(LinkModel(v[0], v[1]), codec)
+        if len(v) != 3 + 2 * len(PRICED):
+            raise ValueError(f"a calibration has {3 + 2 * len(PRICED)} numbers, got {len(v)}")
+        codec = {s: (v[3 + 2 * i], v[4 + 2 * i]) for i, s in enumerate(PRICED)}
+        return cls(LinkModel(v[0], v[1], v[2]), codec)
 
 
 @dataclass(frozen=True)

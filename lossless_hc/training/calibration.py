@@ -18,9 +18,9 @@ largest sizes, and the latency at the smallest size:
 ``t_c(B_1) / y_c(B_1)``). Not one straight line through every sample, as a least-squares fit would
 draw: a link that passes a burst at memory speed (the emulator's token bucket holds 256 KiB, so a
 quarter-megabyte sample after a pause costs half its line-rate time) or whose time per byte grows with
-size (Gloo's allgather) bends the line, and a fit in relative error then gave 2.6-6.4e-9 s per byte
-for a 1 Gbit/s link (8e-9) whose 4 MiB allreduce takes 8.4e-9 per byte: the planner saw the wire of a
-large tensor at a third of its price. The slope is blind to a constant per message (latency, a
+size (Gloo's allgather) bends the line, and a fit in relative error through every sample priced the
+bytes of an emulated 1 Gbit/s link at a third to four fifths of what its 4 and 16 MiB allreduces take
+per byte, differently in every run (docs/BENCHMARKS.md, "The link calibration"). The slope is blind to a constant per message (latency, a
 burst's saving), so it prices what a plan's choice changes, the bytes; a minimum over the smallest
 samples, because scheduling noise only ever adds to a round trip.
 
@@ -99,8 +99,8 @@ def link_sizes(largest_bytes: int) -> tuple:
     a factor of 4 at least), then it, clamped to ``[LINK_SIZES[1], LINK_SIZES[-1]]`` (a latency-bound
     and a bandwidth-bound point at least). Each size costs ``1 + repeats`` allreduces
     and allgathers, so a model of small tensors is calibrated in a few round trips instead of
-    megabytes (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB; a model above 1 MiB is priced at the slope
-    between 1 MiB and its largest tensor's size, 4 MiB at most)."""
+    megabytes (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB; a model of 2 MiB tensors: 1, 32, 256 KiB
+    and 2 MiB)."""
     top = min(LINK_SIZES[-1], max(LINK_SIZES[1], int(largest_bytes)))
     return tuple(s for s in LINK_SIZES if 4 * s <= top) + (top,)
 

@@ -129,10 +129,12 @@ def test_link_model_formulas_and_fit():
 def test_link_fit_prices_the_bytes_a_token_bucket_lets_through_at_memory_speed():
     """Samples timed on the emulated cluster (2 hosts, 1 Gbit/s by tbf with a 256 KiB bucket, Gloo, the
     fastest of three after a warm-up; 2026-12-03): the 256 KiB allreduce passed in half its line-rate time
-    and the small sizes carry scheduling noise, so a fit in relative error through every sample gave
-    3.5e-9 s per byte where a 16 MiB allreduce took 8.4e-9 per byte (140.5 ms). The slope between the
-    two largest sizes prices each collective's bytes within 10% of what the 16 MiB samples cost (Gloo's
-    allgather, 237.9 ms, dearer per byte as it grows), and the latency is the smallest round trip's."""
+    and the small sizes carry scheduling noise, so a fit in relative error through the samples up to 1 MiB
+    (the calibration before) gave 4.6e-9 s per byte where a 16 MiB allreduce took 8.4e-9 per byte
+    (140.5 ms). The slope between the two largest sizes prices the allreduce's 16 MiB within 10% and Gloo's
+    allgather's (237.9 ms, dearer per byte as it grows) within 20%, and the latency is the smallest round
+    trip's: on a netem link (100 us one-way) whose 1 MiB allgather is slower per byte than the rest, which
+    once fitted a latency clamped to 0, it stays the 1 KiB round trip's."""
     samples = [("allreduce", 1024, 6.00e-4), ("allgather", 1024, 3.42e-4), ("allreduce", 32768, 5.49e-4),
                ("allgather", 32768, 5.83e-4), ("allreduce", 262144, 1.155e-3), ("allgather", 262144, 1.594e-3),
                ("allreduce", 1048576, 8.738e-3), ("allgather", 1048576, 1.1568e-2),
@@ -145,6 +147,10 @@ def test_link_fit_prices_the_bytes_a_token_bucket_lets_through_at_memory_speed()
     # a noise-inverted pair of latency-bound sizes prices the bytes at the larger one's mean cost, not below 0
     tiny = fit_link(samples[:4], 2, LinkModel(0, 1))
     assert tiny.seconds_per_byte == pytest.approx(5.49e-4 / 32768) and tiny.alpha_s >= 0
+    netem = [("allreduce", 1024, 3.634e-4), ("allgather", 1024, 1.734e-4), ("allreduce", 32768, 5.162e-4),
+             ("allgather", 32768, 4.103e-4), ("allreduce", 262144, 1.930e-3), ("allgather", 262144, 1.955e-3),
+             ("allreduce", 1048576, 8.502e-3), ("allgather", 1048576, 1.0659e-2)]
+    assert 1.2e-4 < fit_link(netem, 2, LinkModel(0, 1)).alpha_s < 2.2e-4
 
 
 def test_calibration_round_trips_through_a_flat_list():

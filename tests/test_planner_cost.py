@@ -116,14 +116,23 @@ def test_link_model_formulas_and_fit():
                for b in (1 << 10, 1 << 16, 1 << 20) for k in ("allreduce", "allgather")]
     fit = fit_link(samples, 4, LinkModel(0, 1))
     assert fit.alpha_s == pytest.approx(1e-4, rel=1e-6) and fit.seconds_per_byte == pytest.approx(8e-9, rel=1e-6)
-    assert fit.allgather_beta == pytest.approx(8e-9, rel=1e-6)
+    assert fit.allgather_seconds_per_byte == pytest.approx(8e-9, rel=1e-6)
     assert fit_link(samples, 1, LinkModel(0, 1)) == LinkModel(0, 1)
     assert fit_link(samples[:2], 4, LinkModel(0, 1)) == LinkModel(0, 1)       # one size: no slope
     # an allgather twice as dear per byte is priced as such; the allreduce keeps its own
     slow = [(k, b, t + (link.allgather(b, 4) - 3e-4 if k == "allgather" else 0.0)) for k, b, t in samples]
     fit = fit_link(slow, 4, LinkModel(0, 1))
-    assert fit.seconds_per_byte == pytest.approx(8e-9) and fit.allgather_beta == pytest.approx(16e-9)
+    assert fit.seconds_per_byte == pytest.approx(8e-9) and fit.allgather_seconds_per_byte == pytest.approx(16e-9)
     assert fit.allgather(1 << 20, 4) == pytest.approx(3e-4 + 3 * (1 << 20) * 16e-9)
+
+
+def test_a_link_pickled_before_the_allgather_had_its_own_cost_prices_it_as_the_allreduce():
+    import pickle
+    link = LinkModel(1e-4, 8e-9, 16e-9)
+    assert pickle.loads(pickle.dumps(link)) == link
+    old = LinkModel.__new__(LinkModel)
+    old.__setstate__({"alpha_s": 1e-4, "seconds_per_byte": 8e-9})   # the fields a pickle of then holds
+    assert old == LinkModel(1e-4, 8e-9, 8e-9) and old.allgather(1000, 4) == pytest.approx(3e-4 + 3 * 1000 * 8e-9)
 
 
 def test_link_fit_prices_the_bytes_a_token_bucket_lets_through_at_memory_speed():

@@ -169,7 +169,7 @@ class AutoSpec(AggregatorSpec):
         source = "given" if self.given_calibration else ("measured" if self.calibration is not None else "pending")
         link = {} if self.calibration is None else {
             "alpha_s": self.calibration.link.alpha_s, "seconds_per_byte": self.calibration.link.seconds_per_byte,
-            "allgather_seconds_per_byte": self.calibration.link.allgather_beta,
+            "allgather_seconds_per_byte": self.calibration.link.allgather_seconds_per_byte,
             "codec_seconds": {s: list(v) for s, v in self.calibration.codec_seconds.items()}}
         return {"source": source, **self.calibration_cost, **link}
 

@@ -171,10 +171,10 @@ class LinkModel:
         if self.allgather_seconds_per_byte is None:
             object.__setattr__(self, "allgather_seconds_per_byte", self.seconds_per_byte)
 
-    @property
-    def allgather_beta(self) -> float:
-        """``allgather_seconds_per_byte``; a model pickled before it existed reads the class's None."""
-        return self.seconds_per_byte if self.allgather_seconds_per_byte is None else self.allgather_seconds_per_byte
+    def __setstate__(self, state):
+        # A model pickled before the allgather had its own cost (an auto hook state saved with its model).
+        state.setdefault("allgather_seconds_per_byte", state["seconds_per_byte"])
+        self.__dict__.update(state)
 
     def allreduce(self, nbytes: float, n: int) -> float:
         """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank)."""
@@ -183,10 +183,10 @@ class LinkModel:
         return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes * self.seconds_per_byte
 
     def allgather(self, nbytes: float, n: int) -> float:
-        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g (``allgather_beta``)."""
+        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return (n - 1) * self.alpha_s + (n - 1) * nbytes * self.allgather_beta
+        return (n - 1) * self.alpha_s + (n - 1) * nbytes * self.allgather_seconds_per_byte
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class Calibration:
     def as_list(self) -> list:
         """Flat floats (alpha, the allreduce's and the allgather's beta, then per strategy in :data:`PRICED`
         order) for a broadcast."""
-        out = [self.link.alpha_s, self.link.seconds_per_byte, self.link.allgather_beta]
+        out = [self.link.alpha_s, self.link.seconds_per_byte, self.link.allgather_seconds_per_byte]
         for s in PRICED:
             out += list(self.codec_seconds.get(s, DEFAULT_CODEC_SECONDS[s]))
         return out

@@ -572,7 +572,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if divided is None:
         divided = divide_first(buffer, n)
     if part is None and buffer.is_floating_point() and (guard_dense or (
-            state.spec.calibration is not None and not any([a.carries_statistics() for a in aggs]))):
+            state.spec.calibration is not None and all([a.sends_as_is() for a in aggs]))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place

@@ -230,7 +230,7 @@ def test_allgather_is_priced_at_the_bytes_it_sends_whatever_the_gradient_s_dtype
 
 
 @pytest.mark.parametrize("strategy,dtype", [("thc", torch.float32), ("thc", torch.float16), ("dense", torch.float64),
-                                            ("fp16", torch.float32), ("two_phase", torch.float32)])
+                                            ("two_phase", torch.float32)])
 def test_the_statistics_header_is_priced_in_its_payload_s_dtype(strategy, dtype):
     """The statistics header takes its first payload's dtype: float64 in THC's payload and in a float64
     gradient's (``planner.header_width``). Priced as float32 words, THC's and a float64 dense step's
@@ -248,6 +248,57 @@ def test_the_statistics_header_is_priced_in_its_payload_s_dtype(strategy, dtype)
     assert aggs[0].strategy == strategy
     predicted = sum(b for _, b in MODEL.collectives(strategy, aggs[0].plan_input))
     assert predicted == aggs[0].stats.payload_bytes
+
+
+@pytest.mark.parametrize("strategy,averages", [("fp16", None), ("fp16", False), ("fp16", True), ("bf16", None)])
+def test_a_half_precision_plan_s_plain_steps_send_the_tensor_in_half_precision_as_the_engines_hooks_do(
+        strategy, averages):
+    """Between its statistics steps (its first, then one in ``interval``) an fp16 or bf16 plan sends the
+    tensor alone in half precision, one collective, no scan: fp16 ``x / n`` (DDP's fp16_compress_hook) or,
+    where the engine is known to average, ``x`` (Horovod's fp16 compression: no second division in
+    float16); bf16 ``x``. The value is the engine's scale (SUM, or the average where it averages), the
+    bytes those the cost model prices (``collectives``). Before, every step carried the statistics
+    header, then allreduced the half tensor in a second round trip, and scanned the tensor twice."""
+    n, shape, interval = 3, (500, 8), 4
+    half = torch.float16 if strategy == "fp16" else torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    aggs = [AutoAggregator("w", shape, torch.float32, n, r, MODEL, lossy=True, first=strategy, allowed=(strategy,),
+                           lossy_min_bytes=0, interval=interval) for r in range(n)]
+    for a in aggs:
+        a.engine_averages = averages
+    average = averages is True
+    carried = []
+    for _ in range(2 * interval):
+        carries = aggs[0].carries_statistics()
+        assert all(a.carries_statistics() == carries for a in aggs)
+        carried.append(carries)
+        xs = [torch.randn(shape, generator=g) for _ in range(n)]
+        before = aggs[0].stats.payload_bytes
+        enc = [a.encode(x) for a, x in zip(aggs, xs)]
+        assert aggs[0].strategy == strategy
+        if not carries:
+            assert all(p.dtype == half and p.numel() == xs[0].numel() for p, _ in enc)
+            summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
+            summed = (summed / n if average else summed).to(half)
+            outs = [a.decode(summed, ctx) for a, (_, ctx) in zip(aggs, enc)]
+            assert all(o.request is None for o in outs)
+            payloads = [x.to(half) if strategy == "bf16" or average else x.to(half).div_(n) for x in xs]
+            want = torch.stack([p.to(torch.float64) for p in payloads]).sum(0)
+            want = (want / n if average else want).to(half).to(torch.float32)
+            if strategy == "fp16" and not average:
+                want = want * n
+            for o in outs:
+                assert torch.equal(o.value, want.reshape(shape))
+            assert aggs[0].stats.payload_bytes - before == 2 * xs[0].numel()
+            assert MODEL.collectives(strategy, aggs[0].plan_input) == [("allreduce", 2 * xs[0].numel())]
+        else:   # a statistics step: the header, then the half tensor in a second collective
+            summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
+            summed = (summed / n if average else summed).to(enc[0][0].dtype)
+            outs = [a.decode(summed, ctx) for a, (_, ctx) in zip(aggs, enc)]
+            req = torch.stack([o.request.tensor.to(torch.float64) for o in outs]).sum(0)
+            for a, o, (_, ctx) in zip(aggs, outs, enc):
+                a.finish(ctx, req.to(o.request.tensor.dtype))
+    assert carried == [True, False, False, True, False, False, False, True]
 
 
 def test_topk_re_sums_the_keys_its_decode_reports_inexact():

@@ -45,8 +45,9 @@ def results(out, name):
 def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
-            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "lossy", "config_mismatch",
-                                                "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense",
+            ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "half_plain", "lossy",
+                                                "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan",
+                                                "lossy_guard_dense",
                                                 "lossy_guard_plan", "lossy_guard_dense_float16",
                                                 "lossy_guard_plan_float16", "calibration_mismatch"])])
     return out
@@ -60,8 +61,8 @@ def horovod_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_hvd")
     launch([horovodrun, "--gloo", "-np", str(SIZE), "-H", f"localhost:{SIZE}", sys.executable,
             os.path.join(HERE, "mp", "auto_horovod_worker.py"), str(out),
-            ",".join(HVD_EXACT + ["lossy", "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan", "lossy_guard_dense",
-                                  "lossy_guard_plan", "calibration_mismatch"])])
+            ",".join(HVD_EXACT + ["lossy", "fp16_plain", "config_mismatch", "guard_mismatch", "guard_dense",
+                                  "guard_plan", "lossy_guard_dense", "lossy_guard_plan", "calibration_mismatch"])])
     return out
 
 
@@ -123,6 +124,37 @@ def test_ddp_auto_sends_a_half_precision_model_s_plain_steps_in_its_dtype(ddp_ru
             assert got["max_diff"] <= eps, (dtype, got["max_diff"])   # measured: eps / 8 and eps / 4
             plain = [b for b in got["sent"] if b == got["model_bytes"]]
             assert len(plain) == 7 and all(b >= got["model_bytes"] for b in got["sent"]), (dtype, got["sent"])
+
+
+def test_ddp_auto_s_half_precision_plans_train_as_ddp_s_own_half_precision_hooks(ddp_run):
+    """fp16 and bf16 plans (interval 4, 10 steps): the statistics on step counts 1, 4 and 8, the 7 other
+    steps plain, each bucket's one allreduce of its tensors in half precision (the model's float32 bytes
+    halved, what DDP's fp16_compress_hook and bf16_compress_hook send); bit for bit the parameters those
+    hooks train (bf16's without its NCCL-only check and its division first: tests/mp/auto_ddp_worker.py),
+    statistics steps included: fp16 sums the same x / n in float16 as its hook, then multiplies the sum by n
+    in float32 and the adapter divides it, both exact on a float16 value's 11 significant bits."""
+    rs = results(ddp_run, "half_plain")
+    for strategy in ("fp16", "bf16"):
+        for r in rs:
+            got = r[strategy]
+            assert set(got["plan"].values()) == {strategy} and set(got["plain_steps"].values()) == {7}, got
+            assert got["digest"] == rs[0][strategy]["digest"]
+            assert got["max_diff"] == 0.0, (strategy, got["max_diff"])
+            half = 2 * got["model_numel"]
+            plain = [b for b in got["sent"] if b == half]
+            assert len(plain) == 7 and all(b >= half for b in got["sent"]), (strategy, got["sent"])
+
+
+def test_horovod_auto_s_fp16_plan_trains_as_horovod_s_own_fp16_compression(horovod_run):
+    """An fp16 plan under Horovod (op=Average, interval 4, 10 steps): 7 plain steps of every tensor, each
+    the tensor in float16 as Compression.fp16 sends it (no division first: Horovod averages), identical on
+    every rank. The parameters are Compression.fp16's but for the 3 statistics steps, whose fp16 request
+    sums x / n where Horovod averages x: a float16 rounding apart (2^-11 of a gradient, lr 0.1);
+    measured 1.1e-5."""
+    rs = results(horovod_run, "fp16_plain")
+    for r in rs:
+        assert {s for s, _ in r["plan"].values()} == {"fp16"} and set(r["plain_steps"].values()) == {7}, r
+        assert r["digest"] == rs[0]["digest"] and r["max_diff"] <= 1e-4, r["max_diff"]
 
 
 @pytest.mark.parametrize("engine", ["ddp", "horovod"])

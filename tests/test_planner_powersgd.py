@@ -58,27 +58,33 @@ def test_powersgd_prediction_pays_three_latencies_and_its_bytes():
     assert CostModel(c).predict_powersgd(lay, 1) == pytest.approx(100 * per_coord)   # one rank: no collective
 
 
-def test_a_message_pays_one_second_allreduce_per_request_dtype():
-    """predict_message batches second collectives as decode_message does: fp16 and bf16 requests are two
-    allreduces (two latencies), a float32 two_phase request a third; the first payloads share one."""
+def test_a_message_carries_half_precision_plain_steps_in_parts_of_their_dtype():
+    """predict_message prices an fp16 or bf16 plan's plain step as its first payload: the tensor in its half
+    dtype, a part of its own when widening it would cost 256 KiB or more (message.py's part rule), else
+    widened into the float32 part (its bytes doubled, no latency of its own); a two_phase plan's rows are
+    the one second allreduce. (Before, a half plan's every step was a header in the first part and a
+    second allreduce per half dtype.)"""
     from lossless_hc.training.planner import TensorStats
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
-    s = TensorStats(numel=1000, row=1, world_size=4, rank_keys=(10,) * 4, union_keys=40)
     link, n = model.calibration.link, 4
 
-    def expected(plans, second):
-        first = sum(model.collectives(st, s)[0][1] for st in plans)
-        return (link.allreduce(first, n) + sum(link.allreduce(b, n) for b in second)
-                + sum(model.local_seconds(st, s) for st in plans))
-    half = model.collectives("fp16", s)[1][1]
-    assert model.predict_message([("fp16", s), ("fp16", s)]) == pytest.approx(expected(["fp16"] * 2, [2 * half]))
-    assert model.predict_message([("fp16", s), ("bf16", s)]) == pytest.approx(expected(["fp16", "bf16"], [half, half]))
-    rows = model.collectives("two_phase", s)[1][1]
-    assert model.predict_message([("fp16", s), ("bf16", s), ("two_phase", s)]) == pytest.approx(
-        expected(["fp16", "bf16", "two_phase"], [half, half, rows]))
-    # one latency per dtype: splitting the same bytes into two allreduces costs 2(n-1) alpha more
-    assert (model.predict_message([("fp16", s), ("bf16", s)]) - model.predict_message([("fp16", s), ("fp16", s)])
-            == pytest.approx(2 * (n - 1) * 1e-4))
+    def stats(numel):
+        return TensorStats(numel=numel, row=1, world_size=n, rank_keys=(10,) * n, union_keys=40)
+    big, small = stats(1 << 18), stats(1000)
+    (_, head), (_, rows) = model.collectives("two_phase", small)
+
+    def local(*plans):
+        return sum(model.local_seconds(st, s) for st, s in plans)
+    # big: three first parts (float32: two_phase's header and bitmap; bfloat16; float16), then the rows
+    assert model.predict_message([("fp16", big), ("bf16", big), ("two_phase", small)]) == pytest.approx(
+        link.allreduce(head, n) + 2 * link.allreduce(2 * big.numel, n) + link.allreduce(rows, n)
+        + local(("fp16", big), ("bf16", big), ("two_phase", small)))
+    # small: both half payloads widened into the float32 part: one first allreduce
+    assert model.predict_message([("fp16", small), ("bf16", small), ("two_phase", small)]) == pytest.approx(
+        link.allreduce(head + 2 * 4 * small.numel, n) + link.allreduce(rows, n)
+        + local(("fp16", small), ("bf16", small), ("two_phase", small)))
+    # alone, a plain step is one collective of its half bytes, as collectives() says
+    assert model.predict_message([("fp16", big)]) == pytest.approx(model.predict("fp16", big))
 
 
 def test_a_message_pays_one_first_allreduce_per_part():

@@ -25,8 +25,8 @@ burst's saving), so it prices what a plan's choice changes, the bytes; a minimum
 samples, because scheduling noise only ever adds to a round trip.
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
-a half-precision plan's step (bf16; fp16 with its division by n and the product back: the round
-trip, two non-zero-row scans and the copy of the result) and the non-zero-row scan (allgather,
+a half-precision plan's plain step (bf16; fp16 with its division by n and the product back: the
+round trip and the copy of the result) and the non-zero-row scan (allgather,
 two_phase); per touched coordinate, the LHC sketch's encode + decode of
 a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error feedback's passes
 (add the memory, keep a copy, subtract the result), and per flop, the time of torch's own PowerSGD
@@ -165,11 +165,9 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
     out = dict(DEFAULT_CODEC_SECONDS)
     out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
-                # a half-precision plan also scans twice (its statistics, the result's union) and copies
-                # the result back (AutoAggregator.encode, finish): priced at the round trip alone, bf16
-                # looked cheaper than dense at 10 Gbit/s where it measured slower (docs/BENCHMARKS.md)
-                "sketch": (scan, per_key), "fp16": (2 * scan + fp16 + copy, 0.0),
-                "bf16": (2 * scan + half + copy, 0.0),
+                # a half-precision plan's plain step also copies the result into the engine's tensor
+                # (its statistics steps, one in an interval, scan twice: not priced, as a dense plan's scan)
+                "sketch": (scan, per_key), "fp16": (fp16 + copy, 0.0), "bf16": (half + copy, 0.0),
                 "thc": (thc_step + copy, 0.0),   # and the copy of the result, as the half plans
                 "powersgd": (passes, per_flop)})
     return out

@@ -24,9 +24,10 @@ header of ``1 + 2n`` words in the payload's dtype (float32; float64 for ``thc`` 
 :func:`header_width`): a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
 a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
 fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
-``k_0..k_{n-1}`` from every step of every strategy but a dense plan's plain steps (a dense plan carries
-the header on one step in ``interval``, each followed by a re-plan:
-``AutoAggregator.carries_statistics``); the union ``u`` (rows non-zero on some rank) comes
+``k_0..k_{n-1}`` from every step of every strategy but the plain steps of a dense, fp16 or bf16 plan
+(:data:`PLAIN_STRATEGIES`: such a plan carries the header on one step in ``interval``, each followed by a
+re-plan, and between them sends the bare tensor, in half precision for fp16 and bf16, as the engine's
+own hooks do: ``AutoAggregator.carries_statistics``); the union ``u`` (rows non-zero on some rank) comes
 from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the
 bitmap; sketch: the decode report).
 
@@ -46,12 +47,14 @@ Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+
     two_phase  allreduce(H + 4 ceil(D / q)) + allreduce(4 u b)      (q digits of base n+1 per word,
                                                                      lossless_hc.lhc.layout.digit_packing)
     sketch     allreduce(H + 4 L)       L = plan_layout(d, n, h_K K b, b, union = h_U u b).payload_numel
-    fp16/bf16  allreduce(H) + allreduce(2 d)
+    fp16/bf16  allreduce(2 d)                                         (a plain step: the tensor in half precision)
     thc        allreduce(H + 8 THC payload words)                   (lossless_hc.thc.layout)
     topk       allreduce(H + 4 L)       L sized for k = ceil(r d) per rank and min(n k, d) in the union
 
 (``h_K`` = :data:`RANK_HEADROOM`, ``h_U`` = :data:`UNION_HEADROOM`: the margins the sketch is sized with
-over the observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with.)
+over the observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with. The plans
+with plain steps are priced at them, dense with its header's few bytes: their statistics steps, one in
+``interval``, add a scan and, for fp16 and bf16, the header's round trip before the body's.)
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
@@ -117,6 +120,9 @@ from lossless_hc.training.message import message_layout
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
 LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk")
+HALF_STRATEGIES = ("fp16", "bf16")   # the tensor allreduced in half precision
+PLAIN_STRATEGIES = ("dense",) + HALF_STRATEGIES   # plans with plain steps between statistics steps (module doc)
+_HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
 BUCKET_STRATEGIES = ("powersgd",)   # strategies of a whole DDP bucket (module doc), lossy
 PRICED = STRATEGIES + BUCKET_STRATEGIES   # every strategy with local costs in a Calibration
@@ -146,10 +152,10 @@ DEFAULT_CODEC_SECONDS = {
     "allgather": (0.5e-9, 2e-9),   # scan for non-zero rows; scatter-add of the gathered rows
     "two_phase": (1.0e-9, 2e-9),   # scan, pack/unpack the bitmap; gather/scatter the union's rows
     "sketch": (1.5e-9, 15e-9),     # index encode/decode per coordinate; hash, sketch and peel per row coordinate
-    # two scans for non-zero rows (the statistics header's count, then the result's union), the half
-    # round trip, the copy of the result into the engine's tensor: what a half-precision plan's step does
-    "fp16": (2.5e-9, 0.0),
-    "bf16": (2.5e-9, 0.0),
+    # the half round trip and the copy of the result into the engine's tensor: a half-precision plan's
+    # plain step
+    "fp16": (1.0e-9, 0.0),
+    "bf16": (1.0e-9, 0.0),
     "thc": (30e-9, 0.0),           # rotation, quantization, error feedback
     "topk": (15e-9, 15e-9),        # selection and error feedback; the sketch of the selection
     "powersgd": (2e-9, 1e-10),     # error feedback's passes per coordinate; seconds per matmul flop
@@ -267,7 +273,7 @@ def header_width(strategy: str, s: "TensorStats") -> int:
     (``AutoAggregator.encode``), float64 for ``thc`` and for every header-only or dense payload of a
     float64 gradient (``element_bytes`` 8), float32 otherwise (a half-precision count field would not be
     exact; a dense half-precision body travels apart from its header, :meth:`CostModel.predict_message`)."""
-    if strategy == "thc" or (s.element_bytes == 8 and strategy in ("dense", "allgather", "fp16", "bf16")):
+    if strategy == "thc" or (s.element_bytes == 8 and strategy in ("dense", "allgather")):
         return 8
     return 4
 
@@ -368,8 +374,8 @@ class CostModel:
             return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * 4)]
         if strategy == "sketch":
             return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))]
-        if strategy in ("fp16", "bf16"):
-            return [("allreduce", H), ("allreduce", 2 * s.numel)]
+        if strategy in HALF_STRATEGIES:   # a plain step (module doc)
+            return [("allreduce", 2 * s.numel)]
         if strategy == "thc":
             return [("allreduce", H + 8 * self._thc_words(s))]
         if strategy == "topk":
@@ -440,20 +446,22 @@ class CostModel:
 
         A first payload's dtype: its header's (:func:`header_width`), except a dense plan's body,
         which travels apart in the gradient's wire width (``element_bytes``, its plain steps') where
-        that differs. The request dtype is the strategy's for
-        fp16 and bf16, else the gradient's. The stats know a dtype by its width only, so a
+        that differs, and an fp16 or bf16 plan's plain step, the tensor in that dtype. The request
+        dtype is the gradient's. The stats know a dtype by its width only, so a
         half-precision gradient is priced as bfloat16 (the part rule treats both halves alike; a model
         mixing them would have one part, or request, more than priced)."""
         link = self.calibration.link
         n = max((s.world_size for _, s in plans), default=1)
         specs = []    # the first payloads, (elements, dtype) as message_layout takes them
         gathered = 0
-        second = {}   # request dtype (a strategy's, or the gradient's width) -> bytes per rank
+        second = {}   # request dtype (the gradient's width) -> bytes per rank
         local = 0.0
         for strategy, s in plans:
             (_, head), *rest = self.collectives(strategy, s)
             width = header_width(strategy, s)
-            if strategy == "dense" and not s.sparse and s.element_bytes != width:
+            if strategy in HALF_STRATEGIES:   # a plain step: the tensor alone, in half precision
+                specs.append((s.numel, _HALF_DTYPES[strategy]))
+            elif strategy == "dense" and not s.sparse and s.element_bytes != width:
                 # the header in float32, the body as the gradient
                 header = width * stats_header_words(s.world_size)
                 specs += [(header // width, _WIRE_DTYPES[width]),
@@ -464,8 +472,7 @@ class CostModel:
                 if kind == "allgather":
                     gathered += nbytes
                 else:
-                    dtype = strategy if strategy in ("fp16", "bf16") else s.element_bytes
-                    second[dtype] = second.get(dtype, 0) + nbytes
+                    second[s.element_bytes] = second.get(s.element_bytes, 0) + nbytes
             local += self.local_seconds(strategy, s)
         dtypes, sizes, _ = message_layout(specs)
         parts = [m * d.itemsize for d, m in zip(dtypes, sizes)] or [0]

@@ -26,7 +26,9 @@ alone)::
                this rank's values on those keys' rows only, which replace the decoded ones
     fp16/bf16  nothing; request: allreduce of the tensor in half precision (fp16: then divided by n, as
                DDP's fp16_compress_hook divides: it overflows where a rank's value or the average
-               passes 65504, not where only the SUM does)
+               passes 65504, not where only the SUM does). Their plain steps (as a dense plan's) are
+               the tensor in half precision alone, what the engine's own half-precision hook sends:
+               fp16 divided by n first unless the engine averages (then as Horovod's fp16 sends it)
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback); request only when its decode fails: the
                dense selection, or when it reports inexact keys: those coordinates of the selection
@@ -59,7 +61,8 @@ from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
-from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, CostModel,
+from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, HALF_STRATEGIES, LOSSY_MIN_BYTES,
+                                          LOSSY_STRATEGIES, PLAIN_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
@@ -214,9 +217,10 @@ class AutoAggregator(TensorRows):
                 self._plan()
 
     def carries_statistics(self) -> bool:
-        """Whether the next step's first payload carries the statistics header (else it is the bare
-        tensor: :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place): always
-        but for a dense plan (and a sparse gradient's allgather plan when the engine sums sparse tensors
+        """Whether the next step's first payload carries the statistics header (else it is a plain step:
+        the bare tensor, :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place;
+        a half-precision plan's tensor in half precision, :meth:`sends_as_is`): always but for a dense,
+        fp16 or bf16 plan (and a sparse gradient's allgather plan when the engine sums sparse tensors
         itself, ``native_sparse``: then the engine's own sparse allreduce is the bare step), which carries
         them on its first step, on step counts that are multiples of
         ``interval`` (each followed by a plan), after a failure (``force``) and when leaving THC or top-k
@@ -224,14 +228,20 @@ class AutoAggregator(TensorRows):
         step only. A function of the plan and the step count: identical on every rank (docs/DESIGN.md,
         "What is exchanged when")."""
         self._apply_due_plan()
-        plain = ("allgather" if self.native_sparse else None) if self.sparse else "dense"
-        if self.strategy != plain or self.steps == 0 or self.tracker.force:
+        plain = (("allgather",) if self.native_sparse else ()) if self.sparse else PLAIN_STRATEGIES
+        if self.strategy not in plain or self.steps == 0 or self.tracker.force:
             return True
         if self._thc is not None or self._topk is not None:
             return True
         if self.allowed == ("dense",):
             return False
         return (self.steps + 1) % self.tracker.interval == 0
+
+    def sends_as_is(self) -> bool:
+        """Whether the next step sends the gradient as it is, in ``plain_dtype`` (what the engine's own
+        allreduce sends, so an adapter may let the engine reduce it in place, :meth:`record_plain_step`):
+        a plain step of a dense plan (or of a ``native_sparse`` allgather plan), not of fp16 or bf16."""
+        return not self.carries_statistics() and self.strategy not in HALF_STRATEGIES
 
     def _apply_due_plan(self) -> None:
         if self._plan_due:
@@ -337,8 +347,8 @@ class AutoAggregator(TensorRows):
         if self.sparse and not carries:
             raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
                                "its own sparse allreduce (native_sparse), not through encode()")
-        if not carries:   # a dense step without statistics: the bare tensor, no scan
-            return self._plain(x, t0)
+        if not carries:   # a plain step: the bare tensor (in half precision for fp16, bf16), no scan
+            return self._plain(x, t0, self.strategy)
         s = self.strategy
         n = self.world_size
         ctx = AutoContext(s, t0, 0)
@@ -384,12 +394,25 @@ class AutoAggregator(TensorRows):
         self._check_input(x)
         if self.sparse:
             raise TypeError(f"{self.name}: a plain step sends a dense tensor; this gradient is sparse")
-        return self._plain(x, time.perf_counter())
+        return self._plain(x, time.perf_counter(), "dense")
 
-    def _plain(self, x: torch.Tensor, t0: float):
-        ctx = AutoContext("dense", t0, self.numel * self.plain_dtype.itemsize, plain=True)
-        payload = x.detach().reshape(-1).to(self.plain_dtype)
-        self._count_sent(ctx.payload_bytes, plain=True)
+    def _plain(self, x: torch.Tensor, t0: float, strategy: str):
+        """A plain step of ``strategy``: dense sends the tensor in ``plain_dtype``; bf16 in bfloat16; fp16
+        ``x / n`` in float16 (DDP's fp16_compress_hook: a SUM then passes 65504 only where the average
+        does), or ``x`` where the engine is known to average (Horovod's fp16 compression: no second
+        division in float16)."""
+        flat = x.detach().reshape(-1)
+        if strategy == "fp16":
+            payload = flat.to(torch.float16, copy=True)
+            if self.engine_averages is not True:
+                payload.div_(self.world_size)
+        elif strategy == "bf16":
+            payload = flat.to(torch.bfloat16)
+        else:
+            strategy, payload = "dense", flat.to(self.plain_dtype)
+        ctx = AutoContext(strategy, t0, payload.numel() * payload.element_size(), plain=True)
+        ctx.averaged = strategy == "fp16" and self.engine_averages is True
+        self._count_sent(ctx.payload_bytes, dense=strategy == "dense", plain=True)
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
 
@@ -413,10 +436,13 @@ class AutoAggregator(TensorRows):
         """Read the header, decode the body; the value, or the request of the strategy's next collective.
         A plain step's (``ctx.plain``) summed payload is the value, in the engine's scale."""
         t0 = time.perf_counter()
-        if ctx.plain:
-            self._measure("dense", ctx.started)
+        if ctx.plain:   # the engine's SUM or average of the bare tensor (fp16: of x / n, unless averaged)
+            value = summed.to(self.wire_dtype)
+            if ctx.strategy == "fp16" and not ctx.averaged:
+                value = value.mul_(self.world_size) if value is not summed else value * self.world_size
+            self._measure(ctx.strategy, ctx.started)
             self.stats.decode_seconds += time.perf_counter() - t0
-            return AutoOutcome(self._shaped(summed.to(self.wire_dtype)))
+            return AutoOutcome(self._shaped(value))
         n = self.world_size
         H = stats_header_words(n)
         averaged = n > 1 and (abs(float(summed[0]) - 1.0) < 0.5 if self.engine_averages is None

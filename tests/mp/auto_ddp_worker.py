@@ -53,15 +53,15 @@ def collectives(state=None) -> int:
     return sum(g._get_sequence_number_for_group() for g in groups)
 
 
-def train_dense(state=None, steps=10, dtype=torch.float32):
+def train_dense(state=None, steps=10, dtype=torch.float32, hook=auto_hook):
     """A dense model (every gradient dense on every rank), several buckets; the collectives of each step,
     and the bytes the hook allreduced (DDP's own allreduce, in C++, is not counted)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 8)).to(dtype)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)   # 10 kB: two buckets after DDP's rebuild
-    if state is not None:
-        ddp.register_comm_hook(state, auto_hook)
+    if hook is not auto_hook or state is not None:
+        ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(dist.get_rank())
     per_step, sent = [], []
@@ -76,6 +76,17 @@ def train_dense(state=None, steps=10, dtype=torch.float32):
         opt.step()
         per_step.append(collectives(state) - before)
     return model, per_step, sent
+
+
+def bf16_sum_hook(_, bucket):
+    """DDP's bf16_compress_hook without its NCCL-only check and without dividing first (bfloat16 has float32's
+    range): the bucket in bfloat16, summed, then divided in float32, as auto's bf16 plain steps do."""
+    n = dist.get_world_size()
+    fut = dist.all_reduce(bucket.buffer().to(torch.bfloat16), async_op=True).get_future()
+
+    def average(fut):
+        return bucket.buffer().copy_(fut.value()[0]).div_(n)
+    return fut.then(average)
 
 
 def compare(state, **kw):
@@ -167,6 +178,21 @@ def scenario(name):
             out[str(dtype).split(".")[1]] = {
                 "max_diff": max_param_diff(ref, got), "digest": param_digest(got), "sent": sent,
                 "model_bytes": sum(p.numel() * p.element_size() for p in got.parameters()),
+                "plan": {k: v["strategy"] for k, v in st["plan"].items()},
+                "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
+        return out
+    if name == "half_plain":   # fp16 and bf16 plans: plain steps in half precision, as DDP's own hooks send
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        out = {}
+        for strategy, hook in (("fp16", fp16_compress_hook), ("bf16", bf16_sum_hook)):
+            ref, _, _ = train_dense(None, hook=hook)
+            state = AutoHookState(lossy=True, first=strategy, strategies=(strategy,), lossy_min_bytes=0, interval=4,
+                                  calibration=Calibration.default(1e9))
+            got, got_steps, sent = train_dense(state)
+            st = state.stats()
+            out[strategy] = {
+                "max_diff": max_param_diff(ref, got), "digest": param_digest(got), "sent": sent,
+                "collectives": got_steps, "model_numel": sum(p.numel() for p in got.parameters()),
                 "plan": {k: v["strategy"] for k, v in st["plan"].items()},
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
         return out

@@ -64,8 +64,8 @@ def train(compression, steps=6, op=None, burst_from=None, order=None):
     return model
 
 
-def compare(make, **kw):
-    ref = train(Compression.none, **kw)
+def compare(make, ref_compression=Compression.none, **kw):
+    ref = train(ref_compression, **kw)
     comp = make()
     order = []
     got = train(comp, order=order, **kw)
@@ -128,6 +128,10 @@ def scenario(name):
                                                 guard_start=2, guard_margin=margin), steps=12)
     if name.startswith("lossy_guard_"):
         return lossy_guard(name == "lossy_guard_dense")
+    if name == "fp16_plain":   # an fp16 plan's plain steps: the tensor in float16, as Horovod's fp16 compression
+        return compare(lambda: Compression.auto(lossy=True, first="fp16", strategies=("fp16",), lossy_min_bytes=0,
+                                                interval=4, calibration=Calibration.default(1e9), guard_steps=0),
+                       ref_compression=Compression.fp16, steps=10)
     if name == "lossy":
         comp = Compression.auto(lossy=True, interval=2, calibration=Calibration.default(1e8), lossy_min_bytes=0)
         got = train(comp)

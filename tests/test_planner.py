@@ -290,7 +290,7 @@ def test_a_half_precision_plan_s_plain_steps_send_the_tensor_in_half_precision_a
             for o in outs:
                 assert torch.equal(o.value, want.reshape(shape))
             assert aggs[0].stats.payload_bytes - before == 2 * xs[0].numel()
-            assert MODEL.collectives(strategy, aggs[0].plan_input) == [("allreduce", 2 * xs[0].numel())]
+            assert MODEL.collectives(strategy, aggs[0].plan_input) == [("allreduce_half", 2 * xs[0].numel())]
         else:   # a statistics step: the header, then the half tensor in a second collective
             summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
             summed = (summed / n if average else summed).to(enc[0][0].dtype)

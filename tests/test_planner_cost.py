@@ -2,6 +2,7 @@
 its wire sizes against the real layouts, the link fit and the calibration's format, the re-plan cadence,
 and the statistics it refuses. The strategies it prices, run: tests/test_planner.py."""
 import pytest
+import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.training.calibration import fit_link
@@ -134,11 +135,42 @@ def test_link_model_formulas_and_fit():
 
 def test_a_link_pickled_before_the_allgather_had_its_own_cost_prices_it_as_the_allreduce():
     import pickle
-    link = LinkModel(1e-4, 8e-9, 16e-9)
+    link = LinkModel(1e-4, 8e-9, 16e-9, 12e-9)
     assert pickle.loads(pickle.dumps(link)) == link
     old = LinkModel.__new__(LinkModel)
     old.__setstate__({"alpha_s": 1e-4, "seconds_per_byte": 8e-9})   # the fields a pickle of then holds
-    assert old == LinkModel(1e-4, 8e-9, 8e-9) and old.allgather(1000, 4) == pytest.approx(3e-4 + 3 * 1000 * 8e-9)
+    assert old == LinkModel(1e-4, 8e-9, 8e-9, 8e-9) and old.allgather(1000, 4) == pytest.approx(3e-4 + 3 * 1000 * 8e-9)
+    assert old.allreduce(1000, 4, half=True) == old.allreduce(1000, 4)
+
+
+def test_a_half_precision_plan_is_priced_at_the_half_allreduce_s_own_slope():
+    """An engine may sum float16 slower than float32 per byte (Horovod on the CPU: docs/BENCHMARKS.md), so
+    the calibration times a float16 allreduce at the two largest sizes where a plan may go half
+    (``measure_link``'s ``half_sizes``) and ``fit_link`` prices its bytes at their slope; an fp16 or bf16
+    plan's plain step (and a half-precision part of a message) is priced at it. A half allreduce twice as
+    dear per byte as float32 makes fp16 cost what dense does on the wire: not chosen for its local work.
+    Where it was not timed, it is the float32 allreduce's."""
+    link = LinkModel(1e-4, 8e-9)
+    samples = [(k, b, link.allreduce(b, 2)) for b in (1 << 10, 1 << 18, 1 << 20) for k in ("allreduce",)]
+    assert fit_link(samples, 2, LinkModel(0, 1)).half_seconds_per_byte == pytest.approx(8e-9)
+    slow = samples + [("allreduce_half", b, link.allreduce(b, 2) + b * 8e-9) for b in (1 << 18, 1 << 20)]
+    fit = fit_link(slow, 2, LinkModel(0, 1))
+    assert fit.seconds_per_byte == pytest.approx(8e-9) and fit.half_seconds_per_byte == pytest.approx(16e-9)
+    assert fit.alpha_s == pytest.approx(1e-4)
+    s = stats(1 << 20, 1, 2, 1 << 20, 1 << 20)
+    for half_beta, want in ((8e-9, "fp16"), (16e-9, "dense")):
+        model = CostModel(Calibration(LinkModel(1e-4, 8e-9, None, half_beta)))
+        assert model.predict("fp16", s) == pytest.approx(
+            LinkModel(1e-4, half_beta).allreduce(2 << 20, 2) + DEFAULT_CODEC_SECONDS["fp16"][0] * (1 << 20))
+        assert model.predict_message([("fp16", s)]) == pytest.approx(model.predict("fp16", s))
+        assert model.choose(s, lossy=True, allowed=("dense", "fp16"))[0] == want
+    # measured on a 1-rank "engine": the float16 allreduce at the sizes asked, after the float32 ones
+    from lossless_hc.training.calibration import measure_link
+    seen = []
+    got = measure_link(lambda t: seen.append(t.dtype), lambda t: None, "cpu", (1024, 4096), 1, (4096,))
+    assert [(k, b) for k, b, _ in got] == [("allreduce", 1024), ("allgather", 1024), ("allreduce", 4096),
+                                           ("allgather", 4096), ("allreduce_half", 4096)]
+    assert seen[-1] == torch.float16 and seen[0] == torch.float32
 
 
 def test_link_fit_prices_the_bytes_a_token_bucket_lets_through_at_memory_speed():

@@ -113,7 +113,7 @@ def test_a_message_pays_one_first_allreduce_per_part():
 def test_calibration_carries_powersgd_constants():
     c = Calibration.default()
     assert "powersgd" in c.codec_seconds and Calibration.from_list(c.as_list()) == c
-    assert len(c.as_list()) == 3 + 2 * (len(STRATEGIES) + 1)   # alpha, the two betas, then (per coordinate, per key)
+    assert len(c.as_list()) == 4 + 2 * (len(STRATEGIES) + 1)   # alpha, the three betas, then (per coordinate, per key)
 
 
 # -- the bucket's decision -----------------------------------------------------------------------------------

@@ -146,9 +146,10 @@ def recorded_calibration(result: dict):
     for r in result["rows"]:
         cal = r.get("auto_calibration") or {}
         if r["compression"] in AUTO_MODES and {"alpha_s", "seconds_per_byte", "codec_seconds"} <= set(cal):
-            gather = cal.get("allgather_seconds_per_byte")   # absent from runs before the allgather's own beta
+            # absent from runs before the allgather's, or the half allreduce's, own beta
+            gather, half = cal.get("allgather_seconds_per_byte"), cal.get("half_seconds_per_byte")
             link = pl.LinkModel(float(cal["alpha_s"]), float(cal["seconds_per_byte"]),
-                                None if gather is None else float(gather))
+                                None if gather is None else float(gather), None if half is None else float(half))
             return pl.Calibration(link,
                                   {s: (float(v[0]), float(v[1])) for s, v in cal["codec_seconds"].items()})
     return None

@@ -34,8 +34,8 @@ from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.guard import StepGuard
 from lossless_hc.training.message import PART_DTYPES, check_sums, message_layout, pack_parts
-from lossless_hc.training.planner import (LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS, TOPK_RATIO,
-                                          Calibration, CostModel)
+from lossless_hc.training.planner import (HALF_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS,
+                                          TOPK_RATIO, Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
 
 
@@ -153,23 +153,27 @@ class AutoSpec(AggregatorSpec):
         if self.calibration is not None:
             return
         sizes = LINK_SIZES if largest_bytes is None else link_sizes(largest_bytes)
+        # the half allreduce's own price only where a plan may send half precision
+        half = self.lossy and bool(set(self.strategies or HALF_STRATEGIES) & set(HALF_STRATEGIES))
         t0 = time.perf_counter()
         samples: list = []
         self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes,
-                                       samples_out=samples))
+                                       samples_out=samples, half=half))
         self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes),
                                  "link_samples": samples}
 
     def calibration_stats(self) -> dict:
         """``{"source": "given" | "measured" | "pending", "seconds": on this rank, "link_sizes": bytes per
         rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "alpha_s",
-        "seconds_per_byte", "allgather_seconds_per_byte": the link every rank plans with, "codec_seconds":
-        {strategy: [per coordinate, per touched coordinate]} the local costs it plans with}``
+        "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte": the link every rank plans
+        with, "codec_seconds": {strategy: [per coordinate, per touched coordinate]} the local costs it plans
+        with}``
         (``stats()["calibration"]`` of the auto adapters)."""
         source = "given" if self.given_calibration else ("measured" if self.calibration is not None else "pending")
         link = {} if self.calibration is None else {
             "alpha_s": self.calibration.link.alpha_s, "seconds_per_byte": self.calibration.link.seconds_per_byte,
             "allgather_seconds_per_byte": self.calibration.link.allgather_seconds_per_byte,
+            "half_seconds_per_byte": self.calibration.link.half_seconds_per_byte,
             "codec_seconds": {s: list(v) for s, v in self.calibration.codec_seconds.items()}}
         return {"source": source, **self.calibration_cost, **link}
 

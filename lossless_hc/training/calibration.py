@@ -22,7 +22,10 @@ size (Gloo's allgather) bends the line, and a fit in relative error through ever
 bytes of an emulated 1 Gbit/s link at a third to four fifths of what its 4 and 16 MiB allreduces take
 per byte, differently in every run (docs/BENCHMARKS.md, "The link calibration"). The slope is blind to a constant per message (latency, a
 burst's saving), so it prices what a plan's choice changes, the bytes; a minimum over the smallest
-samples, because scheduling noise only ever adds to a round trip.
+samples, because scheduling noise only ever adds to a round trip. Where the planner may send tensors in
+half precision (``lossy``, fp16 or bf16 allowed), a float16 allreduce is timed at the two largest sizes
+too, for its own slope ``beta_h``: an engine need not sum float16 as fast as float32 (Horovod's CPU sum of
+float16 took its fp16 compression to no gain or a loss over its float32 allreduce: docs/BENCHMARKS.md).
 
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
 a half-precision plan's plain step (bf16; fp16 with its division by n and the product back: the
@@ -59,13 +62,14 @@ POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop 
 
 
 def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> LinkModel:
-    """``LinkModel`` from ``(kind, bytes_per_rank, seconds)`` samples (see the module doc): per-byte costs
-    from each kind's two largest sizes, the latency from the smallest; a kind timed at one size takes
-    the other's per-byte cost. ``fallback`` for one rank or no kind timed at two sizes."""
+    """``LinkModel`` from ``(kind, bytes_per_rank, seconds)`` samples (kinds ``allreduce``, ``allgather``,
+    ``allreduce_half``: see the module doc): per-byte costs from each kind's two largest sizes, the latency
+    from the smallest; a kind not timed at two sizes takes the allreduce's per-byte cost (the allreduce
+    the allgather's). ``fallback`` for one rank or no kind timed at two sizes."""
     n = world_size
     fastest: dict = {}
     for kind, nbytes, seconds in samples:
-        if kind == "allreduce":
+        if kind in ("allreduce", "allreduce_half"):
             hops, sent = 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
         elif kind == "allgather":
             hops, sent = float(n - 1), float(n - 1) * nbytes
@@ -77,7 +81,7 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
     if n <= 1:
         return fallback
     beta = {}
-    for kind in ("allreduce", "allgather"):
+    for kind in ("allreduce", "allgather", "allreduce_half"):
         sizes = sorted(b for k, b in fastest if k == kind)
         if len(sizes) < 2 or sizes[-1] <= 0:
             continue
@@ -86,11 +90,13 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
         beta[kind] = slope if slope > 0 else t1 / y1
     if not beta:
         return fallback
-    beta.setdefault("allreduce", beta.get("allgather"))
+    beta.setdefault("allreduce", beta.get("allgather", beta.get("allreduce_half")))
     beta.setdefault("allgather", beta["allreduce"])
+    beta.setdefault("allreduce_half", beta["allreduce"])
     smallest = min(b for _, b in fastest)
     alpha = min((t - y * beta[k]) / x for (k, b), (x, y, t) in fastest.items() if b == smallest)
-    return LinkModel(max(0.0, float(alpha)), float(beta["allreduce"]), float(beta["allgather"]))
+    return LinkModel(max(0.0, float(alpha)), float(beta["allreduce"]), float(beta["allgather"]),
+                     float(beta["allreduce_half"]))
 
 
 def link_sizes(largest_bytes: int) -> tuple:
@@ -115,8 +121,9 @@ def _best_time(fn: Callable[[], None], repeats: int) -> float:
 
 
 def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
-                 device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3) -> list:
-    """``[(kind, bytes per rank, seconds)]``: the fastest of ``repeats`` blocking collectives per size.
+                 device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, half_sizes: Sequence[int] = ()) -> list:
+    """``[(kind, bytes per rank, seconds)]``: the fastest of ``repeats`` blocking collectives per size, a
+    float32 allreduce and allgather at each of ``sizes`` and a float16 allreduce at each of ``half_sizes``.
     Collective: every rank must call it with the same arguments."""
     samples = []
     for nbytes in sizes:
@@ -125,6 +132,10 @@ def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[
         samples.append(("allreduce", nbytes, _best_time(lambda: allreduce(t), repeats)))
         allgather(t)
         samples.append(("allgather", nbytes, _best_time(lambda: allgather(t), repeats)))
+    for nbytes in half_sizes:
+        t = torch.ones(max(1, nbytes // 2), dtype=torch.float16, device=device)
+        allreduce(t)
+        samples.append(("allreduce_half", nbytes, _best_time(lambda: allreduce(t), repeats)))
     return samples
 
 
@@ -196,14 +207,16 @@ def _powersgd_products(device) -> Callable[[], None]:
 def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
               broadcast: Callable[[torch.Tensor], None], rank: int, world_size: int, device="cpu",
               default: Calibration = None, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3,
-              samples_out: Optional[list] = None) -> Calibration:
+              samples_out: Optional[list] = None, half: bool = False) -> Calibration:
     """Rank 0's calibration on every rank (collective: every rank calls it at the same point).
 
-    ``allreduce(t)``: blocking in-place SUM of ``t``; ``allgather(t)``: blocking allgather of ``t`` (the
-    result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
+    ``allreduce(t)``: blocking in-place SUM of ``t`` (float32, and float16 where ``half``: the half
+    allreduce is timed at the two largest of ``sizes``); ``allgather(t)``: blocking allgather of ``t``
+    (the result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
     ``samples_out``: a list that receives this rank's link samples (:func:`measure_link`)."""
     default = default or Calibration.default()
-    samples = measure_link(allreduce, allgather, device, sizes, repeats) if world_size > 1 else []
+    half_sizes = tuple(sorted(sizes)[-2:]) if half else ()
+    samples = measure_link(allreduce, allgather, device, sizes, repeats, half_sizes) if world_size > 1 else []
     if samples_out is not None:
         samples_out.extend(samples)
     values = torch.zeros(len(default.as_list()), dtype=torch.float64)

@@ -33,10 +33,10 @@ bitmap; sketch: the decode report).
 
 The cost model. A tensor of ``d`` coordinates in rows (keys) of ``b`` coordinates (``D = ceil(d/b)``
 keys), ``n`` ranks, per-rank key counts ``k_r`` (``K = max k_r``), union ``u`` keys, ``e`` bytes per
-value. Links: latency ``alpha`` and seconds per byte ``beta`` (allreduce) and ``beta_g`` (allgather)
-(:class:`LinkModel`), ring collectives::
+value. Links: latency ``alpha`` and seconds per byte ``beta`` (allreduce), ``beta_g`` (allgather) and
+``beta_h`` (allreduce of a float16 or bfloat16 tensor) (:class:`LinkModel`), ring collectives::
 
-    allreduce(B) = 2(n-1) alpha + 2(n-1)/n B beta          (B: bytes each rank contributes)
+    allreduce(B) = 2(n-1) alpha + 2(n-1)/n B beta          (B: bytes each rank contributes; beta_h for half)
     allgather(B) =  (n-1) alpha +  (n-1)   B beta_g        (B: bytes each rank contributes)
 
 Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+2n)`` header bytes
@@ -47,7 +47,7 @@ Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+
     two_phase  allreduce(H + 4 ceil(D / q)) + allreduce(4 u b)      (q digits of base n+1 per word,
                                                                      lossless_hc.lhc.layout.digit_packing)
     sketch     allreduce(H + 4 L)       L = plan_layout(d, n, h_K K b, b, union = h_U u b).payload_numel
-    fp16/bf16  allreduce(2 d)                                         (a plain step: the tensor in half precision)
+    fp16/bf16  allreduce_half(2 d)                                    (a plain step: the tensor in half precision)
     thc        allreduce(H + 8 THC payload words)                   (lossless_hc.thc.layout)
     topk       allreduce(H + 4 L)       L sized for k = ceil(r d) per rank and min(n k, d) in the union
 
@@ -164,29 +164,37 @@ DEFAULT_CODEC_SECONDS = {
 
 @dataclass(frozen=True)
 class LinkModel:
-    """A ring's link: ``alpha_s`` seconds per message hop, ``seconds_per_byte`` per byte of an allreduce,
-    ``allgather_seconds_per_byte`` per byte of an allgather (None: the allreduce's). Two per-byte costs
-    because an engine's allgather need not stream like its allreduce (Gloo's costs more per byte:
-    docs/BENCHMARKS.md, "The link calibration")."""
+    """A ring's link: ``alpha_s`` seconds per message hop, ``seconds_per_byte`` per byte of a float32
+    allreduce, ``allgather_seconds_per_byte`` per byte of an allgather and ``half_seconds_per_byte`` per
+    byte of a half-precision (float16, bfloat16) allreduce (None: the allreduce's). Three per-byte costs
+    because an engine's allgather need not stream like its allreduce (Gloo's costs more per byte), nor its
+    half-precision sum like its float32 one (Horovod sums float16 on the CPU at a fraction of Gloo's
+    rate: docs/BENCHMARKS.md, "The link calibration")."""
 
     alpha_s: float
     seconds_per_byte: float
     allgather_seconds_per_byte: Optional[float] = None
+    half_seconds_per_byte: Optional[float] = None
 
     def __post_init__(self):
-        if self.allgather_seconds_per_byte is None:
-            object.__setattr__(self, "allgather_seconds_per_byte", self.seconds_per_byte)
+        for name in ("allgather_seconds_per_byte", "half_seconds_per_byte"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.seconds_per_byte)
 
     def __setstate__(self, state):
-        # A model pickled before the allgather had its own cost (an auto hook state saved with its model).
+        # A model pickled before the allgather or the half allreduce had its own cost (an auto hook state
+        # saved with its model).
         state.setdefault("allgather_seconds_per_byte", state["seconds_per_byte"])
+        state.setdefault("half_seconds_per_byte", state["seconds_per_byte"])
         self.__dict__.update(state)
 
-    def allreduce(self, nbytes: float, n: int) -> float:
-        """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank)."""
+    def allreduce(self, nbytes: float, n: int, half: bool = False) -> float:
+        """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank); ``half``:
+        of a float16 or bfloat16 tensor (beta: ``half_seconds_per_byte``)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes * self.seconds_per_byte
+        beta = self.half_seconds_per_byte if half else self.seconds_per_byte
+        return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes * beta
 
     def allgather(self, nbytes: float, n: int) -> float:
         """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g."""
@@ -211,9 +219,10 @@ class Calibration:
         return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
 
     def as_list(self) -> list:
-        """Flat floats (alpha, the allreduce's and the allgather's beta, then per strategy in :data:`PRICED`
-        order) for a broadcast."""
-        out = [self.link.alpha_s, self.link.seconds_per_byte, self.link.allgather_seconds_per_byte]
+        """Flat floats (alpha, the allreduce's, the allgather's and the half allreduce's beta, then per
+        strategy in :data:`PRICED` order) for a broadcast."""
+        link = self.link
+        out = [link.alpha_s, link.seconds_per_byte, link.allgather_seconds_per_byte, link.half_seconds_per_byte]
         for s in PRICED:
             out += list(self.codec_seconds.get(s, DEFAULT_CODEC_SECONDS[s]))
         return out
@@ -221,10 +230,10 @@ class Calibration:
     @classmethod
     def from_list(cls, values) -> "Calibration":
         v = [float(x) for x in values]
-        if len(v) != 3 + 2 * len(PRICED):
-            raise ValueError(f"a calibration has {3 + 2 * len(PRICED)} numbers, got {len(v)}")
-        codec = {s: (v[3 + 2 * i], v[4 + 2 * i]) for i, s in enumerate(PRICED)}
-        return cls(LinkModel(v[0], v[1], v[2]), codec)
+        if len(v) != 4 + 2 * len(PRICED):
+            raise ValueError(f"a calibration has {4 + 2 * len(PRICED)} numbers, got {len(v)}")
+        codec = {s: (v[4 + 2 * i], v[5 + 2 * i]) for i, s in enumerate(PRICED)}
+        return cls(LinkModel(v[0], v[1], v[2], v[3]), codec)
 
 
 @dataclass(frozen=True)
@@ -357,7 +366,7 @@ class CostModel:
         self.topk_ratio = float(topk_ratio)
         self.thc_bits, self.thc_granularity = int(thc_bits), int(thc_granularity)
 
-    # -- the collectives each strategy issues: [("allreduce"|"allgather", bytes per rank), ...] --------
+    # -- the collectives each strategy issues: [("allreduce"|"allreduce_half"|"allgather", bytes per rank)]
     def collectives(self, strategy: str, s: TensorStats) -> list:
         n, e, b = s.world_size, s.element_bytes, s.row
         w = header_width(strategy, s)
@@ -375,7 +384,7 @@ class CostModel:
         if strategy == "sketch":
             return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))]
         if strategy in HALF_STRATEGIES:   # a plain step (module doc)
-            return [("allreduce", 2 * s.numel)]
+            return [("allreduce_half", 2 * s.numel)]
         if strategy == "thc":
             return [("allreduce", H + 8 * self._thc_words(s))]
         if strategy == "topk":
@@ -426,7 +435,8 @@ class CostModel:
         link, n = self.calibration.link, stats.world_size
         t = 0.0
         for kind, nbytes in self.collectives(strategy, stats):
-            t += link.allreduce(nbytes, n) if kind == "allreduce" else link.allgather(nbytes, n)
+            t += (link.allgather(nbytes, n) if kind == "allgather" else
+                  link.allreduce(nbytes, n, half=kind == "allreduce_half"))
         return t + self.local_seconds(strategy, stats)
 
     def sketch_floor(self, stats: TensorStats) -> float:
@@ -440,7 +450,8 @@ class CostModel:
     def predict_message(self, plans) -> float:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
         list of ``(strategy, TensorStats)``: the first payloads in the parts
-        :func:`~lossless_hc.training.message.message_layout` makes of them (one allreduce each), then
+        :func:`~lossless_hc.training.message.message_layout` makes of them (one allreduce each, a half
+        part's at ``beta_h``), then
         the second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
         allreduce per request dtype, then one allgather), plus every tensor's local work.
 
@@ -475,8 +486,7 @@ class CostModel:
                     second[s.element_bytes] = second.get(s.element_bytes, 0) + nbytes
             local += self.local_seconds(strategy, s)
         dtypes, sizes, _ = message_layout(specs)
-        parts = [m * d.itemsize for d, m in zip(dtypes, sizes)] or [0]
-        first = sum(link.allreduce(nbytes, n) for nbytes in parts)
+        first = sum(link.allreduce(m * d.itemsize, n, half=d.itemsize == 2) for d, m in zip(dtypes, sizes))
         return (first + sum(link.allreduce(b, n) for b in second.values())
                 + link.allgather(gathered, n) + local)
 

@@ -222,6 +222,31 @@ def test_the_calibration_times_thc_on_the_device(device):
     assert measured["dense"][0] < per_coord < 1e-6
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_calibration_times_a_top_k_plan_s_step_where_top_k_is_a_candidate(device):
+    """Top-k's local work is measured on the device by running an auto top-k plan's step (one rank's encode
+    per coordinate, the decode of several ranks' summed payloads per key of their union), where top-k is a
+    candidate (``AutoSpec``: lossy, top-k allowed); not left at DEFAULT_CODEC_SECONDS' 15 ns + 15 ns per key,
+    a guess from a 2-core CPU (docs/BENCHMARKS.md) and far from a GPU's step. An exact spec keeps the
+    default and spends no time on it."""
+    from lossless_hc.training.auto import AutoSpec
+    from lossless_hc.training.calibration import measure_codecs
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    measured = measure_codecs(device, 4, numel=1 << 16, repeats=1, topk_ratio=0.01)
+    per_coord, per_key = measured["topk"]
+    assert measured["dense"][0] < per_coord < 1e-6 and 0 < per_key < 1e-4, measured["topk"]
+    assert measure_codecs(device, 4, numel=1 << 16, repeats=1)["topk"] == DEFAULT_CODEC_SECONDS["topk"]
+
+    def specs_topk(**options):   # a one-rank "engine": no link samples, rank 0's local costs
+        spec = AutoSpec(**options)
+        spec.measure(lambda t: None, lambda t: None, lambda t: None, 0, 1, device)
+        return spec.calibration.codec_seconds["topk"]
+    assert specs_topk(lossy=True) != DEFAULT_CODEC_SECONDS["topk"]
+    assert specs_topk(lossy=True, strategies=("dense", "fp16")) == DEFAULT_CODEC_SECONDS["topk"]
+    assert specs_topk() == DEFAULT_CODEC_SECONDS["topk"]
+
+
 def test_tracker_replans_after_the_first_step_and_every_interval():
     tr = PlanTracker(1000, 10, 2, interval=4)
     due = [tr.observe((5, 7), 10) for _ in range(8)]

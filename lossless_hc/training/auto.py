@@ -155,10 +155,11 @@ class AutoSpec(AggregatorSpec):
         sizes = LINK_SIZES if largest_bytes is None else link_sizes(largest_bytes)
         # the half allreduce's own price only where a plan may send half precision
         half = self.lossy and bool(set(self.strategies or HALF_STRATEGIES) & set(HALF_STRATEGIES))
+        topk = self.lossy and "topk" in (self.strategies or LOSSY_STRATEGIES)   # its step timed where a candidate
         t0 = time.perf_counter()
         samples: list = []
         self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes,
-                                       samples_out=samples, half=half))
+                                       samples_out=samples, half=half, topk_ratio=self.topk_ratio if topk else None))
         self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes),
                                  "link_samples": samples}
 

@@ -36,7 +36,9 @@ a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its err
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
 by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per coordinate, a steady
 step's encode (of the interleave, as ``THCAggregator`` feeds a tensor of several blocks) and decode of a
-dense tensor. Top-k keeps its :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`.
+dense tensor; top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
+step, and per key of the union, the decode of several ranks' summed payloads (:func:`_topk_step`; its
+default, :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`, otherwise).
 
 The callers supply the collectives, and with them the deadlock freedom: every rank must call
 :func:`calibrate` at the same program point (DDP: the first hook call of the second step, on the main thread; Horovod:
@@ -44,6 +46,7 @@ The callers supply the collectives, and with them the deadlock freedom: every ra
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional, Sequence
 
@@ -51,7 +54,8 @@ import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.thc.codec import THCCodec
-from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel, powersgd_layout
+from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel, powersgd_layout
+from lossless_hc.training.strategies import AutoAggregator
 
 # bytes per rank (the most link_sizes times); 4 MiB: the largest pair's slope clears a 10 Gbit/s token
 # bucket's 1.25 MB burst too. At 1 Gbit/s the 4 MiB samples cost ~0.35 s, once.
@@ -59,6 +63,10 @@ LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
 POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
+# top-k's step is timed on a tensor this large (its selection's fixed costs weigh at 2^18 coordinates: 13 ns
+# per coordinate there, 2-4 ns from 2^20 on, docs/BENCHMARKS.md), its decode on the sum of at most
+# TOPK_RANKS ranks' selections (the work per key of the union they make)
+TOPK_NUMEL, TOPK_RANKS = 1 << 20, 8
 
 
 def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> LinkModel:
@@ -140,8 +148,9 @@ def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[
 
 
 def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: float = CODEC_DENSITY,
-                   repeats: int = 3) -> dict:
-    """Local costs ``{strategy: (per_coordinate_s, per_key_s)}`` measured on ``device`` (module doc)."""
+                   repeats: int = 3, topk_ratio: Optional[float] = None) -> dict:
+    """Local costs ``{strategy: (per_coordinate_s, per_key_s)}`` measured on ``device`` (module doc);
+    top-k's where ``topk_ratio`` is given (the share it selects), else its default."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     x = torch.zeros(numel)
@@ -181,7 +190,30 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                 "sketch": (scan, per_key), "fp16": (fp16 + copy, 0.0), "bf16": (half + copy, 0.0),
                 "thc": (thc_step + copy, 0.0),   # and the copy of the result, as the half plans
                 "powersgd": (passes, per_flop)})
+    if topk_ratio is not None:
+        out["topk"] = _topk_step(device, world_size, topk_ratio, timed)
     return out
+
+
+def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
+    """``(per coordinate, per key)`` of an ``auto`` top-k plan's step, run as the plan runs it (the row
+    scan for the statistics, the selection with error feedback, the sketch of the ``k = ceil(ratio d)``
+    selected keys; the decode of ``m = min(n, TOPK_RANKS)`` ranks' summed payloads, the scan of the
+    result): one rank's encode per coordinate of its :data:`TOPK_NUMEL`, its decode per key of the ``m k``
+    keys the ranks select (the cost model's ``c d + k_s n k``, module doc of the planner)."""
+    m = max(1, min(int(world_size), TOPK_RANKS))
+    model = CostModel(Calibration.default(), topk_ratio=ratio)
+    aggs = [AutoAggregator("calibration.topk", (TOPK_NUMEL,), torch.float32, m, r, model, lossy=True, first="topk",
+                           allowed=("topk",), device=device, lossy_min_bytes=0) for r in range(m)]
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(m)]
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = torch.stack([payload for payload, _ in encoded]).sum(0)
+    ctx = encoded[0][1]
+    k = max(1, math.ceil(ratio * TOPK_NUMEL))
+    per_coordinate = timed(lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL
+    per_key = timed(lambda: aggs[0].decode(summed, ctx)) / (m * k)
+    return per_coordinate, per_key
 
 
 def _powersgd_products(device) -> Callable[[], None]:
@@ -207,13 +239,15 @@ def _powersgd_products(device) -> Callable[[], None]:
 def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
               broadcast: Callable[[torch.Tensor], None], rank: int, world_size: int, device="cpu",
               default: Calibration = None, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3,
-              samples_out: Optional[list] = None, half: bool = False) -> Calibration:
+              samples_out: Optional[list] = None, half: bool = False,
+              topk_ratio: Optional[float] = None) -> Calibration:
     """Rank 0's calibration on every rank (collective: every rank calls it at the same point).
 
     ``allreduce(t)``: blocking in-place SUM of ``t`` (float32, and float16 where ``half``: the half
     allreduce is timed at the two largest of ``sizes``); ``allgather(t)``: blocking allgather of ``t``
     (the result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
-    ``samples_out``: a list that receives this rank's link samples (:func:`measure_link`)."""
+    ``samples_out``: a list that receives this rank's link samples (:func:`measure_link`); ``topk_ratio``:
+    top-k's share, where its plans are candidates (its step is timed, :func:`measure_codecs`)."""
     default = default or Calibration.default()
     half_sizes = tuple(sorted(sizes)[-2:]) if half else ()
     samples = measure_link(allreduce, allgather, device, sizes, repeats, half_sizes) if world_size > 1 else []
@@ -222,7 +256,8 @@ def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[to
     values = torch.zeros(len(default.as_list()), dtype=torch.float64)
     if rank == 0:
         link = fit_link(samples, world_size, default.link)
-        values = torch.tensor(Calibration(link, measure_codecs(device, world_size)).as_list(), dtype=torch.float64)
+        codecs = measure_codecs(device, world_size, topk_ratio=topk_ratio)
+        values = torch.tensor(Calibration(link, codecs).as_list(), dtype=torch.float64)
     if world_size > 1:
         values = values.to(device)
         broadcast(values)

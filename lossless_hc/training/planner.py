@@ -168,8 +168,8 @@ class LinkModel:
     allreduce, ``allgather_seconds_per_byte`` per byte of an allgather and ``half_seconds_per_byte`` per
     byte of a half-precision (float16, bfloat16) allreduce (None: the allreduce's). Three per-byte costs
     because an engine's allgather need not stream like its allreduce (Gloo's costs more per byte), nor its
-    half-precision sum like its float32 one (Horovod sums float16 on the CPU at a fraction of Gloo's
-    rate: docs/BENCHMARKS.md, "The link calibration")."""
+    half-precision sum like its float32 one (Horovod's CPU float16 allreduce took 1.55x its float32 time per
+    byte on an emulated 1 Gbit/s link, Gloo's 1.7x at 10 Gbit/s: docs/BENCHMARKS.md)."""
 
     alpha_s: float
     seconds_per_byte: float

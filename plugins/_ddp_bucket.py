@@ -3,6 +3,7 @@ results written back (what :mod:`lossless_hc.plugins.ddp`'s hooks do around the 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 
 def fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divided: bool = False) -> torch.Tensor:
@@ -50,3 +51,19 @@ def bucket_slices(buffer: torch.Tensor, grads) -> list:
         slices.append(buffer[offset:offset + g.numel()])
         offset += g.numel()
     return slices
+
+
+def allreduce_half(buffer: torch.Tensor, n: int, group, strategy: str) -> torch.futures.Future:
+    """The future of the float32 ``buffer``'s average over ``group`` (``n`` ranks), written into it, through one
+    allreduce in half precision: ``"fp16"`` divides by n before the float16 SUM (DDP's fp16_compress_hook: a
+    sum past 65504 only where the average is), ``"bf16"`` after the bfloat16 one (float32's range). The
+    bits an fp16 or bf16 plan's plain steps give through a message (training.strategies), its copies spared."""
+    compressed = buffer.to(torch.float16 if strategy == "fp16" else torch.bfloat16)
+    if strategy == "fp16":
+        compressed.div_(n)
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def average(fut: torch.futures.Future) -> torch.Tensor:
+        out = buffer.copy_(fut.value()[0])
+        return out if strategy == "fp16" else out.div_(n)
+    return fut.then(average)

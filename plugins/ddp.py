@@ -94,13 +94,13 @@ from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, 
 from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
-from lossless_hc.training.planner import Calibration  # noqa: F401  (re-exported for users)
+from lossless_hc.training.planner import HALF_STRATEGIES, Calibration  # noqa: F401  (Calibration: re-exported)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch  # noqa: F401
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
-from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket, fill_slices
+from lossless_hc.plugins._ddp_bucket import allreduce_half, bucket_slices, divide_first, fill_bucket, fill_slices
 from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration, new_gloo_group
 
 
@@ -527,10 +527,12 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     densifying it for allgather and two_phase, and its future holds a coalesced sparse tensor of the
     rows some rank listed, divided by the world size, as DDP's own sparse allreduce gives.
 
-    A bucket whose every parameter is on a plain step (dense, no statistics this step:
-    :meth:`~lossless_hc.training.strategies.AutoAggregator.carries_statistics`) is allreduced in place,
-    as DDP's own hook does: one collective of the bucket's bytes, no copy, no scan. Whether a bucket is
-    plain is a function of the plans and step counts, identical on every rank."""
+    A bucket whose every parameter is on a dense plan's plain step (no statistics this step:
+    :meth:`~lossless_hc.training.strategies.AutoAggregator.plain_step`) is allreduced in place, as DDP's
+    own hook does: one collective of the bucket's bytes, no copy, no scan; one whose every parameter is on
+    an fp16 (bf16) plan's plain step goes as DDP's ``fp16_compress_hook`` (its bfloat16 twin) sends it, the
+    bucket cast, summed and copied back. Whether a bucket is plain is a function of the plans and step
+    counts, identical on every rank."""
     _require_arguments(state, bucket, AutoHookState, "auto_hook")
     started = time.perf_counter()
     buffer = bucket.buffer()
@@ -571,8 +573,18 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         aggs, grads, slices = powersgd.of_others(aggs), powersgd.of_others(grads), powersgd.of_others(slices)
     if divided is None:
         divided = divide_first(buffer, n)
+    steady = part is None and not guard_dense and state.spec.calibration is not None
+    plains = [a.plain_step() for a in aggs] if steady else [None]
+    if buffer.dtype == torch.float32 and plains[0] in HALF_STRATEGIES and len(set(plains)) == 1:
+        # the message's bits, without its copies
+        def half_plain(fut: torch.futures.Future) -> torch.Tensor:
+            for a in aggs:
+                a.record_plain_step(started, half=plains[0])
+            return fut.value()
+
+        return allreduce_half(buffer, n, state.process_group, plains[0]).then(half_plain)
     if part is None and buffer.is_floating_point() and (guard_dense or (
-            state.spec.calibration is not None and all([a.sends_as_is() for a in aggs]))):
+            state.spec.calibration is not None and all(p in ("dense", "allgather") for p in plains))):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place

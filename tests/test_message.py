@@ -107,6 +107,8 @@ def test_message_parts_follow_the_payload_dtypes():
     assert message_layout([(3, bf16), (5, f16)])[:2] == ([bf16, f16], [3, 5])     # neither holds the other
     assert message_layout([(3, f32), (5, bf16), (big, f16)])[:2] == ([f32, f16], [8, big])
     assert message_layout([(3, f64), (5, bf16)])[:2] == ([f64], [8])
+    # a dtype kept (an auto fp16/bf16 plan's plain step, narrowed on purpose) stays apart however small
+    assert message_layout([(100, f32), (5, bf16), (7, f16)], keep={bf16})[:2] == ([f32, bf16], [107, 5])
     assert message_layout([(10, f64), (big // 2, f32)])[:2] == ([f64, f32], [10, big // 2])
     assert message_layout([(10, f64), (big // 2 - 1, f32)])[:2] == ([f64], [10 + big // 2 - 1])
     # a bfloat16 part too small on its own joins float32, which then joins float64 with it

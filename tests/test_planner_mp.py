@@ -129,7 +129,8 @@ def test_ddp_auto_sends_a_half_precision_model_s_plain_steps_in_its_dtype(ddp_ru
 def test_ddp_auto_s_half_precision_plans_train_as_ddp_s_own_half_precision_hooks(ddp_run):
     """fp16 and bf16 plans (interval 4, 10 steps): the statistics on step counts 1, 4 and 8, the 7 other
     steps plain, each bucket's one allreduce of its tensors in half precision (the model's float32 bytes
-    halved, what DDP's fp16_compress_hook and bf16_compress_hook send); bit for bit the parameters those
+    halved, what DDP's fp16_compress_hook and bf16_compress_hook send, the bucket cast as the hooks cast it);
+    bit for bit the parameters those
     hooks train (bf16's without its NCCL-only check and its division first: tests/mp/auto_ddp_worker.py),
     statistics steps included: fp16 sums the same x / n in float16 as its hook, then multiplies the sum by n
     in float32 and the adapter divides it, both exact on a float16 value's 11 significant bits."""
@@ -143,6 +144,16 @@ def test_ddp_auto_s_half_precision_plans_train_as_ddp_s_own_half_precision_hooks
             half = 2 * got["model_numel"]
             plain = [b for b in got["sent"] if b == half]
             assert len(plain) == 7 and all(b >= half for b in got["sent"]), (strategy, got["sent"])
+    # fp16 for the two larger weights, dense for the rest: the mixed buckets' plain steps go through the
+    # message, the fp16 payloads in a float16 part of their own (not widened into the float32 one, which
+    # would send their float32 bytes), the dense ones in float32; within float16's rounding of DDP's own
+    for r in rs:
+        got = r["mixed"]
+        fp16 = [k for k, s in got["plan"].items() if s == "fp16"]
+        assert sorted(fp16) == ["param0(64, 32)", "param2(64, 64)"], got["plan"]
+        assert got["digest"] == rs[0]["mixed"]["digest"] and got["max_diff"] <= 2.0 ** -11, got["max_diff"]
+        plain = 2 * (64 * 32 + 64 * 64) + 4 * (64 + 64 + 8 * 64 + 8)
+        assert got["sent"].count(plain) == 7 and {got["plain_steps"][k] for k in fp16} == {7}, got
 
 
 def test_horovod_auto_s_fp16_plan_trains_as_horovod_s_own_fp16_compression(horovod_run):

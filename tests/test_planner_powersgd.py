@@ -60,10 +60,11 @@ def test_powersgd_prediction_pays_three_latencies_and_its_bytes():
 
 def test_a_message_carries_half_precision_plain_steps_in_parts_of_their_dtype():
     """predict_message prices an fp16 or bf16 plan's plain step as its first payload: the tensor in its half
-    dtype, a part of its own when widening it would cost 256 KiB or more (message.py's part rule), else
-    widened into the float32 part (its bytes doubled, no latency of its own); a two_phase plan's rows are
-    the one second allreduce. (Before, a half plan's every step was a header in the first part and a
-    second allreduce per half dtype.)"""
+    dtype, in a part of its own however small (``message_layout``'s ``keep``, as AutoMessage lays it out:
+    widened into the float32 part, as message.py's part rule widens a small half-precision gradient, the
+    plan would send float32 bytes with half precision's error); a two_phase plan's rows are the one second
+    allreduce. (Before, a half plan's every step was a header in the first part and a second allreduce per
+    half dtype.)"""
     from lossless_hc.training.planner import TensorStats
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
     link, n = model.calibration.link, 4
@@ -79,9 +80,9 @@ def test_a_message_carries_half_precision_plain_steps_in_parts_of_their_dtype():
     assert model.predict_message([("fp16", big), ("bf16", big), ("two_phase", small)]) == pytest.approx(
         link.allreduce(head, n) + 2 * link.allreduce(2 * big.numel, n) + link.allreduce(rows, n)
         + local(("fp16", big), ("bf16", big), ("two_phase", small)))
-    # small: both half payloads widened into the float32 part: one first allreduce
+    # small: the same parts (not widened into the float32 one)
     assert model.predict_message([("fp16", small), ("bf16", small), ("two_phase", small)]) == pytest.approx(
-        link.allreduce(head + 2 * 4 * small.numel, n) + link.allreduce(rows, n)
+        link.allreduce(head, n) + 2 * link.allreduce(2 * small.numel, n) + link.allreduce(rows, n)
         + local(("fp16", small), ("bf16", small), ("two_phase", small)))
     # alone, a plain step is one collective of its half bytes, as collectives() says
     assert model.predict_message([("fp16", big)]) == pytest.approx(model.predict("fp16", big))

@@ -229,7 +229,9 @@ class AutoMessage:
                 [payload[:ctx.body_at], payload[ctx.body_at:].to(ctx.body_dtype)]   # exact: the gradient's values
             pieces += split
             owners += [i] * len(split)
-        dtypes, sizes, places = message_layout([(p.numel(), p.dtype) for p in pieces])
+        # an fp16 or bf16 plan's plain step keeps its half part however small (its plan halves the bytes)
+        keep = {payload.dtype for payload, ctx in self.encoded if ctx.plain and ctx.strategy in HALF_STRATEGIES}
+        dtypes, sizes, places = message_layout([(p.numel(), p.dtype) for p in pieces], keep)
         self.places = [[] for _ in self.aggregators]
         sent = [0] * len(self.aggregators)
         for i, piece, (part, offset) in zip(owners, pieces, places):

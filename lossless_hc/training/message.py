@@ -17,7 +17,9 @@ The part rule. Payloads are float64 (THC's words, which must stay exact), float3
 tensor sent as it is, in its own dtype. A payload joins the part of its dtype (:data:`PART_DTYPES`;
 a narrower float such as float8 the float32 one). A narrower part whose widening would cost fewer than
 :data:`SEPARATE_PART_MIN_BYTES` joins the narrowest wider part that holds its values exactly (float32
-for bfloat16 and float16, float64 for float32), sparing a collective's latency for a few bytes. So
+for bfloat16 and float16, float64 for float32), sparing a collective's latency for a few bytes, unless
+its dtype is kept (``message_layout``'s ``keep``: an ``auto`` fp16 or bf16 plan's plain steps, whose
+plan is worth its rounding only for the bytes it halves). So
 a half-precision model's tensors sent as they are cross the wire in their dtype, as DDP's own
 allreduce sends them, and are summed in it as it sums them. (A SUM: a float16 sum beyond 65504
 becomes inf, as it does when widened, at its rounding back to float16; the DDP adapter divides a
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import torch
 
@@ -136,10 +138,12 @@ def _is_the_buffer(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs,
     return offset <= buffer.numel()
 
 
-def message_layout(specs: Sequence[tuple]) -> tuple:
+def message_layout(specs: Sequence[tuple], keep: Collection[torch.dtype] = ()) -> tuple:
     """``(dtypes, sizes, places)`` of a message of payloads ``specs`` (``(numel, dtype)`` each): its
-    parts' dtypes and element counts, in order, and each payload's ``(part index, offset)``."""
-    part_dtype = _part_dtypes(specs)
+    parts' dtypes and element counts, in order, and each payload's ``(part index, offset)``. A dtype in
+    ``keep`` keeps a part of its own however small (payloads narrowed on purpose: an ``auto`` fp16 or bf16
+    plan's, whose plan was chosen for its halved bytes)."""
+    part_dtype = _part_dtypes(specs, keep)
     dtypes = [d for d in PART_DTYPES if d in part_dtype.values()]
     sizes = [0] * len(dtypes)
     places = []
@@ -150,7 +154,7 @@ def message_layout(specs: Sequence[tuple]) -> tuple:
     return dtypes, sizes, places
 
 
-def _part_dtypes(specs) -> Dict[torch.dtype, torch.dtype]:
+def _part_dtypes(specs, keep: Collection[torch.dtype] = ()) -> Dict[torch.dtype, torch.dtype]:
     """Each payload dtype of ``specs`` -> the dtype of the part it travels in (the module doc's rule).
     An integer payload (THC's int64 words, whose norm slots are float64 bits) would not survive the
     conversion: refused."""
@@ -168,7 +172,8 @@ def _part_dtypes(specs) -> Dict[torch.dtype, torch.dtype]:
     for narrow in reversed(present):   # narrowest first, so that merges accumulate
         # the narrowest wider part that holds every value of this one exactly (half precision: float32)
         wide = next((w for w in (torch.float32, torch.float64) if w in present and w.itemsize > narrow.itemsize), None)
-        if wide is not None and size[narrow] * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES:
+        small = wide is not None and size[narrow] * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES
+        if small and narrow not in keep:
             into[narrow] = wide
             size[wide] += size[narrow]
     for d in present:   # resolve chains (bfloat16 -> float32 -> float64); PART_DTYPES lists the wider first

@@ -61,7 +61,7 @@ from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
-from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, HALF_STRATEGIES, LOSSY_MIN_BYTES,
+from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES,
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
@@ -219,7 +219,7 @@ class AutoAggregator(TensorRows):
     def carries_statistics(self) -> bool:
         """Whether the next step's first payload carries the statistics header (else it is a plain step:
         the bare tensor, :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place;
-        a half-precision plan's tensor in half precision, :meth:`sends_as_is`): always but for a dense,
+        a half-precision plan's tensor in half precision, :meth:`plain_step`): always but for a dense,
         fp16 or bf16 plan (and a sparse gradient's allgather plan when the engine sums sparse tensors
         itself, ``native_sparse``: then the engine's own sparse allreduce is the bare step), which carries
         them on its first step, on step counts that are multiples of
@@ -237,11 +237,13 @@ class AutoAggregator(TensorRows):
             return False
         return (self.steps + 1) % self.tracker.interval == 0
 
-    def sends_as_is(self) -> bool:
-        """Whether the next step sends the gradient as it is, in ``plain_dtype`` (what the engine's own
-        allreduce sends, so an adapter may let the engine reduce it in place, :meth:`record_plain_step`):
-        a plain step of a dense plan (or of a ``native_sparse`` allgather plan), not of fp16 or bf16."""
-        return not self.carries_statistics() and self.strategy not in HALF_STRATEGIES
+    def plain_step(self) -> Optional[str]:
+        """The plan whose plain step the next step is (None: it carries the statistics,
+        :meth:`carries_statistics`): ``"dense"`` (or ``"allgather"``, ``native_sparse``) sends the gradient
+        as it is, in ``plain_dtype``, what the engine's own allreduce sends; ``"fp16"`` or ``"bf16"`` the
+        tensor in half precision, what the engine's own half-precision hook sends (:meth:`_plain`). An
+        adapter may run such a step as the engine does, in place (:meth:`record_plain_step`)."""
+        return None if self.carries_statistics() else self.strategy
 
     def _apply_due_plan(self) -> None:
         if self._plan_due:
@@ -277,14 +279,18 @@ class AutoAggregator(TensorRows):
         if err is not None:
             grad.add_(err.to(device=grad.device, dtype=grad.dtype).reshape(grad.shape))
 
-    def record_plain_step(self, started: float, sparse_rows: Optional[int] = None) -> None:
+    def record_plain_step(self, started: float, sparse_rows: Optional[int] = None, half: Optional[str] = None) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False, or the
         DDP step guard's dense window): the DDP hook's in-place allreduce of a bucket whose every tensor is
         on such a step. ``started``: ``time.perf_counter()`` when the step's aggregation began.
         ``sparse_rows``: a sparse gradient summed by the engine's own sparse allreduce (``native_sparse``),
         with at most this many rows listed (its uncoalesced count): it allgathers an int64 index and the
-        values of each, counted as the allgather strategy."""
-        if sparse_rows is None:   # the engine's own allreduce, in the gradient's dtype (a bucket of it)
+        values of each, counted as the allgather strategy. ``half``: ``"fp16"`` or ``"bf16"``, the plan's plain
+        step run as the engine's half-precision hook runs it (the bucket cast, summed, copied back)."""
+        if half is not None:
+            self._count_sent(self.numel * 2, dense=False, plain=True)
+            self._measure(half, started)
+        elif sparse_rows is None:   # the engine's own allreduce, in the gradient's dtype (a bucket of it)
             self._count_sent(self.numel * self.dtype.itemsize, plain=True)
             self._measure("dense", started)
         else:

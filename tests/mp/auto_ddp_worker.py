@@ -195,6 +195,16 @@ def scenario(name):
                 "collectives": got_steps, "model_numel": sum(p.numel() for p in got.parameters()),
                 "plan": {k: v["strategy"] for k, v in st["plan"].items()},
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
+        # fp16 for the two larger weights (8 KiB or more), dense for the rest: buckets mixing the two plans'
+        # plain steps go through the message (a float16 part beside a float32 one)
+        ref, _, _ = train_dense(None)
+        state = AutoHookState(lossy=True, strategies=("dense", "fp16"), lossy_min_bytes=8192, interval=4,
+                              calibration=Calibration.default(1e7))
+        got, _, sent = train_dense(state)
+        st = state.stats()
+        out["mixed"] = {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "sent": sent,
+                        "plan": {k: v["strategy"] for k, v in st["plan"].items()},
+                        "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()}}
         return out
     if name in ("guard_dense", "guard_plan"):   # the step guard's trial, its verdict forced by the margin
         margin = 1 - 1e-6 if name == "guard_dense" else -1e6   # plans must be 1e6x faster / may be 1e6x slower

@@ -5,6 +5,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lossless_hc.training.strategies import half_payload
+
 
 def fill_bucket(buffer: torch.Tensor, results, n: Optional[int], in_place_divided: bool = False) -> torch.Tensor:
     """DDP's averaged bucket: each parameter's summed result, in bucket order, divided by ``n`` (None:
@@ -58,9 +60,7 @@ def allreduce_half(buffer: torch.Tensor, n: int, group, strategy: str) -> torch.
     allreduce in half precision: ``"fp16"`` divides by n before the float16 SUM (DDP's fp16_compress_hook: a
     sum past 65504 only where the average is), ``"bf16"`` after the bfloat16 one (float32's range). The
     bits an fp16 or bf16 plan's plain steps give through a message (training.strategies), its copies spared."""
-    compressed = buffer.to(torch.float16 if strategy == "fp16" else torch.bfloat16)
-    if strategy == "fp16":
-        compressed.div_(n)
+    compressed = half_payload(buffer, strategy, n)
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     def average(fut: torch.futures.Future) -> torch.Tensor:

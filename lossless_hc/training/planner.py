@@ -122,7 +122,7 @@ EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
 LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk")
 HALF_STRATEGIES = ("fp16", "bf16")   # the tensor allreduced in half precision
 PLAIN_STRATEGIES = ("dense",) + HALF_STRATEGIES   # plans with plain steps between statistics steps (module doc)
-_HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}   # each half strategy's wire dtype
 STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
 BUCKET_STRATEGIES = ("powersgd",)   # strategies of a whole DDP bucket (module doc), lossy
 PRICED = STRATEGIES + BUCKET_STRATEGIES   # every strategy with local costs in a Calibration
@@ -473,7 +473,7 @@ class CostModel:
             (_, head), *rest = self.collectives(strategy, s)
             width = header_width(strategy, s)
             if strategy in HALF_STRATEGIES:   # a plain step: the tensor alone, in half precision
-                specs.append((s.numel, _HALF_DTYPES[strategy]))
+                specs.append((s.numel, HALF_DTYPES[strategy]))
             elif strategy == "dense" and not s.sparse and s.element_bytes != width:
                 # the header in float32, the body as the gradient
                 header = width * stats_header_words(s.world_size)
@@ -487,7 +487,7 @@ class CostModel:
                 else:
                     second[s.element_bytes] = second.get(s.element_bytes, 0) + nbytes
             local += self.local_seconds(strategy, s)
-        dtypes, sizes, _ = message_layout(specs, {_HALF_DTYPES[st] for st, _ in plans if st in HALF_STRATEGIES})
+        dtypes, sizes, _ = message_layout(specs, {HALF_DTYPES[st] for st, _ in plans if st in HALF_STRATEGIES})
         first = sum(link.allreduce(m * d.itemsize, n, half=d.itemsize == 2) for d, m in zip(dtypes, sizes))
         return (first + sum(link.allreduce(b, n) for b in second.values())
                 + link.allgather(gathered, n) + local)

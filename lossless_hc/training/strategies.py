@@ -61,7 +61,7 @@ from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
-from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, LOSSY_MIN_BYTES,
+from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
@@ -70,6 +70,14 @@ from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa:
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
+
+
+def half_payload(flat: torch.Tensor, strategy: str, divisor: Optional[int]) -> torch.Tensor:
+    """``flat`` in the half strategy's dtype (``"fp16"``: float16, ``"bf16"``: bfloat16), a new tensor; fp16
+    divided by ``divisor`` (None: not), as DDP's fp16_compress_hook divides (a SUM of the quotients then
+    passes 65504 only where the average does); bfloat16 has float32's range and is not divided."""
+    payload = flat.to(HALF_DTYPES[strategy], copy=True)
+    return payload.div_(divisor) if strategy == "fp16" and divisor is not None else payload
 
 
 class AutoAggregator(TensorRows):
@@ -408,12 +416,8 @@ class AutoAggregator(TensorRows):
         does), or ``x`` where the engine is known to average (Horovod's fp16 compression: no second
         division in float16)."""
         flat = x.detach().reshape(-1)
-        if strategy == "fp16":
-            payload = flat.to(torch.float16, copy=True)
-            if self.engine_averages is not True:
-                payload.div_(self.world_size)
-        elif strategy == "bf16":
-            payload = flat.to(torch.bfloat16)
+        if strategy in HALF_DTYPES:
+            payload = half_payload(flat, strategy, None if self.engine_averages is True else self.world_size)
         else:
             strategy, payload = "dense", flat.to(self.plain_dtype)
         ctx = AutoContext(strategy, t0, payload.numel() * payload.element_size(), plain=True)
@@ -511,10 +515,8 @@ class AutoAggregator(TensorRows):
                 self.stats.last_failure = f"{self.name}: {report.reason}"
                 self.tracker.force = True   # every rank saw the same failure: re-plan after this step
                 return AutoOutcome(None, Request("allreduce", self._dense(ctx).to(torch.float32).clone()))
-            if s == "fp16":   # x / n, as DDP's fp16_compress_hook divides: the ranks' SUM can pass 65504
-                return AutoOutcome(None, Request("allreduce", ctx.flat.to(torch.float16, copy=True).div_(n)))
-            if s == "bf16":   # float32's range
-                return AutoOutcome(None, Request("allreduce", ctx.flat.to(torch.bfloat16)))
+            if s in HALF_DTYPES:   # requests are SUMs: fp16 divided by n first
+                return AutoOutcome(None, Request("allreduce", half_payload(ctx.flat, s, n)))
             if s == "thc":
                 out = self._thc.decode(body.contiguous(), ctx.inner)
                 value = out.value.reshape(-1).to(torch.float32)

@@ -583,8 +583,9 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()
 
         return allreduce_half(buffer, n, state.process_group, plains[0]).then(half_plain)
-    if part is None and buffer.is_floating_point() and (guard_dense or (
-            state.spec.calibration is not None and all(p in ("dense", "allgather") for p in plains))):
+    # (plains is [None] off the steady path: no calibration yet, a PowerSGD part, the guard's dense window)
+    as_is = all(p in ("dense", "allgather") for p in plains)
+    if part is None and buffer.is_floating_point() and (guard_dense or as_is):
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place

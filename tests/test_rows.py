@@ -147,7 +147,7 @@ def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("row", [1, 5, 32])
+@pytest.mark.parametrize("row", [1, 2, 4, 5, 32])
 def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, device):
     """The backend's row scan (AutoAggregator's non-zero rows of a dense gradient) against torch's
     element-wise tests: -0.0 is zero; NaN, infinities and the smallest subnormal are not; at every thread

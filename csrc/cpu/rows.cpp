@@ -31,6 +31,29 @@ void scan_rows(const Word* x, uint64_t begin, uint64_t end, uint64_t row, uint8_
   }
 }
 
+// The same test for rows of a few words, ROW known at compile time: the loop over rows vectorises (no
+// per-row prefetch bookkeeping; a sequential read is the hardware prefetcher's own case). A dense
+// model's biases and convolution weights are rows of one element, which the general loop scanned at a
+// fifth of the memory's speed.
+template <typename Word, int ROW>
+void scan_short_rows(const Word* x, uint64_t begin, uint64_t end, uint8_t* present) {
+  for (uint64_t r = begin; r < end; ++r) {
+    Word any = 0;
+    for (int i = 0; i < ROW; ++i) any |= (Word)(x[r * ROW + i] << 1);
+    present[r] = any != 0;
+  }
+}
+
+template <typename Word>
+void scan(const Word* x, uint64_t begin, uint64_t end, uint64_t row, uint8_t* present) {
+  switch (row) {
+    case 1: scan_short_rows<Word, 1>(x, begin, end, present); break;
+    case 2: scan_short_rows<Word, 2>(x, begin, end, present); break;
+    case 4: scan_short_rows<Word, 4>(x, begin, end, present); break;
+    default: scan_rows(x, begin, end, row, present); break;
+  }
+}
+
 }  // namespace
 
 void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present, int num_threads) {
@@ -43,9 +66,9 @@ void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes,
     uint64_t begin, end;
     detail::split_range(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     switch (element_bytes) {
-      case 2: scan_rows(static_cast<const uint16_t*>(x), begin, end, row, present); break;
-      case 4: scan_rows(static_cast<const uint32_t*>(x), begin, end, row, present); break;
-      default: scan_rows(static_cast<const uint64_t*>(x), begin, end, row, present); break;
+      case 2: scan(static_cast<const uint16_t*>(x), begin, end, row, present); break;
+      case 4: scan(static_cast<const uint32_t*>(x), begin, end, row, present); break;
+      default: scan(static_cast<const uint64_t*>(x), begin, end, row, present); break;
     }
   }
 }

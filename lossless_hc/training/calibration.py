@@ -37,7 +37,7 @@ a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its err
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
 by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per coordinate, a steady
 step's encode (of the interleave, as ``THCAggregator`` feeds a tensor of several blocks) and decode of a
-dense tensor; top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
+dense tensor, and the plan's two row scans (its statistics, the result's union); top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
 step, and per key of the union, the decode of several ranks' summed payloads (:func:`_topk_step`; its
 default, :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`, otherwise).
 
@@ -53,6 +53,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from lossless_hc.backends import backend_for
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel, powersgd_layout
@@ -181,6 +182,8 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     thc = THCCodec(numel, 1, device=device)
     dense_x = torch.randn(numel, generator=g).to(device)
     thc_step = timed(lambda: thc.decode(thc.encode(dense_x, interleaved=True))) / numel
+    # a THC plan's step also scans the gradient's rows (the statistics) and the result's (the union)
+    row_scan = timed(lambda: backend_for(device).nonzero_rows(dense_x, 1)) / numel
     products = _powersgd_products(device)
     products()   # LAPACK's first QR call sets itself up (milliseconds): not a per-step cost
     per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
@@ -189,7 +192,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                 # a half-precision plan's plain step also copies the result into the engine's tensor
                 # (its statistics steps, one in an interval, scan twice: not priced, as a dense plan's scan)
                 "sketch": (scan, per_key), "fp16": (fp16 + copy, 0.0), "bf16": (half + copy, 0.0),
-                "thc": (thc_step + copy, 0.0),   # and the copy of the result, as the half plans
+                "thc": (thc_step + 2 * row_scan + copy, 0.0),   # and the copy of the result, as the half plans
                 "powersgd": (passes, per_flop)})
     if topk_ratio is not None:
         out["topk"] = _topk_step(device, world_size, topk_ratio, timed)

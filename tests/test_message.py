@@ -118,6 +118,38 @@ def test_message_parts_follow_the_payload_dtypes():
         message_layout([(3, torch.int64)])
 
 
+def test_the_calibrated_link_prices_the_part_rule():
+    """Given the calibrated link (auto's messages and the planner's price of them), a narrower part is
+    widened where one allreduce of the widened bytes is predicted to cost less than two allreduces: on a
+    10 Mbit/s link 12 KB of float32 beside THC's float64 words travel apart (widened, ~14 ms more on the
+    wire; apart, one latency of 0.3 ms), where the fixed rule widens them; on a 10 Gbit/s link with 2 ms per
+    hop 1 MiB of them are widened, where the fixed rule sends them apart. A half part is priced at the half
+    allreduce's own slope. One rank, or no link: the fixed rule."""
+    from lossless_hc.training.auto import AutoMessage
+    from lossless_hc.training.planner import Calibration, CostModel, LinkModel
+    from lossless_hc.training.strategies import AutoAggregator
+    f64, f32, bf16 = torch.float64, torch.float32, torch.bfloat16
+    slow, far = LinkModel(50e-6, 8 / 10e6), LinkModel(2e-3, 8 / 10e9)
+    small, big = [(10, f64), (3000, f32)], [(10, f64), (1 << 18, f32)]
+    assert message_layout(small)[:2] == ([f64], [3010])
+    assert message_layout(small, link=slow, world_size=4)[:2] == ([f64, f32], [10, 3000])
+    assert message_layout(small, link=slow, world_size=1)[:2] == ([f64], [3010])
+    assert message_layout(big)[:2] == ([f64, f32], [10, 1 << 18])
+    assert message_layout(big, link=far, world_size=4)[:2] == ([f64], [10 + (1 << 18)])
+    # 4 MiB of bfloat16: apart at the float32 slope, widened where the half allreduce costs twice per byte
+    half = [(10, f32), (1 << 21, bf16)]
+    assert message_layout(half, link=LinkModel(50e-6, 8e-9), world_size=2)[:2] == ([f32, bf16], [10, 1 << 21])
+    assert message_layout(half, link=LinkModel(50e-6, 8e-9, half_seconds_per_byte=16e-9), world_size=2)[:2] == \
+        ([f32], [10 + (1 << 21)])
+    # AutoMessage lays out with its aggregators' link: a bfloat16 gradient's statistics step (a float32
+    # header, its body in bfloat16) of 512 KiB: apart at 1 Gbit/s and 50 us, widened on the far link
+    x = torch.randn(1 << 18).to(bf16)
+    for link, dtypes in ((Calibration.default().link, [f32, bf16]), (far, [f32])):
+        agg = AutoAggregator("w", (1 << 18,), bf16, 2, 0, CostModel(Calibration(link)))
+        agg.plain_dtype = bf16
+        assert [p.dtype for p in AutoMessage([agg], [x]).parts] == dtypes
+
+
 def test_a_widened_payload_is_counted_as_sent():
     """A small bfloat16 tensor sent as it is joins the float32 part: its AggregationStats count the four
     bytes per coordinate it crosses the wire in, not its own two (encode_message and AutoMessage)."""

@@ -91,8 +91,9 @@ def test_a_message_carries_half_precision_plain_steps_in_parts_of_their_dtype():
 def test_a_message_pays_one_first_allreduce_per_part():
     """predict_message prices the first payloads in message_layout's parts: THC's float64 words and a
     dense plan's 64 Ki+ float32 coordinates are two allreduces (before: one, a latency short); a small
-    float32 payload joins the float64 part, widened (its bytes doubled, no second latency)."""
-    from lossless_hc.training.planner import TensorStats
+    float32 payload joins the float64 part, widened (its bytes doubled, no second latency), unless the link
+    is so slow that its widened bytes cost more than a latency (message_layout's link)."""
+    from lossless_hc.training.planner import LinkModel, TensorStats
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
     link, n = model.calibration.link, 4
 
@@ -108,6 +109,11 @@ def test_a_message_pays_one_first_allreduce_per_part():
         link.allreduce(thc + 2 * dense_small, n) + local + model.local_seconds("dense", small))
     assert model.predict_message([("dense", big), ("dense", small)]) == pytest.approx(
         link.allreduce(dense_big + dense_small, n) + model.local_seconds("dense", big)
+        + model.local_seconds("dense", small))
+    # on a 10 Mbit/s link the small payload's widened bytes cost more than a latency: a part of its own
+    slow = CostModel(Calibration(LinkModel(1e-4, 8 / 10e6)))
+    assert slow.predict_message([("thc", big), ("dense", small)]) == pytest.approx(
+        slow.calibration.link.allreduce(thc, n) + slow.calibration.link.allreduce(dense_small, n) + local
         + model.local_seconds("dense", small))
 
 

@@ -231,7 +231,11 @@ class AutoMessage:
             owners += [i] * len(split)
         # an fp16 or bf16 plan's plain step keeps its half part however small (its plan halves the bytes)
         keep = {payload.dtype for payload, ctx in self.encoded if ctx.plain and ctx.strategy in HALF_STRATEGIES}
-        dtypes, sizes, places = message_layout([(p.numel(), p.dtype) for p in pieces], keep)
+        # the calibrated link prices the part rule where every aggregator knows it (every rank alike)
+        models = [agg.cost_model for agg in self.aggregators]
+        link = models[0].calibration.link if models and all(m is not None for m in models) else None
+        n = self.aggregators[0].world_size if self.aggregators else 1
+        dtypes, sizes, places = message_layout([(p.numel(), p.dtype) for p in pieces], keep, link, n)
         self.places = [[] for _ in self.aggregators]
         sent = [0] * len(self.aggregators)
         for i, piece, (part, offset) in zip(owners, pieces, places):

@@ -16,8 +16,9 @@ does, per step:
 The part rule. Payloads are float64 (THC's words, which must stay exact), float32 (the codecs'), or a
 tensor sent as it is, in its own dtype. A payload joins the part of its dtype (:data:`PART_DTYPES`;
 a narrower float such as float8 the float32 one). A narrower part whose widening would cost fewer than
-:data:`SEPARATE_PART_MIN_BYTES` joins the narrowest wider part that holds its values exactly (float32
-for bfloat16 and float16, float64 for float32), sparing a collective's latency for a few bytes, unless
+:data:`SEPARATE_PART_MIN_BYTES` (or, given the calibrated link, ``auto``'s messages, where the widened
+allreduce is predicted cheaper than two) joins the narrowest wider part that holds its values exactly
+(float32 for bfloat16 and float16, float64 for float32), sparing a collective's latency for a few bytes, unless
 its dtype is kept (``message_layout``'s ``keep``: an ``auto`` fp16 or bf16 plan's plain steps, whose
 plan is worth its rounding only for the bytes it halves). So
 a half-precision model's tensors sent as they are cross the wire in their dtype, as DDP's own
@@ -45,7 +46,8 @@ from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
 # Widening a narrower part into a wider one costs its elements x the width difference on the wire; a
 # separate part costs one more collective's latency. 256 KiB is ~2 ms at 1 Gbit/s: below it, from
-# about that link speed on, the latency is the larger cost.
+# about that link speed on, the latency is the larger cost. (Where the link is calibrated, auto's
+# messages price both instead: message_layout's link.)
 SEPARATE_PART_MIN_BYTES = 256 * 1024
 PART_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)   # a message's parts, in the SUMs' order
 
@@ -138,12 +140,19 @@ def _is_the_buffer(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs,
     return offset <= buffer.numel()
 
 
-def message_layout(specs: Sequence[tuple], keep: Collection[torch.dtype] = ()) -> tuple:
+def message_layout(specs: Sequence[tuple], keep: Collection[torch.dtype] = (), link=None, world_size: int = 1) -> tuple:
     """``(dtypes, sizes, places)`` of a message of payloads ``specs`` (``(numel, dtype)`` each): its
     parts' dtypes and element counts, in order, and each payload's ``(part index, offset)``. A dtype in
     ``keep`` keeps a part of its own however small (payloads narrowed on purpose: an ``auto`` fp16 or bf16
-    plan's, whose plan was chosen for its halved bytes)."""
-    part_dtype = _part_dtypes(specs, keep)
+    plan's, whose plan was chosen for its halved bytes).
+
+    ``link``: the calibrated :class:`~lossless_hc.training.planner.LinkModel` of ``world_size`` ranks (the
+    same on every rank). With it, a narrower part is widened where the wider part's allreduce grown by its
+    widened bytes is predicted to cost less than the two allreduces apart (a narrower part's own at the
+    half-precision slope where it is half precision): on a slow link a few KiB widened cost more than a
+    collective's latency, on a fast one with a long latency a few MiB cost less. Without it (or for one
+    rank), the fixed :data:`SEPARATE_PART_MIN_BYTES`."""
+    part_dtype = _part_dtypes(specs, keep, link if world_size > 1 else None, world_size)
     dtypes = [d for d in PART_DTYPES if d in part_dtype.values()]
     sizes = [0] * len(dtypes)
     places = []
@@ -154,10 +163,10 @@ def message_layout(specs: Sequence[tuple], keep: Collection[torch.dtype] = ()) -
     return dtypes, sizes, places
 
 
-def _part_dtypes(specs, keep: Collection[torch.dtype] = ()) -> Dict[torch.dtype, torch.dtype]:
-    """Each payload dtype of ``specs`` -> the dtype of the part it travels in (the module doc's rule).
-    An integer payload (THC's int64 words, whose norm slots are float64 bits) would not survive the
-    conversion: refused."""
+def _part_dtypes(specs, keep: Collection[torch.dtype] = (), link=None, world_size: int = 1) -> Dict[torch.dtype, torch.dtype]:
+    """Each payload dtype of ``specs`` -> the dtype of the part it travels in (the module doc's rule;
+    ``link``: :func:`message_layout`'s). An integer payload (THC's int64 words, whose norm slots are
+    float64 bits) would not survive the conversion: refused."""
     dtypes = {dtype for _, dtype in specs}
     if not dtypes:
         return {}
@@ -172,13 +181,26 @@ def _part_dtypes(specs, keep: Collection[torch.dtype] = ()) -> Dict[torch.dtype,
     for narrow in reversed(present):   # narrowest first, so that merges accumulate
         # the narrowest wider part that holds every value of this one exactly (half precision: float32)
         wide = next((w for w in (torch.float32, torch.float64) if w in present and w.itemsize > narrow.itemsize), None)
-        small = wide is not None and size[narrow] * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES
-        if small and narrow not in keep:
+        if wide is not None and narrow not in keep and _widening_pays(size[narrow], narrow, size[wide], wide,
+                                                                        link, world_size):
             into[narrow] = wide
             size[wide] += size[narrow]
     for d in present:   # resolve chains (bfloat16 -> float32 -> float64); PART_DTYPES lists the wider first
         into[d] = into[into[d]]
     return {d: into[h] for d, h in home.items()}
+
+
+def _widening_pays(elements: int, narrow: torch.dtype, wide_elements: int, wide: torch.dtype, link,
+                   world_size: int) -> bool:
+    """Whether ``elements`` of a ``narrow`` part travel at less cost in the ``wide`` part (of
+    ``wide_elements``) than in a part of their own (:func:`message_layout`)."""
+    if link is None:
+        return elements * (wide.itemsize - narrow.itemsize) < SEPARATE_PART_MIN_BYTES
+    n = world_size
+    merged = link.allreduce((wide_elements + elements) * wide.itemsize, n)
+    apart = link.allreduce(wide_elements * wide.itemsize, n) + \
+        link.allreduce(elements * narrow.itemsize, n, half=narrow.itemsize == 2)
+    return merged < apart
 
 
 def in_place_outputs(aggregators: Sequence, slots: Sequence[torch.Tensor]) -> Optional[List[Optional[torch.Tensor]]]:

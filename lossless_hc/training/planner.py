@@ -459,7 +459,7 @@ class CostModel:
         which travels apart in the gradient's wire width (``element_bytes``, its plain steps') where
         that differs, and an fp16 or bf16 plan's plain step, the tensor in that dtype, in a part of its
         own however small (``message_layout``'s ``keep``, as :class:`~lossless_hc.training.auto.AutoMessage`
-        lays it out). The request
+        lays it out), and the parts as the calibrated link prices them (``message_layout``'s ``link``). The request
         dtype is the gradient's. The stats know a dtype by its width only, so a
         half-precision gradient is priced as bfloat16 (the part rule treats both halves alike; a model
         mixing them would have one part, or request, more than priced)."""
@@ -487,7 +487,8 @@ class CostModel:
                 else:
                     second[s.element_bytes] = second.get(s.element_bytes, 0) + nbytes
             local += self.local_seconds(strategy, s)
-        dtypes, sizes, _ = message_layout(specs, {HALF_DTYPES[st] for st, _ in plans if st in HALF_STRATEGIES})
+        dtypes, sizes, _ = message_layout(specs, {HALF_DTYPES[st] for st, _ in plans if st in HALF_STRATEGIES},
+                                          link, n)
         first = sum(link.allreduce(m * d.itemsize, n, half=d.itemsize == 2) for d, m in zip(dtypes, sizes))
         return (first + sum(link.allreduce(b, n) for b in second.values())
                 + link.allgather(gathered, n) + local)

@@ -56,7 +56,7 @@ class CudaBackend:
         check_dense_copy(src, dst)
         if dst is not None:
             dst.copy_(src)
-        return torch.stack([torch.count_nonzero(src), (~torch.isfinite(src)).sum()])
+        return torch.stack([torch.count_nonzero(src), torch.count_nonzero(~torch.isfinite(src))])
 
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
         return CudaLayout(layout, device)

@@ -276,14 +276,14 @@ class TensorAggregator:
         if b > 1 and flat.is_floating_point() and flat.element_size() in (2, 4, 8):
             flat = flat.contiguous()
             full = flat.numel() // b * b
-            keys = int(backend_for(flat.device).nonzero_rows(flat[:full], b).sum()) if full else 0
+            keys = int(torch.count_nonzero(backend_for(flat.device).nonzero_rows(flat[:full], b))) if full else 0
             return keys + int(full < flat.numel() and bool((flat[full:] != 0).any()))
         if b == 1:
             return int(torch.count_nonzero(flat))
         pad = (-flat.numel()) % b
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
-        return int((flat.reshape(-1, b) != 0).any(dim=1).sum())
+        return int(torch.count_nonzero((flat.reshape(-1, b) != 0).any(dim=1)))
 
     @property
     def compressed(self) -> bool:

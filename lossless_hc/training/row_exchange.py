@@ -115,7 +115,7 @@ def _scan(x: Chunk, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.
         keys = numel // row
         present = backend_for(flat.device).nonzero_rows(flat.contiguous(), row, torch.get_num_threads()) if keys \
             else torch.zeros(0, dtype=torch.bool, device=flat.device)
-        count, index = int(present.sum()), None
+        count, index = int(torch.count_nonzero(present)), None
     size = x.dtype.itemsize
     wire = whole_dtype(x.dtype, narrow)
     whole = WHOLE if wire == x.dtype else NARROWED

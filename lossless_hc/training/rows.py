@@ -48,7 +48,7 @@ class TensorRows:
         return backend_for(flat.device).nonzero_rows(flat.contiguous(), self.row, torch.get_num_threads())
 
     def _union_of(self, value: torch.Tensor) -> int:
-        return int(self._present(value.reshape(-1)).sum()) if self.numel else 0
+        return int(torch.count_nonzero(self._present(value.reshape(-1)))) if self.numel else 0
 
     def _integers(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
         w = words.to(torch.float64)
@@ -191,7 +191,7 @@ def _used_slots(slots: torch.Tensor) -> list:
     """``[(rows, values)]`` per rank of the gathered ``(n, K, 1 + row)`` slots: the used slots, which
     :func:`gather_slots` puts first (int64 row indices, ``(m_r, row)`` values; views, no mask)."""
     index = slots[:, :, 0].contiguous().view(torch.int32)
-    used = (index >= 0).sum(dim=1).tolist()
+    used = torch.count_nonzero(index >= 0, dim=1).tolist()
     return [(index[r, :m].to(torch.int64), slots[r, :m, 1:]) for r, m in enumerate(used)]
 
 
@@ -258,7 +258,7 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
     union = torch.zeros((), dtype=torch.int64, device=slots.device)
     for i, values in ranks:   # rank order (sum_slots)
         out.index_add_(0, i, values)
-        union += (~seen.index_select(0, i)).sum()   # the rows no earlier rank sent: O(slots), not O(keys)
+        union += torch.count_nonzero(~seen.index_select(0, i))   # the rows no earlier rank sent: O(slots), not O(keys)
         seen.index_fill_(0, i, True)
     if divisor is not None and divisor != 1:
         sent = torch.nonzero(seen).reshape(-1)

@@ -327,7 +327,7 @@ class AutoAggregator(TensorRows):
         if not self.sparse:
             ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
             ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
-            ctx.rows = int(ctx.present.sum())
+            ctx.rows = int(torch.count_nonzero(ctx.present))
             return
         if x.sparse_dim() != 1:
             raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "

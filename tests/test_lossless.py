@@ -191,3 +191,31 @@ def test_keys_beyond_the_cpu_decoders_32_bit_loops_are_refused():
     for numel, block in ((MAX_KEYS + 1, 1), (2 * MAX_KEYS + 1, 2)):
         with pytest.raises(ValueError, match="exceeds the supported"):
             LosslessCodec(numel=numel, world_size=2, max_nnz=10, block_size=block)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel", "dense"])
+@pytest.mark.parametrize("block", [1, 8])
+def test_a_payload_tells_the_keys_its_encode_found(device, index, block):
+    """encoded_keys(payload): the blocks of the input holding a value other than +-0.0 (NaN and
+    infinities count; -0.0 does not), as the row scan counts them, beyond the capacity too (the
+    overloaded payload's count is the whole one); None for the dense index kind, which does not count."""
+    from lossless_hc.backends import backend_for
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    keys = 20000
+    g = torch.Generator().manual_seed(block)
+    x = torch.zeros(keys, block)
+    hit = torch.randperm(keys, generator=g)[:300]
+    x[hit, torch.randint(0, block, (300,), generator=g)] = torch.randn(300, generator=g)
+    x[hit[:5]] = 0.0
+    x[hit[0], block - 1] = -0.0
+    x[hit[1], 0] = float("nan")
+    x[hit[2], 0] = float("-inf")
+    x.view(torch.int32)[hit[3], 0] = 1   # the smallest subnormal
+    want = int(backend_for("cpu").nonzero_rows(x.reshape(-1), block).sum())
+    assert want == 300 - 5 + 3
+    for capacity in (400, 100):   # within the capacity, and overloaded
+        codec = LosslessCodec(keys * block, 2, capacity * block, block_size=block, index=index, device=device)
+        got = codec.encoded_keys(codec.encode(x.to(device)))
+        assert got == (None if index == "dense" else want), (capacity, got)

@@ -600,3 +600,25 @@ def test_gathered_rows_are_summed_in_rank_order_on_every_device(device):
             want[union.tolist().index(key)] += values[r][i]
     assert torch.equal(rows.cpu(), want)
     assert torch.equal(rows[2].cpu(), values[4][0])   # 1e8 + 1 - 1e8 = 0 first: row 7 is rank 4's value
+
+
+def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):
+    """A sketch plan of a dense gradient takes this rank's row count (its statistics) from the encoder's
+    own count (LosslessCodec.encoded_keys), not from a second read of the gradient by the row scan: the
+    statistics carry the rows holding a value other than +-0.0, and the step's sum is exact."""
+    rng = torch.Generator().manual_seed(4)
+    aggs = [AutoAggregator("emb", (500, 16), torch.float32, 3, r, MODEL, first="sketch", allowed=("sketch",))
+            for r in range(3)]
+    xs = [sparse_rows(rng, 500, 16, k) for k in (0, 40, 75)]
+    xs[2][xs[2].abs().sum(dim=1).argmax()] = -0.0   # a row of -0.0: not a row held
+    want = [int((x != 0).any(dim=1).sum()) for x in xs]
+    assert want == [0, 40, 74]
+
+    run_step(aggs, xs)   # sized for 1% of the rows before any statistics: a dense fallback, then sized
+
+    def scanned(self, flat):
+        raise AssertionError("the sketch step read a tensor for its rows")
+    monkeypatch.setattr(AutoAggregator, "_present", scanned)
+    for y in run_step(aggs, xs):
+        assert torch.allclose(y, sum(xs), rtol=2 ** -10, atol=0)
+    assert aggs[0].fallbacks == 1 and aggs[0].tracker.rank_keys == [float(k) for k in want]

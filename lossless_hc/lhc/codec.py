@@ -341,6 +341,16 @@ class LosslessCodec:
         self._backend.lhc_encode(self._native, flat, payload, self.num_threads)
         return payload
 
+    def encoded_keys(self, payload: torch.Tensor) -> Optional[int]:
+        """The non-zero keys (blocks holding a value other than +-0.0; NaN and infinities count) that
+        :meth:`encode` found in the input it wrote ``payload`` from (this rank's payload, not a SUM), read
+        from its header: what a row scan of that input would count, without a second read of it. None for
+        the ``dense`` index kind, whose header does not count them. (On CUDA, one small copy to the host.)"""
+        if self.layout.index_kind == "dense":
+            return None
+        lo, mid, hi = (int(v) for v in payload[HDR_KEYS_LO:HDR_KEYS_HI + 1].tolist())
+        return lo + (mid << CHUNK_BITS) + (hi << (2 * CHUNK_BITS))
+
     def _write_dense_header(self, payload: torch.Tensor, counts: torch.Tensor) -> None:
         # Fills and a device-side copy only (``counts``: dense_copy's, on the payload's device): reading
         # the non-finite count back would synchronise a CUDA stream.

@@ -319,15 +319,17 @@ class AutoAggregator(TensorRows):
             self._topk = None
         return flat
 
-    def _local_rows(self, x: torch.Tensor, ctx: AutoContext) -> None:
+    def _local_rows(self, x: torch.Tensor, ctx: AutoContext, scan: bool = True) -> None:
         """This rank's rows: a dense gradient is scanned for its non-zero rows (``ctx.present``; the
         sorted ``ctx.index`` of them is made when a strategy needs it, :meth:`_index`), ``ctx.flat``
         keeps it; a sparse one lists them (coalesced: duplicates summed) in ``ctx.index``, with their
-        values in ``ctx.values``."""
+        values in ``ctx.values``. ``scan`` False: a dense gradient is not scanned (the caller sets
+        ``ctx.rows``: the sketch's encoder counts them)."""
         if not self.sparse:
             ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
-            ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
-            ctx.rows = int(torch.count_nonzero(ctx.present))
+            if scan:
+                ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
+                ctx.rows = int(torch.count_nonzero(ctx.present))
             return
         if x.sparse_dim() != 1:
             raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "
@@ -366,7 +368,9 @@ class AutoAggregator(TensorRows):
         s = self.strategy
         n = self.world_size
         ctx = AutoContext(s, t0, 0)
-        self._local_rows(x, ctx)
+        # a dense gradient's sketch counts its rows as it encodes them (the codec's blocks are the rows)
+        counted = s == "sketch" and not self.sparse and self._codec.layout.index_kind != "dense"
+        self._local_rows(x, ctx, scan=not counted)
         if s in ("dense", "sketch"):
             flat = self._dense(ctx)
             if s == "dense":
@@ -374,6 +378,8 @@ class AutoAggregator(TensorRows):
             else:
                 ctx.inner = self._codec
                 body = self._codec.encode(flat.to(torch.float32) if flat.dtype == torch.float64 else flat)
+                if counted:
+                    ctx.rows = self._codec.encoded_keys(body)
             if self.sparse:   # the union's rows, which a sparse result lists (module doc)
                 body = torch.cat([self._bitmap(ctx).to(body.dtype), body])
         elif s == "two_phase":

@@ -622,3 +622,32 @@ def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monke
     for y in run_step(aggs, xs):
         assert torch.allclose(y, sum(xs), rtol=2 ** -10, atol=0)
     assert aggs[0].fallbacks == 1 and aggs[0].tracker.rank_keys == [float(k) for k in want]
+
+
+@pytest.mark.parametrize("strategy", ["thc", "topk"])
+def test_thc_and_top_k_count_rows_on_the_statistics_steps_only(strategy, monkeypatch):
+    """A THC or top-k plan's header rides on every step, but its counts are statistics on a dense plan's
+    statistics steps only (the first, then step counts that are multiples of ``interval``): the gradient's
+    and the result's rows are scanned and the tracker observes there; between them nothing scans."""
+    n = 2
+    aggs = [AutoAggregator("w", (4096,), torch.float32, n, r, MODEL, lossy=True, first=strategy, allowed=(strategy,),
+                           interval=4, lossy_min_bytes=0) for r in range(n)]
+    scans = []
+    scan = AutoAggregator._present
+
+    def counted(self, flat):
+        scans.append(self.steps)
+        return scan(self, flat)
+    monkeypatch.setattr(AutoAggregator, "_present", counted)
+    g = torch.Generator().manual_seed(3)
+    observed = []
+    for _ in range(9):
+        xs = [torch.randn(4096, generator=g) for _ in range(n)]
+        xs[1][:100] = 0.0
+        before = aggs[0].tracker.steps
+        run_step(aggs, xs)
+        observed.append(aggs[0].tracker.steps > before)
+    assert aggs[0].strategy == strategy and aggs[0].steps == 9
+    assert observed == [True, False, False, True, False, False, False, True, False]
+    assert scans == [s for s in (0, 3, 7) for _ in range(2 * n)]   # each rank's gradient, then the result
+    assert aggs[0].tracker.rank_keys == [4096.0, 3996.0]

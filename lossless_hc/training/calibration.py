@@ -37,7 +37,7 @@ a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its err
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
 by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per coordinate, a steady
 step's encode (of the interleave, as ``THCAggregator`` feeds a tensor of several blocks) and decode of a
-dense tensor, and the plan's two row scans (its statistics, the result's union); top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
+dense tensor; top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
 step, and per key of the union, the decode of several ranks' summed payloads (:func:`_topk_step`; its
 default, :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`, otherwise).
 
@@ -53,7 +53,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import backend_for
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel, powersgd_layout
@@ -182,8 +181,6 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     thc = THCCodec(numel, 1, device=device)
     dense_x = torch.randn(numel, generator=g).to(device)
     thc_step = timed(lambda: thc.decode(thc.encode(dense_x, interleaved=True))) / numel
-    # a THC plan's step also scans the gradient's rows (the statistics) and the result's (the union)
-    row_scan = timed(lambda: backend_for(device).nonzero_rows(dense_x, 1)) / numel
     products = _powersgd_products(device)
     products()   # LAPACK's first QR call sets itself up (milliseconds): not a per-step cost
     per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
@@ -192,7 +189,8 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                 # a half-precision plan's plain step also copies the result into the engine's tensor
                 # (its statistics steps, one in an interval, scan twice: not priced, as a dense plan's scan)
                 "sketch": (scan, per_key), "fp16": (fp16 + copy, 0.0), "bf16": (half + copy, 0.0),
-                "thc": (thc_step + 2 * row_scan + copy, 0.0),   # and the copy of the result, as the half plans
+                # THC: and the copy of the result, as the half plans (its statistics steps' scans: as fp16's)
+                "thc": (thc_step + copy, 0.0),
                 "powersgd": (passes, per_flop)})
     if topk_ratio is not None:
         out["topk"] = _topk_step(device, world_size, topk_ratio, timed)
@@ -200,19 +198,26 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
 
 
 def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
-    """``(per coordinate, per key)`` of an ``auto`` top-k plan's step, run as the plan runs it (the row
-    scan for the statistics, the selection with error feedback, the sketch of the ``k = ceil(ratio d)``
-    selected keys; the decode of ``m = min(n, TOPK_RANKS)`` ranks' summed payloads, the scan of the
-    result): one rank's encode per coordinate of its :data:`TOPK_NUMEL`, its decode per key of the ``m k``
-    keys the ranks select (the cost model's ``c d + k_s n k``, module doc of the planner)."""
+    """``(per coordinate, per key)`` of an ``auto`` top-k plan's step between its statistics steps, run as
+    the plan runs it (the selection with error feedback, the sketch of the ``k = ceil(ratio d)`` selected
+    keys; the decode of ``m = min(n, TOPK_RANKS)`` ranks' summed payloads): one rank's encode per coordinate
+    of its :data:`TOPK_NUMEL`, its decode per key of the ``m k`` keys the ranks select (the cost model's
+    ``c d + k_s n k``, module doc of the planner). A statistics step's row scans, one step in an interval,
+    are not priced (as a dense plan's)."""
     m = max(1, min(int(world_size), TOPK_RANKS))
     model = CostModel(Calibration.default(), topk_ratio=ratio)
     aggs = [AutoAggregator("calibration.topk", (TOPK_NUMEL,), torch.float32, m, r, model, lossy=True, first="topk",
                            allowed=("topk",), device=device, lossy_min_bytes=0) for r in range(m)]
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(m)]
-    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
-    summed = torch.stack([payload for payload, _ in encoded]).sum(0)
+
+    def encode_all():
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        return encoded, torch.stack([payload for payload, _ in encoded]).sum(0)
+    encoded, summed = encode_all()   # the first step: statistics
+    for a, (_, c) in zip(aggs, encoded):
+        a.decode(summed, c)
+    encoded, summed = encode_all()   # the second, timed: between statistics steps, as all but one in an interval
     ctx = encoded[0][1]
     k = max(1, math.ceil(ratio * TOPK_NUMEL))
     per_coordinate = timed(lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL

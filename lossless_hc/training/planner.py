@@ -27,7 +27,9 @@ fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERA
 ``k_0..k_{n-1}`` from every step of every strategy but the plain steps of a dense, fp16 or bf16 plan
 (:data:`PLAIN_STRATEGIES`: such a plan carries the header on one step in ``interval``, each followed by a
 re-plan, and between them sends the bare tensor, in half precision for fp16 and bf16, as the engine's
-own hooks do: ``AutoAggregator.carries_statistics``); the union ``u`` (rows non-zero on some rank) comes
+own hooks do: ``AutoAggregator.carries_statistics``) and the steps of a THC or top-k plan between those
+same statistics steps (their header rides on every step, its counts zeros there, no rows scanned); the
+union ``u`` (rows non-zero on some rank) comes
 from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the
 bitmap; sketch: the decode report).
 

@@ -37,6 +37,9 @@ class AutoContext:
     partial: Optional[tuple] = None   # sketch under INEXACT: (decoded flat tensor, inexact rows, union count)
     topk_outcome: object = None
     plain: bool = False           # a dense step without the statistics header (the bare tensor)
+    # Whether the step's counts are statistics (False: a THC or top-k step between the interval's
+    # statistics steps, whose header carries zero counts and whose rows nothing scans)
+    observed: bool = True
     # A dense statistics step whose body is the gradient's values as they are: the dtype the body may
     # travel in (the plain steps'), where narrower than the payload's; the body starts at body_at.
     body_dtype: Optional[torch.dtype] = None

@@ -218,8 +218,9 @@ class AutoAggregator(TensorRows):
         self.measured[strategy] = seconds if old is None else 0.75 * old + 0.25 * seconds
 
     def _observe(self, ctx: AutoContext, union_keys: int) -> None:
+        """The step's time, and (a statistics step, ``ctx.observed``) its counts."""
         self._measure(ctx.strategy, ctx.started)
-        if self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps):
+        if ctx.observed and self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps):
             self._plan_due = True
             if self.cost_model is not None:
                 self._plan()
@@ -243,7 +244,12 @@ class AutoAggregator(TensorRows):
             return True
         if self.allowed == ("dense",):
             return False
-        return (self.steps + 1) % self.tracker.interval == 0
+        return self._statistics_step()
+
+    def _statistics_step(self) -> bool:
+        """Whether the next step's counts are statistics: the first step, one in ``interval`` (those
+        after which a plan is due) and after a failure (``force``)."""
+        return self.steps == 0 or self.tracker.force or (self.steps + 1) % self.tracker.interval == 0
 
     def plain_step(self) -> Optional[str]:
         """The plan whose plain step the next step is (None: it carries the statistics,
@@ -370,7 +376,10 @@ class AutoAggregator(TensorRows):
         ctx = AutoContext(s, t0, 0)
         # a dense gradient's sketch counts its rows as it encodes them (the codec's blocks are the rows)
         counted = s == "sketch" and not self.sparse and self._codec.layout.index_kind != "dense"
-        self._local_rows(x, ctx, scan=not counted)
+        # THC and top-k carry the header on every step (their payload follows it) but count the rows on
+        # the statistics steps only, one in an interval as a dense plan (carries_statistics)
+        ctx.observed = s not in ("thc", "topk") or self.sparse or self._statistics_step()
+        self._local_rows(x, ctx, scan=not counted and ctx.observed)
         if s in ("dense", "sketch"):
             flat = self._dense(ctx)
             if s == "dense":
@@ -526,7 +535,7 @@ class AutoAggregator(TensorRows):
             if s == "thc":
                 out = self._thc.decode(body.contiguous(), ctx.inner)
                 value = out.value.reshape(-1).to(torch.float32)
-                self._observe(ctx, self._union_of(value))
+                self._observe(ctx, self._union_of(value) if ctx.observed else 0)
                 return AutoOutcome(self._shaped(value))
             if s == "topk":
                 out = self._topk.decode(body.to(torch.float32).contiguous(), ctx.inner, partial=self.partial)
@@ -544,7 +553,7 @@ class AutoAggregator(TensorRows):
                     return AutoOutcome(None, Request("allreduce",
                                                      ctx.inner.dense_value.reshape(-1).to(torch.float32).clone()))
                 value = out.value.reshape(-1).to(torch.float32)
-                self._observe(ctx, self._union_of(value))
+                self._observe(ctx, self._union_of(value) if ctx.observed else 0)
                 return AutoOutcome(self._shaped(value))
             raise AssertionError(s)
         finally:
@@ -605,7 +614,7 @@ class AutoAggregator(TensorRows):
             outcome = ctx.topk_outcome
             done = self._topk.finish_partial if outcome.needs_partial else self._topk.finish_fallback
             value = self._shaped(done(result.to(torch.float32), outcome).reshape(-1).to(torch.float32))
-            count = self._union_of(value)
+            count = self._union_of(value) if ctx.observed else 0
         else:
             raise AssertionError(f"{s} makes no request")
         if s != "sketch":

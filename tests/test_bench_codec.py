@@ -29,3 +29,33 @@ def test_codec_command_passes_an_inexact_decode(tmp_path):
     assert cor["support_mismatch_beyond_rounding"] == 0
     assert cor["bound_violations"] == 0 and 0 < cor["err_over_bound_max"] <= 1, cor
     assert 0 <= cor["inexact_within_rtol"] <= cor["inexact_keys"], cor
+
+
+def test_plan_command_times_every_strategy_and_checks_the_exact_ones(tmp_path, monkeypatch):
+    """``bench plan``: every strategy held for its whole run, each exact one's result the sum of the inputs,
+    the wire each sends per step (dense: the tensor; the half plans: half of it between their statistics
+    steps), a time for each; and exit status 1 when an exact strategy's result is not the sum."""
+    from lossless_hc.bench.plan import PLAN_STRATEGIES
+    from lossless_hc.training.strategies import AutoAggregator
+    out = tmp_path / "plan.json"
+    args = ["plan", "--numel", "8192", "--row", "8", "--density", "0.25", "--workers", "3", "--interval", "4",
+            "--repeat", "1", "--json", str(out)]
+    assert main(args) == 0
+    res = json.load(open(out))
+    assert res["ok"] and list(res["strategies"]) == list(PLAN_STRATEGIES)
+    for name, r in res["strategies"].items():
+        assert r["strategy_held"] and r["step_s"] > 0, name
+        if r["exact"]:
+            assert r["relative_error"] <= 2 ** -10, (name, r)
+    dense, fp16 = res["strategies"]["dense"], res["strategies"]["fp16"]
+    # dense alone: plain steps only; fp16: one step in the interval of 4 carries the statistics header too
+    assert dense["bytes_per_step"] == 4 * 8192 and 2 * 8192 < fp16["bytes_per_step"] < 2 * 8192 + 64
+    decode = AutoAggregator.decode
+
+    def off_by_one(self, summed, ctx):   # an exact strategy that returns a wrong sum
+        outcome = decode(self, summed, ctx)
+        if outcome.value is not None and not outcome.value.is_sparse:
+            outcome.value = outcome.value + 1
+        return outcome
+    monkeypatch.setattr(AutoAggregator, "decode", off_by_one)
+    assert main(args[:-2] + ["--strategies", "dense"]) == 1

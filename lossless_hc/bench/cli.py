@@ -11,6 +11,8 @@ Usage::
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
     python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--repeat 5] [--device cpu|cuda] [--json PATH]
+    python -m lossless_hc.bench plan --numel 4194304 [--row 1] [--density 1.0] [--workers 2]
+        [--strategies dense,sketch,...] [--interval 16] [--repeat 3] [--device cpu|cuda] [--json PATH]
     python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
     python -m lossless_hc.bench replay ...     (collective-only replay; needs root: lossless_hc.bench.replay)
     python -m lossless_hc.bench simulate ...   (the planner's cost model to 256 hosts: lossless_hc.bench.simulate)
@@ -49,6 +51,11 @@ against ``copy_``.
 ``topk`` times the O(numel) top-k selection (the backend's ``topk_select``) against ``torch.clone``
 and ``torch.topk`` of the same tensor in the same run, and checks it against a stable sort.
 
+``plan`` times the local work of each of ``auto``'s strategies per step and rank (encode, decode and a
+second collective's finish of AutoAggregators held on that strategy, averaged over a re-planning
+interval) against ``torch.clone`` and ``copy_`` of one input (:mod:`lossless_hc.bench.plan`); status 1
+where an exact strategy's result is not the sum.
+
 Importing this module has no side effects; the CLI lives in ``main``.
 """
 from __future__ import annotations
@@ -66,6 +73,7 @@ from lossless_hc.bench.common import command_line, log, machine_info, write_json
 from lossless_hc.bench import wire as bench_wire
 from lossless_hc.bench.cluster import add_arguments as add_cluster_arguments
 from lossless_hc.bench.peel import render_peel, run_peel_bench
+from lossless_hc.bench.plan import PLAN_STRATEGIES, render_plan, run_plan_bench
 from lossless_hc.bench.replay import add_arguments as add_replay_arguments
 from lossless_hc.bench.simulate import add_arguments as add_simulate_arguments
 from lossless_hc.bench.thc import render_thc, run_thc_bench
@@ -172,6 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda: the CUDA selection, CUDA events, against a device-to-device copy and torch.topk")
     k.add_argument("--json", metavar="PATH")
     k.set_defaults(func=_cmd_topk)
+
+    pl = sub.add_parser("plan", help="auto's strategies: local work per step and rank vs torch.clone and copy_")
+    pl.add_argument("--numel", type=_positive_int, default=1 << 22)
+    pl.add_argument("--row", type=_positive_int, default=1, help="elements per row (key); must divide --numel")
+    pl.add_argument("--density", type=float, default=1.0, help="share of each rank's rows that are non-zero")
+    pl.add_argument("--workers", type=_positive_int, default=2)
+    pl.add_argument("--strategies", default=",".join(PLAN_STRATEGIES))
+    pl.add_argument("--interval", type=_positive_int, default=16, help="steps between statistics steps")
+    pl.add_argument("--repeat", type=_positive_int, default=3, help="timed intervals")
+    pl.add_argument("--topk-ratio", type=float, default=0.01)
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    pl.add_argument("--json", metavar="PATH")
+    pl.set_defaults(func=_cmd_plan)
 
     w = sub.add_parser("wire", help="wire bits per aggregate non-zero of every index kind and of the automatic "
                                     "choice vs the information bound; table and plot")
@@ -300,6 +322,22 @@ def _cmd_topk(args) -> int:
     print(render_topk(res, machine, cmd))
     write_json(args.json, {"command": cmd, "machine": machine, **res})
     return 0 if res["exact"] in (None, True) else 1
+
+
+def _cmd_plan(args) -> int:
+    cmd = command_line()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("python -m lossless_hc.bench plan --device cuda: no CUDA device")
+    try:
+        res = run_plan_bench(args.numel, args.row, args.density, args.workers,
+                             [s for s in args.strategies.split(",") if s], args.interval, args.repeat,
+                             args.topk_ratio, args.seed, args.device)
+    except ValueError as exc:
+        raise SystemExit(f"python -m lossless_hc.bench plan: error: {exc}")
+    machine = machine_info(0)
+    print(render_plan(res, machine, cmd))
+    write_json(args.json, {"command": cmd, "machine": machine, **res})
+    return 0 if res["ok"] else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,149 @@
+"""The ``plan`` command of ``python -m lossless_hc.bench``: the local work of ``auto``'s strategies.
+
+For each strategy, ``workers`` :class:`~lossless_hc.training.strategies.AutoAggregator`\\ s (one per rank,
+in this process) held on that strategy aggregate the same inputs step after step: each rank's gradient
+of ``numel`` elements, rows of ``row`` elements, a ``density`` share of its rows non-zero (N(0,1)
+values). A step is every rank's ``encode``, the SUM of the payloads (torch, in float64, not timed: the
+engine's part), every rank's ``decode`` and, where the strategy makes a second collective, its SUM or
+gather (not timed) and ``finish``. The time per step and rank is averaged over one re-planning
+``interval`` of steps, so that the statistics steps (one in an interval for a dense, fp16, bf16, THC or
+top-k plan) weigh as they do in training; the median over ``repeat`` intervals is reported against a
+``torch.clone`` and a ``copy_`` of one input, timed between the intervals in the same run. One interval
+runs untimed first (a sketch sized from its first statistics, THC's norm-only first step).
+
+Each strategy is the only one its aggregators may take (``allowed``), so ``dense`` runs as a tensor that
+can only be dense runs: plain steps, no statistics. What is left out: the collectives themselves, and a DDP bucket's in-place allreduce of plain steps
+(the dense and half plans' steps between statistics steps run here through ``encode``/``decode``, as
+under Horovod). The last step's result is compared with the float64 sum of the inputs: the exact
+strategies must match it to float32 rounding (the exit status is 1 otherwise); the lossy ones report
+their relative error.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from lossless_hc.bench.common import format_table, machine_rows, section
+from lossless_hc.training.planner import EXACT_STRATEGIES, Calibration, CostModel
+from lossless_hc.training.strategies import AutoAggregator
+
+PLAN_STRATEGIES = ("dense", "sketch", "allgather", "two_phase", "fp16", "bf16", "thc", "topk")
+
+
+def _inputs(numel: int, row: int, density: float, workers: int, seed: int, device) -> list:
+    keys = numel // row
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for _ in range(workers):
+        x = torch.zeros(keys, row)
+        held = torch.randperm(keys, generator=g)[:max(1, math.ceil(density * keys))]
+        x[held] = torch.randn(held.numel(), row, generator=g)
+        xs.append(x.reshape(-1).to(device))
+    return xs
+
+
+def _step(aggs: Sequence[AutoAggregator], xs: Sequence[torch.Tensor]) -> tuple:
+    """One step of every rank: (seconds of local work, summed over the ranks; rank 0's result)."""
+    local = 0.0
+    encoded = []
+    for a, x in zip(aggs, xs):
+        t0 = time.perf_counter()
+        encoded.append(a.encode(x))
+        local += time.perf_counter() - t0
+    summed = torch.stack([p.to(torch.float64) for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
+    outcomes = []
+    for a, (_, ctx) in zip(aggs, encoded):
+        t0 = time.perf_counter()
+        outcomes.append(a.decode(summed, ctx))
+        local += time.perf_counter() - t0
+    if outcomes[0].request is None:
+        return local, outcomes[0].value
+    requests = [o.request.tensor for o in outcomes]
+    if outcomes[0].request.kind == "allgather":
+        result = torch.stack([r.reshape(-1) for r in requests])
+    else:
+        result = torch.stack([r.to(torch.float64) for r in requests]).sum(0).to(requests[0].dtype)
+    values = []
+    for a, (_, ctx) in zip(aggs, encoded):
+        t0 = time.perf_counter()
+        values.append(a.finish(ctx, result.clone()))
+        local += time.perf_counter() - t0
+    return local, values[0]
+
+
+def run_plan_bench(numel: int, row: int = 1, density: float = 1.0, workers: int = 2,
+                   strategies: Sequence[str] = PLAN_STRATEGIES, interval: int = 16, repeat: int = 3,
+                   topk_ratio: float = 0.01, seed: int = 0, device: str = "cpu") -> dict:
+    if row < 1 or numel % row:
+        raise ValueError(f"--row must divide --numel: {numel} elements in rows of {row}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"--density must be in (0, 1], got {density}")
+    unknown = [s for s in strategies if s not in PLAN_STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; choose among {', '.join(PLAN_STRATEGIES)}")
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    shape = (numel // row, row) if row > 1 else (numel,)
+    xs = [x.reshape(shape) for x in _inputs(numel, row, density, workers, seed, dev)]
+    truth = torch.stack([x.double() for x in xs]).sum(0)
+    model = CostModel(Calibration.default(), topk_ratio=topk_ratio)
+    baseline = {"clone": [], "copy_": []}
+    dst = torch.empty_like(xs[0])
+    out = {}
+    for s in strategies:
+        aggs = [AutoAggregator(f"bench.{s}", shape, torch.float32, workers, r, model, interval=interval,
+                               lossy=True, first=s, allowed=(s,), lossy_min_bytes=0, device=dev)
+                for r in range(workers)]
+        for _ in range(interval):   # untimed: the first statistics, a sketch sized from them, THC's first step
+            _step(aggs, xs)
+        sent0, per_interval = aggs[0].bytes_sent, []
+        for _ in range(repeat):
+            local = 0.0
+            for _ in range(interval):
+                seconds, value = _step(aggs, xs)
+                local += seconds
+            sync()
+            per_interval.append(local / (interval * workers))
+            for name, fn in (("clone", lambda: xs[0].clone()), ("copy_", lambda: dst.copy_(xs[0]))):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                baseline[name].append(time.perf_counter() - t0)
+        value = value.to_dense() if value.is_sparse else value
+        err = float((value.double() - truth).norm() / truth.norm()) if float(truth.norm()) else 0.0
+        out[s] = {"step_s": statistics.median(per_interval), "per_interval_s": per_interval,
+                  "bytes_per_step": (aggs[0].bytes_sent - sent0) / (repeat * interval),
+                  "strategy_held": aggs[0].strategy == s, "relative_error": err,
+                  "exact": s in EXACT_STRATEGIES, "fallbacks": aggs[0].fallbacks}
+    clone_s, copy_s = statistics.median(baseline["clone"]), statistics.median(baseline["copy_"])
+    ok = all(r["relative_error"] <= 2 ** -10 and r["strategy_held"] for r in out.values() if r["exact"])
+    return {"config": {"numel": numel, "row": row, "density": density, "workers": workers, "interval": interval,
+                       "repeat": repeat, "topk_ratio": topk_ratio, "seed": seed, "device": str(dev)},
+            "clone_s": clone_s, "copy_s": copy_s, "strategies": out, "ok": ok}
+
+
+def render_plan(res: dict, machine: dict, cmd: str) -> str:
+    c = res["config"]
+    head = section("lossless_hc auto strategies: local work per step and rank", format_table([
+        ("command", cmd),
+        *machine_rows(machine),
+        ("setup", f"{c['workers']} ranks in one process, {c['numel']:,} float32 in rows of {c['row']}, "
+                  f"{c['density']:g} of the rows non-zero per rank; mean over an interval of {c['interval']} "
+                  f"steps, median of {c['repeat']} intervals (device {c['device']})"),
+        ("baseline", f"clone {res['clone_s'] * 1e3:.2f} ms, copy_ {res['copy_s'] * 1e3:.2f} ms (medians, same run)"),
+    ], align="ll"))
+    rows = []
+    for s, r in res["strategies"].items():
+        t = r["step_s"]
+        check = ("exact" if r["relative_error"] <= 2 ** -10 else "NOT EXACT") if r["exact"] else \
+            f"rel. error {r['relative_error']:.2e}"
+        rows.append((s, f"{t * 1e3:.2f}", f"{t / res['clone_s']:.2f}", f"{t / res['copy_s']:.2f}",
+                     f"{r['bytes_per_step'] / (4 * c['numel']):.3f}", check + ("" if r["strategy_held"] else
+                                                                                " (left its plan)")))
+    table = format_table(rows, header=("strategy", "ms/step/rank", "x clone", "x copy_", "bytes of dense",
+                                       "result"))
+    return head + "\n" + section("results", table)

@@ -16,7 +16,8 @@ can only be dense runs: plain steps, no statistics. What is left out: the collec
 (the dense and half plans' steps between statistics steps run here through ``encode``/``decode``, as
 under Horovod). The last step's result is compared with the float64 sum of the inputs: the exact
 strategies must match it to float32 rounding (the exit status is 1 otherwise); the lossy ones report
-their relative error.
+their relative error (of that step: the inputs repeat every step, so error feedback adds what it held
+back from the earlier ones).
 """
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def render_plan(res: dict, machine: dict, cmd: str) -> str:
     for s, r in res["strategies"].items():
         t = r["step_s"]
         check = ("exact" if r["relative_error"] <= 2 ** -10 else "NOT EXACT") if r["exact"] else \
-            f"rel. error {r['relative_error']:.2e}"
+            f"step's rel. error {r['relative_error']:.2e}"
         rows.append((s, f"{t * 1e3:.2f}", f"{t / res['clone_s']:.2f}", f"{t / res['copy_s']:.2f}",
                      f"{r['bytes_per_step'] / (4 * c['numel']):.3f}", check + ("" if r["strategy_held"] else
                                                                                 " (left its plan)")))

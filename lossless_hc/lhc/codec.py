@@ -14,12 +14,18 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
-from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, is_real, options_fingerprint)
+from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, is_real, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
 
 _ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_RTOL = 2.0 ** -10
+
+
+def _key_count(fields) -> int:
+    """The key count of a header's three 11-bit chunks ``fields[HDR_KEYS_LO:HDR_KEYS_HI + 1]`` (integers)."""
+    lo, mid, hi = fields
+    return lo + (mid << CHUNK_BITS) + (hi << (2 * CHUNK_BITS))
 
 
 def _no_keys() -> torch.Tensor:
@@ -348,8 +354,7 @@ class LosslessCodec:
         the ``dense`` index kind, whose header does not count them. (On CUDA, one small copy to the host.)"""
         if self.layout.index_kind == "dense":
             return None
-        lo, mid, hi = (int(v) for v in payload[HDR_KEYS_LO:HDR_KEYS_HI + 1].tolist())
-        return lo + (mid << CHUNK_BITS) + (hi << (2 * CHUNK_BITS))
+        return _key_count(int(v) for v in payload[HDR_KEYS_LO:HDR_KEYS_HI + 1].tolist())
 
     def _write_dense_header(self, payload: torch.Tensor, counts: torch.Tensor) -> None:
         # Fills and a device-side copy only (``counts``: dense_copy's, on the payload's device): reading
@@ -483,7 +488,7 @@ class LosslessCodec:
         mask = (1 << CHUNK_BITS) - 1
         if hdr[HDR_FP_LO] != n * (L.fingerprint & mask) or hdr[HDR_FP_HI] != n * (L.fingerprint >> CHUNK_BITS):
             return reject(DecodeStatus.CONFIGURATION_MISMATCH)
-        report.total_keys = hdr[HDR_KEYS_LO] + (hdr[HDR_KEYS_MID] << CHUNK_BITS) + (hdr[HDR_KEYS_HI] << (2 * CHUNK_BITS))
+        report.total_keys = _key_count(hdr[HDR_KEYS_LO:HDR_KEYS_HI + 1])
         report.overloaded_ranks = hdr[HDR_OVERLOADED]
         # Overload is the root cause of most other failures (peeling, saturation): name it first.
         overload = (f"overloaded: {report.overloaded_ranks} rank(s) had more than capacity={L.capacity} non-zero keys; "

@@ -238,12 +238,10 @@ class AutoAggregator(TensorRows):
         "What is exchanged when")."""
         self._apply_due_plan()
         plain = (("allgather",) if self.native_sparse else ()) if self.sparse else PLAIN_STRATEGIES
-        if self.strategy not in plain or self.steps == 0 or self.tracker.force:
-            return True
-        if self._thc is not None or self._topk is not None:
+        if self.strategy not in plain or self._thc is not None or self._topk is not None:
             return True
         if self.allowed == ("dense",):
-            return False
+            return self.steps == 0 or self.tracker.force
         return self._statistics_step()
 
     def _statistics_step(self) -> bool:

@@ -117,6 +117,53 @@ PYBIND11_MODULE(_C, m) {
       "dst[i] = src[i] for i < n (float32; dst 0: count only); counts[0] (int64 at address counts) = the\n"
       "elements that are not +-0.0, counts[1] = those that are not finite.");
 
+  // The two-phase counting bitmap (cpu/codec_cpu.h): base and per_word as lhc.layout.digit_packing gives them.
+  auto packing = [](uint64_t keys, uint32_t base, uint32_t per_word) {
+    if (base < 2 || per_word < 1 || per_word > kIntFieldBits)
+      throw std::invalid_argument("bitmap: base >= 2 and 1 <= per_word <= INT_FIELD_BITS");
+    return DigitPacking{base, per_word, keys};
+  };
+  m.def(
+      "bitmap_pack",
+      [packing](uint64_t keys, uint32_t base, uint32_t per_word, uintptr_t present, uintptr_t index, uint64_t count,
+                uintptr_t words, int num_threads) {
+        const DigitPacking P = packing(keys, base, per_word);
+        bool ok = true;
+        {
+          py::gil_scoped_release release;
+          if (present)
+            cpu::bitmap_pack_present(ptr<const uint8_t>(present), P, ptr<float>(words), num_threads);
+          else
+            ok = cpu::bitmap_pack_index(ptr<const int64_t>(index), count, P, ptr<float>(words));
+        }
+        if (!ok) throw std::out_of_range("bitmap_pack: a row index outside [0, keys)");
+      },
+      py::arg("keys"), py::arg("base"), py::arg("per_word"), py::arg("present"), py::arg("index"), py::arg("count"),
+      py::arg("words"), py::arg("num_threads") = 0,
+      "A rank's counting bitmap into P.words() float32 words at `words`: from present (uint8/bool per row) or,\n"
+      "where present is 0, from `count` int64 row indices at index.");
+  m.def(
+      "bitmap_masks",
+      [packing](uint64_t keys, uint32_t base, uint32_t per_word, uintptr_t words, double scale, uintptr_t masks,
+                int num_threads) {
+        const DigitPacking P = packing(keys, base, per_word);
+        py::gil_scoped_release release;
+        return cpu::bitmap_masks(ptr<const float>(words), P, scale, ptr<uint32_t>(masks), num_threads);
+      },
+      py::arg("keys"), py::arg("base"), py::arg("per_word"), py::arg("words"), py::arg("scale"), py::arg("masks"),
+      py::arg("num_threads") = 0,
+      "The non-zero digits of a summed bitmap as a uint32 mask per word; returns the rows they list, or -1\n"
+      "for a word that is not a packed integer of this packing.");
+  m.def(
+      "bitmap_mask_rows",
+      [packing](uint64_t keys, uint32_t base, uint32_t per_word, uintptr_t masks, uintptr_t rows, int num_threads) {
+        const DigitPacking P = packing(keys, base, per_word);
+        py::gil_scoped_release release;
+        cpu::bitmap_mask_rows(ptr<const uint32_t>(masks), P, ptr<int64_t>(rows), num_threads);
+      },
+      py::arg("keys"), py::arg("base"), py::arg("per_word"), py::arg("masks"), py::arg("rows"),
+      py::arg("num_threads") = 0, "The rows bitmap_masks counted, increasing, as int64 at rows.");
+
   m.attr("HEADER_FIELDS") = (int)kHeaderFields;
   m.attr("INT_FIELD_BITS") = (int)kIntFieldBits;
 

@@ -4,8 +4,22 @@ plain per-row loops."""
 import pytest
 import torch
 
-from lossless_hc.training.rows import (MARK_UNION_MAX_KEYS_PER_SLOT, bitmap_counts, gather_slots, pack_bitmap,
-                                       sum_slots, sum_slots_dense)
+from lossless_hc.backends import backend_for
+from lossless_hc.backends.cuda import CudaBackend
+from lossless_hc.lhc.layout import digit_packing
+from lossless_hc.training.rows import MARK_UNION_MAX_KEYS_PER_SLOT, gather_slots, sum_slots, sum_slots_dense
+
+# The counting bitmap's operations on every backend: the CPU kernels, the CUDA backend's torch operations
+# run on CPU tensors (its code, tested where no GPU is), and on a GPU.
+BITMAP_BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("torch", id="cuda-ops-on-cpu"),
+                   pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def bitmap_backend(which: str):
+    """(backend, device) of a BITMAP_BACKENDS entry."""
+    if which == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return (CudaBackend() if which == "torch" else backend_for(which)), ("cuda" if which == "cuda" else "cpu")
 
 
 def gathered(sent: dict, keys: int, row: int, k: int, seed: int = 0):
@@ -103,38 +117,75 @@ def test_dense_slot_sums_add_in_rank_order_on_every_device(device):
         assert union.tolist() == [1, 2, 7, 9] and torch.equal(dense[union], rows)
 
 
+@pytest.mark.parametrize("which", BITMAP_BACKENDS)
 @pytest.mark.parametrize("n", [1, 2, 4, 7, 31, 2047])
-def test_counting_bitmap_round_trips_every_rows_count(n):
-    """pack_bitmap of each rank's rows (as row indices or as a bool per row), summed in float32 as an
-    allreduce sums them, unpacks with bitmap_counts to how many ranks hold each row, exactly, up to the
-    largest base (n + 1 below 2^22's field) and with every digit of a word at its largest."""
+def test_counting_bitmaps_sum_to_every_rows_count_and_list_the_union(n, which):
+    """Each rank's counting bitmap (from its row indices, in any order and with a row listed twice, or from
+    a bool per row), summed in float32 as an allreduce sums them, holds in digit j of word w how many
+    ranks hold row w * per_word + j (counted here digit by digit), up to the largest base (n + 1 below
+    2^22's field) and with every digit of a word at its largest; bitmap_rows lists the rows some rank
+    holds from that sum, and from the average an engine's allreduce makes of it, at 1 to 3 threads."""
+    backend, device = bitmap_backend(which)
     keys = 1000
     gen = torch.Generator().manual_seed(n)
     held = torch.rand(n, keys, generator=gen) < 0.3
     held[:, :40] = True   # every rank holds rows 0..39: whole words of digit n
-    total = torch.zeros(0)
+    held[:, 500:520] = False   # rows no rank holds
+    pk = digit_packing(n, keys)
+    total = torch.zeros(pk.words, device=device)
     for r in range(n):
         index = torch.nonzero(held[r]).reshape(-1)
-        by_index = pack_bitmap(keys, n, "cpu", index=index)
-        assert torch.equal(by_index, pack_bitmap(keys, n, "cpu", present=held[r]))
-        total = by_index if r == 0 else total + by_index
-    assert total.dtype == torch.float32
-    counts = bitmap_counts(total.to(torch.int64), keys, n)
-    assert counts.dtype == torch.int64
-    assert torch.equal(counts, held.sum(dim=0))
+        shuffled = torch.cat([index[torch.randperm(index.numel(), generator=gen)], index[:3]]).to(device)
+        by_index = backend.bitmap_pack(keys, n, index=shuffled)
+        assert by_index.dtype == torch.float32 and by_index.shape == (pk.words,)
+        assert torch.equal(by_index, backend.bitmap_pack(keys, n, present=held[r].to(device), num_threads=2))
+        total += by_index
+    counts = torch.zeros(pk.words * pk.per_word, dtype=torch.int64)
+    counts[:keys] = held.sum(dim=0)
+    want_words = (counts.reshape(pk.words, pk.per_word) * pk.base ** torch.arange(pk.per_word)).sum(dim=1)
+    assert torch.equal(total.cpu().to(torch.int64), want_words)
+    union = torch.nonzero(held.any(dim=0)).reshape(-1)
+    for threads in (1, 2, 3):
+        assert torch.equal(backend.bitmap_rows(total, keys, n, 1.0, threads).cpu(), union)
+        assert torch.equal(backend.bitmap_rows(total / n, keys, n, float(n), threads).cpu(), union)
+
+
+@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+def test_a_bitmap_word_no_sum_of_bitmaps_holds_is_refused(which):
+    """bitmap_rows returns None, on every backend alike, for a word outside [0, base^per_word), one that
+    is not an integer in a sum, NaN, or a non-zero digit past the last row; a row index outside the rows
+    is a ValueError on the CPU (the CUDA backend does not synchronise to check it)."""
+    backend, device = bitmap_backend(which)
+    n, keys = 3, 100
+    pk = digit_packing(n, keys)
+    words = sum(backend.bitmap_pack(keys, n, index=torch.tensor(i, device=device)) for i in ([1, 5, 99], [5], [0, 98]))
+    assert backend.bitmap_rows(words, keys, n).tolist() == [0, 1, 5, 98, 99]
+    last_digit = pk.base ** ((keys - 1) % pk.per_word)   # row 99's digit in the last word
+    for at, bad in ((2, -1.0), (2, float(pk.base ** pk.per_word)), (2, float("nan")), (2, 0.5),
+                    (pk.words - 1, float(words[-1]) + pk.base * last_digit)):
+        garbled = words.clone()
+        garbled[at] = bad
+        assert backend.bitmap_rows(garbled, keys, n) is None, (at, bad)
+    assert backend.bitmap_rows(words / n + 0.4 / n, keys, n, float(n)).tolist() == [0, 1, 5, 98, 99]
+    with pytest.raises(ValueError, match="float32 words"):
+        backend.bitmap_rows(words[:-1], keys, n)
+    if which == "cpu":
+        with pytest.raises(ValueError, match="outside"):
+            backend.bitmap_pack(keys, n, index=torch.tensor([3, keys]))
+        with pytest.raises(ValueError, match="outside"):
+            backend.bitmap_pack(keys, n, index=torch.tensor([-1]))
 
 
 def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
     """A two-phase bitmap word no sum of this tensor's bitmaps can hold (negative, base^per_word or
     more, NaN: another plan's payload, a garbled one) is refused, not read as counts modulo the base."""
-    from lossless_hc.lhc.layout import digit_packing
     from lossless_hc.training.aggregate import ConfigurationMismatch
     from lossless_hc.training.rows import TensorRows
 
     n, keys = 3, 100
     rows = TensorRows("emb", (keys, 4), torch.float32, n, 0, sparse=True)
     held = [torch.tensor([1, 5, 99]), torch.tensor([5]), torch.tensor([0, 5, 98])]
-    words = sum(pack_bitmap(keys, n, "cpu", index=i) for i in held)
+    words = sum(backend_for("cpu").bitmap_pack(keys, n, index=i) for i in held)
     assert rows._union_rows(words, averaged=False).tolist() == [0, 1, 5, 98, 99]
     assert rows._union_rows(words / n, averaged=True).tolist() == [0, 1, 5, 98, 99]
     pk = digit_packing(n, keys)
@@ -143,6 +194,8 @@ def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
         garbled[2] = bad
         with pytest.raises(ConfigurationMismatch, match="outside"):
             rows._union_rows(garbled, averaged=False)
+    with pytest.raises(ConfigurationMismatch, match="words, expected"):
+        rows._union_rows(words[:-1], averaged=False)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -152,7 +205,6 @@ def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, device):
     """The backend's row scan (AutoAggregator's non-zero rows of a dense gradient) against torch's
     element-wise tests: -0.0 is zero; NaN, infinities and the smallest subnormal are not; at every thread
     count (the tensors are large enough for three threads, so rows are split between them)."""
-    from lossless_hc.backends import backend_for
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     rows = (1 << 17) + 3
@@ -174,7 +226,6 @@ def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, device):
 
 
 def test_the_row_scan_refuses_what_it_cannot_read():
-    from lossless_hc.backends import backend_for
     scan = backend_for("cpu").nonzero_rows
     assert scan(torch.zeros(0), 4).shape == (0,)
     with pytest.raises(ValueError, match="dividing x.numel"):

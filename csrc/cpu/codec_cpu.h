@@ -71,6 +71,23 @@ void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes,
 // the counts are independent of the thread count.
 void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads);
 
+// The two-phase counting bitmap (lossless_hc/training/rows.py): rows r < P.digits as digits of base P.base,
+// P.per_word to a float32 word (digit r % per_word of word r / per_word), 1 at a row a rank holds, so that
+// the float32 sum of n <= base - 1 ranks' bitmaps holds in each digit how many ranks hold the row.
+// bitmap_pack_present: from present[r] (non-zero: held); bitmap_pack_index: from the rows index[0,
+// count) (any order; a row listed twice counts once), false (words unwritten) if one is outside
+// [0, P.digits). Both write all P.words() words.
+void bitmap_pack_present(const uint8_t* present, const DigitPacking& P, float* words, int num_threads);
+bool bitmap_pack_index(const int64_t* index, uint64_t count, const DigitPacking& P, float* words);
+
+// Reading a summed bitmap: masks[w] (P.words() of them) gets bit j set iff digit j of words[w] * scale is
+// not zero; returns how many bits are set, or -1 if a word is not a packed integer in [0, base^per_word)
+// (digits.h word_integers: scale 1, a SUM, must be an integer; an AVERAGE times n is rounded) or the last
+// word has a non-zero digit past P.digits. bitmap_mask_rows then writes the rows of the set bits, in
+// increasing order, to rows (as many as bitmap_masks counted).
+int64_t bitmap_masks(const float* words, const DigitPacking& P, double scale, uint32_t* masks, int num_threads);
+void bitmap_mask_rows(const uint32_t* masks, const DigitPacking& P, int64_t* rows, int num_threads);
+
 // Ask the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent huge pages
 // (Linux, where THP is enabled for "madvise" or "always"; elsewhere a no-op). For memory not touched
 // yet: its first write then takes one page fault per 2 MiB instead of one per 4 KiB -- most of the

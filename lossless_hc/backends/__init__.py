@@ -18,6 +18,14 @@
 * ``dense_copy(src, dst, num_threads=0) -> counts``: ``dst.copy_(src)`` (contiguous float32, the same
   numel; ``dst`` None: no copy) and an int64 tensor on ``src``'s device, ``[elements of src that are
   not +-0.0, elements that are not finite]`` -- the LHC codec's dense index.
+* ``bitmap_pack(keys, world_size, present=None, index=None, num_threads=0) -> words``: a rank's two-phase
+  counting bitmap, ``digit_packing(world_size, keys)``'s float32 words with digit 1 at each row it holds
+  (``present``: a bool per row; else ``index``: its rows, int64, any order, a row listed twice counted
+  once; CPU: one outside ``[0, keys)`` is a ValueError) -- and ``bitmap_rows(words, keys, world_size,
+  scale=1.0, num_threads=0) -> rows``: the rows (sorted int64) whose digit is not zero in a sum of such
+  bitmaps (``scale`` n: their average), or None where a word is not one such a sum holds (not an integer
+  in ``[0, base^per_word)``, or a digit past the last row). The planner's two-phase strategy
+  (``lossless_hc.training.rows``).
 * ``lhc_layout(layout, device)`` (the kernels receive it as the layout ABI, the words of
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.lhc.layout import HEADER_FIELDS, PayloadLayout, layout_words
+from lossless_hc.lhc.layout import HEADER_FIELDS, DigitPacking, PayloadLayout, digit_packing, layout_words
 
 try:
     from lossless_hc import _C
@@ -209,6 +209,17 @@ def _check_rows(x: torch.Tensor, row: int) -> int:
     return x.numel() // row
 
 
+def check_bitmap_words(words: torch.Tensor, keys: int, world_size: int) -> DigitPacking:
+    """``bitmap_rows``' argument check (every backend's); returns the packing."""
+    pk = digit_packing(world_size, keys)
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.float32 or words.dim() != 1 \
+            or words.numel() != pk.words:
+        raise ValueError(f"bitmap_rows takes the {pk.words} float32 words of a counting bitmap of {keys} rows "
+                         f"from {world_size} ranks, got {getattr(words, 'dtype', type(words))} of "
+                         f"{getattr(words, 'numel', lambda: '?')()} elements")
+    return pk
+
+
 class CpuBackend:
     """The backend interface on the CPU (see :mod:`lossless_hc.backends` for the contract)."""
 
@@ -234,6 +245,43 @@ class CpuBackend:
         present = torch.empty(rows, dtype=torch.bool)
         _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
         return present
+
+    def bitmap_pack(self, keys: int, world_size: int, present: Optional[torch.Tensor] = None,
+                    index: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
+        """A rank's counting bitmap of ``keys`` rows, from ``present`` (a bool per row) or ``index`` (its
+        rows, int64): the float32 words of ``digit_packing(world_size, keys)``, digit 1 at a row it holds
+        (csrc/cpu/bitmap.cpp)."""
+        pk = digit_packing(world_size, keys)
+        words = torch.empty(pk.words, dtype=torch.float32)
+        if present is not None:
+            present = present.contiguous()
+            if present.dtype != torch.bool or present.numel() != keys:
+                raise ValueError(f"bitmap_pack: present must be a bool per row ({keys}), got {present.dtype} "
+                                 f"of {present.numel()}")
+            _C.bitmap_pack(keys, pk.base, pk.per_word, present.data_ptr(), 0, 0, words.data_ptr(), num_threads)
+        else:
+            index = index.to(torch.int64).contiguous()
+            try:
+                _C.bitmap_pack(keys, pk.base, pk.per_word, 0, index.data_ptr(), index.numel(), words.data_ptr())
+            except IndexError as exc:   # pybind11 maps std::out_of_range to IndexError
+                raise ValueError(str(exc)) from None
+        return words
+
+    def bitmap_rows(self, words: torch.Tensor, keys: int, world_size: int, scale: float = 1.0,
+                    num_threads: int = 0) -> Optional[torch.Tensor]:
+        """The rows (sorted int64) with a non-zero digit in a sum (``scale`` 1) or average (``scale`` n)
+        of counting bitmaps; None where a word is not one such a sum can hold (csrc/cpu/bitmap.cpp)."""
+        pk = check_bitmap_words(words, keys, world_size)
+        words = words.contiguous()
+        masks = torch.empty(pk.words, dtype=torch.int32)
+        count = _C.bitmap_masks(keys, pk.base, pk.per_word, words.data_ptr(), float(scale), masks.data_ptr(),
+                                num_threads)
+        if count < 0:
+            return None
+        rows = torch.empty(count, dtype=torch.int64)
+        if count:
+            _C.bitmap_mask_rows(keys, pk.base, pk.per_word, masks.data_ptr(), rows.data_ptr(), num_threads)
+        return rows
 
     def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
         """``dst.copy_(src)`` (contiguous float32, the same numel; ``dst`` None: counting only) and

@@ -10,7 +10,7 @@ import torch
 
 from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk
 from lossless_hc.backends.cuda_lhc import CudaLayout, PendingDecode, decode, encode
-from lossless_hc.lhc.layout import PayloadLayout
+from lossless_hc.lhc.layout import PayloadLayout, digit_packing
 
 # The kernels' warp reductions (__reduce_add_sync) exist from compute capability 8.0 (A100) on; the
 # compiled module is built for 8.0 and 9.0 (setup.py), NVRTC for the device's own.
@@ -49,6 +49,42 @@ class CudaBackend:
         from lossless_hc.backends.cpu import _check_rows
         rows = _check_rows(x, row)
         return x.reshape(rows, row).abs().amax(dim=1) != 0
+
+    def bitmap_pack(self, keys: int, world_size: int, present: Optional[torch.Tensor] = None,
+                    index: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
+        """The CPU backend's ``bitmap_pack`` on the device, in torch operations (a few passes over the rows;
+        no synchronisation, so ``index`` is not range-checked here: the caller's rows are in [0, keys))."""
+        pk = digit_packing(world_size, keys)
+        device = (present if present is not None else index).device
+        # int32 throughout: a word is below 2^22 (lhc.layout.INT_FIELD_LIMIT)
+        digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int32, device=device)
+        if present is not None:
+            digits[:keys] = present.reshape(-1).to(torch.int32)
+        else:
+            digits[index] = 1
+        weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int32, device=device)
+        return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1, dtype=torch.int32).to(torch.float32)
+
+    def bitmap_rows(self, words: torch.Tensor, keys: int, world_size: int, scale: float = 1.0,
+                    num_threads: int = 0) -> Optional[torch.Tensor]:
+        """The CPU backend's ``bitmap_rows`` on the device, in torch operations: the same words accepted
+        (csrc/cpu/digits.h word_integers' test) and the same rows; one synchronisation (the test)."""
+        from lossless_hc.backends.cpu import check_bitmap_words
+        pk = check_bitmap_words(words, keys, world_size)
+        v = words.to(torch.float64) * scale
+        r = torch.round(v)   # ties to even, as the CPU's rounding
+        limit = float(pk.base ** pk.per_word)
+        ok = (v > -0.5) & (v < limit) & ((v - r).abs() <= (0.0 if scale == 1.0 else 0.5)) & (r >= 0) & (r < limit)
+        rest = torch.where(ok, r, 0.0).to(torch.int32)
+        cols = []
+        for _ in range(pk.per_word):   # the digits from the lowest: one division per digit
+            quotient = torch.div(rest, pk.base, rounding_mode="floor")
+            cols.append(rest - quotient * pk.base)
+            rest = quotient
+        nonzero = torch.stack(cols, dim=1).reshape(-1) != 0
+        if not bool(ok.all() & ~nonzero[keys:].any()):   # a digit past the rows is never a rank's
+            return None
+        return torch.nonzero(nonzero[:keys]).reshape(-1)
 
     def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
         """The CPU backend's ``dense_copy`` on the device: the counts stay there (no synchronisation)."""

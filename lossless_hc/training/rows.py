@@ -87,8 +87,9 @@ class TensorRows:
 
     def _on_rows(self, ctx: AutoContext, rows: torch.Tensor) -> torch.Tensor:
         """This rank's values on the sorted ``rows``, zero where it has none: ``(len(rows), row)`` float32."""
-        if not self.sparse:
-            return self._rows(ctx.flat.to(torch.float32)).index_select(0, rows)
+        if not self.sparse:   # rows of 1 as a flat gather: torch's 2-D index_select copies rows of 1 at a third the speed
+            flat = ctx.flat.to(torch.float32)
+            return (flat if self.row == 1 else self._rows(flat)).index_select(0, rows).reshape(-1, self.row)
         out = torch.zeros(rows.numel(), self.row, dtype=torch.float32, device=rows.device)
         if ctx.index.numel() and rows.numel():
             at = torch.searchsorted(rows, ctx.index).clamp_(max=rows.numel() - 1)
@@ -115,8 +116,20 @@ class TensorRows:
         return self._shaped(flat)
 
     def _union_rows(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
-        """The rows some rank holds, sorted, from the summed two-phase bitmap."""
-        return torch.nonzero(self._unpack(words, averaged) > 0).reshape(-1)
+        """The rows some rank holds, sorted, from the summed (or averaged) counting bitmap: the backend's
+        ``bitmap_rows``, which refuses a word no sum of this tensor's bitmaps can hold."""
+        n = self.world_size
+        expected = bitmap_words(self.keys, n)
+        if words.numel() != expected:
+            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {words.numel()} words, expected {expected}")
+        rows = backend_for(words.device).bitmap_rows(words.to(torch.float32).contiguous(), self.keys, n,
+                                                     float(n) if averaged else 1.0, torch.get_num_threads())
+        if rows is None:
+            pk = digit_packing(n, self.keys)
+            raise ConfigurationMismatch(f"{self.name}: a two-phase bitmap word outside the sums of {n} ranks' "
+                                        f"bitmaps (integers in [0, {pk.base ** pk.per_word}), no row past "
+                                        f"{self.keys}): ranks built different plans?")
+        return rows
 
     def _no_rows(self, ctx: AutoContext) -> torch.Tensor:
         """The result when no rank holds a row."""
@@ -125,49 +138,10 @@ class TensorRows:
         return self._from_rows(empty, torch.zeros(0, self.row, dtype=torch.float32, device=device))
 
     def _bitmap(self, ctx: AutoContext) -> torch.Tensor:
-        return pack_bitmap(self.keys, self.world_size, self._device(ctx), present=ctx.present, index=ctx.index)
-
-    def _unpack(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
-        """Per-row counts (ranks holding the row) from the summed bitmap."""
-        w = self._integers(words, averaged)
-        if w.numel() != bitmap_words(self.keys, self.world_size):
-            raise ConfigurationMismatch(f"{self.name}: two-phase bitmap of {w.numel()} words, expected "
-                                        f"{bitmap_words(self.keys, self.world_size)}")
-        pk = digit_packing(self.world_size, self.keys)
-        if w.numel() and not (int(w.min()) >= 0 and int(w.max()) < pk.base ** pk.per_word):
-            raise ConfigurationMismatch(f"{self.name}: a two-phase bitmap word outside [0, {pk.base ** pk.per_word}): "
-                                        "not the sum of this tensor's bitmaps from "
-                                        f"{self.world_size} ranks (ranks built different plans?)")
-        return bitmap_counts(w, self.keys, self.world_size)
-
-
-def pack_bitmap(keys: int, world_size: int, device, present: Optional[torch.Tensor] = None,
-                index: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A rank's rows as ``keys`` digits of base n+1 (1 at a row it holds: ``present``, a bool per row,
-    or ``index``, the rows), packed exactly into float32 words (``lhc.layout.digit_packing``)."""
-    pk = digit_packing(world_size, keys)
-    # int32 throughout: a word is below 2^22 (lhc.layout.INT_FIELD_LIMIT), and int32 passes are ~2x int64's
-    # on a CPU
-    digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int32, device=device)
-    if present is not None:
-        digits[:keys] = present.to(torch.int32)
-    else:
-        digits[index] = 1
-    weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int32, device=device)
-    return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1, dtype=torch.int32).to(torch.float32)
-
-
-def bitmap_counts(words: torch.Tensor, keys: int, world_size: int) -> torch.Tensor:
-    """Per-row counts (ranks holding the row; int64) from the summed bitmap's words as exact integers
-    (``pk.words`` of them, each in ``[0, base^per_word)``, which the caller checks)."""
-    pk = digit_packing(world_size, keys)
-    rest = words.to(torch.int32)   # below 2^22 (the caller's check)
-    cols = []
-    for _ in range(pk.per_word):   # the digits from the lowest: one division per digit, not one per power
-        quotient = torch.div(rest, pk.base, rounding_mode="floor")
-        cols.append(rest - quotient * pk.base)
-        rest = quotient
-    return torch.stack(cols, dim=1).reshape(-1)[:keys].to(torch.int64)
+        """This rank's counting bitmap: a digit of base n+1 per row, 1 at a row it holds, packed exactly into
+        float32 words (``lhc.layout.digit_packing``; the backend's ``bitmap_pack``)."""
+        return backend_for(self._device(ctx)).bitmap_pack(self.keys, self.world_size, present=ctx.present,
+                                                          index=ctx.index, num_threads=torch.get_num_threads())
 
 
 # The allgather's slots carry a row's index as an int32 bit-cast to float32: tensors of more rows are

@@ -13,6 +13,7 @@ from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration,
                                           CostModel, TensorStats, stats_header_words)
 from lossless_hc.training.aggregate import ConfigurationMismatch
+from lossless_hc.training.step import run_in_process
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner_cost import MODEL, stats
 
@@ -21,23 +22,7 @@ from test_planner_cost import MODEL, stats
 
 def run_step(aggs, xs, average=False):
     """One step of every rank's aggregator with in-process collectives; the per-rank results."""
-    n = len(aggs)
-    enc = [a.encode(x) for a, x in zip(aggs, xs)]
-    summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
-    if average:
-        summed = summed / n
-    outs = [a.decode(summed.to(enc[0][0].dtype), ctx) for a, (_, ctx) in zip(aggs, enc)]
-    if outs[0].request is None:
-        assert all(o.request is None for o in outs)
-        return [o.value for o in outs]
-    kinds = {o.request.kind for o in outs}
-    assert len(kinds) == 1
-    if outs[0].request.kind == "allreduce":
-        res = torch.stack([o.request.tensor.to(torch.float64) for o in outs]).sum(0).to(outs[0].request.tensor.dtype)
-        return [a.finish(ctx, res.clone()) for a, (_, ctx) in zip(aggs, enc)]
-    assert len({o.request.tensor.numel() for o in outs}) == 1
-    res = torch.stack([o.request.tensor for o in outs])
-    return [a.finish(ctx, res.clone()) for a, (_, ctx) in zip(aggs, enc)]
+    return run_in_process(aggs, xs, average)[0]
 
 
 def sparse_rows(rng, rows, dim, k, hot=0):

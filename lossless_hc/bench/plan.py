@@ -30,6 +30,7 @@ import torch
 
 from lossless_hc.bench.common import format_table, machine_rows, section
 from lossless_hc.training.planner import EXACT_STRATEGIES, Calibration, CostModel
+from lossless_hc.training.step import run_in_process
 from lossless_hc.training.strategies import AutoAggregator
 
 PLAN_STRATEGIES = ("dense", "sketch", "allgather", "two_phase", "fp16", "bf16", "thc", "topk")
@@ -45,35 +46,6 @@ def _inputs(numel: int, row: int, density: float, workers: int, seed: int, devic
         x[held] = torch.randn(held.numel(), row, generator=g)
         xs.append(x.reshape(-1).to(device))
     return xs
-
-
-def _step(aggs: Sequence[AutoAggregator], xs: Sequence[torch.Tensor]) -> tuple:
-    """One step of every rank: (seconds of local work, summed over the ranks; rank 0's result)."""
-    local = 0.0
-    encoded = []
-    for a, x in zip(aggs, xs):
-        t0 = time.perf_counter()
-        encoded.append(a.encode(x))
-        local += time.perf_counter() - t0
-    summed = torch.stack([p.to(torch.float64) for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
-    outcomes = []
-    for a, (_, ctx) in zip(aggs, encoded):
-        t0 = time.perf_counter()
-        outcomes.append(a.decode(summed, ctx))
-        local += time.perf_counter() - t0
-    if outcomes[0].request is None:
-        return local, outcomes[0].value
-    requests = [o.request.tensor for o in outcomes]
-    if outcomes[0].request.kind == "allgather":
-        result = torch.stack([r.reshape(-1) for r in requests])
-    else:
-        result = torch.stack([r.to(torch.float64) for r in requests]).sum(0).to(requests[0].dtype)
-    values = []
-    for a, (_, ctx) in zip(aggs, encoded):
-        t0 = time.perf_counter()
-        values.append(a.finish(ctx, result.clone()))
-        local += time.perf_counter() - t0
-    return local, values[0]
 
 
 def run_plan_bench(numel: int, row: int = 1, density: float = 1.0, workers: int = 2,
@@ -100,12 +72,13 @@ def run_plan_bench(numel: int, row: int = 1, density: float = 1.0, workers: int 
                                lossy=True, first=s, allowed=(s,), lossy_min_bytes=0, device=dev)
                 for r in range(workers)]
         for _ in range(interval):   # untimed: the first statistics, a sketch sized from them, THC's first step
-            _step(aggs, xs)
+            run_in_process(aggs, xs)
         sent0, per_interval = aggs[0].bytes_sent, []
         for _ in range(repeat):
             local = 0.0
             for _ in range(interval):
-                seconds, value = _step(aggs, xs)
+                values, seconds = run_in_process(aggs, xs)
+                value = values[0]
                 local += seconds
             sync()
             per_interval.append(local / (interval * workers))

@@ -1,10 +1,12 @@
 """One step of one tensor under the planner: what :class:`~lossless_hc.training.strategies.AutoAggregator`
 keeps between its ``encode``, ``decode`` and ``finish`` (:class:`AutoContext`), what ``decode`` returns
-(:class:`AutoOutcome`) and the second collective a strategy may ask for (:class:`Request`)."""
+(:class:`AutoOutcome`) and the second collective a strategy may ask for (:class:`Request`); and
+:func:`run_in_process`, every rank's step in one process (the benchmarks' and the tests' engine)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,3 +52,39 @@ class AutoContext:
 class AutoOutcome:
     value: Optional[torch.Tensor]
     request: Optional[Request] = None
+
+
+def run_in_process(aggregators: Sequence, inputs: Sequence[torch.Tensor], average: bool = False) -> tuple:
+    """One step of every rank's :class:`~lossless_hc.training.strategies.AutoAggregator` (rank ``r``:
+    ``aggregators[r]`` on ``inputs[r]``) in one process, torch standing in for the engine: the first
+    payloads' SUM (in float64, then the payloads' dtype; ``average``: divided by n, as an averaging engine),
+    every rank's ``decode``, and where they request one more collective, its SUM (float64, then the
+    request's dtype) or gather (stacked in rank order) and every rank's ``finish`` (of a copy each).
+    Returns ``(values, seconds)``: each rank's value, and the seconds of the aggregators' own calls summed
+    over the ranks (the collectives left out). A RuntimeError where the ranks' requests differ in kind or
+    size, which no engine could carry out."""
+    n, seconds = len(aggregators), 0.0
+
+    def timed(fn, *args):
+        nonlocal seconds
+        t0 = time.perf_counter()
+        out = fn(*args)
+        seconds += time.perf_counter() - t0
+        return out
+
+    encoded = [timed(a.encode, x) for a, x in zip(aggregators, inputs)]
+    summed = torch.stack([p.to(torch.float64) for p, _ in encoded]).sum(0)
+    summed = (summed / n if average else summed).to(encoded[0][0].dtype)
+    outcomes = [timed(a.decode, summed, ctx) for a, (_, ctx) in zip(aggregators, encoded)]
+    requests = [o.request for o in outcomes]
+    if all(r is None for r in requests):
+        return [o.value for o in outcomes], seconds
+    if any(r is None for r in requests) or len({(r.kind, r.tensor.numel()) for r in requests}) != 1:
+        raise RuntimeError("the ranks asked for different collectives: "
+                           f"{[(r.kind, r.tensor.numel()) if r else None for r in requests]}")
+    if requests[0].kind == "allgather":
+        result = torch.stack([r.tensor.reshape(-1) for r in requests])
+    else:
+        result = torch.stack([r.tensor.to(torch.float64) for r in requests]).sum(0).to(requests[0].tensor.dtype)
+    values = [timed(a.finish, ctx, result.clone()) for a, (_, ctx) in zip(aggregators, encoded)]
+    return values, seconds

@@ -274,16 +274,3 @@ def test_tensor_stats_refuses_bad_fields():
                        (dict(element_bytes=3), "element_bytes=3")):
         with pytest.raises(ValueError, match=match):
             TensorStats(**{**ok, **bad})
-
-
-def test_the_sketch_is_priced_per_row_of_the_union_whatever_the_row_s_width():
-    """The sketch's per-key work (hashing, index, peeling) is per row: two tensors of the same coordinates
-    and union rows, in rows of 1 and of 64, cost the same beyond their per-coordinate pass; two_phase,
-    which moves the rows' values, pays per row coordinate."""
-    model = CostModel(Calibration.default())
-    c, k = model.calibration.codec_seconds["sketch"]
-    narrow = TensorStats(1 << 20, 1, 2, (300, 300), 500)
-    wide = TensorStats(1 << 20, 64, 2, (300, 300), 500)
-    assert model.touched("sketch", narrow) == model.touched("sketch", wide) == 500
-    assert model.local_seconds("sketch", wide) == pytest.approx(c * (1 << 20) + k * 500)
-    assert model.touched("two_phase", wide) == 64 * model.touched("two_phase", narrow) == 64 * 500

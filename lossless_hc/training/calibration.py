@@ -31,8 +31,8 @@ its uncompressed VGG: docs/BENCHMARKS.md).
 Local work (:func:`measure_codecs`, rank 0's device): per coordinate, the copy into a message (dense),
 a half-precision plan's plain step (bf16; fp16 with its division by n and the product back: the
 round trip and the copy of the result) and the non-zero-row scan (allgather,
-two_phase); the LHC sketch's encode + decode per coordinate and per row of the union, fitted to one rank's
-payload in rows of 1 and of 64 (:func:`_sketch_price`); PowerSGD (DDP buckets): per coordinate, its error feedback's passes
+two_phase); per touched coordinate, the LHC sketch's encode + decode of
+a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error feedback's passes
 (add the memory, keep a copy, subtract the result), and per flop, the time of torch's own PowerSGD
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
 by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per coordinate, a steady
@@ -63,9 +63,6 @@ from lossless_hc.training.strategies import AutoAggregator
 LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
-# The sketch's price is fitted on a tensor this large (at 2^18 coordinates its fixed costs weighed as much
-# as its keys: 318 ns a key against 151 at 2^22), in rows of 1 and of SKETCH_WIDE_ROW (an embedding's)
-SKETCH_NUMEL, SKETCH_WIDE_ROW = 1 << 20, 64
 POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
 # top-k's step is timed on a tensor this large (its selection's fixed costs weigh at 2^18 coordinates: 13 ns
 # per coordinate there, 2-4 ns from 2^20 on, docs/BENCHMARKS.md), its decode on the sum of at most
@@ -174,7 +171,9 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     scan = timed(lambda: torch.nonzero(x != 0)) / numel
     half = timed(lambda: x.to(torch.bfloat16).to(torch.float32)) / numel
     fp16 = timed(lambda: x.to(torch.float16).div_(2).to(torch.float32).mul_(2)) / numel   # AutoAggregator's scaling
-    sketch = _sketch_price(device, density, timed)
+    codec = LosslessCodec(numel, 1, k, 1, 0, device=device)
+    sketch = timed(lambda: codec.decode(codec.encode(x))[1])
+    per_key = max(0.0, (sketch - scan * numel) / k)
     feedback = torch.zeros_like(x)
     passes = timed(lambda: (x + feedback).clone().sub_(x)) / numel
     # THC's first step is the norm-only round (THCCodec): the warm-up run takes it, the timed runs are
@@ -189,34 +188,13 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
                 # a half-precision plan's plain step also copies the result into the engine's tensor
                 # (its statistics steps, one in an interval, scan twice: not priced, as a dense plan's scan)
-                "sketch": sketch, "fp16": (fp16 + copy, 0.0), "bf16": (half + copy, 0.0),
+                "sketch": (scan, per_key), "fp16": (fp16 + copy, 0.0), "bf16": (half + copy, 0.0),
                 # THC: and the copy of the result, as the half plans (its statistics steps' scans: as fp16's)
                 "thc": (thc_step + copy, 0.0),
                 "powersgd": (passes, per_flop)})
     if topk_ratio is not None:
         out["topk"] = _topk_step(device, world_size, topk_ratio, timed)
     return out
-
-
-def _sketch_price(device, density: float, timed: Callable) -> tuple:
-    """``(per coordinate, per row of the union)`` of the LHC sketch's encode + decode: one rank's payload of
-    :data:`SKETCH_NUMEL` coordinates with a ``density`` share of its rows non-zero, timed in rows of 1 and
-    of :data:`SKETCH_WIDE_ROW`. Its work per row (hashing, index, peeling) hardly depends on the row's
-    width, so the two times fit ``c d + r k`` for the ``k`` rows of each (docs/BENCHMARKS.md); both are
-    kept >= 0 where noise would make one negative."""
-    g = torch.Generator().manual_seed(2)
-    times, rows = [], []
-    for row in (1, SKETCH_WIDE_ROW):
-        keys = SKETCH_NUMEL // row
-        k = max(1, int(density * keys))
-        x = torch.zeros(keys, row)
-        x[torch.randperm(keys, generator=g)[:k]] = torch.randn(k, row, generator=g)
-        x = x.reshape(-1).to(device)
-        codec = LosslessCodec(SKETCH_NUMEL, 1, k, row, 0, device=device)
-        times.append(timed(lambda: codec.decode(codec.encode(x))[1]))
-        rows.append(k)
-    per_row = max(0.0, (times[0] - times[1]) / (rows[0] - rows[1]))
-    return max(0.0, times[1] - per_row * rows[1]) / SKETCH_NUMEL, per_row
 
 
 def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:

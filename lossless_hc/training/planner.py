@@ -58,12 +58,10 @@ over the observed counts, the same numbers :mod:`lossless_hc.training.strategies
 with plain steps are priced at them, dense with its header's few bytes: their statistics steps, one in
 ``interval``, add a scan and, for fp16 and bf16, the header's round trip before the body's.)
 The predicted time is the sum of the collectives' times plus the local work,
-``c_s d + k_s t_s`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
-tensor and per unit ``t_s`` of what the strategy touches (:meth:`CostModel.touched`): the coordinates
-of the rows it moves for allgather (``n K b``) and two_phase (``u b``); the union's rows for the sketch
-(``u``, whatever ``b``: its hashing, index and peeling are per row, and its cells' values cost little
-beside its pass over the tensor, ``c_s d``); the selected coordinates for topk (``n ceil(r d)``,
-whatever ``b``); 0 otherwise. :meth:`CostModel.choose` returns the
+``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
+tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
+allgather, ``u`` for two_phase and sketch, 0 otherwise; topk selects coordinates, not rows, so its
+term is ``k_s n ceil(r d)`` whatever ``b``). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
 keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
 the first allreduce's latency that every strategy pays alike.
@@ -155,8 +153,7 @@ DEFAULT_CODEC_SECONDS = {
     "dense": (0.5e-9, 0.0),        # copy into the message and out
     "allgather": (0.5e-9, 2e-9),   # scan for non-zero rows; scatter-add of the gathered rows
     "two_phase": (1.0e-9, 2e-9),   # scan, pack/unpack the bitmap; gather/scatter the union's rows
-    "sketch": (1.0e-9, 200e-9),    # its pass over the tensor (index, encode, output) per coordinate; per row of
-                                   # the union: hash, index, sketch and peel
+    "sketch": (1.5e-9, 15e-9),     # index encode/decode per coordinate; hash, sketch and peel per row coordinate
     # the half round trip and the copy of the result into the engine's tensor: a half-precision plan's
     # plain step
     "fp16": (1.0e-9, 0.0),
@@ -421,15 +418,11 @@ class CostModel:
             return s.keys
         return s.numel + s.keys
 
-    def touched(self, strategy: str, s: TensorStats) -> int:
-        """The units of the strategy's per-key local cost (module doc): row coordinates moved (allgather,
-        two_phase), the union's rows (sketch), the selected coordinates (topk); 0 for the others."""
+    def touched_coordinates(self, strategy: str, s: TensorStats) -> int:
         if strategy == "allgather":
             return s.world_size * s.max_rank_keys * s.row
-        if strategy == "two_phase":
+        if strategy in ("two_phase", "sketch"):
             return s.union_keys * s.row
-        if strategy == "sketch":
-            return s.union_keys
         if strategy == "topk":
             return s.world_size * max(1, math.ceil(self.topk_ratio * s.numel))
         return 0
@@ -437,7 +430,7 @@ class CostModel:
     def local_seconds(self, strategy: str, stats: TensorStats) -> float:
         """Predicted seconds of the strategy's local work for ``stats`` (module doc)."""
         per_coord, per_key = self.calibration.codec_seconds.get(strategy, DEFAULT_CODEC_SECONDS[strategy])
-        return per_coord * self.local_coordinates(strategy, stats) + per_key * self.touched(strategy, stats)
+        return per_coord * self.local_coordinates(strategy, stats) + per_key * self.touched_coordinates(strategy, stats)
 
     def predict(self, strategy: str, stats: TensorStats) -> float:
         """Predicted seconds of one step of ``strategy`` for ``stats``."""

@@ -2,11 +2,12 @@
 # One call on a lent GPU machine: everything the CUDA backend needs checked and measured there.
 #
 #   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench1m bench1v
-#                                               bench5 bench5b bench5m sanitize thcsanitize topksanitize, or several
+#                                               bench5 bench5b bench5m planbench sanitize thcsanitize topksanitize,
+#                                               or several
 #                                               joined by '+' (run at the same time, e.g. test+sanitize: for
 #                                               checks, never for timings); default: the whole issue-#22 run,
 #                                               build test+sanitize+thcsanitize+topksanitize bench1v bench1
-#                                               thcbench topkbench bench1m bench5b bench5m: the checks first
+#                                               thcbench topkbench bench1m bench5b bench5m planbench: the checks first
 #                                               (kernels changed since the last GPU run have only run in
 #                                               emulation), then the benchmarks while the call's time lasts;
 #                                               the summary names the skipped ones, for a second call while
@@ -28,12 +29,14 @@
 #             (index auto: bitmap there); bench1b with --index bitmap, bench1m with --index multilevel
 #   bench5, bench5b, bench5m  the same at density 0.05 (auto sends 5% of 8 ranks dense)
 #   bench1v   bench1b decoding with verify=True (lhc_verify_values' ancestry walks)
+#   planbench python -m lossless_hc.bench plan --device cuda: auto's strategies' local work per step and rank,
+#             an embedding table (2^24 in rows of 64, 2%) and rows of 1 (2^22, 1%), against a clone
 #   sanitize  compute-sanitizer memcheck (and racecheck) on the fuzzing and overflow tests
 #   thcsanitize, topksanitize  the same on THC's and top-k's CUDA tests
 # Logs go to $OUT (the device tool's output folder; ./gpu-session-out when unset): summary.txt, build.log,
 # test.log, sanitize.log, thc-sanitize.log, topk-sanitize.log (one per sanitizer step, which may run at the
 # same time), bench.log and one JSON per benchmark (bench-<density>-<index>.json,
-# bench-0.01-bitmap-verify.json, thc-bench.json, topk-bench.json); under the device tool (OUT set) all but summary.txt end up in gpu-session.tgz.
+# bench-0.01-bitmap-verify.json, thc-bench.json, topk-bench.json, plan-*.json); under the device tool (OUT set) all but summary.txt end up in gpu-session.tgz.
 # The whole run keeps within LHC_SESSION_SECONDS (default 560 s, under the tool's 10-minute limit) or
 # until LHC_SESSION_DEADLINE (seconds since the epoch) when set: a step that would not fit is skipped and
 # says so, with the command for a second call (which builds first: the machine may be a fresh one by then).
@@ -51,7 +54,7 @@ DEADLINE=${LHC_SESSION_DEADLINE:-$((START + ${LHC_SESSION_SECONDS:-560}))}
 SUMMARY="$OUT/summary.txt"
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build test+sanitize+thcsanitize+topksanitize bench1v bench1 thcbench topkbench
-                                  bench1m bench5b bench5m)
+                                  bench1m bench5b bench5m planbench)
 FAILED=0
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
   2>/dev/null | head -1)
@@ -132,6 +135,12 @@ run_step() {
     bench1m) bench 0.01 multilevel ;;
     bench1v) bench 0.01 bitmap --verify ;;
     bench5m) bench 0.05 multilevel ;;
+    planbench)
+      STEP_MIN=60 step "plan bench, a table" bench.log 120 "$PY" -m lossless_hc.bench plan --device cuda --numel 16777216 \
+        --row 64 --density 0.02 --strategies dense,sketch,allgather,two_phase --json "$OUT/plan-table.json"
+      STEP_MIN=60 step "plan bench, rows of 1" bench.log 120 "$PY" -m lossless_hc.bench plan --device cuda --numel 4194304 \
+        --density 0.01 --strategies sketch,allgather,two_phase,thc,topk --json "$OUT/plan-rows1.json"
+      ;;
     *) echo "unknown step $1 (see the header of scripts/gpu_session.sh)" | tee -a "$SUMMARY"; FAILED=1 ;;
   esac
   return $FAILED
@@ -174,6 +183,10 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
         for phase in ("encode", "decode") if t.get("kernels_ms") else ():
             top = sorted(t["kernels_ms"][phase].items(), key=lambda kv: -kv[1])[:4]
             print(f"  {phase} kernels: " + ", ".join(f"{k} {v:.3f} ms" for k, v in top))
+    elif "strategies" in r and "clone_s" in r:
+        print(f"{name}: clone {r['clone_s'] * 1e3:.2f} ms; " + ", ".join(
+            f"{s} {v['step_s'] * 1e3:.2f} ms{'' if v['equals_sum'] or not v['exact'] else ' NOT EXACT'}"
+            for s, v in r["strategies"].items()))
     elif "topk_select" in t:
         print(f"{name}: select {t['topk_select']['median_s'] * 1e3:.3f} ms = {r['ratios']['topk_select']:.2f}x copy, "
               f"torch.topk {r['ratios']['torch_topk']:.2f}x copy, exact {r['exact']}")

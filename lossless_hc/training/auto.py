@@ -353,7 +353,11 @@ class AutoCompressorAdapter(CompressorAdapter):
     def _finish_step(self) -> None:
         requests, self._requests = self._requests, []
         for handle, out, ctx, agg in requests:
-            out.copy_(agg.finish(ctx, self._wait_request(handle)))
+            # an allgather of a dense gradient sums into out itself (its finish's out): no second tensor of
+            # the table's size, and no copy of it
+            value = agg.finish(ctx, self._wait_request(handle), out=out)
+            if value.is_sparse or value.data_ptr() != out.data_ptr():
+                out.copy_(value)
         if self._guard is not None:
             self._guard_step_ended(time.perf_counter())
         self._after_step()

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "cpu/codec_cpu.h"
 #include "lhc_layout.h"
@@ -56,6 +57,17 @@ PYBIND11_MODULE(_C, m) {
         return py::bytes(reinterpret_cast<const char*>(st.inexact_keys.data()), 8 * st.inexact_keys.size());
       });
 
+  m.def(
+      "lhc_peel_batch",
+      [](const std::string& request) {
+        if (!request.empty() && !cpu::value_peel_batch_set(request.c_str()))
+          throw py::value_error("the value peel's eight-key step is 'on', 'off' or 'default', not '" + request + "'");
+        return cpu::value_peel_batch_on();
+      },
+      py::arg("request") = "",
+      "Whether the LHC value peel's eight-key AVX-512 step is on (it runs only under THC's x86-64-v4 copy; the same "
+      "bits as key by key). With request ('on', 'off', 'default': LHC_PEEL_BATCH, else on unless the CPU is AMD's), "
+      "set it first.");
   m.def(
       "encode",
       [](uintptr_t words, uintptr_t x, uintptr_t payload, int num_threads) {

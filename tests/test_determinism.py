@@ -237,16 +237,34 @@ def test_avx512_value_peel_matches_the_scalar_step(cfg):
         summed[at[10:]] *= torch.from_numpy(rng.uniform(0.5, 2.0, cfg["corrupt"] - 10)).float()
     outs = {}
     try:
-        for isa in ("x86-64-v4", "x86-64-v3", "portable"):
+        # The step is off by default on AMD's CPUs (cpu.lhc_peel_batch): "on" runs it on any CPU with AVX-512.
+        for isa, batch in (("x86-64-v4", "on"), ("x86-64-v4", "off"), ("x86-64-v3", "on"), ("portable", "on")):
             cpu.thc_cpu_isa(isa)
-            outs[isa] = codec.decode(summed, error_bounds=True)
+            assert cpu.lhc_peel_batch(batch) == (batch == "on")
+            outs[isa, batch] = codec.decode(summed, error_bounds=True)
     finally:
         cpu.thc_cpu_isa("default")
-    y, report = outs["x86-64-v4"]
+        cpu.lhc_peel_batch("default")
+    y, report = outs["x86-64-v4", "on"]
     if not cfg["corrupt"]:
         assert helpers.peeled_ok(report), report.reason
     else:
         assert not report.ok
-    for isa in ("x86-64-v3", "portable"):
-        assert same_bits(y, outs[isa][0]), f"{isa} decodes other bits than x86-64-v4"
-        assert reports_equal(report, outs[isa][1])
+    for key in (("x86-64-v4", "off"), ("x86-64-v3", "on"), ("portable", "on")):
+        assert same_bits(y, outs[key][0]), f"{key} decodes other bits than the AVX-512 step"
+        assert reports_equal(report, outs[key][1])
+
+
+def test_peel_batch_setting_is_checked_and_restored():
+    """lhc_peel_batch: 'on' and 'off' stick until 'default', which gives back the CPU's own default;
+    any other request is a ValueError that changes nothing."""
+    from lossless_hc.backends import cpu
+    default = cpu.lhc_peel_batch()
+    try:
+        assert cpu.lhc_peel_batch("on") is True and cpu.lhc_peel_batch() is True
+        with pytest.raises(ValueError, match="'on', 'off' or 'default'"):
+            cpu.lhc_peel_batch("yes")
+        assert cpu.lhc_peel_batch() is True
+        assert cpu.lhc_peel_batch("off") is False and cpu.lhc_peel_batch() is False
+    finally:
+        assert cpu.lhc_peel_batch("default") == default

@@ -88,6 +88,13 @@ bool bitmap_pack_index(const int64_t* index, uint64_t count, const DigitPacking&
 int64_t bitmap_masks(const float* words, const DigitPacking& P, double scale, uint32_t* masks, int num_threads);
 void bitmap_mask_rows(const uint32_t* masks, const DigitPacking& P, int64_t* rows, int num_threads);
 
+// The value peel's eight-key AVX-512 step (peel_batch.cpp; the same bits as key by key, at another speed):
+// value_peel_batch_set("on" | "off" | "default") -- default: LHC_PEEL_BATCH ("on"/"off") if set, else on
+// for CPUs that are not AMD's (peel_batch.cpp says why); false for any other request.
+// value_peel_batch_on: whether it is on now (it runs only while THC's x86-64-v4 copy is selected).
+bool value_peel_batch_set(const char* request);
+bool value_peel_batch_on();
+
 // Ask the kernel to back the whole 2 MiB pages inside [p, p + bytes) with transparent huge pages
 // (Linux, where THP is enabled for "madvise" or "always"; elsewhere a no-op). For memory not touched
 // yet: its first write then takes one page fault per 2 MiB instead of one per 4 KiB -- most of the

@@ -383,9 +383,10 @@ struct ValueBatchOut {
   bool check_now;
 };
 
-// Whether value_peel_batch8 can run on table t with `count` keys: the selected CPU copy is AVX-512
-// (thc_cpu_isa() "x86-64-v4", which LHC_CPU_ISA and thc_set_cpu_isa choose for THC's kernels and
-// this step alike), a block of one value, and indices that fit 32 bits.
+// Whether value_peel_batch8 can run on table t with `count` keys: the step is on
+// (codec_cpu.h value_peel_batch_on), the selected CPU copy is AVX-512 (thc_cpu_isa() "x86-64-v4", which
+// LHC_CPU_ISA and thc_set_cpu_isa choose for THC's kernels and this step alike), a block of one
+// value, and indices that fit 32 bits.
 bool value_peel_batch8_available(PeelCells t, uint32_t count);
 
 // peel_layers' `batch` for the value sketch with a block of one value (peel_batch.cpp): the eight keys

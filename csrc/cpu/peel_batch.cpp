@@ -7,7 +7,11 @@
 // without floating-point contraction, and the scalar code has no FMA). The keys of a batch share no
 // cell (checked; a batch whose keys do is declined and goes key by key), so the order in which lanes
 // store cannot change a value.
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "peel.h"
 #include "thc_cpu.h"
@@ -163,10 +167,52 @@ LHC_AVX512 bool batch8_avx512(PeelCells t, const uint32_t* entries, const ValueB
 }  // namespace
 #endif
 
+}  // namespace detail
+
+namespace {
+
+// The step's setting: kDefault until value_peel_batch_set names one. Default: on, except on AMD's
+// CPUs, where its gathers and scatters measured slower than the scalar step's prefetched loads once a
+// group's table outgrows a core's L2 (Zen 4; on an Intel Xeon the step is the faster one):
+// docs/BENCHMARKS.md, "The value peel's AVX-512 step on AMD".
+enum BatchSetting : int { kDefault = 0, kOn = 1, kOff = 2 };
+std::atomic<int> g_batch_setting{kDefault};
+
+bool batch_on_by_default() {
+  const char* env = std::getenv("LHC_PEEL_BATCH");
+  if (env && std::strcmp(env, "on") == 0) return true;
+  if (env && std::strcmp(env, "off") == 0) return false;
+  if (env && *env) std::fprintf(stderr, "lossless_hc: LHC_PEEL_BATCH=%s is neither on nor off; ignored\n", env);
+#if LHC_PEEL_BATCH
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool value_peel_batch_set(const char* request) {
+  const std::string r = request;
+  if (r != "default" && r != "on" && r != "off") return false;
+  g_batch_setting.store(r == "on" ? kOn : r == "off" ? kOff : kDefault, std::memory_order_relaxed);
+  return true;
+}
+
+bool value_peel_batch_on() {
+  static const bool by_default = batch_on_by_default();
+  const int s = g_batch_setting.load(std::memory_order_relaxed);
+  return s == kDefault ? by_default : s == kOn;
+}
+
+namespace detail {
+
 bool value_peel_batch8_available(PeelCells t, uint32_t count) {
 #if LHC_PEEL_BATCH
   // Gather indices are signed 32-bit: a cell's words and the keys' positions must fit.
-  return std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0 && t.stride() == PeelCells::kStateSlots + 1 && t.cells() < (1ull << 27) && count < (1u << 31);
+  return value_peel_batch_on() && std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0 &&
+         t.stride() == PeelCells::kStateSlots + 1 && t.cells() < (1ull << 27) && count < (1u << 31);
 #else
   (void)t;
   (void)count;

@@ -93,9 +93,19 @@ def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tens
 def thc_cpu_isa(request: str = "") -> str:
     """The compiled copy of THC's CPU kernels in use ("x86-64-v4", "x86-64-v3" or "portable"; the same
     bits from each); ``request`` switches to another first ("default": the best this CPU runs). The
-    selection also governs the LHC value peel's AVX-512 step (used only under "x86-64-v4")."""
+    selection also governs the LHC value peel's AVX-512 step (used only under "x86-64-v4", and only
+    where :func:`lhc_peel_batch` is on)."""
     _require_module()
     return _C.thc_cpu_isa(request)
+
+
+def lhc_peel_batch(request: str = "") -> bool:
+    """Whether the LHC value peel resolves eight keys of a layer at once in AVX-512 lanes (the same
+    bits as key by key; it runs only while :func:`thc_cpu_isa` is "x86-64-v4"). ``request`` sets it
+    first: "on", "off" or "default" (``LHC_PEEL_BATCH`` if set, else on unless the CPU is AMD's, whose
+    gathers and scatters made it the slower step at large tables); anything else is a ValueError."""
+    _require_module()
+    return _C.lhc_peel_batch(request)
 
 
 def thc_cpu_isas() -> list:

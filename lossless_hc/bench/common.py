@@ -32,11 +32,14 @@ def simd_level() -> str:
     """The compiled copy of THC's CPU kernels in use (x86-64-v4: AVX-512, x86-64-v3: AVX2 + FMA, or
     portable): the same bits from each, at different speeds, so every recorded ratio names it. The
     LHC kernels' clones take the best level this CPU runs: the same one unless LHC_CPU_ISA forces
-    THC's to another."""
+    THC's to another. Under x86-64-v4 it also says when the LHC value peel's AVX-512 step is off
+    (``lhc_peel_batch``: by default on AMD's CPUs)."""
     from lossless_hc.backends import cpu as cpu_backend  # lazily: the bench's helpers load without _C
     names = {"x86-64-v4": "x86-64-v4 (AVX-512)", "x86-64-v3": "x86-64-v3 (AVX2 + FMA)"}
     try:
         isa = cpu_backend.thc_cpu_isa()
+        if isa == "x86-64-v4" and not cpu_backend.lhc_peel_batch():
+            return "x86-64-v4 (AVX-512; the LHC value peel key by key)"
         return names.get(isa, isa)
     except ImportError:
         return "unknown (lossless_hc._C not built)"

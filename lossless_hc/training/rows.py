@@ -12,8 +12,8 @@ import torch
 
 from lossless_hc.backends import backend_for
 from lossless_hc.lhc.layout import digit_packing
-from lossless_hc.training.aggregate import ConfigurationMismatch, default_block_size
-from lossless_hc.training.planner import bitmap_words
+from lossless_hc.training.aggregate import ConfigurationMismatch, default_block_size, payload_is_averaged
+from lossless_hc.training.planner import COUNT_FIELD_BITS, bitmap_words, stats_header_words
 from lossless_hc.training.step import AutoContext
 
 
@@ -37,6 +37,58 @@ class TensorRows:
             raise ValueError(f"{name}: a sparse gradient needs at least one dimension (its rows)")
         self.row = max(1, math.prod(self.shape[1:])) if self.sparse else default_block_size(self.shape)
         self.keys = self.numel // self.row if self.numel else 0
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.is_sparse != self.sparse:
+            raise TypeError(f"{self.name}: got a {'sparse' if x.is_sparse else 'dense'} gradient; this tensor's "
+                            f"aggregator was built for {'sparse' if self.sparse else 'dense'} ones (a parameter's "
+                            "gradient layout must not change between steps)")
+        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
+                             f"{self.dtype} {self.shape}")
+
+    def _listed_rows(self, x: torch.Tensor, ctx: AutoContext) -> None:
+        """A sparse gradient's rows, coalesced (duplicates summed): ``ctx.index``, ``ctx.values``, ``ctx.rows``."""
+        if x.sparse_dim() != 1:
+            raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "
+                            "sparse tensors of rows (sparse_dim 1, as nn.Embedding(sparse=True) gives)")
+        raw = x._indices()[0]
+        if raw.numel():   # torch builds such tensors unchecked; two_phase would drop a row past the table
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(raw)).tolist())
+            if lo < 0 or hi >= self.keys:
+                raise ValueError(f"{self.name}: a sparse gradient lists row {lo if lo < 0 else hi} of a table of "
+                                 f"{self.keys} rows")
+        x = x.detach().coalesce()
+        ctx.index = x.indices()[0]
+        ctx.values = x.values().reshape(ctx.index.numel(), self.row)
+        ctx.rows = ctx.index.numel()
+
+    def _stats_header(self, rows: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """This rank's statistics header (:func:`~lossless_hc.training.planner.stats_header_words`): 1 in the
+        contributor word, ``rows`` in this rank's two count fields (low ``COUNT_FIELD_BITS`` bits, then the
+        rest), zeros elsewhere, so the ranks' SUM holds every rank's count exactly."""
+        header = torch.zeros(stats_header_words(self.world_size), dtype=dtype, device=device)
+        header[0] = 1.0
+        header[1 + 2 * self.rank] = float(rows % (1 << COUNT_FIELD_BITS))
+        header[2 + 2 * self.rank] = float(rows >> COUNT_FIELD_BITS)
+        return header
+
+    def _read_stats_header(self, summed: torch.Tensor, strategy: str) -> tuple:
+        """``(averaged, per-rank row counts)`` from the summed (or averaged) statistics header of a plan of
+        ``strategy``; ConfigurationMismatch unless every rank contributed, or (the engine's op known: ranks
+        that left by ``hvd.join()`` add zeros) a dense plan's, whose body sums the contributors exactly."""
+        n = self.world_size
+        averaged = payload_is_averaged(summed, n, self.engine_averages)
+        contributors = round(float(summed[0]) * (n if averaged else 1))
+        # any other strategy's next collective would miss the ranks that left
+        joined = self.engine_averages is not None and 0 <= contributors < n
+        if contributors != n and not (joined and strategy == "dense"):
+            hint = (f"; {n - contributors} rank(s) sent nothing, as after hvd.join(): auto supports that only "
+                    "while every plan is dense" if joined else " (ranks built different plans?)")
+            raise ConfigurationMismatch(f"{self.name}: the first payload has {contributors} contributors, "
+                                        f"expected {n}{hint}")
+        fields = self._integers(summed[1:stats_header_words(n)], averaged).reshape(n, 2)
+        return averaged, tuple((fields[:, 0] + (fields[:, 1] << COUNT_FIELD_BITS)).tolist())
 
     def _rows(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.reshape(self.keys, self.row)

@@ -61,7 +61,7 @@ from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
-from lossless_hc.training.planner import (COUNT_FIELD_BITS, EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
+from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
@@ -329,36 +329,14 @@ class AutoAggregator(TensorRows):
         keeps it; a sparse one lists them (coalesced: duplicates summed) in ``ctx.index``, with their
         values in ``ctx.values``. ``scan`` False: a dense gradient is not scanned (the caller sets
         ``ctx.rows``: the sketch's encoder counts them)."""
-        if not self.sparse:
-            ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
-            if scan:
-                ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
-                ctx.rows = int(torch.count_nonzero(ctx.present))
-            return
-        if x.sparse_dim() != 1:
-            raise TypeError(f"{self.name}: a sparse gradient with {x.sparse_dim()} sparse dimensions; auto takes "
-                            "sparse tensors of rows (sparse_dim 1, as nn.Embedding(sparse=True) gives)")
-        raw = x._indices()[0]
-        if raw.numel():   # torch builds such tensors unchecked; two_phase would drop a row past the table
-            lo, hi = (int(v) for v in torch.stack(torch.aminmax(raw)).tolist())
-            if lo < 0 or hi >= self.keys:
-                raise ValueError(f"{self.name}: a sparse gradient lists row {lo if lo < 0 else hi} of a table of "
-                                 f"{self.keys} rows")
-        x = x.detach().coalesce()
-        ctx.index = x.indices()[0]
-        ctx.values = x.values().reshape(ctx.index.numel(), self.row)
-        ctx.rows = ctx.index.numel()
+        if self.sparse:
+            return self._listed_rows(x, ctx)
+        ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
+        if scan:
+            ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
+            ctx.rows = int(torch.count_nonzero(ctx.present))
 
     # -- a step --------------------------------------------------------------------------------------
-    def _check_input(self, x: torch.Tensor) -> None:
-        if x.is_sparse != self.sparse:
-            raise TypeError(f"{self.name}: got a {'sparse' if x.is_sparse else 'dense'} gradient; this tensor's "
-                            f"aggregator was built for {'sparse' if self.sparse else 'dense'} ones (a parameter's "
-                            "gradient layout must not change between steps)")
-        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
-            raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, expected "
-                             f"{self.dtype} {self.shape}")
-
     def encode(self, x: torch.Tensor):
         """``(payload, ctx)``: the first payload (statistics header + body) every rank sums."""
         self._check_input(x)
@@ -370,7 +348,6 @@ class AutoAggregator(TensorRows):
         if not carries:   # a plain step: the bare tensor (in half precision for fp16, bf16), no scan
             return self._plain(x, t0, self.strategy)
         s = self.strategy
-        n = self.world_size
         ctx = AutoContext(s, t0, 0)
         # a dense gradient's sketch counts its rows as it encodes them (the codec's blocks are the rows)
         counted = s == "sketch" and not self.sparse and self._codec.layout.index_kind != "dense"
@@ -397,16 +374,11 @@ class AutoAggregator(TensorRows):
             body, ctx.inner = self.topk_aggregator().encode(ctx.flat.to(torch.float32))
         else:   # allgather, fp16, bf16: the header only
             body = torch.zeros(0, dtype=torch.float32, device=self._device(ctx))
-        rank_key_count = ctx.rows
-        header = torch.zeros(stats_header_words(n), dtype=body.dtype if body.numel() else self.wire_dtype,
-                             device=body.device)
+        header = self._stats_header(ctx.rows, body.dtype if body.numel() else self.wire_dtype, body.device)
         if s == "dense" and not self.sparse and ctx.flat.dtype == self.plain_dtype and self.plain_dtype != body.dtype:
             # the body is the gradient as it is (no lossy memory flushed into it): a message may carry
             # it in the plain steps' dtype, exactly (AutoMessage)
             ctx.body_dtype, ctx.body_at = self.plain_dtype, header.numel()
-        header[0] = 1.0
-        header[1 + 2 * self.rank] = float(rank_key_count % (1 << COUNT_FIELD_BITS))
-        header[2 + 2 * self.rank] = float(rank_key_count >> COUNT_FIELD_BITS)
         payload = torch.cat([header, body.to(header.dtype)])
         ctx.payload_bytes = payload.numel() * payload.element_size()
         self._count_sent(ctx.payload_bytes, dense=s == "dense")
@@ -468,20 +440,8 @@ class AutoAggregator(TensorRows):
             return AutoOutcome(self._shaped(value))
         n = self.world_size
         H = stats_header_words(n)
-        averaged = n > 1 and (abs(float(summed[0]) - 1.0) < 0.5 if self.engine_averages is None
-                              else self.engine_averages)
-        contributors = round(float(summed[0]) * (n if averaged else 1))
-        # Fewer contributors where the engine's op is known: ranks that left (hvd.join) add zeros, which a
-        # dense body sums exactly; any other strategy's next collective would miss them.
-        joined = self.engine_averages is not None and 0 <= contributors < n
-        if contributors != n and not (joined and ctx.strategy == "dense"):
-            hint = (f"; {n - contributors} rank(s) sent nothing, as after hvd.join(): auto supports that only "
-                    "while every plan is dense" if joined else " (ranks built different plans?)")
-            raise ConfigurationMismatch(f"{self.name}: the first payload has {contributors} contributors, "
-                                        f"expected {n}{hint}")
+        averaged, ctx.rank_keys = self._read_stats_header(summed, ctx.strategy)
         ctx.averaged = averaged
-        fields = self._integers(summed[1:H], averaged).reshape(n, 2)
-        ctx.rank_keys = tuple((fields[:, 0] + (fields[:, 1] << COUNT_FIELD_BITS)).tolist())
         body = summed[H:]
         s = ctx.strategy
         if self.sparse and s in ("dense", "sketch"):

@@ -1,0 +1,194 @@
+"""The planner's plans over steps (lossless_hc.training.strategies, run in-process as tests/test_planner.py
+runs them): a dense plan's statistics one step in ``interval`` and its plain steps between, the engines'
+scale, re-plans (a tensor turning sparse, near ties, a calibration given late), the allgather's rank
+order on every device, and which steps count rows."""
+import pytest
+import torch
+
+from lossless_hc.training.planner import TensorStats, stats_header_words
+from lossless_hc.training.strategies import AutoAggregator
+from test_planner import run_step, sparse_rows
+from test_planner_cost import MODEL, stats
+
+
+# -- a dense plan's cost: statistics one step in ``interval``, the switch margin, the calibration's sizes ---
+
+def test_a_dense_plan_sends_the_bare_tensor_between_its_statistics_steps():
+    """Dense gradients: the first step and every ``interval``-th carry the statistics header; the others
+    are the bare tensor (no scan, nothing to parse), on every rank alike, and every step is exact."""
+    n, rows, dim, interval = 3, 40, 8, 4
+    rng = torch.Generator().manual_seed(5)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, interval=interval) for r in range(n)]
+    header = stats_header_words(n)
+    sizes = []
+    for step in range(10):
+        carries = {a.carries_statistics() for a in aggs}
+        assert len(carries) == 1
+        xs = [torch.randn(rows, dim, generator=rng) for _ in range(n)]
+        expected = {a.payload_numel() for a in aggs}
+        enc = [a.encode(x) for a, x in zip(aggs, xs)]
+        assert {p.numel() for p, _ in enc} == expected == {rows * dim + (header if carries.pop() else 0)}
+        sizes.append(expected.pop())
+        summed = torch.stack([p for p, _ in enc]).sum(0)
+        truth = torch.stack([x.double() for x in xs]).sum(0)
+        for a, (_, ctx) in zip(aggs, enc):
+            out = a.decode(summed.clone(), ctx)
+            assert out.request is None and torch.allclose(out.value.double(), truth, rtol=0, atol=1e-5)
+    with_header = [i + 1 for i, m in enumerate(sizes) if m > rows * dim]
+    assert with_header == [1, 4, 8], sizes   # step counts 1 and multiples of interval
+    for a in aggs:
+        assert a.strategy == "dense" and a.steps == 10 and a.plain_steps == 7
+        assert a.plan_stats()["plain_steps"] == 7
+
+
+def test_a_plain_step_keeps_the_engines_scale():
+    """An engine that averages (Horovod's default): a plain step's value is the average, like a dense
+    step with a header (whose contributor count tells the aggregator it was averaged)."""
+    n = 2
+    aggs = [AutoAggregator("w", (16,), torch.float32, n, r, MODEL, interval=8) for r in range(n)]
+    xs = [torch.arange(16, dtype=torch.float32) + r for r in range(n)]
+    for step in range(3):
+        ys = run_step(aggs, xs, average=True)
+        assert all(torch.equal(y, (xs[0] + xs[1]) / 2) for y in ys), step
+    assert aggs[0].plain_steps == 2
+
+
+def test_a_dense_tensor_that_turns_sparse_is_replanned_at_its_next_statistics_step():
+    n, rows, dim, interval = 3, 4000, 16, 4
+    rng = torch.Generator().manual_seed(6)
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, interval=interval) for r in range(n)]
+    seen = []
+    for step in range(12):
+        k = 3900 if step < 2 else 20
+        xs = [sparse_rows(rng, rows, dim, k) for _ in range(n)]
+        truth = torch.stack([x.double() for x in xs]).sum(0)
+        for y in run_step(aggs, xs):
+            assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+        assert len({a.strategy for a in aggs}) == 1
+        seen.append(aggs[0].strategy)
+    # dense until a statistics step (count 4 or 8) sees the sparse rows, then the sparse strategy
+    (switch, to) = aggs[0].history[0]
+    assert switch in (4, 8) and to != "dense" and seen[:switch - 1] == ["dense"] * (switch - 1), seen
+    assert "dense" not in seen[switch - 1:] and all(s % 4 == 0 for s, _ in aggs[0].history), aggs[0].history
+    assert aggs[0].history == aggs[1].history == aggs[2].history
+
+
+def test_a_replan_keeps_the_strategy_in_use_on_a_near_tie():
+    from lossless_hc.training.planner import SWITCH_MARGIN
+    s = stats(1 << 16, 64, 4, 1024, 1024)
+    best, predicted = MODEL.choose(s)
+    c = 2 * (4 - 1) * MODEL.calibration.link.alpha_s   # the first allreduce's latency, common to all
+    runner_up = min((t for t in predicted if t != best), key=predicted.get)
+    assert MODEL.choose(s, current=best)[0] == best
+    near = predicted[best] - c >= (1 - SWITCH_MARGIN) * (predicted[runner_up] - c)
+    assert MODEL.choose(s, current=runner_up)[0] == (runner_up if near else best), predicted
+    far = max(predicted, key=predicted.get)   # far worse than the best: left
+    assert predicted[best] - c < (1 - SWITCH_MARGIN) * (predicted[far] - c)
+    assert MODEL.choose(s, current=far)[0] == best
+    # Shrink the union of a tensor every rank holds densely: the first union at which another strategy
+    # is predicted cheaper than dense is a near tie, so a dense plan stays dense there; a much smaller
+    # union leaves dense; and a plan already on the cheaper strategy stays on it at the tie.
+    D, b, n = 4096, 64, 4
+    rows = [u for u in range(D, 0, -8) if MODEL.choose(TensorStats(D * b, b, n, (u,) * n, u))[0] != "dense"]
+    u = rows[0]
+    tie = TensorStats(D * b, b, n, (u,) * n, u)
+    cheaper, p = MODEL.choose(tie)
+    assert p[cheaper] < p["dense"] and MODEL.choose(tie, current="dense")[0] == "dense", p
+    assert MODEL.choose(tie, current=cheaper)[0] == cheaper
+    assert MODEL.choose(TensorStats(D * b, b, n, (u // 4,) * n, u // 4), current="dense")[0] != "dense"
+
+
+def test_an_aggregator_built_before_the_calibration_plans_once_it_is_given():
+    n = 2
+    aggs = [AutoAggregator("emb", (4000, 16), torch.float32, n, r, None, interval=4, topk_ratio=0.01, thc_bits=4)
+            for r in range(n)]
+    rng = torch.Generator().manual_seed(7)
+    xs = [sparse_rows(rng, 4000, 16, 20) for _ in range(n)]
+    run_step(aggs, xs)   # the first step is dense and needs no cost model; its plan waits
+    assert all(a.strategy == "dense" and a._plan_due for a in aggs)
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        aggs[0].encode(xs[0])
+    for a in aggs:
+        a.cost_model = MODEL
+    truth = torch.stack([x.double() for x in xs]).sum(0)
+    for y in run_step(aggs, xs):   # the due plan is applied at this encode, on every rank alike
+        assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+    assert {a.strategy for a in aggs} == {aggs[0].strategy} and aggs[0].strategy != "dense"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gathered_rows_are_summed_in_rank_order_on_every_device(device):
+    """The allgather strategy's sum of the gathered slots (rows.sum_slots) adds each row's values in rank
+    order, so every rank gets the same bits; values chosen so that another order changes them (1e8 + 1
+    - 1e8 is 0 in float32, -1e8 + 1e8 + 1 is 1)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from lossless_hc.training.rows import gather_slots, sum_slots
+    n, k, row = 5, 4, 3
+    sent = {0: [2, 7], 1: [7], 2: [], 3: [1, 2, 7, 9], 4: [7, 9]}
+    gen = torch.Generator().manual_seed(0)
+    values = {r: torch.randn(len(rows), row, generator=gen) for r, rows in sent.items()}
+    values[0][1] = 1e8   # row 7: 1e8, then 1, then -1e8 (ranks 0, 1, 3), then rank 4's
+    values[1][0] = 1.0
+    values[3][2] = -1e8
+    slots = torch.stack([gather_slots(torch.tensor(sent[r], dtype=torch.int64, device=device),
+                                      values[r].to(device), k, row).reshape(k, 1 + row) for r in range(n)])
+    union, rows = sum_slots(slots, row)
+    assert union.tolist() == [1, 2, 7, 9]
+    want = torch.zeros(4, row)
+    for r in range(n):   # rank order, one float32 addition at a time
+        for i, key in enumerate(sent[r]):
+            want[union.tolist().index(key)] += values[r][i]
+    assert torch.equal(rows.cpu(), want)
+    assert torch.equal(rows[2].cpu(), values[4][0])   # 1e8 + 1 - 1e8 = 0 first: row 7 is rank 4's value
+
+
+def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):
+    """A sketch plan of a dense gradient takes this rank's row count (its statistics) from the encoder's
+    own count (LosslessCodec.encoded_keys), not from a second read of the gradient by the row scan: the
+    statistics carry the rows holding a value other than +-0.0, and the step's sum is exact."""
+    rng = torch.Generator().manual_seed(4)
+    aggs = [AutoAggregator("emb", (500, 16), torch.float32, 3, r, MODEL, first="sketch", allowed=("sketch",))
+            for r in range(3)]
+    xs = [sparse_rows(rng, 500, 16, k) for k in (0, 40, 75)]
+    xs[2][xs[2].abs().sum(dim=1).argmax()] = -0.0   # a row of -0.0: not a row held
+    want = [int((x != 0).any(dim=1).sum()) for x in xs]
+    assert want == [0, 40, 74]
+
+    run_step(aggs, xs)   # sized for 1% of the rows before any statistics: a dense fallback, then sized
+
+    def scanned(self, flat):
+        raise AssertionError("the sketch step read a tensor for its rows")
+    monkeypatch.setattr(AutoAggregator, "_present", scanned)
+    for y in run_step(aggs, xs):
+        assert torch.allclose(y, sum(xs), rtol=2 ** -10, atol=0)
+    assert aggs[0].fallbacks == 1 and aggs[0].tracker.rank_keys == [float(k) for k in want]
+
+
+@pytest.mark.parametrize("strategy", ["thc", "topk"])
+def test_thc_and_top_k_count_rows_on_the_statistics_steps_only(strategy, monkeypatch):
+    """A THC or top-k plan's header rides on every step, but its counts are statistics on a dense plan's
+    statistics steps only (the first, then step counts that are multiples of ``interval``): the gradient's
+    and the result's rows are scanned and the tracker observes there; between them nothing scans."""
+    n = 2
+    aggs = [AutoAggregator("w", (4096,), torch.float32, n, r, MODEL, lossy=True, first=strategy, allowed=(strategy,),
+                           interval=4, lossy_min_bytes=0) for r in range(n)]
+    scans = []
+    scan = AutoAggregator._present
+
+    def counted(self, flat):
+        scans.append(self.steps)
+        return scan(self, flat)
+    monkeypatch.setattr(AutoAggregator, "_present", counted)
+    g = torch.Generator().manual_seed(3)
+    observed = []
+    for _ in range(9):
+        xs = [torch.randn(4096, generator=g) for _ in range(n)]
+        xs[1][:100] = 0.0
+        before = aggs[0].tracker.steps
+        run_step(aggs, xs)
+        observed.append(aggs[0].tracker.steps > before)
+    assert aggs[0].strategy == strategy and aggs[0].steps == 9
+    assert observed == [True, False, False, True, False, False, False, True, False]
+    assert scans == [s for s in (0, 3, 7) for _ in range(2 * n)]   # each rank's gradient, then the result
+    assert aggs[0].tracker.rank_keys == [4096.0, 3996.0]

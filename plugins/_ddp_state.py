@@ -13,7 +13,7 @@ from lossless_hc.training.aggregate import AggregationStats
 from lossless_hc.plugins._torch_dist import check_same_configuration, new_gloo_group
 
 
-class _HookState:
+class HookState:
     """What every hook state holds: the spec, the per-parameter aggregators, the fallback groups."""
 
     def __init__(self, spec: AggregatorSpec, process_group: Optional[dist.ProcessGroup] = None):

@@ -101,11 +101,11 @@ from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
 from lossless_hc.plugins._ddp_bucket import allreduce_half, bucket_slices, divide_first, fill_bucket, fill_slices
-from lossless_hc.plugins._ddp_state import _HookState, require_arguments
+from lossless_hc.plugins._ddp_state import HookState, require_arguments
 from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration
 
 
-class LosslessHookState(_HookState):
+class LosslessHookState(HookState):
     """State of :func:`lossless_hook`: naturally sparse gradients (embeddings), aggregated exactly.
 
     Args:
@@ -125,7 +125,7 @@ class LosslessHookState(_HookState):
         super().__init__(LosslessSpec(max_density, block_size, seed, index, policy=policy), process_group)
 
 
-class TopKHookState(_HookState):
+class TopKHookState(HookState):
     """State of :func:`topk_hook`: each rank's top ``ratio`` of every gradient (error feedback keeps
     the rest), the selections aggregated exactly. ``policy`` sizes the sketch for the observed union."""
 
@@ -134,7 +134,7 @@ class TopKHookState(_HookState):
         super().__init__(TopKSpec(ratio, seed, index, policy=policy), process_group)
 
 
-class THCHookState(_HookState):
+class THCHookState(HookState):
     """State of :func:`thc_hook`: THC quantization (lossy, unbiased, error feedback) with ``bits``,
     ``granularity`` and ``overflow_freq`` (see :class:`lossless_hc.THCCodec`). ``non_finite``: a step
     where some rank's gradient holds NaN/Inf raises ``FloatingPointError`` ("raise"; DDP cannot go on
@@ -202,7 +202,7 @@ class THCHookState(_HookState):
         return d
 
 
-class AutoHookState(_HookState):
+class AutoHookState(HookState):
     """State of :func:`auto_hook`: per parameter, the cheapest strategy the planner predicts; with
     ``lossy``, per bucket, PowerSGD (of the bucket, or of some of its matrices) where it beats the bucket's
     per-parameter plans.
@@ -377,7 +377,7 @@ def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Futu
     return _compressed_allreduce(state, bucket, "thc_hook")
 
 
-def _compressed_allreduce(state: _HookState, bucket: dist.GradBucket, hook: str):
+def _compressed_allreduce(state: HookState, bucket: dist.GradBucket, hook: str):
     buffer = bucket.buffer()
     if buffer.is_sparse:   # the fixed codecs encode dense tensors; auto_hook plans over a sparse one's rows
         raise TypeError(f"{hook} got a sparse gradient bucket; use auto_hook (AutoHookState(strategies=('sketch',)) "

@@ -35,7 +35,11 @@ not dense (from step index 8 on) the state runs an A/B trial of 20 whole steps, 
 dense-gradient bucket allreduced in place alternating in blocks of two steps, the second of each
 timed (5 of each; 20 steps more where the plans look faster, the verdict then on 10 of each); unless
 the plans' median step is at least 3% faster, dense gradients are allreduced in place for the rest of
-the run (THC's and top-k's error feedback, and a PowerSGD bucket's error memory, added to the gradients
+the run. With ``lossy=True`` "in place" is what ``bf16_compress_hook`` sends: a float32 bucket's gradients
+of 64 KiB (``lossy_min_bytes``) or more in bfloat16 (where the strategies allow bf16, else fp16 as
+``fp16_compress_hook``), the smaller ones in float32 beside them, so lossy plans stay only where they
+beat DDP's half-precision allreduce (THC's and top-k's error feedback, and a PowerSGD bucket's error
+memory, added to the gradients
 of the first such step, so nothing is lost; buckets that went to PowerSGD are part of the trial and
 leave it on a dense verdict). After a verdict for the plans, a re-plan that changes a dense gradient's
 plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step after the
@@ -91,7 +95,7 @@ import torch
 import torch.distributed as dist
 
 from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, plan_stats
+from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, guard_stats, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import HALF_STRATEGIES, Calibration  # noqa: F401  (Calibration: re-exported)
@@ -222,8 +226,10 @@ class AutoHookState(HookState):
             faster than DDP's dense allreduce to stay (0.03): an A/B trial of whole training steps,
             ``guard_steps`` timed steps of the plans alternating with as many of every dense gradient
             allreduced in place (in blocks of two steps, the second timed; as many more of each to
-            confirm a first look for the plans); if the plans' median step is not faster, dense
-            gradients are allreduced in place for the rest of the run (THC's and top-k's error
+            confirm a first look for the plans; with ``lossy``, a float32 bucket's gradients of
+            ``lossy_min_bytes`` or more in bfloat16, as ``bf16_compress_hook`` sends them, else in fp16 where
+            the strategies allow only that: ``AutoAggregator.guard_alternative``); if the plans' median
+            step is not faster, dense gradients are sent so for the rest of the run (THC's and top-k's error
             feedback, and a PowerSGD bucket's error memory, added to the first such step's gradients);
             if it is, the plans stay until a re-plan changes them, which opens a new trial
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
@@ -286,7 +292,7 @@ class AutoHookState(HookState):
             self._powersgd.plan_stats(d["plan"])
             d["buckets"] = self._powersgd.stats()
         d["calibration"] = self.spec.calibration_stats()
-        d["guard"] = self._guard.stats() if self._guard is not None else None
+        d["guard"] = guard_stats(self._guard, self._aggregators.values())
         return d
 
     def _begin_step(self, now: float) -> None:
@@ -462,6 +468,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         divided = divide_first(buffer, n)
     steady = part is None and not guard_dense and state.spec.calibration is not None
     plains = [a.plain_step() for a in aggs] if steady else [None]
+    if guard_dense:   # what DDP's own hooks send: in place, or with lossy, bf16_compress_hook's bfloat16
+        plains = [a.guard_alternative() for a in aggs] if buffer.dtype == torch.float32 else ["dense"]
     if buffer.dtype == torch.float32 and plains[0] in HALF_STRATEGIES and len(set(plains)) == 1:
         # the message's bits, without its copies
         def half_plain(fut: torch.futures.Future) -> torch.Tensor:
@@ -470,9 +478,9 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()
 
         return allreduce_half(buffer, n, state.process_group, plains[0]).then(half_plain)
-    # (plains is [None] off the steady path: no calibration yet, a PowerSGD part, the guard's dense window)
+    # (plains is [None] off the steady path and the guard's dense window: no calibration yet, a PowerSGD part)
     as_is = all(p in ("dense", "allgather") for p in plains)
-    if part is None and buffer.is_floating_point() and (guard_dense or as_is):
+    if part is None and buffer.is_floating_point() and as_is:
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place
@@ -484,7 +492,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
-    message = AutoMessage(aggs, grads)
+    # the guard's dense window mixing bfloat16 and float32 plain steps: a part each (as such plans' plain steps)
+    message = AutoMessage(aggs, grads, plain=plains if guard_dense else None)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.
@@ -493,7 +502,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
     fallback_group = None
-    if any(ctx.strategy != "dense" for _, ctx in message.encoded):
+    if any(ctx.strategy != "dense" and not ctx.plain for _, ctx in message.encoded):
         fallback_group = state._fallback_group(bucket.index())
     fut = allreduce_parts(message.parts, state.process_group)
 

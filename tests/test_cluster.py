@@ -248,8 +248,10 @@ def test_the_report_states_the_step_guards_verdict():
     fsdp = dict(row("auto", 85.0, dict(guard, plan_ms=96.0)), framework="fsdp")
     flat = dict(report_row("auto", 86.0, auto_choice=None, auto_guard=dict(guard, plan_ms=97.0)), framework="fsdp")
     kept = row("auto-lossy", 70.0, dict(guard, verdict="plan", plan_ms=70.0, rounds=2))   # a confirmation round
+    # with lossy, the dense window sent the large tensors as the engine's half-precision hook sends them
+    half = row("auto-lossy", 71.0, dict(guard, plan_ms=98.0, alternative={"bf16": 14, "dense": 16}))
     text = render_markdown({"rows": [row("none", 80.0), row("auto", 82.0, guard), row("auto-sparse", 30.0, none_trial),
-                                     hvd, fsdp, flat, kept], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+                                     hvd, fsdp, flat, kept, half], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
     assert "step guard (steps 8-27): plans 70.0 ms, dense 83.2 ms median step: the plans from then on" in text
     assert ("step guard (steps 8-17): plans 93.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(DDP's own) from then on") in text
@@ -257,6 +259,8 @@ def test_the_report_states_the_step_guards_verdict():
             "(Horovod's own) from then on") in text
     assert ("step guard (steps 8-17): plans 96.0 ms, dense 83.2 ms median step: dense allreduce in place "
             "(HSDP's own) from then on") in text
+    assert ("step guard (steps 8-17): plans 98.0 ms, dense 83.2 ms median step: dense allreduce in place "
+            "(DDP's own, 14 tensors in bf16) from then on") in text
     assert "fsdp auto: the sparse reduce-scatter" in text
     assert ("step guard (steps 8-17): plans 97.0 ms, dense 83.2 ms median step: FSDP2's own reduce-scatter "
             "from then on") in text

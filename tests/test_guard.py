@@ -280,3 +280,40 @@ def test_begin_step_times_the_step_before_from_its_own_clock():
     assert g.verdict == "dense" and g.times == {"plan": [1.0], "dense": [1.0]}
     n = len(reads)
     assert g.begin_step(3, 3.0, plans, share) == "dense" and len(reads) == n   # a dense verdict: plans unread
+
+
+def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
+    """Each tensor's plain step in the dense window (AutoAggregator.guard_alternative): exact plans weigh
+    against the float32 allreduce; with lossy, a tensor the lossy strategies may take (lossy_min_bytes or more)
+    against the half-precision one the engine ships, bf16 first (DDP's bf16_compress_hook), fp16 where only it
+    is allowed (Horovod's Compression.fp16); smaller ones, sparse ones and float64 stay as they are. Its plain
+    step sends that dtype (2 bytes a coordinate), and a strategy with no plain step is refused."""
+    import torch
+
+    from lossless_hc.training.auto import guard_stats
+    from lossless_hc.training.planner import Calibration, CostModel
+    from lossless_hc.training.strategies import AutoAggregator
+
+    model = CostModel(Calibration.default(1e9))
+
+    def agg(numel=1 << 15, dtype=torch.float32, **kw):
+        return AutoAggregator("w", (numel,), dtype, 2, 0, model, **kw)
+
+    assert agg().guard_alternative() == "dense"                       # exact
+    assert agg(lossy=True).guard_alternative() == "bf16"
+    assert agg(lossy=True, allowed=("topk", "fp16")).guard_alternative() == "fp16"
+    assert agg(lossy=True, allowed=("topk",)).guard_alternative() == "dense"
+    assert agg(1 << 10, lossy=True).guard_alternative() == "dense"   # 4 KiB < lossy_min_bytes
+    assert agg(lossy=True, dtype=torch.float64).guard_alternative() == "dense"
+    assert agg(lossy=True, dtype=torch.float16).guard_alternative() == "bf16"   # no fp16 for a float16 gradient
+    assert agg(lossy=True, sparse=True).guard_alternative() == "dense"
+    a = agg(lossy=True)
+    x = torch.randn(1 << 15)
+    payload, ctx = a.encode_plain(x, a.guard_alternative())
+    assert payload.dtype == torch.bfloat16 and torch.equal(payload, x.to(torch.bfloat16)) and ctx.plain
+    assert torch.equal(a.decode(payload.float() * 2, ctx).value, (x.to(torch.bfloat16).float() * 2))
+    with pytest.raises(ValueError, match="plain step"):
+        a.encode_plain(x, "topk")
+    stats = guard_stats(step_guard(5), [a, agg(), agg(lossy=True, sparse=True)])
+    assert stats["alternative"] == {"bf16": 1, "dense": 1} and stats["verdict"] is None
+    assert guard_stats(None, [a]) is None

@@ -47,7 +47,7 @@ def ddp_run(tmp_path_factory):
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
             ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "half_plain", "lossy",
                                                 "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan",
-                                                "lossy_guard_dense",
+                                                "lossy_guard_dense", "lossy_guard_half",
                                                 "lossy_guard_plan", "lossy_guard_dense_float16",
                                                 "lossy_guard_plan_float16", "calibration_mismatch"])])
     return out
@@ -62,7 +62,8 @@ def horovod_run(tmp_path_factory):
     launch([horovodrun, "--gloo", "-np", str(SIZE), "-H", f"localhost:{SIZE}", sys.executable,
             os.path.join(HERE, "mp", "auto_horovod_worker.py"), str(out),
             ",".join(HVD_EXACT + ["lossy", "fp16_plain", "config_mismatch", "guard_mismatch", "guard_dense",
-                                  "guard_plan", "lossy_guard_dense", "lossy_guard_plan", "calibration_mismatch"])])
+                                  "guard_plan", "lossy_guard_dense", "lossy_guard_plan", "lossy_guard_half",
+                                  "calibration_mismatch"])])
     return out
 
 
@@ -213,6 +214,38 @@ def test_step_guard_over_lossy_plans_keeps_error_feedback(engine, name, request)
         assert r["left"] == (want == "plan"), r   # top-k kept a residual unless it was flushed
         # float32 reduced gradients summed over 10 steps: measured 3.1e-7 and 3.3e-7 of the scale (12: below)
         assert r["conservation_error"] <= 1e-6 * r["scale"], r
+
+
+def test_ddp_lossy_step_guard_weighs_the_plans_against_ddp_s_bfloat16_hook(ddp_run):
+    """With lossy=True the step guard's dense window, and every step after a dense verdict, send what DDP's
+    bf16_compress_hook sends (the plans must beat the half-precision allreduce DDP ships, not only the float32
+    one): one weight under top-k plans gets, at steps 4 and 5 (the dense window) and 7 to 11 (after the verdict
+    at 6, whose step also flushes top-k's memory), the bfloat16 hook's averaged gradients bit for bit, and
+    different ones before (top-k's). A model whose buckets mix gradients of 8 KiB or more (lossy_min_bytes,
+    bfloat16) with smaller ones (exact: float32) allreduces 2 bytes per coordinate of the first and 4 of the
+    second from step 4 on, identically on every rank."""
+    rs = results(ddp_run, "lossy_guard_half")
+    for r in rs:
+        assert r["guard"]["verdict"] == "dense" and r["guard"]["alternative"] == {"bf16": 1}, r["guard"]
+        same = r["same_as_bf16_hook"]
+        assert same[4:6] == [True, True] and same[7:] == [True] * 5, same
+        assert not any(same[2:4]), same   # top-k's plans sent something else
+        mixed = r["mixed"]
+        assert mixed["guard"]["verdict"] == "dense" and mixed["digest"] == rs[0]["mixed"]["digest"], mixed
+        assert mixed["guard"]["alternative"] == {"bf16": 2, "dense": 4}, mixed["guard"]
+        window = 2 * (64 * 32 + 64 * 64) + 4 * (64 + 64 + 8 * 64 + 8)   # the float32 bytes would be 27168
+        assert mixed["sent"][4:] == [window] * 8, mixed["sent"]
+        assert set(mixed["plan"].values()) == {"topk", "dense"}, mixed["plan"]
+
+
+def test_horovod_lossy_step_guard_weighs_the_plans_against_horovod_s_fp16_compression(horovod_run):
+    """As above under Horovod, fp16 among the strategies (Horovod has no bfloat16 allreduce): the dense window
+    (steps 4, 5) and the steps after the dense verdict but its first (7 to 11) give Compression.fp16's
+    averaged gradients bit for bit; top-k's plans before them do not."""
+    for r in results(horovod_run, "lossy_guard_half"):
+        assert r["guard"]["verdict"] == "dense" and r["guard"]["alternative"] == {"fp16": 1}, r["guard"]
+        same = r["same_as_fp16"]
+        assert same[4:6] == [True, True] and same[7:] == [True] * 5 and not any(same[2:4]), same
 
 
 @pytest.mark.parametrize("name", ["lossy_guard_dense_float16", "lossy_guard_plan_float16"])

@@ -230,7 +230,9 @@ def render_markdown(result: dict, title: str) -> str:
                 lines.append(f"\n{r['framework']} {r['compression']}: the sparse reduce-scatter")
             if g and g.get("verdict"):
                 engine = {"ddp": "DDP", "fsdp": "HSDP"}.get(r["framework"], r["framework"].capitalize())
-                dense = (f"dense allreduce in place ({engine}'s own)" if r.get("auto_choice")
+                halves = {k: v for k, v in (g.get("alternative") or {}).items() if k != "dense"}
+                own = "".join(f", {v} tensor{'s' if v > 1 else ''} in {k}" for k, v in halves.items())
+                dense = (f"dense allreduce in place ({engine}'s own{own})" if r.get("auto_choice")
                          else "FSDP2's own reduce-scatter")
                 ran = "the plans" if g["verdict"] == "plan" else dense
                 span = _guard_span(g)

@@ -211,6 +211,17 @@ def plan_stats(aggregators) -> dict:
     return {a.name: a.plan_stats() for a in aggregators if isinstance(a, AutoAggregator)}
 
 
+def guard_stats(guard: Optional[StepGuard], aggregators) -> Optional[dict]:
+    """``guard.stats()`` (None without a guard) and, under ``"alternative"``, how many dense tensors its dense
+    window sends as each plain step (:meth:`AutoAggregator.guard_alternative`: ``{"dense": 3, "bf16": 2}``)."""
+    if guard is None:
+        return None
+    d = guard.stats()
+    kinds = [a.guard_alternative() for a in aggregators if isinstance(a, AutoAggregator) and not a.sparse]
+    d["alternative"] = {k: kinds.count(k) for k in sorted(set(kinds))}
+    return d
+
+
 # -- many tensors in one message (DDP bucket, FSDP2 shard) -------------------------------------------------
 
 class AutoMessage:
@@ -218,11 +229,17 @@ class AutoMessage:
     gives them (one per payload dtype, or fewer; float64 words stay exact): the engine SUMs each of
     ``parts``, in order. A dense statistics step of a half-precision gradient travels as two pieces,
     its header in float32 and its body in the gradient's dtype (``AutoContext.body_dtype``), as its plain
-    steps do; ``places[i]``: tensor i's pieces, ``(part index, offset, numel)`` each."""
+    steps do; ``places[i]``: tensor i's pieces, ``(part index, offset, numel)`` each. ``plain``: each
+    tensor's plain step instead of its plan (:meth:`AutoAggregator.encode_plain`: the step guard's dense
+    window, where the plans wait)."""
 
-    def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor]):
+    def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor],
+                 plain: Optional[Sequence[str]] = None):
         self.aggregators = list(aggregators)
-        self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
+        if plain is None:
+            self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
+        else:
+            self.encoded = [agg.encode_plain(t, s) for agg, t, s in zip(self.aggregators, tensors, plain)]
         pieces, owners = [], []
         for i, (payload, ctx) in enumerate(self.encoded):
             split = [payload] if ctx.body_dtype is None else \
@@ -307,8 +324,10 @@ class AutoCompressorAdapter(CompressorAdapter):
     The step guard here (:mod:`lossless_hc.training.guard`): a step ends when its last tensor has been
     decompressed (every second collective done), and a step's time is the interval between the ends
     of consecutive steps (a whole iteration: the optimizer's step, the next forward and backward, every
-    wait). In the dense window every dense gradient is sent as it is (:meth:`AutoAggregator.encode_plain`:
-    the engine's own allreduce of the tensor; the plan's state and error feedback wait); the verdict is
+    wait). In the dense window every dense gradient is sent as the engine's own plain step sends it
+    (:meth:`AutoAggregator.encode_plain` of its :meth:`~AutoAggregator.guard_alternative`: the tensor as it
+    is, or with ``lossy`` in half precision where that is allowed; the plan's state and error feedback
+    wait); the verdict is
     rank 0's, broadcast when the step that ends the trial ends, which every rank reaches at the same
     step count. After a dense verdict, each tensor's THC or top-k memory goes out with its next
     (plain) step. The plans compared are the dense tensors' strategies ordered by name: identical on
@@ -330,7 +349,7 @@ class AutoCompressorAdapter(CompressorAdapter):
             if self._guard.verdict == "dense":   # for good: the lossy memory goes out with this step
                 # (into the gradient the engine then reduces in place, as its own allreduce does)
                 agg.add_lossy_memory_to(tensor)
-            payload, ctx = agg.encode_plain(tensor)
+            payload, ctx = agg.encode_plain(tensor, agg.guard_alternative())
             self._pending += 1
             return payload, EncodedTensor(agg, ctx)
         return super().encode(agg, tensor)
@@ -396,5 +415,5 @@ class AutoCompressorAdapter(CompressorAdapter):
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
         d["calibration"] = self.spec.calibration_stats()
-        d["guard"] = self._guard.stats() if self._guard is not None else None
+        d["guard"] = guard_stats(self._guard, self._aggregators.values())
         return d

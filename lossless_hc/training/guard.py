@@ -4,7 +4,8 @@ The cost model (:mod:`lossless_hc.training.planner`) prices wire bytes and local
 neglects (how much of the engine's dense allreduce hides behind the backward pass, the hook's own
 work competing with it for the same cores, a second collective's round trip) can make a plan it
 predicts faster measure slower than the engine's own dense allreduce. ``auto`` should never be
-slower than that, exact or lossy (a lossy plan that steps slower than the exact allreduce buys nothing:
+slower than that, exact or lossy, and ``auto`` with ``lossy`` never slower than the engine's own
+half-precision allreduce either (a lossy plan that steps slower than what the engine ships buys nothing:
 on a fast link the conversions can cost more than the wire they save), so a DDP state, a Horovod
 compressor or an FSDP2 state with a guard (``AutoHookState(guard_steps=W)``,
 ``Compression.auto(guard_steps=W)``, ``AutoFSDPState(mesh, guard_steps=W)``, on by default) runs one
@@ -13,12 +14,14 @@ A/B trial on whole training steps:
 * **trial**: the ``2BW`` steps from the first step at or after ``start`` in which some dense gradient's
   plan is not ``dense`` (sparse gradients keep their plans throughout: their dense alternative is a
   different model), in blocks of ``B`` consecutive steps (``block``, 2) that alternate: the plans
-  (the **plan window**, first), then every dense gradient sent as it is, the engine's own allreduce
+  (the **plan window**, first), then every dense gradient sent as the engine's own plain step sends it
   (the **dense window**: DDP's buckets allreduced in place as DDP's own hook does, Horovod's tensors as
   its plain allreduce, FSDP2's shards all-reduced in place across the replicas as uncompressed HSDP
   does, and its sparse reduce-scatter replaced by FSDP2's own, in the dtypes that exchange sends chunks
-  whole in (with ``lossy``, bfloat16 for large parameters: the trial then weighs the rows, not the
-  rounding); the aggregators sit these steps out: their statistics and plans wait).
+  whole in; with ``lossy``, the large gradients, those its lossy strategies may take, in half precision
+  where it is among them: DDP's as its ``bf16_compress_hook`` sends them, Horovod's as its
+  ``Compression.fp16``, FSDP2's reduce-scatter chunks in bfloat16 as ``MixedPrecisionPolicy(reduce_dtype=
+  torch.bfloat16)``; the aggregators sit these steps out: their statistics and plans wait).
   Alternating, so that a drift of the step time over the trial (allocator and caches still warming, a
   neighbour's load) weighs on both windows alike: back-to-back windows measured a plan faster on VGG at
   2 emulated hosts that ran slower than DDP's allreduce in the steps after. Only the **last step of
@@ -36,7 +39,7 @@ A/B trial on whole training steps:
 
   (``margin`` :math:`m`, 0.03: a tie goes to the engine's own allreduce; a negative margin tolerates
   plans up to :math:`1-m` times slower); otherwise every dense gradient is allreduced in place
-  from then on;
+  from then on (in the dense window's dtypes);
 * **confirmation**: a first look that would keep the plans is not a verdict yet: the trial goes on
   for another ``2BW`` steps (``confirm`` such rounds, 1), and the rule above is applied to the medians
   of all its timed steps (``2W`` per window after one round). A look for dense is the verdict at

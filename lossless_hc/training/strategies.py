@@ -385,15 +385,27 @@ class AutoAggregator(TensorRows):
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
 
-    def encode_plain(self, x: torch.Tensor):
-        """``(payload, ctx)`` of a plain step: the bare dense tensor (in ``plain_dtype``), no scan, whatever
-        the plan (:meth:`encode` between statistics steps; the step guard's dense window under an engine
-        that calls the compressor per tensor, where the plan's state, error feedback included, waits).
-        :meth:`decode` returns the engine's sum or average of it, shaped."""
+    def guard_alternative(self) -> str:
+        """What the step guard's dense window (and a dense verdict) sends this tensor as, in place of its plan
+        (:mod:`lossless_hc.training.guard`): ``"bf16"`` where that strategy is allowed, else ``"fp16"`` where
+        that one is (``lossy``, a tensor of ``lossy_min_bytes`` or more, the strategies naming it), else
+        ``"dense"``: the plain step of the engine's own hook a user would otherwise run (DDP's
+        bf16_compress_hook, Horovod's ``Compression.fp16``, the allreduce). With loss allowed, plans must
+        beat the half-precision allreduce, not only the float32 one: a lossy plan slower than what the engine
+        ships buys nothing. A function of the options and the tensor: identical on every rank."""
+        return next((s for s in ("bf16", "fp16") if s in self.allowed), "dense")
+
+    def encode_plain(self, x: torch.Tensor, strategy: str = "dense"):
+        """``(payload, ctx)`` of a plain step of ``strategy`` (``"dense"``: the bare tensor in ``plain_dtype``;
+        ``"fp16"``, ``"bf16"``: in half precision, :meth:`_plain`), no scan, whatever the plan (the step
+        guard's dense window, :meth:`guard_alternative`, where the plan's state, error feedback included,
+        waits). :meth:`decode` returns the engine's sum or average of it, shaped."""
         self._check_input(x)
         if self.sparse:
             raise TypeError(f"{self.name}: a plain step sends a dense tensor; this gradient is sparse")
-        return self._plain(x, time.perf_counter(), "dense")
+        if strategy not in PLAIN_STRATEGIES:
+            raise ValueError(f"{self.name}: a plain step is one of {', '.join(PLAIN_STRATEGIES)}, not {strategy!r}")
+        return self._plain(x, time.perf_counter(), strategy)
 
     def _plain(self, x: torch.Tensor, t0: float, strategy: str):
         """A plain step of ``strategy``: dense sends the tensor in ``plain_dtype``; bf16 in bfloat16; fp16

@@ -139,6 +139,41 @@ def lossy_guard(dense_verdict, steps=12, dtype=torch.float32):
             "scale": float(total.abs().max())}
 
 
+def lossy_guard_half(steps=12):
+    """The step guard's dense window with ``lossy=True``, a dense verdict forced (trial as :func:`lossy_guard`:
+    plans at 2 and 3, the dense window at 4 and 5, the verdict at 6): "in place" is what DDP's
+    bf16_compress_hook sends. ``linear``: one 128 x 96 weight under top-k plans (bf16 allowed), its averaged
+    gradient at every step, and the same gradients through :func:`bf16_sum_hook`. ``mixed``: the dense model of
+    :func:`train_dense`, its two weights of 8 KiB or more (``lossy_min_bytes``) in bfloat16 and the rest in
+    float32, the bytes the hook allreduced per step."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    # a 1 Mbit/s link: the weights' plans stay top-k (bfloat16's twice the bytes of a 1% top-k would not pay)
+    options = dict(lossy=True, first="topk", interval=2, calibration=Calibration.default(1e6), guard_steps=1,
+                   guard_start=2, guard_margin=1 - 1e-6)
+    grads = {}
+    for label, make in (("hook", lambda: AutoHookState(strategies=("topk", "bf16"), lossy_min_bytes=0, **options)),
+                        ("bf16", lambda: None)):
+        model = LinearLoss((128, 96), DEVICE)
+        ddp = DistributedDataParallel(model)
+        state = make()
+        ddp.register_comm_hook(state, auto_hook if state is not None else bf16_sum_hook)
+        grads[label] = []
+        for step in range(steps):
+            model.weight.grad = None
+            ddp(lossy_gradient(step, rank)).backward()
+            grads[label].append(model.weight.grad.clone())
+        if state is not None:
+            guard = state.stats()["guard"]
+    out = {"guard": guard, "same_as_bf16_hook": [bool(torch.equal(a, b)) for a, b in zip(grads["hook"], grads["bf16"])]}
+    state = AutoHookState(strategies=("topk", "bf16", "dense"), lossy_min_bytes=8192, **options)
+    got, _, sent = train_dense(state, steps=steps)
+    st = state.stats()
+    out["mixed"] = {"digest": param_digest(got), "sent": sent, "guard": st["guard"],
+                    "plan": {k: v["strategy"] for k, v in st["plan"].items()}}
+    out["n"] = n
+    return out
+
+
 def scenario(name):
     if name == "measured":   # the start-up calibration on the process group, then exact training
         return compare(AutoHookState(interval=2), steps=6)
@@ -218,6 +253,8 @@ def scenario(name):
         out["guard"] = out["stats"]["guard"]
         out["plain_steps"] = {k: v["plain_steps"] for k, v in out["stats"]["plan"].items()}
         return out
+    if name == "lossy_guard_half":   # with lossy, the dense window sends what bf16_compress_hook sends
+        return lossy_guard_half()
     if name.startswith("lossy_guard_"):   # the guard over top-k plans, its verdict forced by the margin
         return lossy_guard(name.startswith("lossy_guard_dense"),
                            dtype=torch.float16 if name.endswith("_float16") else torch.float32)

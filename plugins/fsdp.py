@@ -70,7 +70,8 @@ the replica all-reduce, the strategy the cost model predicts cheapest; calibrate
 point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
 values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
 every rank. Its step guard (on by default, :class:`AutoFSDPState`) times the plans against steps whose
-shards are all-reduced in place, and keeps them only if they measure faster. With
+shards are all-reduced in place (with ``lossy``, the large parameters' slices in bfloat16), and keeps
+them only if they measure faster. With
 ``reduce_scatter=True`` its reduce-scatter is the exact sparse one
 (:mod:`lossless_hc.training.row_exchange`): each rank sends each destination every parameter's chunk
 as its own non-zero rows with their indices, or as it is where that is fewer bytes (each sender
@@ -101,7 +102,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lossless_hc.lhc.layout import is_real
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, plan_stats
+from lossless_hc.training.auto import AutoMessage, AutoSpec, guard_stats, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch
 from lossless_hc.training.capacity import CapacityPolicy
@@ -465,10 +466,12 @@ class AutoFSDPState(_FSDPState):
     the first step (FSDP2 reduces its parameter groups in the same order every step), and a step's time
     is the interval between consecutive such calls. Once some parameter's plan is not dense (from step
     index ``guard_start``), ``guard_steps`` timed steps of the plans alternate with as many steps in which
-    every hook all-reduces its shard in place across the replicas (what uncompressed HSDP does; in
-    blocks of two steps, the second timed; as many more of each confirm a first look for the plans);
-    unless the plans' median step is ``guard_margin`` faster, every shard is all-reduced in place from
-    then on (THC's and top-k's error feedback added to the first such step's shard). The verdict is
+    every hook all-reduces its shard in place across the replicas (what uncompressed HSDP does; with
+    ``lossy``, the slices of parameters of ``lossy_min_bytes`` or more in bfloat16 where bf16 is among the
+    strategies, as ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` reduces them; in blocks of two
+    steps, the second timed; as many more of each confirm a first look for the plans); unless the plans'
+    median step is ``guard_margin`` faster, every shard is all-reduced so from then on (THC's and top-k's
+    error feedback added to the first such step's shard). The verdict is
     the replicate group's rank 0's, broadcast on that group (blocking, from the first hook of the step
     after the trial, which every rank of the group reaches at the same step count); each replicate
     group (one per shard index) decides for its own collectives. With the sparse reduce-scatter (on a
@@ -476,10 +479,11 @@ class AutoFSDPState(_FSDPState):
     ``guard_start`` (the exchange is always worth checking), its dense window is FSDP2's own
     collectives (the reduce-scatter, each parameter in the dtype the exchange sends it whole in --
     with ``lossy``, what ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` sends for the large ones,
-    which a dense verdict keeps -- and, with replicas, the shard all-reduced in place), and the verdict
+    which a dense verdict keeps -- and, with replicas, the shard all-reduced as above), and the verdict
     is the mesh's rank 0's, for every rank of the mesh (the shard groups must agree on their
     collectives); a re-plan of the replica all-reduce opens no new trial then.
-    ``stats()["guard"]``: the verdict, rank 0's medians and the trials opened. A resumed run
+    ``stats()["guard"]``: the verdict, rank 0's medians, the trials opened and how many of the replica
+    all-reduce's parameters its dense window sends as each plain step (``"alternative"``). A resumed run
     (:meth:`load_state_dict`) runs a trial of its own."""
 
     reduce_scatter_comm = RowExchangeReduceScatter
@@ -499,7 +503,7 @@ class AutoFSDPState(_FSDPState):
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
         d["calibration"] = self.spec.calibration_stats()
-        d["guard"] = self._guard.stats() if self._guard is not None else None
+        d["guard"] = guard_stats(self._guard, [a for k, a in self._aggregators.items() if k.startswith("replicate:")])
         return d
 
     def _narrow_dtype(self, parameter_bytes: int) -> Optional[torch.dtype]:
@@ -562,11 +566,22 @@ class AutoFSDPState(_FSDPState):
 
     def _replica_in_place(self, aggs, views, reduce_output: torch.Tensor, started: float) -> None:
         """The step guard's dense window (and a dense verdict): the shard all-reduced in place across
-        the replicas, as uncompressed HSDP does; the aggregators sit the step out (after a dense verdict,
-        their THC or top-k error feedback goes out with this step, once)."""
+        the replicas, as uncompressed HSDP does, or with ``lossy`` its large parameters' slices in bfloat16
+        (``AutoAggregator.guard_alternative``), as ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
+        reduces them, the others in float32 beside them; the aggregators sit the step out (after a dense
+        verdict, their THC or top-k error feedback goes out with this step, once)."""
         if self._guard.verdict == "dense":
             for agg, view in zip(aggs, views):
                 agg.add_lossy_memory_to(view)
+        plains = [a.guard_alternative() for a in aggs] if reduce_output.dtype == torch.float32 else []
+        if any(p != "dense" for p in plains):   # plain steps only: one all-reduce per part, nothing more
+            message = AutoMessage(aggs, views, plain=plains)
+            for part in message.parts:
+                dist.all_reduce(part, group=self.replicate_group)
+            results = decode_auto_message(message, message.parts, None, None)
+            for view, value in zip(views, results):
+                view.copy_(value.reshape(view.shape))
+            return
         dist.all_reduce(reduce_output, group=self.replicate_group)
         for agg in aggs:
             agg.record_plain_step(started)

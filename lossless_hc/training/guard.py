@@ -20,8 +20,9 @@ A/B trial on whole training steps:
   does, and its sparse reduce-scatter replaced by FSDP2's own, in the dtypes that exchange sends chunks
   whole in; with ``lossy``, the large gradients, those its lossy strategies may take, in half precision
   where it is among them: DDP's as its ``bf16_compress_hook`` sends them, Horovod's as its
-  ``Compression.fp16``, FSDP2's reduce-scatter chunks in bfloat16 as ``MixedPrecisionPolicy(reduce_dtype=
-  torch.bfloat16)``; the aggregators sit these steps out: their statistics and plans wait).
+  ``Compression.fp16``, FSDP2's all-reduced slices and reduce-scatter chunks in bfloat16 as
+  ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``; the aggregators sit these steps out: their
+  statistics and plans wait).
   Alternating, so that a drift of the step time over the trial (allocator and caches still warming, a
   neighbour's load) weighs on both windows alike: back-to-back windows measured a plan faster on VGG at
   2 emulated hosts that ran slower than DDP's allreduce in the steps after. Only the **last step of

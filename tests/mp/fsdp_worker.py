@@ -471,6 +471,20 @@ def scenario(name, mesh):
         r = with_guard(compare(mesh, state, False, steps=12, hidden=512, lr=0.02), state)
         r["left"] = {k: a.take_lossy_memory() is not None for k, a in state._aggregators.items()}
         return r
+    if base == "auto_guard_lossy_half":   # ... with bf16 allowed: the dense window in bfloat16, as FSDP2's
+        # MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) reduces; a 1 Mbit/s link keeps the plans top-k
+        state = AutoFSDPState(mesh, lossy=True, first="topk", strategies=("topk", "bf16"), lossy_min_bytes=0,
+                              interval=2, calibration=Calibration.default(1e6), guard_steps=1, guard_start=2,
+                              guard_margin=1 - 1e-6)
+        model = build(mesh, native=False, hidden=512)
+        state.register(model, reduce_scatter=False)
+        opt, calls = None, []
+        for step in range(12):
+            with CountedCollectives("all_reduce") as counted:
+                opt = train(model, 1, start=step, lr=0.02, opt=opt)
+            calls.append(counted.calls)
+        slots = sum(a.numel for k, a in state._aggregators.items() if k.startswith("replicate:"))   # padded shards
+        return with_guard({"calls": calls, "shard_numel": slots}, state)
     if base == "auto_guard_mismatch":   # only the step guard differs across ranks
         state = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0 if dist.get_rank() == 1 else 5)
         return expect_error(lambda: state.register(build(mesh, native=False)), ConfigurationMismatch)

@@ -104,7 +104,8 @@ from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismat
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
-from lossless_hc.plugins._ddp_bucket import allreduce_half, bucket_slices, divide_first, fill_bucket, fill_slices
+from lossless_hc.plugins._ddp_bucket import (allreduce_half, allreduce_plain_steps, bucket_slices, divide_first,
+                                             fill_bucket, fill_slices)
 from lossless_hc.plugins._ddp_state import HookState, require_arguments
 from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration
 
@@ -492,8 +493,14 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
-    # the guard's dense window mixing bfloat16 and float32 plain steps: a part each (as such plans' plain steps)
-    message = AutoMessage(aggs, grads, plain=plains if guard_dense else None)
+    if guard_dense:   # bfloat16 (float16) and float32 gradients: one allreduce each, the casts of DDP's own hooks
+        def mixed(fut: torch.futures.Future) -> torch.Tensor:
+            for a, p in zip(aggs, plains):
+                a.record_plain_step(started, half=p if p in HALF_STRATEGIES else None)
+            return fut.value()
+
+        return allreduce_plain_steps(buffer, slices, plains, n, state.process_group, average=True).then(mixed)
+    message = AutoMessage(aggs, grads)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.
@@ -502,7 +509,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     # Only a strategy other than dense makes a second collective: the bucket's own group is created
     # (here, main thread, bucket order, from the plans every rank shares) when one first runs.
     fallback_group = None
-    if any(ctx.strategy != "dense" and not ctx.plain for _, ctx in message.encoded):
+    if any(ctx.strategy != "dense" for _, ctx in message.encoded):
         fallback_group = state._fallback_group(bucket.index())
     fut = allreduce_parts(message.parts, state.process_group)
 

@@ -109,7 +109,7 @@ from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
-from lossless_hc.plugins._ddp_bucket import divide_first
+from lossless_hc.plugins._ddp_bucket import allreduce_plain_steps, divide_first
 from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, ReduceScatterBase,
                                                      RowExchangeReduceScatter, SelectionRowExchangeReduceScatter,
                                                      Slots, all_gather_stacked, param_groups)
@@ -574,17 +574,13 @@ class AutoFSDPState(_FSDPState):
             for agg, view in zip(aggs, views):
                 agg.add_lossy_memory_to(view)
         plains = [a.guard_alternative() for a in aggs] if reduce_output.dtype == torch.float32 else []
-        if any(p != "dense" for p in plains):   # plain steps only: one all-reduce per part, nothing more
-            message = AutoMessage(aggs, views, plain=plains)
-            for part in message.parts:
-                dist.all_reduce(part, group=self.replicate_group)
-            results = decode_auto_message(message, message.parts, None, None)
-            for view, value in zip(views, results):
-                view.copy_(value.reshape(view.shape))
-            return
-        dist.all_reduce(reduce_output, group=self.replicate_group)
-        for agg in aggs:
-            agg.record_plain_step(started)
+        if any(p != "dense" for p in plains):   # FSDP2 divides the SUM afterwards (or _ReplicaAllReduce does)
+            allreduce_plain_steps(reduce_output, views, plains, self.replicas, self.replicate_group,
+                                  average=False).wait()
+        else:
+            dist.all_reduce(reduce_output, group=self.replicate_group)
+        for agg, plain in zip(aggs, plains or ["dense"] * len(aggs)):
+            agg.record_plain_step(started, half=plain if plain != "dense" else None)
 
     def _after_register(self, model: torch.nn.Module) -> None:
         if self.spec.calibration is not None or self.replicate_group is None:

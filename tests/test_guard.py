@@ -317,3 +317,38 @@ def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     stats = guard_stats(step_guard(5), [a, agg(), agg(lossy=True, sparse=True)])
     assert stats["alternative"] == {"bf16": 1, "dense": 1} and stats["verdict"] is None
     assert guard_stats(None, [a]) is None
+
+
+def test_the_dense_window_s_mixed_allreduce_casts_as_the_engine_s_hooks(tmp_path):
+    """allreduce_plain_steps on a 1-rank Gloo group, told n = 4 ranks: each slice comes back as the hooks
+    send it, summed or averaged: bf16 rounded to bfloat16 then divided in float32 (bf16_compress_hook), fp16
+    x / n rounded to float16 (fp16_compress_hook; a SUM multiplies it back), dense bit for bit; the coordinates
+    outside the slices (FSDP2's padding) untouched; two half strategies in one call refused."""
+    import torch
+    import torch.distributed as dist
+
+    from lossless_hc.plugins._ddp_bucket import allreduce_plain_steps
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(3)
+        flat = torch.randn(100, generator=g) * 1000
+        original = flat.clone()
+        slices = [flat[0:40], flat[40:45], flat[50:100]]   # 45..49: padding
+        for half, average in (("bf16", True), ("bf16", False), ("fp16", True), ("fp16", False)):
+            flat.copy_(original)
+            allreduce_plain_steps(flat, slices, [half, "dense", half], 4, None, average).wait()
+            for s, (a, b) in ((half, (0, 40)), ("dense", (40, 45)), (half, (50, 100))):
+                x = original[a:b]
+                if s == "bf16":
+                    want = x.to(torch.bfloat16).float() / (4 if average else 1)
+                elif s == "fp16":
+                    want = (x / 4).to(torch.float16).float() * (1 if average else 4)
+                else:
+                    want = x / 4 if average else x
+                assert torch.equal(flat[a:b], want), (half, average, s)
+            assert torch.equal(flat[45:50], original[45:50])
+        with pytest.raises(ValueError, match="one half-precision strategy"):
+            allreduce_plain_steps(flat, slices, ["bf16", "fp16", "dense"], 4, None, True)
+    finally:
+        dist.destroy_process_group()

@@ -229,17 +229,11 @@ class AutoMessage:
     gives them (one per payload dtype, or fewer; float64 words stay exact): the engine SUMs each of
     ``parts``, in order. A dense statistics step of a half-precision gradient travels as two pieces,
     its header in float32 and its body in the gradient's dtype (``AutoContext.body_dtype``), as its plain
-    steps do; ``places[i]``: tensor i's pieces, ``(part index, offset, numel)`` each. ``plain``: each
-    tensor's plain step instead of its plan (:meth:`AutoAggregator.encode_plain`: the step guard's dense
-    window, where the plans wait)."""
+    steps do; ``places[i]``: tensor i's pieces, ``(part index, offset, numel)`` each."""
 
-    def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor],
-                 plain: Optional[Sequence[str]] = None):
+    def __init__(self, aggregators: Sequence[AutoAggregator], tensors: Sequence[torch.Tensor]):
         self.aggregators = list(aggregators)
-        if plain is None:
-            self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
-        else:
-            self.encoded = [agg.encode_plain(t, s) for agg, t, s in zip(self.aggregators, tensors, plain)]
+        self.encoded = [agg.encode(t) for agg, t in zip(self.aggregators, tensors)]
         pieces, owners = [], []
         for i, (payload, ctx) in enumerate(self.encoded):
             split = [payload] if ctx.body_dtype is None else \

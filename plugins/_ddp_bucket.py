@@ -5,7 +5,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lossless_hc.training.planner import HALF_DTYPES
 from lossless_hc.training.strategies import half_payload
 
 
@@ -56,58 +55,19 @@ def bucket_slices(buffer: torch.Tensor, grads) -> list:
     return slices
 
 
-def allreduce_half(buffer: torch.Tensor, n: int, group, strategy: str) -> torch.futures.Future:
-    """The future of the float32 ``buffer``'s average over ``group`` (``n`` ranks), written into it, through one
-    allreduce in half precision: ``"fp16"`` divides by n before the float16 SUM (DDP's fp16_compress_hook: a
-    sum past 65504 only where the average is), ``"bf16"`` after the bfloat16 one (float32's range). The
-    bits an fp16 or bf16 plan's plain steps give through a message (training.strategies), its copies spared."""
+def allreduce_half(buffer: torch.Tensor, n: int, group, strategy: str, average: bool = True) -> torch.futures.Future:
+    """The future of the float32 ``buffer``'s average over ``group`` (``n`` ranks; ``average`` False: its SUM),
+    written into it, through one allreduce in half precision: ``"fp16"`` divides by n before the float16 SUM
+    (DDP's fp16_compress_hook: a sum past 65504 only where the average is; a SUM multiplies it back by n in
+    float32), ``"bf16"`` after the bfloat16 one (float32's range). The bits an fp16 or bf16 plan's plain steps
+    give through a message (training.strategies), its copies spared."""
     compressed = half_payload(buffer, strategy, n)
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
-    def average(fut: torch.futures.Future) -> torch.Tensor:
-        out = buffer.copy_(fut.value()[0])
-        return out if strategy == "fp16" else out.div_(n)
-    return fut.then(average)
-
-
-def allreduce_plain_steps(flat: torch.Tensor, slices, strategies, n: int, group,
-                          average: bool) -> torch.futures.Future:
-    """The future of the float32 ``flat`` with each of its ``slices`` (views of it, in order) SUMmed over
-    ``group`` (``n`` ranks; ``average``: then divided by n) in its plain step's dtype, written back in place:
-    ``"dense"`` in float32, a half strategy (one per call) as :func:`allreduce_half` sends a whole bucket
-    (``"bf16"`` summed in bfloat16, widened, then divided; ``"fp16"`` x / n summed in float16, so a SUM is
-    widened and multiplied by n). One allreduce per dtype, issued at once; the bytes outside the slices
-    (FSDP2's padding) are left alone. What the step guard's dense window sends where a bucket or shard
-    mixes gradients the engine's half-precision hook may take with smaller ones kept exact."""
-    kinds = sorted(set(strategies), key=lambda s: s == "dense")   # the half strategy first, if any
-    if len(kinds) > 2 or (len(kinds) == 2 and kinds[1] != "dense"):
-        raise ValueError(f"one half-precision strategy per call, got {kinds}")
-    members, payloads = [], []
-    for kind in kinds:
-        chosen = [s for s, k in zip(slices, strategies) if k == kind]
-        payload = torch.empty(sum(s.numel() for s in chosen), dtype=HALF_DTYPES.get(kind, torch.float32),
-                              device=flat.device)
-        offset = 0
-        for s in chosen:   # copy_ rounds to the payload's dtype as .to() does
-            payload[offset:offset + s.numel()].copy_(s.reshape(-1))
-            offset += s.numel()
-        if kind == "fp16":
-            payload.div_(n)
-        members.append((kind, chosen))
-        payloads.append(payload)
-    futures = [dist.all_reduce(p, group=group, async_op=True).get_future() for p in payloads]
-
     def write_back(fut: torch.futures.Future) -> torch.Tensor:
-        for done in fut.value():
-            done.wait()   # raises a collective's error
-        for (kind, chosen), payload in zip(members, payloads):
-            offset = 0
-            for s in chosen:
-                s.copy_(payload[offset:offset + s.numel()].reshape(s.shape))
-                offset += s.numel()
-                if kind == "fp16" and not average:
-                    s.mul_(n)
-                elif kind != "fp16" and average:
-                    s.div_(n)
-        return flat
-    return torch.futures.collect_all(futures).then(write_back)
+        out = buffer.copy_(fut.value()[0])
+        if strategy == "fp16":
+            return out if average else out.mul_(n)
+        return out.div_(n) if average else out
+    return fut.then(write_back)
+

@@ -35,11 +35,10 @@ not dense (from step index 8 on) the state runs an A/B trial of 20 whole steps, 
 dense-gradient bucket allreduced in place alternating in blocks of two steps, the second of each
 timed (5 of each; 20 steps more where the plans look faster, the verdict then on 10 of each); unless
 the plans' median step is at least 3% faster, dense gradients are allreduced in place for the rest of
-the run. With ``lossy=True`` "in place" is what ``bf16_compress_hook`` sends: a float32 bucket's gradients
-of 64 KiB (``lossy_min_bytes``) or more in bfloat16 (where the strategies allow bf16, else fp16 as
-``fp16_compress_hook``), the smaller ones in float32 beside them, so lossy plans stay only where they
-beat DDP's half-precision allreduce (THC's and top-k's error feedback, and a PowerSGD bucket's error
-memory, added to the gradients
+the run. With ``lossy=True`` that side is what ``bf16_compress_hook`` sends: a float32 bucket in bfloat16,
+every gradient of it whatever its size (``fp16_compress_hook``'s float16 where the strategies allow fp16
+and not bf16), so lossy plans stay only where they beat DDP's half-precision allreduce (THC's and top-k's
+error feedback, and a PowerSGD bucket's error memory, added to the gradients
 of the first such step, so nothing is lost; buckets that went to PowerSGD are part of the trial and
 leave it on a dense verdict). After a verdict for the plans, a re-plan that changes a dense gradient's
 plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step after the
@@ -104,8 +103,7 @@ from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismat
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
-from lossless_hc.plugins._ddp_bucket import (allreduce_half, allreduce_plain_steps, bucket_slices, divide_first,
-                                             fill_bucket, fill_slices)
+from lossless_hc.plugins._ddp_bucket import allreduce_half, bucket_slices, divide_first, fill_bucket, fill_slices
 from lossless_hc.plugins._ddp_state import HookState, require_arguments
 from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration
 
@@ -227,9 +225,9 @@ class AutoHookState(HookState):
             faster than DDP's dense allreduce to stay (0.03): an A/B trial of whole training steps,
             ``guard_steps`` timed steps of the plans alternating with as many of every dense gradient
             allreduced in place (in blocks of two steps, the second timed; as many more of each to
-            confirm a first look for the plans; with ``lossy``, a float32 bucket's gradients of
-            ``lossy_min_bytes`` or more in bfloat16, as ``bf16_compress_hook`` sends them, else in fp16 where
-            the strategies allow only that: ``AutoAggregator.guard_alternative``); if the plans' median
+            confirm a first look for the plans; with ``lossy``, a float32 bucket in bfloat16, as
+            ``bf16_compress_hook`` sends it, or in fp16 where the strategies allow only that:
+            ``AutoAggregator.guard_alternative``); if the plans' median
             step is not faster, dense gradients are sent so for the rest of the run (THC's and top-k's error
             feedback, and a PowerSGD bucket's error memory, added to the first such step's gradients);
             if it is, the plans stay until a re-plan changes them, which opens a new trial
@@ -469,8 +467,9 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         divided = divide_first(buffer, n)
     steady = part is None and not guard_dense and state.spec.calibration is not None
     plains = [a.plain_step() for a in aggs] if steady else [None]
-    if guard_dense:   # what DDP's own hooks send: in place, or with lossy, bf16_compress_hook's bfloat16
-        plains = [a.guard_alternative() for a in aggs] if buffer.dtype == torch.float32 else ["dense"]
+    if guard_dense:   # what DDP's own hooks send: in place, or with lossy bf16_compress_hook's whole bucket
+        halves = {a.guard_alternative() for a in aggs} - {"dense"} if buffer.dtype == torch.float32 else set()
+        plains = [halves.pop()] if len(halves) == 1 else ["dense"]
     if buffer.dtype == torch.float32 and plains[0] in HALF_STRATEGIES and len(set(plains)) == 1:
         # the message's bits, without its copies
         def half_plain(fut: torch.futures.Future) -> torch.Tensor:
@@ -493,13 +492,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
-    if guard_dense:   # bfloat16 (float16) and float32 gradients: one allreduce each, the casts of DDP's own hooks
-        def mixed(fut: torch.futures.Future) -> torch.Tensor:
-            for a, p in zip(aggs, plains):
-                a.record_plain_step(started, half=p if p in HALF_STRATEGIES else None)
-            return fut.value()
-
-        return allreduce_plain_steps(buffer, slices, plains, n, state.process_group, average=True).then(mixed)
     message = AutoMessage(aggs, grads)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows

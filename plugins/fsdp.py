@@ -70,7 +70,7 @@ the replica all-reduce, the strategy the cost model predicts cheapest; calibrate
 point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
 values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
 every rank. Its step guard (on by default, :class:`AutoFSDPState`) times the plans against steps whose
-shards are all-reduced in place (with ``lossy``, the large parameters' slices in bfloat16), and keeps
+shards are all-reduced in place (with ``lossy``, in bfloat16), and keeps
 them only if they measure faster. With
 ``reduce_scatter=True`` its reduce-scatter is the exact sparse one
 (:mod:`lossless_hc.training.row_exchange`): each rank sends each destination every parameter's chunk
@@ -109,7 +109,7 @@ from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
-from lossless_hc.plugins._ddp_bucket import allreduce_plain_steps, divide_first
+from lossless_hc.plugins._ddp_bucket import allreduce_half, divide_first
 from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, ReduceScatterBase,
                                                      RowExchangeReduceScatter, SelectionRowExchangeReduceScatter,
                                                      Slots, all_gather_stacked, param_groups)
@@ -467,8 +467,8 @@ class AutoFSDPState(_FSDPState):
     is the interval between consecutive such calls. Once some parameter's plan is not dense (from step
     index ``guard_start``), ``guard_steps`` timed steps of the plans alternate with as many steps in which
     every hook all-reduces its shard in place across the replicas (what uncompressed HSDP does; with
-    ``lossy``, the slices of parameters of ``lossy_min_bytes`` or more in bfloat16 where bf16 is among the
-    strategies, as ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` reduces them; in blocks of two
+    ``lossy``, a float32 shard in bfloat16 where bf16 is among the strategies, as
+    ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` reduces it; in blocks of two
     steps, the second timed; as many more of each confirm a first look for the plans); unless the plans'
     median step is ``guard_margin`` faster, every shard is all-reduced so from then on (THC's and top-k's
     error feedback added to the first such step's shard). The verdict is
@@ -566,21 +566,21 @@ class AutoFSDPState(_FSDPState):
 
     def _replica_in_place(self, aggs, views, reduce_output: torch.Tensor, started: float) -> None:
         """The step guard's dense window (and a dense verdict): the shard all-reduced in place across
-        the replicas, as uncompressed HSDP does, or with ``lossy`` its large parameters' slices in bfloat16
+        the replicas, as uncompressed HSDP does, or with ``lossy`` a float32 shard in bfloat16
         (``AutoAggregator.guard_alternative``), as ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
-        reduces them, the others in float32 beside them; the aggregators sit the step out (after a dense
-        verdict, their THC or top-k error feedback goes out with this step, once)."""
+        reduces it; the aggregators sit the step out (after a dense verdict, their THC or top-k error
+        feedback goes out with this step, once)."""
         if self._guard.verdict == "dense":
             for agg, view in zip(aggs, views):
                 agg.add_lossy_memory_to(view)
-        plains = [a.guard_alternative() for a in aggs] if reduce_output.dtype == torch.float32 else []
-        if any(p != "dense" for p in plains):   # FSDP2 divides the SUM afterwards (or _ReplicaAllReduce does)
-            allreduce_plain_steps(reduce_output, views, plains, self.replicas, self.replicate_group,
-                                  average=False).wait()
+        halves = {a.guard_alternative() for a in aggs} - {"dense"} if reduce_output.dtype == torch.float32 else set()
+        half = halves.pop() if len(halves) == 1 else None
+        if half is not None:   # the SUM: FSDP2 divides it afterwards (or _ReplicaAllReduce does)
+            allreduce_half(reduce_output, self.replicas, self.replicate_group, half, average=False).wait()
         else:
             dist.all_reduce(reduce_output, group=self.replicate_group)
-        for agg, plain in zip(aggs, plains or ["dense"] * len(aggs)):
-            agg.record_plain_step(started, half=plain if plain != "dense" else None)
+        for agg in aggs:
+            agg.record_plain_step(started, half=half)
 
     def _after_register(self, model: torch.nn.Module) -> None:
         if self.spec.calibration is not None or self.replicate_group is None:

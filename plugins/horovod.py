@@ -18,7 +18,7 @@ from ``compress``/``decompress`` but the step guard's verdict (below): a strateg
 named after the tensor, started from ``decompress`` and waited for when the step's last tensor is
 decompressed (as the dense fallback below); the tensor ``decompress`` returned is filled in place then.
 Its step guard (``guard_steps``, on by default, :mod:`lossless_hc.training.guard`) times the plans
-against every tensor sent as it is (with ``lossy``, the large float32 ones as ``Compression.fp16`` sends
+against every tensor sent as it is (with ``lossy``, the float32 ones as ``Compression.fp16`` sends
 them), alternating blocks of two whole steps (the second timed, as the
 first pays Horovod's renegotiation of tensors whose payload changed), and keeps them only if they
 measure faster; the verdict is the process set's first rank's, a blocking Horovod broadcast from
@@ -276,10 +276,10 @@ class Compression(CompressionFactory):
         ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
         as DDP's ``AutoHookState``; 0 steps: none): once some tensor's plan is not dense (from step index
         ``guard_start``), ``guard_steps`` timed steps of the plans alternate with as many steps of every
-        tensor sent as it is (Horovod's own allreduce; with ``lossy``, a float32 tensor of
-        ``lossy_min_bytes`` or more where fp16 is among the strategies in float16, as ``Compression.fp16``
-        sends it; in blocks of two steps, the second timed; as many more of each confirm a first look for
-        the plans); unless the plans' median step is ``guard_margin`` faster, every tensor is sent so from
+        tensor sent as it is (Horovod's own allreduce; with ``lossy`` and fp16 among the strategies, a
+        float32 tensor in float16, as ``Compression.fp16`` sends it; in blocks of two steps, the second
+        timed; as many more of each confirm a first look for the plans); unless the plans' median step is
+        ``guard_margin`` faster, every tensor is sent so from
         then on (THC's and top-k's error feedback with the next step), and the process set's first rank's
         verdict (a Horovod broadcast at the end of the trial's last step) holds on every rank. A step ends
         when its last tensor is decompressed (``optimizer.step()``).

@@ -284,10 +284,11 @@ def test_begin_step_times_the_step_before_from_its_own_clock():
 
 def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     """Each tensor's plain step in the dense window (AutoAggregator.guard_alternative): exact plans weigh
-    against the float32 allreduce; with lossy, a tensor the lossy strategies may take (lossy_min_bytes or more)
-    against the half-precision one the engine ships, bf16 first (DDP's bf16_compress_hook), fp16 where only it
-    is allowed (Horovod's Compression.fp16); smaller ones, sparse ones and float64 stay as they are. Its plain
-    step sends that dtype (2 bytes a coordinate), and a strategy with no plain step is refused."""
+    against the float32 allreduce; with lossy, a float32 gradient against the half-precision one the engine
+    ships, bf16 first (DDP's bf16_compress_hook), fp16 where only it is allowed (Horovod's Compression.fp16),
+    small ones too (those hooks cast a whole bucket; lossy_min_bytes keeps them out of the lossy plans only);
+    sparse, float64 and half-precision gradients stay as they are. Its plain step sends that dtype (2 bytes
+    a coordinate), and a strategy with no plain step is refused."""
     import torch
 
     from lossless_hc.training.auto import guard_stats
@@ -303,9 +304,10 @@ def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     assert agg(lossy=True).guard_alternative() == "bf16"
     assert agg(lossy=True, allowed=("topk", "fp16")).guard_alternative() == "fp16"
     assert agg(lossy=True, allowed=("topk",)).guard_alternative() == "dense"
-    assert agg(1 << 10, lossy=True).guard_alternative() == "dense"   # 4 KiB < lossy_min_bytes
+    small = agg(1 << 10, lossy=True)   # 4 KiB < lossy_min_bytes: no lossy plan, the hook's cast all the same
+    assert small.guard_alternative() == "bf16" and small.allowed == ("dense", "allgather", "two_phase", "sketch")
     assert agg(lossy=True, dtype=torch.float64).guard_alternative() == "dense"
-    assert agg(lossy=True, dtype=torch.float16).guard_alternative() == "bf16"   # no fp16 for a float16 gradient
+    assert agg(lossy=True, dtype=torch.float16).guard_alternative() == "dense"
     assert agg(lossy=True, sparse=True).guard_alternative() == "dense"
     a = agg(lossy=True)
     x = torch.randn(1 << 15)
@@ -319,36 +321,27 @@ def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     assert guard_stats(None, [a]) is None
 
 
-def test_the_dense_window_s_mixed_allreduce_casts_as_the_engine_s_hooks(tmp_path):
-    """allreduce_plain_steps on a 1-rank Gloo group, told n = 4 ranks: each slice comes back as the hooks
-    send it, summed or averaged: bf16 rounded to bfloat16 then divided in float32 (bf16_compress_hook), fp16
-    x / n rounded to float16 (fp16_compress_hook; a SUM multiplies it back), dense bit for bit; the coordinates
-    outside the slices (FSDP2's padding) untouched; two half strategies in one call refused."""
+
+def test_the_dense_window_s_half_allreduce_casts_as_the_engine_s_hooks(tmp_path):
+    """allreduce_half on a 1-rank Gloo group, told n = 4 ranks: the buffer comes back as DDP's hooks send it,
+    averaged or (FSDP2's replica all-reduce, which divides later) summed: bf16 rounded to bfloat16, then
+    divided in float32 (bf16_compress_hook); fp16 x / n rounded to float16 (fp16_compress_hook), a SUM
+    multiplied back by n in float32."""
     import torch
     import torch.distributed as dist
 
-    from lossless_hc.plugins._ddp_bucket import allreduce_plain_steps
+    from lossless_hc.plugins._ddp_bucket import allreduce_half
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        g = torch.Generator().manual_seed(3)
-        flat = torch.randn(100, generator=g) * 1000
-        original = flat.clone()
-        slices = [flat[0:40], flat[40:45], flat[50:100]]   # 45..49: padding
+        x = torch.randn(100, generator=torch.Generator().manual_seed(3)) * 1000
         for half, average in (("bf16", True), ("bf16", False), ("fp16", True), ("fp16", False)):
-            flat.copy_(original)
-            allreduce_plain_steps(flat, slices, [half, "dense", half], 4, None, average).wait()
-            for s, (a, b) in ((half, (0, 40)), ("dense", (40, 45)), (half, (50, 100))):
-                x = original[a:b]
-                if s == "bf16":
-                    want = x.to(torch.bfloat16).float() / (4 if average else 1)
-                elif s == "fp16":
-                    want = (x / 4).to(torch.float16).float() * (1 if average else 4)
-                else:
-                    want = x / 4 if average else x
-                assert torch.equal(flat[a:b], want), (half, average, s)
-            assert torch.equal(flat[45:50], original[45:50])
-        with pytest.raises(ValueError, match="one half-precision strategy"):
-            allreduce_plain_steps(flat, slices, ["bf16", "fp16", "dense"], 4, None, True)
+            buffer = x.clone()
+            assert allreduce_half(buffer, 4, None, half, average).wait() is buffer
+            if half == "bf16":
+                want = x.to(torch.bfloat16).float() / (4 if average else 1)
+            else:
+                want = (x.to(torch.float16) / 4).float() * (1 if average else 4)
+            assert torch.equal(buffer, want), (half, average)
     finally:
         dist.destroy_process_group()

@@ -221,9 +221,9 @@ def test_ddp_lossy_step_guard_weighs_the_plans_against_ddp_s_bfloat16_hook(ddp_r
     bf16_compress_hook sends (the plans must beat the half-precision allreduce DDP ships, not only the float32
     one): one weight under top-k plans gets, at steps 4 and 5 (the dense window) and 7 to 11 (after the verdict
     at 6, whose step also flushes top-k's memory), the bfloat16 hook's averaged gradients bit for bit, and
-    different ones before (top-k's). A model whose buckets mix gradients of 8 KiB or more (lossy_min_bytes,
-    bfloat16) with smaller ones (exact: float32) allreduces 2 bytes per coordinate of the first and 4 of the
-    second from step 4 on, identically on every rank."""
+    different ones before (top-k's). A model whose buckets mix gradients of 8 KiB or more (lossy_min_bytes: top-k
+    plans) with smaller ones (exact plans) allreduces its whole buckets in bfloat16, as the hook casts them,
+    2 bytes per coordinate, from step 4 on, identically on every rank."""
     rs = results(ddp_run, "lossy_guard_half")
     for r in rs:
         assert r["guard"]["verdict"] == "dense" and r["guard"]["alternative"] == {"bf16": 1}, r["guard"]
@@ -232,8 +232,8 @@ def test_ddp_lossy_step_guard_weighs_the_plans_against_ddp_s_bfloat16_hook(ddp_r
         assert not any(same[2:4]), same   # top-k's plans sent something else
         mixed = r["mixed"]
         assert mixed["guard"]["verdict"] == "dense" and mixed["digest"] == rs[0]["mixed"]["digest"], mixed
-        assert mixed["guard"]["alternative"] == {"bf16": 2, "dense": 4}, mixed["guard"]
-        window = 2 * (64 * 32 + 64 * 64) + 4 * (64 + 64 + 8 * 64 + 8)   # the float32 bytes would be 27168
+        assert mixed["guard"]["alternative"] == {"bf16": 6}, mixed["guard"]
+        window = 2 * (64 * 32 + 64 + 64 * 64 + 64 + 8 * 64 + 8)   # the float32 bytes would be 27168
         assert mixed["sent"][4:] == [window] * 8, mixed["sent"]
         assert set(mixed["plan"].values()) == {"topk", "dense"}, mixed["plan"]
 

@@ -36,8 +36,8 @@ MESHES = {
                    "mixed_bf16_rs", "accumulation", "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk",
                    "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
-                   "auto_guard_lossy_half", "auto_guard_mismatch", "resume_thc", "checkpoint_misuse", "thc_propagate_scaler",
-                   "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
+                   "auto_guard_lossy_half", "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
+                   "thc_propagate_scaler", "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "auto_resume", "inexact",
                    "config_mismatch", "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_guard_dense",
                    "auto_rows_guard_plan", "auto_rows_guard_lossy", "non_finite_auto", "bfloat16", "float16", "mixed",
@@ -262,9 +262,9 @@ def test_auto_step_guard_verdict_is_the_replicas_rank_0s_and_exact(launch, mesh,
 @pytest.mark.parametrize("mesh,name", cases("auto_guard_lossy_half"))
 def test_auto_lossy_step_guard_weighs_the_plans_against_a_bfloat16_all_reduce(launch, mesh, name):
     """With lossy and bf16 among the strategies, the dense window (steps 4, 5) and every step after the dense
-    verdict (6 to 11) all-reduce the shards across the replicas in bfloat16, 2 bytes per coordinate, as
-    MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) reduces them; top-k's plans before send float32 words
-    (a one-coordinate bias may plan bf16: its half part rides beside them)."""
+    verdict (6 to 11) all-reduce the shards across the replicas in bfloat16, 2 bytes per coordinate (FSDP2's
+    padded shard), as MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) reduces them; top-k's plans before
+    send float32 words (a one-coordinate bias may plan bf16: its half part rides beside them)."""
     for r in guard_runs(results(launch, mesh, name)):
         assert r["guard"]["verdict"] == "dense", r["guard"]
         assert set(r["guard"]["alternative"]) == {"bf16"}, r["guard"]

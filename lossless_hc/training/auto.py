@@ -69,8 +69,10 @@ class AutoSpec(AggregatorSpec):
         seed: hash seed of the sketch codecs, identical on every rank.
         partial: a sketch decode with inexact keys re-aggregates only their rows (False: densely; for
             engines whose only second collective is the dense fallback, BytePS).
-        lossy_min_bytes: with ``lossy``, tensors smaller than this are still aggregated exactly
-            (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`, 64 KiB; 0: every tensor may go lossy).
+        lossy_min_bytes: with ``lossy``, tensors smaller than this are still planned exactly
+            (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`, 64 KiB; 0: every tensor may go lossy); a
+            dense verdict of the step guard sends them, as every float32 gradient, in the engine's half
+            precision (``AutoAggregator.guard_alternative``).
     """
 
     kind = "auto"

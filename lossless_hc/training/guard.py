@@ -18,11 +18,11 @@ A/B trial on whole training steps:
   (the **dense window**: DDP's buckets allreduced in place as DDP's own hook does, Horovod's tensors as
   its plain allreduce, FSDP2's shards all-reduced in place across the replicas as uncompressed HSDP
   does, and its sparse reduce-scatter replaced by FSDP2's own, in the dtypes that exchange sends chunks
-  whole in; with ``lossy``, the large gradients, those its lossy strategies may take, in half precision
-  where it is among them: DDP's as its ``bf16_compress_hook`` sends them, Horovod's as its
-  ``Compression.fp16``, FSDP2's all-reduced slices and reduce-scatter chunks in bfloat16 as
-  ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``; the aggregators sit these steps out: their
-  statistics and plans wait).
+  whole in; with ``lossy``, float32 gradients in half precision where it is among its strategies, as the
+  engine's own half-precision hook sends them: DDP's buckets as its ``bf16_compress_hook``, Horovod's
+  tensors as its ``Compression.fp16``, FSDP2's shards all-reduced in bfloat16 and its reduce-scatter chunks
+  in the bfloat16 the exchange sends large ones whole in, as ``MixedPrecisionPolicy(reduce_dtype=
+  torch.bfloat16)``; the aggregators sit these steps out: their statistics and plans wait).
   Alternating, so that a drift of the step time over the trial (allocator and caches still warming, a
   neighbour's load) weighs on both windows alike: back-to-back windows measured a plan faster on VGG at
   2 emulated hosts that ran slower than DDP's allreduce in the steps after. Only the **last step of

@@ -92,9 +92,10 @@ class AutoAggregator(TensorRows):
             or None until it is known (set ``cost_model`` before the first plan is applied: a plan due
             then waits for the next :meth:`encode`; DDP calibrates after the first step).
         lossy: allow the lossy strategies (for a tensor of at least ``lossy_min_bytes`` bytes).
-        lossy_min_bytes: smaller tensors are aggregated exactly even when ``lossy``
+        lossy_min_bytes: smaller tensors are planned exactly even when ``lossy``
             (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`: the saving is at most twice their bytes
-            of wire per step, while a lossy error can cost steps the cost model does not price).
+            of wire per step, while a lossy error can cost steps the cost model does not price); the step
+            guard's alternative rounds them all the same (:meth:`guard_alternative`).
         interval, alpha: re-planning period and EWMA weight.
         first: the strategy of the first step (None: "dense" for a dense gradient, "allgather" for a
             sparse one; either is exact and measures the statistics).
@@ -137,6 +138,11 @@ class AutoAggregator(TensorRows):
         if allowed is not None:
             names = tuple(s for s in names if s in allowed) or ("dense",)
         self.allowed = names
+        # The step guard's alternative with lossy (guard_alternative): the engine's own half-precision hook,
+        # which casts every float32 gradient of a bucket, whatever its size (lossy_min_bytes guards the plans)
+        halves = [h for h in ("bf16", "fp16") if allowed is None or h in allowed]
+        if lossy and halves and dtype == torch.float32 and not self.sparse and self.numel and world_size > 1:
+            self.engine_half = halves[0]
         if first is None:
             first = "allgather" if self.sparse else "dense"
         if first not in self.allowed:
@@ -385,15 +391,15 @@ class AutoAggregator(TensorRows):
         self.stats.encode_seconds += time.perf_counter() - t0
         return payload, ctx
 
+    engine_half: Optional[str] = None   # guard_alternative's half strategy (set in __init__ with lossy)
+
     def guard_alternative(self) -> str:
-        """What the step guard's dense window (and a dense verdict) sends this tensor as, in place of its plan
-        (:mod:`lossless_hc.training.guard`): ``"bf16"`` where that strategy is allowed, else ``"fp16"`` where
-        that one is (``lossy``, a tensor of ``lossy_min_bytes`` or more, the strategies naming it), else
-        ``"dense"``: the plain step of the engine's own hook a user would otherwise run (DDP's
-        bf16_compress_hook, Horovod's ``Compression.fp16``, the allreduce). With loss allowed, plans must
-        beat the half-precision allreduce, not only the float32 one: a lossy plan slower than what the engine
-        ships buys nothing. A function of the options and the tensor: identical on every rank."""
-        return next((s for s in ("bf16", "fp16") if s in self.allowed), "dense")
+        """The plain step the step guard's dense window (and a dense verdict) sends this tensor as
+        (:mod:`lossless_hc.training.guard`): with ``lossy``, a float32 gradient of any size in ``"bf16"``, else
+        ``"fp16"``, the first the strategies allow (the engine's own half-precision hook: DDP's
+        bf16_compress_hook casts a whole bucket, Horovod's ``Compression.fp16`` every tensor); otherwise
+        ``"dense"``. A lossy plan slower than what the engine ships buys nothing. Identical on every rank."""
+        return self.engine_half or "dense"
 
     def encode_plain(self, x: torch.Tensor, strategy: str = "dense"):
         """``(payload, ctx)`` of a plain step of ``strategy`` (``"dense"``: the bare tensor in ``plain_dtype``;

@@ -144,8 +144,8 @@ def lossy_guard_half(steps=12):
     plans at 2 and 3, the dense window at 4 and 5, the verdict at 6): "in place" is what DDP's
     bf16_compress_hook sends. ``linear``: one 128 x 96 weight under top-k plans (bf16 allowed), its averaged
     gradient at every step, and the same gradients through :func:`bf16_sum_hook`. ``mixed``: the dense model of
-    :func:`train_dense`, its two weights of 8 KiB or more (``lossy_min_bytes``) in bfloat16 and the rest in
-    float32, the bytes the hook allreduced per step."""
+    :func:`train_dense`, its two weights of 8 KiB or more (``lossy_min_bytes``) on top-k plans and the rest on
+    exact ones, the bytes the hook allreduced per step."""
     n, rank = dist.get_world_size(), dist.get_rank()
     # a 1 Mbit/s link: the weights' plans stay top-k (bfloat16's twice the bytes of a 1% top-k would not pay)
     options = dict(lossy=True, first="topk", interval=2, calibration=Calibration.default(1e6), guard_steps=1,

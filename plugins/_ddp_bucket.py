@@ -70,4 +70,3 @@ def allreduce_half(buffer: torch.Tensor, n: int, group, strategy: str, average: 
             return out if average else out.mul_(n)
         return out.div_(n) if average else out
     return fut.then(write_back)
-

@@ -70,9 +70,8 @@ the replica all-reduce, the strategy the cost model predicts cheapest; calibrate
 point), unless a ``calibration`` is given. A strategy's second collective (allgather, two_phase's
 values, fp16/bf16, a sketch's fallback) is issued blocking from the same hook, in the same order on
 every rank. Its step guard (on by default, :class:`AutoFSDPState`) times the plans against steps whose
-shards are all-reduced in place (with ``lossy``, in bfloat16), and keeps
-them only if they measure faster. With
-``reduce_scatter=True`` its reduce-scatter is the exact sparse one
+shards are all-reduced in place (with ``lossy``, in bfloat16), and keeps them only if they measure
+faster. With ``reduce_scatter=True`` its reduce-scatter is the exact sparse one
 (:mod:`lossless_hc.training.row_exchange`): each rank sends each destination every parameter's chunk
 as its own non-zero rows with their indices, or as it is where that is fewer bytes (each sender
 decides for its own chunks, so no statistics need to cross ranks), and the owner adds them up -- the
@@ -503,7 +502,8 @@ class AutoFSDPState(_FSDPState):
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
         d["calibration"] = self.spec.calibration_stats()
-        d["guard"] = guard_stats(self._guard, [a for k, a in self._aggregators.items() if k.startswith("replicate:")])
+        replica = [a for k, a in self._aggregators.items() if k.startswith("replicate:")]
+        d["guard"] = guard_stats(self._guard, replica)
         return d
 
     def _narrow_dtype(self, parameter_bytes: int) -> Optional[torch.dtype]:

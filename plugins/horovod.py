@@ -279,10 +279,10 @@ class Compression(CompressionFactory):
         tensor sent as it is (Horovod's own allreduce; with ``lossy`` and fp16 among the strategies, a
         float32 tensor in float16, as ``Compression.fp16`` sends it; in blocks of two steps, the second
         timed; as many more of each confirm a first look for the plans); unless the plans' median step is
-        ``guard_margin`` faster, every tensor is sent so from
-        then on (THC's and top-k's error feedback with the next step), and the process set's first rank's
-        verdict (a Horovod broadcast at the end of the trial's last step) holds on every rank. A step ends
-        when its last tensor is decompressed (``optimizer.step()``).
+        ``guard_margin`` faster, every tensor is sent so from then on (THC's and top-k's error feedback with
+        the next step), and the process set's first rank's verdict (a Horovod broadcast at the end of the
+        trial's last step) holds on every rank. A step ends when its last tensor is decompressed
+        (``optimizer.step()``).
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, the first rank's medians, the trials opened and how many tensors
         the dense window sends as each plain step (``"alternative"``)."""

@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 
 from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, guard_stats, plan_stats
+from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, guard_half, guard_stats, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
 from lossless_hc.training.planner import HALF_STRATEGIES, Calibration  # noqa: F401  (Calibration: re-exported)
@@ -468,8 +468,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     steady = part is None and not guard_dense and state.spec.calibration is not None
     plains = [a.plain_step() for a in aggs] if steady else [None]
     if guard_dense:   # what DDP's own hooks send: in place, or with lossy bf16_compress_hook's whole bucket
-        halves = {a.guard_alternative() for a in aggs} - {"dense"} if buffer.dtype == torch.float32 else set()
-        plains = [halves.pop()] if len(halves) == 1 else ["dense"]
+        plains = [guard_half(aggs, buffer.dtype) or "dense"]
     if buffer.dtype == torch.float32 and plains[0] in HALF_STRATEGIES and len(set(plains)) == 1:
         # the message's bits, without its copies
         def half_plain(fut: torch.futures.Future) -> torch.Tensor:

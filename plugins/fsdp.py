@@ -101,7 +101,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lossless_hc.lhc.layout import is_real
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, guard_stats, plan_stats
+from lossless_hc.training.auto import AutoMessage, AutoSpec, guard_half, guard_stats, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch
 from lossless_hc.training.capacity import CapacityPolicy
@@ -573,8 +573,7 @@ class AutoFSDPState(_FSDPState):
         if self._guard.verdict == "dense":
             for agg, view in zip(aggs, views):
                 agg.add_lossy_memory_to(view)
-        halves = {a.guard_alternative() for a in aggs} - {"dense"} if reduce_output.dtype == torch.float32 else set()
-        half = halves.pop() if len(halves) == 1 else None
+        half = guard_half(aggs, reduce_output.dtype)
         if half is not None:   # the SUM: FSDP2 divides it afterwards (or _ReplicaAllReduce does)
             allreduce_half(reduce_output, self.replicas, self.replicate_group, half, average=False).wait()
         else:

@@ -213,6 +213,14 @@ def plan_stats(aggregators) -> dict:
     return {a.name: a.plan_stats() for a in aggregators if isinstance(a, AutoAggregator)}
 
 
+def guard_half(aggregators, dtype: torch.dtype) -> Optional[str]:
+    """The half strategy the step guard's dense window sends a DDP bucket or an FSDP2 shard of ``dtype``
+    holding these aggregators' tensors in, whole, as the engine's own half-precision hook casts it (their
+    :meth:`AutoAggregator.guard_alternative`); None: as it is (not float32, or no tensor of it goes half)."""
+    halves = {a.guard_alternative() for a in aggregators} - {"dense"} if dtype == torch.float32 else set()
+    return halves.pop() if len(halves) == 1 else None
+
+
 def guard_stats(guard: Optional[StepGuard], aggregators) -> Optional[dict]:
     """``guard.stats()`` (None without a guard) and, under ``"alternative"``, how many dense tensors its dense
     window sends as each plain step (:meth:`AutoAggregator.guard_alternative`: ``{"dense": 3, "bf16": 2}``)."""

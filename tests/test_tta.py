@@ -61,6 +61,28 @@ def test_summary_speedup_and_per_mode_medians():
     assert "| thc | 1/2 | 2.00 | 4.00x | 20 |" in md and "thc seed 2: not reached" in md
 
 
+def test_the_planner_runs_say_what_they_ran():
+    """Under the table, each planner run's last plan and the step guard's verdict (rank 0's stats), as the
+    cluster report gives them: a lossy run that switched to the half-precision hook says so; the other modes
+    (a plain codec's stats have no plan) add nothing."""
+    guard = {"verdict": "dense", "plan_ms": 170.7, "dense_ms": 162.7, "window": 8, "steps": 5, "block": 2,
+             "rounds": 1, "trials": 1, "lead_plan_ms": 173.2, "lead_dense_ms": 178.8, "alternative": {"bf16": 11}}
+    runs = [_run("none", 1, [(0, 0, 0.1), (10, 4.0, 0.97)]),
+            _run("thc", 1, [(0, 0, 0.1), (10, 1.0, 0.97)]),
+            dict(_run("auto-lossy", 1, [(0, 0, 0.1), (10, 2.0, 0.97)]), framework="ddp",
+                 stats={"fallbacks": 0, "guard": guard, "plan": {"param0(8, 4)": {"strategy": "topk"},
+                                                                  "param1(4,)": {"strategy": "dense"}}})]
+    result = {"runs": runs, "summary": tta_report.summarize_runs(runs, 0.96), "target": 0.96, "title": "t",
+              "max_steps": 10, "eval_every": 10, "seeds": [1], "shaping": {"qdisc": "netem"}, "cpu_fair": None}
+    md = tta_report.render_markdown(result)
+    assert "ddp auto-lossy chose (rank 0, last plan): topk: 1 tensor (param0(8, 4)); dense: 1 tensor (param1(4,))" in md
+    assert ("step guard (steps 8-27): plans 170.7 ms, dense 162.7 ms median step: dense allreduce in place "
+            "(DDP's own, 11 tensors in bf16) from then on") in md
+    assert md.count("chose (rank 0") == 1 and "thc chose" not in md
+    result["seeds"] = [1, 2]   # several seeds: each planner run is named with its seed
+    assert "ddp auto-lossy (seed 1) chose" in tta_report.render_markdown(result)
+
+
 def test_a_diverged_seed_shows_in_the_final_metric_whatever_the_seeds_order():
     """statistics.median does not order NaN: [nan, 0.5, 0.6] gave 0.5 and [0.5, nan, 0.6] nan. A mode with
     a diverged seed reports nan as its final metric, in any order."""

@@ -222,33 +222,7 @@ def render_markdown(result: dict, title: str) -> str:
     for r in result["rows"]:
         g = r.get("auto_guard")
         if r.get("auto_choice") or g:
-            if r.get("auto_choice"):
-                lines.append(f"\n{r['framework']} {r['compression']} chose (rank 0, last plan): " + "; ".join(
-                    f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
-                    f"{', ...' if len(names) > 4 else ''})" for st, names in r["auto_choice"].items()))
-            else:   # plain FSDP: no plan, the sparse reduce-scatter alone under the guard
-                lines.append(f"\n{r['framework']} {r['compression']}: the sparse reduce-scatter")
-            if g and g.get("verdict"):
-                engine = {"ddp": "DDP", "fsdp": "HSDP"}.get(r["framework"], r["framework"].capitalize())
-                halves = {k: v for k, v in (g.get("alternative") or {}).items() if k != "dense"}
-                own = "".join(f", {v} tensor{'s' if v > 1 else ''} in {k}" for k, v in halves.items())
-                dense = (f"dense allreduce in place ({engine}'s own{own})" if r.get("auto_choice")
-                         else "FSDP2's own reduce-scatter")
-                ran = "the plans" if g["verdict"] == "plan" else dense
-                span = _guard_span(g)
-                lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "
-                             f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
-                if (g.get("block") or 1) > 1:
-                    lines.append(f"step guard: blocks of {g['block']} steps per window, the last one timed; the "
-                                 f"untimed ones (after a switch) {_f(g['lead_plan_ms'], '.1f')} ms in the plans' "
-                                 f"blocks, {_f(g['lead_dense_ms'], '.1f')} ms in dense's")
-            elif g and g.get("window") is None:
-                lines.append("step guard: no trial (every dense gradient's plan was dense)")
-            elif g:
-                lines.append(f"step guard: trial from step {g['window']} not finished in this run "
-                             f"({_guard_span(g)} steps)")
-            if g and (g.get("trials") or 0) > 1:
-                lines.append(f"step guard: {g['trials']} trials (a re-plan changed the plans after a verdict)")
+            lines += planner_lines(r["framework"], r["compression"], r.get("auto_choice"), g)
             per_round = [x for x in (r.get("auto_guard_rounds") or []) if x]
             ends = [x["window"] + _guard_span(x) for x in (per_round or [g]) if x and x.get("window") is not None]
             warmup = result.get("warmup")
@@ -261,6 +235,40 @@ def render_markdown(result: dict, title: str) -> str:
                     + (f" ({x['plan_ms']:.1f} / {x['dense_ms']:.1f} ms)" if x.get("verdict") else "")
                     for x in per_round))
     return "\n".join(lines) + "\n"
+
+
+def planner_lines(framework: str, compression: str, choice: Optional[dict], guard: Optional[dict]) -> list:
+    """What a planner mode ran, for the reports (this one and ``bench tta``'s): its last plan
+    (:func:`auto_choice`; None for plain FSDP, whose sparse reduce-scatter is all it plans) and the step
+    guard's verdict and medians (rank 0's ``stats()["guard"]``), the first line opening a paragraph."""
+    g = guard
+    if choice:
+        lines = [f"\n{framework} {compression} chose (rank 0, last plan): " + "; ".join(
+            f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''})" for st, names in choice.items())]
+    else:   # plain FSDP: no plan, the sparse reduce-scatter alone under the guard
+        lines = [f"\n{framework} {compression}: the sparse reduce-scatter"]
+    if g and g.get("verdict"):
+        engine = {"ddp": "DDP", "fsdp": "HSDP"}.get(framework, framework.capitalize())
+        halves = {k: v for k, v in (g.get("alternative") or {}).items() if k != "dense"}
+        own = "".join(f", {v} tensor{'s' if v > 1 else ''} in {k}" for k, v in halves.items())
+        dense = f"dense allreduce in place ({engine}'s own{own})" if choice else "FSDP2's own reduce-scatter"
+        ran = "the plans" if g["verdict"] == "plan" else dense
+        span = _guard_span(g)
+        lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "
+                     f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
+        if (g.get("block") or 1) > 1:
+            lines.append(f"step guard: blocks of {g['block']} steps per window, the last one timed; the "
+                         f"untimed ones (after a switch) {_f(g['lead_plan_ms'], '.1f')} ms in the plans' "
+                         f"blocks, {_f(g['lead_dense_ms'], '.1f')} ms in dense's")
+    elif g and g.get("window") is None:
+        lines.append("step guard: no trial (every dense gradient's plan was dense)")
+    elif g:
+        lines.append(f"step guard: trial from step {g['window']} not finished in this run "
+                     f"({_guard_span(g)} steps)")
+    if g and (g.get("trials") or 0) > 1:
+        lines.append(f"step guard: {g['trials']} trials (a re-plan changed the plans after a verdict)")
+    return lines
 
 
 def _guard_span(g: dict) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional, Sequence
 
-from lossless_hc.bench.cluster_report import AUTO, BASELINE, LOSSLESS, rate_label
+from lossless_hc.bench.cluster_report import AUTO, BASELINE, LOSSLESS, auto_choice, planner_lines, rate_label
 
 EXACT = (BASELINE, *LOSSLESS)  # modes whose curve must equal the uncompressed one (float rounding aside)
 
@@ -107,6 +107,13 @@ def render_markdown(result: dict) -> str:
         lines += ["", "Per seed: " + "; ".join(
             f"{r['label']} seed {r['seed']}: {_f(r['time_to_target_s'], '.2f', 'not reached')}"
             f"{' s' if r['reached'] else ''} ({_f(r['steps_to_target'], 'd', '-')} steps)" for r in rows)]
+    for run in runs:   # what each planner run ran: its last plan and the step guard's verdict (rank 0's)
+        stats = run.get("stats") if isinstance(run.get("stats"), dict) else {}
+        plan = stats.get("plan")
+        if run["label"] in AUTO and (isinstance(plan, dict) and plan or stats.get("guard")):
+            seed = f" (seed {run['seed']})" if len(result["seeds"]) > 1 else ""
+            lines += planner_lines(run.get("framework", "ddp"), run["label"] + seed,
+                                   auto_choice(plan) if isinstance(plan, dict) else None, stats.get("guard"))
     return "\n".join(lines) + "\n"
 
 

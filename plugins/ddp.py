@@ -224,13 +224,13 @@ class AutoHookState(HookState):
             first step index its trial may begin at (8) and the margin by which the plans must measure
             faster than DDP's dense allreduce to stay (0.03): an A/B trial of whole training steps,
             ``guard_steps`` timed steps of the plans alternating with as many of every dense gradient
-            allreduced in place (in blocks of two steps, the second timed; as many more of each to
-            confirm a first look for the plans; with ``lossy``, a float32 bucket in bfloat16, as
-            ``bf16_compress_hook`` sends it, or in fp16 where the strategies allow only that:
-            ``AutoAggregator.guard_alternative``); if the plans' median
-            step is not faster, dense gradients are sent so for the rest of the run (THC's and top-k's error
-            feedback, and a PowerSGD bucket's error memory, added to the first such step's gradients);
-            if it is, the plans stay until a re-plan changes them, which opens a new trial
+            allreduced in place (in blocks of two steps, the second timed; as many more of each to confirm a
+            first look for the plans, unless it found them twice as fast; with ``lossy``, a float32 bucket in
+            bfloat16, as ``bf16_compress_hook`` sends it, or in fp16 where the strategies allow only that:
+            ``AutoAggregator.guard_alternative``); if the plans' median step is not faster, dense gradients are
+            sent so for the rest of the run (THC's and top-k's error feedback, and a PowerSGD bucket's error
+            memory, added to the first such step's gradients); if it is, the plans stay until a re-plan changes
+            them, which opens a new trial
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``); ``strategies`` may

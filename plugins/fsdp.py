@@ -468,9 +468,9 @@ class AutoFSDPState(_FSDPState):
     every hook all-reduces its shard in place across the replicas (what uncompressed HSDP does; with
     ``lossy``, a float32 shard in bfloat16 where bf16 is among the strategies, as
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` reduces it; in blocks of two
-    steps, the second timed; as many more of each confirm a first look for the plans); unless the plans'
-    median step is ``guard_margin`` faster, every shard is all-reduced so from then on (THC's and top-k's
-    error feedback added to the first such step's shard). The verdict is
+    steps, the second timed; as many more of each confirm a first look for the plans, unless it found them
+    twice as fast); unless the plans' median step is ``guard_margin`` faster, every shard is all-reduced
+    so from then on (THC's and top-k's error feedback added to the first such step's shard). The verdict is
     the replicate group's rank 0's, broadcast on that group (blocking, from the first hook of the step
     after the trial, which every rank of the group reaches at the same step count); each replicate
     group (one per shard index) decides for its own collectives. With the sparse reduce-scatter (on a

@@ -276,12 +276,12 @@ class Compression(CompressionFactory):
         ``guard_steps``, ``guard_start``, ``guard_margin``: the step guard (:mod:`lossless_hc.training.guard`,
         as DDP's ``AutoHookState``; 0 steps: none): once some tensor's plan is not dense (from step index
         ``guard_start``), ``guard_steps`` timed steps of the plans alternate with as many steps of every
-        tensor sent as it is (Horovod's own allreduce; with ``lossy`` and fp16 among the strategies, a
-        float32 tensor in float16, as ``Compression.fp16`` sends it; in blocks of two steps, the second
-        timed; as many more of each confirm a first look for the plans); unless the plans' median step is
-        ``guard_margin`` faster, every tensor is sent so from then on (THC's and top-k's error feedback with
-        the next step), and the process set's first rank's verdict (a Horovod broadcast at the end of the
-        trial's last step) holds on every rank. A step ends when its last tensor is decompressed
+        tensor sent as it is (Horovod's own allreduce; with ``lossy`` and fp16 among the strategies, a float32
+        tensor in float16, as ``Compression.fp16`` sends it; in blocks of two steps, the second timed; as many
+        more of each confirm a first look for the plans, unless it found them twice as fast); unless the plans'
+        median step is ``guard_margin`` faster, every tensor is sent so from then on (THC's and top-k's error
+        feedback with the next step), and the process set's first rank's verdict (a Horovod broadcast at the end
+        of the trial's last step) holds on every rank. A step ends when its last tensor is decompressed
         (``optimizer.step()``).
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, the first rank's medians, the trials opened and how many tensors

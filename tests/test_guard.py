@@ -48,12 +48,38 @@ def test_schedule_plan_and_dense_steps_alternate_then_verdict():
 
 def test_faster_plans_are_kept_after_a_confirmation_round():
     g = StepGuard(steps=2, start=0)
-    phases = run(g, plan_s=0.5, dense_s=1.0, steps=12)
+    phases = run(g, plan_s=0.6, dense_s=1.0, steps=12)
     # the first look (step 4) favours the plans: two more of each, then the verdict (step 8)
     assert phases == ["plan", "dense"] * 4 + ["plan"] * 4
-    assert g.verdict == "plan" and g.medians == (0.5, 1.0) and g.stats()["rounds"] == 2
+    assert g.verdict == "plan" and g.medians == (0.6, 1.0) and g.stats()["rounds"] == 2
     g = StepGuard(steps=2, start=0, confirm=0)   # no confirmation: the first look is the verdict
+    assert run(g, plan_s=0.6, dense_s=1.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
+
+
+def test_a_decisive_first_look_is_the_verdict_for_the_plans_at_once():
+    """Plans at most ``decisive`` (0.5) times the dense window's median need no confirmation round: the
+    verdict at the first look (step 4), so the trial's dense blocks end after one round; just above it,
+    or with decisive 0, the confirmation runs; a look for dense is unaffected."""
+    g = StepGuard(steps=2, start=0)
+    assert g.decisive == 0.5
     assert run(g, plan_s=0.5, dense_s=1.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
+    assert g.verdict == "plan" and g.stats()["rounds"] == 1 and g.medians == (0.5, 1.0)
+    for guard in (StepGuard(steps=2, start=0), StepGuard(steps=2, start=0, decisive=0)):
+        plan_s = 0.51 if guard.decisive else 0.01
+        assert run(guard, plan_s=plan_s, dense_s=1.0, steps=12) == ["plan", "dense"] * 4 + ["plan"] * 4
+        assert guard.stats()["rounds"] == 2
+    g = StepGuard(steps=2, start=0, decisive=1e6, margin=0.9)   # decisive, but the margin rules first
+    assert run(g, plan_s=0.5, dense_s=1.0, steps=10) == ["plan", "dense"] * 2 + ["dense"] * 6
+
+
+def test_decisive_is_read_when_the_guard_is_built(monkeypatch):
+    import lossless_hc.training.guard as guard_module
+    monkeypatch.setattr(guard_module, "GUARD_DECISIVE", 0.0)
+    g = StepGuard(steps=1, start=0)
+    assert g.decisive == 0.0 and step_guard(1, 0).decisive == 0.0
+    for bad in (-0.1, float("nan"), float("inf"), "0.5", True):
+        with pytest.raises(ValueError, match="decisive"):
+            StepGuard(decisive=bad)
 
 
 def test_a_first_look_for_the_plans_that_the_confirmation_round_overturns_goes_dense():
@@ -95,7 +121,7 @@ def test_a_replan_after_a_verdict_for_the_plans_opens_a_new_trial():
     for step in range(20):
         plans = "A" if step < 12 else "B"
         if step:
-            slow = 1.5 if plans == "B" else 0.5
+            slow = 1.5 if plans == "B" else 0.6
             g.record(step - 1, slow if phases[-1] == "plan" else 1.0)
         phase = g.phase(step, True, plans)
         if phase == "decide":
@@ -232,7 +258,7 @@ def test_blocks_time_only_their_last_step_so_switching_costs_stay_out_of_the_ver
 
 def test_blocks_with_a_confirmation_round_pool_every_timed_step():
     g = _StepGuard(steps=2, start=3, block=3)
-    phases = run(g, plan_s=0.5, dense_s=1.0, steps=3 + 24 + 3)
+    phases = run(g, plan_s=0.6, dense_s=1.0, steps=3 + 24 + 3)
     window = ["plan"] * 3 + ["dense"] * 3
     assert phases[:3] == ["plan"] * 3 and phases[3:27] == window * 4 and phases[27:] == ["plan"] * 3
     assert g.stats()["rounds"] == 2 and len(g.times["plan"]) == len(g.times["dense"]) == 4

@@ -47,7 +47,11 @@ A/B trial on whole training steps:
   once. On this project's 2-core VM a window's step times spread by +-10%, and a 5-step median of
   each window once kept plans 9% "faster" (93.7 against 102.5 ms) that then ran 1.2x slower than the
   engine's allreduce; keeping plans needs more evidence than leaving them, as dense is the engine's
-  own behaviour (the safe default). The cost: ``BW`` more dense steps where the plans are faster.
+  own behaviour (the safe default). The cost: ``BW`` more dense steps where the plans are faster. So a
+  **decisive** look, whose plans step in at most half the dense window's time (:math:`T_p \le d\,T_d`,
+  ``decisive`` :math:`d`, 0.5), is the verdict for the plans at once: a factor of 2 is far beyond that
+  spread, and the confirmation's dense blocks would cost the most exactly there (an embedding model's
+  plans against its dense tables: each such step more than twice a plan step).
 
 Step times are rank-local; the verdict is rank 0's, broadcast by the caller (every rank must then
 agree, as on every plan). A verdict for the plans holds for the plans it measured: when the dense
@@ -75,6 +79,7 @@ GUARD_START = 8      # the first step index the plan window may begin at (after 
 GUARD_MARGIN = 0.03  # the plans must measure this much faster than dense to stay
 GUARD_CONFIRM = 1    # extra rounds of both windows before a verdict for the plans (module doc)
 GUARD_BLOCK = 2      # consecutive steps of one window; only a block's last step is timed (module doc)
+GUARD_DECISIVE = 0.5  # a first look whose plans step in at most this fraction of dense's needs no confirmation
 
 
 def step_guard(steps, start: int = GUARD_START, margin: float = GUARD_MARGIN) -> Optional["StepGuard"]:
@@ -98,10 +103,12 @@ class StepGuard:
         margin: ``m`` in the verdict rule, below 1.
         confirm: rounds of ``2BW`` more steps that a look for the plans must survive (>= 0).
         block: ``B``, consecutive steps of one window, of which the last is timed (>= 1).
+        decisive: ``d``, a look with ``T_p <= d T_d`` keeps the plans without confirmation (a real >= 0;
+            0: never; None: :data:`GUARD_DECISIVE` as it is when the guard is built).
     """
 
     def __init__(self, steps: int = GUARD_STEPS, start: int = GUARD_START, margin: float = GUARD_MARGIN,
-                 confirm: int = GUARD_CONFIRM, block: int = GUARD_BLOCK):
+                 confirm: int = GUARD_CONFIRM, block: int = GUARD_BLOCK, decisive: Optional[float] = None):
         # Ints, not truncated (2.5 steps would run 2): every rank must run the same trial.
         for name, value, least in (("steps", steps, 1), ("start", start, 0), ("confirm", confirm, 0),
                                    ("block", block, 1)):
@@ -110,7 +117,11 @@ class StepGuard:
                 raise ValueError(f"guard {name} must be >= {least}, got {value}")
         if not is_real(margin) or not -math.inf < margin < 1.0:
             raise ValueError(f"guard margin must be a number below 1, got {margin!r}")
+        decisive = GUARD_DECISIVE if decisive is None else decisive
+        if not is_real(decisive) or not 0.0 <= decisive < math.inf:
+            raise ValueError(f"guard decisive must be a number >= 0, got {decisive!r}")
         self.steps, self.start, self.margin, self.confirm = steps, start, float(margin), confirm
+        self.decisive = float(decisive)
         self.block = block
         self.rounds = 1                    # rounds of both windows the current trial runs (1 + confirmations)
         self.begin: Optional[int] = None   # step index of the plan window's first step
@@ -200,11 +211,13 @@ class StepGuard:
 
     def settle(self, keep_plans: bool, plan_s: float, dense_s: float, lead_plan_s: float = float("nan"),
                lead_dense_s: float = float("nan")) -> None:
-        """Adopt the (broadcast) look: a verdict, or for the plans while confirmations remain, another
-        round of both windows (:meth:`phase` goes on alternating; the next look pools every step)."""
+        """Adopt the (broadcast) look: a verdict, or for the plans while confirmations remain and the look
+        is not decisive, another round of both windows (:meth:`phase` goes on alternating; the next look
+        pools every step)."""
         self.medians = (float(plan_s), float(dense_s))
         self.lead_medians = (float(lead_plan_s), float(lead_dense_s))
-        if keep_plans and self.rounds <= self.confirm:
+        decisive = plan_s <= self.decisive * dense_s   # False with a NaN median
+        if keep_plans and self.rounds <= self.confirm and not decisive:
             self.rounds += 1
             return
         self.verdict = "plan" if keep_plans else "dense"

@@ -237,11 +237,10 @@ def render_markdown(result: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def planner_lines(framework: str, compression: str, choice: Optional[dict], guard: Optional[dict]) -> list:
+def planner_lines(framework: str, compression: str, choice: Optional[dict], g: Optional[dict]) -> list:
     """What a planner mode ran, for the reports (this one and ``bench tta``'s): its last plan
     (:func:`auto_choice`; None for plain FSDP, whose sparse reduce-scatter is all it plans) and the step
-    guard's verdict and medians (rank 0's ``stats()["guard"]``), the first line opening a paragraph."""
-    g = guard
+    guard's verdict and medians ``g`` (rank 0's ``stats()["guard"]``), the first line opening a paragraph."""
     if choice:
         lines = [f"\n{framework} {compression} chose (rank 0, last plan): " + "; ".join(
             f"{st}: {len(names)} tensor{'s' if len(names) > 1 else ''} ({', '.join(names[:4])}"

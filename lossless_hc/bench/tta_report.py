@@ -109,11 +109,10 @@ def render_markdown(result: dict) -> str:
             f"{' s' if r['reached'] else ''} ({_f(r['steps_to_target'], 'd', '-')} steps)" for r in rows)]
     for run in runs:   # what each planner run ran: its last plan and the step guard's verdict (rank 0's)
         stats = run.get("stats") if isinstance(run.get("stats"), dict) else {}
-        plan = stats.get("plan")
-        if run["label"] in AUTO and (isinstance(plan, dict) and plan or stats.get("guard")):
+        choice = auto_choice(stats["plan"]) if isinstance(stats.get("plan"), dict) else None
+        if run["label"] in AUTO and (choice or stats.get("guard")):
             seed = f" (seed {run['seed']})" if len(result["seeds"]) > 1 else ""
-            lines += planner_lines(run.get("framework", "ddp"), run["label"] + seed,
-                                   auto_choice(plan) if isinstance(plan, dict) else None, stats.get("guard"))
+            lines += planner_lines(run.get("framework", "ddp"), run["label"] + seed, choice, stats.get("guard"))
     return "\n".join(lines) + "\n"
 
 

@@ -14,13 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
 from models import (DEVICE, BagModel, CountedCollectives, EmbeddingModel, LinearLoss, bag_batch, bag_loss,  # noqa: E402
-                    batch, loss_fn, max_param_diff, param_digest)
+                    batch, confirm_every_guard_look, loss_fn, max_param_diff, param_digest)
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
-import lossless_hc.training.guard as step_guard_module  # noqa: E402
-# The forced verdicts' scenarios count a confirmation round's steps: a decisive first look (plans measured at
-# most half the dense step, as they may be on loopback) would skip it. tests/test_guard.py covers that path.
-step_guard_module.GUARD_DECISIVE = 0.0
+confirm_every_guard_look()
 
 
 def rank_batch(step, rank, burst_from=None):

@@ -16,14 +16,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import EmbeddingModel, LinearLoss, batch, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import (EmbeddingModel, LinearLoss, batch, confirm_every_guard_look, loss_fn, max_param_diff,  # noqa: E402
+                    param_digest)
 
 import lossless_hc._C  # noqa: E402
 from lossless_hc.plugins.horovod import Calibration, Compression  # noqa: E402
-import lossless_hc.training.guard as step_guard_module  # noqa: E402
-# The forced verdicts' scenarios count a confirmation round's steps: a decisive first look (plans measured at
-# most half the dense step, as they may be on loopback) would skip it. tests/test_guard.py covers that path.
-step_guard_module.GUARD_DECISIVE = 0.0
+confirm_every_guard_look()
 
 RUNS = [0]
 

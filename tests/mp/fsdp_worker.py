@@ -17,17 +17,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import DEVICE, CountedCollectives, EmbeddingModel, batch, loss_fn  # noqa: E402
+from models import DEVICE, CountedCollectives, EmbeddingModel, batch, confirm_every_guard_look, loss_fn  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
 from lossless_hc.training.capacity import CapacityPolicy  # noqa: E402
 from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
 from lossless_hc.training.planner import Calibration  # noqa: E402
-import lossless_hc.training.guard as step_guard_module  # noqa: E402
-# The forced verdicts' scenarios count a confirmation round's steps: a decisive first look (plans measured at
-# most half the dense step, as they may be on loopback) would skip it. tests/test_guard.py covers that path.
-step_guard_module.GUARD_DECISIVE = 0.0
+confirm_every_guard_look()
 
 STEPS = 5
 # LHC_TEST_DEVICE=cuda (models.DEVICE): the same scenarios on CUDA tensors (every rank on GPU 0, Gloo;

@@ -11,6 +11,14 @@ from torch import nn
 DEVICE = torch.device(os.environ.get("LHC_TEST_DEVICE", "cpu"))
 
 
+def confirm_every_guard_look() -> None:
+    """Turn the step guard's decisive look off in this worker: the forced-verdict scenarios count a
+    confirmation round's steps, which a decisive first look (the plans measured at most half the dense
+    step, as they may be on loopback) would skip. tests/test_guard.py covers the decisive path."""
+    import lossless_hc.training.guard as guard
+    guard.GUARD_DECISIVE = 0.0
+
+
 class EmbeddingModel(nn.Module):
     """Two embedding tables (row-sparse gradients) and dense layers (dense gradients)."""
 

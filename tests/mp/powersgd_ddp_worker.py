@@ -26,13 +26,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import LinearLoss, max_param_diff, param_digest  # noqa: E402
+from models import LinearLoss, confirm_every_guard_look, max_param_diff, param_digest  # noqa: E402
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
-import lossless_hc.training.guard as step_guard_module  # noqa: E402
-# The forced verdicts' scenarios count a confirmation round's steps: a decisive first look (plans measured at
-# most half the dense step, as they may be on loopback) would skip it. tests/test_guard.py covers that path.
-step_guard_module.GUARD_DECISIVE = 0.0
+confirm_every_guard_look()
 
 SLOW = Calibration.default(bandwidth_bits=1e8)   # 100 Mbit/s, 50 us per hop
 

@@ -1,6 +1,8 @@
 """The planner's cost model (lossless_hc.training.planner): its decisions over synthetic statistics,
 its wire sizes against the real layouts, the link fit and the calibration's format, the re-plan cadence,
 and the statistics it refuses. The strategies it prices, run: tests/test_planner.py."""
+import math
+
 import pytest
 import torch
 
@@ -112,6 +114,10 @@ def test_wire_bytes_come_from_the_real_layouts():
     assert MODEL.wire_bytes("two_phase", s) == H + 4 * bitmap_words(4096, 3) + 100 * 16 * 4
     cap, union = sketch_capacity(s)
     assert MODEL.wire_bytes("sketch", s) == H + plan_layout(1 << 16, 3, cap, 16, 0, union_nnz=union).wire_bytes
+    # top-k allgathered: the header's allreduce, then k = ceil(r d) pairs of an int32 index and a float32 value
+    k = math.ceil(MODEL.topk_ratio * (1 << 16))
+    assert MODEL.collectives("topk_allgather", s) == [("allreduce", H), ("allgather", 8 * k)]
+    assert MODEL.touched_coordinates("topk_allgather", s) == 3 * k == MODEL.touched_coordinates("topk", s)
 
 
 def test_link_model_formulas_and_fit():
@@ -236,7 +242,12 @@ def test_the_calibration_times_a_top_k_plan_s_step_where_top_k_is_a_candidate(de
     measured = measure_codecs(device, 4, numel=1 << 16, repeats=1, topk_ratio=0.01)
     per_coord, per_key = measured["topk"]
     assert measured["dense"][0] < per_coord < 1e-6 and 0 < per_key < 1e-4, measured["topk"]
-    assert measure_codecs(device, 4, numel=1 << 16, repeats=1)["topk"] == DEFAULT_CODEC_SECONDS["topk"]
+    # and top-k allgathered's step: the selection per coordinate, the gathered pairs' sum per pair
+    per_coord, per_pair = measured["topk_allgather"]
+    assert 0 < per_coord < 1e-6 and 0 < per_pair < 1e-4, measured["topk_allgather"]
+    unmeasured = measure_codecs(device, 4, numel=1 << 16, repeats=1)
+    assert unmeasured["topk"] == DEFAULT_CODEC_SECONDS["topk"]
+    assert unmeasured["topk_allgather"] == DEFAULT_CODEC_SECONDS["topk_allgather"]
 
     def specs_topk(**options):   # a one-rank "engine": no link samples, rank 0's local costs
         spec = AutoSpec(**options)

@@ -48,7 +48,8 @@ def ddp_run(tmp_path_factory):
             ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "dense_steady_half", "half_plain", "lossy",
                                                 "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan",
                                                 "lossy_guard_dense", "lossy_guard_half",
-                                                "lossy_guard_plan", "lossy_guard_dense_float16",
+                                                "lossy_guard_plan", "lossy_guard_dense_gather",
+                                                "lossy_guard_plan_gather", "lossy_guard_dense_float16",
                                                 "lossy_guard_plan_float16", "calibration_mismatch"])])
     return out
 
@@ -63,7 +64,7 @@ def horovod_run(tmp_path_factory):
             os.path.join(HERE, "mp", "auto_horovod_worker.py"), str(out),
             ",".join(HVD_EXACT + ["lossy", "fp16_plain", "config_mismatch", "guard_mismatch", "guard_dense",
                                   "guard_plan", "lossy_guard_dense", "lossy_guard_plan", "lossy_guard_half",
-                                  "calibration_mismatch"])])
+                                  "lossy_guard_dense_gather", "lossy_guard_plan_gather", "calibration_mismatch"])])
     return out
 
 
@@ -196,20 +197,21 @@ def test_step_guard_verdict_is_rank_0s_and_exact(engine, name, request):
 
 
 @pytest.mark.parametrize("engine", ["ddp", "horovod"])
-@pytest.mark.parametrize("name", ["lossy_guard_dense", "lossy_guard_plan"])
+@pytest.mark.parametrize("name", ["lossy_guard_dense", "lossy_guard_plan", "lossy_guard_dense_gather",
+                                  "lossy_guard_plan_gather"])
 def test_step_guard_over_lossy_plans_keeps_error_feedback(engine, name, request):
-    """The step guard with lossy=True (top-k plans, ratio 0.05, error feedback; forced verdicts, as above; 12
-    steps): the trial runs (plans at steps 2 and 3, in place at 4 and 5; for the plans, a confirmation round
-    of steps 6 to 9) and rank 0's verdict holds on every rank. Top-k's
-    error feedback is kept through the dense window and, after a dense verdict, sent with the first in-place
-    step: no error mass is lost (n x the reduced gradients + what the residuals still hold = every rank's
-    gradients, to float rounding), and nothing is left after a dense verdict."""
+    """The step guard with lossy=True (top-k plans, ratio 0.05, error feedback; ``_gather``: top-k allgathered, the
+    pairs through the engine's allgather; forced verdicts, as above; 12 steps): the trial runs (plans at steps 2
+    and 3, in place at 4 and 5; for the plans, a confirmation round of steps 6 to 9) and rank 0's verdict holds
+    on every rank. Top-k's error feedback is kept through the dense window and, after a dense verdict, sent with
+    the first in-place step: no error mass is lost (n x the reduced gradients + what the residuals still hold =
+    every rank's gradients, to float rounding), and nothing is left after a dense verdict."""
     rs = results(request.getfixturevalue(f"{engine}_run"), name)
-    want = "dense" if name == "lossy_guard_dense" else "plan"
+    want = "dense" if name.startswith("lossy_guard_dense") else "plan"
     for r in rs:
         assert r["guard"] == rs[0]["guard"], (r["guard"], rs[0]["guard"])   # rank 0's verdict and medians
         assert r["guard"]["verdict"] == want and r["guard"]["window"] == 2, r["guard"]
-        assert set(r["plan"].values()) == {"topk"}, r["plan"]
+        assert set(r["plan"].values()) == {"topk_allgather" if name.endswith("_gather") else "topk"}, r["plan"]
         assert list(r["plain_steps"].values()) == [2 + 6 if want == "dense" else 2 + 2], r["plain_steps"]
         assert r["left"] == (want == "plan"), r   # top-k kept a residual unless it was flushed
         # float32 reduced gradients summed over 10 steps: measured 3.1e-7 and 3.3e-7 of the scale (12: below)

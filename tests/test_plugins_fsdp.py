@@ -36,7 +36,8 @@ MESHES = {
                    "mixed_bf16_rs", "accumulation", "accumulation_rs", "non_finite", "non_finite_rs", "non_finite_topk",
                    "non_finite_topk_rs",
                    "auto_guard_dense", "auto_guard_plan", "auto_guard_lossy_dense", "auto_guard_lossy_plan",
-                   "auto_guard_lossy_half", "auto_guard_mismatch", "resume_thc", "checkpoint_misuse",
+                   "auto_guard_lossy_plan_gather", "auto_guard_lossy_half", "auto_guard_mismatch", "resume_thc",
+                   "checkpoint_misuse",
                    "thc_propagate_scaler", "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "auto_resume", "inexact",
                    "config_mismatch", "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_guard_dense",
@@ -278,16 +279,18 @@ def test_auto_lossy_step_guard_weighs_the_plans_against_a_bfloat16_all_reduce(la
                 assert "torch.float32" in dtypes, (step, calls)
 
 
-@pytest.mark.parametrize("mesh,name", cases("auto_guard_lossy_dense", "auto_guard_lossy_plan"))
+@pytest.mark.parametrize("mesh,name", cases("auto_guard_lossy_dense", "auto_guard_lossy_plan",
+                                             "auto_guard_lossy_plan_gather"))
 def test_auto_step_guard_over_top_k_keeps_or_flushes_its_error_feedback(launch, mesh, name):
-    """Top-k plans (ratio 0.05, error feedback) under the forced guard: its residual waits through the
-    dense window; after a dense verdict it went out with the first in-place step (none left), after a
-    verdict for the plans it is still there. The replicas of a shard stay identical and train near
-    native HSDP."""
+    """Top-k plans (ratio 0.05, error feedback; ``_gather``: top-k allgathered, the pairs through the replicas'
+    all-gather) under the forced guard: its residual waits through the dense window; after a dense verdict it
+    went out with the first in-place step (none left), after a verdict for the plans it is still there. The
+    replicas of a shard stay identical and train near native HSDP."""
     want = "dense" if name == "auto_guard_lossy_dense" else "plan"
+    strategy = "topk_allgather" if name.endswith("_gather") else "topk"
     for r in guard_runs(results(launch, mesh, name)):
         assert r["guard"]["verdict"] == want, r["guard"]
-        assert {strategy for strategy, _ in r["plan"].values()} == {"topk"}, r["plan"]
+        assert {s for s, _ in r["plan"].values()} == {strategy}, r["plan"]
         assert set(r["plain_steps"].values()) == {2 + 6 if want == "dense" else 2 + 2}, r["plain_steps"]
         # a dense verdict flushed every residual; the plans keep theirs (a shard's empty slot has none)
         assert (any(r["left"].values()) if want == "plan" else not any(r["left"].values())), r["left"]

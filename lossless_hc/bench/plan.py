@@ -33,7 +33,7 @@ from lossless_hc.training.planner import EXACT_STRATEGIES, Calibration, CostMode
 from lossless_hc.training.step import run_in_process
 from lossless_hc.training.strategies import AutoAggregator
 
-PLAN_STRATEGIES = ("dense", "sketch", "allgather", "two_phase", "fp16", "bf16", "thc", "topk")
+PLAN_STRATEGIES = ("dense", "sketch", "allgather", "two_phase", "fp16", "bf16", "thc", "topk", "topk_allgather")
 
 
 def _inputs(numel: int, row: int, density: float, workers: int, seed: int, device) -> list:

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 # the planner's strategy names (lossless_hc.training.planner.EXACT_STRATEGIES, LOSSY_STRATEGIES), in
 # its order; repeated here so that this module imports without the planner
 EXACT = ("dense", "allgather", "two_phase", "sketch")
-LOSSY = ("fp16", "bf16", "thc", "topk")
+LOSSY = ("fp16", "bf16", "thc", "topk", "topk_allgather")
 STRATEGIES = EXACT + LOSSY
 # bench modes -> the planner's strategy names (auto: the planner's own choice per tensor)
 MODE_STRATEGY = {"none": "dense", "sparse": "allgather", "lossless": "sketch", "fp16": "fp16", "bf16": "bf16",

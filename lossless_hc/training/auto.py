@@ -35,7 +35,7 @@ from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.guard import StepGuard
 from lossless_hc.training.message import PART_DTYPES, check_sums, message_layout, pack_parts
 from lossless_hc.training.planner import (HALF_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS,
-                                          TOPK_RATIO, Calibration, CostModel)
+                                          TOPK_RATIO, TOPK_STRATEGIES, Calibration, CostModel)
 from lossless_hc.training.strategies import AutoAggregator
 
 
@@ -157,7 +157,8 @@ class AutoSpec(AggregatorSpec):
         sizes = LINK_SIZES if largest_bytes is None else link_sizes(largest_bytes)
         # the half allreduce's own price only where a plan may send half precision
         half = self.lossy and bool(set(self.strategies or HALF_STRATEGIES) & set(HALF_STRATEGIES))
-        topk = self.lossy and "topk" in (self.strategies or LOSSY_STRATEGIES)   # its step timed where a candidate
+        # the top-k strategies' steps timed where one is a candidate
+        topk = self.lossy and bool(set(self.strategies or LOSSY_STRATEGIES) & set(TOPK_STRATEGIES))
         t0 = time.perf_counter()
         samples: list = []
         self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes,

@@ -39,7 +39,9 @@ by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per
 step's encode (of the interleave, as ``THCAggregator`` feeds a tensor of several blocks) and decode of a
 dense tensor; top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
 step, and per key of the union, the decode of several ranks' summed payloads (:func:`_topk_step`; its
-default, :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`, otherwise).
+default, :data:`~lossless_hc.training.planner.DEFAULT_CODEC_SECONDS`, otherwise); top-k allgathered (with it):
+per coordinate, one rank's selection into its slots and the clearing of the result, per gathered pair the sum
+of several ranks' pairs (:func:`_topk_allgather_step`).
 
 The callers supply the collectives, and with them the deadlock freedom: every rank must call
 :func:`calibrate` at the same program point (DDP: the first hook call of the second step, on the main thread; Horovod:
@@ -194,6 +196,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                 "powersgd": (passes, per_flop)})
     if topk_ratio is not None:
         out["topk"] = _topk_step(device, world_size, topk_ratio, timed)
+        out["topk_allgather"] = _topk_allgather_step(device, world_size, topk_ratio, timed)
     return out
 
 
@@ -223,6 +226,37 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     per_coordinate = timed(lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL
     per_key = timed(lambda: aggs[0].decode(summed, ctx)) / (m * k)
     return per_coordinate, per_key
+
+
+def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
+    """``(per coordinate, per pair)`` of an ``auto`` top-k-allgather plan's step between its statistics steps,
+    run as the plan runs it: one rank's selection with error feedback into its ``k = ceil(ratio d)`` slots
+    (encode, then the decode that makes the request) and the clearing of its result, per coordinate of
+    :data:`TOPK_NUMEL`; the sum of ``m = min(n, TOPK_RANKS)`` ranks' gathered pairs beyond that clearing, per
+    pair (the cost model's ``c d + k_s n k``). At least 2 ranks (one rank's tensor is only ever dense)."""
+    m = max(2, min(int(world_size), TOPK_RANKS))
+    model = CostModel(Calibration.default(), topk_ratio=ratio)
+    aggs = [AutoAggregator("calibration.topk_allgather", (TOPK_NUMEL,), torch.float32, m, r, model, lossy=True,
+                           first="topk_allgather", allowed=("topk_allgather",), device=device, lossy_min_bytes=0)
+            for r in range(m)]
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(m)]
+
+    def request(r):
+        payload, ctx = aggs[r].encode(xs[r])
+        return ctx, aggs[r].decode(payload * m, ctx).request.tensor   # m ranks' contributor counts
+    for step in range(2):   # the first step: statistics; the second, timed: as all but one in an interval
+        made = [request(r) for r in range(m)]
+        gathered = torch.stack([t for _, t in made])
+        for a, (ctx, _) in zip(aggs, made):
+            a.finish(ctx, gathered)
+    ctx = made[0][0]
+    out = torch.empty(TOPK_NUMEL, dtype=torch.float32, device=device)
+    clear = timed(out.zero_)
+    per_coordinate = (timed(lambda: request(0)) + clear) / TOPK_NUMEL
+    pairs = m * aggs[0].topk_aggregator().k
+    per_pair = max(0.0, timed(lambda: aggs[0].finish(ctx, gathered, out=out)) - clear) / pairs
+    return per_coordinate, per_pair
 
 
 def _powersgd_products(device) -> Callable[[], None]:

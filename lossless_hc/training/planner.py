@@ -16,8 +16,10 @@ the exactness contract, :mod:`lossless_hc.lhc.contract`, its unproven keys re-ag
     sketch     the LHC one-pass codec (index and sizes from lossless_hc.lhc.cost_model.plan_layout)
 
 and, only when the user allows loss, ``fp16``, ``bf16`` (the tensor allreduced in half precision),
-``thc`` (THC quantization, error feedback) and ``topk`` (top-k with error feedback, the selections
-aggregated exactly by the sketch).
+``thc`` (THC quantization, error feedback), ``topk`` (top-k with error feedback, the selections
+aggregated exactly by the sketch) and ``topk_allgather`` (the same selection and error feedback, each rank's
+(index, value) pairs allgathered and summed: fewer bytes than the sketch's at a few ranks, ``n`` times
+more at ``n``; the two share one error-feedback memory).
 
 Every strategy's first collective is a SUM allreduce of a payload that starts with the statistics
 header of ``1 + 2n`` words in the payload's dtype (float32; float64 for ``thc`` and float64 gradients,
@@ -52,6 +54,7 @@ Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+
     fp16/bf16  allreduce_half(2 d)                                    (a plain step: the tensor in half precision)
     thc        allreduce(H + 8 THC payload words)                   (lossless_hc.thc.layout)
     topk       allreduce(H + 4 L)       L sized for k = ceil(r d) per rank and min(n k, d) in the union
+    topk_allgather  allreduce(H) + allgather(8 k)                 (int32 index + float32 value per pair)
 
 (``h_K`` = :data:`RANK_HEADROOM`, ``h_U`` = :data:`UNION_HEADROOM`: the margins the sketch is sized with
 over the observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with. The plans
@@ -60,8 +63,8 @@ with plain steps are priced at them, dense with its header's few bytes: their st
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
-allgather, ``u`` for two_phase and sketch, 0 otherwise; topk selects coordinates, not rows, so its
-term is ``k_s n ceil(r d)`` whatever ``b``). :meth:`CostModel.choose` returns the
+allgather, ``u`` for two_phase and sketch, 0 otherwise; topk and topk_allgather select coordinates, not
+rows, so their term is ``k_s n ceil(r d)`` whatever ``b``). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
 keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
 the first allreduce's latency that every strategy pays alike.
@@ -121,7 +124,8 @@ from lossless_hc.lhc.layout import check_fraction, digit_packing
 from lossless_hc.training.message import message_layout
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
-LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk")
+LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk", "topk_allgather")
+TOPK_STRATEGIES = ("topk", "topk_allgather")   # the top-k selections, with one error-feedback memory
 HALF_STRATEGIES = ("fp16", "bf16")   # the tensor allreduced in half precision
 PLAIN_STRATEGIES = ("dense",) + HALF_STRATEGIES   # plans with plain steps between statistics steps (module doc)
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}   # each half strategy's wire dtype
@@ -160,6 +164,7 @@ DEFAULT_CODEC_SECONDS = {
     "bf16": (1.0e-9, 0.0),
     "thc": (30e-9, 0.0),           # rotation, quantization, error feedback
     "topk": (15e-9, 15e-9),        # selection and error feedback; the sketch of the selection
+    "topk_allgather": (2e-9, 20e-9),   # selection and error feedback, the result's zeros; the pairs' sums
     "powersgd": (2e-9, 1e-10),     # error feedback's passes per coordinate; seconds per matmul flop
 }
 
@@ -390,11 +395,18 @@ class CostModel:
         if strategy == "thc":
             return [("allreduce", H + 8 * self._thc_words(s))]
         if strategy == "topk":
-            k = max(1, math.ceil(self.topk_ratio * s.numel))
+            k = self.topk_count(s.numel)
             union = min(s.numel, n * k)
             words = _layout_words(s.numel, n, k, 1, 0, union) if s.numel else 0
             return [("allreduce", H + 4 * words)]
+        if strategy == "topk_allgather":
+            return [("allreduce", H), ("allgather", 8 * self.topk_count(s.numel))]
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+
+    def topk_count(self, numel: int) -> int:
+        """Coordinates a top-k strategy selects per rank: ``k = ceil(r d)``, at least 1 and at most ``d``
+        (:class:`~lossless_hc.training.aggregate.TopKAggregator`'s)."""
+        return min(numel, max(1, math.ceil(self.topk_ratio * numel)))
 
     def _thc_words(self, s: TensorStats) -> int:
         from lossless_hc.thc.layout import plan_thc_layout
@@ -423,8 +435,8 @@ class CostModel:
             return s.world_size * s.max_rank_keys * s.row
         if strategy in ("two_phase", "sketch"):
             return s.union_keys * s.row
-        if strategy == "topk":
-            return s.world_size * max(1, math.ceil(self.topk_ratio * s.numel))
+        if strategy in TOPK_STRATEGIES:
+            return s.world_size * self.topk_count(s.numel)
         return 0
 
     def local_seconds(self, strategy: str, stats: TensorStats) -> float:

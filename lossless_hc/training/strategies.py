@@ -32,6 +32,9 @@ alone)::
     thc        THC's payload (float64; error feedback kept across steps, flushed when leaving THC)
     topk       the top-k aggregator's payload (error feedback); request only when its decode fails: the
                dense selection, or when it reports inexact keys: those coordinates of the selection
+    topk_allgather  nothing; request: allgather of this rank's k = ceil(r d) selected coordinates (the same
+               selection and error-feedback memory as topk's) as slots of (int32 index bit-cast to
+               float32, value), summed in rank order as allgather's rows of one coordinate
 
 Every strategy starts from the rank's rows: a dense gradient is scanned for its non-zero rows; a sparse
 one (``sparse=True``: a COO tensor of rows, as DDP hands over ``nn.Embedding(sparse=True)``'s gradient)
@@ -62,7 +65,7 @@ from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationSta
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
-                                          LOSSY_STRATEGIES, PLAIN_STRATEGIES, CostModel,
+                                          LOSSY_STRATEGIES, PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
@@ -128,6 +131,8 @@ class AutoAggregator(TensorRows):
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy_here else ())
         if self.keys > ALLGATHER_MAX_KEYS:   # its slots carry the row index as an int32
             names = tuple(s for s in names if s != "allgather")
+        if self.numel > ALLGATHER_MAX_KEYS:   # ... and topk_allgather's the coordinate's
+            names = tuple(s for s in names if s != "topk_allgather")
         if dtype in (torch.float16, torch.bfloat16):
             # fp16 would round a float16 gradient again (x / n, then n times the sum) for nothing its plain
             # steps do not save, and would take a bfloat16 one out of its range (above 65504: inf; below
@@ -205,7 +210,8 @@ class AutoAggregator(TensorRows):
         return self._thc
 
     def topk_aggregator(self) -> TopKAggregator:
-        """The top-k strategy's aggregator (its error-feedback residual), built at first use."""
+        """The top-k strategies' aggregator (its error-feedback residual, which ``topk`` and ``topk_allgather``
+        share: the same selection of ``x + residual``), built at first use."""
         if self._topk is None:
             self._topk = TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.topk_ratio,
                                         seed=self.seed, stats=AggregationStats(), device=self.device)
@@ -323,7 +329,7 @@ class AutoAggregator(TensorRows):
             if err is not None:
                 flat = flat.to(torch.float32) + err.to(flat.device)
             self._thc = None   # a later THC plan starts afresh (its first step agrees on a norm)
-        if self.strategy != "topk" and self._topk is not None:
+        if self.strategy not in TOPK_STRATEGIES and self._topk is not None:
             if self._topk.residual is not None:
                 flat = flat.to(torch.float32) + self._topk.residual
             self._topk = None
@@ -359,7 +365,7 @@ class AutoAggregator(TensorRows):
         counted = s == "sketch" and not self.sparse and self._codec.layout.index_kind != "dense"
         # THC and top-k carry the header on every step (their payload follows it) but count the rows on
         # the statistics steps only, one in an interval as a dense plan (carries_statistics)
-        ctx.observed = s not in ("thc", "topk") or self.sparse or self._statistics_step()
+        ctx.observed = s not in ("thc",) + TOPK_STRATEGIES or self.sparse or self._statistics_step()
         self._local_rows(x, ctx, scan=not counted and ctx.observed)
         if s in ("dense", "sketch"):
             flat = self._dense(ctx)
@@ -378,7 +384,9 @@ class AutoAggregator(TensorRows):
             body, ctx.inner = self.thc_aggregator().encode(ctx.flat.to(torch.float32))
         elif s == "topk":
             body, ctx.inner = self.topk_aggregator().encode(ctx.flat.to(torch.float32))
-        else:   # allgather, fp16, bf16: the header only
+        else:   # allgather, fp16, bf16, topk_allgather: the header only
+            if s == "topk_allgather":   # (indices, values): the selection, made now (the residual updated)
+                ctx.inner = self.topk_aggregator().select_indices(ctx.flat)
             body = torch.zeros(0, dtype=torch.float32, device=self._device(ctx))
         header = self._stats_header(ctx.rows, body.dtype if body.numel() else self.wire_dtype, body.device)
         if s == "dense" and not self.sparse and ctx.flat.dtype == self.plain_dtype and self.plain_dtype != body.dtype:
@@ -506,6 +514,10 @@ class AutoAggregator(TensorRows):
                 self.stats.last_failure = f"{self.name}: {report.reason}"
                 self.tracker.force = True   # every rank saw the same failure: re-plan after this step
                 return AutoOutcome(None, Request("allreduce", self._dense(ctx).to(torch.float32).clone()))
+            if s == "topk_allgather":
+                index, values = ctx.inner
+                return AutoOutcome(None, Request("allgather", gather_slots(index, values.reshape(-1, 1),
+                                                                           self._topk.k, 1)))
             if s in HALF_DTYPES:   # requests are SUMs: fp16 divided by n first
                 return AutoOutcome(None, Request("allreduce", half_payload(ctx.flat, s, n)))
             if s == "thc":
@@ -564,6 +576,16 @@ class AutoAggregator(TensorRows):
                                               stale_rows=self._index(ctx) if scanned else None,
                                               divisor=divisor if into is not None else None)
                 value = self._shaped(self._scaled(rows, ctx.averaged).reshape(-1))
+        elif s == "topk_allgather":   # every coordinate written: out is cleared whole
+            slots = result.reshape(n, self._topk.k, 2)
+            into = out if out is not None and self.dtype == torch.float32 else None
+            coords, _ = sum_slots_dense(slots, 1, self.numel, out=into, divisor=divisor if into is not None else None)
+            if not bool(torch.isfinite(slots[:, :, 1]).all()):
+                # some rank's g + e held NaN/Inf (the selection takes them first: an AMP scaler's overflow step,
+                # which it then skips): every rank drops its memory, as TopKAggregator.after_failure does
+                self._topk.residual = None
+            value = self._shaped(self._scaled(coords, ctx.averaged).reshape(-1))
+            count = self._union_of(value) if ctx.observed else 0
         elif s == "two_phase":
             rows = self._scaled(result.reshape(-1, self.row).to(torch.float32), ctx.averaged)
             value = self._from_rows(ctx.union_rows, rows)
@@ -594,8 +616,8 @@ class AutoAggregator(TensorRows):
         else:
             raise AssertionError(f"{s} makes no request")
         if s != "sketch":
-            self.stats.payload_bytes += result.numel() * result.element_size() // (n if s == "allgather" else 1)
-        self.bytes_sent += result.numel() * result.element_size() // (n if s == "allgather" else 1)
+            self.stats.payload_bytes += result.numel() * result.element_size() // (n if "allgather" in s else 1)
+        self.bytes_sent += result.numel() * result.element_size() // (n if "allgather" in s else 1)
         self.stats.decode_seconds += time.perf_counter() - t0
         self._observe(ctx, count)
         return value

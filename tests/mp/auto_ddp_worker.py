@@ -105,8 +105,9 @@ def lossy_gradient(step, rank):
     return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank)).to(DEVICE)
 
 
-def lossy_guard(dense_verdict, steps=12, dtype=torch.float32):
-    """``auto_hook(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (one
+def lossy_guard(dense_verdict, steps=12, dtype=torch.float32, strategy="topk"):
+    """``auto_hook(lossy=True)`` with ``strategy`` plans (top-k or top-k allgathered: ratio 0.05, error feedback)
+    under the step guard (one
     block of 2 steps per window from step 2: plans at 2 and 3, in place at 4 and 5, the first look at 6; a look
     for the plans is confirmed by plans at 6 and 7, in place at 8 and 9, the verdict at 10), forced by the margin.
     Conservation: n times the sum of the reduced (averaged) gradients plus every rank's error feedback
@@ -115,7 +116,7 @@ def lossy_guard(dense_verdict, steps=12, dtype=torch.float32):
     n, rank = dist.get_world_size(), dist.get_rank()
     model = LinearLoss((128, 96), DEVICE).to(dtype)
     ddp = DistributedDataParallel(model)
-    state = AutoHookState(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
+    state = AutoHookState(lossy=True, first=strategy, strategies=(strategy,), topk_ratio=0.05, lossy_min_bytes=0,
                           interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
                           guard_margin=1 - 1e-6 if dense_verdict else -1e6)
     ddp.register_comm_hook(state, auto_hook)
@@ -258,7 +259,8 @@ def scenario(name):
         return lossy_guard_half()
     if name.startswith("lossy_guard_"):   # the guard over top-k plans, its verdict forced by the margin
         return lossy_guard(name.startswith("lossy_guard_dense"),
-                           dtype=torch.float16 if name.endswith("_float16") else torch.float32)
+                           dtype=torch.float16 if name.endswith("_float16") else torch.float32,
+                           strategy="topk_allgather" if name.endswith("_gather") else "topk")
     if name in ("config_mismatch", "guard_mismatch", "calibration_mismatch"):   # the options differ, the guard's,
         try:                                                                     # or the given calibration's numbers
             rank = dist.get_rank()

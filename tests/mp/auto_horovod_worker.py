@@ -82,8 +82,9 @@ def lossy_gradient(step, rank):
     return torch.randn(128, 96, generator=torch.Generator().manual_seed(7919 * step + rank))
 
 
-def lossy_guard(dense_verdict, steps=12):
-    """``Compression.auto(lossy=True)`` with top-k plans (ratio 0.05, error feedback) under the step guard (one
+def lossy_guard(dense_verdict, steps=12, strategy="topk"):
+    """``Compression.auto(lossy=True)`` with ``strategy`` plans (top-k or top-k allgathered: ratio 0.05, error
+    feedback) under the step guard (one
     block of 2 steps per window from step 2: plans at 2 and 3, sent as they are at 4 and 5, the first look when
     step 5 ends; a look for the plans is confirmed by steps 6 to 9), forced by the margin. Conservation: n times the
     sum of the averaged gradients plus every rank's error feedback left at the end equals the sum of every
@@ -91,7 +92,7 @@ def lossy_guard(dense_verdict, steps=12):
     n, rank = hvd.size(), hvd.rank()
     model = LinearLoss((128, 96))
     RUNS[0] += 1
-    comp = Compression.auto(lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
+    comp = Compression.auto(lossy=True, first=strategy, strategies=(strategy,), topk_ratio=0.05, lossy_min_bytes=0,
                             interval=2, calibration=Calibration.default(1e9), guard_steps=1, guard_start=2,
                             guard_margin=1 - 1e-6 if dense_verdict else -1e6)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
@@ -158,7 +159,8 @@ def scenario(name):
     if name == "lossy_guard_half":   # with lossy, the dense window sends what Compression.fp16 sends
         return lossy_guard_half()
     if name.startswith("lossy_guard_"):
-        return lossy_guard(name == "lossy_guard_dense")
+        return lossy_guard(name.startswith("lossy_guard_dense"),
+                           strategy="topk_allgather" if name.endswith("_gather") else "topk")
     if name == "fp16_plain":   # an fp16 plan's plain steps: the tensor in float16, as Horovod's fp16 compression
         return compare(lambda: Compression.auto(lossy=True, first="fp16", strategies=("fp16",), lossy_min_bytes=0,
                                                 interval=4, calibration=Calibration.default(1e9), guard_steps=0),

@@ -465,8 +465,11 @@ def scenario(name, mesh):
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
                               guard_margin=1 - 1e-6 if base == "auto_guard_dense" else -1e6)
         return with_guard(compare(mesh, state, False, steps=12), state)
-    if base in ("auto_guard_lossy_dense", "auto_guard_lossy_plan"):   # top-k plans under the guard
-        state = AutoFSDPState(mesh, lossy=True, first="topk", strategies=("topk",), topk_ratio=0.05, lossy_min_bytes=0,
+    if base in ("auto_guard_lossy_dense", "auto_guard_lossy_plan", "auto_guard_lossy_plan_gather"):
+        # top-k plans (or top-k allgathered) under the guard
+        strategy = "topk_allgather" if base.endswith("_gather") else "topk"
+        state = AutoFSDPState(mesh, lossy=True, first=strategy, strategies=(strategy,), topk_ratio=0.05,
+                              lossy_min_bytes=0,
                               interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
                               guard_margin=1 - 1e-6 if base == "auto_guard_lossy_dense" else -1e6)
         r = with_guard(compare(mesh, state, False, steps=12, hidden=512, lr=0.02), state)

@@ -53,3 +53,27 @@ def test_auto_thc_restored_from_a_checkpoint_propagates_non_finite_inputs():
     load_aggregator_state_dict(agg, aggregator_state_dict(saved))
     assert agg._thc is not None and agg._thc.codec.non_finite == "propagate"
     assert agg._thc.codec.non_finite == saved._thc.codec.non_finite
+
+
+def test_auto_top_k_allgathered_resumes_bit_for_bit():
+    """A top-k-allgather plan saved after 3 steps and loaded into fresh aggregators continues as the straight
+    run: its plan and its error-feedback memory (the top-k aggregator's residual, shared with topk) come
+    back, so the next steps' sums are the same bits."""
+    from lossless_hc.training.step import run_in_process
+
+    def pair():
+        return [AutoAggregator("w", (4096,), torch.float32, 2, r, MODEL, lossy=True, first="topk_allgather",
+                               allowed=("topk_allgather",), lossy_min_bytes=0) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(4096, generator=g) for _ in range(2)] for _ in range(6)]
+    straight = pair()
+    for xs in steps[:3]:
+        run_in_process(straight, xs)
+    saved = [aggregator_state_dict(a) for a in straight]
+    assert saved[0]["strategy"] == "topk_allgather" and saved[0]["topk_residual"] is not None
+    resumed = pair()
+    for a, state in zip(resumed, saved):
+        load_aggregator_state_dict(a, state)
+    for xs in steps[3:]:
+        want, got = run_in_process(straight, xs)[0], run_in_process(resumed, xs)[0]
+        assert all(torch.equal(w, v) for w, v in zip(want, got))

@@ -245,7 +245,7 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     def request(r):
         payload, ctx = aggs[r].encode(xs[r])
         return ctx, aggs[r].decode(payload * m, ctx).request.tensor   # m ranks' contributor counts
-    for step in range(2):   # the first step: statistics; the second, timed: as all but one in an interval
+    for _ in range(2):   # the first step: statistics; the second, timed: as all but one in an interval
         made = [request(r) for r in range(m)]
         gathered = torch.stack([t for _, t in made])
         for a, (ctx, _) in zip(aggs, made):

@@ -615,9 +615,11 @@ class AutoAggregator(TensorRows):
             count = self._union_of(value) if ctx.observed else 0
         else:
             raise AssertionError(f"{s} makes no request")
+        # an allgather's result holds every rank's tensor: this rank sent one of them
+        sent = result.numel() * result.element_size() // (n if s in ("allgather", "topk_allgather") else 1)
         if s != "sketch":
-            self.stats.payload_bytes += result.numel() * result.element_size() // (n if "allgather" in s else 1)
-        self.bytes_sent += result.numel() * result.element_size() // (n if "allgather" in s else 1)
+            self.stats.payload_bytes += sent
+        self.bytes_sent += sent
         self.stats.decode_seconds += time.perf_counter() - t0
         self._observe(ctx, count)
         return value

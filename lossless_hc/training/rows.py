@@ -254,7 +254,8 @@ def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tupl
 
 
 def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torch.Tensor] = None,
-                    stale_rows: Optional[torch.Tensor] = None, divisor: Optional[int] = None) -> tuple:
+                    stale_rows: Optional[torch.Tensor] = None, divisor: Optional[int] = None,
+                    count: bool = True) -> tuple:
     """``(out, union_count)``: :func:`sum_slots`'s sums written into a dense ``(keys, row)`` float32
     tensor, zero at the rows no rank sent, and how many rows some rank sent. The same bits as
     :func:`sum_slots` then an ``index_copy_`` into zeros (each row starts at 0 and adds the ranks' values
@@ -267,7 +268,8 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
     rows: a table is then written where it changes, not in full). A row no rank sent is then +-0.0.
 
     ``divisor``: the sums are then divided by it (an engine's average), only the rows some rank sent:
-    the same bits as dividing all of ``out``, whose other rows are +-0.0."""
+    the same bits as dividing all of ``out``, whose other rows are +-0.0. ``count`` False: the union is not
+    counted (None for it; a table of ``keys`` flags less), and a ``divisor`` divides all of ``out``."""
     ranks = _used_slots(slots)
     if out is None:
         out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
@@ -280,6 +282,12 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
             out.zero_()
         else:
             out.index_fill_(0, stale_rows, 0.0)
+    if not count:
+        for i, values in ranks:   # rank order (sum_slots)
+            out.index_add_(0, i, values)
+        if divisor is not None and divisor != 1:
+            out.div_(divisor)
+        return out, None
     seen = torch.zeros(keys, dtype=torch.bool, device=slots.device)
     union = torch.zeros((), dtype=torch.int64, device=slots.device)
     for i, values in ranks:   # rank order (sum_slots)

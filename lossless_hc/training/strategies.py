@@ -579,7 +579,8 @@ class AutoAggregator(TensorRows):
         elif s == "topk_allgather":   # every coordinate written: out is cleared whole
             slots = result.reshape(n, self._topk.k, 2)
             into = out if out is not None and self.dtype == torch.float32 else None
-            coords, _ = sum_slots_dense(slots, 1, self.numel, out=into, divisor=divisor if into is not None else None)
+            coords, _ = sum_slots_dense(slots, 1, self.numel, out=into, divisor=divisor if into is not None else None,
+                                        count=False)
             if not bool(torch.isfinite(slots[:, :, 1]).all()):
                 # some rank's g + e held NaN/Inf (the selection takes them first: an AMP scaler's overflow step,
                 # which it then skips): every rank drops its memory, as TopKAggregator.after_failure does

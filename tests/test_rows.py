@@ -85,6 +85,11 @@ def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(
         # divided there by an engine's n: the bits of dividing the whole sum
         into, _ = sum_slots_dense(slots, row, keys, out=torch.full((keys * row,), float("nan")), divisor=3)
         assert torch.equal(into, expect / 3)
+        # without the union's count (top-k allgathered): the same bits, None for the count
+        into, count = sum_slots_dense(slots, row, keys, out=torch.full((keys * row,), float("nan")), divisor=3,
+                                      count=False)
+        assert count is None and torch.equal(into, expect / 3)
+        assert torch.equal(sum_slots_dense(slots, row, keys, count=False)[0], expect)
         sent_slots = sum(len(v) for v in sent.values())
         takes_table = keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent_slots)
         assert takes_table == (keys < 1 << 16)   # the cases span both paths

@@ -474,6 +474,12 @@ def partial_values(ctx: EncodeContext, coords: torch.Tensor) -> torch.Tensor:
     return ctx.dense_value.detach().reshape(-1)[coords]
 
 
+def topk_count(numel: int, ratio: float) -> int:
+    """Coordinates a top-k selection keeps of ``numel`` at ``ratio``: ``k = ceil(ratio numel)``, at least 1 and at
+    most ``numel`` (:class:`TopKAggregator`'s k; the planner prices its top-k strategies with it)."""
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
 class TopKAggregator(TensorAggregator):
     r"""Top-k sparsification with error feedback, aggregated losslessly (``Compression.topk``).
 
@@ -492,7 +498,7 @@ class TopKAggregator(TensorAggregator):
                  policy: Optional[CapacityPolicy] = None, device="cpu"):
         super().__init__(name, shape, dtype, world_size, max_density=ratio, block_size=1, seed=seed,
                          index=index, stats=stats, policy=policy, device=device)
-        self.k = min(self.numel, max(1, math.ceil(ratio * self.numel)))
+        self.k = topk_count(self.numel, ratio)
         self.min_capacity = self.k  # every rank sends exactly k: only the union adapts
         self.residual: Optional[torch.Tensor] = None
 

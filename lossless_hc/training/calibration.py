@@ -49,7 +49,6 @@ The callers supply the collectives, and with them the deadlock freedom: every ra
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable, Optional, Sequence
 
@@ -57,6 +56,7 @@ import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.thc.codec import THCCodec
+from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel, powersgd_layout
 from lossless_hc.training.strategies import AutoAggregator
 
@@ -200,6 +200,17 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     return out
 
 
+def _planned_ranks(strategy: str, ranks: int, ratio: float, device) -> tuple:
+    """``(aggregators, gradients)``: ``ranks`` ranks' ``auto`` aggregators of a :data:`TOPK_NUMEL`-coordinate
+    tensor held on ``strategy`` (top-k's ``ratio``), and a random gradient for each."""
+    model = CostModel(Calibration.default(), topk_ratio=ratio)
+    aggs = [AutoAggregator(f"calibration.{strategy}", (TOPK_NUMEL,), torch.float32, ranks, r, model, lossy=True,
+                           first=strategy, allowed=(strategy,), device=device, lossy_min_bytes=0)
+            for r in range(ranks)]
+    g = torch.Generator().manual_seed(1)
+    return aggs, [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(ranks)]
+
+
 def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     """``(per coordinate, per key)`` of an ``auto`` top-k plan's step between its statistics steps, run as
     the plan runs it (the selection with error feedback, the sketch of the ``k = ceil(ratio d)`` selected
@@ -208,11 +219,7 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     ``c d + k_s n k``, module doc of the planner). A statistics step's row scans, one step in an interval,
     are not priced (as a dense plan's)."""
     m = max(1, min(int(world_size), TOPK_RANKS))
-    model = CostModel(Calibration.default(), topk_ratio=ratio)
-    aggs = [AutoAggregator("calibration.topk", (TOPK_NUMEL,), torch.float32, m, r, model, lossy=True, first="topk",
-                           allowed=("topk",), device=device, lossy_min_bytes=0) for r in range(m)]
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(m)]
+    aggs, xs = _planned_ranks("topk", m, ratio, device)
 
     def encode_all():
         encoded = [a.encode(x) for a, x in zip(aggs, xs)]
@@ -222,7 +229,7 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
         a.decode(summed, c)
     encoded, summed = encode_all()   # the second, timed: between statistics steps, as all but one in an interval
     ctx = encoded[0][1]
-    k = max(1, math.ceil(ratio * TOPK_NUMEL))
+    k = topk_count(TOPK_NUMEL, ratio)
     per_coordinate = timed(lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL
     per_key = timed(lambda: aggs[0].decode(summed, ctx)) / (m * k)
     return per_coordinate, per_key
@@ -235,12 +242,7 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     :data:`TOPK_NUMEL`; the sum of ``m = min(n, TOPK_RANKS)`` ranks' gathered pairs beyond that clearing, per
     pair (the cost model's ``c d + k_s n k``). At least 2 ranks (one rank's tensor is only ever dense)."""
     m = max(2, min(int(world_size), TOPK_RANKS))
-    model = CostModel(Calibration.default(), topk_ratio=ratio)
-    aggs = [AutoAggregator("calibration.topk_allgather", (TOPK_NUMEL,), torch.float32, m, r, model, lossy=True,
-                           first="topk_allgather", allowed=("topk_allgather",), device=device, lossy_min_bytes=0)
-            for r in range(m)]
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(m)]
+    aggs, xs = _planned_ranks("topk_allgather", m, ratio, device)
 
     def request(r):
         payload, ctx = aggs[r].encode(xs[r])
@@ -254,7 +256,7 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     out = torch.empty(TOPK_NUMEL, dtype=torch.float32, device=device)
     clear = timed(out.zero_)
     per_coordinate = (timed(lambda: request(0)) + clear) / TOPK_NUMEL
-    pairs = m * aggs[0].topk_aggregator().k
+    pairs = m * topk_count(TOPK_NUMEL, ratio)
     per_pair = max(0.0, timed(lambda: aggs[0].finish(ctx, gathered, out=out)) - clear) / pairs
     return per_coordinate, per_pair
 

@@ -121,6 +121,7 @@ import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.layout import check_fraction, digit_packing
+from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.message import message_layout
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
@@ -395,18 +396,13 @@ class CostModel:
         if strategy == "thc":
             return [("allreduce", H + 8 * self._thc_words(s))]
         if strategy == "topk":
-            k = self.topk_count(s.numel)
+            k = topk_count(s.numel, self.topk_ratio)
             union = min(s.numel, n * k)
             words = _layout_words(s.numel, n, k, 1, 0, union) if s.numel else 0
             return [("allreduce", H + 4 * words)]
         if strategy == "topk_allgather":
-            return [("allreduce", H), ("allgather", 8 * self.topk_count(s.numel))]
+            return [("allreduce", H), ("allgather", 8 * topk_count(s.numel, self.topk_ratio))]
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
-
-    def topk_count(self, numel: int) -> int:
-        """Coordinates a top-k strategy selects per rank: ``k = ceil(r d)``, at least 1 and at most ``d``
-        (:class:`~lossless_hc.training.aggregate.TopKAggregator`'s)."""
-        return min(numel, max(1, math.ceil(self.topk_ratio * numel)))
 
     def _thc_words(self, s: TensorStats) -> int:
         from lossless_hc.thc.layout import plan_thc_layout
@@ -436,7 +432,7 @@ class CostModel:
         if strategy in ("two_phase", "sketch"):
             return s.union_keys * s.row
         if strategy in TOPK_STRATEGIES:
-            return s.world_size * self.topk_count(s.numel)
+            return s.world_size * topk_count(s.numel, self.topk_ratio)
         return 0
 
     def local_seconds(self, strategy: str, stats: TensorStats) -> float:

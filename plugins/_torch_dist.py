@@ -40,12 +40,30 @@ def new_gloo_group(process_group: Optional[dist.ProcessGroup]):
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=len(ranks) < dist.get_world_size())
 
 
-def allreduce_parts(parts, group) -> torch.futures.Future:
-    """A future of ``parts`` SUMmed in place across ``group``: one allreduce per part (a message's parts,
-    :mod:`lossless_hc.training.message`), all issued at once, in the same order on every rank."""
+def when_all(futures, device: torch.device) -> torch.futures.Future:
+    """A future of ``[f.wait() for f in futures]`` once every one of them completed (the first error
+    raised by a ``wait()`` is its error), CUDA-aware where ``device`` is a CUDA device: its callbacks run
+    on streams that wait for every future's work, and whoever takes its (or a ``then``'s) value waits for
+    the kernels those callbacks enqueued. ``torch.futures.collect_all``'s own future is not CUDA-aware: a
+    ``then`` of it ran its callback on whichever stream the last future's completion left current, and
+    DDP read the bucket a hook returned through it before the decode's kernels had run."""
+    result = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+    def done(all_done: torch.futures.Future) -> None:
+        try:
+            # wait() makes this thread's current streams wait for each future's events; set_result then
+            # records the events that the result's users wait for
+            result.set_result([f.wait() for f in all_done.value()])
+        except Exception as e:   # a collective's error
+            result.set_exception(e)
+
+    torch.futures.collect_all(futures).add_done_callback(done)
+    return result
+
+
+def allreduce_parts(parts, group, device: torch.device) -> torch.futures.Future:
+    """A future of ``parts`` (on ``device``) SUMmed in place across ``group``: one allreduce per part (a
+    message's parts, :mod:`lossless_hc.training.message`), all issued at once, in the same order on every
+    rank; CUDA-aware on a CUDA device (:func:`when_all`)."""
     works = [dist.all_reduce(part, group=group, async_op=True).get_future() for part in parts]
-
-    def summed(fut: torch.futures.Future) -> list:
-        return [done.wait()[0] for done in fut.value()]   # wait() raises a collective's error
-
-    return torch.futures.collect_all(works).then(summed)
+    return when_all(works, device).then(lambda fut: [summed[0] for summed in fut.value()])

@@ -105,7 +105,7 @@ from lossless_hc.training.message import decode_message, encode_message, in_plac
 
 from lossless_hc.plugins._ddp_bucket import allreduce_half, bucket_slices, divide_first, fill_bucket, fill_slices
 from lossless_hc.plugins._ddp_state import HookState, require_arguments
-from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration
+from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration, when_all
 
 
 class LosslessHookState(HookState):
@@ -398,7 +398,7 @@ def _compressed_allreduce(state: HookState, bucket: dist.GradBucket, hook: str):
     # A bucket whose every tensor is sent as it is: its buffer is the message, summed in place.
     message = encode_message(aggs, bucket.gradients(), buffer=buffer)
     outs = in_place_outputs(aggs, bucket_slices(buffer, bucket.gradients()))
-    fut = allreduce_parts(message.parts, state.process_group)
+    fut = allreduce_parts(message.parts, state.process_group, buffer.device)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         results = decode_message(message, fut.value(), lambda dense: dist.all_reduce(dense, group=fallback_group),
@@ -502,7 +502,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     fallback_group = None
     if any(ctx.strategy != "dense" for _, ctx in message.encoded):
         fallback_group = state._fallback_group(bucket.index())
-    fut = allreduce_parts(message.parts, state.process_group)
+    fut = allreduce_parts(message.parts, state.process_group, buffer.device)
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         out = [torch.empty_like(t) for _ in range(n)]
@@ -523,11 +523,9 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return fut.then(decode)
 
     def joined(fut: torch.futures.Future) -> torch.Tensor:
-        for done in fut.value():
-            done.wait()   # raises either side's error
-        averaged = part.value()   # PowerSGD's averages of its gradients, flat, in bucket order
+        averaged = fut.value()[0]   # PowerSGD's averages of its gradients, flat, in bucket order
         for dst, src in zip(part_slices, torch.split(averaged, [t.numel() for t in part_slices])):
             dst.copy_(src)
         return buffer
 
-    return torch.futures.collect_all([part, fut.then(decode)]).then(joined)
+    return when_all([part, fut.then(decode)], buffer.device).then(joined)

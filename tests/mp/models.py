@@ -44,7 +44,9 @@ def batch(step: int, rank: int, size: int = 32, users: int = 5000, items: int = 
 
 def loss_fn(model, b):
     u, i, y = b
-    return torch.nn.functional.mse_loss(model(u, i), y)
+    # A half-precision model's output widened here, as mse_loss widens it on the CPU: CUDA's mse_loss
+    # backward refuses a bfloat16 input beside a float32 target (torch 2.11).
+    return torch.nn.functional.mse_loss(model(u, i).float(), y)
 
 
 def param_digest(model: nn.Module) -> str:

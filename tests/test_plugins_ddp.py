@@ -390,3 +390,24 @@ def test_hooks_on_cuda_tensors_through_gloo(tmp_path, size):
     check_float16_large(results(tmp_path, "float16_large", size))
     check_topk(results(tmp_path, "topk", size))
     check_thc(results(tmp_path, "thc", size))
+
+
+def test_when_all_keeps_order_and_raises_the_first_error():
+    """The hooks' join of their collectives' futures (plugins/_torch_dist.when_all): every future's value
+    in the order given, once all completed (one still pending keeps it pending), and a future's error is
+    the join's, raised by its value() and by a ``then`` of it."""
+    import torch
+    from lossless_hc.plugins._torch_dist import when_all
+    a, b = torch.futures.Future(), torch.futures.Future()
+    joined = when_all([a, b], torch.device("cpu"))
+    b.set_result(torch.tensor([2.0]))
+    assert not joined.done()
+    a.set_result(torch.tensor([1.0]))
+    assert [t.tolist() for t in joined.wait()] == [[1.0], [2.0]]
+    assert when_all([], torch.device("cpu")).wait() == []
+    c, d = torch.futures.Future(), torch.futures.Future()
+    failed = when_all([c, d], torch.device("cpu")).then(lambda fut: fut.value())
+    c.set_result(torch.tensor([1.0]))
+    d.set_exception(RuntimeError("a collective failed"))
+    with pytest.raises(RuntimeError, match="a collective failed"):
+        failed.wait()

@@ -64,6 +64,7 @@ from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
+from lossless_hc.training.lossy_memory import LossyMemories
 from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel,
                                           PlanTracker, TensorStats, bitmap_words,
@@ -83,7 +84,7 @@ def half_payload(flat: torch.Tensor, strategy: str, divisor: Optional[int]) -> t
     return payload.div_(divisor) if strategy == "fp16" and divisor is not None else payload
 
 
-class AutoAggregator(TensorRows):
+class AutoAggregator(TensorRows, LossyMemories):
     r"""One tensor under the planner (``auto``): runs the planned strategy, observes the statistics,
     re-plans every ``interval`` steps (:class:`~lossless_hc.training.planner.PlanTracker`).
 
@@ -199,24 +200,6 @@ class AutoAggregator(TensorRows):
             append_recent(self.history, (self.steps, best))
             self.strategy = best
 
-    def thc_aggregator(self) -> THCAggregator:
-        """The THC strategy's aggregator (its codec's norm and error memory), built at first use.
-        ``non_finite="propagate"``: a NaN/Inf input decodes to NaN, as a dense plan's sum would carry it
-        (an AMP scaler then skips the step); THC's own default raises."""
-        if self._thc is None:
-            self._thc = THCAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.rank,
-                                      bits=self.thc_bits, seed=self.seed, stats=AggregationStats(),
-                                      non_finite="propagate")
-        return self._thc
-
-    def topk_aggregator(self) -> TopKAggregator:
-        """The top-k strategies' aggregator (its error-feedback residual, which ``topk`` and ``topk_allgather``
-        share: the same selection of ``x + residual``), built at first use."""
-        if self._topk is None:
-            self._topk = TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.topk_ratio,
-                                        seed=self.seed, stats=AggregationStats(), device=self.device)
-        return self._topk
-
     def _size_sketch(self, s: TensorStats) -> None:
         self._sketch_stats = s
         cap, union = sketch_capacity(s)
@@ -279,30 +262,6 @@ class AutoAggregator(TensorRows):
         self._apply_due_plan()
         return self.strategy, self.plan_input
 
-    def take_lossy_memory(self) -> Optional[torch.Tensor]:
-        """What THC's or top-k's error feedback still holds (flat float32; None if nothing), removed from
-        this aggregator: a caller that aggregates the tensor by other means from now on (a DDP bucket
-        going to PowerSGD, :mod:`lossless_hc.training.powersgd`) adds it to the gradient, so that no
-        error mass is lost."""
-        err = None
-        if self._thc is not None:
-            err = self._thc.pending_error()
-            self._thc = None
-        if self._topk is not None:
-            if self._topk.residual is not None:
-                res = self._topk.residual.reshape(-1).to(torch.float32)
-                err = res if err is None else err.to(res.device) + res
-            self._topk = None
-        return err
-
-    def add_lossy_memory_to(self, grad: torch.Tensor) -> None:
-        """Add what :meth:`take_lossy_memory` takes to ``grad`` in place (its shape and dtype): for a
-        caller that aggregates the tensor by other means from now on (a bucket's switch to PowerSGD, the
-        DDP step guard's dense verdict)."""
-        err = self.take_lossy_memory()
-        if err is not None:
-            grad.add_(err.to(device=grad.device, dtype=grad.dtype).reshape(grad.shape))
-
     def record_plain_step(self, started: float, sparse_rows: Optional[int] = None, half: Optional[str] = None) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False, or the
         DDP step guard's dense window): the DDP hook's in-place allreduce of a bucket whose every tensor is
@@ -322,19 +281,6 @@ class AutoAggregator(TensorRows):
             self._measure("allgather", started)
 
     # -- this rank's rows (the row form every strategy starts from: training.rows) -----------------------
-    def _flush_lossy_memory(self, flat: torch.Tensor) -> torch.Tensor:
-        """Leaving THC or top-k: what their error feedback still holds goes out with this gradient."""
-        if self.strategy != "thc" and self._thc is not None:
-            err = self._thc.pending_error()
-            if err is not None:
-                flat = flat.to(torch.float32) + err.to(flat.device)
-            self._thc = None   # a later THC plan starts afresh (its first step agrees on a norm)
-        if self.strategy not in TOPK_STRATEGIES and self._topk is not None:
-            if self._topk.residual is not None:
-                flat = flat.to(torch.float32) + self._topk.residual
-            self._topk = None
-        return flat
-
     def _local_rows(self, x: torch.Tensor, ctx: AutoContext, scan: bool = True) -> None:
         """This rank's rows: a dense gradient is scanned for its non-zero rows (``ctx.present``; the
         sorted ``ctx.index`` of them is made when a strategy needs it, :meth:`_index`), ``ctx.flat``

@@ -97,7 +97,8 @@ from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, guard_half, guard_stats, plan_stats
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
-from lossless_hc.training.planner import HALF_STRATEGIES, Calibration  # noqa: F401  (Calibration: re-exported)
+from lossless_hc.training.planner import (HALF_STRATEGIES, Calibration,  # noqa: F401  (Calibration: re-exported)
+                                          batched_second_collectives)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch  # noqa: F401
 from lossless_hc.training.capacity import CapacityPolicy
@@ -491,6 +492,9 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
+    # the plans made at this step's end price their second collective as this message batches it
+    for a, batched in zip(aggs, batched_second_collectives([a.strategy for a in aggs])):
+        a.batched = batched
     message = AutoMessage(aggs, grads)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows

@@ -117,6 +117,27 @@ def test_the_planner_moves_every_rank_to_the_same_cheaper_strategy():
     assert aggs[0].history == aggs[1].history == aggs[2].history
 
 
+def test_a_plan_prices_the_second_collectives_its_message_batches():
+    """An aggregator whose message (DDP's bucket) already allgathers (``batched``, set by the adapter from
+    its bucket-mates' plans) prices its own allgather without the latency: on a slow-latency link a
+    32 Ki-coordinate tensor's top-k goes by allgather there and by the sketch alone; every rank alike, and
+    the allgathered sum equals the reference selections'."""
+    n = 4
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    rng = torch.Generator().manual_seed(5)
+    chosen = {}
+    for batched in (frozenset(), frozenset({"allgather"})):
+        aggs = [AutoAggregator("w", (1 << 15,), torch.float32, n, r, model, lossy=True, interval=2,
+                               allowed=("dense", "topk", "topk_allgather")) for r in range(n)]
+        for a in aggs:
+            a.batched = batched
+        for _ in range(3):
+            run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
+        assert len({a.strategy for a in aggs}) == 1
+        chosen[batched] = aggs[0].strategy
+    assert chosen == {frozenset(): "topk", frozenset({"allgather"}): "topk_allgather"}, chosen
+
+
 def test_an_auto_aggregator_checks_its_seed():
     """A seed that is not a uint64 (1.5 was truncated to 1, True taken as 1) is refused, as every codec's is."""
     for seed, error in ((1.5, TypeError), (True, TypeError), (-1, ValueError), (1 << 64, ValueError)):

@@ -9,8 +9,8 @@ import torch
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.training.calibration import fit_link
 from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, LOSSY_STRATEGIES, Calibration,
-                                          CostModel, LinkModel, PlanTracker, TensorStats, bitmap_words, sketch_capacity,
-                                          stats_header_words)
+                                          CostModel, LinkModel, PlanTracker, TensorStats, batched_second_collectives,
+                                          bitmap_words, sketch_capacity, stats_header_words)
 
 MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
 
@@ -80,6 +80,41 @@ def _grid():
                     union = min(keys, max(k, int(k * (1 + (n - 1) * (1 - overlap)))))
                     for sparse in (False, True):
                         yield TensorStats(numel, row, n, (k,) * n, union, sparse=sparse)
+
+
+def test_a_second_collective_the_message_issues_anyway_is_priced_without_its_latency():
+    """batched: a message's other tensors already issue that kind of second collective (DDP batches them:
+    one allgather, one allreduce per dtype), so the tensor's own adds its bytes, not its latency; the first
+    allreduce is every strategy's and keeps its latency. On a slow-latency link that turns a mid-sized
+    tensor's top-k from the sketch (one allreduce) to the allgather its bucket-mates already make."""
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    alpha = model.calibration.link.alpha_s
+    n = 4
+    s = stats(1 << 15, 1, n, 1 << 15, 1 << 15)
+    both = frozenset({"allgather", "allreduce"})
+    for strategy in ("dense", "sketch", "topk", "thc", "bf16"):
+        assert model.predict(strategy, s, both) == model.predict(strategy, s)
+    assert math.isclose(model.predict("topk_allgather", s, frozenset({"allgather"})),
+                        model.predict("topk_allgather", s) - (n - 1) * alpha, rel_tol=1e-12)
+    assert model.predict("topk_allgather", s, frozenset({"allreduce"})) == model.predict("topk_allgather", s)
+    sparse = stats(1 << 20, 64, n, 50, 180)
+    assert math.isclose(model.predict("two_phase", sparse, both),
+                        model.predict("two_phase", sparse) - 2 * (n - 1) * alpha, rel_tol=1e-12)
+    assert math.isclose(model.predict("allgather", sparse, both),
+                        model.predict("allgather", sparse) - (n - 1) * alpha, rel_tol=1e-12)
+    top = ("topk", "topk_allgather")
+    assert model.choose(s, lossy=True, allowed=top)[0] == "topk"
+    assert model.choose(s, lossy=True, allowed=top, batched=frozenset({"allgather"}))[0] == "topk_allgather"
+
+
+def test_a_message_s_second_collectives_are_counted_per_tensor_without_its_own():
+    assert batched_second_collectives(["dense", "allgather", "topk_allgather", "two_phase", "sketch"]) == [
+        {"allgather", "allreduce"}, {"allgather", "allreduce"}, {"allgather", "allreduce"}, {"allgather"},
+        {"allgather", "allreduce"}]
+    assert batched_second_collectives(["allgather", "dense"]) == [set(), {"allgather"}]
+    assert batched_second_collectives(["two_phase", "two_phase", "thc"]) == [{"allreduce"}] * 3
+    assert batched_second_collectives(["topk", "bf16"]) == [set(), set()]
+    assert batched_second_collectives([]) == []
 
 
 def test_the_sketch_floor_bounds_its_price_and_pruning_never_changes_a_choice():

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import lossless_hc._C
+from lossless_hc.training.planner import SECOND_COLLECTIVE
 
 from helpers import free_port
 
@@ -86,6 +87,11 @@ def test_ddp_auto_is_exact_and_identical_on_every_rank(ddp_run, name):
     # every tensor dense); the given calibrations of the other scenarios pin a non-dense choice.
     if name != "measured":
         assert strategies - {"dense"}, rs[0]["plan"]   # the embedding tables left dense allreduce
+        # a bucket-mate's allgather (two_phase's allreduce) is priced as the bucket batches it
+        issued = {SECOND_COLLECTIVE[s] for s in strategies if s in SECOND_COLLECTIVE}
+        batched = set().union(*map(set, rs[0]["batched"].values()))
+        assert batched and batched <= issued, (rs[0]["plan"], rs[0]["batched"])
+        assert all(r["batched"] == rs[0]["batched"] for r in rs)
     if name == "measured":   # the start-up calibration ran and rank 0's fit reached every rank
         alpha, beta = rs[0]["calibration"][:2]
         assert alpha >= 0 and beta > 0

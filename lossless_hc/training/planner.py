@@ -104,8 +104,12 @@ per-parameter plans of the same bucket in one message (first payloads in the mes
 collectives batched as :func:`~lossless_hc.training.auto.decode_message` batches them), which is
 what PowerSGD is compared with.
 
-The model neglects what does not scale with the tensor: a DDP bucket shares each collective's
-latency among its parameters, a sketch that fails to decode costs one more dense allreduce
+A message (a DDP bucket) batches its tensors' second collectives, one allreduce per dtype and one
+allgather (:func:`~lossless_hc.training.auto.decode_message`): a tensor whose message's other tensors
+already issue that kind of second collective (:func:`batched_second_collectives`) is priced without its
+latency, ``batched`` in :meth:`CostModel.predict`; the first allreduce's latency is common to every
+strategy (:meth:`CostModel.choose`). The model neglects what does not scale with the tensor: the parts
+a message's first payloads share, a sketch that fails to decode costs one more dense allreduce
 (the sketch's sizing keeps that below ~1e-3 per step), and one whose decode reports inexact keys
 one more allreduce of those keys' rows. Its inputs are the EWMAs of the statistics
 (:class:`PlanTracker`), so a tensor whose density drifts is re-planned within ``interval`` steps.
@@ -127,6 +131,9 @@ from lossless_hc.training.message import message_layout
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
 LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk", "topk_allgather")
 TOPK_STRATEGIES = ("topk", "topk_allgather")   # the top-k selections, with one error-feedback memory
+# The second collective a strategy issues every step (module doc), which a message batches with its other
+# tensors' of the same kind
+SECOND_COLLECTIVE = {"allgather": "allgather", "topk_allgather": "allgather", "two_phase": "allreduce"}
 HALF_STRATEGIES = ("fp16", "bf16")   # the tensor allreduced in half precision
 PLAIN_STRATEGIES = ("dense",) + HALF_STRATEGIES   # plans with plain steps between statistics steps (module doc)
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}   # each half strategy's wire dtype
@@ -323,6 +330,15 @@ def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
     return _layout_words(stats.numel, stats.world_size, cap, stats.row, seed, union)
 
 
+def batched_second_collectives(strategies) -> list:
+    """Per tensor of a message planned as ``strategies`` (in message order): the kinds of second
+    collective its other tensors issue every step (:data:`SECOND_COLLECTIVE`), whose latency the message
+    pays once whatever this tensor does (``batched`` of :meth:`CostModel.predict`)."""
+    kinds = [SECOND_COLLECTIVE.get(s) for s in strategies]
+    issued = {k: kinds.count(k) for k in set(kinds) if k is not None}
+    return [frozenset(k for k, c in issued.items() if c > (mine == k)) for mine in kinds]
+
+
 @dataclass(frozen=True)
 class PowerSGDLayout:
     """What torch's ``powerSGD_hook`` sends for a bucket (module doc): ``numel`` coordinates, of which
@@ -440,13 +456,17 @@ class CostModel:
         per_coord, per_key = self.calibration.codec_seconds.get(strategy, DEFAULT_CODEC_SECONDS[strategy])
         return per_coord * self.local_coordinates(strategy, stats) + per_key * self.touched_coordinates(strategy, stats)
 
-    def predict(self, strategy: str, stats: TensorStats) -> float:
-        """Predicted seconds of one step of ``strategy`` for ``stats``."""
+    def predict(self, strategy: str, stats: TensorStats, batched: frozenset = frozenset()) -> float:
+        """Predicted seconds of one step of ``strategy`` for ``stats``. ``batched``: the kinds of second
+        collective (``"allgather"``, ``"allreduce"``) the tensor's message issues anyway, whose latency
+        its own second collective of that kind does not add (module doc)."""
         link, n = self.calibration.link, stats.world_size
         t = 0.0
-        for kind, nbytes in self.collectives(strategy, stats):
+        for i, (kind, nbytes) in enumerate(self.collectives(strategy, stats)):
             t += (link.allgather(nbytes, n) if kind == "allgather" else
                   link.allreduce(nbytes, n, half=kind == "allreduce_half"))
+            if i > 0 and kind in batched and n > 1:
+                t -= (n - 1) * link.alpha_s * (1 if kind == "allgather" else 2)
         return t + self.local_seconds(strategy, stats)
 
     def sketch_floor(self, stats: TensorStats) -> float:
@@ -523,10 +543,10 @@ class CostModel:
         return t
 
     def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None,
-               current: Optional[str] = None) -> tuple:
+               current: Optional[str] = None, batched: frozenset = frozenset()) -> tuple:
         """``(strategy, {strategy: predicted seconds})``: the cheapest exact strategy, or of every
         strategy when ``lossy`` (exact ones only for a sparse gradient); ``allowed`` narrows the
-        candidates (ties: listed order). ``current`` (the strategy in use) is kept unless the cheapest
+        candidates (ties: listed order); ``batched``: :meth:`predict`'s. ``current`` (the strategy in use) is kept unless the cheapest
         is predicted at least :data:`SWITCH_MARGIN` faster beyond what every strategy pays alike, the
         first allreduce's latency ``c = 2(n-1) alpha``: ``t_best - c < (1 - SWITCH_MARGIN)(t_current - c)``
         (on a small tensor ``c`` is most of every prediction, and would hide any difference).
@@ -539,7 +559,7 @@ class CostModel:
             names = tuple(s for s in names if s in allowed)
             if not names:
                 raise ValueError(f"no strategy left among {allowed!r}")
-        predicted = {s: self.predict(s, stats) for s in names if s != "sketch"}
+        predicted = {s: self.predict(s, stats, batched) for s in names if s != "sketch"}
         if "sketch" in names:
             floor = self.sketch_floor(stats)
             beaten = current != "sketch" and predicted and floor > min(predicted.values())

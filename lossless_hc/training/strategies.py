@@ -175,6 +175,10 @@ class AutoAggregator(TensorRows, LossyMemories):
         # allreduce, what DDP does without a hook): an allgather plan then sends the bare gradient that way
         # between its statistics steps, as a dense plan sends the bare dense tensor (carries_statistics).
         self.native_sparse = False
+        # Set by an adapter whose message batches its tensors' second collectives (DDP's bucket): the kinds
+        # the message's other tensors issue under their current plans, which this tensor's plans then
+        # share (planner.batched_second_collectives; identical on every rank)
+        self.batched: frozenset = frozenset()
         self._plan_due = False                  # a plan is due but no cost model was known yet
         self._codec: Optional[LosslessCodec] = None   # the sketch's, sized at the last plan
         self._sketch_stats: Optional[TensorStats] = None   # ... from these statistics
@@ -191,7 +195,8 @@ class AutoAggregator(TensorRows, LossyMemories):
             raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
         self._plan_due = False
         s = self.tracker.stats(element_bytes=self.plain_dtype.itemsize)
-        best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy)
+        best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy,
+                                                 batched=self.batched)
         self.predicted, self.plan_input = predicted, s
         self.plans += 1
         if best == "sketch":
@@ -597,9 +602,9 @@ class AutoAggregator(TensorRows, LossyMemories):
         lower bound where that already lost, :meth:`CostModel.choose`), the measured seconds (EWMA per
         strategy used, encode to result on this rank), the bytes this rank sent, the steps and how many
         of them were plain (dense without the statistics header, :meth:`carries_statistics`), the
-        last changes of strategy (``(step, strategy)``, at most ``capacity.HISTORY_KEEP``), and whether the
-        gradient is sparse."""
+        last changes of strategy (``(step, strategy)``, at most ``capacity.HISTORY_KEEP``), whether the
+        gradient is sparse, and the second collectives its message batches with it (``batched``, sorted)."""
         return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
                 "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
-                "plain_steps": self.plain_steps,
+                "plain_steps": self.plain_steps, "batched": sorted(self.batched),
                 "changes": list(self.history), "fallbacks": self.fallbacks, "sparse": self.sparse}

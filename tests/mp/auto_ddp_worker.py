@@ -96,6 +96,7 @@ def compare(state, **kw):
     st = state.stats()
     return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "stats": st,
             "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
+            "batched": {k: v["batched"] for k, v in st["plan"].items()},
             "sparse": [k for k, v in st["plan"].items() if v["sparse"]],
             "fallbacks": {k: v["fallbacks"] for k, v in st["plan"].items()},
             "calibration": state.spec.calibration.as_list()}

@@ -94,11 +94,11 @@ import torch
 import torch.distributed as dist
 
 from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, as_strategies, guard_half, guard_stats, plan_stats
+from lossless_hc.training.auto import (AutoMessage, AutoSpec, as_strategies, guard_half, guard_stats, plan_stats,
+                                       settle_message_plans)
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
-from lossless_hc.training.planner import (HALF_STRATEGIES, Calibration,  # noqa: F401  (Calibration: re-exported)
-                                          batched_second_collectives)
+from lossless_hc.training.planner import HALF_STRATEGIES, Calibration  # noqa: F401  (Calibration: re-exported)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch  # noqa: F401
 from lossless_hc.training.capacity import CapacityPolicy
@@ -438,6 +438,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state._begin_step(started)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
     state._check_restored(bucket.is_last())
+    # a plan due since the calibration is applied now, each priced as the bucket batches its second collective
+    settle_message_plans(aggs)
     n = state.world_size
     # The step guard's dense window (and a dense verdict): every dense float bucket in place, PowerSGD's too.
     guard_dense = state._step_phase == "dense" and not buffer.is_sparse
@@ -492,10 +494,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
-    # the plans made at this step's end price their second collective as this message batches it
-    for a, batched in zip(aggs, batched_second_collectives([a.strategy for a in aggs])):
-        a.batched = batched
     message = AutoMessage(aggs, grads)
+    planned = [a.plans for a in aggs]
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.
@@ -517,6 +517,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         results = decode_auto_message(message, fut.value(),
                                       lambda t: dist.all_reduce(t, group=fallback_group), gather, outs=outs,
                                       divisor=None if divided else n)
+        settle_message_plans(aggs, planned)   # the plans this step's statistics made, as the bucket batches them
         if buffer.is_sparse:   # DDP copies the returned sparse tensor into the gradient
             return results[0] if divided else results[0].div_(n)
         # the results written into their slices were divided there (decode_message's divisor)

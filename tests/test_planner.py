@@ -9,7 +9,7 @@ import torch
 
 from lossless_hc.lhc import contract
 from lossless_hc.lhc.codec import DEFAULT_RTOL
-from lossless_hc.training.auto import AutoSpec
+from lossless_hc.training.auto import AutoSpec, settle_message_plans
 from lossless_hc.training.planner import (EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration,
                                           CostModel)
 from lossless_hc.training.aggregate import ConfigurationMismatch
@@ -136,6 +136,32 @@ def test_a_plan_prices_the_second_collectives_its_message_batches():
         assert len({a.strategy for a in aggs}) == 1
         chosen[batched] = aggs[0].strategy
     assert chosen == {frozenset(): "topk", frozenset({"allgather"}): "topk_allgather"}, chosen
+
+
+def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step():
+    """settle_message_plans (DDP's auto_hook, before the message and after its decode): the plans a step's
+    statistics made are priced again as the message batches them, at once: a large tensor top-k'd by
+    allgather draws its 32 Ki-coordinate bucket-mate from the sketch to the allgather at the same step
+    (one entry in its history), on every rank alike."""
+    n = 4
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    rng = torch.Generator().manual_seed(6)
+    allowed = ("dense", "topk", "topk_allgather")
+    big, small = ([AutoAggregator(name, (numel,), torch.float32, n, r, model, lossy=True, interval=2, allowed=allowed)
+                   for r in range(n)] for name, numel in (("big", 1 << 20), ("small", 1 << 15)))
+    for r in range(n):
+        settle_message_plans([big[r], small[r]])   # no plan yet: nothing due, nothing batched
+    assert [a.batched for a in big + small] == [frozenset()] * (2 * n)
+    before = [[b.plans, s.plans] for b, s in zip(big, small)]
+    for aggs, numel in ((big, 1 << 20), (small, 1 << 15)):
+        run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"topk"}
+    for r in range(n):
+        settle_message_plans([big[r], small[r]], before[r])
+    assert {s.strategy for s in small} == {"topk_allgather"}
+    assert all(s.history == [(1, "topk_allgather")] and s.batched == {"allgather"} for s in small), small[0].history
+    # the big one was planned again with its bucket-mate's allgather, and stayed
+    assert all(b.batched == {"allgather"} and b.history == [(1, "topk_allgather")] for b in big), big[0].history
 
 
 def test_an_auto_aggregator_checks_its_seed():

@@ -35,7 +35,8 @@ from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
 from lossless_hc.training.guard import StepGuard
 from lossless_hc.training.message import PART_DTYPES, check_sums, message_layout, pack_parts
 from lossless_hc.training.planner import (HALF_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS,
-                                          TOPK_RATIO, TOPK_STRATEGIES, Calibration, CostModel)
+                                          TOPK_RATIO, TOPK_STRATEGIES, Calibration, CostModel,
+                                          batched_second_collectives)
 from lossless_hc.training.strategies import AutoAggregator
 
 
@@ -306,6 +307,33 @@ def decode_message(message: AutoMessage, summed: Sequence[torch.Tensor],
                                                        divisor=divisor)
             offset += m
     return results
+
+
+def settle_message_plans(aggregators, plans_before: Optional[Sequence[int]] = None) -> None:
+    """Price each tensor's second collective as its message batches it (a DDP bucket: one allgather, one
+    allreduce per dtype; :func:`~lossless_hc.training.planner.batched_second_collectives`): set every
+    aggregator's ``batched`` from the others' current plans, and plan again, with it, each one that planned
+    since ``plans_before`` (their ``plans`` counts then; None: the plans due now are applied first, and
+    those count), until no plan changes (at most one pass per tensor). So a tensor's plan sees its
+    bucket-mates' plans of the same step, not of the last. A function of the plans: every rank alike."""
+    if plans_before is None:
+        plans_before = [a.plans for a in aggregators]
+        for a in aggregators:
+            if a.cost_model is not None:
+                a.current_plan()
+    replanned = [a.plans > p for a, p in zip(aggregators, plans_before)]
+    for _ in range(len(aggregators) + 1):
+        changed = False
+        for a, again, batched in zip(aggregators, replanned,
+                                     batched_second_collectives([a.strategy for a in aggregators])):
+            if batched != a.batched:
+                a.batched = batched
+                if again:
+                    before = a.strategy
+                    a.replan()
+                    changed |= a.strategy != before
+        if not changed:
+            return
 
 
 def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list:

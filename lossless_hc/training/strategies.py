@@ -205,6 +205,15 @@ class AutoAggregator(TensorRows, LossyMemories):
             append_recent(self.history, (self.steps, best))
             self.strategy = best
 
+    def replan(self) -> None:
+        """Plan again on the current statistics (its ``batched`` changed after this step's plan:
+        :func:`~lossless_hc.training.auto.settle_message_plans`); a change of this step's that it revises
+        stays one entry of ``history``."""
+        prior = self.history[-1] if self.history and self.history[-1][0] == self.steps else None
+        self._plan()
+        if prior is not None and self.history[-1] is not prior:
+            self.history.remove(prior)
+
     def _size_sketch(self, s: TensorStats) -> None:
         self._sketch_stats = s
         cap, union = sketch_capacity(s)

@@ -101,7 +101,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lossless_hc.lhc.layout import is_real
 from lossless_hc.training.adapter import AggregatorSpec, LosslessSpec, THCSpec, TopKSpec
-from lossless_hc.training.auto import AutoMessage, AutoSpec, guard_half, guard_stats, plan_stats
+from lossless_hc.training.auto import AutoMessage, AutoSpec, guard_half, guard_stats, plan_stats, settle_message_plans
 from lossless_hc.training.auto import decode_message as decode_auto_message
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch
 from lossless_hc.training.capacity import CapacityPolicy
@@ -365,6 +365,9 @@ class _ReplicaAllReduce:
             st._replica_in_place(aggs, views, reduce_output, started)
             return
         auto = isinstance(st.spec, AutoSpec)
+        if auto:   # the plans priced as this message batches their second collectives
+            settle_message_plans(aggs)
+            planned = [a.plans for a in aggs]
         message = AutoMessage(aggs, views) if auto else encode_message(aggs, views)
         for part in message.parts:
             dist.all_reduce(part, group=st.replicate_group)
@@ -372,6 +375,7 @@ class _ReplicaAllReduce:
             results = decode_auto_message(message, message.parts,
                                           lambda t: dist.all_reduce(t, group=st.replicate_group),
                                           lambda t: all_gather_stacked(t, st.replicate_group, st.replicas))
+            settle_message_plans(aggs, planned)
         else:
             # THC's non_finite="raise" sees a rank's NaN/Inf only in the replicate group of the shard that
             # holds it: the shard group agrees on it, so that every rank raises (not only that shard's

@@ -175,9 +175,9 @@ class AutoAggregator(TensorRows, LossyMemories):
         # allreduce, what DDP does without a hook): an allgather plan then sends the bare gradient that way
         # between its statistics steps, as a dense plan sends the bare dense tensor (carries_statistics).
         self.native_sparse = False
-        # Set by an adapter whose message batches its tensors' second collectives (DDP's bucket): the kinds
-        # the message's other tensors issue under their current plans, which this tensor's plans then
-        # share (planner.batched_second_collectives; identical on every rank)
+        # Set by an adapter whose message batches its tensors' second collectives (a DDP bucket, FSDP2's
+        # replica all-reduce): the kinds the message's other tensors issue under their current plans, which
+        # this tensor's plans then share (auto.settle_message_plans; identical on every rank)
         self.batched: frozenset = frozenset()
         self._plan_due = False                  # a plan is due but no cost model was known yet
         self._codec: Optional[LosslessCodec] = None   # the sketch's, sized at the last plan

@@ -494,8 +494,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)
-    message = AutoMessage(aggs, grads)
     planned = [a.plans for a in aggs]
+    message = AutoMessage(aggs, grads)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.

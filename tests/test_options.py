@@ -12,7 +12,7 @@ from lossless_hc.plugins.ddp import (AutoHookState, LosslessHookState, THCHookSt
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.capacity import CapacityPolicy
-from lossless_hc.training.planner import PlanTracker
+from lossless_hc.training.plan_tracker import PlanTracker
 
 
 def test_world_size_and_block_size_limits():

@@ -8,8 +8,9 @@ import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.training.calibration import fit_link
+from lossless_hc.training.plan_tracker import PlanTracker
 from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, LOSSY_STRATEGIES, Calibration,
-                                          CostModel, LinkModel, PlanTracker, TensorStats, batched_second_collectives,
+                                          CostModel, LinkModel, TensorStats, batched_second_collectives,
                                           bitmap_words, sketch_capacity, stats_header_words)
 
 MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))

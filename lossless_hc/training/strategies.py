@@ -65,9 +65,10 @@ from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationSta
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.lossy_memory import LossyMemories
+from lossless_hc.training.plan_tracker import PlanTracker
 from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel,
-                                          PlanTracker, TensorStats, bitmap_words,
+                                          TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words)
 from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
@@ -86,7 +87,7 @@ def half_payload(flat: torch.Tensor, strategy: str, divisor: Optional[int]) -> t
 
 class AutoAggregator(TensorRows, LossyMemories):
     r"""One tensor under the planner (``auto``): runs the planned strategy, observes the statistics,
-    re-plans every ``interval`` steps (:class:`~lossless_hc.training.planner.PlanTracker`).
+    re-plans every ``interval`` steps (:class:`~lossless_hc.training.plan_tracker.PlanTracker`).
 
     Args:
         name: identical on every rank (messages and ``stats()``).

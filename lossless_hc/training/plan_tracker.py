@@ -1,0 +1,66 @@
+"""The planner's statistics of one tensor across steps, and its re-planning schedule
+(:class:`PlanTracker`; the cost model that decides on them: :mod:`lossless_hc.training.planner`)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from lossless_hc.lhc.layout import check_fraction
+from lossless_hc.training.planner import TensorStats
+
+
+class PlanTracker:
+    r"""One tensor's statistics across steps and its re-planning schedule (identical on every rank).
+
+    Each observed step feeds the per-rank counts ``k_r`` and the union ``u`` (from the aggregate) into
+    EWMAs :math:`\bar x \leftarrow (1-a)\bar x + a x` (the first step sets them). A decision is due after
+    the first observed step and then every ``interval`` steps, or at once after a sketch failed to
+    decode (``force``); :meth:`stats` rounds the EWMAs up, taking the per-rank maximum over the steps
+    since the last decision so that a spiky tensor keeps room for its spikes.
+    """
+
+    def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25,
+                 sparse: bool = False):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:   # int(2.5) would be 2
+            raise ValueError(f"interval must be a positive integer, got {interval!r}")
+        alpha = check_fraction("alpha", alpha)
+        self.numel, self.row, self.world_size = int(numel), int(row), int(world_size)
+        self.interval, self.alpha = interval, alpha
+        self.sparse = bool(sparse)
+        self.steps = 0
+        self.rank_keys: Optional[list] = None
+        self.union: Optional[float] = None
+        self.peak_rank = 0
+        self.force = False
+        self.last_step = 0   # the step count of the last observation
+
+    def observe(self, rank_keys, union_keys: int, step: Optional[int] = None) -> bool:
+        """Record one step; True when a decision is due. ``step``: the tensor's step count after this one
+        (default: the observations so far), which the schedule follows: a dense plan observes only one
+        step in ``interval`` (:meth:`AutoAggregator.carries_statistics
+        <lossless_hc.training.strategies.AutoAggregator.carries_statistics>`), each of them due. An
+        observation after ``m`` unobserved steps stands for them too: its weight is ``1 - (1 - a)^(m+1)``,
+        what ``m + 1`` observations of the same counts would have had."""
+        step = self.steps + 1 if step is None else int(step)
+        a = 1.0 - (1.0 - self.alpha) ** max(1, step - self.last_step)
+        self.last_step = step
+        ks = [float(k) for k in rank_keys]
+        if self.rank_keys is None:
+            self.rank_keys, self.union = ks, float(union_keys)
+        else:
+            self.rank_keys = [(1 - a) * m + a * k for m, k in zip(self.rank_keys, ks)]
+            self.union = (1 - a) * self.union + a * union_keys
+        self.peak_rank = max(self.peak_rank, int(max(ks)) if ks else 0)
+        self.steps += 1
+        return self.force or step == 1 or step % self.interval == 0
+
+    def stats(self, element_bytes: int = 4) -> TensorStats:
+        """The statistics a decision uses (and resets the per-interval peak and ``force``)."""
+        keys = -(-self.numel // self.row) if self.numel else 0
+        ranks = [min(keys, math.ceil(k)) for k in self.rank_keys]
+        top = max(ranks) if ranks else 0
+        if self.peak_rank > top:   # the largest rank keeps its recent peak
+            ranks[ranks.index(top)] = min(keys, self.peak_rank)
+        union = min(keys, max(math.ceil(self.union), max(ranks) if ranks else 0))
+        self.peak_rank, self.force = 0, False
+        return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes, self.sparse)

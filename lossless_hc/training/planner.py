@@ -205,19 +205,26 @@ class LinkModel:
         state.setdefault("half_seconds_per_byte", state["seconds_per_byte"])
         self.__dict__.update(state)
 
+    def latency(self, n: int, kind: str = "allreduce") -> float:
+        """The part of a ring collective's time that does not depend on its bytes: ``2(n-1) alpha`` for an
+        allreduce, ``(n-1) alpha`` for an allgather (0 for one rank)."""
+        if n <= 1:
+            return 0.0
+        return (2 if kind != "allgather" else 1) * (n - 1) * self.alpha_s
+
     def allreduce(self, nbytes: float, n: int, half: bool = False) -> float:
         """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank); ``half``:
         of a float16 or bfloat16 tensor (beta: ``half_seconds_per_byte``)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         beta = self.half_seconds_per_byte if half else self.seconds_per_byte
-        return 2 * (n - 1) * self.alpha_s + 2 * (n - 1) / n * nbytes * beta
+        return self.latency(n) + 2 * (n - 1) / n * nbytes * beta
 
     def allgather(self, nbytes: float, n: int) -> float:
         """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return (n - 1) * self.alpha_s + (n - 1) * nbytes * self.allgather_seconds_per_byte
+        return self.latency(n, "allgather") + (n - 1) * nbytes * self.allgather_seconds_per_byte
 
 
 @dataclass(frozen=True)
@@ -467,8 +474,8 @@ class CostModel:
         for i, (kind, nbytes) in enumerate(self.collectives(strategy, stats)):
             t += (link.allgather(nbytes, n) if kind == "allgather" else
                   link.allreduce(nbytes, n, half=kind == "allreduce_half"))
-            if i > 0 and kind in batched and n > 1:
-                t -= (n - 1) * link.alpha_s * (1 if kind == "allgather" else 2)
+            if i > 0 and kind in batched:
+                t -= link.latency(n, kind)
         return t + self.local_seconds(strategy, stats)
 
     def sketch_floor(self, stats: TensorStats) -> float:
@@ -541,7 +548,7 @@ class CostModel:
         t = per_coord * layout.numel + per_flop * layout.flops
         if n > 1:
             for _, nbytes in self.powersgd_collectives(layout, element_bytes):
-                t += 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes * link.seconds_per_byte
+                t += link.latency(n) + 2 * (n - 1) / n * nbytes * link.seconds_per_byte
         return t
 
     def choose(self, stats: TensorStats, lossy: bool = False, allowed: Optional[tuple] = None,
@@ -569,7 +576,7 @@ class CostModel:
             predicted["sketch"] = floor if beaten else self.predict("sketch", stats)
             predicted = {s: predicted[s] for s in names}   # listed order
         best = min(names, key=lambda s: (predicted[s], names.index(s)))
-        common = 2 * (stats.world_size - 1) * self.calibration.link.alpha_s if stats.world_size > 1 else 0.0
+        common = self.calibration.link.latency(stats.world_size)
         if current in predicted and not predicted[best] - common < (1.0 - SWITCH_MARGIN) * (predicted[current] - common):
             best = current
         return best, predicted

@@ -242,7 +242,7 @@ class PowerSGDPlanner:
             rest = [plan for i, plan in enumerate(plans) if i not in members]
             predicted["powersgd_part"] = (cost_model.predict_powersgd(part, world_size)
                                           + cost_model.predict_message(rest))
-        common = 2 * (world_size - 1) * cost_model.calibration.link.alpha_s
+        common = cost_model.calibration.link.latency(world_size)
         best = "powersgd"
         if members is not None and predicted["powersgd_part"] < t_psgd:
             best, layout = "powersgd_part", part
@@ -266,7 +266,7 @@ class PowerSGDPlanner:
         matrices it compresses whose share of its step, ``c_p d + f_p F`` and the P and Q bytes, is
         predicted below their own plan's step beyond the first allreduce's latency (an embedding table on
         an allgather plan stays on it). None when that is every gradient of the bucket, or none."""
-        common = 2 * (int(world_size) - 1) * cost_model.calibration.link.alpha_s
+        common = cost_model.calibration.link.latency(int(world_size))
         members = []
         for i in layout.compressed:
             # the matrix alone on PowerSGD, less the three allreduces' latencies (the bucket pays them once)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: everything the CUDA backend needs checked and measured there.
 #
-#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test thcbench topkbench bench1 bench1b bench1m bench1v
-#                                               bench5 bench5b bench5m planbench sanitize thcsanitize topksanitize,
+#   bash scripts/gpu_session.sh [STEP ...]      STEP: build test horovod thcbench topkbench bench1 bench1b bench1m
+#                                               bench1v bench5 bench5b bench5m planbench sanitize thcsanitize topksanitize,
 #                                               or several
 #                                               joined by '+' (run at the same time, e.g. test+sanitize: for
 #                                               checks, never for timings); default: the whole issue-#22 run,
@@ -21,6 +21,10 @@
 #   test      pytest -m gpu (tests/test_cuda.py, test_cuda_thc.py, test_topk.py, both the compiled and the
 #             CuPy/NVRTC kernels; the DDP, planner and FSDP2 hooks on CUDA tensors through Gloo), with
 #             pytest-xdist where it is installed, and the source-consistency tests
+#   horovod   scripts/setup_horovod.sh (Gloo only, with CUDA: the wheel carried in .horovod-carry when it was
+#             built against this torch, else built there from the carried sdist; carry [".horovod-carry"],
+#             filled here by `scripts/setup_horovod.sh --fill-carry PYTHON`), then the Horovod compressors on
+#             CUDA tensors, 2 and 3 ranks through Gloo (tests/test_plugins_horovod.py -m gpu)
 #   thcbench  python -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 --repeat 10 --no-cpu-check:
 #             THC encode/decode time on the GPU and NMSE (the bit-for-bit CPU lockstep is the tests' job)
 #   topkbench python -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01: the selection
@@ -99,6 +103,11 @@ run_step() {
       step "pytest -m gpu" test.log 420 "$PY" -m pytest -v -m gpu tests -rs -p no:cacheprovider --continue-on-collection-errors \
         --ignore=tests/test_byteps_gpu.py "${xdist[@]}"
       step "source consistency" test.log 60 "$PY" -m pytest -q tests/test_cuda_sources.py tests/test_header_cuda.py -p no:cacheprovider
+      ;;
+    horovod)
+      step "install Horovod" build.log 300 env HOROVOD_WITHOUT_MPI=1 bash scripts/setup_horovod.sh "$PY"
+      step "pytest -m gpu tests/test_plugins_horovod.py" test.log 300 "$PY" -m pytest -v -rs -m gpu -p no:cacheprovider \
+        tests/test_plugins_horovod.py
       ;;
     sanitize)
       step "memcheck" sanitize.log 240 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \

@@ -31,12 +31,13 @@ def _horovod_bin(name):
     return path
 
 
-def launch(cmd, out_dir, timeout=600):
+def launch(cmd, out_dir, timeout=600, device="cpu"):
     # Three ranks share CI's two cores with pytest: under that load a rank was twice seen to miss a
     # collective for longer than Gloo's default 30 s receive timeout (np3, `groups` and `thc_sum`;
     # the same runs pass when repeated). 300 s rides out such stalls; a real deadlock still fails,
     # within the launch timeout.
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300",
+               LHC_TEST_DEVICE=device)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
@@ -281,6 +282,40 @@ def test_digits_cnn_converges_with_topk_and_thc(tmp_path):
     assert acc["topk"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
     assert acc["thc"]["value"] >= acc["none"]["value"] - 0.05, acc
     assert acc["thc"]["bytes_per_step"] < 0.5 * acc["none"]["bytes_per_step"]
+
+
+# The scenarios whose models train on the worker's device (tests/mp/horovod_worker.py).
+CUDA_SCENARIOS = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "bfloat16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [2, 3])
+def test_compressors_on_cuda_tensors_through_gloo(tmp_path, size):
+    """Every rank's model on GPU 0, so that the payloads are encoded and decoded by the CUDA kernels:
+    Horovod built with CUDA but without GPU operations (NCCL refuses two ranks on one GPU) copies each
+    CUDA tensor to the host, reduces it through Gloo and copies it back, ordered after the kernels that
+    wrote it by a CUDA event. The CPU launches' assertions hold as they are: lossless and its fallbacks
+    equal Horovod's own allreduce, the capacity policy adapts identically on every rank, top-k keeps its
+    residuals, THC's replicas stay bit-identical, bfloat16 models within their bound."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: run on the GPU machine (scripts/gpu_session.sh build horovod)")
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        pytest.skip("needs Horovod built against this torch: scripts/setup_horovod.sh (scripts/gpu_session.sh horovod)")
+    launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
+            sys.executable, WORKER, str(tmp_path), ",".join(CUDA_SCENARIOS)], tmp_path, device="cuda")
+    run = (tmp_path, size)
+    assert {r["device"] for name in CUDA_SCENARIOS for r in results(tmp_path, name, size)} == {"cuda"}
+    for name in EXACT + ["fallback"]:
+        test_lossless_training_matches_uncompressed(run, name)
+    test_capacity_policy_adapts_identically_and_stays_exact(run)
+    test_topk_keeps_error_feedback_per_parameter(run)
+    for name in ("thc", "thc_sum"):
+        test_thc_replicas_stay_identical_and_train(run, name)
+    test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(run)
 
 
 def test_horovod_build_has_gloo_and_mpi():

@@ -2,6 +2,10 @@
 
 Usage: python horovod_worker.py OUT_DIR SCENARIO[,SCENARIO...]
 
+``LHC_TEST_DEVICE=cuda``: every rank's models and batches on GPU 0 (tests/mp/models.py), for the scenarios
+that train ``EmbeddingModel`` (Horovod built without GPU operations copies CUDA tensors to the host for
+Gloo and back: NCCL refuses two ranks on one GPU).
+
 Each scenario trains the same model twice from the same seed on the same per-rank batches, once
 with Horovod's own uncompressed allreduce and once with a lossless_hc compressor, and every rank
 writes OUT_DIR/<scenario>.rank<r>.json with what the test asserts (parameter difference, stats,
@@ -16,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import EmbeddingModel, LinearLoss, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import DEVICE, EmbeddingModel, LinearLoss, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -39,7 +43,7 @@ def train(compression, steps=STEPS, op=None, sparse=False, groups=None, bpps=1, 
     the joined ones' zeros); ``abandon_at``: at that step, after the backward pass, the optimizer's state
     is reloaded (Horovod drops the step's handles, as a roll-back does) and the step is not taken."""
     torch.manual_seed(0)
-    model = EmbeddingModel(sparse=sparse, hidden=hidden)
+    model = EmbeddingModel(sparse=sparse, hidden=hidden).to(DEVICE)
     RUNS[0] += 1
     named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters() if not matrices_only or p.dim() == 2]
     kwargs = dict(named_parameters=named, compression=compression,
@@ -156,7 +160,7 @@ def scenario(name):
         ref = train(Compression.none, steps=16, hidden=512, op=op, lr=lr)
         got = train(comp, steps=16, hidden=512, op=op, lr=lr)
         torch.manual_seed(0)
-        start = EmbeddingModel(hidden=512)
+        start = EmbeddingModel(hidden=512).to(DEVICE)
         moved_ref = torch.cat([(p - q).reshape(-1) for p, q in zip(ref.parameters(), start.parameters())]).detach()
         moved_got = torch.cat([(p - q).reshape(-1) for p, q in zip(got.parameters(), start.parameters())]).detach()
         cosine = float(torch.nn.functional.cosine_similarity(moved_ref, moved_got, dim=0))
@@ -299,7 +303,7 @@ def half_training(comp, dtype=torch.bfloat16, steps=4, lr=0.02):
     import copy
     n = hvd.size()
     torch.manual_seed(0)
-    model = EmbeddingModel(hidden=512).to(dtype)
+    model = EmbeddingModel(hidden=512).to(DEVICE, dtype)
     plain = copy.deepcopy(model)
     RUNS[0] += 1
     named = [(f"run{RUNS[0]}.{k}", p) for k, p in model.named_parameters()]
@@ -370,6 +374,7 @@ def main():
     for name in names:
         result = scenario(name)
         result["size"] = hvd.size()
+        result["device"] = str(DEVICE)
         with open(os.path.join(out_dir, f"{name}.rank{hvd.rank()}.json"), "w") as f:
             json.dump(result, f)
     # A file barrier before shutting down: an error scenario lets a rank leave while another is still

@@ -6,7 +6,9 @@
 #
 # The GPU machine has python3 (3.12) with a CUDA build of torch (2.11, CUDA 13), nvcc and the
 # nvidia-nccl wheel, and no network: fill .byteps-carry/ here first (scripts/setup_byteps.sh
-# --fill-carry: the BytePS sdist, libnuma debs). Steps, each logged to $OUT (the tool's output folder;
+# --fill-carry PYTHON: the BytePS sdist, libnuma debs and, PYTHON being a Python 3.12 environment with
+# that machine's torch, a wheel built against it, which the install there takes instead of building).
+# Steps, each logged to $OUT (the tool's output folder;
 # ./byteps-session-out when unset):
 #   build     lossless_hc's extension with CUDA (LHC_CUDA=1 setup.py build_ext --inplace)   build.log
 #   byteps    scripts/setup_byteps.sh python3 (patch + build + install BytePS)   build.log, byteps-build.log

@@ -2,8 +2,10 @@
 # Install BytePS 0.2.5.post15 (PyTorch plugin, CUDA + NCCL) into PYTHON's environment, patched at
 # install time for current PyTorch and CUDA (docs/BYTEPS.md lists the patches and why).
 #
-#   scripts/setup_byteps.sh PYTHON              build (or reuse the cached wheel) and install
-#   scripts/setup_byteps.sh --fill-carry        put what an offline machine needs into .byteps-carry/
+#   scripts/setup_byteps.sh PYTHON              build (or reuse the cached or carried wheel) and install
+#   scripts/setup_byteps.sh --fill-carry [PYTHON]  put what an offline machine needs into .byteps-carry/;
+#                                               given a PYTHON whose torch is the GPU machine's (the same
+#                                               version, CUDA and Python), also a wheel built against it
 #
 # BytePS's last release does not build against PyTorch >= 1.11 as shipped. We take the sdist from
 # the package index (or from the carry folder, for the GPU machine, which has no network) and apply
@@ -21,12 +23,20 @@
 #      BYTEPS_BUILD_LOG  the build's full output (default: BUILD_DIR/build.log, printed on failure)
 #      MAX_JOBS        parallel compile jobs for ps-lite and zeromq (default: nproc)
 #      BYTEPS_SYSROOT  where the carried libnuma debs are unpacked when numa.h is missing (default:
-#                      LHC_CACHE/byteps-sysroot; kept: the library is needed at run time)
+#                      LHC_CACHE/byteps-sysroot; kept: the library is needed at run time). A carried
+#                      wheel is built against the debs unpacked in /tmp/byteps-sysroot (its run path),
+#                      and installing it unpacks them there again.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BPS_VERSION=0.2.5.post15
 CARRY=${BYTEPS_CARRY:-$ROOT/.byteps-carry}
 SDIST=byteps-$BPS_VERSION.tar.gz
+
+# wheel_key PYTHON: the folder (in the cache or the carry folder) of a wheel built against PYTHON's torch.
+wheel_key() {
+  "$1" -c "import sys, torch; print(f'byteps-$BPS_VERSION-torch{torch.__version__.replace(\"+\", \"_\")}-'
+                                  f'cp{sys.version_info[0]}{sys.version_info[1]}')"
+}
 
 if [ "${1:-}" = "--fill-carry" ]; then
   # What the GPU machine cannot fetch: the sdist (it bundles ps-lite and zeromq), and libnuma's
@@ -37,9 +47,20 @@ if [ "${1:-}" = "--fill-carry" ]; then
     (cd "$CARRY" && apt-get download libnuma1 libnuma-dev >/dev/null 2>&1) \
       || echo "setup_byteps: could not download libnuma debs (only needed where numa.h is missing)" >&2
   fi
-  ls -la "$CARRY"
+  if [ -n "${2:-}" ]; then
+    # The wheel for the GPU machine: built against the carried libnuma (a run path the install there
+    # recreates), cached under its key in the carry folder, where the install there looks first.
+    key=$(wheel_key "$2")
+    if ! ls "$CARRY/$key"/byteps-*.whl >/dev/null 2>&1; then
+      BYTEPS_SYSROOT=/tmp/byteps-sysroot BYTEPS_NUMA_FROM_DEBS=1 LHC_CACHE="$CARRY/.build-cache" bash "$0" --wheel-only "$2"
+      mkdir -p "$CARRY/$key" && mv "$CARRY/.build-cache/$key"/byteps-*.whl "$CARRY/$key/" && rm -rf "$CARRY/.build-cache"
+    fi
+  fi
+  du -sh "$CARRY"/*
   exit 0
 fi
+WHEEL_ONLY=0
+[ "${1:-}" = "--wheel-only" ] && { WHEEL_ONLY=1; shift; }
 
 PY=${1:?usage: setup_byteps.sh PYTHON | --fill-carry}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -53,15 +74,23 @@ if "$PY" -c "import byteps.torch" 2>/dev/null \
 fi
 
 TORCH_TAG=$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
-PY_TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEEL_DIR="$CACHE/byteps-$BPS_VERSION-torch$TORCH_TAG-$PY_TAG"
+KEY=$(wheel_key "$PY")
+WHEEL_DIR="$CACHE/$KEY"
 mkdir -p "$WHEEL_DIR"
 wheel=$(ls "$WHEEL_DIR"/byteps-*.whl 2>/dev/null | head -n1 || true)
+CARRIED=0
+if [ -z "$wheel" ] && [ "$WHEEL_ONLY" = 0 ] && [ "${BYTEPS_NO_CARRIED_WHEEL:-0}" = 0 ] \
+   && ls "$CARRY/$KEY"/byteps-*.whl >/dev/null 2>&1; then
+  wheel=$(ls "$CARRY/$KEY"/byteps-*.whl | head -n1)
+  CARRIED=1
+  BYTEPS_SYSROOT=/tmp/byteps-sysroot   # its run path to libnuma (--fill-carry)
+  BYTEPS_NUMA_FROM_DEBS=1
+fi
 
 # libnuma: BytePS links -lnuma. Where the headers are missing, unpack the carried debs into a sysroot
 # that stays (the library is needed at run time too).
 SYSROOT=${BYTEPS_SYSROOT:-$CACHE/byteps-sysroot}
-if ! echo '#include <numa.h>' | ${CXX:-g++} -E -x c++ - >/dev/null 2>&1; then
+if [ "${BYTEPS_NUMA_FROM_DEBS:-0}" = 1 ] || ! echo '#include <numa.h>' | ${CXX:-g++} -E -x c++ - >/dev/null 2>&1; then
   debs=$(ls "$CARRY"/libnuma*.deb 2>/dev/null || true)
   [ -n "$debs" ] || { echo "setup_byteps: numa.h is missing and $CARRY has no libnuma debs (--fill-carry)" >&2; exit 1; }
   mkdir -p "$SYSROOT"
@@ -138,6 +167,13 @@ print(20 if "202002L" in h else 17)')
   wheel=$(ls "$WHEEL_DIR"/byteps-*.whl | head -n1)
 fi
 
+[ "$WHEEL_ONLY" = 1 ] && exit 0
 "$PY" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
-"$PY" -c "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')" \
-  || { echo "setup_byteps: byteps.torch does not import" >&2; exit 1; }
+if ! "$PY" -c "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')"; then
+  if [ "$CARRIED" = 1 ]; then   # built elsewhere and not loadable here: build it here from the sdist
+    echo "setup_byteps: the carried wheel $wheel does not import; building from the sdist" >&2
+    exec env BYTEPS_NO_CARRIED_WHEEL=1 bash "$0" "$PY"
+  fi
+  echo "setup_byteps: byteps.torch does not import" >&2
+  exit 1
+fi

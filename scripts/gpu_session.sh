@@ -25,6 +25,9 @@
 #             built against this torch, else built there from the carried sdist; carry [".horovod-carry"],
 #             filled here by `scripts/setup_horovod.sh --fill-carry PYTHON`), then the Horovod compressors on
 #             CUDA tensors, 2 and 3 ranks through Gloo (tests/test_plugins_horovod.py -m gpu)
+#   byteps    scripts/byteps_gpu_session.sh in the rest of this call (BytePS from .byteps-carry, filled here by
+#             `scripts/setup_byteps.sh --fill-carry PYTHON`; its GPU run): `build horovod byteps` with carry
+#             [".horovod-carry", ".byteps-carry"] runs both engines' GPU checks in one call; its logs in $OUT/byteps
 #   thcbench  python -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 --repeat 10 --no-cpu-check:
 #             THC encode/decode time on the GPU and NMSE (the bit-for-bit CPU lockstep is the tests' job)
 #   topkbench python -m lossless_hc.bench topk --device cuda --numel 134217728 --ratio 0.01: the selection
@@ -108,6 +111,11 @@ run_step() {
       step "install Horovod" build.log 300 env HOROVOD_WITHOUT_MPI=1 bash scripts/setup_horovod.sh "$PY"
       step "pytest -m gpu tests/test_plugins_horovod.py" test.log 300 "$PY" -m pytest -v -rs -m gpu -p no:cacheprovider \
         tests/test_plugins_horovod.py
+      ;;
+    byteps)
+      local left=$((DEADLINE - $(date +%s) - 10))
+      STEP_MIN=180 step "BytePS (scripts/byteps_gpu_session.sh)" byteps.log "$left" env LHC_SESSION_SECONDS="$left" OUT="$OUT/byteps" \
+        bash scripts/byteps_gpu_session.sh
       ;;
     sanitize)
       step "memcheck" sanitize.log 240 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \

@@ -164,6 +164,36 @@ def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step()
     assert all(b.batched == {"allgather"} and b.history == [(1, "topk_allgather")] for b in big), big[0].history
 
 
+def test_a_replan_that_revises_the_step_s_change_back_leaves_no_history_entry():
+    """A step's plan changed dense -> top-k; a re-plan of the same step (its message's plans settling) that
+    goes back to dense made no change, and leaves no entry; one that goes on to a third strategy leaves one."""
+    n = 2
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    rng = torch.Generator().manual_seed(7)
+    for replanned, history in (("dense", []), ("topk_allgather", [(1, "topk_allgather")])):
+        aggs = [AutoAggregator("w", (1 << 15,), torch.float32, n, r, model, lossy=True, interval=2,
+                               allowed=("dense", "topk", "topk_allgather")) for r in range(n)]
+        run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
+        assert [(a.strategy, a.history) for a in aggs] == [("topk", [(1, "topk")])] * n
+        for a in aggs:
+            a.cost_model = _Choosing(model, replanned)
+            a.replan()
+        assert [(a.strategy, a.history) for a in aggs] == [(replanned, history)] * n
+
+
+class _Choosing:
+    """A cost model whose every choice is ``strategy`` (the rest is ``model``'s)."""
+
+    def __init__(self, model, strategy):
+        self._model, self._strategy = model, strategy
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def choose(self, stats, **kw):
+        return self._strategy, {}
+
+
 def test_an_auto_aggregator_checks_its_seed():
     """A seed that is not a uint64 (1.5 was truncated to 1, True taken as 1) is refused, as every codec's is."""
     for seed, error in ((1.5, TypeError), (True, TypeError), (-1, ValueError), (1 << 64, ValueError)):

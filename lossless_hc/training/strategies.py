@@ -167,6 +167,7 @@ class AutoAggregator(TensorRows, LossyMemories):
         self.plan_input: Optional[TensorStats] = None   # the statistics of the last plan
         self.plans = 0                                   # plans made (each counts, kept or changed)
         self.history: list = []                 # (step, strategy) at the last HISTORY_KEEP changes
+        self._changed_from = first              # the strategy before the last change
         self.measured: dict = {}                # strategy -> EWMA of encode-to-result seconds on this rank
         self.bytes_sent = 0
         self.steps = 0                          # steps aggregated (every rank counts alike)
@@ -204,16 +205,19 @@ class AutoAggregator(TensorRows, LossyMemories):
             self._size_sketch(s)
         if best != self.strategy:
             append_recent(self.history, (self.steps, best))
-            self.strategy = best
+            self._changed_from, self.strategy = self.strategy, best
 
     def replan(self) -> None:
         """Plan again on the current statistics (its ``batched`` changed after this step's plan:
         :func:`~lossless_hc.training.auto.settle_message_plans`); a change of this step's that it revises
-        stays one entry of ``history``."""
+        stays one entry of ``history``, and none where it revises it back."""
         prior = self.history[-1] if self.history and self.history[-1][0] == self.steps else None
+        before = self._changed_from
         self._plan()
         if prior is not None and self.history[-1] is not prior:
             self.history.remove(prior)
+            if self.strategy == before:
+                self.history.pop()
 
     def _size_sketch(self, s: TensorStats) -> None:
         self._sketch_stats = s

@@ -117,7 +117,12 @@ if [ "${HOROVOD_WITHOUT_MPI:-0}" != 1 ] && { ! command -v mpicxx >/dev/null || !
 fi
 
 KEY=$(wheel_key "$PY")
-wheel=$(ls "$CACHE/$KEY"/horovod-*.whl "$CARRY/$KEY"/horovod-*.whl 2>/dev/null | head -n1 || true)
+wheel=$(ls "$CACHE/$KEY"/horovod-*.whl 2>/dev/null | head -n1 || true)
+CARRIED=0
+if [ -z "$wheel" ] && [ "${HOROVOD_NO_CARRIED_WHEEL:-0}" = 0 ] && ls "$CARRY/$KEY"/horovod-*.whl >/dev/null 2>&1; then
+  wheel=$(ls "$CARRY/$KEY"/horovod-*.whl | head -n1)
+  CARRIED=1
+fi
 if [ -z "$wheel" ]; then
   build_wheel "$PY" "$CACHE/$KEY"
   wheel=$(ls "$CACHE/$KEY"/horovod-*.whl | head -n1)
@@ -125,9 +130,16 @@ fi
 
 if "$PY" -c "import cloudpickle, psutil, yaml, packaging" 2>/dev/null; then
   # Its run-time dependencies are there (the GPU machine's image, a second set-up): no index needed.
-  "$PY" -m pip install --quiet --no-index --no-deps "$wheel"
+  "$PY" -m pip install --quiet --no-index --no-deps --force-reinstall "$wheel"
 else
   # From the index; torch is pinned so nothing can replace the installed build.
   "$PY" -m pip install --quiet "$wheel" "torch==$("$PY" -c 'import torch; print(torch.__version__)')"
 fi
-"$PY" -c "import horovod.torch" || { echo "setup_horovod: horovod.torch does not import" >&2; exit 1; }
+if ! "$PY" -c "import horovod.torch"; then
+  if [ "$CARRIED" = 1 ]; then   # built elsewhere and not loadable here: build it here from the sdist
+    echo "setup_horovod: the carried wheel $wheel does not import; building from the sdist" >&2
+    exec env HOROVOD_NO_CARRIED_WHEEL=1 bash "$0" "$PY"
+  fi
+  echo "setup_horovod: horovod.torch does not import" >&2
+  exit 1
+fi

@@ -25,9 +25,17 @@ TOL = 1e-6
 
 
 def _horovod_bin(name):
-    path = os.path.join(os.path.dirname(sys.executable), name)
-    if not os.path.exists(path):
-        pytest.fail(f"{name} not found beside {sys.executable}: run `make setup` (scripts/setup_horovod.sh)")
+    """Horovod's launcher beside this interpreter (the venv's), or where pip put it for a user install
+    (an environment it could not write to, as on the GPU machine's image), or on PATH."""
+    import shutil
+    import sysconfig
+
+    for folder in (os.path.dirname(sys.executable), sysconfig.get_path("scripts", f"{os.name}_user")):
+        if os.path.exists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found beside {sys.executable} nor on PATH: run `make setup` (scripts/setup_horovod.sh)")
     return path
 
 

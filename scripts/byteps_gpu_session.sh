@@ -5,9 +5,9 @@
 #                                                with carry: [".byteps-carry"])
 #
 # The GPU machine has python3 (3.12) with a CUDA build of torch (2.11, CUDA 13), nvcc and the
-# nvidia-nccl wheel, and no network: fill .byteps-carry/ here first (scripts/setup_byteps.sh
-# --fill-carry PYTHON: the BytePS sdist, libnuma debs and, PYTHON being a Python 3.12 environment with
-# that machine's torch, a wheel built against it, which the install there takes instead of building).
+# nvidia-nccl wheel, and no network: fill .byteps-carry/ here first (scripts/fill_gpu_carry.sh: the BytePS
+# sdist, libnuma debs and a wheel built against that machine's Python and torch, which the install there
+# takes instead of building).
 # Steps, each logged to $OUT (the tool's output folder;
 # ./byteps-session-out when unset):
 #   build     lossless_hc's extension with CUDA (LHC_CUDA=1 setup.py build_ext --inplace)   build.log

@@ -23,10 +23,10 @@
 #             pytest-xdist where it is installed, and the source-consistency tests
 #   horovod   scripts/setup_horovod.sh (Gloo only, with CUDA: the wheel carried in .horovod-carry when it was
 #             built against this torch, else built there from the carried sdist; carry [".horovod-carry"],
-#             filled here by `scripts/setup_horovod.sh --fill-carry PYTHON`), then the Horovod compressors on
+#             filled here by `scripts/fill_gpu_carry.sh`), then the Horovod compressors on
 #             CUDA tensors, 2 and 3 ranks through Gloo (tests/test_plugins_horovod.py -m gpu)
 #   byteps    scripts/byteps_gpu_session.sh in the rest of this call (BytePS from .byteps-carry, filled here by
-#             `scripts/setup_byteps.sh --fill-carry PYTHON`; its GPU run): `build horovod byteps` with carry
+#             `scripts/fill_gpu_carry.sh`; its GPU run): `build horovod byteps` with carry
 #             [".horovod-carry", ".byteps-carry"] runs both engines' GPU checks in one call; its logs in $OUT/byteps
 #   thcbench  python -m lossless_hc.bench thc --device cuda --numel 134217728 --workers 8 --repeat 10 --no-cpu-check:
 #             THC encode/decode time on the GPU and NMSE (the bit-for-bit CPU lockstep is the tests' job)

@@ -169,11 +169,6 @@ fi
 
 [ "$WHEEL_ONLY" = 1 ] && exit 0
 "$PY" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
-if ! "$PY" -c "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')"; then
-  if [ "$CARRIED" = 1 ]; then   # built elsewhere and not loadable here: build it here from the sdist
-    echo "setup_byteps: the carried wheel $wheel does not import; building from the sdist" >&2
-    exec env BYTEPS_NO_CARRIED_WHEEL=1 bash "$0" "$PY"
-  fi
-  echo "setup_byteps: byteps.torch does not import" >&2
-  exit 1
-fi
+# shellcheck source=scripts/_carried_wheel.sh
+source "$ROOT/scripts/_carried_wheel.sh"
+import_or_rebuild BYTEPS "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')"

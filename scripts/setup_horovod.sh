@@ -135,11 +135,6 @@ else
   # From the index; torch is pinned so nothing can replace the installed build.
   "$PY" -m pip install --quiet "$wheel" "torch==$("$PY" -c 'import torch; print(torch.__version__)')"
 fi
-if ! "$PY" -c "import horovod.torch"; then
-  if [ "$CARRIED" = 1 ]; then   # built elsewhere and not loadable here: build it here from the sdist
-    echo "setup_horovod: the carried wheel $wheel does not import; building from the sdist" >&2
-    exec env HOROVOD_NO_CARRIED_WHEEL=1 bash "$0" "$PY"
-  fi
-  echo "setup_horovod: horovod.torch does not import" >&2
-  exit 1
-fi
+# shellcheck source=scripts/_carried_wheel.sh
+source "$ROOT/scripts/_carried_wheel.sh"
+import_or_rebuild HOROVOD "import horovod.torch"

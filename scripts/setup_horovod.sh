@@ -32,12 +32,16 @@ SDIST=horovod-$HVD_VERSION.tar.gz
 WORKDIRS=()
 trap 'rm -rf "${WORKDIRS[@]}"' EXIT
 
-# wheel_key PYTHON: the cache folder's name for a wheel built against PYTHON's torch.
+# wheel_key PYTHON: the cache folder's name for a wheel built against PYTHON's torch (and, with
+# HOROVOD_WITHOUT_MPI=1, without MPI).
 wheel_key() {
-  "$1" -c "import sys, torch
+  local key
+  key=$("$1" -c "import sys, torch
 cuda = torch.version.cuda
 print(f'horovod-$HVD_VERSION-torch{torch.__version__.split(\"+\")[0]}' + (f'_cuda{cuda}' if cuda else '_cpu')
-      + f'-cp{sys.version_info[0]}{sys.version_info[1]}')"
+      + f'-cp{sys.version_info[0]}{sys.version_info[1]}')")
+  [ "${HOROVOD_WITHOUT_MPI:-0}" = 1 ] && key+=-gloo
+  echo "$key"
 }
 
 # sdist DIR: Horovod's sdist into DIR, from the carry folder when it is there.
@@ -90,8 +94,9 @@ if [ "${1:-}" = "--fill-carry" ]; then
   PY=${2:-python3}
   [ -f "$CARRY/$SDIST" ] || "$PY" -m pip download --quiet --no-binary :all: --no-deps "horovod==$HVD_VERSION" -d "$CARRY"
   if [ -n "${2:-}" ]; then
+    export HOROVOD_WITHOUT_MPI=${HOROVOD_WITHOUT_MPI:-1}   # the GPU machine has no MPI
     key=$(wheel_key "$2")
-    ls "$CARRY/$key"/horovod-*.whl >/dev/null 2>&1 || HOROVOD_WITHOUT_MPI=${HOROVOD_WITHOUT_MPI:-1} build_wheel "$2" "$CARRY/$key"
+    ls "$CARRY/$key"/horovod-*.whl >/dev/null 2>&1 || build_wheel "$2" "$CARRY/$key"
   fi
   du -sh "$CARRY"/*
   exit 0

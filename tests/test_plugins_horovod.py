@@ -293,7 +293,7 @@ def test_digits_cnn_converges_with_topk_and_thc(tmp_path):
 
 
 # The scenarios whose models train on the worker's device (tests/mp/horovod_worker.py).
-CUDA_SCENARIOS = EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "bfloat16"]
+CUDA_SCENARIOS = EXACT + ["fallback", "policy", "auto", "topk", "thc", "thc_sum", "bfloat16", "float16_auto"]
 
 
 @pytest.mark.gpu
@@ -304,7 +304,8 @@ def test_compressors_on_cuda_tensors_through_gloo(tmp_path, size):
     CUDA tensor to the host, reduces it through Gloo and copies it back, ordered after the kernels that
     wrote it by a CUDA event. The CPU launches' assertions hold as they are: lossless and its fallbacks
     equal Horovod's own allreduce, the capacity policy adapts identically on every rank, top-k keeps its
-    residuals, THC's replicas stay bit-identical, bfloat16 models within their bound."""
+    residuals, THC's replicas stay bit-identical, bfloat16 models within their bound; and ``auto`` (its
+    tables off dense on a given slow link) equals Horovod's own allreduce too."""
     import torch
 
     if not torch.cuda.is_available():
@@ -324,6 +325,9 @@ def test_compressors_on_cuda_tensors_through_gloo(tmp_path, size):
     for name in ("thc", "thc_sum"):
         test_thc_replicas_stay_identical_and_train(run, name)
     test_bfloat16_models_train_although_horovod_has_no_bfloat16_allreduce(run)
+    test_auto_sends_a_float16_gradient_s_plain_steps_as_float16(run)
+    for r in results(tmp_path, "auto", size):
+        assert r["max_diff"] <= TOL and any(v["strategy"] != "dense" for v in r["stats"]["plan"].values()), r
 
 
 def test_horovod_build_has_gloo_and_mpi():

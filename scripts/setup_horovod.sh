@@ -92,7 +92,7 @@ build_wheel() {
 if [ "${1:-}" = "--fill-carry" ]; then
   mkdir -p "$CARRY"
   PY=${2:-python3}
-  [ -f "$CARRY/$SDIST" ] || "$PY" -m pip download --quiet --no-binary :all: --no-deps "horovod==$HVD_VERSION" -d "$CARRY"
+  [ -f "$CARRY/$SDIST" ] || sdist "$CARRY"
   if [ -n "${2:-}" ]; then
     export HOROVOD_WITHOUT_MPI=${HOROVOD_WITHOUT_MPI:-1}   # the GPU machine has no MPI
     key=$(wheel_key "$2")

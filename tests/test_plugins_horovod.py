@@ -4,8 +4,10 @@ Each launch runs every scenario of tests/mp/horovod_worker.py: the same training
 uncompressed allreduce and with our compressor, from the same seed on the same batches."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -27,9 +29,6 @@ TOL = 1e-6
 def _horovod_bin(name):
     """Horovod's launcher beside this interpreter (the venv's), or where pip put it for a user install
     (an environment it could not write to, as on the GPU machine's image), or on PATH."""
-    import shutil
-    import sysconfig
-
     for folder in (os.path.dirname(sys.executable), sysconfig.get_path("scripts", f"{os.name}_user")):
         if os.path.exists(os.path.join(folder, name)):
             return os.path.join(folder, name)

@@ -22,9 +22,6 @@ class LossyMemories:
     ``name``, ``numel``, ``world_size``, ``rank``, ``seed``, ``device``, ``thc_bits``, ``topk_ratio``, the
     planned ``strategy``, and ``_thc`` / ``_topk`` (None until built)."""
 
-    _thc: Optional[THCAggregator] = None
-    _topk: Optional[TopKAggregator] = None
-
     def thc_aggregator(self) -> THCAggregator:
         """The THC strategy's aggregator (its codec's norm and error memory), built at first use.
         ``non_finite="propagate"``: a NaN/Inf input decodes to NaN, as a dense plan's sum would carry it

@@ -47,7 +47,13 @@ source scripts/_session_step.sh   # the working directory is the repository root
 
 # lossless_hc.plugins is plugins/ (setup.py maps it when installed); without installing, a link does it.
 [ -e lossless_hc/plugins ] || ln -s ../plugins lossless_hc/plugins
-step "build lossless_hc (CUDA)" build.log 200 env LHC_CUDA=1 "$PY" setup.py build_ext --inplace --parallel 8
+# Built already when gpu_session.sh's build step ran first in this call: rebuilding in place would rewrite
+# the modules under a step running beside this one (`horovod+byteps`).
+if "$PY" -c "import lossless_hc._C_cuda" 2>/dev/null; then
+  echo "build lossless_hc (CUDA): already built in this call" | tee -a "$SUMMARY"
+else
+  step "build lossless_hc (CUDA)" build.log 200 env LHC_CUDA=1 "$PY" setup.py build_ext --inplace --parallel 8
+fi
 step "build + install BytePS" build.log 300 env BYTEPS_BUILD_DIR=/tmp/byteps-build \
   BYTEPS_BUILD_LOG="$OUT/byteps-build.log" bash scripts/setup_byteps.sh "$PY"
 if "$PY" -c "import byteps.torch" >/dev/null 2>&1; then

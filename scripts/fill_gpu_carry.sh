@@ -15,8 +15,14 @@
 #      LHC_CUDA_ARCHS (default 90: the H200's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY312=${PYTHON312:-$(command -v python3.12 2>/dev/null || ls "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n1)}
-[ -x "$PY312" ] || { echo "fill_gpu_carry: no Python 3.12 (set PYTHON312)" >&2; exit 1; }
+# The first Python 3.12 that runs: pyenv's shim on PATH exists but fails where 3.12 is not the global version.
+PY312=${PYTHON312:-}
+if [ -z "$PY312" ]; then
+  for c in $(command -v python3.12 2>/dev/null) "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    "$c" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" 2>/dev/null && { PY312=$c; break; }
+  done
+fi
+[ -n "$PY312" ] && [ -x "$PY312" ] || { echo "fill_gpu_carry: no Python 3.12 (set PYTHON312)" >&2; exit 1; }
 VENV=${GPU_TORCH_VENV:-/tmp/gpu-torch-venv}
 TORCH=${GPU_TORCH:-2.11.0}
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH' or not torch.version.cuda)" \

@@ -88,6 +88,25 @@ for ((w = 0; w < WORKERS; w++)); do
     timeout --kill-after=10 "${LHC_BYTEPS_TIMEOUT:-600}" "$@" > "$LOGS/worker$w.log" 2>&1 &
   workers+=($!)
 done
+# Workers wait forever on a scheduler or server that died (a segmentation fault, say): stop them then.
+roles=(scheduler); for ((s = 0; s < SERVERS; s++)); do roles+=("server$s"); done
+died=
+# A scheduler or server that ends with status 0 is shutting down with the workers (ps-lite's Finalize).
+declare -A ended=()
+while [ -z "$died" ] && [ -n "$(jobs -rp | grep -xF -f <(printf '%s\n' "${workers[@]}"))" ]; do
+  for i in "${!bg[@]}"; do
+    [ -n "${ended[$i]:-}" ] || kill -0 "${bg[$i]}" 2>/dev/null && continue
+    st=0; wait "${bg[$i]}" || st=$?
+    ended[$i]=$st
+    [ "$st" -ne 0 ] && { died="${roles[$i]} (status $st)"; break; }
+  done
+  [ -z "$died" ] && sleep 1
+done
+if [ -n "$died" ]; then
+  echo "launch_byteps: the $died failed while workers were running; stopping them (log: $LOGS/${died%% *}.log)" >&2
+  tail -20 "$LOGS/${died%% *}.log" >&2
+  for p in "${workers[@]}"; do kill "$p" 2>/dev/null || true; done
+fi
 rc=0
 for ((w = 0; w < WORKERS; w++)); do
   st=0
@@ -98,5 +117,6 @@ for ((w = 0; w < WORKERS; w++)); do
     [ $rc -eq 0 ] && rc=$st
   fi
 done
+[ -n "$died" ] && [ $rc -eq 0 ] && rc=1
 echo "launch_byteps: $WORKERS worker(s), $SERVERS server(s) done (rc=$rc; logs in $LOGS)"
 exit $rc

@@ -107,6 +107,11 @@ PUSHPULL_H(torch_cuda_DoubleTensor, THCudaDoubleTensor)
      "build the zeromq bundled in the sdist instead of downloading it (the GPU machine has no network)"),
     ("3rdparty/ps-lite/Makefile", "all: ps test\n", "all: ps\n",
      "ps-lite's own test programs are not needed (only libps.a is linked)"),
+    ("byteps/server/server.cc", "<< DEBUG_PRINT_TENSOR_VALUE(updates.merged.tensor) << \"\\t\"",
+     "<< (updates.merged.tensor ? DEBUG_PRINT_TENSOR_VALUE(updates.merged.tensor) : 0.f) << \"\\t\"",
+     "BYTEPS_SERVER_DEBUG printed the merged buffer's first value before the engine thread had set that "
+     "buffer (null until a key's first ALL_RECV in sync, non-blocking mode): the server died of a segmentation "
+     "fault at the debug key's first round (seen on the GPU machine); it now prints 0 there"),
     ("setup.py", "import traceback\n", "import traceback\n" + PARALLEL_COMPILE,
      "each extension's C++ sources compiled in parallel (MAX_JOBS threads): distutils compiles them one "
      "after another (on the GPU machine, its cores shared with the GPU tests, the build outlasted 300 s)"),

@@ -32,10 +32,12 @@ BPS_VERSION=0.2.5.post15
 CARRY=${BYTEPS_CARRY:-$ROOT/.byteps-carry}
 SDIST=byteps-$BPS_VERSION.tar.gz
 
-# wheel_key PYTHON: the folder (in the cache or the carry folder) of a wheel built against PYTHON's torch.
+# wheel_key PYTHON: the folder (in the cache or the carry folder) of a wheel built against PYTHON's torch and
+# the patches as they are now (a cached or carried wheel from an older patch set is never taken).
+PATCH_TAG=$(sha256sum "$ROOT/scripts/patch_byteps.py" | cut -c1-8)
 wheel_key() {
   "$1" -c "import sys, torch; print(f'byteps-$BPS_VERSION-torch{torch.__version__.replace(\"+\", \"_\")}-'
-                                  f'cp{sys.version_info[0]}{sys.version_info[1]}')"
+                                  f'cp{sys.version_info[0]}{sys.version_info[1]}-patch$PATCH_TAG')"
 }
 
 if [ "${1:-}" = "--fill-carry" ]; then

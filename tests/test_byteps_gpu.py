@@ -78,7 +78,7 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     """Server-side evidence: the server's own log (PS_KEY_LOG=1) shows each worker pushing the payload's
     bytes (not the gradient's) for the embedding's key, through the ordinary push handler (no C++
     compressor registered), and BYTEPS_SERVER_DEBUG shows it adding the payloads' first elements (the
-    header's contributor field, 1 per worker) into 2."""
+    header's contributor field, 1 per worker) into 2 in every round."""
     out, logs = byteps_run
     r0 = json.load(open(os.path.join(out, "rank0.json")))
     server = open(os.path.join(logs, "server0.log")).read()
@@ -93,12 +93,14 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     pushes = [int(s) for k, s in re.findall(r"push key=(\d+)\s+sender=\d+\s+size=(\d+)", server) if int(k) == k0]
     assert pushes and set(pushes) == {min(total_len, r0["partition_bytes"])}, pushes[:10]
     assert "register compressor" not in server
-    # BYTEPS_SERVER_DEBUG_KEY=k0: the server prints the first element of what it stores and receives for
-    # this key, i.e. the payload header's contributor count: 1 from each worker, 2 once summed.
-    merged = [float(v) for v in re.findall(r"COPY_MERGED_TO_STORE.*?merged: ([-\d.e+]+)", server)]
+    # BYTEPS_SERVER_DEBUG_KEY=k0: the server prints the first element of what it receives for this key and,
+    # from its engine thread, of its store after adding the second worker's push (the first one's was copied
+    # in before, on the same thread), i.e. the payload header's contributor count: 1 from each worker, 2 summed.
     recved = [float(v) for v in re.findall(r"(?:FIRST_WORKER_RECV|OTHER_WORKER_SUM).*?recved: ([-\d.e+]+)", server)]
-    assert merged and recved, "no BYTEPS_SERVER_DEBUG lines in server0.log"
-    assert set(recved) == {1.0} and 2.0 in merged, (recved[:10], merged[:10])
+    summed = [float(v) for v in re.findall(r"ENGINE_SUM_RECV_AFTER\s+dst: ([-\d.e+]+)", server)]
+    assert recved and summed, "no BYTEPS_SERVER_DEBUG lines in server0.log"
+    assert set(recved) == {1.0} and set(summed) == {2.0}, (recved[:10], summed[:10])
+    assert len(summed) == len(recved) // 2, (len(summed), len(recved))   # one sum per round of two pushes
 
 
 @pytest.mark.gpu

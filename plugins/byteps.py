@@ -47,6 +47,11 @@ workers push in the pushed dtype and the worker divides the result by the number
 * **Which parameter?** ``compress`` receives only the tensor; the caller's frame
   (``_push_pull_grad_async(self, p)``) holds the parameter and the optimizer, whose
   ``_parameter_names`` give its name (keyed by ``p.__hash__()`` when named_parameters were given).
+* **Which push is being decompressed?** Not ``ctx``: BytePS 0.2.5's ``synchronize()`` passes every
+  parameter the context of the *last* handle of its loop before (it unpacks ``(handle, _)`` and
+  reuses that loop's ``ctx``). Its ``push_pull`` is in place, so the output it hands back is the very
+  tensor ``compress`` returned: the compressor keeps each push's context under that tensor, until
+  decompressed. ``ctx`` serves only an engine that returns another tensor.
 
 ``Compression.auto`` (the planner, :mod:`lossless_hc.training.auto`) where the fixed-shape push
 allows it: every strategy must be one push of the payload (any size: it is fitted to the slot as
@@ -168,6 +173,7 @@ class BytePSCompressor(CompressorAdapter):
         super().__init__(spec)
         self._engine = engine
         self._slots: dict = {}        # aggregator name -> (numel, dtype) of its first push
+        self._in_flight: dict = {}    # id(tensor pushed) -> its _Sent, until decompressed
         self._declared: set = set()   # names this compressor declared to BytePS
 
     @property
@@ -194,10 +200,15 @@ class BytePSCompressor(CompressorAdapter):
             agg = self.aggregator(p, name, tensor, eng.size(), eng.rank())
         payload, enc = self.encode(agg, tensor)
         # A capacity policy may move a tensor sent as it is onto the codec later, whose payloads are float32.
-        return self._fit(agg.name, payload, enc, may_widen=getattr(agg, "tracker", None) is not None)
+        head, sent = self._fit(agg.name, payload, enc, may_widen=getattr(agg, "tracker", None) is not None)
+        self._in_flight[id(head)] = sent   # the tensor is held by `sent` until decompressed: its id stays its own
+        return head, sent
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
-        sent: _Sent = ctx
+        sent: _Sent = self._in_flight.pop(id(tensor), None)   # BytePS's ctx may be another push's (above)
+        if sent is None:   # an engine that did not aggregate in place: its ctx is this push's
+            sent = ctx
+            self._in_flight.pop(id(sent.head), None)
         if sent.tail is not None:
             self.engine.synchronize(sent.tail)
         flat = sent.flat

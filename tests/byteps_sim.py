@@ -17,7 +17,8 @@ ops.cc, common/operations.cc and global.cc, server/server.cc, torch/__init__.py)
   a hook on each gradient accumulator calls ``_push_pull_grad_async(self, p)``, which calls
   ``compression.compress(p.grad)`` and pushes the result under ``"Gradient." + name`` with
   ``average=True``; ``synchronize()`` waits for every handle and sets
-  ``p.grad.set_(compression.decompress(output, ctx))``; then the wrapped optimizer steps.
+  ``p.grad.set_(compression.decompress(output, ctx))``, with BytePS's ``ctx``: the last handle's, for every
+  parameter (its loop reuses the variable of the loop before); then the wrapped optimizer steps.
 
 Worker "processes" are threads; ``run_workers`` starts one per rank and re-raises the first error.
 """
@@ -207,10 +208,13 @@ class BytePSLikeOptimizer:
     def synchronize(self):
         for p in self._requires_update - set(self._handles):
             self._handles[p] = self._push_pull_grad_async(p)
-        for p, (handle, ctx) in list(self._handles.items()):
+        for p, value in self._handles.items():
+            handle, ctx = value
             if handle is None:
-                self._handles[p] = self._push_pull_grad_async(p)
-        for p, (handle, ctx) in self._handles.items():
+                handle, ctx = self._push_pull_grad_async(p)
+                self._handles[p] = (handle, ctx)
+        # As in BytePS 0.2.5: `ctx` is left over from the loop above (the last handle's), for every parameter.
+        for p, (handle, _) in self._handles.items():
             output = self._engine.synchronize(handle)
             self._delay[p] = self.backward_passes_per_step
             p.grad.set_(self._compression.decompress(output, ctx))

@@ -21,10 +21,14 @@ ops.cc, common/operations.cc and global.cc, server/server.cc, torch/__init__.py)
   parameter (its loop reuses the variable of the loop before); then the wrapped optimizer steps.
 
 Worker "processes" are threads; ``run_workers`` starts one per rank and re-raises the first error.
+``byteps_modules(sim)`` gives modules ``byteps``, ``byteps.torch`` and ``byteps.torch.ops`` over the
+simulator (each call as the calling thread's rank), so that a BytePS training script such as
+tests/mp/byteps_worker.py runs unchanged on simulated workers.
 """
 from __future__ import annotations
 
 import threading
+import types
 from collections import defaultdict
 
 import torch
@@ -225,6 +229,55 @@ class BytePSLikeOptimizer:
         self.optimizer.step()
 
 
+_THREAD = threading.local()   # .rank: the simulated worker this thread is (set by run_workers)
+
+
+def byteps_modules(sim: SimulatedBytePS) -> dict:
+    """``{"byteps": ..., "byteps.torch": ..., "byteps.torch.ops": ...}`` for ``sys.modules``: BytePS's
+    Python API as the compressors and a training script use it, each call going to ``sim`` as the
+    calling thread's rank."""
+    def engine():
+        return sim.engine(_THREAD.rank)
+
+    ops = types.ModuleType("byteps.torch.ops")
+    ops.size = lambda: sim.n
+    ops.rank = lambda: _THREAD.rank
+    ops.local_rank, ops.local_size = (lambda: 0), (lambda: 1)   # each worker its own machine, as launched
+    ops.declare = lambda name: engine().declare(name)
+    ops.push_pull_async_inplace = lambda tensor, average=True, name=None, version=0, priority=0: \
+        engine().push_pull_async_inplace(tensor, average, name)
+    ops.synchronize = lambda handle: engine().synchronize(handle)
+    bt = types.ModuleType("byteps.torch")
+    for name in ("size", "rank", "local_rank", "local_size", "declare", "push_pull_async_inplace", "synchronize"):
+        setattr(bt, name, getattr(ops, name))
+    bt.ops = ops
+    bt.init = bt.shutdown = lambda: None
+    bt.DistributedOptimizer = lambda optimizer, named_parameters, compression, backward_passes_per_step=1: \
+        BytePSLikeOptimizer(optimizer, named_parameters, compression, engine(), backward_passes_per_step)
+    class NoneCompressor:   # byteps/torch/compression.py's
+        @staticmethod
+        def compress(tensor):
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor
+
+    class FP16Compressor:   # the same file's
+        @staticmethod
+        def compress(tensor):
+            return (tensor.type(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor.type(ctx) if ctx.is_floating_point else tensor
+
+    bt.Compression = types.SimpleNamespace(none=NoneCompressor, fp16=FP16Compressor)
+    root = types.ModuleType("byteps")
+    root.torch = bt
+    return {"byteps": root, "byteps.torch": bt, "byteps.torch.ops": ops}
+
+
 def run_workers(sim: SimulatedBytePS, fn, timeout: float = 120.0) -> list:
     """``fn(rank, engine)`` on one thread per rank; the results by rank, or the first error raised."""
     results = [None] * sim.n
@@ -232,6 +285,7 @@ def run_workers(sim: SimulatedBytePS, fn, timeout: float = 120.0) -> list:
 
     def body(rank):
         try:
+            _THREAD.rank = rank
             torch.set_num_threads(1)
             results[rank] = fn(rank, sim.engine(rank))
         except BaseException as e:  # noqa: BLE001 - re-raised below

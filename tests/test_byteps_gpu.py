@@ -2,6 +2,10 @@
 scripts/launch_byteps.sh running tests/mp/byteps_worker.py; skipped, visibly, without CUDA or BytePS
 (scripts/byteps_gpu_session.sh runs it on the GPU machine). The CPU tests of the plugin, on simulated
 workers, are tests/test_plugins_byteps.py.
+
+``test_worker_dry_run_on_simulated_byteps`` (CPU, every run) runs the same worker, unchanged, on two
+threads over tests/byteps_sim.py and applies the GPU tests' checks of its results (not the server's
+logs): a GPU call, rare and short, then finds the worker and the checks already working.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ def byteps_run(tmp_path_factory):
     logs = os.environ.get("LHC_BYTEPS_LOG_DIR") or str(out / "logs")
     os.makedirs(logs, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="2",
+               LHC_TEST_DEVICE="cuda",
                LHC_BYTEPS_LOG_DIR=logs, PS_KEY_LOG="1", BYTEPS_LOG_LEVEL="DEBUG",
                BYTEPS_SERVER_DEBUG="1", BYTEPS_SERVER_DEBUG_KEY=str(_emb_key()))
     cmd = ["bash", os.path.join(ROOT, "scripts", "launch_byteps.sh"), "--workers", "2", "--servers", "1", "--",
@@ -56,21 +61,41 @@ def byteps_run(tmp_path_factory):
     for r in range(2):   # beside the logs: what docs/BYTEPS.md reports (losses, bytes per step)
         if os.path.exists(out / f"rank{r}.json"):
             shutil.copy(out / f"rank{r}.json", logs)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed (logs in {logs}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    # A phase that failed is reported by its own test (each rank's JSON records it); no JSON at all is a
+    # launch that failed.
+    missing = [r for r in range(2) if not os.path.exists(out / f"rank{r}.json")]
+    assert not missing, (f"{' '.join(cmd)} failed, no result from ranks {missing} (logs in {logs}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return out, logs
 
 
-@pytest.mark.gpu
-def test_byteps_gpu_lossless_matches_uncompressed(byteps_run):
-    out, _ = byteps_run
+def _ranks(out, phase, device="cuda"):
+    """Both ranks' results, after checking that ``phase`` of tests/mp/byteps_worker.py ran without error."""
     rs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     for r in rs:
-        assert "error" not in r, r.get("traceback")
-        assert r["size"] == 2 and r["device"].startswith("cuda")
+        assert phase in r["finished"], (f"rank {r['rank']}: phase {phase} did not finish (the launch timed out or "
+                                        f"a process died: see the logs); finished: {r['finished']}")
+        err = r["errors"].get(phase)
+        assert err is None, f"rank {r['rank']}, phase {phase}: {err['error']}\n{err['traceback']}"
+        assert r["size"] == 2 and r["device"].startswith(device)
+    return rs
+
+
+def check_lossless(out, device="cuda"):
+    """The embedding model with Compression.lossless equals BytePS's uncompressed run, on both replicas."""
+    rs = _ranks(out, "lossless", device)
+    for r in rs:
         assert r["max_diff"] <= 1e-5, r
         assert r["stats"]["compressed"] > 0 and r["stats"]["payload_bytes"] < r["stats"]["dense_bytes"]
-        assert r["fallback_max_diff"] <= 1e-5 and r["fallback_stats"]["fallbacks"] >= 1, r
     assert rs[0]["digest"] == rs[1]["digest"], "replicas drifted"
+
+
+def check_fallback(out, device="cuda"):
+    """A capacity far too small: the dense fallback and the grown payload's tail, still exact."""
+    rs = _ranks(out, "fallback", device)
+    for r in rs:
+        assert r["fallback_max_diff"] <= 1e-5 and r["fallback_stats"]["fallbacks"] >= 1, r
+    assert rs[0]["fallback_digest"] == rs[1]["fallback_digest"], "replicas drifted"
 
 
 @pytest.mark.gpu
@@ -80,7 +105,7 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     compressor registered), and BYTEPS_SERVER_DEBUG shows it adding the payloads' first elements (the
     header's contributor field, 1 per worker) into 2 in every round."""
     out, logs = byteps_run
-    r0 = json.load(open(os.path.join(out, "rank0.json")))
+    r0 = _ranks(out, "lossless")[0]
     server = open(os.path.join(logs, "server0.log")).read()
     worker = open(os.path.join(logs, "worker0.log")).read()
     name = r0["emb_tensor_name"]
@@ -103,15 +128,11 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     assert len(summed) == len(recved) // 2, (len(summed), len(recved))   # one sum per round of two pushes
 
 
-@pytest.mark.gpu
-def test_byteps_gpu_compressors_on_embedding_and_dense_models(byteps_run):
-    """none, lossless, topk and thc through the real BytePS on both models: lossless equal to the
-    uncompressed run, every compressor's replicas bit-identical, topk and thc pushing fewer bytes than
-    dense and still training (finite losses; thc's loss falls on the dense model)."""
-    out, _ = byteps_run
-    rs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
-    for r in rs:
-        assert "error" not in r, r.get("traceback")
+def check_compressors(out, device="cuda"):
+    """none, lossless, topk and thc on both models: lossless equal to the uncompressed run, every
+    compressor's replicas bit-identical, topk and thc pushing fewer bytes than dense and still training
+    (finite losses; thc's loss falls on the dense model)."""
+    rs = _ranks(out, "compressors", device)
     for model in ("embedding", "dense"):
         runs = [r["compressors"][model] for r in rs]
         for kind in ("none", "lossless", "topk", "thc"):
@@ -123,3 +144,38 @@ def test_byteps_gpu_compressors_on_embedding_and_dense_models(byteps_run):
             assert r["stats"]["compressed"] > 0 and r["payload_bytes_per_step"] < r["dense_bytes_per_step"], (model, kind, r)
     losses = runs[0]["thc"]["losses"]   # the dense model's
     assert sum(losses[-3:]) / 3 < losses[0], losses
+
+
+@pytest.mark.gpu
+def test_byteps_gpu_lossless_matches_uncompressed(byteps_run):
+    check_lossless(byteps_run[0])
+
+
+@pytest.mark.gpu
+def test_byteps_gpu_fallback_and_tail_match_uncompressed(byteps_run):
+    check_fallback(byteps_run[0])
+
+
+@pytest.mark.gpu
+def test_byteps_gpu_compressors_on_embedding_and_dense_models(byteps_run):
+    """The compressors through the real BytePS (check_compressors)."""
+    check_compressors(byteps_run[0])
+
+
+def test_worker_dry_run_on_simulated_byteps(tmp_path):
+    """tests/mp/byteps_worker.py, unchanged, on two threads over the simulated BytePS (on CPU), with
+    BytePS 0.2.5's synchronize() as it is (every parameter gets the last handle's ctx): every phase
+    finishes and passes the GPU tests' checks."""
+    code = (f"import sys; sys.path[:0] = [{HERE!r}, {os.path.join(HERE, 'mp')!r}]\n"
+            "from byteps_sim import SimulatedBytePS, byteps_modules, run_workers\n"
+            "sim = SimulatedBytePS(2)\n"
+            "sys.modules.update(byteps_modules(sim))\n"
+            "import byteps_worker\n"
+            f"run_workers(sim, lambda rank, engine: byteps_worker.run({str(tmp_path)!r}), timeout=600)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), LHC_TEST_DEVICE="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_lossless(tmp_path, "cpu")
+    check_fallback(tmp_path, "cpu")
+    check_compressors(tmp_path, "cpu")

@@ -2,9 +2,10 @@
 
 Usage: python byteps_worker.py OUT_DIR
 
-Trains the embedding model of models.py on the GPU with byteps.torch.DistributedOptimizer, from the
-same seed on the same per-rank batches: with Compression.lossless, with BytePS's own uncompressed
-push_pull, and once more with a capacity so small that the first step falls back to the dense sum
+Trains the embedding model of models.py on LHC_TEST_DEVICE (the GPU test sets cuda; the CPU dry run in
+tests/test_byteps_gpu.py runs it on tests/byteps_sim.py's simulated BytePS) with
+byteps.torch.DistributedOptimizer, from the same seed on the same per-rank batches: with
+Compression.lossless, with BytePS's own uncompressed push_pull, and once more with a capacity so small that the first step falls back to the dense sum
 (and the grown payload outgrows its first size: the tail path), against its own uncompressed run.
 Then the embedding model and a small dense model (an MLP) with none, lossless, topk and thc: each
 run's losses, parameter digest, largest difference from the uncompressed run and payload bytes pushed
@@ -19,13 +20,14 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import byteps.torch as bps  # noqa: E402
-from models import EmbeddingModel, batch, loss_fn  # noqa: E402
+from models import DEVICE, EmbeddingModel, batch, loss_fn  # noqa: E402
 
 from lossless_hc.plugins.byteps import Compression  # noqa: E402
 
@@ -50,9 +52,15 @@ def dense_batch(step, rank, size=64, width=64):
     return x, x[:, :8].sum(dim=1)
 
 
+# The initial parameters come from the global generator: workers run as threads of one process (the CPU
+# dry run, tests/test_byteps_gpu.py) seed and draw it one at a time, so that every rank starts alike.
+_INIT = threading.Lock()
+
+
 def train(prefix, compression, steps=STEPS, lr=0.1, size=32, model_name="embedding", losses=None):
-    torch.manual_seed(0)
-    model = (EmbeddingModel() if model_name == "embedding" else DenseModel()).cuda()
+    with _INIT:
+        torch.manual_seed(0)
+        model = (EmbeddingModel() if model_name == "embedding" else DenseModel()).to(DEVICE)
     named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters()]
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=named,
                                    compression=compression)
@@ -60,15 +68,16 @@ def train(prefix, compression, steps=STEPS, lr=0.1, size=32, model_name="embeddi
     for step in range(steps):
         opt.zero_grad()
         if model_name == "embedding":
-            loss = loss_fn(model, tuple(t.cuda() for t in batch(step, rank, size=size)))
+            loss = loss_fn(model, batch(step, rank, size=size))
         else:
-            x, y = (t.cuda() for t in dense_batch(step, rank))
+            x, y = (t.to(DEVICE) for t in dense_batch(step, rank))
             loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
         if losses is not None:
             losses.append(float(loss.detach()))
-    torch.cuda.synchronize()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
@@ -105,39 +114,64 @@ def digest(params):
     return h.hexdigest()
 
 
-def main():
-    out_dir = sys.argv[1]
+def lossless_phase(result):
+    comp = Compression.lossless(max_density=0.05)
+    got = train("lhc", comp)
+    ref = train("ref", Compression.none)
+    agg = comp.aggregators()["lhc.items.weight"]
+    result.update(max_diff=max_diff(ref, got), digest=digest(got), stats=comp.stats(),
+                  compressed={n: a.compressed for n, a in comp.aggregators().items()},
+                  emb_tensor_name="byteps.Gradient.lhc.items.weight",
+                  emb_payload_bytes=agg.codec.payload_numel * 4 if agg.compressed else None,
+                  emb_dense_bytes=agg.numel * 4,
+                  partition_bytes=int(os.environ.get("BYTEPS_PARTITION_BYTES", 4096000)))
+
+
+def fallback_phase(result):
+    # Far too small a capacity with many rows per sample: fallback, growth, tail.
+    comp_fb = Compression.lossless(max_density=0.0005)
+    got_fb = train("fb", comp_fb, size=256)
+    ref_fb = train("fbref", Compression.none, size=256)
+    result.update(fallback_max_diff=max_diff(ref_fb, got_fb), fallback_stats=comp_fb.stats(),
+                  fallback_digest=digest(got_fb))
+
+
+def compressors_phase(result):
+    result["compressors"] = compare_compressors()
+
+
+# Each phase trains under its own names, so one that fails (on every rank alike: the same code on the same
+# data) leaves the next ones their own keys: a GPU call reports every phase's failure, not only the first.
+PHASES = {"lossless": lossless_phase, "fallback": fallback_phase, "compressors": compressors_phase}
+
+
+def run(out_dir):
+    """Every phase, each rank's results in OUT_DIR/rank<r>.json (rewritten after each phase); returns them."""
     bps.init()
-    torch.cuda.set_device(bps.local_rank())
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(bps.local_rank())
     rank = bps.rank()
-    result = {"rank": rank, "size": bps.size(), "device": f"cuda:{torch.cuda.current_device()}",
-              "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    try:
-        comp = Compression.lossless(max_density=0.05)
-        got = train("lhc", comp)
-        ref = train("ref", Compression.none)
-        agg = comp.aggregators()["lhc.items.weight"]
-        result.update(max_diff=max_diff(ref, got), digest=digest(got), stats=comp.stats(),
-                      compressed={n: a.compressed for n, a in comp.aggregators().items()},
-                      emb_tensor_name="byteps.Gradient.lhc.items.weight",
-                      emb_payload_bytes=agg.codec.payload_numel * 4 if agg.compressed else None,
-                      emb_dense_bytes=agg.numel * 4,
-                      partition_bytes=int(os.environ.get("BYTEPS_PARTITION_BYTES", 4096000)))
-        # Far too small a capacity with many rows per sample: fallback, growth, tail.
-        comp_fb = Compression.lossless(max_density=0.0005)
-        got_fb = train("fb", comp_fb, size=256)
-        ref_fb = train("fbref", Compression.none, size=256)
-        result.update(fallback_max_diff=max_diff(ref_fb, got_fb), fallback_stats=comp_fb.stats(),
-                      fallback_digest=digest(got_fb))
-        result["compressors"] = compare_compressors()
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "traceback"}), flush=True)
+    result = {"rank": rank, "size": bps.size(), "device": f"cuda:{torch.cuda.current_device()}" if cuda else "cpu",
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if cuda else None, "errors": {},
+              "finished": []}
+    for name, phase in PHASES.items():
+        try:
+            phase(result)
+        except Exception as e:  # noqa: BLE001 - reported to the test, phase by phase
+            result["errors"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        result["finished"].append(name)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:   # after each phase: a hang keeps the rest
+            json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "errors"}), flush=True)
+    for name, err in result["errors"].items():
+        print(f"rank {rank}, phase {name}: {err['traceback']}", flush=True)
     bps.shutdown()
-    if "error" in result:
+    return result
+
+
+def main():
+    if run(sys.argv[1])["errors"]:
         sys.exit(1)
 
 

@@ -15,7 +15,8 @@
 # can share one GPU; BYTEPS_SHM_PREFIX (added by scripts/setup_byteps.sh's patches) and
 # BYTEPS_SOCKET_PATH keep their shared-memory buffers and local sockets apart. Logs: $LHC_BYTEPS_LOG_DIR (default ./byteps-logs): scheduler.log,
 # server<i>.log, worker<i>.log. Exit status: the first failing worker's, 124 on timeout
-# (LHC_BYTEPS_TIMEOUT seconds, default 600). Scheduler and servers are stopped when the workers end.
+# (LHC_BYTEPS_TIMEOUT seconds, default 600). Scheduler and servers are stopped when the workers end; when
+# one of them fails first (a status other than 0), the workers are stopped (143) and its log's end printed.
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 

@@ -235,7 +235,7 @@ _THREAD = threading.local()   # .rank: the simulated worker this thread is (set 
 def byteps_modules(sim: SimulatedBytePS) -> dict:
     """``{"byteps": ..., "byteps.torch": ..., "byteps.torch.ops": ...}`` for ``sys.modules``: BytePS's
     Python API as the compressors and a training script use it, each call going to ``sim`` as the
-    calling thread's rank."""
+    calling thread's rank (no ``Compression``: lossless_hc.plugins.byteps then uses its own no-op ones)."""
     def engine():
         return sim.engine(_THREAD.rank)
 
@@ -254,25 +254,6 @@ def byteps_modules(sim: SimulatedBytePS) -> dict:
     bt.init = bt.shutdown = lambda: None
     bt.DistributedOptimizer = lambda optimizer, named_parameters, compression, backward_passes_per_step=1: \
         BytePSLikeOptimizer(optimizer, named_parameters, compression, engine(), backward_passes_per_step)
-    class NoneCompressor:   # byteps/torch/compression.py's
-        @staticmethod
-        def compress(tensor):
-            return tensor, None
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor
-
-    class FP16Compressor:   # the same file's
-        @staticmethod
-        def compress(tensor):
-            return (tensor.type(torch.float16) if tensor.dtype.is_floating_point else tensor), tensor.dtype
-
-        @staticmethod
-        def decompress(tensor, ctx):
-            return tensor.type(ctx) if ctx.is_floating_point else tensor
-
-    bt.Compression = types.SimpleNamespace(none=NoneCompressor, fp16=FP16Compressor)
     root = types.ModuleType("byteps")
     root.torch = bt
     return {"byteps": root, "byteps.torch": bt, "byteps.torch.ops": ops}

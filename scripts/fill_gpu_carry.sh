@@ -11,7 +11,7 @@
 # machine's torch turns out to differ (another version or CUDA), the install there builds from the sdist.
 # About 10 minutes on 2 cores (Horovod ~3, BytePS ~4.5, the download ~2).
 #
-# Env: PYTHON312 (default: python3.12 on PATH, else pyenv's), GPU_TORCH (default 2.11.0), GPU_TORCH_VENV,
+# Env: PYTHON312 (default: the first Python 3.12 that runs, on PATH or pyenv's), GPU_TORCH (default 2.11.0), GPU_TORCH_VENV,
 #      LHC_CUDA_ARCHS (default 90: the H200's)
 set -euo pipefail
 cd "$(dirname "$0")/.."

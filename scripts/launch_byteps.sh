@@ -67,7 +67,7 @@ IFS=',' read -r -a GPUS <<< "${CUDA_VISIBLE_DEVICES:-0}"
 export DMLC_NUM_WORKER=$WORKERS DMLC_NUM_SERVER=$SERVERS DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=$PORT \
        DMLC_NODE_HOST=127.0.0.1
 
-bg=()
+bg=() roles=()   # the scheduler's and servers' pids, and their names (their logs' names)
 cleanup() {
   for p in "${bg[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
@@ -75,10 +75,10 @@ cleanup() {
 trap cleanup EXIT
 
 DMLC_ROLE=scheduler "${SERVER_CMD[@]}" > "$LOGS/scheduler.log" 2>&1 &
-bg+=($!)
+bg+=($!) roles+=(scheduler)
 for ((s = 0; s < SERVERS; s++)); do
   DMLC_ROLE=server "${SERVER_CMD[@]}" > "$LOGS/server$s.log" 2>&1 &
-  bg+=($!)
+  bg+=($!) roles+=("server$s")
 done
 workers=()
 for ((w = 0; w < WORKERS; w++)); do
@@ -90,22 +90,22 @@ for ((w = 0; w < WORKERS; w++)); do
   workers+=($!)
 done
 # Workers wait forever on a scheduler or server that died (a segmentation fault, say): stop them then.
-roles=(scheduler); for ((s = 0; s < SERVERS; s++)); do roles+=("server$s"); done
+# One that ends with status 0 is shutting down with the workers (ps-lite's Finalize).
 died=
-# A scheduler or server that ends with status 0 is shutting down with the workers (ps-lite's Finalize).
 declare -A ended=()
 while [ -z "$died" ] && [ -n "$(jobs -rp | grep -xF -f <(printf '%s\n' "${workers[@]}"))" ]; do
   for i in "${!bg[@]}"; do
     [ -n "${ended[$i]:-}" ] || kill -0 "${bg[$i]}" 2>/dev/null && continue
     st=0; wait "${bg[$i]}" || st=$?
     ended[$i]=$st
-    [ "$st" -ne 0 ] && { died="${roles[$i]} (status $st)"; break; }
+    [ "$st" -ne 0 ] && { died=${roles[$i]}; break; }
   done
   [ -z "$died" ] && sleep 1
 done
 if [ -n "$died" ]; then
-  echo "launch_byteps: the $died failed while workers were running; stopping them (log: $LOGS/${died%% *}.log)" >&2
-  tail -20 "$LOGS/${died%% *}.log" >&2
+  echo "launch_byteps: the $died failed (status $st) while workers were running; stopping them" \
+       "(log: $LOGS/$died.log)" >&2
+  tail -20 "$LOGS/$died.log" >&2
   for p in "${workers[@]}"; do kill "$p" 2>/dev/null || true; done
 fi
 rc=0

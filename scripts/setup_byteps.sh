@@ -69,16 +69,16 @@ CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 CACHE=${LHC_CACHE:-$HOME/.cache/lossless_hc}
 JOBS=${MAX_JOBS:-$(nproc)}
 
-TORCH_TAG=$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
 KEY=$(wheel_key "$PY")
-# The key of the wheel installed, in a file beside the package (written below): one from an older patch
-# set, or built against another torch, is replaced.
-MARKER="import byteps, os; print(open(os.path.join(os.path.dirname(byteps.__file__), 'LHC_WHEEL_KEY')).read())"
+# The key of the wheel installed, in a file beside the package (written at the end): one from an older
+# patch set, or built against another torch, is replaced.
+KEY_FILE="os.path.join(os.path.dirname(byteps.__file__), 'LHC_WHEEL_KEY')"
 if [ "$WHEEL_ONLY" = 0 ] && "$PY" -c "import byteps.torch" 2>/dev/null \
-   && [ "$("$PY" -c "$MARKER" 2>/dev/null)" = "$KEY" ]; then
+   && [ "$("$PY" -c "import byteps, os; print(open($KEY_FILE).read())" 2>/dev/null)" = "$KEY" ]; then
   echo "setup_byteps: byteps $BPS_VERSION already importable ($KEY)"
   exit 0
 fi
+TORCH_TAG=$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
 WHEEL_DIR="$CACHE/$KEY"
 mkdir -p "$WHEEL_DIR"
 wheel=$(ls "$WHEEL_DIR"/byteps-*.whl 2>/dev/null | head -n1 || true)
@@ -176,9 +176,4 @@ fi
 # shellcheck source=scripts/_carried_wheel.sh
 source "$ROOT/scripts/_carried_wheel.sh"
 import_or_rebuild BYTEPS "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')"
-"$PY" - "$KEY" <<'PYEOF'
-import os, sys
-import byteps
-with open(os.path.join(os.path.dirname(byteps.__file__), "LHC_WHEEL_KEY"), "w") as f:
-    f.write(sys.argv[1])
-PYEOF
+"$PY" -c "import byteps, os, sys; open($KEY_FILE, 'w').write(sys.argv[1])" "$KEY"

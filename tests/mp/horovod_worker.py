@@ -119,6 +119,11 @@ def expect_error(fn, exc):
     return {"error": None}
 
 
+def slow_link_auto():
+    """``auto`` on a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load."""
+    return Compression.auto(interval=2, calibration=Calibration.default(1e8))
+
+
 def scenario(name):
     if name == "average":
         return compare(Compression.lossless(max_density=0.05))
@@ -177,15 +182,13 @@ def scenario(name):
             ("auto_lossy", Compression.auto(lossy=True, lossy_min_bytes=0, calibration=Calibration.default(1e8))))}
         out["auto_bf16"] = expect_error(lambda: Compression.auto(lossy=True, first="bf16"), ValueError)
         return out
-    if name == "auto":   # auto on a given 100 Mbit/s link: the tables' plans are not dense, exact all the same
-        comp = Compression.auto(interval=2, calibration=Calibration.default(1e8))
+    if name == "auto":   # exact all the same
+        comp = slow_link_auto()
         ref = train(Compression.none)
         return {"max_diff": max_param_diff(ref, train(comp)), "stats": comp.stats()}
     if name == "compiled":   # torch.compile(model): Horovod's gradient hooks, and so the compressors, run as before
         ref, out = train(Compression.none), {}
-        # auto on a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load
-        for key, comp in (("lossless", Compression.lossless(max_density=0.05)),
-                          ("auto", Compression.auto(interval=2, calibration=Calibration.default(1e8)))):
+        for key, comp in (("lossless", Compression.lossless(max_density=0.05)), ("auto", slow_link_auto())):
             out[key] = {"max_diff": max_param_diff(ref, train(comp, compiled=True)), "stats": comp.stats()}
         return out
     if name == "float16_auto":   # auto's plain dense steps of a float16 gradient go as float16, as Horovod's own

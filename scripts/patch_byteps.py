@@ -112,6 +112,12 @@ PUSHPULL_H(torch_cuda_DoubleTensor, THCudaDoubleTensor)
      "BYTEPS_SERVER_DEBUG printed the merged buffer's first value before the engine thread had set that "
      "buffer (null until a key's first ALL_RECV in sync, non-blocking mode): the server died of a segmentation "
      "fault at the debug key's first round (seen on the GPU machine); it now prints 0 there"),
+    ("byteps/torch/ops.cc", "m.def(\"byteps_torch_wait_and_clear\", &WaitAndClear);",
+     "m.def(\"byteps_torch_wait_and_clear\", &WaitAndClear,\n        pybind11::call_guard<pybind11::gil_scoped_release>());",
+     "synchronize() waits for its handle holding the GIL, while a BytePS thread finishing a push may need it "
+     "(to drop a tensor whose Python object torch keeps alive for C++): on the GPU machine a worker's "
+     "synchronize() never returned, its BytePS threads stopped mid-step (horovod#3352 is the same deadlock, "
+     "fixed there the same way); the wait now releases the GIL"),
     ("setup.py", "import traceback\n", "import traceback\n" + PARALLEL_COMPILE,
      "each extension's C++ sources compiled in parallel (MAX_JOBS threads): distutils compiles them one "
      "after another (on the GPU machine, its cores shared with the GPU tests, the build outlasted 300 s)"),

@@ -57,6 +57,10 @@ if [ "${1:-}" = "--fill-carry" ]; then
       BYTEPS_SYSROOT=/tmp/byteps-sysroot BYTEPS_NUMA_FROM_DEBS=1 LHC_CACHE="$CARRY/.build-cache" bash "$0" --wheel-only "$2"
       mkdir -p "$CARRY/$key" && mv "$CARRY/.build-cache/$key"/byteps-*.whl "$CARRY/$key/" && rm -rf "$CARRY/.build-cache"
     fi
+    # A wheel built with another patch set is never taken (its key differs): not carried either.
+    for d in "$CARRY"/byteps-*-patch*; do
+      [ -d "$d" ] && [ "${d##*-patch}" != "$PATCH_TAG" ] && rm -rf "$d"
+    done
   fi
   du -sh "$CARRY"/*
   exit 0

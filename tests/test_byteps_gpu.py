@@ -48,13 +48,17 @@ def byteps_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("byteps")
     logs = os.environ.get("LHC_BYTEPS_LOG_DIR") or str(out / "logs")
     os.makedirs(logs, exist_ok=True)
+    # The workers' own limit ends before this test's, so a hang leaves the launcher time to stop the job and
+    # each worker's log its Python threads' stacks (tests/mp/byteps_worker.py) and, at BytePS's TRACE level,
+    # the stage each push reached (a few MB a run); a healthy run takes well under a minute.
+    worker_timeout = int(os.environ.get("LHC_BYTEPS_TIMEOUT", "240"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="2",
-               LHC_TEST_DEVICE="cuda",
-               LHC_BYTEPS_LOG_DIR=logs, PS_KEY_LOG="1", BYTEPS_LOG_LEVEL="DEBUG",
+               LHC_TEST_DEVICE="cuda", LHC_BYTEPS_TIMEOUT=str(worker_timeout),
+               LHC_BYTEPS_LOG_DIR=logs, PS_KEY_LOG="1", BYTEPS_LOG_LEVEL="TRACE",
                BYTEPS_SERVER_DEBUG="1", BYTEPS_SERVER_DEBUG_KEY=str(_emb_key()))
     cmd = ["bash", os.path.join(ROOT, "scripts", "launch_byteps.sh"), "--workers", "2", "--servers", "1", "--",
            sys.executable, os.path.join(HERE, "mp", "byteps_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=worker_timeout + 60)
     if proc.returncode != 0:
         with open(os.path.join(logs, "launch.out"), "w") as f:
             f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -111,7 +115,7 @@ def test_byteps_gpu_server_summed_the_payloads(byteps_run):
     name = r0["emb_tensor_name"]
     m = re.search(rf"{re.escape(name)} partitioned to (\d+) part\(s\), total_len=(\d+), key_range=\[(\d+), (\d+)\]",
                   worker)
-    assert m, f"no partition line for {name} in worker0.log (BYTEPS_LOG_LEVEL=DEBUG)"
+    assert m, f"no partition line for {name} in worker0.log (BYTEPS_LOG_LEVEL=DEBUG or TRACE)"
     total_len, k0 = int(m.group(2)), int(m.group(3))
     assert total_len == r0["emb_payload_bytes"] < r0["emb_dense_bytes"]
     assert k0 == _emb_key(), (k0, _emb_key())

@@ -16,9 +16,11 @@ prefix. The lossless run goes first: its names are declared first, so the key of
 Gradient.lhc.<name> is (position of <name> among the sorted parameter names) << 16, which the test
 passes to the server as BYTEPS_SERVER_DEBUG_KEY.
 """
+import faulthandler
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -171,6 +173,9 @@ def run(out_dir):
 
 
 def main():
+    # A hang ends with the launcher's SIGTERM (LHC_BYTEPS_TIMEOUT): the log then shows where every Python thread
+    # was waiting (BytePS's own threads are C++: its TRACE log level says which stage each push reached).
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     if run(sys.argv[1])["errors"]:
         sys.exit(1)
 

@@ -118,6 +118,17 @@ PUSHPULL_H(torch_cuda_DoubleTensor, THCudaDoubleTensor)
      "(to drop a tensor whose Python object torch keeps alive for C++): on the GPU machine a worker's "
      "synchronize() never returned, its BytePS threads stopped mid-step (horovod#3352 is the same deadlock, "
      "fixed there the same way); the wait now releases the GIL"),
+    ("byteps/common/logging.cc", """    os << "[" << time_buffer << "." << std::setw(6) << micros_remainder.count()
+       << ": " << LOG_LEVELS[static_cast<int>(severity_)] << " " << fname_
+       << ":" << line_ << "] " << str() << std::endl;""",
+     """    std::ostringstream line;   // one write per line: threads' lines no longer interleave
+    line << "[" << time_buffer << "." << std::setw(6) << micros_remainder.count()
+         << ": " << LOG_LEVELS[static_cast<int>(severity_)] << " " << fname_
+         << ":" << line_ << "] " << str() << "\\n";
+    os << line.str() << std::flush;""",
+     "a log line went out in a dozen writes, so BytePS's threads cut each other's lines at any character "
+     "(at BYTEPS_LOG_LEVEL=TRACE on the GPU machine), and a test reading a line could miss it; each line is "
+     "now written at once"),
     ("setup.py", "import traceback\n", "import traceback\n" + PARALLEL_COMPILE,
      "each extension's C++ sources compiled in parallel (MAX_JOBS threads): distutils compiles them one "
      "after another (on the GPU machine, its cores shared with the GPU tests, the build outlasted 300 s)"),

@@ -82,15 +82,13 @@ if [ "$WHEEL_ONLY" = 0 ] && "$PY" -c "import byteps.torch" 2>/dev/null \
   echo "setup_byteps: byteps $BPS_VERSION already importable ($KEY)"
   exit 0
 fi
-TORCH_TAG=$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')
 WHEEL_DIR="$CACHE/$KEY"
 mkdir -p "$WHEEL_DIR"
 wheel=$(ls "$WHEEL_DIR"/byteps-*.whl 2>/dev/null | head -n1 || true)
 CARRIED=0
-if [ -z "$wheel" ] && [ "$WHEEL_ONLY" = 0 ] && [ "${BYTEPS_NO_CARRIED_WHEEL:-0}" = 0 ] \
-   && ls "$CARRY/$KEY"/byteps-*.whl >/dev/null 2>&1; then
-  wheel=$(ls "$CARRY/$KEY"/byteps-*.whl | head -n1)
-  CARRIED=1
+# shellcheck source=scripts/_carried_wheel.sh
+source "$ROOT/scripts/_carried_wheel.sh"
+if [ "$WHEEL_ONLY" = 0 ] && take_carried_wheel BYTEPS byteps; then
   BYTEPS_SYSROOT=/tmp/byteps-sysroot   # its run path to libnuma (--fill-carry)
   BYTEPS_NUMA_FROM_DEBS=1
 fi
@@ -132,7 +130,7 @@ if [ -z "$wheel" ]; then
   CXX_STD=$("$PY" -c 'import os, torch
 h = open(os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h")).read()
 print(20 if "202002L" in h else 17)')
-  echo "setup_byteps: patching BytePS $BPS_VERSION for torch $TORCH_TAG (C++$CXX_STD)"
+  echo "setup_byteps: patching BytePS for $KEY (C++$CXX_STD)"
   "$PY" "$ROOT/scripts/patch_byteps.py" "$src" "$CXX_STD"
 
   # NCCL: the wheel torch depends on ships include/ and lib/libnccl.so.2 (no unversioned .so to link).
@@ -177,7 +175,5 @@ fi
 
 [ "$WHEEL_ONLY" = 1 ] && exit 0
 "$PY" -m pip install --quiet --no-deps --no-index --force-reinstall "$wheel"
-# shellcheck source=scripts/_carried_wheel.sh
-source "$ROOT/scripts/_carried_wheel.sh"
 import_or_rebuild BYTEPS "import importlib.metadata as m, byteps.torch; print('setup_byteps: byteps', m.version('byteps'), 'imports')"
 "$PY" -c "import byteps, os, sys; open($KEY_FILE, 'w').write(sys.argv[1])" "$KEY"

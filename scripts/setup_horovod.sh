@@ -121,13 +121,12 @@ if [ "${HOROVOD_WITHOUT_MPI:-0}" != 1 ] && { ! command -v mpicxx >/dev/null || !
   apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev >/dev/null
 fi
 
+# shellcheck source=scripts/_carried_wheel.sh
+source "$ROOT/scripts/_carried_wheel.sh"
 KEY=$(wheel_key "$PY")
 wheel=$(ls "$CACHE/$KEY"/horovod-*.whl 2>/dev/null | head -n1 || true)
 CARRIED=0
-if [ -z "$wheel" ] && [ "${HOROVOD_NO_CARRIED_WHEEL:-0}" = 0 ] && ls "$CARRY/$KEY"/horovod-*.whl >/dev/null 2>&1; then
-  wheel=$(ls "$CARRY/$KEY"/horovod-*.whl | head -n1)
-  CARRIED=1
-fi
+take_carried_wheel HOROVOD horovod || true
 if [ -z "$wheel" ]; then
   build_wheel "$PY" "$CACHE/$KEY"
   wheel=$(ls "$CACHE/$KEY"/horovod-*.whl | head -n1)
@@ -140,6 +139,4 @@ else
   # From the index; torch is pinned so nothing can replace the installed build.
   "$PY" -m pip install --quiet "$wheel" "torch==$("$PY" -c 'import torch; print(torch.__version__)')"
 fi
-# shellcheck source=scripts/_carried_wheel.sh
-source "$ROOT/scripts/_carried_wheel.sh"
 import_or_rebuild HOROVOD "import horovod.torch"

@@ -118,17 +118,15 @@ PUSHPULL_H(torch_cuda_DoubleTensor, THCudaDoubleTensor)
      "(to drop a tensor whose Python object torch keeps alive for C++): on the GPU machine a worker's "
      "synchronize() never returned, its BytePS threads stopped mid-step (horovod#3352 is the same deadlock, "
      "fixed there the same way); the wait now releases the GIL"),
-    ("byteps/common/logging.cc", """    os << "[" << time_buffer << "." << std::setw(6) << micros_remainder.count()
-       << ": " << LOG_LEVELS[static_cast<int>(severity_)] << " " << fname_
-       << ":" << line_ << "] " << str() << std::endl;""",
-     """    std::ostringstream line;   // one write per line: threads' lines no longer interleave
-    line << "[" << time_buffer << "." << std::setw(6) << micros_remainder.count()
-         << ": " << LOG_LEVELS[static_cast<int>(severity_)] << " " << fname_
-         << ":" << line_ << "] " << str() << "\\n";
-    os << line.str() << std::flush;""",
+    ("byteps/common/logging.cc", "  std::ostream& os = use_cout ? std::cout : std::cerr;\n",
+     "  std::ostringstream os;   // the whole line, written at once below\n",
      "a log line went out in a dozen writes, so BytePS's threads cut each other's lines at any character "
-     "(at BYTEPS_LOG_LEVEL=TRACE on the GPU machine), and a test reading a line could miss it; each line is "
-     "now written at once"),
+     "(at BYTEPS_LOG_LEVEL=TRACE on the GPU machine), and a test reading a line could miss it: each line is "
+     "now formatted into a string (the next patch writes it)"),
+    ("byteps/common/logging.cc", "       << line_ << \"] \" << str() << std::endl;\n  }\n}\n",
+     "       << line_ << \"] \" << str() << std::endl;\n  }\n"
+     "  (use_cout ? std::cout : std::cerr) << os.str() << std::flush;\n}\n",
+     "the formatted line written to BytePS's stream in one write"),
     ("setup.py", "import traceback\n", "import traceback\n" + PARALLEL_COMPILE,
      "each extension's C++ sources compiled in parallel (MAX_JOBS threads): distutils compiles them one "
      "after another (on the GPU machine, its cores shared with the GPU tests, the build outlasted 300 s)"),

@@ -66,9 +66,9 @@ LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
 POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
-# top-k's step is timed on a tensor this large (its selection's fixed costs weigh at 2^18 coordinates: 13 ns
-# per coordinate there, 2-4 ns from 2^20 on, docs/BENCHMARKS.md), its decode on the sum of at most
-# TOPK_RANKS ranks' selections (the work per key of the union they make)
+# top-k's step is timed on a tensor this large: its selection's fixed costs weigh at 2^18 coordinates (9-11 ns
+# per coordinate there, 2-3 ns from 2^20 on: docs/BENCHMARKS.md, "Top-k's price measured"); its decode on the sum
+# of at most TOPK_RANKS ranks' selections (the work per key of the union they make)
 TOPK_NUMEL, TOPK_RANKS = 1 << 20, 8
 
 

@@ -30,7 +30,7 @@ A/B trial on whole training steps:
   renegotiates every tensor whose payload changed shape; caches and the allocator change hands), a
   cost neither side pays once the verdict stands, and not the same both ways: timing every step of
   single-step blocks tilts the verdict toward the window that is cheaper to switch into (under Horovod
-  the plans: docs/BENCHMARKS.md, "the step guard");
+  the plans: docs/BENCHMARKS.md, "The step guard timing only the second step");
 * **verdict**, at the first step after: with :math:`T_p` and :math:`T_d` the medians of the two
   windows' step times (a whole iteration, forward, backward, optimizer and every wait included: under
   DDP the time between consecutive starts of bucket 0's hook, under Horovod between the ends of

@@ -313,7 +313,7 @@ LHC_HD double cell_error_bound(double mass, uint64_t deg, uint64_t n) {
 // The product err (1 + rtol) is rounded on its own on every backend (nvcc would otherwise fuse it with
 // the addition into an FMA, which rounds once): the CPU and CUDA verdicts are the same bits.
 LHC_HD bool within_rtol(double v, double err, double rtol) {
-  const double a = v < 0 ? -v : v;
+  const double a = fabs(v);  // not v < 0 ? -v : v, which compiles to a branch a random sign mispredicts
 #if defined(__CUDA_ARCH__)
   const double scaled = __dmul_rn(err, 1.0 + rtol);
 #else

@@ -279,16 +279,28 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
         // verify its verification bound V = acc + |residual| (largest lane) then takes the bound's place.
         bool residual_bad = corrupt[g];
         const bool verify = in.verify;
-        for (uint64_t c = 0; c < cells && !residual_bad; ++c) {
-          const double a = t.acc(c);
-          if (a < 0.0) continue;
-          const double* r = t.values(c);
-          double worst = 0.0;
-          for (uint64_t l = 0; l < B; ++l) {
-            residual_bad |= !(std::fabs(r[l]) <= a);
-            worst = std::max(worst, std::fabs(r[l]));
+        if (!verify) {
+          // Branch-free: whether a cell was read from (acc < 0: not checked) is a coin flip to a branch
+          // predictor.
+          for (uint64_t c = 0; c < cells && !residual_bad; ++c) {
+            const double a = t.acc(c);
+            const double* r = t.values(c);
+            bool cell_bad = false;
+            for (uint64_t l = 0; l < B; ++l) cell_bad |= !(std::fabs(r[l]) <= a);
+            residual_bad |= !(a < 0.0) & cell_bad;
           }
-          if (verify) t.set_acc(c, a + worst);
+        } else {
+          for (uint64_t c = 0; c < cells && !residual_bad; ++c) {
+            const double a = t.acc(c);
+            if (a < 0.0) continue;
+            const double* r = t.values(c);
+            double worst = 0.0;
+            for (uint64_t l = 0; l < B; ++l) {
+              residual_bad |= !(std::fabs(r[l]) <= a);
+              worst = std::max(worst, std::fabs(r[l]));
+            }
+            t.set_acc(c, a + worst);
+          }
         }
         corrupt[g] = residual_bad;
         // The verification bounds, from the last peeled key back (verify_group): a key is listed

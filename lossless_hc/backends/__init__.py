@@ -79,6 +79,15 @@ def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
                          "pass an out that shares no memory with the input")
 
 
+def check_not_negative_view(out: torch.Tensor, name: str) -> None:
+    """Raise ValueError when ``out`` carries torch's negative bit (``torch._neg_view``, ``z.conj().imag``):
+    its elements read as the negation of its memory, and the kernels write that memory, so each value
+    written would read back negated."""
+    if out.is_neg():
+        raise ValueError(f"{name} is a negative view (its values read as the negation of its memory, which the "
+                         "kernels write): pass a tensor that holds its own values")
+
+
 def as_device(device) -> torch.device:
     """``torch.device(device)``; where torch cannot parse ``device`` ("tpu", a float), a ValueError
     naming the devices the codecs run on, as for a device torch knows but the codecs do not."""

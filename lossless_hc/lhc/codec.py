@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
+from lossless_hc.backends import (as_device, backend_for, check_disjoint, check_not_negative_view,
+                                  check_num_threads)
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, is_real, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.status import DecodeStatus, message
@@ -316,7 +317,8 @@ class LosslessCodec:
                             "(float64 and integers would be rounded by the float32 payload: cast explicitly)")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the codec on {self.device}")
-        return x.reshape(-1).to(torch.float32).contiguous()
+        # resolve_neg: the kernels read memory, not torch's negative bit (x.conj().imag, torch._neg_view)
+        return x.reshape(-1).to(torch.float32).contiguous().resolve_neg()
 
     def _buffer(self, out: Optional[torch.Tensor], numel: int) -> torch.Tensor:
         """``out`` checked (contiguous float32, ``numel`` elements, the codec's device) and viewed
@@ -326,6 +328,7 @@ class LosslessCodec:
         if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
                 or not out.is_contiguous() or out.device != self.device):
             raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
+        check_not_negative_view(out, "out")
         return out.view(-1)
 
     def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -427,8 +430,15 @@ class LosslessCodec:
             raise TypeError(f"payload must be float32, got {payload.dtype}")
         if payload.device != self.device:
             raise ValueError(f"payload is on {payload.device}, the codec on {self.device}")
-        payload = payload.contiguous()
-        shape = self._shape if shape is None else (shape,) if isinstance(shape, int) else tuple(shape)
+        payload = payload.contiguous().resolve_neg()
+        if shape is None:
+            shape = self._shape
+        elif isinstance(shape, int):
+            shape = (shape,)
+        elif isinstance(shape, (tuple, list, torch.Size)):
+            shape = tuple(shape)
+        else:
+            raise ValueError(f"decode(shape={shape!r}): not a shape (an int, or a tuple, list or torch.Size of ints)")
         # Checked before decoding. Plain sizes (every decode of the training aggregators) by their product;
         # others (-1, bad entries) by torch's own reshape rule on a tensor without memory (~10x slower).
         if not (all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) == L.numel):

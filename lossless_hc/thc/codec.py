@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import as_device, backend_for, check_disjoint, check_num_threads
+from lossless_hc.backends import (as_device, backend_for, check_disjoint, check_not_negative_view,
+                                  check_num_threads)
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
 from lossless_hc.lhc.layout import check_int, check_uint64, is_real
 from lossless_hc.thc.layout import (HDR_CHECKSUM, HDR_CONTRIBUTORS, HDR_FINGERPRINT, HDR_NON_FINITE, HEADER_FIELDS,
@@ -291,7 +292,8 @@ class THCCodec:
                             "(float32, float16, bfloat16, float64)")
         if x.device != self.device:
             raise ValueError(f"x is on {x.device}, the codec on {self.device}")
-        return x.reshape(-1).to(torch.float32).contiguous()
+        # resolve_neg: the kernels read memory, not torch's negative bit (x.conj().imag, torch._neg_view)
+        return x.reshape(-1).to(torch.float32).contiguous().resolve_neg()
 
     def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None, interleaved: bool = False) -> torch.Tensor:
         """Encode ``x`` (numel elements, any shape) into a 1-D payload of ``payload_numel`` elements
@@ -319,6 +321,7 @@ class THCCodec:
             raise ValueError(f"out must be a contiguous {L.payload_dtype} tensor of {L.payload_numel} elements on "
                              f"{self.device}")
         else:
+            check_not_negative_view(out, "out")
             payload = out.view(-1)
         check_disjoint(payload, flat, "out and x")
         payload[:L.words_offset] = 0   # header and norm slots; the kernel writes every level word
@@ -398,12 +401,13 @@ class THCCodec:
         if averaged and L.payload_dtype == torch.int64:
             raise ValueError("an int64 payload cannot be averaged exactly (integer averages truncate); aggregate it "
                              "with SUM and decode with averaged=False, or use payload_dtype=torch.float64")
-        payload = payload.contiguous()
+        payload = payload.contiguous().resolve_neg()
         numel = math.prod(self._shape)   # L.numel, or fewer when interleaved
         if out is not None:
             if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
                     or not out.is_contiguous() or out.device != self.device):
                 raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
+            check_not_negative_view(out, "out")
             check_disjoint(out, payload, "out and payload")
         n = L.world_size
         mult = float(n) if averaged else 1.0
@@ -504,10 +508,19 @@ class THCCodec:
                 "error": None if self._error is None else self._error.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict`. A state no codec could have saved (a step that is not an int >= 0,
+        a norm that is not finite and >= 0, an error memory of another numel) raises, changing nothing:
+        a negative or non-finite M would quantize on a table it does not describe."""
         if self._pending:
             raise RuntimeError("load_state_dict between encode and decode")
-        self._step, self._norm = int(state["step"]), float(state["norm"])
+        step, norm, error = state["step"], state["norm"], state["error"]
+        check_int(step, "state['step']")
+        if step < 0:
+            raise ValueError(f"state['step'] must be >= 0, got {step}")
+        if not (is_real(norm) and math.isfinite(norm) and norm >= 0):
+            raise ValueError(f"state['norm'] must be a finite number >= 0 (the agreed norm M), got {norm!r}")
+        if self._error is not None and (not isinstance(error, torch.Tensor) or error.numel() != self.numel):
+            raise ValueError("state has no error memory of this codec's numel")
+        self._step, self._norm = step, float(norm)
         if self._error is not None:
-            if state["error"] is None or state["error"].numel() != self.numel:
-                raise ValueError("state has no error memory of this codec's numel")
-            self._error.copy_(state["error"].reshape(-1))
+            self._error.copy_(error.reshape(-1))

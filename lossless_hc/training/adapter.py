@@ -237,7 +237,8 @@ class CompressorAdapter:
 
     def encode(self, agg, tensor: torch.Tensor):
         """``(payload, EncodedTensor)``: the payload (on ``tensor``'s device) for the engine."""
-        payload, ctx = agg.encode(tensor)
+        # a tensor sent as it is reaches the engine's kernels, which read its memory, not its negative bit
+        payload, ctx = agg.encode(tensor.resolve_neg())
         self._pending += 1
         return payload, EncodedTensor(agg, ctx)
 

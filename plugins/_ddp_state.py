@@ -17,6 +17,15 @@ class HookState:
     """What every hook state holds: the spec, the per-parameter aggregators, the fallback groups."""
 
     def __init__(self, spec: AggregatorSpec, process_group: Optional[dist.ProcessGroup] = None):
+        if process_group is not None:
+            # dist.new_group returns GroupMember.NON_GROUP_MEMBER (an int) to the processes it leaves out
+            if (isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER) or (
+                    isinstance(process_group, dist.ProcessGroup) and dist.get_rank(process_group) < 0):
+                raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of process_group: "
+                                 "pass the group DDP reduces over")
+            if not isinstance(process_group, dist.ProcessGroup):
+                raise TypeError(f"process_group must be a torch.distributed ProcessGroup (DDP's) or None, got "
+                                f"{type(process_group).__name__}")
         self.spec = spec
         self.process_group = process_group
         self._stats = AggregationStats()

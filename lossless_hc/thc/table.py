@@ -35,6 +35,9 @@ import numpy as np
 PUBLISHED_TABLE_4BIT_G30_P32 = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 
 MAX_GRANULARITY = 1 << 16
+# build_table's search costs (2^bits - 1)(g + 1)^2 steps and a (g + 1)^2 matrix: above this, ValueError (bits=8,
+# g=4096 is about it: ~1.5 GiB, tens of seconds).
+MAX_TABLE_SEARCH = 1 << 32
 TABLES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tables.json")
 
 
@@ -68,9 +71,11 @@ def _normal_quantile(q: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def _pair_costs(granularity: int, threshold: float) -> np.ndarray:
+def _pair_costs(granularity: int, threshold: float, a=None, b=None) -> np.ndarray:
     """cost[a, b] = integral over u in [a, b] of (u - a)(b - u) times the density of u, for integer
-    0 <= a < b <= g, where u = (z + T) g/(2T) and z is standard normal (inf where a >= b).
+    0 <= a < b <= g, where u = (z + T) g/(2T) and z is standard normal: the whole (g + 1) x (g + 1)
+    matrix (inf where a >= b), or, given integer arrays ``a`` and ``b`` (a < b), the costs of those
+    intervals alone (the same values, without the matrix's O(g^2) memory).
 
     With z_k = -T + 2T k/g and the partial moments m0 = Phi(z_b) - Phi(z_a), m1 = phi(z_a) - phi(z_b),
     m2 = m0 + z_a phi(z_a) - z_b phi(z_b) of the normal on [z_a, z_b], and u = alpha z + beta:
@@ -84,17 +89,20 @@ def _pair_costs(granularity: int, threshold: float) -> np.ndarray:
     phi = np.array([_normal_pdf(v) for v in z])
     zphi = z * phi
     alpha, beta = g / (2.0 * T), g / 2.0
-    m0 = Phi[None, :] - Phi[:, None]
-    m1 = phi[:, None] - phi[None, :]
-    m2 = m0 + zphi[:, None] - zphi[None, :]
+    matrix = a is None
+    if matrix:
+        a, b = np.arange(g + 1)[:, None], np.arange(g + 1)[None, :]
+    m0 = Phi[b] - Phi[a]
+    m1 = phi[a] - phi[b]
+    m2 = m0 + zphi[a] - zphi[b]
     Eu = alpha * m1 + beta * m0
     Eu2 = alpha * alpha * m2 + 2.0 * alpha * beta * m1 + beta * beta * m0
-    a = np.arange(g + 1, dtype=np.float64)[:, None]
-    b = np.arange(g + 1, dtype=np.float64)[None, :]
-    cost = -Eu2 + (a + b) * Eu - a * b * m0
+    af, bf = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    cost = -Eu2 + (af + bf) * Eu - af * bf * m0
     # Cancellation can leave tiny negatives for adjacent levels far in the tails; the true value is >= 0.
     cost = np.maximum(cost, 0.0)
-    cost[b.repeat(g + 1, 0) <= a.repeat(g + 1, 1)] = np.inf
+    if matrix:
+        cost[np.broadcast_to(b, cost.shape) <= np.broadcast_to(a, cost.shape)] = np.inf
     return cost
 
 
@@ -144,8 +152,8 @@ def table_variance(levels, granularity: int, overflow_freq: float) -> float:
     lv = [int(v) for v in levels]
     if lv != sorted(set(lv)) or lv[0] != 0 or lv[-1] != granularity:
         raise ValueError(f"levels must be strictly increasing integers from 0 to granularity={granularity}, got {levels!r}")
-    cost = _pair_costs(granularity, clip_threshold(overflow_freq))
-    return float(sum(cost[a, b] for a, b in zip(lv[:-1], lv[1:])))
+    cost = _pair_costs(granularity, clip_threshold(overflow_freq), np.array(lv[:-1]), np.array(lv[1:]))
+    return float(sum(cost.tolist()))
 
 
 def _chains(cost: np.ndarray, steps: int):
@@ -186,11 +194,16 @@ def build_table(bits: int, granularity: int, overflow_freq: float = 32, symmetri
     check_table_args(bits, granularity)
     g = granularity
     T = clip_threshold(overflow_freq)
-    cost = _pair_costs(g, T)
     K = 1 << bits
     if K >= g + 1:
         levels = tuple(range(g + 1))
-        return THCTable(levels, bits, g, float(overflow_freq), T, float(sum(cost[a, a + 1] for a in range(g))))
+        return THCTable(levels, bits, g, float(overflow_freq), T, table_variance(levels, g, overflow_freq))
+    if (K - 1) * (g + 1) ** 2 > MAX_TABLE_SEARCH:
+        raise ValueError(f"a table of {K} levels in [0, {g}] is searched over a {g + 1} x {g + 1} cost matrix in {K - 1} "
+                         f"steps, more than this module builds ((2^bits - 1)(g + 1)^2 <= 2^32: ~{8 * (g + 1) ** 2 >> 20} "
+                         "MiB a step); pass a smaller granularity, bits with 2^bits > granularity (every integer a "
+                         "level), or the levels themselves (THCCodec(levels=...))")
+    cost = _pair_costs(g, T)
     if not symmetric:
         best, parents = _chains(cost, K - 1)
         return THCTable(tuple(_walk_back(parents, g)), bits, g, float(overflow_freq), T, float(best[g]))

@@ -1,0 +1,153 @@
+"""Inputs torch represents lazily (negative views), checkpointed states that no codec saved, arguments of the
+wrong kind: the exact answer or a clear error, never a silently wrong one."""
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lossless_hc import LosslessCodec, THCCodec
+from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.thc.table import build_table, table_variance
+
+INDEXES = ["bitmap", "bloom", "multilevel", "dense"]
+
+
+def neg_view(t: torch.Tensor) -> torch.Tensor:
+    """A view whose values are -t's while its memory holds t's (the negative bit: what ``z.conj().imag``
+    gives for a complex z)."""
+    v = torch._neg_view(t)
+    assert v.is_neg() and v.data_ptr() == t.data_ptr()
+    return v
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_lhc_negative_views_encode_and_decode_their_values(index):
+    numel, n = 600, 2
+    codec = LosslessCodec(numel, n, 40, index=index)
+    g = torch.Generator().manual_seed(0)
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(numel)
+        x[torch.randperm(numel, generator=g)[:30]] = torch.randn(30, generator=g)
+        xs.append(x)
+    summed = codec.encode(xs[0]) + codec.encode(xs[1])
+    truth, report = codec.decode(summed)
+    assert report.status == DecodeStatus.OK and torch.allclose(truth, xs[0] + xs[1], rtol=2 ** -10, atol=0)
+    # the ranks' inputs as negative views of their negations: the values encoded are xs, the same payload bits
+    assert torch.equal(codec.encode(neg_view(-xs[0])) + codec.encode(neg_view(-xs[1])), summed)
+    # the summed payload handed over as a negative view of its negation decodes the same
+    y, report = codec.decode(neg_view(-summed))
+    assert report.status == DecodeStatus.OK and torch.equal(y, truth)
+    with pytest.raises(ValueError, match="out is a negative view"):
+        codec.decode(summed, out=neg_view(torch.empty(numel)))
+    with pytest.raises(ValueError, match="out is a negative view"):
+        codec.encode(xs[0], out=neg_view(torch.empty(codec.payload_numel)))
+
+
+def test_thc_negative_views_are_their_values():
+    numel, n = 2048, 2
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(numel, generator=g) for _ in range(n)]
+
+    def step(inputs, payload_view=lambda p: p, out=None):
+        codecs = [THCCodec(numel, n, r, initial_norm=8.0 * math.sqrt(numel)) for r in range(n)]
+        payloads = [c.encode(x) for c, x in zip(codecs, inputs)]
+        summed = payloads[0] + payloads[1]
+        return payloads, codecs[0].decode(payload_view(summed), out=out)
+
+    payloads, y = step(xs)
+    payloads_neg, y_neg = step([neg_view(-x) for x in xs], payload_view=lambda p: neg_view(-p))
+    assert all(torch.equal(a, b) for a, b in zip(payloads, payloads_neg)) and torch.equal(y, y_neg)
+    with pytest.raises(ValueError, match="out is a negative view"):
+        step(xs, out=neg_view(torch.empty(numel)))
+    codec = THCCodec(numel, n, 0, initial_norm=1.0)
+    with pytest.raises(ValueError, match="out is a negative view"):
+        codec.encode(xs[0], out=neg_view(torch.empty(codec.payload_numel, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"norm": -5.0}, r"state\['norm'\] must be a finite number >= 0"),
+    ({"norm": float("nan")}, r"state\['norm'\] must be a finite number >= 0"),
+    ({"norm": float("inf")}, r"state\['norm'\] must be a finite number >= 0"),
+    ({"norm": "3"}, r"state\['norm'\] must be a finite number >= 0"),
+    ({"step": -1}, r"state\['step'\] must be >= 0"),
+    ({"step": 2.7}, r"state\['step'\] must be an int"),
+    ({"step": True}, r"state\['step'\] must be an int"),
+    ({"error": None}, "no error memory of this codec's numel"),
+    ({"error": torch.zeros(7)}, "no error memory of this codec's numel"),
+])
+def test_thc_refuses_a_state_no_codec_saved_and_keeps_its_own(bad, match):
+    numel, n = 1024, 2
+    g = torch.Generator().manual_seed(2)
+    codecs = [THCCodec(numel, n, r, initial_norm=40.0) for r in range(n)]
+    payloads = [c.encode(torch.randn(numel, generator=g)) for c in codecs]
+    for c in codecs:
+        c.decode(payloads[0] + payloads[1])
+    before = codecs[0].state_dict()
+    exc = TypeError if bad.get("step") in (2.7, True) else ValueError
+    with pytest.raises(exc, match=match):
+        codecs[0].load_state_dict(dict(before, **bad))
+    # refused before anything changed: the codec's state is its own
+    after = codecs[0].state_dict()
+    assert before["step"] == after["step"] == 1 and before["norm"] == after["norm"] > 0
+    assert torch.equal(before["error"], after["error"]) and bool(after["error"].abs().sum() > 0)
+
+
+def test_thc_table_search_beyond_its_limit_is_refused_and_explicit_levels_still_work():
+    with pytest.raises(ValueError, match=r"a table of 256 levels in \[0, 65536\] is searched over"):
+        build_table(8, 65536)
+    # every integer a level (2^bits > g) and an explicit table need no search: no (g + 1)^2 matrix
+    assert len(build_table(16, 65535).levels) == 65536
+    levels = (0, 20000, 45536, 65536)
+    codec = THCCodec(4096, 2, 0, bits=2, granularity=65536, levels=levels, initial_norm=1.0)
+    assert codec.table.levels == levels
+    assert math.isclose(codec.table.variance, table_variance(levels, 65536, 32))
+
+
+def test_decode_names_a_shape_that_is_no_shape():
+    codec = LosslessCodec(100, 2, 5)
+    x = torch.zeros(100)
+    x[3] = 1.0
+    summed = codec.encode(x) * 2
+    for shape in (100.0, "ab", {100: 1}):
+        with pytest.raises(ValueError, match=r"decode\(shape=.*\): not a shape"):
+            codec.decode(summed, shape=shape)
+    for shape in (100, [4, 25], torch.Size([10, 10])):
+        y, report = codec.decode(summed, shape=shape)
+        assert report.ok and y.numel() == 100 and float(y.reshape(-1)[3]) == 2.0
+
+
+def test_ddp_hook_state_refuses_a_group_it_cannot_reduce_over():
+    # one process of a two-rank world on torch's fake backend (no peers needed), in a process of its own so
+    # that its default group meets no other test's
+    script = textwrap.dedent("""
+        import pytest, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from lossless_hc.plugins.ddp import AutoHookState, LosslessHookState
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+        left_out = dist.new_group([0])          # GroupMember.NON_GROUP_MEMBER on rank 1
+        with pytest.raises(ValueError, match=r"global rank 1\\) is not a member of process_group"):
+            LosslessHookState(process_group=left_out)
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup"):
+            AutoHookState(process_group="default")
+        state = LosslessHookState(process_group=dist.new_group([0, 1]))
+        assert (state.world_size, state.rank) == (2, 1)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("numel", [16, 4096])   # sent as it is (too small to compress), and compressed
+def test_engine_adapter_hands_the_engine_the_values_of_a_negative_view(numel):
+    from lossless_hc.training.adapter import CompressorAdapter, LosslessSpec, TopKSpec
+    x = torch.zeros(numel)
+    x[::8] = torch.arange(1.0, numel // 8 + 1)
+    for spec in (LosslessSpec(0.2), TopKSpec(0.1)):
+        plain, viewed = CompressorAdapter(spec), CompressorAdapter(spec)
+        expected, _ = plain.encode(plain.aggregator("w", "w", x, 2, 0), x)
+        payload, _ = viewed.encode(viewed.aggregator("w", "w", x, 2, 0), neg_view(-x))
+        assert not payload.is_neg() and torch.equal(payload, expected)

@@ -96,7 +96,8 @@ class THCCodec:
         world_size: ranks whose payloads are aggregated.
         rank: this rank (selects the norm slot and the rounding stream), 0 <= rank < world_size.
         bits: the table has 2^bits levels (all g + 1 integers when 2^bits > g).
-        granularity: g, levels are integers in [0, g].
+        granularity: g, levels are integers in [0, g] (1 <= g <= 65536). A table searched for (no ``levels``,
+            none shipped, 2^bits <= g) costs (2^bits - 1)(g + 1)^2 steps, at most 2^32 (ValueError above).
         overflow_freq: 1/p, where p is the expected fraction of clipped coordinates for a normal input.
         seed: seeds the shared rotation and the rounding streams; identical on every rank.
         device: "cpu" (C++/OpenMP kernels) or "cuda" (the CUDA kernels of csrc/cuda/thc_kernels.cuh, from

@@ -199,10 +199,10 @@ def build_table(bits: int, granularity: int, overflow_freq: float = 32, symmetri
         levels = tuple(range(g + 1))
         return THCTable(levels, bits, g, float(overflow_freq), T, table_variance(levels, g, overflow_freq))
     if (K - 1) * (g + 1) ** 2 > MAX_TABLE_SEARCH:
-        raise ValueError(f"a table of {K} levels in [0, {g}] is searched over a {g + 1} x {g + 1} cost matrix in {K - 1} "
-                         f"steps, more than this module builds ((2^bits - 1)(g + 1)^2 <= 2^32: ~{8 * (g + 1) ** 2 >> 20} "
-                         "MiB a step); pass a smaller granularity, bits with 2^bits > granularity (every integer a "
-                         "level), or the levels themselves (THCCodec(levels=...))")
+        raise ValueError(f"a table of {K} levels in [0, {g}] is searched over a {g + 1} x {g + 1} cost matrix in "
+                         f"{K - 1} steps, more than this module builds ((2^bits - 1)(g + 1)^2 <= 2^32: "
+                         f"~{8 * (g + 1) ** 2 >> 20} MiB a step); pass a smaller granularity, bits with 2^bits > "
+                         "granularity (every integer a level), or the levels themselves (THCCodec(levels=...))")
     cost = _pair_costs(g, T)
     if not symmetric:
         best, parents = _chains(cost, K - 1)

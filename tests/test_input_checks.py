@@ -5,9 +5,11 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
+import helpers
 from lossless_hc import LosslessCodec, THCCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.thc.table import build_table, table_variance
@@ -27,12 +29,7 @@ def neg_view(t: torch.Tensor) -> torch.Tensor:
 def test_lhc_negative_views_encode_and_decode_their_values(index):
     numel, n = 600, 2
     codec = LosslessCodec(numel, n, 40, index=index)
-    g = torch.Generator().manual_seed(0)
-    xs = []
-    for _ in range(n):
-        x = torch.zeros(numel)
-        x[torch.randperm(numel, generator=g)[:30]] = torch.randn(30, generator=g)
-        xs.append(x)
+    xs = helpers.make_inputs(np.random.default_rng(0), numel, 1, n, 30, "random", "normal")
     summed = codec.encode(xs[0]) + codec.encode(xs[1])
     truth, report = codec.decode(summed)
     assert report.status == DecodeStatus.OK and torch.allclose(truth, xs[0] + xs[1], rtol=2 ** -10, atol=0)

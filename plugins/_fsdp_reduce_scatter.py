@@ -102,7 +102,9 @@ def param_groups(module: FSDPModule) -> list:
 class Slots:
     """Where each parameter lies in an FSDP2 parameter group's flat reduce-scatter output: in
     ``fsdp_params`` order, a slot of ``padded_sharded_param_size`` (zero padding included, so a slot
-    has the same shape on every rank and for every destination)."""
+    has the same shape on every rank and for every destination), for the parameters that require grad
+    when the slots are made (the module's first reduction): FSDP2 reduces the gradients a step produced,
+    and a frozen parameter produces none."""
 
     def __init__(self, module: FSDPModule):
         groups = param_groups(module)
@@ -111,6 +113,8 @@ class Slots:
                              f"group per fully_shard module, got {len(groups)}")
         self.fqns, self.shapes = [], []
         for i, fp in enumerate(groups[0].fsdp_params):
+            if not fp.sharded_param.requires_grad:
+                continue
             fqn = getattr(fp, "_param_fqn", None) or f"{type(module).__name__}.param{i}"
             self.fqns.append(fqn)
             self.shapes.append(tuple(fp.padded_sharded_param_size))
@@ -118,9 +122,14 @@ class Slots:
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         if flat.numel() != self.numel:
-            raise RuntimeError(f"FSDP2 handed a reduce buffer of {flat.numel()} elements; its parameters' padded "
-                               f"shards {self.shapes} hold {self.numel} (uneven Shard(i>0) placements are not "
-                               "supported)")
+            raise RuntimeError(f"FSDP2 handed a reduce buffer of {flat.numel()} elements; the padded shards of the "
+                               f"parameters that required grad at the first step, {dict(zip(self.fqns, self.shapes))}, "
+                               f"hold {self.numel}. A parameter got no gradient in this step (unused in the forward), "
+                               "or requires_grad changed since: lossless_hc needs the same parameters to get a "
+                               "gradient every step (freeze the others with requires_grad_(False) before the first "
+                               "step, or call set_reduce_scatter_unused_params(True) on the fully_shard module, "
+                               "which reduces a zero gradient for an unused one); or a Shard(i>0) placement with "
+                               "uneven shards, which it does not support")
         out, offset = [], 0
         for shape in self.shapes:
             m = math.prod(shape)

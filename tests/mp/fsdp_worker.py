@@ -31,11 +31,14 @@ STEPS = 5
 # NCCL refuses two ranks on one GPU).
 
 
-def build(mesh, native: bool, hidden: int = 16, dtype=torch.float32, mp_policy=None):
+def build(mesh, native: bool, hidden: int = 16, dtype=torch.float32, mp_policy=None, frozen=()):
     """The test model, fully_shard per table and at the root: natively on the whole mesh (the reference)
-    or on its shard dimension only (custom HSDP, for our hooks); ``mp_policy``: a MixedPrecisionPolicy."""
+    or on its shard dimension only (custom HSDP, for our hooks); ``mp_policy``: a MixedPrecisionPolicy;
+    ``frozen``: names of parameters that do not require grad."""
     torch.manual_seed(0)
     model = EmbeddingModel(hidden=hidden).to(DEVICE, dtype)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
     on = mesh if native or mesh.ndim == 1 else mesh["shard"]
     policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for m in (model.users, model.items, model.fc1):
@@ -198,15 +201,15 @@ def max_diff(a, b):
 
 
 def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None, micro=1,
-            count_exchange=False):
+            count_exchange=False, frozen=()):
     """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``),
     both with ``mp_policy`` and ``micro`` batches per step. ``count_exchange``: also record, per step
     after the first, the reduce-scatter's all-to-alls (``[name, dtype, input bytes]``) and the bytes of
     each destination's message as its aggregators' payload specs give them before the step, how many
     decodes of the step were re-aggregated (failed or inexact) and the payload bytes the stats counted."""
-    ref = build(mesh, native=True, hidden=hidden, mp_policy=mp_policy)
+    ref = build(mesh, native=True, hidden=hidden, mp_policy=mp_policy, frozen=frozen)
     train(ref, steps, lr=lr, micro=micro)
-    got = build(mesh, native=False, hidden=hidden, mp_policy=mp_policy)
+    got = build(mesh, native=False, hidden=hidden, mp_policy=mp_policy, frozen=frozen)
     start = local(got)
     state.register(got, reduce_scatter=reduce_scatter)
     aggs = state._aggregators
@@ -426,6 +429,8 @@ def scenario(name, mesh):
         return non_finite(mesh, rs, state=AutoFSDPState(mesh, calibration=Calibration.default(1e8)))
     if base == "non_finite_topk":   # top-k's residuals, also on the ranks that replay a destination's outcome
         return non_finite(mesh, rs, state=TopKFSDPState(mesh, ratio=0.05))
+    if base == "frozen":   # fc1's bias frozen: FSDP2 reduces its module's weight alone
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, frozen=("fc1.bias",))
     if base == "accumulation":   # 3 micro-batches per step, reduced once
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, micro=3)
     if base in ("mixed", "mixed_bf16"):   # bfloat16 compute; reduced in float32 ("mixed") or in bfloat16

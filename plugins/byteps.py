@@ -165,12 +165,18 @@ class _Sent:
         self.tail = tail      # handle of the tail's push_pull, or None
 
 
+_ENGINE_METHODS = ("declare", "push_pull_async_inplace", "synchronize")   # what the compressors call
+
+
 class BytePSCompressor(CompressorAdapter):
     """BytePS's compressor interface over :class:`~lossless_hc.training.adapter.CompressorAdapter` (one per
     ``Compression`` factory call; ``engine``: the BytePS engine, default the real one on first use)."""
 
     def __init__(self, spec, engine=None):
         super().__init__(spec)
+        if engine is not None and not all(callable(getattr(engine, m, None)) for m in _ENGINE_METHODS):
+            raise TypeError(f"engine must be a BytePS engine (with {', '.join(_ENGINE_METHODS)}) or None for the real "
+                            f"one, got {type(engine).__name__}")
         self._engine = engine
         self._slots: dict = {}        # aggregator name -> (numel, dtype) of its first push
         self._in_flight: dict = {}    # id(tensor pushed) -> its _Sent, until decompressed
@@ -415,7 +421,14 @@ def options_from_env(env: Optional[Mapping[str, str]] = None) -> tuple:
     ``os.environ``); raises ValueError naming the variable for unknown flags, unparsable values and
     flags that do not apply to the chosen compressor. Unset compressor: ``none``."""
     env = os.environ if env is None else env
-    flags = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    if not isinstance(env, Mapping):
+        raise TypeError(f"env must be a mapping of variable names to strings (like os.environ), got "
+                        f"{type(env).__name__}")
+    flags = {k: v for k, v in env.items() if isinstance(k, str) and k.startswith(ENV_PREFIX)}
+    not_str = sorted(k for k, v in flags.items() if not isinstance(v, str))
+    if not_str:
+        raise TypeError(f"{', '.join(not_str)}: environment values are strings, got "
+                        f"{', '.join(type(flags[k]).__name__ for k in not_str)} (write {not_str[0]}='...')")
     unknown = sorted(set(flags) - set(ENV_FLAGS))
     if unknown:
         raise ValueError(f"unknown variable(s) {', '.join(unknown)}; lossless_hc reads {', '.join(ENV_FLAGS)}")

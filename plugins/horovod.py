@@ -286,6 +286,9 @@ class Compression(CompressionFactory):
         ``stats()["plan"]``: per tensor, the chosen strategy, predicted and measured seconds, bytes sent;
         ``stats()["guard"]``: the verdict, the first rank's medians, the trials opened and how many tensors
         the dense window sends as each plain step (``"alternative"``)."""
+        if process_set is not None and not isinstance(process_set, hvd.ProcessSet):
+            raise TypeError(f"process_set must be a horovod ProcessSet (e.g. hvd.global_process_set) or None, got "
+                            f"{type(process_set).__name__}")
         guard = step_guard(guard_steps, guard_start, guard_margin)
         strategies = as_strategies(options.get("strategies"))
         if options.get("first") == "bf16" or "bf16" in (strategies or ()):

@@ -182,6 +182,15 @@ def test_factories_validate_like_horovod():
     assert options_from_env({"BYTEPS_LHC_COMPRESSOR": "topk"}) == ("topk", {})
 
 
+def test_what_is_not_an_environment_or_an_engine_is_named():
+    with pytest.raises(TypeError, match=r"BYTEPS_LHC_SEED: environment values are strings, got int"):
+        Compression.from_env({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_SEED": 3})
+    with pytest.raises(TypeError, match="env must be a mapping of variable names to strings"):
+        Compression.from_env(["BYTEPS_LHC_COMPRESSOR=lossless"])
+    with pytest.raises(TypeError, match=r"engine must be a BytePS engine \(with declare, push_pull_async_inplace"):
+        Compression.lossless(engine="x")
+
+
 # -- payloads survive BytePS's averaging ----------------------------------------------------------------
 
 def _sparse_rows(rank, rows, dim, k, seed):

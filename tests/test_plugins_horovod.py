@@ -21,7 +21,8 @@ EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes", "matr
 JOIN = ["join", "join_sum", "join_auto", "join_auto_sum"]
 JOIN_TOPK = ["join_topk", "join_topk_sum"]
 ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_only": "ValueError",
-          "seed_mismatch": "ConfigurationMismatch", "op_max": "ValueError", "shared_compressor": "ValueError"}
+          "seed_mismatch": "ConfigurationMismatch", "op_max": "ValueError", "shared_compressor": "ValueError",
+          "process_set_type": "TypeError"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
 TOL = 1e-6
 
@@ -238,7 +239,8 @@ def test_a_step_whose_handles_were_dropped_does_not_hold_back_the_next(horovod_r
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_misuse_is_a_clear_error_on_every_rank(horovod_run, name):
     """op_max: op=hvd.Max (its dense tensors a MAX, its fallbacks a SUM); shared_compressor: one
-    compressor for two optimizers of one model (one's step ended after the other read its gradients)."""
+    compressor for two optimizers of one model (one's step ended after the other read its gradients);
+    process_set_type: Compression.auto(process_set="all")."""
     out, size = horovod_run
     for r in results(out, name, size):
         assert r["error"] == ERRORS[name], r

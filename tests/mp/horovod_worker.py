@@ -217,6 +217,8 @@ def scenario(name):
         return {"max_diff": max_param_diff(ref, got), "stats": comp.stats()}
     if name == "abandoned_step":   # a step whose handles the optimizer dropped: the next steps still end exactly
         return compare(Compression.lossless(max_density=0.001), abandon_at=0)
+    if name == "process_set_type":   # a name where a ProcessSet goes: refused before any collective
+        return expect_error(lambda: Compression.auto(process_set="all"), TypeError)
     if name == "op_max":   # a fallback's SUM beside Horovod's MAX of the rest: refused
         return expect_error(lambda: train(Compression.lossless(max_density=0.05), op=hvd.Max, steps=1), ValueError)
     if name == "shared_compressor":   # two optimizers of one model, one compressor: refused

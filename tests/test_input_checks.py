@@ -148,3 +148,14 @@ def test_engine_adapter_hands_the_engine_the_values_of_a_negative_view(numel):
         expected, _ = plain.encode(plain.aggregator("w", "w", x, 2, 0), x)
         payload, _ = viewed.encode(viewed.aggregator("w", "w", x, 2, 0), neg_view(-x))
         assert not payload.is_neg() and torch.equal(payload, expected)
+
+
+def test_thc_aggregator_refuses_a_tensor_it_was_not_built_for():
+    from lossless_hc.training.thc_aggregate import THCAggregator
+    agg = THCAggregator("w", (64, 64), torch.float32, 2, 0)
+    for bad in (torch.randn(64, 64, dtype=torch.float64), torch.randn(64, 32)):
+        with pytest.raises(ValueError, match=r"w: got a torch\.float.. tensor of shape \(64, .*\), this aggregator was "
+                                             r"built for torch\.float32 \(64, 64\)"):
+            agg.encode(bad)
+    payload, ctx = agg.encode(torch.randn(64, 64))   # what it was built for
+    assert payload.numel() > 0

@@ -142,6 +142,9 @@ class THCAggregator:
         t0 = time.perf_counter()
         if x.is_sparse:
             raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
+        if tuple(x.shape) != self.shape or x.dtype != self.dtype:   # as TensorAggregator: the plan was this tensor's
+            raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, this aggregator "
+                             f"was built for {self.dtype} {self.shape}")
         codec = self._codec
         if codec is not None and x.device != codec.device:
             codec = self._codec_on(x.device)

@@ -169,6 +169,16 @@ def default_block_size(shape) -> int:
     return int(shape[-1]) if len(shape) == 2 and shape[-1] > 0 else 1
 
 
+def check_dense_gradient(name: str, x: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    """TypeError for a sparse gradient, ValueError for one of another shape or dtype than the aggregator
+    ``name`` was built for (its codec and plan were sized for that tensor)."""
+    if x.is_sparse:
+        raise TypeError(f"{name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
+    if tuple(x.shape) != shape or x.dtype != dtype:
+        raise ValueError(f"{name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, this aggregator "
+                         f"was built for {dtype} {shape}")
+
+
 class TensorAggregator:
     r"""Lossless aggregation of one tensor across steps (``Compression.lossless``).
 
@@ -305,11 +315,7 @@ class TensorAggregator:
 
     # -- what an adapter calls ---------------------------------------------------------------------
     def _check(self, x: torch.Tensor) -> None:
-        if x.is_sparse:
-            raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
-        if tuple(x.shape) != self.shape or x.dtype != self.dtype:
-            raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, this aggregator "
-                             f"was built for {self.dtype} {self.shape}")
+        check_dense_gradient(self.name, x, self.shape, self.dtype)
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The tensor to aggregate for gradient ``x`` (``x`` itself here; top-k overrides)."""

@@ -17,7 +17,7 @@ from lossless_hc.backends import backend_for
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
 from lossless_hc.thc import THCCodec
 from lossless_hc.training.aggregate import (CODEC_DTYPES, AggregationStats, ConfigurationMismatch, DecodeOutcome,
-                                            EncodeContext, payload_is_averaged)
+                                            EncodeContext, check_dense_gradient, payload_is_averaged)
 
 
 class THCAggregator:
@@ -140,11 +140,7 @@ class THCAggregator:
         slice of the adapter's message), which is then the payload; ignored when the tensor is sent
         dense (its payload is x itself)."""
         t0 = time.perf_counter()
-        if x.is_sparse:
-            raise TypeError(f"{self.name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
-        if tuple(x.shape) != self.shape or x.dtype != self.dtype:   # as TensorAggregator: the plan was this tensor's
-            raise ValueError(f"{self.name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, this aggregator "
-                             f"was built for {self.dtype} {self.shape}")
+        check_dense_gradient(self.name, x, self.shape, self.dtype)
         codec = self._codec
         if codec is not None and x.device != codec.device:
             codec = self._codec_on(x.device)

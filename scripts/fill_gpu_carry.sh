@@ -11,8 +11,8 @@
 # machine's torch turns out to differ (another version or CUDA), the install there builds from the sdist.
 # About 10 minutes on 2 cores (Horovod ~3, BytePS ~4.5, the download ~2).
 #
-# Env: PYTHON312 (default: the first Python 3.12 that runs, on PATH or pyenv's), GPU_TORCH (default 2.11.0), GPU_TORCH_VENV,
-#      LHC_CUDA_ARCHS (default 90: the H200's)
+# Env: PYTHON312 (default: the first Python 3.12 that runs, on PATH or pyenv's), GPU_TORCH (default 2.11.0),
+#      GPU_TORCH_VENV, LHC_CUDA_ARCHS (default 90: the H200's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The first Python 3.12 that runs: pyenv's shim on PATH exists but fails where 3.12 is not the global version.

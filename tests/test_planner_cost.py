@@ -48,9 +48,9 @@ def test_half_precision_is_priced_at_its_plain_step():
     allreduce, and the round trip and copy back per coordinate; no header round trip, no scan (those
     come once per interval, on its statistics steps). Before, it was priced with both, as every one of
     its steps ran them: bf16 of BERT's embedding tables measured 1.08-1.45x dense's step at 10 Gbit/s in
-    the step guard's trials (docs/BENCHMARKS.md, "A fast link: 10 Gbit/s"). Now on the default costs it saves 2 bytes per coordinate for 1 ns of local work:
-    predicted cheaper than dense at 1 and at 10 Gbit/s (0.8 ns per byte), where the step guard still
-    times it against dense."""
+    the step guard's trials (docs/BENCHMARKS.md, "A fast link: 10 Gbit/s"). Now on the default costs it
+    saves 2 bytes per coordinate for 1 ns of local work: predicted cheaper than dense at 1 and at 10 Gbit/s
+    (0.8 ns per byte), where the step guard still times it against dense."""
     s = stats(20000 * 256, 256, 2, 20000, 20000)
     for bits in (1e10, 1e9):
         model = CostModel(Calibration.default(bits))

@@ -5,8 +5,9 @@ Usage: python byteps_worker.py OUT_DIR
 Trains the embedding model of models.py on LHC_TEST_DEVICE (the GPU test sets cuda; the CPU dry run in
 tests/test_byteps_gpu.py runs it on tests/byteps_sim.py's simulated BytePS) with
 byteps.torch.DistributedOptimizer, from the same seed on the same per-rank batches: with
-Compression.lossless, with BytePS's own uncompressed push_pull, and once more with a capacity so small that the first step falls back to the dense sum
-(and the grown payload outgrows its first size: the tail path), against its own uncompressed run.
+Compression.lossless, with BytePS's own uncompressed push_pull, and once more with a capacity so small that
+the first step falls back to the dense sum (and the grown payload outgrows its first size: the tail path),
+against its own uncompressed run.
 Then the embedding model and a small dense model (an MLP) with none, lossless, topk and thc: each
 run's losses, parameter digest, largest difference from the uncompressed run and payload bytes pushed
 per step. Every rank writes OUT_DIR/rank<r>.json with what the test asserts.

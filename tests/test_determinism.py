@@ -268,3 +268,36 @@ def test_peel_batch_setting_is_checked_and_restored():
         assert cpu.lhc_peel_batch("off") is False and cpu.lhc_peel_batch() is False
     finally:
         assert cpu.lhc_peel_batch("default") == default
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_streamed_output_matches_the_plain_stores(block, monkeypatch):
+    """The decode's output stage streams a large output from a buffer in cache (non-temporal stores,
+    LHC_OUTPUT_STREAM=on|off, else from 32 MiB on): the same bits as storing into the output directly,
+    for any thread count (thread ranges that end inside a chunk and inside a key's block) and an
+    output that is not 16-byte aligned (its first and last floats stored one by one)."""
+    rng = np.random.default_rng(helpers.stable_seed(("stream", block)))
+    numel, n = 200_003, 3  # not a multiple of the block: the last key is short
+    k = 9_000 * block
+    codec = LosslessCodec(numel, n, k, block_size=block, seed=11, index="bitmap")
+    xs = helpers.make_inputs(rng, numel, block, n, k // block, "random", "wide")
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    outs = {}
+    for stream in ("off", "on"):
+        monkeypatch.setenv("LHC_OUTPUT_STREAM", stream)
+        for threads in (1, 2, 3):
+            codec.num_threads = threads
+            storage = torch.full((numel + 2,), float("nan"))
+            view = storage[1:numel + 1]  # 4 bytes past an aligned start
+            y, report = codec.decode(summed, out=view)
+            assert y.data_ptr() == view.data_ptr() and torch.isnan(storage[[0, numel + 1]]).all()
+            outs[stream, threads] = (view.clone(), report)
+    y, report = outs["off", 1]
+    assert report.ok or report.status.name == "INEXACT", report.reason
+    dense = torch.stack(xs).double().sum(0)
+    proven = torch.ones(numel, dtype=torch.bool)
+    proven[key_coordinates(report.inexact_keys, block, numel)[0]] = False
+    assert torch.count_nonzero(y) > 0 and torch.equal((y != 0)[proven], (dense != 0)[proven])
+    for key, (other, other_report) in outs.items():
+        assert same_bits(y, other), f"{key} decodes other bits"
+        assert reports_equal(report, other_report)

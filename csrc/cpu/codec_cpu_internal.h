@@ -165,9 +165,10 @@ struct KeyRun {
 // The keys of the sorted `runs` that fall in [kb, ke), a chunk of at most `chunk` keys at a time: for
 // each chunk [c0, c1), begin(c0, c1), then visit(run, i) for each of its keys, run after run. A chunk
 // is done before the next starts, so `begin` can zero what `visit` then writes while it is in cache.
+// `block`: the floats of a key in a run's vals (0 where runs carry none).
 template <typename Begin, typename Visit>
-void walk_runs_by_chunk(const std::vector<KeyRun>& runs, uint64_t kb, uint64_t ke, uint64_t chunk, Begin&& begin,
-                        Visit&& visit) {
+void walk_runs_by_chunk(const std::vector<KeyRun>& runs, uint64_t block, uint64_t kb, uint64_t ke, uint64_t chunk,
+                        Begin&& begin, Visit&& visit) {
   std::vector<uint64_t> cursor(runs.size());
   for (size_t r = 0; r < runs.size(); ++r)
     cursor[r] = (uint64_t)(std::lower_bound(runs[r].keys, runs[r].keys + runs[r].count, kb) - runs[r].keys);
@@ -179,6 +180,13 @@ void walk_runs_by_chunk(const std::vector<KeyRun>& runs, uint64_t kb, uint64_t k
       uint64_t i = cursor[r];
       for (; i < run.count && run.keys[i] < c1; ++i) visit(run, i);
       cursor[r] = i;
+      // The run's next keys (and values), loaded while the other runs are walked: a hundred runs are
+      // more streams than the hardware prefetcher follows (the decode's output stage ~0.95x).
+      if (run.count) {
+        const uint64_t ahead = std::min<uint64_t>(i + 32, run.count - 1);
+        prefetch_line(run.keys + ahead);
+        if (run.vals) prefetch_line(run.vals + ahead * block);
+      }
     }
   }
 }

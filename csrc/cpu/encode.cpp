@@ -269,7 +269,7 @@ void write_bitmap_words(const CodecLayout& L, const KeyParts& keys, const std::v
     uint64_t wb, we;  // whole words per thread: a word's keys are added by one thread
     split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
     walk_runs_by_chunk(
-        runs, wb * per_word, we * per_word, kChunkWords * per_word,
+        runs, 0, wb * per_word, we * per_word, kChunkWords * per_word,
         [&](uint64_t c0, uint64_t c1) { std::fill(index + c0 / per_word, index + c1 / per_word, 0.0f); },
         [&](const KeyRun& run, uint64_t i) {
           const uint32_t k = run.keys[i];

@@ -59,7 +59,7 @@ void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* 
     float* dst = nullptr;     // the chunk's first element (out + s0, or the buffer)
     uint64_t s0 = 0, s1 = 0;  // the chunk's elements of out: [s0, s1)
     const auto flush = [&] {
-      if (streamed) stream_floats(out + s0, dst, s1 - s0);
+      if (streamed && s1 > s0) stream_floats(out + s0, dst, s1 - s0);  // nothing before the first chunk
     };
     walk_runs_by_chunk(
         runs, B, kb, ke, chunk,

@@ -271,28 +271,27 @@ def test_peel_batch_setting_is_checked_and_restored():
 
 
 @pytest.mark.parametrize("block", [1, 3])
-def test_streamed_output_matches_the_plain_stores(block, monkeypatch):
-    """The decode's output stage streams a large output from a buffer in cache (non-temporal stores,
-    LHC_OUTPUT_STREAM=on|off, else from 32 MiB on): the same bits as storing into the output directly,
-    for any thread count (thread ranges that end inside a chunk and inside a key's block) and an
-    output that is not 16-byte aligned (its first and last floats stored one by one)."""
-    rng = np.random.default_rng(helpers.stable_seed(("stream", block)))
+def test_output_stage_writes_exactly_its_range_at_any_thread_count(block):
+    """The decode's output stage merges the groups' sorted runs a chunk at a time, each thread its own
+    range of keys: every thread count (ranges that end inside a chunk, and with block 3 and a short last
+    key, inside a key's block) gives the same bits, into a fresh tensor or into an ``out`` view that
+    starts 4 bytes into its storage, and nothing outside the view is written."""
+    rng = np.random.default_rng(helpers.stable_seed(("output stage", block)))
     numel, n = 200_003, 3  # not a multiple of the block: the last key is short
     k = 9_000 * block
     codec = LosslessCodec(numel, n, k, block_size=block, seed=11, index="bitmap")
     xs = helpers.make_inputs(rng, numel, block, n, k // block, "random", "wide")
     summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
     outs = {}
-    for stream in ("off", "on"):
-        monkeypatch.setenv("LHC_OUTPUT_STREAM", stream)
-        for threads in (1, 2, 3):
-            codec.num_threads = threads
-            storage = torch.full((numel + 2,), float("nan"))
-            view = storage[1:numel + 1]  # 4 bytes past an aligned start
-            y, report = codec.decode(summed, out=view)
-            assert y.data_ptr() == view.data_ptr() and torch.isnan(storage[[0, numel + 1]]).all()
-            outs[stream, threads] = (view.clone(), report)
-    y, report = outs["off", 1]
+    for threads in (1, 2, 3):
+        codec.num_threads = threads
+        outs["fresh", threads] = codec.decode(summed)
+        storage = torch.full((numel + 2,), float("nan"))
+        view = storage[1:numel + 1]
+        y, report = codec.decode(summed, out=view)
+        assert y.data_ptr() == view.data_ptr() and torch.isnan(storage[[0, numel + 1]]).all()
+        outs["view", threads] = (view.clone(), report)
+    y, report = outs["fresh", 1]
     assert report.ok or report.status.name == "INEXACT", report.reason
     dense = torch.stack(xs).double().sum(0)
     proven = torch.ones(numel, dtype=torch.bool)

@@ -1,13 +1,8 @@
 // lhc::cpu::decode: the support from the index, then the value sketch peeled over it group by group,
 // and the output.
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
 #include "peel.h"
 
@@ -18,69 +13,28 @@ using namespace detail;
 
 namespace {
 
-// Whether write_output streams an output of `bytes` to memory: LHC_OUTPUT_STREAM=on|off, else from 32
-// MiB on (an AMD core complex's L3 on the machines measured): an output that size cannot stay in cache
-// for the caller anyway, and a plain store to a line not in cache first reads the line from memory.
-bool stream_output(uint64_t bytes) {
-  const char* env = std::getenv("LHC_OUTPUT_STREAM");
-  if (env && std::strcmp(env, "on") == 0) return true;
-  if (env && std::strcmp(env, "off") == 0) return false;
-  return bytes >= (32ull << 20);
-}
-
-// dst[0, n) = src[0, n) (in cache) by non-temporal stores, 16 bytes each where dst is aligned.
-void stream_floats(float* dst, const float* src, uint64_t n) {
-#if defined(__SSE2__)
-  const uint64_t head = std::min<uint64_t>(n, ((16 - ((uintptr_t)dst & 15)) & 15) / 4);
-  std::memcpy(dst, src, 4 * head);
-  uint64_t i = head;
-  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
-  std::memcpy(dst + i, src + i, 4 * (n - i));
-#else
-  std::memcpy(dst, src, 4 * n);
-#endif
-}
-
 // out = the values of the keys of `runs` and zeros elsewhere, written in one pass in increasing
 // address order (each thread a contiguous range) by merging the runs a chunk of keys at a time: the
-// chunk zeroed, then its keys' values stored, while it is in cache; no random stores into memory. A
-// streamed output gets each chunk from a buffer, by non-temporal stores: written once, never read.
+// chunk zeroed, then its keys' values stored, while it is in cache; no random stores into memory.
 void write_output(const CodecLayout& L, const std::vector<KeyRun>& runs, float* out, int nt) {
   const uint64_t B = L.block;
   // 256 KiB of output: every chunk visits each run (two or so per sketch group), so a smaller one pays
-  // for those visits more than for its stores (16 KiB: 1.5x the stage's time at 2^26 keys, 55 groups).
+  // for those visits more than for its stores (16 KiB: ~1.3x the stage's time at 2^26 keys, 55 groups).
   const uint64_t chunk = std::max<uint64_t>(1, 65536 / B);
-  const bool streamed = stream_output(4 * L.numel);
 #pragma omp parallel num_threads(nt)
   {
     uint64_t kb, ke;
     split_range(L.num_keys, omp_get_num_threads(), omp_get_thread_num(), &kb, &ke);
-    std::vector<float> buffer(streamed ? chunk * B : 0);
-    float* dst = nullptr;     // the chunk's first element (out + s0, or the buffer)
-    uint64_t s0 = 0, s1 = 0;  // the chunk's elements of out: [s0, s1)
-    const auto flush = [&] {
-      if (streamed && s1 > s0) stream_floats(out + s0, dst, s1 - s0);  // nothing before the first chunk
-    };
     walk_runs_by_chunk(
         runs, B, kb, ke, chunk,
-        [&](uint64_t c0, uint64_t c1) {
-          flush();
-          s0 = c0 * B;
-          s1 = std::min(c1 * B, L.numel);
-          dst = streamed ? buffer.data() : out + s0;
-          std::fill(dst, dst + (s1 - s0), 0.0f);
-        },
+        [&](uint64_t c0, uint64_t c1) { std::fill(out + c0 * B, out + std::min(c1 * B, L.numel), 0.0f); },
         [&](const KeyRun& run, uint64_t i) {
-          const uint64_t at = (uint64_t)run.keys[i] * B - s0;
+          const uint64_t lo = (uint64_t)run.keys[i] * B;
           if (B == 1)
-            dst[at] = run.vals[i];  // one store, not a call to memcpy
+            out[lo] = run.vals[i];  // one store, not a call to memcpy
           else
-            std::memcpy(dst + at, run.vals + i * B, 4 * std::min<uint64_t>(B, s1 - s0 - at));
+            std::memcpy(out + lo, run.vals + i * B, 4 * std::min<uint64_t>(B, L.numel - lo));
         });
-    flush();
-#if defined(__SSE2__)
-    if (streamed) _mm_sfence();  // the streamed stores complete before the threads join
-#endif
   }
 }
 

@@ -273,9 +273,9 @@ def test_peel_batch_setting_is_checked_and_restored():
 @pytest.mark.parametrize("block", [1, 3])
 def test_output_stage_writes_exactly_its_range_at_any_thread_count(block):
     """The decode's output stage merges the groups' sorted runs a chunk at a time, each thread its own
-    range of keys: every thread count (ranges that end inside a chunk, and with block 3 and a short last
-    key, inside a key's block) gives the same bits, into a fresh tensor or into an ``out`` view that
-    starts 4 bytes into its storage, and nothing outside the view is written."""
+    range of keys: every thread count (ranges that end inside a chunk; with block 3, a last key shorter
+    than its block) gives the same bits, into a fresh tensor or into an ``out`` view that starts 4 bytes
+    into its storage, and nothing outside the view is written."""
     rng = np.random.default_rng(helpers.stable_seed(("output stage", block)))
     numel, n = 200_003, 3  # not a multiple of the block: the last key is short
     k = 9_000 * block

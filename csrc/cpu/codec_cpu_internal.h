@@ -181,7 +181,7 @@ void walk_runs_by_chunk(const std::vector<KeyRun>& runs, uint64_t block, uint64_
       for (; i < run.count && run.keys[i] < c1; ++i) visit(run, i);
       cursor[r] = i;
       // The run's next keys (and values), loaded while the other runs are walked: a hundred runs are
-      // more streams than the hardware prefetcher follows (the decode's output stage ~0.95x).
+      // more streams than the hardware prefetcher follows (the decode's output stage ~0.85x at 2^26 keys, 1%).
       if (run.count) {
         const uint64_t ahead = std::min<uint64_t>(i + 32, run.count - 1);
         prefetch_line(run.keys + ahead);

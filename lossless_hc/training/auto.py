@@ -378,8 +378,8 @@ class AutoCompressorAdapter(CompressorAdapter):
         self._guard = guard
 
     def encode(self, agg, tensor: torch.Tensor):
-        tensor = tensor.resolve_neg()   # as CompressorAdapter.encode: the engine reads memory, not the negative bit
         if self._guard_phase == "dense" and isinstance(agg, AutoAggregator) and not agg.sparse:
+            tensor = tensor.resolve_neg()   # as CompressorAdapter.encode: the engine reads memory, not the negative bit
             if self._guard.verdict == "dense":   # for good: the lossy memory goes out with this step
                 # (into the gradient the engine then reduces in place, as its own allreduce does)
                 agg.add_lossy_memory_to(tensor)

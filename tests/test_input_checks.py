@@ -65,6 +65,41 @@ def test_thc_negative_views_are_their_values():
         codec.encode(xs[0], out=neg_view(torch.empty(codec.payload_numel, dtype=torch.float64)))
 
 
+def test_topk_aggregator_selects_a_negative_view_s_values():
+    """A gradient handed over as a negative view sends, and keeps as residual, the bits its values give,
+    step after step (the one-pass selection reads memory: it once sent the negation, silently)."""
+    from lossless_hc.training.aggregate import TopKAggregator
+    numel = 20_000
+    plain, viewed = (TopKAggregator("w", (numel,), torch.float32, 2, 0.01) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(numel, generator=g)
+        sent = plain.select(x)
+        assert torch.equal(viewed.select(neg_view(-x)), sent) and torch.equal(viewed.residual, plain.residual)
+
+
+def test_backend_kernels_refuse_negative_views_where_they_would_negate_values():
+    """The backends' top-k and copy kernels read and write through addresses: a negative view is refused
+    where that would negate a value, and gives the exact answer where only magnitudes or zeros are read."""
+    from lossless_hc.backends import backend_for
+    b = backend_for(torch.device("cpu"))
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(6))
+    x[::7] = 0.0
+    with pytest.raises(ValueError, match="topk_feedback's x is a negative view"):
+        b.topk_feedback(neg_view(-x), torch.zeros(5000), 50)
+    with pytest.raises(ValueError, match="topk_feedback's residual is a negative view"):
+        b.topk_feedback(x, neg_view(torch.zeros(5000)), 50)
+    with pytest.raises(ValueError, match="topk_select's out is a negative view"):
+        b.topk_select(x, 50, out=neg_view(torch.zeros(50, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="dense_copy's dst is a negative view"):
+        b.dense_copy(x, neg_view(torch.zeros(5000)))
+    with pytest.raises(ValueError, match="dense_copy's src is a negative view"):
+        b.dense_copy(neg_view(-x), torch.zeros(5000))
+    # |x| and x != 0 are the same in memory: the selection and the counts are exact
+    assert torch.equal(b.topk_select(neg_view(-x), 50), b.topk_select(x, 50))
+    assert torch.equal(b.dense_copy(neg_view(-x), None), b.dense_copy(x, None))
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"norm": -5.0}, r"state\['norm'\] must be a finite number >= 0"),
     ({"norm": float("nan")}, r"state\['norm'\] must be a finite number >= 0"),

@@ -522,6 +522,39 @@ def test_wrong_aggregation_is_named():
         codecs[0].decode(summed, averaged=True)
 
 
+@pytest.mark.parametrize("payload_dtype", [torch.float64, torch.int64])
+def test_out_buffers_are_checked_and_overwritten(payload_dtype):
+    """encode(x, out=buf) and decode(agg, out=buf) overwrite every element of the caller's buffers and
+    give the bits of fresh ones, step after step; an unfit buffer (size, dtype, strides, a negative view)
+    is refused before any state changes, so the same step then runs with a fit one."""
+    n, numel = 2, 700
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    fresh = make_ranks(n, numel, seed=5, payload_dtype=payload_dtype)
+    reused = make_ranks(n, numel, seed=5, payload_dtype=payload_dtype)
+    P = reused[0].payload_numel
+    other = torch.float32 if payload_dtype == torch.float64 else torch.float64
+    bad_payloads = [torch.zeros(P + 1, dtype=payload_dtype), torch.zeros(P, dtype=other),
+                    torch.zeros(2 * P, dtype=payload_dtype)[::2], torch._neg_view(torch.zeros(P, dtype=payload_dtype))]
+    bad_outs = [torch.zeros(numel - 1), torch.zeros(numel, dtype=torch.float64), torch.zeros(2 * numel)[::2],
+                torch._neg_view(torch.zeros(numel))]
+    for step in range(3):
+        want = run_step(fresh, xs)
+        for bad in bad_payloads:
+            with pytest.raises(ValueError, match="out must be a contiguous|out is a negative view"):
+                reused[0].encode(xs[0], out=bad)
+        bufs = [torch.full((P,), 3, dtype=payload_dtype) for _ in range(n)]
+        payloads = [c.encode(x, out=b) for c, x, b in zip(reused, xs, bufs)]
+        assert all(p.data_ptr() == b.data_ptr() for p, b in zip(payloads, bufs))
+        agg = sum(payloads)
+        for bad in bad_outs:
+            with pytest.raises(ValueError, match="out must be a contiguous|out is a negative view"):
+                reused[0].decode(agg, out=bad)
+        outs = [torch.full((numel,), 7.0) for _ in range(n)]
+        got = [c.decode(agg, out=o) for c, o in zip(reused, outs)]
+        for y, w, o in zip(got, want, outs):
+            assert y.data_ptr() == o.data_ptr() and torch.equal(y, w)
+
+
 def test_configuration_mismatch_is_detected():
     a = lhc.THCCodec(500, 2, rank=0, seed=1, initial_norm=10.0)
     b = lhc.THCCodec(500, 2, rank=1, seed=2, initial_norm=10.0)

@@ -54,6 +54,10 @@
   ``x``'s end (the THC aggregator's spreading of a tensor over ``nb`` blocks), and its inverse
   ``thc_deinterleave(y, nb, block, out, num_threads=0)``: ``out[i] = y[(i % nb) * block + i // nb]``.
 
+Tensors go to the kernels by address, so a tensor with torch's negative bit (``torch._neg_view``) is refused
+wherever that would read or write a value negated (``check_not_negative_view``; the codecs and aggregators
+resolve their inputs first); the row scans, the counts and the selection's magnitudes read it exactly.
+
 Every backend writes the same index and header bits (sketch cells within float rounding of each
 other: CUDA adds them with atomics) and recovers the same support; decoding the same aggregate, both
 read every key from the same cell in the same order, so the values, error bounds and verdicts are the
@@ -64,7 +68,7 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.backends.cpu import CPU
+from lossless_hc.backends.cpu import CPU, check_not_negative_view
 
 
 def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
@@ -79,13 +83,16 @@ def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
                          "pass an out that shares no memory with the input")
 
 
-def check_not_negative_view(out: torch.Tensor, name: str) -> None:
-    """Raise ValueError when ``out`` carries torch's negative bit (``torch._neg_view``, ``z.conj().imag``):
-    its elements read as the negation of its memory, and the kernels write that memory, so each value
-    written would read back negated."""
-    if out.is_neg():
-        raise ValueError(f"{name} is a negative view (its values read as the negation of its memory, which the "
-                         "kernels write): pass a tensor that holds its own values")
+def checked_out(out, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``out``, a buffer the caller passed for a kernel to write, as its 1-D view: a contiguous ``dtype``
+    tensor of ``numel`` elements on ``device`` that holds its own values (:func:`check_not_negative_view`),
+    else ValueError. Every codec's ``out`` goes through here."""
+    if (not isinstance(out, torch.Tensor) or out.dtype != dtype or out.numel() != numel or not out.is_contiguous()
+            or out.device != device):
+        raise ValueError(f"out must be a contiguous {str(dtype).removeprefix('torch.')} tensor of {numel} elements "
+                         f"on {device}")
+    check_not_negative_view(out, "out")
+    return out.view(-1)
 
 
 def as_device(device) -> torch.device:

@@ -42,15 +42,27 @@ def _check_topk_input(x: torch.Tensor, k: int) -> None:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
 
 
+def check_not_negative_view(t: torch.Tensor, name: str) -> None:
+    """Raise ValueError when ``t`` carries torch's negative bit (``torch._neg_view``, ``z.conj().imag``): its
+    elements read as the negation of its memory, which the kernels read or write through its address, so
+    they would see, or leave, every value negated. Every backend and codec checks with this."""
+    if t.is_neg():
+        raise ValueError(f"{name} is a negative view (its values read as the negation of its memory, which the "
+                         "kernels read or write): pass a tensor that holds its own values (t.resolve_neg())")
+
+
 def check_topk_select(x: torch.Tensor, k: int, out: Optional[torch.Tensor]) -> int:
     """``topk_select``'s operands on any backend; returns the count ``min(k, numel)``. ``out``, when
-    given, must be a contiguous int64 tensor of at least that many elements on ``x``'s device (the
-    kernels write through its address)."""
+    given, must be a contiguous int64 tensor of at least that many elements on ``x``'s device that holds
+    its own values (the kernels write through its address). ``x`` may be a negative view: the kernels
+    read its memory, whose magnitudes are its values'."""
     _check_topk_input(x, k)
     count = min(k, x.numel())
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or not out.is_contiguous()
                             or out.numel() < count or out.device != x.device):
         raise ValueError(f"out must be a contiguous int64 tensor of at least {count} elements on {x.device}")
+    if out is not None:
+        check_not_negative_view(out, "topk_select's out")
     return count
 
 
@@ -61,17 +73,23 @@ def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> No
         raise TypeError("topk_feedback takes a contiguous float32 residual of the input's numel, on its device")
     if residual.data_ptr() == x.data_ptr() and x.numel():
         raise ValueError("topk_feedback: the residual must not be the input itself")
+    check_not_negative_view(x, "topk_feedback's x")
+    check_not_negative_view(residual, "topk_feedback's residual")
 
 
 def check_dense_copy(src: torch.Tensor, dst: Optional[torch.Tensor]) -> None:
     """``dense_copy``'s operands on any backend: contiguous float32 tensors of the same numel on one
-    device (the kernels read and write through their addresses)."""
+    device (the kernels read and write through their addresses), holding their own values where a copy is
+    made."""
     for name, t in (("src", src), ("dst", dst)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_contiguous()):
             raise TypeError(f"dense_copy's {name} must be a contiguous float32 tensor")
     if dst is not None and (dst.numel() != src.numel() or dst.device != src.device):
         raise ValueError(f"dense_copy's dst must hold {src.numel()} elements on {src.device}, got {dst.numel()} on "
                          f"{dst.device}")
+    if dst is not None:   # counting alone reads only which elements are zero or not finite: the same in memory
+        check_not_negative_view(src, "dense_copy's src")
+        check_not_negative_view(dst, "dense_copy's dst")
 
 
 def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import (as_device, backend_for, check_disjoint, check_not_negative_view,
+from lossless_hc.backends import (as_device, backend_for, check_disjoint, checked_out,
                                   check_num_threads)
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout, is_real, options_fingerprint)
 from lossless_hc.lhc.cost_model import plan_layout
@@ -325,11 +325,7 @@ class LosslessCodec:
         1-D, or a new buffer."""
         if out is None:
             return self._backend.empty(numel, self.device)
-        if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
-                or not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
-        check_not_negative_view(out, "out")
-        return out.view(-1)
+        return checked_out(out, numel, self.device)
 
     def encode(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Encode ``x`` (numel elements, any shape) into a 1-D float32 payload of ``payload_numel``

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import (as_device, backend_for, check_disjoint, check_not_negative_view,
+from lossless_hc.backends import (as_device, backend_for, check_disjoint, checked_out,
                                   check_num_threads)
 from lossless_hc.backends.cpu import thc_round_stream, thc_sign_stream
 from lossless_hc.lhc.layout import check_int, check_uint64, is_real
@@ -317,13 +317,8 @@ class THCCodec:
         L = self.layout
         if out is None:
             payload = self._backend.empty(L.payload_numel, self.device, L.payload_dtype)
-        elif (not isinstance(out, torch.Tensor) or out.dtype != L.payload_dtype or out.numel() != L.payload_numel
-              or not out.is_contiguous() or out.device != self.device):
-            raise ValueError(f"out must be a contiguous {L.payload_dtype} tensor of {L.payload_numel} elements on "
-                             f"{self.device}")
         else:
-            check_not_negative_view(out, "out")
-            payload = out.view(-1)
+            payload = checked_out(out, L.payload_numel, self.device, L.payload_dtype)
         check_disjoint(payload, flat, "out and x")
         payload[:L.words_offset] = 0   # header and norm slots; the kernel writes every level word
         e = self._error
@@ -405,10 +400,7 @@ class THCCodec:
         payload = payload.contiguous().resolve_neg()
         numel = math.prod(self._shape)   # L.numel, or fewer when interleaved
         if out is not None:
-            if (not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel
-                    or not out.is_contiguous() or out.device != self.device):
-                raise ValueError(f"out must be a contiguous float32 tensor of {numel} elements on {self.device}")
-            check_not_negative_view(out, "out")
+            checked_out(out, numel, self.device)
             check_disjoint(out, payload, "out and payload")
         n = L.world_size
         mult = float(n) if averaged else 1.0

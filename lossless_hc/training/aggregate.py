@@ -528,7 +528,8 @@ class TopKAggregator(TensorAggregator):
         """:meth:`select`'s selection of a compressed tensor as ``(indices, values)``: the k flat
         indices (int64, ascending) and ``a`` there, float32 (the residual updated as :meth:`select`
         updates it). Only while :attr:`compressed`."""
-        flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+        # resolve_neg: the kernels read memory, not torch's negative bit (a gradient that is a negative view)
+        flat = x.detach().reshape(-1).to(torch.float32).contiguous().resolve_neg()
         if self.residual is None:
             self.residual = torch.zeros(self.numel, dtype=torch.float32, device=flat.device)
         # One pass (backends' topk_feedback): acc = flat + residual, exactly k indices (k <= numel: the

@@ -78,26 +78,63 @@ def test_topk_aggregator_selects_a_negative_view_s_values():
         assert torch.equal(viewed.select(neg_view(-x)), sent) and torch.equal(viewed.residual, plain.residual)
 
 
-def test_backend_kernels_refuse_negative_views_where_they_would_negate_values():
-    """The backends' top-k and copy kernels read and write through addresses: a negative view is refused
-    where that would negate a value, and gives the exact answer where only magnitudes or zeros are read."""
+def test_backend_kernels_read_a_negative_view_s_values_and_refuse_to_write_one():
+    """The backends' kernels take addresses: an operand they only read is a negative view's values (the
+    exact answer), one they write is refused, and so are operands sharing memory where one is written."""
     from lossless_hc.backends import backend_for
     b = backend_for(torch.device("cpu"))
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(6))
+    n = 5000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(6))
     x[::7] = 0.0
-    with pytest.raises(ValueError, match="topk_feedback's x is a negative view"):
-        b.topk_feedback(neg_view(-x), torch.zeros(5000), 50)
+    e = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    # read: the values
+    want_i, want_v = b.topk_feedback(x, e.clone(), 50)
+    e2 = e.clone()
+    got_i, got_v = b.topk_feedback(neg_view(-x), e2, 50)
+    assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v)
+    assert torch.equal(b.topk_select(neg_view(-x), 50), b.topk_select(x, 50))
+    dst = torch.empty(n)
+    assert torch.equal(b.dense_copy(neg_view(-x), dst), b.dense_copy(x, None)) and torch.equal(dst, x)
+    assert torch.equal(b.dense_copy(neg_view(-x), None), b.dense_copy(x, None))
+    blocks = torch.empty(4 * 1024)
+    b.thc_interleave(neg_view(-x[:4000]), 4, 1024, blocks)
+    want = torch.empty(4 * 1024)
+    b.thc_interleave(x[:4000].clone(), 4, 1024, want)
+    assert torch.equal(blocks, want)
+    back = torch.empty(4000)
+    b.thc_deinterleave(neg_view(-want), 4, 1024, back)
+    assert torch.equal(back, x[:4000])
+    words = b.bitmap_pack(100, 3, index=torch.tensor([3, 50, 99])) * 2
+    assert torch.equal(b.bitmap_rows(neg_view(-words), 100, 3), torch.tensor([3, 50, 99]))
+    assert b.bitmap_rows(neg_view(words), 100, 3) is None   # values -2 per row: no sum of bitmaps holds them
+    assert torch.equal(b.bitmap_pack(100, 3, index=neg_view(torch.tensor([-3, -7]))),
+                       b.bitmap_pack(100, 3, index=torch.tensor([3, 7])))
+    with pytest.raises(ValueError, match="outside"):
+        b.bitmap_pack(100, 3, index=neg_view(torch.tensor([3, 7])))   # rows -3 and -7
+    for index in (torch.tensor([2.7]), torch.tensor([False, True, True])):
+        with pytest.raises(ValueError, match="index must be a tensor of integer rows"):
+            b.bitmap_pack(100, 3, index=index)
+    # written: refused
     with pytest.raises(ValueError, match="topk_feedback's residual is a negative view"):
-        b.topk_feedback(x, neg_view(torch.zeros(5000)), 50)
+        b.topk_feedback(x, neg_view(torch.zeros(n)), 50)
     with pytest.raises(ValueError, match="topk_select's out is a negative view"):
         b.topk_select(x, 50, out=neg_view(torch.zeros(50, dtype=torch.int64)))
     with pytest.raises(ValueError, match="dense_copy's dst is a negative view"):
-        b.dense_copy(x, neg_view(torch.zeros(5000)))
-    with pytest.raises(ValueError, match="dense_copy's src is a negative view"):
-        b.dense_copy(neg_view(-x), torch.zeros(5000))
-    # |x| and x != 0 are the same in memory: the selection and the counts are exact
-    assert torch.equal(b.topk_select(neg_view(-x), 50), b.topk_select(x, 50))
-    assert torch.equal(b.dense_copy(neg_view(-x), None), b.dense_copy(x, None))
+        b.dense_copy(x, neg_view(torch.zeros(n)))
+    with pytest.raises(ValueError, match="thc_interleave's out is a negative view"):
+        b.thc_interleave(x[:4000], 4, 1024, neg_view(torch.zeros(4 * 1024)))
+    with pytest.raises(ValueError, match="thc_deinterleave's out is a negative view"):
+        b.thc_deinterleave(want, 4, 1024, neg_view(torch.zeros(4000)))
+    # sharing memory: refused (a partial overlap too, not only the same start)
+    buf = torch.randn(2 * n + 1)
+    with pytest.raises(ValueError, match="dense_copy's dst and src overlap"):
+        b.dense_copy(buf[:n], buf[1:n + 1])
+    with pytest.raises(ValueError, match="topk_feedback's residual and x overlap"):
+        b.topk_feedback(buf[:n], buf[1:n + 1], 50)
+    with pytest.raises(ValueError, match="THC interleave's operands overlap"):
+        b.thc_interleave(buf[:4000], 4, 1024, buf[:4096])
+    with pytest.raises(ValueError, match="THC interleave's operands overlap"):
+        b.thc_deinterleave(buf[:4096], 4, 1024, buf[100:4100])
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -280,6 +280,30 @@ def test_a_bucket_of_tensors_sent_as_they_are_is_its_own_message():
 
 
 
+@pytest.mark.parametrize("negative", ["tensors", "buffer"])
+def test_a_bucket_seen_through_a_negative_view_sends_the_tensors_values(negative):
+    """Tensors that are negative views of the buffer's slices, or slices of a buffer that is a negative
+    view, sum to their values: the engine sums memory, so the buffer is not the message then (it was,
+    and every sum came back negated)."""
+    n = 2
+    shapes = [(300,), (20, 5)]
+    aggs = [[TensorAggregator(f"t{i}", s, torch.float32, n, max_density=0.9) for i, s in enumerate(shapes)]
+            for _ in range(n)]
+    g = torch.Generator().manual_seed(8)
+    memory = [torch.randn(400, generator=g) for _ in range(n)]
+    if negative == "tensors":
+        buffers = memory
+        grads = [[torch._neg_view(v).view(s) for v, s in zip(torch.split(b, [300, 100]), shapes)] for b in memory]
+    else:
+        buffers = [torch._neg_view(b) for b in memory]
+        grads = [[v.view(s) for v, s in zip(torch.split(b, [300, 100]), shapes)] for b in memory]
+    ms = [encode_message(aggs[r], grads[r], buffer=buffers[r]) for r in range(n)]
+    assert all(m.parts[0].data_ptr() != b.data_ptr() for m, b in zip(ms, memory))
+    results = decode_message(ms[0], [ms[0].parts[0] + ms[1].parts[0]], dense_sum=None)
+    for i, value in enumerate(results):
+        assert torch.equal(value.reshape(-1), (grads[0][i] + grads[1][i]).reshape(-1))
+
+
 def test_a_zero_element_tensor_keeps_the_bucket_its_own_message():
     """An empty parameter in a DDP bucket (its gradient has no memory: data_ptr 0) is at its place in the
     buffer: the bucket still is the message (it was copied into a new one every step)."""

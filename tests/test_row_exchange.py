@@ -167,3 +167,13 @@ def test_a_buffer_sent_whole_is_its_own_payload():
     assert payload.numel() == 48 and payload.data_ptr() != odd.data_ptr()
     counts, payload, _ = encode_destinations(chunks[:1], narrow=[torch.bfloat16, None], source=buffer[:46])
     assert counts == [[NARROWED, WHOLE]] and payload.data_ptr() != buffer.data_ptr()
+    # chunks that are not the source's memory (copies, negative views of it), or a source that is a negative
+    # view: the bytes are the chunks' values, copied
+    fresh = torch.randn(2 * 46, generator=g)
+    slots = [[fresh[46 * d:46 * (d + 1)]] for d in range(2)]
+    want = encode_destinations(slots)[1]
+    assert encode_destinations(slots, source=fresh)[1].data_ptr() == fresh.data_ptr()
+    for given, source in (([[x.clone()] for [x] in slots], fresh), ([[torch._neg_view(-x)] for [x] in slots], fresh),
+                          (slots, torch._neg_view(-fresh))):
+        counts, payload, _ = encode_destinations(given, source=source)
+        assert counts == [[WHOLE]] * 2 and payload.data_ptr() != fresh.data_ptr() and torch.equal(payload, want)

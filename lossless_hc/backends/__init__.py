@@ -54,9 +54,10 @@
   ``x``'s end (the THC aggregator's spreading of a tensor over ``nb`` blocks), and its inverse
   ``thc_deinterleave(y, nb, block, out, num_threads=0)``: ``out[i] = y[(i % nb) * block + i // nb]``.
 
-Tensors go to the kernels by address, so a tensor with torch's negative bit (``torch._neg_view``) is refused
-wherever that would read or write a value negated (``check_not_negative_view``; the codecs and aggregators
-resolve their inputs first); the row scans, the counts and the selection's magnitudes read it exactly.
+Tensors go to the kernels by address. So a tensor with torch's negative bit (``torch._neg_view``) that a
+kernel only reads is resolved first (``x.resolve_neg()``: the exact answer; not where only zeros or
+magnitudes are read), and one it writes is refused (``check_not_negative_view``), as are operands that share
+memory where one is written (``check_disjoint``).
 
 Every backend writes the same index and header bits (sketch cells within float rounding of each
 other: CUDA adds them with atomics) and recovers the same support; decoding the same aggregate, both
@@ -68,19 +69,7 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.backends.cpu import CPU, check_not_negative_view
-
-
-def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
-    """Raise ValueError when the memory of ``out`` and ``src`` (contiguous tensors) overlaps: every
-    backend's kernels read ``src`` while they write ``out``, so an overlap would give a silently wrong
-    result (or, where torch notices it first, torch's own error)."""
-    if out.device != src.device or out.numel() == 0 or src.numel() == 0:
-        return
-    a, b = out.data_ptr(), src.data_ptr()
-    if a < b + src.numel() * src.element_size() and b < a + out.numel() * out.element_size():
-        raise ValueError(f"{names} overlap in memory: the kernels read one while they write the other; "
-                         "pass an out that shares no memory with the input")
+from lossless_hc.backends.cpu import CPU, check_disjoint, check_not_negative_view
 
 
 def checked_out(out, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -42,6 +42,18 @@ def _check_topk_input(x: torch.Tensor, k: int) -> None:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
 
 
+def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
+    """Raise ValueError when the memory of ``out`` and ``src`` (contiguous tensors) overlaps: every
+    backend's kernels read ``src`` while they write ``out``, so an overlap would give a silently wrong
+    result (or, where torch notices it first, torch's own error)."""
+    if out.device != src.device or out.numel() == 0 or src.numel() == 0:
+        return
+    a, b = out.data_ptr(), src.data_ptr()
+    if a < b + src.numel() * src.element_size() and b < a + out.numel() * out.element_size():
+        raise ValueError(f"{names} overlap in memory: the kernels read one while they write the other; "
+                         "pass an out that shares no memory with the input")
+
+
 def check_not_negative_view(t: torch.Tensor, name: str) -> None:
     """Raise ValueError when ``t`` carries torch's negative bit (``torch._neg_view``, ``z.conj().imag``): its
     elements read as the negation of its memory, which the kernels read or write through its address, so
@@ -71,24 +83,22 @@ def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> No
     if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32 or not residual.is_contiguous()
             or residual.numel() != x.numel() or residual.device != x.device):
         raise TypeError("topk_feedback takes a contiguous float32 residual of the input's numel, on its device")
-    if residual.data_ptr() == x.data_ptr() and x.numel():
-        raise ValueError("topk_feedback: the residual must not be the input itself")
-    check_not_negative_view(x, "topk_feedback's x")
+    check_disjoint(residual, x, "topk_feedback's residual and x")
     check_not_negative_view(residual, "topk_feedback's residual")
 
 
 def check_dense_copy(src: torch.Tensor, dst: Optional[torch.Tensor]) -> None:
     """``dense_copy``'s operands on any backend: contiguous float32 tensors of the same numel on one
-    device (the kernels read and write through their addresses), holding their own values where a copy is
-    made."""
+    device (the kernels read and write through their addresses), not overlapping, ``dst`` holding its own
+    values (a negative-view ``src`` is the caller's to resolve: counting alone reads it exactly)."""
     for name, t in (("src", src), ("dst", dst)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_contiguous()):
             raise TypeError(f"dense_copy's {name} must be a contiguous float32 tensor")
     if dst is not None and (dst.numel() != src.numel() or dst.device != src.device):
         raise ValueError(f"dense_copy's dst must hold {src.numel()} elements on {src.device}, got {dst.numel()} on "
                          f"{dst.device}")
-    if dst is not None:   # counting alone reads only which elements are zero or not finite: the same in memory
-        check_not_negative_view(src, "dense_copy's src")
+    if dst is not None:
+        check_disjoint(dst, src, "dense_copy's dst and src")
         check_not_negative_view(dst, "dense_copy's dst")
 
 
@@ -106,6 +116,16 @@ def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tens
     if blocks.numel() != nb * block or flat.numel() > nb * block:
         raise ValueError(f"the THC interleave of {flat.numel()} coordinates into {nb} blocks of {block} needs "
                          f"nb * block >= numel and a blocks operand of nb * block elements, got {blocks.numel()}")
+    check_disjoint(blocks, flat, "the THC interleave's operands")
+
+
+def check_bitmap_index(index: torch.Tensor) -> None:
+    """``bitmap_pack``'s ``index``: a tensor of integer rows (a bool mask or float rows would be taken for
+    other rows)."""
+    if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex \
+            or index.dtype == torch.bool:
+        raise ValueError(f"bitmap_pack: index must be a tensor of integer rows, got "
+                         f"{getattr(index, 'dtype', type(index).__name__)}")
 
 
 def thc_cpu_isa(request: str = "") -> str:
@@ -288,7 +308,8 @@ class CpuBackend:
                                  f"of {present.numel()}")
             _C.bitmap_pack(keys, pk.base, pk.per_word, present.data_ptr(), 0, 0, words.data_ptr(), num_threads)
         else:
-            index = index.to(torch.int64).contiguous()
+            check_bitmap_index(index)
+            index = index.to(torch.int64).contiguous().resolve_neg()
             try:
                 _C.bitmap_pack(keys, pk.base, pk.per_word, 0, index.data_ptr(), index.numel(), words.data_ptr())
             except IndexError as exc:   # pybind11 maps std::out_of_range to IndexError
@@ -300,7 +321,7 @@ class CpuBackend:
         """The rows (sorted int64) with a non-zero digit in a sum (``scale`` 1) or average (``scale`` n)
         of counting bitmaps; None where a word is not one such a sum can hold (csrc/cpu/bitmap.cpp)."""
         pk = check_bitmap_words(words, keys, world_size)
-        words = words.contiguous()
+        words = words.contiguous().resolve_neg()
         masks = torch.empty(pk.words, dtype=torch.int32)
         count = _C.bitmap_masks(keys, pk.base, pk.per_word, words.data_ptr(), float(scale), masks.data_ptr(),
                                 num_threads)
@@ -316,6 +337,8 @@ class CpuBackend:
         ``[elements of src that are not +-0.0, elements that are not finite]`` as an int64 tensor: one
         read of ``src`` (csrc/cpu/rows.cpp)."""
         check_dense_copy(src, dst)
+        if dst is not None:
+            src = src.resolve_neg()   # the copy reads values; the counts alone read zeros and non-finites, the same in memory
         counts = torch.empty(2, dtype=torch.int64)
         _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
         return counts
@@ -354,6 +377,7 @@ class CpuBackend:
         ``residual = a`` with those coordinates zeroed (in place), so ``x + residual_before`` equals
         ``residual_after`` plus the selection scattered back, coordinate by coordinate."""
         _check_feedback_input(x, residual, k)
+        x = x.resolve_neg()   # read only
         count = min(int(k), x.numel())
         idx = torch.empty(count, dtype=torch.int64)
         values = torch.empty(count, dtype=torch.float32)
@@ -406,12 +430,16 @@ class CpuBackend:
     def thc_interleave(self, x: torch.Tensor, nb: int, block: int, out: torch.Tensor, num_threads: int = 0) -> None:
         """``out[j * block + r] = x[r * nb + j]``, zero past ``x``'s end (``check_interleave``)."""
         check_interleave(x, nb, block, out)
+        check_not_negative_view(out, "thc_interleave's out")
+        x = x.resolve_neg()   # read only
         _C.thc_interleave(x.data_ptr(), x.numel(), nb, block, out.data_ptr(), num_threads)
 
     def thc_deinterleave(self, y: torch.Tensor, nb: int, block: int, out: torch.Tensor,
                          num_threads: int = 0) -> None:
         """``out[i] = y[(i % nb) * block + i // nb]``: the inverse of :meth:`thc_interleave`."""
         check_interleave(out, nb, block, y)
+        check_not_negative_view(out, "thc_deinterleave's out")
+        y = y.resolve_neg()   # read only
         _C.thc_deinterleave(y.data_ptr(), out.numel(), nb, block, out.data_ptr(), num_threads)
 
     # THC's stages alone (the tests check each against the reference through these).

@@ -54,6 +54,9 @@ class CudaBackend:
                     index: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
         """The CPU backend's ``bitmap_pack`` on the device, in torch operations (a few passes over the rows;
         no synchronisation, so ``index`` is not range-checked here: the caller's rows are in [0, keys))."""
+        from lossless_hc.backends.cpu import check_bitmap_index
+        if present is None:
+            check_bitmap_index(index)
         pk = digit_packing(world_size, keys)
         device = (present if present is not None else index).device
         # int32 throughout: a word is below 2^22 (lhc.layout.INT_FIELD_LIMIT)
@@ -89,7 +92,7 @@ class CudaBackend:
     def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
         """The CPU backend's ``dense_copy`` on the device: the counts stay there (no synchronisation)."""
         from lossless_hc.backends.cpu import check_dense_copy
-        check_dense_copy(src, dst)
+        check_dense_copy(src, dst)   # then torch's copy_, which reads a negative view's values
         if dst is not None:
             dst.copy_(src)
         return torch.stack([torch.count_nonzero(src), torch.count_nonzero(~torch.isfinite(src))])
@@ -117,6 +120,7 @@ class CudaBackend:
         """The CPU backend's ``topk_feedback`` on the device (the same indices, values and residual bits)."""
         from lossless_hc.backends.cpu import _check_feedback_input
         _check_feedback_input(x, residual, k)
+        x = x.resolve_neg()   # read only: the kernels take its address
         count = min(int(k), x.numel())
         idx = torch.empty(count, dtype=torch.int64, device=x.device)
         values = torch.empty(count, dtype=torch.float32, device=x.device)
@@ -151,15 +155,17 @@ class CudaBackend:
 
     def thc_interleave(self, x: torch.Tensor, nb: int, block: int, out: torch.Tensor, num_threads: int = 0) -> None:
         """The CPU backend's ``thc_interleave`` (the same bits: a copy), as strided device copies."""
-        from lossless_hc.backends.cpu import check_interleave
+        from lossless_hc.backends.cpu import check_interleave, check_not_negative_view
         check_interleave(x, nb, block, out)
+        check_not_negative_view(out, "thc_interleave's out")   # as the CPU's, whose kernel writes memory
         cuda_thc.interleave(x, nb, block, out)
 
     def thc_deinterleave(self, y: torch.Tensor, nb: int, block: int, out: torch.Tensor,
                          num_threads: int = 0) -> None:
         """The CPU backend's ``thc_deinterleave``, as strided device copies."""
-        from lossless_hc.backends.cpu import check_interleave
+        from lossless_hc.backends.cpu import check_interleave, check_not_negative_view
         check_interleave(out, nb, block, y)
+        check_not_negative_view(out, "thc_deinterleave's out")
         cuda_thc.deinterleave(y, nb, block, out)
 
 

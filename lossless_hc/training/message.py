@@ -127,13 +127,14 @@ def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[
 
 def _is_the_buffer(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs, dtypes) -> bool:
     """Whether every payload is announced as its tensor, in one part of ``buffer``'s dtype, and the
-    tensors are ``buffer``'s consecutive slices from its start."""
-    if dtypes != [buffer.dtype] or not buffer.is_contiguous():
+    tensors are ``buffer``'s consecutive slices from its start, holding their own values (no negative view
+    on either side: the engine sums memory, which would then be the negation of the tensors' values)."""
+    if dtypes != [buffer.dtype] or not buffer.is_contiguous() or buffer.is_neg():
         return False
     offset = 0
     for t, (numel, dtype) in zip(tensors, specs):
         # an empty tensor (a zero-element parameter) has no memory to be in the buffer (data_ptr 0)
-        if (numel, dtype) != (t.numel(), t.dtype) or not t.is_contiguous() \
+        if (numel, dtype) != (t.numel(), t.dtype) or not t.is_contiguous() or t.is_neg() \
                 or (numel and t.data_ptr() != buffer.data_ptr() + offset * buffer.element_size()):
             return False
         offset += numel

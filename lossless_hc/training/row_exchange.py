@@ -131,13 +131,13 @@ def _write(x: Chunk, count: int, index: Optional[torch.Tensor], narrow: Optional
         flat = x.dense() if isinstance(x, GivenRows) else x.reshape(-1)
         wire = x.dtype if count == WHOLE else narrow
         used = flat.numel() * wire.itemsize
-        out[:used] = flat.to(wire).contiguous().view(torch.uint8)
+        out[:used] = flat.to(wire).contiguous().resolve_neg().view(torch.uint8)   # bytes of values, not of memory
     else:
         row = row_width(x.shape)
         used = count * (8 + row * x.dtype.itemsize)
         out[:8 * count] = index.view(torch.uint8)
         rows = x.values if isinstance(x, GivenRows) else x.reshape(-1).view(-1, row).index_select(0, index)
-        out[8 * count:used] = rows.reshape(-1).contiguous().view(torch.uint8)
+        out[8 * count:used] = rows.reshape(-1).contiguous().resolve_neg().view(torch.uint8)
     out[used:] = 0
 
 
@@ -163,8 +163,9 @@ def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optiona
     sizes = [[segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd)
               for (c, _), x, nd in zip(scan, row, narrow)] for scan, row in zip(scans, chunks)]
     counts = [[c for c, _ in scan] for scan in scans]
-    if (source is not None and source.is_contiguous() and all(c == WHOLE for row in counts for c in row)
-            and sum(map(sum, sizes)) == source.numel() * source.element_size()):   # no padding: the same bytes
+    if (source is not None and all(c == WHOLE for row in counts for c in row)
+            and sum(map(sum, sizes)) == source.numel() * source.element_size()   # no padding: the same bytes
+            and _is_the_source(source, [x for row in chunks for x in row])):
         return counts, source.reshape(-1).view(torch.uint8), [sum(size) for size in sizes]
     device = chunks[0][0].device if chunks and chunks[0] else torch.device("cpu")
     payload = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=device)
@@ -174,6 +175,20 @@ def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optiona
             _write(x, c, index, nd, payload[offset:offset + n])
             offset += n
     return counts, payload, [sum(size) for size in sizes]
+
+
+def _is_the_source(source: torch.Tensor, chunks: List[Chunk]) -> bool:
+    """Whether ``chunks`` are ``source``'s consecutive slices filling it from its start, each holding its own
+    values (no negative view on either side: the bytes sent are memory), so that ``source``'s bytes are
+    their segments sent whole."""
+    if not source.is_contiguous() or source.is_neg():
+        return False
+    at = source.data_ptr()
+    for x in chunks:
+        if not isinstance(x, torch.Tensor) or not x.is_contiguous() or x.is_neg() or (x.numel() and x.data_ptr() != at):
+            return False
+        at += x.numel() * x.element_size()
+    return at == source.data_ptr() + source.numel() * source.element_size()
 
 
 def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor],

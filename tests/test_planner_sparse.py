@@ -191,3 +191,27 @@ def test_an_engine_summing_sparse_tensors_itself_gets_the_allgather_plan_s_plain
     # interval 2: the first step, then step counts 2, 4 (the 1-based count of the step that follows)
     assert carried == ([True, True, False, True, False, True] if strategy == "allgather" else [True] * 6)
     assert aggs[1].plan_stats()["plain_steps"] == carried.count(False)
+
+
+def test_allgather_finish_clears_only_the_scanned_rows_of_the_scanned_memory_itself():
+    """finish(out=) on an allgather plan clears only this rank's rows when out is the memory it scanned
+    (the rest holds +-0.0); a strided gradient starting at out's address is not that memory: out is then
+    cleared whole (only the rows were, and out's other values went into the sum)."""
+    n, numel = 2, 1000
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, first="allgather", allowed=("allgather",))
+            for r in range(n)]
+    g = torch.Generator().manual_seed(0)
+    memory = []
+    for _ in range(n):
+        buf = torch.zeros(2 * numel)
+        buf[torch.randperm(2 * numel, generator=g)[:100]] = torch.randn(100, generator=g)
+        memory.append(buf)
+    xs = [buf[::2] for buf in memory]   # 1-D and strided: data_ptr is buf's, as is out's below
+    want = xs[0] + xs[1]
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = encoded[0][0] + encoded[1][0]
+    outcomes = [a.decode(summed, ctx) for a, (_, ctx) in zip(aggs, encoded)]
+    assert outcomes[0].request.kind == "allgather"
+    gathered = torch.stack([o.request.tensor.reshape(-1) for o in outcomes])
+    value = aggs[0].finish(encoded[0][1], gathered.clone(), out=memory[0][:numel])
+    assert value.data_ptr() == memory[0].data_ptr() and torch.equal(value, want)

@@ -534,9 +534,10 @@ class AutoAggregator(TensorRows, LossyMemories):
                 count = union.numel()
             else:
                 into = out if out is not None and self.dtype == torch.float32 else None
-                # out that is the scanned gradient itself (no lossy memory was added into a copy) is zero
-                # outside this rank's rows
-                scanned = into is not None and ctx.flat is not None and into.data_ptr() == ctx.flat.data_ptr()
+                # out that is the scanned gradient itself (no lossy memory was added into a copy; the same
+                # memory, not a strided view that starts there) is zero outside this rank's rows
+                scanned = (into is not None and ctx.flat is not None and ctx.flat.is_contiguous()
+                           and into.data_ptr() == ctx.flat.data_ptr())
                 rows, count = sum_slots_dense(slots, self.row, self.keys, out=into,
                                               stale_rows=self._index(ctx) if scanned else None,
                                               divisor=divisor if into is not None else None)

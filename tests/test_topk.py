@@ -119,6 +119,36 @@ def test_aggregator_sends_exactly_k_and_keeps_the_rest():
     assert torch.equal(torch.nonzero(sent).reshape(-1), reference(x, agg.k))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_aggregator_keeps_what_a_narrow_dtype_s_rounding_leaves_out(dtype):
+    """For a float16 / bfloat16 gradient the sent values are that dtype's: the residual keeps the
+    rounding too, so a = g + e (float32) is the sent tensor plus the new residual, exactly, step after
+    step (it lost up to half an ulp of the dtype per sent coordinate), and a value past the dtype's range
+    is sent clamped, the rest kept, rather than as an infinity (which fails the decode)."""
+    from lossless_hc.training.aggregate import TopKAggregator
+    agg = TopKAggregator("w", (10_000,), dtype, 2, 0.01)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(4):
+        x = (torch.randn(10_000, generator=g) * 3).to(dtype)
+        before = agg.residual.clone() if agg.residual is not None else torch.zeros(10_000)
+        sent = agg.select(x)
+        assert sent.dtype == dtype and int((sent != 0).sum()) == agg.k
+        assert torch.equal(x.float() + before, sent.float() + agg.residual)
+    agg._codec = None   # sent dense from now on (the capacity policy's switch): x + e goes, its rounding stays
+    before = agg.residual.clone()
+    sent = agg.select(x)
+    assert sent.dtype == dtype and agg.residual is not None
+    assert torch.equal(x.float() + before, sent.float() + agg.residual)
+    agg = TopKAggregator("w", (1000,), torch.float16, 2, 0.001)   # k = 1
+    x = torch.zeros(1000, dtype=torch.float16)
+    x[:2] = 40000.0
+    for _ in range(3):
+        before = agg.residual.clone() if agg.residual is not None else torch.zeros(1000)
+        sent = agg.select(x)
+        assert bool(torch.isfinite(sent).all()) and float(sent.abs().max()) <= 65504.0
+        assert torch.equal(x.float() + before, sent.float() + agg.residual)
+
+
 # -- error feedback fused into the selection (topk_feedback) ---------------------------------------
 def feedback_reference(x: torch.Tensor, e: torch.Tensor, k: int):
     """(indices, values, new residual) from the definition: a = x + e, the selection of a, a there,

@@ -486,6 +486,17 @@ def topk_count(numel: int, ratio: float) -> int:
     return min(numel, max(1, math.ceil(ratio * numel)))
 
 
+def _held_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) as ``dtype`` holds it: rounded to nearest, a finite value beyond the dtype's range
+    clamped to its largest (where a plain conversion would make it infinite); NaN and infinities kept."""
+    if dtype == x.dtype:
+        return x
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        big = torch.finfo(dtype).max
+        x = torch.where(torch.isfinite(x), x.clamp(-big, big), x)
+    return x.to(dtype)
+
+
 class TopKAggregator(TensorAggregator):
     r"""Top-k sparsification with error feedback, aggregated losslessly (``Compression.topk``).
 
@@ -496,7 +507,10 @@ class TopKAggregator(TensorAggregator):
     and :math:`\sum_r s_r` is aggregated exactly (the codec's capacity is k, so no rank can overload
     it). The residual keeps what was not sent, so every gradient coordinate is eventually applied
     (error feedback, Karimireddy et al. 2019). It lives here, keyed by the parameter, so it
-    survives ``zero_grad(set_to_none=True)``.
+    survives ``zero_grad(set_to_none=True)``. :math:`a` is float32; for a float16 or bfloat16 tensor
+    :math:`s` is what that dtype holds of :math:`a` there (rounded, and a finite value beyond its range
+    clamped to it), so the residual also keeps what the rounding left out: :math:`a` is the sent tensor
+    plus the new residual, exactly (within float32 rounding where a value was clamped).
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, ratio: float, seed: int = 0,
@@ -513,10 +527,16 @@ class TopKAggregator(TensorAggregator):
             # Sent dense: everything goes, including what earlier steps left over.
             if self.residual is None:
                 return x
-            x = (x.detach().reshape(-1).float() + self.residual).reshape(self.shape).to(self.dtype)
-            self.residual = None
-            return x
+            total = x.detach().reshape(-1).float() + self.residual
+            sent = _held_in(total, self.dtype)
+            rest = total - sent.float()   # what a narrower dtype's rounding left out: sent later
+            self.residual = rest if bool(rest.any()) else None
+            return sent.reshape(self.shape)
         idx, values = self.select_indices(x)
+        if self.dtype != torch.float32:
+            held = _held_in(values, self.dtype).float()
+            self.residual[idx] = values - held   # zero there after the selection: now what the rounding left out
+            values = held
         # A fresh dense output (the adapters keep it until the decode completes), zeroed in memory
         # advised to huge pages: a third of torch.zeros_like's time on the CPU, whose page faults are
         # most of it.

@@ -33,6 +33,30 @@ def test_a_truncated_state_is_refused_before_anything_is_restored():
         load_aggregator_state_dict(auto(), state)
 
 
+def test_a_residual_of_another_size_is_refused_and_a_negative_view_restored_as_its_values():
+    """A top-k residual of another numel (it was broadcast into the next step's sum) is refused before
+    anything is restored, in a top-k and an auto state; one saved as a negative view comes back as its
+    values, in memory (the selection reads memory: it refused or, before, negated it)."""
+    saved = TopKAggregator("t", (100,), torch.float32, 2, ratio=0.9)   # sent dense: the residual is added
+    state = aggregator_state_dict(saved)
+    state["capacity"], state["residual"] = 77, torch.tensor([5.0])
+    agg = TopKAggregator("t", (100,), torch.float32, 2, ratio=0.9)
+    with pytest.raises(ValueError, match="saved residual is not a real tensor of 100 elements"):
+        load_aggregator_state_dict(agg, state)
+    assert agg.capacity != 77 and agg.residual is None
+    state = aggregator_state_dict(auto())
+    state["topk_residual"] = torch.zeros(7)
+    with pytest.raises(ValueError, match="saved topk_residual is not a real tensor of 4096 elements"):
+        load_aggregator_state_dict(auto(), state)
+    state = aggregator_state_dict(TopKAggregator("t", (4096,), torch.float32, 2, ratio=0.01))
+    state["residual"] = torch._neg_view(-torch.arange(4096.0))
+    agg = TopKAggregator("t", (4096,), torch.float32, 2, ratio=0.01)
+    load_aggregator_state_dict(agg, state)
+    assert not agg.residual.is_neg() and torch.equal(agg.residual, torch.arange(4096.0))
+    idx, values = agg.select_indices(torch.zeros(4096))
+    assert torch.equal(idx, torch.arange(4096 - agg.k, 4096)) and torch.equal(values, idx.float())
+
+
 def test_auto_keeps_nothing_the_saved_state_did_not_have():
     """An auto aggregator that built a top-k residual and a THC codec since, loaded from a state saved
     before either existed, starts them afresh (they were kept: a roll-back carried the later residual)."""

@@ -142,6 +142,7 @@ def test_backend_kernels_read_a_negative_view_s_values_and_refuse_to_write_one()
     ({"norm": float("nan")}, r"state\['norm'\] must be a finite number >= 0"),
     ({"norm": float("inf")}, r"state\['norm'\] must be a finite number >= 0"),
     ({"norm": "3"}, r"state\['norm'\] must be a finite number >= 0"),
+    ({"norm": 1e30}, r"no larger than 5.9\d+e\+20, the largest norm of 1024 coordinates"),
     ({"step": -1}, r"state\['step'\] must be >= 0"),
     ({"step": 2.7}, r"state\['step'\] must be an int"),
     ({"step": True}, r"state\['step'\] must be an int"),
@@ -163,6 +164,49 @@ def test_thc_refuses_a_state_no_codec_saved_and_keeps_its_own(bad, match):
     after = codecs[0].state_dict()
     assert before["step"] == after["step"] == 1 and before["norm"] == after["norm"] > 0
     assert torch.equal(before["error"], after["error"]) and bool(after["error"].abs().sum() > 0)
+
+
+def test_thc_refuses_an_initial_norm_no_step_could_agree_on():
+    """M_0 above sqrt(numel) * sqrt(float32 max) (each coordinate's square finite) overflowed the kernels'
+    float32 scale: at 2e40 the error memory became NaN and the next step raised on finite inputs, at 1e60 the
+    first decode was all-NaN without an error. The largest one still decodes finite values."""
+    numel, n = 4096, 2
+    largest = math.sqrt(numel) * math.sqrt(torch.finfo(torch.float32).max)
+    for bad in (2e40, 1e60, float("inf"), -1.0):
+        with pytest.raises(ValueError, match="initial_norm must be a number in"):
+            THCCodec(numel, n, 0, initial_norm=bad)
+    g = torch.Generator().manual_seed(3)
+    codecs = [THCCodec(numel, n, r, initial_norm=largest) for r in range(n)]
+    for _ in range(2):
+        xs = [torch.randn(numel, generator=g) for _ in range(n)]
+        summed = codecs[0].encode(xs[0]) + codecs[1].encode(xs[1])
+        ys = [c.decode(summed) for c in codecs]
+        assert bool(torch.isfinite(ys[0]).all()) and torch.equal(ys[0], ys[1])
+        assert bool(torch.isfinite(codecs[0].error).all())
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_an_unfit_out_and_a_csr_gradient_are_named_as_what_they_are():
+    """THCAggregator.decode refuses an unfit out as the caller's mistake (ValueError), not as ranks
+    configured differently (ConfigurationMismatch), and the step then decodes; a CSR gradient, which
+    is_sparse does not name, is refused as sparse rather than passed through as the dense tensor."""
+    from lossless_hc.training.aggregate import ConfigurationMismatch, TensorAggregator
+    from lossless_hc.training.thc_aggregate import THCAggregator
+    n = 2
+    aggs = [THCAggregator("w", (64, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        encoded = [a.encode(torch.randn(64, 64, generator=g)) for a in aggs]
+        summed = encoded[0][0] + encoded[1][0]
+        for bad in (torch.empty(64 * 64 - 1), neg_view(torch.empty(64 * 64))):
+            with pytest.raises(ValueError, match="out must be a contiguous|out is a negative view") as info:
+                aggs[0].decode(summed, encoded[0][1], out=bad)
+            assert not isinstance(info.value, ConfigurationMismatch)
+        values = [a.decode(summed, ctx).value for a, (_, ctx) in zip(aggs, encoded)]
+        assert torch.equal(values[0], values[1])
+    csr = torch.eye(8).to_sparse_csr()
+    with pytest.raises(TypeError, match="sparse gradient"):
+        TensorAggregator("w", (8, 8), torch.float32, n, max_density=0.9).encode(csr)
 
 
 def test_thc_table_search_beyond_its_limit_is_refused_and_explicit_levels_still_work():

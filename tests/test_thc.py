@@ -549,6 +549,8 @@ def test_out_buffers_are_checked_and_overwritten(payload_dtype):
         for bad in bad_outs:
             with pytest.raises(ValueError, match="out must be a contiguous|out is a negative view"):
                 reused[0].decode(agg, out=bad)
+        with pytest.raises(ValueError, match="out and the codec's error memory overlap"):
+            reused[0].decode(agg, out=reused[0].error)   # it would overwrite what the next step sends
         outs = [torch.full((numel,), 7.0) for _ in range(n)]
         got = [c.decode(agg, out=o) for c, o in zip(reused, outs)]
         for y, w, o in zip(got, want, outs):

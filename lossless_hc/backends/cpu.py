@@ -338,7 +338,7 @@ class CpuBackend:
         read of ``src`` (csrc/cpu/rows.cpp)."""
         check_dense_copy(src, dst)
         if dst is not None:
-            src = src.resolve_neg()   # the copy reads values; the counts alone read zeros and non-finites, the same in memory
+            src = src.resolve_neg()   # the copy reads values (the counts alone read zeros and non-finites: exact)
         counts = torch.empty(2, dtype=torch.int64)
         _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
         return counts

@@ -33,6 +33,12 @@ def check_non_finite(non_finite) -> str:
     return non_finite
 
 
+def _largest_norm(numel: int) -> float:
+    """The largest norm M a step can agree on: numel coordinates, each finite squared in float32 (a larger
+    coordinate makes its rank's input non-finite; docstring of ``non_finite``)."""
+    return math.sqrt(numel) * math.sqrt(torch.finfo(torch.float32).max)
+
+
 class THCCodec:
     r"""THC for one tensor on one rank: encode, (engine SUM/AVERAGE), decode, error feedback.
 
@@ -112,7 +118,9 @@ class THCCodec:
         digits_per_word: pin the lane count (then ``world_size`` is limited, see ``max_world_size``);
             None packs as many as stay exact.
         error_feedback: keep the error memory e (recommended; needed for the bootstrap step).
-        initial_norm: M_0; None means a norm-only first step.
+        initial_norm: M_0; None means a norm-only first step. At most sqrt(numel) * sqrt(float32 max) (~1.8e19
+            sqrt(numel)), the largest norm a step can agree on (a larger one overflows the kernels' float32
+            scale).
         non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
             ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
             GradScaler, which then skips the step). That rank sends only the header and its e is
@@ -162,8 +170,9 @@ class THCCodec:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         check_uint64(seed, "seed")
         check_non_finite(non_finite)
-        if initial_norm is not None and not (is_real(initial_norm) and math.isfinite(initial_norm) and initial_norm >= 0):
-            raise ValueError(f"initial_norm must be a finite number >= 0 (or None), got {initial_norm!r}")
+        if initial_norm is not None and not (is_real(initial_norm) and 0 <= initial_norm <= _largest_norm(numel)):
+            raise ValueError(f"initial_norm must be a number in [0, {_largest_norm(numel):.6g}] (or None; the largest "
+                             f"norm of {numel} coordinates whose squares are finite in float32), got {initial_norm!r}")
         device = as_device(device)
         self._backend = backend_for(device)
         self.device = self._backend.require(device, "THCCodec")
@@ -320,6 +329,8 @@ class THCCodec:
         else:
             payload = checked_out(out, L.payload_numel, self.device, L.payload_dtype)
         check_disjoint(payload, flat, "out and x")
+        if self._error is not None:
+            check_disjoint(payload, self._error, "out and the codec's error memory")
         payload[:L.words_offset] = 0   # header and norm slots; the kernel writes every level word
         e = self._error
         M = self._norm
@@ -402,6 +413,8 @@ class THCCodec:
         if out is not None:
             checked_out(out, numel, self.device)
             check_disjoint(out, payload, "out and payload")
+            if self._error is not None:   # the decode writes out, then the error memory is read next step
+                check_disjoint(out, self._error, "out and the codec's error memory")
         n = L.world_size
         mult = float(n) if averaged else 1.0
         M = self._norm
@@ -510,8 +523,10 @@ class THCCodec:
         check_int(step, "state['step']")
         if step < 0:
             raise ValueError(f"state['step'] must be >= 0, got {step}")
-        if not (is_real(norm) and math.isfinite(norm) and norm >= 0):
-            raise ValueError(f"state['norm'] must be a finite number >= 0 (the agreed norm M), got {norm!r}")
+        if not (is_real(norm) and 0 <= norm <= _largest_norm(self.numel)):
+            raise ValueError(f"state['norm'] must be a finite number >= 0 (the agreed norm M) no larger than "
+                             f"{_largest_norm(self.numel):.6g}, the largest norm of {self.numel} coordinates whose "
+                             f"squares are finite in float32, got {norm!r}")
         if self._error is not None and (not isinstance(error, torch.Tensor) or error.numel() != self.numel):
             raise ValueError("state has no error memory of this codec's numel")
         self._step, self._norm = step, float(norm)

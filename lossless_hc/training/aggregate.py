@@ -172,8 +172,8 @@ def default_block_size(shape) -> int:
 def check_dense_gradient(name: str, x: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
     """TypeError for a sparse gradient, ValueError for one of another shape or dtype than the aggregator
     ``name`` was built for (its codec and plan were sized for that tensor)."""
-    if x.is_sparse:
-        raise TypeError(f"{name}: sparse gradient; aggregate it dense (Horovod: sparse_as_dense=True)")
+    if x.layout != torch.strided:   # COO (is_sparse), and CSR, CSC, BSR, BSC, which is_sparse does not name
+        raise TypeError(f"{name}: sparse gradient ({x.layout}); aggregate it dense (Horovod: sparse_as_dense=True)")
     if tuple(x.shape) != shape or x.dtype != dtype:
         raise ValueError(f"{name}: got a {x.dtype} tensor of shape {tuple(x.shape)}, this aggregator "
                          f"was built for {dtype} {shape}")

@@ -82,6 +82,8 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
     if ("tracker" in state) != (agg.tracker is not None):
         raise ValueError(f"{agg.name}: the saved state and this aggregator disagree on the capacity policy")
     _require(agg, state, ("capacity", "union_capacity") + (("residual",) if isinstance(agg, TopKAggregator) else ()))
+    if isinstance(agg, TopKAggregator):
+        _check_residual(agg, state["residual"], "residual")
     agg.capacity = int(state["capacity"])
     agg.union_capacity = state["union_capacity"]
     if agg.tracker is not None:
@@ -93,7 +95,24 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
     agg._decide_codec()   # the codec is a pure function of the configuration and the capacities
     if isinstance(agg, TopKAggregator):
         residual = state["residual"]
-        agg.residual = None if residual is None else residual.to(agg.device, torch.float32).clone()
+        agg.residual = None if residual is None else _restored(residual, agg.device)
+
+
+def _check_residual(agg, residual, key: str) -> None:
+    """``ValueError`` unless a saved top-k residual is None or a real tensor of the aggregator's numel (one
+    of another size was broadcast into the next step's sum), before anything is restored."""
+    if residual is None:
+        return
+    if not isinstance(residual, torch.Tensor) or not residual.is_floating_point() or residual.numel() != agg.numel:
+        raise ValueError(f"{agg.name}: the saved {key} is not a real tensor of {agg.numel} elements, got "
+                         f"{getattr(residual, 'dtype', type(residual).__name__)} of "
+                         f"{getattr(residual, 'numel', lambda: '?')()}")
+
+
+def _restored(residual: torch.Tensor, device) -> torch.Tensor:
+    """A saved residual as the aggregator keeps it: flat float32 on its device, its own memory holding its
+    values (the kernels read the residual's memory)."""
+    return residual.reshape(-1).to(device, torch.float32).resolve_neg().clone()
 
 
 def _require(agg, state: dict, keys) -> None:
@@ -128,6 +147,7 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     _require(agg, state, ("strategy", "history", "steps", "tracker", "sketch_stats", "topk_residual", "thc"))
     if state["strategy"] not in agg.allowed:
         raise ValueError(f"{agg.name}: the saved strategy {state['strategy']!r} is not allowed here ({agg.allowed})")
+    _check_residual(agg, state["topk_residual"], "topk_residual")
     agg.strategy, agg.steps = state["strategy"], int(state["steps"])
     agg._plan_due = bool(state.get("plan_due", False))
     agg.history = [tuple(h) for h in state["history"]]
@@ -141,6 +161,6 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
         numel, row, n, ranks, union, eb = state["sketch_stats"]
         agg._size_sketch(TensorStats(numel, row, n, tuple(ranks), union, eb))
     if state["topk_residual"] is not None:
-        agg.topk_aggregator().residual = state["topk_residual"].to(agg.device, torch.float32).clone()
+        agg.topk_aggregator().residual = _restored(state["topk_residual"], agg.device)
     if state["thc"] is not None:
         agg.thc_aggregator().codec.load_state_dict(state["thc"])

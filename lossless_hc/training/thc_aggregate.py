@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import backend_for, checked_out
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS
 from lossless_hc.thc import THCCodec
 from lossless_hc.training.aggregate import (CODEC_DTYPES, AggregationStats, ConfigurationMismatch, DecodeOutcome,
@@ -170,6 +170,8 @@ class THCAggregator:
         if not ctx.compressed:
             return DecodeOutcome(aggregated, averaged=False)
         t0 = time.perf_counter()
+        if out is not None:   # the caller's buffer: its own ValueError, not a mismatch between the ranks below
+            checked_out(out, self.numel, ctx.codec.device)
         averaged = payload_is_averaged(aggregated, self.world_size, self.engine_averages)
         try:
             # torch's intra-op thread count, also on a DDP future's callback thread, where OpenMP's own

@@ -134,11 +134,18 @@ def test_aggregator_keeps_what_a_narrow_dtype_s_rounding_leaves_out(dtype):
         sent = agg.select(x)
         assert sent.dtype == dtype and int((sent != 0).sum()) == agg.k
         assert torch.equal(x.float() + before, sent.float() + agg.residual)
+    x[3], x[4] = float("nan"), float("inf")   # sent as they are (selected first); nothing of them stays behind
+    sent = agg.select(x)
+    assert bool(sent[3].isnan()) and bool(sent[4].isinf()) and bool(torch.isfinite(agg.residual).all())
     agg._codec = None   # sent dense from now on (the capacity policy's switch): x + e goes, its rounding stays
+    x = x.nan_to_num(posinf=0.0)
     before = agg.residual.clone()
     sent = agg.select(x)
     assert sent.dtype == dtype and agg.residual is not None
     assert torch.equal(x.float() + before, sent.float() + agg.residual)
+    x[3] = float("nan")
+    sent = agg.select(x)
+    assert bool(sent[3].isnan()) and (agg.residual is None or bool(torch.isfinite(agg.residual).all()))
     agg = TopKAggregator("w", (1000,), torch.float16, 2, 0.001)   # k = 1
     x = torch.zeros(1000, dtype=torch.float16)
     x[:2] = 40000.0

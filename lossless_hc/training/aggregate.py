@@ -497,6 +497,12 @@ def _held_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _left_out(x: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``x - held`` (float32, exact: a rounding's or a clamp's remainder) where ``x`` is finite, else 0: a
+    NaN or infinity goes out as it is, and nothing of it stays behind for the next step."""
+    return torch.where(torch.isfinite(x), x - held.float(), 0.0)
+
+
 class TopKAggregator(TensorAggregator):
     r"""Top-k sparsification with error feedback, aggregated losslessly (``Compression.topk``).
 
@@ -529,14 +535,14 @@ class TopKAggregator(TensorAggregator):
                 return x
             total = x.detach().reshape(-1).float() + self.residual
             sent = _held_in(total, self.dtype)
-            rest = total - sent.float()   # what a narrower dtype's rounding left out: sent later
+            rest = _left_out(total, sent)   # what a narrower dtype's rounding left out: sent later
             self.residual = rest if bool(rest.any()) else None
             return sent.reshape(self.shape)
         idx, values = self.select_indices(x)
         if self.dtype != torch.float32:
-            held = _held_in(values, self.dtype).float()
-            self.residual[idx] = values - held   # zero there after the selection: now what the rounding left out
-            values = held
+            held = _held_in(values, self.dtype)
+            self.residual[idx] = _left_out(values, held)   # zero there after the selection: now the rounding's
+            values = held.float()
         # A fresh dense output (the adapters keep it until the decode completes), zeroed in memory
         # advised to huge pages: a third of torch.zeros_like's time on the CPU, whose page faults are
         # most of it.

@@ -270,6 +270,7 @@ class AutoHookState(HookState):
         self._guard = step_guard(guard_steps, guard_start, guard_margin)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
+    _steps_here = 0   # ... since this state was built or unpickled (see _settling)
     _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", or "dense" buckets in place
 
     def __repr__(self) -> str:
@@ -281,8 +282,17 @@ class AutoHookState(HookState):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._steps_here = 0
         if self._guard is not None:
             self._guard.clock = None   # a restored state's first step has no predecessor to time
+
+    def _settling(self) -> bool:
+        """Whether this step is a restored state's first while PowerSGD holds buckets. A DDP model loaded
+        from ``torch.save`` runs its first step with its buckets in the parameters' registration order and
+        only then rebuilds them as the run that saved it had them; PowerSGD's buckets (torch's memories too)
+        are known by bucket index, so that step sends every dense bucket in place, as the step guard's dense
+        window does, and the memories wait for the next step, where the buckets are theirs again."""
+        return self._steps_here <= 1 and self._powersgd is not None and bool(self._powersgd.buckets)
 
     def stats(self) -> dict:
         d = super().stats()
@@ -299,6 +309,7 @@ class AutoHookState(HookState):
         """Bucket 0's hook (main thread, every rank at the same step): count the step, time the one
         before it for the step guard, calibrate at the second step, and set what this step runs."""
         self._steps += 1
+        self._steps_here += 1
         if self._steps == 2 and self.spec.calibration is None:   # the model's tensors are known now
             self._calibrate()
         if self._guard is not None:
@@ -441,10 +452,12 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     # a plan due since the calibration is applied now, each priced as the bucket batches its second collective
     settle_message_plans(aggs)
     n = state.world_size
-    # The step guard's dense window (and a dense verdict): every dense float bucket in place, PowerSGD's too.
-    guard_dense = state._step_phase == "dense" and not buffer.is_sparse
+    # The step guard's dense window (and a dense verdict), or a restored state's first step (_settling):
+    # every dense float bucket in place, PowerSGD's too.
+    settling = state._settling()
+    guard_dense = (state._step_phase == "dense" or settling) and not buffer.is_sparse
     divided = None
-    if guard_dense and state._guard.verdict == "dense":
+    if guard_dense and not settling and state._guard.verdict == "dense":
         # For good: what THC's or top-k's error feedback, or the bucket's PowerSGD memory, still holds goes
         # out with this step's gradients (once: taking it leaves none behind). A float16 bucket's memory
         # is in the units of its divided gradients (x_r / n): it is added after the division.
@@ -471,7 +484,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     steady = part is None and not guard_dense and state.spec.calibration is not None
     plains = [a.plain_step() for a in aggs] if steady else [None]
     if guard_dense:   # what DDP's own hooks send: in place, or with lossy bf16_compress_hook's whole bucket
-        plains = [guard_half(aggs, buffer.dtype) or "dense"]
+        plains = ["dense"] if settling else [guard_half(aggs, buffer.dtype) or "dense"]
     if buffer.dtype == torch.float32 and plains[0] in HALF_STRATEGIES and len(set(plains)) == 1:
         # the message's bits, without its copies
         def half_plain(fut: torch.futures.Future) -> torch.Tensor:

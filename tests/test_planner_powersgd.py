@@ -276,12 +276,12 @@ def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "converge", "resume")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
-                           str(free_port()), str(out), "choice,switch_guard_dense,switch_guard_plan,part,converge"],
+                           str(free_port()), str(out), ",".join(names)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(SIZE)]
-            for name in ("choice", "switch_guard_dense", "switch_guard_plan", "part", "converge")}
+    return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(SIZE)] for name in names}
 
 
 @pytest.mark.multiprocess
@@ -328,6 +328,22 @@ def test_a_switch_from_top_k_to_powersgd_and_the_step_guard_conserve_the_error_f
         assert r["memory_left"] == (not dense), r
         assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
     assert list(rs[0]["plan"].values())[0] == ["powersgd", [[2, "powersgd"]]]
+
+
+@pytest.mark.multiprocess
+def test_a_model_saved_with_powersgd_buckets_resumes_them_after_ddp_rebuilds_its_buckets(run):
+    """torch.save(ddp) of a model whose bucket runs PowerSGD, loaded and trained on: the loaded model's first
+    step has its bucket in registration order (it raised "changed its parameters after going to PowerSGD"),
+    so it goes in place with the memory kept; from the next, rebuilt as saved, PowerSGD carries on with its
+    memory, and nothing is lost: n x (sum of the averaged gradients) + every rank's memory = every gradient."""
+    rs = run["resume"]
+    for r in rs:
+        assert (r["after"], r["digest"]) == (rs[0]["after"], rs[0]["digest"])
+        before, after = r["before"]["0"], r["after"]["0"]
+        assert before["strategy"] == after["strategy"] == "powersgd" and before["steps"] == 3   # steps 2 to 4
+        assert after["steps"] == 7 and after["since_step"] == 2   # and 6 to 9 (5: the loaded model's first)
+        assert after["powersgd_parameters"] == before["powersgd_parameters"]
+        assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
 
 
 @pytest.mark.multiprocess

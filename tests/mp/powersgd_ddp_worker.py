@@ -238,9 +238,75 @@ def converge():
     return {"losses": losses, "plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"]}
 
 
+class TwoWeights(torch.nn.Module):
+    """loss = sum(A * C_a) + sum(B * C_b): the gradients are C_a and C_b, whatever the weights. B's product is
+    made last, so its gradient is ready first (as a Sequential's last layer's): DDP's rebuilt bucket lists B
+    first, while a model loaded from torch.save runs its first step with A first (registration order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(256, 192))
+        self.b = torch.nn.Parameter(torch.zeros(192, 128))
+
+    def forward(self, ca, cb):
+        return (self.a * ca).sum() + (self.b * cb).sum()
+
+
+def two_gradients(step, rank):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(256, 192, generator=g), torch.randn(192, 128, generator=g)
+
+
+def resume():
+    """PowerSGD from step 2, torch.save(ddp) after step 4, the loaded model trained on from step 5 (its first
+    step in place, its buckets rebuilt after it: PowerSGD again from step 6). What it reports: the buckets,
+    and n x (sum of the averaged gradients) + every rank's PowerSGD memory against the sum of every gradient."""
+    import io
+    n, rank = dist.get_world_size(), dist.get_rank()
+    ddp = DistributedDataParallel(TwoWeights())
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "powersgd"), guard_steps=0)
+    ddp.register_comm_hook(state, auto_hook)
+    steps, saved_at = 10, 5
+    out_sum = {"a": torch.zeros(256, 192, dtype=torch.float64), "b": torch.zeros(192, 128, dtype=torch.float64)}
+    before = None
+    for step in range(steps):
+        if step == saved_at:
+            before = state.stats()["buckets"]
+            buf = io.BytesIO()
+            torch.save(ddp, buf)
+            buf.seek(0)
+            ddp = torch.load(buf, weights_only=False)
+            state = ddp._comm_hooks[0][1]
+            ddp.register_comm_hook(state, auto_hook)
+        ddp.module.zero_grad(set_to_none=True)
+        ddp(*two_gradients(step, rank)).backward()
+        for name, p in ddp.module.named_parameters():
+            out_sum[name] += p.grad.to(torch.float64)
+    names = {agg.name: name for p, agg in state._aggregators.items()
+             for name, q in ddp.module.named_parameters() if q is p}
+    memory = {name: torch.zeros_like(t) for name, t in out_sum.items()}
+    for index, chosen in state._powersgd.buckets.items():
+        error = chosen.error(index)
+        if error is None:
+            continue
+        taken = [names[b] for b in chosen.names]
+        for name, e in zip(taken, torch.split(error, [out_sum[t].numel() for t in taken])):
+            memory[name] += e.reshape(out_sum[name].shape).to(torch.float64)
+    error = 0.0
+    scale = 0.0
+    for i, name in enumerate(("a", "b")):
+        memories = [torch.empty_like(memory[name]) for _ in range(n)]
+        dist.all_gather(memories, memory[name])
+        total = sum(two_gradients(t, r)[i].to(torch.float64) for t in range(steps) for r in range(n))
+        error = max(error, float((n * out_sum[name] + sum(memories) - total).abs().max()))
+        scale = max(scale, float(total.abs().max()))
+    return {"before": before, "after": state.stats()["buckets"], "steps": steps, "conservation_error": error,
+            "scale": scale, "digest": param_digest(ddp.module)}
+
+
 def scenario(name: str) -> dict:
     return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
-            "part": part, "converge": converge}[name]()
+            "part": part, "converge": converge, "resume": resume}[name]()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 #     csrc/cuda/kernel_list.h present, and the resource report (registers, spills) of every kernel kept
 #     in the log;
 #  2. csrc/cuda/bindings_cuda.cpp (the pybind11 module) with the host compiler;
-#  3. csrc/cuda/codec_kernels.cuh and thc_kernels.cuh through NVRTC, as the CuPy run-time path compiles them
+#  3. csrc/cuda/codec_kernels.cuh, thc_kernels.cuh and topk_kernels.cuh through NVRTC, as the CuPy run-time
+#     path compiles them
 #     (libnvrtc from the nvidia-cuda-nvrtc wheel, installed into .venv on first use when PyPI is
 #     reachable; without it this step says SKIPPED).
 # Exits 0 with a SKIPPED line when nvcc is absent.

@@ -1,4 +1,5 @@
-"""Compile csrc/cuda/codec_kernels.cuh and thc_kernels.cuh with NVRTC, as the CuPy run-time path does, without a GPU.
+"""Compile csrc/cuda/codec_kernels.cuh, thc_kernels.cuh and topk_kernels.cuh with NVRTC, as the CuPy run-time path
+does, without a GPU.
 
 Usage: python scripts/nvrtc_check.py [--arch 80 --arch 90]
 
@@ -18,7 +19,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 # What lossless_hc/backends/cuda_runtime.py hands NVRTC: the kernels headers included from csrc/, C++17.
-SOURCE = '#include "cuda/codec_kernels.cuh"\n#include "cuda/thc_kernels.cuh"\n'
+SOURCE = '#include "cuda/codec_kernels.cuh"\n#include "cuda/thc_kernels.cuh"\n#include "cuda/topk_kernels.cuh"\n'
 
 
 def find_libnvrtc() -> str | None:

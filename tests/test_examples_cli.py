@@ -278,3 +278,23 @@ def test_fsdp_under_torchrun_prints_no_view_warning_and_horovod_is_refused(tmp_p
     # one line per rank that got to print it (torchrun stops the other ranks when the first one exits)
     assert res.returncode != 0 and "error: --framework horovod: this process was started by torchrun" in out
     assert "Traceback (most recent call last):\n  File \"" + os.path.join(REPO, "lossless_hc") not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--steps", "0"], "argument --steps: must be a positive integer"),   # it ran the default 150 steps
+    (["train", "--workers", "-1"], "argument --workers: must be a positive integer"),
+    (["simulate", "--users", "0"], "argument --users: must be a positive integer"),
+    (["simulate", "--dim", "0"], "argument --dim: must be a positive integer"),
+    (["simulate", "--batch", "0"], "argument --batch: must be a positive integer"),   # it printed empty tables
+    (["simulate", "--skews", "nan"], "--skews finite and >= 0"),
+    (["plan", "--strategies", ""], "--strategies names none"),
+])
+def test_the_bench_refuses_values_it_would_misread_in_one_line(argv, message, capsys):
+    from lossless_hc.bench.cli import main
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code not in (0, None)
+    captured = capsys.readouterr()
+    assert message in captured.err + (code if isinstance(code, str) else "")

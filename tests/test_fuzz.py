@@ -170,3 +170,20 @@ def test_a_decode_vouches_for_what_it_did_not_list():
     assert flagged(report(DecodeStatus.INEXACT, listed)) == [5]
     assert flagged(report(DecodeStatus.INEXACT, torch.tensor([1, 2]))) == []
     assert flagged(report(DecodeStatus.SKETCH_PEEL_FAILED)) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rtol", "nan"], "--rtol must be a finite number >= 0"),   # it passed every value: a run that checked nothing
+    (["--rtol", "inf"], "--rtol must be a finite number >= 0"),
+    (["--rtol", "-1"], "--rtol must be a finite number >= 0"),
+    (["--cases", "0"], "--cases must be >= 1"),
+    (["--workers", "-3"], "--workers must be >= 1"),
+    (["--kinds", "lhc,foo"], "--kinds takes lhc, thc or lhc,thc"),
+    (["--kinds", ""], "--kinds takes lhc, thc or lhc,thc"),
+    (["--device", "foo"], "--device must be cpu or cuda"),
+])
+def test_the_cli_refuses_arguments_that_would_check_nothing_or_crash(argv, message, capsys):
+    from lossless_hc.fuzz.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--cases", "8", "--workers", "1"] + argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

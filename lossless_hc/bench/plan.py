@@ -55,6 +55,8 @@ def run_plan_bench(numel: int, row: int = 1, density: float = 1.0, workers: int 
         raise ValueError(f"--row must divide --numel: {numel} elements in rows of {row}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"--density must be in (0, 1], got {density}")
+    if not strategies:
+        raise ValueError(f"--strategies names none; choose among {', '.join(PLAN_STRATEGIES)}")
     unknown = [s for s in strategies if s not in PLAN_STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose among {', '.join(PLAN_STRATEGIES)}")

@@ -258,8 +258,9 @@ def cmd_simulate(args) -> int:
     try:
         rate = parse_rate(args.bandwidth)
         alpha = parse_delay(args.alpha) if args.alpha else None
-        if min(args.hosts) < 2 or max(args.hosts) > 4096 or min(args.skews) < 0:
-            raise ValueError("--hosts must be in [2, 4096] and --skews >= 0")
+        if (not args.hosts or not args.skews or min(args.hosts) < 2 or max(args.hosts) > 4096
+                or not all(math.isfinite(s) and s >= 0 for s in args.skews)):   # NaN fails `s < 0` too
+            raise ValueError("--hosts must be in [2, 4096] and --skews finite and >= 0 (at least one of each)")
     except ValueError as exc:
         print(f"python -m lossless_hc.bench simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -281,16 +282,17 @@ def cmd_simulate(args) -> int:
 
 
 def add_arguments(p) -> None:
+    from lossless_hc.bench.workloads.options import positive_int
     floats = lambda s: [float(v) for v in s.split(",") if v.strip()]  # noqa: E731
     ints = lambda s: [int(v) for v in s.split(",") if v.strip()]  # noqa: E731
     p.add_argument("--hosts", type=ints, default=[2, 4, 8, 16, 32, 64, 128, 256])
     p.add_argument("--skews", type=floats, default=[0.0, 0.8, 1.1, 1.5], help="Zipf exponents (0: uniform)")
     p.add_argument("--bandwidth", default="1gbit")
     p.add_argument("--alpha", help="per-message latency, e.g. 200us (default: the planner's default calibration)")
-    p.add_argument("--users", type=int, default=50_000)
-    p.add_argument("--items", type=int, default=50_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--batch", type=int, default=512, help="interactions per rank per step")
+    p.add_argument("--users", type=positive_int, default=50_000)
+    p.add_argument("--items", type=positive_int, default=50_000)
+    p.add_argument("--dim", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=512, help="interactions per rank per step")
     p.add_argument("--measured", help="JSON of `python -m lossless_hc.bench replay`: compare the model with it")
     p.add_argument("--calibration", choices=("recorded", "default"), default="recorded",
                    help="with --measured: price each host count with the calibration its auto mode measured "

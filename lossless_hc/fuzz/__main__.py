@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from lossless_hc.fuzz.cases import draw_group, run_group
@@ -21,6 +22,18 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=None, help="replay one group and print its cases")
     ap.add_argument("--thc-group", type=int, default=None, help="replay one THC group and print its cases")
     args = ap.parse_args(argv)
+    # A NaN or infinite tolerance would pass every decoded value: a run that checks nothing, exit status 0.
+    if args.rtol is not None and not (math.isfinite(args.rtol) and args.rtol >= 0):
+        ap.error(f"--rtol must be a finite number >= 0, got {args.rtol!r}")
+    if args.cases < 1:
+        ap.error(f"--cases must be >= 1, got {args.cases}")
+    if args.workers is not None and args.workers < 1:
+        ap.error(f"--workers must be >= 1, got {args.workers}")
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or not set(kinds) <= {"lhc", "thc"}:
+        ap.error(f"--kinds takes lhc, thc or lhc,thc, got {args.kinds!r}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        ap.error(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
     if args.thc_group is not None:
         for v in run_thc_group(args.seed, args.thc_group, args.device):
             print(f"  case {v.case} {v.how:16s} {v.status:24s} {v.wrong or ''} {v.detail}")
@@ -30,8 +43,7 @@ def main(argv=None) -> int:
         for v in run_group(args.seed, args.group, args.rtol, args.device):
             print(f"  case {v.case} {v.how:16s} {v.status:24s} {v.wrong or ''} {v.detail}")
         return 0
-    t = run(args.cases, args.seed, args.workers, args.rtol, args.device, args.first_group,
-            kinds=tuple(k for k in args.kinds.split(",") if k))
+    t = run(args.cases, args.seed, args.workers, args.rtol, args.device, args.first_group, kinds=kinds)
     print(f"lossless_hc.fuzz: {t.cases} cases (seed {args.seed}, {args.kinds}, from group {args.first_group}) in {t.seconds:.1f} s: {t.cases / max(t.seconds, 1e-9):.0f} cases/s")
     print(f"{'':8s}{'status':28s}{'cases':>10s}")
     for (where, status), count in sorted(t.statuses.items()):

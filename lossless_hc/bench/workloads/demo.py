@@ -14,6 +14,7 @@ import tempfile
 
 import torch
 
+from lossless_hc.bench.workloads.options import positive_int
 from lossless_hc.bench.workloads.train import DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -43,12 +44,12 @@ def run(framework: str, model: str, workers: int, compression: str, steps: int, 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lossless_hc.bench train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, help="default: the model's (150 for ncf)")
+    p.add_argument("--workers", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, help="default: the model's (150 for ncf)")
     p.add_argument("--framework", choices=sorted(LAUNCHERS), default="horovod")
     p.add_argument("--model", choices=("ncf", "lstm"), default="ncf", help="models with embedding tables")
     args = p.parse_args(argv)
-    steps = args.steps or DEFAULTS[args.model]["steps"]
+    steps = args.steps if args.steps is not None else DEFAULTS[args.model]["steps"]
     print(f"lossless_hc demo: {args.workers} {args.framework} workers train the {args.model} model "
           f"(embedding tables with row-sparse gradients) for {steps} steps, twice.")
     with tempfile.TemporaryDirectory() as tmp:

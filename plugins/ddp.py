@@ -292,7 +292,8 @@ class AutoHookState(HookState):
         only then rebuilds them as the run that saved it had them; PowerSGD's buckets (torch's memories too)
         are known by bucket index, so that step sends every dense bucket in place, as the step guard's dense
         window does, and the memories wait for the next step, where the buckets are theirs again."""
-        return self._steps_here <= 1 and self._powersgd is not None and bool(self._powersgd.buckets)
+        return (self._steps_here <= 1 and self._powersgd is not None
+                and any(b.left_step is None for b in self._powersgd.buckets.values()))
 
     def stats(self) -> dict:
         d = super().stats()

@@ -275,3 +275,26 @@ def test_thc_aggregator_refuses_a_tensor_it_was_not_built_for():
             agg.encode(bad)
     payload, ctx = agg.encode(torch.randn(64, 64))   # what it was built for
     assert payload.numel() > 0
+
+
+def test_the_cuda_backend_s_torch_paths_take_the_shapes_the_cpu_kernels_take():
+    """dense_copy and the THC interleave take contiguous operands of the right numel in any shape on the CPU
+    (their kernels see addresses); the CUDA backend's torch operations (run here on CPU tensors) broadcast
+    or sliced rows instead, and refused them: now the same bits."""
+    from lossless_hc.backends.cpu import CPU
+    from lossless_hc.backends.cuda import CudaBackend
+    cuda = CudaBackend()
+    src = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    for backend in (CPU, cuda):
+        dst = torch.empty(5, 10)
+        counts = backend.dense_copy(src, dst)
+        assert torch.equal(dst.reshape(-1), src) and counts.tolist() == [50, 0]
+    x = torch.randn(40, 100, generator=torch.Generator().manual_seed(2))   # 4000 coordinates, 2-D
+    want, got = torch.empty(4, 1024), torch.empty(4, 1024)
+    CPU.thc_interleave(x, 4, 1024, want)
+    cuda.thc_interleave(x, 4, 1024, got)
+    assert torch.equal(got, want)
+    back_cpu, back_cuda = torch.empty(40, 100), torch.empty(40, 100)
+    CPU.thc_deinterleave(want, 4, 1024, back_cpu)
+    cuda.thc_deinterleave(want, 4, 1024, back_cuda)
+    assert torch.equal(back_cpu, x) and torch.equal(back_cuda, x)

@@ -224,6 +224,26 @@ def test_lossless_payload_survives_byteps_average(world, reverse):
         assert torch.equal(out.value, outs[0].value), "every rank decodes the same bits"
 
 
+def test_a_transposed_gradient_s_dense_fallback_is_pushed_contiguous():
+    """A gradient stored transposed (not contiguous) that overloads the sketch falls back to a dense push of
+    it: the push is contiguous (a clone kept the strides, which BytePS refuses) and the average is exact."""
+    world = 2
+    xs = [torch.randn(96, 64, generator=torch.Generator().manual_seed(r)).t() for r in range(world)]
+
+    def worker(rank, engine):
+        comp = Compression.lossless(engine=engine, max_density=0.001)
+        agg = comp.aggregator("k", "w", xs[rank], world, rank)
+        payload, enc = comp.encode(agg, xs[rank])
+        assert agg.compressed and not xs[rank].is_contiguous()
+        engine.synchronize(engine.push_pull_async_inplace(payload, average=True, name="Gradient.w"))
+        return comp.decode(payload, enc)
+
+    outs = run_workers(SimulatedBytePS(world), worker)
+    truth = (xs[0] + xs[1]) / 2
+    for out in outs:
+        assert out.shape == truth.shape and float((out - truth).abs().max()) <= 1e-6
+
+
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_topk_payload_survives_byteps_average(world):
     g = torch.Generator().manual_seed(world)

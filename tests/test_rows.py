@@ -241,3 +241,24 @@ def test_the_row_scan_refuses_what_it_cannot_read():
         scan(torch.zeros(10, dtype=torch.int32), 2)
     with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
         scan(torch.zeros(20)[::2], 2)
+
+
+@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+def test_bitmap_pack_reads_rows_as_their_values_or_refuses_them_alike(which):
+    """Every backend packs an index that is a negative view as its values (torch's indexing ignores the
+    bit: the CUDA backend packed rows 24 and 34 for [10, 20]) and refuses what is no bool per row (one
+    bool broadcast to every row, a count of 2, fractions) or no integer rows (floats, bools, uint8 masks)."""
+    backend, device = bitmap_backend(which)
+    keys, n = 37, 3
+    plain = backend.bitmap_pack(keys, n, index=torch.tensor([10, 20], device=device))
+    assert torch.equal(backend.bitmap_pack(keys, n, index=torch._neg_view(torch.tensor([-10, -20], device=device))),
+                       plain)
+    present = torch.zeros(keys, dtype=torch.bool, device=device)
+    present[[10, 20]] = True
+    assert torch.equal(backend.bitmap_pack(keys, n, present=present), plain)
+    for bad in (torch.tensor([True]), torch.tensor([2] + [0] * (keys - 1)), torch.full((keys,), 0.5)):
+        with pytest.raises(ValueError, match="present must be a bool per row"):
+            backend.bitmap_pack(keys, n, present=bad.to(device))
+    for bad in (torch.tensor([2.0]), torch.tensor([False, True]), torch.tensor([3, 5], dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="index must be a tensor of integer rows"):
+            backend.bitmap_pack(keys, n, index=bad.to(device))

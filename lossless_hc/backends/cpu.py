@@ -119,13 +119,21 @@ def check_interleave(flat: torch.Tensor, nb: int, block: int, blocks: torch.Tens
     check_disjoint(blocks, flat, "the THC interleave's operands")
 
 
-def check_bitmap_index(index: torch.Tensor) -> None:
-    """``bitmap_pack``'s ``index``: a tensor of integer rows (a bool mask or float rows would be taken for
-    other rows)."""
+def check_bitmap_rows(keys: int, present: Optional[torch.Tensor], index: Optional[torch.Tensor]) -> torch.Tensor:
+    """``bitmap_pack``'s rows on any backend, as the kernels read them: ``present``, one bool per row, flat and
+    contiguous; else ``index``, integer rows (a bool mask, float or uint8 rows would be taken for other rows),
+    as int64 holding its values (resolved from a negative view)."""
+    if present is not None:
+        if not isinstance(present, torch.Tensor) or present.dtype != torch.bool or present.numel() != keys:
+            raise ValueError(f"bitmap_pack: present must be a bool per row ({keys}), got "
+                             f"{getattr(present, 'dtype', type(present).__name__)} of "
+                             f"{getattr(present, 'numel', lambda: '?')()}")
+        return present.reshape(-1).contiguous()
     if not isinstance(index, torch.Tensor) or index.dtype.is_floating_point or index.dtype.is_complex \
-            or index.dtype == torch.bool:
+            or index.dtype in (torch.bool, torch.uint8):
         raise ValueError(f"bitmap_pack: index must be a tensor of integer rows, got "
                          f"{getattr(index, 'dtype', type(index).__name__)}")
+    return index.reshape(-1).to(torch.int64).contiguous().resolve_neg()
 
 
 def thc_cpu_isa(request: str = "") -> str:
@@ -301,17 +309,12 @@ class CpuBackend:
         (csrc/cpu/bitmap.cpp)."""
         pk = digit_packing(world_size, keys)
         words = torch.empty(pk.words, dtype=torch.float32)
+        rows = check_bitmap_rows(keys, present, index)
         if present is not None:
-            present = present.contiguous()
-            if present.dtype != torch.bool or present.numel() != keys:
-                raise ValueError(f"bitmap_pack: present must be a bool per row ({keys}), got {present.dtype} "
-                                 f"of {present.numel()}")
-            _C.bitmap_pack(keys, pk.base, pk.per_word, present.data_ptr(), 0, 0, words.data_ptr(), num_threads)
+            _C.bitmap_pack(keys, pk.base, pk.per_word, rows.data_ptr(), 0, 0, words.data_ptr(), num_threads)
         else:
-            check_bitmap_index(index)
-            index = index.to(torch.int64).contiguous().resolve_neg()
             try:
-                _C.bitmap_pack(keys, pk.base, pk.per_word, 0, index.data_ptr(), index.numel(), words.data_ptr())
+                _C.bitmap_pack(keys, pk.base, pk.per_word, 0, rows.data_ptr(), rows.numel(), words.data_ptr())
             except IndexError as exc:   # pybind11 maps std::out_of_range to IndexError
                 raise ValueError(str(exc)) from None
         return words

@@ -54,17 +54,16 @@ class CudaBackend:
                     index: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
         """The CPU backend's ``bitmap_pack`` on the device, in torch operations (a few passes over the rows;
         no synchronisation, so ``index`` is not range-checked here: the caller's rows are in [0, keys))."""
-        from lossless_hc.backends.cpu import check_bitmap_index
-        if present is None:
-            check_bitmap_index(index)
+        from lossless_hc.backends.cpu import check_bitmap_rows
+        rows = check_bitmap_rows(keys, present, index)   # torch's indexing ignores an index's negative bit
         pk = digit_packing(world_size, keys)
-        device = (present if present is not None else index).device
+        device = rows.device
         # int32 throughout: a word is below 2^22 (lhc.layout.INT_FIELD_LIMIT)
         digits = torch.zeros(pk.words * pk.per_word, dtype=torch.int32, device=device)
         if present is not None:
-            digits[:keys] = present.reshape(-1).to(torch.int32)
+            digits[:keys] = rows.to(torch.int32)
         else:
-            digits[index] = 1
+            digits[rows] = 1
         weights = torch.tensor([pk.base ** j for j in range(pk.per_word)], dtype=torch.int32, device=device)
         return (digits.reshape(pk.words, pk.per_word) * weights).sum(dim=1, dtype=torch.int32).to(torch.float32)
 
@@ -94,7 +93,7 @@ class CudaBackend:
         from lossless_hc.backends.cpu import check_dense_copy
         check_dense_copy(src, dst)   # then torch's copy_, which reads a negative view's values
         if dst is not None:
-            dst.copy_(src)
+            dst.view(-1).copy_(src.reshape(-1))   # the same numel in any shapes, as the CPU's kernel copies
         return torch.stack([torch.count_nonzero(src), torch.count_nonzero(~torch.isfinite(src))])
 
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
@@ -158,7 +157,7 @@ class CudaBackend:
         from lossless_hc.backends.cpu import check_interleave, check_not_negative_view
         check_interleave(x, nb, block, out)
         check_not_negative_view(out, "thc_interleave's out")   # as the CPU's, whose kernel writes memory
-        cuda_thc.interleave(x, nb, block, out)
+        cuda_thc.interleave(x.reshape(-1), nb, block, out.view(-1))   # any contiguous shapes, as the CPU's
 
     def thc_deinterleave(self, y: torch.Tensor, nb: int, block: int, out: torch.Tensor,
                          num_threads: int = 0) -> None:
@@ -166,7 +165,7 @@ class CudaBackend:
         from lossless_hc.backends.cpu import check_interleave, check_not_negative_view
         check_interleave(out, nb, block, y)
         check_not_negative_view(out, "thc_deinterleave's out")
-        cuda_thc.deinterleave(y, nb, block, out)
+        cuda_thc.deinterleave(y.reshape(-1), nb, block, out.view(-1))
 
 
 CUDA = CudaBackend()

@@ -268,7 +268,8 @@ class CompressorAdapter:
         step's end (a dense fallback, the inexact keys' SUM)."""
         agg = enc.aggregator
         if outcome.needs_fallback:
-            dense = enc.ctx.dense_value.detach().clone()
+            # contiguous: what the engine sends (a gradient stored transposed keeps its strides in a clone)
+            dense = enc.ctx.dense_value.detach().clone(memory_format=torch.contiguous_format)
             handle = self._start_fallback(agg, dense)
             self._fallbacks.append((handle, dense, outcome, agg))
             return dense   # filled in place by the engine; waited for in _finish_step

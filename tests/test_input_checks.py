@@ -131,6 +131,8 @@ def test_backend_kernels_read_a_negative_view_s_values_and_refuse_to_write_one()
         b.dense_copy(buf[:n], buf[1:n + 1])
     with pytest.raises(ValueError, match="topk_feedback's residual and x overlap"):
         b.topk_feedback(buf[:n], buf[1:n + 1], 50)
+    with pytest.raises(ValueError, match="topk_select's out and x overlap"):
+        b.topk_select(buf[:n], 50, out=buf[n - 50:n + 50].view(torch.int64))
     with pytest.raises(ValueError, match="THC interleave's operands overlap"):
         b.thc_interleave(buf[:4000], 4, 1024, buf[:4096])
     with pytest.raises(ValueError, match="THC interleave's operands overlap"):

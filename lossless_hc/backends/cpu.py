@@ -75,6 +75,7 @@ def check_topk_select(x: torch.Tensor, k: int, out: Optional[torch.Tensor]) -> i
         raise ValueError(f"out must be a contiguous int64 tensor of at least {count} elements on {x.device}")
     if out is not None:
         check_not_negative_view(out, "topk_select's out")
+        check_disjoint(out, x, "topk_select's out and x")
     return count
 
 

@@ -270,7 +270,6 @@ class AutoHookState(HookState):
         self._guard = step_guard(guard_steps, guard_start, guard_margin)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
-    _steps_here = 0   # ... since this state was built or unpickled (see _settling)
     _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", or "dense" buckets in place
 
     def __repr__(self) -> str:
@@ -282,7 +281,6 @@ class AutoHookState(HookState):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._steps_here = 0
         if self._guard is not None:
             self._guard.clock = None   # a restored state's first step has no predecessor to time
 
@@ -291,8 +289,9 @@ class AutoHookState(HookState):
         from ``torch.save`` runs its first step with its buckets in the parameters' registration order and
         only then rebuilds them as the run that saved it had them; PowerSGD's buckets (torch's memories too)
         are known by bucket index, so that step sends every dense bucket in place, as the step guard's dense
-        window does, and the memories wait for the next step, where the buckets are theirs again."""
-        return (self._steps_here <= 1 and self._powersgd is not None
+        window does, and the memories wait for the next step, where the buckets are theirs again. (``_restored``
+        holds through that step until its last bucket's :meth:`_check_restored`: read before it.)"""
+        return (self._restored and self._powersgd is not None
                 and any(b.left_step is None for b in self._powersgd.buckets.values()))
 
     def stats(self) -> dict:
@@ -310,7 +309,6 @@ class AutoHookState(HookState):
         """Bucket 0's hook (main thread, every rank at the same step): count the step, time the one
         before it for the step guard, calibrate at the second step, and set what this step runs."""
         self._steps += 1
-        self._steps_here += 1
         if self._steps == 2 and self.spec.calibration is None:   # the model's tensors are known now
             self._calibrate()
         if self._guard is not None:
@@ -449,13 +447,13 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if bucket.index() == 0:   # DDP launches bucket 0 first, after every callback of the previous step
         state._begin_step(started)
     aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
+    settling = state._settling()   # before _check_restored, which ends the restored state's first step
     state._check_restored(bucket.is_last())
     # a plan due since the calibration is applied now, each priced as the bucket batches its second collective
     settle_message_plans(aggs)
     n = state.world_size
     # The step guard's dense window (and a dense verdict), or a restored state's first step (_settling):
     # every dense float bucket in place, PowerSGD's too.
-    settling = state._settling()
     guard_dense = (state._step_phase == "dense" or settling) and not buffer.is_sparse
     divided = None
     if guard_dense and not settling and state._guard.verdict == "dense":

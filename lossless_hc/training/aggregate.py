@@ -497,6 +497,12 @@ def _held_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _rounds(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds fewer bits of a float32 value (float16, bfloat16): only then can sending in it
+    leave something out."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
 def _left_out(x: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """``x - held`` (float32, exact: a rounding's or a clamp's remainder) where ``x`` is finite, else 0: a
     NaN or infinity goes out as it is, and nothing of it stays behind for the next step."""
@@ -535,11 +541,13 @@ class TopKAggregator(TensorAggregator):
                 return x
             total = x.detach().reshape(-1).float() + self.residual
             sent = _held_in(total, self.dtype)
-            rest = _left_out(total, sent)   # what a narrower dtype's rounding left out: sent later
-            self.residual = rest if bool(rest.any()) else None
+            self.residual = None
+            if _rounds(self.dtype):
+                rest = _left_out(total, sent)   # what a narrower dtype's rounding left out: sent later
+                self.residual = rest if bool(rest.any()) else None
             return sent.reshape(self.shape)
         idx, values = self.select_indices(x)
-        if self.dtype != torch.float32:
+        if _rounds(self.dtype):
             held = _held_in(values, self.dtype)
             self.residual[idx] = _left_out(values, held)   # zero there after the selection: now the rounding's
             values = held.float()

@@ -67,6 +67,8 @@ reference against each other.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lossless_hc.backends.cpu import CPU, check_disjoint, check_not_negative_view
@@ -82,6 +84,21 @@ def checked_out(out, numel: int, device: torch.device, dtype: torch.dtype = torc
                          f"on {device}")
     check_not_negative_view(out, "out")
     return out.view(-1)
+
+
+def span_of_slices(buffer: torch.Tensor, tensors) -> Optional[int]:
+    """The bytes from ``buffer``'s start that ``tensors`` cover when they are its consecutive slices, in order,
+    each contiguous and holding its own values; else None. No negative view on either side: whoever reads
+    ``buffer`` in their place (an engine's collective, a kernel) reads memory, which would then be the
+    negation of their values. An empty tensor has no memory to be in the buffer (data_ptr 0): it fits anywhere."""
+    if not buffer.is_contiguous() or buffer.is_neg():
+        return None
+    at = buffer.data_ptr()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.is_neg() or (t.numel() and t.data_ptr() != at):
+            return None
+        at += t.numel() * t.element_size()
+    return at - buffer.data_ptr()
 
 
 def as_device(device) -> torch.device:

@@ -40,7 +40,7 @@ from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import backend_for, span_of_slices
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.training.aggregate import DecodeOutcome, partial_values
 
@@ -127,18 +127,13 @@ def pack_parts(payloads: Sequence[torch.Tensor], dtypes, sizes, places) -> List[
 
 def _is_the_buffer(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], specs, dtypes) -> bool:
     """Whether every payload is announced as its tensor, in one part of ``buffer``'s dtype, and the
-    tensors are ``buffer``'s consecutive slices from its start, holding their own values (no negative view
-    on either side: the engine sums memory, which would then be the negation of the tensors' values)."""
-    if dtypes != [buffer.dtype] or not buffer.is_contiguous() or buffer.is_neg():
+    tensors are ``buffer``'s consecutive slices from its start (:func:`span_of_slices`: holding their own
+    values, as the engine sums memory)."""
+    if dtypes != [buffer.dtype] or any((numel, dtype) != (t.numel(), t.dtype) or dtype != buffer.dtype
+                                       for t, (numel, dtype) in zip(tensors, specs)):
         return False
-    offset = 0
-    for t, (numel, dtype) in zip(tensors, specs):
-        # an empty tensor (a zero-element parameter) has no memory to be in the buffer (data_ptr 0)
-        if (numel, dtype) != (t.numel(), t.dtype) or not t.is_contiguous() or t.is_neg() \
-                or (numel and t.data_ptr() != buffer.data_ptr() + offset * buffer.element_size()):
-            return False
-        offset += numel
-    return offset <= buffer.numel()
+    span = span_of_slices(buffer, tensors)
+    return span is not None and span <= buffer.numel() * buffer.element_size()
 
 
 def message_layout(specs: Sequence[tuple], keep: Collection[torch.dtype] = (), link=None, world_size: int = 1) -> tuple:

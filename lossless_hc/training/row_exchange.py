@@ -37,7 +37,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import backend_for, span_of_slices
 
 WHOLE = -1       # a segment's count: the chunk as it is
 NARROWED = -2    # ... the chunk rounded to the caller's narrow dtype
@@ -163,10 +163,11 @@ def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optiona
     sizes = [[segment_nbytes(c, x.numel(), row_width(x.shape), x.dtype, nd)
               for (c, _), x, nd in zip(scan, row, narrow)] for scan, row in zip(scans, chunks)]
     counts = [[c for c, _ in scan] for scan in scans]
-    if (source is not None and all(c == WHOLE for row in counts for c in row)
-            and sum(map(sum, sizes)) == source.numel() * source.element_size()   # no padding: the same bytes
-            and _is_the_source(source, [x for row in chunks for x in row])):
-        return counts, source.reshape(-1).view(torch.uint8), [sum(size) for size in sizes]
+    if source is not None and all(c == WHOLE for row in counts for c in row):
+        nbytes = source.numel() * source.element_size()
+        # no padding, and the chunks are the source's memory: the same bytes
+        if sum(map(sum, sizes)) == nbytes and span_of_slices(source, [x for row in chunks for x in row]) == nbytes:
+            return counts, source.reshape(-1).view(torch.uint8), [sum(size) for size in sizes]
     device = chunks[0][0].device if chunks and chunks[0] else torch.device("cpu")
     payload = torch.empty(sum(map(sum, sizes)), dtype=torch.uint8, device=device)
     offset = 0
@@ -175,20 +176,6 @@ def encode_destinations(chunks: List[List[Chunk]], narrow: Optional[List[Optiona
             _write(x, c, index, nd, payload[offset:offset + n])
             offset += n
     return counts, payload, [sum(size) for size in sizes]
-
-
-def _is_the_source(source: torch.Tensor, chunks: List[Chunk]) -> bool:
-    """Whether ``chunks`` are ``source``'s consecutive slices filling it from its start, each holding its own
-    values (no negative view on either side: the bytes sent are memory), so that ``source``'s bytes are
-    their segments sent whole."""
-    if not source.is_contiguous() or source.is_neg():
-        return False
-    at = source.data_ptr()
-    for x in chunks:
-        if not isinstance(x, torch.Tensor) or not x.is_contiguous() or x.is_neg() or (x.numel() and x.data_ptr() != at):
-            return False
-        at += x.numel() * x.element_size()
-    return at == source.data_ptr() + source.numel() * source.element_size()
 
 
 def received_nbytes(counts: Sequence[int], chunks: List[torch.Tensor],

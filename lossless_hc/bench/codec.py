@@ -90,6 +90,18 @@ def make_inputs(numel: int, density: float, workers: int, block: int, support: s
     return xs, k
 
 
+def wire_parts(L) -> tuple:
+    """``(header, index, sketch)`` bytes of a payload of layout ``L``, which add up to its wire bytes:
+    the index is everything between the header and the value sketch (the counting bitmap, the Bloom
+    counters, or the multilevel index's coarse bitmap *and* its fine node tables), the sketch the
+    value sketch and its mass channel (the dense kind: the raw values)."""
+    header = 4 * HEADER_FIELDS
+    # The multilevel fine tables sit between L.index's words and the sketch (layout.sketch_offset):
+    # L.index is only the coarse level, so its words alone would book the tables to the sketch.
+    index = 4 * (L.sketch_offset - L.index_offset) if L.index_kind != "dense" else 0
+    return header, index, L.wire_bytes - header - index
+
+
 def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, mass: torch.Tensor, workers: int, block: int,
                 rtol: float) -> dict:
     """The decoder's per-key error bounds (``DecodeReport.error_bounds``) against the float64 truth
@@ -196,9 +208,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     dense_bytes = 4 * numel
     bound_bits = information_bound_bits(numel, u)
     bound_bytes = bound_bits / 8
-    header_bytes = 4 * HEADER_FIELDS
-    index_bytes = 4 * (L.index.words if L.index_kind != "dense" else 0)
-    sketch_bytes = codec.wire_bytes - header_bytes - index_bytes
+    header_bytes, index_bytes, sketch_bytes = wire_parts(L)
 
     clone_s = t_clone["median_s"]
     return {
@@ -463,7 +473,7 @@ def render_codec(res: dict, machine: dict, cmd: str) -> str:
          f"{w['header_bytes'] / max(1, w['wire_bytes']):.3f}"),
         ("  index", fmt_bytes(w["index_bytes"]), f"{w['index_bytes']:,}",
          f"{w['index_bytes'] / max(1, w['wire_bytes']):.3f}"),
-        ("  sketch", fmt_bytes(w["sketch_bytes"]), f"{w['sketch_bytes']:,}",
+        ("  sketch (values + mass)", fmt_bytes(w["sketch_bytes"]), f"{w['sketch_bytes']:,}",
          f"{w['sketch_bytes'] / max(1, w['wire_bytes']):.3f}"),
         ("dense float32", fmt_bytes(w["dense_bytes"]), f"{w['dense_bytes']:,}",
          f"wire/dense = {w['wire_over_dense']:.4f}"),

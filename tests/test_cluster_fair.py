@@ -99,6 +99,34 @@ def test_answer_line_and_auto_marked():
 
 
 # -- Zipf access -----------------------------------------------------------------------------------
+def test_answer_line_never_ranks_a_lossy_mode_as_exact_nor_a_diverged_run():
+    """Without an exact mode in a setup the line says so (it named the fastest lossy mode "fastest
+    exact"), and a run whose loss or metric is not finite (NaN, or null read back from the JSON) is
+    neither the fastest exact nor the fastest overall, nor a planner mode's reference."""
+    def row(comp, step, **extra):
+        return {"framework": "ddp", "compression": comp, "step_s_median": step, "step_s_mean": step,
+                "speedup_vs_none": 1.0 / step, "final_loss": 0.5, "metric_value": 0.9, **extra}
+    # lossy modes only beside auto-lossy: nothing exact ran
+    line = cluster_report.answer_line([row("bf16", 0.5), row("topk", 0.3), row("auto-lossy", 0.4)])
+    assert "fastest exact: - (no exact mode in this run)" in line
+    assert "fastest overall: ddp topk (300.0 ms" in line and "ddp auto-lossy: step 1.33x the fastest overall's" in line
+    # a sparse setup with only auto-lossy-sparse has no exact mode either
+    line = cluster_report.answer_line([row("none", 1.0), row("auto-lossy-sparse", 0.2)])
+    assert "sparse embeddings: fastest exact: - (no exact mode in this run)" in line
+    # a diverged run (faster because its gradients are NaN) is not ranked, and is named
+    rows = [row("none", 1.0), row("lossless", 0.6, final_loss=float("nan")), row("auto", 0.7),
+            row("topk", 0.1, final_loss=None), row("fp16", 0.5, metric_value=float("inf")),
+            row("auto-lossy", 0.4)]
+    line = cluster_report.answer_line(rows)
+    assert "fastest exact: ddp auto (700.0 ms" in line and "fastest overall: ddp auto-lossy (400.0 ms" in line
+    assert "ddp auto: step 1.00x the fastest exact's" in line
+    assert "ddp auto-lossy: step 1.00x the fastest overall's" in line
+    assert "diverged, not ranked: ddp lossless, ddp topk, ddp fp16" in line
+    line = cluster_report.answer_line([row("none", 1.0, final_loss=float("nan")), row("auto", 0.5, final_loss=None)])
+    assert "fastest exact: - (every exact run diverged)" in line and "fastest overall: - (every run diverged)" in line
+    assert "ddp auto: diverged" in line
+
+
 def test_window_statistics_subtract_counters_and_recompute_the_ratio():
     before = {"payload_bytes": 100, "dense_bytes": 400, "wire_ratio": 0.25, "last_failure": None}
     after = {"payload_bytes": 400, "dense_bytes": 800, "wire_ratio": 0.5, "last_failure": "x"}

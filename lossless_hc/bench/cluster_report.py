@@ -12,6 +12,7 @@ BASELINE = "none"
 LOSSLESS = ("lossless", "auto", "auto-sparse")
 AUTO = ("auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse")   # the planner's modes: marked in the tables
 AUTO_EXACT = ("auto", "auto-sparse")            # ... of them the exact ones (compared with the fastest exact mode)
+EXACT = (BASELINE, "sparse", *LOSSLESS)          # the modes "fastest exact" ranks: the sum up to float rounding
 # The modes that train the model with nn.Embedding(sparse=True) (workloads.train.SPARSE_MODES, which imports
 # torch; tests/test_cluster_fair.py checks they agree): another setup than the other modes', compared
 # within itself.
@@ -140,11 +141,21 @@ def _computes(result: dict) -> dict:
     return {"1 worker/host": c} if isinstance(c, (int, float)) else {str(k): v for k, v in c.items()}
 
 
+def diverged(row: dict) -> bool:
+    """Whether a result row's run diverged: its final loss or held-out metric is not a finite number
+    (NaN or inf; null where the report's strict JSON was read back). A row without those fields (made
+    by hand) is taken as finite."""
+    return any(k in row and not (isinstance(row[k], (int, float)) and math.isfinite(row[k]))
+               for k in ("final_loss", "metric_value"))
+
+
 def answer_line(rows: Sequence[dict]) -> str:
-    """The user's question first: which mode makes the step fastest, exact and overall, and where
-    the planner's choice (auto) lands against them: the ratio of its step time to theirs (above 1:
-    slower). A run with the sparse-embedding modes holds two setups of the model (SPARSE_SETUP and the
-    rest); each is answered, and each planner mode compared, within its own."""
+    """The user's question first: which mode makes the step fastest, exact (:data:`EXACT`) and overall,
+    and where the planner's choice (auto) lands against them: the ratio of its step time to theirs
+    (above 1: slower). A run with the sparse-embedding modes holds two setups of the model (SPARSE_SETUP
+    and the rest); each is answered, and each planner mode compared, within its own. A run that
+    diverged (:func:`diverged`) is never ranked, and is named as such; a setup without an exact mode
+    (or whose exact runs all diverged) says so instead of naming a lossy mode "fastest exact"."""
     if not rows:
         return ""
     setups = [("", [r for r in rows if r["compression"] not in SPARSE_SETUP]),
@@ -152,24 +163,36 @@ def answer_line(rows: Sequence[dict]) -> str:
     setups = [(label, rs) for label, rs in setups if rs]
     if len(setups) > 1:
         setups[0] = ("dense embeddings: ", setups[0][1])
+
+    def named(r):
+        return (f"{r['framework']} {r['compression']} ({1e3 * r['step_s_median']:.1f} ms, "
+                f"{_f(r['speedup_vs_none'], '.2f')}x none)")
     parts, refs = [], {}
     for label, rs in setups:
-        exact = [r for r in rs if r["compression"] in (BASELINE, "sparse", *LOSSLESS)]
-        best_exact = min(exact or rs, key=lambda r: r["step_s_median"])
-        best = min(rs, key=lambda r: r["step_s_median"])
-        parts.append(f"{label}fastest exact: {best_exact['framework']} {best_exact['compression']} "
-                     f"({1e3 * best_exact['step_s_median']:.1f} ms, {_f(best_exact['speedup_vs_none'], '.2f')}x none)")
-        parts.append(f"fastest overall: {best['framework']} {best['compression']} "
-                     f"({1e3 * best['step_s_median']:.1f} ms, {_f(best['speedup_vs_none'], '.2f')}x none)")
+        ranked = [r for r in rs if not diverged(r)]
+        exact = [r for r in ranked if r["compression"] in EXACT]
+        best_exact = min(exact, key=lambda r: r["step_s_median"]) if exact else None
+        best = min(ranked, key=lambda r: r["step_s_median"]) if ranked else None
+        none_exact = ("- (every exact run diverged)" if any(r["compression"] in EXACT for r in rs)
+                      else "- (no exact mode in this run)")
+        parts.append(f"{label}fastest exact: {named(best_exact) if best_exact else none_exact}")
+        parts.append(f"fastest overall: {named(best) if best else '- (every run diverged)'}")
         refs.update({id(r): (best_exact, best) for r in rs})
     for r in rows:
         if r["compression"] in AUTO:
             exact_mode = r["compression"] in AUTO_EXACT
             ref = refs[id(r)][0 if exact_mode else 1]
+            what = f"{r['framework']} {r['compression']}"
+            if diverged(r):
+                parts.append(f"{what}: diverged")
+                continue
             mean = (f" (mean step {r['step_s_mean'] / ref['step_s_mean']:.2f}x)"
                     if r.get("step_s_mean") and ref.get("step_s_mean") else "")
-            parts.append(f"{r['framework']} {r['compression']}: step {r['step_s_median'] / ref['step_s_median']:.2f}x "
+            parts.append(f"{what}: step {r['step_s_median'] / ref['step_s_median']:.2f}x "
                          f"the fastest {'exact' if exact_mode else 'overall'}'s{mean}")
+    gone = [r for r in rows if diverged(r)]
+    if gone:
+        parts.append("diverged, not ranked: " + ", ".join(f"{r['framework']} {r['compression']}" for r in gone))
     return "Is the step faster? " + "; ".join(parts) + "."
 
 

@@ -93,6 +93,19 @@ def test_a_diverged_seed_shows_in_the_final_metric_whatever_the_seeds_order():
         assert mode["final_metric"] != mode["final_metric"], (finals, mode["final_metric"])
 
 
+def test_ddp_sparse_is_an_exact_mode_in_the_table():
+    """DDP's sparse allreduce sums the gradients exactly, as bench cluster ranks it: its parameter
+    difference to the uncompressed run is marked as an exact mode's."""
+    assert tta_report.EXACT == ("none", "sparse", "lossless", "auto", "auto-sparse")
+    runs = [_run("none", 1, [(0, 0, 0.1), (10, 4.0, 0.97)]),
+            _run("sparse", 1, [(0, 0, 0.1), (10, 3.0, 0.97)], diff=1e-7),
+            _run("topk", 1, [(0, 0, 0.1), (10, 2.0, 0.97)], diff=1e-2)]
+    result = {"runs": runs, "summary": tta_report.summarize_runs(runs, 0.96), "target": 0.96, "title": "t",
+              "max_steps": 10, "eval_every": 10, "seeds": [1], "shaping": {"qdisc": "netem"}, "cpu_fair": None}
+    md = tta_report.render_markdown(result)
+    assert "1.00e-07 (exact mode)" in md and "1.00e-02 |" in md
+
+
 def test_parse_modes():
     modes = tta.parse_modes("none,topk-allgather:0.1,topk-allgather:0.01,lossless", "ddp")
     assert modes[1] == ("topk-allgather:0.1", "topk-allgather", ["--topk-ratio", "0.1"])

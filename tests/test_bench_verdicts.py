@@ -57,3 +57,20 @@ def test_wire_refuses_densities_outside_0_1_and_counts_the_points_it_could_not_v
     res = json.load(open(out))
     assert len(res["verified"]) == 1 and res["verify_too_few_keys"] == 1, res["verify_too_few_keys"]
     assert "1 point(s) not verified" in capsys.readouterr().out
+
+
+def test_bench_options_the_commands_would_crash_on_or_take_silently_are_usage_errors(capsys):
+    """A negative --seed of peel or wire (a codec seed; it ended in a traceback), a negative --threads of
+    peel (a traceback) or topk (taken, and printed as the run's setting) exit 2; plan's --topk-ratio
+    outside (0, 1] is refused under its own name (the planner's message named max_density)."""
+    for argv in (["peel", "--keys", "100", "--trials", "1", "--seed", "-1"],
+                 ["peel", "--keys", "100", "--trials", "1", "--threads", "-1"],
+                 ["wire", "--numel", "4096", "--plot", "", "--seed", "-5"],
+                 ["topk", "--numel", "4096", "--repeat", "1", "--threads", "-2"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+    for ratio in ("0", "-1", "2", "nan"):
+        with pytest.raises(SystemExit, match=f"--topk-ratio must be in \\(0, 1\\], got {ratio}"):
+            main(["plan", "--numel", "4096", "--repeat", "1", "--interval", "2", "--strategies", "topk",
+                  "--topk-ratio", ratio])

@@ -181,6 +181,31 @@ def test_cluster_commands_map_failures_to_exit_statuses(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_cluster_and_replay_refuse_a_timeout_cores_or_steps_they_would_fail_on_later(monkeypatch, capsys):
+    """--timeout of 0 or less (or NaN) and --cores below 1 are refused before a namespace is built (the
+    first configuration failed after the cluster was up: "timeout after -1 s", exit 1; --cores 0 was
+    this machine's count); bench replay refuses --record-steps 0 (a traceback) and --warmup >= --steps
+    (refused by bench cluster after the recording) before it records."""
+    from lossless_hc.bench import replay
+
+    def never(*a, **k):
+        raise AssertionError("ran past the option checks")
+    monkeypatch.setattr(cluster, "run_on_clusters", never)
+    monkeypatch.setattr(replay, "ensure_recording", never)
+    for bad, message in ((dict(timeout=-1), "--timeout must be a positive"), (dict(timeout=0), "--timeout"),
+                         (dict(timeout="nan"), "--timeout"), (dict(cores=0), "--cores must be at least 1")):
+        assert cluster.cmd_cluster(_args(hosts=2, model="digits", compression="none", **bad)) == 2, bad
+        assert message in capsys.readouterr().err
+    p = __import__("argparse").ArgumentParser()
+    replay.add_arguments(p)
+    for bad, message in ((["--record-steps", "0"], "--record-steps must be at least 1"),
+                         (["--steps", "3", "--warmup", "3"], "--warmup must be in [0, --steps)"),
+                         (["--timeout", "0"], "--timeout"), (["--cores", "0"], "--cores")):
+        args = p.parse_args(["--hosts", "2", "--ranks", "2", *bad])
+        assert replay.cmd_replay(args) == 2, bad
+        assert message in capsys.readouterr().err
+
+
 def _args(**kw):
     import argparse
     p = argparse.ArgumentParser()

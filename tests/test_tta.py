@@ -106,6 +106,25 @@ def test_ddp_sparse_is_an_exact_mode_in_the_table():
     assert "1.00e-07 (exact mode)" in md and "1.00e-02 |" in md
 
 
+def test_tta_refuses_what_its_workers_would_refuse_or_never_reach(monkeypatch, capsys):
+    """--max-train-seconds below 0 (every worker refused it after the cluster was built: exit 1), a target
+    that is not finite (every run went to the step cap, "not reached"), --timeout of 0 or less and --cores
+    below 1 exit 2 before anything runs."""
+    import argparse
+
+    def never(*a, **k):
+        raise AssertionError("ran past the option checks")
+    monkeypatch.setattr(tta, "run_on_clusters", never)
+    p = argparse.ArgumentParser()
+    tta.add_arguments(p)
+    for bad, message in ((["--max-train-seconds", "-1"], "--max-train-seconds"),
+                         (["--max-train-seconds", "nan"], "--max-train-seconds"),
+                         (["--target", "nan"], "--target must be a finite number"), (["--target", "inf"], "--target"),
+                         (["--timeout", "-5"], "--timeout"), (["--cores", "0"], "--cores")):
+        assert tta.cmd_tta(p.parse_args(["--hosts", "2", "--modes", "none", *bad])) == 2, bad
+        assert message in capsys.readouterr().err
+
+
 def test_parse_modes():
     modes = tta.parse_modes("none,topk-allgather:0.1,topk-allgather:0.01,lossless", "ddp")
     assert modes[1] == ("topk-allgather:0.1", "topk-allgather", ["--topk-ratio", "0.1"])

@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--trials", type=_positive_int, default=20)
     q.add_argument("--numel-factor", type=_positive_int, default=20, help="numel = factor * keys")
     q.add_argument("--index", choices=("bitmap", "bloom"), default="bitmap")
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=int, default=0)
+    q.add_argument("--seed", type=_nonnegative_int, default=0)      # a codec seed: in [0, 2**64)
+    q.add_argument("--threads", type=_nonnegative_int, default=0)
     q.add_argument("--json", metavar="PATH")
     q.set_defaults(func=_cmd_peel)
 
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--ratio", type=float, default=0.01, help="k = ceil(ratio * numel)")
     k.add_argument("--repeat", type=_positive_int, default=5)
     k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--threads", type=int, default=0)
+    k.add_argument("--threads", type=_nonnegative_int, default=0)   # 0: the OpenMP default
     k.add_argument("--no-check", action="store_true", help="skip the check against a stable sort")
     k.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: the CUDA selection, CUDA events, against a device-to-device copy and torch.topk")
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also encode/decode one instance per point at this numel and judge it by the exactness "
                         "contract (exit status 1 if one is outside it or fails to decode; points with fewer than "
                         "5 aggregate keys at that numel are skipped, and counted in the report)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=_nonnegative_int, default=0)      # a codec seed: in [0, 2**64)
     w.add_argument("--json", metavar="PATH")
     w.set_defaults(func=_cmd_wire)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -92,6 +93,17 @@ def parse_list(text: str, allowed: Sequence[str], what: str) -> list:
     if not vals or bad:
         raise ValueError(f"{what}: unknown {bad or text!r}; choose from {', '.join(allowed)}")
     return vals
+
+
+def check_run_limits(timeout_s: float, cores: Optional[int]) -> None:
+    """ValueError unless ``timeout_s`` (seconds per configuration) is a positive finite number and
+    ``cores`` (--cpu-fair's, None: this machine's) at least 1: checked before any namespace is built (a
+    timeout of 0 or less failed the first configuration after the cluster was up, a --cores of 0 was
+    taken as this machine's count)."""
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):   # NaN fails `> 0`
+        raise ValueError(f"--timeout must be a positive number of seconds, got {timeout_s}")
+    if cores is not None and cores < 1:
+        raise ValueError(f"--cores must be at least 1, got {cores}")
 
 
 # -- CPU-fair time dilation ------------------------------------------------------------------------
@@ -471,6 +483,7 @@ def cmd_cluster(args) -> int:
             raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup}")
         if args.shards < 1 or args.skew < 0:
             raise ValueError("--shards must be >= 1 and --skew >= 0")
+        check_run_limits(args.timeout, args.cores)
         # Now, before root and namespaces: options that the compute-only reference refuses (so every run
         # would), or a refusal of every configuration, end the benchmark; run_benchmark skips the rest.
         for why in refusals(model, [("local", BASELINE)], args.steps, args.warmup, worker_args(args)).values():

@@ -55,6 +55,8 @@ def run_plan_bench(numel: int, row: int = 1, density: float = 1.0, workers: int 
         raise ValueError(f"--row must divide --numel: {numel} elements in rows of {row}")
     if not 0.0 < density <= 1.0:
         raise ValueError(f"--density must be in (0, 1], got {density}")
+    if not 0.0 < topk_ratio <= 1.0:   # (the planner's own check names it max_density)
+        raise ValueError(f"--topk-ratio must be in (0, 1], got {topk_ratio}")
     if not strategies:
         raise ValueError(f"--strategies names none; choose among {', '.join(PLAN_STRATEGIES)}")
     unknown = [s for s in strategies if s not in PLAN_STRATEGIES]

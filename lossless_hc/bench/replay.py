@@ -87,9 +87,17 @@ def cmd_replay(args) -> int:
     out = args.out or tempfile.mkdtemp(prefix="lhc-replay-")
     os.makedirs(out, exist_ok=True)
     args.dir = args.dir or os.path.join(out, "recording")
-    if args.ranks < max(args.hosts):
-        print(f"python -m lossless_hc.bench replay: error: --ranks {args.ranks} < --hosts {max(args.hosts)}",
-              file=sys.stderr)
+    # Before recording (minutes): what the recorder or bench cluster would refuse only afterwards.
+    why = (f"--ranks {args.ranks} < --hosts {max(args.hosts)}" if args.ranks < max(args.hosts) else
+           f"--record-steps must be at least 1, got {args.record_steps}" if args.record_steps < 1 else
+           f"--warmup must be in [0, --steps), got {args.warmup}" if not 0 <= args.warmup < args.steps else None)
+    if why is None:
+        try:
+            cluster.check_run_limits(args.timeout, args.cores)
+        except ValueError as exc:
+            why = str(exc)
+    if why:
+        print(f"python -m lossless_hc.bench replay: error: {why}", file=sys.stderr)
         return 2
     try:
         cluster.require_root()

@@ -28,13 +28,14 @@ the driver's ``--topk-ratio``, 0.01). Both keep error feedback (residual memory)
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
 from typing import Optional, Sequence
 
-from lossless_hc.bench.cluster import (RunSpec, apply_cpu_fair, max_param_diff, parse_delay, parse_list, parse_rate,
-                                       Progress, run_workers)
+from lossless_hc.bench.cluster import (RunSpec, apply_cpu_fair, check_run_limits, max_param_diff, parse_delay,
+                                       parse_list, parse_rate, Progress, run_workers)
 from lossless_hc.bench.cluster_report import rate_label
 from lossless_hc.bench.common import command_line, machine_info, write_report
 from lossless_hc.bench.netns import ClusterError, EmulatedCluster, require_root, run_on_clusters, terminate_on_signals
@@ -175,6 +176,13 @@ def cmd_tta(args) -> int:
         for name in ("max_steps", "eval_every"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        # What the workers would refuse (every run failing after the cluster was built) or never reach
+        # (a NaN target: every run to the step cap, reported as not reached).
+        if args.target is not None and not math.isfinite(args.target):
+            raise ValueError(f"--target must be a finite number, got {args.target}")
+        if not (args.max_train_seconds >= 0 and math.isfinite(args.max_train_seconds)):
+            raise ValueError(f"--max-train-seconds must be a finite number >= 0, got {args.max_train_seconds}")
+        check_run_limits(args.timeout, args.cores)
         require_root()
     except (ValueError, ClusterError) as exc:
         print(f"python -m lossless_hc.bench tta: error: {exc}", file=sys.stderr)

@@ -7,7 +7,7 @@ import statistics
 from typing import Optional, Sequence
 
 # EXACT: the modes whose curve must equal the uncompressed one (float rounding aside), DDP's sparse
-# allreduce among them (it was left out here: its parameter difference went unmarked, its curve dashed)
+# allreduce among them: one list with the cluster report's, so both tables call the same modes exact
 from lossless_hc.bench.cluster_report import AUTO, BASELINE, EXACT, auto_choice, planner_lines, rate_label
 
 

@@ -5,6 +5,7 @@ the new baselines on 2 emulated hosts.
 The simulator's tests need ``lossless_hc.training.planner`` and skip, with the reason, without it;
 the emulated-cluster smoke runs need root and network namespaces (as in tests/test_cluster.py).
 """
+import copy
 import json
 import math
 import os
@@ -317,6 +318,22 @@ def test_simulator_check_against_measured_points():
     assert fair[0]["predicted_s"] == pytest.approx(out[0]["predicted_s"] + extra)
     with pytest.raises(ValueError):
         simulate.calibration(10**9, None, 0.0)
+    # links that applied a one-way delay (netem): each of the ring's hops is priced at that delay
+    del meas["by_hosts"]["2"]["cpu_fair"]
+    meas["by_hosts"]["2"]["shaping"].update(delay_s=1e-3, latency_applied=True)
+    delayed = simulate.check(meas, None)
+    hops = 2 * 2 * (2 - 1)    # 2(n-1) for each of the two tensors
+    assert delayed[0]["predicted_s"] == pytest.approx(out[0]["predicted_s"] + hops * (1e-3 - pl.DEFAULT_LATENCY_S))
+    meas["by_hosts"]["2"]["shaping"].update(delay_s=0.0, latency_applied=False)
+    # every mode the model prices is checked: the top-k allgather hook, and auto-lossy over sparse tables
+    more = copy.deepcopy(meas)
+    more["by_hosts"]["2"]["rows"] += [{"framework": "ddp", "compression": m, "aggregation_s": 0.01}
+                                      for m in ("topk-allgather", "auto-lossy-sparse")]
+    checked = {c["mode"]: c for c in simulate.check(more, None)}
+    assert checked["topk-allgather"]["strategy"] == "topk_allgather"
+    pred = simulate.step_times(pl.CostModel(simulate.calibration(10**9)), simulate.recorded_tensors(more, 2), 2)
+    assert checked["auto-lossy-sparse"]["predicted_s"] == pytest.approx(pred["auto-lossy-sparse"])
+    assert pred["auto-lossy-sparse"] <= pred["auto-sparse"] * (1 + 1e-12)   # more candidates for the dense tensors
     # an auto row that recorded its calibration: every mode of that host count is priced with it
     codec = {st: [1e-6, 0.0] for st in pl.PRICED}
     meas["by_hosts"]["2"]["rows"].append({"framework": "ddp", "compression": "auto", "aggregation_s": 0.02,

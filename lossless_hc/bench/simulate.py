@@ -41,8 +41,8 @@ LOSSY = ("fp16", "bf16", "thc", "topk", "topk_allgather")
 STRATEGIES = EXACT + LOSSY
 # bench modes -> the planner's strategy names (auto: the planner's own choice per tensor)
 MODE_STRATEGY = {"none": "dense", "sparse": "allgather", "lossless": "sketch", "fp16": "fp16", "bf16": "bf16",
-                 "thc": "thc", "topk": "topk"}
-AUTO_MODES = ("auto", "auto-lossy", "auto-sparse")   # the planner's modes (bench cluster's names)
+                 "thc": "thc", "topk": "topk", "topk-allgather": "topk_allgather"}
+AUTO_MODES = ("auto", "auto-lossy", "auto-sparse", "auto-lossy-sparse")   # the planner's modes (bench cluster's names)
 
 
 def planner():
@@ -105,8 +105,8 @@ def recorded_tensors(measured: dict, n: int) -> list:
 
 
 def step_times(model, tensors: Sequence[tuple], n: int) -> dict:
-    """{strategy: predicted seconds for the whole step} plus "auto", "auto-lossy" and "auto-sparse" (the
-    sum of the planner's per-tensor choices; auto-sparse: the tables' gradients sparse, as DDP hands
+    """{strategy: predicted seconds for the whole step} plus each of :data:`AUTO_MODES` (the sum of the
+    planner's per-tensor choices; the -sparse ones: the tables' gradients sparse, as DDP hands
     ``nn.Embedding(sparse=True)``'s to auto_hook -- the tables are the tensors with rows of more than
     one coordinate) and "<mode>_choice" (strategy -> tensors)."""
     pl = planner()
@@ -119,7 +119,8 @@ def step_times(model, tensors: Sequence[tuple], n: int) -> dict:
             total[s] += model.predict(s, st)
         sparse = pl.TensorStats(numel=numel, row=row, world_size=n, rank_keys=tuple(ks), union_keys=un,
                                 sparse=row > 1)
-        for mode, lossy, stats in (("auto", False, st), ("auto-lossy", True, st), ("auto-sparse", False, sparse)):
+        for mode, lossy, stats in (("auto", False, st), ("auto-lossy", True, st), ("auto-sparse", False, sparse),
+                                   ("auto-lossy-sparse", True, sparse)):
             pick, costs = model.choose(stats, lossy=lossy)
             out[mode] += costs[pick]
             out[f"{mode}_choice"].setdefault(pick, []).append(name)
@@ -159,8 +160,8 @@ def check(measured: dict, alpha_s: Optional[float], use_recorded: bool = True) -
     """Predicted vs measured per-step aggregation time for every replayed (hosts, framework, mode):
     priced with the calibration the replay's auto mode measured at start-up on that host count (the
     planner's own model; ``use_recorded`` and a recorded one), else with the default constants on the
-    replay's applied link (``alpha_s``: per-hop latency, None: the applied delay or the planner's
-    default) and its workers' share of a core."""
+    replay's applied link (``alpha_s``: per-hop latency, None: the links' applied one-way delay, or the
+    planner's default where the links could not add one) and its workers' share of a core."""
     out = []
     skew = measured["recording"]["options"].get("skew") or 0.0
     for n_text, res in sorted(measured["by_hosts"].items(), key=lambda kv: int(kv[0])):
@@ -171,7 +172,9 @@ def check(measured: dict, alpha_s: Optional[float], use_recorded: bool = True) -
             source = "default"
             rate = res["shaping"].get("rate_bits") or res["bandwidth_bits"]
             delay = res["shaping"].get("delay_s", res["latency_s"])
-            applied = alpha_s if alpha_s is not None else (2 * delay if res["shaping"].get("latency_applied") else None)
+            # A hop of the planner's ring is one message one way (every rank sends to its successor at
+            # once), and the cluster delays each host's uplink only: one delay per hop, not a round trip.
+            applied = alpha_s if alpha_s is not None else (delay if res["shaping"].get("latency_applied") else None)
             # the measured seconds are dilated ones (the link's rate is the applied, scaled one): price
             # the codecs at the workers' share of a core too
             cal = calibration(rate, applied, (res.get("cpu_fair") or {}).get("share", 1.0))

@@ -217,6 +217,30 @@ def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
     assert "topk_allgather" in AutoAggregator("w", (ALLGATHER_MAX_KEYS,), torch.float32, 2, 0, MODEL, **lossy).allowed
 
 
+
+
+def test_strategies_whose_codec_cannot_take_the_world_size_are_no_candidates():
+    """The LHC codec takes at most 1024 ranks (lhc.layout.MAX_WORLD_SIZE): at more, the sketch and the top-k
+    strategies (whose aggregator holds one) are no candidates, instead of the first re-plan raising the
+    codec's ValueError mid-run (1025 ranks: "world_size must be in [1, 1024]" at the end of step 0)."""
+    from lossless_hc.lhc.layout import MAX_WORLD_SIZE
+    n = MAX_WORLD_SIZE + 1
+    for lossy in (False, True):
+        best, predicted = MODEL.choose(stats(1 << 20, 64, n, 10, 10), lossy=lossy)
+        assert not {"sketch", "topk", "topk_allgather"} & set(predicted), predicted
+    assert "sketch" in MODEL.choose(stats(1 << 20, 64, MAX_WORLD_SIZE, 10, 10))[1]
+    lossy = dict(lossy=True, lossy_min_bytes=0)
+    assert AutoAggregator("w", (1 << 12, 4), torch.float32, n, 0, MODEL, **lossy).allowed == (
+        "dense", "allgather", "two_phase", "fp16", "bf16", "thc")
+    assert "sketch" in AutoAggregator("w", (1 << 12, 4), torch.float32, MAX_WORLD_SIZE, 0, MODEL).allowed
+    # a step and its plan at that many ranks, exact
+    aggs = [AutoAggregator("w", (64, 4), torch.float32, n, r, MODEL, first="sketch") for r in range(n)]
+    xs = [torch.zeros(64, 4) for _ in range(n)]
+    for r, x in enumerate(xs):
+        x[r % 3] = r + 1.0
+    values = run_step(aggs, xs)
+    assert aggs[0].plans == 1 and aggs[0].strategy in aggs[0].allowed
+    assert all(torch.equal(v, torch.stack(xs).sum(0)) for v in values)
 @pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk", "thc", "topk_allgather"])
 def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     """Only with lossy=True; every rank decodes the same bits; fp16/bf16 within their rounding (per

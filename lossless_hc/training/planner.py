@@ -126,7 +126,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
-from lossless_hc.lhc.layout import digit_packing
+from lossless_hc.lhc.layout import MAX_WORLD_SIZE, digit_packing
 from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.message import message_layout
 
@@ -309,6 +309,23 @@ def header_width(strategy: str, s: "TensorStats") -> int:
     if strategy == "thc" or (s.element_bytes == 8 and strategy in ("dense", "allgather")):
         return 8
     return 4
+
+
+@functools.lru_cache(maxsize=64)
+def unbuildable(world_size: int, thc_granularity: int = THC_GRANULARITY) -> frozenset:
+    """The strategies whose codec cannot be built for ``world_size`` ranks: above the LHC codec's
+    :data:`~lossless_hc.lhc.layout.MAX_WORLD_SIZE` (1024) the sketch and the top-k strategies (both
+    aggregate or select through a ``LosslessCodec``, whose constructor refuses more ranks), above THC's
+    exact range (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks at granularity 30) THC.
+    Neither a candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would
+    raise the codec's ValueError at the first re-plan, in the middle of training."""
+    from lossless_hc.thc.layout import max_world_size
+    out = set()
+    if world_size > MAX_WORLD_SIZE:
+        out |= {"sketch", "topk", "topk_allgather"}
+    if world_size > max_world_size(int(thc_granularity)):
+        out.add("thc")
+    return frozenset(out)
 
 
 def bitmap_words(keys: int, world_size: int) -> int:
@@ -563,8 +580,11 @@ class CostModel:
 
         The sketch is priced last: when it is not ``current`` and :meth:`sketch_floor` already exceeds
         the cheapest other candidate, it cannot be chosen and its entry is that lower bound (sizing its
-        layout, a search of index shapes, would cost milliseconds at every re-plan of every tensor)."""
+        layout, a search of index shapes, would cost milliseconds at every re-plan of every tensor).
+        Strategies whose codec cannot be built for ``stats.world_size`` ranks (:func:`unbuildable`) are
+        no candidates."""
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not stats.sparse else ())
+        names = tuple(s for s in names if s not in unbuildable(stats.world_size, self.thc_granularity))
         if allowed is not None:
             names = tuple(s for s in names if s in allowed)
             if not names:

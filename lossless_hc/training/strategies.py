@@ -69,7 +69,7 @@ from lossless_hc.training.plan_tracker import PlanTracker
 from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel,
                                           TensorStats, bitmap_words,
-                                          sketch_capacity, stats_header_words)
+                                          sketch_capacity, stats_header_words, unbuildable)
 from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
@@ -135,6 +135,8 @@ class AutoAggregator(TensorRows, LossyMemories):
             names = tuple(s for s in names if s != "allgather")
         if self.numel > ALLGATHER_MAX_KEYS:   # ... and topk_allgather's the coordinate's
             names = tuple(s for s in names if s != "topk_allgather")
+        # the LHC codec takes at most 1024 ranks, THC at most its exact range (planner.unbuildable)
+        names = tuple(s for s in names if s not in unbuildable(self.world_size))
         if dtype in (torch.float16, torch.bfloat16):
             # fp16 would round a float16 gradient again (x / n, then n times the sum) for nothing its plain
             # steps do not save, and would take a bfloat16 one out of its range (above 65504: inf; below

@@ -242,6 +242,36 @@ def test_link_fit_prices_the_bytes_a_token_bucket_lets_through_at_memory_speed()
     assert 1.2e-4 < fit_link(netem, 2, LinkModel(0, 1)).alpha_s < 2.2e-4
 
 
+def test_a_degenerate_calibration_is_refused_not_planned_with():
+    """A NaN or infinite time, a world size below 1 or no timed run gave a link of NaN or infinite cost
+    per byte (every prediction NaN or inf: every tensor dense, and no switch ever), or a
+    ZeroDivisionError (world size 0): each is a ValueError, and so is a link or local cost that is not a
+    finite number >= 0, wherever a calibration comes from (default, fitted, broadcast, given)."""
+    from lossless_hc.training.calibration import calibrate
+    good = [("allreduce", 1024, 1e-4), ("allreduce", 1 << 20, 9e-3)]
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="link sample"):
+            fit_link(good[:1] + [("allreduce", 1 << 20, bad)], 4, LinkModel(0, 1))
+    with pytest.raises(ValueError, match="link sample"):
+        fit_link(good + [("allgather", -8, 1e-4)], 4, LinkModel(0, 1))
+    for n in (0, -3):
+        with pytest.raises(ValueError, match="world_size"):
+            fit_link(good, n, LinkModel(0, 1))
+    with pytest.raises(ValueError, match="repeats"):   # was: a link of infinite seconds per byte
+        calibrate(lambda t: None, lambda t: None, lambda t: None, 0, 2, sizes=(1024, 1 << 20), repeats=0)
+    for bits, latency in ((float("nan"), 1e-5), (float("inf"), 1e-5), (1e9, float("nan")), (0, 1e-5), (1e9, -1)):
+        with pytest.raises(ValueError, match="bandwidth_bits"):
+            Calibration.default(bits, latency)
+    for link in ((float("nan"), 8e-9), (1e-4, float("nan")), (1e-4, -8e-9), (1e-4, 8e-9, float("inf"))):
+        with pytest.raises(ValueError, match="LinkModel"):
+            LinkModel(*link)
+    with pytest.raises(ValueError, match="LinkModel"):
+        Calibration.from_list([float("nan")] + Calibration.default().as_list()[1:])
+    for costs in ((-1e-9, 0.0), (float("nan"), 0.0), (1e-9,)):
+        with pytest.raises(ValueError, match="codec_seconds"):
+            Calibration(LinkModel(1e-4, 8e-9), {"dense": costs})
+
+
 def test_calibration_round_trips_through_a_flat_list():
     c = Calibration.default(bandwidth_bits=1e10, latency_s=1e-5)
     assert Calibration.from_list(c.as_list()) == c

@@ -49,12 +49,14 @@ The callers supply the collectives, and with them the deadlock freedom: every ra
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from lossless_hc.lhc.codec import LosslessCodec
+from lossless_hc.lhc.layout import check_int, is_real
 from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel, powersgd_layout
@@ -76,10 +78,18 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
     """``LinkModel`` from ``(kind, bytes_per_rank, seconds)`` samples (kinds ``allreduce``, ``allgather``,
     ``allreduce_half``: see the module doc): per-byte costs from each kind's two largest sizes, the latency
     from the smallest; a kind not timed at two sizes takes the allreduce's per-byte cost (the allreduce
-    the allgather's). ``fallback`` for one rank or no kind timed at two sizes."""
+    the allgather's). ``fallback`` for one rank or no kind timed at two sizes. ValueError for a world size
+    below 1, a sample of negative bytes or a time that is not finite (NaN, inf: a NaN would have made every
+    prediction NaN and every plan dense, an inf every byte infinitely dear; a negative time is floored at
+    a timer's tick)."""
+    check_int(world_size, "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     n = world_size
     fastest: dict = {}
     for kind, nbytes, seconds in samples:
+        if not (is_real(seconds) and math.isfinite(seconds)) or not is_real(nbytes) or nbytes < 0:
+            raise ValueError(f"a link sample is (kind, bytes >= 0, finite seconds), got {(kind, nbytes, seconds)!r}")
         if kind in ("allreduce", "allreduce_half"):
             hops, sent = 2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes
         elif kind == "allgather":
@@ -122,6 +132,15 @@ def link_sizes(largest_bytes: int) -> tuple:
     return tuple(s for s in LINK_SIZES if 4 * s <= top) + (top,)
 
 
+def check_repeats(repeats) -> int:
+    """``repeats`` (timed runs per measurement), an int >= 1, else TypeError / ValueError: none would
+    leave every measurement at an infinite time, and the link priced every byte at infinity."""
+    check_int(repeats, "repeats")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    return repeats
+
+
 def _best_time(fn: Callable[[], None], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -136,6 +155,7 @@ def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[
     """``[(kind, bytes per rank, seconds)]``: the fastest of ``repeats`` blocking collectives per size, a
     float32 allreduce and allgather at each of ``sizes`` and a float16 allreduce at each of ``half_sizes``.
     Collective: every rank must call it with the same arguments."""
+    check_repeats(repeats)
     samples = []
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -154,6 +174,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                    repeats: int = 3, topk_ratio: Optional[float] = None) -> dict:
     """Local costs ``{strategy: (per_coordinate_s, per_key_s)}`` measured on ``device`` (module doc);
     top-k's where ``topk_ratio`` is given (the share it selects), else its default."""
+    check_repeats(repeats)
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     x = torch.zeros(numel)
@@ -293,6 +314,7 @@ def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[to
     (the result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
     ``samples_out``: a list that receives this rank's link samples (:func:`measure_link`); ``topk_ratio``:
     top-k's share, where its plans are candidates (its step is timed, :func:`measure_codecs`)."""
+    check_repeats(repeats)
     default = default or Calibration.default()
     half_sizes = tuple(sorted(sizes)[-2:]) if half else ()
     samples = measure_link(allreduce, allgather, device, sizes, repeats, half_sizes) if world_size > 1 else []

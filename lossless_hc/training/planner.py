@@ -127,6 +127,7 @@ import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.layout import MAX_WORLD_SIZE, digit_packing
+from lossless_hc.lhc.layout import is_real as _is_real
 from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.message import message_layout
 
@@ -197,6 +198,13 @@ class LinkModel:
         for name in ("allgather_seconds_per_byte", "half_seconds_per_byte"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.seconds_per_byte)
+        # NaN made every prediction NaN (every plan dense, every switch refused), a negative cost the
+        # largest payload the cheapest: refused here, where every calibration (default, fitted, broadcast,
+        # given) passes
+        for name in ("alpha_s", "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte"):
+            value = getattr(self, name)
+            if not (_is_real(value) and 0.0 <= value < math.inf):
+                raise ValueError(f"LinkModel {name} must be a finite number >= 0, got {value!r}")
 
     def __setstate__(self, state):
         # A model pickled before the allgather or the half allreduce had its own cost (an auto hook state
@@ -235,11 +243,20 @@ class Calibration:
     link: LinkModel
     codec_seconds: dict = field(default_factory=lambda: dict(DEFAULT_CODEC_SECONDS))
 
+    def __post_init__(self):
+        # as LinkModel's: a NaN, infinite or negative local cost would decide every plan it enters
+        for s, costs in self.codec_seconds.items():
+            if len(costs) != 2 or not all(_is_real(c) and 0.0 <= c < math.inf for c in costs):
+                raise ValueError(f"codec_seconds[{s!r}] must be two finite numbers >= 0 (per coordinate, "
+                                 f"per key), got {costs!r}")
+
     @classmethod
     def default(cls, bandwidth_bits: float = 1e9, latency_s: float = DEFAULT_LATENCY_S) -> "Calibration":
         """``bandwidth_bits`` bit/s and ``latency_s`` per hop, and :data:`DEFAULT_CODEC_SECONDS`."""
-        if bandwidth_bits <= 0 or latency_s < 0:
-            raise ValueError("bandwidth_bits must be > 0 and latency_s >= 0")
+        if not (_is_real(bandwidth_bits) and 0 < bandwidth_bits < math.inf) or \
+                not (_is_real(latency_s) and 0 <= latency_s < math.inf):   # NaN fails too
+            raise ValueError(f"bandwidth_bits must be a finite number > 0 and latency_s one >= 0, "
+                             f"got {bandwidth_bits!r} and {latency_s!r}")
         return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
 
     def as_list(self) -> list:

@@ -208,6 +208,23 @@ def test_powersgd_takes_the_matrices_of_a_bucket_and_leaves_a_sparse_table_to_it
     assert chosen[0].members is None and chosen[0].names == ["p0", "p1", "p2"]
 
 
+def test_a_seed_beyond_32_bits_seeds_powersgd_too():
+    """The spec's seed is a uint64; torch's PowerSGDState seeds numpy's RandomState with it, which takes only
+    [0, 2**32): the bucket's switch to PowerSGD raised "Seed must be between 0 and 2**32 - 1" mid-run. It
+    gets the seed's halves XORed (a seed below 2**32 as it is); a seed that is not a uint64 is refused."""
+    aggs, grads = planned([(1024, 1024), (1024,)], SLOW, allowed=tuple(s for s in STRATEGIES if s != "topk_allgather"))
+    seed = (1 << 40) + 7
+    chosen = decide([PowerSGDPlanner(seed=seed) for _ in range(2)], aggs, grads, SLOW)
+    assert all(isinstance(c, PowerSGDBucket) for c in chosen)
+    assert chosen[0].state.rng.randint(1 << 30) == chosen[1].state.rng.randint(1 << 30)   # every rank alike
+    from lossless_hc.training.powersgd import powersgd_seed
+    assert powersgd_seed(seed) == 256 + 7 and powersgd_seed(5) == 5 and powersgd_seed((1 << 64) - 1) == 0
+    assert AutoHookState(lossy=True, seed=seed)._powersgd.seed == seed
+    for bad, error in ((1.5, TypeError), (-1, ValueError), (1 << 64, ValueError)):
+        with pytest.raises(error, match="seed"):
+            PowerSGDPlanner(seed=bad)
+
+
 def test_a_bucket_pickled_before_parts_existed_restores_as_a_whole_bucket():
     bucket = PowerSGDBucket(["w", "b"], powersgd_layout([(64, 32), (64,)], 4, 2), 4, 2, 2, 0, 2, {}, members=[0])
     assert bucket.names == ["w"] and bucket.bucket_names == ["w", "b"] and bucket.members == (0,)

@@ -68,6 +68,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lossless_hc.lhc.layout import check_uint64
 from lossless_hc.training.aggregate import AggregationStats
 from lossless_hc.training.planner import SWITCH_MARGIN, CostModel, PowerSGDLayout, powersgd_layout
 
@@ -75,6 +76,15 @@ POWERSGD_RANK = 4          # matrix_approximation_rank (the bench's baseline)
 POWERSGD_START = 2         # the first step index (0-based) PowerSGD may run at (torch's start_powerSGD_iter)
 MIN_COMPRESSION_RATE = 2   # torch's min_compression_rate: a matrix is compressed iff (m+n) r 2 < m n
 ORTHOGONALIZATION_EPSILON = 1e-8   # a zero gradient matrix stays finite at ranks 1 and 2 (module doc)
+
+
+def powersgd_seed(seed: int) -> int:
+    """torch's ``random_seed`` for the spec's 64-bit ``seed``: its two 32-bit halves XORed (numpy's
+    ``RandomState``, which ``PowerSGDState`` seeds with it, takes only [0, 2**32): a larger seed, valid for the
+    spec and the codecs, raised only when a bucket first went to PowerSGD, mid-run). Seeds below 2**32 are
+    kept as they are; the same on every rank."""
+    seed = check_uint64(seed, "seed")
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 class _PartBucket:
@@ -121,7 +131,7 @@ class PowerSGDBucket:
         self.left_step: Optional[int] = None   # the step index it left PowerSGD at (the step guard), if it did
         self.state = PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start,
                                    min_compression_rate=min_compression_rate, use_error_feedback=True,
-                                   warm_start=True, random_seed=seed,
+                                   warm_start=True, random_seed=powersgd_seed(seed),
                                    orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON)
 
     def __setstate__(self, state):
@@ -194,7 +204,7 @@ class PowerSGDPlanner:
         if not float(min_compression_rate) > 0:
             raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
         self.rank, self.start, self.min_compression_rate = rank, start, float(min_compression_rate)
-        self.seed = int(seed)
+        self.seed = check_uint64(seed, "seed")   # int(1.5) would be 1 (every rank must agree)
         self.agg_stats = stats if stats is not None else AggregationStats()
         self.buckets: dict = {}      # bucket index -> PowerSGDBucket (sticky)
         self.decisions: dict = {}    # bucket index -> the last comparison (stats())

@@ -241,6 +241,24 @@ def test_strategies_whose_codec_cannot_take_the_world_size_are_no_candidates():
     values = run_step(aggs, xs)
     assert aggs[0].plans == 1 and aggs[0].strategy in aggs[0].allowed
     assert all(torch.equal(v, torch.stack(xs).sum(0)) for v in values)
+
+
+def test_sketch_and_top_k_are_no_candidates_beyond_the_codec_s_keys():
+    """The LHC codec indexes at most 2^32 - 2^12 keys (lhc.layout.MAX_KEYS): the sketch of a tensor of more
+    rows, and top-k of one of more coordinates, are no candidates, instead of its first plan raising "keys
+    exceeds the supported 4294963200" (a 2^33-coordinate gradient, 32 GiB: nothing is allocated here)."""
+    from lossless_hc.lhc.layout import MAX_KEYS
+    for shape, lossy in (((1 << 33,), False), ((1 << 33,), True), ((1 << 32, 4), True)):
+        agg = AutoAggregator("w", shape, torch.float32, 2, 0, MODEL, lossy=lossy)
+        assert not {"sketch", "topk", "topk_allgather"} & set(agg.allowed), agg.allowed
+        agg.tracker.observe((1000, 1000), 2000)
+        agg._plan()
+        assert agg.strategy == "two_phase", agg.predicted
+    # a table of few enough rows keeps the sketch; top-k counts coordinates
+    agg = AutoAggregator("w", (1 << 26, 64), torch.float32, 2, 0, MODEL, lossy=True)
+    assert "sketch" in agg.allowed and "topk" not in agg.allowed
+    assert "sketch" in MODEL.choose(stats(MAX_KEYS, 1, 2, 1000, 2000))[1]
+    assert "sketch" not in MODEL.choose(stats(MAX_KEYS + 1, 1, 2, 1000, 2000))[1]
 @pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk", "thc", "topk_allgather"])
 def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     """Only with lossy=True; every rank decodes the same bits; fp16/bf16 within their rounding (per

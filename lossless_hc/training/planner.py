@@ -126,7 +126,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
-from lossless_hc.lhc.layout import MAX_WORLD_SIZE, digit_packing
+from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, digit_packing
 from lossless_hc.lhc.layout import is_real as _is_real
 from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.message import message_layout
@@ -328,18 +328,22 @@ def header_width(strategy: str, s: "TensorStats") -> int:
     return 4
 
 
-@functools.lru_cache(maxsize=64)
-def unbuildable(world_size: int, thc_granularity: int = THC_GRANULARITY) -> frozenset:
-    """The strategies whose codec cannot be built for ``world_size`` ranks: above the LHC codec's
-    :data:`~lossless_hc.lhc.layout.MAX_WORLD_SIZE` (1024) the sketch and the top-k strategies (both
-    aggregate or select through a ``LosslessCodec``, whose constructor refuses more ranks), above THC's
-    exact range (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks at granularity 30) THC.
-    Neither a candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would
-    raise the codec's ValueError at the first re-plan, in the middle of training."""
+@functools.lru_cache(maxsize=256)
+def unbuildable(world_size: int, keys: int = 0, numel: int = 0, thc_granularity: int = THC_GRANULARITY) -> frozenset:
+    """The strategies whose codec cannot be built for a tensor of ``numel`` coordinates in ``keys`` rows
+    over ``world_size`` ranks: the LHC codec takes at most :data:`~lossless_hc.lhc.layout.MAX_WORLD_SIZE`
+    (1024) ranks and :data:`~lossless_hc.lhc.layout.MAX_KEYS` (2^32 - 2^12) keys, so above them the sketch
+    (keys: the rows) and the top-k strategies (whose aggregator selects coordinates and holds a
+    ``LosslessCodec``: keys, the coordinates) are out; above THC's exact range
+    (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks at granularity 30) THC. Neither a
+    candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would raise the
+    codec's ValueError at the first re-plan, in the middle of training."""
     from lossless_hc.thc.layout import max_world_size
     out = set()
-    if world_size > MAX_WORLD_SIZE:
-        out |= {"sketch", "topk", "topk_allgather"}
+    if world_size > MAX_WORLD_SIZE or keys > MAX_KEYS:
+        out.add("sketch")
+    if world_size > MAX_WORLD_SIZE or numel > MAX_KEYS:
+        out |= set(TOPK_STRATEGIES)
     if world_size > max_world_size(int(thc_granularity)):
         out.add("thc")
     return frozenset(out)
@@ -598,10 +602,11 @@ class CostModel:
         The sketch is priced last: when it is not ``current`` and :meth:`sketch_floor` already exceeds
         the cheapest other candidate, it cannot be chosen and its entry is that lower bound (sizing its
         layout, a search of index shapes, would cost milliseconds at every re-plan of every tensor).
-        Strategies whose codec cannot be built for ``stats.world_size`` ranks (:func:`unbuildable`) are
-        no candidates."""
+        Strategies whose codec cannot be built for ``stats`` (its ranks, rows or coordinates: :func:`unbuildable`)
+        are no candidates."""
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy and not stats.sparse else ())
-        names = tuple(s for s in names if s not in unbuildable(stats.world_size, self.thc_granularity))
+        names = tuple(s for s in names if s not in unbuildable(stats.world_size, stats.keys, stats.numel,
+                                                                    self.thc_granularity))
         if allowed is not None:
             names = tuple(s for s in names if s in allowed)
             if not names:

@@ -135,8 +135,9 @@ class AutoAggregator(TensorRows, LossyMemories):
             names = tuple(s for s in names if s != "allgather")
         if self.numel > ALLGATHER_MAX_KEYS:   # ... and topk_allgather's the coordinate's
             names = tuple(s for s in names if s != "topk_allgather")
-        # the LHC codec takes at most 1024 ranks, THC at most its exact range (planner.unbuildable)
-        names = tuple(s for s in names if s not in unbuildable(self.world_size))
+        # the LHC codec takes at most 1024 ranks and 2^32 - 2^12 keys, THC at most its exact range
+        # (planner.unbuildable)
+        names = tuple(s for s in names if s not in unbuildable(self.world_size, self.keys, self.numel))
         if dtype in (torch.float16, torch.bfloat16):
             # fp16 would round a float16 gradient again (x / n, then n times the sum) for nothing its plain
             # steps do not save, and would take a bfloat16 one out of its range (above 65504: inf; below

@@ -126,7 +126,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
-from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, digit_packing
+from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, check_int, digit_packing
 from lossless_hc.lhc.layout import is_real as _is_real
 from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.message import message_layout
@@ -405,7 +405,14 @@ def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDL
     """:class:`PowerSGDLayout` of a bucket of gradients of ``shapes`` (bucket order), as
     ``powerSGD_hook`` with ``matrix_approximation_rank=rank`` splits it: each gradient viewed as
     ``shape[0] x rest``, compressed at rank ``r' = min(rows, cols, rank)`` iff
-    ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``)."""
+    ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``). ``rank`` an int
+    >= 1 and ``min_compression_rate`` a number > 0, else TypeError / ValueError (rank 0 "compressed" every
+    matrix into no bytes and no flops: a PowerSGD step predicted free; 2.5 was truncated to 2)."""
+    check_int(rank, "PowerSGD rank")
+    if rank < 1:
+        raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+    if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # NaN fails too
+        raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
     numel = uncompressed = p = q = flops = 0
     compressed = []
     for i, shape in enumerate(shapes):
@@ -414,7 +421,7 @@ def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDL
         if not shape or size == 0:
             raise ValueError(f"PowerSGD views each gradient as a matrix; got shape {shape}")
         rows, cols = shape[0], size // shape[0]
-        r = min(rows, cols, int(rank))
+        r = min(rows, cols, rank)
         numel += size
         if (rows + cols) * r * min_compression_rate < rows * cols:
             compressed.append(i)

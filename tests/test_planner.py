@@ -560,6 +560,19 @@ def test_auto_options_are_checked_not_coerced():
     assert AutoSpec(strategies="sketch").strategies == ("sketch",)
 
 
+def test_a_cost_model_checks_the_lossy_parameters_it_prices():
+    """CostModel(topk_ratio=0) priced top-k at one coordinate; an aggregator planned with it took
+    topk_allgather at step 0 and raised "max_density must be a number in (0, 1]" at step 1, when it first
+    built top-k. The cost model checks topk_ratio, thc_bits and the granularity as AutoSpec does."""
+    cal = Calibration.default()
+    for options, name in ((dict(topk_ratio=0.0), "topk_ratio"), (dict(topk_ratio=2), "topk_ratio"),
+                          (dict(topk_ratio=True), "topk_ratio"), (dict(thc_bits=0), "thc_bits"),
+                          (dict(thc_bits=2.5), "thc_bits"), (dict(thc_granularity=0), "granularity")):
+        with pytest.raises(ValueError, match=name):
+            CostModel(cal, **options)
+    assert CostModel(cal, topk_ratio=1, thc_bits=16).topk_ratio == 1.0
+
+
 def test_contradictory_auto_options_are_refused():
     """A lossy first strategy without lossy=True, strategies of which lossy allows none, or a first
     strategy outside ``strategies`` would leave every tensor on another strategy than the one named:

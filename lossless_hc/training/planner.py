@@ -126,7 +126,7 @@ from typing import Optional
 import torch
 
 from lossless_hc.lhc.cost_model import plan_layout
-from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, check_int, digit_packing
+from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, check_fraction, check_int, digit_packing
 from lossless_hc.lhc.layout import is_real as _is_real
 from lossless_hc.training.aggregate import topk_count
 from lossless_hc.training.message import message_layout
@@ -436,12 +436,17 @@ def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDL
 class CostModel:
     """Predicted seconds and wire bytes of every strategy for a tensor (see the module docstring).
 
-    ``topk_ratio``, ``thc_bits``: the lossy top-k's share and THC's bits, as the strategies use them."""
+    ``topk_ratio``, ``thc_bits``: the lossy top-k's share and THC's bits, as the strategies use them
+    (checked as ``AutoSpec`` checks them: a top-k ratio of 0 priced top-k at one coordinate, and the
+    aggregator planned with it raised only when it first built top-k, mid-run)."""
 
     def __init__(self, calibration: Calibration, topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS,
                  thc_granularity: int = THC_GRANULARITY):
+        from lossless_hc.thc.table import check_bits, check_table_args
+        check_bits(thc_bits, "thc_bits")
+        check_table_args(thc_bits, thc_granularity)
         self.calibration = calibration
-        self.topk_ratio = float(topk_ratio)
+        self.topk_ratio = check_fraction("topk_ratio", topk_ratio)
         self.thc_bits, self.thc_granularity = int(thc_bits), int(thc_granularity)
 
     # -- the collectives each strategy issues: [("allreduce"|"allreduce_half"|"allgather", bytes per rank)]

@@ -350,6 +350,10 @@ def test_tensor_stats_refuses_bad_fields():
     ok = dict(numel=10, row=1, world_size=2, rank_keys=(1, 1), union_keys=2)
     TensorStats(**ok, element_bytes=2)
     for bad, match in ((dict(row=0), "row=0"), (dict(rank_keys=(1,)), "rank_keys"),
-                       (dict(element_bytes=3), "element_bytes=3")):
+                       (dict(element_bytes=3), "element_bytes=3"),
+                       # negative rows were priced: an allgather of (-5, -5) rows cheaper than one of none
+                       (dict(rank_keys=(-5, -5)), "rank_keys must be counts"),
+                       (dict(rank_keys=(1, float("nan"))), "rank_keys must be counts"),
+                       (dict(union_keys=-3), "union_keys must be counts")):
         with pytest.raises(ValueError, match=match):
             TensorStats(**{**ok, **bad})

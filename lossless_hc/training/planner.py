@@ -297,6 +297,11 @@ class TensorStats:
             raise ValueError(f"bad TensorStats: numel={self.numel}, row={self.row}, world_size={self.world_size}")
         if len(self.rank_keys) != self.world_size:
             raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
+        # counts of rows: a negative one priced its rows' bytes below zero (an allgather of (-5,) * 4 rows
+        # cheaper than one of none), a NaN failed deep in the pricing
+        for what, count in [("rank_keys", k) for k in self.rank_keys] + [("union_keys", self.union_keys)]:
+            if not (_is_real(count) and 0 <= count < math.inf):
+                raise ValueError(f"bad TensorStats: {what} must be counts >= 0, got {count!r}")
         if self.element_bytes not in _WIRE_DTYPES:
             raise ValueError(f"bad TensorStats: element_bytes={self.element_bytes}, "
                              f"expected one of {sorted(_WIRE_DTYPES)}")

@@ -201,6 +201,28 @@ def test_an_auto_aggregator_checks_its_seed():
             AutoAggregator("w", (100,), torch.float32, 2, 0, MODEL, seed=seed)
 
 
+def test_an_auto_aggregator_checks_its_rank_world_size_shape_and_lossy_parameters():
+    """A rank outside [0, world_size) wrote its row count into another rank's header slot (rank -1 of 2: the
+    other rank's count read as 4194304, silently) or past the header (rank 3 of 2: an IndexError at encode);
+    a world size of 2.5 was truncated to 2, a negative shape accepted, and topk_ratio=0 or thc_bits=0 raised
+    only when a top-k or THC plan first built its aggregator, mid-run. Each is refused when it is built."""
+    for bad, error, match in ((dict(rank=-1), ValueError, "rank must be in"), (dict(rank=2), ValueError, "rank"),
+                              (dict(world_size=0), ValueError, "world_size"), (dict(world_size=2.5), TypeError,
+                                                                               "world_size"),
+                              (dict(rank=True), TypeError, "rank"), (dict(shape=(-4,)), ValueError, "shape"),
+                              (dict(topk_ratio=0.0), ValueError, "topk_ratio"),
+                              (dict(thc_bits=0), ValueError, "thc_bits")):
+        args = dict(name="w", shape=(100,), dtype=torch.float32, world_size=2, rank=0, cost_model=MODEL)
+        with pytest.raises(error, match=match):
+            AutoAggregator(**{**args, **bad})
+    # ranks 0 and 1: each count in its own slot
+    aggs = [AutoAggregator("w", (64, 4), torch.float32, 2, r, MODEL) for r in (0, 1)]
+    xs = [torch.zeros(64, 4), torch.zeros(64, 4)]
+    xs[0][1], xs[1][5] = 1.0, 2.0
+    run_step(aggs, xs)
+    assert aggs[0].tracker.rank_keys == [1.0, 1.0]
+
+
 def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
     """The allgather's slots carry each row's index as an int32 (training.rows.gather_slots): a tensor
     of more than 2^31 - 1 rows is never planned on it (its rows would come back wrapped or lost)."""

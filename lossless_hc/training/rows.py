@@ -11,8 +11,8 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import backend_for
-from lossless_hc.lhc.layout import digit_packing
-from lossless_hc.training.aggregate import ConfigurationMismatch, default_block_size, payload_is_averaged
+from lossless_hc.lhc.layout import check_int, digit_packing
+from lossless_hc.training.aggregate import ConfigurationMismatch, _check_shape, default_block_size, payload_is_averaged
 from lossless_hc.training.planner import COUNT_FIELD_BITS, bitmap_words, stats_header_words
 from lossless_hc.training.step import AutoContext
 
@@ -29,9 +29,18 @@ class TensorRows:
     engine_averages: Optional[bool] = None
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, sparse: bool):
-        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        # Checked, not coerced: a rank outside [0, world_size) wrote its row count into another rank's header
+        # slot (rank -1 of 2: the other rank's count read as 4194304) or past the header (IndexError), and
+        # int() truncated a world size of 2.5 to 2
+        check_int(world_size, "world_size")
+        check_int(rank, "rank")
+        if world_size < 1:
+            raise ValueError(f"{name}: world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{name}: rank must be in [0, world_size={world_size}), got {rank}")
+        self.name, self.shape, self.dtype = name, _check_shape(shape), dtype
         self.numel = math.prod(self.shape)
-        self.world_size, self.rank = int(world_size), int(rank)
+        self.world_size, self.rank = world_size, rank
         self.sparse = bool(sparse)
         if self.sparse and not self.shape:
             raise ValueError(f"{name}: a sparse gradient needs at least one dimension (its rows)")

@@ -60,7 +60,7 @@ import torch
 from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.layout import check_uint64
+from lossless_hc.lhc.layout import check_fraction, check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             TopKAggregator, partial_values)
 from lossless_hc.training.capacity import append_recent
@@ -73,6 +73,7 @@ from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_M
 from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
+from lossless_hc.thc.table import check_bits
 
 FIRST_SKETCH_DENSITY = 0.01   # a sketch planned before any statistics (first="sketch") is sized for this
 
@@ -127,8 +128,11 @@ class AutoAggregator(TensorRows, LossyMemories):
         self.device = as_device(device)
         if cost_model is None and (topk_ratio is None or thc_bits is None):
             raise ValueError(f"{name}: without a cost model, give topk_ratio and thc_bits")
-        self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else float(topk_ratio)
-        self.thc_bits = cost_model.thc_bits if thc_bits is None else int(thc_bits)
+        # checked here, not when a top-k or THC plan first builds its aggregator mid-run
+        self.topk_ratio = cost_model.topk_ratio if topk_ratio is None else check_fraction("topk_ratio", topk_ratio)
+        if thc_bits is not None:
+            check_bits(thc_bits, "thc_bits")
+        self.thc_bits = cost_model.thc_bits if thc_bits is None else thc_bits
         lossy_here = lossy and not self.sparse and self.numel * dtype.itemsize >= lossy_min_bytes
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy_here else ())
         if self.keys > ALLGATHER_MAX_KEYS:   # its slots carry the row index as an int32

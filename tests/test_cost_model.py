@@ -169,3 +169,14 @@ def test_design_notes_derive_the_bound_and_its_limits():
     assert "docs/DESIGN.md" in cost_model.__doc__
     for needle in ("log_2", "32 u", "n+1", "1.23", "22", "false positive", "Candidates"):
         assert needle.lower() in doc.lower(), needle
+
+
+def test_plan_for_density_checks_both_densities():
+    """rank_density is a fraction as density is: a negative one was refused as "max_nnz must be >= 0", a NaN
+    as "cannot convert float NaN to integer", and 3.0 was taken as 1 without a word."""
+    for kwargs in (dict(density=float("nan")), dict(density=1.5), dict(density=0.01, rank_density=-0.5),
+                   dict(density=0.01, rank_density=float("nan")), dict(density=0.01, rank_density=3.0)):
+        with pytest.raises(ValueError, match="density must be in"):
+            cost_model.plan_for_density(1 << 16, 4, **kwargs)
+    plan = cost_model.plan_for_density(1 << 16, 4, 0.01, rank_density=0.005)
+    assert (plan.max_nnz, plan.union_nnz) == (328, 656)

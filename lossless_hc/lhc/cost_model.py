@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, check_args
+from lossless_hc.lhc.layout import HEADER_FIELDS, INDEX_KINDS, PayloadLayout, check_args, is_real
 from lossless_hc.lhc.sizing import build_layout, with_solvable_streams
 
 # Multilevel shapes tried: the finest level's words per node (G = words * digits per word keys),
@@ -182,8 +182,11 @@ def plan_for_density(numel: int, world_size: int, density: float, block_size: in
     density, i.e. any rank may hold the whole aggregate support). Both are rounded up to whole
     blocks; the payload never exceeds dense plus the header.
     """
-    if not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be in [0, 1], got {density}")
+    # rank_density too: a negative one was refused as "max_nnz must be >= 0, got -32768", a NaN as "cannot
+    # convert float NaN to integer", and 3.0 silently taken as 1
+    for name, value in (("density", density), ("rank_density", rank_density)):
+        if value is not None and not (is_real(value) and 0.0 <= value <= 1.0):
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
     rd = density if rank_density is None else rank_density
     union = min(numel, math.ceil(density * numel))
     cap = min(numel, math.ceil(rd * numel))

@@ -103,6 +103,18 @@ def test_a_re_plan_interval_is_a_positive_int(make):
             make(v)
 
 
+def test_a_plan_tracker_checks_its_sizes():
+    """PlanTracker(row=0) was built and raised ZeroDivisionError at its first decision; 2.5 coordinates
+    were truncated to 2."""
+    for bad, error in ((dict(row=0), ValueError), (dict(world_size=0), ValueError), (dict(numel=-1), ValueError),
+                       (dict(numel=2.5), TypeError), (dict(row=True), TypeError)):
+        with pytest.raises(error, match="numel|row|world_size"):
+            PlanTracker(**{**dict(numel=1000, row=10, world_size=2), **bad})
+    tr = PlanTracker(1000, 10, 2)
+    tr.observe((3, 4), 5)
+    assert tr.stats().rank_keys == (3, 4)
+
+
 @pytest.mark.parametrize("hook,state", [(lossless_hook, LosslessHookState), (topk_hook, TopKHookState),
                                         (thc_hook, THCHookState), (auto_hook, AutoHookState)])
 def test_ddp_hooks_refuse_compiled_autograd_s_per_parameter_calls(hook, state):

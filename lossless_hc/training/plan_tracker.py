@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from lossless_hc.lhc.layout import check_fraction
+from lossless_hc.lhc.layout import check_fraction, check_int
 from lossless_hc.training.planner import TensorStats
 
 
@@ -24,7 +24,12 @@ class PlanTracker:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:   # int(2.5) would be 2
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
         alpha = check_fraction("alpha", alpha)
-        self.numel, self.row, self.world_size = int(numel), int(row), int(world_size)
+        # checked, not coerced: row 0 raised ZeroDivisionError only at the first decision, and int() truncated
+        for name, value, least in (("numel", numel, 0), ("row", row, 1), ("world_size", world_size, 1)):
+            check_int(value, name)
+            if value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value}")
+        self.numel, self.row, self.world_size = numel, row, world_size
         self.interval, self.alpha = interval, alpha
         self.sparse = bool(sparse)
         self.steps = 0

@@ -239,8 +239,6 @@ def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
     assert "topk_allgather" in AutoAggregator("w", (ALLGATHER_MAX_KEYS,), torch.float32, 2, 0, MODEL, **lossy).allowed
 
 
-
-
 def test_strategies_whose_codec_cannot_take_the_world_size_are_no_candidates():
     """The LHC codec takes at most 1024 ranks (lhc.layout.MAX_WORLD_SIZE): at more, the sketch and the top-k
     strategies (whose aggregator holds one) are no candidates, instead of the first re-plan raising the
@@ -281,6 +279,8 @@ def test_sketch_and_top_k_are_no_candidates_beyond_the_codec_s_keys():
     assert "sketch" in agg.allowed and "topk" not in agg.allowed
     assert "sketch" in MODEL.choose(stats(MAX_KEYS, 1, 2, 1000, 2000))[1]
     assert "sketch" not in MODEL.choose(stats(MAX_KEYS + 1, 1, 2, 1000, 2000))[1]
+
+
 @pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk", "thc", "topk_allgather"])
 def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
     """Only with lossy=True; every rank decodes the same bits; fp16/bf16 within their rounding (per

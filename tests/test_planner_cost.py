@@ -305,11 +305,12 @@ def test_the_calibration_times_a_top_k_plan_s_step_where_top_k_is_a_candidate(de
     from lossless_hc.training.calibration import measure_codecs
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    # three repeats (each figure the fastest): one, beside a loaded machine's other work, once timed the dense
-    # copy at 0.24 us a coordinate, above top-k's step
+    # Measured, in seconds: positive and far below a microsecond a coordinate (a millisecond unit would be
+    # 1e3 x above it). No comparison with another strategy's time: beside a loaded machine's other work the
+    # dense copy was once timed above top-k's step.
     measured = measure_codecs(device, 4, numel=1 << 16, repeats=3, topk_ratio=0.01)
     per_coord, per_key = measured["topk"]
-    assert measured["dense"][0] < per_coord < 1e-6 and 0 < per_key < 1e-4, measured["topk"]
+    assert 0 < per_coord < 1e-6 and 0 < per_key < 1e-4, measured["topk"]
     # and top-k allgathered's step: the selection per coordinate, the gathered pairs' sum per pair
     per_coord, per_pair = measured["topk_allgather"]
     assert 0 < per_coord < 1e-6 and 0 < per_pair < 1e-4, measured["topk_allgather"]

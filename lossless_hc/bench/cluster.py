@@ -97,9 +97,8 @@ def parse_list(text: str, allowed: Sequence[str], what: str) -> list:
 
 def check_run_limits(timeout_s: float, cores: Optional[int]) -> None:
     """ValueError unless ``timeout_s`` (seconds per configuration) is a positive finite number and
-    ``cores`` (--cpu-fair's, None: this machine's) at least 1: checked before any namespace is built (a
-    timeout of 0 or less failed the first configuration after the cluster was up, a --cores of 0 was
-    taken as this machine's count)."""
+    ``cores`` (--cpu-fair's, None: this machine's) at least 1: checked before any namespace is built, as a
+    timeout of 0 or less would fail the first configuration only after the cluster is up."""
     if not (timeout_s > 0 and math.isfinite(timeout_s)):   # NaN fails `> 0`
         raise ValueError(f"--timeout must be a positive number of seconds, got {timeout_s}")
     if cores is not None and cores < 1:

@@ -182,8 +182,8 @@ def plan_for_density(numel: int, world_size: int, density: float, block_size: in
     density, i.e. any rank may hold the whole aggregate support). Both are rounded up to whole
     blocks; the payload never exceeds dense plus the header.
     """
-    # rank_density too: a negative one was refused as "max_nnz must be >= 0, got -32768", a NaN as "cannot
-    # convert float NaN to integer", and 3.0 silently taken as 1
+    # rank_density too, here: further down a negative one fails as a negative max_nnz, a NaN as an int()
+    # conversion, and one above 1 would be clamped to the tensor
     for name, value in (("density", density), ("rank_density", rank_density)):
         if value is not None and not (is_real(value) and 0.0 <= value <= 1.0):
             raise ValueError(f"{name} must be in [0, 1], got {value}")

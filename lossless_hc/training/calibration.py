@@ -79,9 +79,9 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
     ``allreduce_half``: see the module doc): per-byte costs from each kind's two largest sizes, the latency
     from the smallest; a kind not timed at two sizes takes the allreduce's per-byte cost (the allreduce
     the allgather's). ``fallback`` for one rank or no kind timed at two sizes. ValueError for a world size
-    below 1, a sample of negative bytes or a time that is not finite (NaN, inf: a NaN would have made every
-    prediction NaN and every plan dense, an inf every byte infinitely dear; a negative time is floored at
-    a timer's tick)."""
+    below 1, a sample of negative bytes or a time that is not finite (a NaN would make every prediction
+    NaN and every plan dense, an inf every byte infinitely dear; a negative time is floored at a timer's
+    tick)."""
     check_int(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -24,7 +24,7 @@ class PlanTracker:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:   # int(2.5) would be 2
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
         alpha = check_fraction("alpha", alpha)
-        # checked, not coerced: row 0 raised ZeroDivisionError only at the first decision, and int() truncated
+        # checked, not coerced: a row of 0 would fail only at the first decision, and int() would truncate
         for name, value, least in (("numel", numel, 0), ("row", row, 1), ("world_size", world_size, 1)):
             check_int(value, name)
             if value < least:

@@ -298,7 +298,7 @@ class TensorStats:
         if len(self.rank_keys) != self.world_size:
             raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
         # counts of rows: a negative one priced its rows' bytes below zero (an allgather of (-5,) * 4 rows
-        # cheaper than one of none), a NaN failed deep in the pricing
+        # cheaper than one of none), a NaN fails deep in the pricing
         for what, count in [("rank_keys", k) for k in self.rank_keys] + [("union_keys", self.union_keys)]:
             if not (_is_real(count) and 0 <= count < math.inf):
                 raise ValueError(f"bad TensorStats: {what} must be counts >= 0, got {count!r}")
@@ -412,7 +412,7 @@ def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDL
     ``shape[0] x rest``, compressed at rank ``r' = min(rows, cols, rank)`` iff
     ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``). ``rank`` an int
     >= 1 and ``min_compression_rate`` a number > 0, else TypeError / ValueError (rank 0 "compressed" every
-    matrix into no bytes and no flops: a PowerSGD step predicted free; 2.5 was truncated to 2)."""
+    matrix into no bytes and no flops, a PowerSGD step predicted free; a fractional rank is not truncated)."""
     check_int(rank, "PowerSGD rank")
     if rank < 1:
         raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
@@ -442,8 +442,8 @@ class CostModel:
     """Predicted seconds and wire bytes of every strategy for a tensor (see the module docstring).
 
     ``topk_ratio``, ``thc_bits``: the lossy top-k's share and THC's bits, as the strategies use them
-    (checked as ``AutoSpec`` checks them: a top-k ratio of 0 priced top-k at one coordinate, and the
-    aggregator planned with it raised only when it first built top-k, mid-run)."""
+    (checked as ``AutoSpec`` checks them: a top-k ratio of 0 would price top-k at one coordinate, and an
+    aggregator planned with it would fail only when it first builds top-k, mid-run)."""
 
     def __init__(self, calibration: Calibration, topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS,
                  thc_granularity: int = THC_GRANULARITY):

@@ -81,7 +81,7 @@ ORTHOGONALIZATION_EPSILON = 1e-8   # a zero gradient matrix stays finite at rank
 def powersgd_seed(seed: int) -> int:
     """torch's ``random_seed`` for the spec's 64-bit ``seed``: its two 32-bit halves XORed (numpy's
     ``RandomState``, which ``PowerSGDState`` seeds with it, takes only [0, 2**32): a larger seed, valid for the
-    spec and the codecs, raised only when a bucket first went to PowerSGD, mid-run). Seeds below 2**32 are
+    spec and the codecs, would fail only when a bucket first goes to PowerSGD, mid-run). Seeds below 2**32 are
     kept as they are; the same on every rank."""
     seed = check_uint64(seed, "seed")
     return (seed ^ (seed >> 32)) & 0xFFFFFFFF

@@ -29,9 +29,8 @@ class TensorRows:
     engine_averages: Optional[bool] = None
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, sparse: bool):
-        # Checked, not coerced: a rank outside [0, world_size) wrote its row count into another rank's header
-        # slot (rank -1 of 2: the other rank's count read as 4194304) or past the header (IndexError), and
-        # int() truncated a world size of 2.5 to 2
+        # Checked, not coerced: a rank outside [0, world_size) would write its row count into another rank's
+        # header slot (rank -1: the last one) or past the header, and int() would truncate a world size
         check_int(world_size, "world_size")
         check_int(rank, "rank")
         if world_size < 1:

@@ -76,6 +76,12 @@ def test_summarize_and_relative_ratios():
                                   "shaping": {"qdisc": "tbf", "latency_applied": False}}, "t")
     assert "| horovod | lossless | 150.0 (150.0–150.0) | 150.0 | 2.00x" in md
     assert "latency was NOT added" in md and "3.00e-09 (lossless)" in md
+    # CPU-fair: the dilated delay is named only where the links added one
+    fair = {"workers": 4, "cores": 2, "share": 0.5, "applied_rate_bits": 500_000_000, "applied_delay_s": 2e-4}
+    for applied in (False, True):
+        md = cluster_report.render_markdown({"rows": rows, "compute_s": 0.1, "cpu_fair": fair,
+                                             "shaping": {"qdisc": "tbf", "latency_applied": applied}}, "t")
+        assert "links dilated to 500mbit" in md and ("200 us one-way" in md) == applied, md
 
 
 def test_rounds_pool_timed_steps_and_counters():

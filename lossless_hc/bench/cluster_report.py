@@ -201,10 +201,13 @@ def render_markdown(result: dict, title: str) -> str:
     note = ("" if sh.get("latency_applied", True) else
             " The kernel has no netem: links are rate-limited by tbf and the requested latency was NOT added.")
     fair = result.get("cpu_fair")
+    # the dilated delay only where the links carry one (tbf adds none)
+    delay = (f" and {1e6 * fair['applied_delay_s']:.0f} us one-way" if fair and sh.get("latency_applied", True)
+             else "")
     fair_line = ("" if not fair else
                  f"CPU-fair: {fair['workers']} workers on {fair['cores']} cores, one thread each, share "
-                 f"{fair['share']:.3g} of a core: links dilated to {rate_label(fair['applied_rate_bits'])} and "
-                 f"{1e6 * fair['applied_delay_s']:.0f} us one-way (times are this machine's seconds).\n")
+                 f"{fair['share']:.3g} of a core: links dilated to {rate_label(fair['applied_rate_bits'])}{delay} "
+                 f"(times are this machine's seconds).\n")
     computes = ", ".join(f"{1e3 * v:.1f} ms ({k})" for k, v in sorted(_computes(result).items()))
     skipped = result.get("skipped") or []
     lines = [f"### {title}", "", answer_line(result["rows"]), "",

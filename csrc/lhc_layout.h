@@ -536,6 +536,33 @@ struct ThcLayout {
   uint64_t words;
 };
 
+// A ThcLayout as the layout ABI, for every backend: one uint64 word per field in this order
+// (lossless_hc/thc/layout.py LAYOUT_WORDS, THCLayout.layout_words), read by thc_layout_from_words.
+enum ThcLayoutWord : int {
+  kTlNumel = 0,
+  kTlPadded,
+  kTlBlock,
+  kTlGranularity,
+  kTlBase,
+  kTlPerWord,
+  kTlGroupBlocks,
+  kTlWords,
+  kThcLayoutWords,
+};
+
+LHC_HD ThcLayout thc_layout_from_words(const uint64_t* w) {
+  ThcLayout L;
+  L.numel = w[kTlNumel];
+  L.padded = w[kTlPadded];
+  L.block = w[kTlBlock];
+  L.granularity = (uint32_t)w[kTlGranularity];
+  L.base = (uint32_t)w[kTlBase];
+  L.per_word = (uint32_t)w[kTlPerWord];
+  L.group_blocks = (uint32_t)w[kTlGroupBlocks];
+  L.words = w[kTlWords];
+  return L;
+}
+
 LHC_HD uint64_t thc_words_for(const ThcLayout& L, uint64_t coords) { return (coords + L.per_word - 1) / L.per_word; }
 LHC_HD uint64_t thc_groups(const ThcLayout& L) {
   const uint64_t blocks = L.padded / L.block;

@@ -27,6 +27,9 @@ void bind_thc(py::module_& m) {
       .def_readwrite("per_word", &ThcLayout::per_word)
       .def_readwrite("group_blocks", &ThcLayout::group_blocks)
       .def_readwrite("words", &ThcLayout::words);
+  // The layout ABI (lhc_layout.h ThcLayoutWord): the CPU kernels' ThcLayout from the words the CUDA kernels read.
+  m.def("thc_layout_from_words", [](uintptr_t words) { return thc_layout_from_words(at<const uint64_t>(words)); });
+  m.attr("THC_LAYOUT_WORDS") = (int)kThcLayoutWords;
 
   py::class_<cpu::ThcEncodeStats>(m, "ThcEncodeStats")
       .def_readonly("sum_squares", &cpu::ThcEncodeStats::sum_squares)

@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 from lossless_hc.backends import cuda_lhc as _cuda
 
@@ -136,11 +137,20 @@ def test_compiled_module_holds_every_header_kernel():
 
 # -- THC (csrc/cuda/thc_kernels.cuh, lossless_hc/backends/cuda_thc.py) ------------------------------------
 def test_thc_layout_words_follow_the_header_enum():
-    from lossless_hc.backends import cuda_thc as _cuda_thc
-    names = enum_names("ThcLayoutWord", THC_HEADER)
-    assert names[-1] == "kThcLayoutWords"
-    camel = ["kTl" + "".join(part.capitalize() for part in w.split("_")) for w in _cuda_thc.LAYOUT_WORDS]
+    """THC's layout ABI: lossless_hc.thc.layout's LAYOUT_WORDS name lhc::ThcLayoutWord (csrc/lhc_layout.h) in
+    order; both backends read a layout from those words (the CUDA kernels with thc_layout_from_words, the CPU
+    binding too), so the CPU kernels' layout is the words' reading of every field."""
+    from lossless_hc import _C
+    from lossless_hc.thc.layout import LAYOUT_WORDS, plan_thc_layout
+    names = enum_names("ThcLayoutWord", (ROOT / "csrc" / "lhc_layout.h").read_text())
+    assert names[-1] == "kThcLayoutWords" and _C.THC_LAYOUT_WORDS == len(LAYOUT_WORDS)
+    camel = ["kTl" + "".join(part.capitalize() for part in w.split("_")) for w in LAYOUT_WORDS]
     assert camel == names[:-1]
+    assert "enum ThcLayoutWord" not in THC_HEADER   # one definition, in the shared header
+    from lossless_hc.backends.cpu import CpuThcLayout
+    layout = plan_thc_layout(1000003, 7, 30)
+    native = CpuThcLayout(layout, torch.zeros(1), torch.zeros(1), torch.zeros(1)).c
+    assert [getattr(native, w) for w in LAYOUT_WORDS] == layout.layout_words()
 
 
 def test_thc_constants_follow_the_headers():

@@ -33,19 +33,6 @@
 namespace lhc {
 namespace gpu {
 
-// Order of the uint64 words describing a ThcLayout (mirrored by lossless_hc/backends/cuda_thc.py LAYOUT_WORDS).
-enum ThcLayoutWord : int {
-  kTlNumel = 0,
-  kTlPadded,
-  kTlBlock,
-  kTlGranularity,
-  kTlBase,
-  kTlPerWord,
-  kTlGroupBlocks,
-  kTlWords,
-  kThcLayoutWords,
-};
-
 // Device state of one encode or decode (zeroed by the host first; read back by the host after decode).
 struct ThcState {
   unsigned int non_finite;       // encode: 1 if x held NaN/Inf (then no kernel touches e or the words)
@@ -65,18 +52,8 @@ constexpr unsigned int kThcThreads = 256;  // block size of every THC kernel (kT
 constexpr uint64_t kThcTile = 4096;        // Hadamard blocks up to this size are done in shared memory
 static_assert(kThcThreads == kThcNormLanes, "one thread per norm lane");
 
-__device__ __forceinline__ ThcLayout thc_load_layout(const uint64_t* w) {
-  ThcLayout L;
-  L.numel = w[kTlNumel];
-  L.padded = w[kTlPadded];
-  L.block = w[kTlBlock];
-  L.granularity = (uint32_t)w[kTlGranularity];
-  L.base = (uint32_t)w[kTlBase];
-  L.per_word = (uint32_t)w[kTlPerWord];
-  L.group_blocks = (uint32_t)w[kTlGroupBlocks];
-  L.words = w[kTlWords];
-  return L;
-}
+// The layout words (lhc_layout.h ThcLayoutWord), as every backend reads them.
+__device__ __forceinline__ ThcLayout thc_load_layout(const uint64_t* w) { return thc_layout_from_words(w); }
 
 __device__ __forceinline__ uint64_t thc_min(uint64_t a, uint64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ uint64_t thc_valid(const ThcLayout& L, uint64_t start, uint64_t count) {

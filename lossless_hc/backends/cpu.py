@@ -244,16 +244,14 @@ class CpuLhcLayout:
 
 
 class CpuThcLayout:
-    """A THCCodec layout on the CPU: the THCLayout, its C++ mirror and the rounding table."""
+    """A THCCodec layout on the CPU: the THCLayout, its C++ mirror (read from the layout words, as the CUDA
+    kernels read them) and the rounding table."""
 
     def __init__(self, layout, lo: torch.Tensor, width: torch.Tensor, inv_width: torch.Tensor):
         self.layout = layout
         self.lo, self.width, self.inv_width = lo, width, inv_width
-        c = _C.ThcLayout()
-        c.numel, c.padded, c.block = layout.numel, layout.padded, layout.block
-        c.granularity, c.base, c.per_word, c.words = layout.granularity, layout.base, layout.per_word, layout.words
-        c.group_blocks = layout.group_blocks
-        self.c = c
+        words = torch.tensor(layout.layout_words(), dtype=torch.int64)
+        self.c = _C.thc_layout_from_words(words.data_ptr())
 
 
 def _check_rows(x: torch.Tensor, row: int) -> int:

@@ -17,8 +17,6 @@ import torch
 
 from lossless_hc.backends import cuda_runtime
 
-# Order of lhc::gpu::ThcLayoutWord in thc_kernels.cuh.
-LAYOUT_WORDS = ("numel", "padded", "block", "granularity", "base", "per_word", "group_blocks", "words")
 THREADS = 256          # kThcThreads
 TILE = 4096            # kThcTile: Hadamard blocks up to this size run in shared memory
 NORM_CHUNK = 1024      # kThcNormChunk
@@ -42,7 +40,7 @@ class ThcCudaLayout:
             raise ValueError(f"the CUDA THC kernels take Hadamard blocks up to {TILE * TILE}, got {layout.block}")
         self.layout = layout
         self.device = device
-        self.words = torch.tensor([int(getattr(layout, w)) for w in LAYOUT_WORDS], dtype=torch.int64, device=device)
+        self.words = torch.tensor(layout.layout_words(), dtype=torch.int64, device=device)   # the layout ABI
         self.table = torch.cat([lo, width, inv_width]).to(torch.float32).to(device).contiguous()
         self.level_bytes = 1 if layout.granularity <= 255 else 4
         self.in_shared = layout.block <= TILE

@@ -115,6 +115,11 @@ def max_world_size(granularity: int = 30, payload_dtype: torch.dtype = torch.flo
     return lo
 
 
+# The layout ABI (csrc/lhc_layout.h ThcLayoutWord): what every backend's kernels read of a THCLayout, one
+# uint64 word per name in this order (THCLayout.layout_words).
+LAYOUT_WORDS = ("numel", "padded", "block", "granularity", "base", "per_word", "group_blocks", "words")
+
+
 @dataclass(frozen=True)
 class THCLayout:
     """The payload layout, a pure function of the configuration (identical on every rank).
@@ -172,6 +177,10 @@ class THCLayout:
     @property
     def payload_numel(self) -> int:
         return HEADER_FIELDS + 2 * self.world_size + self.words
+
+    def layout_words(self) -> list:
+        """This layout as the layout ABI: one word per name of :data:`LAYOUT_WORDS` (every backend's)."""
+        return [int(getattr(self, w)) for w in LAYOUT_WORDS]
 
     @property
     def wire_bytes(self) -> int:

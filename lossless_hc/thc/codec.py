@@ -124,8 +124,10 @@ class THCCodec:
         non_finite: when a rank's x + e holds NaN/Inf, every rank's decode either raises
             ``FloatingPointError`` ("raise", default) or returns all-NaN ("propagate", e.g. for AMP's
             GradScaler, which then skips the step). That rank sends only the header and its e is
-            reset to zero (as when x is finite but x + e, or its squared norm, overflows float32: a
-            coordinate of about 1.8e19 or more); the other ranks' levels
+            reset to zero (as when x is finite but x + e overflows float32, or the float32 sum of squares of
+            one lane of the norm does: at most four coordinates, 256 apart within a chunk of 1024; a coordinate
+            of about 1.845e19 or more always does, four of 9.3e18 in one lane too, while two of 1.5e19 in
+            different lanes do not); the other ranks' levels
             of that step are not delivered (their e already counts them as sent): the step is lost.
         num_threads: OpenMP threads of the kernels (0: the OpenMP default).
 

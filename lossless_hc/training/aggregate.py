@@ -516,8 +516,10 @@ class TopKAggregator(TensorAggregator):
 
     .. math:: a = g + e, \quad s = \mathrm{top}_k(|a|) \text{ entries of } a, \quad e \leftarrow a - s
 
-    and :math:`\sum_r s_r` is aggregated exactly (the codec's capacity is k, so no rank can overload
-    it). The residual keeps what was not sent, so every gradient coordinate is eventually applied
+    and :math:`\sum_r s_r` is aggregated losslessly, within :class:`TensorAggregator`'s exactness contract
+    (the sum's exact support, each value within the codec's ``rtol``, keys the decoder cannot prove
+    re-aggregated densely; not bit for bit). The codec's per-rank capacity is k, so no rank can overload
+    it. The residual keeps what was not sent, so every gradient coordinate is eventually applied
     (error feedback, Karimireddy et al. 2019). It lives here, keyed by the parameter, so it
     survives ``zero_grad(set_to_none=True)``. :math:`a` is float32; for a float16 or bfloat16 tensor
     :math:`s` is what that dtype holds of :math:`a` there (rounded, and a finite value beyond its range

@@ -128,6 +128,7 @@ def test_topk_allgather_packs_and_averages_exactly():
     grads = [torch.tensor([0.0, 4.0, -1.0, 0.5, 0.0, 0.0, -3.0, 0.1]), torch.tensor([2.0, 0.0, 0.0, 0.0, 0.0, 5.0, 0.0, 0.0])]
     packed = [codec.encode(("t", r), g) for r, g in enumerate(grads)]
     assert topk_count(8, 0.25) == 2 and all(p.numel() == 4 for p in packed)
+    assert topk_count(1001, 0.01) == 11   # ceil, as the planner's topk_allgather counts (round gave 10)
     out = codec.decode(torch.cat(packed), 2, torch.empty(8))
     assert out.tolist() == [1.0, 2.0, 0.0, 0.0, 0.0, 2.5, -1.5, 0.0]
     # what was not sent stays in the residual and goes out next time

@@ -27,11 +27,14 @@ MAX_HADAMARD_BLOCK = 1 << 20
 MAX_GROUP_BLOCKS = 16     # blocks packed together (bounded: a group's floats stay in L2)
 
 # Integers an aggregated float64 word may reach and still be recovered exactly from an AVERAGE.
-# An engine averages a sum S of n words as fl(S / n), fl(S * fl(1/n)), or divides each word by n
-# before summing (Horovod's gradient_predivide_factor); the decoder computes fl(avg * n). The
-# accumulated error is at most (n + 2) u S (u = 2^-53; n - 1 additions and three roundings), so
-# S <= 2^52 / (n + 4) keeps it below 1/2 with margin, and rounding recovers S exactly. A plain SUM
-# is exact anyway (integers below 2^53, in any order).
+# An engine averages a sum S of n words as fl(S / n) or fl(S * fl(1/n)) after an exact sum of integers
+# (error <= 2 u S with the decoder's fl(avg * n); u = 2^-53), or, with Horovod's gradient_predivide_factor
+# f, scales each word by fl(1/f) before summing and the sum by fl(f/n) after: two roundings per word, n - 1
+# additions of non-integers, two for the postscale and the decoder's one, at most (n + 4) u S (1 + O(u)).
+# S <= 2^52 / (n + 4) keeps that at 1/2: rounding recovers S exactly unless every rounding errs the same
+# way at its largest; a word recovered off by one even then fails the payload checksum (THCLayout:
+# any change of one word by d != 0 mod P), so the decode is refused. A plain SUM is exact
+# (integers below 2^53, in any order).
 def _exact_limit(world_size: int, payload_dtype: torch.dtype) -> int:
     if payload_dtype == torch.int64:
         return (1 << 63) - 1          # SUM only; no partial sum of non-negative terms exceeds the total

@@ -180,6 +180,11 @@ DEFAULT_CODEC_SECONDS = {
 }
 
 
+def _finite_nonnegative(value) -> bool:
+    """Whether ``value`` is a real number in [0, inf): a cost, a latency or a count (NaN fails)."""
+    return _is_real(value) and 0.0 <= value < math.inf
+
+
 @dataclass(frozen=True)
 class LinkModel:
     """A ring's link: ``alpha_s`` seconds per message hop, ``seconds_per_byte`` per byte of a float32
@@ -203,7 +208,7 @@ class LinkModel:
         # given) passes
         for name in ("alpha_s", "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte"):
             value = getattr(self, name)
-            if not (_is_real(value) and 0.0 <= value < math.inf):
+            if not _finite_nonnegative(value):
                 raise ValueError(f"LinkModel {name} must be a finite number >= 0, got {value!r}")
 
     def __setstate__(self, state):
@@ -246,7 +251,7 @@ class Calibration:
     def __post_init__(self):
         # as LinkModel's: a NaN, infinite or negative local cost would decide every plan it enters
         for s, costs in self.codec_seconds.items():
-            if len(costs) != 2 or not all(_is_real(c) and 0.0 <= c < math.inf for c in costs):
+            if len(costs) != 2 or not all(_finite_nonnegative(c) for c in costs):
                 raise ValueError(f"codec_seconds[{s!r}] must be two finite numbers >= 0 (per coordinate, "
                                  f"per key), got {costs!r}")
 
@@ -254,7 +259,7 @@ class Calibration:
     def default(cls, bandwidth_bits: float = 1e9, latency_s: float = DEFAULT_LATENCY_S) -> "Calibration":
         """``bandwidth_bits`` bit/s and ``latency_s`` per hop, and :data:`DEFAULT_CODEC_SECONDS`."""
         if not (_is_real(bandwidth_bits) and 0 < bandwidth_bits < math.inf) or \
-                not (_is_real(latency_s) and 0 <= latency_s < math.inf):   # NaN fails too
+                not _finite_nonnegative(latency_s):
             raise ValueError(f"bandwidth_bits must be a finite number > 0 and latency_s one >= 0, "
                              f"got {bandwidth_bits!r} and {latency_s!r}")
         return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
@@ -300,7 +305,7 @@ class TensorStats:
         # counts of rows: a negative one priced its rows' bytes below zero (an allgather of (-5,) * 4 rows
         # cheaper than one of none), a NaN fails deep in the pricing
         for what, count in [("rank_keys", k) for k in self.rank_keys] + [("union_keys", self.union_keys)]:
-            if not (_is_real(count) and 0 <= count < math.inf):
+            if not _finite_nonnegative(count):
                 raise ValueError(f"bad TensorStats: {what} must be counts >= 0, got {count!r}")
         if self.element_bytes not in _WIRE_DTYPES:
             raise ValueError(f"bad TensorStats: element_bytes={self.element_bytes}, "

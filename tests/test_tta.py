@@ -136,6 +136,20 @@ def test_parse_modes():
             tta.parse_modes(bad, "horovod" if bad == "bf16" else "ddp")
 
 
+def test_thc_exact_output_is_refused_where_it_would_not_apply():
+    """``--thc-exact output`` is DDP's ``THCHookState(exact=...)``: under another framework or another
+    compression the output layer would not be sent exactly, so the driver and ``bench tta`` refuse it
+    (with one line naming the option) instead of training without it."""
+    from lossless_hc.bench.workloads import train
+
+    assert train.parse_args(["--framework", "ddp", "--compression", "thc", "--thc-exact", "output"]).thc_exact == "output"
+    for framework, compression in (("horovod", "thc"), ("fsdp", "thc"), ("local", "thc"), ("ddp", "topk")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--framework", framework, "--compression", compression, "--thc-exact", "output"])
+    with pytest.raises(ValueError, match="exact-output"):
+        tta.parse_modes("thc:exact-output", "horovod")
+
+
 def test_thc_exact_output_picks_the_output_layer_over_the_vocabulary():
     """``--thc-exact output`` (tta mode ``thc:exact-output``): the nn.Linear whose outputs are as many as
     the embedding's rows, nothing else (docs/THC.md: THC's noise stops Adam from learning that layer)."""

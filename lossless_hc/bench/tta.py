@@ -91,6 +91,9 @@ def parse_modes(text: str, framework: str) -> list:
         if comp == "thc" and ratio:
             if ratio != "exact-output":
                 raise ValueError(f"--modes: {item}: thc takes no ratio, only ':exact-output' (the output layer exact)")
+            if framework != "ddp":
+                raise ValueError(f"--modes: {item}: ':exact-output' is DDP's THCHookState(exact=...); {framework} "
+                                 "has no such option")
             extra = ["--thc-exact", "output"]
         elif ratio:
             if comp not in RATIO_MODES:

@@ -400,6 +400,9 @@ def parse_args(argv=None, default_model="ncf", env=None):
     if args.compression not in SUPPORTED[args.framework]:
         p.error(f"--framework {args.framework} does not implement --compression {args.compression} "
                 f"(it implements {', '.join(SUPPORTED[args.framework])})")
+    if args.thc_exact != "none" and (args.framework, args.compression) != ("ddp", "thc"):
+        p.error(f"--thc-exact {args.thc_exact} is an option of --framework ddp --compression thc (THCHookState's "
+                f"exact=), got --framework {args.framework} --compression {args.compression}")
     if args.framework == "fsdp" and args.sparse_embeddings:
         p.error("--framework fsdp takes dense embeddings only: drop --sparse-embeddings")
     # Horovod densifies sparse gradients (sparse_as_dense) for every mode but its own sparse allreduce

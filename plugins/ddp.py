@@ -3,7 +3,7 @@
     from lossless_hc.plugins.ddp import LosslessHookState, lossless_hook
     state = LosslessHookState(process_group=None, max_density=0.01)
     ddp_model.register_comm_hook(state, lossless_hook)
-    # dense models: TopKHookState(ratio=0.01) with topk_hook (exact aggregation of the top-k),
+    # dense models: TopKHookState(ratio=0.01) with topk_hook (the top-k selections summed losslessly, within rtol),
     # or THCHookState(bits=4) with thc_hook (lossy, unbiased)
     ...
     state.stats()
@@ -131,7 +131,9 @@ class LosslessHookState(HookState):
 
 class TopKHookState(HookState):
     """State of :func:`topk_hook`: each rank's top ``ratio`` of every gradient (error feedback keeps
-    the rest), the selections aggregated exactly. ``policy`` sizes the sketch for the observed union."""
+    the rest), the selections summed by the LHC codec within its exactness contract (the sum's support,
+    each value within ``rtol``, keys it cannot prove re-aggregated densely; not bit for bit). ``policy``
+    sizes the sketch for the observed union."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, ratio: float = 0.01, seed: int = 0,
                  index: str = "auto", policy: Optional[CapacityPolicy] = None):
@@ -382,7 +384,8 @@ def lossless_hook(state: LosslessHookState, bucket: dist.GradBucket) -> torch.fu
 
 
 def topk_hook(state: TopKHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: top-k with error feedback, the ranks' selections averaged exactly."""
+    """DDP communication hook: top-k with error feedback, the ranks' selections averaged through the LHC
+    codec, within its exactness contract (:class:`TopKHookState`)."""
     require_arguments(state, bucket, TopKHookState, "topk_hook")
     return _compressed_allreduce(state, bucket, "topk_hook")
 

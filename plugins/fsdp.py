@@ -425,9 +425,10 @@ class LosslessFSDPState(_FSDPState):
 
 class TopKFSDPState(_FSDPState):
     """Each rank's top ``ratio`` of every shard (error feedback keeps the rest, per parameter and, in
-    the reduce-scatter, per destination), the selections aggregated exactly: by the LHC codec on the
-    replica all-reduce, as index/value pairs sent to their owner on the reduce-scatter
-    (:class:`~lossless_hc.plugins._fsdp_reduce_scatter.SelectionRowExchangeReduceScatter`). ``policy``: a
+    the reduce-scatter, per destination), the selections summed: by the LHC codec on the replica
+    all-reduce (within its exactness contract: the sum's support, each value within ``rtol``, keys it
+    cannot prove re-aggregated densely), to float rounding as index/value pairs sent to their owner on
+    the reduce-scatter (:class:`~lossless_hc.plugins._fsdp_reduce_scatter.SelectionRowExchangeReduceScatter`). ``policy``: a
     :class:`lossless_hc.CapacityPolicy` for the replica all-reduce's payloads (with ``reduce_scatter=True``
     too: the selections sent to their owner have no capacity to size; a mesh without replicas refuses
     it, as it would size nothing)."""

@@ -365,8 +365,10 @@ class CompressionFactory:
 
     @classmethod
     def topk(cls, ratio: float = 0.01, seed: int = 0, index: str = "auto", policy=None, **kwargs):
-        """Top-k (``ratio`` of each tensor) with error feedback, aggregated exactly; ``policy`` sizes
-        the sketch for the observed union of the ranks' selections."""
+        """Top-k (``ratio`` of each tensor) with error feedback, the selections summed by the LHC codec
+        within its exactness contract (each value within ``rtol``, keys it cannot prove re-aggregated
+        densely; not bit for bit); ``policy`` sizes the sketch for the observed union of the ranks'
+        selections."""
         return cls._build(TopKSpec, ratio, seed, index, **_with_policy(policy, kwargs))
 
     @classmethod

@@ -125,6 +125,8 @@ class HookState:
 
 
 def require_arguments(state, bucket, kind: type, hook: str) -> None:
+    """The argument check every hook of :mod:`lossless_hc.plugins.ddp` starts with: a TypeError naming
+    ``hook`` unless ``state`` is a ``kind`` and ``bucket`` DDP's ``GradBucket``."""
     if not isinstance(state, kind):
         raise TypeError(f"{hook} needs a {kind.__name__}, got {type(state).__name__}")
     if not isinstance(bucket, dist.GradBucket):

@@ -445,8 +445,9 @@ def options_from_env(env: Optional[Mapping[str, str]] = None) -> tuple:
 
 class Compression(CompressionFactory):
     """Factories for ``byteps.torch.DistributedOptimizer(compression=...)`` (:class:`CompressionFactory`:
-    ``lossless``, ``topk``, ``thc``, each also taking ``engine=``); BytePS's own ``none`` and ``fp16``
-    are re-exported so examples can switch with one name."""
+    ``lossless``, ``topk``, ``thc``, each also taking ``engine=``), the planner ``auto`` and
+    ``from_env`` (the ``BYTEPS_LHC_*`` variables); BytePS's own ``none`` and ``fp16`` are re-exported
+    so examples can switch with one name."""
 
     compressor = BytePSCompressor
     compressor_options = ("engine",)

@@ -257,8 +257,8 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
 
 class Compression(CompressionFactory):
     """Factories for ``hvd.DistributedOptimizer(compression=...)`` (:class:`CompressionFactory`:
-    ``lossless``, ``topk``, ``thc``); Horovod's own ``none`` and ``fp16`` are re-exported so examples
-    can switch with one name."""
+    ``lossless``, ``topk``, ``thc``) and the planner ``auto``; Horovod's own ``none`` and ``fp16`` are
+    re-exported so examples can switch with one name."""
 
     compressor = HorovodCompressor
     none = hvd.Compression.none

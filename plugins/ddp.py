@@ -110,7 +110,9 @@ from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configur
 
 
 class LosslessHookState(HookState):
-    """State of :func:`lossless_hook`: naturally sparse gradients (embeddings), aggregated exactly.
+    """State of :func:`lossless_hook`: naturally sparse gradients (embeddings), aggregated losslessly
+    (the dense sum's support, each value within the codec's exactness contract, keys it cannot prove
+    re-aggregated densely: :func:`lossless_hook`).
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
@@ -236,8 +238,9 @@ class AutoHookState(HookState):
             them, which opens a new trial
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
-            ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``); ``strategies`` may
-            name ``"powersgd"`` (with ``lossy=True``): given without it, PowerSGD is not considered.
+            ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``, ``lossy_min_bytes``);
+            ``strategies`` may name ``"powersgd"`` (with ``lossy=True``): given without it, PowerSGD is
+            not considered.
 
     PowerSGD is offered by this DDP hook only: Horovod and BytePS hand a compressor one tensor at a time
     and FSDP2 reduce-scatters, so their ``auto`` has no bucket to give it.

@@ -20,12 +20,12 @@
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 
-WORKERS=2 SERVERS=1 PORT=${DMLC_PS_ROOT_PORT:-$((20000 + RANDOM % 20000))} ROLE=local
+WORKERS=2 SERVERS=1 PORT=${DMLC_PS_ROOT_PORT:-$((20000 + RANDOM % 20000))} ROLE=local PORT_GIVEN=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --workers) WORKERS=$2; shift 2 ;;
     --servers) SERVERS=$2; shift 2 ;;
-    --port) PORT=$2; shift 2 ;;
+    --port) PORT=$2; PORT_GIVEN=true; shift 2 ;;
     --role) ROLE=$2; shift 2 ;;
     --) shift; break ;;
     -h|--help) sed -n 2,18p "$0"; exit 0 ;;
@@ -35,6 +35,17 @@ done
 SERVER_CMD=("$PY" -c "import byteps.server")
 export PYTHONUNBUFFERED=1
 
+case "$ROLE" in
+  scheduler|server|worker)
+    # Every role of a multi-machine job must meet on one port: a random one per process would leave the
+    # scheduler, servers and workers waiting for each other until a timeout.
+    if [ -z "${DMLC_PS_ROOT_PORT:-}" ] && ! $PORT_GIVEN; then
+      echo "launch_byteps: --role $ROLE needs the scheduler's port: set DMLC_PS_ROOT_PORT (or pass --port)," \
+           "the same on every machine" >&2
+      exit 2
+    fi
+    ;;
+esac
 case "$ROLE" in
   scheduler|server)
     : "${DMLC_PS_ROOT_URI:?set DMLC_PS_ROOT_URI to the address of the scheduler}" "${DMLC_NUM_WORKER:?}" "${DMLC_NUM_SERVER:?}"

@@ -158,6 +158,23 @@ def test_a_launch_script_refuses_a_worker_count_that_is_not_positive(launcher, n
     assert "Traceback" not in res.stderr and res.stdout == ""
 
 
+@pytest.mark.parametrize("role", ["scheduler", "server", "worker"])
+def test_a_byteps_role_without_the_schedulers_port_is_refused(role):
+    """A role of a multi-machine BytePS job (docs/BYTEPS.md) needs DMLC_PS_ROOT_PORT or --port: a random
+    port of its own, different on every machine, would leave the job waiting until its timeout."""
+    env = {k: v for k, v in os.environ.items() if k != "DMLC_PS_ROOT_PORT"}
+    env.update(DMLC_PS_ROOT_URI="10.0.0.1", DMLC_NUM_WORKER="1", DMLC_NUM_SERVER="1", DMLC_WORKER_ID="0")
+    script = os.path.join(REPO, "scripts", "launch_byteps.sh")
+    res = subprocess.run(["bash", script, "--role", role, "--", "true"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "DMLC_PS_ROOT_PORT" in res.stderr, res.stdout + res.stderr
+    if role == "worker":   # given either way, the port reaches the worker's command
+        for extra, port in (({"DMLC_PS_ROOT_PORT": "1234"}, []), ({}, ["--port", "1234"])):
+            res = subprocess.run(["bash", script, *port, "--role", role, "--", "sh", "-c", "echo $DMLC_PS_ROOT_PORT"],
+                                 cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=60)
+            assert (res.returncode, res.stdout) == (0, "1234\n"), res.stdout + res.stderr
+
+
 # -- 4, 5. the help and the docstrings ------------------------------------------------------------------
 def test_help_lists_the_modes_of_each_framework(capsys):
     with pytest.raises(SystemExit) as exc:

@@ -194,6 +194,21 @@ def test_decode_flags_must_be_bools(flag, value):
             thc.decode(tp, averaged=value)
 
 
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_thc_flags_must_be_bools(value):
+    """THCCodec's error_feedback and symmetric_table, and encode's interleaved, are bools:
+    error_feedback="no" (a truthy string) would keep the error memory on, and symmetric_table="no" pick
+    the symmetric table. Each is a TypeError naming it; False and True still work."""
+    for flag in ("error_feedback", "symmetric_table"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            THCCodec(1024, 2, **{flag: value})
+    assert THCCodec(1024, 2, error_feedback=False).error is None
+    thc = THCCodec(1024, 2, initial_norm=1.0)
+    with pytest.raises(TypeError, match="encode's interleaved must be a bool"):
+        thc.encode(torch.ones(1024), interleaved=value)
+    assert thc.encode(torch.ones(1024), interleaved=True).numel() == thc.payload_numel
+
+
 @pytest.mark.parametrize("factory", ["lossless", "topk", "thc", "auto"])
 def test_an_uncalled_factory_passed_as_compression_says_so(factory):
     """compression=Compression.lossless (not called): the engine calls .compress from its backward hooks,

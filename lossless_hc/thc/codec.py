@@ -152,6 +152,9 @@ class THCCodec:
                  payload_dtype: torch.dtype = torch.float64, digits_per_word: Optional[int] = None,
                  error_feedback: bool = True, initial_norm: Optional[float] = None, non_finite: str = "raise",
                  num_threads: int = 0):
+        for name, flag in (("symmetric_table", symmetric_table), ("error_feedback", error_feedback)):
+            if not isinstance(flag, bool):   # error_feedback="no" would keep the memory on
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         if levels is None:
             self.table: THCTable = table_for(bits, granularity, overflow_freq, symmetric_table)
         else:
@@ -181,7 +184,7 @@ class THCCodec:
         self.rank, self.seed = rank, seed
         self.overflow_freq = float(overflow_freq)
         self.threshold = self.table.threshold
-        self.error_feedback = bool(error_feedback)
+        self.error_feedback = error_feedback
         self.non_finite = non_finite
         self.num_threads = check_num_threads(num_threads)
         # Neighbour lookup: for integer k in [0, g), the levels lo[k] <= k < k + 1 <= lo[k] + width[k].
@@ -290,6 +293,8 @@ class THCCodec:
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.layout != torch.strided:   # COO, CSR, CSC, BSR, BSC
             raise TypeError(f"x is a sparse tensor ({x.layout}); pass it dense (e.g. x.to_dense())")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"encode's interleaved must be a bool, got {interleaved!r}")
         L = self.layout
         if interleaved:
             if L.numel != L.padded:

@@ -628,3 +628,35 @@ def test_a_digit_base_beyond_the_kernels_32_bits_is_refused():
     n = max_world_size(1 << 16, torch.int64)
     assert n * (1 << 16) + 1 < 1 << 32 <= (n + 1) * (1 << 16) + 1
     plan_thc_layout(4096, n, 1 << 16, 1024, torch.int64)
+
+
+@pytest.mark.parametrize("n,granularity,digits,per_word", [(1, 1, None, 49), (2, 4, None, 15), (2, 2, 13, 13),
+                                                           (2, 4, 12, 12)])
+def test_words_of_more_than_twelve_digits_decode_on_every_kernel_copy(n, granularity, digits, per_word):
+    """A small base n g + 1 packs many digits into a float64 word (49 at n = g = 1, 15 at n = 2, g = 4):
+    every kernel copy this CPU runs unpacks them exactly (the worst case, every coordinate at level g
+    summed over n ranks, reads back as n g; the AVX-512 copy reads words of at most 12 digits by
+    coordinate and wider ones word by word) and decodes a step to the same bits."""
+    isas = _backend.thc_cpu_isas()
+    numel = 5000
+    gen = torch.Generator().manual_seed(n * granularity)
+    steps = [[torch.randn(numel, generator=gen) for _ in range(n)] for _ in range(2)]
+    results = {}
+    try:
+        for isa in isas:
+            assert _backend.thc_cpu_isa(isa) == isa
+            codecs = make_ranks(n, numel, seed=4, bits=2, granularity=granularity, digits_per_word=digits)
+            assert codecs[0].layout.per_word == per_word
+            top = pack(codecs[0], torch.full((codecs[0].layout.padded,), granularity))
+            bad, y = unpack(codecs[0], top * n, 1.0)
+            assert bad == 0 and bool((y == n * granularity).all()), isa
+            got = []
+            for xs in steps:
+                payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+                got.append([c.decode(sum(payloads)) for c in codecs][0])
+            results[isa] = got
+    finally:
+        _backend.thc_cpu_isa("default")
+    for isa in isas[1:]:
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip(results[isas[0]], results[isa])), isa

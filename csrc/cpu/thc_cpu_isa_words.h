@@ -69,24 +69,28 @@ LHC_TGT_INLINE double inv_up(double d) {
   return __builtin_fma(inv, d, -1.0) < 0.0 ? __builtin_nextafter(inv, 2.0) : inv;
 }
 
+// The most digits per word digits_by_coordinate_f64 takes (its tables have a row per digit). A small
+// base n g + 1 packs more (49 at n = g = 1); unpack_full_words_f64 reads those word by word.
+constexpr uint64_t kCoordinateMaxDigits = 12;
+
 // The digits of validated words s[0, nwords) (integers below 2^51) as digit * a + b, computed per
 // coordinate rather than per word, so that 8 consecutive coordinates are one vector store (the
 // per-word order needs a scalar store per digit): coordinate c = w * PW + j reads its word by a
 // permute and takes digit j = floor(v / base^j) - base * floor(v / base^(j+1)) (inv_up: exact).
-// The same digits, hence the same floats, as digits_full_words_f64.
+// The same digits, hence the same floats, as digits_full_words_f64. per_word <= kCoordinateMaxDigits.
 LHC_TGT void digits_by_coordinate_f64(const double* __restrict s, uint64_t nwords, uint64_t per_word, double base_d,
                                       double a, double b, float* __restrict y) {
   typedef double vd8 __attribute__((vector_size(64)));
   typedef int64_t vl8 __attribute__((vector_size(64)));
   typedef float vf8 __attribute__((vector_size(32)));
   const uint64_t PW = per_word;
-  double inv_pow[13];   // inv_up(base^j), j <= PW (base^PW <= 2^53: exact powers)
+  double inv_pow[kCoordinateMaxDigits + 1];   // inv_up(base^j), j <= PW (base^PW <= 2^53: exact powers)
   double pw = 1.0;
   for (uint64_t j = 0; j <= PW; ++j, pw *= base_d) inv_pow[j] = inv_up(pw);
   // For each phase r = c0 mod PW of a run of 8 coordinates: each lane's word (relative to c0 / PW)
   // and the reciprocals of its digit's two powers.
-  alignas(64) int64_t rel[12][8];
-  alignas(64) double lo[12][8], hi[12][8];
+  alignas(64) int64_t rel[kCoordinateMaxDigits][8];
+  alignas(64) double lo[kCoordinateMaxDigits][8], hi[kCoordinateMaxDigits][8];
   for (uint64_t r = 0; r < PW; ++r)
     for (uint64_t l = 0; l < 8; ++l) {
       rel[r][l] = (int64_t)((r + l) / PW);
@@ -180,7 +184,7 @@ LHC_TGT uint64_t unpack_full_words_f64(const double* __restrict words, uint64_t 
     s[w] = ok ? r : 0.0;
   }
 #if LHC_THC_PERMUTE
-  if (max_word < 2251799813685248.0) {   // 2^51: see inv_up
+  if (max_word < 2251799813685248.0 && per_word <= kCoordinateMaxDigits) {   // 2^51: see inv_up
     digits_by_coordinate_f64(s, nwords, per_word, base_d, a, b, y);
     return bad;
   }

@@ -65,6 +65,26 @@ def test_thc_negative_views_are_their_values():
         codec.encode(xs[0], out=neg_view(torch.empty(codec.payload_numel, dtype=torch.float64)))
 
 
+@pytest.mark.parametrize("view", [lambda e: e, lambda e: e[: e.numel() // 2 + 3], lambda e: e[5:]])
+def test_thc_interleaved_encode_of_its_own_error_memory_is_its_values(view):
+    """encode(x, interleaved=True) reads x in place while it writes the error memory: an x in that memory
+    (the codec's ``error``, or a view of it) encodes as a copy of it would, payload and error memory alike."""
+    numel, steps = 1 << 17, 3   # 128 blocks: later blocks read what earlier ones wrote, were x read in place
+    results = []
+    for alias in (False, True):
+        codec = THCCodec(numel, 1, 0, seed=3, hadamard_block=1024)
+        g = torch.Generator().manual_seed(2)
+        got = []
+        for step in range(steps):
+            x = torch.randn(numel, generator=g)
+            if step == steps - 1:
+                x = view(codec.error) if alias else view(codec.error).clone()
+            payload = codec.encode(x, interleaved=True)
+            got += [payload.clone(), codec.error.clone(), codec.decode(payload)]
+        results.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_topk_aggregator_selects_a_negative_view_s_values():
     """A gradient handed over as a negative view sends, and keeps as residual, the bits its values give,
     step after step (the one-pass selection reads memory: it once sent the negation, silently)."""

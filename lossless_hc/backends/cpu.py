@@ -42,14 +42,19 @@ def _check_topk_input(x: torch.Tensor, k: int) -> None:
         raise ValueError(f"k must be an integer >= 0, got {k!r}")
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` (contiguous tensors) overlaps."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
+
+
 def check_disjoint(out: torch.Tensor, src: torch.Tensor, names: str) -> None:
     """Raise ValueError when the memory of ``out`` and ``src`` (contiguous tensors) overlaps: every
     backend's kernels read ``src`` while they write ``out``, so an overlap would give a silently wrong
     result (or, where torch notices it first, torch's own error)."""
-    if out.device != src.device or out.numel() == 0 or src.numel() == 0:
-        return
-    a, b = out.data_ptr(), src.data_ptr()
-    if a < b + src.numel() * src.element_size() and b < a + out.numel() * out.element_size():
+    if overlaps(out, src):
         raise ValueError(f"{names} overlap in memory: the kernels read one while they write the other; "
                          "pass an out that shares no memory with the input")
 
@@ -402,6 +407,11 @@ class CpuBackend:
         ``non_finite_field`` with everything after it zeroed (checksum included). ``interleave_nb`` > 0:
         the input is ``thc_interleave(x, interleave_nb, block)``, read from x in place."""
         prime, c0, k = check
+        if interleave_nb and e is not None and overlaps(x, e):
+            # The kernel reads each block's coordinates from all of x while it writes that block's
+            # error memory: x in e's memory (the codec's own ``error``, or a view of it) is read from
+            # a copy, as the CUDA backend reads every interleaved x.
+            x = x.clone()
         st = _C.thc_encode(native.c, bool(quantize), native.lo.data_ptr(), native.width.data_ptr(),
                            native.inv_width.data_ptr(), float(scale), float(threshold), float(dequant_a),
                            float(dequant_b), sign_stream, round_stream, x.data_ptr(), _addr(e), int(word_kind),

@@ -55,8 +55,12 @@ void bind_thc(py::module_& m) {
   m.def(
       "thc_cpu_isa",
       [](const std::string& request) {
-        if (!request.empty() && !cpu::thc_set_cpu_isa(request == "default" ? "" : request.c_str()))
-          throw py::value_error("this CPU cannot run the THC kernels for '" + request + "'");
+        if (!request.empty() && !cpu::thc_set_cpu_isa(request == "default" ? "" : request.c_str())) {
+          std::string runnable;
+          for (const std::string& name : cpu::thc_cpu_isas()) runnable += "'" + name + "', ";
+          throw py::value_error("this CPU cannot run the THC kernels for '" + request + "': request one of " +
+                                runnable + "or 'default'");
+        }
         return std::string(cpu::thc_cpu_isa());
       },
       py::arg("request") = "",

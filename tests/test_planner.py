@@ -226,10 +226,18 @@ def test_an_auto_aggregator_checks_its_rank_world_size_shape_and_lossy_parameter
 def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
     """The allgather's slots carry each row's index as an int32 (training.rows.gather_slots): a tensor
     of more than 2^31 - 1 rows is never planned on it (its rows would come back wrapped or lost)."""
-    from lossless_hc.training.rows import ALLGATHER_MAX_KEYS
+    from lossless_hc.training.planner import ALLGATHER_MAX_KEYS
     assert ALLGATHER_MAX_KEYS == (1 << 31) - 1
     big = AutoAggregator("w", (ALLGATHER_MAX_KEYS + 1,), torch.float32, 2, 0, MODEL, first="allgather")
     assert "allgather" not in big.allowed and big.strategy == "dense", big.allowed
+    # nor a candidate of the cost model alone (bench.simulate prices with it, without an aggregator)
+    for lossy in (False, True):
+        predicted = MODEL.choose(stats(ALLGATHER_MAX_KEYS + 1, 1, 2, 10, 20), lossy=lossy)[1]
+        assert not {"allgather", "topk_allgather"} & set(predicted), predicted
+    predicted = MODEL.choose(stats(ALLGATHER_MAX_KEYS, 1, 2, 10, 20), lossy=True)[1]
+    assert {"allgather", "topk_allgather"} <= set(predicted), predicted
+    predicted = MODEL.choose(stats(1 << 32, 4, 2, 10, 20), lossy=True)[1]   # 2^30 rows of 4: allgather only
+    assert "allgather" in predicted and "topk_allgather" not in predicted, predicted
     assert "allgather" in AutoAggregator("w", (ALLGATHER_MAX_KEYS,), torch.float32, 2, 0, MODEL).allowed
     # the rows counted, not the coordinates: 2^30 rows of 4 are 2^32 coordinates
     assert "allgather" in AutoAggregator("w", (1 << 30, 4), torch.float32, 2, 0, MODEL).allowed

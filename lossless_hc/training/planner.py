@@ -138,6 +138,9 @@ TOPK_STRATEGIES = ("topk", "topk_allgather")   # the top-k selections, with one 
 # tensors' of the same kind
 SECOND_COLLECTIVE = {"allgather": "allgather", "topk_allgather": "allgather", "two_phase": "allreduce"}
 HALF_STRATEGIES = ("fp16", "bf16")   # the tensor allreduced in half precision
+# The allgather's slots carry a row's index (topk_allgather's: a coordinate's) as an int32 bit-cast to float32
+# (rows.gather_slots): tensors of more rows (coordinates) are never planned on it (unbuildable)
+ALLGATHER_MAX_KEYS = (1 << 31) - 1
 PLAIN_STRATEGIES = ("dense",) + HALF_STRATEGIES   # plans with plain steps between statistics steps (module doc)
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}   # each half strategy's wire dtype
 STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
@@ -344,16 +347,22 @@ def unbuildable(world_size: int, keys: int = 0, numel: int = 0, thc_granularity:
     over ``world_size`` ranks: the LHC codec takes at most :data:`~lossless_hc.lhc.layout.MAX_WORLD_SIZE`
     (1024) ranks and :data:`~lossless_hc.lhc.layout.MAX_KEYS` (2^32 - 2^12) keys, so above them the sketch
     (keys: the rows) and the top-k strategies (whose aggregator selects coordinates and holds a
-    ``LosslessCodec``: keys, the coordinates) are out; above THC's exact range
-    (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks at granularity 30) THC. Neither a
-    candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would raise the
-    codec's ValueError at the first re-plan, in the middle of training."""
+    ``LosslessCodec``: keys, the coordinates) are out; the allgathers' slots index at most
+    :data:`ALLGATHER_MAX_KEYS` (2^31 - 1) rows (allgather) or coordinates (topk_allgather); above THC's
+    exact range (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks at granularity 30) THC.
+    Neither a candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would
+    raise the codec's ValueError at the first re-plan, in the middle of training (or, for an allgather,
+    send indices wrapped past the int32)."""
     from lossless_hc.thc.layout import max_world_size
     out = set()
     if world_size > MAX_WORLD_SIZE or keys > MAX_KEYS:
         out.add("sketch")
     if world_size > MAX_WORLD_SIZE or numel > MAX_KEYS:
         out |= set(TOPK_STRATEGIES)
+    if keys > ALLGATHER_MAX_KEYS:
+        out.add("allgather")
+    if numel > ALLGATHER_MAX_KEYS:
+        out.add("topk_allgather")
     if world_size > max_world_size(int(thc_granularity)):
         out.add("thc")
     return frozenset(out)

@@ -204,15 +204,11 @@ class TensorRows:
                                                           index=ctx.index, num_threads=torch.get_num_threads())
 
 
-# The allgather's slots carry a row's index as an int32 bit-cast to float32: tensors of more rows are
-# never planned on it (strategies.AutoAggregator leaves it out of their candidates).
-ALLGATHER_MAX_KEYS = (1 << 31) - 1
-
-
 def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) -> torch.Tensor:
     """A rank's ``k`` allgather slots, flat: int32 row index (bits in a float32 word; -1: unused) and the
-    row's ``row`` values, for its sorted rows ``index`` (at most :data:`ALLGATHER_MAX_KEYS`; not checked
-    here, which would synchronise a CUDA stream) with ``values`` ``(len(index), row)``."""
+    row's ``row`` values, for its sorted rows ``index`` (at most
+    :data:`~lossless_hc.training.planner.ALLGATHER_MAX_KEYS`; not checked here, which would synchronise a
+    CUDA stream) with ``values`` ``(len(index), row)``."""
     slots = torch.zeros(k, 1 + row, dtype=torch.float32, device=index.device)
     slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
     m = index.numel()

@@ -70,7 +70,7 @@ from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_M
                                           LOSSY_STRATEGIES, PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel,
                                           TensorStats, bitmap_words,
                                           sketch_capacity, stats_header_words, unbuildable)
-from lossless_hc.training.rows import ALLGATHER_MAX_KEYS, TensorRows, gather_slots, sum_slots, sum_slots_dense
+from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.thc.table import check_bits
@@ -135,12 +135,8 @@ class AutoAggregator(TensorRows, LossyMemories):
         self.thc_bits = cost_model.thc_bits if thc_bits is None else thc_bits
         lossy_here = lossy and not self.sparse and self.numel * dtype.itemsize >= lossy_min_bytes
         names = EXACT_STRATEGIES + (LOSSY_STRATEGIES if lossy_here else ())
-        if self.keys > ALLGATHER_MAX_KEYS:   # its slots carry the row index as an int32
-            names = tuple(s for s in names if s != "allgather")
-        if self.numel > ALLGATHER_MAX_KEYS:   # ... and topk_allgather's the coordinate's
-            names = tuple(s for s in names if s != "topk_allgather")
-        # the LHC codec takes at most 1024 ranks and 2^32 - 2^12 keys, THC at most its exact range
-        # (planner.unbuildable)
+        # the LHC codec takes at most 1024 ranks and 2^32 - 2^12 keys, the allgathers' int32 index 2^31 - 1
+        # rows or coordinates, THC at most its exact range (planner.unbuildable)
         names = tuple(s for s in names if s not in unbuildable(self.world_size, self.keys, self.numel))
         if dtype in (torch.float16, torch.bfloat16):
             # fp16 would round a float16 gradient again (x / n, then n times the sum) for nothing its plain

@@ -248,18 +248,20 @@ def test_allgather_is_no_candidate_for_rows_beyond_its_int32_index():
 
 
 def test_strategies_whose_codec_cannot_take_the_world_size_are_no_candidates():
-    """The LHC codec takes at most 1024 ranks (lhc.layout.MAX_WORLD_SIZE): at more, the sketch and the top-k
-    strategies (whose aggregator holds one) are no candidates, instead of the first re-plan raising the
-    codec's ValueError mid-run (1025 ranks: "world_size must be in [1, 1024]" at the end of step 0)."""
+    """The LHC codec takes at most 1024 ranks (lhc.layout.MAX_WORLD_SIZE): at more, the sketch and topk
+    (which sums through it) are no candidates, instead of the first re-plan raising the codec's ValueError
+    mid-run (1025 ranks: "world_size must be in [1, 1024]" at the end of step 0). topk_allgather, which
+    sends its selections as pairs, stays one (its aggregator builds no codec: the next test)."""
     from lossless_hc.lhc.layout import MAX_WORLD_SIZE
     n = MAX_WORLD_SIZE + 1
     for lossy in (False, True):
         best, predicted = MODEL.choose(stats(1 << 20, 64, n, 10, 10), lossy=lossy)
-        assert not {"sketch", "topk", "topk_allgather"} & set(predicted), predicted
+        assert not {"sketch", "topk"} & set(predicted), predicted
+        assert ("topk_allgather" in predicted) == lossy, predicted
     assert "sketch" in MODEL.choose(stats(1 << 20, 64, MAX_WORLD_SIZE, 10, 10))[1]
     lossy = dict(lossy=True, lossy_min_bytes=0)
     assert AutoAggregator("w", (1 << 12, 4), torch.float32, n, 0, MODEL, **lossy).allowed == (
-        "dense", "allgather", "two_phase", "fp16", "bf16", "thc")
+        "dense", "allgather", "two_phase", "fp16", "bf16", "thc", "topk_allgather")
     assert "sketch" in AutoAggregator("w", (1 << 12, 4), torch.float32, MAX_WORLD_SIZE, 0, MODEL).allowed
     # a step and its plan at that many ranks, exact
     aggs = [AutoAggregator("w", (64, 4), torch.float32, n, r, MODEL, first="sketch") for r in range(n)]
@@ -269,6 +271,57 @@ def test_strategies_whose_codec_cannot_take_the_world_size_are_no_candidates():
     values = run_step(aggs, xs)
     assert aggs[0].plans == 1 and aggs[0].strategy in aggs[0].allowed
     assert all(torch.equal(v, torch.stack(xs).sum(0)) for v in values)
+
+
+def test_top_k_allgathered_runs_beyond_the_lhc_codec_s_ranks():
+    """topk_allgather at 2048 ranks (twice the LHC codec's limit): chosen by the cost model where it is the
+    cheapest, and a step of it equals the sum of every rank's top-k selection, added in rank order, bit for
+    bit (every rank's encode and decode; the gathered result finished on the first and last rank). Its
+    aggregator builds no LHC codec, which refused more than 1024 ranks ("world_size must be in [1, 1024]")
+    and kept topk_allgather out of the candidates there."""
+    n, numel = 2048, 256
+    # 1e-5 of a 64 MB gradient per rank: the ranks' pairs together are a fifth of the tensor
+    model = CostModel(MODEL.calibration, topk_ratio=1e-5)
+    best, predicted = model.choose(stats(1 << 24, 1, n, 1 << 24, 1 << 24), lossy=True)
+    assert best == "topk_allgather", predicted
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk_allgather") for r in range(n)]
+    assert aggs[0].strategy == "topk_allgather" and "topk" not in aggs[0].allowed
+    rng = torch.Generator().manual_seed(11)
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = torch.stack([p for p, _ in encoded]).sum(0)
+    requests = [a.decode(summed, ctx).request for a, (_, ctx) in zip(aggs, encoded)]
+    assert aggs[0]._topk.codec is None and aggs[0]._topk.k == math.ceil(MODEL.topk_ratio * numel)
+    gathered = torch.stack([r.tensor.reshape(-1) for r in requests])
+    truth = torch.zeros(numel)
+    for x in xs:   # each rank's k largest |x| (no residual yet), in rank order
+        idx = x.abs().topk(aggs[0]._topk.k).indices
+        truth.index_add_(0, idx, x[idx])
+    for r in (0, n - 1):
+        assert torch.equal(aggs[r].finish(encoded[r][1], gathered.clone()), truth)
+
+
+def test_top_k_allgathered_builds_its_codec_only_when_the_plan_moves_to_topk():
+    """The top-k aggregator a topk_allgather plan builds holds no LHC codec; a re-plan to topk builds it
+    before the step's payload is sized (payload_numel, which a message reads before encoding), and the
+    2-rank topk_allgather step is unchanged: the two ranks' selections added in rank order."""
+    n, numel = 2, 4096
+    rng = torch.Generator().manual_seed(12)
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk_allgather", allowed=("topk", "topk_allgather")) for r in range(n)]
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    ys = run_step(aggs, xs)
+    k = math.ceil(MODEL.topk_ratio * numel)
+    sent = [torch.zeros(numel).index_copy_(0, x.abs().topk(k).indices, x[x.abs().topk(k).indices]) for x in xs]
+    assert all(torch.equal(y, sent[0] + sent[1]) for y in ys)
+    assert all(a._topk is not None and a._topk.codec is None for a in aggs)
+    for a in aggs:
+        a.strategy = "topk"   # the plan, the same on every rank
+    sizes = [a.payload_numel() for a in aggs]
+    payloads = [a.encode(x)[0] for a, x in zip(aggs, xs)]
+    assert [p.numel() for p in payloads] == sizes and all(a._topk.codec is not None for a in aggs), sizes
+    assert sizes[0] < numel
 
 
 def test_sketch_and_top_k_are_no_candidates_beyond_the_codec_s_keys():

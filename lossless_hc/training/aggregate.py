@@ -525,16 +525,34 @@ class TopKAggregator(TensorAggregator):
     :math:`s` is what that dtype holds of :math:`a` there (rounded, and a finite value beyond its range
     clamped to it), so the residual also keeps what the rounding left out: :math:`a` is the sent tensor
     plus the new residual, exactly (within float32 rounding where a value was clamped).
+
+    ``sketch``: whether the selections are summed through the LHC codec (``topk``). False: the caller
+    sends them as (index, value) pairs (:meth:`select_indices`; ``topk_allgather``, FSDP2's reduce-scatter),
+    so no codec is built (it takes at most 1024 ranks) and :attr:`compressed` is False (:meth:`select`
+    sends the tensor whole, with its residual) until :meth:`use_sketch`.
     """
 
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, ratio: float, seed: int = 0,
                  index: str = "auto", stats: Optional[AggregationStats] = None,
-                 policy: Optional[CapacityPolicy] = None, device="cpu"):
+                 policy: Optional[CapacityPolicy] = None, device="cpu", sketch: bool = True):
+        self.sketch = bool(sketch)   # read by _decide_codec, which the base class's constructor calls
         super().__init__(name, shape, dtype, world_size, max_density=ratio, block_size=1, seed=seed,
                          index=index, stats=stats, policy=policy, device=device)
         self.k = topk_count(self.numel, ratio)
         self.min_capacity = self.k  # every rank sends exactly k: only the union adapts
         self.residual: Optional[torch.Tensor] = None
+
+    def _decide_codec(self) -> None:
+        if self.sketch:
+            super()._decide_codec()
+        else:
+            self._codec = None
+
+    def use_sketch(self) -> None:
+        """Sum the selections through the LHC codec from now on (built now; the residual kept)."""
+        if not self.sketch:
+            self.sketch = True
+            self._decide_codec()
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         if not self.compressed:
@@ -563,7 +581,7 @@ class TopKAggregator(TensorAggregator):
     def select_indices(self, x: torch.Tensor) -> tuple:
         """:meth:`select`'s selection of a compressed tensor as ``(indices, values)``: the k flat
         indices (int64, ascending) and ``a`` there, float32 (the residual updated as :meth:`select`
-        updates it). Only while :attr:`compressed`."""
+        updates it), for a caller that sends them as pairs (or while :attr:`compressed`)."""
         # resolve_neg: the kernels read memory, not torch's negative bit (a gradient that is a negative view)
         flat = x.detach().reshape(-1).to(torch.float32).contiguous().resolve_neg()
         if self.residual is None:

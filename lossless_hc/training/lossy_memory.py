@@ -34,10 +34,14 @@ class LossyMemories:
 
     def topk_aggregator(self) -> TopKAggregator:
         """The top-k strategies' aggregator (its error-feedback residual, which ``topk`` and ``topk_allgather``
-        share: the same selection of ``x + residual``), built at first use."""
+        share: the same selection of ``x + residual``), built at first use. Its LHC codec only once the plan
+        is ``topk``: ``topk_allgather`` sends the pairs, and the codec would refuse more than 1024 ranks."""
+        sketch = self.strategy == "topk"
         if self._topk is None:
             self._topk = TopKAggregator(self.name, (self.numel,), torch.float32, self.world_size, self.topk_ratio,
-                                        seed=self.seed, stats=AggregationStats(), device=self.device)
+                                        seed=self.seed, stats=AggregationStats(), device=self.device, sketch=sketch)
+        elif sketch:
+            self._topk.use_sketch()
         return self._topk
 
     def take_lossy_memory(self) -> Optional[torch.Tensor]:

@@ -346,11 +346,11 @@ def unbuildable(world_size: int, keys: int = 0, numel: int = 0, thc_granularity:
     """The strategies whose codec cannot be built for a tensor of ``numel`` coordinates in ``keys`` rows
     over ``world_size`` ranks: the LHC codec takes at most :data:`~lossless_hc.lhc.layout.MAX_WORLD_SIZE`
     (1024) ranks and :data:`~lossless_hc.lhc.layout.MAX_KEYS` (2^32 - 2^12) keys, so above them the sketch
-    (keys: the rows) and the top-k strategies (whose aggregator selects coordinates and holds a
-    ``LosslessCodec``: keys, the coordinates) are out; the allgathers' slots index at most
-    :data:`ALLGATHER_MAX_KEYS` (2^31 - 1) rows (allgather) or coordinates (topk_allgather); above THC's
-    exact range (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks at granularity 30) THC.
-    Neither a candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would
+    (keys: the rows) and ``topk`` (which sums its selections through one: keys, the coordinates) are out,
+    not ``topk_allgather`` (the same selections, sent as pairs: its aggregator builds no codec); the
+    allgathers' slots index at most :data:`ALLGATHER_MAX_KEYS` (2^31 - 1) rows (allgather) or coordinates
+    (topk_allgather); above THC's exact range (:func:`~lossless_hc.thc.layout.max_world_size`, 65534 ranks
+    at granularity 30) THC. Neither a candidate of :meth:`CostModel.choose` nor of an ``auto`` aggregator: pricing them would
     raise the codec's ValueError at the first re-plan, in the middle of training (or, for an allgather,
     send indices wrapped past the int32)."""
     from lossless_hc.thc.layout import max_world_size
@@ -358,7 +358,7 @@ def unbuildable(world_size: int, keys: int = 0, numel: int = 0, thc_granularity:
     if world_size > MAX_WORLD_SIZE or keys > MAX_KEYS:
         out.add("sketch")
     if world_size > MAX_WORLD_SIZE or numel > MAX_KEYS:
-        out |= set(TOPK_STRATEGIES)
+        out.add("topk")
     if keys > ALLGATHER_MAX_KEYS:
         out.add("allgather")
     if numel > ALLGATHER_MAX_KEYS:

@@ -611,6 +611,8 @@ class AutoAggregator(TensorRows, LossyMemories):
             agg = self._thc if s == "thc" else self._topk
             if agg is None:
                 raise RuntimeError(f"{self.name}: the {s} payload's size is known after its first encode")
+            if s == "topk":   # built by a topk_allgather plan: its codec now
+                agg = self.topk_aggregator()
             return H + (agg.codec.payload_numel if agg.codec is not None else self.numel)
         return H
 

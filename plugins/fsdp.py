@@ -263,10 +263,11 @@ class _FSDPState:
         return "plan"
 
     # -- aggregators -------------------------------------------------------------------------------
-    def _aggregator(self, key: str, tensor: torch.Tensor, world_size: int, rank: int):
+    def _aggregator(self, key: str, tensor: torch.Tensor, world_size: int, rank: int, **options):
+        """The aggregator of ``key``, built at its first call (``options``: the spec's ``make``'s own)."""
         agg = self._aggregators.get(key)
         if agg is None:
-            agg = self.spec.make(key, tensor, world_size, rank, self._stats, tensor.device)
+            agg = self.spec.make(key, tensor, world_size, rank, self._stats, tensor.device, **options)
             saved = self._saved.pop(key, None)
             if saved is not None:
                 load_aggregator_state_dict(agg, saved)

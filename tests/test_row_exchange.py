@@ -177,3 +177,63 @@ def test_a_buffer_sent_whole_is_its_own_payload():
                           (slots, torch._neg_view(-fresh))):
         counts, payload, _ = encode_destinations(given, source=source)
         assert counts == [[WHOLE]] * 2 and payload.data_ptr() != fresh.data_ptr() and torch.equal(payload, want)
+
+
+def topk_reduce_scatters(n, ratio, params):
+    """Every rank's reduce-scatter of ``TopKFSDPState(mesh, ratio)`` over ``params`` parameters, without a
+    mesh: the state's aggregators and the comm's ``_sent`` (what it hands the exchange), nothing else."""
+    from types import SimpleNamespace
+
+    from lossless_hc.plugins._fsdp_reduce_scatter import SelectionRowExchangeReduceScatter
+    from lossless_hc.plugins.fsdp import TopKFSDPState
+    from lossless_hc.training.adapter import TopKSpec
+    from lossless_hc.training.aggregate import AggregationStats
+    comms = []
+    for _ in range(n):
+        state = TopKFSDPState.__new__(TopKFSDPState)   # its aggregators alone (no process group)
+        state.spec, state._stats, state._aggregators, state._saved = TopKSpec(ratio), AggregationStats(), {}, {}
+        comm = SelectionRowExchangeReduceScatter(state, None)
+        comm.slots = SimpleNamespace(fqns=[f"p{i}" for i in range(params)])
+        comms.append(comm)
+    return comms
+
+
+def test_top_k_s_reduce_scatter_sends_pairs_wherever_they_are_fewer_bytes_than_the_chunk():
+    """TopKFSDPState's reduce-scatter over 4 ranks at ratio 0.05: a 1,000-element chunk goes as its 50
+    selected (index, value) pairs, 600 bytes against 4,000 whole (it went whole: the LHC codec, which
+    decided it and which the exchange never uses, would not have been smaller than the chunk at 4 ranks),
+    and a 4-element chunk, whose one pair (16 bytes padded) is no fewer than the chunk's, whole with what
+    its residual held. The owner's sum is every rank's selection (x + residual's k largest magnitudes)
+    added in rank order, bit for bit, and the error feedback conserves every coordinate over the steps."""
+    n, ratio, numels = 4, 0.05, (1000, 4)
+    comms = topk_reduce_scatters(n, ratio, len(numels))
+    g = torch.Generator().manual_seed(21)
+    residual = {(r, d, i): torch.zeros(m) for r in range(n) for d in range(n) for i, m in enumerate(numels)}
+    total_in = [torch.zeros(n, m, dtype=torch.float64) for m in numels]
+    total_out = [torch.zeros(n, m, dtype=torch.float64) for m in numels]
+    for step in range(3):
+        x = [[[torch.randn(m, generator=g) for m in numels] for _ in range(n)] for _ in range(n)]   # [r][d][i]
+        sent = [[comms[r]._sent(x[r][d], d, n, r) for d in range(n)] for r in range(n)]
+        for d in range(n):
+            owned, counts = exchange([sent[r][d] for r in range(n)])
+            assert [list(c) for c in counts] == [[50, WHOLE]] * n, counts
+            for i, m in enumerate(numels):
+                truth = torch.zeros(m)
+                for r in range(n):   # the reference error feedback, in rank order
+                    a = x[r][d][i] + residual[r, d, i]
+                    idx = a.abs().topk(50).indices if m == 1000 else torch.arange(m)
+                    truth[idx] += a[idx]
+                    residual[r, d, i] = a.index_fill(0, idx, 0.0)
+                    total_in[i][d] += x[r][d][i].double()
+                assert torch.equal(owned[i], truth), (step, d, i)
+                total_out[i][d] += owned[i].double()
+    for i, m in enumerate(numels):
+        held = torch.zeros(n, m, dtype=torch.float64)
+        for r in range(n):
+            for d in range(n):
+                e = comms[r].state._aggregators[f"shard:p{i}->{d}"].residual   # None: flushed whole
+                assert torch.equal(residual[r, d, i], torch.zeros(m) if e is None else e)
+                held[d] += residual[r, d, i].double()
+        assert float((total_in[i] - total_out[i] - held).abs().max()) < 1e-5
+    aggs = [a for c in comms for a in c.state._aggregators.values()]
+    assert len(aggs) == n * n * len(numels) and all(a.codec is None for a in aggs)

@@ -161,9 +161,11 @@ class TopKSpec(AggregatorSpec):
     def options(self) -> dict:
         return {"ratio": self.ratio, "seed": self.seed, "index": self.index}
 
-    def make(self, name, tensor, world_size, rank, stats, device):
+    def make(self, name, tensor, world_size, rank, stats, device, sketch: bool = True):
+        """``sketch``: :class:`~lossless_hc.training.aggregate.TopKAggregator`'s (False: the caller sends
+        the selections as pairs, FSDP2's reduce-scatter)."""
         return TopKAggregator(name, tensor.shape, tensor.dtype, world_size, self.ratio, seed=self.seed,
-                              index=self.index, stats=stats, device=device, **self.extra)
+                              index=self.index, stats=stats, device=device, sketch=sketch, **self.extra)
 
 
 class THCSpec(AggregatorSpec):

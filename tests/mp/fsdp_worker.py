@@ -320,9 +320,9 @@ def _record_at_build(state) -> dict:
     seen = {}
     build_aggregator = state._aggregator
 
-    def recording(key, *args):
+    def recording(key, *args, **options):
         new = key not in state._aggregators
-        agg = build_aggregator(key, *args)
+        agg = build_aggregator(key, *args, **options)
         if new:
             residual = getattr(agg, "residual", None)
             codec = getattr(agg, "codec", None)

@@ -449,7 +449,7 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
             agg = self.state._aggregator(f"shard:{fqn}->{d}", v, n, me, sketch=False)
             pairs = segment_nbytes(agg.k, v.numel(), 1, v.dtype) < segment_nbytes(WHOLE, v.numel(), 1, v.dtype)
             if pairs:   # the selection as it comes, no dense tensor built and scanned again
-                index, values = agg.select_indices(v)
+                index, values = agg.select_pairs(v)   # in v's dtype, its rounding kept in the residual
                 values = values.to(v.dtype)
                 sent = values != 0   # k may exceed the non-zeros (a sparse gradient): zeros add nothing
                 out.append(GivenRows(index[sent], values[sent], v.numel()))

@@ -237,3 +237,26 @@ def test_top_k_s_reduce_scatter_sends_pairs_wherever_they_are_fewer_bytes_than_t
         assert float((total_in[i] - total_out[i] - held).abs().max()) < 1e-5
     aggs = [a for c in comms for a in c.state._aggregators.values()]
     assert len(aggs) == n * n * len(numels) and all(a.codec is None for a in aggs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_top_k_s_reduce_scatter_keeps_a_half_precision_chunk_s_rounding_in_its_residual(dtype):
+    """A bfloat16 or float16 chunk's pairs carry x + residual as that dtype holds it: what the rounding
+    leaves out (and, beyond float16's range, what the clamp to 65504 leaves out) stays in the residual, as
+    Compression.topk's selection keeps it, so every step's pairs plus the residual are everything sent so
+    far, exactly. (They were cast alone: the rounding was lost, and a float16 x + residual near 80000 went
+    out as inf.)"""
+    numel = 1000
+    comms = topk_reduce_scatters(2, 0.05, 1)
+    g = torch.Generator().manual_seed(22)
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    for step in range(4):
+        x = torch.randn(numel, generator=g).to(dtype)
+        x[:100] = 40000.0 + 1000.0 * torch.rand(100, generator=g)   # 50 sent a step; the others' x + e ~80000
+        given = comms[0]._sent([x], 0, 2, 0)[0]
+        residual = comms[0].state._aggregators["shard:p0->0"].residual
+        assert given.values.dtype == dtype and bool(torch.isfinite(given.values).all())
+        total_in += x.double()
+        total_out += given.dense().double()
+        assert torch.equal(total_in - total_out, residual.double()), step

@@ -566,22 +566,29 @@ class TopKAggregator(TensorAggregator):
                 rest = _left_out(total, sent)   # what a narrower dtype's rounding left out: sent later
                 self.residual = rest if bool(rest.any()) else None
             return sent.reshape(self.shape)
-        idx, values = self.select_indices(x)
-        if _rounds(self.dtype):
-            held = _held_in(values, self.dtype)
-            self.residual[idx] = _left_out(values, held)   # zero there after the selection: now the rounding's
-            values = held.float()
+        idx, values = self.select_pairs(x)
         # A fresh dense output (the adapters keep it until the decode completes), zeroed in memory
         # advised to huge pages: a third of torch.zeros_like's time on the CPU, whose page faults are
         # most of it.
         sparse = backend_for(values.device).empty(self.numel, values.device).zero_()
-        sparse[idx] = values
+        sparse[idx] = values.float()   # float32 holds a narrower dtype's values exactly
         return sparse.reshape(self.shape).to(self.dtype)
+
+    def select_pairs(self, x: torch.Tensor) -> tuple:
+        """:meth:`select_indices` with the values as this tensor's dtype holds them (:meth:`select`'s
+        selection): for float16 or bfloat16, rounded (a finite value beyond the range clamped to it) and
+        what that left out kept in the residual, so the pairs plus the residual are ``a``."""
+        idx, values = self.select_indices(x)
+        if _rounds(self.dtype):
+            held = _held_in(values, self.dtype)
+            self.residual[idx] = _left_out(values, held)   # zero there after the selection: now the rounding's
+            return idx, held
+        return idx, values
 
     def select_indices(self, x: torch.Tensor) -> tuple:
         """:meth:`select`'s selection of a compressed tensor as ``(indices, values)``: the k flat
         indices (int64, ascending) and ``a`` there, float32 (the residual updated as :meth:`select`
-        updates it), for a caller that sends them as pairs (or while :attr:`compressed`)."""
+        updates it; float32: :meth:`select_pairs` has them in this tensor's dtype)."""
         # resolve_neg: the kernels read memory, not torch's negative bit (a gradient that is a negative view)
         flat = x.detach().reshape(-1).to(torch.float32).contiguous().resolve_neg()
         if self.residual is None:

@@ -320,3 +320,26 @@ def test_the_cuda_backend_s_torch_paths_take_the_shapes_the_cpu_kernels_take():
     CPU.thc_deinterleave(want, 4, 1024, back_cpu)
     cuda.thc_deinterleave(want, 4, 1024, back_cuda)
     assert torch.equal(back_cpu, x) and torch.equal(back_cuda, x)
+
+
+@pytest.mark.parametrize("build", ["TensorAggregator", "TensorRows", "PlanTracker", "fit_link"])
+def test_a_world_size_that_is_no_positive_int_is_refused_alike_everywhere(build):
+    """The training modules' world sizes go through one check (lhc.layout.check_int with least=1): a
+    TypeError for what is not an int (a bool, a float), and one ValueError naming the accepted range,
+    "world_size must be an integer >= 1" (three of them said "world_size must be >= 1", in words of
+    their own)."""
+    from lossless_hc.training.aggregate import TensorAggregator
+    from lossless_hc.training.calibration import LinkModel, fit_link
+    from lossless_hc.training.plan_tracker import PlanTracker
+    from lossless_hc.training.rows import TensorRows
+    make = {"TensorAggregator": lambda n: TensorAggregator("w", (4,), torch.float32, n, 0.5),
+            "TensorRows": lambda n: TensorRows("w", (4,), torch.float32, n, 0, False),
+            "PlanTracker": lambda n: PlanTracker(4, 1, n),
+            "fit_link": lambda n: fit_link([], n, LinkModel(0, 1))}[build]
+    for n in (0, -3):
+        with pytest.raises(ValueError, match=rf"world_size must be an integer >= 1, got {n}$"):
+            make(n)
+    for n in (True, 2.0):
+        with pytest.raises(TypeError, match="world_size must be an int, got"):
+            make(n)
+    make(1)

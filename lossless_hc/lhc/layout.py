@@ -299,13 +299,15 @@ def check_uint64(value, name: str) -> int:
     return value
 
 
-def check_int(value, name: str, none: bool = False) -> None:
+def check_int(value, name: str, none: bool = False, least: Optional[int] = None) -> None:
     """TypeError unless ``value`` is an int (bool refused: True would pass as 1 silently), or None
-    where ``none`` allows it."""
+    where ``none`` allows it; ValueError below ``least``, where given."""
     if none and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int{' or None' if none else ''}, got {type(value).__name__}")
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value}")
 
 
 def is_real(value) -> bool:

@@ -213,9 +213,7 @@ class TensorAggregator:
                  stats: Optional[AggregationStats] = None, policy: Optional[CapacityPolicy] = None,
                  device="cpu", partial_max_fraction: Optional[float] = None):
         max_density = check_fraction("max_density", max_density)
-        check_int(world_size, "world_size")
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        check_int(world_size, "world_size", least=1)
         self.name = name
         self.shape = _check_shape(shape)
         self.dtype = dtype

@@ -82,9 +82,7 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
     below 1, a sample of negative bytes or a time that is not finite (a NaN would make every prediction
     NaN and every plan dense, an inf every byte infinitely dear; a negative time is floored at a timer's
     tick)."""
-    check_int(world_size, "world_size")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_int(world_size, "world_size", least=1)
     n = world_size
     fastest: dict = {}
     for kind, nbytes, seconds in samples:

@@ -26,9 +26,7 @@ class PlanTracker:
         alpha = check_fraction("alpha", alpha)
         # checked, not coerced: a row of 0 would fail only at the first decision, and int() would truncate
         for name, value, least in (("numel", numel, 0), ("row", row, 1), ("world_size", world_size, 1)):
-            check_int(value, name)
-            if value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value}")
+            check_int(value, name, least=least)
         self.numel, self.row, self.world_size = numel, row, world_size
         self.interval, self.alpha = interval, alpha
         self.sparse = bool(sparse)

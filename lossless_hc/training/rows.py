@@ -31,10 +31,8 @@ class TensorRows:
     def __init__(self, name: str, shape, dtype: torch.dtype, world_size: int, rank: int, sparse: bool):
         # Checked, not coerced: a rank outside [0, world_size) would write its row count into another rank's
         # header slot (rank -1: the last one) or past the header, and int() would truncate a world size
-        check_int(world_size, "world_size")
+        check_int(world_size, f"{name}: world_size", least=1)
         check_int(rank, "rank")
-        if world_size < 1:
-            raise ValueError(f"{name}: world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"{name}: rank must be in [0, world_size={world_size}), got {rank}")
         self.name, self.shape, self.dtype = name, _check_shape(shape), dtype

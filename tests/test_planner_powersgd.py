@@ -13,8 +13,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
 from lossless_hc.training.auto import AutoSpec
-from lossless_hc.training.planner import STRATEGIES, Calibration, CostModel, PowerSGDLayout, powersgd_layout
-from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner
+from lossless_hc.training.planner import STRATEGIES, Calibration, CostModel
+from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDLayout, PowerSGDPlanner, powersgd_layout
 from lossless_hc.training.strategies import AutoAggregator
 from lossless_hc.plugins.ddp import AutoHookState
 from helpers import free_port

@@ -35,7 +35,7 @@ two_phase); per touched coordinate, the LHC sketch's encode + decode of
 a sparse tensor beyond its scan; PowerSGD (DDP buckets): per coordinate, its error feedback's passes
 (add the memory, keep a copy, subtract the result), and per flop, the time of torch's own PowerSGD
 products and orthogonalisations on a :data:`POWERSGD_MATRIX` matrix at :data:`POWERSGD_RANK` divided
-by their flops (:func:`~lossless_hc.training.planner.powersgd_layout`); THC: per coordinate, a steady
+by their flops (:func:`~lossless_hc.training.powersgd.powersgd_layout`); THC: per coordinate, a steady
 step's encode (of the interleave, as ``THCAggregator`` feeds a tensor of several blocks) and decode of a
 dense tensor; top-k (where its plans are candidates): per coordinate, one rank's encode of a top-k plan's
 step, and per key of the union, the decode of several ranks' summed payloads (:func:`_topk_step`; its
@@ -59,7 +59,8 @@ from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import check_int, is_real
 from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.aggregate import topk_count
-from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel, powersgd_layout
+from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel
+from lossless_hc.training.powersgd import powersgd_layout
 from lossless_hc.training.strategies import AutoAggregator
 
 # bytes per rank (the most link_sizes times); 4 MiB: the largest pair's slope clears a 10 Gbit/s token

@@ -87,7 +87,7 @@ PowerSGD (DDP only, ``lossy=True``: :mod:`lossless_hc.training.powersgd`) is a s
 bucket, not of a tensor: torch's ``powerSGD_hook`` views each gradient as the matrix
 ``shape[0] x (numel / shape[0])`` (``m x n``), compresses it to rank ``r' = min(m, n, r)`` when
 ``(m + n) r' rho < m n`` (``rho``: ``min_compression_rate``) and sends the rest (vectors, small
-matrices) as they are. :func:`powersgd_layout` counts its three allreduces, issued one after the
+matrices) as they are. :func:`~lossless_hc.training.powersgd.powersgd_layout` counts its three allreduces, issued one after the
 other on the bucket's group::
 
     allreduce(e U)          U: numel of the tensors sent uncompressed (issued even when U = 0)
@@ -403,53 +403,6 @@ def batched_second_collectives(strategies) -> list:
     kinds = [SECOND_COLLECTIVE.get(s) for s in strategies]
     issued = {k: kinds.count(k) for k in set(kinds) if k is not None}
     return [frozenset(k for k, c in issued.items() if c > (mine == k)) for mine in kinds]
-
-
-@dataclass(frozen=True)
-class PowerSGDLayout:
-    """What torch's ``powerSGD_hook`` sends for a bucket (module doc): ``numel`` coordinates, of which
-    ``uncompressed`` are sent as they are; ``p_numel`` and ``q_numel`` words of the P and Q allreduces;
-    ``flops`` of its matrix products and orthogonalisations; ``compressed``: which tensors (bucket order)
-    it compresses."""
-
-    numel: int
-    uncompressed: int
-    p_numel: int
-    q_numel: int
-    flops: int
-    compressed: tuple
-
-
-def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDLayout:
-    """:class:`PowerSGDLayout` of a bucket of gradients of ``shapes`` (bucket order), as
-    ``powerSGD_hook`` with ``matrix_approximation_rank=rank`` splits it: each gradient viewed as
-    ``shape[0] x rest``, compressed at rank ``r' = min(rows, cols, rank)`` iff
-    ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``). ``rank`` an int
-    >= 1 and ``min_compression_rate`` a number > 0, else TypeError / ValueError (rank 0 "compressed" every
-    matrix into no bytes and no flops, a PowerSGD step predicted free; a fractional rank is not truncated)."""
-    check_int(rank, "PowerSGD rank")
-    if rank < 1:
-        raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
-    if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # NaN fails too
-        raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
-    numel = uncompressed = p = q = flops = 0
-    compressed = []
-    for i, shape in enumerate(shapes):
-        shape = tuple(int(x) for x in shape)
-        size = math.prod(shape)
-        if not shape or size == 0:
-            raise ValueError(f"PowerSGD views each gradient as a matrix; got shape {shape}")
-        rows, cols = shape[0], size // shape[0]
-        r = min(rows, cols, rank)
-        numel += size
-        if (rows + cols) * r * min_compression_rate < rows * cols:
-            compressed.append(i)
-            p += rows * r
-            q += cols * r
-            flops += 6 * rows * cols * r + 2 * (rows + cols) * r * r
-        else:
-            uncompressed += size
-    return PowerSGDLayout(numel, uncompressed, p, q, flops, tuple(compressed))
 
 
 class CostModel:

@@ -27,7 +27,7 @@ ignores it).
 The decision (:meth:`PowerSGDPlanner.bucket`). After every re-plan of a bucket's parameters (and from
 step index ``start`` on) the bucket compares PowerSGD's predicted step,
 :meth:`~lossless_hc.training.planner.CostModel.predict_powersgd` of
-:func:`~lossless_hc.training.planner.powersgd_layout`, with its per-parameter plans in one message,
+:func:`powersgd_layout`, with its per-parameter plans in one message,
 :meth:`~lossless_hc.training.planner.CostModel.predict_message`, and takes PowerSGD when it compresses some
 tensor and is predicted :data:`~lossless_hc.training.planner.SWITCH_MARGIN` faster beyond the first
 allreduce's latency (the rule of :meth:`~lossless_hc.training.planner.CostModel.choose`). Inputs: the
@@ -64,18 +64,68 @@ reduce-scatter) are not offered PowerSGD.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from lossless_hc.lhc.layout import check_uint64
+from lossless_hc.lhc.layout import check_int, check_uint64
+from lossless_hc.lhc.layout import is_real as _is_real
 from lossless_hc.training.aggregate import AggregationStats
-from lossless_hc.training.planner import SWITCH_MARGIN, CostModel, PowerSGDLayout, powersgd_layout
+from lossless_hc.training.planner import SWITCH_MARGIN, CostModel
 
 POWERSGD_RANK = 4          # matrix_approximation_rank (the bench's baseline)
 POWERSGD_START = 2         # the first step index (0-based) PowerSGD may run at (torch's start_powerSGD_iter)
 MIN_COMPRESSION_RATE = 2   # torch's min_compression_rate: a matrix is compressed iff (m+n) r 2 < m n
 ORTHOGONALIZATION_EPSILON = 1e-8   # a zero gradient matrix stays finite at ranks 1 and 2 (module doc)
+
+
+@dataclass(frozen=True)
+class PowerSGDLayout:
+    """What torch's ``powerSGD_hook`` sends for a bucket (module doc): ``numel`` coordinates, of which
+    ``uncompressed`` are sent as they are; ``p_numel`` and ``q_numel`` words of the P and Q allreduces;
+    ``flops`` of its matrix products and orthogonalisations; ``compressed``: which tensors (bucket order)
+    it compresses."""
+
+    numel: int
+    uncompressed: int
+    p_numel: int
+    q_numel: int
+    flops: int
+    compressed: tuple
+
+
+def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDLayout:
+    """:class:`PowerSGDLayout` of a bucket of gradients of ``shapes`` (bucket order), as
+    ``powerSGD_hook`` with ``matrix_approximation_rank=rank`` splits it: each gradient viewed as
+    ``shape[0] x rest``, compressed at rank ``r' = min(rows, cols, rank)`` iff
+    ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``). ``rank`` an int
+    >= 1 and ``min_compression_rate`` a number > 0, else TypeError / ValueError (rank 0 "compressed" every
+    matrix into no bytes and no flops, a PowerSGD step predicted free; a fractional rank is not truncated)."""
+    check_int(rank, "PowerSGD rank")
+    if rank < 1:
+        raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+    if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # NaN fails too
+        raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
+    numel = uncompressed = p = q = flops = 0
+    compressed = []
+    for i, shape in enumerate(shapes):
+        shape = tuple(int(x) for x in shape)
+        size = math.prod(shape)
+        if not shape or size == 0:
+            raise ValueError(f"PowerSGD views each gradient as a matrix; got shape {shape}")
+        rows, cols = shape[0], size // shape[0]
+        r = min(rows, cols, rank)
+        numel += size
+        if (rows + cols) * r * min_compression_rate < rows * cols:
+            compressed.append(i)
+            p += rows * r
+            q += cols * r
+            flops += 6 * rows * cols * r + 2 * (rows + cols) * r * r
+        else:
+            uncompressed += size
+    return PowerSGDLayout(numel, uncompressed, p, q, flops, tuple(compressed))
 
 
 def powersgd_seed(seed: int) -> int:

@@ -431,7 +431,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
 
 class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
     """The reduce-scatter of :class:`~lossless_hc.plugins.fsdp.TopKFSDPState`: each rank's top-k selection
-    of every chunk (its :class:`~lossless_hc.training.aggregate.TopKAggregator` per parameter and
+    of every chunk (its :class:`~lossless_hc.training.topk_aggregate.TopKAggregator` per parameter and
     destination, error feedback included; built without the LHC codec, which it does not use) sent to the
     owner as rows of one element -- an int64 index and a value per selected coordinate, fewer bytes than a
     homomorphic payload sized for the union of every rank's selections -- and summed there exactly. A

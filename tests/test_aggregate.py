@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lossless_hc as lhc
-from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, TopKAggregator,
-                                            default_block_size, payload_is_averaged)
+from lossless_hc.training.aggregate import (AggregationStats, ConfigurationMismatch, TensorAggregator, default_block_size,
+                                            payload_is_averaged)
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.strategies import AutoAggregator

@@ -3,7 +3,7 @@ refuses before touching the aggregator, and what it leaves of an aggregator that
 import pytest
 import torch
 
-from lossless_hc.training.aggregate import TopKAggregator
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.planner import Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator

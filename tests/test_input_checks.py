@@ -88,7 +88,7 @@ def test_thc_interleaved_encode_of_its_own_error_memory_is_its_values(view):
 def test_topk_aggregator_selects_a_negative_view_s_values():
     """A gradient handed over as a negative view sends, and keeps as residual, the bits its values give,
     step after step (the one-pass selection reads memory: it once sent the negation, silently)."""
-    from lossless_hc.training.aggregate import TopKAggregator
+    from lossless_hc.training.topk_aggregate import TopKAggregator
     numel = 20_000
     plain, viewed = (TopKAggregator("w", (numel,), torch.float32, 2, 0.01) for _ in range(2))
     g = torch.Generator().manual_seed(5)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lossless_hc as lhc
-from lossless_hc.training.aggregate import TensorAggregator, TopKAggregator
+from lossless_hc.training.aggregate import TensorAggregator
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.message import (SEPARATE_PART_MIN_BYTES, decode_message, decode_segments, encode_message,
                                           in_place_outputs, message_layout)
 from lossless_hc.training.thc_aggregate import THCAggregator

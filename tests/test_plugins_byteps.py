@@ -19,7 +19,8 @@ import torch
 
 from byteps_sim import BytePSLikeOptimizer, SimulatedBytePS, run_workers
 from lossless_hc.training.adapter import wire_numel
-from lossless_hc.training.aggregate import ConfigurationMismatch, TensorAggregator, TopKAggregator, partial_values
+from lossless_hc.training.aggregate import ConfigurationMismatch, TensorAggregator, partial_values
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.plugins import byteps as plugin
 from lossless_hc.plugins.byteps import Compression, options_from_env

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from lossless_hc.training.aggregate import TensorAggregator, TopKAggregator
+from lossless_hc.training.aggregate import TensorAggregator
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import CapacityPolicy
 
 

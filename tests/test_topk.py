@@ -110,7 +110,7 @@ def test_sampled_threshold_and_exact_fallback_agree():
 
 
 def test_aggregator_sends_exactly_k_and_keeps_the_rest():
-    from lossless_hc.training.aggregate import TopKAggregator
+    from lossless_hc.training.topk_aggregate import TopKAggregator
     agg = TopKAggregator("w", (50_000,), torch.float32, 2, 0.01)
     x = inputs("ties", 50_000, seed=4)
     sent = agg.select(x)
@@ -125,7 +125,7 @@ def test_aggregator_keeps_what_a_narrow_dtype_s_rounding_leaves_out(dtype):
     rounding too, so a = g + e (float32) is the sent tensor plus the new residual, exactly, step after
     step (it lost up to half an ulp of the dtype per sent coordinate), and a value past the dtype's range
     is sent clamped, the rest kept, rather than as an infinity (which fails the decode)."""
-    from lossless_hc.training.aggregate import TopKAggregator
+    from lossless_hc.training.topk_aggregate import TopKAggregator
     agg = TopKAggregator("w", (10_000,), dtype, 2, 0.01)
     g = torch.Generator().manual_seed(9)
     for _ in range(4):

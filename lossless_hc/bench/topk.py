@@ -28,7 +28,7 @@ def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, thr
         raise ValueError(f"--ratio must be in (0, 1], got {ratio}")
     if threads > 0:
         torch.set_num_threads(threads)
-    from lossless_hc.training.aggregate import TopKAggregator
+    from lossless_hc.training.topk_aggregate import TopKAggregator
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(numel, generator=gen)
     k = min(numel, max(1, math.ceil(ratio * numel)))

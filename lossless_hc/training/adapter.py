@@ -44,8 +44,9 @@ import torch
 from lossless_hc.lhc.layout import INDEX_KINDS, check_fraction, check_uint64
 from lossless_hc.thc.codec import check_non_finite
 from lossless_hc.thc.table import check_table_args, clip_threshold
-from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, TopKAggregator, check_block_size,
-                                            check_partial_fraction, check_policy, partial_values)
+from lossless_hc.training.aggregate import (AggregationStats, TensorAggregator, check_block_size, check_partial_fraction,
+                                            check_policy, partial_values)
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 INDEX_CHOICES = ("auto",) + INDEX_KINDS
@@ -148,7 +149,7 @@ class LosslessSpec(AggregatorSpec):
 
 
 class TopKSpec(AggregatorSpec):
-    """``Compression.topk``: see :class:`lossless_hc.training.aggregate.TopKAggregator`."""
+    """``Compression.topk``: see :class:`lossless_hc.training.topk_aggregate.TopKAggregator`."""
 
     kind = "topk"
     passthrough = ("policy",)
@@ -162,7 +163,7 @@ class TopKSpec(AggregatorSpec):
         return {"ratio": self.ratio, "seed": self.seed, "index": self.index}
 
     def make(self, name, tensor, world_size, rank, stats, device, sketch: bool = True):
-        """``sketch``: :class:`~lossless_hc.training.aggregate.TopKAggregator`'s (False: the caller sends
+        """``sketch``: :class:`~lossless_hc.training.topk_aggregate.TopKAggregator`'s (False: the caller sends
         the selections as pairs, FSDP2's reduce-scatter)."""
         return TopKAggregator(name, tensor.shape, tensor.dtype, world_size, self.ratio, seed=self.seed,
                               index=self.index, stats=stats, device=device, sketch=sketch, **self.extra)

@@ -58,7 +58,7 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import check_int, is_real
 from lossless_hc.thc.codec import THCCodec
-from lossless_hc.training.aggregate import topk_count
+from lossless_hc.training.topk_aggregate import topk_count
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel
 from lossless_hc.training.powersgd import powersgd_layout
 from lossless_hc.training.strategies import AutoAggregator

@@ -7,7 +7,7 @@ What an aggregator (:mod:`lossless_hc.training.aggregate`) carries from step to 
   (they size the codec: payload shapes and which tensors are compressed) and, with a
   :class:`~lossless_hc.training.capacity.CapacityPolicy`, the density tracker (its averages, peaks,
   step count and history);
-* :class:`~lossless_hc.training.aggregate.TopKAggregator`: the above and the error-feedback residual;
+* :class:`~lossless_hc.training.topk_aggregate.TopKAggregator`: the above and the error-feedback residual;
 * :class:`~lossless_hc.training.thc_aggregate.THCAggregator`: the codec's step, agreed norm and error memory;
 * :class:`~lossless_hc.training.strategies.AutoAggregator` (``auto``): the plan (strategy, statistics,
   the sketch's sizing) and the lossy strategies' error feedback.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lossless_hc.training.aggregate import TopKAggregator
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import DensityTracker
 from lossless_hc.training.planner import TensorStats
 from lossless_hc.training.thc_aggregate import THCAggregator

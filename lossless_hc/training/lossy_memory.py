@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.training.aggregate import AggregationStats, TopKAggregator
+from lossless_hc.training.aggregate import AggregationStats
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.planner import TOPK_STRATEGIES
 from lossless_hc.training.thc_aggregate import THCAggregator
 

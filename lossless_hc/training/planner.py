@@ -128,7 +128,7 @@ import torch
 from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, check_fraction, check_int, digit_packing
 from lossless_hc.lhc.layout import is_real as _is_real
-from lossless_hc.training.aggregate import topk_count
+from lossless_hc.training.topk_aggregate import topk_count
 from lossless_hc.training.message import message_layout
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")

@@ -61,8 +61,8 @@ from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import check_fraction, check_uint64
-from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
-                                            TopKAggregator, partial_values)
+from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, partial_values
+from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.lossy_memory import LossyMemories
 from lossless_hc.training.plan_tracker import PlanTracker

@@ -15,16 +15,16 @@ import time
 
 import torch
 
-from lossless_hc.training import aggregate
+from lossless_hc.training import topk_aggregate
 
 
 def topk_count(numel: int, ratio: float) -> int:
     """Coordinates each rank sends for a tensor of ``numel`` elements: the library's count
-    (``aggregate.topk_count``, ceil(ratio numel), at least 1), so that this baseline and the planner's
+    (``topk_aggregate.topk_count``, ceil(ratio numel), at least 1), so that this baseline and the planner's
     ``topk_allgather`` send as many pairs."""
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
-    return aggregate.topk_count(numel, ratio)
+    return topk_aggregate.topk_count(numel, ratio)
 
 
 class TopKAllgather:

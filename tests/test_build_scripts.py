@@ -1,0 +1,86 @@
+"""The build and check scripts' exit status and errors (scripts/cuda_check.sh, setup.py's environment).
+
+* scripts/cuda_check.sh exits non-zero when a compile it runs fails (nvcc, the host compiler, NVRTC) and 0
+  when it passes; the NVRTC step is best effort: where no libnvrtc is found and its wheel cannot be
+  installed, the step says SKIPPED and the script still exits 0. The compilers, the NVRTC check and pip are
+  stubs here (each answers as the case says), so what is tested is the script's own control flow, in
+  seconds and without a CUDA toolkit.
+"""
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _executable(path, text: str) -> str:
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def _run_cuda_check(tmp_path, nvcc_rc=0, cxx_rc=0, nvrtc_rcs=(0,), pip_rc=0):
+    """Run scripts/cuda_check.sh against stubs: nvcc (exit ``nvcc_rc``; on success it writes the object and a
+    ptxas report naming every kernel of kernel_list.h), c++ (exit ``cxx_rc``), the NVRTC check (exit
+    ``nvrtc_rcs[i]`` on its i-th run: 0 compiled, 1 a compile failed, 2 no libnvrtc) and pip (exit ``pip_rc``);
+    ``python -m pybind11`` is the real one. Returns the CompletedProcess and the NVRTC check's run count."""
+    # The script and the kernel list in a tree of their own: the script writes its logs and objects under
+    # the tree's build-cuda-check/, which the repository's and parallel cases' runs must not share.
+    tree = tmp_path / "tree"
+    for rel in ("scripts/cuda_check.sh", "csrc/cuda/kernel_list.h"):
+        os.makedirs(tree / os.path.dirname(rel), exist_ok=True)
+        shutil.copy(os.path.join(REPO, rel), tree / rel)
+    kernels = tree / "csrc" / "cuda" / "kernel_list.h"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    nvcc = _executable(bin_dir / "nvcc", f"""#!/usr/bin/env bash
+if [ "$1" = --version ]; then echo "Cuda compilation tools, release 12.4, V12.4.131"; exit 0; fi
+[ {nvcc_rc} = 0 ] || {{ echo "stub nvcc: error" >&2; exit {nvcc_rc}; }}
+while [ $# -gt 0 ]; do [ "$1" = -o ] && touch "$2"; shift; done
+sed -n "s/^LHC_KERNEL(\\([a-z0-9_]*\\))$/ptxas info    : Compiling entry function '\\1' for 'sm_90'/p" {kernels} >&2
+""")
+    _executable(bin_dir / "c++", f"#!/usr/bin/env bash\nexit {cxx_rc}\n")
+    runs = tmp_path / "nvrtc_runs"
+    answers = " ".join(str(rc) for rc in nvrtc_rcs)
+    py = _executable(bin_dir / "python", f"""#!/usr/bin/env bash
+if [ "$1" = scripts/nvrtc_check.py ]; then
+  echo x >> {runs}; n=$(wc -l < {runs}); rcs=({answers}); rc=${{rcs[$((n - 1))]}}
+  [ "$rc" = 2 ] && echo "nvrtc-check: SKIPPED: no libnvrtc found"
+  exit "$rc"
+fi
+if [ "$1 $2" = "-m pip" ]; then exit {pip_rc}; fi
+exec {sys.executable} "$@"
+""")
+    env = dict(os.environ, PY=py, NVCC=nvcc, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("LD_PRELOAD", None)
+    res = subprocess.run(["bash", "scripts/cuda_check.sh"], cwd=tree, env=env, capture_output=True, text=True,
+                         timeout=120)
+    return res, (len(runs.read_text().splitlines()) if runs.exists() else 0)
+
+
+@pytest.mark.parametrize("case, expect_rc, expect_runs", [
+    (dict(), 0, 1),                                       # everything compiles
+    (dict(nvcc_rc=1), 1, 0),                              # nvcc fails: the script stops there
+    (dict(cxx_rc=1), 1, 0),                               # the bindings fail the host compiler
+    (dict(nvrtc_rcs=(1,)), 1, 1),                         # NVRTC refuses the kernels
+    (dict(nvrtc_rcs=(2, 0)), 0, 2),                       # no libnvrtc: installed, then compiled
+    (dict(nvrtc_rcs=(2, 1)), 1, 2),                       # ... installed, then the compile fails
+    (dict(nvrtc_rcs=(2, 2)), 0, 2),                       # ... installed, still not found: SKIPPED
+    (dict(nvrtc_rcs=(2,), pip_rc=1), 0, 1),               # ... the wheel cannot be installed: SKIPPED
+])
+def test_cuda_check_exits_non_zero_exactly_when_a_compile_fails(tmp_path, case, expect_rc, expect_runs):
+    res, runs = _run_cuda_check(tmp_path, **case)
+    out = res.stdout + res.stderr
+    assert res.returncode == expect_rc, out
+    assert runs == expect_runs, out
+
+
+def test_cuda_check_says_why_the_nvrtc_step_was_skipped_when_its_wheel_cannot_be_installed(tmp_path):
+    res, _ = _run_cuda_check(tmp_path, nvrtc_rcs=(2,), pip_rc=1)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "nvidia-cuda-nvrtc==12.4.* could not be installed" in res.stdout and "SKIPPED" in res.stdout, res.stdout

@@ -9,7 +9,8 @@ headers nor its ABI. Environment:
                    unset: build it when nvcc is found (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin)
   LHC_CUDA_ARCHS   compute capabilities for _C_cuda (default "80;90": sm_80 and sm_90 machine code
                    plus compute_90 PTX for newer GPUs)
-  LHC_BUILD_JOBS   how many C++ sources compile at once (default: one per usable CPU, at most 8)
+  LHC_BUILD_JOBS   how many C++ sources compile at once, a positive integer (default: one per usable CPU,
+                   at most 8)
 """
 import glob
 import os
@@ -19,12 +20,27 @@ import subprocess
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
+
+def build_jobs() -> int:
+    """How many C++ sources compile at once: LHC_BUILD_JOBS (a positive integer; unset or empty: the default),
+    by default one per CPU this process may run on (a container's cpuset, not the host's count), at most 8:
+    each -O3 compile holds its own memory."""
+    text = os.environ.get("LHC_BUILD_JOBS", "").strip()
+    if not text:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return min(8, cpus)
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ValueError(f"LHC_BUILD_JOBS must be a positive integer (C++ sources compiled at once), got {text!r}")
+    return jobs
+
+
 # The sources of one extension compile in parallel (setuptools alone compiles them one after another);
-# every source is recompiled whenever an extension is rebuilt, as before (depends lists every header).
-# One job per CPU this process may run on (a container's cpuset, not the host's count), at most 8:
-# each -O3 compile holds its own memory.
-_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-ParallelCompile("LHC_BUILD_JOBS", default=min(8, _cpus)).install()
+# every source is recompiled whenever an extension is rebuilt (depends lists every header).
+ParallelCompile(default=build_jobs()).install()
 
 sanitize = os.environ.get("LHC_SANITIZE") == "1"
 debug = os.environ.get("LHC_DEBUG") == "1" or sanitize

@@ -84,3 +84,26 @@ def test_cuda_check_says_why_the_nvrtc_step_was_skipped_when_its_wheel_cannot_be
     res, _ = _run_cuda_check(tmp_path, nvrtc_rcs=(2,), pip_rc=1)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "nvidia-cuda-nvrtc==12.4.* could not be installed" in res.stdout and "SKIPPED" in res.stdout, res.stdout
+
+
+# -- setup.py's environment ----------------------------------------------------------------------------
+def _setup_name(jobs: str):
+    env = dict(os.environ, LHC_BUILD_JOBS=jobs)
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("jobs", ["abc", "0", "-2", "1.5"])
+def test_setup_refuses_a_build_job_count_that_is_not_a_positive_integer(jobs):
+    """A bad LHC_BUILD_JOBS is one error naming it, before anything compiles (not int()'s message from
+    inside the compile step, nor a silently serial build for 0 or less)."""
+    res = _setup_name(jobs)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert f"LHC_BUILD_JOBS must be a positive integer (C++ sources compiled at once), got {jobs!r}" in res.stderr, \
+        res.stderr
+
+
+@pytest.mark.parametrize("jobs", ["", "1", "3"])
+def test_setup_takes_a_positive_build_job_count_or_none(jobs):
+    res = _setup_name(jobs)
+    assert res.returncode == 0 and res.stdout.strip().endswith("lossless_hc"), res.stdout + res.stderr

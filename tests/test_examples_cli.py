@@ -9,7 +9,8 @@ takes, refused at argument parsing on every rank, never a traceback per rank nor
 * --help lists the modes of each framework, from SUPPORTED; the scripts' docstrings point to it;
 * no module that FSDP2 wraps returns a view (FSDP2 warns on every rank), the models' numbers unchanged;
 * the cluster benchmark does not run, and reports with the reason, what the driver refuses (sparse under
-  Adam), instead of failing as a whole.
+  Adam), instead of failing as a whole;
+* the demo's table (`make demo`) labels each number as it is computed (ratios, the column's API, the loss).
 
 Everything here parses or builds in this process, except the tests marked ``multiprocess`` (torchrun).
 """
@@ -315,3 +316,29 @@ def test_the_bench_refuses_values_it_would_misread_in_one_line(argv, message, ca
     assert code not in (0, None)
     captured = capsys.readouterr()
     assert message in captured.err + (code if isinstance(code, str) else "")
+
+
+# -- 7. the demo's table (`make demo`), from two runs' results --------------------------------------------
+@pytest.mark.parametrize("framework, base_ms, ours_ms, speed, column", [
+    ("horovod", 60.0, 30.0, "30.0 ms (2.00x faster)", "Compression.lossless"),
+    ("ddp", 50.0, 100.0, "100.0 ms (2.00x slower)", "lossless_hook"),
+])
+def test_the_demo_table_says_what_each_number_is(framework, base_ms, ours_ms, speed, column, monkeypatch, capsys):
+    from lossless_hc.bench.workloads import demo
+
+    def result(compression, ms, sent, params):
+        return {"bytes_per_step": sent, "step_ms_median": ms, "metric": "hit_rate@10", "value": 0.5,
+                "final_loss": 0.25, "fallbacks": 2 if compression == "lossless" else 0, "params": params}
+    runs = {"none": result("none", base_ms, 4 * 2 ** 20, {"w": torch.tensor([1.0, -3.0]), "b": torch.tensor([2.0])}),
+            "lossless": result("lossless", ours_ms, 2 ** 20, {"w": torch.tensor([1.0, -3.0 + 2 ** -20]),
+                                                             "b": torch.tensor([2.0 - 2 ** -10])})}
+    monkeypatch.setattr(demo, "run", lambda fw, model, workers, compression, steps, tmp: runs[compression])
+    assert demo.main(["--framework", framework, "--steps", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "uncompressed" in line)
+    assert lines[header].split()[-1] == column
+    table = dict((line[:line.index("  ")], line) for line in lines[header + 1:header + 6])
+    assert table["bytes sent per step (one rank)"].endswith("4.00 MiB  1.00 MiB (0.250x)")
+    assert table["median step time"].endswith(speed)
+    assert "training loss (mean of the last 10 steps)" in table
+    assert f"between the two runs: {2 ** -10:.3g} (largest parameter 3)" in "\n".join(lines)

@@ -19,6 +19,8 @@ from lossless_hc.bench.workloads.train import DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 LAUNCHERS = {"horovod": "launch_horovod.sh", "ddp": "launch_torchrun.sh"}
+# What the compressed run uses, in each framework's API (the table's column).
+LOSSLESS_API = {"horovod": "Compression.lossless", "ddp": "lossless_hook"}
 
 
 def run(framework: str, model: str, workers: int, compression: str, steps: int, tmp: str) -> dict:
@@ -58,18 +60,20 @@ def main(argv=None) -> int:
     diff = max(float((base["params"][k] - ours["params"][k]).abs().max()) for k in base["params"])
     scale = max(float(v.abs().max()) for v in base["params"].values())
     mib = 2 ** 20
+    speedup = base["step_ms_median"] / ours["step_ms_median"]
+    speed = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
     rows = [
         ("bytes sent per step (one rank)", f"{base['bytes_per_step'] / mib:.2f} MiB",
          f"{ours['bytes_per_step'] / mib:.2f} MiB ({ours['bytes_per_step'] / base['bytes_per_step']:.3f}x)"),
         ("median step time", f"{base['step_ms_median']:.1f} ms",
-         f"{ours['step_ms_median']:.1f} ms ({base['step_ms_median'] / ours['step_ms_median']:.2f}x faster)"),
+         f"{ours['step_ms_median']:.1f} ms ({speed})"),
         (f"final {base['metric']}", f"{base['value']:.4f}", f"{ours['value']:.4f}"),
-        ("final training loss", f"{base['final_loss']:.5f}", f"{ours['final_loss']:.5f}"),
+        ("training loss (mean of the last 10 steps)", f"{base['final_loss']:.5f}", f"{ours['final_loss']:.5f}"),
         ("dense fallbacks", "-", str(ours["fallbacks"])),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows + [("", "uncompressed", "")])
-    print(f"\n{'':{w0}}  {'uncompressed':>{w1}}  Compression.lossless")
+    print(f"\n{'':{w0}}  {'uncompressed':>{w1}}  {LOSSLESS_API[args.framework]}")
     for name, a, b in rows:
         print(f"{name:{w0}}  {a:>{w1}}  {b}")
     print(f"\nmax |parameter difference| between the two runs: {diff:.3g} (largest parameter {scale:.3g})")

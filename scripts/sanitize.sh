@@ -37,6 +37,9 @@ cd "$OUT/lib"
 # strategy, dense and sparse gradients, the kernels called from DDP's hook) run against it too; the
 # workers import this build (tests/test_planner_mp.py checks which one each rank loaded).
 # The single-process tests on TEST_JOBS pytest-xdist workers, OpenMP's waiting threads asleep (as `make test`).
-OMP_WAIT_POLICY=passive "$PY" -m pytest -q -x -p no:cacheprovider -n "${TEST_JOBS:-2}" --rootdir=../.. ../../tests \
-  -k "not sizing and not emulated" -m "not multiprocess" "$@"
-"$PY" -m pytest -q -x -p no:cacheprovider --rootdir=../.. ../../tests/test_planner_mp.py -k ddp "$@"
+# --capture=sys: a sanitizer writes its report to file descriptor 2 and ends the process at once, so under
+# pytest's default capture of the descriptors (--capture=fd) the report would go to a capture file that is
+# never printed, leaving only "node down" or an exit status; Python's own output is still captured.
+OMP_WAIT_POLICY=passive "$PY" -m pytest -q -x -p no:cacheprovider --capture=sys -n "${TEST_JOBS:-2}" --rootdir=../.. \
+  ../../tests -k "not sizing and not emulated" -m "not multiprocess" "$@"
+"$PY" -m pytest -q -x -p no:cacheprovider --capture=sys --rootdir=../.. ../../tests/test_planner_mp.py -k ddp "$@"

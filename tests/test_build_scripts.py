@@ -1,10 +1,14 @@
-"""The build and check scripts' exit status and errors (scripts/cuda_check.sh, setup.py's environment).
+"""The build and check scripts' exit status and errors (scripts/cuda_check.sh, setup.py's environment,
+scripts/sanitize.sh's reports).
 
 * scripts/cuda_check.sh exits non-zero when a compile it runs fails (nvcc, the host compiler, NVRTC) and 0
   when it passes; the NVRTC step is best effort: where no libnvrtc is found and its wheel cannot be
   installed, the step says SKIPPED and the script still exits 0. The compilers, the NVRTC check and pip are
   stubs here (each answers as the case says), so what is tested is the script's own control flow, in
-  seconds and without a CUDA toolkit.
+  seconds and without a CUDA toolkit;
+* setup.py refuses an LHC_BUILD_JOBS that is not a positive integer, naming it;
+* scripts/sanitize.sh runs pytest so that a sanitizer's report, written to file descriptor 2 as the process
+  ends, reaches the terminal.
 """
 import os
 import shutil
@@ -107,3 +111,34 @@ def test_setup_refuses_a_build_job_count_that_is_not_a_positive_integer(jobs):
 def test_setup_takes_a_positive_build_job_count_or_none(jobs):
     res = _setup_name(jobs)
     assert res.returncode == 0 and res.stdout.strip().endswith("lossless_hc"), res.stdout + res.stderr
+
+
+# -- scripts/sanitize.sh ---------------------------------------------------------------------------------
+def test_sanitize_runs_pytest_so_that_a_sanitizer_report_reaches_the_terminal(tmp_path):
+    """A sanitizer writes its report to file descriptor 2 and ends the process at once: under pytest's default
+    capture of the descriptors the report goes to a capture file that is never printed. A library built with
+    -fsanitize=undefined reads past an array from a test, run by pytest with the capture option of each of
+    sanitize.sh's pytest commands and its UBSan settings: the report must be in the output."""
+    import re
+    script = open(os.path.join(REPO, "scripts", "sanitize.sh")).read()
+    commands = [line for line in script.splitlines() if re.search(r'"\$PY" -m pytest', line)]
+    assert len(commands) == 2, commands
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}   # under sanitize.sh the runtimes are preloaded
+    libubsan = subprocess.run(["gcc", "-print-file-name=libubsan.so"], env=plain, capture_output=True,
+                              text=True).stdout.strip()
+    if not os.path.isabs(libubsan):
+        pytest.skip("gcc's libubsan is not installed (scripts/sanitize.sh needs it too)")
+    (tmp_path / "bad.c").write_text("int bad(int i) { int a[2] = {1, 2}; return a[i]; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-fsanitize=undefined", "-fno-sanitize-recover=undefined",
+                    str(tmp_path / "bad.c"), "-o", str(tmp_path / "libbad.so")], env=plain, check=True)
+    (tmp_path / "test_bad.py").write_text(
+        "import ctypes\n"
+        f"def test_reads_past_the_array():\n    ctypes.CDLL({str(tmp_path / 'libbad.so')!r}).bad(3)\n")
+    env = dict(plain, LD_PRELOAD=libubsan, UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
+    for command in commands:
+        capture = re.findall(r"--capture=\w+|(?<!\S)-s(?!\S)", command)
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *capture,
+                              str(tmp_path / "test_bad.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode != 0, res.stdout + res.stderr
+        assert "runtime error: index 3 out of bounds" in res.stdout + res.stderr, (command, res.stdout + res.stderr)

@@ -42,8 +42,18 @@ def build_jobs() -> int:
 # every source is recompiled whenever an extension is rebuilt (depends lists every header).
 ParallelCompile(default=build_jobs()).install()
 
-sanitize = os.environ.get("LHC_SANITIZE") == "1"
-debug = os.environ.get("LHC_DEBUG") == "1" or sanitize
+
+def switch(name: str) -> str:
+    """The 0/1 switch ``name`` from the environment: "" (unset or empty), "0" or "1"; another value is a
+    ValueError (LHC_CUDA=true would otherwise read as unset, LHC_DEBUG=yes as 0)."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1 (or unset), got {value!r}")
+    return value
+
+
+sanitize = switch("LHC_SANITIZE") == "1"
+debug = switch("LHC_DEBUG") == "1" or sanitize
 
 compile_args = ["-fopenmp", "-Wall", "-Wextra"]
 link_args = ["-fopenmp"]
@@ -142,7 +152,7 @@ class BuildExtWithCuda(build_ext):
 
 
 ext_modules = [ext]
-lhc_cuda = os.environ.get("LHC_CUDA", "")
+lhc_cuda = switch("LHC_CUDA")
 nvcc = find_nvcc() if lhc_cuda != "0" else None
 if lhc_cuda == "1" and nvcc is None:
     raise RuntimeError("LHC_CUDA=1 but nvcc was not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): "

@@ -142,3 +142,21 @@ def test_sanitize_runs_pytest_so_that_a_sanitizer_report_reaches_the_terminal(tm
                              timeout=120)
         assert res.returncode != 0, res.stdout + res.stderr
         assert "runtime error: index 3 out of bounds" in res.stdout + res.stderr, (command, res.stdout + res.stderr)
+
+
+@pytest.mark.parametrize("name, value", [("LHC_CUDA", "yes"), ("LHC_CUDA", "true"), ("LHC_SANITIZE", "on"),
+                                         ("LHC_DEBUG", "2")])
+def test_setup_refuses_a_switch_that_is_not_0_or_1(name, value):
+    """LHC_CUDA=true was taken as unset (a CUDA build that may fail with a warning, where 1 makes it an error),
+    LHC_SANITIZE=on and LHC_DEBUG=2 as 0: a build other than the one asked for, without a word."""
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=dict(os.environ, **{name: value}),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert f"{name} must be 0 or 1 (or unset), got {value!r}" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("name, value", [("LHC_CUDA", "0"), ("LHC_DEBUG", ""), ("LHC_SANITIZE", "0")])
+def test_setup_takes_a_switch_of_0_1_or_empty(name, value):
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=dict(os.environ, **{name: value}),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("lossless_hc"), res.stdout + res.stderr

@@ -14,6 +14,7 @@ headers nor its ABI. Environment:
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -110,8 +111,22 @@ CUDA_SOURCES = ["csrc/cuda/codec_cuda.cu"]
 CUDA_DEPENDS = [f for f in CSRC_FILES if f not in CUDA_SOURCES]
 
 
+def cuda_archs() -> list:
+    """LHC_CUDA_ARCHS as a list of compute capabilities ("80;90", commas also separate; "90a" style suffixes
+    kept); unset: 80 and 90. An empty or malformed value is a ValueError naming it, here rather than as an
+    IndexError or an nvcc usage error in the middle of the build (which a tolerant build turns into a warning)."""
+    text = os.environ.get("LHC_CUDA_ARCHS", "80;90")
+    archs = [a.strip() for a in text.replace(",", ";").split(";") if a.strip()]
+    if not archs or not all(re.fullmatch(r"[0-9]{2,3}[a-z]?", a) for a in archs):
+        raise ValueError(f"LHC_CUDA_ARCHS must list compute capabilities such as \"80;90\", got {text!r}")
+    return archs
+
+
+CUDA_ARCHS = cuda_archs()
+
+
 def nvcc_arch_flags():
-    archs = [a.strip() for a in os.environ.get("LHC_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+    archs = CUDA_ARCHS
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     return flags

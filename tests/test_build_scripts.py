@@ -160,3 +160,19 @@ def test_setup_takes_a_switch_of_0_1_or_empty(name, value):
     res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=dict(os.environ, **{name: value}),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("lossless_hc"), res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("archs", ["", ";", "sm_90", "90;abc"])
+def test_setup_refuses_cuda_archs_that_are_not_compute_capabilities(archs):
+    """An empty LHC_CUDA_ARCHS ended the CUDA build with an IndexError, which a build that found nvcc without
+    LHC_CUDA=1 turns into a warning (the module silently not built): one error naming it instead."""
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=dict(os.environ, LHC_CUDA_ARCHS=archs),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "LHC_CUDA_ARCHS must list compute capabilities" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("archs", ["90", "80;90", "80, 90", "90a"])
+def test_setup_takes_cuda_archs_as_documented(archs):
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=dict(os.environ, LHC_CUDA_ARCHS=archs),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("lossless_hc"), res.stdout + res.stderr

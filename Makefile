@@ -74,4 +74,4 @@ bench: setup
 	$(PY) -m lossless_hc.bench codec --numel 67108864 --density 0.01 --workers 8
 
 clean:
-	rm -rf build build-cuda-check lossless_hc/_C*.so lossless_hc/_C.stamp *.egg-info
+	rm -rf build build-cuda-check build-sanitize lossless_hc/_C*.so lossless_hc/_C.stamp *.egg-info

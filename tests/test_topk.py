@@ -110,11 +110,12 @@ def test_sampled_threshold_and_exact_fallback_agree():
 
 
 def test_aggregator_sends_exactly_k_and_keeps_the_rest():
-    from lossless_hc.training.topk_aggregate import TopKAggregator
-    agg = TopKAggregator("w", (50_000,), torch.float32, 2, 0.01)
-    x = inputs("ties", 50_000, seed=4)
+    from lossless_hc.training.topk_aggregate import TopKAggregator, topk_count
+    agg = TopKAggregator("w", (50_001,), torch.float32, 2, 0.01)
+    x = inputs("ties", 50_001, seed=4)
     sent = agg.select(x)
-    assert int((sent != 0).sum()) == agg.k == math.ceil(0.01 * 50_000)
+    assert int((sent != 0).sum()) == agg.k == math.ceil(0.01 * 50_001) == 501   # k = ceil(r d), not its floor
+    assert (topk_count(1000, 0.0015), topk_count(10, 1e-9), topk_count(10, 1.0)) == (2, 1, 10)
     assert torch.equal(sent + agg.residual, x)   # every coordinate either sent or kept
     assert torch.equal(torch.nonzero(sent).reshape(-1), reference(x, agg.k))
 

@@ -2,9 +2,12 @@
 runs them): a dense plan's statistics one step in ``interval`` and its plain steps between, the engines'
 scale, re-plans (a tensor turning sparse, near ties, a calibration given late), the allgather's rank
 order on every device, and which steps count rows."""
+import types
+
 import pytest
 import torch
 
+import lossless_hc.training.strategies as strategies
 from lossless_hc.training.planner import TensorStats, stats_header_words
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import run_step, sparse_rows
@@ -192,3 +195,20 @@ def test_thc_and_top_k_count_rows_on_the_statistics_steps_only(strategy, monkeyp
     assert observed == [True, False, False, True, False, False, False, True, False]
     assert scans == [s for s in (0, 3, 7) for _ in range(2 * n)]   # each rank's gradient, then the result
     assert aggs[0].tracker.rank_keys == [4096.0, 3996.0]
+
+
+def test_measured_seconds_are_an_ewma_of_each_step_s_encode_to_result_time(monkeypatch):
+    """plan_stats' measured seconds per strategy: the first step's encode-to-result time, then
+    0.75 old + 0.25 new at every step (a clock that moves only when told to)."""
+    now = [0.0]
+    monkeypatch.setattr(strategies, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    n = 2
+    aggs = [AutoAggregator("w", (64,), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
+    for seconds in (1.0, 2.0, 4.0):
+        now[0] = 0.0
+        encoded = [a.encode(torch.ones(64)) for a in aggs]
+        summed = torch.stack([p for p, _ in encoded]).sum(0)
+        now[0] = seconds
+        for a, (_, ctx) in zip(aggs, encoded):
+            a.decode(summed.clone(), ctx)
+    assert aggs[0].plan_stats()["measured_seconds"] == {"dense": 0.75 * (0.75 * 1.0 + 0.25 * 2.0) + 0.25 * 4.0}

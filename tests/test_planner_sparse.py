@@ -162,6 +162,8 @@ def test_sketch_reaggregates_inexact_rows_alone():
                 assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
         st = aggs[0].stats
         assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st
+        # the inexact rows' allreduce counts in the bytes sent, as every other collective does
+        assert st.payload_bytes == aggs[0].bytes_sent
 
 
 @pytest.mark.parametrize("strategy", EXACT_STRATEGIES)

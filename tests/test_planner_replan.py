@@ -212,3 +212,21 @@ def test_measured_seconds_are_an_ewma_of_each_step_s_encode_to_result_time(monke
         for a, (_, ctx) in zip(aggs, encoded):
             a.decode(summed.clone(), ctx)
     assert aggs[0].plan_stats()["measured_seconds"] == {"dense": 0.75 * (0.75 * 1.0 + 0.25 * 2.0) + 0.25 * 4.0}
+
+
+def test_a_sketch_that_fails_is_resized_at_once_not_at_the_next_interval():
+    """A failed sketch decode (the support outgrew the sketch) falls back densely and forces a re-plan
+    after that step, so the next step's sketch is sized for the new support and decodes: one fallback, not
+    one per step until the interval's plan."""
+    n, numel = 2, 4000
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=1000) for r in range(n)]
+    rng = torch.Generator().manual_seed(3)
+    for step, k in enumerate((5, 400, 400, 400)):
+        rows = torch.randperm(numel, generator=rng)[:k]   # one support on every rank: the union is k
+        xs = [torch.zeros(numel).index_copy_(0, rows, torch.randn(k, generator=rng)) for _ in range(n)]
+        truth = torch.stack(xs).double().sum(0)
+        for y in run_step(aggs, xs):
+            assert torch.equal(y != 0, truth != 0)
+            assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
+        assert [a.fallbacks for a in aggs] == [0 if step == 0 else 1] * n, step

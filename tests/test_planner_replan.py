@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lossless_hc.training.strategies as strategies
-from lossless_hc.training.planner import TensorStats, stats_header_words
+from lossless_hc.training.planner import STRATEGIES, TensorStats, stats_header_words
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import run_step, sparse_rows
 from test_planner_cost import MODEL, stats
@@ -230,3 +230,27 @@ def test_a_sketch_that_fails_is_resized_at_once_not_at_the_next_interval():
             assert torch.equal(y != 0, truth != 0)
             assert torch.allclose(y.double(), truth, rtol=0, atol=1e-5)
         assert [a.fallbacks for a in aggs] == [0 if step == 0 else 1] * n, step
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_payload_numel_is_the_size_of_the_next_first_payload(strategy):
+    """payload_numel (what an adapter sizes a message's slot with, before encoding) is the numel of the
+    payload the next encode returns, for every strategy, on statistics and plain steps alike (THC's and
+    top-k's from their second step, once their aggregator is built)."""
+    n, rows, dim = 2, 300, 4
+    rng = torch.Generator().manual_seed(4)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first=strategy, allowed=(strategy,), interval=3) for r in range(n)]
+    sent = {}
+    for a in aggs:
+        def recorded(x, a=a, encode=a.encode):
+            payload, ctx = encode(x)
+            sent[a.rank] = payload.numel()
+            return payload, ctx
+        a.encode = recorded
+    for step in range(6):
+        expected = [a.payload_numel() for a in aggs] if step or strategy not in ("thc", "topk") else None
+        xs = [sparse_rows(rng, rows, dim, 20) for _ in range(n)]
+        run_step(aggs, xs)
+        if expected is not None:
+            assert [sent[a.rank] for a in aggs] == expected, step

@@ -9,6 +9,7 @@ from test_planner import run_step
 
 from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, Calibration, CostModel,
                                           LinkModel, TensorStats, bitmap_words)
+import lossless_hc.training.strategies as strategies
 from lossless_hc.training.strategies import AutoAggregator
 
 MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
@@ -164,6 +165,37 @@ def test_sketch_reaggregates_inexact_rows_alone():
         assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st
         # the inexact rows' allreduce counts in the bytes sent, as every other collective does
         assert st.payload_bytes == aggs[0].bytes_sent
+
+
+def first_inexact_sketch_step():
+    """``(inexact rows, partial re-aggregations, fallbacks)`` of the first step whose sketch decode reports
+    inexact rows, over test_sketch_reaggregates_inexact_rows_alone's steps on dense gradients."""
+    rng = torch.Generator().manual_seed(9)
+    aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=1) for r in range(N)]
+    for step in range(4):
+        xs = []
+        for rows in supports(step):
+            x = sparse_grad(rng, ROWS, DIM, rows).coalesce()
+            scale = 10.0 ** -(3 * torch.rand(x.values().shape, generator=rng))
+            xs.append(torch.sparse_coo_tensor(x.indices(), x.values() * scale, x.shape).to_dense())
+        fallbacks = aggs[0].stats.fallbacks
+        run_step(aggs, xs)
+        st = aggs[0].stats
+        if st.inexact_decodes:
+            return st.inexact_keys, st.partial_fallbacks, st.fallbacks - fallbacks
+    raise AssertionError("no inexact decode")
+
+
+def test_inexact_rows_covering_exactly_the_partial_bound_are_re_aggregated_alone(monkeypatch):
+    """A sketch decode's inexact rows are re-aggregated alone while they are at most PARTIAL_MAX_FRACTION of
+    the rows, at the bound too; with one row fewer allowed the step falls back densely."""
+    m, partial, fallback = first_inexact_sketch_step()
+    assert (partial, fallback) == (1, 0) and m >= 1 and (m / ROWS) * ROWS == m
+    monkeypatch.setattr(strategies, "PARTIAL_MAX_FRACTION", m / ROWS)
+    assert first_inexact_sketch_step() == (m, 1, 0)
+    monkeypatch.setattr(strategies, "PARTIAL_MAX_FRACTION", (m - 1) / ROWS)
+    assert first_inexact_sketch_step() == (0, 0, 1)
 
 
 @pytest.mark.parametrize("strategy", EXACT_STRATEGIES)

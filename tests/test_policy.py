@@ -161,6 +161,26 @@ def test_topk_keeps_capacity_k_and_adapts_the_union():
     assert aggs[0].union_capacity is not None and aggs[0].union_capacity < n * k
 
 
+def test_topk_capacity_stays_k_while_the_gradients_are_sparser_than_k():
+    """Every rank may send k non-zeros at any step, so the policy never sizes a top-k codec below k, even
+    after steps whose gradients held fewer non-zeros than k: the first dense step after them decodes
+    without a fallback."""
+    n, numel = 2, 20_000
+    aggs = [TopKAggregator("w", (numel,), torch.float32, n, 0.01, policy=CapacityPolicy(interval=2))
+            for _ in range(n)]
+    k = aggs[0].k
+    g = torch.Generator().manual_seed(1)
+    for step in range(7):
+        xs = [torch.zeros(numel) for _ in range(n)]
+        for x in xs:   # 10 non-zeros per rank while k is 200, then dense
+            x[torch.randperm(numel, generator=g)[:10] if step < 6 else slice(None)] = 1.0
+        enc = [a.encode(x) for a, x in zip(aggs, xs)]
+        payload = sum(p for p, _ in enc)
+        outs = [a.decode(payload.clone(), e[1]) for a, e in zip(aggs, enc)]
+        assert not any(o.needs_fallback for o in outs), step
+        assert all(a.capacity >= k for a in aggs), step
+
+
 def test_dense_tensor_can_become_compressed():
     """A tensor sent dense (codec not smaller) is observed too: when it turns sparse it compresses."""
     agg = make(CapacityPolicy(interval=2), numel=4000, density=0.9)

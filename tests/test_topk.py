@@ -118,6 +118,10 @@ def test_aggregator_sends_exactly_k_and_keeps_the_rest():
     assert (topk_count(1000, 0.0015), topk_count(10, 1e-9), topk_count(10, 1.0)) == (2, 1, 10)
     assert torch.equal(sent + agg.residual, x)   # every coordinate either sent or kept
     assert torch.equal(torch.nonzero(sent).reshape(-1), reference(x, agg.k))
+    agg._codec = None   # sent dense from now on (the capacity policy's switch): x + e goes once, nothing stays
+    residual = agg.residual.clone()
+    assert torch.equal(agg.select(x), x + residual) and agg.residual is None
+    assert torch.equal(agg.select(x), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -243,6 +243,21 @@ def test_thc_aggregator_sends_tiny_tensors_dense():
     assert agg.encode(x)[0] is x
 
 
+@pytest.mark.parametrize("missing", [1, 2])
+def test_thc_names_the_ranks_that_sent_nothing_where_the_engine_s_op_is_known(missing):
+    """Ranks that left by hvd.join() add nothing to the SUM: THC cannot decode it (its norm needs every
+    rank's), and where the engine's op is known the error says how many ranks sent nothing."""
+    n = 4
+    aggs = [THCAggregator("w", (4096,), torch.float32, n, r) for r in range(n)]
+    for a in aggs:
+        a.engine_averages = False
+    g = torch.Generator().manual_seed(0)
+    enc = [a.encode(torch.randn(4096, generator=g)) for a in aggs]
+    summed = sum(p for p, _ in enc[:n - missing])
+    with pytest.raises(ConfigurationMismatch, match=rf"\({missing} rank\(s\) sent nothing, as after hvd.join\(\)"):
+        aggs[0].decode(summed, enc[0][1])
+
+
 def embedding_like(rows, cols, touched, seed):
     """An embedding gradient: ``touched`` random rows of N(0, 1), the others exactly 0 (the words not in
     the batch). Its energy sits in a few of THC's Hadamard blocks."""

@@ -65,7 +65,7 @@ def test_row_sparse_tensors_aggregate_exactly(average):
 def test_overload_falls_back_and_grows_identically_on_every_rank(average):
     n = 2
     aggs = ranks(n, max_density=0.01)
-    cap0 = aggs[0].capacity
+    cap0, wire = aggs[0].capacity, aggs[0].codec.layout.payload_numel * 4
     xs = [row_sparse(1000, 16, 200, seed) for seed in range(n)]  # 20% of rows, capacity is 1%
     outs = aggregate(aggs, xs, average)
     assert all(o.needs_fallback and o.averaged == average for o in outs)
@@ -77,6 +77,8 @@ def test_overload_falls_back_and_grows_identically_on_every_rank(average):
         assert torch.equal(agg.finish_fallback(summed.clone(), o), want)
     caps = {a.capacity for a in aggs}
     assert len(caps) == 1 and caps.pop() >= math.ceil(1.25 * 400 / n) * 16 > cap0
+    # the first payload, then the dense tensor re-sent; against the dense allreduce of it
+    assert (aggs[0].stats.payload_bytes, aggs[0].stats.dense_bytes) == (wire + 1000 * 16 * 4, 1000 * 16 * 4)
     assert aggs[0].stats.fallbacks == 1 and aggs[0].stats.capacity_growths == 1
     # After growing, the same load goes through the codec.
     outs = aggregate(aggs, xs, average)

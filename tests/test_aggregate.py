@@ -510,6 +510,18 @@ def test_many_inexact_keys_fall_back_densely_and_grow():
     raise AssertionError("no inexact decode")
 
 
+def test_inexact_keys_covering_exactly_partial_max_fraction_are_re_aggregated_alone():
+    """partial_max_fraction is the largest share the inexact keys may cover and still go alone: at it they
+    do; one coordinate less allowed, the tensor falls back densely."""
+    numel = 2000 * 4
+    m = first_inexact(2)[2][0].partial.numel()
+    assert (m / numel) * numel == m
+    outcomes = first_inexact(2, partial_max_fraction=m / numel)[2]
+    assert all(o.needs_partial and o.partial.numel() == m for o in outcomes)
+    outcomes = first_inexact(2, partial_max_fraction=(m - 1) / numel)[2]
+    assert all(o.needs_fallback for o in outcomes)
+
+
 def test_partial_max_fraction_is_checked():
     for bad in (-0.1, 1.5, "0.5", True):
         with pytest.raises(ValueError, match="partial_max_fraction"):

@@ -254,3 +254,16 @@ def test_payload_numel_is_the_size_of_the_next_first_payload(strategy):
         run_step(aggs, xs)
         if expected is not None:
             assert [sent[a.rank] for a in aggs] == expected, step
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_row_counts_past_the_low_count_field_reach_every_rank_exactly(average):
+    """A rank's row count goes as two header fields, its low COUNT_FIELD_BITS bits and the rest: counts of
+    2^21 rows and more (here 2^21 + 5 and 2^21 + 2 non-zero coordinates) are read back exactly, summed or
+    averaged."""
+    n, numel = 2, (1 << 21) + 5
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
+    xs = [torch.ones(numel), torch.ones(numel)]
+    xs[1][:3] = 0.0
+    run_step(aggs, xs, average)
+    assert all(a.tracker.rank_keys == [numel, numel - 3] for a in aggs)

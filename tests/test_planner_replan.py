@@ -9,6 +9,7 @@ import torch
 
 import lossless_hc.training.strategies as strategies
 from lossless_hc.training.planner import STRATEGIES, TensorStats, stats_header_words
+from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import run_step, sparse_rows
 from test_planner_cost import MODEL, stats
@@ -267,3 +268,17 @@ def test_row_counts_past_the_low_count_field_reach_every_rank_exactly(average):
     xs[1][:3] = 0.0
     run_step(aggs, xs, average)
     assert all(a.tracker.rank_keys == [numel, numel - 3] for a in aggs)
+
+
+def test_a_dense_statistics_step_missing_a_rank_is_refused_where_the_engine_s_op_is_unknown():
+    """Only an engine whose op is known (Horovod's plugin sets engine_averages) may have ranks that left by
+    hvd.join(), which a dense plan tolerates; without it, a SUM of fewer ranks than the world is a
+    configuration error, not a dense sum of the ranks that happened to send."""
+    n = 3
+    rng = torch.Generator().manual_seed(6)
+    aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
+    xs = [sparse_rows(rng, 64, 8, 5) for _ in range(n)]
+    enc = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = enc[0][0] + enc[1][0]   # rank 2's payload missing
+    with pytest.raises(ConfigurationMismatch, match="2 contributors, expected 3"):
+        aggs[0].decode(summed, enc[0][1])

@@ -114,6 +114,8 @@ def test_message_parts_follow_the_payload_dtypes():
     assert message_layout([(10, f64), (big // 2 - 1, f32)])[:2] == ([f64], [10 + big // 2 - 1])
     # a bfloat16 part too small on its own joins float32, which then joins float64 with it
     assert message_layout([(10, f64), (big // 8, f32), (big // 8, bf16)])[:2] == ([f64], [10 + big // 4])
+    # ... priced with what it holds then: float32 that would join float64 alone stays apart with bfloat16 in it
+    assert message_layout([(10, f64), (big // 2 - 1, f32), (big // 2, bf16)])[:2] == ([f64, f32], [10, big - 1])
     assert message_layout([]) == ([], [], [])
     with pytest.raises(TypeError, match="floating-point payloads"):
         message_layout([(3, torch.int64)])

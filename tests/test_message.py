@@ -180,6 +180,21 @@ def test_a_widened_payload_is_counted_as_sent():
     assert plain.stats.payload_bytes - before == 4000
 
 
+def test_a_half_precision_fallback_counts_the_float32_it_travels_in():
+    """A bfloat16 tensor whose decode fails is re-sent in decode_message's float32 dense SUM: its stats count
+    the codec's payload and four bytes per coordinate of the fallback, not the tensor's own two."""
+    n = 2
+    aggs = [TensorAggregator("t", (1000, 16), torch.bfloat16, n, max_density=0.01, seed=1) for _ in range(n)]
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(1000, 16, generator=g).to(torch.bfloat16) for _ in range(n)]   # every row: over capacity
+    wire = aggs[0].codec.layout.payload_numel * 4
+    ms = [encode_message([a], [x]) for a, x in zip(aggs, xs)]
+    summed = [sum(m.parts[i] for m in ms) for i in range(len(ms[0].parts))]
+    (y,) = decode_message(ms[0], summed, lambda t: t.add_(xs[1].reshape(-1).float()))   # the other rank's values
+    assert torch.equal(y.reshape(1000, 16), xs[0].float() + xs[1].float())   # the exact dense sum, float32
+    assert (aggs[0].stats.fallbacks, aggs[0].stats.payload_bytes) == (1, wire + 1000 * 16 * 4)
+
+
 @pytest.mark.parametrize("numel", [1 << 18, 1000])
 def test_auto_statistics_steps_carry_a_half_precision_body_in_its_dtype(numel):
     """auto's statistics step of a dense bfloat16 plan (the first step: one in 16 after it) sends its body

@@ -391,13 +391,13 @@ class TensorAggregator:
     def _inexact_coords(self, report: DecodeReport, partial: bool) -> Optional[torch.Tensor]:
         """The flat coordinates of ``report``'s inexact keys (key k covers coordinates
         ``[k b, min((k+1) b, numel))``) when they are to be re-aggregated alone, else None; counts
-        the decode in the stats. A payload some rank overloaded is truncated, so its keys are
-        never re-aggregated alone."""
+        the decode in the stats. A payload some rank overloaded is truncated: the codec reports it
+        OVERLOADED, never INEXACT, so its keys are never re-aggregated alone."""
         if report.status != DecodeStatus.INEXACT:
             return None
         st = self.stats
         st.inexact_decodes += 1
-        if not partial or report.overloaded_ranks:
+        if not partial:
             return None
         keys = report.inexact_keys.to(device=self.device, dtype=torch.int64)
         coords, _ = key_coordinates(keys, self.block_size, self.numel)

@@ -40,6 +40,7 @@ def test_ewma_peaks_and_hysteresis():
     assert union == 250 and rank == 120          # the peak of the interval wins over the EWMA
     assert tr.peak_union == 0 and tr.peak_rank == 0.0
     assert tr.accept(100, 101) and not tr.accept(100, 80) and tr.accept(100, 74)
+    assert not tr.accept(100, 100) and not tr.accept(100, 75)   # the band's edges stay inside it
 
 
 def make(policy, numel=20_000, n=4, density=0.05, name="t"):

@@ -1,5 +1,7 @@
 """CapacityPolicy / DensityTracker: decisions only every `interval` steps, hysteresis, growth and
 shrinking, identical decisions for identical observations, payload shapes that always match."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,10 @@ def test_ewma_peaks_and_hysteresis():
     assert tr.peak_union == 0 and tr.peak_rank == 0.0
     assert tr.accept(100, 101) and not tr.accept(100, 80) and tr.accept(100, 74)
     assert not tr.accept(100, 100) and not tr.accept(100, 75)   # the band's edges stay inside it
+    for u, k in [(100, 40)] * 4:   # the next interval: no peak above the EWMAs, which now decide
+        tr.observe(u, k)
+    # union 100, 100, 150, 125 then 112.5, 106.25, 103.125, 101.5625; per rank 40, 40, 60, 50 then 45 ... 40.625
+    assert tr.propose() == (math.ceil(1.5 * 40.625), math.ceil(1.25 * 101.5625))
 
 
 def make(policy, numel=20_000, n=4, density=0.05, name="t"):

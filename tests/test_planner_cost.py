@@ -338,6 +338,15 @@ def test_tracker_replans_after_the_first_step_and_every_interval():
     assert tr.stats().max_rank_keys == 50   # the spike is kept
 
 
+def test_an_observation_after_unobserved_steps_weighs_as_that_many_steps():
+    """A dense plan observes one step in ``interval``: an observation after m unobserved steps weighs
+    1 - (1 - a)^(m+1), as m + 1 observations of the same counts would."""
+    tr = PlanTracker(1000, 1, 2, interval=4, alpha=0.25)
+    tr.observe((100, 100), 100, step=1)
+    tr.observe((0, 0), 0, step=5)   # steps 2..4 unobserved: 4 steps' weight
+    assert tr.rank_keys == [100 * 0.75 ** 4] * 2 and tr.union == 100 * 0.75 ** 4
+
+
 def test_the_link_is_timed_only_up_to_the_largest_tensor():
     from lossless_hc.training.calibration import LINK_SIZES, link_sizes
     assert link_sizes(128 << 10) == (1 << 10, 1 << 15, 128 << 10)   # DigitsCNN's largest gradient

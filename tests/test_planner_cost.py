@@ -347,6 +347,15 @@ def test_an_observation_after_unobserved_steps_weighs_as_that_many_steps():
     assert tr.rank_keys == [100 * 0.75 ** 4] * 2 and tr.union == 100 * 0.75 ** 4
 
 
+def test_the_tracker_s_statistics_round_the_ewmas_up():
+    """stats() rounds each rank's EWMA up (5.25 -> 6): a count rounded down would size a sketch or an
+    allgather for fewer rows than the ranks hold on average."""
+    tr = PlanTracker(1000, 1, 2, interval=4, alpha=0.25)
+    tr.observe((5, 7), 12)
+    tr.observe((6, 7), 13)
+    assert tr.stats().rank_keys == (6, 7)
+
+
 def test_the_link_is_timed_only_up_to_the_largest_tensor():
     from lossless_hc.training.calibration import LINK_SIZES, link_sizes
     assert link_sizes(128 << 10) == (1 << 10, 1 << 15, 128 << 10)   # DigitsCNN's largest gradient

@@ -48,6 +48,19 @@ def test_block_size_defaults_to_rows_of_a_matrix():
     assert default_block_size((4, 4, 3)) == 1
 
 
+def test_a_codec_no_smaller_than_the_dense_tensor_is_not_used(monkeypatch):
+    """A tensor goes through the codec only while its payload is smaller than the dense tensor: at a tie it
+    is sent dense (the same bytes, and no decode that could fail)."""
+    import lossless_hc.training.aggregate as aggregate
+    for extra, compressed in ((0, False), (-1, True)):
+        class Sized(aggregate.LosslessCodec):
+            @property
+            def wire_bytes(self):
+                return 1000 * 16 * 4 + extra
+        monkeypatch.setattr(aggregate, "LosslessCodec", Sized)
+        assert TensorAggregator("t", (1000, 16), torch.float32, 2, 0.05).compressed == compressed
+
+
 @pytest.mark.parametrize("average", [False, True])
 def test_row_sparse_tensors_aggregate_exactly(average):
     n = 3

@@ -210,8 +210,14 @@ def test_powersgd_takes_the_matrices_of_a_bucket_and_leaves_a_sparse_table_to_it
     assert sub.gradients()[1].data_ptr() == sub.buffer()[1024 * 1024:].data_ptr() and sub.index() == 0
     # the same matrices without the table: PowerSGD takes the whole bucket, as before
     aggs, grads = planned(shapes[1:], SLOW, allowed=("dense", "allgather"))
-    chosen = decide([PowerSGDPlanner() for _ in range(2)], aggs, grads, SLOW)
+    planners = [PowerSGDPlanner() for _ in range(2)]
+    chosen = decide(planners, aggs, grads, SLOW)
     assert chosen[0].members is None and chosen[0].names == ["p0", "p1", "p2"]
+    # a step's counters: the two matrices compressed, the bias sent as it is, the three allreduces' bytes
+    planners[0].count_step(chosen[0], grads[0])
+    st = planners[0].agg_stats
+    assert (st.tensors, st.compressed, st.sent_dense) == (3, 2, 1)
+    assert (st.dense_bytes, st.payload_bytes) == (4 * (1024 * 1024 + 1024 + 512 * 1024), chosen[0].wire_bytes())
 
 
 def test_a_seed_beyond_32_bits_seeds_powersgd_too():

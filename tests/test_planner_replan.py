@@ -147,6 +147,19 @@ def test_gathered_rows_are_summed_in_rank_order_on_every_device(device):
     assert torch.equal(rows[2].cpu(), values[4][0])   # 1e8 + 1 - 1e8 = 0 first: row 7 is rank 4's value
 
 
+def test_the_in_process_engine_gathers_in_rank_order():
+    """step.run_in_process stacks an allgather's tensors in rank order, as an engine does, so an allgather
+    plan's rows are summed rank 0 first: 1 + 1e8 - 1e8 is 0 in float32 (in the reverse order, 1)."""
+    n = 3
+    aggs = [AutoAggregator("w", (8, 2), torch.float32, n, r, MODEL, first="allgather", allowed=("allgather",))
+            for r in range(n)]
+    xs = [torch.zeros(8, 2) for _ in range(n)]
+    for x, v in zip(xs, (1.0, 1e8, -1e8)):
+        x[0] = v
+    for y in run_step(aggs, xs):
+        assert torch.equal(y, torch.zeros(8, 2))
+
+
 def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):
     """A sketch plan of a dense gradient takes this rank's row count (its statistics) from the encoder's
     own count (LosslessCodec.encoded_keys), not from a second read of the gradient by the row scan: the

@@ -77,6 +77,15 @@ def test_non_finite_values_and_signed_zeros_sum_as_dense():
     assert torch.equal(torch.isnan(got[0]), torch.isnan(want)) and torch.equal(got[0].nan_to_num(), want.nan_to_num())
 
 
+def test_a_chunk_s_rows_span_every_dimension_after_the_first():
+    """A (4, 3, 3) chunk has 4 rows of 9 elements: one non-zero row goes as one index and its 9 values (8 + 36
+    bytes, padded to 48), not as three rows of 3."""
+    x = torch.zeros(4, 3, 3)
+    x[1] = 1.0
+    count, segment = encode_segment(x)
+    assert (count, segment.numel()) == (1, 48)
+
+
 def test_a_byte_count_that_disagrees_with_the_counts_is_an_error():
     """Bytes that do not match the counts, or counts no chunk of that shape can have: a ValueError
     before anything is written (the output is left as it was)."""

@@ -86,6 +86,15 @@ def test_a_chunk_s_rows_span_every_dimension_after_the_first():
     assert (count, segment.numel()) == (1, 48)
 
 
+def test_a_narrow_dtype_no_narrower_than_the_chunk_s_leaves_it_whole():
+    """``narrow`` applies only where it is narrower: a float16 chunk with the lossy planner's bfloat16 goes whole
+    in float16 (the same bytes; bfloat16 would drop three bits of every value), and sums exactly."""
+    g = torch.Generator().manual_seed(5)
+    x = (1 + torch.rand(64, generator=g)).to(torch.float16)
+    count, segment = encode_segment(x, narrow=torch.bfloat16)
+    assert count == WHOLE and torch.equal(segment.view(torch.float16), x)
+
+
 def test_a_byte_count_that_disagrees_with_the_counts_is_an_error():
     """Bytes that do not match the counts, or counts no chunk of that shape can have: a ValueError
     before anything is written (the output is left as it was)."""

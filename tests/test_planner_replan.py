@@ -160,6 +160,16 @@ def test_the_in_process_engine_gathers_in_rank_order():
         assert torch.equal(y, torch.zeros(8, 2))
 
 
+def test_the_in_process_engine_refuses_requests_no_engine_could_carry_out():
+    """Ranks whose plans differ (here an allgather and an fp16 plan, whose first payloads are both the header
+    alone) ask for different second collectives: run_in_process raises, as no engine could run them."""
+    aggs = [AutoAggregator("w", (64, 4), torch.float32, 2, r, MODEL, lossy=True, lossy_min_bytes=0, first=s,
+                           allowed=(s,)) for r, s in enumerate(("allgather", "fp16"))]
+    xs = [torch.ones(64, 4), torch.ones(64, 4)]
+    with pytest.raises(RuntimeError, match="the ranks asked for different collectives"):
+        run_step(aggs, xs)
+
+
 def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):
     """A sketch plan of a dense gradient takes this rank's row count (its statistics) from the encoder's
     own count (LosslessCodec.encoded_keys), not from a second read of the gradient by the row scan: the

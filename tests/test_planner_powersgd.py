@@ -220,6 +220,22 @@ def test_powersgd_takes_the_matrices_of_a_bucket_and_leaves_a_sparse_table_to_it
     assert (st.dense_bytes, st.payload_bytes) == (4 * (1024 * 1024 + 1024 + 512 * 1024), chosen[0].wire_bytes())
 
 
+def test_a_matrix_is_a_member_when_its_share_beats_its_plan_beyond_the_latencies_the_bucket_pays_once():
+    """_members prices a matrix alone on PowerSGD less its three allreduces' latencies (the bucket pays them
+    once) against its own plan less the first allreduce's: on a 1 Gbit/s link with 1 ms per hop a 512x256
+    matrix beside a sparse table is a member (its share 0.7 ms, its dense plan 4.3 ms beyond the latency),
+    so PowerSGD on the part is priced, though the per-parameter plans stay cheapest here."""
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    shapes = [(8192, 256), (512, 256)]
+    aggs, grads = planned(shapes, model, rows=[8, None], allowed=("dense", "allgather"))
+    planners = [PowerSGDPlanner() for _ in range(2)]
+    assert decide(planners, aggs, grads, model) == [None, None]
+    p = planners[0].stats()[0]["predicted_seconds"]
+    part = powersgd_layout(shapes[1:], 4, 2)
+    assert p["powersgd_part"] == pytest.approx(model.predict_powersgd(part, 2) + model.predict_message(
+        [aggs[0][0].current_plan()]))
+
+
 def test_a_seed_beyond_32_bits_seeds_powersgd_too():
     """The spec's seed is a uint64; torch's PowerSGDState seeds numpy's RandomState with it, which takes only
     [0, 2**32): the bucket's switch to PowerSGD raised "Seed must be between 0 and 2**32 - 1" mid-run. It

@@ -1,0 +1,59 @@
+"""The decoder's header checks name the exact failure (``DecodeReport.status``), and the header's
+integer fields, capacity and key counts mean what the docs say: one test per rule, each with the
+status a caller branches on (a wrong but still non-ok status would send a caller down another path)."""
+import pytest
+import torch
+
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc.layout import (HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
+                                    HDR_OVERLOADED, HDR_SATURATED)
+from lossless_hc.lhc.status import DecodeStatus
+
+N, NUMEL = 3, 1000
+
+
+def summed(index: str):
+    codec = LosslessCodec(NUMEL, N, 50, seed=1, index=index)
+    g = torch.Generator().manual_seed(0)
+    xs = []
+    for _ in range(N):
+        x = torch.zeros(NUMEL)
+        x[torch.randperm(NUMEL, generator=g)[:40]] = torch.randn(40, generator=g)
+        xs.append(x)
+    return codec, sum(codec.encode(x) for x in xs), xs
+
+
+def set_key_count(p: torch.Tensor, total: int) -> None:
+    p[HDR_KEYS_LO], p[HDR_KEYS_MID], p[HDR_KEYS_HI] = total & 2047, (total >> 11) & 2047, total >> 22
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
+@pytest.mark.parametrize("edit,status", [
+    # a SUM of integer fields is an exact integer: a fraction is a corrupted word, not a rounding
+    (lambda p, L: p.__setitem__(HDR_KEYS_LO, p[HDR_KEYS_LO] + 0.25), "HEADER_CORRUPT"),
+    (lambda p, L: p.__setitem__(HDR_INDEX_CHECK0, p[HDR_INDEX_CHECK0] + 0.5), "HEADER_CORRUPT"),
+    # a 0/1 flag summed over n ranks is at most n
+    (lambda p, L: p.__setitem__(HDR_OVERLOADED, N + 1), "HEADER_CORRUPT"),
+    (lambda p, L: p.__setitem__(HDR_SATURATED, 1), "INDEX_SATURATED"),
+    (lambda p, L: p.__setitem__(HDR_FP_HI, p[HDR_FP_HI] + 1), "CONFIGURATION_MISMATCH"),
+    # n ranks hold at most n * num_keys keys
+    (lambda p, L: set_key_count(p, N * L.num_keys + 1), "KEY_COUNT_CORRUPT"),
+])
+def test_header_field_out_of_its_range_is_named(index, edit, status):
+    codec, s, _ = summed(index)
+    assert codec.decode(s)[1].status == DecodeStatus.OK
+    p = s.clone()
+    edit(p, codec.layout)
+    y, rep = codec.decode(p)
+    assert rep.status == DecodeStatus[status] and not rep.ok, (rep.status, rep.reason)
+    assert bool(torch.isnan(y).all())
+
+
+def test_averaged_header_fields_take_half_a_unit():
+    """An AVERAGE's integer fields are within 1/2 of an integer after scaling back by n (float32
+    division rounds): the same payload averaged decodes ok, to the average."""
+    codec, s, xs = summed("bitmap")
+    y, rep = codec.decode(s / N, averaged=True)
+    assert rep.ok
+    truth = sum(xs) / N
+    assert torch.allclose(y, truth, rtol=2 ** -10, atol=0)

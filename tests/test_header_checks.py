@@ -57,3 +57,13 @@ def test_averaged_header_fields_take_half_a_unit():
     assert rep.ok
     truth = sum(xs) / N
     assert torch.allclose(y, truth, rtol=2 ** -10, atol=0)
+
+
+def test_key_counts_beyond_two_chunks_are_read_whole():
+    """The header's key count is three 11-bit chunks: a rank with 2**22 + 5 non-zero keys reads back
+    as that many (the top chunk weighs 2**22)."""
+    numel = (1 << 22) + 5
+    codec = LosslessCodec(numel, 2, numel, index="bitmap")
+    p = codec.encode(torch.ones(numel))
+    assert float(p[HDR_KEYS_HI]) == 1.0
+    assert codec.encoded_keys(p) == numel

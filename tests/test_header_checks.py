@@ -67,3 +67,16 @@ def test_key_counts_beyond_two_chunks_are_read_whole():
     p = codec.encode(torch.ones(numel))
     assert float(p[HDR_KEYS_HI]) == 1.0
     assert codec.encoded_keys(p) == numel
+
+
+def test_capacity_rounds_max_nnz_up_to_whole_blocks():
+    """max_nnz counts coordinates; capacity is ceil(max_nnz / block) keys: 3 non-zeros in 2 blocks of 2
+    fit max_nnz=3: the rank is not overloaded, and its keys decode (a key the table's rounding bound
+    leaves unproven is INEXACT, never OVERLOADED)."""
+    codec = LosslessCodec(100, 2, 3, block_size=2, index="bitmap")
+    assert codec.layout.capacity == 2
+    x = torch.zeros(100)
+    x[:3] = torch.tensor([1.0, 2.0, 3.0])
+    y, rep = codec.decode(codec.encode(x) + codec.encode(torch.zeros(100)))
+    assert rep.overloaded_ranks == 0 and rep.status in (DecodeStatus.OK, DecodeStatus.INEXACT), rep.reason
+    assert rep.peeled == 2

@@ -80,3 +80,10 @@ def test_capacity_rounds_max_nnz_up_to_whole_blocks():
     y, rep = codec.decode(codec.encode(x) + codec.encode(torch.zeros(100)))
     assert rep.overloaded_ranks == 0 and rep.status in (DecodeStatus.OK, DecodeStatus.INEXACT), rep.reason
     assert rep.peeled == 2
+
+
+@pytest.mark.parametrize("rtol", [1.0, -0.5, float("nan")])
+def test_rtol_outside_zero_one_is_refused(rtol):
+    """rtol is in [0, 1): 1 would accept any value with the right sign as within tolerance."""
+    with pytest.raises(ValueError, match=r"rtol must be a number in \[0, 1\)"):
+        LosslessCodec(100, 2, 10, rtol=rtol)

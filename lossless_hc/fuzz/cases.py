@@ -8,7 +8,8 @@ A *group* is one configuration and one set of per-rank inputs, drawn from ``(see
 1. the same payloads aggregated another way: an AVERAGE (SUM then divide, as BytePS and Horovod's
    Average do), or a pairwise-tree SUM (a ring/tree allreduce's order);
 2. and 3. the SUM corrupted once each: a bit flipped in an index word or a sketch word, the sketch
-   zeroed, a sketch word off by a value (a wrong sum), or a header field off by one. A ``dense``
+   zeroed (a no-op where no rank holds a key), a sketch word off by a value (a wrong sum), or the
+   key count's low header field off by one. A ``dense``
    payload carries its values raw, with nothing redundant to check them by (exactly like a dense
    allreduce), so its corruptions are confined to the header.
 
@@ -17,11 +18,12 @@ corrupted ones with ``verify=True`` (the contract for one corrupted word), and s
 every :data:`VERIFY_PLAIN_EVERY`-th group (verify must not break plain decodes either).
 
 Configurations cover every index kind (``bitmap``, ``bloom``, ``multilevel``, ``dense``, and
-``auto``), block sizes 1 to 32, world sizes 2 to 64 (log-uniform), capacities met and exceeded,
-supports independent, shared, hot or disjoint, and values: Gaussian, log-uniform over dynamic
+``auto``), block sizes 1, 2, 3, 4, 8, 16 and 32 (:data:`BLOCKS`), world sizes 2 to 64
+(log-uniform), capacities met and exceeded, supports independent, shared, hot or disjoint, and values: Gaussian, log-uniform over dynamic
 ranges up to 1e30 with random signs, small integers, many small values plus a few huge ones in the
 same tensor (the cross-key rounding case), exact cancellation (+v and -v on two ranks) and
-near-cancellation, float16/bfloat16 inputs, and now and then a NaN or Inf.
+near-cancellation, float16/bfloat16 inputs (in float16, values beyond its 65504 become infinities),
+and now and then a NaN or Inf.
 
 Verdicts (:func:`run_group`, one per case): the decode's status name, and whether it broke the
 contract (:mod:`lossless_hc.lhc.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the

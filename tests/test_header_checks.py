@@ -87,3 +87,16 @@ def test_rtol_outside_zero_one_is_refused(rtol):
     """rtol is in [0, 1): 1 would accept any value with the right sign as within tolerance."""
     with pytest.raises(ValueError, match=r"rtol must be a number in \[0, 1\)"):
         LosslessCodec(100, 2, 10, rtol=rtol)
+
+
+def test_weighted_and_signed_sketches_of_one_size_do_not_mix():
+    """union_nnz 878 and 879 give value sketches of the same 3 x 469 cells, signed (+-1) and weighted
+    (+-1, +-2): the weighting joins the fingerprint, so ranks configured apart are told apart instead
+    of summing cells of different weights."""
+    kw = dict(numel=10000, world_size=2, max_nnz=500, seed=5, index="bitmap")
+    a, b = LosslessCodec(union_nnz=878, **kw), LosslessCodec(union_nnz=879, **kw)
+    assert (a.layout.sketch.seg_len, a.layout.sketch.seg_count) == (b.layout.sketch.seg_len, b.layout.sketch.seg_count)
+    assert (a.layout.sketch.weighted, b.layout.sketch.weighted) == (False, True)
+    x = torch.zeros(10000)
+    x[::25] = torch.arange(400.0) + 1
+    assert b.decode(a.encode(x) + b.encode(x))[1].status == DecodeStatus.CONFIGURATION_MISMATCH

@@ -132,3 +132,22 @@ def test_reference_detects_config_and_count_errors():
     other = plan_layout(500, 3, 20, 1, seed=1, index="bitmap")
     mixed = reference.encode(L, x) * 2 + reference.encode(other, x)
     assert "mismatch" in reference.decode(L, mixed)[1]["reason"]
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
+@pytest.mark.parametrize("field,delta", [(lay.HDR_KEYS_LO, 0.25), (lay.HDR_KEYS_LO, 1.0), (lay.HDR_KEYS_LO, -1.0),
+                                         (lay.HDR_OVERLOADED, 0.5)])
+def test_reference_refuses_what_the_codec_refuses(index, field, delta):
+    """The oracle's own checks: a SUM's header field that is not an integer, or a key count the index
+    disagrees with, fails in the reference as in the kernels (the round-trip tests compare valid
+    payloads only, so these paths of the reference are checked here)."""
+    from lossless_hc import LosslessCodec
+    codec = LosslessCodec(500, 3, 20, seed=0, index=index)
+    x = torch.zeros(500)
+    x[[3, 99, 400]] = 1.0
+    summed = codec.encode(x) * 3
+    assert reference.decode(codec.layout, summed)[1]["ok"] and codec.decode(summed)[1].ok
+    bad = summed.clone()
+    bad[field] += delta
+    assert not codec.decode(bad)[1].ok
+    assert not reference.decode(codec.layout, bad)[1]["ok"]

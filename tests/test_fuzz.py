@@ -187,3 +187,14 @@ def test_the_cli_refuses_arguments_that_would_check_nothing_or_crash(argv, messa
     with pytest.raises(SystemExit) as exc:
         main(["--cases", "8", "--workers", "1"] + argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_contract_allows_n_minus_one_roundings(n):
+    """A dense float32 SUM over n ranks rounds n - 1 times: at s = 0, a = 1 and rtol = 0 the allowance
+    is gamma_{n-1} = (n-1) u / (1 - (n-1) u), plus the float64 truth's own rounding ((n + 1) 2^-53 a)
+    and half the smallest subnormal, and no more (a looser contract would pass wrong decodes)."""
+    u = 2.0 ** -24
+    s, a = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    want = (n - 1) * u / (1 - (n - 1) * u) + 2.0 ** -150 + (n + 1) * 2.0 ** -53
+    assert float(allowed_error(s, a, n, 0.0)[0]) == pytest.approx(want, rel=1e-12)

@@ -198,3 +198,14 @@ def test_contract_allows_n_minus_one_roundings(n):
     s, a = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
     want = (n - 1) * u / (1 - (n - 1) * u) + 2.0 ** -150 + (n + 1) * 2.0 ** -53
     assert float(allowed_error(s, a, n, 0.0)[0]) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_infinity_is_allowed_only_where_the_dense_sum_overflows(dtype):
+    """A decoded infinity of the sum's sign is within the contract only where the sum is beyond the
+    output dtype's largest finite value (the dense sum overflows too): never for a sum of 1."""
+    big = torch.finfo(dtype).max
+    xs = [torch.tensor([1.0, big, 1.0], dtype=torch.float64), torch.tensor([0.0, big, 0.0], dtype=torch.float64)]
+    s, a = truth(xs)
+    y = torch.tensor([float("inf"), float("inf"), -float("inf")], dtype=dtype)
+    assert outside_contract(y, s, a, 2, 2.0 ** -10).tolist() == [True, False, True]

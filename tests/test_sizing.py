@@ -11,7 +11,7 @@ import torch
 import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc import reference as reference
-from lossless_hc.lhc.layout import stream_seed
+from lossless_hc.lhc.layout import INT_FIELD_LIMIT, digit_packing, stream_seed
 from lossless_hc.lhc.sizing import PEEL_FAILURE_TARGET, sketch_table_for
 
 # keys -> trials. Failures are Binomial(trials, p) with p <= PEEL_FAILURE_TARGET if the sizing is right.
@@ -153,3 +153,12 @@ def test_value_sketches_past_two_group_sizes_split_into_groups():
     share = (2 * GROUP_KEYS + 1) / groups
     assert 3 * split.seg_len >= 1.25 * (share + 4 * math.sqrt(share))   # a group: its share and 4 sigmas
     assert 1.0 < split.cells / one.cells < 1.06
+
+
+@pytest.mark.parametrize("max_aggregate", [1, 3, 15, 2047, 2048, 4095])
+def test_digit_packing_is_as_dense_as_exactness_allows(max_aggregate):
+    """per_word is the largest p with base**p <= 2**22 (a word's largest value base**p - 1 stays below
+    2**22): a power-of-two base that divides 2**22 packs its last digit too (base 2: 22 digits)."""
+    P = digit_packing(max_aggregate, 100)
+    assert P.base == max_aggregate + 1
+    assert P.base ** P.per_word <= INT_FIELD_LIMIT < P.base ** (P.per_word + 1)

@@ -119,6 +119,8 @@ def test_outside_bounds_flags_a_coordinate_beyond_its_keys_bound():
     y[5] += 1e-4                        # beyond E
     y[2] += 1.0                         # key 1 has no bound: the contract's business, not this check's
     assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [5]
+    y[0] += 1.5e-6                      # beyond E + u (|s| + E), about 1.12e-6 (s = 2), within twice it
+    assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [0, 5]
     # a float16 output beyond 65504 is inf, as a float16 dense sum would be (seed 12, group 4688)
     big = [torch.tensor([70000.0, 1.0]), torch.tensor([5000.0, 0.0])]
     s, a = truth(big)

@@ -211,3 +211,11 @@ def test_infinity_is_allowed_only_where_the_dense_sum_overflows(dtype):
     s, a = truth(xs)
     y = torch.tensor([float("inf"), float("inf"), -float("inf")], dtype=dtype)
     assert outside_contract(y, s, a, 2, 2.0 ** -10).tolist() == [True, False, True]
+
+
+def test_contract_takes_the_larger_of_rtol_and_gamma():
+    """max(rtol |s|, gamma_{n-1} a), not their sum: at s = a = 1 with rtol = 2^-10 the allowance is
+    rtol (plus the truth's rounding and half the smallest subnormal)."""
+    s = a = torch.ones(1, dtype=torch.float64)
+    want = 2.0 ** -10 + 2.0 ** -150 + 3 * 2.0 ** -53
+    assert float(allowed_error(s, a, 2, 2.0 ** -10)[0]) == pytest.approx(want, rel=1e-12)

@@ -7,7 +7,7 @@ import torch
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc.layout import (HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
                                     HDR_OVERLOADED, HDR_SATURATED)
-from lossless_hc.lhc.status import DecodeStatus
+from lossless_hc.lhc.status import DecodeStatus, message
 
 N, NUMEL = 3, 1000
 
@@ -100,3 +100,11 @@ def test_weighted_and_signed_sketches_of_one_size_do_not_mix():
     x = torch.zeros(10000)
     x[::25] = torch.arange(400.0) + 1
     assert b.decode(a.encode(x) + b.encode(x))[1].status == DecodeStatus.CONFIGURATION_MISMATCH
+
+
+def test_message_of_an_unknown_status_names_it():
+    """A status code outside csrc/lhc_status.h's list (a newer or corrupted report) reads as unknown,
+    with its number, never as the empty message of OK."""
+    code = max(DecodeStatus) + 1
+    assert message(code) == f"unknown decode status {code}"
+    assert message(DecodeStatus.OK) == ""

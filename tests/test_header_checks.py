@@ -1,6 +1,7 @@
-"""The decoder's header checks name the exact failure (``DecodeReport.status``), and the header's
-integer fields, capacity and key counts mean what the docs say: one test per rule, each with the
-status a caller branches on (a wrong but still non-ok status would send a caller down another path)."""
+"""The decoders' header checks name the exact failure (LHC: ``DecodeReport.status``; THC: a ValueError
+naming the field), and the LHC header's integer fields, capacity and key counts mean what the docs
+say: one test per rule, each with the status a caller branches on (a wrong but still non-ok status
+would send a caller down another path)."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from lossless_hc import LosslessCodec
 from lossless_hc.lhc.layout import (HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
                                     HDR_OVERLOADED, HDR_SATURATED)
 from lossless_hc.lhc.status import DecodeStatus, message
+from lossless_hc.thc.layout import HDR_CHECKSUM as THC_CHECKSUM, HDR_NON_FINITE as THC_NON_FINITE
 
 N, NUMEL = 3, 1000
 
@@ -108,3 +110,51 @@ def test_message_of_an_unknown_status_names_it():
     code = max(DecodeStatus) + 1
     assert message(code) == f"unknown decode status {code}"
     assert message(DecodeStatus.OK) == ""
+
+
+# -- THC -------------------------------------------------------------------------------------------
+
+def thc_summed(n: int = 3, numel: int = 64):
+    """A fresh rank-0 THC codec that encoded its input (ready to decode) and the float64 SUM of the
+    ranks' payloads."""
+    from lossless_hc import THCCodec
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(numel, generator=g) for _ in range(n)]
+    kw = dict(initial_norm=max(float(x.norm()) for x in xs), seed=1)
+    payloads = [THCCodec(numel, n, rank=r, **kw).encode(x) for r, x in enumerate(xs)]
+    c = THCCodec(numel, n, rank=0, **kw)
+    c.encode(xs[0])
+    return c, sum(payloads)
+
+
+def test_thc_clean_sum_decodes():
+    c, s = thc_summed()
+    assert torch.isfinite(c.decode(s)).all()
+
+
+@pytest.mark.parametrize("edit,match", [
+    # a flag summed over n ranks is at most n: more is a corrupted word, not n + 1 non-finite inputs
+    (lambda p, n, P: p.__setitem__(THC_NON_FINITE, n + 1), "non-finite flag count"),
+    # one rank flagged non-finite: the others' checksums add up to at most (n - 1)(P - 1)
+    (lambda p, n, P: (p.__setitem__(THC_NON_FINITE, 1), p.__setitem__(THC_CHECKSUM, n * (P - 1))), "checksum field"),
+    # a SUM of integer fields is an exact integer
+    (lambda p, n, P: p.__setitem__(THC_CHECKSUM, p[THC_CHECKSUM] + 0.25), "checksum field"),
+])
+def test_thc_header_field_out_of_its_range_is_corruption(edit, match):
+    """A THC header field out of what n ranks can write raises ValueError naming it (a flag count
+    above n, or a checksum beyond what the unflagged ranks can add, is not read as a non-finite
+    input: that would raise FloatingPointError, the answer to a NaN gradient)."""
+    c, s = thc_summed()
+    p = s.clone()
+    edit(p, c.world_size, c.layout.check_prime)
+    with pytest.raises(ValueError, match=match):
+        c.decode(p)
+
+
+def test_thc_negative_norm_slot_is_corruption():
+    c, s = thc_summed()
+    p = s.clone()
+    L = c.layout
+    p[L.norm_offset], p[L.norm_offset + c.world_size] = -0.5, 0.5   # negative, with its mirror negated
+    with pytest.raises(ValueError, match="norm slots are corrupted"):
+        c.decode(p)

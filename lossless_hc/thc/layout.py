@@ -65,8 +65,10 @@ def _is_prime(p: int) -> bool:
 def check_prime(world_size: int, payload_dtype: torch.dtype) -> int:
     """P of the payload checksum: the largest prime below CHECK_PRIME_MAX whose aggregate n (P - 1)
     stays exact (after SUM, and AVERAGE for float64), and for which 2^1024 != 1 (mod P), so that no
-    power 2^m - 1 with m <= 1024 is a multiple of P (a float64 exponent-bit flip that keeps a word an
-    integer, S -> S 2^(+-m), changes it by a non-multiple of P unless S is one). 0 if none fits."""
+    2^m - 1 with m = 2^j <= 1024 is a multiple of P (the order of 2 mod P does not divide 1024): flipping
+    exponent bit j of a float64 word that stays an integer, S -> S 2^(+-m), changes it by a
+    non-multiple of P unless S is one. (Other m <= 1024 can have 2^m = 1 (mod P): for world sizes from
+    20,772 up, some chosen primes do; no exponent-bit flip multiplies by those.) 0 if none fits."""
     p = min(CHECK_PRIME_MAX - 1, _exact_limit(world_size, payload_dtype) // world_size + 1)
     while p >= 3:
         if _is_prime(p) and pow(2, 1024, p) != 1:

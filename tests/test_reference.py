@@ -157,3 +157,15 @@ def test_reference_refuses_what_the_codec_refuses(index, field, delta):
     bad[field] += delta
     assert not codec.decode(bad)[1].ok
     assert not reference.decode(codec.layout, bad)[1]["ok"]
+
+
+def test_within_rtol_leaves_room_for_the_float32_rounding():
+    """reference_peel.within_rtol is lhc::within_rtol: err (1 + rtol) + u |v| <= rtol |v|, so that the
+    float32 output is within rtol of the true sum. At v = 1 the largest error it accepts is
+    (rtol - u) / (1 + rtol); an error just above that is not within rtol (though it is below rtol)."""
+    from lossless_hc.lhc.reference_peel import within_rtol
+    rtol, u = 2.0 ** -10, 2.0 ** -24
+    edge = (rtol - u) / (1 + rtol)
+    v = torch.ones(2, dtype=torch.float64)
+    err = torch.tensor([edge * (1 - 1e-9), edge * (1 + 1e-6)], dtype=torch.float64)
+    assert within_rtol(v, err, rtol).tolist() == [True, False]

@@ -84,6 +84,17 @@ def test_capacity_rounds_max_nnz_up_to_whole_blocks():
     assert rep.peeled == 2
 
 
+def test_union_nnz_rounds_up_to_whole_blocks():
+    """union_nnz counts coordinates too: 3 of them span at least ceil(3 / 2) = 2 keys of block 2, and
+    the sketch is sized for 2 (not 1): an aggregate of 3 coordinates in 2 blocks decodes."""
+    codec = LosslessCodec(1000, 2, 4, block_size=2, index="bitmap", union_nnz=3)
+    assert codec.layout.union_keys == 2
+    x = torch.zeros(1000)
+    x[[0, 1, 500]] = torch.tensor([1.0, 2.0, 3.0])
+    y, rep = codec.decode(codec.encode(x) + codec.encode(torch.zeros(1000)))
+    assert rep.status in (DecodeStatus.OK, DecodeStatus.INEXACT) and rep.peeled == 2, rep.reason
+
+
 @pytest.mark.parametrize("rtol", [1.0, -0.5, float("nan")])
 def test_rtol_outside_zero_one_is_refused(rtol):
     """rtol is in [0, 1): 1 would accept any value with the right sign as within tolerance."""

@@ -36,3 +36,30 @@ def test_pair_numerators_use_the_tie_breaking_cells():
     val = torch.tensor([[8.0], [-2.0], [8.0]], dtype=torch.float64)
     v_a, v_b = rp.solve_pair(val, torch.tensor([0, 1, 2]), wa, wb)
     assert v_a.tolist() == [3.0] and v_b.tolist() == [5.0]
+
+
+def _fan_in(n: int) -> torch.Tensor:
+    """Keys 0..n-2 each with a private pure cell, all in cells 0 and 1 (key 0 in cell 2 instead of 1);
+    key n-1 in cells 0, 1, 2. Round 1 peels keys 0..n-2; round 2 peels key n-1 from cell 0, whose
+    other keys are all n-1 others: its ancestry is all n keys."""
+    rows = [[0, 2, 3]] + [[0, 1, 3 + i] for i in range(1, n - 1)] + [[0, 1, 2]]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_ancestry_of_exactly_the_cap_is_kept():
+    """``None for a key with more than cap``: an ancestry of exactly ANCESTRY_CAP keys is tracked, one
+    key more is not."""
+    for n, kept in ((rp.ANCESTRY_CAP, True), (rp.ANCESTRY_CAP + 1, False)):
+        cells = _fan_in(n)
+        rounds, resolved = rp.peel_rounds(cells, n + 2)
+        assert bool(resolved.all()) and len(rounds) == 2 and rounds[1][0].tolist() == [n - 1]
+        assert rounds[1][1].tolist() == [0]                        # read from cell 0
+        anc = rp.ancestries(cells, rounds, rp.cell_members(cells))
+        assert all(anc[k] == frozenset([k]) for k in range(n - 1))
+        assert anc[n - 1] == (frozenset(range(n)) if kept else None), n
+    # the same boundary with an explicit cap
+    cells = _fan_in(5)
+    rounds, _ = rp.peel_rounds(cells, 7)
+    members = rp.cell_members(cells)
+    assert rp.ancestries(cells, rounds, members, cap=5)[4] == frozenset(range(5))
+    assert rp.ancestries(cells, rounds, members, cap=4)[4] is None

@@ -63,3 +63,18 @@ def test_ancestry_of_exactly_the_cap_is_kept():
     members = rp.cell_members(cells)
     assert rp.ancestries(cells, rounds, members, cap=5)[4] == frozenset(range(5))
     assert rp.ancestries(cells, rounds, members, cap=4)[4] is None
+
+
+def test_verification_bound_counts_the_check_cells_residual():
+    """One key read from cell 0 and checked by cells 1 and 2: ``V(j) = acc(j) + max |residual(j)|``,
+    ``G = min_j V(j) / |w_j|`` and ``F = G - err`` rounded up by ``2^-52 G``."""
+    cells = torch.tensor([[0, 1, 2]])
+    weights = torch.tensor([[1, 2, -1]])
+    rounds, _ = rp.peel_rounds(cells, 3)
+    assert rounds[0][1].tolist() == [0]
+    acc = torch.tensor([-1.0, 1.0, 2.0], dtype=torch.float64)       # cell 0 read, cells 1 and 2 check
+    val = torch.tensor([[0.0, 0.0], [0.5, -3.0], [0.25, 0.0]], dtype=torch.float64)
+    err = torch.tensor([0.125], dtype=torch.float64)
+    F = rp.verification_bound(cells, weights, rounds, acc, val, err)
+    G = min((1.0 + 3.0) / 2, (2.0 + 0.25) / 1)                      # 2.0, from cell 1
+    assert F.tolist() == [G - 0.125 + G * 2.0 ** -52]

@@ -126,6 +126,26 @@ def test_encode_identical_flags(index):
         assert p[HDR_NON_FINITE] == 1
 
 
+def test_bloom_saturates_above_the_digit_cap_only():
+    """A Bloom counter of exactly digit_cap keys still fits its digit (not saturated); digit_cap + 1
+    keys saturate it (counter clamped to digit_cap, HDR_SATURATED set). C++ and reference agree."""
+    numel = 2000
+    codec = LosslessCodec(numel, 2, 20, block_size=1, seed=3, index="bloom")
+    L = codec.layout
+    cap = L.digit_cap
+    bcells, _ = reference.key_cells(L.bloom, torch.arange(numel))
+    counts = torch.bincount(bcells.reshape(-1), minlength=L.bloom.cells)
+    cell = int((counts >= cap + 1).nonzero()[0])
+    hits = (bcells == cell).any(dim=1).nonzero().reshape(-1)
+    for n, saturated in ((cap, 0), (cap + 1, 1)):
+        x = torch.zeros(numel)
+        x[hits[:n]] = 1.0
+        p = assert_payload_identical(codec, x)
+        assert p[HDR_OVERLOADED] == 0 and p[HDR_SATURATED] == saturated, n
+        digits = reference.unpack_digits(L, p[L.index_offset:L.sketch_offset].to(torch.int64))
+        assert int(digits[cell]) == cap and int(digits.max()) == cap
+
+
 @settings(max_examples=60)
 @given(block=st.sampled_from([1, 2, 3, 5, 32]), index=st.sampled_from(["bitmap", "bloom", "multilevel", "dense"]),
        pattern=st.sampled_from(helpers.PATTERNS), dist=st.sampled_from(helpers.DISTS),

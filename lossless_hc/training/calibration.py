@@ -134,9 +134,7 @@ def link_sizes(largest_bytes: int) -> tuple:
 def check_repeats(repeats) -> int:
     """``repeats`` (timed runs per measurement), an int >= 1, else TypeError / ValueError: none would
     leave every measurement at an infinite time, and the link priced every byte at infinity."""
-    check_int(repeats, "repeats")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    check_int(repeats, "repeats", least=1)
     return repeats
 
 

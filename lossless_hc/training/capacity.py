@@ -58,9 +58,7 @@ class CapacityPolicy:
 
     def __init__(self, interval: int = 16, alpha: float = 0.25, union_headroom: float = 1.25,
                  rank_headroom: float = 1.5, hysteresis: float = 0.25, warmup: Optional[int] = None):
-        check_int(interval, "interval")   # 2.5 would be truncated to 2
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+        check_int(interval, "interval", least=1)   # 2.5 would be truncated to 2
         check_int(warmup, "warmup", none=True)
         if warmup is not None and warmup < 0:
             raise ValueError(f"warmup must be >= 0 decoded steps (or None: interval), got {warmup}")

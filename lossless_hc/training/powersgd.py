@@ -103,9 +103,7 @@ def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDL
     ``(rows + cols) r' min_compression_rate < rows cols`` (torch's ``_should_compress``). ``rank`` an int
     >= 1 and ``min_compression_rate`` a number > 0, else TypeError / ValueError (rank 0 "compressed" every
     matrix into no bytes and no flops, a PowerSGD step predicted free; a fractional rank is not truncated)."""
-    check_int(rank, "PowerSGD rank")
-    if rank < 1:
-        raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+    check_int(rank, "PowerSGD rank", least=1)
     if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # NaN fails too
         raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
     numel = uncompressed = p = q = flops = 0

@@ -1,6 +1,8 @@
 """Options are checked where they are given: a clear TypeError or ValueError naming the option, one rule
 per kind of option (seeds, fractions, devices, thread counts, shapes, flags) behind every entry point,
 never a value coerced into a different job (a bool taken as 1, a float truncated, a seed aliased)."""
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -156,11 +158,18 @@ def test_unknown_device_is_a_clear_error(device):
                                                 (True, TypeError), ("2", TypeError)])
 def test_bad_num_threads_is_a_clear_error(num_threads, error):
     """num_threads is checked where the codec is built (a float used to reach the kernels' binding,
-    a negative count ran with the OpenMP default), for both codecs; 0 (the default) and 1 work."""
+    a negative count ran with the OpenMP default) and where it is set afterwards (100,000 crashed the
+    encode), for both codecs; 0 (the default) and 1 work, and a refused value leaves the old one."""
     for make in (lambda t: LosslessCodec(5000, 2, 50, num_threads=t), lambda t: THCCodec(5000, 2, num_threads=t)):
         with pytest.raises(error, match="num_threads"):
             make(num_threads)
         assert make(0).num_threads == 0 and make(1).num_threads == 1
+        codec = make(1)
+        with pytest.raises(error, match="num_threads"):
+            codec.num_threads = num_threads
+        assert codec.num_threads == 1
+        codec.num_threads = 2
+        assert codec.num_threads == 2 and pickle.loads(pickle.dumps(codec)).num_threads == 2
 
 
 @pytest.mark.parametrize("shape, world_size, error, match", [

@@ -252,7 +252,7 @@ class LosslessCodec:
         self.layout: PayloadLayout = layout
         self._backend = backend_for(self.device)
         self.device = self._backend.require(self.device, "LosslessCodec")
-        self.num_threads = check_num_threads(num_threads)
+        self.num_threads = num_threads
         self._native = self._backend.lhc_layout(self.layout, self.device)
         self._shape = (numel,)
         self._dtype = torch.float32
@@ -265,6 +265,16 @@ class LosslessCodec:
         self.__dict__.update(state)
         self._backend = backend_for(self.device)
         self._native = self._backend.lhc_layout(self.layout, self.device)
+
+    @property
+    def num_threads(self) -> int:
+        """OpenMP threads of the CPU kernels (0: the OpenMP default); checked when set, since the
+        kernels take any int (a count in the tens of thousands crashes the process)."""
+        return self._num_threads
+
+    @num_threads.setter
+    def num_threads(self, value: int) -> None:
+        self._num_threads = check_num_threads(value)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property

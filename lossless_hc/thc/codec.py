@@ -143,7 +143,7 @@ class THCCodec:
     """
 
     __slots__ = ("_backend", "layout", "table", "rank", "seed", "overflow_freq", "threshold", "device", "error_feedback",
-                 "non_finite", "num_threads", "_native", "_lo", "_width", "_inv_width", "_norm", "_step",
+                 "non_finite", "_num_threads", "_native", "_lo", "_width", "_inv_width", "_norm", "_step",
                  "_pending", "_error", "_shape", "_dtype", "_interleave_nb", "_last_norms", "_fingerprint_used")
 
     def __init__(self, numel: int, world_size: int, rank: int = 0, bits: int = 4, granularity: int = 30,
@@ -186,7 +186,7 @@ class THCCodec:
         self.threshold = self.table.threshold
         self.error_feedback = error_feedback
         self.non_finite = non_finite
-        self.num_threads = check_num_threads(num_threads)
+        self.num_threads = num_threads
         # Neighbour lookup: for integer k in [0, g), the levels lo[k] <= k < k + 1 <= lo[k] + width[k].
         g = granularity
         lo, width = [], []
@@ -503,6 +503,16 @@ class THCCodec:
 
     def _sign_stream_of(self, step: int) -> int:
         return thc_sign_stream(self.seed, step)
+
+    @property
+    def num_threads(self) -> int:
+        """OpenMP threads of the kernels (0: the OpenMP default); checked when set, since the kernels
+        take any int (a count in the tens of thousands crashes the process)."""
+        return self._num_threads
+
+    @num_threads.setter
+    def num_threads(self, value: int) -> None:
+        self._num_threads = check_num_threads(value)
 
     # Pickled without the kernels' view of the layout (rebuilt from the layout on load).
     def __getstate__(self):

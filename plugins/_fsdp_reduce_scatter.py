@@ -47,7 +47,7 @@ from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
 from lossless_hc.training.row_exchange import (NARROWED, WHOLE, GivenRows, add_segments, encode_destinations,
-                                               received_nbytes, segment_nbytes, whole_dtype)
+                                               received_nbytes, rows_are_smaller, whole_dtype)
 
 try:   # the ReduceScatter interface of set_custom_reduce_scatter (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
@@ -436,7 +436,8 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
     owner as rows of one element -- an int64 index and a value per selected coordinate, fewer bytes than a
     homomorphic payload sized for the union of every rank's selections -- and summed there exactly. A
     chunk whose k pairs would not be fewer bytes than the chunk itself (8 + s bytes a pair against s an
-    element, s its element size: k above about a third of a float32 chunk) goes whole, with what its
+    element, s its element size, both padded to 8 bytes as sent: k above about a third of a float32 chunk;
+    :func:`~lossless_hc.training.row_exchange.rows_are_smaller`, the exchange's one rule) goes whole, with what its
     residual held, as a dense reduce-scatter sends it. A residual that
     a non-finite gradient (an AMP scaler's overflow step) made non-finite is dropped on the rank that
     holds it, so that later steps stay finite (the other ranks, which never see it, keep theirs)."""
@@ -447,8 +448,7 @@ class SelectionRowExchangeReduceScatter(RowExchangeReduceScatter):
         out = []
         for fqn, v in zip(self.slots.fqns, views):
             agg = self.state._aggregator(f"shard:{fqn}->{d}", v, n, me, sketch=False)
-            pairs = segment_nbytes(agg.k, v.numel(), 1, v.dtype) < segment_nbytes(WHOLE, v.numel(), 1, v.dtype)
-            if pairs:   # the selection as it comes, no dense tensor built and scanned again
+            if rows_are_smaller(agg.k, v.numel(), 1, v.dtype, v.dtype):   # the selection as it comes, no dense tensor built and scanned again
                 index, values = agg.select_pairs(v)   # in v's dtype, its rounding kept in the residual
                 values = values.to(v.dtype)
                 sent = values != 0   # k may exceed the non-zeros (a sparse gradient): zeros add nothing

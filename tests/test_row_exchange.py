@@ -59,6 +59,12 @@ def test_the_smaller_form_is_sent():
     # one row of one element costs 12 bytes against 4 for the element: the chunk goes as it is
     count, seg = encode_segment(torch.tensor([0.0, 2.0, 0.0]))
     assert count == WHOLE and seg.numel() == 16   # 12 bytes padded to 8
+    # the sizes compared as sent: one pair (12 bytes, 16 padded) against 4 elements (16) ties, and the
+    # chunk goes whole; against 5 elements (20, 24 padded) the pair is fewer bytes
+    count, seg = encode_segment(torch.tensor([0.0, 2.0, 0.0, 0.0]))
+    assert count == WHOLE and seg.numel() == 16
+    count, seg = encode_segment(torch.tensor([0.0, 2.0, 0.0, 0.0, 0.0]))
+    assert count == 1 and seg.numel() == 16
     for rows in range(0, 101, 10):   # never more bytes than the chunk (padded to 8)
         y = torch.zeros(100, 4)
         y[:rows] = 1.0

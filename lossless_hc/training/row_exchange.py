@@ -12,7 +12,8 @@ the product of the others, 1 for a vector) this rank sends a *segment*, chosen b
 
 * rows (count ``c >= 0``): the ``c`` indices of the rows of ``x`` that hold an element other than
   +-0.0 (NaN and infinities count), increasing, as int64, then those rows in ``x``'s dtype -- when
-  ``8 c + c row s < numel s`` (``s``: the element size);
+  ``pad(8 c + c row s) < pad(numel s)`` (``s``: the element size; ``pad``: rounded up to 8 bytes, as
+  sent; :func:`rows_are_smaller`);
 * whole (count ``-1``): ``x`` as it is;
 * narrowed (count ``-2``, only where the caller passes a ``narrow`` dtype, the lossy planner's
   bfloat16): ``x`` rounded to that dtype, as a half-precision reduce-scatter sends it (summed by the
@@ -104,6 +105,14 @@ def segment_nbytes(count: int, numel: int, row: int, dtype: torch.dtype,
     return _padded(count * (8 + row * dtype.itemsize))
 
 
+def rows_are_smaller(count: int, numel: int, row: int, dtype: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether ``count`` rows of ``row`` elements of ``dtype`` (8 + row * itemsize bytes each: the int64
+    index and the values) make a segment of fewer bytes than the chunk's ``numel`` elements sent whole in
+    ``wire``, both padded as sent: the one rule by which a chunk goes as rows. Where the padded sizes tie
+    the chunk goes whole (the same bytes, no index to build, nothing held back by a selection)."""
+    return _padded(count * (8 + row * dtype.itemsize)) < _padded(numel * wire.itemsize)
+
+
 def _scan(x: Chunk, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.Tensor]]:
     """``(count, index)``: how chunk ``x`` is sent (module doc) and, for rows, their indices (int64)."""
     row = row_width(x.shape)
@@ -116,11 +125,9 @@ def _scan(x: Chunk, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.
         present = backend_for(flat.device).nonzero_rows(flat.contiguous(), row, torch.get_num_threads()) if keys \
             else torch.zeros(0, dtype=torch.bool, device=flat.device)
         count, index = int(torch.count_nonzero(present)), None
-    size = x.dtype.itemsize
     wire = whole_dtype(x.dtype, narrow)
-    whole = WHOLE if wire == x.dtype else NARROWED
-    if count * (8 + row * size) >= numel * wire.itemsize:
-        return whole, None
+    if not rows_are_smaller(count, numel, row, x.dtype, wire):
+        return (WHOLE if wire == x.dtype else NARROWED), None
     return count, index if index is not None else present.nonzero().squeeze(1)
 
 

@@ -1,0 +1,284 @@
+"""The planner's lossy strategies (fp16, bf16, top-k, top-k allgathered, THC), run as
+tests/test_planner.py runs the exact ones: close to the dense sum and only with ``lossy``, half precision's
+plain steps as the engines' own hooks send them, top-k's re-sums and shared error feedback, and error
+feedback flushed when a plan leaves a lossy strategy."""
+import math
+
+import pytest
+import torch
+
+from lossless_hc.lhc import contract
+from lossless_hc.lhc.codec import DEFAULT_RTOL
+from lossless_hc.training.auto import AutoSpec
+from lossless_hc.training.planner import EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration, CostModel
+from lossless_hc.training.strategies import AutoAggregator
+from test_planner import run_step
+from test_planner_cost import MODEL, stats
+
+
+@pytest.mark.parametrize("strategy", ["fp16", "bf16", "topk", "thc", "topk_allgather"])
+def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
+    """Only with lossy=True; every rank decodes the same bits; fp16/bf16 within their rounding (per
+    coordinate and in norm); topk equal (within the codec's contract) to the top-k of each rank's
+    x + residual, step by step, and topk_allgather equal to it bit for bit (the selections added in rank
+    order); topk, topk_allgather and thc lose nothing: what the running sums miss is exactly what their
+    error feedback still holds."""
+    n, numel = 2, 4096
+    rng = torch.Generator().manual_seed(3)
+    assert AutoAggregator("w", (numel,), torch.float32, n, 0, MODEL, first=strategy).strategy == "dense"
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first=strategy,
+                           allowed=(strategy,)) for r in range(n)]
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    mass = torch.zeros(numel, dtype=torch.float64)
+    k = math.ceil(MODEL.topk_ratio * numel)
+    residuals = [torch.zeros(numel) for _ in range(n)]   # topk: the error feedback, recomputed here
+    for step in range(6):
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        total_in += sum(x.double() for x in xs)
+        mass += sum(x.double().abs() for x in xs)
+        ys = run_step(aggs, xs)
+        assert aggs[0].strategy == strategy
+        assert all(torch.equal(ys[0], y) for y in ys)   # every rank decodes the same bits
+        total_out += ys[0].double()
+        if strategy in ("topk", "topk_allgather"):   # each rank sends the k largest |x + residual|
+            sent = []
+            for r in range(n):
+                a = xs[r] + residuals[r]
+                idx = a.abs().topk(k).indices
+                sent.append(torch.zeros(numel).index_copy_(0, idx, a[idx]))
+                residuals[r] = a.index_fill_(0, idx, 0.0)
+            if strategy == "topk_allgather":   # the gathered pairs, summed in rank order
+                assert torch.equal(ys[0], sent[0] + sent[1]), f"step {step}"
+                continue
+            s, m = contract.truth(sent)
+            bad = contract.outside_contract(ys[0], s, m, n, DEFAULT_RTOL)
+            assert not bool(bad.any()), f"step {step}: {int(bad.sum())} coordinates are not the top-k sum"
+    rel = float((total_out - total_in).norm() / total_in.norm())
+    if strategy in ("fp16", "bf16"):
+        # Each step rounds every rank's value and their sum once: |error| <= u (2 + u) * sum |x| per
+        # coordinate (fp16 subnormals add 2**-25 per rounding, n times that: fp16 sums x / n, then
+        # multiplies by n). Measured: at most 0.90 u * mass, and rel 0.64 u (fp16 3.1e-4, bf16 2.5e-3);
+        # 2 u would not pass bf16 off as fp16 (u = 2**-11, 2**-8).
+        u = 2.0 ** -11 if strategy == "fp16" else 2.0 ** -8
+        err = (total_out - total_in).abs()
+        assert bool((err <= u * (2 + u) * mass + 6 * 3 * n * 2.0 ** -25).all()), float((err / mass).max())
+        assert rel < 2 * u, rel
+    else:
+        # Error feedback: what the sums miss is what the ranks still hold (measured to 5e-8 for topk, 1.3e-7
+        # for thc, relative: float32 roundings), and it is a bounded share: measured rel 0.87 for topk
+        # (1% sent per rank and step), 0.059 for thc.
+        held = sum(a.take_lossy_memory().double() for a in aggs)
+        lost = float((total_in - total_out - held).norm() / total_in.norm())
+        assert lost < 1e-6, lost
+        assert rel < (0.2 if strategy == "thc" else 0.95), rel
+
+
+@pytest.mark.parametrize("strategy,averages", [("fp16", None), ("fp16", False), ("fp16", True), ("bf16", None)])
+def test_a_half_precision_plan_s_plain_steps_send_the_tensor_in_half_precision_as_the_engines_hooks_do(
+        strategy, averages):
+    """Between its statistics steps (its first, then one in ``interval``) an fp16 or bf16 plan sends the
+    tensor alone in half precision, one collective, no scan: fp16 ``x / n`` (DDP's fp16_compress_hook) or,
+    where the engine is known to average, ``x`` (Horovod's fp16 compression: no second division in
+    float16); bf16 ``x``. The value is the engine's scale (SUM, or the average where it averages), the
+    bytes those the cost model prices (``collectives``). Before, every step carried the statistics
+    header, then allreduced the half tensor in a second round trip, and scanned the tensor twice."""
+    n, shape, interval = 3, (500, 8), 4
+    half = torch.float16 if strategy == "fp16" else torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    aggs = [AutoAggregator("w", shape, torch.float32, n, r, MODEL, lossy=True, first=strategy, allowed=(strategy,),
+                           lossy_min_bytes=0, interval=interval) for r in range(n)]
+    for a in aggs:
+        a.engine_averages = averages
+    average = averages is True
+    carried = []
+    for _ in range(2 * interval):
+        carries = aggs[0].carries_statistics()
+        assert all(a.carries_statistics() == carries for a in aggs)
+        carried.append(carries)
+        xs = [torch.randn(shape, generator=g) for _ in range(n)]
+        before = aggs[0].stats.payload_bytes
+        enc = [a.encode(x) for a, x in zip(aggs, xs)]
+        assert aggs[0].strategy == strategy
+        if not carries:
+            assert all(p.dtype == half and p.numel() == xs[0].numel() for p, _ in enc)
+            summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
+            summed = (summed / n if average else summed).to(half)
+            outs = [a.decode(summed, ctx) for a, (_, ctx) in zip(aggs, enc)]
+            assert all(o.request is None for o in outs)
+            payloads = [x.to(half) if strategy == "bf16" or average else x.to(half).div_(n) for x in xs]
+            want = torch.stack([p.to(torch.float64) for p in payloads]).sum(0)
+            want = (want / n if average else want).to(half).to(torch.float32)
+            if strategy == "fp16" and not average:
+                want = want * n
+            for o in outs:
+                assert torch.equal(o.value, want.reshape(shape))
+            assert aggs[0].stats.payload_bytes - before == 2 * xs[0].numel()
+            assert MODEL.collectives(strategy, aggs[0].plan_input) == [("allreduce_half", 2 * xs[0].numel())]
+        else:   # a statistics step: the header, then the half tensor in a second collective
+            summed = torch.stack([p.to(torch.float64) for p, _ in enc]).sum(0)
+            summed = (summed / n if average else summed).to(enc[0][0].dtype)
+            outs = [a.decode(summed, ctx) for a, (_, ctx) in zip(aggs, enc)]
+            req = torch.stack([o.request.tensor.to(torch.float64) for o in outs]).sum(0)
+            for a, o, (_, ctx) in zip(aggs, outs, enc):
+                a.finish(ctx, req.to(o.request.tensor.dtype))
+    assert carried == [True, False, False, True, False, False, False, True]
+
+
+def test_topk_re_sums_the_keys_its_decode_reports_inexact():
+    """auto's top-k aggregates each rank's selection with the lossless codec. Small values sharing sketch
+    cells with 2**30 (tests/mp/inexact_case.py) decode inexact: their coordinates are summed again,
+    exactly (as Compression.topk does). auto returned the decoded values as they were (1-5 coordinates
+    wrong per step, e.g. 16 for -8) while the residual counted them as delivered. Now every step gives
+    the sum of the ranks' selections (the first k of a stable sort of |x + residual|) within the
+    codec's contract."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp"))
+    import inexact_case
+    n, numel = 2, inexact_case.VEC
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk", allowed=("topk",), topk_ratio=0.01) for r in range(n)]
+    k = math.ceil(0.01 * numel)
+    residuals = [torch.zeros(numel) for _ in range(n)]
+    for step in range(inexact_case.STEPS):
+        xs = [inexact_case.gradients(step, r)[1] for r in range(n)]
+        ys = run_step(aggs, xs)
+        assert all(torch.equal(ys[0], y) for y in ys)
+        sent = []
+        for r in range(n):
+            a = xs[r] + residuals[r]
+            idx = torch.argsort(a.abs(), descending=True, stable=True)[:k]
+            sent.append(torch.zeros(numel).index_copy_(0, idx, a[idx]))
+            residuals[r] = a.index_fill_(0, idx, 0.0)
+        s, m = contract.truth(sent)
+        bad = contract.outside_contract(ys[0], s, m, n, DEFAULT_RTOL)
+        assert not bool(bad.any()), f"step {step}: {ys[0][bad][:3].tolist()} for {s[bad][:3].tolist()}"
+    assert aggs[0].stats.partial_fallbacks >= 1 and aggs[0].stats.inexact_keys >= 1, aggs[0].stats
+
+
+def test_the_two_top_k_strategies_share_one_error_feedback_memory():
+    """topk and topk_allgather select from the same x + residual: a plan that moves between them (and at last
+    to dense, which sends what is left) loses nothing. The running sum of the results plus what the ranks
+    still hold equals the sum of every gradient at every step, to float rounding."""
+    n, numel = 3, 4096
+    rng = torch.Generator().manual_seed(5)
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk_allgather", allowed=("topk", "topk_allgather", "dense")) for r in range(n)]
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    for step, strategy in enumerate(["topk_allgather", "topk_allgather", "topk", "topk", "topk_allgather", "dense"]):
+        for a in aggs:   # the plan, the same on every rank (set here, not by the cost model)
+            a.strategy = strategy
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        total_in += sum(x.double() for x in xs)
+        ys = run_step(aggs, xs)
+        assert all(torch.equal(ys[0], y) for y in ys)
+        total_out += ys[0].double()
+        held = [a.topk_aggregator().residual if a._topk is not None else None for a in aggs]
+        if strategy == "dense":   # leaving the top-k strategies flushed the memory into this step
+            assert held == [None] * n
+        else:
+            assert all(h is not None for h in held)
+        memory = sum(h.double() for h in held if h is not None) if held[0] is not None else 0
+        lost = float((total_in - total_out - memory).abs().max())
+        assert lost < 1e-5, (step, strategy, lost)
+
+
+def test_top_k_allgathered_drops_its_memory_after_a_non_finite_step():
+    """A rank's infinite coordinate (an AMP scaler's overflow step) is selected first and comes back infinite
+    in the sum, as a dense allreduce would carry it; every rank then drops its memory (the others' hold values
+    at the scale that overflowed), as TopKAggregator does, and the next step is finite."""
+    n, numel = 2, 4096
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk_allgather", allowed=("topk_allgather",)) for r in range(n)]
+    rng = torch.Generator().manual_seed(6)
+    run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert all(a.topk_aggregator().residual is not None for a in aggs)
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    xs[1][7] = float("inf")
+    ys = run_step(aggs, xs)
+    assert math.isinf(float(ys[0][7])) and int(torch.isinf(ys[0]).sum()) == 1
+    assert all(a.topk_aggregator().residual is None for a in aggs)
+    ys = run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert bool(torch.isfinite(ys[0]).all())
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_fp16_sums_beyond_its_range_come_back_finite(average):
+    """fp16 sends x / n (as DDP's fp16_compress_hook divides before the SUM): three ranks' ~40000 sum to 120003,
+    beyond float16's 65504, and come back as that sum (the average where the engine averaged the first
+    payload), within fp16's roundings (the bound of the test above)."""
+    n, numel = 3, 4096
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first="fp16",
+                           allowed=("fp16",)) for r in range(n)]
+    xs = [torch.full((numel,), 40000.0 + r) for r in range(n)]
+    want = sum(x.double() for x in xs) / (n if average else 1)
+    u = 2.0 ** -11
+    for _ in range(2):
+        ys = run_step(aggs, xs, average=average)
+        assert aggs[0].strategy == "fp16"
+        assert all(torch.equal(ys[0], y) for y in ys)
+        err = (ys[0].double() - want).abs()   # inf where the sum overflowed
+        assert bool((err <= u * (2 + u) * want.abs()).all()), float(err.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp16_is_not_a_candidate_for_a_half_precision_gradient(dtype):
+    """fp16 took a bfloat16 gradient out of its range (on Horovod, whose bfloat16 plain steps travel in
+    float32, the planner chose it by itself: averages of 3e5 came back inf, 1e-9 came back 0) and rounded a
+    float16 one twice (x / n, then n times the sum). Neither is a candidate; asked for alone, the tensor
+    is sent dense, exactly. bf16 stays one for both (bfloat16 holds float16's range)."""
+    n, numel = 2, 1 << 15
+    slow = CostModel(Calibration.default(bandwidth_bits=1e8))   # a slow link: half the bytes wins
+    free = AutoAggregator("w", (numel,), dtype, n, 0, slow, lossy=True, lossy_min_bytes=0,
+                          allowed=("dense", "fp16", "bf16"))
+    assert "fp16" not in free.allowed and "bf16" in free.allowed
+    aggs = [AutoAggregator("w", (numel,), dtype, n, r, slow, lossy=True, lossy_min_bytes=0, first="fp16",
+                           allowed=("fp16",)) for r in range(n)]
+    big = 3e5 if dtype == torch.bfloat16 else 3e4   # beyond float16's range / its sum near 65504
+    xs = [torch.tensor([big, -1e-9, 1.5] * (numel // 3) + [0.0] * (numel % 3)).to(dtype) for _ in range(n)]
+    assert bool(xs[0].isfinite().all())
+    for _ in range(3):
+        ys = run_step(aggs, xs)
+        assert aggs[0].strategy == "dense"
+        assert torch.equal(ys[0], xs[0].double().mul(n).to(dtype)), ys[0][:3]
+
+
+def test_small_tensors_stay_exact_under_lossy():
+    """Below lossy_min_bytes (64 KiB) a tensor is planned among the exact strategies only, even with
+    lossy=True and a link slow enough that the cost model would prefer a lossy one; at the threshold the
+    lossy ones are candidates again; lossy_min_bytes=0 allows them for every tensor."""
+    slow = CostModel(Calibration.default(bandwidth_bits=1e7))
+    small = LOSSY_MIN_BYTES // 4 - 1   # float32 coordinates: one short of the threshold
+    agg = AutoAggregator("w", (small,), torch.float32, 4, 0, slow, lossy=True)
+    assert set(agg.allowed) == set(EXACT_STRATEGIES)
+    assert set(AutoAggregator("w", (small + 1,), torch.float32, 4, 0, slow, lossy=True).allowed) == set(STRATEGIES)
+    assert set(AutoAggregator("w", (small,), torch.float32, 4, 0, slow, lossy=True, lossy_min_bytes=0).allowed) \
+        == set(STRATEGIES)
+    assert slow.choose(stats(small, 1, 4, small, small), lossy=True)[0] in LOSSY_STRATEGIES   # what the rule overrides
+    with pytest.raises(ValueError, match="lossy_min_bytes"):
+        AutoSpec(lossy=True, lossy_min_bytes=-1)
+
+
+@pytest.mark.parametrize("lossy", ["topk", "thc"])
+def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
+    """Error feedback holds back part of each gradient; when the plan leaves top-k or THC for an exact
+    strategy, the next step sends it, so everything sent adds up to everything computed."""
+    n, numel = 2, 2048
+    rng = torch.Generator().manual_seed(4)
+    slow = CostModel(Calibration.default(bandwidth_bits=1e6))   # a slow link: the lossy payload wins
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, slow, lossy=True, lossy_min_bytes=0, first=lossy, interval=1000,
+                           allowed=("dense", lossy)) for r in range(n)]
+    total_in = torch.zeros(numel, dtype=torch.float64)
+    total_out = torch.zeros(numel, dtype=torch.float64)
+    for step in range(4):
+        if step == 3:
+            assert all(a.strategy == lossy for a in aggs)
+            for a in aggs:
+                a.strategy = "dense"   # what a re-plan does
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        total_in += sum(x.double() for x in xs)
+        total_out += run_step(aggs, xs)[0].double()
+    assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4)
+    assert all(a._topk is None and a._thc is None for a in aggs)

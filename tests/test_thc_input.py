@@ -1,0 +1,188 @@
+"""THCCodec's bad input and misuse: non-finite gradients, configurations, seeds, ranks, tensors, the
+aggregation the payload went through, output buffers, mismatched configurations, state round trips (the
+codec itself: tests/test_thc.py)."""
+import pytest
+import torch
+
+import lossless_hc as lhc
+from lossless_hc.thc.layout import HEADER_FIELDS
+from test_thc import make_ranks, run_step
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises_on_every_rank_and_resets_that_memory(bad):
+    """A NaN/Inf input (found by the encode pass itself, no separate scan): that rank sends only the
+    header with the flag, its error memory is reset to zero, every rank's decode raises."""
+    n, numel = 3, 5000
+    codecs = make_ranks(n, numel, initial_norm=50.0)
+    run_step(codecs, [torch.randn(numel) for _ in range(n)])   # a non-zero memory on every rank
+    assert all(float(c.error.abs().max()) > 0 for c in codecs)
+    xs = [torch.randn(numel) for _ in range(n)]
+    xs[1][4321] = bad
+    payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+    assert bool((codecs[1].error == 0).all()) and float(codecs[0].error.abs().max()) > 0
+    assert float(payloads[1][2]) == 1.0 and bool((payloads[1][HEADER_FIELDS:] == 0).all())
+    assert float(payloads[1][1]) == float(payloads[0][1])   # the fingerprint is still written
+    summed = sum(payloads)
+    for c in codecs:
+        with pytest.raises(FloatingPointError, match="1 rank"):
+            c.decode(summed)
+    # The state advanced identically: the next step works.
+    ys = run_step(codecs, [torch.randn(numel) for _ in range(n)])
+    assert all(torch.equal(ys[0], y) for y in ys)
+
+
+def test_non_finite_propagate_returns_nan():
+    codecs = make_ranks(2, 100, initial_norm=5.0, non_finite="propagate")
+    ys = run_step(codecs, [torch.full((100,), float("inf")), torch.randn(100)])
+    assert all(bool(torch.isnan(y).all()) for y in ys)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"numel": 0}, "numel must be a positive"),
+    ({"world_size": 0}, "world_size must be"),
+    ({"rank": 2}, "rank must be"),
+    ({"bits": 0}, "bits must be"),
+    ({"granularity": 0}, "granularity must be"),
+    ({"overflow_freq": 1}, "overflow_freq"),
+    ({"hadamard_block": 1000}, "power of two"),
+    ({"payload_dtype": torch.float32}, "payload_dtype"),
+    ({"initial_norm": float("nan")}, "initial_norm"),
+    ({"non_finite": "ignore"}, "non_finite"),
+    # bools where numbers go (True would pass as 1), and an explicit table past the checks table_for makes
+    ({"hadamard_block": True}, "power of two"),
+    ({"digits_per_word": True}, "digits_per_word"),
+    ({"initial_norm": True}, "initial_norm"),
+    ({"granularity": True, "levels": (0, 1)}, "granularity must be"),
+    ({"bits": 99, "levels": (0, 15, 30)}, "bits must be"),
+    ({"levels": (0, 15, 30)}, "levels has 3 entries"),
+    ({"bits": 1, "levels": (0, 7.5, 30)}, "levels must be integers"),
+])
+def test_bad_configuration_is_rejected(kwargs, match):
+    args = {"numel": 100, "world_size": 2}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        lhc.THCCodec(**args)
+
+
+@pytest.mark.parametrize("seed", [0, 5, (1 << 62) + 3])
+def test_seeds_differing_in_bit_63_are_a_configuration_mismatch(seed):
+    """#19 item 5: the fingerprint covers all 64 bits of the seed (s and s + 2^63 are caught)."""
+    codecs = [lhc.THCCodec(300, 2, rank=0, seed=seed, initial_norm=5.0),
+              lhc.THCCodec(300, 2, rank=1, seed=seed + (1 << 63), initial_norm=5.0)]
+    summed = sum(c.encode(torch.randn(300)) for c in codecs)
+    for c in codecs:
+        with pytest.raises(ValueError, match="fingerprints disagree"):
+            c.decode(summed)
+
+
+def test_non_finite_option_reaches_the_codec_through_the_plugins_spec():
+    from lossless_hc.training.adapter import THCSpec
+    from lossless_hc.training.aggregate import AggregationStats
+
+    spec = THCSpec(non_finite="propagate")
+    agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
+    assert agg.codec.non_finite == "propagate" and "non_finite='propagate'" in repr(spec)
+    assert THCSpec().make("w", torch.zeros(4096), 2, 0, AggregationStats(), "cpu").codec.non_finite == "raise"
+    with pytest.raises(ValueError, match="non_finite"):
+        THCSpec(non_finite="ignore")
+
+
+def test_rank_must_be_an_int_in_range():
+    for rank in (-1, 2):
+        with pytest.raises(ValueError, match="rank must be an integer in"):
+            lhc.THCCodec(100, 2, rank)
+    for rank in (True, 1.0):          # True would pass as rank 1
+        with pytest.raises(TypeError, match="rank must be an int"):
+            lhc.THCCodec(100, 2, rank)
+
+
+def test_bad_tensors_are_rejected():
+    c = lhc.THCCodec(100, 2, initial_norm=1.0)
+    with pytest.raises(ValueError, match="100"):
+        c.encode(torch.zeros(99))
+    with pytest.raises(TypeError, match="dtype"):
+        c.encode(torch.zeros(100, dtype=torch.int32))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        c.encode([0.0] * 100)
+    with pytest.raises(RuntimeError, match="without a preceding encode"):
+        c.decode(torch.zeros(c.payload_numel, dtype=torch.float64))
+    p = c.encode(torch.randn(10, 10, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="twice without decode"):
+        c.encode(torch.zeros(100))
+    with pytest.raises(TypeError, match="float64"):
+        c.decode(p.float())
+    with pytest.raises(ValueError, match="1-D"):
+        c.decode(p[:-1])
+
+
+def test_wrong_aggregation_is_named():
+    n = 3
+    codecs = make_ranks(n, 500, initial_norm=10.0)
+    summed = sum(c.encode(torch.randn(500)) for c in codecs)
+    with pytest.raises(ValueError, match="pass averaged=True"):
+        codecs[0].decode(summed / n)
+    codecs = make_ranks(n, 500, initial_norm=10.0, payload_dtype=torch.int64)
+    summed = sum(c.encode(torch.randn(500)) for c in codecs)
+    with pytest.raises(ValueError, match="int64 payload cannot be averaged"):
+        codecs[0].decode(summed, averaged=True)
+
+
+@pytest.mark.parametrize("payload_dtype", [torch.float64, torch.int64])
+def test_out_buffers_are_checked_and_overwritten(payload_dtype):
+    """encode(x, out=buf) and decode(agg, out=buf) overwrite every element of the caller's buffers and
+    give the bits of fresh ones, step after step; an unfit buffer (size, dtype, strides, a negative view)
+    is refused before any state changes, so the same step then runs with a fit one."""
+    n, numel = 2, 700
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    fresh = make_ranks(n, numel, seed=5, payload_dtype=payload_dtype)
+    reused = make_ranks(n, numel, seed=5, payload_dtype=payload_dtype)
+    P = reused[0].payload_numel
+    other = torch.float32 if payload_dtype == torch.float64 else torch.float64
+    bad_payloads = [torch.zeros(P + 1, dtype=payload_dtype), torch.zeros(P, dtype=other),
+                    torch.zeros(2 * P, dtype=payload_dtype)[::2], torch._neg_view(torch.zeros(P, dtype=payload_dtype))]
+    bad_outs = [torch.zeros(numel - 1), torch.zeros(numel, dtype=torch.float64), torch.zeros(2 * numel)[::2],
+                torch._neg_view(torch.zeros(numel))]
+    for step in range(3):
+        want = run_step(fresh, xs)
+        for bad in bad_payloads:
+            with pytest.raises(ValueError, match="out must be a contiguous|out is a negative view"):
+                reused[0].encode(xs[0], out=bad)
+        bufs = [torch.full((P,), 3, dtype=payload_dtype) for _ in range(n)]
+        payloads = [c.encode(x, out=b) for c, x, b in zip(reused, xs, bufs)]
+        assert all(p.data_ptr() == b.data_ptr() for p, b in zip(payloads, bufs))
+        agg = sum(payloads)
+        for bad in bad_outs:
+            with pytest.raises(ValueError, match="out must be a contiguous|out is a negative view"):
+                reused[0].decode(agg, out=bad)
+        with pytest.raises(ValueError, match="out and the codec's error memory overlap"):
+            reused[0].decode(agg, out=reused[0].error)   # it would overwrite what the next step sends
+        outs = [torch.full((numel,), 7.0) for _ in range(n)]
+        got = [c.decode(agg, out=o) for c, o in zip(reused, outs)]
+        for y, w, o in zip(got, want, outs):
+            assert y.data_ptr() == o.data_ptr() and torch.equal(y, w)
+
+
+def test_configuration_mismatch_is_detected():
+    a = lhc.THCCodec(500, 2, rank=0, seed=1, initial_norm=10.0)
+    b = lhc.THCCodec(500, 2, rank=1, seed=2, initial_norm=10.0)
+    summed = a.encode(torch.randn(500)) + b.encode(torch.randn(500))
+    for c in (a, b):
+        with pytest.raises(ValueError, match="mismatch"):
+            c.decode(summed)
+
+
+def test_decode_restores_shape_and_dtype():
+    codecs = make_ranks(2, 60, initial_norm=10.0)
+    xs = [torch.randn(3, 4, 5, dtype=torch.bfloat16) for _ in range(2)]
+    ys = run_step(codecs, xs)
+    assert ys[0].shape == (3, 4, 5) and ys[0].dtype == torch.bfloat16
+
+
+def test_state_dict_round_trip():
+    codecs = make_ranks(2, 300)
+    run_step(codecs, [torch.randn(300), torch.randn(300)])
+    state = codecs[0].state_dict()
+    clone = lhc.THCCodec(300, 2, rank=0)
+    clone.load_state_dict(state)
+    assert clone.step == 1 and clone.norm == codecs[0].norm and torch.equal(clone.error, codecs[0].error)

@@ -63,7 +63,7 @@ def horovod_run(request, tmp_path_factory):
     # them on CI's two cores took 15 of the np3 launch's ~70 s.
     names = (EXACT + ["fallback", "policy", "topk", "thc", "thc_sum", "inexact", "bfloat16", "float16_auto",
                       "abandoned_step"]
-             + (["compiled"] if size == 2 else []) + JOIN + JOIN_TOPK + list(ERRORS))
+             + (["compiled"] if size == 2 else []) + JOIN + JOIN_TOPK + ["join_thc"] + list(ERRORS))
     launch([_horovod_bin("horovodrun"), "--gloo", "-np", str(size), "-H", f"localhost:{size}",
             sys.executable, WORKER, str(out), ",".join(names)], out)
     return out, size
@@ -223,6 +223,19 @@ def test_topk_error_feedback_conserves_every_coordinate_under_hvd_join(horovod_r
     assert r["max_diff"] <= 1e-4 * max(1.0, r["max_applied"]), r
     assert r["held"] > 0 and r["stats"]["compressed"] > 0, r
     assert r["stats"]["fallbacks"] >= 1 and "contributions" in r["stats"]["last_failure"], r["stats"]
+
+
+def test_thc_under_hvd_join_is_a_clear_error_on_the_ranks_still_training(horovod_run):
+    """THC under uneven inputs (rank r trains 6 - r steps, then joins): its digits cannot be decoded from
+    a sum missing a rank, so the ranks still training raise ConfigurationMismatch naming hvd.join() at
+    the first step after a rank joined (then join themselves, as a loop that stops would); the rank that
+    joined, the one with the fewest steps, returns from its join."""
+    out, size = horovod_run
+    rs = results(out, "join_thc", size)
+    for r in rs[:-1]:
+        assert r["error"] == "ConfigurationMismatch" and "hvd.join()" in r["message"], r
+        assert f"aggregates {size - 1} contributions" in r["message"], r
+    assert rs[-1]["error"] is None, rs[-1]
 
 
 def test_a_step_whose_handles_were_dropped_does_not_hold_back_the_next(horovod_run):

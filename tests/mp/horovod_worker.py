@@ -156,6 +156,13 @@ def scenario(name):
         train(comp, steps=4, hidden=512)
         return {"stats": comp.stats(), "residual_norms": {n: float(a.residual.norm()) if a.residual is not None
                                                           else None for n, a in comp.aggregators().items()}}
+    if name == "join_thc":
+        # THC cannot decode a sum that misses a rank: a clear error on the rank still training, which then
+        # joins too (as a training loop that stops would), releasing the rank that joined first
+        result = expect_error(lambda: train(Compression.thc(bits=4), joined=True, hidden=512), ConfigurationMismatch)
+        if result["error"] is not None:
+            hvd.join()
+        return result
     if name in ("thc", "thc_sum"):
         # Lossy but unbiased: replicas must stay bit-identical and training must move like the
         # uncompressed run (same direction), with a third of the bytes for the large layers.

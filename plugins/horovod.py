@@ -38,7 +38,8 @@ is rounded back once, and ``auto`` never plans its bf16 strategy here. Whether H
 taken from the optimizer's ``op``, not read from the payload: after ``hvd.join()`` the joined ranks
 contribute zeros and an AVERAGE is still divided by the world size, so a payload's contributor count
 cannot tell a SUM of fewer ranks from an AVERAGE of all (``lossless`` then falls back to a dense sum
-of the ranks still training; ``auto`` decodes dense plans and refuses other plans clearly).
+of the ranks still training, as ``topk`` does; ``auto`` decodes dense plans and refuses other plans
+clearly, ``thc`` every step after a join: ConfigurationMismatch naming ``hvd.join()``).
 
 Which parameter? ``compress`` receives only the tensor. The optimizer's hook calls it from
 ``_allreduce_grad_async(self, p)`` (or a comprehension over ``ps`` for ``groups=``), so the caller's

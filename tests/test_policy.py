@@ -9,6 +9,7 @@ import torch
 from lossless_hc.training.aggregate import TensorAggregator
 from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import CapacityPolicy
+from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 
 
 def test_decisions_only_at_interval_steps():
@@ -122,7 +123,6 @@ def test_a_tensor_keeps_its_last_decisions_and_counts_them_all():
     whole run, and went whole into every stats() and checkpoint (374 entries after 6000 steps of a tensor
     whose density alternated): the last HISTORY_KEEP are kept, every one counted."""
     from lossless_hc.training.capacity import HISTORY_KEEP, append_recent
-    from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
     tracker = CapacityPolicy().tracker()
     for i in range(3 * HISTORY_KEEP):
         tracker.steps = i
@@ -217,3 +217,60 @@ def test_the_observed_support_counts_every_key_holding_a_non_zero(block, dtype):
     want = int((torch.cat([x, x.new_zeros(pad)]).reshape(-1, block) != 0).any(dim=1).sum())
     assert agg._key_support(x) == want
     assert agg._key_support(x.reshape(-1, 1)) == want   # any shape
+
+
+def test_a_rank_holding_more_keys_than_the_others_overloads_once_not_at_every_decision():
+    """Rank 0 holds 4x the keys of the other three (its data's share of the rows). The aggregate gives
+    only the mean count (1,750), so each decision proposed 1.5 x the mean (2,625 keys) and rank 0
+    overloaded at the next step, fell back densely and grew again: a fallback every interval. The
+    overloads now teach the tracker the skew, and after the first steps' two growths every step
+    decodes, exactly, through 12 decisions."""
+    n, numel, counts = 4, 100_000, (4000, 1000, 1000, 1000)
+    agg = TensorAggregator("t", (numel,), torch.float32, n, 0.01, seed=3, policy=CapacityPolicy(interval=4))
+    g = torch.Generator().manual_seed(0)
+    failed = []
+    for step in range(48):
+        xs = []
+        for k in counts:
+            x = torch.zeros(numel)
+            x[torch.randperm(numel, generator=g)[:k]] = torch.randn(k, generator=g)
+            xs.append(x)
+        encoded = [agg.encode(x) for x in xs]   # one aggregator stands in for every rank's replica
+        out = agg.decode(sum(p for p, _ in encoded), encoded[0][1])
+        dense = sum(xs)
+        if out.needs_fallback:
+            failed.append(step)
+            agg.finish_fallback(dense.clone(), out)
+        else:
+            assert torch.allclose(out.value, dense, atol=1e-5)
+    assert failed == [0, 1], failed
+    assert agg.capacity >= 4000 and agg.tracker.skew > 1.6
+
+
+def test_overloads_on_every_rank_alike_leave_the_skew_at_one():
+    """An overload at capacity C with mean m raises the skew to 2 C / (h_K m) (the proposal then keeps
+    the 2 C the growth gave); a density above the guess on every rank (m above C) leaves it at 1."""
+    tr = CapacityPolicy(rank_headroom=1.5).tracker()
+    tr.observe_overload(1000, 5000.0)
+    assert tr.skew == 1.0
+    tr.observe_overload(2625, 1750.0)
+    assert tr.skew == 2.0
+    tr.observe_overload(1000, 1750.0)   # never falls
+    assert tr.skew == 2.0
+    tr.observe(8000, 1750.0)
+    assert tr.propose()[0] == 5250
+
+
+def test_a_checkpoint_carries_the_learnt_skew():
+    """The skew is part of the tracker's state (a resumed run would otherwise overload again); a
+    checkpoint written before the skew existed restores none learnt (1)."""
+    from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
+    agg = make(CapacityPolicy(interval=4))
+    agg.tracker.observe_overload(2625, 1750.0)
+    state = aggregator_state_dict(agg)
+    fresh = make(CapacityPolicy(interval=4))
+    load_aggregator_state_dict(fresh, state)
+    assert fresh.tracker.skew == 2.0
+    del state["tracker"]["skew"]
+    load_aggregator_state_dict(fresh, state)
+    assert fresh.tracker.skew == 1.0

@@ -304,6 +304,8 @@ class TensorAggregator:
         return self._codec
 
     def _grow(self, report: DecodeReport) -> None:
+        if report.overloaded_ranks and self.tracker is not None:   # before the capacity it overloaded grows
+            self.tracker.observe_overload(-(-self.capacity // self.block_size), report.total_keys / self.world_size)
         keys_per_rank = math.ceil(1.25 * report.total_keys / self.world_size)
         self.capacity = self._round_to_blocks(max(2 * self.capacity, keys_per_rank * self.block_size))
         if self.union_capacity is not None:

@@ -36,8 +36,18 @@ class CapacityPolicy:
     count all ranks share -- it proposes
 
     * union capacity :math:`\lceil h_U \max(\bar U, U_{\max}) \rceil` and per-rank capacity
-      :math:`\lceil h_K \max(\overline{K/n}, (K/n)_{\max}) \rceil` (``U_max``, ``(K/n)_max``: the largest
-      seen in the last interval, so a spiky tensor keeps room for its spikes);
+      :math:`\lceil h_K s \max(\overline{K/n}, (K/n)_{\max}) \rceil` (``U_max``, ``(K/n)_max``: the largest
+      seen in the last interval, so a spiky tensor keeps room for its spikes; ``s``: the skew below);
+
+    The aggregate gives only the mean per-rank count, while a rank overloads when *its* count passes
+    the capacity. A rank that holds more keys than the others (its data's share of the rows) would
+    overload at each decision's proposal from the mean, fall back densely and grow the capacity, over
+    and over. So every overload the aggregate reports with capacity ``C`` at mean ``m = K / n`` raises
+    the tracker's skew to :math:`s \leftarrow \max(s, 2 C / (h_K m))` (1 at first): the proposals
+    then keep the capacity the overload's growth (to ``2 C``) gave at that mean. The skew never falls
+    (a rank's share is a property of its data; the per-rank capacity is only the overload threshold and,
+    for the Bloom index, its counters' width: with the union capacity given it does not change the other
+    layouts' bytes). Overloads on every rank alike (a density above the guess) leave it at 1.
 
     and the aggregator rebuilds its codec (index kind and sizes from :mod:`lossless_hc.lhc.cost_model`)
     only if the proposal leaves the hysteresis band: it grows when the proposal exceeds the current
@@ -93,6 +103,7 @@ class DensityTracker:
         self.per_rank = None            # EWMA of the mean per-rank non-zero keys
         self.peak_union = 0             # maxima since the last decision
         self.peak_rank = 0.0
+        self.skew = 1.0                 # the per-rank proposal's factor over the mean, raised by overloads
         self.history: list = []         # (step, capacity keys, union keys, index kind): the last rebuilds
         self.rebuilds = 0               # every rebuild
 
@@ -106,10 +117,17 @@ class DensityTracker:
         self.steps += 1
         return self.steps >= self.policy.warmup and self.steps % self.policy.interval == 0
 
+    def observe_overload(self, capacity_keys: int, mean_keys: float) -> None:
+        r"""Record a decode that some rank overloaded with a per-rank capacity of ``capacity_keys`` keys
+        while the ranks held ``mean_keys`` keys on average (the header's total over n): the skew
+        :math:`s \leftarrow \max(s, 2 C / (h_K m))` (the class doc)."""
+        if mean_keys > 0:
+            self.skew = max(self.skew, 2.0 * capacity_keys / (self.policy.rank_headroom * mean_keys))
+
     def propose(self) -> tuple:
         """``(per-rank capacity keys, union keys)`` for the next interval; resets the peaks."""
         p = self.policy
-        rank = math.ceil(p.rank_headroom * max(self.per_rank, self.peak_rank))
+        rank = math.ceil(p.rank_headroom * self.skew * max(self.per_rank, self.peak_rank))
         union = math.ceil(p.union_headroom * max(self.union, self.peak_union))
         self.peak_union, self.peak_rank = 0, 0.0
         return max(1, rank), max(1, union)

@@ -56,6 +56,7 @@ def aggregator_state_dict(agg) -> dict:
         state["tracker"] = {f: getattr(tracker, f) for f in _TRACKER_FIELDS}
         state["tracker"]["history"] = [list(h) for h in tracker.history]
         state["tracker"]["rebuilds"] = tracker.rebuilds
+        state["tracker"]["skew"] = tracker.skew
     if isinstance(agg, TopKAggregator):
         state["residual"] = None if agg.residual is None else agg.residual.detach().cpu().clone()
     return state
@@ -92,6 +93,7 @@ def load_aggregator_state_dict(agg, state: dict) -> None:
         agg.tracker.history = [tuple(h) for h in state["tracker"]["history"]]
         # checkpoints before the count kept every rebuild in the history
         agg.tracker.rebuilds = int(state["tracker"].get("rebuilds", len(agg.tracker.history)))
+        agg.tracker.skew = float(state["tracker"].get("skew", 1.0))   # checkpoints before the skew: none learnt
     agg._decide_codec()   # the codec is a pure function of the configuration and the capacities
     if isinstance(agg, TopKAggregator):
         residual = state["residual"]

@@ -1,0 +1,46 @@
+"""The DDP hooks' bucket helpers (plugins/_ddp_bucket.py) in one process: which buckets are divided
+before their sum, and the averaged bucket written back from the summed results."""
+import pytest
+import torch
+
+from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket
+
+
+@pytest.mark.parametrize("dtype, first", [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)])
+def test_only_a_float16_bucket_is_divided_before_its_sum(dtype, first):
+    """divide_first divides a float16 bucket in place (its ranks' sum may pass 65504 where the average
+    does not) and leaves bfloat16 and float32 buckets, which have float32's range, to be divided after
+    the sum: the average of three bfloat16 ranks is then their sum rounded once, then divided."""
+    ranks = [torch.tensor([1.0, 255.0, 3.0], dtype=dtype), torch.tensor([1.0, 255.0, 5.0], dtype=dtype),
+             torch.tensor([1.0, 255.0, 7.0], dtype=dtype)]
+    buckets = [x.clone() for x in ranks]
+    divided = [divide_first(b, 3) for b in buckets]
+    assert divided == [first] * 3
+    for b, x in zip(buckets, ranks):
+        assert torch.equal(b, x / 3 if first else x)
+    summed = torch.stack(buckets).sum(0)   # the engine's SUM, in the bucket's dtype
+    out = torch.empty_like(summed)
+    fill_bucket(out, [summed], None if first else 3)
+    want = sum(x / 3 for x in ranks) if first else sum(ranks) / 3
+    assert torch.equal(out, want)
+
+
+def test_fill_bucket_writes_each_result_into_its_slice_and_divides_it_once():
+    """Each gradient's result goes to its own consecutive slice of the bucket; one decoded into its slice
+    already is divided there (or left as it is with in_place_divided)."""
+    grads = [torch.zeros(2, 3), torch.zeros(4), torch.zeros(1)]
+    buffer = torch.full((11,), -1.0)
+    slices = bucket_slices(buffer, grads)
+    assert [(s.data_ptr() - buffer.data_ptr()) // 4 for s in slices] == [0, 6, 10]
+    results = [torch.arange(6.0).reshape(2, 3), torch.arange(4.0) + 10, torch.tensor([20.0])]
+    fill_bucket(buffer, results, 2)
+    assert torch.equal(buffer, torch.cat([r.reshape(-1) for r in results]) / 2)
+    # a result decoded into its slice (THC's in-place output): divided there, once
+    buffer = torch.cat([r.reshape(-1) for r in results])
+    in_place = [r if i != 1 else bucket_slices(buffer, grads)[1] for i, r in enumerate(results)]
+    fill_bucket(buffer, in_place, 2)
+    assert torch.equal(buffer, torch.cat([r.reshape(-1) for r in results]) / 2)
+    buffer = torch.cat([r.reshape(-1) for r in results])
+    in_place = [r if i != 1 else bucket_slices(buffer, grads)[1].div_(2) for i, r in enumerate(results)]
+    fill_bucket(buffer, in_place, 2, in_place_divided=True)
+    assert torch.equal(buffer, torch.cat([r.reshape(-1) for r in results]) / 2)

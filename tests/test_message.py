@@ -358,3 +358,28 @@ def test_misfitted_messages_are_refused():
     for bad in ([m.parts[0][:150]], [m.parts[0].double()], []):
         with pytest.raises(ValueError, match="the sum of part 0|a message of 1 parts"):
             decode_message(m, bad, dense_sum=None)
+
+
+def test_a_bucket_whose_top_k_tensor_carries_its_residual_sends_that_tensor():
+    """A top-k tensor sent whole hands over a new tensor, the gradient plus what its residual held (a
+    residual kept from its sketch steps): the bucket is then not the message, even where the other
+    tensors are sent as they are, and the sum holds every rank's gradient plus residual (the buffer alone
+    would drop the residual, which the aggregator has handed over and cleared)."""
+    n = 2
+    g = torch.Generator().manual_seed(9)
+    buffers = [torch.randn(400, generator=g) for _ in range(n)]
+    residuals = [torch.randn(300, generator=g) for _ in range(n)]
+    ms, want = [], [torch.zeros(300), torch.zeros(100)]
+    for r in range(n):
+        topk = TopKAggregator("k", (300,), torch.float32, n, ratio=0.5, sketch=False)
+        dense = TensorAggregator("d", (100,), torch.float32, n, max_density=0.9)
+        assert not topk.compressed and not dense.compressed
+        topk.residual = residuals[r].clone()
+        grads = list(torch.split(buffers[r], [300, 100]))
+        want[0] += grads[0] + residuals[r]
+        want[1] += grads[1]
+        ms.append(encode_message([topk, dense], grads, buffer=buffers[r]))
+        assert all(p.data_ptr() != buffers[r].data_ptr() for p in ms[r].parts) and topk.residual is None
+    summed = [sum(m.parts[i] for m in ms) for i in range(len(ms[0].parts))]
+    results = decode_message(ms[0], summed, dense_sum=None)
+    assert all(torch.equal(v.reshape(-1), w) for v, w in zip(results, want))

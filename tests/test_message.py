@@ -352,6 +352,10 @@ def test_misfitted_messages_are_refused():
     dtypes, sizes, places = message_layout([(100, torch.float32), (100, torch.float32)])
     with pytest.raises(ValueError, match="do not fill the layout"):
         pack_parts([torch.randn(120), torch.randn(80)], dtypes, sizes, places)
+    # an overlong payload whose excess a later one's place happens to end at: still refused
+    with pytest.raises(ValueError, match="do not fill the layout"):
+        pack_parts([torch.randn(5), torch.randn(2), torch.randn(2)],
+                   *message_layout([(3, torch.float32), (2, torch.float32), (2, torch.float32)]))
     with pytest.raises(ValueError, match="2 payloads for a layout of 1"):
         pack_parts(xs, *message_layout([(200, torch.float32)]))
     m = encode_message(aggs, xs)

@@ -387,3 +387,19 @@ def test_a_bucket_whose_top_k_tensor_carries_its_residual_sends_that_tensor():
     summed = [sum(m.parts[i] for m in ms) for i in range(len(ms[0].parts))]
     results = decode_message(ms[0], summed, dense_sum=None)
     assert all(torch.equal(v.reshape(-1), w) for v, w in zip(results, want))
+
+
+def test_a_replayed_failure_grows_the_capacity_where_some_rank_overloaded():
+    """replay_failure applies the owner's record on a rank that did not decode: the overloaded ranks'
+    count is part of it (a failure that names a non-finite input first, where some rank also overloaded,
+    grows the capacity as on the owner), so both build the same codec next step."""
+    from lossless_hc.lhc.status import DecodeStatus
+    from lossless_hc.training.message import replay_failure
+    owner, other, kept = (TensorAggregator("t", (4096,), torch.float32, 2, max_density=0.01) for _ in range(3))
+    capacity = owner.capacity
+    record = (int(DecodeStatus.NON_FINITE_INPUT), 100, 1)
+    replay_failure(other, *record)
+    replay_failure(kept, int(DecodeStatus.NON_FINITE_INPUT), 100, 0)
+    assert other.capacity > capacity and kept.capacity == capacity
+    assert other.payload_spec() != kept.payload_spec()
+

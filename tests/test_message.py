@@ -403,3 +403,25 @@ def test_a_replayed_failure_grows_the_capacity_where_some_rank_overloaded():
     assert other.capacity > capacity and kept.capacity == capacity
     assert other.payload_spec() != kept.payload_spec()
 
+
+def test_failed_and_inexact_segments_of_one_message_share_one_exact_sum():
+    """decode_message re-aggregates a failed segment's dense values and another segment's inexact
+    coordinates in one SUM: the fallback's values first, then the partial values, each read back from its
+    own place (the partial ones after the fallback's)."""
+    n, rows = 2, 4096
+    g = torch.Generator().manual_seed(11)
+    aggs = [[TensorAggregator("fails", (2048,), torch.float32, n, max_density=0.01, seed=5),
+             TensorAggregator("sparse", (rows, 64), torch.bfloat16, n, max_density=0.05, seed=5)] for _ in range(n)]
+    xs = [[torch.randn(2048, generator=g),   # dense: far over its capacity
+           (torch.randn(rows, 64, generator=g) * (torch.rand(rows, 1, generator=g) < 0.02)).to(torch.bfloat16)]
+          for _ in range(n)]
+    ms = [encode_message(aggs[r], xs[r]) for r in range(n)]
+    summed = [sum(m.parts[j] for m in ms) for j in range(len(ms[0].parts))]
+    sent = []
+    decode_message(ms[1], summed, dense_sum=lambda t: sent.append(t.clone()))
+    dense, sparse = decode_message(ms[0], summed, dense_sum=lambda t: t.add_(sent[0]))
+    assert aggs[0][0].stats.fallbacks == 1 and aggs[0][1].stats.partial_fallbacks == 1   # both in the one SUM
+    assert torch.equal(dense, xs[0][0] + xs[1][0])
+    exact = xs[0][1].double() + xs[1][1].double()
+    assert torch.equal(sparse != 0, exact != 0)
+    assert torch.allclose(sparse.double(), exact, rtol=2 ** -10 + 2 ** -8, atol=0)

@@ -88,6 +88,27 @@ def test_non_finite_option_reaches_the_codec_through_the_plugins_spec():
         THCSpec(non_finite="ignore")
 
 
+def test_the_plugins_spec_builds_each_rank_s_own_thc_aggregator():
+    """THCSpec.make (every plugin's THC) builds rank r's aggregator: its payloads are, bit for bit, those of
+    THCAggregator(..., rank=r), each rank's norm in its own slot, so the engine's sum decodes alike."""
+    from lossless_hc.training.adapter import THCSpec
+    from lossless_hc.training.aggregate import AggregationStats
+    from lossless_hc.training.thc_aggregate import THCAggregator
+
+    n, g = 3, torch.Generator().manual_seed(4)
+    spec = THCSpec(bits=4, seed=3)
+    made = [spec.make("w", torch.zeros(4096), n, r, AggregationStats(), "cpu") for r in range(n)]
+    direct = [THCAggregator("w", (4096,), torch.float32, n, r, 4, 30, 32, seed=3) for r in range(n)]
+    for step in range(2):   # the first step agrees on a norm, the second sends the gradient
+        xs = [torch.randn(4096, generator=g) * (r + 1) for r in range(n)]
+        got = [a.encode(x) for a, x in zip(made, xs)]
+        want = [a.encode(x) for a, x in zip(direct, xs)]
+        assert all(torch.equal(p, q) for (p, _), (q, _) in zip(got, want)), step
+        summed = torch.stack([p for p, _ in got]).sum(0)
+        for a, (_, ctx), b, (_, wctx) in zip(made, got, direct, want):
+            assert torch.equal(a.decode(summed.clone(), ctx).value, b.decode(summed.clone(), wctx).value)
+
+
 def test_rank_must_be_an_int_in_range():
     for rank in (-1, 2):
         with pytest.raises(ValueError, match="rank must be an integer in"):

@@ -632,3 +632,37 @@ def test_auto_offers_only_what_one_push_can_carry():
         Compression.auto(strategies=("allgather",), engine=SimulatedBytePS(2).engine(0))
     comp = Compression.auto(lossy=True, lossy_min_bytes=0, engine=SimulatedBytePS(2).engine(0))
     assert comp.spec.strategies == ("dense", "sketch", "topk")
+
+
+def test_inexact_keys_are_reaggregated_in_name_order_whatever_order_the_ranks_decompress_in():
+    """The adapter issues a step's partial re-aggregations when its last tensor is decompressed, in the
+    order of the aggregators' names: ranks that decompress in different orders (hooks that complete in
+    another order) still start them in one order, as an engine that numbers names as it first sees them
+    (BytePS) needs."""
+    sys.path.insert(0, os.path.join(HERE, "mp"))
+    import inexact_case
+    from lossless_hc.training.adapter import CompressorAdapter, LosslessSpec
+
+    class Recording(CompressorAdapter):
+        def __init__(self, spec):
+            super().__init__(spec)
+            self.started = []
+
+        def _start_partial(self, agg, values):
+            self.started.append(agg.name)
+            return values
+
+        def _wait_fallback(self, handle):
+            pass
+
+    world = 2
+    adapters = [Recording(LosslessSpec(max_density=0.05)) for _ in range(world)]
+    grads = [inexact_case.gradients(7, r) for r in range(world)]   # step 7's: both tensors report inexact keys
+    names = ("table", "vec")
+    encoded = [[a.encode(a.aggregator(name, name, g, world, r), g) for name, g in zip(names, gs)]
+               for r, (a, gs) in enumerate(zip(adapters, grads))]
+    summed = [sum(encoded[r][i][0] for r in range(world)) for i in range(len(names))]
+    for r, order in enumerate(([0, 1], [1, 0])):   # rank 1 decompresses "vec" first
+        for i in order:
+            adapters[r].decode(summed[i].clone(), encoded[r][i][1])
+    assert adapters[0].started == adapters[1].started == sorted(names), [a.started for a in adapters]

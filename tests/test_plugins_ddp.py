@@ -233,9 +233,12 @@ def test_hooks_under_torch_compile_equal_eager_ddp(tmp_path):
 def test_two_ddp_groups_in_one_world_are_independent(tmp_path):
     """Four ranks as two DDP groups configured differently (tests/mp/ddp_worker.py, subgroups): one
     over capacity at every step, whose fallback groups its two ranks make alone, then auto; the other
-    within capacity. Each equals DDP's allreduce on its own group, and nothing waits for the other."""
-    run([sys.executable, WORKER, "4", str(free_port()), str(tmp_path), "subgroups"])
+    within capacity. Each equals DDP's allreduce on its own group, and nothing waits for the other; a
+    group all four ranks make afterwards sums over all four (the hooks' groups, made by one DDP group's
+    members alone, leave the world's group naming alike on every rank)."""
+    run([sys.executable, WORKER, "4", str(free_port()), str(tmp_path), "subgroups"], timeout=240)
     for r in results(str(tmp_path), "subgroups", 4):
+        assert r["world_sum"] == 4.0, r
         for key in ("first", "second"):
             assert r[key]["max_diff"] <= TOL, (r["group"], key, r[key])
         st = r["first"]["stats"]

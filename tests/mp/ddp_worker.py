@@ -333,6 +333,12 @@ def subgroups():
     for key, state in (("first", first), ("second", second)):
         got = train(state, hook=auto_hook if isinstance(state, AutoHookState) else lossless_hook, process_group=pg)
         out[key] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}
+    # The hooks made their groups as members of their own DDP group only: a group every rank makes
+    # afterwards still pairs the same ranks on every rank
+    world = dist.new_group(backend="gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=world)
+    out["world_sum"] = float(t)
     return out
 
 

@@ -573,6 +573,21 @@ def test_fit_pads_smaller_payloads_and_widens_dtypes():
         _Opt([("w", p)], eng)._push_pull_grad_async(p, comp2)
 
 
+
+def test_a_result_handed_back_in_another_tensor_is_the_one_decoded():
+    """An engine that does not aggregate in place hands decompress another tensor than the pushed one
+    (its ctx is then this push's): that tensor's values are decoded, not the payload this rank pushed."""
+    sim = SimulatedBytePS(1)
+    eng = sim.engine(0)
+    comp = Compression.lossless(engine=eng)
+    p = torch.nn.Parameter(torch.zeros(6))
+    opt = _Opt([("w", p)], eng)
+    p.grad = torch.arange(6.0)
+    head, ctx = opt._push_pull_grad_async(p, comp)
+    aggregated = head * 3   # the engine's result, in a tensor of its own
+    assert torch.equal(comp.decompress(aggregated, ctx), torch.arange(6.0) * 3)
+
+
 def test_auto_options_byteps_cannot_honour_are_refused():
     """partial=True (BytePS's only second push is the dense fallback: it failed at the first inexact
     decode), an empty strategies (it became every strategy) and a falsy calibration (it became the

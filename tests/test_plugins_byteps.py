@@ -588,6 +588,21 @@ def test_a_result_handed_back_in_another_tensor_is_the_one_decoded():
     assert torch.equal(comp.decompress(aggregated, ctx), torch.arange(6.0) * 3)
 
 
+def test_partial_pushes_are_padded_to_a_power_of_two_under_one_name_per_size():
+    """The inexact keys' values go zero-padded to the next power of two, under lhc.partial.<name>.<size>:
+    a count that changes every step reuses a few names (BytePS fixes a name's size at its first push, and
+    keeps every name it was given), and the values come back summed."""
+    sim = SimulatedBytePS(1)
+    comp = Compression.lossless(engine=sim.engine(0))
+    agg = comp.aggregator("k", "w", torch.zeros(1000), 1, 0)
+    for count in (3, 4, 1, 5):
+        values = torch.arange(1.0, count + 1)
+        comp._wait_fallback(comp._start_partial(agg, values))
+        assert torch.equal(values, torch.arange(1.0, count + 1))
+    assert {n: [numel for numel, _, _ in pushes] for n, pushes in sim.pushes.items()} == {
+        "lhc.partial.w.4": [4, 4], "lhc.partial.w.1": [1], "lhc.partial.w.8": [8]}
+
+
 def test_auto_options_byteps_cannot_honour_are_refused():
     """partial=True (BytePS's only second push is the dense fallback: it failed at the first inexact
     decode), an empty strategies (it became every strategy) and a falsy calibration (it became the

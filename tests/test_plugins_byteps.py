@@ -603,6 +603,32 @@ def test_partial_pushes_are_padded_to_a_power_of_two_under_one_name_per_size():
         "lhc.partial.w.4": [4, 4], "lhc.partial.w.1": [1], "lhc.partial.w.8": [8]}
 
 
+def test_tails_are_declared_in_name_order_whatever_order_the_tensors_came_in():
+    """At a step's end the compressor declares the tail names of the payloads that outgrew their slot, in
+    the order of the tensors' names: workers whose tensors reached compress in other orders (BytePS
+    numbers names as they are declared) declare them alike."""
+    declared = []
+
+    class Recording:
+        def declare(self, name):
+            declared[-1].append(name)
+
+        def push_pull_async_inplace(self, tensor, average, name):
+            return None
+
+        def synchronize(self, handle):
+            pass
+
+    for order in (("a", "b"), ("b", "a")):
+        declared.append([])
+        comp = Compression.lossless(max_density=0.01, engine=Recording())
+        for name in order:
+            agg = comp.aggregator(name, name, torch.zeros(20000), 2, 0)
+            assert agg.compressed
+            comp._slots[name] = (16, torch.float32)   # as if the first push had been smaller
+        comp._after_step()
+    assert declared[0] == declared[1] and [n.split(".")[2] for n in declared[0]] == ["a", "b"], declared
+
 def test_auto_options_byteps_cannot_honour_are_refused():
     """partial=True (BytePS's only second push is the dense fallback: it failed at the first inexact
     decode), an empty strategies (it became every strategy) and a falsy calibration (it became the

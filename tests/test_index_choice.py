@@ -93,14 +93,18 @@ def test_sparse_tensors_compress():
     assert emb.compression_ratio < 0.2, emb
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", "cuda-ops-on-cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_dense_index_copies_and_counts_in_one_pass(device):
     """The backend's dense_copy (the dense index's encode and decode) against torch's element-wise
     tests: -0.0 is zero, the smallest subnormal is not; NaN and both infinities are non-finite; at every
-    thread count (a tensor large enough for three threads) and without a destination."""
+    thread count (a tensor large enough for three threads) and without a destination. "cuda-ops-on-cpu":
+    the CUDA backend's torch operations on CPU tensors."""
     from lossless_hc.backends import backend_for
+    from lossless_hc.backends.cuda import CudaBackend
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    backend = CudaBackend() if device == "cuda-ops-on-cpu" else backend_for(device)
+    device = "cpu" if device == "cuda-ops-on-cpu" else device
     n = (1 << 18) + 5
     gen = torch.Generator().manual_seed(3)
     x = torch.zeros(n)
@@ -113,14 +117,14 @@ def test_the_dense_index_copies_and_counts_in_one_pass(device):
     x = x.to(device)
     for threads in (1, 2, 3):
         dst = torch.full((n,), 7.0, device=device)
-        counts = backend_for(device).dense_copy(x, dst, threads)
+        counts = backend.dense_copy(x, dst, threads)
         assert counts.dtype == torch.int64 and counts.tolist() == want, threads
         assert torch.equal(dst.view(torch.int32), x.view(torch.int32))   # bit for bit, NaN and -0.0 too
-        assert backend_for(device).dense_copy(x, None, threads).tolist() == want
-    assert backend_for(device).dense_copy(x[:0], None).tolist() == [0, 0]
+        assert backend.dense_copy(x, None, threads).tolist() == want
+    assert backend.dense_copy(x[:0], None).tolist() == [0, 0]
     with pytest.raises(TypeError, match="contiguous float32"):
-        backend_for(device).dense_copy(x.double(), None)
+        backend.dense_copy(x.double(), None)
     with pytest.raises(TypeError, match="contiguous float32"):
-        backend_for(device).dense_copy(x, torch.empty(2 * n, device=device)[::2])
+        backend.dense_copy(x, torch.empty(2 * n, device=device)[::2])
     with pytest.raises(ValueError, match="must hold"):
-        backend_for(device).dense_copy(x, torch.empty(n - 1, device=device))
+        backend.dense_copy(x, torch.empty(n - 1, device=device))

@@ -231,6 +231,20 @@ def test_an_unfit_out_and_a_csr_gradient_are_named_as_what_they_are():
         TensorAggregator("w", (8, 8), torch.float32, n, max_density=0.9).encode(csr)
 
 
+
+def test_an_out_on_another_device_than_the_codec_s_is_refused():
+    """checked_out (every codec's ``out``) refuses a buffer on another device than the codec's, here one
+    on the meta device, which has the size, dtype and layout asked for but no memory the kernels could
+    write: a ValueError naming the device, not a write through its address."""
+    codec = LosslessCodec(1000, 2, 50)
+    x = torch.zeros(1000)
+    x[:5] = 1.0
+    with pytest.raises(ValueError, match="out must be a contiguous float32 tensor of .* elements on cpu"):
+        codec.encode(x, out=torch.empty(codec.payload_numel, device="meta"))
+    thc = THCCodec(1000, 2, 0, initial_norm=1.0)
+    with pytest.raises(ValueError, match="out must be a contiguous float64 tensor of .* elements on cpu"):
+        thc.encode(x, out=torch.empty(thc.payload_numel, dtype=torch.float64, device="meta"))
+
 def test_thc_table_search_beyond_its_limit_is_refused_and_explicit_levels_still_work():
     with pytest.raises(ValueError, match=r"a table of 256 levels in \[0, 65536\] is searched over"):
         build_table(8, 65536)

@@ -230,6 +230,19 @@ def test_emulated_cuda_feedback_equals_cpu(emulated, kind, n, k):  # noqa: F811
     assert torch.equal(idx, want_idx) and torch.equal(bits(values), bits(want_values)) and torch.equal(bits(e), bits(ec))
 
 
+
+def test_emulated_cuda_feedback_reads_a_negative_view_s_values(emulated):  # noqa: F811
+    """The CUDA backend's topk_feedback of an ``x`` with torch's negative bit (torch._neg_view: the kernels
+    read its memory, the negation of its values) selects, sends and keeps as residual what its values
+    give, as the CPU backend does."""
+    from lossless_hc.backends.cuda import CUDA
+    x = inputs("normal", 3000, seed=12)
+    e = 0.25 * inputs("normal", 3000, seed=13)
+    ec = e.clone()
+    idx, values = CUDA.topk_feedback(torch._neg_view(-x), e, 30)
+    want_idx, want_values = CPU.topk_feedback(x, ec, 30)
+    assert torch.equal(idx, want_idx) and torch.equal(bits(values), bits(want_values)) and torch.equal(bits(e), bits(ec))
+
 def test_emulated_cuda_edge_counts(emulated):  # noqa: F811
     x = inputs("normal", 2000, seed=9)
     assert cuda_topk.topk_select(x, 0).numel() == 0

@@ -1,0 +1,60 @@
+"""The CPU kernels' checks at their exact thresholds, on payloads small enough to work out by hand:
+each case sits one step on either side of a bound, so a check that is looser or tighter than the
+contract's (csrc/lhc_layout.h, reference.decode) changes a verdict here."""
+import numpy as np
+import pytest
+import torch
+
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference
+from lossless_hc.lhc.reference_peel import UNIT_ROUNDOFF
+from lossless_hc.lhc.status import DecodeStatus
+
+
+def round_up_to_float(x: float) -> float:
+    """lhc::round_up_to_float: the smallest float32 >= x (x >= 0)."""
+    f = np.float32(x)
+    return float(f if float(f) >= x else np.nextafter(f, np.float32(np.inf)))
+
+
+def cell_error_bound(mass: float, deg: int, n: int) -> float:
+    m = (deg + n + 2) * UNIT_ROUNDOFF
+    return m * mass * (1.0 + 2.0 * m)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_residual_check_rejects_one_ulp_past_a_check_cell_bound(verify):
+    """One key of value 1.0 on one rank: it is read from one of its cells; each of the other two must
+    hold w x within acc = round_up(cell bound + |w| E(k)) after the key is subtracted. Moving that cell
+    by d units in the last place is OK while d ulp <= acc and SKETCH_CORRUPT from the first d above it
+    (with or without verify: both run the same check)."""
+    numel, key = 64, 17
+    codec = LosslessCodec(numel, 1, 4, index="bitmap", seed=3, verify=verify)
+    L = codec.layout
+    x = torch.zeros(numel)
+    x[key] = 1.0
+    payload = codec.encode(x)
+    _, rep = codec.decode(payload.clone(), trace=True)
+    assert rep.ok and rep.trace[0].tolist() == [key]
+    read = int(rep.trace[1][0])
+    cells, weights = reference.key_cells(L.sketch, torch.tensor([key]))
+    cells, weights = cells[0].tolist(), weights[0].tolist()
+    w_read = abs(weights[cells.index(read)])
+    err = round_up_to_float(cell_error_bound(w_read, 1, 1)) / w_read  # E(k): exact (w is a power of 2)
+    tested = 0
+    for c, w in zip(cells, weights):
+        if c == read:
+            continue
+        acc = round_up_to_float(round_up_to_float(cell_error_bound(abs(w), 1, 1)) + abs(w) * err)
+        value = payload[L.sketch_offset + c].item()
+        assert value == w
+        ulp = abs(w) * 2.0 ** -23
+        for d in range(1, 12):
+            p = payload.clone()
+            p[L.sketch_offset + c] = value + d * ulp * (1 if w > 0 else -1)
+            assert abs(p[L.sketch_offset + c].item() - value) == d * ulp  # exactly representable
+            _, rep = codec.decode(p)
+            expect = DecodeStatus.SKETCH_CORRUPT if d * ulp > acc else DecodeStatus.OK
+            assert rep.status == expect, (c, d, d * ulp / acc, rep.reason)
+            tested += d * ulp > acc
+    assert tested > 0

@@ -58,3 +58,27 @@ def test_residual_check_rejects_one_ulp_past_a_check_cell_bound(verify):
             assert rep.status == expect, (c, d, d * ulp / acc, rep.reason)
             tested += d * ulp > acc
     assert tested > 0
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_value_in_a_cell_without_keys_is_corrupt(verify):
+    """A cell no support key hashes to has mass 0 and bound 0: any non-zero value there (even the
+    smallest subnormal) is SKETCH_CORRUPT, as in reference.decode (its check covers acc >= 0)."""
+    numel, key = 64, 17
+    codec = LosslessCodec(numel, 1, 4, index="bitmap", seed=3, verify=verify)
+    L = codec.layout
+    x = torch.zeros(numel)
+    x[key] = 1.0
+    payload = codec.encode(x)
+    cells, _ = reference.key_cells(L.sketch, torch.tensor([key]))
+    empty = [c for c in range(L.sketch.cells) if c not in cells[0].tolist()]
+    assert empty and all(payload[L.mass_offset + c].item() == 0.0 for c in empty)
+    for c in empty:
+        for v in (1.0, -2.0 ** -149):
+            p = payload.clone()
+            p[L.sketch_offset + c] = v
+            _, rep = codec.decode(p)
+            assert rep.status == DecodeStatus.SKETCH_CORRUPT, (c, v, rep.reason)
+            _, info = reference.decode(L, p, verify=verify)
+            assert not info["ok"] and info["reason"].startswith("sketch corrupt"), (c, v, info["reason"])
+

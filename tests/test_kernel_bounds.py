@@ -82,3 +82,28 @@ def test_a_value_in_a_cell_without_keys_is_corrupt(verify):
             _, info = reference.decode(L, p, verify=verify)
             assert not info["ok"] and info["reason"].startswith("sketch corrupt"), (c, v, info["reason"])
 
+
+def test_verification_bound_counts_a_check_cell_residual():
+    """With verify, a check cell verifies a key with V = acc + |residual| (lhc::verification_bound):
+    a residual within acc (not corrupt) still widens F(k) = G(k) - E(k). One key of 1.0 and rtol
+    2^-21: untouched, E and F are ~2^-22 and the key is OK; with both check cells 3 ulps off (acc is
+    ~4 ulps), F is ~2.5 * 2^-22, past rtol: INEXACT with that key, as reference.decode says."""
+    numel, key, rtol = 64, 17, 2.0 ** -21
+    codec = LosslessCodec(numel, 1, 4, index="bitmap", seed=3, verify=True, rtol=rtol)
+    L = codec.layout
+    x = torch.zeros(numel)
+    x[key] = 1.0
+    payload = codec.encode(x)
+    _, rep = codec.decode(payload.clone(), trace=True)
+    assert rep.ok, rep.reason
+    read = int(rep.trace[1][0])
+    cells, weights = reference.key_cells(L.sketch, torch.tensor([key]))
+    p = payload.clone()
+    for c, w in zip(cells[0].tolist(), weights[0].tolist()):
+        if c != read:
+            p[L.sketch_offset + c] += 3 * w * 2.0 ** -23   # 3 ulps, away from 0
+    y, rep = codec.decode(p)
+    assert rep.status == DecodeStatus.INEXACT and rep.inexact_keys.tolist() == [key], rep.reason
+    assert float(y[key]) == 1.0
+    _, info = reference.decode(L, p, rtol=rtol, verify=True)
+    assert info["reason"] == "inexact" and info["inexact_keys"].tolist() == [key]

@@ -192,3 +192,23 @@ def test_pairs_property(seed, n, block, others, dist):
         assert not rep.ok
     if helpers.peeled_ok(rep):   # OK, or INEXACT: exact (within the bound) outside the listed keys
         helpers.assert_lossless(codec.layout, xs, y, rep, strict_support=False)
+
+
+@pytest.mark.parametrize("block", [1, 3])
+def test_verify_lists_both_keys_of_a_solved_pair(block):
+    """With verify a solved pair's keys are listed inexact, both of them: one check cell cannot verify
+    two values (lhc::verification_bound), so neither key has a verification bound. The C++ decoder and
+    the reference list the same pair keys, and every other key keeps the contract."""
+    codec = LosslessCodec(4000 * block - (block > 1), 2, 8 * block, block_size=block, index="bitmap", seed=11,
+                          verify=True)
+    solvable, _ = colliding_pairs(codec.layout)
+    rng = np.random.default_rng(helpers.stable_seed("pair-verify", block))
+    for pair in solvable[:3]:
+        xs = pair_inputs(rng, codec.layout, pair, 2, others=4)
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        y, rep = codec.decode(summed)
+        assert rep.status == helpers.INEXACT and rep.peeled == rep.support, rep.reason
+        assert set(pair) <= set(rep.inexact_keys.tolist()), (pair, rep.inexact_keys)
+        helpers.assert_contract(codec.layout, xs, y, rep.inexact_keys, codec.rtol)
+        _, info = reference.decode(codec.layout, summed, verify=True)
+        assert set(pair) <= set(info["inexact_keys"].tolist())

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc import reference
-from lossless_hc.lhc.reference_peel import UNIT_ROUNDOFF
+from lossless_hc.lhc.reference_peel import UNIT_ROUNDOFF, pair_cells
 from lossless_hc.lhc.status import DecodeStatus
 
 
@@ -107,3 +108,41 @@ def test_verification_bound_counts_a_check_cell_residual():
     assert float(y[key]) == 1.0
     _, info = reference.decode(L, p, rtol=rtol, verify=True)
     assert info["reason"] == "inexact" and info["inexact_keys"].tolist() == [key]
+
+
+def test_a_solved_pair_s_third_cell_is_checked_within_the_pair_s_bounds():
+    """After a pair is solved from cells p and q, its third cell r must hold w_r(a) v_a + w_r(b) v_b
+    within acc(r) = round_up(r's own bound + |w_r(a)| E(a) + |w_r(b)| E(b)). Values 1 and 3 make every
+    sum exact (the residual is 0): moving cell r by d ulps is OK while d ulp <= acc(r) and
+    SKETCH_CORRUPT beyond, where acc(r) counts the pair's bounds E(a), E(b) (the report's)."""
+    codec = LosslessCodec(4000, 1, 8, index="bitmap", seed=11)
+    L = codec.layout
+    solvable, _ = helpers.colliding_pairs(L.sketch, L.num_keys)
+    cells, weights = reference.key_cells(L.sketch, torch.arange(L.num_keys))
+    widened = 0
+    for a, b in solvable[:3]:
+        x = torch.zeros(L.numel)
+        x[a], x[b] = 1.0, 3.0
+        payload = codec.encode(x)
+        y, rep = codec.decode(payload.clone(), error_bounds=True)
+        assert rep.ok and float(y[a]) == 1.0 and float(y[b]) == 3.0, rep.reason
+        keys, bounds = rep.error_bounds
+        ea, eb = float(bounds[keys == a]), float(bounds[keys == b])
+        wa, wb = weights[a].tolist(), weights[b].tolist()
+        p, q, _ = pair_cells(wa, wb)
+        r = 3 - p - q
+        c = int(cells[a, r])
+        value = payload[L.sketch_offset + c].item()
+        assert value == wa[r] * 1.0 + wb[r] * 3.0 != 0.0
+        own = round_up_to_float(cell_error_bound(payload[L.mass_offset + c].item(), 2, 1))
+        acc = round_up_to_float(own + abs(wa[r]) * ea + abs(wb[r]) * eb)
+        ulp = float(np.spacing(np.float32(abs(value))))
+        for d in range(1, 40):
+            p_ = payload.clone()
+            p_[L.sketch_offset + c] = value + np.sign(value) * d * ulp
+            assert abs(p_[L.sketch_offset + c].item() - value) == d * ulp
+            _, rep = codec.decode(p_)
+            expect = DecodeStatus.SKETCH_CORRUPT if d * ulp > acc else DecodeStatus.OK
+            assert rep.status == expect, ((a, b), d, d * ulp / acc, rep.reason)
+            widened += own < d * ulp <= acc
+    assert widened > 0

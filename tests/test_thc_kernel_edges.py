@@ -1,0 +1,56 @@
+"""THC CPU kernels (csrc/cpu/thc_cpu.cpp, thc_cpu_isa.h, thc_cpu_isa_words.h) at their edges: paths that
+only some compiled copies take, or only some sizes reach.
+
+The copy this CPU runs best (AVX-512 on x86-64-v4) rounds tables of at most 32 levels with vector code,
+so the scalar rounding of csrc/thc_math.h (thc_level) runs there only for g > 32; the AVX2 and portable
+copies run it always. Tests that go through it therefore run on every copy this CPU has.
+"""
+import pytest
+import torch
+
+import lossless_hc as lhc
+from lossless_hc.backends import cpu as _backend
+
+
+def make_ranks(n, numel, **kw):
+    return [lhc.THCCodec(numel, n, rank=r, **kw) for r in range(n)]
+
+
+def on_every_copy(fn):
+    """fn() on every kernel copy this CPU runs, the default restored afterwards: {isa: result}."""
+    results = {}
+    try:
+        for isa in _backend.thc_cpu_isas():
+            assert _backend.thc_cpu_isa(isa) == isa
+            results[isa] = fn()
+    finally:
+        _backend.thc_cpu_isa("default")
+    return results
+
+
+@pytest.mark.parametrize("granularity", [30, 40])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_is_flagged_on_every_kernel_copy(granularity, bad):
+    """A NaN/Inf coordinate reaches the rounding (the encode finds it from the norm afterwards): thc_level
+    maps it to a valid level, so every copy, vector or scalar rounding, finishes the pass, flags the
+    payload and resets the memory; the step after runs as usual and gives the same bits on every copy."""
+    n, numel = 2, 3000
+    gen = torch.Generator().manual_seed(granularity)
+    xs = [torch.randn(numel, generator=gen) for _ in range(n)]
+    bad_x = xs[1].clone()
+    bad_x[17::97] = bad
+
+    def run():
+        codecs = make_ranks(n, numel, initial_norm=50.0, granularity=granularity, seed=8)
+        payloads = [c.encode(x) for c, x in zip(codecs, [xs[0], bad_x])]
+        assert float(payloads[1][2]) == 1.0 and bool((codecs[1].error == 0).all())
+        for c in codecs:
+            with pytest.raises(FloatingPointError, match="1 rank"):
+                c.decode(sum(payloads))
+        payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+        return [codecs[0].decode(sum(payloads))] + payloads
+
+    results = on_every_copy(run)
+    first = next(iter(results.values()))
+    for isa, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(first, got)), isa

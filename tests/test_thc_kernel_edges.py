@@ -54,3 +54,30 @@ def test_non_finite_input_is_flagged_on_every_kernel_copy(granularity, bad):
     first = next(iter(results.values()))
     for isa, got in results.items():
         assert all(torch.equal(a, b) for a, b in zip(first, got)), isa
+
+
+@pytest.mark.parametrize("numel,block", [(3001, 1024), (300, 32)])
+def test_rht_stages_with_an_error_memory_and_plus_terms(numel, block):
+    """The stage entry points beyond x alone: thc_rht_forward(x, e) is the transform of x + e (its
+    padding written whatever y held, and its norm that of x + e), and thc_rht_inverse(y, plus_a,
+    plus_b) writes (plus_a + plus_b) - RHT^-1(y), or plus_a - RHT^-1(y) without plus_b."""
+    import thc_reference as ref
+    codec = lhc.THCCodec(numel, 2, hadamard_block=block, seed=11)
+    L, stream = codec.layout, _backend.thc_sign_stream(11, 0)
+    gen = torch.Generator().manual_seed(numel)
+    x, e = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    y = torch.full((L.padded,), float("nan"))
+    st = _backend.CPU.thc_rht_forward(codec._native, stream, x, e, y)
+    y_plain = torch.empty(L.padded)
+    _backend.CPU.thc_rht_forward(codec._native, stream, x + e, None, y_plain)
+    assert torch.equal(y, y_plain)
+    assert float((y.double() - ref.rht(x + e, L, stream)).abs().max()) <= 1e-5 * float((x + e).abs().max())
+    assert st.sum_squares == pytest.approx(float((x + e).double().pow(2).sum()), rel=1e-6)
+    r = torch.empty(numel)
+    _backend.CPU.thc_rht_inverse(codec._native, stream, y_plain.clone(), r, None, None)
+    a, b = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    out = torch.empty(numel)
+    _backend.CPU.thc_rht_inverse(codec._native, stream, y.clone(), out, a, b)
+    assert torch.equal(out, (a + b) - r)
+    _backend.CPU.thc_rht_inverse(codec._native, stream, y.clone(), out, a, None)
+    assert torch.equal(out, a - r)

@@ -81,3 +81,18 @@ def test_rht_stages_with_an_error_memory_and_plus_terms(numel, block):
     assert torch.equal(out, (a + b) - r)
     _backend.CPU.thc_rht_inverse(codec._native, stream, y.clone(), out, a, None)
     assert torch.equal(out, a - r)
+
+
+def test_norm_of_more_than_1024_chunks_counts_every_chunk():
+    """||x + e||^2 sums its 1024-coordinate chunk partials by a 1024-wide tree, one level per 1024x
+    (thc_math.h thc_tree_sum): past 2^20 coordinates the partials take a second level, its last group
+    partly filled, and every chunk still counts."""
+    numel = (1 << 20) + 3000   # 1027 chunks: a full group of 1024 and a group of 3
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    xs[1][-2000:] *= 100.0     # most of rank 1's norm in its last chunks
+    codecs = make_ranks(2, numel)
+    summed = sum(c.encode(x) for c, x in zip(codecs, xs))   # the first step sends the norms only
+    for c in codecs:
+        c.decode(summed)
+    want = [float(x.double().norm()) for x in xs]
+    torch.testing.assert_close(codecs[0].last_norms, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)

@@ -198,6 +198,24 @@ def test_feedback_is_the_selection_of_the_sum_and_conserves_every_coordinate(kin
         assert torch.equal(bits(sent + e), bits(x0 + e0))   # NaN included: the same NaN bits either way
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_feedback_through_a_misled_sample_keeps_every_coordinate(threads):
+    """When a = x + e sits on a huge tie, the filtering pass's candidates overflow its capacity part way
+    through a thread's range and the exact fallback selects over a: the pass still writes a = x + e into
+    e over the rest of that range (and the scalar tail of each range), so the selection, the values
+    and the residual equal the definition bit for bit."""
+    from lossless_hc import _C
+    n, k = (1 << 20) + 13, 10_000
+    x = inputs("ties", n, seed=5)
+    e0 = torch.randint(-2, 3, (n,), generator=torch.Generator().manual_seed(6)).float()  # a stays tied
+    want_idx, want_values, want_rest = feedback_reference(x, e0, k)
+    e = e0.clone()
+    out, values = torch.empty(k, dtype=torch.int64), torch.empty(k)
+    st = _C.topk_feedback(x.data_ptr(), e.data_ptr(), n, k, out.data_ptr(), values.data_ptr(), threads)
+    assert st.count == k and st.fallback == 1   # the sample misled: the exact fallback ran
+    assert torch.equal(out, want_idx) and torch.equal(bits(values), bits(want_values))
+    assert torch.equal(bits(e), bits(want_rest))
+
 def test_feedback_rejects_bad_residuals():
     x = torch.randn(100)
     with pytest.raises(TypeError, match="residual"):

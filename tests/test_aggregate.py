@@ -337,6 +337,7 @@ THC_INTERLEAVE_CASES = [
     (100_003, 4, {"payload_dtype": torch.int64, "num_threads": 1}),
     (3 * 1024 + 1, 2, {}),
     (40_000, 2, {"hadamard_block": 256, "num_threads": 2}),
+    (20_000, 2, {"hadamard_block": 512}),   # the largest block below a chunk
     (200_000, 2, {"hadamard_block": 2048}),
 ]
 

@@ -96,3 +96,29 @@ def test_norm_of_more_than_1024_chunks_counts_every_chunk():
         c.decode(summed)
     want = [float(x.double().norm()) for x in xs]
     torch.testing.assert_close(codecs[0].last_norms, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+
+def test_checksum_of_a_group_of_524288_words():
+    """The AVX-512 checksum sums each lane's word terms c lo + c' hi (up to 2^51 each, lo the word's
+    low 26 bits) in 64 bits and reduces them mod P every 2048 steps, so that a group of many words
+    does not wrap 2^64: three Hadamard blocks of 2^20 coordinates in words of 6 digits (one group of
+    524288 words, 65536 steps a lane) have the defined checksum on every copy, and their SUM decodes."""
+    import thc_reference as ref
+    from lossless_hc.thc.layout import HDR_CHECKSUM
+    n, numel = 2, 3 << 20
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+
+    def run():
+        codecs = make_ranks(n, numel, bits=4, granularity=15, digits_per_word=6, hadamard_block=1 << 20,
+                            initial_norm=float(numel) ** 0.5)
+        L = codecs[0].layout
+        assert (L.per_word, L.group_blocks, L.words) == (6, 3, numel // 6)
+        payloads = [c.encode(x) for c, x in zip(codecs, xs)]
+        for p in payloads:
+            assert int(p[HDR_CHECKSUM]) == ref.checksum(codecs[0], p[L.words_offset:], 0)
+        return [c.decode(sum(payloads)) for c in codecs][0]
+
+    results = on_every_copy(run)
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, y) for y in results.values())

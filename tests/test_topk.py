@@ -60,6 +60,24 @@ def test_selection_is_the_stable_sort_prefix(kind, n, k):
     assert torch.equal(got, want)
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_ties_at_the_sampled_threshold_in_a_range_s_scalar_tail(threads):
+    """The filtering pass tests 16 coordinates at a time and the last n mod 16 of each thread's range
+    one by one: both keep every key >= the sampled threshold, so ties at it are kept wherever they lie.
+    Integer data whose threshold is the largest magnitude (k = 1, 2), and ties of 1.0 placed in the
+    first range's tail with the k-th key among them (k = 2000), select the stable-sort prefix."""
+    n = 300_013   # ranges of 1, 2 and 3 threads all end in a scalar tail
+    x = inputs("ties", n, seed=11)
+    for k in (1, 2):
+        assert torch.equal(CPU.topk_select(x, k, num_threads=threads), reference(x, k))
+    g = torch.Generator().manual_seed(12)
+    y = torch.randn(n, generator=g) * 1e-3
+    y[torch.randperm(n, generator=g)[:3000]] = 1.0
+    end0 = n // threads
+    y[end0 - n // threads % 16:end0] = -1.0   # the first range's tail: all ties
+    assert torch.equal(CPU.topk_select(y, 2000, num_threads=threads), reference(y, 2000))
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_same_indices_on_every_thread_count(kind):
     n, k = 400_000, 4000

@@ -127,6 +127,22 @@ def test_sampled_threshold_and_exact_fallback_agree():
         assert torch.equal(out, reference(x, k))
 
 
+def test_exact_fallback_reports_the_k_th_key_when_it_closes_a_histogram_bin():
+    """The exact selection fixes the k-th largest key digit by digit, taking the first bin (from the top)
+    whose cumulative count reaches what is left of k; where a bin's count ends exactly at k, that bin
+    holds the k-th key, and the threshold reported is that key's bits (k = n - 1 with one zero: every
+    non-zero key lies above bin 0, so the k-th is the smallest non-zero |x|)."""
+    from lossless_hc import _C
+    n = 300_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    x[5] = 0.0
+    k = n - 1   # the sample's rank would pass its size: the exact passes run
+    out = torch.empty(k, dtype=torch.int64)
+    st = _C.topk_select(x.data_ptr(), n, k, out.data_ptr(), 0)
+    assert st.fallback == 1 and st.count == k and torch.equal(out, reference(x, k))
+    keys = x.view(torch.int32) & 0x7FFFFFFF
+    assert st.threshold == int(keys[keys > 0].min())
+
 def test_aggregator_sends_exactly_k_and_keeps_the_rest():
     from lossless_hc.training.topk_aggregate import TopKAggregator, topk_count
     agg = TopKAggregator("w", (50_001,), torch.float32, 2, 0.01)

@@ -122,3 +122,14 @@ def test_checksum_of_a_group_of_524288_words():
     results = on_every_copy(run)
     first = next(iter(results.values()))
     assert all(torch.equal(first, y) for y in results.values())
+
+
+def test_asking_which_kernel_copy_runs_does_not_switch_it():
+    """thc_cpu_isa() with no request only reports the copy in use: after choosing the portable copy,
+    asking leaves it chosen (an empty request is not 'default')."""
+    try:
+        assert _backend.thc_cpu_isa("portable") == "portable"
+        assert _backend.thc_cpu_isa() == "portable" and _backend.thc_cpu_isa("") == "portable"
+        assert _backend.thc_cpu_isa() == "portable"
+    finally:
+        _backend.thc_cpu_isa("default")

@@ -23,18 +23,23 @@ def cell_error_bound(mass: float, deg: int, n: int) -> float:
     return m * mass * (1.0 + 2.0 * m)
 
 
+def one_key_payload(key: int, verify: bool):
+    """A 64-coordinate codec for one rank (bitmap index) and its payload of the single value 1.0 at ``key``."""
+    codec = LosslessCodec(64, 1, 4, index="bitmap", seed=3, verify=verify)
+    x = torch.zeros(64)
+    x[key] = 1.0
+    return codec, codec.encode(x)
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_residual_check_rejects_one_ulp_past_a_check_cell_bound(verify):
     """One key of value 1.0 on one rank: it is read from one of its cells; each of the other two must
     hold w x within acc = round_up(cell bound + |w| E(k)) after the key is subtracted. Moving that cell
     by d units in the last place is OK while d ulp <= acc and SKETCH_CORRUPT from the first d above it
     (with or without verify: both run the same check)."""
-    numel, key = 64, 17
-    codec = LosslessCodec(numel, 1, 4, index="bitmap", seed=3, verify=verify)
+    key = 17
+    codec, payload = one_key_payload(key, verify)
     L = codec.layout
-    x = torch.zeros(numel)
-    x[key] = 1.0
-    payload = codec.encode(x)
     _, rep = codec.decode(payload.clone(), trace=True)
     assert rep.ok and rep.trace[0].tolist() == [key]
     read = int(rep.trace[1][0])
@@ -65,12 +70,9 @@ def test_residual_check_rejects_one_ulp_past_a_check_cell_bound(verify):
 def test_a_value_in_a_cell_without_keys_is_corrupt(verify):
     """A cell no support key hashes to has mass 0 and bound 0: any non-zero value there (even the
     smallest subnormal) is SKETCH_CORRUPT, as in reference.decode (its check covers acc >= 0)."""
-    numel, key = 64, 17
-    codec = LosslessCodec(numel, 1, 4, index="bitmap", seed=3, verify=verify)
+    key = 17
+    codec, payload = one_key_payload(key, verify)
     L = codec.layout
-    x = torch.zeros(numel)
-    x[key] = 1.0
-    payload = codec.encode(x)
     cells, _ = reference.key_cells(L.sketch, torch.tensor([key]))
     empty = [c for c in range(L.sketch.cells) if c not in cells[0].tolist()]
     assert empty and all(payload[L.mass_offset + c].item() == 0.0 for c in empty)

@@ -10,10 +10,7 @@ import torch
 
 import lossless_hc as lhc
 from lossless_hc.backends import cpu as _backend
-
-
-def make_ranks(n, numel, **kw):
-    return [lhc.THCCodec(numel, n, rank=r, **kw) for r in range(n)]
+from test_thc import make_ranks
 
 
 def on_every_copy(fn):

@@ -110,7 +110,7 @@ def rows_are_smaller(count: int, numel: int, row: int, dtype: torch.dtype, wire:
     index and the values) make a segment of fewer bytes than the chunk's ``numel`` elements sent whole in
     ``wire``, both padded as sent: the one rule by which a chunk goes as rows. Where the padded sizes tie
     the chunk goes whole (the same bytes, no index to build, nothing held back by a selection)."""
-    return _padded(count * (8 + row * dtype.itemsize)) < _padded(numel * wire.itemsize)
+    return segment_nbytes(count, numel, row, dtype) < segment_nbytes(WHOLE, numel, row, wire)
 
 
 def _scan(x: Chunk, narrow: Optional[torch.dtype]) -> Tuple[int, Optional[torch.Tensor]]:

@@ -2,16 +2,15 @@
 
 * A hypothesis profile that CI can reproduce: derandomized (the examples are a function of the test),
   no per-example deadline (the first call of a test pays for imports), modest example counts.
-* A watchdog: a test that runs for more than ``LHC_TEST_TIMEOUT`` seconds (default 300) dumps every
-  thread's stack to the session's stderr (not the test's captured one, which the exit discards) and
-  exits, so a hang inside the C++ kernels (which hold no GIL) or a launched job fails loudly instead
-  of blocking CI forever.
+* A watchdog (tests/processes.py): a test that runs for more than ``LHC_TEST_TIMEOUT`` seconds (default
+  300; a launch of worker processes extends that past the launch's own timeout) dumps every thread's
+  stack to the session's stderr (not the test's captured one, which the exit discards) and exits, so a
+  hang inside the C++ kernels (which hold no GIL) fails loudly instead of blocking CI forever.
 * ``PYTHONFAULTHANDLER`` set for the worker processes tests start, so a crashed rank shows its stack.
 * The ``gpu`` marker (tests that need a CUDA device; ``pytest -m gpu`` selects them).
 * With ``LHC_EXPECT_SANITIZED`` set (scripts/sanitize.sh), refuse to run against the repository's
   regular build: the sanitized extension must be the one imported.
 """
-import faulthandler
 import os
 import sys
 
@@ -19,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from every test module
+import processes  # noqa: E402  (tests/, on the path just above)
 # Worker processes the multiprocess tests start inherit this: a rank that dies of a signal (SIGSEGV,
 # SIGBUS, SIGABRT) prints its Python stack into the stderr that the failing test's message shows.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
@@ -34,7 +34,6 @@ settings.register_profile(
 settings.load_profile(os.environ.get("LHC_HYPOTHESIS_PROFILE", "lhc"))
 
 _TIMEOUT = float(os.environ.get("LHC_TEST_TIMEOUT", "300"))
-_WATCHDOG_FD = []   # a copy of the session's stderr, taken while no test's output is captured
 
 
 def pytest_configure(config):
@@ -42,7 +41,8 @@ def pytest_configure(config):
         stderr = sys.stderr.fileno()
     except (AttributeError, ValueError, OSError):   # pytest-xdist's workers replace sys.stderr
         stderr = sys.__stderr__.fileno()
-    _WATCHDOG_FD.append(os.dup(stderr))
+    # A copy of the session's stderr, taken while no test's output is captured.
+    processes.start_watchdog(os.dup(stderr), _TIMEOUT)
     config.addinivalue_line("markers", "multiprocess: starts real worker processes (Horovod, torch.distributed)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (tests/test_cuda.py); skipped, visibly, without one. "
                                        "Run only these with `pytest -m gpu`.")
@@ -55,9 +55,9 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _hang_watchdog():
-    faulthandler.dump_traceback_later(_TIMEOUT, exit=True, file=_WATCHDOG_FD[0])
+    processes.WATCHDOG.arm()
     yield
-    faulthandler.cancel_dump_traceback_later()
+    processes.WATCHDOG.disarm()
 
 
 @pytest.fixture(params=["compiled", "cupy"])

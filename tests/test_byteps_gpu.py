@@ -21,6 +21,8 @@ import sys
 import pytest
 import torch
 
+from processes import run_launcher
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -58,7 +60,7 @@ def byteps_run(tmp_path_factory):
                BYTEPS_SERVER_DEBUG="1", BYTEPS_SERVER_DEBUG_KEY=str(_emb_key()))
     cmd = ["bash", os.path.join(ROOT, "scripts", "launch_byteps.sh"), "--workers", "2", "--servers", "1", "--",
            sys.executable, os.path.join(HERE, "mp", "byteps_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=worker_timeout + 60)
+    proc = run_launcher(cmd, cwd=ROOT, env=env, timeout=worker_timeout + 60)
     if proc.returncode != 0:
         with open(os.path.join(logs, "launch.out"), "w") as f:
             f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)

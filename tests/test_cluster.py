@@ -7,7 +7,6 @@ skipped, with the reason, otherwise.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from lossless_hc.bench import cluster, cluster_report, netns
 from lossless_hc.bench.workloads.topk_allgather import TopKAllgather, topk_count
 from helpers import emulated_cluster_skip_reason
+from processes import run_launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -233,8 +233,8 @@ def test_two_hosts_end_to_end(tmp_path):
            "--latency", "0", "--model", "ncf", "--compression", "none,lossless", "--framework", "horovod,ddp",
            "--steps", "5", "--warmup", "1", "--train-args", "--users 20000 --items 20000 --dim 16 --batch 128",
            "--out", str(tmp_path), "--plot", str(plot)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=240)
+    proc = run_launcher(cmd, cwd=REPO, timeout=240)
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     with open(tmp_path / "cluster_ncf_200mbit_2hosts.json") as f:
         result = json.load(f)

@@ -9,7 +9,6 @@ import copy
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from lossless_hc.bench import cluster, cluster_report, simulate
 from lossless_hc.bench.workloads import data, replay, train
 from lossless_hc.bench.workloads.tasks import WORKLOADS
 from helpers import emulated_cluster_skip_reason
+from processes import run_launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -359,7 +359,7 @@ def test_two_hosts_bf16_powersgd_cpu_fair_and_replay(tmp_path):
            "--latency", "0", "--model", "ncf", "--compression", "none,bf16,powersgd", "--framework", "ddp",
            "--steps", "5", "--warmup", "1", "--cpu-fair", "--cores", "1", "--skew", "1.1", "--train-args", small,
            "--out", str(tmp_path / "c")]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    res = run_launcher(cmd, cwd=REPO, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     with open(tmp_path / "c" / "cluster_ncf_zipf1.1_200mbit_2hosts.json") as f:
         result = json.load(f)
@@ -375,7 +375,7 @@ def test_two_hosts_bf16_powersgd_cpu_fair_and_replay(tmp_path):
     cmd = [sys.executable, "-m", "lossless_hc.bench", "replay", "--model", "ncf", "--ranks", "2", "--record-steps", "2",
            "--hosts", "2", "--bandwidth", "200mbit", "--latency", "0", "--compression", "none,lossless",
            "--framework", "ddp", "--steps", "4", "--warmup", "1", "--train-args", small, "--out", str(tmp_path / "r")]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    res = run_launcher(cmd, cwd=REPO, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     with open(tmp_path / "r" / "replay_ncf.json") as f:
         rep = json.load(f)

@@ -25,6 +25,7 @@ from torch import nn
 
 from lossless_hc.bench import cluster, cluster_report
 from lossless_hc.bench.workloads import models, options, train
+from processes import run_launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
@@ -270,11 +271,11 @@ def test_the_cluster_bench_does_not_run_sparse_under_adam_and_says_why():
 # -- under torchrun ----------------------------------------------------------------------------------------
 def torchrun(tmp_path, *args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run(["bash", os.path.join(REPO, "scripts", "launch_torchrun.sh"), "2",
+    res = run_launcher(["bash", os.path.join(REPO, "scripts", "launch_torchrun.sh"), "2",
                           os.path.join(REPO, "scripts", "train_ncf.py"), "--users", "300", "--items", "300",
                           "--dim", "4", "--batch", "32", "--steps", "2", "--log-every", "2",
                           "--json", str(tmp_path / "r{rank}.json"), *args],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+                       cwd=REPO, env=env, timeout=240)
     return res, res.stdout + res.stderr
 
 

@@ -5,7 +5,6 @@ equal the uncompressed run to float rounding and finish (no deadlock). Workers:
 tests/mp/auto_ddp_worker.py and tests/mp/auto_horovod_worker.py."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ import lossless_hc._C
 from lossless_hc.training.planner import SECOND_COLLECTIVE
 
 from helpers import free_port
+from processes import run_launcher
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,7 +34,7 @@ def launch(cmd, timeout=600, device="cpu"):
     """Run a worker command; ``device="cuda"``: the DDP worker puts every rank's model on GPU 0."""
     env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300",
                LHC_TEST_DEVICE=device)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launcher(cmd, cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
 

@@ -5,7 +5,6 @@ identical decisions on every rank, error feedback conserved across a top-k -> Po
 convergence comparable to torch's own PowerSGD hook."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDLayout, PowerS
 from lossless_hc.training.strategies import AutoAggregator
 from lossless_hc.plugins.ddp import AutoHookState
 from helpers import free_port
+from processes import run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -322,9 +322,8 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "converge", "resume")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
-                           str(free_port()), str(out), ",".join(names)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launcher([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
+                         str(free_port()), str(out), ",".join(names)], cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return {name: [json.load(open(os.path.join(out, f"{name}.rank{r}.json"))) for r in range(SIZE)] for name in names}
 

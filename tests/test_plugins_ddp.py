@@ -3,12 +3,12 @@ sockets). Each launch runs every scenario of tests/mp/ddp_worker.py: the same tr
 default allreduce and with the lossless hook, from the same seed on the same batches."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from helpers import free_port
+from processes import run_launcher
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +24,7 @@ TOL = 1e-6
 def run(args, timeout=600, device="cpu"):
     """Run a worker command; ``device="cuda"``: the DDP workers put every rank's model on GPU 0."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE=device)
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launcher(args, cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
 

@@ -13,13 +13,13 @@ seed on the same per-rank batches.
 """
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 
 import pytest
 
 from helpers import free_port
+from processes import run_launcher
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,7 +68,7 @@ def launch(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"fsdp{mesh}{device}")
             env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", LHC_TEST_DEVICE=device)
             args = [sys.executable, WORKER, str(replicas), str(shards), str(free_port()), str(out), ",".join(names)]
-            proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+            proc = run_launcher(args, cwd=ROOT, env=env, timeout=TIMEOUT)
             assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
             done[(mesh, device)] = out
         return done[(mesh, device)]

@@ -11,6 +11,8 @@ import sysconfig
 
 import pytest
 
+from processes import run_launcher
+
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,7 +48,7 @@ def launch(cmd, out_dir, timeout=600, device="cpu"):
     # within the launch timeout.
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", HOROVOD_GLOO_TIMEOUT_SECONDS="300",
                LHC_TEST_DEVICE=device)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_launcher(cmd, cwd=ROOT, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
 

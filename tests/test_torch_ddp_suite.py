@@ -18,10 +18,11 @@ Which of torch's DDP tests run here, and why the others do not:
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from processes import run_launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,7 +42,7 @@ def test_torch_ddp_tests_pass_with_the_lossless_hook(tmp_path):
     selection = " or ".join(f"TestDistBackendWithSpawn and {name}" for name in TESTS)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--rootdir", HERE,
            os.path.join(HERE, "torch_ddp", "suite.py"), "-k", selection]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_launcher(cmd, cwd=ROOT, env=env, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     passed = {line.split("::")[-1].strip() for line in out.splitlines() if line.startswith("PASSED ")}

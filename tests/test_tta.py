@@ -4,7 +4,6 @@ namespaces: needs root, skipped with the reason otherwise, as in tests/test_clus
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -14,6 +13,7 @@ import torch
 from lossless_hc.bench import tta, tta_report, tta_worker
 from lossless_hc.bench.workloads import data, tasks
 from helpers import emulated_cluster_skip_reason
+from processes import run_launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -265,7 +265,7 @@ def test_two_hosts_lossless_curve_equals_uncompressed(tmp_path):
     cmd = [sys.executable, "-m", "lossless_hc.bench", "tta", "--task", "digits", "--hosts", "2", "--bandwidth",
            "1gbit", "--latency", "0", "--modes", "none,lossless", "--max-steps", "40", "--eval-every", "10",
            "--target", "1.01", "--cpu-fair", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_launcher(cmd, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "tta_digits_1gbit_2hosts.json") as f:
         result = json.load(f)

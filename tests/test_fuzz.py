@@ -144,6 +144,10 @@ def test_contract_is_the_coordinates_own_bound():
     y[4] = float("nan")
     assert outside_contract(y, s, a, 2, rtol).tolist() == [True, True, False, True, True]
     assert float(allowed_error(s, a, 2, rtol)[2]) >= rtol * 1e8
+    # a non-finite input: no finite output is within the contract (its sum is not a number)
+    xs[1][1] = float("nan")
+    s, a = truth(xs)
+    assert outside_contract(exact, s, a, 2, rtol).tolist() == [False, True, False, False, False]
 
 
 def test_a_decode_vouches_for_what_it_did_not_list():

@@ -215,6 +215,15 @@ def test_infinity_is_allowed_only_where_the_dense_sum_overflows(dtype):
     s, a = truth(xs)
     y = torch.tensor([float("inf"), float("inf"), -float("inf")], dtype=dtype)
     assert outside_contract(y, s, a, 2, 2.0 ** -10).tolist() == [True, False, True]
+    # beyond the largest finite value: only the infinity of the sum's sign; just below it, but within the
+    # allowance of it (the dense sum may round up past it), the infinity too
+    below = big * (1 - 2.0 ** -16)
+    xs = [torch.tensor([-big, -big, below / 2], dtype=torch.float64),
+          torch.tensor([-big, -big, below / 2], dtype=torch.float64)]
+    s, a = truth(xs)
+    assert float(s[2]) < big <= float(s[2] + allowed_error(s, a, 2, 2.0 ** -10, dtype)[2])
+    y = torch.tensor([float("inf"), -float("inf"), float("inf")], dtype=dtype)
+    assert outside_contract(y, s, a, 2, 2.0 ** -10).tolist() == [True, False, False]
 
 
 def test_contract_takes_the_larger_of_rtol_and_gamma():

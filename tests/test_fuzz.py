@@ -121,6 +121,13 @@ def test_outside_bounds_flags_a_coordinate_beyond_its_keys_bound():
     assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [5]
     y[0] += 1.5e-6                      # beyond E + u (|s| + E), about 1.12e-6 (s = 2), within twice it
     assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [0, 5]
+    y[4] = float("nan")                 # key 2 has a bound: NaN is not within it
+    assert outside_bounds(y, s, a, 2, bounds, 2).nonzero().flatten().tolist() == [0, 4, 5]
+    # each key's own bound: key 2's larger E does not cover key 0
+    y = s.float()
+    y[0] += 1e-4
+    wide = (torch.tensor([0, 2]), torch.tensor([1e-6, 1e-3], dtype=torch.float64))
+    assert outside_bounds(y, s, a, 2, wide, 2).nonzero().flatten().tolist() == [0]
     # a float16 output beyond 65504 is inf, as a float16 dense sum would be (seed 12, group 4688)
     big = [torch.tensor([70000.0, 1.0]), torch.tensor([5000.0, 0.0])]
     s, a = truth(big)

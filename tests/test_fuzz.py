@@ -210,7 +210,12 @@ def test_contract_allows_n_minus_one_roundings(n):
     u = 2.0 ** -24
     s, a = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
     want = (n - 1) * u / (1 - (n - 1) * u) + 2.0 ** -150 + (n + 1) * 2.0 ** -53
-    assert float(allowed_error(s, a, n, 0.0)[0]) == pytest.approx(want, rel=1e-12)
+    # abs=0: pytest.approx's default absolute tolerance (1e-12) would pass without the last two terms
+    assert float(allowed_error(s, a, n, 0.0)[0]) == pytest.approx(want, rel=1e-12, abs=0)
+    # an average rounds once more, by u of the (averaged) sum
+    s = torch.full((1,), 3.0, dtype=torch.float64)
+    more = allowed_error(s, a, n, 0.0, averaged=True) - allowed_error(s, a, n, 0.0)
+    assert float(more[0]) == pytest.approx(3 * u, rel=1e-9, abs=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -238,4 +243,4 @@ def test_contract_takes_the_larger_of_rtol_and_gamma():
     rtol (plus the truth's rounding and half the smallest subnormal)."""
     s = a = torch.ones(1, dtype=torch.float64)
     want = 2.0 ** -10 + 2.0 ** -150 + 3 * 2.0 ** -53
-    assert float(allowed_error(s, a, 2, 2.0 ** -10)[0]) == pytest.approx(want, rel=1e-12)
+    assert float(allowed_error(s, a, 2, 2.0 ** -10)[0]) == pytest.approx(want, rel=1e-15, abs=0)

@@ -244,3 +244,17 @@ def test_contract_takes_the_larger_of_rtol_and_gamma():
     s = a = torch.ones(1, dtype=torch.float64)
     want = 2.0 ** -10 + 2.0 ** -150 + 3 * 2.0 ** -53
     assert float(allowed_error(s, a, 2, 2.0 ** -10)[0]) == pytest.approx(want, rel=1e-15, abs=0)
+
+
+def test_a_plain_aggregate_refused_as_corrupted_is_wrong(monkeypatch):
+    """A decoder that refuses valid sums as corrupted claims nothing, yet is wrong. With the header check of an
+    average exact (a mutation of LosslessCodec._read_header: an averaged field is within 1/2 of an integer, not
+    one), 3000 cases of seed 5 refused 122 plain averages as HEADER_CORRUPT and counted 0 wrong. A plain
+    aggregate (no rank overloaded) refused with a status that names a corrupted payload is "refused_clean"."""
+    from lossless_hc.lhc.codec import LosslessCodec
+    real = LosslessCodec._read_header
+    monkeypatch.setattr(LosslessCodec, "_read_header",
+                        lambda self, fields, scale: real(self, [float(f) * scale for f in fields], 1.0))
+    t = run(400, seed=5, workers=1, kinds=("lhc",))
+    assert t.wrong[("average", "refused_clean")] > 0 and t.ok_but_wrong == t.wrong[("average", "refused_clean")]
+    assert {(v.how, v.status) for v in t.examples} == {("average", "HEADER_CORRUPT")}

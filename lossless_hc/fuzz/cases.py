@@ -29,8 +29,10 @@ Verdicts (:func:`run_group`, one per case): the decode's status name, and whethe
 contract (:mod:`lossless_hc.lhc.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the
 contract) or ``inexact_but_wrong`` (INEXACT with a coordinate outside the contract at a key it did
 not report); and on the plain cases ``outside_its_bound`` (a coordinate farther from the true sum
-than the bound E(k) the decoder reports for its key, ``decode(..., error_bounds=True)``). Any other
-refusal (ok=False) is never wrong.
+than the bound E(k) the decoder reports for its key, ``decode(..., error_bounds=True)``) or
+``refused_clean`` (refused with a status that says the payload is not a plain sum or average,
+:data:`CORRUPTION_STATUSES`, though it is one and no rank was overloaded). Any other refusal
+(ok=False) is never wrong.
 """
 from __future__ import annotations
 
@@ -54,6 +56,11 @@ VALUES = ("normal", "range", "integers", "big_small", "cancel", "near_cancel")
 CORRUPTIONS = ("index_bit", "sketch_bit", "zero_sketch", "wrong_sum", "header_keys")
 DENSE_CORRUPTIONS = ("header_keys", "header_bit")
 VERIFY_PLAIN_EVERY = 4   # case 1 of every 4th group decodes with verify=True
+# The statuses that name a payload that is not a plain sum or average of the codec's payloads (corrupted, or
+# aggregated otherwise: csrc/lhc_status.h): a false alarm on a plain aggregate without an overloaded rank.
+CORRUPTION_STATUSES = frozenset((DecodeStatus.INDEX_CORRUPT, DecodeStatus.SKETCH_CORRUPT, DecodeStatus.HEADER_CORRUPT,
+                                 DecodeStatus.WRONG_CONTRIBUTORS, DecodeStatus.CONFIGURATION_MISMATCH,
+                                 DecodeStatus.KEY_COUNT_CORRUPT))
 
 
 @dataclass
@@ -64,7 +71,7 @@ class Verdict:
     case: int
     how: str                 # "sum", "average", "tree", or the corruption
     status: str              # DecodeStatus name
-    wrong: Optional[str]     # None, "ok_but_wrong", "inexact_but_wrong" (THC: "refused_clean" too)
+    wrong: Optional[str]     # None, "ok_but_wrong", "inexact_but_wrong", "outside_its_bound", "refused_clean"
     detail: str = ""
     clean: bool = True       # a plain aggregate (False: a corrupted one)
 
@@ -230,6 +237,8 @@ def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch
     # The reported bounds hold only for sums of valid payloads: checked on the clean cases.
     y, report = codec.decode(payload, averaged=averaged, shape=(g.numel,), dtype=g.dtype, error_bounds=clean)
     status = DecodeStatus(report.status)
+    if clean and status in CORRUPTION_STATUSES and not report.overloaded_ranks:
+        return Verdict(g.group, case, how, status.name, "refused_clean", report.reason or "", clean=clean)
     if averaged:
         s, a = s / g.world_size, a / g.world_size
     wrong, detail = None, ""

@@ -25,7 +25,7 @@ class Tally:
 
     cases: int = 0
     statuses: Counter = field(default_factory=Counter)   # ("clean" | "corrupt", status name) -> cases
-    # (how, "ok_but_wrong" | "inexact_but_wrong" | "outside_its_bound") -> cases
+    # (how, "ok_but_wrong" | "inexact_but_wrong" | "outside_its_bound" | "refused_clean") -> cases
     wrong: Counter = field(default_factory=Counter)
     examples: List[Verdict] = field(default_factory=list)   # the first MAX_EXAMPLES wrong verdicts
     wrong_groups: List[str] = field(default_factory=list)    # every group with a wrong verdict ("thc:<g>" for THC)
@@ -33,7 +33,9 @@ class Tally:
 
     @property
     def ok_but_wrong(self) -> int:
-        """Cases that claimed exactness (ok, or exact outside the reported inexact keys) and were not."""
+        """Every wrong case: claimed exact (ok, or exact outside the reported inexact keys) and was not, was
+        outside the bound it reported, or was refused though it was a plain aggregate (THC: or accepted
+        changed when corrupted)."""
         return sum(self.wrong.values())
 
     def add(self, verdicts: List[Verdict]) -> None:

@@ -258,3 +258,47 @@ def test_a_plain_aggregate_refused_as_corrupted_is_wrong(monkeypatch):
     t = run(400, seed=5, workers=1, kinds=("lhc",))
     assert t.wrong[("average", "refused_clean")] > 0 and t.ok_but_wrong == t.wrong[("average", "refused_clean")]
     assert {(v.how, v.status) for v in t.examples} == {("average", "HEADER_CORRUPT")}
+
+
+
+def sabotage_decoder(monkeypatch, mode: str) -> None:
+    """LosslessCodec.decode made wrong, as ``mode`` says: "ok": an OK decode's largest value off by half of
+    it; "inexact": the same at an INEXACT decode's key it did not list; "bound": every value a decode bounds
+    off by 2^-16 of itself (within rtol = 2^-10), its bounds E set to 0."""
+    from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
+    from lossless_hc.lhc.status import DecodeStatus
+    real = LosslessCodec.decode
+
+    def decode(self, payload, *args, **kwargs):
+        y, report = real(self, payload, *args, **kwargs)
+        flat = y.reshape(-1)
+        inexact = DecodeStatus(report.status) == DecodeStatus.INEXACT
+        if (mode == "ok" and report.ok) or (mode == "inexact" and inexact):
+            magnitude = flat.abs().double()
+            if inexact:
+                magnitude[key_coordinates(report.inexact_keys, self.layout.block, flat.numel())[0]] = 0
+            i = int(magnitude.argmax())
+            flat[i] *= 1.5
+        if mode == "bound" and report.error_bounds is not None:
+            keys, E = report.error_bounds
+            idx = key_coordinates(keys, self.layout.block, flat.numel())[0]
+            flat[idx] = (flat[idx].double() * (1 + 2.0 ** -16)).to(flat.dtype)
+            report.error_bounds = (keys, torch.zeros_like(E))
+        return y, report
+    monkeypatch.setattr(LosslessCodec, "decode", decode)
+
+
+@pytest.mark.parametrize("mode, label", [("ok", "ok_but_wrong"), ("inexact", "inexact_but_wrong"),
+                                         ("bound", "outside_its_bound")])
+def test_a_wrong_decoder_is_counted_and_fails_the_run(monkeypatch, capsys, mode, label):
+    """The fuzzer is a test: a decoder that claims a value outside the contract (OK, or INEXACT at a key it
+    did not list) or outside the bound it reports is counted wrong, under that label, on plain aggregates,
+    and the command exits with status 1."""
+    from lossless_hc.fuzz.__main__ import main
+    sabotage_decoder(monkeypatch, mode)
+    assert main(["--cases", "200", "--seed", "0", "--workers", "1", "--kinds", "lhc"]) == 1
+    out = capsys.readouterr().out
+    assert f"sum/{label}=" in out and "replay: python -m lossless_hc.fuzz --seed 0 --group" in out, out
+    t = run(200, seed=0, workers=1, kinds=("lhc",), chunk=10)   # many chunks: each one's counts merged
+    assert t.wrong[("sum", label)] > 0
+    assert t.ok_but_wrong == sum(t.wrong.values()) and t.examples and t.wrong_groups

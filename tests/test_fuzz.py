@@ -302,3 +302,24 @@ def test_a_wrong_decoder_is_counted_and_fails_the_run(monkeypatch, capsys, mode,
     t = run(200, seed=0, workers=1, kinds=("lhc",), chunk=10)   # many chunks: each one's counts merged
     assert t.wrong[("sum", label)] > 0
     assert t.ok_but_wrong == sum(t.wrong.values()) and t.examples and t.wrong_groups
+
+
+@pytest.mark.parametrize("mode, label", [("accepts", "ok_but_wrong"), ("refuses", "refused_clean")])
+def test_a_wrong_thc_decoder_is_counted(monkeypatch, mode, label):
+    """THC's integrity contract (lossless_hc.fuzz.thc_cases): a decoder that returns other bits than the
+    clean decode's for a corrupted aggregate (here: zeros where it refused), or that refuses the clean one,
+    is counted wrong, under the THC group's own number."""
+    from lossless_hc.thc import THCCodec
+    real = THCCodec.decode
+
+    def decode(self, payload, averaged=False, out=None):
+        if mode == "refuses":
+            raise ValueError("refused")
+        try:
+            return real(self, payload, averaged=averaged, out=out)
+        except ValueError:
+            return torch.zeros(self.numel)
+    monkeypatch.setattr(THCCodec, "decode", decode)
+    t = run(400, seed=0, workers=1, kinds=("thc",))
+    assert sum(c for (how, w), c in t.wrong.items() if how.startswith("thc_") and w == label) > 0
+    assert t.wrong_groups and all(g.startswith("thc:") for g in t.wrong_groups)

@@ -323,3 +323,70 @@ def test_a_wrong_thc_decoder_is_counted(monkeypatch, mode, label):
     t = run(400, seed=0, workers=1, kinds=("thc",))
     assert sum(c for (how, w), c in t.wrong.items() if how.startswith("thc_") and w == label) > 0
     assert t.wrong_groups and all(g.startswith("thc:") for g in t.wrong_groups)
+
+
+
+def test_the_first_groups_draw_every_kind_of_case():
+    """The generator is part of the test: a class of cases it stops drawing (an index kind, NaN inputs,
+    overloads, verify on a plain case, a corruption that changes nothing) passes every other test. The fast
+    slice's first 400 groups draw each kind the module doc lists, and every corruption kind changes the
+    aggregate's bits somewhere."""
+    from collections import defaultdict
+
+    from lossless_hc.fuzz.cases import _restamped
+    corruptions = {"index_bit", "sketch_bit", "zero_sketch", "wrong_sum", "header_keys", "header_bit"}
+    seen = defaultdict(set)
+    for group in range(400):
+        g, codec, made = group_cases(0, group)
+        for what in ("index", "block", "support", "values", "dtype", "non_finite"):
+            seen[what].add(getattr(g, what))
+        seen["overloaded"].add(g.keys_per_rank > g.max_nnz // g.block)
+        seen["world_size"].add(g.world_size)
+        held = g.xs[0] != 0
+        if g.values == "cancel" and bool(held.any()):   # rank 1 holds minus rank 0 there, exactly
+            seen["cancels"].add(torch.equal(g.xs[1][held], -g.xs[0][held]))
+        for case, how, c, p, averaged in made:
+            seen["case"].add((case, how, c.verify, averaged))
+            if case >= 2:
+                before = _restamped(made[0][3], codec, c)   # a finite word changed (inf + 0 * inf is NaN)
+                seen["changed"].add((how, bool(((p != before) & before.isfinite()).any())))
+    assert seen["index"] == {"bitmap", "bloom", "multilevel", "dense", "auto"}
+    assert seen["block"] == {1, 2, 3, 4, 8, 16, 32}
+    assert seen["support"] == {"independent", "shared", "hot", "disjoint"}
+    assert seen["values"] == {"normal", "range", "integers", "big_small", "cancel", "near_cancel"}
+    assert seen["dtype"] == {torch.float32, torch.float16, torch.bfloat16}
+    assert seen["non_finite"] == seen["overloaded"] == {True, False} and True in seen["cancels"]
+    assert min(seen["world_size"]) == 2 and max(seen["world_size"]) > 32
+    assert {(how, verify, averaged) for case, how, verify, averaged in seen["case"] if case == 1} == \
+        {("average", True, True), ("average", False, True), ("tree", True, False), ("tree", False, False)}
+    assert {(how, verify) for case, how, verify, _ in seen["case"] if case >= 2} == {(how, True) for how in corruptions}
+    assert {how for how, changed in seen["changed"] if changed} == corruptions
+
+
+def test_the_first_thc_groups_draw_every_kind_of_case(monkeypatch):
+    """As above for THC (:mod:`lossless_hc.fuzz.thc_cases`): sums and averages, float64 and int64 words, every
+    bit width, and every corruption kind changing the aggregate's bits somewhere."""
+    from lossless_hc.fuzz import thc_cases
+    from lossless_hc.fuzz.thc_cases import run_thc_group
+    corruptions = {"word_bit", "level_off", "norm_huge", "zero_levels"}
+    from lossless_hc.thc import THCCodec
+    seen, corrupt = set(), thc_cases._corrupt
+
+    def codec(numel, n, **kw):
+        seen.add((kw["bits"], kw["payload_dtype"]))
+        return THCCodec(numel, n, **kw)
+
+    def corrupted(how, summed, c, rng):
+        p = corrupt(how, summed, c, rng)
+        changed = (p != summed).nonzero().flatten()
+        seen.add((how, changed.numel() > 0))
+        if how in ("level_off", "zero_levels"):   # level words only
+            assert bool((changed >= c.layout.words_offset).all()), (how, changed)
+        return p
+    monkeypatch.setattr(thc_cases, "THCCodec", codec)
+    monkeypatch.setattr(thc_cases, "_corrupt", corrupted)
+    hows = {v.how for group in range(60) for v in run_thc_group(0, group)}
+    assert hows == {"thc_sum", "thc_average"} | {f"thc_{how}" for how in corruptions}
+    assert {(bits, dtype) for bits, dtype in (s for s in seen if isinstance(s[0], int))} >= \
+        {(b, torch.float64) for b in (2, 3, 4, 8)} | {(4, torch.int64)}
+    assert {how for how, changed in (s for s in seen if isinstance(s[0], str)) if changed} == corruptions

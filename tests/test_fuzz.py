@@ -390,3 +390,25 @@ def test_the_first_thc_groups_draw_every_kind_of_case(monkeypatch):
     assert {(bits, dtype) for bits, dtype in (s for s in seen if isinstance(s[0], int))} >= \
         {(b, torch.float64) for b in (2, 3, 4, 8)} | {(4, torch.int64)}
     assert {how for how, changed in (s for s in seen if isinstance(s[0], str)) if changed} == corruptions
+
+
+def test_the_run_and_the_cli_take_what_they_are_given(capsys):
+    """run() judges the cases asked for, rounded up to whole groups and no more (a mutation rounding down ran
+    none for --cases 3; one not clamping its chunk ran 250 groups); unknown kinds are refused; and the CLI
+    hands --kinds, --first-group and --rtol on (each ignored passed every other test)."""
+    from collections import Counter
+
+    from lossless_hc.fuzz.__main__ import main
+    assert run(6, seed=0, workers=1, kinds=("lhc",)).cases == 8
+    with pytest.raises(ValueError, match="kinds"):
+        run(8, seed=0, workers=1, kinds=("lhx",))
+    assert main(["--cases", "40", "--workers", "1", "--kinds", "lhc"]) == 0
+    assert "40 cases (seed 0, lhc" in capsys.readouterr().out
+    assert main(["--cases", "40", "--workers", "1"]) == 0   # and THC groups 0 and 1, beside LHC groups 0 and 8
+    assert "48 cases (seed 0, lhc,thc" in capsys.readouterr().out
+    want = Counter(("clean" if v.clean else "corrupt", v.status) for v in run_group(11, 52726))
+    assert main(["--cases", "4", "--seed", "11", "--first-group", "52726", "--workers", "1", "--kinds", "lhc"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{where:8s}{status:28s}{count:10d}" in out for (where, status), count in want.items()), (want, out)
+    # rtol 0 leaves a dense sum's rounding only: decodes within the codec's rtol (2^-10) fall outside it
+    assert main(["--cases", "40", "--workers", "1", "--kinds", "lhc", "--rtol", "0"]) == 1

@@ -101,3 +101,139 @@ def test_auto_top_k_allgathered_resumes_bit_for_bit():
     for xs in steps[3:]:
         want, got = run_in_process(straight, xs)[0], run_in_process(resumed, xs)[0]
         assert all(torch.equal(w, v) for w, v in zip(want, got))
+
+
+def same_state(a, b) -> bool:
+    """Two states of aggregator_state_dict equal, tensors by their values (bit for bit)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
+
+
+def lossless_steps(agg, steps, seed):
+    """Exact steps of 4 ranks (one aggregator stands in for each replica), 40 to 160 non-zeros a rank; the
+    payload sizes."""
+    from lossless_hc.training.aggregate import TensorAggregator
+    assert isinstance(agg, TensorAggregator)
+    g, sizes = torch.Generator().manual_seed(seed), []
+    for step in range(steps):
+        xs = [torch.zeros(agg.numel) for _ in range(4)]
+        for x in xs:
+            k = 40 + 40 * (step % 4)
+            x[torch.randperm(agg.numel, generator=g)[:k]] = torch.randn(k, generator=g)
+        encoded = [agg.encode(x) for x in xs]
+        out = agg.decode(sum(p for p, _ in encoded), encoded[0][1])
+        if out.needs_fallback:
+            agg.finish_fallback(sum(xs), out)
+        sizes.append(encoded[0][0].numel())
+    return sizes
+
+
+def test_a_lossless_aggregator_resumes_as_the_straight_run():
+    """A capacity-policy aggregator saved mid-interval (its tracker holds averages, peaks and a resize history)
+    and loaded into a fresh one holds the same state and codec, and the next steps' payloads and decisions
+    are the straight run's. (Each field left out of the save or the load passed every test.)"""
+    from lossless_hc.training.aggregate import TensorAggregator
+    from lossless_hc.training.capacity import CapacityPolicy
+
+    def make():
+        return TensorAggregator("t", (20_000,), torch.float32, 4, 0.05, seed=3, policy=CapacityPolicy(interval=4))
+    straight = make()
+    lossless_steps(straight, 10, seed=0)
+    saved = aggregator_state_dict(straight)
+    assert straight.tracker.changes >= 1 and straight.tracker.peak_union > 0 and straight.union_capacity is not None
+    resumed = make()
+    load_aggregator_state_dict(resumed, saved)
+    assert same_state(aggregator_state_dict(resumed), saved)
+    assert resumed.codec.layout == straight.codec.layout
+    assert lossless_steps(resumed, 9, seed=1) == lossless_steps(straight, 9, seed=1)
+    assert same_state(aggregator_state_dict(resumed), aggregator_state_dict(straight))
+
+
+@pytest.mark.parametrize("first", ["sketch", "thc", "topk"])
+def test_an_auto_aggregator_resumes_as_the_straight_run(first):
+    """An auto plan saved after a few steps (mid-interval: a plan is due later) and loaded into fresh
+    aggregators holds the same state, and the next steps' sums are the straight run's bits, over a re-plan."""
+    from lossless_hc.training.step import run_in_process
+
+    def pair():
+        return [AutoAggregator("w", (4096,), torch.float32, 2, r, MODEL, lossy=True, first=first, interval=4,
+                               allowed=(first,), lossy_min_bytes=0) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+
+    def inputs():
+        xs = [torch.zeros(4096) for _ in range(2)]
+        for x in xs:
+            x[torch.randperm(4096, generator=g)[:200]] = torch.randn(200, generator=g)
+        return xs
+    steps = [inputs() for _ in range(11)]
+    straight = pair()
+    for xs in steps[:3]:
+        run_in_process(straight, xs)
+    saved = [aggregator_state_dict(a) for a in straight]
+    resumed = pair()
+    for a, state in zip(resumed, saved):
+        load_aggregator_state_dict(a, state)
+        assert same_state(aggregator_state_dict(a), state)
+    for xs in steps[3:]:
+        want, got = run_in_process(straight, xs)[0], run_in_process(resumed, xs)[0]
+        assert all(torch.equal(w, v) for w, v in zip(want, got))
+    assert all(same_state(aggregator_state_dict(a), aggregator_state_dict(b)) for a, b in zip(straight, resumed))
+    assert straight[0].plans >= 2 and straight[0].strategy == first
+
+
+def test_an_auto_aggregator_saved_before_its_cost_model_plans_when_it_comes():
+    """Built before the calibration (DDP's first step), an auto aggregator's first plan waits for the cost
+    model (``plan_due``); saved then and resumed, it plans as the straight run when the model comes."""
+    from lossless_hc.training.step import run_in_process
+
+    def pair():
+        return [AutoAggregator("w", (4096,), torch.float32, 2, r, None, lossy=True, interval=4, lossy_min_bytes=0,
+                               topk_ratio=0.01, thc_bits=4) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(4096, generator=g) for _ in range(2)] for _ in range(4)]
+    straight, resumed = pair(), pair()
+    run_in_process(straight, steps[0])
+    for a, b in zip(straight, resumed):
+        state = aggregator_state_dict(a)
+        assert state["plan_due"]
+        load_aggregator_state_dict(b, state)
+        assert same_state(aggregator_state_dict(b), state)
+    for a in straight + resumed:
+        a.cost_model = MODEL
+    for xs in steps[1:]:
+        want, got = run_in_process(straight, xs)[0], run_in_process(resumed, xs)[0]
+        assert all(torch.equal(w, v) for w, v in zip(want, got))
+    assert resumed[0].plans == straight[0].plans >= 1
+
+
+def test_a_thc_aggregator_resumes_as_the_straight_run():
+    """THC (``Compression.thc``) saved after a few steps carries its codecs' step, agreed norm and error memory:
+    resumed on fresh aggregators, the next steps' decodes are the straight run's bits (a state not restored
+    passed every other test)."""
+    from lossless_hc.training.thc_aggregate import THCAggregator
+
+    def ranks():
+        return [THCAggregator("t", (4096,), torch.float32, 2, r, seed=5) for r in range(2)]
+
+    def step(aggs, xs):
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        summed = sum(p for p, _ in encoded)
+        return [a.decode(summed.clone(), ctx).value for a, (_, ctx) in zip(aggs, encoded)]
+    g = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(4096, generator=g) for _ in range(2)] for _ in range(6)]
+    straight = ranks()
+    for xs in steps[:3]:
+        step(straight, xs)
+    resumed = ranks()
+    for a, b in zip(straight, resumed):
+        state = aggregator_state_dict(a)
+        assert "codec" in state
+        load_aggregator_state_dict(b, state)
+        assert same_state(aggregator_state_dict(b), state)
+    for xs in steps[3:]:
+        assert all(torch.equal(w, v) for w, v in zip(step(straight, xs), step(resumed, xs)))

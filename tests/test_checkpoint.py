@@ -33,6 +33,23 @@ def test_a_truncated_state_is_refused_before_anything_is_restored():
         load_aggregator_state_dict(auto(), state)
 
 
+def test_a_state_for_another_configuration_is_refused():
+    """A saved strategy this auto aggregator does not allow, a capacity policy on one side only, another shape:
+    each a ValueError, not a state restored into an aggregator it does not fit."""
+    from lossless_hc.training.aggregate import TensorAggregator
+    from lossless_hc.training.capacity import CapacityPolicy
+    state = aggregator_state_dict(auto())
+    assert state["strategy"] == "topk"
+    only_sketch = AutoAggregator("w", (4096,), torch.float32, 2, 0, MODEL, allowed=("sketch",))
+    with pytest.raises(ValueError, match="saved strategy 'topk' is not allowed"):
+        load_aggregator_state_dict(only_sketch, state)
+    with_policy = aggregator_state_dict(TensorAggregator("t", (4096,), torch.float32, 2, 0.01, policy=CapacityPolicy()))
+    with pytest.raises(ValueError, match="capacity policy"):
+        load_aggregator_state_dict(TensorAggregator("t", (4096,), torch.float32, 2, 0.01), with_policy)
+    with pytest.raises(ValueError, match="aggregator of torch.float32 \\[4096\\]"):
+        load_aggregator_state_dict(TensorAggregator("t", (64, 64), torch.float32, 2, 0.01), with_policy)
+
+
 def test_a_residual_of_another_size_is_refused_and_a_negative_view_restored_as_its_values():
     """A top-k residual of another numel (it was broadcast into the next step's sum) is refused before
     anything is restored, in a top-k and an auto state; one saved as a negative view comes back as its

@@ -74,6 +74,10 @@ def test_key_cells_rejects_bad_table():
         reference.key_cells(SegmentedTable(seg_len=1 << 32, seg_count=3, stream=0), torch.arange(3))
     with pytest.raises(ValueError):
         reference.key_cells(SegmentedTable(seg_len=5, seg_count=10, stream=0), torch.arange(3))
+    # no segments: every key's cells would lie outside the table's 0 cells
+    with pytest.raises(ValueError, match="seg_count must be a positive multiple of 3"):
+        reference.key_cells(SegmentedTable(seg_len=5, seg_count=0, stream=0), torch.arange(3))
+
 
 
 def test_peel_rounds_stops_at_two_core():

@@ -79,6 +79,13 @@ def test_key_cells_rejects_bad_table():
         reference.key_cells(SegmentedTable(seg_len=5, seg_count=0, stream=0), torch.arange(3))
 
 
+def test_s64_is_the_two_s_complement_of_the_64_bits():
+    """``hashing.s64`` at its edges: 2**63 is the most negative int64 (a stream or constant of that pattern
+    would otherwise stay a Python int outside int64)."""
+    from lossless_hc.lhc.hashing import s64
+    assert [s64(v) for v in (0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 1 << 64)] == \
+        [0, (1 << 63) - 1, -(1 << 63), -1, 0]
+
 
 def test_peel_rounds_stops_at_two_core():
     # keys 0 and 1 share all three cells (a 2-core); key 2 is free and peels; key 3 hangs off key 2

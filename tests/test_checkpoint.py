@@ -254,3 +254,19 @@ def test_a_thc_aggregator_resumes_as_the_straight_run():
         assert same_state(aggregator_state_dict(b), state)
     for xs in steps[3:]:
         assert all(torch.equal(w, v) for w, v in zip(step(straight, xs), step(resumed, xs)))
+
+
+def test_an_auto_state_from_before_last_step_observed_every_step():
+    """A checkpoint written before the plan tracker kept ``last_step`` (the step of its last observation)
+    comes from a tracker that observed every step: its last observation is its step count, so the next one
+    weighs as one step, not as every step since 0."""
+    from lossless_hc.training.step import run_in_process
+    aggs = [auto(r) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        run_in_process(aggs, [torch.randn(4096, generator=g) for _ in range(2)])
+    state = aggregator_state_dict(aggs[0])
+    del state["tracker"]["last_step"]
+    agg = auto()
+    load_aggregator_state_dict(agg, state)
+    assert agg.tracker.last_step == agg.tracker.steps == state["tracker"]["steps"] > 0

@@ -376,3 +376,17 @@ def test_tensor_stats_refuses_bad_fields():
                        (dict(union_keys=-3), "union_keys must be counts")):
         with pytest.raises(ValueError, match=match):
             TensorStats(**{**ok, **bad})
+
+
+def test_link_fit_takes_each_size_s_fastest_sample_and_a_flat_pair_s_mean_cost():
+    """Samples repeated at a size (every rank's, or several calibrations' together) count by their fastest:
+    scheduling noise only ever adds to a collective's time. Two largest sizes timed alike (a slope of exactly
+    0) price the bytes at the larger one's mean cost, as a negative slope does, never at 0 (every byte free)."""
+    link = LinkModel(1e-4, 8e-9)
+    fast = [(k, b, (link.allreduce if k == "allreduce" else link.allgather)(b, 4))
+            for b in (1 << 10, 1 << 16, 1 << 20) for k in ("allreduce", "allgather")]
+    noisy = [(k, b, 3 * t) for k, b, t in fast]
+    assert fit_link(noisy + fast + noisy, 4, LinkModel(0, 1)) == fit_link(fast, 4, LinkModel(0, 1))
+    flat = [("allreduce", 1 << 10, 2e-4), ("allreduce", 1 << 16, 5e-4), ("allreduce", 1 << 20, 5e-4)]
+    fit = fit_link(flat, 4, LinkModel(0, 1))
+    assert fit.seconds_per_byte == pytest.approx(5e-4 / (1.5 * (1 << 20)), rel=1e-12, abs=0)

@@ -390,3 +390,14 @@ def test_link_fit_takes_each_size_s_fastest_sample_and_a_flat_pair_s_mean_cost()
     flat = [("allreduce", 1 << 10, 2e-4), ("allreduce", 1 << 16, 5e-4), ("allreduce", 1 << 20, 5e-4)]
     fit = fit_link(flat, 4, LinkModel(0, 1))
     assert fit.seconds_per_byte == pytest.approx(5e-4 / (1.5 * (1 << 20)), rel=1e-12, abs=0)
+
+
+def test_link_latency_is_the_smallest_size_s_least_per_hop():
+    """The latency is the least, over the collectives timed at the smallest size, of its time less its bytes
+    per hop: scheduling noise only adds to a round trip. An allgather three times as slow per hop there does
+    not raise it."""
+    quick, slow = LinkModel(1e-4, 8e-9), LinkModel(3e-4, 8e-9)
+    samples = [(k, b, (quick.allreduce(b, 4) if k == "allreduce" else slow.allgather(b, 4)))
+               for b in (1 << 10, 1 << 16, 1 << 20) for k in ("allreduce", "allgather")]
+    fit = fit_link(samples, 4, LinkModel(0, 1))
+    assert fit.alpha_s == pytest.approx(1e-4, rel=1e-9) and fit.seconds_per_byte == pytest.approx(8e-9, rel=1e-9)

@@ -401,3 +401,20 @@ def test_link_latency_is_the_smallest_size_s_least_per_hop():
                for b in (1 << 10, 1 << 16, 1 << 20) for k in ("allreduce", "allgather")]
     fit = fit_link(samples, 4, LinkModel(0, 1))
     assert fit.alpha_s == pytest.approx(1e-4, rel=1e-9) and fit.seconds_per_byte == pytest.approx(8e-9, rel=1e-9)
+
+
+def test_calibrate_fits_rank_0_s_samples_and_every_rank_takes_the_broadcast():
+    """calibrate() on one process standing in for ranks 0 and 1 of 4 (collectives that do nothing): rank 0's
+    link is fit_link of the samples it timed at the world size it was given, with the half allreduce timed at
+    the two largest sizes; rank 1 returns what the broadcast brings, not its own numbers."""
+    from lossless_hc.training.calibration import calibrate
+    samples = []
+    cal = calibrate(lambda t: None, lambda t: None, lambda t: None, 0, 4, sizes=(1 << 10, 1 << 15, 1 << 18),
+                    repeats=1, samples_out=samples, half=True)
+    assert [b for k, b, _ in samples if k == "allreduce_half"] == [1 << 15, 1 << 18]
+    assert cal.link == fit_link(samples, 4, Calibration.default().link)
+    sent = Calibration.default(bandwidth_bits=1e9, latency_s=3e-5)
+
+    def broadcast(t):
+        t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
+    assert calibrate(lambda t: None, lambda t: None, broadcast, 1, 4, sizes=(1 << 10, 1 << 15), repeats=1) == sent

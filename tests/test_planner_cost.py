@@ -418,3 +418,13 @@ def test_calibrate_fits_rank_0_s_samples_and_every_rank_takes_the_broadcast():
     def broadcast(t):
         t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
     assert calibrate(lambda t: None, lambda t: None, broadcast, 1, 4, sizes=(1 << 10, 1 << 15), repeats=1) == sent
+
+
+def test_link_latency_is_floored_at_zero_and_sizes_span_a_factor_of_4():
+    """A smallest sample quicker than the bytes' slope predicts (a burst) fits a latency of 0, not a negative
+    one that no LinkModel takes; link_sizes keeps only sizes a quarter of the largest or less below it."""
+    from lossless_hc.training.calibration import link_sizes
+    samples = [("allreduce", 1 << 10, 1e-7), ("allreduce", 1 << 18, 1e-3), ("allreduce", 1 << 20, 4e-3)]
+    fit = fit_link(samples, 2, LinkModel(0, 1))
+    assert fit.alpha_s == 0.0 and fit.seconds_per_byte == pytest.approx(3e-3 / (3 << 18), rel=1e-12)
+    assert link_sizes(1 << 19) == (1 << 10, 1 << 15, 1 << 19)   # 256 KiB is more than a quarter of 512 KiB

@@ -226,3 +226,17 @@ def test_an_uncalled_factory_passed_as_compression_says_so(factory):
     from lossless_hc.plugins.byteps import Compression
     with pytest.raises(TypeError, match=f"Compression.{factory} is a factory: pass Compression.{factory}"):
         getattr(Compression, factory).compress(torch.zeros(4))
+
+
+def test_auto_options_tell_apart_every_configuration_that_plans_differently():
+    """The adapters' configuration check compares the spec's repr, built from options(): two auto specs that
+    differ in any option, a given calibration's numbers included, must differ there (ranks that disagreed on
+    lossy_min_bytes or on the calibration planned different collectives unnoticed)."""
+    from lossless_hc.training.planner import Calibration
+    base = dict(lossy=True, calibration=Calibration.default(1e9))
+    variants = [dict(lossy=False), dict(interval=8), dict(alpha=0.5), dict(first="dense"), dict(strategies=("dense",)),
+                dict(calibration=Calibration.default(1e10)), dict(calibration=None), dict(topk_ratio=0.02),
+                dict(thc_bits=2), dict(seed=1), dict(partial=False), dict(lossy_min_bytes=0)]
+    reprs = [repr(AutoSpec(**{**base, **v})) for v in variants]
+    assert len(set(reprs + [repr(AutoSpec(**base))])) == len(variants) + 1, reprs
+    assert repr(AutoSpec(**base)) == repr(AutoSpec(lossy=True, calibration=Calibration.default(1e9)))

@@ -240,3 +240,19 @@ def test_auto_options_tell_apart_every_configuration_that_plans_differently():
     reprs = [repr(AutoSpec(**{**base, **v})) for v in variants]
     assert len(set(reprs + [repr(AutoSpec(**base))])) == len(variants) + 1, reprs
     assert repr(AutoSpec(**base)) == repr(AutoSpec(lossy=True, calibration=Calibration.default(1e9)))
+
+
+def test_auto_times_the_half_allreduce_only_where_a_plan_may_go_half():
+    """AutoSpec.measure times a float16 allreduce where a plan may send half precision (lossy, fp16 or bf16
+    among the strategies) and nowhere else: it costs two large collectives at start-up. Rank 1 of 2 here,
+    which times the link and takes rank 0's calibration from the broadcast."""
+    from lossless_hc.training.planner import Calibration
+    sent = Calibration.default()
+
+    def broadcast(t):
+        t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
+    for options, half in ((dict(), False), (dict(lossy=True), True), (dict(lossy=True, strategies=("dense", "thc")), False)):
+        spec = AutoSpec(**options)
+        spec.measure(lambda t: None, lambda t: None, broadcast, 1, 2, "cpu", largest_bytes=1 << 16)
+        assert spec.calibration == sent
+        assert ("allreduce_half" in {k for k, _, _ in spec.calibration_stats()["link_samples"]}) == half, options

@@ -256,3 +256,18 @@ def test_auto_times_the_half_allreduce_only_where_a_plan_may_go_half():
         spec.measure(lambda t: None, lambda t: None, broadcast, 1, 2, "cpu", largest_bytes=1 << 16)
         assert spec.calibration == sent
         assert ("allreduce_half" in {k for k, _, _ in spec.calibration_stats()["link_samples"]}) == half, options
+
+
+def test_auto_sends_plain_steps_in_the_dtypes_its_engine_carries():
+    """An adapter whose engine carries float16 as it is (``AutoSpec.native_plain_dtypes``) gets aggregators
+    whose plain steps go in the gradient's float16, not the float32 wire dtype (twice the bytes, and priced
+    so); a bfloat16 gradient the engine does not carry, and any gradient of a spec without them, in float32."""
+    from lossless_hc.training.aggregate import AggregationStats
+    from lossless_hc.training.planner import Calibration
+    spec = AutoSpec(calibration=Calibration.default())
+
+    def plain(dtype):
+        return spec.make("w", torch.zeros(64, dtype=dtype), 2, 0, AggregationStats(), torch.device("cpu")).plain_dtype
+    assert plain(torch.float16) == torch.float32
+    spec.native_plain_dtypes = (torch.float16,)
+    assert (plain(torch.float16), plain(torch.bfloat16)) == (torch.float16, torch.float32)

@@ -425,3 +425,35 @@ def test_failed_and_inexact_segments_of_one_message_share_one_exact_sum():
     exact = xs[0][1].double() + xs[1][1].double()
     assert torch.equal(sparse != 0, exact != 0)
     assert torch.allclose(sparse.double(), exact, rtol=2 ** -10 + 2 ** -8, atol=0)
+
+
+def test_an_auto_message_gives_each_second_collective_its_own_slice():
+    """Two tensors of one message on allgather plans share one allgather (decode_message): each is summed from
+    its own slice of the gathered rows, and written divided by ``divisor`` into its ``outs`` (an offset not
+    advanced gave the second tensor the first one's rows; both mutations passed every other test)."""
+    from lossless_hc.training.auto import AutoMessage, decode_message as decode_auto_message
+    from lossless_hc.training.planner import Calibration, CostModel
+    from lossless_hc.training.strategies import AutoAggregator
+    n, model, sizes = 2, CostModel(Calibration.default()), (3000, 5000)
+
+    def ranks():
+        return [[AutoAggregator(f"w{i}", (m,), torch.float32, n, r, model, first="allgather", allowed=("allgather",))
+                 for i, m in enumerate(sizes)] for r in range(n)]
+    g = torch.Generator().manual_seed(3)
+    xs = [[torch.zeros(m) for m in sizes] for _ in range(n)]
+    for per_rank in xs:
+        for x in per_rank:
+            x[torch.randperm(x.numel(), generator=g)[:40]] = torch.randn(40, generator=g)
+
+    def message(r):   # every rank's messages from fresh aggregators, summed; rank r's message
+        ms = [AutoMessage(a, x) for a, x in zip(ranks(), xs)]
+        return ms[r], [sum(m.parts[i] for m in ms) for i in range(len(ms[0].parts))]
+    requests = []   # each rank's allgather input, recorded from a run of its own
+    for r in range(n):
+        decode_auto_message(*message(r), None, lambda t: requests.append(t.clone()) or torch.stack([t] * n))
+    m, summed = message(0)
+    outs = [torch.full((size,), float("nan")) for size in sizes]
+    results = decode_auto_message(m, summed, None, lambda t: torch.stack(requests), outs=outs, divisor=n)
+    for i in range(len(sizes)):
+        want = xs[0][i] + xs[1][i]
+        assert torch.equal(results[i], want / n) and torch.equal(outs[i], want / n)

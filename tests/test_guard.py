@@ -371,3 +371,21 @@ def test_the_dense_window_s_half_allreduce_casts_as_the_engine_s_hooks(tmp_path)
             assert torch.equal(buffer, want), (half, average)
     finally:
         dist.destroy_process_group()
+
+
+def test_guard_half_is_the_one_half_strategy_of_a_float32_bucket():
+    """The half precision the step guard's dense window sends a bucket in: the one half strategy its tensors
+    go to (dense ones go with it), none where every tensor stays dense, two of them disagree, or the bucket
+    is not float32."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lossless_hc.training.auto import guard_half
+
+    def bucket(*kinds):
+        return [SimpleNamespace(guard_alternative=lambda k=k: k) for k in kinds]
+    assert guard_half(bucket("dense", "bf16", "bf16"), torch.float32) == "bf16"
+    assert guard_half(bucket("dense", "dense"), torch.float32) is None
+    assert guard_half(bucket("fp16", "bf16"), torch.float32) is None
+    assert guard_half(bucket("bf16"), torch.float16) is None

@@ -161,6 +161,26 @@ def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step()
     assert all(b.batched == {"allgather"} and b.history == [(1, "topk_allgather")] for b in big), big[0].history
 
 
+def test_settling_a_message_replans_only_the_tensors_that_planned_since():
+    """settle_message_plans with ``plans_before`` taken after the step's plans: no tensor planned since, so
+    each one's ``batched`` follows its bucket-mates' plans but none is planned again mid-interval (the small
+    tensor keeps top-k until its own statistics step; re-planning it too passed every other test)."""
+    n = 2
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    rng = torch.Generator().manual_seed(6)
+    allowed = ("dense", "topk", "topk_allgather")
+    big, small = ([AutoAggregator(name, (numel,), torch.float32, n, r, model, lossy=True, interval=2, allowed=allowed)
+                   for r in range(n)] for name, numel in (("big", 1 << 20), ("small", 1 << 15)))
+    for aggs, numel in ((big, 1 << 20), (small, 1 << 15)):
+        run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"topk"}
+    for r in range(n):
+        plans = [big[r].plans, small[r].plans]
+        settle_message_plans([big[r], small[r]], plans)
+        assert [big[r].plans, small[r].plans] == plans and small[r].strategy == "topk"
+        assert small[r].batched == {"allgather"} and big[r].batched == frozenset()
+
+
 def test_a_replan_that_revises_the_step_s_change_back_leaves_no_history_entry():
     """A step's plan changed dense -> top-k; a re-plan of the same step (its message's plans settling) that
     goes back to dense made no change, and leaves no entry; one that goes on to a third strategy leaves one."""

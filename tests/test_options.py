@@ -271,3 +271,19 @@ def test_auto_sends_plain_steps_in_the_dtypes_its_engine_carries():
     assert plain(torch.float16) == torch.float32
     spec.native_plain_dtypes = (torch.float16,)
     assert (plain(torch.float16), plain(torch.bfloat16)) == (torch.float16, torch.float32)
+
+
+def test_auto_times_the_link_only_up_to_the_largest_tensor_it_knows():
+    """AutoSpec.measure with ``largest_bytes`` (the adapter knows the model) times the link at
+    calibration.link_sizes of it, not at every size up to 4 MiB (which a model of small tensors never sends)."""
+    from lossless_hc.training.calibration import LINK_SIZES
+    from lossless_hc.training.planner import Calibration
+    sent = Calibration.default()
+
+    def broadcast(t):
+        t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
+    for largest, sizes in ((1 << 16, [1 << 10, 1 << 16]), (None, list(LINK_SIZES))):
+        spec = AutoSpec()
+        spec.measure(lambda t: None, lambda t: None, broadcast, 1, 2, "cpu", largest_bytes=largest)
+        assert spec.calibration_stats()["link_sizes"] == sizes
+        assert sorted({b for _, b, _ in spec.calibration_stats()["link_samples"]}) == sizes

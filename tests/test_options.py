@@ -287,3 +287,15 @@ def test_auto_times_the_link_only_up_to_the_largest_tensor_it_knows():
         spec.measure(lambda t: None, lambda t: None, broadcast, 1, 2, "cpu", largest_bytes=largest)
         assert spec.calibration_stats()["link_sizes"] == sizes
         assert sorted({b for _, b, _ in spec.calibration_stats()["link_samples"]}) == sizes
+
+
+def test_auto_passes_integer_tensors_through():
+    """An integer tensor (a step counter, an index buffer) gets the pass-through TensorAggregator, which the
+    engine sums or averages itself, not a planned AutoAggregator."""
+    from lossless_hc.training.aggregate import AggregationStats
+    from lossless_hc.training.planner import Calibration
+    from lossless_hc.training.strategies import AutoAggregator
+    spec = AutoSpec(lossy=True, calibration=Calibration.default())
+    for dtype in (torch.int64, torch.int32):
+        agg = spec.make("n", torch.zeros(64, dtype=dtype), 2, 0, AggregationStats(), torch.device("cpu"))
+        assert isinstance(agg, TensorAggregator) and not isinstance(agg, AutoAggregator) and agg.codec is None

@@ -389,3 +389,23 @@ def test_guard_half_is_the_one_half_strategy_of_a_float32_bucket():
     assert guard_half(bucket("dense", "dense"), torch.float32) is None
     assert guard_half(bucket("fp16", "bf16"), torch.float32) is None
     assert guard_half(bucket("bf16"), torch.float16) is None
+
+
+def test_the_horovod_guard_compares_plans_in_name_order():
+    """AutoCompressorAdapter's step guard compares the dense tensors' plans in name order: ranks whose engine
+    met the parameters in other orders (Horovod calls the compressor as gradients become ready) hold the same
+    tuple."""
+    import torch
+
+    from lossless_hc.training.auto import AutoCompressorAdapter, AutoSpec
+    from lossless_hc.training.planner import Calibration
+    spec = AutoSpec(lossy=True, calibration=Calibration.default(), first="fp16", lossy_min_bytes=0)
+
+    def plans(order):
+        adapter = AutoCompressorAdapter(spec)
+        for name, first in order:
+            agg = adapter.aggregator(name, name, torch.zeros(4096), 2, 0)
+            agg.strategy = first
+        return adapter._dense_plans()
+    order = [("a", "fp16"), ("b", "dense"), ("c", "bf16")]
+    assert plans(order) == plans(order[::-1]) == ("fp16", "dense", "bf16")

@@ -457,3 +457,29 @@ def test_an_auto_message_gives_each_second_collective_its_own_slice():
     for i in range(len(sizes)):
         want = xs[0][i] + xs[1][i]
         assert torch.equal(results[i], want / n) and torch.equal(outs[i], want / n)
+
+
+def test_a_small_half_precision_plan_keeps_its_half_part():
+    """An fp16 plan's plain step of a tensor far below SEPARATE_PART_MIN_BYTES still travels in float16, in a
+    part of its own beside the float32 one (its plan halves the bytes: widened into the float32 part it would
+    send what dense does), and sums to the fp16 plan's value."""
+    from lossless_hc.training.auto import AutoMessage, decode_message as decode_auto_message
+    from lossless_hc.training.planner import Calibration, CostModel
+    from lossless_hc.training.step import run_in_process
+    from lossless_hc.training.strategies import AutoAggregator
+    n, model = 2, CostModel(Calibration.default())
+    half = [AutoAggregator("h", (256,), torch.float32, n, r, model, lossy=True, first="fp16", allowed=("fp16",),
+                           lossy_min_bytes=0) for r in range(n)]
+    exact = [AutoAggregator("e", (300,), torch.float32, n, r, model, first="dense", allowed=("dense", "sketch"))
+             for r in range(n)]
+    g = torch.Generator().manual_seed(2)
+    run_in_process(half, [torch.randn(256, generator=g) for _ in range(n)])   # the statistics step
+    run_in_process(exact, [torch.randn(300, generator=g) for _ in range(n)])
+    assert [a.plain_step() for a in half + exact] == ["fp16"] * n + ["dense"] * n
+    xs = [[torch.randn(256, generator=g), torch.randn(300, generator=g)] for _ in range(n)]
+    ms = [AutoMessage([h, e], x) for h, e, x in zip(half, exact, xs)]
+    assert [p.dtype for p in ms[0].parts] == [torch.float32, torch.float16]
+    summed = [ms[0].parts[i] + ms[1].parts[i] for i in range(2)]
+    y, z = decode_auto_message(ms[0], summed, None, None)
+    assert torch.equal(z, xs[0][1] + xs[1][1])
+    assert torch.equal(y, ((xs[0][0] / n).half() + (xs[1][0] / n).half()).float() * n)

@@ -260,7 +260,6 @@ def test_a_plain_aggregate_refused_as_corrupted_is_wrong(monkeypatch):
     assert {(v.how, v.status) for v in t.examples} == {("average", "HEADER_CORRUPT")}
 
 
-
 def sabotage_decoder(monkeypatch, mode: str) -> None:
     """LosslessCodec.decode made wrong, as ``mode`` says: "ok": an OK decode's largest value off by half of
     it; "inexact": the same at an INEXACT decode's key it did not list; "bound": every value a decode bounds
@@ -323,7 +322,6 @@ def test_a_wrong_thc_decoder_is_counted(monkeypatch, mode, label):
     t = run(400, seed=0, workers=1, kinds=("thc",))
     assert sum(c for (how, w), c in t.wrong.items() if how.startswith("thc_") and w == label) > 0
     assert t.wrong_groups and all(g.startswith("thc:") for g in t.wrong_groups)
-
 
 
 def test_the_first_groups_draw_every_kind_of_case():

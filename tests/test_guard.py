@@ -347,7 +347,6 @@ def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     assert guard_stats(None, [a]) is None
 
 
-
 def test_the_dense_window_s_half_allreduce_casts_as_the_engine_s_hooks(tmp_path):
     """allreduce_half on a 1-rank Gloo group, told n = 4 ranks: the buffer comes back as DDP's hooks send it,
     averaged or (FSDP2's replica all-reduce, which divides later) summed: bf16 rounded to bfloat16, then

@@ -297,7 +297,6 @@ def test_a_bucket_of_tensors_sent_as_they_are_is_its_own_message():
     assert m.parts[0].data_ptr() != buffers[0].data_ptr()
 
 
-
 @pytest.mark.parametrize("negative", ["tensors", "buffer"])
 def test_a_bucket_seen_through_a_negative_view_sends_the_tensors_values(negative):
     """Tensors that are negative views of the buffer's slices, or slices of a buffer that is a negative

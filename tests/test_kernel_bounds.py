@@ -8,6 +8,7 @@ import torch
 import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc import reference
+from lossless_hc.lhc import reference_peel as rp
 from lossless_hc.lhc.reference_peel import UNIT_ROUNDOFF, pair_cells
 from lossless_hc.lhc.status import DecodeStatus
 
@@ -148,3 +149,83 @@ def test_a_solved_pair_s_third_cell_is_checked_within_the_pair_s_bounds():
             assert rep.status == expect, ((a, b), d, d * ulp / acc, rep.reason)
             widened += own < d * ulp <= acc
     assert widened > 0
+
+
+@pytest.fixture(scope="module")
+def fan_in_codec():
+    """A verify codec with one three-segment sketch of 512 cells a segment (1,000 planned keys) over
+    600,000 keys, so that ~1,200 keys hash to each cell, and every key's cells."""
+    codec = LosslessCodec(600_000, 1, 1000, index="bitmap", seed=0, verify=True)
+    assert (codec.layout.sketch.seg_count, codec.layout.sketch.seg_len) == (3, 512)
+    cells, _ = reference.key_cells(codec.layout.sketch, torch.arange(codec.layout.num_keys))
+    return codec, cells.numpy()
+
+
+def fan_in_support(cells: np.ndarray, roots: int):
+    """Keys whose cells make the peel below (segment s of a key is its cell in sub-table s; every cell not
+    named holds one key only). Key p shares its segment-1 cell C with ``roots`` keys, whose other cells are
+    their own: they peel first, then p from C (its other cells hold a key of the first layer, b, and k), so
+    p's ancestry is itself and the roots. Key k shares its segment-0 cell with p alone and is read from it
+    next, with one parent, p; its two other cells each hold a key q of layer 1 (read from a segment-0
+    cell it shares with a root), which is not their reader, so they check k (and q) while neither
+    ancestry holds the other's keys. Returns (p, k, the keys)."""
+    used = np.zeros(int(cells.max()) + 1, dtype=bool)
+    chosen = []
+
+    def pick(want: dict, candidates=None):
+        if candidates is None:
+            ok = np.ones(len(cells), dtype=bool)
+            for j, c in want.items():
+                ok &= cells[:, j] == c
+            candidates = np.flatnonzero(ok)
+        for key in candidates:
+            free = [j for j in range(3) if j not in want]
+            if not used[cells[key, free]].any() and key not in chosen:
+                used[cells[key]] = True
+                chosen.append(int(key))
+                return int(key), cells[key]
+        raise AssertionError(f"no key with cells {want} and its other cells free")
+
+    p, (E, C, D2) = pick({})
+    k, (_, K1, K2) = pick({0: E})
+    pick({2: D2})                                   # b: a root
+    for j, K in ((1, K1), (2, K2)):                 # q, read from Q[0] once its root there is gone
+        _, Q = pick({j: K})
+        for s in range(3):
+            if s != j:
+                pick({s: Q[s]})
+    in_C = np.flatnonzero(cells[:, 1] == C)
+    for _ in range(roots):
+        pick({1: C}, in_C)
+    return p, k, chosen
+
+
+@pytest.mark.parametrize("roots", [254, 255, 256])
+def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec, roots):
+    """lhc_ancestry.h tracks an ancestry of up to kAncestryCap = 256 keys; a larger one counts as
+    meeting every key, so that key's check cells verify neither it nor their other keys. With 254 roots
+    k's ancestry is exactly 256 keys through one parent (p: 255), with 255 roots p's is 256 through 255
+    parents (k: 257), with 256 both are over. A key at exactly the cap is verified by its check cells
+    (OK), a key over it is INEXACT; the C++ verify pass lists what reference.decode (with Python sets)
+    lists."""
+    codec, cells = fan_in_codec
+    L = codec.layout
+    p, k, keys = fan_in_support(cells, roots)
+    x = torch.zeros(L.numel)
+    x[keys] = 1.0
+    x[keys[:9]] = 64.0          # p, k and their partners: within rtol beside the 255 roots' masses in C
+    payload = codec.encode(x)
+    support = torch.tensor(sorted(keys))
+    sc, _ = reference.key_cells(L.sketch, support)
+    rounds, resolved = rp.peel_rounds(sc, L.sketch.cells)
+    anc = rp.ancestries(sc, rounds, rp.cell_members(sc), cap=10**6)
+    at = {int(key): i for i, key in enumerate(support)}
+    assert bool(resolved.all()) and len(rounds) == 3
+    assert (len(anc[at[p]]), len(anc[at[k]])) == (roots + 1, roots + 2)
+    assert anc[at[k]] == anc[at[p]] | {at[k]}        # one parent, p
+    over = sorted(key for key in (p, k) if len(anc[at[key]]) > rp.ANCESTRY_CAP)
+    y, rep = codec.decode(payload)
+    _, info = reference.decode(L, payload, verify=True)
+    assert rep.inexact_keys.tolist() == info["inexact_keys"].tolist() == over, roots
+    assert rep.status == (DecodeStatus.INEXACT if over else DecodeStatus.OK), rep.reason
+    assert torch.equal(y, x)

@@ -13,6 +13,7 @@ import helpers
 from lossless_hc import LosslessCodec, plan_layout
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import INT_FIELD_LIMIT, LAYOUT_WORDS
+from lossless_hc.lhc.reference_peel import pair_cells
 from lossless_hc.lhc.sizing import build_layout, multilevel_plan, unsolvable_pairs
 from lossless_hc.lhc.status import DecodeStatus
 
@@ -397,3 +398,32 @@ def test_fine_table_pairs_solved_or_reported(n):
         _, info = reference.decode(L, summed)
         assert not rep.ok and rep.reason.startswith("index peeling failed"), rep.reason
         assert info["reason"] == "index peeling failed"
+
+
+def test_a_solved_fine_pair_s_third_cell_is_checked():
+    """A solved pair of fine nodes is computed from two of its cells (pair_cells: the largest |det|);
+    its patterns must also explain the third. Moving only that third cell by one leaves the solved
+    patterns, hence the support and the index checksum, as they were: only that consistency check sees
+    it, and the C++ decoder and the reference report INDEX_CORRUPT."""
+    n = 2
+    L = build_layout("multilevel", 400_000, n, 40, 1, 3, None, (1,))
+    lv = L.multilevel.levels[0]
+    solvable, _ = helpers.colliding_pairs(lv.table, lv.num_nodes)
+    codec = helpers.codec_for(L)
+    rng = np.random.default_rng(helpers.stable_seed("finepair third cell"))
+    for pair in solvable[:4]:
+        xs = pair_node_inputs(L, pair, n, rng)
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        _, rep = codec.decode(summed)
+        assert rep.ok, rep.reason
+        cells, signs = reference.key_cells(lv.table, torch.tensor(list(pair)))
+        p, q, det = pair_cells(signs[0].tolist(), signs[1].tolist())
+        assert det != 0
+        third = L.level_offsets[0] + int(cells[0, 3 - p - q]) * lv.words_per_group
+        for delta in (1.0, -1.0):
+            bad = summed.clone()
+            bad[third] += delta
+            _, rep = codec.decode(bad)
+            _, info = reference.decode(L, bad)
+            assert rep.status == DecodeStatus.INDEX_CORRUPT, (pair, delta, rep.reason)
+            assert info["reason"] == "index corrupt: a solved fine pair is not a pair of node patterns", info["reason"]

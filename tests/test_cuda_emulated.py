@@ -568,3 +568,19 @@ def test_emulated_index_checksum(emulated, index, averaged):
         _, r = cpu.decode(q, averaged=averaged)
         _, re, _ = emulated_decode(native, q, averaged=averaged)
         assert r.status == re.status, (i, r.reason, re.reason)
+
+
+def test_emulated_verify_keeps_an_ancestry_of_exactly_the_cap(emulated):
+    """lhc_ancestry.h's cap on the CUDA kernel, which walks every ancestry it tests (walk_ancestry):
+    on test_kernel_bounds' fan-in of 254 roots, where key k's ancestry is exactly kAncestryCap keys
+    (through p's 255) and k is verified, CUDA verifies it too: OK, the CPU's bits. (More roots would put
+    over kMaxCellDegree keys in one cell, which the CUDA kernels do not peel.)"""
+    from test_kernel_bounds import fan_in_support
+    cpu, native = host_codecs(600_000, 1, 1000, 1, "bitmap", seed=0, verify=True)
+    cells = reference.key_cells(cpu.layout.sketch, torch.arange(cpu.layout.num_keys))[0].numpy()
+    _, _, x = fan_in_support(cells, 254)
+    payload = cpu.encode(x)
+    y, report, _ = emulated_decode(native, payload, False, True)
+    y_cpu, r_cpu = cpu.decode(payload)
+    assert report.status == r_cpu.status == DecodeStatus.OK, report.reason
+    assert torch.equal(bits(y), bits(y_cpu)) and torch.equal(y, x)

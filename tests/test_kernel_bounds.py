@@ -168,7 +168,8 @@ def fan_in_support(cells: np.ndarray, roots: int):
     p's ancestry is itself and the roots. Key k shares its segment-0 cell with p alone and is read from it
     next, with one parent, p; its two other cells each hold a key q of layer 1 (read from a segment-0
     cell it shares with a root), which is not their reader, so they check k (and q) while neither
-    ancestry holds the other's keys. Returns (p, k, the keys)."""
+    ancestry holds the other's keys. Returns p, k and an input of value 1 at the roots, 64 at the other
+    keys, 0 elsewhere."""
     used = np.zeros(int(cells.max()) + 1, dtype=bool)
     chosen = []
 
@@ -197,7 +198,10 @@ def fan_in_support(cells: np.ndarray, roots: int):
     in_C = np.flatnonzero(cells[:, 1] == C)
     for _ in range(roots):
         pick({1: C}, in_C)
-    return p, k, chosen
+    x = torch.zeros(len(cells))
+    x[chosen] = 1.0
+    x[chosen[:9]] = 64.0        # p, k and their partners: within rtol beside the roots' masses in C
+    return p, k, x
 
 
 @pytest.mark.parametrize("roots", [254, 255, 256])
@@ -210,12 +214,9 @@ def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec, roots):
     lists."""
     codec, cells = fan_in_codec
     L = codec.layout
-    p, k, keys = fan_in_support(cells, roots)
-    x = torch.zeros(L.numel)
-    x[keys] = 1.0
-    x[keys[:9]] = 64.0          # p, k and their partners: within rtol beside the 255 roots' masses in C
+    p, k, x = fan_in_support(cells, roots)
     payload = codec.encode(x)
-    support = torch.tensor(sorted(keys))
+    support = torch.nonzero(x).reshape(-1)
     sc, _ = reference.key_cells(L.sketch, support)
     rounds, resolved = rp.peel_rounds(sc, L.sketch.cells)
     anc = rp.ancestries(sc, rounds, rp.cell_members(sc), cap=10**6)

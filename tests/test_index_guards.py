@@ -1,0 +1,91 @@
+"""The index stage's consistency checks that neither the key total nor the index checksum stands in
+for: each payload below is a valid SUM of N ranks with one inconsistency forged into its index and,
+where the key total or the checksum would see it, the header forged to agree with the index's digits
+and the support it decodes to, so that only the check under test can tell. The CPU decoder reports
+INDEX_CORRUPT and the reference that check's own reason."""
+import torch
+
+import helpers
+from lossless_hc.lhc import reference
+from lossless_hc.lhc.layout import HDR_INDEX_CHECK0, HDR_KEYS_LO, INDEX_CHECK_PRIMES
+from lossless_hc.lhc.sizing import build_layout
+from lossless_hc.lhc.status import DecodeStatus
+
+N = 2
+
+
+def with_header(L, payload: torch.Tensor, count: int, key=None) -> torch.Tensor:
+    """``payload`` (a SUM of N ranks) with ``count`` more keys in the header's key total (``count`` may
+    be negative) and, given ``key``, ``count`` more holders of it in the index checksum."""
+    p = payload.clone()
+    p[HDR_KEYS_LO] += count
+    if key is not None:
+        parts = reference.index_check_parts(L, torch.tensor([key]))[0].tolist()
+        for f, prime in enumerate(INDEX_CHECK_PRIMES):
+            p[HDR_INDEX_CHECK0 + f] = (int(p[HDR_INDEX_CHECK0 + f]) + count * parts[f]) % prime
+    return p
+
+
+def assert_index_corrupt(codec, payload, reason):
+    _, rep = codec.decode(payload)
+    _, info = reference.decode(codec.layout, payload)
+    assert info["reason"] == reason, info["reason"]
+    assert rep.status == DecodeStatus.INDEX_CORRUPT, rep.reason
+
+
+# -- multilevel: a node's pattern digits are its children's counts ------------------------------------
+
+def multilevel_case(numel=20_000):
+    """One fine level (nodes of 11 keys; the last holds 2); rank 0 holds key 0 and the last two keys,
+    rank 1 key 0: node 0 and key 0 have count 2, the last node and its two keys count 1."""
+    L = build_layout("multilevel", numel, N, 40, 1, 3, None, (1,))
+    assert len(L.multilevel.levels) == 1 and L.num_keys % L.multilevel.levels[0].span == 2
+    codec = helpers.codec_for(L)
+    xs = [torch.zeros(numel) for _ in range(N)]
+    xs[0][[0, L.num_keys - 2, L.num_keys - 1]] = torch.tensor([1.0, 2.0, 5.0])
+    xs[1][0] = 3.0
+    payload = sum(codec.encode(x) for x in xs)
+    _, rep = codec.decode(payload)
+    assert rep.ok, rep.reason
+    return codec, payload
+
+
+def shift_count(L, payload: torch.Tensor, key: int, delta: int) -> torch.Tensor:
+    """``payload`` with ``key``'s count in its node's pattern moved by ``delta``: its digit's power added
+    to the pattern word, times the node's sign, in each of the node's three fine cells (any node
+    sharing them keeps its own pattern). ``key`` may lie past the last key."""
+    lv = L.multilevel.levels[0]
+    node, child = divmod(key, lv.span)
+    word, digit = divmod(child, lv.digits_per_word)
+    cells, signs = reference.key_cells(lv.table, torch.tensor([node]))
+    p = payload.clone()
+    for c, s in zip(cells[0].tolist(), signs[0].tolist()):
+        p[L.level_offsets[0] + c * lv.words_per_group + word] += s * delta * L.index.base ** digit
+    return p
+
+
+def test_a_child_held_by_more_ranks_than_its_node_is_corrupt():
+    """The last key counted twice under a node one rank holds: a child's ranks all hold its node."""
+    codec, payload = multilevel_case()
+    L = codec.layout
+    p = with_header(L, shift_count(L, payload, L.num_keys - 1, 1), 1, L.num_keys - 1)
+    assert_index_corrupt(codec, p, "index corrupt: child counts disagree with their node's count")
+
+
+def test_children_fewer_than_their_node_s_count_are_corrupt():
+    """Key 0 counted once under a node both ranks hold (each of them holds some key under it). The last
+    node's two keys sum to more than its count, as they may, so the nodes' counts stay within the total."""
+    codec, payload = multilevel_case()
+    L = codec.layout
+    p = with_header(L, shift_count(L, payload, 0, -1), -1, 0)
+    assert_index_corrupt(codec, p, "index corrupt: child counts disagree with their node's count")
+
+
+def test_a_child_past_the_last_key_is_corrupt():
+    """A count for key num_keys, a digit of the last node's pattern that names no key (it would reach
+    the value peel and the output past their ends)."""
+    codec, payload = multilevel_case()
+    L = codec.layout
+    assert L.num_keys % L.multilevel.levels[0].span
+    p = with_header(L, shift_count(L, payload, L.num_keys, 1), 1, L.num_keys)
+    assert_index_corrupt(codec, p, "index corrupt: a child past the last")

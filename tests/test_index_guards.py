@@ -1,11 +1,15 @@
 """The index stage's consistency checks that neither the key total nor the index checksum stands in
 for: each payload below is a valid SUM of N ranks with one inconsistency forged into its index and,
 where the key total or the checksum would see it, the header forged to agree with the index's digits
-and the support it decodes to, so that only the check under test can tell. The CPU decoder reports
-INDEX_CORRUPT and the reference that check's own reason."""
+and the support it decodes to, so that only the check under test can tell. The two bounds on how many
+nodes an index may list come before the fine tables are peeled: without them those payloads fail as
+INDEX_PEEL_FAILED, a capacity status. The CPU decoder reports INDEX_CORRUPT and the reference that
+check's own reason."""
+import numpy as np
 import torch
 
 import helpers
+from lossless_hc import LosslessCodec
 from lossless_hc.lhc import reference
 from lossless_hc.lhc.layout import HDR_INDEX_CHECK0, HDR_KEYS_LO, INDEX_CHECK_PRIMES
 from lossless_hc.lhc.sizing import build_layout
@@ -89,3 +93,42 @@ def test_a_child_past_the_last_key_is_corrupt():
     assert L.num_keys % L.multilevel.levels[0].span
     p = with_header(L, shift_count(L, payload, L.num_keys, 1), 1, L.num_keys)
     assert_index_corrupt(codec, p, "index corrupt: a child past the last")
+
+
+
+def test_more_non_zero_nodes_than_keys_is_corrupt():
+    """Coarse digits of 1 at every node (1,819) under a key total of 4: each rank's non-zero nodes are at
+    most its keys. INDEX_CORRUPT, not the peel failure so many nodes cause in the fine table (a capacity
+    status, for which the training policy would grow the codec)."""
+    codec, payload = multilevel_case()
+    L = codec.layout
+    p = payload.clone()
+    for word in range(L.index.words):
+        digits = min(L.index.per_word, L.index.digits - word * L.index.per_word)
+        p[L.index_offset + word] = (L.index.base ** digits - 1) // (L.index.base - 1)   # digits of 1
+    assert_index_corrupt(codec, p, "index corrupt: more non-zero nodes than keys")
+
+
+def test_more_non_zero_children_than_keys_is_corrupt():
+    """Two fine levels; the first level's patterns taken from inputs in which each rank holds a key
+    under every child of the nodes it holds: every count fits its node's, but the children (~11 per
+    node) outnumber the keys. INDEX_CORRUPT, not the next level's peel failure (a capacity status)."""
+    numel, k = 50_000, 40
+    codec = LosslessCodec(numel, N, k, index="multilevel", seed=1)
+    L = codec.layout
+    lv = L.multilevel.levels
+    assert len(lv) == 2 and lv[0].children == 11
+    rng = np.random.default_rng(helpers.stable_seed("more children than keys"))
+    xs = helpers.make_inputs(rng, numel, 1, N, k, "random", "normal")
+    spread = []
+    for x in xs:
+        s = torch.zeros(numel)
+        for node in set((torch.nonzero(x).reshape(-1) // lv[0].span).tolist()):
+            under = node * lv[0].span + lv[1].span * torch.arange(lv[0].children)
+            s[under[under < numel]] = 1.0
+        spread.append(s)
+    payload = sum(codec.encode(x) for x in xs)
+    first = slice(L.level_offsets[0], L.level_offsets[1])
+    p = payload.clone()
+    p[first] = sum(codec.encode(s) for s in spread)[first]
+    assert_index_corrupt(codec, p, "index corrupt: more non-zero children than keys")

@@ -132,3 +132,66 @@ def test_more_non_zero_children_than_keys_is_corrupt():
     p = payload.clone()
     p[first] = sum(codec.encode(s) for s in spread)[first]
     assert_index_corrupt(codec, p, "index corrupt: more non-zero children than keys")
+
+
+# -- Bloom: counters of the keys' three cells, peeled in integers ------------------------------------
+
+def bloom_case(share=None):
+    """A Bloom index (3 x 1,169 counters) and N ranks holding the same keys (count N each): four keys
+    whose counters are all their own, or with ``share`` (a key) three keys, each sharing one of
+    ``share``'s counters and no other. Returns (codec, the SUM, the keys, every key's counters)."""
+    codec = LosslessCodec(20_000, N, 40, index="bloom", seed=5)
+    L = codec.layout
+    cells = reference.key_cells(L.bloom, torch.arange(L.num_keys))[0].numpy()
+    used = set() if share is None else set(cells[share].tolist())
+    keys = []
+    for j in range(3) if share is not None else [None] * 4:
+        for k in range(L.num_keys):
+            own = [c for s, c in enumerate(cells[k].tolist()) if s != j]
+            if k != share and (j is None or cells[k, j] == cells[share, j]) and not used & set(own):
+                used |= set(cells[k].tolist())
+                keys.append(k)
+                break
+    x = torch.zeros(L.numel)
+    x[keys] = torch.arange(1.0, len(keys) + 1.0)
+    payload = sum(codec.encode(x) for _ in range(N))
+    _, rep = codec.decode(payload)
+    assert rep.ok and rep.support == len(keys), rep.reason
+    return codec, payload, keys, cells
+
+
+def add_counters(L, payload: torch.Tensor, cells, delta: int) -> torch.Tensor:
+    """``payload`` with ``delta`` added to each Bloom counter in ``cells`` (no carry: it stays a digit)."""
+    p = payload.clone()
+    for cell in cells:
+        word, digit = divmod(int(cell), L.index.per_word)
+        p[L.index_offset + word] += delta * L.index.base ** digit
+    return p
+
+
+def test_a_bloom_key_held_by_more_ranks_than_there_are_is_corrupt():
+    """One more on each of a key's three counters: a count of N + 1."""
+    codec, payload, keys, cells = bloom_case()
+    L = codec.layout
+    p = with_header(L, add_counters(L, payload, cells[keys[0]], 1), 1, keys[0])
+    assert_index_corrupt(codec, p, "index corrupt: a key held by more than world_size ranks")
+
+
+def test_a_bloom_counter_going_negative_is_corrupt():
+    """One less on each counter of key 0, whose three counters each hold another key (count N): key 0
+    stays a candidate (N - 1 in each) and the counts solve as -1 for it, +N for the others; peeling
+    the others first takes its counters below 0."""
+    share = 0
+    codec, payload, keys, cells = bloom_case(share)
+    L = codec.layout
+    p = with_header(L, add_counters(L, payload, cells[share], -1), -1, share)
+    assert_index_corrupt(codec, p, "index corrupt: negative counter while peeling")
+
+
+def test_bloom_counters_left_after_peeling_are_corrupt():
+    """3 more on a counter a key is not read from (its first counter is read: all are its own), and the
+    key total one more: the same keys and counts, and 3 left in that counter."""
+    codec, payload, keys, cells = bloom_case()
+    L = codec.layout
+    p = with_header(L, add_counters(L, payload, [cells[keys[0], 1]], 3), 1)
+    assert_index_corrupt(codec, p, "index corrupt: counters left after peeling")

@@ -195,3 +195,25 @@ def test_bloom_counters_left_after_peeling_are_corrupt():
     L = codec.layout
     p = with_header(L, add_counters(L, payload, [cells[keys[0], 1]], 3), 1)
     assert_index_corrupt(codec, p, "index corrupt: counters left after peeling")
+
+
+def test_a_bloom_digit_past_the_last_counter_is_corrupt():
+    """3 in a digit of the last index word that is no counter (the key total one more)."""
+    codec, payload, keys, cells = bloom_case()
+    L = codec.layout
+    assert L.bloom.cells % L.index.per_word
+    p = with_header(L, add_counters(L, payload, [L.bloom.cells], 3), 1)
+    assert_index_corrupt(codec, p, "index corrupt: digit out of range")
+
+
+def test_a_bitmap_digit_past_the_last_key_is_corrupt():
+    """A count for key num_keys, a digit of the last index word that names no key."""
+    codec = LosslessCodec(20_000, N, 40, index="bitmap", seed=5)
+    L = codec.layout
+    assert L.num_keys % L.index.per_word
+    x = torch.zeros(L.numel)
+    x[[3, 19_999]] = 1.0
+    payload = sum(codec.encode(x) for _ in range(N))
+    word, digit = divmod(L.num_keys, L.index.per_word)
+    payload[L.index_offset + word] += L.index.base ** digit
+    assert_index_corrupt(codec, with_header(L, payload, 1, L.num_keys), "index corrupt: digit out of range")

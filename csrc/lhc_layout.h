@@ -293,6 +293,12 @@ LHC_HD uint64_t mass_offset(const CodecLayout& L) { return L.sketch_offset + L.s
 // Unit roundoff of float32.
 constexpr double kUnitRoundoff = 1.0 / 16777216.0;  // 2^-24
 
+// The most support keys one value-sketch cell may hold: a decode whose support puts more in some cell
+// fails as SKETCH_PEEL_FAILED on every backend (the CUDA kernels sort each cell's keys in a thread; the
+// bound below assumes (deg + n + 2) u < 1/4). At the planned ~2.3 keys a cell, random supports never
+// come near it (reference.MAX_CELL_DEGREE).
+constexpr uint32_t kMaxCellDegree = 255;
+
 // The rounding error of the aggregated value cell c, at every coordinate: with deg support keys in c
 // and n ranks, each rank adds at most deg terms (deg - 1 roundings) and the engine adds n rank cells
 // (n - 1 roundings), so the error is at most gamma_{deg + n - 2} M(c) (Higham, Thm 4.4 twice), M(c)
@@ -301,7 +307,7 @@ constexpr double kUnitRoundoff = 1.0 / 16777216.0;  // 2^-24
 // `mass` is the aggregated mass cell as the payload holds it (for an AVERAGE, the average of the masses:
 // the bound is then on the average, in the units of its values): itself a float sum of non-negative
 // terms, below M(c) by at most a relative gamma_{deg + n}, so it is inflated by (1 + 2 (deg + n + 2) u)
-// (valid while (deg + n + 2) u < 1/4: deg <= kMaxCellDegree-ish and n <= 1024 keep it below 2^-13).
+// (valid while (deg + n + 2) u < 1/4: deg <= kMaxCellDegree and n <= 1024 keep it below 2^-13).
 LHC_HD double cell_error_bound(double mass, uint64_t deg, uint64_t n) {
   const double m = (double)(deg + n + 2) * kUnitRoundoff;
   return m * mass * (1.0 + 2.0 * m);

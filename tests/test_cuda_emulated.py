@@ -573,8 +573,8 @@ def test_emulated_index_checksum(emulated, index, averaged):
 def test_emulated_verify_keeps_an_ancestry_of_exactly_the_cap(emulated):
     """lhc_ancestry.h's cap on the CUDA kernel, which walks every ancestry it tests (walk_ancestry):
     on test_kernel_bounds' fan-in of 254 roots, where key k's ancestry is exactly kAncestryCap keys
-    (through p's 255) and k is verified, CUDA verifies it too: OK, the CPU's bits. (More roots would put
-    over kMaxCellDegree keys in one cell, which the CUDA kernels do not peel.)"""
+    (through p's 255) and k is verified, CUDA verifies it too: OK, the CPU's bits. One root more puts
+    256 keys in p's cell, more than kMaxCellDegree: SKETCH_PEEL_FAILED with nothing peeled, as on the CPU."""
     from test_kernel_bounds import fan_in_support
     cpu, native = host_codecs(600_000, 1, 1000, 1, "bitmap", seed=0, verify=True)
     cells = reference.key_cells(cpu.layout.sketch, torch.arange(cpu.layout.num_keys))[0].numpy()
@@ -584,3 +584,9 @@ def test_emulated_verify_keeps_an_ancestry_of_exactly_the_cap(emulated):
     y_cpu, r_cpu = cpu.decode(payload)
     assert report.status == r_cpu.status == DecodeStatus.OK, report.reason
     assert torch.equal(bits(y), bits(y_cpu)) and torch.equal(y, x)
+    _, _, x = fan_in_support(cells, 255)
+    payload = cpu.encode(x)
+    _, report, _ = emulated_decode(native, payload, False, True)
+    _, r_cpu = cpu.decode(payload)
+    assert report.status == r_cpu.status == DecodeStatus.SKETCH_PEEL_FAILED, (report.reason, r_cpu.reason)
+    assert report.peeled == r_cpu.peeled == 0 and report.support == r_cpu.support

@@ -215,3 +215,15 @@ def test_ancestry_cap_is_one_constant():
     from lossless_hc.lhc.reference_peel import ANCESTRY_CAP
     header = (ROOT / "csrc" / "lhc_ancestry.h").read_text()
     assert int(re.search(r"constexpr uint32_t kAncestryCap = (\d+);", header).group(1)) == ANCESTRY_CAP
+
+
+def test_cell_degree_cap_is_one_constant():
+    """A value-sketch cell may hold at most lhc::kMaxCellDegree support keys on both C++ backends (the CUDA
+    kernels include it from lhc_layout.h) and reference.MAX_CELL_DEGREE in the oracle: the same number,
+    defined once in C++."""
+    from lossless_hc.lhc.reference import MAX_CELL_DEGREE
+    header = (ROOT / "csrc" / "lhc_layout.h").read_text()
+    assert int(re.search(r"constexpr uint32_t kMaxCellDegree = (\d+);", header).group(1)) == MAX_CELL_DEGREE
+    defined = [p.name for p in (ROOT / "csrc").rglob("*") if p.suffix in (".h", ".cuh", ".cu", ".cpp")
+               and re.search(r"constexpr [\w ]+ kMaxCellDegree\b", p.read_text())]
+    assert defined == ["lhc_layout.h"], defined

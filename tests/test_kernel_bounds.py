@@ -204,14 +204,13 @@ def fan_in_support(cells: np.ndarray, roots: int):
     return p, k, x
 
 
-@pytest.mark.parametrize("roots", [254, 255, 256])
-def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec, roots):
+def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec):
     """lhc_ancestry.h tracks an ancestry of up to kAncestryCap = 256 keys; a larger one counts as
     meeting every key, so that key's check cells verify neither it nor their other keys. With 254 roots
-    k's ancestry is exactly 256 keys through one parent (p: 255), with 255 roots p's is 256 through 255
-    parents (k: 257), with 256 both are over. A key at exactly the cap is verified by its check cells
-    (OK), a key over it is INEXACT; the C++ verify pass lists what reference.decode (with Python sets)
-    lists."""
+    k's ancestry is exactly 256 keys through one parent (p: 255): k is verified by its check cells (OK);
+    the C++ verify pass lists what reference.decode (with Python sets) lists. (More roots put more than
+    kMaxCellDegree keys in p's cell, which no backend peels: the test below.)"""
+    roots = 254
     codec, cells = fan_in_codec
     L = codec.layout
     p, k, x = fan_in_support(cells, roots)
@@ -230,3 +229,21 @@ def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec, roots):
     assert rep.inexact_keys.tolist() == info["inexact_keys"].tolist() == over, roots
     assert rep.status == (DecodeStatus.INEXACT if over else DecodeStatus.OK), rep.reason
     assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("roots", [254, 255])
+def test_a_cell_of_more_than_the_degree_cap_keys_fails_to_peel(fan_in_codec, roots):
+    """A support that puts more than kMaxCellDegree = 255 keys in one sketch cell (p's cell, with the
+    roots) fails as SKETCH_PEEL_FAILED, no key counted as peeled, on the CPU as in the reference (and on
+    CUDA: test_cuda_emulated); one of exactly 255 keys peels."""
+    codec, cells = fan_in_codec
+    _, _, x = fan_in_support(cells, roots)
+    payload = codec.encode(x)
+    y, rep = codec.decode(payload)
+    _, info = reference.decode(codec.layout, payload, verify=True)
+    if roots + 1 <= reference.MAX_CELL_DEGREE:
+        assert rep.status == DecodeStatus.OK and info["ok"] and torch.equal(y, x), rep.reason
+    else:
+        assert rep.status == DecodeStatus.SKETCH_PEEL_FAILED and rep.peeled == 0, rep.reason
+        assert not info["ok"] and info["reason"].startswith("sketch peeling failed: a cell holds 256 support keys")
+        assert rep.inexact_keys.numel() == 0

@@ -112,7 +112,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
   HugeVector<float> vals(goff[groups] * B);  // by key position
   std::vector<uint64_t> peeled(groups, 0);
-  std::vector<char> bad(groups, 0), non_finite(groups, 0), corrupt(groups, 0);
+  std::vector<char> bad(groups, 0), non_finite(groups, 0), corrupt(groups, 0), crowded(groups, 0);
   std::vector<std::vector<uint32_t>> inexact(groups);  // per group: positions of keys failing rtol
   double group_ms[3] = {0, 0, 0};  // LHC_PROFILE: the groups' load, build and peel times, summed over threads
   std::chrono::steady_clock clock;
@@ -162,13 +162,20 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
       // float sum of non-negative terms is 0 only if they all are): anything else is corruption (an
       // all-zero sketch under a valid index, a flipped mass word).
       bool cells_bad = false;
+      uint32_t max_deg = 0;
       for (uint64_t c = 0; c < cells; ++c) {
         const double m = (double)group_mass[c];
         const uint32_t deg = t.deg(c);
         cells_bad |= (deg > 0) != (m > 0.0);
+        max_deg = std::max(max_deg, deg);
         t.set_acc(c, cell_error_bound(m, deg, ranks));
       }
       corrupt[g] = cells_bad;
+      // A cell of more keys than kMaxCellDegree fails the whole decode (below), unpeeled, as on CUDA.
+      if (max_deg > kMaxCellDegree) {
+        crowded[g] = 1;
+        return;
+      }
       const auto t2 = clock.now();
       uint64_t step = kb;
       bool group_bad = false;
@@ -352,12 +359,17 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   }
   write_output(L, runs, out, nt);
   prof.mark("write");
-  bool any_corrupt = false;
+  bool any_corrupt = false, any_crowded = false;
   for (uint64_t g = 0; g < groups; ++g) {
     st.peeled += peeled[g];
     if (bad[g]) st.status = kDecodeIndexCorrupt;
     if (non_finite[g] && st.status == kDecodeOk) st.status = kDecodeSketchNonFinite;
     any_corrupt |= corrupt[g];
+    any_crowded |= crowded[g];
+  }
+  if (any_crowded) {  // the CUDA kernels peel nothing then: no key counts as peeled, none as inexact
+    st.peeled = 0;
+    for (auto& listed : inexact) listed.clear();
   }
   if (st.status == kDecodeOk && st.peeled != st.support_keys) st.status = kDecodeSketchPeelFailed;
   if (st.status == kDecodeOk && any_corrupt) st.status = kDecodeSketchCorrupt;

@@ -130,7 +130,6 @@ constexpr unsigned int kPairRound = 0xfffffffeu;  // peeled_round of a key solve
 constexpr unsigned int kNoCell = 0xffffffffu;
 constexpr double kReadCell = -1.0;  // acc of a value cell a key was read from (csrc/cpu/peel.h, the same)
 constexpr double kPairCell = -2.0;  // acc of a value cell a solved pair was read from
-constexpr unsigned int kMaxCellDegree = 255;   // as the CPU backend: a denser cell cannot peel
 constexpr int kTileThreads = 256;              // threads of the ordered-compaction kernels
 constexpr int kTileRounds = 8;                 // items per thread and tile
 constexpr int kTileItems = kTileThreads * kTileRounds;

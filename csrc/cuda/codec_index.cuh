@@ -322,8 +322,8 @@ __device__ __forceinline__ uint32_t list_length(const DecodeCounters* counters) 
 // Per-cell states of a key list: deg[c] keys and, with `with_xor`, xr[c] = XOR of their positions
 // (zeroed by the caller; the value peel derives xr from its sorted adjacency instead, saving one
 // atomic per key and cell). Integer atomics commute: the states do not depend on the order. A cell
-// past kMaxCellDegree raises `degree_flag` (the value peel cannot succeed; the CPU backend gives up
-// too).
+// past kMaxCellDegree (lhc_layout.h) raises `degree_flag` (the decode fails as SKETCH_PEEL_FAILED, as
+// on the CPU).
 extern "C" __global__ void lhc_build_states(const uint64_t* table_words, const uint32_t* keys, unsigned int* deg,
                                             unsigned int* xr, DecodeCounters* counters, uint64_t degree_flag,
                                             uint64_t with_xor) {

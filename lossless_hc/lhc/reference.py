@@ -40,6 +40,10 @@ from lossless_hc.lhc.reference_peel import (cell_error_bound, pair_cells, pair_n
 from lossless_hc.lhc.layout import (CHUNK_BITS, HDR_CONTRIBUTORS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_INDEX_CHECK0, HDR_SATURATED, HEADER_FIELDS, INDEX_CHECK_PRIMES, PayloadLayout,
                                     index_check_stream)
 
+# lhc::kMaxCellDegree (csrc/lhc_layout.h): a support that puts more keys in one value-sketch cell fails to peel.
+MAX_CELL_DEGREE = 255
+
+
 def index_check_parts(layout: PayloadLayout, keys: torch.Tensor) -> torch.Tensor:
     """``lhc::index_check_parts`` of every key: ``[N, 2]`` int64, ``(h mod 2**32) mod 2039`` and
     ``(h >> 32) mod 2029`` for ``h = mix64(key ^ index_check_stream)``."""
@@ -447,6 +451,9 @@ def decode(layout: PayloadLayout, payload: torch.Tensor, averaged: bool = False,
         return y, _fail(info, "sketch overflow: a sketch cell is NaN/Inf")
     sc, ss = key_cells(L.sketch, support)
     deg = torch.bincount(sc.reshape(-1), minlength=L.sketch.cells)
+    if deg.numel() and int(deg.max()) > MAX_CELL_DEGREE:
+        return y, _fail(info, f"sketch peeling failed: a cell holds {int(deg.max())} support keys, more than "
+                              f"{MAX_CELL_DEGREE}")
     # Each cell's error bound (lhc::cell_error_bound), then, along the peel, the bounds of the keys
     # subtracted from it; -1 marks a cell a key was read from (nothing left to check there).
     acc = cell_error_bound(mass, deg, n)

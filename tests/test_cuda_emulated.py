@@ -574,8 +574,9 @@ def test_emulated_verify_keeps_an_ancestry_of_exactly_the_cap(emulated):
     """lhc_ancestry.h's cap on the CUDA kernel, which walks every ancestry it tests (walk_ancestry):
     on test_kernel_bounds' fan-in of 254 roots, where key k's ancestry is exactly kAncestryCap keys
     (through p's 255) and k is verified, CUDA verifies it too: OK, the CPU's bits. One root more puts
-    256 keys in p's cell, more than kMaxCellDegree: SKETCH_PEEL_FAILED with nothing peeled, as on the CPU."""
-    from test_kernel_bounds import fan_in_support
+    256 keys in p's cell, more than kMaxCellDegree: SKETCH_PEEL_FAILED with nothing peeled, as on the CPU.
+    Through several parents (fan_in_pairs_support) an ancestry of 256 keys is verified, one of 257 not."""
+    from test_kernel_bounds import fan_in_pairs_support, fan_in_support
     cpu, native = host_codecs(600_000, 1, 1000, 1, "bitmap", seed=0, verify=True)
     cells = reference.key_cells(cpu.layout.sketch, torch.arange(cpu.layout.num_keys))[0].numpy()
     _, _, x = fan_in_support(cells, 254)
@@ -590,3 +591,12 @@ def test_emulated_verify_keeps_an_ancestry_of_exactly_the_cap(emulated):
     _, r_cpu = cpu.decode(payload)
     assert report.status == r_cpu.status == DecodeStatus.SKETCH_PEEL_FAILED, (report.reason, r_cpu.reason)
     assert report.peeled == r_cpu.peeled == 0 and report.support == r_cpu.support
+    for singles, pairs in ((253, 1), (252, 2)):
+        p, x = fan_in_pairs_support(cells, singles, pairs)
+        payload = cpu.encode(x)
+        y, report, _ = emulated_decode(native, payload, False, True)
+        y_cpu, r_cpu = cpu.decode(payload)
+        over = [p] if 1 + singles + 2 * pairs > 256 else []      # p: 256 keys, then 257
+        assert report.status == r_cpu.status == (DecodeStatus.INEXACT if over else DecodeStatus.OK), report.reason
+        assert report.inexact_keys.tolist() == r_cpu.inexact_keys.tolist() == over, (singles, pairs)
+        assert torch.equal(bits(y), bits(y_cpu)) and torch.equal(y, x)

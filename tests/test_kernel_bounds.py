@@ -161,15 +161,10 @@ def fan_in_codec():
     return codec, cells.numpy()
 
 
-def fan_in_support(cells: np.ndarray, roots: int):
-    """Keys whose cells make the peel below (segment s of a key is its cell in sub-table s; every cell not
-    named holds one key only). Key p shares its segment-1 cell C with ``roots`` keys, whose other cells are
-    their own: they peel first, then p from C (its other cells hold a key of the first layer, b, and k), so
-    p's ancestry is itself and the roots. Key k shares its segment-0 cell with p alone and is read from it
-    next, with one parent, p; its two other cells each hold a key q of layer 1 (read from a segment-0
-    cell it shares with a root), which is not their reader, so they check k (and q) while neither
-    ancestry holds the other's keys. Returns p, k and an input of value 1 at the roots, 64 at the other
-    keys, 0 elsewhere."""
+def _picker(cells: np.ndarray):
+    """``pick(want, candidates=None)``: a key not chosen yet whose cells in the segments of ``want`` are
+    the cells named there and whose other cells no chosen key holds; it is appended to the returned
+    list ``chosen`` and its cells are marked held. Returns ``pick, chosen``."""
     used = np.zeros(int(cells.max()) + 1, dtype=bool)
     chosen = []
 
@@ -187,14 +182,35 @@ def fan_in_support(cells: np.ndarray, roots: int):
                 return int(key), cells[key]
         raise AssertionError(f"no key with cells {want} and its other cells free")
 
+    return pick, chosen
+
+
+def _layer_one(pick, j: int, cell: int, candidates=None) -> int:
+    """A key whose segment-j cell is ``cell`` and whose two other cells each hold a root (a key whose
+    other cells are its own): it is read in layer 1 from the lower of those two, with that cell's root
+    as its one parent (ancestry: 2 keys). Picks the key, then the roots."""
+    key, Q = pick({j: cell}, candidates)
+    for s in range(3):
+        if s != j:
+            pick({s: Q[s]})
+    return key
+
+
+def fan_in_support(cells: np.ndarray, roots: int):
+    """Keys whose cells make the peel below (segment s of a key is its cell in sub-table s; every cell not
+    named holds one key only). Key p shares its segment-1 cell C with ``roots`` keys, whose other cells are
+    their own: they peel first, then p from C (its other cells hold a key of the first layer, b, and k), so
+    p's ancestry is itself and the roots. Key k shares its segment-0 cell with p alone and is read from it
+    next, with one parent, p; its two other cells each hold a key q of layer 1 (read from a segment-0
+    cell it shares with a root), which is not their reader, so they check k (and q) while neither
+    ancestry holds the other's keys. Returns p, k and an input of value 1 at the roots, 64 at the other
+    keys, 0 elsewhere."""
+    pick, chosen = _picker(cells)
     p, (E, C, D2) = pick({})
     k, (_, K1, K2) = pick({0: E})
     pick({2: D2})                                   # b: a root
     for j, K in ((1, K1), (2, K2)):                 # q, read from Q[0] once its root there is gone
-        _, Q = pick({j: K})
-        for s in range(3):
-            if s != j:
-                pick({s: Q[s]})
+        _layer_one(pick, j, K)
     in_C = np.flatnonzero(cells[:, 1] == C)
     for _ in range(roots):
         pick({1: C}, in_C)
@@ -202,6 +218,31 @@ def fan_in_support(cells: np.ndarray, roots: int):
     x[chosen] = 1.0
     x[chosen[:9]] = 64.0        # p, k and their partners: within rtol beside the roots' masses in C
     return p, k, x
+
+
+def fan_in_pairs_support(cells: np.ndarray, singles: int, pairs: int):
+    """A fan-in through parents of ancestry 2: key p shares its segment-0 cell C with ``singles`` roots
+    (their other cells their own: layer 0) and ``pairs`` keys r of layer 1 (each read from its
+    segment-1 cell, which it shares with a root r0; _layer_one). Each of p's two other cells holds a key
+    b of layer 1 too, so all three of p's cells are pure at the start of layer 2 and p is read from C,
+    the lowest: its parents are the singles and the r (``singles + pairs`` of them), its ancestry p,
+    the singles, the r and their r0, ``1 + singles + 2 pairs`` keys. The b's cells that p shares are
+    check cells holding p and b alone, whose ancestries are disjoint, so they verify p while its
+    ancestry is within kAncestryCap. Returns p and an input of value 64 at p, the b's and their roots,
+    1 at the other keys, 0 elsewhere."""
+    pick, chosen = _picker(cells)
+    p, (C, P1, P2) = pick({})
+    for j, P in ((1, P1), (2, P2)):
+        _layer_one(pick, j, P)
+    in_C = np.flatnonzero(cells[:, 0] == C)
+    for _ in range(pairs):
+        _layer_one(pick, 0, C, in_C)
+    for _ in range(singles):
+        pick({0: C}, in_C)
+    x = torch.zeros(len(cells))
+    x[chosen] = 1.0
+    x[chosen[:7]] = 64.0        # p and the b's: within rtol beside the masses in C
+    return p, x
 
 
 def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec):
@@ -227,6 +268,36 @@ def test_verify_keeps_an_ancestry_of_exactly_the_cap(fan_in_codec):
     y, rep = codec.decode(payload)
     _, info = reference.decode(L, payload, verify=True)
     assert rep.inexact_keys.tolist() == info["inexact_keys"].tolist() == over, roots
+    assert rep.status == (DecodeStatus.INEXACT if over else DecodeStatus.OK), rep.reason
+    assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("singles, pairs", [(253, 1), (251, 2), (252, 2), (250, 3)])
+def test_verify_keeps_an_ancestry_of_exactly_the_cap_through_several_parents(fan_in_codec, singles, pairs):
+    """The cap where a key has several parents (the C++ pass adds up their ancestry sizes): p's
+    ancestry is 1 + singles + 2 pairs keys through singles + pairs parents, its read cell holding
+    1 + singles + pairs <= kMaxCellDegree keys. At exactly kAncestryCap = 256 keys p is verified by its
+    check cells (OK); at 257 it is INEXACT; the C++ verify pass lists what reference.decode (with
+    Python sets) lists."""
+    codec, cells = fan_in_codec
+    L = codec.layout
+    p, x = fan_in_pairs_support(cells, singles, pairs)
+    payload = codec.encode(x)
+    support = torch.nonzero(x).reshape(-1)
+    sc, _ = reference.key_cells(L.sketch, support)
+    rounds, resolved = rp.peel_rounds(sc, L.sketch.cells)
+    members = rp.cell_members(sc)
+    anc = rp.ancestries(sc, rounds, members, cap=10**6)
+    at = {int(key): i for i, key in enumerate(support)}
+    assert bool(resolved.all()) and len(rounds) == 3
+    last, pure_j = rounds[2][0].tolist(), rounds[2][1].tolist()
+    assert at[p] in last and pure_j[last.index(at[p])] == 0             # read in layer 2 from C
+    assert len(members[int(sc[at[p], 0])]) - 1 == singles + pairs >= 2   # its parents
+    assert len(anc[at[p]]) == 1 + singles + 2 * pairs and rp.ANCESTRY_CAP == 256
+    over = [p] if len(anc[at[p]]) > rp.ANCESTRY_CAP else []
+    y, rep = codec.decode(payload)
+    _, info = reference.decode(L, payload, verify=True)
+    assert rep.inexact_keys.tolist() == info["inexact_keys"].tolist() == over, (singles, pairs)
     assert rep.status == (DecodeStatus.INEXACT if over else DecodeStatus.OK), rep.reason
     assert torch.equal(y, x)
 

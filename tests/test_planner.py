@@ -135,17 +135,23 @@ def test_a_plan_prices_the_second_collectives_its_message_batches():
     assert chosen == {frozenset(): "topk", frozenset({"allgather"}): "topk_allgather"}, chosen
 
 
+def bucket_mates(n: int):
+    """Two lossy auto tensors of one bucket on ``n`` ranks (``big``: 2^20 coordinates, ``small``: 2^15), dense,
+    sketch top-k and allgathered top-k allowed, planning every 2 steps: one aggregator list per tensor."""
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    allowed = ("dense", "topk", "topk_allgather")
+    return ([AutoAggregator(name, (numel,), torch.float32, n, r, model, lossy=True, interval=2, allowed=allowed)
+             for r in range(n)] for name, numel in (("big", 1 << 20), ("small", 1 << 15)))
+
+
 def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step():
     """settle_message_plans (DDP's auto_hook, before the message and after its decode): the plans a step's
     statistics made are priced again as the message batches them, at once: a large tensor top-k'd by
     allgather draws its 32 Ki-coordinate bucket-mate from the sketch to the allgather at the same step
     (one entry in its history), on every rank alike."""
     n = 4
-    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
     rng = torch.Generator().manual_seed(6)
-    allowed = ("dense", "topk", "topk_allgather")
-    big, small = ([AutoAggregator(name, (numel,), torch.float32, n, r, model, lossy=True, interval=2, allowed=allowed)
-                   for r in range(n)] for name, numel in (("big", 1 << 20), ("small", 1 << 15)))
+    big, small = bucket_mates(n)
     for r in range(n):
         settle_message_plans([big[r], small[r]])   # no plan yet: nothing due, nothing batched
     assert [a.batched for a in big + small] == [frozenset()] * (2 * n)
@@ -166,11 +172,8 @@ def test_settling_a_message_replans_only_the_tensors_that_planned_since():
     each one's ``batched`` follows its bucket-mates' plans but none is planned again mid-interval (the small
     tensor keeps top-k until its own statistics step; re-planning it too passed every other test)."""
     n = 2
-    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
     rng = torch.Generator().manual_seed(6)
-    allowed = ("dense", "topk", "topk_allgather")
-    big, small = ([AutoAggregator(name, (numel,), torch.float32, n, r, model, lossy=True, interval=2, allowed=allowed)
-                   for r in range(n)] for name, numel in (("big", 1 << 20), ("small", 1 << 15)))
+    big, small = bucket_mates(n)
     for aggs, numel in ((big, 1 << 20), (small, 1 << 15)):
         run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
     assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"topk"}

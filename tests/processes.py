@@ -1,10 +1,11 @@
 """Launched processes and the test session's hang watchdog.
 
 A multi-process test runs a launcher (``torch.multiprocessing.spawn``, ``horovodrun``,
-``launch_byteps.sh``, ``bench cluster``) that starts the ranks. ``subprocess.run(timeout=...)`` kills
-only the launcher: horovodrun's ranks and a BytePS scheduler outlive it, keeping their ports and the
-cores that every later test shares. :func:`run_launcher` starts the launcher in a session of its own
-and kills that whole process group when the launch ends, times out or is interrupted.
+``launch_byteps.sh``, ``bench cluster``) that starts the ranks. ``subprocess.run(timeout=...)`` SIGKILLs
+only the launcher: what a launch script started in the background (a BytePS scheduler and server)
+outlives it, keeping its ports and the cores that every later test shares, and ``bench cluster`` gets
+no chance to remove its network namespaces. :func:`run_launcher` starts the launcher in a session of
+its own and ends that whole process group when the launch returns, times out or is interrupted.
 
 :data:`WATCHDOG` (armed for each test by tests/conftest.py) ends the session when a test runs past its
 time, so that a hang fails loudly instead of blocking CI: ``faulthandler`` dumps every thread's stack

@@ -7,6 +7,7 @@ from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.planner import Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
+from test_policy import run_steps
 
 MODEL = CostModel(Calibration.default(1e8))
 
@@ -132,22 +133,9 @@ def same_state(a, b) -> bool:
 
 
 def lossless_steps(agg, steps, seed):
-    """Exact steps of 4 ranks (one aggregator stands in for each replica), 40 to 160 non-zeros a rank; the
-    payload sizes."""
-    from lossless_hc.training.aggregate import TensorAggregator
-    assert isinstance(agg, TensorAggregator)
-    g, sizes = torch.Generator().manual_seed(seed), []
-    for step in range(steps):
-        xs = [torch.zeros(agg.numel) for _ in range(4)]
-        for x in xs:
-            k = 40 + 40 * (step % 4)
-            x[torch.randperm(agg.numel, generator=g)[:k]] = torch.randn(k, generator=g)
-        encoded = [agg.encode(x) for x in xs]
-        out = agg.decode(sum(p for p, _ in encoded), encoded[0][1])
-        if out.needs_fallback:
-            agg.finish_fallback(sum(xs), out)
-        sizes.append(encoded[0][0].numel())
-    return sizes
+    """Exact steps of 4 ranks (test_policy.run_steps: one aggregator stands in for each replica), 40 to 160
+    non-zeros a rank; the payload sizes."""
+    return [run_steps(agg, 4, 1, 40 + 40 * (step % 4), seed=seed * 1000 + step)[0] for step in range(steps)]
 
 
 def test_a_lossless_aggregator_resumes_as_the_straight_run():

@@ -1,8 +1,8 @@
 """THC's CUDA kernels (csrc/cuda/thc_kernels.cuh, lossless_hc/backends/cuda_thc.py) on the host emulation, on
 inputs that reach code the steps of tests/test_cuda_thc_emulated.py leave alone: a norm of more chunks than
-the emulated grid has blocks and than one tree pass sums, and the partial last word of a layout. Each test
-compares the emulated kernels with the CPU backend (the same payload bits, decoded bits, or error message)
-or with the definition of the norm's tree.
+the emulated grid has blocks and than one tree pass sums, the partial last word of a layout, and the
+float64 digit estimate's correction. Each test compares the emulated kernels with the CPU backend (the same
+payload bits, decoded bits, or error message) or with the definition of the norm's tree.
 """
 import numpy as np
 import pytest
@@ -109,3 +109,46 @@ def test_emulated_partial_last_word_above_its_digits_is_invalid(emulated, numel,
     top[HDR_CHECKSUM] = ref.checksum(cpu[0], top[L.words_offset:], 0)
     outs = [decode_again(c, top, 70.0) for c in (cpu[0], gpu[0])]
     assert_same_bits(outs[0], outs[1], "decode of the largest last word")
+
+
+def misestimated_words(base: int, per_word: int, count: int, seed: int) -> list:
+    """`count` words of `per_word` digits of `base` (each a valid aggregate) at which floor(s / base)
+    computed in float64 (floor(s * (1 / base))) is off by one for at least one of the word's digits,
+    as the kernels' estimate is before its correction."""
+    rng = np.random.default_rng(seed)
+    inv = 1.0 / base
+    found = []
+    while len(found) < count:
+        digits = rng.integers(0, base, size=(4096, per_word))
+        s = np.zeros(len(digits), dtype=np.int64)
+        for j in reversed(range(per_word)):
+            s = s * base + digits[:, j]
+        cur, miss = s.copy(), np.zeros(len(s), dtype=bool)
+        for _ in range(per_word):
+            miss |= np.floor(cur.astype(np.float64) * inv).astype(np.int64) != cur // base
+            cur //= base
+        found.extend(int(v) for v in s[miss])
+    return found[:count]
+
+
+def test_emulated_digits_where_the_float64_estimate_is_off_by_one(emulated):  # noqa: F811
+    """n = 8, g = 20: base 161, 6 digits per float64 word. For about 1% of the words, floor(s * (1 / 161))
+    is one off floor(s / 161) at some digit (the kernels' estimate, which they correct by one). Words
+    made of such values decode to the CPU's bits, in shared memory and in passes."""
+    n, numel, g = 8, 20000, 20
+    for block in (1024, 8192):
+        kw = dict(granularity=g, initial_norm=50.0, hadamard_block=block)
+        cpu, gpu = lhc.THCCodec(numel, n, **kw), to_emulated_cuda(lhc.THCCodec(numel, n, **kw))
+        L = cpu.layout
+        assert (L.base, L.per_word) == (161, 6)
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(block))
+        pc = cpu.encode(x)
+        gpu.encode(x)
+        full = L.words - 1   # the last word may be partial
+        words = torch.tensor(misestimated_words(L.base, L.per_word, full, seed=block), dtype=torch.float64)
+        agg = pc * n
+        agg[L.norm_offset:L.words_offset] = pc[L.norm_offset:L.words_offset]   # one rank's norm and mirror
+        agg[L.words_offset:L.words_offset + full] = words
+        agg[L.words_offset + full] = 0.0
+        agg[HDR_CHECKSUM] = ref.checksum(cpu, agg[L.words_offset:], 0)
+        assert_same_bits(cpu.decode(agg), gpu.decode(agg.clone()), f"decode, block {block}")

@@ -1,8 +1,9 @@
 """THC's CUDA kernels (csrc/cuda/thc_kernels.cuh, lossless_hc/backends/cuda_thc.py) on the host emulation, on
 inputs that reach code the steps of tests/test_cuda_thc_emulated.py leave alone: a norm of more chunks than
-the emulated grid has blocks and than one tree pass sums, the partial last word of a layout, and the
-float64 digit estimate's correction. Each test compares the emulated kernels with the CPU backend (the same
-payload bits, decoded bits, or error message) or with the definition of the norm's tree.
+the emulated grid has blocks and than one tree pass sums, the partial last word of a layout, the float64
+digit estimate's correction, and the rounding tolerance of an averaged word. Each test compares the
+emulated kernels with the CPU backend (the same payload bits, decoded bits, or error message) or with the
+definition of the norm's tree.
 """
 import numpy as np
 import pytest
@@ -152,3 +153,25 @@ def test_emulated_digits_where_the_float64_estimate_is_off_by_one(emulated):  # 
         agg[L.words_offset + full] = 0.0
         agg[HDR_CHECKSUM] = ref.checksum(cpu, agg[L.words_offset:], 0)
         assert_same_bits(cpu.decode(agg), gpu.decode(agg.clone()), f"decode, block {block}")
+
+
+@pytest.mark.parametrize("block", [1024, 8192], ids=["in-shared", "passes"])
+def test_emulated_averaged_words_round_within_half_a_unit(emulated, block):  # noqa: F811
+    """An averaged float64 payload is multiplied back by n and rounded: a word off by less than half a
+    unit (after the multiplication) is read as the nearest integer on both backends, so the decode is
+    the clean one's bits."""
+    n, numel = 3, 20000
+    kw = dict(initial_norm=70.0, hadamard_block=block)
+    cpu = ranks(n, numel, **kw)
+    gpu = [to_emulated_cuda(c) for c in ranks(n, numel, **kw)]
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)]
+    agg = sum(c.encode(x) for c, x in zip(cpu, xs)) / n
+    for c, x in zip(gpu, xs):
+        c.encode(x)
+    L = cpu[0].layout
+    off = agg.clone()
+    off[L.words_offset + 3] += 0.3 / n
+    off[L.words_offset + 40] -= 0.45 / n
+    outs = [decode_again(c, p, 70.0, averaged=True) for c in (cpu[0], gpu[0]) for p in (agg, off)]
+    for y, what in zip(outs[1:], ("cpu, words off", "emulated, clean", "emulated, words off")):
+        assert_same_bits(outs[0], y, what)

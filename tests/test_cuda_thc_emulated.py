@@ -254,7 +254,7 @@ def test_emulated_corrupted_words_are_counted_as_on_cpu(emulated, dtype):  # noq
     else:
         agg[off + 5] = -3
         agg[off + 170] = L.base ** L.per_word
-        agg[off + L.words - 1] = L.base ** L.per_word      # the last word holds fewer digits: too large
+        agg[off + L.words - 1] = L.base ** L.per_word      # the last word (a full one here): too large
     msgs = []
     for c in (cpu[0], gpu[0]):
         with pytest.raises(ValueError, match="not valid aggregated digit words") as info:

@@ -1,9 +1,9 @@
 """THC's CUDA kernels (csrc/cuda/thc_kernels.cuh, lossless_hc/backends/cuda_thc.py) on the host emulation, on
 inputs that reach code the steps of tests/test_cuda_thc_emulated.py leave alone: a norm of more chunks than
 the emulated grid has blocks and than one tree pass sums, the partial last word of a layout, the float64
-digit estimate's correction, and the rounding tolerance of an averaged word. Each test compares the
-emulated kernels with the CPU backend (the same payload bits, decoded bits, or error message) or with the
-definition of the norm's tree.
+digit estimate's correction, the rounding tolerance of an averaged word, and a padded size past numel
+(where no write may land). Each test compares the emulated kernels with the CPU backend (the same payload
+bits, decoded bits, or error message) or with the definition of the norm's tree.
 """
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ from lossless_hc.backends import cuda_thc as _cuda_thc
 from lossless_hc.thc.layout import HDR_CHECKSUM
 
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
-from test_cuda_thc_emulated import assert_same_bits, ranks, to_emulated_cuda
+from test_cuda_thc_emulated import assert_same_bits, normal_inputs, ranks, to_emulated_cuda
 
 
 def decode_again(codec, payload, norm, averaged=False):
@@ -175,3 +175,34 @@ def test_emulated_averaged_words_round_within_half_a_unit(emulated, block):  # n
     outs = [decode_again(c, p, 70.0, averaged=True) for c in (cpu[0], gpu[0]) for p in (agg, off)]
     for y, what in zip(outs[1:], ("cpu, words off", "emulated, clean", "emulated, words off")):
         assert_same_bits(outs[0], y, what)
+
+
+@pytest.mark.parametrize("numel,block", [(3000, 1024), (9000, 8192)], ids=["in-shared", "passes"])
+def test_emulated_kernels_write_nothing_past_numel(emulated, numel, block):  # noqa: F811
+    """numel short of the padded size: the kernels transform the padded coordinates, but write only numel
+    values into the error memory (the norm-only round, then steps with feedback) and into decode's out.
+    Both are views into longer buffers here, whose tails must keep their sentinel."""
+    n, sentinel = 2, 7.0
+    cpu = ranks(n, numel, hadamard_block=block)
+    gpu = [to_emulated_cuda(c) for c in ranks(n, numel, hadamard_block=block)]
+    assert cpu[0].layout.padded > numel
+    tails = []
+    for c in gpu:   # the error memory, as a view of numel + block floats
+        room = torch.full((numel + block,), sentinel)
+        room[:numel] = c.error
+        c._error = room[:numel]
+        tails.append(room[numel:])
+    make = normal_inputs(n, numel, seed=block)
+    for step in range(3):
+        xs = make(step)
+        pc = [c.encode(x) for c, x in zip(cpu, xs)]
+        pg = [c.encode(x) for c, x in zip(gpu, xs)]
+        for r in range(n):
+            assert_same_bits(pc[r], pg[r], f"step {step} rank {r} payload")
+            assert_same_bits(cpu[r].error, gpu[r].error, f"step {step} rank {r} error memory")
+            assert bool((tails[r] == sentinel).all()), f"step {step} rank {r}: written past the error memory"
+        agg = sum(pc)
+        for r in range(n):
+            room = torch.full((numel + block,), sentinel)
+            assert_same_bits(cpu[r].decode(agg), gpu[r].decode(agg.clone(), out=room[:numel]), f"step {step} decode")
+            assert bool((room[numel:] == sentinel).all()), f"step {step} rank {r}: decode wrote past numel"

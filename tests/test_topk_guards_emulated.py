@@ -1,7 +1,8 @@
 """The top-k CUDA kernels (csrc/cuda/topk_kernels.cuh, lossless_hc/backends/cuda_topk.py) on the host
-emulation, on sizes that tests/test_topk.py's emulated tests leave alone: sizes that the launcher's
-fixed grid of counting blocks does not divide, so the last block's range is shorter than the others'.
-The indices, values and residual are the CPU backend's.
+emulation, on what tests/test_topk.py's emulated tests leave alone: sizes that the launcher's fixed grid
+of counting blocks does not divide, so the last block's range is shorter than the others', and an
+``out`` longer than the selection, past which nothing may be written. The indices, values and residual
+are the CPU backend's.
 """
 import pytest
 import torch
@@ -37,3 +38,16 @@ def test_emulated_selection_reaches_the_last_keys_of_a_ragged_split(emulated, n,
     want_idx, want_values = CPU.topk_feedback(x, ec, 100)
     assert torch.equal(idx, want_idx)
     assert torch.equal(bits(values), bits(want_values)) and torch.equal(bits(e), bits(ec))
+
+
+@pytest.mark.parametrize("kind", ["ties", "normal"])
+def test_emulated_selection_writes_nothing_past_its_count(emulated, kind):  # noqa: F811
+    """The kernels write exactly min(k, n) indices: into an ``out`` with room for n more (whatever a
+    wrong tie quota could write), the selection is the CPU's and the rest keeps its sentinel."""
+    n = 20_001
+    x = inputs(kind, n, seed=7)
+    for k in (1, 100, n // 3, n - 1):
+        out = torch.full((k + n,), -7, dtype=torch.int64)
+        got = cuda_topk.topk_select(x, k, out=out)
+        assert torch.equal(got, CPU.topk_select(x, k)), k
+        assert bool((out[k:] == -7).all()), f"k={k}: indices written past the selection"

@@ -12,12 +12,17 @@ namespace gpu {
 // -------------------------------------------------------------------------------------------------
 
 // Support size known (after the last compaction): record it (the list's length, and the count beyond
-// its cap that the report gives, as the CPU backend's).
+// its cap that the report gives, as the CPU backend's), and check the index checksum. A support that
+// fails it is not peeled (abort), so `out` stays zero, as on the CPU backend.
 extern "C" __global__ void lhc_support_ready(DecodeCounters* counters, uint64_t support_is_candidates) {
   if (global_thread() != 0) return;
   counters->support = counters->list_count;
   counters->support_total = counters->list_total;
   if (support_is_candidates) counters->candidates = counters->list_total;
+  if (!index_check_matches_expected(counters)) {
+    counters->flags |= kFlagIndexCheck;
+    counters->abort = 1;
+  }
 }
 
 // Raise abort if any flag of `mask` is set (one thread, between two stages).
@@ -516,7 +521,6 @@ extern "C" __global__ void lhc_write_output(const uint64_t* layout, const uint32
 extern "C" __global__ void lhc_decode_status(const uint64_t* layout, DecodeCounters* counters, const MlState* ml) {
   if (global_thread() != 0) return;
   const unsigned long long support = ml ? ml->support : counters->support;
-  if (!index_check_matches_expected(counters)) counters->flags |= kFlagIndexCheck;
   counters->status = decode_status((int)layout[kLwIndexKind], counters->flags, support, counters->peeled,
                                    ml ? ml->status : 0u);
 }

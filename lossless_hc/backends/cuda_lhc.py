@@ -39,6 +39,15 @@ FLAG_CAND_OVERFLOW = 1 << 2
 FLAG_COUNT_UNRESOLVED = 1 << 4
 FLAG_SUPPORT_OVERFLOW = 1 << 6
 FLAG_DEGREE_OVERFLOW = 1 << 7
+# The flags of a failed index, which DecodeRun.finish reads to report the CPU backend's counts: the
+# words (not packed integers, or digits not summing to the header's total), the Bloom count peel
+# (every way it fails), and the index checksum.
+FLAG_INDEX_WORD = 1 << 0
+FLAG_INDEX_TOTAL = 1 << 1
+FLAG_COUNT_BAD = 1 << 3
+FLAG_COUNT_LEFTOVER = 1 << 5
+FLAG_INDEX_CHECK = 1 << 12
+_COUNT_PEEL_FAILED = FLAG_CAND_OVERFLOW | FLAG_COUNT_BAD | FLAG_COUNT_UNRESOLVED | FLAG_COUNT_LEFTOVER
 
 # lhc::gpu::DecodeCounters: 7 uint64 fields, then flags, abort, status and padding (uint32 each, paired
 # into int64 words as the host reads them), then the index checksum's 4 uint64 and 2 more = 120 bytes.
@@ -275,17 +284,26 @@ class DecodeRun:
         status = c["status_pad"] & 0xFFFFFFFF     # lhc_decode_status's verdict
         support, peeled = c["support_total"], c["peeled"]   # the CPU's count, beyond the peel's list too
         candidates = c["candidates"]
+        false_positives = max(0, candidates - support) if kind == "bloom" else 0
         if kind == "multilevel":
             ml = dict(zip(_ML_STATE, values[len(_DECODE_COUNTERS):]))
-            failed = ml["status_mode"] & 0xFFFFFFFF
-            # As the CPU backend: a failed index reports no support (and candidates only once the
-            # support is known, i.e. for the last check, the key total); the support count is exact
-            # even where the value peel's list overflowed.
+            failed = ml["status_mode"] & 0xFFFFFFFF or flags & FLAG_INDEX_CHECK
+            # As the CPU backend: a failed index (its checksum included) reports no support (and
+            # candidates only once the support is known, i.e. for the last checks, the key total and
+            # the checksum); the support count is exact even where the value peel's list overflowed.
             candidates = ml["candidates"]
             support = 0 if failed else ml["support"]
             peeled = 0 if failed else peeled
-        st = DecodeStats(status=status, candidates=candidates,
-                         false_positives=max(0, candidates - support) if kind == "bloom" else 0,
+        elif flags & (FLAG_INDEX_WORD | FLAG_INDEX_TOTAL | _COUNT_PEEL_FAILED | FLAG_INDEX_CHECK):
+            # As the CPU backend: a failed index reports no support; candidates only where every word
+            # was valid (Bloom: and the digits summed to the header's total, checked first there);
+            # false positives only after a complete count peel (then the index checksum failed).
+            support = peeled = 0
+            if flags & (FLAG_INDEX_WORD | (FLAG_INDEX_TOTAL if kind == "bloom" else 0)):
+                candidates = 0
+            if flags & (FLAG_INDEX_WORD | FLAG_INDEX_TOTAL | _COUNT_PEEL_FAILED):
+                false_positives = 0
+        st = DecodeStats(status=status, candidates=candidates, false_positives=false_positives,
                          support_keys=support, peeled=peeled, index_total=c["index_total"], flags=flags)
         return header, st
 

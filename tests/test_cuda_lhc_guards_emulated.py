@@ -8,10 +8,12 @@ import torch
 
 import helpers
 from lossless_hc.backends import cuda_lhc as _cuda
-from lossless_hc.lhc.layout import HDR_INDEX_CHECK0, HDR_KEYS_LO, INDEX_CHECK_PRIMES
+from lossless_hc.lhc.layout import (HDR_INDEX_CHECK0, HDR_KEYS_LO, HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS,
+                                    INDEX_CHECK_PRIMES)
 from lossless_hc.lhc.sizing import build_layout
 from lossless_hc.lhc.status import DecodeStatus
-from test_cuda import index_verdicts_agree
+from test_cuda import assert_same_payload, bits, index_verdicts_agree
+from test_cuda_emulated import emulated_encode
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 
 
@@ -42,6 +44,16 @@ def test_bloom_count_peel_that_stalls_is_index_peel_failed(emulated):  # noqa: F
     assert not out.any()
 
 
+def test_saturated_bloom_counter_is_in_the_header(emulated):  # noqa: F811
+    """A rank with every key non-zero puts more keys into a Bloom counter than its digit cap: the
+    emulated encode caps the counters and sets the header's saturated field, as the CPU does."""
+    cpu, native = codecs("bloom", 3000, 3, 40)
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal(3000).astype(np.float32))
+    p_cpu = cpu.encode(x)
+    assert p_cpu[HDR_SATURATED] == 1.0, "the CPU encode saturates a counter"
+    assert_same_payload(cpu.layout, p_cpu, emulated_encode(native, x), x)
+
+
 @pytest.mark.parametrize("kind", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("damage", ["word", "total", "checksum"])
 def test_failed_index_reports_the_cpu_s_counts(emulated, kind, damage):  # noqa: F811
@@ -61,3 +73,61 @@ def test_failed_index_reports_the_cpu_s_counts(emulated, kind, damage):  # noqa:
         p[HDR_INDEX_CHECK0] = (p[HDR_INDEX_CHECK0] + 1) % INDEX_CHECK_PRIMES[0]
     status, _, _, _ = index_verdicts_agree(cpu, native, p)
     assert status == DecodeStatus.INDEX_CORRUPT
+
+
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_input_is_in_the_header(emulated, block, value):  # noqa: F811
+    """One +-Inf or NaN coordinate among finite ones: the emulated encode sets the header's non-finite
+    field, as the CPU does (lhc_encode_scan_b1 for blocks of 1, lhc_encode_flag_blocks above), and
+    writes the CPU's mass channel (a NaN adds 0 there, an Inf adds Inf)."""
+    cpu, native = codecs("bitmap", 600 * block, 2, 20, block)
+    L = cpu.layout
+    x = torch.zeros(L.numel)
+    x[5 * block:25 * block] = 1.5   # every sum exact: the payloads' bits do not depend on the order
+    x[17 * block + block - 1] = value
+    p_cpu, p_gpu = cpu.encode(x), emulated_encode(native, x)
+    assert p_cpu[HDR_NON_FINITE] == 1.0
+    assert torch.equal(p_gpu[:HEADER_FIELDS], p_cpu[:HEADER_FIELDS])
+    assert torch.equal(bits(p_gpu[L.mass_offset:]), bits(p_cpu[L.mass_offset:]))
+
+
+def test_block_of_negative_zeros_is_a_zero_key(emulated):  # noqa: F811
+    """A block whose lanes are all -0.0 (or a mix of -0.0 and 0.0) is no non-zero key on the CPU:
+    the emulated encode of blocks (lhc_encode_flag_blocks) neither counts nor indexes it."""
+    cpu, native = codecs("bitmap", 600 * 3, 2, 20, 3)
+    x = torch.zeros(cpu.layout.numel)
+    x[:30] = torch.arange(1, 31, dtype=torch.float32)
+    x[30:33] = -0.0
+    x[34] = -0.0
+    p_cpu = cpu.encode(x)
+    assert_same_payload(cpu.layout, p_cpu, emulated_encode(native, x), x)
+
+
+def test_partial_last_block_reads_only_the_input(emulated):  # noqa: F811
+    """The last block of 3000 coordinates in blocks of 7 has 4 lanes: its mass is the largest of those
+    4, though the input's storage goes on with larger values (lhc_encode_keys stops at numel)."""
+    cpu, native = codecs("bitmap", 3000, 2, 20, 7)
+    storage = torch.full((3000 + 7,), 1.0e30)
+    x = storage[:3000]
+    x.zero_()
+    x[-4:] = torch.tensor([1.0, -2.0, 0.5, 0.25])
+    x[:70] = 3.0
+    assert_same_payload(cpu.layout, cpu.encode(x), emulated_encode(native, x), x)
+
+
+def test_bloom_counter_at_its_cap_is_not_saturated(emulated):  # noqa: F811
+    """A rank whose keys put exactly digit_cap of them into one Bloom counter: the counter holds them
+    all, unsaturated (the CPU's rule: saturated only above the cap). The emulated encode agrees."""
+    from lossless_hc.lhc import reference
+    cpu, native = codecs("bloom", 3000, 3, 40)
+    L = cpu.layout
+    cells, _ = reference.key_cells(L.bloom, torch.arange(L.num_keys))
+    cell = int(cells[0, 0])
+    keys = torch.nonzero((cells == cell).any(1)).reshape(-1)[:L.digit_cap]
+    assert keys.numel() == L.digit_cap and torch.bincount(cells[keys].reshape(-1)).max() == L.digit_cap
+    x = torch.zeros(L.numel)
+    x[keys] = 1.0
+    p_cpu = cpu.encode(x)
+    assert p_cpu[HDR_SATURATED] == 0.0
+    assert_same_payload(L, p_cpu, emulated_encode(native, x), x)

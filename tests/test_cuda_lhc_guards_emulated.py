@@ -131,3 +131,85 @@ def test_bloom_counter_at_its_cap_is_not_saturated(emulated):  # noqa: F811
     p_cpu = cpu.encode(x)
     assert p_cpu[HDR_SATURATED] == 0.0
     assert_same_payload(L, p_cpu, emulated_encode(native, x), x)
+
+
+def test_bitmap_digit_past_the_last_key_is_index_corrupt(emulated):  # noqa: F811
+    """A non-zero bitmap digit at the first position past the last key (the last word's spare digits),
+    with the header's key total and index checksum forged to agree (tests/test_index_guards.py
+    with_header): both backends INDEX_CORRUPT."""
+    from test_index_guards import with_header
+    n = 3
+    cpu, native = codecs("bitmap", 2999, n, 40)
+    L = cpu.layout
+    assert L.num_keys % L.index.per_word, "the last word has spare digits"
+    p, _ = summed(cpu, n, 40)
+    q = with_header(L, p, 1, L.num_keys)
+    word, at = divmod(L.num_keys, L.index.per_word)
+    q[L.index_offset + word] += L.index.base ** at
+    status, _, _, _ = index_verdicts_agree(cpu, native, q)
+    assert status == DecodeStatus.INDEX_CORRUPT
+
+
+@pytest.mark.parametrize("kind", ["bitmap", "bloom", "multilevel"])
+def test_averaged_index_word_that_rounds_to_its_limit_is_index_corrupt(emulated, kind):  # noqa: F811
+    """Under AVERAGE an index word is accepted within 1/2 of an integer, which must still lie below
+    base^per_word: a zero word replaced by one that rounds up to base^per_word is no packed word. Both
+    backends: INDEX_CORRUPT."""
+    n = 3
+    cpu, native = codecs(kind, 3000, n, 40)
+    L = cpu.layout
+    p, _ = summed(cpu, n, 40)
+    avg = helpers.average_payloads(p, n)
+    zero = int(torch.nonzero(avg[L.index_offset:L.index_offset + L.index.words] == 0)[-1])
+    limit = L.index.base ** L.index.per_word
+    avg[L.index_offset + zero] = (limit - 0.25) / n
+    assert limit - 0.5 < float(avg[L.index_offset + zero]) * n < limit
+    status, _, _, _ = index_verdicts_agree(cpu, native, avg, averaged=True)
+    assert status == DecodeStatus.INDEX_CORRUPT
+
+
+def test_bloom_count_above_world_size_is_index_corrupt(emulated):  # noqa: F811
+    """A Bloom key's count raised to world_size + 1 in all three of its counters, with the header's
+    key total and index checksum forged to agree: every check but the count peel's bound passes, and
+    that one holds a count to world_size. Both backends: INDEX_CORRUPT."""
+    from lossless_hc.lhc import reference
+    from test_index_guards import with_header
+    n = 3
+    cpu, native = codecs("bloom", 3000, n, 40)
+    L = cpu.layout
+    p, xs = summed(cpu, n, 40)
+    held = sum((x != 0).to(torch.int64) for x in xs)
+    key = int(torch.nonzero(held == 1)[0])
+    q = with_header(L, p, n, key)   # n more holders: n + 1 in all
+    digits = q[L.index_offset:L.index_offset + L.index.words].double()
+    for cell in reference.key_cells(L.bloom, torch.tensor([key]))[0][0].tolist():
+        word, at = divmod(cell, L.index.per_word)
+        digits[word] += n * L.index.base ** at
+    q[L.index_offset:L.index_offset + L.index.words] = digits.float()
+    status, _, _, _ = index_verdicts_agree(cpu, native, q)
+    assert status == DecodeStatus.INDEX_CORRUPT
+
+
+def test_bloom_counter_no_candidate_explains_is_index_corrupt(emulated):  # noqa: F811
+    """3 added to a zero Bloom counter that no key's other two counters make a candidate of, with the
+    header's key total forged (+1 key: the digits' sum stays 3 x the total): candidates, count peel
+    and index checksum are those of the honest aggregate, but a counter is left over after the
+    peel. Both backends: INDEX_CORRUPT."""
+    from lossless_hc.lhc import reference
+    n = 3
+    cpu, native = codecs("bloom", 3000, n, 40)
+    L = cpu.layout
+    p, _ = summed(cpu, n, 40)
+    digits = p[L.index_offset:L.index_offset + L.index.words].double()
+    powers = torch.tensor([float(L.index.base ** i) for i in range(L.index.per_word)], dtype=torch.float64)
+    counts = (digits[:, None] // powers % L.index.base).reshape(-1)[:L.bloom.cells]
+    cells, _ = reference.key_cells(L.bloom, torch.arange(L.num_keys))
+    two = (counts[cells] != 0).sum(1) == 2   # keys one zero counter away from being candidates
+    near = set(cells[two].reshape(-1).tolist())
+    cell = next(c for c in range(L.bloom.cells) if counts[c] == 0 and c not in near)
+    q = p.clone()
+    word, at = divmod(cell, L.index.per_word)
+    q[L.index_offset + word] += 3 * L.index.base ** at
+    q[HDR_KEYS_LO] += 1
+    status, _, _, _ = index_verdicts_agree(cpu, native, q)
+    assert status == DecodeStatus.INDEX_CORRUPT

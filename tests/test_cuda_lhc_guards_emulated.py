@@ -44,6 +44,23 @@ def test_bloom_count_peel_that_stalls_is_index_peel_failed(emulated):  # noqa: F
     assert not out.any()
 
 
+def test_stalled_peel_outranks_a_corrupt_mass_cell(emulated):  # noqa: F811
+    """Two ranks of 60 keys on a sketch sized for 40: 119 support keys fit the value peel's list
+    (126 cells) but the peel stalls. A zeroed mass cell where keys are left is a corrupt sketch too;
+    as on the CPU, the stalled peel decides: SKETCH_PEEL_FAILED, not SKETCH_CORRUPT."""
+    from lossless_hc.lhc import reference
+    cpu, native = codecs("bitmap", 3000, 2, 60, union=40)
+    L = cpu.layout
+    p, xs = summed(cpu, 2, 60)
+    status, out, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_PEEL_FAILED and out.isnan().any()
+    key = int(torch.nonzero(xs[0]).reshape(-1)[0])
+    cell = int(reference.key_cells(L.sketch, torch.tensor([key]))[0][0, 0])
+    p[L.mass_offset + cell] = 0.0
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_PEEL_FAILED
+
+
 def test_saturated_bloom_counter_is_in_the_header(emulated):  # noqa: F811
     """A rank with every key non-zero puts more keys into a Bloom counter than its digit cap: the
     emulated encode caps the counters and sets the header's saturated field, as the CPU does."""
@@ -166,6 +183,25 @@ def test_averaged_index_word_that_rounds_to_its_limit_is_index_corrupt(emulated,
     assert limit - 0.5 < float(avg[L.index_offset + zero]) * n < limit
     status, _, _, _ = index_verdicts_agree(cpu, native, avg, averaged=True)
     assert status == DecodeStatus.INDEX_CORRUPT
+
+
+def test_support_of_exactly_the_peel_s_capacity_is_peeled(emulated):  # noqa: F811
+    """A support of exactly as many keys as the value peel's list holds (the sketch's 126 cells) is
+    no overflow: the CUDA decode peels it as far as the CPU does (the same peeled keys and NaNs)."""
+    n = 2
+    cpu, native = codecs("bitmap", 3000, n, 63, union=40)
+    assert native.key_cap == cpu.layout.sketch.cells == 126
+    rng = np.random.default_rng(4)
+    keys = rng.choice(cpu.layout.num_keys, size=126, replace=False)
+    xs = []
+    for part in (keys[:63], keys[63:]):
+        x = torch.zeros(cpu.layout.numel)
+        x[torch.from_numpy(part)] = torch.from_numpy(rng.standard_normal(63).astype(np.float32))
+        xs.append(x)
+    p = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    status, out, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_PEEL_FAILED
+    assert 0 < int((out != 0).sum() - out.isnan().sum()) < 126, "some keys peeled, not all"
 
 
 def test_bloom_count_above_world_size_is_index_corrupt(emulated):  # noqa: F811

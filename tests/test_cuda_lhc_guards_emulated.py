@@ -44,6 +44,18 @@ def test_bloom_count_peel_that_stalls_is_index_peel_failed(emulated):  # noqa: F
     assert not out.any()
 
 
+def test_bloom_candidates_beyond_the_list_are_counted_as_the_cpu(emulated):  # noqa: F811
+    """Three ranks of 300 keys each on a Bloom table sized for 40: 2984 candidates, more than the
+    candidate list holds (the table's 1863 cells; the count peel could not resolve more). Both
+    backends: INDEX_PEEL_FAILED, reporting all 2984 candidates."""
+    cpu, native = codecs("bloom", 6000, 3, 300, union=40)
+    p, _ = summed(cpu, 3, 300)
+    status, out, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.INDEX_PEEL_FAILED
+    assert native.cand_cap == cpu.layout.bloom.cells < 2984
+    assert not out.any()
+
+
 def test_stalled_peel_outranks_a_corrupt_mass_cell(emulated):  # noqa: F811
     """Two ranks of 60 keys on a sketch sized for 40: 119 support keys fit the value peel's list
     (126 cells) but the peel stalls. A zeroed mass cell where keys are left is a corrupt sketch too;

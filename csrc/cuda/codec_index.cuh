@@ -297,10 +297,12 @@ extern "C" __global__ void lhc_bloom_cand_count(const uint64_t* layout, const in
   tile_count(L.num_keys, tile_sum, [&](uint64_t k) { return bloom_candidate(L, bcount, k); });
 }
 
+// The candidates in increasing order (cand[0, cap)). `candidates` gets their exact number, as the CPU
+// backend reports it; past the cap the scan raised abort, and no later kernel reads the list.
 extern "C" __global__ void lhc_bloom_cand_write(const uint64_t* layout, const int* bcount,
                                                 const unsigned long long* tile_offset, uint32_t* cand, uint64_t cap,
                                                 DecodeCounters* counters) {
-  if (global_thread() == 0) counters->candidates = counters->list_count;
+  if (global_thread() == 0) counters->candidates = counters->list_total;
   if (counters->abort) return;
   const CodecLayout L = load_layout(layout);
   tile_emit(
@@ -447,17 +449,17 @@ extern "C" __global__ void lhc_count_verdict(DecodeCounters* counters) {
   if (counters->flags & (kFlagCountBad | kFlagCountUnresolved | kFlagCountLeftover)) counters->abort = 1;
 }
 
-// The found keys counted per tile, and their counts added to the index checksum (after a successful
-// count peel: otherwise a count failure decides the status).
+// The found keys counted per tile, and their counts added to the index checksum, after a successful
+// count peel; after a failed index none (the failure decides the status, and the report gives no
+// support), and the candidates may outnumber their list.
 extern "C" __global__ void lhc_found_count(const uint64_t* layout, const uint32_t* cand, const int* key_count,
                                            unsigned long long* tile_sum, DecodeCounters* counters) {
   const CodecLayout L = load_layout(layout);
-  const uint32_t n = (uint32_t)counters->candidates;
-  const bool check_keys = !counters->abort;  // uniform: set before this launch
+  const uint32_t n = counters->abort ? 0u : (uint32_t)counters->candidates;  // uniform: set before this launch
   SupportCheckSums check(L);
   tile_count(n, tile_sum, [&](uint64_t p) {
     const int c = key_count[p];
-    if (c >= 1 && check_keys) check.add(cand[p], (uint32_t)c);
+    if (c >= 1) check.add(cand[p], (uint32_t)c);
     return (unsigned int)(c >= 1);
   });
   check.flush(counters);

@@ -261,3 +261,20 @@ def test_bloom_counter_no_candidate_explains_is_index_corrupt(emulated):  # noqa
     q[HDR_KEYS_LO] += 1
     status, _, _, _ = index_verdicts_agree(cpu, native, q)
     assert status == DecodeStatus.INDEX_CORRUPT
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_mass_cell_is_sketch_overflow(emulated, value):  # noqa: F811
+    """An Inf or NaN mass cell (where keys are) in an otherwise honest aggregate: SKETCH_OVERFLOW on
+    both backends (lhc_load_bounds flags it), not a verdict on a bound of Inf or a mass check."""
+    from lossless_hc.lhc import reference
+    cpu, native = codecs("bitmap", 3000, 3, 40)
+    L = cpu.layout
+    p, xs = summed(cpu, 3, 40)
+    key = int(torch.nonzero(xs[0]).reshape(-1)[0])
+    p[L.mass_offset + int(reference.key_cells(L.sketch, torch.tensor([key]))[0][0, 0])] = value
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_OVERFLOW
+
+
+# -- the multilevel index -------------------------------------------------------------------------------

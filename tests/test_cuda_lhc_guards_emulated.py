@@ -278,3 +278,68 @@ def test_non_finite_mass_cell_is_sketch_overflow(emulated, value):  # noqa: F811
 
 
 # -- the multilevel index -------------------------------------------------------------------------------
+
+def ml_case(numel, n, k, seed=3, union=None, data_seed=0, last_key=False):
+    """A one-level multilevel layout, its codecs, the ranks' inputs (rank 0 also holding the last key
+    with ``last_key``) and their SUM."""
+    L = build_layout("multilevel", numel, n, k, 1, seed, union, (1,))
+    assert L is not None and len(L.multilevel.levels) == 1
+    cpu = helpers.codec_for(L)
+    rng = np.random.default_rng(data_seed)
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    if last_key:
+        xs[0][-1] = 1.0
+    return cpu, _cuda.CudaLayout(L, torch.device("cpu")), xs, helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+
+
+def add_child(L, p, key, delta):
+    """``p`` with ``delta`` added to key ``key``'s digit in its node's pattern, in all three of the
+    node's cells of the (one) fine table, each times the node's sign there: a consistent table."""
+    from lossless_hc.lhc import reference
+    lv = L.multilevel.levels[0]
+    node, child = divmod(key, lv.span)
+    cells, signs = reference.key_cells(lv.table, torch.tensor([node]))
+    q = p.clone()
+    word, at = divmod(child, lv.digits_per_word)
+    for c, s in zip(cells[0].tolist(), signs[0].tolist()):
+        q[L.level_offsets[0] + c * lv.words_per_group + word] += float(s * delta * L.index.base ** at)
+    return q
+
+
+def test_multilevel_child_count_above_its_node_s_is_index_corrupt(emulated):  # noqa: F811
+    """A key under a node one rank holds, its digit raised to 2 consistently in the fine table, and
+    the header's key total and index checksum forged to agree: only the expansion's bound (a child
+    count at most its node's) tells. Both backends: INDEX_CORRUPT."""
+    from test_index_guards import with_header
+    cpu, native, xs, p = ml_case(3000, 3, 30)
+    L = cpu.layout
+    span = L.multilevel.levels[0].span
+    holders = lambda node: sum(bool(x[node * span:(node + 1) * span].any()) for x in xs)  # noqa: E731
+    key = next(int(k) for k in torch.nonzero(xs[0]).reshape(-1) if holders(int(k) // span) == 1)
+    q = with_header(L, add_child(L, p, key, 1), 1, key)
+    status, _, _, _ = index_verdicts_agree(cpu, native, q)
+    assert status == DecodeStatus.INDEX_CORRUPT
+
+
+def test_multilevel_child_past_the_last_key_is_index_corrupt(emulated):  # noqa: F811
+    """The last node's first child past the last key given digit 1 in the fine table (consistently),
+    with the header's key total and index checksum forged to agree: both backends INDEX_CORRUPT."""
+    from test_index_guards import with_header
+    cpu, native, _, p = ml_case(3001, 3, 30, last_key=True)
+    L = cpu.layout
+    assert L.num_keys % L.multilevel.levels[0].span, "the last node has children past the last key"
+    q = with_header(L, add_child(L, p, L.num_keys, 1), 1, L.num_keys)
+    status, _, _, _ = index_verdicts_agree(cpu, native, q)
+    assert status == DecodeStatus.INDEX_CORRUPT
+
+
+def test_multilevel_coarse_sum_above_the_key_total_outranks_a_stall(emulated):  # noqa: F811
+    """An aggregate whose fine table stalls (INDEX_PEEL_FAILED as it is; tests/test_cuda.py ML_STALLS)
+    with the header's key total zeroed: the coarse digits sum past it, which the CPU checks first.
+    Both backends: INDEX_CORRUPT."""
+    cpu, native, _, p = ml_case(6000, 3, 80, union=60)
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.INDEX_PEEL_FAILED
+    p[HDR_KEYS_LO:HDR_KEYS_LO + 3] = 0.0
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.INDEX_CORRUPT

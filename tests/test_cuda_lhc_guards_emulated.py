@@ -279,6 +279,7 @@ def test_non_finite_mass_cell_is_sketch_overflow(emulated, value):  # noqa: F811
 
 # -- the multilevel index -------------------------------------------------------------------------------
 
+
 def ml_case(numel, n, k, seed=3, union=None, data_seed=0, last_key=False):
     """A one-level multilevel layout, its codecs, the ranks' inputs (rank 0 also holding the last key
     with ``last_key``) and their SUM."""
@@ -343,3 +344,49 @@ def test_multilevel_coarse_sum_above_the_key_total_outranks_a_stall(emulated):  
     p[HDR_KEYS_LO:HDR_KEYS_LO + 3] = 0.0
     status, _, _, _ = index_verdicts_agree(cpu, native, p)
     assert status == DecodeStatus.INDEX_CORRUPT
+
+
+def test_verify_lists_a_solved_pair_inexact(emulated):  # noqa: F811
+    """With verify, a solved pair's keys are always listed inexact (one check cannot verify two values:
+    lhc_layout.h verification_bound), on both backends: the same status and inexact keys."""
+    from test_cuda_emulated import emulated_decode
+    from test_pairs import colliding_pairs, pair_inputs
+    n = 3
+    L = build_layout("bitmap", 2000, n, 8, 1, 11)
+    cpu = helpers.codec_for(L)
+    cpu.verify = True
+    native = _cuda.CudaLayout(L, torch.device("cpu"))
+    solvable, _ = colliding_pairs(L)
+    rng = np.random.default_rng(7)
+    xs = pair_inputs(rng, L, solvable[0], n, others=3)
+    p = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    _, r_cpu = cpu.decode(p)
+    _, r, _ = emulated_decode(native, p, verify=True)
+    assert r_cpu.status == DecodeStatus.INEXACT and set(solvable[0]) <= set(r_cpu.inexact_keys.tolist())
+    assert r.status == r_cpu.status and torch.equal(r.inexact_keys, r_cpu.inexact_keys)
+
+
+def test_pair_beside_keys_the_peel_left_is_not_solved(emulated):  # noqa: F811
+    """A colliding pair (two keys with the same three cells) alone in its first cell, but with keys the
+    stalled peel left in its other cells: no two-key stopping set, so neither backend solves it (its
+    cells' sums hold more than the pair). The same status, peeled count and NaNs on both."""
+    from lossless_hc.lhc import reference
+    from test_pairs import colliding_pairs
+    n = 3
+    L = build_layout("bitmap", 2000, n, 8, 1, 11)
+    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
+    solvable, _ = colliding_pairs(L)
+    pair = solvable[0]
+    cells, _ = reference.key_cells(L.sketch, torch.arange(L.num_keys))
+    first, rest = int(cells[pair[0], 0]), set(cells[pair[0], 1:].tolist())
+    others = [k for k in range(L.num_keys) if k not in pair and first not in cells[k].tolist()]
+    near = [k for k in others if rest & set(cells[k].tolist())]
+    rng = np.random.default_rng(5)
+    # About 3/4 of the sketch's cells in keys: a stall, within the value peel's list.
+    keys = set(pair) | set(near[:4]) | set(rng.choice(others, size=L.sketch.cells * 3 // 4, replace=False).tolist())
+    x = torch.zeros(L.numel)
+    x[torch.tensor(sorted(keys))] = torch.from_numpy(rng.standard_normal(len(keys)).astype(np.float32))
+    p = cpu.encode(x) * n   # n ranks holding the same keys
+    status, out, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_PEEL_FAILED
+    assert out[torch.tensor(pair)].isnan().all()

@@ -197,11 +197,12 @@ def test_averaged_index_word_that_rounds_to_its_limit_is_index_corrupt(emulated,
     assert status == DecodeStatus.INDEX_CORRUPT
 
 
-def test_support_of_exactly_the_peel_s_capacity_is_peeled(emulated):  # noqa: F811
+@pytest.mark.parametrize("kind", ["bitmap", "bloom", "multilevel"])
+def test_support_of_exactly_the_peel_s_capacity_is_peeled(emulated, kind):  # noqa: F811
     """A support of exactly as many keys as the value peel's list holds (the sketch's 126 cells) is
     no overflow: the CUDA decode peels it as far as the CPU does (the same peeled keys and NaNs)."""
     n = 2
-    cpu, native = codecs("bitmap", 3000, n, 63, union=40)
+    cpu, native = codecs(kind, 3000, n, 63, union=40)
     assert native.key_cap == cpu.layout.sketch.cells == 126
     rng = np.random.default_rng(4)
     keys = rng.choice(cpu.layout.num_keys, size=126, replace=False)
@@ -278,7 +279,6 @@ def test_non_finite_mass_cell_is_sketch_overflow(emulated, value):  # noqa: F811
 
 
 # -- the multilevel index -------------------------------------------------------------------------------
-
 
 def ml_case(numel, n, k, seed=3, union=None, data_seed=0, last_key=False):
     """A one-level multilevel layout, its codecs, the ranks' inputs (rank 0 also holding the last key
@@ -390,3 +390,16 @@ def test_pair_beside_keys_the_peel_left_is_not_solved(emulated):  # noqa: F811
     status, out, _, _ = index_verdicts_agree(cpu, native, p)
     assert status == DecodeStatus.SKETCH_PEEL_FAILED
     assert out[torch.tensor(pair)].isnan().all()
+
+
+def test_corrupt_fine_word_outranks_an_overflowing_one(emulated):  # noqa: F811
+    """A fine table with one word that is no integer (0.5) and another of magnitude 2^22: the CPU
+    reads the whole table first and calls it INDEX_CORRUPT (a corrupt word anywhere), not
+    INDEX_OVERFLOW. The emulated kernels agree, whichever word a thread meets first."""
+    cpu, native, _, p = ml_case(3000, 3, 30)
+    L = cpu.layout
+    lo = L.level_offsets[0]
+    p[lo + 1] = 0.5
+    p[lo + L.multilevel.levels[0].numel - 2] = float(1 << 22)
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.INDEX_CORRUPT

@@ -403,3 +403,62 @@ def test_corrupt_fine_word_outranks_an_overflowing_one(emulated):  # noqa: F811
     p[lo + L.multilevel.levels[0].numel - 2] = float(1 << 22)
     status, _, _, _ = index_verdicts_agree(cpu, native, p)
     assert status == DecodeStatus.INDEX_CORRUPT
+
+
+
+def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
+    """A solved pair's values come from two of its cells; the third is checked against them (its
+    residual within its bound). 1.0 added to that cell: SKETCH_CORRUPT on both backends."""
+    from lossless_hc.lhc import reference
+    from test_pairs import colliding_pairs, pair_inputs
+    n = 3
+    L = build_layout("bitmap", 2000, n, 8, 1, 11)
+    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
+    solvable, _ = colliding_pairs(L)
+    a, b = solvable[0]
+    cells, weights = reference.key_cells(L.sketch, torch.tensor([a, b]))
+    p_, q_, _ = reference.pair_cells(weights[0].tolist(), weights[1].tolist())
+    third = int(cells[0, 3 - p_ - q_])
+    rng = np.random.default_rng(8)
+    xs = pair_inputs(rng, L, (a, b), n, others=3)
+    p = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status in (DecodeStatus.OK, DecodeStatus.INEXACT)
+    p[L.sketch_offset + third] += 1.0
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_CORRUPT
+
+
+def test_value_in_an_empty_cell_is_caught(emulated):  # noqa: F811
+    """A sketch cell no support key hashes to (its mass and its rounding bound 0) given a value: the
+    residual check (|value| <= 0) fails on both backends: SKETCH_CORRUPT."""
+    from lossless_hc.lhc import reference
+    cpu, native = codecs("bitmap", 3000, 3, 40)
+    L = cpu.layout
+    p, xs = summed(cpu, 3, 40)
+    support = torch.nonzero(sum(x.abs() for x in xs)).reshape(-1)
+    used = set(reference.key_cells(L.sketch, support)[0].reshape(-1).tolist())
+    empty = next(c for c in range(L.sketch.cells) if c not in used)
+    assert p[L.mass_offset + empty] == 0.0
+    p[L.sketch_offset + empty] = 0.5
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_CORRUPT
+
+
+def test_partial_last_block_decodes_within_out(emulated):  # noqa: F811
+    """The last key of 3000 coordinates in blocks of 7 has 4 lanes: the decode writes those 4 (the CPU
+    backend's output bits) and not past the end of `out`, here a view of a longer buffer whose tail
+    must stay as it was."""
+    cpu, native = codecs("bitmap", 3000, 2, 20, 7)
+    L = cpu.layout
+    x = torch.zeros(L.numel)
+    x[-4:] = torch.tensor([1.0, -2.0, 0.5, 0.25])
+    x[:70] = 3.0
+    p = helpers.sum_payloads([cpu.encode(x), cpu.encode(torch.zeros(L.numel))], np.random.default_rng(0))
+    storage = torch.full((L.numel + 7,), 5.0)
+    out = storage[:L.numel]
+    _, st = _cuda.decode(native, 1.0, 2, p, out, cpu.rtol).finish()
+    y_cpu, r_cpu = cpu.decode(p)
+    assert st.status == r_cpu.status and torch.equal(bits(out), bits(y_cpu))
+    assert torch.equal(out[-4:], x[-4:])
+    assert torch.equal(storage[L.numel:], torch.full((7,), 5.0))

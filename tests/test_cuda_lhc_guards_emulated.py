@@ -462,3 +462,25 @@ def test_partial_last_block_decodes_within_out(emulated):  # noqa: F811
     assert st.status == r_cpu.status and torch.equal(bits(out), bits(y_cpu))
     assert torch.equal(out[-4:], x[-4:])
     assert torch.equal(storage[L.numel:], torch.full((7,), 5.0))
+
+
+@pytest.mark.parametrize("kind", ["bitmap", "bloom", "multilevel"])
+def test_fuzzed_index_words_report_as_the_cpu(emulated, kind):  # noqa: F811
+    """Random damage to the index words (special values, random integers below 2^22): whatever stage
+    fails, the emulated decode's status, candidates, support, false positives and output pattern are
+    the CPU backend's (test_cuda.index_verdicts_agree)."""
+    cpu, native = codecs(kind, 2000, 3, 30)
+    L = cpu.layout
+    p, _ = summed(cpu, 3, 30)
+    rng = np.random.default_rng(helpers.stable_seed("guards-fuzz", kind))
+    specials = np.array([np.nan, -1.0, 0.5, 3.0, 1e30, 2.0 ** 21], dtype=np.float32)
+    statuses = set()
+    for _ in range(12):
+        q = p.clone()
+        where = torch.from_numpy(rng.integers(L.index_offset, L.sketch_offset, size=int(rng.integers(1, 4))))
+        if rng.random() < 0.5:
+            q[where] = torch.from_numpy(rng.choice(specials, size=where.numel()))
+        else:
+            q[where] = torch.from_numpy(rng.integers(0, 2 ** 22, size=where.numel()).astype(np.float32))
+        statuses.add(index_verdicts_agree(cpu, native, q)[0])
+    assert DecodeStatus.INDEX_CORRUPT in statuses

@@ -166,3 +166,113 @@ def test_bound_stats_counts_the_inexact_keys_within_rtol():
     assert s["bound_violations"] == 0 and s["inexact_within_rtol"] == 2
     assert s["err_over_bound_max"] == 0.5 and s["err_over_bound_median"] == 0.0 and s["bound_median"] == 1.0
 
+
+# ------------------------------------------------------------------------------------------------
+# bench thc
+# ------------------------------------------------------------------------------------------------
+def generic_interleaved(ms: dict, default: float = 1.0):
+    def timed(fns, repeat, warmup=1):
+        return {k: {"median_s": ms.get(k, default) / 1e3, "min_s": ms.get(k, default) / 2e3,
+                    "max_s": 2 * ms.get(k, default) / 1e3, "runs": repeat} for k in fns}
+    return timed
+
+
+def test_thc_ratios_wire_and_the_clipping_model(monkeypatch):
+    from lossless_hc.bench import thc as bench_thc
+    monkeypatch.setattr(bench_thc, "time_interleaved", generic_interleaved(
+        {"clone": 2.0, "copy": 1.0, "encode": 3.0, "decode": 5.0, "encode_reuse": 2.5, "decode_reuse": 4.0}))
+    res = bench_thc.run_thc_bench(numel=2048, workers=2, repeat=1, warmup=2)
+    t, w, a = res["timing"], res["wire"], res["accuracy"]
+    assert t["encode_over_clone"] == pytest.approx(1.5) and t["decode_over_clone"] == pytest.approx(2.5)
+    assert t["encode_plus_decode_over_clone"] == pytest.approx(4.0)
+    assert t["reused_over_copy"] == pytest.approx(6.5)
+    assert w["wire_over_dense_fp32"] == w["wire_bytes"] / (4 * 2048) < 1
+    # the clipped mass of a standard normal beyond +-T: 2 * integral_T^inf (z - T)^2 phi(z) dz
+    T = bench_thc.THCCodec(2048, 2, rank=0).table.threshold
+    h = 1e-4
+    zs = [T + h * (i + 0.5) for i in range(int(12 / h))]
+    clipped = 2 * h * sum((z - T) ** 2 * math.exp(-z * z / 2) / math.sqrt(2 * math.pi) for z in zs)
+    assert a["clipped_mass_normal"] == pytest.approx(clipped, rel=1e-6)
+    text = bench_thc.render_thc(res, common.machine_info(), "cmd")
+    assert "3.0  = 1.50x clone" in text and "5.0  = 2.50x clone" in text and "2.5 + 4.0  = 6.50x copy_" in text
+
+
+def test_thc_averaged_nmse_is_against_the_averaged_truth():
+    from lossless_hc.bench.thc import run_thc_bench
+    summed = run_thc_bench(numel=4096, workers=4, repeat=1, warmup=2)["accuracy"]
+    averaged = run_thc_bench(numel=4096, workers=4, repeat=1, warmup=2, averaged=True)["accuracy"]
+    assert averaged["nmse"] == pytest.approx(summed["nmse"], rel=0.05)
+    assert averaged["nmse_vs_step_input"] == pytest.approx(summed["nmse_vs_step_input"], rel=0.05)
+
+
+def test_thc_lockstep_reports_a_payload_that_differs(monkeypatch):
+    """The lockstep check (forced on the CPU) with rank 0's payload of the measured codecs altered at
+    one step: ``cpu_equal`` says NO and names it."""
+    from lossless_hc.bench import thc as bench_thc
+    made = []
+
+    class Altered(bench_thc.THCCodec):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def encode(self, x, *args, **kwargs):
+            p = super().encode(x, *args, **kwargs)
+            if self is made[0] and self.step == 2:
+                p = p.clone()
+                p.view(torch.int32)[0] ^= 1
+            return p
+    monkeypatch.setattr(bench_thc, "THCCodec", Altered)
+    res = bench_thc.run_thc_bench(numel=2048, workers=2, repeat=1, warmup=2, cpu_check="force")
+    assert not res["cpu_equal"]["ok"] and "step 2 rank 0 payload" in res["cpu_equal"]["mismatches"]
+    text = bench_thc.render_thc(res, common.machine_info(), "cmd")
+    assert " ".join(row_of(text, "same bits as the CPU backend")).startswith("NO: step 2 rank 0 payload")
+
+
+# ------------------------------------------------------------------------------------------------
+# bench topk
+# ------------------------------------------------------------------------------------------------
+TOPK_MS = {"clone": 2.0, "topk_select": 3.0, "torch_topk": 12.0, "aggregator_select": 5.0,
+           "aggregator_encode": 9.0, "residual_reset": 1.0}
+
+
+def test_topk_ratios_are_over_the_clone_with_the_reset_taken_out(monkeypatch):
+    from lossless_hc.bench import topk as bench_topk
+    monkeypatch.setattr(bench_topk, "time_interleaved", generic_interleaved(TOPK_MS))
+    res = bench_topk.run_topk_bench(numel=1000, ratio=0.0015, repeat=1)
+    assert res["config"]["k"] == 2 and res["exact"] is True          # ceil(1.5)
+    t, r = res["timing"], res["ratios"]
+    assert t["aggregator_select"]["median_s"] == pytest.approx(4e-3)
+    assert t["aggregator_encode"]["median_s"] == pytest.approx(8e-3)
+    assert r == pytest.approx({"topk_select": 1.5, "torch_topk": 6.0, "aggregator_select": 2.0,
+                               "aggregator_encode": 4.0})
+    assert res["select_over_torch_topk"] == pytest.approx(0.25)
+    text = bench_topk.render_topk(res, common.machine_info(), "cmd")
+    assert "3.0  = 1.50x clone, 0.250x torch.topk" in text and "yes (exactly k)" in text
+
+
+def test_topk_check_says_no_for_a_wrong_selection(monkeypatch):
+    from lossless_hc.bench import topk as bench_topk
+    monkeypatch.setattr(bench_topk, "time_interleaved", generic_interleaved(TOPK_MS))
+    real = bench_topk.backend_for
+
+    def wrong_backend(device):
+        b = real(device)
+        return types.SimpleNamespace(topk_select=lambda x, k, **kw: (b.topk_select(x, k, **kw) + 1) % x.numel())
+    monkeypatch.setattr(bench_topk, "backend_for", wrong_backend)
+    res = bench_topk.run_topk_bench(numel=1000, ratio=0.01, repeat=1)
+    assert res["exact"] is False
+    assert row_of(bench_topk.render_topk(res, common.machine_info(), "cmd"), "same indices as a stable sort") == ["NO"]
+
+
+def test_topk_cuda_render_says_no_for_a_wrong_selection():
+    from lossless_hc.bench.topk import render_topk_cuda
+    ms = lambda v: {"median_s": v / 1e3}  # noqa: E731
+    res = {"config": {"numel": 1000, "k": 10, "ratio": 0.01, "repeat": 1},
+           "device": {"name": "gpu", "multiprocessors": 1, "torch_cuda": "12"},
+           "timing": {"copy": ms(1.0), "topk_select": ms(2.0), "torch_topk": ms(8.0)},
+           "ratios": {"topk_select": 2.0, "torch_topk": 8.0}, "select_over_torch_topk": 0.25, "exact": False}
+    assert row_of(render_topk_cuda(res, "cmd"), "same indices as the CPU backend") == ["NO"]
+    assert "yes (exactly k)" in render_topk_cuda({**res, "exact": True}, "cmd")
+    assert "2.000  = 2.00x copy, 0.250x torch.topk" in render_topk_cuda(res, "cmd")
+

@@ -276,3 +276,142 @@ def test_topk_cuda_render_says_no_for_a_wrong_selection():
     assert "yes (exactly k)" in render_topk_cuda({**res, "exact": True}, "cmd")
     assert "2.000  = 2.00x copy, 0.250x torch.topk" in render_topk_cuda(res, "cmd")
 
+
+# ------------------------------------------------------------------------------------------------
+# bench peel
+# ------------------------------------------------------------------------------------------------
+def test_binomial_upper_bound_is_the_clopper_pearson_one():
+    from lossless_hc.bench.peel import _binomial_upper
+    assert _binomial_upper(0, 20) == pytest.approx(1 - 0.05 ** (1 / 20), rel=1e-9)
+    for failures, trials in ((1, 20), (3, 50)):
+        p = _binomial_upper(failures, trials)
+        cdf = sum(math.comb(trials, i) * p ** i * (1 - p) ** (trials - i) for i in range(failures + 1))
+        assert cdf == pytest.approx(0.05, rel=1e-6) and failures / trials < p < 1
+
+
+def test_peel_row_statistics_from_known_decodes(monkeypatch):
+    """Four trials of 100 keys whose timed decodes take 4, 1, 2 and 3 ms and are off by 0.3, (a failed
+    peel), 0.1 and 0.2: one failure in four, medians of the timed decodes and of the peeled errors."""
+    from lossless_hc.bench import peel as bench_peel
+    clock = types.SimpleNamespace(now=0.0, calls=0)
+    monkeypatch.setattr(bench_peel, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    decode = bench_peel.LosslessCodec.decode
+    ms, off = [4.0, 1.0, 2.0, 3.0], [0.3, None, 0.1, 0.2]
+
+    def known(self, payload, *args, **kwargs):
+        y, report = decode(self, payload, *args, **kwargs)
+        trial, timed = divmod(clock.calls, 2)
+        clock.calls += 1
+        if not timed:
+            return y, report
+        clock.now += ms[trial] / 1e3
+        if off[trial] is None:
+            return y, types.SimpleNamespace(ok=False, status=None, reason="made up", unresolved=7)
+        return y + off[trial] * (y != 0), report
+    monkeypatch.setattr(bench_peel.LosslessCodec, "decode", known)
+    res = bench_peel.run_peel_bench([100], trials=4)
+    (row,) = res["rows"]
+    assert row["failures"] == 1 and row["failure_rate"] == 0.25 and row["failure_reasons"] == {"made up": 1}
+    assert row["unresolved_keys"] == [7]
+    assert row["failure_rate_95_upper"] == bench_peel._binomial_upper(1, 4)
+    assert row["max_abs_err"] == pytest.approx(0.3) and row["median_abs_err"] == pytest.approx(0.2)
+    assert row["decode_ms_median"] == pytest.approx(2.5) and row["decode_ns_per_key"] == pytest.approx(25000)
+    assert row["cells_per_key"] == row["sketch_cells"] / 100
+    text = bench_peel.render_peel(res, common.machine_info(), "cmd")
+    assert row_of(text, "100")[2:4] == ["1/4", f"{bench_peel._binomial_upper(1, 4):.3f}"]
+    assert "keys=100: 1x made up" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# bench plan
+# ------------------------------------------------------------------------------------------------
+def plan_with_known_times(monkeypatch, strategies, interval=2, repeat=3, workers=2, on_last=None):
+    """``run_plan_bench`` whose steps take 3, 1 and 2 units per call in the three timed intervals (6 ms a
+    unit: 9, 3 and 6 ms per step and rank) and whose clone and copy_ take 2 and 1 ms."""
+    import itertools
+    from lossless_hc.bench import plan as bench_plan
+    real = bench_plan.run_in_process
+    calls = itertools.count()
+    units = [0] * interval + [3] * interval + [1] * interval + [2] * interval
+
+    def known(aggs, xs):
+        i = next(calls)
+        values, _ = real(aggs, xs)
+        if on_last is not None and i == (1 + repeat) * interval - 1:
+            on_last(aggs)
+        return values, units[i % len(units)] * 6e-3
+    monkeypatch.setattr(bench_plan, "run_in_process", known)
+    ticks = itertools.cycle([0.0, 2e-3, 0.0, 1e-3])
+    monkeypatch.setattr(bench_plan, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    return bench_plan, bench_plan.run_plan_bench(1024, row=8, density=0.5, workers=workers, strategies=strategies,
+                                                 interval=interval, repeat=repeat)
+
+
+def test_plan_times_per_step_and_rank_against_clone_and_copy(monkeypatch):
+    bench_plan, res = plan_with_known_times(monkeypatch, ("dense", "sketch"))
+    assert res["clone_s"] == pytest.approx(2e-3) and res["copy_s"] == pytest.approx(1e-3)
+    for s in ("dense", "sketch"):
+        r = res["strategies"][s]
+        assert r["per_interval_s"] == pytest.approx([9e-3, 3e-3, 6e-3]) and r["step_s"] == pytest.approx(6e-3)
+    assert res["strategies"]["dense"]["bytes_per_step"] == 4 * 1024 and res["ok"]
+    text = bench_plan.render_plan(res, common.machine_info(), "cmd")
+    assert row_of(text, "dense") == ["6.00", "3.00", "6.00", "1.000", "exact"]
+    assert "clone 2.00 ms, copy_ 1.00 ms" in text
+
+
+def test_plan_fails_an_exact_strategy_that_left_its_plan(monkeypatch):
+    def leave(aggs):
+        aggs[0].strategy = "allgather"
+    bench_plan, res = plan_with_known_times(monkeypatch, ("sketch",), on_last=leave)
+    assert not res["strategies"]["sketch"]["strategy_held"] and not res["ok"]
+    assert row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "sketch")[-4:] == \
+        ["exact", "(left", "its", "plan)"]
+
+# ------------------------------------------------------------------------------------------------
+# bench wire
+# ------------------------------------------------------------------------------------------------
+def test_wire_point_bits_per_aggregate_nonzero_coordinate():
+    from lossless_hc.bench.wire import wire_point
+    from lossless_hc.lhc.cost_model import candidates, choose, information_bound_bits
+    numel, n, block = 1 << 16, 4, 4
+    p = wire_point(numel, n, 0.01, block)
+    u = math.ceil(0.01 * numel / block)
+    nnz = u * block
+    assert (p["union_keys"], p["nnz"]) == (u, nnz)
+    bound = information_bound_bits(numel, nnz)
+    assert p["bound_bits_per_nz"] == pytest.approx(bound / nnz)
+    assert p["bits_per_nz"] == pytest.approx({k: 32 * L.payload_numel / nnz
+                                              for k, L in candidates(numel, n, nnz, block, 0, nnz).items()})
+    auto = choose(numel, n, nnz, block, 0, nnz)
+    assert p["auto_kind"] == auto.index_kind and p["auto_bits_per_nz"] == pytest.approx(32 * auto.payload_numel / nnz)
+    assert p["auto_over_bound"] == pytest.approx(p["auto_bits_per_nz"] / p["bound_bits_per_nz"])
+
+
+def test_wire_summary_and_table_columns():
+    from lossless_hc.bench.wire import KINDS, render_wire, summarize
+    def point(d, ratio):
+        return {"block": 1, "workers": 2, "density": d, "auto_over_bound": ratio, "bound_bits_per_nz": 30.0,
+                "bits_per_nz": {"dense": 4.0, "bitmap": 5.0, "bloom": 6.0, "multilevel": 7.0},
+                "auto_kind": "bitmap", "auto_bits_per_nz": 5.0}
+    points = [point(1e-5, 9.0), point(1e-4, 1.2), point(0.1, 1.6), point(0.2, 9.0)]
+    (s,) = summarize(points)
+    assert (s["min_ratio"], s["max_ratio"], s["meets_target"]) == (1.2, 1.6, False)
+    assert summarize(points[1:2])[0]["meets_target"]
+    text = render_wire({"numel": 10, "points": points, "verified": [], "summary": [s]}, "cmd")
+    header = next(l for l in text.splitlines() if l.startswith("n "))
+    assert header.split() == ["n", "density", "bound", *KINDS, "auto", "auto", "bits", "auto/bound"]
+    row = next(l.split() for l in text.splitlines() if l.split()[:2] == ["2", "0.0001"])
+    assert row[2:] == ["30.0", "4.0", "5.0", "6.0", "7.0", "bitmap", "5.0", "1.20"]
+
+
+def test_wire_verify_fails_a_decode_outside_the_contract(monkeypatch):
+    from lossless_hc.bench import wire as bench_wire
+    monkeypatch.setattr(bench_wire, "claimed_outside_contract", lambda y, *a: torch.ones(1, dtype=torch.bool))
+    out = bench_wire.verify_point(2, 0.05, 1, 2000)
+    assert out and all(r["decoded"] and r["outside_contract"] == 1 and not r["within_contract"] for r in out.values())
+
+
+def test_wire_verify_counts_keys_in_blocks():
+    from lossless_hc.bench.wire import run_wire_bench
+    res = run_wire_bench(4096, densities=(0.01,), workers=(2,), blocks=(4,), verify_numel=1000)
+    assert res["verified"] == [] and res["verify_too_few_keys"] == 1    # 0.01 * 1000 / 4 = 2.5 keys < 5

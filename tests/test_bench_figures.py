@@ -367,6 +367,29 @@ def test_plan_fails_an_exact_strategy_that_left_its_plan(monkeypatch):
     assert row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "sketch")[-4:] == \
         ["exact", "(left", "its", "plan)"]
 
+
+@pytest.mark.parametrize("scale,exact", [(2.0 ** -12, True), (2.0 ** -8, False)])
+def test_plan_exact_means_within_the_contracts_relative_error(monkeypatch, scale, exact):
+    """An exact strategy's result off by a relative ``scale``: within the exactness contract's 2^-10
+    (the codec's DEFAULT_RTOL) it passes, past it the strategy is NOT EXACT and the run fails."""
+    from lossless_hc.bench import plan as bench_plan
+    from lossless_hc.training.strategies import AutoAggregator
+    decode = AutoAggregator.decode
+
+    def off(self, summed, ctx):
+        outcome = decode(self, summed, ctx)
+        if outcome.value is not None and not outcome.value.is_sparse:
+            outcome.value = outcome.value * (1 + scale)
+        return outcome
+    monkeypatch.setattr(AutoAggregator, "decode", off)
+    res = bench_plan.run_plan_bench(1024, row=8, density=0.5, workers=2, strategies=("dense",), interval=2, repeat=1)
+    r = res["strategies"]["dense"]
+    assert r["relative_error"] == pytest.approx(scale, rel=1e-3)
+    assert r["equals_sum"] is exact and res["ok"] is exact
+    assert row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "dense")[-1] == \
+        ("exact" if exact else "EXACT")
+
+
 # ------------------------------------------------------------------------------------------------
 # bench wire
 # ------------------------------------------------------------------------------------------------

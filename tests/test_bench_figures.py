@@ -180,7 +180,9 @@ def generic_interleaved(ms: dict, default: float = 1.0):
 def test_thc_ratios_wire_and_the_clipping_model(monkeypatch):
     from lossless_hc.bench import thc as bench_thc
     monkeypatch.setattr(bench_thc, "time_interleaved", generic_interleaved(
-        {"clone": 2.0, "copy": 1.0, "encode": 3.0, "decode": 5.0, "encode_reuse": 2.5, "decode_reuse": 4.0}))
+        {"clone": 2.0, "copy": 1.0, "encode": 3.0, "decode": 5.0, "encode_reuse": 2.5, "decode_reuse": 4.0,
+         "encode_interleaved": 3.0, "decode_interleaved": 3.0, "interleave": 0.5, "deinterleave": 1.0,
+         "interleave_torch": 2.0, "deinterleave_torch": 2.5}))
     res = bench_thc.run_thc_bench(numel=2048, workers=2, repeat=1, warmup=2)
     t, w, a = res["timing"], res["wire"], res["accuracy"]
     assert t["encode_over_clone"] == pytest.approx(1.5) and t["decode_over_clone"] == pytest.approx(2.5)
@@ -195,6 +197,9 @@ def test_thc_ratios_wire_and_the_clipping_model(monkeypatch):
     assert a["clipped_mass_normal"] == pytest.approx(clipped, rel=1e-6)
     text = bench_thc.render_thc(res, common.machine_info(), "cmd")
     assert "3.0  = 1.50x clone" in text and "5.0  = 2.50x clone" in text and "2.5 + 4.0  = 6.50x copy_" in text
+    # in place: (3 + 3) / (2.5 + 4 + 0.5 + 1), against the codec into reused buffers plus the copies
+    assert t["interleave"]["blocks"] == 2 and "3.0 + 3.0  = 0.75x the same with the interleave as copies" in text
+    assert "0.5 + back 1.0  = 1.50x copy_" in text and "2.0 + back 2.5  = 4.50x copy_" in text
 
 
 def test_thc_averaged_nmse_is_against_the_averaged_truth():
@@ -438,3 +443,79 @@ def test_wire_verify_counts_keys_in_blocks():
     from lossless_hc.bench.wire import run_wire_bench
     res = run_wire_bench(4096, densities=(0.01,), workers=(2,), blocks=(4,), verify_numel=1000)
     assert res["verified"] == [] and res["verify_too_few_keys"] == 1    # 0.01 * 1000 / 4 = 2.5 keys < 5
+
+
+# ------------------------------------------------------------------------------------------------
+# the commands' exit status (what CI gates on)
+# ------------------------------------------------------------------------------------------------
+def test_codec_command_fails_a_wrong_decode(monkeypatch):
+    from lossless_hc.bench.cli import main
+    monkeypatch.setattr(bench_codec, "time_interleaved", fake_interleaved(CODEC_MS))
+    decode = bench_codec.LosslessCodec.decode
+
+    def dropping(self, payload, *args, **kwargs):
+        y, report = decode(self, payload, *args, **kwargs)
+        return (y * (y.abs() < y.abs().max()), report) if kwargs.get("error_bounds") else (y, report)
+    args = ["codec", "--numel", "4096", "--density", "0.05", "--workers", "2", "--repeat", "1"]
+    assert main(args) == 0
+    monkeypatch.setattr(bench_codec.LosslessCodec, "decode", dropping)
+    assert main(args) == 1
+
+
+def test_thc_command_fails_when_the_lockstep_differs(monkeypatch):
+    from lossless_hc.bench import cli
+    real = cli.run_thc_bench
+    res = {}
+
+    def forced(*args, **kwargs):
+        res.update(real(*args, **{**kwargs, "cpu_check": "force"}))
+        return res
+    monkeypatch.setattr(cli, "run_thc_bench", forced)
+    args = ["thc", "--numel", "2048", "--workers", "2", "--repeat", "1"]
+    assert cli.main(args) == 0 and res["cpu_equal"]["ok"]
+    monkeypatch.setattr(cli, "run_thc_bench", lambda *a, **k: {**forced(*a, **k), "cpu_equal": {
+        "ok": False, "steps": 5, "mismatches": ["step 2 rank 0 payload"]}})
+    assert cli.main(args) == 1
+
+
+def test_topk_command_fails_a_wrong_selection(monkeypatch):
+    from lossless_hc.bench import cli
+    from lossless_hc.bench import topk as bench_topk
+    monkeypatch.setattr(bench_topk, "time_interleaved", generic_interleaved(TOPK_MS))
+    args = ["topk", "--numel", "1000", "--ratio", "0.01", "--repeat", "1"]
+    assert cli.main(args) == 0
+    real = bench_topk.backend_for
+
+    def wrong_backend(device):
+        b = real(device)
+        return types.SimpleNamespace(topk_select=lambda x, k, **kw: (b.topk_select(x, k, **kw) + 1) % x.numel())
+    monkeypatch.setattr(bench_topk, "backend_for", wrong_backend)
+    assert cli.main(args) == 1
+
+
+def test_cuda_commands_fail_a_wrong_check(monkeypatch):
+    """The --device cuda exits, with the CUDA runs stood in for (no GPU needed): top-k's selection
+    and the codec's determinism each fail the command."""
+    from lossless_hc.bench import cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "machine_info", lambda *a: {})
+    monkeypatch.setattr(cli, "render_topk_cuda", lambda res, cmd: "")
+    monkeypatch.setattr(cli, "render_codec_cuda", lambda res, cmd: "")
+    for exact, status in ((True, 0), (None, 0), (False, 1)):
+        monkeypatch.setattr(cli, "run_topk_bench_cuda", lambda *a, **k: {"exact": exact})
+        assert cli.main(["topk", "--device", "cuda", "--numel", "1000"]) == status
+    cor = {"ok": True, "inexact_keys": 0, "peeled_keys": 1, "support_keys": 1, "support_mismatch_beyond_rounding": 0}
+    for deterministic, status in ((True, 0), (False, 1)):
+        monkeypatch.setattr(cli, "run_codec_bench_cuda",
+                            lambda *a, **k: {"correctness": {**cor, "deterministic": deterministic}})
+        assert cli.main(["codec", "--device", "cuda", "--numel", "1000"]) == status
+
+
+def test_wire_command_fails_a_decode_outside_the_contract(monkeypatch, tmp_path):
+    from lossless_hc.bench import cli
+    from lossless_hc.bench import wire as bench_wire
+    args = ["wire", "--numel", "4096", "--workers", "2", "--densities", "0.05", "--block-sizes", "1", "--plot", "",
+            "--verify-numel", "2000"]
+    assert cli.main(args) == 0
+    monkeypatch.setattr(bench_wire, "claimed_outside_contract", lambda y, *a: torch.ones(1, dtype=torch.bool))
+    assert cli.main(args) == 1

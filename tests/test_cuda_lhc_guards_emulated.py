@@ -14,6 +14,7 @@ from lossless_hc.lhc.sizing import build_layout
 from lossless_hc.lhc.status import DecodeStatus
 from test_cuda import assert_same_payload, bits, index_verdicts_agree
 from test_cuda_emulated import emulated_encode
+from test_cuda_multilevel_emulated import setup as ml_setup
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 
 
@@ -281,16 +282,13 @@ def test_non_finite_mass_cell_is_sketch_overflow(emulated, value):  # noqa: F811
 # -- the multilevel index -------------------------------------------------------------------------------
 
 def ml_case(numel, n, k, seed=3, union=None, data_seed=0, last_key=False):
-    """A one-level multilevel layout, its codecs, the ranks' inputs (rank 0 also holding the last key
-    with ``last_key``) and their SUM."""
-    L = build_layout("multilevel", numel, n, k, 1, seed, union, (1,))
-    assert L is not None and len(L.multilevel.levels) == 1
-    cpu = helpers.codec_for(L)
-    rng = np.random.default_rng(data_seed)
-    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "normal")
+    """A one-level multilevel layout (test_cuda_multilevel_emulated.setup), its codecs, the ranks' inputs
+    (rank 0 also holding the last key with ``last_key``) and their SUM."""
+    case = ml_setup(numel, n, k, 1, (1,), union=union, seed=seed, data_seed=data_seed)
     if last_key:
-        xs[0][-1] = 1.0
-    return cpu, _cuda.CudaLayout(L, torch.device("cpu")), xs, helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+        case.xs[0][-1] = 1.0
+        case.payloads[0] = case.cpu.encode(case.xs[0])
+    return case.cpu, case.native, case.xs, helpers.sum_payloads(case.payloads, case.rng)
 
 
 def add_child(L, p, key, delta):

@@ -10,11 +10,13 @@ import helpers
 from lossless_hc.backends import cuda_lhc as _cuda
 from lossless_hc.lhc.layout import (HDR_INDEX_CHECK0, HDR_KEYS_LO, HDR_NON_FINITE, HDR_SATURATED, HEADER_FIELDS,
                                     INDEX_CHECK_PRIMES)
+from lossless_hc.lhc import reference
 from lossless_hc.lhc.sizing import build_layout
 from lossless_hc.lhc.status import DecodeStatus
 from test_cuda import assert_same_payload, bits, index_verdicts_agree
 from test_cuda_emulated import emulated_encode
 from test_cuda_multilevel_emulated import setup as ml_setup
+from test_index_guards import add_counters, shift_count, with_header
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 
 
@@ -61,7 +63,6 @@ def test_stalled_peel_outranks_a_corrupt_mass_cell(emulated):  # noqa: F811
     """Two ranks of 60 keys on a sketch sized for 40: 119 support keys fit the value peel's list
     (126 cells) but the peel stalls. A zeroed mass cell where keys are left is a corrupt sketch too;
     as on the CPU, the stalled peel decides: SKETCH_PEEL_FAILED, not SKETCH_CORRUPT."""
-    from lossless_hc.lhc import reference
     cpu, native = codecs("bitmap", 3000, 2, 60, union=40)
     L = cpu.layout
     p, xs = summed(cpu, 2, 60)
@@ -149,7 +150,6 @@ def test_partial_last_block_reads_only_the_input(emulated):  # noqa: F811
 def test_bloom_counter_at_its_cap_is_not_saturated(emulated):  # noqa: F811
     """A rank whose keys put exactly digit_cap of them into one Bloom counter: the counter holds them
     all, unsaturated (the CPU's rule: saturated only above the cap). The emulated encode agrees."""
-    from lossless_hc.lhc import reference
     cpu, native = codecs("bloom", 3000, 3, 40)
     L = cpu.layout
     cells, _ = reference.key_cells(L.bloom, torch.arange(L.num_keys))
@@ -167,7 +167,6 @@ def test_bitmap_digit_past_the_last_key_is_index_corrupt(emulated):  # noqa: F81
     """A non-zero bitmap digit at the first position past the last key (the last word's spare digits),
     with the header's key total and index checksum forged to agree (tests/test_index_guards.py
     with_header): both backends INDEX_CORRUPT."""
-    from test_index_guards import with_header
     n = 3
     cpu, native = codecs("bitmap", 2999, n, 40)
     L = cpu.layout
@@ -222,8 +221,6 @@ def test_bloom_count_above_world_size_is_index_corrupt(emulated):  # noqa: F811
     """A Bloom key's count raised to world_size + 1 in all three of its counters, with the header's
     key total and index checksum forged to agree: every check but the count peel's bound passes, and
     that one holds a count to world_size. Both backends: INDEX_CORRUPT."""
-    from lossless_hc.lhc import reference
-    from test_index_guards import with_header
     n = 3
     cpu, native = codecs("bloom", 3000, n, 40)
     L = cpu.layout
@@ -231,11 +228,7 @@ def test_bloom_count_above_world_size_is_index_corrupt(emulated):  # noqa: F811
     held = sum((x != 0).to(torch.int64) for x in xs)
     key = int(torch.nonzero(held == 1)[0])
     q = with_header(L, p, n, key)   # n more holders: n + 1 in all
-    digits = q[L.index_offset:L.index_offset + L.index.words].double()
-    for cell in reference.key_cells(L.bloom, torch.tensor([key]))[0][0].tolist():
-        word, at = divmod(cell, L.index.per_word)
-        digits[word] += n * L.index.base ** at
-    q[L.index_offset:L.index_offset + L.index.words] = digits.float()
+    q = add_counters(L, q, reference.key_cells(L.bloom, torch.tensor([key]))[0][0].tolist(), n)
     status, _, _, _ = index_verdicts_agree(cpu, native, q)
     assert status == DecodeStatus.INDEX_CORRUPT
 
@@ -245,7 +238,6 @@ def test_bloom_counter_no_candidate_explains_is_index_corrupt(emulated):  # noqa
     header's key total forged (+1 key: the digits' sum stays 3 x the total): candidates, count peel
     and index checksum are those of the honest aggregate, but a counter is left over after the
     peel. Both backends: INDEX_CORRUPT."""
-    from lossless_hc.lhc import reference
     n = 3
     cpu, native = codecs("bloom", 3000, n, 40)
     L = cpu.layout
@@ -257,9 +249,7 @@ def test_bloom_counter_no_candidate_explains_is_index_corrupt(emulated):  # noqa
     two = (counts[cells] != 0).sum(1) == 2   # keys one zero counter away from being candidates
     near = set(cells[two].reshape(-1).tolist())
     cell = next(c for c in range(L.bloom.cells) if counts[c] == 0 and c not in near)
-    q = p.clone()
-    word, at = divmod(cell, L.index.per_word)
-    q[L.index_offset + word] += 3 * L.index.base ** at
+    q = add_counters(L, p, [cell], 3)
     q[HDR_KEYS_LO] += 1
     status, _, _, _ = index_verdicts_agree(cpu, native, q)
     assert status == DecodeStatus.INDEX_CORRUPT
@@ -269,7 +259,6 @@ def test_bloom_counter_no_candidate_explains_is_index_corrupt(emulated):  # noqa
 def test_non_finite_mass_cell_is_sketch_overflow(emulated, value):  # noqa: F811
     """An Inf or NaN mass cell (where keys are) in an otherwise honest aggregate: SKETCH_OVERFLOW on
     both backends (lhc_load_bounds flags it), not a verdict on a bound of Inf or a mass check."""
-    from lossless_hc.lhc import reference
     cpu, native = codecs("bitmap", 3000, 3, 40)
     L = cpu.layout
     p, xs = summed(cpu, 3, 40)
@@ -291,31 +280,16 @@ def ml_case(numel, n, k, seed=3, union=None, data_seed=0, last_key=False):
     return case.cpu, case.native, case.xs, helpers.sum_payloads(case.payloads, case.rng)
 
 
-def add_child(L, p, key, delta):
-    """``p`` with ``delta`` added to key ``key``'s digit in its node's pattern, in all three of the
-    node's cells of the (one) fine table, each times the node's sign there: a consistent table."""
-    from lossless_hc.lhc import reference
-    lv = L.multilevel.levels[0]
-    node, child = divmod(key, lv.span)
-    cells, signs = reference.key_cells(lv.table, torch.tensor([node]))
-    q = p.clone()
-    word, at = divmod(child, lv.digits_per_word)
-    for c, s in zip(cells[0].tolist(), signs[0].tolist()):
-        q[L.level_offsets[0] + c * lv.words_per_group + word] += float(s * delta * L.index.base ** at)
-    return q
-
-
 def test_multilevel_child_count_above_its_node_s_is_index_corrupt(emulated):  # noqa: F811
     """A key under a node one rank holds, its digit raised to 2 consistently in the fine table, and
     the header's key total and index checksum forged to agree: only the expansion's bound (a child
     count at most its node's) tells. Both backends: INDEX_CORRUPT."""
-    from test_index_guards import with_header
     cpu, native, xs, p = ml_case(3000, 3, 30)
     L = cpu.layout
     span = L.multilevel.levels[0].span
     holders = lambda node: sum(bool(x[node * span:(node + 1) * span].any()) for x in xs)  # noqa: E731
     key = next(int(k) for k in torch.nonzero(xs[0]).reshape(-1) if holders(int(k) // span) == 1)
-    q = with_header(L, add_child(L, p, key, 1), 1, key)
+    q = with_header(L, shift_count(L, p, key, 1), 1, key)
     status, _, _, _ = index_verdicts_agree(cpu, native, q)
     assert status == DecodeStatus.INDEX_CORRUPT
 
@@ -323,11 +297,10 @@ def test_multilevel_child_count_above_its_node_s_is_index_corrupt(emulated):  # 
 def test_multilevel_child_past_the_last_key_is_index_corrupt(emulated):  # noqa: F811
     """The last node's first child past the last key given digit 1 in the fine table (consistently),
     with the header's key total and index checksum forged to agree: both backends INDEX_CORRUPT."""
-    from test_index_guards import with_header
     cpu, native, _, p = ml_case(3001, 3, 30, last_key=True)
     L = cpu.layout
     assert L.num_keys % L.multilevel.levels[0].span, "the last node has children past the last key"
-    q = with_header(L, add_child(L, p, L.num_keys, 1), 1, L.num_keys)
+    q = with_header(L, shift_count(L, p, L.num_keys, 1), 1, L.num_keys)
     status, _, _, _ = index_verdicts_agree(cpu, native, q)
     assert status == DecodeStatus.INDEX_CORRUPT
 
@@ -368,7 +341,6 @@ def test_pair_beside_keys_the_peel_left_is_not_solved(emulated):  # noqa: F811
     """A colliding pair (two keys with the same three cells) alone in its first cell, but with keys the
     stalled peel left in its other cells: no two-key stopping set, so neither backend solves it (its
     cells' sums hold more than the pair). The same status, peeled count and NaNs on both."""
-    from lossless_hc.lhc import reference
     from test_pairs import colliding_pairs
     n = 3
     L = build_layout("bitmap", 2000, n, 8, 1, 11)
@@ -407,7 +379,6 @@ def test_corrupt_fine_word_outranks_an_overflowing_one(emulated):  # noqa: F811
 def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
     """A solved pair's values come from two of its cells; the third is checked against them (its
     residual within its bound). 1.0 added to that cell: SKETCH_CORRUPT on both backends."""
-    from lossless_hc.lhc import reference
     from test_pairs import colliding_pairs, pair_inputs
     n = 3
     L = build_layout("bitmap", 2000, n, 8, 1, 11)
@@ -430,7 +401,6 @@ def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
 def test_value_in_an_empty_cell_is_caught(emulated):  # noqa: F811
     """A sketch cell no support key hashes to (its mass and its rounding bound 0) given a value: the
     residual check (|value| <= 0) fails on both backends: SKETCH_CORRUPT."""
-    from lossless_hc.lhc import reference
     cpu, native = codecs("bitmap", 3000, 3, 40)
     L = cpu.layout
     p, xs = summed(cpu, 3, 40)

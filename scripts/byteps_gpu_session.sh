@@ -12,7 +12,7 @@
 # ./byteps-session-out when unset):
 #   build     lossless_hc's extension with CUDA (LHC_CUDA=1 setup.py build_ext --inplace)   build.log
 #   byteps    scripts/setup_byteps.sh python3 (patch + build + install BytePS)   build.log, byteps-build.log
-#   test      pytest tests/test_plugins_byteps.py tests/test_byteps_gpu.py: the CPU tests and the GPU
+#   test      pytest tests/test_plugins_byteps*.py tests/test_byteps_gpu.py: the CPU tests and the GPU
 #             run (1 scheduler, 1 server, 2 workers on the one GPU; lossless vs uncompressed; server
 #             logs)     test.log
 #             BytePS's own logs of the run: bps-logs/{scheduler,server0,worker0,worker1}.log
@@ -60,7 +60,7 @@ if "$PY" -c "import byteps.torch" >/dev/null 2>&1; then
   # The workers' own timeout (at most 240 s: a healthy run takes well under a minute) ends a minute before the
   # test's own limit, and that before the call's deadline: a hang still leaves its logs and stacks.
   # LHC_BYTEPS_TESTS=tests/test_byteps_gpu.py: the GPU run alone (the CPU tests ran in an earlier call).
-  tests=${LHC_BYTEPS_TESTS:-tests/test_plugins_byteps.py tests/test_byteps_gpu.py}
+  tests=${LHC_BYTEPS_TESTS:-tests/test_plugins_byteps.py tests/test_plugins_byteps_training.py tests/test_byteps_gpu.py}
   step "pytest $tests" test.log $((DEADLINE - $(date +%s) - 15)) env PYTHONPATH="$PWD" \
     LHC_BYTEPS_LOG_DIR="$OUT/bps-logs" LHC_BYTEPS_TIMEOUT=$(( (t = DEADLINE - $(date +%s) - 80) > 240 ? 240 : (t > 30 ? t : 30) )) \
     "$PY" -m pytest -q -rs -p no:cacheprovider $tests

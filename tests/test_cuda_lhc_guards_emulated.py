@@ -375,7 +375,6 @@ def test_corrupt_fine_word_outranks_an_overflowing_one(emulated):  # noqa: F811
     assert status == DecodeStatus.INDEX_CORRUPT
 
 
-
 def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
     """A solved pair's values come from two of its cells; the third is checked against them (its
     residual within its bound). 1.0 added to that cell: SKETCH_CORRUPT on both backends."""
@@ -396,6 +395,57 @@ def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
     p[L.sketch_offset + third] += 1.0
     status, _, _, _ = index_verdicts_agree(cpu, native, p)
     assert status == DecodeStatus.SKETCH_CORRUPT
+
+
+def test_third_cell_bound_of_a_solved_pair_counts_both_keys(emulated):  # noqa: F811
+    """A solved pair's third cell r must hold w_r(a) v_a + w_r(b) v_b within its bound, which carries
+    |w_r(a)| E(a) + |w_r(b)| E(b). Per rank the pair's values cancel in r (exact: weights are +-1, +-2),
+    so that cell holds 0 and any residual is what is written there. A residual below the CPU's bound
+    (found by bisection) by half the smaller of the two keys' terms passes on both backends; just above
+    the bound, SKETCH_CORRUPT on both. A bound without either term would call the first corrupt."""
+    from test_pairs import colliding_pairs
+    n = 2
+    L = build_layout("bitmap", 2000, n, 8, 1, 11)
+    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
+    solvable, _ = colliding_pairs(L)
+    a, b = solvable[0]
+    cells, weights = reference.key_cells(L.sketch, torch.tensor([a, b]))
+    wa, wb = weights[0].tolist(), weights[1].tolist()
+    p_, q_, _ = reference.pair_cells(wa, wb)
+    r = 3 - p_ - q_
+    third = L.sketch_offset + int(cells[0, r])
+    xs = []
+    for s in (1.5, -0.625):   # each rank: x_b = -(w_r(a) / w_r(b)) x_a, so w_r(a) x_a + w_r(b) x_b = 0
+        x = torch.zeros(L.numel)
+        x[a], x[b] = s, -s * wa[r] / wb[r]
+        xs.append(x)
+    p = cpu.encode(xs[0]) + cpu.encode(xs[1])
+    assert p[third] == 0.0
+    _, report = cpu.decode(p, error_bounds=True)
+    assert report.status in (DecodeStatus.OK, DecodeStatus.INEXACT)
+    keys, E = report.error_bounds
+    ea, eb = (float(E[keys.tolist().index(k)]) for k in (a, b))
+
+    def cpu_passes(residual):
+        q = p.clone()
+        q[third] = residual
+        return cpu.decode(q)[1].status in (DecodeStatus.OK, DecodeStatus.INEXACT)
+
+    lo, hi = 0.0, 1.0   # the CPU's bound on cell r: the largest float32 residual it passes
+    assert cpu_passes(lo) and not cpu_passes(hi)
+    for _ in range(200):
+        mid = float(np.float32((lo + hi) / 2))
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if cpu_passes(mid) else (lo, mid)
+    bound, term = lo, min(abs(wa[r]) * ea, abs(wb[r]) * eb)
+    assert 0 < term < bound
+    inside = float(np.float32(bound - term / 2))
+    for residual, passes in ((inside, True), (hi, False)):
+        q = p.clone()
+        q[third] = residual
+        status, _, _, _ = index_verdicts_agree(cpu, native, q)
+        assert (status in (DecodeStatus.OK, DecodeStatus.INEXACT)) == passes, (residual, status)
 
 
 def test_value_in_an_empty_cell_is_caught(emulated):  # noqa: F811

@@ -5,7 +5,6 @@ device mesh. Each scenario trains the same model from the same seed on the same 
 once with uncompressed FSDP2 (native HSDP on the 2-D mesh, or FSDP on the 1-D one) and once with a
 state of lossless_hc.plugins.fsdp; every rank writes OUT_DIR/<scenario>.rank<r>.json.
 """
-import gc
 import hashlib
 import io
 import json
@@ -19,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import DEVICE, CountedCollectives, EmbeddingModel, batch, confirm_every_guard_look, loss_fn  # noqa: E402
+import gloo_scenarios  # noqa: E402
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -567,17 +567,7 @@ def worker(rank, replicas, shards, port, out_dir, names):
         result.update(rank=rank, replicas=replicas, shards=shards)
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    # The scenarios' models, hooks and pending works are freed while Gloo and the interpreter are alive, and
-    # the interpreter's finalization is skipped after the teardown: a C++ thread of torch's that drops a
-    # Python-owned tensor or runs a Python hook while the interpreter finalizes aborts the process
-    # ("terminate called without an active exception"; torch's destroy_process_group names the hazard for
-    # hooks). Every result is written and closed by then, so the exit status reports the scenarios alone.
-    gc.collect()
-    dist.barrier()   # no rank tears Gloo down while another still talks to it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    gloo_scenarios.leave()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The launcher the torch.distributed (Gloo) workers share:
 ``python <worker>.py SIZE PORT OUT_DIR NAMES`` spawns SIZE ranks; each joins a Gloo group on
 127.0.0.1:PORT, runs the comma-separated scenarios NAMES one after the other through the worker's
-``scenario(name) -> dict`` and writes OUT_DIR/<name>.rank<r>.json (the result with ``size`` added)."""
+``scenario(name) -> dict`` and writes OUT_DIR/<name>.rank<r>.json (the result with ``size`` added).
+:func:`leave` ends a rank, for the FSDP2 worker's own launcher too."""
+import gc
 import json
 import os
 import sys
@@ -26,7 +28,22 @@ def _rank(rank, size, port, out_dir, names, scenario):
         result["extension"] = os.path.realpath(lossless_hc._C.__file__)   # which build ran
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
+    leave()
+
+
+def leave() -> None:
+    """End this rank once every result is written and closed: free what the scenarios left (models, hooks,
+    pending works) while Gloo and the interpreter are alive, tear Gloo down together, and exit without the
+    interpreter's finalization. A C++ thread of torch's that drops a Python-owned tensor or runs a Python
+    hook while the interpreter finalizes aborts the process ("terminate called without an active
+    exception"; torch's destroy_process_group names the hazard for hooks): the exit status then reports
+    the scenarios alone."""
+    gc.collect()
+    dist.barrier()   # no rank tears Gloo down while another still talks to it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(scenario) -> None:

@@ -375,18 +375,28 @@ def test_corrupt_fine_word_outranks_an_overflowing_one(emulated):  # noqa: F811
     assert status == DecodeStatus.INDEX_CORRUPT
 
 
-def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
-    """A solved pair's values come from two of its cells; the third is checked against them (its
-    residual within its bound). 1.0 added to that cell: SKETCH_CORRUPT on both backends."""
-    from test_pairs import colliding_pairs, pair_inputs
-    n = 3
+def solvable_pair(n):
+    """``(cpu, native, (a, b), (wa, wb), r, cell)``: the codecs of a small bitmap layout for ``n`` ranks, a
+    solvable colliding pair a < b there (the same three sketch cells), their weights in those cells, and
+    which of them (r) and which sketch cell is the third one, not used to solve the pair."""
+    from test_pairs import colliding_pairs
     L = build_layout("bitmap", 2000, n, 8, 1, 11)
-    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
     solvable, _ = colliding_pairs(L)
     a, b = solvable[0]
     cells, weights = reference.key_cells(L.sketch, torch.tensor([a, b]))
-    p_, q_, _ = reference.pair_cells(weights[0].tolist(), weights[1].tolist())
-    third = int(cells[0, 3 - p_ - q_])
+    wa, wb = weights[0].tolist(), weights[1].tolist()
+    p, q, _ = reference.pair_cells(wa, wb)
+    r = 3 - p - q
+    return helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu")), (a, b), (wa, wb), r, int(cells[0, r])
+
+
+def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811
+    """A solved pair's values come from two of its cells; the third is checked against them (its
+    residual within its bound). 1.0 added to that cell: SKETCH_CORRUPT on both backends."""
+    from test_pairs import pair_inputs
+    n = 3
+    cpu, native, (a, b), _, _, third = solvable_pair(n)
+    L = cpu.layout
     rng = np.random.default_rng(8)
     xs = pair_inputs(rng, L, (a, b), n, others=3)
     p = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
@@ -403,17 +413,10 @@ def test_third_cell_bound_of_a_solved_pair_counts_both_keys(emulated):  # noqa: 
     so that cell holds 0 and any residual is what is written there. A residual below the CPU's bound
     (found by bisection) by half the smaller of the two keys' terms passes on both backends; just above
     the bound, SKETCH_CORRUPT on both. A bound without either term would call the first corrupt."""
-    from test_pairs import colliding_pairs
     n = 2
-    L = build_layout("bitmap", 2000, n, 8, 1, 11)
-    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
-    solvable, _ = colliding_pairs(L)
-    a, b = solvable[0]
-    cells, weights = reference.key_cells(L.sketch, torch.tensor([a, b]))
-    wa, wb = weights[0].tolist(), weights[1].tolist()
-    p_, q_, _ = reference.pair_cells(wa, wb)
-    r = 3 - p_ - q_
-    third = L.sketch_offset + int(cells[0, r])
+    cpu, native, (a, b), (wa, wb), r, third_cell = solvable_pair(n)
+    L = cpu.layout
+    third = L.sketch_offset + third_cell
     xs = []
     for s in (1.5, -0.625):   # each rank: x_b = -(w_r(a) / w_r(b)) x_a, so w_r(a) x_a + w_r(b) x_b = 0
         x = torch.zeros(L.numel)

@@ -93,6 +93,28 @@ def assert_replicas_identical(results):
             assert torch.equal(first[n], params[n]), f"replicas drifted in {n}"
 
 
+class _Mean(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(dim=1)
+
+
+class _Squeeze(torch.nn.Module):
+    def forward(self, x):
+        return x.squeeze(-1)
+
+
+def pooled_model(hidden):
+    """``(model_fn, init)``: a builder of an embedding table mean-pooled into two linear layers (``hidden``
+    units between them), and the parameters every worker starts from (``train``'s seed)."""
+    def model_fn():
+        return torch.nn.Sequential(torch.nn.Embedding(2000, 16), _Mean(), torch.nn.Linear(16, hidden),
+                                   torch.nn.Linear(hidden, 1), _Squeeze())
+    with _INIT_LOCK:
+        torch.manual_seed(0)
+        init = {n: p.detach().clone() for n, p in model_fn().named_parameters()}
+    return model_fn, init
+
+
 # -- the optimizer loop through simulated BytePS ------------------------------------------------------
 
 @pytest.mark.parametrize("world, order", [(2, None), (2, [1, 0]), (3, None), (3, [2, 0, 1])])
@@ -189,12 +211,7 @@ def test_backward_passes_per_step_and_three_workers():
 def test_topk_trains_with_error_feedback():
     """Top-k (5%) moves the layers it compresses in the direction of the uncompressed run, by a real
     fraction of its movement, and keeps what it did not send in a non-zero residual."""
-    def big():
-        return torch.nn.Sequential(torch.nn.Embedding(2000, 16), _Mean(), torch.nn.Linear(16, 64),
-                                   torch.nn.Linear(64, 1), _Squeeze())
-    with _INIT_LOCK:
-        torch.manual_seed(0)
-        init = {n: p.detach().clone() for n, p in big().named_parameters()}
+    big, init = pooled_model(64)
     got, _ = train(lambda r, e: Compression.topk(ratio=0.05, engine=e), world=2, model_fn=big, steps=3)
     ref, _ = train(none_for, world=2, model_fn=big, steps=3)
     assert_replicas_identical(got)
@@ -219,23 +236,8 @@ def test_topk_trains_with_error_feedback():
     assert cos > 0.5 and proj > 0.3 and norm_ratio < 1.5, (cos, proj, norm_ratio)
 
 
-class _Mean(torch.nn.Module):
-    def forward(self, x):
-        return x.mean(dim=1)
-
-
-class _Squeeze(torch.nn.Module):
-    def forward(self, x):
-        return x.squeeze(-1)
-
-
 def test_thc_replicas_identical_and_direction():
-    def wide():
-        return torch.nn.Sequential(torch.nn.Embedding(2000, 16), _Mean(), torch.nn.Linear(16, 512),
-                                   torch.nn.Linear(512, 1), _Squeeze())
-    with _INIT_LOCK:
-        torch.manual_seed(0)
-        init = {n: p.detach().clone() for n, p in wide().named_parameters()}
+    wide, init = pooled_model(512)
     ref, _ = train(none_for, world=2, model_fn=wide, steps=6, lr=0.05)
     got, _ = train(lambda r, e: Compression.thc(bits=4, engine=e), world=2, model_fn=wide, steps=6, lr=0.05)
     assert_replicas_identical(got)
@@ -328,7 +330,6 @@ def test_fit_pads_smaller_payloads_and_widens_dtypes():
     comp2._slots["w"] = (6, torch.int32)
     with pytest.raises(RuntimeError, match="changed dtype"):
         _Opt([("w", p)], eng)._push_pull_grad_async(p, comp2)
-
 
 
 def test_a_result_handed_back_in_another_tensor_is_the_one_decoded():

@@ -178,7 +178,7 @@ def first_inexact_sketch_step():
         for rows in supports(step):
             x = sparse_grad(rng, ROWS, DIM, rows).coalesce()
             scale = 10.0 ** -(3 * torch.rand(x.values().shape, generator=rng))
-            xs.append(torch.sparse_coo_tensor(x.indices(), x.values() * scale, x.shape).to_dense())
+            xs.append(torch.sparse_coo_tensor(x.indices(), x.values() * scale, x.shape, check_invariants=True).to_dense())
         fallbacks = aggs[0].stats.fallbacks
         run_step(aggs, xs)
         st = aggs[0].stats

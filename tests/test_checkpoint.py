@@ -97,6 +97,31 @@ def test_auto_thc_restored_from_a_checkpoint_propagates_non_finite_inputs():
     assert agg._thc.codec.non_finite == saved._thc.codec.non_finite
 
 
+def test_a_re_plan_due_after_a_failure_survives_a_checkpoint():
+    """A step that failed on every rank sets the plan tracker's ``force``: the next step carries the
+    statistics and a plan follows. Saved with it set, mid-interval, the resumed aggregator carries them
+    at that step too; saved without it, not."""
+    from lossless_hc.training.step import run_in_process
+
+    def plain(rank=0):   # plans whose plain steps carry no statistics (top-k's all do)
+        return AutoAggregator("w", (4096,), torch.float32, 2, rank, MODEL, lossy=True, first="dense",
+                              allowed=("dense", "bf16"), lossy_min_bytes=0)
+    ranks = [plain(r) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        xs = [torch.zeros(4096) for _ in range(2)]
+        for x in xs:
+            x[torch.randperm(4096, generator=g)[:50]] = torch.randn(50, generator=g)
+        run_in_process(ranks, xs)
+    saved = ranks[0]
+    assert not saved.carries_statistics()   # mid-interval
+    for force in (True, False):
+        saved.tracker.force = force   # True: as a failure that every rank saw leaves it (AutoAggregator.decode)
+        agg = plain()
+        load_aggregator_state_dict(agg, aggregator_state_dict(saved))
+        assert agg.tracker.force == force and agg.carries_statistics() == force
+
+
 def test_auto_top_k_allgathered_resumes_bit_for_bit():
     """A top-k-allgather plan saved after 3 steps and loaded into fresh aggregators continues as the straight
     run: its plan and its error-feedback memory (the top-k aggregator's residual, shared with topk) come

@@ -317,23 +317,35 @@ def test_multilevel_coarse_sum_above_the_key_total_outranks_a_stall(emulated):  
     assert status == DecodeStatus.INDEX_CORRUPT
 
 
+def solvable_pair(n):
+    """``(cpu, native, (a, b), (wa, wb), r, cell)``: the codecs of a small bitmap layout for ``n`` ranks, a
+    solvable colliding pair a < b there (the same three sketch cells), their weights in those cells, and
+    which of them (r) and which sketch cell is the third one, not used to solve the pair."""
+    from test_pairs import colliding_pairs
+    L = build_layout("bitmap", 2000, n, 8, 1, 11)
+    solvable, _ = colliding_pairs(L)
+    a, b = solvable[0]
+    cells, weights = reference.key_cells(L.sketch, torch.tensor([a, b]))
+    wa, wb = weights[0].tolist(), weights[1].tolist()
+    p, q, _ = reference.pair_cells(wa, wb)
+    r = 3 - p - q
+    return helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu")), (a, b), (wa, wb), r, int(cells[0, r])
+
+
 def test_verify_lists_a_solved_pair_inexact(emulated):  # noqa: F811
     """With verify, a solved pair's keys are always listed inexact (one check cannot verify two values:
     lhc_layout.h verification_bound), on both backends: the same status and inexact keys."""
     from test_cuda_emulated import emulated_decode
-    from test_pairs import colliding_pairs, pair_inputs
+    from test_pairs import pair_inputs
     n = 3
-    L = build_layout("bitmap", 2000, n, 8, 1, 11)
-    cpu = helpers.codec_for(L)
+    cpu, native, pair, _, _, _ = solvable_pair(n)
     cpu.verify = True
-    native = _cuda.CudaLayout(L, torch.device("cpu"))
-    solvable, _ = colliding_pairs(L)
     rng = np.random.default_rng(7)
-    xs = pair_inputs(rng, L, solvable[0], n, others=3)
+    xs = pair_inputs(rng, cpu.layout, pair, n, others=3)
     p = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
     _, r_cpu = cpu.decode(p)
     _, r, _ = emulated_decode(native, p, verify=True)
-    assert r_cpu.status == DecodeStatus.INEXACT and set(solvable[0]) <= set(r_cpu.inexact_keys.tolist())
+    assert r_cpu.status == DecodeStatus.INEXACT and set(pair) <= set(r_cpu.inexact_keys.tolist())
     assert r.status == r_cpu.status and torch.equal(r.inexact_keys, r_cpu.inexact_keys)
 
 
@@ -341,12 +353,9 @@ def test_pair_beside_keys_the_peel_left_is_not_solved(emulated):  # noqa: F811
     """A colliding pair (two keys with the same three cells) alone in its first cell, but with keys the
     stalled peel left in its other cells: no two-key stopping set, so neither backend solves it (its
     cells' sums hold more than the pair). The same status, peeled count and NaNs on both."""
-    from test_pairs import colliding_pairs
     n = 3
-    L = build_layout("bitmap", 2000, n, 8, 1, 11)
-    cpu, native = helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu"))
-    solvable, _ = colliding_pairs(L)
-    pair = solvable[0]
+    cpu, native, pair, _, _, _ = solvable_pair(n)
+    L = cpu.layout
     cells, _ = reference.key_cells(L.sketch, torch.arange(L.num_keys))
     first, rest = int(cells[pair[0], 0]), set(cells[pair[0], 1:].tolist())
     others = [k for k in range(L.num_keys) if k not in pair and first not in cells[k].tolist()]
@@ -373,21 +382,6 @@ def test_corrupt_fine_word_outranks_an_overflowing_one(emulated):  # noqa: F811
     p[lo + L.multilevel.levels[0].numel - 2] = float(1 << 22)
     status, _, _, _ = index_verdicts_agree(cpu, native, p)
     assert status == DecodeStatus.INDEX_CORRUPT
-
-
-def solvable_pair(n):
-    """``(cpu, native, (a, b), (wa, wb), r, cell)``: the codecs of a small bitmap layout for ``n`` ranks, a
-    solvable colliding pair a < b there (the same three sketch cells), their weights in those cells, and
-    which of them (r) and which sketch cell is the third one, not used to solve the pair."""
-    from test_pairs import colliding_pairs
-    L = build_layout("bitmap", 2000, n, 8, 1, 11)
-    solvable, _ = colliding_pairs(L)
-    a, b = solvable[0]
-    cells, weights = reference.key_cells(L.sketch, torch.tensor([a, b]))
-    wa, wb = weights[0].tolist(), weights[1].tolist()
-    p, q, _ = reference.pair_cells(wa, wb)
-    r = 3 - p - q
-    return helpers.codec_for(L), _cuda.CudaLayout(L, torch.device("cpu")), (a, b), (wa, wb), r, int(cells[0, r])
 
 
 def test_corrupt_third_cell_of_a_solved_pair_is_caught(emulated):  # noqa: F811

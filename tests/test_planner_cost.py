@@ -327,6 +327,52 @@ def test_the_calibration_times_a_top_k_plan_s_step_where_top_k_is_a_candidate(de
     assert specs_topk() == DEFAULT_CODEC_SECONDS["topk"]
 
 
+def test_each_calibration_measurement_prices_the_strategy_it_is_for():
+    """measure_codecs' mapping of its measurements to strategies' costs (its docstring's formulas), with a
+    timer that runs each measured step once and returns a distinct time per measurement: a timer that only
+    measures cannot tell fp16's time from bf16's, two scans from one, or a per-key cost divided by the
+    coordinates. Every measurement is timed exactly once, under its documented name."""
+    from lossless_hc.training.calibration import (CODEC_MEASUREMENTS, POWERSGD_MATRIX, POWERSGD_RANK, TOPK_MEASUREMENTS,
+                                                  TOPK_NUMEL, TOPK_RANKS, measure_codecs)
+    from lossless_hc.training.powersgd import powersgd_layout
+    from lossless_hc.training.topk_aggregate import topk_count
+    names = CODEC_MEASUREMENTS + TOPK_MEASUREMENTS
+    # distinct primes (milliseconds): no sum or difference of two of them equals a third's multiple here
+    t = dict(zip(names, (1e-3 * p for p in (2, 3, 5, 7, 101, 11, 13, 17, 19, 23, 3, 29, 31))))
+    seen = []
+
+    def timer(what, fn):
+        fn()
+        seen.append(what)
+        return t[what]
+    numel, density, ratio, world = 1 << 16, 0.01, 0.01, 4
+    out = measure_codecs("cpu", world, numel=numel, density=density, topk_ratio=ratio, timer=timer)
+    assert sorted(seen) == sorted(names)
+    d, k = numel, max(1, int(density * numel))
+    flops = powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
+    kk = topk_count(TOPK_NUMEL, ratio)
+    m, m_ag = min(world, TOPK_RANKS), max(2, min(world, TOPK_RANKS))
+    expected = {
+        "dense": (t["copy"] / d, 0.0),
+        "allgather": (t["scan"] / d, 2 * t["copy"] / d),
+        "two_phase": (2 * t["scan"] / d, 2 * t["copy"] / d),
+        "sketch": (t["scan"] / d, (t["sketch"] - t["scan"]) / k),
+        "fp16": ((t["fp16"] + t["copy"]) / d, 0.0),
+        "bf16": ((t["bf16"] + t["copy"]) / d, 0.0),
+        "thc": ((t["thc"] + t["copy"]) / d, 0.0),
+        "powersgd": (t["powersgd_passes"] / d, t["powersgd_products"] / flops),
+        "topk": (t["topk_encode"] / TOPK_NUMEL, t["topk_decode"] / (m * kk)),
+        "topk_allgather": ((t["topk_allgather_request"] + t["topk_allgather_clear"]) / TOPK_NUMEL,
+                           (t["topk_allgather_finish"] - t["topk_allgather_clear"]) / (m_ag * kk)),
+    }
+    for strategy, costs in expected.items():
+        assert out[strategy] == pytest.approx(costs, rel=1e-12), strategy
+    assert set(out) == set(DEFAULT_CODEC_SECONDS)
+    # A sketch step timed below its scan prices the keys at 0, never a negative cost.
+    t["sketch"] = t["scan"] / 2
+    assert measure_codecs("cpu", world, numel=numel, density=density, timer=timer)["sketch"] == (t["scan"] / d, 0.0)
+
+
 def test_tracker_replans_after_the_first_step_and_every_interval():
     tr = PlanTracker(1000, 10, 2, interval=4)
     due = [tr.observe((5, 7), 10) for _ in range(8)]

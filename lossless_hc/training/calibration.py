@@ -167,10 +167,32 @@ def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[
     return samples
 
 
+# The measurements of measure_codecs, by the name its ``timer`` receives (the timer seam's vocabulary).
+CODEC_MEASUREMENTS = ("copy", "scan", "bf16", "fp16", "sketch", "powersgd_passes", "thc", "powersgd_products")
+TOPK_MEASUREMENTS = ("topk_encode", "topk_decode", "topk_allgather_clear", "topk_allgather_request",
+                     "topk_allgather_finish")
+
+
 def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: float = CODEC_DENSITY,
-                   repeats: int = 3, topk_ratio: Optional[float] = None) -> dict:
+                   repeats: int = 3, topk_ratio: Optional[float] = None,
+                   timer: Optional[Callable[[str, Callable[[], None]], float]] = None) -> dict:
     """Local costs ``{strategy: (per_coordinate_s, per_key_s)}`` measured on ``device`` (module doc);
-    top-k's where ``topk_ratio`` is given (the share it selects), else its default."""
+    top-k's where ``topk_ratio`` is given (the share it selects), else its default.
+
+    ``timer(what, fn)``: the seconds one run of ``fn`` takes, ``what`` naming the measurement (one of
+    :data:`CODEC_MEASUREMENTS`, and of :data:`TOPK_MEASUREMENTS` with ``topk_ratio``; each is timed once).
+    By default the fastest of ``repeats`` runs after a warm-up run, each waited for on the device. With
+    ``t(what)`` the seconds so returned, ``d = numel``, ``k = max(1, int(density d))``:
+
+    * dense ``(t(copy) / d, 0)``; allgather ``(t(scan) / d, 2 t(copy) / d)``; two_phase
+      ``(2 t(scan) / d, 2 t(copy) / d)``; sketch ``(t(scan) / d, max(0, t(sketch) - t(scan)) / k)``;
+    * fp16 ``((t(fp16) + t(copy)) / d, 0)``, bf16 the same with ``t(bf16)``, thc with ``t(thc)``;
+    * powersgd ``(t(powersgd_passes) / d, t(powersgd_products) / flops)``, the flops of
+      :data:`POWERSGD_MATRIX` at :data:`POWERSGD_RANK`;
+    * topk and topk_allgather: :func:`_topk_step`, :func:`_topk_allgather_step`.
+
+    A caller's timer is how a test checks that every measurement prices the strategy it is for (a timer
+    that only measures cannot tell fp16's time from bf16's)."""
     check_repeats(repeats)
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -180,30 +202,32 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     x = x.to(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    def timed(fn):
+    def best_of_repeats(what, fn):
         def run():
             fn()
             sync()
         run()
         return _best_time(run, repeats)
+    timed = timer or best_of_repeats
 
-    copy = timed(lambda: torch.cat([x.new_zeros(4), x.to(torch.float32)])) / numel
-    scan = timed(lambda: torch.nonzero(x != 0)) / numel
-    half = timed(lambda: x.to(torch.bfloat16).to(torch.float32)) / numel
-    fp16 = timed(lambda: x.to(torch.float16).div_(2).to(torch.float32).mul_(2)) / numel   # AutoAggregator's scaling
+    copy = timed("copy", lambda: torch.cat([x.new_zeros(4), x.to(torch.float32)])) / numel
+    scan = timed("scan", lambda: torch.nonzero(x != 0)) / numel
+    half = timed("bf16", lambda: x.to(torch.bfloat16).to(torch.float32)) / numel
+    # AutoAggregator's scaling
+    fp16 = timed("fp16", lambda: x.to(torch.float16).div_(2).to(torch.float32).mul_(2)) / numel
     codec = LosslessCodec(numel, 1, k, 1, 0, device=device)
-    sketch = timed(lambda: codec.decode(codec.encode(x))[1])
+    sketch = timed("sketch", lambda: codec.decode(codec.encode(x))[1])
     per_key = max(0.0, (sketch - scan * numel) / k)
     feedback = torch.zeros_like(x)
-    passes = timed(lambda: (x + feedback).clone().sub_(x)) / numel
+    passes = timed("powersgd_passes", lambda: (x + feedback).clone().sub_(x)) / numel
     # THC's first step is the norm-only round (THCCodec): the warm-up run takes it, the timed runs are
     # steady steps. One rank's payload decodes as a one-rank SUM; the work per coordinate is the same.
     thc = THCCodec(numel, 1, device=device)
     dense_x = torch.randn(numel, generator=g).to(device)
-    thc_step = timed(lambda: thc.decode(thc.encode(dense_x, interleaved=True))) / numel
+    thc_step = timed("thc", lambda: thc.decode(thc.encode(dense_x, interleaved=True))) / numel
     products = _powersgd_products(device)
     products()   # LAPACK's first QR call sets itself up (milliseconds): not a per-step cost
-    per_flop = timed(products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
+    per_flop = timed("powersgd_products", products) / powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
     out = dict(DEFAULT_CODEC_SECONDS)
     out.update({"dense": (copy, 0.0), "allgather": (scan, 2 * copy), "two_phase": (2 * scan, 2 * copy),
                 # a half-precision plan's plain step also copies the result into the engine's tensor
@@ -234,8 +258,9 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     the plan runs it (the selection with error feedback, the sketch of the ``k = ceil(ratio d)`` selected
     keys; the decode of ``m = min(n, TOPK_RANKS)`` ranks' summed payloads): one rank's encode per coordinate
     of its :data:`TOPK_NUMEL`, its decode per key of the ``m k`` keys the ranks select (the cost model's
-    ``c d + k_s n k``, module doc of the planner). A statistics step's row scans, one step in an interval,
-    are not priced (as a dense plan's)."""
+    ``c d + k_s n k``, module doc of the planner): ``(t(topk_encode) / TOPK_NUMEL, t(topk_decode) / (m k))``
+    with ``t`` measure_codecs' ``timed``. A statistics step's row scans, one step in an interval, are not
+    priced (as a dense plan's)."""
     m = max(1, min(int(world_size), TOPK_RANKS))
     aggs, xs = _planned_ranks("topk", m, ratio, device)
 
@@ -248,8 +273,8 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     encoded, summed = encode_all()   # the second, timed: between statistics steps, as all but one in an interval
     ctx = encoded[0][1]
     k = topk_count(TOPK_NUMEL, ratio)
-    per_coordinate = timed(lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL
-    per_key = timed(lambda: aggs[0].decode(summed, ctx)) / (m * k)
+    per_coordinate = timed("topk_encode", lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL
+    per_key = timed("topk_decode", lambda: aggs[0].decode(summed, ctx)) / (m * k)
     return per_coordinate, per_key
 
 
@@ -258,7 +283,9 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     run as the plan runs it: one rank's selection with error feedback into its ``k = ceil(ratio d)`` slots
     (encode, then the decode that makes the request) and the clearing of its result, per coordinate of
     :data:`TOPK_NUMEL`; the sum of ``m = min(n, TOPK_RANKS)`` ranks' gathered pairs beyond that clearing, per
-    pair (the cost model's ``c d + k_s n k``). At least 2 ranks (one rank's tensor is only ever dense)."""
+    pair (the cost model's ``c d + k_s n k``): ``((t(topk_allgather_request) + t(topk_allgather_clear)) /
+    TOPK_NUMEL, max(0, t(topk_allgather_finish) - t(topk_allgather_clear)) / (m k))`` with ``t`` measure_codecs'
+    ``timed``. At least 2 ranks (one rank's tensor is only ever dense)."""
     m = max(2, min(int(world_size), TOPK_RANKS))
     aggs, xs = _planned_ranks("topk_allgather", m, ratio, device)
 
@@ -272,10 +299,10 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
             a.finish(ctx, gathered)
     ctx = made[0][0]
     out = torch.empty(TOPK_NUMEL, dtype=torch.float32, device=device)
-    clear = timed(out.zero_)
-    per_coordinate = (timed(lambda: request(0)) + clear) / TOPK_NUMEL
+    clear = timed("topk_allgather_clear", out.zero_)
+    per_coordinate = (timed("topk_allgather_request", lambda: request(0)) + clear) / TOPK_NUMEL
     pairs = m * topk_count(TOPK_NUMEL, ratio)
-    per_pair = max(0.0, timed(lambda: aggs[0].finish(ctx, gathered, out=out)) - clear) / pairs
+    per_pair = max(0.0, timed("topk_allgather_finish", lambda: aggs[0].finish(ctx, gathered, out=out)) - clear) / pairs
     return per_coordinate, per_pair
 
 

@@ -40,14 +40,6 @@ struct DecodeCounters {
   unsigned long long support_total;    // keys with an aggregated count >= 1, beyond the list's cap too
 };
 
-// Whether the decoded support's index checksum sums match the header's (lhc::index_check_matches,
-// with the header's fields read by the index kernels into expected_check).
-__device__ __forceinline__ bool index_check_matches_expected(const DecodeCounters* counters) {
-  for (uint32_t f = 0; f < kIndexCheckFields; ++f)
-    if (counters->expected_check[f] != counters->check[f] % index_check_prime(f)) return false;
-  return true;
-}
-
 enum DecodeFlag : unsigned int {
   kFlagIndexWord = 1u << 0,        // an index word is not a valid packed integer / digit out of range
   kFlagIndexTotal = 1u << 1,       // index digits do not sum to what the header says
@@ -63,6 +55,20 @@ enum DecodeFlag : unsigned int {
   kFlagInexact = 1u << 11,         // some key's error bound exceeds rtol
   kFlagIndexCheck = 1u << 12,      // the decoded support fails the header's index checksum
 };
+
+// The index checksum on a complete support (one thread, once the support is known): whether the decoded
+// support's sums match the header's (lhc::index_check_matches, with the header's fields read by the
+// index kernels into expected_check). Where they do not, raises kFlagIndexCheck and abort: a support
+// that fails it is not peeled, so `out` stays zero, as on the CPU backend.
+__device__ __forceinline__ bool index_check_passes_or_aborts(DecodeCounters* counters) {
+  for (uint32_t f = 0; f < kIndexCheckFields; ++f)
+    if (counters->expected_check[f] != counters->check[f] % index_check_prime(f)) {
+      counters->flags |= kFlagIndexCheck;
+      counters->abort = 1;
+      return false;
+    }
+  return true;
+}
 
 // The DecodeStatus of a decode's flags, with the CPU backend's precedence (csrc/cpu/: the first
 // failing stage decides): the multilevel index's own verdict `index_status` (MlState::status, 0 if

@@ -177,11 +177,7 @@ extern "C" __global__ void lhc_ml_verdict(uint64_t after_coarse, uint64_t finest
       counters->candidates = total;
       // The index checksum (as lhc_support_ready for the other indexes): a support that fails it is
       // not peeled.
-      if (!index_check_matches_expected(counters)) {
-        counters->flags |= kFlagIndexCheck;
-        counters->abort = 1;
-        return;
-      }
+      if (!index_check_passes_or_aborts(counters)) return;
       if (total > next_cap) {
         counters->flags |= kFlagSupportOverflow;
         counters->abort = 1;

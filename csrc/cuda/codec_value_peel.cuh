@@ -19,10 +19,7 @@ extern "C" __global__ void lhc_support_ready(DecodeCounters* counters, uint64_t 
   counters->support = counters->list_count;
   counters->support_total = counters->list_total;
   if (support_is_candidates) counters->candidates = counters->list_total;
-  if (!index_check_matches_expected(counters)) {
-    counters->flags |= kFlagIndexCheck;
-    counters->abort = 1;
-  }
+  index_check_passes_or_aborts(counters);
 }
 
 // Raise abort if any flag of `mask` is set (one thread, between two stages).

@@ -27,8 +27,7 @@ struct TopkState {
   unsigned int prefix;        // key bits fixed so far; after the third pass, T
   unsigned int pad;
   unsigned long long remaining;  // how many of the k lie among keys with this prefix; finally, T's ties taken
-  unsigned long long count;      // indices written (topk_offsets)
-  unsigned long long pad2;
+  unsigned long long pad2[2];
 };
 static_assert(sizeof(TopkState) == 32, "TopkState: 32 bytes (lossless_hc/backends/cuda_topk.py STATE_BYTES)");
 
@@ -131,7 +130,6 @@ extern "C" __global__ void topk_offsets(unsigned long long* counts, uint64_t blo
     counts[2 * b + 1] = take;
     off += gt + take;
   }
-  st->count = off;
 }
 
 // Block b writes, in index order, its indices with key > T and the first counts[2b + 1] with key == T.

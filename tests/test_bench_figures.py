@@ -360,7 +360,7 @@ def test_plan_times_per_step_and_rank_against_clone_and_copy(monkeypatch):
         assert r["per_interval_s"] == pytest.approx([9e-3, 3e-3, 6e-3]) and r["step_s"] == pytest.approx(6e-3)
     assert res["strategies"]["dense"]["bytes_per_step"] == 4 * 1024 and res["ok"]
     text = bench_plan.render_plan(res, common.machine_info(), "cmd")
-    assert row_of(text, "dense") == ["6.00", "3.00", "6.00", "1.000", "exact"]
+    assert row_of(text, "dense")[:6] == ["6.00", "3.00", "6.00", "1.000", "exact,", "rel."]
     assert "clone 2.00 ms, copy_ 1.00 ms" in text
 
 
@@ -369,8 +369,8 @@ def test_plan_fails_an_exact_strategy_that_left_its_plan(monkeypatch):
         aggs[0].strategy = "allgather"
     bench_plan, res = plan_with_known_times(monkeypatch, ("sketch",), on_last=leave)
     assert not res["strategies"]["sketch"]["strategy_held"] and not res["ok"]
-    assert row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "sketch")[-4:] == \
-        ["exact", "(left", "its", "plan)"]
+    row = row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "sketch")
+    assert row[-7:-4] + row[-3:] == ["exact,", "rel.", "error", "(left", "its", "plan)"]
 
 
 @pytest.mark.parametrize("scale,exact", [(2.0 ** -12, True), (2.0 ** -8, False)])
@@ -391,8 +391,8 @@ def test_plan_exact_means_within_the_contracts_relative_error(monkeypatch, scale
     r = res["strategies"]["dense"]
     assert r["relative_error"] == pytest.approx(scale, rel=1e-3)
     assert r["equals_sum"] is exact and res["ok"] is exact
-    assert row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "dense")[-1] == \
-        ("exact" if exact else "EXACT")
+    assert row_of(bench_plan.render_plan(res, common.machine_info(), "cmd"), "dense")[-4:] == \
+        ["exact," if exact else "EXACT,", "rel.", "error", f"{scale:.1e}"]
 
 
 # ------------------------------------------------------------------------------------------------

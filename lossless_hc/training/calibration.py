@@ -259,7 +259,7 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     keys; the decode of ``m = min(n, TOPK_RANKS)`` ranks' summed payloads): one rank's encode per coordinate
     of its :data:`TOPK_NUMEL`, its decode per key of the ``m k`` keys the ranks select (the cost model's
     ``c d + k_s n k``, module doc of the planner): ``(t(topk_encode) / TOPK_NUMEL, t(topk_decode) / (m k))``
-    with ``t`` measure_codecs' ``timed``. A statistics step's row scans, one step in an interval, are not
+    with ``t`` measure_codecs' ``timer``. A statistics step's row scans, one step in an interval, are not
     priced (as a dense plan's)."""
     m = max(1, min(int(world_size), TOPK_RANKS))
     aggs, xs = _planned_ranks("topk", m, ratio, device)
@@ -285,7 +285,7 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     :data:`TOPK_NUMEL`; the sum of ``m = min(n, TOPK_RANKS)`` ranks' gathered pairs beyond that clearing, per
     pair (the cost model's ``c d + k_s n k``): ``((t(topk_allgather_request) + t(topk_allgather_clear)) /
     TOPK_NUMEL, max(0, t(topk_allgather_finish) - t(topk_allgather_clear)) / (m k))`` with ``t`` measure_codecs'
-    ``timed``. At least 2 ranks (one rank's tensor is only ever dense)."""
+    ``timer``. At least 2 ranks (one rank's tensor is only ever dense)."""
     m = max(2, min(int(world_size), TOPK_RANKS))
     aggs, xs = _planned_ranks("topk_allgather", m, ratio, device)
 

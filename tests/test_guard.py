@@ -228,6 +228,23 @@ def test_step_guard_from_the_adapters_options():
         step_guard(0, 8, "x")
 
 
+def test_the_default_guard_opens_at_step_8_and_times_5_steps_a_window_with_a_3_percent_margin():
+    """The documented defaults (docs/DESIGN.md: ``guard_steps=5, guard_start=8, guard_margin=0.03``; the
+    module doc: blocks of 2, one confirmation round), built directly and as the adapters build them: plans
+    exactly ``1 - 0.03`` times dense open the trial at step 8, run 5 blocks of each window, look at step 28,
+    survive the confirmation round and are kept at step 48; a hair slower, dense from step 28."""
+    for build in (_StepGuard, lambda: step_guard(5)):
+        g = build()
+        phases = run(g, plan_s=0.97, dense_s=1.0, steps=50)
+        assert phases[:8] == ["plan"] * 8
+        assert phases[8:48] == ["plan", "plan", "dense", "dense"] * 10 and phases[48:] == ["plan"] * 2
+        assert g.verdict == "plan" and g.stats()["window"] == 8 and g.stats()["rounds"] == 2
+        g = build()
+        phases = run(g, plan_s=0.971, dense_s=1.0, steps=30)
+        assert phases[8:28] == ["plan", "plan", "dense", "dense"] * 5 and phases[28:] == ["dense"] * 2
+        assert g.verdict == "dense" and g.medians == (0.971, 1.0)
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

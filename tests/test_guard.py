@@ -245,6 +245,14 @@ def test_the_default_guard_opens_at_step_8_and_times_5_steps_a_window_with_a_3_p
         assert g.verdict == "dense" and g.medians == (0.971, 1.0)
 
 
+def test_one_guard_step_is_a_trial_of_one_timed_block_per_window():
+    """``step_guard(1)``: W = 1, the guard on with its shortest trial: one block of each window (2 steps at
+    the default block), the look at the step after."""
+    g = step_guard(1, 0)
+    assert run(g, plan_s=2.0, dense_s=1.0, steps=6) == ["plan", "plan", "dense", "dense", "dense", "dense"]
+    assert g.verdict == "dense" and g.stats()["steps"] == 1 and g.medians == (2.0, 1.0)
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

@@ -253,6 +253,22 @@ def test_one_guard_step_is_a_trial_of_one_timed_block_per_window():
     assert g.verdict == "dense" and g.stats()["steps"] == 1 and g.medians == (2.0, 1.0)
 
 
+def test_untracked_plans_open_no_new_trial_after_a_verdict_for_the_plans():
+    """``plans`` None is "not tracked" (:meth:`StepGuard.phase`): after a verdict for the plans measured as
+    ``"A"``, steps that name no plans keep them without a new trial; a different value opens one."""
+    g = StepGuard(steps=1, start=0, confirm=0)
+    assert g.phase(0, True, "A") == "plan"
+    g.record(0, 0.5)
+    assert g.phase(1, True, "A") == "dense"
+    g.record(1, 1.0)
+    assert g.phase(2, True, "A") == "decide"
+    g.settle(*g.decide())
+    assert [g.phase(s, True, None) for s in (2, 3, 4)] == ["plan"] * 3
+    assert g.verdict == "plan" and g.stats()["trials"] == 1 and g.stats()["window"] == 0
+    assert [g.phase(s, True, "B") for s in (5, 6)] == ["plan", "dense"]
+    assert g.stats()["trials"] == 2 and g.stats()["window"] == 5
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

@@ -269,6 +269,24 @@ def test_untracked_plans_open_no_new_trial_after_a_verdict_for_the_plans():
     assert g.stats()["trials"] == 2 and g.stats()["window"] == 5
 
 
+def test_a_plan_window_left_untimed_keeps_the_plans():
+    """A window with no time recorded keeps the plans (:meth:`StepGuard.decide`), the plan window too: a
+    clock reset (a restored state) during the plan window's one step leaves it untimed while the dense
+    window's step is timed; the look keeps the plans, with no medians."""
+    def plans():
+        return ("allgather",)
+
+    def share(mine):
+        return mine
+    g = StepGuard(steps=1, start=0, confirm=0)
+    assert g.begin_step(0, 10.0, plans, share) == "plan"
+    g.clock = None                                           # as DDP's restored state does
+    assert g.begin_step(1, 50.0, plans, share) == "dense"   # step 0 untimed
+    assert g.begin_step(2, 51.0, plans, share) == "plan"    # step 1 (dense) took 1 s, nothing against it
+    st = g.stats()
+    assert g.verdict == "plan" and math.isnan(st["plan_ms"]) and math.isnan(st["dense_ms"])
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

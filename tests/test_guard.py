@@ -287,6 +287,17 @@ def test_a_plan_window_left_untimed_keeps_the_plans():
     assert g.verdict == "plan" and math.isnan(st["plan_ms"]) and math.isnan(st["dense_ms"])
 
 
+def test_a_decisive_look_is_a_fraction_of_the_dense_median_whatever_its_scale():
+    """``T_p <= d T_d`` in seconds (module doc), not only at ``T_d`` = 1 s: plans of 1 s against dense steps
+    of 2 s are exactly ``d`` = 0.5 of them, the verdict at the first look; 1.01 s needs the confirmation."""
+    g = StepGuard(steps=2, start=0)
+    assert run(g, plan_s=1.0, dense_s=2.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
+    assert g.verdict == "plan" and g.stats()["rounds"] == 1 and g.medians == (1.0, 2.0)
+    g = StepGuard(steps=2, start=0)
+    assert run(g, plan_s=1.01, dense_s=2.0, steps=12) == ["plan", "dense"] * 4 + ["plan"] * 4
+    assert g.verdict == "plan" and g.stats()["rounds"] == 2
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

@@ -298,6 +298,15 @@ def test_a_decisive_look_is_a_fraction_of_the_dense_median_whatever_its_scale():
     assert g.verdict == "plan" and g.stats()["rounds"] == 2
 
 
+def test_stats_report_the_medians_in_milliseconds():
+    """:meth:`StepGuard.stats`: rank 0's medians at the last look, timed and untimed steps, in milliseconds
+    (exact here: 0.25 s and 2 s)."""
+    g = _StepGuard(steps=1, start=0, confirm=0)   # blocks of 2: each window's first step untimed
+    assert run(g, plan_s=0.25, dense_s=2.0, steps=5) == ["plan", "plan", "dense", "dense", "plan"]
+    st = g.stats()
+    assert (st["plan_ms"], st["dense_ms"], st["lead_plan_ms"], st["lead_dense_ms"]) == (250.0, 2000.0, 250.0, 2000.0)
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

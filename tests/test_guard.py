@@ -307,6 +307,18 @@ def test_stats_report_the_medians_in_milliseconds():
     assert (st["plan_ms"], st["dense_ms"], st["lead_plan_ms"], st["lead_dense_ms"]) == (250.0, 2000.0, 250.0, 2000.0)
 
 
+def test_plans_all_dense_are_not_worth_a_trial():
+    """:meth:`StepGuard.next_phase`: steps whose dense gradients' plans are all ``"dense"`` open no trial,
+    however many; the first step with another plan opens it."""
+    def share(mine):
+        raise AssertionError("no look without a trial")
+    g = StepGuard(steps=1, start=0)
+    assert [g.next_phase(s, ("dense", "dense"), share) for s in range(4)] == ["plan"] * 4
+    assert g.stats()["trials"] == 0 and g.stats()["window"] is None
+    assert [g.next_phase(s, ("dense", "allgather"), share) for s in (4, 5)] == ["plan", "dense"]
+    assert g.stats()["trials"] == 1 and g.stats()["window"] == 4
+
+
 def transition_costs(phases, step):
     """Step ``step``'s time: plans 1.1 s, dense 1.0 s in steady state, and a step that follows the other
     window's step pays a switch (an engine renegotiating its tensors, allocator and caches changing

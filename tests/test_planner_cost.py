@@ -311,9 +311,11 @@ def test_the_calibration_times_a_top_k_plan_s_step_where_top_k_is_a_candidate(de
     measured = measure_codecs(device, 4, numel=1 << 16, repeats=3, topk_ratio=0.01)
     per_coord, per_key = measured["topk"]
     assert 0 < per_coord < 1e-6 and 0 < per_key < 1e-4, measured["topk"]
-    # and top-k allgathered's step: the selection per coordinate, the gathered pairs' sum per pair
+    # and top-k allgathered's step: the selection per coordinate, the gathered pairs' sum per pair. The pairs'
+    # price is the sum's time beyond a clearing of the result, floored at 0: beside other work the clearing's
+    # best time once exceeded the sum's, a price of 0 (the mapping itself: the timer test below).
     per_coord, per_pair = measured["topk_allgather"]
-    assert 0 < per_coord < 1e-6 and 0 < per_pair < 1e-4, measured["topk_allgather"]
+    assert 0 < per_coord < 1e-6 and 0 <= per_pair < 1e-4, measured["topk_allgather"]
     unmeasured = measure_codecs(device, 4, numel=1 << 16, repeats=1)
     assert unmeasured["topk"] == DEFAULT_CODEC_SECONDS["topk"]
     assert unmeasured["topk_allgather"] == DEFAULT_CODEC_SECONDS["topk_allgather"]

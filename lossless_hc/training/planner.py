@@ -66,7 +66,7 @@ tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathe
 allgather, ``u`` for two_phase and sketch, 0 otherwise; topk and topk_allgather select coordinates, not
 rows, so their term is ``k_s n ceil(r d)`` whatever ``b``). :meth:`CostModel.choose` returns the
 cheapest (ties: the order of :data:`EXACT_STRATEGIES` then :data:`LOSSY_STRATEGIES`), and a re-plan
-keeps the strategy in use unless the cheapest is predicted :data:`SWITCH_MARGIN` (20%) faster, beyond
+keeps the strategy in use unless the cheapest is predicted more than :data:`SWITCH_MARGIN` (20%) faster, beyond
 the first allreduce's latency that every strategy pays alike.
 
 Sparse gradients (``TensorStats.sparse``: a ``torch.sparse_coo`` gradient, e.g.
@@ -578,7 +578,7 @@ class CostModel:
         """``(strategy, {strategy: predicted seconds})``: the cheapest exact strategy, or of every
         strategy when ``lossy`` (exact ones only for a sparse gradient); ``allowed`` narrows the
         candidates (ties: listed order); ``batched``: :meth:`predict`'s. ``current`` (the strategy in use) is
-        kept unless the cheapest is predicted at least :data:`SWITCH_MARGIN` faster beyond what every
+        kept unless the cheapest is predicted more than :data:`SWITCH_MARGIN` faster beyond what every
         strategy pays alike, the first allreduce's latency ``c = 2(n-1) alpha``:
         ``t_best - c < (1 - SWITCH_MARGIN)(t_current - c)``
         (on a small tensor ``c`` is most of every prediction, and would hide any difference).

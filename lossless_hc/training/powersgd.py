@@ -29,7 +29,7 @@ step index ``start`` on) the bucket compares PowerSGD's predicted step,
 :meth:`~lossless_hc.training.planner.CostModel.predict_powersgd` of
 :func:`powersgd_layout`, with its per-parameter plans in one message,
 :meth:`~lossless_hc.training.planner.CostModel.predict_message`, and takes PowerSGD when it compresses some
-tensor and is predicted :data:`~lossless_hc.training.planner.SWITCH_MARGIN` faster beyond the first
+tensor and is predicted more than :data:`~lossless_hc.training.planner.SWITCH_MARGIN` faster beyond the first
 allreduce's latency (the rule of :meth:`~lossless_hc.training.planner.CostModel.choose`). Inputs: the
 broadcast calibration, the bucket's shapes and the parameters' plans and statistics, which come from
 aggregated payloads: identical on every rank, so every rank decides alike at the same step.

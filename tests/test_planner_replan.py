@@ -102,6 +102,29 @@ def test_a_replan_keeps_the_strategy_in_use_on_a_near_tie():
     assert MODEL.choose(TensorStats(D * b, b, n, (u // 4,) * n, u // 4), current="dense")[0] != "dense"
 
 
+def test_a_strategy_exactly_the_switch_margin_faster_does_not_replace_the_one_in_use():
+    """The switch rule is strict (``CostModel.choose``): the strategy in use is kept unless
+    ``t_best - c < (1 - SWITCH_MARGIN)(t_current - c)``, so a candidate predicted exactly that much cheaper
+    leaves it in place, and one a hair cheaper still replaces it. A free link (``c`` = 0) and local costs
+    per coordinate over 1024 coordinates make the predictions exact: dense ``x``, allgather
+    ``(1 - SWITCH_MARGIN) x``."""
+    from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, SWITCH_MARGIN, Calibration, CostModel, LinkModel
+    import math
+    s = TensorStats(1024, 1, 2, (0, 0), 0)
+    x = 1e-9
+
+    def model(per_coord_allgather):
+        codec = dict(DEFAULT_CODEC_SECONDS, dense=(x, 0.0), allgather=(per_coord_allgather, 0.0),
+                     two_phase=(10 * x, 0.0), sketch=(10 * x, 0.0))
+        return CostModel(Calibration(LinkModel(0.0, 0.0), codec))
+    at_margin = model((1.0 - SWITCH_MARGIN) * x)
+    best, predicted = at_margin.choose(s)
+    assert best == "allgather" and predicted["allgather"] == (1.0 - SWITCH_MARGIN) * predicted["dense"], predicted
+    assert at_margin.choose(s, current="dense")[0] == "dense"
+    beyond = model(math.nextafter((1.0 - SWITCH_MARGIN) * x, 0.0))
+    assert beyond.choose(s, current="dense")[0] == "allgather"
+
+
 def test_an_aggregator_built_before_the_calibration_plans_once_it_is_given():
     n = 2
     aggs = [AutoAggregator("emb", (4000, 16), torch.float32, n, r, None, interval=4, topk_ratio=0.01, thc_bits=4)

@@ -142,6 +142,18 @@ def test_the_sketch_floor_bounds_its_price_and_pruning_never_changes_a_choice():
                 assert predicted["sketch"] == full["sketch"] or full["sketch"] >= predicted["sketch"] > others
 
 
+def test_the_sketch_is_pruned_at_its_floor_only_when_the_floor_beats_the_cheapest_other():
+    """choose() reports the sketch at its lower bound ``sketch_floor`` exactly when that bound already
+    exceeds the CHEAPEST other candidate (it cannot win); otherwise at its price. Here the floor lies between
+    the cheapest (allgather) and the dearest (dense) other: pruned, the entry is the floor, below the price."""
+    s = stats(1 << 16, 16, 3, 40, 100)
+    choice, predicted = MODEL.choose(s)
+    others = [v for name, v in predicted.items() if name != "sketch"]
+    floor = MODEL.sketch_floor(s)
+    assert choice == "allgather" and min(others) < floor < max(others), predicted
+    assert predicted["sketch"] == floor < MODEL.predict("sketch", s)
+
+
 def test_wire_bytes_come_from_the_real_layouts():
     s = stats(1 << 16, 16, 3, 40, 100)
     H = 4 * stats_header_words(3)

@@ -154,6 +154,21 @@ def test_the_sketch_is_pruned_at_its_floor_only_when_the_floor_beats_the_cheapes
     assert predicted["sketch"] == floor < MODEL.predict("sketch", s)
 
 
+def test_a_sketch_floor_equal_to_the_cheapest_other_is_priced_in_full():
+    """The pruning is strict: a floor that only ties the cheapest other candidate does not exceed it, so the
+    sketch is priced at its real layout. Exact arithmetic: 2 ranks (the allreduce's 2(n-1)/n is 1), no
+    latency, 2^-30 s per byte, and an allgather whose local cost per gathered row coordinate (33/8 per
+    2^30 s) brings it to the floor's H + 4 * 2000 bytes (the union capacity: 125 rows of 16)."""
+    s = TensorStats(1 << 16, 16, 2, (40, 40), 100)
+    assert sketch_capacity(s)[1] == 2000
+    codec = dict(DEFAULT_CODEC_SECONDS, dense=(2.0 ** -30, 0.0), allgather=(0.0, 33 * 2.0 ** -33),
+                 two_phase=(2.0 ** -20, 0.0), sketch=(0.0, 0.0))
+    model = CostModel(Calibration(LinkModel(0.0, 2.0 ** -30), codec))
+    choice, predicted = model.choose(s)
+    assert choice == "allgather" and predicted["allgather"] == model.sketch_floor(s) == (20 + 4 * 2000) * 2.0 ** -30
+    assert predicted["sketch"] == model.predict("sketch", s) > model.sketch_floor(s)
+
+
 def test_wire_bytes_come_from_the_real_layouts():
     s = stats(1 << 16, 16, 3, 40, 100)
     H = 4 * stats_header_words(3)

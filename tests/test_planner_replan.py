@@ -279,6 +279,27 @@ def test_a_sketch_that_fails_is_resized_at_once_not_at_the_next_interval():
         assert [a.fallbacks for a in aggs] == [0 if step == 0 else 1] * n, step
 
 
+@pytest.mark.parametrize("strategy", ("dense", "allgather", "two_phase", "sketch", "topk"))
+def test_an_empty_tensor_s_first_payload_is_priced_at_its_statistics_header_alone(strategy):
+    """A tensor of no coordinates has no body, bitmap, sketch or selection to send: its statistics step's
+    payload is the ``1 + 2n`` words of the statistics header, and the cost model prices the first collective
+    at exactly those bytes (``H = 4(1 + 2n)``), not a word more."""
+    n = 2
+    aggs = [AutoAggregator("w", (0,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first=strategy, allowed=(strategy,), interval=1) for r in range(n)]
+    sent = []
+    for a in aggs:
+        def recorded(x, encode=a.encode):
+            payload, ctx = encode(x)
+            sent.append(payload.numel() * payload.element_size())
+            return payload, ctx
+        a.encode = recorded
+    run_step(aggs, [torch.zeros(0) for _ in range(n)])
+    header = 4 * stats_header_words(n)
+    assert sent == [header] * n
+    assert MODEL.collectives(strategy, TensorStats(0, 1, n, (0,) * n, 0))[0] == ("allreduce", header)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_payload_numel_is_the_size_of_the_next_first_payload(strategy):
     """payload_numel (what an adapter sizes a message's slot with, before encoding) is the numel of the

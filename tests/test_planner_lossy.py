@@ -282,3 +282,33 @@ def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
         total_out += run_step(aggs, xs)[0].double()
     assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4)
     assert all(a._topk is None and a._thc is None for a in aggs)
+
+
+def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
+    """topk's wire bytes (module doc): ``allreduce(H + 4 L)``, ``L`` the LHC layout of ``numel`` coordinates
+    (rows of 1) sized for ``k = ceil(r d)`` per rank and ``min(n k, d)`` in the union; and that is the size of
+    the payload a top-k plan's step sends (float32 words), at every world size tried."""
+    from lossless_hc.lhc.cost_model import plan_layout
+    from lossless_hc.training.planner import stats_header_words
+    rows, dim = 300, 64
+    numel = rows * dim
+    for n in (2, 3):
+        k = math.ceil(MODEL.topk_ratio * numel)
+        s = stats(numel, dim, n, 20, 20 * n)
+        header = 4 * stats_header_words(n)
+        layout = plan_layout(numel, n, k, 1, 0, union_nnz=min(numel, n * k))
+        assert MODEL.collectives("topk", s) == [("allreduce", header + 4 * layout.payload_numel)]
+        aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                               first="topk", allowed=("topk",), interval=1) for r in range(n)]
+        sent = []
+        for a in aggs:
+            def recorded(x, encode=a.encode):
+                payload, ctx = encode(x)
+                sent.append(payload.numel() * payload.element_size())
+                return payload, ctx
+            a.encode = recorded
+        rng = torch.Generator().manual_seed(n)
+        for _ in range(2):   # the first step builds top-k's aggregator; the second sends its payload
+            sent.clear()
+            run_step(aggs, [torch.randn(rows, dim, generator=rng) for _ in range(n)])
+        assert sent == [MODEL.wire_bytes("topk", s)] * n, (sent, MODEL.wire_bytes("topk", s))

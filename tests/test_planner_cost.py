@@ -169,6 +169,29 @@ def test_a_sketch_floor_equal_to_the_cheapest_other_is_priced_in_full():
     assert predicted["sketch"] == model.predict("sketch", s) > model.sketch_floor(s)
 
 
+def test_local_work_is_per_coordinate_plus_per_touched_row_coordinate():
+    """``local_seconds`` (module doc): ``c_s d' + k_s m_s b``, ``d'`` the tensor's ``d`` (a sparse gradient:
+    none for allgather, ``D`` for two_phase, ``d + D`` for dense and sketch) and ``m_s b`` the coordinates of
+    the rows the strategy touches: ``n K b`` for allgather, ``u b`` for two_phase and sketch,
+    ``n ceil(r d)`` for the top-k strategies (coordinates, whatever ``b``), none otherwise. Exact: dyadic
+    costs, distinct per strategy and every one non-zero, and a free link, so a prediction is the local work."""
+    from lossless_hc.training.planner import PRICED, STRATEGIES
+    codec = {name: ((i + 1) * 2.0 ** -30, (i + 3) * 2.0 ** -24) for i, name in enumerate(PRICED)}
+    model = CostModel(Calibration(LinkModel(0.0, 0.0), codec))
+    d, b, n, K, u = 1 << 16, 16, 3, 40, 100
+    D, k = d // b, math.ceil(model.topk_ratio * d)
+    touched = {"allgather": n * K * b, "two_phase": u * b, "sketch": u * b, "topk": n * k, "topk_allgather": n * k}
+    dense_grad = TensorStats(d, b, n, (K, 30, 7), u)
+    for name in STRATEGIES:
+        c, per_key = codec[name]
+        want = c * d + per_key * touched.get(name, 0)
+        assert model.local_seconds(name, dense_grad) == want == model.predict(name, dense_grad), name
+    sparse_grad = TensorStats(d, b, n, (K, 30, 7), u, sparse=True)
+    for name, coords in (("allgather", 0), ("two_phase", D), ("dense", d + D), ("sketch", d + D)):
+        c, per_key = codec[name]
+        assert model.local_seconds(name, sparse_grad) == c * coords + per_key * touched.get(name, 0), name
+
+
 def test_wire_bytes_come_from_the_real_layouts():
     s = stats(1 << 16, 16, 3, 40, 100)
     H = 4 * stats_header_words(3)

@@ -192,6 +192,25 @@ def test_local_work_is_per_coordinate_plus_per_touched_row_coordinate():
         assert model.local_seconds(name, sparse_grad) == c * coords + per_key * touched.get(name, 0), name
 
 
+def test_the_sketch_floor_is_the_sketch_priced_at_its_union_capacity():
+    """``sketch_floor`` is ``predict("sketch")`` with the layout's words replaced by the union capacity
+    (``sketch_capacity(s)[1]``) and nothing else changed: the same header (a sparse gradient's with the
+    two-phase bitmap), the same allreduce and the same local work, on dense and sparse gradients alike, and
+    an empty tensor's is its header's."""
+    from lossless_hc.training.planner import sketch_payload_numel
+    link = MODEL.calibration.link
+    for sparse in (False, True):
+        for n, k, union in ((2, 40, 70), (3, 40, 100), (16, 500, 4000)):
+            s = TensorStats(1 << 18, 16, n, (k,) * n, union, sparse=sparse)
+            spare = 4 * (sketch_payload_numel(s) - sketch_capacity(s)[1])
+            assert spare >= 0
+            want = link.allreduce(MODEL.wire_bytes("sketch", s) - spare, n) + MODEL.local_seconds("sketch", s)
+            assert MODEL.sketch_floor(s) == pytest.approx(want, rel=1e-12), (s, MODEL.sketch_floor(s), want)
+    empty = TensorStats(0, 1, 4, (0,) * 4, 0)   # no coordinates: no layout, the header alone
+    assert MODEL.sketch_floor(empty) == link.allreduce(MODEL.wire_bytes("sketch", empty), 4) \
+        == MODEL.predict("sketch", empty)
+
+
 def test_wire_bytes_come_from_the_real_layouts():
     s = stats(1 << 16, 16, 3, 40, 100)
     H = 4 * stats_header_words(3)

@@ -211,6 +211,18 @@ def test_the_sketch_floor_is_the_sketch_priced_at_its_union_capacity():
         == MODEL.predict("sketch", empty)
 
 
+def test_the_sketch_is_sized_with_its_headroom_over_the_observed_counts():
+    """``sketch_capacity`` (module doc: ``h_K K b`` per rank, ``h_U u b`` in the union, ``h_K`` = 1.5,
+    ``h_U`` = 1.25), in whole rows: at least one row per rank, a union capacity at least the per-rank one,
+    and neither beyond the tensor's rows (nor its coordinates, where the last row is partial)."""
+    assert sketch_capacity(TensorStats(1 << 16, 16, 3, (40, 30, 7), 100)) == (60 * 16, 125 * 16)
+    assert sketch_capacity(TensorStats(1 << 16, 16, 3, (40, 30, 7), 41)) == (60 * 16, 60 * 16)
+    assert sketch_capacity(TensorStats(1 << 16, 16, 3, (3, 1, 0), 3)) == (5 * 16, 5 * 16)
+    assert sketch_capacity(TensorStats(1 << 16, 16, 3, (0, 0, 0), 0)) == (16, 16)      # an all-zero gradient
+    assert sketch_capacity(TensorStats(1 << 10, 16, 2, (60, 60), 64)) == (1 << 10, 1 << 10)   # D = 64 rows
+    assert sketch_capacity(TensorStats(1000, 16, 2, (50, 10), 60)) == (1000, 1000)
+
+
 def test_wire_bytes_come_from_the_real_layouts():
     s = stats(1 << 16, 16, 3, 40, 100)
     H = 4 * stats_header_words(3)

@@ -256,6 +256,19 @@ def test_link_model_formulas_and_fit():
     assert fit.allgather(1 << 20, 4) == pytest.approx(3e-4 + 3 * (1 << 20) * 16e-9)
 
 
+def test_one_rank_pays_no_latency():
+    """``LinkModel.latency``: 0 for one rank (no hop), for either kind of collective; so one rank's batched
+    second collective saves nothing (its collectives cost nothing, its prediction is its local work)."""
+    link = LinkModel(1e-4, 8e-9)
+    assert link.latency(1) == 0.0 == link.latency(1, "allgather")
+    assert link.latency(4) == pytest.approx(6e-4) and link.latency(4, "allgather") == pytest.approx(3e-4)
+    s = stats(1 << 16, 16, 1, 40, 40)
+    model = CostModel(Calibration(link))
+    both = frozenset({"allgather", "allreduce"})
+    for name in ("allgather", "two_phase"):
+        assert model.predict(name, s, both) == model.predict(name, s) > 0
+
+
 def test_a_link_pickled_before_the_allgather_had_its_own_cost_prices_it_as_the_allreduce():
     import pickle
     link = LinkModel(1e-4, 8e-9, 16e-9, 12e-9)

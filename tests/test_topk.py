@@ -388,3 +388,26 @@ def test_a_smaller_openmp_team_still_selects_from_every_coordinate(tmp_path):
     back = got["e"].clone()
     back[got["idx"]] += got["vals"]
     assert torch.equal(back, x)
+
+
+def test_a_float64_tensor_sent_whole_carries_its_residual():
+    """A float64 tensor's top-k (a = g + e in float32, as for every dtype) sent whole once the sketch is
+    off: x + e goes, as float64, and nothing stays behind (float64 holds every float32 value: no rounding,
+    no clamp; a float32 value near its own range's end is sent as it is)."""
+    from lossless_hc.training.topk_aggregate import TopKAggregator
+    agg = TopKAggregator("w", (300,), torch.float64, 2, 0.1, sketch=False)
+    assert not agg.compressed
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(300, generator=g).double()
+    x[7] = 3e38   # float32 holds it; float64 far more
+    idx, values = agg.select_indices(x)   # a sketch-free selection: the residual keeps the rest of a = x
+    assert idx.numel() == agg.k == 30 and 7 in idx.tolist()
+    rest = x.float().clone()
+    rest[idx] = 0.0
+    assert torch.equal(agg.residual, rest)
+    y = torch.randn(300, generator=g).double()
+    y[7] = -3e38
+    sent = agg.select(y)   # sent whole: y + e, e then gone
+    assert sent.dtype == torch.float64 and agg.residual is None
+    assert torch.equal(sent, (y.float() + rest).double())
+    assert float(sent[7]) == float(torch.tensor(-3e38, dtype=torch.float32))

@@ -411,3 +411,37 @@ def test_a_float64_tensor_sent_whole_carries_its_residual():
     assert sent.dtype == torch.float64 and agg.residual is None
     assert torch.equal(sent, (y.float() + rest).double())
     assert float(sent[7]) == float(torch.tensor(-3e38, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_non_finite_value_leaves_nothing_behind(dtype):
+    """A NaN or infinity in a = g + e goes out as it is and nothing of it stays in the residual: the
+    residual is 0 there (not merely finite), so the next step's a there is its gradient alone, both where
+    it is selected (sketched) and where the tensor is sent whole."""
+    from lossless_hc.training.topk_aggregate import TopKAggregator
+    agg = TopKAggregator("w", (1000,), dtype, 2, 0.005)   # k = 5
+    assert agg.compressed and agg.k == 5
+    x = torch.zeros(1000, dtype=dtype)
+    x[3], x[4], x[5] = float("nan"), float("inf"), float("-inf")
+    x[6] = 1.0 / 3.0   # the dtype's own value (rounded here): a = x there, sent exactly
+    sent = agg.select(x)
+    assert bool(sent[3].isnan()) and float(sent[4]) == float("inf") and float(sent[5]) == float("-inf")
+    assert torch.equal(agg.residual[3:6], torch.zeros(3))
+    assert torch.equal(agg.residual, torch.zeros(1000))
+    assert torch.equal(agg.select(torch.zeros(1000, dtype=dtype)), torch.zeros(1000, dtype=dtype))
+    # sent whole: x + e goes; where e made a value the dtype rounds, that remainder stays; the
+    # non-finite coordinates leave 0
+    dense = TopKAggregator("w", (1000,), dtype, 2, 0.005, sketch=False)
+    assert not dense.compressed
+    e = torch.zeros(1000)
+    e[10:15] = 10.0
+    e[3:7] = torch.tensor([0.5, 0.25, 0.125, 1.0 / 3.0])
+    dense.select_indices(e)   # a = e: its 5 largest sent, the rest kept (a residual to carry)
+    before = dense.residual.clone()
+    assert torch.equal(torch.nonzero(before).reshape(-1), torch.arange(3, 7))
+    sent = dense.select(x)
+    total = x.float() + before
+    assert bool(sent[3].isnan()) and float(sent[4]) == float("inf") and float(sent[5]) == float("-inf")
+    want = torch.where(torch.isfinite(total), total - sent.float(), torch.zeros(()))
+    assert dense.residual is not None and torch.equal(dense.residual, want)
+    assert torch.equal(dense.residual[3:6], torch.zeros(3))

@@ -445,3 +445,26 @@ def test_a_non_finite_value_leaves_nothing_behind(dtype):
     want = torch.where(torch.isfinite(total), total - sent.float(), torch.zeros(()))
     assert dense.residual is not None and torch.equal(dense.residual, want)
     assert torch.equal(dense.residual[3:6], torch.zeros(3))
+
+
+def test_use_sketch_turns_a_sketch_free_top_k_into_a_sketched_one_keeping_its_residual():
+    """sketch=False: no codec, the tensor sent whole (with its residual); use_sketch() builds the codec
+    from then on: select sends exactly k coordinates of a = g + e, e being the residual kept from before
+    (every coordinate of a either sent or kept). A second use_sketch changes nothing."""
+    from lossless_hc.training.topk_aggregate import TopKAggregator
+    agg = TopKAggregator("w", (2000,), torch.float32, 2, 0.01, sketch=False)
+    assert not agg.compressed and agg.k == 20
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2000, generator=g)
+    agg.select_indices(x)
+    before = agg.residual.clone()
+    assert int((before != 0).sum()) == 2000 - 20
+    agg.use_sketch()
+    assert agg.compressed and agg.residual is not None and torch.equal(agg.residual, before)
+    y = torch.randn(2000, generator=g)
+    sent = agg.select(y)
+    assert int((sent != 0).sum()) == 20
+    assert torch.equal(torch.nonzero(sent).reshape(-1), reference(y + before, 20))
+    assert torch.equal(sent + agg.residual, y + before)
+    agg.use_sketch()
+    assert agg.compressed and torch.equal(sent + agg.residual, y + before)

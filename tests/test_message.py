@@ -482,3 +482,19 @@ def test_a_small_half_precision_plan_keeps_its_half_part():
     y, z = decode_auto_message(ms[0], summed, None, None)
     assert torch.equal(z, xs[0][1] + xs[1][1])
     assert torch.equal(y, ((xs[0][0] / n).half() + (xs[1][0] / n).half()).float() * n)
+
+
+def test_pack_parts_copies_each_payload_into_its_place():
+    """pack_parts: the layout's parts, each payload copied into its place, converted where the part is
+    wider; a layout of a single payload too (its part is that payload's copy, on its device)."""
+    from lossless_hc.training.message import pack_parts
+    one = torch.arange(5.0)
+    (part,) = pack_parts([one], *message_layout([(5, torch.float32)]))
+    assert part.dtype == torch.float32 and torch.equal(part, one) and part.data_ptr() != one.data_ptr()
+    payloads = [torch.arange(3.0, dtype=torch.float64), torch.tensor([0.5, -1.5], dtype=torch.bfloat16),
+                torch.tensor([[7.0, 8.0]])]
+    dtypes, sizes, places = message_layout([(p.numel(), p.dtype) for p in payloads])
+    assert (dtypes, sizes, places) == ([torch.float64], [7], [(0, 0), (0, 3), (0, 5)])
+    (part,) = pack_parts(payloads, dtypes, sizes, places)
+    assert torch.equal(part, torch.tensor([0.0, 1.0, 2.0, 0.5, -1.5, 7.0, 8.0], dtype=torch.float64))
+    assert pack_parts([], *message_layout([])) == []

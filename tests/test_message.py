@@ -498,3 +498,15 @@ def test_pack_parts_copies_each_payload_into_its_place():
     (part,) = pack_parts(payloads, dtypes, sizes, places)
     assert torch.equal(part, torch.tensor([0.0, 1.0, 2.0, 0.5, -1.5, 7.0, 8.0], dtype=torch.float64))
     assert pack_parts([], *message_layout([])) == []
+
+
+def test_a_link_without_a_world_size_is_one_rank_s_the_fixed_rule():
+    """message_layout's world_size defaults to one rank, for which the calibrated link plays no part: the
+    fixed SEPARATE_PART_MIN_BYTES rule, as for world_size=1 (12 KB of float32 beside float64 words are
+    widened, where the slow link of 4 ranks would send them apart)."""
+    from lossless_hc.training.planner import LinkModel
+    f64, f32 = torch.float64, torch.float32
+    slow, small = LinkModel(50e-6, 8 / 10e6), [(10, f64), (3000, f32)]
+    assert message_layout(small, link=slow, world_size=4)[:2] == ([f64, f32], [10, 3000])
+    assert message_layout(small, link=slow) == message_layout(small, link=slow, world_size=1) == message_layout(small)
+    assert message_layout(small, link=slow)[:2] == ([f64], [3010])

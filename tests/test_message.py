@@ -510,3 +510,49 @@ def test_a_link_without_a_world_size_is_one_rank_s_the_fixed_rule():
     assert message_layout(small, link=slow, world_size=4)[:2] == ([f64, f32], [10, 3000])
     assert message_layout(small, link=slow) == message_layout(small, link=slow, world_size=1) == message_layout(small)
     assert message_layout(small, link=slow)[:2] == ([f64], [3010])
+
+
+def test_several_failed_and_inexact_segments_each_read_their_own_slice_of_the_one_sum():
+    """Two failed segments and two with inexact keys in one message: dense_sum gets exactly the failed
+    segments' dense values, in segment order, then the inexact coordinates' values, in segment order
+    (nothing more); each result is read back from its own slice: the failed ones the exact dense sums,
+    the inexact coordinates the dense sums rounded to the tensor's dtype. A half-precision segment's
+    partial values travel as float32: its stats count four bytes per value, not its dtype's two."""
+    n, rows = 2, 4096
+
+    def make():
+        return [TensorAggregator("f1", (2048,), torch.float32, n, max_density=0.01, seed=5),
+                TensorAggregator("s1", (rows, 64), torch.bfloat16, n, max_density=0.05, seed=5),
+                TensorAggregator("f2", (1024,), torch.float32, n, max_density=0.01, seed=6),
+                TensorAggregator("s2", (rows, 64), torch.bfloat16, n, max_density=0.05, seed=6)]
+    aggs, replicas = [make() for _ in range(n)], make()
+    g = torch.Generator().manual_seed(11)
+
+    def sparse():
+        return (torch.randn(rows, 64, generator=g) * (torch.rand(rows, 1, generator=g) < 0.02)).to(torch.bfloat16)
+    xs = [[torch.randn(2048, generator=g), sparse(), torch.randn(1024, generator=g), sparse()] for _ in range(n)]
+    ms = [encode_message(aggs[r], xs[r]) for r in range(n)]
+    summed = [sum(m.parts[j] for m in ms) for j in range(len(ms[0].parts))]
+    # the same decode on replicas: which segments fail, which coordinates are inexact
+    outcomes = decode_segments(encode_message(replicas, xs[0]), summed)
+    assert [o.needs_fallback for o in outcomes] == [True, False, True, False]
+    assert [o.needs_partial for o in outcomes] == [False, True, False, True]
+    p1, p3 = outcomes[1].partial, outcomes[3].partial
+    assert p1.numel() > 0 and p3.numel() > 0
+
+    def values(r):   # what rank r's dense_sum must be handed
+        return torch.cat([xs[r][0], xs[r][2], xs[r][1].reshape(-1)[p1].float(), xs[r][3].reshape(-1)[p3].float()])
+    sent, seen = [], []
+    decode_message(ms[1], summed, dense_sum=lambda t: sent.append(t.clone()))
+    assert len(sent) == 1 and torch.equal(sent[0], values(1))
+    before = [a.stats.payload_bytes for a in aggs[0]]
+    results = decode_message(ms[0], summed, dense_sum=lambda t: (seen.append(t.clone()), t.add_(sent[0])))
+    assert len(seen) == 1 and torch.equal(seen[0], values(0))
+    assert torch.equal(results[0], xs[0][0] + xs[1][0]) and torch.equal(results[2], xs[0][2] + xs[1][2])
+    for i, p in ((1, p1), (3, p3)):
+        exact = (xs[0][i].float() + xs[1][i].float()).to(torch.bfloat16).reshape(-1)
+        assert torch.equal(results[i].reshape(-1)[p], exact[p])
+    # counted as sent: every fallback value and every partial value as the four bytes of float32 it
+    # travels in (a bfloat16 segment's partial values too, not as their own two)
+    assert [a.stats.payload_bytes - b for a, b in zip(aggs[0], before)] == [4 * 2048, 4 * p1.numel(), 4 * 1024,
+                                                                           4 * p3.numel()]

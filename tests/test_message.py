@@ -556,3 +556,27 @@ def test_several_failed_and_inexact_segments_each_read_their_own_slice_of_the_on
     # travels in (a bfloat16 segment's partial values too, not as their own two)
     assert [a.stats.payload_bytes - b for a, b in zip(aggs[0], before)] == [4 * 2048, 4 * p1.numel(), 4 * 1024,
                                                                            4 * p3.numel()]
+
+
+def test_a_message_with_inexact_keys_and_no_failure_sums_just_their_values():
+    """A one-part message none of whose segments failed, one with inexact keys: dense_sum gets exactly that
+    segment's values at its inexact coordinates (no fallback values before them, nothing else), and those
+    coordinates come back as the dense sum in the tensor's dtype."""
+    n, rows = 2, 4096
+    aggs = [TensorAggregator("s", (rows, 64), torch.bfloat16, n, max_density=0.05, seed=5) for _ in range(n + 1)]
+    g = torch.Generator().manual_seed(11)
+    xs = [(torch.randn(rows, 64, generator=g) * (torch.rand(rows, 1, generator=g) < 0.02)).to(torch.bfloat16)
+          for _ in range(n)]
+    ms = [encode_message([aggs[r]], [xs[r]]) for r in range(n)]
+    assert len(ms[0].parts) == 1
+    summed = [ms[0].parts[0] + ms[1].parts[0]]
+    (outcome,) = decode_segments(encode_message([aggs[n]], [xs[0]]), summed)   # a replica: the inexact keys
+    assert not outcome.needs_fallback and outcome.needs_partial and outcome.partial.numel() > 0
+    p = outcome.partial
+    sent, seen = [], []
+    decode_message(ms[1], summed, dense_sum=lambda t: sent.append(t.clone()))
+    assert len(sent) == 1 and torch.equal(sent[0], xs[1].reshape(-1)[p].float())
+    (y,) = decode_message(ms[0], summed, dense_sum=lambda t: (seen.append(t.clone()), t.add_(sent[0])))
+    assert len(seen) == 1 and torch.equal(seen[0], xs[0].reshape(-1)[p].float())
+    exact = (xs[0].float() + xs[1].float()).to(torch.bfloat16).reshape(-1)
+    assert torch.equal(y.reshape(-1)[p], exact[p])

@@ -580,3 +580,17 @@ def test_a_message_with_inexact_keys_and_no_failure_sums_just_their_values():
     assert len(seen) == 1 and torch.equal(seen[0], xs[0].reshape(-1)[p].float())
     exact = (xs[0].float() + xs[1].float()).to(torch.bfloat16).reshape(-1)
     assert torch.equal(y.reshape(-1)[p], exact[p])
+
+
+def test_the_calibrated_link_prices_a_widening_against_the_wide_part_s_own_bytes():
+    """The calibrated rule compares the wider part's allreduce grown by the widened bytes with the two
+    allreduces apart: 12 KB of float32 beside float64 words on the slow link travel apart
+    (widening adds ~14 ms on the wire; a second part costs one latency, 0.3 ms) however large the float64
+    part (10 words or 128 MiB), and on the far link (2 ms a hop) are widened beside either."""
+    from lossless_hc.training.planner import LinkModel
+    f64, f32 = torch.float64, torch.float32
+    slow, far = LinkModel(50e-6, 8 / 10e6), LinkModel(2e-3, 8 / 10e9)
+    for words in (10, 1 << 24):   # specs only: nothing of that size is allocated
+        specs = [(words, f64), (3000, f32)]
+        assert message_layout(specs, link=slow, world_size=4)[:2] == ([f64, f32], [words, 3000])
+        assert message_layout(specs, link=far, world_size=4)[:2] == ([f64], [words + 3000])

@@ -24,7 +24,8 @@ plan is worth its rounding only for the bytes it halves). So
 a half-precision model's tensors sent as they are cross the wire in their dtype, as DDP's own
 allreduce sends them, and are summed in it as it sums them. (A SUM: a float16 sum beyond 65504
 becomes inf, as it does when widened, at its rounding back to float16; the DDP adapter divides a
-float16 bucket first, as DDP's own hook does.)
+float16 bucket first, as DDP's own hook does.) Payloads of no elements (an empty parameter's) make no
+part of their own: their dtype travels in the widest part that has elements.
 Which parts a message has is a function of the payload specs, identical on every rank.
 
 The adapter owns the collectives (and so the ordering that keeps them deadlock-free); everything here
@@ -174,6 +175,14 @@ def _part_dtypes(specs, keep: Collection[torch.dtype] = (), link=None, world_siz
     for numel, dtype in specs:
         size[home[dtype]] += numel
     into = {d: d for d in present}
+    # Payloads of no elements hold no value to convert: a dtype of none travels in the widest part that
+    # has elements (the widest part, where none has), not in a collective of its own that carries nothing
+    # nor as a wider part that would widen the others' values.
+    filled = [d for d in present if size[d] > 0] or present[:1]
+    for d in present:
+        if d not in filled:
+            into[d] = filled[0]
+    present = filled
     for narrow in reversed(present):   # narrowest first, so that merges accumulate
         # the narrowest wider part that holds every value of this one exactly (half precision: float32)
         wide = next((w for w in (torch.float32, torch.float64) if w in present and w.itemsize > narrow.itemsize), None)

@@ -22,6 +22,18 @@ def run_step(aggs, xs, average=False):
     return run_in_process(aggs, xs, average)[0]
 
 
+def record_sent(aggs) -> list:
+    """A list that receives the bytes of every first payload the aggregators' ``encode`` returns from now on."""
+    sent = []
+    for a in aggs:
+        def recorded(x, encode=a.encode):
+            payload, ctx = encode(x)
+            sent.append(payload.numel() * payload.element_size())
+            return payload, ctx
+        a.encode = recorded
+    return sent
+
+
 def sparse_rows(rng, rows, dim, k, hot=0):
     x = torch.zeros(rows, dim)
     idx = torch.randperm(rows, generator=rng)[:k]

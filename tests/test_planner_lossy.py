@@ -12,7 +12,7 @@ from lossless_hc.lhc.codec import DEFAULT_RTOL
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.planner import EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
-from test_planner import run_step
+from test_planner import record_sent, run_step
 from test_planner_cost import MODEL, stats
 
 
@@ -300,13 +300,7 @@ def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
         assert MODEL.collectives("topk", s) == [("allreduce", header + 4 * layout.payload_numel)]
         aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
                                first="topk", allowed=("topk",), interval=1) for r in range(n)]
-        sent = []
-        for a in aggs:
-            def recorded(x, encode=a.encode):
-                payload, ctx = encode(x)
-                sent.append(payload.numel() * payload.element_size())
-                return payload, ctx
-            a.encode = recorded
+        sent = record_sent(aggs)
         rng = torch.Generator().manual_seed(n)
         for _ in range(2):   # the first step builds top-k's aggregator; the second sends its payload
             sent.clear()

@@ -11,7 +11,7 @@ import lossless_hc.training.strategies as strategies
 from lossless_hc.training.planner import STRATEGIES, TensorStats, stats_header_words
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
-from test_planner import run_step, sparse_rows
+from test_planner import record_sent, run_step, sparse_rows
 from test_planner_cost import MODEL, stats
 
 
@@ -287,13 +287,7 @@ def test_an_empty_tensor_s_first_payload_is_priced_at_its_statistics_header_alon
     n = 2
     aggs = [AutoAggregator("w", (0,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
                            first=strategy, allowed=(strategy,), interval=1) for r in range(n)]
-    sent = []
-    for a in aggs:
-        def recorded(x, encode=a.encode):
-            payload, ctx = encode(x)
-            sent.append(payload.numel() * payload.element_size())
-            return payload, ctx
-        a.encode = recorded
+    sent = record_sent(aggs)
     run_step(aggs, [torch.zeros(0) for _ in range(n)])
     header = 4 * stats_header_words(n)
     assert sent == [header] * n

@@ -570,3 +570,21 @@ def test_link_latency_is_floored_at_zero_and_sizes_span_a_factor_of_4():
     fit = fit_link(samples, 2, LinkModel(0, 1))
     assert fit.alpha_s == 0.0 and fit.seconds_per_byte == pytest.approx(3e-3 / (3 << 18), rel=1e-12)
     assert link_sizes(1 << 19) == (1 << 10, 1 << 15, 1 << 19)   # 256 KiB is more than a quarter of 512 KiB
+
+
+def test_a_second_collective_of_no_rows_is_neither_issued_nor_priced():
+    """With no non-zero row on any rank, allgather's and two_phase's aggregators return after the first
+    allreduce (strategies: no rows, no second request): the prediction is that allreduce and the local
+    work, the empty allgather or allreduce of rows costing nothing, its latency included."""
+    link = LinkModel(1e-4, 8e-9, 16e-9, 12e-9)
+    model = CostModel(Calibration(link))
+    s = stats(1 << 16, 16, 4, 0, 0)
+    for name in ("allgather", "two_phase"):
+        (_, head), (_, rows) = model.collectives(name, s)
+        assert rows == 0
+        assert model.predict(name, s) == pytest.approx(link.allreduce(head, 4) + model.local_seconds(name, s))
+    assert link.allreduce(0, 4) == link.allreduce(0, 4, half=True) == link.allgather(0, 4) == 0.0
+    # ... while any bytes at all pay the latency and their own (a one-byte collective is still issued)
+    assert link.allreduce(1, 4) == pytest.approx(6e-4 + 1.5 * 8e-9, rel=1e-12)
+    assert link.allreduce(1, 4, half=True) == pytest.approx(6e-4 + 1.5 * 12e-9, rel=1e-12)
+    assert link.allgather(1, 4) == pytest.approx(3e-4 + 3 * 16e-9, rel=1e-12)

@@ -487,3 +487,22 @@ def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
     agg.record_plain_step(0.0)
     assert agg.bytes_sent == 1000 * dtype.itemsize
     assert agg.stats.payload_bytes == agg.stats.dense_bytes == 1000 * dtype.itemsize
+
+
+def test_unbuildable_draws_each_codec_s_limit_at_its_bound():
+    """``unbuildable`` (its docstring): the sketch out beyond MAX_WORLD_SIZE ranks or MAX_KEYS rows, top-k
+    beyond MAX_WORLD_SIZE ranks or MAX_KEYS coordinates, allgather beyond ALLGATHER_MAX_KEYS rows,
+    topk_allgather beyond as many coordinates, THC beyond its exact world size; each bound itself buildable,
+    and each limit on its own (ranks, rows, coordinates)."""
+    from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE
+    from lossless_hc.thc.layout import max_world_size
+    from lossless_hc.training.planner import ALLGATHER_MAX_KEYS, THC_GRANULARITY, unbuildable
+    A = ALLGATHER_MAX_KEYS
+    assert unbuildable(2, 1, 1) == frozenset() == unbuildable(MAX_WORLD_SIZE, A, A)
+    assert unbuildable(MAX_WORLD_SIZE + 1, 1, 1) == {"sketch", "topk"}
+    assert unbuildable(2, A + 1, 1) == {"allgather"} and unbuildable(2, 1, A + 1) == {"topk_allgather"}
+    assert unbuildable(2, MAX_KEYS, MAX_KEYS) == {"allgather", "topk_allgather"}
+    assert unbuildable(2, MAX_KEYS + 1, 1) == {"sketch", "allgather"}
+    assert unbuildable(2, 1, MAX_KEYS + 1) == {"topk", "topk_allgather"}
+    top = max_world_size(THC_GRANULARITY)
+    assert top > MAX_WORLD_SIZE and "thc" not in unbuildable(top, 1, 1) and "thc" in unbuildable(top + 1, 1, 1)

@@ -439,3 +439,34 @@ def test_a_zero_gradient_matrix_stays_finite_at_low_rank():
     assert torch.isfinite(p).all()
     _orthogonalize(p.zero_(), 0)
     assert not torch.isfinite(p).all()
+
+
+def test_a_message_batches_its_second_allreduces_per_gradient_dtype_and_splits_a_narrow_dense_body():
+    """predict_message: the second collectives as decode_message batches them, one allreduce per request
+    dtype (the gradient's) summing its tensors' rows; and a dense plan of a gradient narrower than its
+    float32 header sends the header in the float32 part and the body in the gradient's width (its plain
+    steps'), a part of its own (bfloat16, at the half slope) when large."""
+    from lossless_hc.training.planner import LinkModel, TensorStats, stats_header_words
+    model = CostModel(Calibration(LinkModel(1e-4, 8e-9, 16e-9, 12e-9)))
+    link, n = model.calibration.link, 4
+
+    def stats(keys, element_bytes=4, numel=1 << 16, row=16):
+        return TensorStats(numel, row, n, (keys,) * n, 3 * keys, element_bytes=element_bytes)
+    a, b, c = stats(100), stats(50), stats(50, element_bytes=8)
+    (_, ha), (_, ra) = model.collectives("two_phase", a)
+    (_, hb), (_, rb) = model.collectives("two_phase", b)
+    (_, hc), (_, rc) = model.collectives("two_phase", c)
+    assert ra == 4 * 300 * 16 and rb == rc == 4 * 150 * 16
+
+    def local(*ss):
+        return sum(model.local_seconds("two_phase", s) for s in ss)
+    assert model.predict_message([("two_phase", a), ("two_phase", b)]) == pytest.approx(
+        link.allreduce(ha + hb, n) + link.allreduce(ra + rb, n) + local(a, b), rel=1e-12)
+    assert model.predict_message([("two_phase", a), ("two_phase", b), ("two_phase", c)]) == pytest.approx(
+        link.allreduce(ha + hb + hc, n) + link.allreduce(ra + rb, n) + link.allreduce(rc, n) + local(a, b, c),
+        rel=1e-12)
+    half = stats(10, element_bytes=2, numel=1 << 18, row=1)
+    assert model.collectives("dense", half) == [("allreduce", 4 * stats_header_words(n) + 2 * half.numel)]
+    assert model.predict_message([("dense", half)]) == pytest.approx(
+        link.allreduce(4 * stats_header_words(n), n) + link.allreduce(2 * half.numel, n, half=True)
+        + model.local_seconds("dense", half), rel=1e-12)

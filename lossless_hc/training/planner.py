@@ -229,15 +229,17 @@ class LinkModel:
         return (2 if kind != "allgather" else 1) * (n - 1) * self.alpha_s
 
     def allreduce(self, nbytes: float, n: int, half: bool = False) -> float:
-        """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank); ``half``:
-        of a float16 or bfloat16 tensor (beta: ``half_seconds_per_byte``)."""
+        """Ring allreduce of ``nbytes`` per rank: 2(n-1) alpha + 2(n-1)/n B beta (0 for one rank, and for no
+        bytes: the strategies issue no collective of nothing); ``half``: of a float16 or bfloat16 tensor (beta:
+        ``half_seconds_per_byte``)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         beta = self.half_seconds_per_byte if half else self.seconds_per_byte
         return self.latency(n) + 2 * (n - 1) / n * nbytes * beta
 
     def allgather(self, nbytes: float, n: int) -> float:
-        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g."""
+        """Ring allgather of ``nbytes`` from each rank: (n-1) alpha + (n-1) B beta_g (0 for one rank or no bytes,
+        as :meth:`allreduce`)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         return self.latency(n, "allgather") + (n - 1) * nbytes * self.allgather_seconds_per_byte

@@ -34,3 +34,52 @@ def test_an_aggregator_built_with_its_defaults_decodes_with_one_from_the_default
     for a, (_, ctx) in zip((spec_built, direct), encoded):
         out = a.decode(total.clone(), ctx)
         assert out.report.ok and torch.equal(out.value, xs[0] + xs[1])
+
+
+def decide(n, max_density, per_rank, shared, numel=20_000):
+    """Two exact steps of ``n`` ranks holding ``per_rank`` keys each (the same keys on every rank, or
+    disjoint ones) through one aggregator standing in for every replica, under a policy deciding at the
+    second step; the aggregator and the codec it started with."""
+    from lossless_hc.training.capacity import CapacityPolicy
+    agg = TensorAggregator("t", (numel,), torch.float32, n, max_density, seed=3, policy=CapacityPolicy(interval=2))
+    first = agg.codec
+    for s in range(2):
+        perm = torch.randperm(numel, generator=torch.Generator().manual_seed(s))
+        xs = []
+        for r in range(n):
+            x = torch.zeros(numel)
+            x[perm[:per_rank] if shared else perm[r * per_rank:(r + 1) * per_rank]] = 1.0 + r
+            xs.append(x)
+        encoded = [agg.encode(x) for x in xs]
+        out = agg.decode(sum(p for p, _ in encoded), encoded[0][1])
+        assert not out.needs_fallback and torch.equal(out.value, sum(xs))
+    return agg, first
+
+
+def test_a_decision_inside_the_hysteresis_band_keeps_the_codec():
+    """Capacity 1,000 per rank and (no union capacity yet) 4 x 1,000 for the union: 666 disjoint keys per
+    rank propose 1.5 x 666 = 999 per rank (not below 0.75 x 1,000) and 1.25 x 2,664 = 3,330 for the union
+    (inside [3,000, 4,000]): nothing leaves the band, so nothing is rebuilt or recorded."""
+    agg, first = decide(4, 0.05, 666, shared=False)
+    assert (agg.capacity, agg.union_capacity) == (1000, None)
+    assert agg.codec is first and agg.tracker.history == [] and agg.tracker.changes == 0
+
+
+def test_a_decision_that_only_shrinks_the_union_rebuilds_and_records_the_new_index_kind():
+    """The same 666 keys on every rank: the per-rank proposal (999) stays inside its band, the union's
+    (1.25 x 666 = 833) falls below 0.75 x 4,000, which alone is enough to rebuild: capacity 999, union
+    max(999, 833), and the rebuild is recorded with the new codec's index kind."""
+    agg, first = decide(4, 0.05, 666, shared=True)
+    assert (agg.capacity, agg.union_capacity) == (999, 999)
+    assert agg.compressed and agg.codec is not first and agg.codec.layout != first.layout
+    assert agg.tracker.history == [(2, 999, 999, agg.codec.index_kind)] and agg.codec.index_kind != "dense"
+
+
+def test_a_decision_whose_codec_would_not_be_smaller_sends_the_tensor_dense_and_records_it():
+    """8 ranks of 600 disjoint keys: capacity 1.5 x 600 = 900, union 1.25 x 4,800 = 6,000 of 20,000
+    coordinates, for which the codec would not be smaller than the dense tensor: the tensor goes dense, and
+    the rebuild is recorded as 'dense'."""
+    agg, first = decide(8, 0.03, 600, shared=False)
+    assert first is not None and not agg.compressed
+    assert (agg.capacity, agg.union_capacity) == (900, 6000)
+    assert agg.tracker.history == [(2, 900, 6000, "dense")]

@@ -83,3 +83,26 @@ def test_a_decision_whose_codec_would_not_be_smaller_sends_the_tensor_dense_and_
     assert first is not None and not agg.compressed
     assert (agg.capacity, agg.union_capacity) == (900, 6000)
     assert agg.tracker.history == [(2, 900, 6000, "dense")]
+
+
+
+def test_the_observed_support_counts_keys_at_a_zero_partial_last_key_a_short_tensor_and_integers():
+    """What a policy observes of a dense aggregate: keys of block_size coordinates holding a non-zero, the last
+    key partial and counted only where it holds one, a tensor shorter than one block as one partial key, and
+    integer gradients (dense, still observed; the backends' row scan reads only floats) counted alike."""
+    from lossless_hc.training.capacity import CapacityPolicy
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int16):
+        x = torch.tensor([0, 5, 6, 0, 0, 0, -1, 0, 0, 7], dtype=dtype)
+        zero_tail = x.clone()
+        zero_tail[9] = 0
+        for block, want, want_zero_tail in ((1, 4, 3), (3, 3, 2), (4, 3, 2), (5, 2, 2), (10, 1, 1)):
+            agg = TensorAggregator("t", (10,), dtype, 2, 0.1, block_size=block, policy=CapacityPolicy())
+            assert agg._key_support(x) == want, (dtype, block)
+            assert agg._key_support(zero_tail) == want_zero_tail, (dtype, block)
+            assert agg._key_support(torch.zeros(10, dtype=dtype)) == 0
+        short = TensorAggregator("t", (2,), dtype, 2, 0.5, block_size=3, policy=CapacityPolicy())
+        assert short._key_support(torch.zeros(2, dtype=dtype)) == 0
+        assert short._key_support(torch.tensor([0, 1], dtype=dtype)) == 1
+        if not dtype.is_floating_point:   # sent dense, and observed at its decode
+            payload, ctx = agg.encode(x)
+            assert not agg.compressed and agg.decode(2 * payload, ctx).value is not None and agg.tracker.steps == 1

@@ -106,3 +106,27 @@ def test_the_observed_support_counts_keys_at_a_zero_partial_last_key_a_short_ten
         if not dtype.is_floating_point:   # sent dense, and observed at its decode
             payload, ctx = agg.encode(x)
             assert not agg.compressed and agg.decode(2 * payload, ctx).value is not None and agg.tracker.steps == 1
+
+
+
+def test_a_rank_just_over_capacity_doubles_it_and_teaches_a_policy_the_skew_in_keys():
+    """c <- max(2c, ceil(1.25 K / n) b): two ranks of 60 rows over a capacity of 50 rows (800 coordinates)
+    give K = 120 keys, whose share ceil(1.25 x 120 / 2) = 75 rows is below 2c = 100 rows, so the capacity
+    doubles (the other term is tests/test_aggregate.py's overload test). A policy learns the skew from
+    the capacity in keys (rows), not coordinates: 2 x 50 / (1.5 x 60)."""
+    from lossless_hc.training.capacity import CapacityPolicy
+    n = 2
+    for policy in (None, CapacityPolicy()):
+        aggs = [TensorAggregator("t", (1000, 16), torch.float32, n, 0.05, policy=policy) for _ in range(n)]
+        assert aggs[0].capacity == 800
+        xs = [torch.zeros(1000, 16) for _ in range(n)]
+        for r, x in enumerate(xs):
+            x[r * 60:(r + 1) * 60] = 1.0 + r
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        total = encoded[0][0] + encoded[1][0]
+        for a, (_, ctx) in zip(aggs, encoded):
+            out = a.decode(total.clone(), ctx)
+            assert out.needs_fallback and out.report.overloaded_ranks and out.report.total_keys == 120
+            assert a.capacity == 1600 and a.union_capacity is None and a.stats.capacity_growths == 1
+            if policy is not None:
+                assert a.tracker.skew == 2.0 * 50 / (1.5 * 60.0)

@@ -130,3 +130,32 @@ def test_a_rank_just_over_capacity_doubles_it_and_teaches_a_policy_the_skew_in_k
             assert a.capacity == 1600 and a.union_capacity is None and a.stats.capacity_growths == 1
             if policy is not None:
                 assert a.tracker.skew == 2.0 * 50 / (1.5 * 60.0)
+
+
+def test_an_overload_grows_a_learnt_union_capacity_by_its_largest_term():
+    """With a union capacity U (a policy's decision), a failure grows it to max(2U, c, ceil(1.25 K) b):
+    after a decision to c = 600, U = 2,000 (4 ranks of 400 disjoint keys), one rank of 700 keys overloads
+    (K = 700): U doubles to 4,000; four ranks of 1,000 keys (K = 4,000): 1.25 K = 5,000 wins
+    (and c = max(2 x 600, ceil(1.25 K / 4)) = 1,250)."""
+    from lossless_hc.training.capacity import CapacityPolicy
+    n, numel = 4, 20_000
+
+    def step(agg, per_rank, seed):
+        perm = torch.randperm(numel, generator=torch.Generator().manual_seed(seed))
+        xs, start = [], 0
+        for r, k in enumerate(per_rank):
+            x = torch.zeros(numel)
+            x[perm[start:start + k]] = 1.0 + r
+            start += k
+            xs.append(x)
+        encoded = [agg.encode(x) for x in xs]
+        return agg.decode(sum(p for p, _ in encoded), encoded[0][1])
+
+    for overload, want in (((700, 0, 0, 0), (1200, 4000)), ((1000,) * 4, (1250, 5000))):
+        agg = TensorAggregator("t", (numel,), torch.float32, n, 0.05, seed=3, policy=CapacityPolicy(interval=2))
+        for seed in range(2):
+            assert not step(agg, (400,) * 4, seed).needs_fallback
+        assert (agg.capacity, agg.union_capacity) == (600, 2000)
+        out = step(agg, overload, 2)
+        assert out.needs_fallback and out.report.overloaded_ranks and out.report.total_keys == sum(overload)
+        assert (agg.capacity, agg.union_capacity) == want

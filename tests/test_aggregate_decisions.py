@@ -159,3 +159,26 @@ def test_an_overload_grows_a_learnt_union_capacity_by_its_largest_term():
         out = step(agg, overload, 2)
         assert out.needs_fallback and out.report.overloaded_ranks and out.report.total_keys == sum(overload)
         assert (agg.capacity, agg.union_capacity) == want
+
+
+def test_a_tensor_sent_dense_decodes_to_what_the_engine_returned_never_marked_averaged():
+    """A tensor sent as it is: its outcome is the engine's result itself (its sum or its average), with no
+    report or partial keys, and averaged False whatever the engine did (only a codec payload is scaled)."""
+    agg = TensorAggregator("t", (100,), torch.float64, 2, 0.05)
+    agg.engine_averages = True
+    x = torch.arange(100, dtype=torch.float64)
+    payload, ctx = agg.encode(x)
+    assert not ctx.compressed
+    averaged = (payload + payload) / 2
+    out = agg.decode(averaged, ctx)
+    assert out.value is averaged and not out.averaged and out.report is None and not out.needs_partial
+
+
+def test_partial_max_fraction_defaults_to_half_and_takes_every_fraction_from_zero_to_one():
+    """The default is PARTIAL_MAX_FRACTION, one half of the tensor; 0 and 1 (the whole tensor) are allowed
+    bounds."""
+    from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION
+    assert TensorAggregator("t", (100,), torch.float32, 2, 0.1).partial_max_fraction == PARTIAL_MAX_FRACTION == 0.5
+    for fraction in (0, 0.0, 0.25, 1, 1.0):
+        agg = TensorAggregator("t", (100,), torch.float32, 2, 0.1, partial_max_fraction=fraction)
+        assert agg.partial_max_fraction == fraction and isinstance(agg.partial_max_fraction, float)

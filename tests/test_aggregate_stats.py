@@ -34,4 +34,3 @@ def test_each_encode_counts_one_tensor_its_dense_bytes_and_what_it_sent():
     assert (st.payload_bytes, st.dense_bytes) == (wire + 2 * 800, 1000 * 16 * 4 + 2 * 800)
     assert st.wire_ratio == (wire + 1600) / (64000 + 1600) < 1.0
     assert st.as_dict()["wire_ratio"] == st.wire_ratio
-

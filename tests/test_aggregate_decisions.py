@@ -182,3 +182,20 @@ def test_partial_max_fraction_defaults_to_half_and_takes_every_fraction_from_zer
     for fraction in (0, 0.0, 0.25, 1, 1.0):
         agg = TensorAggregator("t", (100,), torch.float32, 2, 0.1, partial_max_fraction=fraction)
         assert agg.partial_max_fraction == fraction and isinstance(agg.partial_max_fraction, float)
+
+
+def test_a_policy_observes_a_fallback_s_dense_sum():
+    """A failed decode's step still counts for the policy: finish_fallback feeds it the dense sum's keys
+    (two ranks' 60 disjoint rows: 120) and the header's mean per rank (120 / 2), exactly once."""
+    from lossless_hc.training.capacity import CapacityPolicy
+    n = 2
+    agg = TensorAggregator("t", (1000, 16), torch.float32, n, 0.05, policy=CapacityPolicy())
+    xs = [torch.zeros(1000, 16) for _ in range(n)]
+    for r, x in enumerate(xs):
+        x[r * 60:(r + 1) * 60] = 1.0 + r
+    encoded = [agg.encode(x) for x in xs]
+    out = agg.decode(encoded[0][0] + encoded[1][0], encoded[0][1])
+    assert out.needs_fallback and agg.tracker.steps == 0
+    summed = xs[0] + xs[1]
+    assert torch.equal(agg.finish_fallback(summed.clone(), out), summed)
+    assert (agg.tracker.steps, agg.tracker.union, agg.tracker.per_rank) == (1, 120.0, 60.0)

@@ -199,3 +199,18 @@ def test_a_policy_observes_a_fallback_s_dense_sum():
     summed = xs[0] + xs[1]
     assert torch.equal(agg.finish_fallback(summed.clone(), out), summed)
     assert (agg.tracker.steps, agg.tracker.union, agg.tracker.per_rank) == (1, 120.0, 60.0)
+
+
+def test_a_shape_whose_sizes_are_not_ints_is_refused_where_the_aggregator_is_built():
+    """Fractional sizes, float sizes and bools would give a wrong numel (2.5 coordinates, True as 1): a
+    TypeError at construction, for TensorAggregator and the row form alike; negative sizes a ValueError."""
+    import pytest
+    from lossless_hc.training.rows import TensorRows
+    for bad in ((2.5,), (4, 2.0), (True, 3)):
+        with pytest.raises(TypeError, match="each dimension of shape must be an int"):
+            TensorAggregator("t", bad, torch.float32, 2, 0.1)
+        with pytest.raises(TypeError, match="each dimension of shape must be an int"):
+            TensorRows("t", bad, torch.float32, 2, 0, sparse=False)
+    with pytest.raises(ValueError, match="sizes >= 0"):
+        TensorAggregator("t", (4, -1), torch.float32, 2, 0.1)
+    assert TensorAggregator("t", torch.Size([4, 0]), torch.float32, 2, 0.1).shape == (4, 0)

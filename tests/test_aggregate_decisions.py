@@ -214,3 +214,20 @@ def test_a_shape_whose_sizes_are_not_ints_is_refused_where_the_aggregator_is_bui
     with pytest.raises(ValueError, match="sizes >= 0"):
         TensorAggregator("t", (4, -1), torch.float32, 2, 0.1)
     assert TensorAggregator("t", torch.Size([4, 0]), torch.float32, 2, 0.1).shape == (4, 0)
+
+
+def test_the_engine_s_known_op_decides_averaging_over_the_payload_s_contributor_word():
+    """payload_is_averaged answers a bool: False for one rank (a sum and an average are the same), the
+    engine's op where its plugin says it (whatever the contributor word reads), else the word (n after a
+    SUM, 1 after an AVERAGE)."""
+    from lossless_hc.training.aggregate import payload_is_averaged
+    agg = TensorAggregator("t", (1000, 16), torch.float32, 4, max_density=0.05)
+    x = torch.zeros(1000, 16)
+    x[7] = 1.0
+    p, _ = agg.encode(x)
+    summed, averaged = 4 * p, p.clone()
+    assert payload_is_averaged(p, 1) is False and payload_is_averaged(p, 1, True) is False
+    for payload in (summed, averaged):
+        assert payload_is_averaged(payload, 4, True) is True
+        assert payload_is_averaged(payload, 4, False) is False
+    assert payload_is_averaged(summed, 4) is False and payload_is_averaged(averaged, 4) is True

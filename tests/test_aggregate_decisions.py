@@ -1,5 +1,6 @@
 """TensorAggregator's per-tensor decisions (lossless_hc.training.aggregate), in one process, at their edges:
 block sizes, capacities rounded to blocks, when the codec is used, and what a decode changes."""
+import pytest
 import torch
 
 from lossless_hc.training.aggregate import TensorAggregator, default_block_size
@@ -85,7 +86,6 @@ def test_a_decision_whose_codec_would_not_be_smaller_sends_the_tensor_dense_and_
     assert agg.tracker.history == [(2, 900, 6000, "dense")]
 
 
-
 def test_the_observed_support_counts_keys_at_a_zero_partial_last_key_a_short_tensor_and_integers():
     """What a policy observes of a dense aggregate: keys of block_size coordinates holding a non-zero, the last
     key partial and counted only where it holds one, a tensor shorter than one block as one partial key, and
@@ -106,7 +106,6 @@ def test_the_observed_support_counts_keys_at_a_zero_partial_last_key_a_short_ten
         if not dtype.is_floating_point:   # sent dense, and observed at its decode
             payload, ctx = agg.encode(x)
             assert not agg.compressed and agg.decode(2 * payload, ctx).value is not None and agg.tracker.steps == 1
-
 
 
 def test_a_rank_just_over_capacity_doubles_it_and_teaches_a_policy_the_skew_in_keys():
@@ -204,7 +203,6 @@ def test_a_policy_observes_a_fallback_s_dense_sum():
 def test_a_shape_whose_sizes_are_not_ints_is_refused_where_the_aggregator_is_built():
     """Fractional sizes, float sizes and bools would give a wrong numel (2.5 coordinates, True as 1): a
     TypeError at construction, for TensorAggregator and the row form alike; negative sizes a ValueError."""
-    import pytest
     from lossless_hc.training.rows import TensorRows
     for bad in ((2.5,), (4, 2.0), (True, 3)):
         with pytest.raises(TypeError, match="each dimension of shape must be an int"):

@@ -1,0 +1,57 @@
+"""auto's many tensors in one message (lossless_hc.training.auto: AutoMessage, decode_message), in one
+process: ranks are simulated by summing their message parts and their second collectives' inputs, as the
+engine's collectives would (tests/test_message.py has the allgather side and the message layout)."""
+import torch
+
+from lossless_hc.training.auto import AutoMessage, decode_message
+from lossless_hc.training.planner import Calibration, CostModel
+from lossless_hc.training.strategies import AutoAggregator
+
+
+def _sparse_inputs(sizes, n, seed, nnz=40):
+    g = torch.Generator().manual_seed(seed)
+    xs = [[torch.zeros(m) for m in sizes] for _ in range(n)]
+    for per_rank in xs:
+        for x in per_rank:
+            x[torch.randperm(x.numel(), generator=g)[:nnz]] = torch.randn(nnz, generator=g)
+    return xs
+
+
+def test_an_auto_message_issues_one_allreduce_per_dtype_in_part_order_and_each_tensor_reads_its_own_slice():
+    """Tensors of one message whose decode asks for an allreduce share one per request dtype, issued in
+    PART_DTYPES order (float32, then bfloat16, then float16: every rank alike, module doc), and each tensor is
+    finished from its own slice of the SUM: two two_phase tensors (float32 rows), a bf16 and an fp16 plan's
+    statistics step (their gradients in half precision). Before, no single-process test reached this path:
+    dropping the allreduce, its dtype filter or the split's offset passed every test."""
+    n, model = 2, CostModel(Calibration.default())
+    specs = [("a", 3000, "two_phase"), ("b", 5000, "two_phase"), ("c", 700, "bf16"), ("d", 900, "fp16")]
+
+    def ranks():
+        return [[AutoAggregator(name, (m,), torch.float32, n, r, model, lossy=True, first=s, allowed=(s,),
+                                lossy_min_bytes=0) for name, m, s in specs] for r in range(n)]
+    xs = _sparse_inputs([m for _, m, _ in specs], n, seed=3)
+
+    def message(r):   # every rank's messages from fresh aggregators, summed; rank r's message
+        ms = [AutoMessage(a, x) for a, x in zip(ranks(), xs)]
+        return ms[r], [sum(m.parts[i] for m in ms) for i in range(len(ms[0].parts))]
+    inputs = []   # each rank's allreduce inputs, in call order, recorded from a run of its own
+    for r in range(n):
+        mine = []
+        decode_message(*message(r), lambda t, mine=mine: mine.append(t.clone()), None)
+        inputs.append(mine)
+    assert [(t.dtype, t.numel()) for t in inputs[0]] == [(torch.float32, inputs[0][0].numel()),
+                                                         (torch.bfloat16, 700), (torch.float16, 900)]
+    assert [(t.dtype, t.numel()) for t in inputs[1]] == [(t.dtype, t.numel()) for t in inputs[0]]
+    calls = []
+
+    def allreduce(t):   # the SUM in place, as the engine's: rank 0's and rank 1's inputs of the same call
+        i = len(calls)
+        calls.append(t.dtype)
+        t.copy_(inputs[0][i] + inputs[1][i])
+    m, summed = message(0)
+    a, b, c, d = decode_message(m, summed, allreduce, None)
+    assert calls == [torch.float32, torch.bfloat16, torch.float16]
+    assert torch.equal(a, xs[0][0] + xs[1][0]) and torch.equal(b, xs[0][1] + xs[1][1])   # two_phase: exact
+    assert torch.equal(c, (xs[0][2].to(torch.bfloat16) + xs[1][2].to(torch.bfloat16)).float())
+    assert torch.equal(d, ((xs[0][3] / n).half() + (xs[1][3] / n).half()).float() * n)
+

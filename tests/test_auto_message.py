@@ -1,6 +1,7 @@
 """auto's many tensors in one message (lossless_hc.training.auto: AutoMessage, decode_message), in one
 process: ranks are simulated by summing their message parts and their second collectives' inputs, as the
 engine's collectives would (tests/test_message.py has the allgather side and the message layout)."""
+import pytest
 import torch
 
 from lossless_hc.training.auto import AutoMessage, decode_message
@@ -55,3 +56,14 @@ def test_an_auto_message_issues_one_allreduce_per_dtype_in_part_order_and_each_t
     assert torch.equal(c, (xs[0][2].to(torch.bfloat16) + xs[1][2].to(torch.bfloat16)).float())
     assert torch.equal(d, ((xs[0][3] / n).half() + (xs[1][3] / n).half()).float() * n)
 
+
+def test_auto_decode_message_refuses_sums_that_do_not_fit_the_message():
+    """Sums of another count, size or dtype than the message's parts are a ValueError (check_sums), not
+    other tensors' slices decoded without a word."""
+    n, model = 2, CostModel(Calibration.default())
+    aggs = [AutoAggregator(f"t{i}", (100,), torch.float32, n, 0, model) for i in range(2)]
+    m = AutoMessage(aggs, [torch.randn(100), torch.randn(100)])
+    assert len(m.parts) == 1
+    for bad in ([m.parts[0][:150]], [m.parts[0][:-1]], [m.parts[0].double()], [], [m.parts[0], m.parts[0]]):
+        with pytest.raises(ValueError, match="the sum of part 0|a message of 1 parts"):
+            decode_message(m, bad, None, None)

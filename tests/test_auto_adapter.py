@@ -121,3 +121,32 @@ def test_the_step_guard_runs_its_trial_on_the_adapter_s_steps_and_a_dense_verdic
             want = (xs[4][0][i] + memory[0][i]) + (xs[4][1][i] + memory[1][i])
             assert torch.equal(outs[4][i], want), i
 
+
+def test_a_dropped_step_s_second_collectives_are_never_waited_for():
+    """drop_step forgets the step in flight: a tensor decoded before it (its allgather started) is not waited
+    for at the next step's end, and the next step ends after its own tensors (the pending count reset), each
+    the exact SUM."""
+    n = 2
+    g = torch.Generator().manual_seed(1)
+
+    def sparse(numel):
+        x = torch.zeros(numel)
+        x[torch.randperm(numel, generator=g)[:30]] = torch.randn(30, generator=g)
+        return x
+    xs = [[[sparse(3000), sparse(5000)] for _ in range(n)] for _ in range(2)]
+    results = [None] * n
+
+    def body(rank, engine):
+        spec = AutoSpec(calibration=Calibration.default(1e9), first="allgather", strategies=("allgather",))
+        adapter = _Adapter(spec, engine, rank)
+        aggs = [adapter.aggregator(i, f"w{i}", x, n, rank) for i, x in enumerate(xs[0][rank])]
+        encoded = [adapter.encode(a, x.clone()) for a, x in zip(aggs, xs[0][rank])]
+        summed = engine.exchange(rank, [p for p, _ in encoded])
+        adapter.decode(summed[0][0] + summed[1][0], encoded[0][1])   # its allgather started, not waited for
+        adapter.drop_step()
+        _, outs = _step(adapter, aggs, engine, rank, xs[1][rank])
+        results[rank] = (adapter.waited, outs)
+    _run_ranks(n, body)
+    for waited, outs in results:
+        assert waited == ["w0", "w1"]
+        assert all(torch.equal(outs[i], xs[1][0][i] + xs[1][1][i]) for i in range(2))

@@ -1,0 +1,58 @@
+"""One PowerSGD bucket's state (lossless_hc.training.powersgd: PowerSGDBucket, PowerSGDPlanner.leave) in one
+process: torch's hook run on a 1-rank Gloo group, the error memory it keeps, and what leaving PowerSGD hands
+back. The planner's decisions and the multi-process DDP runs are in tests/test_planner_powersgd.py."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner, powersgd_layout
+
+
+def _bucket(shapes, members=None, rank=4):
+    names = [f"p{i}" for i in range(len(shapes))]
+    taken = shapes if members is None else [shapes[i] for i in members]
+    return PowerSGDBucket(names, powersgd_layout(taken, rank, 2), rank, 2, 2, 0, 2, {}, members=members)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.new_group([0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_compresses_the_part_on_its_group_and_leaving_hands_back_its_error_memory(one_rank_group):
+    """run() makes torch's hook compress from the first call (the planner decides when PowerSGD starts: the
+    state's own iteration count would send the first steps uncompressed), on the group it is given, and counts
+    the step. On one rank the hook's average is the rank-4 approximation of the matrix (the vector goes
+    uncompressed, as it is), and the error memory is what it left out: output + error = input. leave() then
+    hands that memory back once (removed from torch's state, the warm-start memories dropped), and records
+    the step it left at; a bucket that never ran PowerSGD, or already left, has nothing to hand back."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 32, generator=g), torch.randn(64, generator=g), torch.randn(48, 16, generator=g)]
+    chosen = _bucket([tuple(x.shape) for x in grads], members=(0, 1))
+    assert chosen.error(5) is None   # before a step
+    part = chosen.part(5, grads)
+    given = part.buffer().clone()
+    out = chosen.run(part, one_rank_group).wait()
+    assert chosen.steps == 1 and chosen.state.process_group is one_rank_group
+    assert out.data_ptr() == part.buffer().data_ptr()
+    matrix, vector = out[:64 * 32], out[64 * 32:]
+    assert torch.equal(vector, grads[1])                                   # uncompressed: the 1-rank SUM
+    assert not torch.allclose(matrix, grads[0].reshape(-1), atol=1e-2)     # compressed: rank 4 of 32 columns
+    assert torch.linalg.matrix_rank(matrix.reshape(64, 32)) == 4
+    err = chosen.error(5)
+    assert err is not None and err.shape == given.shape
+    assert torch.allclose(out + err, given, atol=1e-5)
+    assert chosen.state.p_memory_dict and chosen.state.q_memory_dict
+    planner = PowerSGDPlanner()
+    planner.buckets[5] = chosen
+    assert planner.leave(3, 7) is None   # no such bucket
+    taken = planner.leave(5, 7)
+    assert taken is err and chosen.left_step == 7 and chosen.error(5) is None
+    assert not chosen.state.p_memory_dict and not chosen.state.q_memory_dict
+    assert planner.leave(5, 8) is None and chosen.left_step == 7   # already left
+    assert planner.parameter_names() == frozenset({"p0", "p1"})
+

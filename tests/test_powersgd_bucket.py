@@ -56,3 +56,23 @@ def test_a_run_compresses_the_part_on_its_group_and_leaving_hands_back_its_error
     assert planner.leave(5, 8) is None and chosen.left_step == 7   # already left
     assert planner.parameter_names() == frozenset({"p0", "p1"})
 
+
+def test_add_to_adds_the_memory_to_the_gradients_powersgd_takes_only():
+    """add_to: a whole bucket's memory goes into its flat buffer; a part's, split over its members in bucket
+    order, into their gradients (views into the buffer), the other gradients left as they are."""
+    shapes = [(8, 4), (6,), (5, 3)]
+    buffer = torch.arange(32 + 6 + 15, dtype=torch.float32)
+    grads = [v.view(s) for v, s in zip(torch.split(buffer, [32, 6, 15]), shapes)]
+    whole = _bucket(shapes)
+    flat = torch.full((53,), 0.5)
+    before = buffer.clone()
+    whole.add_to(flat, buffer, grads)
+    assert torch.equal(buffer, before + 0.5)
+    part = _bucket(shapes, members=(0, 2))
+    memory = torch.cat([torch.full((32,), 1.0), torch.full((15,), 2.0)])
+    before = buffer.clone()
+    part.add_to(memory, buffer, grads)
+    assert torch.equal(buffer[:32], before[:32] + 1.0)
+    assert torch.equal(buffer[32:38], before[32:38])
+    assert torch.equal(buffer[38:], before[38:] + 2.0)
+

@@ -76,3 +76,24 @@ def test_add_to_adds_the_memory_to_the_gradients_powersgd_takes_only():
     assert torch.equal(buffer[32:38], before[32:38])
     assert torch.equal(buffer[38:], before[38:] + 2.0)
 
+
+def test_a_planner_refuses_a_non_positive_compression_rate_and_a_bucket_that_changed_its_parameters():
+    """min_compression_rate must be > 0 (torch's rule would compress nothing, or everything), and below 1 is
+    fine (powersgd_layout takes any number > 0); a PowerSGD
+    bucket whose DDP bucket later holds other parameters is an error, not an error memory added to the
+    wrong gradients."""
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="min_compression_rate"):
+            PowerSGDPlanner(min_compression_rate=bad)
+    assert PowerSGDPlanner(min_compression_rate=0.5).min_compression_rate == 0.5   # any rate > 0, as torch's
+
+    class Agg:
+        def __init__(self, name):
+            self.name = name
+    planner = PowerSGDPlanner()
+    planner.buckets[0] = _bucket([(64, 32), (64,)])
+    grads = [torch.zeros(64, 32), torch.zeros(64)]
+    buffer = torch.zeros(64 * 33)
+    assert planner.bucket(0, 9, [Agg("p0"), Agg("p1")], grads, buffer, None, 2) is planner.buckets[0]
+    with pytest.raises(RuntimeError, match="changed its parameters"):
+        planner.bucket(0, 9, [Agg("p1"), Agg("p0")], grads, buffer, None, 2)

@@ -299,3 +299,19 @@ def test_auto_passes_integer_tensors_through():
     for dtype in (torch.int64, torch.int32):
         agg = spec.make("n", torch.zeros(64, dtype=dtype), 2, 0, AggregationStats(), torch.device("cpu"))
         assert isinstance(agg, TensorAggregator) and not isinstance(agg, AutoAggregator) and agg.codec is None
+
+
+def test_auto_defaults_are_the_documented_ones_and_reach_every_aggregator():
+    """AutoSpec() plans as docs/DESIGN.md says ("Re-planning": every ``interval`` (16) steps, EWMAs of weight
+    ``alpha`` = 0.25; exact, partial re-aggregation, lossy_min_bytes 64 KiB), and make() hands those options to
+    each tensor's aggregator (its plan tracker). A default of 17 passed every other test."""
+    from lossless_hc.training.aggregate import AggregationStats
+    from lossless_hc.training.planner import Calibration
+    spec = AutoSpec()
+    assert (spec.lossy, spec.interval, spec.alpha, spec.partial, spec.lossy_min_bytes) == (False, 16, 0.25, True, 1 << 16)
+    spec.set_calibration(Calibration.default())
+    agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
+    assert (agg.tracker.interval, agg.tracker.alpha, agg.partial) == (16, 0.25, True)
+    spec = AutoSpec(interval=5, alpha=0.5, calibration=Calibration.default())
+    agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
+    assert (agg.tracker.interval, agg.tracker.alpha) == (5, 0.5)

@@ -315,3 +315,17 @@ def test_auto_defaults_are_the_documented_ones_and_reach_every_aggregator():
     spec = AutoSpec(interval=5, alpha=0.5, calibration=Calibration.default())
     agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
     assert (agg.tracker.interval, agg.tracker.alpha) == (5, 0.5)
+
+
+def test_auto_given_a_calibration_measures_nothing():
+    """AutoSpec.measure with a given calibration returns at once: no collective at start-up (every rank plans
+    with the calibration it was given), and calibration_stats says it was given, with no measuring cost."""
+    from lossless_hc.training.planner import Calibration
+    given = Calibration.default(1e9)
+    spec = AutoSpec(calibration=given)
+
+    def refuse(*args):
+        raise AssertionError("a collective was issued")
+    spec.measure(refuse, refuse, refuse, 0, 2, "cpu", largest_bytes=1 << 16)
+    stats = spec.calibration_stats()
+    assert spec.calibration is given and stats["source"] == "given" and "seconds" not in stats

@@ -98,8 +98,9 @@ def test_every_fraction_takes_one_rule(entry):
 @pytest.mark.parametrize("make", [lambda v: PlanTracker(1000, 10, 2, interval=v).interval,
                                   lambda v: AutoSpec(interval=v).interval], ids=["PlanTracker", "AutoSpec"])
 def test_a_re_plan_interval_is_a_positive_int(make):
-    """PlanTracker took ``int(interval)``: 2.5 re-planned every 2 steps, silently."""
-    assert make(3) == 3
+    """PlanTracker took ``int(interval)``: 2.5 re-planned every 2 steps, silently. 1 (a plan at every step) is
+    the least interval."""
+    assert make(3) == 3 and make(1) == 1
     for v in (2.5, 0, -1, True, "4", None):
         with pytest.raises(ValueError, match="interval must be a positive integer"):
             make(v)
@@ -329,3 +330,4 @@ def test_auto_given_a_calibration_measures_nothing():
     spec.measure(refuse, refuse, refuse, 0, 2, "cpu", largest_bytes=1 << 16)
     stats = spec.calibration_stats()
     assert spec.calibration is given and stats["source"] == "given" and "seconds" not in stats
+

@@ -331,3 +331,20 @@ def test_auto_given_a_calibration_measures_nothing():
     stats = spec.calibration_stats()
     assert spec.calibration is given and stats["source"] == "given" and "seconds" not in stats
 
+
+def test_auto_reports_the_seconds_its_calibration_took(monkeypatch):
+    """calibration_stats()["seconds"]: the time from the start of AutoSpec.measure to the end of its
+    calibration, on this rank's clock (here a fake one that reads 100 s, then 102.5 s)."""
+    import types
+
+    import lossless_hc.training.auto as auto
+    from lossless_hc.training.planner import Calibration
+    sent = Calibration.default()
+
+    def broadcast(t):
+        t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
+    ticks = iter([100.0, 102.5])
+    monkeypatch.setattr(auto, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    spec = AutoSpec()
+    spec.measure(lambda t: None, lambda t: None, broadcast, 1, 2, "cpu", largest_bytes=1 << 16)
+    assert spec.calibration_stats()["seconds"] == 2.5 and spec.calibration_stats()["source"] == "measured"

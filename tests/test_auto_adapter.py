@@ -150,3 +150,22 @@ def test_a_dropped_step_s_second_collectives_are_never_waited_for():
     for waited, outs in results:
         assert waited == ["w0", "w1"]
         assert all(torch.equal(outs[i], xs[1][0][i] + xs[1][1][i]) for i in range(2))
+
+
+def test_an_integer_tensor_passes_through_the_adapter_as_the_engine_s_sum():
+    """An integer tensor (a step counter) gets AutoSpec.make's pass-through aggregator, and the adapter hands
+    back what the engine summed (CompressorAdapter's result), beside a planned float32 tensor of the same
+    step."""
+    n = 2
+    xs = [[torch.tensor([3, 1 << 40, -7]), torch.randn(512, generator=torch.Generator().manual_seed(r))]
+          for r in range(n)]
+    results = [None] * n
+
+    def body(rank, engine):
+        adapter = _Adapter(AutoSpec(calibration=Calibration.default(1e9)), engine, rank)
+        aggs = [adapter.aggregator(i, f"w{i}", x, n, rank) for i, x in enumerate(xs[rank])]
+        results[rank] = _step(adapter, aggs, engine, rank, xs[rank])[1]
+    _run_ranks(n, body)
+    for counter, dense in results:
+        assert counter.dtype == torch.int64 and torch.equal(counter, xs[0][0] + xs[1][0])
+        assert torch.equal(dense, xs[0][1] + xs[1][1])

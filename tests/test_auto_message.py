@@ -67,3 +67,21 @@ def test_auto_decode_message_refuses_sums_that_do_not_fit_the_message():
     for bad in ([m.parts[0][:150]], [m.parts[0][:-1]], [m.parts[0].double()], [], [m.parts[0], m.parts[0]]):
         with pytest.raises(ValueError, match="the sum of part 0|a message of 1 parts"):
             decode_message(m, bad, None, None)
+
+
+def test_an_auto_message_prices_its_parts_on_the_calibrated_link_only_where_every_aggregator_has_it():
+    """The part rule takes the calibrated link where every aggregator of the message has a cost model (every
+    rank alike); one built before the calibration (DDP's first step) has none, and then the message takes the
+    fixed rule: here 512 KiB of a bfloat16 body widened into the float32 part on a far link (2 ms a hop), and
+    sent apart by the fixed rule."""
+    from lossless_hc.training.planner import LinkModel
+    far = CostModel(Calibration(LinkModel(2e-3, 8 / 10e9)))
+    x, y = torch.randn(1 << 18).to(torch.bfloat16), torch.randn(100)
+
+    def aggs(second_model):
+        a = AutoAggregator("w", (1 << 18,), torch.bfloat16, 2, 0, far)
+        a.plain_dtype = torch.bfloat16
+        b = AutoAggregator("v", (100,), torch.float32, 2, 0, second_model, topk_ratio=0.01, thc_bits=4)
+        return [a, b]
+    assert [p.dtype for p in AutoMessage(aggs(far), [x, y]).parts] == [torch.float32]
+    assert [p.dtype for p in AutoMessage(aggs(None), [x, y]).parts] == [torch.float32, torch.bfloat16]

@@ -320,7 +320,8 @@ def test_auto_defaults_are_the_documented_ones_and_reach_every_aggregator():
 
 def test_auto_given_a_calibration_measures_nothing():
     """AutoSpec.measure with a given calibration returns at once: no collective at start-up (every rank plans
-    with the calibration it was given), and calibration_stats says it was given, with no measuring cost."""
+    with the calibration it was given), and calibration_stats says it was given, with no measuring cost, and
+    reports the link and local costs it plans with."""
     from lossless_hc.training.planner import Calibration
     given = Calibration.default(1e9)
     spec = AutoSpec(calibration=given)
@@ -330,6 +331,13 @@ def test_auto_given_a_calibration_measures_nothing():
     spec.measure(refuse, refuse, refuse, 0, 2, "cpu", largest_bytes=1 << 16)
     stats = spec.calibration_stats()
     assert spec.calibration is given and stats["source"] == "given" and "seconds" not in stats
+    # the link every rank plans with, and the local costs (before a calibration: none of them)
+    link = given.link
+    assert (stats["alpha_s"], stats["seconds_per_byte"], stats["allgather_seconds_per_byte"],
+            stats["half_seconds_per_byte"]) == (link.alpha_s, link.seconds_per_byte, link.allgather_seconds_per_byte,
+                                                link.half_seconds_per_byte)
+    assert stats["codec_seconds"] == {s: list(v) for s, v in given.codec_seconds.items()} and stats["codec_seconds"]
+    assert AutoSpec().calibration_stats() == {"source": "pending"}
 
 
 def test_auto_reports_the_seconds_its_calibration_took(monkeypatch):

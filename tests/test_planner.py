@@ -196,6 +196,29 @@ def test_settling_a_message_replans_only_the_tensors_that_planned_since():
         assert small[r].batched == {"allgather"} and big[r].batched == frozenset()
 
 
+def test_settling_a_message_applies_the_plans_due_since_the_calibration_first_and_replans_them():
+    """settle_message_plans without ``plans_before`` (DDP's hook before its message): a plan left due by a
+    step taken before the calibration (no cost model yet) is applied first, and counts as planned since, so
+    it is priced again with its bucket-mates' plans of the same step: the small tensor goes with the big
+    one's allgather at once (not applying the due plans, or applying them only where no cost model is set,
+    passed every other test)."""
+    n = 2
+    rng = torch.Generator().manual_seed(6)
+    big, small = bucket_mates(n)
+    model = big[0].cost_model
+    for a in big + small:   # built before the calibration: the step's statistics leave a plan due
+        a.cost_model = None
+    for aggs, numel in ((big, 1 << 20), (small, 1 << 15)):
+        run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert {a.strategy for a in big + small} == {"dense"} and {a.plans for a in big + small} == {0}
+    for a in big + small:
+        a.cost_model = model
+    for r in range(n):
+        settle_message_plans([big[r], small[r]])
+        assert (big[r].strategy, small[r].strategy) == ("topk_allgather", "topk_allgather")
+        assert small[r].batched == {"allgather"} and small[r].plans == 2 and big[r].plans >= 1
+
+
 def test_a_replan_that_revises_the_step_s_change_back_leaves_no_history_entry():
     """A step's plan changed dense -> top-k; a re-plan of the same step (its message's plans settling) that
     goes back to dense made no change, and leaves no entry; one that goes on to a third strategy leaves one."""

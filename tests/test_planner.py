@@ -219,6 +219,26 @@ def test_settling_a_message_applies_the_plans_due_since_the_calibration_first_an
         assert small[r].batched == {"allgather"} and small[r].plans == 2 and big[r].plans >= 1
 
 
+def test_settling_a_message_ends_with_every_batched_set_from_the_final_plans():
+    """settle_message_plans passes over the message until a pass changes no plan: here A's stale ``batched``
+    moves it to the allgather (pass 1), which moves B to two_phase (pass 2), whose allreduce A is priced with
+    again, keeping its plan (pass 3); every ``batched`` then follows the final plans (a pass fewer left A's
+    from before B's change). Scripted aggregators: A always plans the allgather, B two_phase beside one."""
+    from lossless_hc.training.planner import batched_second_collectives
+
+    class Scripted:
+        def __init__(self, strategy, batched, rule):
+            self.strategy, self.batched, self.rule, self.plans, self.cost_model = strategy, batched, rule, 1, None
+
+        def replan(self):
+            self.strategy = self.rule(self.batched)
+    a = Scripted("dense", frozenset({"allreduce"}), lambda batched: "allgather")
+    b = Scripted("dense", frozenset(), lambda batched: "two_phase" if "allgather" in batched else "dense")
+    settle_message_plans([a, b], [0, 0])
+    assert (a.strategy, b.strategy) == ("allgather", "two_phase")
+    assert [a.batched, b.batched] == batched_second_collectives([a.strategy, b.strategy]) == [{"allreduce"}, {"allgather"}]
+
+
 def test_a_replan_that_revises_the_step_s_change_back_leaves_no_history_entry():
     """A step's plan changed dense -> top-k; a re-plan of the same step (its message's plans settling) that
     goes back to dense made no change, and leaves no entry; one that goes on to a third strategy leaves one."""

@@ -169,3 +169,18 @@ def test_an_integer_tensor_passes_through_the_adapter_as_the_engine_s_sum():
     for counter, dense in results:
         assert counter.dtype == torch.int64 and torch.equal(counter, xs[0][0] + xs[1][0])
         assert torch.equal(dense, xs[0][1] + xs[1][1])
+
+
+def test_the_guard_compares_the_dense_tensors_plans_only():
+    """The plans the step guard compares (_dense_plans) are the dense gradients', in name order: a sparse
+    gradient's (which the dense window leaves on its plan) and an integer tensor's pass-through are not
+    among them."""
+    spec = AutoSpec(calibration=Calibration.default())
+    adapter = AutoCompressorAdapter(spec)
+    tensors = (("c", torch.zeros(4096)), ("b", torch.zeros(100, 4).to_sparse()),
+               ("n", torch.zeros(3, dtype=torch.int64)), ("a", torch.zeros(4096)))
+    for name, tensor in tensors:
+        adapter.aggregator(name, name, tensor, 2, 0)
+    adapter.aggregators()["a"].strategy = "sketch"
+    assert adapter.aggregators()["b"].sparse
+    assert adapter._dense_plans() == ("sketch", "dense")

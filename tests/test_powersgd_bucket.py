@@ -97,3 +97,17 @@ def test_a_planner_refuses_a_non_positive_compression_rate_and_a_bucket_that_cha
     assert planner.bucket(0, 9, [Agg("p0"), Agg("p1")], grads, buffer, None, 2) is planner.buckets[0]
     with pytest.raises(RuntimeError, match="changed its parameters"):
         planner.bucket(0, 9, [Agg("p1"), Agg("p0")], grads, buffer, None, 2)
+
+
+def test_a_bucket_s_state_takes_torch_s_defaults_and_an_epsilon_that_keeps_columns_unit():
+    """The planner's defaults are the module doc's: rank 4, start 2 and torch's own min_compression_rate (2),
+    and the state's orthogonalization epsilon (1e-8) only guards a zero column: a non-zero P still comes out
+    of torch's Gram-Schmidt (rank 1 and 2) with columns of unit norm, as with torch's default 0."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize
+    planner = PowerSGDPlanner()
+    assert (planner.rank, planner.start) == (4, 2)
+    assert planner.min_compression_rate == PowerSGDState(process_group=None).min_compression_rate == 2
+    bucket = _bucket([(64, 32)], rank=2)
+    p = torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(4)) * 3
+    _orthogonalize(p, bucket.state.orthogonalization_epsilon)
+    assert torch.allclose(p.norm(dim=1), torch.ones(1, 2), atol=1e-6)

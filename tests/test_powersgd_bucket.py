@@ -100,12 +100,12 @@ def test_a_planner_refuses_a_non_positive_compression_rate_and_a_bucket_that_cha
 
 
 def test_a_bucket_s_state_takes_torch_s_defaults_and_an_epsilon_that_keeps_columns_unit():
-    """The planner's defaults are the module doc's: rank 4, start 2 and torch's own min_compression_rate (2),
+    """The planner's defaults are the module doc's: rank 4, start 2, seed 0 and torch's min_compression_rate (2),
     and the state's orthogonalization epsilon (1e-8) only guards a zero column: a non-zero P still comes out
     of torch's Gram-Schmidt (rank 1 and 2) with columns of unit norm, as with torch's default 0."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _orthogonalize
     planner = PowerSGDPlanner()
-    assert (planner.rank, planner.start) == (4, 2)
+    assert (planner.rank, planner.start, planner.seed) == (4, 2, 0)   # seed 0: the spec's default seed
     assert planner.min_compression_rate == PowerSGDState(process_group=None).min_compression_rate == 2
     bucket = _bucket([(64, 32)], rank=2)
     p = torch.randn(1, 64, 2, generator=torch.Generator().manual_seed(4)) * 3

@@ -51,7 +51,7 @@ def test_layout_follows_torchs_matrix_view_and_min_compression_rate():
         powersgd_layout([()], 4, 2)   # torch's hook cannot view a scalar as a matrix
     # rank 0 "compressed" every matrix into nothing (0 bytes, 0 flops: PowerSGD predicted free), 2.5 ran at 2
     for rank, rate, error in ((0, 2, ValueError), (2.5, 2, TypeError), (True, 2, TypeError),
-                              (4, -1, ValueError), (4, float("nan"), ValueError)):
+                              (4, -1, ValueError), (4, 0, ValueError), (4, float("nan"), ValueError)):
         with pytest.raises(error, match="rank|min_compression_rate"):
             powersgd_layout([(512, 512)], rank, rate)
 

@@ -271,6 +271,8 @@ def test_small_or_vector_buckets_and_fast_links_keep_their_per_parameter_plans()
         planners = [PowerSGDPlanner() for _ in range(2)]
         assert decide(planners, aggs, grads, model) == [None, None], shapes
         assert planners[0].stats()[0]["strategy"] == "per_parameter"
+        # no matrix beats its own plan here: no part of the bucket is priced
+        assert "powersgd_part" not in planners[0].stats()[0]["predicted_seconds"]
         assert planners[0].stats() == planners[1].stats()
 
 

@@ -82,7 +82,7 @@ def test_a_planner_refuses_a_non_positive_compression_rate_and_a_bucket_that_cha
     fine (powersgd_layout takes any number > 0); a PowerSGD
     bucket whose DDP bucket later holds other parameters is an error, not an error memory added to the
     wrong gradients."""
-    for bad in (0, -1.0, float("nan")):
+    for bad in (0, -1.0, float("nan"), "2", True, None):   # a string or True was taken as float() took it
         with pytest.raises(ValueError, match="min_compression_rate"):
             PowerSGDPlanner(min_compression_rate=bad)
     assert PowerSGDPlanner(min_compression_rate=0.5).min_compression_rate == 0.5   # any rate > 0, as torch's

@@ -249,8 +249,8 @@ class PowerSGDPlanner:
         if isinstance(start, bool) or not isinstance(start, int) or start < 2:
             raise ValueError(f"powersgd_start must be an integer >= 2 (torch's start_powerSGD_iter with error "
                              f"feedback), got {start!r}")
-        if not float(min_compression_rate) > 0:
-            raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
+        if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # powersgd_layout's rule
+            raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
         self.rank, self.start, self.min_compression_rate = rank, start, float(min_compression_rate)
         self.seed = check_uint64(seed, "seed")   # int(1.5) would be 1 (every rank must agree)
         self.agg_stats = stats if stats is not None else AggregationStats()

@@ -246,6 +246,33 @@ def test_contract_takes_the_larger_of_rtol_and_gamma():
     assert float(allowed_error(s, a, 2, 2.0 ** -10)[0]) == pytest.approx(want, rel=1e-15, abs=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_contract_allows_half_the_smallest_subnormal_where_no_rank_wrote(dtype):
+    """At s = a = 0 every relative term vanishes: the allowance is exactly half the output dtype's
+    smallest subnormal (2^-150, 2^-25, 2^-134; rounding below the normal range is absolute). Any more
+    would pass a non-zero decode of a coordinate that no rank touched."""
+    zero = torch.zeros(1, dtype=torch.float64)
+    info = torch.finfo(dtype)
+    assert float(allowed_error(zero, zero, 4, 2.0 ** -10, dtype)[0]) == info.smallest_normal * info.eps / 2
+
+
+def test_contract_of_one_rank_allows_no_summation_rounding():
+    """One rank adds nothing: gamma_0 = 0, so at rtol = 0 a float32 decode of a lone value may be off by
+    the truth's rounding (2 * 2^-53 a) and half the smallest subnormal only, not by gamma_1 a."""
+    s = a = torch.ones(1, dtype=torch.float64)
+    want = 2 * 2.0 ** -53 + 2.0 ** -150
+    assert float(allowed_error(s, a, 1, 0.0)[0]) == pytest.approx(want, rel=1e-12, abs=0)
+    assert outside_contract(torch.tensor([1.0 - 2.0 ** -24]), s, a, 1, 0.0).tolist() == [True]
+
+
+def test_truth_of_one_rank_is_its_tensor_and_its_magnitude():
+    """truth takes any number of ranks, one included: the sum and the absolute mass of a lone tensor
+    are the tensor and its absolute value, flattened, in float64."""
+    s, a = truth([torch.tensor([[1.5, -2.0], [0.0, 3.0]])])
+    assert s.dtype == a.dtype == torch.float64
+    assert s.tolist() == [1.5, -2.0, 0.0, 3.0] and a.tolist() == [1.5, 2.0, 0.0, 3.0]
+
+
 def test_a_plain_aggregate_refused_as_corrupted_is_wrong(monkeypatch):
     """A decoder that refuses valid sums as corrupted claims nothing, yet is wrong. With the header check of an
     average exact (a mutation of LosslessCodec._read_header: an averaged field is within 1/2 of an integer, not

@@ -273,6 +273,40 @@ def test_truth_of_one_rank_is_its_tensor_and_its_magnitude():
     assert s.tolist() == [1.5, -2.0, 0.0, 3.0] and a.tolist() == [1.5, 2.0, 0.0, 3.0]
 
 
+def test_contract_judges_a_sum_unless_told_it_is_an_average():
+    """outside_contract and claimed_outside_contract judge a SUM by default: the average's extra
+    rounding (u |s|, the division by n) is allowed only with averaged=True. One rank, rtol 0, truth 1: a
+    decode of 1 - 2^-24 is one such rounding off."""
+    from types import SimpleNamespace
+
+    from lossless_hc.lhc.contract import claimed_outside_contract
+    from lossless_hc.lhc.status import DecodeStatus
+
+    s = a = torch.ones(1, dtype=torch.float64)
+    y = torch.tensor([1.0 - 2.0 ** -24])
+    assert outside_contract(y, s, a, 1, 0.0).tolist() == [True]
+    assert outside_contract(y, s, a, 1, 0.0, averaged=True).tolist() == [False]
+    ok = SimpleNamespace(ok=True, status=DecodeStatus.OK, inexact_keys=torch.empty(0, dtype=torch.int64))
+    assert claimed_outside_contract(y, ok, s, a, 1, 0.0, 1).tolist() == [True]
+    assert claimed_outside_contract(y, ok, s, a, 1, 0.0, 1, averaged=True).tolist() == [False]
+
+
+def test_a_decode_exactly_at_the_allowance_is_within_the_contract():
+    """Within iff |y - s| <= the allowance (module doc): a decode off by exactly the allowance is within
+    (and within its own bound, outside_bounds' doc).
+    For a truth (s, a) = (1, 0) at one rank and rtol 2^-10 the allowance is 2^-10 exactly (half the
+    smallest subnormal rounds away in float64); 1 + 2^-10 is exactly that far, the next float32 further."""
+    s, a = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    assert float(allowed_error(s, a, 1, 2.0 ** -10)[0]) == 2.0 ** -10
+    y = torch.tensor([1.0 + 2.0 ** -10, 1.0 + 2.0 ** -10 + 2.0 ** -23])
+    assert outside_contract(y, s.repeat(2), a.repeat(2), 1, 2.0 ** -10).tolist() == [False, True]
+    # outside_bounds likewise flags only |y - s| > E + u (|s| + E) (+ ...): with E = 1 that is 1 + 2^-23
+    # exactly, which -2^-23 is from s = 1, and -2^-22 more
+    bound = (torch.tensor([0, 1]), torch.ones(2, dtype=torch.float64))
+    y = torch.tensor([-2.0 ** -23, -2.0 ** -22])
+    assert outside_bounds(y, s.repeat(2), a.repeat(2), 1, bound, 1).tolist() == [False, True]
+
+
 def test_a_plain_aggregate_refused_as_corrupted_is_wrong(monkeypatch):
     """A decoder that refuses valid sums as corrupted claims nothing, yet is wrong. With the header check of an
     average exact (a mutation of LosslessCodec._read_header: an averaged field is within 1/2 of an integer, not

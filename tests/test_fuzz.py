@@ -307,6 +307,32 @@ def test_a_decode_exactly_at_the_allowance_is_within_the_contract():
     assert outside_bounds(y, s.repeat(2), a.repeat(2), 1, bound, 1).tolist() == [False, True]
 
 
+def test_outside_bounds_allows_the_truths_rounding_as_the_contract_does():
+    """outside_bounds adds the float64 truth's own rounding, (n + 1) 2^-53 a, as allowed_error does: a
+    key with E = 0 whose ranks cancel (x and -x: s = 0, a = 2x) may decode 2^-20 off where that term is
+    1.01 times 2^-20, not where it is 0.99 times it (so neither a smaller nor a larger term passes)."""
+    n, y = 2, torch.tensor([2.0 ** -20])
+    no_bound = (torch.tensor([0]), torch.zeros(1, dtype=torch.float64))
+    for factor, flagged in ((1.01, False), (0.99, True)):
+        x = torch.tensor([factor * 2.0 ** -20 / ((n + 1) * 2.0 ** -53) / 2])
+        s, a = truth([x, -x])
+        assert float(s[0]) == 0.0
+        assert (n + 1) * 2.0 ** -53 * float(a[0]) == pytest.approx(factor * 2.0 ** -20, rel=1e-6)
+        assert outside_bounds(y, s, a, n, no_bound, 1).tolist() == [flagged], factor
+    # and a decode equal to the truth is never outside its bound, however large the cancelled mass
+    assert not outside_bounds(torch.zeros(1), s, a, n, no_bound, 1).any()
+
+
+def test_outside_bounds_rounds_the_peeled_value_relative_to_its_bound_too():
+    """The peeled float64 value is off by up to E from s, so rounding it to the output costs
+    u_out (|s| + E): at s = 0 (the ranks cancel) with E = 1, a float32 decode of 1 is within its bound
+    (E + 2^-24 E), and a decode of 1 + 2^-23 (beyond it) is not."""
+    s, a = truth([torch.tensor([3.0, 3.0]), torch.tensor([-3.0, -3.0])])
+    bounds = (torch.tensor([0, 1]), torch.ones(2, dtype=torch.float64))
+    y = torch.tensor([1.0, 1.0 + 2.0 ** -23])
+    assert outside_bounds(y, s, a, 2, bounds, 1).tolist() == [False, True]
+
+
 def test_a_plain_aggregate_refused_as_corrupted_is_wrong(monkeypatch):
     """A decoder that refuses valid sums as corrupted claims nothing, yet is wrong. With the header check of an
     average exact (a mutation of LosslessCodec._read_header: an averaged field is within 1/2 of an integer, not

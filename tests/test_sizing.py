@@ -162,3 +162,75 @@ def test_digit_packing_is_as_dense_as_exactness_allows(max_aggregate):
     P = digit_packing(max_aggregate, 100)
     assert P.base == max_aggregate + 1
     assert P.base ** P.per_word <= INT_FIELD_LIMIT < P.base ** (P.per_word + 1)
+
+
+def test_an_empty_value_sketch_is_one_cell_per_segment():
+    """No candidate keys: the smallest table there is (three segments of one cell), on the stream given
+    (0 by default), not an error."""
+    from lossless_hc.lhc.layout import SegmentedTable
+    assert sketch_table_for(0) == SegmentedTable(seg_len=1, seg_count=3, stream=0)
+    assert sketch_table_for(0, 7) == SegmentedTable(seg_len=1, seg_count=3, stream=7)
+    assert sketch_table_for(10).stream == 0
+
+
+@pytest.mark.parametrize("keys", [3000, 6000, 10_000, 20_000, 2 ** 15])
+def test_a_single_group_sketch_is_1_25_cells_per_key_plus_its_margin(keys):
+    """Where the small stopping sets do not bind (a few thousand keys up to the split at 2^15), a value
+    sketch is one group of three segments of exactly ceil((1.25 N + 3 sqrt(N) + 8) / 3) signed cells
+    (sketch_table_for's doc): no more, since every cell is wire."""
+    table = sketch_table_for(keys)
+    assert (table.seg_count, table.weighted) == (3, False)
+    assert table.seg_len == math.ceil((1.25 * keys + 3 * math.sqrt(keys) + 8) / 3)
+
+
+@pytest.mark.parametrize("keys", [500, 700, 879])
+def test_small_sketches_are_weighted_at_no_more_than_1_6_cells_per_key(keys):
+    """A small single-group sketch takes weights +-1, +-2 where that is smaller than the signed table,
+    loaded at most 1 / 1.6: from a few hundred keys that load is what sizes it, ceil(1.6 N / 3) cells
+    per segment. At 880 keys the weighted table would be as large as the signed one (470 cells per
+    segment): no smaller, so the table stays signed (the more accurate of the two)."""
+    table = sketch_table_for(keys)
+    assert table.weighted and table.seg_count == 3
+    assert table.seg_len == math.ceil(1.6 * keys / 3)
+    at_880 = sketch_table_for(880)
+    assert not at_880.weighted and at_880.seg_len == math.ceil(1.6 * 880 / 3) == 470
+
+
+def test_value_sketches_split_into_groups_above_2_to_the_15_keys():
+    """GROUP_KEYS is 2^14 (docs/DESIGN.md, "Groups"): a sketch of 2^15 keys is one group, one of
+    2^15 + 1 keys three (ceil(N / 2^14), below the pair cap)."""
+    assert sketch_table_for(2 ** 15).seg_count == 3
+    assert sketch_table_for(2 ** 15 + 1).seg_count == 9
+
+
+def test_the_unsolvable_pair_shares_are_the_weight_patterns_proportional_share():
+    """The shares the sizing assumes, derived as the module says: with signs +-1 two of the eight sign
+    patterns of a colliding pair are proportional; with weights uniform on {+1, +2, -1, -2} a ratio is
+    +-1 with probability 1/4 each and +-2, +-1/2 with 1/8 each, so 2 (1/4)^3 + 4 (1/8)^3 = 5/128."""
+    from lossless_hc.lhc.sizing import PAIR_UNSOLVABLE_SHARE_SIGNS, PAIR_UNSOLVABLE_SHARE_WEIGHTS
+    assert PAIR_UNSOLVABLE_SHARE_SIGNS == 2 / 8
+    assert PAIR_UNSOLVABLE_SHARE_WEIGHTS == 2 * (1 / 4) ** 3 + 4 * (1 / 8) ** 3 == 5 / 128
+
+
+@pytest.mark.parametrize("keys,groups", [(32_769, 3), (100_000, 7), (1_000_000, 23), (5_370_000, 55)])
+def test_grouped_sketches_size_each_group_for_its_share_and_four_sigmas(keys, groups):
+    """Past 2^15 keys: G = min(ceil(N / 2^14), int(sqrt(1e-3 N / (7 * 1/4)))) groups (the pair cap sets G
+    from ~150k keys: 23 groups at 1M keys, 55 at 5.37M, docs/DESIGN.md "Groups"), each of three segments of
+    ceil((1.25 m + 3 sqrt(m) + 8) / 3) cells for its share m = N/G + 4 sqrt(N/G)."""
+    table = sketch_table_for(keys)
+    assert table.seg_count == 3 * groups
+    assert groups == min(math.ceil(keys / 2 ** 14), int(math.sqrt(1e-3 * keys / (7 * 0.25))))
+    m = keys / groups + 4 * math.sqrt(keys / groups)
+    assert table.seg_len == math.ceil((1.25 * m + 3 * math.sqrt(m) + 8) / 3)
+
+
+@pytest.mark.parametrize("nodes,groups", [(2049, 1), (7000, 2), (20_000, 3)])
+def test_fine_tables_of_large_nodes_are_capped_in_groups_by_the_pair_bound(nodes, groups):
+    """fine_table_for aims at GROUP_KEYS * 4 / (3 + words) nodes per group (1024 for 61-word nodes),
+    but the pair bound int(sqrt(1e-3 N / (7 / 4))) caps the groups: 2049 nodes stay one group (sized
+    without a margin), 7000 take two and 20000 three, each sized for N/G plus 4 sqrt(N/G) nodes."""
+    from lossless_hc.lhc.sizing import fine_table_for
+    t = fine_table_for(nodes, 61)
+    assert t.seg_count == 3 * groups
+    m = nodes / groups + (4 * math.sqrt(nodes / groups) if groups > 1 else 0)
+    assert t.seg_len == math.ceil((1.25 * m + 3 * math.sqrt(m) + 8) / 3)

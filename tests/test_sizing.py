@@ -234,3 +234,103 @@ def test_fine_tables_of_large_nodes_are_capped_in_groups_by_the_pair_bound(nodes
     assert t.seg_count == 3 * groups
     m = nodes / groups + (4 * math.sqrt(nodes / groups) if groups > 1 else 0)
     assert t.seg_len == math.ceil((1.25 * m + 3 * math.sqrt(m) + 8) / 3)
+
+
+def test_small_stopping_sets_is_the_documented_sum_of_pairs_and_4_and_6_key_sets():
+    """pair_share u^2 / (2 t^3) + 27 u^4 / (24 t^6) + 3375 u^6 / (720 t^9), every term checked apart
+    (pair_share 1 by default)."""
+    from lossless_hc.lhc.sizing import small_stopping_sets
+    u, t = 10.0, 10.0
+    pairs, fours, sixes = u * u / (2 * t ** 3), 27 * u ** 4 / (24 * t ** 6), 3375 * u ** 6 / (720 * t ** 9)
+    assert small_stopping_sets(u, t) == pytest.approx(pairs + fours + sixes, rel=1e-12)
+    assert small_stopping_sets(u, t, 0.5) == pytest.approx(0.5 * pairs + fours + sixes, rel=1e-12)
+    assert small_stopping_sets(u, t, 0.0) == pytest.approx(fours + sixes, rel=1e-12)
+    assert small_stopping_sets(40, 20, 0.0) == pytest.approx(27 * 40 ** 4 / (24 * 20 ** 6)
+                                                             + 3375 * 40 ** 6 / (720 * 20 ** 9), rel=1e-12)
+
+
+@pytest.mark.parametrize("nodes", [10, 100, 1000, 5000])
+def test_small_tables_are_the_smallest_whose_stopping_sets_meet_the_target(nodes):
+    """A one-group table is 1.25 cells per id plus 3 sqrt + 8, or, where its small stopping sets
+    (pairs a quarter unsolvable: signed fine tables) would exceed 1e-3, the smallest segment that
+    brings them to 1e-3: one cell fewer per segment would not."""
+    from lossless_hc.lhc.sizing import fine_table_for, small_stopping_sets
+    t = fine_table_for(nodes, 1)
+    assert t.seg_count == 3
+    base = math.ceil((1.25 * nodes + 3 * math.sqrt(nodes) + 8) / 3)
+    assert small_stopping_sets(nodes, t.seg_len, 0.25) <= 1e-3
+    if t.seg_len != base:
+        assert t.seg_len > base and small_stopping_sets(nodes, t.seg_len - 1, 0.25) > 1e-3
+    else:
+        assert small_stopping_sets(nodes, base, 0.25) <= 1e-3
+    # the weighted value sketch of 100 keys: its stopping sets (5/128 of pairs unsolvable), not 1.6 per key
+    small = sketch_table_for(100)
+    assert small.weighted and small.seg_len > math.ceil(1.6 * 100 / 3)
+    assert small_stopping_sets(100, small.seg_len, 5 / 128) <= 1e-3
+    assert small_stopping_sets(100, small.seg_len - 1, 5 / 128) > 1e-3
+
+
+def _poisson_tail_exact(lam, q):
+    return sum(math.exp(-lam + i * math.log(lam) - math.lgamma(i + 1)) for i in range(q + 1, q + 400))
+
+
+@pytest.mark.parametrize("lam,q", [(0.5, 0), (0.5, 3), (2.0, 1), (3.0, 6), (10.0, 12), (0.01, 5), (0.2, 12)])
+def test_poisson_tail_is_the_probability_above_q(lam, q):
+    """_poisson_tail(lam, q) = P(Poisson(lam) > q) (the Bloom counters' and fine cells' caps rest on it);
+    where 1 - cdf has lost its digits it is an upper bound within a few percent of the tail."""
+    from lossless_hc.lhc.sizing import _poisson_tail
+    exact = _poisson_tail_exact(lam, q)
+    got = _poisson_tail(lam, q)
+    if exact > 1e-8:
+        assert got == pytest.approx(exact, rel=1e-6)
+    else:
+        assert exact <= got <= 1.05 * exact
+    assert _poisson_tail(0.0, 3) == 0.0 and _poisson_tail(-1.0, 0) == 0.0
+
+
+def _bloom_rules_hold(num_keys, union, cells):
+    """bloom_table_for's three rules at ``cells`` counters: E[FP] <= max(U / 4, 16), twins <= 1e-3, and
+    room to peel the U + FP candidates (+ 4 sigmas of FP) as a value sketch would."""
+    u, others, t = max(1, union), max(0, num_keys - union), cells / 3
+    fp = others * (1 - math.exp(-u / t)) ** 3
+    twins = (u * others + (u + fp) ** 2 / 2) / t ** 3
+    return (fp <= max(0.25 * u, 16) and twins <= 1e-3
+            and cells >= sketch_table_for(u + math.ceil(fp + 4 * math.sqrt(fp))).cells)
+
+
+def _bloom_cap(capacity, n, t):
+    """The smallest per-rank cap q >= 1 with n * 3t * P(Poisson(capacity / t) > q) <= 1e-6."""
+    q = 1
+    while n * 3 * t * _poisson_tail_exact(max(1, capacity) / t, q) > 1e-6:
+        q += 1
+    return q
+
+
+# (num_keys, union, capacity, world_size): a union of one key (sized for exactly one); twins set the
+# size of the small ones, false positives (U / 4) of the larger
+BLOOM_SIZES = [(1000, 1, 1, 2), (1000, 6, 2, 3), (5000, 40, 10, 4), (20000, 50, 10, 5), (20000, 2000, 400, 5),
+               (100000, 500, 100, 5)]
+
+
+@pytest.mark.parametrize("num_keys,union,capacity,n", BLOOM_SIZES)
+def test_bloom_table_is_the_smallest_feasible_or_one_that_packs_into_fewer_words(num_keys, union, capacity, n):
+    """bloom_table_for's rules (its doc): the smallest counter count meeting the false-positive, twin
+    and peeling rules, or 1.25, 1.5 or 2 times it where the smaller per-rank cap q packs the counters into
+    fewer words (the fewest words, then the smallest table, wins); q is the smallest cap whose
+    saturation probability over every rank's counters is at most 1e-6."""
+    from lossless_hc.lhc.sizing import bloom_table_for
+    table, q = bloom_table_for(num_keys, union, capacity, n, stream=9)
+    assert (table.seg_count, table.stream, table.weighted) == (3, 9, False)
+    lo, hi = 3, 3 * union
+    while not _bloom_rules_hold(num_keys, union, hi):
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _bloom_rules_hold(num_keys, union, mid) else (mid + 1, hi)
+    candidates = [-(-int(lo * f) // 3) for f in (1.0, 1.25, 1.5, 2.0)]
+
+    def words(t):
+        return digit_packing(n * _bloom_cap(capacity, n, t), 3 * t).words
+
+    assert table.seg_len == min(candidates, key=lambda t: (words(t), t))
+    assert q == _bloom_cap(capacity, n, table.seg_len)

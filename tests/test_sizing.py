@@ -274,7 +274,8 @@ def _poisson_tail_exact(lam, q):
     return sum(math.exp(-lam + i * math.log(lam) - math.lgamma(i + 1)) for i in range(q + 1, q + 400))
 
 
-@pytest.mark.parametrize("lam,q", [(0.5, 0), (0.5, 3), (2.0, 1), (3.0, 6), (10.0, 12), (0.01, 5), (0.2, 12)])
+@pytest.mark.parametrize("lam,q", [(0.5, 0), (0.5, 3), (2.0, 1), (3.0, 6), (10.0, 12), (0.01, 5), (0.2, 12),
+                                   (1e-4, 2)])
 def test_poisson_tail_is_the_probability_above_q(lam, q):
     """_poisson_tail(lam, q) = P(Poisson(lam) > q) (the Bloom counters' and fine cells' caps rest on it);
     where 1 - cdf has lost its digits it is an upper bound within a few percent of the tail."""
@@ -321,6 +322,7 @@ def test_bloom_table_is_the_smallest_feasible_or_one_that_packs_into_fewer_words
     from lossless_hc.lhc.sizing import bloom_table_for
     table, q = bloom_table_for(num_keys, union, capacity, n, stream=9)
     assert (table.seg_count, table.stream, table.weighted) == (3, 9, False)
+    assert bloom_table_for(num_keys, union, capacity, n)[0].stream == 0   # the default stream
     lo, hi = 3, 3 * union
     while not _bloom_rules_hold(num_keys, union, hi):
         hi *= 2

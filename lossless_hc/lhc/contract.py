@@ -22,10 +22,12 @@ For a coordinate i with float32 inputs :math:`x_{r,i}` on n ranks, true sum
 For an average, :math:`s_i` and :math:`a_i` are the sum's divided by n.
 
 So a coordinate no rank touched (:math:`a_i = 0`) must decode to exactly 0, a non-finite output is
-never within it (except the infinity of :math:`s_i`'s sign where :math:`s_i` is, within the bound,
-beyond the output dtype's largest finite value: the dense sum in that dtype overflows too), and a small value next to a large one in the same sketch cell must keep its own
-relative accuracy. The truth is computed in float64 (:func:`truth`), whose own rounding
-(:math:`\le n\,2^{-53} a_i`) is added to the allowance so that it never decides a verdict.
+never within it (except the infinity of :math:`s_i`'s sign where :math:`s_i` is, within the bound, at
+or beyond the output dtype's largest finite value: the dense sum in that dtype can overflow too), and a
+small value next to a large one in the same sketch cell must keep its own relative accuracy. The
+truth is computed in float64 (:func:`truth`), whose own rounding (:math:`\le n\,2^{-53} a_i`, n
+additions of exact float64 values) is added to the allowance with a margin, as
+:math:`(n + 1)\,2^{-53} a_i`, so that it never decides a verdict.
 """
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ def claimed_outside_contract(y: torch.Tensor, report, s: torch.Tensor, a: torch.
 
 
 def _overflowed(yd: torch.Tensor, s: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Where ``yd`` is the infinity of ``s``'s sign and ``s`` is, within ``allowed``, beyond ``dtype``'s
-    largest finite value: the dense sum in that dtype overflows too (module doc)."""
+    """Where ``yd`` is the infinity of ``s``'s sign and ``|s| + allowed`` reaches ``dtype``'s largest
+    finite value: the dense sum in that dtype can overflow too (module doc)."""
     return torch.isinf(yd) & (torch.sign(yd) == torch.sign(s)) & (s.abs() + allowed >= torch.finfo(dtype).max)
 
 

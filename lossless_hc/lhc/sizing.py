@@ -116,11 +116,12 @@ def small_stopping_sets(keys: float, seg_len: float, pair_share: float = 1.0) ->
             + 3375.0 * u ** 6 / (720.0 * t ** 9))
 
 
-def _group_cells(per_group: float, groups: int = 1, pair_share: float = 1.0) -> float:
-    """Cells of one group of three segments that peels ``per_group`` keys (see sketch_table_for);
-    ``pair_share``: the fraction of two-key stopping sets the decoder cannot solve (1 for the
-    integer index tables, ``PAIR_UNSOLVABLE_SHARE_SIGNS`` or ``_WEIGHTS`` for the value sketch). The groups' small
-    stopping sets together stay below ``PEEL_FAILURE_TARGET``."""
+def _group_cells(per_group: float, groups: int, pair_share: float) -> float:
+    """Cells of one of ``groups`` groups of three segments that peels ``per_group`` keys (see
+    sketch_table_for); ``pair_share``: the fraction of two-key stopping sets the decoder cannot solve
+    (``PAIR_UNSOLVABLE_SHARE_SIGNS`` for signed tables, the value sketch's and the fine index tables',
+    ``PAIR_UNSOLVABLE_SHARE_WEIGHTS`` for the weighted value sketch). The groups' small stopping sets
+    together stay below ``PEEL_FAILURE_TARGET``."""
     cells = SKETCH_CELLS_PER_KEY * per_group + 3.0 * math.sqrt(per_group) + 8
     seg = max(1, math.ceil(cells / 3))
     if groups * small_stopping_sets(per_group, seg, pair_share) <= PEEL_FAILURE_TARGET:

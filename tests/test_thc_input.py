@@ -207,3 +207,18 @@ def test_state_dict_round_trip():
     clone = lhc.THCCodec(300, 2, rank=0)
     clone.load_state_dict(state)
     assert clone.step == 1 and clone.norm == codecs[0].norm and torch.equal(clone.error, codecs[0].error)
+
+
+def test_defaults_are_the_documented_thc_configuration():
+    """THCCodec(numel, world_size) is the configuration docs/THC.md builds by hand (bits=4, granularity=30,
+    overflow_freq=32, seed=0) with Hadamard blocks of 1024, OpenMP's default thread count, rank 0, error
+    feedback on and non-finite inputs raising: its payloads are, bit for bit, those of a codec given them."""
+    c = lhc.THCCodec(4096, 2, initial_norm=60.0)
+    assert (c.table.bits, len(c.table.levels), c.granularity, c.overflow_freq, c.seed) == (4, 16, 30, 32.0, 0)
+    assert (c.layout.block, c.num_threads, c.rank, c.non_finite) == (1024, 0, 0, "raise")
+    assert c.error is not None and c.payload_dtype == torch.float64
+    explicit = lhc.THCCodec(4096, 2, rank=0, bits=4, granularity=30, overflow_freq=32, seed=0, hadamard_block=1024,
+                            initial_norm=60.0)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(c.encode(x), explicit.encode(x))
+

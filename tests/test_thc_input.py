@@ -222,3 +222,12 @@ def test_defaults_are_the_documented_thc_configuration():
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
     assert torch.equal(c.encode(x), explicit.encode(x))
 
+
+def test_an_explicit_table_of_all_g_plus_1_integers_is_accepted():
+    """bits=4 at granularity 7: 2^bits > g + 1, so the table is all 8 integers 0..7 (the docstring of bits);
+    an explicit table of those 8 levels is the one bits describes, one of 7 is refused."""
+    c = lhc.THCCodec(100, 2, bits=4, granularity=7, levels=range(8), initial_norm=5.0)
+    assert c.table.levels == tuple(range(8))
+    assert c.table.levels == lhc.THCCodec(100, 2, bits=4, granularity=7).table.levels
+    with pytest.raises(ValueError, match="levels has 7 entries"):
+        lhc.THCCodec(100, 2, bits=4, granularity=7, levels=range(7))

@@ -376,6 +376,28 @@ def test_bootstrap_step_sends_norms_only():
                                                               dtype=torch.float64), rtol=1e-6, atol=0)
 
 
+
+def test_reset_forgets_memory_norm_and_step_and_starts_with_a_norm_only_round():
+    """reset() on every rank: the error memory is zeroed, the agreed norm forgotten (initial_norm too) and
+    the step counter back at 0, so the next step is a norm-only round, as the first step of a fresh codec:
+    it decodes to zeros and keeps all of x owed."""
+    n, numel = 2, 3000
+    codecs = make_ranks(n, numel, initial_norm=50.0, seed=4)
+    gen = torch.Generator().manual_seed(8)
+    run_step(codecs, [torch.randn(numel, generator=gen) for _ in range(n)])   # quantizes from step 0
+    assert all(float(c.error.abs().max()) > 0 for c in codecs) and codecs[0].step == 1
+    for c in codecs:
+        c.reset()
+    assert all(c.step == 0 and c.norm == 0.0 and bool((c.error == 0).all()) for c in codecs)
+    xs = [torch.randn(numel, generator=gen) for _ in range(n)]
+    fresh = make_ranks(n, numel, seed=4)
+    want = run_step(fresh, xs)
+    ys = run_step(codecs, xs)   # encode is allowed at once: no step is pending after a reset
+    assert all(bool((y == 0).all()) for y in ys) and all(torch.equal(y, w) for y, w in zip(ys, want))
+    for c, f, x in zip(codecs, fresh, xs):
+        assert torch.equal(c.error, x) and c.norm == f.norm and c.step == 1
+
+
 def test_error_feedback_telescopes_and_stays_bounded():
     n, numel, steps = 4, 6000, 60
     codecs = make_ranks(n, numel, seed=1)

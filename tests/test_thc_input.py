@@ -193,6 +193,22 @@ def test_configuration_mismatch_is_detected():
             c.decode(summed)
 
 
+
+def test_ranks_with_different_tables_or_at_different_steps_are_a_configuration_mismatch():
+    """The fingerprint covers the table's levels and the step (codec docstring: ranks built with different
+    arguments, or out of step): two explicit tables of as many levels, or one rank a step ahead with the same
+    agreed norm, decode to the named mismatch on every rank, not to a silently wrong sum."""
+    tables = [lhc.THCCodec(400, 2, rank=r, bits=2, levels=lv, initial_norm=10.0)
+              for r, lv in enumerate([(0, 10, 20, 30), (0, 9, 21, 30)])]
+    ahead = lhc.THCCodec(400, 2, rank=1, initial_norm=10.0)
+    ahead.load_state_dict({"step": 1, "norm": 10.0, "error": torch.zeros(400)})
+    for codecs in (tables, [lhc.THCCodec(400, 2, rank=0, initial_norm=10.0), ahead]):
+        summed = sum(c.encode(torch.randn(400)) for c in codecs)
+        for c in codecs:
+            with pytest.raises(ValueError, match="fingerprints disagree"):
+                c.decode(summed)
+
+
 def test_decode_restores_shape_and_dtype():
     codecs = make_ranks(2, 60, initial_norm=10.0)
     xs = [torch.randn(3, 4, 5, dtype=torch.bfloat16) for _ in range(2)]

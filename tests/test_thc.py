@@ -219,6 +219,21 @@ def test_checksum_field_is_the_defined_sum_and_survives_aggregation(dtype, numel
         c.decode(sum(payloads))
 
 
+
+def test_fingerprint_field_stays_within_its_bits():
+    """The header's fingerprint is a FINGERPRINT_BITS-bit hash: plan_thc_layout's exactness check assumes
+    world_size * (2^FINGERPRINT_BITS - 1) fits the word, so no rank may send a larger one (16 seeds: a wider
+    hash would show in about half of them)."""
+    from lossless_hc.thc.layout import FINGERPRINT_BITS, HDR_FINGERPRINT
+    seen = set()
+    for seed in range(16):
+        c = lhc.THCCodec(100, 2, seed=seed, initial_norm=1.0)
+        fp = float(c.encode(torch.randn(100))[HDR_FINGERPRINT])
+        assert fp == int(fp) and 0 <= fp < 2 ** FINGERPRINT_BITS
+        seen.add(fp)
+    assert len(seen) > 1   # the seed enters the hash
+
+
 def rewindable(codec):
     """A function that decodes a payload with ``codec``'s state as it is now, every time."""
     step, norm = codec._step, codec._norm

@@ -184,6 +184,21 @@ def test_out_buffers_are_checked_and_overwritten(payload_dtype):
             assert y.data_ptr() == o.data_ptr() and torch.equal(y, w)
 
 
+
+def test_an_encode_out_overlapping_the_error_memory_is_refused():
+    """encode(out=) writes the payload while the kernel reads and rewrites the error memory: a float64
+    view of that memory is a buffer of the right dtype and size but is refused before any state changes,
+    so the same step then runs with a fit buffer."""
+    c = lhc.THCCodec(4096, 2, initial_norm=10.0)
+    c.error.normal_()
+    before = c.error.clone()
+    alias = c.error.view(torch.float64)[:c.payload_numel]
+    with pytest.raises(ValueError, match="out and the codec's error memory overlap"):
+        c.encode(torch.randn(4096), out=alias)
+    assert torch.equal(c.error, before) and c.step == 0
+    c.encode(torch.randn(4096), out=torch.empty(c.payload_numel, dtype=torch.float64))
+
+
 def test_configuration_mismatch_is_detected():
     a = lhc.THCCodec(500, 2, rank=0, seed=1, initial_norm=10.0)
     b = lhc.THCCodec(500, 2, rank=1, seed=2, initial_norm=10.0)

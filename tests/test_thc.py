@@ -392,6 +392,20 @@ def test_bootstrap_step_sends_norms_only():
 
 
 
+
+def test_an_agreed_norm_below_one_quantizes():
+    """Only M == 0 makes a norm-only round (codec docstring): gradients of norm ~0.06 with initial_norm=0.1
+    are quantized from step 0, and the decoded sum is close to the true one."""
+    n, numel = 2, 4096
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(numel, generator=gen) * 1e-3 for _ in range(n)]
+    codecs = make_ranks(n, numel, initial_norm=0.1, seed=2)
+    y = run_step(codecs, xs)[0].double()
+    truth = sum(x.double() for x in xs)
+    assert float(y.abs().max()) > 0
+    assert float((y - truth).norm()) < 0.5 * float(truth.norm())
+
+
 def test_reset_forgets_memory_norm_and_step_and_starts_with_a_norm_only_round():
     """reset() on every rank: the error memory is zeroed, the agreed norm forgotten (initial_norm too) and
     the step counter back at 0, so the next step is a norm-only round, as the first step of a fresh codec:

@@ -393,6 +393,18 @@ def test_bootstrap_step_sends_norms_only():
 
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_a_norm_only_round_sends_zero_level_words_into_a_reused_buffer(dtype):
+    """The norm-only round quantizes no level: every level word of its payload is 0, also in an out= buffer
+    that held another step's words (encode overwrites every element)."""
+    c = lhc.THCCodec(3000, 2, payload_dtype=dtype)
+    L = c.layout
+    buf = torch.full((c.payload_numel,), 7, dtype=dtype)
+    p = c.encode(torch.randn(3000), out=buf)
+    assert p.data_ptr() == buf.data_ptr() and bool((p[L.words_offset:] == 0).all())
+
+
 def test_an_agreed_norm_below_one_quantizes():
     """Only M == 0 makes a norm-only round (codec docstring): gradients of norm ~0.06 with initial_norm=0.1
     are quantized from step 0, and the decoded sum is close to the true one."""

@@ -1,0 +1,36 @@
+"""THCAggregator (lossless_hc.training.thc_aggregate) beyond tests/test_aggregate.py: its defaults and how
+it reports the way each tensor goes out."""
+import torch
+
+import lossless_hc as lhc
+from lossless_hc.training.thc_aggregate import THCAggregator
+
+
+def test_thc_aggregator_defaults_are_the_documented_thc_configuration():
+    """THCAggregator's defaults are THCCodec's (bits=4, granularity=30, overflow_freq=32, seed=0, not exact):
+    a 1024-coordinate tensor (one block, no interleave) gives the payload of THCCodec(1024, n, rank)."""
+    agg = THCAggregator("w", (1024,), torch.float32, 2, 1)
+    assert agg.compressed and not agg.exact and not agg.interleaved
+    c = agg.codec
+    assert (c.table.bits, c.granularity, c.overflow_freq, c.seed, c.non_finite) == (4, 30, 32.0, 0, "raise")
+    codec = lhc.THCCodec(1024, 2, rank=1)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(1))
+    payload, _ = agg.encode(x)
+    assert torch.equal(payload, codec.encode(x))
+
+
+def test_sent_as_names_how_each_tensor_goes_out():
+    """sent_as (the plugins' stats): "thc" for one Hadamard block, "thc-interleaved" for more, "dense (exact=)"
+    when asked for, "dense (smaller)" when THC's payload would not be smaller or the dtype is no float."""
+    one_block = THCAggregator("w", (1024,), torch.float32, 4, 0)
+    blocks = THCAggregator("w", (64, 100), torch.float32, 4, 0)
+    two_blocks = THCAggregator("w", (2048,), torch.float32, 4, 0)
+    exact = THCAggregator("w", (64, 100), torch.float32, 4, 0, exact=True)
+    tiny = THCAggregator("bias", (4,), torch.float32, 4, 0)
+    ints = THCAggregator("steps", (4096,), torch.int64, 4, 0)
+    assert one_block.sent_as == "thc" and not one_block.interleaved and one_block.compressed
+    assert blocks.sent_as == "thc-interleaved" and blocks.interleaved and blocks.compressed
+    assert two_blocks.sent_as == "thc-interleaved" and two_blocks.interleaved
+    assert exact.sent_as == "dense (exact=)" and not exact.compressed and not exact.interleaved
+    assert tiny.sent_as == "dense (smaller)" and not tiny.compressed
+    assert ints.sent_as == "dense (smaller)" and ints.payload_spec() == (4096, torch.int64)

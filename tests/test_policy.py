@@ -263,3 +263,19 @@ def test_a_checkpoint_carries_the_learnt_skew():
     del state["tracker"]["skew"]
     load_aggregator_state_dict(fresh, state)
     assert fresh.tracker.skew == 1.0
+
+
+def test_default_policy_is_the_documented_one_and_the_closed_ends_of_its_ranges_are_accepted():
+    """CapacityPolicy()'s defaults are its docstring's (interval 16, alpha 0.25, union headroom 1.25, rank headroom
+    1.5, hysteresis 0.25, warmup = interval); the closed ends of the option ranges are accepted: an interval of 1,
+    headrooms of exactly 1 (no margin), hysteresis 0 (shrink at any drop), alpha 1 (the newest step only)."""
+    p = CapacityPolicy()
+    assert (p.interval, p.alpha, p.union_headroom, p.rank_headroom, p.hysteresis, p.warmup) == (16, 0.25, 1.25, 1.5,
+                                                                                                0.25, 16)
+    edge = CapacityPolicy(interval=1, alpha=1.0, union_headroom=1.0, rank_headroom=1.0, hysteresis=0.0)
+    assert (edge.interval, edge.alpha, edge.union_headroom, edge.rank_headroom, edge.hysteresis) == (1, 1.0, 1.0, 1.0,
+                                                                                                     0.0)
+    tr = edge.tracker()
+    assert tr.observe(100, 40.0) and tr.propose() == (40, 100)
+    assert tr.accept(100, 99) and not tr.accept(100, 100)
+

@@ -279,3 +279,22 @@ def test_default_policy_is_the_documented_one_and_the_closed_ends_of_its_ranges_
     assert tr.observe(100, 40.0) and tr.propose() == (40, 100)
     assert tr.accept(100, 99) and not tr.accept(100, 100)
 
+
+def test_overloads_raise_the_skew_by_the_documented_rule():
+    """observe_overload(C, m) raises the skew to max(s, 2 C / (h_K m)) and never lowers it; a mean of 0 keys
+    changes nothing (no division by it). The per-rank proposal is ceil(h_K s max(EWMA, peak)), and neither
+    proposal goes below 1 key."""
+    tr = CapacityPolicy(interval=1, rank_headroom=1.5, union_headroom=1.25).tracker()
+    tr.observe_overload(60, 0.0)
+    assert tr.skew == 1.0
+    tr.observe_overload(60, 20.0)          # 2 * 60 / (1.5 * 20)
+    assert tr.skew == 4.0
+    tr.observe_overload(30, 20.0)          # 2.0: below the skew already reached
+    assert tr.skew == 4.0
+    assert tr.observe(100, 20.0)
+    assert tr.propose() == (math.ceil(1.5 * 4.0 * 20.0), math.ceil(1.25 * 100))
+    empty = CapacityPolicy(interval=1).tracker()
+    assert empty.observe(0, 0.0) and empty.propose() == (1, 1)
+    sparse = CapacityPolicy(rank_headroom=1.5).tracker()
+    sparse.observe_overload(3, 0.5)        # a mean below one key (one key among two ranks) counts as well
+    assert sparse.skew == 8.0

@@ -220,6 +220,23 @@ def test_checksum_field_is_the_defined_sum_and_survives_aggregation(dtype, numel
 
 
 
+
+def test_checksum_weights_step_is_coprime_to_p_minus_1_at_every_step():
+    """THCLayout's checksum weights c_w = 1 + ((c0 + w k) mod (P - 1)) differ for any two words less than P - 1
+    apart only if k is coprime to P - 1: every step's (P, c0, k) has such a k, c0 and k in range, drawn from the
+    seed and the step alike on every rank, and k varies with the step."""
+    a, b = lhc.THCCodec(3000, 3, rank=0, seed=7), lhc.THCCodec(3000, 3, rank=2, seed=7)
+    P = a.layout.check_prime
+    ks = set()
+    for step in range(200):
+        got = a._check(step)
+        assert got == b._check(step)
+        p, c0, k = got
+        assert p == P and 0 <= c0 < P - 1 and 1 <= k < P - 1 and math.gcd(k, P - 1) == 1, got
+        ks.add(k)
+    assert len(ks) > 100
+
+
 def test_fingerprint_field_stays_within_its_bits():
     """The header's fingerprint is a FINGERPRINT_BITS-bit hash: plan_thc_layout's exactness check assumes
     world_size * (2^FINGERPRINT_BITS - 1) fits the word, so no rank may send a larger one (16 seeds: a wider

@@ -6,7 +6,7 @@ import torch
 
 import lossless_hc as lhc
 from lossless_hc.thc.layout import HEADER_FIELDS
-from test_thc import make_ranks, run_step
+from test_thc import make_ranks, rewindable, run_step
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -147,6 +147,26 @@ def test_wrong_aggregation_is_named():
     summed = sum(c.encode(torch.randn(500)) for c in codecs)
     with pytest.raises(ValueError, match="int64 payload cannot be averaged"):
         codecs[0].decode(summed, averaged=True)
+
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_contributor_count_names_the_aggregation_to_pass_and_only_that(n):
+    """A SUM decoded as an average counts n * n contributions: the error says to pass averaged=False; an
+    AVERAGE decoded as a sum counts 1: it says to pass averaged=True (from two ranks on). A payload that is
+    neither (a SUM of two of three ranks) gets the count without a hint."""
+    codecs = make_ranks(n, 500, initial_norm=10.0)
+    payloads = [c.encode(torch.randn(500)) for c in codecs]
+    summed = sum(payloads)
+    decode = rewindable(codecs[0])
+    with pytest.raises(ValueError, match=r"a summed payload\? pass averaged=False"):
+        decode(summed, averaged=True)
+    with pytest.raises(ValueError, match=r"an averaged payload\? pass averaged=True"):
+        decode(summed / n, averaged=False)
+    for averaged in (False, True) if n == 3 else ():   # at n = 2 one rank's payload is what an average looks like
+        with pytest.raises(ValueError, match="contributions, expected world_size") as info:
+            decode(sum(payloads[1:]) / (n if averaged else 1), averaged=averaged)
+        assert "pass averaged" not in str(info.value)
 
 
 @pytest.mark.parametrize("payload_dtype", [torch.float64, torch.int64])

@@ -262,14 +262,16 @@ def test_state_dict_round_trip():
 
 def test_defaults_are_the_documented_thc_configuration():
     """THCCodec(numel, world_size) is the configuration docs/THC.md builds by hand (bits=4, granularity=30,
-    overflow_freq=32, seed=0) with Hadamard blocks of 1024, OpenMP's default thread count, rank 0, error
-    feedback on and non-finite inputs raising: its payloads are, bit for bit, those of a codec given them."""
+    overflow_freq=32, seed=0) with Hadamard blocks of 1024, the best (not the symmetric) table, OpenMP's default
+    thread count, rank 0, error feedback on and non-finite inputs raising: its payloads are, bit for bit, those of
+    a codec given them."""
     c = lhc.THCCodec(4096, 2, initial_norm=60.0)
     assert (c.table.bits, len(c.table.levels), c.granularity, c.overflow_freq, c.seed) == (4, 16, 30, 32.0, 0)
     assert (c.layout.block, c.num_threads, c.rank, c.non_finite) == (1024, 0, 0, "raise")
     assert c.error is not None and c.payload_dtype == torch.float64
     explicit = lhc.THCCodec(4096, 2, rank=0, bits=4, granularity=30, overflow_freq=32, seed=0, hadamard_block=1024,
-                            initial_norm=60.0)
+                            symmetric_table=False, initial_norm=60.0)
+    assert c.table.levels == explicit.table.levels   # the best table, not the symmetric one (16 where it has 15)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
     assert torch.equal(c.encode(x), explicit.encode(x))
 

@@ -219,8 +219,6 @@ def test_checksum_field_is_the_defined_sum_and_survives_aggregation(dtype, numel
         c.decode(sum(payloads))
 
 
-
-
 def test_checksum_weights_step_is_coprime_to_p_minus_1_at_every_step():
     """THCLayout's checksum weights c_w = 1 + ((c0 + w k) mod (P - 1)) differ for any two words less than P - 1
     apart only if k is coprime to P - 1: every step's (P, c0, k) has such a k, c0 and k in range, drawn from the
@@ -406,9 +404,6 @@ def test_bootstrap_step_sends_norms_only():
         assert c.norm == pytest.approx(max(float(v.norm()) for v in xs), rel=1e-6)
         torch.testing.assert_close(c.last_norms, torch.tensor([float(v.double().norm()) for v in xs],
                                                               dtype=torch.float64), rtol=1e-6, atol=0)
-
-
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])

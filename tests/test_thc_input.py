@@ -149,7 +149,6 @@ def test_wrong_aggregation_is_named():
         codecs[0].decode(summed, averaged=True)
 
 
-
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_contributor_count_names_the_aggregation_to_pass_and_only_that(n):
     """A SUM decoded as an average counts n * n contributions: the error says to pass averaged=False; an
@@ -204,7 +203,6 @@ def test_out_buffers_are_checked_and_overwritten(payload_dtype):
             assert y.data_ptr() == o.data_ptr() and torch.equal(y, w)
 
 
-
 def test_an_encode_out_overlapping_the_error_memory_is_refused():
     """encode(out=) writes the payload while the kernel reads and rewrites the error memory: a float64
     view of that memory is a buffer of the right dtype and size but is refused before any state changes,
@@ -226,7 +224,6 @@ def test_configuration_mismatch_is_detected():
     for c in (a, b):
         with pytest.raises(ValueError, match="mismatch"):
             c.decode(summed)
-
 
 
 def test_ranks_with_different_tables_or_at_different_steps_are_a_configuration_mismatch():

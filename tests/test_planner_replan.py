@@ -343,3 +343,21 @@ def test_a_dense_statistics_step_missing_a_rank_is_refused_where_the_engine_s_op
     summed = enc[0][0] + enc[1][0]   # rank 2's payload missing
     with pytest.raises(ConfigurationMismatch, match="2 contributors, expected 3"):
         aggs[0].decode(summed, enc[0][1])
+
+
+def test_a_plan_due_before_the_calibration_is_applied_by_current_plan():
+    """current_plan applies a plan that waited for the cost model (the first step's, with no calibration
+    then): once the model is set, it reports the planned strategy and the statistics it was planned on
+    before any further encode, as the adapters read it to settle a message's plans."""
+    n = 2
+    aggs = [AutoAggregator("emb", (4000, 16), torch.float32, n, r, None, interval=4, topk_ratio=0.01, thc_bits=4)
+            for r in range(n)]
+    rng = torch.Generator().manual_seed(7)
+    run_step(aggs, [sparse_rows(rng, 4000, 16, 20) for _ in range(n)])
+    with pytest.raises(RuntimeError, match="not calibrated"):   # no model yet: the due plan cannot be made
+        aggs[0].current_plan()
+    for a in aggs:
+        a.cost_model = MODEL
+    strategy, planned_on = aggs[0].current_plan()
+    assert strategy != "dense" and strategy == aggs[0].strategy and planned_on is not None
+    assert planned_on.rank_keys == (20, 20) and aggs[0].plans == 1

@@ -361,3 +361,16 @@ def test_a_plan_due_before_the_calibration_is_applied_by_current_plan():
     strategy, planned_on = aggs[0].current_plan()
     assert strategy != "dense" and strategy == aggs[0].strategy and planned_on is not None
     assert planned_on.rank_keys == (20, 20) and aggs[0].plans == 1
+
+
+def test_the_default_interval_puts_a_dense_plan_s_statistics_on_step_counts_1_16_32():
+    """``interval`` defaults to 16 (docs/DESIGN.md: "with the default interval of 16, 15 steps in 16 of a
+    dense plan cost exactly DDP's allreduce"): the statistics ride on the first step and on the step counts
+    that are multiples of 16."""
+    n = 2
+    aggs = [AutoAggregator("w", (4,), torch.float32, n, r, MODEL) for r in range(n)]
+    carried = []
+    for step in range(1, 34):
+        carried.append(aggs[0].carries_statistics())
+        run_step(aggs, [torch.ones(4) for _ in range(n)])
+    assert [s for s, c in zip(range(1, 34), carried) if c] == [1, 16, 32]

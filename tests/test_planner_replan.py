@@ -374,3 +374,17 @@ def test_the_default_interval_puts_a_dense_plan_s_statistics_on_step_counts_1_16
         carried.append(aggs[0].carries_statistics())
         run_step(aggs, [torch.ones(4) for _ in range(n)])
     assert [s for s, c in zip(range(1, 34), carried) if c] == [1, 16, 32]
+
+
+# -- what a step counts: the aggregation stats --------------------------------------------------------
+
+def test_encode_plain_refuses_a_gradient_of_another_shape_or_dtype():
+    """The step guard's plain step checks its input as encode does: a tensor of another shape or dtype
+    than the aggregator's is a ValueError, not a payload of the wrong size in the engine's allreduce."""
+    agg = AutoAggregator("w", (8, 4), torch.float32, 2, 0, MODEL)
+    for strategy in ("dense", "bf16", "fp16"):
+        with pytest.raises(ValueError, match="expected torch.float32"):
+            agg.encode_plain(torch.zeros(33), strategy)
+        with pytest.raises(ValueError, match="expected torch.float32"):
+            agg.encode_plain(torch.zeros(8, 4, dtype=torch.float64), strategy)
+    assert agg.steps == 0 and agg.stats.tensors == 0

@@ -388,3 +388,25 @@ def test_encode_plain_refuses_a_gradient_of_another_shape_or_dtype():
         with pytest.raises(ValueError, match="expected torch.float32"):
             agg.encode_plain(torch.zeros(8, 4, dtype=torch.float64), strategy)
     assert agg.steps == 0 and agg.stats.tensors == 0
+
+
+def test_every_step_counts_one_tensor_sent_dense_or_compressed():
+    """AggregationStats: ``tensors`` counts every encode/decode pair, ``sent_dense`` those sent as the dense
+    tensor (a dense plan's statistics and plain steps, the guard's plain dense step), ``compressed`` the others
+    (an allgather plan's step, a half-precision plain step)."""
+    n = 2
+    rng = torch.Generator().manual_seed(2)
+    dense = [AutoAggregator("d", (64, 8), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
+    for _ in range(2):   # the first step carries the statistics, the second is plain
+        run_step(dense, [sparse_rows(rng, 64, 8, 4) for _ in range(n)])
+    st = dense[0].stats
+    assert (st.tensors, st.sent_dense, st.compressed) == (2, 2, 0)
+    gathered = [AutoAggregator("g", (64, 8), torch.float32, n, r, MODEL, first="allgather", allowed=("allgather",))
+                for r in range(n)]
+    for _ in range(3):
+        run_step(gathered, [sparse_rows(rng, 64, 8, 4) for _ in range(n)])
+    st = gathered[0].stats
+    assert (st.tensors, st.sent_dense, st.compressed) == (3, 0, 3)
+    gathered[0].encode_plain(torch.zeros(64, 8), "bf16")
+    gathered[0].encode_plain(torch.zeros(64, 8), "dense")
+    assert (st.tensors, st.sent_dense, st.compressed) == (5, 1, 4)

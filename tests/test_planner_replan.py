@@ -410,3 +410,34 @@ def test_every_step_counts_one_tensor_sent_dense_or_compressed():
     gathered[0].encode_plain(torch.zeros(64, 8), "bf16")
     gathered[0].encode_plain(torch.zeros(64, 8), "dense")
     assert (st.tensors, st.sent_dense, st.compressed) == (5, 1, 4)
+
+
+def test_encode_and_decode_seconds_grow_with_every_call(monkeypatch):
+    """AggregationStats' encode_seconds and decode_seconds add every call's time: encode (statistics and plain
+    steps, encode_plain), decode, and finish after a request (a clock that ticks one second per reading)."""
+    ticks = iter(range(1, 1_000_000))
+    monkeypatch.setattr(strategies, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    n = 2
+    rng = torch.Generator().manual_seed(3)
+    for strategy, steps in (("dense", 3), ("allgather", 2), ("bf16", 3)):
+        aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                               first=strategy, allowed=(strategy,), interval=3) for r in range(n)]
+        st = aggs[0].stats
+        for step in range(steps):
+            before = (st.encode_seconds, st.decode_seconds)
+            encoded = [a.encode(x) for a, x in zip(aggs, [sparse_rows(rng, 64, 8, 4) for _ in range(n)])]
+            assert st.encode_seconds > before[0], (strategy, step)
+            summed = torch.stack([p.double() for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
+            outcomes = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
+            after_decode = st.decode_seconds
+            assert after_decode > before[1], (strategy, step)
+            if outcomes[0].request is not None:   # the second collective, as run_in_process does it
+                reqs = [o.request.tensor for o in outcomes]
+                result = (torch.stack(reqs) if outcomes[0].request.kind == "allgather"
+                          else torch.stack([t.double() for t in reqs]).sum(0).to(reqs[0].dtype))
+                for a, (_, ctx) in zip(aggs, encoded):
+                    a.finish(ctx, result.clone())
+                assert st.decode_seconds > after_decode, (strategy, step)
+        before = st.encode_seconds
+        aggs[0].encode_plain(torch.zeros(64, 8), "dense")
+        assert st.encode_seconds > before

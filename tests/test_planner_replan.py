@@ -441,3 +441,21 @@ def test_encode_and_decode_seconds_grow_with_every_call(monkeypatch):
         before = st.encode_seconds
         aggs[0].encode_plain(torch.zeros(64, 8), "dense")
         assert st.encode_seconds > before
+
+
+def test_seconds_are_differences_of_the_clock_so_a_clock_that_stands_still_adds_nothing(monkeypatch):
+    """Every second counted is a difference of two clock readings (``perf_counter() - started``): where the
+    clock stands still (here at 1000 s), encode_seconds, decode_seconds and the measured seconds stay 0, on
+    statistics steps, plain steps and steps with a request alike."""
+    monkeypatch.setattr(strategies, "time", types.SimpleNamespace(perf_counter=lambda: 1000.0))
+    n = 2
+    rng = torch.Generator().manual_seed(4)
+    for strategy in ("dense", "allgather", "bf16"):
+        aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                               first=strategy, allowed=(strategy,), interval=3) for r in range(n)]
+        for _ in range(3):
+            run_step(aggs, [sparse_rows(rng, 64, 8, 4) for _ in range(n)])
+        aggs[0].encode_plain(torch.zeros(64, 8), "dense")
+        st = aggs[0].stats
+        assert (st.encode_seconds, st.decode_seconds) == (0.0, 0.0), strategy
+        assert aggs[0].plan_stats()["measured_seconds"] == {strategy: 0.0}

@@ -530,6 +530,7 @@ def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
     agg.record_plain_step(0.0)
     assert agg.bytes_sent == 1000 * dtype.itemsize
     assert agg.stats.payload_bytes == agg.stats.dense_bytes == 1000 * dtype.itemsize
+    assert (agg.plain_steps, agg.stats.sent_dense, agg.stats.compressed) == (1, 1, 0)   # the dense tensor, plain
 
 
 def test_a_half_precision_plain_step_the_engine_ran_counts_two_bytes_a_coordinate_as_compressed():

@@ -306,3 +306,19 @@ def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
             sent.clear()
             run_step(aggs, [torch.randn(rows, dim, generator=rng) for _ in range(n)])
         assert sent == [MODEL.wire_bytes("topk", s)] * n, (sent, MODEL.wire_bytes("topk", s))
+
+
+@pytest.mark.parametrize("strategy,dtype,divisor", [("bf16", torch.bfloat16, None), ("fp16", torch.float16, 4),
+                                                    ("fp16", torch.float16, None), ("bf16", torch.float32, None)])
+def test_half_payload_is_a_new_tensor_even_of_a_gradient_already_in_its_dtype(strategy, dtype, divisor):
+    """strategies.half_payload returns a new tensor: the engine sums it in place and fp16 divides it, so the
+    gradient it was made from (here already in the half dtype, where a cast alone would alias it) keeps its
+    values."""
+    from lossless_hc.training.strategies import half_payload
+    x = torch.arange(8, dtype=torch.float32).to(dtype)
+    kept = x.clone()
+    payload = half_payload(x, strategy, divisor)
+    expected = kept.to(payload.dtype) / (divisor or 1)
+    assert payload.data_ptr() != x.data_ptr() and torch.equal(payload, expected)
+    payload.add_(1)   # what an engine's in-place SUM does to it
+    assert torch.equal(x, kept)

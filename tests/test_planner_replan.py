@@ -459,3 +459,12 @@ def test_seconds_are_differences_of_the_clock_so_a_clock_that_stands_still_adds_
         st = aggs[0].stats
         assert (st.encode_seconds, st.decode_seconds) == (0.0, 0.0), strategy
         assert aggs[0].plan_stats()["measured_seconds"] == {strategy: 0.0}
+
+
+@pytest.mark.parametrize("given", [{"topk_ratio": 0.01}, {"thc_bits": 4}, {}])
+def test_an_aggregator_built_before_the_calibration_needs_both_lossy_parameters(given):
+    """Without a cost model, topk_ratio and thc_bits both come from the caller (a top-k or THC plan made
+    once the calibration arrives builds its aggregator from them): one of them alone is a ValueError at
+    construction, not an error at that plan."""
+    with pytest.raises(ValueError, match="give topk_ratio and thc_bits"):
+        AutoAggregator("w", (64,), torch.float32, 2, 0, None, **given)

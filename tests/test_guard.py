@@ -426,6 +426,9 @@ def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     assert agg(lossy=True, dtype=torch.float64).guard_alternative() == "dense"
     assert agg(lossy=True, dtype=torch.float16).guard_alternative() == "dense"
     assert agg(lossy=True, sparse=True).guard_alternative() == "dense"
+    # one rank, or no coordinate: nothing crosses the wire, so nothing is worth rounding
+    assert AutoAggregator("w", (1 << 15,), torch.float32, 1, 0, model, lossy=True).guard_alternative() == "dense"
+    assert agg(0, lossy=True).guard_alternative() == "dense"
     a = agg(lossy=True)
     x = torch.randn(1 << 15)
     payload, ctx = a.encode_plain(x, a.guard_alternative())

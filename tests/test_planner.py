@@ -256,6 +256,29 @@ def test_a_replan_that_revises_the_step_s_change_back_leaves_no_history_entry():
         assert [(a.strategy, a.history) for a in aggs] == [(replanned, history)] * n
 
 
+def test_a_replan_at_a_later_step_keeps_the_earlier_changes_in_history():
+    """replan revises only a change made at the same step: a re-plan at a later step that changes the
+    strategy adds its entry after the earlier ones, and one with no history at all (a dense plan kept)
+    leaves it empty."""
+    n = 2
+    model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
+    rng = torch.Generator().manual_seed(7)
+    aggs = [AutoAggregator("w", (1 << 15,), torch.float32, n, r, model, lossy=True, interval=100,
+                           allowed=("dense", "topk", "topk_allgather")) for r in range(n)]
+    for _ in range(2):   # step 1 plans top-k, step 2 plans nothing
+        run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
+    assert [(a.strategy, a.history) for a in aggs] == [("topk", [(1, "topk")])] * n
+    for a in aggs:
+        a.cost_model = _Choosing(model, "topk_allgather")
+        a.replan()
+    assert [(a.strategy, a.history) for a in aggs] == [("topk_allgather", [(1, "topk"), (2, "topk_allgather")])] * n
+    dense = [AutoAggregator("d", (64,), torch.float32, n, r, model, allowed=("dense",)) for r in range(n)]
+    run_step(dense, [torch.ones(64)] * n)
+    for a in dense:
+        a.replan()
+    assert [(a.strategy, a.history, a.plans) for a in dense] == [("dense", [], 2)] * n
+
+
 class _Choosing:
     """A cost model whose every choice is ``strategy`` (the rest is ``model``'s)."""
 
@@ -531,6 +554,7 @@ def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
     assert agg.bytes_sent == 1000 * dtype.itemsize
     assert agg.stats.payload_bytes == agg.stats.dense_bytes == 1000 * dtype.itemsize
     assert (agg.plain_steps, agg.stats.sent_dense, agg.stats.compressed) == (1, 1, 0)   # the dense tensor, plain
+    assert agg.steps == 1 and set(agg.plan_stats()["measured_seconds"]) == {"dense"}
 
 
 def test_a_half_precision_plain_step_the_engine_ran_counts_two_bytes_a_coordinate_as_compressed():

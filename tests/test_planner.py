@@ -545,6 +545,20 @@ def test_float64_tensors_stay_dense_and_exact():
     assert aggs[0].allowed == ("dense",)
 
 
+def test_one_rank_or_no_coordinate_leaves_dense_alone_and_a_first_step_outside_allowed_takes_its_first():
+    """With one rank (nothing crosses the wire) or no coordinate there is nothing to save: dense is the only
+    candidate, lossy or not. A first strategy the candidates exclude falls back to dense, or where dense is
+    itself excluded, to the first candidate (in the planner's order), never to one outside them."""
+    lossy = dict(lossy=True, lossy_min_bytes=0)
+    assert AutoAggregator("w", (1 << 12, 4), torch.float32, 1, 0, MODEL, **lossy).allowed == ("dense",)
+    assert AutoAggregator("w", (0,), torch.float32, 2, 0, MODEL, **lossy).allowed == ("dense",)
+    assert AutoAggregator("w", (64, 4), torch.float32, 2, 0, MODEL, allowed=("two_phase",)).strategy == "two_phase"
+    assert AutoAggregator("w", (64, 4), torch.float32, 2, 0, MODEL, first="sketch",
+                          allowed=("two_phase", "allgather")).strategy == "allgather"
+    assert AutoAggregator("w", (64, 4), torch.float32, 2, 0, MODEL, first="sketch",
+                          allowed=("dense", "allgather")).strategy == "dense"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
     # DDP's in-place allreduce of a bucket sends the bucket's dtype: a bfloat16 gradient's two bytes,

@@ -155,6 +155,8 @@ def test_topk_re_sums_the_keys_its_decode_reports_inexact():
         bad = contract.outside_contract(ys[0], s, m, n, DEFAULT_RTOL)
         assert not bool(bad.any()), f"step {step}: {ys[0][bad][:3].tolist()} for {s[bad][:3].tolist()}"
     assert aggs[0].stats.partial_fallbacks >= 1 and aggs[0].stats.inexact_keys >= 1, aggs[0].stats
+    # every partial re-aggregation follows a decode that reported inexact keys
+    assert aggs[0].stats.inexact_decodes >= aggs[0].stats.partial_fallbacks, aggs[0].stats
 
 
 def test_the_two_top_k_strategies_share_one_error_feedback_memory():
@@ -202,6 +204,32 @@ def test_top_k_allgathered_drops_its_memory_after_a_non_finite_step():
     assert all(a.topk_aggregator().residual is None for a in aggs)
     ys = run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
     assert bool(torch.isfinite(ys[0]).all())
+
+
+def test_a_top_k_plan_falls_back_densely_on_a_non_finite_step_and_counts_the_fallback():
+    """Under a topk plan, a rank's infinite coordinate makes the selections' sum non-finite: the decode
+    falls back, on every rank, to the dense allreduce of the selections (the sum keeps the Inf where a dense
+    allreduce would, every other coordinate the selections' plain sum), counted once in ``fallbacks`` and the
+    stats; the residual is dropped and the next step is finite again."""
+    n, numel = 2, 4096
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk", allowed=("topk",)) for r in range(n)]
+    rng = torch.Generator().manual_seed(6)
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    xs[1][7] = float("inf")
+    k = aggs[0].topk_aggregator().k
+    selected = []   # the first step: no residual yet, so each rank selects the k largest |g| (ties: lower index)
+    for x in xs:
+        idx = torch.argsort(x.abs(), descending=True, stable=True)[:k]
+        selected.append(torch.zeros(numel).index_copy_(0, idx, x[idx]))
+    finite = torch.arange(numel) != 7
+    for y in run_step(aggs, xs):
+        assert math.isinf(float(y[7])) and int(torch.isinf(y).sum()) == 1
+        assert torch.equal(y[finite], (selected[0] + selected[1])[finite])
+    assert [(a.fallbacks, a.stats.fallbacks, a.plan_stats()["fallbacks"]) for a in aggs] == [(1, 1, 1)] * n
+    assert all(a.topk_aggregator().residual is None for a in aggs)
+    ys = run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert bool(torch.isfinite(ys[0]).all()) and aggs[0].fallbacks == 1
 
 
 @pytest.mark.parametrize("average", [False, True])

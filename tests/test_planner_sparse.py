@@ -163,6 +163,7 @@ def test_sketch_reaggregates_inexact_rows_alone():
                 assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
         st = aggs[0].stats
         assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st
+        assert st.inexact_decodes >= st.partial_fallbacks, st   # each partial one follows an inexact decode
         # the inexact rows' allreduce counts in the bytes sent, as every other collective does
         assert st.payload_bytes == aggs[0].bytes_sent
 
@@ -249,3 +250,24 @@ def test_allgather_finish_clears_only_the_scanned_rows_of_the_scanned_memory_its
     gathered = torch.stack([o.request.tensor.reshape(-1) for o in outcomes])
     value = aggs[0].finish(encoded[0][1], gathered.clone(), out=memory[0][:numel])
     assert value.data_ptr() == memory[0].data_ptr() and torch.equal(value, want)
+
+
+@pytest.mark.parametrize("strategy", EXACT_STRATEGIES)
+def test_payload_numel_of_a_sparse_gradient_is_the_size_of_its_next_first_payload(strategy):
+    """payload_numel for a sparse gradient: dense and the sketch carry the union's bitmap after the header
+    (their bodies are dense), so their first payload is header + bitmap + body, as encode makes it."""
+    aggs = aggregators(strategy)
+    rng = torch.Generator().manual_seed(5)
+    for step in range(3):
+        expected = [a.payload_numel() for a in aggs]
+        xs = [sparse_grad(rng, ROWS, DIM, rows) for rows in supports(step)]
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        assert [p.numel() for p, _ in encoded] == expected, step
+        summed = torch.stack([p.double() for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
+        outcomes = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
+        if outcomes[0].request is not None:   # the second collective, as run_in_process does it
+            reqs = [o.request.tensor for o in outcomes]
+            result = (torch.stack([t.reshape(-1) for t in reqs]) if outcomes[0].request.kind == "allgather"
+                      else torch.stack([t.double() for t in reqs]).sum(0).to(reqs[0].dtype))
+            for a, (_, ctx) in zip(aggs, encoded):
+                a.finish(ctx, result.clone())

@@ -468,3 +468,20 @@ def test_an_aggregator_built_before_the_calibration_needs_both_lossy_parameters(
     construction, not an error at that plan."""
     with pytest.raises(ValueError, match="give topk_ratio and thc_bits"):
         AutoAggregator("w", (64,), torch.float32, 2, 0, None, **given)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
+def test_a_step_no_rank_sends_a_row_of_is_counted_and_observed(strategy):
+    """A step where no rank holds a non-zero row needs no second collective (no slot to gather, an empty
+    union), yet it is a step like any other: counted, timed, and its statistics (every count 0) observed and
+    planned on, as on every rank alike."""
+    n = 2
+    aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, first=strategy, allowed=(strategy,),
+                           interval=1) for r in range(n)]
+    for step in (1, 2):
+        for y in run_step(aggs, [torch.zeros(64, 8) for _ in range(n)]):
+            assert torch.equal(y, torch.zeros(64, 8))
+        for a in aggs:
+            assert (a.steps, a.tracker.steps, a.plans) == (step, step, step)
+            assert a.tracker.rank_keys == [0.0, 0.0] and a.plan_input.rank_keys == (0, 0)
+            assert strategy in a.plan_stats()["measured_seconds"]

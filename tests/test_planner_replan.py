@@ -485,3 +485,19 @@ def test_a_step_no_rank_sends_a_row_of_is_counted_and_observed(strategy):
             assert (a.steps, a.tracker.steps, a.plans) == (step, step, step)
             assert a.tracker.rank_keys == [0.0, 0.0] and a.plan_input.rank_keys == (0, 0)
             assert strategy in a.plan_stats()["measured_seconds"]
+
+
+@pytest.mark.parametrize("rows", [1, 50, 100, 101, 1000])
+def test_a_first_sketch_is_sized_for_one_percent_of_the_rows_per_rank_at_least_one(rows):
+    """A sketch planned before any statistics (first="sketch") is sized for FIRST_SKETCH_DENSITY (1%) of the
+    rows per rank, rounded up, at least one row and at most all of them, and a union of n times that (at most
+    every row): its first payload is the header and the LHC payload so sized."""
+    from lossless_hc.lhc.codec import LosslessCodec
+    from lossless_hc.training.planner import sketch_capacity
+    n = 2
+    agg = AutoAggregator("w", (rows, 8), torch.float32, n, 0, MODEL, first="sketch", allowed=("sketch",))
+    assert strategies.FIRST_SKETCH_DENSITY == 0.01
+    per_rank = min(agg.keys, max(1, -(-agg.keys // 100)))
+    cap, union = sketch_capacity(TensorStats(agg.numel, agg.row, n, (per_rank,) * n, min(agg.keys, n * per_rank)))
+    codec = LosslessCodec(agg.numel, n, cap, agg.row, 0, union_nnz=union)
+    assert agg.payload_numel() == stats_header_words(n) + codec.payload_numel

@@ -11,7 +11,7 @@ import lossless_hc.training.strategies as strategies
 from lossless_hc.training.planner import STRATEGIES, TensorStats, stats_header_words
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
-from test_planner import record_sent, run_step, sparse_rows
+from test_planner import _Choosing, record_sent, run_step, sparse_rows
 from test_planner_cost import MODEL, stats
 
 
@@ -484,6 +484,7 @@ def test_a_step_no_rank_sends_a_row_of_is_counted_and_observed(strategy):
         for a in aggs:
             assert (a.steps, a.tracker.steps, a.plans) == (step, step, step)
             assert a.tracker.rank_keys == [0.0, 0.0] and a.plan_input.rank_keys == (0, 0)
+            assert a.tracker.union == 0.0 and a.plan_input.union_keys == 0   # no row in the union either
             assert strategy in a.plan_stats()["measured_seconds"]
 
 
@@ -501,3 +502,59 @@ def test_a_first_sketch_is_sized_for_one_percent_of_the_rows_per_rank_at_least_o
     cap, union = sketch_capacity(TensorStats(agg.numel, agg.row, n, (per_rank,) * n, min(agg.keys, n * per_rank)))
     codec = LosslessCodec(agg.numel, n, cap, agg.row, 0, union_nnz=union)
     assert agg.payload_numel() == stats_header_words(n) + codec.payload_numel
+
+
+def test_a_replan_revising_a_later_plan_s_change_back_drops_that_change_alone():
+    """The history's last entry is this step's change (an earlier entry is another step's): a re-plan of
+    step 2 that revises its change (top-k -> topk_allgather) back to top-k leaves step 1's entry alone."""
+    n = 2
+    model = MODEL
+    rng = torch.Generator().manual_seed(7)
+    aggs = [AutoAggregator("w", (1 << 15,), torch.float32, n, r, model, lossy=True, interval=2,
+                           allowed=("dense", "topk", "topk_allgather")) for r in range(n)]
+    for a in aggs:
+        a.cost_model = _Choosing(model, "topk")
+    run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
+    for a in aggs:
+        a.cost_model = _Choosing(model, "topk_allgather")
+    run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])   # count 2: a statistics step
+    assert [a.history for a in aggs] == [[(1, "topk"), (2, "topk_allgather")]] * n
+    for a in aggs:
+        a.cost_model = _Choosing(model, "topk")
+        a.replan()
+    assert [(a.strategy, a.history) for a in aggs] == [("topk", [(1, "topk")])] * n
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "topk_allgather"])
+def test_finish_writes_into_out_only_for_a_float32_gradient(strategy):
+    """finish's ``out`` (a float32 buffer a dense gradient's allgather sum may be written into) is ignored for
+    a gradient of another dtype: its value is a new tensor and ``out`` keeps what it held."""
+    n, numel = 2, 1 << 12
+    aggs = [AutoAggregator("w", (numel,), torch.bfloat16, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first=strategy, allowed=(strategy,)) for r in range(n)]
+    rng = torch.Generator().manual_seed(8)
+    xs = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(n)]
+    for x in xs:
+        x[torch.randperm(numel, generator=rng)[:20]] = 1.0
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = torch.stack([p for p, _ in encoded]).sum(0)
+    requests = [a.decode(summed.clone(), ctx).request.tensor for a, (_, ctx) in zip(aggs, encoded)]
+    out = torch.full((numel,), 7.0)
+    value = aggs[0].finish(encoded[0][1], torch.stack(requests), out=out)
+    assert torch.equal(out, torch.full((numel,), 7.0)) and value.data_ptr() != out.data_ptr()
+    assert torch.equal(value.float(), (xs[0].float() + xs[1].float()))
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
+def test_a_single_row_is_gathered_or_reduced_not_taken_for_none(strategy):
+    """The smallest non-empty step (one row on one rank; then one row on every rank, the same row) still
+    makes the strategy's second collective, and its value is the sum."""
+    n = 2
+    aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, first=strategy, allowed=(strategy,))
+            for r in range(n)]
+    for ranks in ((0,), (0, 1)):
+        xs = [torch.zeros(64, 8) for _ in range(n)]
+        for r in ranks:
+            xs[r][5] = torch.arange(8.0) + r
+        for y in run_step(aggs, xs):
+            assert torch.equal(y, xs[0] + xs[1]), ranks

@@ -350,3 +350,19 @@ def test_half_payload_is_a_new_tensor_even_of_a_gradient_already_in_its_dtype(st
     assert payload.data_ptr() != x.data_ptr() and torch.equal(payload, expected)
     payload.add_(1)   # what an engine's in-place SUM does to it
     assert torch.equal(x, kept)
+
+
+def test_an_fp16_plain_step_s_decode_leaves_the_summed_tensor_it_is_given_as_it_was():
+    """A plain fp16 step's sum, handed to decode in float32 (a message part wider than the payload), is read,
+    not written: the value is n times it (the SUM of x / n), a new tensor, and the summed tensor keeps its
+    values."""
+    n = 4
+    agg = AutoAggregator("w", (8,), torch.float32, n, 0, MODEL, lossy=True, lossy_min_bytes=0, first="fp16",
+                         allowed=("fp16",), interval=4)
+    agg.steps = 1   # past the first step: a plain one
+    payload, ctx = agg.encode_plain(torch.arange(8, dtype=torch.float32), "fp16")
+    assert ctx.plain and payload.dtype == torch.float16
+    summed = (payload.float() * n).contiguous()   # every rank sent the same x / n
+    kept = summed.clone()
+    value = agg.decode(summed, ctx).value
+    assert torch.equal(summed, kept) and torch.equal(value, kept * n)

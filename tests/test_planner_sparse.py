@@ -163,7 +163,7 @@ def test_sketch_reaggregates_inexact_rows_alone():
                 assert aggs[0].fallbacks == fallbacks   # sized: inexact rows re-aggregated, never the whole tensor
         st = aggs[0].stats
         assert st.partial_fallbacks >= 2 and st.inexact_keys >= st.partial_fallbacks, st
-        assert st.inexact_decodes >= st.partial_fallbacks, st   # each partial one follows an inexact decode
+        assert st.inexact_decodes == st.partial_fallbacks, st   # every inexact decode here re-aggregated its rows alone
         # the inexact rows' allreduce counts in the bytes sent, as every other collective does
         assert st.payload_bytes == aggs[0].bytes_sent
 
@@ -220,9 +220,11 @@ def test_an_engine_summing_sparse_tensors_itself_gets_the_allgather_plan_s_plain
         with pytest.raises(RuntimeError, match="native_sparse"):
             aggs[0].encode(xs[0])
         for a, x in zip(aggs, xs):
-            before = a.bytes_sent
+            before = (a.bytes_sent, a.stats.compressed, a.stats.sent_dense)
             a.record_plain_step(0.0, sparse_rows=x._nnz())
-            assert a.bytes_sent - before == x._nnz() * (8 + 4 * DIM)
+            assert a.bytes_sent - before[0] == x._nnz() * (8 + 4 * DIM)
+            # the listed rows, not the dense tensor: counted as compressed
+            assert (a.stats.compressed - before[1], a.stats.sent_dense - before[2]) == (1, 0)
     # interval 2: the first step, then step counts 2, 4 (the 1-based count of the step that follows)
     assert carried == ([True, True, False, True, False, True] if strategy == "allgather" else [True] * 6)
     assert aggs[1].plan_stats()["plain_steps"] == carried.count(False)

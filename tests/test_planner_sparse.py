@@ -273,3 +273,35 @@ def test_payload_numel_of_a_sparse_gradient_is_the_size_of_its_next_first_payloa
                       else torch.stack([t.double() for t in reqs]).sum(0).to(reqs[0].dtype))
             for a, (_, ctx) in zip(aggs, encoded):
                 a.finish(ctx, result.clone())
+
+
+def test_the_inexact_rows_a_sketch_re_aggregates_are_the_exact_sums():
+    """A sketch step whose decode reports inexact rows: finish writes those rows' exact sums (the allreduce
+    of each rank's values there) over the decoded ones, so they equal the float64 sum rounded once, bit for
+    bit, where the decoded values were only within rtol."""
+    rng = torch.Generator().manual_seed(9)
+    aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=1) for r in range(N)]
+    for step in range(4):   # first_inexact_sketch_step's steps
+        xs = []
+        for rows in supports(step):
+            x = sparse_grad(rng, ROWS, DIM, rows).coalesce()
+            scale = 10.0 ** -(3 * torch.rand(x.values().shape, generator=rng))
+            xs.append(torch.sparse_coo_tensor(x.indices(), x.values() * scale, x.shape, check_invariants=True).to_dense())
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        summed = torch.stack([p.double() for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
+        outcomes = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
+        if outcomes[0].request is None:
+            continue
+        result = torch.stack([o.request.tensor.double() for o in outcomes]).sum(0).float()
+        if encoded[0][1].partial is None:   # the first step's dense fallback (the sketch not sized yet)
+            for a, (_, ctx) in zip(aggs, encoded):
+                a.finish(ctx, result.clone())
+            continue
+        keys = encoded[0][1].partial[1]
+        exact = torch.stack([x.double() for x in xs]).sum(0).float()[keys]
+        for a, (_, ctx) in zip(aggs, encoded):
+            y = a.finish(ctx, result.clone())
+            assert torch.equal(y[keys], exact), step
+        return
+    raise AssertionError("no inexact decode")

@@ -305,3 +305,24 @@ def test_the_inexact_rows_a_sketch_re_aggregates_are_the_exact_sums():
             assert torch.equal(y[keys], exact), step
         return
     raise AssertionError("no inexact decode")
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "topk_allgather"])
+def test_a_float32_gradient_s_gathered_sum_is_written_into_out_divided_by_divisor(strategy):
+    """finish(out=, divisor=) on a float32 gradient's allgather (or top-k allgather) plan: the value is ``out``
+    itself, in the gradient's shape, holding the sum divided by ``divisor`` (the caller's average)."""
+    n, numel = 2, 1000
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first=strategy, allowed=(strategy,), topk_ratio=0.05) for r in range(n)]
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.zeros(numel) for _ in range(n)]
+    for x in xs:
+        x[torch.randperm(numel, generator=g)[:10]] = torch.randn(10, generator=g)   # fewer than k: all selected
+    want = (xs[0] + xs[1]) / 2
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = encoded[0][0] + encoded[1][0]
+    outcomes = [a.decode(summed, ctx) for a, (_, ctx) in zip(aggs, encoded)]
+    gathered = torch.stack([o.request.tensor.reshape(-1) for o in outcomes])
+    out = torch.full((numel,), 7.0)
+    value = aggs[0].finish(encoded[0][1], gathered.clone(), out=out, divisor=2)
+    assert value.data_ptr() == out.data_ptr() and torch.equal(value, want)

@@ -366,3 +366,32 @@ def test_an_fp16_plain_step_s_decode_leaves_the_summed_tensor_it_is_given_as_it_
     kept = summed.clone()
     value = agg.decode(summed, ctx).value
     assert torch.equal(summed, kept) and torch.equal(value, kept * n)
+
+
+@pytest.mark.parametrize("strategy", ["thc", "topk"])
+def test_a_lossy_plan_s_header_carries_zero_counts_between_its_statistics_steps(strategy):
+    """THC and top-k carry the statistics header on every step, but its counts are statistics only on the
+    dense plans' statistics steps (the first, step counts that are multiples of ``interval``); between them
+    every rank's count fields hold zeros (docs/DESIGN.md, "What is exchanged when"), the contributor word 1."""
+    from lossless_hc.training.planner import stats_header_words
+    n, numel = 2, 1 << 12
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first=strategy, allowed=(strategy,), interval=4) for r in range(n)]
+    rng = torch.Generator().manual_seed(9)
+    H = stats_header_words(n)
+    for step in range(1, 6):
+        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+        for r, (payload, _) in enumerate(encoded):
+            counts = payload[1:H].reshape(n, 2)
+            assert float(payload[0]) == 1.0
+            if step in (1, 4):
+                assert float(counts[r, 0]) == numel and float(counts[1 - r].abs().sum()) == 0, step
+            else:
+                assert float(counts.abs().sum()) == 0, step
+        summed = torch.stack([p.double() for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
+        outcomes = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
+        if outcomes[0].request is not None:
+            result = torch.stack([o.request.tensor.double() for o in outcomes]).sum(0).to(outcomes[0].request.tensor.dtype)
+            for a, (_, ctx) in zip(aggs, encoded):
+                a.finish(ctx, result.clone())

@@ -262,3 +262,17 @@ def test_bitmap_pack_reads_rows_as_their_values_or_refuses_them_alike(which):
     for bad in (torch.tensor([2.0]), torch.tensor([False, True]), torch.tensor([3, 5], dtype=torch.uint8)):
         with pytest.raises(ValueError, match="index must be a tensor of integer rows"):
             backend.bitmap_pack(keys, n, index=bad.to(device))
+
+
+@pytest.mark.parametrize("shape,sparse,row,keys", [
+    ((100, 4), True, 4, 100), ((100,), True, 1, 100), ((6, 2, 3), True, 6, 6),
+    ((0, 3), True, 3, 0), ((5, 0), True, 1, 0),   # a row has at least one element, as the row scan and slots take
+    ((20, 7), False, 7, 20), ((3, 4, 5), False, 1, 60), ((0,), False, 1, 0), ((0, 5), False, 5, 0)])
+def test_tensor_rows_split_a_gradient_into_keys_rows_of_row_elements(shape, sparse, row, keys):
+    """A sparse gradient's rows are its first dimension, a dense one's keys of default_block_size; keys * row is
+    every element, and a gradient of no elements has no rows (not one row of none)."""
+    from lossless_hc.training.rows import TensorRows
+
+    rows = TensorRows("g", shape, torch.float32, 2, 1, sparse=sparse)
+    assert (rows.row, rows.keys) == (row, keys)
+    assert rows.keys * rows.row == rows.numel or rows.numel == 0 == rows.keys

@@ -276,3 +276,17 @@ def test_tensor_rows_split_a_gradient_into_keys_rows_of_row_elements(shape, spar
     rows = TensorRows("g", shape, torch.float32, 2, 1, sparse=sparse)
     assert (rows.row, rows.keys) == (row, keys)
     assert rows.keys * rows.row == rows.numel or rows.numel == 0 == rows.keys
+
+
+def test_tensor_rows_refuse_a_gradient_of_another_shape_or_dtype_alone():
+    """A gradient whose shape alone, or dtype alone, differs from the one the rows were built for is a
+    ValueError (either would be read as another table), a sparse one for a dense layout a TypeError."""
+    from lossless_hc.training.rows import TensorRows
+
+    rows = TensorRows("g", (8, 4), torch.float32, 2, 0, sparse=False)
+    rows._check_input(torch.zeros(8, 4))
+    for bad in (torch.zeros(4, 8), torch.zeros(8, 4, dtype=torch.float64), torch.zeros(32)):
+        with pytest.raises(ValueError, match="expected"):
+            rows._check_input(bad)
+    with pytest.raises(TypeError, match="sparse"):
+        rows._check_input(torch.zeros(8, 4).to_sparse())

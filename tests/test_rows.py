@@ -290,3 +290,18 @@ def test_tensor_rows_refuse_a_gradient_of_another_shape_or_dtype_alone():
             rows._check_input(bad)
     with pytest.raises(TypeError, match="sparse"):
         rows._check_input(torch.zeros(8, 4).to_sparse())
+
+
+def test_the_union_of_a_summed_gradient_counts_its_non_zero_rows_and_none_of_an_empty_one():
+    """_union_of (the rows some rank holds, read from a dense sum) counts the rows holding an element other
+    than +-0.0, NaN included, and is 0 for a gradient of no elements."""
+    from lossless_hc.training.rows import TensorRows
+
+    rows = TensorRows("g", (6, 3), torch.float32, 2, 0, sparse=False)
+    value = torch.zeros(6, 3)
+    value[1, 2], value[4, 0], value[5, 1] = 2.0, float("nan"), -0.0
+    assert rows._union_of(value) == 2
+    assert rows._union_of(torch.zeros(6, 3)) == 0
+    for shape, sparse in (((0,), False), ((0, 4), True)):
+        empty = TensorRows("e", shape, torch.float32, 2, 0, sparse=sparse)
+        assert empty._union_of(torch.zeros(shape)) == 0

@@ -305,3 +305,27 @@ def test_the_union_of_a_summed_gradient_counts_its_non_zero_rows_and_none_of_an_
     for shape, sparse in (((0,), False), ((0, 4), True)):
         empty = TensorRows("e", shape, torch.float32, 2, 0, sparse=sparse)
         assert empty._union_of(torch.zeros(shape)) == 0
+
+
+def test_a_rank_s_values_on_the_union_s_rows_are_zero_where_it_holds_none():
+    """_on_rows: this rank's values on sorted rows (the union some rank holds), float32, a zero row where it
+    holds none, for a sparse rank's listed rows and a dense rank's gradient alike; no rows asked, none given
+    (even where the rank holds some)."""
+    from lossless_hc.training.rows import TensorRows
+    from lossless_hc.training.step import AutoContext
+
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
+    index = torch.tensor([2, 5, 9])
+    asked = torch.tensor([1, 2, 9, 11])
+    want = torch.tensor([[0.0, 0.0], [1.0, 2.0], [5.0, 6.0], [0.0, 0.0]])
+    sparse = TensorRows("emb", (12, 2), torch.float64, 2, 0, sparse=True)
+    ctx = AutoContext("two_phase", 0.0, 0, index=index, values=values)
+    got = sparse._on_rows(ctx, asked)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert sparse._on_rows(ctx, torch.zeros(0, dtype=torch.int64)).shape == (0, 2)
+    none = AutoContext("two_phase", 0.0, 0, index=torch.zeros(0, dtype=torch.int64), values=torch.zeros(0, 2))
+    assert torch.equal(sparse._on_rows(none, asked), torch.zeros(4, 2))
+    dense = TensorRows("w", (12, 2), torch.float64, 2, 0, sparse=False)
+    flat = torch.zeros(12, 2, dtype=torch.float64)
+    flat[index] = values
+    assert torch.equal(dense._on_rows(AutoContext("two_phase", 0.0, 0, flat=flat.reshape(-1)), asked), want)

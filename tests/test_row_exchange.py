@@ -284,3 +284,14 @@ def test_top_k_s_reduce_scatter_keeps_a_half_precision_chunk_s_rounding_in_its_r
         total_in += x.double()
         total_out += given.dense().double()
         assert torch.equal(total_in - total_out, residual.double()), step
+
+
+def test_a_chunk_with_no_non_zero_row_goes_as_zero_rows_in_no_bytes():
+    """Count 0 is a segment of no rows (no bytes), distinct from the whole chunk (count -1) and the narrowed
+    one (-2), the counts the module documents for the wire."""
+    assert (WHOLE, NARROWED) == (-1, -2)
+    count, segment = encode_segment(torch.zeros(50, 4))
+    assert count == 0 and segment.numel() == 0
+    out = [torch.full((50, 4), 7.0)]
+    add_segments(out, torch.tensor([[0], [0]]), torch.zeros(0, dtype=torch.uint8))
+    assert torch.equal(out[0], torch.zeros(50, 4))

@@ -295,3 +295,14 @@ def test_a_chunk_with_no_non_zero_row_goes_as_zero_rows_in_no_bytes():
     out = [torch.full((50, 4), 7.0)]
     add_segments(out, torch.tensor([[0], [0]]), torch.zeros(0, dtype=torch.uint8))
     assert torch.equal(out[0], torch.zeros(50, 4))
+
+
+def test_a_chunk_of_zero_width_rows_goes_whole_in_no_bytes():
+    """A (5, 0) chunk (a padded shard of an empty parameter) has no elements: rows of at least one element
+    are scanned (none), and it goes whole, in no bytes, and sums to itself."""
+    x = torch.zeros(5, 0)
+    count, segment = encode_segment(x)
+    assert count == WHOLE and segment.numel() == 0
+    out = [torch.zeros(5, 0)]
+    add_segments(out, torch.tensor([[count], [count]]), torch.cat([segment, segment]))
+    assert out[0].shape == (5, 0)

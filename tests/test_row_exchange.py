@@ -306,3 +306,13 @@ def test_a_chunk_of_zero_width_rows_goes_whole_in_no_bytes():
     out = [torch.zeros(5, 0)]
     add_segments(out, torch.tensor([[count], [count]]), torch.cat([segment, segment]))
     assert out[0].shape == (5, 0)
+
+
+def test_given_rows_read_as_the_tensor_they_stand_for():
+    """GivenRows answers numel, shape, dtype and device as its dense chunk does (the exchange sizes and
+    places the payload by them), and dense() writes the values at the index into zeros."""
+    given = GivenRows(torch.tensor([1, 4]), torch.tensor([2.0, -3.0], dtype=torch.float64), 6)
+    dense = given.dense()
+    assert torch.equal(dense, torch.tensor([0.0, 2.0, 0.0, 0.0, -3.0, 0.0], dtype=torch.float64))
+    assert (given.numel(), given.shape, given.dtype, given.device) == (6, (6,), torch.float64, dense.device)
+    assert isinstance(given.device, torch.device)

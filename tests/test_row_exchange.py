@@ -316,3 +316,13 @@ def test_given_rows_read_as_the_tensor_they_stand_for():
     assert torch.equal(dense, torch.tensor([0.0, 2.0, 0.0, 0.0, -3.0, 0.0], dtype=torch.float64))
     assert (given.numel(), given.shape, given.dtype, given.device) == (6, (6,), torch.float64, dense.device)
     assert isinstance(given.device, torch.device)
+
+
+def test_destinations_with_no_chunks_make_an_empty_payload():
+    """A rank with no parameters to send (every destination's list of chunks empty): no counts, no bytes,
+    a length of 0 per destination; and no destinations at all, nothing."""
+    counts, payload, lengths = encode_destinations([[], []])
+    assert counts == [[], []] and lengths == [0, 0]
+    assert payload.dtype == torch.uint8 and payload.numel() == 0
+    counts, payload, lengths = encode_destinations([])
+    assert counts == [] and lengths == [] and payload.numel() == 0

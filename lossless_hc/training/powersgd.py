@@ -96,6 +96,13 @@ class PowerSGDLayout:
     compressed: tuple
 
 
+def check_min_compression_rate(value) -> float:
+    """``value`` as a float if it is a real number > 0 (NaN, a bool or a string is a ValueError)."""
+    if not (_is_real(value) and value > 0):   # NaN fails too
+        raise ValueError(f"min_compression_rate must be a number > 0, got {value!r}")
+    return float(value)
+
+
 def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDLayout:
     """:class:`PowerSGDLayout` of a bucket of gradients of ``shapes`` (bucket order), as
     ``powerSGD_hook`` with ``matrix_approximation_rank=rank`` splits it: each gradient viewed as
@@ -104,8 +111,7 @@ def powersgd_layout(shapes, rank: int, min_compression_rate: float) -> PowerSGDL
     >= 1 and ``min_compression_rate`` a number > 0, else TypeError / ValueError (rank 0 "compressed" every
     matrix into no bytes and no flops, a PowerSGD step predicted free; a fractional rank is not truncated)."""
     check_int(rank, "PowerSGD rank", least=1)
-    if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # NaN fails too
-        raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
+    check_min_compression_rate(min_compression_rate)
     numel = uncompressed = p = q = flops = 0
     compressed = []
     for i, shape in enumerate(shapes):
@@ -249,9 +255,8 @@ class PowerSGDPlanner:
         if isinstance(start, bool) or not isinstance(start, int) or start < 2:
             raise ValueError(f"powersgd_start must be an integer >= 2 (torch's start_powerSGD_iter with error "
                              f"feedback), got {start!r}")
-        if not (_is_real(min_compression_rate) and min_compression_rate > 0):   # powersgd_layout's rule
-            raise ValueError(f"min_compression_rate must be a number > 0, got {min_compression_rate!r}")
-        self.rank, self.start, self.min_compression_rate = rank, start, float(min_compression_rate)
+        self.rank, self.start = rank, start
+        self.min_compression_rate = check_min_compression_rate(min_compression_rate)
         self.seed = check_uint64(seed, "seed")   # int(1.5) would be 1 (every rank must agree)
         self.agg_stats = stats if stats is not None else AggregationStats()
         self.buckets: dict = {}      # bucket index -> PowerSGDBucket (sticky)

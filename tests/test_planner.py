@@ -22,15 +22,20 @@ def run_step(aggs, xs, average=False):
     return run_in_process(aggs, xs, average)[0]
 
 
+def on_each_payload(aggs, record) -> None:
+    """From now on ``record(rank, payload)`` sees every first payload the aggregators' ``encode`` returns."""
+    for r, a in enumerate(aggs):
+        def recorded(x, encode=a.encode, r=r):
+            payload, ctx = encode(x)
+            record(r, payload)
+            return payload, ctx
+        a.encode = recorded
+
+
 def record_sent(aggs) -> list:
     """A list that receives the bytes of every first payload the aggregators' ``encode`` returns from now on."""
     sent = []
-    for a in aggs:
-        def recorded(x, encode=a.encode):
-            payload, ctx = encode(x)
-            sent.append(payload.numel() * payload.element_size())
-            return payload, ctx
-        a.encode = recorded
+    on_each_payload(aggs, lambda r, payload: sent.append(payload.numel() * payload.element_size()))
     return sent
 
 

@@ -12,7 +12,7 @@ from lossless_hc.lhc.codec import DEFAULT_RTOL
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.planner import EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
-from test_planner import record_sent, run_step
+from test_planner import on_each_payload, record_sent, run_step
 from test_planner_cost import MODEL, stats
 
 
@@ -379,19 +379,14 @@ def test_a_lossy_plan_s_header_carries_zero_counts_between_its_statistics_steps(
                            first=strategy, allowed=(strategy,), interval=4) for r in range(n)]
     rng = torch.Generator().manual_seed(9)
     H = stats_header_words(n)
+    headers = []
+    on_each_payload(aggs, lambda r, payload: headers.append((r, payload[:H].clone())))
     for step in range(1, 6):
-        xs = [torch.randn(numel, generator=rng) for _ in range(n)]
-        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
-        for r, (payload, _) in enumerate(encoded):
-            counts = payload[1:H].reshape(n, 2)
-            assert float(payload[0]) == 1.0
+        run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+        for r, header in headers[-n:]:
+            counts = header[1:].reshape(n, 2)
+            assert float(header[0]) == 1.0
             if step in (1, 4):
                 assert float(counts[r, 0]) == numel and float(counts[1 - r].abs().sum()) == 0, step
             else:
                 assert float(counts.abs().sum()) == 0, step
-        summed = torch.stack([p.double() for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
-        outcomes = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
-        if outcomes[0].request is not None:
-            result = torch.stack([o.request.tensor.double() for o in outcomes]).sum(0).to(outcomes[0].request.tensor.dtype)
-            for a, (_, ctx) in zip(aggs, encoded):
-                a.finish(ctx, result.clone())

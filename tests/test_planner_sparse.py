@@ -5,7 +5,7 @@ strategies carry, no lossy candidates). Collectives in-process, as in tests/test
 import pytest
 import torch
 
-from test_planner import run_step
+from test_planner import on_each_payload, run_step
 
 from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, Calibration, CostModel,
                                           LinkModel, TensorStats, bitmap_words)
@@ -260,19 +260,12 @@ def test_payload_numel_of_a_sparse_gradient_is_the_size_of_its_next_first_payloa
     (their bodies are dense), so their first payload is header + bitmap + body, as encode makes it."""
     aggs = aggregators(strategy)
     rng = torch.Generator().manual_seed(5)
+    sizes = []
+    on_each_payload(aggs, lambda r, payload: sizes.append(payload.numel()))
     for step in range(3):
         expected = [a.payload_numel() for a in aggs]
-        xs = [sparse_grad(rng, ROWS, DIM, rows) for rows in supports(step)]
-        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
-        assert [p.numel() for p, _ in encoded] == expected, step
-        summed = torch.stack([p.double() for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
-        outcomes = [a.decode(summed.clone(), ctx) for a, (_, ctx) in zip(aggs, encoded)]
-        if outcomes[0].request is not None:   # the second collective, as run_in_process does it
-            reqs = [o.request.tensor for o in outcomes]
-            result = (torch.stack([t.reshape(-1) for t in reqs]) if outcomes[0].request.kind == "allgather"
-                      else torch.stack([t.double() for t in reqs]).sum(0).to(reqs[0].dtype))
-            for a, (_, ctx) in zip(aggs, encoded):
-                a.finish(ctx, result.clone())
+        run_step(aggs, [sparse_grad(rng, ROWS, DIM, rows) for rows in supports(step)])
+        assert sizes[-len(aggs):] == expected, step
 
 
 def test_the_inexact_rows_a_sketch_re_aggregates_are_the_exact_sums():

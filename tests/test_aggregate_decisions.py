@@ -37,22 +37,31 @@ def test_an_aggregator_built_with_its_defaults_decodes_with_one_from_the_default
         assert out.report.ok and torch.equal(out.value, xs[0] + xs[1])
 
 
+def step(agg, per_rank, seed, shared=False):
+    """One step of one aggregator standing in for every replica: rank r holds ``per_rank[r]`` keys of
+    value 1 + r (the same keys on every rank where ``shared``, else disjoint ones); the ranks' inputs and
+    the decode of their payloads' sum."""
+    numel = agg.numel
+    perm = torch.randperm(numel, generator=torch.Generator().manual_seed(seed))
+    xs, start = [], 0
+    for r, k in enumerate(per_rank):
+        x = torch.zeros(numel)
+        x[perm[:k] if shared else perm[start:start + k]] = 1.0 + r
+        start += k
+        xs.append(x)
+    encoded = [agg.encode(x) for x in xs]
+    return xs, agg.decode(sum(p for p, _ in encoded), encoded[0][1])
+
+
 def decide(n, max_density, per_rank, shared, numel=20_000):
     """Two exact steps of ``n`` ranks holding ``per_rank`` keys each (the same keys on every rank, or
-    disjoint ones) through one aggregator standing in for every replica, under a policy deciding at the
-    second step; the aggregator and the codec it started with."""
+    disjoint ones) under a policy deciding at the second step; the aggregator and the codec it started
+    with."""
     from lossless_hc.training.capacity import CapacityPolicy
     agg = TensorAggregator("t", (numel,), torch.float32, n, max_density, seed=3, policy=CapacityPolicy(interval=2))
     first = agg.codec
     for s in range(2):
-        perm = torch.randperm(numel, generator=torch.Generator().manual_seed(s))
-        xs = []
-        for r in range(n):
-            x = torch.zeros(numel)
-            x[perm[:per_rank] if shared else perm[r * per_rank:(r + 1) * per_rank]] = 1.0 + r
-            xs.append(x)
-        encoded = [agg.encode(x) for x in xs]
-        out = agg.decode(sum(p for p, _ in encoded), encoded[0][1])
+        xs, out = step(agg, (per_rank,) * n, s, shared)
         assert not out.needs_fallback and torch.equal(out.value, sum(xs))
     return agg, first
 
@@ -138,24 +147,12 @@ def test_an_overload_grows_a_learnt_union_capacity_by_its_largest_term():
     (and c = max(2 x 600, ceil(1.25 K / 4)) = 1,250)."""
     from lossless_hc.training.capacity import CapacityPolicy
     n, numel = 4, 20_000
-
-    def step(agg, per_rank, seed):
-        perm = torch.randperm(numel, generator=torch.Generator().manual_seed(seed))
-        xs, start = [], 0
-        for r, k in enumerate(per_rank):
-            x = torch.zeros(numel)
-            x[perm[start:start + k]] = 1.0 + r
-            start += k
-            xs.append(x)
-        encoded = [agg.encode(x) for x in xs]
-        return agg.decode(sum(p for p, _ in encoded), encoded[0][1])
-
     for overload, want in (((700, 0, 0, 0), (1200, 4000)), ((1000,) * 4, (1250, 5000))):
         agg = TensorAggregator("t", (numel,), torch.float32, n, 0.05, seed=3, policy=CapacityPolicy(interval=2))
         for seed in range(2):
-            assert not step(agg, (400,) * 4, seed).needs_fallback
+            assert not step(agg, (400,) * n, seed)[1].needs_fallback
         assert (agg.capacity, agg.union_capacity) == (600, 2000)
-        out = step(agg, overload, 2)
+        out = step(agg, overload, 2)[1]
         assert out.needs_fallback and out.report.overloaded_ranks and out.report.total_keys == sum(overload)
         assert (agg.capacity, agg.union_capacity) == want
 

@@ -60,6 +60,17 @@ def _hang_watchdog():
     processes.WATCHDOG.disarm()
 
 
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """torch.distributed's default group as a Gloo world of this one process, destroyed after the test."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(params=["compiled", "cupy"])
 def backend(request, monkeypatch):
     """The GPU tests' CUDA kernels, loaded one way per parameter: the compiled ``_C_cuda`` module or

@@ -441,29 +441,24 @@ def test_the_dense_window_sends_what_the_engine_s_own_hook_sends():
     assert guard_stats(None, [a]) is None
 
 
-def test_the_dense_window_s_half_allreduce_casts_as_the_engine_s_hooks(tmp_path):
+def test_the_dense_window_s_half_allreduce_casts_as_the_engine_s_hooks(gloo_world_of_one):
     """allreduce_half on a 1-rank Gloo group, told n = 4 ranks: the buffer comes back as DDP's hooks send it,
     averaged or (FSDP2's replica all-reduce, which divides later) summed: bf16 rounded to bfloat16, then
     divided in float32 (bf16_compress_hook); fp16 x / n rounded to float16 (fp16_compress_hook), a SUM
     multiplied back by n in float32."""
     import torch
-    import torch.distributed as dist
 
     from lossless_hc.plugins._ddp_bucket import allreduce_half
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        x = torch.randn(100, generator=torch.Generator().manual_seed(3)) * 1000
-        for half, average in (("bf16", True), ("bf16", False), ("fp16", True), ("fp16", False)):
-            buffer = x.clone()
-            assert allreduce_half(buffer, 4, None, half, average).wait() is buffer
-            if half == "bf16":
-                want = x.to(torch.bfloat16).float() / (4 if average else 1)
-            else:
-                want = (x.to(torch.float16) / 4).float() * (1 if average else 4)
-            assert torch.equal(buffer, want), (half, average)
-    finally:
-        dist.destroy_process_group()
+    x = torch.randn(100, generator=torch.Generator().manual_seed(3)) * 1000
+    for half, average in (("bf16", True), ("bf16", False), ("fp16", True), ("fp16", False)):
+        buffer = x.clone()
+        assert allreduce_half(buffer, 4, None, half, average).wait() is buffer
+        if half == "bf16":
+            want = x.to(torch.bfloat16).float() / (4 if average else 1)
+        else:
+            want = (x.to(torch.float16) / 4).float() * (1 if average else 4)
+        assert torch.equal(buffer, want), (half, average)
 
 
 def test_guard_half_is_the_one_half_strategy_of_a_float32_bucket():

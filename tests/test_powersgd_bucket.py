@@ -15,12 +15,8 @@ def _bucket(shapes, members=None, rank=4):
 
 
 @pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield dist.new_group([0])
-    finally:
-        dist.destroy_process_group()
+def one_rank_group(gloo_world_of_one):
+    return dist.new_group([0])
 
 
 def test_a_run_compresses_the_part_on_its_group_and_leaving_hands_back_its_error_memory(one_rank_group):

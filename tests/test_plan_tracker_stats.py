@@ -16,3 +16,24 @@ def test_a_tracker_s_defaults_are_the_planner_s():
     sparse = PlanTracker(1000, 10, 2, sparse=True)
     sparse.observe((5, 7), 10)
     assert sparse.stats().sparse is True
+
+
+def test_each_observation_moves_the_ewmas_by_alpha():
+    """The first observation sets the EWMAs; each next one (one step on) moves them by ``alpha`` exactly:
+    (1 - a) * mean + a * count, for every rank's count and for the union."""
+    tr = PlanTracker(1000, 1, 2, alpha=0.25)
+    tr.observe((5, 7), 12)
+    assert tr.rank_keys == [5.0, 7.0] and tr.union == 12.0
+    tr.observe((6, 7), 13)
+    assert tr.rank_keys == [5.25, 7.0] and tr.union == 12.25
+
+
+def test_an_observation_at_or_behind_the_last_step_weighs_as_one_step():
+    """``step`` at or behind the last observation's (a caller mixing its own step counts with the default
+    one) weighs as one step, ``alpha``: never 0 (an ignored observation) nor a negative weight."""
+    tr = PlanTracker(1000, 1, 2, alpha=0.25)
+    tr.observe((4, 4), 4, step=3)
+    tr.observe((8, 8), 8, step=3)
+    assert tr.rank_keys == [5.0, 5.0] and tr.union == 5.0
+    tr.observe((9, 9), 9, step=2)
+    assert tr.rank_keys == [6.0, 6.0] and tr.union == 6.0

@@ -37,3 +37,14 @@ def test_an_observation_at_or_behind_the_last_step_weighs_as_one_step():
     assert tr.rank_keys == [5.0, 5.0] and tr.union == 5.0
     tr.observe((9, 9), 9, step=2)
     assert tr.rank_keys == [6.0, 6.0] and tr.union == 6.0
+
+
+def test_the_counts_are_whole_rows_of_a_row_that_does_not_divide_the_tensor():
+    """10 coordinates in rows of 3 are 4 rows (the last one short): a rank holding every row reports 4, an int,
+    and so does the union."""
+    tr = PlanTracker(10, 3, 2)
+    tr.observe((4, 4), 4)
+    s = tr.stats()
+    assert (s.keys, s.rank_keys, s.union_keys) == (4, (4, 4), 4)
+    assert all(type(k) is int for k in s.rank_keys + (s.union_keys,))
+

@@ -193,6 +193,18 @@ def test_the_in_process_engine_refuses_requests_no_engine_could_carry_out():
         run_step(aggs, xs)
 
 
+def test_the_in_process_engine_runs_a_world_of_one():
+    """One rank (world_size 1, planned dense) is a world like any other for run_in_process: its statistics
+    steps and its plain steps return the rank's own gradient, exactly."""
+    agg = AutoAggregator("w", (64, 8), torch.float32, 1, 0, MODEL, interval=2)
+    x = torch.zeros(64, 8)
+    x[3], x[10] = 1.5, -2.0
+    for _ in range(3):
+        (y,) = run_step([agg], [x])
+        assert torch.equal(y, x)
+    assert agg.steps == 3 and agg.plain_steps > 0
+
+
 def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):
     """A sketch plan of a dense gradient takes this rank's row count (its statistics) from the encoder's
     own count (LosslessCodec.encoded_keys), not from a second read of the gradient by the row scan: the

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+import lossless_hc.training.step as step_module
 import lossless_hc.training.strategies as strategies
 from lossless_hc.training.planner import STRATEGIES, TensorStats, stats_header_words
 from lossless_hc.training.aggregate import ConfigurationMismatch
@@ -203,6 +204,18 @@ def test_the_in_process_engine_runs_a_world_of_one():
         (y,) = run_step([agg], [x])
         assert torch.equal(y, x)
     assert agg.steps == 3 and agg.plain_steps > 0
+
+
+def test_the_in_process_engine_sums_unless_it_is_told_to_average():
+    """run_in_process's engine SUMs the ranks' payloads by default (DDP's, BytePS's), as the aggregators expect
+    unless told otherwise; average=True divides by n (Horovod's default) and the values are the average."""
+    n = 2
+    aggs = [AutoAggregator("w", (16,), torch.float32, n, r, MODEL) for r in range(n)]
+    xs = [torch.arange(16, dtype=torch.float32) + r for r in range(n)]
+    values, _ = step_module.run_in_process(aggs, xs)
+    assert all(torch.equal(y, xs[0] + xs[1]) for y in values)
+    values, _ = step_module.run_in_process(aggs, xs, average=True)
+    assert all(torch.equal(y, (xs[0] + xs[1]) / 2) for y in values)
 
 
 def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):

@@ -218,6 +218,22 @@ def test_the_in_process_engine_sums_unless_it_is_told_to_average():
     assert all(torch.equal(y, (xs[0] + xs[1]) / 2) for y in values)
 
 
+@pytest.mark.parametrize("first,calls", [("allgather", 3), ("dense", 2)])
+def test_the_in_process_engine_times_the_aggregators_calls_only(monkeypatch, first, calls):
+    """run_in_process's seconds are the aggregators' own calls (encode, decode and, with a second collective,
+    finish, on each rank) summed, the collectives left out: on a clock that ticks 1 s per reading, one
+    second per call."""
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(step_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    n = 2
+    aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, first=first, allowed=(first,))
+            for r in range(n)]
+    xs = [torch.ones(64, 8) for _ in range(n)]
+    values, seconds = step_module.run_in_process(aggs, xs)
+    assert all(torch.equal(y, 2 * torch.ones(64, 8)) for y in values)
+    assert seconds == calls * n
+
+
 def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monkeypatch):
     """A sketch plan of a dense gradient takes this rank's row count (its statistics) from the encoder's
     own count (LosslessCodec.encoded_keys), not from a second read of the gradient by the row scan: the

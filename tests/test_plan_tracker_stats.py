@@ -47,4 +47,3 @@ def test_the_counts_are_whole_rows_of_a_row_that_does_not_divide_the_tensor():
     s = tr.stats()
     assert (s.keys, s.rank_keys, s.union_keys) == (4, (4, 4), 4)
     assert all(type(k) is int for k in s.rank_keys + (s.union_keys,))
-

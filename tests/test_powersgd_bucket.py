@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lossless_hc.training.planner import SWITCH_MARGIN, Calibration, CostModel, LinkModel
 from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner, powersgd_layout
 
 
@@ -122,3 +123,81 @@ def test_powersgd_is_offered_to_dense_float32_buckets_on_more_than_one_rank_and_
     assert PowerSGDPlanner(rank=1).rank == 1
     with pytest.raises(ValueError, match="powersgd_rank"):
         PowerSGDPlanner(rank=0)
+
+
+# -- the bucket's decision rule, on set predictions --------------------------------------------------------------
+
+class _Planned:
+    """What PowerSGDPlanner.bucket reads of a parameter's AutoAggregator: its name, its plan count and
+    current plan (here the plan's statistics are the gradient's numel; None before its first plan), and
+    the lossy memory it adds to its gradient when the bucket goes to PowerSGD."""
+
+    def __init__(self, name, numel, planned=True):
+        self.name, self.numel, self.plans, self.given = name, numel, int(planned), None
+
+    def current_plan(self):
+        return "dense", (self.numel if self.plans else None)
+
+    def add_lossy_memory_to(self, grad):
+        self.given = grad
+
+
+class _Priced(CostModel):
+    """A cost model with set predictions: PowerSGD's step by the layout's numel, a message's as the sum of
+    its plans' (by their numel; an empty message costs 0), and a first allreduce's latency of 0.5 s at 2
+    ranks (alpha 0.25 s, free bytes). A layout or plan it has no price for is a test error."""
+
+    def __init__(self, psgd, plans):
+        super().__init__(Calibration(LinkModel(0.25, 0.0)))
+        self.psgd, self.plans = psgd, plans
+
+    def predict_powersgd(self, layout, world_size, element_bytes=4):
+        assert world_size == 2 and layout.numel in self.psgd, f"no price for a layout of {layout.numel}"
+        return self.psgd[layout.numel]
+
+    def predict_message(self, plans):
+        return sum(self.plans[numel] for _, numel in plans)
+
+
+def _decide(shapes, psgd, plans, planner=None, planned=True):
+    grads = [torch.zeros(s) for s in shapes]
+    aggs = [_Planned(f"p{i}", g.numel(), planned) for i, g in enumerate(grads)]
+    planner = planner if planner is not None else PowerSGDPlanner()
+    model = _Priced(psgd, plans)
+    assert model.calibration.link.latency(2) == 0.5
+    chosen = planner.bucket(0, 2, aggs, grads, torch.cat([g.reshape(-1) for g in grads]), model, 2)
+    return planner, chosen, aggs
+
+
+def test_a_bucket_takes_powersgd_only_when_predicted_more_than_the_switch_margin_faster():
+    """The rule of CostModel.choose: PowerSGD is taken when ``t - c < (1 - SWITCH_MARGIN)(t_plans - c)``, ``c``
+    the first allreduce's latency (0.5 s here), strictly: plans of 5.5 s (5 s beyond c) and PowerSGD at 4.5 s
+    (4 s beyond c, exactly 20% faster) keep the plans; at 4.25 s PowerSGD is taken. The 64x32 matrix alone
+    (100 s) beats no plan, so no part of the bucket is priced; a bucket of one matrix that PowerSGD would
+    take whole is priced whole only."""
+    assert SWITCH_MARGIN == 0.2
+    shapes, plans = [(64, 32), (16,)], {2048: 5.0, 16: 0.5}
+    planner, chosen, _ = _decide(shapes, {2048: 100.0, 2064: 4.5}, plans)
+    assert chosen is None and planner.buckets == {}
+    assert planner.stats() == {0: {"strategy": "per_parameter", "step": 2, "parameters": ["p0", "p1"],
+                                   "predicted_seconds": {"powersgd": 4.5, "per_parameter": 5.5}, "compressed": 1}}
+    planner, chosen, _ = _decide(shapes, {2048: 100.0, 2064: 4.25}, plans)
+    assert isinstance(chosen, PowerSGDBucket) and chosen.members is None and planner.buckets == {0: chosen}
+    assert planner.stats()[0]["strategy"] == "powersgd"
+    assert chosen.predicted == {"powersgd": 4.25, "per_parameter": 5.5}
+    # one matrix, its share (3 s less three latencies) below its plan's 5 s beyond one: a member, but the
+    # whole bucket, so no part is priced
+    planner, chosen, _ = _decide([(64, 32)], {2048: 3.0}, {2048: 5.5})
+    assert isinstance(chosen, PowerSGDBucket) and chosen.members is None
+    assert planner.stats()[0]["predicted_seconds"] == {"powersgd": 3.0, "per_parameter": 5.5}
+
+
+def test_a_bucket_is_not_compared_before_every_parameter_has_a_plan():
+    """A parameter without a plan yet (its statistics None) leaves the bucket on its plans, with no
+    decision recorded and nothing priced; once every parameter is planned the bucket is compared."""
+    shapes = [(64, 32), (16,)]
+    psgd, plans = {2048: 100.0, 2064: 4.25}, {2048: 5.0, 16: 0.5}
+    planner, chosen, _ = _decide(shapes, psgd, plans, planned=False)
+    assert chosen is None and planner.stats() == {} and planner.buckets == {}
+    planner, chosen, _ = _decide(shapes, psgd, plans, planner=planner)
+    assert isinstance(chosen, PowerSGDBucket) and planner.stats()[0]["strategy"] == "powersgd"

@@ -192,6 +192,19 @@ def test_a_bucket_takes_powersgd_only_when_predicted_more_than_the_switch_margin
     assert planner.stats()[0]["predicted_seconds"] == {"powersgd": 3.0, "per_parameter": 5.5}
 
 
+def test_a_matrix_joins_the_part_only_when_its_share_is_below_its_plan_beyond_a_latency():
+    """_members: a compressed matrix's share (PowerSGD on it alone less the three allreduces' latencies,
+    3c) against its plan less one (c), strictly: the 64x32 matrix at 3 s (share 1.5 s) against its 2 s plan
+    (1.5 s beyond c) is not a member; the 32x16 one at 4.75 s (share 3.25 s) against its 4 s plan (3.5 s)
+    is, by half a latency. The part is priced as PowerSGD on that member with the others' plans."""
+    planner, chosen, _ = _decide([(64, 32), (32, 16), (16,)], {2048: 3.0, 512: 4.75, 2576: 50.0},
+                                 {2048: 2.0, 512: 4.0, 16: 0.5})
+    assert chosen is None
+    d = planner.stats()[0]
+    assert d["strategy"] == "per_parameter" and d["compressed"] == 1   # the cheaper of the two: the part
+    assert d["predicted_seconds"] == {"powersgd": 50.0, "per_parameter": 6.5, "powersgd_part": 4.75 + 2.0 + 0.5}
+
+
 def test_a_bucket_is_not_compared_before_every_parameter_has_a_plan():
     """A parameter without a plan yet (its statistics None) leaves the bucket on its plans, with no
     decision recorded and nothing priced; once every parameter is planned the bucket is compared."""

@@ -205,6 +205,23 @@ def test_a_matrix_joins_the_part_only_when_its_share_is_below_its_plan_beyond_a_
     assert d["predicted_seconds"] == {"powersgd": 50.0, "per_parameter": 6.5, "powersgd_part": 4.75 + 2.0 + 0.5}
 
 
+def test_a_part_is_taken_only_when_cheaper_than_powersgd_on_the_whole_bucket():
+    """The 32x16 matrix is the part (its share 0.5 s against its 10 s plan; the 64x32 one's 5.5 s against
+    2 s is not): at a tie with the whole bucket (4.5 s each) PowerSGD takes the whole bucket; when the
+    whole costs more (4.75 s), the part, and only its parameter's lossy memory is added to its gradient."""
+    shapes, plans = [(64, 32), (32, 16), (16,)], {2048: 2.0, 512: 10.0, 16: 0.5}
+    planner, chosen, aggs = _decide(shapes, {2048: 7.0, 512: 2.0, 2576: 4.5}, plans)
+    assert isinstance(chosen, PowerSGDBucket) and chosen.members is None and chosen.names == ["p0", "p1", "p2"]
+    assert planner.stats()[0]["strategy"] == "powersgd"
+    assert chosen.predicted == {"powersgd": 4.5, "per_parameter": 12.5, "powersgd_part": 4.5}
+    assert all(a.given is not None for a in aggs)
+    planner, chosen, aggs = _decide(shapes, {2048: 7.0, 512: 2.0, 2576: 4.75}, plans)
+    assert isinstance(chosen, PowerSGDBucket) and chosen.members == (1,) and chosen.names == ["p1"]
+    assert chosen.layout == powersgd_layout([(32, 16)], 4, 2) and chosen.bucket_names == ["p0", "p1", "p2"]
+    assert planner.stats()[0]["strategy"] == "powersgd_part"
+    assert [a.given is not None for a in aggs] == [False, True, False]
+
+
 def test_a_bucket_is_not_compared_before_every_parameter_has_a_plan():
     """A parameter without a plan yet (its statistics None) leaves the bucket on its plans, with no
     decision recorded and nothing priced; once every parameter is planned the bucket is compared."""

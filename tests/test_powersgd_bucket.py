@@ -112,7 +112,8 @@ def test_a_bucket_s_state_takes_torch_s_defaults_and_an_epsilon_that_keeps_colum
 
 def test_powersgd_is_offered_to_dense_float32_buckets_on_more_than_one_rank_and_takes_rank_1():
     """offered(): more than one rank (one rank has nothing to compress for), a dense float32 bucket, and at
-    least one gradient, each at least 1-D and non-empty; a rank of 1 is a valid approximation rank."""
+    least one gradient, each at least 1-D and non-empty (a single element is enough); a rank of 1 is a valid
+    approximation rank."""
     grads = [torch.zeros(64, 32), torch.zeros(64)]
     buffer = torch.zeros(64 * 33)
     assert PowerSGDPlanner.offered(buffer, grads, 2)
@@ -120,6 +121,9 @@ def test_powersgd_is_offered_to_dense_float32_buckets_on_more_than_one_rank_and_
     assert not PowerSGDPlanner.offered(buffer, [], 2)
     assert not PowerSGDPlanner.offered(buffer.double(), grads, 2)
     assert not PowerSGDPlanner.offered(buffer, [torch.zeros(64, 32), torch.zeros(())], 2)
+    # an empty gradient has no matrix view (powersgd_layout would refuse it mid-run); one element is a 1x1 one
+    assert not PowerSGDPlanner.offered(buffer, [torch.zeros(64, 32), torch.zeros(0, 5)], 2)
+    assert PowerSGDPlanner.offered(torch.zeros(65), [torch.zeros(64), torch.zeros(1)], 2)
     assert PowerSGDPlanner(rank=1).rank == 1
     with pytest.raises(ValueError, match="powersgd_rank"):
         PowerSGDPlanner(rank=0)

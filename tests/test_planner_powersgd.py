@@ -45,6 +45,8 @@ def test_layout_follows_torchs_matrix_view_and_min_compression_rate():
     assert lay.compressed == tuple(compressed) == (0, 3)
     assert (lay.p_numel, lay.q_numel, lay.uncompressed) == (p, q, unc)
     assert lay.numel == sum(torch.Size(s).numel() for s in shapes)
+    # whole counts, as torch's view takes the columns (numel // rows), not floats
+    assert all(type(v) is int for v in (lay.numel, lay.uncompressed, lay.p_numel, lay.q_numel, lay.flops))
     assert lay.flops == 6 * 512 * 512 * 4 + 2 * 1024 * 16 + 6 * 64 * 27 * 4 + 2 * 91 * 16
     assert CostModel.powersgd_collectives(lay) == [("allreduce", 4 * unc), ("allreduce", 4 * p), ("allreduce", 4 * q)]
     with pytest.raises(ValueError):

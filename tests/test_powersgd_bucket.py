@@ -176,9 +176,9 @@ def _decide(shapes, psgd, plans, planner=None, planned=True):
 def test_a_bucket_takes_powersgd_only_when_predicted_more_than_the_switch_margin_faster():
     """The rule of CostModel.choose: PowerSGD is taken when ``t - c < (1 - SWITCH_MARGIN)(t_plans - c)``, ``c``
     the first allreduce's latency (0.5 s here), strictly: plans of 5.5 s (5 s beyond c) and PowerSGD at 4.5 s
-    (4 s beyond c, exactly 20% faster) keep the plans; at 4.25 s PowerSGD is taken. The 64x32 matrix alone
-    (100 s) beats no plan, so no part of the bucket is priced; a bucket of one matrix that PowerSGD would
-    take whole is priced whole only."""
+    (4 s beyond c, exactly 20% faster) keep the plans; at 4.25 s PowerSGD is taken. A bucket PowerSGD
+    compresses nothing of is never taken. The 64x32 matrix alone (100 s) beats no plan, so no part of the
+    bucket is priced; a bucket of one matrix that PowerSGD would take whole is priced whole only."""
     assert SWITCH_MARGIN == 0.2
     shapes, plans = [(64, 32), (16,)], {2048: 5.0, 16: 0.5}
     planner, chosen, _ = _decide(shapes, {2048: 100.0, 2064: 4.5}, plans)
@@ -189,6 +189,13 @@ def test_a_bucket_takes_powersgd_only_when_predicted_more_than_the_switch_margin
     assert isinstance(chosen, PowerSGDBucket) and chosen.members is None and planner.buckets == {0: chosen}
     assert planner.stats()[0]["strategy"] == "powersgd"
     assert chosen.predicted == {"powersgd": 4.25, "per_parameter": 5.5}
+    # the margin is of the time beyond c: 4.4375 s is 20% under the plans only once c is taken off both
+    planner, chosen, _ = _decide(shapes, {2048: 100.0, 2064: 4.4375}, plans)
+    assert isinstance(chosen, PowerSGDBucket)
+    # a bucket of vectors, which PowerSGD sends uncompressed, keeps its plans however cheap PowerSGD is priced
+    planner, chosen, _ = _decide([(16,), (8,)], {24: 0.0}, {16: 5.0, 8: 5.0})
+    assert chosen is None and planner.stats()[0]["strategy"] == "per_parameter"
+    assert planner.stats()[0]["compressed"] == 0
     # one matrix, its share (3 s less three latencies) below its plan's 5 s beyond one: a member, but the
     # whole bucket, so no part is priced
     planner, chosen, _ = _decide([(64, 32)], {2048: 3.0}, {2048: 5.5})

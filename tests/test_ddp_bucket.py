@@ -3,7 +3,7 @@ before their sum, and the averaged bucket written back from the summed results."
 import pytest
 import torch
 
-from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket
+from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket, fill_slices
 
 
 @pytest.mark.parametrize("dtype, first", [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)])
@@ -44,3 +44,24 @@ def test_fill_bucket_writes_each_result_into_its_slice_and_divides_it_once():
     in_place = [r if i != 1 else bucket_slices(buffer, grads)[1].div_(2) for i, r in enumerate(results)]
     fill_bucket(buffer, in_place, 2, in_place_divided=True)
     assert torch.equal(buffer, torch.cat([r.reshape(-1) for r in results]) / 2)
+
+
+def test_fill_bucket_returns_the_bucket_it_filled():
+    """DDP's comm hook returns fill_bucket's value as its future's result: the bucket buffer itself,
+    filled and divided (not a copy, not None)."""
+    buffer = torch.zeros(3)
+    assert fill_bucket(buffer, [torch.tensor([2.0, 4.0]), torch.tensor([6.0])], 2) is buffer
+    assert torch.equal(buffer, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_fill_slices_divides_a_result_decoded_in_place_unless_told_it_was():
+    """fill_slices' in_place_divided defaults to False: a result decoded into its own slice is divided there
+    like any other; only with in_place_divided=True is it left as it is."""
+    grads = [torch.zeros(2), torch.zeros(2)]
+    for flag, want in ((None, [1.0, 2.0, 3.0, 4.0]), (True, [1.0, 2.0, 6.0, 8.0])):
+        buffer = torch.tensor([0.0, 0.0, 6.0, 8.0])
+        slices = bucket_slices(buffer, grads)
+        results = [torch.tensor([2.0, 4.0]), slices[1]]   # the second one decoded in place
+        fill_slices(slices, results, 2, **({} if flag is None else {"in_place_divided": flag}))
+        assert torch.equal(buffer, torch.tensor(want)), flag
+

@@ -65,3 +65,14 @@ def test_fill_slices_divides_a_result_decoded_in_place_unless_told_it_was():
         fill_slices(slices, results, 2, **({} if flag is None else {"in_place_divided": flag}))
         assert torch.equal(buffer, torch.tensor(want)), flag
 
+
+def test_allreduce_half_averages_unless_told_to_sum(gloo_world_of_one):
+    """allreduce_half's average defaults to True (DDP's hook calls it so for a bucket's average): on a 1-rank
+    Gloo group told n = 4 ranks, the buffer comes back divided by 4, in either half precision."""
+    from lossless_hc.plugins._ddp_bucket import allreduce_half
+
+    x = torch.tensor([4.0, -8.0, 1000.0, 0.5])
+    for half in ("bf16", "fp16"):
+        buffer = x.clone()
+        assert allreduce_half(buffer, 4, None, half).wait() is buffer
+        assert torch.equal(buffer, x / 4), half

@@ -480,3 +480,29 @@ def test_inexact_keys_are_reaggregated_in_name_order_whatever_order_the_ranks_de
         for i in order:
             adapters[r].decode(summed[i].clone(), encoded[r][i][1])
     assert adapters[0].started == adapters[1].started == sorted(names), [a.started for a in adapters]
+
+
+# -- the engine, names and declarations ---------------------------------------------------------------------
+
+def test_the_default_engine_is_byteps_own_operations(monkeypatch):
+    """BytePSEngine (a compressor's engine when none is given) is byteps.torch.ops: its size and rank, a
+    declared name, the in-place averaging push_pull and its synchronize (here BytePS's modules over the
+    simulator: two workers' tensors come back averaged in place, under a name declared before its push)."""
+    from byteps_sim import byteps_modules
+    sim = SimulatedBytePS(2)
+    for name, module in byteps_modules(sim).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(plugin, "bps", sys.modules["byteps.torch"])
+
+    def worker(rank, _):
+        eng = plugin.BytePSEngine()
+        assert (eng.size(), eng.rank()) == (2, rank)
+        eng.declare("w")
+        t = torch.tensor([1.0, 2.0]) * (rank + 1)
+        eng.synchronize(eng.push_pull_async_inplace(t, average=True, name="w"))
+        return t
+
+    for t in run_workers(sim, worker):
+        assert torch.equal(t, torch.tensor([1.5, 3.0]))
+    assert sim.keys[0] == sim.keys[1] == {"w": 0} and not any(sim.lazily_declared)
+    assert sim.pushes["w"] == [(2, torch.float32, True)]

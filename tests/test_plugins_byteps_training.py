@@ -506,3 +506,27 @@ def test_the_default_engine_is_byteps_own_operations(monkeypatch):
         assert torch.equal(t, torch.tensor([1.5, 3.0]))
     assert sim.keys[0] == sim.keys[1] == {"w": 0} and not any(sim.lazily_declared)
     assert sim.pushes["w"] == [(2, torch.float32, True)]
+
+
+@pytest.mark.parametrize("keyed_by", ["hash", "tensor", "tensor, no flag"])
+def test_the_parameter_s_name_is_read_from_the_optimizer_either_way_it_keys_them(keyed_by):
+    """BytePS's optimizer keys its _parameter_names by p.__hash__() where _is_tensor_instance is set (current
+    PyTorch), by the tensor itself otherwise (False, or an older BytePS without the attribute, nor
+    _enable_async): the aggregator is named after the parameter either way."""
+    eng = SimulatedBytePS(1).engine(0)
+    p = torch.nn.Parameter(torch.zeros(6))
+    p.grad = torch.arange(6.0)
+
+    class Frame:
+        def __init__(self):
+            self._parameter_names = {p.__hash__() if keyed_by == "hash" else p: "w"}
+            if keyed_by != "tensor, no flag":
+                self._is_tensor_instance = keyed_by == "hash"
+                self._enable_async = False
+
+        def _push_pull_grad_async(self, p, comp):
+            return comp.compress(p.grad)
+
+    comp = Compression.lossless(engine=eng)
+    Frame()._push_pull_grad_async(p, comp)
+    assert list(comp.aggregators()) == ["w"]

@@ -530,3 +530,27 @@ def test_the_parameter_s_name_is_read_from_the_optimizer_either_way_it_keys_them
     comp = Compression.lossless(engine=eng)
     Frame()._push_pull_grad_async(p, comp)
     assert list(comp.aggregators()) == ["w"]
+
+
+def test_async_mode_is_refused_by_its_flag_or_by_the_parameter_itself():
+    """Either sign of BytePS's asynchronous mode is refused: the optimizer's _enable_async (even for a
+    gradient), or compress called on the parameter itself (an optimizer without the flag)."""
+    eng = SimulatedBytePS(1).engine(0)
+    p = torch.nn.Parameter(torch.zeros(6))
+    p.grad = torch.arange(6.0)
+
+    class Frame:
+        _parameter_names = {}
+
+        def __init__(self, flag):
+            if flag is not None:
+                self._enable_async = flag
+
+        def push(self, p, tensor, comp):
+            return comp.compress(tensor)
+
+    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
+        Frame(True).push(p, p.grad, Compression.lossless(engine=eng))
+    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
+        Frame(None).push(p, p, Compression.lossless(engine=eng))
+    Frame(None).push(p, p.grad, Compression.lossless(engine=eng))   # synchronous: a gradient is compressed

@@ -554,3 +554,19 @@ def test_async_mode_is_refused_by_its_flag_or_by_the_parameter_itself():
     with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
         Frame(None).push(p, p, Compression.lossless(engine=eng))
     Frame(None).push(p, p.grad, Compression.lossless(engine=eng))   # synchronous: a gradient is compressed
+
+
+def test_every_parameter_s_fallback_name_is_declared_sorted_at_the_first_compress():
+    """The dense fallback names of all the optimizer's parameters are declared at the first compress, in
+    name order, before anything else is pushed (every rank numbers them alike), and once."""
+    sim = SimulatedBytePS(1)
+    eng = sim.engine(0)
+    params = {n: torch.nn.Parameter(torch.zeros(4)) for n in ("b", "c", "a")}
+    for p in params.values():
+        p.grad = torch.ones(4)
+    opt = _Opt(list(params.items()), eng)
+    comp = Compression.lossless(engine=eng)
+    opt._push_pull_grad_async(params["c"], comp)
+    assert sim.keys[0] == {"lhc.fallback.a": 0, "lhc.fallback.b": 1, "lhc.fallback.c": 2}
+    opt._push_pull_grad_async(params["a"], comp)
+    assert len(sim.keys[0]) == 3

@@ -570,3 +570,23 @@ def test_every_parameter_s_fallback_name_is_declared_sorted_at_the_first_compres
     assert sim.keys[0] == {"lhc.fallback.a": 0, "lhc.fallback.b": 1, "lhc.fallback.c": 2}
     opt._push_pull_grad_async(params["a"], comp)
     assert len(sim.keys[0]) == 3
+
+
+def test_a_result_handed_back_in_another_tensor_releases_the_pushed_payload():
+    """With an engine that does not aggregate in place, decompress (given this push's ctx) still lets go of
+    the payload it pushed: nothing of a step is kept once its gradients are decompressed."""
+    import gc
+    import weakref
+    eng = SimulatedBytePS(1).engine(0)
+    comp = Compression.lossless(engine=eng, max_density=0.01)
+    p = torch.nn.Parameter(torch.zeros(4000, 8))
+    p.grad = torch.zeros(4000, 8)
+    p.grad[7] = 1.0
+    head, ctx = _Opt([("emb", p)], eng)._push_pull_grad_async(p, comp)
+    assert comp.aggregators()["emb"].compressed
+    pushed = weakref.ref(head)
+    out = comp.decompress(head.clone(), ctx)
+    assert torch.equal(out, p.grad)
+    del head, ctx
+    gc.collect()
+    assert pushed() is None

@@ -590,3 +590,30 @@ def test_a_result_handed_back_in_another_tensor_releases_the_pushed_payload():
     del head, ctx
     gc.collect()
     assert pushed() is None
+
+
+def test_padding_and_widening_count_in_the_bytes_sent_and_a_lazy_tail_warns_at_the_caller():
+    """What a push fitted to its slot sends beyond the payload (zero padding, widening to the slot's dtype)
+    counts in stats()'s payload_bytes; a payload larger than its slot sends its own bytes (head and tail),
+    and a tail name not declared at a step's end warns, pointing at the optimizer's call of compress."""
+    sim = SimulatedBytePS(1)
+    eng = sim.engine(0)
+    comp = Compression.lossless(engine=eng)
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    p.grad = torch.arange(6, dtype=torch.float16)
+    opt = _Opt([("w", p)], eng)
+
+    def push():
+        before = comp.stats()["payload_bytes"]
+        head, ctx = opt._push_pull_grad_async(p, comp)
+        assert torch.equal(comp.decompress(head, ctx), p.grad)
+        return comp.stats()["payload_bytes"] - before
+    assert push() == 12                          # the first push: 6 float16 as they are
+    comp._slots["w"] = (10, torch.float32)       # as if the first push had been wider and longer
+    assert push() == 40                          # 12 counted, 28 of padding and widening
+    comp._slots["w"] = (4, torch.float16)        # as if the first push had been shorter
+    with pytest.warns(RuntimeWarning, match="lhc.tail.w.2 was not declared at the end of a step") as caught:
+        assert push() == 12
+    code = _Opt._push_pull_grad_async.__code__
+    assert [(w.filename, w.lineno - code.co_firstlineno) for w in caught] == [(code.co_filename, 1)]
+    assert sim.pushes["lhc.tail.w.2"] == [(2, torch.float16, True)] and not any(sim.lazily_declared)

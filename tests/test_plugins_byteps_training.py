@@ -617,3 +617,16 @@ def test_padding_and_widening_count_in_the_bytes_sent_and_a_lazy_tail_warns_at_t
     code = _Opt._push_pull_grad_async.__code__
     assert [(w.filename, w.lineno - code.co_firstlineno) for w in caught] == [(code.co_filename, 1)]
     assert sim.pushes["lhc.tail.w.2"] == [(2, torch.float16, True)] and not any(sim.lazily_declared)
+
+
+def test_a_fallback_name_is_declared_before_its_push():
+    """A fallback of a name the first compress did not declare (a parameter the optimizer has no name for)
+    is declared before its push_pull, not left to the push; the dense values come back summed."""
+    sim = SimulatedBytePS(1)
+    comp = Compression.lossless(engine=sim.engine(0))
+    agg = comp.aggregator("k", "x", torch.zeros(8), 1, 0)
+    dense = torch.arange(8.0)
+    comp._wait_fallback(comp._start_fallback(agg, dense))
+    assert torch.equal(dense, torch.arange(8.0))
+    assert sim.keys[0] == {"lhc.fallback.x": 0} and not any(sim.lazily_declared)
+    assert sim.pushes["lhc.fallback.x"] == [(8, torch.float32, False)]

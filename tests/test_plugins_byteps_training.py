@@ -630,3 +630,31 @@ def test_a_fallback_name_is_declared_before_its_push():
     assert torch.equal(dense, torch.arange(8.0))
     assert sim.keys[0] == {"lhc.fallback.x": 0} and not any(sim.lazily_declared)
     assert sim.pushes["lhc.fallback.x"] == [(8, torch.float32, False)]
+
+
+def test_no_tail_is_declared_for_a_payload_that_fits_its_slot():
+    """At a step's end, a tail name is declared only for a payload that outgrew its slot, by its extra
+    elements (even one), once; one that fits it exactly or with room to spare declares nothing."""
+    declared = []
+
+    class Recording:
+        def declare(self, name):
+            declared.append(name)
+
+        def push_pull_async_inplace(self, tensor, average, name):
+            return None
+
+        def synchronize(self, handle):
+            pass
+
+    comp = Compression.lossless(max_density=0.01, engine=Recording())
+    aggs = {name: comp.aggregator(name, name, torch.zeros(20000), 2, 0) for name in ("a", "b")}
+    assert all(a.compressed for a in aggs.values())
+    comp._slots["a"] = (wire_numel(aggs["a"]), torch.float32)
+    comp._slots["b"] = (wire_numel(aggs["b"]) + 16, torch.float32)
+    comp._after_step()
+    assert declared == []
+    comp._slots["a"] = (wire_numel(aggs["a"]) - 1, torch.float32)
+    comp._after_step()
+    comp._after_step()
+    assert declared == ["lhc.tail.a.1"]

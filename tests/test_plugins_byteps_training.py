@@ -658,3 +658,14 @@ def test_no_tail_is_declared_for_a_payload_that_fits_its_slot():
     comp._after_step()
     comp._after_step()
     assert declared == ["lhc.tail.a.1"]
+
+
+def test_a_partial_push_s_padding_counts_in_the_bytes_sent():
+    """The zeros that pad a partial re-aggregation to a power of two count in payload_bytes (5 float32
+    values padded to 8: 12 bytes more)."""
+    sim = SimulatedBytePS(1)
+    comp = Compression.lossless(engine=sim.engine(0))
+    agg = comp.aggregator("k", "w", torch.zeros(1000), 1, 0)
+    before = comp.stats()["payload_bytes"]
+    comp._wait_fallback(comp._start_partial(agg, torch.arange(1.0, 6.0)))
+    assert comp.stats()["payload_bytes"] - before == 12

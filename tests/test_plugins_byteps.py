@@ -120,6 +120,19 @@ def test_what_is_not_an_environment_or_an_engine_is_named():
         Compression.lossless(engine="x")
 
 
+def test_fp16_sends_floating_tensors_in_half_precision_and_restores_their_dtype():
+    """Compression.fp16 (BytePS's own, or the same cast where BytePS is not installed): a float32 gradient is
+    pushed as float16 and comes back float32; an integer one goes as it is."""
+    x = torch.tensor([1.0, -2.5, 3000.0])
+    payload, ctx = Compression.fp16.compress(x)
+    assert payload.dtype == torch.float16 and torch.equal(payload, x.half())
+    out = Compression.fp16.decompress(payload, ctx)
+    assert out.dtype == torch.float32 and torch.equal(out, x)
+    i = torch.tensor([1, -2, 3])
+    payload, ctx = Compression.fp16.compress(i)
+    assert payload.dtype == torch.int64 and torch.equal(Compression.fp16.decompress(payload, ctx), i)
+
+
 # -- payloads survive BytePS's averaging ----------------------------------------------------------------
 
 def _sparse_rows(rank, rows, dim, k, seed):

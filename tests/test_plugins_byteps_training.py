@@ -669,3 +669,21 @@ def test_a_partial_push_s_padding_counts_in_the_bytes_sent():
     before = comp.stats()["payload_bytes"]
     comp._wait_fallback(comp._start_partial(agg, torch.arange(1.0, 6.0)))
     assert comp.stats()["payload_bytes"] - before == 12
+
+
+def test_auto_s_only_second_push_is_the_dense_fallback():
+    """Compression.auto's second push is the exact dense fallback (a SUM under lhc.fallback.<name>, the
+    tensor handed back summed); a request for anything else, an allgather or an allreduce of another size,
+    is refused naming it."""
+    from lossless_hc.training.step import Request
+    sim = SimulatedBytePS(1)
+    comp = Compression.auto(engine=sim.engine(0))
+    agg = comp.aggregator("k", "w", torch.zeros(100), 1, 0)
+    with pytest.raises(RuntimeError, match="w: BytePS can carry only the dense fallback, not a allgather of 100 "):
+        comp._start_request(agg, Request("allgather", torch.zeros(100)))
+    with pytest.raises(RuntimeError, match="not a allreduce of 99 elements"):
+        comp._start_request(agg, Request("allreduce", torch.zeros(99)))
+    dense = torch.arange(100.0)
+    assert comp._wait_request(comp._start_request(agg, Request("allreduce", dense))) is dense
+    assert torch.equal(dense, torch.arange(100.0))
+    assert dict(sim.pushes) == {"lhc.fallback.w": [(100, torch.float32, False)]}

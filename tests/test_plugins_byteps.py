@@ -133,6 +133,16 @@ def test_fp16_sends_floating_tensors_in_half_precision_and_restores_their_dtype(
     assert payload.dtype == torch.int64 and torch.equal(Compression.fp16.decompress(payload, ctx), i)
 
 
+def test_from_env_accepts_the_ends_of_each_range():
+    """The largest fraction (1), the smallest block (1) and an empty block size (auto, like "auto") are
+    accepted: the ranges are (0, 1] and the positive integers."""
+    assert options_from_env({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_MAX_DENSITY": "1",
+                             "BYTEPS_LHC_BLOCK_SIZE": "1"}) == ("lossless", {"max_density": 1.0, "block_size": 1})
+    assert options_from_env({"BYTEPS_LHC_COMPRESSOR": "topk", "BYTEPS_LHC_RATIO": "1.0"}) == ("topk", {"ratio": 1.0})
+    assert options_from_env({"BYTEPS_LHC_COMPRESSOR": "lossless", "BYTEPS_LHC_BLOCK_SIZE": " "}) == \
+        ("lossless", {"block_size": None})
+
+
 # -- payloads survive BytePS's averaging ----------------------------------------------------------------
 
 def _sparse_rows(rank, rows, dim, k, seed):

@@ -143,6 +143,15 @@ def test_from_env_accepts_the_ends_of_each_range():
         ("lossless", {"block_size": None})
 
 
+def test_from_env_refuses_options_for_byteps_s_own_none():
+    """Keywords given to from_env with BYTEPS_LHC_COMPRESSOR unset (none, BytePS's own no-op) are refused:
+    none takes no options, and silently training uncompressed would hide the mistake."""
+    with pytest.raises(ValueError, match=r"BYTEPS_LHC_COMPRESSOR=none takes no options, got \['seed'\]"):
+        Compression.from_env({}, seed=1)
+    with pytest.raises(ValueError, match="takes no options"):
+        Compression.from_env({"BYTEPS_LHC_COMPRESSOR": "none"}, max_density=0.1)
+
+
 # -- payloads survive BytePS's averaging ----------------------------------------------------------------
 
 def _sparse_rows(rank, rows, dim, k, seed):

@@ -687,3 +687,15 @@ def test_auto_s_only_second_push_is_the_dense_fallback():
     assert comp._wait_request(comp._start_request(agg, Request("allreduce", dense))) is dense
     assert torch.equal(dense, torch.arange(100.0))
     assert dict(sim.pushes) == {"lhc.fallback.w": [(100, torch.float32, False)]}
+
+
+def test_auto_s_defaults_on_byteps():
+    """Compression.auto without options: exact (dense and the sketch), the sketch first (the small payload
+    fixes the size BytePS gives the name), no partial re-aggregation, the default calibration; with
+    strategies that leave out the sketch, the planner's own first step."""
+    from lossless_hc.training.planner import Calibration
+    spec = Compression.auto(engine=SimulatedBytePS(2).engine(0)).spec
+    assert (spec.lossy, spec.strategies, spec.first, spec.partial) == (False, ("dense", "sketch"), "sketch", False)
+    assert spec.calibration == Calibration.default() and spec.given_calibration
+    assert Compression.auto(strategies=("dense",)).spec.first is None
+    assert Compression.auto(lossy=True, strategies=("topk", "sketch")).spec.first == "sketch"

@@ -321,7 +321,7 @@ class AutoBytePSCompressor(AutoCompressorAdapter, BytePSCompressor):
 
     def _start_request(self, agg, request):
         if request.kind != "allreduce" or request.tensor.numel() != agg.numel:
-            raise RuntimeError(f"{agg.name}: BytePS can carry only the dense fallback, not a {request.kind} of "
+            raise RuntimeError(f"{agg.name}: BytePS can carry only the dense fallback, not an {request.kind} of "
                                f"{request.tensor.numel()} elements")
         tensor = request.tensor
         return tensor, self._start_fallback(agg, tensor)

@@ -679,9 +679,9 @@ def test_auto_s_only_second_push_is_the_dense_fallback():
     sim = SimulatedBytePS(1)
     comp = Compression.auto(engine=sim.engine(0))
     agg = comp.aggregator("k", "w", torch.zeros(100), 1, 0)
-    with pytest.raises(RuntimeError, match="w: BytePS can carry only the dense fallback, not a allgather of 100 "):
+    with pytest.raises(RuntimeError, match="w: BytePS can carry only the dense fallback, not an allgather of 100 "):
         comp._start_request(agg, Request("allgather", torch.zeros(100)))
-    with pytest.raises(RuntimeError, match="not a allreduce of 99 elements"):
+    with pytest.raises(RuntimeError, match="not an allreduce of 99 elements"):
         comp._start_request(agg, Request("allreduce", torch.zeros(99)))
     dense = torch.arange(100.0)
     assert comp._wait_request(comp._start_request(agg, Request("allreduce", dense))) is dense

@@ -336,3 +336,30 @@ def test_bloom_table_is_the_smallest_feasible_or_one_that_packs_into_fewer_words
 
     assert table.seg_len == min(candidates, key=lambda t: (words(t), t))
     assert q == _bloom_cap(capacity, n, table.seg_len)
+
+
+@pytest.mark.parametrize("groups,keys,expected", [(100, 100, 98), (1000, 1000, 735), (10_000, 10_000, 6642),
+                                                  (1_000_000, 1_000_000, 635_303)])
+def test_expected_nonzero_groups_is_the_random_mean_plus_four_sigmas_plus_two(groups, keys, expected):
+    """Uncapped, the planned non-zero groups are ceil(mean + 4 sqrt(mean) + 2) for the mean number of
+    groups hit by ``keys`` uniform keys, G (1 - (1 - 1/G)^U)."""
+    from lossless_hc.lhc.sizing import expected_nonzero_groups
+    mean = groups * (1 - (1 - 1 / groups) ** keys)
+    assert expected == math.ceil(mean + 4 * math.sqrt(mean) + 2)
+    assert expected_nonzero_groups(groups, keys) == expected
+
+
+@pytest.mark.parametrize("groups,keys,expected", [(10, 5, 5), (1000, 100, 100), (10, 1000, 10), (100, 1000, 100),
+                                                  (2, 1, 1), (1, 1, 1), (1, 1000, 1), (3, 2, 2)])
+def test_expected_nonzero_groups_is_capped_by_the_groups_and_the_keys(groups, keys, expected):
+    """Never more groups than there are, nor than keys to hit them (one group: exactly one)."""
+    from lossless_hc.lhc.sizing import expected_nonzero_groups
+    assert expected_nonzero_groups(groups, keys) == expected
+
+
+@pytest.mark.parametrize("groups,keys", [(0, 5), (-1, 5), (5, 0), (5, -1), (0, 0), (-3, -3), (1, 0)])
+def test_expected_nonzero_groups_of_no_groups_or_no_keys_is_zero(groups, keys):
+    """No groups or no keys (either non-positive): zero groups to size for, an int."""
+    from lossless_hc.lhc.sizing import expected_nonzero_groups
+    got = expected_nonzero_groups(groups, keys)
+    assert got == 0 and type(got) is int

@@ -363,3 +363,17 @@ def test_expected_nonzero_groups_of_no_groups_or_no_keys_is_zero(groups, keys):
     from lossless_hc.lhc.sizing import expected_nonzero_groups
     got = expected_nonzero_groups(groups, keys)
     assert got == 0 and type(got) is int
+
+
+@pytest.mark.parametrize("nodes,words,groups", [(32_768, 1, 1), (32_769, 1, 3), (26_214, 2, 1), (39_322, 2, 4),
+                                                (65_536, 2, 6), (16_384, 5, 1), (16_385, 5, 3), (7000, 100_000, 2)])
+def test_fine_tables_of_few_words_split_at_twice_their_group_size(nodes, words, groups):
+    """A fine group aims at GROUP_KEYS * 4 // (3 + words) nodes, at least one (16384 for one word, 13107
+    for two, 8192 for five): a table of more than twice that many nodes takes ceil(N / that) groups (six
+    for 65536 nodes of two words), capped by the pair bound int(sqrt(1e-3 N / (7 / 4))) (two groups for
+    7000 nodes of 100000 words)."""
+    from lossless_hc.lhc.sizing import GROUP_KEYS, fine_table_for
+    aim = max(1, GROUP_KEYS * 4 // (3 + words))
+    expected = 1 if nodes <= 2 * aim else min(math.ceil(nodes / aim), int(math.sqrt(1e-3 * nodes / 1.75)))
+    assert expected == groups
+    assert fine_table_for(nodes, words).seg_count == 3 * groups

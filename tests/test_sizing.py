@@ -12,7 +12,7 @@ import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import INT_FIELD_LIMIT, digit_packing, stream_seed
-from lossless_hc.lhc.sizing import PEEL_FAILURE_TARGET, sketch_table_for
+from lossless_hc.lhc.sizing import PEEL_FAILURE_TARGET, build_layout, multilevel_plan, sketch_table_for
 
 # keys -> trials. Failures are Binomial(trials, p) with p <= PEEL_FAILURE_TARGET if the sizing is right.
 HYPERGRAPH_TRIALS = {10: 20000, 100: 5000, 1000: 2000, 10_000: 200, 100_000: 30}
@@ -377,3 +377,83 @@ def test_fine_tables_of_few_words_split_at_twice_their_group_size(nodes, words, 
     expected = 1 if nodes <= 2 * aim else min(math.ceil(nodes / aim), int(math.sqrt(1e-3 * nodes / 1.75)))
     assert expected == groups
     assert fine_table_for(nodes, words).seg_count == 3 * groups
+
+
+@pytest.mark.parametrize("numel,n,max_nnz,block,union_nnz,keys,capacity,union", [
+    (1000, 3, 25, 4, None, 250, 7, 21), (1001, 3, 25, 4, None, 251, 7, 21), (1000, 3, 25, 4, 30, 250, 7, 8),
+    (1000, 3, 25, 4, 10 ** 6, 250, 7, 250), (1000, 3, 25, 4, 0, 250, 7, 0), (1000, 2, 5000, 1, None, 1000, 1000, 1000),
+    (100, 64, 10, 1, None, 100, 10, 100), (5, 2, 0, 1, None, 5, 0, 0), (33, 5, 33, 32, 1, 2, 2, 1)])
+def test_build_layout_derives_keys_capacity_and_union_from_its_arguments(numel, n, max_nnz, block, union_nnz, keys,
+                                                                        capacity, union):
+    """Every kind: ceil(numel / block) keys, a per-rank capacity of ceil(max_nnz / block) keys (at most all
+    of them), and a union of n times that, or ceil(union_nnz / block) where given, at most all the keys."""
+    for kind in ("dense", "bitmap", "bloom", "multilevel"):
+        L = build_layout(kind, numel, n, max_nnz, block, 7, union_nnz)
+        if L is None:
+            assert kind == "bloom"
+            continue
+        assert (L.index_kind, L.numel, L.block, L.world_size, L.seed) == (kind, numel, block, n, 7)
+        assert (L.num_keys, L.capacity, L.union_keys) == (keys, capacity, union)
+
+
+@pytest.mark.parametrize("numel,n,max_nnz,block,seed,union_nnz,words", [
+    (1000, 3, 25, 4, 7, None, 1), (50_000, 8, 300, 1, 2 ** 64 - 1, 2000, (2, 1)),
+    (32 * 300 + 5, 5, 640, 32, 3, None, 3)])
+def test_build_layout_assembles_each_kind_from_the_sizing_rules(numel, n, max_nnz, block, seed, union_nnz, words):
+    """The value sketch is sketch_table_for(union) on the seed's sketch stream for every kind; bitmap packs one
+    base-(n+1) digit per key, bloom the table and per-rank cap of bloom_table_for (base n q + 1), multilevel
+    the coarse level of multilevel_plan on the fine stream; dense has no index. The fingerprint is the
+    layout's own."""
+    from dataclasses import replace as dc_replace
+    from lossless_hc.lhc.layout import (SALT_BLOOM, SALT_FINE, SALT_SKETCH, DigitPacking, digit_packing,
+                                        layout_fingerprint, stream_seed)
+    from lossless_hc.lhc.sizing import bloom_table_for, sketch_table_for
+    layouts = {k: build_layout(k, numel, n, max_nnz, block, seed, union_nnz, words)
+               for k in ("dense", "bitmap", "bloom", "multilevel")}
+    keys, union = layouts["dense"].num_keys, layouts["dense"].union_keys
+    for kind, L in layouts.items():
+        assert L.sketch == sketch_table_for(union, stream_seed(seed, SALT_SKETCH))
+        assert L.fingerprint == layout_fingerprint(dc_replace(L, fingerprint=0)) != 0
+        assert (L.bloom is None) == (kind != "bloom") and (L.multilevel is None) == (kind != "multilevel")
+    assert (layouts["dense"].index, layouts["dense"].digit_cap) == (DigitPacking(1, 1, 0), 0)
+    assert (layouts["bitmap"].index, layouts["bitmap"].digit_cap) == (digit_packing(n, keys), 1)
+    bloom, q = bloom_table_for(keys, union, layouts["dense"].capacity, n, stream_seed(seed, SALT_BLOOM))
+    L = layouts["bloom"]
+    assert (L.bloom, L.digit_cap, L.index) == (bloom, q, digit_packing(n * q, bloom.cells))
+    L = layouts["multilevel"]
+    assert L.multilevel == multilevel_plan(keys, union, n, words, stream_seed(seed, SALT_FINE))
+    assert (L.index, L.digit_cap) == (L.multilevel.coarse, 1)
+    assert len({L.fingerprint for L in layouts.values()}) == 4
+
+
+def test_build_layout_defaults_are_block_1_seed_0_no_union_one_word():
+    """The documented defaults: block_size 1, seed 0, union_nnz None (n * capacity), one fine word per group;
+    and fine_table_for's and multilevel_plan's streams default to 0."""
+    from lossless_hc.lhc.sizing import fine_table_for
+    for kind in ("dense", "bitmap", "bloom", "multilevel"):
+        assert build_layout(kind, 5000, 3, 40) == build_layout(kind, 5000, 3, 40, 1, 0, None, 1)
+    assert build_layout("bitmap", 5000, 3, 40).num_keys == 5000
+    assert fine_table_for(300, 2) == fine_table_for(300, 2, 0)
+    assert multilevel_plan(5000, 120, 3, 2) == multilevel_plan(5000, 120, 3, 2, 0)
+
+
+def test_build_layout_refuses_bad_arguments_and_unknown_kinds():
+    """build_layout checks its arguments as plan_layout does (ValueError naming the argument) and refuses an
+    unknown index kind; an index of no keys is None, a dense layout of no keys is built."""
+    with pytest.raises(ValueError, match="numel must be >= 0"):
+        build_layout("dense", -1, 2, 10)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        build_layout("multilevel", 100, 2, 10, 0)
+    with pytest.raises(ValueError, match="max_nnz must be >= 0"):
+        build_layout("bitmap", 100, 2, -1)
+    with pytest.raises(ValueError, match="union_nnz must be >= 0"):
+        build_layout("bloom", 100, 2, 10, 1, 0, -1)
+    with pytest.raises(ValueError, match="world_size must be in"):
+        build_layout("dense", 100, 0, 10)
+    for bad in ("sparse", "Dense", ""):
+        with pytest.raises(ValueError, match="index must be one of"):
+            build_layout(bad, 100, 2, 10)
+    for kind in ("bitmap", "bloom", "multilevel"):
+        assert build_layout(kind, 0, 2, 0) is None
+    empty = build_layout("dense", 0, 2, 0)
+    assert (empty.num_keys, empty.index_kind) == (0, "dense")

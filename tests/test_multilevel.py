@@ -427,3 +427,78 @@ def test_a_solved_fine_pair_s_third_cell_is_checked():
             _, info = reference.decode(L, bad)
             assert rep.status == DecodeStatus.INDEX_CORRUPT, (pair, delta, rep.reason)
             assert info["reason"] == "index corrupt: a solved fine pair is not a pair of node patterns", info["reason"]
+
+
+def documented_plan(num_keys, union, n, shape, seed_stream):
+    """multilevel_plan's rule, written out: finest level first, each level the largest w (digits per
+    word) with load_cap ((n+1)^w - 1) < 2**22, its span below * w * words, its planned nodes
+    expected_nonzero_groups(ceil(num_keys / span), union), its table fine_table_for(planned, words,
+    mix64(seed_stream + depth)) (one 3-cell table for none), load_cap the fewest nodes per cell (>= 1, <=
+    planned) whose overflow over every cell is at most FINE_OVERFLOW_TARGET (0 for none)."""
+    from lossless_hc.lhc.layout import FineLevel, MultilevelPlan, SegmentedTable, digit_packing, mix64
+    from lossless_hc.lhc.sizing import (FINE_OVERFLOW_TARGET, _poisson_tail, expected_nonzero_groups,
+                                        fine_table_for)
+    levels, below = [], 1
+    for depth, words in enumerate(reversed(shape)):
+        stream = mix64(seed_stream + depth)
+        w = max(w for w in range(1, 40) if (n + 1) ** w <= INT_FIELD_LIMIT)
+        for w in range(w, 0, -1):
+            span = below * w * words
+            nodes = math.ceil(num_keys / span)
+            planned = expected_nonzero_groups(nodes, union)
+            if planned == 0:
+                table, cap = SegmentedTable(seg_len=1, seg_count=3, stream=stream), 0
+            else:
+                table = fine_table_for(planned, words, stream)
+                lam = planned / (table.seg_count // 3 * table.seg_len)
+                cap = next(c for c in range(1, planned + 1)
+                           if c == planned or table.cells * _poisson_tail(lam, c) <= FINE_OVERFLOW_TARGET)
+            if max(1, cap) * ((n + 1) ** w - 1) < INT_FIELD_LIMIT:
+                break
+        else:
+            return None
+        levels.append(FineLevel(w, words, span, nodes, planned, cap, table))
+        below = span
+    levels.reverse()
+    return MultilevelPlan(tuple(levels), digit_packing(n, levels[0].num_nodes))
+
+
+@pytest.mark.parametrize("num_keys,union,n,shape", [
+    (1_000_000, 1000, 4, (1,)), (1_000_000, 1000, 4, (1, 2)), (5000, 5000, 2, (3,)), (100_000, 300, 255, (2,)),
+    (10_000_000, 100_000, 16, (2, 1, 1)), (1000, 1000, 1, (4,)), (100_000, 40, 3, (1,)), (1_000_000, 10, 2 ** 11, (1,)),
+    (100_000, 0, 4, (1, 1)), (300, 300, 7, (5, 1, 2, 1)), (9_605, 3200, 5, (1,)), (50_000, 2400, 8, (2, 3))])
+def test_multilevel_plan_is_the_documented_rule(num_keys, union, n, shape):
+    """Every level of multilevel_plan is the one its docstring specifies (documented_plan), for one and
+    several levels, no non-zero keys, bases from 2 to 2**21 + 1."""
+    plan = multilevel_plan(num_keys, union, n, shape, seed_stream=11)
+    assert plan is not None and plan == documented_plan(num_keys, union, n, shape, 11)
+    assert tuple(lv.words_per_group for lv in plan.levels) == shape
+    assert plan.levels[-1].span == plan.levels[-1].digits_per_word * shape[-1]
+
+
+@pytest.mark.parametrize("n,w", [(1, 22), (3, 11), (4, 9), (2047, 2), (2 ** 21, 1), (2 ** 22 - 1, 1)])
+def test_a_fine_level_of_one_non_zero_node_packs_every_digit_a_word_holds(n, w):
+    """One non-zero key plans one non-zero node per level, so a cell holds at most one pattern (load cap
+    1): a word packs the most base-(n+1) digits below 2**22 -- 22 for one rank, 11 for three (4^11 = 2**22
+    itself still fits: a digit is at most n), one for 2**22 - 1 ranks."""
+    plan = multilevel_plan(1_000_000, 1, n, 1)
+    (lv,) = plan.levels
+    assert (lv.planned_nodes, lv.load_cap, lv.digits_per_word, lv.span) == (1, 1, w, w)
+    assert (n + 1) ** w - 1 < INT_FIELD_LIMIT <= (n + 1) ** (w + 1) - 1
+
+
+def test_multilevel_plan_refuses_what_it_cannot_build():
+    """None for no keys, no level or more than MAX_FINE_LEVELS (4), a level of fewer than one word, a base
+    n + 1 past 2**22, or no w that the load cap leaves room for; four levels and a base of exactly 2**22
+    (one non-zero key) are built."""
+    assert multilevel_plan(0, 0, 2, 1) is None and multilevel_plan(-5, 1, 2, 1) is None
+    assert multilevel_plan(100, 5, 2, ()) is None and multilevel_plan(100, 5, 2, (1,) * 5) is None
+    assert multilevel_plan(100, 5, 2, 0) is None and multilevel_plan(100, 5, 2, (2, 0)) is None
+    assert multilevel_plan(100, 5, INT_FIELD_LIMIT, 1) is None
+    assert len(multilevel_plan(100, 5, 2, (1,) * 4).levels) == 4
+    assert len(multilevel_plan(100, 5, 2, (1, 1)).levels) == 2
+    assert multilevel_plan(100, 1, INT_FIELD_LIMIT - 1, 1).levels[0].digits_per_word == 1
+    # two nodes to a cell could overflow even a one-digit word of base 2**21 + 1
+    assert multilevel_plan(1_000_000, 10, 2 ** 21, 1) is None
+    assert documented_plan(1_000_000, 10, 2 ** 21, (1,), 0) is None
+    assert multilevel_plan(1, 1, 2, 1).levels[0].num_nodes == 1

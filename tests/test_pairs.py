@@ -212,3 +212,107 @@ def test_verify_lists_both_keys_of_a_solved_pair(block):
         helpers.assert_contract(codec.layout, xs, y, rep.inexact_keys, codec.rtol)
         _, info = reference.decode(codec.layout, summed, verify=True)
         assert set(pair) <= set(info["inexact_keys"].tolist())
+
+
+def brute_force_unsolvable_pairs(table, ids):
+    """Pairs a < b of ids in [0, ids) with the same three cells and proportional weights, pair by pair."""
+    cells, weights = reference.key_cells(table, torch.arange(ids))
+    cells, w = cells.tolist(), weights.tolist()
+    return sum(cells[a] == cells[b] and all(w[a][j] * w[b][0] == w[a][0] * w[b][j] for j in range(3))
+               for a in range(ids) for b in range(a + 1, ids))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("seg_len,seg_count", [(1, 3), (2, 3), (2, 6), (3, 3)])
+def test_unsolvable_pairs_equals_the_pair_by_pair_count_on_crowded_tables(weighted, seg_len, seg_count):
+    """On tables so small that many ids share all three cells (several per cell triple), unsolvable_pairs
+    is exactly the number of pairs with the same cells and proportional weights (w_j(a) w_0(b) ==
+    w_0(a) w_j(b) for every j): ratios +-1/2 of opposite signs (weights +-2 over +-1) are not proportional."""
+    for stream in range(4):
+        table = SegmentedTable(seg_len=seg_len, seg_count=seg_count, stream=stream_seed(11, stream), weighted=weighted)
+        assert unsolvable_pairs(table, 40) == brute_force_unsolvable_pairs(table, 40)
+    assert unsolvable_pairs(table, 0) == unsolvable_pairs(table, 1) == 0
+
+
+def scanned_stream(table, ids, attempts):
+    """_solvable_stream's search written out: attempt 0 is the table's own stream, attempt a >= 1 the stream
+    stream_seed(own, a); the first attempt with no unsolvable pair, or else the first with the fewest."""
+    best = None
+    for a in range(attempts):
+        t = table if a == 0 else replace(table, stream=stream_seed(table.stream, a))
+        pairs = unsolvable_pairs(t, ids)
+        if best is None or pairs < best[0]:
+            best = (pairs, t, a)
+        if pairs == 0:
+            break
+    return best
+
+
+def test_solvable_stream_takes_the_first_stream_without_an_unsolvable_pair():
+    """Two ids in one three-cell table always share their cells; where their signs are proportional on the
+    table's own stream, _solvable_stream takes the first later stream where they are not (2 ids is in
+    bounds); where they are not, the table keeps its stream (attempt 0, the same table)."""
+    from lossless_hc.lhc.sizing import _solvable_stream
+    tables = [SegmentedTable(seg_len=1, seg_count=3, stream=stream_seed(5, s)) for s in range(40)]
+    bad = [t for t in tables if unsolvable_pairs(t, 2) == 1]
+    good = [t for t in tables if unsolvable_pairs(t, 2) == 0]
+    assert bad and good
+    for t in bad[:4]:
+        pairs, want, attempt = scanned_stream(t, 2, 32)
+        assert pairs == 0 and attempt >= 1
+        assert _solvable_stream(t, 2) == (want, attempt)
+    for t in good[:4]:
+        got, attempt = _solvable_stream(t, 2)
+        assert got is t and attempt == 0
+
+
+def test_solvable_stream_takes_the_first_of_the_fewest_where_none_is_free():
+    """Six ids in one three-cell table: four sign classes, so every stream has an unsolvable pair (3.75
+    expected, within the bound of 4): the table takes the first of the 32 attempts with the fewest."""
+    from lossless_hc.lhc.sizing import _solvable_stream
+    for s in range(6):
+        t = SegmentedTable(seg_len=1, seg_count=3, stream=stream_seed(9, s))
+        counts = [unsolvable_pairs(t if a == 0 else replace(t, stream=stream_seed(t.stream, a)), 6) for a in range(32)]
+        assert min(counts) >= 1
+        got, attempt = _solvable_stream(t, 6)
+        assert attempt == counts.index(min(counts))
+        assert got == (t if attempt == 0 else replace(t, stream=stream_seed(t.stream, attempt)))
+
+
+def test_solvable_stream_scans_up_to_four_expected_pairs_and_two_to_the_16_ids():
+    """The bounds are inclusive: 32 ids in 31 one-cell groups expect exactly 4.0 unsolvable pairs and are
+    scanned (32 attempts); 2^16 ids in 3 x 512 cells expect 3.99997 and are scanned, with 2^19 // 2^16 = 8
+    attempts; past them (7 ids in 3 cells: 5.25 expected; 2^16 + 1 ids; fewer than 2 ids) the table keeps
+    its stream."""
+    from lossless_hc.lhc.sizing import PAIR_SCAN_MAX_EXPECTED, _solvable_stream
+    t = SegmentedTable(seg_len=1, seg_count=93, stream=stream_seed(3, 1))
+    assert expected_unsolvable_pairs(t, 32) == PAIR_SCAN_MAX_EXPECTED == 4.0
+    pairs, want, attempt = scanned_stream(t, 32, 32)
+    assert unsolvable_pairs(t, 32) > 0 and attempt > 0
+    assert _solvable_stream(t, 32) == (want, attempt)
+    big = SegmentedTable(seg_len=512, seg_count=3, stream=stream_seed(3, 1))
+    assert 3.9999 < expected_unsolvable_pairs(big, 2 ** 16) <= 4.0
+    pairs, want, attempt = scanned_stream(big, 2 ** 16, 8)
+    assert unsolvable_pairs(big, 2 ** 16) > 0 and attempt > 0
+    assert _solvable_stream(big, 2 ** 16) == (want, attempt)
+    small = SegmentedTable(seg_len=1, seg_count=3, stream=stream_seed(3, 3))
+    assert expected_unsolvable_pairs(small, 7) == 5.25 and unsolvable_pairs(small, 7) > 0
+    for table, ids in ((small, 7), (big, 2 ** 16 + 1), (small, 1), (small, 0)):
+        got, attempt = _solvable_stream(table, ids)
+        assert got is table and attempt == 0
+
+
+def test_with_solvable_streams_returns_a_layout_needing_no_new_stream_as_is():
+    """A dense layout, and one whose tables have no unsolvable pair on their own streams, come back as the
+    very same layout (reseeded empty); one that needs a stream records the attempts."""
+    from lossless_hc.lhc.sizing import with_solvable_streams
+    dense = build_layout("dense", 2000, 3, 8, 1, 2)
+    assert with_solvable_streams(dense) is dense
+    fine = build_layout("multilevel", 3000, 4, 200, 1, 1)
+    assert unsolvable_pairs(fine.sketch, fine.num_keys) == 0
+    assert [unsolvable_pairs(lv.table, lv.num_nodes) for lv in fine.multilevel.levels] == [0]
+    assert with_solvable_streams(fine) is fine and fine.reseeded == ()
+    raw = build_layout("bitmap", 2000, 3, 8, 1, 2)
+    out = with_solvable_streams(raw)
+    assert out.reseeded[0] > 0 and out.sketch.stream != raw.sketch.stream
+    assert (out.sketch.seg_len, out.sketch.seg_count) == (raw.sketch.seg_len, raw.sketch.seg_count)

@@ -235,9 +235,10 @@ FINE_OVERFLOW_TARGET = PEEL_FAILURE_TARGET / 10
 def expected_nonzero_groups(num_groups: int, union_keys: int) -> int:
     """Non-zero groups to size a fine table for: the mean number of groups hit when ``union_keys``
     keys fall uniformly at random into ``num_groups`` groups, plus 4 standard deviations (the count
-    is a sum of negatively correlated indicators, so its variance is below its mean), capped by the
-    number of groups and of keys. Supports spread more evenly than random (exactly one key every G)
-    hit more groups: decode then reports a failed fine peel, never a wrong answer."""
+    is a sum of negatively correlated indicators, so its variance is below its mean) plus 2, rounded
+    up (ceil(mean + 4 sqrt(mean) + 2)), capped by the number of groups and of keys. Supports spread
+    more evenly than random (exactly one key every G) hit more groups: decode then reports a failed
+    fine peel, never a wrong answer."""
     if num_groups <= 0 or union_keys <= 0:
         return 0
     u = min(union_keys, MAX_KEYS)

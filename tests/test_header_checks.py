@@ -162,6 +162,17 @@ def test_thc_header_field_out_of_its_range_is_corruption(edit, match):
         c.decode(p)
 
 
+@pytest.mark.parametrize("over,match", [(0, "checksum mismatch"), (1, "checksum field")])
+def test_thc_checksum_field_range_ends_at_what_the_ranks_can_add(over, match):
+    """The checksum field's range is [0, (n - flagged)(P - 1)], its top included: a field at the top is read as a
+    checksum (this edited one then does not match the words), one past it is a corrupted field."""
+    c, s = thc_summed()
+    p = s.clone()
+    p[THC_CHECKSUM] = c.world_size * (c.layout.check_prime - 1) + over
+    with pytest.raises(ValueError, match=match):
+        c.decode(p)
+
+
 def test_thc_negative_norm_slot_is_corruption():
     c, s = thc_summed()
     p = s.clone()

@@ -32,6 +32,17 @@ def test_non_finite_input_raises_on_every_rank_and_resets_that_memory(bad):
     assert all(torch.equal(ys[0], y) for y in ys)
 
 
+def test_non_finite_input_on_every_rank_raises_naming_them_all():
+    """The flag count summed over the ranks is in [0, n], n included: every rank's input non-finite is the
+    FloatingPointError naming all n ranks, not a corrupted header (ValueError)."""
+    n = 3
+    codecs = make_ranks(n, 64, initial_norm=5.0)
+    summed = sum(c.encode(torch.full((64,), float("nan"))) for c in codecs)
+    for c in codecs:
+        with pytest.raises(FloatingPointError, match="on 3 rank"):
+            c.decode(summed)
+
+
 def test_non_finite_propagate_returns_nan():
     codecs = make_ranks(2, 100, initial_norm=5.0, non_finite="propagate")
     ys = run_step(codecs, [torch.full((100,), float("inf")), torch.randn(100)])

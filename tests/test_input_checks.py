@@ -207,6 +207,21 @@ def test_thc_refuses_an_initial_norm_no_step_could_agree_on():
         assert bool(torch.isfinite(codecs[0].error).all())
 
 
+def test_thc_loads_a_state_at_the_largest_norm_itself():
+    """load_state_dict's bound is inclusive, as initial_norm's is: a saved norm of exactly sqrt(numel) *
+    sqrt(float32 max) is restored, a step taking it then decodes finite values on every rank."""
+    numel, n = 1024, 2
+    largest = math.sqrt(numel) * math.sqrt(torch.finfo(torch.float32).max)
+    codecs = [THCCodec(numel, n, r) for r in range(n)]
+    for c in codecs:
+        c.load_state_dict({"step": 3, "norm": largest, "error": torch.zeros(numel)})
+    assert codecs[0].norm == largest and codecs[0].step == 3
+    g = torch.Generator().manual_seed(5)
+    summed = sum(c.encode(torch.randn(numel, generator=g)) for c in codecs)
+    ys = [c.decode(summed) for c in codecs]
+    assert bool(torch.isfinite(ys[0]).all()) and torch.equal(ys[0], ys[1])
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_an_unfit_out_and_a_csr_gradient_are_named_as_what_they_are():
     """THCAggregator.decode refuses an unfit out as the caller's mistake (ValueError), not as ranks

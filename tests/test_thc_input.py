@@ -268,6 +268,18 @@ def test_state_dict_round_trip():
     assert clone.step == 1 and clone.norm == codecs[0].norm and torch.equal(clone.error, codecs[0].error)
 
 
+def test_load_state_dict_between_encode_and_decode_is_refused():
+    """A state loaded while an encode awaits its decode would decode the payload with another step's signs
+    and norm: RuntimeError, the codec unchanged, and the pending decode then runs."""
+    codecs = make_ranks(2, 64, initial_norm=5.0)
+    summed = sum(c.encode(torch.randn(64)) for c in codecs)
+    with pytest.raises(RuntimeError, match="between encode and decode"):
+        codecs[0].load_state_dict({"step": 5, "norm": 1.0, "error": torch.zeros(64)})
+    assert codecs[0].step == 0 and codecs[0].norm == 5.0
+    ys = [c.decode(summed) for c in codecs]
+    assert torch.equal(ys[0], ys[1]) and codecs[0].step == 1
+
+
 def test_defaults_are_the_documented_thc_configuration():
     """THCCodec(numel, world_size) is the configuration docs/THC.md builds by hand (bits=4, granularity=30,
     overflow_freq=32, seed=0) with Hadamard blocks of 1024, the best (not the symmetric) table, OpenMP's default

@@ -280,6 +280,18 @@ def test_load_state_dict_between_encode_and_decode_is_refused():
     assert torch.equal(ys[0], ys[1]) and codecs[0].step == 1
 
 
+def test_an_agreed_norm_of_exactly_one_quantizes():
+    """Only M = 0 is the norm-only round that decodes zeros: an agreed norm of exactly 1.0 decodes the
+    quantized sum (unbiased: here close to the sum, well within its norm)."""
+    n, numel = 2, 64
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(numel, generator=g) / 16 for _ in range(n)]   # norms ~0.5, within M = 1
+    codecs = make_ranks(n, numel, initial_norm=1.0, error_feedback=False)
+    y = run_step(codecs, xs)[0].double()
+    truth = sum(x.double() for x in xs)
+    assert float((y - truth).norm()) < 0.5 * float(truth.norm())
+
+
 def test_defaults_are_the_documented_thc_configuration():
     """THCCodec(numel, world_size) is the configuration docs/THC.md builds by hand (bits=4, granularity=30,
     overflow_freq=32, seed=0) with Hadamard blocks of 1024, the best (not the symmetric) table, OpenMP's default

@@ -180,3 +180,18 @@ def test_plan_for_density_checks_both_densities():
             cost_model.plan_for_density(1 << 16, 4, **kwargs)
     plan = cost_model.plan_for_density(1 << 16, 4, 0.01, rank_density=0.005)
     assert (plan.max_nnz, plan.union_nnz) == (328, 656)
+
+
+def test_prices_are_the_documented_bytes_per_sketch_cell_and_value_bloom_counter_and_multilevel_node():
+    """decode_price_bytes is exactly its documented sum: 2 bytes per value-sketch cell plus 0.25 per value of a
+    cell (blocks of 32 here: 10 bytes a cell), plus 2 per Bloom counter or 4 per multilevel node; 0 for dense;
+    priced_bytes adds it to the wire bytes."""
+    cands = cost_model.candidates(1 << 16, 4, 200, 32)
+    dense, bitmap, bloom, ml = (cands[k] for k in ("dense", "bitmap", "bloom", "multilevel"))
+    assert bitmap.block == 32 and bitmap.sketch.cells == bloom.sketch.cells == ml.sketch.cells == 102
+    assert cost_model.sketch_price_bytes(bitmap) == cost_model.decode_price_bytes(bitmap) == 102 * 10.0 == 1020.0
+    assert cost_model.sketch_price_bytes(dense) == cost_model.decode_price_bytes(dense) == 0.0
+    assert cost_model.decode_price_bytes(bloom) == 2.0 * bloom.bloom.cells + 1020.0
+    assert cost_model.multilevel_nodes(ml) == 28 and cost_model.decode_price_bytes(ml) == 4.0 * 28 + 1020.0
+    assert cost_model.priced_bytes(bitmap) == bitmap.wire_bytes + 1020.0
+    assert cost_model.priced_bytes(dense) == dense.wire_bytes

@@ -195,3 +195,14 @@ def test_prices_are_the_documented_bytes_per_sketch_cell_and_value_bloom_counter
     assert cost_model.multilevel_nodes(ml) == 28 and cost_model.decode_price_bytes(ml) == 4.0 * 28 + 1020.0
     assert cost_model.priced_bytes(bitmap) == bitmap.wire_bytes + 1020.0
     assert cost_model.priced_bytes(dense) == dense.wire_bytes
+
+
+def test_multilevel_shapes_are_the_documented_search_space():
+    """The finest level's words per node from the documented choices, up to three levels of 1, 2 or 4 words above
+    it (four fine levels, layout.MAX_FINE_LEVELS), coarsest first."""
+    from lossless_hc.lhc.layout import MAX_FINE_LEVELS
+    fine = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+    assert list(cost_model.multilevel_shapes(0)) == [(f,) for f in fine]
+    assert list(cost_model.multilevel_shapes(1)) == [(u, f) for u in (1, 2, 4) for f in fine]
+    assert len(list(cost_model.multilevel_shapes(3))) == 27 * len(fine)
+    assert cost_model.MAX_EXTRA_LEVELS + 1 == MAX_FINE_LEVELS == 4

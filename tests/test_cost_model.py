@@ -206,3 +206,12 @@ def test_multilevel_shapes_are_the_documented_search_space():
     assert list(cost_model.multilevel_shapes(1)) == [(u, f) for u in (1, 2, 4) for f in fine]
     assert len(list(cost_model.multilevel_shapes(3))) == 27 * len(fine)
     assert cost_model.MAX_EXTRA_LEVELS + 1 == MAX_FINE_LEVELS == 4
+
+
+def test_log2_binomial_is_zero_only_outside_the_open_range():
+    """log2 C(n, k): log2 n at k = 1 and k = n - 1, 0 at k = 0 and k = n, and 0 (not a domain error) outside."""
+    assert cost_model.log2_binomial(10, 1) == pytest.approx(math.log2(10))
+    assert cost_model.log2_binomial(10, 9) == pytest.approx(math.log2(10))
+    for k in (-1, 0, 10, 11):
+        assert cost_model.log2_binomial(10, k) == 0.0, k
+    assert cost_model.information_bound_bits(100, 1) == pytest.approx(math.log2(100) + 32.0)

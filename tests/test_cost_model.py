@@ -215,3 +215,23 @@ def test_log2_binomial_is_zero_only_outside_the_open_range():
     for k in (-1, 0, 10, 11):
         assert cost_model.log2_binomial(10, k) == 0.0, k
     assert cost_model.information_bound_bits(100, 1) == pytest.approx(math.log2(100) + 32.0)
+
+
+def test_plan_for_density_takes_both_ends_of_zero_one():
+    """0 and 1 are densities (no support, every coordinate): a plan with no capacity, and the dense tensor; the
+    Plan is frozen and reports its layout's wire bytes."""
+    empty = cost_model.plan_for_density(1000, 2, 0.0)
+    assert (empty.max_nnz, empty.union_nnz) == (0, 0)
+    full = cost_model.plan_for_density(1000, 2, 1.0, rank_density=1.0)
+    assert (full.index, full.max_nnz, full.union_nnz) == ("dense", 1000, 1000)
+    assert cost_model.plan_for_density(1000, 2, 0.5, rank_density=0.0).max_nnz == 0
+    assert full.wire_bytes == full.layout.wire_bytes == 4 * (1000 + HEADER_FIELDS)
+    with pytest.raises(AttributeError):
+        full.index = "bitmap"
+
+
+def test_wire_bits_per_nonzero():
+    """32 bits per payload word over the aggregate's non-zeros, over one where there are none."""
+    L = plan_layout(1000, 2, 10)
+    assert cost_model.wire_bits_per_nonzero(L, 40) == 32.0 * L.payload_numel / 40
+    assert cost_model.wire_bits_per_nonzero(L, 0) == cost_model.wire_bits_per_nonzero(L, 1) == 32.0 * L.payload_numel

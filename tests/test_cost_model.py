@@ -235,3 +235,13 @@ def test_wire_bits_per_nonzero():
     L = plan_layout(1000, 2, 10)
     assert cost_model.wire_bits_per_nonzero(L, 40) == 32.0 * L.payload_numel / 40
     assert cost_model.wire_bits_per_nonzero(L, 0) == cost_model.wire_bits_per_nonzero(L, 1) == 32.0 * L.payload_numel
+
+
+def test_best_multilevel_keeps_the_first_of_equal_layouts():
+    """Ties keep the first found: at 2^20 keys, 8 ranks, one non-zero, the four-level shapes (1, 1, 1, 2) and
+    (2, 1, 1, 1) are as small, and the first is kept; at 5000 keys, 2 ranks, one non-zero, two levels are no
+    smaller than one, so the search stops at the one-level layout."""
+    deep = cost_model.best_multilevel(1 << 20, 8, 1)
+    assert [lv.words_per_group for lv in deep.multilevel.levels] == [1, 1, 1, 2] and deep.payload_numel == 484
+    flat = cost_model.best_multilevel(5000, 2, 1)
+    assert len(flat.multilevel.levels) == 1 and flat.payload_numel == 104

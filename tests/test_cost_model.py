@@ -245,3 +245,11 @@ def test_best_multilevel_keeps_the_first_of_equal_layouts():
     assert [lv.words_per_group for lv in deep.multilevel.levels] == [1, 1, 1, 2] and deep.payload_numel == 484
     flat = cost_model.best_multilevel(5000, 2, 1)
     assert len(flat.multilevel.levels) == 1 and flat.payload_numel == 104
+
+
+def test_multilevel_pays_off_at_exactly_its_price():
+    """"Saves at least its price": against a single-level layout priced at exactly the multilevel layout's wire
+    bytes plus its price (the multilevel layout itself, priced), the saving equals the price and pays off."""
+    ml = cost_model.candidates(1 << 16, 4, 200, 32)["multilevel"]
+    assert cost_model.priced_bytes(ml) - ml.wire_bytes == cost_model.decode_price_bytes(ml) > 0
+    assert cost_model.multilevel_pays_off(ml, ml)

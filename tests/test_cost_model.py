@@ -253,3 +253,13 @@ def test_multilevel_pays_off_at_exactly_its_price():
     ml = cost_model.candidates(1 << 16, 4, 200, 32)["multilevel"]
     assert cost_model.priced_bytes(ml) - ml.wire_bytes == cost_model.decode_price_bytes(ml) > 0
     assert cost_model.multilevel_pays_off(ml, ml)
+
+
+def test_plan_layout_checks_its_arguments_and_index_first():
+    """plan_layout refuses an unknown index naming every choice, "auto" too (build_layout's own refusal names
+    the kinds alone), and checks its arguments before any kind is sized: a union_nnz that is no int is named as
+    such, not met as an unhashable key of the multilevel search's cache."""
+    with pytest.raises(ValueError, match=r"index must be one of \(.*'auto'\), got 'sparse'"):
+        plan_layout(100, 2, 5, index="sparse")
+    with pytest.raises(TypeError, match="union_nnz"):
+        plan_layout(100, 2, 5, index="multilevel", union_nnz=[3])

@@ -263,3 +263,14 @@ def test_plan_layout_checks_its_arguments_and_index_first():
         plan_layout(100, 2, 5, index="sparse")
     with pytest.raises(TypeError, match="union_nnz"):
         plan_layout(100, 2, 5, index="multilevel", union_nnz=[3])
+
+
+def test_block_size_1_and_seed_0_are_the_defaults_everywhere():
+    """Every entry point's default block_size and seed are 1 and 0: the layouts equal those asked for with them
+    (the seed picks the tables' streams, so a default of another seed is another layout of the same size)."""
+    args = (1000, 2, 10)
+    assert cost_model.best_multilevel(*args) == cost_model.best_multilevel(*args, 1, 0)
+    assert cost_model.candidates(*args) == cost_model.candidates(*args, 1, 0)
+    assert cost_model.choose(*args) == cost_model.choose(*args, 1, 0)
+    assert plan_layout(*args) == plan_layout(*args, 1, 0)
+    assert cost_model.plan_for_density(1000, 2, 0.01) == cost_model.plan_for_density(1000, 2, 0.01, 1, 0)

@@ -28,6 +28,20 @@ def py_key_cells(t: SegmentedTable, key: int):
     return out
 
 
+def py_unmix64(z: int) -> int:
+    """The inverse of ``lay.mix64`` (each step of splitmix64's finalizer is a bijection on 64 bits)."""
+    z ^= z >> 31 ^ z >> 62
+    z = z * pow(0x94D049BB133111EB, -1, 1 << 64) & M64
+    z ^= z >> 27 ^ z >> 54
+    z = z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & M64
+    return z ^ z >> 30 ^ z >> 60
+
+
+def key_with_first_hash(t: SegmentedTable, hj: int) -> int:
+    """The key whose hash ``h0 = mix64(h + golden)`` in ``t`` is exactly ``hj``."""
+    return py_unmix64((py_unmix64(hj) - 0x9E3779B97F4A7C15) & M64) ^ t.stream
+
+
 def to_i64(v: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
@@ -54,6 +68,8 @@ def test_key_cells_matches_python_ints(table):
     keys = [int(k) for k in rng.integers(0, 1 << 63, size=300, dtype=np.uint64)]
     keys += [int(k) | (1 << 63) for k in rng.integers(0, 1 << 63, size=100, dtype=np.uint64)]
     keys += list(range(64)) + [M64, (1 << 63), (1 << 32) - 1, 1 << 32]
+    # the sign's edges: a hash of 0 (top bit clear: positive) and of all ones (top bit set: negative)
+    keys += [key_with_first_hash(table, 0), key_with_first_hash(table, M64)]
     cells, weights = reference.key_cells(table, torch.tensor([to_i64(k) for k in keys], dtype=torch.int64))
     assert cells.shape == (len(keys), 3) and weights.shape == (len(keys), 3)
     for i, k in enumerate(keys):
@@ -81,10 +97,27 @@ def test_key_cells_rejects_bad_table():
 
 def test_s64_is_the_two_s_complement_of_the_64_bits():
     """``hashing.s64`` at its edges: 2**63 is the most negative int64 (a stream or constant of that pattern
-    would otherwise stay a Python int outside int64)."""
+    would otherwise stay a Python int outside int64); values past 2**64 (key_cells' ``golden * (j + 1)``)
+    reduce mod 2**64 first."""
     from lossless_hc.lhc.hashing import s64
     assert [s64(v) for v in (0, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 1 << 64)] == \
         [0, (1 << 63) - 1, -(1 << 63), -1, 0]
+    assert [s64(v) for v in (3 << 63, (1 << 65) - 1, 0x9E3779B97F4A7C15 * 3)] == \
+        [-(1 << 63), -1, to_i64(0x9E3779B97F4A7C15 * 3 & M64)]
+
+
+def test_reduce32_covers_its_whole_range_of_n():
+    """``hashing.reduce32(h, n)`` for every ``0 <= n < 2**32``: ``n = 0`` maps every hash to 0, the
+    largest n keeps the exact ``((h & 0xffffffff) * n) >> 32``; any n outside is refused."""
+    from lossless_hc.lhc.hashing import reduce32
+    hs = [0, 1, -1, (1 << 32) - 1, 1 << 40, -(1 << 63), (1 << 63) - 1]
+    h = torch.tensor(hs, dtype=torch.int64)
+    assert reduce32(h, 0).tolist() == [0] * len(hs)
+    n = (1 << 32) - 1
+    assert reduce32(h, n).tolist() == [((v & 0xFFFFFFFF) * n) >> 32 for v in hs]
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError, match=r"reduce32 needs 0 <= n < 2\*\*32"):
+            reduce32(h, bad)
 
 
 def test_peel_rounds_stops_at_two_core():

@@ -37,6 +37,18 @@ def test_world_size_and_block_size_limits():
         LosslessCodec(100.0, 2, 10)
 
 
+def test_layout_sizes_are_ints():
+    """numel, world_size, max_nnz and block_size take one check (lhc.layout.check_int) before any size is
+    derived from them: a bool (True would pass as 1) or a float (2.0 would pass as 2) is a TypeError
+    naming the option, for the planner as for the codec."""
+    cases = {"numel": (True, 2, 10, 1), "world_size": (100, 2.0, 10, 1), "max_nnz": (100, 2, True, 1),
+             "block_size": (100, 2, 10, 1.0)}
+    for name, (numel, world_size, max_nnz, block_size) in cases.items():
+        for build in (plan_layout, LosslessCodec):
+            with pytest.raises(TypeError, match=f"{name} must be an int, got"):
+                build(numel, world_size, max_nnz, block_size=block_size)
+
+
 def test_seeds_outside_uint64_are_refused():
     # The hashes take the seed as a uint64: 2^64 would hash as 0, and -1 as 2^64 - 1.
     x = torch.zeros(100)
@@ -137,6 +149,10 @@ def test_union_nnz_is_an_int_or_none():
     for bad in (True, 60.0, "60"):
         with pytest.raises(TypeError, match="union_nnz must be an int or None, got"):
             plan_layout(4096, 2, 40, union_nnz=bad)
+    # its range: 0 (no rank holds a key) up; a negative count is a ValueError naming it
+    assert plan_layout(4096, 2, 40, union_nnz=0).union_keys == 0
+    with pytest.raises(ValueError, match="union_nnz must be >= 0, got -1"):
+        plan_layout(4096, 2, 40, union_nnz=-1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: device='cuda' works (tests/test_cuda.py)")

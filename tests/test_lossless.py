@@ -193,6 +193,17 @@ def test_keys_beyond_the_cpu_decoders_32_bit_loops_are_refused():
             LosslessCodec(numel=numel, world_size=2, max_nnz=10, block_size=block)
 
 
+def test_max_keys_itself_is_supported_and_keys_are_counted_in_integers():
+    """MAX_KEYS is the largest supported key count, itself included (a Bloom index plans it without
+    allocating anything), and the count is the exact ``ceil(numel / block_size)`` in integers: numel
+    ``MAX_KEYS * 2**30 + 1`` with blocks of ``2**30`` (past float64's 53 bits) is one key too many."""
+    from lossless_hc import plan_layout
+    for numel, block in ((MAX_KEYS, 1), (2 * MAX_KEYS, 2)):
+        assert plan_layout(numel, 2, 10, block_size=block, index="bloom").num_keys == MAX_KEYS
+    with pytest.raises(ValueError, match=f"= {MAX_KEYS + 1} keys exceeds the supported {MAX_KEYS}"):
+        plan_layout(MAX_KEYS * (1 << 30) + 1, 2, 10, block_size=1 << 30, index="bloom")
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel", "dense"])
 @pytest.mark.parametrize("block", [1, 8])

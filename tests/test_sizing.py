@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import helpers
-from lossless_hc import LosslessCodec
+from lossless_hc import LosslessCodec, plan_layout
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import INT_FIELD_LIMIT, digit_packing, stream_seed
 from lossless_hc.lhc.sizing import PEEL_FAILURE_TARGET, build_layout, multilevel_plan, sketch_table_for
@@ -162,6 +162,22 @@ def test_digit_packing_is_as_dense_as_exactness_allows(max_aggregate):
     P = digit_packing(max_aggregate, 100)
     assert P.base == max_aggregate + 1
     assert P.base ** P.per_word <= INT_FIELD_LIMIT < P.base ** (P.per_word + 1)
+
+
+def test_digit_packing_takes_counters_up_to_the_exact_float32_range():
+    """The largest aggregate a float32 field holds exactly is 2**22 - 1 (base 2**22, one digit per word);
+    one more is a ValueError naming it, not a packing of no digit per word."""
+    P = digit_packing(INT_FIELD_LIMIT - 1, 5)
+    assert (P.base, P.per_word, P.words) == (INT_FIELD_LIMIT, 1, 5)
+    with pytest.raises(ValueError, match=f"a counter of up to {INT_FIELD_LIMIT} does not fit an exact float32"):
+        digit_packing(INT_FIELD_LIMIT, 5)
+
+
+def test_digit_packing_takes_as_many_words_as_its_digits_fill():
+    """``words`` is ``ceil(digits / per_word)``: no word for no digit (an empty tensor's bitmap), one for a
+    single digit, and one more as soon as a word is full."""
+    assert [digit_packing(1, d).words for d in (0, 1, 22, 23, 44, 45)] == [0, 1, 1, 2, 2, 3]   # 22 per word
+    assert plan_layout(0, 2, 0, index="bitmap").index.words == 0
 
 
 def test_an_empty_value_sketch_is_one_cell_per_segment():

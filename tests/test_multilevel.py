@@ -238,6 +238,20 @@ def test_several_fine_levels(shape, numel, n, k, block, pattern):
         assert not rep.ok
 
 
+def test_a_plan_s_shortcuts_are_its_finest_level_s_shape():
+    """MultilevelPlan's shortcuts (group_keys, digits_per_word, words_per_group, load_cap, fine) read the
+    last (finest) level, whose children are keys, and num_groups is the coarse bitmap's node count: three
+    levels that differ in every field tell the finest one from the others."""
+    from lossless_hc.lhc.layout import DigitPacking, FineLevel, MultilevelPlan, SegmentedTable
+    levels = tuple(FineLevel(digits_per_word=d, words_per_group=w, span=span, num_nodes=-(-10_000 // span),
+                             planned_nodes=p, load_cap=cap, table=SegmentedTable(seg_len=t, seg_count=3, stream=t))
+                   for d, w, span, p, cap, t in ((5, 1, 1000, 4, 7, 11), (4, 2, 100, 9, 8, 13), (3, 4, 12, 20, 9, 17)))
+    m = MultilevelPlan(levels=levels, coarse=DigitPacking(base=3, per_word=13, digits=10))
+    assert (m.group_keys, m.digits_per_word, m.words_per_group, m.load_cap) == (12, 3, 4, 9)
+    assert m.fine == SegmentedTable(seg_len=17, seg_count=3, stream=17) and m.num_groups == 10
+    assert m.fine_numel == 33 * 1 + 39 * 2 + 51 * 4
+
+
 def test_low_density_auto_uses_several_levels():
     L = plan_layout(1 << 24, 2, 1700, 1, 0, "multilevel", union_nnz=1700)
     assert len(L.multilevel.levels) >= 2

@@ -45,6 +45,22 @@ def test_layout_words_follow_the_header_enum():
         assert len(words) == len(layout.LAYOUT_WORDS) and all(-(1 << 63) <= w < 1 << 63 for w in words)
 
 
+def test_layout_words_carry_every_uint64_as_the_int64_of_its_bits():
+    """A uint64 word (a hash stream takes all 64 bits) reaches the kernels as the int64 of the same bits:
+    2**63 - 1 as itself, 2**63 as int64's least value, 2**64 - 1 as -1."""
+    from dataclasses import replace
+
+    from lossless_hc.lhc import layout
+    from lossless_hc.lhc.sizing import build_layout
+    L = build_layout("bloom", 1 << 16, 4, 200)
+    at = [layout.LAYOUT_WORDS.index(name) for name in ("sketch_stream", "bloom_stream")]
+    for stream, word in ((0, 0), ((1 << 63) - 1, (1 << 63) - 1), (1 << 63, -(1 << 63)), ((1 << 64) - 1, -1)):
+        words = layout.layout_words(replace(L, sketch=replace(L.sketch, stream=stream),
+                                            bloom=replace(L.bloom, stream=stream)))
+        assert [words[i] for i in at] == [word, word], hex(stream)
+        assert torch.tensor(words, dtype=torch.int64).tolist() == words
+
+
 def test_decode_flag_arguments_follow_the_header_enum():
     """The DecodeFlag bits Python passes to kernels (the status itself is decided on the device)."""
     flags = {m.group(1): int(m.group(2)) for m in re.finditer(r"(kFlag\w+)\s*=\s*1u\s*<<\s*(\d+)", HEADER)}

@@ -180,3 +180,18 @@ def test_thc_negative_norm_slot_is_corruption():
     p[L.norm_offset], p[L.norm_offset + c.world_size] = -0.5, 0.5   # negative, with its mirror negated
     with pytest.raises(ValueError, match="norm slots are corrupted"):
         c.decode(p)
+
+
+def test_fingerprints_fit_the_header_s_two_chunks():
+    """A fingerprint (a layout's, with decode options mixed in or not) is 2 * CHUNK_BITS = 22 bits: the
+    header carries it as two 11-bit chunks (HDR_FP_LO, HDR_FP_HI) whose sums over 1024 ranks stay exact."""
+    from lossless_hc import plan_layout
+    from lossless_hc.lhc.layout import CHUNK_BITS, options_fingerprint
+    fps = [plan_layout(1000 + i, 2, 10, seed=i, index=kind).fingerprint
+           for i in range(8) for kind in ("bitmap", "bloom", "multilevel", "dense")]
+    fps += [options_fingerprint(fp, 1, 2) for fp in fps]
+    assert all(0 <= fp < 1 << (2 * CHUNK_BITS) for fp in fps)
+    used = 0
+    for fp in fps:
+        used |= fp
+    assert used == (1 << (2 * CHUNK_BITS)) - 1   # and every one of the 22 bits is in use

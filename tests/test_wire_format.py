@@ -1,0 +1,63 @@
+"""The wire format's known answers: fixed inputs encoded under fixed configurations give these exact
+payload bits and fingerprints.
+
+The other tests check that decode inverts encode and that the backends agree (C++ against the
+pure-torch reference, CPU against emulated CUDA), so a change that moves them all together -- a hash
+constant, a cell's placement, a header field, a table's sizing -- passes them, and payloads of two
+builds then no longer mix. Such a change must be deliberate: bump the format's ``LAYOUT_VERSION``
+(``lossless_hc.lhc.layout``, docs/DESIGN.md "Layout versions"; ``lossless_hc.thc.layout``) and update
+these values in the same commit. The inputs are integer arithmetic, not a generator, so the values do
+not depend on torch's random streams.
+"""
+import hashlib
+
+import pytest
+import torch
+
+from lossless_hc import LosslessCodec
+from lossless_hc.lhc import reference
+from lossless_hc.lhc.layout import LAYOUT_VERSION
+from lossless_hc.thc.codec import THCCodec
+from lossless_hc.thc.layout import LAYOUT_VERSION as THC_LAYOUT_VERSION
+
+
+def pattern(numel: int, k: int) -> torch.Tensor:
+    """k non-zeros at the coordinates 7919 i mod numel, of values in [-6.25, 6.25] in steps of 1/8."""
+    i = torch.arange(k, dtype=torch.int64)
+    x = torch.zeros(numel)
+    x[(i * 7919) % numel] = ((i * 37) % 101 - 50).to(torch.float32) / 8
+    return x
+
+
+def digest(payload: torch.Tensor) -> str:
+    return hashlib.sha256(payload.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# index -> (fingerprint, payload words, sha256 of the payload's bytes, first 16 hex digits)
+LHC_KNOWN = {
+    "dense": (1247560, 20011, "bbe3abf96f371fd5"),
+    "bitmap": (3800362, 6494, "bd39b28f43ca781a"),
+    "bloom": (2235524, 7939, "364901c1fb3b22aa"),
+    "multilevel": (4088134, 6482, "b3702a75d09f26dc"),
+}
+
+
+@pytest.mark.parametrize("index", sorted(LHC_KNOWN))
+def test_lhc_payloads_are_the_known_answers_of_layout_7(index):
+    """20000 coordinates, 4 ranks, 400 non-zeros a rank, seed 123: the payload's words and bits (the C++
+    encoder's and the reference's alike) and the layout's fingerprint."""
+    assert LAYOUT_VERSION == 7, "a new layout version: update LHC_KNOWN to its payloads"
+    codec = LosslessCodec(20000, 4, 400, seed=123, index=index)
+    x = pattern(20000, 400)
+    payload = codec.encode(x)
+    assert (codec.layout.fingerprint, payload.numel(), digest(payload)) == LHC_KNOWN[index]
+    assert torch.equal(reference.encode(codec.layout, x), payload)
+
+
+def test_thc_payload_is_the_known_answer():
+    """THC, 4096 coordinates, 4 ranks, rank 1, seed 9, an agreed norm of 8 at the first step: the float64
+    payload's words and bits (its header with the fingerprint, the norm slots, the packed indices)."""
+    assert THC_LAYOUT_VERSION == 2, "a new THC layout version: update this payload's known answer"
+    codec = THCCodec(4096, 4, 1, seed=9, initial_norm=8.0)
+    payload = codec.encode(pattern(4096, 300))
+    assert (payload.dtype, payload.numel(), digest(payload)) == (torch.float64, 598, "b5571cdd0ea574e0")

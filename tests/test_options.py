@@ -49,6 +49,19 @@ def test_layout_sizes_are_ints():
                 build(numel, world_size, max_nnz, block_size=block_size)
 
 
+def test_lossless_codec_defaults_are_the_documented_ones():
+    """LosslessCodec's defaults are its docstring's (block_size 1, seed 0, index "auto", num_threads 0: the
+    OpenMP default, union_nnz world_size * max_nnz, rtol 2**-10, verify False): a codec built without
+    them plans the payload of one that spells them out, and the default decode options leave the
+    layout's fingerprint as plan_layout gives it."""
+    plain = LosslessCodec(5000, 3, 40)
+    spelled = LosslessCodec(5000, 3, 40, block_size=1, seed=0, device="cpu", index="auto", num_threads=0,
+                            union_nnz=120, rtol=2 ** -10, verify=False)
+    assert plain.layout == spelled.layout == plan_layout(5000, 3, 40, 1, 0, "auto", 120)
+    assert (plain.layout.block, plain.layout.seed, plain.num_threads, plain.rtol, plain.verify) == \
+        (1, 0, 0, 2 ** -10, False)
+
+
 def test_seeds_outside_uint64_are_refused():
     # The hashes take the seed as a uint64: 2^64 would hash as 0, and -1 as 2^64 - 1.
     x = torch.zeros(100)

@@ -102,6 +102,20 @@ def test_rtol_outside_zero_one_is_refused(rtol):
         LosslessCodec(100, 2, 10, rtol=rtol)
 
 
+def test_rtol_zero_is_accepted_and_proves_no_key():
+    """rtol's range is closed at 0: rtol=0 builds, joins the fingerprint, and (no float rounding bound is
+    0) lists every key INEXACT, with the exact values still decoded."""
+    codec = LosslessCodec(1000, 2, 10, rtol=0.0)
+    assert codec.rtol == 0.0
+    assert codec.layout.fingerprint != LosslessCodec(1000, 2, 10).layout.fingerprint
+    x = torch.zeros(1000)
+    x[[3, 50]] = torch.tensor([1.0, 2.0])
+    y, rep = codec.decode(codec.encode(x) + codec.encode(x))
+    assert rep.status == DecodeStatus.INEXACT and not rep.ok, rep.reason
+    assert rep.inexact_keys.tolist() == [3, 50]
+    assert torch.equal(y, 2 * x)
+
+
 def test_weighted_and_signed_sketches_of_one_size_do_not_mix():
     """union_nnz 878 and 879 give value sketches of the same 3 x 469 cells, signed (+-1) and weighted
     (+-1, +-2): the weighting joins the fingerprint, so ranks configured apart are told apart instead

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import helpers
 from lossless_hc import LosslessCodec
 from lossless_hc.lhc.layout import HEADER_FIELDS, MAX_KEYS
+from lossless_hc.lhc.status import DecodeStatus
 
 # Hypothesis picks the categorical knobs and the seeds; the sizes come from helpers.draw_sizes.
 workloads = dict(
@@ -230,3 +231,17 @@ def test_a_payload_tells_the_keys_its_encode_found(device, index, block):
         codec = LosslessCodec(keys * block, 2, capacity * block, block_size=block, index=index, device=device)
         got = codec.encoded_keys(codec.encode(x.to(device)))
         assert got == (None if index == "dense" else want), (capacity, got)
+
+
+def test_unresolved_counts_the_support_keys_the_peel_left():
+    """DecodeReport.unresolved is support - peeled: 0 for an exact decode, and the keys left over when
+    peeling stopped (an overloaded rank's 60 keys in a sketch sized for 8: 59 of them)."""
+    codec = LosslessCodec(1000, 2, 4, index="bitmap")
+    x = torch.zeros(1000)
+    x[:3] = torch.tensor([1.0, 2.0, 3.0])
+    _, rep = codec.decode(codec.encode(x) + codec.encode(x))
+    assert rep.ok and (rep.support, rep.peeled, rep.unresolved) == (3, 3, 0), rep.reason
+    x[:60] = torch.arange(1.0, 61.0)
+    _, rep = codec.decode(codec.encode(x) + codec.encode(torch.zeros(1000)))
+    assert rep.status == DecodeStatus.SKETCH_PEEL_FAILED and rep.support == 60, rep.reason
+    assert rep.unresolved == rep.support - rep.peeled == 59

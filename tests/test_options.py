@@ -233,6 +233,15 @@ def test_decode_flags_must_be_bools(flag, value):
             thc.decode(tp, averaged=value)
 
 
+@pytest.mark.parametrize("value", ["no", 1, 0, None])
+def test_lossless_codec_verify_must_be_a_bool(value):
+    """LosslessCodec's verify is a bool, checked where the codec is built: 1 is not taken as True (nor 0
+    as False), and the same codec with True builds."""
+    with pytest.raises(TypeError, match="verify must be a bool, got"):
+        LosslessCodec(100, 2, 10, verify=value)
+    assert LosslessCodec(100, 2, 10, verify=True).verify is True
+
+
 @pytest.mark.parametrize("value", ["no", 0, None])
 def test_thc_flags_must_be_bools(value):
     """THCCodec's error_feedback and symmetric_table, and encode's interleaved, are bools:

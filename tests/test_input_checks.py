@@ -260,6 +260,16 @@ def test_an_out_on_another_device_than_the_codec_s_is_refused():
     with pytest.raises(ValueError, match="out must be a contiguous float64 tensor of .* elements on cpu"):
         thc.encode(x, out=torch.empty(thc.payload_numel, dtype=torch.float64, device="meta"))
 
+def test_an_input_or_payload_on_another_device_than_the_codec_s_is_refused():
+    """LosslessCodec.encode's x and decode's payload are checked for the codec's device before any kernel
+    sees them: a meta tensor of the right size and dtype is a ValueError naming both devices."""
+    codec = LosslessCodec(1000, 2, 50)
+    with pytest.raises(ValueError, match="x is on meta, the codec on cpu"):
+        codec.encode(torch.zeros(1000, device="meta"))
+    with pytest.raises(ValueError, match="payload is on meta, the codec on cpu"):
+        codec.decode(torch.zeros(codec.payload_numel, device="meta"))
+
+
 def test_thc_table_search_beyond_its_limit_is_refused_and_explicit_levels_still_work():
     with pytest.raises(ValueError, match=r"a table of 256 levels in \[0, 65536\] is searched over"):
         build_table(8, 65536)

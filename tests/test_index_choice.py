@@ -65,7 +65,9 @@ def test_wire_bytes_match_the_payload(index, numel, n, max_nnz, block):
     assert codec.wire_bytes == 4 * p.numel()
     assert codec.dense_bytes == 4 * numel
     if numel:
-        assert codec.compression_ratio == pytest.approx(codec.wire_bytes / codec.dense_bytes)
+        assert codec.compression_ratio == codec.wire_bytes / codec.dense_bytes
+    else:   # nothing dense to send: the header is priced against one byte, never a ZeroDivisionError
+        assert codec.compression_ratio == codec.wire_bytes > 1
     assert repr(codec).startswith("LosslessCodec(")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lossless_hc import LosslessCodec
-from lossless_hc.lhc.layout import (HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
+from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
                                     HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, INDEX_CHECK_PRIMES)
 from lossless_hc.lhc.status import DecodeStatus, message
 from lossless_hc.thc.layout import HDR_CHECKSUM as THC_CHECKSUM, HDR_NON_FINITE as THC_NON_FINITE
@@ -36,6 +36,7 @@ def set_key_count(p: torch.Tensor, total: int) -> None:
     (lambda p, L: p.__setitem__(HDR_INDEX_CHECK0, p[HDR_INDEX_CHECK0] + 0.5), "HEADER_CORRUPT"),
     # a 0/1 flag summed over n ranks is at most n
     (lambda p, L: p.__setitem__(HDR_OVERLOADED, N + 1), "HEADER_CORRUPT"),
+    (lambda p, L: p.__setitem__(HDR_NON_FINITE, -1), "HEADER_CORRUPT"),   # and none is below 0
     (lambda p, L: p.__setitem__(HDR_NON_FINITE, N), "NON_FINITE_INPUT"),
     (lambda p, L: p.__setitem__(HDR_NON_FINITE, N + 1), "HEADER_CORRUPT"),
     (lambda p, L: p.__setitem__(HDR_SATURATED, N + 1), "HEADER_CORRUPT"),
@@ -58,6 +59,24 @@ def test_header_field_out_of_its_range_is_named(index, edit, status):
     assert rep.status == DecodeStatus[status] and not rep.ok, (rep.status, rep.reason)
     if status != "INDEX_CORRUPT":   # refused from the header, before a key is decoded (the checksum comes after)
         assert bool(torch.isnan(y).all())
+
+
+@pytest.mark.parametrize("value,status", [(2.0 ** 52, "WRONG_CONTRIBUTORS"), (2.0 ** 53, "HEADER_CORRUPT"),
+                                          (2.0 ** 60, "HEADER_CORRUPT"), (float("nan"), "HEADER_CORRUPT"),
+                                          (float("inf"), "HEADER_CORRUPT")])
+def test_a_contributor_count_is_an_integer_float64_holds_exactly(value, status):
+    """The contributors field is read as an integer only below 2**53, where float64 holds every integer:
+    2**52 is a count of contributions other than world_size (named in the reason); from 2**53 up, like
+    NaN and Inf, it is no integer and the header is corrupt (no count reported)."""
+    codec, s, _ = summed("bitmap")
+    p = s.clone()
+    p[HDR_CONTRIBUTORS] = value
+    y, rep = codec.decode(p)
+    assert rep.status == DecodeStatus[status] and bool(torch.isnan(y).all()), (rep.status, rep.reason)
+    if status == "WRONG_CONTRIBUTORS":
+        assert rep.contributors == 2 ** 52 and f"aggregates {2 ** 52} contributions" in rep.reason
+    else:
+        assert rep.contributors == 0
 
 
 def test_averaged_header_fields_take_half_a_unit():

@@ -245,3 +245,16 @@ def test_unresolved_counts_the_support_keys_the_peel_left():
     _, rep = codec.decode(codec.encode(x) + codec.encode(torch.zeros(1000)))
     assert rep.status == DecodeStatus.SKETCH_PEEL_FAILED and rep.support == 60, rep.reason
     assert rep.unresolved == rep.support - rep.peeled == 59
+
+
+def test_trace_and_error_bounds_come_only_when_asked():
+    """decode attaches the peeling trace and the error bounds only with trace=True / error_bounds=True:
+    by default both stay None (an exact decode of three keys)."""
+    codec = LosslessCodec(1000, 2, 10, index="bitmap")
+    x = torch.zeros(1000)
+    x[[3, 50, 700]] = torch.tensor([1.0, -2.0, 0.5])
+    p = codec.encode(x) + codec.encode(x)
+    y, rep = codec.decode(p)
+    assert rep.ok and torch.equal(y, 2 * x) and rep.trace is None and rep.error_bounds is None
+    _, rep = codec.decode(p, trace=True, error_bounds=True)
+    assert rep.ok and rep.trace is not None and rep.error_bounds[0].tolist() == [3, 50, 700]

@@ -79,6 +79,21 @@ def test_a_contributor_count_is_an_integer_float64_holds_exactly(value, status):
         assert rep.contributors == 0
 
 
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+def test_a_dense_payload_s_header_is_one_rank_s(bad):
+    """The dense layout's header, written by encode itself: one contributor, the fingerprint's two
+    chunks, no key counts or overload, the non-finite flag 1 exactly when the input holds a NaN or
+    an infinity (one is enough), and nothing else set."""
+    codec = LosslessCodec(100, 2, 100, index="dense")
+    fp = codec.layout.fingerprint
+    x = torch.zeros(100)
+    x[3] = 1.0
+    if bad is not None:
+        x[7] = bad
+    p = codec.encode(x)
+    assert p[:11].tolist() == [1, fp & 2047, fp >> 11, 0, 0, 0, 0, int(bad is not None), 0, 0, 0]
+
+
 def test_averaged_header_fields_take_half_a_unit():
     """An AVERAGE's integer fields are within 1/2 of an integer after scaling back by n (float32
     division rounds): the same payload averaged decodes ok, to the average."""

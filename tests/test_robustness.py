@@ -465,7 +465,8 @@ def test_decode_refuses_a_shape_of_other_size_before_decoding():
     x = torch.zeros(1000)
     x[3] = 1.0
     summed = codec.encode(x) * 2
-    for shape in [(3,), (10, 10), ("a",)]:
+    # also shapes whose product is numel without being one: negative sizes, two -1s, a bool size
+    for shape in [(3,), (10, 10), ("a",), (-10, -100), (-1, -1, 1000), (True, 1000)]:
         with pytest.raises(ValueError, match=r"decode\(shape=.*\): not a shape of numel=1000 elements"):
             codec.decode(summed, shape=shape)
     for shape, expected in [((10, 100), (10, 100)), ((-1, 10), (100, 10)), (1000, (1000,))]:

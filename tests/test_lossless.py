@@ -96,6 +96,28 @@ def test_averaged_flag_mismatch_is_reported(index, n):
     assert helpers.peeled_ok(codec.decode(summed)[1]) and helpers.peeled_ok(codec.decode(avg, averaged=True)[1])
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_contribution_count_mismatch_hints_at_the_averaged_flag_only_where_that_explains_it(n):
+    """WRONG_CONTRIBUTORS names the count it read, and adds a hint only where the averaged flag explains
+    it: a SUM decoded as an average reads n * n contributions, an AVERAGE decoded as a sum reads 1; a
+    partial sum (n - 1 payloads) or a partial average reads n - 1 and gets no hint."""
+    codec = LosslessCodec(600, n, 20, index="bitmap")
+    rng = np.random.default_rng(n)
+    xs = helpers.make_inputs(rng, 600, 1, n, 20, "random", "normal")
+    payloads = [codec.encode(x) for x in xs]
+    summed, partial = sum(payloads), sum(payloads[1:])
+    expect = f"expected world_size={n}"
+    cases = [(summed, True, f"payload aggregates {n * n} contributions, {expect} (a summed payload? pass averaged=False)"),
+             (summed / n, False, f"payload aggregates 1 contributions, {expect} (an averaged payload? pass averaged=True)")]
+    if n > 2:   # at 2 ranks a partial sum is one payload: an average's count
+        cases += [(partial, False, f"payload aggregates {n - 1} contributions, {expect}"),
+                  (partial / n, True, f"payload aggregates {n - 1} contributions, {expect}")]
+    for payload, averaged, reason in cases:
+        y, rep = codec.decode(payload, averaged=averaged)
+        assert rep.status == DecodeStatus.WRONG_CONTRIBUTORS and rep.reason == reason, rep.reason
+        assert bool(torch.isnan(y).all())
+
+
 def test_world_size_one_sum_and_average_coincide():
     codec = LosslessCodec(100, 1, 10)
     x = torch.zeros(100)

@@ -356,6 +356,17 @@ def test_aggregate_overflow_is_not_silent():
     assert not bad, f"ok=True with non-finite/wrong outputs for seeds {bad}"
 
 
+def test_dense_aggregate_overflow_counts_its_values():
+    """The dense layout: two ranks' finite 3e38 and -3e38 sum to +-Inf in float32; the decode is
+    SKETCH_OVERFLOW counting the two overflowed values (no rank's input was non-finite), output NaN."""
+    codec = LosslessCodec(100, 2, 100, index="dense")
+    x = torch.zeros(100)
+    x[[3, 5, 7]] = torch.tensor([3e38, -3e38, 1.0])
+    y, rep = codec.decode(codec.encode(x) * 2)
+    assert rep.status == DecodeStatus.SKETCH_OVERFLOW, rep.reason
+    assert rep.reason.endswith("(2 dense value(s))") and bool(torch.isnan(y).all())
+
+
 # -- wrong payload shape / dtype ------------------------------------------------------------------
 
 @pytest.mark.parametrize("index", INDEXES)

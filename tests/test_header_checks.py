@@ -61,6 +61,28 @@ def test_header_field_out_of_its_range_is_named(index, edit, status):
         assert bool(torch.isnan(y).all())
 
 
+def test_a_header_refusal_names_its_ranks_and_an_overload_first():
+    """A header flag's reason says on how many ranks it was set; with overloaded ranks the overload is
+    named first and the refusal in parentheses (the key count's too, which carries no count)."""
+    codec, s, _ = summed("bitmap")
+    L = codec.layout
+    overload = f"overloaded: 1 rank(s) had more than capacity={L.capacity} non-zero keys; grow max_nnz"
+    edits = [({HDR_NON_FINITE: 2}, "non-finite input (NaN/Inf) on 2 rank(s)"),
+             ({HDR_SATURATED: 3}, "index counter saturated on 3 rank(s)"),
+             ({HDR_OVERLOADED: 1, HDR_NON_FINITE: 2}, f"{overload} (non-finite input (NaN/Inf) on 2 rank(s))"),
+             ({HDR_OVERLOADED: 1, "keys": N * L.num_keys + 1},
+              f"{overload} ({message(DecodeStatus.KEY_COUNT_CORRUPT)})")]
+    for edit, reason in edits:
+        p = s.clone()
+        for field, value in edit.items():
+            if field == "keys":
+                set_key_count(p, value)
+            else:
+                p[field] = value
+        rep = codec.decode(p)[1]
+        assert rep.reason == reason, rep.reason
+
+
 @pytest.mark.parametrize("value,status", [(2.0 ** 52, "WRONG_CONTRIBUTORS"), (2.0 ** 53, "HEADER_CORRUPT"),
                                           (2.0 ** 60, "HEADER_CORRUPT"), (float("nan"), "HEADER_CORRUPT"),
                                           (float("inf"), "HEADER_CORRUPT")])
@@ -112,6 +134,17 @@ def test_key_counts_beyond_two_chunks_are_read_whole():
     p = codec.encode(torch.ones(numel))
     assert float(p[HDR_KEYS_HI]) == 1.0
     assert codec.encoded_keys(p) == numel
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
+def test_every_rank_holding_every_key_is_the_most_a_header_counts(index):
+    """n ranks each non-zero at every key send n * num_keys keys, the bound KEY_COUNT_CORRUPT starts
+    above: that aggregate decodes, exactly."""
+    codec = LosslessCodec(64, N, 64, index=index)
+    xs = [torch.arange(1.0, 65.0) * (r + 1) for r in range(N)]
+    y, rep = codec.decode(sum(codec.encode(x) for x in xs))
+    assert rep.ok and rep.total_keys == N * codec.layout.num_keys == 3 * 64, rep.reason
+    assert torch.equal(y, sum(xs))
 
 
 def test_capacity_rounds_max_nnz_up_to_whole_blocks():

@@ -280,3 +280,16 @@ def test_trace_and_error_bounds_come_only_when_asked():
     assert rep.ok and torch.equal(y, 2 * x) and rep.trace is None and rep.error_bounds is None
     _, rep = codec.decode(p, trace=True, error_bounds=True)
     assert rep.ok and rep.trace is not None and rep.error_bounds[0].tolist() == [3, 50, 700]
+
+
+def test_an_overloaded_rank_is_never_ok_even_when_every_key_came_back():
+    """A rank over capacity (5 keys, capacity 4) makes the decode OVERLOADED, never OK, even when the
+    sketch's slack let every key be recovered (the reason says so); a failed peel keeps its own status."""
+    codec = LosslessCodec(1000, 2, 4, index="bitmap")
+    x = torch.zeros(1000)
+    x[[1, 100, 200, 300, 400]] = torch.arange(1.0, 6.0)
+    y, rep = codec.decode(codec.encode(x) + codec.encode(torch.zeros(1000)))
+    assert rep.status == DecodeStatus.OVERLOADED and not rep.ok and rep.overloaded_ranks == 1
+    assert rep.reason == ("overloaded: 1 rank(s) had more than capacity=4 non-zero keys; grow max_nnz "
+                          "(recovered 5/5 keys)")
+    assert torch.equal(y, x)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lossless_hc import LosslessCodec
-from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO, HDR_KEYS_MID,
-                                    HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED, INDEX_CHECK_PRIMES)
+from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_INDEX_CHECK0, HDR_KEYS_HI, HDR_KEYS_LO,
+                                    HDR_KEYS_MID, HDR_NON_FINITE, HDR_OVERLOADED, HDR_SATURATED,
+                                    INDEX_CHECK_PRIMES)
 from lossless_hc.lhc.status import DecodeStatus, message
 from lossless_hc.thc.layout import HDR_CHECKSUM as THC_CHECKSUM, HDR_NON_FINITE as THC_NON_FINITE
 

@@ -246,7 +246,6 @@ def test_an_unfit_out_and_a_csr_gradient_are_named_as_what_they_are():
         TensorAggregator("w", (8, 8), torch.float32, n, max_density=0.9).encode(csr)
 
 
-
 def test_an_out_on_another_device_than_the_codec_s_is_refused():
     """checked_out (every codec's ``out``) refuses a buffer on another device than the codec's, here one
     on the meta device, which has the size, dtype and layout asked for but no memory the kernels could
@@ -259,6 +258,7 @@ def test_an_out_on_another_device_than_the_codec_s_is_refused():
     thc = THCCodec(1000, 2, 0, initial_norm=1.0)
     with pytest.raises(ValueError, match="out must be a contiguous float64 tensor of .* elements on cpu"):
         thc.encode(x, out=torch.empty(thc.payload_numel, dtype=torch.float64, device="meta"))
+
 
 def test_an_input_or_payload_on_another_device_than_the_codec_s_is_refused():
     """LosslessCodec.encode's x and decode's payload are checked for the codec's device before any kernel

@@ -107,8 +107,10 @@ def test_a_contribution_count_mismatch_hints_at_the_averaged_flag_only_where_tha
     payloads = [codec.encode(x) for x in xs]
     summed, partial = sum(payloads), sum(payloads[1:])
     expect = f"expected world_size={n}"
-    cases = [(summed, True, f"payload aggregates {n * n} contributions, {expect} (a summed payload? pass averaged=False)"),
-             (summed / n, False, f"payload aggregates 1 contributions, {expect} (an averaged payload? pass averaged=True)")]
+    cases = [(summed, True,
+              f"payload aggregates {n * n} contributions, {expect} (a summed payload? pass averaged=False)"),
+             (summed / n, False,
+              f"payload aggregates 1 contributions, {expect} (an averaged payload? pass averaged=True)")]
     if n > 2:   # at 2 ranks a partial sum is one payload: an average's count
         cases += [(partial, False, f"payload aggregates {n - 1} contributions, {expect}"),
                   (partial / n, True, f"payload aggregates {n - 1} contributions, {expect}")]

@@ -443,50 +443,39 @@ def test_a_solved_fine_pair_s_third_cell_is_checked():
             assert info["reason"] == "index corrupt: a solved fine pair is not a pair of node patterns", info["reason"]
 
 
-def documented_plan(num_keys, union, n, shape, seed_stream):
-    """multilevel_plan's rule, written out: finest level first, each level the largest w (digits per
-    word) with load_cap ((n+1)^w - 1) < 2**22, its span below * w * words, its planned nodes
-    expected_nonzero_groups(ceil(num_keys / span), union), its table fine_table_for(planned, words,
-    mix64(seed_stream + depth)) (one 3-cell table for none), load_cap the fewest nodes per cell (>= 1, <=
-    planned) whose overflow over every cell is at most FINE_OVERFLOW_TARGET (0 for none)."""
-    from lossless_hc.lhc.layout import FineLevel, MultilevelPlan, SegmentedTable, digit_packing, mix64
-    from lossless_hc.lhc.sizing import (FINE_OVERFLOW_TARGET, _poisson_tail, expected_nonzero_groups,
-                                        fine_table_for)
-    levels, below = [], 1
-    for depth, words in enumerate(reversed(shape)):
-        stream = mix64(seed_stream + depth)
-        w = max(w for w in range(1, 40) if (n + 1) ** w <= INT_FIELD_LIMIT)
-        for w in range(w, 0, -1):
-            span = below * w * words
-            nodes = math.ceil(num_keys / span)
-            planned = expected_nonzero_groups(nodes, union)
-            if planned == 0:
-                table, cap = SegmentedTable(seg_len=1, seg_count=3, stream=stream), 0
-            else:
-                table = fine_table_for(planned, words, stream)
-                lam = planned / (table.seg_count // 3 * table.seg_len)
-                cap = next(c for c in range(1, planned + 1)
-                           if c == planned or table.cells * _poisson_tail(lam, c) <= FINE_OVERFLOW_TARGET)
-            if max(1, cap) * ((n + 1) ** w - 1) < INT_FIELD_LIMIT:
-                break
-        else:
-            return None
-        levels.append(FineLevel(w, words, span, nodes, planned, cap, table))
-        below = span
-    levels.reverse()
-    return MultilevelPlan(tuple(levels), digit_packing(n, levels[0].num_nodes))
-
-
 @pytest.mark.parametrize("num_keys,union,n,shape", [
     (1_000_000, 1000, 4, (1,)), (1_000_000, 1000, 4, (1, 2)), (5000, 5000, 2, (3,)), (100_000, 300, 255, (2,)),
     (10_000_000, 100_000, 16, (2, 1, 1)), (1000, 1000, 1, (4,)), (100_000, 40, 3, (1,)), (1_000_000, 10, 2 ** 11, (1,)),
     (100_000, 0, 4, (1, 1)), (300, 300, 7, (5, 1, 2, 1)), (9_605, 3200, 5, (1,)), (50_000, 2400, 8, (2, 3))])
 def test_multilevel_plan_is_the_documented_rule(num_keys, union, n, shape):
-    """Every level of multilevel_plan is the one its docstring specifies (documented_plan), for one and
-    several levels, no non-zero keys, bases from 2 to 2**21 + 1."""
+    """Every level of multilevel_plan meets its docstring's rule, finest first: a span of the level below's
+    span * w * words, its planned nodes expected_nonzero_groups(ceil(num_keys / span), union), its table
+    fine_table_for(planned, words, mix64(seed_stream + depth)) (one 3-cell table for none), a load cap that
+    is the fewest nodes per cell (1 to planned) whose overflow over every cell is at most
+    FINE_OVERFLOW_TARGET, and load_cap * ((n + 1)^w - 1) below 2**22; the coarse bitmap counts the top
+    level's nodes. For one and several levels, no non-zero keys, bases from 2 to 2**21 + 1."""
+    from lossless_hc.lhc.layout import SegmentedTable, digit_packing, mix64
+    from lossless_hc.lhc.sizing import FINE_OVERFLOW_TARGET, _poisson_tail, expected_nonzero_groups, fine_table_for
     plan = multilevel_plan(num_keys, union, n, shape, seed_stream=11)
-    assert plan is not None and plan == documented_plan(num_keys, union, n, shape, 11)
-    assert tuple(lv.words_per_group for lv in plan.levels) == shape
+    assert plan is not None and tuple(lv.words_per_group for lv in plan.levels) == shape
+    below = 1
+    for depth, lv in enumerate(reversed(plan.levels)):
+        stream, w, planned = mix64(11 + depth), lv.digits_per_word, lv.planned_nodes
+        assert lv.span == below * w * lv.words_per_group and lv.num_nodes == -(-num_keys // lv.span)
+        assert planned == expected_nonzero_groups(lv.num_nodes, union)
+        if planned == 0:
+            assert (lv.table, lv.load_cap) == (SegmentedTable(seg_len=1, seg_count=3, stream=stream), 0)
+        else:
+            assert lv.table == fine_table_for(planned, lv.words_per_group, stream)
+            lam = planned / (lv.table.seg_count // 3 * lv.table.seg_len)
+
+            def enough(cap):
+                return cap == planned or lv.table.cells * _poisson_tail(lam, cap) <= FINE_OVERFLOW_TARGET
+            assert 1 <= lv.load_cap <= planned and enough(lv.load_cap)
+            assert lv.load_cap == 1 or not enough(lv.load_cap - 1)
+        assert max(1, lv.load_cap) * ((n + 1) ** w - 1) < INT_FIELD_LIMIT
+        below = lv.span
+    assert plan.coarse == digit_packing(n, plan.levels[0].num_nodes)
     assert plan.levels[-1].span == plan.levels[-1].digits_per_word * shape[-1]
 
 
@@ -514,5 +503,4 @@ def test_multilevel_plan_refuses_what_it_cannot_build():
     assert multilevel_plan(100, 1, INT_FIELD_LIMIT - 1, 1).levels[0].digits_per_word == 1
     # two nodes to a cell could overflow even a one-digit word of base 2**21 + 1
     assert multilevel_plan(1_000_000, 10, 2 ** 21, 1) is None
-    assert documented_plan(1_000_000, 10, 2 ** 21, (1,), 0) is None
     assert multilevel_plan(1, 1, 2, 1).levels[0].num_nodes == 1

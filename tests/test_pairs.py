@@ -234,18 +234,14 @@ def test_unsolvable_pairs_equals_the_pair_by_pair_count_on_crowded_tables(weight
     assert unsolvable_pairs(table, 0) == unsolvable_pairs(table, 1) == 0
 
 
-def scanned_stream(table, ids, attempts):
-    """_solvable_stream's search written out: attempt 0 is the table's own stream, attempt a >= 1 the stream
-    stream_seed(own, a); the first attempt with no unsolvable pair, or else the first with the fewest."""
-    best = None
-    for a in range(attempts):
-        t = table if a == 0 else replace(table, stream=stream_seed(table.stream, a))
-        pairs = unsolvable_pairs(t, ids)
-        if best is None or pairs < best[0]:
-            best = (pairs, t, a)
-        if pairs == 0:
-            break
-    return best
+def chosen_attempt(table, ids, attempts):
+    """What _solvable_stream promises of ``attempts`` tries (attempt 0: the table's own stream, attempt a:
+    stream_seed(own, a)): the first attempt free of unsolvable pairs, else the first of the fewest (the
+    first of the least count either way); its count, table and number."""
+    tried = [table] + [replace(table, stream=stream_seed(table.stream, a)) for a in range(1, attempts)]
+    counts = [unsolvable_pairs(t, ids) for t in tried]
+    best = counts.index(min(counts))
+    return counts[best], tried[best], best
 
 
 def test_solvable_stream_takes_the_first_stream_without_an_unsolvable_pair():
@@ -258,7 +254,7 @@ def test_solvable_stream_takes_the_first_stream_without_an_unsolvable_pair():
     good = [t for t in tables if unsolvable_pairs(t, 2) == 0]
     assert bad and good
     for t in bad[:4]:
-        pairs, want, attempt = scanned_stream(t, 2, 32)
+        pairs, want, attempt = chosen_attempt(t, 2, 32)
         assert pairs == 0 and attempt >= 1
         assert _solvable_stream(t, 2) == (want, attempt)
     for t in good[:4]:
@@ -272,11 +268,9 @@ def test_solvable_stream_takes_the_first_of_the_fewest_where_none_is_free():
     from lossless_hc.lhc.sizing import _solvable_stream
     for s in range(6):
         t = SegmentedTable(seg_len=1, seg_count=3, stream=stream_seed(9, s))
-        counts = [unsolvable_pairs(t if a == 0 else replace(t, stream=stream_seed(t.stream, a)), 6) for a in range(32)]
-        assert min(counts) >= 1
-        got, attempt = _solvable_stream(t, 6)
-        assert attempt == counts.index(min(counts))
-        assert got == (t if attempt == 0 else replace(t, stream=stream_seed(t.stream, attempt)))
+        pairs, want, attempt = chosen_attempt(t, 6, 32)
+        assert pairs >= 1
+        assert _solvable_stream(t, 6) == (want, attempt)
 
 
 def test_solvable_stream_scans_up_to_four_expected_pairs_and_two_to_the_16_ids():
@@ -287,12 +281,12 @@ def test_solvable_stream_scans_up_to_four_expected_pairs_and_two_to_the_16_ids()
     from lossless_hc.lhc.sizing import PAIR_SCAN_MAX_EXPECTED, _solvable_stream
     t = SegmentedTable(seg_len=1, seg_count=93, stream=stream_seed(3, 1))
     assert expected_unsolvable_pairs(t, 32) == PAIR_SCAN_MAX_EXPECTED == 4.0
-    pairs, want, attempt = scanned_stream(t, 32, 32)
+    pairs, want, attempt = chosen_attempt(t, 32, 32)
     assert unsolvable_pairs(t, 32) > 0 and attempt > 0
     assert _solvable_stream(t, 32) == (want, attempt)
     big = SegmentedTable(seg_len=512, seg_count=3, stream=stream_seed(3, 1))
     assert 3.9999 < expected_unsolvable_pairs(big, 2 ** 16) <= 4.0
-    pairs, want, attempt = scanned_stream(big, 2 ** 16, 8)
+    pairs, want, attempt = chosen_attempt(big, 2 ** 16, 8)
     assert unsolvable_pairs(big, 2 ** 16) > 0 and attempt > 0
     assert _solvable_stream(big, 2 ** 16) == (want, attempt)
     small = SegmentedTable(seg_len=1, seg_count=3, stream=stream_seed(3, 3))

@@ -86,18 +86,20 @@ def test_a_header_refusal_names_its_ranks_and_an_overload_first():
 
 @pytest.mark.parametrize("value,status", [(2.0 ** 52, "WRONG_CONTRIBUTORS"), (2.0 ** 53, "HEADER_CORRUPT"),
                                           (2.0 ** 60, "HEADER_CORRUPT"), (float("nan"), "HEADER_CORRUPT"),
-                                          (float("inf"), "HEADER_CORRUPT")])
+                                          (float("inf"), "HEADER_CORRUPT"), (-1.0, "HEADER_CORRUPT"),
+                                          (0.0, "WRONG_CONTRIBUTORS")])
 def test_a_contributor_count_is_an_integer_float64_holds_exactly(value, status):
     """The contributors field is read as an integer only below 2**53, where float64 holds every integer:
     2**52 is a count of contributions other than world_size (named in the reason); from 2**53 up, like
-    NaN and Inf, it is no integer and the header is corrupt (no count reported)."""
+    NaN and Inf, it is no integer and the header is corrupt (no count reported). A negative count is no
+    sum of ranks' 1s either: corrupt, not a wrong number of contributions; 0 (no rank) is a wrong count."""
     codec, s, _ = summed("bitmap")
     p = s.clone()
     p[HDR_CONTRIBUTORS] = value
     y, rep = codec.decode(p)
     assert rep.status == DecodeStatus[status] and bool(torch.isnan(y).all()), (rep.status, rep.reason)
     if status == "WRONG_CONTRIBUTORS":
-        assert rep.contributors == 2 ** 52 and f"aggregates {2 ** 52} contributions" in rep.reason
+        assert rep.contributors == int(value) and f"aggregates {int(value)} contributions" in rep.reason
     else:
         assert rep.contributors == 0
 

@@ -488,7 +488,7 @@ class LosslessCodec:
                                                self.verify)
             header_fields = pending.header
         hdr, in_range = self._read_header(header_fields, scale)
-        if hdr[HDR_CONTRIBUTORS] is None:
+        if hdr[HDR_CONTRIBUTORS] is None or hdr[HDR_CONTRIBUTORS] < 0:   # each rank writes 1: no sum is below 0
             return reject(DecodeStatus.HEADER_CORRUPT)
         report.contributors = hdr[HDR_CONTRIBUTORS]
         if hdr[HDR_CONTRIBUTORS] != n:

@@ -266,18 +266,30 @@ def test_sparse_gradients_are_refused():
         _Opt([("emb", p)], None)._push_pull_grad_async(p, comp)
 
 
-def test_async_mode_is_refused():
-    comp = Compression.lossless(engine=SimulatedBytePS(2).engine(0))
+def test_async_mode_is_refused_by_its_flag_or_by_the_parameter_itself():
+    """Either sign of BytePS's asynchronous mode is refused: the optimizer's _enable_async (even for a
+    gradient), or compress called on the parameter itself (an optimizer without the flag)."""
+    eng = SimulatedBytePS(1).engine(0)
+    p = torch.nn.Parameter(torch.zeros(6))
+    p.grad = torch.arange(6.0)
 
-    class AsyncOptimizer:   # BytePS's step() in async mode: compress(p) on the parameter itself
+    class Frame:
         _parameter_names = {}
-        _enable_async = True
 
-        def step(self, p):
-            return comp.compress(p)
+        def __init__(self, flag):
+            if flag is not None:
+                self._enable_async = flag
 
+        def push(self, p, tensor, comp):
+            return comp.compress(tensor)
+
+    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):   # BytePS's step() in async mode: both
+        Frame(True).push(p, p, Compression.lossless(engine=eng))
     with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
-        AsyncOptimizer().step(torch.nn.Parameter(torch.zeros(3)))
+        Frame(True).push(p, p.grad, Compression.lossless(engine=eng))
+    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
+        Frame(None).push(p, p, Compression.lossless(engine=eng))
+    Frame(None).push(p, p.grad, Compression.lossless(engine=eng))   # synchronous: a gradient is compressed
 
 
 def test_compress_outside_the_optimizer_is_refused():
@@ -306,6 +318,22 @@ class _Opt:
     def _push_pull_grad_async(self, p, comp):
         payload, ctx = comp.compress(p.grad)
         return payload, ctx
+
+
+class _DeclaringEngine:
+    """An engine that records the names declared to it (``declared``) and carries no push."""
+
+    def __init__(self):
+        self.declared = []
+
+    def declare(self, name):
+        self.declared.append(name)
+
+    def push_pull_async_inplace(self, tensor, average, name):
+        return None
+
+    def synchronize(self, handle):
+        pass
 
 
 def test_fit_pads_smaller_payloads_and_widens_dtypes():
@@ -366,20 +394,10 @@ def test_tails_are_declared_in_name_order_whatever_order_the_tensors_came_in():
     the order of the tensors' names: workers whose tensors reached compress in other orders (BytePS
     numbers names as they are declared) declare them alike."""
     declared = []
-
-    class Recording:
-        def declare(self, name):
-            declared[-1].append(name)
-
-        def push_pull_async_inplace(self, tensor, average, name):
-            return None
-
-        def synchronize(self, handle):
-            pass
-
     for order in (("a", "b"), ("b", "a")):
-        declared.append([])
-        comp = Compression.lossless(max_density=0.01, engine=Recording())
+        engine = _DeclaringEngine()
+        declared.append(engine.declared)
+        comp = Compression.lossless(max_density=0.01, engine=engine)
         for name in order:
             agg = comp.aggregator(name, name, torch.zeros(20000), 2, 0)
             assert agg.compressed
@@ -532,30 +550,6 @@ def test_the_parameter_s_name_is_read_from_the_optimizer_either_way_it_keys_them
     assert list(comp.aggregators()) == ["w"]
 
 
-def test_async_mode_is_refused_by_its_flag_or_by_the_parameter_itself():
-    """Either sign of BytePS's asynchronous mode is refused: the optimizer's _enable_async (even for a
-    gradient), or compress called on the parameter itself (an optimizer without the flag)."""
-    eng = SimulatedBytePS(1).engine(0)
-    p = torch.nn.Parameter(torch.zeros(6))
-    p.grad = torch.arange(6.0)
-
-    class Frame:
-        _parameter_names = {}
-
-        def __init__(self, flag):
-            if flag is not None:
-                self._enable_async = flag
-
-        def push(self, p, tensor, comp):
-            return comp.compress(tensor)
-
-    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
-        Frame(True).push(p, p.grad, Compression.lossless(engine=eng))
-    with pytest.raises(ValueError, match="BYTEPS_ENABLE_ASYNC"):
-        Frame(None).push(p, p, Compression.lossless(engine=eng))
-    Frame(None).push(p, p.grad, Compression.lossless(engine=eng))   # synchronous: a gradient is compressed
-
-
 def test_every_parameter_s_fallback_name_is_declared_sorted_at_the_first_compress():
     """The dense fallback names of all the optimizer's parameters are declared at the first compress, in
     name order, before anything else is pushed (every rank numbers them alike), and once."""
@@ -635,19 +629,9 @@ def test_a_fallback_name_is_declared_before_its_push():
 def test_no_tail_is_declared_for_a_payload_that_fits_its_slot():
     """At a step's end, a tail name is declared only for a payload that outgrew its slot, by its extra
     elements (even one), once; one that fits it exactly or with room to spare declares nothing."""
-    declared = []
-
-    class Recording:
-        def declare(self, name):
-            declared.append(name)
-
-        def push_pull_async_inplace(self, tensor, average, name):
-            return None
-
-        def synchronize(self, handle):
-            pass
-
-    comp = Compression.lossless(max_density=0.01, engine=Recording())
+    engine = _DeclaringEngine()
+    declared = engine.declared
+    comp = Compression.lossless(max_density=0.01, engine=engine)
     aggs = {name: comp.aggregator(name, name, torch.zeros(20000), 2, 0) for name in ("a", "b")}
     assert all(a.compressed for a in aggs.values())
     comp._slots["a"] = (wire_numel(aggs["a"]), torch.float32)

@@ -83,17 +83,14 @@ def test_a_planner_refuses_a_non_positive_compression_rate_and_a_bucket_that_cha
         with pytest.raises(ValueError, match="min_compression_rate"):
             PowerSGDPlanner(min_compression_rate=bad)
     assert PowerSGDPlanner(min_compression_rate=0.5).min_compression_rate == 0.5   # any rate > 0, as torch's
-
-    class Agg:
-        def __init__(self, name):
-            self.name = name
     planner = PowerSGDPlanner()
     planner.buckets[0] = _bucket([(64, 32), (64,)])
     grads = [torch.zeros(64, 32), torch.zeros(64)]
     buffer = torch.zeros(64 * 33)
-    assert planner.bucket(0, 9, [Agg("p0"), Agg("p1")], grads, buffer, None, 2) is planner.buckets[0]
+    p0, p1 = _Planned("p0", 64 * 32), _Planned("p1", 64)
+    assert planner.bucket(0, 9, [p0, p1], grads, buffer, None, 2) is planner.buckets[0]
     with pytest.raises(RuntimeError, match="changed its parameters"):
-        planner.bucket(0, 9, [Agg("p1"), Agg("p0")], grads, buffer, None, 2)
+        planner.bucket(0, 9, [p1, p0], grads, buffer, None, 2)
 
 
 def test_a_bucket_s_state_takes_torch_s_defaults_and_an_epsilon_that_keeps_columns_unit():

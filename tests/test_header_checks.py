@@ -243,25 +243,19 @@ def test_thc_clean_sum_decodes():
     (lambda p, n, P: (p.__setitem__(THC_NON_FINITE, 1), p.__setitem__(THC_CHECKSUM, n * (P - 1))), "checksum field"),
     # a SUM of integer fields is an exact integer
     (lambda p, n, P: p.__setitem__(THC_CHECKSUM, p[THC_CHECKSUM] + 0.25), "checksum field"),
+    # no rank flagged: the checksum's range is [0, n(P - 1)], its top included (read as a checksum, which this
+    # edited one then fails to match), one past it a corrupted field
+    (lambda p, n, P: p.__setitem__(THC_CHECKSUM, n * (P - 1)), "checksum mismatch"),
+    (lambda p, n, P: p.__setitem__(THC_CHECKSUM, n * (P - 1) + 1), "checksum field"),
 ])
 def test_thc_header_field_out_of_its_range_is_corruption(edit, match):
     """A THC header field out of what n ranks can write raises ValueError naming it (a flag count
     above n, or a checksum beyond what the unflagged ranks can add, is not read as a non-finite
-    input: that would raise FloatingPointError, the answer to a NaN gradient)."""
+    input: that would raise FloatingPointError, the answer to a NaN gradient); a field at the top of its
+    range is read as what it says."""
     c, s = thc_summed()
     p = s.clone()
     edit(p, c.world_size, c.layout.check_prime)
-    with pytest.raises(ValueError, match=match):
-        c.decode(p)
-
-
-@pytest.mark.parametrize("over,match", [(0, "checksum mismatch"), (1, "checksum field")])
-def test_thc_checksum_field_range_ends_at_what_the_ranks_can_add(over, match):
-    """The checksum field's range is [0, (n - flagged)(P - 1)], its top included: a field at the top is read as a
-    checksum (this edited one then does not match the words), one past it is a corrupted field."""
-    c, s = thc_summed()
-    p = s.clone()
-    p[THC_CHECKSUM] = c.world_size * (c.layout.check_prime - 1) + over
     with pytest.raises(ValueError, match=match):
         c.decode(p)
 

@@ -1,6 +1,8 @@
 """The planner's statistics tracker on its own (lossless_hc.training.plan_tracker.PlanTracker): its defaults,
 the exact values of its EWMAs and the counts its stats() reports. Its schedule and its rounding up:
 tests/test_planner_cost.py; under the planner: tests/test_planner_replan.py."""
+import pytest
+
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.plan_tracker import PlanTracker
 
@@ -47,3 +49,27 @@ def test_the_counts_are_whole_rows_of_a_row_that_does_not_divide_the_tensor():
     s = tr.stats()
     assert (s.keys, s.rank_keys, s.union_keys) == (4, (4, 4), 4)
     assert all(type(k) is int for k in s.rank_keys + (s.union_keys,))
+
+
+@pytest.mark.parametrize("rank_keys, union_keys, match", [
+    ((5,), 5, "1 entries for world_size 2"),             # zip would drop rank 1's average
+    ((5, 7, 9), 9, "3 entries for world_size 2"),
+    ((5, -1), 5, "finite and >= 0"),
+    ((5, float("nan")), 5, "finite and >= 0"),            # would stay in the EWMAs for good
+    ((5, 7), float("inf"), "finite and >= 0"),
+    ((5, 7), -3, "finite and >= 0"),
+])
+def test_an_observation_of_the_wrong_shape_or_a_bad_count_is_refused_and_changes_nothing(rank_keys, union_keys,
+                                                                                         match):
+    """Every observation carries one finite count >= 0 per rank and the union's: refused at observe(), first or
+    later, with the tracker left as it was. The next good observation moves the EWMAs as if the refused one had
+    not come: at step 3 after step 1 it weighs as two steps, 1 - 0.75^2 = 0.4375."""
+    tr = PlanTracker(1000, 1, 2, alpha=0.25)
+    with pytest.raises(ValueError, match=match):
+        tr.observe(rank_keys, union_keys, step=1)
+    assert (tr.rank_keys, tr.steps, tr.last_step) == (None, 0, 0)
+    tr.observe((4, 8), 8, step=1)
+    with pytest.raises(ValueError, match=match):
+        tr.observe(rank_keys, union_keys, step=2)
+    tr.observe((8, 8), 12, step=3)
+    assert tr.rank_keys == [5.75, 8.0] and tr.union == 9.75 and tr.steps == 2

@@ -44,10 +44,17 @@ class PlanTracker:
         <lossless_hc.training.strategies.AutoAggregator.carries_statistics>`), each of them due. An
         observation after ``m`` unobserved steps stands for them too: its weight is ``1 - (1 - a)^(m+1)``,
         what ``m + 1`` observations of the same counts would have had."""
+        ks = [float(k) for k in rank_keys]
+        # Checked here, not only by stats(): zip would silently drop a missing rank's EWMA, and a NaN or
+        # negative count would stay in the averages for good.
+        if len(ks) != self.world_size:
+            raise ValueError(f"rank_keys has {len(ks)} entries for world_size {self.world_size}")
+        if not all(0.0 <= k < math.inf for k in ks + [float(union_keys)]):
+            raise ValueError(f"counts must be finite and >= 0, got rank_keys={tuple(rank_keys)!r}, "
+                             f"union_keys={union_keys!r}")
         step = self.steps + 1 if step is None else int(step)
         a = 1.0 - (1.0 - self.alpha) ** max(1, step - self.last_step)
         self.last_step = step
-        ks = [float(k) for k in rank_keys]
         if self.rank_keys is None:
             self.rank_keys, self.union = ks, float(union_keys)
         else:

@@ -1,7 +1,8 @@
 """BytePS for real (``-m gpu``): 1 scheduler, 1 server and 2 workers sharing one GPU, started by
 scripts/launch_byteps.sh running tests/mp/byteps_worker.py; skipped, visibly, without CUDA or BytePS
 (scripts/byteps_gpu_session.sh runs it on the GPU machine). The CPU tests of the plugin, on simulated
-workers, are tests/test_plugins_byteps.py and tests/test_plugins_byteps_training.py.
+workers, are tests/test_plugins_byteps.py, tests/test_plugins_byteps_training.py and
+tests/test_plugins_byteps_engine.py.
 
 ``test_worker_dry_run_on_simulated_byteps`` (CPU, every run) runs the same worker, unchanged, on two
 threads over tests/byteps_sim.py and applies the GPU tests' checks of its results (not the server's

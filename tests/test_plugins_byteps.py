@@ -3,8 +3,9 @@
 CPU tests (no BytePS needed): several simulated workers (threads) push real payloads through
 tests/byteps_sim.py, which sums them in their dtype in a chosen server order and divides (floats) or
 floor-divides (integers) by the number of workers, as BytePS does. The optimizer loop through the
-same simulator is tests/test_plugins_byteps_training.py; the real BytePS run (scheduler, server and
-workers on a GPU) is tests/test_byteps_gpu.py.
+same simulator is tests/test_plugins_byteps_training.py, the compressors' calls one at a time
+tests/test_plugins_byteps_engine.py; the real BytePS run (scheduler, server and workers on a GPU) is
+tests/test_byteps_gpu.py.
 """
 from __future__ import annotations
 

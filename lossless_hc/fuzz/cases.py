@@ -21,7 +21,8 @@ Configurations cover every index kind (``bitmap``, ``bloom``, ``multilevel``, ``
 ``auto``), block sizes 1, 2, 3, 4, 8, 16 and 32 (:data:`BLOCKS`), world sizes 2 to 64
 (log-uniform), capacities met and exceeded, supports independent, shared, hot or disjoint, and values: Gaussian, log-uniform over dynamic
 ranges up to 1e30 with random signs, small integers, many small values plus a few huge ones in the
-same tensor (the cross-key rounding case), exact cancellation (+v and -v on two ranks) and
+same tensor (the cross-key rounding case), exact cancellation (+v and -v on two ranks, or three ranks
+whose float64 values sum to 0, leaving the float32 roundings' residue as the true sum) and
 near-cancellation, float16/bfloat16 inputs (in float16, values beyond its 65504 become infinities),
 and now and then a NaN or Inf.
 
@@ -94,11 +95,13 @@ class Group:
     non_finite: bool
     range_decades: float
     xs: List[torch.Tensor] = field(default_factory=list, repr=False)
+    cancel_ranks: int = 0    # "cancel" / "near_cancel": the ranks that cancel on rank 0's support (2 or 3)
 
     def describe(self) -> str:
         return (f"group {self.group} (seed {self.seed}): numel={self.numel} block={self.block} n={self.world_size} "
                 f"index={self.index} max_nnz={self.max_nnz} keys/rank={self.keys_per_rank} support={self.support} "
-                f"values={self.values} range=1e{self.range_decades:.0f} dtype={self.dtype} non_finite={self.non_finite}")
+                f"values={self.values}{f' over {self.cancel_ranks} ranks' if self.cancel_ranks else ''} "
+                f"range=1e{self.range_decades:.0f} dtype={self.dtype} non_finite={self.non_finite}")
 
 
 def group_rng(seed: int, group: int) -> random.Random:
@@ -165,10 +168,20 @@ def _inputs(g: Group, rng: random.Random, num_keys: int) -> List[torch.Tensor]:
             x[idx] = _values(g, rng, idx.numel(), gen)
         xs.append(x)
     if g.values in ("cancel", "near_cancel") and g.world_size >= 2:
-        # Rank 1 holds minus rank 0 on rank 0's support (exactly, or off by a relative 2^-20).
+        # Rank 1 holds minus rank 0 on rank 0's support (exactly, or off by a relative 2^-20); or, in half of
+        # the groups of 3 ranks or more, ranks 1 and 2 share minus rank 0 with rank 1 up to 3x rank 0 either
+        # way: the float64 sum is 0 (or 2^-20 of rank 0) and the true sum of the float32 inputs the
+        # roundings' residue, a key far below its mass that is not 0. Drawn from `gen`, after the values:
+        # `rng`'s stream, and so every group's configuration and supports, stay as they were.
         factor = 1.0 if g.values == "cancel" else 1.0 + 2.0 ** -20
         mask = xs[0] != 0
-        xs[1] = torch.where(mask, -factor * xs[0], xs[1])
+        g.cancel_ranks = 3 if g.world_size >= 3 and bool(torch.rand((), generator=gen) < 0.5) else 2
+        if g.cancel_ranks == 2:
+            xs[1] = torch.where(mask, -factor * xs[0], xs[1])
+        else:
+            share = xs[0] * (6.0 * torch.rand(numel, generator=gen, dtype=torch.float64) - 3.0)
+            xs[1] = torch.where(mask, share, xs[1])
+            xs[2] = torch.where(mask, -factor * xs[0] - share, xs[2])
     # float32 (or the chosen dtype) values; float32's range caps the magnitudes
     out = [x.clamp(-1e30, 1e30).to(g.dtype) for x in xs]
     if g.non_finite:

@@ -615,3 +615,31 @@ def test_register_checks_its_options(tmp_path):
             TopKFSDPState(mesh, policy=policy).register(model, reduce_scatter=True)
     finally:
         dist.destroy_process_group()
+
+
+def test_register_refuses_a_mesh_with_nothing_to_compress_and_takes_any_positive_factor(tmp_path):
+    """register() without reduce_scatter (its default) on a mesh without replicas would install no hook at
+    all: refused, naming the fix; THC asked for the reduce-scatter (its norm agreement needs every decoded
+    aggregate) and a mesh of 3 dimensions (or none) likewise; a gradient_divide_factor in (0, 1] is a
+    finite positive number and passes (one rank, a 1x1 mesh, no launch)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lossless_hc.plugins.fsdp import LosslessFSDPState, THCFSDPState
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        model = torch.nn.Linear(2, 2)
+        for state in (LosslessFSDPState(mesh), LosslessFSDPState(init_device_mesh("cpu", (1,)))):
+            with pytest.raises(ValueError, match="has no replica all-reduce to compress; pass reduce_scatter=True"):
+                state.register(model)
+        for factor in (0.5, 1, 1.0):   # the options pass: the model is refused next
+            with pytest.raises(ValueError, match="fully_shard"):
+                LosslessFSDPState(mesh).register(model, reduce_scatter=True, gradient_divide_factor=factor)
+        with pytest.raises(ValueError, match="THCFSDPState cannot compress the reduce-scatter"):
+            THCFSDPState(mesh).register(model, reduce_scatter=True)
+        for bad in (init_device_mesh("cpu", (1, 1, 1)), "mesh", None):
+            with pytest.raises(ValueError, match="mesh must be a 1-D"):
+                LosslessFSDPState(bad)
+    finally:
+        dist.destroy_process_group()

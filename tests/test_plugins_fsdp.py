@@ -643,3 +643,34 @@ def test_register_refuses_a_mesh_with_nothing_to_compress_and_takes_any_positive
                 LosslessFSDPState(bad)
     finally:
         dist.destroy_process_group()
+
+
+def test_load_state_dict_refuses_another_state_s_file_before_register(tmp_path):
+    """load_state_dict takes only a state_dict() of the same configuration (another density, another
+    algorithm: the error feedback and capacities would mean something else) whose tables are dicts, and
+    checks a sparse reduce-scatter's saved cadence as it loads, before any model is registered: ``calls``
+    an int >= 0 (0 included: saved before that module's first reduce-scatter), ``all_whole`` a bool
+    (one rank, a 1x1 mesh, no launch)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from lossless_hc.plugins.fsdp import LosslessFSDPState, TopKFSDPState
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        saved = LosslessFSDPState(mesh, max_density=0.01).state_dict()
+        assert saved["rank"] == 0 and saved["aggregators"] == {} and saved["reduce_scatter"] == {}
+        LosslessFSDPState(mesh, max_density=0.01).load_state_dict(saved)   # the same configuration: loads
+        for other in (LosslessFSDPState(mesh, max_density=0.02), TopKFSDPState(mesh)):
+            with pytest.raises(ValueError, match="the saved state was made by"):
+                other.load_state_dict(saved)
+        for bad in (None, [saved], dict(saved, aggregators=[]), {"config": saved["config"]}):
+            with pytest.raises(ValueError, match="not a state_dict"):
+                LosslessFSDPState(mesh, max_density=0.01).load_state_dict(bad)
+        for cadence in ({"calls": 0, "all_whole": False}, {"calls": 3, "all_whole": True}):
+            LosslessFSDPState(mesh, max_density=0.01).load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
+        for cadence in ({"calls": -1, "all_whole": False}, {"calls": True, "all_whole": False},
+                        {"calls": 1.0, "all_whole": False}, {"calls": 1, "all_whole": 1}, {"calls": 1}, [1, False]):
+            with pytest.raises(ValueError, match="not a sparse reduce-scatter's state"):
+                LosslessFSDPState(mesh, max_density=0.01).load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
+    finally:
+        dist.destroy_process_group()

@@ -674,3 +674,35 @@ def test_load_state_dict_refuses_another_state_s_file_before_register(tmp_path):
                 LosslessFSDPState(mesh, max_density=0.01).load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_one_rank_mesh_divides_as_native_fsdp2(tmp_path):
+    """On a 1x1 mesh (reduce_scatter=True: no hook has anything to compress) register() still hands
+    gradient_divide_factor to FSDP2, which divides as it does natively with the same factor (torch 2.13
+    divides a one-rank shard group's gradient twice; whatever it does, the same): the hook-less division
+    of a shard group of one rank is the replica hook's only where there are replicas (one rank, no launch)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from lossless_hc.plugins.fsdp import LosslessFSDPState
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        native, ours = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        ours.load_state_dict(native.state_dict())
+        for m in (native, ours):
+            fully_shard(m, mesh=mesh["shard"])
+        native.set_force_sum_reduction_for_comms(True)
+        native.set_gradient_divide_factor(4.0)
+        LosslessFSDPState(mesh).register(ours, reduce_scatter=True, gradient_divide_factor=4.0)
+        x = torch.randn(5, 4)
+        for m in (native, ours):
+            m(x).sum().backward()
+        for a, b in zip(native.parameters(), ours.parameters()):
+            assert torch.equal(a.grad.to_local(), b.grad.to_local()), (a.grad, b.grad)
+        undivided = torch.ones(3, 1) * x.sum(0)   # d(sum(x W^T + b))/dW, before any division
+        assert not torch.equal(ours.weight.grad.to_local(), undivided)
+    finally:
+        dist.destroy_process_group()

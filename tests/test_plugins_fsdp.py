@@ -12,6 +12,7 @@ The reference is uncompressed FSDP2 over the same mesh (native HSDP on the 2-D o
 seed on the same per-rank batches.
 """
 import json
+import math
 import os
 import sys
 from collections import defaultdict
@@ -670,15 +671,16 @@ def test_load_state_dict_refuses_another_state_s_file_before_register(tmp_path):
             LosslessFSDPState(mesh, max_density=0.01).load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
         for cadence in ({"calls": -1, "all_whole": False}, {"calls": True, "all_whole": False},
                         {"calls": 1.0, "all_whole": False}, {"calls": 1, "all_whole": 1}, {"calls": 1}, [1, False]):
+            state = LosslessFSDPState(mesh, max_density=0.01)
             with pytest.raises(ValueError, match="not a sparse reduce-scatter's state"):
-                LosslessFSDPState(mesh, max_density=0.01).load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
+                state.load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
     finally:
         dist.destroy_process_group()
 
 
 def test_a_one_rank_mesh_divides_as_native_fsdp2(tmp_path):
-    """On a 1x1 mesh (reduce_scatter=True: no hook has anything to compress) register() still hands
-    gradient_divide_factor to FSDP2, which divides as it does natively with the same factor (torch 2.13
+    """On a 1x1 mesh (reduce_scatter=True: no hook has anything to compress, none is installed) register()
+    still hands gradient_divide_factor to FSDP2, which divides as it does natively with the same factor (torch 2.13
     divides a one-rank shard group's gradient twice; whatever it does, the same): the hook-less division
     of a shard group of one rank is the replica hook's only where there are replicas (one rank, no launch)."""
     import torch
@@ -696,7 +698,8 @@ def test_a_one_rank_mesh_divides_as_native_fsdp2(tmp_path):
             fully_shard(m, mesh=mesh["shard"])
         native.set_force_sum_reduction_for_comms(True)
         native.set_gradient_divide_factor(4.0)
-        LosslessFSDPState(mesh).register(ours, reduce_scatter=True, gradient_divide_factor=4.0)
+        state = LosslessFSDPState(mesh)
+        state.register(ours, reduce_scatter=True, gradient_divide_factor=4.0)
         x = torch.randn(5, 4)
         for m in (native, ours):
             m(x).sum().backward()
@@ -704,5 +707,44 @@ def test_a_one_rank_mesh_divides_as_native_fsdp2(tmp_path):
             assert torch.equal(a.grad.to_local(), b.grad.to_local()), (a.grad, b.grad)
         undivided = torch.ones(3, 1) * x.sum(0)   # d(sum(x W^T + b))/dW, before any division
         assert not torch.equal(ours.weight.grad.to_local(), undivided)
+        # a shard group of one rank has nothing to reduce-scatter: no comm installed, nothing encoded
+        assert state.stats()["tensors"] == 0 and state.state_dict()["aggregators"] == {}, state.stats()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_slots_name_and_cut_the_padded_shards_of_the_parameters_that_require_grad(tmp_path):
+    """Slots: in fsdp_params order, each parameter that requires grad, named by its FQN once FSDP2 has
+    set it (the first forward; the aggregators' and checkpoints' keys), its padded shard's shape and
+    its view of the flat reduce buffer; a buffer of another size is refused, naming the unused-parameter
+    fix. The reduce-scatters refuse an op other than SUM before any collective (one rank, no launch)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from lossless_hc.plugins._fsdp_reduce_scatter import (HomomorphicReduceScatter, RowExchangeReduceScatter,
+                                                         SelectionRowExchangeReduceScatter, Slots)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for frozen, fqns, shapes in ((None, ["weight", "bias"], [(3, 4), (3,)]), ("weight", ["bias"], [(3,)])):
+            model = torch.nn.Linear(4, 3)
+            if frozen:
+                model.get_parameter(frozen).requires_grad_(False)
+            fully_shard(model, mesh=mesh)
+            model(torch.randn(2, 4))   # FSDP2's lazy init names the parameters
+            slots = Slots(model)
+            assert (slots.fqns, slots.shapes, slots.numel) == (fqns, shapes, sum(math.prod(s) for s in shapes))
+            flat = torch.arange(float(slots.numel))
+            views = slots.views(flat)
+            assert [tuple(v.shape) for v in views] == shapes
+            assert torch.equal(torch.cat([v.reshape(-1) for v in views]), flat)
+            assert all(v.data_ptr() >= flat.data_ptr() for v in views)   # views, not copies
+            with pytest.raises(RuntimeError, match=f"handed a reduce buffer of {slots.numel - 1} elements.*"
+                                                   "set_reduce_scatter_unused_params"):
+                slots.views(flat[1:])
+        for comm in (HomomorphicReduceScatter, RowExchangeReduceScatter, SelectionRowExchangeReduceScatter):
+            with pytest.raises(ValueError, match="reduce-scatter sums; FSDP asked for"):
+                comm(None, model)(flat, flat, None, op=dist.ReduceOp.AVG)
     finally:
         dist.destroy_process_group()

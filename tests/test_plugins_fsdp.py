@@ -437,7 +437,8 @@ def test_a_checkpoint_loads_only_where_it_resumes_the_same_run(launch, mesh, nam
     parameter of the model (checked at load once registered, else at register), and a dict without
     aggregators; loaded into a state that trained since, it keeps nothing of that training (an
     aggregator absent from the file starts afresh). Each was accepted before: another rank's file and
-    an unknown key silently, a trained state kept its residuals."""
+    an unknown key silently, a trained state kept its residuals. The sparse reduce-scatter's cadence loaded
+    before register reaches the reduce-scatters register builds."""
     for r in results(launch, mesh, name):
         assert r["saved_rank"] == r["rank"] and r["saved_keys"], r
         assert r["other_rank"]["error"] == "ValueError" and "each rank loads" in r["other_rank"]["message"], r
@@ -449,6 +450,9 @@ def test_a_checkpoint_loads_only_where_it_resumes_the_same_run(launch, mesh, nam
         assert r["scatter_modules"] == ["", "fc1", "items", "users"], r
         assert r["unknown_scatter"]["error"] == "ValueError" and "'nosuch'" in r["unknown_scatter"]["message"], r
         assert r["bad_scatter"]["error"] == "ValueError" and "calls" in r["bad_scatter"]["message"], r
+        # loaded before register, the cadence reaches the reduce-scatters register builds
+        want = {n: {"calls": 3, "all_whole": True} for n in ("", "fc1", "items", "users")}
+        assert r["restored_at_register"] == want, r
 
 
 @pytest.mark.parametrize("mesh,name", cases("auto_resume", "auto_resume_rs"))
@@ -651,9 +655,12 @@ def test_load_state_dict_refuses_another_state_s_file_before_register(tmp_path):
     algorithm: the error feedback and capacities would mean something else) whose tables are dicts, and
     checks a sparse reduce-scatter's saved cadence as it loads, before any model is registered: ``calls``
     an int >= 0 (0 included: saved before that module's first reduce-scatter), ``all_whole`` a bool
-    (one rank, a 1x1 mesh, no launch)."""
+    (one rank, a 1x1 mesh, no launch). What it loaded before register that the registered model lacks
+    (a parameter, a module reduce-scattered by a hook) is refused by register, as a ValueError."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from lossless_hc.plugins.fsdp import LosslessFSDPState, TopKFSDPState
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -674,6 +681,18 @@ def test_load_state_dict_refuses_another_state_s_file_before_register(tmp_path):
             state = LosslessFSDPState(mesh, max_density=0.01)
             with pytest.raises(ValueError, match="not a sparse reduce-scatter's state"):
                 state.load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
+        # loaded before register, what the registered model lacks is refused there (the 1x1 mesh reduce-scatters
+        # nothing with its hooks; the model has no parameter "nosuch")
+        for table, error in (({"reduce_scatter": {"users": {"calls": 1, "all_whole": False}}},
+                              "reduce-scatter states of modules this model does not reduce-scatter"),
+                             ({"aggregators": {"replicate:nosuch->0": {}}},
+                              "parameter\\(s\\) this model does not have")):
+            state = LosslessFSDPState(mesh, max_density=0.01)
+            state.load_state_dict(dict(saved, **table))
+            model = torch.nn.Linear(2, 2)
+            fully_shard(model, mesh=mesh["shard"])
+            with pytest.raises(ValueError, match=error):
+                state.register(model, reduce_scatter=True)
     finally:
         dist.destroy_process_group()
 

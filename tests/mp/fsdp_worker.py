@@ -373,6 +373,12 @@ def checkpoint_misuse(mesh):
         dict(rows, reduce_scatter={"nosuch": {"calls": 1, "all_whole": False}})), ValueError)
     out["bad_scatter"] = expect_error(lambda: registered.load_state_dict(
         dict(rows, reduce_scatter={"users": {"calls": -1, "all_whole": False}})), ValueError)
+    # loaded before register: the cadence is handed to each module's reduce-scatter when register builds it
+    early = auto()
+    cadence = {n: {"calls": 3, "all_whole": True} for n in rows["reduce_scatter"]}
+    early.load_state_dict(dict(rows, reduce_scatter=cadence))
+    early.register(build(mesh, native=False), reduce_scatter=True)
+    out["restored_at_register"] = early.state_dict()["reduce_scatter"]
     return out
 
 

@@ -42,9 +42,10 @@ MESHES = {
                    "checkpoint_misuse",
                    "thc_propagate_scaler", "thc_raise_one_shard"]),   # last: its ranks leave a backward half done
     "1x2": (1, 2, ["lossless", "fallback", "topk", "resume", "resume_lossless", "auto_resume", "inexact",
-                   "config_mismatch", "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_guard_dense",
-                   "auto_rows_guard_plan", "auto_rows_guard_lossy", "non_finite_auto", "bfloat16", "float16", "mixed",
-                   "mixed_bf16", "accumulation", "frozen", "non_finite", "non_finite_topk"]),
+                   "config_mismatch", "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_lossy_exact",
+                   "auto_rows_guard_dense", "auto_rows_guard_plan", "auto_rows_guard_lossy", "non_finite_auto",
+                   "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "frozen", "non_finite",
+                   "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
                    "accumulation", "frozen", "auto_guard_lossy_dense"]),
@@ -375,6 +376,17 @@ def test_lossy_auto_sends_whole_chunks_in_bfloat16_and_rows_exactly(launch, mesh
             assert sum(a < 0.6 * b for a, b in zip(*sent)) == 2 and sum(a == b for a, b in zip(*sent)) == 2, sent
         for e in r["exchanges"][::2]:   # between checks, fc1's module by FSDP2's own reduce-scatter, in bfloat16
             assert [dtype for n, dtype, _ in e["calls"] if n != "all_to_all_single"] == ["torch.bfloat16"], e
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_rows_lossy_exact"))
+def test_lossy_auto_without_bf16_among_its_strategies_sends_whole_chunks_as_they_are(launch, mesh, name):
+    """``AutoFSDPState(lossy=True, strategies=("dense", "topk"))``: bf16 is not allowed, so its sparse
+    reduce-scatter narrows nothing (lossy_min_bytes=0 notwithstanding): the dense layers' chunks go whole in
+    float32 and the run equals native FSDP2 as the exact one does."""
+    for r in results(launch, mesh, name):
+        assert r["max_diff"] <= TOL and r["stats"]["sent_dense"] > 0, (r["max_diff"], r["stats"])
+        dtypes = {dtype for e in r["exchanges"] for _, dtype, _ in e["calls"]}
+        assert "torch.bfloat16" not in dtypes and "torch.float32" in dtypes, dtypes
 
 
 @pytest.mark.parametrize("mesh,name", cases("non_finite_auto"))

@@ -528,6 +528,10 @@ def scenario(name, mesh):
     if base == "auto_rows_lossy":   # ... with lossy: chunks sent whole go as bfloat16 (every parameter here)
         state = AutoFSDPState(mesh, lossy=True, lossy_min_bytes=0, interval=2, calibration=Calibration.default(1e8))
         return compare(mesh, state, True, count_exchange=True)
+    if base == "auto_rows_lossy_exact":   # ... lossy, but bf16 not among the strategies: chunks go whole as they are
+        state = AutoFSDPState(mesh, lossy=True, strategies=("dense", "topk"), lossy_min_bytes=0, interval=2,
+                              calibration=Calibration.default(1e8))
+        return compare(mesh, state, True, count_exchange=True)
     if base == "auto_rows_mixed":   # ... of bfloat16 gradients (bfloat16 compute and reduce), 3 micro-batches
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         return compare(mesh, AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), True,

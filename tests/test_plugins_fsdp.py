@@ -48,7 +48,7 @@ MESHES = {
                    "non_finite_topk"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
-                   "accumulation", "frozen", "auto_guard_lossy_dense"]),
+                   "accumulation", "frozen", "auto_guard_lossy_dense", "auto_guard_dense_plans"]),
 }
 # The GPU run list (`pytest -m gpu`): the same scenarios on CUDA tensors, every rank on one GPU via Gloo.
 CUDA_MESHES = {
@@ -264,6 +264,18 @@ def test_auto_step_guard_verdict_is_the_replicas_rank_0s_and_exact(launch, mesh,
         assert planned, r["plan"]   # the trial compared something
         for k in planned:
             assert r["plain_steps"][k] == (2 + 6 if want == "dense" else 2 + 2), (k, r["plain_steps"])
+
+
+@pytest.mark.parametrize("mesh,name", cases("auto_guard_dense_plans"))
+def test_auto_step_guard_opens_no_trial_without_plans_or_an_exchange_to_check(launch, mesh, name):
+    """Every plan dense (strategies=("dense",)) and reduce_scatter=True on shard groups of one rank, where
+    there is no sparse reduce-scatter: the guard has nothing to weigh against FSDP2's own collectives, so
+    no trial opens (the exchange's trial, which opens regardless of the plans, is a shard group of 2 or
+    more ranks' alone), and the run equals native FSDP2."""
+    for r in results(launch, mesh, name):
+        assert r["max_diff"] <= TOL, r
+        assert all(strategy == "dense" for strategy, _ in r["plan"].values()), r["plan"]
+        assert r["guard"]["trials"] == 0 and r["guard"]["window"] is None, r["guard"]
 
 
 @pytest.mark.parametrize("mesh,name", cases("auto_guard_lossy_half"))

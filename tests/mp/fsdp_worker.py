@@ -477,6 +477,11 @@ def scenario(name, mesh):
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8), guard_steps=1, guard_start=2,
                               guard_margin=1 - 1e-6 if base == "auto_guard_dense" else -1e6)
         return with_guard(compare(mesh, state, False, steps=12), state)
+    if base == "auto_guard_dense_plans":   # every plan dense, reduce_scatter=True on one-rank shard groups (no
+        # exchange to check): the guard has nothing to weigh, so no trial opens
+        state = AutoFSDPState(mesh, strategies=("dense",), calibration=Calibration.default(1e8), guard_steps=1,
+                              guard_start=2, guard_margin=-1e6)
+        return with_guard(compare(mesh, state, True, steps=8), state)
     if base in ("auto_guard_lossy_dense", "auto_guard_lossy_plan", "auto_guard_lossy_plan_gather"):
         # top-k plans (or top-k allgathered) under the guard
         strategy = "topk_allgather" if base.endswith("_gather") else "topk"

@@ -315,6 +315,24 @@ def test_ddp_hook_state_refuses_a_group_it_cannot_reduce_over():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 
+def test_ddp_hook_state_takes_rank_0_of_a_group_and_refuses_an_int_for_one():
+    # rank 0 of a group is a member (rank 0 is no "-1, not in the group"); an int that is not torch's
+    # NON_GROUP_MEMBER marker (a rank, say) is no group at all: a TypeError, not "not a member"
+    script = textwrap.dedent("""
+        import pytest, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from lossless_hc.plugins.ddp import LosslessHookState, TopKHookState
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        state = TopKHookState(process_group=dist.new_group([0, 1]))
+        assert (state.world_size, state.rank) == (2, 0)
+        with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup .* got int"):
+            LosslessHookState(process_group=1)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("numel", [16, 4096])   # sent as it is (too small to compress), and compressed
 def test_engine_adapter_hands_the_engine_the_values_of_a_negative_view(numel):
     from lossless_hc.training.adapter import CompressorAdapter, LosslessSpec, TopKSpec

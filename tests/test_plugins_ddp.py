@@ -80,6 +80,51 @@ def test_saving_the_ddp_model_keeps_a_usable_hook_state(ddp_run):
         assert r["tensors_after_restore"] > 0, r   # the restored model's step went through the hook
 
 
+def run_one_rank(body: str, timeout: float = 120) -> str:
+    """Run ``body`` (its names: torch, dist, DDP, the hooks and states of lossless_hc.plugins.ddp) in one real
+    process that joins a Gloo world of size 1: what a hook state does with DDP itself, no peer needed."""
+    import textwrap
+    script = textwrap.dedent("""
+        import io, pickle, pytest, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from lossless_hc.plugins.ddp import *
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+    """ % free_port()) + textwrap.dedent(body) + "\ndist.destroy_process_group()\nprint('ok')\n"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = run_launcher([sys.executable, "-c", script], cwd=ROOT, env=env, timeout=timeout)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_a_saved_model_with_a_single_parameter_keeps_its_hook_state():
+    """A restored state is refused only when none of its aggregators is the model's: a DDP model of one
+    parameter, saved and loaded with its hook state, matches that one and trains on."""
+    out = run_one_rank("""
+        model = torch.nn.Linear(4, 1, bias=False)
+        ddp = DDP(model)
+        state = LosslessHookState(max_density=0.5)
+        ddp.register_comm_hook(state, lossless_hook)
+        ddp(torch.ones(2, 4)).sum().backward()
+        buf = io.BytesIO()
+        torch.save(ddp, buf)
+        buf.seek(0)
+        restored = torch.load(buf, weights_only=False)
+        hooks = getattr(restored, "_comm_hooks", None)
+        if not hooks:
+            print("no comm-hook state pickled")
+        else:
+            state = hooks[0][1]
+            assert len(state._aggregators) == 1
+            restored.register_comm_hook(state, lossless_hook)
+            restored.module.weight.grad = None
+            restored(torch.ones(2, 4)).sum().backward()
+            assert restored.module.weight.grad.tolist() == [[2.0] * 4]
+            assert state.stats()["tensors"] == 2
+    """)
+    if "no comm-hook state pickled" in out:
+        pytest.skip("this torch's DDP does not pickle the comm-hook state")
+
+
 def test_inexact_keys_are_reaggregated_alone_and_exactly(ddp_run):
     """Gradients whose small keys share sketch cells with 2**30 (tests/mp/inexact_case.py): the decoder
     reports those keys inexact, the hook re-aggregates just their coordinates (in the bucket's fallback

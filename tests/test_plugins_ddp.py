@@ -18,6 +18,12 @@ EXACT = ["average", "small_buckets", "fallback"]
 ERRORS = {"config_mismatch": "ConfigurationMismatch", "sparse": "TypeError",
           "thc_exact_mismatch": "ConfigurationMismatch", "thc_exact_unmatched": "ValueError",
           "restored_apart": "ValueError", "restored_other_size": "ValueError"}
+# what each error says (the check that raised it, not an error from further on)
+MESSAGES = {"config_mismatch": "LosslessHookState differs across ranks", "sparse": "got a sparse gradient bucket",
+            "thc_exact_mismatch": "THCHookState's exact parameters differs across ranks",
+            "thc_exact_unmatched": "not parameters this DDP model reduces",
+            "restored_apart": "unpickled apart from its DDP model",
+            "restored_other_size": "were built for world size"}
 TOL = 1e-6
 
 
@@ -401,7 +407,7 @@ def test_misuse_is_a_clear_error_on_every_rank(ddp_run, name):
     rs = [r for r in results(out, name, size) if not r.get("not_member")]
     assert len(rs) >= size - 1
     for r in rs:
-        assert r["error"] == ERRORS[name], r
+        assert r["error"] == ERRORS[name] and MESSAGES[name] in r["message"], r
 
 
 def test_digits_cnn_converges_with_topk_and_thc_under_torchrun(tmp_path):

@@ -284,3 +284,35 @@ def test_an_auto_state_from_before_last_step_observed_every_step():
     agg = auto()
     load_aggregator_state_dict(agg, state)
     assert agg.tracker.last_step == agg.tracker.steps == state["tracker"]["steps"] > 0
+
+
+def test_each_kind_is_saved_by_name_and_refused_by_the_others():
+    """The saved ``kind`` names the aggregator ("lossless", "topk", "thc"), so a state never loads into an
+    aggregator of another kind of the same shape and dtype (a top-k state into a lossless aggregator would
+    drop its error feedback; a THC state into a lossless one would size a codec from nothing)."""
+    from lossless_hc.training.aggregate import TensorAggregator
+    from lossless_hc.training.thc_aggregate import THCAggregator
+    makers = {"lossless": lambda: TensorAggregator("t", (4096,), torch.float32, 2, 0.01),
+              "topk": lambda: TopKAggregator("t", (4096,), torch.float32, 2, ratio=0.01),
+              "thc": lambda: THCAggregator("t", (4096,), torch.float32, 2, 0)}
+    states = {kind: aggregator_state_dict(make()) for kind, make in makers.items()}
+    assert {kind: state["kind"] for kind, state in states.items()} == {k: k for k in makers}
+    for saved, state in states.items():
+        for kind, make in makers.items():
+            if kind != saved:
+                with pytest.raises(ValueError, match=f"saved state is for a {saved} aggregator of torch.float32 "
+                                                     f"\\[4096\\], this one is a {kind} aggregator"):
+                    load_aggregator_state_dict(make(), state)
+
+
+def test_an_auto_state_of_another_shape_or_dtype_is_refused():
+    """An auto state (no top-k residual or THC state yet: nothing else of its size is checked) loads only
+    into an auto aggregator of its shape and dtype; another is refused by name, not restored into it."""
+    state = aggregator_state_dict(auto())
+    assert state["topk_residual"] is None and state["thc"] is None
+    for shape, dtype in (((64, 64), torch.float32), ((4096,), torch.float64), ((2048,), torch.float32)):
+        other = AutoAggregator("w", shape, dtype, 2, 0, MODEL, lossy=True, first="topk", lossy_min_bytes=0)
+        with pytest.raises(ValueError, match="saved state is for a auto aggregator of torch.float32 \\[4096\\], "
+                                             f"this one is an auto aggregator of {dtype}"):
+            load_aggregator_state_dict(other, state)
+

@@ -316,3 +316,26 @@ def test_an_auto_state_of_another_shape_or_dtype_is_refused():
                                              f"this one is an auto aggregator of {dtype}"):
             load_aggregator_state_dict(other, state)
 
+
+def test_a_thc_state_and_an_aggregator_that_disagree_on_compressing_are_refused():
+    """A THC state saved while compressing (it holds the codec's step, norm and error memory) does not load
+    into a THC aggregator that sends the tensor dense (``exact=True``), nor the other way round: either
+    would silently drop or lack the codec's state."""
+    from lossless_hc.training.thc_aggregate import THCAggregator
+    compressing = THCAggregator("t", (4096,), torch.float32, 2, 0)
+    dense = THCAggregator("t", (4096,), torch.float32, 2, 0, exact=True)
+    assert compressing.compressed and not dense.compressed
+    for saved, into in ((compressing, dense), (dense, compressing)):
+        with pytest.raises(ValueError, match="disagree on whether THC compresses it"):
+            load_aggregator_state_dict(into, aggregator_state_dict(saved))
+
+
+def test_an_auto_state_from_before_plan_due_has_no_plan_due():
+    """A checkpoint written before ``plan_due`` existed had none pending: loaded into an auto aggregator
+    without a cost model, its plan is the saved one (a plan due there raised: no cost model is set)."""
+    state = aggregator_state_dict(auto())
+    del state["plan_due"]
+    agg = AutoAggregator("w", (4096,), torch.float32, 2, 0, None, lossy=True, first="topk", lossy_min_bytes=0,
+                         topk_ratio=0.01, thc_bits=4)
+    load_aggregator_state_dict(agg, state)
+    assert agg.current_plan() == ("topk", None)

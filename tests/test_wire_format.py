@@ -61,3 +61,18 @@ def test_thc_payload_is_the_known_answer():
     codec = THCCodec(4096, 4, 1, seed=9, initial_norm=8.0)
     payload = codec.encode(pattern(4096, 300))
     assert (payload.dtype, payload.numel(), digest(payload)) == (torch.float64, 598, "b5571cdd0ea574e0")
+
+
+# payload dtype -> the header's fingerprint at the first step, seeds 0 to 3 (THC, 4096 coordinates, 4 ranks)
+THC_FINGERPRINTS = {torch.float64: [891689, 877295, 925648, 857843], torch.int64: [28063, 362860, 452845, 350479]}
+
+
+@pytest.mark.parametrize("dtype", sorted(THC_FINGERPRINTS, key=str))
+def test_thc_fingerprints_are_the_known_answers(dtype):
+    """The THC header's 20-bit fingerprint (its hash fields: the layout version, the word kind -- float64 0,
+    int64 1 --, the seed, ...) for both payload dtypes and four seeds: the payload above pins one value only
+    (below 2^19, for float64), so a change of the word kind or of the hash's width passed it."""
+    from lossless_hc.thc.layout import HDR_FINGERPRINT
+    got = [int(THCCodec(4096, 4, 1, seed=seed, initial_norm=8.0, payload_dtype=dtype)
+               .encode(pattern(4096, 300))[HDR_FINGERPRINT]) for seed in range(4)]
+    assert got == THC_FINGERPRINTS[dtype]

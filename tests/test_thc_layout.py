@@ -1,0 +1,71 @@
+"""THC's payload layout (lossless_hc.thc.layout) at its exact boundaries: the documented limits, digits
+per word, block grouping, word counts and offsets, each computed here from the formula the module
+documents (not from its loops), and the checksum prime's known values."""
+import pytest
+import torch
+
+from lossless_hc.thc.layout import check_prime, max_world_size, plan_thc_layout
+
+
+def exact_limit(n, dtype):
+    """The documented exact range of an aggregated word: 2^63 - 1 for int64 (SUM), 2^52 // (n + 4) for float64."""
+    return (1 << 63) - 1 if dtype == torch.int64 else (1 << 52) // (n + 4)
+
+
+@pytest.mark.parametrize("granularity,per_word", [(1, 63), (7, 21), (127, 9)])
+def test_digits_per_int64_word_reach_the_range_exactly(granularity, per_word):
+    """One rank, base g + 1 a power of two 2^(63/p): base^p - 1 is 2^63 - 1, the int64 range itself, so p
+    digits fit (the range is inclusive) and p + 1 do not; pinned as digits_per_word too."""
+    base = granularity + 1
+    assert base ** per_word - 1 == exact_limit(1, torch.int64)
+    L = plan_thc_layout(4096, 1, granularity, payload_dtype=torch.int64)
+    assert (L.base, L.per_word) == (base, per_word)
+    assert plan_thc_layout(4096, 1, granularity, payload_dtype=torch.int64, digits_per_word=per_word).per_word == per_word
+    with pytest.raises(ValueError, match="allows at most 0 ranks"):
+        plan_thc_layout(4096, 1, granularity, payload_dtype=torch.int64, digits_per_word=per_word + 1)
+    assert max_world_size(granularity, torch.int64, per_word) == 1
+
+
+def test_hadamard_block_limits():
+    """hadamard_block is a power of two in [1, MAX_HADAMARD_BLOCK = 2^20]: both ends accepted (the block is
+    min(hadamard_block, next power of two >= numel)), 2^21 and non-powers refused."""
+    assert plan_thc_layout(1 << 21, 2, 30, hadamard_block=1 << 20).block == 1 << 20
+    assert plan_thc_layout(5, 2, 30, hadamard_block=1).block == 1
+    for bad in (1 << 21, 0, 3, 1 << 22):
+        with pytest.raises(ValueError, match="power of two in \\[1, 1048576\\]"):
+            plan_thc_layout(1 << 21, 2, 30, hadamard_block=bad)
+
+
+@pytest.mark.parametrize("numel,per_word,group_blocks,words", [
+    (16, 16, 16, 1),     # 16 one-coordinate blocks fill one word: a group of MAX_GROUP_BLOCKS = 16
+    (17, 17, 1, 17),     # 17 would exceed it: each block its own (partly unused) word
+    (48, 16, 16, 3),     # three full groups
+    (20, 16, 16, 2),     # a full group and a last one of 4 blocks, in a word of its own
+])
+def test_group_blocks_up_to_sixteen(numel, per_word, group_blocks, words):
+    """Blocks of one coordinate (hadamard_block=1): group_blocks = per_word / gcd(per_word, block) = per_word
+    while it is at most MAX_GROUP_BLOCKS (16), else 1; words = ceil(group coordinates / per_word) per group."""
+    L = plan_thc_layout(numel, 1, 1, hadamard_block=1, digits_per_word=per_word)
+    assert (L.block, L.padded, L.per_word, L.group_blocks, L.words) == (1, numel, per_word, group_blocks, words)
+
+
+def test_word_count_offsets_and_sizes_of_eight_ranks():
+    """g = 30, 8 ranks: base 241, 6 digits a float64 word (241^6 - 1 < 2^52 / 12 < 241^7 - 1), groups of
+    3 blocks of 1024; 5000 coordinates pad to 5 blocks: one group of 3 (3072 / 6 = 512 words) and a last of 2
+    (ceil(2048 / 6) = 342 words). Payload: 4 header words, 8 norm slots, 8 mirrors, then the words."""
+    assert 241 ** 6 - 1 <= exact_limit(8, torch.float64) < 241 ** 7 - 1
+    L = plan_thc_layout(5000, 8, 30)
+    assert (L.block, L.padded, L.base, L.per_word, L.group_blocks, L.words) == (1024, 5120, 241, 6, 3, 512 + 342)
+    assert (L.norm_offset, L.mirror_offset, L.words_offset) == (4, 12, 20)
+    assert L.payload_numel == 4 + 16 + 854 and L.wire_bytes == 8 * (4 + 16 + 854)
+    assert L.bits_per_coordinate == 64 * (4 + 16 + 854) / 5000 and L.lane_bits_per_coordinate == 64 / 6
+    assert L.layout_words() == [5000, 5120, 1024, 30, 241, 6, 3, 854]
+
+
+def test_check_prime_known_values():
+    """P is the largest prime below 2^25 (2^25 - 39) while n (P - 1) stays exact, smaller where the float64
+    AVERAGE range binds (values from an independent prime search), and 0 when no prime >= 3 fits."""
+    assert check_prime(1, torch.float64) == check_prime(8, torch.int64) == (1 << 25) - 39 == 33554393
+    assert check_prime(1 << 16, torch.float64) == 1048507
+    assert check_prime(100000, torch.float64) == 450311
+    assert check_prime(1 << 40, torch.float64) == 0

@@ -69,3 +69,62 @@ def test_check_prime_known_values():
     assert check_prime(1 << 16, torch.float64) == 1048507
     assert check_prime(100000, torch.float64) == 450311
     assert check_prime(1 << 40, torch.float64) == 0
+
+
+@pytest.mark.parametrize("n,bound,prime", [(22369619, 10, 7), (13421770, 26, 23), (16777214, 17, 13),
+                                           (262142, 65537, 65521)])
+def test_check_prime_is_the_largest_fitting_prime_without_two_to_the_1024_one(n, bound, prime):
+    """Where the float64 range binds, P is the largest prime <= 2^52 // (n + 4) // n + 1 (``bound``) with
+    2^1024 != 1 (mod P): not the prime square 9 or 25 just below the bound, and not 17 or 65537, whose order
+    of 2 divides 1024 (an exponent-bit flip would be a multiple of P). Values from an independent search."""
+    assert (1 << 52) // (n + 4) // n + 1 == bound
+    assert check_prime(n, torch.float64) == prime
+
+
+def largest_world_size(granularity, dtype, digits):
+    """The largest n meeting the documented limits, scanned n = 1, 2, ...: the header's fingerprint sum
+    n (2^20 - 1) and a digit sum ((n g + 1)^digits - 1, or n g with as many digits as fit) within the exact
+    range, and the digit base n g + 1 below 2^32 (the kernels' 32 bits)."""
+    def fits(n):
+        limit, base = exact_limit(n, dtype), n * granularity + 1
+        top = base ** digits - 1 if digits else base - 1
+        return n * ((1 << 20) - 1) <= limit and top <= limit and base < 1 << 32
+    n = 0
+    while fits(n + 1):
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("granularity,dtype,digits,want", [(1, torch.float64, None, 65534),
+                                                           (30, torch.float64, None, 65534),
+                                                           (30, torch.float64, 3, 638), (29, torch.float64, 3, 654),
+                                                           (30, torch.float64, 6, 8), (29, torch.float64, 6, 9)])
+def test_max_world_size_is_the_largest_n_within_the_documented_limits(granularity, dtype, digits, want):
+    """max_world_size against a scan of the documented limits: with as many digits as fit, the fingerprint
+    sum binds (65534 ranks, whatever the granularity); with 3 or 6 digits a word, the digit sum. The
+    default granularity is 30; one rank more is refused by plan_thc_layout, naming the limit."""
+    assert largest_world_size(granularity, dtype, digits) == want
+    assert max_world_size(granularity, dtype, digits) == want
+    if granularity == 30:
+        assert max_world_size(payload_dtype=dtype, digits_per_word=digits) == want
+    plan_thc_layout(64, want, granularity, payload_dtype=dtype, digits_per_word=digits)
+    with pytest.raises(ValueError, match=f"allows at most {want} ranks"):
+        plan_thc_layout(64, want + 1, granularity, payload_dtype=dtype, digits_per_word=digits)
+
+
+def test_one_more_rank_than_the_fingerprint_allows_is_refused_as_such():
+    """65535 ranks: 65535 (2^20 - 1) exceeds 2^52 // 65539, so the header's fingerprint sum would not stay
+    exact (every other limit holds at granularity 1)."""
+    assert 65534 * ((1 << 20) - 1) <= exact_limit(65534, torch.float64) < 65535 * ((1 << 20) - 1)
+    with pytest.raises(ValueError, match="fingerprint sum would not stay exact"):
+        plan_thc_layout(64, 65535, 1)
+
+
+def test_a_digit_base_of_exactly_two_to_the_32_is_refused():
+    """The digit base n g + 1 must stay below 2^32: g = 65535 = (2^32 - 1) / 65537 allows 65536 int64 ranks
+    (base 2^32 - 65535), and at 65537 ranks the base is 2^32 itself, refused."""
+    assert 65537 * 65535 + 1 == 1 << 32
+    assert plan_thc_layout(64, 65536, 65535, payload_dtype=torch.int64).base == (1 << 32) - 65535
+    with pytest.raises(ValueError, match="does not fit the kernels' 32 bits"):
+        plan_thc_layout(64, 65537, 65535, payload_dtype=torch.int64)
+    assert max_world_size(65535, torch.int64) == 65536

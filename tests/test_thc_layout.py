@@ -72,11 +72,14 @@ def test_check_prime_known_values():
 
 
 @pytest.mark.parametrize("n,bound,prime", [(22369619, 10, 7), (13421770, 26, 23), (16777214, 17, 13),
-                                           (262142, 65537, 65521)])
+                                           (262142, 65537, 65521), (60000, 1250917, 1250917),
+                                           (30011994, 6, 0), (67108862, 2, 0)])
 def test_check_prime_is_the_largest_fitting_prime_without_two_to_the_1024_one(n, bound, prime):
     """Where the float64 range binds, P is the largest prime <= 2^52 // (n + 4) // n + 1 (``bound``) with
     2^1024 != 1 (mod P): not the prime square 9 or 25 just below the bound, and not 17 or 65537, whose order
-    of 2 divides 1024 (an exponent-bit flip would be a multiple of P). Values from an independent search."""
+    of 2 divides 1024 (an exponent-bit flip would be a multiple of P); the bound itself where it is such a
+    prime (60000 ranks), and 0 where none >= 3 is (3 and 5 have 2^1024 = 1 mod P; 2 is never taken).
+    Values from an independent search."""
     assert (1 << 52) // (n + 4) // n + 1 == bound
     assert check_prime(n, torch.float64) == prime
 

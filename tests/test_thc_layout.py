@@ -131,3 +131,14 @@ def test_a_digit_base_of_exactly_two_to_the_32_is_refused():
     with pytest.raises(ValueError, match="does not fit the kernels' 32 bits"):
         plan_thc_layout(64, 65537, 65535, payload_dtype=torch.int64)
     assert max_world_size(65535, torch.int64) == 65536
+
+
+def test_a_layout_is_an_immutable_value():
+    """A THCLayout is a value (frozen): its fields cannot be reassigned under the codec that sized its
+    buffers from them, and equal configurations give equal, hashable layouts."""
+    import dataclasses
+    L = plan_thc_layout(5000, 8, 30)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        L.words = 1
+    assert L == plan_thc_layout(5000, 8, 30) and hash(L) == hash(plan_thc_layout(5000, 8, 30))
+    assert len({L, plan_thc_layout(5000, 8, 30), plan_thc_layout(5000, 8, 29)}) == 2

@@ -142,3 +142,18 @@ def test_a_layout_is_an_immutable_value():
         L.words = 1
     assert L == plan_thc_layout(5000, 8, 30) and hash(L) == hash(plan_thc_layout(5000, 8, 30))
     assert len({L, plan_thc_layout(5000, 8, 30), plan_thc_layout(5000, 8, 29)}) == 2
+
+
+@pytest.mark.parametrize("numel,block", [(1, 1), (3, 4), (100, 128), (1024, 1024), (1025, 1024), (3000, 1024)])
+def test_block_is_the_next_power_of_two_up_to_hadamard_block(numel, block):
+    """block = min(hadamard_block, next power of two >= numel) and padded = numel rounded up to whole blocks."""
+    L = plan_thc_layout(numel, 2, 30)
+    assert (L.block, L.padded) == (block, -(-numel // block) * block)
+
+
+def test_one_digit_per_word_is_a_valid_lane_width():
+    """digits_per_word is any positive integer: 1 gives one level a word (words = padded coordinates) and
+    allows every world size the fingerprint allows at granularity 1."""
+    L = plan_thc_layout(3000, 2, 30, digits_per_word=1)
+    assert (L.per_word, L.group_blocks, L.words) == (1, 1, 3072)
+    assert max_world_size(1, torch.float64, 1) == 65534

@@ -153,7 +153,10 @@ def test_block_is_the_next_power_of_two_up_to_hadamard_block(numel, block):
 
 def test_one_digit_per_word_is_a_valid_lane_width():
     """digits_per_word is any positive integer: 1 gives one level a word (words = padded coordinates) and
-    allows every world size the fingerprint allows at granularity 1."""
+    allows every world size the fingerprint allows at granularity 1; 0 is refused, not taken as None."""
     L = plan_thc_layout(3000, 2, 30, digits_per_word=1)
     assert (L.per_word, L.group_blocks, L.words) == (1, 1, 3072)
     assert max_world_size(1, torch.float64, 1) == 65534
+    for bad in (0, -1):   # not "as many as fit" (that is None)
+        with pytest.raises(ValueError, match="digits_per_word must be None \\(as many as fit\\) or a positive integer"):
+            plan_thc_layout(3000, 2, 30, digits_per_word=bad)

@@ -88,3 +88,39 @@ def test_bad_arguments():
         thc.build_table(4, 30, 0.5)
     with pytest.raises(ValueError, match="strictly increasing"):
         thc.table_variance((0, 5, 5, 30), 30, 32)
+
+
+def test_bits_and_granularity_limits():
+    """bits is an integer in [1, 16] and granularity in [1, MAX_GRANULARITY = 2^16]: both ends accepted,
+    one past each refused by name (bools too)."""
+    from lossless_hc.thc.table import check_bits, check_table_args
+    for bits in (1, 16):
+        check_bits(bits)
+    for bad in (0, 17, True, 4.0):
+        with pytest.raises(ValueError, match=r"bits must be an integer in \[1, 16\]"):
+            check_bits(bad)
+    check_table_args(16, 1 << 16)
+    check_table_args(1, 1)
+    for bad in (0, (1 << 16) + 1, True):
+        with pytest.raises(ValueError, match=r"granularity must be an integer in \[1, 65536\]"):
+            check_table_args(4, bad)
+    assert thc.build_table(16, 30).levels == tuple(range(31))     # 2^16 levels cover every integer of [0, 30]
+    assert thc.build_table(1, 30).levels == (0, 30)
+
+
+def test_table_variance_refuses_levels_not_from_zero_to_granularity():
+    """table_variance's levels start at 0 and end at the granularity: a table missing either end (or past
+    it) is refused, not priced as if its end were there."""
+    assert thc.table_variance((0, 15, 30), 30, 32) > 0
+    for bad in ((1, 15, 30), (0, 15, 29), (0, 15, 31), (-1, 15, 30)):
+        with pytest.raises(ValueError, match="from 0 to granularity=30"):
+            thc.table_variance(bad, 30, 32)
+
+
+def test_clip_threshold_refuses_overflow_freq_of_one_or_less():
+    """overflow_freq is 1/p for a probability p < 1: 1 (T = 0), less, NaN and infinity are refused."""
+    assert thc.clip_threshold(1.0001) > 0
+    for bad in (1, 1.0, 0.5, float("inf"), float("nan"), "32"):
+        with pytest.raises(ValueError, match="overflow_freq must be a finite number > 1"):
+            thc.clip_threshold(bad)
+

@@ -124,3 +124,20 @@ def test_clip_threshold_refuses_overflow_freq_of_one_or_less():
         with pytest.raises(ValueError, match="overflow_freq must be a finite number > 1"):
             thc.clip_threshold(bad)
 
+
+def test_defaults_and_the_shipped_lookup():
+    """build_table and table_for default to overflow_freq 32 and the unrestricted (not the symmetric) table;
+    shipped_tables holds both kinds, the published table among the symmetric ones, and table_for of a
+    configuration tables.json lacks builds it."""
+    from lossless_hc.thc.table import shipped_tables
+    best = (0, 3, 5, 7, 9, 11, 13, 14, 15, 17, 19, 21, 23, 25, 27, 30)
+    for table in (thc.build_table(4, 30), thc.table_for(4, 30)):
+        assert (table.levels, table.overflow_freq) == (best, 32.0)
+        assert table.threshold == thc.clip_threshold(32)
+    shipped = shipped_tables()
+    assert shipped[(True, "4/30/32")] == thc.PUBLISHED_TABLE_4BIT_G30_P32 and shipped[(False, "4/30/32")] == best
+    assert (False, "3/17/50") not in shipped and (True, "3/17/50") not in shipped
+    for symmetric in (False, True):
+        built = thc.build_table(3, 17, 50, symmetric=symmetric)
+        assert thc.table_for(3, 17, 50, symmetric=symmetric) == built
+

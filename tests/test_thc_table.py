@@ -141,3 +141,28 @@ def test_defaults_and_the_shipped_lookup():
         built = thc.build_table(3, 17, 50, symmetric=symmetric)
         assert thc.table_for(3, 17, 50, symmetric=symmetric) == built
 
+
+def test_variance_in_units_of_z():
+    """variance_z is the level-unit variance divided by (g / (2T))^2 (a level step is 2T/g in z)."""
+    table = thc.table_for(4, 30, 32)
+    assert table.variance_z == pytest.approx(table.variance / (30 / (2 * table.threshold)) ** 2, rel=1e-15)
+    assert 0 < table.variance_z < table.variance
+
+
+def test_a_search_past_max_table_search_is_refused():
+    """(2^bits - 1)(g + 1)^2 <= 2^32: 8 bits reach g = 4103 (255 * 4104^2 <= 2^32); 4104 is refused before
+    any matrix is built, naming the sizes; g = 300 is built."""
+    assert 255 * 4104 ** 2 <= 1 << 32 < 255 * 4105 ** 2
+    with pytest.raises(ValueError, match="searched over a 4105 x 4105 cost matrix in 255 steps"):
+        thc.build_table(8, 4104)
+    table = thc.build_table(8, 300)     # 255 * 301^2 steps: well within (the bound is quadratic in g + 1)
+    assert len(table.levels) == 256 and table.levels[0] == 0 and table.levels[-1] == 300
+
+
+def test_a_table_is_an_immutable_value():
+    """A THCTable is a value (frozen): its levels cannot be swapped under a codec using it."""
+    import dataclasses
+    table = thc.build_table(2, 10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        table.levels = (0, 10)
+    assert table == thc.build_table(2, 10) and hash(table) == hash(thc.build_table(2, 10))

@@ -166,3 +166,12 @@ def test_a_table_is_an_immutable_value():
     with pytest.raises(dataclasses.FrozenInstanceError):
         table.levels = (0, 10)
     assert table == thc.build_table(2, 10) and hash(table) == hash(thc.build_table(2, 10))
+
+
+@pytest.mark.parametrize("bad,same", [(True, 1), (4.0, 4)])
+def test_table_for_refuses_bits_that_are_not_an_int_whatever_it_built_before(bad, same):
+    """table_for's cache: a bool or float ``bits`` equal to an int whose table is cached (True == 1, 4.0 == 4,
+    with equal hashes) was served that table, though refused in a fresh process; now refused either way."""
+    thc.table_for(same, 30)
+    with pytest.raises(ValueError, match="bits must be an integer"):
+        thc.table_for(bad, 30)

@@ -239,11 +239,17 @@ def shipped_tables() -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=256)
 def table_for(bits: int, granularity: int, overflow_freq: float = 32, symmetric: bool = False) -> THCTable:
     """The table THCCodec uses: the shipped one when tables.json has it (identical to what
     ``build_table`` returns; tests/test_thc_table.py checks), else ``build_table``."""
+    # Checked before the cache, not inside it: True == 1 and 4.0 == 4 (with equal hashes) would be served
+    # the int's cached table once that had been built, and refused only before.
     check_table_args(bits, granularity)
+    return _table_for(bits, granularity, overflow_freq, symmetric)
+
+
+@functools.lru_cache(maxsize=256)
+def _table_for(bits: int, granularity: int, overflow_freq: float, symmetric: bool) -> THCTable:
     levels = shipped_tables().get((bool(symmetric), _key(bits, granularity, overflow_freq)))
     if levels is None:
         return build_table(bits, granularity, overflow_freq, symmetric)

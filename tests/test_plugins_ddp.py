@@ -123,12 +123,12 @@ def run_ranks(tmp_path, body: str, size: int = 1, timeout: float = 180) -> str:
     return proc.stdout
 
 
-def test_a_saved_model_with_a_single_parameter_keeps_its_hook_state(tmp_path):
-    """A restored state is refused only when none of its aggregators is the model's: a DDP model of one
-    parameter, saved and loaded with its hook state, matches that one and trains on."""
-    out = run_ranks(tmp_path, """
-        model = torch.nn.Linear(4, 1, bias=False)
-        ddp = DDP(model)
+# A run_ranks body's start: a DDP model of one parameter under lossless_hook, one step, then saved and loaded
+# whole (torch.save of the DDP module pickles its comm hook's state): `restored`, and `hooks`, its comm hooks
+# (empty where this torch does not pickle them: the test skips).
+SAVED_AND_LOADED = """
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Linear(4, 1, bias=False))
         state = LosslessHookState(max_density=0.5)
         ddp.register_comm_hook(state, lossless_hook)
         ddp(torch.ones(2, 4)).sum().backward()
@@ -139,6 +139,13 @@ def test_a_saved_model_with_a_single_parameter_keeps_its_hook_state(tmp_path):
         hooks = getattr(restored, "_comm_hooks", None)
         if not hooks:
             print("no comm-hook state pickled")
+"""
+
+
+def test_a_saved_model_with_a_single_parameter_keeps_its_hook_state(tmp_path):
+    """A restored state is refused only when none of its aggregators is the model's: a DDP model of one
+    parameter, saved and loaded with its hook state, matches that one and trains on."""
+    out = run_ranks(tmp_path, SAVED_AND_LOADED + """
         else:
             state = hooks[0][1]
             assert len(state._aggregators) == 1
@@ -157,19 +164,7 @@ def test_a_state_restored_with_its_model_on_one_rank_only_is_refused_on_every_ra
     the model with its state, rank 1 registers a copy of the state pickled alone (none of its aggregators is
     the loaded model's) -- a ConfigurationMismatch on both ranks at that step, not a ValueError on rank 1
     while rank 0 waits in an allreduce rank 1 never issues."""
-    out = run_ranks(tmp_path, """
-        torch.manual_seed(0)
-        ddp = DDP(torch.nn.Linear(4, 1, bias=False))
-        state = LosslessHookState(max_density=0.5)
-        ddp.register_comm_hook(state, lossless_hook)
-        ddp(torch.ones(2, 4)).sum().backward()
-        buf = io.BytesIO()
-        torch.save(ddp, buf)
-        buf.seek(0)
-        restored = torch.load(buf, weights_only=False)
-        hooks = getattr(restored, "_comm_hooks", None)
-        if not hooks:
-            print("no comm-hook state pickled")
+    out = run_ranks(tmp_path, SAVED_AND_LOADED + """
         else:
             state = hooks[0][1] if rank == 0 else pickle.loads(pickle.dumps(state))
             restored.register_comm_hook(state, lossless_hook)

@@ -171,7 +171,7 @@ def _inputs(g: Group, rng: random.Random, num_keys: int) -> List[torch.Tensor]:
         # Rank 1 holds minus rank 0 on rank 0's support (exactly, or off by a relative 2^-20); or, in half of
         # the groups of 3 ranks or more, ranks 1 and 2 share minus rank 0 with rank 1 up to 3x rank 0 either
         # way: the float64 sum is 0 (or 2^-20 of rank 0) and the true sum of the float32 inputs the
-        # roundings' residue, a key far below its mass that is not 0. Drawn from `gen`, after the values:
+        # roundings' residue, a key far below its mass and mostly not 0. Drawn from `gen`, after the values:
         # `rng`'s stream, and so every group's configuration and supports, stay as they were.
         factor = 1.0 if g.values == "cancel" else 1.0 + 2.0 ** -20
         mask = xs[0] != 0

@@ -325,7 +325,7 @@ def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "converge", "resume")
+    names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "part_half", "converge", "resume")
     proc = run_launcher([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
                          str(free_port()), str(out), ",".join(names)], cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -416,6 +416,23 @@ def test_powersgd_takes_the_dense_weight_of_a_bucket_and_leaves_the_table_to_its
     p = bucket["predicted_seconds"]
     assert p["powersgd_part"] < min(p["powersgd"], p["per_parameter"]), p
     assert rs[0]["plan"] == {"param0(256, 192)": "powersgd", "param1(2000, 64)": "allgather"}, rs[0]["plan"]
+
+
+@pytest.mark.multiprocess
+def test_a_half_precision_plan_beside_a_powersgd_part_leaves_the_part_alone(run):
+    """One bucket: PowerSGD on the weight (from step 2), a long vector planned fp16. The vector's plain
+    half-precision step is sent with the bucket's other gradients, not as the whole bucket in fp16 (which
+    would drop PowerSGD's result and leave its error feedback unbalanced): the weight's error feedback is
+    conserved up to the float16 rounding of its step before PowerSGD (its fp16 plan at step 1, which keeps
+    no memory), where the whole bucket in fp16 misses by the size of the gradients."""
+    rs = run["part_half"]
+    for r in rs:
+        assert (r["plan"], r["buckets"], r["digest"]) == (rs[0]["plan"], rs[0]["buckets"], rs[0]["digest"])
+        assert r["conservation_error"] <= 2.0 ** -10 * r["scale"] * r["steps"], r
+    assert rs[0]["plan"] == {"param0(256, 192)": "powersgd", "param1(100000,)": "fp16"}, rs[0]["plan"]
+    bucket = rs[0]["buckets"]["0"]
+    assert bucket["strategy"] == "powersgd_part" and bucket["steps"] == 4, bucket
+    assert bucket["powersgd_parameters"] == ["param0(256, 192)"], bucket
 
 
 @pytest.mark.multiprocess

@@ -13,6 +13,8 @@ Scenarios:
 * ``part``: a bucket of a table whose gradient has a few rows (allgather) and a weight (dense): PowerSGD
   takes the weight only; the table's average each step, the bytes PowerSGD's steps issue on their own
   group, and the weight's error feedback conserved through the step guard's dense verdict.
+* ``part_half``: the same with a long vector planned fp16 beside the weight: the weight's error feedback
+  conserved (the vector's half-precision plain step leaves the bucket's PowerSGD part alone).
 * ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
   (the bench's per-bucket baseline) and auto(lossy): the losses.
 """
@@ -207,6 +209,49 @@ def part():
             "scale": float(total.abs().max()), "steps": steps, "digest": param_digest(model)}
 
 
+class WeightAndVector(torch.nn.Module):
+    """loss = sum(W * C) + sum(v * d): the gradients are C (a matrix) and d (a vector PowerSGD cannot take)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(256, 192))
+        self.vector = torch.nn.Parameter(torch.zeros(100_000))
+
+    def forward(self, c, d):
+        return (self.weight * c).sum() + (self.vector * d).sum()
+
+
+def vector_gradient(step, rank):
+    return torch.randn(100_000, generator=torch.Generator().manual_seed(6007 * step + rank))
+
+
+def part_half():
+    """One bucket of a weight (PowerSGD) and a vector planned fp16: the vector's half-precision plain step
+    must not take the bucket's PowerSGD part with it (the whole buffer allreduced in fp16). The weight's
+    error feedback is conserved only if PowerSGD's approximation is what the weight received."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = WeightAndVector()
+    ddp = DistributedDataParallel(model)   # one bucket: weight and vector
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "fp16", "powersgd"))
+    ddp.register_comm_hook(state, auto_hook)
+    steps = 6
+    out_sum = torch.zeros(256, 192, dtype=torch.float64)
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        ddp(gradient(step, rank), vector_gradient(step, rank)).backward()
+        out_sum += model.weight.grad.to(torch.float64)
+    chosen = state._powersgd.buckets[0]
+    error = chosen.error(0)
+    memory = torch.zeros(256, 192, dtype=torch.float64) if error is None else error.reshape(256, 192).to(torch.float64)
+    memories = [torch.empty_like(memory) for _ in range(n)]
+    dist.all_gather(memories, memory)
+    total = sum(gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    st = state.stats()
+    return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"],
+            "conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
+            "scale": float(total.abs().max()), "steps": steps, "digest": param_digest(model)}
+
+
 def converge():
     teacher = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
     losses = {}
@@ -306,7 +351,7 @@ def resume():
 
 def scenario(name: str) -> dict:
     return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
-            "part": part, "converge": converge, "resume": resume}[name]()
+            "part": part, "part_half": part_half, "converge": converge, "resume": resume}[name]()
 
 
 if __name__ == "__main__":

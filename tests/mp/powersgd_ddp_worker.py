@@ -196,17 +196,25 @@ def part():
     finally:
         dist.all_reduce = _real_all_reduce
     chosen = state._powersgd.buckets[0]
-    error = chosen.error(0)
+    st = state.stats()
+    return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"], "guard": st["guard"],
+            "table_error": table_error, "per_step": per_step, "memory_left": chosen.error(0) is not None,
+            "predicted_bytes": [b for _, b in state.spec.cost_model.powersgd_collectives(chosen.layout)],
+            **weight_conservation(state, out_sum, steps), "digest": param_digest(model)}
+
+
+def weight_conservation(state, out_sum, steps):
+    """What the weight's error feedback must conserve (bucket 0's PowerSGD on the (256, 192) weight, whose
+    gradient on rank r at step t is gradient(t, r)): every rank's received averages times n plus every rank's
+    PowerSGD memory equal the gradients' sum; its largest miss and the sum's scale."""
+    n = dist.get_world_size()
+    error = state._powersgd.buckets[0].error(0)
     memory = torch.zeros(256, 192, dtype=torch.float64) if error is None else error.reshape(256, 192).to(torch.float64)
     memories = [torch.empty_like(memory) for _ in range(n)]
     dist.all_gather(memories, memory)
     total = sum(gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
-    st = state.stats()
-    return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"], "guard": st["guard"],
-            "table_error": table_error, "per_step": per_step, "memory_left": error is not None,
-            "predicted_bytes": [b for _, b in state.spec.cost_model.powersgd_collectives(chosen.layout)],
-            "conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
-            "scale": float(total.abs().max()), "steps": steps, "digest": param_digest(model)}
+    return {"conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
+            "scale": float(total.abs().max()), "steps": steps}
 
 
 class WeightAndVector(torch.nn.Module):
@@ -229,7 +237,7 @@ def part_half():
     """One bucket of a weight (PowerSGD) and a vector planned fp16: the vector's half-precision plain step
     must not take the bucket's PowerSGD part with it (the whole buffer allreduced in fp16). The weight's
     error feedback is conserved only if PowerSGD's approximation is what the weight received."""
-    n, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     model = WeightAndVector()
     ddp = DistributedDataParallel(model)   # one bucket: weight and vector
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "fp16", "powersgd"))
@@ -240,16 +248,9 @@ def part_half():
         model.zero_grad(set_to_none=True)
         ddp(gradient(step, rank), vector_gradient(step, rank)).backward()
         out_sum += model.weight.grad.to(torch.float64)
-    chosen = state._powersgd.buckets[0]
-    error = chosen.error(0)
-    memory = torch.zeros(256, 192, dtype=torch.float64) if error is None else error.reshape(256, 192).to(torch.float64)
-    memories = [torch.empty_like(memory) for _ in range(n)]
-    dist.all_gather(memories, memory)
-    total = sum(gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
     st = state.stats()
     return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"],
-            "conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
-            "scale": float(total.abs().max()), "steps": steps, "digest": param_digest(model)}
+            **weight_conservation(state, out_sum, steps), "digest": param_digest(model)}
 
 
 def converge():

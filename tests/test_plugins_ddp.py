@@ -41,7 +41,7 @@ def ddp_run(request, tmp_path_factory):
     run([sys.executable, WORKER, str(size), str(free_port()), str(out),
          ",".join(EXACT + ["unused_accumulation", "half_precision", "float16_large", "uneven", "ddp_options",
                            "policy", "topk", "thc", "thc_exact", "thc_amp", "exact_amp", "lossy_amp", "pickle",
-                           "inexact"]
+                           "pickle_one_parameter", "restored_on_one_rank", "inexact"]
                   + list(ERRORS) + ["rank0_group", "close"])])
     return out, size
 
@@ -86,98 +86,27 @@ def test_saving_the_ddp_model_keeps_a_usable_hook_state(ddp_run):
         assert r["tensors_after_restore"] > 0, r   # the restored model's step went through the hook
 
 
-RANKS_SCRIPT = """
-import datetime, io, os, pickle, sys
-import torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from lossless_hc.plugins.ddp import *
-
-BODY = %r
-
-
-def _rank(rank, size, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
-    exec(BODY, dict(globals(), rank=rank, size=size))
-    print(f"rank {rank} ok", flush=True)
-    os._exit(0)   # no teardown: a rank whose hook raised may leave a collective behind
-
-
-if __name__ == "__main__":
-    torch.multiprocessing.spawn(_rank, args=(int(sys.argv[1]), int(sys.argv[2])), nprocs=int(sys.argv[1]))
-"""
-
-
-def run_ranks(tmp_path, body: str, size: int = 1, timeout: float = 180) -> str:
-    """Run ``body`` (its names: rank, size, torch, dist, DDP, io, pickle, the hooks and states of
-    lossless_hc.plugins.ddp) in ``size`` real processes joined in a Gloo world: what hook states do with
-    DDP itself, in a few lines. Its stdout, every rank's prints."""
-    import textwrap
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS_SCRIPT % textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = run_launcher([sys.executable, str(script), str(size), str(free_port())], cwd=ROOT, env=env, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert all(f"rank {r} ok" in proc.stdout for r in range(size)), proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
-
-
-# A run_ranks body's start: a DDP model of one parameter under lossless_hook, one step, then saved and loaded
-# whole (torch.save of the DDP module pickles its comm hook's state): `restored`, and `hooks`, its comm hooks
-# (empty where this torch does not pickle them: the test skips).
-SAVED_AND_LOADED = """
-        torch.manual_seed(0)
-        ddp = DDP(torch.nn.Linear(4, 1, bias=False))
-        state = LosslessHookState(max_density=0.5)
-        ddp.register_comm_hook(state, lossless_hook)
-        ddp(torch.ones(2, 4)).sum().backward()
-        buf = io.BytesIO()
-        torch.save(ddp, buf)
-        buf.seek(0)
-        restored = torch.load(buf, weights_only=False)
-        hooks = getattr(restored, "_comm_hooks", None)
-        if not hooks:
-            print("no comm-hook state pickled")
-"""
-
-
-def test_a_saved_model_with_a_single_parameter_keeps_its_hook_state(tmp_path):
+def test_a_saved_model_with_a_single_parameter_keeps_its_hook_state(ddp_run):
     """A restored state is refused only when none of its aggregators is the model's: a DDP model of one
     parameter, saved and loaded with its hook state, matches that one and trains on."""
-    out = run_ranks(tmp_path, SAVED_AND_LOADED + """
-        else:
-            state = hooks[0][1]
-            assert len(state._aggregators) == 1
-            restored.register_comm_hook(state, lossless_hook)
-            restored.module.weight.grad = None
-            restored(torch.ones(2, 4)).sum().backward()
-            assert restored.module.weight.grad.tolist() == [[2.0] * 4]
-            assert state.stats()["tensors"] == 2
-    """)
-    if "no comm-hook state pickled" in out:
-        pytest.skip("this torch's DDP does not pickle the comm-hook state")
+    out, size = ddp_run
+    for r in results(out, "pickle_one_parameter", size):
+        if r["restored_state"] == "NoneType":
+            pytest.skip("this torch's DDP does not pickle the comm-hook state")
+        assert r["aggregators"] == 1 and r["grad"] == [[2.0] * 4] and r["tensors"] == 2, r
 
 
-def test_a_state_restored_with_its_model_on_one_rank_only_is_refused_on_every_rank(tmp_path):
+def test_a_state_restored_with_its_model_on_one_rank_only_is_refused_on_every_rank(ddp_run):
     """Whether a restored state's aggregators matched the model is compared across ranks first: rank 0 loads
-    the model with its state, rank 1 registers a copy of the state pickled alone (none of its aggregators is
-    the loaded model's) -- a ConfigurationMismatch on both ranks at that step, not a ValueError on rank 1
-    while rank 0 waits in an allreduce rank 1 never issues."""
-    out = run_ranks(tmp_path, SAVED_AND_LOADED + """
-        else:
-            state = hooks[0][1] if rank == 0 else pickle.loads(pickle.dumps(state))
-            restored.register_comm_hook(state, lossless_hook)
-            try:
-                restored(torch.ones(2, 4)).sum().backward()
-                print(f"rank {rank} error None")
-            except Exception as e:
-                print(f"rank {rank} error {type(e).__name__}: {e}")
-    """, size=2)
-    if "no comm-hook state pickled" in out:
-        pytest.skip("this torch's DDP does not pickle the comm-hook state")
-    for r in range(2):
-        assert f"rank {r} error ConfigurationMismatch: LosslessHookState restored differs across ranks" in out, out
+    the model with its state, the others register a copy of the state pickled alone (none of its aggregators
+    is the loaded model's) -- a ConfigurationMismatch on every rank at that step, not a ValueError on the
+    others while rank 0 waits in an allreduce they never issue."""
+    out, size = ddp_run
+    for r in results(out, "restored_on_one_rank", size):
+        if r.get("restored_state") == "NoneType":
+            pytest.skip("this torch's DDP does not pickle the comm-hook state")
+        assert r["error"] == "ConfigurationMismatch", r
+        assert "LosslessHookState restored differs across ranks" in r["message"], r
 
 
 def test_inexact_keys_are_reaggregated_alone_and_exactly(ddp_run):

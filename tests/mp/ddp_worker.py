@@ -107,6 +107,24 @@ def close_and_continue(steps=8, close_at=4):
             "descriptors": [before, after], "stats": state.stats()}
 
 
+def one_parameter_saved_and_loaded():
+    """A DDP model of one parameter under lossless_hook, one step, then saved and loaded whole (torch.save of
+    the DDP module pickles its comm hook's state): the loaded model, its restored hook state (None where this
+    torch does not pickle it) and the state it was saved with."""
+    import io
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1, bias=False).to(DEVICE))
+    state = LosslessHookState(max_density=0.5)
+    ddp.register_comm_hook(state, lossless_hook)
+    ddp(torch.ones(2, 4, device=DEVICE)).sum().backward()
+    buf = io.BytesIO()
+    torch.save(ddp, buf)
+    buf.seek(0)
+    restored = torch.load(buf, weights_only=False)
+    hooks = getattr(restored, "_comm_hooks", None) or [(None, None)]   # DDP's (hook, state) pairs
+    return restored, hooks[0][1], state
+
+
 def scenario(name):
     if name == "close":
         return close_and_continue()
@@ -193,6 +211,23 @@ def scenario(name):
                 "group_dropped": group_dropped,
                 "world_size": hook_state.world_size if hook_state is not None else -1,
                 "tensors_after_restore": after - before}
+    if name == "pickle_one_parameter":   # the model's only aggregator restored: it matches, and trains on
+        restored, hook_state, _ = one_parameter_saved_and_loaded()
+        if hook_state is None:
+            return {"restored_state": "NoneType"}
+        aggregators = len(hook_state._aggregators)
+        restored.register_comm_hook(hook_state, lossless_hook)
+        restored(torch.ones(2, 4, device=DEVICE)).sum().backward()
+        return {"restored_state": type(hook_state).__name__, "aggregators": aggregators,
+                "grad": restored.module.weight.grad.tolist(), "tensors": hook_state.stats()["tensors"]}
+    if name == "restored_on_one_rank":   # rank 0 the loaded state, the others a copy pickled apart from the model
+        restored, hook_state, state = one_parameter_saved_and_loaded()
+        if hook_state is None:
+            return {"restored_state": "NoneType"}
+        if dist.get_rank() != 0:
+            hook_state = pickle.loads(pickle.dumps(state))
+        restored.register_comm_hook(hook_state, lossless_hook)
+        return expect_error(lambda: restored(torch.ones(2, 4, device=DEVICE)).sum().backward(), ConfigurationMismatch)
     if name == "inexact":   # keys the decoder reports inexact, re-aggregated alone (tests/mp/inexact_case.py)
         return inexact()
     if name == "config_mismatch":

@@ -60,7 +60,7 @@ if "$PY" -c "import byteps.torch" >/dev/null 2>&1; then
   # The workers' own timeout (at most 240 s: a healthy run takes well under a minute) ends a minute before the
   # test's own limit, and that before the call's deadline: a hang still leaves its logs and stacks.
   # LHC_BYTEPS_TESTS=tests/test_byteps_gpu.py: the GPU run alone (the CPU tests ran in an earlier call).
-  tests=${LHC_BYTEPS_TESTS:-tests/test_plugins_byteps.py tests/test_plugins_byteps_training.py tests/test_plugins_byteps_engine.py tests/test_byteps_gpu.py}
+  tests=${LHC_BYTEPS_TESTS:-$(echo tests/test_plugins_byteps*.py) tests/test_byteps_gpu.py}
   step "pytest $tests" test.log $((DEADLINE - $(date +%s) - 15)) env PYTHONPATH="$PWD" \
     LHC_BYTEPS_LOG_DIR="$OUT/bps-logs" LHC_BYTEPS_TIMEOUT=$(( (t = DEADLINE - $(date +%s) - 80) > 240 ? 240 : (t > 30 ? t : 30) )) \
     "$PY" -m pytest -q -rs -p no:cacheprovider $tests

@@ -294,14 +294,22 @@ def test_decode_names_a_shape_that_is_no_shape():
         assert report.ok and y.numel() == 100 and float(y.reshape(-1)[3]) == 2.0
 
 
-def test_ddp_hook_state_refuses_a_group_it_cannot_reduce_over():
-    # one process of a two-rank world on torch's fake backend (no peers needed), in a process of its own so
-    # that its default group meets no other test's
-    script = textwrap.dedent("""
+def run_as_fake_rank(rank: int, body: str) -> None:
+    """Run ``body`` (its names: pytest, dist, the DDP hook states) as rank ``rank`` of a two-rank world on
+    torch's fake backend (no peers needed), in a process of its own so that its default group meets no
+    other test's; it must finish without an error."""
+    script = textwrap.dedent(f"""
         import pytest, torch.distributed as dist
         from torch.testing._internal.distributed.fake_pg import FakeStore
-        from lossless_hc.plugins.ddp import AutoHookState, LosslessHookState
-        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+        from lossless_hc.plugins.ddp import AutoHookState, LosslessHookState, TopKHookState
+        dist.init_process_group("fake", store=FakeStore(), rank={rank}, world_size=2)
+    """) + textwrap.dedent(body) + "\nprint('ok')\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_ddp_hook_state_refuses_a_group_it_cannot_reduce_over():
+    run_as_fake_rank(1, """
         left_out = dist.new_group([0])          # GroupMember.NON_GROUP_MEMBER on rank 1
         with pytest.raises(ValueError, match=r"global rank 1\\) is not a member of process_group"):
             LosslessHookState(process_group=left_out)
@@ -309,28 +317,18 @@ def test_ddp_hook_state_refuses_a_group_it_cannot_reduce_over():
             AutoHookState(process_group="default")
         state = LosslessHookState(process_group=dist.new_group([0, 1]))
         assert (state.world_size, state.rank) == (2, 1)
-        print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 
 def test_ddp_hook_state_takes_rank_0_of_a_group_and_refuses_an_int_for_one():
     # rank 0 of a group is a member (rank 0 is no "-1, not in the group"); an int that is not torch's
     # NON_GROUP_MEMBER marker (a rank, say) is no group at all: a TypeError, not "not a member"
-    script = textwrap.dedent("""
-        import pytest, torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        from lossless_hc.plugins.ddp import LosslessHookState, TopKHookState
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    run_as_fake_rank(0, """
         state = TopKHookState(process_group=dist.new_group([0, 1]))
         assert (state.world_size, state.rank) == (2, 0)
         with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup .* got int"):
             LosslessHookState(process_group=1)
-        print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("numel", [16, 4096])   # sent as it is (too small to compress), and compressed

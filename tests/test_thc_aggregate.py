@@ -1,9 +1,11 @@
-"""THCAggregator (lossless_hc.training.thc_aggregate) beyond tests/test_aggregate.py: its defaults and how
-it reports the way each tensor goes out."""
+"""THCAggregator (lossless_hc.training.thc_aggregate) beyond tests/test_aggregate.py: its defaults, how
+it reports the way each tensor goes out, a tensor of one block shorter than the block, and its error memory."""
 import torch
 
 import lossless_hc as lhc
 from lossless_hc.training.thc_aggregate import THCAggregator
+
+from test_aggregate import aggregate
 
 
 def test_thc_aggregator_defaults_are_the_documented_thc_configuration():
@@ -34,3 +36,29 @@ def test_sent_as_names_how_each_tensor_goes_out():
     assert exact.sent_as == "dense (exact=)" and not exact.compressed and not exact.interleaved
     assert tiny.sent_as == "dense (smaller)" and not tiny.compressed
     assert ints.sent_as == "dense (smaller)" and ints.payload_spec() == (4096, torch.int64)
+
+
+def test_a_single_block_tensor_shorter_than_its_block_is_encoded_as_it_is():
+    """A tensor of one Hadamard block whose numel is not the block's (1000 coordinates, padded to 1024) is not
+    interleaved: its error memory is THCCodec(1000)'s bit for bit at every step, the norm-only first step leaves
+    exactly the gradient there (1000 coordinates, the tensor's order), and error feedback conserves the sum."""
+    n = 2
+    aggs = [THCAggregator("w", (1000,), torch.float32, n, rank=r, seed=7) for r in range(n)]
+    codecs = [lhc.THCCodec(1000, n, rank=r, seed=7) for r in range(n)]
+    assert all(a.compressed and not a.interleaved and a.sent_as == "thc" for a in aggs)
+    g = torch.Generator().manual_seed(2)
+    fed = torch.zeros(1000, dtype=torch.float64)
+    decoded = torch.zeros(1000, dtype=torch.float64)
+    for step in range(3):
+        xs = [torch.randn(1000, generator=g) for _ in range(n)]
+        want = [c.encode(x) for c, x in zip(codecs, xs)]
+        outs = aggregate(aggs, xs)
+        for c in codecs:
+            c.decode(sum(want))
+        assert all(torch.equal(a.codec.error, c.error) for a, c in zip(aggs, codecs))
+        if step == 0:   # the norm-only round: everything stays owed
+            assert all(torch.equal(a.pending_error(), x) for a, x in zip(aggs, xs))
+        fed += sum(xs).double()
+        decoded += outs[0].value.double()
+    held = sum(a.pending_error().double() for a in aggs)
+    torch.testing.assert_close(decoded + held, fed, rtol=0, atol=1e-3)

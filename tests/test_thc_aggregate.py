@@ -62,3 +62,23 @@ def test_a_single_block_tensor_shorter_than_its_block_is_encoded_as_it_is():
         decoded += outs[0].value.double()
     held = sum(a.pending_error().double() for a in aggs)
     torch.testing.assert_close(decoded + held, fed, rtol=0, atol=1e-3)
+
+
+def test_pending_error_is_none_for_a_tensor_sent_dense():
+    """pending_error() is None where no codec holds an error memory: tiny, exact= and integer tensors."""
+    for agg in (THCAggregator("bias", (4,), torch.float32, 2, 0),
+                THCAggregator("w", (64, 100), torch.float32, 2, 0, exact=True),
+                THCAggregator("steps", (4096,), torch.int64, 2, 0)):
+        assert not agg.compressed
+        agg.encode(torch.zeros(agg.shape, dtype=agg.dtype))
+        assert agg.pending_error() is None
+
+
+def test_empty_tensors_are_sent_dense():
+    """An empty tensor (nothing for THC's codec, which refuses numel=0) goes dense: its decode is the engine's
+    aggregate as it is (not averaged), in its own empty shape."""
+    for shape in [(0,), (3, 0)]:
+        aggs = [THCAggregator("e", shape, torch.float32, 2, rank=r) for r in range(2)]
+        assert not aggs[0].compressed and aggs[0].sent_as == "dense (smaller)" and aggs[0].pending_error() is None
+        outs = aggregate(aggs, [torch.zeros(shape) for _ in range(2)])
+        assert outs[0].value.shape == shape and not outs[0].averaged

@@ -1,8 +1,15 @@
 """THCAggregator (lossless_hc.training.thc_aggregate) beyond tests/test_aggregate.py: its defaults, how
-it reports the way each tensor goes out, a tensor of one block shorter than the block, and its error memory."""
+it reports the way each tensor goes out (dense where THC's payload is not strictly smaller), a tensor of one
+block shorter than the block, its error memory, its timing statistics and the message of a failed decode."""
+import types
+
+import pytest
 import torch
 
 import lossless_hc as lhc
+from lossless_hc.training import aggregate as aggregate_module
+from lossless_hc.training import thc_aggregate
+from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.thc_aggregate import THCAggregator
 
 from test_aggregate import aggregate
@@ -82,3 +89,16 @@ def test_empty_tensors_are_sent_dense():
         assert not aggs[0].compressed and aggs[0].sent_as == "dense (smaller)" and aggs[0].pending_error() is None
         outs = aggregate(aggs, [torch.zeros(shape) for _ in range(2)])
         assert outs[0].value.shape == shape and not outs[0].averaged
+
+
+def test_a_payload_as_large_as_the_dense_tensor_is_not_used():
+    """THC is used only where its payload is strictly smaller than the dense tensor: 96 float16 coordinates
+    on 2 ranks make a 192-byte payload, the tensor's own size, so the tensor goes dense; 128 go through THC."""
+    equal = THCAggregator("b", (96,), torch.float16, 2, 0)
+    assert lhc.THCCodec(96, 2, rank=0).wire_bytes == 96 * 2
+    assert not equal.compressed and equal.sent_as == "dense (smaller)" and equal.payload_spec() == (96, torch.float16)
+    x = torch.randn(96).half()
+    assert equal.encode(x)[0] is x
+    smaller = THCAggregator("b", (128,), torch.float16, 2, 0)
+    assert smaller.compressed and smaller.codec.wire_bytes < 128 * 2
+

@@ -102,3 +102,17 @@ def test_a_payload_as_large_as_the_dense_tensor_is_not_used():
     smaller = THCAggregator("b", (128,), torch.float16, 2, 0)
     assert smaller.compressed and smaller.codec.wire_bytes < 128 * 2
 
+
+def test_encode_and_decode_seconds_add_each_call_s_own_time(monkeypatch):
+    """encode_seconds and decode_seconds add each call's clock difference (a clock that ticks one second per
+    reading: exactly one second per encode and per decode of a compressed tensor)."""
+    ticks = iter(range(1, 1_000_000))
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    monkeypatch.setattr(thc_aggregate, "time", clock)
+    monkeypatch.setattr(aggregate_module, "time", clock)
+    aggs = [THCAggregator("w", (64, 100), torch.float32, 2, rank=r) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 4):
+        aggregate(aggs, [torch.randn(64, 100, generator=g) for _ in range(2)])
+        assert all((a.stats.encode_seconds, a.stats.decode_seconds) == (float(step), float(step)) for a in aggs)
+

@@ -259,17 +259,19 @@ def test_thc_aggregator_sends_tiny_tensors_dense():
     assert agg.encode(x)[0] is x
 
 
+@pytest.mark.parametrize("averages", [False, True])
 @pytest.mark.parametrize("missing", [1, 2])
-def test_thc_names_the_ranks_that_sent_nothing_where_the_engine_s_op_is_known(missing):
+def test_thc_names_the_ranks_that_sent_nothing_where_the_engine_s_op_is_known(missing, averages):
     """Ranks that left by hvd.join() add nothing to the SUM: THC cannot decode it (its norm needs every
-    rank's), and where the engine's op is known the error says how many ranks sent nothing."""
+    rank's), and where the engine's op is known the error says how many ranks sent nothing (an AVERAGE's
+    contributor field holds the ranks that sent / n: counted back to ranks)."""
     n = 4
     aggs = [THCAggregator("w", (4096,), torch.float32, n, r) for r in range(n)]
     for a in aggs:
-        a.engine_averages = False
+        a.engine_averages = averages
     g = torch.Generator().manual_seed(0)
     enc = [a.encode(torch.randn(4096, generator=g)) for a in aggs]
-    summed = sum(p for p, _ in enc[:n - missing])
+    summed = sum(p for p, _ in enc[:n - missing]) / (n if averages else 1)
     with pytest.raises(ConfigurationMismatch, match=rf"\({missing} rank\(s\) sent nothing, as after hvd.join\(\)"):
         aggs[0].decode(summed, enc[0][1])
 

@@ -116,3 +116,16 @@ def test_encode_and_decode_seconds_add_each_call_s_own_time(monkeypatch):
         aggregate(aggs, [torch.randn(64, 100, generator=g) for _ in range(2)])
         assert all((a.stats.encode_seconds, a.stats.decode_seconds) == (float(step), float(step)) for a in aggs)
 
+
+def test_a_mismatch_with_every_rank_present_blames_no_missing_rank():
+    """Every rank sent, one of them with another seed: whether the engine's op is a SUM or an AVERAGE, the
+    ConfigurationMismatch says the fingerprints disagree and names no rank as having sent nothing."""
+    n = 3
+    for averages in (False, True):
+        aggs = [THCAggregator("w", (1024,), torch.float32, n, r, seed=int(r == 2)) for r in range(n)]
+        payloads, ctxs = zip(*(a.encode(torch.ones(1024)) for a in aggs))
+        for a in aggs:
+            a.engine_averages = averages
+        with pytest.raises(ConfigurationMismatch, match="fingerprints disagree") as info:
+            aggs[0].decode(sum(payloads) / (n if averages else 1), ctxs[0])
+        assert "sent nothing" not in str(info.value), averages

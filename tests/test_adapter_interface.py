@@ -1,0 +1,43 @@
+"""The engine-neutral adapter (lossless_hc.training.adapter) as a plugin sees it: the optimizer frame a
+compressor finds, the options it reads through to its spec, the collectives a plugin must supply, and the
+repr the DDP states' configuration check compares."""
+import pytest
+import torch
+
+from lossless_hc.plugins.ddp import LosslessHookState, THCHookState, TopKHookState
+from lossless_hc.training.adapter import (AggregatorSpec, CompressionFactory, CompressorAdapter,
+                                          require_optimizer_frame)
+
+
+class Optimizer:
+    """What Horovod's and BytePS's optimizers have that the search looks for: ``_parameter_names``."""
+    _parameter_names: dict = {}
+
+    def synchronize(self, p, compressor, helpers: int):
+        """``compressor.compress(p)`` with ``helpers`` frames between this one and compress's."""
+        return through(helpers, compressor, p) if helpers else compressor.compress(p)
+
+
+def through(helpers, compressor, grad):
+    return through(helpers - 1, compressor, grad) if helpers > 1 else compressor.compress(grad)
+
+
+class Compressor:
+    def compress(self, grad):
+        return require_optimizer_frame(self, "Optimizer(compression=...)")
+
+
+@pytest.mark.parametrize("helpers", [0, 3])
+def test_the_optimizer_frame_is_found_up_to_four_frames_above_compress(helpers):
+    """The search starts at compress's caller and looks 4 frames up: it finds the optimizer's ``self`` and
+    ``p`` through three helper frames between them and compress."""
+    opt, p = Optimizer(), torch.zeros(3)
+    found_p, found_opt = opt.synchronize(p, Compressor(), helpers)
+    assert found_p is p and found_opt is opt
+
+
+def test_an_optimizer_frame_beyond_four_frames_is_not_found():
+    with pytest.raises(RuntimeError, match=r"Compressor must be used as Optimizer\(compression=\.\.\.\): it keeps "
+                                           "per-parameter state"):
+        Optimizer().synchronize(torch.zeros(3), Compressor(), 4)
+

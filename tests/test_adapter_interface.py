@@ -41,3 +41,14 @@ def test_an_optimizer_frame_beyond_four_frames_is_not_found():
                                            "per-parameter state"):
         Optimizer().synchronize(torch.zeros(3), Compressor(), 4)
 
+
+def test_a_compressor_reads_its_spec_s_options_and_nothing_else():
+    """The spec's options read as the compressor's own; any other name (another kind's option, a private
+    one) is Python's AttributeError naming it, as for any object (hasattr is False)."""
+    comp = CompressionFactory.topk(ratio=0.05, seed=2)
+    assert (comp.ratio, comp.seed, comp.index) == (0.05, 2, "auto")
+    for name in ("max_density", "bits", "_ratio"):
+        with pytest.raises(AttributeError, match=rf"'CompressorAdapter' object has no attribute '{name}'"):
+            getattr(comp, name)
+        assert not hasattr(comp, name)
+

@@ -52,3 +52,15 @@ def test_a_compressor_reads_its_spec_s_options_and_nothing_else():
             getattr(comp, name)
         assert not hasattr(comp, name)
 
+
+def test_the_collectives_a_plugin_supplies_are_not_implemented_in_the_base():
+    """A plugin that leaves out one of the collectives fails loudly (NotImplementedError) rather than
+    returning a rank's own tensor as the sum; a spec kind must define make and options."""
+    comp = CompressorAdapter(CompressionFactory.topk().spec)
+    agg, t = object(), torch.zeros(4)
+    for call in (lambda: comp._start_fallback(agg, t), lambda: comp._start_partial(agg, t),
+                 lambda: comp._wait_fallback(None), lambda: AggregatorSpec().options(),
+                 lambda: AggregatorSpec().make("w", t, 2, 0, None, t.device)):
+        with pytest.raises(NotImplementedError):
+            call()
+

@@ -64,3 +64,16 @@ def test_the_collectives_a_plugin_supplies_are_not_implemented_in_the_base():
         with pytest.raises(NotImplementedError):
             call()
 
+
+@pytest.mark.parametrize("state, options, want", [
+    (LosslessHookState, dict(max_density=0.05, block_size=4, seed=3, index="bitmap"),
+     "LosslessHookState(lossless(max_density=0.05, block_size=4, seed=3, index='bitmap', policy=None))"),
+    (TopKHookState, dict(ratio=0.02, seed=3, index="bitmap"),
+     "TopKHookState(topk(ratio=0.02, seed=3, index='bitmap', policy=None))"),
+    (THCHookState, dict(bits=2, granularity=10, overflow_freq=16, seed=3, non_finite="propagate"),
+     "THCHookState(thc(bits=2, granularity=10, overflow_freq=16, seed=3, non_finite='propagate'))"),
+])
+def test_a_hook_state_s_repr_names_every_option_of_its_spec(state, options, want):
+    """The DDP states' configuration check compares repr(state), which is the spec's options(): each option
+    with its value, so ranks that differ in any one of them see a mismatch."""
+    assert repr(state(**options)) == want

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lossless_hc.plugins.ddp import LosslessHookState, THCHookState, TopKHookState
+from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.adapter import (AggregatorSpec, CompressionFactory, CompressorAdapter,
                                           require_optimizer_frame)
 
@@ -77,3 +78,45 @@ def test_a_hook_state_s_repr_names_every_option_of_its_spec(state, options, want
     """The DDP states' configuration check compares repr(state), which is the spec's options(): each option
     with its value, so ranks that differ in any one of them see a mismatch."""
     assert repr(state(**options)) == want
+
+
+class Recording(CompressorAdapter):
+    """The base adapter, counting the step ends it reaches (``_after_step``)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.step_ends = 0
+
+    def _after_step(self) -> None:
+        self.step_ends += 1
+
+
+def assert_a_step_ends_at_its_last_decode(comp, aggs):
+    encoded = [comp.encode(a, torch.ones(4)) for a in aggs]
+    before = comp.step_ends
+    for i, (payload, enc) in enumerate(encoded):
+        comp.decode(payload.clone(), enc)
+        assert comp.step_ends == before + (i == len(encoded) - 1), i
+
+
+def test_a_step_ends_at_its_last_decode_after_a_dropped_step_a_failed_decode_or_a_stray_one():
+    """The adapter ends a step (its fallbacks waited for, ``_after_step``) when the step's last outstanding
+    tensor is decoded, and only then: also after a dropped step (drop_step with tensors outstanding), a
+    decode that raised (a THC payload that does not decode), and a stray decode that raised with nothing
+    outstanding (a tensor encoded before drop_step)."""
+    comp = Recording(CompressionFactory.thc().spec)
+    small = [comp.aggregator(k, k, torch.ones(4), 2, 0) for k in ("a", "b")]   # sent dense: decoded as they come
+    big = comp.aggregator("w", "w", torch.ones(4096), 2, 0)
+    assert big.compressed and not any(a.compressed for a in small)
+    assert_a_step_ends_at_its_last_decode(comp, small)
+    for a in small:
+        comp.encode(a, torch.ones(4))
+    comp.drop_step()
+    assert_a_step_ends_at_its_last_decode(comp, small)
+    payload, enc = comp.encode(big, torch.ones(4096))
+    with pytest.raises(ConfigurationMismatch):   # the step's only tensor
+        comp.decode(torch.zeros_like(payload), enc)
+    assert_a_step_ends_at_its_last_decode(comp, small)
+    with pytest.raises(RuntimeError, match="without a preceding encode"):   # again, nothing outstanding
+        comp.decode(torch.zeros_like(payload), enc)
+    assert_a_step_ends_at_its_last_decode(comp, small)

@@ -101,17 +101,18 @@ def assert_a_step_ends_at_its_last_decode(comp, aggs):
 
 def test_a_step_ends_at_its_last_decode_after_a_dropped_step_a_failed_decode_or_a_stray_one():
     """The adapter ends a step (its fallbacks waited for, ``_after_step``) when the step's last outstanding
-    tensor is decoded, and only then: also after a dropped step (drop_step with tensors outstanding), a
-    decode that raised (a THC payload that does not decode), and a stray decode that raised with nothing
-    outstanding (a tensor encoded before drop_step)."""
+    tensor is decoded, and only then: also after a dropped step (drop_step with tensors outstanding), a stray
+    decode with nothing outstanding (a tensor encoded before drop_step), a decode that raised (a THC payload
+    that does not decode) and a stray one that raised."""
     comp = Recording(CompressionFactory.thc().spec)
     small = [comp.aggregator(k, k, torch.ones(4), 2, 0) for k in ("a", "b")]   # sent dense: decoded as they come
     big = comp.aggregator("w", "w", torch.ones(4096), 2, 0)
     assert big.compressed and not any(a.compressed for a in small)
     assert_a_step_ends_at_its_last_decode(comp, small)
-    for a in small:
-        comp.encode(a, torch.ones(4))
+    stray = [comp.encode(a, torch.ones(4)) for a in small]
     comp.drop_step()
+    assert_a_step_ends_at_its_last_decode(comp, small)
+    comp.decode(stray[0][0].clone(), stray[0][1])   # decoded after all, with nothing outstanding
     assert_a_step_ends_at_its_last_decode(comp, small)
     payload, enc = comp.encode(big, torch.ones(4096))
     with pytest.raises(ConfigurationMismatch):   # the step's only tensor

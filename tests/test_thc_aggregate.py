@@ -129,3 +129,21 @@ def test_a_mismatch_with_every_rank_present_blames_no_missing_rank():
         with pytest.raises(ConfigurationMismatch, match="fingerprints disagree") as info:
             aggs[0].decode(sum(payloads) / (n if averages else 1), ctxs[0])
         assert "sent nothing" not in str(info.value), averages
+
+
+def test_the_codec_takes_torch_s_thread_count_at_every_encode_and_decode():
+    """The codec's kernels use torch.get_num_threads() threads, read at every encode and at every decode (a DDP
+    hook decodes on a communication thread, where OpenMP's own default would be every core)."""
+    threads = torch.get_num_threads()   # this process's thread count: restored below
+    try:
+        aggs = [THCAggregator("w", (64, 100), torch.float32, 2, rank=r) for r in range(2)]
+        torch.set_num_threads(1)
+        encoded = [a.encode(torch.ones(64, 100)) for a in aggs]
+        assert [a.codec.num_threads for a in aggs] == [1, 1]
+        torch.set_num_threads(2)
+        total = sum(p for p, _ in encoded)
+        for a, (_, ctx) in zip(aggs, encoded):
+            a.decode(total.clone(), ctx)
+        assert [a.codec.num_threads for a in aggs] == [2, 2]
+    finally:
+        torch.set_num_threads(threads)

@@ -312,7 +312,6 @@ def test_leaving_a_lossy_strategy_sends_what_its_error_feedback_kept(lossy):
     assert all(a._topk is None and a._thc is None for a in aggs)
 
 
-
 def test_taking_the_lossy_memory_takes_what_thc_and_top_k_both_hold():
     """take_lossy_memory() hands back everything error feedback holds, THC's memory and top-k's residual
     together where both were built (a caller aggregating the tensor by other means adds it, so nothing is
@@ -328,6 +327,7 @@ def test_taking_the_lossy_memory_takes_what_thc_and_top_k_both_hold():
     assert torch.equal(thc_held, x) and 0 < int(torch.count_nonzero(topk_held)) < numel
     assert torch.equal(agg.take_lossy_memory(), x + topk_held)
     assert agg._thc is None and agg._topk is None and agg.take_lossy_memory() is None
+
 
 def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
     """topk's wire bytes (module doc): ``allreduce(H + 4 L)``, ``L`` the LHC layout of ``numel`` coordinates

@@ -274,22 +274,27 @@ def test_cuda_interleaved_matches_cpu(backend, numel, n, kw):
             assert_same_bits(yc, yg, f"step {step} rank {r} decode")
 
 
-def test_thc_aggregator_follows_the_gradient_device(backend):
-    """Compression.thc on CUDA gradients: the aggregator's codec moves to the GPU (with its state) and
-    every rank decodes the same bits as a CPU aggregator would."""
+@pytest.mark.parametrize("cpu_steps", [0, 2])
+def test_thc_aggregator_follows_the_gradient_device(backend, cpu_steps):
+    """Compression.thc on CUDA gradients: the aggregator's codec moves to the GPU with its state (step, agreed
+    norm, error memory: after ``cpu_steps`` steps on the CPU that state is no longer a fresh codec's) and every
+    rank decodes the same bits, and keeps the same error memory, as a CPU aggregator."""
     from lossless_hc.training.thc_aggregate import THCAggregator
     n = 2
     cpu = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]
     gpu = [THCAggregator("w", (256, 64), torch.float32, n, rank=r, seed=5) for r in range(n)]
     g = torch.Generator().manual_seed(0)
-    for step in range(3):
+    for step in range(cpu_steps + 3):
         xs = [torch.randn(256, 64, generator=g) for _ in range(n)]
+        on_gpu = step >= cpu_steps
         enc_c = [a.encode(x) for a, x in zip(cpu, xs)]
-        enc_g = [a.encode(x.cuda()) for a, x in zip(gpu, xs)]
-        assert all(p.is_cuda and a.codec.device.type == "cuda" for (p, _), a in zip(enc_g, gpu))
+        enc_g = [a.encode(x.cuda() if on_gpu else x) for a, x in zip(gpu, xs)]
+        assert all(p.is_cuda == on_gpu and a.codec.device.type == ("cuda" if on_gpu else "cpu")
+                   for (p, _), a in zip(enc_g, gpu))
         sc, sg = sum(p for p, _ in enc_c), sum(p for p, _ in enc_g)
         oc = [a.decode(sc, ctx) for a, (_, ctx) in zip(cpu, enc_c)]
         og = [a.decode(sg, ctx) for a, (_, ctx) in zip(gpu, enc_g)]
-        for o_c, o_g in zip(oc, og):
-            assert o_g.value.is_cuda and o_g.value.shape == (256, 64)
+        for o_c, o_g, a_c, a_g in zip(oc, og, cpu, gpu):
+            assert o_g.value.is_cuda == on_gpu and o_g.value.shape == (256, 64)
             assert_same_bits(o_c.value, o_g.value, f"step {step}")
+            assert_same_bits(a_c.pending_error(), a_g.pending_error(), f"step {step}: error memory")

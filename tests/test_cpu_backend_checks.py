@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lossless_hc.backends import backend_for, cpu
+from lossless_hc.backends.cpu import overlaps
 
 CPU = backend_for(torch.device("cpu"))
 
@@ -21,3 +22,33 @@ def test_without_the_extension_each_entry_point_says_how_to_build_it(monkeypatch
     monkeypatch.setattr(cpu, "_C", None)
     with pytest.raises(ImportError, match=r"lossless_hc\._C \(the C\+\+ kernels\) is not built; run `make build`"):
         call()
+
+
+def test_operands_overlap_exactly_where_their_bytes_do():
+    """overlaps() compares byte ranges: a one-element operand against itself overlaps, operands that only
+    touch (one ends where the other starts, either way round) do not, elements of another size count by
+    their bytes, and an empty operand overlaps nothing (a bool, as every answer)."""
+    buf = torch.zeros(8)
+    wide = buf.view(torch.int64)   # element i: the bytes of buf[2 i] and buf[2 i + 1]
+    assert overlaps(buf[:1], buf[:1]) and overlaps(buf[3:4], buf[3:5]) and overlaps(buf[3:5], buf[3:4])
+    assert not overlaps(buf[:4], buf[4:]) and not overlaps(buf[4:], buf[:4])
+    assert overlaps(buf[3:5], buf[4:]) and overlaps(buf[4:], buf[3:5])
+    assert not overlaps(buf[:2], wide[1:2]) and not overlaps(wide[1:2], buf[:2])
+    assert overlaps(buf[:3], wide[1:2]) and overlaps(wide[1:2], buf[:3])
+    assert overlaps(buf[5:6], wide[2:3]) and overlaps(wide[2:3], buf[5:6])
+    assert not overlaps(buf[6:], wide[:3]) and not overlaps(wide[:3], buf[6:])
+    assert overlaps(buf[:0], buf) is False and overlaps(buf, buf[2:2]) is False
+
+
+def test_touching_operands_are_taken_and_a_shared_element_is_refused():
+    """Through the kernels' entry points: a dst that starts where src ends (or ends where it starts) is
+    copied, empty operands are counted, and a one-element dst on its src is refused."""
+    buf = torch.arange(8, dtype=torch.float32)
+    assert CPU.dense_copy(buf[:4], buf[4:]).tolist() == [3, 0] and buf[4:].tolist() == [0, 1, 2, 3]
+    assert CPU.dense_copy(buf[4:], buf[:4]).tolist() == [3, 0]
+    assert CPU.dense_copy(buf[:0], buf[8:]).tolist() == [0, 0]
+    with pytest.raises(ValueError, match="dense_copy's dst and src overlap"):
+        CPU.dense_copy(buf[2:3], buf[2:3])
+    idx = torch.empty(1, dtype=torch.int64)
+    assert CPU.topk_select(torch.zeros(0), 1, out=torch.empty(0, dtype=torch.int64)).numel() == 0
+    assert CPU.topk_select(torch.tensor([-3.0]), 1, out=idx).tolist() == [0]

@@ -52,3 +52,31 @@ def test_touching_operands_are_taken_and_a_shared_element_is_refused():
     idx = torch.empty(1, dtype=torch.int64)
     assert CPU.topk_select(torch.zeros(0), 1, out=torch.empty(0, dtype=torch.int64)).numel() == 0
     assert CPU.topk_select(torch.tensor([-3.0]), 1, out=idx).tolist() == [0]
+
+
+def test_dense_copy_refuses_operands_it_cannot_copy():
+    """dense_copy takes contiguous float32 operands of one numel: another dtype, a strided view or a dst of
+    another size is refused, naming the operand, before the kernel reads or writes through an address."""
+    src = torch.ones(4)
+    for bad_src in (src.double(), torch.ones(8)[::2], src.to(torch.int32)):
+        with pytest.raises(TypeError, match="dense_copy's src must be a contiguous float32 tensor"):
+            CPU.dense_copy(bad_src, None)
+    for bad_dst in (torch.empty(4, dtype=torch.float64), torch.empty(8)[::2]):
+        with pytest.raises(TypeError, match="dense_copy's dst must be a contiguous float32 tensor"):
+            CPU.dense_copy(src, bad_dst)
+    for size in (3, 5):
+        with pytest.raises(ValueError, match=f"dense_copy's dst must hold 4 elements on cpu, got {size} on cpu"):
+            CPU.dense_copy(src, torch.empty(size))
+
+
+def test_topk_feedback_refuses_the_x_and_k_topk_select_refuses():
+    """topk_feedback checks x and k as topk_select does (a float32 contiguous x, an int k >= 0, no bool),
+    before its residual: a float64 x would otherwise be read as float32 words through its address."""
+    residual = torch.zeros(4)
+    for bad_x in (torch.ones(4, dtype=torch.float64), torch.ones(8)[::2]):
+        with pytest.raises(TypeError, match="topk_select takes a contiguous float32 tensor"):
+            CPU.topk_feedback(bad_x, residual, 1)
+    for bad_k in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="k must be an integer >= 0"):
+            CPU.topk_feedback(torch.ones(4), residual, bad_k)
+    assert residual.tolist() == [0.0] * 4

@@ -80,3 +80,29 @@ def test_topk_feedback_refuses_the_x_and_k_topk_select_refuses():
         with pytest.raises(ValueError, match="k must be an integer >= 0"):
             CPU.topk_feedback(torch.ones(4), residual, bad_k)
     assert residual.tolist() == [0.0] * 4
+
+
+def test_a_pending_decode_has_no_inexact_keys_until_reported_and_bounds_only_when_asked():
+    """The backend's pending decode (below the codec's header checks): inexact_keys() is an empty int64
+    tensor before finish() and after an exact one (the keys past rtol after an INEXACT one), and
+    error_bounds() after a finish without bounds=True is a RuntimeError, not an answer; with bounds=True it
+    lists the support's keys."""
+    from lossless_hc import LosslessCodec
+    from lossless_hc.lhc.status import DecodeStatus
+    codec = LosslessCodec(1000, 1, 10, index="bitmap")
+    x = torch.zeros(1000)
+    x[[3, 50, 700]] = torch.tensor([1.0, -2.0, 0.5])
+    payload = codec.encode(x)
+    pending = CPU.lhc_decode(codec._native, payload, torch.empty(1000), 1.0, 1, rtol=codec.rtol)
+    for _ in range(2):   # before finish, then after an exact one
+        keys = pending.inexact_keys()
+        assert keys.dtype == torch.int64 and keys.shape == (0,)
+        st, trace = pending.finish(3)
+        assert (st.status, st.support_keys, trace) == (DecodeStatus.OK, 3, None)
+    with pytest.raises(RuntimeError, match=r"error_bounds\(\) needs finish\(\.\.\., bounds=True\)"):
+        pending.error_bounds()
+    pending.finish(3, bounds=True)
+    keys, bounds = pending.error_bounds()
+    assert keys.tolist() == [3, 50, 700] and bounds.dtype == torch.float64 and bool((bounds > 0).all())
+    strict = CPU.lhc_decode(codec._native, payload, torch.empty(1000), 1.0, 1, rtol=0.0)   # no bound is 0
+    assert strict.finish(3)[0].status == DecodeStatus.INEXACT and strict.inexact_keys().tolist() == [3, 50, 700]

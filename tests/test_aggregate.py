@@ -438,7 +438,7 @@ def test_thc_interleave_kernels_match_the_index_definition(numel, nb, block):
 
 
 def test_thc_interleave_rejects_bad_operands():
-    from lossless_hc.backends.cpu import CPU
+    from lossless_hc.backends.cpu import CPU, check_interleave
     x, out = torch.zeros(100), torch.zeros(128)
     with pytest.raises(ValueError, match="nb \\* block >= numel"):
         CPU.thc_interleave(x, 8, 12, torch.zeros(96))      # 96 < 100 coordinates
@@ -450,6 +450,12 @@ def test_thc_interleave_rejects_bad_operands():
         CPU.thc_deinterleave(torch.zeros(256)[::2], 8, 16, x)
     with pytest.raises(ValueError, match="integers >= 1"):
         CPU.thc_interleave(x, 0, 16, out)
+    # blocks of no coordinates, though nb * block >= numel and the out's size would hold
+    with pytest.raises(ValueError, match="integers >= 1"):
+        CPU.thc_interleave(torch.zeros(0), 1, 0, torch.zeros(0))
+    # operands on two devices (every backend's check, before any kernel reads an address)
+    with pytest.raises(ValueError, match="the THC interleave's operands are on cpu and meta"):
+        check_interleave(x, 8, 16, torch.zeros(128, device="meta"))
 
 
 # -- inexact keys: re-aggregated alone, or densely when they are many ---------------------------------

@@ -181,6 +181,19 @@ def test_a_bitmap_word_no_sum_of_bitmaps_holds_is_refused(which):
             backend.bitmap_pack(keys, n, index=torch.tensor([-1]))
 
 
+@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+def test_bitmaps_of_no_rows_sum_to_an_empty_list_not_a_refusal(which):
+    """Ranks that hold no row pack all-zero words; their sum (or average) lists no rows: an empty int64
+    tensor, on every backend alike, never the None of a word no sum of bitmaps holds."""
+    backend, device = bitmap_backend(which)
+    for n, keys in ((3, 37), (1, 100), (7, 5000)):
+        empty = backend.bitmap_pack(keys, n, index=torch.tensor([], dtype=torch.int64, device=device))
+        assert torch.equal(empty.cpu(), torch.zeros(digit_packing(n, keys).words))
+        for scale in (1.0, float(n)):
+            rows = backend.bitmap_rows(empty * n / scale, keys, n, scale)
+            assert rows is not None and rows.dtype == torch.int64 and rows.numel() == 0, (n, keys, scale)
+
+
 def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
     """A two-phase bitmap word no sum of this tensor's bitmaps can hold (negative, base^per_word or
     more, NaN: another plan's payload, a garbled one) is refused, not read as counts modulo the base."""

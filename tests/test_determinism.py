@@ -270,6 +270,29 @@ def test_peel_batch_setting_is_checked_and_restored():
         assert cpu.lhc_peel_batch("default") == default
 
 
+@pytest.mark.parametrize("env", ["on", "off", "maybe", ""])
+def test_peel_batch_default_comes_from_the_environment(env):
+    """LHC_PEEL_BATCH sets lhc_peel_batch's default at start-up ("on", "off"), which "default" gives back
+    after a request; any other value is said on stderr and the CPU's own default stands (unset: the same)."""
+    import os
+    import subprocess
+    import sys
+    from lossless_hc.backends import cpu
+    code = ("from lossless_hc.backends import cpu; a = cpu.lhc_peel_batch(); cpu.lhc_peel_batch('off' if a else 'on'); "
+            "print(a, cpu.lhc_peel_batch('default'))")
+    run = lambda value: subprocess.run(   # noqa: E731
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(cpu.__file__)))),
+        env={**{k: v for k, v in os.environ.items() if k != "LHC_PEEL_BATCH"}, "LHC_PEEL_BATCH": value})
+    proc = run(env)
+    assert proc.returncode == 0, proc.stderr
+    own = run("").stdout.strip()   # an empty value: the CPU's own default, silently
+    assert own in ("True True", "False False")
+    want = {"on": "True True", "off": "False False"}.get(env, own)
+    assert proc.stdout.strip() == want
+    assert ("LHC_PEEL_BATCH=maybe is neither on nor off; ignored" in proc.stderr) == (env == "maybe")
+
+
 @pytest.mark.parametrize("block", [1, 3])
 def test_output_stage_writes_exactly_its_range_at_any_thread_count(block):
     """The decode's output stage merges the groups' sorted runs a chunk at a time, each thread its own

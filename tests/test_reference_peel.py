@@ -2,6 +2,7 @@
 each function against the value its docstring (and csrc/lhc_layout.h, csrc/lhc_ancestry.h) states."""
 import itertools
 
+import pytest
 import torch
 
 from lossless_hc.lhc import reference_peel as rp
@@ -65,16 +66,36 @@ def test_ancestry_of_exactly_the_cap_is_kept():
     assert rp.ancestries(cells, rounds, members, cap=4)[4] is None
 
 
-def test_verification_bound_counts_the_check_cells_residual():
+@pytest.mark.parametrize("acc1,G", [(1.0, 2.0), (0.0, 1.5)])
+def test_verification_bound_counts_the_check_cells_residual(acc1, G):
     """One key read from cell 0 and checked by cells 1 and 2: ``V(j) = acc(j) + max |residual(j)|``,
-    ``G = min_j V(j) / |w_j|`` and ``F = G - err`` rounded up by ``2^-52 G``."""
+    ``G = min_j V(j) / |w_j|`` and ``F = G - err`` rounded up by ``2^-52 G``. A cell with ``acc == 0``
+    is a check cell too (``acc >= 0``): its residual alone bounds the key."""
     cells = torch.tensor([[0, 1, 2]])
     weights = torch.tensor([[1, 2, -1]])
     rounds, _ = rp.peel_rounds(cells, 3)
     assert rounds[0][1].tolist() == [0]
-    acc = torch.tensor([-1.0, 1.0, 2.0], dtype=torch.float64)       # cell 0 read, cells 1 and 2 check
+    acc = torch.tensor([-1.0, acc1, 2.0], dtype=torch.float64)      # cell 0 read, cells 1 and 2 check
     val = torch.tensor([[0.0, 0.0], [0.5, -3.0], [0.25, 0.0]], dtype=torch.float64)
     err = torch.tensor([0.125], dtype=torch.float64)
     F = rp.verification_bound(cells, weights, rounds, acc, val, err)
-    G = min((1.0 + 3.0) / 2, (2.0 + 0.25) / 1)                      # 2.0, from cell 1
+    assert G == min((acc1 + 3.0) / 2, (2.0 + 0.25) / 1)             # from cell 1 either way
     assert F.tolist() == [G - 0.125 + G * 2.0 ** -52]
+
+
+def test_cell_error_bound_is_the_documented_formula():
+    """``(deg + n + 2) u M (1 + 2 (deg + n + 2) u)`` with u = 2^-24, on values where every step is exact:
+    m = 4u, 8u, 3u and 3u (deg 1, 5, 0 and 0, n = 1; an empty cell has no mass)."""
+    mass = torch.tensor([1.0, 0.5, 0.0, 2.0], dtype=torch.float64)
+    deg = torch.tensor([1, 5, 0, 0])
+    got = rp.cell_error_bound(mass, deg, 1).tolist()
+    assert got == [2.0 ** -22 + 2.0 ** -43, 2.0 ** -22 + 2.0 ** -42, 0.0, 3 * 2.0 ** -23 + 9 * 2.0 ** -46]
+
+
+def test_within_rtol_accepts_its_equality_edge():
+    """``err (1 + rtol) + u |v| <= rtol |v|`` holds with equality (not just strictly) at rtol = 2u,
+    err = u, v = +-(1 + 2u) (each side 2u (1 + 2u), exact in float64); a hair more error fails."""
+    u = rp.UNIT_ROUNDOFF
+    v = torch.tensor([1 + 2 * u, -(1 + 2 * u), 1 + 2 * u], dtype=torch.float64)
+    err = torch.tensor([u, u, u * (1 + 2.0 ** -40)], dtype=torch.float64)
+    assert rp.within_rtol(v, err, 2 * u).tolist() == [True, True, False]

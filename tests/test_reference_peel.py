@@ -99,3 +99,19 @@ def test_within_rtol_accepts_its_equality_edge():
     v = torch.tensor([1 + 2 * u, -(1 + 2 * u), 1 + 2 * u], dtype=torch.float64)
     err = torch.tensor([u, u, u * (1 + 2.0 ** -40)], dtype=torch.float64)
     assert rp.within_rtol(v, err, 2 * u).tolist() == [True, True, False]
+
+
+def test_solvable_pairs_are_ordered_by_their_first_cell():
+    """Two solvable pairs in one group of a table of seg_len 10 (cells 0-9, 10-19, 20-29 are its three
+    segments), where the order of their first cells (0 < 1) is not that of their other cells (11 > 10,
+    21 > 20) nor of their key indices: ``[P, 2]`` ordered by the pair's first cell. With fewer than two
+    keys left there are none: still ``[0, 2]``."""
+    cells = torch.tensor([[1, 10, 20], [1, 10, 20], [0, 11, 21], [0, 11, 21]])
+    weights = torch.tensor([[1, 1, 1], [1, -1, 1]] * 2)                # det -2: solvable
+    pairs = rp.solvable_pairs(cells, weights, torch.zeros(4, dtype=torch.bool))
+    assert pairs.tolist() == [[2, 3], [0, 1]]
+    for left in (0, 1):
+        resolved = torch.ones(4, dtype=torch.bool)
+        resolved[:left] = False
+        none = rp.solvable_pairs(cells, weights, resolved)
+        assert none.shape == (0, 2) and none.dtype == torch.int64

@@ -213,3 +213,20 @@ def test_within_rtol_leaves_room_for_the_float32_rounding():
     v = torch.ones(2, dtype=torch.float64)
     err = torch.tensor([edge * (1 - 1e-9), edge * (1 + 1e-6)], dtype=torch.float64)
     assert within_rtol(v, err, rtol).tolist() == [True, False]
+
+
+def test_reference_encode_refuses_what_it_cannot_encode():
+    """The oracle's input checks (``_flat_float32``, ``pack_digits``): a non-tensor, a tensor of another
+    size than the layout's numel, or a dtype other than float32/float16/bfloat16 is refused by name; a
+    digit that would make an index word reach 2**24 (not exact in float32) is refused too."""
+    L = plan_layout(100, 2, 5, 1, seed=0, index="bitmap")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        reference.encode(L, [0.0] * 100)
+    with pytest.raises(ValueError, match="x has 99 elements, the layout is for numel=100"):
+        reference.encode(L, torch.zeros(99))
+    with pytest.raises(TypeError, match="x has dtype torch.float64"):
+        reference.encode(L, torch.zeros(100, dtype=torch.float64))
+    assert reference.encode(L, torch.zeros(10, 10, dtype=torch.bfloat16)).shape == (L.payload_numel,)
+    assert reference.pack_digits(L, torch.tensor([1, 0, 2])).tolist()[0] == 1 + 2 * L.index.base ** 2
+    with pytest.raises(ValueError, match="index word does not fit float32 exactly"):
+        reference.pack_digits(L, torch.tensor([1 << 24]))

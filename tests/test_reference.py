@@ -180,11 +180,13 @@ def test_reference_detects_config_and_count_errors():
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("field,delta", [(lay.HDR_KEYS_LO, 0.25), (lay.HDR_KEYS_LO, 1.0), (lay.HDR_KEYS_LO, -1.0),
-                                         (lay.HDR_OVERLOADED, 0.5), (lay.HDR_SATURATED, 1.0), ("pad", 1.0)])
+                                         (lay.HDR_OVERLOADED, 0.5), (lay.HDR_SATURATED, 1.0), ("pad", 1.0),
+                                         ("word", 1.0)])
 def test_reference_refuses_what_the_codec_refuses(index, field, delta):
     """The oracle's own checks: a SUM's header field that is not an integer, a saturation flag, a key
-    count the index disagrees with, or a count past the last key fails in the reference as in the kernels (the round-trip tests compare valid
-    payloads only, so these paths of the reference are checked here)."""
+    count the index disagrees with, a count past the last key, or an index word past its digits fails in the
+    reference as in the kernels (the round-trip tests compare valid payloads only, so these paths of the
+    reference are checked here)."""
     from lossless_hc import LosslessCodec
     codec = LosslessCodec(500, 3, 20, seed=0, index=index)
     x = torch.zeros(500)
@@ -198,6 +200,9 @@ def test_reference_refuses_what_the_codec_refuses(index, field, delta):
             pytest.skip("this layout's index words have no padding digit")
         field, delta = codec.layout.index_offset + P.words - 1, float(P.base ** (P.digits % P.per_word))
         bad[lay.HDR_KEYS_LO] += 1.0   # and the key count agrees with it: only the position is wrong
+    elif field == "word":   # an index word of base**per_word or more: not a packed count (its digits look fine)
+        P = codec.layout.index
+        field, delta = codec.layout.index_offset, float(P.base ** P.per_word)
     bad[field] += delta
     assert not codec.decode(bad)[1].ok
     assert not reference.decode(codec.layout, bad)[1]["ok"]

@@ -235,3 +235,18 @@ def test_reference_encode_refuses_what_it_cannot_encode():
     assert reference.pack_digits(L, torch.tensor([1, 0, 2])).tolist()[0] == 1 + 2 * L.index.base ** 2
     with pytest.raises(ValueError, match="index word does not fit float32 exactly"):
         reference.pack_digits(L, torch.tensor([1 << 24]))
+
+
+def test_reference_decode_refuses_what_is_not_a_payload():
+    """``reference.decode`` takes a 1-D float32 tensor of exactly ``payload_numel`` elements: anything
+    else is refused by name (a right-sized 2-D tensor included), not decoded."""
+    L = plan_layout(100, 2, 5, 1, seed=0, index="bitmap")
+    p = reference.encode(L, torch.zeros(100)) * 2
+    assert reference.decode(L, p)[1]["ok"]
+    with pytest.raises(TypeError, match="payload must be a torch.Tensor, got list"):
+        reference.decode(L, p.tolist())
+    with pytest.raises(TypeError, match="payload must be float32, got torch.float64"):
+        reference.decode(L, p.double())
+    for bad in (p.reshape(1, -1), p[:-1], torch.cat([p, p[:1]])):
+        with pytest.raises(ValueError, match=f"payload must be 1-D with {L.payload_numel} elements"):
+            reference.decode(L, bad)

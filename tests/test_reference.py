@@ -181,9 +181,10 @@ def test_reference_detects_config_and_count_errors():
 @pytest.mark.parametrize("index", ["bitmap", "bloom", "multilevel"])
 @pytest.mark.parametrize("field,delta", [(lay.HDR_KEYS_LO, 0.25), (lay.HDR_KEYS_LO, 1.0), (lay.HDR_KEYS_LO, -1.0),
                                          (lay.HDR_OVERLOADED, 0.5), (lay.HDR_SATURATED, 1.0), ("pad", 1.0),
-                                         ("word", 1.0)])
+                                         ("word", 1.0), (lay.HDR_FP_LO, 1.0), (lay.HDR_FP_HI, 1.0)])
 def test_reference_refuses_what_the_codec_refuses(index, field, delta):
-    """The oracle's own checks: a SUM's header field that is not an integer, a saturation flag, a key
+    """The oracle's own checks: a SUM's header field that is not an integer, a saturation flag, either
+    half of the configuration fingerprint off by one, a key
     count the index disagrees with, a count past the last key, or an index word past its digits fails in the
     reference as in the kernels (the round-trip tests compare valid payloads only, so these paths of the
     reference are checked here)."""
@@ -235,6 +236,32 @@ def test_reference_encode_refuses_what_it_cannot_encode():
     assert reference.pack_digits(L, torch.tensor([1, 0, 2])).tolist()[0] == 1 + 2 * L.index.base ** 2
     with pytest.raises(ValueError, match="index word does not fit float32 exactly"):
         reference.pack_digits(L, torch.tensor([1 << 24]))
+
+
+@pytest.mark.parametrize("index", ["bitmap", "dense"])
+def test_reference_reads_the_header_key_count_and_non_finite_flag(index):
+    """The key count is ``LO + MID 2**11 + HI 2**22`` of the summed chunks (info's total_keys, also where
+    it then disagrees with the index), and a rank's NaN/Inf sets its non-finite flag, which fails the
+    aggregate with "non-finite input" (the dense kind too)."""
+    n = 3
+    L = plan_layout(500, n, 20, 1, seed=0, index=index)
+    x = torch.zeros(500)
+    x[[3, 99, 400]] = 1.0
+    summed = reference.encode(L, x) * n
+    if index == "bitmap":
+        assert reference.decode(L, summed)[1]["total_keys"] == 3 * n
+        for field, more in ((lay.HDR_KEYS_MID, 1 << 11), (lay.HDR_KEYS_HI, 1 << 22)):
+            bad = summed.clone()
+            bad[field] += 2.0
+            info = reference.decode(L, bad)[1]
+            assert info["total_keys"] == 3 * n + 2 * more
+            assert info["reason"] == "index corrupt: counts disagree with the header"
+    y = x.clone()
+    y[7] = float("inf")
+    p = reference.encode(L, y)
+    assert p[lay.HDR_NON_FINITE] == 1.0
+    info = reference.decode(L, p + reference.encode(L, x) * (n - 1))[1]
+    assert not info["ok"] and info["reason"] == "non-finite input"
 
 
 def test_reference_decode_refuses_what_is_not_a_payload():

@@ -310,3 +310,24 @@ def test_with_solvable_streams_returns_a_layout_needing_no_new_stream_as_is():
     out = with_solvable_streams(raw)
     assert out.reseeded[0] > 0 and out.sketch.stream != raw.sketch.stream
     assert (out.sketch.seg_len, out.sketch.seg_count) == (raw.sketch.seg_len, raw.sketch.seg_count)
+
+
+def test_a_solved_pairs_third_cell_still_checks_the_sum():
+    """After a pair is solved from cells p, q its third cell r keeps a check: its bound grows by the
+    pair's errors (``acc += |w_r(a)| E(a) + |w_r(b)| E(b)``), so a word added there that is far beyond
+    rounding fails "sketch corrupt" in the reference as in the C++ decoder."""
+    codec = LosslessCodec(4000, 2, 8, index="bitmap", seed=11)
+    L = codec.layout
+    solvable, _ = colliding_pairs(L)
+    rng = np.random.default_rng(helpers.stable_seed("pair-third-cell"))
+    for pair in solvable[:3]:
+        xs = pair_inputs(rng, L, pair, 2, others=4, dist="normal")
+        summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+        assert reference.decode(L, summed)[1]["peeled"] == codec.decode(summed)[1].support
+        cells, weights = reference.key_cells(L.sketch, torch.tensor(pair))
+        p, q, _ = reference.pair_cells(weights[0].tolist(), weights[1].tolist())
+        bad = summed.clone()
+        bad[L.sketch_offset + int(cells[0, 3 - p - q])] += 1.0
+        assert codec.decode(bad)[1].reason.startswith("sketch corrupt")
+        reason = reference.decode(L, bad)[1]["reason"]
+        assert reason == "sketch corrupt: a cell is not zero within its bound after peeling"

@@ -315,7 +315,8 @@ def test_with_solvable_streams_returns_a_layout_needing_no_new_stream_as_is():
 def test_a_solved_pairs_third_cell_still_checks_the_sum():
     """After a pair is solved from cells p, q its third cell r keeps a check: its bound grows by the
     pair's errors (``acc += |w_r(a)| E(a) + |w_r(b)| E(b)``), so a word added there that is far beyond
-    rounding fails "sketch corrupt" in the reference as in the C++ decoder."""
+    rounding fails "sketch corrupt" in the reference as in the C++ decoder. The reference's trace lists
+    the pair's keys as well."""
     codec = LosslessCodec(4000, 2, 8, index="bitmap", seed=11)
     L = codec.layout
     solvable, _ = colliding_pairs(L)
@@ -323,8 +324,13 @@ def test_a_solved_pairs_third_cell_still_checks_the_sum():
     for pair in solvable[:3]:
         xs = pair_inputs(rng, L, pair, 2, others=4, dist="normal")
         summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
-        assert reference.decode(L, summed)[1]["peeled"] == codec.decode(summed)[1].support
+        info = reference.decode(L, summed)[1]
+        assert info["peeled"] == codec.decode(summed)[1].support
+        # the trace lists a solved pair's keys too, each with its first cell (the pair is read from all)
+        trace_keys, trace_cells = info["trace"]
+        assert sorted(trace_keys.tolist()) == info["support_keys"].tolist()
         cells, weights = reference.key_cells(L.sketch, torch.tensor(pair))
+        assert dict(zip(trace_keys.tolist(), trace_cells.tolist()))[pair[1]] == int(cells[1, 0])
         p, q, _ = reference.pair_cells(weights[0].tolist(), weights[1].tolist())
         bad = summed.clone()
         bad[L.sketch_offset + int(cells[0, 3 - p - q])] += 1.0

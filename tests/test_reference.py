@@ -239,10 +239,11 @@ def test_reference_encode_refuses_what_it_cannot_encode():
 
 
 @pytest.mark.parametrize("index", ["bitmap", "dense"])
-def test_reference_reads_the_header_key_count_and_non_finite_flag(index):
+def test_reference_reads_the_header_counts_and_flags(index):
     """The key count is ``LO + MID 2**11 + HI 2**22`` of the summed chunks (info's total_keys, also where
-    it then disagrees with the index), and a rank's NaN/Inf sets its non-finite flag, which fails the
-    aggregate with "non-finite input" (the dense kind too)."""
+    it then disagrees with the index); a rank over capacity fails the aggregate as "overloaded" once
+    every key has peeled; and a rank's NaN/Inf sets its non-finite flag, which fails the aggregate with
+    "non-finite input" (the dense kind too)."""
     n = 3
     L = plan_layout(500, n, 20, 1, seed=0, index=index)
     x = torch.zeros(500)
@@ -256,6 +257,12 @@ def test_reference_reads_the_header_key_count_and_non_finite_flag(index):
             info = reference.decode(L, bad)[1]
             assert info["total_keys"] == 3 * n + 2 * more
             assert info["reason"] == "index corrupt: counts disagree with the header"
+    if index == "bitmap":   # a rank over capacity (20 keys): every key still peels, the aggregate fails
+        many = torch.zeros(500)
+        many[100:125] = 2.0
+        info = reference.decode(L, summed + reference.encode(L, many) - reference.encode(L, x))[1]
+        assert info["peeled"] == info["support"] == 28 and info["overloaded_ranks"] == 1
+        assert info["reason"] == "overloaded: 1 rank(s) over capacity"
     y = x.clone()
     y[7] = float("inf")
     p = reference.encode(L, y)

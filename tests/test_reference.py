@@ -284,3 +284,20 @@ def test_reference_decode_refuses_what_is_not_a_payload():
     for bad in (p.reshape(1, -1), p[:-1], torch.cat([p, p[:1]])):
         with pytest.raises(ValueError, match=f"payload must be 1-D with {L.payload_numel} elements"):
             reference.decode(L, bad)
+
+
+def test_node_patterns_by_hand():
+    """``reference.node_patterns`` on a two-level plan (level 0: nodes of 81 keys with 9 children of 9
+    keys; level 1: nodes of 9 keys), base 4, one pattern word per node: child ``c`` adds ``count 4**c``.
+    Keys 0, 1, 9, 80, 81 are children 0, 1 of node 0, 0 of node 1, 8 of node 8 and 0 of node 9 at
+    level 1; at level 0 children 0, 1, 8 of node 0 and 0 of node 1."""
+    L = plan_layout(100000, 3, 50, 1, seed=0, index="multilevel")
+    assert [(lv.span, lv.children, lv.words_per_group) for lv in L.multilevel.levels] == [(81, 9, 1), (9, 9, 1)]
+    assert L.index.base == 4
+    keys = torch.tensor([0, 1, 9, 80, 81])
+    nodes, words = reference.node_patterns(L, 1, keys)
+    assert nodes.tolist() == [0, 1, 8, 9] and words.tolist() == [[1 + 4], [1], [4 ** 8], [1]]
+    nodes, words = reference.node_patterns(L, 1, keys, counts=torch.tensor([2, 1, 3, 1, 1]))
+    assert nodes.tolist() == [0, 1, 8, 9] and words.tolist() == [[2 + 4], [3], [4 ** 8], [1]]
+    nodes, words = reference.node_patterns(L, 0, keys)
+    assert nodes.tolist() == [0, 1] and words.tolist() == [[1 + 4 + 4 ** 8], [1]]

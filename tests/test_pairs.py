@@ -316,7 +316,8 @@ def test_a_solved_pairs_third_cell_still_checks_the_sum():
     """After a pair is solved from cells p, q its third cell r keeps a check: its bound grows by the
     pair's errors (``acc += |w_r(a)| E(a) + |w_r(b)| E(b)``), so a word added there that is far beyond
     rounding fails "sketch corrupt" in the reference as in the C++ decoder. The reference's trace lists
-    the pair's keys as well."""
+    the pair's keys as well, and its error bounds of the pair's keys are the C++ decoder's (which rounds
+    them up to float32)."""
     codec = LosslessCodec(4000, 2, 8, index="bitmap", seed=11)
     L = codec.layout
     solvable, _ = colliding_pairs(L)
@@ -325,7 +326,15 @@ def test_a_solved_pairs_third_cell_still_checks_the_sum():
         xs = pair_inputs(rng, L, pair, 2, others=4, dist="normal")
         summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
         info = reference.decode(L, summed)[1]
-        assert info["peeled"] == codec.decode(summed)[1].support
+        rep = codec.decode(summed, error_bounds=True)[1]
+        assert info["peeled"] == rep.support
+        # the pair's error bounds (cells p, q hold the pair alone: both decoders take the same formula,
+        # the C++ rounding up to float32 along the way)
+        keys, E = rep.error_bounds
+        for k in pair:
+            ref = float(info["error_bound"][info["support_keys"].tolist().index(k)])
+            cpp = float(E[keys.tolist().index(k)])
+            assert 0 < ref <= cpp <= ref * (1 + 2.0 ** -20), (k, ref, cpp)
         # the trace lists a solved pair's keys too, each with its first cell (the pair is read from all)
         trace_keys, trace_cells = info["trace"]
         assert sorted(trace_keys.tolist()) == info["support_keys"].tolist()

@@ -301,3 +301,31 @@ def test_node_patterns_by_hand():
     assert nodes.tolist() == [0, 1, 8, 9] and words.tolist() == [[2 + 4], [3], [4 ** 8], [1]]
     nodes, words = reference.node_patterns(L, 0, keys)
     assert nodes.tolist() == [0, 1] and words.tolist() == [[1 + 4 + 4 ** 8], [1]]
+
+
+def test_reference_reports_nothing_decoded_when_the_header_fails():
+    """A payload refused at its header leaves every count of info at its empty value: not ok, no
+    contributors, keys, candidates, support or trace, no error bounds (decode's documented fields)."""
+    L = plan_layout(100, 2, 5, 1, seed=0, index="bitmap")
+    bad = reference.encode(L, torch.zeros(100)) * 2
+    bad[lay.HDR_CONTRIBUTORS] = 0.5
+    y, info = reference.decode(L, bad)
+    assert y.tolist() == [0.0] * 100 and y.dtype == torch.float64
+    assert info.pop("reason") == "header fields are not non-negative integers"
+    assert info.pop("support_keys").tolist() == [] and info.pop("inexact_keys").tolist() == []
+    assert info == dict(ok=False, contributors=0, total_keys=0, overloaded_ranks=0, candidates=0,
+                        false_positives=0, support=0, peeled=0, trace=None, error_bound=None)
+
+
+@pytest.mark.parametrize("support,reason", [(255, "sketch peeling failed"),
+                                            (256, "sketch peeling failed: a cell holds 256 support keys, more than 255")])
+def test_reference_cell_degree_limit_is_inclusive(support, reason):
+    """lhc::kMaxCellDegree: a cell may hold 255 support keys (then peeling fails as it does), 256 is
+    refused up front. A sketch of three one-cell segments puts every key in all three cells."""
+    from dataclasses import replace
+    L = plan_layout(1000, 1, 300, 1, seed=0, index="bitmap")
+    L = replace(L, sketch=replace(L.sketch, seg_len=1, seg_count=3))
+    x = torch.zeros(1000)
+    x[:support] = 1.0
+    info = reference.decode(L, reference.encode(L, x))[1]
+    assert info["support"] == support and info["reason"] == reason

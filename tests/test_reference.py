@@ -329,3 +329,45 @@ def test_reference_cell_degree_limit_is_inclusive(support, reason):
     x[:support] = 1.0
     info = reference.decode(L, reference.encode(L, x))[1]
     assert info["support"] == support and info["reason"] == reason
+
+
+@pytest.mark.parametrize("index", ["bitmap", "dense"])
+def test_reference_refuses_a_sketch_that_overflowed(index):
+    """Every rank's input was finite (its header says so), so a NaN/Inf in the aggregate's value sketch or
+    mass channel (or a dense value) is an overflow, refused by name instead of peeled."""
+    L = plan_layout(500, 2, 20, 1, seed=0, index=index)
+    x = torch.zeros(500)
+    x[[3, 99, 400]] = 1.0
+    summed = reference.encode(L, x) * 2
+    assert reference.decode(L, summed)[1]["ok"]
+    starts = [lay.HEADER_FIELDS] if index == "dense" else [L.sketch_offset, L.mass_offset]
+    for start in starts:
+        bad = summed.clone()
+        bad[start + 3] = float("inf")
+        info = reference.decode(L, bad)[1]
+        assert info["reason"] == ("sketch overflow: a dense value is NaN/Inf" if index == "dense" else
+                                  "sketch overflow: a sketch cell is NaN/Inf")
+
+
+def test_reference_encodes_an_empty_dense_tensor():
+    """numel 0 (dense): a header alone, one contributor, the fingerprint, and no non-finite flag."""
+    L = plan_layout(0, 2, 0, 1, seed=0, index="dense")
+    p = reference.encode(L, torch.zeros(0))
+    mask = (1 << lay.CHUNK_BITS) - 1
+    assert p.tolist() == [1.0, L.fingerprint & mask, L.fingerprint >> lay.CHUNK_BITS] + [0.0] * 8
+    assert reference.decode(L, p * 2)[1]["ok"]
+
+
+def test_reference_refuses_a_negative_pure_fine_cell():
+    """Multilevel: one key, so each fine level holds one node, alone in its three cells; its first cell
+    negated reads as a negative pattern, which is no node pattern (refused as such, not peeled on)."""
+    L = plan_layout(100000, 3, 50, 1, seed=0, index="multilevel")
+    x = torch.zeros(100000)
+    x[4321] = 1.0
+    summed = reference.encode(L, x) * 3
+    assert reference.decode(L, summed)[1]["ok"]
+    lv = L.multilevel.levels[0]
+    cells, _ = reference.key_cells(lv.table, torch.tensor([4321 // lv.span]))
+    bad = summed.clone()
+    bad[L.level_offsets[0] + int(cells[0, 0]) * lv.words_per_group] *= -1
+    assert reference.decode(L, bad)[1]["reason"] == "index corrupt: a pure fine cell is not a node pattern"

@@ -201,9 +201,10 @@ def test_reference_refuses_what_the_codec_refuses(index, field, delta):
             pytest.skip("this layout's index words have no padding digit")
         field, delta = codec.layout.index_offset + P.words - 1, float(P.base ** (P.digits % P.per_word))
         bad[lay.HDR_KEYS_LO] += 1.0   # and the key count agrees with it: only the position is wrong
-    elif field == "word":   # an index word of base**per_word or more: not a packed count (its digits look fine)
-        P = codec.layout.index
-        field, delta = codec.layout.index_offset, float(P.base ** P.per_word)
+    elif field == "word":   # an index word of exactly base**per_word: not a packed count (its digits look fine)
+        P, at = codec.layout.index, codec.layout.index_offset
+        field = at + int((summed[at: at + P.words] == 0).nonzero()[0])
+        delta = float(P.base ** P.per_word)
     bad[field] += delta
     assert not codec.decode(bad)[1].ok
     assert not reference.decode(codec.layout, bad)[1]["ok"]
@@ -371,3 +372,68 @@ def test_reference_refuses_a_negative_pure_fine_cell():
     bad = summed.clone()
     bad[L.level_offsets[0] + int(cells[0, 0]) * lv.words_per_group] *= -1
     assert reference.decode(L, bad)[1]["reason"] == "index corrupt: a pure fine cell is not a node pattern"
+
+
+@pytest.mark.parametrize("value,reason", [(-1.0, "header fields are not non-negative integers"),
+                                          (2.0 ** 53, "header fields are not non-negative integers"),
+                                          (2.0 ** 52, "overloaded: 4503599627370496 rank(s) over capacity")])
+def test_reference_header_fields_are_integers_in_0_to_2_pow_53(value, reason):
+    """A summed header field is an integer in [0, 2**53) (float64's exact integers): -1 and 2**53 are
+    refused as fields, 2**52 is read as the count it is (here of overloaded ranks)."""
+    L = plan_layout(500, 2, 20, 1, seed=0, index="bitmap")
+    x = torch.zeros(500)
+    x[[3, 99, 400]] = 1.0
+    bad = reference.encode(L, x) * 2
+    bad[lay.HDR_OVERLOADED] = value
+    assert reference.decode(L, bad)[1]["reason"] == reason
+
+
+def test_reference_empty_support_has_an_empty_trace():
+    """All-zero inputs: ok, no support, and a trace of two empty int64 tensors."""
+    L = plan_layout(500, 2, 20, 1, seed=0, index="bitmap")
+    y, info = reference.decode(L, reference.encode(L, torch.zeros(500)) * 2)
+    assert info["ok"] and info["support"] == 0 and y.abs().sum() == 0
+    assert [(t.shape, t.dtype) for t in info["trace"]] == [((0,), torch.int64)] * 2
+
+
+def test_reference_flags_a_nan_of_any_payload():
+    """NaN is any exponent-all-ones pattern with a non-zero mantissa: one whose lowest mantissa bit is set
+    (0x7FC00001, 0xFF800001) is non-finite like the default NaN and Inf."""
+    L = plan_layout(500, 2, 20, 1, seed=0, index="bitmap")
+    for bits in (0x7FC00001, 0x7F800001, -0x007FFFFF, 0x7F800000):
+        x = torch.zeros(500)
+        x[7:8] = torch.tensor([bits], dtype=torch.int32).view(torch.float32)
+        assert reference.encode(L, x)[lay.HDR_NON_FINITE] == 1.0, hex(bits)
+
+
+@pytest.mark.parametrize("word,reason", [(2.0 ** 22, "index overflow: a fine word reached 2**22 in magnitude"),
+                                         (-(2.0 ** 22), "index overflow: a fine word reached 2**22 in magnitude"),
+                                         (2.0 ** 21, "index corrupt: fine words left after peeling")])
+def test_reference_fine_words_stay_below_2_pow_22(word, reason):
+    """A multilevel fine word (a signed sum of node patterns) is below 2**22 in magnitude: one of 2**22
+    is an overflow; one of 2**21 in a cell no node hashes to is read, and left over after peeling."""
+    L = plan_layout(100000, 3, 50, 1, seed=0, index="multilevel")
+    x = torch.zeros(100000)
+    x[4321] = 1.0
+    bad = reference.encode(L, x) * 3
+    lv = L.multilevel.levels[0]
+    used = set(reference.key_cells(lv.table, torch.tensor([4321 // lv.span]))[0][0].tolist())
+    free = next(c for c in range(lv.table.cells) if c not in used)
+    bad[L.level_offsets[0] + free * lv.words_per_group] = word
+    assert reference.decode(L, bad)[1]["reason"] == reason
+
+
+def test_reference_refuses_a_child_past_the_last_node():
+    """Level 0's last node (1234, keys 99954..99999 of 100000) has children 11106..11114 at level 1, whose
+    last node is 11111: key 99999 is its child 5; moved to child 6 (node 11112, past the last) in all
+    three of the node's cells, the pattern is refused as such."""
+    L = plan_layout(100000, 3, 50, 1, seed=0, index="multilevel")
+    lv = L.multilevel.levels[0]
+    assert (lv.span, lv.children, L.index.base, lv.words_per_group) == (81, 9, 4, 1)
+    x = torch.zeros(100000)
+    x[99999] = 1.0
+    bad = reference.encode(L, x) * 3                          # count 3: child 5's digit is 3 * 4**5
+    cells, signs = reference.key_cells(lv.table, torch.tensor([1234]))
+    for c, s in zip(cells[0].tolist(), signs[0].tolist()):
+        bad[L.level_offsets[0] + c] += s * 3 * (4 ** 6 - 4 ** 5)
+    assert reference.decode(L, bad)[1]["reason"] == "index corrupt: a child past the last"

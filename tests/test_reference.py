@@ -359,18 +359,22 @@ def test_reference_encodes_an_empty_dense_tensor():
     assert reference.decode(L, p * 2)[1]["ok"]
 
 
-def test_reference_refuses_a_negative_pure_fine_cell():
+@pytest.mark.parametrize("pattern", ["negated", -1, 4 ** 9])
+def test_reference_refuses_a_pure_fine_cell_that_is_no_pattern(pattern):
     """Multilevel: one key, so each fine level holds one node, alone in its three cells; its first cell
-    negated reads as a negative pattern, which is no node pattern (refused as such, not peeled on)."""
+    read as a negative pattern (negated, or -1) or as one of base**digits_per_word = 4**9 (a digit past
+    the word) is no node pattern (refused as such, not peeled on)."""
     L = plan_layout(100000, 3, 50, 1, seed=0, index="multilevel")
     x = torch.zeros(100000)
     x[4321] = 1.0
     summed = reference.encode(L, x) * 3
     assert reference.decode(L, summed)[1]["ok"]
     lv = L.multilevel.levels[0]
-    cells, _ = reference.key_cells(lv.table, torch.tensor([4321 // lv.span]))
+    assert (L.index.base, lv.digits_per_word, lv.words_per_group) == (4, 9, 1)
+    cells, signs = reference.key_cells(lv.table, torch.tensor([4321 // lv.span]))
     bad = summed.clone()
-    bad[L.level_offsets[0] + int(cells[0, 0]) * lv.words_per_group] *= -1
+    at = L.level_offsets[0] + int(cells[0, 0])
+    bad[at] = -bad[at] if pattern == "negated" else pattern * int(signs[0, 0])
     assert reference.decode(L, bad)[1]["reason"] == "index corrupt: a pure fine cell is not a node pattern"
 
 
@@ -437,3 +441,21 @@ def test_reference_refuses_a_child_past_the_last_node():
     for c, s in zip(cells[0].tolist(), signs[0].tolist()):
         bad[L.level_offsets[0] + c] += s * 3 * (4 ** 6 - 4 ** 5)
     assert reference.decode(L, bad)[1]["reason"] == "index corrupt: a child past the last"
+
+
+def test_reference_bloom_counter_may_reach_world_size_times_its_cap():
+    """A Bloom counter sums ranks' counts of at most digit_cap each (more saturates the rank), so n *
+    digit_cap is a valid aggregate: two ranks each holding the same 5 = digit_cap keys of one cell."""
+    L = plan_layout(2000, 2, 40, 1, seed=0, index="bloom")
+    assert L.digit_cap == 5
+    cells, _ = reference.key_cells(L.bloom, torch.arange(L.num_keys))
+    crowded = int(torch.bincount(cells[:, 0]).argmax())
+    x = torch.zeros(2000)
+    x[(cells[:, 0] == crowded).nonzero().reshape(-1)[:5]] = 1.0
+    p = reference.encode(L, x)
+    assert p[lay.HDR_SATURATED] == 0
+    summed = p * 2
+    index = summed[L.index_offset: L.fine_offset]
+    assert int(reference.unpack_digits(L, index.to(torch.int64)).max()) == 10
+    y, info = reference.decode(L, summed)
+    assert info["ok"] and torch.equal(y, 2 * x.double())

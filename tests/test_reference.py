@@ -459,3 +459,27 @@ def test_reference_bloom_counter_may_reach_world_size_times_its_cap():
     assert int(reference.unpack_digits(L, index.to(torch.int64)).max()) == 10
     y, info = reference.decode(L, summed)
     assert info["ok"] and torch.equal(y, 2 * x.double())
+
+
+def test_reference_reports_a_bloom_index_that_does_not_peel():
+    """A Bloom filter of three 2-cell segments (8 possible cell triples) holding two keys of the same
+    three cells: no cell is pure, so the exact counter peeling stalls and is reported as such."""
+    from dataclasses import replace
+    L = plan_layout(2000, 2, 40, 1, seed=0, index="bloom")
+    L = replace(L, bloom=replace(L.bloom, seg_len=2))
+    cells, _ = reference.key_cells(L.bloom, torch.arange(9))
+    a, b = next((a, b) for a in range(9) for b in range(a) if cells[a].tolist() == cells[b].tolist())
+    x = torch.zeros(2000)
+    x[[a, b]] = 1.0
+    assert reference.decode(L, reference.encode(L, x) * 2)[1]["reason"] == "index peeling failed"
+
+
+def test_reference_refuses_an_unknown_index_kind():
+    """encode and decode name an index kind they do not know instead of writing or reading some payload."""
+    from dataclasses import replace
+    L = plan_layout(500, 2, 20, 1, seed=0, index="bitmap")
+    p = reference.encode(L, torch.zeros(500)) * 2
+    with pytest.raises(ValueError, match="unknown index kind 'weird'"):
+        reference.encode(replace(L, index_kind="weird"), torch.zeros(500))
+    with pytest.raises(ValueError, match="unknown index kind 'weird'"):
+        reference.decode(replace(L, index_kind="weird"), p)

@@ -504,3 +504,33 @@ def test_multilevel_plan_refuses_what_it_cannot_build():
     # two nodes to a cell could overflow even a one-digit word of base 2**21 + 1
     assert multilevel_plan(1_000_000, 10, 2 ** 21, 1) is None
     assert multilevel_plan(1, 1, 2, 1).levels[0].num_nodes == 1
+
+
+@pytest.mark.parametrize("to", ["negative", "limit", "two words"])
+def test_a_solved_fine_pair_must_be_a_pair_of_patterns(to):
+    """A solved pair of fine nodes whose three cells agree on a pattern that no node has -- -1, or
+    base**digits_per_word (one past the word's digits) -- is refused as such by the reference: its
+    cells are consistent, only the range of a node pattern tells it apart. A pattern word of 0 is a
+    pattern (two words per node, one rank holding one child of each: one word of each node is 0), solved
+    and decoded."""
+    from lossless_hc.lhc.reference_peel import pair_numerators
+    n = 1 if to == "two words" else 2
+    L = build_layout("multilevel", 400_000, n, 40, 1, 3, None, (2,) if to == "two words" else (1,))
+    lv = L.multilevel.levels[0]
+    solvable, _ = helpers.colliding_pairs(lv.table, lv.num_nodes)
+    rng = np.random.default_rng(helpers.stable_seed("finepair range", to))
+    pair = solvable[0]
+    xs = pair_node_inputs(L, pair, n, rng)
+    summed = sum(reference.encode(L, x) for x in xs)
+    assert reference.decode(L, summed)[1]["ok"]
+    if to == "two words":
+        assert lv.words_per_group == 2
+        return
+    cells, signs = reference.key_cells(lv.table, torch.tensor(list(pair)))
+    at = L.level_offsets[0] + cells[0] * lv.words_per_group
+    num_a, _, det = pair_numerators(summed[at].to(torch.int64).reshape(3, 1), torch.arange(3), signs[0], signs[1])
+    pa = int(num_a) // det
+    want = -1 if to == "negative" else L.index.base ** lv.digits_per_word
+    bad = summed.clone()
+    bad[at] += (signs[0] * (want - pa)).to(torch.float32)
+    assert reference.decode(L, bad)[1]["reason"] == "index corrupt: a solved fine pair is not a pair of node patterns"

@@ -318,8 +318,8 @@ def test_reference_reports_nothing_decoded_when_the_header_fails():
                         false_positives=0, support=0, peeled=0, trace=None, error_bound=None)
 
 
-@pytest.mark.parametrize("support,reason", [(255, "sketch peeling failed"),
-                                            (256, "sketch peeling failed: a cell holds 256 support keys, more than 255")])
+@pytest.mark.parametrize("support,reason", [
+    (255, "sketch peeling failed"), (256, "sketch peeling failed: a cell holds 256 support keys, more than 255")])
 def test_reference_cell_degree_limit_is_inclusive(support, reason):
     """lhc::kMaxCellDegree: a cell may hold 255 support keys (then peeling fails as it does), 256 is
     refused up front. A sketch of three one-cell segments puts every key in all three cells."""

@@ -262,16 +262,25 @@ def test_hooks_under_torch_compile_equal_eager_ddp(tmp_path):
 def test_two_ddp_groups_in_one_world_are_independent(tmp_path):
     """Four ranks as two DDP groups configured differently (tests/mp/ddp_worker.py, subgroups): one
     over capacity at every step, whose fallback groups its two ranks make alone, then auto; the other
-    within capacity. Each equals DDP's allreduce on its own group, and nothing waits for the other; a
-    group all four ranks make afterwards sums over all four (the hooks' groups, made by one DDP group's
-    members alone, leave the world's group naming alike on every rank)."""
+    within capacity; then auto on each. Each equals DDP's allreduce on its own group, and nothing waits for
+    the other; a group all four ranks make afterwards sums over all four (the hooks' groups, made by one DDP
+    group's members alone, leave the world's group naming alike on every rank). Auto's calibration is
+    measured on its own group and broadcast from that group's rank 0 (global rank 2 for the second group,
+    which global rank 0 is not in): a fit, identical within the group, not the zeros the other ranks hold."""
     run([sys.executable, WORKER, "4", str(free_port()), str(tmp_path), "subgroups"])
-    for r in results(str(tmp_path), "subgroups", 4):
+    rs = results(str(tmp_path), "subgroups", 4)
+    for r in rs:
         assert r["world_sum"] == 4.0, r
         for key in ("first", "second"):
             assert r[key]["max_diff"] <= TOL, (r["group"], key, r[key])
         st = r["first"]["stats"]
         assert st["compressed"] > 0 and (st["fallbacks"] > 0) == (r["group"] == 0), (r["group"], st)
+        cal = r["second"]["stats"]["calibration"]
+        assert cal["source"] == "measured" and cal["seconds_per_byte"] > 0, (r["group"], cal)
+    for a, b in (rs[0:2], rs[2:4]):   # ranks {0, 1} and {2, 3}
+        links = [{k: v for k, v in r["second"]["stats"]["calibration"].items()
+                  if k in ("alpha_s", "seconds_per_byte", "allgather_seconds_per_byte")} for r in (a, b)]
+        assert links[0] == links[1], links
 
 
 def test_capacity_policy_adapts_identically_and_stays_exact(ddp_run):

@@ -354,9 +354,10 @@ def unused_and_accumulation(steps=STEPS, micro=3):
 
 def subgroups():
     """Four ranks, two DDP groups ({0, 1} and {2, 3}) configured differently: the first over capacity
-    at every step (dense fallbacks, through fallback groups its ranks make alone), then auto; the
-    second within capacity, then lossless again. Each must equal DDP's allreduce on its own group,
-    and neither may wait for the other's collectives."""
+    at every step (dense fallbacks, through fallback groups its ranks make alone), the second within
+    capacity; then auto on each, its calibration measured on its own group (the second's root is global
+    rank 2). Each must equal DDP's allreduce on its own group, and neither may wait for the other's
+    collectives."""
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = rank // 2
@@ -364,7 +365,7 @@ def subgroups():
     ref = train(None, process_group=pg)
     out = {"group": group}
     first = LosslessHookState(process_group=pg, max_density=0.001 if group == 0 else 0.05)
-    second = AutoHookState(process_group=pg) if group == 0 else LosslessHookState(process_group=pg, max_density=0.05)
+    second = AutoHookState(process_group=pg)
     for key, state in (("first", first), ("second", second)):
         got = train(state, hook=auto_hook if isinstance(state, AutoHookState) else lossless_hook, process_group=pg)
         out[key] = {"max_diff": max_param_diff(ref, got), "stats": state.stats()}

@@ -113,6 +113,8 @@ def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run)
         assert got[2:] == ddp[2:], (got, ddp)                     # then nothing beyond DDP's own
         # statistics on step counts 1, 4 and 8 of 10 (interval 4); the 7 others plain
         assert set(r["plain_steps"].values()) == {7}, r["plain_steps"]
+        # every plan dense: nothing for the step guard to weigh, so no trial opens at its start (step 8)
+        assert r["stats"]["guard"]["trials"] == 0 and r["stats"]["guard"]["window"] is None, r["stats"]["guard"]
         assert r["calibration_cost"]["source"] == "measured" and r["calibration_cost"]["seconds"] > 0
         # the largest gradient is 64 x 64 float32 (16 KiB): timed at 1 KiB and the 32 KiB floor, not to 1 MiB
         assert r["calibration_cost"]["link_sizes"] == [1024, 32768], r["calibration_cost"]

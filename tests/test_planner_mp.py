@@ -95,6 +95,10 @@ def test_ddp_auto_is_exact_and_identical_on_every_rank(ddp_run, name):
     if name == "measured":   # the start-up calibration ran and rank 0's fit reached every rank
         alpha, beta = rs[0]["calibration"][:2]
         assert alpha >= 0 and beta > 0
+        # the link timed up to the largest gradient's float32 bytes (the 5000 x 8 users table: 160000),
+        # after 1 KiB and the 32 KiB floor, whose quarter it exceeds
+        for r in rs:
+            assert r["stats"]["calibration"]["link_sizes"] == [1024, 32768, 4 * 5000 * 8], r["stats"]["calibration"]
 
 
 def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run):
@@ -110,6 +114,9 @@ def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run)
         # DDP: the first step's buckets, its bucket rebuild at the second, then one allreduce per bucket
         assert len(set(ddp[2:])) == 1 and ddp[2] >= 2, ddp
         assert got[0] >= ddp[0] and got[1] > ddp[1], (got, ddp)   # + the configuration check, the calibration
+        # the calibration: at each link size (1 and 32 KiB) an allreduce and an allgather, each once to warm
+        # up and 3 times timed, then rank 0's fit broadcast
+        assert got[1] - ddp[1] == 2 * 2 * (1 + 3) + 1, (got, ddp)
         assert got[2:] == ddp[2:], (got, ddp)                     # then nothing beyond DDP's own
         # statistics on step counts 1, 4 and 8 of 10 (interval 4); the 7 others plain
         assert set(r["plain_steps"].values()) == {7}, r["plain_steps"]

@@ -349,6 +349,9 @@ def test_ddp_auto_lossy_takes_powersgd_identically_and_sends_what_it_predicts(ru
             assert step == r["predicted_bytes"], (step, r["predicted_bytes"])
     for i in psgd:
         assert buckets[i]["wire_bytes_per_step"] == sum(rs[0]["predicted_bytes"][i])
+    # the counters take every gradient of every step, PowerSGD's included: 8 steps of the MLP's float32 bytes
+    numel = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 16 + 16
+    assert all(r["dense_bytes"] == 8 * 4 * numel for r in rs), [r["dense_bytes"] for r in rs]
     assert "powersgd" not in rs[0]["exact_plan"].values() and rs[0]["exact_buckets"] == {}   # lossy=False
 
 

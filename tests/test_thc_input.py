@@ -160,6 +160,32 @@ def test_wrong_aggregation_is_named():
         codecs[0].decode(summed, averaged=True)
 
 
+def test_a_non_bool_averaged_is_refused_before_any_state_changes():
+    """decode's averaged must be a bool: a truthy 1 (or "no") would silently decode the payload as an average.
+    Refused with TypeError before the step advances, so the same step then decodes with averaged=True."""
+    n = 2
+    codecs = make_ranks(n, 300, initial_norm=10.0)
+    averaged = sum(c.encode(torch.randn(300)) for c in codecs) / n
+    for bad in (1, "no"):
+        with pytest.raises(TypeError, match="averaged must be a bool"):
+            codecs[0].decode(averaged, averaged=bad)
+    assert codecs[0].step == 0
+    ys = [c.decode(averaged, averaged=True) for c in codecs]
+    assert torch.equal(ys[0], ys[1]) and codecs[0].step == 1
+
+
+def test_a_payload_that_is_not_a_tensor_is_refused_with_a_type_error():
+    """A list or numpy array handed to decode (an engine returning the wrong object) is a TypeError naming
+    torch.Tensor, raised before the step advances."""
+    c = lhc.THCCodec(100, 1, initial_norm=5.0)
+    p = c.encode(torch.randn(100))
+    for bad in (p.tolist(), p.numpy()):
+        with pytest.raises(TypeError, match="payload must be a torch.Tensor"):
+            c.decode(bad)
+    assert c.step == 0
+    c.decode(p)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_contributor_count_names_the_aggregation_to_pass_and_only_that(n):
     """A SUM decoded as an average counts n * n contributions: the error says to pass averaged=False; an

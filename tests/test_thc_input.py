@@ -186,6 +186,21 @@ def test_a_payload_that_is_not_a_tensor_is_refused_with_a_type_error():
     c.decode(p)
 
 
+def test_an_input_or_payload_on_another_device_is_refused_before_any_state_changes():
+    """THCCodec.encode's x and decode's payload are checked for the codec's device before any kernel or copy sees
+    them: a meta tensor of the right size and dtype is a ValueError naming both devices, the step does not
+    advance, and the same step then runs with CPU tensors."""
+    c = lhc.THCCodec(100, 1, initial_norm=5.0)
+    with pytest.raises(ValueError, match="x is on meta, the codec on cpu"):
+        c.encode(torch.zeros(100, device="meta"))
+    p = c.encode(torch.randn(100))
+    with pytest.raises(ValueError, match="payload is on meta, the codec on cpu"):
+        c.decode(torch.zeros(c.payload_numel, dtype=torch.float64, device="meta"))
+    assert c.step == 0
+    c.decode(p)
+    assert c.step == 1
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_the_contributor_count_names_the_aggregation_to_pass_and_only_that(n):
     """A SUM decoded as an average counts n * n contributions: the error says to pass averaged=False; an

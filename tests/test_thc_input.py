@@ -309,6 +309,27 @@ def test_state_dict_round_trip():
     assert clone.step == 1 and clone.norm == codecs[0].norm and torch.equal(clone.error, codecs[0].error)
 
 
+def test_a_fresh_codec_s_state_loads_at_its_bounds_and_a_slightly_negative_norm_does_not():
+    """load_state_dict's step and norm bounds are inclusive at 0: the state of a codec that never ran (step 0,
+    norm 0, zero memory) restores, after which the codec runs a norm-only round bit for bit like a fresh one; a
+    norm of -0.5 (no codec saves a negative M) is refused, the codec keeping its own state."""
+    n, numel = 2, 300
+    g = torch.Generator().manual_seed(6)
+    codecs = make_ranks(n, numel, seed=2)
+    run_step(codecs, [torch.randn(numel, generator=g) for _ in range(n)])
+    before = codecs[0].state_dict()
+    with pytest.raises(ValueError, match=r"state\['norm'\] must be a finite number >= 0"):
+        codecs[0].load_state_dict(dict(before, norm=-0.5))
+    assert codecs[0].norm == before["norm"] > 0 and codecs[0].step == 1
+    fresh = make_ranks(n, numel, seed=2)
+    for c, f in zip(codecs, fresh):
+        c.load_state_dict(f.state_dict())
+        assert c.step == 0 and c.norm == 0.0 and bool((c.error == 0).all())
+    xs = [torch.randn(numel, generator=g) for _ in range(n)]
+    want, ys = run_step(fresh, xs), run_step(codecs, xs)
+    assert all(bool((y == 0).all()) and torch.equal(y, w) for y, w in zip(ys, want))
+
+
 def test_load_state_dict_between_encode_and_decode_is_refused():
     """A state loaded while an encode awaits its decode would decode the payload with another step's signs
     and norm: RuntimeError, the codec unchanged, and the pending decode then runs."""

@@ -239,6 +239,8 @@ def test_thc_clean_sum_decodes():
 @pytest.mark.parametrize("edit,match", [
     # a flag summed over n ranks is at most n: more is a corrupted word, not n + 1 non-finite inputs
     (lambda p, n, P: p.__setitem__(THC_NON_FINITE, n + 1), "non-finite flag count"),
+    (lambda p, n, P: p.__setitem__(THC_NON_FINITE, -1), "non-finite flag count"),   # and none is below 0
+    (lambda p, n, P: p.__setitem__(THC_CHECKSUM, -1), "checksum field"),   # nor is a sum of checksums
     # one rank flagged non-finite: the others' checksums add up to at most (n - 1)(P - 1)
     (lambda p, n, P: (p.__setitem__(THC_NON_FINITE, 1), p.__setitem__(THC_CHECKSUM, n * (P - 1))), "checksum field"),
     # a SUM of integer fields is an exact integer

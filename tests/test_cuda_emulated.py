@@ -221,6 +221,21 @@ def test_emulated_decode_is_lossless_and_agrees_with_cpu(emulated, cfg, averaged
         (r_cpu.ok, r_cpu.support, r_cpu.peeled, r_cpu.candidates, r_cpu.false_positives)
 
 
+def test_emulated_bloom_decode_without_false_positives_reports_none(emulated):
+    """A Bloom decode whose candidates are exactly the support reports 0 false positives, as the CPU
+    (the count is candidates - support, never a floor above 0)."""
+    numel, n = 3000, 2
+    cpu, native = host_codecs(numel, n, 60, index="bloom")
+    x = torch.zeros(numel)
+    x[[17, 1234]] = torch.tensor([0.5, -3.0])
+    summed = cpu.encode(x) * n
+    y, report, _ = emulated_decode(native, summed)
+    _, r_cpu = cpu.decode(summed)
+    assert r_cpu.ok and (r_cpu.candidates, r_cpu.support, r_cpu.false_positives) == (2, 2, 0)
+    assert (report.ok, report.candidates, report.support, report.false_positives) == (True, 2, 2, 0)
+    assert torch.equal(y, x * n)
+
+
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
 def test_emulated_decode_is_bitwise_deterministic(emulated, index):
     """The emulated threads interleave differently on every run, and the one-block scan runs on the

@@ -237,6 +237,30 @@ def test_emulated_bloom_decode_without_false_positives_reports_none(emulated):
 
 
 @pytest.mark.parametrize("index", ["bitmap", "bloom"])
+def test_emulated_codec_decode_through_the_cuda_backend(emulated, index):
+    """LosslessCodec.decode through the CUDA backend interface (CudaBackend.lhc_decode, PendingDecode)
+    returns what the CPU backend's does: output bits, status, counts, inexact keys, trace and error
+    bounds."""
+    from lossless_hc.backends.cuda import CUDA
+    cfg = dict(numel=3000, n=3, k=60, block=1, index=index)
+    rng, xs = inputs(cfg, "emu-backend", "wide")
+    cpu, native = host_codecs(cfg["numel"], cfg["n"], cfg["k"], 1, index)
+    gpu, _ = host_codecs(cfg["numel"], cfg["n"], cfg["k"], 1, index)
+    gpu._backend, gpu._native = CUDA, native
+    summed = helpers.sum_payloads([cpu.encode(x) for x in xs], rng)
+    y_cpu, r_cpu = cpu.decode(summed, trace=True, error_bounds=True)
+    y, r = gpu.decode(summed, trace=True, error_bounds=True)
+    # The wide values leave some keys above rtol: an INEXACT decode, with its inexact keys listed.
+    assert r.status == r_cpu.status == helpers.INEXACT and r.reason == r_cpu.reason
+    assert torch.equal(r.inexact_keys, r_cpu.inexact_keys) and r.inexact_keys.numel() > 0
+    assert torch.equal(bits(y), bits(y_cpu))
+    for field in ("candidates", "false_positives", "support", "peeled", "total_keys"):
+        assert getattr(r, field) == getattr(r_cpu, field), field
+    assert r.trace is not None and torch.equal(r.trace[0].sort().values, r_cpu.trace[0].sort().values)
+    assert_same_bounds(r, r_cpu)
+
+
+@pytest.mark.parametrize("index", ["bitmap", "bloom"])
 def test_emulated_decode_is_bitwise_deterministic(emulated, index):
     """The emulated threads interleave differently on every run, and the one-block scan runs on the
     emulation's 64 threads and on the GPU's SCAN_THREADS: the output bits must not change."""

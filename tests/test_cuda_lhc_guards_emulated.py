@@ -499,3 +499,14 @@ def test_fuzzed_index_words_report_as_the_cpu(emulated, kind):  # noqa: F811
             q[where] = torch.from_numpy(rng.integers(0, 2 ** 22, size=where.numel()).astype(np.float32))
         statuses.add(index_verdicts_agree(cpu, native, q)[0])
     assert DecodeStatus.INDEX_CORRUPT in statuses
+
+
+def test_decode_refuses_a_dense_layout(emulated):  # noqa: F811
+    """A dense layout has no index for the decode kernels: decode refuses it before queuing a kernel
+    (the codec copies dense payloads itself) rather than peeling an empty support."""
+    cpu, native = codecs("dense", 3000, 2, 3000)
+    assert cpu.layout.index_kind == "dense"
+    payload = torch.zeros(cpu.layout.payload_numel)
+    out = torch.full((cpu.layout.numel,), 7.0)
+    with pytest.raises(ValueError, match="bitmap, Bloom and multilevel indexes, not 'dense'"):
+        _cuda.decode(native, 1.0, 2, payload, out)

@@ -154,6 +154,22 @@ def test_inexact_keys_are_reaggregated_exactly(launch, mesh, name):
     assert_identical_decisions(rs)
 
 
+@pytest.mark.parametrize("mesh,name", [("1x2", "inexact"), ("1x2", "fallback")])
+def test_the_reduce_scatter_counts_the_bytes_it_sends(launch, mesh, name):
+    """On the 1-D mesh (the reduce-scatter alone), every step's ``payload_bytes`` on every rank are exactly
+    the bytes that rank handed the reduce-scatter's collectives: the messages' all-to-alls, the inexact
+    keys' all-gather and the re-aggregation's float32 rows, whose fallbacks and inexact values the decodes
+    counted in their own dtype first (a fallback's dense chunk is not counted twice)."""
+    rs = results(launch, mesh, name)
+    for r in rs:
+        if name == "inexact":
+            assert r["payload"] == r["wire"], r
+        else:
+            assert any(e["repaired"] for e in r["exchanges"]), r["exchanges"]
+            for e in r["exchanges"]:
+                assert e["payload_bytes"] == sum(nbytes for _, _, nbytes in e["calls"]), e
+
+
 @pytest.mark.parametrize("mesh,name", cases("topk", "topk_rs"))
 def test_topk_keeps_error_feedback_and_trains(launch, mesh, name):
     """Top-k (ratio 0.05) with error feedback trains near uncompressed FSDP2. On the 1-D mesh, where the

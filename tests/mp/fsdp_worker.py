@@ -202,12 +202,13 @@ def max_diff(a, b):
 
 
 def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compiled=False, mp_policy=None, micro=1,
-            count_exchange=False, frozen=()):
+            count_exchange=False, frozen=(), gathers=False):
     """Uncompressed FSDP2 (eager) against ``state``'s hooks (under ``torch.compile`` with ``compiled``),
     both with ``mp_policy`` and ``micro`` batches per step. ``count_exchange``: also record, per step
     after the first, the reduce-scatter's all-to-alls (``[name, dtype, input bytes]``) and the bytes of
     each destination's message as its aggregators' payload specs give them before the step, how many
-    decodes of the step were re-aggregated (failed or inexact) and the payload bytes the stats counted."""
+    decodes of the step were re-aggregated (failed or inexact) and the payload bytes the stats counted;
+    ``gathers``: the all-gathers (the inexact keys') among the calls too."""
     ref = build(mesh, native=True, hidden=hidden, mp_policy=mp_policy, frozen=frozen)
     train(ref, steps, lr=lr, micro=micro)
     got = build(mesh, native=False, hidden=hidden, mp_policy=mp_policy, frozen=frozen)
@@ -222,8 +223,8 @@ def compare(mesh, state, reduce_scatter, steps=STEPS, hidden=16, lr=0.1, compile
             destinations = [sum(numel * dt.itemsize for k, (numel, dt) in specs.items() if k.endswith(f"->{d}"))
                             for d in range(state.shards)]
             before = state.stats()
-            with CountedCollectives("all_to_all_single", "reduce_scatter_single",
-                                    "reduce_scatter_tensor") as counted:
+            with CountedCollectives("all_to_all_single", "reduce_scatter_single", "reduce_scatter_tensor",
+                                    *(("all_gather",) if gathers else ())) as counted:
                 train(got, 1, start=step, opt=opt, micro=micro)
             after = state.stats()
             exchanges.append({"calls": counted.calls, "destinations": destinations,
@@ -394,22 +395,29 @@ def expect_error(fn, exc):
 
 def inexact(mesh, reduce_scatter: bool):
     """Per step, constructed gradients (tests/mp/inexact_case.py) through the hooks; compared with their
-    exact dense average over every rank (4 or 2 ranks: a division by a power of two, exact)."""
+    exact dense average over every rank (4 or 2 ranks: a division by a power of two, exact). Also per
+    step: the bytes this rank handed the plugin's all-to-alls and all-gathers (``wire``) and the payload
+    bytes its stats counted (``payload``)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     model = inexact_case.InexactModel()
     fully_shard(model, mesh=mesh if mesh.ndim == 1 else mesh["shard"])
     state = LosslessFSDPState(mesh, max_density=0.05)
     state.register(model, reduce_scatter=reduce_scatter)
     built = _record_at_build(state)
-    steps = []
+    steps, wire, payload = [], [], []
     for step in range(inexact_case.STEPS):
         model.zero_grad(set_to_none=True)
-        model(*inexact_case.gradients(step, rank)).backward()
+        before = state.stats()["payload_bytes"]
+        with CountedCollectives("all_to_all_single", "all_gather") as counted:
+            model(*inexact_case.gradients(step, rank)).backward()
+        wire.append(sum(nbytes for _, _, nbytes in counted.calls))
+        payload.append(state.stats()["payload_bytes"] - before)
         grads = [p.grad.full_tensor() for p in model.parameters()]
         ref = inexact_case.dense_reference(step, size, average=True)
         steps.append(inexact_case.compare(ref, grads))
     aggs = sorted(state._aggregators.items())
-    return {"steps": steps, "stats": state.stats(), "capacity": {k: a.capacity for k, a in aggs},
+    return {"steps": steps, "wire": wire, "payload": payload, "stats": state.stats(),
+            "capacity": {k: a.capacity for k, a in aggs},
             "grown": [k for k, a in aggs if a.capacity != built[k]["capacity"]]}
 
 
@@ -447,7 +455,8 @@ def scenario(name, mesh):
     if base == "compiled":   # torch.compile(model): FSDP2's hooks, and so ours, run around the compiled graphs
         return compare(mesh, LosslessFSDPState(mesh, max_density=0.05), rs, compiled=True)
     if base == "fallback":    # capacity 0.1%: the tables overload, fall back exactly (identically), grow
-        return compare(mesh, LosslessFSDPState(mesh, max_density=0.001), rs, count_exchange=mesh.ndim == 1)
+        return compare(mesh, LosslessFSDPState(mesh, max_density=0.001), rs, count_exchange=mesh.ndim == 1,
+                       gathers=True)
     if base == "topk":
         state = TopKFSDPState(mesh, ratio=0.05)
         r = compare(mesh, state, rs, steps=16, hidden=512, lr=0.02)

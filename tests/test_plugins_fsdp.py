@@ -168,6 +168,8 @@ def test_the_reduce_scatter_counts_the_bytes_it_sends(launch, mesh, name):
             assert any(e["repaired"] for e in r["exchanges"]), r["exchanges"]
             for e in r["exchanges"]:
                 assert e["payload_bytes"] == sum(nbytes for _, _, nbytes in e["calls"]), e
+                # the keys' all-gather only where some owner has inexact keys: none of zero keys
+                assert all(nbytes for n, _, nbytes in e["calls"] if n == "all_gather"), e
 
 
 @pytest.mark.parametrize("mesh,name", cases("topk", "topk_rs"))

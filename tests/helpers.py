@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -505,6 +506,15 @@ def emulated_cluster_skip_reason(horovod: bool = False):
         return f"`ip netns add` fails here: {res.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -c code`` in a fresh process (settings read at start-up, such as ``LHC_CPU_ISA``, take effect
+    there), importing this checkout's lossless_hc (run from the package's root), with ``env`` over this
+    process's environment; stdout and stderr captured as text."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(cpu_backend.__file__)))   # .../lossless_hc
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(package), env=dict(os.environ, **env))
 
 
 def free_port() -> int:

@@ -270,25 +270,25 @@ def test_peel_batch_setting_is_checked_and_restored():
         assert cpu.lhc_peel_batch("default") == default
 
 
+PEEL_BATCH_AT_START_UP = ("from lossless_hc.backends import cpu; a = cpu.lhc_peel_batch(); "
+                          "cpu.lhc_peel_batch('off' if a else 'on'); print(a, cpu.lhc_peel_batch('default'))")
+
+
+@pytest.fixture(scope="module")
+def own_peel_batch():
+    """The CPU's own default as a fresh process sees it (LHC_PEEL_BATCH empty: the same, silently)."""
+    own = helpers.run_python(PEEL_BATCH_AT_START_UP, LHC_PEEL_BATCH="").stdout.strip()
+    assert own in ("True True", "False False")
+    return own
+
+
 @pytest.mark.parametrize("env", ["on", "off", "maybe", ""])
-def test_peel_batch_default_comes_from_the_environment(env):
+def test_peel_batch_default_comes_from_the_environment(env, own_peel_batch):
     """LHC_PEEL_BATCH sets lhc_peel_batch's default at start-up ("on", "off"), which "default" gives back
     after a request; any other value is said on stderr and the CPU's own default stands (unset: the same)."""
-    import os
-    import subprocess
-    import sys
-    from lossless_hc.backends import cpu
-    code = ("from lossless_hc.backends import cpu; a = cpu.lhc_peel_batch(); cpu.lhc_peel_batch('off' if a else 'on'); "
-            "print(a, cpu.lhc_peel_batch('default'))")
-    run = lambda value: subprocess.run(   # noqa: E731
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(cpu.__file__)))),
-        env={**{k: v for k, v in os.environ.items() if k != "LHC_PEEL_BATCH"}, "LHC_PEEL_BATCH": value})
-    proc = run(env)
+    proc = helpers.run_python(PEEL_BATCH_AT_START_UP, LHC_PEEL_BATCH=env)
     assert proc.returncode == 0, proc.stderr
-    own = run("").stdout.strip()   # an empty value: the CPU's own default, silently
-    assert own in ("True True", "False False")
-    want = {"on": "True True", "off": "False False"}.get(env, own)
+    want = {"on": "True True", "off": "False False"}.get(env, own_peel_batch)
     assert proc.stdout.strip() == want
     assert ("LHC_PEEL_BATCH=maybe is neither on nor off; ignored" in proc.stderr) == (env == "maybe")
 

@@ -1,9 +1,6 @@
 """THCCodec: transform, unbiasedness, lane packing limits, determinism, error feedback (bad input and
 misuse: tests/test_thc_input.py)."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ import lossless_hc as lhc
 from lossless_hc.backends import cpu as _backend
 from lossless_hc.thc.layout import HDR_CHECKSUM, max_world_size, plan_thc_layout
 
+import helpers
 import thc_reference as ref
 
 
@@ -381,10 +379,7 @@ def test_every_compiled_kernel_copy_gives_the_same_bits(numel, block):
 def test_cpu_isa_from_the_environment(env):
     """LHC_CPU_ISA picks the copy at start-up; a level this CPU cannot run (or a typo) is said on stderr
     and the best copy is used, never ignored in silence."""
-    code = "from lossless_hc.backends import cpu; print(cpu.thc_cpu_isa())"
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(lhc.__file__)))  # this build, not another
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=package_root, env=dict(os.environ, LHC_CPU_ISA=env))
+    proc = helpers.run_python("from lossless_hc.backends import cpu; print(cpu.thc_cpu_isa())", LHC_CPU_ISA=env)
     assert proc.returncode == 0, proc.stderr
     if env == "portable":
         assert proc.stdout.strip() == "portable" and "LHC_CPU_ISA" not in proc.stderr

@@ -163,10 +163,16 @@ def test_reference_bloom_false_positives_are_exact_zeros():
     assert bool((y[truth == 0] == 0).all())
 
 
-def test_reference_detects_config_and_count_errors():
-    L = plan_layout(500, 3, 20, 1, seed=0, index="bitmap")
+def three_keys() -> torch.Tensor:
+    """The small input of the header and refusal checks below: 500 coordinates, 1.0 at keys 3, 99 and 400."""
     x = torch.zeros(500)
     x[[3, 99, 400]] = 1.0
+    return x
+
+
+def test_reference_detects_config_and_count_errors():
+    L = plan_layout(500, 3, 20, 1, seed=0, index="bitmap")
+    x = three_keys()
     p = reference.encode(L, x)
     assert not reference.decode(L, p)[1]["ok"]                         # 1 contributor, expected 3
     assert reference.decode(L, p * 3)[1]["ok"]
@@ -190,8 +196,7 @@ def test_reference_refuses_what_the_codec_refuses(index, field, delta):
     reference are checked here)."""
     from lossless_hc import LosslessCodec
     codec = LosslessCodec(500, 3, 20, seed=0, index=index)
-    x = torch.zeros(500)
-    x[[3, 99, 400]] = 1.0
+    x = three_keys()
     summed = codec.encode(x) * 3
     assert reference.decode(codec.layout, summed)[1]["ok"] and codec.decode(summed)[1].ok
     bad = summed.clone()
@@ -247,8 +252,7 @@ def test_reference_reads_the_header_counts_and_flags(index):
     "non-finite input" (the dense kind too)."""
     n = 3
     L = plan_layout(500, n, 20, 1, seed=0, index=index)
-    x = torch.zeros(500)
-    x[[3, 99, 400]] = 1.0
+    x = three_keys()
     summed = reference.encode(L, x) * n
     if index == "bitmap":
         assert reference.decode(L, summed)[1]["total_keys"] == 3 * n
@@ -337,8 +341,7 @@ def test_reference_refuses_a_sketch_that_overflowed(index):
     """Every rank's input was finite (its header says so), so a NaN/Inf in the aggregate's value sketch or
     mass channel (or a dense value) is an overflow, refused by name instead of peeled."""
     L = plan_layout(500, 2, 20, 1, seed=0, index=index)
-    x = torch.zeros(500)
-    x[[3, 99, 400]] = 1.0
+    x = three_keys()
     summed = reference.encode(L, x) * 2
     assert reference.decode(L, summed)[1]["ok"]
     starts = [lay.HEADER_FIELDS] if index == "dense" else [L.sketch_offset, L.mass_offset]
@@ -385,8 +388,7 @@ def test_reference_header_fields_are_integers_in_0_to_2_pow_53(value, reason):
     """A summed header field is an integer in [0, 2**53) (float64's exact integers): -1 and 2**53 are
     refused as fields, 2**52 is read as the count it is (here of overloaded ranks)."""
     L = plan_layout(500, 2, 20, 1, seed=0, index="bitmap")
-    x = torch.zeros(500)
-    x[[3, 99, 400]] = 1.0
+    x = three_keys()
     bad = reference.encode(L, x) * 2
     bad[lay.HDR_OVERLOADED] = value
     assert reference.decode(L, bad)[1]["reason"] == reason

@@ -587,7 +587,7 @@ def test_verify_lists_the_same_keys_as_cpu(backend, group, case):
     two fuzz aggregates where a corrupted word reaches a checking cell along two peel paths, and on a
     plain 8-rank ~15,000-key sum (some ancestries above the cap), the same status, inexact keys and
     output bits as the CPU, and deterministic."""
-    from test_cuda_emulated import verdict_inputs
+    from test_cuda_verdicts_emulated import verdict_inputs
     from test_fuzz import corrupted_case
     g, cpu, p = corrupted_case(14, group, case)
     _, gpu, _ = corrupted_case(14, group, case, device="cuda")

@@ -280,6 +280,15 @@ def test_default_policy_is_the_documented_one_and_the_closed_ends_of_its_ranges_
     assert tr.accept(100, 99) and not tr.accept(100, 100)
 
 
+def test_a_negative_hysteresis_is_refused_as_its_documented_range_says():
+    """hysteresis is a number in [0, 1) (CapacityPolicy's doc): a negative one would put the shrink band above
+    the current capacity (accept() would take any proposal below 1.25x it, a rebuild at nearly every
+    decision), so it is refused like 1.0 is, however slightly below 0."""
+    for bad in (-0.25, -1e-9):
+        with pytest.raises(ValueError, match=r"hysteresis must be a number in \[0, 1\)"):
+            CapacityPolicy(hysteresis=bad)
+
+
 def test_overloads_raise_the_skew_by_the_documented_rule():
     """observe_overload(C, m) raises the skew to max(s, 2 C / (h_K m)) and never lowers it; a mean of 0 keys
     changes nothing (no division by it). The per-rank proposal is ceil(h_K s max(EWMA, peak)), and neither

@@ -570,6 +570,47 @@ def test_link_latency_is_floored_at_zero_and_sizes_span_a_factor_of_4():
     fit = fit_link(samples, 2, LinkModel(0, 1))
     assert fit.alpha_s == 0.0 and fit.seconds_per_byte == pytest.approx(3e-3 / (3 << 18), rel=1e-12)
     assert link_sizes(1 << 19) == (1 << 10, 1 << 15, 1 << 19)   # 256 KiB is more than a quarter of 512 KiB
+    assert link_sizes(3 << 18) == (1 << 10, 1 << 15, 3 << 18)   # and of 768 KiB, of which it is a third
+
+
+def test_a_link_timed_by_allgathers_alone_prices_every_collective_at_their_slope():
+    """fit_link's doc: a kind not timed at two sizes takes the allreduce's per-byte cost, the allreduce the
+    allgather's. Allgathers alone (an engine whose allreduce was not timed) fit the allreduce and the half
+    allreduce at the allgather's slope, and the latency from the allgather's smallest size."""
+    link = LinkModel(1e-4, 8e-9, 16e-9)
+    samples = [("allgather", b, link.allgather(b, 4)) for b in (1 << 10, 1 << 16, 1 << 20)]
+    fit = fit_link(samples, 4, LinkModel(0, 1))
+    assert fit.alpha_s == pytest.approx(1e-4, rel=1e-9)
+    for beta in (fit.seconds_per_byte, fit.allgather_seconds_per_byte, fit.half_seconds_per_byte):
+        assert beta == pytest.approx(16e-9, rel=1e-9)
+
+
+def test_link_samples_of_no_bytes_are_taken_and_an_unknown_collective_is_refused():
+    """fit_link refuses negative bytes (-1 as much as -8), not none: a sample of 0 bytes (a bare round trip)
+    is the smallest size, whose time per hop is the latency, and a slope is taken between any two sizes, a
+    byte apart too. A kind it does not know is a ValueError naming it, wherever it comes among the samples,
+    not a sample priced as the one before it."""
+    samples = [("allreduce", 0, 6e-4), ("allreduce", 1 << 16, 1e-3), ("allreduce", 1 << 20, 4e-3)]
+    fit = fit_link(samples, 4, LinkModel(0, 1))
+    assert fit.alpha_s == pytest.approx(6e-4 / 6, rel=1e-12)   # 2 (n - 1) hops, no bytes
+    assert fit.seconds_per_byte == pytest.approx(3e-3 / (1.5 * ((1 << 20) - (1 << 16))), rel=1e-12)
+    near = fit_link([("allreduce", 0, 6e-4), ("allreduce", 1, 7.5e-4)], 4, LinkModel(0, 1))
+    assert near.seconds_per_byte == pytest.approx(1.5e-4 / 1.5, rel=1e-9) and near.alpha_s == pytest.approx(1e-4)
+    for bad in (-1, -0.5):
+        with pytest.raises(ValueError, match="link sample"):
+            fit_link(samples + [("allgather", bad, 1e-4)], 4, LinkModel(0, 1))
+    for at in (0, 3):
+        with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+            fit_link(samples[:at] + [("broadcast", 1 << 10, 1e-4)] + samples[at:], 4, LinkModel(0, 1))
+
+
+def test_a_time_of_zero_or_below_is_floored_at_a_timer_s_tick():
+    """fit_link's doc: a negative time (and a timer too coarse to see one, 0) is floored at a tick, 1e-9 s, not
+    taken: a largest size timed so prices its bytes at a tick over its bytes (the slope below 0 falls back to
+    the mean), not at 0 s (every byte free) nor below."""
+    for t in (0.0, -5.0):
+        fit = fit_link([("allreduce", 1 << 10, 1e-4), ("allreduce", 1 << 20, t)], 2, LinkModel(0, 1))
+        assert fit.seconds_per_byte == pytest.approx(1e-9 / (1 << 20), rel=1e-12, abs=0), t
 
 
 def test_a_second_collective_of_no_rows_is_neither_issued_nor_priced():

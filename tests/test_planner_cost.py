@@ -613,6 +613,53 @@ def test_a_time_of_zero_or_below_is_floored_at_a_timer_s_tick():
         assert fit.seconds_per_byte == pytest.approx(1e-9 / (1 << 20), rel=1e-12, abs=0), t
 
 
+def test_measure_link_sends_the_bytes_asked_and_keeps_the_fastest_timed_run(monkeypatch):
+    """measure_link's collectives carry the bytes per rank asked (float32: B / 4 elements, the half allreduce's
+    float16: B / 2; one element at least), each size costs a warm-up and ``repeats`` timed runs (link_sizes'
+    doc: 1 + repeats; 3 by default, as calibrate's), and a sample is the fastest timed run, the warm-up never
+    counted. Here on a fake clock that each collective advances by the next of the given whole seconds."""
+    import types
+
+    import lossless_hc.training.calibration as calibration
+    clock = [0.0]
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    # per size and collective: the warm-up (1 s: faster than any timed run, so counting it would show), 3 runs
+    durations = iter([1, 7, 3, 5, 1, 4, 6, 2,      # 1024 B: allreduce, allgather
+                      1, 9, 8, 8, 1, 3, 3, 4,      # 2 B: one float32
+                      1, 5, 6, 2, 1, 4, 8, 6])     # the float16 allreduces of 4096 B and of 1 B (one float16)
+    calls = []
+
+    def collective(kind):
+        def run(t):
+            calls.append((kind, t.dtype, t.numel()))
+            clock[0] += next(durations)
+        return run
+    got = calibration.measure_link(collective("allreduce"), collective("allgather"), "cpu", (1024, 2),
+                                   half_sizes=(4096, 1))
+    assert got == [("allreduce", 1024, 3.0), ("allgather", 1024, 2.0), ("allreduce", 2, 8.0), ("allgather", 2, 3.0),
+                   ("allreduce_half", 4096, 2.0), ("allreduce_half", 1, 4.0)]
+    assert calls == [(kind, dtype, numel) for kind, dtype, numel in (
+        ("allreduce", torch.float32, 256), ("allgather", torch.float32, 256), ("allreduce", torch.float32, 1),
+        ("allgather", torch.float32, 1), ("allreduce", torch.float16, 2048), ("allreduce", torch.float16, 1))
+        for _ in range(4)]
+
+
+def test_every_timing_entry_point_refuses_no_repeats():
+    """check_repeats (an int >= 1, returned as given) guards each function that times runs: measure_link and
+    measure_codecs refuse 0 or fewer repeats with a ValueError before timing anything, as calibrate does,
+    instead of an infinite time (no run) that prices every byte at infinity."""
+    from lossless_hc.training.calibration import check_repeats, measure_codecs, measure_link
+    assert check_repeats(2) == 2
+
+    def refuse(t):
+        raise AssertionError("a collective was issued")
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="repeats"):
+            measure_link(refuse, refuse, "cpu", (1024,), bad)
+        with pytest.raises(ValueError, match="repeats"):
+            measure_codecs("cpu", 2, numel=1 << 10, repeats=bad)
+
+
 def test_a_second_collective_of_no_rows_is_neither_issued_nor_priced():
     """With no non-zero row on any rank, allgather's and two_phase's aggregators return after the first
     allreduce (strategies: no rows, no second request): the prediction is that allreduce and the local

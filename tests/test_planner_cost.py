@@ -660,6 +660,33 @@ def test_every_timing_entry_point_refuses_no_repeats():
             measure_codecs("cpu", 2, numel=1 << 10, repeats=bad)
 
 
+def test_calibrate_on_one_rank_issues_no_collective_and_with_its_defaults_times_each_size_1_plus_3_times():
+    """One rank has no link to time and no rank to agree with: calibrate issues no collective, leaves
+    ``samples_out`` empty and keeps its default's link, and refuses 0 repeats as every world size does. With
+    its defaults a rank of several times each size's float32 allreduce and allgather once to warm up and 3
+    times (docs/DESIGN.md: the fastest of 3), no float16 one (``half`` off), then takes the one broadcast."""
+    from lossless_hc.training.calibration import calibrate
+
+    def refuse(t):
+        raise AssertionError("a collective was issued")
+    given, samples = Calibration.default(bandwidth_bits=1e9, latency_s=3e-5), []
+    assert calibrate(refuse, refuse, refuse, 0, 1, default=given, samples_out=samples).link == given.link
+    assert samples == []
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate(refuse, refuse, refuse, 0, 1, repeats=0)
+    sent, calls = Calibration.default(), []
+
+    def broadcast(t):
+        calls.append(("broadcast", t.dtype))
+        t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
+    got = calibrate(lambda t: calls.append(("allreduce", t.dtype)), lambda t: calls.append(("allgather", t.dtype)),
+                    broadcast, 1, 4, sizes=(1 << 10, 1 << 15), samples_out=samples)
+    assert got == sent and [(k, b) for k, b, _ in samples] == [(k, b) for b in (1 << 10, 1 << 15)
+                                                                for k in ("allreduce", "allgather")]
+    assert calls == 2 * ([("allreduce", torch.float32)] * 4 + [("allgather", torch.float32)] * 4) + [
+        ("broadcast", torch.float64)]
+
+
 def test_a_second_collective_of_no_rows_is_neither_issued_nor_priced():
     """With no non-zero row on any rank, allgather's and two_phase's aggregators return after the first
     allreduce (strategies: no rows, no second request): the prediction is that allreduce and the local

@@ -469,6 +469,15 @@ def test_each_calibration_measurement_prices_the_strategy_it_is_for():
     assert measure_codecs("cpu", world, numel=numel, density=density, timer=timer)["sketch"] == (t["scan"] / d, 0.0)
 
 
+def test_a_density_below_one_key_prices_the_sketch_s_keys_per_one_key():
+    """measure_codecs' doc: ``k = max(1, int(density d))``. A density that rounds to no key times the sketch of
+    one key and prices its time beyond the scan per that one key (not per none, nor per two)."""
+    from lossless_hc.training.calibration import measure_codecs
+    t = {"scan": 3e-3, "sketch": 1e-2}
+    out = measure_codecs("cpu", 2, numel=1 << 10, density=1e-4, timer=lambda what, fn: (fn(), t.get(what, 1e-3))[1])
+    assert out["sketch"] == pytest.approx((t["scan"] / (1 << 10), t["sketch"] - t["scan"]), rel=1e-12, abs=0)
+
+
 def test_tracker_replans_after_the_first_step_and_every_interval():
     tr = PlanTracker(1000, 10, 2, interval=4)
     due = [tr.observe((5, 7), 10) for _ in range(8)]

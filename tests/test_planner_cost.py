@@ -469,6 +469,21 @@ def test_each_calibration_measurement_prices_the_strategy_it_is_for():
     assert measure_codecs("cpu", world, numel=numel, density=density, timer=timer)["sketch"] == (t["scan"] / d, 0.0)
 
 
+def test_measure_codecs_times_each_measurement_by_the_fastest_of_3_runs_by_default(monkeypatch):
+    """measure_codecs' default timer (no ``timer``): each measurement is the fastest of ``repeats`` runs, 3 by
+    default (docs/DESIGN.md: the fastest of 3), after an untimed warm-up. On a fake clock whose readings pair
+    up as (start, end) of each timed run: the copy's runs take 5, 4 and 2 s, every later run 1 s, so the
+    dense copy is priced at 2 s over the coordinates and the scan at 1 s (a fourth copy run would take 1 s)."""
+    import types
+
+    import lossless_hc.training.calibration as calibration
+    readings = iter([0.0, 5.0, 0.0, 4.0, 0.0, 2.0] + [0.0, 1.0] * 64)
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    d = 1 << 10
+    out = calibration.measure_codecs("cpu", 2, numel=d)
+    assert out["dense"] == (2.0 / d, 0.0) and out["allgather"] == (1.0 / d, 4.0 / d)
+
+
 def test_a_density_below_one_key_prices_the_sketch_s_keys_per_one_key():
     """measure_codecs' doc: ``k = max(1, int(density d))``. A density that rounds to no key times the sketch of
     one key and prices its time beyond the scan per that one key (not per none, nor per two)."""
@@ -512,6 +527,7 @@ def test_the_link_is_timed_only_up_to_the_largest_tensor():
     assert link_sizes(128 << 10) == (1 << 10, 1 << 15, 128 << 10)   # DigitsCNN's largest gradient
     assert link_sizes(100) == (1 << 10, 1 << 15)                     # a latency and a bandwidth point at least
     assert link_sizes(64 << 20) == LINK_SIZES                        # capped at 4 MiB
+    assert LINK_SIZES == (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)   # docs/DESIGN.md, "Calibration"
     assert link_sizes((1 << 20) + 4) == (1 << 10, 1 << 15, 1 << 18, (1 << 20) + 4)   # the slope spans 4x
 
 

@@ -484,6 +484,26 @@ def test_measure_codecs_times_each_measurement_by_the_fastest_of_3_runs_by_defau
     assert out["dense"] == (2.0 / d, 0.0) and out["allgather"] == (1.0 / d, 4.0 / d)
 
 
+def test_one_rank_s_top_k_step_is_priced_per_its_own_keys_and_top_k_allgathered_s_per_two_ranks_pairs():
+    """measure_codecs' top-k prices at one rank (``AutoSpec.measure`` on a one-rank engine): the top-k decode per
+    key of ``m = min(n, TOPK_RANKS)`` ranks' selections, here its own ``k``; top-k allgathered's sum per pair of
+    at least 2 ranks (one rank's tensor is only ever dense: _topk_allgather_step), beyond the clearing and never
+    below 0."""
+    from lossless_hc.training.calibration import TOPK_NUMEL, measure_codecs
+    from lossless_hc.training.topk_aggregate import topk_count
+    t = {"topk_decode": 6e-3, "topk_allgather_finish": 9e-3, "topk_allgather_clear": 1e-3}
+
+    def measure():
+        return measure_codecs("cpu", 1, numel=1 << 10, topk_ratio=0.01,
+                              timer=lambda what, fn: (fn(), t.get(what, 1e-3))[1])
+    out = measure()
+    k = topk_count(TOPK_NUMEL, 0.01)
+    assert out["topk"][1] == pytest.approx(6e-3 / k, rel=1e-12, abs=0)
+    assert out["topk_allgather"][1] == pytest.approx(8e-3 / (2 * k), rel=1e-12, abs=0)
+    t["topk_allgather_finish"] = 5e-4   # the sum timed below the clearing (a loaded machine): 0 a pair, not below
+    assert measure()["topk_allgather"][1] == 0.0
+
+
 def test_a_density_below_one_key_prices_the_sketch_s_keys_per_one_key():
     """measure_codecs' doc: ``k = max(1, int(density d))``. A density that rounds to no key times the sketch of
     one key and prices its time beyond the scan per that one key (not per none, nor per two)."""

@@ -167,6 +167,27 @@ def test_one_rank_s_top_k_step_is_priced_per_its_own_keys_and_top_k_allgathered_
     assert measure()["topk_allgather"][1] == 0.0
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_timed_top_k_step_is_one_between_statistics_steps(world_size):
+    """_topk_step's doc: the step it times is one between statistics steps, as all but one in an interval run:
+    the encode scans no rows (``ctx.observed`` False) and its decode is the plan's own, the inexact keys'
+    request included (random selections summed over several ranks leave some keys INEXACT at every step).
+    The first step's request is finished as a plan finishes it; left open, the step was never counted and
+    every encode timed was a first, statistics step (with its row scan)."""
+    from lossless_hc.training.calibration import measure_codecs
+    seen = {}
+
+    def timer(what, fn):
+        result = fn()
+        if what == "topk_encode":
+            seen["observed"] = result[1].observed   # (payload, AutoContext)
+        if what == "topk_decode":
+            seen["requests"] = result.request.kind if result.request is not None else None
+        return 1e-3
+    measure_codecs("cpu", world_size, numel=1 << 10, topk_ratio=0.01, timer=timer)
+    assert seen == {"observed": False, "requests": "allreduce"}, seen
+
+
 def test_a_density_below_one_key_prices_the_sketch_s_keys_per_one_key():
     """measure_codecs' doc: ``k = max(1, int(density d))``. A density that rounds to no key times the sketch of
     one key and prices its time beyond the scan per that one key (not per none, nor per two)."""

@@ -268,8 +268,13 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
         encoded = [a.encode(x) for a, x in zip(aggs, xs)]
         return encoded, torch.stack([payload for payload, _ in encoded]).sum(0)
     encoded, summed = encode_all()   # the first step: statistics
-    for a, (_, c) in zip(aggs, encoded):
-        a.decode(summed, c)
+    outcomes = [a.decode(summed, c) for a, (_, c) in zip(aggs, encoded)]
+    if outcomes[0].request is not None:
+        # Its inexact keys' exact sum (or the dense fallback), every rank alike: finished as a plan finishes it,
+        # or the step is never counted and the next encode is a first, statistics step again (a row scan).
+        result = torch.stack([o.request.tensor for o in outcomes]).sum(0)
+        for a, (_, c) in zip(aggs, encoded):
+            a.finish(c, result)
     encoded, summed = encode_all()   # the second, timed: between statistics steps, as all but one in an interval
     ctx = encoded[0][1]
     k = topk_count(TOPK_NUMEL, ratio)

@@ -4,6 +4,7 @@ Each launch runs every scenario of tests/mp/horovod_worker.py: the same training
 uncompressed allreduce and with our compressor, from the same seed on the same batches."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,8 @@ WORKER = os.path.join(HERE, "mp", "horovod_worker.py")
 EXACT = ["average", "sum", "sparse_as_dense", "groups", "backward_passes", "matrices_only", "broadcast_state"]
 JOIN = ["join", "join_sum", "join_auto", "join_auto_sum"]
 JOIN_TOPK = ["join_topk", "join_topk_sum"]
-ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_only": "ValueError",
+ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_beside_one": "ValueError",
+          "sparse_only": "ValueError",
           "seed_mismatch": "ConfigurationMismatch", "op_max": "ValueError", "shared_compressor": "ValueError",
           "process_set_type": "TypeError"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
@@ -259,6 +261,18 @@ def test_misuse_is_a_clear_error_on_every_rank(horovod_run, name):
     out, size = horovod_run
     for r in results(out, name, size):
         assert r["error"] == ERRORS[name], r
+
+
+@pytest.mark.parametrize("name, table", [("sparse_without_dense", "users.weight"), ("sparse_beside_one", "emb")])
+def test_a_sparse_gradient_is_refused_by_name_before_any_payload_is_decoded(horovod_run, name, table):
+    """A table's sparse gradient went around the compressor (Horovod's allgather), so the step is refused
+    at the first compressed tensor's decompress, naming that parameter -- also when that tensor is the
+    optimizer's only compressed one (sparse_beside_one) -- not only when Horovod hands the sparse output
+    itself to decompress (ctx None), after the dense ones were decoded."""
+    out, size = horovod_run
+    for r in results(out, name, size):
+        assert re.match(rf"parameter 'run\d+\.{re.escape(table)}' has a sparse gradient", r["message"]), r
+        assert "sparse_as_dense=True" in r["message"], r
 
 
 def test_process_set(tmp_path):

@@ -267,6 +267,18 @@ def scenario(name):
             loss_fn(model, batch(0, hvd.rank())).backward()
             opt.step()
         return expect_error(run, ValueError)
+    if name == "sparse_beside_one":   # a sparse table beside the one compressed tensor: refused naming the table
+        def run():
+            torch.manual_seed(0)
+            emb, head = torch.nn.Embedding(1000, 8, sparse=True), torch.nn.Linear(8, 1, bias=False)
+            RUNS[0] += 1
+            named = [(f"run{RUNS[0]}.emb", emb.weight), (f"run{RUNS[0]}.head", head.weight)]
+            opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named_parameters=named,
+                                           compression=Compression.lossless())
+            ids = torch.randint(0, 1000, (16,), generator=torch.Generator().manual_seed(hvd.rank()))
+            head(emb(ids)).sum().backward()
+            opt.step()
+        return expect_error(run, ValueError)
     if name == "sparse_only":  # Horovod's own test_sparse_embeddings: every gradient sparse, SparseAdam
         def run():
             torch.manual_seed(0)

@@ -170,6 +170,15 @@ def test_lossless_training_matches_uncompressed(horovod_run, name):
         assert rs[0]["stats"]["fallbacks"] == 0, rs[0]["stats"]["last_failure"]
 
 
+def test_the_aggregators_take_the_optimizer_s_parameter_names(horovod_run):
+    """Each parameter's aggregator (its stats, its fallback's Horovod operation name) is named as the
+    optimizer's named_parameters name it, not by its position among the compressed tensors."""
+    out, size = horovod_run
+    expected = sorted(["users.weight", "items.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"])
+    for r in results(out, "average", size):
+        assert sorted(re.sub(r"^run\d+\.", "", n) for n in r["capacity"]) == expected, r["capacity"]
+
+
 def test_topk_keeps_error_feedback_per_parameter(horovod_run):
     out, size = horovod_run
     for r in results(out, "topk", size):

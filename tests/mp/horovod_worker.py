@@ -120,8 +120,9 @@ def expect_error(fn, exc):
 
 
 def slow_link_auto():
-    """``auto`` on a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load."""
-    return Compression.auto(interval=2, calibration=Calibration.default(1e8))
+    """``auto`` on a given 100 Mbit/s link: the tables' plans are not dense, whatever the machine's load.
+    ``lossy_min_bytes=0``: were ``auto``'s default lossy, every tensor could be planned lossy (not exact)."""
+    return Compression.auto(interval=2, calibration=Calibration.default(1e8), lossy_min_bytes=0)
 
 
 def scenario(name):

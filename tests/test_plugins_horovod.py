@@ -306,6 +306,8 @@ def test_process_set(tmp_path):
     for r in rs[1:]:
         assert r["max_diff"] == 0.0 and r["stats"]["tensors"] > 0, r
         assert r["stats"]["guard"]["verdict"] is not None, r["stats"]["guard"]   # broadcast from rank 1
+        # rank 1's own medians on both ranks: the verdict broadcast is the set's first rank's, not another's
+        assert [r["stats"]["guard"][k] for k in ("plan_ms", "dense_ms")] == rs[1]["own_ms"], (r, rs[1]["own_ms"])
 
 
 def test_mpirun_launcher(tmp_path):

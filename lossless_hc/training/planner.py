@@ -110,9 +110,11 @@ whose message's other tensors already issue that kind of second collective
 (:func:`batched_second_collectives`) is priced without its latency, ``batched`` in
 :meth:`CostModel.predict`; the first allreduce's latency is common to every strategy
 (:meth:`CostModel.choose`). The model neglects what does not scale with the tensor: the parts
-a message's first payloads share, a sketch that fails to decode costs one more dense allreduce
-(the sketch's sizing keeps that below ~1e-3 per step), and one whose decode reports inexact keys
-one more allreduce of those keys' rows. Its inputs are the EWMAs of the statistics
+a message's first payloads share, and a sketch that fails to decode costs one more dense allreduce
+(the sketch's sizing keeps that below ~1e-3 per step). It also neglects, though it scales with the
+tensor, the one more allreduce of the rows of a decode's inexact keys, which a sketch or top-k plan
+issues at most steps (a share of the union's rows that grows with the row's width: docs/BENCHMARKS.md,
+"Inexact keys in training"). Its inputs are the EWMAs of the statistics
 (:class:`~lossless_hc.training.plan_tracker.PlanTracker`), so a tensor whose density drifts is re-planned
 within ``interval`` steps.
 """

@@ -329,6 +329,16 @@ def test_emulated_clipping_extremes_pack_like_cpu(emulated):  # noqa: F811
     run_pair(n, numel, 2, normal_inputs(n, numel, 11, scale=1e3), initial_norm=1e-3, error_feedback=False)
 
 
+@pytest.mark.parametrize("g", [255, 256])
+def test_emulated_clipped_levels_at_the_one_byte_boundary_pack_like_cpu(emulated, g):  # noqa: F811
+    """Levels run from 0 to g: granularity 255 is the largest whose levels fit the kernels' 1-byte level
+    scratch, and at 256 the clipped coordinates' level 256 needs the 4-byte one (a byte would wrap it to
+    0). Every coordinate clips, so both extremes are packed: the CPU's bits on both sides."""
+    n, numel = 3, 3000
+    run_pair(n, numel, 1, normal_inputs(n, numel, 13, scale=1e3), initial_norm=1e-3, error_feedback=False,
+             granularity=g)
+
+
 def test_emulated_decode_and_encode_are_deterministic(emulated):  # noqa: F811
     """The emulated threads interleave differently on every run (atomics, tree passes): same bits."""
     n, numel = 3, 9000

@@ -12,6 +12,7 @@ import torch
 import thc_reference as ref
 
 import lossless_hc as lhc
+from lossless_hc.backends import cuda_runtime
 from lossless_hc.backends import cuda_thc as _cuda_thc
 from lossless_hc.thc.layout import HDR_CHECKSUM
 
@@ -206,3 +207,34 @@ def test_emulated_kernels_write_nothing_past_numel(emulated, numel, block):  # n
             room = torch.full((numel + block,), sentinel)
             assert_same_bits(cpu[r].decode(agg), gpu[r].decode(agg.clone(), out=room[:numel]), f"step {step} decode")
             assert bool((room[numel:] == sentinel).all()), f"step {step} rank {r}: decode wrote past numel"
+
+
+@pytest.mark.parametrize("numel,kw", [(20000, {"hadamard_block": 8192}), (5000, {}), (3000, {"granularity": 300})],
+                         ids=["passes", "in-shared", "g300-wide-levels"])
+def test_emulated_scratch_holds_what_the_kernels_write(emulated, monkeypatch, numel, kw):  # noqa: F811
+    """The scratch each launch sequence asks cuda_runtime.Arena for holds what its kernels write there: a
+    double per norm chunk (thc_norm_chunks) and per tree group (thc_tree_pass), a level of 1 or 4 bytes
+    per padded coordinate and, transformed in passes, a float per padded coordinate. The arena rounds each
+    slice up to 256 bytes, so a short slice runs into the next one unnoticed by the bits compared elsewhere."""
+    asked = []
+
+    class RecordingArena(cuda_runtime.Arena):
+        def __init__(self, sizes, device):
+            asked.append(dict(sizes))
+            super().__init__(sizes, device)
+
+    monkeypatch.setattr(cuda_runtime, "Arena", RecordingArena)
+    gpu = [to_emulated_cuda(c) for c in ranks(2, numel, initial_norm=50.0, **kw)]
+    gpu[0].decode(sum(c.encode(x) for c, x in zip(gpu, normal_inputs(2, numel, seed=numel)(0))))
+    L = gpu[0].layout
+    passes = L.block > _cuda_thc.TILE
+    chunks = -(-L.padded // 1024)
+    need_encode = {"partials": 8 * chunks, "tree0": 8 * -(-chunks // 1024), "tree1": 8 * -(-chunks // 1024),
+                   "levels": (1 if L.granularity <= 255 else 4) * L.padded}
+    need_decode = {}
+    if passes:
+        need_encode["y"] = need_decode["y"] = 4 * L.padded
+    assert len(asked) == 3   # two encodes, a decode
+    for sizes, need in zip(asked, (need_encode, need_encode, need_decode)):
+        assert sizes["state"] >= _cuda_thc.STATE_BYTES
+        assert all(sizes.get(name, 0) >= nbytes for name, nbytes in need.items()), (sizes, need)

@@ -378,3 +378,20 @@ def test_an_explicit_table_of_all_g_plus_1_integers_is_accepted():
     assert c.table.levels == lhc.THCCodec(100, 2, bits=4, granularity=7).table.levels
     with pytest.raises(ValueError, match="levels has 7 entries"):
         lhc.THCCodec(100, 2, bits=4, granularity=7, levels=range(7))
+
+
+def test_an_initial_norm_of_zero_is_a_norm_only_first_step():
+    """initial_norm's range is [0, largest], 0 included: M_0 = 0 is accepted and, as any agreed M of 0, makes
+    step 0 a norm-only round, bit for bit the first step of a codec without initial_norm (zeros decoded, all
+    of x owed, the same agreed norm learned)."""
+    n, numel = 2, 500
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(numel, generator=g) for _ in range(n)]
+    zero, none = make_ranks(n, numel, seed=3, initial_norm=0.0), make_ranks(n, numel, seed=3)
+    assert zero[0].norm == 0.0
+    payloads = [c.encode(x) for c, x in zip(zero, xs)]
+    assert all(torch.equal(p, d.encode(x)) for p, d, x in zip(payloads, none, xs))
+    for c, d, x in zip(zero, none, xs):
+        assert bool((c.decode(sum(payloads)) == 0).all()) and torch.equal(c.error, x)
+        d.decode(sum(payloads))
+        assert c.norm == d.norm > 0 and c.step == 1

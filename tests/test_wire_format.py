@@ -76,3 +76,22 @@ def test_thc_fingerprints_are_the_known_answers(dtype):
     got = [int(THCCodec(4096, 4, 1, seed=seed, initial_norm=8.0, payload_dtype=dtype)
                .encode(pattern(4096, 300))[HDR_FINGERPRINT]) for seed in range(4)]
     assert got == THC_FINGERPRINTS[dtype]
+
+
+# step -> the THC header's checksum field (4096 coordinates, 4 ranks, rank 1, seed 9, agreed norm 8); the weights'
+# step k is re-drawn (k + 1 until coprime to P - 1) at steps 2 to 6, where the first draw is even
+THC_CHECKSUMS = [2489883, 27421771, 14296553, 19686463, 18567091, 11022205, 8600068, 3661507]
+
+
+def test_thc_checksum_fields_of_later_steps_are_the_known_answers():
+    """The checksum weights (c0, k) are drawn per step from the seed: the known payload above pins step 0 only,
+    whose first k is coprime to P - 1, so a change of how a k sharing a factor with P - 1 is re-drawn passed it.
+    The field at steps 0 to 7 (the step set through load_state_dict), five of them re-drawn."""
+    from lossless_hc.thc.layout import HDR_CHECKSUM
+    codec = THCCodec(4096, 4, 1, seed=9)
+    got = []
+    for step in range(len(THC_CHECKSUMS)):
+        codec.reset()   # no decode of a one-rank payload: the next encode may start at once
+        codec.load_state_dict({"step": step, "norm": 8.0, "error": torch.zeros(4096)})
+        got.append(int(codec.encode(pattern(4096, 300))[HDR_CHECKSUM]))
+    assert got == THC_CHECKSUMS

@@ -160,3 +160,15 @@ def test_one_digit_per_word_is_a_valid_lane_width():
     for bad in (0, -1):   # not "as many as fit" (that is None)
         with pytest.raises(ValueError, match="digits_per_word must be None \\(as many as fit\\) or a positive integer"):
             plan_thc_layout(3000, 2, 30, digits_per_word=bad)
+
+
+def test_an_int64_fingerprint_sum_is_refused_only_past_its_own_limit():
+    """int64 words hold the fingerprint sum n (2^20 - 1) up to 2^63 - 1: 2^43 ranks (2^43 (2^20 - 1) < 2^63) are
+    refused for their digit base, past the kernels' 32 bits, not for the fingerprint; the first n whose sum
+    exceeds 2^63 - 1 is refused for the fingerprint."""
+    fits = ((1 << 63) - 1) // ((1 << 20) - 1)
+    assert (1 << 43) < fits and fits * ((1 << 20) - 1) <= (1 << 63) - 1
+    with pytest.raises(ValueError, match="does not fit the kernels' 32 bits"):
+        plan_thc_layout(64, 1 << 43, 1, payload_dtype=torch.int64)
+    with pytest.raises(ValueError, match="fingerprint sum would not stay exact"):
+        plan_thc_layout(64, fits + 1, 1, payload_dtype=torch.int64)

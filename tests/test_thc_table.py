@@ -175,3 +175,13 @@ def test_table_for_refuses_bits_that_are_not_an_int_whatever_it_built_before(bad
     thc.table_for(same, 30)
     with pytest.raises(ValueError, match="bits must be an integer"):
         thc.table_for(bad, 30)
+
+
+def test_clip_thresholds_below_one_are_the_known_answers():
+    """Below T = 1 (overflow_freq under ~3.2) the bisection stops once hi - lo <= 1e-15 (absolute there, relative
+    above), so T is within 1e-15 of PhiInv; its exact bits set every payload's scale, so they are known answers:
+    overflow_freq 1.5 and 3 (T = 0.43 and 0.97)."""
+    from statistics import NormalDist
+    for overflow_freq, want in ((1.5, 0.4307272992954578), (3, 0.9674215661017014)):
+        assert thc.clip_threshold(overflow_freq) == want
+        assert abs(want - NormalDist().inv_cdf(1 - 0.5 / overflow_freq)) <= 1e-15

@@ -191,6 +191,7 @@ def test_a_decode_vouches_for_what_it_did_not_list():
     (["--rtol", "-1"], "--rtol must be a finite number >= 0"),
     (["--cases", "0"], "--cases must be >= 1"),
     (["--workers", "-3"], "--workers must be >= 1"),
+    (["--workers", "0"], "--workers must be >= 1"),   # the smallest it refuses
     (["--kinds", "lhc,foo"], "--kinds takes lhc, thc or lhc,thc"),
     (["--kinds", ""], "--kinds takes lhc, thc or lhc,thc"),
     (["--device", "foo"], "--device must be cpu or cuda"),

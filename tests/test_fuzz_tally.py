@@ -90,3 +90,43 @@ def test_a_run_reports_the_time_it_took():
     t = run(4, seed=0, workers=1, kinds=("lhc",))
     assert 0 < t.seconds <= time.perf_counter() - t0
 
+
+def test_the_cli_hands_run_the_documented_defaults_and_reports_every_wrong_group(monkeypatch, capsys):
+    """``python -m lossless_hc.fuzz`` runs 100,000 cases of seed 0 from group 0, LHC and THC, over every CPU,
+    on the CPU, at the codec's rtol; it takes one case and any CUDA device. A tally with a wrong case exits 1
+    and prints the first 40 wrong groups (and how many more) and a replay line per example, --thc-group for
+    a THC one."""
+    from lossless_hc.fuzz import __main__ as cli
+    calls, tally = [], Tally()
+    monkeypatch.setattr(cli, "run", lambda *args, **kwargs: calls.append((args, kwargs)) or tally)
+    assert cli.main([]) == 0
+    assert calls.pop() == ((100_000, 0, None, None, "cpu", 0), {"kinds": ("lhc", "thc")})
+    assert cli.main(["--cases", "1", "--device", "cuda:1", "--kinds", "thc", "--workers", "1"]) == 0
+    assert calls.pop() == ((1, 0, 1, None, "cuda:1", 0), {"kinds": ("thc",)})
+    capsys.readouterr()
+    for group in range(41):
+        tally.add(verdicts(group, 1, "thc_word_bit" if group == 1 else "sum"))
+    assert cli.main(["--seed", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "ok-but-wrong: 41  sum/ok_but_wrong=40  thc_word_bit/ok_but_wrong=1" in out
+    assert f"groups with a wrong case: 0 thc:1 {' '.join(str(g) for g in range(2, 40))} and 1 more\n" in out
+    assert "replay: python -m lossless_hc.fuzz --seed 5 --group 0 " in out
+    assert "replay: python -m lossless_hc.fuzz --seed 5 --thc-group 1 " in out
+    assert out.count("replay:") == MAX_EXAMPLES
+    tally.wrong_groups = tally.wrong_groups[:40]
+    assert cli.main([]) == 1 and "39\n" in capsys.readouterr().out   # 40 groups: no "and 0 more"
+
+
+@pytest.mark.parametrize("flag", ["--group", "--thc-group"])
+def test_the_cli_replays_one_group(flag, capsys):
+    """--group and --thc-group print that group's cases (the LHC group's configuration first) as run_group and
+    run_thc_group decide them, and exit 0 whatever they are."""
+    from lossless_hc.fuzz.__main__ import main
+    from lossless_hc.fuzz.cases import draw_group
+    assert main(["--seed", "3", flag, "7"]) == 0
+    out = capsys.readouterr().out
+    got = run_group(3, 7) if flag == "--group" else run_thc_group(3, 7)
+    want = [f"  case {v.case} {v.how:16s} {v.status:24s} {v.wrong or ''} {v.detail}" for v in got]
+    if flag == "--group":
+        want.insert(0, draw_group(3, 7).describe())
+    assert out.splitlines() == want

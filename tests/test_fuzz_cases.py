@@ -2,7 +2,9 @@
 they stop drawing, or draw from a smaller range than their docs say, passes every other test while the fuzz
 runs check less."""
 import random
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from lossless_hc.fuzz import thc_cases
@@ -94,3 +96,146 @@ def test_a_thc_groups_clean_aggregate_sums_every_rank_quantized_from_the_largest
         assert decoded[2] == (clean.how == "thc_average")
         assert torch.equal(decoded[1], total / n if decoded[2] else total), group
         assert {entry[1] for entry in log if entry[0] == "codec"} == {max(entry[1] for entry in ranks[:n]) or 1.0}
+
+
+def test_case_1_decodes_with_verify_in_every_fourth_group_and_corruptions_always():
+    """The module doc's schedule: case 0 with the codec's defaults, case 1 with verify=True in groups 0, 4, 8, ..
+    (VERIFY_PLAIN_EVERY) only, cases 2 and 3 (the corrupted ones) always with verify=True."""
+    from lossless_hc.fuzz.cases import VERIFY_PLAIN_EVERY, group_cases
+    assert VERIFY_PLAIN_EVERY == 4
+    for group in range(9):
+        _, codec, cases = group_cases(0, group)
+        assert [(case, c.verify) for case, _, c, _, _ in cases] == \
+            [(0, False), (1, group % 4 == 0), (2, True), (3, True)], group
+        assert not codec.verify
+
+
+def test_a_codec_without_an_rtol_is_refused_unless_one_is_given():
+    """The contract's tolerance is the codec's own rtol, or --rtol; a codec stating none cannot be judged, and
+    says to pass --rtol (rather than judging with a tolerance it made up)."""
+    from lossless_hc.fuzz.cases import codec_rtol
+    assert codec_rtol(SimpleNamespace(rtol=2.0 ** -10), None) == 2.0 ** -10
+    assert codec_rtol(SimpleNamespace(rtol=2.0 ** -10), 0) == 0.0
+    assert codec_rtol(SimpleNamespace(), 1e-3) == 1e-3
+    with pytest.raises(RuntimeError, match="pass --rtol"):
+        codec_rtol(SimpleNamespace(), None)
+
+
+@pytest.mark.parametrize("how", ["index_bit", "sketch_bit", "header_bit"])
+def test_an_lhc_bit_flip_flips_one_bit_of_one_word_of_its_region_and_reaches_every_bit(how):
+    """LHC's bit corruptions change exactly one bit of one 32-bit word of a copy, in the index words, the
+    sketch words or the header fields as named; over 1500 draws every bit, the sign bit included."""
+    from lossless_hc.fuzz.cases import _corrupt
+    from lossless_hc.lhc.codec import LosslessCodec
+    from lossless_hc.lhc.layout import HEADER_FIELDS
+    codec = LosslessCodec(64, 2, 8, 1, index="bitmap", verify=True)
+    L = codec.layout
+    lo, hi = {"index_bit": (HEADER_FIELDS, L.sketch_offset), "sketch_bit": (L.sketch_offset, L.payload_numel),
+              "header_bit": (0, HEADER_FIELDS)}[how]
+    assert 0 <= lo < hi
+    clean = torch.arange(L.payload_numel, dtype=torch.float32)
+    kept = clean.clone()
+    rng, words, bits = random.Random(0), set(), set()
+    for _ in range(1500):
+        diff = _corrupt(how, clean, codec, rng).view(torch.int32) ^ clean.view(torch.int32)
+        changed = diff.nonzero().flatten().tolist()
+        assert len(changed) == 1 and lo <= changed[0] < hi, changed
+        flipped = int(diff[changed[0]]) % 2 ** 32
+        assert flipped & (flipped - 1) == 0
+        words.add(changed[0])
+        bits.add(flipped.bit_length() - 1)
+    assert torch.equal(clean, kept)
+    assert bits == set(range(32)) and len(words) > (hi - lo) // 2
+
+
+def test_the_other_lhc_corruptions_change_what_they_name():
+    """"zero_sketch" zeroes every sketch word and nothing else; "wrong_sum" moves one sketch word; "header_keys"
+    moves the key count's low field by exactly 1, either way over 50 draws."""
+    from lossless_hc.fuzz.cases import _corrupt
+    from lossless_hc.lhc.codec import LosslessCodec
+    from lossless_hc.lhc.layout import HDR_KEYS_LO
+    codec = LosslessCodec(64, 2, 8, 1, index="bitmap", verify=True)
+    L = codec.layout
+    clean = torch.arange(L.payload_numel, dtype=torch.float32) + 1
+    p = _corrupt("zero_sketch", clean, codec, random.Random(0))
+    assert (p != clean).nonzero().flatten().tolist() == list(range(L.sketch_offset, L.payload_numel))
+    assert not p[L.sketch_offset:].any()
+    rng, moves = random.Random(0), set()
+    for _ in range(50):
+        changed = (_corrupt("wrong_sum", clean, codec, rng) != clean).nonzero().flatten().tolist()
+        assert len(changed) == 1 and L.sketch_offset <= changed[0] < L.payload_numel, changed
+        p = _corrupt("header_keys", clean, codec, rng)
+        assert (p != clean).nonzero().flatten().tolist() == [HDR_KEYS_LO]
+        moves.add(float(p[HDR_KEYS_LO] - clean[HDR_KEYS_LO]))
+    assert moves == {1.0, -1.0}
+
+
+def test_each_support_kind_draws_what_it_names():
+    """_supports: "shared" gives every rank the same k keys, "hot" k keys each from one pool of 2k (heavy
+    overlap, not identical), "disjoint" min(k, keys / n) keys each that no other rank holds, "independent" k
+    keys each drawn apart (more distinct keys than a pool of 2k)."""
+    from lossless_hc.fuzz.cases import _supports
+    n, k, num_keys = 8, 6, 1000
+    drawn = {kind: _supports(SimpleNamespace(keys_per_rank=k, world_size=n, support=kind), random.Random(1), num_keys)
+             for kind in ("shared", "hot", "disjoint", "independent")}
+    for kind, supports in drawn.items():
+        assert len(supports) == n and all(len(set(keys)) == len(keys) == k for keys in supports), kind
+        assert all(0 <= key < num_keys for keys in supports for key in keys), kind
+    assert all(keys == drawn["shared"][0] for keys in drawn["shared"])
+    hot = [set(keys) for keys in drawn["hot"]]
+    assert len(set().union(*hot)) <= 2 * k and len({frozenset(keys) for keys in hot}) > 1
+    assert len(set().union(*map(set, drawn["disjoint"]))) == n * k
+    assert len(set().union(*map(set, drawn["independent"]))) > 2 * k
+    few = _supports(SimpleNamespace(keys_per_rank=k, world_size=n, support="disjoint"), random.Random(1), 20)
+    assert [len(keys) for keys in few] == [20 // n] * n and len(set().union(*map(set, few))) == n * (20 // n)
+
+
+@pytest.mark.parametrize("kind", ["normal", "range", "integers", "big_small", "cancel", "near_cancel"])
+def test_each_value_kind_draws_both_signs_over_its_range(kind):
+    """_values: every kind draws positive and negative values; "range" (and the cancelling kinds' base values)
+    log-uniform over range_decades decades centred on 1, "big_small" ones and a few 10^(4 + decades / 2),
+    "integers" -8 to 8."""
+    from lossless_hc.fuzz.cases import _values
+    g = SimpleNamespace(values=kind, range_decades=10.0)
+    v = _values(g, random.Random(0), 4000, torch.Generator().manual_seed(0))
+    assert v.dtype == torch.float64 and v.shape == (4000,)
+    assert bool((v > 0).any()) and bool((v < 0).any())
+    m = v.abs()
+    if kind in ("range", "cancel", "near_cancel"):
+        assert float(m.min()) >= 1e-5 and float(m.max()) <= 1e5
+        assert float(m.min()) < 1e-4 and float(m.max()) > 1e4 and 0.4 < float((m < 1).double().mean()) < 0.6
+    elif kind == "big_small":
+        assert set(m.unique().tolist()) == {1.0, 1e9} and 0.01 < float((m > 1).double().mean()) < 0.03
+    elif kind == "integers":
+        assert set(v.unique().tolist()) == set(range(-8, 9))
+    else:
+        assert 0.9 < float(v.std()) < 1.1 and abs(float(v.mean())) < 0.1
+
+
+def test_every_cancelling_group_cancels_on_rank_0s_support():
+    """In every "cancel" and "near_cancel" group (and in no other) ranks cancel on rank 0's keys: with 2 ranks
+    rank 1 holds -x0 (near: -(1 + 2^-20) x0); with 3 (only where n >= 3) rank 1 holds a share of x0 up to 3x
+    either way and rank 2 the rest, so the three sum to 0 (near: -2^-20 x0) up to their float32 roundings."""
+    from lossless_hc.fuzz.cases import draw_group
+    ranks = set()
+    for group in range(300):
+        g = draw_group(0, group)
+        if g.values not in ("cancel", "near_cancel"):
+            assert g.cancel_ranks == 0
+            continue
+        assert g.cancel_ranks in ((2, 3) if g.world_size >= 3 else (2,)), (group, g.cancel_ranks)
+        ranks.add((g.cancel_ranks, g.world_size == 3))
+        x = [t.double() for t in g.xs[:g.cancel_ranks]]
+        held = (x[0] != 0) & x[0].isfinite() & (x[0].abs() < 1e29) & x[1].isfinite()
+        if g.dtype != torch.float32 or not bool(held.any()):
+            continue
+        x = [t[held] for t in x]
+        near = 2.0 ** -20 if g.values == "near_cancel" else 0.0
+        if g.cancel_ranks == 2:
+            assert bool(((x[1] / x[0] + 1 + near).abs() <= 2.0 ** -23).all()), group
+        else:
+            share = x[1] / x[0]
+            assert bool((share.abs() <= 3).all() and (share != 0).all()), group
+            residue = x[0] + x[1] + x[2] + near * x[0]
+            assert bool((residue.abs() <= 2.0 ** -22 * (x[0].abs() + x[1].abs() + x[2].abs())).all()), group
+    assert ranks == {(2, False), (3, False), (2, True), (3, True)}

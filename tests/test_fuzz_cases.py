@@ -239,3 +239,20 @@ def test_every_cancelling_group_cancels_on_rank_0s_support():
             residue = x[0] + x[1] + x[2] + near * x[0]
             assert bool((residue.abs() <= 2.0 ** -22 * (x[0].abs() + x[1].abs() + x[2].abs())).all()), group
     assert ranks == {(2, False), (3, False), (2, True), (3, True)}
+
+
+def test_a_thc_level_corruption_moves_one_level_word_or_zeroes_them_all():
+    """THC's "level_off" moves one level word by a non-zero integer of up to 2^20, either way (exact in either
+    word type); "zero_levels" zeroes every level word and nothing before them."""
+    codec = THCCodec(3, 2, initial_norm=1.0, payload_dtype=torch.int64)
+    first = codec.layout.words_offset
+    clean = torch.arange(first + 4, dtype=torch.int64) + 7
+    rng, moves = random.Random(0), []
+    for _ in range(300):
+        p = thc_cases._corrupt("level_off", clean, codec, rng)
+        changed = (p != clean).nonzero().flatten().tolist()
+        assert len(changed) == 1 and changed[0] >= first, changed
+        moves.append(int(p[changed[0]] - clean[changed[0]]))
+    assert all(0 < abs(m) <= 2 ** 20 for m in moves) and min(moves) < -2 ** 19 and max(moves) > 2 ** 19
+    p = thc_cases._corrupt("zero_levels", clean, codec, rng)
+    assert torch.equal(p[:first], clean[:first]) and not p[first:].any()

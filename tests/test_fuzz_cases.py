@@ -256,3 +256,22 @@ def test_a_thc_level_corruption_moves_one_level_word_or_zeroes_them_all():
     assert all(0 < abs(m) <= 2 ** 20 for m in moves) and min(moves) < -2 ** 19 and max(moves) > 2 ** 19
     p = thc_cases._corrupt("zero_levels", clean, codec, rng)
     assert torch.equal(p[:first], clean[:first]) and not p[first:].any()
+
+
+def test_cancelling_ranks_keep_their_own_keys_off_rank_0s_support():
+    """The cancellation rewrites ranks 1 (and 2) on rank 0's keys only: in a "disjoint" group they still hold
+    their own keys off rank 0's support, and ranks 1 and 2 none in common there."""
+    from lossless_hc.fuzz.cases import draw_group
+    checked = 0
+    for group in range(300):
+        g = draw_group(0, group)
+        if not g.cancel_ranks or g.support != "disjoint" or g.non_finite or g.dtype != torch.float32:
+            continue
+        off = g.xs[0] == 0
+        if g.keys_per_rank == 0 or -(-g.numel // g.block) // g.world_size == 0:
+            continue
+        assert all(bool((g.xs[r][off] != 0).any()) for r in range(1, g.cancel_ranks)), group
+        if g.cancel_ranks == 3:
+            assert not bool(((g.xs[1] != 0) & (g.xs[2] != 0) & off).any()), group
+        checked += 1
+    assert checked >= 3

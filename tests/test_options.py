@@ -202,6 +202,16 @@ def test_bad_num_threads_is_a_clear_error(num_threads, error):
         assert codec.num_threads == 2 and pickle.loads(pickle.dumps(codec)).num_threads == 2
 
 
+def test_num_threads_up_to_its_limit_is_accepted():
+    """The documented range is [0, 4096] (lossless_hc.backends.MAX_THREADS) inclusive: 4096 itself is a
+    count both codecs take, at construction and set afterwards; one more is refused (above)."""
+    for make in (lambda t: LosslessCodec(5000, 2, 50, num_threads=t), lambda t: THCCodec(5000, 2, num_threads=t)):
+        assert make(4096).num_threads == 4096
+        codec = make(0)
+        codec.num_threads = 4096
+        assert codec.num_threads == 4096
+
+
 @pytest.mark.parametrize("shape, world_size, error, match", [
     ((-3, 4), 2, ValueError, "sizes >= 0"), ((2.5,), 2, TypeError, "shape"), ((True, 3), 2, TypeError, "shape"),
     (7, 2, TypeError, "sequence"), ((100,), 2.5, TypeError, "world_size"), ((100,), 0, ValueError, "world_size")])

@@ -7,7 +7,7 @@ are the CPU backend's.
 import pytest
 import torch
 
-from lossless_hc.backends import cuda_topk
+from lossless_hc.backends import cuda_runtime, cuda_topk
 from lossless_hc.backends.cpu import CPU
 
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
@@ -51,3 +51,62 @@ def test_emulated_selection_writes_nothing_past_its_count(emulated, kind):  # no
         got = cuda_topk.topk_select(x, k, out=out)
         assert torch.equal(got, CPU.topk_select(x, k)), k
         assert bool((out[k:] == -7).all()), f"k={k}: indices written past the selection"
+
+
+@pytest.mark.parametrize("n,k", [(3000, 30), (20_001, 700), (33 * 4096 + 7, 5000)])
+def test_emulated_scratch_and_grids_are_what_the_kernels_index(emulated, monkeypatch, n, k):  # noqa: F811
+    """The launch sequence's scratch (cuda_runtime.Arena) and grids against csrc/cuda/topk_kernels.cuh: a
+    TopkState (32 bytes), kTopkBins = 2048 64-bit bins, two 64-bit counts per counting block (topk_count's
+    grid, which topk_offsets is told and topk_write runs on), per-block ranges covering the n keys, and
+    blocks of kTopkThreads = 256 threads (the shared scan's size) or one warp. The arena rounds each slice
+    up to 256 bytes, so a short slice runs into padding unnoticed by the indices compared elsewhere."""
+    asked, launches = [], []
+
+    class RecordingArena(cuda_runtime.Arena):
+        def __init__(self, sizes, device):
+            asked.append(dict(sizes))
+            super().__init__(sizes, device)
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def launch(self, kernel, grid, block, args, stream, cooperative=False):
+            launches.append((kernel, grid, block, list(args)))
+            self.inner.launch(kernel, grid, block, args, stream, cooperative)
+
+    real = cuda_runtime.active_launcher
+    monkeypatch.setattr(cuda_runtime, "Arena", RecordingArena)
+    monkeypatch.setattr(cuda_runtime, "active_launcher", lambda: Recording(real()))
+    x = inputs("ties", n, seed=n)
+    assert torch.equal(cuda_topk.topk_select(x, k), CPU.topk_select(x, k))
+    (sizes,) = asked
+    by_kernel = {}
+    for kernel, grid, block, args in launches:
+        by_kernel.setdefault(kernel, []).append((grid, block, args))
+    assert [kernel for kernel, *_ in launches] == ["topk_hist", "topk_pick"] * 3 + ["topk_count", "topk_offsets",
+                                                                                    "topk_write"]
+    assert [args[3] for _, _, args in by_kernel["topk_hist"]] == [0, 1, 2]   # the three digit passes
+    (count,), (offsets,), (write,) = by_kernel["topk_count"], by_kernel["topk_offsets"], by_kernel["topk_write"]
+    blocks, per_block = count[0], count[2][3]
+    assert write[0] == blocks and offsets[2][1] == blocks and write[2][3] == per_block
+    assert blocks == counting_blocks(n) and (blocks - 1) * per_block < n <= blocks * per_block
+    assert sizes["state"] >= 32 and sizes["hist"] >= 8 * 2048 and sizes["counts"] >= 16 * blocks, sizes
+    for kernel, grid, block, _ in launches:
+        assert block == (32 if kernel in ("topk_pick", "topk_offsets") else 256), kernel
+        assert grid >= 1 and (grid == 1 or block == 256), kernel
+
+
+def test_emulated_selection_of_none_or_all_into_a_longer_out(emulated):  # noqa: F811
+    """The counts the launcher answers without kernels, k = 0 and k >= n, into an ``out`` with room to
+    spare: the selection returned is exactly min(k, n) indices (none; all of them in order), as on the
+    CPU backend, and nothing past them is written."""
+    from lossless_hc.backends.cuda import CUDA
+    n = 2000
+    x = inputs("normal", n, seed=3)
+    for backend in (CPU, CUDA):
+        for k in (0, n, n + 5):
+            out = torch.full((n + 10,), -7, dtype=torch.int64)
+            got = backend.topk_select(x, k, out=out)
+            assert torch.equal(got, torch.arange(min(k, n))), (backend.name, k)
+            assert bool((out[min(k, n):] == -7).all()), (backend.name, k)

@@ -398,3 +398,20 @@ def test_a_world_size_that_is_no_positive_int_is_refused_alike_everywhere(build)
         with pytest.raises(TypeError, match="world_size must be an int, got"):
             make(n)
     make(1)
+
+
+def test_the_cuda_backend_s_torch_paths_scan_and_refuse_as_the_cpu_kernels_do():
+    """The CUDA backend's row scan (run here on CPU tensors) flags the rows the CPU kernel flags (NaN counts,
+    -0.0 does not), and its dense_copy and topk_feedback refuse what the CPU backend refuses, before torch
+    or the kernels touch the operands."""
+    from lossless_hc.backends.cpu import CPU
+    from lossless_hc.backends.cuda import CudaBackend
+    cuda = CudaBackend()
+    x = torch.zeros(12)
+    x[1], x[7], x[10] = float("nan"), 2.0, -0.0
+    for backend in (CPU, cuda):
+        assert backend.nonzero_rows(x, 3).tolist() == [True, False, True, False]
+        with pytest.raises(ValueError, match="dense_copy's dst must hold 12 elements"):
+            backend.dense_copy(x, torch.empty(11))
+        with pytest.raises(TypeError, match="residual"):
+            backend.topk_feedback(x, torch.zeros(11), 5)

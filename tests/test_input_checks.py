@@ -415,3 +415,20 @@ def test_the_cuda_backend_s_torch_paths_scan_and_refuse_as_the_cpu_kernels_do():
             backend.dense_copy(x, torch.empty(11))
         with pytest.raises(TypeError, match="residual"):
             backend.topk_feedback(x, torch.zeros(11), 5)
+
+
+def test_the_cuda_backend_s_bitmap_refuses_a_word_the_cpu_kernel_refuses():
+    """bitmap_rows of an average (``scale`` n): a word that scales to -0.5 rounds to -0 (ties to even) within
+    an average's 0.5 of rounding, yet no sum of counts is below 0, so both backends refuse the bitmap (None);
+    the same word at +0.5 is a rounding of 0 (no row) or 1."""
+    from lossless_hc.backends.cpu import CPU
+    from lossless_hc.backends.cuda import CudaBackend
+    from lossless_hc.training.planner import bitmap_words
+    words = torch.zeros(bitmap_words(10, 2))
+    for backend in (CPU, CudaBackend()):
+        assert backend.bitmap_rows(words, 10, 2, scale=2.0).tolist() == []
+        words[0] = -0.25
+        assert backend.bitmap_rows(words, 10, 2, scale=2.0) is None
+        words[0] = 0.25
+        assert backend.bitmap_rows(words, 10, 2, scale=2.0) is not None
+        words[0] = 0.0

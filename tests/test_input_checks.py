@@ -432,3 +432,27 @@ def test_the_cuda_backend_s_bitmap_refuses_a_word_the_cpu_kernel_refuses():
         words[0] = 0.25
         assert backend.bitmap_rows(words, 10, 2, scale=2.0) is not None
         words[0] = 0.0
+
+
+def test_the_cuda_backend_s_thc_interleave_refuses_what_the_cpu_kernel_refuses():
+    """thc_interleave and thc_deinterleave (run here on CPU tensors) check their operands as the CPU backend's
+    do before copying anything: blocks that do not hold ``nb * block`` floats, and an ``out`` that is a negative
+    view (its memory would be left holding the negated values); with good operands both give the same bits."""
+    from lossless_hc.backends.cpu import CPU
+    from lossless_hc.backends.cuda import CudaBackend
+    x = torch.arange(1.0, 8.0)                       # 7 coordinates into 2 blocks of 4
+    for backend in (CPU, CudaBackend()):
+        out = torch.zeros(8)
+        backend.thc_interleave(x, 2, 4, out)
+        assert out.tolist() == [1.0, 3.0, 5.0, 7.0, 2.0, 4.0, 6.0, 0.0]
+        back = torch.zeros(7)
+        backend.thc_deinterleave(out, 2, 4, back)
+        assert torch.equal(back, x)
+        with pytest.raises(ValueError, match="THC interleave of 7 coordinates into 2 blocks of 4"):
+            backend.thc_interleave(x, 2, 4, torch.zeros(9))
+        with pytest.raises(ValueError, match="THC interleave of 7 coordinates into 2 blocks of 4"):
+            backend.thc_deinterleave(torch.zeros(9), 2, 4, back)
+        with pytest.raises(ValueError, match="thc_interleave's out is a negative view"):
+            backend.thc_interleave(x, 2, 4, torch._neg_view(torch.zeros(8)))
+        with pytest.raises(ValueError, match="thc_deinterleave's out is a negative view"):
+            backend.thc_deinterleave(out, 2, 4, torch._neg_view(torch.zeros(7)))

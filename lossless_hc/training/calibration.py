@@ -61,6 +61,7 @@ from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.topk_aggregate import topk_count
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel
 from lossless_hc.training.powersgd import powersgd_layout
+from lossless_hc.training.step import run_in_process
 from lossless_hc.training.strategies import AutoAggregator
 
 # bytes per rank (the most link_sizes times); 4 MiB: the largest pair's slope clears a 10 Gbit/s token
@@ -264,18 +265,13 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     m = max(1, min(int(world_size), TOPK_RANKS))
     aggs, xs = _planned_ranks("topk", m, ratio, device)
 
-    def encode_all():
-        encoded = [a.encode(x) for a, x in zip(aggs, xs)]
-        return encoded, torch.stack([payload for payload, _ in encoded]).sum(0)
-    encoded, summed = encode_all()   # the first step: statistics
-    outcomes = [a.decode(summed, c) for a, (_, c) in zip(aggs, encoded)]
-    if outcomes[0].request is not None:
-        # Its inexact keys' exact sum (or the dense fallback), every rank alike: finished as a plan finishes it,
-        # or the step is never counted and the next encode is a first, statistics step again (a row scan).
-        result = torch.stack([o.request.tensor for o in outcomes]).sum(0)
-        for a, (_, c) in zip(aggs, encoded):
-            a.finish(c, result)
-    encoded, summed = encode_all()   # the second, timed: between statistics steps, as all but one in an interval
+    # The first step, statistics, run whole: its inexact keys' request (which random selections summed over
+    # several ranks make at every step) finished as a plan finishes it, or the step is never counted and the
+    # next encode is a first, statistics step again (a row scan).
+    run_in_process(aggs, xs)
+    # the second, timed: between statistics steps, as all but one in an interval
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = torch.stack([payload for payload, _ in encoded]).sum(0)
     ctx = encoded[0][1]
     k = topk_count(TOPK_NUMEL, ratio)
     per_coordinate = timed("topk_encode", lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL

@@ -9,6 +9,11 @@ from lossless_hc.training.calibration import fit_link
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, LinkModel
 
 
+def no_collective(t):
+    """A collective that a test expects never to be issued."""
+    raise AssertionError("a collective was issued")
+
+
 def test_link_fit_prices_the_bytes_a_token_bucket_lets_through_at_memory_speed():
     """Samples timed on the emulated cluster (2 hosts, 1 Gbit/s by tbf with a 256 KiB bucket, Gloo, the
     fastest of three after a warm-up; 2026-12-03): the 256 KiB allreduce passed in half its line-rate time
@@ -336,12 +341,9 @@ def test_every_timing_entry_point_refuses_no_repeats():
     instead of an infinite time (no run) that prices every byte at infinity."""
     from lossless_hc.training.calibration import check_repeats, measure_codecs, measure_link
     assert check_repeats(2) == 2
-
-    def refuse(t):
-        raise AssertionError("a collective was issued")
     for bad in (0, -1):
         with pytest.raises(ValueError, match="repeats"):
-            measure_link(refuse, refuse, "cpu", (1024,), bad)
+            measure_link(no_collective, no_collective, "cpu", (1024,), bad)
         with pytest.raises(ValueError, match="repeats"):
             measure_codecs("cpu", 2, numel=1 << 10, repeats=bad)
 
@@ -352,14 +354,12 @@ def test_calibrate_on_one_rank_issues_no_collective_and_with_its_defaults_times_
     its defaults a rank of several times each size's float32 allreduce and allgather once to warm up and 3
     times (docs/DESIGN.md: the fastest of 3), no float16 one (``half`` off), then takes the one broadcast."""
     from lossless_hc.training.calibration import calibrate
-
-    def refuse(t):
-        raise AssertionError("a collective was issued")
     given, samples = Calibration.default(bandwidth_bits=1e9, latency_s=3e-5), []
-    assert calibrate(refuse, refuse, refuse, 0, 1, default=given, samples_out=samples).link == given.link
+    none = (no_collective,) * 3   # allreduce, allgather, broadcast
+    assert calibrate(*none, 0, 1, default=given, samples_out=samples).link == given.link
     assert samples == []
     with pytest.raises(ValueError, match="repeats"):
-        calibrate(refuse, refuse, refuse, 0, 1, repeats=0)
+        calibrate(*none, 0, 1, repeats=0)
     sent, calls = Calibration.default(), []
 
     def broadcast(t):

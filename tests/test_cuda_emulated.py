@@ -76,6 +76,20 @@ def emulated(tmp_path_factory):
     cuda_runtime.reset_launcher()
 
 
+def record_arenas(monkeypatch) -> list:
+    """The sizes (a dict per arena, in order) every launch sequence asks cuda_runtime.Arena for from now on
+    in the test; the arenas are built as asked."""
+    asked = []
+
+    class RecordingArena(cuda_runtime.Arena):
+        def __init__(self, sizes, device):
+            asked.append(dict(sizes))
+            super().__init__(sizes, device)
+
+    monkeypatch.setattr(cuda_runtime, "Arena", RecordingArena)
+    return asked
+
+
 def host_codecs(numel, n, k, block=1, index="auto", seed=0, verify=False):
     cpu = LosslessCodec(numel, n, k, block_size=block, seed=seed, index=index, verify=verify)
     return cpu, _cuda.CudaLayout(cpu.layout, torch.device("cpu"))

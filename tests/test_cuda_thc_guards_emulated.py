@@ -12,10 +12,10 @@ import torch
 import thc_reference as ref
 
 import lossless_hc as lhc
-from lossless_hc.backends import cuda_runtime
 from lossless_hc.backends import cuda_thc as _cuda_thc
 from lossless_hc.thc.layout import HDR_CHECKSUM
 
+from test_cuda_emulated import record_arenas
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 from test_cuda_thc_emulated import assert_same_bits, normal_inputs, ranks, to_emulated_cuda
 
@@ -216,14 +216,7 @@ def test_emulated_scratch_holds_what_the_kernels_write(emulated, monkeypatch, nu
     double per norm chunk (thc_norm_chunks) and per tree group (thc_tree_pass), a level of 1 or 4 bytes
     per padded coordinate and, transformed in passes, a float per padded coordinate. The arena rounds each
     slice up to 256 bytes, so a short slice runs into the next one unnoticed by the bits compared elsewhere."""
-    asked = []
-
-    class RecordingArena(cuda_runtime.Arena):
-        def __init__(self, sizes, device):
-            asked.append(dict(sizes))
-            super().__init__(sizes, device)
-
-    monkeypatch.setattr(cuda_runtime, "Arena", RecordingArena)
+    asked = record_arenas(monkeypatch)
     gpu = [to_emulated_cuda(c) for c in ranks(2, numel, initial_norm=50.0, **kw)]
     gpu[0].decode(sum(c.encode(x) for c, x in zip(gpu, normal_inputs(2, numel, seed=numel)(0))))
     L = gpu[0].layout

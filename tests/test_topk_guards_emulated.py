@@ -10,6 +10,7 @@ import torch
 from lossless_hc.backends import cuda_runtime, cuda_topk
 from lossless_hc.backends.cpu import CPU
 
+from test_cuda_emulated import record_arenas
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 from test_topk import bits, inputs
 
@@ -60,12 +61,7 @@ def test_emulated_scratch_and_grids_are_what_the_kernels_index(emulated, monkeyp
     grid, which topk_offsets is told and topk_write runs on), per-block ranges covering the n keys, and
     blocks of kTopkThreads = 256 threads (the shared scan's size) or one warp. The arena rounds each slice
     up to 256 bytes, so a short slice runs into padding unnoticed by the indices compared elsewhere."""
-    asked, launches = [], []
-
-    class RecordingArena(cuda_runtime.Arena):
-        def __init__(self, sizes, device):
-            asked.append(dict(sizes))
-            super().__init__(sizes, device)
+    asked, launches = record_arenas(monkeypatch), []
 
     class Recording:
         def __init__(self, inner):
@@ -76,7 +72,6 @@ def test_emulated_scratch_and_grids_are_what_the_kernels_index(emulated, monkeyp
             self.inner.launch(kernel, grid, block, args, stream, cooperative)
 
     real = cuda_runtime.active_launcher
-    monkeypatch.setattr(cuda_runtime, "Arena", RecordingArena)
     monkeypatch.setattr(cuda_runtime, "active_launcher", lambda: Recording(real()))
     x = inputs("ties", n, seed=n)
     assert torch.equal(cuda_topk.topk_select(x, k), CPU.topk_select(x, k))

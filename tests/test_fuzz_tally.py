@@ -9,6 +9,7 @@ from lossless_hc.fuzz import Tally, run
 from lossless_hc.fuzz.cases import Verdict, run_group
 from lossless_hc.fuzz.runner import MAX_EXAMPLES
 from lossless_hc.fuzz.thc_cases import run_thc_group
+from test_fuzz_verdicts import refuse_every_thc_decode
 
 
 def verdicts(group: int, wrong: int, how: str = "sum", clean: bool = True):
@@ -73,11 +74,7 @@ def test_a_run_is_its_groups_verdicts_and_the_thc_groups_beside_every_eighth(mon
     thc = [v for g in (0, 1, 2) for v in run_thc_group(0, g)]
     t = run(68, seed=0, workers=1, kinds=("thc",), chunk=3)   # LHC groups 0 .. 16, in chunks of 3
     assert (t.cases, t.statuses) == (12, Counter(("clean" if v.clean else "corrupt", v.status) for v in thc))
-    from lossless_hc.thc import THCCodec
-
-    def refuse(self, payload, averaged=False, out=None):
-        raise ValueError("refused")
-    monkeypatch.setattr(THCCodec, "decode", refuse)
+    refuse_every_thc_decode(monkeypatch)
     t = run(68, seed=0, workers=1, kinds=("thc",), chunk=3)
     assert t.wrong == Counter((v.how, "refused_clean") for v in thc if v.case == 0)
     assert t.wrong_groups == ["thc:0", "thc:1", "thc:2"]

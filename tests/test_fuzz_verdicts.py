@@ -104,18 +104,23 @@ def test_an_average_is_judged_against_the_average(how):
     assert verdict(Decoder(far), how, averaged).wrong == ("ok_but_wrong" if averaged else None)
 
 
+def refuse_every_thc_decode(monkeypatch) -> None:
+    """From now on in the test, every THCCodec.decode raises (a decoder that refuses everything)."""
+    from lossless_hc.thc import THCCodec
+
+    def refuse(self, payload, averaged=False, out=None):
+        raise ValueError("refused")
+    monkeypatch.setattr(THCCodec, "decode", refuse)
+
+
 def test_thc_verdicts_say_what_the_decoder_did(monkeypatch):
     """A THC group's first case is its clean aggregate, OK when decoded; a decoder that refuses everything is
     REFUSED there (refused_clean: wrong) and on every corrupted case (right: refusing a corrupted one is its
     job). Each verdict names the THC group and its case."""
     from lossless_hc.fuzz.thc_cases import CASES_PER_GROUP, run_thc_group
-    from lossless_hc.thc import THCCodec
     got = run_thc_group(0, 5)
     assert [(v.group, v.case, v.clean) for v in got] == [(5, c, c == 0) for c in range(CASES_PER_GROUP)]
     assert (got[0].status, got[0].wrong) == ("OK", None)
-
-    def refuse(self, payload, averaged=False, out=None):
-        raise ValueError("refused")
-    monkeypatch.setattr(THCCodec, "decode", refuse)
+    refuse_every_thc_decode(monkeypatch)
     assert [(v.status, v.wrong) for v in run_thc_group(0, 5)] == \
         [("REFUSED", "refused_clean")] + [("REFUSED", None)] * (CASES_PER_GROUP - 1)

@@ -134,8 +134,9 @@ def test_the_planner_moves_every_rank_to_the_same_cheaper_strategy():
 def test_a_plan_prices_the_second_collectives_its_message_batches():
     """An aggregator whose message (DDP's bucket) already allgathers (``batched``, set by the adapter from
     its bucket-mates' plans) prices its own allgather without the latency: on a slow-latency link a
-    32 Ki-coordinate tensor's top-k goes by allgather there and by the sketch alone; every rank alike, and
-    the allgathered sum equals the reference selections'."""
+    32 Ki-coordinate tensor's top-k goes by allgather there, and alone the tensor goes dense (top-k's sketch
+    pays a second allreduce's latency too, for its inexact keys); every rank alike, and the allgathered sum
+    equals the reference selections'."""
     n = 4
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
     rng = torch.Generator().manual_seed(5)
@@ -149,7 +150,7 @@ def test_a_plan_prices_the_second_collectives_its_message_batches():
             run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
         assert len({a.strategy for a in aggs}) == 1
         chosen[batched] = aggs[0].strategy
-    assert chosen == {frozenset(): "topk", frozenset({"allgather"}): "topk_allgather"}, chosen
+    assert chosen == {frozenset(): "dense", frozenset({"allgather"}): "topk_allgather"}, chosen
 
 
 def bucket_mates(n: int):
@@ -164,7 +165,7 @@ def bucket_mates(n: int):
 def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step():
     """settle_message_plans (DDP's auto_hook, before the message and after its decode): the plans a step's
     statistics made are priced again as the message batches them, at once: a large tensor top-k'd by
-    allgather draws its 32 Ki-coordinate bucket-mate from the sketch to the allgather at the same step
+    allgather draws its 32 Ki-coordinate bucket-mate from dense to the allgather at the same step
     (one entry in its history), on every rank alike."""
     n = 4
     rng = torch.Generator().manual_seed(6)
@@ -175,7 +176,7 @@ def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step()
     before = [[b.plans, s.plans] for b, s in zip(big, small)]
     for aggs, numel in ((big, 1 << 20), (small, 1 << 15)):
         run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
-    assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"topk"}
+    assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"dense"}
     for r in range(n):
         settle_message_plans([big[r], small[r]], before[r])
     assert {s.strategy for s in small} == {"topk_allgather"}
@@ -187,17 +188,17 @@ def test_a_message_s_plans_settle_on_their_bucket_mates_plans_of_the_same_step()
 def test_settling_a_message_replans_only_the_tensors_that_planned_since():
     """settle_message_plans with ``plans_before`` taken after the step's plans: no tensor planned since, so
     each one's ``batched`` follows its bucket-mates' plans but none is planned again mid-interval (the small
-    tensor keeps top-k until its own statistics step; re-planning it too passed every other test)."""
+    tensor stays dense until its own statistics step; re-planning it too passed every other test)."""
     n = 2
     rng = torch.Generator().manual_seed(6)
     big, small = bucket_mates(n)
     for aggs, numel in ((big, 1 << 20), (small, 1 << 15)):
         run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
-    assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"topk"}
+    assert {b.strategy for b in big} == {"topk_allgather"} and {s.strategy for s in small} == {"dense"}
     for r in range(n):
         plans = [big[r].plans, small[r].plans]
         settle_message_plans([big[r], small[r]], plans)
-        assert [big[r].plans, small[r].plans] == plans and small[r].strategy == "topk"
+        assert [big[r].plans, small[r].plans] == plans and small[r].strategy == "dense"
         assert small[r].batched == {"allgather"} and big[r].batched == frozenset()
 
 
@@ -245,16 +246,16 @@ def test_settling_a_message_ends_with_every_batched_set_from_the_final_plans():
 
 
 def test_a_replan_that_revises_the_step_s_change_back_leaves_no_history_entry():
-    """A step's plan changed dense -> top-k; a re-plan of the same step (its message's plans settling) that
+    """A step's plan changed dense -> allgathered top-k; a re-plan of the same step (its message's plans settling) that
     goes back to dense made no change, and leaves no entry; one that goes on to a third strategy leaves one."""
     n = 2
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
     rng = torch.Generator().manual_seed(7)
-    for replanned, history in (("dense", []), ("topk_allgather", [(1, "topk_allgather")])):
-        aggs = [AutoAggregator("w", (1 << 15,), torch.float32, n, r, model, lossy=True, interval=2,
+    for replanned, history in (("dense", []), ("topk", [(1, "topk")])):
+        aggs = [AutoAggregator("w", (1 << 17,), torch.float32, n, r, model, lossy=True, interval=2,
                                allowed=("dense", "topk", "topk_allgather")) for r in range(n)]
-        run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
-        assert [(a.strategy, a.history) for a in aggs] == [("topk", [(1, "topk")])] * n
+        run_step(aggs, [torch.randn(1 << 17, generator=rng) for _ in range(n)])
+        assert [(a.strategy, a.history) for a in aggs] == [("topk_allgather", [(1, "topk_allgather")])] * n
         for a in aggs:
             a.cost_model = _Choosing(model, replanned)
             a.replan()
@@ -268,15 +269,15 @@ def test_a_replan_at_a_later_step_keeps_the_earlier_changes_in_history():
     n = 2
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
     rng = torch.Generator().manual_seed(7)
-    aggs = [AutoAggregator("w", (1 << 15,), torch.float32, n, r, model, lossy=True, interval=100,
+    aggs = [AutoAggregator("w", (1 << 17,), torch.float32, n, r, model, lossy=True, interval=100,
                            allowed=("dense", "topk", "topk_allgather")) for r in range(n)]
-    for _ in range(2):   # step 1 plans top-k, step 2 plans nothing
-        run_step(aggs, [torch.randn(1 << 15, generator=rng) for _ in range(n)])
-    assert [(a.strategy, a.history) for a in aggs] == [("topk", [(1, "topk")])] * n
+    for _ in range(2):   # step 1 plans the allgathered top-k, step 2 plans nothing
+        run_step(aggs, [torch.randn(1 << 17, generator=rng) for _ in range(n)])
+    assert [(a.strategy, a.history) for a in aggs] == [("topk_allgather", [(1, "topk_allgather")])] * n
     for a in aggs:
-        a.cost_model = _Choosing(model, "topk_allgather")
+        a.cost_model = _Choosing(model, "topk")
         a.replan()
-    assert [(a.strategy, a.history) for a in aggs] == [("topk_allgather", [(1, "topk"), (2, "topk_allgather")])] * n
+    assert [(a.strategy, a.history) for a in aggs] == [("topk", [(1, "topk_allgather"), (2, "topk")])] * n
     dense = [AutoAggregator("d", (64,), torch.float32, n, r, model, allowed=("dense",)) for r in range(n)]
     run_step(dense, [torch.ones(64)] * n)
     for a in dense:

@@ -87,15 +87,22 @@ def _grid():
 def test_a_second_collective_the_message_issues_anyway_is_priced_without_its_latency():
     """batched: a message's other tensors already issue that kind of second collective (DDP batches them:
     one allgather, one allreduce per dtype), so the tensor's own adds its bytes, not its latency; the first
-    allreduce is every strategy's and keeps its latency. On a slow-latency link that turns a mid-sized
-    tensor's top-k from the sketch (one allreduce) to the allgather its bucket-mates already make."""
+    allreduce is every strategy's and keeps its latency. A sketch or top-k plan's second allreduce is the
+    request of its decode's inexact keys, batched alike where the tensor has any (observed or prior). On a
+    slow-latency link that turns a mid-sized tensor's top-k from the allgather (one allgather latency more
+    than the header's allreduce) to the sketch where its bucket-mates already issue a second allreduce."""
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-3))
     alpha = model.calibration.link.alpha_s
     n = 4
     s = stats(1 << 15, 1, n, 1 << 15, 1 << 15)
     both = frozenset({"allgather", "allreduce"})
-    for strategy in ("dense", "sketch", "topk", "thc", "bf16"):
+    for strategy in ("dense", "thc", "bf16"):
         assert model.predict(strategy, s, both) == model.predict(strategy, s)
+    for strategy in ("sketch", "topk"):
+        assert math.isclose(model.predict(strategy, s, both), model.predict(strategy, s) - 2 * (n - 1) * alpha,
+                            rel_tol=1e-12)
+        exact = TensorStats(s.numel, 1, n, s.rank_keys, s.union_keys, **{f"{strategy}_reaggregated": 0})
+        assert model.predict(strategy, exact, both) == model.predict(strategy, exact), strategy   # no request
     assert math.isclose(model.predict("topk_allgather", s, frozenset({"allgather"})),
                         model.predict("topk_allgather", s) - (n - 1) * alpha, rel_tol=1e-12)
     assert model.predict("topk_allgather", s, frozenset({"allreduce"})) == model.predict("topk_allgather", s)
@@ -105,17 +112,19 @@ def test_a_second_collective_the_message_issues_anyway_is_priced_without_its_lat
     assert math.isclose(model.predict("allgather", sparse, both),
                         model.predict("allgather", sparse) - (n - 1) * alpha, rel_tol=1e-12)
     top = ("topk", "topk_allgather")
-    assert model.choose(s, lossy=True, allowed=top)[0] == "topk"
-    assert model.choose(s, lossy=True, allowed=top, batched=frozenset({"allgather"}))[0] == "topk_allgather"
+    assert model.choose(s, lossy=True, allowed=top)[0] == "topk_allgather"
+    assert model.choose(s, lossy=True, allowed=top, batched=frozenset({"allreduce"}))[0] == "topk"
 
 
 def test_a_message_s_second_collectives_are_counted_per_tensor_without_its_own():
-    assert batched_second_collectives(["dense", "allgather", "topk_allgather", "two_phase", "sketch"]) == [
+    assert batched_second_collectives(["dense", "allgather", "topk_allgather", "two_phase", "thc"]) == [
         {"allgather", "allreduce"}, {"allgather", "allreduce"}, {"allgather", "allreduce"}, {"allgather"},
         {"allgather", "allreduce"}]
     assert batched_second_collectives(["allgather", "dense"]) == [set(), {"allgather"}]
     assert batched_second_collectives(["two_phase", "two_phase", "thc"]) == [{"allreduce"}] * 3
-    assert batched_second_collectives(["topk", "bf16"]) == [set(), set()]
+    # the inexact keys' request of a sketch or top-k plan (planner.SECOND_COLLECTIVE)
+    assert batched_second_collectives(["topk", "bf16"]) == [set(), {"allreduce"}]
+    assert batched_second_collectives(["sketch", "two_phase", "fp16"]) == [{"allreduce"}] * 3
     assert batched_second_collectives([]) == []
 
 
@@ -205,8 +214,11 @@ def test_the_sketch_floor_is_the_sketch_priced_at_its_union_capacity():
             s = TensorStats(1 << 18, 16, n, (k,) * n, union, sparse=sparse)
             spare = 4 * (sketch_payload_numel(s) - sketch_capacity(s)[1])
             assert spare >= 0
-            want = link.allreduce(MODEL.wire_bytes("sketch", s) - spare, n) + MODEL.local_seconds("sketch", s)
+            (_, first), request = MODEL.collectives("sketch", s)   # the inexact keys' request: not in the floor
+            assert request[0] == "allreduce" and request[1] > 0
+            want = link.allreduce(first - spare, n) + MODEL.local_seconds("sketch", s)
             assert MODEL.sketch_floor(s) == pytest.approx(want, rel=1e-12), (s, MODEL.sketch_floor(s), want)
+            assert MODEL.sketch_floor(s) < MODEL.predict("sketch", s)
     empty = TensorStats(0, 1, 4, (0,) * 4, 0)   # no coordinates: no layout, the header alone
     assert MODEL.sketch_floor(empty) == link.allreduce(MODEL.wire_bytes("sketch", empty), 4) \
         == MODEL.predict("sketch", empty)
@@ -231,7 +243,9 @@ def test_wire_bytes_come_from_the_real_layouts():
     assert MODEL.wire_bytes("allgather", s) == H + 40 * (4 + 16 * 4)
     assert MODEL.wire_bytes("two_phase", s) == H + 4 * bitmap_words(4096, 3) + 100 * 16 * 4
     cap, union = sketch_capacity(s)
-    assert MODEL.wire_bytes("sketch", s) == H + plan_layout(1 << 16, 3, cap, 16, 0, union_nnz=union).wire_bytes
+    # and the request of its inexact keys: 1 - exp(-0.012 * 16^0.8) = 10.45% of the 100 rows, so 11 rows of 16
+    request = 11 * 16 * 4
+    assert MODEL.wire_bytes("sketch", s) == H + plan_layout(1 << 16, 3, cap, 16, 0, union_nnz=union).wire_bytes + request
     # top-k allgathered: the header's allreduce, then k = ceil(r d) pairs of an int32 index and a float32 value
     k = math.ceil(MODEL.topk_ratio * (1 << 16))
     assert MODEL.collectives("topk_allgather", s) == [("allreduce", H), ("allgather", 8 * k)]

@@ -342,7 +342,9 @@ def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
         s = stats(numel, dim, n, 20, 20 * n)
         header = 4 * stats_header_words(n)
         layout = plan_layout(numel, n, k, 1, 0, union_nnz=min(numel, n * k))
-        assert MODEL.collectives("topk", s) == [("allreduce", header + 4 * layout.payload_numel)]
+        # then the request of its inexact keys, priced before the plan ran at 1 - exp(-0.012) of the n k selections
+        request = 4 * math.ceil((1 - math.exp(-0.012)) * n * k)
+        assert MODEL.collectives("topk", s) == [("allreduce", header + 4 * layout.payload_numel), ("allreduce", request)]
         aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
                                first="topk", allowed=("topk",), interval=1) for r in range(n)]
         sent = record_sent(aggs)
@@ -350,7 +352,8 @@ def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
         for _ in range(2):   # the first step builds top-k's aggregator; the second sends its payload
             sent.clear()
             run_step(aggs, [torch.randn(rows, dim, generator=rng) for _ in range(n)])
-        assert sent == [MODEL.wire_bytes("topk", s)] * n, (sent, MODEL.wire_bytes("topk", s))
+        first = MODEL.collectives("topk", s)[0][1]
+        assert sent == [first] * n, (sent, first)
 
 
 @pytest.mark.parametrize("strategy,dtype,divisor", [("bf16", torch.bfloat16, None), ("fp16", torch.float16, 4),

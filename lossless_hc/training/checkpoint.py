@@ -29,7 +29,7 @@ from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 
 _TRACKER_FIELDS = ("steps", "union", "per_rank", "peak_union", "peak_rank")
-_AUTO_TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step")
+_AUTO_TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step", "reaggregated")
 
 
 def _kind(agg) -> str:
@@ -155,6 +155,7 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     agg.history = [tuple(h) for h in state["history"]]
     saved = dict(state["tracker"])
     saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
+    saved["reaggregated"] = dict(saved.get("reaggregated", {}))   # ... or before it: none observed
     for f in _AUTO_TRACKER_FIELDS:
         setattr(agg.tracker, f, saved[f])
     # Saved as None: not built yet, so none here either (an aggregator that trained since keeps nothing).

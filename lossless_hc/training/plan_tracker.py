@@ -16,7 +16,9 @@ class PlanTracker:
     EWMAs :math:`\bar x \leftarrow (1-a)\bar x + a x` (the first step sets them). A decision is due after
     the first observed step and then every ``interval`` steps, or at once after a sketch failed to
     decode (``force``); :meth:`stats` rounds the EWMAs up, taking the per-rank maximum over the steps
-    since the last decision so that a spiky tensor keeps room for its spikes.
+    since the last decision so that a spiky tensor keeps room for its spikes. Every step of a sketch or
+    top-k plan also feeds the coordinates its inexact keys' request re-aggregated into an EWMA of that
+    plan's (:meth:`observe_reaggregated`; kept across plan changes, the cost model's ``R``).
     """
 
     def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25,
@@ -36,6 +38,7 @@ class PlanTracker:
         self.peak_rank = 0
         self.force = False
         self.last_step = 0   # the step count of the last observation
+        self.reaggregated: dict = {}   # strategy -> EWMA of the coordinates re-aggregated per step
 
     def observe(self, rank_keys, union_keys: int, step: Optional[int] = None) -> bool:
         """Record one step; True when a decision is due. ``step``: the tensor's step count after this one
@@ -64,6 +67,17 @@ class PlanTracker:
         self.steps += 1
         return self.force or step == 1 or step % self.interval == 0
 
+    def observe_reaggregated(self, strategy: str, coordinates: int) -> None:
+        """One decode of a ``strategy`` plan (``"sketch"``, ``"topk"``): it re-aggregated ``coordinates``
+        (0: it proved every key; a failed decode's dense fallback is not observed, the model neglects it)."""
+        count = float(coordinates)
+        if not 0.0 <= count <= self.numel:
+            raise ValueError(f"{strategy} re-aggregated {coordinates!r} coordinates of {self.numel}")
+        old = self.reaggregated.get(strategy)
+        # a new dict, not an update: a state_dict() taken earlier holds the old one
+        self.reaggregated = {**self.reaggregated,
+                             strategy: count if old is None else (1 - self.alpha) * old + self.alpha * count}
+
     def stats(self, element_bytes: int = 4) -> TensorStats:
         """The statistics a decision uses (and resets the per-interval peak and ``force``)."""
         keys = -(-self.numel // self.row) if self.numel else 0
@@ -73,4 +87,6 @@ class PlanTracker:
             ranks[ranks.index(top)] = min(keys, self.peak_rank)
         union = min(keys, max(math.ceil(self.union), max(ranks) if ranks else 0))
         self.peak_rank, self.force = 0, False
-        return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes, self.sparse)
+        reaggregated = {f"{s}_reaggregated": round(c) for s, c in self.reaggregated.items()}
+        return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes, self.sparse,
+                           **reaggregated)

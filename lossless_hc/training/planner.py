@@ -51,15 +51,25 @@ Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+
     two_phase  allreduce(H + 4 ceil(D / q)) + allreduce(4 u b)      (q digits of base n+1 per word,
                                                                      lossless_hc.lhc.layout.digit_packing)
     sketch     allreduce(H + 4 L)       L = plan_layout(d, n, h_K K b, b, union = h_U u b).payload_numel
+               + allreduce(4 R_s)       R: the inexact keys' coordinates re-aggregated per step (below)
     fp16/bf16  allreduce_half(2 d)                                    (a plain step: the tensor in half precision)
     thc        allreduce(H + 8 THC payload words)                   (lossless_hc.thc.layout)
     topk       allreduce(H + 4 L)       L sized for k = ceil(r d) per rank and min(n k, d) in the union
+               + allreduce(4 R_t)
     topk_allgather  allreduce(H) + allgather(8 k)                 (int32 index + float32 value per pair)
 
 (``h_K`` = :data:`RANK_HEADROOM`, ``h_U`` = :data:`UNION_HEADROOM`: the margins the sketch is sized with
 over the observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with. The plans
 with plain steps are priced at them, dense with its header's few bytes: their statistics steps, one in
 ``interval``, add a scan and, for fp16 and bf16, the header's round trip before the body's.)
+A sketch (top-k) decode reports inexact keys (proven bounds above ``rtol``: :mod:`lossless_hc.lhc.contract`) at
+nearly every step, whose rows (selected coordinates) the plan re-aggregates with one more allreduce: ``R``
+is the EWMA of the coordinates it re-aggregated per step on this tensor
+(``TensorStats.sketch_reaggregated``, ``topk_reaggregated``: from
+:meth:`~lossless_hc.training.plan_tracker.PlanTracker.observe_reaggregated`, the plan's dense fallback for
+inexactness counting the tensor), or, before the plan has run on it, :func:`reaggregated_prior`, a share of the
+union's rows that grows with their width (1.2% at ``b = 1``, 18% at 32). It is priced as issued every step
+wherever ``R > 0``, as it was measured, and batched as two_phase's second allreduce is.
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
@@ -111,10 +121,7 @@ whose message's other tensors already issue that kind of second collective
 :meth:`CostModel.predict`; the first allreduce's latency is common to every strategy
 (:meth:`CostModel.choose`). The model neglects what does not scale with the tensor: the parts
 a message's first payloads share, and a sketch that fails to decode costs one more dense allreduce
-(the sketch's sizing keeps that below ~1e-3 per step). It also neglects, though it scales with the
-tensor, the one more allreduce of the rows of a decode's inexact keys, which a sketch or top-k plan
-issues at most steps (a share of the union's rows that grows with the row's width: docs/BENCHMARKS.md,
-"Inexact keys in training"). Its inputs are the EWMAs of the statistics
+(the sketch's sizing keeps that below ~1e-3 per step). Its inputs are the EWMAs of the statistics
 (:class:`~lossless_hc.training.plan_tracker.PlanTracker`), so a tensor whose density drifts is re-planned
 within ``interval`` steps.
 """
@@ -138,7 +145,10 @@ LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk", "topk_allgather")
 TOPK_STRATEGIES = ("topk", "topk_allgather")   # the top-k selections, with one error-feedback memory
 # The second collective a strategy issues every step (module doc), which a message batches with its other
 # tensors' of the same kind
-SECOND_COLLECTIVE = {"allgather": "allgather", "topk_allgather": "allgather", "two_phase": "allreduce"}
+# (sketch and topk: the request of their decodes' inexact keys, measured at every step where it was looked for:
+# docs/BENCHMARKS.md, "Inexact keys in training")
+SECOND_COLLECTIVE = {"allgather": "allgather", "topk_allgather": "allgather", "two_phase": "allreduce",
+                     "sketch": "allreduce", "topk": "allreduce"}
 HALF_STRATEGIES = ("fp16", "bf16")   # the tensor allreduced in half precision
 # The allgather's slots carry a row's index (topk_allgather's: a coordinate's) as an int32 bit-cast to float32
 # (rows.gather_slots): tensors of more rows (coordinates) are never planned on it (unbuildable)
@@ -165,6 +175,10 @@ TOPK_RATIO = 0.01       # the lossy top-k's share of each tensor (CostModel(topk
 # The same rule as torch's PowerSGD min_compression_rate and BytePS's minimum compressed size.
 LOSSY_MIN_BYTES = 1 << 16
 THC_BITS, THC_GRANULARITY = 4, 30
+# The share of the union's rows a sketch plan's inexact-key request re-aggregates per step before the plan has
+# run on the tensor (reaggregated_prior): 1 - exp(-RATE b^EXPONENT) for rows of b coordinates, fitted to the
+# shares measured at 8 ranks with 1% of the rows per rank (docs/BENCHMARKS.md, "Inexact keys in training").
+REAGGREGATED_RATE, REAGGREGATED_EXPONENT = 0.012, 0.8
 
 # Default link and local costs (Calibration.default): a 1 Gbit/s Ethernet link with ~50 us per
 # message, and local work measured on a 2-core x86 VM (order of magnitude; calibrate() replaces them).
@@ -294,7 +308,9 @@ class TensorStats:
     """What the planner knows about one tensor: ``numel`` coordinates in rows of ``row``,
     ``rank_keys[r]`` non-zero rows on rank r (``world_size`` entries), ``union_keys`` rows non-zero
     on some rank, ``element_bytes`` per value on the wire (4: float32); ``sparse``: the gradient
-    arrives as a sparse tensor of its rows (module doc)."""
+    arrives as a sparse tensor of its rows (module doc); ``sketch_reaggregated``, ``topk_reaggregated``:
+    the coordinates a sketch (top-k) plan's request of its decode's inexact keys re-aggregated per step on
+    this tensor (None: the plan has not run on it, :func:`reaggregated_prior` prices it)."""
 
     numel: int
     row: int
@@ -303,6 +319,8 @@ class TensorStats:
     union_keys: int
     element_bytes: int = 4
     sparse: bool = False
+    sketch_reaggregated: Optional[int] = None
+    topk_reaggregated: Optional[int] = None
 
     def __post_init__(self):
         if self.numel < 0 or self.row < 1 or self.world_size < 1:
@@ -311,7 +329,10 @@ class TensorStats:
             raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
         # counts of rows: a negative one priced its rows' bytes below zero (an allgather of (-5,) * 4 rows
         # cheaper than one of none), a NaN fails deep in the pricing
-        for what, count in [("rank_keys", k) for k in self.rank_keys] + [("union_keys", self.union_keys)]:
+        counts = [("rank_keys", k) for k in self.rank_keys] + [("union_keys", self.union_keys)]
+        counts += [(f, getattr(self, f)) for f in ("sketch_reaggregated", "topk_reaggregated")
+                   if getattr(self, f) is not None]
+        for what, count in counts:
             if not _finite_nonnegative(count):
                 raise ValueError(f"bad TensorStats: {what} must be counts >= 0, got {count!r}")
         if self.element_bytes not in _WIRE_DTYPES:
@@ -400,6 +421,27 @@ def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
     return _layout_words(stats.numel, stats.world_size, cap, stats.row, seed, union)
 
 
+def reaggregated_prior(strategy: str, s: TensorStats, topk_ratio: float = TOPK_RATIO) -> int:
+    """Coordinates a ``sketch`` or ``topk`` plan's request of its decode's inexact keys is priced to
+    re-aggregate per step where it has not run on the tensor yet (``TensorStats.sketch_reaggregated``,
+    ``topk_reaggregated`` None): a share ``p(b) = 1 - exp(-0.012 b^0.8)`` (:data:`REAGGREGATED_RATE`,
+    :data:`REAGGREGATED_EXPONENT`) of the union's ``u`` rows of ``b`` coordinates (top-k: of the ``min(n k, d)``
+    selected coordinates, ``b = 1``), whole rows, at most the tensor. The rows of a wider key are inexact more
+    often (each coordinate's proven bound scales with its row's largest, docs/DESIGN.md, "Exactness"); the fit's
+    ``p``: 1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, against 0.3%, 2.9%, 11.8%, 21.8%, 41.3%
+    measured at 8 ranks (0.2%, 1.9%, 8.4%, 16.7%, 31.8% at 4; top-k: 0.1-0.3%)."""
+    if strategy == "topk":   # its keys are coordinates, whatever the tensor's rows
+        selected = min(s.numel, s.world_size * topk_count(s.numel, topk_ratio))
+        return math.ceil(_reaggregated_share(1) * selected)
+    if strategy != "sketch":
+        raise ValueError(f"only sketch and topk plans re-aggregate inexact keys, not {strategy!r}")
+    return min(s.numel, math.ceil(_reaggregated_share(s.row) * s.union_keys) * s.row)
+
+
+def _reaggregated_share(row: int) -> float:
+    return 1.0 - math.exp(-REAGGREGATED_RATE * row ** REAGGREGATED_EXPONENT)
+
+
 def batched_second_collectives(strategies) -> list:
     """Per tensor of a message planned as ``strategies`` (in message order): the kinds of second
     collective its other tensors issue every step (:data:`SECOND_COLLECTIVE`), whose latency the message
@@ -441,7 +483,7 @@ class CostModel:
         if strategy == "two_phase":
             return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * 4)]
         if strategy == "sketch":
-            return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))]
+            return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))] + self._reaggregated(strategy, s)
         if strategy in HALF_STRATEGIES:   # a plain step (module doc)
             return [("allreduce_half", 2 * s.numel)]
         if strategy == "thc":
@@ -450,10 +492,18 @@ class CostModel:
             k = topk_count(s.numel, self.topk_ratio)
             union = min(s.numel, n * k)
             words = _layout_words(s.numel, n, k, 1, 0, union) if s.numel else 0
-            return [("allreduce", H + 4 * words)]
+            return [("allreduce", H + 4 * words)] + self._reaggregated(strategy, s)
         if strategy == "topk_allgather":
             return [("allreduce", H), ("allgather", 8 * topk_count(s.numel, self.topk_ratio))]
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGIES)}")
+
+    def _reaggregated(self, strategy: str, s: TensorStats) -> list:
+        """The request of a sketch or top-k decode's inexact keys (float32 values; none where the plan's
+        observed or prior count is 0), priced as issued every step, as it was measured."""
+        count = getattr(s, f"{strategy}_reaggregated")
+        if count is None:
+            count = reaggregated_prior(strategy, s, self.topk_ratio)
+        return [("allreduce", 4 * int(count))] if count else []
 
     def _thc_words(self, s: TensorStats) -> int:
         from lossless_hc.thc.layout import plan_thc_layout

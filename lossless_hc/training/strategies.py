@@ -465,6 +465,7 @@ class AutoAggregator(TensorRows, LossyMemories):
                                          shape=(self.numel,), dtype=torch.float32)
                 union_count = ctx.union_rows.numel() if self.sparse else report.support
                 if report.ok:
+                    self.tracker.observe_reaggregated(s, 0)
                     self._observe(ctx, union_count)
                     return AutoOutcome(self._from_flat(y, ctx.union_rows))
                 if report.status == DecodeStatus.INEXACT:
@@ -473,8 +474,10 @@ class AutoAggregator(TensorRows, LossyMemories):
                     if self.partial and keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: dense fallback
                         self.stats.partial_fallbacks += 1
                         self.stats.inexact_keys += keys.numel()
+                        self.tracker.observe_reaggregated(s, min(self.numel, keys.numel() * self.row))
                         ctx.partial = (y, keys, union_count)
                         return AutoOutcome(None, Request("allreduce", self._on_rows(ctx, keys).reshape(-1)))
+                    self.tracker.observe_reaggregated(s, self.numel)
                 if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
                     raise ConfigurationMismatch(f"{self.name}: {report.reason}")
                 self.fallbacks += 1
@@ -495,6 +498,10 @@ class AutoAggregator(TensorRows, LossyMemories):
                 return AutoOutcome(self._shaped(value))
             if s == "topk":
                 out = self._topk.decode(body.to(torch.float32).contiguous(), ctx.inner, partial=self.partial)
+                inexact = out.report is not None and out.report.status == DecodeStatus.INEXACT
+                if out.needs_partial or inexact or not out.needs_fallback:   # a failure's fallback: not priced
+                    self.tracker.observe_reaggregated(s, out.partial.numel() if out.needs_partial else
+                                                      self.numel if out.needs_fallback else 0)
                 if out.needs_partial:   # the selections' inexact keys: their coordinates summed exactly
                     ctx.topk_outcome = out
                     self.stats.inexact_decodes += 1

@@ -1,0 +1,164 @@
+"""The request of a decode's inexact keys, which a sketch or top-k plan issues at nearly every step: what the
+planner's cost model prices for it (planner.reaggregated_prior before the plan ran on a tensor, the
+tracker's EWMA after), what the aggregators feed that EWMA, and that a checkpoint keeps it."""
+import math
+
+import pytest
+import torch
+
+from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
+from lossless_hc.training.plan_tracker import PlanTracker
+from lossless_hc.training.planner import TensorStats, reaggregated_prior
+from lossless_hc.training.strategies import AutoAggregator
+from test_planner import run_step, sparse_rows
+from test_planner_cost import MODEL
+
+
+def test_the_prior_is_a_share_of_the_union_s_rows_growing_with_their_width():
+    """Before a plan ran on the tensor: ``ceil(p(b) u)`` whole rows of ``b``, ``p(b) = 1 - exp(-0.012 b^0.8)``,
+    at most the tensor; top-k's keys are coordinates (``b = 1``) of its ``min(n k, d)`` selections."""
+    assert reaggregated_prior("sketch", TensorStats(1 << 20, 1, 4, (300,) * 4, 1000)) == 12   # p(1) = 1.19%
+    # p(32) = 1 - exp(-0.012 * 16) = 17.47% of 100 rows: 18 rows of 32 coordinates
+    assert reaggregated_prior("sketch", TensorStats(1 << 16, 32, 4, (40,) * 4, 100)) == 18 * 32
+    assert reaggregated_prior("sketch", TensorStats(1 << 16, 32, 4, (0,) * 4, 0)) == 0
+    # p(200) = 56.5% of 2 rows: both, 400 coordinates, but the tensor has 300 (a row of 200, then one of 100)
+    assert reaggregated_prior("sketch", TensorStats(300, 200, 2, (2, 2), 2)) == 300
+    # top-k, 1% of 2^16 coordinates per rank (k = 656) on 4 ranks: 1.19% of 2624, whatever the rows
+    for row in (1, 64):
+        assert reaggregated_prior("topk", TensorStats(1 << 16, row, 4, (1,) * 4, 1)) == math.ceil(
+            (1 - math.exp(-0.012)) * 4 * 656) == 32
+    with pytest.raises(ValueError, match="only sketch and topk"):
+        reaggregated_prior("two_phase", TensorStats(64, 1, 2, (1, 1), 1))
+
+
+def test_the_model_prices_the_observed_count_once_the_plan_ran():
+    """An observed count replaces the prior, 0 meaning no request at all (nor its latency); a count that is
+    not a number >= 0 is refused with the other statistics."""
+    s = TensorStats(1 << 16, 32, 4, (40,) * 4, 100)
+    first = MODEL.collectives("sketch", s)[0]
+    assert MODEL.collectives("sketch", s)[1] == ("allreduce", 4 * 18 * 32)
+    seen = TensorStats(1 << 16, 32, 4, (40,) * 4, 100, sketch_reaggregated=7 * 32, topk_reaggregated=5)
+    assert MODEL.collectives("sketch", seen) == [first, ("allreduce", 4 * 7 * 32)]
+    assert MODEL.collectives("topk", seen)[1:] == [("allreduce", 4 * 5)]
+    none = TensorStats(1 << 16, 32, 4, (40,) * 4, 100, sketch_reaggregated=0, topk_reaggregated=0)
+    assert MODEL.collectives("sketch", none) == [first] and len(MODEL.collectives("topk", none)) == 1
+    link = MODEL.calibration.link
+    assert math.isclose(MODEL.predict("sketch", s) - MODEL.predict("sketch", none), link.allreduce(4 * 18 * 32, 4),
+                        rel_tol=1e-12)
+    for bad in (-1, math.nan, math.inf):
+        with pytest.raises(ValueError, match="sketch_reaggregated"):
+            TensorStats(64, 1, 2, (1, 1), 1, sketch_reaggregated=bad)
+        with pytest.raises(ValueError, match="topk_reaggregated"):
+            TensorStats(64, 1, 2, (1, 1), 1, topk_reaggregated=bad)
+
+
+def test_the_tracker_keeps_an_ewma_per_plan_across_plan_changes():
+    t = PlanTracker(1000, 10, 2, alpha=0.25)
+    t.observe([5, 5], 8)
+    assert (t.stats().sketch_reaggregated, t.stats().topk_reaggregated) == (None, None)
+    t.observe_reaggregated("sketch", 40)   # the first sets it
+    t.observe_reaggregated("sketch", 0)
+    t.observe_reaggregated("topk", 3)
+    assert t.reaggregated == {"sketch": 30.0, "topk": 3.0}
+    t.observe([5, 5], 8)
+    s = t.stats()
+    assert (s.sketch_reaggregated, s.topk_reaggregated) == (30, 3)
+    t.observe_reaggregated("sketch", 1)   # 22.75: rounded to the nearest coordinate
+    assert t.stats().sketch_reaggregated == 23
+    for bad in (-1, 1001, math.nan):
+        with pytest.raises(ValueError, match="re-aggregated"):
+            t.observe_reaggregated("sketch", bad)
+    assert t.reaggregated["sketch"] == 22.75
+
+
+def recorded(aggs) -> list:
+    """Per rank, the (strategy, coordinates) every step feeds its tracker's re-aggregation EWMA."""
+    calls = [[] for _ in aggs]
+    for r, a in enumerate(aggs):
+        def observe(strategy, coordinates, real=a.tracker.observe_reaggregated, r=r):
+            calls[r].append((strategy, int(coordinates)))
+            real(strategy, coordinates)
+        a.tracker.observe_reaggregated = observe
+    return calls
+
+
+def test_a_sketch_plan_feeds_the_rows_it_re_aggregated_and_plans_on_them():
+    """A sketch plan of a 32-wide table re-aggregates a share of its rows at every step: each step feeds
+    exactly those rows' coordinates (``inexact_keys`` times the row), and each plan prices their EWMA."""
+    n, rows, dim = 4, 4000, 32
+    rng = torch.Generator().manual_seed(11)
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=2) for r in range(n)]
+    calls = recorded(aggs)
+    ewma, before = None, 0
+    for step in range(5):
+        run_step(aggs, [sparse_rows(rng, rows, dim, 40) for _ in range(n)])   # within the first sizing
+        keys = aggs[0].stats.inexact_keys - before
+        before = aggs[0].stats.inexact_keys
+        assert keys > 0 and aggs[0].stats.fallbacks == 0
+        assert [c[step] for c in calls] == [("sketch", keys * dim)] * n
+        ewma = keys * dim if ewma is None else 0.75 * ewma + 0.25 * keys * dim
+        assert all(a.tracker.reaggregated == {"sketch": pytest.approx(ewma)} for a in aggs)
+    planned = aggs[0].plan_input   # the plan of step 4 (interval 2)
+    assert planned.sketch_reaggregated > 0 and planned.topk_reaggregated is None
+    assert MODEL.collectives("sketch", planned)[1] == ("allreduce", 4 * planned.sketch_reaggregated)
+
+
+def test_a_sketch_plan_that_proves_every_key_feeds_zero_and_a_failed_decode_nothing():
+    """One rank's rows alone are exact (no sum): every step feeds 0. A step past the sketch's capacity falls
+    back densely, which the model neglects: it feeds nothing. With ``partial=False`` an inexact decode's
+    dense fallback feeds the whole tensor."""
+    n, rows, dim = 2, 2000, 4
+    rng = torch.Generator().manual_seed(12)
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=100) for r in range(n)]
+    calls = recorded(aggs)
+    run_step(aggs, [sparse_rows(rng, rows, dim, 20), torch.zeros(rows, dim)])
+    assert calls == [[("sketch", 0)]] * n and aggs[0].stats.inexact_decodes == 0
+    run_step(aggs, [sparse_rows(rng, rows, dim, 1500) for _ in range(n)])   # far past the sized capacity
+    assert aggs[0].stats.fallbacks == 1 and calls == [[("sketch", 0)]] * n
+
+    aggs = [AutoAggregator("emb", (rows, 32), torch.float32, n, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=100, partial=False) for r in range(n)]
+    calls = recorded(aggs)
+    run_step(aggs, [sparse_rows(rng, rows, 32, 20) for _ in range(n)])
+    assert aggs[0].stats.inexact_decodes == 1 and calls == [[("sketch", rows * 32)]] * n
+
+
+def test_a_top_k_plan_feeds_its_inexact_selections_at_every_step():
+    """Top-k's request is of coordinates, issued between statistics steps too: every step feeds the
+    coordinates it re-aggregated (the ``inexact_keys`` it added)."""
+    n, numel = 4, 1 << 16
+    rng = torch.Generator().manual_seed(13)
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first="topk",
+                           allowed=("topk",), interval=4) for r in range(n)]
+    calls = recorded(aggs)
+    before = []
+    for _ in range(5):
+        run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+        before.append(aggs[0].stats.inexact_keys)
+    per_step = [b - a for a, b in zip([0] + before, before)]
+    assert sum(per_step) > 0 and aggs[0].stats.fallbacks == 0
+    assert calls == [[("topk", c) for c in per_step]] * n
+
+
+def test_a_checkpoint_keeps_the_re_aggregation_ewma():
+    """state_dict() saves the EWMA (a copy: later steps do not change it), a restore brings it back, and a
+    state saved before it existed restores none (the prior prices it again)."""
+    rng = torch.Generator().manual_seed(14)
+    n, rows, dim = 2, 2000, 32
+    aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, first="sketch", allowed=("sketch",),
+                           interval=2) for r in range(n)]
+    run_step(aggs, [sparse_rows(rng, rows, dim, 20) for _ in range(n)])
+    saved = aggregator_state_dict(aggs[0])
+    kept = dict(aggs[0].tracker.reaggregated)
+    assert saved["tracker"]["reaggregated"] == kept and kept["sketch"] > 0
+    run_step(aggs, [sparse_rows(rng, rows, dim, 20) for _ in range(n)])
+    assert saved["tracker"]["reaggregated"] == kept != aggs[0].tracker.reaggregated
+    fresh = AutoAggregator("emb", (rows, dim), torch.float32, n, 0, MODEL, first="sketch", allowed=("sketch",),
+                           interval=2)
+    load_aggregator_state_dict(fresh, saved)
+    assert fresh.tracker.reaggregated == kept
+    del saved["tracker"]["reaggregated"]
+    load_aggregator_state_dict(fresh, saved)
+    assert fresh.tracker.reaggregated == {}

@@ -423,7 +423,7 @@ def test_the_cuda_backend_s_bitmap_refuses_a_word_the_cpu_kernel_refuses():
     the same word at +0.5 is a rounding of 0 (no row) or 1."""
     from lossless_hc.backends.cpu import CPU
     from lossless_hc.backends.cuda import CudaBackend
-    from lossless_hc.training.planner import bitmap_words
+    from lossless_hc.training.plan_stats import bitmap_words
     words = torch.zeros(bitmap_words(10, 2))
     for backend in (CPU, CudaBackend()):
         assert backend.bitmap_rows(words, 10, 2, scale=2.0).tolist() == []

@@ -202,7 +202,8 @@ def test_auto_statistics_steps_carry_a_half_precision_body_in_its_dtype(numel):
     header, summed as bfloat16 as its plain steps and DDP's allreduce sum it (before: float32, twice the
     bytes); a body too small for a part of its own joins the header's, widened (exact). Decoded, the sum."""
     from lossless_hc.training.auto import AutoMessage, decode_message as decode_auto_message
-    from lossless_hc.training.planner import Calibration, CostModel, stats_header_words
+    from lossless_hc.training.planner import Calibration, CostModel
+    from lossless_hc.training.plan_stats import stats_header_words
     from lossless_hc.training.strategies import AutoAggregator
     n, model = 2, CostModel(Calibration.default())
     aggs = [AutoAggregator("w", (numel,), torch.bfloat16, n, r, model) for r in range(n)]

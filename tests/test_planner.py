@@ -474,7 +474,7 @@ def test_allgather_is_priced_at_the_bytes_it_sends_whatever_the_gradient_s_dtype
                                             ("two_phase", torch.float32)])
 def test_the_statistics_header_is_priced_in_its_payload_s_dtype(strategy, dtype):
     """The statistics header takes its first payload's dtype: float64 in THC's payload and in a float64
-    gradient's (``planner.header_width``). Priced as float32 words, THC's and a float64 dense step's
+    gradient's (``plan_stats.header_width``). Priced as float32 words, THC's and a float64 dense step's
     first payload were predicted 4(1+2n) bytes short of what they send."""
     n, shape = 3, (4000, 16)
     g = torch.Generator().manual_seed(0)

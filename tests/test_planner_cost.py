@@ -11,8 +11,8 @@ from lossless_hc.lhc.cost_model import plan_layout
 from lossless_hc.training.calibration import fit_link
 from lossless_hc.training.plan_tracker import PlanTracker
 from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, LOSSY_STRATEGIES, Calibration,
-                                          CostModel, LinkModel, TensorStats, batched_second_collectives,
-                                          bitmap_words, sketch_capacity, stats_header_words)
+                                          CostModel, LinkModel, batched_second_collectives)
+from lossless_hc.training.plan_stats import TensorStats, bitmap_words, sketch_capacity, stats_header_words
 
 MODEL = CostModel(Calibration.default(bandwidth_bits=1e9))
 
@@ -207,7 +207,7 @@ def test_the_sketch_floor_is_the_sketch_priced_at_its_union_capacity():
     (``sketch_capacity(s)[1]``) and nothing else changed: the same header (a sparse gradient's with the
     two-phase bitmap), the same allreduce and the same local work, on dense and sparse gradients alike, and
     an empty tensor's is its header's."""
-    from lossless_hc.training.planner import sketch_payload_numel
+    from lossless_hc.training.plan_stats import sketch_payload_numel
     link = MODEL.calibration.link
     for sparse in (False, True):
         for n, k, union in ((2, 40, 70), (3, 40, 100), (16, 500, 4000)):

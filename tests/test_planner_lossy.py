@@ -334,7 +334,7 @@ def test_top_k_is_priced_at_the_sketch_of_its_selections_it_sends():
     (rows of 1) sized for ``k = ceil(r d)`` per rank and ``min(n k, d)`` in the union; and that is the size of
     the payload a top-k plan's step sends (float32 words), at every world size tried."""
     from lossless_hc.lhc.cost_model import plan_layout
-    from lossless_hc.training.planner import stats_header_words
+    from lossless_hc.training.plan_stats import stats_header_words
     rows, dim = 300, 64
     numel = rows * dim
     for n in (2, 3):
@@ -393,7 +393,7 @@ def test_a_lossy_plan_s_header_carries_zero_counts_between_its_statistics_steps(
     """THC and top-k carry the statistics header on every step, but its counts are statistics only on the
     dense plans' statistics steps (the first, step counts that are multiples of ``interval``); between them
     every rank's count fields hold zeros (docs/DESIGN.md, "What is exchanged when"), the contributor word 1."""
-    from lossless_hc.training.planner import stats_header_words
+    from lossless_hc.training.plan_stats import stats_header_words
     n, numel = 2, 1 << 12
     aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
                            first=strategy, allowed=(strategy,), interval=4) for r in range(n)]

@@ -73,7 +73,7 @@ def test_a_message_carries_half_precision_plain_steps_in_parts_of_their_dtype():
     plan would send float32 bytes with half precision's error); a two_phase plan's rows are the one second
     allreduce. (Before, a half plan's every step was a header in the first part and a second allreduce per
     half dtype.)"""
-    from lossless_hc.training.planner import TensorStats
+    from lossless_hc.training.plan_stats import TensorStats
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
     link, n = model.calibration.link, 4
 
@@ -101,7 +101,8 @@ def test_a_message_pays_one_first_allreduce_per_part():
     dense plan's 64 Ki+ float32 coordinates are two allreduces (before: one, a latency short); a small
     float32 payload joins the float64 part, widened (its bytes doubled, no second latency), unless the link
     is so slow that its widened bytes cost more than a latency (message_layout's link)."""
-    from lossless_hc.training.planner import LinkModel, TensorStats
+    from lossless_hc.training.planner import LinkModel
+    from lossless_hc.training.plan_stats import TensorStats
     model = CostModel(Calibration.default(bandwidth_bits=1e9, latency_s=1e-4))
     link, n = model.calibration.link, 4
 
@@ -470,7 +471,8 @@ def test_a_message_batches_its_second_allreduces_per_gradient_dtype_and_splits_a
     dtype (the gradient's) summing its tensors' rows; and a dense plan of a gradient narrower than its
     float32 header sends the header in the float32 part and the body in the gradient's width (its plain
     steps'), a part of its own (bfloat16, at the half slope) when large."""
-    from lossless_hc.training.planner import LinkModel, TensorStats, stats_header_words
+    from lossless_hc.training.planner import LinkModel
+    from lossless_hc.training.plan_stats import TensorStats, stats_header_words
     model = CostModel(Calibration(LinkModel(1e-4, 8e-9, 16e-9, 12e-9)))
     link, n = model.calibration.link, 4
 

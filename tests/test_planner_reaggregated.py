@@ -1,5 +1,5 @@
 """The request of a decode's inexact keys, which a sketch or top-k plan issues at nearly every step: what the
-planner's cost model prices for it (planner.reaggregated_prior before the plan ran on a tensor, the
+planner's cost model prices for it (plan_stats.reaggregated_prior before the plan ran on a tensor, the
 tracker's EWMA after), what the aggregators feed that EWMA, and that a checkpoint keeps it."""
 import math
 
@@ -8,27 +8,32 @@ import torch
 
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
 from lossless_hc.training.plan_tracker import PlanTracker
-from lossless_hc.training.planner import TensorStats, reaggregated_prior
+from lossless_hc.training.plan_stats import TensorStats, reaggregated_prior
+from lossless_hc.training.planner import TOPK_RATIO
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import run_step, sparse_rows
 from test_planner_cost import MODEL
 
 
+def prior(strategy, s):
+    return reaggregated_prior(strategy, s, TOPK_RATIO)
+
+
 def test_the_prior_is_a_share_of_the_union_s_rows_growing_with_their_width():
     """Before a plan ran on the tensor: ``ceil(p(b) u)`` whole rows of ``b``, ``p(b) = 1 - exp(-0.012 b^0.8)``,
     at most the tensor; top-k's keys are coordinates (``b = 1``) of its ``min(n k, d)`` selections."""
-    assert reaggregated_prior("sketch", TensorStats(1 << 20, 1, 4, (300,) * 4, 1000)) == 12   # p(1) = 1.19%
+    assert prior("sketch", TensorStats(1 << 20, 1, 4, (300,) * 4, 1000)) == 12   # p(1) = 1.19%
     # p(32) = 1 - exp(-0.012 * 16) = 17.47% of 100 rows: 18 rows of 32 coordinates
-    assert reaggregated_prior("sketch", TensorStats(1 << 16, 32, 4, (40,) * 4, 100)) == 18 * 32
-    assert reaggregated_prior("sketch", TensorStats(1 << 16, 32, 4, (0,) * 4, 0)) == 0
+    assert prior("sketch", TensorStats(1 << 16, 32, 4, (40,) * 4, 100)) == 18 * 32
+    assert prior("sketch", TensorStats(1 << 16, 32, 4, (0,) * 4, 0)) == 0
     # p(200) = 56.5% of 2 rows: both, 400 coordinates, but the tensor has 300 (a row of 200, then one of 100)
-    assert reaggregated_prior("sketch", TensorStats(300, 200, 2, (2, 2), 2)) == 300
+    assert prior("sketch", TensorStats(300, 200, 2, (2, 2), 2)) == 300
     # top-k, 1% of 2^16 coordinates per rank (k = 656) on 4 ranks: 1.19% of 2624, whatever the rows
     for row in (1, 64):
-        assert reaggregated_prior("topk", TensorStats(1 << 16, row, 4, (1,) * 4, 1)) == math.ceil(
+        assert prior("topk", TensorStats(1 << 16, row, 4, (1,) * 4, 1)) == math.ceil(
             (1 - math.exp(-0.012)) * 4 * 656) == 32
     with pytest.raises(ValueError, match="only sketch and topk"):
-        reaggregated_prior("two_phase", TensorStats(64, 1, 2, (1, 1), 1))
+        prior("two_phase", TensorStats(64, 1, 2, (1, 1), 1))
 
 
 def test_the_model_prices_the_observed_count_once_the_plan_ran():

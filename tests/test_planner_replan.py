@@ -9,7 +9,8 @@ import torch
 
 import lossless_hc.training.step as step_module
 import lossless_hc.training.strategies as strategies
-from lossless_hc.training.planner import STRATEGIES, TensorStats, stats_header_words
+from lossless_hc.training.planner import STRATEGIES
+from lossless_hc.training.plan_stats import TensorStats, stats_header_words
 from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import _Choosing, record_sent, run_step, sparse_rows
@@ -535,7 +536,7 @@ def test_a_first_sketch_is_sized_for_one_percent_of_the_rows_per_rank_at_least_o
     rows per rank, rounded up, at least one row and at most all of them, and a union of n times that (at most
     every row): its first payload is the header and the LHC payload so sized."""
     from lossless_hc.lhc.codec import LosslessCodec
-    from lossless_hc.training.planner import sketch_capacity
+    from lossless_hc.training.plan_stats import sketch_capacity
     n = 2
     agg = AutoAggregator("w", (rows, 8), torch.float32, n, 0, MODEL, first="sketch", allowed=("sketch",))
     assert strategies.FIRST_SKETCH_DENSITY == 0.01

@@ -7,8 +7,8 @@ import torch
 
 from test_planner import on_each_payload, run_step
 
-from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, Calibration, CostModel,
-                                          LinkModel, TensorStats, bitmap_words)
+from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, Calibration, CostModel, LinkModel
+from lossless_hc.training.plan_stats import TensorStats, bitmap_words
 import lossless_hc.training.strategies as strategies
 from lossless_hc.training.strategies import AutoAggregator
 

@@ -24,7 +24,7 @@ import torch
 
 from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import DensityTracker
-from lossless_hc.training.planner import TensorStats
+from lossless_hc.training.plan_stats import TensorStats
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 

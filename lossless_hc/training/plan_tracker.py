@@ -6,7 +6,7 @@ import math
 from typing import Optional
 
 from lossless_hc.lhc.layout import check_fraction, check_int
-from lossless_hc.training.planner import TensorStats
+from lossless_hc.training.plan_stats import TensorStats
 
 
 class PlanTracker:

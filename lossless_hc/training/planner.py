@@ -23,8 +23,8 @@ more at ``n``; the two share one error-feedback memory).
 
 Every strategy's first collective is a SUM allreduce of a payload that starts with the statistics
 header of ``1 + 2n`` words in the payload's dtype (float32; float64 for ``thc`` and float64 gradients,
-:func:`header_width`): a contributor count (1 per rank: SUM gives n, AVERAGE gives 1) and
-a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
+:func:`~lossless_hc.training.plan_stats.header_width`): a contributor count (1 per rank: SUM gives n,
+AVERAGE gives 1) and a one-hot slot vector in which rank r writes its non-zero row count ``k_r`` as two exact integer
 fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
 ``k_0..k_{n-1}`` from every step of every strategy but the plain steps of a dense, fp16 or bf16 plan
 (:data:`PLAIN_STRATEGIES`: such a plan carries the header on one step in ``interval``, each followed by a
@@ -44,7 +44,7 @@ value. Links: latency ``alpha`` and seconds per byte ``beta`` (allreduce), ``bet
     allgather(B) =  (n-1) alpha +  (n-1)   B beta_g        (B: bytes each rank contributes)
 
 Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+2n)`` header bytes
-(``w``: 4, or 8 where :func:`header_width` says)::
+(``w``: 4, or 8 where :func:`~lossless_hc.training.plan_stats.header_width` says)::
 
     dense      allreduce(H + d e)
     allgather  allreduce(H) + allgather(K (4 + 4 b))                 (int32 index + float32 row per slot)
@@ -58,18 +58,20 @@ Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+
                + allreduce(4 R_t)
     topk_allgather  allreduce(H) + allgather(8 k)                 (int32 index + float32 value per pair)
 
-(``h_K`` = :data:`RANK_HEADROOM`, ``h_U`` = :data:`UNION_HEADROOM`: the margins the sketch is sized with
-over the observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with. The plans
-with plain steps are priced at them, dense with its header's few bytes: their statistics steps, one in
+(``h_K`` = :data:`~lossless_hc.training.plan_stats.RANK_HEADROOM`, ``h_U`` =
+:data:`~lossless_hc.training.plan_stats.UNION_HEADROOM`: the margins the sketch is sized with over the
+observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with. The plans with
+plain steps are priced at them, dense with its header's few bytes: their statistics steps, one in
 ``interval``, add a scan and, for fp16 and bf16, the header's round trip before the body's.)
 A sketch (top-k) decode reports inexact keys (proven bounds above ``rtol``: :mod:`lossless_hc.lhc.contract`) at
 nearly every step, whose rows (selected coordinates) the plan re-aggregates with one more allreduce: ``R``
 is the EWMA of the coordinates it re-aggregated per step on this tensor
 (``TensorStats.sketch_reaggregated``, ``topk_reaggregated``: from
 :meth:`~lossless_hc.training.plan_tracker.PlanTracker.observe_reaggregated`, the plan's dense fallback for
-inexactness counting the tensor), or, before the plan has run on it, :func:`reaggregated_prior`, a share of the
-union's rows that grows with their width (1.2% at ``b = 1``, 18% at 32). It is priced as issued every step
-wherever ``R > 0``, as it was measured, and batched as two_phase's second allreduce is.
+inexactness counting the tensor), or, before the plan has run on it,
+:func:`~lossless_hc.training.plan_stats.reaggregated_prior`, a share of the union's rows that grows with
+their width (1.2% at ``b = 1``, 18% at 32). It is priced as issued every step wherever ``R > 0``, as it
+was measured, and batched as two_phase's second allreduce is.
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for
@@ -134,11 +136,13 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.lhc.cost_model import plan_layout
-from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, check_fraction, check_int, digit_packing
+from lossless_hc.lhc.layout import MAX_KEYS, MAX_WORLD_SIZE, check_fraction
 from lossless_hc.lhc.layout import is_real as _is_real
-from lossless_hc.training.topk_aggregate import topk_count
 from lossless_hc.training.message import message_layout
+from lossless_hc.training.plan_stats import (WIRE_DTYPES, TensorStats, bitmap_words, finite_nonnegative, header_width,
+                                             layout_words, reaggregated_prior, sketch_capacity, sketch_payload_numel,
+                                             stats_header_words)
+from lossless_hc.training.topk_aggregate import topk_count
 
 EXACT_STRATEGIES = ("dense", "allgather", "two_phase", "sketch")
 LOSSY_STRATEGIES = ("fp16", "bf16", "thc", "topk", "topk_allgather")
@@ -158,11 +162,6 @@ HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}   # each half stra
 STRATEGIES = EXACT_STRATEGIES + LOSSY_STRATEGIES
 BUCKET_STRATEGIES = ("powersgd",)   # strategies of a whole DDP bucket (module doc), lossy
 PRICED = STRATEGIES + BUCKET_STRATEGIES   # every strategy with local costs in a Calibration
-# A first payload's dtype by its width (predict_message): the stats know a gradient's width only.
-_WIRE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
-
-RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
-UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
 # A re-plan leaves the strategy in use only for one predicted this much faster: the model's error is of
 # this order (what it neglects, module doc), and a switch to a strategy with a second collective on a
 # near tie costs a dependent round the model prices at its latency only.
@@ -175,10 +174,6 @@ TOPK_RATIO = 0.01       # the lossy top-k's share of each tensor (CostModel(topk
 # The same rule as torch's PowerSGD min_compression_rate and BytePS's minimum compressed size.
 LOSSY_MIN_BYTES = 1 << 16
 THC_BITS, THC_GRANULARITY = 4, 30
-# The share of the union's rows a sketch plan's inexact-key request re-aggregates per step before the plan has
-# run on the tensor (reaggregated_prior): 1 - exp(-RATE b^EXPONENT) for rows of b coordinates, fitted to the
-# shares measured at 8 ranks with 1% of the rows per rank (docs/BENCHMARKS.md, "Inexact keys in training").
-REAGGREGATED_RATE, REAGGREGATED_EXPONENT = 0.012, 0.8
 
 # Default link and local costs (Calibration.default): a 1 Gbit/s Ethernet link with ~50 us per
 # message, and local work measured on a 2-core x86 VM (order of magnitude; calibrate() replaces them).
@@ -197,11 +192,6 @@ DEFAULT_CODEC_SECONDS = {
     "topk_allgather": (2e-9, 20e-9),   # selection and error feedback, the result's zeros; the pairs' sums
     "powersgd": (2e-9, 1e-10),     # error feedback's passes per coordinate; seconds per matmul flop
 }
-
-
-def _finite_nonnegative(value) -> bool:
-    """Whether ``value`` is a real number in [0, inf): a cost, a latency or a count (NaN fails)."""
-    return _is_real(value) and 0.0 <= value < math.inf
 
 
 @dataclass(frozen=True)
@@ -227,7 +217,7 @@ class LinkModel:
         # given) passes
         for name in ("alpha_s", "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte"):
             value = getattr(self, name)
-            if not _finite_nonnegative(value):
+            if not finite_nonnegative(value):
                 raise ValueError(f"LinkModel {name} must be a finite number >= 0, got {value!r}")
 
     def __setstate__(self, state):
@@ -272,7 +262,7 @@ class Calibration:
     def __post_init__(self):
         # as LinkModel's: a NaN, infinite or negative local cost would decide every plan it enters
         for s, costs in self.codec_seconds.items():
-            if len(costs) != 2 or not all(_finite_nonnegative(c) for c in costs):
+            if len(costs) != 2 or not all(finite_nonnegative(c) for c in costs):
                 raise ValueError(f"codec_seconds[{s!r}] must be two finite numbers >= 0 (per coordinate, "
                                  f"per key), got {costs!r}")
 
@@ -280,7 +270,7 @@ class Calibration:
     def default(cls, bandwidth_bits: float = 1e9, latency_s: float = DEFAULT_LATENCY_S) -> "Calibration":
         """``bandwidth_bits`` bit/s and ``latency_s`` per hop, and :data:`DEFAULT_CODEC_SECONDS`."""
         if not (_is_real(bandwidth_bits) and 0 < bandwidth_bits < math.inf) or \
-                not _finite_nonnegative(latency_s):
+                not finite_nonnegative(latency_s):
             raise ValueError(f"bandwidth_bits must be a finite number > 0 and latency_s one >= 0, "
                              f"got {bandwidth_bits!r} and {latency_s!r}")
         return cls(LinkModel(float(latency_s), 8.0 / bandwidth_bits), dict(DEFAULT_CODEC_SECONDS))
@@ -301,69 +291,6 @@ class Calibration:
             raise ValueError(f"a calibration has {4 + 2 * len(PRICED)} numbers, got {len(v)}")
         codec = {s: (v[4 + 2 * i], v[5 + 2 * i]) for i, s in enumerate(PRICED)}
         return cls(LinkModel(v[0], v[1], v[2], v[3]), codec)
-
-
-@dataclass(frozen=True)
-class TensorStats:
-    """What the planner knows about one tensor: ``numel`` coordinates in rows of ``row``,
-    ``rank_keys[r]`` non-zero rows on rank r (``world_size`` entries), ``union_keys`` rows non-zero
-    on some rank, ``element_bytes`` per value on the wire (4: float32); ``sparse``: the gradient
-    arrives as a sparse tensor of its rows (module doc); ``sketch_reaggregated``, ``topk_reaggregated``:
-    the coordinates a sketch (top-k) plan's request of its decode's inexact keys re-aggregated per step on
-    this tensor (None: the plan has not run on it, :func:`reaggregated_prior` prices it)."""
-
-    numel: int
-    row: int
-    world_size: int
-    rank_keys: tuple
-    union_keys: int
-    element_bytes: int = 4
-    sparse: bool = False
-    sketch_reaggregated: Optional[int] = None
-    topk_reaggregated: Optional[int] = None
-
-    def __post_init__(self):
-        if self.numel < 0 or self.row < 1 or self.world_size < 1:
-            raise ValueError(f"bad TensorStats: numel={self.numel}, row={self.row}, world_size={self.world_size}")
-        if len(self.rank_keys) != self.world_size:
-            raise ValueError(f"rank_keys has {len(self.rank_keys)} entries for world_size {self.world_size}")
-        # counts of rows: a negative one priced its rows' bytes below zero (an allgather of (-5,) * 4 rows
-        # cheaper than one of none), a NaN fails deep in the pricing
-        counts = [("rank_keys", k) for k in self.rank_keys] + [("union_keys", self.union_keys)]
-        counts += [(f, getattr(self, f)) for f in ("sketch_reaggregated", "topk_reaggregated")
-                   if getattr(self, f) is not None]
-        for what, count in counts:
-            if not _finite_nonnegative(count):
-                raise ValueError(f"bad TensorStats: {what} must be counts >= 0, got {count!r}")
-        if self.element_bytes not in _WIRE_DTYPES:
-            raise ValueError(f"bad TensorStats: element_bytes={self.element_bytes}, "
-                             f"expected one of {sorted(_WIRE_DTYPES)}")
-
-    @property
-    def keys(self) -> int:
-        return -(-self.numel // self.row)
-
-    @property
-    def max_rank_keys(self) -> int:
-        return int(max(self.rank_keys)) if self.rank_keys else 0
-
-
-COUNT_FIELD_BITS = 21   # a per-rank count is sent as two fields: its low 21 bits, and the rest
-
-
-def stats_header_words(world_size: int) -> int:
-    """Words of the statistics header every first payload starts with: contributors + 2 per rank."""
-    return 1 + 2 * int(world_size)
-
-
-def header_width(strategy: str, s: "TensorStats") -> int:
-    """Bytes of one statistics-header word: the header takes its first payload's dtype
-    (``AutoAggregator.encode``), float64 for ``thc`` and for every header-only or dense payload of a
-    float64 gradient (``element_bytes`` 8), float32 otherwise (a half-precision count field would not be
-    exact; a dense half-precision body travels apart from its header, :meth:`CostModel.predict_message`)."""
-    if strategy == "thc" or (s.element_bytes == 8 and strategy in ("dense", "allgather")):
-        return 8
-    return 4
 
 
 @functools.lru_cache(maxsize=256)
@@ -391,55 +318,6 @@ def unbuildable(world_size: int, keys: int = 0, numel: int = 0, thc_granularity:
     if world_size > max_world_size(int(thc_granularity)):
         out.add("thc")
     return frozenset(out)
-
-
-def bitmap_words(keys: int, world_size: int) -> int:
-    """Float32 words of the two-phase counting bitmap: ``keys`` digits of base n+1."""
-    return digit_packing(world_size, keys).words if keys else 0
-
-
-def sketch_capacity(stats: TensorStats) -> tuple:
-    """``(per-rank capacity, union capacity)`` in coordinates the sketch is sized with for ``stats``."""
-    b, D = stats.row, stats.keys
-    rank = min(D, max(1, math.ceil(RANK_HEADROOM * stats.max_rank_keys)))
-    union = min(D, max(rank, math.ceil(UNION_HEADROOM * max(stats.union_keys, stats.max_rank_keys))))
-    return min(stats.numel, rank * b), min(stats.numel, union * b)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout_words(numel: int, world_size: int, max_nnz: int, row: int, seed: int, union: int) -> int:
-    # plan_layout searches the index kinds and multi-level shapes (~5 ms of Python for a 1.6M-coordinate
-    # table); a tensor re-planned on steady statistics, and top-k's fixed k, ask for the same layout again.
-    return plan_layout(numel, world_size, max_nnz, row, seed, union_nnz=union).payload_numel
-
-
-def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
-    """Float32 words of the LHC payload sized for ``stats`` (the real layout). At least the union
-    capacity ``sketch_capacity(stats)[1]``: the value sketch's cells are linear equations from which the
-    union's values are recovered, one unknown per coordinate (tests/test_planner_cost.py checks it)."""
-    cap, union = sketch_capacity(stats)
-    return _layout_words(stats.numel, stats.world_size, cap, stats.row, seed, union)
-
-
-def reaggregated_prior(strategy: str, s: TensorStats, topk_ratio: float = TOPK_RATIO) -> int:
-    """Coordinates a ``sketch`` or ``topk`` plan's request of its decode's inexact keys is priced to
-    re-aggregate per step where it has not run on the tensor yet (``TensorStats.sketch_reaggregated``,
-    ``topk_reaggregated`` None): a share ``p(b) = 1 - exp(-0.012 b^0.8)`` (:data:`REAGGREGATED_RATE`,
-    :data:`REAGGREGATED_EXPONENT`) of the union's ``u`` rows of ``b`` coordinates (top-k: of the ``min(n k, d)``
-    selected coordinates, ``b = 1``), whole rows, at most the tensor. The rows of a wider key are inexact more
-    often (each coordinate's proven bound scales with its row's largest, docs/DESIGN.md, "Exactness"); the fit's
-    ``p``: 1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, against 0.3%, 2.9%, 11.8%, 21.8%, 41.3%
-    measured at 8 ranks (0.2%, 1.9%, 8.4%, 16.7%, 31.8% at 4; top-k: 0.1-0.3%)."""
-    if strategy == "topk":   # its keys are coordinates, whatever the tensor's rows
-        selected = min(s.numel, s.world_size * topk_count(s.numel, topk_ratio))
-        return math.ceil(_reaggregated_share(1) * selected)
-    if strategy != "sketch":
-        raise ValueError(f"only sketch and topk plans re-aggregate inexact keys, not {strategy!r}")
-    return min(s.numel, math.ceil(_reaggregated_share(s.row) * s.union_keys) * s.row)
-
-
-def _reaggregated_share(row: int) -> float:
-    return 1.0 - math.exp(-REAGGREGATED_RATE * row ** REAGGREGATED_EXPONENT)
 
 
 def batched_second_collectives(strategies) -> list:
@@ -483,7 +361,8 @@ class CostModel:
         if strategy == "two_phase":
             return [("allreduce", H + 4 * bitmap_words(s.keys, n)), ("allreduce", s.union_keys * b * 4)]
         if strategy == "sketch":
-            return [("allreduce", H + (4 * sketch_payload_numel(s) if s.numel else 0))] + self._reaggregated(strategy, s)
+            words = sketch_payload_numel(s) if s.numel else 0
+            return [("allreduce", H + 4 * words)] + self._reaggregated(strategy, s)
         if strategy in HALF_STRATEGIES:   # a plain step (module doc)
             return [("allreduce_half", 2 * s.numel)]
         if strategy == "thc":
@@ -491,7 +370,7 @@ class CostModel:
         if strategy == "topk":
             k = topk_count(s.numel, self.topk_ratio)
             union = min(s.numel, n * k)
-            words = _layout_words(s.numel, n, k, 1, 0, union) if s.numel else 0
+            words = layout_words(s.numel, n, k, 1, 0, union) if s.numel else 0
             return [("allreduce", H + 4 * words)] + self._reaggregated(strategy, s)
         if strategy == "topk_allgather":
             return [("allreduce", H), ("allgather", 8 * topk_count(s.numel, self.topk_ratio))]
@@ -556,7 +435,8 @@ class CostModel:
 
     def sketch_floor(self, stats: TensorStats) -> float:
         """A lower bound of ``predict("sketch", stats)`` that does not size the layout: the payload
-        priced at its union capacity alone (:func:`sketch_payload_numel` is at least that)."""
+        priced at its union capacity alone (:func:`~lossless_hc.training.plan_stats.sketch_payload_numel` is at
+        least that) and without the inexact keys' request."""
         n = stats.world_size
         H = 4 * stats_header_words(n) + (4 * bitmap_words(stats.keys, n) if stats.sparse else 0)
         words = sketch_capacity(stats)[1] if stats.numel else 0
@@ -570,8 +450,8 @@ class CostModel:
         the second collectives as :func:`~lossless_hc.training.auto.decode_message` batches them (one
         allreduce per request dtype, then one allgather), plus every tensor's local work.
 
-        A first payload's dtype: its header's (:func:`header_width`), except a dense plan's body,
-        which travels apart in the gradient's wire width (``element_bytes``, its plain steps') where
+        A first payload's dtype: its header's (:func:`~lossless_hc.training.plan_stats.header_width`), except a
+        dense plan's body, which travels apart in the gradient's wire width (``element_bytes``, its plain steps') where
         that differs, and an fp16 or bf16 plan's plain step, the tensor in that dtype, in a part of its
         own however small (``message_layout``'s ``keep``, as :class:`~lossless_hc.training.auto.AutoMessage`
         lays it out), and the parts as the calibrated link prices them (``message_layout``'s ``link``). The request
@@ -592,10 +472,10 @@ class CostModel:
             elif strategy == "dense" and not s.sparse and s.element_bytes != width:
                 # the header in float32, the body as the gradient
                 header = width * stats_header_words(s.world_size)
-                specs += [(header // width, _WIRE_DTYPES[width]),
-                          (-(-(head - header) // s.element_bytes), _WIRE_DTYPES[s.element_bytes])]
+                specs += [(header // width, WIRE_DTYPES[width]),
+                          (-(-(head - header) // s.element_bytes), WIRE_DTYPES[s.element_bytes])]
             else:
-                specs.append((-(-head // width), _WIRE_DTYPES[width]))
+                specs.append((-(-head // width), WIRE_DTYPES[width]))
             for kind, nbytes in rest:
                 if kind == "allgather":
                     gathered += nbytes

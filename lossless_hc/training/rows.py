@@ -13,7 +13,7 @@ import torch
 from lossless_hc.backends import backend_for
 from lossless_hc.lhc.layout import check_int, digit_packing
 from lossless_hc.training.aggregate import ConfigurationMismatch, _check_shape, default_block_size, payload_is_averaged
-from lossless_hc.training.planner import COUNT_FIELD_BITS, bitmap_words, stats_header_words
+from lossless_hc.training.plan_stats import COUNT_FIELD_BITS, bitmap_words, stats_header_words
 from lossless_hc.training.step import AutoContext
 
 
@@ -70,7 +70,7 @@ class TensorRows:
         ctx.rows = ctx.index.numel()
 
     def _stats_header(self, rows: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """This rank's statistics header (:func:`~lossless_hc.training.planner.stats_header_words`): 1 in the
+        """This rank's statistics header (:func:`~lossless_hc.training.plan_stats.stats_header_words`): 1 in the
         contributor word, ``rows`` in this rank's two count fields (low ``COUNT_FIELD_BITS`` bits, then the
         rest), zeros elsewhere, so the ranks' SUM holds every rank's count exactly."""
         header = torch.zeros(stats_header_words(self.world_size), dtype=dtype, device=device)

@@ -66,10 +66,9 @@ from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.lossy_memory import LossyMemories
 from lossless_hc.training.plan_tracker import PlanTracker
-from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES,
-                                          LOSSY_STRATEGIES, PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel,
-                                          TensorStats, bitmap_words,
-                                          sketch_capacity, stats_header_words, unbuildable)
+from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES,
+                                          PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel, unbuildable)
+from lossless_hc.training.plan_stats import TensorStats, bitmap_words, sketch_capacity, stats_header_words
 from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator

@@ -129,9 +129,9 @@ def reaggregated_prior(strategy: str, s: TensorStats, topk_ratio: float) -> int:
     ``topk_reaggregated`` None): a share ``p(b) = 1 - exp(-0.012 b^0.8)`` (:data:`REAGGREGATED_RATE`,
     :data:`REAGGREGATED_EXPONENT`) of the union's ``u`` rows of ``b`` coordinates (top-k: of the ``min(n k, d)``
     selected coordinates, ``b = 1``), whole rows, at most the tensor. The rows of a wider key are inexact more
-    often (each coordinate's proven bound scales with its row's largest, docs/DESIGN.md, "Exactness"); the fit's
-    ``p``: 1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, against 0.3%, 2.9%, 11.8%, 21.8%, 41.3%
-    measured at 8 ranks (0.2%, 1.9%, 8.4%, 16.7%, 31.8% at 4; top-k: 0.1-0.3%)."""
+    often (each coordinate's proven bound scales with its row's largest, docs/DESIGN.md, "Exactness"): ``p`` is
+    1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, fitted to the shares measured at 8 ranks
+    (docs/BENCHMARKS.md, "Inexact keys in training")."""
     if strategy == "topk":   # its keys are coordinates, whatever the tensor's rows
         selected = min(s.numel, s.world_size * topk_count(s.numel, topk_ratio))
         return math.ceil(_reaggregated_share(1) * selected)

@@ -32,6 +32,8 @@ def test_the_prior_is_a_share_of_the_union_s_rows_growing_with_their_width():
     for row in (1, 64):
         assert prior("topk", TensorStats(1 << 16, row, 4, (1,) * 4, 1)) == math.ceil(
             (1 - math.exp(-0.012)) * 4 * 656) == 32
+    # more ranks than coordinates: the selections are at most the tensor (1.19% of 100, not of 200 x 1)
+    assert prior("topk", TensorStats(100, 1, 200, (1,) * 200, 1)) == 2
     with pytest.raises(ValueError, match="only sketch and topk"):
         prior("two_phase", TensorStats(64, 1, 2, (1, 1), 1))
 
@@ -68,12 +70,14 @@ def test_the_tracker_keeps_an_ewma_per_plan_across_plan_changes():
     t.observe([5, 5], 8)
     s = t.stats()
     assert (s.sketch_reaggregated, s.topk_reaggregated) == (30, 3)
-    t.observe_reaggregated("sketch", 1)   # 22.75: rounded to the nearest coordinate
+    t.observe_reaggregated("sketch", 1)   # 22.75, then 17.0625: rounded to the nearest coordinate
     assert t.stats().sketch_reaggregated == 23
+    t.observe_reaggregated("sketch", 0)
+    assert t.stats().sketch_reaggregated == 17
     for bad in (-1, 1001, math.nan):
         with pytest.raises(ValueError, match="re-aggregated"):
             t.observe_reaggregated("sketch", bad)
-    assert t.reaggregated["sketch"] == 22.75
+    assert t.reaggregated["sketch"] == 17.0625
 
 
 def recorded(aggs) -> list:
@@ -164,6 +168,25 @@ def test_a_checkpoint_keeps_the_re_aggregation_ewma():
                            interval=2)
     load_aggregator_state_dict(fresh, saved)
     assert fresh.tracker.reaggregated == kept
+    saved["tracker"]["reaggregated"]["sketch"] = -1.0   # the restored EWMA is a copy of the saved one
+    assert fresh.tracker.reaggregated == kept
     del saved["tracker"]["reaggregated"]
     load_aggregator_state_dict(fresh, saved)
     assert fresh.tracker.reaggregated == {}
+
+
+def test_a_top_k_plan_without_partial_feeds_the_tensor_and_a_failed_decode_nothing():
+    """``partial=False``: an inexact top-k decode falls back densely, which feeds the whole tensor; a NaN in
+    a rank's gradient fails the decode (non-finite input), whose fallback the model neglects: it feeds nothing."""
+    n, numel = 4, 1 << 16
+    rng = torch.Generator().manual_seed(15)
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first="topk",
+                           allowed=("topk",), interval=4, partial=False) for r in range(n)]
+    calls = recorded(aggs)
+    for _ in range(2):   # the first decode is inexact, the second proves every key
+        run_step(aggs, [torch.randn(numel, generator=rng) for _ in range(n)])
+    assert aggs[0].stats.fallbacks == 1 and calls == [[("topk", numel), ("topk", 0)]] * n
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    xs[1][7] = math.nan
+    run_step(aggs, xs)
+    assert aggs[0].stats.fallbacks == 2 and calls == [[("topk", numel), ("topk", 0)]] * n

@@ -130,8 +130,8 @@ def reaggregated_prior(strategy: str, s: TensorStats, topk_ratio: float) -> int:
     :data:`REAGGREGATED_EXPONENT`) of the union's ``u`` rows of ``b`` coordinates (top-k: of the ``min(n k, d)``
     selected coordinates, ``b = 1``), whole rows, at most the tensor. The rows of a wider key are inexact more
     often (each coordinate's proven bound scales with its row's largest, docs/DESIGN.md, "Exactness"): ``p`` is
-    1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, fitted to the shares measured at 8 ranks
-    (docs/BENCHMARKS.md, "Inexact keys in training")."""
+    1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, fitted to the shares measured at 8 ranks with the
+    default ``rtol`` (2^-10; a looser one proves more keys) (docs/BENCHMARKS.md, "Inexact keys in training")."""
     if strategy == "topk":   # its keys are coordinates, whatever the tensor's rows
         selected = min(s.numel, s.world_size * topk_count(s.numel, topk_ratio))
         return math.ceil(_reaggregated_share(1) * selected)

@@ -14,9 +14,10 @@ The homomorphic reduce-scatter, per ``fully_shard`` module and step (S ranks in 
    summed chunk, and ``d`` decodes it;
 2. the owners share a table (one int64 SUM all-reduce): per destination and parameter whether its
    decode failed (with the record :func:`~lossless_hc.training.message.replay_failure` needs, so that
-   every rank grows the same capacities), or reported inexact keys (and how many);
-3. only where some owner reported inexact keys: the keys themselves, one all-gather of each owner's
-   concatenated keys (padded to the longest), so that every rank can read its values there;
+   every rank grows the same capacities), or reported inexact keys (and how many of their coordinates
+   its bounds leave unproven, :func:`~lossless_hc.lhc.contract.unproven_coordinates`);
+3. only where some owner reported inexact keys: those coordinates, one all-gather of each owner's
+   concatenated coordinates (padded to the longest), so that every rank can read its values there;
 4. only where some decode failed or was inexact: one :func:`all_to_all_sum` of float32 rows,
    destination ``d``'s row holding every failed parameter's whole chunk, then ``d``'s inexact
    coordinates' values. Each owner finishes its fallbacks and its partial re-aggregations
@@ -27,7 +28,7 @@ support: under skewed ids the shard holding the hot rows grows alone). A reduce-
 every destination's part to the longest, so the exchange is an all-to-all of rows as they are, whose
 bytes are those of a reduce-scatter of equal rows and otherwise fewer.
 
-So an inexact decode costs the values at its keys' coordinates, as in the replica all-reduce, not
+So an inexact decode costs the values at its keys' unproven coordinates, as in the replica all-reduce, not
 the whole chunk; it falls back densely (and grows the capacity) only past the aggregator's
 ``partial_max_fraction``, as everywhere else. Every collective is issued by every rank of the group
 or by none: each decision is read from the table, which every rank holds whole.
@@ -42,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - older torch: register(reduce_scatter=T
 
 # the owners' table: per destination and parameter, the outcome ...
 _OK, _FAILED, _MISMATCH, _PARTIAL = 0, 1, 2, 3
-# ... and its columns: outcome, failure record (status, total keys, overloaded ranks), inexact keys
+# ... and its columns: outcome, failure record (status, total keys, overloaded ranks), inexact coordinates
 _TABLE_COLUMNS = 5
 
 
@@ -214,7 +214,8 @@ class HomomorphicReduceScatter(_SumReduceScatter):
 
     def _share_outcomes(self, outcomes, me: int, n: int, group) -> torch.Tensor:
         """The owners' table (module doc, step 2), summed over the group: ``[d, i]`` is destination d's
-        outcome for parameter i, its failure record, and its inexact keys' count."""
+        outcome for parameter i, its failure record, and the count of its inexact keys' coordinates to
+        re-aggregate (``outcome.partial``)."""
         params = len(self.slots.fqns)
         table = torch.zeros(n, params, _TABLE_COLUMNS, dtype=torch.int64, device=self.state._device())
         for i in range(params):
@@ -225,14 +226,14 @@ class HomomorphicReduceScatter(_SumReduceScatter):
                 table[me, i, 1:4] = torch.tensor(failure_record(outcomes[i]))
             elif outcomes[i].needs_partial:
                 table[me, i, 0] = _PARTIAL
-                table[me, i, 4] = outcomes[i].report.inexact_keys.numel()
+                table[me, i, 4] = outcomes[i].partial.numel()
         dist.all_reduce(table, group=group)
         return table
 
     def _inexact_coordinates(self, messages, outcomes, table: torch.Tensor, me: int, group) -> dict:
-        """``{(d, i): flat coordinates}`` of every destination's inexact keys (module doc, step 3): the
-        owners' keys, all-gathered, read as coordinates by each rank's aggregator for (d, i), which has
-        the owner's block size and shape (the owner's own: ``outcome.partial``, the same coordinates)."""
+        """``{(d, i): flat coordinates}`` to re-aggregate for every destination's inexact keys (module doc,
+        step 3): the owners' ``outcome.partial`` (the keys' coordinates their bounds do not prove, which
+        only the owner, who decoded, can tell), all-gathered."""
         counts = table[:, :, 4].tolist()
         width = max(sum(row) for row in counts)
         if width == 0:
@@ -242,10 +243,10 @@ class HomomorphicReduceScatter(_SumReduceScatter):
         offset = 0
         for i, o in enumerate(outcomes):
             if counts[me][i]:
-                mine[offset:offset + counts[me][i]] = o.report.inexact_keys.to(device=device, dtype=torch.int64)
+                mine[offset:offset + counts[me][i]] = o.partial.to(device=device, dtype=torch.int64)
                 offset += counts[me][i]
-        keys = all_gather_stacked(mine, group, len(messages))
-        # the keys' bytes: this rank's row, counted with its first tensor
+        gathered = all_gather_stacked(mine, group, len(messages))
+        # the coordinates' bytes: this rank's row, counted with its first tensor
         messages[me].aggregators[0].stats.payload_bytes += width * 8
         coords = {}
         for d, row in enumerate(counts):
@@ -256,9 +257,7 @@ class HomomorphicReduceScatter(_SumReduceScatter):
                 if d == me:
                     coords[d, i] = outcomes[i].partial
                 else:
-                    agg = messages[d].aggregators[i]
-                    k = keys[d, offset:offset + c].to(agg.device)
-                    coords[d, i], _ = key_coordinates(k, agg.block_size, agg.numel)
+                    coords[d, i] = gathered[d, offset:offset + c].to(messages[d].aggregators[i].device)
                 offset += c
         return coords
 

@@ -243,8 +243,8 @@ def test_wire_bytes_come_from_the_real_layouts():
     assert MODEL.wire_bytes("allgather", s) == H + 40 * (4 + 16 * 4)
     assert MODEL.wire_bytes("two_phase", s) == H + 4 * bitmap_words(4096, 3) + 100 * 16 * 4
     cap, union = sketch_capacity(s)
-    # and the request of its inexact keys: 1 - exp(-0.012 * 16^0.8) = 10.45% of the 100 rows, so 11 rows of 16
-    request = 11 * 16 * 4
+    # and the request of its inexact keys: 1% of the union's 100 x 16 coordinates
+    request = 16 * 4
     assert MODEL.wire_bytes("sketch", s) == H + plan_layout(1 << 16, 3, cap, 16, 0, union_nnz=union).wire_bytes + request
     # top-k allgathered: the header's allreduce, then k = ceil(r d) pairs of an int32 index and a float32 value
     k = math.ceil(MODEL.topk_ratio * (1 << 16))

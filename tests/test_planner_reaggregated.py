@@ -19,21 +19,19 @@ def prior(strategy, s):
     return reaggregated_prior(strategy, s, TOPK_RATIO)
 
 
-def test_the_prior_is_a_share_of_the_union_s_rows_growing_with_their_width():
-    """Before a plan ran on the tensor: ``ceil(p(b) u)`` whole rows of ``b``, ``p(b) = 1 - exp(-0.012 b^0.8)``,
-    at most the tensor; top-k's keys are coordinates (``b = 1``) of its ``min(n k, d)`` selections."""
-    assert prior("sketch", TensorStats(1 << 20, 1, 4, (300,) * 4, 1000)) == 12   # p(1) = 1.19%
-    # p(32) = 1 - exp(-0.012 * 16) = 17.47% of 100 rows: 18 rows of 32 coordinates
-    assert prior("sketch", TensorStats(1 << 16, 32, 4, (40,) * 4, 100)) == 18 * 32
+def test_the_prior_is_one_percent_of_the_union_s_coordinates():
+    """Before a plan ran on the tensor: ``ceil(0.01 u b)`` coordinates, at most the tensor; top-k's are 1% of
+    its ``min(n k, d)`` selections, whatever the rows."""
+    assert prior("sketch", TensorStats(1 << 20, 1, 4, (300,) * 4, 1000)) == 10
+    assert prior("sketch", TensorStats(1 << 16, 32, 4, (40,) * 4, 100)) == 32
+    assert prior("sketch", TensorStats(1 << 16, 32, 4, (40,) * 4, 101)) == 33   # 32.32, rounded up
     assert prior("sketch", TensorStats(1 << 16, 32, 4, (0,) * 4, 0)) == 0
-    # p(200) = 56.5% of 2 rows: both, 400 coordinates, but the tensor has 300 (a row of 200, then one of 100)
-    assert prior("sketch", TensorStats(300, 200, 2, (2, 2), 2)) == 300
-    # top-k, 1% of 2^16 coordinates per rank (k = 656) on 4 ranks: 1.19% of 2624, whatever the rows
+    assert prior("sketch", TensorStats(1, 200, 2, (1, 1), 1)) == 1   # 2 of a row of 200, but the tensor has 1
+    # top-k, 1% of 2^16 coordinates per rank (k = 656) on 4 ranks: 1% of 2624, whatever the rows
     for row in (1, 64):
-        assert prior("topk", TensorStats(1 << 16, row, 4, (1,) * 4, 1)) == math.ceil(
-            (1 - math.exp(-0.012)) * 4 * 656) == 32
-    # more ranks than coordinates: the selections are at most the tensor (1.19% of 100, not of 200 x 1)
-    assert prior("topk", TensorStats(100, 1, 200, (1,) * 200, 1)) == 2
+        assert prior("topk", TensorStats(1 << 16, row, 4, (1,) * 4, 1)) == 27
+    # more ranks than coordinates: the selections are at most the tensor (1% of 100, not of 200 x 1)
+    assert prior("topk", TensorStats(100, 1, 200, (1,) * 200, 1)) == 1
     with pytest.raises(ValueError, match="only sketch and topk"):
         prior("two_phase", TensorStats(64, 1, 2, (1, 1), 1))
 
@@ -43,14 +41,14 @@ def test_the_model_prices_the_observed_count_once_the_plan_ran():
     not a number >= 0 is refused with the other statistics."""
     s = TensorStats(1 << 16, 32, 4, (40,) * 4, 100)
     first = MODEL.collectives("sketch", s)[0]
-    assert MODEL.collectives("sketch", s)[1] == ("allreduce", 4 * 18 * 32)
+    assert MODEL.collectives("sketch", s)[1] == ("allreduce", 4 * 32)
     seen = TensorStats(1 << 16, 32, 4, (40,) * 4, 100, sketch_reaggregated=7 * 32, topk_reaggregated=5)
     assert MODEL.collectives("sketch", seen) == [first, ("allreduce", 4 * 7 * 32)]
     assert MODEL.collectives("topk", seen)[1:] == [("allreduce", 4 * 5)]
     none = TensorStats(1 << 16, 32, 4, (40,) * 4, 100, sketch_reaggregated=0, topk_reaggregated=0)
     assert MODEL.collectives("sketch", none) == [first] and len(MODEL.collectives("topk", none)) == 1
     link = MODEL.calibration.link
-    assert math.isclose(MODEL.predict("sketch", s) - MODEL.predict("sketch", none), link.allreduce(4 * 18 * 32, 4),
+    assert math.isclose(MODEL.predict("sketch", s) - MODEL.predict("sketch", none), link.allreduce(4 * 32, 4),
                         rel_tol=1e-12)
     for bad in (-1, math.nan, math.inf):
         with pytest.raises(ValueError, match="sketch_reaggregated"):
@@ -91,22 +89,27 @@ def recorded(aggs) -> list:
     return calls
 
 
-def test_a_sketch_plan_feeds_the_rows_it_re_aggregated_and_plans_on_them():
-    """A sketch plan of a 32-wide table re-aggregates a share of its rows at every step: each step feeds
-    exactly those rows' coordinates (``inexact_keys`` times the row), and each plan prices their EWMA."""
+def test_a_sketch_plan_feeds_the_coordinates_it_re_aggregated_and_plans_on_them():
+    """A sketch plan of a 32-wide table re-aggregates some coordinates of a share of its rows at every step
+    (those the decode's bounds do not prove): each step feeds exactly the coordinates its request sends,
+    fewer than the inexact rows hold, and each plan prices their EWMA."""
     n, rows, dim = 4, 4000, 32
     rng = torch.Generator().manual_seed(11)
     aggs = [AutoAggregator("emb", (rows, dim), torch.float32, n, r, MODEL, first="sketch", allowed=("sketch",),
                            interval=2) for r in range(n)]
     calls = recorded(aggs)
+    sent = [[] for _ in aggs]
+    for r, a in enumerate(aggs):
+        a._at_coordinates = lambda ctx, c, at=a._at_coordinates, r=r: sent[r].append(c.numel()) or at(ctx, c)
     ewma, before = None, 0
     for step in range(5):
         run_step(aggs, [sparse_rows(rng, rows, dim, 40) for _ in range(n)])   # within the first sizing
         keys = aggs[0].stats.inexact_keys - before
         before = aggs[0].stats.inexact_keys
-        assert keys > 0 and aggs[0].stats.fallbacks == 0
-        assert [c[step] for c in calls] == [("sketch", keys * dim)] * n
-        ewma = keys * dim if ewma is None else 0.75 * ewma + 0.25 * keys * dim
+        coords = sent[0][step]
+        assert 0 < coords < keys * dim and aggs[0].stats.fallbacks == 0
+        assert [c[step] for c in calls] == [("sketch", coords)] * n and [q[step] for q in sent] == [coords] * n
+        ewma = coords if ewma is None else 0.75 * ewma + 0.25 * coords
         assert all(a.tracker.reaggregated == {"sketch": pytest.approx(ewma)} for a in aggs)
     planned = aggs[0].plan_input   # the plan of step 4 (interval 2)
     assert planned.sketch_reaggregated > 0 and planned.topk_reaggregated is None

@@ -7,6 +7,7 @@ import torch
 
 from test_planner import on_each_payload, run_step
 
+from lossless_hc.lhc.contract import outside_contract, truth
 from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, Calibration, CostModel, LinkModel
 from lossless_hc.training.plan_stats import TensorStats, bitmap_words
 import lossless_hc.training.strategies as strategies
@@ -169,11 +170,14 @@ def test_sketch_reaggregates_inexact_rows_alone():
 
 
 def first_inexact_sketch_step():
-    """``(inexact rows, partial re-aggregations, fallbacks)`` of the first step whose sketch decode reports
-    inexact rows, over test_sketch_reaggregates_inexact_rows_alone's steps on dense gradients."""
+    """``(coordinates re-aggregated alone, partial re-aggregations, fallbacks)`` of the first step whose
+    sketch decode reports inexact rows, over test_sketch_reaggregates_inexact_rows_alone's steps on dense
+    gradients."""
     rng = torch.Generator().manual_seed(9)
     aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first="sketch", allowed=("sketch",),
                            interval=1) for r in range(N)]
+    requests = []   # the coordinates of rank 0's partial requests
+    aggs[0]._at_coordinates = lambda ctx, c, at=aggs[0]._at_coordinates: requests.append(c.numel()) or at(ctx, c)
     for step in range(4):
         xs = []
         for rows in supports(step):
@@ -184,18 +188,20 @@ def first_inexact_sketch_step():
         run_step(aggs, xs)
         st = aggs[0].stats
         if st.inexact_decodes:
-            return st.inexact_keys, st.partial_fallbacks, st.fallbacks - fallbacks
+            return sum(requests), st.partial_fallbacks, st.fallbacks - fallbacks
     raise AssertionError("no inexact decode")
 
 
 def test_inexact_rows_covering_exactly_the_partial_bound_are_re_aggregated_alone(monkeypatch):
-    """A sketch decode's inexact rows are re-aggregated alone while they are at most PARTIAL_MAX_FRACTION of
-    the rows, at the bound too; with one row fewer allowed the step falls back densely."""
+    """A sketch decode's inexact rows' unproven coordinates are re-aggregated alone while they are at most
+    PARTIAL_MAX_FRACTION of the tensor, at the bound too; with one coordinate fewer allowed the step falls
+    back densely."""
+    numel = ROWS * DIM
     m, partial, fallback = first_inexact_sketch_step()
-    assert (partial, fallback) == (1, 0) and m >= 1 and (m / ROWS) * ROWS == m
-    monkeypatch.setattr(strategies, "PARTIAL_MAX_FRACTION", m / ROWS)
+    assert (partial, fallback) == (1, 0) and m >= 1 and (m / numel) * numel == m
+    monkeypatch.setattr(strategies, "PARTIAL_MAX_FRACTION", m / numel)
     assert first_inexact_sketch_step() == (m, 1, 0)
-    monkeypatch.setattr(strategies, "PARTIAL_MAX_FRACTION", (m - 1) / ROWS)
+    monkeypatch.setattr(strategies, "PARTIAL_MAX_FRACTION", (m - 1) / numel)
     assert first_inexact_sketch_step() == (0, 0, 1)
 
 
@@ -269,9 +275,10 @@ def test_payload_numel_of_a_sparse_gradient_is_the_size_of_its_next_first_payloa
 
 
 def test_the_inexact_rows_a_sketch_re_aggregates_are_the_exact_sums():
-    """A sketch step whose decode reports inexact rows: finish writes those rows' exact sums (the allreduce
-    of each rank's values there) over the decoded ones, so they equal the float64 sum rounded once, bit for
-    bit, where the decoded values were only within rtol."""
+    """A sketch step whose decode reports inexact rows: finish writes the exact sums of their unproven
+    coordinates (the allreduce of each rank's values there) over the decoded ones, so they equal the float64
+    sum rounded once, bit for bit, where the decoded values were only within rtol; fewer than the rows'
+    coordinates, and every coordinate is within the contract."""
     rng = torch.Generator().manual_seed(9)
     aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first="sketch", allowed=("sketch",),
                            interval=1) for r in range(N)]
@@ -291,11 +298,14 @@ def test_the_inexact_rows_a_sketch_re_aggregates_are_the_exact_sums():
             for a, (_, ctx) in zip(aggs, encoded):
                 a.finish(ctx, result.clone())
             continue
-        keys = encoded[0][1].partial[1]
-        exact = torch.stack([x.double() for x in xs]).sum(0).float()[keys]
-        for a, (_, ctx) in zip(aggs, encoded):
-            y = a.finish(ctx, result.clone())
-            assert torch.equal(y[keys], exact), step
+        coords = encoded[0][1].partial[1]
+        rows = aggs[0].stats.inexact_keys
+        assert 0 < coords.numel() < rows * DIM and torch.equal(coords, torch.unique(coords))
+        s, a = truth(xs)
+        for agg, (_, ctx) in zip(aggs, encoded):
+            y = agg.finish(ctx, result.clone()).reshape(-1)
+            assert torch.equal(y[coords], s.float()[coords]), step
+            assert not outside_contract(y, s, a, N, 2.0 ** -10).any()
         return
     raise AssertionError("no inexact decode")
 

@@ -30,7 +30,9 @@ Verdicts (:func:`run_group`, one per case): the decode's status name, and whethe
 contract (:mod:`lossless_hc.lhc.contract`): ``ok_but_wrong`` (ok=True with a coordinate outside the
 contract) or ``inexact_but_wrong`` (INEXACT with a coordinate outside the contract at a key it did
 not report); and on the plain cases ``outside_its_bound`` (a coordinate farther from the true sum
-than the bound E(k) the decoder reports for its key, ``decode(..., error_bounds=True)``) or
+than the bound E(k) the decoder reports for its key, ``decode(..., error_bounds=True)``), ``proven_but_wrong``
+(a coordinate of a listed key outside the contract that
+:func:`~lossless_hc.lhc.contract.unproven_coordinates` leaves out, i.e. that a re-aggregation would keep) or
 ``refused_clean`` (refused with a status that says the payload is not a plain sum or average,
 :data:`CORRUPTION_STATUSES`, though it is one and no rank was overloaded). Any other refusal
 (ok=False) is never wrong.
@@ -47,7 +49,8 @@ import torch
 from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
 from lossless_hc.lhc.layout import CHUNK_BITS, HDR_FP_HI, HDR_FP_LO, HDR_KEYS_LO, HEADER_FIELDS
 from lossless_hc.lhc.status import DecodeStatus
-from lossless_hc.lhc.contract import claimed_outside_contract, outside_bounds, truth
+from lossless_hc.lhc.contract import (claimed_outside_contract, outside_bounds, outside_contract, truth,
+                                      unproven_coordinates)
 
 CASES_PER_GROUP = 4
 INDEX_CHOICES = ("bitmap", "bloom", "multilevel", "dense", "auto")
@@ -72,7 +75,8 @@ class Verdict:
     case: int
     how: str                 # "sum", "average", "tree", or the corruption
     status: str              # DecodeStatus name
-    wrong: Optional[str]     # None, "ok_but_wrong", "inexact_but_wrong", "outside_its_bound", "refused_clean"
+    wrong: Optional[str]     # None, "ok_but_wrong", "inexact_but_wrong", "outside_its_bound", "proven_but_wrong",
+    #                          "refused_clean"
     detail: str = ""
     clean: bool = True       # a plain aggregate (False: a corrupted one)
 
@@ -262,6 +266,14 @@ def _verdict(g: Group, case: int, how: str, codec: LosslessCodec, payload: torch
         bad = outside_bounds(y, s, a, g.world_size, report.error_bounds, g.block)
         if bool(bad.any()):
             wrong = "outside_its_bound"
+    if wrong is None and report.error_bounds is not None and status == DecodeStatus.INEXACT:
+        # the listed keys' coordinates a re-aggregation leaves as decoded, because their bounds prove them
+        proven = torch.zeros(g.numel, dtype=torch.bool)
+        proven[key_coordinates(report.inexact_keys.to(torch.int64), g.block, g.numel)[0]] = True
+        proven[unproven_coordinates(y, report, g.block, codec.rtol, codec.verify).cpu()] = False
+        bad = proven & outside_contract(y, s, a, g.world_size, rtol, averaged)
+        if bool(bad.any()):
+            wrong = "proven_but_wrong"
     if wrong is not None:
         i = int(bad.nonzero()[0])
         detail = f"coordinate {i}: decoded {float(y.reshape(-1)[i])!r}, true sum {float(s[i])!r}, mass {float(a[i])!r}"

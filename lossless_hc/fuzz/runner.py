@@ -25,7 +25,7 @@ class Tally:
 
     cases: int = 0
     statuses: Counter = field(default_factory=Counter)   # ("clean" | "corrupt", status name) -> cases
-    # (how, "ok_but_wrong" | "inexact_but_wrong" | "outside_its_bound" | "refused_clean") -> cases
+    # (how, "ok_but_wrong" | "inexact_but_wrong" | "outside_its_bound" | "proven_but_wrong" | "refused_clean") -> cases
     wrong: Counter = field(default_factory=Counter)
     examples: List[Verdict] = field(default_factory=list)   # the first MAX_EXAMPLES wrong verdicts
     wrong_groups: List[str] = field(default_factory=list)    # every group with a wrong verdict ("thc:<g>" for THC)

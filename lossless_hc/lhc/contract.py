@@ -31,6 +31,7 @@ additions of exact float64 values) is added to the allowance with a margin, as
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -90,6 +91,49 @@ def claimed_outside_contract(y: torch.Tensor, report, s: torch.Tensor, a: torch.
     bad = outside_contract(y, s, a, world_size, rtol, averaged)
     bad[key_coordinates(report.inexact_keys.to(torch.int64), block, numel)[0]] = False
     return bad
+
+
+def unproven_coordinates(y: torch.Tensor, report, block: int, rtol: float, verify: bool = False) -> torch.Tensor:
+    r"""The flat coordinates (int64, increasing, on ``y``'s device) of an INEXACT decode's
+    ``report.inexact_keys`` whose own values its per-key bounds do not prove within ``rtol``: what a
+    re-aggregation must send. Coordinate i of key k is proven where ``y_i`` is finite and
+
+    .. math:: E(k)\,(1 + \mathrm{rtol}) + \frac{u (|y_i| + h)}{1 - u} + h \le \frac{\mathrm{rtol}\,(|y_i| - h)}{1 + u}
+
+    evaluated in float64 with a relative margin of :math:`2^{-40}` either side; ``u`` and ``h`` bound the
+    output's rounding from the float64 peel's value :math:`v_i`, :math:`|y_i - v_i| \le u |v_i| + h`
+    (float32: :math:`u = 2^{-24}`, ``h`` half its smallest subnormal; a half dtype rounds that float32
+    once more and adds its own). Then :math:`|y_i - t_i| \le u |v_i| + h + E(k) \le \mathrm{rtol}\,|t_i|`
+    for the true sum :math:`t_i` (:math:`|t_i| \ge |v_i| - E(k)`), within the contract. The rule
+    implies the decoder's own (``lhc::within_rtol`` at :math:`v_i`), so each inexact key keeps at least
+    one coordinate, and it is a function of the decode alone: every rank derives the same coordinates.
+    All of the keys' coordinates where ``block`` is 1, where the codec verifies (``verify``: its
+    verdicts also use verification bounds the report does not carry) and where
+    ``report.error_bounds`` is None (a decode without ``error_bounds=True``)."""
+    numel = y.numel()
+    keys = report.inexact_keys.to(device=y.device, dtype=torch.int64)
+    if block == 1 or verify or report.error_bounds is None:
+        return key_coordinates(keys, block, numel)[0]
+    support, E = (t.to(y.device) for t in report.error_bounds)
+    Ek = E.to(torch.float64)[torch.searchsorted(support, keys)].unsqueeze(1)
+    flat = y.detach().reshape(-1)
+    if numel % block == 0:   # the listed keys' rows, as one (keys, block) gather
+        a = flat.view(-1, block).index_select(0, keys).to(torch.float64).abs()
+    else:   # a partial last row: read through its coordinates, a NaN (never proven) past the tensor's end
+        coords, _ = key_coordinates(keys, block, numel * block)
+        a = torch.full((coords.numel(),), math.nan, dtype=torch.float64, device=y.device)
+        inside = coords < numel
+        a[inside] = flat[coords[inside]].to(torch.float64).abs()
+        a = a.view(-1, block)
+    u, h = UNIT_ROUNDOFF[torch.float32], HALF_SUBNORMAL[torch.float32]
+    if y.dtype in (torch.float16, torch.bfloat16):
+        u, h = u + UNIT_ROUNDOFF[y.dtype] * (1.0 + u), h * (1.0 + UNIT_ROUNDOFF[y.dtype]) + HALF_SUBNORMAL[y.dtype]
+    margin = 2.0 ** -40
+    lhs = (Ek * (1.0 + rtol) + u * (a + h) / (1.0 - u) + h) * (1.0 + margin)
+    proven = torch.isfinite(a) & (lhs <= rtol * (a - h) / (1.0 + u) * (1.0 - margin))
+    row, lane = (~proven).nonzero(as_tuple=True)   # row-major: increasing coordinates
+    coords = keys[row] * block + lane
+    return coords if numel % block == 0 else coords[coords < numel]
 
 
 def _overflowed(yd: torch.Tensor, s: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

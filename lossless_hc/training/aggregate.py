@@ -45,7 +45,8 @@ from typing import Optional
 import torch
 
 from lossless_hc.backends import as_device, backend_for
-from lossless_hc.lhc.codec import DecodeReport, LosslessCodec, key_coordinates
+from lossless_hc.lhc.codec import DecodeReport, LosslessCodec
+from lossless_hc.lhc.contract import unproven_coordinates
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import HDR_CONTRIBUTORS, check_fraction, check_int, check_uint64, is_real
 from lossless_hc.training.capacity import CapacityPolicy
@@ -84,7 +85,7 @@ class AggregationStats:
     fallbacks: int = 0          # codec payloads that failed to decode and were re-sent dense
     inexact_decodes: int = 0    # decodes that reported inexact keys (DecodeStatus.INEXACT)
     partial_fallbacks: int = 0  # ... of which only those keys were re-aggregated (the rest: in fallbacks)
-    inexact_keys: int = 0       # keys re-aggregated by those partial fallbacks
+    inexact_keys: int = 0       # keys re-aggregated (their unproven coordinates) by those partial fallbacks
     capacity_growths: int = 0   # times a tensor's capacity grew after a failure
     payload_bytes: int = 0      # bytes this rank sent, fallbacks included
     dense_bytes: int = 0        # bytes the uncompressed allreduce sends for the same tensors
@@ -365,9 +366,11 @@ class TensorAggregator:
         t0 = time.perf_counter()
         codec = ctx.codec
         averaged = payload_is_averaged(aggregated, codec.world_size, self.engine_averages)
-        y, report = codec.decode(aggregated, averaged=averaged, shape=ctx.shape, dtype=ctx.dtype)
+        # wider keys' bounds: which coordinates of an inexact key are proven (unproven_coordinates)
+        y, report = codec.decode(aggregated, averaged=averaged, shape=ctx.shape, dtype=ctx.dtype,
+                                 error_bounds=partial and self.block_size > 1)
         self.stats.decode_seconds += time.perf_counter() - t0
-        coords = self._inexact_coords(report, partial)
+        coords = self._inexact_coords(y, report, codec, partial)
         if report.ok or coords is not None:
             if codec is self._codec:
                 self._observe(report.support, report.total_keys)
@@ -390,23 +393,24 @@ class TensorAggregator:
         if grows_capacity(report):
             self._grow(report)
 
-    def _inexact_coords(self, report: DecodeReport, partial: bool) -> Optional[torch.Tensor]:
+    def _inexact_coords(self, y: torch.Tensor, report: DecodeReport, codec: LosslessCodec,
+                        partial: bool) -> Optional[torch.Tensor]:
         """The flat coordinates of ``report``'s inexact keys (key k covers coordinates
-        ``[k b, min((k+1) b, numel))``) when they are to be re-aggregated alone, else None; counts
-        the decode in the stats. A payload some rank overloaded is truncated: the codec reports it
-        OVERLOADED, never INEXACT, so its keys are never re-aggregated alone."""
+        ``[k b, min((k+1) b, numel))``) that the decode's bounds do not prove
+        (:func:`~lossless_hc.lhc.contract.unproven_coordinates`) when they are to be re-aggregated alone,
+        else None; counts the decode in the stats. A payload some rank overloaded is truncated: the codec
+        reports it OVERLOADED, never INEXACT, so its keys are never re-aggregated alone."""
         if report.status != DecodeStatus.INEXACT:
             return None
         st = self.stats
         st.inexact_decodes += 1
         if not partial:
             return None
-        keys = report.inexact_keys.to(device=self.device, dtype=torch.int64)
-        coords, _ = key_coordinates(keys, self.block_size, self.numel)
+        coords = unproven_coordinates(y, report, self.block_size, codec.rtol, codec.verify).to(self.device)
         if coords.numel() > self.partial_max_fraction * self.numel:
             return None
         st.partial_fallbacks += 1
-        st.inexact_keys += keys.numel()
+        st.inexact_keys += report.inexact_keys.numel()
         st.payload_bytes += coords.numel() * self.dtype.itemsize
         return coords
 

@@ -68,8 +68,8 @@ class AutoSpec(AggregatorSpec):
             the start-up measurement; e.g. ``Calibration.default(bandwidth_bits=1e9)``).
         topk_ratio, thc_bits: the lossy strategies' parameters.
         seed: hash seed of the sketch codecs, identical on every rank.
-        partial: a sketch decode with inexact keys re-aggregates only their rows (False: densely; for
-            engines whose only second collective is the dense fallback, BytePS).
+        partial: a sketch decode with inexact keys re-aggregates only their unproven coordinates (False:
+            densely; for engines whose only second collective is the dense fallback, BytePS).
         lossy_min_bytes: with ``lossy``, tensors smaller than this are still planned exactly
             (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`, 64 KiB; 0: every tensor may go lossy); a
             dense verdict of the step guard sends them, as every float32 gradient, in the engine's half

@@ -21,10 +21,10 @@ WIRE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: t
 
 RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
 UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
-# The share of the union's rows a sketch plan's inexact-key request re-aggregates per step before the plan has
-# run on the tensor (reaggregated_prior): 1 - exp(-RATE b^EXPONENT) for rows of b coordinates, fitted to the
-# shares measured at 8 ranks with 1% of the rows per rank (docs/BENCHMARKS.md, "Inexact keys in training").
-REAGGREGATED_RATE, REAGGREGATED_EXPONENT = 0.012, 0.8
+# The share of the union's coordinates (top-k: of its selections) a sketch (top-k) plan's inexact-key request is
+# priced to re-aggregate per step before the plan has run on the tensor (reaggregated_prior): the most measured at
+# 8 ranks with 1% of the rows per rank, rows of 1 to 128 (docs/BENCHMARKS.md, "Inexact keys in training").
+REAGGREGATED_SHARE = 0.01
 
 
 def finite_nonnegative(value) -> bool:
@@ -126,19 +126,13 @@ def sketch_payload_numel(stats: TensorStats, seed: int = 0) -> int:
 def reaggregated_prior(strategy: str, s: TensorStats, topk_ratio: float) -> int:
     """Coordinates a ``sketch`` or ``topk`` plan's request of its decode's inexact keys is priced to
     re-aggregate per step where it has not run on the tensor yet (``TensorStats.sketch_reaggregated``,
-    ``topk_reaggregated`` None): a share ``p(b) = 1 - exp(-0.012 b^0.8)`` (:data:`REAGGREGATED_RATE`,
-    :data:`REAGGREGATED_EXPONENT`) of the union's ``u`` rows of ``b`` coordinates (top-k: of the ``min(n k, d)``
-    selected coordinates, ``b = 1``), whole rows, at most the tensor. The rows of a wider key are inexact more
-    often (each coordinate's proven bound scales with its row's largest, docs/DESIGN.md, "Exactness"): ``p`` is
-    1.2%, 3.6%, 10%, 18%, 44% at ``b`` = 1, 4, 16, 32, 128, fitted to the shares measured at 8 ranks with the
-    default ``rtol`` (2^-10; a looser one proves more keys) (docs/BENCHMARKS.md, "Inexact keys in training")."""
+    ``topk_reaggregated`` None): :data:`REAGGREGATED_SHARE` (1%) of the union's ``u b`` coordinates (top-k:
+    of its ``min(n k, d)`` selected coordinates), rounded up. The request sends only the listed keys'
+    coordinates that their bounds do not prove (:func:`~lossless_hc.lhc.contract.unproven_coordinates`): a
+    share that hardly depends on the rows' width, unlike the share of rows listed (docs/BENCHMARKS.md,
+    "Inexact keys in training"; measured with the default ``rtol``, 2^-10: a looser one proves more)."""
     if strategy == "topk":   # its keys are coordinates, whatever the tensor's rows
-        selected = min(s.numel, s.world_size * topk_count(s.numel, topk_ratio))
-        return math.ceil(_reaggregated_share(1) * selected)
+        return math.ceil(REAGGREGATED_SHARE * min(s.numel, s.world_size * topk_count(s.numel, topk_ratio)))
     if strategy != "sketch":
         raise ValueError(f"only sketch and topk plans re-aggregate inexact keys, not {strategy!r}")
-    return min(s.numel, math.ceil(_reaggregated_share(s.row) * s.union_keys) * s.row)
-
-
-def _reaggregated_share(row: int) -> float:
-    return 1.0 - math.exp(-REAGGREGATED_RATE * row ** REAGGREGATED_EXPONENT)
+    return min(s.numel, math.ceil(REAGGREGATED_SHARE * s.union_keys * s.row))

@@ -155,6 +155,15 @@ class TensorRows:
             out.index_copy_(0, at[mine], ctx.values[mine].to(torch.float32))
         return out
 
+    def _at_coordinates(self, ctx: AutoContext, coords: torch.Tensor) -> torch.Tensor:
+        """This rank's values at the increasing flat coordinates ``coords``, zero where it has none: 1-D
+        float32."""
+        if not self.sparse:
+            return ctx.flat.to(torch.float32).reshape(-1).index_select(0, coords)
+        rows = torch.div(coords, self.row, rounding_mode="floor")
+        keys = torch.unique_consecutive(rows)
+        return self._on_rows(ctx, keys)[torch.searchsorted(keys, rows), coords - rows * self.row]
+
     def _from_rows(self, union: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The result holding ``values`` (``(len(union), row)``) at the sorted rows ``union``: a
         coalesced sparse tensor of those rows for a sparse gradient, else the dense tensor."""

@@ -61,6 +61,7 @@ from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import check_fraction, check_uint64
+from lossless_hc.lhc.contract import unproven_coordinates
 from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, partial_values
 from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import append_recent
@@ -461,7 +462,8 @@ class AutoAggregator(TensorRows, LossyMemories):
             if s == "sketch":
                 codec = ctx.inner
                 y, report = codec.decode(body.to(torch.float32).contiguous(), averaged=averaged,
-                                         shape=(self.numel,), dtype=torch.float32)
+                                         shape=(self.numel,), dtype=torch.float32,
+                                         error_bounds=self.partial and self.row > 1)   # unproven_coordinates
                 union_count = ctx.union_rows.numel() if self.sparse else report.support
                 if report.ok:
                     self.tracker.observe_reaggregated(s, 0)
@@ -469,13 +471,13 @@ class AutoAggregator(TensorRows, LossyMemories):
                     return AutoOutcome(self._from_flat(y, ctx.union_rows))
                 if report.status == DecodeStatus.INEXACT:
                     self.stats.inexact_decodes += 1
-                    keys = report.inexact_keys.to(device=y.device, dtype=torch.int64)
-                    if self.partial and keys.numel() <= PARTIAL_MAX_FRACTION * self.keys:   # else: dense fallback
+                    coords = unproven_coordinates(y, report, self.row, codec.rtol, codec.verify)
+                    if self.partial and coords.numel() <= PARTIAL_MAX_FRACTION * self.numel:   # else: dense fallback
                         self.stats.partial_fallbacks += 1
-                        self.stats.inexact_keys += keys.numel()
-                        self.tracker.observe_reaggregated(s, min(self.numel, keys.numel() * self.row))
-                        ctx.partial = (y, keys, union_count)
-                        return AutoOutcome(None, Request("allreduce", self._on_rows(ctx, keys).reshape(-1)))
+                        self.stats.inexact_keys += report.inexact_keys.numel()
+                        self.tracker.observe_reaggregated(s, coords.numel())
+                        ctx.partial = (y, coords, union_count)
+                        return AutoOutcome(None, Request("allreduce", self._at_coordinates(ctx, coords)))
                     self.tracker.observe_reaggregated(s, self.numel)
                 if report.status == DecodeStatus.CONFIGURATION_MISMATCH:
                     raise ConfigurationMismatch(f"{self.name}: {report.reason}")
@@ -573,10 +575,9 @@ class AutoAggregator(TensorRows, LossyMemories):
         elif s == "bf16":
             value = self._shaped(self._scaled(result.to(torch.float32), ctx.averaged))
             count = self._union_of(value)
-        elif s == "sketch" and ctx.partial is not None:   # the inexact keys' rows, summed exactly
-            flat, keys, count = ctx.partial
-            self._rows(flat).index_copy_(0, keys, self._scaled(result.reshape(-1, self.row).to(torch.float32),
-                                                                ctx.averaged))
+        elif s == "sketch" and ctx.partial is not None:   # the inexact keys' unproven coordinates, summed exactly
+            flat, coords, count = ctx.partial
+            flat.index_copy_(0, coords, self._scaled(result.to(torch.float32), ctx.averaged))
             self.stats.payload_bytes += result.numel() * 4
             value = self._from_flat(flat, ctx.union_rows)
         elif s == "sketch":

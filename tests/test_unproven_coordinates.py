@@ -1,0 +1,135 @@
+"""lossless_hc.lhc.contract.unproven_coordinates: which coordinates of an INEXACT decode's listed keys a
+re-aggregation must send. Every coordinate it leaves out is within the contract (real decodes, against the
+float64 truth), every listed key keeps at least one, and it sends every coordinate where it cannot prove
+any (rows of one, verify, no bounds reported); the fuzzer checks the same on its cases (proven_but_wrong)."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lossless_hc.fuzz.cases import _verdict
+from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
+from lossless_hc.lhc.contract import outside_contract, truth, unproven_coordinates
+from lossless_hc.lhc.status import DecodeStatus
+
+RTOL = 2.0 ** -10
+
+
+def inexact_decode(n, rows, row, per_rank, seed, dtype=torch.float32, averaged=False, verify=False):
+    """A real decode of n ranks' random rows (values spanning three decades) that reports inexact keys."""
+    g = torch.Generator().manual_seed(seed)
+    numel = rows * row
+    codecs = [LosslessCodec(numel, n, int(1.5 * per_rank) * row, row, 0, union_nnz=int(1.25 * n * per_rank) * row,
+                            verify=verify) for _ in range(n)]
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(rows, row)
+        idx = torch.randperm(rows, generator=g)[:per_rank]
+        x[idx] = torch.randn(per_rank, row, generator=g) * 10.0 ** -(3 * torch.rand(per_rank, row, generator=g))
+        xs.append(x.reshape(-1))
+    summed = torch.stack([c.encode(x) for c, x in zip(codecs, xs)]).sum(0)
+    y, report = codecs[0].decode(summed / n if averaged else summed, averaged=averaged, dtype=dtype, error_bounds=True)
+    assert report.status == DecodeStatus.INEXACT, report.reason
+    return y, report, xs, codecs[0]
+
+
+@pytest.mark.parametrize("n, row, seed, dtype, averaged", [
+    (4, 32, 1, torch.float32, False), (8, 16, 2, torch.float32, True), (3, 4, 3, torch.float32, False),
+    (4, 32, 4, torch.float16, False), (4, 32, 5, torch.bfloat16, False)])
+def test_every_coordinate_left_out_is_within_the_contract_and_every_listed_key_keeps_one(n, row, seed, dtype,
+                                                                                         averaged):
+    rows = 4096 // row * 8
+    y, report, xs, codec = inexact_decode(n, rows, row, rows // 50, seed, dtype, averaged)
+    coords = unproven_coordinates(y, report, row, RTOL)
+    keys = report.inexact_keys.to(torch.int64)
+    listed, _ = key_coordinates(keys, row, y.numel())
+    assert coords.dtype == torch.int64 and torch.equal(coords, torch.unique(coords))
+    assert bool(torch.isin(coords, listed).all())
+    assert torch.equal(torch.unique(torch.div(coords, row, rounding_mode="floor")), keys)   # each key keeps one
+    s, a = truth(xs)
+    if averaged:
+        s, a = s / n, a / n
+    kept = torch.zeros(y.numel(), dtype=torch.bool)
+    kept[listed] = True
+    kept[coords] = False
+    bad = outside_contract(y, s, a, n, RTOL, averaged) & kept
+    assert not bool(bad.any()), int(bad.nonzero()[0])
+    if dtype == torch.bfloat16:   # its rounding (2^-8) exceeds rtol: nothing is proven
+        assert torch.equal(coords, listed)
+    elif dtype == torch.float32:   # wider rows: most of their coordinates are proven
+        assert coords.numel() < listed.numel() / 2
+
+
+def test_it_sends_every_coordinate_where_it_cannot_prove_any():
+    y, report, _, _ = inexact_decode(4, 1024, 8, 20, 6)
+    every, _ = key_coordinates(report.inexact_keys.to(torch.int64), 8, y.numel())
+    assert unproven_coordinates(y, report, 8, RTOL).numel() < every.numel()
+    assert torch.equal(unproven_coordinates(y, report, 8, RTOL, verify=True), every)
+    no_bounds = SimpleNamespace(inexact_keys=report.inexact_keys, error_bounds=None)
+    assert torch.equal(unproven_coordinates(y, no_bounds, 8, RTOL), every)
+    ones = SimpleNamespace(inexact_keys=torch.tensor([3, 9]), error_bounds=(torch.tensor([3, 9]), torch.zeros(2)))
+    assert torch.equal(unproven_coordinates(torch.ones(16), ones, 1, RTOL), torch.tensor([3, 9]))
+
+
+def test_the_rule_at_its_edge_with_a_hand_made_bound():
+    """Key 1 (coordinates 4..7, bound E) of a float32 output: a coordinate is proven exactly where
+    E (1 + rtol) + u (|y| + h) / (1 - u) + h <= rtol (|y| - h) / (1 + u), with a 2^-40 margin; a value just
+    above the threshold is proven, one at it is not, and neither is a NaN, an infinity or a zero."""
+    E = 2.0 ** -20
+    u, h = 2.0 ** -24, 2.0 ** -150
+    edge = (E * (1 + RTOL) + u * h / (1 - u) + h + RTOL * h / (1 + u)) / (RTOL / (1 + u) - u / (1 - u))
+    above = float(torch.tensor(edge * (1 + 2.0 ** -20), dtype=torch.float32))
+    at = float(torch.tensor(edge, dtype=torch.float32))
+    if at > edge:   # the float32 nearest the edge, at or just below it
+        at = math.nextafter(at, 0.0)
+    y = torch.tensor([9.0, 9.0, 9.0, 9.0, above, -above, at, 0.0, 9.0], dtype=torch.float32)
+    report = SimpleNamespace(inexact_keys=torch.tensor([1]), error_bounds=(torch.tensor([0, 1, 2]),
+                                                                           torch.tensor([1.0, E, 1.0], dtype=torch.float64)))
+    assert unproven_coordinates(y, report, 4, RTOL).tolist() == [6, 7]
+    for bad in (math.nan, math.inf):
+        y[4] = bad
+        assert unproven_coordinates(y, report, 4, RTOL).tolist() == [4, 6, 7]
+
+
+class _Codec:
+    """The fuzzer's decode, fed a fixed output and report (tests/test_fuzz_verdicts.py's way)."""
+
+    rtol, verify = RTOL, False
+
+    def __init__(self, y, report):
+        self.y, self.report = y, report
+
+    def decode(self, payload, averaged, shape, dtype, error_bounds):
+        return self.y.clone(), self.report
+
+
+def test_the_fuzzer_flags_a_coordinate_left_out_that_is_wrong(monkeypatch):
+    """proven_but_wrong: a listed key's coordinate outside the contract that unproven_coordinates leaves out
+    (here made to leave out every one); with the real rule, the same decode is not wrong (its bound is loose
+    enough that nothing is proven)."""
+    import lossless_hc.fuzz.cases as cases
+    xs = [torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)]
+    s, a = truth(xs)
+    group = SimpleNamespace(group=3, numel=4, dtype=torch.float32, world_size=2, block=2)
+    y = torch.tensor([2.0, 4.0, 6.0, 8.5])   # key 1's second coordinate off by 0.5
+    report = SimpleNamespace(status=DecodeStatus.INEXACT, ok=False, reason=None, overloaded_ranks=0,
+                             inexact_keys=torch.tensor([1]),
+                             error_bounds=(torch.tensor([0, 1]), torch.tensor([0.0, 1.0], dtype=torch.float64)))
+    assert _verdict(group, 0, "sum", _Codec(y, report), torch.zeros(4), False, s, a, RTOL).wrong is None
+    monkeypatch.setattr(cases, "unproven_coordinates", lambda *args: torch.zeros(0, dtype=torch.int64))
+    v = _verdict(group, 0, "sum", _Codec(y, report), torch.zeros(4), False, s, a, RTOL)
+    assert (v.wrong, v.detail) == ("proven_but_wrong", "coordinate 3: decoded 8.5, true sum 8.0, mass 8.0")
+
+
+def test_a_partial_last_row_is_read_through_its_coordinates_only():
+    """10 coordinates in rows of 4: key 2 holds coordinates 8 and 9 only. Listed keys 1 and 2 with a small
+    bound: their zeros are unproven, nothing past the tensor's end is returned, and the same values in a
+    tensor of whole rows give the same answer."""
+    E = 2.0 ** -30
+    y = torch.tensor([5.0, 5.0, 5.0, 5.0, 1.0, 0.0, 1.0, 1.0, 0.0, 2.0])
+    report = SimpleNamespace(inexact_keys=torch.tensor([1, 2]),
+                             error_bounds=(torch.tensor([0, 1, 2]), torch.tensor([E, E, E], dtype=torch.float64)))
+    assert unproven_coordinates(y, report, 4, RTOL).tolist() == [5, 8]
+    whole = torch.cat([y, torch.tensor([3.0, 0.0])])   # the same rows completed: 11 is a zero of key 2
+    assert unproven_coordinates(whole, report, 4, RTOL).tolist() == [5, 8, 11]

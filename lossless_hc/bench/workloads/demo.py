@@ -78,8 +78,8 @@ def main(argv=None) -> int:
         print(f"{name:{w0}}  {a:>{w1}}  {b}")
     print(f"\nmax |parameter difference| between the two runs: {diff:.3g} (largest parameter {scale:.3g})")
     print("The lossless run aggregates the same gradients as the uncompressed one, every value within the bound the\n"
-          "decoder proves (what a dense float32 sum may be off, or rtol = 2^-10 of the value where larger; keys it\n"
-          "cannot prove are re-sent dense). (Training amplifies such differences over many steps at high learning\n"
+          "decoder proves (what a dense float32 sum may be off, or rtol = 2^-10 of the value where larger; values\n"
+          "it cannot prove are re-sent dense). (Training amplifies such differences over many steps at high learning\n"
           "rates, as it would for any change of summation order; both runs then still train equally well.)\n"
           "A fallback is a tensor re-sent dense once: here the dense layers at the first step, after which they\n"
           "are sent dense directly.")

@@ -84,8 +84,8 @@ def test_the_rule_at_its_edge_with_a_hand_made_bound():
     if at > edge:   # the float32 nearest the edge, at or just below it
         at = math.nextafter(at, 0.0)
     y = torch.tensor([9.0, 9.0, 9.0, 9.0, above, -above, at, 0.0, 9.0], dtype=torch.float32)
-    report = SimpleNamespace(inexact_keys=torch.tensor([1]), error_bounds=(torch.tensor([0, 1, 2]),
-                                                                           torch.tensor([1.0, E, 1.0], dtype=torch.float64)))
+    bounds = (torch.tensor([0, 1, 2]), torch.tensor([1.0, E, 1.0], dtype=torch.float64))
+    report = SimpleNamespace(inexact_keys=torch.tensor([1]), error_bounds=bounds)
     assert unproven_coordinates(y, report, 4, RTOL).tolist() == [6, 7]
     for bad in (math.nan, math.inf):
         y[4] = bad
@@ -109,7 +109,7 @@ def test_the_fuzzer_flags_a_coordinate_left_out_that_is_wrong(monkeypatch):
     (here made to leave out every one); with the real rule, the same decode is not wrong (its bound is loose
     enough that nothing is proven)."""
     import lossless_hc.fuzz.cases as cases
-    xs = [torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)]
+    xs = [torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)] * 2
     s, a = truth(xs)
     group = SimpleNamespace(group=3, numel=4, dtype=torch.float32, world_size=2, block=2)
     y = torch.tensor([2.0, 4.0, 6.0, 8.5])   # key 1's second coordinate off by 0.5

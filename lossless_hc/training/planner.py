@@ -63,15 +63,14 @@ Wire bytes each rank contributes (:meth:`CostModel.wire_bytes`), with ``H = w(1+
 observed counts, the same numbers :mod:`lossless_hc.training.strategies` builds it with. The plans with
 plain steps are priced at them, dense with its header's few bytes: their statistics steps, one in
 ``interval``, add a scan and, for fp16 and bf16, the header's round trip before the body's.)
-A sketch (top-k) decode reports inexact keys (proven bounds above ``rtol``: :mod:`lossless_hc.lhc.contract`) at
-nearly every step, whose coordinates the bounds do not prove
-(:func:`~lossless_hc.lhc.contract.unproven_coordinates`) the plan re-aggregates with one more allreduce: ``R``
-is the EWMA of the coordinates it re-aggregated per step on this tensor
-(``TensorStats.sketch_reaggregated``, ``topk_reaggregated``: from
-:meth:`~lossless_hc.training.plan_tracker.PlanTracker.observe_reaggregated`, the plan's dense fallback for
-inexactness counting the tensor), or, before the plan has run on it,
-:func:`~lossless_hc.training.plan_stats.reaggregated_prior`, 1% of the union's coordinates. It is priced as issued every step wherever ``R > 0``, as it
-was measured, and batched as two_phase's second allreduce is.
+A sketch (top-k) decode reports inexact keys (proven bounds above ``rtol``: :mod:`lossless_hc.lhc.contract`)
+at nearly every step, and the plan re-aggregates the coordinates of theirs that the bounds do not prove
+(:func:`~lossless_hc.lhc.contract.unproven_coordinates`) with one more allreduce: ``R`` is the EWMA of the
+coordinates it re-aggregated per step on this tensor (``TensorStats.sketch_reaggregated``,
+``topk_reaggregated``: from :meth:`~lossless_hc.training.plan_tracker.PlanTracker.observe_reaggregated`, the
+plan's dense fallback for inexactness counting the tensor), or, before the plan has run on it,
+:func:`~lossless_hc.training.plan_stats.reaggregated_prior`, 1% of the union's coordinates. It is priced as
+issued every step wherever ``R > 0``, as it was measured, and batched as two_phase's second allreduce is.
 The predicted time is the sum of the collectives' times plus the local work,
 ``c_s d + k_s m_s b`` from ``Calibration.codec_seconds[s] = (c_s, k_s)``: per coordinate of the
 tensor and per coordinate of the rows the strategy touches (``m``: ``n K`` gathered rows for

@@ -133,3 +133,40 @@ def test_a_partial_last_row_is_read_through_its_coordinates_only():
     assert unproven_coordinates(y, report, 4, RTOL).tolist() == [5, 8]
     whole = torch.cat([y, torch.tensor([3.0, 0.0])])   # the same rows completed: 11 is a zero of key 2
     assert unproven_coordinates(whole, report, 4, RTOL).tolist() == [5, 8, 11]
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
+def test_the_lossless_aggregator_re_aggregates_only_the_unproven_coordinates(average):
+    """TensorAggregator (what Compression.lossless runs under every engine) on 32-wide rows whose values span
+    three decades: an inexact decode's ``partial`` is exactly unproven_coordinates of its output and report,
+    fewer than a tenth of the listed rows' coordinates, counted in the bytes sent; the SUM of every rank's
+    values there, through finish_partial, leaves every coordinate within the contract and those exact."""
+    from lossless_hc.training.aggregate import TensorAggregator
+    from test_aggregate import aggregate
+    n, rows, row = 4, 2000, 32
+    g = torch.Generator().manual_seed(21)
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(rows, row)
+        idx = torch.randperm(rows, generator=g)[:40]
+        x[idx] = torch.randn(40, row, generator=g) * 10.0 ** -(3 * torch.rand(40, row, generator=g))
+        xs.append(x)
+    aggs = [TensorAggregator("t", (rows, row), torch.float32, n, 0.05) for _ in range(n)]
+    bytes_before = aggs[0].stats.payload_bytes
+    outcomes = aggregate(aggs, xs, average)
+    o = outcomes[0]
+    assert o.report.status == DecodeStatus.INEXACT and o.needs_partial
+    listed, _ = key_coordinates(o.report.inexact_keys.to(torch.int64), row, rows * row)
+    assert torch.equal(o.partial, unproven_coordinates(o.value, o.report, row, RTOL))
+    assert 0 < o.partial.numel() < listed.numel() / 10
+    assert all(torch.equal(other.partial, o.partial) for other in outcomes)   # the same on every rank
+    s, a = truth(xs)
+    if average:
+        s, a = s / n, a / n
+    summed = sum(x.reshape(-1)[o.partial] for x in xs)
+    for agg, out in zip(aggs, outcomes):
+        got = agg.finish_partial(summed.clone(), out).reshape(-1)
+        assert not bool(outside_contract(got, s, a, n, RTOL, average).any())
+        assert torch.equal(got[o.partial], (summed / n if average else summed))
+    sent = aggs[0].stats.payload_bytes - bytes_before
+    assert sent == aggs[0]._codec.payload_numel * 4 + o.partial.numel() * 4

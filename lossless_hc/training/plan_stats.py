@@ -22,8 +22,9 @@ WIRE_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: t
 RANK_HEADROOM = 1.5     # the sketch's per-rank capacity over the observed largest per-rank count
 UNION_HEADROOM = 1.25   # ... and its union capacity over the observed union
 # The share of the union's coordinates (top-k: of its selections) a sketch (top-k) plan's inexact-key request is
-# priced to re-aggregate per step before the plan has run on the tensor (reaggregated_prior): the most measured at
-# 8 ranks with 1% of the rows per rank, rows of 1 to 128 (docs/BENCHMARKS.md, "Inexact keys in training").
+# priced to re-aggregate per step before the plan has run on the tensor (reaggregated_prior): about the most measured
+# (1.01%, rows of 32 at 8 ranks; 0.19-0.91% elsewhere with 1% of the rows per rank, rows of 1 to 128, 2 to 8 ranks:
+# docs/BENCHMARKS.md, "Inexact keys in training").
 REAGGREGATED_SHARE = 0.01
 
 

@@ -29,6 +29,18 @@ def test_codec_command_passes_an_inexact_decode(tmp_path):
     assert cor["support_mismatch_beyond_rounding"] == 0
     assert cor["bound_violations"] == 0 and 0 < cor["err_over_bound_max"] <= 1, cor
     assert 0 <= cor["inexact_within_rtol"] <= cor["inexact_keys"], cor
+    assert cor["unproven_coords"] == cor["inexact_coords"] == cor["inexact_keys"], cor   # rows of one coordinate
+
+
+def test_codec_command_reports_the_coordinates_a_re_aggregation_sends(tmp_path):
+    """Rows of 32 N(0,1) coordinates: of the INEXACT rows' coordinates, a re-aggregation sends the ones their
+    bounds do not prove, a small part of them."""
+    out = tmp_path / "codec.json"
+    assert main(["codec", "--numel", "1048576", "--density", "0.01", "--workers", "4", "--repeat", "1",
+                 "--block-size", "32", "--json", str(out)]) == 0
+    cor = json.load(open(out))["correctness"]
+    assert cor["inexact_coords"] == 32 * cor["inexact_keys"] > 0, cor
+    assert 0 < cor["unproven_coords"] < cor["inexact_coords"] / 4, cor
 
 
 def test_plan_command_times_every_strategy_and_checks_the_exact_ones(tmp_path, monkeypatch):

@@ -156,7 +156,8 @@ def test_codec_correctness_rows_show_a_wrong_decode(monkeypatch):
 
 def test_bound_stats_counts_the_inexact_keys_within_rtol():
     """Four keys of one coordinate, bounds E = 1 (none violated); keys 1, 2 and 3 listed INEXACT, of
-    which 1 and 2 are in fact within rtol of the truth, 3 is not."""
+    which 1 and 2 are in fact within rtol of the truth, 3 is not; at block 1 a re-aggregation sends all
+    three."""
     truth = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     y = torch.tensor([1.0, 2.0, 3.0, 4.5], dtype=torch.float32)
     keys = torch.arange(4)
@@ -164,6 +165,7 @@ def test_bound_stats_counts_the_inexact_keys_within_rtol():
                                    inexact_keys=torch.tensor([1, 2, 3]))
     s = bench_codec.bound_stats(report, y, truth, truth.abs(), 1, 1, 2.0 ** -10)
     assert s["bound_violations"] == 0 and s["inexact_within_rtol"] == 2
+    assert s["inexact_coords"] == s["unproven_coords"] == 3
     assert s["err_over_bound_max"] == 0.5 and s["err_over_bound_median"] == 0.0 and s["bound_median"] == 1.0
 
 

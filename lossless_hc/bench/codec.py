@@ -12,7 +12,7 @@ from lossless_hc.bench.common import (fmt_bytes, fmt_ms, fmt_sci, format_table, 
                                       time_cuda, time_interleaved)
 from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc.codec import LosslessCodec, key_coordinates
-from lossless_hc.lhc.contract import outside_bounds, truth as truth_and_mass
+from lossless_hc.lhc.contract import outside_bounds, truth as truth_and_mass, unproven_coordinates
 from lossless_hc.lhc.cost_model import information_bound_bits
 from lossless_hc.lhc.layout import HEADER_FIELDS
 
@@ -103,13 +103,15 @@ def wire_parts(L) -> tuple:
 
 
 def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, mass: torch.Tensor, workers: int, block: int,
-                rtol: float) -> dict:
+                rtol: float, verify: bool = False) -> dict:
     """The decoder's per-key error bounds (``DecodeReport.error_bounds``) against the float64 truth
     (the sum ``truth`` of ``workers`` inputs and their absolute ``mass``), over the support's
     coordinates: ``bound_violations`` counts the coordinates outside them as the contract's
     :func:`~lossless_hc.lhc.contract.outside_bounds` judges (must be 0), ``err_over_bound_*`` how
-    much of E the actual error uses, and ``inexact_within_rtol`` how many keys listed INEXACT are in
-    fact within rtol of the truth on every coordinate (the bound being worst case). Empty when the
+    much of E the actual error uses, ``inexact_within_rtol`` how many keys listed INEXACT are in
+    fact within rtol of the truth on every coordinate (the bound being worst case), and
+    ``inexact_coords`` / ``unproven_coords`` the listed keys' coordinates and those of them a
+    re-aggregation sends (:func:`~lossless_hc.lhc.contract.unproven_coordinates`). Empty when the
     report carries no bounds (the dense layout, a failed decode)."""
     if report.error_bounds is None:
         return {}
@@ -128,10 +130,12 @@ def bound_stats(report, y: torch.Tensor, truth: torch.Tensor, mass: torch.Tensor
         outside = torch.zeros(keys.numel(), dtype=torch.bool)
         outside[rows[err > rtol * t.abs()]] = True
         inexact_within = int((~outside[torch.searchsorted(keys, inexact)]).sum())
+    listed = key_coordinates(inexact.to(torch.int64), block, truth.numel())[0].numel()
+    unproven = unproven_coordinates(y, report, block, rtol, verify).numel() if inexact.numel() else 0
     return {"bound_violations": violations, "err_over_bound_median": float(used.median()) if used.numel() else 0.0,
             "err_over_bound_max": float(used.max()) if used.numel() else 0.0,
             "bound_median": float(E.median()) if E.numel() else 0.0,
-            "inexact_within_rtol": inexact_within}
+            "inexact_within_rtol": inexact_within, "inexact_coords": listed, "unproven_coords": unproven}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +189,7 @@ def run_codec_bench(numel: int, density: float, workers: int, block_size: int = 
     memcpy_gbps = 4 * numel / t_copy["median_s"] / 1e9 if numel else 0.0
     clone_gbps = 4 * numel / t_clone["median_s"] / 1e9 if numel else 0.0
     y, report = codec.decode(summed, error_bounds=True)
-    bounds = bound_stats(report, y, truth, mass, workers, block_size, codec.rtol)
+    bounds = bound_stats(report, y, truth, mass, workers, block_size, codec.rtol, codec.verify)
 
     # correctness. A support mismatch is only possible at rounding size (a sum that cancels to a few
     # ulps, or a value ~2^24 smaller than its cell-mates): count those apart from real errors, using
@@ -312,7 +316,7 @@ def run_codec_bench_cuda(numel: int, density: float, workers: int, block_size: i
     with cuda_runtime.profile() as dec_prof:
         codec.decode(summed, out=out)
 
-    bounds = bound_stats(report, y, truth, mass, workers, block_size, codec.rtol)
+    bounds = bound_stats(report, y, truth, mass, workers, block_size, codec.rtol, codec.verify)
     true_nz, got_nz = truth != 0, y != 0
     mismatch = int((true_nz ^ got_nz).sum())
     max_abs_sum = float(truth.abs().max()) if numel else 0.0
@@ -359,7 +363,9 @@ def bound_rows(cor: dict) -> list:
             ("actual error / E", f"median {fmt_sci(cor['err_over_bound_median'])}, "
                                  f"max {fmt_sci(cor['err_over_bound_max'])}"),
             ("INEXACT keys within rtol anyway", f"{cor['inexact_within_rtol']:,} of {cor['inexact_keys']:,} "
-                                                "(the bound is worst case)")]
+                                                "(the bound is worst case)"),
+            ("re-aggregated coordinates", f"{cor['unproven_coords']:,} of the INEXACT keys' {cor['inexact_coords']:,} "
+                                          "(those their bounds do not prove)")]
 
 
 def decode_verdict_ok(cor: dict) -> bool:

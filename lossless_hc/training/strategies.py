@@ -471,8 +471,9 @@ class AutoAggregator(TensorRows, LossyMemories):
                     return AutoOutcome(self._from_flat(y, ctx.union_rows))
                 if report.status == DecodeStatus.INEXACT:
                     self.stats.inexact_decodes += 1
-                    coords = unproven_coordinates(y, report, self.row, codec.rtol, codec.verify)
-                    if self.partial and coords.numel() <= PARTIAL_MAX_FRACTION * self.numel:   # else: dense fallback
+                    coords = (unproven_coordinates(y, report, self.row, codec.rtol, codec.verify)
+                              if self.partial else None)
+                    if coords is not None and coords.numel() <= PARTIAL_MAX_FRACTION * self.numel:   # else: dense
                         self.stats.partial_fallbacks += 1
                         self.stats.inexact_keys += report.inexact_keys.numel()
                         self.tracker.observe_reaggregated(s, coords.numel())
@@ -500,7 +501,7 @@ class AutoAggregator(TensorRows, LossyMemories):
             if s == "topk":
                 out = self._topk.decode(body.to(torch.float32).contiguous(), ctx.inner, partial=self.partial)
                 inexact = out.report is not None and out.report.status == DecodeStatus.INEXACT
-                if out.needs_partial or inexact or not out.needs_fallback:   # a failure's fallback: not priced
+                if not (out.needs_fallback and not inexact):   # a failed decode's fallback: not priced
                     self.tracker.observe_reaggregated(s, out.partial.numel() if out.needs_partial else
                                                       self.numel if out.needs_fallback else 0)
                 if out.needs_partial:   # the selections' inexact keys: their coordinates summed exactly

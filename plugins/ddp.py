@@ -40,11 +40,13 @@ every gradient of it whatever its size (``fp16_compress_hook``'s float16 where t
 and not bf16), so lossy plans stay only where they beat DDP's half-precision allreduce (THC's and top-k's
 error feedback, and a PowerSGD bucket's error memory, added to the gradients
 of the first such step, so nothing is lost; buckets that went to PowerSGD are part of the trial and
-leave it on a dense verdict). After a verdict for the plans, a re-plan that changes a dense gradient's
-plan opens a new trial. Rank 0's verdict is broadcast at the first hook call of the step after the
-trial (main thread, like the calibration). The verdict rests on measured step times, so with
-``lossy=True`` which gradients are sent lossy can differ from run to run (``guard_steps=0``: the plans
-alone decide).
+leave it on a dense verdict). With PowerSGD among the strategies the trial has a third window, torch's
+PowerSGD hook on every bucket it may take (30 steps a round; a verdict for it moves those buckets to it
+for good, the plans' error feedback added to their gradients; :mod:`lossless_hc.training.guard`). After a
+verdict for the plans, a re-plan that changes a dense gradient's plan opens a new trial. Rank 0's verdict
+is broadcast at the first hook call of the step after the trial (main thread, like the calibration). The
+verdict rests on measured step times, so with ``lossy=True`` which gradients are sent lossy can differ from
+run to run (``guard_steps=0``: the plans alone decide).
 
 With ``lossy=True`` a bucket may instead go to torch's PowerSGD (``PowerSGDState`` + ``powerSGD_hook``,
 one state per bucket, its three allreduces on the bucket's own group): after each re-plan of its
@@ -97,7 +99,8 @@ from lossless_hc.training.adapter import LosslessSpec, THCSpec, TopKSpec
 from lossless_hc.training.auto import (AutoMessage, AutoSpec, as_strategies, guard_half, guard_stats, plan_stats,
                                        settle_message_plans)
 from lossless_hc.training.auto import decode_message as decode_auto_message
-from lossless_hc.training.guard import GUARD_MARGIN, GUARD_START, GUARD_STEPS, step_guard
+from lossless_hc.training.guard import (GUARD_MARGIN, GUARD_START, GUARD_STEPS, WINDOWS, WINDOWS_WITH_POWERSGD,
+                                        step_guard)
 from lossless_hc.training.planner import HALF_STRATEGIES, Calibration  # noqa: F401  (Calibration: re-exported)
 from lossless_hc.training.powersgd import POWERSGD_RANK, POWERSGD_START, PowerSGDPlanner
 from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismatch  # noqa: F401
@@ -235,7 +238,8 @@ class AutoHookState(HookState):
             ``AutoAggregator.guard_alternative``); if the plans' median step is not faster, dense gradients are
             sent so for the rest of the run (THC's and top-k's error feedback, and a PowerSGD bucket's error
             memory, added to the first such step's gradients); if it is, the plans stay until a re-plan changes
-            them, which opens a new trial
+            them, which opens a new trial. With PowerSGD on, a third window runs torch's PowerSGD hook on every
+            bucket it may take, and may be the verdict instead, for good
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``, ``lossy_min_bytes``);
@@ -275,7 +279,9 @@ class AutoHookState(HookState):
         self._guard = step_guard(guard_steps, guard_start, guard_margin)
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
-    _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", or "dense" buckets in place
+    _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", "dense" buckets in place, "powersgd"
+    _offered = frozenset()        # the buckets PowerSGD may take, as the last whole step had them
+    _offered_now = frozenset()    # and as this step has them so far
 
     def __repr__(self) -> str:
         extra = f", {self._powersgd.describe()}" if self._powersgd is not None else ""
@@ -296,8 +302,9 @@ class AutoHookState(HookState):
         are known by bucket index, so that step sends every dense bucket in place, as the step guard's dense
         window does, and the memories wait for the next step, where the buckets are theirs again. (``_restored``
         holds through that step until its last bucket's :meth:`_check_restored`: read before it.)"""
-        return (self._restored and self._powersgd is not None
-                and any(b.left_step is None for b in self._powersgd.buckets.values()))
+        p = self._powersgd
+        return self._restored and p is not None and (any(b.left_step is None for b in p.buckets.values())
+                                                     or bool(p.trials))
 
     def stats(self) -> dict:
         d = super().stats()
@@ -316,8 +323,20 @@ class AutoHookState(HookState):
         self._steps += 1
         if self._steps == 2 and self.spec.calibration is None:   # the model's tensors are known now
             self._calibrate()
+        self._offered, self._offered_now = self._offered_now, frozenset()
         if self._guard is not None:
-            self._step_phase = self._guard.begin_step(self._steps - 1, now, self._plans, self._share_verdict)
+            self._step_phase = self._guard.begin_step(self._steps - 1, now, self._plans, self._share_verdict,
+                                                      self._guard_windows)
+
+    def _guard_windows(self) -> tuple:
+        """The windows of a step-guard trial opening now: PowerSGD's too (torch's hook on every bucket it may
+        take) where PowerSGD is on and may run at this step, and some bucket it may take (as the last step had
+        them: every rank alike) does not run it whole under the plans."""
+        p = self._powersgd
+        if p is None or self._steps - 1 < p.start:
+            return WINDOWS
+        whole = {i for i, b in p.buckets.items() if b.members is None and b.left_step is None}
+        return WINDOWS_WITH_POWERSGD if self._offered - whole else WINDOWS
 
     def _plans(self) -> tuple:
         """The dense gradients' plans, for the step guard. Plans, and the aggregators' creation order (bucket
@@ -458,20 +477,37 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     # a plan due since the calibration is applied now, each priced as the bucket batches its second collective
     settle_message_plans(aggs)
     n = state.world_size
-    # The step guard's dense window (and a dense verdict), or a restored state's first step (_settling):
-    # every dense float bucket in place, PowerSGD's too.
-    guard_dense = (state._step_phase == "dense" or settling) and not buffer.is_sparse
+    index, psgd = bucket.index(), state._powersgd
+    if psgd is not None and not buffer.is_sparse and not settling:
+        if psgd.offered(buffer, grads, n):
+            state._offered_now = state._offered_now | {index}
+        if state._guard is not None and state._guard.verdict in ("plan", "dense"):
+            # the step guard's trial is over: what its PowerSGD window's memory holds goes out with this step
+            error = psgd.end_trial(index)
+            if error is not None:
+                buffer.add_(error)
+    verdict = state._guard.verdict if state._guard is not None else None
+    # The step guard's PowerSGD window (and verdict): torch's hook on the whole bucket where PowerSGD may take it
+    window = None
+    if state._step_phase == "powersgd" and not buffer.is_sparse and not settling:
+        window = psgd.window_bucket(index, state._steps - 1, aggs, grads, buffer, n, verdict == "powersgd")
+        if window is not None:
+            psgd.count_step(window, grads)
+            return window.run(bucket, state._fallback_group(index))
+    # The step guard's dense window (and a dense verdict; the buckets PowerSGD's window does not take), or a
+    # restored state's first step (_settling): every dense float bucket in place, PowerSGD's too.
+    guard_dense = (state._step_phase in ("dense", "powersgd") or settling) and not buffer.is_sparse
     divided = None
-    if guard_dense and not settling and state._guard.verdict == "dense":
+    if guard_dense and not settling and verdict in ("dense", "powersgd"):
         # For good: what THC's or top-k's error feedback, or the bucket's PowerSGD memory, still holds goes
         # out with this step's gradients (once: taking it leaves none behind). A float16 bucket's memory
         # is in the units of its divided gradients (x_r / n): it is added after the division.
         divided = divide_first(buffer, n)
         for a, g in zip(aggs, grads):
             a.add_lossy_memory_to(g)
-        error = state._powersgd.leave(bucket.index(), state._steps - 1) if state._powersgd is not None else None
+        error = psgd.leave(index, state._steps - 1) if psgd is not None else None
         if error is not None:
-            state._powersgd.buckets[bucket.index()].add_to(error, buffer, grads)
+            psgd.buckets[index].add_to(error, buffer, grads)
     powersgd = None if guard_dense else state._powersgd_bucket(bucket, buffer, grads, aggs)
     slices = None if buffer.is_sparse else bucket_slices(buffer, grads)
     part = None   # PowerSGD on some of the bucket's gradients: the future of their averages (a flat copy)

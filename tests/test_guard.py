@@ -4,12 +4,18 @@ import math
 
 import pytest
 
-from lossless_hc.training.guard import StepGuard as _StepGuard, step_guard
+from lossless_hc.training.guard import VERDICT_CODES, WINDOWS_WITH_POWERSGD, step_guard
+from lossless_hc.training.guard import StepGuard as _StepGuard
 
 
 def StepGuard(block=1, **options):
     """The schedule tests below alternate single steps (``block=1``); blocks have tests of their own."""
     return _StepGuard(block=block, **options)
+
+
+def plan_dense(guard):
+    """The medians (seconds) of the plan and dense windows at the guard's last look."""
+    return guard.medians["plan"], guard.medians["dense"]
 
 
 def drive(guard, cost, steps, worth_from=0):
@@ -51,7 +57,7 @@ def test_faster_plans_are_kept_after_a_confirmation_round():
     phases = run(g, plan_s=0.6, dense_s=1.0, steps=12)
     # the first look (step 4) favours the plans: two more of each, then the verdict (step 8)
     assert phases == ["plan", "dense"] * 4 + ["plan"] * 4
-    assert g.verdict == "plan" and g.medians == (0.6, 1.0) and g.stats()["rounds"] == 2
+    assert g.verdict == "plan" and plan_dense(g) == (0.6, 1.0) and g.stats()["rounds"] == 2
     g = StepGuard(steps=2, start=0, confirm=0)   # no confirmation: the first look is the verdict
     assert run(g, plan_s=0.6, dense_s=1.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
 
@@ -63,7 +69,7 @@ def test_a_decisive_first_look_is_the_verdict_for_the_plans_at_once():
     g = StepGuard(steps=2, start=0)
     assert g.decisive == 0.5
     assert run(g, plan_s=0.5, dense_s=1.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
-    assert g.verdict == "plan" and g.stats()["rounds"] == 1 and g.medians == (0.5, 1.0)
+    assert g.verdict == "plan" and g.stats()["rounds"] == 1 and plan_dense(g) == (0.5, 1.0)
     for guard in (StepGuard(steps=2, start=0), StepGuard(steps=2, start=0, decisive=0)):
         plan_s = 0.51 if guard.decisive else 0.01
         assert run(guard, plan_s=plan_s, dense_s=1.0, steps=12) == ["plan", "dense"] * 4 + ["plan"] * 4
@@ -97,7 +103,7 @@ def test_a_first_look_for_the_plans_that_the_confirmation_round_overturns_goes_d
             phase = g.phase(step, True)
         phases.append(phase)
     assert phases[:12] == ["plan", "dense"] * 6 and phases[12:] == ["dense"] * 4
-    assert g.verdict == "dense" and g.medians == (pytest.approx(1.02), 1.0)
+    assert g.verdict == "dense" and plan_dense(g) == (pytest.approx(1.02), 1.0)
 
 
 def test_the_confirmation_pools_both_rounds():
@@ -131,7 +137,7 @@ def test_a_replan_after_a_verdict_for_the_plans_opens_a_new_trial():
     assert phases[:12] == ["plan", "dense"] * 4 + ["plan"] * 4   # A kept (after its confirmation round)
     assert phases[12:16] == ["plan", "dense", "plan", "dense"]                 # B on trial
     assert phases[16:] == ["dense"] * 4
-    assert g.stats()["trials"] == 2 and g.stats()["window"] == 12 and g.medians == (1.5, 1.0)
+    assert g.stats()["trials"] == 2 and g.stats()["window"] == 12 and plan_dense(g) == (1.5, 1.0)
 
 
 def test_the_same_plans_and_a_dense_verdict_open_no_new_trial():
@@ -190,7 +196,7 @@ def test_times_outside_the_windows_are_ignored():
     for s in (1, 2, 7, 8):
         g.record(s, 5.0)             # before the plan window, after the dense window
     assert g.times == {"plan": [], "dense": []}
-    assert g.decide()[0] is True and math.isnan(g.decide()[1])   # nothing measured: plans kept
+    assert g.decide()[0] == VERDICT_CODES["plan"] and math.isnan(g.decide()[1])   # nothing measured: plans kept
 
 
 def test_bad_options():
@@ -242,7 +248,7 @@ def test_the_default_guard_opens_at_step_8_and_times_5_steps_a_window_with_a_3_p
         g = build()
         phases = run(g, plan_s=0.971, dense_s=1.0, steps=30)
         assert phases[8:28] == ["plan", "plan", "dense", "dense"] * 5 and phases[28:] == ["dense"] * 2
-        assert g.verdict == "dense" and g.medians == (0.971, 1.0)
+        assert g.verdict == "dense" and plan_dense(g) == (0.971, 1.0)
 
 
 def test_one_guard_step_is_a_trial_of_one_timed_block_per_window():
@@ -250,7 +256,7 @@ def test_one_guard_step_is_a_trial_of_one_timed_block_per_window():
     the default block), the look at the step after."""
     g = step_guard(1, 0)
     assert run(g, plan_s=2.0, dense_s=1.0, steps=6) == ["plan", "plan", "dense", "dense", "dense", "dense"]
-    assert g.verdict == "dense" and g.stats()["steps"] == 1 and g.medians == (2.0, 1.0)
+    assert g.verdict == "dense" and g.stats()["steps"] == 1 and plan_dense(g) == (2.0, 1.0)
 
 
 def test_untracked_plans_open_no_new_trial_after_a_verdict_for_the_plans():
@@ -292,7 +298,7 @@ def test_a_decisive_look_is_a_fraction_of_the_dense_median_whatever_its_scale():
     of 2 s are exactly ``d`` = 0.5 of them, the verdict at the first look; 1.01 s needs the confirmation."""
     g = StepGuard(steps=2, start=0)
     assert run(g, plan_s=1.0, dense_s=2.0, steps=10) == ["plan", "dense"] * 2 + ["plan"] * 6
-    assert g.verdict == "plan" and g.stats()["rounds"] == 1 and g.medians == (1.0, 2.0)
+    assert g.verdict == "plan" and g.stats()["rounds"] == 1 and plan_dense(g) == (1.0, 2.0)
     g = StepGuard(steps=2, start=0)
     assert run(g, plan_s=1.01, dense_s=2.0, steps=12) == ["plan", "dense"] * 4 + ["plan"] * 4
     assert g.verdict == "plan" and g.stats()["rounds"] == 2
@@ -339,12 +345,12 @@ def test_blocks_time_only_their_last_step_so_switching_costs_stay_out_of_the_ver
     assert g.block == 2 and g.span() == 8
     phases = drive(g, transition_costs, 11)
     assert phases == ["plan", "plan", "dense", "dense"] * 2 + ["dense"] * 3
-    assert g.verdict == "dense" and g.medians == (1.1, 1.0)
+    assert g.verdict == "dense" and plan_dense(g) == (1.1, 1.0)
     st = g.stats()   # the untimed steps: 1.1 (step 0, nothing before it) and 1.15; 1.4 twice
     assert st["lead_plan_ms"] == pytest.approx(1125.0) and st["lead_dense_ms"] == pytest.approx(1400.0)
     single = _StepGuard(steps=2, start=0, confirm=0, block=1)
     drive(single, transition_costs, 11)
-    assert single.verdict == "plan" and single.medians == (pytest.approx(1.125), pytest.approx(1.4))
+    assert single.verdict == "plan" and plan_dense(single) == (pytest.approx(1.125), pytest.approx(1.4))
 
 
 def test_blocks_with_a_confirmation_round_pool_every_timed_step():
@@ -371,7 +377,7 @@ def test_next_phase_adopts_the_shared_verdict_not_its_own():
     assert g.next_phase(1, ("allgather",), share) == "dense"
     g.record(1, 1.0)
     assert g.next_phase(2, ("allgather",), share) == "dense" and g.verdict == "dense"
-    assert [a[:3] for a in asked] == [(True, 0.5, 1.0)] and g.medians == (2.0, 1.0)   # this rank's look, rank 0's verdict
+    assert [a[:3] for a in asked] == [(True, 0.5, 1.0)] and plan_dense(g) == (2.0, 1.0)   # this rank's look, rank 0's verdict
     assert StepGuard(steps=1, start=0).next_phase(0, ("dense",), share) == "plan"   # nothing to check
 
 
@@ -497,3 +503,89 @@ def test_the_horovod_guard_compares_plans_in_name_order():
         return adapter._dense_plans()
     order = [("a", "fp16"), ("b", "dense"), ("c", "bf16")]
     assert plans(order) == plans(order[::-1]) == ("fp16", "dense", "bf16")
+
+
+# -- the third window: PowerSGD on every bucket (DDP with PowerSGD among its strategies) -----------------------
+
+def drive3(guard, seconds, steps, windows=WINDOWS_WITH_POWERSGD):
+    """:func:`drive` through :meth:`StepGuard.next_phase` (as the DDP hook calls it), with the trial's
+    ``windows`` and every step of phase p taking ``seconds[p]``; the verdict shared as rank 0's own."""
+    phases = []
+    for step in range(steps):
+        if step:
+            guard.record(step - 1, seconds[phases[step - 1]])
+        phases.append(guard.next_phase(step, ("topk_allgather",), lambda mine: mine, windows))
+    return phases
+
+
+def test_the_powersgd_window_cycles_with_the_plans_and_dense_and_wins_where_both_are_slower():
+    g = StepGuard(steps=2, start=1)
+    phases = drive3(g, {"plan": 1.0, "dense": 1.2, "powersgd": 0.9}, 20)
+    # a first look at step 7 favours PowerSGD, not decisively: a confirmation round (steps 7-12), then PowerSGD
+    # for good from step 13
+    assert phases == ["plan"] + ["plan", "dense", "powersgd"] * 4 + ["powersgd"] * 7
+    assert g.verdict == "powersgd" and g.stats()["rounds"] == 2 and g.stats()["windows"] == list(WINDOWS_WITH_POWERSGD)
+    st = g.stats()
+    assert (st["plan_ms"], st["dense_ms"], st["powersgd_ms"]) == (1000.0, 1200.0, 900.0)
+
+
+@pytest.mark.parametrize("plan_s, powersgd_s, verdict", [
+    (0.90, 0.95, "plan"),      # the plans beat both by the margin
+    (0.94, 0.95, "powersgd"),  # PowerSGD beats dense; the plans not PowerSGD by the margin
+    (0.96, 0.98, "plan"),      # PowerSGD within the margin of dense: the plans against dense (0.96 <= 0.97)
+    (0.98, 0.98, "dense"),     # neither beats dense by the margin
+    (0.98, 0.45, "powersgd"),  # decisive: at most half of each other window's median, no confirmation
+])
+def test_the_three_window_verdict(plan_s, powersgd_s, verdict):
+    g = StepGuard(steps=1, start=0)
+    drive3(g, {"plan": plan_s, "dense": 1.0, "powersgd": powersgd_s}, 20)
+    assert g.verdict == verdict
+    assert g.stats()["rounds"] == (1 if verdict == "dense" or powersgd_s < 0.5 else 2)
+
+
+def test_a_powersgd_verdict_stands_whatever_the_plans_become():
+    g = StepGuard(steps=1, start=0, confirm=0)
+    drive3(g, {"plan": 1.0, "dense": 1.0, "powersgd": 0.5}, 4)
+    assert g.verdict == "powersgd"
+    asked = []
+    assert g.begin_step(4, 10.0, lambda: asked.append(1), lambda mine: mine) == "powersgd"
+    assert g.phase(5, True, ("dense", "allgather")) == "powersgd" and not asked   # plans not read, no new trial
+    assert g.stats()["trials"] == 1
+
+
+def test_the_windows_are_fixed_when_a_trial_opens():
+    g = StepGuard(steps=1, start=0, confirm=0)
+    asked = []
+
+    def windows():
+        asked.append(1)
+        return WINDOWS_WITH_POWERSGD
+    phases = [g.begin_step(s, float(s), lambda: ("topk",), lambda mine: mine, windows) for s in range(3)]
+    assert phases == ["plan", "dense", "powersgd"] and asked == [1]   # read once: at the trial's opening
+    with pytest.raises(ValueError, match="windows"):
+        StepGuard(start=0).phase(0, True, None, ("plan", "powersgd"))
+
+
+def test_settle_takes_a_verdict_by_name_code_or_bool_and_refuses_others():
+    for verdict, name in ((2.0, "powersgd"), ("dense", "dense"), (True, "plan"), (False, "dense")):
+        g = StepGuard(steps=1, start=0, confirm=0)
+        g.phase(0, True)
+        g.settle(verdict, 1.0, 1.0)
+        assert g.verdict == name
+    with pytest.raises(ValueError, match="verdict"):
+        StepGuard().settle(3.0, 1.0, 1.0)
+
+
+def test_a_guard_pickled_with_two_window_medians_restores():
+    import pickle
+    g = StepGuard(steps=1, start=0, confirm=0)
+    run(g, plan_s=0.5, dense_s=1.0, steps=4)
+    state = g.__dict__.copy()
+    state["medians"], state["lead_medians"] = (0.5, 1.0), (0.6, 1.1)   # as a guard pickled before
+    del state["windows"]
+    old = _StepGuard.__new__(_StepGuard)
+    old.__setstate__(state)
+    restored = pickle.loads(pickle.dumps(old))
+    st = restored.stats()
+    assert (st["plan_ms"], st["dense_ms"], st["lead_dense_ms"]) == (500.0, 1000.0, 1100.0)
+    assert math.isnan(st["powersgd_ms"]) and st["windows"] == ["plan", "dense"]

@@ -326,7 +326,8 @@ def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "part_half", "converge", "resume")
+    names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "part_guard_powersgd", "part_half", "converge",
+             "resume")
     proc = run_launcher([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
                          str(free_port()), str(out), ",".join(names)], cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -401,25 +402,58 @@ def test_a_model_saved_with_powersgd_buckets_resumes_them_after_ddp_rebuilds_its
 @pytest.mark.multiprocess
 def test_powersgd_takes_the_dense_weight_of_a_bucket_and_leaves_the_table_to_its_allgather(run):
     """One bucket, a table with a few rows per step and a dense weight: PowerSGD runs on the weight alone
-    (its three allreduces of the weight's sizes, on its own group), the table's average is exact every step,
-    and the weight's error feedback is conserved through the step guard's dense verdict (its memory out with
-    step 7)."""
+    (its three allreduces of the weight's sizes, on its own group), the table's average is exact at every step
+    of its plan and of the dense window, and the error feedback is conserved through the step guard's trial
+    and its dense verdict: the trial's PowerSGD window (torch's hook on the whole bucket at steps 7 and 8, the
+    table too) keeps a memory of its own, which goes out with step 9 beside the weight's part's."""
     rs = run["part"]
     for r in rs:
         assert (r["plan"], r["buckets"], r["digest"], r["guard"]) == (rs[0]["plan"], rs[0]["buckets"],
                                                                         rs[0]["digest"], rs[0]["guard"])
-        assert r["table_error"] == 0.0, r["table_error"]
-        # PowerSGD at steps 2 to 4 (the guard's dense window at 5 and 6, its verdict at 7): the weight's sizes only
+        errors = r["table_errors"]
+        assert [e for t, e in enumerate(errors) if t not in (7, 8, 9)] == [0.0] * 7, errors
+        assert min(errors[7:10]) > 0.1, errors   # PowerSGD's approximation, then its memory, of the table
+        # PowerSGD's part at steps 2 to 4 (the dense window at 5 and 6, the whole bucket at 7 and 8): the weight's
+        # sizes only on the part's group
         assert r["per_step"] == [[], [], *[r["predicted_bytes"]] * 3, *[[]] * 5], r["per_step"]
         assert r["predicted_bytes"] == [0, 4 * 256 * 4, 4 * 192 * 4]
-        assert r["guard"]["verdict"] == "dense" and not r["memory_left"]
+        g = r["guard"]
+        assert g["verdict"] == "dense" and g["windows"] == ["plan", "dense", "powersgd"], g
+        assert g["powersgd_ms"] > 0 and not r["memory_left"] and r["trials_left"] == 0
         assert r["conservation_error"] <= 1e-5 * r["scale"] * r["steps"], r
+        assert r["table_conservation_error"] <= 1e-5 * 8 * r["steps"], r
     bucket = rs[0]["buckets"]["0"] if "0" in rs[0]["buckets"] else rs[0]["buckets"][0]
-    assert bucket["strategy"] == "powersgd_part" and bucket["steps"] == 3 and bucket["left_step"] == 7, bucket
+    assert bucket["strategy"] == "powersgd_part" and bucket["steps"] == 3 and bucket["left_step"] == 9, bucket
     assert bucket["powersgd_parameters"] == ["param0(256, 192)"], bucket
     p = bucket["predicted_seconds"]
     assert p["powersgd_part"] < min(p["powersgd"], p["per_parameter"]), p
     assert rs[0]["plan"] == {"param0(256, 192)": "powersgd", "param1(2000, 64)": "allgather"}, rs[0]["plan"]
+
+
+@pytest.mark.multiprocess
+def test_a_powersgd_verdict_of_the_step_guard_moves_the_whole_bucket_to_powersgd_and_conserves_every_memory(run):
+    """The step guard's third window runs torch's hook on the whole bucket (the table too); a verdict for it
+    (forced; a first look confirmed by a second round) makes the bucket run that PowerSGD for good, with the
+    weight's part memory handed to it: every rank's averaged outputs times n plus every rank's memory equal
+    the sum of every gradient, the table's and the weight's, through the plans, every window and the switch."""
+    rs = run["part_guard_powersgd"]
+    for r in rs:
+        assert (r["plan"], r["buckets"], r["digest"], r["guard"]) == (rs[0]["plan"], rs[0]["buckets"],
+                                                                        rs[0]["digest"], rs[0]["guard"])
+        windows = ["plan"] * 2 + ["dense"] * 2 + ["powersgd"] * 2
+        assert r["phases"] == ["plan"] * 3 + windows * 2 + ["powersgd"] * 3, r["phases"]
+        g = r["guard"]
+        assert (g["verdict"], g["rounds"], g["trials"]) == ("powersgd", 2, 1), g
+        errors = r["table_errors"]
+        assert [errors[t] for t in (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12)] == [0.0] * 11, errors   # exact: plans, dense
+        assert min(errors[t] for t in (7, 8, 13, 14, 15, 16, 17)) > 0.1, errors   # PowerSGD's approximations
+        assert r["whole"] and r["since_step"] == 15 and r["trials_left"] == 0, r
+        assert r["powersgd_steps"] == 7, r   # the trial's state: steps 7, 8, 13, 14, then 15 to 17
+        for key, err in r["conservation_errors"].items():
+            assert err <= 1e-5 * r["scale"] * r["steps"], (key, r)
+    assert rs[0]["plan"] == {"param0(256, 192)": "powersgd", "param1(2000, 64)": "powersgd"}, rs[0]["plan"]
+    bucket = rs[0]["buckets"]["0"] if "0" in rs[0]["buckets"] else rs[0]["buckets"][0]
+    assert bucket["strategy"] == "powersgd" and bucket["step_guard"] and bucket["since_step"] == 15, bucket
 
 
 @pytest.mark.multiprocess

@@ -65,6 +65,24 @@ error mass is lost. A DDP bucket that went to PowerSGD (a whole bucket's plan) i
 it is one of the plans (``"powersgd"`` for each of its parameters), it is allreduced in place in the
 dense window with PowerSGD's error memory kept, and on a dense verdict it leaves PowerSGD, its error
 memory added to the bucket of the first dense step.
+
+**A third window: PowerSGD on every bucket** (DDP with ``lossy`` and PowerSGD among its strategies,
+where some bucket PowerSGD may take does not run it whole under the plans). The cost model prices a
+bucket's per-parameter plans against PowerSGD, and can misjudge both (several dependent collectives on a
+loaded host); what users have instead of ``auto`` is torch's PowerSGD hook on every bucket, so the trial
+runs it too: the windows cycle plan, dense, ``powersgd`` (``windows``, fixed when a trial opens), each
+in blocks of ``B`` with the last step timed, ``3BW`` steps a round. In the ``powersgd`` window every
+bucket PowerSGD may take runs it whole (its own error memory and warm start, kept between its windows);
+the others are sent as in the dense window. With :math:`T_s` that window's median, the verdict is
+
+.. math:: a = \begin{cases} \text{powersgd} & T_s \le (1 - m)\, T_d \\ \text{dense} & \text{otherwise}
+          \end{cases}, \qquad \text{keep the plans} \iff T_p \le (1 - m)\, T_a, \text{ else } a
+
+(PowerSGD, a change from the engine's plain step, must beat it by the margin as the plans must). A look
+for the plans or for PowerSGD is confirmed as above, unless decisive: its median at most ``d`` times
+each other window's. A verdict for PowerSGD stands for the rest of the run, as a dense one does (the
+caller hands the plans' error feedback to PowerSGD); after a verdict for the plans or for dense the
+caller adds what the trial's PowerSGD memories hold to the gradients of the first step after.
 """
 from __future__ import annotations
 
@@ -80,6 +98,9 @@ GUARD_MARGIN = 0.03  # the plans must measure this much faster than dense to sta
 GUARD_CONFIRM = 1    # extra rounds of both windows before a verdict for the plans (module doc)
 GUARD_BLOCK = 2      # consecutive steps of one window; only a block's last step is timed (module doc)
 GUARD_DECISIVE = 0.5  # a first look whose plans step in at most this fraction of dense's needs no confirmation
+WINDOWS = ("plan", "dense")                         # a trial's windows, in the order they cycle
+WINDOWS_WITH_POWERSGD = ("plan", "dense", "powersgd")   # DDP with PowerSGD among its strategies (module doc)
+VERDICT_CODES = {"dense": 0.0, "plan": 1.0, "powersgd": 2.0}   # decide()'s first value, as broadcast
 
 
 def step_guard(steps, start: int = GUARD_START, margin: float = GUARD_MARGIN) -> Optional["StepGuard"]:
@@ -125,32 +146,48 @@ class StepGuard:
         self.block = block
         self.rounds = 1                    # rounds of both windows the current trial runs (1 + confirmations)
         self.begin: Optional[int] = None   # step index of the plan window's first step
-        self.times = {"plan": [], "dense": []}
-        self.lead = {"plan": [], "dense": []}   # the untimed first steps of blocks (diagnostics)
-        self.verdict: Optional[str] = None   # "plan" or "dense" once decided
-        self.medians: Optional[tuple] = None   # (T_p, T_d) seconds, rank 0's
-        self.lead_medians: Optional[tuple] = None   # the untimed steps' medians (plans', dense's), rank 0's
+        self.windows = WINDOWS             # the current trial's windows, in the order they cycle
+        self.times = {w: [] for w in WINDOWS}
+        self.lead = {w: [] for w in WINDOWS}   # the untimed first steps of blocks (diagnostics)
+        self.verdict: Optional[str] = None   # "plan", "dense" or "powersgd" once decided
+        self.medians: Optional[dict] = None   # window -> T_w seconds at the last look, rank 0's
+        self.lead_medians: Optional[dict] = None   # window -> the untimed steps' median, rank 0's
         self.checked = None   # the plans at the current trial's first step
         self.trials = 0       # trials opened so far
         self.clock: Optional[float] = None   # when the current step began (begin_step); None: not known
 
-    def phase(self, step: int, worth_checking: bool, plans=None) -> str:
+    windows = WINDOWS   # (class default: a guard pickled before PowerSGD's window had only these)
+
+    def __setstate__(self, state):
+        # A guard pickled before PowerSGD's window kept its medians as (plan, dense) tuples.
+        for key in ("medians", "lead_medians"):
+            if isinstance(state.get(key), tuple):
+                state[key] = dict(zip(WINDOWS, state[key]))
+        self.__dict__.update(state)
+
+    def phase(self, step: int, worth_checking: bool, plans=None, windows=WINDOWS) -> str:
         """What step ``step`` (0-based) runs: ``"plan"`` (the plans), ``"dense"`` (dense buckets in
-        place; the trial's dense blocks), or ``"decide"`` (the verdict is due now: call :meth:`decide` and
+        place; the trial's dense blocks), ``"powersgd"`` (PowerSGD on every bucket it may take: its
+        blocks, or its verdict), or ``"decide"`` (the verdict is due now: call :meth:`decide` and
         :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not
         dense; the trial opens at the first such step from ``start`` on. ``plans``: any comparable
         value naming the dense gradients' plans (None: not tracked); after a verdict for the plans, a
-        different value opens a new trial (module doc). Both identical on every rank."""
+        different value opens a new trial (module doc). ``windows``: the windows a trial opening at this
+        step runs (:data:`WINDOWS` or :data:`WINDOWS_WITH_POWERSGD`; read only then). All identical on
+        every rank."""
         if self.verdict == "plan" and plans is not None and plans != self.checked:
             self.begin, self.verdict, self.rounds = None, None, 1
-            self.times = {"plan": [], "dense": []}
-            self.lead = {"plan": [], "dense": []}
         if self.verdict is not None:
-            return "plan" if self.verdict == "plan" else "dense"
+            return self.verdict
         if self.begin is None:
             if step < self.start or not worth_checking:
                 return "plan"
-            self.begin, self.checked = step, plans
+            windows = tuple(windows)
+            if windows not in (WINDOWS, WINDOWS_WITH_POWERSGD):
+                raise ValueError(f"guard windows must be {WINDOWS} or {WINDOWS_WITH_POWERSGD}, got {windows!r}")
+            self.begin, self.checked, self.windows = step, plans, windows
+            self.times = {w: [] for w in windows}
+            self.lead = {w: [] for w in windows}
             self.trials += 1
         k = step - self.begin
         if k < self.span():
@@ -158,36 +195,39 @@ class StepGuard:
         return "decide"
 
     def span(self) -> int:
-        """Steps the current trial runs: ``2 * block * steps * rounds``."""
-        return 2 * self.block * self.steps * self.rounds
+        """Steps the current trial runs: ``len(windows) * block * steps * rounds``."""
+        return len(self.windows) * self.block * self.steps * self.rounds
 
     def _window(self, k: int) -> str:
-        return "plan" if (k // self.block) % 2 == 0 else "dense"
+        return self.windows[(k // self.block) % len(self.windows)]
 
-    def begin_step(self, step: int, now: float, plans, share) -> str:
+    def begin_step(self, step: int, now: float, plans, share, windows=WINDOWS) -> str:
         """Step ``step`` (0-based) begins at ``now`` (``time.perf_counter()``; every engine's one entry):
         the step before it is timed from when it began (:meth:`record`; not after :attr:`clock` was reset,
-        e.g. in a restored state), and what this one runs is :meth:`next_phase`'s answer, or ``"dense"``
-        after a dense verdict without reading ``plans`` (a callable returning the plans tuple: after a
-        dense verdict the aggregators sit out and their plans are not read)."""
+        e.g. in a restored state), and what this one runs is :meth:`next_phase`'s answer, or the verdict
+        after one for dense or PowerSGD, without reading ``plans`` (a callable returning the plans tuple:
+        after such a verdict the aggregators sit out and their plans are not read). ``windows``: a
+        trial's windows, or a callable returning them (read where a trial may open)."""
         if self.clock is not None:
             self.record(step - 1, now - self.clock)
         self.clock = now
-        if self.verdict == "dense":
-            return "dense"
-        return self.next_phase(step, plans(), share)
+        if self.verdict in ("dense", "powersgd"):
+            return self.verdict
+        if self.begin is None and callable(windows):
+            windows = windows()
+        return self.next_phase(step, plans(), share, windows if not callable(windows) else WINDOWS)
 
-    def next_phase(self, step: int, plans: tuple, share) -> str:
+    def next_phase(self, step: int, plans: tuple, share, windows=WINDOWS) -> str:
         """What step ``step`` runs (:meth:`phase`), the verdict taken where it is due: ``plans`` names the
         dense gradients' plans (a tuple of strategies, identical on every rank; worth checking when one is
-        not ``"dense"``), and ``share`` is the caller's blocking broadcast of rank 0's :meth:`decide`
-        (five floats in, rank 0's five out), which every rank reaches at this step."""
+        not ``"dense"``), ``windows`` those of a trial opening now, and ``share`` is the caller's blocking
+        broadcast of rank 0's :meth:`decide` (its floats in, rank 0's out), which every rank reaches at
+        this step."""
         worth = any(strategy != "dense" for strategy in plans)
-        phase = self.phase(step, worth, plans)
+        phase = self.phase(step, worth, plans, windows)
         if phase == "decide":
-            keep, *medians = share(self.decide())
-            self.settle(keep != 0.0, *medians)
-            phase = self.phase(step, worth, plans)
+            self.settle(*share(self.decide()))
+            phase = self.phase(step, worth, plans, windows)
         return phase
 
     def record(self, step: int, seconds: float) -> None:
@@ -200,39 +240,65 @@ class StepGuard:
             kept[self._window(k)].append(float(seconds))
 
     def decide(self) -> tuple:
-        """``(keep_plans, T_p, T_d, L_p, L_d)`` from this rank's windows (module doc; ``L``: the medians of
-        the untimed first steps of the blocks, for the record, NaN with blocks of 1); the caller broadcasts
-        rank 0's. A window with no time recorded keeps the plans (nothing measured against them)."""
-        lp, ld = (statistics.median(xs) if xs else float("nan") for xs in (self.lead["plan"], self.lead["dense"]))
-        if not self.times["plan"] or not self.times["dense"]:
-            return True, float("nan"), float("nan"), lp, ld
-        tp, td = statistics.median(self.times["plan"]), statistics.median(self.times["dense"])
-        return tp <= (1.0 - self.margin) * td, tp, td, lp, ld
+        """``(verdict, T_p, T_d, L_p, L_d, T_s, L_s)`` from this rank's windows (module doc): the verdict
+        as :data:`VERDICT_CODES` (0 dense, 1 the plans, 2 PowerSGD), the medians of the plans', dense's
+        and PowerSGD's timed steps, and ``L``, those of the untimed first steps of the blocks, for the
+        record (NaN with blocks of 1, or for a window the trial does not run); the caller broadcasts rank
+        0's. A plan or dense window with no time recorded keeps the plans (nothing measured against them)."""
+        def median(xs):
+            return statistics.median(xs) if xs else float("nan")
 
-    def settle(self, keep_plans: bool, plan_s: float, dense_s: float, lead_plan_s: float = float("nan"),
-               lead_dense_s: float = float("nan")) -> None:
-        """Adopt the (broadcast) look: a verdict, or for the plans while confirmations remain and the look
-        is not decisive, another round of both windows (:meth:`phase` goes on alternating; the next look
-        pools every step)."""
-        self.medians = (float(plan_s), float(dense_s))
-        self.lead_medians = (float(lead_plan_s), float(lead_dense_s))
-        decisive = plan_s <= self.decisive * dense_s   # False with a NaN median
-        if keep_plans and self.rounds <= self.confirm and not decisive:
+        t = {w: median(self.times.get(w, ())) for w in WINDOWS_WITH_POWERSGD}
+        lead = {w: median(self.lead.get(w, ())) for w in WINDOWS_WITH_POWERSGD}
+        if not self.times["plan"] or not self.times["dense"]:
+            nan = float("nan")
+            return VERDICT_CODES["plan"], nan, nan, lead["plan"], lead["dense"], nan, lead["powersgd"]
+        values = (t["plan"], t["dense"], lead["plan"], lead["dense"], t["powersgd"], lead["powersgd"])
+        keep = 1.0 - self.margin
+        alternative = "powersgd" if t["powersgd"] <= keep * t["dense"] else "dense"   # False with a NaN
+        verdict = "plan" if t["plan"] <= keep * t[alternative] else alternative
+        return (VERDICT_CODES[verdict],) + values
+
+    def settle(self, verdict, plan_s: float, dense_s: float, lead_plan_s: float = float("nan"),
+               lead_dense_s: float = float("nan"), powersgd_s: float = float("nan"),
+               lead_powersgd_s: float = float("nan")) -> None:
+        """Adopt the (broadcast) look: ``verdict`` a name or code of :data:`VERDICT_CODES` (a bool: True the
+        plans, False dense); a verdict, or for the plans or PowerSGD while confirmations remain and the
+        look is not decisive, another round of every window (:meth:`phase` goes on alternating; the next
+        look pools every step)."""
+        names = {code: name for name, code in VERDICT_CODES.items()}
+        if isinstance(verdict, bool):
+            verdict = "plan" if verdict else "dense"
+        elif not isinstance(verdict, str):
+            verdict = names.get(float(verdict))
+        if verdict not in VERDICT_CODES:
+            raise ValueError(f"a guard verdict is one of {sorted(VERDICT_CODES)} or its code, got {verdict!r}")
+        self.medians = {"plan": float(plan_s), "dense": float(dense_s), "powersgd": float(powersgd_s)}
+        self.lead_medians = {"plan": float(lead_plan_s), "dense": float(lead_dense_s),
+                             "powersgd": float(lead_powersgd_s)}
+        mine = self.medians[verdict]
+        others = [self.medians[w] for w in self.windows if w != verdict]
+        decisive = all(mine <= self.decisive * other for other in others)   # False with a NaN median
+        if verdict != "dense" and self.rounds <= self.confirm and not decisive:
             self.rounds += 1
             return
-        self.verdict = "plan" if keep_plans else "dense"
+        self.verdict = verdict
 
     def stats(self) -> dict:
-        """``{"verdict", "plan_ms", "dense_ms", "window", "steps", "block", "rounds", "trials",
-        "lead_plan_ms", "lead_dense_ms"}``: the verdict (None while a trial runs or before one starts),
-        rank 0's medians of the timed steps at the last look in milliseconds, the current trial's first
-        step index, the timed steps per window and round, the block length, the rounds of both windows
-        the trial runs (it spans :meth:`span` steps; more than 1 after a look for the plans), how many
-        trials opened, and rank 0's medians of the blocks' untimed first steps at the last look (NaN
+        """``{"verdict", "plan_ms", "dense_ms", "powersgd_ms", "windows", "window", "steps", "block",
+        "rounds", "trials", "lead_plan_ms", "lead_dense_ms", "lead_powersgd_ms"}``: the verdict (None while a
+        trial runs or before one starts), rank 0's medians of each window's timed steps at the last look in
+        milliseconds (NaN for a window the trial did not run), the current trial's windows and first step
+        index, the timed steps per window and round, the block length, the rounds of every window the
+        trial runs (it spans :meth:`span` steps; more than 1 after a look for the plans or PowerSGD), how
+        many trials opened, and rank 0's medians of the blocks' untimed first steps at the last look (NaN
         with blocks of 1): what switching windows cost, left out of the verdict."""
-        nan = (float("nan"), float("nan"))
-        tp, td = self.medians or nan
-        lp, ld = self.lead_medians or nan
-        return {"verdict": self.verdict, "plan_ms": 1e3 * tp, "dense_ms": 1e3 * td, "window": self.begin,
-                "steps": self.steps, "block": self.block, "rounds": self.rounds, "trials": self.trials,
-                "lead_plan_ms": 1e3 * lp, "lead_dense_ms": 1e3 * ld}
+        nan = float("nan")
+        t = self.medians or {}
+        lead = self.lead_medians or {}
+        d = {"verdict": self.verdict, "windows": list(self.windows), "window": self.begin, "steps": self.steps,
+             "block": self.block, "rounds": self.rounds, "trials": self.trials}
+        for w in WINDOWS_WITH_POWERSGD:
+            d[f"{w}_ms"] = 1e3 * t.get(w, nan)
+            d[f"lead_{w}_ms"] = 1e3 * lead.get(w, nan)
+        return d

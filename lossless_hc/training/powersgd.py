@@ -52,7 +52,10 @@ observed (its aggregate is a dense low-rank matrix), so nothing new could revers
 can reverse it is a measurement: the DDP step guard (:mod:`lossless_hc.training.guard`) times PowerSGD
 buckets with the per-parameter plans, and a dense verdict makes the bucket leave PowerSGD for good
 (:meth:`PowerSGDPlanner.leave`): its error memory, taken from torch's state, is added to the bucket of
-that first dense step, so it is sent rather than dropped. On the switch, each parameter's lossy error feedback (THC's
+that first dense step, so it is sent rather than dropped. The guard's third window runs PowerSGD on every
+bucket it may take (:meth:`PowerSGDPlanner.window_bucket`, a trial state per bucket not already on it
+whole); a verdict for it makes those states the buckets' for good, and any other verdict hands their
+memories back (:meth:`PowerSGDPlanner.end_trial`). On the switch, each parameter's lossy error feedback (THC's
 memory, top-k's residual: :meth:`~lossless_hc.training.strategies.AutoAggregator.take_lossy_memory`) is
 added to its gradient in the bucket before PowerSGD's own error feedback, so what those strategies had
 not sent yet is sent (or kept in PowerSGD's memory): over the steps, ``N`` times the sum of the averaged
@@ -262,6 +265,11 @@ class PowerSGDPlanner:
         self.buckets: dict = {}      # bucket index -> PowerSGDBucket (sticky)
         self.decisions: dict = {}    # bucket index -> the last comparison (stats())
         self._compared: dict = {}    # bucket index -> the parameters' plan count at the last comparison
+        self.trials: dict = {}       # bucket index -> the step guard's whole-bucket PowerSGD (window_bucket)
+
+    def __setstate__(self, state):
+        state.setdefault("trials", {})   # pickled before the step guard's PowerSGD window
+        self.__dict__.update(state)
 
     def describe(self) -> str:
         return f"powersgd(rank={self.rank}, start={self.start}, min_compression_rate={self.min_compression_rate})"
@@ -353,6 +361,55 @@ class PowerSGDPlanner:
         chosen.state.p_memory_dict.clear()
         chosen.state.q_memory_dict.clear()
         return err
+
+    def window_bucket(self, index: int, step: int, aggregators, grads: Sequence[torch.Tensor],
+                      buffer: torch.Tensor, world_size: int, verdict: bool) -> Optional[PowerSGDBucket]:
+        """The state bucket ``index`` runs in the step guard's PowerSGD window (:mod:`lossless_hc.training.guard`:
+        torch's hook on every bucket it may take), None where it may not (:meth:`offered`): its own
+        whole-bucket PowerSGD where the plans gave it one, else the trial's (error feedback and warm start
+        on, created at its first window and kept until :meth:`end_trial`). ``verdict``: the guard's verdict
+        is PowerSGD; the trial's state becomes the bucket's for good (sticky, as the planner's own), and
+        what the per-parameter plans had not sent yet (each aggregator's lossy error feedback, a PowerSGD
+        part's memory) is added to ``grads`` first, so PowerSGD sends it or keeps it in its memory."""
+        chosen = self.buckets.get(index)
+        names = [a.name for a in aggregators]
+        if chosen is not None and chosen.members is None and chosen.left_step is None:
+            if chosen.bucket_names != names:
+                raise RuntimeError(f"DDP bucket {index} changed its parameters after going to PowerSGD "
+                                   f"({chosen.bucket_names} -> {names}); its error feedback would no longer match")
+            return chosen
+        if not self.offered(buffer, grads, world_size):
+            return None
+        trial = self.trials.get(index)
+        if trial is None:
+            layout = powersgd_layout([tuple(g.shape) for g in grads], self.rank, self.min_compression_rate)
+            trial = self.trials[index] = PowerSGDBucket(names, layout, self.rank, self.start,
+                                                        self.min_compression_rate, self.seed, step, {})
+        elif trial.bucket_names != names:
+            raise RuntimeError(f"DDP bucket {index} changed its parameters during the step guard's trial "
+                               f"({trial.bucket_names} -> {names}); its PowerSGD memory would no longer match")
+        if not verdict:
+            return trial
+        if chosen is not None:   # a part of the bucket on PowerSGD: its memory goes into the whole bucket's
+            error = self.leave(index, step)
+            if error is not None:
+                chosen.add_to(error, buffer, grads)
+        for agg, g in zip(aggregators, grads):
+            agg.add_lossy_memory_to(g)
+        del self.trials[index]
+        trial.since_step = int(step)
+        self.buckets[index] = trial
+        self.decisions[index] = {"strategy": "powersgd", "step": int(step), "predicted_seconds": {},
+                                 "parameters": names, "compressed": len(trial.layout.compressed),
+                                 "step_guard": True}
+        return trial
+
+    def end_trial(self, index: int) -> Optional[torch.Tensor]:
+        """Bucket ``index`` leaves the step guard's trial state (a verdict for the plans or dense): this rank's
+        error memory of it, flat over the whole bucket (for the caller to add to the bucket it sends), or
+        None without one. The state, warm start included, is dropped."""
+        trial = self.trials.pop(index, None)
+        return None if trial is None else trial.state.error_dict.pop(index, None)
 
     def parameter_names(self) -> frozenset:
         """The names of the parameters whose buckets went to PowerSGD (no longer planned per parameter)."""

@@ -13,6 +13,9 @@ Scenarios:
 * ``part``: a bucket of a table whose gradient has a few rows (allgather) and a weight (dense): PowerSGD
   takes the weight only; the table's average each step, the bytes PowerSGD's steps issue on their own
   group, and the weight's error feedback conserved through the step guard's dense verdict.
+* ``part_guard_powersgd``: the same bucket with the step guard's verdict forced to PowerSGD (its third window,
+  torch's hook on the whole bucket): the bucket adopts the trial's PowerSGD for good, the part's memory handed
+  to it, and the table's and the weight's error feedback conserved through every window and the switch.
 * ``part_half``: the same with a long vector planned fp16 beside the weight: the weight's error feedback
   conserved (the vector's half-precision plain step leaves the bucket's PowerSGD part alone).
 * ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
@@ -31,6 +34,7 @@ import gloo_scenarios  # noqa: E402
 from models import LinearLoss, confirm_every_guard_look, max_param_diff, param_digest  # noqa: E402
 
 from lossless_hc.plugins.ddp import AutoHookState, Calibration, auto_hook  # noqa: E402
+from lossless_hc.training.guard import VERDICT_CODES  # noqa: E402
 confirm_every_guard_look()
 
 SLOW = Calibration.default(bandwidth_bits=1e8)   # 100 Mbit/s, 50 us per hop
@@ -171,14 +175,16 @@ def part():
     n, rank = dist.get_world_size(), dist.get_rank()
     model = TableAndWeight()
     ddp = DistributedDataParallel(model)   # one bucket: table and weight
-    # PowerSGD (the weight) from step 2; the step guard's trial from step 3 (PowerSGD at 3 and 4, in place at 5
-    # and 6), its dense verdict (forced) at 7: the weight's PowerSGD memory goes out with step 7.
+    # PowerSGD (the weight) from step 2; the step guard's trial from step 3 (the plans at 3 and 4, in place at 5
+    # and 6, torch's hook on the whole bucket at 7 and 8, with a memory of its own), its dense verdict (forced) at
+    # 9: the weight's PowerSGD memory and the trial's (the table's and the weight's) go out with step 9.
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "allgather", "powersgd"),
                           guard_steps=1, guard_start=3, guard_margin=1 - 1e-6)
     ddp.register_comm_hook(state, auto_hook)
     steps = 10
     out_sum = torch.zeros(256, 192, dtype=torch.float64)
-    table_error, per_step = 0.0, []
+    table_sum = torch.zeros(2000, 64, dtype=torch.float64)
+    table_errors, per_step = [], []
     dist.all_reduce = _recording_all_reduce
     try:
         for step in range(steps):
@@ -188,7 +194,8 @@ def part():
             ddp(table_rows(step, rank), gradient(step, rank)).backward()
             out_sum += model.weight.grad.to(torch.float64)
             expected = sum(table_rows(step, r) for r in range(n)) / n
-            table_error = max(table_error, float((model.table.grad - expected).abs().max()))
+            table_errors.append(float((model.table.grad - expected).abs().max()))
+            table_sum += model.table.grad.to(torch.float64)
             with _lock:
                 calls = list(_calls)
             group = state._fallback_groups.get((0, "powersgd"))   # made at the first PowerSGD step
@@ -197,8 +204,11 @@ def part():
         dist.all_reduce = _real_all_reduce
     chosen = state._powersgd.buckets[0]
     st = state.stats()
+    table_total = sum(table_rows(t, r).to(torch.float64) for t in range(steps) for r in range(n))
     return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"], "guard": st["guard"],
-            "table_error": table_error, "per_step": per_step, "memory_left": chosen.error(0) is not None,
+            "table_errors": table_errors, "per_step": per_step, "memory_left": chosen.error(0) is not None,
+            "trials_left": len(state._powersgd.trials),
+            "table_conservation_error": float((n * table_sum - table_total).abs().max()),
             "predicted_bytes": [b for _, b in state.spec.cost_model.powersgd_collectives(chosen.layout)],
             **weight_conservation(state, out_sum, steps), "digest": param_digest(model)}
 
@@ -215,6 +225,52 @@ def weight_conservation(state, out_sum, steps):
     total = sum(gradient(t, r).to(torch.float64) for t in range(steps) for r in range(n))
     return {"conservation_error": float((n * out_sum + sum(memories) - total).abs().max()),
             "scale": float(total.abs().max()), "steps": steps}
+
+
+def part_guard_powersgd():
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = TableAndWeight()
+    ddp = DistributedDataParallel(model)   # one bucket: table and weight
+    # PowerSGD (the weight) from step 2; the trial from step 3 (the plans at 3 and 4, in place at 5 and 6, the whole
+    # bucket on PowerSGD at 7 and 8), its look at 9 forced to PowerSGD, confirmed by a second round (9 to 14),
+    # the verdict at 15: from then on the whole bucket runs the trial's PowerSGD for good.
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "allgather", "powersgd"),
+                          guard_steps=1, guard_start=3)
+    decide = state._guard.decide
+    state._guard.decide = lambda: (VERDICT_CODES["powersgd"],) + tuple(decide()[1:])
+    ddp.register_comm_hook(state, auto_hook)
+    steps = 18
+    sums = {"weight": torch.zeros(256, 192, dtype=torch.float64), "table": torch.zeros(2000, 64, dtype=torch.float64)}
+    table_errors, phases = [], []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        ddp(table_rows(step, rank), gradient(step, rank)).backward()
+        phases.append(state._step_phase)
+        sums["weight"] += model.weight.grad.to(torch.float64)
+        sums["table"] += model.table.grad.to(torch.float64)
+        expected = sum(table_rows(step, r) for r in range(n)) / n
+        table_errors.append(float((model.table.grad - expected).abs().max()))
+    chosen = state._powersgd.buckets[0]
+    shapes = {"weight": (256, 192), "table": (2000, 64)}
+    by_name = {name: next(k for k, v in shapes.items() if name.endswith(str(v).replace(" ", " ")))
+               for name in chosen.bucket_names}
+    memory = {k: torch.zeros(v, dtype=torch.float64) for k, v in shapes.items()}
+    flat = chosen.error(0)
+    sizes = [memory[by_name[name]].numel() for name in chosen.bucket_names]
+    for name, e in zip(chosen.bucket_names, torch.split(flat, sizes)):
+        memory[by_name[name]] += e.reshape(shapes[by_name[name]]).to(torch.float64)
+    errors = {}
+    for key, fn in (("weight", gradient), ("table", table_rows)):
+        memories = [torch.empty_like(memory[key]) for _ in range(n)]
+        dist.all_gather(memories, memory[key])
+        total = sum(fn(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+        errors[key] = float((n * sums[key] + sum(memories) - total).abs().max())
+    st = state.stats()
+    return {"plan": {k: v["strategy"] for k, v in st["plan"].items()}, "buckets": st["buckets"], "guard": st["guard"],
+            "phases": phases, "table_errors": table_errors, "trials_left": len(state._powersgd.trials),
+            "whole": chosen.members is None, "since_step": chosen.since_step, "powersgd_steps": chosen.steps,
+            "conservation_errors": errors, "scale": float(gradient(0, 0).abs().max()) * n, "steps": steps,
+            "digest": param_digest(model)}
 
 
 class WeightAndVector(torch.nn.Module):
@@ -352,7 +408,8 @@ def resume():
 
 def scenario(name: str) -> dict:
     return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
-            "part": part, "part_half": part_half, "converge": converge, "resume": resume}[name]()
+            "part": part, "part_guard_powersgd": part_guard_powersgd, "part_half": part_half, "converge": converge,
+            "resume": resume}[name]()
 
 
 if __name__ == "__main__":

@@ -320,6 +320,24 @@ def test_the_report_gives_the_blocks_untimed_steps_and_flags_a_trial_in_the_time
             "row's times; --warmup 48 times after it") in text(20)
 
 
+def test_the_report_gives_powersgd_s_window_where_the_trial_ran_one():
+    """DDP with PowerSGD: the trial cycles three windows (3 * 2 * steps * rounds steps), whose medians and
+    untimed steps the report gives, with a verdict for PowerSGD named as what ran."""
+    from lossless_hc.bench.cluster_report import render_markdown
+    guard = {"verdict": "powersgd", "plan_ms": 70.0, "dense_ms": 83.2, "powersgd_ms": 60.5, "window": 8,
+             "steps": 5, "block": 2, "rounds": 2, "lead_plan_ms": 71.5, "lead_dense_ms": 104.0,
+             "lead_powersgd_ms": 62.0, "windows": ["plan", "dense", "powersgd"]}
+    row = report_row("auto-lossy", 61.0, auto_choice={"powersgd": ["param0(4, 4)"]}, auto_guard=guard,
+                     auto_guard_rounds=[guard, dict(guard, verdict="plan", plan_ms=58.0)])
+    text = render_markdown({"rows": [report_row("none", 80.0), row], "compute_s": 0.02,
+                            "shaping": {"qdisc": "tbf"}, "warmup": 68}, "t")
+    assert ("step guard (steps 8-67): plans 70.0 ms, dense 83.2 ms, PowerSGD 60.5 ms median step: torch's "
+            "PowerSGD hook on every bucket it may take from then on") in text
+    assert "71.5 ms in the plans' blocks, 104.0 ms in dense's, 62.0 ms in PowerSGD's" in text
+    assert "ran into the timed steps" not in text
+    assert "step guard per round: powersgd (70.0 / 83.2 / 60.5 ms), plan (58.0 / 83.2 / 60.5 ms)" in text
+
+
 def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():
     """A skewed step distribution (many fast steps, a slow tail) can put two modes' medians apart while
     their means, which a run's length follows, agree: the answer line prints both ratios."""

@@ -258,7 +258,7 @@ def render_markdown(result: dict, title: str) -> str:
             if len(per_round) > 1:
                 lines.append("step guard per round: " + ", ".join(
                     f"{x['verdict'] or ('no trial' if x.get('window') is None else 'no verdict')}"
-                    + (f" ({x['plan_ms']:.1f} / {x['dense_ms']:.1f} ms)" if x.get("verdict") else "")
+                    + (f" ({_window_medians(x)} ms)" if x.get("verdict") else "")
                     for x in per_round))
     return "\n".join(lines) + "\n"
 
@@ -278,14 +278,18 @@ def planner_lines(framework: str, compression: str, choice: Optional[dict], g: O
         halves = {k: v for k, v in (g.get("alternative") or {}).items() if k != "dense"}
         own = "".join(f", {v} tensor{'s' if v > 1 else ''} in {k}" for k, v in halves.items())
         dense = f"dense allreduce in place ({engine}'s own{own})" if choice else "FSDP2's own reduce-scatter"
-        ran = "the plans" if g["verdict"] == "plan" else dense
+        ran = {"plan": "the plans", "powersgd": "torch's PowerSGD hook on every bucket it may take"}.get(
+            g["verdict"], dense)
         span = _guard_span(g)
+        psgd = "powersgd" in (g.get("windows") or ())
         lines.append(f"step guard (steps {g['window']}-{g['window'] + span - 1}): plans "
-                     f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms median step: {ran} from then on")
+                     f"{g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms"
+                     + (f", PowerSGD {g['powersgd_ms']:.1f} ms" if psgd else "") + f" median step: {ran} from then on")
         if (g.get("block") or 1) > 1:
             lines.append(f"step guard: blocks of {g['block']} steps per window, the last one timed; the "
                          f"untimed ones (after a switch) {_f(g['lead_plan_ms'], '.1f')} ms in the plans' "
-                         f"blocks, {_f(g['lead_dense_ms'], '.1f')} ms in dense's")
+                         f"blocks, {_f(g['lead_dense_ms'], '.1f')} ms in dense's"
+                         + (f", {_f(g.get('lead_powersgd_ms'), '.1f')} ms in PowerSGD's" if psgd else ""))
     elif g and g.get("window") is None:
         lines.append("step guard: no trial (every dense gradient's plan was dense)")
     elif g:
@@ -297,8 +301,16 @@ def planner_lines(framework: str, compression: str, choice: Optional[dict], g: O
 
 
 def _guard_span(g: dict) -> int:
-    """Steps of the guard's trial (StepGuard.span): a look for the plans adds confirmation rounds."""
-    return 2 * g["steps"] * (g.get("block") or 1) * (g.get("rounds") or 1)
+    """Steps of the guard's trial (StepGuard.span): its windows (two, or three with PowerSGD's) in blocks, a
+    look for the plans or PowerSGD adding confirmation rounds."""
+    windows = len(g.get("windows") or ("plan", "dense"))
+    return windows * g["steps"] * (g.get("block") or 1) * (g.get("rounds") or 1)
+
+
+def _window_medians(g: dict) -> str:
+    """A trial's window medians for a line of the report: ``plans / dense[ / PowerSGD]`` in milliseconds."""
+    windows = [w for w in ("plan", "dense", "powersgd") if w in (g.get("windows") or ("plan", "dense"))]
+    return " / ".join(f"{g[f'{w}_ms']:.1f}" for w in windows)
 
 
 def plot(result: dict, title: str, path: str) -> None:

@@ -554,16 +554,29 @@ def test_a_powersgd_verdict_stands_whatever_the_plans_become():
 
 
 def test_the_windows_are_fixed_when_a_trial_opens():
-    g = StepGuard(steps=1, start=0, confirm=0)
-    asked = []
-
-    def windows():
-        asked.append(1)
-        return WINDOWS_WITH_POWERSGD
-    phases = [g.begin_step(s, float(s), lambda: ("topk",), lambda mine: mine, windows) for s in range(3)]
-    assert phases == ["plan", "dense", "powersgd"] and asked == [1]   # read once: at the trial's opening
+    g = StepGuard(steps=2, start=0, confirm=0)
+    answers = [WINDOWS_WITH_POWERSGD] * 3 + [("plan", "dense")] * 3   # a later answer: the open trial keeps its
+    phases = [g.begin_step(s, float(s), lambda: ("topk",), lambda mine: mine, lambda s=s: answers[s])
+              for s in range(6)]
+    assert phases == ["plan", "dense", "powersgd"] * 2 and g.windows == WINDOWS_WITH_POWERSGD
     with pytest.raises(ValueError, match="windows"):
         StepGuard(start=0).phase(0, True, None, ("plan", "powersgd"))
+
+
+def test_a_new_trial_after_a_verdict_for_the_plans_asks_for_its_windows_again():
+    """A re-plan after a verdict for the plans opens a trial with the windows asked at that step: here
+    without PowerSGD's (every bucket it may take now runs it whole under the plans)."""
+    g = StepGuard(steps=1, start=0, confirm=0)
+    plans, windows = [("topk",)], [WINDOWS_WITH_POWERSGD]
+    phases, clock = [], 0.0
+    for s in range(8):
+        if s == 4:   # the verdict (the plans: 0.5 s against 1 s) came at step 3; a re-plan at 4
+            plans[0], windows[0] = ("topk_allgather",), ("plan", "dense")
+        if phases:
+            clock += 0.5 if phases[-1] == "plan" else 1.0
+        phases.append(g.begin_step(s, clock, lambda: plans[0], lambda mine: mine, lambda: windows[0]))
+    assert phases == ["plan", "dense", "powersgd", "plan", "plan", "dense", "plan", "plan"], phases
+    assert g.trials == 2 and g.windows == ("plan", "dense") and g.verdict == "plan"
 
 
 def test_settle_takes_a_verdict_by_name_code_or_bool_and_refuses_others():
@@ -574,6 +587,20 @@ def test_settle_takes_a_verdict_by_name_code_or_bool_and_refuses_others():
         assert g.verdict == name
     with pytest.raises(ValueError, match="verdict"):
         StepGuard().settle(3.0, 1.0, 1.0)
+
+
+def test_a_new_trial_after_a_verdict_for_the_plans_asks_for_its_windows_again():
+    g = StepGuard(steps=1, start=0, confirm=0)
+    plans = [("topk",)]
+    windows = [WINDOWS_WITH_POWERSGD]
+    phases = []
+    for s in range(8):
+        if s == 4:   # the verdict (plans) came at step 3; a re-plan, and PowerSGD now runs every bucket whole
+            plans[0], windows[0] = ("topk_allgather",), ("plan", "dense")
+        phases.append(g.begin_step(s, float(s) * (0.5 if phases and phases[-1] == "plan" else 1.0),
+                                   lambda: plans[0], lambda mine: mine, lambda: windows[0]))
+    assert phases[:4] == ["plan", "dense", "powersgd", "plan"] and g.trials == 2
+    assert phases[4:] == ["plan", "dense", "plan", "plan"] and g.windows == ("plan", "dense")
 
 
 def test_a_guard_pickled_with_two_window_medians_restores():

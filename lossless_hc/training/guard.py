@@ -95,7 +95,7 @@ from lossless_hc.lhc.layout import check_int, is_real
 GUARD_STEPS = 5      # timed steps per window and round (each the last of a block)
 GUARD_START = 8      # the first step index the plan window may begin at (after calibration and plans settle)
 GUARD_MARGIN = 0.03  # the plans must measure this much faster than dense to stay
-GUARD_CONFIRM = 1    # extra rounds of both windows before a verdict for the plans (module doc)
+GUARD_CONFIRM = 1    # extra rounds of every window before a verdict for the plans or PowerSGD (module doc)
 GUARD_BLOCK = 2      # consecutive steps of one window; only a block's last step is timed (module doc)
 GUARD_DECISIVE = 0.5  # a first look whose plans step in at most this fraction of dense's needs no confirmation
 WINDOWS = ("plan", "dense")                         # a trial's windows, in the order they cycle
@@ -207,15 +207,13 @@ class StepGuard:
         e.g. in a restored state), and what this one runs is :meth:`next_phase`'s answer, or the verdict
         after one for dense or PowerSGD, without reading ``plans`` (a callable returning the plans tuple:
         after such a verdict the aggregators sit out and their plans are not read). ``windows``: a
-        trial's windows, or a callable returning them (read where a trial may open)."""
+        trial opening at this step would run, or a callable returning them."""
         if self.clock is not None:
             self.record(step - 1, now - self.clock)
         self.clock = now
         if self.verdict in ("dense", "powersgd"):
             return self.verdict
-        if self.begin is None and callable(windows):
-            windows = windows()
-        return self.next_phase(step, plans(), share, windows if not callable(windows) else WINDOWS)
+        return self.next_phase(step, plans(), share, windows() if callable(windows) else windows)
 
     def next_phase(self, step: int, plans: tuple, share, windows=WINDOWS) -> str:
         """What step ``step`` runs (:meth:`phase`), the verdict taken where it is due: ``plans`` names the

@@ -253,6 +253,22 @@ def test_calibrate_fits_rank_0_s_samples_and_every_rank_takes_the_broadcast():
     assert calibrate(lambda t: None, lambda t: None, broadcast, 1, 4, sizes=(1 << 10, 1 << 15), repeats=1) == sent
 
 
+def test_calibrate_times_the_local_work_with_its_repeats(monkeypatch):
+    """calibrate(repeats=r) takes the fastest of r runs of each local measurement too, not measure_codecs'
+    default (a caller asking for 1 run, to calibrate fast, paid for 3)."""
+    import lossless_hc.training.calibration as calibration
+    asked = []
+
+    def measure_codecs(device, world_size, repeats=3, topk_ratio=None):
+        asked.append(repeats)
+        return Calibration.default().codec_seconds
+    monkeypatch.setattr(calibration, "measure_codecs", measure_codecs)
+    for repeats in (1, 5):
+        calibration.calibrate(lambda t: None, lambda t: None, lambda t: None, 0, 2, sizes=(1 << 10, 1 << 12),
+                              repeats=repeats)
+    assert asked == [1, 5]
+
+
 def test_link_latency_is_floored_at_zero_and_sizes_span_a_factor_of_4():
     """A smallest sample quicker than the bytes' slope predicts (a burst) fits a latency of 0, not a negative
     one that no LinkModel takes; link_sizes keeps only sizes a quarter of the largest or less below it."""

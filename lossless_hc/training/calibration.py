@@ -337,7 +337,8 @@ def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[to
     ``allreduce(t)``: blocking in-place SUM of ``t`` (float32, and float16 where ``half``: the half
     allreduce is timed at the two largest of ``sizes``); ``allgather(t)``: blocking allgather of ``t``
     (the result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
-    ``samples_out``: a list that receives this rank's link samples (:func:`measure_link`); ``topk_ratio``:
+    ``repeats``: runs of each link size and local measurement, the fastest kept (:func:`measure_link`,
+    :func:`measure_codecs`); ``samples_out``: a list that receives this rank's link samples; ``topk_ratio``:
     top-k's share, where its plans are candidates (its step is timed, :func:`measure_codecs`)."""
     check_repeats(repeats)
     default = default or Calibration.default()
@@ -348,7 +349,7 @@ def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[to
     values = torch.zeros(len(default.as_list()), dtype=torch.float64)
     if rank == 0:
         link = fit_link(samples, world_size, default.link)
-        codecs = measure_codecs(device, world_size, topk_ratio=topk_ratio)
+        codecs = measure_codecs(device, world_size, repeats=repeats, topk_ratio=topk_ratio)
         values = torch.tensor(Calibration(link, codecs).as_list(), dtype=torch.float64)
     if world_size > 1:
         values = values.to(device)

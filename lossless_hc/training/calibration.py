@@ -293,11 +293,12 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     def request(r):
         payload, ctx = aggs[r].encode(xs[r])
         return ctx, aggs[r].decode(payload * m, ctx).request.tensor   # m ranks' contributor counts
-    for _ in range(2):   # the first step: statistics; the second, timed: as all but one in an interval
-        made = [request(r) for r in range(m)]
-        gathered = torch.stack([t for _, t in made])
-        for a, (ctx, _) in zip(aggs, made):
-            a.finish(ctx, gathered)
+    run_in_process(aggs, xs)   # the first step, statistics, run whole (as _topk_step runs top-k's)
+    # the second, as all but one in an interval: its gathered pairs are what the timed finish sums
+    made = [request(r) for r in range(m)]
+    gathered = torch.stack([t for _, t in made])
+    for a, (ctx, _) in zip(aggs, made):
+        a.finish(ctx, gathered)
     ctx = made[0][0]
     out = torch.empty(TOPK_NUMEL, dtype=torch.float32, device=device)
     clear = timed("topk_allgather_clear", out.zero_)

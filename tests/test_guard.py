@@ -589,20 +589,6 @@ def test_settle_takes_a_verdict_by_name_code_or_bool_and_refuses_others():
         StepGuard().settle(3.0, 1.0, 1.0)
 
 
-def test_a_new_trial_after_a_verdict_for_the_plans_asks_for_its_windows_again():
-    g = StepGuard(steps=1, start=0, confirm=0)
-    plans = [("topk",)]
-    windows = [WINDOWS_WITH_POWERSGD]
-    phases = []
-    for s in range(8):
-        if s == 4:   # the verdict (plans) came at step 3; a re-plan, and PowerSGD now runs every bucket whole
-            plans[0], windows[0] = ("topk_allgather",), ("plan", "dense")
-        phases.append(g.begin_step(s, float(s) * (0.5 if phases and phases[-1] == "plan" else 1.0),
-                                   lambda: plans[0], lambda mine: mine, lambda: windows[0]))
-    assert phases[:4] == ["plan", "dense", "powersgd", "plan"] and g.trials == 2
-    assert phases[4:] == ["plan", "dense", "plan", "plan"] and g.windows == ("plan", "dense")
-
-
 def test_a_guard_pickled_with_two_window_medians_restores():
     import pickle
     g = StepGuard(steps=1, start=0, confirm=0)

@@ -327,7 +327,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("powersgd_ddp")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     names = ("choice", "switch_guard_dense", "switch_guard_plan", "part", "part_guard_powersgd", "part_half", "converge",
-             "resume")
+             "resume", "resume_mid_trial")
     proc = run_launcher([sys.executable, os.path.join(HERE, "mp", "powersgd_ddp_worker.py"), str(SIZE),
                          str(free_port()), str(out), ",".join(names)], cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -454,6 +454,26 @@ def test_a_powersgd_verdict_of_the_step_guard_moves_the_whole_bucket_to_powersgd
     assert rs[0]["plan"] == {"param0(256, 192)": "powersgd", "param1(2000, 64)": "powersgd"}, rs[0]["plan"]
     bucket = rs[0]["buckets"]["0"] if "0" in rs[0]["buckets"] else rs[0]["buckets"][0]
     assert bucket["strategy"] == "powersgd" and bucket["step_guard"] and bucket["since_step"] == 15, bucket
+
+
+@pytest.mark.multiprocess
+def test_a_model_saved_inside_the_guard_s_powersgd_window_keeps_its_trial_memory(run):
+    """torch.save(ddp) after the first step of the step guard's PowerSGD window, on a link fast enough that the
+    planner gave no bucket PowerSGD: the loaded model's first step goes in place (its bucket in registration
+    order; the trial's memory waits), the verdict (dense, forced) then sends that memory: every rank's averages
+    times n equal the sum of every gradient, the table's and the weight's, with no memory left."""
+    rs = run["resume_mid_trial"]
+    for r in rs:
+        assert (r["buckets"], r["digest"], r["guard"]) == (rs[0]["buckets"], rs[0]["digest"], rs[0]["guard"])
+        assert r["trials_saved"] == [0] and r["trials_left"] == 0, r
+        assert r["guard"]["verdict"] == "dense" and r["guard"]["windows"] == ["plan", "dense", "powersgd"], r["guard"]
+        errors = r["table_errors"]
+        assert errors[7] > 0.1 and errors[9] > 0.1, errors   # PowerSGD at 7; the memories out at 9
+        assert [errors[t] for t in (0, 1, 2, 3, 4, 5, 6, 8, 10, 11)] == [0.0] * 10, errors   # 8: in place
+        for key, err in r["conservation_errors"].items():
+            assert err <= 1e-5 * r["scale"] * r["steps"], (key, r)
+    assert rs[0]["plan"] == {"param0(256, 192)": "dense", "param1(2000, 64)": "allgather"}, rs[0]["plan"]
+    assert all(b["strategy"] == "per_parameter" for b in rs[0]["buckets"].values()), rs[0]["buckets"]
 
 
 @pytest.mark.multiprocess

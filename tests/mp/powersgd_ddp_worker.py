@@ -16,6 +16,9 @@ Scenarios:
 * ``part_guard_powersgd``: the same bucket with the step guard's verdict forced to PowerSGD (its third window,
   torch's hook on the whole bucket): the bucket adopts the trial's PowerSGD for good, the part's memory handed
   to it, and the table's and the weight's error feedback conserved through every window and the switch.
+* ``resume_mid_trial``: the ``part`` model on a fast link (no PowerSGD of the planner's) saved (``torch.save(ddp)``)
+  inside the step guard's PowerSGD window, loaded and trained on to a (forced) dense verdict: the trial's PowerSGD
+  memory survives the save and goes out after the verdict, the table's and the weight's error feedback conserved.
 * ``part_half``: the same with a long vector planned fp16 beside the weight: the weight's error feedback
   conserved (the vector's half-precision plain step leaves the bucket's PowerSGD part alone).
 * ``converge``: a teacher-student regression trained with DDP's allreduce, torch's own PowerSGD hook
@@ -406,10 +409,51 @@ def resume():
             "scale": scale, "digest": param_digest(ddp.module)}
 
 
+def resume_mid_trial():
+    import io
+    n, rank = dist.get_world_size(), dist.get_rank()
+    ddp = DistributedDataParallel(TableAndWeight())   # one bucket: table and weight
+    # A 10 Gbit/s link: the weight dense, the table on allgather, no PowerSGD of the planner's (so the trial's state
+    # alone makes the loaded model's first step settle). The trial from step 3 (the plans at 3 and 4, in place at
+    # 5 and 6, the whole bucket on PowerSGD at 7 and 8); saved after step 7, the loaded model's first step (8) in
+    # place, its bucket rebuilt after it; the (forced) dense verdict at 9: the trial's memory goes out with step 9.
+    state = AutoHookState(lossy=True, interval=2, calibration=Calibration.default(bandwidth_bits=1e10),
+                          strategies=("dense", "allgather", "powersgd"), guard_steps=1, guard_start=3,
+                          guard_margin=1 - 1e-6)
+    ddp.register_comm_hook(state, auto_hook)
+    steps, saved_at = 12, 8
+    sums = {"weight": torch.zeros(256, 192, dtype=torch.float64), "table": torch.zeros(2000, 64, dtype=torch.float64)}
+    trials_saved, table_errors = None, []
+    for step in range(steps):
+        if step == saved_at:
+            trials_saved = sorted(state._powersgd.trials)
+            buf = io.BytesIO()
+            torch.save(ddp, buf)
+            buf.seek(0)
+            ddp = torch.load(buf, weights_only=False)
+            state = ddp._comm_hooks[0][1]
+            ddp.register_comm_hook(state, auto_hook)
+        ddp.module.zero_grad(set_to_none=True)
+        ddp(table_rows(step, rank), gradient(step, rank)).backward()
+        sums["weight"] += ddp.module.weight.grad.to(torch.float64)
+        sums["table"] += ddp.module.table.grad.to(torch.float64)
+        expected = sum(table_rows(step, r) for r in range(n)) / n
+        table_errors.append(float((ddp.module.table.grad - expected).abs().max()))
+    errors = {}
+    for key, fn in (("weight", gradient), ("table", table_rows)):
+        total = sum(fn(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+        errors[key] = float((n * sums[key] - total).abs().max())   # every memory has gone out
+    st = state.stats()
+    return {"trials_saved": trials_saved, "trials_left": len(state._powersgd.trials), "guard": st["guard"],
+            "buckets": st["buckets"], "plan": {k: v["strategy"] for k, v in st["plan"].items()},
+            "table_errors": table_errors, "conservation_errors": errors,
+            "scale": float(gradient(0, 0).abs().max()) * n, "steps": steps, "digest": param_digest(ddp.module)}
+
+
 def scenario(name: str) -> dict:
     return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
             "part": part, "part_guard_powersgd": part_guard_powersgd, "part_half": part_half, "converge": converge,
-            "resume": resume}[name]()
+            "resume": resume, "resume_mid_trial": resume_mid_trial}[name]()
 
 
 if __name__ == "__main__":

@@ -362,11 +362,23 @@ def two_gradients(step, rank):
     return torch.randn(256, 192, generator=g), torch.randn(192, 128, generator=g)
 
 
+def saved_and_loaded(ddp):
+    """``torch.save(ddp)`` read back by ``torch.load``, its hook state registered again, as a resumed run does:
+    ``(ddp, state)``."""
+    import io
+    buf = io.BytesIO()
+    torch.save(ddp, buf)
+    buf.seek(0)
+    ddp = torch.load(buf, weights_only=False)
+    state = ddp._comm_hooks[0][1]
+    ddp.register_comm_hook(state, auto_hook)
+    return ddp, state
+
+
 def resume():
     """PowerSGD from step 2, torch.save(ddp) after step 4, the loaded model trained on from step 5 (its first
     step in place, its buckets rebuilt after it: PowerSGD again from step 6). What it reports: the buckets,
     and n x (sum of the averaged gradients) + every rank's PowerSGD memory against the sum of every gradient."""
-    import io
     n, rank = dist.get_world_size(), dist.get_rank()
     ddp = DistributedDataParallel(TwoWeights())
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "powersgd"), guard_steps=0)
@@ -377,12 +389,7 @@ def resume():
     for step in range(steps):
         if step == saved_at:
             before = state.stats()["buckets"]
-            buf = io.BytesIO()
-            torch.save(ddp, buf)
-            buf.seek(0)
-            ddp = torch.load(buf, weights_only=False)
-            state = ddp._comm_hooks[0][1]
-            ddp.register_comm_hook(state, auto_hook)
+            ddp, state = saved_and_loaded(ddp)
         ddp.module.zero_grad(set_to_none=True)
         ddp(*two_gradients(step, rank)).backward()
         for name, p in ddp.module.named_parameters():
@@ -410,7 +417,6 @@ def resume():
 
 
 def resume_mid_trial():
-    import io
     n, rank = dist.get_world_size(), dist.get_rank()
     ddp = DistributedDataParallel(TableAndWeight())   # one bucket: table and weight
     # A 10 Gbit/s link: the weight dense, the table on allgather, no PowerSGD of the planner's (so the trial's state
@@ -427,12 +433,7 @@ def resume_mid_trial():
     for step in range(steps):
         if step == saved_at:
             trials_saved = sorted(state._powersgd.trials)
-            buf = io.BytesIO()
-            torch.save(ddp, buf)
-            buf.seek(0)
-            ddp = torch.load(buf, weights_only=False)
-            state = ddp._comm_hooks[0][1]
-            ddp.register_comm_hook(state, auto_hook)
+            ddp, state = saved_and_loaded(ddp)
         ddp.module.zero_grad(set_to_none=True)
         ddp(table_rows(step, rank), gradient(step, rank)).backward()
         sums["weight"] += ddp.module.weight.grad.to(torch.float64)

@@ -1,4 +1,5 @@
-r"""The step guard: the planner's plans checked against a dense allreduce, on measured steps.
+r"""The step guard: the planner's plans checked against a dense allreduce (and under DDP, with PowerSGD among
+the strategies, against torch's PowerSGD hook on every bucket), on measured steps.
 
 The cost model (:mod:`lossless_hc.training.planner`) prices wire bytes and local work; what it
 neglects (how much of the engine's dense allreduce hides behind the backward pass, the hook's own

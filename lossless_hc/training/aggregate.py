@@ -395,24 +395,15 @@ class TensorAggregator:
 
     def _inexact_coords(self, y: torch.Tensor, report: DecodeReport, codec: LosslessCodec,
                         partial: bool) -> Optional[torch.Tensor]:
-        """The flat coordinates of ``report``'s inexact keys (key k covers coordinates
-        ``[k b, min((k+1) b, numel))``) that the decode's bounds do not prove
-        (:func:`~lossless_hc.lhc.contract.unproven_coordinates`) when they are to be re-aggregated alone,
-        else None; counts the decode in the stats. A payload some rank overloaded is truncated: the codec
-        reports it OVERLOADED, never INEXACT, so its keys are never re-aggregated alone."""
-        if report.status != DecodeStatus.INEXACT:
+        """:func:`reaggregated_coordinates` of the decode (at most ``partial_max_fraction`` of the tensor), on
+        this aggregator's device, their values counted as sent. A payload some rank overloaded is truncated:
+        the codec reports it OVERLOADED, never INEXACT, so its keys are never re-aggregated alone."""
+        coords = reaggregated_coordinates(y, report, self.block_size, codec, partial,
+                                          self.partial_max_fraction * self.numel, self.stats)
+        if coords is None:
             return None
-        st = self.stats
-        st.inexact_decodes += 1
-        if not partial:
-            return None
-        coords = unproven_coordinates(y, report, self.block_size, codec.rtol, codec.verify).to(self.device)
-        if coords.numel() > self.partial_max_fraction * self.numel:
-            return None
-        st.partial_fallbacks += 1
-        st.inexact_keys += report.inexact_keys.numel()
-        st.payload_bytes += coords.numel() * self.dtype.itemsize
-        return coords
+        self.stats.payload_bytes += coords.numel() * self.dtype.itemsize
+        return coords.to(self.device)
 
     def finish_fallback(self, summed: torch.Tensor, outcome: DecodeOutcome) -> torch.Tensor:
         """The aggregate from the exact dense SUM of ``ctx.dense_value``, scaled as the engine scaled
@@ -437,6 +428,27 @@ sends m values (no indices: every rank derives them from the same aggregate) whe
 sends numel, but it gathers and scatters through an index (an int64 per coordinate, random access).
 Past half of the tensor it still sends half the dense bytes or more, and an inexact set that large
 says the sketch does not suit the tensor, which the dense fallback's capacity growth answers."""
+
+
+def reaggregated_coordinates(y: torch.Tensor, report: DecodeReport, block: int, codec: LosslessCodec,
+                             partial: bool, max_coordinates: float, stats: AggregationStats) -> Optional[torch.Tensor]:
+    """The flat coordinates of an INEXACT decode's keys (key k covers coordinates ``[k b, min((k+1) b, numel))``,
+    ``b = block``) that its bounds do not prove (:func:`~lossless_hc.lhc.contract.unproven_coordinates` of the
+    output ``y``), to be re-aggregated alone: None for another status, without ``partial``, or where they are
+    more than ``max_coordinates`` (the caller falls back densely). Counts an INEXACT decode in ``stats`` and,
+    where coordinates are returned, the partial fallback and its keys. One rule for every path that decodes a
+    sketch (:class:`TensorAggregator`, ``auto``'s sketch plan)."""
+    if report.status != DecodeStatus.INEXACT:
+        return None
+    stats.inexact_decodes += 1
+    if not partial:
+        return None
+    coords = unproven_coordinates(y, report, block, codec.rtol, codec.verify)
+    if coords.numel() > max_coordinates:
+        return None
+    stats.partial_fallbacks += 1
+    stats.inexact_keys += report.inexact_keys.numel()
+    return coords
 
 
 def _check_shape(shape) -> tuple:

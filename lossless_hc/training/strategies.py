@@ -61,8 +61,8 @@ from lossless_hc.backends import as_device
 from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.status import DecodeStatus
 from lossless_hc.lhc.layout import check_fraction, check_uint64
-from lossless_hc.lhc.contract import unproven_coordinates
-from lossless_hc.training.aggregate import PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch, partial_values
+from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
+                                            partial_values, reaggregated_coordinates)
 from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.lossy_memory import LossyMemories
@@ -470,12 +470,9 @@ class AutoAggregator(TensorRows, LossyMemories):
                     self._observe(ctx, union_count)
                     return AutoOutcome(self._from_flat(y, ctx.union_rows))
                 if report.status == DecodeStatus.INEXACT:
-                    self.stats.inexact_decodes += 1
-                    coords = (unproven_coordinates(y, report, self.row, codec.rtol, codec.verify)
-                              if self.partial else None)
-                    if coords is not None and coords.numel() <= PARTIAL_MAX_FRACTION * self.numel:   # else: dense
-                        self.stats.partial_fallbacks += 1
-                        self.stats.inexact_keys += report.inexact_keys.numel()
+                    coords = reaggregated_coordinates(y, report, self.row, codec, self.partial,
+                                                      PARTIAL_MAX_FRACTION * self.numel, self.stats)
+                    if coords is not None:   # else: dense
                         self.tracker.observe_reaggregated(s, coords.numel())
                         ctx.partial = (y, coords, union_count)
                         return AutoOutcome(None, Request("allreduce", self._at_coordinates(ctx, coords)))

@@ -488,7 +488,6 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
                 buffer.add_(error)
     verdict = state._guard.verdict if state._guard is not None else None
     # The step guard's PowerSGD window (and verdict): torch's hook on the whole bucket where PowerSGD may take it
-    window = None
     if state._step_phase == "powersgd" and not buffer.is_sparse and not settling:
         window = psgd.window_bucket(index, state._steps - 1, aggs, grads, buffer, n, verdict == "powersgd")
         if window is not None:

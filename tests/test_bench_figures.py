@@ -243,6 +243,19 @@ TOPK_MS = {"clone": 2.0, "topk_select": 3.0, "torch_topk": 12.0, "aggregator_sel
            "aggregator_encode": 9.0, "residual_reset": 1.0}
 
 
+def test_topk_density_leaves_that_fraction_of_the_coordinates_non_zero():
+    """``--density``: N(0,1) on ceil(density numel) coordinates, zeros elsewhere (a sparse gradient's input);
+    the setup row says so, and a density outside (0, 1] is refused."""
+    from lossless_hc.bench import topk as bench_topk
+    x = bench_topk.topk_input(1000, 0.013, torch.Generator().manual_seed(0))
+    assert int((x != 0).sum()) == 13 and x.numel() == 1000
+    assert int((bench_topk.topk_input(1000, 1.0, torch.Generator().manual_seed(0)) != 0).sum()) == 1000
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="--density"):
+            bench_topk.topk_input(10, bad, torch.Generator())
+    assert "N(0,1) on 0.013 of the coordinates" in bench_topk._values({"density": 0.013})
+
+
 def test_topk_ratios_are_over_the_clone_with_the_reset_taken_out(monkeypatch):
     from lossless_hc.bench import topk as bench_topk
     monkeypatch.setattr(bench_topk, "time_interleaved", generic_interleaved(TOPK_MS))

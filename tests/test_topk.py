@@ -143,6 +143,76 @@ def test_exact_fallback_reports_the_k_th_key_when_it_closes_a_histogram_bin():
     keys = x.view(torch.int32) & 0x7FFFFFFF
     assert st.threshold == int(keys[keys > 0].min())
 
+
+def sampled_positions(n: int) -> torch.Tensor:
+    """The coordinates topk_cpu.cpp's threshold is sampled from: one per stride n // 2^16, at the offset
+    lhc::mix64(j ^ 0x70b5e1ec7) mod stride inside stride j."""
+    def mix64(z):
+        m = (1 << 64) - 1
+        z ^= z >> 30
+        z = (z * 0xBF58476D1CE4E5B9) & m
+        z ^= z >> 27
+        z = (z * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+    stride = n // (1 << 16)
+    return torch.tensor([j * stride + mix64(j ^ 0x70B5E1EC7) % stride for j in range(1 << 16)])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fewer_non_zeros_than_k_are_all_taken_with_the_first_zeros_without_the_exact_passes(threads):
+    """A gradient with fewer non-zero coordinates than k (an embedding table's): the sampled threshold is
+    0, the filtering pass keeps every non-zero coordinate (NaN, Inf and denormals included), and the
+    selection is all of them plus the lowest-indexed zeros (+0 and -0 alike), merged in ascending order:
+    the definition, with no exact fallback. With error feedback the same over a = x + e, every
+    coordinate conserved."""
+    from lossless_hc import _C
+    n, k = (1 << 20) + 7, 20_000
+    g = torch.Generator().manual_seed(11)
+    x = torch.zeros(n)
+    x[1::2] = -0.0
+    nz = torch.randperm(n, generator=g)[:12_000]
+    x[nz] = torch.randn(12_000, generator=g)
+    x[nz[:3]] = torch.tensor([float("nan"), float("inf"), 1e-45])
+    out = torch.empty(k, dtype=torch.int64)
+    st = _C.topk_select(x.data_ptr(), n, k, out.data_ptr(), threads)
+    assert (st.count, st.fallback, st.candidates, st.threshold) == (k, 0, 12_000, 0)
+    assert torch.equal(out, reference(x, k))
+    assert out[0] == 0 and bool((out[1:] > out[:-1]).all())   # the first zeros, ascending
+    e0 = torch.zeros(n)
+    e0[torch.randperm(n, generator=g)[:5_000]] = torch.randn(5_000, generator=g)
+    e = e0.clone()
+    values = torch.empty(k)
+    st = _C.topk_feedback(x.data_ptr(), e.data_ptr(), n, k, out.data_ptr(), values.data_ptr(), threads)
+    want_idx, want_values, want_rest = feedback_reference(x, e0, k)
+    assert st.count == k and st.fallback == 0 and st.threshold == 0
+    assert torch.equal(out, want_idx) and torch.equal(bits(values), bits(want_values))
+    assert torch.equal(bits(e), bits(want_rest))
+
+
+@pytest.mark.parametrize("off_sample", [1_000, 10_000])
+def test_a_sampled_threshold_keeping_fewer_than_k_filters_again_at_the_smallest_non_zero_key(off_sample):
+    """Every sampled coordinate holds 1.0 and the others 0 or a denormal: the sample's threshold is 1.0's
+    key, which fewer than k coordinates reach. The second filtering pass, at the smallest non-zero key,
+    settles the selection: with fewer than k non-zero ones all of them and the first zeros (threshold 0),
+    with more the k-th largest among them (a denormal's key); either way no exact fallback."""
+    from lossless_hc import _C
+    n, k = 1 << 20, 70_000
+    g = torch.Generator().manual_seed(off_sample)
+    sampled = sampled_positions(n)
+    x = torch.zeros(n)
+    others = torch.ones(n, dtype=torch.bool)
+    others[sampled] = False
+    pick = others.nonzero().reshape(-1)[torch.randperm(n - sampled.numel(), generator=g)[:off_sample]]
+    x[pick] = 1e-40 * (1 + torch.rand(off_sample, generator=g))
+    x[sampled] = 1.0
+    out = torch.empty(k, dtype=torch.int64)
+    st = _C.topk_select(x.data_ptr(), n, k, out.data_ptr(), 0)
+    nonzero = sampled.numel() + off_sample
+    assert st.count == k and st.fallback == 0 and st.candidates == nonzero
+    keys = x.view(torch.int32) & 0x7FFFFFFF
+    assert st.threshold == (0 if nonzero < k else int(keys[out].min()))
+    assert torch.equal(out, reference(x, k))
+
 def test_aggregator_sends_exactly_k_and_keeps_the_rest():
     from lossless_hc.training.topk_aggregate import TopKAggregator, topk_count
     agg = TopKAggregator("w", (50_001,), torch.float32, 2, 0.01)

@@ -60,6 +60,20 @@ uint64_t write_selected(const Candidates& c, uint32_t T, uint64_t ties, int64_t*
   return n;
 }
 
+// The selection when the candidates are every coordinate with a non-zero key and fewer than k: all of
+// them, and the first k - c coordinates whose key is 0 (the ties at the k-th largest key, 0, taken by
+// index), merged in ascending order. O(k), where the exact passes read the whole input five times.
+uint64_t write_with_zero_ties(const Candidates& c, uint64_t k, int64_t* out) {
+  uint64_t zeros = k - c.idx.size(), w = 0, i = 0;   // enough zero keys lie below n: c < k <= n
+  for (uint64_t j = 0;; ++j) {
+    const uint64_t next = j < c.idx.size() ? (uint64_t)c.idx[j] : UINT64_MAX;
+    for (; zeros > 0 && i < next; ++i, --zeros) out[w++] = (int64_t)i;
+    if (j == c.idx.size()) return w;
+    out[w++] = c.idx[j];
+    i = next + 1;
+  }
+}
+
 // The k-th largest key among the candidates (1 <= k <= their count) and how many of the k lie
 // strictly above it.
 void kth_key(const Candidates& c, uint64_t k, uint32_t* T, uint64_t* above) {
@@ -282,26 +296,36 @@ TopkStats select_impl(const float* x, float* e, uint64_t n, uint64_t k, int64_t*
     // so that at least k keys lie at or above it with high probability.
     const double m = (double)kSample * (double)k / (double)n;
     const uint64_t r = (uint64_t)std::ceil(m + kSigmas * std::sqrt(m) + 4.0);
+    bool every_nonzero = false;   // cand is every coordinate whose key is not 0
     if (r < kSample) {
       std::nth_element(sample.begin(), sample.begin() + (r - 1), sample.end(), std::greater<uint32_t>());
-      const uint32_t t_lo = sample[r - 1];
+      // A sampled threshold of 0 (fewer than r non-zero keys in the sample: a sparse gradient, such as an
+      // embedding table's, may have fewer non-zero coordinates than k) filters at the smallest non-zero key.
+      uint32_t t_lo = std::max<uint32_t>(sample[r - 1], 1);
       // More than twice the expected candidates (plus slack): the sample misled; go exact.
       const uint64_t cap = 2 * (uint64_t)((double)n * (double)r / (double)kSample) + 4096;
-      if (t_lo > 0) {
-        if (!filter_at_least(x, e, n, t_lo, cap, nt, cand)) cand.clear();
-        if (e) {   // the filtering pass has written a into e
-          x = e;
-          e = nullptr;
-        }
+      bool kept = filter_at_least(x, e, n, t_lo, cap, nt, cand);
+      if (e) {   // the filtering pass has written a into e
+        x = e;
+        e = nullptr;
       }
+      if (kept && cand.idx.size() < k && t_lo > 1)   // fewer than k above the sampled threshold: all non-zero ones
+        kept = filter_at_least(x, nullptr, n, t_lo = 1, cap, nt, cand);
+      if (!kept) cand.clear();
+      every_nonzero = kept && t_lo == 1;
     }
     if (e) {   // no filtering pass ran: e <- a, for the exact selection below
       accumulate(x, e, n, nt);
       x = e;
       e = nullptr;
     }
-    if (cand.idx.size() < k) {   // the threshold missed (or was never set): exact selection over a
-      exact_select(x, n, k, out, nt, &st);
+    if (cand.idx.size() < k) {
+      if (every_nonzero) {   // the k-th largest key is 0
+        st.candidates = cand.idx.size();
+        st.count = write_with_zero_ties(cand, k, out);
+        return st;
+      }
+      exact_select(x, n, k, out, nt, &st);   // the threshold missed: exact selection over a
       return st;
     }
     st.candidates = cand.idx.size();

@@ -13,17 +13,19 @@ namespace cpu {
 
 struct TopkStats {
   uint64_t count = 0;       // indices written: min(k, n), exactly
-  uint64_t candidates = 0;  // coordinates the filtering pass kept (0 when the exact fallback ran)
+  uint64_t candidates = 0;  // coordinates the last filtering pass kept (0 when the exact fallback ran)
   uint32_t threshold = 0;   // the bits of |x| of the last coordinate taken (the k-th largest)
-  uint32_t fallback = 0;    // 1: the sampled threshold missed, the exact histogram passes ran
+  uint32_t fallback = 0;    // 1: the filtering passes missed, the exact histogram passes ran
 };
 
 // Writes the selection (see above) into out[0, min(k, n)). Sampled threshold, refined: a deterministic
 // sample of the keys gives a threshold that keeps a little more than k coordinates with high
 // probability; one filtering pass collects those (in index order, per thread range); the exact k-th
-// key among them settles the threshold and its ties. Should the sample miss (fewer than k kept, or far
-// more), an exact radix selection over the whole input (three histogram passes) replaces it, so the
-// result never depends on the sample.
+// key among them settles the threshold and its ties. Where the sample's threshold is 0, or keeps fewer
+// than k, the pass keeps every non-zero coordinate instead: fewer than k of them (a sparse gradient's,
+// such as an embedding table's) are all taken, with the first zero ones by index. Should the sample
+// miss otherwise (far more kept than expected), an exact radix selection over the whole input (three
+// histogram passes) replaces it, so the result never depends on the sample.
 TopkStats topk_select(const float* x, uint64_t n, uint64_t k, int64_t* out, int num_threads);
 
 // Top-k with error feedback in one pass over the input (CUDA twin: topk_accumulate, the selection,

@@ -10,7 +10,8 @@ Usage::
         [--block-sizes 1,32] [--plot docs/wire_bits.png] [--verify-numel N] [--json PATH]
     python -m lossless_hc.bench thc --numel 16777216 --workers 8 [--bits 4] [--granularity 30]
         [--overflow-freq 32] [--averaged] [--repeat 5] [--json PATH]
-    python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--repeat 5] [--device cpu|cuda] [--json PATH]
+    python -m lossless_hc.bench topk --numel 25000000 --ratio 0.01 [--density 1.0] [--repeat 5] [--device cpu|cuda]
+        [--json PATH]
     python -m lossless_hc.bench plan --numel 4194304 [--row 1] [--density 1.0] [--workers 2]
         [--strategies dense,sketch,...] [--interval 16] [--repeat 3] [--device cpu|cuda] [--json PATH]
     python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
@@ -172,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("topk", help="top-k selection (O(numel)) time vs torch.clone and torch.topk")
     k.add_argument("--numel", type=_positive_int, default=25_000_000)
     k.add_argument("--ratio", type=float, default=0.01, help="k = ceil(ratio * numel)")
+    k.add_argument("--density", type=float, default=1.0,
+                   help="fraction of the coordinates non-zero (N(0,1)), zeros elsewhere (default 1: all)")
     k.add_argument("--repeat", type=_positive_int, default=5)
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--threads", type=_nonnegative_int, default=0)   # 0: the OpenMP default
@@ -308,14 +311,16 @@ def _cmd_topk(args) -> int:
         if not torch.cuda.is_available():
             raise SystemExit("python -m lossless_hc.bench topk --device cuda: no CUDA device")
         try:
-            res = run_topk_bench_cuda(args.numel, args.ratio, max(args.repeat, 10), args.seed, check=not args.no_check)
+            res = run_topk_bench_cuda(args.numel, args.ratio, max(args.repeat, 10), args.seed, check=not args.no_check,
+                                      density=args.density)
         except ValueError as exc:
             raise SystemExit(f"python -m lossless_hc.bench topk: error: {exc}")
         print(render_topk_cuda(res, cmd))
         write_json(args.json, {"command": cmd, "machine": machine_info(0), **res})
         return 0 if res["exact"] in (None, True) else 1
     try:
-        res = run_topk_bench(args.numel, args.ratio, args.repeat, args.seed, args.threads, check=not args.no_check)
+        res = run_topk_bench(args.numel, args.ratio, args.repeat, args.seed, args.threads, check=not args.no_check,
+                             density=args.density)
     except ValueError as exc:
         raise SystemExit(f"python -m lossless_hc.bench topk: error: {exc}")
     machine = machine_info(args.threads)

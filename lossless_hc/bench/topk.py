@@ -1,7 +1,8 @@
 """The ``topk`` command of ``python -m lossless_hc.bench``: top-k selection by magnitude against a clone.
 
 Times the backend's ``topk_select`` (O(numel): a sampled threshold, one filtering pass, an exact
-fallback; exactly k indices, ties to the lower index) on one N(0,1) float32 tensor, round-robin with a
+fallback; exactly k indices, ties to the lower index) on one N(0,1) float32 tensor (``--density``: N(0,1) on
+that fraction of its coordinates, zeros elsewhere, as an embedding table's gradient), round-robin with a
 ``torch.clone`` of it and with ``torch.topk(x.abs(), k, sorted=False)`` (see ``time_interleaved``), and
 with ``TopKAggregator.select`` (error feedback fused into the selection: residual add, selection,
 residual update in one pass; then the sparse output), and with the whole aggregator step
@@ -22,15 +23,28 @@ from lossless_hc.backends import backend_for
 from lossless_hc.bench.common import format_table, machine_rows, section, time_cuda, time_interleaved
 
 
+def topk_input(numel: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    """N(0,1) float32 on every coordinate, or (``density`` < 1) on ``ceil(density numel)`` random ones and
+    zeros elsewhere: a sparse gradient, whose non-zero coordinates may be fewer than k."""
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"--density must be in (0, 1], got {density}")
+    x = torch.randn(numel, generator=gen)
+    if density < 1.0:
+        zero = torch.ones(numel, dtype=torch.bool)
+        zero[torch.randperm(numel, generator=gen)[:math.ceil(density * numel)]] = False
+        x[zero] = 0.0
+    return x
+
+
 def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, threads: int = 0,
-                   check: bool = True) -> dict:
+                   check: bool = True, density: float = 1.0) -> dict:
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"--ratio must be in (0, 1], got {ratio}")
     if threads > 0:
         torch.set_num_threads(threads)
     from lossless_hc.training.topk_aggregate import TopKAggregator
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(numel, generator=gen)
+    x = topk_input(numel, density, gen)
     k = min(numel, max(1, math.ceil(ratio * numel)))
     backend = backend_for(x.device)
     out = torch.empty(k, dtype=torch.int64)
@@ -44,7 +58,7 @@ def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, thr
     agg = TopKAggregator("bench", (numel,), torch.float32, 2, ratio)
     if not agg.compressed:
         raise ValueError(f"at ratio {ratio} the aggregator sends this tensor dense: no selection to time")
-    residual0 = 0.01 * torch.randn(numel, generator=gen)
+    residual0 = 0.01 * topk_input(numel, density, gen)   # another random support at the same density
     agg.residual = residual0.clone()
 
     def select_step():
@@ -69,14 +83,16 @@ def run_topk_bench(numel: int, ratio: float, repeat: int = 5, seed: int = 0, thr
     reset_s = t["residual_reset"]["median_s"]
     for name in ("aggregator_select", "aggregator_encode"):
         t[name] = {**t[name], **{f: max(0.0, t[name][f] - reset_s) for f in ("median_s", "min_s", "max_s")}}
-    return {"config": {"numel": numel, "ratio": ratio, "k": k, "repeat": repeat, "seed": seed, "threads": threads},
+    return {"config": {"numel": numel, "ratio": ratio, "k": k, "repeat": repeat, "seed": seed, "threads": threads,
+                       "density": density},
             "exact": exact, "timing": t,
             "ratios": {name: t[name]["median_s"] / clone_s for name in ("topk_select", "torch_topk",
                                                                           "aggregator_select", "aggregator_encode")},
             "select_over_torch_topk": t["topk_select"]["median_s"] / t["torch_topk"]["median_s"]}
 
 
-def run_topk_bench_cuda(numel: int, ratio: float, repeat: int = 20, seed: int = 0, check: bool = True) -> dict:
+def run_topk_bench_cuda(numel: int, ratio: float, repeat: int = 20, seed: int = 0, check: bool = True,
+                        density: float = 1.0) -> dict:
     """The CUDA selection on the current GPU: CUDA-event medians of ``topk_select`` (into a reused ``out``),
     of ``torch.topk(|x|, k, sorted=False)`` and of a device-to-device ``copy_`` of ``x`` (the baseline);
     ``check``: the indices equal the CPU backend's (which tests/test_topk.py checks against a stable sort)."""
@@ -84,7 +100,7 @@ def run_topk_bench_cuda(numel: int, ratio: float, repeat: int = 20, seed: int = 
         raise ValueError(f"--ratio must be in (0, 1], got {ratio}")
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(seed)
-    x_cpu = torch.randn(numel, generator=gen)
+    x_cpu = topk_input(numel, density, gen)
     k = min(numel, max(1, math.ceil(ratio * numel)))
     x = x_cpu.to(dev)
     backend = backend_for(dev)
@@ -98,12 +114,18 @@ def run_topk_bench_cuda(numel: int, ratio: float, repeat: int = 20, seed: int = 
         got = backend.topk_select(x, k).cpu()
         exact = bool(torch.equal(got, backend_for(x_cpu.device).topk_select(x_cpu, k)))
     copy_s = t["copy"]["median_s"]
-    return {"config": {"numel": numel, "ratio": ratio, "k": k, "repeat": repeat, "seed": seed, "device": str(dev)},
+    return {"config": {"numel": numel, "ratio": ratio, "k": k, "repeat": repeat, "seed": seed, "device": str(dev),
+                       "density": density},
             "device": {"name": torch.cuda.get_device_name(dev), "torch_cuda": torch.version.cuda,
                        "multiprocessors": torch.cuda.get_device_properties(dev).multi_processor_count},
             "exact": exact, "timing": t,
             "ratios": {name: t[name]["median_s"] / copy_s for name in ("topk_select", "torch_topk")},
             "select_over_torch_topk": t["topk_select"]["median_s"] / t["torch_topk"]["median_s"]}
+
+
+def _values(config: dict) -> str:
+    density = config.get("density", 1.0)
+    return "N(0,1)" if density >= 1.0 else f"N(0,1) on {density:g} of the coordinates (zeros elsewhere)"
 
 
 def render_topk_cuda(res: dict, cmd: str) -> str:
@@ -112,7 +134,7 @@ def render_topk_cuda(res: dict, cmd: str) -> str:
     out = [section("lossless_hc top-k selection benchmark (CUDA)", format_table([
         ("command", cmd),
         ("device", f"{d['name']} ({d['multiprocessors']} SMs), torch CUDA {d['torch_cuda']}"),
-        ("setup", f"{c['numel']:,} float32 N(0,1), k = {c['k']:,} ({c['ratio']:g}), {c['repeat']} timed runs "
+        ("setup", f"{c['numel']:,} float32 {_values(c)}, k = {c['k']:,} ({c['ratio']:g}), {c['repeat']} timed runs "
                   "(CUDA events, median)"),
     ], align="ll"))]
     out.append(section("results", format_table([
@@ -131,7 +153,7 @@ def render_topk(res: dict, machine: dict, cmd: str) -> str:
     out = [section("lossless_hc top-k selection benchmark", format_table([
         ("command", cmd),
         *machine_rows(machine, torch_threads=False),
-        ("setup", f"{c['numel']:,} float32 N(0,1), k = {c['k']:,} ({c['ratio']:g})"),
+        ("setup", f"{c['numel']:,} float32 {_values(c)}, k = {c['k']:,} ({c['ratio']:g})"),
     ], align="ll"))]
     ms = lambda d: f"{d['median_s'] * 1e3:.1f}"  # noqa: E731
     out.append(section("results", format_table([

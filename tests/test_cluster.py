@@ -338,6 +338,26 @@ def test_the_report_gives_powersgd_s_window_where_the_trial_ran_one():
     assert "step guard per round: powersgd (70.0 / 83.2 / 60.5 ms), plan (58.0 / 83.2 / 60.5 ms)" in text
 
 
+def test_the_report_names_a_recheck_of_re_planned_plans():
+    """A re-plan after a decisive look runs the new plans alone (StepGuard's recheck: windows ["plan"], one
+    window's blocks): the report gives their median against the last trial's other medians, and no untimed
+    line (there was no switch between windows)."""
+    from lossless_hc.bench.cluster_report import render_markdown
+    guard = {"verdict": "plan", "plan_ms": 84.0, "dense_ms": 366.1, "powersgd_ms": 181.9, "window": 42,
+             "steps": 5, "block": 2, "rounds": 1, "lead_plan_ms": 87.2, "lead_dense_ms": float("nan"),
+             "lead_powersgd_ms": float("nan"), "windows": ["plan"], "trials": 2}
+    row = report_row("auto-lossy", 84.0, auto_choice={"two_phase": ["param0(4, 4)"]}, auto_guard=guard)
+    text = render_markdown({"rows": [report_row("none", 680.0), row], "compute_s": 0.02,
+                            "shaping": {"qdisc": "tbf"}, "warmup": 52}, "t")
+    assert ("step guard (steps 42-51, the re-planned plans rechecked): plans 84.0 ms against the last trial's "
+            "dense 366.1 ms, PowerSGD 181.9 ms median step: the plans from then on") in text
+    assert "untimed" not in text and "ran into the timed steps" not in text
+    two = dict(guard, powersgd_ms=float("nan"))
+    text = render_markdown({"rows": [report_row("none", 680.0), dict(row, auto_guard=two)], "compute_s": 0.02,
+                            "shaping": {"qdisc": "tbf"}}, "t")
+    assert "against the last trial's dense 366.1 ms median step" in text
+
+
 def test_the_answer_line_gives_the_planners_mean_step_beside_its_median():
     """A skewed step distribution (many fast steps, a slow tail) can put two modes' medians apart while
     their means, which a run's length follows, agree: the answer line prints both ratios."""

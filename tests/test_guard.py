@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lossless_hc.training.guard import VERDICT_CODES, WINDOWS_WITH_POWERSGD, step_guard
+from lossless_hc.training.guard import RECHECK, VERDICT_CODES, WINDOWS, WINDOWS_WITH_POWERSGD, step_guard
 from lossless_hc.training.guard import StepGuard as _StepGuard
 
 
@@ -264,7 +264,7 @@ def test_untracked_plans_open_no_new_trial_after_a_verdict_for_the_plans():
     ``"A"``, steps that name no plans keep them without a new trial; a different value opens one."""
     g = StepGuard(steps=1, start=0, confirm=0)
     assert g.phase(0, True, "A") == "plan"
-    g.record(0, 0.5)
+    g.record(0, 0.6)   # not decisive: a re-plan opens a whole trial (a decisive look's re-plan: a recheck, below)
     assert g.phase(1, True, "A") == "dense"
     g.record(1, 1.0)
     assert g.phase(2, True, "A") == "decide"
@@ -570,10 +570,10 @@ def test_a_new_trial_after_a_verdict_for_the_plans_asks_for_its_windows_again():
     plans, windows = [("topk",)], [WINDOWS_WITH_POWERSGD]
     phases, clock = [], 0.0
     for s in range(8):
-        if s == 4:   # the verdict (the plans: 0.5 s against 1 s) came at step 3; a re-plan at 4
+        if s == 4:   # the verdict (the plans: 0.6 s against 1 s, not decisive) came at step 3; a re-plan at 4
             plans[0], windows[0] = ("topk_allgather",), ("plan", "dense")
         if phases:
-            clock += 0.5 if phases[-1] == "plan" else 1.0
+            clock += 0.6 if phases[-1] == "plan" else 1.0
         phases.append(g.begin_step(s, clock, lambda: plans[0], lambda mine: mine, lambda: windows[0]))
     assert phases == ["plan", "dense", "powersgd", "plan", "plan", "dense", "plan", "plan"], phases
     assert g.trials == 2 and g.windows == ("plan", "dense") and g.verdict == "plan"
@@ -595,10 +595,86 @@ def test_a_guard_pickled_with_two_window_medians_restores():
     run(g, plan_s=0.5, dense_s=1.0, steps=4)
     state = g.__dict__.copy()
     state["medians"], state["lead_medians"] = (0.5, 1.0), (0.6, 1.1)   # as a guard pickled before
-    del state["windows"]
+    del state["windows"], state["reference"], state["recheck_due"]   # nor these: a re-plan opens a whole trial
     old = _StepGuard.__new__(_StepGuard)
     old.__setstate__(state)
     restored = pickle.loads(pickle.dumps(old))
     st = restored.stats()
     assert (st["plan_ms"], st["dense_ms"], st["lead_dense_ms"]) == (500.0, 1000.0, 1100.0)
     assert math.isnan(st["powersgd_ms"]) and st["windows"] == ["plan", "dense"]
+    assert restored.phase(4, True, "other plans") == "plan" and restored.phase(5, True, "other plans") == "dense"
+
+
+# -- a re-plan after a decisive look for the plans: the new plans rechecked alone -------------------------------
+
+def drive_replan(guard, seconds, steps, replan_at, windows=WINDOWS_WITH_POWERSGD):
+    """:func:`drive3` with the plans "A" before step ``replan_at`` and "B" from it; ``seconds[(plans, phase)]``
+    (or ``seconds[phase]``) is a step's time."""
+    phases = []
+    for step in range(steps):
+        plans = ("A",) if step < replan_at else ("B",)
+        if step:
+            was = ("A",) if step - 1 < replan_at else ("B",)
+            guard.record(step - 1, seconds.get((was, phases[-1]), seconds.get(phases[-1])))
+        phases.append(guard.next_phase(step, plans, lambda mine: mine, windows))
+    return phases
+
+
+def test_a_replan_after_a_decisive_look_rechecks_the_new_plans_alone():
+    """Plans A at 0.4 s against dense's 1.0 s and PowerSGD's 0.9 s: a decisive look, the verdict at once, its
+    other windows' medians kept as the reference. A re-plan to B at step 10 runs B alone for one window's
+    steps (no dense or PowerSGD blocks); B at 0.42 s is still at most half of each reference median: kept."""
+    g = StepGuard(steps=2, start=1)
+    phases = drive_replan(g, {"dense": 1.0, "powersgd": 0.9, (("A",), "plan"): 0.4, (("B",), "plan"): 0.42},
+                          16, replan_at=10)
+    assert phases == ["plan"] + ["plan", "dense", "powersgd"] * 2 + ["plan"] * 9, phases
+    assert g.verdict == "plan" and g.windows == RECHECK and g.trials == 2 and g.stats()["window"] == 10
+    assert g.reference == {"dense": 1.0, "powersgd": 0.9}
+    st = g.stats()
+    assert (st["plan_ms"], st["dense_ms"], st["powersgd_ms"]) == (420.0, 1000.0, 900.0)
+    # a later re-plan is rechecked against the same reference
+    g2 = StepGuard(steps=2, start=1)
+    drive_replan(g2, {"dense": 1.0, "powersgd": 0.9, (("A",), "plan"): 0.4, (("B",), "plan"): 0.42}, 14, 10)
+    assert g2.next_phase(14, ("C",), lambda mine: mine, WINDOWS_WITH_POWERSGD) == "plan" and g2.windows == RECHECK
+
+
+def test_a_recheck_that_does_not_hold_opens_a_whole_trial():
+    """B at 0.6 s is more than half the reference's PowerSGD median (0.9 s): the recheck does not hold, and a
+    whole trial opens at once (its windows asked then), whose rule decides: B against dense's 1.0 s and
+    PowerSGD's 0.9 s, kept after its confirmation round; not decisive, so no reference is left."""
+    g = StepGuard(steps=1, start=0)
+    seconds = {"dense": 1.0, "powersgd": 0.9, (("A",), "plan"): 0.4, (("B",), "plan"): 0.6}
+    phases = drive_replan(g, seconds, 16, replan_at=3)
+    assert phases[:3] == ["plan", "dense", "powersgd"]               # A: decisive at the first look
+    assert phases[3] == "plan"                                       # B's recheck: one window of one step
+    assert phases[4:10] == ["plan", "dense", "powersgd"] * 2         # the whole trial, with its confirmation
+    assert phases[10:] == ["plan"] * 6
+    assert g.trials == 3 and g.verdict == "plan" and g.windows == WINDOWS_WITH_POWERSGD and g.reference is None
+    # its re-plan opens a whole trial again
+    assert g.next_phase(16, ("C",), lambda mine: mine, WINDOWS) == "plan" and g.windows == WINDOWS
+    assert g.next_phase(17, ("C",), lambda mine: mine, WINDOWS) == "dense"
+
+
+def test_a_recheck_against_a_two_window_reference_and_one_left_untimed():
+    """Horovod's and FSDP2's trials have no PowerSGD window: the reference is dense's median alone. A recheck
+    whose plan step was never timed (a restored state's clock) does not hold: a whole trial."""
+    g = StepGuard(steps=1, start=0)
+    phases = drive_replan(g, {"dense": 1.0, (("A",), "plan"): 0.3, (("B",), "plan"): 0.5}, 6, 2, windows=WINDOWS)
+    assert phases == ["plan", "dense", "plan", "plan", "plan", "plan"]
+    assert g.reference == {"dense": 1.0} and g.windows == RECHECK and g.verdict == "plan"
+    g = StepGuard(steps=1, start=0)
+    drive_replan(g, {"dense": 1.0, (("A",), "plan"): 0.3}, 3, 9, windows=WINDOWS)   # A kept at step 2
+    assert g.verdict == "plan" and g.reference == {"dense": 1.0}
+    assert g.next_phase(3, ("B",), lambda mine: mine, WINDOWS) == "plan" and g.windows == RECHECK
+    verdict = g.decide()   # step 3 never recorded
+    assert verdict[0] == -1.0
+    g.settle(*verdict)
+    assert g.verdict is None and g.reference is None
+    assert g.next_phase(4, ("B",), lambda mine: mine, WINDOWS) == "plan" and g.windows == WINDOWS
+
+
+def test_only_a_recheck_takes_the_retrial_code():
+    g = StepGuard(steps=1, start=0)
+    g.phase(0, True)
+    with pytest.raises(ValueError, match="verdict"):
+        g.settle(-1.0, 1.0, 1.0)

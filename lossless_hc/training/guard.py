@@ -59,6 +59,18 @@ agree, as on every plan). A verdict for the plans holds for the plans it measure
 gradients' plans differ from those at the trial's first step (a re-plan every ``interval`` steps may
 move a tensor to another strategy, also in the middle of the trial), a new trial opens. A verdict
 for dense stands for the rest of the run (the aggregators sit out, so their plans no longer move).
+
+**A recheck** replaces that new trial where the verdict for the plans was decisive (:math:`T_p \le d\,T_w`
+for every other window ``w``): the other windows' medians :math:`T_w` of that look are kept as the
+**reference**, and the re-planned plans run alone for one window's ``BW`` steps (``windows`` ``("plan",)``,
+the last step of each block timed). They stay iff their median :math:`T'_p \le d\,T_w` for every ``w`` of
+the reference, i.e. decisive against it too (the reference is kept for the next re-plan); otherwise a
+whole trial of every window opens at once. On an embedding model the dense window's steps cost several plan
+steps each, and the lossy planner's re-plans between cheap strategies (allgather, two_phase, top-k
+allgather, PowerSGD) opened a whole trial each (NCF at 4 emulated hosts: three trials, 20 bf16 steps of
+370 ms against plan steps of ~90 ms each time: docs/BENCHMARKS.md); a factor of 2 to spare against
+medians measured some steps earlier is what lets the recheck skip them. It does not compare the new
+plans with the old (which no longer run).
 Lossy plans are guarded alike; what they change is left to the caller: a THC or top-k plan sits the
 dense window out with its error feedback kept (its next plan step sends it), and after a dense verdict
 the caller adds what that error feedback still holds to the gradient of the first dense step, so no
@@ -102,6 +114,8 @@ GUARD_DECISIVE = 0.5  # a first look whose plans step in at most this fraction o
 WINDOWS = ("plan", "dense")                         # a trial's windows, in the order they cycle
 WINDOWS_WITH_POWERSGD = ("plan", "dense", "powersgd")   # DDP with PowerSGD among its strategies (module doc)
 VERDICT_CODES = {"dense": 0.0, "plan": 1.0, "powersgd": 2.0}   # decide()'s first value, as broadcast
+RECHECK = ("plan",)   # the windows of a re-plan's recheck against the last decisive trial (module doc)
+RETRIAL_CODE = -1.0   # decide()'s first value where a recheck does not hold: a whole trial opens
 
 
 def step_guard(steps, start: int = GUARD_START, margin: float = GUARD_MARGIN) -> Optional["StepGuard"]:
@@ -156,8 +170,14 @@ class StepGuard:
         self.checked = None   # the plans at the current trial's first step
         self.trials = 0       # trials opened so far
         self.clock: Optional[float] = None   # when the current step began (begin_step); None: not known
+        # The other windows' medians at the last decisive look for the plans (window -> seconds), which a
+        # re-plan's plans are rechecked against; None: a re-plan opens a whole trial.
+        self.reference: Optional[dict] = None
+        self.recheck_due = False   # the next trial to open is a recheck
 
     windows = WINDOWS   # (class default: a guard pickled before PowerSGD's window had only these)
+    reference: Optional[dict] = None   # (class defaults: a guard pickled before the recheck had neither)
+    recheck_due = False
 
     def __setstate__(self, state):
         # A guard pickled before PowerSGD's window kept its medians as (plan, dense) tuples.
@@ -173,11 +193,12 @@ class StepGuard:
         :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not
         dense; the trial opens at the first such step from ``start`` on. ``plans``: any comparable
         value naming the dense gradients' plans (None: not tracked); after a verdict for the plans, a
-        different value opens a new trial (module doc). ``windows``: the windows a trial opening at this
+        different value opens a new trial, or a recheck after a decisive verdict (module doc). ``windows``: the windows a trial opening at this
         step runs (:data:`WINDOWS` or :data:`WINDOWS_WITH_POWERSGD`; read only then). All identical on
         every rank."""
         if self.verdict == "plan" and plans is not None and plans != self.checked:
             self.begin, self.verdict, self.rounds = None, None, 1
+            self.recheck_due = self.reference is not None
         if self.verdict is not None:
             return self.verdict
         if self.begin is None:
@@ -186,6 +207,8 @@ class StepGuard:
             windows = tuple(windows)
             if windows not in (WINDOWS, WINDOWS_WITH_POWERSGD):
                 raise ValueError(f"guard windows must be {WINDOWS} or {WINDOWS_WITH_POWERSGD}, got {windows!r}")
+            if self.recheck_due:
+                windows, self.recheck_due = RECHECK, False
             self.begin, self.checked, self.windows = step, plans, windows
             self.times = {w: [] for w in windows}
             self.lead = {w: [] for w in windows}
@@ -243,12 +266,20 @@ class StepGuard:
         as :data:`VERDICT_CODES` (0 dense, 1 the plans, 2 PowerSGD), the medians of the plans', dense's
         and PowerSGD's timed steps, and ``L``, those of the untimed first steps of the blocks, for the
         record (NaN with blocks of 1, or for a window the trial does not run); the caller broadcasts rank
-        0's. A plan or dense window with no time recorded keeps the plans (nothing measured against them)."""
+        0's. A plan or dense window with no time recorded keeps the plans (nothing measured against them).
+        A recheck (module doc): the plans (1) where they hold against the reference, whose medians it
+        returns as dense's and PowerSGD's, else :data:`RETRIAL_CODE` (also with no plan step timed)."""
         def median(xs):
             return statistics.median(xs) if xs else float("nan")
 
         t = {w: median(self.times.get(w, ())) for w in WINDOWS_WITH_POWERSGD}
         lead = {w: median(self.lead.get(w, ())) for w in WINDOWS_WITH_POWERSGD}
+        if self.windows == RECHECK:   # the new plans against the reference; the medians reported are its
+            ref = {**{w: float("nan") for w in WINDOWS_WITH_POWERSGD}, **(self.reference or {})}
+            holds = bool(self.times["plan"]) and self.reference is not None and all(
+                t["plan"] <= self.decisive * other for other in self.reference.values())   # False with a NaN
+            return ((VERDICT_CODES["plan"] if holds else RETRIAL_CODE), t["plan"], ref["dense"], lead["plan"],
+                    float("nan"), ref["powersgd"], float("nan"))
         if not self.times["plan"] or not self.times["dense"]:
             nan = float("nan")
             return VERDICT_CODES["plan"], nan, nan, lead["plan"], lead["dense"], nan, lead["powersgd"]
@@ -264,17 +295,26 @@ class StepGuard:
         """Adopt the (broadcast) look: ``verdict`` a name or code of :data:`VERDICT_CODES` (a bool: True the
         plans, False dense); a verdict, or for the plans or PowerSGD while confirmations remain and the
         look is not decisive, another round of every window (:meth:`phase` goes on alternating; the next
-        look pools every step)."""
+        look pools every step). A final verdict for the plans that is decisive keeps the other windows'
+        medians as the reference of a re-plan's recheck. After a recheck, ``verdict`` is the plans or
+        :data:`RETRIAL_CODE` (a whole trial opens at the next :meth:`phase`)."""
         names = {code: name for name, code in VERDICT_CODES.items()}
+        recheck = self.windows == RECHECK and self.begin is not None
         if isinstance(verdict, bool):
             verdict = "plan" if verdict else "dense"
         elif not isinstance(verdict, str):
-            verdict = names.get(float(verdict))
-        if verdict not in VERDICT_CODES:
+            verdict = "retrial" if recheck and float(verdict) == RETRIAL_CODE else names.get(float(verdict))
+        if verdict not in VERDICT_CODES and not (recheck and verdict == "retrial"):
             raise ValueError(f"a guard verdict is one of {sorted(VERDICT_CODES)} or its code, got {verdict!r}")
         self.medians = {"plan": float(plan_s), "dense": float(dense_s), "powersgd": float(powersgd_s)}
         self.lead_medians = {"plan": float(lead_plan_s), "dense": float(lead_dense_s),
                              "powersgd": float(lead_powersgd_s)}
+        if recheck:   # the new plans held against the reference (kept for the next re-plan), or a whole trial
+            if verdict == "plan":
+                self.verdict = "plan"
+            else:
+                self.begin, self.rounds, self.reference = None, 1, None
+            return
         mine = self.medians[verdict]
         others = [self.medians[w] for w in self.windows if w != verdict]
         decisive = all(mine <= self.decisive * other for other in others)   # False with a NaN median
@@ -282,6 +322,8 @@ class StepGuard:
             self.rounds += 1
             return
         self.verdict = verdict
+        self.reference = {w: self.medians[w] for w in self.windows if w != "plan"} \
+            if verdict == "plan" and decisive else None
 
     def stats(self) -> dict:
         """``{"verdict", "plan_ms", "dense_ms", "powersgd_ms", "windows", "window", "steps", "block",
@@ -290,7 +332,8 @@ class StepGuard:
         milliseconds (NaN for a window the trial did not run), the current trial's windows and first step
         index, the timed steps per window and round, the block length, the rounds of every window the
         trial runs (it spans :meth:`span` steps; more than 1 after a look for the plans or PowerSGD), how
-        many trials opened, and rank 0's medians of the blocks' untimed first steps at the last look (NaN
+        many trials opened (rechecks included: ``windows`` ``["plan"]``, the reference's medians as dense's
+        and PowerSGD's), and rank 0's medians of the blocks' untimed first steps at the last look (NaN
         with blocks of 1): what switching windows cost, left out of the verdict."""
         nan = float("nan")
         t = self.medians or {}

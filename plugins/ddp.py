@@ -486,6 +486,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             error = psgd.end_trial(index)
             if error is not None:
                 buffer.add_(error)
+                for a in aggs:   # the rows of the trial's PowerSGD steps: not this step's statistics
+                    a.carry_memory()
     verdict = state._guard.verdict if state._guard is not None else None
     # The step guard's PowerSGD window (and verdict): torch's hook on the whole bucket where PowerSGD may take it
     if state._step_phase == "powersgd" and not buffer.is_sparse and not settling:

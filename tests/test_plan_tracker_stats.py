@@ -73,3 +73,17 @@ def test_an_observation_of_the_wrong_shape_or_a_bad_count_is_refused_and_changes
         tr.observe(rank_keys, union_keys, step=2)
     tr.observe((8, 8), 12, step=3)
     assert tr.rank_keys == [5.75, 8.0] and tr.union == 9.75 and tr.steps == 2
+
+
+def test_a_skipped_step_records_nothing_says_whether_a_decision_is_due_and_the_next_observation_stands_for_it():
+    """PlanTracker.skip (a step whose gradient carried error memory sent late): the EWMAs, the peak and the
+    observation count stay; it is due where observe() would have been (the first step, every ``interval``,
+    after a failure); the next observation weighs as the two steps it stands for, 1 - (1 - a)^2."""
+    tr = PlanTracker(1000, 1, 2, interval=4, alpha=0.25)
+    tr.observe((8, 8), 8, step=1)
+    assert [tr.skip(step) for step in (2, 3, 4, 5)] == [False, False, True, False]
+    assert (tr.rank_keys, tr.union, tr.peak_rank, tr.steps) == ([8.0, 8.0], 8.0, 8, 1)
+    tr.force = True
+    assert tr.skip(6) and tr.rank_keys == [8.0, 8.0]
+    tr.observe((16, 16), 16, step=3)   # two steps after the last observation
+    assert tr.rank_keys == [8.0 + 8.0 * 0.4375] * 2 and tr.union == 8.0 + 8.0 * 0.4375

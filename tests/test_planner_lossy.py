@@ -410,3 +410,67 @@ def test_a_lossy_plan_s_header_carries_zero_counts_between_its_statistics_steps(
                 assert float(counts[r, 0]) == numel and float(counts[1 - r].abs().sum()) == 0, step
             else:
                 assert float(counts.abs().sum()) == 0, step
+
+
+def row_sparse_grads(n, rows, dim, touched, rng):
+    out = []
+    for _ in range(n):
+        x = torch.zeros(rows, dim)
+        x[torch.randperm(rows, generator=rng)[:touched]] = torch.randn(touched, dim, generator=rng)
+        out.append(x)
+    return out
+
+
+def test_a_step_that_flushes_error_memory_is_sent_but_not_counted_as_statistics():
+    """Leaving top-k allgathered flushes its residual, which holds rows of every earlier step, into the next
+    gradient: sent with it (nothing lost), but its counts are not the tensor's statistics
+    (PlanTracker.skip): observed, they would read as a spike of many times the rows a step touches, which
+    the per-rank peak keeps until the next decision and prices allgather by. The step after is observed."""
+    n, rows, dim, touched = 2, 1000, 8, 20
+    rng = torch.Generator().manual_seed(9)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           topk_ratio=0.002, first="topk_allgather", allowed=("allgather", "topk_allgather"),
+                           interval=1000) for r in range(n)]
+    total_in = torch.zeros(rows * dim, dtype=torch.float64)
+    total_out = torch.zeros(rows * dim, dtype=torch.float64)
+
+    def step():
+        nonlocal total_in, total_out
+        xs = row_sparse_grads(n, rows, dim, touched, rng)
+        total_in += sum(x.double().reshape(-1) for x in xs)
+        total_out += run_step(aggs, xs)[0].double().reshape(-1)
+    for _ in range(6):
+        step()
+    held = aggs[0].topk_aggregator().residual.reshape(rows, dim)
+    assert int((held != 0).any(1).sum()) > 3 * touched   # the residual's rows: many steps'
+    before = (list(aggs[0].tracker.rank_keys), aggs[0].tracker.union, aggs[0].tracker.peak_rank)
+    for a in aggs:
+        a.strategy = "allgather"   # what a re-plan does
+    step()   # the flush
+    assert all(a._topk is None for a in aggs)
+    assert (list(aggs[0].tracker.rank_keys), aggs[0].tracker.union, aggs[0].tracker.peak_rank) == before
+    assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4)   # the memory was sent
+    step()   # observed again: the rows of one step
+    assert aggs[0].tracker.peak_rank == touched and max(aggs[0].tracker.rank_keys) <= touched
+
+
+def test_memory_an_engine_adapter_adds_is_not_counted_and_a_plain_step_clears_the_mark():
+    """carry_memory() (the DDP step guard's PowerSGD trial memory added to a bucket after its verdict): the
+    next encoded step's counts are skipped, the one after is observed; a plain step (the engine's own
+    allreduce) in between clears the mark, so it does not fall on a later statistics step."""
+    n, rows, dim, touched = 2, 500, 4, 10
+    rng = torch.Generator().manual_seed(10)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, first="allgather", allowed=("allgather",))
+            for r in range(n)]
+    run_step(aggs, row_sparse_grads(n, rows, dim, touched, rng))
+    before = list(aggs[0].tracker.rank_keys)
+    for a in aggs:
+        a.carry_memory()
+    run_step(aggs, row_sparse_grads(n, rows, dim, 200, rng))   # 200 rows: the memory's
+    assert list(aggs[0].tracker.rank_keys) == before and aggs[0].tracker.peak_rank <= touched
+    run_step(aggs, row_sparse_grads(n, rows, dim, 200, rng))
+    assert aggs[0].tracker.peak_rank == 200
+    dense = AutoAggregator("d", (rows, dim), torch.float32, n, 0, MODEL, first="dense", allowed=("dense",))
+    dense.carry_memory()
+    dense.record_plain_step(0.0)
+    assert dense._carried_memory is False

@@ -69,15 +69,26 @@ class LossyMemories:
         if err is not None:
             grad.add_(err.to(device=grad.device, dtype=grad.dtype).reshape(grad.shape))
 
+    _carried_memory = False   # the next step's gradient carries error memory sent late
+
+    def carry_memory(self) -> None:
+        """The next step's gradient carries error memory its engine adapter added (the DDP step guard's
+        PowerSGD trial memory after its verdict): its counts are not statistics (:meth:`PlanTracker.skip
+        <lossless_hc.training.plan_tracker.PlanTracker.skip>`), as when leaving THC or top-k flushes theirs
+        (:meth:`_flush_lossy_memory`). Call it on every rank alike (plans must agree)."""
+        self._carried_memory = True
+
     def _flush_lossy_memory(self, flat: torch.Tensor) -> torch.Tensor:
         """Leaving THC or top-k: what their error feedback still holds goes out with this gradient."""
         if self.strategy != "thc" and self._thc is not None:
             err = self._thc.pending_error()
             if err is not None:
                 flat = flat.to(torch.float32) + err.to(flat.device)
+                self._carried_memory = True   # its rows are many steps': not this step's statistics
             self._thc = None   # a later THC plan starts afresh (its first step agrees on a norm)
         if self.strategy not in TOPK_STRATEGIES and self._topk is not None:
             if self._topk.residual is not None:
                 flat = flat.to(torch.float32) + self._topk.residual
+                self._carried_memory = True
             self._topk = None
         return flat

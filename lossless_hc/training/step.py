@@ -42,6 +42,9 @@ class AutoContext:
     # Whether the step's counts are statistics (False: a THC or top-k step between the interval's
     # statistics steps, whose header carries zero counts and whose rows nothing scans)
     observed: bool = True
+    # The gradient carried error memory sent late (AutoAggregator.carry_memory): its counts are not the
+    # tensor's own, so they are not statistics (PlanTracker.skip), though the header carries them
+    carried_memory: bool = False
     # A dense statistics step whose body is the gradient's values as they are: the dtype the body may
     # travel in (the plain steps'), where narrower than the payload's; the body starts at body_at.
     body_dtype: Optional[torch.dtype] = None

@@ -235,9 +235,16 @@ class AutoAggregator(TensorRows, LossyMemories):
         self.measured[strategy] = seconds if old is None else 0.75 * old + 0.25 * seconds
 
     def _observe(self, ctx: AutoContext, union_keys: int) -> None:
-        """The step's time, and (a statistics step, ``ctx.observed``) its counts."""
+        """The step's time, and (a statistics step, ``ctx.observed``) its counts, unless its gradient carried
+        error memory (``ctx.carried_memory``: not the tensor's own counts; a plan due is still made)."""
         self._measure(ctx.strategy, ctx.started)
-        if ctx.observed and self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps):
+        if not ctx.observed:
+            return
+        if ctx.carried_memory:
+            due = self.tracker.skip(step=self.steps)
+        else:
+            due = self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps)
+        if due:
             self._plan_due = True
             if self.cost_model is not None:
                 self._plan()
@@ -292,6 +299,7 @@ class AutoAggregator(TensorRows, LossyMemories):
         with at most this many rows listed (its uncoalesced count): it allgathers an int64 index and the
         values of each, counted as the allgather strategy. ``half``: ``"fp16"`` or ``"bf16"``, the plan's plain
         step run as the engine's half-precision hook runs it (the bucket cast, summed, copied back)."""
+        self._carried_memory = False   # a plain step's counts are not statistics anyway
         if half is not None:
             self._count_sent(self.numel * 2, dense=False, plain=True)
             self._measure(half, started)
@@ -321,6 +329,7 @@ class AutoAggregator(TensorRows, LossyMemories):
         """``(payload, ctx)``: the first payload (statistics header + body) every rank sums."""
         self._check_input(x)
         t0 = time.perf_counter()
+        carried, self._carried_memory = self._carried_memory, False
         carries = self.carries_statistics()
         if self.sparse and not carries:
             raise RuntimeError(f"{self.name}: this step sends the bare sparse gradient, which the engine sums with "
@@ -335,6 +344,7 @@ class AutoAggregator(TensorRows, LossyMemories):
         # the statistics steps only, one in an interval as a dense plan (carries_statistics)
         ctx.observed = s not in ("thc",) + TOPK_STRATEGIES or self.sparse or self._statistics_step()
         self._local_rows(x, ctx, scan=not counted and ctx.observed)
+        ctx.carried_memory, self._carried_memory = carried or self._carried_memory, False   # (a flush sets it)
         if s in ("dense", "sketch"):
             flat = self._dense(ctx)
             if s == "dense":

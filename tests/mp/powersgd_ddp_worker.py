@@ -276,6 +276,37 @@ def part_guard_powersgd():
             "digest": param_digest(model)}
 
 
+def part_guard_plan():
+    """``part`` with the step guard's look forced to the plans (not decisive: a confirmation round, the verdict
+    at 15): the trial's PowerSGD memory of the whole bucket (the table's too: rows of steps 7, 8, 13 and 14)
+    goes out with step 15, and the table's allgather plan does not count those rows as that step's statistics
+    (AutoAggregator.carry_memory): its per-rank count stays the 16 rows every step has."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    model = TableAndWeight()
+    ddp = DistributedDataParallel(model)   # one bucket: table and weight
+    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "allgather", "powersgd"),
+                          guard_steps=1, guard_start=3)
+    decide = state._guard.decide
+    # the plans, with every window's median alike: a look that needs its confirmation round
+    state._guard.decide = lambda: (VERDICT_CODES["plan"], 1.0, 1.0) + tuple(decide()[3:5]) + (1.0, float("nan"))
+    ddp.register_comm_hook(state, auto_hook)
+    steps = 17
+    table_sum = torch.zeros(2000, 64, dtype=torch.float64)
+    phases, counts = [], []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        ddp(table_rows(step, rank), gradient(step, rank)).backward()
+        phases.append(state._step_phase)
+        table_sum += model.table.grad.to(torch.float64)
+        table = next(a for a in state._aggregators.values() if a.name.startswith("param1"))
+        counts.append([max(table.tracker.rank_keys), table.tracker.peak_rank])
+    total = sum(table_rows(t, r).to(torch.float64) for t in range(steps) for r in range(n))
+    st = state.stats()
+    return {"guard": st["guard"], "phases": phases, "counts": counts, "trials_left": len(state._powersgd.trials),
+            "plan": {k: v["strategy"] for k, v in st["plan"].items()},
+            "table_conservation_error": float((n * table_sum - total).abs().max())}
+
+
 class WeightAndVector(torch.nn.Module):
     """loss = sum(W * C) + sum(v * d): the gradients are C (a matrix) and d (a vector PowerSGD cannot take)."""
 
@@ -453,7 +484,8 @@ def resume_mid_trial():
 
 def scenario(name: str) -> dict:
     return {"choice": choice, "switch_guard_dense": lambda: switch(True), "switch_guard_plan": lambda: switch(False),
-            "part": part, "part_guard_powersgd": part_guard_powersgd, "part_half": part_half, "converge": converge,
+            "part": part, "part_guard_powersgd": part_guard_powersgd, "part_guard_plan": part_guard_plan,
+            "part_half": part_half, "converge": converge,
             "resume": resume, "resume_mid_trial": resume_mid_trial}[name]()
 
 

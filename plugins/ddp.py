@@ -43,7 +43,8 @@ of the first such step, so nothing is lost; buckets that went to PowerSGD are pa
 leave it on a dense verdict). With PowerSGD among the strategies the trial has a third window, torch's
 PowerSGD hook on every bucket it may take (30 steps a round; a verdict for it moves those buckets to it
 for good, the plans' error feedback added to their gradients; :mod:`lossless_hc.training.guard`). After a
-verdict for the plans, a re-plan that changes a dense gradient's plan opens a new trial. Rank 0's verdict
+verdict for the plans, a re-plan that changes a dense gradient's plan opens a new trial (after a decisive one, a
+recheck of the new plans alone). Rank 0's verdict
 is broadcast at the first hook call of the step after the trial (main thread, like the calibration). The
 verdict rests on measured step times, so with ``lossy=True`` which gradients are sent lossy can differ from
 run to run (``guard_steps=0``: the plans alone decide).
@@ -238,8 +239,8 @@ class AutoHookState(HookState):
             ``AutoAggregator.guard_alternative``); if the plans' median step is not faster, dense gradients are
             sent so for the rest of the run (THC's and top-k's error feedback, and a PowerSGD bucket's error
             memory, added to the first such step's gradients); if it is, the plans stay until a re-plan changes
-            them, which opens a new trial. With PowerSGD on, a third window runs torch's PowerSGD hook on every
-            bucket it may take, and may be the verdict instead, for good
+            them, which opens a new trial (or a recheck). With PowerSGD on, a third window runs torch's PowerSGD
+            hook on every bucket it may take, and may be the verdict instead, for good
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
         **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``, ``lossy_min_bytes``);

@@ -66,11 +66,10 @@ for every other window ``w``): the other windows' medians :math:`T_w` of that lo
 the last step of each block timed). They stay iff their median :math:`T'_p \le d\,T_w` for every ``w`` of
 the reference, i.e. decisive against it too (the reference is kept for the next re-plan); otherwise a
 whole trial of every window opens at once. On an embedding model the dense window's steps cost several plan
-steps each, and the lossy planner's re-plans between cheap strategies (allgather, two_phase, top-k
-allgather, PowerSGD) opened a whole trial each (NCF at 4 emulated hosts: three trials, 20 bf16 steps of
-370 ms against plan steps of ~90 ms each time: docs/BENCHMARKS.md); a factor of 2 to spare against
-medians measured some steps earlier is what lets the recheck skip them. It does not compare the new
-plans with the old (which no longer run).
+steps each, and a whole trial for every re-plan between cheap strategies (allgather, two_phase, top-k
+allgather, PowerSGD) spends 2BW of them each time; a factor of 2 to spare against medians measured some
+steps earlier is what lets the recheck skip them. It does not compare the new plans with the old (which
+no longer run).
 Lossy plans are guarded alike; what they change is left to the caller: a THC or top-k plan sits the
 dense window out with its error feedback kept (its next plan step sends it), and after a dense verdict
 the caller adds what that error feedback still holds to the gradient of the first dense step, so no

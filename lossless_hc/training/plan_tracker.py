@@ -73,8 +73,7 @@ class PlanTracker:
         nothing is recorded, so the next observation stands for it too (:meth:`observe`); True when a
         decision is due at ``step``, as :meth:`observe` would have said. A flushed memory holds the rows of
         many steps: observed, it would read as a spike, which the per-rank peak keeps until the next decision
-        (NCF's tables: 7,537 rows against ~520, the allgather priced 4.6x, a re-plan to top-k allgathered
-        and back an interval later)."""
+        (on NCF's tables it moved the plan to top-k allgathered and back: docs/BENCHMARKS.md)."""
         return self.force or int(step) == 1 or int(step) % self.interval == 0
 
     def observe_reaggregated(self, strategy: str, coordinates: int) -> None:

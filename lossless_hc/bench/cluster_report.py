@@ -284,13 +284,12 @@ def planner_lines(framework: str, compression: str, choice: Optional[dict], g: O
         recheck = list(g.get("windows") or ()) == ["plan"]
         psgd = "powersgd" in (g.get("windows") or ()) or (recheck and math.isfinite(g.get("powersgd_ms", math.nan)))
         steps = f"steps {g['window']}-{g['window'] + span - 1}"
+        rest = (f", PowerSGD {g['powersgd_ms']:.1f} ms" if psgd else "") + f" median step: {ran} from then on"
         if recheck:   # a re-plan's plans alone, against the other windows' medians of the last decisive trial
             lines.append(f"step guard ({steps}, the re-planned plans rechecked): plans {g['plan_ms']:.1f} ms "
-                         f"against the last trial's dense {g['dense_ms']:.1f} ms"
-                         + (f", PowerSGD {g['powersgd_ms']:.1f} ms" if psgd else "") + f" median step: {ran} from then on")
+                         f"against the last trial's dense {g['dense_ms']:.1f} ms" + rest)
         else:
-            lines.append(f"step guard ({steps}): plans {g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms"
-                         + (f", PowerSGD {g['powersgd_ms']:.1f} ms" if psgd else "") + f" median step: {ran} from then on")
+            lines.append(f"step guard ({steps}): plans {g['plan_ms']:.1f} ms, dense {g['dense_ms']:.1f} ms" + rest)
         if (g.get("block") or 1) > 1 and not recheck:
             lines.append(f"step guard: blocks of {g['block']} steps per window, the last one timed; the "
                          f"untimed ones (after a switch) {_f(g['lead_plan_ms'], '.1f')} ms in the plans' "

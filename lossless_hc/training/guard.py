@@ -192,9 +192,9 @@ class StepGuard:
         :meth:`settle`, then :meth:`phase` again). ``worth_checking``: some dense gradient's plan is not
         dense; the trial opens at the first such step from ``start`` on. ``plans``: any comparable
         value naming the dense gradients' plans (None: not tracked); after a verdict for the plans, a
-        different value opens a new trial, or a recheck after a decisive verdict (module doc). ``windows``: the windows a trial opening at this
-        step runs (:data:`WINDOWS` or :data:`WINDOWS_WITH_POWERSGD`; read only then). All identical on
-        every rank."""
+        different value opens a new trial, or a recheck after a decisive verdict (module doc).
+        ``windows``: the windows a trial opening at this step runs (:data:`WINDOWS` or
+        :data:`WINDOWS_WITH_POWERSGD`; read only then). All identical on every rank."""
         if self.verdict == "plan" and plans is not None and plans != self.checked:
             self.begin, self.verdict, self.rounds = None, None, 1
             self.recheck_due = self.reference is not None

@@ -230,18 +230,25 @@ def weight_conservation(state, out_sum, steps):
             "scale": float(total.abs().max()), "steps": steps}
 
 
-def part_guard_powersgd():
+def part_with_forced_look(look):
+    """``part``'s model (one bucket: table and weight) under DDP and auto_hook, PowerSGD (the weight) from step 2,
+    the step guard's trial from step 3 (the plans at 3 and 4, in place at 5 and 6, the whole bucket on PowerSGD at
+    7 and 8), each look ``look(decide())``: ``(n, rank, model, ddp, state)``."""
     n, rank = dist.get_world_size(), dist.get_rank()
     model = TableAndWeight()
-    ddp = DistributedDataParallel(model)   # one bucket: table and weight
-    # PowerSGD (the weight) from step 2; the trial from step 3 (the plans at 3 and 4, in place at 5 and 6, the whole
-    # bucket on PowerSGD at 7 and 8), its look at 9 forced to PowerSGD, confirmed by a second round (9 to 14),
-    # the verdict at 15: from then on the whole bucket runs the trial's PowerSGD for good.
+    ddp = DistributedDataParallel(model)
     state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "allgather", "powersgd"),
                           guard_steps=1, guard_start=3)
     decide = state._guard.decide
-    state._guard.decide = lambda: (VERDICT_CODES["powersgd"],) + tuple(decide()[1:])
+    state._guard.decide = lambda: look(decide())
     ddp.register_comm_hook(state, auto_hook)
+    return n, rank, model, ddp, state
+
+
+def part_guard_powersgd():
+    # The look at 9 forced to PowerSGD, confirmed by a second round (9 to 14), the verdict at 15: from then on the
+    # whole bucket runs the trial's PowerSGD for good.
+    n, rank, model, ddp, state = part_with_forced_look(lambda look: (VERDICT_CODES["powersgd"],) + tuple(look[1:]))
     steps = 18
     sums = {"weight": torch.zeros(256, 192, dtype=torch.float64), "table": torch.zeros(2000, 64, dtype=torch.float64)}
     table_errors, phases = [], []
@@ -281,15 +288,9 @@ def part_guard_plan():
     at 15): the trial's PowerSGD memory of the whole bucket (the table's too: rows of steps 7, 8, 13 and 14)
     goes out with step 15, and the table's allgather plan does not count those rows as that step's statistics
     (AutoAggregator.carry_memory): its per-rank count stays the 16 rows every step has."""
-    n, rank = dist.get_world_size(), dist.get_rank()
-    model = TableAndWeight()
-    ddp = DistributedDataParallel(model)   # one bucket: table and weight
-    state = AutoHookState(lossy=True, interval=2, calibration=SLOW, strategies=("dense", "allgather", "powersgd"),
-                          guard_steps=1, guard_start=3)
-    decide = state._guard.decide
     # the plans, with every window's median alike: a look that needs its confirmation round
-    state._guard.decide = lambda: (VERDICT_CODES["plan"], 1.0, 1.0) + tuple(decide()[3:5]) + (1.0, float("nan"))
-    ddp.register_comm_hook(state, auto_hook)
+    n, rank, model, ddp, state = part_with_forced_look(
+        lambda look: (VERDICT_CODES["plan"], 1.0, 1.0) + tuple(look[3:5]) + (1.0, float("nan")))
     steps = 17
     table_sum = torch.zeros(2000, 64, dtype=torch.float64)
     phases, counts = [], []

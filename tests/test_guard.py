@@ -595,7 +595,7 @@ def test_a_guard_pickled_with_two_window_medians_restores():
     run(g, plan_s=0.5, dense_s=1.0, steps=4)
     state = g.__dict__.copy()
     state["medians"], state["lead_medians"] = (0.5, 1.0), (0.6, 1.1)   # as a guard pickled before
-    del state["windows"], state["reference"], state["recheck_due"]   # nor these: a re-plan opens a whole trial
+    del state["windows"], state["reference"]   # nor a reference: a re-plan opens a whole trial
     old = _StepGuard.__new__(_StepGuard)
     old.__setstate__(state)
     restored = pickle.loads(pickle.dumps(old))

@@ -172,11 +172,9 @@ class StepGuard:
         # The other windows' medians at the last decisive look for the plans (window -> seconds), which a
         # re-plan's plans are rechecked against; None: a re-plan opens a whole trial.
         self.reference: Optional[dict] = None
-        self.recheck_due = False   # the next trial to open is a recheck
 
     windows = WINDOWS   # (class default: a guard pickled before PowerSGD's window had only these)
-    reference: Optional[dict] = None   # (class defaults: a guard pickled before the recheck had neither)
-    recheck_due = False
+    reference: Optional[dict] = None   # (class default: a guard pickled before the recheck had none)
 
     def __setstate__(self, state):
         # A guard pickled before PowerSGD's window kept its medians as (plan, dense) tuples.
@@ -197,7 +195,6 @@ class StepGuard:
         :data:`WINDOWS_WITH_POWERSGD`; read only then). All identical on every rank."""
         if self.verdict == "plan" and plans is not None and plans != self.checked:
             self.begin, self.verdict, self.rounds = None, None, 1
-            self.recheck_due = self.reference is not None
         if self.verdict is not None:
             return self.verdict
         if self.begin is None:
@@ -206,8 +203,8 @@ class StepGuard:
             windows = tuple(windows)
             if windows not in (WINDOWS, WINDOWS_WITH_POWERSGD):
                 raise ValueError(f"guard windows must be {WINDOWS} or {WINDOWS_WITH_POWERSGD}, got {windows!r}")
-            if self.recheck_due:
-                windows, self.recheck_due = RECHECK, False
+            if self.reference is not None:   # only a re-plan after a decisive verdict for the plans opens one now
+                windows = RECHECK
             self.begin, self.checked, self.windows = step, plans, windows
             self.times = {w: [] for w in windows}
             self.lead = {w: [] for w in windows}

@@ -65,6 +65,10 @@ class PlanTracker:
             self.union = (1 - a) * self.union + a * union_keys
         self.peak_rank = max(self.peak_rank, int(max(ks)) if ks else 0)
         self.steps += 1
+        return self._due(step)
+
+    def _due(self, step: int) -> bool:
+        """Whether a decision is due after step ``step``: the first, every ``interval``, or after a failure."""
         return self.force or step == 1 or step % self.interval == 0
 
     def skip(self, step: int) -> bool:
@@ -74,7 +78,7 @@ class PlanTracker:
         decision is due at ``step``, as :meth:`observe` would have said. A flushed memory holds the rows of
         many steps: observed, it would read as a spike, which the per-rank peak keeps until the next decision
         (on NCF's tables it moved the plan to top-k allgathered and back: docs/BENCHMARKS.md)."""
-        return self.force or int(step) == 1 or int(step) % self.interval == 0
+        return self._due(int(step))
 
     def observe_reaggregated(self, strategy: str, coordinates: int) -> None:
         """One decode of a ``strategy`` plan (``"sketch"``, ``"topk"``): it re-aggregated ``coordinates``

@@ -306,8 +306,11 @@ def planner_lines(framework: str, compression: str, choice: Optional[dict], g: O
 
 
 def _guard_span(g: dict) -> int:
-    """Steps of the guard's trial (StepGuard.span): its windows (two, or three with PowerSGD's) in blocks, a
-    look for the plans or PowerSGD adding confirmation rounds."""
+    """Steps of the guard's trial (its stats' ``span``: fewer after an early look's verdict; for stats
+    written before it, StepGuard.span: its windows, two or three with PowerSGD's, in blocks, a look for the
+    plans or PowerSGD adding confirmation rounds)."""
+    if g.get("span") is not None:
+        return g["span"]
     windows = len(g.get("windows") or ("plan", "dense"))
     return windows * g["steps"] * (g.get("block") or 1) * (g.get("rounds") or 1)
 

@@ -53,6 +53,15 @@ A/B trial on whole training steps:
   ``decisive`` :math:`d`, 0.5), is the verdict for the plans at once: a factor of 2 is far beyond that
   spread, and the confirmation's dense blocks would cost the most exactly there (an embedding model's
   plans against its dense tables: each such step more than twice a plan step).
+* **early look**: from the ``e``-th cycle of the first round on (``early`` :math:`e`, 3; a cycle is one block
+  of each window, so each window then has :math:`e` timed steps), the end of every cycle is a look for a
+  window that has won beyond any spread between steps: one whose *slowest* timed step so far is at most
+  ``d`` times the *fastest* of every other window. Its verdict is taken there (where the rule above gives it
+  too: a margin above :math:`1-d` rules first), decisive as above; otherwise the trial goes on (``decide``
+  answers :data:`CONTINUE_CODE`). Slowest against fastest, not medians: one slow step of the leader or one
+  fast step of another window postpones such a verdict, none forces one. What it saves: the rest of the
+  round, whose dense blocks on an embedding model cost several plan steps each and decide nothing a
+  factor of 2 has not decided already.
 
 Step times are rank-local; the verdict is rank 0's, broadcast by the caller (every rank must then
 agree, as on every plan). A verdict for the plans holds for the plans it measured: when the dense
@@ -115,6 +124,8 @@ WINDOWS_WITH_POWERSGD = ("plan", "dense", "powersgd")   # DDP with PowerSGD amon
 VERDICT_CODES = {"dense": 0.0, "plan": 1.0, "powersgd": 2.0}   # decide()'s first value, as broadcast
 RECHECK = ("plan",)   # the windows of a re-plan's recheck against the last decisive trial (module doc)
 RETRIAL_CODE = -1.0   # decide()'s first value where a recheck does not hold: a whole trial opens
+GUARD_EARLY = 3       # timed steps per window from which the end of each cycle is an early look (module doc)
+CONTINUE_CODE = -2.0  # decide()'s first value at an early look that decides nothing: the trial goes on
 
 
 def step_guard(steps, start: int = GUARD_START, margin: float = GUARD_MARGIN) -> Optional["StepGuard"]:
@@ -139,14 +150,17 @@ class StepGuard:
         confirm: rounds of ``2BW`` more steps that a look for the plans must survive (>= 0).
         block: ``B``, consecutive steps of one window, of which the last is timed (>= 1).
         decisive: ``d``, a look with ``T_p <= d T_d`` keeps the plans without confirmation (a real >= 0;
-            0: never; None: :data:`GUARD_DECISIVE` as it is when the guard is built).
+            0: never, nor early looks; None: :data:`GUARD_DECISIVE` as it is when the guard is built).
+        early: ``e``, the timed steps per window from which each cycle's end is an early look (>= 1; at
+            least ``steps``: none).
     """
 
     def __init__(self, steps: int = GUARD_STEPS, start: int = GUARD_START, margin: float = GUARD_MARGIN,
-                 confirm: int = GUARD_CONFIRM, block: int = GUARD_BLOCK, decisive: Optional[float] = None):
+                 confirm: int = GUARD_CONFIRM, block: int = GUARD_BLOCK, decisive: Optional[float] = None,
+                 early: int = GUARD_EARLY):
         # Ints, not truncated (2.5 steps would run 2): every rank must run the same trial.
         for name, value, least in (("steps", steps, 1), ("start", start, 0), ("confirm", confirm, 0),
-                                   ("block", block, 1)):
+                                   ("block", block, 1), ("early", early, 1)):
             check_int(value, f"guard {name}")
             if value < least:
                 raise ValueError(f"guard {name} must be >= {least}, got {value}")
@@ -157,7 +171,7 @@ class StepGuard:
             raise ValueError(f"guard decisive must be a number >= 0, got {decisive!r}")
         self.steps, self.start, self.margin, self.confirm = steps, start, float(margin), confirm
         self.decisive = float(decisive)
-        self.block = block
+        self.block, self.early = block, early
         self.rounds = 1                    # rounds of both windows the current trial runs (1 + confirmations)
         self.begin: Optional[int] = None   # step index of the plan window's first step
         self.windows = WINDOWS             # the current trial's windows, in the order they cycle
@@ -172,9 +186,16 @@ class StepGuard:
         # The other windows' medians at the last decisive look for the plans (window -> seconds), which a
         # re-plan's plans are rechecked against; None: a re-plan opens a whole trial.
         self.reference: Optional[dict] = None
+        self.looking: Optional[int] = None   # the trial step (from begin) of the look phase() last asked for
+        self.looked: Optional[int] = None    # the trial step of the last early look that went on
+        self.span_run: Optional[int] = None  # steps the last trial ran up to its verdict
 
     windows = WINDOWS   # (class default: a guard pickled before PowerSGD's window had only these)
     reference: Optional[dict] = None   # (class default: a guard pickled before the recheck had none)
+    early = GUARD_EARLY   # (class defaults: a guard pickled before the early look)
+    looking: Optional[int] = None
+    looked: Optional[int] = None
+    span_run: Optional[int] = None
 
     def __setstate__(self, state):
         # A guard pickled before PowerSGD's window kept its medians as (plan, dense) tuples.
@@ -206,12 +227,14 @@ class StepGuard:
             if self.reference is not None:   # only a re-plan after a decisive verdict for the plans opens one now
                 windows = RECHECK
             self.begin, self.checked, self.windows = step, plans, windows
+            self.looking = self.looked = None
             self.times = {w: [] for w in windows}
             self.lead = {w: [] for w in windows}
             self.trials += 1
         k = step - self.begin
-        if k < self.span():
+        if k < self.span() and not self._early_look_due(k):
             return self._window(k)
+        self.looking = k
         return "decide"
 
     def span(self) -> int:
@@ -220,6 +243,16 @@ class StepGuard:
 
     def _window(self, k: int) -> str:
         return self.windows[(k // self.block) % len(self.windows)]
+
+    def _early_look_due(self, k: int) -> bool:
+        """Whether trial step ``k`` (< :meth:`span`) is an early look not yet taken (module doc)."""
+        cycle = len(self.windows) * self.block
+        return (self.rounds == 1 and self.windows != RECHECK and self.decisive > 0 and k % cycle == 0
+                and k // cycle >= self.early and k != self.looked)
+
+    def _early(self) -> bool:
+        """Whether the look due now (:meth:`phase` answered ``"decide"``) is an early one."""
+        return self.begin is not None and self.looking is not None and self.looking < self.span()
 
     def begin_step(self, step: int, now: float, plans, share, windows=WINDOWS) -> str:
         """Step ``step`` (0-based) begins at ``now`` (``time.perf_counter()``; every engine's one entry):
@@ -264,7 +297,9 @@ class StepGuard:
         record (NaN with blocks of 1, or for a window the trial does not run); the caller broadcasts rank
         0's. A plan or dense window with no time recorded keeps the plans (nothing measured against them).
         A recheck (module doc): the plans (1) where they hold against the reference, whose medians it
-        returns as dense's and PowerSGD's, else :data:`RETRIAL_CODE` (also with no plan step timed)."""
+        returns as dense's and PowerSGD's, else :data:`RETRIAL_CODE` (also with no plan step timed). An early
+        look (module doc): the verdict of a window that has won beyond the steps' spread, else
+        :data:`CONTINUE_CODE`."""
         def median(xs):
             return statistics.median(xs) if xs else float("nan")
 
@@ -276,14 +311,24 @@ class StepGuard:
                 t["plan"] <= self.decisive * other for other in self.reference.values())   # False with a NaN
             return ((VERDICT_CODES["plan"] if holds else RETRIAL_CODE), t["plan"], ref["dense"], lead["plan"],
                     float("nan"), ref["powersgd"], float("nan"))
+        values = (t["plan"], t["dense"], lead["plan"], lead["dense"], t["powersgd"], lead["powersgd"])
+        if self._early():   # a window whose slowest step is at most d times every other's fastest, or go on
+            if not all(self.times.get(w) for w in self.windows):
+                return (CONTINUE_CODE,) + values
+            leader = min(self.windows, key=lambda w: t[w])
+            slowest = max(self.times[leader])
+            clear = all(slowest <= self.decisive * min(self.times[w]) for w in self.windows if w != leader)
+            return (VERDICT_CODES[leader] if clear and self._rule(t) == leader else CONTINUE_CODE,) + values
         if not self.times["plan"] or not self.times["dense"]:
             nan = float("nan")
             return VERDICT_CODES["plan"], nan, nan, lead["plan"], lead["dense"], nan, lead["powersgd"]
-        values = (t["plan"], t["dense"], lead["plan"], lead["dense"], t["powersgd"], lead["powersgd"])
+        return (VERDICT_CODES[self._rule(t)],) + values
+
+    def _rule(self, t: dict) -> str:
+        """The verdict rule (module doc) on the medians ``t`` (window -> seconds, NaN where not run)."""
         keep = 1.0 - self.margin
         alternative = "powersgd" if t["powersgd"] <= keep * t["dense"] else "dense"   # False with a NaN
-        verdict = "plan" if t["plan"] <= keep * t[alternative] else alternative
-        return (VERDICT_CODES[verdict],) + values
+        return "plan" if t["plan"] <= keep * t[alternative] else alternative
 
     def settle(self, verdict, plan_s: float, dense_s: float, lead_plan_s: float = float("nan"),
                lead_dense_s: float = float("nan"), powersgd_s: float = float("nan"),
@@ -293,50 +338,63 @@ class StepGuard:
         look is not decisive, another round of every window (:meth:`phase` goes on alternating; the next
         look pools every step). A final verdict for the plans that is decisive keeps the other windows'
         medians as the reference of a re-plan's recheck. After a recheck, ``verdict`` is the plans or
-        :data:`RETRIAL_CODE` (a whole trial opens at the next :meth:`phase`)."""
+        :data:`RETRIAL_CODE` (a whole trial opens at the next :meth:`phase`); at an early look, a final
+        verdict or :data:`CONTINUE_CODE` (the trial goes on)."""
         names = {code: name for name, code in VERDICT_CODES.items()}
         recheck = self.windows == RECHECK and self.begin is not None
+        early = not recheck and self._early()
         if isinstance(verdict, bool):
             verdict = "plan" if verdict else "dense"
         elif not isinstance(verdict, str):
-            verdict = "retrial" if recheck and float(verdict) == RETRIAL_CODE else names.get(float(verdict))
-        if verdict not in VERDICT_CODES and not (recheck and verdict == "retrial"):
+            code = float(verdict)
+            verdict = ("retrial" if recheck and code == RETRIAL_CODE else "continue" if early and code == CONTINUE_CODE
+                       else names.get(code))
+        if verdict not in VERDICT_CODES and not (recheck and verdict == "retrial") and \
+                not (early and verdict == "continue"):
             raise ValueError(f"a guard verdict is one of {sorted(VERDICT_CODES)} or its code, got {verdict!r}")
         self.medians = {"plan": float(plan_s), "dense": float(dense_s), "powersgd": float(powersgd_s)}
         self.lead_medians = {"plan": float(lead_plan_s), "dense": float(lead_dense_s),
                              "powersgd": float(lead_powersgd_s)}
+        if early and verdict == "continue":   # the trial goes on; this look is not asked for again
+            self.looked = self.looking
+            return
         if recheck:   # the new plans held against the reference (kept for the next re-plan), or a whole trial
             if verdict == "plan":
-                self.verdict = "plan"
+                self.verdict, self.span_run = "plan", self.span()
             else:
                 self.begin, self.rounds, self.reference = None, 1, None
             return
         mine = self.medians[verdict]
         others = [self.medians[w] for w in self.windows if w != verdict]
         decisive = all(mine <= self.decisive * other for other in others)   # False with a NaN median
-        if verdict != "dense" and self.rounds <= self.confirm and not decisive:
+        if verdict != "dense" and self.rounds <= self.confirm and not decisive and not early:
             self.rounds += 1
             return
         self.verdict = verdict
+        self.span_run = self.looking if early else self.span()
         self.reference = {w: self.medians[w] for w in self.windows if w != "plan"} \
             if verdict == "plan" and decisive else None
 
     def stats(self) -> dict:
         """``{"verdict", "plan_ms", "dense_ms", "powersgd_ms", "windows", "window", "steps", "block",
-        "rounds", "trials", "lead_plan_ms", "lead_dense_ms", "lead_powersgd_ms"}``: the verdict (None while a
-        trial runs or before one starts), rank 0's medians of each window's timed steps at the last look in
-        milliseconds (NaN for a window the trial did not run), the current trial's windows and first step
-        index, the timed steps per window and round, the block length, the rounds of every window the
-        trial runs (it spans :meth:`span` steps; more than 1 after a look for the plans or PowerSGD), how
-        many trials opened (rechecks included: ``windows`` ``["plan"]``, the reference's medians as dense's
-        and PowerSGD's), and rank 0's medians of the blocks' untimed first steps at the last look (NaN
-        with blocks of 1): what switching windows cost, left out of the verdict."""
+        "rounds", "trials", "span", "lead_plan_ms", "lead_dense_ms", "lead_powersgd_ms", "timed_ms"}``: the
+        verdict (None while a trial runs or before one starts), rank 0's medians of each window's timed steps
+        at the last look in milliseconds (NaN for a window the trial did not run), the current trial's windows
+        and first step index, the timed steps per window and round, the block length, the rounds of every
+        window the trial runs (more than 1 after a look for the plans or PowerSGD), how many trials opened
+        (rechecks included: ``windows`` ``["plan"]``, the reference's medians as dense's and PowerSGD's), the
+        steps the trial runs (:meth:`span`) or, after its verdict, ran (fewer after an early look's), rank 0's
+        medians of the blocks' untimed first steps at the last look (NaN with blocks of 1): what switching
+        windows cost, left out of the verdict; and this rank's timed steps of the current or last trial, by
+        window, in the order they ran (milliseconds)."""
         nan = float("nan")
         t = self.medians or {}
         lead = self.lead_medians or {}
         d = {"verdict": self.verdict, "windows": list(self.windows), "window": self.begin, "steps": self.steps,
-             "block": self.block, "rounds": self.rounds, "trials": self.trials}
+             "block": self.block, "rounds": self.rounds, "trials": self.trials,
+             "span": self.span_run if self.verdict is not None and self.span_run is not None else self.span()}
         for w in WINDOWS_WITH_POWERSGD:
             d[f"{w}_ms"] = 1e3 * t.get(w, nan)
             d[f"lead_{w}_ms"] = 1e3 * lead.get(w, nan)
+        d["timed_ms"] = {w: [1e3 * x for x in self.times.get(w, ())] for w in self.windows}
         return d

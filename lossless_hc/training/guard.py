@@ -377,7 +377,7 @@ class StepGuard:
 
     def stats(self) -> dict:
         """``{"verdict", "plan_ms", "dense_ms", "powersgd_ms", "windows", "window", "steps", "block",
-        "rounds", "trials", "span", "lead_plan_ms", "lead_dense_ms", "lead_powersgd_ms", "timed_ms"}``: the
+        "rounds", "trials", "span", "lead_plan_ms", "lead_dense_ms", "lead_powersgd_ms"}``: the
         verdict (None while a trial runs or before one starts), rank 0's medians of each window's timed steps
         at the last look in milliseconds (NaN for a window the trial did not run), the current trial's windows
         and first step index, the timed steps per window and round, the block length, the rounds of every
@@ -385,8 +385,7 @@ class StepGuard:
         (rechecks included: ``windows`` ``["plan"]``, the reference's medians as dense's and PowerSGD's), the
         steps the trial runs (:meth:`span`) or, after its verdict, ran (fewer after an early look's), rank 0's
         medians of the blocks' untimed first steps at the last look (NaN with blocks of 1): what switching
-        windows cost, left out of the verdict; and this rank's timed steps of the current or last trial, by
-        window, in the order they ran (milliseconds)."""
+        windows cost, left out of the verdict. Identical on every rank."""
         nan = float("nan")
         t = self.medians or {}
         lead = self.lead_medians or {}
@@ -396,5 +395,4 @@ class StepGuard:
         for w in WINDOWS_WITH_POWERSGD:
             d[f"{w}_ms"] = 1e3 * t.get(w, nan)
             d[f"lead_{w}_ms"] = 1e3 * lead.get(w, nan)
-        d["timed_ms"] = {w: [1e3 * x for x in self.times.get(w, ())] for w in self.windows}
         return d

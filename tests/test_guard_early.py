@@ -181,7 +181,7 @@ def test_a_guard_pickled_before_the_early_look_restores_and_looks():
     g = StepGuard(steps=5, start=0, block=1)
     drive(g, constant(plan=0.4, dense=1.0), 3)
     state = g.__dict__.copy()
-    for key in ("early", "looking", "looked", "span_run"):
+    for key in ("early", "looking", "looked"):
         del state[key]
     old = StepGuard.__new__(StepGuard)
     old.__setstate__(state)

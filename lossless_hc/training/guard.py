@@ -188,14 +188,12 @@ class StepGuard:
         self.reference: Optional[dict] = None
         self.looking: Optional[int] = None   # the trial step (from begin) of the look phase() last asked for
         self.looked: Optional[int] = None    # the trial step of the last early look that went on
-        self.span_run: Optional[int] = None  # steps the last trial ran up to its verdict
 
     windows = WINDOWS   # (class default: a guard pickled before PowerSGD's window had only these)
     reference: Optional[dict] = None   # (class default: a guard pickled before the recheck had none)
     early = GUARD_EARLY   # (class defaults: a guard pickled before the early look)
     looking: Optional[int] = None
     looked: Optional[int] = None
-    span_run: Optional[int] = None
 
     def __setstate__(self, state):
         # A guard pickled before PowerSGD's window kept its medians as (plan, dense) tuples.
@@ -360,7 +358,7 @@ class StepGuard:
             return
         if recheck:   # the new plans held against the reference (kept for the next re-plan), or a whole trial
             if verdict == "plan":
-                self.verdict, self.span_run = "plan", self.span()
+                self.verdict = "plan"
             else:
                 self.begin, self.rounds, self.reference = None, 1, None
             return
@@ -371,7 +369,6 @@ class StepGuard:
             self.rounds += 1
             return
         self.verdict = verdict
-        self.span_run = self.looking if early else self.span()
         self.reference = {w: self.medians[w] for w in self.windows if w != "plan"} \
             if verdict == "plan" and decisive else None
 
@@ -391,7 +388,9 @@ class StepGuard:
         lead = self.lead_medians or {}
         d = {"verdict": self.verdict, "windows": list(self.windows), "window": self.begin, "steps": self.steps,
              "block": self.block, "rounds": self.rounds, "trials": self.trials,
-             "span": self.span_run if self.verdict is not None and self.span_run is not None else self.span()}
+             # after a verdict, the trial step of the look that gave it (an early one's is below span())
+             "span": min(self.looking, self.span()) if self.verdict is not None and self.looking is not None
+             else self.span()}
         for w in WINDOWS_WITH_POWERSGD:
             d[f"{w}_ms"] = 1e3 * t.get(w, nan)
             d[f"lead_{w}_ms"] = 1e3 * lead.get(w, nan)

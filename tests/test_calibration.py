@@ -91,11 +91,13 @@ def test_the_calibration_times_a_top_k_plan_s_step_where_top_k_is_a_candidate(de
     assert specs_topk() == DEFAULT_CODEC_SECONDS["topk"]
 
 
-def test_each_calibration_measurement_prices_the_strategy_it_is_for():
+@pytest.mark.parametrize("topk_numel", [None, (1 << 14) + 3])
+def test_each_calibration_measurement_prices_the_strategy_it_is_for(topk_numel):
     """measure_codecs' mapping of its measurements to strategies' costs (its docstring's formulas), with a
     timer that runs each measured step once and returns a distinct time per measurement: a timer that only
     measures cannot tell fp16's time from bf16's, two scans from one, or a per-key cost divided by the
-    coordinates. Every measurement is timed exactly once, under its documented name."""
+    coordinates. Every measurement is timed exactly once, under its documented name; top-k's steps on
+    ``topk_numel`` coordinates (TOPK_NUMEL by default), which its prices are per."""
     from lossless_hc.training.calibration import (CODEC_MEASUREMENTS, POWERSGD_MATRIX, POWERSGD_RANK, TOPK_MEASUREMENTS,
                                                   TOPK_NUMEL, TOPK_RANKS, measure_codecs)
     from lossless_hc.training.powersgd import powersgd_layout
@@ -103,18 +105,22 @@ def test_each_calibration_measurement_prices_the_strategy_it_is_for():
     names = CODEC_MEASUREMENTS + TOPK_MEASUREMENTS
     # distinct primes (milliseconds): no sum or difference of two of them equals a third's multiple here
     t = dict(zip(names, (1e-3 * p for p in (2, 3, 5, 7, 101, 11, 13, 17, 19, 23, 3, 29, 31))))
-    seen = []
+    seen, cleared = [], []
+    tn = TOPK_NUMEL if topk_numel is None else topk_numel
 
     def timer(what, fn):
-        fn()
+        result = fn()
         seen.append(what)
+        if what == "topk_allgather_clear":
+            cleared.append(result.numel())   # the result a top-k-allgather step writes: the tensor's size
         return t[what]
     numel, density, ratio, world = 1 << 16, 0.01, 0.01, 4
-    out = measure_codecs("cpu", world, numel=numel, density=density, topk_ratio=ratio, timer=timer)
-    assert sorted(seen) == sorted(names)
+    given = {} if topk_numel is None else {"topk_numel": topk_numel}
+    out = measure_codecs("cpu", world, numel=numel, density=density, topk_ratio=ratio, timer=timer, **given)
+    assert sorted(seen) == sorted(names) and cleared == [tn]
     d, k = numel, max(1, int(density * numel))
     flops = powersgd_layout([POWERSGD_MATRIX], POWERSGD_RANK, 1).flops
-    kk = topk_count(TOPK_NUMEL, ratio)
+    kk = topk_count(tn, ratio)
     m, m_ag = min(world, TOPK_RANKS), max(2, min(world, TOPK_RANKS))
     expected = {
         "dense": (t["copy"] / d, 0.0),
@@ -125,8 +131,8 @@ def test_each_calibration_measurement_prices_the_strategy_it_is_for():
         "bf16": ((t["bf16"] + t["copy"]) / d, 0.0),
         "thc": ((t["thc"] + t["copy"]) / d, 0.0),
         "powersgd": (t["powersgd_passes"] / d, t["powersgd_products"] / flops),
-        "topk": (t["topk_encode"] / TOPK_NUMEL, t["topk_decode"] / (m * kk)),
-        "topk_allgather": ((t["topk_allgather_request"] + t["topk_allgather_clear"]) / TOPK_NUMEL,
+        "topk": (t["topk_encode"] / tn, t["topk_decode"] / (m * kk)),
+        "topk_allgather": ((t["topk_allgather_request"] + t["topk_allgather_clear"]) / tn,
                            (t["topk_allgather_finish"] - t["topk_allgather_clear"]) / (m_ag * kk)),
     }
     for strategy, costs in expected.items():
@@ -202,13 +208,33 @@ def test_a_density_below_one_key_prices_the_sketch_s_keys_per_one_key():
     assert out["sketch"] == pytest.approx((t["scan"] / (1 << 10), t["sketch"] - t["scan"]), rel=1e-12, abs=0)
 
 
-def test_the_link_is_timed_only_up_to_the_largest_tensor():
+def test_the_link_is_timed_only_up_to_the_largest_tensor_and_only_where_the_fit_reads():
+    """link_sizes' doc: the smallest size (fit_link's latency), the largest at most a quarter of the top and the
+    top (its slope); no size between, which fit_link would not read."""
     from lossless_hc.training.calibration import LINK_SIZES, link_sizes
     assert link_sizes(128 << 10) == (1 << 10, 1 << 15, 128 << 10)   # DigitsCNN's largest gradient
     assert link_sizes(100) == (1 << 10, 1 << 15)                     # a latency and a bandwidth point at least
-    assert link_sizes(64 << 20) == LINK_SIZES                        # capped at 4 MiB
+    assert link_sizes(64 << 20) == (1 << 10, 1 << 20, 1 << 22)       # capped at 4 MiB
     assert LINK_SIZES == (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)   # docs/DESIGN.md, "Calibration"
-    assert link_sizes((1 << 20) + 4) == (1 << 10, 1 << 15, 1 << 18, (1 << 20) + 4)   # the slope spans 4x
+    assert link_sizes((1 << 20) + 4) == (1 << 10, 1 << 18, (1 << 20) + 4)   # the slope spans 4x
+    assert link_sizes(1280000) == (1 << 10, 1 << 18, 1280000)        # NCF's 10,000 x 32 tables
+    assert link_sizes(1 << 17) == (1 << 10, 1 << 15, 1 << 17)        # exactly 4x: the quarter is in
+
+
+def test_top_k_is_timed_on_the_model_s_largest_tensor_within_bounds():
+    """topk_numel_for's doc: the largest tensor's float32 coordinates, clamped to [TOPK_MIN_NUMEL, TOPK_NUMEL];
+    TOPK_NUMEL for an unknown model; a negative or non-integer size refused."""
+    from lossless_hc.training.calibration import TOPK_MIN_NUMEL, TOPK_NUMEL, topk_numel_for
+    from lossless_hc.training.planner import LOSSY_MIN_BYTES
+    assert (TOPK_NUMEL, TOPK_MIN_NUMEL) == (1 << 20, LOSSY_MIN_BYTES // 4)
+    assert topk_numel_for(None) == TOPK_NUMEL
+    assert topk_numel_for(1280000) == 320000                          # NCF's tables
+    assert topk_numel_for(1 << 30) == TOPK_NUMEL
+    assert topk_numel_for(4 * TOPK_MIN_NUMEL - 4) == topk_numel_for(0) == TOPK_MIN_NUMEL
+    assert topk_numel_for(4 * TOPK_MIN_NUMEL + 7) == TOPK_MIN_NUMEL + 1   # whole coordinates
+    for bad, error in ((-4, ValueError), (4.0, TypeError)):
+        with pytest.raises(error):
+            topk_numel_for(bad)
 
 
 def test_link_fit_takes_each_size_s_fastest_sample_and_a_flat_pair_s_mean_cost():
@@ -255,18 +281,19 @@ def test_calibrate_fits_rank_0_s_samples_and_every_rank_takes_the_broadcast():
 
 def test_calibrate_times_the_local_work_with_its_repeats(monkeypatch):
     """calibrate(repeats=r) takes the fastest of r runs of each local measurement too, not measure_codecs'
-    default (a caller asking for 1 run, to calibrate fast, paid for 3)."""
+    default (a caller asking for 1 run, to calibrate fast, paid for 3); and its top-k steps on the
+    ``topk_numel`` it is given (TOPK_NUMEL by default)."""
     import lossless_hc.training.calibration as calibration
     asked = []
 
-    def measure_codecs(device, world_size, repeats=3, topk_ratio=None):
-        asked.append(repeats)
+    def measure_codecs(device, world_size, repeats=3, topk_ratio=None, topk_numel=None):
+        asked.append((repeats, topk_numel))
         return Calibration.default().codec_seconds
     monkeypatch.setattr(calibration, "measure_codecs", measure_codecs)
-    for repeats in (1, 5):
+    for repeats, numel in ((1, {}), (5, {"topk_numel": 12345})):
         calibration.calibrate(lambda t: None, lambda t: None, lambda t: None, 0, 2, sizes=(1 << 10, 1 << 12),
-                              repeats=repeats)
-    assert asked == [1, 5]
+                              repeats=repeats, topk_ratio=0.01, **numel)
+    assert asked == [(1, calibration.TOPK_NUMEL), (5, 12345)]
 
 
 def test_link_latency_is_floored_at_zero_and_sizes_span_a_factor_of_4():
@@ -351,6 +378,51 @@ def test_measure_link_sends_the_bytes_asked_and_keeps_the_fastest_timed_run(monk
         for _ in range(4)]
 
 
+def test_the_allgather_is_timed_at_the_bytes_that_send_what_the_allreduce_sends():
+    """allgather_bytes' doc: 2 B / n per rank (an allgather's (n-1) B' sent equals the allreduce's 2(n-1)/n B),
+    at most 4x fewer, whole float32 words, the smallest size unchanged, and never below it."""
+    from lossless_hc.training.calibration import allgather_bytes
+    assert allgather_bytes(1 << 20, 1 << 10, 2) == 1 << 20
+    assert allgather_bytes(1 << 20, 1 << 10, 4) == 1 << 19
+    assert allgather_bytes(1 << 20, 1 << 10, 8) == allgather_bytes(1 << 20, 1 << 10, 64) == 1 << 18   # at most 4x
+    assert allgather_bytes(1 << 10, 1 << 10, 8) == 1 << 10          # the latency's size as it is
+    assert allgather_bytes(1030, 4, 4) == 512                       # whole float32 words
+    assert allgather_bytes(3000, 4, 3) == 2000
+    assert allgather_bytes(8, 4, 8) == 4                             # not below the smallest size
+    with pytest.raises(ValueError):
+        allgather_bytes(1 << 20, 1 << 10, 0)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 16])
+def test_a_link_that_is_a_link_model_is_fitted_back_from_the_sizes_it_was_timed_at(world_size, monkeypatch):
+    """calibrate's samples name the bytes per rank each collective carried (the allgather's at allgather_bytes,
+    not the allreduce's size): on a fake clock that each collective advances by what a LinkModel prices the
+    bytes it is handed at this world size, rank 0 fits that LinkModel back exactly (alpha, beta, beta_g)."""
+    import types
+
+    import lossless_hc.training.calibration as calibration
+    link = LinkModel(2e-4, 9e-9, 13e-9)
+    clock = [0.0]
+    monkeypatch.setattr(calibration, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(calibration, "measure_codecs", lambda *a, **k: Calibration.default().codec_seconds)
+
+    def allreduce(t):
+        clock[0] += link.allreduce(4 * t.numel(), world_size)
+
+    def allgather(t):
+        clock[0] += link.allgather(4 * t.numel(), world_size)
+    samples = []
+    sizes = calibration.link_sizes(1 << 22)
+    cal = calibration.calibrate(allreduce, allgather, lambda t: None, 0, world_size, sizes=sizes, repeats=2,
+                                samples_out=samples)
+    gathered = [b for k, b, _ in samples if k == "allgather"]
+    assert gathered == [calibration.allgather_bytes(b, sizes[0], world_size) for b in sizes]
+    assert gathered[1:] == [b * 2 // min(world_size, 8) for b in sizes[1:]]
+    assert cal.link.alpha_s == pytest.approx(link.alpha_s, rel=1e-6)
+    assert cal.link.seconds_per_byte == pytest.approx(link.seconds_per_byte, rel=1e-6)
+    assert cal.link.allgather_seconds_per_byte == pytest.approx(link.allgather_seconds_per_byte, rel=1e-6)
+
+
 def test_every_timing_entry_point_refuses_no_repeats():
     """check_repeats (an int >= 1, returned as given) guards each function that times runs: measure_link and
     measure_codecs refuse 0 or fewer repeats with a ValueError before timing anything, as calibrate does,
@@ -383,7 +455,7 @@ def test_calibrate_on_one_rank_issues_no_collective_and_with_its_defaults_times_
         t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
     got = calibrate(lambda t: calls.append(("allreduce", t.dtype)), lambda t: calls.append(("allgather", t.dtype)),
                     broadcast, 1, 4, sizes=(1 << 10, 1 << 15), samples_out=samples)
-    assert got == sent and [(k, b) for k, b, _ in samples] == [(k, b) for b in (1 << 10, 1 << 15)
-                                                                for k in ("allreduce", "allgather")]
+    assert got == sent and [(k, b) for k, b, _ in samples] == [  # 4 ranks: the allgather's larger size halved
+        ("allreduce", 1 << 10), ("allgather", 1 << 10), ("allreduce", 1 << 15), ("allgather", 1 << 14)]
     assert calls == 2 * ([("allreduce", torch.float32)] * 4 + [("allgather", torch.float32)] * 4) + [
         ("broadcast", torch.float64)]

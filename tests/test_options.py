@@ -324,18 +324,24 @@ def test_auto_sends_plain_steps_in_the_dtypes_its_engine_carries():
 
 def test_auto_times_the_link_only_up_to_the_largest_tensor_it_knows():
     """AutoSpec.measure with ``largest_bytes`` (the adapter knows the model) times the link at
-    calibration.link_sizes of it, not at every size up to 4 MiB (which a model of small tensors never sends)."""
-    from lossless_hc.training.calibration import LINK_SIZES
+    calibration.link_sizes of it, not at every size up to 4 MiB (which a model of small tensors never sends),
+    and without it at link_sizes of 4 MiB; its top-k steps (lossy) on calibration.topk_numel_for of it."""
     from lossless_hc.training.planner import Calibration
     sent = Calibration.default()
 
     def broadcast(t):
         t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
-    for largest, sizes in ((1 << 16, [1 << 10, 1 << 16]), (None, list(LINK_SIZES))):
+    for largest, sizes in ((1 << 16, [1 << 10, 1 << 16]), (None, [1 << 10, 1 << 20, 1 << 22])):
         spec = AutoSpec()
         spec.measure(lambda t: None, lambda t: None, broadcast, 1, 2, "cpu", largest_bytes=largest)
         assert spec.calibration_stats()["link_sizes"] == sizes
         assert sorted({b for _, b, _ in spec.calibration_stats()["link_samples"]}) == sizes
+        assert spec.calibration_stats()["topk_numel"] is None   # exact: top-k is no candidate, not timed
+    # rank 0 times the codecs: top-k's steps on the model's largest tensor (within bounds), here 2^16 / 4
+    for largest, numel in ((1 << 16, 1 << 14), (None, 1 << 20)):
+        spec = AutoSpec(lossy=True)
+        spec.measure(lambda t: None, lambda t: None, lambda t: None, 0, 1, "cpu", largest_bytes=largest)
+        assert spec.calibration_stats()["topk_numel"] == numel
 
 
 def test_auto_passes_integer_tensors_through():

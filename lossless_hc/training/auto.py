@@ -31,7 +31,7 @@ from lossless_hc.thc.table import check_bits
 from lossless_hc.lhc.layout import check_fraction
 from lossless_hc.training.adapter import AggregatorSpec, CompressorAdapter, EncodedTensor
 from lossless_hc.training.aggregate import TensorAggregator
-from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes
+from lossless_hc.training.calibration import LINK_SIZES, calibrate, link_sizes, topk_numel_for
 from lossless_hc.training.guard import StepGuard
 from lossless_hc.training.message import PART_DTYPES, check_sums, message_layout, pack_parts
 from lossless_hc.training.planner import (HALF_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS,
@@ -151,25 +151,29 @@ class AutoSpec(AggregatorSpec):
         """Calibrate on the engine's collectives (:func:`~lossless_hc.training.calibration.calibrate`: a
         collective, every rank at the same point) unless a calibration was given, timing the link at
         :func:`~lossless_hc.training.calibration.link_sizes` of ``largest_bytes`` (the largest tensor's
-        wire bytes, when the adapter knows the model; else every size of ``LINK_SIZES``), and record
-        what it cost (:meth:`calibration_stats`)."""
+        float32 bytes, when the adapter knows the model; else of the largest of ``LINK_SIZES``) and top-k's
+        step on :func:`~lossless_hc.training.calibration.topk_numel_for` of it, and record what it cost
+        (:meth:`calibration_stats`)."""
         if self.calibration is not None:
             return
-        sizes = LINK_SIZES if largest_bytes is None else link_sizes(largest_bytes)
+        sizes = link_sizes(LINK_SIZES[-1] if largest_bytes is None else largest_bytes)
         # the half allreduce's own price only where a plan may send half precision
         half = self.lossy and bool(set(self.strategies or HALF_STRATEGIES) & set(HALF_STRATEGIES))
         # the top-k strategies' steps timed where one is a candidate
         topk = self.lossy and bool(set(self.strategies or LOSSY_STRATEGIES) & set(TOPK_STRATEGIES))
         t0 = time.perf_counter()
         samples: list = []
+        numel = topk_numel_for(largest_bytes)
         self.set_calibration(calibrate(allreduce, allgather, broadcast, rank, world_size, device, sizes=sizes,
-                                       samples_out=samples, half=half, topk_ratio=self.topk_ratio if topk else None))
+                                       samples_out=samples, half=half, topk_ratio=self.topk_ratio if topk else None,
+                                       topk_numel=numel))
         self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes),
-                                 "link_samples": samples}
+                                 "link_samples": samples, "topk_numel": numel if topk else None}
 
     def calibration_stats(self) -> dict:
         """``{"source": "given" | "measured" | "pending", "seconds": on this rank, "link_sizes": bytes per
-        rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "alpha_s",
+        rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "topk_numel": the
+        coordinates top-k's steps were timed on (None: not timed), "alpha_s",
         "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte": the link every rank plans
         with, "codec_seconds": {strategy: [per coordinate, per touched coordinate]} the local costs it plans
         with}``

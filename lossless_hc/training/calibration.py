@@ -4,9 +4,11 @@ r"""Start-up calibration of the planner's cost model (:mod:`lossless_hc.training
 work on the real device, fits the link, and broadcasts rank 0's result, so every rank plans with the
 same numbers (the plans are deterministic functions of them and of aggregated statistics).
 
-Link fit. For every size ``B`` in :data:`LINK_SIZES` rank 0 keeps the fastest of ``repeats`` runs of a
-SUM allreduce and of an allgather (of B bytes per rank). With ``(x, y) = (2(n-1), 2(n-1)/n B)`` for the
-allreduce and ``((n-1), (n-1) B)`` for the allgather (the hops and the bytes of :class:`LinkModel`),
+Link fit. For every size ``B`` of :func:`link_sizes` rank 0 keeps the fastest of ``repeats`` runs of a
+SUM allreduce of B bytes per rank and of an allgather of :func:`allgather_bytes` (as many bytes per rank
+as send what the allreduce sends: ``2B/n``, at most 4x fewer; B at the smallest size). With ``(x, y) =
+(2(n-1), 2(n-1)/n B)`` for the allreduce and ``((n-1), (n-1) B)`` for an allgather of B bytes per rank
+(the hops and the bytes of :class:`LinkModel`),
 :func:`fit_link` prices each collective's bytes at its *marginal* cost, the slope between its two
 largest sizes, and the latency at the smallest size:
 
@@ -59,21 +61,23 @@ from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import check_int, is_real
 from lossless_hc.thc.codec import THCCodec
 from lossless_hc.training.topk_aggregate import topk_count
-from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, Calibration, CostModel, LinkModel
+from lossless_hc.training.planner import DEFAULT_CODEC_SECONDS, LOSSY_MIN_BYTES, Calibration, CostModel, LinkModel
 from lossless_hc.training.powersgd import powersgd_layout
 from lossless_hc.training.step import run_in_process
 from lossless_hc.training.strategies import AutoAggregator
 
 # bytes per rank (the most link_sizes times); 4 MiB: the largest pair's slope clears a 10 Gbit/s token
-# bucket's 1.25 MB burst too. At 1 Gbit/s the 4 MiB samples cost ~0.35 s, once.
+# bucket's 1.25 MB burst too (what that costs, once: docs/DESIGN.md, "Calibration").
 LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
 POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
-# top-k's step is timed on a tensor this large: its selection's fixed costs weigh at 2^18 coordinates (9-11 ns
-# per coordinate there, 2-3 ns from 2^20 on: docs/BENCHMARKS.md, "Top-k's price measured"); its decode on the sum
-# of at most TOPK_RANKS ranks' selections (the work per key of the union they make)
-TOPK_NUMEL, TOPK_RANKS = 1 << 20, 8
+# top-k's step is timed on a tensor as large as the model's largest, at most this large: its selection's fixed
+# costs weigh at 2^18 coordinates (9-11 ns per coordinate there, 2-3 ns from 2^20 on: docs/BENCHMARKS.md, "Top-k's
+# price measured"), and at least TOPK_MIN_NUMEL (LOSSY_MIN_BYTES of float32: smaller tensors stay exact by
+# default); its decode on the sum of at most TOPK_RANKS ranks' selections (the work per key of the
+# union they make)
+TOPK_NUMEL, TOPK_MIN_NUMEL, TOPK_RANKS = 1 << 20, LOSSY_MIN_BYTES // 4, 8
 
 
 def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> LinkModel:
@@ -122,14 +126,28 @@ def fit_link(samples: Sequence[tuple], world_size: int, fallback: LinkModel) -> 
 
 def link_sizes(largest_bytes: int) -> tuple:
     """The sizes (bytes per rank) worth timing for tensors of at most ``largest_bytes`` bytes on the
-    wire: those of :data:`LINK_SIZES` at most a quarter of it (so that the slope of :func:`fit_link` spans
-    a factor of 4 at least), then it, clamped to ``[LINK_SIZES[1], LINK_SIZES[-1]]`` (a latency-bound
-    and a bandwidth-bound point at least). Each size costs ``1 + repeats`` allreduces
-    and allgathers, so a model of small tensors is calibrated in a few round trips instead of
-    megabytes (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB; a model of 2 MiB tensors: 1, 32, 256 KiB
-    and 2 MiB)."""
+    wire, the three :func:`fit_link` reads: the smallest of :data:`LINK_SIZES` (the latency), the largest
+    of them at most a quarter of the top (so that the slope spans a factor of 4 at least), and the top,
+    ``largest_bytes`` clamped to ``[LINK_SIZES[1], LINK_SIZES[-1]]`` (a latency-bound and a
+    bandwidth-bound point at least). Each size costs ``1 + repeats`` allreduces and allgathers, so a
+    model of small tensors is calibrated in a few round trips instead of megabytes, and no size is timed
+    that the fit would not read (DigitsCNN, 128 KiB at most: 1, 32 and 128 KiB; a model of 2 MiB tensors:
+    1 KiB, 256 KiB and 2 MiB; 4 MiB or more: 1 KiB, 1 MiB and 4 MiB)."""
     top = min(LINK_SIZES[-1], max(LINK_SIZES[1], int(largest_bytes)))
-    return tuple(s for s in LINK_SIZES if 4 * s <= top) + (top,)
+    below = [s for s in LINK_SIZES if 4 * s <= top]   # LINK_SIZES[0] at least, as top >= LINK_SIZES[1]
+    return tuple(dict.fromkeys((below[0], below[-1], top)))
+
+
+def topk_numel_for(largest_bytes: Optional[int]) -> int:
+    """The coordinates top-k's step is timed on (:func:`measure_codecs`' ``topk_numel``) for tensors of at
+    most ``largest_bytes`` float32 bytes: that many coordinates, clamped to ``[TOPK_MIN_NUMEL,
+    TOPK_NUMEL]``; ``TOPK_NUMEL`` where the model is unknown (None). The selection's cost per coordinate
+    falls with the tensor's size (its fixed costs), so a model whose largest tensor is smaller than
+    :data:`TOPK_NUMEL` is priced at its own tensors' cost, not below it, and calibrates faster."""
+    if largest_bytes is None:
+        return TOPK_NUMEL
+    check_int(largest_bytes, "largest_bytes", least=0)
+    return min(TOPK_NUMEL, max(TOPK_MIN_NUMEL, largest_bytes // 4))
 
 
 def check_repeats(repeats) -> int:
@@ -148,19 +166,38 @@ def _best_time(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
+def allgather_bytes(nbytes: int, smallest: int, world_size: int) -> int:
+    """The bytes per rank :func:`measure_link` allgathers where it allreduces ``nbytes``: as many as make an
+    allgather send what that allreduce sends, ``2 nbytes / n`` (its ``(n-1) B`` against the allreduce's
+    ``2(n-1)/n B``), but at most 4x fewer (n > 8), in whole float32 words; the ``smallest`` size (the
+    latency's) unchanged. The slope between two such sizes clears a token bucket's burst exactly where the
+    allreduce's does, and it spans the same factor; an allgather of ``nbytes`` per rank would send ``n/2``
+    times the allreduce's bytes, the calibration's dearest samples, for sizes a plan's allgathers (a share
+    of a tensor's bytes per rank) stay far below."""
+    check_int(world_size, "world_size", least=1)
+    if nbytes <= smallest or world_size <= 2:
+        return nbytes
+    return max(smallest, 4 * ((nbytes * 2 // min(world_size, 8)) // 4))
+
+
 def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
-                 device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, half_sizes: Sequence[int] = ()) -> list:
-    """``[(kind, bytes per rank, seconds)]``: the fastest of ``repeats`` blocking collectives per size, a
-    float32 allreduce and allgather at each of ``sizes`` and a float16 allreduce at each of ``half_sizes``.
+                 device, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3, half_sizes: Sequence[int] = (),
+                 world_size: int = 2) -> list:
+    """``[(kind, bytes per rank, seconds)]``: the fastest of ``repeats`` blocking collectives per size after
+    one untimed run, a float32 allreduce at each of ``sizes`` and an allgather at :func:`allgather_bytes`
+    of each (``world_size`` ranks), and a float16 allreduce at each of ``half_sizes``.
     Collective: every rank must call it with the same arguments."""
     check_repeats(repeats)
+    smallest = min(sizes, default=0)
     samples = []
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         allreduce(t)   # warm-up (connection set-up, allocations)
         samples.append(("allreduce", nbytes, _best_time(lambda: allreduce(t), repeats)))
-        allgather(t)
-        samples.append(("allgather", nbytes, _best_time(lambda: allgather(t), repeats)))
+        gathered = allgather_bytes(nbytes, smallest, world_size)
+        g = t[:max(1, gathered // 4)]
+        allgather(g)
+        samples.append(("allgather", gathered, _best_time(lambda: allgather(g), repeats)))
     for nbytes in half_sizes:
         t = torch.ones(max(1, nbytes // 2), dtype=torch.float16, device=device)
         allreduce(t)
@@ -176,9 +213,11 @@ TOPK_MEASUREMENTS = ("topk_encode", "topk_decode", "topk_allgather_clear", "topk
 
 def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: float = CODEC_DENSITY,
                    repeats: int = 3, topk_ratio: Optional[float] = None,
-                   timer: Optional[Callable[[str, Callable[[], None]], float]] = None) -> dict:
+                   timer: Optional[Callable[[str, Callable[[], None]], float]] = None,
+                   topk_numel: int = TOPK_NUMEL) -> dict:
     """Local costs ``{strategy: (per_coordinate_s, per_key_s)}`` measured on ``device`` (module doc);
-    top-k's where ``topk_ratio`` is given (the share it selects), else its default.
+    top-k's where ``topk_ratio`` is given (the share it selects), its steps on ``topk_numel`` coordinates
+    (:func:`topk_numel_for`), else its default.
 
     ``timer(what, fn)``: the seconds one run of ``fn`` takes, ``what`` naming the measurement (one of
     :data:`CODEC_MEASUREMENTS`, and of :data:`TOPK_MEASUREMENTS` with ``topk_ratio``; each is timed once).
@@ -195,6 +234,7 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
     A caller's timer is how a test checks that every measurement prices the strategy it is for (a timer
     that only measures cannot tell fp16's time from bf16's)."""
     check_repeats(repeats)
+    check_int(topk_numel, "topk_numel", least=1)
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     x = torch.zeros(numel)
@@ -238,32 +278,32 @@ def measure_codecs(device, world_size: int, numel: int = CODEC_NUMEL, density: f
                 "thc": (thc_step + copy, 0.0),
                 "powersgd": (passes, per_flop)})
     if topk_ratio is not None:
-        out["topk"] = _topk_step(device, world_size, topk_ratio, timed)
-        out["topk_allgather"] = _topk_allgather_step(device, world_size, topk_ratio, timed)
+        out["topk"] = _topk_step(device, world_size, topk_ratio, topk_numel, timed)
+        out["topk_allgather"] = _topk_allgather_step(device, world_size, topk_ratio, topk_numel, timed)
     return out
 
 
-def _planned_ranks(strategy: str, ranks: int, ratio: float, device) -> tuple:
-    """``(aggregators, gradients)``: ``ranks`` ranks' ``auto`` aggregators of a :data:`TOPK_NUMEL`-coordinate
-    tensor held on ``strategy`` (top-k's ``ratio``), and a random gradient for each."""
+def _planned_ranks(strategy: str, ranks: int, ratio: float, numel: int, device) -> tuple:
+    """``(aggregators, gradients)``: ``ranks`` ranks' ``auto`` aggregators of a ``numel``-coordinate tensor held
+    on ``strategy`` (top-k's ``ratio``), and a random gradient for each."""
     model = CostModel(Calibration.default(), topk_ratio=ratio)
-    aggs = [AutoAggregator(f"calibration.{strategy}", (TOPK_NUMEL,), torch.float32, ranks, r, model, lossy=True,
+    aggs = [AutoAggregator(f"calibration.{strategy}", (numel,), torch.float32, ranks, r, model, lossy=True,
                            first=strategy, allowed=(strategy,), device=device, lossy_min_bytes=0)
             for r in range(ranks)]
     g = torch.Generator().manual_seed(1)
-    return aggs, [torch.randn(TOPK_NUMEL, generator=g).to(device) for _ in range(ranks)]
+    return aggs, [torch.randn(numel, generator=g).to(device) for _ in range(ranks)]
 
 
-def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
+def _topk_step(device, world_size: int, ratio: float, numel: int, timed: Callable) -> tuple:
     """``(per coordinate, per key)`` of an ``auto`` top-k plan's step between its statistics steps, run as
     the plan runs it (the selection with error feedback, the sketch of the ``k = ceil(ratio d)`` selected
     keys; the decode of ``m = min(n, TOPK_RANKS)`` ranks' summed payloads): one rank's encode per coordinate
-    of its :data:`TOPK_NUMEL`, its decode per key of the ``m k`` keys the ranks select (the cost model's
-    ``c d + k_s n k``, module doc of the planner): ``(t(topk_encode) / TOPK_NUMEL, t(topk_decode) / (m k))``
+    of a ``numel``-coordinate tensor (``d``), its decode per key of the ``m k`` keys the ranks select (the cost
+    model's ``c d + k_s n k``, module doc of the planner): ``(t(topk_encode) / d, t(topk_decode) / (m k))``
     with ``t`` measure_codecs' ``timer``. A statistics step's row scans, one step in an interval, are not
     priced (as a dense plan's)."""
     m = max(1, min(int(world_size), TOPK_RANKS))
-    aggs, xs = _planned_ranks("topk", m, ratio, device)
+    aggs, xs = _planned_ranks("topk", m, ratio, numel, device)
 
     # The first step, statistics, run whole: its inexact keys' request (which random selections summed over
     # several ranks make at every step) finished as a plan finishes it, or the step is never counted and the
@@ -273,22 +313,22 @@ def _topk_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
     encoded = [a.encode(x) for a, x in zip(aggs, xs)]
     summed = torch.stack([payload for payload, _ in encoded]).sum(0)
     ctx = encoded[0][1]
-    k = topk_count(TOPK_NUMEL, ratio)
-    per_coordinate = timed("topk_encode", lambda: aggs[0].encode(xs[0])) / TOPK_NUMEL
+    k = topk_count(numel, ratio)
+    per_coordinate = timed("topk_encode", lambda: aggs[0].encode(xs[0])) / numel
     per_key = timed("topk_decode", lambda: aggs[0].decode(summed, ctx)) / (m * k)
     return per_coordinate, per_key
 
 
-def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable) -> tuple:
+def _topk_allgather_step(device, world_size: int, ratio: float, numel: int, timed: Callable) -> tuple:
     """``(per coordinate, per pair)`` of an ``auto`` top-k-allgather plan's step between its statistics steps,
     run as the plan runs it: one rank's selection with error feedback into its ``k = ceil(ratio d)`` slots
     (encode, then the decode that makes the request) and the clearing of its result, per coordinate of
-    :data:`TOPK_NUMEL`; the sum of ``m = min(n, TOPK_RANKS)`` ranks' gathered pairs beyond that clearing, per
-    pair (the cost model's ``c d + k_s n k``): ``((t(topk_allgather_request) + t(topk_allgather_clear)) /
-    TOPK_NUMEL, max(0, t(topk_allgather_finish) - t(topk_allgather_clear)) / (m k))`` with ``t`` measure_codecs'
+    a ``numel``-coordinate tensor (``d``); the sum of ``m = min(n, TOPK_RANKS)`` ranks' gathered pairs beyond that
+    clearing, per pair (the cost model's ``c d + k_s n k``): ``((t(topk_allgather_request) +
+    t(topk_allgather_clear)) / d, max(0, t(topk_allgather_finish) - t(topk_allgather_clear)) / (m k))`` with ``t`` measure_codecs'
     ``timer``. At least 2 ranks (one rank's tensor is only ever dense)."""
     m = max(2, min(int(world_size), TOPK_RANKS))
-    aggs, xs = _planned_ranks("topk_allgather", m, ratio, device)
+    aggs, xs = _planned_ranks("topk_allgather", m, ratio, numel, device)
 
     def request(r):
         payload, ctx = aggs[r].encode(xs[r])
@@ -300,10 +340,10 @@ def _topk_allgather_step(device, world_size: int, ratio: float, timed: Callable)
     for a, (ctx, _) in zip(aggs, made):
         a.finish(ctx, gathered)
     ctx = made[0][0]
-    out = torch.empty(TOPK_NUMEL, dtype=torch.float32, device=device)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
     clear = timed("topk_allgather_clear", out.zero_)
-    per_coordinate = (timed("topk_allgather_request", lambda: request(0)) + clear) / TOPK_NUMEL
-    pairs = m * topk_count(TOPK_NUMEL, ratio)
+    per_coordinate = (timed("topk_allgather_request", lambda: request(0)) + clear) / numel
+    pairs = m * topk_count(numel, ratio)
     per_pair = max(0.0, timed("topk_allgather_finish", lambda: aggs[0].finish(ctx, gathered, out=out)) - clear) / pairs
     return per_coordinate, per_pair
 
@@ -332,7 +372,7 @@ def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[to
               broadcast: Callable[[torch.Tensor], None], rank: int, world_size: int, device="cpu",
               default: Calibration = None, sizes: Sequence[int] = LINK_SIZES, repeats: int = 3,
               samples_out: Optional[list] = None, half: bool = False,
-              topk_ratio: Optional[float] = None) -> Calibration:
+              topk_ratio: Optional[float] = None, topk_numel: int = TOPK_NUMEL) -> Calibration:
     """Rank 0's calibration on every rank (collective: every rank calls it at the same point).
 
     ``allreduce(t)``: blocking in-place SUM of ``t`` (float32, and float16 where ``half``: the half
@@ -340,17 +380,19 @@ def calibrate(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[to
     (the result unused); ``broadcast(t)``: blocking in-place broadcast of a float64 tensor from rank 0.
     ``repeats``: runs of each link size and local measurement, the fastest kept (:func:`measure_link`,
     :func:`measure_codecs`); ``samples_out``: a list that receives this rank's link samples; ``topk_ratio``:
-    top-k's share, where its plans are candidates (its step is timed, :func:`measure_codecs`)."""
+    top-k's share, where its plans are candidates (its step is timed on ``topk_numel`` coordinates,
+    :func:`measure_codecs`)."""
     check_repeats(repeats)
     default = default or Calibration.default()
     half_sizes = tuple(sorted(sizes)[-2:]) if half else ()
-    samples = measure_link(allreduce, allgather, device, sizes, repeats, half_sizes) if world_size > 1 else []
+    samples = (measure_link(allreduce, allgather, device, sizes, repeats, half_sizes, world_size)
+               if world_size > 1 else [])
     if samples_out is not None:
         samples_out.extend(samples)
     values = torch.zeros(len(default.as_list()), dtype=torch.float64)
     if rank == 0:
         link = fit_link(samples, world_size, default.link)
-        codecs = measure_codecs(device, world_size, repeats=repeats, topk_ratio=topk_ratio)
+        codecs = measure_codecs(device, world_size, repeats=repeats, topk_ratio=topk_ratio, topk_numel=topk_numel)
         values = torch.tensor(Calibration(link, codecs).as_list(), dtype=torch.float64)
     if world_size > 1:
         values = values.to(device)

@@ -231,7 +231,7 @@ class AutoHorovodCompressor(AutoCompressorAdapter, HorovodCompressor):
             count[0] += 1
             return f"{prefix}.{kind}{count[0]}"
 
-        self.spec.measure(   # the model is not known here: every size of LINK_SIZES
+        self.spec.measure(   # the model is not known here: the sizes of 4 MiB (link_sizes)
             lambda t: hvd.allreduce_(t, op=hvd.Sum, name=name("ar"), process_set=process_set),
             lambda t: hvd.allgather(t, name=name("ag"), process_set=process_set),
             lambda t: t.copy_(hvd.broadcast(t, _root(process_set), name=name("bc"), process_set=process_set)),

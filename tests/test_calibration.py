@@ -380,17 +380,23 @@ def test_measure_link_sends_the_bytes_asked_and_keeps_the_fastest_timed_run(monk
 
 def test_the_allgather_is_timed_at_the_bytes_that_send_what_the_allreduce_sends():
     """allgather_bytes' doc: 2 B / n per rank (an allgather's (n-1) B' sent equals the allreduce's 2(n-1)/n B),
-    at most 4x fewer, whole float32 words, the smallest size unchanged, and never below it."""
-    from lossless_hc.training.calibration import allgather_bytes
-    assert allgather_bytes(1 << 20, 1 << 10, 2) == 1 << 20
-    assert allgather_bytes(1 << 20, 1 << 10, 4) == 1 << 19
-    assert allgather_bytes(1 << 20, 1 << 10, 8) == allgather_bytes(1 << 20, 1 << 10, 64) == 1 << 18   # at most 4x
-    assert allgather_bytes(1 << 10, 1 << 10, 8) == 1 << 10          # the latency's size as it is
-    assert allgather_bytes(1030, 4, 4) == 512                       # whole float32 words
-    assert allgather_bytes(3000, 4, 3) == 2000
-    assert allgather_bytes(8, 4, 8) == 4                             # not below the smallest size
+    at most 4x fewer, whole float32 words, the smallest size unchanged and never gone below; all of B where
+    every size is below ALLGATHER_SCALED_FROM (1 MiB) or at 2 ranks."""
+    from lossless_hc.training.calibration import ALLGATHER_SCALED_FROM, allgather_bytes
+    assert ALLGATHER_SCALED_FROM == 1 << 20
+    big = (1 << 10, 1 << 18, 1 << 20)
+    assert allgather_bytes(1 << 20, big, 2) == 1 << 20
+    assert allgather_bytes(1 << 20, big, 4) == 1 << 19
+    assert allgather_bytes(1 << 18, big, 4) == 1 << 17                 # every size but the smallest
+    assert allgather_bytes(1 << 20, big, 8) == allgather_bytes(1 << 20, big, 64) == 1 << 18   # at most 4x
+    assert allgather_bytes(1 << 10, big, 8) == 1 << 10                 # the latency's size as it is
+    assert allgather_bytes(1030, (4, 1 << 20), 4) == 512               # whole float32 words
+    assert allgather_bytes(3000, (4, 1 << 20), 3) == 2000
+    assert allgather_bytes(8, (4, 8, 1 << 20), 8) == 4                 # not below the smallest size
+    small = (1 << 10, 1 << 15, (1 << 20) - 4)                          # a top below 1 MiB: as the allreduce
+    assert [allgather_bytes(b, small, 4) for b in small] == list(small)
     with pytest.raises(ValueError):
-        allgather_bytes(1 << 20, 1 << 10, 0)
+        allgather_bytes(1 << 20, big, 0)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 16])
@@ -416,7 +422,7 @@ def test_a_link_that_is_a_link_model_is_fitted_back_from_the_sizes_it_was_timed_
     cal = calibration.calibrate(allreduce, allgather, lambda t: None, 0, world_size, sizes=sizes, repeats=2,
                                 samples_out=samples)
     gathered = [b for k, b, _ in samples if k == "allgather"]
-    assert gathered == [calibration.allgather_bytes(b, sizes[0], world_size) for b in sizes]
+    assert gathered == [calibration.allgather_bytes(b, sizes, world_size) for b in sizes]
     assert gathered[1:] == [b * 2 // min(world_size, 8) for b in sizes[1:]]
     assert cal.link.alpha_s == pytest.approx(link.alpha_s, rel=1e-6)
     assert cal.link.seconds_per_byte == pytest.approx(link.seconds_per_byte, rel=1e-6)
@@ -454,8 +460,8 @@ def test_calibrate_on_one_rank_issues_no_collective_and_with_its_defaults_times_
         calls.append(("broadcast", t.dtype))
         t.copy_(torch.tensor(sent.as_list(), dtype=torch.float64))
     got = calibrate(lambda t: calls.append(("allreduce", t.dtype)), lambda t: calls.append(("allgather", t.dtype)),
-                    broadcast, 1, 4, sizes=(1 << 10, 1 << 15), samples_out=samples)
-    assert got == sent and [(k, b) for k, b, _ in samples] == [  # 4 ranks: the allgather's larger size halved
-        ("allreduce", 1 << 10), ("allgather", 1 << 10), ("allreduce", 1 << 15), ("allgather", 1 << 14)]
+                    broadcast, 1, 4, sizes=(1 << 10, 1 << 20), samples_out=samples)
+    assert got == sent and [(k, b) for k, b, _ in samples] == [  # 4 ranks: the allgather's 1 MiB size halved
+        ("allreduce", 1 << 10), ("allgather", 1 << 10), ("allreduce", 1 << 20), ("allgather", 1 << 19)]
     assert calls == 2 * ([("allreduce", torch.float32)] * 4 + [("allgather", torch.float32)] * 4) + [
         ("broadcast", torch.float64)]

@@ -5,8 +5,9 @@ work on the real device, fits the link, and broadcasts rank 0's result, so every
 same numbers (the plans are deterministic functions of them and of aggregated statistics).
 
 Link fit. For every size ``B`` of :func:`link_sizes` rank 0 keeps the fastest of ``repeats`` runs of a
-SUM allreduce of B bytes per rank and of an allgather of :func:`allgather_bytes` (as many bytes per rank
-as send what the allreduce sends: ``2B/n``, at most 4x fewer; B at the smallest size). With ``(x, y) =
+SUM allreduce of B bytes per rank and of an allgather of :func:`allgather_bytes` (where the link is timed
+up to 1 MiB or more, as many bytes per rank as send what the allreduce sends: ``2B/n``, at most 4x fewer;
+else, and at the smallest size, B). With ``(x, y) =
 (2(n-1), 2(n-1)/n B)`` for the allreduce and ``((n-1), (n-1) B)`` for an allgather of B bytes per rank
 (the hops and the bytes of :class:`LinkModel`),
 :func:`fit_link` prices each collective's bytes at its *marginal* cost, the slope between its two
@@ -69,6 +70,7 @@ from lossless_hc.training.strategies import AutoAggregator
 # bytes per rank (the most link_sizes times); 4 MiB: the largest pair's slope clears a 10 Gbit/s token
 # bucket's 1.25 MB burst too (what that costs, once: docs/DESIGN.md, "Calibration").
 LINK_SIZES = (1 << 10, 1 << 15, 1 << 18, 1 << 20, 1 << 22)
+ALLGATHER_SCALED_FROM = 1 << 20   # from this top size on, the allgather sends the allreduce's bytes (allgather_bytes)
 CODEC_NUMEL = 1 << 18
 CODEC_DENSITY = 0.01
 POWERSGD_MATRIX, POWERSGD_RANK = (256, 1024), 4   # a mid-sized layer: the flop rate of its products
@@ -166,18 +168,22 @@ def _best_time(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
-def allgather_bytes(nbytes: int, smallest: int, world_size: int) -> int:
-    """The bytes per rank :func:`measure_link` allgathers where it allreduces ``nbytes``: as many as make an
-    allgather send what that allreduce sends, ``2 nbytes / n`` (its ``(n-1) B`` against the allreduce's
-    ``2(n-1)/n B``), but at most 4x fewer (n > 8), in whole float32 words; the ``smallest`` size (the
-    latency's) unchanged. The slope between two such sizes clears a token bucket's burst exactly where the
-    allreduce's does, and it spans the same factor; an allgather of ``nbytes`` per rank would send ``n/2``
-    times the allreduce's bytes, the calibration's dearest samples, for sizes a plan's allgathers (a share
-    of a tensor's bytes per rank) stay far below."""
+def allgather_bytes(nbytes: int, sizes: Sequence[int], world_size: int) -> int:
+    """The bytes per rank :func:`measure_link` allgathers where it allreduces ``nbytes`` of ``sizes``: as many
+    as make an allgather send what that allreduce sends, ``2 nbytes / n`` (its ``(n-1) B`` against the
+    allreduce's ``2(n-1)/n B``), but at most 4x fewer (n > 8), in whole float32 words, where the largest of
+    ``sizes`` is at least :data:`ALLGATHER_SCALED_FROM`; ``nbytes`` itself at the smallest size (the latency's),
+    at 2 ranks or fewer, and where every size is below it. The slope between two such sizes spans the same
+    factor as the allreduce's and clears a token bucket's burst where the allreduce's does; an allgather of
+    ``nbytes`` per rank would send ``n/2`` times the allreduce's bytes, the calibration's dearest samples, for
+    sizes a plan's allgathers (a share of a tensor's bytes per rank) stay far below. Below 1 MiB the samples
+    cost little, and both collectives' may pass partly within a burst, differently from run to run; there an
+    allgather of B per rank, which sends more, is the steadier sample (docs/BENCHMARKS.md, "The calibration's
+    time")."""
     check_int(world_size, "world_size", least=1)
-    if nbytes <= smallest or world_size <= 2:
+    if world_size <= 2 or nbytes <= min(sizes) or max(sizes) < ALLGATHER_SCALED_FROM:
         return nbytes
-    return max(smallest, 4 * ((nbytes * 2 // min(world_size, 8)) // 4))
+    return max(min(sizes), 4 * ((nbytes * 2 // min(world_size, 8)) // 4))
 
 
 def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[[torch.Tensor], None],
@@ -188,13 +194,12 @@ def measure_link(allreduce: Callable[[torch.Tensor], None], allgather: Callable[
     of each (``world_size`` ranks), and a float16 allreduce at each of ``half_sizes``.
     Collective: every rank must call it with the same arguments."""
     check_repeats(repeats)
-    smallest = min(sizes, default=0)
     samples = []
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
         allreduce(t)   # warm-up (connection set-up, allocations)
         samples.append(("allreduce", nbytes, _best_time(lambda: allreduce(t), repeats)))
-        gathered = allgather_bytes(nbytes, smallest, world_size)
+        gathered = allgather_bytes(nbytes, sizes, world_size)
         g = t[:max(1, gathered // 4)]
         allgather(g)
         samples.append(("allgather", gathered, _best_time(lambda: allgather(g), repeats)))

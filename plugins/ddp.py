@@ -19,7 +19,10 @@ thread, in bucket order on every rank) checks the configuration; the first step 
 given ``first``) and needs no cost model, so the calibration on the process group (a few allreduce and
 allgather sizes, up to the largest gradient's bytes; rank 0's fit and codec timings broadcast) runs at
 the first call of the second step, when every gradient's size and first statistics are known, unless a
-``calibration`` was given. Per bucket it SUMs the first payloads (every parameter's statistics header
+``calibration`` was given -- or, with ``lossy=False``, where every gradient's statistics keep it dense
+whatever the calibration (:func:`~lossless_hc.training.planner.dense_dominates`: a gradient non-zero in
+every row, as a convolution's), at the first call of a step after a statistics step where one no longer
+does (``stats()["calibration"]["source"]`` "not needed" until then). Per bucket it SUMs the first payloads (every parameter's statistics header
 and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one per payload
 dtype, float64 for THC's, float32, bfloat16, float16, a narrower part travelling inside a wider one
 where that widens fewer than 256 KiB); the parameters whose strategy
@@ -314,15 +317,16 @@ class AutoHookState(HookState):
         if self._powersgd is not None:
             self._powersgd.plan_stats(d["plan"])
             d["buckets"] = self._powersgd.stats()
-        d["calibration"] = self.spec.calibration_stats()
+        d["calibration"] = self.spec.calibration_stats(deferred=self._steps >= 2)
         d["guard"] = guard_stats(self._guard, self._aggregators.values())
         return d
 
     def _begin_step(self, now: float) -> None:
         """Bucket 0's hook (main thread, every rank at the same step): count the step, time the one
-        before it for the step guard, calibrate at the second step, and set what this step runs."""
+        before it for the step guard, calibrate where a plan due needs it (from the second step: the model's
+        tensors and their first statistics are known then), and set what this step runs."""
         self._steps += 1
-        if self._steps == 2 and self.spec.calibration is None:   # the model's tensors are known now
+        if self.spec.calibration_due(self._aggregators.values()):
             self._calibrate()
         self._offered, self._offered_now = self._offered_now, frozenset()
         if self._guard is not None:
@@ -377,8 +381,9 @@ class AutoHookState(HookState):
 
     def _calibrate(self) -> None:
         """Rank 0's calibration on every rank (blocking collectives, main thread, at the first hook call
-        of the second step), the link timed up to the largest gradient's bytes; then every aggregator,
-        built during the first step without a cost model, gets it."""
+        of the first step whose due plans need it: the second, unless every gradient's plan keeps dense by
+        its bytes), the link timed up to the largest gradient's bytes; then every aggregator, built during
+        the first step without a cost model, gets it."""
         group, n = self.process_group, self.world_size
         device, root = self._collective_device(), self._root()
 
@@ -524,7 +529,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         aggs, grads, slices = powersgd.of_others(aggs), powersgd.of_others(grads), powersgd.of_others(slices)
     if divided is None:
         divided = divide_first(buffer, n)
-    steady = part is None and not guard_dense and state.spec.calibration is not None
+    steady = part is None and not guard_dense and not any(a.needs_cost_model() for a in aggs)
     plains = [a.plain_step() for a in aggs] if steady else [None]
     if guard_dense:   # what DDP's own hooks send: in place, or with lossy bf16_compress_hook's whole bucket
         plains = ["dense"] if settling else [guard_half(aggs, buffer.dtype) or "dense"]
@@ -536,7 +541,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
             return fut.value()
 
         return allreduce_half(buffer, n, state.process_group, plains[0]).then(half_plain)
-    # (plains is [None] off the steady path and the guard's dense window: no calibration yet, a PowerSGD part)
+    # (plains is [None] off the steady path and the guard's dense window: a plan waiting for the calibration, a
+    # PowerSGD part)
     as_is = all(p in ("dense", "allgather") for p in plains)
     if part is None and buffer.is_floating_point() and as_is:
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's

@@ -170,15 +170,24 @@ class AutoSpec(AggregatorSpec):
         self.calibration_cost = {"seconds": time.perf_counter() - t0, "link_sizes": list(sizes),
                                  "link_samples": samples, "topk_numel": numel if topk else None}
 
-    def calibration_stats(self) -> dict:
-        """``{"source": "given" | "measured" | "pending", "seconds": on this rank, "link_sizes": bytes per
+    def calibration_due(self, aggregators) -> bool:
+        """Whether the calibration is to be measured now: none is known and some aggregator has a plan due
+        that needs it (:meth:`AutoAggregator.needs_cost_model
+        <lossless_hc.training.strategies.AutoAggregator.needs_cost_model>`; a plan that keeps dense by its bytes
+        needs none). A function of the plans and statistics: identical on every rank."""
+        return self.calibration is None and any(a.needs_cost_model() for a in aggregators)
+
+    def calibration_stats(self, deferred: bool = False) -> dict:
+        """``{"source": "given" | "measured" | "pending" | "not needed", "seconds": on this rank, "link_sizes": bytes per
         rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "topk_numel": the
         coordinates top-k's steps were timed on (None: not timed), "alpha_s",
         "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte": the link every rank plans
         with, "codec_seconds": {strategy: [per coordinate, per touched coordinate]} the local costs it plans
         with}``
-        (``stats()["calibration"]`` of the auto adapters)."""
-        source = "given" if self.given_calibration else ("measured" if self.calibration is not None else "pending")
+        (``stats()["calibration"]`` of the auto adapters). ``deferred``: the adapter measures it only once a plan
+        needs it (:meth:`calibration_due`) and its first plans are made: not measured then is "not needed"."""
+        source = "given" if self.given_calibration else ("measured" if self.calibration is not None else
+                                                         "not needed" if deferred else "pending")
         link = {} if self.calibration is None else {
             "alpha_s": self.calibration.link.alpha_s, "seconds_per_byte": self.calibration.link.seconds_per_byte,
             "allgather_seconds_per_byte": self.calibration.link.allgather_seconds_per_byte,

@@ -91,15 +91,17 @@ class PlanTracker:
         self.reaggregated = {**self.reaggregated,
                              strategy: count if old is None else (1 - self.alpha) * old + self.alpha * count}
 
-    def stats(self, element_bytes: int = 4) -> TensorStats:
-        """The statistics a decision uses (and resets the per-interval peak and ``force``)."""
+    def stats(self, element_bytes: int = 4, reset: bool = True) -> TensorStats:
+        """The statistics a decision uses (and, with ``reset``, resets the per-interval peak and ``force``:
+        a look that decides nothing passes False)."""
         keys = -(-self.numel // self.row) if self.numel else 0
         ranks = [min(keys, math.ceil(k)) for k in self.rank_keys]
         top = max(ranks) if ranks else 0
         if self.peak_rank > top:   # the largest rank keeps its recent peak
             ranks[ranks.index(top)] = min(keys, self.peak_rank)
         union = min(keys, max(math.ceil(self.union), max(ranks) if ranks else 0))
-        self.peak_rank, self.force = 0, False
+        if reset:
+            self.peak_rank, self.force = 0, False
         reaggregated = {f"{s}_reaggregated": round(c) for s, c in self.reaggregated.items()}
         return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes, self.sparse,
                            **reaggregated)

@@ -68,7 +68,7 @@ from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.lossy_memory import LossyMemories
 from lossless_hc.training.plan_tracker import PlanTracker
 from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES,
-                                          PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel, unbuildable)
+                                          PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel, dense_dominates, unbuildable)
 from lossless_hc.training.plan_stats import TensorStats, bitmap_words, sketch_capacity, stats_header_words
 from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
@@ -95,8 +95,8 @@ class AutoAggregator(TensorRows, LossyMemories):
         shape, dtype: of the gradient.
         world_size, rank: of the group the engine reduces over.
         cost_model: a :class:`~lossless_hc.training.planner.CostModel` built on the broadcast calibration,
-            or None until it is known (set ``cost_model`` before the first plan is applied: a plan due
-            then waits for the next :meth:`encode`; DDP calibrates after the first step).
+            or None until it is known (set it before a plan that needs it is applied, :meth:`needs_cost_model`:
+            such a plan waits for the next :meth:`encode`; DDP calibrates after the first step that needs it).
         lossy: allow the lossy strategies (for a tensor of at least ``lossy_min_bytes`` bytes).
         lossy_min_bytes: smaller tensors are planned exactly even when ``lossy``
             (:data:`~lossless_hc.training.planner.LOSSY_MIN_BYTES`: the saving is at most twice their bytes
@@ -196,12 +196,15 @@ class AutoAggregator(TensorRows, LossyMemories):
 
     # -- the plan ----------------------------------------------------------------------------------
     def _plan(self) -> None:
-        if self.cost_model is None:
+        if self.cost_model is None and not self.dense_without_model():
             raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
         self._plan_due = False
         s = self.tracker.stats(element_bytes=self.plain_dtype.itemsize)
-        best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy,
-                                                 batched=self.batched)
+        if self.cost_model is None:   # no calibration could plan otherwise (dense_without_model)
+            best, predicted = "dense", {}
+        else:
+            best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy,
+                                                     batched=self.batched)
         self.predicted, self.plan_input = predicted, s
         self.plans += 1
         if best == "sketch":
@@ -246,8 +249,20 @@ class AutoAggregator(TensorRows, LossyMemories):
             due = self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps)
         if due:
             self._plan_due = True
-            if self.cost_model is not None:
+            if self.cost_model is not None or self.dense_without_model():
                 self._plan()
+
+    def dense_without_model(self) -> bool:
+        """Whether a plan due now keeps dense without a cost model: an exact plan (not ``lossy``) on dense
+        whose statistics no calibration could move off it (:func:`~lossless_hc.training.planner.dense_dominates`:
+        e.g. a gradient non-zero in every row)."""
+        return (not self.lossy and self.strategy == "dense" and self.tracker.rank_keys is not None
+                and dense_dominates(self.tracker.stats(self.plain_dtype.itemsize, reset=False), self.allowed))
+
+    def needs_cost_model(self) -> bool:
+        """Whether a plan is due that only a cost model can make (the DDP adapter then calibrates before the
+        next step); identical on every rank."""
+        return self._plan_due and self.cost_model is None
 
     def carries_statistics(self) -> bool:
         """Whether the next step's first payload carries the statistics header (else it is a plain step:

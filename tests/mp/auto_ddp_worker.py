@@ -177,6 +177,36 @@ def lossy_guard_half(steps=12):
     return out
 
 
+def deferred_calibration(steps=10, dense_steps=4):
+    """``auto_hook`` (exact, interval 2, no calibration given) on a 64-row table and a linear layer: every row in
+    each rank's batch for ``dense_steps`` steps, then 2 rows a rank. The calibration's source after each step,
+    the largest parameter difference from DDP's default allreduce, the plans."""
+    def run(state):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 8), torch.nn.Linear(8, 1)).to(DEVICE)
+        ddp = DistributedDataParallel(model)
+        if state is not None:
+            ddp.register_comm_hook(state, auto_hook)
+        opt, sources = torch.optim.SGD(model.parameters(), lr=0.1), []
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            ids = torch.arange(64) if step < dense_steps else torch.randint(0, 64, (2,), generator=g)
+            (ddp(ids.to(DEVICE)) ** 2).mean().backward()
+            opt.step()
+            if state is not None:
+                sources.append(state.stats()["calibration"]["source"])
+        return model, sources
+
+    ref, _ = run(None)
+    state = AutoHookState(interval=2)
+    got, sources = run(state)
+    st = state.stats()
+    return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "sources": sources,
+            "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
+            "calibration": state.spec.calibration.as_list()}
+
+
 def scenario(name):
     if name == "measured":   # the start-up calibration on the process group, then exact training
         return compare(AutoHookState(interval=2), steps=6)
@@ -198,18 +228,18 @@ def scenario(name):
         return {"digest": param_digest(got), "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()}}
     if name == "dense_steady":   # dense plans: the statistics ride in the bucket's own allreduce
         ref, ref_steps, _ = train_dense(None)
-        # measured calibration, at the second step. Dense and the sketch only: these tensors of 8 to 64 rows
-        # are priced by a loopback fit of 1 and 32 KiB samples, whose slopes a loaded machine can put anywhere
-        # (once, on 2 cores: an allgather plan for one of them), while the sketch never costs less than dense
-        # for a dense gradient
-        state = AutoHookState(interval=4, strategies=("dense", "sketch"))
+        # every strategy a candidate, no calibration given: every gradient is non-zero in every row, so no
+        # calibration could plan it off dense, and none is measured
+        state = AutoHookState(interval=4)
         got, got_steps, _ = train_dense(state)
         st = state.stats()
         return {"max_diff": max_param_diff(ref, got), "digest": param_digest(got), "stats": st,
                 "plan": {k: [v["strategy"], v["changes"]] for k, v in st["plan"].items()},
                 "plain_steps": {k: v["plain_steps"] for k, v in st["plan"].items()},
-                "calibration": state.spec.calibration.as_list(), "calibration_cost": st["calibration"],
+                "calibration": None, "calibration_cost": st["calibration"],
                 "collectives": got_steps, "ddp_collectives": ref_steps}
+    if name == "deferred":   # a table whose gradient is dense for 4 steps, then 2 rows a rank: calibrated then
+        return deferred_calibration()
     if name == "dense_steady_half":   # the same in bfloat16 and float16: plain steps in the buckets' dtype
         out = {}
         for dtype in (torch.bfloat16, torch.float16):

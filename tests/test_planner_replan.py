@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lossless_hc.training.step as step_module
+import lossless_hc.training.plan_tracker as plan_tracker
 import lossless_hc.training.strategies as strategies
 from lossless_hc.training.planner import STRATEGIES
 from lossless_hc.training.plan_stats import TensorStats, stats_header_words
@@ -15,6 +16,12 @@ from lossless_hc.training.aggregate import ConfigurationMismatch
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import _Choosing, record_sent, run_step, sparse_rows
 from test_planner_cost import MODEL, stats
+
+
+def fake_clock(monkeypatch, perf_counter) -> None:
+    """The aggregators' clock (their steps' and plans' modules) replaced by ``perf_counter``."""
+    for module in (strategies, plan_tracker):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=perf_counter))
 
 
 # -- a dense plan's cost: statistics one step in ``interval``, the switch margin, the calibration's sizes ---
@@ -290,7 +297,7 @@ def test_measured_seconds_are_an_ewma_of_each_step_s_encode_to_result_time(monke
     """plan_stats' measured seconds per strategy: the first step's encode-to-result time, then
     0.75 old + 0.25 new at every step (a clock that moves only when told to)."""
     now = [0.0]
-    monkeypatch.setattr(strategies, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    fake_clock(monkeypatch, lambda: now[0])
     n = 2
     aggs = [AutoAggregator("w", (64,), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
     for seconds in (1.0, 2.0, 4.0):
@@ -458,7 +465,7 @@ def test_encode_and_decode_seconds_grow_with_every_call(monkeypatch):
     """AggregationStats' encode_seconds and decode_seconds add every call's time: encode (statistics and plain
     steps, encode_plain), decode, and finish after a request (a clock that ticks one second per reading)."""
     ticks = iter(range(1, 1_000_000))
-    monkeypatch.setattr(strategies, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    fake_clock(monkeypatch, lambda: float(next(ticks)))
     n = 2
     rng = torch.Generator().manual_seed(3)
     for strategy, steps in (("dense", 3), ("allgather", 2), ("bf16", 3)):
@@ -489,7 +496,7 @@ def test_seconds_are_differences_of_the_clock_so_a_clock_that_stands_still_adds_
     """Every second counted is a difference of two clock readings (``perf_counter() - started``): where the
     clock stands still (here at 1000 s), encode_seconds, decode_seconds and the measured seconds stay 0, on
     statistics steps, plain steps and steps with a request alike."""
-    monkeypatch.setattr(strategies, "time", types.SimpleNamespace(perf_counter=lambda: 1000.0))
+    fake_clock(monkeypatch, lambda: 1000.0)
     n = 2
     rng = torch.Generator().manual_seed(4)
     for strategy in ("dense", "allgather", "bf16"):

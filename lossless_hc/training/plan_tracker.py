@@ -1,12 +1,18 @@
-"""The planner's statistics of one tensor across steps, and its re-planning schedule
-(:class:`PlanTracker`; the cost model that decides on them: :mod:`lossless_hc.training.planner`)."""
+"""The planner's statistics of one tensor across steps and its re-planning schedule (:class:`PlanTracker`), and
+the plan an ``auto`` tensor makes on them (:class:`PlannedTensor`, a part of
+:class:`~lossless_hc.training.strategies.AutoAggregator`; the cost model that decides:
+:mod:`lossless_hc.training.planner`)."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
+from lossless_hc.lhc.codec import LosslessCodec
 from lossless_hc.lhc.layout import check_fraction, check_int
-from lossless_hc.training.plan_stats import TensorStats
+from lossless_hc.training.capacity import append_recent
+from lossless_hc.training.planner import PLAIN_STRATEGIES, dense_dominates
+from lossless_hc.training.plan_stats import TensorStats, sketch_capacity
 
 
 class PlanTracker:
@@ -105,3 +111,136 @@ class PlanTracker:
         reaggregated = {f"{s}_reaggregated": round(c) for s, c in self.reaggregated.items()}
         return TensorStats(self.numel, self.row, self.world_size, tuple(ranks), union, element_bytes, self.sparse,
                            **reaggregated)
+
+
+class PlannedTensor:
+    """The plan of one ``auto`` tensor (a part of :class:`~lossless_hc.training.strategies.AutoAggregator`,
+    whose constructor sets what these methods read: ``tracker``, ``cost_model``, ``strategy``, ``allowed``, the
+    plan's record): when a plan is due (:class:`PlanTracker`), which steps carry the statistics, the cost
+    model's choice applied, and what it reports. Every decision is a function of the summed statistics and the
+    broadcast calibration: identical on every rank."""
+
+    # -- the plan ----------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        if self.cost_model is None and not self.dense_without_model():
+            raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
+        self._plan_due = False
+        s = self.tracker.stats(element_bytes=self.plain_dtype.itemsize)
+        if self.cost_model is None:   # no calibration could plan otherwise (dense_without_model)
+            best, predicted = "dense", {}
+        else:
+            best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy,
+                                                     batched=self.batched)
+        self.predicted, self.plan_input = predicted, s
+        self.plans += 1
+        if best == "sketch":
+            self._size_sketch(s)
+        if best != self.strategy:
+            append_recent(self.history, (self.steps, best))
+            self._changed_from, self.strategy = self.strategy, best
+
+    def replan(self) -> None:
+        """Plan again on the current statistics (its ``batched`` changed after this step's plan:
+        :func:`~lossless_hc.training.auto.settle_message_plans`); a change of this step's that it revises
+        stays one entry of ``history``, and none where it revises it back."""
+        prior = self.history[-1] if self.history and self.history[-1][0] == self.steps else None
+        before = self._changed_from
+        self._plan()
+        if prior is not None and self.history[-1] is not prior:
+            self.history.remove(prior)
+            if self.strategy == before:
+                self.history.pop()
+
+    def _size_sketch(self, s: TensorStats) -> None:
+        self._sketch_stats = s
+        cap, union = sketch_capacity(s)
+        self._codec = LosslessCodec(self.numel, self.world_size, cap, self.row, self.seed, device=self.device,
+                                    union_nnz=union)
+
+    def _measure(self, strategy: str, started: float) -> None:
+        self.steps += 1
+        seconds = time.perf_counter() - started
+        old = self.measured.get(strategy)
+        self.measured[strategy] = seconds if old is None else 0.75 * old + 0.25 * seconds
+
+    def _observe(self, ctx: AutoContext, union_keys: int) -> None:
+        """The step's time, and (a statistics step, ``ctx.observed``) its counts, unless its gradient carried
+        error memory (``ctx.carried_memory``: not the tensor's own counts; a plan due is still made)."""
+        self._measure(ctx.strategy, ctx.started)
+        if not ctx.observed:
+            return
+        if ctx.carried_memory:
+            due = self.tracker.skip(step=self.steps)
+        else:
+            due = self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps)
+        if due:
+            self._plan_due = True
+            if self.cost_model is not None or self.dense_without_model():
+                self._plan()
+
+    def dense_without_model(self) -> bool:
+        """Whether a plan due now keeps dense without a cost model: an exact plan (not ``lossy``) on dense
+        whose statistics no calibration could move off it (:func:`~lossless_hc.training.planner.dense_dominates`:
+        e.g. a gradient non-zero in every row)."""
+        return (not self.lossy and self.strategy == "dense" and self.tracker.rank_keys is not None
+                and dense_dominates(self.tracker.stats(self.plain_dtype.itemsize, reset=False), self.allowed))
+
+    def needs_cost_model(self) -> bool:
+        """Whether a plan is due that only a cost model can make (the DDP adapter then calibrates before the
+        next step); identical on every rank."""
+        return self._plan_due and self.cost_model is None
+
+    def carries_statistics(self) -> bool:
+        """Whether the next step's first payload carries the statistics header (else it is a plain step:
+        the bare tensor, :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place;
+        a half-precision plan's tensor in half precision, :meth:`plain_step`): always but for a dense,
+        fp16 or bf16 plan (and a sparse gradient's allgather plan when the engine sums sparse tensors
+        itself, ``native_sparse``: then the engine's own sparse allreduce is the bare step), which carries
+        them on its first step, on step counts that are multiples of
+        ``interval`` (each followed by a plan), after a failure (``force``) and when leaving THC or top-k
+        (their error feedback is flushed by :meth:`encode`); a tensor that can only be dense, on its first
+        step only. A function of the plan and the step count: identical on every rank (docs/DESIGN.md,
+        "What is exchanged when")."""
+        self._apply_due_plan()
+        plain = (("allgather",) if self.native_sparse else ()) if self.sparse else PLAIN_STRATEGIES
+        if self.strategy not in plain or self._thc is not None or self._topk is not None:
+            return True
+        if self.allowed == ("dense",):
+            return self.steps == 0 or self.tracker.force
+        return self._statistics_step()
+
+    def _statistics_step(self) -> bool:
+        """Whether the next step's counts are statistics: the first step, one in ``interval`` (those
+        after which a plan is due) and after a failure (``force``)."""
+        return self.steps == 0 or self.tracker.force or (self.steps + 1) % self.tracker.interval == 0
+
+    def plain_step(self) -> Optional[str]:
+        """The plan whose plain step the next step is (None: it carries the statistics,
+        :meth:`carries_statistics`): ``"dense"`` (or ``"allgather"``, ``native_sparse``) sends the gradient
+        as it is, in ``plain_dtype``, what the engine's own allreduce sends; ``"fp16"`` or ``"bf16"`` the
+        tensor in half precision, what the engine's own half-precision hook sends (:meth:`_plain`). An
+        adapter may run such a step as the engine does, in place (:meth:`record_plain_step`)."""
+        return None if self.carries_statistics() else self.strategy
+
+    def _apply_due_plan(self) -> None:
+        if self._plan_due:
+            self._plan()
+
+    def current_plan(self) -> tuple:
+        """``(strategy, statistics it was planned on)`` after applying a plan that is due (the statistics
+        are None before the first plan); identical on every rank."""
+        self._apply_due_plan()
+        return self.strategy, self.plan_input
+
+    # -- inspection -----------------------------------------------------------------------------------
+    def plan_stats(self) -> dict:
+        """The chosen strategy, the predicted seconds of every candidate at the last plan (the sketch's: a
+        lower bound where that already lost, :meth:`CostModel.choose`), the measured seconds (EWMA per
+        strategy used, encode to result on this rank), the bytes this rank sent, the steps and how many
+        of them were plain (dense without the statistics header, :meth:`carries_statistics`), the
+        last changes of strategy (``(step, strategy)``, at most ``capacity.HISTORY_KEEP``), whether the
+        gradient is sparse, and the second collectives its message batches with it (``batched``, sorted)."""
+        return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
+                "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
+                "plain_steps": self.plain_steps, "batched": sorted(self.batched),
+                "changes": list(self.history), "fallbacks": self.fallbacks, "sparse": self.sparse}

@@ -64,12 +64,11 @@ from lossless_hc.lhc.layout import check_fraction, check_uint64
 from lossless_hc.training.aggregate import (PARTIAL_MAX_FRACTION, AggregationStats, ConfigurationMismatch,
                                             partial_values, reaggregated_coordinates)
 from lossless_hc.training.topk_aggregate import TopKAggregator
-from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.lossy_memory import LossyMemories
-from lossless_hc.training.plan_tracker import PlanTracker
+from lossless_hc.training.plan_tracker import PlannedTensor, PlanTracker
 from lossless_hc.training.planner import (EXACT_STRATEGIES, HALF_DTYPES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES,
-                                          PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel, dense_dominates, unbuildable)
-from lossless_hc.training.plan_stats import TensorStats, bitmap_words, sketch_capacity, stats_header_words
+                                          PLAIN_STRATEGIES, TOPK_STRATEGIES, CostModel, unbuildable)
+from lossless_hc.training.plan_stats import TensorStats, bitmap_words, stats_header_words
 from lossless_hc.training.rows import TensorRows, gather_slots, sum_slots, sum_slots_dense
 from lossless_hc.training.step import AutoContext, AutoOutcome, Request  # noqa: F401  (Request: part of the API)
 from lossless_hc.training.thc_aggregate import THCAggregator
@@ -86,9 +85,10 @@ def half_payload(flat: torch.Tensor, strategy: str, divisor: Optional[int]) -> t
     return payload.div_(divisor) if strategy == "fp16" and divisor is not None else payload
 
 
-class AutoAggregator(TensorRows, LossyMemories):
+class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
     r"""One tensor under the planner (``auto``): runs the planned strategy, observes the statistics,
-    re-plans every ``interval`` steps (:class:`~lossless_hc.training.plan_tracker.PlanTracker`).
+    re-plans every ``interval`` steps (:class:`~lossless_hc.training.plan_tracker.PlanTracker`; the plan:
+    :class:`~lossless_hc.training.plan_tracker.PlannedTensor`).
 
     Args:
         name: identical on every rank (messages and ``stats()``).
@@ -193,118 +193,6 @@ class AutoAggregator(TensorRows, LossyMemories):
             guess = min(self.keys, max(1, math.ceil(FIRST_SKETCH_DENSITY * self.keys)))
             self._size_sketch(TensorStats(self.numel, self.row, self.world_size, (guess,) * self.world_size,
                                           min(self.keys, guess * self.world_size)))
-
-    # -- the plan ----------------------------------------------------------------------------------
-    def _plan(self) -> None:
-        if self.cost_model is None and not self.dense_without_model():
-            raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
-        self._plan_due = False
-        s = self.tracker.stats(element_bytes=self.plain_dtype.itemsize)
-        if self.cost_model is None:   # no calibration could plan otherwise (dense_without_model)
-            best, predicted = "dense", {}
-        else:
-            best, predicted = self.cost_model.choose(s, lossy=self.lossy, allowed=self.allowed, current=self.strategy,
-                                                     batched=self.batched)
-        self.predicted, self.plan_input = predicted, s
-        self.plans += 1
-        if best == "sketch":
-            self._size_sketch(s)
-        if best != self.strategy:
-            append_recent(self.history, (self.steps, best))
-            self._changed_from, self.strategy = self.strategy, best
-
-    def replan(self) -> None:
-        """Plan again on the current statistics (its ``batched`` changed after this step's plan:
-        :func:`~lossless_hc.training.auto.settle_message_plans`); a change of this step's that it revises
-        stays one entry of ``history``, and none where it revises it back."""
-        prior = self.history[-1] if self.history and self.history[-1][0] == self.steps else None
-        before = self._changed_from
-        self._plan()
-        if prior is not None and self.history[-1] is not prior:
-            self.history.remove(prior)
-            if self.strategy == before:
-                self.history.pop()
-
-    def _size_sketch(self, s: TensorStats) -> None:
-        self._sketch_stats = s
-        cap, union = sketch_capacity(s)
-        self._codec = LosslessCodec(self.numel, self.world_size, cap, self.row, self.seed, device=self.device,
-                                    union_nnz=union)
-
-    def _measure(self, strategy: str, started: float) -> None:
-        self.steps += 1
-        seconds = time.perf_counter() - started
-        old = self.measured.get(strategy)
-        self.measured[strategy] = seconds if old is None else 0.75 * old + 0.25 * seconds
-
-    def _observe(self, ctx: AutoContext, union_keys: int) -> None:
-        """The step's time, and (a statistics step, ``ctx.observed``) its counts, unless its gradient carried
-        error memory (``ctx.carried_memory``: not the tensor's own counts; a plan due is still made)."""
-        self._measure(ctx.strategy, ctx.started)
-        if not ctx.observed:
-            return
-        if ctx.carried_memory:
-            due = self.tracker.skip(step=self.steps)
-        else:
-            due = self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps)
-        if due:
-            self._plan_due = True
-            if self.cost_model is not None or self.dense_without_model():
-                self._plan()
-
-    def dense_without_model(self) -> bool:
-        """Whether a plan due now keeps dense without a cost model: an exact plan (not ``lossy``) on dense
-        whose statistics no calibration could move off it (:func:`~lossless_hc.training.planner.dense_dominates`:
-        e.g. a gradient non-zero in every row)."""
-        return (not self.lossy and self.strategy == "dense" and self.tracker.rank_keys is not None
-                and dense_dominates(self.tracker.stats(self.plain_dtype.itemsize, reset=False), self.allowed))
-
-    def needs_cost_model(self) -> bool:
-        """Whether a plan is due that only a cost model can make (the DDP adapter then calibrates before the
-        next step); identical on every rank."""
-        return self._plan_due and self.cost_model is None
-
-    def carries_statistics(self) -> bool:
-        """Whether the next step's first payload carries the statistics header (else it is a plain step:
-        the bare tensor, :meth:`encode`, or :meth:`record_plain_step` where the engine reduced it in place;
-        a half-precision plan's tensor in half precision, :meth:`plain_step`): always but for a dense,
-        fp16 or bf16 plan (and a sparse gradient's allgather plan when the engine sums sparse tensors
-        itself, ``native_sparse``: then the engine's own sparse allreduce is the bare step), which carries
-        them on its first step, on step counts that are multiples of
-        ``interval`` (each followed by a plan), after a failure (``force``) and when leaving THC or top-k
-        (their error feedback is flushed by :meth:`encode`); a tensor that can only be dense, on its first
-        step only. A function of the plan and the step count: identical on every rank (docs/DESIGN.md,
-        "What is exchanged when")."""
-        self._apply_due_plan()
-        plain = (("allgather",) if self.native_sparse else ()) if self.sparse else PLAIN_STRATEGIES
-        if self.strategy not in plain or self._thc is not None or self._topk is not None:
-            return True
-        if self.allowed == ("dense",):
-            return self.steps == 0 or self.tracker.force
-        return self._statistics_step()
-
-    def _statistics_step(self) -> bool:
-        """Whether the next step's counts are statistics: the first step, one in ``interval`` (those
-        after which a plan is due) and after a failure (``force``)."""
-        return self.steps == 0 or self.tracker.force or (self.steps + 1) % self.tracker.interval == 0
-
-    def plain_step(self) -> Optional[str]:
-        """The plan whose plain step the next step is (None: it carries the statistics,
-        :meth:`carries_statistics`): ``"dense"`` (or ``"allgather"``, ``native_sparse``) sends the gradient
-        as it is, in ``plain_dtype``, what the engine's own allreduce sends; ``"fp16"`` or ``"bf16"`` the
-        tensor in half precision, what the engine's own half-precision hook sends (:meth:`_plain`). An
-        adapter may run such a step as the engine does, in place (:meth:`record_plain_step`)."""
-        return None if self.carries_statistics() else self.strategy
-
-    def _apply_due_plan(self) -> None:
-        if self._plan_due:
-            self._plan()
-
-    def current_plan(self) -> tuple:
-        """``(strategy, statistics it was planned on)`` after applying a plan that is due (the statistics
-        are None before the first plan); identical on every rank."""
-        self._apply_due_plan()
-        return self.strategy, self.plan_input
 
     def record_plain_step(self, started: float, sparse_rows: Optional[int] = None, half: Optional[str] = None) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False, or the
@@ -645,16 +533,3 @@ class AutoAggregator(TensorRows, LossyMemories):
                 agg = self.topk_aggregator()
             return H + (agg.codec.payload_numel if agg.codec is not None else self.numel)
         return H
-
-    # -- inspection -----------------------------------------------------------------------------------
-    def plan_stats(self) -> dict:
-        """The chosen strategy, the predicted seconds of every candidate at the last plan (the sketch's: a
-        lower bound where that already lost, :meth:`CostModel.choose`), the measured seconds (EWMA per
-        strategy used, encode to result on this rank), the bytes this rank sent, the steps and how many
-        of them were plain (dense without the statistics header, :meth:`carries_statistics`), the
-        last changes of strategy (``(step, strategy)``, at most ``capacity.HISTORY_KEEP``), whether the
-        gradient is sparse, and the second collectives its message batches with it (``batched``, sorted)."""
-        return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
-                "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
-                "plain_steps": self.plain_steps, "batched": sorted(self.batched),
-                "changes": list(self.history), "fallbacks": self.fallbacks, "sparse": self.sparse}

@@ -21,11 +21,11 @@ allgather sizes, up to the largest gradient's bytes; rank 0's fit and codec timi
 the first call of the second step, when every gradient's size and first statistics are known, unless a
 ``calibration`` was given -- or, with ``lossy=False``, where every gradient's statistics keep it dense
 whatever the calibration (:func:`~lossless_hc.training.planner.dense_dominates`: a gradient non-zero in
-every row, as a convolution's), at the first call of a step after a statistics step where one no longer
-does (``stats()["calibration"]["source"]`` "not needed" until then). Per bucket it SUMs the first payloads (every parameter's statistics header
-and body) with one allreduce per part of the message (:mod:`lossless_hc.training.message`: one per payload
-dtype, float64 for THC's, float32, bfloat16, float16, a narrower part travelling inside a wider one
-where that widens fewer than 256 KiB); the parameters whose strategy
+(nearly) every row, as smooth activations leave them), at the first call of a step after a statistics step
+where one no longer does (``stats()["calibration"]["source"]`` "not needed" until then). Per bucket it SUMs
+the first payloads (every parameter's statistics header and body) with one allreduce per part of the message
+(:mod:`lossless_hc.training.message`: one per payload dtype, float64 for THC's, float32, bfloat16, float16, a
+narrower part travelling inside a wider one where that widens fewer than 256 KiB); the parameters whose strategy
 needs a second collective (allgather, two_phase's values, fp16/bf16, a sketch's exact fallback) get it
 from the future's callback on the bucket's own process group, like the fallback below: at most one
 allreduce per payload dtype and one allgather per bucket and step, the same on every rank. A bucket of dense plans between their

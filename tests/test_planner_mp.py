@@ -47,7 +47,8 @@ def ddp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_ddp")
     launch([sys.executable, os.path.join(HERE, "mp", "auto_ddp_worker.py"), str(SIZE), str(free_port()), str(out),
             ",".join(DDP_EXACT + DDP_SPARSE + ["dense_steady", "deferred", "dense_steady_half", "half_plain",
-                                                "lossy", "config_mismatch", "guard_mismatch", "guard_dense", "guard_plan",
+                                                "lossy", "config_mismatch", "guard_mismatch", "guard_dense",
+                                                "guard_plan",
                                                 "lossy_guard_dense", "lossy_guard_half",
                                                 "lossy_guard_plan", "lossy_guard_dense_gather",
                                                 "lossy_guard_plan_gather", "lossy_guard_dense_float16",

@@ -178,8 +178,8 @@ class AutoSpec(AggregatorSpec):
         return self.calibration is None and any(a.needs_cost_model() for a in aggregators)
 
     def calibration_stats(self, deferred: bool = False) -> dict:
-        """``{"source": "given" | "measured" | "pending" | "not needed", "seconds": on this rank, "link_sizes": bytes per
-        rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "topk_numel": the
+        """``{"source": "given" | "measured" | "pending" | "not needed", "seconds": on this rank, "link_sizes":
+        bytes per rank timed, "link_samples": [(kind, bytes per rank, seconds)] this rank timed, "topk_numel": the
         coordinates top-k's steps were timed on (None: not timed), "alpha_s",
         "seconds_per_byte", "allgather_seconds_per_byte", "half_seconds_per_byte": the link every rank plans
         with, "codec_seconds": {strategy: [per coordinate, per touched coordinate]} the local costs it plans

@@ -13,6 +13,7 @@ from lossless_hc.lhc.layout import check_fraction, check_int
 from lossless_hc.training.capacity import append_recent
 from lossless_hc.training.planner import PLAIN_STRATEGIES, dense_dominates
 from lossless_hc.training.plan_stats import TensorStats, sketch_capacity
+from lossless_hc.training.step import AutoContext
 
 
 class PlanTracker:

@@ -577,8 +577,9 @@ def dense_dominates(stats: TensorStats, allowed: Optional[tuple] = None) -> bool
     sizes, ``calibration.allgather_bytes``) and every calibration whose local costs are at least dense's
     per coordinate: ``s`` pays at least the first allreduce's latency that the margin leaves out, at
     least ``(1 - SWITCH_MARGIN)`` of dense's wire time, and at least dense's local work. E.g. a gradient
-    non-zero in every row (a convolution's, a bias'): the allgather of its rows moves ``n/2 (1 + 1/b)``
-    times dense's bytes, two_phase and the sketch at least dense's. So a run whose every tensor is
+    non-zero in every row (as smooth activations leave them; not a ReLU layer's, whose dead units' rows are
+    zero): the allgather of its rows moves ``n/2 (1 + 1/b)`` times dense's bytes, two_phase and the sketch
+    at least dense's. So a run whose every tensor is
     dominated needs no calibration (the DDP adapter measures it only once some tensor is not)."""
     names = EXACT_STRATEGIES if allowed is None else tuple(allowed)
     if stats.sparse or any(s not in EXACT_STRATEGIES for s in names):

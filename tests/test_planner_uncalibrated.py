@@ -10,8 +10,8 @@ import torch
 
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.planner import (DEFAULT_CODEC_SECONDS, EXACT_STRATEGIES, SWITCH_MARGIN, Calibration,
-                                          CostModel, LinkModel, dense_dominates, ring_bytes)
-from lossless_hc.training.plan_stats import TensorStats
+                                          CostModel, LinkModel, dense_dominates)
+from lossless_hc.training.plan_stats import TensorStats, bitmap_words
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import run_step
 
@@ -49,9 +49,16 @@ def test_the_margin_is_the_planner_s_switch_margin():
     assert not dense_dominates(stats(D, b, 4, D // 100, D // 25))   # an embedding table's few rows
 
 
-def test_ring_bytes_are_what_a_ring_moves_per_rank():
-    assert ring_bytes([("allreduce", 100)], 4) == 150 and ring_bytes([("allgather", 100)], 4) == 300
-    assert ring_bytes([("allreduce", 100), ("allgather", 10)], 2) == 110 and ring_bytes([("allreduce", 9)], 1) == 0
+def test_the_bytes_compared_are_what_a_ring_moves_per_rank():
+    """dense_dominates prices the strategies on a link of one second per byte, no latency and no local work:
+    its predictions are the ring's bytes per rank, 2(n-1)/n B per allreduce and (n-1) B per allgather."""
+    from lossless_hc.training.planner import _ring_bytes_model
+    unit, s = _ring_bytes_model(), stats(1000, 4, 4, 100, 300)
+    H = 4 * (1 + 2 * 4)   # the statistics header of 4 ranks
+    for strategy, expected in (("dense", 1.5 * (H + 4 * 4000)), ("allgather", 1.5 * H + 3 * 100 * (4 + 4 * 4)),
+                               ("two_phase", 1.5 * (H + 4 * bitmap_words(1000, 4)) + 1.5 * 4 * 300 * 4)):
+        assert unit.predict(strategy, s) == pytest.approx(expected), strategy
+    assert unit.predict("dense", stats(1000, 4, 1, 100, 100)) == 0
 
 
 def test_no_calibration_moves_a_dominated_tensor_off_dense():

@@ -432,20 +432,14 @@ class CostModel:
                 t -= link.latency(n, kind)
         return t + self.local_seconds(strategy, stats)
 
-    @staticmethod
-    def sketch_floor_bytes(stats: TensorStats) -> int:
-        """A lower bound of the sketch's first payload in bytes that does not size the layout: the header and
-        the union capacity alone (:func:`~lossless_hc.training.plan_stats.sketch_payload_numel` is at least
-        that)."""
-        n = stats.world_size
-        H = 4 * stats_header_words(n) + (4 * bitmap_words(stats.keys, n) if stats.sparse else 0)
-        return H + 4 * (sketch_capacity(stats)[1] if stats.numel else 0)
-
     def sketch_floor(self, stats: TensorStats) -> float:
         """A lower bound of ``predict("sketch", stats)`` that does not size the layout: the payload
-        priced at :meth:`sketch_floor_bytes` and without the inexact keys' request."""
-        return (self.calibration.link.allreduce(self.sketch_floor_bytes(stats), stats.world_size)
-                + self.local_seconds("sketch", stats))
+        priced at its union capacity alone (:func:`~lossless_hc.training.plan_stats.sketch_payload_numel` is at
+        least that) and without the inexact keys' request."""
+        n = stats.world_size
+        H = 4 * stats_header_words(n) + (4 * bitmap_words(stats.keys, n) if stats.sparse else 0)
+        words = sketch_capacity(stats)[1] if stats.numel else 0
+        return self.calibration.link.allreduce(H + 4 * words, n) + self.local_seconds("sketch", stats)
 
     def predict_message(self, plans) -> float:
         """Predicted seconds of one step of a message (a DDP bucket) whose tensors follow ``plans``, a
@@ -547,50 +541,39 @@ class CostModel:
         return best, predicted
 
 
-def ring_bytes(collectives, world_size: int) -> float:
-    """Bytes one rank moves through the ring in ``collectives`` (``[(kind, bytes per rank)]``, as
-    :meth:`CostModel.collectives` lists them): ``2(n-1)/n B`` for an allreduce, ``(n-1) B`` for an
-    allgather (0 for one rank)."""
-    n = int(world_size)
-    if n <= 1:
-        return 0.0
-    return sum((n - 1) * b if kind == "allgather" else 2 * (n - 1) / n * b for kind, b in collectives)
-
 
 @functools.lru_cache(maxsize=1)
-def _byte_counter() -> CostModel:
-    # the exact strategies' collectives do not depend on the calibration (only top-k's and THC's sizes do)
-    return CostModel(Calibration.default())
+def _ring_bytes_model() -> CostModel:
+    # a link of no latency and one second per byte, and no local work: its predictions are the bytes one rank
+    # moves through the ring, 2(n-1)/n B per allreduce and (n-1) B per allgather
+    return CostModel(Calibration(LinkModel(0.0, 1.0), {s: (0.0, 0.0) for s in PRICED}))
 
 
 def dense_dominates(stats: TensorStats, allowed: Optional[tuple] = None) -> bool:
     r"""Whether no calibration could move a tensor planned ``dense`` off it: true when the candidates
     (``allowed``, default every exact strategy) are all exact, the gradient is dense (not
     ``stats.sparse``), and every candidate ``s`` other than dense moves, per rank, at least
-    ``1 - SWITCH_MARGIN`` of dense's bytes through the ring (:func:`ring_bytes`; the sketch at
-    :meth:`CostModel.sketch_floor_bytes`, two_phase and allgather as :meth:`CostModel.collectives`)::
+    ``1 - SWITCH_MARGIN`` of dense's bytes through the ring (:meth:`CostModel.predict` on a link of no latency
+    and one second per byte, with no local work; the sketch at its :meth:`CostModel.sketch_floor`)::
 
-        ring_bytes(s) >= (1 - SWITCH_MARGIN) ring_bytes(dense)
+        bytes(s) >= (1 - SWITCH_MARGIN) bytes(dense)
 
     Then :meth:`CostModel.choose` with ``current="dense"`` keeps dense on every link that prices a byte
-    of an allgather as one of an allreduce (``beta_g = beta``; a calibration fits both from the same
-    sizes, ``calibration.allgather_bytes``) and every calibration whose local costs are at least dense's
-    per coordinate: ``s`` pays at least the first allreduce's latency that the margin leaves out, at
+    of an allgather as one of an allreduce (``beta_g = beta``) and every calibration whose local costs are at
+    least dense's per coordinate: ``s`` pays at least the first allreduce's latency that the margin leaves out, at
     least ``(1 - SWITCH_MARGIN)`` of dense's wire time, and at least dense's local work. E.g. a gradient
     non-zero in every row (as smooth activations leave them; not a ReLU layer's, whose dead units' rows are
     zero): the allgather of its rows moves ``n/2 (1 + 1/b)`` times dense's bytes, two_phase and the sketch
-    at least dense's. So a run whose every tensor is
-    dominated needs no calibration (the DDP adapter measures it only once some tensor is not)."""
+    at least dense's. So a run whose every tensor is dominated needs no calibration (the DDP adapter measures
+    it only once some tensor is not)."""
     names = EXACT_STRATEGIES if allowed is None else tuple(allowed)
     if stats.sparse or any(s not in EXACT_STRATEGIES for s in names):
         return False
-    counter, n = _byte_counter(), stats.world_size
-    dense = ring_bytes(counter.collectives("dense", stats), n)
+    moved = _ring_bytes_model()
+    dense = moved.predict("dense", stats)
     for s in names:
         if s == "dense":
             continue
-        moved = (ring_bytes([("allreduce", CostModel.sketch_floor_bytes(stats))], n) if s == "sketch" else
-                 ring_bytes(counter.collectives(s, stats), n))
-        if moved < (1.0 - SWITCH_MARGIN) * dense:
+        if (moved.sketch_floor(stats) if s == "sketch" else moved.predict(s, stats)) < (1.0 - SWITCH_MARGIN) * dense:
             return False
     return True

@@ -516,7 +516,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         if error is not None:
             psgd.buckets[index].add_to(error, buffer, grads)
     powersgd = None if guard_dense else state._powersgd_bucket(bucket, buffer, grads, aggs)
-    slices = None if buffer.is_sparse else bucket_slices(buffer, grads)
+    slices = None   # each gradient's slice of the bucket: made where a step writes results into them (not a plain one)
     part = None   # PowerSGD on some of the bucket's gradients: the future of their averages (a flat copy)
     if powersgd is not None:   # torch's powerSGD_hook, on the bucket's own group (training/powersgd.py)
         state._powersgd.count_step(powersgd, grads)
@@ -525,6 +525,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # its own group: the other gradients' second collectives use the bucket's, from another callback
         part = powersgd.run(powersgd.part(bucket.index(), grads),
                             state._fallback_group((bucket.index(), "powersgd")))
+        slices = bucket_slices(buffer, grads)
         part_slices = powersgd.of_members(slices)
         aggs, grads, slices = powersgd.of_others(aggs), powersgd.of_others(grads), powersgd.of_others(slices)
     if divided is None:
@@ -560,6 +561,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         return fut.then(plain)
     planned = [a.plans for a in aggs]
     message = AutoMessage(aggs, grads)
+    if slices is None and not buffer.is_sparse:
+        slices = bucket_slices(buffer, grads)
     # A dense float32 gradient's allgather sum is written straight into its slice of the bucket
     # (AutoAggregator.finish, after every read of the gradient) and divided there, on its union's rows
     # only: no zero-filled tensor, no copy back, no division of the table's zeros.

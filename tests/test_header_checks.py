@@ -1,7 +1,7 @@
 """The decoders' header checks name the exact failure (LHC: ``DecodeReport.status``; THC: a ValueError
-naming the field), and the LHC header's integer fields, capacity and key counts mean what the docs
-say: one test per rule, each with the status a caller branches on (a wrong but still non-ok status
-would send a caller down another path)."""
+naming the field; ``auto``'s statistics header: a ConfigurationMismatch), and the LHC header's integer
+fields, capacity and key counts mean what the docs say: one test per rule, each with the status a caller
+branches on (a wrong but still non-ok status would send a caller down another path)."""
 import pytest
 import torch
 
@@ -11,6 +11,11 @@ from lossless_hc.lhc.layout import (HDR_CONTRIBUTORS, HDR_FP_HI, HDR_INDEX_CHECK
                                     INDEX_CHECK_PRIMES)
 from lossless_hc.lhc.status import DecodeStatus, message
 from lossless_hc.thc.layout import HDR_CHECKSUM as THC_CHECKSUM, HDR_NON_FINITE as THC_NON_FINITE
+from lossless_hc.training.aggregate import ConfigurationMismatch
+from lossless_hc.training.plan_stats import stats_header_words
+from lossless_hc.training.strategies import AutoAggregator
+from test_planner import sparse_rows
+from test_planner_cost import MODEL
 
 N, NUMEL = 3, 1000
 
@@ -284,3 +289,21 @@ def test_fingerprints_fit_the_header_s_two_chunks():
     for fp in fps:
         used |= fp
     assert used == (1 << (2 * CHUNK_BITS)) - 1   # and every one of the 22 bits is in use
+
+
+@pytest.mark.parametrize("word", [0, 1, 4])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_auto_statistics_header_with_a_non_finite_word_is_refused_by_name(word, bad):
+    """``auto``'s statistics header (the contributor word, then two count fields per rank) holds small
+    integers in any sum of ranks' headers: a NaN or an infinity there is a ConfigurationMismatch naming the
+    tensor and the header, not a count read as an integer (the counts once went through float64 and int64,
+    where NaN became -2^63)."""
+    n = 2
+    rng = torch.Generator().manual_seed(8)
+    aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
+    enc = [a.encode(sparse_rows(rng, 64, 8, 5)) for a in aggs]
+    total = enc[0][0] + enc[1][0]
+    assert word < stats_header_words(n)
+    total[word] = bad
+    with pytest.raises(ConfigurationMismatch, match="w: the first payload's statistics header holds a non-finite"):
+        aggs[0].decode(total, enc[0][1])

@@ -497,8 +497,9 @@ def partial_values(ctx: EncodeContext, coords: torch.Tensor) -> torch.Tensor:
     return ctx.dense_value.detach().reshape(-1)[coords]
 
 
-def payload_is_averaged(payload: torch.Tensor, world_size: int, engine_averages: Optional[bool] = None) -> bool:
-    """Whether an engine averaged (True) or summed (False) a codec payload.
+def payload_is_averaged(payload, world_size: int, engine_averages: Optional[bool] = None) -> bool:
+    """Whether an engine averaged (True) or summed (False) a codec payload (a tensor, or its first words as
+    a sequence of floats).
 
     ``engine_averages``: what the engine does, where its plugin knows it (Horovod: the optimizer's
     ``op``); it is then the answer. Otherwise it is read from the payload: every rank writes 1 into

@@ -122,8 +122,9 @@ class PlannedTensor:
     broadcast calibration: identical on every rank."""
 
     # -- the plan ----------------------------------------------------------------------------------
-    def _plan(self) -> None:
-        if self.cost_model is None and not self.dense_without_model():
+    def _plan(self, without_model: bool = False) -> None:
+        """Make the plan due (``without_model``: the caller found :meth:`dense_without_model` true)."""
+        if self.cost_model is None and not (without_model or self.dense_without_model()):
             raise RuntimeError(f"{self.name}: a plan is due and no cost model is set (auto: not calibrated yet)")
         self._plan_due = False
         s = self.tracker.stats(element_bytes=self.plain_dtype.itemsize)
@@ -176,8 +177,10 @@ class PlannedTensor:
             due = self.tracker.observe(ctx.rank_keys, union_keys, step=self.steps)
         if due:
             self._plan_due = True
-            if self.cost_model is not None or self.dense_without_model():
+            if self.cost_model is not None:
                 self._plan()
+            elif self.dense_without_model():
+                self._plan(without_model=True)
 
     def dense_without_model(self) -> bool:
         """Whether a plan due now keeps dense without a cost model: an exact plan (not ``lossy``) on dense

@@ -324,6 +324,8 @@ def batched_second_collectives(strategies) -> list:
     collective its other tensors issue every step (:data:`SECOND_COLLECTIVE`), whose latency the message
     pays once whatever this tensor does (``batched`` of :meth:`CostModel.predict`)."""
     kinds = [SECOND_COLLECTIVE.get(s) for s in strategies]
+    if not any(kinds):   # (a message of dense plans, the common case: every hook call asks)
+        return [frozenset()] * len(kinds)
     issued = {k: kinds.count(k) for k in set(kinds) if k is not None}
     return [frozenset(k for k, c in issued.items() if c > (mine == k)) for mine in kinds]
 

@@ -82,10 +82,18 @@ class TensorRows:
     def _read_stats_header(self, summed: torch.Tensor, strategy: str) -> tuple:
         """``(averaged, per-rank row counts)`` from the summed (or averaged) statistics header of a plan of
         ``strategy``; ConfigurationMismatch unless every rank contributed, or (the engine's op known: ranks
-        that left by ``hvd.join()`` add zeros) a dense plan's, whose body sums the contributors exactly."""
+        that left by ``hvd.join()`` add zeros) a dense plan's, whose body sums the contributors exactly,
+        and where a word is not finite (no sum of headers holds one)."""
         n = self.world_size
-        averaged = payload_is_averaged(summed, n, self.engine_averages)
-        contributors = round(float(summed[0]) * (n if averaged else 1))
+        # One read of the header (one synchronisation on a GPU). Its words become Python floats exactly, so
+        # round(w * n) (half to even) is the float64 product rounded as torch.round would.
+        words = summed[:stats_header_words(n)].tolist()
+        if not all(math.isfinite(w) for w in words):
+            raise ConfigurationMismatch(f"{self.name}: the first payload's statistics header holds a non-finite "
+                                        "word: not a sum of the ranks' headers")
+        averaged = payload_is_averaged(words, n, self.engine_averages)
+        scale = n if averaged else 1
+        contributors = round(words[0] * scale)
         # any other strategy's next collective would miss the ranks that left
         joined = self.engine_averages is not None and 0 <= contributors < n
         if contributors != n and not (joined and strategy == "dense"):
@@ -93,8 +101,8 @@ class TensorRows:
                     "while every plan is dense" if joined else " (ranks built different plans?)")
             raise ConfigurationMismatch(f"{self.name}: the first payload has {contributors} contributors, "
                                         f"expected {n}{hint}")
-        fields = self._integers(summed[1:stats_header_words(n)], averaged).reshape(n, 2)
-        return averaged, tuple((fields[:, 0] + (fields[:, 1] << COUNT_FIELD_BITS)).tolist())
+        fields = [round(w * scale) for w in words[1:]]
+        return averaged, tuple(lo + (hi << COUNT_FIELD_BITS) for lo, hi in zip(fields[0::2], fields[1::2]))
 
     def _rows(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.reshape(self.keys, self.row)
@@ -107,10 +115,6 @@ class TensorRows:
 
     def _union_of(self, value: torch.Tensor) -> int:
         return int(torch.count_nonzero(self._present(value.reshape(-1)))) if self.numel else 0
-
-    def _integers(self, words: torch.Tensor, averaged: bool) -> torch.Tensor:
-        w = words.to(torch.float64)
-        return torch.round(w * self.world_size if averaged else w).to(torch.int64)
 
     def _scaled(self, summed: torch.Tensor, averaged: bool) -> torch.Tensor:
         return summed.div_(self.world_size) if averaged else summed

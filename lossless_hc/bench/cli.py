@@ -14,6 +14,8 @@ Usage::
         [--json PATH]
     python -m lossless_hc.bench plan --numel 4194304 [--row 1] [--density 1.0] [--workers 2]
         [--strategies dense,sketch,...] [--interval 16] [--repeat 3] [--device cpu|cuda] [--json PATH]
+    python -m lossless_hc.bench hook [--ranks 2] [--layers 24] [--width 64] [--bucket-kb 50] [--steps 400]
+        [--warmup 100] [--rounds 2] [--modes ddp,allreduce_hook,auto] [--json PATH]
     python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
     python -m lossless_hc.bench replay ...     (collective-only replay; needs root: lossless_hc.bench.replay)
     python -m lossless_hc.bench simulate ...   (the planner's cost model to 256 hosts: lossless_hc.bench.simulate)
@@ -57,6 +59,10 @@ second collective's finish of AutoAggregators held on that strategy, averaged ov
 interval) against ``torch.clone`` and ``copy_`` of one input (:mod:`lossless_hc.bench.plan`); status 1
 where an exact strategy's result is not the sum.
 
+``hook`` times DDP training steps of a many-tensor tanh MLP over loopback Gloo without a hook, with
+torch's ``allreduce_hook`` and with ``auto_hook`` (every plan dense): what the hook's own work adds to a
+step, and the parameters' difference from DDP's (:mod:`lossless_hc.bench.hook`).
+
 Importing this module has no side effects; the CLI lives in ``main``.
 """
 from __future__ import annotations
@@ -73,6 +79,7 @@ from lossless_hc.bench.codec import (CLUSTER_WINDOW, SUPPORTS, decode_verdict_ok
 from lossless_hc.bench.common import command_line, log, machine_info, write_json
 from lossless_hc.bench import wire as bench_wire
 from lossless_hc.bench.cluster import add_arguments as add_cluster_arguments
+from lossless_hc.bench.hook import HOOK_MODES, render_hook, run_hook_bench
 from lossless_hc.bench.peel import render_peel, run_peel_bench
 from lossless_hc.bench.plan import PLAN_STRATEGIES, render_plan, run_plan_bench
 from lossless_hc.bench.replay import add_arguments as add_replay_arguments
@@ -197,6 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     pl.add_argument("--json", metavar="PATH")
     pl.set_defaults(func=_cmd_plan)
+
+    hk = sub.add_parser("hook", help="DDP step time without a hook, with torch's allreduce_hook and with auto_hook "
+                                     "(every plan dense) on local workers: the hook's own cost")
+    hk.add_argument("--ranks", type=_positive_int, default=2)
+    hk.add_argument("--layers", type=_positive_int, default=24)
+    hk.add_argument("--width", type=_positive_int, default=64)
+    hk.add_argument("--batch", type=_positive_int, default=32)
+    hk.add_argument("--bucket-kb", type=_positive_int, default=50, help="DDP's bucket_cap_mb, in KiB")
+    hk.add_argument("--steps", type=_positive_int, default=400, help="timed steps per round")
+    hk.add_argument("--warmup", type=_nonnegative_int, default=100, help="untimed steps before them")
+    hk.add_argument("--rounds", type=_positive_int, default=2, help="the modes' order reversed every other round")
+    hk.add_argument("--modes", default=",".join(HOOK_MODES))
+    hk.add_argument("--json", metavar="PATH")
+    hk.set_defaults(func=_cmd_hook)
 
     w = sub.add_parser("wire", help="wire bits per aggregate non-zero of every index kind and of the automatic "
                                     "choice vs the information bound; table and plot")
@@ -343,6 +364,19 @@ def _cmd_plan(args) -> int:
     print(render_plan(res, machine, cmd))
     write_json(args.json, {"command": cmd, "machine": machine, **res})
     return 0 if res["ok"] else 1
+
+
+def _cmd_hook(args) -> int:
+    cmd = command_line()
+    try:
+        res = run_hook_bench(args.ranks, args.layers, args.width, args.batch, args.bucket_kb, args.steps, args.warmup,
+                             args.rounds, [m for m in args.modes.split(",") if m], log=log)
+    except ValueError as exc:
+        raise SystemExit(f"python -m lossless_hc.bench hook: error: {exc}")
+    machine = machine_info(0)
+    print(render_hook(res, machine, cmd))
+    write_json(args.json, {"command": cmd, "machine": machine, **res})
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -43,14 +43,13 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
-from lossless_hc.bench.common import command_line, machine_info, write_report
+from lossless_hc.bench.common import command_line, free_port, machine_info, write_report
 from lossless_hc.bench.netns import (HOST_IFACE, ClusterError, EmulatedCluster, require_root, run_on_clusters,
                                     terminate_on_signals)
 
@@ -154,12 +153,6 @@ class RunSpec:
     module: str = "lossless_hc.bench.workloads.train"  # the worker's entry point (python -m)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _stop(procs: Sequence[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -209,7 +202,7 @@ def run_workers(cluster: EmulatedCluster, framework: str, compression: str, spec
                          "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
                          "HOROVOD_CROSS_RANK": str(s.rank), "HOROVOD_CROSS_SIZE": str(n)})
     elif framework in ("ddp", "fsdp"):
-        port = _free_port()  # host 0's namespace has all ports free; any number will do
+        port = free_port()  # host 0's namespace has all ports free; any number will do
         for i in range(n):
             envs.append({"MASTER_ADDR": cluster.host_address(0), "MASTER_PORT": str(port), "RANK": str(i),
                          "WORLD_SIZE": str(n), "LOCAL_RANK": str(i % per_host),

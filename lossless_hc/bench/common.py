@@ -1,5 +1,5 @@
 """What every benchmark shares: the machine description, the command line, table formatting,
-round-robin timing against a baseline, and strict JSON output."""
+round-robin timing against a baseline, a free port, and strict JSON output."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import shlex
+import socket
 import statistics
 import sys
 import time
@@ -148,6 +149,12 @@ def time_interleaved(fns: dict, repeat: int, warmup: int = 1) -> dict:
     return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs": len(ts)}
             for name, ts in times.items()}
 
+
+def free_port() -> int:
+    """A TCP port no socket of this host holds now (the rendezvous of workers started next)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def log(msg: str) -> None:

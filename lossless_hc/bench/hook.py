@@ -23,6 +23,7 @@ of what separates the modes: an upper bound of what a hook adds to a step on a r
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import statistics
 import time
 from typing import Callable, Optional, Sequence
@@ -95,15 +96,23 @@ def _run_mode(mode: str, cfg: dict) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, cfg["ranks"], port, mode, cfg, queue)) for r in range(cfg["ranks"])]
     for p in procs:
         p.start()
+    result, deadline = None, time.monotonic() + cfg["timeout"]
     try:
-        result = queue.get(timeout=cfg["timeout"])
+        # rank 0's report, or an error as soon as a rank died without one (not the whole timeout later)
+        while result is None and time.monotonic() < deadline and not any(p.exitcode for p in procs):
+            try:
+                result = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                pass
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"bench hook: a {mode} rank exited with status {[p.exitcode for p in procs]}")
+    if result is None or any(p.exitcode for p in procs):
+        why = "rank 0 reported nothing" if result is None else "a rank failed after rank 0 reported"
+        raise RuntimeError(f"bench hook: {mode}: {why} (the ranks' exit statuses {[p.exitcode for p in procs]}, "
+                           f"timeout {cfg['timeout']:.0f} s)")
     return result
 
 

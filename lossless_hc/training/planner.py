@@ -551,6 +551,7 @@ def _ring_bytes_model() -> CostModel:
     return CostModel(Calibration(LinkModel(0.0, 1.0), {s: (0.0, 0.0) for s in PRICED}))
 
 
+@functools.lru_cache(maxsize=4096)   # pure, of hashable arguments; asked at every due plan without a model
 def dense_dominates(stats: TensorStats, allowed: Optional[tuple] = None) -> bool:
     r"""Whether no calibration could move a tensor planned ``dense`` off it: true when the candidates
     (``allowed``, default every exact strategy) are all exact, the gradient is dense (not

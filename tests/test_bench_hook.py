@@ -27,5 +27,9 @@ def test_every_mode_steps_and_auto_trains_ddp_s_parameters_without_a_calibration
 def test_bad_arguments_are_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match="modes must be some of"):
         run_hook_bench(modes=["ddp", "lossless"])
+    with pytest.raises(ValueError, match="each once"):
+        run_hook_bench(modes=["auto", "auto"])
     with pytest.raises(ValueError, match="ranks must be an integer >= 2"):
         run_hook_bench(ranks=1)
+    with pytest.raises(ValueError, match="warmup must be an integer >= 0"):
+        run_hook_bench(warmup=-1)

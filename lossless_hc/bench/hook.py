@@ -17,8 +17,9 @@ the future). The report gives each mode's median step against ``ddp``'s and agai
 the hook's time per call, and the largest difference of the final parameters from ``ddp``'s (0 where the
 world size is a power of two: dividing before or after the sum is then the same rounding).
 
-Loopback links and ranks sharing the machine's cores make the wire cheap, so the hook's own work is most
-of what separates the modes: an upper bound of what a hook adds to a step on a real link.
+Loopback links make the wire cheap, so the hook's own work is most of what separates the modes (where the
+ranks share the machine's cores, that work also takes them from the other ranks' backward passes); on a slow
+link the same work is a smaller share of the step.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import os
 import queue as queue_module
 import statistics
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -121,18 +122,21 @@ def run_hook_bench(ranks: int = 2, layers: int = 24, width: int = 64, batch: int
                    timeout: float = 600.0, log: Callable[[str], None] = lambda s: None) -> dict:
     """Every mode's pooled step times and hook times (seconds), and its parameters' largest difference
     from ``ddp``'s (module doc)."""
-    unknown = [m for m in modes if m not in HOOK_MODES]
-    if unknown or not modes:
-        raise ValueError(f"modes must be some of {', '.join(HOOK_MODES)}, got {list(modes)!r}")
-    for name, value in (("ranks", ranks), ("layers", layers), ("width", width), ("batch", batch),
-                        ("bucket_kb", bucket_kb), ("steps", steps), ("rounds", rounds)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if name == "ranks" else 1):
-            raise ValueError(f"{name} must be an integer >= {2 if name == 'ranks' else 1}, got {value!r}")
+    modes = list(modes)
+    if not modes or any(m not in HOOK_MODES for m in modes) or len(set(modes)) < len(modes):
+        raise ValueError(f"modes must be some of {', '.join(HOOK_MODES)}, each once, got {modes!r}")
+    for name, value, least in (("ranks", ranks, 2), ("layers", layers, 1), ("width", width, 1), ("batch", batch, 1),
+                               ("bucket_kb", bucket_kb, 1), ("steps", steps, 1), ("warmup", warmup, 0),
+                               ("rounds", rounds, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     cfg = dict(ranks=ranks, layers=layers, width=width, batch=batch, bucket_kb=bucket_kb, steps=steps,
                warmup=warmup, timeout=timeout)
     pooled = {m: {"steps": [], "calls": [], "params": None, "calibration": None} for m in modes}
     for r in range(rounds):
-        for mode in (modes if r % 2 == 0 else list(reversed(modes))):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
             t0 = time.perf_counter()
             got = _run_mode(mode, cfg)
             log(f"round {r + 1}/{rounds} {mode}: median step {1e3 * statistics.median(got['steps']):.2f} ms "
@@ -162,8 +166,8 @@ def render_hook(res: dict, machine: dict, cmd: str) -> str:
     base = modes.get("ddp", {}).get("step_median_s")
     torch_hook = modes.get("allreduce_hook", {}).get("step_median_s")
     rows = []
+    us = (lambda v: "-" if v is None else f"{1e6 * v:.0f}")
     for mode, m in modes.items():
-        us = (lambda v: "-" if v is None else f"{1e6 * v:.0f}")
         rows.append([mode, f"{1e3 * m['step_median_s']:.2f} ({1e3 * m['step_p10_s']:.2f}-{1e3 * m['step_p90_s']:.2f})",
                      "-" if base is None else f"{m['step_median_s'] / base:.2f}x",
                      "-" if torch_hook is None else f"{m['step_median_s'] / torch_hook:.2f}x",

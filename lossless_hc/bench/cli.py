@@ -14,8 +14,8 @@ Usage::
         [--json PATH]
     python -m lossless_hc.bench plan --numel 4194304 [--row 1] [--density 1.0] [--workers 2]
         [--strategies dense,sketch,...] [--interval 16] [--repeat 3] [--device cpu|cuda] [--json PATH]
-    python -m lossless_hc.bench hook [--ranks 2] [--layers 24] [--width 64] [--bucket-kb 50] [--steps 400]
-        [--warmup 100] [--rounds 2] [--modes ddp,allreduce_hook,auto] [--json PATH]
+    python -m lossless_hc.bench hook [--ranks 2] [--layers 24] [--width 64] [--batch 32] [--bucket-kb 50]
+        [--steps 400] [--warmup 100] [--rounds 2] [--modes ddp,allreduce_hook,auto] [--json PATH]
     python -m lossless_hc.bench cluster ...    (emulated cluster; needs root: see lossless_hc.bench.cluster)
     python -m lossless_hc.bench replay ...     (collective-only replay; needs root: lossless_hc.bench.replay)
     python -m lossless_hc.bench simulate ...   (the planner's cost model to 256 hosts: lossless_hc.bench.simulate)

@@ -530,9 +530,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         aggs, grads, slices = powersgd.of_others(aggs), powersgd.of_others(grads), powersgd.of_others(slices)
     if divided is None:
         divided = divide_first(buffer, n)
-    # (no aggregator waits for a cost model once the calibration is known: no look at them per bucket then)
-    steady = part is None and not guard_dense and (state.spec.calibration is not None or
-                                                   not any(a.needs_cost_model() for a in aggs))
+    # (calibration_due looks at the aggregators only while no calibration is known)
+    steady = part is None and not guard_dense and not state.spec.calibration_due(aggs)
     plains = [a.plain_step() for a in aggs] if steady else [None]
     if guard_dense:   # what DDP's own hooks send: in place, or with lossy bf16_compress_hook's whole bucket
         plains = ["dense"] if settling else [guard_half(aggs, buffer.dtype) or "dense"]

@@ -543,7 +543,6 @@ class CostModel:
         return best, predicted
 
 
-
 @functools.lru_cache(maxsize=1)
 def _ring_bytes_model() -> CostModel:
     # a link of no latency and one second per byte, and no local work: its predictions are the bytes one rank

@@ -153,23 +153,30 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
           finite &= std::isfinite(dst[l]);
         }
       }
-      for (uint64_t c = 0; c < cells; ++c) finite &= std::isfinite(group_mass[c]);
-      if (!finite) non_finite[g] = 1;
       const auto t1 = clock.now();
       build_states(t, T, gkeys.data(), kn, scratch);
       // Each cell's own rounding bound from its mass and degree (cell_error_bound). A cell holds
       // support keys exactly when its mass is positive (a support key is non-zero on some rank, and a
       // float sum of non-negative terms is 0 only if they all are): anything else is corruption (an
       // all-zero sketch under a valid index, a flipped mass word).
+      // The same pass checks the masses are finite, and lists the cells pure at the start in increasing
+      // order: peel_layers' first layer (one pass over the group's cells fewer).
       bool cells_bad = false;
       uint32_t max_deg = 0;
+      cur.resize(cells);
+      uint32_t* const pure_p = cur.data();
+      uint64_t pure_n = 0;
       for (uint64_t c = 0; c < cells; ++c) {
         const double m = (double)group_mass[c];
         const uint32_t deg = t.deg(c);
+        finite &= std::isfinite(m);
         cells_bad |= (deg > 0) != (m > 0.0);
         max_deg = std::max(max_deg, deg);
         t.set_acc(c, cell_error_bound(m, deg, ranks));
+        pure_p[pure_n] = (uint32_t)c;
+        pure_n += deg == 1;
       }
+      if (!finite) non_finite[g] = 1;
       corrupt[g] = cells_bad;
       // A cell of more keys than kMaxCellDegree fails the whole decode (below), unpeeled, as on CUDA.
       if (max_deg > kMaxCellDegree) {
@@ -199,7 +206,7 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
         return true;
       };
       peeled[g] = peel_layers(
-          t, kn, cur, next, layer, src, bits, order,
+          t, kn, cur, pure_n, next, layer, src, bits, order,
           [&, t, gvals, key_err, rtol, check_now, trace_keys, trace_cells](uint32_t pos, const uint64_t* cell,
                                                                             const double* coef) {
             // The key's error bound: its cell's, every other key of which was subtracted already

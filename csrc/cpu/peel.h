@@ -237,8 +237,10 @@ uint32_t peel(PeelCells t, uint32_t count, std::vector<uint32_t>& queue, Resolve
 // would read a key from whichever of its cells became pure first.) Within a layer keys do not depend
 // on each other: a key's pure cell holds no other key.
 // `resolve` is peel's; `order` gets the cells keys were read from, in the order they were resolved
-// (the backward pass of the verification bound walks it in reverse). cur, next, layer, src and bits
-// are scratch. Returns the number of keys resolved; sets `*bad` if the states are inconsistent.
+// (the backward pass of the verification bound walks it in reverse). cur holds t.cells() entries, the
+// first pure_n of them the cells pure at the start (degree 1) in increasing order, which the caller
+// lists in a pass over the cells it makes anyway; after that cur, next, layer, src and bits are
+// scratch. Returns the number of keys resolved; sets `*bad` if the states are inconsistent.
 // `batch(entries, order, next, &appended)` may resolve kBatch consecutive keys of a layer at once:
 // entries holds their (position, read cell) pairs in increasing position. It either declines
 // (false), having changed nothing, or does exactly what resolve and the state updates would do for
@@ -247,9 +249,9 @@ uint32_t peel(PeelCells t, uint32_t count, std::vector<uint32_t>& queue, Resolve
 // true. A batch that declines is resolved key by key.
 constexpr size_t kBatch = 8;
 template <typename Resolve, typename Batch>
-uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, std::vector<uint32_t>& next,
-                     std::vector<uint32_t>& layer, std::vector<uint32_t>& src, std::vector<uint64_t>& bits,
-                     std::vector<uint32_t>& order, Resolve&& resolve, Batch&& batch, bool* bad) {
+uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, uint64_t pure_n,
+                     std::vector<uint32_t>& next, std::vector<uint32_t>& layer, std::vector<uint32_t>& src,
+                     std::vector<uint64_t>& bits, std::vector<uint32_t>& order, Resolve&& resolve, Batch&& batch, bool* bad) {
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   const uint64_t cells = t.cells();
   // cur[0, cur_n) and next[0, next_n): a cell is queued once at most (pure at the start, or when its
@@ -260,7 +262,6 @@ uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, st
   // (position, read cell) for layer. The arrays are used through local pointers, which no store can
   // change (a vector's would be reloaded after every store into the cells), and stores by index (a
   // push_back is a call kept out of line).
-  cur.resize(cells);
   next.resize(cells);
   src.assign(count, kNone);
   bits.assign(((uint64_t)count + 63) / 64, 0);
@@ -271,11 +272,7 @@ uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, st
   uint32_t* const src_p = src.data();
   uint64_t* const bits_p = bits.data();
   uint32_t* const order_p = order.data();
-  uint64_t cur_n = 0, next_n = 0, order_n = 0;
-  for (uint64_t c = 0; c < cells; ++c) {
-    cur_p[cur_n] = (uint32_t)c;
-    cur_n += t.deg(c) == 1;
-  }
+  uint64_t cur_n = pure_n, next_n = 0, order_n = 0;
   uint32_t resolved = 0;
   const auto done = [&] {
     order.resize(order_n);

@@ -53,6 +53,19 @@ inline bool word_integers(const float* words, uint32_t n, double scale, const Di
   return bad == 0;
 }
 
+// Quotients by the powers of a base without a chain of divisions: q_j = floor(u / base^j) of an integer
+// u < 2^22 is the product (u + 0.5) inv[j] truncated, inv[j] = 1 / base^j rounded (exact: see
+// split_words; the argument holds for any divisor up to 2^22), so digit j of u, q_j - base q_(j+1),
+// comes from two products that do not wait for the digits below it.
+struct DigitReciprocals {
+  double inv[kMaxPerWord + 1];
+  DigitReciprocals(uint32_t base, uint32_t digits) {  // digits <= kMaxPerWord
+    double power = 1.0;
+    for (uint32_t j = 0; j <= digits; ++j, power *= base) inv[j] = 1.0 / power;
+  }
+  uint32_t quotient(double u, uint32_t j) const { return (uint32_t)(int32_t)((u + 0.5) * inv[j]); }
+};
+
 // Split words[0, n) (n <= kWordBlock) into digits; false if a word is not a valid packed integer (see
 // word_integers). Branch-free over words, so it vectorises (cloned for AVX-512 and AVX2, chosen at
 // load time). floor((u + 0.5) / base) computed as a double product with the rounded reciprocal is the

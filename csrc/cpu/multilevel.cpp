@@ -202,13 +202,9 @@ bool expand_children(const CodecLayout& L, uint32_t l, int nt, const std::vector
   const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
   const uint64_t child_limit = (L.num_keys + below - 1) / below;
   // Digit j of a word u < base^w <= 2^22 is q_j - base q_{j+1} with q_j = floor(u / base^j), each
-  // computed independently (no chain of divisions) as floor((u + 0.5) / base^j): a double product with
-  // the rounded reciprocal is the exact quotient (see split_words; the argument holds for any divisor
-  // up to 2^22).
+  // quotient computed on its own (DigitReciprocals).
   if (w > kMaxPerWord) return false;  // a layout guard
-  double inv[kMaxPerWord + 1];
-  double pw = 1.0;
-  for (uint32_t j = 0; j <= w; ++j, pw *= base) inv[j] = 1.0 / pw;
+  const DigitReciprocals powers(base, w);
   const uint64_t M = nodes.size();
   std::vector<uint64_t> sums(nt, 0);
   std::vector<char> bad(nt, 0);
@@ -229,7 +225,7 @@ bool expand_children(const CodecLayout& L, uint32_t l, int nt, const std::vector
         const double u = pat[i];
         if (u == 0.0) continue;
         uint32_t q[kMaxPerWord + 1];
-        for (uint32_t j = 0; j <= w; ++j) q[j] = (uint32_t)(int32_t)((u + 0.5) * inv[j]);
+        for (uint32_t j = 0; j <= w; ++j) q[j] = powers.quotient(u, j);
         // Branch-free (the zero digits are unpredictable): every digit is offered to the sink, which
         // keeps the non-zero ones.
         const uint64_t first_child = first + (uint64_t)i * w;

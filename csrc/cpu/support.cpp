@@ -135,10 +135,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     // (vectorised) plus (count(k) - 1) * part_f(k) over the few keys of count 2 or more.
     uint64_t check_stream;
     uint32_t base;  // of the digits
-    // inv_pow[i] = 1 / base^i rounded, i <= per_word: digit i of a word v is q_i - base q_(i+1), with
-    // q_i = floor(v / base^i) the product (v + 0.5) inv_pow[i] truncated, exact as in split_words (v <
-    // 2^22); each digit on its own, not a chain of divisions through the lower ones.
-    double inv_pow[kMaxPerWord + 1];
+    DigitReciprocals powers;  // of base, for a word's digits of 2 or more
     unsigned long long check[kIndexCheckFields];
     uint64_t room;  // free slots in the fullest bucket, at least
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
@@ -164,10 +161,10 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
       if (d.max > 1)
         for (uint32_t w = 0; w < words; ++w) {
           if (d.word_max[w] < 2) continue;
-          const double v = (double)d.value[w] + 0.5;
-          for (uint32_t m = d.nonzero[w]; m; m &= m - 1) {
+          const double v = d.value[w];
+          for (uint32_t m = d.nonzero[w]; m; m &= m - 1) {  // its non-zero digits
             const uint32_t i = (uint32_t)__builtin_ctz(m);
-            const uint32_t digit = (uint32_t)(v * inv_pow[i]) - base * (uint32_t)(v * inv_pow[i + 1]);
+            const uint32_t digit = powers.quotient(v, i) - base * powers.quotient(v, i + 1);
             if (digit < 2) continue;
             uint32_t part[kIndexCheckFields];
             index_check_parts(check_stream, (first_word + w) * per_word + i, part);
@@ -202,8 +199,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word;
   KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
-                L.index.base, {}, {0, 0}, 0};
-  for (uint32_t i = 0, p = 1; i <= L.index.per_word; ++i, p *= L.index.base) proto.inv_pow[i] = 1.0 / p;
+                L.index.base, DigitReciprocals(L.index.base, L.index.per_word), {0, 0}, 0};
   std::vector<KeySink> sinks(nt, proto);
   for (KeySink& sink : sinks)
     for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);

@@ -114,19 +114,22 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   {
     PeelTable storage;
     std::vector<uint32_t> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t g = 0; g < (int64_t)groups; ++g) {
-      const PeelCells t = storage.reset(table.seg_len, wpg);
+    // A group's peel, compiled twice: for one word per node (the loops over a node's words fold away;
+    // both levels of 2^26 coordinates at 0.1% on 8 ranks, say) and for any number of words.
+    const auto peel_group = [&](auto words_tag, int64_t g) {
+      constexpr uint64_t kWords = decltype(words_tag)::value;
+      const uint64_t W = kWords ? kWords : wpg;
+      const PeelCells t = storage.reset(table.seg_len, W);
       int32_t ws = kDecodeOk;
       for (uint64_t c = 0; c < gcells; ++c) {
         t.clear_state(c);
-        ws = worse_word_status(ws, read_fine_words(fine + ((uint64_t)g * gcells + c) * wpg, wpg, in.scale, t.values(c)));
+        ws = worse_word_status(ws, read_fine_words(fine + ((uint64_t)g * gcells + c) * W, W, in.scale, t.values(c)));
       }
       word_status[g] = ws;
-      if (ws != kDecodeOk) continue;
+      if (ws != kDecodeOk) return;
       const uint64_t kb = goff[g], kn = goff[g + 1] - kb;
       build_states(t, table, gnodes + kb, (uint32_t)kn, scratch);
-      uint32_t* gpat = pattern->data() + kb * wpg;
+      uint32_t* gpat = pattern->data() + kb * W;
       bool group_bad = false;
       // Words are exact integers of magnitude below 2^22 held in doubles, so every product by a sign
       // and every sum below is exact.
@@ -134,29 +137,29 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
           t, (uint32_t)kn, scratch,
           [&](uint32_t pos, const uint64_t* cell, const double* coef) {
             const double* src = t.values(cell[0]);
-            uint32_t* pat = gpat + (uint64_t)pos * wpg;
-            for (uint64_t i = 0; i < wpg; ++i) {
+            uint32_t* pat = gpat + (uint64_t)pos * W;
+            for (uint64_t i = 0; i < W; ++i) {
               const double u = coef[0] * src[i];  // the node's pattern word: its sign there times the cell
               if (!(u >= 0.0 && u < word_limit)) { group_bad = true; return false; }
               pat[i] = (uint32_t)u;
             }
             double* d0 = t.values(cell[0]);
-            for (uint64_t i = 0; i < wpg; ++i) d0[i] = 0.0;
+            for (uint64_t i = 0; i < W; ++i) d0[i] = 0.0;
             for (int j = 1; j < 3; ++j) {
               double* d = t.values(cell[j]);
-              for (uint64_t i = 0; i < wpg; ++i) d[i] -= coef[j] * (double)pat[i];
+              for (uint64_t i = 0; i < W; ++i) d[i] -= coef[j] * (double)pat[i];
             }
             return true;
           },
           &group_bad);
       if (!group_bad && resolved < kn)
-        resolved += solve_pairs(t, table, gnodes + kb, (uint32_t)kn, wpg, scratch,
+        resolved += solve_pairs(t, table, gnodes + kb, (uint32_t)kn, W, scratch,
                                 [&](uint32_t pa, uint32_t pb, const uint64_t* cell, const int* wa, const int* wb,
                                     const double* va, const double* vb) {
                                   if (group_bad) return;
-                                  uint32_t* pat_a = gpat + (uint64_t)pa * wpg;
-                                  uint32_t* pat_b = gpat + (uint64_t)pb * wpg;
-                                  for (uint64_t i = 0; i < wpg; ++i) {
+                                  uint32_t* pat_a = gpat + (uint64_t)pa * W;
+                                  uint32_t* pat_b = gpat + (uint64_t)pb * W;
+                                  for (uint64_t i = 0; i < W; ++i) {
                                     // Integer patterns (a division by det = +-2 that leaves a half is
                                     // no pair of patterns) that explain all three cells.
                                     const double a = va[i], b = vb[i];
@@ -168,14 +171,21 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
                                     pat_b[i] = (uint32_t)b;
                                   }
                                   for (int j = 0; j < 3; ++j)
-                                    for (uint64_t i = 0; i < wpg; ++i) t.values(cell[j])[i] = 0.0;
+                                    for (uint64_t i = 0; i < W; ++i) t.values(cell[j])[i] = 0.0;
                                 });
       bad[g] = group_bad;
-      if (group_bad) continue;
-      if (resolved != kn) { failed[g] = 1; continue; }
+      if (group_bad) return;
+      if (resolved != kn) { failed[g] = 1; return; }
       for (uint64_t c = 0; c < gcells && !leftover[g]; ++c)
-        for (uint64_t i = 0; i < wpg; ++i)
+        for (uint64_t i = 0; i < W; ++i)
           if (t.values(c)[i] != 0.0) leftover[g] = 1;
+    };
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < (int64_t)groups; ++g) {
+      if (wpg == 1)
+        peel_group(std::integral_constant<uint64_t, 1>(), g);
+      else
+        peel_group(std::integral_constant<uint64_t, 0>(), g);
     }
   }
   int32_t ws = kDecodeOk;

@@ -251,7 +251,8 @@ constexpr size_t kBatch = 8;
 template <typename Resolve, typename Batch>
 uint32_t peel_layers(PeelCells t, uint32_t count, std::vector<uint32_t>& cur, uint64_t pure_n,
                      std::vector<uint32_t>& next, std::vector<uint32_t>& layer, std::vector<uint32_t>& src,
-                     std::vector<uint64_t>& bits, std::vector<uint32_t>& order, Resolve&& resolve, Batch&& batch, bool* bad) {
+                     std::vector<uint64_t>& bits, std::vector<uint32_t>& order, Resolve&& resolve, Batch&& batch,
+                     bool* bad) {
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   const uint64_t cells = t.cells();
   // cur[0, cur_n) and next[0, next_n): a cell is queued once at most (pure at the start, or when its

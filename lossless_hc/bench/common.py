@@ -1,5 +1,5 @@
 """What every benchmark shares: the machine description, the command line, table formatting,
-round-robin timing against a baseline, a free port, and strict JSON output."""
+round-robin timing against a baseline, a free port, strict JSON output, and the end of a worker process."""
 from __future__ import annotations
 
 import json
@@ -155,6 +155,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def leave(code: int = 0) -> None:
+    """End a worker process after its report is written, without interpreter finalization.
+
+    Finalization frees what is left of the process group's and DDP's objects while torch's C++
+    threads may still drop their last tensor references; on Python <= 3.13 a thread that asks for
+    the GIL then is stopped by ``pthread_exit``, which C++ turns into ``std::terminate``
+    ("terminate called without an active exception", SIGABRT: a failed run whose results were
+    already written). The caller has finished every collective (and torn its group down); the
+    streams are flushed here, a ``multiprocessing`` queue must be closed and joined by the caller."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def end_gloo_rank(code: int = 0) -> None:
+    """:func:`leave` for a rank of a Gloo group this process initialised: free what the run left
+    (models, hooks, pending works) while Gloo and the interpreter are alive, wait for every rank
+    (none tears Gloo down while another still talks to it), destroy the group, leave."""
+    import gc
+    import torch.distributed as dist
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    leave(code)
 
 
 def log(msg: str) -> None:

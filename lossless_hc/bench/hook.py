@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lossless_hc.bench.common import format_table, free_port, machine_rows, section
+from lossless_hc.bench.common import end_gloo_rank, format_table, free_port, machine_rows, section
 
 HOOK_MODES = ("ddp", "allreduce_hook", "auto")
 
@@ -86,7 +86,10 @@ def _worker(rank: int, world: int, port: int, mode: str, cfg: dict, queue) -> No
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
         queue.put({"steps": steps[cfg["warmup"]:], "calls": calls[first_call:], "params": params,
                    "calibration": state.stats()["calibration"]["source"] if state is not None else None})
-    dist.destroy_process_group()
+        queue.close()
+        queue.join_thread()   # the report is in the pipe: leave() skips the finalizers that would flush it
+    del model, opt, state
+    end_gloo_rank()
 
 
 def _run_mode(mode: str, cfg: dict) -> dict:

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from lossless_hc.bench.common import leave
 from lossless_hc.bench.workloads import train
 
 
@@ -138,4 +139,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    train.leave()
+    leave()

@@ -3,7 +3,6 @@
 127.0.0.1:PORT, runs the comma-separated scenarios NAMES one after the other through the worker's
 ``scenario(name) -> dict`` and writes OUT_DIR/<name>.rank<r>.json (the result with ``size`` added).
 :func:`leave` ends a rank, for the FSDP2 worker's own launcher too."""
-import gc
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import lossless_hc._C
+from lossless_hc.bench.common import end_gloo_rank
 
 from models import DEVICE
 
@@ -32,18 +32,9 @@ def _rank(rank, size, port, out_dir, names, scenario):
 
 
 def leave() -> None:
-    """End this rank once every result is written and closed: free what the scenarios left (models, hooks,
-    pending works) while Gloo and the interpreter are alive, tear Gloo down together, and exit without the
-    interpreter's finalization. A C++ thread of torch's that drops a Python-owned tensor or runs a Python
-    hook while the interpreter finalizes aborts the process ("terminate called without an active
-    exception"; torch's destroy_process_group names the hazard for hooks): the exit status then reports
-    the scenarios alone."""
-    gc.collect()
-    dist.barrier()   # no rank tears Gloo down while another still talks to it
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    """End this rank once every result is written and closed (the exit status then reports the
+    scenarios alone): :func:`lossless_hc.bench.common.end_gloo_rank`."""
+    end_gloo_rank()
 
 
 def main(scenario) -> None:

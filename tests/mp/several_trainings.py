@@ -12,6 +12,7 @@ it (the same seed, its own model, optimizer and compressor), and rank 0 writes i
 """
 import sys
 
+from lossless_hc.bench.common import leave
 from lossless_hc.bench.workloads import train
 
 
@@ -23,7 +24,7 @@ def main():
     for argv in runs:
         train.main(argv)
     framework.shutdown()
-    train.leave()
+    leave()
 
 
 if __name__ == "__main__":

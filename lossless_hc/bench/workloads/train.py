@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from lossless_hc.bench.common import leave
 from lossless_hc.bench.cluster_report import AUTO, AUTO_EXACT
 from lossless_hc.bench.workloads.options import (LAUNCH_SCRIPTS, TORCH_ENV, ArgumentParser, HelpFormatter,
                                                  detect_launcher, device, fraction, launch_error, local_rank,
@@ -537,20 +538,6 @@ def main(argv=None, default_model="ncf") -> dict:
             torch.save(params, args.save_params)
     fw.shutdown()
     return result
-
-
-def leave(code: int = 0) -> None:
-    """End a worker process after its report is written, without interpreter finalization.
-
-    Finalization frees what is left of the process group's and DDP's objects while torch's C++
-    threads may still drop their last tensor references; on Python <= 3.13 a thread that asks for
-    the GIL then is stopped by ``pthread_exit``, which C++ turns into ``std::terminate``
-    ("terminate called without an active exception", SIGABRT: a failed run whose results were
-    already written). Every collective has finished here (``shutdown`` was called), so nothing is
-    lost by skipping finalization; the streams are flushed first."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

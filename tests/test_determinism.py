@@ -255,6 +255,38 @@ def test_avx512_value_peel_matches_the_scalar_step(cfg):
         assert reports_equal(report, outs[key][1])
 
 
+# World sizes whose bitmap words hold 22, 13, 11, 9, 8, 7, 6, 5, 4 and 3 digits (base n + 1): the
+# AVX-512 key listing's 16-slot chunks cross words at every offset; 45_001 keys end in a part-filled
+# block of 64 words.
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 8, 15, 31, 63])
+def test_bitmap_index_lists_the_same_keys_at_every_cpu_level(n):
+    """The bitmap index's keys are listed with AVX-512 where the CPU has it, otherwise word run by word
+    run: the same support (every key some rank holds, counted as often as ranks hold it) and the same
+    decode, bit for bit, at every level and thread count."""
+    from lossless_hc.backends import cpu
+    rng = np.random.default_rng(helpers.stable_seed(("bitmap-listing", n)))
+    numel, k = 45_001, 4_000
+    codec = LosslessCodec(numel, n, k, block_size=1, seed=7, index="bitmap")
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "wide")
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    union = int(torch.count_nonzero(torch.stack(xs).ne(0).any(0)))
+    outs = {}
+    try:
+        for isa in cpu.thc_cpu_isas():
+            cpu.thc_cpu_isa(isa)
+            for threads in (1, 3):
+                codec.num_threads = threads
+                outs[isa, threads] = codec.decode(summed, error_bounds=True)
+    finally:
+        cpu.thc_cpu_isa("default")
+    (y, report), *rest = outs.values()
+    assert report.support == union and report.candidates == union
+    assert report.ok or report.status.name == "INEXACT", report.reason
+    for key, (y_other, report_other) in zip(list(outs)[1:], rest):
+        assert same_bits(y, y_other), f"{key} decodes other bits"
+        assert reports_equal(report, report_other), key
+
+
 def test_peel_batch_setting_is_checked_and_restored():
     """lhc_peel_batch: 'on' and 'off' stick until 'default', which gives back the CPU's own default;
     any other request is a ValueError that changes nothing."""

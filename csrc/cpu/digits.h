@@ -110,6 +110,26 @@ struct DigitMaskTable {
 bool split_word_masks(const float* words, uint32_t n, double scale, const DigitPacking& P, const DigitMaskTable& M,
                       WordDigits* d);
 
+// The keys a block of index words lists (a non-zero digit each), in increasing order: key first + w *
+// per_word + i for bit i of masks[w], w < words (the masks of split_word_masks: bits below per_word).
+// Writes up to 16 entries past the keys it returns the count of (out needs words * per_word + 16).
+// With AVX-512 (thc_cpu_isa() "x86-64-v4") sixteen digit slots at a time, each slot's word moved into
+// its lane and tested, the set lanes' keys compressed into place: no branch on the keys, where the
+// scalar loop leaves each run of 64 / per_word words after its last key, a coin flip to the branch
+// predictor. The same keys either way.
+class DigitKeyLister {
+ public:
+  DigitKeyLister(uint32_t per_word, bool avx512);
+  uint32_t operator()(const uint32_t* masks, uint32_t words, uint32_t first, uint32_t* out) const;
+
+ private:
+  uint32_t per_word_;
+  bool avx512_;
+  // AVX-512: for each chunk c of 16 slots of a block, the first word it touches, and per lane the
+  // slot's word relative to it and the bit of the slot's digit.
+  std::vector<uint32_t> chunk_word_, lane_word_, lane_bit_;
+};
+
 // Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
 // of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
 // of them at low density); on a private copy of the sink, moved back at the end. Returns false if a

@@ -1,6 +1,9 @@
 // The support (the keys non-zero on at least one rank) from the bitmap and the Bloom index.
+#include <cstring>
+
 #include "digits.h"
 #include "peel.h"
+#include "thc_cpu.h"
 
 namespace lhc {
 namespace cpu {
@@ -127,6 +130,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   };
   struct KeySink {
     const SegmentedTable* table;
+    const DigitKeyLister* lister;
     std::vector<Bucket> buckets;
     std::vector<uint32_t> found, group;  // one block's keys and their groups
     uint64_t num_keys, sum;
@@ -141,20 +145,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
     bool operator()(uint64_t first_word, uint32_t words, const WordDigits& d) {
       if (d.max > world_size) return false;
       sum += d.sum;
-      // The non-zero masks of 64 / per_word consecutive words side by side in one 64-bit run (bit
-      // k * per_word + i for digit i of the run's word k: key first + that bit), then its set bits
-      // one by one: a few instructions per word and per key (most words are 0 at the densities where
-      // the bitmap is chosen), and one branch per run.
-      uint32_t* out = found.data();
-      const uint32_t run_words = 64 / per_word;
-      for (uint32_t w0 = 0; w0 < words; w0 += run_words) {
-        const uint32_t nw = std::min(run_words, words - w0);
-        uint64_t run = 0;
-        for (uint32_t k = 0; k < nw; ++k) run |= (uint64_t)d.nonzero[w0 + k] << (k * per_word);
-        const uint32_t first = (uint32_t)((first_word + w0) * per_word);
-        for (; run; run &= run - 1) *out++ = first + (uint32_t)__builtin_ctzll(run);
-      }
-      const uint32_t n = (uint32_t)(out - found.data());
+      const uint32_t n = (*lister)(d.nonzero, words, (uint32_t)(first_word * per_word), found.data());
       if (n == 0) return true;
       if (found[n - 1] >= num_keys) return false;  // a digit past the last key (in the last word)
       index_check_sums(check_stream, found.data(), nullptr, n, check);
@@ -197,7 +188,10 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   // Each thread's share of a group's keys, with room to spare: no reallocation for a valid payload.
   const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word;
-  KeySink proto{&T, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys), std::vector<uint32_t>(block_keys),
+  const DigitKeyLister lister(L.index.per_word, std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0);
+  // found: room for the lister's 16 entries past a block's keys
+  KeySink proto{&T, &lister, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys + 16),
+                std::vector<uint32_t>(block_keys),
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
                 L.index.base, DigitReciprocals(L.index.base, L.index.per_word), {0, 0}, 0};
   std::vector<KeySink> sinks(nt, proto);

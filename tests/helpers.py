@@ -7,7 +7,6 @@ the seeds), so every failure is reproducible from the printed example.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import zlib
@@ -17,6 +16,7 @@ import torch
 
 from lossless_hc import LosslessCodec
 from lossless_hc.backends import cpu as cpu_backend
+from lossless_hc.bench.common import free_port  # noqa: F401  (the tests' launches import it from here)
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.codec import key_coordinates
 from lossless_hc.lhc.contract import outside_bounds
@@ -515,13 +515,6 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     package = os.path.dirname(os.path.dirname(os.path.abspath(cpu_backend.__file__)))   # .../lossless_hc
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(package), env=dict(os.environ, **env))
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a launch's rendezvous (torch.distributed MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def codec_for(layout):

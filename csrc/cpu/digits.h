@@ -113,10 +113,10 @@ bool split_word_masks(const float* words, uint32_t n, double scale, const DigitP
 // The keys a block of index words lists (a non-zero digit each), in increasing order: key first + w *
 // per_word + i for bit i of masks[w], w < words (the masks of split_word_masks: bits below per_word).
 // Writes up to 16 entries past the keys it returns the count of (out needs words * per_word + 16).
-// With AVX-512 (thc_cpu_isa() "x86-64-v4") sixteen digit slots at a time, each slot's word moved into
-// its lane and tested, the set lanes' keys compressed into place: no branch on the keys, where the
-// scalar loop leaves each run of 64 / per_word words after its last key, a coin flip to the branch
-// predictor. The same keys either way.
+// With `avx512` (the caller passes cpu_isa_is_avx512()) sixteen digit slots at a time, each slot's word
+// moved into its lane and tested, the set lanes' keys compressed into place: no branch on the keys,
+// where the scalar loop leaves each run of 64 / per_word words after its last key, a coin flip to the
+// branch predictor. The same keys either way.
 class DigitKeyLister {
  public:
   DigitKeyLister(uint32_t per_word, bool avx512);

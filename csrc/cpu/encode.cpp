@@ -131,7 +131,7 @@ KeyParts find_nonzero_keys(const CodecLayout& L, const float* x, int nt, uint32_
   out.parts.resize(nt);
   out.vals.resize(nt);
   std::vector<uint32_t> bad(nt, 0);
-  const bool avx512 = std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0;
+  const bool avx512 = cpu_isa_is_avx512();
   (void)avx512;
 #pragma omp parallel num_threads(nt)
   {

@@ -211,7 +211,7 @@ namespace detail {
 bool value_peel_batch8_available(PeelCells t, uint32_t count) {
 #if LHC_PEEL_BATCH
   // Gather indices are signed 32-bit: a cell's words and the keys' positions must fit.
-  return value_peel_batch_on() && std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0 &&
+  return value_peel_batch_on() && cpu_isa_is_avx512() &&
          t.stride() == PeelCells::kStateSlots + 1 && t.cells() < (1ull << 27) && count < (1u << 31);
 #else
   (void)t;

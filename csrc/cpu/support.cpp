@@ -1,6 +1,4 @@
 // The support (the keys non-zero on at least one rank) from the bitmap and the Bloom index.
-#include <cstring>
-
 #include "digits.h"
 #include "peel.h"
 #include "thc_cpu.h"
@@ -188,7 +186,7 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
   // Each thread's share of a group's keys, with room to spare: no reallocation for a valid payload.
   const uint64_t expect = std::min<uint64_t>(in.total_keys, L.num_keys) / ((uint64_t)nt * groups);
   const uint64_t block_keys = (uint64_t)kWordBlock * L.index.per_word;
-  const DigitKeyLister lister(L.index.per_word, std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0);
+  const DigitKeyLister lister(L.index.per_word, cpu_isa_is_avx512());
   // found: room for the lister's 16 entries past a block's keys
   KeySink proto{&T, &lister, std::vector<Bucket>(groups), std::vector<uint32_t>(block_keys + 16),
                 std::vector<uint32_t>(block_keys),

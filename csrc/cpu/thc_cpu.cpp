@@ -327,6 +327,8 @@ void for_each_group(const ThcLayout& L, uint64_t chunk, ScratchBuffers& S, Group
 
 const char* thc_cpu_isa() { return kernels().name; }
 
+bool cpu_isa_is_avx512() { return std::strcmp(thc_cpu_isa(), "x86-64-v4") == 0; }
+
 bool thc_set_cpu_isa(const char* name) {
   const ThcKernels* k = (name && *name) ? find_kernels(name) : default_kernels();
   if (!k) return false;

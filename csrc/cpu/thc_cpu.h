@@ -106,9 +106,10 @@ void thc_deinterleave(const float* y, uint64_t numel, uint64_t nb, uint64_t bloc
 // Which compiled copy of the block kernels runs (csrc/cpu/thc_cpu_isa.h): "x86-64-v4" (AVX-512),
 // "x86-64-v3" (AVX2 + FMA) or "portable"; every copy computes the same bits. The best one this CPU
 // runs is chosen at first use, or the one the environment variable LHC_CPU_ISA names. The LHC value
-// peel's AVX-512 step (peel_batch.cpp) and the LHC encoder's AVX-512 scan (encode.cpp) run only while
-// "x86-64-v4" is selected.
+// peel's AVX-512 step (peel_batch.cpp), the LHC encoder's AVX-512 scan (encode.cpp) and the bitmap
+// index's AVX-512 key listing (digits.cpp) run only while "x86-64-v4" is selected (cpu_isa_is_avx512).
 const char* thc_cpu_isa();
+bool cpu_isa_is_avx512();
 // Switch to the copy `name` ("" = the default choice); false (nothing changed) if this CPU cannot run it.
 bool thc_set_cpu_isa(const char* name);
 // The copies this CPU runs, best first.

@@ -2,6 +2,7 @@
 round-robin timing against a baseline, a free port, strict JSON output, and the end of a worker process."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 # ------------------------------------------------------------------------------------------------
 # machine / formatting helpers
@@ -175,8 +177,6 @@ def end_gloo_rank(code: int = 0) -> None:
     """:func:`leave` for a rank of a Gloo group this process initialised: free what the run left
     (models, hooks, pending works) while Gloo and the interpreter are alive, wait for every rank
     (none tears Gloo down while another still talks to it), destroy the group, leave."""
-    import gc
-    import torch.distributed as dist
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

@@ -36,9 +36,28 @@ def divide_first(buffer: torch.Tensor, n: float) -> bool:
     does, or in float32 where a message carries it in its float32 part, rounded once), so the result
     is the average, finite wherever DDP's is. The other dtypes are summed, then divided: bfloat16 and
     float32 have float32's range, and one rounding of the sum is closer than a sum of rounded
-    quotients. Returns whether it divided (a sparse bucket: its values). FSDP2's replica hook applies
-    the same rule to a shard where FSDP2 leaves it the division (plugins/fsdp.py)."""
+    quotients (the exception: a bucket summed as it is at a power-of-two world size,
+    :func:`divide_first_exactly`). Returns whether it divided (a sparse bucket: its values). FSDP2's
+    replica hook applies the same rule to a shard where FSDP2 leaves it the division (plugins/fsdp.py)."""
     if buffer.dtype != torch.float16:
+        return False
+    buffer.div_(n)
+    return True
+
+
+def divide_first_exactly(buffer: torch.Tensor, n: int) -> bool:
+    """Divide a bucket summed as it is (a plain step: the engine's allreduce of the bare buffer, dense or
+    sparse) by ``n`` before the sum where that is the same rounding as after it: ``n`` a power of two,
+    2^k. Scaling by 2^-k is exact for every float whose quotient is normal, so it commutes with each
+    rounding of the sum: fl(sum_r fl(x_r / n)) == fl(sum_r x_r) / n bit for bit, in any order of the
+    sum, unless a quotient is subnormal (below 2^-126 in float32 and bfloat16; a subnormal sum is exact),
+    where the two differ by at most n + 1 half-spacings of the subnormals (2^-150 each in float32), or the
+    sum overflows (dividing first then gives the finite average). It keeps the future's callback, on the
+    engine's communication thread, as light as torch's ``allreduce_hook``'s (which divides first at every
+    world size): work there costs the step more than the same work in the hook (docs/BENCHMARKS.md, "What
+    the DDP hook itself costs"). Returns whether it divided; other world sizes are summed, then divided
+    (one rounding)."""
+    if n & (n - 1) or not buffer.is_floating_point():
         return False
     buffer.div_(n)
     return True

@@ -76,7 +76,8 @@ DDP's bucket rebuild), concatenates the payloads into one message (one part per 
 fewer: :mod:`lossless_hc.training.message`), allreduces each part with SUM, decodes each segment and
 returns the averaged bucket, as DDP expects. A float16 bucket is divided by the world size first, as
 DDP's own hook divides it (its ranks' sum can overflow where their average does not); the others are
-divided after the sum.
+divided after the sum, except a bucket allreduced as it is at a power-of-two world size, divided first as
+DDP divides it: the same bits outside the subnormal range (``_ddp_bucket.divide_first_exactly``).
 
 Fallback without mismatched collectives: a segment that fails to decode is re-aggregated densely from
 the future's callback, which may run on a communication thread while the main thread issues the next
@@ -111,7 +112,8 @@ from lossless_hc.training.aggregate import AggregationStats, ConfigurationMismat
 from lossless_hc.training.capacity import CapacityPolicy
 from lossless_hc.training.message import decode_message, encode_message, in_place_outputs
 
-from lossless_hc.plugins._ddp_bucket import allreduce_half, bucket_slices, divide_first, fill_bucket, fill_slices
+from lossless_hc.plugins._ddp_bucket import (allreduce_half, bucket_slices, divide_first, divide_first_exactly,
+                                             fill_bucket, fill_slices)
 from lossless_hc.plugins._ddp_state import HookState, require_arguments
 from lossless_hc.plugins._torch_dist import allreduce_parts, check_same_configuration, when_all
 
@@ -550,6 +552,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         # A sparse buffer here is a sparse gradient's allgather plan between its statistics steps: Gloo's
         # own sparse allreduce, as DDP without a hook (its result is coalesced; divided as DDP divides).
         rows = buffer._nnz() if buffer.is_sparse else None   # before Gloo coalesces it in place
+        if not divided:
+            divided = divide_first_exactly(buffer, n)
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:

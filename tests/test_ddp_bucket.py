@@ -1,9 +1,12 @@
 """The DDP hooks' bucket helpers (plugins/_ddp_bucket.py) in one process: which buckets are divided
 before their sum, and the averaged bucket written back from the summed results."""
+import itertools
+
 import pytest
 import torch
 
-from lossless_hc.plugins._ddp_bucket import bucket_slices, divide_first, fill_bucket, fill_slices
+from lossless_hc.plugins._ddp_bucket import (bucket_slices, divide_first, divide_first_exactly, fill_bucket,
+                                             fill_slices)
 
 
 @pytest.mark.parametrize("dtype, first", [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)])
@@ -76,3 +79,42 @@ def test_allreduce_half_averages_unless_told_to_sum(gloo_world_of_one):
         buffer = x.clone()
         assert allreduce_half(buffer, 4, None, half).wait() is buffer
         assert torch.equal(buffer, x / 4), half
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plain_bucket_is_divided_first_only_where_that_is_the_same_rounding(n, dtype):
+    """divide_first_exactly divides a bucket summed as it is before the sum only at a power-of-two world
+    size, where every order of the ranks' sum of x_r / n gives the bits of their sum divided by n (values
+    far from the subnormal range: gradients of magnitude 2^-40 to 2^40, signs mixed, cancellations
+    included); at n = 3 and 6 the two round differently, so the bucket is left to be divided after."""
+    g = torch.Generator().manual_seed(n)
+    ranks = [(torch.randn(4096, generator=g) * 2.0 ** torch.randint(-40, 40, (4096,), generator=g)).to(dtype)
+             for _ in range(n)]
+    ranks[0][:64] = -ranks[-1][:64]   # exact cancellations
+    buckets = [x.clone() for x in ranks]
+    divided = [divide_first_exactly(b, n) for b in buckets]
+    power_of_two = n & (n - 1) == 0
+    assert divided == [power_of_two] * n
+    if not power_of_two:   # left as it is: dividing first would round differently here
+        assert all(torch.equal(b, x) for b, x in zip(buckets, ranks))
+        assert not torch.equal(sum(x / n for x in ranks), sum(ranks) / n)
+        return
+    for order in itertools.islice(itertools.permutations(range(n)), 0, 350, 7):   # orders of the engine's sum
+        first, after = buckets[order[0]].clone(), ranks[order[0]].clone()
+        for r in order[1:]:
+            first += buckets[r]
+            after += ranks[r]   # in the bucket's dtype, then divided
+        assert torch.equal(first, after / n)
+
+
+def test_divide_first_exactly_divides_a_sparse_bucket_s_values_and_leaves_integers():
+    """A sparse gradient's bucket (Gloo's sparse allreduce then coalesces it): its values divided in place,
+    duplicates and all, which sums to the same bits; an integer buffer is never divided."""
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 0, 3]]), torch.tensor([[1.0, 3.0], [2.0, 2.0], [5.0, -5.0]]),
+                                     (4, 2))
+    before = sparse.coalesce().to_dense()
+    assert divide_first_exactly(sparse, 4)
+    assert torch.equal(sparse.coalesce().to_dense(), before / 4)
+    ints = torch.tensor([4, 8])
+    assert not divide_first_exactly(ints, 2) and torch.equal(ints, torch.tensor([4, 8]))

@@ -95,6 +95,7 @@ aggregators' error feedback and capacities are kept.
 """
 
 import time
+from collections import deque
 from typing import Optional
 
 import torch
@@ -283,6 +284,7 @@ class AutoHookState(HookState):
         planner = PowerSGDPlanner(powersgd_rank, powersgd_start, seed=self.spec.seed, stats=self._stats)
         self._powersgd = planner if powersgd else None
         self._guard = step_guard(guard_steps, guard_start, guard_margin)
+        self._plain_done: deque = deque()
 
     _steps = 0   # hook calls for bucket 0: the steps begun (every rank counts alike)
     _step_phase = "plan"   # what this step runs (StepGuard.phase): "plan", "dense" buckets in place, "powersgd"
@@ -296,8 +298,13 @@ class AutoHookState(HookState):
             extra += f", guard(steps={g.steps}, start={g.start}, margin={g.margin})"
         return f"{type(self).__name__}({self.spec!r}{extra})"
 
+    def __getstate__(self):
+        self._record_plain_steps()
+        return super().__getstate__()
+
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._plain_done = deque()   # (a state pickled before it existed: none pending either way)
         if self._guard is not None:
             self._guard.clock = None   # a restored state's first step has no predecessor to time
 
@@ -313,6 +320,7 @@ class AutoHookState(HookState):
                                                      or bool(p.trials))
 
     def stats(self) -> dict:
+        self._record_plain_steps()
         d = super().stats()
         d["plan"] = plan_stats(self._aggregators.values())
         d["buckets"] = {}
@@ -322,6 +330,19 @@ class AutoHookState(HookState):
         d["calibration"] = self.spec.calibration_stats(deferred=self._steps >= 2)
         d["guard"] = guard_stats(self._guard, self._aggregators.values())
         return d
+
+    def _record_plain_steps(self) -> None:
+        """Account the plain steps whose sums have arrived (``AutoAggregator.record_plain_step``, on the
+        main thread). Their futures' callbacks, on the engine's communication thread, only note when: work
+        there costs the step more than the same work in the hook (docs/BENCHMARKS.md, "What the DDP hook
+        itself costs"). Called at every hook call, before anything reads the step counts (every callback of
+        a step has run before DDP calls bucket 0's hook of the next), and by stats() and pickling. deque:
+        the callbacks append while this pops, both atomic."""
+        done = self._plain_done
+        while done:
+            aggs, started, ended, rows, half = done.popleft()
+            for a in aggs:
+                a.record_plain_step(started, sparse_rows=rows, half=half, ended=ended)
 
     def _begin_step(self, now: float) -> None:
         """Bucket 0's hook (main thread, every rank at the same step): count the step, time the one
@@ -471,6 +492,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     counts, identical on every rank."""
     require_arguments(state, bucket, AutoHookState, "auto_hook")
     started = time.perf_counter()
+    state._record_plain_steps()
     buffer = bucket.buffer()
     # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
     # that gradient (uncoalesced COO) and whose gradients() list is empty.
@@ -540,8 +562,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     if buffer.dtype == torch.float32 and plains[0] in HALF_STRATEGIES and len(set(plains)) == 1:
         # the message's bits, without its copies
         def half_plain(fut: torch.futures.Future) -> torch.Tensor:
-            for a in aggs:
-                a.record_plain_step(started, half=plains[0])
+            state._plain_done.append((aggs, started, time.perf_counter(), None, plains[0]))
             return fut.value()
 
         return allreduce_half(buffer, n, state.process_group, plains[0]).then(half_plain)
@@ -557,8 +578,7 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
 
         def plain(fut: torch.futures.Future) -> torch.Tensor:
-            for a in aggs:
-                a.record_plain_step(started, sparse_rows=rows)
+            state._plain_done.append((aggs, started, time.perf_counter(), rows, None))
             return fut.value()[0] if divided else fut.value()[0].div_(n)
 
         return fut.then(plain)

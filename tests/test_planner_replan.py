@@ -310,6 +310,22 @@ def test_measured_seconds_are_an_ewma_of_each_step_s_encode_to_result_time(monke
     assert aggs[0].plan_stats()["measured_seconds"] == {"dense": 0.75 * (0.75 * 1.0 + 0.25 * 2.0) + 0.25 * 4.0}
 
 
+def test_a_plain_step_recorded_later_is_timed_to_when_its_sum_arrived(monkeypatch):
+    """record_plain_step(ended=...): the DDP hook accounts a plain step on the main thread after its future's
+    callback noted the time its sum arrived; the step is timed to that time, not to when it is accounted,
+    and counted as a step and its bytes as sent."""
+    now = [100.0]
+    fake_clock(monkeypatch, lambda: now[0])
+    agg = AutoAggregator("w", (64,), torch.float32, 2, 0, MODEL, allowed=("dense",))
+    agg.record_plain_step(10.0, ended=12.5)
+    agg.record_plain_step(20.0, ended=21.0)
+    st = agg.plan_stats()
+    assert st["measured_seconds"] == {"dense": 0.75 * 2.5 + 0.25 * 1.0}
+    assert st["steps"] == 2 and st["plain_steps"] == 2 and st["bytes_sent"] == 2 * 64 * 4
+    agg.record_plain_step(99.0)   # no end given: now
+    assert agg.plan_stats()["measured_seconds"]["dense"] == 0.75 * (0.75 * 2.5 + 0.25 * 1.0) + 0.25 * 1.0
+
+
 def test_a_sketch_that_fails_is_resized_at_once_not_at_the_next_interval():
     """A failed sketch decode (the support outgrew the sketch) falls back densely and forces a re-plan
     after that step, so the next step's sketch is sized for the new support and decodes: one fallback, not

@@ -194,24 +194,26 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
             self._size_sketch(TensorStats(self.numel, self.row, self.world_size, (guess,) * self.world_size,
                                           min(self.keys, guess * self.world_size)))
 
-    def record_plain_step(self, started: float, sparse_rows: Optional[int] = None, half: Optional[str] = None) -> None:
+    def record_plain_step(self, started: float, sparse_rows: Optional[int] = None, half: Optional[str] = None,
+                          ended: Optional[float] = None) -> None:
         """Account a step the engine aggregated as the bare tensor (``carries_statistics()`` False, or the
         DDP step guard's dense window): the DDP hook's in-place allreduce of a bucket whose every tensor is
         on such a step. ``started``: ``time.perf_counter()`` when the step's aggregation began.
         ``sparse_rows``: a sparse gradient summed by the engine's own sparse allreduce (``native_sparse``),
         with at most this many rows listed (its uncoalesced count): it allgathers an int64 index and the
         values of each, counted as the allgather strategy. ``half``: ``"fp16"`` or ``"bf16"``, the plan's plain
-        step run as the engine's half-precision hook runs it (the bucket cast, summed, copied back)."""
+        step run as the engine's half-precision hook runs it (the bucket cast, summed, copied back). ``ended``:
+        ``time.perf_counter()`` when its sum arrived (None: now)."""
         self._carried_memory = False   # a plain step's counts are not statistics anyway
         if half is not None:
             self._count_sent(self.numel * 2, dense=False, plain=True)
-            self._measure(half, started)
+            self._measure(half, started, ended)
         elif sparse_rows is None:   # the engine's own allreduce, in the gradient's dtype (a bucket of it)
             self._count_sent(self.numel * self.dtype.itemsize, plain=True)
-            self._measure("dense", started)
+            self._measure("dense", started, ended)
         else:
             self._count_sent(int(sparse_rows) * (8 + self.row * self.dtype.itemsize), dense=False, plain=True)
-            self._measure("allgather", started)
+            self._measure("allgather", started, ended)
 
     # -- this rank's rows (the row form every strategy starts from: training.rows) -----------------------
     def _local_rows(self, x: torch.Tensor, ctx: AutoContext, scan: bool = True) -> None:

@@ -112,7 +112,7 @@ def test_divide_first_exactly_divides_a_sparse_bucket_s_values_and_leaves_intege
     """A sparse gradient's bucket (Gloo's sparse allreduce then coalesces it): its values divided in place,
     duplicates and all, which sums to the same bits; an integer buffer is never divided."""
     sparse = torch.sparse_coo_tensor(torch.tensor([[0, 0, 3]]), torch.tensor([[1.0, 3.0], [2.0, 2.0], [5.0, -5.0]]),
-                                     (4, 2))
+                                     (4, 2), check_invariants=True)
     before = sparse.coalesce().to_dense()
     assert divide_first_exactly(sparse, 4)
     assert torch.equal(sparse.coalesce().to_dense(), before / 4)

@@ -77,7 +77,8 @@ fewer: :mod:`lossless_hc.training.message`), allreduces each part with SUM, deco
 returns the averaged bucket, as DDP expects. A float16 bucket is divided by the world size first, as
 DDP's own hook divides it (its ranks' sum can overflow where their average does not); the others are
 divided after the sum, except a bucket allreduced as it is at a power-of-two world size, divided first as
-DDP divides it: the same bits outside the subnormal range (``_ddp_bucket.divide_first_exactly``).
+DDP divides it: the same bits unless a quotient is subnormal or the sum overflows (then the finite average;
+``_ddp_bucket.divide_first_exactly``).
 
 Fallback without mismatched collectives: a segment that fails to decode is re-aggregated densely from
 the future's callback, which may run on a communication thread while the main thread issues the next

@@ -492,8 +492,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     bucket cast, summed and copied back. Whether a bucket is plain is a function of the plans and step
     counts, identical on every rank."""
     require_arguments(state, bucket, AutoHookState, "auto_hook")
+    state._record_plain_steps()   # earlier steps' accounting: not this bucket's time
     started = time.perf_counter()
-    state._record_plain_steps()
     buffer = bucket.buffer()
     # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
     # that gradient (uncoalesced COO) and whose gradients() list is empty.

@@ -18,9 +18,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import DEVICE, CountedCollectives, EmbeddingModel, batch, confirm_every_guard_look, loss_fn  # noqa: E402
-import gloo_scenarios  # noqa: E402
 import inexact_case  # noqa: E402
 
+from lossless_hc.bench.common import end_gloo_rank  # noqa: E402
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
 from lossless_hc.training.capacity import CapacityPolicy  # noqa: E402
 from lossless_hc.plugins.fsdp import AutoFSDPState, LosslessFSDPState, THCFSDPState, TopKFSDPState  # noqa: E402
@@ -591,7 +591,7 @@ def worker(rank, replicas, shards, port, out_dir, names):
         result.update(rank=rank, replicas=replicas, shards=shards)
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    gloo_scenarios.leave()
+    end_gloo_rank()
 
 
 if __name__ == "__main__":

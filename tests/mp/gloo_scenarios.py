@@ -1,8 +1,9 @@
 """The launcher the torch.distributed (Gloo) workers share:
 ``python <worker>.py SIZE PORT OUT_DIR NAMES`` spawns SIZE ranks; each joins a Gloo group on
 127.0.0.1:PORT, runs the comma-separated scenarios NAMES one after the other through the worker's
-``scenario(name) -> dict`` and writes OUT_DIR/<name>.rank<r>.json (the result with ``size`` added).
-:func:`leave` ends a rank, for the FSDP2 worker's own launcher too."""
+``scenario(name) -> dict`` and writes OUT_DIR/<name>.rank<r>.json (the result with ``size`` added), then
+ends the rank (:func:`lossless_hc.bench.common.end_gloo_rank`, as the FSDP2 worker's own launcher does):
+the exit status then reports the scenarios alone."""
 import json
 import os
 import sys
@@ -28,12 +29,6 @@ def _rank(rank, size, port, out_dir, names, scenario):
         result["extension"] = os.path.realpath(lossless_hc._C.__file__)   # which build ran
         with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    leave()
-
-
-def leave() -> None:
-    """End this rank once every result is written and closed (the exit status then reports the
-    scenarios alone): :func:`lossless_hc.bench.common.end_gloo_rank`."""
     end_gloo_rank()
 
 

@@ -129,6 +129,25 @@ PYBIND11_MODULE(_C, m) {
       "dst[i] = src[i] for i < n (float32; dst 0: count only); counts[0] (int64 at address counts) = the\n"
       "elements that are not +-0.0, counts[1] = those that are not finite.");
 
+  m.def(
+      "sum_row_slots",
+      [](uintptr_t slots, uint64_t n, uint64_t per_rank, uint64_t row, uintptr_t out, uint64_t keys, uintptr_t stale,
+         uint64_t stale_count, uint32_t divisor, bool count) {
+        int64_t rows;
+        {
+          py::gil_scoped_release release;
+          rows = cpu::sum_row_slots(ptr<const float>(slots), n, per_rank, row, ptr<float>(out), keys,
+                                    ptr<const int64_t>(stale), stale_count, divisor, count);
+        }
+        if (rows < 0) throw std::invalid_argument("sum_row_slots: a gathered or stale row outside [0, keys)");
+        return rows;
+      },
+      py::arg("slots"), py::arg("n"), py::arg("per_rank"), py::arg("row"), py::arg("out"), py::arg("keys"),
+      py::arg("stale"), py::arg("stale_count"), py::arg("divisor"), py::arg("count"),
+      "The n ranks' gathered row slots (float32, 1 + row words each, per_rank a rank) added in rank order into\n"
+      "the keys x row float32 table at out, its rows stale[0, stale_count) (int64) cleared first; with count,\n"
+      "returns the rows some rank sent and divides them by divisor (> 1).");
+
   // The two-phase counting bitmap (cpu/codec_cpu.h): base and per_word as lhc.layout.digit_packing gives them.
   auto packing = [](uint64_t keys, uint32_t base, uint32_t per_word) {
     if (base < 2 || per_word < 1 || per_word > kIntFieldBits)

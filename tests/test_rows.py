@@ -9,14 +9,14 @@ from lossless_hc.backends.cuda import CudaBackend
 from lossless_hc.lhc.layout import digit_packing
 from lossless_hc.training.rows import MARK_UNION_MAX_KEYS_PER_SLOT, gather_slots, sum_slots, sum_slots_dense
 
-# The counting bitmap's operations on every backend: the CPU kernels, the CUDA backend's torch operations
-# run on CPU tensors (its code, tested where no GPU is), and on a GPU.
-BITMAP_BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("torch", id="cuda-ops-on-cpu"),
-                   pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+# The row-form operations on every backend (the counting bitmap, the slots' dense sums): the CPU kernels,
+# the CUDA backend's torch operations run on CPU tensors (its code, tested where no GPU is), and on a GPU.
+ROW_BACKENDS = [pytest.param("cpu", id="cpu"), pytest.param("torch", id="cuda-ops-on-cpu"),
+                pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
-def bitmap_backend(which: str):
-    """(backend, device) of a BITMAP_BACKENDS entry."""
+def row_backend(which: str):
+    """(backend, device) of a ROW_BACKENDS entry."""
     if which == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return (CudaBackend() if which == "torch" else backend_for(which)), ("cuda" if which == "cuda" else "cpu")
@@ -48,11 +48,10 @@ def random_sent(n: int, keys: int, k: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("keys,k,n,row", [(64, 8, 3, 2), (1000, 40, 4, 1), (1 << 16, 50, 5, 3), (30, 30, 2, 1)])
-def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(keys, k, n, row):
-    """Every way to sum the gathered slots gives the rows some rank sent, sorted, each the float32 sum of
-    its ranks' values in rank order: sum_slots with the tensor's rows known (a table of flags where it is
-    small enough, else a sort) and without, and sum_slots_dense (those sums in a dense tensor, zeros
-    elsewhere, and how many rows there are). Cases span both sides of MARK_UNION_MAX_KEYS_PER_SLOT."""
+def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort(keys, k, n, row):
+    """sum_slots gives the rows some rank sent, sorted, each the float32 sum of its ranks' values in rank
+    order, with the tensor's rows known (a table of flags where it is small enough, else a sort) and
+    without. Cases span both sides of MARK_UNION_MAX_KEYS_PER_SLOT."""
     for seed in range(4):
         sent = random_sent(n, keys, k, seed)
         slots, values = gathered(sent, keys, row, k, seed)
@@ -62,37 +61,74 @@ def test_gathered_slots_sum_to_the_rank_order_sums_by_table_by_sort_and_densely(
             union, rows = sum_slots(slots, row, hint)
             assert union.tolist() == union_want
             assert torch.equal(rows, torch.stack([want[u] for u in union_want]) if want else torch.zeros(0, row))
-        dense, count = sum_slots_dense(slots, row, keys)
-        assert count == len(union_want)
+        sent_slots = sum(len(v) for v in sent.values())
+        takes_table = keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent_slots)
+        assert takes_table == (keys < 1 << 16)   # the cases span both paths
+
+
+@pytest.mark.parametrize("which", ROW_BACKENDS)
+@pytest.mark.parametrize("keys,k,n,row", [(64, 8, 3, 2), (1000, 40, 4, 1), (1 << 16, 50, 5, 3), (30, 30, 2, 1)])
+def test_gathered_slots_sum_densely_to_the_rank_order_sums_on_every_backend(keys, k, n, row, which):
+    """sum_slots_dense writes those sums into a dense tensor, zeros elsewhere, and counts the rows: into a
+    new tensor, into a given buffer, into rank 0's own gradient (only its rows cleared), divided by an
+    engine's n, and without the count, on every backend alike."""
+    backend, device = row_backend(which)
+
+    def dense(*args, out=None, stale=None, **kw):
+        out = None if out is None else out.to(device)
+        stale = None if stale is None else stale.to(device)
+        into, count = sum_slots_dense(slots.to(device), *args, out=out, stale_rows=stale, backend=backend, **kw)
+        return into.cpu(), count, out
+
+    for seed in range(4):
+        sent = random_sent(n, keys, k, seed)
+        slots, values = gathered(sent, keys, row, k, seed)
+        want = summed_in_rank_order(sent, values, row)
         expect = torch.zeros(keys, row)
-        for u in union_want:
+        for u in want:
             expect[u] = want[u]
-        assert torch.equal(dense, expect)
+        into, count, _ = dense(row, keys)
+        assert count == len(want) and torch.equal(into, expect)
         # into a given buffer (the engine's, which held the gradient: garbage here): the same bits, there
-        buffer = torch.full((keys * row,), float("nan"))
-        into, count = sum_slots_dense(slots, row, keys, out=buffer)
-        assert count == len(union_want) and into.data_ptr() == buffer.data_ptr()
-        assert torch.equal(into, expect)
+        into, count, buffer = dense(row, keys, out=torch.full((keys * row,), float("nan")))
+        assert count == len(want) and torch.equal(buffer.cpu().view(keys, row), expect) and torch.equal(into, expect)
         # into rank 0's own gradient, zero (+-0.0) outside its rows, which alone are cleared
         own = torch.zeros(keys, row)
         if sent[0]:
             own[torch.tensor(sent[0], dtype=torch.int64)] = values[0]
         own[torch.randperm(keys, generator=torch.Generator().manual_seed(seed))[:3]] *= -1.0   # -0.0 rows
-        into, count = sum_slots_dense(slots, row, keys, out=own.reshape(-1),
-                                      stale_rows=torch.tensor(sent[0], dtype=torch.int64))
-        assert count == len(union_want) and into.data_ptr() == own.data_ptr()
-        assert torch.equal(into, expect)
+        into, count, _ = dense(row, keys, out=own.reshape(-1), stale=torch.tensor(sent[0], dtype=torch.int64))
+        assert count == len(want) and torch.equal(into, expect)
         # divided there by an engine's n: the bits of dividing the whole sum
-        into, _ = sum_slots_dense(slots, row, keys, out=torch.full((keys * row,), float("nan")), divisor=3)
+        into, _, _ = dense(row, keys, out=torch.full((keys * row,), float("nan")), divisor=3)
         assert torch.equal(into, expect / 3)
         # without the union's count (top-k allgathered): the same bits, None for the count
-        into, count = sum_slots_dense(slots, row, keys, out=torch.full((keys * row,), float("nan")), divisor=3,
-                                      count=False)
+        into, count, _ = dense(row, keys, out=torch.full((keys * row,), float("nan")), divisor=3, count=False)
         assert count is None and torch.equal(into, expect / 3)
-        assert torch.equal(sum_slots_dense(slots, row, keys, count=False)[0], expect)
-        sent_slots = sum(len(v) for v in sent.values())
-        takes_table = keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent_slots)
-        assert takes_table == (keys < 1 << 16)   # the cases span both paths
+        assert torch.equal(dense(row, keys, count=False)[0], expect)
+
+
+def test_dense_slot_sums_refuse_a_row_outside_the_table_on_the_cpu_leaving_out_as_it_was():
+    """A gathered slot (a used one: unused slots are -1 and come last) or a stale row naming a row past
+    the table, or a used slot below 0 (a rank's slots out of order), is a ValueError on the CPU, checked
+    before a stale row is cleared or a slot added (the CUDA backend does not synchronise to check it)."""
+    slots, _ = gathered({0: [1, 3], 1: [3]}, 8, 2, 2)
+    bad_index = slots.clone()
+    bad_index[1, 0, 0] = torch.tensor([8], dtype=torch.int32).view(torch.float32)
+    interleaved = slots.clone()   # rank 1's unused slot first, its used one after it
+    interleaved[1, [0, 1]] = interleaved[1, [1, 0]]
+    for bad, stale in ((bad_index, torch.tensor([1])), (interleaved, torch.tensor([1])), (slots, torch.tensor([2, 8]))):
+        out = torch.full((16,), 7.0)
+        with pytest.raises(ValueError, match=r"outside \[0, keys\) \(keys = 8\)"):
+            sum_slots_dense(bad, 2, 8, out=out, stale_rows=stale)
+        assert torch.equal(out, torch.full((16,), 7.0))
+
+
+def test_dense_slot_sums_divide_by_a_positive_int():
+    slots, _ = gathered({0: [1, 3], 1: [3]}, 8, 2, 2)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="divisor must be a positive int"):
+            sum_slots_dense(slots, 2, 8, divisor=bad)
 
 
 def test_dense_slot_sums_refuse_an_out_they_cannot_fill():
@@ -122,7 +158,7 @@ def test_dense_slot_sums_add_in_rank_order_on_every_device(device):
         assert union.tolist() == [1, 2, 7, 9] and torch.equal(dense[union], rows)
 
 
-@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+@pytest.mark.parametrize("which", ROW_BACKENDS)
 @pytest.mark.parametrize("n", [1, 2, 4, 7, 31, 2047])
 def test_counting_bitmaps_sum_to_every_rows_count_and_list_the_union(n, which):
     """Each rank's counting bitmap (from its row indices, in any order and with a row listed twice, or from
@@ -130,7 +166,7 @@ def test_counting_bitmaps_sum_to_every_rows_count_and_list_the_union(n, which):
     ranks hold row w * per_word + j (counted here digit by digit), up to the largest base (n + 1 below
     2^22's field) and with every digit of a word at its largest; bitmap_rows lists the rows some rank
     holds from that sum, and from the average an engine's allreduce makes of it, at 1 to 3 threads."""
-    backend, device = bitmap_backend(which)
+    backend, device = row_backend(which)
     keys = 1000
     gen = torch.Generator().manual_seed(n)
     held = torch.rand(n, keys, generator=gen) < 0.3
@@ -155,12 +191,12 @@ def test_counting_bitmaps_sum_to_every_rows_count_and_list_the_union(n, which):
         assert torch.equal(backend.bitmap_rows(total / n, keys, n, float(n), threads).cpu(), union)
 
 
-@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+@pytest.mark.parametrize("which", ROW_BACKENDS)
 def test_a_bitmap_word_no_sum_of_bitmaps_holds_is_refused(which):
     """bitmap_rows returns None, on every backend alike, for a word outside [0, base^per_word), one that
     is not an integer in a sum, NaN, or a non-zero digit past the last row; a row index outside the rows
     is a ValueError on the CPU (the CUDA backend does not synchronise to check it)."""
-    backend, device = bitmap_backend(which)
+    backend, device = row_backend(which)
     n, keys = 3, 100
     pk = digit_packing(n, keys)
     words = sum(backend.bitmap_pack(keys, n, index=torch.tensor(i, device=device)) for i in ([1, 5, 99], [5], [0, 98]))
@@ -181,11 +217,11 @@ def test_a_bitmap_word_no_sum_of_bitmaps_holds_is_refused(which):
             backend.bitmap_pack(keys, n, index=torch.tensor([-1]))
 
 
-@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+@pytest.mark.parametrize("which", ROW_BACKENDS)
 def test_bitmaps_of_no_rows_sum_to_an_empty_list_not_a_refusal(which):
     """Ranks that hold no row pack all-zero words; their sum (or average) lists no rows: an empty int64
     tensor, on every backend alike, never the None of a word no sum of bitmaps holds."""
-    backend, device = bitmap_backend(which)
+    backend, device = row_backend(which)
     for n, keys in ((3, 37), (1, 100), (7, 5000)):
         empty = backend.bitmap_pack(keys, n, index=torch.tensor([], dtype=torch.int64, device=device))
         assert torch.equal(empty.cpu(), torch.zeros(digit_packing(n, keys).words))
@@ -256,12 +292,12 @@ def test_the_row_scan_refuses_what_it_cannot_read():
         scan(torch.zeros(20)[::2], 2)
 
 
-@pytest.mark.parametrize("which", BITMAP_BACKENDS)
+@pytest.mark.parametrize("which", ROW_BACKENDS)
 def test_bitmap_pack_reads_rows_as_their_values_or_refuses_them_alike(which):
     """Every backend packs an index that is a negative view as its values (torch's indexing ignores the
     bit: the CUDA backend packed rows 24 and 34 for [10, 20]) and refuses what is no bool per row (one
     bool broadcast to every row, a count of 2, fractions) or no integer rows (floats, bools, uint8 masks)."""
-    backend, device = bitmap_backend(which)
+    backend, device = row_backend(which)
     keys, n = 37, 3
     plain = backend.bitmap_pack(keys, n, index=torch.tensor([10, 20], device=device))
     assert torch.equal(backend.bitmap_pack(keys, n, index=torch._neg_view(torch.tensor([-10, -20], device=device))),

@@ -71,6 +71,18 @@ void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes,
 // the counts are independent of the thread count.
 void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads);
 
+// The allgather strategy's gathered rows summed into a dense table (lossless_hc/training/rows.py
+// sum_slots_dense): slots holds n ranks' per_rank slots of 1 + row floats, an int32 row index in the first
+// word's bits (-1: unused; a rank's used slots come first) and that row's values. The rows stale[0,
+// stale_count) of out (keys x row floats) are set to +0.0, then each rank's used slots are added into
+// their rows, rank 0 first: out[i] = ((out[i] + v_0) + v_1) + ..., the order torch's index_add_ adds
+// them in rank by rank. With `count`, returns the rows some rank sent (each counted by the first rank
+// that sent it) and, if divisor > 1, divides just those rows by it (float32 division, the bits of
+// dividing the whole table, whose other rows hold +-0.0); without, returns 0 and divides nothing.
+// Returns -1, out untouched, where a used slot or a stale row names a row outside [0, keys).
+int64_t sum_row_slots(const float* slots, uint64_t n, uint64_t per_rank, uint64_t row, float* out, uint64_t keys,
+                      const int64_t* stale, uint64_t stale_count, uint32_t divisor, bool count);
+
 // The two-phase counting bitmap (lossless_hc/training/rows.py): rows r < P.digits as digits of base P.base,
 // P.per_word to a float32 word (digit r % per_word of word r / per_word), 1 at a row a rank holds, so that
 // the float32 sum of n <= base - 1 ranks' bitmaps holds in each digit how many ranks hold the row.

@@ -1,9 +1,11 @@
 // lhc::cpu::nonzero_rows: which rows of a dense gradient hold a value other than +-0.0 (the planner's
-// row scan, lossless_hc/training/rows.py); lhc::cpu::dense_copy_count: the dense index's body.
+// row scan, lossless_hc/training/rows.py); lhc::cpu::dense_copy_count: the dense index's body;
+// lhc::cpu::sum_row_slots: the allgather strategy's gathered rows summed into a dense table.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "codec_cpu.h"
 #include "codec_cpu_internal.h"
@@ -102,6 +104,58 @@ void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[
   }
   counts[0] = nonzero;
   counts[1] = nonfinite;
+}
+
+int64_t sum_row_slots(const float* slots, uint64_t n, uint64_t per_rank, uint64_t row, float* out, uint64_t keys,
+                      const int64_t* stale, uint64_t stale_count, uint32_t divisor, bool count) {
+  const uint64_t width = 1 + row;
+  const auto index_at = [&](uint64_t r, uint64_t s) {
+    int32_t i;
+    std::memcpy(&i, slots + (r * per_rank + s) * width, sizeof i);
+    return i;
+  };
+  // Every index checked before anything is written: a bad one leaves out as it was.
+  std::vector<uint64_t> used(n, 0);
+  for (uint64_t r = 0; r < n; ++r) {
+    uint64_t m = 0;
+    for (uint64_t s = 0; s < per_rank; ++s) m += index_at(r, s) >= 0;
+    for (uint64_t s = 0; s < m; ++s) {
+      const int32_t i = index_at(r, s);
+      if (i < 0 || (uint64_t)i >= keys) return -1;
+    }
+    used[r] = m;
+  }
+  for (uint64_t j = 0; j < stale_count; ++j)
+    if (stale[j] < 0 || (uint64_t)stale[j] >= keys) return -1;
+  for (uint64_t j = 0; j < stale_count; ++j) std::memset(out + (uint64_t)stale[j] * row, 0, row * sizeof(float));
+  std::vector<uint8_t> seen(count ? keys : 0, 0);
+  int64_t union_rows = 0;
+  for (uint64_t r = 0; r < n; ++r) {
+    const float* rank = slots + r * per_rank * width;
+    // The rows no earlier rank sent (a row a rank lists twice, which gather_slots never makes, counts
+    // twice: the count the torch operations of the CUDA backend give).
+    if (count)
+      for (uint64_t s = 0; s < used[r]; ++s) union_rows += !seen[(uint64_t)index_at(r, s)];
+    for (uint64_t s = 0; s < used[r]; ++s) {
+      float* o = out + (uint64_t)index_at(r, s) * row;
+      const float* v = rank + s * width + 1;
+      for (uint64_t l = 0; l < row; ++l) o[l] = o[l] + v[l];
+    }
+    if (count)
+      for (uint64_t s = 0; s < used[r]; ++s) seen[(uint64_t)index_at(r, s)] = 1;
+  }
+  if (count && divisor > 1) {
+    const float d = (float)divisor;
+    for (uint64_t r = 0; r < n; ++r)
+      for (uint64_t s = 0; s < used[r]; ++s) {
+        const uint64_t i = (uint64_t)index_at(r, s);
+        if (!seen[i]) continue;  // divided already (an earlier rank sent it too)
+        seen[i] = 0;
+        float* o = out + i * row;
+        for (uint64_t l = 0; l < row; ++l) o[l] = o[l] / d;
+      }
+  }
+  return count ? union_rows : 0;
 }
 
 }  // namespace cpu

@@ -125,6 +125,15 @@ def check_num_threads(num_threads) -> int:
     return num_threads
 
 
+def used_slots(slots: torch.Tensor) -> list:
+    """``[(rows, values)]`` per rank of the allgather strategy's gathered ``(n, K, 1 + row)`` slots: the used
+    slots, which ``lossless_hc.training.rows.gather_slots`` puts first (int64 row indices, ``(m_r, row)``
+    values; views, no mask). The torch operations of sum_slots and of the CUDA backend's sum_row_slots."""
+    index = slots[:, :, 0].contiguous().view(torch.int32)
+    used = torch.count_nonzero(index >= 0, dim=1).tolist()
+    return [(index[r, :m].to(torch.int64), slots[r, :m, 1:]) for r, m in enumerate(used)]
+
+
 def backend_for(device: torch.device):
     """The backend of ``device`` ("cpu" or "cuda"/"cuda:N"); ValueError for any other device."""
     device = as_device(device)

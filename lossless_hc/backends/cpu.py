@@ -350,6 +350,29 @@ class CpuBackend:
         _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
         return counts
 
+    def sum_row_slots(self, slots: torch.Tensor, out: torch.Tensor, stale_rows: Optional[torch.Tensor] = None,
+                      divisor: Optional[int] = None, count: bool = True) -> Optional[int]:
+        """The allgather strategy's gathered slots (``(n, K, 1 + row)`` float32: an int32 row index in the first
+        word's bits, -1 unused, a rank's used slots first; the row's values) added into ``out`` (``(keys,
+        row)`` float32, contiguous) rank by rank from rank 0, after its ``stale_rows`` (int64) are set to
+        +0.0; with ``count``, returns how many rows some rank sent and divides just those by ``divisor``
+        (an int > 1, else none), else returns None. A row index outside ``[0, keys)`` is a ValueError,
+        raised before anything is written into ``out`` (csrc/cpu/rows.cpp)."""
+        if (slots.dim() != 3 or slots.dtype != torch.float32 or out.dim() != 2 or out.dtype != torch.float32
+                or not out.is_contiguous() or slots.shape[2] != out.shape[1] + 1):
+            raise ValueError(f"sum_row_slots takes float32 slots (n, K, 1 + row) and a contiguous float32 out (keys, "
+                             f"row), got {slots.dtype} {tuple(slots.shape)} and {out.dtype} {tuple(out.shape)}")
+        n, per_rank, _ = slots.shape
+        keys, row = out.shape
+        slots = slots.contiguous()
+        stale = None if stale_rows is None else stale_rows.to(torch.int64).contiguous()
+        try:
+            rows = _C.sum_row_slots(slots.data_ptr(), n, per_rank, row, out.data_ptr(), keys, _addr(stale),
+                                    0 if stale is None else stale.numel(), divisor or 1, count)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (keys = {keys})") from None
+        return rows if count else None
+
     # -- LHC -------------------------------------------------------------------------------------
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CpuLhcLayout:
         return CpuLhcLayout(layout)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk
+from lossless_hc.backends import cuda_runtime, cuda_thc, cuda_topk, used_slots
 from lossless_hc.backends.cuda_lhc import CudaLayout, PendingDecode, decode, encode
 from lossless_hc.lhc.layout import PayloadLayout, digit_packing
 
@@ -95,6 +95,29 @@ class CudaBackend:
         if dst is not None:
             dst.view(-1).copy_(src.reshape(-1))   # the same numel in any shapes, as the CPU's kernel copies
         return torch.stack([torch.count_nonzero(src), torch.count_nonzero(~torch.isfinite(src))])
+
+    def sum_row_slots(self, slots: torch.Tensor, out: torch.Tensor, stale_rows: Optional[torch.Tensor] = None,
+                      divisor: Optional[int] = None, count: bool = True) -> Optional[int]:
+        """The CPU backend's ``sum_row_slots`` on the device, in torch operations: each rank's ``index_add_``
+        in turn (within a rank no two slots meet in a row, so even CUDA's atomic adds have one order). Not
+        range-checked (that would synchronise); the count synchronises."""
+        ranks = used_slots(slots)
+        if stale_rows is not None:
+            out.index_fill_(0, stale_rows, 0.0)
+        if not count:
+            for i, values in ranks:
+                out.index_add_(0, i, values)
+            return None
+        seen = torch.zeros(out.shape[0], dtype=torch.bool, device=slots.device)
+        union = torch.zeros((), dtype=torch.int64, device=slots.device)
+        for i, values in ranks:
+            out.index_add_(0, i, values)
+            union += torch.count_nonzero(~seen.index_select(0, i))   # the rows no earlier rank sent: O(slots)
+            seen.index_fill_(0, i, True)
+        if divisor is not None and divisor > 1:
+            sent = torch.nonzero(seen).reshape(-1)
+            out.index_copy_(0, sent, out.index_select(0, sent).div_(divisor))
+        return int(union)
 
     def lhc_layout(self, layout: PayloadLayout, device: torch.device) -> CudaLayout:
         return CudaLayout(layout, device)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from lossless_hc.backends import backend_for
+from lossless_hc.backends import backend_for, used_slots
 from lossless_hc.lhc.layout import check_int, digit_packing
 from lossless_hc.training.aggregate import ConfigurationMismatch, _check_shape, default_block_size, payload_is_averaged
 from lossless_hc.training.plan_stats import COUNT_FIELD_BITS, bitmap_words, stats_header_words
@@ -228,14 +228,6 @@ def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) ->
     return slots.reshape(-1)
 
 
-def _used_slots(slots: torch.Tensor) -> list:
-    """``[(rows, values)]`` per rank of the gathered ``(n, K, 1 + row)`` slots: the used slots, which
-    :func:`gather_slots` puts first (int64 row indices, ``(m_r, row)`` values; views, no mask)."""
-    index = slots[:, :, 0].contiguous().view(torch.int32)
-    used = torch.count_nonzero(index >= 0, dim=1).tolist()
-    return [(index[r, :m].to(torch.int64), slots[r, :m, 1:]) for r, m in enumerate(used)]
-
-
 # sum_slots finds the union by marking a table of ``keys`` flags where that table is at most this many times
 # the gathered slots: O(keys + slots) passes instead of sorting the slots (torch.unique, then a binary search
 # per slot).
@@ -249,7 +241,7 @@ def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tupl
     A rank's slots name distinct rows (``gather_slots``: its sorted rows, then the unused slots).
     ``keys``: the tensor's rows (every index is below it), which lets a table of flags find the union
     where it is not much larger than the slots (:data:`MARK_UNION_MAX_KEYS_PER_SLOT`); the same result."""
-    ranks = _used_slots(slots)
+    ranks = used_slots(slots)
     sent = torch.cat([i for i, _ in ranks])
     if keys is not None and keys <= MARK_UNION_MAX_KEYS_PER_SLOT * max(1, sent.numel()):
         seen = torch.zeros(keys, dtype=torch.bool, device=slots.device).index_fill_(0, sent, True)
@@ -270,11 +262,12 @@ def sum_slots(slots: torch.Tensor, row: int, keys: Optional[int] = None) -> tupl
 
 def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torch.Tensor] = None,
                     stale_rows: Optional[torch.Tensor] = None, divisor: Optional[int] = None,
-                    count: bool = True) -> tuple:
+                    count: bool = True, backend=None) -> tuple:
     """``(out, union_count)``: :func:`sum_slots`'s sums written into a dense ``(keys, row)`` float32
     tensor, zero at the rows no rank sent, and how many rows some rank sent. The same bits as
     :func:`sum_slots` then an ``index_copy_`` into zeros (each row starts at 0 and adds the ranks' values
-    in rank order), without finding the union's order.
+    in rank order), without finding the union's order: the backend's ``sum_row_slots`` (the CPU's one
+    pass over the slots in C++; torch's ``index_add_`` rank by rank on CUDA).
 
     ``out``: a contiguous float32 tensor of ``keys * row`` elements to write into (e.g. the engine's
     buffer that held the gradient), returned as its ``(keys, row)`` view; else a new one. It is cleared
@@ -282,12 +275,15 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
     ``out`` already holds only +-0.0 (``out`` is this rank's gradient and ``stale_rows`` its non-zero
     rows: a table is then written where it changes, not in full). A row no rank sent is then +-0.0.
 
-    ``divisor``: the sums are then divided by it (an engine's average), only the rows some rank sent:
-    the same bits as dividing all of ``out``, whose other rows are +-0.0. ``count`` False: the union is not
-    counted (None for it; a table of ``keys`` flags less), and a ``divisor`` divides all of ``out``."""
-    ranks = _used_slots(slots)
+    ``divisor``: a positive int (an engine's average): the sums are then divided by it, only the rows some
+    rank sent: the same bits as dividing all of ``out``, whose other rows are +-0.0. ``count`` False: the
+    union is not counted (None for it), and a ``divisor`` divides all of ``out``. ``backend``: the one to
+    run on (default: the slots' device's)."""
+    if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1):
+        raise ValueError(f"divisor must be a positive int (the ranks an engine averages over) or None, got {divisor!r}")
     if out is None:
         out = torch.zeros(keys, row, dtype=torch.float32, device=slots.device)
+        stale_rows = None
     else:
         if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != keys * row:
             raise ValueError(f"out must be a contiguous float32 tensor of {keys * row} elements, got "
@@ -295,21 +291,8 @@ def sum_slots_dense(slots: torch.Tensor, row: int, keys: int, out: Optional[torc
         out = out.view(keys, row)
         if stale_rows is None:
             out.zero_()
-        else:
-            out.index_fill_(0, stale_rows, 0.0)
-    if not count:
-        for i, values in ranks:   # rank order (sum_slots)
-            out.index_add_(0, i, values)
-        if divisor is not None and divisor != 1:
-            out.div_(divisor)
-        return out, None
-    seen = torch.zeros(keys, dtype=torch.bool, device=slots.device)
-    union = torch.zeros((), dtype=torch.int64, device=slots.device)
-    for i, values in ranks:   # rank order (sum_slots)
-        out.index_add_(0, i, values)
-        union += torch.count_nonzero(~seen.index_select(0, i))   # the rows no earlier rank sent: O(slots), not O(keys)
-        seen.index_fill_(0, i, True)
-    if divisor is not None and divisor != 1:
-        sent = torch.nonzero(seen).reshape(-1)
-        out.index_copy_(0, sent, out.index_select(0, sent).div_(divisor))
-    return out, int(union)
+    backend = backend if backend is not None else backend_for(slots.device)
+    union = backend.sum_row_slots(slots, out, stale_rows, divisor if count else None, count)
+    if not count and divisor is not None and divisor != 1:
+        out.div_(divisor)
+    return out, union

@@ -78,6 +78,7 @@ def test_gathered_slots_sum_densely_to_the_rank_order_sums_on_every_backend(keys
         out = None if out is None else out.to(device)
         stale = None if stale is None else stale.to(device)
         into, count = sum_slots_dense(slots.to(device), *args, out=out, stale_rows=stale, backend=backend, **kw)
+        assert out is None or into.data_ptr() == out.data_ptr()   # written there, not into a copy
         return into.cpu(), count, out
 
     for seed in range(4):

@@ -126,6 +126,7 @@ def test_dense_slot_sums_refuse_a_row_outside_the_table_on_the_cpu_leaving_out_a
 
 
 def test_dense_slot_sums_divide_by_a_positive_int():
+    """The divisor is a world size: 0, a negative, a float or a bool is a ValueError, not a silent cast."""
     slots, _ = gathered({0: [1, 3], 1: [3]}, 8, 2, 2)
     for bad in (0, -2, 2.0, True):
         with pytest.raises(ValueError, match="divisor must be a positive int"):

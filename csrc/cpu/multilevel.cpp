@@ -211,10 +211,19 @@ bool expand_children(const CodecLayout& L, uint32_t l, int nt, const std::vector
   const uint64_t children = (uint64_t)w * wpg;
   const uint64_t below = l + 1 < L.fine_levels ? L.span[l + 1] : 1;
   const uint64_t child_limit = (L.num_keys + below - 1) / below;
-  // Digit j of a word u < base^w <= 2^22 is q_j - base q_{j+1} with q_j = floor(u / base^j), each
-  // quotient computed on its own (DigitReciprocals).
-  if (w > kMaxPerWord) return false;  // a layout guard
+  // A word u < base^w <= 2^22 is split into hi = floor(u / base^h) and lo = u - hi base^h, whose
+  // table entries give the non-zero digits' mask, their sum and the largest (DigitMaskTable, as the
+  // bitmap index reads its words): most of a word's w digits are zero, and only the non-zero ones
+  // are computed, digit j as q_j - base q_{j+1} with q_j = floor(u / base^j) (DigitReciprocals).
+  if (w == 0 || w > kMaxPerWord) return false;  // a layout guard
   const DigitReciprocals powers(base, w);
+  const DigitMaskTable table(DigitPacking{base, w, 0});
+  const uint64_t* const entry = table.entry.data();
+  const uint32_t lo_digits = table.lo_digits, lo_power = (uint32_t)table.lo_power;
+  const double inv_lo = 1.0 / table.lo_power;
+  uint64_t word_limit = 1;
+  for (uint32_t j = 0; j < w; ++j) word_limit *= base;
+  constexpr uint64_t kField = (1u << 22) - 1;
   const uint64_t M = nodes.size();
   std::vector<uint64_t> sums(nt, 0);
   std::vector<char> bad(nt, 0);
@@ -232,21 +241,23 @@ bool expand_children(const CodecLayout& L, uint32_t l, int nt, const std::vector
       const uint32_t cap = counts[p];
       uint64_t node_sum = 0;
       for (uint32_t i = 0; i < wpg; ++i) {
-        const double u = pat[i];
-        if (u == 0.0) continue;
-        uint32_t q[kMaxPerWord + 1];
-        for (uint32_t j = 0; j <= w; ++j) q[j] = powers.quotient(u, j);
-        // Branch-free (the zero digits are unpredictable): every digit is offered to the sink, which
-        // keeps the non-zero ones.
+        const uint32_t u = pat[i];
+        if (u == 0) continue;
+        if (u >= word_limit) { ok = false; break; }  // peel_fine_level rules that out
+        const uint32_t hi = (uint32_t)(int32_t)(((double)u + 0.5) * inv_lo), lo = u - hi * lo_power;  // exact floor
+        const uint64_t a = entry[lo], b = entry[hi];
+        const uint32_t mask = (uint32_t)(a & kField) | (uint32_t)(b & kField) << lo_digits;
         const uint64_t first_child = first + (uint64_t)i * w;
-        uint32_t wrong = q[w] != 0;  // not below base^w (peel_fine_level rules that out)
-        for (uint32_t j = 0; j < w; ++j) {
-          const uint32_t c = q[j] - base * q[j + 1];
-          wrong |= (uint32_t)(c > cap) | ((uint32_t)(first_child + j >= child_limit) & (uint32_t)(c != 0));
-          node_sum += c;
-          sink.offer((uint32_t)(first_child + j), c);
+        node_sum += ((a >> 22) & kField) + ((b >> 22) & kField);
+        // A digit above the node's count, or a non-zero child past the last (the highest set bit's).
+        if (std::max(a >> 44, b >> 44) > cap || first_child + (31 - __builtin_clz(mask)) >= child_limit) {
+          ok = false;
+          break;
         }
-        if (wrong) { ok = false; break; }
+        for (uint32_t m = mask; m; m &= m - 1) {
+          const uint32_t j = (uint32_t)__builtin_ctz(m);
+          sink.offer((uint32_t)(first_child + j), powers.quotient(u, j) - base * powers.quotient(u, j + 1));
+        }
       }
       if (node_sum < cap) ok = false;
       sum += node_sum;
@@ -406,7 +417,13 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
     uint64_t total = 0;
     if (l + 1 < L.fine_levels) {
       // The next level's nodes: each part's children, then concatenated in part order.
+      // Room for a part's share of the nodes, and an eighth more (most nodes have one non-zero child
+      // at low density): the sinks seldom grow.
       std::vector<ChildSink> sinks(nt);
+      for (ChildSink& sink : sinks) {
+        sink.nodes.resize(nodes.size() / nt + nodes.size() / (8 * nt) + 64);
+        sink.counts.resize(sink.nodes.size());
+      }
       const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
       // Each rank's non-zero children at any level are at most its non-zero keys.
       if (!ok || total > in.total_keys) return kDecodeIndexCorrupt;

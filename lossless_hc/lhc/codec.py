@@ -54,8 +54,9 @@ class DecodeReport:
 
     ok               True iff the output is the exact aggregate: the same non-zero keys as the true
                      sum t, and every coordinate y_i with :math:`|y_i - t_i| \le rtol\,|t_i|`
-                     (``rtol`` the codec's; proven per key, see ``LosslessCodec``) -- for a payload
-                     that is the sum (or average) of valid payloads. With ``verify=True`` also for a
+                     (``rtol`` the codec's; proven per key, see ``LosslessCodec``) before the output
+                     is rounded to the input's dtype (a float16 sum beyond +-65504 is then +-inf, as
+                     in an fp16 allreduce) -- for a payload that is the sum (or average) of valid payloads. With ``verify=True`` also for a
                      payload with one corrupted sketch or mass word (or a zeroed sketch): the decode
                      refuses it (e.g. SKETCH_CORRUPT) or lists every key the corruption moved beyond
                      rtol as INEXACT (``LosslessCodec``). With or without it, a corrupted

@@ -6,6 +6,7 @@ import torch
 
 from lossless_hc.fuzz import allowed_error, outside_bounds, outside_contract, run, truth
 from lossless_hc.fuzz.cases import CASES_PER_GROUP, group_cases, run_group
+from lossless_hc.lhc.status import DecodeStatus
 
 SLICE = 3000
 CLEAN = ("sum", "average", "tree")
@@ -62,16 +63,29 @@ def test_index_flip_dropping_a_key_under_huge_ones_is_caught():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("group,case", [(86953, 2), (36392, 3)])
-def test_corruption_reaching_a_check_cell_along_two_paths(group, case):
+@pytest.mark.parametrize("group,case,how", [(86953, 2, "sketch_bit"), (36392, 3, "wrong_sum")])
+def test_corruption_reaching_a_check_cell_along_two_paths(group, case, how):
     """The two wrong cases of seed 14 before the verification bound's soundness rule (450,000 cases,
     docs/BENCHMARKS.md, fuzz). In both, the corrupted word is in the read cell of a key a, and a shares
     two cells with a later key k: it was subtracted into k's read cell and into the check cell that
     verified k. That cell received the error along both paths, which cancelled exactly (w = +1 on
     delta/2 and -2 on delta/4; +2 on -delta/2 and +2 on delta/2), so F(k) was tiny and k's wrong value
     (-0.998 and -0.745 for -1.0) was claimed within rtol. Now a cell holding a key that shares an
-    ancestor with k (a is k's parent and in that cell) does not verify k (csrc/lhc_ancestry.h)."""
-    bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in run_group(14, group) if v.wrong and v.case == case]
+    ancestor with k (a is k's parent and in that cell) does not verify k (csrc/lhc_ancestry.h). The
+    premise first (as test_reference_lists_the_two_path_keys checks it for the reference decoder): the
+    case is still that one-word corruption, and the C++ decoder's output has keys outside the contract,
+    every one of them listed inexact; else the verdict below would check nothing."""
+    verdicts = [v for v in run_group(14, group) if v.case == case]
+    assert [v.how for v in verdicts] == [how], f"seed 14, group {group}: case {case} is no longer a {how}"
+    g, verified, p = corrupted_case(14, group, case)
+    s, a = truth(g.xs)
+    y, report = verified.decode(p, shape=(g.numel,), dtype=g.dtype)
+    assert report.status == DecodeStatus.INEXACT, report
+    off = outside_contract(y.reshape(-1), s, a, g.world_size, verified.rtol, False)
+    outside = set((off.nonzero().flatten() // g.block).tolist())
+    assert outside, "no key outside the contract: this case no longer exercises the rule"
+    assert outside <= set(report.inexact_keys.tolist()), outside - set(report.inexact_keys.tolist())
+    bad = [f"case {v.case} {v.how} {v.status}: {v.detail}" for v in verdicts if v.wrong]
     assert not bad, bad
 
 

@@ -233,7 +233,7 @@ def test_top_k_is_timed_on_the_model_s_largest_tensor_within_bounds():
     assert topk_numel_for(4 * TOPK_MIN_NUMEL - 4) == topk_numel_for(0) == TOPK_MIN_NUMEL
     assert topk_numel_for(4 * TOPK_MIN_NUMEL + 7) == TOPK_MIN_NUMEL + 1   # whole coordinates
     for bad, error in ((-4, ValueError), (4.0, TypeError)):
-        with pytest.raises(error):
+        with pytest.raises(error, match="largest_bytes must be"):
             topk_numel_for(bad)
 
 
@@ -395,7 +395,7 @@ def test_the_allgather_is_timed_at_the_bytes_that_send_what_the_allreduce_sends(
     assert allgather_bytes(8, (4, 8, 1 << 20), 8) == 4                 # not below the smallest size
     small = (1 << 10, 1 << 15, (1 << 20) - 4)                          # a top below 1 MiB: as the allreduce
     assert [allgather_bytes(b, small, 4) for b in small] == list(small)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
         allgather_bytes(1 << 20, big, 0)
 
 

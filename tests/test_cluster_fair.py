@@ -40,7 +40,7 @@ def test_cpu_fair_scaling_dilates_by_the_share_of_a_core():
     stretched = compute / f["share"]
     assert stretched / (transfer / f["rate_factor"]) == pytest.approx(compute / transfer)
     assert stretched / (delay * f["delay_factor"]) == pytest.approx(compute / delay)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cpu_fair_scaling needs workers >= 1"):
         cluster.cpu_fair_scaling(0, 2)
 
 
@@ -148,7 +148,7 @@ def test_zipf_weights_and_expected_distinct():
         seen = [torch.multinomial(w, 500, replacement=True, generator=g).unique().numel() for _ in range(200)]
         mean, sd = sum(seen) / len(seen), torch.tensor(seen, dtype=torch.float64).std().item()
         assert abs(mean - data.expected_distinct(w, 500)) < 5 * sd / math.sqrt(len(seen)) + 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="zipf_weights needs n >= 1 and s >= 0"):
         data.zipf_weights(10, -1.0)
 
 
@@ -316,7 +316,7 @@ def test_simulator_check_against_measured_points():
     extra = 3 * sum(one_core.local_seconds("dense", st) for st in
                     [stats, pl.TensorStats(numel=6, row=1, world_size=2, rank_keys=(6, 6), union_keys=6)])
     assert fair[0]["predicted_s"] == pytest.approx(out[0]["predicted_s"] + extra)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"cpu_share must be in \(0, 1\]"):
         simulate.calibration(10**9, None, 0.0)
     # links that applied a one-way delay (netem): each of the ring's hops is priced at that delay
     del meas["by_hosts"]["2"]["cpu_fair"]

@@ -33,7 +33,7 @@ def test_world_size_and_block_size_limits():
         LosslessCodec(100, 2, -1)
     with pytest.raises(ValueError, match="index"):
         LosslessCodec(100, 2, 10, index="bitmapp")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="numel must be an int"):
         LosslessCodec(100.0, 2, 10)
 
 

@@ -49,7 +49,7 @@ def test_layout_follows_torchs_matrix_view_and_min_compression_rate():
     assert all(type(v) is int for v in (lay.numel, lay.uncompressed, lay.p_numel, lay.q_numel, lay.flops))
     assert lay.flops == 6 * 512 * 512 * 4 + 2 * 1024 * 16 + 6 * 64 * 27 * 4 + 2 * 91 * 16
     assert CostModel.powersgd_collectives(lay) == [("allreduce", 4 * unc), ("allreduce", 4 * p), ("allreduce", 4 * q)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="views each gradient as a matrix"):
         powersgd_layout([()], 4, 2)   # torch's hook cannot view a scalar as a matrix
     # rank 0 "compressed" every matrix into nothing (0 bytes, 0 flops: PowerSGD predicted free), 2.5 ran at 2
     for rank, rate, error in ((0, 2, ValueError), (2.5, 2, TypeError), (True, 2, TypeError),
@@ -307,9 +307,9 @@ def test_powersgd_is_offered_only_with_lossy_and_only_by_the_ddp_hook():
     assert st._powersgd is not None and st.spec.strategies == ("dense",)
     with pytest.raises(ValueError, match="lossy=True"):
         AutoHookState(strategies=("dense", "powersgd"))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="strategies must be a non-empty subset of"):
         AutoSpec(lossy=True, strategies=("powersgd",))   # Compression.auto, AutoFSDPState: no bucket to give it
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="powersgd_start must be an integer >= 2"):
         AutoHookState(lossy=True, powersgd_start=1)       # torch's minimum with error feedback
     with pytest.raises(ValueError, match="powersgd_rank"):
         AutoHookState(lossy=False, powersgd_rank=-3)      # checked with PowerSGD off too (it was ignored)

@@ -25,10 +25,10 @@ def test_warmup_and_validation():
                 dict(rank_headroom=float("nan")), dict(union_headroom=float("inf")), dict(warmup=-1),
                 # bools were numbers (True: a headroom of 1, alpha 1.0); a string raised from inside a comparison
                 dict(alpha=True), dict(union_headroom=True), dict(rank_headroom="2"), dict(hysteresis=False)):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):   # the option's own check
             CapacityPolicy(**bad)
     for bad in (dict(interval=2.5), dict(interval=True), dict(warmup=1.5)):   # were truncated silently
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match=f"{next(iter(bad))} must be an int"):
             CapacityPolicy(**bad)
     assert CapacityPolicy(warmup=0).warmup == 0 and CapacityPolicy(interval=4).warmup == 4
     assert CapacityPolicy(union_headroom=np.float32(2.0), hysteresis=np.float64(0.5)).union_headroom == 2.0

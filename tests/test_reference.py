@@ -86,9 +86,9 @@ def test_key_cells_matches_python_ints(table):
 
 
 def test_key_cells_rejects_bad_table():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"needs 0 <= n < 2\*\*32"):   # a segment longer than 32-bit cells reach
         reference.key_cells(SegmentedTable(seg_len=1 << 32, seg_count=3, stream=0), torch.arange(3))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="seg_count must be a positive multiple of 3"):
         reference.key_cells(SegmentedTable(seg_len=5, seg_count=10, stream=0), torch.arange(3))
     # no segments: every key's cells would lie outside the table's 0 cells
     with pytest.raises(ValueError, match="seg_count must be a positive multiple of 3"):

@@ -379,7 +379,7 @@ def test_wrong_payload_length_dtype_or_shape_raise(index):
     for dt in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
         with pytest.raises(TypeError, match="float32"):
             codec.decode(summed.to(dt))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="payload must be a torch.Tensor"):
         codec.decode(summed.numpy())
     # non-contiguous but right length: accepted
     wide = torch.stack([summed, summed], dim=1)[:, 0]
@@ -430,7 +430,7 @@ def test_rejected_input_dtypes(dtype):
 
 def test_non_tensor_and_wrong_size_inputs():
     codec = LosslessCodec(10, 2, 3)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         codec.encode([0.0] * 10)
     with pytest.raises(ValueError, match="numel"):
         codec.encode(torch.zeros(11))

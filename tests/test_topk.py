@@ -102,13 +102,13 @@ def test_reuses_out_and_rejects_bad_input():
     out = torch.full((50,), -1, dtype=torch.int64)
     got = CPU.topk_select(x, 40, out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, reference(x, 40))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes a contiguous float32 tensor"):
         CPU.topk_select(x.double(), 3)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes a contiguous float32 tensor"):
         CPU.topk_select(torch.randn(10, 2).t(), 3)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="k must be an integer >= 0"):
         CPU.topk_select(x, -1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="out must be a contiguous int64 tensor of at least 40"):
         CPU.topk_select(x, 40, out=torch.empty(10, dtype=torch.int64))
 
 

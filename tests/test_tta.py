@@ -170,7 +170,7 @@ def test_hit_rate_at_k_on_a_constructed_case():
                            [5.0] + [5.0] * 99])                       # ties favour the positive: hit
     assert data.hit_rate_at_k(scores, 10) == 0.75
     assert data.hit_rate_at_k(scores, 1) == 0.5
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs a rows x candidates matrix"):
         data.hit_rate_at_k(scores[0], 10)
 
 

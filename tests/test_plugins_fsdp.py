@@ -227,14 +227,20 @@ def test_resumed_run_continues_bit_identically(launch, mesh, name):
 
 ERRORS = {"config_mismatch": "ConfigurationMismatch", "thc_reduce_scatter": "ValueError", "native_hsdp": "ValueError",
           "auto_guard_mismatch": "ConfigurationMismatch"}
+# what each error says (the check that raised it, not another ValueError of register() or of FSDP2 further on)
+MESSAGES = {"config_mismatch": "LosslessFSDPState differs across ranks",
+            "thc_reduce_scatter": "THCFSDPState cannot compress the reduce-scatter",
+            "native_hsdp": "fully_shard it on the shard dimension of the mesh",
+            "auto_guard_mismatch": "AutoFSDPState differs across ranks"}
 
 
 @pytest.mark.parametrize("mesh,name", cases(*ERRORS))
 def test_misuse_is_a_clear_error_on_every_rank(launch, mesh, name):
-    """Ranks configured differently (one rank's max_density): ConfigurationMismatch from register() on every
-    rank, not a hang; THC asked to compress the reduce-scatter, or hooks on native HSDP: ValueError."""
+    """Ranks configured differently (one rank's max_density, or only the auto state's step guard):
+    ConfigurationMismatch from register()'s configuration check on every rank, not a hang; THC asked to
+    compress the reduce-scatter, or hooks on native HSDP: ValueError from the check that refuses it."""
     for r in results(launch, mesh, name):
-        assert r["error"] == ERRORS[name], r
+        assert r["error"] == ERRORS[name] and MESSAGES[name] in r["message"], r
 
 
 @pytest.mark.parametrize("mesh,name", cases("auto", "auto_slow_link"))

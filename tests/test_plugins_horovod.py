@@ -27,6 +27,15 @@ ERRORS = {"adasum": "ValueError", "sparse_without_dense": "ValueError", "sparse_
           "sparse_only": "ValueError",
           "seed_mismatch": "ConfigurationMismatch", "op_max": "ValueError", "shared_compressor": "ValueError",
           "process_set_type": "TypeError"}
+# what each error says (the check that raised it, not another error of the same type from further on)
+MESSAGES = {"adasum": "Adasum is non-linear (it is not a sum)",
+            "sparse_without_dense": "has a sparse gradient, which Horovod sends uncompressed",
+            "sparse_beside_one": "has a sparse gradient, which Horovod sends uncompressed",
+            "sparse_only": "a sparse gradient reached the compressor",
+            "seed_mismatch": "ranks built the codec with different",
+            "op_max": "lossless_hc compression sums payloads: op=",
+            "shared_compressor": "one lossless_hc compressor serves one hvd.DistributedOptimizer at a time",
+            "process_set_type": "process_set must be a horovod ProcessSet"}
 # Float tolerance for parameters after a few SGD steps: sums in a different order differ by rounding.
 TOL = 1e-6
 
@@ -266,10 +275,11 @@ def test_a_step_whose_handles_were_dropped_does_not_hold_back_the_next(horovod_r
 def test_misuse_is_a_clear_error_on_every_rank(horovod_run, name):
     """op_max: op=hvd.Max (its dense tensors a MAX, its fallbacks a SUM); shared_compressor: one
     compressor for two optimizers of one model (one's step ended after the other read its gradients);
-    process_set_type: Compression.auto(process_set="all")."""
+    process_set_type: Compression.auto(process_set="all"); seed_mismatch: each rank's own seed (the codecs'
+    fingerprints disagree at the first decode). Each by the check that refuses it (its message)."""
     out, size = horovod_run
     for r in results(out, name, size):
-        assert r["error"] == ERRORS[name], r
+        assert r["error"] == ERRORS[name] and MESSAGES[name] in r["message"], r
 
 
 @pytest.mark.parametrize("name, table", [("sparse_without_dense", "users.weight"), ("sparse_beside_one", "emb")])

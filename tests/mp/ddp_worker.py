@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, half_precision_error, loss_fn,  # noqa: E402
-                    max_param_diff, param_digest)
+from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, books_check, half_precision_error,  # noqa: E402
+                    loss_fn, max_param_diff, param_digest)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -50,6 +50,56 @@ def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, 
             loss_fn(forward, batch(step, rank)).backward()
             opt.step()
     return model
+
+
+def residuals(state, params) -> list:
+    """Each parameter's top-k residual (flat float64; zeros where it holds none), copied: the hook
+    updates it in place."""
+    out = []
+    for p in params:
+        agg = state._aggregators.get(p)
+        held = agg.residual if agg is not None else None
+        out.append(held.detach().double().clone() if held is not None else torch.zeros(p.numel(), dtype=torch.float64, device=p.device))
+    return out
+
+
+def topk_conserved(steps=4, hidden=512, lr=0.1):
+    """Top-k (5%) through topk_hook, ``hidden`` large enough that top-k beats sending the dense layer.
+    At the last step, error feedback's books, checked outside the hook: what the hook returned (each
+    parameter's .grad after backward, which DDP fills from the hook's bucket) must be
+    sum_r (g_r + residual_before_r - residual_after_r) / n, where g_r is this rank's own gradient (the
+    same backward on a plain copy of the module) and the sum over ranks a plain dist.all_reduce of the
+    books in float64. Also the parameters' digest after the steps (the replicas must decode the same bits)."""
+    state = TopKHookState(ratio=0.05)
+    torch.manual_seed(0)
+    model = EmbeddingModel(hidden=hidden).to(DEVICE)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(state, topk_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    params = list(model.parameters())
+    for step in range(steps):
+        check = step == steps - 1
+        if check:
+            own = EmbeddingModel(hidden=hidden).to(DEVICE)
+            own.load_state_dict(model.state_dict())
+            loss_fn(own, batch(step, rank)).backward()
+            grads = [q.grad.detach().double().reshape(-1) for q in own.parameters()]
+            before = residuals(state, params)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp, batch(step, rank)).backward()
+        if check:
+            applied = torch.cat([p.grad.detach().double().reshape(-1) for p in params])
+            after = residuals(state, params)
+            books = torch.stack([torch.cat([g + b - a for g, b, a in zip(grads, before, after)]),
+                                 torch.cat([g.abs() + b.abs() for g, b in zip(grads, before)])])
+            dist.all_reduce(books)   # outside the hook, for the check only
+            rtol = max(a.codec.rtol for a in state._aggregators.values() if a.codec is not None)
+            conservation = books_check(applied, books[0] / n, books[1] / n, rtol)
+        opt.step()
+    return {"stats": state.stats(), "digest": param_digest(model),
+            "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values() if a.residual is not None],
+            "conservation": conservation}
 
 
 def compare(state, **kw):
@@ -143,11 +193,7 @@ def scenario(name):
         r["index"] = [a.codec.index_kind if a.codec is not None else "dense" for a in aggs]
         return r
     if name == "topk":
-        state = TopKHookState(ratio=0.05)
-        train(state, steps=4, hidden=512, hook=topk_hook)  # a dense layer large enough that top-k beats dense
-        return {"stats": state.stats(),
-                "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values()
-                                   if a.residual is not None]}
+        return topk_conserved()
     if name == "thc":
         state = THCHookState(bits=4)
         ref = train(None, steps=16, hidden=512, lr=0.02)

@@ -89,6 +89,20 @@ class BagModel(nn.Module):
         return self.fc(torch.tanh(self.table(rows, offsets))).squeeze(-1)
 
 
+def books_check(applied, expected, mass, rtol) -> dict:
+    """Top-k's error feedback conserved: ``applied`` (what the engine applied, the average) against
+    ``expected`` = sum_r (g_r + residual_before_r - residual_after_r) / n, coordinate by coordinate.
+    The bound is the codec's contract on the sum of the ranks' selections (each value within ``rtol``
+    of their mass) plus float32 rounding (of g + residual in the selection, of the sum and the division),
+    with ``mass`` = sum_r (|g_r| + |residual_before_r|) / n, which bounds the selections' mass."""
+    err = (applied - expected).abs()
+    bound = (rtol + 2.0 ** -20) * mass
+    return {"over_bound": float((err / bound.clamp_min(1e-300)).max()), "max_error": float(err.max()),
+            "max_expected": float(expected.abs().max()), "rtol": rtol,
+            "applied_nonzero": int((applied != 0).sum()), "expected_nonzero": int((expected != 0).sum()),
+            "numel": applied.numel()}
+
+
 def half_precision_error(got: torch.Tensor, ref_sum: torch.Tensor, mag_sum: torch.Tensor, n: int, dtype) -> tuple:
     """``(worst, zeros_exact)`` for a reduced gradient ``got`` of a model in ``dtype`` (bfloat16 or
     float16), given the float64 sums over the n ranks of their local gradients (``ref_sum``) and of

@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import DEVICE, EmbeddingModel, LinearLoss, batch, half_precision_error, loss_fn, max_param_diff, param_digest  # noqa: E402
+from models import (DEVICE, EmbeddingModel, LinearLoss, batch, books_check, half_precision_error, loss_fn,  # noqa: E402
+                    max_param_diff, param_digest)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -112,6 +113,56 @@ def topk_joined(op):
             "held": float(held.abs().max()), "stats": comp.stats()}
 
 
+def topk_conserved(steps=4, hidden=512, lr=0.1):
+    """Top-k (5%) per parameter, ``hidden`` large enough that top-k beats sending the dense layer. At the
+    last step, error feedback's books, checked outside the compressor: what Horovod applied (each
+    parameter's .grad after ``opt.synchronize()``, the step then taken without synchronizing again)
+    must be sum_r (g_r + residual_before_r - residual_after_r) / n, g_r this rank's own gradient (the
+    same backward on a plain copy of the model), the sum over ranks a plain hvd.allreduce of the books
+    (bound: models.books_check). Also the parameters' digest after the steps."""
+    comp = Compression.topk(ratio=0.05)
+    torch.manual_seed(0)
+    model = EmbeddingModel(hidden=hidden).to(DEVICE)
+    RUNS[0] += 1
+    named = [(f"run{RUNS[0]}.{n}", p) for n, p in model.named_parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), named_parameters=named,
+                                   compression=comp)
+    rank, n = hvd.rank(), hvd.size()
+
+    def residuals():
+        aggs = comp.aggregators()
+        held = [aggs[k].residual if k in aggs else None for k, _ in named]
+        return [h.detach().double().clone() if h is not None else torch.zeros(p.numel(), dtype=torch.float64,
+                                                                                 device=p.device)
+                for h, (_, p) in zip(held, named)]
+    for step in range(steps):
+        check = step == steps - 1
+        if check:
+            own = EmbeddingModel(hidden=hidden).to(DEVICE)
+            own.load_state_dict(model.state_dict())
+            loss_fn(own, batch(step, rank)).backward()
+            grads = [q.grad.detach().double().reshape(-1) for q in own.parameters()]
+            before = residuals()
+        opt.zero_grad()
+        loss_fn(model, batch(step, rank)).backward()
+        if check:
+            opt.synchronize()   # decompressed into .grad
+            applied = torch.cat([p.grad.detach().double().reshape(-1) for _, p in named])
+            after = residuals()
+            books = torch.stack([torch.cat([g + b - a for g, b, a in zip(grads, before, after)]),
+                                 torch.cat([g.abs() + b.abs() for g, b in zip(grads, before)])])
+            books = hvd.allreduce(books, op=hvd.Sum, name=f"run{RUNS[0]}.books")   # for the check only
+            rtol = max(a.codec.rtol for a in comp.aggregators().values() if a.codec is not None)
+            conservation = books_check(applied, books[0] / n, books[1] / n, rtol)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    return {"stats": comp.stats(), "digest": param_digest(model), "conservation": conservation,
+            "residual_norms": {k: float(a.residual.norm()) if a.residual is not None else None
+                               for k, a in comp.aggregators().items()}}
+
+
 def expect_error(fn, exc):
     try:
         fn()
@@ -153,11 +204,7 @@ def scenario(name):
         r["index"] = [a.codec.index_kind if a.codec is not None else "dense" for a in aggs]
         return r
     if name == "topk":
-        comp = Compression.topk(ratio=0.05)
-        # A dense layer large enough that top-k beats sending it dense.
-        train(comp, steps=4, hidden=512)
-        return {"stats": comp.stats(), "residual_norms": {n: float(a.residual.norm()) if a.residual is not None
-                                                          else None for n, a in comp.aggregators().items()}}
+        return topk_conserved()
     if name == "join_thc":
         # THC cannot decode a sum that misses a rank: a clear error on the rank still training, which then
         # joins too (as a training loop that stops would), releasing the rank that joined first

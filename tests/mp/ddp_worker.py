@@ -59,7 +59,8 @@ def residuals(state, params) -> list:
     for p in params:
         agg = state._aggregators.get(p)
         held = agg.residual if agg is not None else None
-        out.append(held.detach().double().clone() if held is not None else torch.zeros(p.numel(), dtype=torch.float64, device=p.device))
+        out.append(held.detach().double().clone() if held is not None
+                   else torch.zeros(p.numel(), dtype=torch.float64, device=p.device))
     return out
 
 

@@ -110,12 +110,23 @@ PYBIND11_MODULE(_C, m) {
         if (element_bytes != 2 && element_bytes != 4 && element_bytes != 8)
           throw std::invalid_argument("nonzero_rows: element_bytes must be 2, 4 or 8");
         py::gil_scoped_release release;
-        cpu::nonzero_rows(ptr<const void>(x), rows, row, element_bytes, ptr<uint8_t>(present), num_threads);
+        return cpu::nonzero_rows(ptr<const void>(x), rows, row, element_bytes, ptr<uint8_t>(present), num_threads);
       },
       py::arg("x"), py::arg("rows"), py::arg("row"), py::arg("element_bytes"), py::arg("present"),
       py::arg("num_threads") = 0,
       "present[r] (uint8/bool at address present) = whether row r of the rows x row matrix at x (elements of\n"
-      "element_bytes bytes, contiguous) holds an element that is not +-0.0 (NaN and infinities count).");
+      "element_bytes bytes, contiguous) holds an element that is not +-0.0 (NaN and infinities count);\n"
+      "returns how many rows do.");
+
+  m.def(
+      "present_row_index",
+      [](uintptr_t present, uint64_t rows, uintptr_t index) {
+        py::gil_scoped_release release;
+        cpu::present_row_index(ptr<const uint8_t>(present), rows, ptr<int64_t>(index));
+      },
+      py::arg("present"), py::arg("rows"), py::arg("index"),
+      "index (int64, as many entries as present has non-zero flags) = the rows r < rows whose flag\n"
+      "present[r] (uint8/bool, 0 or 1) is set, increasing.");
 
   m.def(
       "dense_copy_count",
@@ -128,6 +139,24 @@ PYBIND11_MODULE(_C, m) {
       py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("counts"), py::arg("num_threads") = 0,
       "dst[i] = src[i] for i < n (float32; dst 0: count only); counts[0] (int64 at address counts) = the\n"
       "elements that are not +-0.0, counts[1] = those that are not finite.");
+
+  m.def(
+      "pack_row_slots",
+      [](uintptr_t src, uint64_t src_rows, bool gather, uintptr_t index, uint64_t m, uint64_t row, uint64_t k,
+         uintptr_t slots) {
+        bool ok;
+        {
+          py::gil_scoped_release release;
+          ok = cpu::pack_row_slots(ptr<const float>(src), src_rows, gather, ptr<const int64_t>(index), m, row, k,
+                                   ptr<float>(slots));
+        }
+        if (!ok) throw std::invalid_argument("pack_row_slots: more rows than slots, or a row outside [0, rows)");
+      },
+      py::arg("src"), py::arg("src_rows"), py::arg("gather"), py::arg("index"), py::arg("m"), py::arg("row"),
+      py::arg("k"), py::arg("slots"),
+      "A rank's k allgather slots (float32, 1 + row words each) at slots: the m rows index (int64) labels,\n"
+      "each slot's values row index[s] (gather) or row s of the float32 rows at src; then unused slots\n"
+      "(label -1, zeros).");
 
   m.def(
       "sum_row_slots",

@@ -256,9 +256,10 @@ def test_a_dense_gradient_s_sketch_plan_counts_its_rows_as_it_encodes_them(monke
 
     run_step(aggs, xs)   # sized for 1% of the rows before any statistics: a dense fallback, then sized
 
-    def scanned(self, flat):
+    def scanned(self, *args):
         raise AssertionError("the sketch step read a tensor for its rows")
-    monkeypatch.setattr(AutoAggregator, "_present", scanned)
+    monkeypatch.setattr(AutoAggregator, "_present", scanned)   # a result's rows
+    monkeypatch.setattr(AutoAggregator, "_scan", scanned)      # a gradient's rows
     for y in run_step(aggs, xs):
         assert torch.allclose(y, sum(xs), rtol=2 ** -10, atol=0)
     assert aggs[0].fallbacks == 1 and aggs[0].tracker.rank_keys == [float(k) for k in want]
@@ -273,12 +274,17 @@ def test_thc_and_top_k_count_rows_on_the_statistics_steps_only(strategy, monkeyp
     aggs = [AutoAggregator("w", (4096,), torch.float32, n, r, MODEL, lossy=True, first=strategy, allowed=(strategy,),
                            interval=4, lossy_min_bytes=0) for r in range(n)]
     scans = []
-    scan = AutoAggregator._present
+    present, scan = AutoAggregator._present, AutoAggregator._scan
 
-    def counted(self, flat):
+    def counted_present(self, flat):   # a result's rows
         scans.append(self.steps)
-        return scan(self, flat)
-    monkeypatch.setattr(AutoAggregator, "_present", counted)
+        return present(self, flat)
+
+    def counted_scan(self, ctx):       # a gradient's rows
+        scans.append(self.steps)
+        return scan(self, ctx)
+    monkeypatch.setattr(AutoAggregator, "_present", counted_present)
+    monkeypatch.setattr(AutoAggregator, "_scan", counted_scan)
     g = torch.Generator().manual_seed(3)
     observed = []
     for _ in range(9):

@@ -279,6 +279,23 @@ def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, device):
     for threads in (1, 2, 3):
         got = backend_for(device).nonzero_rows(x.reshape(-1).to(device), row, threads)
         assert torch.equal(got.cpu(), want), threads
+        # ... and with the rows it found listed (the planner's scan of a gradient): torch.nonzero's list
+        present, index = backend_for(device).nonzero_row_index(x.reshape(-1).to(device), row, threads)
+        assert torch.equal(present.cpu(), want), threads
+        assert index.dtype == torch.int64 and torch.equal(index.cpu(), torch.nonzero(want).reshape(-1)), threads
+
+
+@pytest.mark.parametrize("which", ROW_BACKENDS)
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 64, 1001])
+def test_the_row_scan_lists_no_row_every_row_or_a_few_alike(which, rows):
+    """nonzero_row_index at the edges of its eight-flags-a-word listing: no row, every row, and rows at
+    a word's first and last flag and past the last whole word."""
+    backend, device = row_backend(which)
+    for held in ([], list(range(rows)), sorted({0, rows // 2, rows - 1, 7 % max(rows, 1)} & set(range(rows)))):
+        x = torch.zeros(rows, 3)
+        x[held, 1] = 1.5
+        present, index = backend.nonzero_row_index(x.reshape(-1).to(device), 3)
+        assert index.tolist() == held and present.cpu().tolist() == [r in held for r in range(rows)]
 
 
 def test_the_row_scan_refuses_what_it_cannot_read():
@@ -292,6 +309,71 @@ def test_the_row_scan_refuses_what_it_cannot_read():
         scan(torch.zeros(10, dtype=torch.int32), 2)
     with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
         scan(torch.zeros(20)[::2], 2)
+
+
+def slots_by_loop(index: list, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The allgather slots written one word at a time: an int32 label's bits, then the row in float32;
+    unused slots -1 and zeros."""
+    row = rows.shape[1]
+    out = torch.zeros(k, 1 + row, dtype=torch.float32)
+    for s in range(k):
+        label = index[s] if s < len(index) else -1
+        out[s, 0] = torch.tensor([label], dtype=torch.int32).view(torch.float32)[0]
+        if s < len(index):
+            out[s, 1:] = rows[s].to(torch.float32)
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("which", ROW_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("keys,row,m,k", [(50, 4, 7, 7), (50, 4, 7, 12), (1000, 32, 87, 100), (9, 1, 0, 3),
+                                          (9, 1, 9, 9)])
+def test_row_slots_hold_a_rank_s_rows_then_unused_slots_on_every_backend(which, dtype, keys, row, m, k):
+    """A rank's allgather slots from its table's rows read in place, or from its rows' values given:
+    bit for bit the slots written one word at a time (the row index's bits, the values in float32, then
+    -1 and zeros), on every backend; NaN, infinities and -0.0 travel as they are."""
+    backend, device = row_backend(which)
+    gen = torch.Generator().manual_seed(keys + m)
+    table = torch.randn(keys, row, generator=gen).to(dtype)
+    table[0, 0], table[-1, -1] = float("nan"), float("-inf")
+    table[keys // 2, 0] = -0.0
+    index = torch.randperm(keys, generator=gen)[:m].sort().values
+    want = slots_by_loop(index.tolist(), table[index], k)
+
+    def same(got: torch.Tensor) -> bool:   # labels' and values' bits, but for a NaN's payload
+        got, w = got.cpu().reshape(k, 1 + row), want.reshape(k, 1 + row)
+        values_nan = torch.isnan(w[:, 1:])
+        return (got.dtype == torch.float32 and torch.equal(got[:, 0].view(torch.int32), w[:, 0].view(torch.int32))
+                and torch.equal(torch.isnan(got[:, 1:]), values_nan)
+                and torch.equal(got[:, 1:][~values_nan].view(torch.int32), w[:, 1:][~values_nan].view(torch.int32)))
+    assert same(backend.row_slots(index.to(device), k, table=table.to(device)))
+    assert same(backend.row_slots(index.to(device), k, values=table[index].to(device)))
+    assert same(gather_slots(index, table[index], k, row))   # the CPU backend's, by the index's device
+
+
+@pytest.mark.parametrize("which", ROW_BACKENDS)
+def test_row_slots_refuse_more_rows_than_slots_and_a_row_outside_the_table(which):
+    """More rows than slots, both or neither of a table and values, or values of another row count: a
+    ValueError on every backend; a row outside the table or a negative one: a ValueError on the CPU (CUDA
+    does not check, which would synchronise its stream)."""
+    backend, device = row_backend(which)
+    table = torch.ones(10, 2, device=device)
+    index = torch.tensor([1, 4, 9], device=device)
+    with pytest.raises(ValueError, match="k must be an int >= the 3 rows"):
+        backend.row_slots(index, 2, table=table)
+    with pytest.raises(ValueError, match="from a table or from values"):
+        backend.row_slots(index, 3)
+    with pytest.raises(ValueError, match="from a table or from values"):
+        backend.row_slots(index, 3, table=table, values=table[:3])
+    with pytest.raises(ValueError, match="values must be a 2-D float tensor of 3 rows"):
+        backend.row_slots(index, 3, values=table[:2])
+    with pytest.raises(ValueError, match="index must be a 1-D tensor of integer rows"):
+        backend.row_slots(index.float(), 3, table=table)
+    if which == "cpu":
+        for bad in ([1, 4, 10], [-1, 4, 9]):
+            for t in (table, table.to(torch.bfloat16)):
+                with pytest.raises(ValueError, match="outside"):
+                    backend.row_slots(torch.tensor(bad), 3, table=t)
 
 
 @pytest.mark.parametrize("which", ROW_BACKENDS)

@@ -63,13 +63,25 @@ DecodeStats decode(const CodecLayout& layout, const DecodeInputs& in, const floa
 
 // present[r] = 1 if row r of the `rows` x `row` matrix x (contiguous, elements of element_bytes = 2, 4 or 8:
 // float16/bfloat16, float32, float64) holds an element that is not +-0.0 (NaN and infinities count), else
-// 0. Reads x once; bits independent of the thread count.
-void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present, int num_threads);
+// 0. Reads x once; bits independent of the thread count. Returns how many rows are present.
+uint64_t nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present,
+                      int num_threads);
+
+// index[0, m) = the rows r < `rows` with present[r] (uint8 flags, 0 or 1) not 0, increasing; m is their
+// number (nonzero_rows' count), for which the caller sized index.
+void present_row_index(const uint8_t* present, uint64_t rows, int64_t* index);
 
 // The dense index's body: dst[i] = src[i] for i < n (dst may be null: counting only), counts[0] = the
 // elements that are not +-0.0 and counts[1] = those that are not finite (NaN, +-Inf). One read of src;
 // the counts are independent of the thread count.
 void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads);
+
+// A rank's allgather slots (lossless_hc/training/rows.py, the backends' row_slots): k slots of 1 + row floats,
+// slot s < m the bits of int32 index[s], then the row's values: src row index[s] (gather: src holds src_rows
+// rows) or src row s (not gather); slots m to k - 1 the bits of -1 and zeros. False, with nothing written,
+// when m > k or a label is not an int32 row index (a gathered one in [0, src_rows)).
+bool pack_row_slots(const float* src, uint64_t src_rows, bool gather, const int64_t* index, uint64_t m, uint64_t row,
+                    uint64_t k, float* slots);
 
 // The allgather strategy's gathered rows summed into a dense table (lossless_hc/training/rows.py
 // sum_slots_dense): slots holds n ranks' per_rank slots of 1 + row floats, an int32 row index in the first

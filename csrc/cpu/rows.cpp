@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -58,12 +59,14 @@ void scan(const Word* x, uint64_t begin, uint64_t end, uint64_t row, uint8_t* pr
 
 }  // namespace
 
-void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present, int num_threads) {
-  if (rows == 0) return;
+uint64_t nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes, uint8_t* present,
+                      int num_threads) {
+  if (rows == 0) return 0;
   // Threads only where each gets rows worth their start-up (~64 KiB of input).
   const uint64_t bytes = rows * row * (uint64_t)element_bytes;
   const int nt = (int)std::max<uint64_t>(1, std::min<uint64_t>(detail::resolve_threads(num_threads), bytes >> 16));
-#pragma omp parallel num_threads(nt)
+  uint64_t count = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : count)
   {
     uint64_t begin, end;
     detail::split_range(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
@@ -72,7 +75,22 @@ void nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_bytes,
       case 4: scan(static_cast<const uint32_t*>(x), begin, end, row, present); break;
       default: scan(static_cast<const uint64_t*>(x), begin, end, row, present); break;
     }
+    for (uint64_t r = begin; r < end; ++r) count += present[r];  // in cache, just written
   }
+  return count;
+}
+
+void present_row_index(const uint8_t* present, uint64_t rows, int64_t* index) {
+  // Eight flags a word: most words of a sparse gradient's flags are zero and cost one test.
+  uint64_t m = 0, r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    uint64_t w;
+    std::memcpy(&w, present + r, sizeof w);
+    w &= 0x0101010101010101ull;  // a flag's low bit: no more entries than flags, whatever else a byte holds
+    for (; w; w &= w - 1) index[m++] = (int64_t)(r + (uint64_t)__builtin_ctzll(w) / 8);
+  }
+  for (; r < rows; ++r)
+    if (present[r]) index[m++] = (int64_t)r;
 }
 
 void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads) {
@@ -104,6 +122,27 @@ void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[
   }
   counts[0] = nonzero;
   counts[1] = nonfinite;
+}
+
+bool pack_row_slots(const float* src, uint64_t src_rows, bool gather, const int64_t* index, uint64_t m, uint64_t row,
+                    uint64_t k, float* slots) {
+  if (m > k) return false;
+  for (uint64_t s = 0; s < m; ++s)  // every label an int32 row index, every gathered row in src: checked first
+    if (index[s] < 0 || index[s] > INT32_MAX || (gather && (uint64_t)index[s] >= src_rows)) return false;
+  const uint64_t width = 1 + row;
+  for (uint64_t s = 0; s < m; ++s) {
+    float* slot = slots + s * width;
+    const int32_t label = (int32_t)index[s];
+    std::memcpy(slot, &label, sizeof label);
+    std::memcpy(slot + 1, src + (gather ? (uint64_t)index[s] : s) * row, row * sizeof(float));
+  }
+  const int32_t unused = -1;
+  for (uint64_t s = m; s < k; ++s) {
+    float* slot = slots + s * width;
+    std::memcpy(slot, &unused, sizeof unused);
+    std::memset(slot + 1, 0, row * sizeof(float));
+  }
+  return true;
 }
 
 int64_t sum_row_slots(const float* slots, uint64_t n, uint64_t per_rank, uint64_t row, float* out, uint64_t keys,

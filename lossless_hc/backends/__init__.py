@@ -14,7 +14,9 @@
   allows).
 * ``nonzero_rows(x, row, num_threads=0) -> present``: for a contiguous tensor ``x`` of 2-, 4- or 8-byte
   floats seen as ``(x.numel() // row, row)``, a bool per row: whether it holds an element that is not
-  +-0.0 (NaN and infinities count) -- the planner's row scan (``lossless_hc.training.rows``).
+  +-0.0 (NaN and infinities count) -- the planner's row scan (``lossless_hc.training.rows``); and
+  ``nonzero_row_index(x, row, num_threads=0) -> (present, index)``: that and the rows it found, sorted
+  int64 on ``x``'s device (``torch.nonzero(present)``'s).
 * ``dense_copy(src, dst, num_threads=0) -> counts``: ``dst.copy_(src)`` (contiguous float32, the same
   numel; ``dst`` None: no copy) and an int64 tensor on ``src``'s device, ``[elements of src that are
   not +-0.0, elements that are not finite]`` -- the LHC codec's dense index.
@@ -26,6 +28,12 @@
   bitmaps (``scale`` n: their average), or None where a word is not one such a sum holds (not an integer
   in ``[0, base^per_word)``, or a digit past the last row). The planner's two-phase strategy
   (``lossless_hc.training.rows``).
+* ``row_slots(index, k, table=None, values=None) -> slots`` and ``sum_row_slots(slots, out, stale_rows=None,
+  divisor=None, count=True) -> union rows``: the allgather strategy's slots (``lossless_hc.training.rows``):
+  a rank's ``k`` slots, flat float32 ``(k, 1 + row)``, each the int32 row index in the first word's bits
+  (-1: unused) then the row's values (``table``'s row ``index[i]``, or ``values``' row ``i``); and the
+  ranks' gathered slots added into a dense ``(keys, row)`` float32 ``out`` in rank order (CPU: a row
+  outside the table is a ValueError, raised before anything is written).
 * ``lhc_layout(layout, device)`` (the kernels receive it as the layout ABI, the words of
   :func:`lossless_hc.lhc.layout.layout_words`), ``lhc_encode(native, x, payload, num_threads)`` and
   ``lhc_decode(native, payload, out, scale, world_size, num_threads, rtol, verify) -> pending`` with

@@ -269,6 +269,25 @@ def _check_rows(x: torch.Tensor, row: int) -> int:
     return x.numel() // row
 
 
+def check_row_slots(index: torch.Tensor, k: int, table: Optional[torch.Tensor], values: Optional[torch.Tensor]) -> tuple:
+    """``row_slots``' argument check (every backend's): ``(index as int64, table or values as 2-D, row)``."""
+    if (table is None) == (values is None):
+        raise ValueError("row_slots takes the rows from a table or from values, one of the two")
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype.is_floating_point \
+            or index.dtype.is_complex or index.dtype in (torch.bool, torch.uint8):
+        raise ValueError(f"row_slots: index must be a 1-D tensor of integer rows, got "
+                         f"{getattr(index, 'dtype', type(index).__name__)} {tuple(getattr(index, 'shape', ()))}")
+    src = table if table is not None else values
+    if not isinstance(src, torch.Tensor) or src.dim() != 2 or not src.is_floating_point() \
+            or (values is not None and src.shape[0] != index.numel()):
+        raise ValueError(f"row_slots: {'table' if table is not None else 'values'} must be a 2-D float tensor"
+                         f"{'' if table is not None else f' of {index.numel()} rows'}, got "
+                         f"{getattr(src, 'dtype', type(src).__name__)} {tuple(getattr(src, 'shape', ()))}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < index.numel():
+        raise ValueError(f"row_slots: k must be an int >= the {index.numel()} rows sent, got {k!r}")
+    return index.to(torch.int64).contiguous().resolve_neg(), src, src.shape[1]
+
+
 def check_bitmap_words(words: torch.Tensor, keys: int, world_size: int) -> DigitPacking:
     """``bitmap_rows``' argument check (every backend's); returns the packing."""
     pk = digit_packing(world_size, keys)
@@ -305,6 +324,18 @@ class CpuBackend:
         present = torch.empty(rows, dtype=torch.bool)
         _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
         return present
+
+    def nonzero_row_index(self, x: torch.Tensor, row: int, num_threads: int = 0) -> tuple:
+        """``(present, index)``: :meth:`nonzero_rows` and the rows it found, sorted int64 (``torch.nonzero``
+        of ``present``): the scan counts them as it goes, and one pass over the flags lists them
+        (csrc/cpu/rows.cpp)."""
+        rows = _check_rows(x, row)
+        present = torch.empty(rows, dtype=torch.bool)
+        count = _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
+        index = torch.empty(count, dtype=torch.int64)
+        if count:
+            _C.present_row_index(present.data_ptr(), rows, index.data_ptr())
+        return present, index
 
     def bitmap_pack(self, keys: int, world_size: int, present: Optional[torch.Tensor] = None,
                     index: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
@@ -349,6 +380,28 @@ class CpuBackend:
         counts = torch.empty(2, dtype=torch.int64)
         _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
         return counts
+
+    def row_slots(self, index: torch.Tensor, k: int, table: Optional[torch.Tensor] = None,
+                  values: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A rank's ``k`` allgather slots, flat float32 ``(k, 1 + row)``: slot ``i < m`` (``m = len(index)``)
+        the int32 row ``index[i]`` in the first word's bits, then that row's values in float32 -- row
+        ``index[i]`` of ``table`` (``(rows, row)``) or row ``i`` of ``values`` (``(m, row)``); slots ``m`` to
+        ``k - 1`` the bits of -1, then zeros. One pass (csrc/cpu/rows.cpp); ``m > k``, or a row outside
+        ``[0, 2^31)`` or the table, is a ValueError."""
+        index, src, row = check_row_slots(index, k, table, values)
+        gather = table is not None
+        if src.dtype != torch.float32:   # the rows sent, converted (a half-precision table's)
+            if gather:
+                try:
+                    src = src.index_select(0, index)
+                except (IndexError, RuntimeError) as exc:
+                    raise ValueError(f"row_slots: a row outside the table's {src.shape[0]}: {exc}") from None
+            src, gather = src.to(torch.float32), False
+        src = src.contiguous().resolve_neg()
+        slots = torch.empty(k * (1 + row), dtype=torch.float32)
+        _C.pack_row_slots(src.data_ptr(), src.shape[0], gather, index.data_ptr(), index.numel(), row, k,
+                          slots.data_ptr())
+        return slots
 
     def sum_row_slots(self, slots: torch.Tensor, out: torch.Tensor, stale_rows: Optional[torch.Tensor] = None,
                       divisor: Optional[int] = None, count: bool = True) -> Optional[int]:

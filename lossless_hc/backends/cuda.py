@@ -50,6 +50,12 @@ class CudaBackend:
         rows = _check_rows(x, row)
         return x.reshape(rows, row).abs().amax(dim=1) != 0
 
+    def nonzero_row_index(self, x: torch.Tensor, row: int, num_threads: int = 0) -> tuple:
+        """The CPU backend's ``nonzero_row_index`` on the device: ``nonzero_rows`` and ``torch.nonzero`` of it
+        (which synchronises, to size the index)."""
+        present = self.nonzero_rows(x, row, num_threads)
+        return present, torch.nonzero(present).reshape(-1)
+
     def bitmap_pack(self, keys: int, world_size: int, present: Optional[torch.Tensor] = None,
                     index: Optional[torch.Tensor] = None, num_threads: int = 0) -> torch.Tensor:
         """The CPU backend's ``bitmap_pack`` on the device, in torch operations (a few passes over the rows;
@@ -95,6 +101,20 @@ class CudaBackend:
         if dst is not None:
             dst.view(-1).copy_(src.reshape(-1))   # the same numel in any shapes, as the CPU's kernel copies
         return torch.stack([torch.count_nonzero(src), torch.count_nonzero(~torch.isfinite(src))])
+
+    def row_slots(self, index: torch.Tensor, k: int, table: Optional[torch.Tensor] = None,
+                  values: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The CPU backend's ``row_slots`` on the device, in torch operations (the rows are not range-checked
+        here, which would synchronise: the caller's are rows of the table)."""
+        from lossless_hc.backends.cpu import check_row_slots
+        index, src, row = check_row_slots(index, k, table, values)
+        rows = src.index_select(0, index) if table is not None else src
+        slots = torch.zeros(k, 1 + row, dtype=torch.float32, device=index.device)
+        slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
+        m = index.numel()
+        slots[:m, 0] = index.to(torch.int32).view(torch.float32)
+        slots[:m, 1:] = rows.to(torch.float32)
+        return slots.reshape(-1)
 
     def sum_row_slots(self, slots: torch.Tensor, out: torch.Tensor, stale_rows: Optional[torch.Tensor] = None,
                       divisor: Optional[int] = None, count: bool = True) -> Optional[int]:

@@ -113,6 +113,17 @@ class TensorRows:
         writes a temporary as large as the tensor)."""
         return backend_for(flat.device).nonzero_rows(flat.contiguous(), self.row, torch.get_num_threads())
 
+    def _scan(self, ctx: AutoContext) -> None:
+        """A dense gradient's rows: ``ctx.present`` (:meth:`_present`'s), their sorted ``ctx.index`` (listed
+        as the scan counts them, not by ``torch.nonzero``) and ``ctx.rows``, from ``ctx.flat``."""
+        if self.numel:
+            ctx.present, ctx.index = backend_for(ctx.flat.device).nonzero_row_index(
+                ctx.flat.contiguous(), self.row, torch.get_num_threads())
+        else:
+            ctx.present = ctx.flat.new_zeros(0, dtype=torch.bool)
+            ctx.index = ctx.flat.new_zeros(0, dtype=torch.int64)
+        ctx.rows = ctx.index.numel()
+
     def _union_of(self, value: torch.Tensor) -> int:
         return int(torch.count_nonzero(self._present(value.reshape(-1)))) if self.numel else 0
 
@@ -131,6 +142,13 @@ class TensorRows:
         if ctx.index is None:
             ctx.index = torch.nonzero(ctx.present).reshape(-1)
         return ctx.index
+
+    def _slots(self, ctx: AutoContext, k: int) -> torch.Tensor:
+        """This rank's ``k`` allgather slots (:func:`gather_slots`): a dense gradient's rows read from it in
+        place, in the same pass that writes the slots."""
+        if ctx.values is None and ctx.flat is not None:
+            return backend_for(ctx.flat.device).row_slots(self._index(ctx), k, table=self._rows(ctx.flat))
+        return gather_slots(self._index(ctx), self._values(ctx), k, self.row)
 
     def _values(self, ctx: AutoContext) -> torch.Tensor:
         """This rank's rows' values, ``(len(index), row)``."""
@@ -218,14 +236,9 @@ class TensorRows:
 def gather_slots(index: torch.Tensor, values: torch.Tensor, k: int, row: int) -> torch.Tensor:
     """A rank's ``k`` allgather slots, flat: int32 row index (bits in a float32 word; -1: unused) and the
     row's ``row`` values, for its sorted rows ``index`` (at most
-    :data:`~lossless_hc.training.planner.ALLGATHER_MAX_KEYS`; not checked here, which would synchronise a
-    CUDA stream) with ``values`` ``(len(index), row)``."""
-    slots = torch.zeros(k, 1 + row, dtype=torch.float32, device=index.device)
-    slots[:, 0] = torch.full((k,), -1, dtype=torch.int32, device=index.device).view(torch.float32)
-    m = index.numel()
-    slots[:m, 0] = index.to(torch.int32).view(torch.float32)
-    slots[:m, 1:] = values.to(torch.float32)
-    return slots.reshape(-1)
+    :data:`~lossless_hc.training.planner.ALLGATHER_MAX_KEYS`; not checked on CUDA, which would synchronise
+    its stream) with ``values`` ``(len(index), row)``: the backend's ``row_slots``."""
+    return backend_for(index.device).row_slots(index, k, values=values.reshape(index.numel(), row))
 
 
 # sum_slots finds the union by marking a table of ``keys`` flags where that table is at most this many times

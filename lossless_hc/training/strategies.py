@@ -217,8 +217,8 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
 
     # -- this rank's rows (the row form every strategy starts from: training.rows) -----------------------
     def _local_rows(self, x: torch.Tensor, ctx: AutoContext, scan: bool = True) -> None:
-        """This rank's rows: a dense gradient is scanned for its non-zero rows (``ctx.present``; the
-        sorted ``ctx.index`` of them is made when a strategy needs it, :meth:`_index`), ``ctx.flat``
+        """This rank's rows: a dense gradient is scanned for its non-zero rows (``ctx.present``, and their
+        sorted ``ctx.index``, listed as the scan counts them: the backend's ``nonzero_row_index``), ``ctx.flat``
         keeps it; a sparse one lists them (coalesced: duplicates summed) in ``ctx.index``, with their
         values in ``ctx.values``. ``scan`` False: a dense gradient is not scanned (the caller sets
         ``ctx.rows``: the sketch's encoder counts them)."""
@@ -226,8 +226,7 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
             return self._listed_rows(x, ctx)
         ctx.flat = self._flush_lossy_memory(x.detach().reshape(-1))
         if scan:
-            ctx.present = self._present(ctx.flat) if self.numel else ctx.flat.new_zeros(0, dtype=torch.bool)
-            ctx.rows = int(torch.count_nonzero(ctx.present))
+            self._scan(ctx)
 
     # -- a step --------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor):
@@ -367,7 +366,7 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
                 if k == 0:
                     self._observe(ctx, 0)
                     return AutoOutcome(self._no_rows(ctx))
-                return AutoOutcome(None, Request("allgather", gather_slots(self._index(ctx), self._values(ctx), k, self.row)))
+                return AutoOutcome(None, Request("allgather", self._slots(ctx, k)))
             if s == "two_phase":
                 ctx.union_rows = self._union_rows(body, averaged)
                 if ctx.union_rows.numel() == 0:

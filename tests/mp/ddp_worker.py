@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
-from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, books_check, half_precision_error,  # noqa: E402
-                    loss_fn, max_param_diff, param_digest)
+from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, books, books_check,  # noqa: E402
+                    half_precision_error, loss_fn, max_param_diff, own_gradients, param_digest)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -82,21 +82,16 @@ def topk_conserved(steps=4, hidden=512, lr=0.1):
     for step in range(steps):
         check = step == steps - 1
         if check:
-            own = EmbeddingModel(hidden=hidden).to(DEVICE)
-            own.load_state_dict(model.state_dict())
-            loss_fn(own, batch(step, rank)).backward()
-            grads = [q.grad.detach().double().reshape(-1) for q in own.parameters()]
-            before = residuals(state, params)
+            grads, before = own_gradients(model, hidden, batch(step, rank)), residuals(state, params)
         opt.zero_grad(set_to_none=True)
         loss_fn(ddp, batch(step, rank)).backward()
         if check:
             applied = torch.cat([p.grad.detach().double().reshape(-1) for p in params])
             after = residuals(state, params)
-            books = torch.stack([torch.cat([g + b - a for g, b, a in zip(grads, before, after)]),
-                                 torch.cat([g.abs() + b.abs() for g, b in zip(grads, before)])])
-            dist.all_reduce(books)   # outside the hook, for the check only
+            summed = books(grads, before, after)
+            dist.all_reduce(summed)   # outside the hook, for the check only
             rtol = max(a.codec.rtol for a in state._aggregators.values() if a.codec is not None)
-            conservation = books_check(applied, books[0] / n, books[1] / n, rtol)
+            conservation = books_check(applied, summed[0] / n, summed[1] / n, rtol)
         opt.step()
     return {"stats": state.stats(), "digest": param_digest(model),
             "residual_norms": [float(a.residual.norm()) for a in state._aggregators.values() if a.residual is not None],

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
-from models import (DEVICE, EmbeddingModel, LinearLoss, batch, books_check, half_precision_error, loss_fn,  # noqa: E402
-                    max_param_diff, param_digest)
+from models import (DEVICE, EmbeddingModel, LinearLoss, batch, books, books_check, half_precision_error,  # noqa: E402
+                    loss_fn, max_param_diff, own_gradients, param_digest)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -138,22 +138,16 @@ def topk_conserved(steps=4, hidden=512, lr=0.1):
     for step in range(steps):
         check = step == steps - 1
         if check:
-            own = EmbeddingModel(hidden=hidden).to(DEVICE)
-            own.load_state_dict(model.state_dict())
-            loss_fn(own, batch(step, rank)).backward()
-            grads = [q.grad.detach().double().reshape(-1) for q in own.parameters()]
-            before = residuals()
+            grads, before = own_gradients(model, hidden, batch(step, rank)), residuals()
         opt.zero_grad()
         loss_fn(model, batch(step, rank)).backward()
         if check:
             opt.synchronize()   # decompressed into .grad
             applied = torch.cat([p.grad.detach().double().reshape(-1) for _, p in named])
             after = residuals()
-            books = torch.stack([torch.cat([g + b - a for g, b, a in zip(grads, before, after)]),
-                                 torch.cat([g.abs() + b.abs() for g, b in zip(grads, before)])])
-            books = hvd.allreduce(books, op=hvd.Sum, name=f"run{RUNS[0]}.books")   # for the check only
+            summed = hvd.allreduce(books(grads, before, after), op=hvd.Sum, name=f"run{RUNS[0]}.books")   # the check's
             rtol = max(a.codec.rtol for a in comp.aggregators().values() if a.codec is not None)
-            conservation = books_check(applied, books[0] / n, books[1] / n, rtol)
+            conservation = books_check(applied, summed[0] / n, summed[1] / n, rtol)
             with opt.skip_synchronize():
                 opt.step()
         else:

@@ -89,6 +89,22 @@ class BagModel(nn.Module):
         return self.fc(torch.tanh(self.table(rows, offsets))).squeeze(-1)
 
 
+def own_gradients(model: nn.Module, hidden: int, b) -> list:
+    """This rank's own gradient of batch ``b`` for an EmbeddingModel's parameters (flat float64 each): the
+    same backward on a plain copy of ``model``, outside any engine."""
+    own = EmbeddingModel(hidden=hidden).to(DEVICE)
+    own.load_state_dict(model.state_dict())
+    loss_fn(own, b).backward()
+    return [q.grad.detach().double().reshape(-1) for q in own.parameters()]
+
+
+def books(grads: list, before: list, after: list) -> torch.Tensor:
+    """A rank's error-feedback books, ``(2, d)`` float64, to be summed over ranks for :func:`books_check`:
+    g + residual_before - residual_after, and the mass |g| + |residual_before|, per coordinate."""
+    return torch.stack([torch.cat([g + b - a for g, b, a in zip(grads, before, after)]),
+                        torch.cat([g.abs() + b.abs() for g, b in zip(grads, before)])])
+
+
 def books_check(applied, expected, mass, rtol) -> dict:
     """Top-k's error feedback conserved: ``applied`` (what the engine applied, the average) against
     ``expected`` = sum_r (g_r + residual_before_r - residual_after_r) / n, coordinate by coordinate.

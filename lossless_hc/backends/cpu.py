@@ -317,24 +317,26 @@ class CpuBackend:
             _C.advise_huge_pages(buf.data_ptr(), buf.element_size() * numel)
         return buf
 
+    @staticmethod
+    def _row_scan(x: torch.Tensor, row: int, num_threads: int) -> tuple:
+        """``(present, count)``: the row scan's flags and how many are set (csrc/cpu/rows.cpp)."""
+        rows = _check_rows(x, row)
+        present = torch.empty(rows, dtype=torch.bool)
+        return present, _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
+
     def nonzero_rows(self, x: torch.Tensor, row: int, num_threads: int = 0) -> torch.Tensor:
         """Whether each row of ``x`` (``(x.numel() // row, row)``) holds an element that is not +-0.0 (bool;
         NaN and infinities count): one read of ``x`` (csrc/cpu/rows.cpp)."""
-        rows = _check_rows(x, row)
-        present = torch.empty(rows, dtype=torch.bool)
-        _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
-        return present
+        return self._row_scan(x, row, num_threads)[0]
 
     def nonzero_row_index(self, x: torch.Tensor, row: int, num_threads: int = 0) -> tuple:
         """``(present, index)``: :meth:`nonzero_rows` and the rows it found, sorted int64 (``torch.nonzero``
         of ``present``): the scan counts them as it goes, and one pass over the flags lists them
         (csrc/cpu/rows.cpp)."""
-        rows = _check_rows(x, row)
-        present = torch.empty(rows, dtype=torch.bool)
-        count = _C.nonzero_rows(x.data_ptr(), rows, row, x.element_size(), present.data_ptr(), num_threads)
+        present, count = self._row_scan(x, row, num_threads)
         index = torch.empty(count, dtype=torch.int64)
         if count:
-            _C.present_row_index(present.data_ptr(), rows, index.data_ptr())
+            _C.present_row_index(present.data_ptr(), present.numel(), index.data_ptr())
         return present, index
 
     def bitmap_pack(self, keys: int, world_size: int, present: Optional[torch.Tensor] = None,

@@ -137,24 +137,13 @@ class TensorRows:
     def _device(ctx: AutoContext) -> torch.device:
         return (ctx.flat if ctx.flat is not None else ctx.index).device
 
-    def _index(self, ctx: AutoContext) -> torch.Tensor:
-        """This rank's rows, sorted int64."""
-        if ctx.index is None:
-            ctx.index = torch.nonzero(ctx.present).reshape(-1)
-        return ctx.index
-
     def _slots(self, ctx: AutoContext, k: int) -> torch.Tensor:
-        """This rank's ``k`` allgather slots (:func:`gather_slots`): a dense gradient's rows read from it in
-        place, in the same pass that writes the slots."""
-        if ctx.values is None and ctx.flat is not None:
-            return backend_for(ctx.flat.device).row_slots(self._index(ctx), k, table=self._rows(ctx.flat))
-        return gather_slots(self._index(ctx), self._values(ctx), k, self.row)
-
-    def _values(self, ctx: AutoContext) -> torch.Tensor:
-        """This rank's rows' values, ``(len(index), row)``."""
+        """This rank's ``k`` allgather slots (:func:`gather_slots`) of its rows ``ctx.index``: a dense
+        gradient's (:meth:`_scan`'s) read from it in place, in the same pass that writes the slots; a
+        sparse one's from its listed values."""
         if ctx.values is None:
-            ctx.values = self._rows(ctx.flat).index_select(0, self._index(ctx))
-        return ctx.values
+            return backend_for(ctx.flat.device).row_slots(ctx.index, k, table=self._rows(ctx.flat))
+        return gather_slots(ctx.index, ctx.values, k, self.row)
 
     def _dense(self, ctx: AutoContext) -> torch.Tensor:
         """This rank's gradient as a flat dense tensor (a sparse one's rows written into zeros)."""

@@ -29,8 +29,8 @@ class AutoContext:
     payload_bytes: int
     rows: int = 0                           # this rank's row count (the statistics header's k_r)
     present: Optional[torch.Tensor] = None  # a dense gradient's non-zero rows (bool per row)
-    index: Optional[torch.Tensor] = None    # this rank's rows, sorted int64 (a dense gradient's: on demand)
-    values: Optional[torch.Tensor] = None   # ... their values (a sparse gradient's; a dense one's on demand)
+    index: Optional[torch.Tensor] = None    # this rank's rows, sorted int64 (a dense gradient's: where scanned)
+    values: Optional[torch.Tensor] = None   # ... their values (a sparse gradient's; a dense one's stay in flat)
     flat: Optional[torch.Tensor] = None     # the gradient, flat (a sparse one's: written on demand)
     averaged: bool = False
     rank_keys: tuple = ()

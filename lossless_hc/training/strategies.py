@@ -462,7 +462,7 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
                 scanned = (into is not None and ctx.flat is not None and ctx.flat.is_contiguous()
                            and into.data_ptr() == ctx.flat.data_ptr())
                 rows, count = sum_slots_dense(slots, self.row, self.keys, out=into,
-                                              stale_rows=self._index(ctx) if scanned else None,
+                                              stale_rows=ctx.index if scanned else None,
                                               divisor=divisor if into is not None else None)
                 value = self._shaped(self._scaled(rows, ctx.averaged).reshape(-1))
         elif s == "topk_allgather":   # every coordinate written: out is cleared whole

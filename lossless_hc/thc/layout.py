@@ -140,7 +140,8 @@ class THCLayout:
     and (c0, k) drawn per step from the seed (the same on every rank): the aggregate's checksum field
     must be congruent to sum_w c_w S_w (mod P) over the aggregated words S_w (the check is linear, so
     it survives the SUM). Any change of one word by d != 0 (mod P) -- e.g. any single-bit flip of an
-    integer word -- breaks it with certainty; a swap of two different words less than P - 1 apart too.
+    integer word -- breaks it with certainty; a swap of two words less than P - 1 positions
+    apart too, unless their values differ by a multiple of P.
 
     numel      coordinates of the input.
     block      Hadamard block (a power of two): min(hadamard_block, next power of two >= numel).

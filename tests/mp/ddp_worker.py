@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(__file__))
 import gloo_scenarios  # noqa: E402
 from models import (DEVICE, CountedCollectives, EmbeddingModel, batch, books, books_check,  # noqa: E402
-                    half_precision_error, loss_fn, max_param_diff, own_gradients, param_digest)
+                    half_precision_error, loss_fn, max_param_diff, own_gradients, param_digest, residual_copies)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -53,15 +53,9 @@ def train(state=None, steps=STEPS, sparse=False, bucket_cap_mb=None, hidden=16, 
 
 
 def residuals(state, params) -> list:
-    """Each parameter's top-k residual (flat float64; zeros where it holds none), copied: the hook
-    updates it in place."""
-    out = []
-    for p in params:
-        agg = state._aggregators.get(p)
-        held = agg.residual if agg is not None else None
-        out.append(held.detach().double().clone() if held is not None
-                   else torch.zeros(p.numel(), dtype=torch.float64, device=p.device))
-    return out
+    """Each parameter's top-k residual, copied (models.residual_copies)."""
+    aggs = [state._aggregators.get(p) for p in params]
+    return residual_copies([a.residual if a is not None else None for a in aggs], params)
 
 
 def topk_conserved(steps=4, hidden=512, lr=0.1):

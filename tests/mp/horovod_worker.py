@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import horovod.torch as hvd  # noqa: E402
 from models import (DEVICE, EmbeddingModel, LinearLoss, batch, books, books_check, half_precision_error,  # noqa: E402
-                    loss_fn, max_param_diff, own_gradients, param_digest)
+                    loss_fn, max_param_diff, own_gradients, param_digest, residual_copies)
 import inexact_case  # noqa: E402
 
 from lossless_hc.training.aggregate import ConfigurationMismatch  # noqa: E402
@@ -131,10 +131,7 @@ def topk_conserved(steps=4, hidden=512, lr=0.1):
 
     def residuals():
         aggs = comp.aggregators()
-        held = [aggs[k].residual if k in aggs else None for k, _ in named]
-        return [h.detach().double().clone() if h is not None else torch.zeros(p.numel(), dtype=torch.float64,
-                                                                                 device=p.device)
-                for h, (_, p) in zip(held, named)]
+        return residual_copies([aggs[k].residual if k in aggs else None for k, _ in named], [p for _, p in named])
     for step in range(steps):
         check = step == steps - 1
         if check:

@@ -98,6 +98,13 @@ def own_gradients(model: nn.Module, hidden: int, b) -> list:
     return [q.grad.detach().double().reshape(-1) for q in own.parameters()]
 
 
+def residual_copies(held: list, params: list) -> list:
+    """Each parameter's top-k residual ``held`` (None: it holds none) as a flat float64 copy (the engines
+    update it in place), zeros where it holds none: the books' ``before`` and ``after``."""
+    return [h.detach().double().clone() if h is not None
+            else torch.zeros(p.numel(), dtype=torch.float64, device=p.device) for h, p in zip(held, params)]
+
+
 def books(grads: list, before: list, after: list) -> torch.Tensor:
     """A rank's error-feedback books, ``(2, d)`` float64, to be summed over ranks for :func:`books_check`:
     g + residual_before - residual_after, and the mass |g| + |residual_before|, per coordinate."""

@@ -1,6 +1,7 @@
 """The step guard's early look (lossless_hc.training.guard, module doc): from the ``early``-th cycle of a
 trial's first round, the end of every cycle is a look for a window whose slowest timed step is at most
 ``decisive`` times every other window's fastest."""
+import math
 import pickle
 
 import pytest
@@ -193,3 +194,51 @@ def test_a_guard_pickled_before_the_early_look_restores_and_looks():
         phases.append(restored.next_phase(step, ("allgather",), lambda mine: mine))
     assert phases[1:] == ["dense", "plan", "dense", "plan", "plan"] and restored.verdict == "plan"
     assert restored.stats()["span"] == 6
+
+
+def test_decisive_0_takes_no_early_look():
+    """``decisive`` 0 (never decisive): no early look is even asked for (the class doc: "0: never, nor early
+    looks"), so no broadcast before the round's end, however the steps compare (steps of 0 s among them,
+    which a look would find at most 0 times every other window's fastest)."""
+    looks = []
+
+    def share(mine):
+        looks.append(mine[0])
+        return mine
+
+    g = StepGuard(steps=5, start=0, block=1, decisive=0)
+    phases = []
+    for step in range(12):
+        if step:
+            g.record(step - 1, {"plan": 0.0, "dense": 1.0}[phases[-1]])
+        phases.append(g.next_phase(step, ("allgather",), share))
+    assert phases == ["plan", "dense"] * 5 + ["plan"] * 2 and looks == [1.0]
+    assert g.verdict == "plan" and g.stats()["span"] == 10
+
+
+def test_an_early_look_with_a_window_left_untimed_goes_on():
+    """A window with no timed step at an early look (its steps not recorded: a clock reset, as in a restored
+    state) is no window won beyond the spread: the look goes on (no verdict, no error), and the round's end
+    keeps the plans, nothing measured against them (StepGuard.decide; no confirmation round here)."""
+    g = StepGuard(steps=5, start=0, block=1, confirm=0)
+    phases = []
+    for step in range(12):
+        if step and phases[-1] == "plan":   # the dense steps go untimed
+            g.record(step - 1, 0.4)
+        phases.append(g.next_phase(step, ("allgather",), lambda mine: mine))
+        if step == 6:
+            assert g.looked == 6 and g.verdict is None
+    assert phases == ["plan", "dense"] * 5 + ["plan"] * 2
+    assert g.verdict == "plan" and g.stats()["span"] == 10 and math.isnan(g.stats()["dense_ms"])
+
+
+def test_the_span_while_a_trial_runs_on_after_a_look_is_the_whole_round():
+    """stats()["span"] is the steps the trial runs while it runs (the whole round after an early look that went
+    on), the steps it ran only once its verdict stands."""
+    g = StepGuard(steps=5, start=0, block=1)
+
+    def one_slow_plan(phase, n):
+        return 0.6 if (phase, n) == ("plan", 1) else {"plan": 0.4, "dense": 1.0}[phase]
+
+    drive(g, one_slow_plan, 8)   # the look at step 6 went on
+    assert g.looked == 6 and g.verdict is None and g.stats()["span"] == 10

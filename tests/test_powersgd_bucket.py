@@ -239,3 +239,112 @@ def test_a_bucket_is_not_compared_before_every_parameter_has_a_plan():
     assert chosen is None and planner.stats() == {} and planner.buckets == {}
     planner, chosen, _ = _decide(shapes, psgd, plans, planner=planner)
     assert isinstance(chosen, PowerSGDBucket) and planner.stats()[0]["strategy"] == "powersgd"
+
+
+# -- the step guard's PowerSGD window (window_bucket, end_trial) ---------------------------------------------------
+
+class _Lossy(_Planned):
+    """A planned parameter whose lossy error feedback (THC's or top-k's) holds ``memory``: added to its gradient
+    once, as AutoAggregator.add_lossy_memory_to takes it."""
+
+    def __init__(self, name, memory):
+        super().__init__(name, memory.numel())
+        self.memory = memory
+
+    def add_lossy_memory_to(self, grad):
+        if self.memory is not None:
+            grad.add_(self.memory.reshape(grad.shape))
+        self.memory = None
+
+
+def _window_bucket(shapes, fill=1.0):
+    buffer = torch.full((sum(torch.Size(s).numel() for s in shapes),), fill)
+    grads = [v.view(s) for v, s in zip(torch.split(buffer, [torch.Size(s).numel() for s in shapes]), shapes)]
+    return buffer, grads
+
+
+def test_the_window_runs_a_trial_state_per_bucket_kept_until_the_trial_ends():
+    """window_bucket without a verdict: a whole-bucket PowerSGD state of the trial's own (the planner's seed, error
+    feedback on), the same one at every window of the trial (its memories kept between them) and not the
+    bucket's plan; None where PowerSGD is not offered; a bucket whose parameters changed is an error. end_trial
+    hands back its error memory once and drops it: the next trial starts a fresh state."""
+    from lossless_hc.training.powersgd import powersgd_seed
+    import numpy as np
+    shapes = [(64, 32), (16,)]
+    buffer, grads = _window_bucket(shapes)
+    aggs = [_Planned("p0", 2048), _Planned("p1", 16)]
+    planner = PowerSGDPlanner(seed=(1 << 33) + 5)
+    assert planner.window_bucket(0, 9, aggs, grads, buffer, 1, False) is None           # one rank
+    assert planner.window_bucket(0, 9, aggs, grads, buffer.double(), 2, False) is None  # not float32
+    assert planner.trials == {} and planner.end_trial(0) is None
+    trial = planner.window_bucket(0, 9, aggs, grads, buffer, 2, False)
+    assert isinstance(trial, PowerSGDBucket) and trial.members is None and trial.names == ["p0", "p1"]
+    assert planner.trials == {0: trial} and planner.buckets == {} and planner.decisions == {}
+    assert trial.layout == powersgd_layout(shapes, 4, 2) and trial.state.use_error_feedback
+    assert trial.state.rng.randint(1 << 30) == np.random.RandomState(powersgd_seed(planner.seed)).randint(1 << 30)
+    assert planner.window_bucket(0, 11, aggs, grads, buffer, 2, False) is trial          # the trial's next window
+    assert aggs[0].given is None and torch.equal(buffer, torch.ones_like(buffer))        # nothing added
+    with pytest.raises(RuntimeError, match="during the step guard's trial"):
+        planner.window_bucket(0, 13, aggs[::-1], grads, buffer, 2, False)
+    memory = torch.arange(2048 + 16, dtype=torch.float32)
+    trial.state.error_dict[0] = memory
+    assert planner.end_trial(0) is memory and planner.trials == {}
+    assert planner.end_trial(0) is None
+    fresh = planner.window_bucket(0, 20, aggs, grads, buffer, 2, False)
+    assert fresh is not trial and fresh.error(0) is None
+
+
+def test_a_bucket_on_powersgd_whole_runs_its_own_state_in_the_window():
+    """A bucket the plans gave PowerSGD whole runs that state in the window (no trial state), and must still hold
+    its parameters; one that left PowerSGD, or runs it on a part, gets a trial state of the whole bucket."""
+    shapes = [(64, 32), (16,)]
+    buffer, grads = _window_bucket(shapes)
+    aggs = [_Planned("p0", 2048), _Planned("p1", 16)]
+    planner = PowerSGDPlanner()
+    own = planner.buckets[0] = _bucket(shapes)
+    assert planner.window_bucket(0, 9, aggs, grads, buffer, 2, False) is own and planner.trials == {}
+    assert planner.window_bucket(0, 9, aggs, grads, buffer, 2, True) is own and planner.buckets == {0: own}
+    with pytest.raises(RuntimeError, match="changed its parameters after going to PowerSGD"):
+        planner.window_bucket(0, 9, aggs[::-1], grads, buffer, 2, False)
+    own.left_step = 8
+    assert planner.window_bucket(0, 9, aggs, grads, buffer, 2, False) is planner.trials[0] is not own
+    planner = PowerSGDPlanner()
+    part = planner.buckets[0] = _bucket(shapes, members=(0,))
+    trial = planner.window_bucket(0, 9, aggs, grads, buffer, 2, False)
+    assert trial is not part and trial.members is None and planner.trials == {0: trial}
+
+
+def test_a_verdict_for_powersgd_makes_the_trial_state_the_bucket_s_with_every_memory_in_its_gradients():
+    """The window's verdict step: the trial's state becomes the bucket's for good (its decision recorded as the
+    step guard's, from that step), and what the plans had not sent yet goes into the gradients PowerSGD now
+    takes: each parameter's lossy error feedback, and the error memory of a PowerSGD part of the bucket, which
+    leaves it."""
+    shapes = [(64, 32), (6,)]
+    buffer, grads = _window_bucket(shapes)
+    aggs = [_Lossy("p0", torch.full((64, 32), 0.5)), _Lossy("p1", torch.full((6,), 0.25))]
+    planner = PowerSGDPlanner()
+    part = planner.buckets[0] = _bucket(shapes, members=(0,))
+    part.state.error_dict[0] = torch.full((2048,), 2.0)   # the part's memory: over its member only
+    trial = planner.window_bucket(0, 9, aggs, grads, buffer, 2, False)
+    assert planner.window_bucket(0, 15, aggs, grads, buffer, 2, True) is trial
+    assert planner.buckets == {0: trial} and planner.trials == {} and trial.since_step == 15
+    assert part.left_step == 15 and part.error(0) is None
+    assert torch.equal(grads[0], torch.full((64, 32), 1.0 + 0.5 + 2.0)) and torch.equal(grads[1], torch.full((6,), 1.25))
+    assert all(a.memory is None for a in aggs)
+    d = planner.stats()[0]
+    assert (d["strategy"], d["step"], d["since_step"], d["step_guard"]) == ("powersgd", 15, 15, True)
+    assert d["parameters"] == d["powersgd_parameters"] == ["p0", "p1"] and d["compressed"] == 1
+    assert planner.parameter_names() == frozenset({"p0", "p1"})
+
+
+def test_a_planner_pickled_before_the_guard_s_powersgd_window_restores_with_no_trial():
+    import pickle
+    planner = PowerSGDPlanner()
+    old = dict(planner.__dict__)
+    del old["trials"]
+    restored = PowerSGDPlanner.__new__(PowerSGDPlanner)
+    restored.__setstate__(old)
+    restored = pickle.loads(pickle.dumps(restored))
+    assert restored.trials == {} and restored.end_trial(0) is None
+    buffer, grads = _window_bucket([(64, 32)])
+    assert isinstance(restored.window_bucket(0, 9, [_Planned("p0", 2048)], grads, buffer, 2, False), PowerSGDBucket)

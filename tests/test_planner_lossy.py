@@ -474,3 +474,50 @@ def test_memory_an_engine_adapter_adds_is_not_counted_and_a_plain_step_clears_th
     dense.carry_memory()
     dense.record_plain_step(0.0)
     assert dense._carried_memory is False
+
+
+def test_a_plain_step_through_encode_clears_the_mark_too():
+    """carry_memory() before a step that goes plain through encode (a dense plan between its statistics steps,
+    as a message or Horovod sends it): that step has no counts to skip, and the mark does not fall on the next
+    statistics step, which is observed (step counts 0 and 3 carry the statistics at interval 4)."""
+    n, rows, dim = 2, 500, 4
+    rng = torch.Generator().manual_seed(11)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, first="dense", allowed=("dense", "allgather"),
+                           interval=4) for r in range(n)]
+    run_step(aggs, row_sparse_grads(n, rows, dim, rows, rng))
+    assert max(aggs[0].tracker.rank_keys) == rows
+    for a in aggs:
+        a.carry_memory()
+    for _ in range(2):
+        assert all(a.plain_step() == "dense" for a in aggs)
+        run_step(aggs, row_sparse_grads(n, rows, dim, rows, rng))
+    assert all(a.plain_step() is None for a in aggs) and aggs[0].plain_steps == 2
+    run_step(aggs, row_sparse_grads(n, rows, dim, 30, rng))
+    t = aggs[0].tracker
+    w = 1 - (1 - t.alpha) ** 3   # the observation stands for the two plain steps too (PlanTracker.observe)
+    assert t.steps == 2 and t.rank_keys == pytest.approx([(1 - w) * rows + w * 30] * n)
+
+
+def test_leaving_thc_flushes_its_memory_uncounted_as_statistics():
+    """Leaving THC, as leaving top-k: its error memory goes out with the next gradient, whose counts (the memory's
+    rows among them) are not the tensor's statistics (though sent: the step's sum is the gradients' and the
+    memories'); the step after is observed."""
+    n, rows, dim, touched = 2, 500, 4, 10
+    rng = torch.Generator().manual_seed(12)
+    aggs = [AutoAggregator("w", (rows, dim), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first="thc",
+                           allowed=("thc",), interval=1000) for r in range(n)]
+    for _ in range(3):
+        run_step(aggs, row_sparse_grads(n, rows, dim, touched, rng))
+    assert aggs[0]._thc is not None and aggs[0]._thc.pending_error() is not None
+    memory = sum(a._thc.pending_error().double().reshape(rows, dim) for a in aggs)
+    before = (list(aggs[0].tracker.rank_keys), aggs[0].tracker.union, aggs[0].tracker.peak_rank)
+    for a in aggs:
+        a.strategy = "allgather"   # what a re-plan does
+    xs = row_sparse_grads(n, rows, dim, touched, rng)
+    out = run_step(aggs, xs)[0]   # the flush
+    assert all(a._thc is None for a in aggs)
+    assert torch.allclose(out.double(), sum(x.double() for x in xs) + memory, rtol=0, atol=1e-5)
+    assert (list(aggs[0].tracker.rank_keys), aggs[0].tracker.union, aggs[0].tracker.peak_rank) == before
+    steps = aggs[0].tracker.steps
+    run_step(aggs, row_sparse_grads(n, rows, dim, touched, rng))
+    assert aggs[0].tracker.steps == steps + 1 and aggs[0].tracker.peak_rank == touched

@@ -1,12 +1,16 @@
 """One PowerSGD bucket's state (lossless_hc.training.powersgd: PowerSGDBucket, PowerSGDPlanner.leave) in one
 process: torch's hook run on a 1-rank Gloo group, the error memory it keeps, and what leaving PowerSGD hands
-back. The planner's decisions and the multi-process DDP runs are in tests/test_planner_powersgd.py."""
+back; the step guard's PowerSGD window's states (PowerSGDPlanner.window_bucket, end_trial). The planner's
+decisions and the multi-process DDP runs are in tests/test_planner_powersgd.py."""
+import pickle
+
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from lossless_hc.training.planner import SWITCH_MARGIN, Calibration, CostModel, LinkModel
-from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner, powersgd_layout
+from lossless_hc.training.powersgd import PowerSGDBucket, PowerSGDPlanner, powersgd_layout, powersgd_seed
 
 
 def _bucket(shapes, members=None, rank=4):
@@ -268,8 +272,6 @@ def test_the_window_runs_a_trial_state_per_bucket_kept_until_the_trial_ends():
     feedback on), the same one at every window of the trial (its memories kept between them) and not the
     bucket's plan; None where PowerSGD is not offered; a bucket whose parameters changed is an error. end_trial
     hands back its error memory once and drops it: the next trial starts a fresh state."""
-    from lossless_hc.training.powersgd import powersgd_seed
-    import numpy as np
     shapes = [(64, 32), (16,)]
     buffer, grads = _window_bucket(shapes)
     aggs = [_Planned("p0", 2048), _Planned("p1", 16)]
@@ -329,7 +331,8 @@ def test_a_verdict_for_powersgd_makes_the_trial_state_the_bucket_s_with_every_me
     assert planner.window_bucket(0, 15, aggs, grads, buffer, 2, True) is trial
     assert planner.buckets == {0: trial} and planner.trials == {} and trial.since_step == 15
     assert part.left_step == 15 and part.error(0) is None
-    assert torch.equal(grads[0], torch.full((64, 32), 1.0 + 0.5 + 2.0)) and torch.equal(grads[1], torch.full((6,), 1.25))
+    assert torch.equal(grads[0], torch.full((64, 32), 1.0 + 0.5 + 2.0))   # the gradient, its lossy and part memories
+    assert torch.equal(grads[1], torch.full((6,), 1.25))
     assert all(a.memory is None for a in aggs)
     d = planner.stats()[0]
     assert (d["strategy"], d["step"], d["since_step"], d["step_guard"]) == ("powersgd", 15, 15, True)
@@ -338,7 +341,6 @@ def test_a_verdict_for_powersgd_makes_the_trial_state_the_bucket_s_with_every_me
 
 
 def test_a_planner_pickled_before_the_guard_s_powersgd_window_restores_with_no_trial():
-    import pickle
     planner = PowerSGDPlanner()
     old = dict(planner.__dict__)
     del old["trials"]

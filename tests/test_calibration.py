@@ -386,6 +386,8 @@ def test_the_allgather_is_timed_at_the_bytes_that_send_what_the_allreduce_sends(
     assert ALLGATHER_SCALED_FROM == 1 << 20
     big = (1 << 10, 1 << 18, 1 << 20)
     assert allgather_bytes(1 << 20, big, 2) == 1 << 20
+    assert allgather_bytes(1030, (4, 1 << 20), 2) == 1030             # 2 ranks or fewer: B itself, not in words
+    assert allgather_bytes(1 << 20, big, 1) == 1 << 20
     assert allgather_bytes(1 << 20, big, 4) == 1 << 19
     assert allgather_bytes(1 << 18, big, 4) == 1 << 17                 # every size but the smallest
     assert allgather_bytes(1 << 20, big, 8) == allgather_bytes(1 << 20, big, 64) == 1 << 18   # at most 4x
@@ -432,7 +434,8 @@ def test_a_link_that_is_a_link_model_is_fitted_back_from_the_sizes_it_was_timed_
 def test_every_timing_entry_point_refuses_no_repeats():
     """check_repeats (an int >= 1, returned as given) guards each function that times runs: measure_link and
     measure_codecs refuse 0 or fewer repeats with a ValueError before timing anything, as calibrate does,
-    instead of an infinite time (no run) that prices every byte at infinity."""
+    instead of an infinite time (no run) that prices every byte at infinity; measure_codecs refuses a top-k
+    tensor of no coordinates as well."""
     from lossless_hc.training.calibration import check_repeats, measure_codecs, measure_link
     assert check_repeats(2) == 2
     for bad in (0, -1):
@@ -440,6 +443,9 @@ def test_every_timing_entry_point_refuses_no_repeats():
             measure_link(no_collective, no_collective, "cpu", (1024,), bad)
         with pytest.raises(ValueError, match="repeats"):
             measure_codecs("cpu", 2, numel=1 << 10, repeats=bad)
+        # top-k's tensor too, though top-k is not timed here (no topk_ratio)
+        with pytest.raises(ValueError, match="topk_numel"):
+            measure_codecs("cpu", 2, numel=1 << 10, topk_numel=bad)
 
 
 def test_calibrate_on_one_rank_issues_no_collective_and_with_its_defaults_times_each_size_1_plus_3_times():

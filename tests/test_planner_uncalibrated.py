@@ -51,7 +51,8 @@ def test_the_margin_is_the_planner_s_switch_margin():
 
 def test_the_bytes_compared_are_what_a_ring_moves_per_rank():
     """dense_dominates prices the strategies on a link of one second per byte, no latency and no local work:
-    its predictions are the ring's bytes per rank, 2(n-1)/n B per allreduce and (n-1) B per allgather."""
+    its predictions are the ring's bytes per rank, 2(n-1)/n B per allreduce and (n-1) B per allgather; the
+    sketch's at its sketch_floor, which decides where only the sized layout would reach dense's bytes."""
     from lossless_hc.training.planner import _ring_bytes_model
     unit, s = _ring_bytes_model(), stats(1000, 4, 4, 100, 300)
     H = 4 * (1 + 2 * 4)   # the statistics header of 4 ranks
@@ -59,6 +60,13 @@ def test_the_bytes_compared_are_what_a_ring_moves_per_rank():
                                ("two_phase", 1.5 * (H + 4 * bitmap_words(1000, 4)) + 1.5 * 4 * 300 * 4)):
         assert unit.predict(strategy, s) == pytest.approx(expected), strategy
     assert unit.predict("dense", stats(1000, 4, 1, 100, 100)) == 0
+    # the sketch at its floor (sketch_floor, no layout sized): 64 ranks' 70 rows of 4096, 2252 in the union,
+    # whose sized payload moves dense's bytes or more but whose union capacity alone does not, is not dominated
+    s = stats(4096, 1, 64, 70, 2252)
+    dense = unit.predict("dense", s)
+    assert unit.sketch_floor(s) < (1 - SWITCH_MARGIN) * dense <= unit.predict("sketch", s)
+    assert min(unit.predict(t, s) for t in ("allgather", "two_phase")) >= (1 - SWITCH_MARGIN) * dense
+    assert not dense_dominates(s)
 
 
 def test_no_calibration_moves_a_dominated_tensor_off_dense():
@@ -119,23 +127,50 @@ def test_a_dense_gradient_is_planned_dense_without_a_cost_model_until_it_turns_s
     for y in run_step(aggs, sparse):
         assert torch.equal(y, sparse[0] + sparse[1])
     assert [a.needs_cost_model() for a in aggs] == [True, True] and spec.calibration_due(aggs)
+    # one such plan among plans that need none is enough
+    assert spec.calibration_due([aggregators(n)[0], aggs[0]]) and not spec.calibration_due(aggregators(n))
     with pytest.raises(RuntimeError, match="no cost model is set"):
         aggs[0].plain_step()
+    calibrated = AutoSpec(calibration=Calibration.default())   # known: never measured again
+    assert not calibrated.calibration_due(aggs)
     model = CostModel(Calibration.default(bandwidth_bits=1e9))
     for a in aggs:
         a.cost_model = model
+    # the plan is still due, but the model it needed is there
+    assert [a.needs_cost_model() for a in aggs] == [False, False] and not spec.calibration_due(aggs)
     for a in aggs:   # priced now (on EWMAs still near the dense steps': dense or not, the model says)
         a.current_plan()
         assert a.plans == 4 and set(a.plan_stats()["predicted_seconds"]) == set(EXACT_STRATEGIES)
     assert not spec.calibration_due(aggs)
 
 
-@pytest.mark.parametrize("options", [dict(lossy=True), dict(first="sketch")], ids=["lossy", "first_sketch"])
+@pytest.mark.parametrize("options", [dict(lossy=True, lossy_min_bytes=0), dict(lossy=True), dict(first="sketch")],
+                         ids=["lossy", "lossy_below_lossy_min_bytes", "first_sketch"])
 def test_a_lossy_plan_or_one_not_on_dense_waits_for_the_cost_model(options):
-    """Only an exact plan on dense keeps dense without a model: a lossy one may go half precision, and one
-    on another strategy is kept there unless dense is clearly cheaper, which only the prices say."""
+    """Only an exact plan on dense keeps dense without a model: a lossy one may go half precision (with
+    ``lossy`` every plan waits, docs/DESIGN.md: a tensor below ``lossy_min_bytes`` too, planned exactly), and
+    one on another strategy is kept there unless dense is clearly cheaper, which only the prices say."""
     n = 2
-    aggs = aggregators(n, lossy_min_bytes=0, **options) if options.get("lossy") else aggregators(n, **options)
+    aggs = aggregators(n, **options)
     xs = [torch.randn(64, 16) for _ in range(n)]
     run_step(aggs, xs)
     assert [a.needs_cost_model() for a in aggs] == [True, True] and [a.plans for a in aggs] == [0, 0]
+
+
+def test_a_look_without_a_model_keeps_the_interval_s_peak_for_the_plan():
+    """dense_without_model looks at the statistics without resetting them (``stats(reset=False)``): the plan
+    it lets be made without a model keeps a grown tensor's peak, as every plan keeps its interval's (PlanTracker)."""
+    n = 2
+    aggs = aggregators(n)
+    g = torch.Generator().manual_seed(5)
+
+    def first_rows(k):
+        x = torch.zeros(64, 16)
+        x[:k] = torch.randn(k, 16, generator=g)
+        return x
+    run_step(aggs, [first_rows(56) for _ in range(n)])   # dominated: planned dense without a model
+    run_step(aggs, [first_rows(64) for _ in range(n)])   # its EWMAs 58, its peak 64
+    for a in aggs:
+        strategy, planned = a.current_plan()
+        assert (strategy, a.plans, a.needs_cost_model()) == ("dense", 2, False)
+        assert planned.rank_keys == (64, 58) and planned.union_keys == 64

@@ -92,6 +92,37 @@ def test_the_rule_at_its_edge_with_a_hand_made_bound():
         assert unproven_coordinates(y, report, 4, RTOL).tolist() == [4, 6, 7]
 
 
+def edge_bound(a, u, h, margin=2.0 ** -40):
+    """The largest bound E with which the rule proves a coordinate of magnitude ``a``: its documented
+    inequality, margin included, solved for E in float64."""
+    return (RTOL * (a - h) / (1 + u) * (1 - margin) / (1 + margin) - u * (a + h) / (1 - u) - h) / (1 + RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_rule_at_its_edge_in_the_bound_for_each_output_dtype(dtype):
+    """Keys of two equal coordinates of magnitude a, each with a bound E just below or just above the edge
+    (edge_bound) for the output's u and h: float32's, and for float16 float32's rounding then its own,
+    u = u32 + u16 (1 + u32), h = h32 (1 + u16) + h16 (module doc). Small values (2^-12 in float16, 2^-130 in
+    float32) where h weighs; with float32, bounds 2^-44 either side of the edge: within the 2^-40 margin."""
+    u32, h32 = 2.0 ** -24, 2.0 ** -150
+    if dtype == torch.float16:
+        u, h = u32 + 2.0 ** -11 * (1 + u32), h32 * (1 + 2.0 ** -11) + 2.0 ** -25
+        cases = [(1.0, 2.0 ** -30), (-1.0, 2.0 ** -30), (2.0 ** -12, 2.0 ** -30), (3.0, 2.0 ** -30)]
+    else:
+        u, h = u32, h32
+        cases = [(1.0, 2.0 ** -44), (-3.5, 2.0 ** -44), (2.0 ** -130, 2.0 ** -24)]
+    y, bounds = [], []
+    for a, step in cases:   # key 2i: just below its edge (proven); key 2i + 1: just above (unproven)
+        edge = edge_bound(abs(a), u, h)
+        assert edge > 0 and float(torch.tensor(a, dtype=dtype)) == a
+        y += [a] * 4
+        bounds += [edge * (1 - step), edge * (1 + step)]
+    keys = torch.arange(len(bounds))
+    report = SimpleNamespace(inexact_keys=keys, error_bounds=(keys, torch.tensor(bounds, dtype=torch.float64)))
+    got = unproven_coordinates(torch.tensor(y, dtype=dtype), report, 2, RTOL)
+    assert got.tolist() == [c for k in range(1, len(bounds), 2) for c in (2 * k, 2 * k + 1)]
+
+
 class _Codec:
     """The fuzzer's decode, fed a fixed output and report (tests/test_fuzz_verdicts.py's way)."""
 
@@ -170,3 +201,40 @@ def test_the_lossless_aggregator_re_aggregates_only_the_unproven_coordinates(ave
         assert torch.equal(got[o.partial], (summed / n if average else summed))
     sent = aggs[0].stats.payload_bytes - bytes_before
     assert sent == aggs[0]._codec.payload_numel * 4 + o.partial.numel() * 4
+
+
+def test_a_verifying_codec_s_inexact_keys_are_re_aggregated_whole():
+    """reaggregated_coordinates passes the codec's ``verify`` on: its verdicts use bounds the report does not
+    carry, so every coordinate of the listed keys is sent (counted as a partial fallback of those keys), where
+    the report's bounds alone would prove most of them."""
+    from lossless_hc.training.aggregate import AggregationStats, reaggregated_coordinates
+    y, report, _, codec = inexact_decode(4, 1024, 8, 20, 6, verify=True)
+    keys = report.inexact_keys.to(torch.int64)
+    every, _ = key_coordinates(keys, 8, y.numel())
+    stats = AggregationStats()
+    assert torch.equal(reaggregated_coordinates(y, report, 8, codec, True, math.inf, stats), every)
+    assert (stats.inexact_decodes, stats.partial_fallbacks, stats.inexact_keys) == (1, 1, keys.numel())
+    assert unproven_coordinates(y, report, 8, RTOL).numel() < every.numel()
+
+
+def test_a_half_precision_tensor_s_unproven_coordinates_are_counted_at_its_width():
+    """A float16 TensorAggregator re-aggregates its unproven coordinates' own float16 values (partial_values):
+    the bytes sent count 2 per coordinate after the float32 payload."""
+    from lossless_hc.training.aggregate import TensorAggregator, partial_values
+    n, rows, row = 4, 2000, 32
+    g = torch.Generator().manual_seed(21)
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(rows, row)
+        idx = torch.randperm(rows, generator=g)[:40]
+        x[idx] = torch.randn(40, row, generator=g) * 10.0 ** -(3 * torch.rand(40, row, generator=g))
+        xs.append(x.to(torch.float16))
+    aggs = [TensorAggregator("t", (rows, row), torch.float16, n, 0.05) for _ in range(n)]
+    before = aggs[0].stats.payload_bytes
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    total = sum(p for p, _ in encoded)
+    o = aggs[0].decode(total, encoded[0][1])
+    assert o.report.status == DecodeStatus.INEXACT and o.needs_partial and o.partial.numel() > 0
+    assert partial_values(encoded[0][1], o.partial).dtype == torch.float16
+    payload = encoded[0][0]
+    assert aggs[0].stats.payload_bytes - before == payload.numel() * payload.element_size() + 2 * o.partial.numel()

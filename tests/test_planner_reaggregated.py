@@ -193,3 +193,22 @@ def test_a_top_k_plan_without_partial_feeds_the_tensor_and_a_failed_decode_nothi
     xs[1][7] = math.nan
     run_step(aggs, xs)
     assert aggs[0].stats.fallbacks == 2 and calls == [[("topk", numel), ("topk", 0)]] * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_gradient_s_inexact_coordinates_are_requested_in_float32(dtype):
+    """A float16 or bfloat16 gradient's sketch plan requests its unproven coordinates' values in float32 (as
+    its dense fallback sends the gradient): an engine's SUM of them in the gradient's dtype would round at
+    each addition, and a request of another dtype is a collective of its own in the message."""
+    n, rows, dim = 4, 4000, 32
+    rng = torch.Generator().manual_seed(11)
+    aggs = [AutoAggregator("emb", (rows, dim), dtype, n, r, MODEL, first="sketch", allowed=("sketch",), interval=2)
+            for r in range(n)]
+    xs = [sparse_rows(rng, rows, dim, 40).to(dtype) for _ in range(n)]
+    encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+    summed = torch.stack([p.to(torch.float64) for p, _ in encoded]).sum(0).to(encoded[0][0].dtype)
+    outcome = aggs[0].decode(summed, encoded[0][1])
+    assert outcome.value is None and outcome.request.kind == "allreduce"
+    sent, coords = outcome.request.tensor, encoded[0][1].partial[1]   # the unproven coordinates (ctx.partial)
+    assert sent.dtype == torch.float32 and coords.numel() > 0
+    assert torch.equal(sent, xs[0].reshape(-1)[coords].to(torch.float32))

@@ -336,3 +336,30 @@ def test_an_auto_statistics_header_with_a_non_finite_word_is_refused_by_name(wor
     total[word] = bad
     with pytest.raises(ConfigurationMismatch, match="w: the first payload's statistics header holds a non-finite"):
         aggs[0].decode(total, enc[0][1])
+
+
+@pytest.mark.parametrize("engine", ["scaled_then_summed", "summed_then_divided"])
+def test_an_auto_statistics_header_averaged_with_roundings_reads_every_rank_s_count(engine):
+    """An engine's average rounds the header's words: scaling each rank's payload by float32(1/n) before the
+    SUM leaves the contributor word within a rounding of 1 (12 ranks: 1 - 2^-23), dividing the SUM by n leaves
+    count fields k / n just below (k = 5, 7, 10 of 12). The header is read as the nearest integers of its
+    words times n: 12 contributors and every rank's count exactly, not a truncation's 11 contributors (a
+    ConfigurationMismatch) or 4 rows for 5."""
+    n = 12
+    rng = torch.Generator().manual_seed(9)
+    aggs = [AutoAggregator("w", (64, 8), torch.float32, n, r, MODEL, allowed=("dense",)) for r in range(n)]
+    counts = list(range(1, n + 1))
+    enc = [a.encode(sparse_rows(rng, 64, 8, k)) for a, k in zip(aggs, counts)]
+    total = torch.zeros_like(enc[0][0])
+    if engine == "scaled_then_summed":
+        for payload, _ in enc:
+            total += payload * torch.tensor(1.0 / n, dtype=torch.float32)
+        assert float(total[0]) < 1.0
+    else:
+        for payload, _ in enc:
+            total += payload
+        total /= n
+        assert float(total[1 + 2 * 4]) * n < 5   # rank 4's low count field
+    for a, (_, ctx) in zip(aggs, enc):
+        assert a.decode(total.clone(), ctx).value is not None
+        assert a.tracker.rank_keys == counts

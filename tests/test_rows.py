@@ -141,6 +141,23 @@ def test_dense_slot_sums_refuse_an_out_they_cannot_fill():
             sum_slots_dense(slots, 2, 8, out=bad)
 
 
+def test_the_cpu_slot_sums_read_strided_slots_and_refuse_an_out_of_another_layout():
+    """CpuBackend.sum_row_slots reads gathered slots that are a strided view (here ranks along a larger
+    gather's second dimension) to the bits of the contiguous ones, and refuses an ``out`` that is not a
+    contiguous table (a ValueError, before its kernel would write through the pointer as if it were)."""
+    backend = backend_for("cpu")
+    slots, _ = gathered({0: [1, 3], 1: [3], 2: [0, 5]}, 8, 2, 2)
+    strided = slots.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous() and torch.equal(strided.contiguous().view(torch.int32), slots.view(torch.int32))
+    want, got = torch.zeros(8, 2), torch.zeros(8, 2)
+    assert backend.sum_row_slots(slots, want) == backend.sum_row_slots(strided, got) == 4
+    assert torch.equal(got, want) and bool(want.any())
+    out = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="contiguous float32 out"):
+        backend.sum_row_slots(slots, out.t())
+    assert torch.equal(out, torch.zeros(2, 8))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_dense_slot_sums_add_in_rank_order_on_every_device(device):
     """Values for which another order changes the bits (1e8 + 1 - 1e8 is 0 in float32, 1e8 - 1e8 + 1 is
@@ -353,8 +370,8 @@ def test_row_slots_hold_a_rank_s_rows_then_unused_slots_on_every_backend(which, 
 
 @pytest.mark.parametrize("which", ROW_BACKENDS)
 def test_row_slots_refuse_more_rows_than_slots_and_a_row_outside_the_table(which):
-    """More rows than slots, both or neither of a table and values, or values of another row count: a
-    ValueError on every backend; a row outside the table or a negative one: a ValueError on the CPU (CUDA
+    """More rows than slots, both or neither of a table and values, values of another row count, an index
+    of floats, bools or uint8 (torch's masks) or a bool for ``k``: a ValueError on every backend; a row outside the table or a negative one: a ValueError on the CPU (CUDA
     does not check, which would synchronise its stream)."""
     backend, device = row_backend(which)
     table = torch.ones(10, 2, device=device)
@@ -367,8 +384,12 @@ def test_row_slots_refuse_more_rows_than_slots_and_a_row_outside_the_table(which
         backend.row_slots(index, 3, table=table, values=table[:3])
     with pytest.raises(ValueError, match="values must be a 2-D float tensor of 3 rows"):
         backend.row_slots(index, 3, values=table[:2])
-    with pytest.raises(ValueError, match="index must be a 1-D tensor of integer rows"):
-        backend.row_slots(index.float(), 3, table=table)
+    for mask_like in (index.float(), torch.ones(3, dtype=torch.bool, device=device),
+                      torch.tensor([1, 4, 9], dtype=torch.uint8, device=device)):   # bool and uint8: masks in torch
+        with pytest.raises(ValueError, match="index must be a 1-D tensor of integer rows"):
+            backend.row_slots(mask_like, 3, table=table)
+    with pytest.raises(ValueError, match="k must be an int"):
+        backend.row_slots(index[:1], True, table=table)   # a bool is no count of slots
     if which == "cpu":
         for bad in ([1, 4, 10], [-1, 4, 9]):
             for t in (table, table.to(torch.bfloat16)):

@@ -179,24 +179,36 @@ def test_one_rank_s_top_k_step_is_priced_per_its_own_keys_and_top_k_allgathered_
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_the_timed_top_k_step_is_one_between_statistics_steps(world_size):
+def test_the_timed_top_k_step_is_one_between_statistics_steps(world_size, monkeypatch):
     """_topk_step's doc: the step it times is one between statistics steps, as all but one in an interval run:
     the encode scans no rows (``ctx.observed`` False) and its decode is the plan's own, the inexact keys'
     request included (random selections summed over several ranks leave some keys INEXACT at every step).
     The first step's request is finished as a plan finishes it; left open, the step was never counted and
-    every encode timed was a first, statistics step (with its row scan)."""
-    from lossless_hc.training.calibration import measure_codecs
-    seen = {}
+    every encode timed was a first, statistics step (with its row scan). _topk_allgather_step's likewise: the
+    request timed and the gathered pairs whose sum is timed are of steps between statistics steps."""
+    import lossless_hc.training.calibration as calibration
+    seen, planned = {}, {}
+
+    def planned_ranks(strategy, *args, real=calibration._planned_ranks):
+        planned[strategy] = real(strategy, *args)
+        return planned[strategy]
+    monkeypatch.setattr(calibration, "_planned_ranks", planned_ranks)
 
     def timer(what, fn):
+        if what == "topk_allgather_finish":   # the finish timed: of which step's context
+            agg = planned["topk_allgather"][0][0]
+            agg.finish = lambda ctx, *a, real=agg.finish, **k: (seen.__setitem__("summed", ctx.observed),
+                                                                real(ctx, *a, **k))[1]
         result = fn()
         if what == "topk_encode":
             seen["observed"] = result[1].observed   # (payload, AutoContext)
         if what == "topk_decode":
             seen["requests"] = result.request.kind if result.request is not None else None
+        if what == "topk_allgather_request":
+            seen["gathered"] = result[0].observed   # (AutoContext, the request's slots)
         return 1e-3
-    measure_codecs("cpu", world_size, numel=1 << 10, topk_ratio=0.01, timer=timer)
-    assert seen == {"observed": False, "requests": "allreduce"}, seen
+    calibration.measure_codecs("cpu", world_size, numel=1 << 10, topk_ratio=0.01, timer=timer)
+    assert seen == {"observed": False, "requests": "allreduce", "gathered": False, "summed": False}, seen
 
 
 def test_a_density_below_one_key_prices_the_sketch_s_keys_per_one_key():

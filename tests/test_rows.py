@@ -371,8 +371,9 @@ def test_row_slots_hold_a_rank_s_rows_then_unused_slots_on_every_backend(which, 
 @pytest.mark.parametrize("which", ROW_BACKENDS)
 def test_row_slots_refuse_more_rows_than_slots_and_a_row_outside_the_table(which):
     """More rows than slots, both or neither of a table and values, values of another row count, an index
-    of floats, bools or uint8 (torch's masks) or a bool for ``k``: a ValueError on every backend; a row outside the table or a negative one: a ValueError on the CPU (CUDA
-    does not check, which would synchronise its stream)."""
+    of floats, bools or uint8 (torch's masks) or a bool for ``k``: a ValueError on every backend; a row outside
+    the table or a negative one: a ValueError on the CPU (CUDA does not check, which would synchronise its
+    stream)."""
     backend, device = row_backend(which)
     table = torch.ones(10, 2, device=device)
     index = torch.tensor([1, 4, 9], device=device)

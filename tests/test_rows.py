@@ -133,6 +133,23 @@ def test_dense_slot_sums_divide_by_a_positive_int():
             sum_slots_dense(slots, 2, 8, divisor=bad)
 
 
+@pytest.mark.parametrize("which", ROW_BACKENDS)
+@pytest.mark.parametrize("divisor", [1, 2, 3, 8])
+def test_dense_slot_sums_divide_each_sent_row_once_by_any_world_size(which, divisor):
+    """An engine's average over 2 ranks (the smallest world it divides by) as over more: every row some
+    rank sent, by one rank or several, is its rank-order sum divided once by the divisor; the count is the
+    union's; with divisor 1 the sums as they are."""
+    backend, device = row_backend(which)
+    sent = {0: [1, 4, 6], 1: [4], 2: [0, 4, 6]}
+    slots, values = gathered(sent, 8, 3, 3, seed=divisor)
+    want = summed_in_rank_order(sent, values, 3)
+    expect = torch.zeros(8, 3)
+    for u in want:
+        expect[u] = want[u] / divisor
+    into, count = sum_slots_dense(slots.to(device), 3, 8, divisor=divisor, backend=backend)
+    assert count == 4 and torch.equal(into.cpu(), expect)
+
+
 def test_dense_slot_sums_refuse_an_out_they_cannot_fill():
     """A buffer of another size, dtype or layout is a ValueError, not a partial or silently cast result."""
     slots, _ = gathered({0: [1, 3], 1: [3]}, 8, 2, 2)

@@ -415,6 +415,18 @@ def test_row_slots_refuse_more_rows_than_slots_and_a_row_outside_the_table(which
                     backend.row_slots(torch.tensor(bad), 3, table=t)
 
 
+def test_row_slots_label_the_largest_int32_row_and_refuse_the_next_on_the_cpu():
+    """A slot's label is an int32: row 2^31 - 1 (a rank's values given, no table that large) is labelled
+    with its bits; row 2^31, which no int32 holds, is a ValueError, not a wrapped label."""
+    backend = backend_for("cpu")
+    values = torch.tensor([[1.5, -2.0], [0.25, 3.0]])
+    slots = backend.row_slots(torch.tensor([0, (1 << 31) - 1]), 3, values=values).reshape(3, 3)
+    assert slots[:, 0].view(torch.int32).tolist() == [0, (1 << 31) - 1, -1]
+    assert torch.equal(slots[:2, 1:], values)
+    with pytest.raises(ValueError, match="outside"):
+        backend.row_slots(torch.tensor([0, 1 << 31]), 3, values=values)
+
+
 @pytest.mark.parametrize("which", ROW_BACKENDS)
 def test_bitmap_pack_reads_rows_as_their_values_or_refuses_them_alike(which):
     """Every backend packs an index that is a negative view as its values (torch's indexing ignores the

@@ -150,6 +150,19 @@ def test_dense_slot_sums_divide_each_sent_row_once_by_any_world_size(which, divi
     assert count == 4 and torch.equal(into.cpu(), expect)
 
 
+def test_dense_slot_sums_of_a_row_one_rank_lists_twice_agree_on_the_cpu_and_cuda_ops():
+    """Slots gather_slots never makes (a rank naming one row twice): the CPU kernel adds both and counts
+    the row twice, as the CUDA backend's torch operations do, so the backends' counts and bits agree."""
+    slots, _ = gathered({0: [1, 3, 5], 1: [3]}, 8, 2, 3)
+    slots[0, 2, 0] = torch.tensor([3], dtype=torch.int32).view(torch.float32)   # rank 0: rows 1, 3, 3
+    got = {}
+    for which in ("cpu", "torch"):
+        backend, _ = row_backend(which)
+        got[which] = sum_slots_dense(slots, 2, 8, divisor=2, backend=backend)
+    assert got["cpu"][1] == got["torch"][1] == 3   # rank 0's 1, 3, 3; rank 1's 3 already sent
+    assert torch.equal(got["cpu"][0], got["torch"][0])
+
+
 def test_dense_slot_sums_refuse_an_out_they_cannot_fill():
     """A buffer of another size, dtype or layout is a ValueError, not a partial or silently cast result."""
     slots, _ = gathered({0: [1, 3], 1: [3]}, 8, 2, 2)

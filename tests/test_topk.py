@@ -213,6 +213,24 @@ def test_a_sampled_threshold_keeping_fewer_than_k_filters_again_at_the_smallest_
     assert st.threshold == (0 if nonzero < k else int(keys[out].min()))
     assert torch.equal(out, reference(x, k))
 
+def test_a_zero_sample_over_more_non_zeros_than_the_filter_keeps_falls_back_to_the_exact_selection():
+    """Every sampled coordinate is 0 and the others hold more non-zero values than the filtering pass
+    may keep: the filter at the smallest non-zero key overflows, and the exact selection (not the first
+    coordinates as zero ties) gives the k largest."""
+    from lossless_hc import _C
+    n, k = 1 << 20, 1_000
+    g = torch.Generator().manual_seed(7)
+    others = torch.ones(n, dtype=torch.bool)
+    others[sampled_positions(n)] = False
+    x = torch.zeros(n)
+    pick = others.nonzero().reshape(-1)[torch.randperm(int(others.sum()), generator=g)[:50_000]]
+    x[pick] = torch.randn(50_000, generator=g)
+    out = torch.empty(k, dtype=torch.int64)
+    st = _C.topk_select(x.data_ptr(), n, k, out.data_ptr(), 0)
+    assert st.count == k and st.fallback == 1
+    assert torch.equal(out, reference(x, k))
+
+
 def test_aggregator_sends_exactly_k_and_keeps_the_rest():
     from lossless_hc.training.topk_aggregate import TopKAggregator, topk_count
     agg = TopKAggregator("w", (50_001,), torch.float32, 2, 0.01)

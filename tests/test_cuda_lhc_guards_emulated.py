@@ -460,6 +460,23 @@ def test_value_in_an_empty_cell_is_caught(emulated):  # noqa: F811
     assert status == DecodeStatus.SKETCH_CORRUPT
 
 
+@pytest.mark.parametrize("kind", ["bitmap", "multilevel"])
+def test_mass_in_an_empty_cell_is_caught(emulated, kind):  # noqa: F811
+    """A sketch cell no support key hashes to given a positive mass (a flipped mass word), its value 0:
+    no key is read from it and its residual is 0, but a cell holds keys exactly when its mass is
+    positive: SKETCH_CORRUPT on both backends, not a decode that passes."""
+    cpu, native = codecs(kind, 3000, 3, 40)
+    L = cpu.layout
+    p, xs = summed(cpu, 3, 40)
+    support = torch.nonzero(sum(x.abs() for x in xs)).reshape(-1)
+    used = set(reference.key_cells(L.sketch, support)[0].reshape(-1).tolist())
+    empty = next(c for c in range(L.sketch.cells) if c not in used)
+    assert p[L.mass_offset + empty] == 0.0 and p[L.sketch_offset + empty] == 0.0
+    p[L.mass_offset + empty] = 1.0
+    status, _, _, _ = index_verdicts_agree(cpu, native, p)
+    assert status == DecodeStatus.SKETCH_CORRUPT
+
+
 def test_partial_last_block_decodes_within_out(emulated):  # noqa: F811
     """The last key of 3000 coordinates in blocks of 7 has 4 lanes: the decode writes those 4 (the CPU
     backend's output bits) and not past the end of `out`, here a view of a longer buffer whose tail

@@ -213,6 +213,7 @@ def test_a_sampled_threshold_keeping_fewer_than_k_filters_again_at_the_smallest_
     assert st.threshold == (0 if nonzero < k else int(keys[out].min()))
     assert torch.equal(out, reference(x, k))
 
+
 def test_a_zero_sample_over_more_non_zeros_than_the_filter_keeps_falls_back_to_the_exact_selection():
     """Every sampled coordinate is 0 and the others hold more non-zero values than the filtering pass
     may keep: the filter at the smallest non-zero key overflows, and the exact selection (not the first

@@ -256,6 +256,38 @@ def test_topk_density_leaves_that_fraction_of_the_coordinates_non_zero():
     assert "N(0,1) on 0.013 of the coordinates" in bench_topk._values({"density": 0.013})
 
 
+def test_topk_density_rounds_up_and_reaches_the_selection_and_the_residual(monkeypatch):
+    """``--density`` 0.0125 of 1000 coordinates: ceil(12.5) = 13 non-zero, in the input the selection is
+    timed on and in the aggregator's residual (another support at the same density), through the CLI;
+    density 1 is plain N(0,1) in the setup row, and the config records the density."""
+    from lossless_hc.bench import cli
+    from lossless_hc.bench import topk as bench_topk
+    from lossless_hc.training import topk_aggregate
+    assert int((bench_topk.topk_input(1000, 0.0125, torch.Generator().manual_seed(0)) != 0).sum()) == 13
+    assert bench_topk._values({"density": 1.0}) == bench_topk._values({}) == "N(0,1)"
+    monkeypatch.setattr(bench_topk, "time_interleaved", generic_interleaved(TOPK_MS))
+    selected, residuals, results = [], [], []
+    real_backend, real_run = bench_topk.backend_for, bench_topk.run_topk_bench
+
+    def recording_backend(device):
+        b = real_backend(device)
+        return types.SimpleNamespace(topk_select=lambda x, k, **kw: (selected.append(x.clone()),
+                                                                    b.topk_select(x, k, **kw))[1])
+
+    class RecordingAggregator(topk_aggregate.TopKAggregator):
+        def __setattr__(self, name, value):
+            if name == "residual" and value is not None:
+                residuals.append(value.clone())
+            super().__setattr__(name, value)
+    monkeypatch.setattr(bench_topk, "backend_for", recording_backend)
+    monkeypatch.setattr(topk_aggregate, "TopKAggregator", RecordingAggregator)
+    monkeypatch.setattr(cli, "run_topk_bench", lambda *a, **k: results.append(real_run(*a, **k)) or results[-1])
+    assert cli.main(["topk", "--numel", "1000", "--ratio", "0.01", "--density", "0.0125", "--repeat", "1"]) == 0
+    assert [int((x != 0).sum()) for x in selected] == [13]
+    assert int((residuals[0] != 0).sum()) == 13 and not torch.equal(residuals[0] != 0, selected[0] != 0)
+    assert results[0]["config"]["density"] == 0.0125 and results[0]["exact"] is True
+
+
 def test_topk_ratios_are_over_the_clone_with_the_reset_taken_out(monkeypatch):
     from lossless_hc.bench import topk as bench_topk
     monkeypatch.setattr(bench_topk, "time_interleaved", generic_interleaved(TOPK_MS))
@@ -516,9 +548,11 @@ def test_cuda_commands_fail_a_wrong_check(monkeypatch):
     monkeypatch.setattr(cli, "machine_info", lambda *a: {})
     monkeypatch.setattr(cli, "render_topk_cuda", lambda res, cmd: "")
     monkeypatch.setattr(cli, "render_codec_cuda", lambda res, cmd: "")
+    calls = []
     for exact, status in ((True, 0), (None, 0), (False, 1)):
-        monkeypatch.setattr(cli, "run_topk_bench_cuda", lambda *a, **k: {"exact": exact})
-        assert cli.main(["topk", "--device", "cuda", "--numel", "1000"]) == status
+        monkeypatch.setattr(cli, "run_topk_bench_cuda", lambda *a, **k: calls.append(k) or {"exact": exact})
+        assert cli.main(["topk", "--device", "cuda", "--numel", "1000", "--density", "0.25"]) == status
+    assert [k["density"] for k in calls] == [0.25] * 3
     cor = {"ok": True, "inexact_keys": 0, "peeled_keys": 1, "support_keys": 1, "support_mismatch_beyond_rounding": 0}
     for deterministic, status in ((True, 0), (False, 1)):
         monkeypatch.setattr(cli, "run_codec_bench_cuda",

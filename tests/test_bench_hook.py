@@ -1,8 +1,12 @@
 """``bench hook`` (lossless_hc.bench.hook): real DDP workers over loopback Gloo, each mode's figures, and
 ``auto``'s parameters equal to DDP's own at a world size of two (the sum of two ranks divided by two is one
-rounding whether divided before or after)."""
+rounding whether divided before or after); and, with the launch faked (each mode's rank-0 report by hand), the
+argument checks, the pooling over rounds and the printed figures."""
+import json
+
 import pytest
 
+from lossless_hc.bench import hook as hook_bench
 from lossless_hc.bench.common import machine_info
 from lossless_hc.bench.hook import run_hook_bench, render_hook
 
@@ -33,3 +37,115 @@ def test_bad_arguments_are_refused_before_any_worker_starts():
         run_hook_bench(ranks=1)
     with pytest.raises(ValueError, match="warmup must be an integer >= 0"):
         run_hook_bench(warmup=-1)
+
+
+def _no_workers(monkeypatch):
+    """Any worker launch fails the test: the checks must refuse before one."""
+    def launch(mode, cfg):
+        raise AssertionError(f"a worker started for {mode}")
+    monkeypatch.setattr(hook_bench, "_run_mode", launch)
+
+
+def test_no_mode_a_flag_a_fraction_or_no_timeout_is_refused_before_any_worker_starts(monkeypatch):
+    _no_workers(monkeypatch)
+    with pytest.raises(ValueError, match="modes must be some of"):
+        run_hook_bench(modes=[])   # `--modes ,`: no mode to time, not an empty report
+    with pytest.raises(ValueError, match="layers must be an integer >= 1, got True"):
+        run_hook_bench(layers=True)
+    with pytest.raises(ValueError, match="width must be an integer >= 1, got 2.5"):
+        run_hook_bench(width=2.5)
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds"):
+        run_hook_bench(timeout=0.0)
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds"):
+        run_hook_bench(timeout=float("nan"))
+
+
+def test_the_rounds_reverse_the_order_pool_the_steps_and_compare_the_last_parameters(monkeypatch):
+    """A faked launch (each mode's rank-0 report by hand): the modes' order reversed every other round,
+    steps and hook calls pooled over the rounds, the percentiles of the pooled steps, the last round's
+    parameters' largest absolute difference from ddp's, and the report's ratios, hook times and notes."""
+    order = []
+    ms = {"ddp": 10.0, "allreduce_hook": 12.0, "auto": 15.0}
+
+    def launch(mode, cfg):
+        assert cfg["timeout"] == 60.0 and cfg["steps"] == 10 and cfg["ranks"] == 3
+        r = sum(m == mode for m in order)   # this mode's round
+        order.append(mode)
+        steps = [1e-3 * (ms[mode] + i + 10 * r) for i in (3, 9, 0, 5, 1, 8, 2, 7, 4, 6)]   # round 0: ms..ms+9, round 1: +10
+        calls = [] if mode == "ddp" else [1e-6 * (100 + 100 * r + i) for i in (0, 10, 50)]
+        params = [1.0, 2.0, 3.0] if mode == "ddp" or r == 1 else [9.0, 9.0, 9.0]
+        if mode == "auto" and r == 1:
+            params = [1.0, 2.0 - 0.5, 3.0 + 0.25]   # the larger difference negative
+        return {"steps": steps, "calls": calls, "params": params,
+                "calibration": f"round {r}" if mode == "auto" else None}
+    monkeypatch.setattr(hook_bench, "_run_mode", launch)
+    res = run_hook_bench(ranks=3, steps=10, rounds=2, timeout=60.0)
+    assert order == ["ddp", "allreduce_hook", "auto", "auto", "allreduce_hook", "ddp"]
+    assert res["config"] == {"ranks": 3, "layers": 24, "width": 64, "batch": 32, "bucket_kb": 50, "steps": 10,
+                             "warmup": 100, "rounds": 2}
+    modes = res["modes"]
+    assert list(modes) == ["ddp", "allreduce_hook", "auto"]
+    ddp, hook, auto = modes["ddp"], modes["allreduce_hook"], modes["auto"]
+    # 20 pooled steps ms..ms+19: the median between the 10th and 11th, p10 the 3rd, p90 the 19th
+    assert ddp["step_median_s"] == pytest.approx(19.5e-3) and auto["step_median_s"] == pytest.approx(24.5e-3)
+    assert (ddp["step_p10_s"], ddp["step_p90_s"]) == pytest.approx((12e-3, 28e-3))
+    assert (ddp["hook_calls"], ddp["hook_median_s"], ddp["hook_mean_s"]) == (0, None, None)
+    assert auto["hook_calls"] == 6   # both rounds' calls
+    assert (auto["hook_median_s"], auto["hook_mean_s"]) == pytest.approx((175e-6, 170e-6))   # 100, 110, 150, 200, 210, 250
+    assert (ddp["max_param_diff_vs_ddp"], hook["max_param_diff_vs_ddp"], auto["max_param_diff_vs_ddp"]) == (
+        0.0, 0.0, 0.5)
+    assert auto["calibration"] == "round 1" and ddp["calibration"] is None
+
+    report = render_hook(res, machine_info(0), "python -m lossless_hc.bench hook")
+    rows = {line.split()[0]: line.split() for line in report.splitlines() if line.split()[:1] in ([m] for m in ms)}
+    # mode, median (p10-p90), x ddp, x allreduce_hook, hook us median / mean, max |param - ddp's|
+    assert rows["ddp"] == ["ddp", "19.50", "(12.00-28.00)", "1.00x", "0.91x", "-", "/", "-", "0"]
+    assert rows["allreduce_hook"] == ["allreduce_hook", "21.50", "(14.00-30.00)", "1.10x", "1.00x", "175", "/",
+                                      "170", "0"]
+    assert rows["auto"] == ["auto", "24.50", "(17.00-33.00)", "1.26x", "1.14x", "175", "/", "170", "0.5"]
+    assert "3 ranks (Gloo, loopback), 24 x Linear(64, 64) + tanh, batch 32, buckets of 50 KiB, 10 timed steps " \
+           "after 100, 2 rounds" in report
+    assert "auto's calibration: round 1" in report
+
+
+def test_without_ddp_or_torch_s_hook_the_report_has_no_ratio_to_them(monkeypatch):
+    def launch(mode, cfg):
+        return {"steps": [0.01, 0.02, 0.03], "calls": [1e-4], "params": [0.0], "calibration": None}
+    monkeypatch.setattr(hook_bench, "_run_mode", launch)
+    res = run_hook_bench(modes=["allreduce_hook"], rounds=1)
+    assert res["modes"]["allreduce_hook"]["max_param_diff_vs_ddp"] is None
+    report = render_hook(res, machine_info(0), "c")
+    row = next(line.split() for line in report.splitlines() if line.startswith("allreduce_hook"))
+    assert row == ["allreduce_hook", "20.00", "(10.00-30.00)", "-", "1.00x", "100", "/", "100", "-"]
+    assert "calibration" not in report
+
+
+def test_the_command_passes_each_option_to_its_parameter_and_refuses_a_bad_mode(monkeypatch, tmp_path, capsys):
+    """``bench hook``'s options (each a different value) reach the run's configuration and JSON, an empty name
+    in ``--modes`` (a trailing comma) is skipped, the defaults are the usage's, and a bad mode exits with the
+    run's message, no traceback."""
+    from lossless_hc.bench import cli
+    launched = []
+
+    def launch(mode, cfg):
+        launched.append(mode)
+        return {"steps": [0.01], "calls": [], "params": [0.0], "calibration": None}
+    monkeypatch.setattr(hook_bench, "_run_mode", launch)
+    path = tmp_path / "hook.json"
+    assert cli.main(["hook", "--ranks", "3", "--layers", "4", "--width", "5", "--batch", "6", "--bucket-kb", "7",
+                     "--steps", "8", "--warmup", "9", "--rounds", "2", "--modes", "auto,ddp,", "--json",
+                     str(path)]) == 0
+    assert launched == ["auto", "ddp", "ddp", "auto"]
+    out = json.loads(path.read_text())
+    assert out["config"] == {"ranks": 3, "layers": 4, "width": 5, "batch": 6, "bucket_kb": 7, "steps": 8,
+                             "warmup": 9, "rounds": 2}
+    assert list(out["modes"]) == ["auto", "ddp"] and out["command"]
+    assert "3 ranks (Gloo, loopback), 4 x Linear(5, 5) + tanh, batch 6" in capsys.readouterr().out
+    assert cli.main(["hook", "--json", str(path)]) == 0   # the usage's defaults, every mode
+    out = json.loads(path.read_text())
+    assert out["config"] == {"ranks": 2, "layers": 24, "width": 64, "batch": 32, "bucket_kb": 50, "steps": 400,
+                             "warmup": 100, "rounds": 2}
+    assert list(out["modes"]) == ["ddp", "allreduce_hook", "auto"]
+    _no_workers(monkeypatch)
+    with pytest.raises(SystemExit, match="bench hook: error: modes must be some of"):
+        cli.main(["hook", "--modes", "ddp,lossless"])

@@ -390,6 +390,33 @@ def test_the_report_gives_each_rounds_guard_verdict_and_repeated_trials():
     assert "step guard per round: plan (70.0 / 80.0 ms), dense (89.1 / 76.2 ms), no trial, no verdict" in text
 
 
+def test_the_report_flags_an_earlier_rounds_late_trial_and_says_nothing_of_one_round_or_one_trial():
+    """Each round's trial counts for the timed steps (an earlier round's may end later than the last's); a
+    round with a trial but no verdict has no medians; one round gives no per-round line, one trial no
+    trials line, one tensor of a half-precision alternative is singular; a trial still open at the end is
+    named unfinished, not absent."""
+    from lossless_hc.bench.cluster_report import render_markdown
+
+    def guard(verdict, window, **extra):
+        return {"verdict": verdict, "plan_ms": 89.1 if verdict else float("nan"),
+                "dense_ms": 76.2 if verdict else float("nan"), "window": window, "steps": 5, **extra}
+    last = guard("dense", 8, trials=1, alternative={"bf16": 1, "dense": 3})
+    rows = [report_row("auto-lossy", 80.0, auto_choice={"dense": ["param0(4,)"]}, auto_guard=last,
+                       auto_guard_rounds=[guard(None, 30), last]),
+            report_row("auto", 81.0, auto_choice={"dense": ["param0(4,)"]}, auto_guard=last, auto_guard_rounds=[last])]
+    text = render_markdown({"rows": rows, "compute_s": 0.02, "shaping": {"qdisc": "tbf"}, "warmup": 20}, "t")
+    assert "step guard per round: no verdict, dense (89.1 / 76.2 ms)\n" in text
+    assert text.count("step guard per round") == 1
+    # the first round's trial (steps 30-39) ran past --warmup 20, the last one's (steps 8-17) did not
+    assert text.count("the trial ran into the timed steps") == 1
+    assert "(from step 20), so its dense blocks are in this row's times; --warmup 40 times after it" in text
+    assert "dense allreduce in place (DDP's own, 1 tensor in bf16) from then on" in text
+    assert "trials" not in text
+    open_trial = report_row("auto", 81.0, auto_choice={"dense": ["param0(4,)"]}, auto_guard=guard(None, 30))
+    text = render_markdown({"rows": [open_trial], "compute_s": 0.02, "shaping": {"qdisc": "tbf"}}, "t")
+    assert "step guard: trial from step 30 not finished in this run (10 steps)" in text and "no trial" not in text
+
+
 def test_the_report_json_is_strict_and_renders_the_same_read_back(tmp_path):
     """write_report's JSON is strict (a guard's NaN medians and a diverged loss are null: ``json`` in
     other languages and ``jq`` refuse NaN), and the report rendered from it (bench replay reads it back)

@@ -1,5 +1,9 @@
-"""``python -m lossless_hc.bench codec``: its pass/fail verdict, the exit status CI can gate on."""
+"""``python -m lossless_hc.bench codec``: its pass/fail verdict, the exit status CI can gate on, and the
+correctness section's counts of the INEXACT keys' coordinates."""
 import json
+import types
+
+import torch
 
 from lossless_hc.bench.cli import main
 from lossless_hc.bench.codec import decode_verdict_ok
@@ -90,3 +94,29 @@ def test_codec_wire_breakdown_books_the_multilevel_fine_tables_to_the_index():
     assert w["index_bytes"] == 4 * (L.index.words + fine)
     assert w["sketch_bytes"] == 4 * (L.sketch.cells * L.block + L.sketch.cells)
     assert w["header_bytes"] + w["index_bytes"] + w["sketch_bytes"] == w["wire_bytes"]
+
+
+def test_bound_stats_counts_the_unproven_coordinates_of_rows_and_a_partial_last_row():
+    """Rows of 4 over 6 coordinates (the last row 2 long), both listed INEXACT, bounds E = 1e-6: the values
+    near 1e-4 are not proven within rtol = 2^-10, the others are. The listed keys' coordinates stop at the
+    tensor's end (6, not 8); a re-aggregation sends the 3 unproven ones, all 6 where the codec verifies
+    (its verdicts use bounds the report does not carry); and the row says which is which."""
+    from lossless_hc.bench.codec import bound_rows, bound_stats
+    y = torch.tensor([1.0, 1e-4, 1e-4, 4.0, 5.0, 1e-4])
+    truth = y.double()
+    report = types.SimpleNamespace(error_bounds=(torch.arange(2), torch.full((2,), 1e-6, dtype=torch.float64)),
+                                   inexact_keys=torch.tensor([0, 1]))
+    s = bound_stats(report, y, truth, truth.abs(), 2, 4, 2.0 ** -10)
+    assert (s["inexact_coords"], s["unproven_coords"], s["bound_violations"]) == (6, 3, 0)
+    assert bound_stats(report, y, truth, truth.abs(), 2, 4, 2.0 ** -10, verify=True)["unproven_coords"] == 6
+    rows = dict(bound_rows({**s, "inexact_keys": 2}))
+    assert rows["re-aggregated coordinates"] == "3 of the INEXACT keys' 6 (those their bounds do not prove)"
+    assert rows["INEXACT keys within rtol anyway"] == "2 of 2 (the bound is worst case)"
+
+
+def test_a_verifying_codec_s_run_counts_every_inexact_coordinate_as_re_aggregated():
+    """``bench codec --verify``: the bounds the report carries do not decide a verifying codec's verdicts,
+    so a re-aggregation sends every coordinate of its INEXACT rows (rows of 32, some listed)."""
+    from lossless_hc.bench.codec import run_codec_bench
+    cor = run_codec_bench(1 << 16, 0.01, 4, block_size=32, repeat=1, verify=True)["correctness"]
+    assert cor["inexact_keys"] > 0 and cor["unproven_coords"] == cor["inexact_coords"] == 32 * cor["inexact_keys"]

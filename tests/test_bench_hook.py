@@ -1,14 +1,17 @@
 """``bench hook`` (lossless_hc.bench.hook): real DDP workers over loopback Gloo, each mode's figures, and
 ``auto``'s parameters equal to DDP's own at a world size of two (the sum of two ranks divided by two is one
 rounding whether divided before or after); and, with the launch faked (each mode's rank-0 report by hand), the
-argument checks, the pooling over rounds and the printed figures."""
+argument checks, the pooling over rounds and the printed figures; and how a worker ends (bench.common)."""
 import json
+import socket
+import textwrap
 
 import pytest
 
 from lossless_hc.bench import hook as hook_bench
 from lossless_hc.bench.common import machine_info
 from lossless_hc.bench.hook import run_hook_bench, render_hook
+from helpers import run_python
 
 
 @pytest.mark.multiprocess
@@ -149,3 +152,33 @@ def test_the_command_passes_each_option_to_its_parameter_and_refuses_a_bad_mode(
     _no_workers(monkeypatch)
     with pytest.raises(SystemExit, match="bench hook: error: modes must be some of"):
         cli.main(["hook", "--modes", "ddp,lossless"])
+
+
+def test_a_worker_s_end_flushes_its_report_exits_with_its_code_and_tears_gloo_down_in_order():
+    """``leave``: what the process printed (pipes: buffered) reaches its readers and the exit status is
+    the code given; ``end_gloo_rank`` (one rank of Gloo here): the barrier, then the group destroyed while
+    it is still up, then that exit; ``free_port``: a port this host's next socket can bind."""
+    from lossless_hc.bench.common import free_port
+    done = run_python("import sys\nfrom lossless_hc.bench.common import leave\nprint('the report', end='')\n"
+                      "print('the log', end='', file=sys.stderr)\nleave(3)",
+                      PYTHONUNBUFFERED="")   # buffered, as a worker's streams are unless this is set
+    assert (done.stdout, done.stderr, done.returncode) == ("the report", "the log", 3)
+    done = run_python(textwrap.dedent('''
+        import os
+        import torch.distributed as dist
+        from lossless_hc.bench.common import end_gloo_rank, free_port
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        for name in ("barrier", "destroy_process_group"):
+            def wrapped(*a, _real=getattr(dist, name), _name=name, **k):
+                print(_name, dist.is_initialized(), end="; ")
+                return _real(*a, **k)
+            setattr(dist, name, wrapped)
+        print("report", end="; ")
+        end_gloo_rank(4)
+        print("after the end")'''))
+    assert (done.stdout, done.returncode) == ("report; barrier True; destroy_process_group True; ", 4), done.stderr
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    assert 0 < port < 65536

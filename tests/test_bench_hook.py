@@ -182,3 +182,27 @@ def test_a_worker_s_end_flushes_its_report_exits_with_its_code_and_tears_gloo_do
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
     assert 0 < port < 65536
+
+
+def _failing_worker(rank, world, port, mode, cfg, queue):
+    """A stand-in for a rank: rank 0 reports only in mode "late"; the rank ``cfg["fails"]`` exits with 3."""
+    if rank == 0 and mode == "late":
+        queue.put({"steps": [0.01], "calls": [], "params": [0.0], "calibration": None})
+        queue.close()
+        queue.join_thread()
+    raise SystemExit(3 if rank == cfg["fails"] else 0)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_fails_fails_the_mode_at_once_before_or_after_rank_0_s_report(monkeypatch):
+    """A rank that dies before rank 0 reported is an error as soon as it is seen, not the whole timeout later;
+    one that fails after rank 0's report is an error too (its report is not taken)."""
+    import time
+    monkeypatch.setattr(hook_bench, "_worker", _failing_worker)
+    cfg = {"ranks": 2, "timeout": 120.0}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"early: rank 0 reported nothing \(the ranks' exit statuses \[3, 0\]"):
+        hook_bench._run_mode("early", dict(cfg, fails=0))
+    assert time.monotonic() - t0 < 60.0   # the timeout is 120 s
+    with pytest.raises(RuntimeError, match=r"late: a rank failed after rank 0 reported \(.* \[0, 3\], timeout 120 s"):
+        hook_bench._run_mode("late", dict(cfg, fails=1))

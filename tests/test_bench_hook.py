@@ -206,3 +206,45 @@ def test_a_rank_that_fails_fails_the_mode_at_once_before_or_after_rank_0_s_repor
     assert time.monotonic() - t0 < 60.0   # the timeout is 120 s
     with pytest.raises(RuntimeError, match=r"late: a rank failed after rank 0 reported \(.* \[0, 3\], timeout 120 s"):
         hook_bench._run_mode("late", dict(cfg, fails=1))
+
+
+class _Reports(list):
+    """The reports queue of a worker run in this process."""
+    put = list.append
+
+    def close(self):
+        pass
+
+    def join_thread(self):
+        pass
+
+
+def test_a_worker_reports_its_timed_steps_and_their_hook_calls_alone(monkeypatch):
+    """One rank's worker in this process (a group of one, the end left to the test): the report holds the
+    ``steps`` timed steps, not the warmup's, and the hook calls of those steps only (as many as without a
+    warmup), the trained parameters (equal in every mode: one rank's sum is its gradient) and auto's
+    calibration."""
+    import torch
+    import torch.distributed as dist
+    from lossless_hc.bench.common import free_port
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "0")
+    monkeypatch.setattr(hook_bench, "end_gloo_rank", dist.destroy_process_group)
+    threads = torch.get_num_threads()
+    reports = {}
+    try:
+        for mode, warmup in (("ddp", 3), ("allreduce_hook", 3), ("auto", 3), ("auto", 0)):
+            got = _Reports()
+            hook_bench._worker(0, 1, free_port(), mode, dict(layers=3, width=8, batch=4, bucket_kb=1, steps=4,
+                                                             warmup=warmup), got)
+            assert len(got) == 1 and len(got[0]["steps"]) == 4, mode
+            reports[mode, warmup] = got[0]
+    finally:
+        torch.set_num_threads(threads)
+    assert reports["ddp", 3]["calls"] == [] and reports["ddp", 3]["calibration"] is None
+    calls = len(reports["auto", 0]["calls"])
+    assert calls % 4 == 0 and calls > 0   # every bucket of the 4 steps
+    assert len(reports["auto", 3]["calls"]) == len(reports["allreduce_hook", 3]["calls"]) == calls
+    assert reports["auto", 3]["calibration"] == "not needed"
+    assert reports["auto", 3]["params"] == reports["allreduce_hook", 3]["params"] == reports["ddp", 3]["params"]
+    assert reports["auto", 0]["params"] != reports["auto", 3]["params"]   # 4 steps, not 7

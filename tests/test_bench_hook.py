@@ -74,7 +74,8 @@ def test_the_rounds_reverse_the_order_pool_the_steps_and_compare_the_last_parame
         assert cfg["timeout"] == 60.0 and cfg["steps"] == 10 and cfg["ranks"] == 3
         r = sum(m == mode for m in order)   # this mode's round
         order.append(mode)
-        steps = [1e-3 * (ms[mode] + i + 10 * r) for i in (3, 9, 0, 5, 1, 8, 2, 7, 4, 6)]   # round 0: ms..ms+9, round 1: +10
+        # unsorted, round 0: ms..ms+9, round 1: ms+10..ms+19
+        steps = [1e-3 * (ms[mode] + i + 10 * r) for i in (3, 9, 0, 5, 1, 8, 2, 7, 4, 6)]
         calls = [] if mode == "ddp" else [1e-6 * (100 + 100 * r + i) for i in (0, 10, 50)]
         params = [1.0, 2.0, 3.0] if mode == "ddp" or r == 1 else [9.0, 9.0, 9.0]
         if mode == "auto" and r == 1:
@@ -94,7 +95,8 @@ def test_the_rounds_reverse_the_order_pool_the_steps_and_compare_the_last_parame
     assert (ddp["step_p10_s"], ddp["step_p90_s"]) == pytest.approx((12e-3, 28e-3))
     assert (ddp["hook_calls"], ddp["hook_median_s"], ddp["hook_mean_s"]) == (0, None, None)
     assert auto["hook_calls"] == 6   # both rounds' calls
-    assert (auto["hook_median_s"], auto["hook_mean_s"]) == pytest.approx((175e-6, 170e-6))   # 100, 110, 150, 200, 210, 250
+    # calls of 100, 110, 150, 200, 210, 250 us
+    assert (auto["hook_median_s"], auto["hook_mean_s"]) == pytest.approx((175e-6, 170e-6))
     assert (ddp["max_param_diff_vs_ddp"], hook["max_param_diff_vs_ddp"], auto["max_param_diff_vs_ddp"]) == (
         0.0, 0.0, 0.5)
     assert auto["calibration"] == "round 1" and ddp["calibration"] is None

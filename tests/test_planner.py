@@ -579,12 +579,13 @@ def test_a_plain_step_the_engine_reduced_counts_the_gradient_s_bytes(dtype):
 
 def test_a_half_precision_plain_step_the_engine_ran_counts_two_bytes_a_coordinate_as_compressed():
     # DDP's fp16/bf16 compress hook (or FSDP2's bfloat16 all-reduce) ran the plan's plain step in place:
-    # two bytes a coordinate, a plain step, measured under the half strategy and counted as compressed
+    # two bytes a coordinate, a plain step, measured under the half strategy (to when its sum arrived, ended=)
+    # and counted as compressed
     agg = AutoAggregator("w", (1000,), torch.float32, 2, 0, MODEL, lossy=True, lossy_min_bytes=0)
-    agg.record_plain_step(0.0, half="bf16")
+    agg.record_plain_step(1.0, half="bf16", ended=3.5)
     assert agg.bytes_sent == agg.stats.payload_bytes == 2000 and agg.stats.dense_bytes == 4000
     assert (agg.steps, agg.plain_steps, agg.stats.tensors, agg.stats.compressed, agg.stats.sent_dense) == (1, 1, 1, 1, 0)
-    assert set(agg.plan_stats()["measured_seconds"]) == {"bf16"}
+    assert agg.plan_stats()["measured_seconds"] == {"bf16": 2.5}
 
 
 def test_unbuildable_draws_each_codec_s_limit_at_its_bound():

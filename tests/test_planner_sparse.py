@@ -236,6 +236,15 @@ def test_an_engine_summing_sparse_tensors_itself_gets_the_allgather_plan_s_plain
     assert aggs[1].plan_stats()["plain_steps"] == carried.count(False)
 
 
+def test_a_native_sparse_step_recorded_later_is_timed_to_when_its_sum_arrived():
+    """record_plain_step(sparse_rows=, ended=): the engine's own sparse allreduce, accounted after its sum
+    arrived, is timed to that arrival under the allgather strategy, not to when it is accounted."""
+    agg = AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL, sparse=True)
+    agg.record_plain_step(10.0, sparse_rows=7, ended=12.5)
+    assert agg.plan_stats()["measured_seconds"] == {"allgather": 2.5}
+    assert agg.bytes_sent == 7 * (8 + 4 * DIM) and (agg.steps, agg.plain_steps) == (1, 1)
+
+
 def test_allgather_finish_clears_only_the_scanned_rows_of_the_scanned_memory_itself():
     """finish(out=) on an allgather plan clears only this rank's rows when out is the memory it scanned
     (the rest holds +-0.0); a strided gradient starting at out's address is not that memory: out is then

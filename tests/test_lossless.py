@@ -295,3 +295,20 @@ def test_an_overloaded_rank_is_never_ok_even_when_every_key_came_back():
     assert rep.reason == ("overloaded: 1 rank(s) had more than capacity=4 non-zero keys; grow max_nnz "
                           "(recovered 5/5 keys)")
     assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("index", ["dense", "bitmap"])
+def test_support_counts_keys_for_every_index_kind(index):
+    """``DecodeReport.support``: the keys (blocks) non-zero on some rank, for the dense index as for the
+    others -- not its non-zero elements -- a partial last block included (what the planner and the
+    aggregators' density trackers read as the union)."""
+    numel, block = 30, 4   # 8 keys, the last of 2 coordinates
+    codec = LosslessCodec(numel, 2, numel, block_size=block, index=index)
+    assert codec.layout.index_kind == index
+    xs = [torch.zeros(numel), torch.zeros(numel)]
+    xs[0][[0, 1, 2, 9]] = torch.tensor([1.0, 2.0, 3.0, 4.0])   # keys 0, 2
+    xs[1][[3, 10, 29]] = torch.tensor([5.0, 6.0, 7.0])          # keys 0, 2, 7
+    y, report = codec.decode(codec.encode(xs[0]) + codec.encode(xs[1]))
+    assert report.status in (DecodeStatus.OK, DecodeStatus.INEXACT) and report.support == 3
+    if index == "dense":
+        assert report.ok and torch.equal(y, xs[0] + xs[1])

@@ -526,6 +526,10 @@ class LosslessCodec:
             if dense_non_finite:   # a NaN word, or finite inputs whose sum overflowed float32
                 return fail(DecodeStatus.SKETCH_OVERFLOW,
                             f"{message(DecodeStatus.SKETCH_OVERFLOW)} ({dense_non_finite} dense value(s))")
+            if L.block > 1:   # dense_copy counts non-zero elements; the report counts keys (blocks)
+                nonzero = out.reshape(-1) != 0
+                nonzero = torch.cat([nonzero, nonzero.new_zeros(-L.numel % L.block)])
+                dense_nonzero = int(torch.count_nonzero(nonzero.view(-1, L.block).any(1)))
             report.candidates = report.support = report.peeled = dense_nonzero
             return finish(DecodeStatus.OK)
 

@@ -85,3 +85,26 @@ def test_an_auto_message_prices_its_parts_on_the_calibrated_link_only_where_ever
         return [a, b]
     assert [p.dtype for p in AutoMessage(aggs(far), [x, y]).parts] == [torch.float32]
     assert [p.dtype for p in AutoMessage(aggs(None), [x, y]).parts] == [torch.float32, torch.bfloat16]
+
+
+def test_a_half_precision_gradient_s_dense_step_that_flushes_top_k_memory_keeps_the_memory_in_float32():
+    """A dense statistics step of a bfloat16 gradient travels with its body in bfloat16 (the plain steps'
+    dtype) only where the body is the gradient as it is: leaving top-k, the residual flushed into it
+    (float32) goes out in float32, and the result is the float32 sum of every rank's gradient plus its residual,
+    rounded once to bfloat16 (not each rank's rounded first)."""
+    n, m = 2, 4096
+    rng = torch.Generator().manual_seed(11)
+    aggs = [AutoAggregator("w", (m,), torch.bfloat16, n, r, None, lossy=True, lossy_min_bytes=0, first="topk",
+                           allowed=("topk", "dense"), topk_ratio=0.01, thc_bits=4) for r in range(n)]
+    for a in aggs:
+        a.plain_dtype = torch.bfloat16   # as the DDP, Horovod and FSDP2 adapters set it
+        a.topk_aggregator().encode(torch.randn(m, generator=rng))   # leaves a float32 residual
+        a.strategy = "dense"   # a plan that leaves top-k
+    residuals = [a._topk.residual.clone() for a in aggs]
+    assert all(r.dtype == torch.float32 and bool(r.ne(0).any()) for r in residuals)
+    xs = [torch.randn(m, generator=rng).to(torch.bfloat16) for _ in range(n)]
+    ms = [AutoMessage([a], [x]) for a, x in zip(aggs, xs)]
+    summed = [sum(mm.parts[i] for mm in ms) for i in range(len(ms[0].parts))]
+    value, = decode_message(ms[0], summed, None, None)
+    flushed = [x.float() + r for x, r in zip(xs, residuals)]
+    assert value.dtype == torch.bfloat16 and torch.equal(value, (flushed[0] + flushed[1]).to(torch.bfloat16))

@@ -44,12 +44,16 @@ def aggregators(strategy, n=N, **kw):
 def test_every_exact_strategy_returns_the_union_rows_of_the_exact_sum(strategy, average):
     rng = torch.Generator().manual_seed(5)
     aggs = aggregators(strategy)
+    unions = []   # the union each step's statistics report to the planner (rank 0's tracker)
+    observe = aggs[0].tracker.observe
+    aggs[0].tracker.observe = lambda keys, union, step=None: unions.append(union) or observe(keys, union, step)
     for step in range(4):
         xs = [sparse_grad(rng, ROWS, DIM, rows, zero_rows=[390 + r] if r else [])
               for r, rows in enumerate(supports(step))]
         truth = torch.stack([x.to_dense().double() for x in xs]).sum(0) / (N if average else 1)
         listed = sorted(set().union(*[set(x.coalesce().indices()[0].tolist()) for x in xs]))
         ys = run_step(aggs, xs, average)
+        assert unions.pop() == len(listed) and not unions   # the listed rows, the all-zero ones included
         for y in ys:
             assert y.is_sparse and y.is_coalesced() and y.shape == (ROWS, DIM) and y.dtype == torch.float32
             assert y.indices()[0].tolist() == listed   # a listed all-zero row stays listed, as DDP's sparse allreduce

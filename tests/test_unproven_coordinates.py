@@ -238,3 +238,45 @@ def test_a_half_precision_tensor_s_unproven_coordinates_are_counted_at_its_width
     assert partial_values(encoded[0][1], o.partial).dtype == torch.float16
     payload = encoded[0][0]
     assert aggs[0].stats.payload_bytes - before == payload.numel() * payload.element_size() + 2 * o.partial.numel()
+
+
+def _inexact(E):
+    """An INEXACT report listing key 0 of a 2-coordinate tensor in one row, with bound ``E``."""
+    return SimpleNamespace(status=DecodeStatus.INEXACT, ok=False, reason=None, overloaded_ranks=0,
+                           inexact_keys=torch.tensor([0]),
+                           error_bounds=(torch.tensor([0]), torch.tensor([E], dtype=torch.float64)))
+
+
+def test_the_fuzzer_checks_an_average_s_proven_coordinates_against_the_average_s_contract(monkeypatch):
+    """proven_but_wrong on an averaged case uses the average's contract (its extra rounding, u |s|): a
+    proven coordinate (unproven_coordinates made to prove every one) within it is not wrong, though it
+    misses the sum's by a fraction of that; and a coordinate outside its reported bound is
+    ``outside_its_bound``, the first verdict found, not overwritten by proven_but_wrong."""
+    import lossless_hc.fuzz.cases as cases
+    monkeypatch.setattr(cases, "unproven_coordinates", lambda *args: torch.zeros(0, dtype=torch.int64))
+    u = 2.0 ** -24
+    s = 4.0 / (1 + RTOL + u / 2)   # 4.0 is then rtol s + u s / 2 above it
+    xs = [torch.tensor([1.0, s], dtype=torch.float64)] * 2
+    S, A = truth(xs)
+    group = SimpleNamespace(group=3, numel=2, dtype=torch.float32, world_size=2, block=2)
+    y = torch.tensor([1.0, 4.0])
+    assert not outside_contract(y, S / 2, A / 2, 2, RTOL, averaged=True).any()
+    assert outside_contract(y, S / 2, A / 2, 2, RTOL, averaged=False)[1]
+    assert _verdict(group, 1, "average", _Codec(y, _inexact(1.0)), torch.zeros(2), True, S, A, RTOL).wrong is None
+    off = torch.tensor([1.5, 4.0])   # coordinate 0 off by 0.5, its bound 0
+    v = _verdict(group, 1, "average", _Codec(off, _inexact(0.0)), torch.zeros(2), True, S, A, RTOL)
+    assert v.wrong == "outside_its_bound"
+
+
+def test_the_fuzzer_proves_coordinates_with_the_codec_s_rtol_and_checks_them_with_its_own():
+    """A tighter contract (``--rtol`` below the codec's): a listed key's coordinate that the codec's rule
+    proves (a re-aggregation keeps it) but that misses the tighter contract is proven_but_wrong; proving it
+    with the contract's rtol instead would have re-aggregated it and found nothing."""
+    xs = [torch.tensor([1.0, 2.0], dtype=torch.float64)] * 2
+    s, a = truth(xs)
+    group = SimpleNamespace(group=3, numel=2, dtype=torch.float32, world_size=2, block=2)
+    y = torch.tensor([2.0, 4.0 + 2.0 ** -11])   # coordinate 1 off by 2^-11 = rtol s / 8, within its bound
+    tight = RTOL / 64
+    v = _verdict(group, 0, "sum", _Codec(y, _inexact(2.0 ** -11)), torch.zeros(2), False, s, a, tight)
+    assert (v.wrong, v.detail) == ("proven_but_wrong", "coordinate 1: decoded 4.00048828125, true sum 4.0, mass 4.0")
+    assert _verdict(group, 0, "sum", _Codec(y, _inexact(2.0 ** -11)), torch.zeros(2), False, s, a, RTOL).wrong is None

@@ -157,3 +157,12 @@ def test_slots_name_and_cut_the_padded_shards_of_the_parameters_that_require_gra
     for comm in (HomomorphicReduceScatter, RowExchangeReduceScatter, SelectionRowExchangeReduceScatter):
         with pytest.raises(ValueError, match="reduce-scatter sums; FSDP asked for"):
             comm(None, model)(flat, flat, None, op=dist.ReduceOp.AVG)
+
+
+def test_slots_refuse_a_module_without_a_parameter_group(world_of_one):
+    """Slots need exactly one FSDP parameter group: a ``fully_shard`` module that holds no parameter has none,
+    refused with the ValueError that names the count (not an IndexError from the empty list)."""
+    model = torch.nn.ReLU()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ValueError, match="exactly one FSDP parameter group per fully_shard module, got 0"):
+        Slots(model)

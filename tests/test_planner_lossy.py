@@ -10,6 +10,7 @@ import torch
 from lossless_hc.lhc import contract
 from lossless_hc.lhc.codec import DEFAULT_RTOL
 from lossless_hc.training.auto import AutoSpec
+from lossless_hc.training.plan_stats import stats_header_words
 from lossless_hc.training.planner import EXACT_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, Calibration, CostModel
 from lossless_hc.training.strategies import AutoAggregator
 from test_planner import on_each_payload, record_sent, run_step
@@ -54,6 +55,9 @@ def test_lossy_strategies_are_close_and_only_with_lossy(strategy):
             s, m = contract.truth(sent)
             bad = contract.outside_contract(ys[0], s, m, n, DEFAULT_RTOL)
             assert not bool(bad.any()), f"step {step}: {int(bad.sum())} coordinates are not the top-k sum"
+    if strategy == "topk_allgather":   # a rank sends, each step, the header and its k slots of (index, value)
+        per_step = stats_header_words(n) * 4 + k * 2 * 4
+        assert all(a.bytes_sent == a.stats.payload_bytes == 6 * per_step for a in aggs)
     rel = float((total_out - total_in).norm() / total_in.norm())
     if strategy in ("fp16", "bf16"):
         # Each step rounds every rank's value and their sum once: |error| <= u (2 + u) * sum |x| per

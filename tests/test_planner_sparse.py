@@ -82,6 +82,25 @@ def test_no_rank_lists_a_row():
         assert all(y.is_sparse and y._nnz() == 0 for y in ys), strategy
 
 
+def test_where_no_rank_has_a_row_allgather_and_two_phase_make_no_second_collective():
+    """No rank with a non-zero (dense) or listed (sparse) row: K = 0 slots, an empty union. allgather and
+    two_phase then decode from the first payload alone, requesting nothing (module doc: K is the largest
+    rank's count; the union's rows), and every rank's value is the zero sum."""
+    rng = torch.Generator().manual_seed(9)
+    for sparse in (False, True):
+        for strategy in ("allgather", "two_phase"):
+            aggs = [AutoAggregator("emb", (ROWS, DIM), torch.float32, N, r, MODEL, first=strategy,
+                                   allowed=(strategy,), sparse=sparse) for r in range(N)]
+            xs = [sparse_grad(rng, ROWS, DIM, []) if sparse else torch.zeros(ROWS, DIM) for _ in range(N)]
+            encoded = [a.encode(x) for a, x in zip(aggs, xs)]
+            summed = sum(p for p, _ in encoded)
+            for a, (_, ctx) in zip(aggs, encoded):
+                out = a.decode(summed, ctx)
+                assert out.request is None, (sparse, strategy)
+                y = out.value
+                assert (y._nnz() == 0 if sparse else torch.equal(y, torch.zeros(ROWS, DIM))), (sparse, strategy)
+
+
 def test_the_first_step_of_a_sparse_gradient_is_allgather_and_lossy_is_not_offered():
     agg = AutoAggregator("emb", (ROWS, DIM), torch.float32, N, 0, MODEL, lossy=True, sparse=True)
     assert agg.strategy == "allgather" and agg.allowed == EXACT_STRATEGIES

@@ -75,6 +75,25 @@ def test_a_residual_of_another_size_is_refused_and_a_negative_view_restored_as_i
     assert torch.equal(idx, torch.arange(4096 - agg.k, 4096)) and torch.equal(values, idx.float())
 
 
+def test_a_restored_residual_is_the_aggregator_s_own_memory():
+    """A loaded residual is a copy: the selection updates it in place, which must leave the state (one
+    checkpoint loaded into several aggregators, or kept to load again) as it was saved, in a top-k and an
+    auto state alike."""
+    residual = torch.arange(4096.0)
+    top_k = lambda: TopKAggregator("t", (4096,), torch.float32, 2, ratio=0.01)   # noqa: E731
+    for kind, key, make in (("topk", "residual", top_k), ("auto", "topk_residual", auto)):
+        state = aggregator_state_dict(make())
+        state[key] = residual.clone()
+        first, second = make(), make()
+        load_aggregator_state_dict(first, state)
+        load_aggregator_state_dict(second, state)
+        for agg in (first, second):
+            topk = agg if kind == "topk" else agg.topk_aggregator()
+            idx, values = topk.select_indices(torch.zeros(4096))   # the k largest: taken out of the residual
+            assert torch.equal(values, residual[-topk.k:]), kind
+        assert torch.equal(state[key], residual), kind
+
+
 def test_auto_keeps_nothing_the_saved_state_did_not_have():
     """An auto aggregator that built a top-k residual and a THC codec since, loaded from a state saved
     before either existed, starts them afresh (they were kept: a roll-back carried the later residual)."""

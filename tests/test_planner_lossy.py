@@ -525,3 +525,22 @@ def test_leaving_thc_flushes_its_memory_uncounted_as_statistics():
     steps = aggs[0].tracker.steps
     run_step(aggs, row_sparse_grads(n, rows, dim, touched, rng))
     assert aggs[0].tracker.steps == steps + 1 and aggs[0].tracker.peak_rank == touched
+
+
+@pytest.mark.parametrize("strategy", ["fp16", "bf16"])
+def test_a_half_precision_statistics_step_under_an_averaging_engine_returns_the_average(strategy):
+    """Where the engine averages the first payload (the header says so), a half-precision plan's statistics
+    step returns the average, in the engine's scale, though its request is a SUM: bf16's sum of the ranks'
+    bfloat16 tensors divided by n; fp16's sum of x / n in float16 as it is."""
+    n, numel = 2, 4096
+    rng = torch.Generator().manual_seed(12)
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0, first=strategy,
+                           allowed=(strategy,)) for r in range(n)]
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    ys = run_step(aggs, xs, average=True)
+    half = torch.bfloat16 if strategy == "bf16" else torch.float16
+    if strategy == "bf16":
+        expected = sum(x.to(half).double() for x in xs).to(half).float() / n
+    else:
+        expected = sum((x / n).to(half).double() for x in xs).to(half).float()
+    assert all(torch.equal(y, expected) for y in ys)

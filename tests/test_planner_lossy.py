@@ -544,3 +544,20 @@ def test_a_half_precision_statistics_step_under_an_averaging_engine_returns_the_
     else:
         expected = sum((x / n).to(half).double() for x in xs).to(half).float()
     assert all(torch.equal(y, expected) for y in ys)
+
+
+def test_top_k_allgathered_under_an_averaging_engine_returns_the_average_of_the_selections():
+    """topk_allgather's gathered pairs are summed here (in rank order); where the engine averaged the first
+    payload the value is that sum divided by n, in the engine's scale, as every other strategy's."""
+    n, numel = 2, 4096
+    rng = torch.Generator().manual_seed(13)
+    aggs = [AutoAggregator("w", (numel,), torch.float32, n, r, MODEL, lossy=True, lossy_min_bytes=0,
+                           first="topk_allgather", allowed=("topk_allgather",)) for r in range(n)]
+    xs = [torch.randn(numel, generator=rng) for _ in range(n)]
+    k = math.ceil(MODEL.topk_ratio * numel)
+    sent = []
+    for x in xs:   # the first step: no residual yet, the k largest |x|
+        idx = x.abs().topk(k).indices
+        sent.append(torch.zeros(numel).index_copy_(0, idx, x[idx]))
+    ys = run_step(aggs, xs, average=True)
+    assert all(torch.equal(y, (sent[0] + sent[1]) / n) for y in ys)

@@ -166,6 +166,18 @@ def test_a_partial_last_row_is_read_through_its_coordinates_only():
     assert unproven_coordinates(whole, report, 4, RTOL).tolist() == [5, 8, 11]
 
 
+def rows_spanning_three_decades(n, rows, row):
+    """n ranks' (rows, row) gradients, 40 random rows each, their values N(0, 1) times 10^-U(0, 3) (seeded)."""
+    g = torch.Generator().manual_seed(21)
+    xs = []
+    for _ in range(n):
+        x = torch.zeros(rows, row)
+        idx = torch.randperm(rows, generator=g)[:40]
+        x[idx] = torch.randn(40, row, generator=g) * 10.0 ** -(3 * torch.rand(40, row, generator=g))
+        xs.append(x)
+    return xs
+
+
 @pytest.mark.parametrize("average", [False, True], ids=["sum", "average"])
 def test_the_lossless_aggregator_re_aggregates_only_the_unproven_coordinates(average):
     """TensorAggregator (what Compression.lossless runs under every engine) on 32-wide rows whose values span
@@ -175,13 +187,7 @@ def test_the_lossless_aggregator_re_aggregates_only_the_unproven_coordinates(ave
     from lossless_hc.training.aggregate import TensorAggregator
     from test_aggregate import aggregate
     n, rows, row = 4, 2000, 32
-    g = torch.Generator().manual_seed(21)
-    xs = []
-    for _ in range(n):
-        x = torch.zeros(rows, row)
-        idx = torch.randperm(rows, generator=g)[:40]
-        x[idx] = torch.randn(40, row, generator=g) * 10.0 ** -(3 * torch.rand(40, row, generator=g))
-        xs.append(x)
+    xs = rows_spanning_three_decades(n, rows, row)
     aggs = [TensorAggregator("t", (rows, row), torch.float32, n, 0.05) for _ in range(n)]
     bytes_before = aggs[0].stats.payload_bytes
     outcomes = aggregate(aggs, xs, average)
@@ -222,13 +228,7 @@ def test_a_half_precision_tensor_s_unproven_coordinates_are_counted_at_its_width
     the bytes sent count 2 per coordinate after the float32 payload."""
     from lossless_hc.training.aggregate import TensorAggregator, partial_values
     n, rows, row = 4, 2000, 32
-    g = torch.Generator().manual_seed(21)
-    xs = []
-    for _ in range(n):
-        x = torch.zeros(rows, row)
-        idx = torch.randperm(rows, generator=g)[:40]
-        x[idx] = torch.randn(40, row, generator=g) * 10.0 ** -(3 * torch.rand(40, row, generator=g))
-        xs.append(x.to(torch.float16))
+    xs = [x.to(torch.float16) for x in rows_spanning_three_decades(n, rows, row)]
     aggs = [TensorAggregator("t", (rows, row), torch.float16, n, 0.05) for _ in range(n)]
     before = aggs[0].stats.payload_bytes
     encoded = [a.encode(x) for a, x in zip(aggs, xs)]

@@ -257,6 +257,11 @@ def test_a_bitmap_word_no_sum_of_bitmaps_holds_is_refused(which):
         garbled[at] = bad
         assert backend.bitmap_rows(garbled, keys, n) is None, (at, bad)
     assert backend.bitmap_rows(words / n + 0.4 / n, keys, n, float(n)).tolist() == [0, 1, 5, 98, 99]
+    # an average's word within its 0.5 of rounding below base^per_word: a rounding of base^per_word, which no
+    # sum holds (not a word of zero digits, its rows dropped)
+    averaged = words / n
+    averaged[2] = (pk.base ** pk.per_word - 0.25) / n
+    assert backend.bitmap_rows(averaged, keys, n, float(n)) is None
     with pytest.raises(ValueError, match="float32 words"):
         backend.bitmap_rows(words[:-1], keys, n)
     if which == "cpu":

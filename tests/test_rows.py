@@ -306,33 +306,35 @@ def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
         rows._union_rows(words[:-1], averaged=False)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("which", ROW_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("row", [1, 2, 4, 5, 32])
-def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, device):
+def test_the_row_scan_finds_every_row_holding_a_non_zero(dtype, row, which):
     """The backend's row scan (AutoAggregator's non-zero rows of a dense gradient) against torch's
-    element-wise tests: -0.0 is zero; NaN, infinities and the smallest subnormal are not; at every thread
-    count (the tensors are large enough for three threads, so rows are split between them)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    element-wise tests: -0.0 is zero; NaN, infinities, the smallest subnormal, a row of negative values and
+    one whose values sum to 0 are not; at every thread count (the tensors are large enough for three threads,
+    so rows are split between them), on every backend."""
+    backend, device = row_backend(which)
     rows = (1 << 17) + 3
     gen = torch.Generator().manual_seed(row)
     x = torch.zeros(rows, row, dtype=dtype)
     hit = torch.randperm(rows, generator=gen)[:3000]
     x[hit, torch.randint(0, row, (3000,), generator=gen)] = torch.randn(3000, generator=gen).to(dtype)
-    x[7:11] = 0.0
+    x[7:13] = 0.0
     x[7, row - 1] = -0.0
     x[8, 0] = float("nan")
     x[9, row // 2] = float("-inf")
     x.view(torch.int16 if dtype.itemsize == 2 else torch.int32 if dtype.itemsize == 4 else torch.int64)[10, 0] = 1
+    x[11, 0] = -1.5   # below zero, the row's others +0.0 (where it has others)
+    x[12, 0], x[12, row - 1] = (2.5, -2.5) if row > 1 else (-2.5, -2.5)   # a row summing to 0 (where it has two)
     x[rows - 1, row - 1] = 1.0   # the last word of the last row
     want = ((x != 0) | torch.isnan(x)).any(dim=1)
-    assert want.tolist()[7:11] == [False, True, True, True] and want[rows - 1]
+    assert want.tolist()[7:13] == [False, True, True, True, True, True] and want[rows - 1]
     for threads in (1, 2, 3):
-        got = backend_for(device).nonzero_rows(x.reshape(-1).to(device), row, threads)
+        got = backend.nonzero_rows(x.reshape(-1).to(device), row, threads)
         assert torch.equal(got.cpu(), want), threads
         # ... and with the rows it found listed (the planner's scan of a gradient): torch.nonzero's list
-        present, index = backend_for(device).nonzero_row_index(x.reshape(-1).to(device), row, threads)
+        present, index = backend.nonzero_row_index(x.reshape(-1).to(device), row, threads)
         assert torch.equal(present.cpu(), want), threads
         assert index.dtype == torch.int64 and torch.equal(index.cpu(), torch.nonzero(want).reshape(-1)), threads
 

@@ -352,17 +352,22 @@ def test_the_row_scan_lists_no_row_every_row_or_a_few_alike(which, rows):
         assert index.tolist() == held and present.cpu().tolist() == [r in held for r in range(rows)]
 
 
-def test_the_row_scan_refuses_what_it_cannot_read():
-    scan = backend_for("cpu").nonzero_rows
-    assert scan(torch.zeros(0), 4).shape == (0,)
-    with pytest.raises(ValueError, match="dividing x.numel"):
-        scan(torch.zeros(10), 3)
-    with pytest.raises(ValueError, match="dividing x.numel"):
-        scan(torch.zeros(10), 0)
-    with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
-        scan(torch.zeros(10, dtype=torch.int32), 2)
-    with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
-        scan(torch.zeros(20)[::2], 2)
+@pytest.mark.parametrize("which", ROW_BACKENDS)
+def test_the_row_scan_refuses_what_it_cannot_read(which):
+    """A row that does not divide the tensor (or of no elements), integers or a strided tensor: the same
+    ValueError or TypeError on every backend, from the scan and from its listing alike."""
+    backend, device = row_backend(which)
+    assert backend.nonzero_rows(torch.zeros(0, device=device), 4).shape == (0,)
+    assert backend.nonzero_row_index(torch.zeros(0, device=device), 4)[1].shape == (0,)
+    for scan in (backend.nonzero_rows, backend.nonzero_row_index):
+        with pytest.raises(ValueError, match="dividing x.numel"):
+            scan(torch.zeros(10, device=device), 3)
+        with pytest.raises(ValueError, match="dividing x.numel"):
+            scan(torch.zeros(10, device=device), 0)
+        with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
+            scan(torch.zeros(10, dtype=torch.int32, device=device), 2)
+        with pytest.raises(TypeError, match="contiguous tensor of 2-, 4- or 8-byte floats"):
+            scan(torch.zeros(20, device=device)[::2], 2)
 
 
 def slots_by_loop(index: list, rows: torch.Tensor, k: int) -> torch.Tensor:

@@ -284,6 +284,19 @@ def test_bitmaps_of_no_rows_sum_to_an_empty_list_not_a_refusal(which):
             assert rows is not None and rows.dtype == torch.int64 and rows.numel() == 0, (n, keys, scale)
 
 
+def test_bitmap_rows_of_an_average_read_its_words_in_double_precision_on_the_cpu_and_cuda_ops():
+    """An average's word times n, read in double precision as the CPU kernel reads it: 700050.875 * 3 is
+    2100152.625, 2100153 to the nearest (row 22, the word's lowest digit, held), where float32's product,
+    2100152.5, would round to even, 2100152 (row 22 dropped); the CUDA backend's torch operations list the
+    CPU's rows."""
+    n, keys = 3, 100
+    words = torch.zeros(digit_packing(n, keys).words)
+    words[2] = 700050.875
+    assert float(words[2] * 3.0) == 2100152.5 and float(words[2].double() * 3.0) == 2100152.625
+    got = {which: row_backend(which)[0].bitmap_rows(words, keys, n, float(n)) for which in ("cpu", "torch")}
+    assert 22 in got["cpu"].tolist() and torch.equal(got["torch"], got["cpu"])
+
+
 def test_a_summed_bitmap_word_out_of_range_is_a_configuration_mismatch():
     """A two-phase bitmap word no sum of this tensor's bitmaps can hold (negative, base^per_word or
     more, NaN: another plan's payload, a garbled one) is refused, not read as counts modulo the base."""

@@ -130,15 +130,17 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "dense_copy_count",
-      [](uintptr_t src, uintptr_t dst, uint64_t n, uintptr_t counts, int num_threads) {
+      [](uintptr_t src, uintptr_t dst, uint64_t n, uint64_t block, uintptr_t counts, int num_threads) {
+        if (block == 0) throw py::value_error("dense_copy_count: block must be >= 1");
         py::gil_scoped_release release;
         uint64_t c[2];
-        cpu::dense_copy_count(ptr<const float>(src), dst ? ptr<float>(dst) : nullptr, n, c, num_threads);
+        cpu::dense_copy_count(ptr<const float>(src), dst ? ptr<float>(dst) : nullptr, n, block, c, num_threads);
         std::memcpy(ptr<int64_t>(counts), c, sizeof c);
       },
-      py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("counts"), py::arg("num_threads") = 0,
+      py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("block"), py::arg("counts"), py::arg("num_threads") = 0,
       "dst[i] = src[i] for i < n (float32; dst 0: count only); counts[0] (int64 at address counts) = the\n"
-      "elements that are not +-0.0, counts[1] = those that are not finite.");
+      "blocks of `block` elements (the last one partial) holding one that is not +-0.0, counts[1] = the\n"
+      "elements that are not finite.");
 
   m.def(
       "pack_row_slots",

@@ -123,7 +123,18 @@ def test_the_dense_index_copies_and_counts_in_one_pass(device):
         assert counts.dtype == torch.int64 and counts.tolist() == want, threads
         assert torch.equal(dst.view(torch.int32), x.view(torch.int32))   # bit for bit, NaN and -0.0 too
         assert backend.dense_copy(x, None, threads).tolist() == want
+    # keys of `block` elements (the decode's support): 7 does not divide n, the last key is partial; the
+    # blocks holding only a -0.0 or a zero are not counted, a block holding NaN is
+    for block in (4, 7):
+        padded = torch.cat([x.cpu(), torch.zeros(-n % block)]).view(-1, block)
+        keys = int(((padded != 0) | torch.isnan(padded)).any(1).sum())
+        assert keys < want[0]
+        for threads in (1, 2, 3):
+            assert backend.dense_copy(x, None, threads, block).tolist() == [keys, want[1]], (block, threads)
     assert backend.dense_copy(x[:0], None).tolist() == [0, 0]
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="block must be an int >= 1"):
+            backend.dense_copy(x, None, 0, bad)
     with pytest.raises(TypeError, match="contiguous float32"):
         backend.dense_copy(x.double(), None)
     with pytest.raises(TypeError, match="contiguous float32"):

@@ -72,9 +72,11 @@ uint64_t nonzero_rows(const void* x, uint64_t rows, uint64_t row, int element_by
 void present_row_index(const uint8_t* present, uint64_t rows, int64_t* index);
 
 // The dense index's body: dst[i] = src[i] for i < n (dst may be null: counting only), counts[0] = the
-// elements that are not +-0.0 and counts[1] = those that are not finite (NaN, +-Inf). One read of src;
-// the counts are independent of the thread count.
-void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads);
+// keys (blocks of `block` >= 1 elements, the last one partial where block does not divide n) holding an
+// element that is not +-0.0, and counts[1] = the elements that are not finite (NaN, +-Inf). One read of
+// src; the counts are independent of the thread count.
+void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t block, uint64_t counts[2],
+                      int num_threads);
 
 // A rank's allgather slots (lossless_hc/training/rows.py, the backends' row_slots): k slots of 1 + row floats,
 // slot s < m the bits of int32 index[s], then the row's values: src row index[s] (gather: src holds src_rows

@@ -93,28 +93,46 @@ void present_row_index(const uint8_t* present, uint64_t rows, int64_t* index) {
     if (present[r]) index[m++] = (int64_t)r;
 }
 
-void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t counts[2], int num_threads) {
+void dense_copy_count(const float* src, float* dst, uint64_t n, uint64_t block, uint64_t counts[2], int num_threads) {
   counts[0] = counts[1] = 0;
   if (n == 0) return;
   const uint64_t bytes = n * sizeof(float);
   const int nt = (int)std::max<uint64_t>(1, std::min<uint64_t>(detail::resolve_threads(num_threads), bytes >> 16));
+  const uint64_t blocks = (n + block - 1) / block;  // the last one may be partial
   uint64_t nonzero = 0, nonfinite = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : nonzero, nonfinite)
   {
+    // Each thread a range of whole blocks, so that no block's count is split between two threads.
     uint64_t begin, end;
-    detail::split_range(n, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
-    // Chunks of 4096 words: each is copied while its lines are in L1, and counted with 32-bit lanes
-    // (the compiler vectorises the loop: no float comparisons, so NaN needs no care).
-    constexpr uint64_t kChunk = 4096;
-    for (uint64_t c0 = begin; c0 < end; c0 += kChunk) {
-      const uint64_t c1 = std::min(end, c0 + kChunk);
+    detail::split_range(blocks, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    begin = std::min(n, begin * block);
+    end = std::min(n, end * block);
+    // Chunks of about 4096 words (whole blocks): each is copied while its lines are in L1, and counted
+    // with 32-bit lanes (the compiler vectorises the block-1 loop: no float comparisons, so NaN needs no
+    // care).
+    const uint64_t chunk = std::max<uint64_t>(1, 4096 / block) * block;
+    for (uint64_t c0 = begin; c0 < end; c0 += chunk) {
+      const uint64_t c1 = std::min(end, c0 + chunk);
       if (dst) std::memcpy(dst + c0, src + c0, (c1 - c0) * sizeof(float));
       uint32_t nz = 0, nf = 0;
-      for (uint64_t i = c0; i < c1; ++i) {
-        uint32_t w;
-        std::memcpy(&w, src + i, sizeof w);
-        nz += (w << 1) != 0;                      // not +-0.0
-        nf += (w & 0x7f800000u) == 0x7f800000u;   // exponent all ones: NaN or +-Inf
+      if (block == 1) {
+        for (uint64_t i = c0; i < c1; ++i) {
+          uint32_t w;
+          std::memcpy(&w, src + i, sizeof w);
+          nz += (w << 1) != 0;                      // not +-0.0
+          nf += (w & 0x7f800000u) == 0x7f800000u;   // exponent all ones: NaN or +-Inf
+        }
+      } else {
+        for (uint64_t b0 = c0; b0 < c1; b0 += block) {
+          uint32_t any = 0;
+          for (uint64_t i = b0, b1 = std::min(c1, b0 + block); i < b1; ++i) {
+            uint32_t w;
+            std::memcpy(&w, src + i, sizeof w);
+            any |= w << 1;
+            nf += (w & 0x7f800000u) == 0x7f800000u;
+          }
+          nz += any != 0;
+        }
       }
       nonzero += nz;
       nonfinite += nf;

@@ -17,9 +17,10 @@
   +-0.0 (NaN and infinities count) -- the planner's row scan (``lossless_hc.training.rows``); and
   ``nonzero_row_index(x, row, num_threads=0) -> (present, index)``: that and the rows it found, sorted
   int64 on ``x``'s device (``torch.nonzero(present)``'s).
-* ``dense_copy(src, dst, num_threads=0) -> counts``: ``dst.copy_(src)`` (contiguous float32, the same
-  numel; ``dst`` None: no copy) and an int64 tensor on ``src``'s device, ``[elements of src that are
-  not +-0.0, elements that are not finite]`` -- the LHC codec's dense index.
+* ``dense_copy(src, dst, num_threads=0, block=1) -> counts``: ``dst.copy_(src)`` (contiguous float32, the
+  same numel; ``dst`` None: no copy) and an int64 tensor on ``src``'s device, ``[keys of src holding an
+  element that is not +-0.0, elements that are not finite]``, a key ``block`` consecutive elements (the
+  last one partial) -- the LHC codec's dense index.
 * ``bitmap_pack(keys, world_size, present=None, index=None, num_threads=0) -> words``: a rank's two-phase
   counting bitmap, ``digit_packing(world_size, keys)``'s float32 words with digit 1 at each row it holds
   (``present``: a bool per row; else ``index``: its rows, int64, any order, a row listed twice counted

@@ -93,10 +93,13 @@ def _check_feedback_input(x: torch.Tensor, residual: torch.Tensor, k: int) -> No
     check_not_negative_view(residual, "topk_feedback's residual")
 
 
-def check_dense_copy(src: torch.Tensor, dst: Optional[torch.Tensor]) -> None:
+def check_dense_copy(src: torch.Tensor, dst: Optional[torch.Tensor], block: int = 1) -> None:
     """``dense_copy``'s operands on any backend: contiguous float32 tensors of the same numel on one
     device (the kernels read and write through their addresses), not overlapping, ``dst`` holding its own
-    values (a negative-view ``src`` is the caller's to resolve: counting alone reads it exactly)."""
+    values (a negative-view ``src`` is the caller's to resolve: counting alone reads it exactly); ``block``
+    an int >= 1."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"dense_copy's block must be an int >= 1, got {block!r}")
     for name, t in (("src", src), ("dst", dst)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_contiguous()):
             raise TypeError(f"dense_copy's {name} must be a contiguous float32 tensor")
@@ -372,15 +375,17 @@ class CpuBackend:
             _C.bitmap_mask_rows(keys, pk.base, pk.per_word, masks.data_ptr(), rows.data_ptr(), num_threads)
         return rows
 
-    def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
+    def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0,
+                   block: int = 1) -> torch.Tensor:
         """``dst.copy_(src)`` (contiguous float32, the same numel; ``dst`` None: counting only) and
-        ``[elements of src that are not +-0.0, elements that are not finite]`` as an int64 tensor: one
-        read of ``src`` (csrc/cpu/rows.cpp)."""
-        check_dense_copy(src, dst)
+        ``[keys of src holding an element that is not +-0.0, elements that are not finite]`` as an int64
+        tensor, a key being ``block`` consecutive elements (the last one partial): one read of ``src``
+        (csrc/cpu/rows.cpp)."""
+        check_dense_copy(src, dst, block)
         if dst is not None:
             src = src.resolve_neg()   # the copy reads values (the counts alone read zeros and non-finites: exact)
         counts = torch.empty(2, dtype=torch.int64)
-        _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), counts.data_ptr(), num_threads)
+        _C.dense_copy_count(src.data_ptr(), _addr(dst), src.numel(), block, counts.data_ptr(), num_threads)
         return counts
 
     def row_slots(self, index: torch.Tensor, k: int, table: Optional[torch.Tensor] = None,

@@ -94,13 +94,17 @@ class CudaBackend:
             return None
         return torch.nonzero(nonzero[:keys]).reshape(-1)
 
-    def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0) -> torch.Tensor:
+    def dense_copy(self, src: torch.Tensor, dst: Optional[torch.Tensor], num_threads: int = 0,
+                   block: int = 1) -> torch.Tensor:
         """The CPU backend's ``dense_copy`` on the device: the counts stay there (no synchronisation)."""
         from lossless_hc.backends.cpu import check_dense_copy
-        check_dense_copy(src, dst)   # then torch's copy_, which reads a negative view's values
+        check_dense_copy(src, dst, block)   # then torch's copy_, which reads a negative view's values
         if dst is not None:
             dst.view(-1).copy_(src.reshape(-1))   # the same numel in any shapes, as the CPU's kernel copies
-        return torch.stack([torch.count_nonzero(src), torch.count_nonzero(~torch.isfinite(src))])
+        nonzero = src.reshape(-1) != 0
+        if block > 1:   # a key per block, the last one padded with zeros
+            nonzero = torch.cat([nonzero, nonzero.new_zeros(-nonzero.numel() % block)]).view(-1, block).any(1)
+        return torch.stack([torch.count_nonzero(nonzero), torch.count_nonzero(~torch.isfinite(src))])
 
     def row_slots(self, index: torch.Tensor, k: int, table: Optional[torch.Tensor] = None,
                   values: Optional[torch.Tensor] = None) -> torch.Tensor:

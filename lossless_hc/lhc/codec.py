@@ -477,10 +477,10 @@ class LosslessCodec:
 
         dense_nonzero = pending = None
         if L.index_kind == "dense":
-            # The body copied into out with its non-zero and non-finite counts in one pass (a failure
+            # The body copied into out with its non-zero keys and non-finite elements counted in one pass (a failure
             # below overwrites out with NaN), then the header and the counts in one transfer (one
             # synchronisation on CUDA).
-            counts = self._backend.dense_copy(payload[HEADER_FIELDS:], out, self.num_threads)
+            counts = self._backend.dense_copy(payload[HEADER_FIELDS:], out, self.num_threads, L.block)
             values = torch.cat([payload[:HEADER_FIELDS].to(torch.float64), counts.to(torch.float64)]).tolist()
             header_fields, dense_nonzero = values[:HEADER_FIELDS], int(values[HEADER_FIELDS])
             dense_non_finite = int(values[HEADER_FIELDS + 1])
@@ -526,10 +526,6 @@ class LosslessCodec:
             if dense_non_finite:   # a NaN word, or finite inputs whose sum overflowed float32
                 return fail(DecodeStatus.SKETCH_OVERFLOW,
                             f"{message(DecodeStatus.SKETCH_OVERFLOW)} ({dense_non_finite} dense value(s))")
-            if L.block > 1:   # dense_copy counts non-zero elements; the report counts keys (blocks)
-                nonzero = out.reshape(-1) != 0
-                nonzero = torch.cat([nonzero, nonzero.new_zeros(-L.numel % L.block)])
-                dense_nonzero = int(torch.count_nonzero(nonzero.view(-1, L.block).any(1)))
             report.candidates = report.support = report.peeled = dense_nonzero
             return finish(DecodeStatus.OK)
 

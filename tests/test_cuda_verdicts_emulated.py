@@ -156,7 +156,7 @@ def test_emulated_verify_uses_only_sound_cells(emulated, group, case):
 
 
 def test_emulated_index_flip_and_zeroed_sketch_are_caught(emulated):
-    """The valid-looking bitmap flip of tests/test_robustness.py: INDEX_CORRUPT (the index checksum) on
+    """The valid-looking bitmap flip of tests/test_robustness_fuzzed_payloads.py: INDEX_CORRUPT (the index checksum) on
     the CUDA kernels too; a zeroed sketch under a valid index: SKETCH_CORRUPT (the residual check)."""
     from test_robustness import CODECS
     codec, xs, summed = CODECS["bitmap"]

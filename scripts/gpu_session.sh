@@ -119,7 +119,7 @@ run_step() {
       ;;
     sanitize)
       step "memcheck" sanitize.log 240 "$SANITIZER" --tool memcheck --error-exitcode 99 --print-limit 20 \
-        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py \
+        "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py tests/test_cuda_multilevel.py \
         -k "fuzz or every_key or wide_blocks or failure_reports or multilevel_failures or (bitwise and compiled and bloom and 16)"
       step "racecheck" sanitize.log 90 "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
         "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "wide_blocks or (encode_matches_cpu and bloom-b1 and float32 and compiled)"

@@ -306,7 +306,7 @@ def test_multilevel_child_past_the_last_key_is_index_corrupt(emulated):  # noqa:
 
 
 def test_multilevel_coarse_sum_above_the_key_total_outranks_a_stall(emulated):  # noqa: F811
-    """An aggregate whose fine table stalls (INDEX_PEEL_FAILED as it is; tests/test_cuda.py ML_STALLS)
+    """An aggregate whose fine table stalls (INDEX_PEEL_FAILED as it is; tests/test_cuda_multilevel.py ML_STALLS)
     with the header's key total zeroed: the coarse digits sum past it, which the CPU checks first.
     Both backends: INDEX_CORRUPT."""
     cpu, native, _, p = ml_case(6000, 3, 80, union=60)

@@ -28,8 +28,8 @@ from lossless_hc.backends import cuda_runtime
 from lossless_hc.lhc import reference as reference
 from lossless_hc.lhc.layout import HDR_KEYS_LO, INT_FIELD_LIMIT
 from lossless_hc.lhc.sizing import build_layout
-from test_cuda import (ML_STALLS, assert_same_payload, bits, corrupt_fine_words, index_verdicts_agree,
-                       stalled_table_corruptions)
+from test_cuda import assert_same_payload, bits, index_verdicts_agree
+from test_cuda_multilevel import ML_STALLS, corrupt_fine_words, stalled_table_corruptions
 from test_cuda_emulated import emulated  # noqa: F401  (the module-scoped fixture: builds and installs the emulation)
 
 
@@ -106,7 +106,7 @@ def test_encode_and_decode_agree_with_cpu(emulated, cfg):
         helpers.assert_lossless(case.L, case.xs, out, report_of(st, run), averaged=averaged)
 
 
-STALLS = ML_STALLS   # aggregates over capacity whose fine peel stalls (tests/test_cuda.py)
+STALLS = ML_STALLS   # aggregates over capacity whose fine peel stalls (tests/test_cuda_multilevel.py)
 
 
 @pytest.mark.parametrize("name", list(STALLS))

@@ -29,7 +29,8 @@ narrower part travelling inside a wider one where that widens fewer than 256 KiB
 needs a second collective (allgather, two_phase's values, fp16/bf16, a sketch's exact fallback) get it
 from the future's callback on the bucket's own process group, like the fallback below: at most one
 allreduce per payload dtype and one allgather per bucket and step, the same on every rank. A bucket of dense plans between their
-statistics steps (one in ``interval``) is allreduced in place, as DDP's own hook does.
+statistics steps (one in ``interval``, or fewer where it widened: ``max_interval``) is allreduced in place, as
+DDP's own hook does.
 
 The step guard (exact and lossy plans, on by default: ``guard_steps``, :mod:`lossless_hc.training.guard`):
 the cost model can misjudge what a dense allreduce costs inside a real step (how much of it hides
@@ -249,7 +250,7 @@ class AutoHookState(HookState):
             them, which opens a new trial (or a recheck). With PowerSGD on, a third window runs torch's PowerSGD
             hook on every bucket it may take, and may be the verdict instead, for good
             (:mod:`lossless_hc.training.guard`; ``stats()["guard"]``).
-        **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``alpha``, ``first``,
+        **options: :class:`lossless_hc.training.auto.AutoSpec` (``interval``, ``max_interval``, ``alpha``, ``first``,
             ``strategies``, ``calibration``, ``topk_ratio``, ``thc_bits``, ``seed``, ``lossy_min_bytes``);
             ``strategies`` may name ``"powersgd"`` (with ``lossy=True``): given without it, PowerSGD is
             not considered.

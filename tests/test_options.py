@@ -285,7 +285,7 @@ def test_auto_options_tell_apart_every_configuration_that_plans_differently():
     base = dict(lossy=True, calibration=Calibration.default(1e9))
     variants = [dict(lossy=False), dict(interval=8), dict(alpha=0.5), dict(first="dense"), dict(strategies=("dense",)),
                 dict(calibration=Calibration.default(1e10)), dict(calibration=None), dict(topk_ratio=0.02),
-                dict(thc_bits=2), dict(seed=1), dict(partial=False), dict(lossy_min_bytes=0)]
+                dict(thc_bits=2), dict(seed=1), dict(partial=False), dict(lossy_min_bytes=0), dict(max_interval=64)]
     reprs = [repr(AutoSpec(**{**base, **v})) for v in variants]
     assert len(set(reprs + [repr(AutoSpec(**base))])) == len(variants) + 1, reprs
     assert repr(AutoSpec(**base)) == repr(AutoSpec(lossy=True, calibration=Calibration.default(1e9)))
@@ -364,12 +364,16 @@ def test_auto_defaults_are_the_documented_ones_and_reach_every_aggregator():
     from lossless_hc.training.planner import Calibration
     spec = AutoSpec()
     assert (spec.lossy, spec.interval, spec.alpha, spec.partial, spec.lossy_min_bytes) == (False, 16, 0.25, True, 1 << 16)
+    assert spec.max_interval == 256   # 16 intervals
     spec.set_calibration(Calibration.default())
     agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
-    assert (agg.tracker.interval, agg.tracker.alpha, agg.partial) == (16, 0.25, True)
+    assert (agg.tracker.interval, agg.tracker.alpha, agg.partial, agg.tracker.max_interval) == (16, 0.25, True, 256)
     spec = AutoSpec(interval=5, alpha=0.5, calibration=Calibration.default())
     agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
-    assert (agg.tracker.interval, agg.tracker.alpha) == (5, 0.5)
+    assert (agg.tracker.interval, agg.tracker.alpha, agg.tracker.max_interval) == (5, 0.5, 80)
+    spec = AutoSpec(interval=5, max_interval=20, calibration=Calibration.default())
+    agg = spec.make("w", torch.zeros(4096), 2, 0, AggregationStats(), torch.device("cpu"))
+    assert agg.tracker.max_interval == 20
 
 
 def test_auto_given_a_calibration_measures_nothing():

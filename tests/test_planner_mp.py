@@ -132,11 +132,13 @@ def test_ddp_auto_on_a_dense_model_issues_no_collective_beyond_ddps_own(ddp_run)
 
 def test_ddp_auto_calibrates_once_a_gradient_s_statistics_could_leave_dense(ddp_run):
     """A table's gradient non-zero in every row for 4 steps, then in 2 rows a rank (interval 2): no calibration
-    while its plans keep dense by their bytes; its statistics step at step count 6 leaves a plan that needs one,
-    measured at the next step's first hook call on every rank. Exact and identical on every rank throughout."""
+    while its plans keep dense by their bytes, and each of them, at counts 2 and 4, doubles the interval
+    (PlanTracker.reschedule): statistics on counts 1, 2, 4 and 8. Its statistics step at count 8 leaves a plan
+    that needs a calibration, measured at the next step's first hook call on every rank. Exact and identical on
+    every rank throughout."""
     rs = results(ddp_run, "deferred")
     for r in rs:
-        assert r["sources"] == ["pending"] + ["not needed"] * 5 + ["measured"] * 4, r["sources"]
+        assert r["sources"] == ["pending"] + ["not needed"] * 7 + ["measured"] * 2, r["sources"]
         assert r["max_diff"] <= TOL and r["digest"] == rs[0]["digest"], r
         assert r["plan"] == rs[0]["plan"] and r["calibration"] == rs[0]["calibration"]
 

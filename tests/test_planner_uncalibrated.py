@@ -109,7 +109,9 @@ def test_a_dense_gradient_is_planned_dense_without_a_cost_model_until_it_turns_s
     aggs = aggregators(n)
     g = torch.Generator().manual_seed(3)
     dense = lambda: [torch.randn(64, 16, generator=g) for _ in range(n)]   # noqa: E731
-    for step in range(5):   # statistics on step counts 1, 2 and 4: each plan dense, made without a model
+    # statistics on step counts 1, 2 and 4: each plan dense, made without a model, and each scheduled one
+    # (from count 2, the interval) doubling the interval: the next statistics at count 8
+    for step in range(7):
         xs = dense()
         for y in run_step(aggs, xs):
             assert torch.equal(y, xs[0] + xs[1])
@@ -118,7 +120,8 @@ def test_a_dense_gradient_is_planned_dense_without_a_cost_model_until_it_turns_s
     assert aggs[0].plan_stats()["predicted_seconds"] == {}   # planned on its bytes, not priced
     spec = AutoSpec()
     assert not spec.calibration_due(aggs) and spec.calibration_stats(deferred=True) == {"source": "not needed"}
-    # 4 of 64 rows: its statistics step (step count 6) leaves a plan due that only a calibration can make
+    assert [a.tracker.current_interval for a in aggs] == [8, 8]
+    # 4 of 64 rows: its statistics step (step count 8) leaves a plan due that only a calibration can make
     sparse = []
     for r in range(n):
         x = torch.zeros(64, 16)

@@ -37,6 +37,7 @@ from lossless_hc.training.message import PART_DTYPES, check_sums, message_layout
 from lossless_hc.training.planner import (HALF_STRATEGIES, LOSSY_MIN_BYTES, LOSSY_STRATEGIES, STRATEGIES, THC_BITS,
                                           TOPK_RATIO, TOPK_STRATEGIES, Calibration, CostModel,
                                           batched_second_collectives)
+from lossless_hc.training.plan_tracker import check_max_interval
 from lossless_hc.training.strategies import AutoAggregator
 
 
@@ -56,6 +57,11 @@ class AutoSpec(AggregatorSpec):
     Args:
         lossy: also consider fp16, bf16, THC and top-k (error feedback).
         interval: steps between re-plans (each tensor is first planned after its first step).
+        max_interval: where a tensor's statistics keep it dense whatever the calibration (e.g. non-zero in
+            every row), its re-plans, and a dense plan's statistics steps, come half as often after each
+            such plan, up to every ``max_interval`` steps (``interval`` times a power of two; None: 16
+            ``interval``, 256 steps; ``interval``: never wider); any other plan returns to ``interval``
+            (:meth:`~lossless_hc.training.plan_tracker.PlanTracker.reschedule`).
         alpha: EWMA weight of the newest step's statistics.
         first: the first step's strategy (None: "dense" for dense gradients, "allgather" for sparse
             ones; both exact, and they measure the statistics); a tensor that cannot take it (a lossy
@@ -86,13 +92,14 @@ class AutoSpec(AggregatorSpec):
     def __init__(self, lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  strategies: Optional[Sequence[str]] = None, calibration: Optional[Calibration] = None,
                  topk_ratio: float = TOPK_RATIO, thc_bits: int = THC_BITS, seed: int = 0, partial: bool = True,
-                 lossy_min_bytes: int = LOSSY_MIN_BYTES, **extra):
+                 lossy_min_bytes: int = LOSSY_MIN_BYTES, max_interval: Optional[int] = None, **extra):
         super().__init__(seed, **extra)
         if not isinstance(lossy, bool):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
         alpha = check_fraction("alpha", alpha)
+        max_interval = check_max_interval(max_interval, interval)
         if first is not None and first not in STRATEGIES:
             raise ValueError(f"first must be one of {', '.join(STRATEGIES)}; got {first!r}")
         strategies = as_strategies(strategies)
@@ -115,6 +122,7 @@ class AutoSpec(AggregatorSpec):
         # Checked here, not when a THC plan is first built mid-run (2.5 was truncated to 2).
         check_bits(thc_bits, "thc_bits")
         self.lossy, self.interval, self.alpha, self.first = lossy, interval, alpha, first
+        self.max_interval = max_interval
         self.strategies = strategies
         self.topk_ratio, self.thc_bits = topk_ratio, thc_bits
         if not isinstance(partial, bool):
@@ -136,7 +144,8 @@ class AutoSpec(AggregatorSpec):
         if self.given_calibration:
             numbers = repr([float(v) for v in self.calibration.as_list()])   # repr: every bit of each float
             calibration = f"given {hashlib.sha256(numbers.encode()).hexdigest()[:12]}"
-        return {"lossy": self.lossy, "interval": self.interval, "alpha": self.alpha, "first": self.first,
+        return {"lossy": self.lossy, "interval": self.interval, "max_interval": self.max_interval,
+                "alpha": self.alpha, "first": self.first,
                 "strategies": self.strategies, "calibration": calibration,
                 "topk_ratio": self.topk_ratio, "thc_bits": self.thc_bits, "seed": self.seed, "partial": self.partial,
                 "lossy_min_bytes": self.lossy_min_bytes}
@@ -216,7 +225,7 @@ class AutoSpec(AggregatorSpec):
                              interval=self.interval, alpha=self.alpha, first=self.first, allowed=self.strategies,
                              seed=self.seed, topk_ratio=self.topk_ratio, thc_bits=self.thc_bits, stats=stats,
                              device=device, partial=self.partial, sparse=tensor.is_sparse,
-                             lossy_min_bytes=self.lossy_min_bytes, **self.extra)
+                             lossy_min_bytes=self.lossy_min_bytes, max_interval=self.max_interval, **self.extra)
         if tensor.dtype in self.native_plain_dtypes:
             agg.plain_dtype = tensor.dtype
         return agg

@@ -29,7 +29,8 @@ from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 
 _TRACKER_FIELDS = ("steps", "union", "per_rank", "peak_union", "peak_rank")
-_AUTO_TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step", "reaggregated")
+_AUTO_TRACKER_FIELDS = ("steps", "rank_keys", "union", "peak_rank", "force", "last_step", "reaggregated",
+                        "current_interval")
 
 
 def _kind(agg) -> str:
@@ -156,6 +157,7 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     saved = dict(state["tracker"])
     saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
     saved["reaggregated"] = dict(saved.get("reaggregated", {}))   # ... or before it: none observed
+    saved.setdefault("current_interval", agg.tracker.interval)     # ... or before it: never widened
     for f in _AUTO_TRACKER_FIELDS:
         setattr(agg.tracker, f, saved[f])
     # Saved as None: not built yet, so none here either (an aggregator that trained since keeps nothing).

@@ -16,6 +16,20 @@ from lossless_hc.training.plan_stats import TensorStats, sketch_capacity
 from lossless_hc.training.step import AutoContext
 
 
+MAX_INTERVAL_FACTOR = 16   # the default max_interval: 16 intervals (256 steps at the default interval of 16)
+
+
+def check_max_interval(max_interval: Optional[int], interval: int) -> int:
+    """``max_interval`` checked against ``interval`` (None: ``MAX_INTERVAL_FACTOR * interval``): ``interval``
+    times a power of two (1 included: the interval never widens), so that doubling reaches it exactly."""
+    if max_interval is None:
+        return MAX_INTERVAL_FACTOR * interval
+    if (isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < interval
+            or max_interval % interval or (max_interval // interval) & (max_interval // interval - 1)):
+        raise ValueError(f"max_interval must be interval ({interval}) times a power of two, got {max_interval!r}")
+    return max_interval
+
+
 class PlanTracker:
     r"""One tensor's statistics across steps and its re-planning schedule (identical on every rank).
 
@@ -26,18 +40,26 @@ class PlanTracker:
     since the last decision so that a spiky tensor keeps room for its spikes. Every step of a sketch or
     top-k plan also feeds the coordinates its inexact keys' request re-aggregated into an EWMA of that
     plan's (:meth:`observe_reaggregated`; kept across plan changes, the cost model's ``R``).
+
+    The interval widens where re-planning cannot pay (:meth:`reschedule`): after each scheduled plan that
+    keeps a tensor dense whatever the calibration, ``current_interval`` doubles, up to ``max_interval``; any
+    other plan sets it back to ``interval``. Doubling keeps the statistics steps of every tensor on multiples
+    of the smaller intervals, so the tensors of a bucket still share theirs.
     """
 
     def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25,
-                 sparse: bool = False):
+                 sparse: bool = False, max_interval: Optional[int] = None):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:   # int(2.5) would be 2
             raise ValueError(f"interval must be a positive integer, got {interval!r}")
+        max_interval = check_max_interval(max_interval, interval)
         alpha = check_fraction("alpha", alpha)
         # checked, not coerced: a row of 0 would fail only at the first decision, and int() would truncate
         for name, value, least in (("numel", numel, 0), ("row", row, 1), ("world_size", world_size, 1)):
             check_int(value, name, least=least)
         self.numel, self.row, self.world_size = numel, row, world_size
         self.interval, self.alpha = interval, alpha
+        self.max_interval = max_interval
+        self.current_interval = interval   # steps between the statistics steps now (reschedule)
         self.sparse = bool(sparse)
         self.steps = 0
         self.rank_keys: Optional[list] = None
@@ -75,8 +97,24 @@ class PlanTracker:
         return self._due(step)
 
     def _due(self, step: int) -> bool:
-        """Whether a decision is due after step ``step``: the first, every ``interval``, or after a failure."""
-        return self.force or step == 1 or step % self.interval == 0
+        """Whether a decision is due after step ``step``: the first, every ``current_interval``, or after a
+        failure."""
+        return self.force or step == 1 or step % self.current_interval == 0
+
+    def reschedule(self, dominated: bool, forced: bool = False) -> None:
+        """After the plan on an observation: ``dominated`` (the plan is dense and no calibration could move
+        it, :func:`~lossless_hc.training.planner.dense_dominates`) doubles ``current_interval`` (up to
+        ``max_interval``) where the observation was a scheduled one, at a step count of ``interval`` or more
+        (not the first, nor one a failure ``forced``); otherwise it returns to ``interval``. A gradient non-zero
+        in every row, as smooth activations leave them, then carries the statistics header on steps 1, 16,
+        32, 64, 128, 256, 512, ... (``interval`` 16, ``max_interval`` 256) instead of one in 16: a rank
+        scans its rows, packs the header and plans that much less often, and a change of its sparsity is seen
+        up to ``max_interval`` steps later."""
+        step = self.last_step
+        if not dominated:
+            self.current_interval = self.interval
+        elif not forced and step >= self.interval and step % self.current_interval == 0:
+            self.current_interval = min(2 * self.current_interval, self.max_interval)
 
     def skip(self, step: int) -> bool:
         """A step whose counts are not the tensor's own (its gradient carried error memory sent late:
@@ -140,6 +178,8 @@ class PlannedTensor:
         if best != self.strategy:
             append_recent(self.history, (self.steps, best))
             self._changed_from, self.strategy = self.strategy, best
+        if best != "dense":   # (a re-plan off dense: every interval again)
+            self.tracker.current_interval = self.tracker.interval
 
     def replan(self) -> None:
         """Plan again on the current statistics (its ``batched`` changed after this step's plan:
@@ -171,6 +211,7 @@ class PlannedTensor:
         self._measure(ctx.strategy, ctx.started)
         if not ctx.observed:
             return
+        forced = self.tracker.force
         if ctx.carried_memory:
             due = self.tracker.skip(step=self.steps)
         else:
@@ -181,6 +222,9 @@ class PlannedTensor:
                 self._plan()
             elif self.dense_without_model():
                 self._plan(without_model=True)
+            if not ctx.carried_memory:   # (a skipped step's plan stands on an older observation)
+                self.tracker.reschedule(not self._plan_due and self.strategy == "dense"
+                                        and dense_dominates(self.plan_input, self.allowed), forced)
 
     def dense_without_model(self) -> bool:
         """Whether a plan due now keeps dense without a cost model: an exact plan (not ``lossy``) on dense
@@ -214,9 +258,9 @@ class PlannedTensor:
         return self._statistics_step()
 
     def _statistics_step(self) -> bool:
-        """Whether the next step's counts are statistics: the first step, one in ``interval`` (those
-        after which a plan is due) and after a failure (``force``)."""
-        return self.steps == 0 or self.tracker.force or (self.steps + 1) % self.tracker.interval == 0
+        """Whether the next step's counts are statistics: the first step, one in ``current_interval``
+        (those after which a plan is due) and after a failure (``force``)."""
+        return self.steps == 0 or self.tracker.force or (self.steps + 1) % self.tracker.current_interval == 0
 
     def plain_step(self) -> Optional[str]:
         """The plan whose plain step the next step is (None: it carries the statistics,
@@ -242,9 +286,11 @@ class PlannedTensor:
         lower bound where that already lost, :meth:`CostModel.choose`), the measured seconds (EWMA per
         strategy used, encode to result on this rank), the bytes this rank sent, the steps and how many
         of them were plain (dense without the statistics header, :meth:`carries_statistics`), the
+        steps between re-plans now (``interval``: :meth:`PlanTracker.reschedule`), the
         last changes of strategy (``(step, strategy)``, at most ``capacity.HISTORY_KEEP``), whether the
         gradient is sparse, and the second collectives its message batches with it (``batched``, sorted)."""
         return {"strategy": self.strategy, "predicted_seconds": dict(self.predicted),
                 "measured_seconds": dict(self.measured), "bytes_sent": self.bytes_sent, "steps": self.steps,
-                "plain_steps": self.plain_steps, "batched": sorted(self.batched),
+                "plain_steps": self.plain_steps, "interval": self.tracker.current_interval,
+                "batched": sorted(self.batched),
                 "changes": list(self.history), "fallbacks": self.fallbacks, "sparse": self.sparse}

@@ -103,6 +103,9 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
             of wire per step, while a lossy error can cost steps the cost model does not price); the step
             guard's alternative rounds them all the same (:meth:`guard_alternative`).
         interval, alpha: re-planning period and EWMA weight.
+        max_interval: the longest period between a dense plan's statistics steps (None: 16 ``interval``),
+            reached by doubling where no calibration could move the tensor off dense
+            (:meth:`~lossless_hc.training.plan_tracker.PlanTracker.reschedule`); ``interval`` keeps it fixed.
         first: the strategy of the first step (None: "dense" for a dense gradient, "allgather" for a
             sparse one; either is exact and measures the statistics).
         allowed: restrict the candidates (e.g. an engine that cannot issue a second collective).
@@ -121,7 +124,8 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
                  lossy: bool = False, interval: int = 16, alpha: float = 0.25, first: Optional[str] = None,
                  allowed: Optional[tuple] = None, seed: int = 0, topk_ratio: Optional[float] = None,
                  thc_bits: Optional[int] = None, stats: Optional[AggregationStats] = None, device="cpu",
-                 partial: bool = True, sparse: bool = False, lossy_min_bytes: int = LOSSY_MIN_BYTES):
+                 partial: bool = True, sparse: bool = False, lossy_min_bytes: int = LOSSY_MIN_BYTES,
+                 max_interval: Optional[int] = None):
         super().__init__(name, shape, dtype, world_size, rank, sparse)   # the row form (training.rows)
         self.cost_model, self.lossy, self.seed = cost_model, bool(lossy), check_uint64(seed, "seed")
         self.partial = bool(partial)
@@ -163,7 +167,8 @@ class AutoAggregator(PlannedTensor, TensorRows, LossyMemories):
         # dtype here (AutoSpec.native_plain_dtypes: Horovod, DDP, FSDP2), so that a half-precision
         # gradient's plain steps send what the engine's own allreduce sends (and are priced so).
         self.plain_dtype = self.wire_dtype
-        self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha, sparse=self.sparse)
+        self.tracker = PlanTracker(self.numel, self.row, self.world_size, interval, alpha, sparse=self.sparse,
+                                   max_interval=max_interval)
         self.stats = stats if stats is not None else AggregationStats()
         self.strategy = first
         self.predicted: dict = {}

@@ -26,7 +26,13 @@ def test_every_mode_steps_and_auto_trains_ddp_s_parameters_without_a_calibration
     # every bucket of every timed step, the same buckets for both hooks
     assert modes["allreduce_hook"]["hook_calls"] == modes["auto"]["hook_calls"] >= 6
     assert modes["auto"]["calibration"] == "not needed"   # tanh: every row non-zero, every plan dense
+    assert [m["steps_pooled"] for m in modes.values()] == [6, 6, 6]
+    # 8 steps in all: only the first carries the statistics (interval 16), and no plan has widened it yet
+    assert modes["auto"]["statistics"] == {"statistics_steps": [1], "intervals": [16], "steps_run": 8}
+    assert modes["ddp"]["statistics"] is None
     report = render_hook(res, machine_info(0), "python -m lossless_hc.bench hook")
+    assert "auto's statistics steps a tensor: 1 of 8 (a round, warm-up included); its re-planning interval at " \
+           "the end: 16 steps" in report
     rows = {line.split()[0]: line.split() for line in report.splitlines() if line.split()[:1] in (["ddp"], ["auto"])}
     assert rows["ddp"][-1] == rows["auto"][-1] == "0" and rows["ddp"][3] == "1.00x"   # max |param - ddp's|, x ddp
 
@@ -80,8 +86,11 @@ def test_the_rounds_reverse_the_order_pool_the_steps_and_compare_the_last_parame
         params = [1.0, 2.0, 3.0] if mode == "ddp" or r == 1 else [9.0, 9.0, 9.0]
         if mode == "auto" and r == 1:
             params = [1.0, 2.0 - 0.5, 3.0 + 0.25]   # the larger difference negative
-        return {"steps": steps, "calls": calls, "params": params,
-                "calibration": f"round {r}" if mode == "auto" else None}
+        report = {"steps": steps, "calls": calls, "params": params,
+                  "calibration": f"round {r}" if mode == "auto" else None}
+        if mode == "auto":   # the last round's are reported
+            report.update(statistics_steps=[3 + r, 5], intervals=[16, 256 if r else 32])
+        return report
     monkeypatch.setattr(hook_bench, "_run_mode", launch)
     res = run_hook_bench(ranks=3, steps=10, rounds=2, timeout=60.0)
     assert order == ["ddp", "allreduce_hook", "auto", "auto", "allreduce_hook", "ddp"]
@@ -100,6 +109,9 @@ def test_the_rounds_reverse_the_order_pool_the_steps_and_compare_the_last_parame
     assert (ddp["max_param_diff_vs_ddp"], hook["max_param_diff_vs_ddp"], auto["max_param_diff_vs_ddp"]) == (
         0.0, 0.0, 0.5)
     assert auto["calibration"] == "round 1" and ddp["calibration"] is None
+    assert [m["steps_pooled"] for m in modes.values()] == [20, 20, 20]
+    assert auto["statistics"] == {"statistics_steps": [4, 5], "intervals": [16, 256], "steps_run": 110}
+    assert ddp["statistics"] is None
 
     report = render_hook(res, machine_info(0), "python -m lossless_hc.bench hook")
     rows = {line.split()[0]: line.split() for line in report.splitlines() if line.split()[:1] in ([m] for m in ms)}
@@ -111,6 +123,8 @@ def test_the_rounds_reverse_the_order_pool_the_steps_and_compare_the_last_parame
     assert "3 ranks (Gloo, loopback), 24 x Linear(64, 64) + tanh, batch 32, buckets of 50 KiB, 10 timed steps " \
            "after 100, 2 rounds" in report
     assert "auto's calibration: round 1" in report
+    assert "auto's statistics steps a tensor: 4-5 of 110 (a round, warm-up included); its re-planning interval " \
+           "at the end: 16-256 steps" in report
 
 
 def test_without_ddp_or_torch_s_hook_the_report_has_no_ratio_to_them(monkeypatch):

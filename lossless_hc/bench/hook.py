@@ -16,7 +16,9 @@ The modes run one after another, ``rounds`` times, the order reversed every othe
 every step after ``warmup`` and every hook call on the main thread (from the hook's entry to its return of
 the future). The report gives each mode's median step against ``ddp``'s and against torch's Python hook,
 the hook's time per call, and the largest difference of the final parameters from ``ddp``'s (0 where the
-world size is a power of two: dividing before or after the sum is then the same rounding).
+world size is a power of two: dividing before or after the sum is then the same rounding); for ``auto``, how
+many steps of a round carried a tensor's statistics and its re-planning interval at the end (the interval
+widens for these dense-dominated tensors: ``AutoSpec(max_interval=...)``).
 
 Loopback links make the wire cheap, so the hook's own work is most of what separates the modes (where the
 ranks share the machine's cores, that work also takes them from the other ranks' backward passes); on a slow
@@ -85,8 +87,16 @@ def _worker(rank: int, world: int, port: int, mode: str, cfg: dict, queue) -> No
     if rank == 0:
         # as a list: a tensor would go through a shared-memory handle this process no longer serves once it exits
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
-        queue.put({"steps": steps[cfg["warmup"]:], "calls": calls[first_call:], "params": params,
-                   "calibration": state.stats()["calibration"]["source"] if state is not None else None})
+        report = {"steps": steps[cfg["warmup"]:], "calls": calls[first_call:], "params": params,
+                  "calibration": None}
+        if state is not None:
+            st = state.stats()
+            plans = st["plan"].values()
+            # the whole run's (warm-up included): each tensor's statistics steps, and its re-planning interval now
+            report.update(calibration=st["calibration"]["source"],
+                          statistics_steps=sorted({p["steps"] - p["plain_steps"] for p in plans}),
+                          intervals=sorted({p["interval"] for p in plans}))
+        queue.put(report)
         queue.close()
         queue.join_thread()   # the report is in the pipe: leave() skips the finalizers that would flush it
     del model, opt, state
@@ -138,7 +148,7 @@ def run_hook_bench(ranks: int = 2, layers: int = 24, width: int = 64, batch: int
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     cfg = dict(ranks=ranks, layers=layers, width=width, batch=batch, bucket_kb=bucket_kb, steps=steps,
                warmup=warmup, timeout=timeout)
-    pooled = {m: {"steps": [], "calls": [], "params": None, "calibration": None} for m in modes}
+    pooled = {m: {"steps": [], "calls": [], "params": None, "calibration": None, "statistics": None} for m in modes}
     for r in range(rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
             t0 = time.perf_counter()
@@ -149,11 +159,15 @@ def run_hook_bench(ranks: int = 2, layers: int = 24, width: int = 64, batch: int
             p["steps"] += got["steps"]
             p["calls"] += got["calls"]
             p["params"], p["calibration"] = torch.tensor(got["params"], dtype=torch.float64), got["calibration"]
+            if "statistics_steps" in got:   # auto's, the last round's
+                p["statistics"] = {"statistics_steps": got["statistics_steps"], "intervals": got["intervals"],
+                                   "steps_run": cfg["warmup"] + cfg["steps"]}
     reference = pooled["ddp"]["params"] if "ddp" in pooled else None
     out = {"config": {k: v for k, v in cfg.items() if k != "timeout"} | {"rounds": rounds}, "modes": {}}
     for mode, p in pooled.items():
         steps_s, calls = sorted(p["steps"]), p["calls"]
         out["modes"][mode] = {
+            "steps_pooled": len(steps_s),
             "step_median_s": statistics.median(steps_s),
             "step_p10_s": steps_s[len(steps_s) // 10], "step_p90_s": steps_s[(9 * len(steps_s)) // 10],
             "hook_calls": len(calls),
@@ -161,8 +175,14 @@ def run_hook_bench(ranks: int = 2, layers: int = 24, width: int = 64, batch: int
             "hook_mean_s": statistics.mean(calls) if calls else None,
             "max_param_diff_vs_ddp": None if reference is None else float((p["params"] - reference).abs().max()),
             "calibration": p["calibration"],
+            "statistics": p["statistics"],
         }
     return out
+
+
+def _span(values: list) -> str:
+    """Sorted numbers as ``"a"`` where all are a, else ``"a-b"`` (least to largest)."""
+    return str(values[0]) if values[0] == values[-1] else f"{values[0]}-{values[-1]}"
 
 
 def render_hook(res: dict, machine: dict, cmd: str) -> str:
@@ -185,6 +205,11 @@ def render_hook(res: dict, machine: dict, cmd: str) -> str:
                                 "hook us per call (median / mean)", "max |param - ddp's|"])
     calib = modes.get("auto", {}).get("calibration")
     notes = f"\n\nauto's calibration: {calib}" if calib is not None else ""
+    st = modes.get("auto", {}).get("statistics")
+    if st:
+        counts, intervals = st["statistics_steps"], st["intervals"]
+        notes += (f"\nauto's statistics steps a tensor: {_span(counts)} of {st['steps_run']} (a round, warm-up "
+                  f"included); its re-planning interval at the end: {_span(intervals)} steps")
     return "\n\n".join([
         "lossless_hc hook overhead benchmark\n" + "=" * 35,
         f"command  {cmd}",

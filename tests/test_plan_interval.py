@@ -182,3 +182,14 @@ def test_a_re_plan_off_dense_returns_to_the_interval():
         a.cost_model = CostModel(cheap)
         a.replan()
         assert a.strategy != "dense" and a.tracker.current_interval == 4
+
+
+@pytest.mark.parametrize("saved, restored", [(32, 32), (16, 16), (64, 4), (24, 4), (2, 4), (None, 4)])
+def test_a_saved_interval_this_schedule_cannot_have_restarts_from_the_interval(saved, restored):
+    """Restored into an aggregator of interval 4 and max_interval 32: a saved 64 (a larger max_interval), 24 or 2
+    (another interval) is not one of its schedule's, so it starts again from 4."""
+    agg = pair()[0]
+    state = aggregator_state_dict(agg)
+    state["tracker"]["current_interval"] = saved
+    load_aggregator_state_dict(agg, state)
+    assert agg.tracker.current_interval == restored

@@ -157,7 +157,12 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     saved = dict(state["tracker"])
     saved.setdefault("last_step", saved["steps"])   # states saved before it existed observed every step
     saved["reaggregated"] = dict(saved.get("reaggregated", {}))   # ... or before it: none observed
-    saved.setdefault("current_interval", agg.tracker.interval)     # ... or before it: never widened
+    # ... or before it: never widened; and a widened interval this aggregator's schedule cannot have (saved
+    # with another interval or a larger max_interval) starts again from its interval
+    t, widened = agg.tracker, saved.get("current_interval", agg.tracker.interval)
+    ratio = widened // t.interval if isinstance(widened, int) and widened % t.interval == 0 else 0
+    saved["current_interval"] = widened if 0 < ratio and not ratio & (ratio - 1) and widened <= t.max_interval \
+        else t.interval
     for f in _AUTO_TRACKER_FIELDS:
         setattr(agg.tracker, f, saved[f])
     # Saved as None: not built yet, so none here either (an aggregator that trained since keeps nothing).

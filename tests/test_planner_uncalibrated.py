@@ -130,6 +130,7 @@ def test_a_dense_gradient_is_planned_dense_without_a_cost_model_until_it_turns_s
     for y in run_step(aggs, sparse):
         assert torch.equal(y, sparse[0] + sparse[1])
     assert [a.needs_cost_model() for a in aggs] == [True, True] and spec.calibration_due(aggs)
+    assert [a.tracker.current_interval for a in aggs] == [2, 2]   # no plan made on it yet: not widened again
     # one such plan among plans that need none is enough
     assert spec.calibration_due([aggregators(n)[0], aggs[0]]) and not spec.calibration_due(aggregators(n))
     with pytest.raises(RuntimeError, match="no cost model is set"):

@@ -8,9 +8,10 @@ calibration) with DDP over Gloo on the loopback interface, buckets of ``bucket_k
 - ``ddp``: no hook (DDP's own allreduce, the gradients divided as they are copied into the bucket);
 - ``allreduce_hook``: torch's ``default_hooks.allreduce_hook`` (a Python hook: the bucket divided, then
   allreduced);
-- ``auto``: :func:`lossless_hc.plugins.ddp.auto_hook` with ``AutoHookState(lossy=False)`` (one statistics
-  step in 16 per tensor; a bucket allreduced as it is divided first where the world size is a power of two,
-  as torch's hook divides it, otherwise summed, then divided).
+- ``auto``: :func:`lossless_hc.plugins.ddp.auto_hook` with ``AutoHookState(lossy=False)`` (statistics steps
+  on a tensor's step counts 1, 16, 32, 64, 128, 256 and then one in 256: these dense-dominated tensors' interval
+  widens, ``AutoSpec(max_interval=...)``; a bucket allreduced as it is divided first where the world size is a
+  power of two, as torch's hook divides it, otherwise summed, then divided).
 
 The modes run one after another, ``rounds`` times, the order reversed every other round; rank 0 times
 every step after ``warmup`` and every hook call on the main thread (from the hook's entry to its return of

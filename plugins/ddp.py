@@ -496,14 +496,23 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     state._record_plain_steps()   # earlier steps' accounting: not this bucket's time
     started = time.perf_counter()
     buffer = bucket.buffer()
-    # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
-    # that gradient (uncoalesced COO) and whose gradients() list is empty.
-    grads = [buffer] if buffer.is_sparse else bucket.gradients()
     if not state._config_checked:
         state._check_configuration()
     if bucket.index() == 0:   # DDP launches bucket 0 first, after every callback of the previous step
         state._begin_step(started)
-    aggs = [state._aggregator(p, g) for p, g in zip(bucket.parameters(), grads)]
+    params, known = bucket.parameters(), state._aggregators
+    # DDP puts each sparse gradient (nn.Embedding(sparse=True)) in a bucket of its own, whose buffer is
+    # that gradient (uncoalesced COO) and whose gradients() list is empty. bucket.gradients() makes a tensor
+    # (a view of the buffer) per parameter: a bucket of known parameters outside PowerSGD and the step guard's
+    # windows reads them only where it runs a message (below), not on a plain step (docs/BENCHMARKS.md, "No
+    # gradient views on a plain step").
+    if buffer.is_sparse:
+        grads = [buffer]
+    elif state._powersgd is None and state._step_phase == "plan" and all(p in known for p in params):
+        grads = None
+    else:
+        grads = bucket.gradients()
+    aggs = [state._aggregator(p, g) for p, g in zip(params, grads or [None] * len(params))]
     settling = state._settling()   # before _check_restored, which ends the restored state's first step
     state._check_restored(bucket.is_last())
     # a plan due since the calibration is applied now, each priced as the bucket batches its second collective
@@ -585,6 +594,8 @@ def auto_hook(state: AutoHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
         return fut.then(plain)
     planned = [a.plans for a in aggs]
+    if grads is None:
+        grads = bucket.gradients()
     message = AutoMessage(aggs, grads)
     if slices is None and not buffer.is_sparse:
         slices = bucket_slices(buffer, grads)

@@ -25,6 +25,7 @@ import torch
 from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import DensityTracker
 from lossless_hc.training.plan_stats import TensorStats
+from lossless_hc.training.plan_tracker import is_doubled_interval
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 
@@ -160,9 +161,8 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     # ... or before it: never widened; and a widened interval this aggregator's schedule cannot have (saved
     # with another interval or a larger max_interval) starts again from its interval
     t, widened = agg.tracker, saved.get("current_interval", agg.tracker.interval)
-    ratio = widened // t.interval if isinstance(widened, int) and widened % t.interval == 0 else 0
-    saved["current_interval"] = widened if 0 < ratio and not ratio & (ratio - 1) and widened <= t.max_interval \
-        else t.interval
+    fits = is_doubled_interval(widened, t.interval) and widened <= t.max_interval
+    saved["current_interval"] = widened if fits else t.interval
     for f in _AUTO_TRACKER_FIELDS:
         setattr(agg.tracker, f, saved[f])
     # Saved as None: not built yet, so none here either (an aggregator that trained since keeps nothing).

@@ -19,13 +19,20 @@ from lossless_hc.training.step import AutoContext
 MAX_INTERVAL_FACTOR = 16   # the default max_interval: 16 intervals (256 steps at the default interval of 16)
 
 
+def is_doubled_interval(value, interval: int) -> bool:
+    """Whether ``value`` is ``interval`` times a power of two (1 included): an interval doubling reaches."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < interval or value % interval:
+        return False
+    ratio = value // interval
+    return not ratio & (ratio - 1)
+
+
 def check_max_interval(max_interval: Optional[int], interval: int) -> int:
     """``max_interval`` checked against ``interval`` (None: ``MAX_INTERVAL_FACTOR * interval``): ``interval``
     times a power of two (1 included: the interval never widens), so that doubling reaches it exactly."""
     if max_interval is None:
         return MAX_INTERVAL_FACTOR * interval
-    if (isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < interval
-            or max_interval % interval or (max_interval // interval) & (max_interval // interval - 1)):
+    if not is_doubled_interval(max_interval, interval):
         raise ValueError(f"max_interval must be interval ({interval}) times a power of two, got {max_interval!r}")
     return max_interval
 

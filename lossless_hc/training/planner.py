@@ -28,8 +28,9 @@ AVERAGE gives 1) and a one-hot slot vector in which rank r writes its non-zero r
 fields, ``k_r mod 2^21`` and ``floor(k_r / 2^21)`` (each below 2^22, so an AVERAGE is invertible). So every rank learns
 ``k_0..k_{n-1}`` from every step of every strategy but the plain steps of a dense, fp16 or bf16 plan
 (:data:`PLAIN_STRATEGIES`: such a plan carries the header on one step in ``interval`` (a dense plan that
-:func:`dense_dominates`: on fewer, down to one in ``max_interval``), each followed by a re-plan, and between them sends the bare tensor, in half precision for fp16 and bf16, as the engine's
-own hooks do: ``AutoAggregator.carries_statistics``) and the steps of a THC or top-k plan between those
+:func:`dense_dominates`: on fewer, down to one in ``max_interval``), each followed by a re-plan, and between
+them sends the bare tensor, in half precision for fp16 and bf16, as the engine's own hooks do:
+``AutoAggregator.carries_statistics``) and the steps of a THC or top-k plan between those
 same statistics steps (their header rides on every step, its counts zeros there, no rows scanned); the
 union ``u`` (rows non-zero on some rank) comes
 from the decoded aggregate (dense: its non-zero rows; allgather: the gathered indices; two_phase: the

@@ -46,6 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
+from lossless_hc.training.plan_tracker import is_doubled_interval
 from lossless_hc.training.row_exchange import (NARROWED, WHOLE, GivenRows, add_segments, encode_destinations,
                                                received_nbytes, rows_are_smaller, whole_dtype)
 
@@ -308,11 +309,18 @@ class RowExchangeReduceScatter(_SumReduceScatter):
     reduce-scatter in those dtypes (:meth:`_native`).
 
     A module whose chunks are all dense (a linear layer's) gains nothing from the exchange and pays its
-    extra round (the counts) and its owner's sums: every ``_row_check_interval()`` calls of this
-    module (the state's re-plan interval) the exchange runs and the group learns, by one int64 MAX
-    all-reduce, whether any rank sent rows of it; where none did, the module's calls until the next
-    check go to FSDP2's own reduce-scatter (:meth:`_native`: the same bytes and sum, exact). A module
-    that turns sparse in between is caught at that check. Synchronous: returns None."""
+    extra round (the counts) and its owner's sums. So the exchange runs on the module's calls whose
+    count (from 0) is a multiple of ``interval``, its current check interval, and the group learns, by
+    one int64 MAX all-reduce, whether any rank sent rows of it; where none did, the module's calls until
+    the next check go to FSDP2's own reduce-scatter (:meth:`_native`: the same bytes and sum, exact). The
+    check interval starts at the state's re-plan ``interval`` and widens as the planner's does for a
+    tensor no calibration moves off dense (:meth:`PlanTracker.reschedule
+    <lossless_hc.training.plan_tracker.PlanTracker.reschedule>`): each check from call ``interval`` on
+    that finds every chunk whole doubles it, up to the state's ``max_interval``, and a check that finds
+    rows returns it to ``interval``. With ``interval`` 16 and ``max_interval`` 256 an all-dense module
+    runs the exchange on calls 0, 16, 32, 64, 128, 256, 512, 768, ... instead of one in 16; a module
+    that turns sparse is caught at the next check, up to ``max_interval`` calls later.
+    Synchronous: returns None."""
 
     kind = "sparse"
     checks_dense_modules = True   # a module whose every chunk went whole goes to FSDP2's own (below)
@@ -322,6 +330,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         self.narrow = self.wire = None
         self.calls = 0             # this module's reduce-scatters so far (alike on every rank)
         self.all_whole = False     # at the last check, every rank sent every chunk of this module whole
+        self.interval = None       # the current check interval (None: the state's interval, at the first call)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -334,7 +343,12 @@ class RowExchangeReduceScatter(_SumReduceScatter):
                            for s in self.slots.shapes]
             self.wire = [whole_dtype(input_tensor.dtype, nd) for nd in self.narrow]   # each sent whole in
         started = time.perf_counter()
-        check = self.checks_dense_modules and self.calls % self.state._row_check_interval() == 0
+        check = checked_call = False
+        if self.checks_dense_modules:
+            interval, max_interval = self.state._row_check_intervals()
+            if self.interval is None:
+                self.interval = interval
+            check, checked_call = self.calls % self.interval == 0, self.calls
         self.calls += 1
         if self.state._phase(self, started) == "dense" or (self.all_whole and not check):
             self._native(output_tensor, input_tensor, op, group, n)
@@ -359,23 +373,41 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             rows = torch.tensor([int(any(c >= 0 for row in counts for c in row))], device=input_tensor.device)
             dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
             self.all_whole = not bool(rows.item())
+            # the class doc's widening: not on the first check (call 0), as the planner's first plan
+            if not self.all_whole:
+                self.interval = interval
+            elif checked_call >= interval:
+                self.interval = min(2 * self.interval, max_interval)
         return None
 
     def state_dict(self) -> dict:
-        """The check cadence (``calls``, ``all_whole``): a resumed run takes the same collectives at the same
-        steps as the run it continues, hence the same sums, bit for bit."""
-        return {"calls": self.calls, "all_whole": self.all_whole}
+        """The check cadence (``calls``, ``all_whole``, ``interval``: None before the first call): a resumed
+        run takes the same collectives at the same steps as the run it continues, hence the same sums, bit
+        for bit."""
+        return {"calls": self.calls, "all_whole": self.all_whole, "interval": self.interval}
 
     @staticmethod
     def check_state(state) -> None:
-        """``ValueError`` unless ``state`` is a :meth:`state_dict` (``calls`` an int >= 0, ``all_whole`` a bool)."""
+        """``ValueError`` unless ``state`` is a :meth:`state_dict` (``calls`` an int >= 0, ``all_whole`` a bool,
+        ``interval`` None, absent (a state saved before it was kept) or an int >= 1)."""
         calls, whole = (state.get("calls"), state.get("all_whole")) if isinstance(state, dict) else (None, None)
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0 or not isinstance(whole, bool):
-            raise ValueError(f"not a sparse reduce-scatter's state (calls, all_whole): {state!r}")
+        interval = state.get("interval") if isinstance(state, dict) else None
+        if (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0 or not isinstance(whole, bool)
+                or (interval is not None and (isinstance(interval, bool) or not isinstance(interval, int)
+                                              or interval < 1))):
+            raise ValueError(f"not a sparse reduce-scatter's state (calls, all_whole, interval): {state!r}")
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (checked by :meth:`check_state`). A saved ``interval`` this state's
+        schedule cannot reach (not its ``interval`` times a power of two up to its ``max_interval``: saved
+        under other options) or none restarts the widening from ``interval``, as a restored
+        :class:`~lossless_hc.training.plan_tracker.PlanTracker` does."""
         self.check_state(state)
-        self.calls, self.all_whole = state["calls"], state["all_whole"]
+        self.calls, self.all_whole, self.interval = state["calls"], state["all_whole"], None
+        if self.checks_dense_modules and self.calls > 0:
+            interval, max_interval = self.state._row_check_intervals()
+            saved = state.get("interval")
+            self.interval = saved if is_doubled_interval(saved, interval) and saved <= max_interval else interval
 
     def _native(self, output: torch.Tensor, input: torch.Tensor, op, group, n: int) -> None:
         """FSDP2's own reduce-scatter (the step guard's dense window and dense verdict), each parameter in

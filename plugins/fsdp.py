@@ -76,8 +76,9 @@ faster. With ``reduce_scatter=True`` its reduce-scatter is the exact sparse one
 as its own non-zero rows with their indices, or as it is where that is fewer bytes (each sender
 decides for its own chunks, so no statistics need to cross ranks), and the owner adds them up -- the
 dense reduce-scatter's sum to float rounding, with no capacity or fallback. A module whose chunks all
-went whole at its last check (every re-plan ``interval`` calls, one int64 all-reduce) takes FSDP2's own
-reduce-scatter until the next, sparing the exchange's extra round. The step guard then times
+went whole at its last check (one int64 all-reduce, every re-plan ``interval`` calls, widening to every
+``max_interval`` while the module stays all-dense) takes FSDP2's own reduce-scatter until the next,
+sparing the exchange's extra round. The step guard then times
 it (with the replica all-reduce's plans, if any) against FSDP2's own collectives, one verdict for the
 whole mesh (class doc). With ``lossy`` (and bf16 among its ``strategies``), a float32 chunk sent whole goes as
 bfloat16, as FSDP2's ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` would send it (its owner
@@ -521,10 +522,10 @@ class AutoFSDPState(_FSDPState):
         allowed = spec.lossy and (spec.strategies is None or "bf16" in spec.strategies)
         return torch.bfloat16 if allowed and parameter_bytes >= spec.lossy_min_bytes else None
 
-    def _row_check_interval(self) -> int:
-        """Calls of a module's sparse reduce-scatter between its checks for an all-dense module (the
-        re-plan ``interval``; RowExchangeReduceScatter)."""
-        return self.spec.interval
+    def _row_check_intervals(self) -> tuple:
+        """A module's sparse reduce-scatter's check intervals for an all-dense module (RowExchangeReduceScatter):
+        the re-plan ``interval`` it starts at and returns to, and the ``max_interval`` it widens to."""
+        return self.spec.interval, self.spec.max_interval
 
     def _checked_options(self) -> str:
         g = self._guard   # a rank without it would miss the verdict's broadcast

@@ -425,7 +425,7 @@ def test_a_checkpoint_loads_only_where_it_resumes_the_same_run(launch, mesh, nam
         assert r["unknown_scatter"]["error"] == "ValueError" and "'nosuch'" in r["unknown_scatter"]["message"], r
         assert r["bad_scatter"]["error"] == "ValueError" and "calls" in r["bad_scatter"]["message"], r
         # loaded before register, the cadence reaches the reduce-scatters register builds
-        want = {n: {"calls": 3, "all_whole": True} for n in ("", "fc1", "items", "users")}
+        want = {n: {"calls": 3, "all_whole": True, "interval": 16} for n in ("", "fc1", "items", "users")}
         assert r["restored_at_register"] == want, r
 
 
@@ -443,6 +443,10 @@ def test_auto_resumed_run_continues_bit_identically(launch, mesh, name):
             assert len(saved) == 4 and all(v["calls"] == 3 for v in saved.values()), saved
             assert sorted(resumed) == sorted(saved) and all(v["calls"] == 6 for v in resumed.values()), resumed
             assert [saved[k]["all_whole"] for k in sorted(saved)].count(True) == 1, saved   # fc1's module
+            # its checks widen (interval 2: calls 0, 2 and 4), the sparse modules' stay at 2: the interval
+            # saved at 3 calls continues in the resumed run
+            assert {k: (v["interval"], resumed[k]["interval"]) for k, v in saved.items()} == {
+                k: (4, 8) if v["all_whole"] else (2, 2) for k, v in saved.items()}, (saved, resumed)
 
 
 @pytest.mark.parametrize("mesh,name", cases("auto_rows", "auto_rows_rs", "auto_rows_mixed"))

@@ -72,7 +72,8 @@ def test_load_state_dict_refuses_another_state_s_file_before_register(world_of_o
     """load_state_dict takes only a state_dict() of the same configuration (another density, another
     algorithm: the error feedback and capacities would mean something else) whose tables are dicts, and
     checks a sparse reduce-scatter's saved cadence as it loads, before any model is registered: ``calls``
-    an int >= 0 (0 included: saved before that module's first reduce-scatter), ``all_whole`` a bool
+    an int >= 0 (0 included: saved before that module's first reduce-scatter), ``all_whole`` a bool,
+    ``interval`` absent, None or an int >= 1
     (one rank, a 1x1 mesh, no launch). What it loaded before register that the registered model lacks
     (a parameter, a module reduce-scattered by a hook) is refused by register, as a ValueError."""
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
@@ -85,10 +86,15 @@ def test_load_state_dict_refuses_another_state_s_file_before_register(world_of_o
     for bad in (None, [saved], dict(saved, aggregators=[]), {"config": saved["config"]}):
         with pytest.raises(ValueError, match="not a state_dict"):
             LosslessFSDPState(mesh, max_density=0.01).load_state_dict(bad)
-    for cadence in ({"calls": 0, "all_whole": False}, {"calls": 3, "all_whole": True}):
+    for cadence in ({"calls": 0, "all_whole": False}, {"calls": 3, "all_whole": True},
+                    {"calls": 3, "all_whole": True, "interval": 32},
+                    {"calls": 0, "all_whole": False, "interval": None}):
         LosslessFSDPState(mesh, max_density=0.01).load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
     for cadence in ({"calls": -1, "all_whole": False}, {"calls": True, "all_whole": False},
-                    {"calls": 1.0, "all_whole": False}, {"calls": 1, "all_whole": 1}, {"calls": 1}, [1, False]):
+                    {"calls": 1.0, "all_whole": False}, {"calls": 1, "all_whole": 1}, {"calls": 1}, [1, False],
+                    {"calls": 1, "all_whole": True, "interval": 0}, {"calls": 1, "all_whole": True, "interval": True},
+                    {"calls": 1, "all_whole": True, "interval": "16"},
+                    {"calls": 1, "all_whole": True, "interval": 16.0}):
         state = LosslessFSDPState(mesh, max_density=0.01)
         with pytest.raises(ValueError, match="not a sparse reduce-scatter's state"):
             state.load_state_dict(dict(saved, reduce_scatter={"users": cadence}))
@@ -166,3 +172,52 @@ def test_slots_refuse_a_module_without_a_parameter_group(world_of_one):
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     with pytest.raises(ValueError, match="exactly one FSDP parameter group per fully_shard module, got 0"):
         Slots(model)
+
+
+def test_sparse_reduce_scatter_widens_its_check_of_a_dense_module(world_of_one):
+    """AutoFSDPState's sparse reduce-scatter runs the exchange on a module whose every chunk goes whole only
+    at its checks, whose interval widens as the planner's does for a tensor no calibration moves off dense:
+    calls 0, 16, 32, 64, 128, 256, 512, 768 of 800 (``interval`` 16, ``max_interval`` 256), FSDP2's own
+    reduce-scatter (which sends no counts) on the others; a check that finds rows returns it to 16, and from
+    then on, the module being sparse, every call runs the exchange. ``max_interval=16`` keeps one check in
+    16. The cadence, interval included, round-trips through state_dict (one rank, a Gloo group of one, the
+    comm driven directly; the launched 1x2 and 2x2 meshes: tests/test_plugins_fsdp.py)."""
+    from lossless_hc.plugins.fsdp import AutoFSDPState
+    from lossless_hc.training.calibration import Calibration
+    mesh = init_device_mesh("cpu", (1,))
+    for max_interval, want_checks in ((None, [0, 16, 32, 64, 128, 256, 512, 768]), (16, list(range(0, 800, 16)))):
+        state = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0, max_interval=max_interval)
+        model = torch.nn.Linear(64, 64)
+        fully_shard(model, mesh=mesh)
+        model(torch.randn(2, 64))   # FSDP2's lazy init names the parameters
+        comm = RowExchangeReduceScatter(state, model)
+        dense = torch.randn(64 * 64 + 64)
+        out = torch.empty_like(dense)
+
+        def exchanged(grad):   # whether this call ran the exchange: FSDP2's own sends the buffer and no counts
+            before = state._stats.payload_bytes
+            comm(out, grad, dist.group.WORLD)
+            assert torch.equal(out, grad)   # one rank: the sum is its own buffer, either way
+            return state._stats.payload_bytes - before != grad.numel() * 4
+
+        assert [c for c in range(800) if exchanged(dense)] == want_checks
+        assert comm.interval == (256 if max_interval is None else 16) and comm.all_whole
+        saved = comm.state_dict()
+        assert saved == {"calls": 800, "all_whole": True, "interval": comm.interval}
+        # the module turns sparse (one non-zero row of the weight, sent as rows): seen at the next check,
+        # call 1024 (800 with max_interval 16), then back to 16 and the exchange on every call
+        sparse = torch.zeros_like(dense)
+        sparse[64:128] = 1.0
+        caught = 1024 if max_interval is None else 800
+        assert [c for c in range(800, 1100) if exchanged(sparse)] == list(range(caught, 1100))
+        assert comm.interval == 16 and not comm.all_whole
+        restored = RowExchangeReduceScatter(state, model)
+        restored.load_state_dict(saved)
+        assert restored.state_dict() == saved
+        # a state saved before the interval was kept, or an interval this schedule cannot reach (saved under
+        # another interval or a larger max_interval): the widening restarts from 16
+        for interval in (None, 48, 512, 8, 64):
+            restored.load_state_dict({"calls": 800, "all_whole": True, "interval": interval})
+            assert restored.interval == (64 if interval == 64 and max_interval is None else 16), interval
+        restored.load_state_dict({"calls": 0, "all_whole": False})   # saved before its first call
+        assert restored.interval is None

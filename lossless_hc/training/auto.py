@@ -96,10 +96,8 @@ class AutoSpec(AggregatorSpec):
         super().__init__(seed, **extra)
         if not isinstance(lossy, bool):
             raise ValueError(f"lossy must be True or False, got {lossy!r}")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"interval must be a positive integer, got {interval!r}")
-        alpha = check_fraction("alpha", alpha)
         max_interval = check_max_interval(max_interval, interval)
+        alpha = check_fraction("alpha", alpha)
         if first is not None and first not in STRATEGIES:
             raise ValueError(f"first must be one of {', '.join(STRATEGIES)}; got {first!r}")
         strategies = as_strategies(strategies)

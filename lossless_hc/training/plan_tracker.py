@@ -28,8 +28,11 @@ def is_doubled_interval(value, interval: int) -> bool:
 
 
 def check_max_interval(max_interval: Optional[int], interval: int) -> int:
-    """``max_interval`` checked against ``interval`` (None: ``MAX_INTERVAL_FACTOR * interval``): ``interval``
-    times a power of two (1 included: the interval never widens), so that doubling reaches it exactly."""
+    """``max_interval`` checked against ``interval`` (itself checked first: a positive int; ``int(2.5)`` would
+    be 2) and returned (None: ``MAX_INTERVAL_FACTOR * interval``): ``interval`` times a power of two (1
+    included: the interval never widens), so that doubling reaches it exactly."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"interval must be a positive integer, got {interval!r}")
     if max_interval is None:
         return MAX_INTERVAL_FACTOR * interval
     if not is_doubled_interval(max_interval, interval):
@@ -56,8 +59,6 @@ class PlanTracker:
 
     def __init__(self, numel: int, row: int, world_size: int, interval: int = 16, alpha: float = 0.25,
                  sparse: bool = False, max_interval: Optional[int] = None):
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:   # int(2.5) would be 2
-            raise ValueError(f"interval must be a positive integer, got {interval!r}")
         max_interval = check_max_interval(max_interval, interval)
         alpha = check_fraction("alpha", alpha)
         # checked, not coerced: a row of 0 would fail only at the first decision, and int() would truncate

@@ -142,6 +142,20 @@ struct KeyParts {
 // a pass over the support and a copy of it.
 struct GroupedKeys {
   std::vector<std::vector<HugeVector<uint32_t>>> by;
+  // The vectors of `by`, moved out (by left empty) for a support function to reuse: their memory is
+  // already the process's, where fresh ones (tens of MiB in all for 2^26 keys) would be new pages, each
+  // zeroed by the kernel at its first touch.
+  std::vector<std::vector<HugeVector<uint32_t>>> take() {
+    std::vector<std::vector<HugeVector<uint32_t>>> kept;
+    kept.swap(by);
+    return kept;
+  }
+  // Part p's bucket of group g from `kept` (take()), sized `size`; a new one where kept has none.
+  static void reuse(std::vector<std::vector<HugeVector<uint32_t>>>& kept, size_t p, uint64_t g, uint64_t size,
+                    HugeVector<uint32_t>* bucket) {
+    if (p < kept.size() && g < kept[p].size()) bucket->swap(kept[p][g]);
+    bucket->resize(size);
+  }
   uint64_t group_size(uint64_t g) const {
     uint64_t n = 0;
     for (const auto& part : by) n += part[g].size();
@@ -192,7 +206,8 @@ void walk_runs_by_chunk(const std::vector<KeyRun>& runs, uint64_t block, uint64_
 }
 
 // Where the support comes from (support.cpp, multilevel.cpp): each returns a DecodeStatus and the
-// support keys bucketed by sketch group, and fills in the index fields of *st.
+// support keys bucketed by sketch group in *support (replacing what it held; bitmap_support reuses the
+// memory of its vectors), and fills in the index fields of *st.
 int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt,
                        GroupedKeys* support, DecodeStats* st);
 int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float* index, int nt, GroupedKeys* support,

@@ -68,6 +68,34 @@ void sorted_unique_keys(const std::vector<std::vector<uint32_t>>& lists, std::ve
     if (i == 0 || keys[i] != keys[i - 1]) out->push_back(keys[i]);
 }
 
+// A decoding thread's working memory, kept from one decode to the next (thread_local: OpenMP's pool
+// threads and a calling thread each keep theirs, sized for the largest group or tensor they decoded).
+// Every user sizes what it uses before writing it, as from one group to the next within a decode;
+// kept, the memory is not handed back to the kernel and taken again, zeroed page by page, on every
+// decode of a training run (docs/BENCHMARKS.md, "Issue #20's block-1 target").
+struct GroupScratch {
+  PeelTable storage;
+  std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building
+  std::vector<uint32_t> cur, next, layer, src, order;  // peel_layers' scratch, and its order
+  std::vector<uint64_t> bits;
+  std::vector<double> kerr;  // by position: E(k)
+  VerifyScratch verify;
+};
+GroupScratch& group_scratch() {
+  static thread_local GroupScratch s;
+  return s;
+}
+
+// The calling thread's: the support's buckets (bitmap_support reuses their vectors) and the keys' values.
+struct SupportScratch {
+  GroupedKeys support;
+  HugeVector<float> vals;
+};
+SupportScratch& support_scratch() {
+  static thread_local SupportScratch s;
+  return s;
+}
+
 }  // namespace
 
 DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
@@ -78,7 +106,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   const float* index = payload + L.index_offset;
 
   // 1. The exact support: keys non-zero on at least one rank, bucketed by sketch group.
-  GroupedKeys support;
+  SupportScratch& kept = support_scratch();
+  GroupedKeys& support = kept.support;
   if (L.index_kind == kIndexBitmap)
     st.status = bitmap_support(L, in, index, nt, &support, &st);
   else if (L.index_kind == kIndexBloom)
@@ -110,7 +139,8 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   const uint64_t n = in.world_size;
   std::vector<uint64_t> goff(groups + 1, 0);  // group g's keys: positions [goff[g], goff[g + 1])
   for (uint64_t g = 0; g < groups; ++g) goff[g + 1] = goff[g] + support.group_size(g);
-  HugeVector<float> vals(goff[groups] * B);  // by key position
+  HugeVector<float>& vals = kept.vals;  // by key position
+  vals.resize(goff[groups] * B);
   std::vector<uint64_t> peeled(groups, 0);
   std::vector<char> bad(groups, 0), non_finite(groups, 0), corrupt(groups, 0), crowded(groups, 0);
   std::vector<std::vector<uint32_t>> inexact(groups);  // per group: positions of keys failing rtol
@@ -118,13 +148,14 @@ DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* pa
   std::chrono::steady_clock clock;
 #pragma omp parallel num_threads(nt)
   {
-    PeelTable storage;
+    GroupScratch& gs = group_scratch();
+    PeelTable& storage = gs.storage;
     std::vector<double> v(B);
-    std::vector<uint32_t> gkeys, scratch;  // scratch: hashed cells while building
-    std::vector<uint32_t> cur, next, layer, src, order;  // peel_layers' scratch, and its order
-    std::vector<uint64_t> bits;
-    std::vector<double> kerr;  // by position: E(k)
-    VerifyScratch verify_scratch;
+    std::vector<uint32_t>&gkeys = gs.gkeys, &scratch = gs.scratch;
+    std::vector<uint32_t>&cur = gs.cur, &next = gs.next, &layer = gs.layer, &src = gs.src, &order = gs.order;
+    std::vector<uint64_t>& bits = gs.bits;
+    std::vector<double>& kerr = gs.kerr;
+    VerifyScratch& verify_scratch = gs.verify;
     // A group's peel, compiled twice: for one value per key (kBlock 1, unstructured keys: the loops
     // over a key's values fold away) and for any block (kBlock 0).
     const auto peel_group = [&](auto block_tag, int64_t g) {

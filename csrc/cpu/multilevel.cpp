@@ -359,6 +359,7 @@ void concat_parts(const std::vector<Sink>& sinks, int nt, std::vector<uint32_t>*
 int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const float* payload, int nt,
                            GroupedKeys* support, DecodeStats* st) {
   const uint64_t n = in.world_size;
+  auto kept = support->take();  // the caller's buckets (kept from its last decode), reused below
   if (L.fine_levels == 0 || L.fine_levels > kMaxFineLevels) return kDecodeIndexCorrupt;  // a layout guard
   Prof prof;
   const uint64_t num_nodes = L.index.digits;
@@ -439,8 +440,9 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
                                                nodes.size() * (uint64_t)L.fine_digits[l] * L.fine_words[l]);
       const uint64_t expect = most / ((uint64_t)nt * sgroups);
       std::vector<SupportSink> sinks(nt, proto);
-      for (SupportSink& sink : sinks)
-        for (auto& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);
+      for (size_t t = 0; t < sinks.size(); ++t)
+        for (uint64_t g = 0; g < sgroups; ++g)
+          GroupedKeys::reuse(kept, t, g, expect + expect / 8 + 64, &sinks[t].buckets[g].keys);
       const bool ok = expand_children(L, l, nt, nodes, counts, pattern, slot, sinks, &total);
       support->by.clear();
       for (SupportSink& k : sinks) {

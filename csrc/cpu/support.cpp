@@ -32,6 +32,7 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
       return true;
     }
   };
+  support->by.clear();
   std::vector<CountSink> sinks(nt, CountSink{count.data(), bcells, n * (uint64_t)L.digit_cap, 0, L.index.per_word});
   const bool valid = unpack_digits(L, index, in.scale, nt, sinks);
   for (const auto& k : sinks) st->index_total += k.sum;
@@ -193,8 +194,10 @@ int32_t bitmap_support(const CodecLayout& L, const DecodeInputs& in, const float
                 L.num_keys, 0, L.index.per_word, (uint32_t)in.world_size, index_check_stream(L.sketch.stream),
                 L.index.base, DigitReciprocals(L.index.base, L.index.per_word), {0, 0}, 0};
   std::vector<KeySink> sinks(nt, proto);
-  for (KeySink& sink : sinks)
-    for (Bucket& b : sink.buckets) b.keys.resize(expect + expect / 8 + 64);
+  auto kept = support->take();  // the caller's buckets (kept from its last decode), reused
+  for (size_t t = 0; t < sinks.size(); ++t)
+    for (uint64_t g = 0; g < groups; ++g)
+      GroupedKeys::reuse(kept, t, g, expect + expect / 8 + 64, &sinks[t].buckets[g].keys);
   const DigitMaskTable masks(L.index);
   const bool valid = unpack_digits(L, index, in.scale, nt, sinks, &masks);
   support->by.clear();

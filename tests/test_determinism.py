@@ -355,3 +355,48 @@ def test_output_stage_writes_exactly_its_range_at_any_thread_count(block):
     for key, (other, other_report) in outs.items():
         assert same_bits(y, other), f"{key} decodes other bits"
         assert reports_equal(report, other_report)
+
+
+def test_decodes_in_between_and_on_other_threads_change_no_bit():
+    """The CPU decoder keeps its working memory per thread from one decode to the next (docs/DESIGN.md, "The
+    CPU decoder keeps its working memory"): a decode must not depend on what its thread decoded before, nor on
+    decodes running at the same time on other threads (the bindings release the GIL). Three aggregates of
+    other layouts (a grouped bitmap sketch of 2^20 coordinates, a smaller multilevel one, a Bloom one with
+    3-wide rows), decoded in turn, in another order (the large one after the small ones, so into memory a
+    smaller decode last sized) and on two Python threads at once: the same bits and reports every time, and
+    lossless against the float64 sum."""
+    import threading
+    cases = []
+    for numel, block, k, n, index in ((1 << 20, 1, 70_000, 4, "bitmap"), (300_000, 1, 20_000, 3, "multilevel"),
+                                      (3 * 20_000, 3, 1_500, 3, "bloom")):
+        rng = np.random.default_rng(helpers.stable_seed("kept memory", index))
+        codec = LosslessCodec(numel, n, k * block, block_size=block, seed=7, index=index)
+        assert codec.index_kind == index
+        xs = helpers.make_inputs(rng, numel, block, n, k, "random", "wide")
+        cases.append((codec, xs, helpers.sum_payloads([codec.encode(x) for x in xs], rng)))
+    first = [c.decode(summed, trace=True, error_bounds=True) for c, _, summed in cases]
+    for (codec, xs, _), (y, report) in zip(cases, first):
+        assert helpers.peeled_ok(report), report.reason
+        helpers.assert_lossless(codec.layout, xs, y, report)
+
+    def same(i, got) -> bool:
+        return same_bits(first[i][0], got[0]) and reports_equal(first[i][1], got[1])
+
+    for i in (2, 1, 0, 0, 2, 1):
+        assert same(i, cases[i][0].decode(cases[i][2], trace=True, error_bounds=True)), i
+    results, errors = {}, []
+
+    def decode_in_turn(name, order):
+        try:
+            results[name] = [(i, cases[i][0].decode(cases[i][2], trace=True, error_bounds=True)) for i in order]
+        except Exception as e:   # re-raised below, on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=decode_in_turn, args=(name, order))
+               for name, order in (("a", (0, 1, 0, 2)), ("b", (2, 0, 1, 0)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(same(i, got) for name in "ab" for i, got in results[name])

@@ -13,9 +13,13 @@ namespace detail {
 // Powers base^i for i < per_word, as floats (exact: all below 2^22).
 std::vector<float> digit_powers(const DigitPacking& P);
 
-// Index words are split into digits kWordBlock words at a time, by loops over words that the
-// compiler vectorises.
-constexpr uint32_t kWordBlock = 64;
+// Index words are split kWordBlock words at a time at most (what a WordDigits holds), by loops over
+// words that the compiler vectorises: the bitmap index's masks (split_word_masks) in blocks of
+// kWordBlock, where each block's calls (listing, checksum, hashing, bucketing its keys) cost less per
+// key than over half as many; full digits (split_words: the Bloom and multilevel indexes, at the low
+// densities where a block of +0.0f words is skipped) in blocks of kDigitBlock, which skip more often.
+constexpr uint32_t kWordBlock = 128;
+constexpr uint32_t kDigitBlock = 64;
 constexpr uint32_t kMaxPerWord = kIntFieldBits;  // base >= 2 and base^per_word <= 2^22
 
 // The digits of up to kWordBlock consecutive index words: digit[i][w] is digit i of word w, and bit i
@@ -131,11 +135,11 @@ class DigitKeyLister {
 };
 
 // Unpack every index word into digits: thread t calls sinks[t](first_word, n, digits) for the blocks
-// of its contiguous word range, in increasing order, skipping blocks of +0.0f words (no digits: most
-// of them at low density); on a private copy of the sink, moved back at the end. Returns false if a
-// word is not a valid packed integer or a sink rejects a block. With `masks`, split_word_masks fills
-// in the digits' non-zero masks, sums and largest, and the words' values, not the digits (where a
-// word's largest digit is 1, its mask says all).
+// (kDigitBlock words; with `masks` kWordBlock) of its contiguous word range, in increasing order,
+// skipping blocks of +0.0f words (no digits: most of them at low density); on a private copy of the
+// sink, moved back at the end. Returns false if a word is not a valid packed integer or a sink rejects a
+// block. With `masks`, split_word_masks fills in the digits' non-zero masks, sums and largest, and the
+// words' values, not the digits (where a word's largest digit is 1, its mask says all).
 template <typename Sink>
 bool unpack_digits(const CodecLayout& L, const float* index, double scale, int nt, std::vector<Sink>& sinks,
                    const DigitMaskTable* masks = nullptr) {
@@ -148,8 +152,9 @@ bool unpack_digits(const CodecLayout& L, const float* index, double scale, int n
     split_range(words, omp_get_num_threads(), omp_get_thread_num(), &wb, &we);
     Sink sink = std::move(sinks[omp_get_thread_num()]);  // thread-private (no false sharing)
     WordDigits d;
-    for (uint64_t w = wb; w < we && !bad; w += kWordBlock) {
-      const uint32_t n = (uint32_t)std::min<uint64_t>(kWordBlock, we - w);
+    const uint32_t block = masks ? kWordBlock : kDigitBlock;
+    for (uint64_t w = wb; w < we && !bad; w += block) {
+      const uint32_t n = (uint32_t)std::min<uint64_t>(block, we - w);
       uint32_t any = 0;
       for (uint32_t i = 0; i < n; ++i) any |= raw[w + i];
       if (!any) continue;

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from lossless_hc.training.aggregate import ConfigurationMismatch, partial_values
 from lossless_hc.training.message import (PART_DTYPES, decode_segments, dense_values, encode_message, failure_record,
                                           finish_fallbacks, replay_failure)
-from lossless_hc.training.plan_tracker import is_doubled_interval
+from lossless_hc.training.plan_tracker import restored_interval, widened_interval
 from lossless_hc.training.row_exchange import (NARROWED, WHOLE, GivenRows, add_segments, encode_destinations,
                                                received_nbytes, rows_are_smaller, whole_dtype)
 
@@ -343,12 +343,12 @@ class RowExchangeReduceScatter(_SumReduceScatter):
                            for s in self.slots.shapes]
             self.wire = [whole_dtype(input_tensor.dtype, nd) for nd in self.narrow]   # each sent whole in
         started = time.perf_counter()
-        check = checked_call = False
+        call, check = self.calls, False
         if self.checks_dense_modules:
             interval, max_interval = self.state._row_check_intervals()
             if self.interval is None:
                 self.interval = interval
-            check, checked_call = self.calls % self.interval == 0, self.calls
+            check = call % self.interval == 0
         self.calls += 1
         if self.state._phase(self, started) == "dense" or (self.all_whole and not check):
             self._native(output_tensor, input_tensor, op, group, n)
@@ -373,11 +373,9 @@ class RowExchangeReduceScatter(_SumReduceScatter):
             rows = torch.tensor([int(any(c >= 0 for row in counts for c in row))], device=input_tensor.device)
             dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
             self.all_whole = not bool(rows.item())
-            # the class doc's widening: not on the first check (call 0), as the planner's first plan
-            if not self.all_whole:
-                self.interval = interval
-            elif checked_call >= interval:
-                self.interval = min(2 * self.interval, max_interval)
+            # the class doc's widening (the planner's rule: not on the first check, call 0)
+            self.interval = widened_interval(self.interval, interval, max_interval, call) if self.all_whole \
+                else interval
         return None
 
     def state_dict(self) -> dict:
@@ -405,9 +403,7 @@ class RowExchangeReduceScatter(_SumReduceScatter):
         self.check_state(state)
         self.calls, self.all_whole, self.interval = state["calls"], state["all_whole"], None
         if self.checks_dense_modules and self.calls > 0:
-            interval, max_interval = self.state._row_check_intervals()
-            saved = state.get("interval")
-            self.interval = saved if is_doubled_interval(saved, interval) and saved <= max_interval else interval
+            self.interval = restored_interval(state.get("interval"), *self.state._row_check_intervals())
 
     def _native(self, output: torch.Tensor, input: torch.Tensor, op, group, n: int) -> None:
         """FSDP2's own reduce-scatter (the step guard's dense window and dense verdict), each parameter in

@@ -25,7 +25,7 @@ import torch
 from lossless_hc.training.topk_aggregate import TopKAggregator
 from lossless_hc.training.capacity import DensityTracker
 from lossless_hc.training.plan_stats import TensorStats
-from lossless_hc.training.plan_tracker import is_doubled_interval
+from lossless_hc.training.plan_tracker import restored_interval
 from lossless_hc.training.thc_aggregate import THCAggregator
 from lossless_hc.training.strategies import AutoAggregator
 
@@ -160,9 +160,8 @@ def _load_auto_state_dict(agg: AutoAggregator, state: dict) -> None:
     saved["reaggregated"] = dict(saved.get("reaggregated", {}))   # ... or before it: none observed
     # ... or before it: never widened; and a widened interval this aggregator's schedule cannot have (saved
     # with another interval or a larger max_interval) starts again from its interval
-    t, widened = agg.tracker, saved.get("current_interval", agg.tracker.interval)
-    fits = is_doubled_interval(widened, t.interval) and widened <= t.max_interval
-    saved["current_interval"] = widened if fits else t.interval
+    t = agg.tracker
+    saved["current_interval"] = restored_interval(saved.get("current_interval"), t.interval, t.max_interval)
     for f in _AUTO_TRACKER_FIELDS:
         setattr(agg.tracker, f, saved[f])
     # Saved as None: not built yet, so none here either (an aggregator that trained since keeps nothing).

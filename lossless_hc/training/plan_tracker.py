@@ -40,6 +40,24 @@ def check_max_interval(max_interval: Optional[int], interval: int) -> int:
     return max_interval
 
 
+def widened_interval(current: int, interval: int, max_interval: int, step: int) -> int:
+    """The interval after a scheduled look at step count ``step`` (a multiple of ``current``) that found
+    re-planning cannot pay: doubled, up to ``max_interval``, from step ``interval`` on (the first look, at
+    step 1 or 0, never widens); ``current`` off the schedule. The planner's re-plans
+    (:meth:`PlanTracker.reschedule`) and FSDP2's sparse reduce-scatter's checks of an all-dense module
+    widen by it."""
+    if step >= interval and step % current == 0:
+        return min(2 * current, max_interval)
+    return current
+
+
+def restored_interval(saved, interval: int, max_interval: int) -> int:
+    """A checkpoint's current interval where this schedule can have it (``interval`` times a power of two,
+    up to ``max_interval``), else ``interval``: one saved before the interval was kept (None), or under
+    another ``interval`` or a larger ``max_interval``, restarts the widening."""
+    return saved if is_doubled_interval(saved, interval) and saved <= max_interval else interval
+
+
 class PlanTracker:
     r"""One tensor's statistics across steps and its re-planning schedule (identical on every rank).
 
@@ -118,11 +136,11 @@ class PlanTracker:
         32, 64, 128, 256, 512, ... (``interval`` 16, ``max_interval`` 256) instead of one in 16: a rank
         scans its rows, packs the header and plans that much less often, and a change of its sparsity is seen
         up to ``max_interval`` steps later."""
-        step = self.last_step
         if not dominated:
             self.current_interval = self.interval
-        elif not forced and step >= self.interval and step % self.current_interval == 0:
-            self.current_interval = min(2 * self.current_interval, self.max_interval)
+        elif not forced:
+            self.current_interval = widened_interval(self.current_interval, self.interval, self.max_interval,
+                                                     self.last_step)
 
     def skip(self, step: int) -> bool:
         """A step whose counts are not the tensor's own (its gradient carried error memory sent late:

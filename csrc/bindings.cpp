@@ -68,6 +68,9 @@ PYBIND11_MODULE(_C, m) {
       "Whether the LHC value peel's eight-key AVX-512 step is on (it runs only under THC's x86-64-v4 copy; the same "
       "bits as key by key). With request ('on', 'off', 'default': LHC_PEEL_BATCH, else on unless the CPU is AMD's), "
       "set it first.");
+  m.def("release_decoder_memory", &cpu::release_decoder_memory,
+        "Free the working memory the CPU decoder kept for the next decode: the calling thread's and its "
+        "OpenMP pool's.");
   m.def(
       "encode",
       [](uintptr_t words, uintptr_t x, uintptr_t payload, int num_threads) {

@@ -400,3 +400,38 @@ def test_decodes_in_between_and_on_other_threads_change_no_bit():
         t.join()
     assert not errors, errors
     assert all(same(i, got) for name in "ab" for i, got in results[name])
+
+
+def _resident_mib() -> float:
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def test_release_decoder_memory_hands_the_kept_memory_back_and_changes_no_bit():
+    """``backends.cpu.release_decoder_memory`` frees what the decoder kept for the next decode (its support
+    buckets, key values and peeling tables: tens of MiB at 2^24 coordinates on 8 ranks), and the decode after
+    it allocates afresh with the same bits and report. The resident-memory check is skipped under the
+    sanitizers, whose allocator keeps freed memory."""
+    import os
+    from lossless_hc.backends import cpu
+    numel, n, k = 1 << 24, 8, 250_000
+    rng = np.random.default_rng(helpers.stable_seed("release decoder memory"))
+    codec = LosslessCodec(numel, n, k, seed=3)
+    xs = helpers.make_inputs(rng, numel, 1, n, k, "random", "wide")
+    summed = helpers.sum_payloads([codec.encode(x) for x in xs], rng)
+    out = torch.zeros(numel)  # its pages touched before the first measurement
+    cpu.release_decoder_memory()  # whatever earlier tests in this process kept
+    before = _resident_mib()
+    y, report = codec.decode(summed, out=out)
+    kept = _resident_mib()
+    assert helpers.peeled_ok(report), report.reason
+    cpu.release_decoder_memory()
+    released = _resident_mib()
+    if not os.environ.get("LHC_EXPECT_SANITIZED"):
+        assert kept - before > 16, (before, kept)
+        assert kept - released > 0.75 * (kept - before), (before, kept, released)
+    y2, report2 = codec.decode(summed)
+    assert same_bits(y.clone(), y2) and reports_equal(report, report2)
+    cpu.release_decoder_memory()
+    cpu.release_decoder_memory()  # with nothing kept: nothing to do

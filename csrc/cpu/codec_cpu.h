@@ -61,6 +61,11 @@ struct KeyBounds {
 DecodeStats decode(const CodecLayout& layout, const DecodeInputs& in, const float* payload, float* out,
                    int64_t* trace_key, int64_t* trace_cell, const KeyBounds* key_bounds, int num_threads);
 
+// decode keeps its working memory per thread for the next decode (docs/DESIGN.md, "The CPU decoder keeps
+// its working memory"). This frees what the calling thread kept and what its OpenMP pool's threads kept
+// (those of a team as large as any decode ran); other threads' stays theirs.
+void release_decoder_memory();
+
 // present[r] = 1 if row r of the `rows` x `row` matrix x (contiguous, elements of element_bytes = 2, 4 or 8:
 // float16/bfloat16, float32, float64) holds an element that is not +-0.0 (NaN and infinities count), else
 // 0. Reads x once; bits independent of the thread count. Returns how many rows are present.

@@ -1,5 +1,8 @@
 // lhc::cpu::decode: the support from the index, then the value sketch peeled over it group by group,
 // and the output.
+#include <malloc.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -96,11 +99,29 @@ SupportScratch& support_scratch() {
   return s;
 }
 
+// The largest OpenMP team a decode ran: release_decoder_memory reaches its threads with a team as large.
+std::atomic<int> g_largest_team{1};
+
 }  // namespace
+
+void release_decoder_memory() {
+  support_scratch() = SupportScratch();
+  // The calling thread is the team's thread 0.
+#pragma omp parallel num_threads(g_largest_team.load(std::memory_order_relaxed))
+  group_scratch() = GroupScratch();
+#ifdef __GLIBC__
+  // Freed memory below malloc's mmap threshold (which a freed large block raises, up to 32 MiB) stays in
+  // its arenas: hand their free pages back to the kernel.
+  malloc_trim(0);
+#endif
+}
 
 DecodeStats decode(const CodecLayout& L, const DecodeInputs& in, const float* payload, float* out,
                    int64_t* trace_key, int64_t* trace_cell, const KeyBounds* key_bounds, int num_threads) {
   const int nt = resolve_threads(num_threads);
+  for (int seen = g_largest_team.load(std::memory_order_relaxed);
+       nt > seen && !g_largest_team.compare_exchange_weak(seen, nt, std::memory_order_relaxed);) {
+  }
   DecodeStats st;
   Prof prof;
   const float* index = payload + L.index_offset;

@@ -214,6 +214,8 @@ int32_t bloom_support(const CodecLayout& L, const DecodeInputs& in, const float*
                       DecodeStats* st);
 int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const float* payload, int nt,
                            GroupedKeys* support, DecodeStats* st);
+// Frees the multilevel working memory this thread kept between decodes (release_decoder_memory).
+void release_multilevel_scratch();
 
 }  // namespace detail
 }  // namespace cpu

@@ -108,7 +108,10 @@ void release_decoder_memory() {
   support_scratch() = SupportScratch();
   // The calling thread is the team's thread 0.
 #pragma omp parallel num_threads(g_largest_team.load(std::memory_order_relaxed))
-  group_scratch() = GroupScratch();
+  {
+    group_scratch() = GroupScratch();
+    release_multilevel_scratch();
+  }
 #ifdef __GLIBC__
   // Freed memory below malloc's mmap threshold (which a freed large block raises, up to 32 MiB) stays in
   // its arenas: hand their free pages back to the kernel.

@@ -19,6 +19,41 @@ namespace {
 // Integer peeling is exact and every output lands at a place fixed by the node order, so nothing
 // depends on the number of threads or their scheduling.
 
+// A thread's multilevel working memory, kept from one decode to the next as decode.cpp keeps its own
+// (docs/DESIGN.md, "The CPU decoder keeps its working memory"); every user sizes what it uses before
+// writing it. The calling thread's: the level's nodes, counts, patterns and slots, the bucketed nodes,
+// and the unpacking and expanding parts' vectors; a peeling thread's: its group table and scratch.
+struct MultilevelScratch {
+  std::vector<uint32_t> nodes, counts, pattern, slot, bucketed;
+  std::vector<std::vector<uint32_t>> part_nodes, part_counts;  // by part
+};
+MultilevelScratch& multilevel_scratch() {
+  static thread_local MultilevelScratch s;
+  return s;
+}
+struct FinePeelScratch {
+  PeelTable storage;
+  std::vector<uint32_t> scratch;
+};
+FinePeelScratch& fine_peel_scratch() {
+  static thread_local FinePeelScratch s;
+  return s;
+}
+
+// Sink vectors (any sink with `nodes` and `counts`) swapped with the kept ones of their parts, both ways:
+// before a pass the kept memory goes into the sinks, after it back into the kept storage.
+template <typename Sink>
+void swap_part_vectors(std::vector<Sink>& sinks, MultilevelScratch& kept) {
+  if (kept.part_nodes.size() < sinks.size()) {
+    kept.part_nodes.resize(sinks.size());
+    kept.part_counts.resize(sinks.size());
+  }
+  for (size_t p = 0; p < sinks.size(); ++p) {
+    sinks[p].nodes.swap(kept.part_nodes[p]);
+    sinks[p].counts.swap(kept.part_counts[p]);
+  }
+}
+
 // The increasing `keys` [0, count), bucketed (stably) by their group of `table`: group g's keys are
 // bucketed[goff[g], goff[g + 1]), increasing, and the key at position i went to bucketed[slot[i]].
 // Two parallel passes over contiguous ranges (a histogram, then the scatter: one sequential stream
@@ -102,7 +137,7 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   for (uint64_t i = 0; i < w; ++i) word_limit *= (double)base;
   const uint64_t M = nodes.size();
   pattern->resize(M * wpg);
-  std::vector<uint32_t> bucketed;
+  std::vector<uint32_t>& bucketed = multilevel_scratch().bucketed;
   std::vector<uint64_t> goff{0, M};
   slot->clear();
   if (groups > 1) bucket_keys(table, nodes.data(), M, nt, &bucketed, slot, &goff);
@@ -112,8 +147,9 @@ int32_t peel_fine_level(const CodecLayout& L, uint32_t l, const DecodeInputs& in
   std::vector<char> bad(groups, 0), failed(groups, 0), leftover(groups, 0);
 #pragma omp parallel num_threads(nt)
   {
-    PeelTable storage;
-    std::vector<uint32_t> scratch;
+    FinePeelScratch& kept = fine_peel_scratch();
+    PeelTable& storage = kept.storage;
+    std::vector<uint32_t>& scratch = kept.scratch;
     // A group's peel, compiled twice: for one word per node (the loops over a node's words fold away;
     // both levels of 2^26 coordinates at 0.1% on 8 ranks, say) and for any number of words.
     const auto peel_group = [&](auto words_tag, int64_t g) {
@@ -353,6 +389,11 @@ void concat_parts(const std::vector<Sink>& sinks, int nt, std::vector<uint32_t>*
 
 }  // namespace
 
+void release_multilevel_scratch() {
+  multilevel_scratch() = MultilevelScratch();
+  fine_peel_scratch() = FinePeelScratch();
+}
+
 // Multilevel index: the non-zero nodes of the coarsest fine level from the coarse counting bitmap,
 // then each fine level peeled over exactly the non-zero nodes found above it. Returns a
 // DecodeStatus and the keys with a count >= 1, in increasing order, bucketed by sketch group.
@@ -393,7 +434,9 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       return size == start || nodes[size - 1] < num_nodes;  // else a digit past the last node
     }
   };
+  MultilevelScratch& scratch = multilevel_scratch();
   std::vector<NodeSink> sinks(nt, NodeSink{{}, {}, 0, num_nodes, 0, L.index.per_word, (uint32_t)n});
+  swap_part_vectors(sinks, scratch);
   for (NodeSink& k : sinks) {
     const uint64_t expect = std::min<uint64_t>(num_nodes, in.total_keys) / nt + 64;
     k.nodes.resize(expect);
@@ -404,8 +447,10 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
   for (const NodeSink& k : sinks) coarse_sum += k.sum;
   // Every rank's non-zero nodes are at most its non-zero keys.
   if (!valid || coarse_sum > in.total_keys) return kDecodeIndexCorrupt;
-  std::vector<uint32_t> nodes, counts, pattern, slot;
+  std::vector<uint32_t>&nodes = scratch.nodes, &counts = scratch.counts, &pattern = scratch.pattern,
+                        &slot = scratch.slot;
   concat_parts(sinks, nt, &nodes, &counts);
+  swap_part_vectors(sinks, scratch);
   std::vector<NodeSink>().swap(sinks);
   prof.mark("ml coarse");
 
@@ -421,6 +466,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       // Room for a part's share of the nodes, and an eighth more (most nodes have one non-zero child
       // at low density): the sinks seldom grow.
       std::vector<ChildSink> sinks(nt);
+      swap_part_vectors(sinks, scratch);
       for (ChildSink& sink : sinks) {
         sink.nodes.resize(nodes.size() / nt + nodes.size() / (8 * nt) + 64);
         sink.counts.resize(sink.nodes.size());
@@ -429,6 +475,7 @@ int32_t multilevel_support(const CodecLayout& L, const DecodeInputs& in, const f
       // Each rank's non-zero children at any level are at most its non-zero keys.
       if (!ok || total > in.total_keys) return kDecodeIndexCorrupt;
       concat_parts(sinks, nt, &nodes, &counts);
+      swap_part_vectors(sinks, scratch);
     } else {
       // The support keys, each part's bucketed by sketch group (a part of GroupedKeys per range).
       // Buckets have room for a part's share of a group's keys (at most total_keys of them, and the

@@ -8,7 +8,7 @@ import torch
 
 from lossless_hc.training.auto import AutoSpec
 from lossless_hc.training.checkpoint import aggregator_state_dict, load_aggregator_state_dict
-from lossless_hc.training.plan_tracker import PlanTracker, check_max_interval
+from lossless_hc.training.plan_tracker import PlanTracker, check_max_interval, restored_interval, widened_interval
 from lossless_hc.training.planner import Calibration, CostModel, dense_dominates
 from lossless_hc.training.step import run_in_process
 from lossless_hc.training.strategies import AutoAggregator
@@ -137,7 +137,7 @@ def test_the_tracker_widens_only_on_a_scheduled_observation():
     assert t.current_interval == 4
 
 
-@pytest.mark.parametrize("bad", [48, 8, 64.0, True, "32", 0, -16])
+@pytest.mark.parametrize("bad", [48, 8, 64.0, True, "32", 0, -16, 40, 20])
 def test_max_interval_must_be_the_interval_times_a_power_of_two(bad):
     for make in (lambda: check_max_interval(bad, 16), lambda: AutoSpec(max_interval=bad),
                  lambda: PlanTracker(640, 10, 2, interval=16, max_interval=bad),
@@ -146,6 +146,33 @@ def test_max_interval_must_be_the_interval_times_a_power_of_two(bad):
             make()
     assert [check_max_interval(m, 16) for m in (None, 16, 32, 256, 1024)] == [256, 16, 32, 256, 1024]
     assert check_max_interval(None, 3) == 48 and check_max_interval(12, 3) == 12
+
+
+def test_a_bool_is_no_interval_even_of_an_interval_of_one():
+    """``True == 1`` is ``1 x`` an interval of 1: refused as a ``max_interval`` (as it is for any other interval)
+    and not restored as a saved current interval, where 1 and 2 are."""
+    with pytest.raises(ValueError, match="max_interval must be interval"):
+        check_max_interval(True, 1)
+    assert check_max_interval(2, 1) == 2
+    assert [restored_interval(s, 1, 16) for s in (True, 1, 2)] == [1, 1, 2]
+    assert type(restored_interval(True, 1, 16)) is int
+
+
+def test_widened_interval_doubles_only_a_scheduled_look_from_the_interval_on():
+    """widened_interval's contract (its callers pass only scheduled looks, so they alone cannot tell): a look at
+    a step count that is a multiple of ``current``, of ``interval`` or more, doubles it up to ``max_interval``;
+    any other look, a multiple of ``interval`` but not of ``current`` included, keeps ``current`` (not
+    ``interval``). PlanTracker.reschedule after an observation off its schedule keeps it so too."""
+    assert [widened_interval(4, 4, 32, s) for s in (0, 1, 4, 8)] == [4, 4, 8, 8]
+    assert [widened_interval(8, 4, 32, s) for s in (0, 4, 12, 16, 32)] == [8, 8, 8, 16, 16]
+    assert widened_interval(32, 4, 32, 64) == 32
+    t = PlanTracker(640, 10, 2, interval=4, max_interval=32)
+    t.observe([64, 64], 64, step=4)
+    t.reschedule(True)
+    assert t.current_interval == 8
+    assert not t.observe([64, 64], 64, step=12)   # not due: off the schedule of 8
+    t.reschedule(True)
+    assert t.current_interval == 8
 
 
 def test_the_widened_interval_survives_a_checkpoint():
@@ -169,6 +196,25 @@ def test_the_widened_interval_survives_a_checkpoint():
     assert fresh.tracker.current_interval == 4
 
 
+def test_a_forced_plan_on_a_scheduled_step_does_not_widen():
+    """A plan a failure forced (``tracker.force``, set here as a failed decode sets it) that falls on a scheduled
+    step (8, the interval being 8) and keeps the tensor dense, dominated, keeps the interval: only an unforced
+    scheduled plan doubles it (the aggregator passes ``forced`` on to PlanTracker.reschedule)."""
+    g = torch.Generator().manual_seed(7)
+    aggs = pair()
+    assert statistics_steps(aggs, lambda: dense(g), 7) == [1, 4]
+    assert [a.tracker.current_interval for a in aggs] == [8, 8]
+    for a in aggs:
+        a.tracker.force = True
+    assert statistics_steps(aggs, lambda: dense(g), 1) == [8]
+    for a in aggs:
+        assert a.strategy == "dense" and dense_dominates(a.plan_input, a.allowed) and not a.tracker.force
+        assert a.tracker.current_interval == 8 and a.plan_stats()["interval"] == 8
+    # the next scheduled plan, unforced, doubles it
+    assert statistics_steps(aggs, lambda: dense(g), 8) == [16]
+    assert [a.tracker.current_interval for a in aggs] == [16, 16]
+
+
 def test_a_re_plan_off_dense_returns_to_the_interval():
     """A re-plan on the same statistics (``replan``: the bucket's batching changed) that leaves dense, here under
     a calibration whose allgather bytes cost a hundredth of the allreduce's: re-planned every interval again."""
@@ -184,10 +230,11 @@ def test_a_re_plan_off_dense_returns_to_the_interval():
         assert a.strategy != "dense" and a.tracker.current_interval == 4
 
 
-@pytest.mark.parametrize("saved, restored", [(32, 32), (16, 16), (64, 4), (24, 4), (2, 4), (None, 4)])
+@pytest.mark.parametrize("saved, restored", [(32, 32), (16, 16), (64, 4), (24, 4), (2, 4), (None, 4), (10, 4)])
 def test_a_saved_interval_this_schedule_cannot_have_restarts_from_the_interval(saved, restored):
-    """Restored into an aggregator of interval 4 and max_interval 32: a saved 64 (a larger max_interval), 24 or 2
-    (another interval) is not one of its schedule's, so it starts again from 4."""
+    """Restored into an aggregator of interval 4 and max_interval 32: a saved 64 (a larger max_interval), 24, 2
+    or 10 (another interval; 10 // 4 is a power of two, but 10 is no multiple of 4) is not one of its schedule's,
+    so it starts again from 4."""
     agg = pair()[0]
     state = aggregator_state_dict(agg)
     state["tracker"]["current_interval"] = saved

@@ -46,7 +46,7 @@ MESHES = {
                    "config_mismatch", "auto_rows", "auto_rows_mixed", "auto_rows_lossy", "auto_rows_lossy_exact",
                    "auto_rows_guard_dense", "auto_rows_guard_plan", "auto_rows_guard_lossy", "non_finite_auto",
                    "bfloat16", "float16", "mixed", "mixed_bf16", "accumulation", "frozen", "non_finite",
-                   "non_finite_topk"]),
+                   "non_finite_topk", "check_verdict"]),
     # one rank per shard group (HSDP over 2 nodes of 1 GPU): FSDP2 would divide twice there, the hook divides
     "2x1": (2, 1, ["lossless", "fallback", "topk", "thc", "auto", "resume", "bfloat16", "float16", "mixed",
                    "accumulation", "frozen", "auto_guard_lossy_dense", "auto_guard_dense_plans",
@@ -474,6 +474,17 @@ def test_auto_reduce_scatter_sends_rows_exactly(launch, mesh, name):
                 assert native[0][1] == ("torch.bfloat16" if name.endswith("mixed") else "torch.float32"), e
             if mesh == "1x2":
                 assert e["payload_bytes"] == sum(nbytes for _, _, nbytes in e["calls"]), e
+
+
+@pytest.mark.parametrize("mesh,name", cases("check_verdict"))
+def test_the_sparse_reduce_scatter_s_check_is_the_group_s_verdict(launch, mesh, name):
+    """The sparse reduce-scatter's check asks whether any rank of the group sent rows of the module (one MAX
+    all-reduce): with rank 0's gradient dense and rank 1's one row of the weight, every check finds rows on
+    both ranks, so every call runs the exchange and the check interval stays at the state's (16), never
+    widened, and every output is the chunks' sum."""
+    for r in results(launch, mesh, name):
+        assert all(r["exchanged"]) and all(r["sums"]), r
+        assert r["interval"] == 16 and not r["all_whole"], r
 
 
 @pytest.mark.parametrize("mesh,name", cases("topk_policy_rs"))

@@ -221,3 +221,63 @@ def test_sparse_reduce_scatter_widens_its_check_of_a_dense_module(world_of_one):
             assert restored.interval == (64 if interval == 64 and max_interval is None else 16), interval
         restored.load_state_dict({"calls": 0, "all_whole": False})   # saved before its first call
         assert restored.interval is None
+
+
+def _row_exchange(state_kind="auto", **options):
+    """A Linear(64, 64) module sharded on a 1-D mesh of this one rank, its state (AutoFSDPState or, "topk",
+    TopKFSDPState) and a reduce-scatter comm of the state's kind for it, driven directly."""
+    from lossless_hc.plugins.fsdp import AutoFSDPState
+    from lossless_hc.training.calibration import Calibration
+    mesh = init_device_mesh("cpu", (1,))
+    if state_kind == "topk":
+        state, comm_class = TopKFSDPState(mesh, **options), SelectionRowExchangeReduceScatter
+    else:
+        state, comm_class = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0, **options), \
+            RowExchangeReduceScatter
+    model = torch.nn.Linear(64, 64)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(2, 64))   # FSDP2's lazy init names the parameters
+    return state, model, comm_class(state, model)
+
+
+@pytest.mark.parametrize("grad", ["zero", "sparse_weight_dense_bias"])
+def test_a_module_any_chunk_of_which_goes_as_rows_keeps_the_exchange(world_of_one, grad):
+    """The sparse reduce-scatter's check asks whether any chunk of the module went as rows, zero rows included:
+    an all-zero gradient (every chunk sent as 0 rows, only the counts cross) and a module whose weight goes as
+    rows while its dense bias goes whole are not all-dense, so every call runs the exchange and the check
+    interval stays at the state's interval (16), never widened."""
+    state, _, comm = _row_exchange()
+    g = torch.zeros(64 * 64 + 64)
+    if grad == "sparse_weight_dense_bias":
+        g[64:128] = 1.0           # one row of the weight
+        g[64 * 64:] = torch.randn(64)   # the whole bias
+    out = torch.empty_like(g)
+    ran = []
+    for _ in range(40):
+        before = state._stats.payload_bytes
+        comm(out, g, dist.group.WORLD)
+        assert torch.equal(out, g)
+        ran.append(state._stats.payload_bytes - before != g.numel() * 4)   # FSDP2's own: the buffer, no counts
+    assert all(ran) and comm.interval == 16 and not comm.all_whole
+    assert comm.state_dict() == {"calls": 40, "all_whole": False, "interval": 16}
+
+
+def test_top_k_s_reduce_scatter_never_checks_and_restores_without_an_interval(world_of_one):
+    """TopKFSDPState's reduce-scatter (SelectionRowExchangeReduceScatter) sends its selections on every call,
+    chunks that go whole (ratio 0.5: k pairs would not be fewer bytes) included, since FSDP2's own would skip
+    top-k: it never checks, so it keeps no check interval (None), counts its calls, and restores its cadence
+    (calls > 0) without one, its state having no re-plan interval to restore from."""
+    state, _, comm = _row_exchange("topk", ratio=0.5)
+    g = torch.randn(64 * 64 + 64)
+    out = torch.empty_like(g)
+    for _ in range(3):
+        before = state._stats.payload_bytes
+        comm(out, g, dist.group.WORLD)
+        assert state._stats.payload_bytes > before
+    saved = comm.state_dict()
+    assert saved == {"calls": 3, "all_whole": False, "interval": None}
+    restored = SelectionRowExchangeReduceScatter(state, comm.module)
+    restored.load_state_dict(saved)
+    assert restored.state_dict() == saved
+    restored.load_state_dict({"calls": 5, "all_whole": False, "interval": 32})   # no interval kept
+    assert restored.state_dict() == {"calls": 5, "all_whole": False, "interval": None}

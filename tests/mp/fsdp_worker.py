@@ -429,6 +429,38 @@ def with_guard(r, state):
     return r
 
 
+def check_verdict(mesh, calls=40):
+    """RowExchangeReduceScatter of one Linear(64, 64) module driven directly on the 1-D mesh: rank 0's gradient
+    dense, rank 1's one row of the weight and nothing else. Per call, whether it ran the exchange (its
+    all-to-alls) or FSDP2's own reduce-scatter, and whether the output was the chunks' sum; the check interval
+    at the end."""
+    from lossless_hc.plugins._fsdp_reduce_scatter import RowExchangeReduceScatter
+    state = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0)
+    model = torch.nn.Linear(64, 64)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(2, 64))   # FSDP2's lazy init names the parameters
+    comm = RowExchangeReduceScatter(state, model)
+    group = mesh.get_group()
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    numel = 64 * 64 + 64   # the two parameters' padded shards, n chunks of them
+    mine = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    if me == 1:
+        mine = torch.zeros(numel)
+        mine[64:128] = 1.0   # one row of the weight
+    every = [torch.empty(numel) for _ in range(n)]
+    dist.all_gather(every, mine, group=group)
+    expected = sum(every).view(n, -1)[me]
+    exchanged, sums = [], []
+    with CountedCollectives("all_to_all_single") as counted:
+        for _ in range(calls):
+            before = len(counted.calls)
+            out = torch.empty(numel // n)
+            comm(out, mine.clone(), group)
+            exchanged.append(any(c[0] == "all_to_all_single" for c in counted.calls[before:]))
+            sums.append(bool(torch.equal(out, expected)))
+    return {"exchanged": exchanged, "sums": sums, "interval": comm.interval, "all_whole": comm.all_whole}
+
+
 def scenario(name, mesh):
     rs = mesh.ndim == 1 or name.endswith("_rs")   # the 1-D mesh has only the reduce-scatter to compress
     base = name[:-3] if name.endswith("_rs") else name
@@ -528,6 +560,8 @@ def scenario(name, mesh):
         # sparse reduce-scatter's check cadence)
         return resume(mesh, lambda: AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8)), rs,
                       hidden=16)
+    if base == "check_verdict":
+        return check_verdict(mesh)
     if base == "auto_rows":   # the planner's exact sparse reduce-scatter (with the replica plans on 2x2)
         state = AutoFSDPState(mesh, interval=2, calibration=Calibration.default(1e8))
         return compare(mesh, state, True, count_exchange=True)

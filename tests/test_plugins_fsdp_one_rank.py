@@ -174,6 +174,32 @@ def test_slots_refuse_a_module_without_a_parameter_group(world_of_one):
         Slots(model)
 
 
+def _row_exchange(state_kind="auto", **options):
+    """A Linear(64, 64) module sharded on a 1-D mesh of this one rank, its state (AutoFSDPState or, "topk",
+    TopKFSDPState) and a reduce-scatter comm of the state's kind for it, driven directly."""
+    from lossless_hc.plugins.fsdp import AutoFSDPState
+    from lossless_hc.training.calibration import Calibration
+    mesh = init_device_mesh("cpu", (1,))
+    if state_kind == "topk":
+        state, comm_class = TopKFSDPState(mesh, **options), SelectionRowExchangeReduceScatter
+    else:
+        state, comm_class = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0, **options), \
+            RowExchangeReduceScatter
+    model = torch.nn.Linear(64, 64)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(2, 64))   # FSDP2's lazy init names the parameters
+    return state, model, comm_class(state, model)
+
+
+def _exchanged(state, comm, out, grad) -> bool:
+    """One call of ``comm`` on this rank's ``grad`` (the sum over a group of one: ``grad`` itself, either way);
+    whether it ran the exchange, which FSDP2's own reduce-scatter (the buffer, no counts) does not."""
+    before = state._stats.payload_bytes
+    comm(out, grad, dist.group.WORLD)
+    assert torch.equal(out, grad)
+    return state._stats.payload_bytes - before != grad.numel() * 4
+
+
 def test_sparse_reduce_scatter_widens_its_check_of_a_dense_module(world_of_one):
     """AutoFSDPState's sparse reduce-scatter runs the exchange on a module whose every chunk goes whole only
     at its checks, whose interval widens as the planner's does for a tensor no calibration moves off dense:
@@ -182,23 +208,13 @@ def test_sparse_reduce_scatter_widens_its_check_of_a_dense_module(world_of_one):
     then on, the module being sparse, every call runs the exchange. ``max_interval=16`` keeps one check in
     16. The cadence, interval included, round-trips through state_dict (one rank, a Gloo group of one, the
     comm driven directly; the launched 1x2 and 2x2 meshes: tests/test_plugins_fsdp.py)."""
-    from lossless_hc.plugins.fsdp import AutoFSDPState
-    from lossless_hc.training.calibration import Calibration
-    mesh = init_device_mesh("cpu", (1,))
     for max_interval, want_checks in ((None, [0, 16, 32, 64, 128, 256, 512, 768]), (16, list(range(0, 800, 16)))):
-        state = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0, max_interval=max_interval)
-        model = torch.nn.Linear(64, 64)
-        fully_shard(model, mesh=mesh)
-        model(torch.randn(2, 64))   # FSDP2's lazy init names the parameters
-        comm = RowExchangeReduceScatter(state, model)
+        state, model, comm = _row_exchange(max_interval=max_interval)
         dense = torch.randn(64 * 64 + 64)
         out = torch.empty_like(dense)
 
-        def exchanged(grad):   # whether this call ran the exchange: FSDP2's own sends the buffer and no counts
-            before = state._stats.payload_bytes
-            comm(out, grad, dist.group.WORLD)
-            assert torch.equal(out, grad)   # one rank: the sum is its own buffer, either way
-            return state._stats.payload_bytes - before != grad.numel() * 4
+        def exchanged(grad):
+            return _exchanged(state, comm, out, grad)
 
         assert [c for c in range(800) if exchanged(dense)] == want_checks
         assert comm.interval == (256 if max_interval is None else 16) and comm.all_whole
@@ -223,23 +239,6 @@ def test_sparse_reduce_scatter_widens_its_check_of_a_dense_module(world_of_one):
         assert restored.interval is None
 
 
-def _row_exchange(state_kind="auto", **options):
-    """A Linear(64, 64) module sharded on a 1-D mesh of this one rank, its state (AutoFSDPState or, "topk",
-    TopKFSDPState) and a reduce-scatter comm of the state's kind for it, driven directly."""
-    from lossless_hc.plugins.fsdp import AutoFSDPState
-    from lossless_hc.training.calibration import Calibration
-    mesh = init_device_mesh("cpu", (1,))
-    if state_kind == "topk":
-        state, comm_class = TopKFSDPState(mesh, **options), SelectionRowExchangeReduceScatter
-    else:
-        state, comm_class = AutoFSDPState(mesh, calibration=Calibration.default(1e8), guard_steps=0, **options), \
-            RowExchangeReduceScatter
-    model = torch.nn.Linear(64, 64)
-    fully_shard(model, mesh=mesh)
-    model(torch.randn(2, 64))   # FSDP2's lazy init names the parameters
-    return state, model, comm_class(state, model)
-
-
 @pytest.mark.parametrize("grad", ["zero", "sparse_weight_dense_bias"])
 def test_a_module_any_chunk_of_which_goes_as_rows_keeps_the_exchange(world_of_one, grad):
     """The sparse reduce-scatter's check asks whether any chunk of the module went as rows, zero rows included:
@@ -252,13 +251,8 @@ def test_a_module_any_chunk_of_which_goes_as_rows_keeps_the_exchange(world_of_on
         g[64:128] = 1.0           # one row of the weight
         g[64 * 64:] = torch.randn(64)   # the whole bias
     out = torch.empty_like(g)
-    ran = []
-    for _ in range(40):
-        before = state._stats.payload_bytes
-        comm(out, g, dist.group.WORLD)
-        assert torch.equal(out, g)
-        ran.append(state._stats.payload_bytes - before != g.numel() * 4)   # FSDP2's own: the buffer, no counts
-    assert all(ran) and comm.interval == 16 and not comm.all_whole
+    assert all(_exchanged(state, comm, out, g) for _ in range(40))
+    assert comm.interval == 16 and not comm.all_whole
     assert comm.state_dict() == {"calls": 40, "all_whole": False, "interval": 16}
 
 

@@ -167,9 +167,8 @@ def release_decoder_memory() -> None:
     """Free the working memory the LHC CPU decoder keeps between decodes (its support buckets, key
     values, the multilevel index's levels, its peeling tables and lists, sized for the largest tensor or
     sketch group decoded: at 2^26 coordinates, 1% dense on 8 ranks, ~45 MB on the calling thread and
-    ~9 MB per peeling thread). It
-    frees what the calling thread kept and what its OpenMP pool's threads kept; another Python thread's
-    decodes keep theirs until that thread calls it. The next decode allocates afresh, with the same bits.
+    ~9 MB per peeling thread). It frees what the calling thread kept and what its OpenMP pool's threads
+    kept; another Python thread's decodes keep theirs until that thread calls it. The next decode allocates afresh, with the same bits.
     For a process done with large decodes; a training loop that decodes every step gains nothing."""
     _require_module()
     _C.release_decoder_memory()
